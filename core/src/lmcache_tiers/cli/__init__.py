@@ -1,0 +1,1 @@
+"""The ``lmcache-tiers`` command line (typer + rich)."""

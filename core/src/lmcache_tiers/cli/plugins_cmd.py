@@ -1,0 +1,86 @@
+"""``lmcache-tiers plugins``: what is installed and how each component is configured."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.table import Table
+
+from lmcache_tiers.cli.output import fail, stdout
+from lmcache_tiers.config_docs import component_fields, render_config_reference
+from lmcache_tiers.plugins import load_plugins
+from lmcache_tiers.registry import Component
+
+app = typer.Typer(help="List installed plugins and show their components' configuration.", no_args_is_help=True)
+
+
+@app.command("list")
+def list_plugins(
+    as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON instead of a table."),
+) -> None:
+    """List every plugin found through the `lmcache_tiers` entry points."""
+    plugin_set = load_plugins()
+    if as_json:
+        rows = [
+            {
+                "plugin": p.name,
+                "distribution": p.distribution,
+                "version": p.version,
+                "module": p.module,
+                "components": p.components,
+                "status": p.status,
+            }
+            for p in plugin_set.plugins
+        ]
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(title="lmcache-tiers plugins", title_justify="left")
+    table.add_column("plugin", style="bold")
+    table.add_column("version")
+    table.add_column("components")
+    table.add_column("status")
+    for p in plugin_set.plugins:
+        status = "[green]ok[/]" if p.status == "ok" else f"[red]{p.status}[/]"
+        table.add_row(p.name, p.version, "\n".join(p.components) or "-", status)
+    stdout.print(table)
+
+
+def _matching_components(name: str) -> list[Component]:
+    plugin_set = load_plugins()
+    wanted = name.lower()
+    by_plugin = [p for p in plugin_set.plugins if wanted in (p.name.lower(), p.distribution.lower())]
+    components = list(plugin_set.registry.components())
+    if by_plugin:
+        dists = {p.distribution for p in by_plugin}
+        return [c for c in components if c.plugin in dists]
+    return [c for c in components if wanted in (c.name.lower(), c.qualified_name.lower())]
+
+
+@app.command("show")
+def show(name: str = typer.Argument(..., help="A plugin name, or a component as NAME or KIND:NAME.")) -> None:
+    """Show each component's config fields with types, defaults, constraints and docs."""
+    plugin_set = load_plugins()
+    broken = [p for p in plugin_set.plugins if name.lower() in (p.name.lower(), p.distribution.lower()) and p.error]
+    if broken:
+        fail(f"plugin {broken[0].name!r} did not load: {broken[0].error}", 1)
+    components = _matching_components(name)
+    if not components:
+        known = ", ".join(p.name for p in plugin_set.plugins) or "none"
+        fail(f"no plugin or component named {name!r}; installed plugins: {known}", 1)
+    for component in components:
+        table = Table(title=f"{component.qualified_name}  (plugin {component.plugin})", title_justify="left")
+        for column in ("field", "type", "default", "constraints", "doc"):
+            table.add_column(column)
+        for field in component_fields(component.config):
+            table.add_row(field.name, field.type, field.default, field.constraints, field.doc)
+        stdout.print(table)
+        if component.doc:
+            stdout.print(component.doc, markup=False)
+        stdout.print()
+
+
+@app.command("reference")
+def reference() -> None:
+    """Print the configuration reference (Markdown) generated from the config schemas."""
+    typer.echo(render_config_reference(load_plugins()), nl=False)

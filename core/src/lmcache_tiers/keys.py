@@ -1,0 +1,116 @@
+"""Object keys and the token-chunk hasher.
+
+Keys are derived the same way as LMCache's default (blake3, tokens as big-endian uint32,
+the first chunk chained onto blake3 of 12 zero bytes), so every front end -- and LMCache
+itself -- derives identical keys from identical tokens, in any process, after restarts.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Sequence
+
+import blake3
+import msgspec
+
+from lmcache_tiers.errors import KeyValidationError
+
+#: blake3 of int64_be(0) || uint32_be(0): the hash the first chunk is chained onto.
+NONE_HASH: bytes = blake3.blake3(bytes(12)).digest()
+
+MAX_MODEL_NAME_LEN = 256
+MAX_CACHE_SALT_LEN = 128
+MAX_CHUNK_HASH_LEN = 64
+_UNSAFE = re.compile(r"[/\\@\x00]")
+
+
+def kv_rank_of(world_size: int, worker_id: int) -> int:
+    """LMCache's kv_rank packing: ``ws<<24 | wid<<16 | ws<<8 | wid``."""
+    if not (0 < world_size < 256 and 0 <= worker_id < world_size):
+        raise KeyValidationError(f"bad world_size/worker_id: {world_size}/{worker_id}")
+    return world_size << 24 | worker_id << 16 | world_size << 8 | worker_id
+
+
+def _check_name(field: str, value: str, limit: int, *, allow_empty: bool) -> None:
+    if not isinstance(value, str):
+        raise KeyValidationError(f"{field} must be a string, got {type(value).__name__}")
+    if not value and not allow_empty:
+        raise KeyValidationError(f"{field} must not be empty")
+    if len(value) > limit:
+        raise KeyValidationError(f"{field} is {len(value)} characters long; at most {limit}")
+    if _UNSAFE.search(value) or value in (".", ".."):
+        raise KeyValidationError(f"{field} {value!r} contains '/', '\\', '@' or NUL, or is a dot name")
+
+
+class ObjectKey(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Identity of one cached chunk object; immutable, hashable, validated on creation."""
+
+    model_name: str
+    kv_rank: int
+    chunk_hash: bytes
+    object_group: int = 0
+    cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        _check_name("model_name", self.model_name, MAX_MODEL_NAME_LEN, allow_empty=False)
+        _check_name("cache_salt", self.cache_salt, MAX_CACHE_SALT_LEN, allow_empty=True)
+        if not isinstance(self.chunk_hash, bytes) or not 0 < len(self.chunk_hash) <= MAX_CHUNK_HASH_LEN:
+            raise KeyValidationError(f"chunk_hash must be 1..{MAX_CHUNK_HASH_LEN} bytes")
+        if not 0 <= self.kv_rank < 1 << 32:
+            raise KeyValidationError(f"kv_rank {self.kv_rank} is outside 0..2**32-1")
+        if not 0 <= self.object_group < 1 << 16:
+            raise KeyValidationError(f"object_group {self.object_group} is outside 0..65535")
+
+    def file_stem(self) -> str:
+        """Safe, unique name for files and objects: ``model@0xRANK@group@hash[@salt]``."""
+        stem = f"{self.model_name}@0x{self.kv_rank:08x}@{self.object_group}@{self.chunk_hash.hex()}"
+        return f"{stem}@{self.cache_salt}" if self.cache_salt else stem
+
+    def to_bytes(self) -> bytes:
+        return _KEY_ENCODER.encode(self)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ObjectKey:
+        try:
+            return _KEY_DECODER.decode(data)
+        except msgspec.ValidationError as exc:
+            raise KeyValidationError(f"invalid encoded key: {exc}") from exc
+
+
+_KEY_ENCODER = msgspec.msgpack.Encoder()
+_KEY_DECODER = msgspec.msgpack.Decoder(ObjectKey)
+
+
+def chunk_hashes(tokens: Sequence[int], chunk_size: int, prefix_hash: bytes = NONE_HASH) -> list[bytes]:
+    """Rolling blake3 hash of every *full* chunk of ``tokens``; a partial tail is dropped."""
+    if chunk_size <= 0:
+        raise ValueError("chunk_size must be positive")
+    full = len(tokens) // chunk_size
+    hashes: list[bytes] = []
+    previous = prefix_hash
+    pack = struct.Struct(f">{chunk_size}I").pack
+    try:
+        for index in range(full):
+            chunk = tokens[index * chunk_size : (index + 1) * chunk_size]
+            previous = blake3.blake3(previous + pack(*chunk)).digest()
+            hashes.append(previous)
+    except struct.error as exc:
+        raise KeyValidationError(f"token ids must fit in uint32: {exc}") from exc
+    return hashes
+
+
+def prefix_keys(
+    tokens: Sequence[int],
+    chunk_size: int,
+    *,
+    model_name: str,
+    kv_rank: int = 0,
+    object_group: int = 0,
+    cache_salt: str = "",
+) -> list[ObjectKey]:
+    """ObjectKeys of every full chunk of ``tokens``, in prefix order."""
+    return [
+        ObjectKey(model_name, kv_rank, digest, object_group, cache_salt)
+        for digest in chunk_hashes(tokens, chunk_size)
+    ]

@@ -1,0 +1,209 @@
+"""Plugin discovery: entry points -> pluggy PluginManager -> component registry.
+
+Entry points in group ``lmcache_tiers`` are scanned once per process with stevedore
+(which caches the scan and reports load failures per plugin).  Each loaded module is
+registered with pluggy, which validates its hook implementations against the specs.
+Registration hooks are then called plugin by plugin, so a plugin that raises, or that
+registers a name another plugin already owns, is reported as an error of its own and
+never stops the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import pluggy
+
+from lmcache_tiers import hookspecs
+from lmcache_tiers.errors import PluginError
+from lmcache_tiers.registry import ComponentRegistry, Kind
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "lmcache_tiers"
+DISABLE_ENV = "LMCACHE_TIERS_DISABLE_PLUGINS"
+
+#: registration hook -> the component kind it adds
+REGISTRATION_HOOKS: dict[str, Kind] = {
+    "tiers_register_l2_adapters": Kind.L2_ADAPTER,
+    "tiers_register_store_policies": Kind.STORE_POLICY,
+    "tiers_register_prefetch_policies": Kind.PREFETCH_POLICY,
+    "tiers_register_eviction_policies": Kind.EVICTION_POLICY,
+    "tiers_register_serdes": Kind.SERDE,
+    "tiers_register_frontends": Kind.FRONTEND,
+}
+
+
+@dataclass
+class PluginInfo:
+    """What ``plugins list`` shows for one entry point."""
+
+    name: str
+    distribution: str
+    version: str
+    module: str
+    error: str | None = None
+    disabled: bool = False
+    components: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        if self.disabled:
+            return f"disabled by {DISABLE_ENV}"
+        return f"error: {self.error}" if self.error else "ok"
+
+
+@dataclass
+class PluginSet:
+    """Result of discovery: the pluggy manager, the registry and a report per plugin."""
+
+    manager: pluggy.PluginManager
+    registry: ComponentRegistry
+    plugins: list[PluginInfo]
+
+    @property
+    def errors(self) -> list[PluginInfo]:
+        return [p for p in self.plugins if p.error]
+
+
+def disabled_names() -> set[str]:
+    raw = os.environ.get(DISABLE_ENV, "")
+    return {part.strip().lower() for part in raw.split(",") if part.strip()}
+
+
+def new_manager() -> pluggy.PluginManager:
+    manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    manager.add_hookspecs(hookspecs)
+    return manager
+
+
+def _entry_point_infos() -> list[tuple[Any, PluginInfo]]:
+    """Scan the entry-point group (cheap: nothing is imported here)."""
+    from importlib.metadata import entry_points
+
+    found = []
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        dist = getattr(ep, "dist", None)
+        info = PluginInfo(
+            name=ep.name,
+            distribution=dist.metadata["Name"] if dist is not None else "?",
+            version=dist.version if dist is not None else "?",
+            module=ep.value,
+        )
+        found.append((ep, info))
+    return found
+
+
+def _load_modules(infos: dict[str, PluginInfo]) -> dict[str, ModuleType]:
+    """Import the enabled plugin modules with stevedore, recording failures per plugin."""
+    from stevedore import NamedExtensionManager
+
+    def on_failure(_manager: Any, entry_point: Any, exc: BaseException) -> None:
+        info = infos.get(entry_point.name)
+        if info is not None:
+            info.error = f"{type(exc).__name__}: {exc}"
+        log.debug("plugin %s failed to load: %s", entry_point.name, exc)
+
+    # Named loading imports only the enabled entry points: a disabled plugin that would
+    # crash on import is never imported at all.
+    extensions = NamedExtensionManager(
+        namespace=ENTRY_POINT_GROUP,
+        names=[name for name, info in infos.items() if not info.disabled],
+        invoke_on_load=False,
+        on_load_failure_callback=on_failure,
+    )
+    return {ext.name: ext.plugin for ext in extensions.extensions}
+
+
+def _drop_plugins_with_unknown_hooks(manager: pluggy.PluginManager, ordered: list[PluginInfo]) -> None:
+    """Unregister each plugin implementing a hook that has no spec (e.g. a typo)."""
+    for _ in range(len(ordered) + 1):
+        try:
+            manager.check_pending()
+            return
+        except pluggy.PluginValidationError as exc:
+            offender = getattr(exc, "plugin", None)
+            culprit = next((i for i in ordered if manager.get_plugin(i.name) is offender), None)
+            if culprit is None:
+                raise PluginError(f"invalid plugin hooks: {exc}") from exc
+            culprit.error = f"invalid hooks: {exc}"
+            manager.unregister(name=culprit.name)
+
+
+def _run_registration(manager: pluggy.PluginManager, registry: ComponentRegistry, info: PluginInfo) -> None:
+    """Call one plugin's registration hooks; on failure undo what it registered."""
+    plugin = manager.get_plugin(info.name)
+    try:
+        for hook_name, kind in REGISTRATION_HOOKS.items():
+            function = getattr(plugin, hook_name, None)
+            if function is None:
+                continue
+            function(registry=registry.for_plugin(kind, info.distribution))
+    except Exception as exc:  # a plugin bug must not take the others down
+        registry.remove_plugin(info.distribution)
+        info.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, PluginError) else str(exc)
+        manager.unregister(name=info.name)
+        return
+    info.components = [
+        c.qualified_name for c in registry.components() if c.plugin == info.distribution
+    ]
+
+
+def discover(extra_plugins: dict[str, ModuleType] | None = None) -> PluginSet:
+    """Build a fresh PluginSet from the installed entry points (plus ``extra_plugins``)."""
+    manager = new_manager()
+    registry = ComponentRegistry()
+    disabled = disabled_names()
+    pairs = _entry_point_infos()
+    infos = {info.name: info for _, info in pairs}
+    for info in infos.values():
+        info.disabled = info.name.lower() in disabled or info.distribution.lower() in disabled
+    modules = _load_modules(infos)
+    for name, module in (extra_plugins or {}).items():
+        infos[name] = PluginInfo(name, name, "", module.__name__)
+        modules[name] = module
+
+    ordered = [infos[name] for name in sorted(infos)]
+    for info in ordered:
+        module = modules.get(info.name)
+        if module is None or info.disabled or info.error:
+            continue
+        try:
+            manager.register(module, name=info.name)
+        except (pluggy.PluginValidationError, ValueError) as exc:
+            info.error = f"invalid hooks: {exc}"
+            continue
+    _drop_plugins_with_unknown_hooks(manager, ordered)
+    for info in ordered:
+        if manager.get_plugin(info.name) is not None and not info.error:
+            _run_registration(manager, registry, info)
+    return PluginSet(manager, registry, ordered)
+
+
+_cache: PluginSet | None = None
+_cache_lock = threading.Lock()
+
+
+def load_plugins() -> PluginSet:
+    """The process-wide PluginSet, discovered on first use."""
+    global _cache
+    with _cache_lock:
+        if _cache is None:
+            _cache = discover()
+        return _cache
+
+
+def load_registry() -> ComponentRegistry:
+    return load_plugins().registry
+
+
+def reset_cache() -> None:
+    """Forget the discovery result (tests that install plugins at run time)."""
+    global _cache
+    with _cache_lock:
+        _cache = None

@@ -1,0 +1,164 @@
+"""Component registry: (kind, name) -> factory, config Struct and documentation.
+
+Plugins add components through the registration hooks; core resolves names from the
+configuration here.  Factories may be ``"module:attr"`` strings so that listing plugins
+never imports an implementation (NIXL, torch, s3fs ...).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import msgspec
+
+from lmcache_tiers.errors import ComponentLoadError, ConfigError, PluginError
+
+
+class Kind(str, Enum):
+    """The kinds of component a plugin can provide."""
+
+    L2_ADAPTER = "l2_adapter"
+    STORE_POLICY = "store_policy"
+    PREFETCH_POLICY = "prefetch_policy"
+    EVICTION_POLICY = "eviction_policy"
+    SERDE = "serde"
+    FRONTEND = "frontend"
+
+
+class EmptyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Config of a component that takes no options."""
+
+
+@dataclass
+class Component:
+    """One registered component and where it came from."""
+
+    kind: Kind
+    name: str
+    factory: Callable[..., Any] | str
+    config: type[msgspec.Struct]
+    doc: str
+    plugin: str
+    install_hint: str = ""
+    _loaded: Callable[..., Any] | None = field(default=None, repr=False)
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.kind.value}:{self.name}"
+
+    def load(self) -> Callable[..., Any]:
+        """Import the factory on first use; a missing dependency becomes a clear error."""
+        if self._loaded is not None:
+            return self._loaded
+        if callable(self.factory):
+            self._loaded = self.factory
+            return self._loaded
+        module_name, _, attr = self.factory.partition(":")
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except ImportError as exc:
+            hint = f" ({self.install_hint})" if self.install_hint else ""
+            raise ComponentLoadError(
+                f"{self.qualified_name} from plugin {self.plugin!r} cannot be loaded: {exc}{hint}"
+            ) from exc
+        except AttributeError as exc:
+            raise ComponentLoadError(
+                f"{self.qualified_name} from plugin {self.plugin!r} points at "
+                f"{self.factory!r}, which does not exist: {exc}"
+            ) from exc
+        self._loaded = obj
+        return obj
+
+    def create(self, *args: Any) -> Any:
+        return self.load()(*args)
+
+
+class KindRegistry:
+    """The object a registration hook receives: adds components of one kind."""
+
+    def __init__(self, owner: ComponentRegistry, kind: Kind, plugin: str) -> None:
+        self._owner = owner
+        self.kind = kind
+        self.plugin = plugin
+
+    def add(
+        self,
+        name: str,
+        factory: Callable[..., Any] | str,
+        config: type[msgspec.Struct] = EmptyConfig,
+        doc: str = "",
+        *,
+        install_hint: str = "",
+    ) -> None:
+        """Register component ``name``; ``doc`` defaults to the config's docstring."""
+        if not name or not isinstance(name, str):
+            raise PluginError(f"plugin {self.plugin!r} registered a {self.kind.value} with no name")
+        if not (isinstance(config, type) and issubclass(config, msgspec.Struct)):
+            raise PluginError(
+                f"plugin {self.plugin!r}: config of {self.kind.value}:{name} must be a msgspec.Struct"
+            )
+        if isinstance(factory, str) and ":" not in factory:
+            raise PluginError(
+                f"plugin {self.plugin!r}: factory of {self.kind.value}:{name} must be "
+                f"a callable or 'module:attr', got {factory!r}"
+            )
+        text = doc or (config.__doc__ or "").strip()
+        self._owner._add(Component(self.kind, name, factory, config, text, self.plugin, install_hint))
+
+
+class ComponentRegistry:
+    """Every component contributed by the loaded plugins."""
+
+    def __init__(self) -> None:
+        self._by_kind: dict[Kind, dict[str, Component]] = {kind: {} for kind in Kind}
+
+    def for_plugin(self, kind: Kind, plugin: str) -> KindRegistry:
+        return KindRegistry(self, kind, plugin)
+
+    def _add(self, component: Component) -> None:
+        existing = self._by_kind[component.kind].get(component.name.lower())
+        if existing is not None:
+            raise PluginError(
+                f"{component.qualified_name} is registered by both plugin "
+                f"{existing.plugin!r} and plugin {component.plugin!r}; "
+                f"uninstall one or disable it with LMCACHE_TIERS_DISABLE_PLUGINS"
+            )
+        self._by_kind[component.kind][component.name.lower()] = component
+
+    def remove_plugin(self, plugin: str) -> None:
+        """Forget everything one plugin registered (used when its hooks fail midway)."""
+        for components in self._by_kind.values():
+            for key in [k for k, c in components.items() if c.plugin == plugin]:
+                del components[key]
+
+    def names(self, kind: Kind) -> list[str]:
+        return sorted(c.name for c in self._by_kind[kind].values())
+
+    def components(self, kind: Kind | None = None) -> Iterator[Component]:
+        kinds = [kind] if kind is not None else list(Kind)
+        for each in kinds:
+            yield from sorted(self._by_kind[each].values(), key=lambda c: c.name)
+
+    def get(self, kind: Kind, name: str) -> Component:
+        """Resolve a configured name (case-insensitive) or raise with suggestions."""
+        found = self._by_kind[kind].get(str(name).lower())
+        if found is not None:
+            return found
+        installed = self.names(kind)
+        close = difflib.get_close_matches(str(name), installed, n=1, cutoff=0.5)
+        if not close:
+            lowered = {n.lower(): n for n in installed}
+            match = difflib.get_close_matches(str(name).lower(), list(lowered), n=1, cutoff=0.5)
+            close = [lowered[m] for m in match]
+        suggestion = f"did you mean {close[0]!r}? " if close else ""
+        listing = ", ".join(installed) if installed else "none"
+        raise ConfigError(
+            f"unknown {kind.value.replace('_', ' ')} {name!r}: {suggestion}installed: {listing}"
+        )

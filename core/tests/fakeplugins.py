@@ -1,0 +1,59 @@
+"""In-process plugin modules for framework tests (installed plugins are tested via CLI)."""
+
+from __future__ import annotations
+
+import types
+from typing import Annotated
+
+import msgspec
+
+from lmcache_tiers.config import L2AdapterConfig
+from lmcache_tiers.hookspecs import hookimpl
+from lmcache_tiers.registry import KindRegistry
+
+
+class DemoAdapterConfig(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A demo adapter."""
+
+    size_gb: Annotated[float, msgspec.Meta(gt=0, description="Capacity.")] = 1.0
+    path: str = "/tmp/x"
+
+
+class DemoSerdeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A demo serde."""
+
+    level: Annotated[int, msgspec.Meta(ge=1, le=9)] = 3
+
+
+def make_module(name: str = "demo", adapter: str = "demo") -> types.ModuleType:
+    module = types.ModuleType(name)
+
+    @hookimpl
+    def tiers_register_l2_adapters(registry: KindRegistry) -> None:
+        registry.add(adapter, "json:dumps", DemoAdapterConfig)
+
+    @hookimpl
+    def tiers_register_store_policies(registry: KindRegistry) -> None:
+        registry.add("default", "json:dumps")
+
+    @hookimpl
+    def tiers_register_prefetch_policies(registry: KindRegistry) -> None:
+        registry.add("default", "json:dumps")
+
+    @hookimpl
+    def tiers_register_eviction_policies(registry: KindRegistry) -> None:
+        registry.add("LRU", "json:dumps")
+
+    @hookimpl
+    def tiers_register_serdes(registry: KindRegistry) -> None:
+        registry.add("zdemo", "json:dumps", DemoSerdeConfig)
+
+    for hook in (
+        tiers_register_l2_adapters,
+        tiers_register_store_policies,
+        tiers_register_prefetch_policies,
+        tiers_register_eviction_policies,
+        tiers_register_serdes,
+    ):
+        setattr(module, hook.__name__, hook)
+    return module

@@ -1,0 +1,91 @@
+import subprocess
+import sys
+
+import pytest
+
+from lmcache_tiers.errors import KeyValidationError
+from lmcache_tiers.keys import NONE_HASH, ObjectKey, chunk_hashes, kv_rank_of, prefix_keys
+
+TOKENS = (0,) + (9906,) * 1024
+
+
+def test_none_hash_is_blake3_of_twelve_zero_bytes() -> None:
+    assert NONE_HASH.hex() == "7e3eff9ef7613a50340eb12677ee03b83ac759fcba9bb32705f07248d56d473b"
+
+
+def test_chunk_hashes_match_lmcache_reference_vector() -> None:
+    hashes = chunk_hashes(TOKENS, 256)
+    assert [h.hex()[:8] for h in hashes] == ["d65391f7", "4d033f8a", "052ad337", "e3edc710"]
+
+
+def test_partial_tail_is_never_hashed() -> None:
+    assert len(chunk_hashes(TOKENS[:511], 256)) == 1
+    assert chunk_hashes(TOKENS[:255], 256) == []
+
+
+def test_hash_is_a_rolling_prefix_hash() -> None:
+    a = chunk_hashes([1] * 512, 256)
+    b = chunk_hashes([2] * 256 + [1] * 256, 256)
+    assert a[0] != b[0] and a[1] != b[1]
+
+
+def test_hashes_are_identical_in_another_process() -> None:
+    code = "from lmcache_tiers.keys import chunk_hashes; print(chunk_hashes(list(range(1024)), 256)[-1].hex())"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == chunk_hashes(list(range(1024)), 256)[-1].hex()
+
+
+def test_tokens_must_fit_uint32() -> None:
+    with pytest.raises(KeyValidationError):
+        chunk_hashes([1 << 32] * 4, 4)
+
+
+def test_kv_rank_packing() -> None:
+    assert kv_rank_of(1, 0) == 0x01000100
+    assert kv_rank_of(4, 3) == 0x04030403
+    with pytest.raises(KeyValidationError):
+        kv_rank_of(2, 2)
+
+
+def test_keys_are_hashable_and_round_trip() -> None:
+    key = prefix_keys(TOKENS, 256, model_name="m", kv_rank=kv_rank_of(1, 0), cache_salt="tenant")[0]
+    assert ObjectKey.from_bytes(key.to_bytes()) == key
+    assert len({key, ObjectKey.from_bytes(key.to_bytes())}) == 1
+    assert key.file_stem() == f"m@0x01000100@0@{key.chunk_hash.hex()}@tenant"
+
+
+def test_salt_changes_identity() -> None:
+    digest = chunk_hashes(TOKENS, 256)[0]
+    assert ObjectKey("m", 0, digest) != ObjectKey("m", 0, digest, cache_salt="a")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"model_name": "../etc"},
+        {"model_name": "a/b"},
+        {"model_name": "a@b"},
+        {"model_name": ""},
+        {"model_name": ".."},
+        {"model_name": "x" * 300},
+        {"cache_salt": "a\\b"},
+        {"cache_salt": "a\x00"},
+        {"cache_salt": "s" * 129},
+        {"chunk_hash": b""},
+        {"kv_rank": -1},
+        {"object_group": 1 << 16},
+    ],
+)
+def test_unsafe_fields_are_rejected(kwargs: dict[str, object]) -> None:
+    fields: dict[str, object] = {"model_name": "m", "kv_rank": 0, "chunk_hash": b"h"}
+    fields.update(kwargs)
+    with pytest.raises(KeyValidationError):
+        ObjectKey(**fields)  # type: ignore[arg-type]
+
+
+def test_decoding_validates_too() -> None:
+    import msgspec
+
+    bad = msgspec.msgpack.encode(["a/b", 0, b"h", 0, ""])
+    with pytest.raises(KeyValidationError):
+        ObjectKey.from_bytes(bad)
