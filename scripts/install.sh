@@ -11,6 +11,7 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip setuptools
 packages=(-e "core[test]")
 for dir in plugins/*/; do
+    [ -f "$dir/pyproject.toml" ] || continue
     case "$(basename "$dir")" in _*) continue ;; esac
     packages+=(-e "$dir")
 done
