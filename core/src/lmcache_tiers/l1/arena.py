@@ -1,0 +1,291 @@
+"""The L1 arena: one named POSIX shared-memory segment, mapped once for the server's lifetime.
+
+The segment lives in ``/dev/shm`` under a name local clients can open, so an engine on the
+same host copies KV bytes straight into and out of the arena (one copy each way, nothing
+through the socket). The file is created with ``O_EXCL`` and unlinked by its creator on
+``close()``, at garbage collection or at interpreter exit, whichever comes first; names carry
+the creator's pid so :func:`remove_stale_segments` can reap what a killed server left behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import re
+import secrets
+import weakref
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing import Self  # annotations only: Python 3.10 has no typing.Self
+
+from lmcache_tiers.errors import ConfigError, TiersError
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "lmcache_tiers_"
+_DEFAULT_NAME = re.compile(rf"^{SEGMENT_PREFIX}(\d+)_[0-9a-f]+$")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+# Not exported by the mmap module before Python 3.13; the value is fixed by the Linux ABI.
+# Populating page tables in one madvise call is the cheapest way to pre-fault (kernel >= 5.14).
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_PAGE = mmap.PAGESIZE
+
+
+def default_segment_name() -> str:
+    """``lmcache_tiers_<pid>_<random>``: unique per server, and traceable to its process."""
+    return f"{SEGMENT_PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
+
+
+def _segment_path(name: str) -> str:
+    if not _SAFE_NAME.match(name) or name in (".", ".."):
+        raise ConfigError(
+            f"shared-memory name {name!r} is not allowed: use 1-200 characters from [A-Za-z0-9._-]"
+        )
+    return os.path.join(SHM_DIR, name)
+
+
+def _prefault(segment: mmap.mmap, size: int) -> None:
+    """Touch every page once so the first client write does not pay for page faults.
+
+    First touch costs roughly a second per GB on small VMs; paying it at start-up keeps it
+    out of request latency. MADV_POPULATE_WRITE faults the whole range in-kernel; older
+    kernels fall back to writing one byte per page.
+    """
+    try:
+        segment.madvise(_MADV_POPULATE_WRITE)
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise
+    view = memoryview(segment)
+    try:
+        for offset in range(0, size, _PAGE):
+            view[offset] = 0
+    finally:
+        view.release()
+
+
+def _address_of(segment: mmap.mmap) -> int:
+    anchor = ctypes.c_char.from_buffer(segment)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor  # the ctypes object holds a buffer export that would block mmap.close()
+
+
+def _pin(segment: mmap.mmap, size: int) -> int | None:
+    """Page-lock the arena for GPU DMA via cudaHostRegister; the address, or None if unavailable.
+
+    torch is imported only here: importing it costs seconds and most deployments have no GPU.
+    """
+    try:
+        import torch
+    except ImportError:
+        logger.info("L1 pinning unavailable (torch is not installed); continuing unpinned")
+        return None
+    if not torch.cuda.is_available():
+        logger.info("L1 pinning unavailable (no CUDA device); continuing unpinned")
+        return None
+    address = _address_of(segment)
+    status = _cudart(torch).cudaHostRegister(address, size, 0)
+    if int(status) != 0:
+        logger.warning("cudaHostRegister of the L1 arena failed (%s); continuing unpinned", status)
+        return None
+    return address
+
+
+def _cudart(torch: Any) -> Any:
+    # torch's cudart binding is untyped; keep that to one place.
+    return torch.cuda.cudart()
+
+
+def _unpin(address: int) -> None:
+    import torch
+
+    status = _cudart(torch).cudaHostUnregister(address)
+    if int(status) != 0:
+        logger.warning("cudaHostUnregister of the L1 arena failed (%s)", status)
+
+
+def _release(segment: mmap.mmap, path: str | None, owner_pid: int, pinned_at: int | None) -> None:
+    """Finalizer: unpin, unmap and (for the creating process only) unlink the segment.
+
+    Must not reference the arena object, or the arena could never be collected. A forked
+    child inherits the finalizer; the pid check keeps it from unlinking its parent's segment.
+    """
+    if pinned_at is not None and os.getpid() == owner_pid:
+        try:
+            _unpin(pinned_at)
+        except Exception:  # unpinning is best effort during teardown
+            logger.exception("unpinning the L1 arena failed")
+    try:
+        segment.close()
+    except BufferError:
+        # Someone still holds a view into the arena; the mapping goes away with the last view.
+        logger.warning("L1 arena closed while memory views into it are still alive")
+    if path is not None and os.getpid() == owner_pid:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+class L1Arena:
+    """One named POSIX shared-memory segment holding every L1 object.
+
+    ``buffer`` is a writable memoryview over the whole arena. The creating process owns the
+    segment and unlinks it on :meth:`close`; processes that :meth:`attach` only unmap it.
+    """
+
+    name: str
+    size: int
+    buffer: memoryview
+    pinned: bool
+    owner: bool
+
+    def __init__(
+        self, size_bytes: int, *, name: str | None = None, prefault: bool = True, pin: bool = False
+    ) -> None:
+        if size_bytes <= 0:
+            raise ConfigError(f"L1 arena size must be positive, got {size_bytes} bytes")
+        name = default_segment_name() if name is None else name
+        path = _segment_path(name)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except FileExistsError:
+            raise ConfigError(
+                f"shared-memory segment {path} already exists: another server uses this name, "
+                "or a crashed one left it behind (remove the file or pick another name)"
+            ) from None
+        try:
+            try:
+                # Reserving the pages now turns a too-small /dev/shm into a clear error here
+                # instead of a SIGBUS on some later write.
+                os.posix_fallocate(fd, 0, size_bytes)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
+                    raise TiersError(
+                        f"cannot place a {size_bytes / 2**30:.2f} GiB L1 arena in {SHM_DIR} "
+                        f"({free / 2**30:.2f} GiB free): lower --l1-size-gb or enlarge {SHM_DIR}"
+                    ) from None
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, size_bytes)
+            segment = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)  # the mapping keeps the memory; the name is what clients open
+        pinned_at: int | None = None
+        try:
+            if prefault:
+                _prefault(segment, size_bytes)
+            if pin:
+                pinned_at = _pin(segment, size_bytes)
+        except BaseException:
+            _release(segment, path, os.getpid(), None)
+            raise
+        self._setup(name, segment, path, pinned_at)
+        logger.info(
+            "L1 arena %s: %.2f GiB, prefault=%s, pinned=%s", path, size_bytes / 2**30, prefault, self.pinned
+        )
+
+    @classmethod
+    def attach(cls, name: str) -> L1Arena:
+        """Map an existing segment by name (a client's view); ``close`` unmaps, never unlinks."""
+        path = _segment_path(name)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise TiersError(f"shared-memory segment {path} is empty")
+            segment = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        arena = cls.__new__(cls)
+        arena._setup(name, segment, None, None)
+        return arena
+
+    def _setup(self, name: str, segment: mmap.mmap, path: str | None, pinned_at: int | None) -> None:
+        self.name = name
+        self.size = len(segment)
+        self.owner = path is not None
+        self.pinned = pinned_at is not None
+        self._segment = segment
+        self.buffer = memoryview(segment)
+        # weakref.finalize also runs at interpreter exit, which covers servers that exit
+        # through an exception without calling close().
+        self._finalizer = weakref.finalize(self, _release, segment, path, os.getpid(), pinned_at)
+
+    @property
+    def path(self) -> str:
+        return os.path.join(SHM_DIR, self.name)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Unmap, and unlink if this process created the segment. Safe to call twice."""
+        if not self._finalizer.alive:
+            return
+        try:
+            self.buffer.release()
+        except BufferError:
+            logger.warning("L1 arena buffer is still exported; it stays mapped until released")
+        self._finalizer()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("owner" if self.owner else "attached")
+        return f"L1Arena(name={self.name!r}, size={self.size}, {state})"
+
+
+def remove_stale_segments() -> list[str]:
+    """Unlink default-named segments whose creating process no longer exists.
+
+    A server killed with SIGKILL runs no cleanup; call this at start-up to reclaim its memory.
+    Only names of the form ``lmcache_tiers_<pid>_<hex>`` are considered, never a custom name.
+    """
+    removed: list[str] = []
+    try:
+        entries = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        match = _DEFAULT_NAME.match(entry)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        if pid == os.getpid() or _process_exists(pid):
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, entry))
+        except FileNotFoundError:
+            continue
+        logger.warning("removed stale L1 segment %s/%s left by dead process %d", SHM_DIR, entry, pid)
+        removed.append(entry)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, owned by someone else
+    return True

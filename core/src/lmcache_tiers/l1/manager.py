@@ -1,0 +1,433 @@
+"""L1 manager: objects in the arena, their states and locks.
+
+Life of an object::
+
+    reserve_write -> WRITING --finish_write--> READY <--reserve_read / finish_read--> READY (locked)
+                        |                        |
+                  abort_write / write TTL     delete / evict (unlocked only, unless forced);
+                        v                     last finish_read of a temporary object
+                      freed                      v
+                                               freed
+
+One re-entrant lock guards everything, so each batched call is atomic, and listeners
+(running inside it) may call back into the manager. Listeners are notified once per call,
+after the call's state change is complete: an eviction policy that is told about deletes
+while its own victim iterator is being consumed would otherwise mutate what it iterates.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Literal
+
+from lmcache_tiers.errors import ConfigError, L1OutOfMemoryError
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1.allocator import ExtentAllocator
+from lmcache_tiers.l1.arena import L1Arena
+from lmcache_tiers.l1.objects import L1Listener, L1Object, L1Stats, ObjectState
+
+if TYPE_CHECKING:
+    from typing import Self  # annotations only: Python 3.10 has no typing.Self
+
+__all__ = ["L1Listener", "L1Manager", "L1Object", "L1Stats", "ObjectState"]
+
+logger = logging.getLogger(__name__)
+
+_Event = Literal["written", "read", "deleted"]
+_READY = ObjectState.READY
+_WRITING = ObjectState.WRITING
+
+
+class L1Manager:
+    """Objects in one shared-memory arena, with write locks, counted read locks and TTLs."""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        align: int = 4096,
+        lock_ttl_s: float = 300.0,
+        write_ttl_s: float = 600.0,
+        shm_name: str | None = None,
+        prefault: bool = True,
+        pin: bool = False,
+    ) -> None:
+        if lock_ttl_s <= 0 or write_ttl_s <= 0:
+            raise ConfigError(f"L1 lock TTLs must be positive (lock {lock_ttl_s}s, write {write_ttl_s}s)")
+        try:
+            allocator = ExtentAllocator(capacity_bytes, align)
+        except ValueError as exc:
+            raise ConfigError(f"L1 size: {exc}") from None
+        self.lock_ttl_s = lock_ttl_s
+        self.write_ttl_s = write_ttl_s
+        self.arena = L1Arena(allocator.capacity, name=shm_name, prefault=prefault, pin=pin)
+        self.lock = threading.RLock()  # public so callers can group several calls atomically
+        self._allocator = allocator
+        self._objects: dict[ObjectKey, L1Object] = {}
+        # Locked objects and temporary keys are kept apart so TTL reaping and stats cost
+        # O(locked) rather than O(objects).
+        self._locked: dict[ObjectKey, L1Object] = {}
+        self._temporary: set[ObjectKey] = set()
+        self._listeners: list[L1Listener] = []
+        self._closed = False
+
+    # -- properties --------------------------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._allocator.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._allocator.allocated_bytes
+
+    def usage(self) -> float:
+        return self._allocator.allocated_bytes / self._allocator.capacity
+
+    def fragmentation(self) -> float:
+        with self.lock:
+            return self._allocator.fragmentation()
+
+    def stats(self) -> L1Stats:
+        with self.lock:
+            write_locked = sum(1 for obj in self._locked.values() if obj.state is _WRITING)
+            read_locks = sum(obj.read_locks for obj in self._locked.values())
+            return L1Stats(
+                objects=len(self._objects),
+                used_bytes=self._allocator.allocated_bytes,
+                write_locked=write_locked,
+                read_locks=read_locks,
+                temporary=len(self._temporary),
+            )
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    # -- listeners ---------------------------------------------------------------------
+
+    def add_listener(self, listener: L1Listener) -> None:
+        with self.lock:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: L1Listener) -> None:
+        with self.lock:
+            self._listeners.remove(listener)
+
+    def _notify(self, event: _Event, keys: list[ObjectKey]) -> None:
+        if not keys:
+            return
+        for listener in list(self._listeners):
+            try:
+                if event == "written":
+                    listener.on_l1_keys_written(keys)
+                elif event == "read":
+                    listener.on_l1_keys_read(keys)
+                else:
+                    listener.on_l1_keys_deleted(keys)
+            except Exception:
+                # L1 state is already consistent; one faulty listener must not fail the
+                # caller's request or starve the listeners after it.
+                logger.exception("L1 listener %r failed on %s of %d keys", listener, event, len(keys))
+
+    # -- lookups -----------------------------------------------------------------------
+
+    def get(self, key: ObjectKey) -> L1Object | None:
+        with self.lock:
+            return self._objects.get(key)
+
+    def contains(self, key: ObjectKey) -> bool:
+        """True if the key is in L1 in any state (being written or ready)."""
+        with self.lock:
+            return key in self._objects
+
+    def prefix_hits(self, keys: Sequence[ObjectKey]) -> int:
+        """Number of leading keys that are READY."""
+        with self.lock:
+            hits = 0
+            for key in keys:
+                obj = self._objects.get(key)
+                if obj is None or obj.state is not _READY:
+                    break
+                hits += 1
+            return hits
+
+    def view(self, obj: L1Object) -> memoryview:
+        """The object's bytes in the arena. Raises KeyError if the object has left L1,
+        because its extent may already belong to another object."""
+        with self.lock:
+            self._check_open()
+            if self._objects.get(obj.key) is not obj:
+                raise KeyError(f"{obj.key} is no longer in L1")
+            return self.arena.buffer[obj.offset : obj.offset + obj.size]
+
+    # -- writing -----------------------------------------------------------------------
+
+    def reserve_write(
+        self, keys: Sequence[ObjectKey], sizes: Sequence[int], *, temporary: bool = False
+    ) -> dict[ObjectKey, L1Object]:
+        """Allocate and write-lock the keys not yet in L1, all or nothing.
+
+        Keys already present (in any state, or earlier in the same batch) are skipped and
+        absent from the result. Raises L1OutOfMemoryError, with nothing reserved, when the
+        new keys do not fit; the caller evicts and retries.
+        """
+        if len(keys) != len(sizes):
+            raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
+        with self.lock:
+            self._check_open()
+            wanted: dict[ObjectKey, int] = {}
+            for key, size in zip(keys, sizes, strict=True):
+                if key not in self._objects and key not in wanted:
+                    wanted[key] = size
+            if not wanted:
+                return {}
+            offsets = self._allocator.allocate_many(list(wanted.values()))
+            if offsets is None:
+                allocator = self._allocator
+                need = sum(allocator.extent_size(size) for size in wanted.values())
+                raise L1OutOfMemoryError(
+                    f"L1 cannot hold {len(wanted)} new objects ({need} bytes): {allocator.free_bytes} of "
+                    f"{allocator.capacity} bytes free, largest free extent {allocator.largest_free_extent()}"
+                )
+            deadline = time.monotonic() + self.write_ttl_s
+            reserved: dict[ObjectKey, L1Object] = {}
+            for (key, size), offset in zip(wanted.items(), offsets, strict=True):
+                obj = L1Object(key, offset, size, temporary, _WRITING, 0, deadline)
+                self._objects[key] = obj
+                self._locked[key] = obj
+                if temporary:
+                    self._temporary.add(key)
+                reserved[key] = obj
+            return reserved
+
+    def finish_write(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """WRITING -> READY; False for keys that are not being written."""
+        return self._finish_write(keys, 0)
+
+    def finish_write_and_reserve_read(self, keys: Sequence[ObjectKey], count: int = 1) -> list[bool]:
+        """WRITING -> READY and read-locked ``count`` times in one step, so a prefetched
+        object cannot be evicted between being loaded and being handed to its reader."""
+        _check_count(count)
+        return self._finish_write(keys, count)
+
+    def _finish_write(self, keys: Sequence[ObjectKey], read_count: int) -> list[bool]:
+        with self.lock:
+            self._check_open()
+            done: list[bool] = []
+            written: list[ObjectKey] = []
+            deadline = time.monotonic() + self.lock_ttl_s
+            for key in keys:
+                obj = self._objects.get(key)
+                if obj is None or obj.state is not _WRITING:
+                    done.append(False)
+                    continue
+                obj.state = _READY
+                obj.read_locks = read_count
+                if read_count:
+                    obj.lock_deadline = deadline
+                else:
+                    del self._locked[key]
+                written.append(key)
+                done.append(True)
+            self._notify("written", written)
+            return done
+
+    def abort_write(self, keys: Sequence[ObjectKey]) -> None:
+        """Free objects still being written; other keys are left alone."""
+        with self.lock:
+            aborted: list[L1Object] = []
+            for key in dict.fromkeys(keys):
+                obj = self._objects.get(key)
+                if obj is not None and obj.state is _WRITING:
+                    aborted.append(obj)
+            self._free(aborted)
+
+    # -- reading -----------------------------------------------------------------------
+
+    def reserve_read(self, keys: Sequence[ObjectKey], count: int = 1) -> dict[ObjectKey, L1Object]:
+        """Read-lock ``count`` times every READY key present (not only a prefix).
+
+        A key repeated in the batch is locked once; pass the same keys to finish_read.
+        """
+        _check_count(count)
+        with self.lock:
+            self._check_open()
+            hits: dict[ObjectKey, L1Object] = {}
+            deadline = time.monotonic() + self.lock_ttl_s
+            for key in keys:
+                obj = self._objects.get(key)
+                if obj is None or obj.state is not _READY or key in hits:
+                    continue
+                obj.read_locks += count
+                # One deadline per object: a new reader extends it, and reaping drops all
+                # of the object's read locks at once.
+                obj.lock_deadline = max(obj.lock_deadline, deadline) if key in self._locked else deadline
+                self._locked[key] = obj
+                hits[key] = obj
+            self._notify("read", list(hits))
+            return hits
+
+    def finish_read(self, keys: Sequence[ObjectKey], count: int = 1) -> None:
+        """Drop ``count`` read locks per key; a temporary object left unlocked is freed.
+
+        Keys not in L1 or not read-locked (e.g. their locks expired) are ignored.
+        """
+        _check_count(count)
+        with self.lock:
+            freed: list[L1Object] = []
+            for key in dict.fromkeys(keys):
+                obj = self._objects.get(key)
+                if obj is None or obj.read_locks == 0:
+                    continue
+                obj.read_locks = max(0, obj.read_locks - count)
+                if obj.read_locks == 0:
+                    del self._locked[key]
+                    if obj.temporary:
+                        freed.append(obj)
+            self._free(freed)
+
+    def set_temporary(self, keys: Sequence[ObjectKey], temporary: bool) -> None:
+        """Mark objects to be freed after their last read (or not).
+
+        Marking an unlocked object temporary does not free it now: it is freed when a read
+        lock on it is next released, or by eviction.
+        """
+        with self.lock:
+            for key in keys:
+                obj = self._objects.get(key)
+                if obj is None:
+                    continue
+                obj.temporary = temporary
+                if temporary:
+                    self._temporary.add(key)
+                else:
+                    self._temporary.discard(key)
+
+    # -- removal -----------------------------------------------------------------------
+
+    def delete(self, keys: Sequence[ObjectKey], *, force: bool = False) -> list[bool]:
+        """Free objects; locked ones (being written or read) are skipped unless ``force``."""
+        with self.lock:
+            done: list[bool] = []
+            victims: list[L1Object] = []
+            for key in keys:
+                obj = self._objects.get(key)
+                if obj is None or (obj.locked and not force):
+                    done.append(False)
+                    continue
+                self._detach(obj)
+                victims.append(obj)
+                done.append(True)
+            self._release_extents(victims)
+            self._notify("deleted", [obj.key for obj in victims])
+            return done
+
+    def evict(self, bytes_to_free: int, victims: Iterable[ObjectKey]) -> list[ObjectKey]:
+        """Delete unlocked READY victims, in the given order, until ``bytes_to_free`` aligned
+        bytes are freed or the victims run out. Returns the evicted keys."""
+        evicted: list[L1Object] = []
+        if bytes_to_free <= 0:
+            return []
+        with self.lock:
+            freed = 0
+            try:
+                for key in victims:
+                    obj = self._objects.get(key)
+                    if obj is None or obj.state is not _READY or obj.read_locks:
+                        continue
+                    self._detach(obj)
+                    evicted.append(obj)
+                    freed += self._allocator.size_at(obj.offset)
+                    if freed >= bytes_to_free:
+                        break
+            finally:
+                # The victims iterator may belong to a listener (the eviction policy), so it
+                # is told only once iteration is over; detached objects are freed even if
+                # the iterator raised.
+                self._release_extents(evicted)
+                self._notify("deleted", [obj.key for obj in evicted])
+            return [obj.key for obj in evicted]
+
+    def expire_locks(self, now: float | None = None) -> int:
+        """Reap locks past their TTL, as if their crashed holders had released them.
+
+        An expired write reservation is freed; expired read locks are dropped (and a
+        temporary object with them). Returns the number of objects whose locks expired.
+        ``now`` is a ``time.monotonic()`` value.
+        """
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            expired_writes: list[L1Object] = []
+            freed: list[L1Object] = []
+            expired_reads = 0
+            for key, obj in list(self._locked.items()):
+                if obj.lock_deadline > now:
+                    continue
+                if obj.state is _WRITING:
+                    expired_writes.append(obj)
+                    continue
+                expired_reads += 1
+                obj.read_locks = 0
+                del self._locked[key]
+                if obj.temporary:
+                    freed.append(obj)
+            if expired_writes or expired_reads:
+                logger.warning(
+                    "L1 lock TTL expired: %d write reservations freed, %d objects' read locks dropped",
+                    len(expired_writes),
+                    expired_reads,
+                )
+            self._free(expired_writes + freed)
+            return len(expired_writes) + expired_reads
+
+    def clear(self, *, force: bool = False) -> int:
+        """Delete every object (unlocked ones only unless ``force``); returns how many."""
+        with self.lock:
+            return sum(self.delete(list(self._objects), force=force))
+
+    def close(self) -> None:
+        """Drop every object without notifying listeners and release the arena. Idempotent."""
+        with self.lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._objects.clear()
+            self._locked.clear()
+            self._temporary.clear()
+            self._listeners.clear()
+            self.arena.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the L1 manager is closed")
+
+    def _detach(self, obj: L1Object) -> None:
+        del self._objects[obj.key]
+        self._locked.pop(obj.key, None)
+        self._temporary.discard(obj.key)
+
+    def _release_extents(self, objs: list[L1Object]) -> None:
+        if objs:
+            self._allocator.free_many([obj.offset for obj in objs])
+
+    def _free(self, objs: list[L1Object]) -> None:
+        for obj in objs:
+            self._detach(obj)
+        self._release_extents(objs)
+        self._notify("deleted", [obj.key for obj in objs])
+
+
+def _check_count(count: int) -> None:
+    if count < 1:
+        raise ValueError(f"lock count must be at least 1, got {count}")

@@ -1,0 +1,59 @@
+"""Value types of L1: object states, the per-object record, listener protocol, stats."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+from lmcache_tiers.keys import ObjectKey
+
+
+class ObjectState(enum.Enum):
+    WRITING = "writing"  # reserved and write-locked: a writer is filling the extent
+    READY = "ready"  # complete; readable, and read-lockable any number of times
+
+
+@dataclass(slots=True, eq=False)
+class L1Object:
+    """One object in the arena. Owned by the L1Manager: callers read it, never modify it.
+
+    ``lock_deadline`` is the monotonic time at which the current lock (the write lock while
+    WRITING, the read locks while READY and ``read_locks > 0``) expires.
+    """
+
+    key: ObjectKey
+    offset: int
+    size: int
+    temporary: bool = False
+    state: ObjectState = ObjectState.WRITING
+    read_locks: int = 0
+    lock_deadline: float = field(default=0.0, repr=False)
+
+    @property
+    def locked(self) -> bool:
+        return self.state is ObjectState.WRITING or self.read_locks > 0
+
+
+class L1Listener(Protocol):
+    """Told about L1 changes. Called inside the L1 lock, in registration order: must not block.
+
+    Every key passed to ``on_l1_keys_deleted`` is gone from L1 when it is called; every
+    object that leaves L1 (deleted, evicted, aborted, expired, temporary freed) is reported
+    exactly once, except at :meth:`L1Manager.close`.
+    """
+
+    def on_l1_keys_written(self, keys: Sequence[ObjectKey]) -> None: ...
+
+    def on_l1_keys_read(self, keys: Sequence[ObjectKey]) -> None: ...
+
+    def on_l1_keys_deleted(self, keys: Sequence[ObjectKey]) -> None: ...
+
+
+class L1Stats(NamedTuple):
+    objects: int  # objects in any state
+    used_bytes: int  # aligned bytes allocated
+    write_locked: int  # objects being written
+    read_locks: int  # read locks held, summed over objects
+    temporary: int  # objects freed after their last read

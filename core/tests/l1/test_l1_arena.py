@@ -1,0 +1,271 @@
+"""L1Arena: a named shared-memory segment other processes map by name; never leaked."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import logging
+import mmap
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from lmcache_tiers.errors import ConfigError, TiersError
+from lmcache_tiers.l1 import L1Arena, default_segment_name, remove_stale_segments
+from lmcache_tiers.l1.arena import SEGMENT_PREFIX
+
+MIB = 1 << 20
+
+
+def _child_reads_and_replies(
+    name: str, offset: int, length: int, queue: multiprocessing.Queue[bytes]
+) -> None:
+    arena = L1Arena.attach(name)
+    try:
+        queue.put(bytes(arena.buffer[offset : offset + length]))
+        arena.buffer[0:5] = b"reply"
+    finally:
+        arena.close()
+
+
+def test_another_process_maps_the_arena_by_name_and_shares_bytes() -> None:
+    with L1Arena(2 * MIB) as arena:
+        arena.buffer[MIB : MIB + 11] = b"hello child"
+        context = multiprocessing.get_context("spawn")
+        queue: multiprocessing.Queue[bytes] = context.Queue()
+        child = context.Process(target=_child_reads_and_replies, args=(arena.name, MIB, 11, queue))
+        child.start()
+        received = queue.get(timeout=60)
+        child.join(timeout=60)
+        assert child.exitcode == 0
+        assert received == b"hello child"
+        assert bytes(arena.buffer[0:5]) == b"reply"
+        assert os.path.exists(arena.path)  # a client detaching never unlinks
+
+
+def test_any_client_can_map_the_segment_with_plain_mmap() -> None:
+    with L1Arena(MIB) as arena:
+        arena.buffer[100:103] = b"abc"
+        script = textwrap.dedent(
+            f"""
+            import mmap, os
+            fd = os.open("/dev/shm/{arena.name}", os.O_RDWR)
+            m = mmap.mmap(fd, 0)
+            assert m[100:103] == b"abc", m[100:103]
+            m[200:203] = b"xyz"
+            m.close()
+            """
+        )
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+        assert bytes(arena.buffer[200:203]) == b"xyz"
+
+
+def test_default_name_carries_the_pid_and_lives_in_dev_shm() -> None:
+    with L1Arena(MIB, prefault=False) as arena:
+        assert arena.name.startswith(f"{SEGMENT_PREFIX}{os.getpid()}_")
+        assert arena.path == f"/dev/shm/{arena.name}"
+        assert arena.size == MIB == len(arena.buffer)
+        assert arena.owner
+        assert oct(os.stat(arena.path).st_mode & 0o777) == oct(0o600)
+    assert default_segment_name() != default_segment_name()
+
+
+def test_close_unlinks_and_is_idempotent(segment_prefix: str) -> None:
+    arena = L1Arena(MIB, name=f"{segment_prefix}close")
+    path = Path(arena.path)
+    assert path.exists()
+    arena.close()
+    assert not path.exists()
+    assert arena.closed
+    arena.close()
+    with pytest.raises(ValueError):
+        arena.buffer[0]  # the released view is unusable, not a dangling pointer
+
+
+def test_close_with_live_views_still_unlinks(caplog: pytest.LogCaptureFixture) -> None:
+    arena = L1Arena(MIB, prefault=False)
+    path = Path(arena.path)
+    view = arena.buffer[0:10]
+    view[0:3] = b"abc"
+    with caplog.at_level(logging.WARNING):
+        arena.close()
+    assert not path.exists()
+    assert "still alive" in caplog.text
+    assert bytes(view[0:3]) == b"abc"  # the mapping outlives the name while views exist
+    view.release()
+
+
+def test_prefault_backs_every_page() -> None:
+    with L1Arena(4 * MIB, prefault=True) as arena:
+        assert os.stat(arena.path).st_blocks * 512 >= 4 * MIB
+        assert bytes(arena.buffer[-4096:]) == bytes(4096)
+
+
+def test_name_collision_is_a_clear_error(segment_prefix: str) -> None:
+    with L1Arena(MIB, name=f"{segment_prefix}taken", prefault=False) as arena:
+        with pytest.raises(ConfigError, match="already exists"):
+            L1Arena(MIB, name=arena.name)
+        assert Path(arena.path).exists()  # the failed attempt did not remove the owner's segment
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "..", "x" * 300, "sp ace", "nul\x00"])
+def test_unsafe_names_are_rejected(name: str) -> None:
+    with pytest.raises(ConfigError, match="not allowed"):
+        L1Arena(MIB, name=name)
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_size_must_be_positive(size: int) -> None:
+    with pytest.raises(ConfigError):
+        L1Arena(size)
+
+
+def test_garbage_collection_unlinks_a_forgotten_arena() -> None:
+    arena = L1Arena(MIB, prefault=False)
+    path = Path(arena.path)
+    del arena
+    gc.collect()
+    assert not path.exists()
+
+
+def test_interpreter_exit_without_close_unlinks(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        """
+        import sys
+        from lmcache_tiers.l1 import L1Arena
+        keep = L1Arena(1 << 20, prefault=False)
+        print(keep.path, flush=True)
+        raise SystemExit("exiting on an error without closing the arena")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    path = result.stdout.strip()
+    assert path.startswith("/dev/shm/")
+    assert not os.path.exists(path)
+
+
+def test_forked_child_exiting_does_not_unlink_the_parents_segment() -> None:
+    # In a fresh interpreter, so the child's normal exit (atexit, finalizers) runs for real.
+    script = textwrap.dedent(
+        """
+        import os, sys
+        from lmcache_tiers.l1 import L1Arena
+        arena = L1Arena(1 << 20, prefault=False)
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)
+        os.waitpid(pid, 0)
+        print(os.path.exists(arena.path), flush=True)
+        arena.close()
+        print(os.path.exists(arena.path), flush=True)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False"]
+
+
+def test_stale_segments_of_dead_processes_are_removed() -> None:
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
+    dead_pid = int(dead.stdout)
+    stale = Path(f"/dev/shm/{SEGMENT_PREFIX}{dead_pid}_deadbeef")
+    custom = Path(f"/dev/shm/{SEGMENT_PREFIX}custom_{os.getpid()}")
+    stale.write_bytes(b"x")
+    custom.write_bytes(b"x")
+    try:
+        with L1Arena(MIB, prefault=False) as live:
+            removed = remove_stale_segments()
+            assert stale.name in removed
+            assert not stale.exists()
+            assert custom.exists()  # custom names are never guessed at
+            assert Path(live.path).exists()  # nor are segments of live processes
+    finally:
+        stale.unlink(missing_ok=True)
+        custom.unlink()
+
+
+def test_pinning_without_torch_logs_and_continues(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+    with (
+        caplog.at_level(logging.INFO, logger="lmcache_tiers.l1.arena"),
+        L1Arena(MIB, prefault=False, pin=True) as arena,
+    ):
+        assert not arena.pinned
+        arena.buffer[0:2] = b"ok"
+    assert "pinning unavailable" in caplog.text
+
+
+def test_pinning_without_a_cuda_device_logs_and_continues(caplog: pytest.LogCaptureFixture) -> None:
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if torch.cuda.is_available():
+        with L1Arena(MIB, prefault=False, pin=True) as arena:
+            assert arena.pinned
+        return
+    with (
+        caplog.at_level(logging.INFO, logger="lmcache_tiers.l1.arena"),
+        L1Arena(MIB, prefault=False, pin=True) as arena,
+    ):
+        assert not arena.pinned
+    assert "no CUDA device" in caplog.text
+
+
+def test_attach_to_a_missing_segment_fails() -> None:
+    with pytest.raises(FileNotFoundError):
+        L1Arena.attach(f"{SEGMENT_PREFIX}does_not_exist")
+
+
+def test_attached_view_sees_owner_writes_without_copies() -> None:
+    with L1Arena(MIB, prefault=False) as owner, L1Arena.attach(owner.name) as client:
+        assert not client.owner
+        assert client.size == owner.size
+        owner.buffer[7] = 42
+        assert client.buffer[7] == 42
+        client.buffer[8] = 43
+        assert owner.buffer[8] == 43
+    assert not os.path.exists(owner.path)
+
+
+def test_a_full_dev_shm_is_a_clear_error_and_leaves_no_file(
+    monkeypatch: pytest.MonkeyPatch, segment_prefix: str
+) -> None:
+    def no_space(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(TiersError, match="lower --l1-size-gb"):
+        L1Arena(MIB, name=f"{segment_prefix}full")
+    assert not Path(f"/dev/shm/{segment_prefix}full").exists()
+
+
+def test_filesystems_without_fallocate_fall_back_to_truncate(monkeypatch: pytest.MonkeyPatch) -> None:
+    def unsupported(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    with L1Arena(MIB) as arena:
+        assert os.stat(arena.path).st_size == MIB
+        arena.buffer[-1] = 1
+
+
+def test_prefault_falls_back_to_touching_pages_on_old_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    advised: list[int] = []
+
+    class OldKernelMmap(mmap.mmap):
+        def madvise(self, option: int, start: int = 0, length: int = sys.maxsize) -> None:
+            advised.append(option)
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(mmap, "mmap", OldKernelMmap)
+    with L1Arena(MIB, prefault=True) as arena:
+        assert os.stat(arena.path).st_blocks * 512 >= MIB
+    assert advised

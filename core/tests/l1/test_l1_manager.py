@@ -1,0 +1,525 @@
+"""L1Manager: object states, counted read locks, TTLs, temporaries, listeners, eviction."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from lmcache_tiers.errors import L1OutOfMemoryError
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1 import L1Manager, L1Stats, ObjectState
+
+ALIGN = 4096
+CAPACITY = 64 * ALIGN
+LOCK_TTL = 30.0
+WRITE_TTL = 60.0
+
+Event = tuple[str, list[ObjectKey]]
+
+
+def key(index: int) -> ObjectKey:
+    return ObjectKey("test-model", 0, index.to_bytes(8, "big"))
+
+
+def keys(*indices: int) -> list[ObjectKey]:
+    return [key(index) for index in indices]
+
+
+class Recorder:
+    """Records notifications as (event, keys); several recorders may share one log."""
+
+    def __init__(self, name: str = "", log: list[tuple[str, str, list[ObjectKey]]] | None = None) -> None:
+        self.name = name
+        self.log: list[tuple[str, str, list[ObjectKey]]] = [] if log is None else log
+
+    def on_l1_keys_written(self, written: Sequence[ObjectKey]) -> None:
+        self.log.append((self.name, "written", list(written)))
+
+    def on_l1_keys_read(self, read: Sequence[ObjectKey]) -> None:
+        self.log.append((self.name, "read", list(read)))
+
+    def on_l1_keys_deleted(self, deleted: Sequence[ObjectKey]) -> None:
+        self.log.append((self.name, "deleted", list(deleted)))
+
+    @property
+    def events(self) -> list[Event]:
+        return [(event, event_keys) for _, event, event_keys in self.log]
+
+
+@pytest.fixture
+def l1() -> Iterator[L1Manager]:
+    manager = L1Manager(CAPACITY, align=ALIGN, lock_ttl_s=LOCK_TTL, write_ttl_s=WRITE_TTL, prefault=False)
+    yield manager
+    manager.close()
+
+
+@pytest.fixture
+def recorder(l1: L1Manager) -> Recorder:
+    listener = Recorder()
+    l1.add_listener(listener)
+    return listener
+
+
+def write(l1: L1Manager, indices: Sequence[int], size: int = ALIGN, *, temporary: bool = False) -> None:
+    """Store objects whose bytes are their index, READY."""
+    reserved = l1.reserve_write(keys(*indices), [size] * len(indices), temporary=temporary)
+    for obj in reserved.values():
+        view = l1.view(obj)
+        view[:] = bytes([int.from_bytes(obj.key.chunk_hash, "big") % 256]) * obj.size
+        view.release()
+    assert all(l1.finish_write(list(reserved)))
+
+
+def later(seconds: float) -> float:
+    return time.monotonic() + seconds
+
+
+# -- writing -------------------------------------------------------------------------------
+
+
+def test_write_then_ready_with_bytes_in_the_arena(l1: L1Manager, recorder: Recorder) -> None:
+    reserved = l1.reserve_write(keys(1, 2), [100, 5000])
+    assert list(reserved) == keys(1, 2)
+    first, second = reserved.values()
+    assert (first.size, second.size) == (100, 5000)
+    assert first.offset % ALIGN == 0 and second.offset % ALIGN == 0
+    assert first.state is ObjectState.WRITING and first.read_locks == 0 and not first.temporary
+    assert l1.stats() == L1Stats(objects=2, used_bytes=3 * ALIGN, write_locked=2, read_locks=0, temporary=0)
+    assert l1.contains(key(1)) and l1.prefix_hits(keys(1, 2)) == 0
+    view = l1.view(first)
+    view[:] = b"a" * 100
+    assert bytes(l1.arena.buffer[first.offset : first.offset + 100]) == b"a" * 100
+    view.release()
+    assert recorder.events == []
+
+    assert l1.finish_write(keys(1, 2, 3)) == [True, True, False]
+    assert reserved[key(1)].state is ObjectState.READY  # the same object, now READY
+    assert l1.get(key(1)) is first
+    assert recorder.events == [("written", keys(1, 2))]
+    assert l1.stats().write_locked == 0
+    assert l1.prefix_hits(keys(1, 2, 3)) == 2
+    assert l1.finish_write(keys(1)) == [False]  # already READY
+    assert recorder.events == [("written", keys(1, 2))]
+
+
+def test_reserve_write_skips_keys_present_in_any_state(l1: L1Manager) -> None:
+    write(l1, [1])
+    l1.reserve_write(keys(2), [ALIGN])  # still WRITING
+    reserved = l1.reserve_write(keys(1, 2, 3, 3), [ALIGN, ALIGN, ALIGN, 2 * ALIGN])
+    assert list(reserved) == keys(3)  # 3 repeated: the first occurrence wins
+    assert reserved[key(3)].size == ALIGN
+    assert l1.reserve_write(keys(1, 2, 3), [ALIGN] * 3) == {}
+    assert l1.used_bytes == 3 * ALIGN
+
+
+def test_out_of_memory_reserves_nothing(l1: L1Manager, recorder: Recorder) -> None:
+    write(l1, [1])
+    before = (l1.stats(), l1.fragmentation())
+    with pytest.raises(L1OutOfMemoryError, match="cannot hold 2 new objects"):
+        l1.reserve_write(keys(1, 2, 3), [ALIGN, 40 * ALIGN, 40 * ALIGN])
+    assert (l1.stats(), l1.fragmentation()) == before
+    assert not l1.contains(key(2)) and not l1.contains(key(3))
+    assert recorder.events == [("written", keys(1))]
+    # The same batch fits once memory is there: the failure left no partial reservation.
+    assert list(l1.reserve_write(keys(2, 3), [ALIGN, 40 * ALIGN])) == keys(2, 3)
+
+
+def test_reserve_write_checks_lengths_and_sizes(l1: L1Manager) -> None:
+    with pytest.raises(ValueError, match="2 keys but 1 sizes"):
+        l1.reserve_write(keys(1, 2), [ALIGN])
+    with pytest.raises(ValueError, match="negative"):
+        l1.reserve_write(keys(1, 2), [ALIGN, -5])
+    assert len(l1) == 0 and l1.used_bytes == 0
+
+
+def test_abort_write_frees_only_objects_being_written(l1: L1Manager, recorder: Recorder) -> None:
+    write(l1, [1])
+    l1.reserve_write(keys(2, 3), [ALIGN, ALIGN])
+    l1.abort_write(keys(1, 2, 3, 4))
+    assert l1.contains(key(1))
+    assert not l1.contains(key(2)) and not l1.contains(key(3))
+    assert l1.used_bytes == ALIGN
+    assert recorder.events == [("written", keys(1)), ("deleted", keys(2, 3))]
+    assert l1.finish_write(keys(2)) == [False]
+
+
+def test_view_of_an_object_that_left_l1_is_refused(l1: L1Manager) -> None:
+    obj = l1.reserve_write(keys(1), [ALIGN])[key(1)]
+    l1.abort_write(keys(1))
+    with pytest.raises(KeyError):
+        l1.view(obj)
+
+
+# -- reading -------------------------------------------------------------------------------
+
+
+def test_read_locks_are_counted_per_ready_key(l1: L1Manager, recorder: Recorder) -> None:
+    write(l1, [1, 3])
+    l1.reserve_write(keys(4), [ALIGN])  # WRITING: not readable
+    hits = l1.reserve_read(keys(1, 2, 3, 4, 1), count=2)
+    assert list(hits) == keys(1, 3)  # every READY key, not only the prefix; repeats once
+    assert hits[key(1)].read_locks == 2
+    assert bytes(l1.view(hits[key(3)])[:2]) == b"\x03\x03"
+    assert l1.stats().read_locks == 4
+    l1.reserve_read(keys(1))
+    assert hits[key(1)].read_locks == 3
+    assert recorder.events[-2:] == [("read", keys(1, 3)), ("read", keys(1))]
+
+    l1.finish_read(keys(1, 3))
+    assert (hits[key(1)].read_locks, hits[key(3)].read_locks) == (2, 1)
+    l1.finish_read(keys(1, 3), count=5)  # never below zero
+    assert (hits[key(1)].read_locks, hits[key(3)].read_locks) == (0, 0)
+    assert l1.contains(key(1)) and l1.contains(key(3))  # not temporary: stays
+    assert l1.stats().read_locks == 0
+
+
+def test_a_miss_notifies_nobody(l1: L1Manager, recorder: Recorder) -> None:
+    assert l1.reserve_read(keys(9)) == {}
+    assert recorder.events == []
+
+
+def test_lock_count_must_be_positive(l1: L1Manager) -> None:
+    write(l1, [1])
+    for call in (l1.reserve_read, l1.finish_read, l1.finish_write_and_reserve_read):
+        with pytest.raises(ValueError, match="at least 1"):
+            call(keys(1), 0)
+
+
+def test_temporary_object_is_freed_with_its_last_read_lock(l1: L1Manager, recorder: Recorder) -> None:
+    write(l1, [1, 2], temporary=True)
+    assert l1.stats().temporary == 2
+    l1.reserve_read(keys(1, 2), count=2)
+    l1.finish_read(keys(1, 2))
+    assert l1.contains(key(1)) and l1.contains(key(2))
+    l1.finish_read(keys(1, 2))
+    assert not l1.contains(key(1)) and not l1.contains(key(2))
+    assert l1.used_bytes == 0 and l1.stats().temporary == 0
+    assert recorder.events[-1] == ("deleted", keys(1, 2))
+
+
+def test_finish_write_and_reserve_read_hands_over_atomically(l1: L1Manager, recorder: Recorder) -> None:
+    l1.reserve_write(keys(1, 2), [ALIGN, ALIGN], temporary=True)
+    assert l1.finish_write_and_reserve_read(keys(1, 2, 3), count=2) == [True, True, False]
+    obj = l1.get(key(1))
+    assert obj is not None and obj.state is ObjectState.READY and obj.read_locks == 2
+    assert recorder.events == [("written", keys(1, 2))]
+    # Locked, so neither eviction nor delete can take it before the reader has it.
+    assert l1.evict(CAPACITY, keys(1, 2)) == []
+    assert l1.delete(keys(1)) == [False]
+    assert l1.finish_write_and_reserve_read(keys(1)) == [False]  # not WRITING any more
+    l1.finish_read(keys(1, 2), count=2)
+    assert len(l1) == 0
+    assert recorder.events[-1] == ("deleted", keys(1, 2))
+
+
+def test_set_temporary_retains_or_releases(l1: L1Manager) -> None:
+    l1.reserve_write(keys(1, 2), [ALIGN, ALIGN], temporary=True)
+    l1.finish_write_and_reserve_read(keys(1, 2))
+    l1.set_temporary(keys(1, 9), False)  # a retaining prefetch policy keeps key 1
+    assert l1.stats().temporary == 1
+    l1.finish_read(keys(1, 2))
+    assert l1.contains(key(1)) and not l1.contains(key(2))
+
+    l1.set_temporary(keys(1), True)  # unlocked: not freed on the spot...
+    assert l1.contains(key(1))
+    l1.reserve_read(keys(1))
+    l1.finish_read(keys(1))  # ...but when its next reader is done
+    assert not l1.contains(key(1))
+
+
+def test_prefix_hits_counts_leading_ready_keys(l1: L1Manager) -> None:
+    write(l1, [1, 2, 4])
+    l1.reserve_write(keys(3), [ALIGN])
+    assert l1.prefix_hits(keys(1, 2, 3, 4)) == 2
+    assert l1.prefix_hits(keys(1, 2, 5, 4)) == 2
+    assert l1.prefix_hits(keys(4, 1)) == 2
+    assert l1.prefix_hits(keys(5, 1)) == 0
+    assert l1.prefix_hits([]) == 0
+
+
+# -- removal -------------------------------------------------------------------------------
+
+
+def test_delete_skips_locked_objects_unless_forced(l1: L1Manager, recorder: Recorder) -> None:
+    write(l1, [1, 2])
+    l1.reserve_write(keys(3), [ALIGN])
+    l1.reserve_read(keys(2))
+    assert l1.delete(keys(1, 2, 3, 4)) == [True, False, False, False]
+    assert recorder.events[-1] == ("deleted", keys(1))
+    assert l1.delete(keys(2, 3), force=True) == [True, True]
+    assert recorder.events[-1] == ("deleted", keys(2, 3))
+    assert len(l1) == 0 and l1.used_bytes == 0 and l1.stats() == L1Stats(0, 0, 0, 0, 0)
+    l1.finish_read(keys(2))  # the forced-away reader releasing later is harmless
+
+
+def test_evict_frees_unlocked_ready_victims_in_order_until_enough(l1: L1Manager, recorder: Recorder) -> None:
+    write(l1, [1, 2, 3, 4, 5], size=2 * ALIGN)
+    l1.reserve_write(keys(6), [ALIGN])
+    l1.reserve_read(keys(2))
+    # 3 aligned units asked: 2 is read-locked, 6 is being written, 9 is unknown, 1 repeats.
+    evicted = l1.evict(3 * ALIGN, keys(9, 6, 2, 1, 1, 4, 3, 5))
+    assert evicted == keys(1, 4)
+    assert recorder.events[-1] == ("deleted", keys(1, 4))
+    assert [l1.contains(k) for k in keys(1, 2, 3, 4, 5, 6)] == [False, True, True, False, True, True]
+    assert l1.evict(0, keys(3)) == []
+    assert l1.evict(CAPACITY, keys(3, 5)) == keys(3, 5)  # victims ran out first
+
+
+def test_evict_stops_consuming_victims_once_enough_is_freed(l1: L1Manager) -> None:
+    write(l1, [1, 2, 3])
+    consumed: list[ObjectKey] = []
+
+    def victims() -> Iterator[ObjectKey]:
+        for victim in keys(1, 2, 3):
+            consumed.append(victim)
+            yield victim
+
+    assert l1.evict(ALIGN, victims()) == keys(1)
+    assert consumed == keys(1)
+
+
+class LruPolicy:
+    """A minimal eviction policy whose victim iterator walks its own live OrderedDict."""
+
+    def __init__(self) -> None:
+        self.order: OrderedDict[ObjectKey, None] = OrderedDict()
+
+    def on_l1_keys_written(self, written: Sequence[ObjectKey]) -> None:
+        for k in written:
+            self.order[k] = None
+
+    def on_l1_keys_read(self, read: Sequence[ObjectKey]) -> None:
+        for k in read:
+            self.order.move_to_end(k)
+
+    def on_l1_keys_deleted(self, deleted: Sequence[ObjectKey]) -> None:
+        for k in deleted:
+            self.order.pop(k, None)
+
+    def victims(self) -> Iterator[ObjectKey]:
+        return iter(self.order)
+
+
+def test_evict_with_a_policy_iterating_its_own_state(l1: L1Manager) -> None:
+    policy = LruPolicy()
+    l1.add_listener(policy)
+    write(l1, [1, 2, 3, 4])
+    l1.reserve_read(keys(1))
+    l1.finish_read(keys(1))
+    # Deleted notifications come after iteration, so the OrderedDict is not mutated under it.
+    assert l1.evict(2 * ALIGN, policy.victims()) == keys(2, 3)
+    assert list(policy.order) == keys(4, 1)
+
+
+def test_evict_frees_what_it_took_even_if_the_victims_iterator_fails(
+    l1: L1Manager, recorder: Recorder
+) -> None:
+    write(l1, [1, 2])
+
+    def victims() -> Iterator[ObjectKey]:
+        yield key(1)
+        raise RuntimeError("policy bug")
+
+    with pytest.raises(RuntimeError, match="policy bug"):
+        l1.evict(CAPACITY, victims())
+    assert not l1.contains(key(1)) and l1.used_bytes == ALIGN
+    assert recorder.events[-1] == ("deleted", keys(1))
+
+
+def test_clear_skips_locked_objects_unless_forced(l1: L1Manager, recorder: Recorder) -> None:
+    write(l1, [1, 2, 3])
+    l1.reserve_read(keys(2))
+    l1.reserve_write(keys(4), [ALIGN])
+    assert l1.clear() == 2
+    assert [l1.contains(k) for k in keys(1, 2, 3, 4)] == [False, True, False, True]
+    assert l1.clear(force=True) == 2
+    assert len(l1) == 0 and l1.used_bytes == 0
+    assert recorder.events[-2:] == [("deleted", keys(1, 3)), ("deleted", keys(2, 4))]
+
+
+# -- lock expiry ---------------------------------------------------------------------------
+
+
+def test_expired_write_reservation_is_freed(
+    l1: L1Manager, recorder: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    l1.reserve_write(keys(1, 2), [ALIGN, ALIGN])
+    assert l1.expire_locks(later(WRITE_TTL / 2)) == 0
+    assert l1.contains(key(1))
+    with caplog.at_level(logging.WARNING):
+        assert l1.expire_locks(later(WRITE_TTL + 1)) == 2
+    assert "2 write reservations freed" in caplog.text
+    assert len(l1) == 0 and l1.used_bytes == 0
+    assert recorder.events == [("deleted", keys(1, 2))]
+    assert l1.finish_write(keys(1)) == [False]  # the crashed writer's commit arrives too late
+
+
+def test_expired_read_locks_are_dropped_and_temporaries_freed(l1: L1Manager, recorder: Recorder) -> None:
+    write(l1, [1])
+    write(l1, [2], temporary=True)
+    l1.reserve_read(keys(1, 2), count=3)
+    assert l1.expire_locks(later(LOCK_TTL / 2)) == 0
+    assert l1.stats().read_locks == 6
+    assert l1.expire_locks(later(LOCK_TTL + 1)) == 2
+    obj = l1.get(key(1))
+    assert obj is not None and obj.read_locks == 0
+    assert not l1.contains(key(2))
+    assert recorder.events[-1] == ("deleted", keys(2))
+    assert l1.stats() == L1Stats(objects=1, used_bytes=ALIGN, write_locked=0, read_locks=0, temporary=0)
+    assert l1.delete(keys(1)) == [True]  # unlocked again, so deletable
+    assert l1.expire_locks(later(10 * WRITE_TTL)) == 0
+
+
+def test_a_new_reader_extends_the_read_lock_deadline(l1: L1Manager) -> None:
+    write(l1, [1])
+    l1.reserve_read(keys(1))
+    obj = l1.get(key(1))
+    assert obj is not None
+    first_deadline = obj.lock_deadline
+    l1.reserve_read(keys(1))
+    assert obj.lock_deadline >= first_deadline
+    assert l1.expire_locks(first_deadline - 1) == 0
+    assert l1.expire_locks(obj.lock_deadline + 1) == 1
+
+
+def test_hand_off_read_lock_uses_the_read_ttl(l1: L1Manager) -> None:
+    l1.reserve_write(keys(1), [ALIGN], temporary=True)
+    l1.finish_write_and_reserve_read(keys(1))
+    assert l1.expire_locks(later(LOCK_TTL + 1)) == 1
+    assert not l1.contains(key(1))
+
+
+# -- listeners -----------------------------------------------------------------------------
+
+
+def test_listeners_are_called_in_registration_order_per_call(l1: L1Manager) -> None:
+    log: list[tuple[str, str, list[ObjectKey]]] = []
+    l1.add_listener(Recorder("store", log))
+    l1.add_listener(Recorder("eviction", log))
+    write(l1, [1, 2])
+    l1.reserve_read(keys(2))
+    l1.finish_read(keys(2))
+    l1.delete(keys(1))
+    assert log == [
+        ("store", "written", keys(1, 2)),
+        ("eviction", "written", keys(1, 2)),
+        ("store", "read", keys(2)),
+        ("eviction", "read", keys(2)),
+        ("store", "deleted", keys(1)),
+        ("eviction", "deleted", keys(1)),
+    ]
+
+
+def test_a_failing_listener_does_not_fail_the_call_or_the_others(
+    l1: L1Manager, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Broken(Recorder):
+        def on_l1_keys_written(self, written: Sequence[ObjectKey]) -> None:
+            raise RuntimeError("listener bug")
+
+    after = Recorder()
+    l1.add_listener(Broken())
+    l1.add_listener(after)
+    l1.reserve_write(keys(1), [ALIGN])
+    with caplog.at_level(logging.ERROR):
+        assert l1.finish_write(keys(1)) == [True]
+    assert "listener bug" in caplog.text
+    assert after.events == [("written", keys(1))]
+
+
+def test_listener_may_call_back_into_the_manager(l1: L1Manager) -> None:
+    class DropAfterWrite(Recorder):  # like a skip-L1 store policy
+        def on_l1_keys_written(self, written: Sequence[ObjectKey]) -> None:
+            super().on_l1_keys_written(written)
+            l1.delete(written)
+
+    listener = DropAfterWrite()
+    l1.add_listener(listener)
+    write(l1, [1, 2])
+    assert len(l1) == 0
+    assert listener.events == [("written", keys(1, 2)), ("deleted", keys(1, 2))]
+    l1.remove_listener(listener)
+    write(l1, [3])
+    assert len(l1) == 1
+
+
+def test_listeners_run_inside_the_l1_lock(l1: L1Manager) -> None:
+    seen: list[bool] = []
+
+    class Probe(Recorder):
+        def on_l1_keys_written(self, written: Sequence[ObjectKey]) -> None:
+            outcome: list[bool] = []
+            other = threading.Thread(target=lambda: outcome.append(l1.lock.acquire(timeout=0.05)))
+            other.start()
+            other.join()
+            seen.extend(outcome)
+
+    l1.add_listener(Probe())
+    write(l1, [1])
+    assert seen == [False]
+
+
+# -- accounting and lifecycle --------------------------------------------------------------
+
+
+def test_usage_and_capacity(l1: L1Manager) -> None:
+    assert l1.capacity_bytes == CAPACITY
+    assert l1.usage() == 0.0
+    write(l1, [1, 2], size=ALIGN + 1)
+    assert l1.used_bytes == 4 * ALIGN
+    assert l1.usage() == pytest.approx(4 / 64)
+    assert l1.fragmentation() == 0.0
+
+
+def test_close_releases_the_arena_and_is_idempotent() -> None:
+    manager = L1Manager(CAPACITY, align=ALIGN)
+    path = manager.arena.path
+    write(manager, [1])
+    manager.close()
+    manager.close()
+    assert not os.path.exists(path)
+    with pytest.raises(RuntimeError, match="closed"):
+        manager.reserve_write(keys(2), [ALIGN])
+    with pytest.raises(RuntimeError, match="closed"):
+        manager.reserve_read(keys(1))
+
+
+def test_concurrent_writers_and_readers_keep_accounting_exact(l1: L1Manager) -> None:
+    errors: list[BaseException] = []
+
+    def worker(base: int) -> None:
+        try:
+            for round_ in range(200):
+                batch = keys(*(base * 10_000 + round_ * 3 + i for i in range(3)))
+                try:
+                    l1.reserve_write(batch, [ALIGN, 2 * ALIGN, 100])
+                except L1OutOfMemoryError:
+                    l1.clear()
+                    continue
+                l1.finish_write(batch)
+                l1.reserve_read(batch)
+                l1.finish_read(batch)
+                if round_ % 2:
+                    l1.delete(batch)
+        except BaseException as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    stats = l1.stats()
+    assert stats.write_locked == 0 and stats.read_locks == 0
+    live = [l1.get(k) for k in keys(*range(40_000))]
+    objects = [obj for obj in live if obj is not None]
+    assert stats.objects == len(objects)
+    assert stats.used_bytes == sum(-(-max(obj.size, 1) // ALIGN) * ALIGN for obj in objects)
+    assert l1.clear() == len(objects) and l1.used_bytes == 0

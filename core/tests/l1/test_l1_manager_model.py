@@ -1,0 +1,184 @@
+"""L1Manager against a plain model: random call sequences keep state, bytes and notifications exact."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from lmcache_tiers.errors import L1OutOfMemoryError
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1 import L1Manager, ObjectState
+
+ALIGN = 4096
+UNITS = 24
+KEYS = [ObjectKey("model", 0, bytes([index + 1])) for index in range(12)]
+key_lists = st.lists(st.sampled_from(KEYS), max_size=5)
+
+
+@dataclass
+class Entry:
+    units: int
+    temporary: bool
+    writing: bool = True
+    read_locks: int = 0
+
+
+class Notifications:
+    def __init__(self) -> None:
+        self.written: list[ObjectKey] = []
+        self.deleted: list[ObjectKey] = []
+
+    def on_l1_keys_written(self, keys: Sequence[ObjectKey]) -> None:
+        self.written.extend(keys)
+
+    def on_l1_keys_read(self, keys: Sequence[ObjectKey]) -> None:
+        pass
+
+    def on_l1_keys_deleted(self, keys: Sequence[ObjectKey]) -> None:
+        self.deleted.extend(keys)
+
+
+class ManagerModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = L1Manager(UNITS * ALIGN, align=ALIGN, prefault=False)
+        self.notes = Notifications()
+        self.l1.add_listener(self.notes)
+        self.model: dict[ObjectKey, Entry] = {}
+        self.removed: list[ObjectKey] = []
+
+    def teardown(self) -> None:
+        self.l1.close()
+
+    def _remove(self, key: ObjectKey) -> None:
+        del self.model[key]
+        self.removed.append(key)
+
+    @rule(batch=key_lists, units=st.lists(st.integers(1, 6), min_size=5, max_size=5), temporary=st.booleans())
+    def reserve_write(self, batch: list[ObjectKey], units: list[int], temporary: bool) -> None:
+        sizes = [n * ALIGN - 7 for n in units[: len(batch)]]
+        fresh: dict[ObjectKey, int] = {}
+        for k, n in zip(batch, units, strict=False):
+            if k not in self.model:
+                fresh.setdefault(k, n)  # a key repeated in a batch: the first size wins
+        try:
+            reserved = self.l1.reserve_write(batch, sizes, temporary=temporary)
+        except L1OutOfMemoryError:
+            return
+        assert list(reserved) == list(fresh)
+        for k, n in fresh.items():
+            self.model[k] = Entry(n, temporary)
+
+    @rule(batch=key_lists, count=st.integers(0, 2))
+    def finish_write(self, batch: list[ObjectKey], count: int) -> None:
+        # count 0 stands for plain finish_write; 1..2 for the hand-off to readers
+        finish = (
+            self.l1.finish_write_and_reserve_read if count else lambda keys, _: self.l1.finish_write(keys)
+        )
+        result = finish(batch, count)
+        expected = []
+        for k in batch:
+            entry = self.model.get(k)
+            ok = entry is not None and entry.writing
+            expected.append(ok)
+            if entry is not None and ok:
+                entry.writing = False
+                entry.read_locks = count
+        assert result == expected
+
+    @rule(batch=key_lists)
+    def abort_write(self, batch: list[ObjectKey]) -> None:
+        self.l1.abort_write(batch)
+        for k in dict.fromkeys(batch):
+            if k in self.model and self.model[k].writing:
+                self._remove(k)
+
+    @rule(batch=key_lists, count=st.integers(1, 2))
+    def reserve_read(self, batch: list[ObjectKey], count: int) -> None:
+        hits = self.l1.reserve_read(batch, count)
+        expected = [k for k in dict.fromkeys(batch) if k in self.model and not self.model[k].writing]
+        assert list(hits) == expected
+        for k in expected:
+            self.model[k].read_locks += count
+
+    @rule(batch=key_lists, count=st.integers(1, 2))
+    def finish_read(self, batch: list[ObjectKey], count: int) -> None:
+        self.l1.finish_read(batch, count)
+        for k in dict.fromkeys(batch):
+            entry = self.model.get(k)
+            if entry is None or entry.read_locks == 0:
+                continue
+            entry.read_locks = max(0, entry.read_locks - count)
+            if entry.read_locks == 0 and entry.temporary:
+                self._remove(k)
+
+    @rule(batch=key_lists, force=st.booleans())
+    def delete(self, batch: list[ObjectKey], force: bool) -> None:
+        result = self.l1.delete(batch, force=force)
+        expected = []
+        for k in batch:
+            entry = self.model.get(k)
+            ok = entry is not None and (force or (not entry.writing and entry.read_locks == 0))
+            expected.append(ok)
+            if ok:
+                self._remove(k)
+        assert result == expected
+
+    @rule(victims=key_lists, units=st.integers(0, 8))
+    def evict(self, victims: list[ObjectKey], units: int) -> None:
+        evicted = self.l1.evict(units * ALIGN, victims)
+        expected: list[ObjectKey] = []
+        freed = 0
+        for k in victims:
+            entry = self.model.get(k)
+            if units == 0 or freed >= units * ALIGN:
+                break
+            if entry is None or entry.writing or entry.read_locks or k in expected:
+                continue
+            expected.append(k)
+            freed += entry.units * ALIGN
+        assert evicted == expected
+        for k in expected:
+            self._remove(k)
+
+    @rule()
+    def expire_everything(self) -> None:
+        locked = [k for k, e in self.model.items() if e.writing or e.read_locks]
+        assert self.l1.expire_locks(float("inf")) == len(locked)
+        for k in locked:
+            entry = self.model[k]
+            if entry.writing or entry.temporary:
+                self._remove(k)
+            else:
+                entry.read_locks = 0
+
+    @rule(batch=key_lists, temporary=st.booleans())
+    def set_temporary(self, batch: list[ObjectKey], temporary: bool) -> None:
+        self.l1.set_temporary(batch, temporary)
+        for k in batch:
+            if k in self.model:
+                self.model[k].temporary = temporary
+
+    @invariant()
+    def matches_model(self) -> None:
+        stats = self.l1.stats()
+        assert stats.objects == len(self.model)
+        assert stats.used_bytes == sum(e.units for e in self.model.values()) * ALIGN
+        assert stats.write_locked == sum(e.writing for e in self.model.values())
+        assert stats.read_locks == sum(e.read_locks for e in self.model.values())
+        assert stats.temporary == sum(e.temporary for e in self.model.values())
+        for k, entry in self.model.items():
+            obj = self.l1.get(k)
+            assert obj is not None
+            assert obj.state is (ObjectState.WRITING if entry.writing else ObjectState.READY)
+        # Every departure reported exactly once (order within one call is not specified).
+        assert Counter(self.notes.deleted) == Counter(self.removed)
+
+
+TestManagerModel = ManagerModel.TestCase
+TestManagerModel.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
