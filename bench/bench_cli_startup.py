@@ -30,8 +30,10 @@ def main() -> None:
     out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout
     heavy = out.rsplit("HEAVY=", 1)[-1].strip()
     median = statistics.median(times)
-    print(f"plugins list start-up: median {median:.3f} s, max {max(times):.3f} s (limit {LIMIT_S:.1f} s) "
-          f"-> {'OK' if median < LIMIT_S else 'OVER LIMIT'}")
+    print(
+        f"plugins list start-up: median {median:.3f} s, max {max(times):.3f} s (limit {LIMIT_S:.1f} s) "
+        f"-> {'OK' if median < LIMIT_S else 'OVER LIMIT'}"
+    )
     print(f"heavy modules imported by plugins list: {heavy or 'none'}")
 
 

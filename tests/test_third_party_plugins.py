@@ -41,7 +41,12 @@ raise ImportError("acme-broken needs libtape.so")
 """
 
 POLICY_FLAGS = [
-    "--eviction-policy", "acme_fifo", "--l2-store-policy", "acme_store", "--l2-prefetch-policy", "acme_prefetch",
+    "--eviction-policy",
+    "acme_fifo",
+    "--l2-store-policy",
+    "acme_store",
+    "--l2-prefetch-policy",
+    "acme_prefetch",
 ]
 
 
@@ -77,7 +82,14 @@ def test_plugin_that_raises_on_import_is_reported_and_others_load(site: Path) ->
 
 def test_third_party_adapter_selected_by_type_without_core_changes(site: Path) -> None:
     result = run_cli(
-        ["serve", "--print-config", "--no-default-l2", *POLICY_FLAGS, "--l2-adapter", '{"type": "acme_tape", "slots": 9}'],
+        [
+            "serve",
+            "--print-config",
+            "--no-default-l2",
+            *POLICY_FLAGS,
+            "--l2-adapter",
+            '{"type": "acme_tape", "slots": 9}',
+        ],
         site,
     )
     assert result.returncode == 0, result.stderr
@@ -86,7 +98,9 @@ def test_third_party_adapter_selected_by_type_without_core_changes(site: Path) -
 
 
 def test_third_party_field_errors_keep_the_path(site: Path) -> None:
-    result = run_cli(["serve", "--print-config", *POLICY_FLAGS, "--l2-adapter", '{"type": "acme_tape", "slots": 0}'], site)
+    result = run_cli(
+        ["serve", "--print-config", *POLICY_FLAGS, "--l2-adapter", '{"type": "acme_tape", "slots": 0}'], site
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == "error: acme_tape: Expected `int` >= 1 - at `$.l2_adapters[0].slots`"
 
@@ -100,10 +114,16 @@ def test_strict_refuses_to_start_with_a_broken_plugin(site: Path) -> None:
 
 def test_disabled_plugin_is_not_imported(site: Path) -> None:
     rows = _by_name(
-        run_cli(["plugins", "list", "--json"], site, LMCACHE_TIERS_DISABLE_PLUGINS="acme-broken, other").stdout
+        run_cli(
+            ["plugins", "list", "--json"], site, LMCACHE_TIERS_DISABLE_PLUGINS="acme-broken, other"
+        ).stdout
     )
     assert rows["acme-broken"]["status"] == "disabled by LMCACHE_TIERS_DISABLE_PLUGINS"
-    result = run_cli(["serve", "--strict", "--print-config", *POLICY_FLAGS], site, LMCACHE_TIERS_DISABLE_PLUGINS="acme-broken")
+    result = run_cli(
+        ["serve", "--strict", "--print-config", *POLICY_FLAGS],
+        site,
+        LMCACHE_TIERS_DISABLE_PLUGINS="acme-broken",
+    )
     assert result.returncode == 0, result.stderr
 
 

@@ -41,8 +41,18 @@ def write_package(root: Path, dist: str, module: str, source: str) -> Path:
 def pip_install_to(target: Path, package: Path) -> None:
     """Install like a user would (pip, real metadata and entry points), into ``target``."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(package)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(package),
+        ],
         check=True,
         capture_output=True,
     )

@@ -29,14 +29,18 @@ def test_defaults_follow_lmcache(registry: ComponentRegistry) -> None:
 
 
 def test_adapter_json_selects_plugin_struct(registry: ComponentRegistry) -> None:
-    spec = parse_adapter_json(registry, '{"type": "demo", "size_gb": 2, "eviction": {"trigger_watermark": 0.5}}', 0)
+    spec = parse_adapter_json(
+        registry, '{"type": "demo", "size_gb": 2, "eviction": {"trigger_watermark": 0.5}}', 0
+    )
     assert spec.type == "demo"
     assert spec.config.size_gb == 2.0  # type: ignore[attr-defined]
     assert spec.config.eviction is not None and spec.config.eviction.trigger_watermark == 0.5
 
 
 def test_order_of_adapters_is_kept(registry: ComponentRegistry) -> None:
-    config = build_config(registry, adapter_json=['{"type":"demo","path":"/a"}', '{"type":"demo","path":"/b"}'])
+    config = build_config(
+        registry, adapter_json=['{"type":"demo","path":"/a"}', '{"type":"demo","path":"/b"}']
+    )
     assert [a.config.path for a in config.l2_adapters] == ["/a", "/b"]  # type: ignore[attr-defined]
 
 
@@ -53,10 +57,19 @@ def test_serde_chain_is_resolved(registry: ComponentRegistry) -> None:
         ("{not json", r"--l2-adapter #1 is not valid JSON"),
         ('{"type": "dmeo"}', r"unknown l2 adapter 'dmeo': did you mean 'demo'\? installed: demo"),
         ('{"size_gb": 1}', r"missing required field `type`"),
-        ('{"type": "demo", "size_gb": -1}', r"demo: Expected `float` > 0.* at `\$\.l2_adapters\[0\]\.size_gb`"),
-        ('{"type": "demo", "size_gb": "big"}', r"Expected `float`, got `str` - at `\$\.l2_adapters\[0\]\.size_gb`"),
+        (
+            '{"type": "demo", "size_gb": -1}',
+            r"demo: Expected `float` > 0.* at `\$\.l2_adapters\[0\]\.size_gb`",
+        ),
+        (
+            '{"type": "demo", "size_gb": "big"}',
+            r"Expected `float`, got `str` - at `\$\.l2_adapters\[0\]\.size_gb`",
+        ),
         ('{"type": "demo", "colour": "red"}', r"unknown field `colour`"),
-        ('{"type": "demo", "eviction": {"eviction_ratio": 2}}', r"\$\.l2_adapters\[0\]\.eviction\.eviction_ratio"),
+        (
+            '{"type": "demo", "eviction": {"eviction_ratio": 2}}',
+            r"\$\.l2_adapters\[0\]\.eviction\.eviction_ratio",
+        ),
         ('{"type": "demo", "eviction": {"eviction_policy": "LFU"}}', r"unknown eviction policy 'LFU'"),
         ("[1, 2]", r"expected a JSON object"),
     ],
@@ -87,9 +100,7 @@ def test_policy_names_are_case_insensitive(registry: ComponentRegistry) -> None:
 
 def test_toml_file_and_flag_precedence(registry: ComponentRegistry, tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "c.toml"
-    path.write_text(
-        'l1_size_gb = 2.5\nport = 6000\n[[l2_adapters]]\ntype = "demo"\npath = "/from-file"\n'
-    )
+    path.write_text('l1_size_gb = 2.5\nport = 6000\n[[l2_adapters]]\ntype = "demo"\npath = "/from-file"\n')
     config = build_config(registry, load_toml(str(path)), {"port": 7000, "host": None})
     assert config.l1_size_gb == 2.5 and config.port == 7000
     assert config.l2_adapters[0].config.path == "/from-file"  # type: ignore[attr-defined]

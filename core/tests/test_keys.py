@@ -30,7 +30,9 @@ def test_hash_is_a_rolling_prefix_hash() -> None:
 
 
 def test_hashes_are_identical_in_another_process() -> None:
-    code = "from lmcache_tiers.keys import chunk_hashes; print(chunk_hashes(list(range(1024)), 256)[-1].hex())"
+    code = (
+        "from lmcache_tiers.keys import chunk_hashes; print(chunk_hashes(list(range(1024)), 256)[-1].hex())"
+    )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == chunk_hashes(list(range(1024)), 256)[-1].hex()
 

@@ -22,10 +22,14 @@ def test_components_are_registered_with_their_plugin() -> None:
 def test_factory_strings_are_imported_on_first_use_only() -> None:
     registry = ComponentRegistry()
     registry.for_plugin(Kind.SERDE, "p").add("lazy", "json:dumps")
-    registry.for_plugin(Kind.SERDE, "p").add("missing", "no_such_module_xyz:thing", install_hint="pip install xyz")
+    registry.for_plugin(Kind.SERDE, "p").add(
+        "missing", "no_such_module_xyz:thing", install_hint="pip install xyz"
+    )
     registry.for_plugin(Kind.SERDE, "p").add("badattr", "json:no_such_attr")
     assert registry.get(Kind.SERDE, "lazy").create([1]) == "[1]"
-    with pytest.raises(ComponentLoadError, match=r"serde:missing from plugin 'p' cannot be loaded.*pip install xyz"):
+    with pytest.raises(
+        ComponentLoadError, match=r"serde:missing from plugin 'p' cannot be loaded.*pip install xyz"
+    ):
         registry.get(Kind.SERDE, "missing").load()
     with pytest.raises(ComponentLoadError, match="does not exist"):
         registry.get(Kind.SERDE, "badattr").load()
@@ -82,7 +86,7 @@ def test_hook_with_wrong_signature_or_unknown_name_is_reported() -> None:
 def test_registry_rejects_bad_registrations() -> None:
     registry = ComponentRegistry()
     adder = registry.for_plugin(Kind.SERDE, "p")
-    with pytest.raises(PluginError, match="must be a msgspec.Struct"):
+    with pytest.raises(PluginError, match=r"must be a msgspec\.Struct"):
         adder.add("x", "json:dumps", dict)  # type: ignore[arg-type]
     with pytest.raises(PluginError, match="'module:attr'"):
         adder.add("x", "json.dumps")

@@ -24,11 +24,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
+
 class _Frozen(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Base of every config Struct: keyword-only, immutable, unknown fields refused."""
 
 
-class L2EvictionConfig(_Frozen):
+class L2EvictionConfig(_Frozen, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Per-adapter L2 eviction: evict when usage reaches the watermark."""
 
     eviction_policy: Annotated[str, Meta(description="Eviction policy name, e.g. LRU.")] = "LRU"
@@ -40,14 +41,14 @@ class L2EvictionConfig(_Frozen):
     ] = 0.2
 
 
-class SerdeSpec(_Frozen):
+class SerdeSpec(_Frozen, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """One serde transform of an adapter's chain, resolved from ``{"type": ..., ...}``."""
 
     type: str
     config: msgspec.Struct
 
 
-class L2AdapterConfig(_Frozen):
+class L2AdapterConfig(_Frozen, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Options every L2 adapter accepts; adapter plugins subclass this Struct."""
 
     eviction: Annotated[
@@ -60,7 +61,7 @@ class L2AdapterConfig(_Frozen):
     ] = ()
 
 
-class AdapterSpec(_Frozen):
+class AdapterSpec(_Frozen, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """A resolved ``--l2-adapter``: the plugin type and its decoded config."""
 
     type: str
@@ -72,10 +73,12 @@ def _doc(text: str, **constraints: Any) -> Meta:
     return Meta(description=text, **constraints)
 
 
-class ServerConfig(_Frozen):
+class ServerConfig(_Frozen, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Everything ``lmcache-tiers serve`` runs with; flag names follow LMCache's server."""
 
-    host: Annotated[str, _doc("Address the RPC server binds to; non-loopback needs auth_token.")] = "127.0.0.1"
+    host: Annotated[str, _doc("Address the RPC server binds to; non-loopback needs auth_token.")] = (
+        "127.0.0.1"
+    )
     port: Annotated[int, _doc("RPC port (ZeroMQ ROUTER).", ge=0, le=65535)] = 5555
     chunk_size: Annotated[int, _doc("Tokens per KV chunk; keys hash full chunks only.", gt=0)] = 256
     l1_size_gb: Annotated[float, _doc("Size of the L1 CPU-memory arena in GiB.", gt=0.0)] = 1.0
@@ -100,7 +103,9 @@ class ServerConfig(_Frozen):
     l2_prefetch_max_in_flight: Annotated[
         int, _doc("Prefetch requests running at once; the rest queue.", ge=1)
     ] = 8
-    metrics_port: Annotated[int, _doc("HTTP port for /metrics, /healthz, /status; 0 disables.", ge=0, le=65535)] = 9090
+    metrics_port: Annotated[
+        int, _doc("HTTP port for /metrics, /healthz, /status; 0 disables.", ge=0, le=65535)
+    ] = 9090
     auth_token: Annotated[
         str | None, _doc("Shared secret every request must carry; required off loopback.")
     ] = None
@@ -166,7 +171,9 @@ def parse_adapter_json(registry: ComponentRegistry, text: str, index: int) -> Ad
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"--l2-adapter #{index + 1} is not valid JSON: {exc.msg} at column {exc.colno}") from exc
+        raise ConfigError(
+            f"--l2-adapter #{index + 1} is not valid JSON: {exc.msg} at column {exc.colno}"
+        ) from exc
     return decode_adapter(registry, raw, index)
 
 

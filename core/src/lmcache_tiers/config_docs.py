@@ -42,7 +42,7 @@ class FieldDoc(NamedTuple):
 
 def _type_name(schema: dict[str, Any], defs: dict[str, Any]) -> str:
     if "$ref" in schema:
-        return schema["$ref"].rsplit("/", 1)[-1]
+        return str(schema["$ref"]).rsplit("/", 1)[-1]
     if "anyOf" in schema:
         return " | ".join(_type_name(s, defs) for s in schema["anyOf"])
     if "enum" in schema:
@@ -117,9 +117,7 @@ def render_config_reference(plugin_set: PluginSet) -> str:
         "",
     ]
     for kind in Kind:
-        shipped = [
-            c for c in plugin_set.registry.components(kind) if c.plugin.startswith(SHIPPED_PREFIX)
-        ]
+        shipped = [c for c in plugin_set.registry.components(kind) if c.plugin.startswith(SHIPPED_PREFIX)]
         if not shipped:
             continue
         out += [f"## {kind.value.replace('_', ' ').capitalize()}s", ""]

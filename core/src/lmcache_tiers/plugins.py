@@ -15,7 +15,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import pluggy
 
@@ -117,7 +117,7 @@ def _load_modules(infos: dict[str, PluginInfo]) -> dict[str, ModuleType]:
         invoke_on_load=False,
         on_load_failure_callback=on_failure,
     )
-    return {ext.name: ext.plugin for ext in extensions.extensions}
+    return {ext.name: cast(ModuleType, ext.plugin) for ext in extensions.extensions}
 
 
 def _drop_plugins_with_unknown_hooks(manager: pluggy.PluginManager, ordered: list[PluginInfo]) -> None:
@@ -149,9 +149,7 @@ def _run_registration(manager: pluggy.PluginManager, registry: ComponentRegistry
         info.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, PluginError) else str(exc)
         manager.unregister(name=info.name)
         return
-    info.components = [
-        c.qualified_name for c in registry.components() if c.plugin == info.distribution
-    ]
+    info.components = [c.qualified_name for c in registry.components() if c.plugin == info.distribution]
 
 
 def discover(extra_plugins: dict[str, ModuleType] | None = None) -> PluginSet:
@@ -170,11 +168,11 @@ def discover(extra_plugins: dict[str, ModuleType] | None = None) -> PluginSet:
 
     ordered = [infos[name] for name in sorted(infos)]
     for info in ordered:
-        module = modules.get(info.name)
-        if module is None or info.disabled or info.error:
+        loaded = modules.get(info.name)
+        if loaded is None or info.disabled or info.error:
             continue
         try:
-            manager.register(module, name=info.name)
+            manager.register(loaded, name=info.name)
         except (pluggy.PluginValidationError, ValueError) as exc:
             info.error = f"invalid hooks: {exc}"
             continue

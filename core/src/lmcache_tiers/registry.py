@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -73,8 +73,8 @@ class Component:
                 f"{self.qualified_name} from plugin {self.plugin!r} points at "
                 f"{self.factory!r}, which does not exist: {exc}"
             ) from exc
-        self._loaded = obj
-        return obj
+        self._loaded = cast(Callable[..., Any], obj)
+        return self._loaded
 
     def create(self, *args: Any) -> Any:
         return self.load()(*args)

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except TyperException as exc:  # usage errors: bad flag values, unknown options
         if type(exc).__name__ == "NoArgsIsHelpError":
-            getattr(exc, "show")()
+            exc.show()
             sys.exit(EXIT_USAGE)
         fail(exc.format_message(), getattr(exc, "exit_code", EXIT_USAGE))
     except TiersError as exc:

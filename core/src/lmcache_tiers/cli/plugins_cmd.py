@@ -12,7 +12,9 @@ from lmcache_tiers.config_docs import component_fields, render_config_reference
 from lmcache_tiers.plugins import load_plugins
 from lmcache_tiers.registry import Component
 
-app = typer.Typer(help="List installed plugins and show their components' configuration.", no_args_is_help=True)
+app = typer.Typer(
+    help="List installed plugins and show their components' configuration.", no_args_is_help=True
+)
 
 
 @app.command("list")
@@ -61,7 +63,9 @@ def _matching_components(name: str) -> list[Component]:
 def show(name: str = typer.Argument(..., help="A plugin name, or a component as NAME or KIND:NAME.")) -> None:
     """Show each component's config fields with types, defaults, constraints and docs."""
     plugin_set = load_plugins()
-    broken = [p for p in plugin_set.plugins if name.lower() in (p.name.lower(), p.distribution.lower()) and p.error]
+    broken = [
+        p for p in plugin_set.plugins if name.lower() in (p.name.lower(), p.distribution.lower()) and p.error
+    ]
     if broken:
         fail(f"plugin {broken[0].name!r} did not load: {broken[0].error}", 1)
     components = _matching_components(name)

@@ -45,7 +45,9 @@ def _is_loopback(host: str) -> bool:
 
 
 def serve(
-    l1_size_gb: Annotated[Optional[float], typer.Option(help=_help("L1 arena size in GiB.", "l1_size_gb"))] = None,
+    l1_size_gb: Annotated[
+        Optional[float], typer.Option(help=_help("L1 arena size in GiB.", "l1_size_gb"))
+    ] = None,
     eviction_policy: Annotated[
         Optional[str], typer.Option(help=_help("L1 eviction policy.", "eviction_policy"))
     ] = None,
@@ -54,11 +56,12 @@ def serve(
         typer.Option(help=_help("L1 usage fraction that starts eviction.", "eviction_trigger_watermark")),
     ] = None,
     eviction_ratio: Annotated[
-        Optional[float], typer.Option(help=_help("Fraction of allocated L1 freed per round.", "eviction_ratio"))
+        Optional[float],
+        typer.Option(help=_help("Fraction of allocated L1 freed per round.", "eviction_ratio")),
     ] = None,
     l2_adapter: Annotated[
         Optional[list[str]],
-        typer.Option(help="L2 adapter as JSON with a \"type\"; repeat for a cascade (order = lookup order)."),
+        typer.Option(help='L2 adapter as JSON with a "type"; repeat for a cascade (order = lookup order).'),
     ] = None,
     l2_store_policy: Annotated[
         Optional[str], typer.Option(help=_help("Store policy.", "l2_store_policy"))
@@ -77,7 +80,9 @@ def serve(
     ] = None,
     auth_token: Annotated[
         Optional[str],
-        typer.Option(envvar="LMCACHE_TIERS_AUTH_TOKEN", help="Token clients must send; required off loopback."),
+        typer.Option(
+            envvar="LMCACHE_TIERS_AUTH_TOKEN", help="Token clients must send; required off loopback."
+        ),
     ] = None,
     no_shm: Annotated[
         Optional[bool], typer.Option("--no-shm", help="Disable the shared-memory data plane.")

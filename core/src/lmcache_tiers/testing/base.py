@@ -43,7 +43,7 @@ class ComponentSuite:
 
     @pytest.fixture(autouse=True)
     def _skip_unsupported(self, request: pytest.FixtureRequest) -> None:
-        needed = getattr(request.function, "__tiers_requires__", frozenset())
+        needed: frozenset[str] = getattr(request.function, "__tiers_requires__", frozenset())
         missing = sorted(needed - self.capabilities)
         if missing:
             pytest.skip(f"{self.component_name} does not declare capability: {', '.join(missing)}")
