@@ -1,0 +1,148 @@
+"""The non-blocking interface the controllers use to talk to an L2 adapter.
+
+Every batch operation that may touch a slow device is *submitted*: the call returns a task
+id at once, the adapter signals the operation's eventfd when results are ready, and the
+caller pops them.  The store controller and the prefetch controller call one adapter from
+two threads at the same time; each operation kind has a single consumer, which is what
+makes "pop everything completed" safe.
+
+Plugin authors normally do not implement this class directly: they subclass
+:class:`~lmcache_tiers.l2.base.BatchL2Adapter` or
+:class:`~lmcache_tiers.l2.base.AsyncBatchL2Adapter` and write plain batch I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from typing import ClassVar, NamedTuple, Protocol
+
+from lmcache_tiers.keys import ObjectKey
+
+
+class L2Op(enum.IntEnum):
+    """Operation kinds that complete asynchronously; each has its own eventfd."""
+
+    STORE = 0
+    LOOKUP = 1
+    LOAD = 2
+
+
+class LookupResult(NamedTuple):
+    """Result of one ``submit_lookup_and_lock`` task, aligned with the submitted keys."""
+
+    found: list[bool]
+    #: bytes an L1 object needs to receive the key (its decoded size); 0 for misses
+    sizes: list[int]
+
+
+class L2Listener(Protocol):
+    """Observer of an adapter (e.g. the per-adapter L2 eviction policy).
+
+    Called from the adapter's own threads (or the thread calling ``delete``) after the
+    operation took effect and before its result is published; must not block.
+    """
+
+    def on_l2_keys_stored(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None: ...
+
+    def on_l2_keys_loaded(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None: ...
+
+    def on_l2_keys_deleted(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None: ...
+
+
+class L2Adapter(ABC):
+    """One configured L2 backend, as the controllers see it.
+
+    Event fds: ``event_fd(op)`` becomes readable when at least one task of ``op`` may have
+    completed.  ``pop_completed_*`` drains the fd before collecting results, so a wake-up
+    can find nothing (an empty dict) but a completed result is never left behind without
+    the fd being readable.  The fds stay valid after ``close()`` until the adapter is
+    garbage collected, so a thread still polling never sees a recycled descriptor.
+    """
+
+    #: instance label, e.g. ``"0:mock"``
+    name: str
+    #: True: the buffers handed to ``submit_store``/``submit_load`` must be views into the
+    #: L1 arena (``AdapterContext.l1_buffer``), because the backend addresses them by
+    #: offset in memory it registered once (NIXL, GDS).  False: any buffer works.
+    needs_l1_buffers: ClassVar[bool] = True
+
+    @abstractmethod
+    def event_fd(self, op: L2Op) -> int:
+        """File descriptor that is readable when results of ``op`` are ready."""
+
+    @abstractmethod
+    def submit_store(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> int:
+        """Start storing ``buffers[i]`` under ``keys[i]``; returns the task id.
+
+        The buffers must stay valid and unchanged until the task's result is popped.
+        """
+
+    @abstractmethod
+    def pop_completed_stores(self) -> dict[int, list[bool]]:
+        """Results of finished store tasks: task id -> success per key."""
+
+    @abstractmethod
+    def submit_lookup_and_lock(self, keys: Sequence[ObjectKey]) -> int:
+        """Start checking which keys are present; every hit is pinned once.
+
+        A pinned key cannot be deleted or evicted until ``unlock`` drops the pin.  The
+        caller must unlock every key reported found, whether it loads it or not.
+        """
+
+    @abstractmethod
+    def pop_completed_lookups(self) -> dict[int, LookupResult]:
+        """Results of finished lookup tasks: task id -> found and sizes per key."""
+
+    @abstractmethod
+    def submit_load(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> int:
+        """Start copying each key's object into ``buffers[i]`` (its exact L1 size).
+
+        Keys are expected to be pinned by a lookup; a buffer whose size differs from the
+        object's, or a key no longer present, fails for that key only.
+        """
+
+    @abstractmethod
+    def pop_completed_loads(self) -> dict[int, list[bool]]:
+        """Results of finished load tasks: task id -> success per key."""
+
+    @abstractmethod
+    def unlock(self, keys: Sequence[ObjectKey]) -> None:
+        """Drop one pin per occurrence of each key; unpinned keys are ignored."""
+
+    @abstractmethod
+    def delete(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Delete now (synchronously); pinned or absent keys are not deleted (False)."""
+
+    @abstractmethod
+    def usage(self) -> float:
+        """Used bytes / capacity, or -1.0 when the backend has no capacity."""
+
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes of stored objects this adapter knows of."""
+
+    @abstractmethod
+    def used_bytes_by_salt(self) -> dict[str, int]:
+        """``used_bytes`` split by ``cache_salt`` (the empty salt is ``""``)."""
+
+    @abstractmethod
+    def iter_keys(self) -> Iterator[ObjectKey]:
+        """Every stored key (order unspecified; may be slow on large backends)."""
+
+    @abstractmethod
+    def add_listener(self, listener: L2Listener) -> None:
+        """Register an observer of stores, loads and deletes."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish or fail every pending task, stop threads, release the backend.
+
+        Idempotent.  Results of failed tasks can still be popped afterwards; tasks
+        submitted after close complete at once as failures.
+        """
+
+    def stats(self) -> dict[str, int]:
+        """Counters (monotonic) and gauges for metrics; names are adapter-defined."""
+        return {}

@@ -1,0 +1,219 @@
+"""Record format of persistent adapters: a self-describing header stored with each object.
+
+Layout (little-endian)::
+
+    magic "LMTR" | version u16 | flags u16 | header_len u32 | payload_len u64 | l1_size u64
+    | checksum_algo u8 | 3 reserved | payload checksum 16B | key_len u16 | layout_len u16
+    | serde_len u16 | key (ObjectKey.to_bytes) | layout (utf-8) | serde names (utf-8, ",")
+    | zero padding to the requested alignment | header crc32 u32
+
+``header_len`` counts everything up to and including the header crc, so the payload starts
+at ``header_len``.  The header crc catches a torn or bit-flipped header before any of its
+lengths are trusted; the payload checksum catches a damaged payload.  ``l1_size`` is the
+decoded (L1) size, which a size-changing serde chain makes differ from ``payload_len``: a
+persistent adapter reports it from the header after a restart, when the base class has no
+memory of the key (see ``ObjectSize``).  Any mismatch raises a :class:`RecordError`
+subclass; callers turn it into a miss and delete the object.
+
+Checksum: blake3, truncated to 128 bits (plenty against accidental corruption; this is
+not a MAC -- the AES-GCM serde is what defends against tampering).  Measured on the
+development machine over 32 MiB (a typical KV chunk): blake3 6.7 GB/s single-threaded,
+zlib.crc32 2.1 GB/s (zlib 1.2.13), sha256 0.5 GB/s; on 64 KiB blake3 3.5 GB/s vs crc32
+2.6 GB/s.  blake3's multi-threaded mode was slower on 2 cores (thread start-up per call),
+so it stays single-threaded; the algorithm id in the header leaves room to change this.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import blake3
+
+from lmcache_tiers.errors import KeyValidationError, TiersError
+from lmcache_tiers.keys import ObjectKey
+
+RECORD_MAGIC: Final = b"LMTR"
+RECORD_VERSION: Final = 1
+CHECKSUM_BLAKE3_128: Final = 1
+CHECKSUM_SIZE: Final = 16
+#: a header_len beyond this is taken as corruption rather than trusted for a read
+MAX_HEADER_LEN: Final = 1 << 16
+
+_FIXED = struct.Struct(f"<4sHHIQQB3x{CHECKSUM_SIZE}sHHH")
+_CRC = struct.Struct("<I")
+#: bytes a reader needs to learn ``header_len`` (see :func:`header_length`)
+PREFIX_SIZE: Final = _FIXED.size
+
+
+class RecordError(TiersError):
+    """A stored record cannot be trusted; the object must be treated as a miss."""
+
+
+class RecordCorruptError(RecordError):
+    """The header is truncated, has a bad magic or a bad header crc."""
+
+
+class RecordVersionError(RecordError):
+    """The record was written in a format version this code does not read."""
+
+
+class RecordChecksumError(RecordError):
+    """The payload does not match the checksum in its header."""
+
+
+class RecordMismatchError(RecordError):
+    """The record is intact but belongs to another key or another serde chain."""
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    """A decoded header."""
+
+    key: ObjectKey
+    payload_len: int
+    l1_size: int
+    serde: tuple[str, ...]
+    checksum: bytes
+    layout: str = ""
+    header_len: int = 0
+    version: int = RECORD_VERSION
+
+
+def checksum(payload: bytes | memoryview) -> bytes:
+    """128-bit blake3 digest of the payload."""
+    return blake3.blake3(payload).digest(CHECKSUM_SIZE)
+
+
+def encode_header(
+    key: ObjectKey,
+    payload: bytes | memoryview,
+    *,
+    l1_size: int | None = None,
+    serde: Sequence[str] = (),
+    layout: str = "",
+    align: int = 1,
+) -> bytes:
+    """Header for ``payload`` stored under ``key``; the payload follows it.
+
+    ``l1_size`` defaults to the payload length (no size-changing serde).  ``align`` pads
+    the header to a multiple of it so the payload can start on a block boundary.
+    """
+    if align < 1:
+        raise ValueError("align must be >= 1")
+    if any("," in name or not name for name in serde):
+        raise ValueError(f"serde names must be non-empty and contain no ',': {list(serde)}")
+    payload_len = memoryview(payload).nbytes
+    key_bytes = key.to_bytes()
+    layout_bytes = layout.encode()
+    serde_bytes = ",".join(serde).encode()
+    fixed = _FIXED.pack(
+        RECORD_MAGIC,
+        RECORD_VERSION,
+        0,
+        0,  # header_len, patched below once padding is known
+        payload_len,
+        payload_len if l1_size is None else l1_size,
+        CHECKSUM_BLAKE3_128,
+        checksum(payload),
+        len(key_bytes),
+        len(layout_bytes),
+        len(serde_bytes),
+    )
+    body = fixed + key_bytes + layout_bytes + serde_bytes
+    header_len = -(-(len(body) + _CRC.size) // align) * align
+    if header_len > MAX_HEADER_LEN:
+        raise ValueError(f"record header of {header_len} bytes exceeds {MAX_HEADER_LEN}")
+    body = body[:8] + struct.pack("<I", header_len) + body[12:]
+    body += bytes(header_len - _CRC.size - len(body))
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def header_length(prefix: bytes | memoryview) -> int:
+    """Total header length, read from the first ``PREFIX_SIZE`` bytes of a record."""
+    if len(prefix) < PREFIX_SIZE:
+        raise RecordCorruptError(f"record is {len(prefix)} bytes long, shorter than a header")
+    magic, version, _flags, header_len = struct.unpack_from("<4sHHI", prefix)
+    if magic != RECORD_MAGIC:
+        raise RecordCorruptError(f"bad record magic {bytes(magic)!r}")
+    if version != RECORD_VERSION:
+        raise RecordVersionError(f"record format version {version} is not {RECORD_VERSION}")
+    if not PREFIX_SIZE + _CRC.size <= header_len <= MAX_HEADER_LEN:
+        raise RecordCorruptError(f"implausible record header length {header_len}")
+    return int(header_len)
+
+
+def decode_header(
+    data: bytes | memoryview,
+    *,
+    expected_key: ObjectKey | None = None,
+    expected_serde: Sequence[str] | None = None,
+) -> RecordHeader:
+    """Parse and verify a header; ``data`` may extend past it (e.g. the whole record)."""
+    view = memoryview(data).cast("B")
+    header_len = header_length(view)
+    if len(view) < header_len:
+        raise RecordCorruptError(f"record header is truncated ({len(view)} of {header_len} bytes)")
+    (stored_crc,) = _CRC.unpack_from(view, header_len - _CRC.size)
+    if zlib.crc32(view[: header_len - _CRC.size]) != stored_crc:
+        raise RecordCorruptError("record header crc mismatch")
+    (_m, version, _f, _h, payload_len, l1_size, algo, digest, key_len, layout_len, serde_len) = (
+        _FIXED.unpack_from(view)
+    )
+    if algo != CHECKSUM_BLAKE3_128:
+        raise RecordVersionError(f"unknown record checksum algorithm {algo}")
+    start = PREFIX_SIZE
+    end = start + key_len + layout_len + serde_len
+    if end > header_len - _CRC.size:
+        raise RecordCorruptError("record header fields overrun the header")
+    try:
+        key = ObjectKey.from_bytes(bytes(view[start : start + key_len]))
+        layout = bytes(view[start + key_len : start + key_len + layout_len]).decode()
+        serde_text = bytes(view[start + key_len + layout_len : end]).decode()
+    except (KeyValidationError, UnicodeDecodeError) as exc:
+        raise RecordCorruptError(f"record header fields are invalid: {exc}") from exc
+    header = RecordHeader(
+        key=key,
+        payload_len=payload_len,
+        l1_size=l1_size,
+        serde=tuple(serde_text.split(",")) if serde_text else (),
+        checksum=bytes(digest),
+        layout=layout,
+        header_len=header_len,
+        version=version,
+    )
+    if expected_key is not None and header.key != expected_key:
+        raise RecordMismatchError(
+            f"record holds key {header.key.file_stem()}, not {expected_key.file_stem()}"
+        )
+    if expected_serde is not None and header.serde != tuple(expected_serde):
+        raise RecordMismatchError(
+            f"record was written with serde chain {list(header.serde)}, configured is {list(expected_serde)}"
+        )
+    return header
+
+
+def verify_payload(header: RecordHeader, payload: bytes | memoryview) -> None:
+    """Raise :class:`RecordChecksumError` unless ``payload`` is what ``header`` describes."""
+    length = memoryview(payload).nbytes
+    if length != header.payload_len:
+        raise RecordChecksumError(f"payload is {length} bytes, header says {header.payload_len}")
+    if checksum(payload) != header.checksum:
+        raise RecordChecksumError(f"payload checksum mismatch for {header.key.file_stem()}")
+
+
+def decode_record(
+    data: bytes | memoryview,
+    *,
+    expected_key: ObjectKey | None = None,
+    expected_serde: Sequence[str] | None = None,
+) -> tuple[RecordHeader, memoryview]:
+    """Header and verified payload of a whole record read in one piece (no copy)."""
+    view = memoryview(data).cast("B")
+    header = decode_header(view, expected_key=expected_key, expected_serde=expected_serde)
+    payload = view[header.header_len : header.header_len + header.payload_len]
+    verify_payload(header, payload)
+    return header, payload

@@ -1,0 +1,83 @@
+"""Serde transforms: what happens to an object's bytes on their way into and out of L2.
+
+An adapter has a chain of serdes (fp8 quantization, compression, encryption ...), built
+from its config's ``serde`` list.  On store the chain encodes first to last; on load it
+decodes last to first.  The L2 base classes apply the chain, so adapters only ever see
+encoded payloads and never need to know which transforms are configured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from lmcache_tiers.config import SerdeSpec
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.registry import ComponentRegistry, Kind
+
+
+@runtime_checkable
+class Serde(Protocol):
+    """One reversible byte transform.
+
+    ``name`` identifies the transform in persisted record headers (so a record written
+    with another chain is recognised and refused rather than decoded wrongly).
+
+    ``decode(data, size)``: ``size`` is the size of the object in L1, i.e. the decoded
+    size of the *whole* chain.  The first serde of a chain (the last to decode) must
+    return exactly ``size`` bytes; a serde further down the chain whose own output is not
+    the L1 size must carry what it needs in its encoding.  Either method may raise (a
+    tampered ciphertext, a truncated frame): the base class turns that into a miss.
+    Both may be called from several threads at once.
+    """
+
+    name: str
+
+    def encode(self, data: memoryview) -> bytes | memoryview: ...
+
+    def decode(self, data: memoryview, size: int) -> bytes | memoryview: ...
+
+
+class IdentitySerde:
+    """The transform that changes nothing; an empty chain behaves the same way."""
+
+    name = "identity"
+
+    def encode(self, data: memoryview) -> bytes | memoryview:
+        return data
+
+    def decode(self, data: memoryview, size: int) -> bytes | memoryview:
+        return data
+
+
+def build_serde_chain(specs: Sequence[SerdeSpec], registry: ComponentRegistry) -> list[Serde]:
+    """Instantiate an adapter's resolved serde specs, in encoding order."""
+    chain: list[Serde] = []
+    for position, spec in enumerate(specs):
+        serde = registry.get(Kind.SERDE, spec.type).create(spec.config)
+        if not isinstance(serde, Serde):
+            raise ConfigError(
+                f"serde[{position}] {spec.type!r} built {type(serde).__name__}, which lacks "
+                "name/encode/decode"
+            )
+        chain.append(serde)
+    return chain
+
+
+def serde_names(chain: Sequence[Serde]) -> tuple[str, ...]:
+    """The chain as recorded in persisted headers (identity stages are left out)."""
+    return tuple(serde.name for serde in chain if not isinstance(serde, IdentitySerde))
+
+
+def encode_chain(chain: Sequence[Serde], data: memoryview) -> memoryview:
+    """Run every encoder, first to last."""
+    for serde in chain:
+        data = memoryview(serde.encode(data)).cast("B")
+    return data
+
+
+def decode_chain(chain: Sequence[Serde], data: memoryview, size: int) -> memoryview:
+    """Run every decoder, last to first; ``size`` is the object's L1 size."""
+    for serde in reversed(chain):
+        data = memoryview(serde.decode(data, size)).cast("B")
+    return data

@@ -1,0 +1,106 @@
+"""The pieces under the base classes: task board, pins, accounting, context."""
+
+from __future__ import annotations
+
+import gc
+import os
+import select
+
+import numpy as np
+import pytest
+
+from lmcache_tiers.config import L2AdapterConfig
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2.accounting import ByteAccounting, ObjectSize
+from lmcache_tiers.l2.context import AdapterContext, buffer_address
+from lmcache_tiers.l2.interface import L2Op, LookupResult
+from lmcache_tiers.l2.pins import PinTable
+from lmcache_tiers.l2.tasks import TaskBoard
+
+A = ObjectKey("m", 0, b"a")
+B = ObjectKey("m", 0, b"b")
+A_SALTED = ObjectKey("m", 0, b"a", 0, "t")
+
+
+def readable(fd: int) -> bool:
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+def test_board_signals_each_op_on_its_own_fd_and_pop_drains() -> None:
+    board = TaskBoard()
+    store = board.new_task(L2Op.STORE, 2)
+    lookup = board.new_task(L2Op.LOOKUP, 1)
+    assert store != lookup
+    assert not readable(board.event_fd(L2Op.STORE))
+    assert board.complete(store, [True, False])
+    assert readable(board.event_fd(L2Op.STORE))
+    assert not readable(board.event_fd(L2Op.LOOKUP))
+    assert board.pop(L2Op.STORE) == {store: [True, False]}
+    assert not readable(board.event_fd(L2Op.STORE))
+    assert board.pop(L2Op.STORE) == {}
+    assert board.pending_count() == 1
+
+
+def test_board_failures_and_late_completions() -> None:
+    board = TaskBoard()
+    lookup = board.new_task(L2Op.LOOKUP, 2)
+    load = board.new_task(L2Op.LOAD, 1)
+    assert board.fail_all_pending() == 2
+    assert board.pop(L2Op.LOOKUP) == {lookup: LookupResult([False, False], [0, 0])}
+    assert board.pop(L2Op.LOAD) == {load: [False]}
+    assert not board.complete(load, [True]), "a result after failure is refused"
+    assert not board.fail(load)
+    assert board.pop(L2Op.LOAD) == {}
+
+
+def test_board_fds_live_until_the_board_is_collected() -> None:
+    board = TaskBoard()
+    fds = [board.event_fd(op) for op in L2Op]
+    os.fstat(fds[0])
+    del board
+    gc.collect()
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+def test_pins_count_and_block_deletes() -> None:
+    pins = PinTable()
+    assert pins.pin([A, A, B]) == [True, True, True]
+    assert pins.count(A) == 2
+    assert pins.begin_delete([A, B]) == [False, False]
+    assert pins.unpin([A, B, B]) == 2, "unpinning an unpinned key is ignored"
+    assert pins.begin_delete([A, B, B]) == [False, True, False]
+    assert pins.pin([B]) == [False], "a key being deleted cannot be pinned"
+    pins.end_delete([B])
+    assert pins.pin([B]) == [True]
+    assert pins.snapshot() == {A: 1, B: 1}
+
+
+def test_accounting_total_by_salt_overwrite_and_forget() -> None:
+    accounting = ByteAccounting()
+    accounting.record(A, ObjectSize(100, 200))
+    accounting.record(A_SALTED, ObjectSize(50, 50))
+    assert accounting.used_bytes == 150
+    assert accounting.by_salt() == {"": 100, "t": 50}
+    accounting.record(A, ObjectSize(10, 20))
+    assert accounting.used_bytes == 60
+    assert not accounting.record_if_absent(A, ObjectSize(999, 999))
+    assert accounting.get(A) == ObjectSize(10, 20)
+    assert accounting.forget(A_SALTED) == ObjectSize(50, 50)
+    assert accounting.forget(A_SALTED) is None
+    assert accounting.by_salt() == {"": 10}
+    assert len(accounting) == 1
+
+
+def test_context_offsets_inside_the_arena_only() -> None:
+    arena = memoryview(bytearray(1 << 16))
+    context = AdapterContext(index=0, name="0:x", config=L2AdapterConfig(), l1_buffer=arena)
+    assert context.l1_offset(arena[4096:8192]) == 4096
+    assert context.l1_offset(arena[0:1]) == 0
+    assert context.l1_offset(memoryview(bytearray(10))) is None
+    assert context.l1_offset(arena[100:100]) is None
+    bare = AdapterContext(index=0, name="0:x", config=L2AdapterConfig())
+    assert bare.l1_offset(arena) is None
+    readonly = memoryview(bytes(16))
+    assert buffer_address(readonly) == np.frombuffer(readonly, dtype=np.uint8).ctypes.data

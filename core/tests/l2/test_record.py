@@ -1,0 +1,137 @@
+"""Record headers: round trip, and every kind of damage detected as a RecordError."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2.record import (
+    PREFIX_SIZE,
+    RecordChecksumError,
+    RecordCorruptError,
+    RecordError,
+    RecordMismatchError,
+    RecordVersionError,
+    checksum,
+    decode_header,
+    decode_record,
+    encode_header,
+    header_length,
+    verify_payload,
+)
+
+KEY = ObjectKey("llama", 7, b"\x01" * 32, 2, "tenant")
+PAYLOAD = bytes(range(256)) * 40
+
+
+def record(payload: bytes = PAYLOAD, **kwargs: object) -> bytearray:
+    return bytearray(encode_header(KEY, payload, **kwargs) + payload)  # type: ignore[arg-type]
+
+
+def test_round_trip_keeps_every_field() -> None:
+    data = record(l1_size=20480, serde=("fp8", "zstd"), layout="bf16[2,256,8,128]")
+    header, payload = decode_record(data, expected_key=KEY, expected_serde=("fp8", "zstd"))
+    assert header.key == KEY
+    assert header.payload_len == len(PAYLOAD)
+    assert header.l1_size == 20480
+    assert header.serde == ("fp8", "zstd")
+    assert header.layout == "bf16[2,256,8,128]"
+    assert header.checksum == checksum(PAYLOAD)
+    assert bytes(payload) == PAYLOAD
+
+
+def test_l1_size_defaults_to_payload_length_and_empty_chain() -> None:
+    header = decode_header(record())
+    assert header.l1_size == len(PAYLOAD)
+    assert header.serde == ()
+
+
+def test_header_length_is_readable_from_the_prefix_and_alignment_applies() -> None:
+    data = record(align=4096)
+    assert header_length(data[:PREFIX_SIZE]) == 4096
+    header, payload = decode_record(data)
+    assert header.header_len == 4096 and bytes(payload) == PAYLOAD
+
+
+def test_payload_bit_flip_is_a_checksum_error() -> None:
+    data = record()
+    data[-100] ^= 0x01
+    with pytest.raises(RecordChecksumError):
+        decode_record(data)
+
+
+def test_truncated_payload_is_a_checksum_error() -> None:
+    data = record()
+    with pytest.raises(RecordChecksumError):
+        decode_record(data[:-1])
+
+
+@pytest.mark.parametrize("offset", [20, 30, PREFIX_SIZE + 3])
+def test_header_bit_flip_is_detected_by_the_header_crc(offset: int) -> None:
+    data = record()
+    data[offset] ^= 0x40
+    with pytest.raises(RecordCorruptError):
+        decode_header(data)
+
+
+def test_bad_magic_truncation_and_absurd_lengths() -> None:
+    data = record()
+    with pytest.raises(RecordCorruptError, match="magic"):
+        decode_header(b"XXXX" + bytes(data[4:]))
+    with pytest.raises(RecordCorruptError):
+        decode_header(data[:10])
+    header_len = header_length(data)
+    with pytest.raises(RecordCorruptError, match="truncated"):
+        decode_header(data[: header_len - 1])
+    bogus = bytearray(data)
+    bogus[8:12] = (1 << 30).to_bytes(4, "little")
+    with pytest.raises(RecordCorruptError, match="implausible"):
+        decode_header(bogus)
+
+
+def test_other_version_is_refused() -> None:
+    data = record()
+    data[4:6] = (99).to_bytes(2, "little")
+    with pytest.raises(RecordVersionError):
+        decode_header(data)
+
+
+def test_other_key_or_serde_chain_is_a_mismatch() -> None:
+    data = record(serde=("zstd",))
+    other = ObjectKey("llama", 7, b"\x02" * 32, 2, "tenant")
+    with pytest.raises(RecordMismatchError, match="holds key"):
+        decode_header(data, expected_key=other)
+    with pytest.raises(RecordMismatchError, match="serde chain"):
+        decode_header(data, expected_serde=())
+    assert issubclass(RecordMismatchError, RecordError)
+
+
+def test_verify_payload_checks_length_and_digest() -> None:
+    header = decode_header(record())
+    verify_payload(header, PAYLOAD)
+    with pytest.raises(RecordChecksumError):
+        verify_payload(header, PAYLOAD[::-1])
+
+
+def test_invalid_arguments() -> None:
+    with pytest.raises(ValueError):
+        encode_header(KEY, PAYLOAD, align=0)
+    with pytest.raises(ValueError):
+        encode_header(KEY, PAYLOAD, serde=("a,b",))
+
+
+@settings(deadline=None)  # a loaded CI machine must not turn slowness into failure
+@given(
+    payload=st.binary(max_size=2048),
+    salt=st.text(alphabet="abcxyz-_", max_size=20),
+    serde=st.lists(st.text(alphabet="abcdefgh0123456789_", min_size=1, max_size=10), max_size=4),
+    align=st.sampled_from([1, 8, 512, 4096]),
+)
+def test_any_record_round_trips(payload: bytes, salt: str, serde: list[str], align: int) -> None:
+    key = ObjectKey("m", 1, b"\xab" * 16, 0, salt)
+    data = encode_header(key, payload, serde=serde, align=align) + payload
+    header, body = decode_record(data, expected_key=key, expected_serde=serde)
+    assert header.header_len % align == 0
+    assert bytes(body) == payload

@@ -1,0 +1,113 @@
+"""L2 adapter ``fault_inject``: any adapter, with failures injected on purpose."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from lmcache_tiers.config import L2AdapterConfig
+from lmcache_tiers.hookspecs import hookimpl
+from lmcache_tiers.registry import KindRegistry
+
+Rate = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Op = Literal["store", "lookup", "load", "delete"]
+
+
+def _rate(description: str) -> msgspec.Meta:
+    """A probability in [0, 1], documented."""
+    return msgspec.Meta(ge=0.0, le=1.0, description=description)
+
+
+def _doc(description: str) -> msgspec.Meta:
+    return msgspec.Meta(description=description)
+
+
+class FaultInjectConfig(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Wraps the adapter given as ``inner`` and injects faults into its operations.
+
+    Its purpose is to drive every failure path of the controllers.  All randomness comes
+    from ``seed`` (one generator per operation kind), so a run with the same calls injects
+    the same faults.  The wrapper's own ``serde`` chain wraps the inner one; ``eviction``
+    belongs on the wrapper (the inner adapter is not visible to the controllers).
+
+    Failures: each operation kind fails with its ``*_fail_rate`` (``rate`` when unset).
+    ``fail_mode`` says what failing means: ``keys`` -- each key fails independently with
+    the rate (a failed store is not stored, a failed lookup is a miss, a failed load leaves
+    its buffer untouched); ``batch`` -- the whole call fails with the rate; ``raise`` -- the
+    backend call raises with the rate (the base class turns that into a failed batch and
+    counts a backend error).
+
+    Gaps: ``gap_indices`` and ``gap_tail_ratios`` always fail given positions of every
+    load batch (the keys the backend call receives, in prefix order), so the found prefix
+    has a hole: ``gap_indices`` counts from the head (negative values from the tail);
+    a tail ratio ``r`` drops position ``round((1 - r) * (n - 1))`` -- 0.0 is the last
+    key, 0.5 the middle one, 1.0 the first -- whatever the batch length.
+
+    Corruption: with ``corrupt_rate`` a successfully loaded object gets one byte flipped
+    in the L1 buffer.  ``corrupt_detected`` true reports that key as failed -- what an
+    adapter that verifies record checksums does; false reports success with the wrong
+    bytes -- silent corruption that only an end-to-end check catches (e.g. an
+    authenticating serde configured on this wrapper, which then turns it into a miss).
+    Corruption is applied to loaded bytes, not to the inner adapter's stored records.
+
+    Delays: each call of an operation in ``delay_ops`` sleeps ``delay_s`` first with
+    probability ``delay_rate``.  Sleeps end early when the adapter closes.
+    """
+
+    inner: Annotated[
+        dict[str, Any],
+        msgspec.Meta(description='The wrapped adapter\'s spec: a JSON object with its own "type".'),
+    ]
+    seed: Annotated[int, msgspec.Meta(description="Seed of every random decision.")] = 0
+    rate: Annotated[
+        float, _rate("Failure probability of stores, lookups and loads unless set per operation.")
+    ] = 0.0
+    store_fail_rate: Annotated[Rate | None, _doc("Failure probability of stores; null = `rate`.")] = None
+    lookup_fail_rate: Annotated[Rate | None, _doc("Failure probability of lookups; null = `rate`.")] = None
+    load_fail_rate: Annotated[
+        Rate | None, _doc("Failure probability of loads (on top of gaps); null = `rate`.")
+    ] = None
+    delete_fail_rate: Annotated[float, _rate("Failure probability of deletes (eviction); not `rate`.")] = 0.0
+    fail_mode: Annotated[
+        Literal["keys", "batch", "raise"],
+        msgspec.Meta(description="What a failure is: per key, the whole call, or the call raising."),
+    ] = "keys"
+    gap_indices: Annotated[
+        tuple[int, ...],
+        msgspec.Meta(description="Load positions that always fail, from the head (negative: from the tail)."),
+    ] = ()
+    gap_tail_ratios: Annotated[
+        tuple[Rate, ...],
+        msgspec.Meta(
+            description="Load positions that always fail: round((1 - r) * (n - 1)); 0.0 = last key."
+        ),
+    ] = ()
+    corrupt_rate: Annotated[float, _rate("Probability that a loaded object gets one byte flipped.")] = 0.0
+    corrupt_detected: Annotated[
+        bool, msgspec.Meta(description="Report corrupted loads as failures (true) or as successes (false).")
+    ] = True
+    delay_s: Annotated[
+        float, msgspec.Meta(ge=0.0, le=3600.0, description="Seconds a delayed call sleeps before running.")
+    ] = 0.0
+    delay_rate: Annotated[float, _rate("Probability that a call of a delayed operation is delayed.")] = 1.0
+    delay_ops: Annotated[
+        tuple[Op, ...], msgspec.Meta(description="Operations whose calls may be delayed.")
+    ] = ("store", "lookup", "load")
+    lookup_timeout_s: Annotated[
+        float,
+        msgspec.Meta(
+            gt=0.0,
+            description="How long a lookup waits for the inner adapter before it counts as a miss "
+            "(stores and loads always wait: the inner adapter may still use their buffers).",
+        ),
+    ] = 60.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner.get("type"), str):
+            raise ValueError('`inner` must be an adapter spec with a string "type"')
+
+
+@hookimpl
+def tiers_register_l2_adapters(registry: KindRegistry) -> None:
+    registry.add("fault_inject", "lmcache_plugin_fault_inject.adapter:FaultInjectAdapter", FaultInjectConfig)

@@ -1,0 +1,305 @@
+"""fault_inject: conformance as a pass-through wrapper, then each kind of injected fault."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import blake3
+import pytest
+from lmcache_plugin_fault_inject import FaultInjectConfig
+from lmcache_plugin_fault_inject.adapter import FaultInjectAdapter, gap_positions
+
+from lmcache_tiers.config import decode_adapter
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import AdapterContext, BlockingAdapterClient, L2Op
+from lmcache_tiers.plugins import load_registry
+from lmcache_tiers.serde import Serde
+from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite, make_keys, pattern
+
+
+def mock_spec(**extra: Any) -> dict[str, Any]:
+    return {"type": "mock", "namespace": uuid.uuid4().hex, **extra}
+
+
+class TestFaultInjectPassThrough(L2AdapterSuite):
+    """With every rate at zero the wrapper must behave exactly like its inner adapter."""
+
+    component_name = "fault_inject"
+    capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION})
+
+    def make_config(self) -> FaultInjectConfig:
+        return FaultInjectConfig(inner=mock_spec(max_size_gb=1 / 4096))
+
+
+def open_fault(serde: tuple[Serde, ...] = (), **settings: Any) -> FaultInjectAdapter:
+    settings.setdefault("inner", mock_spec())
+    config = FaultInjectConfig(**settings)
+    return FaultInjectAdapter(
+        config, AdapterContext(index=0, name="0:fault_inject", config=config, serde=serde)
+    )
+
+
+@pytest.fixture
+def opened() -> Iterator[list[FaultInjectAdapter]]:
+    adapters: list[FaultInjectAdapter] = []
+    yield adapters
+    for adapter in adapters:
+        adapter.close()
+
+
+def fill(adapter: FaultInjectAdapter, keys: list[ObjectKey], size: int = 256) -> list[bytes]:
+    """Store straight into the inner adapter, bypassing injected store faults."""
+    data = [pattern(i, size) for i in range(len(keys))]
+    assert BlockingAdapterClient(adapter.inner).store(keys, [memoryview(d) for d in data]) == [True] * len(
+        keys
+    )
+    return data
+
+
+def buffers(count: int, size: int = 256) -> list[memoryview]:
+    return [memoryview(bytearray(size)) for _ in range(count)]
+
+
+def store_pattern(seed: int, fail_mode: str = "keys") -> list[bool]:
+    adapter = open_fault(seed=seed, rate=0.5, fail_mode=fail_mode)
+    try:
+        keys = make_keys(64)
+        return BlockingAdapterClient(adapter).store(keys, [memoryview(b"x")] * 64)
+    finally:
+        adapter.close()
+
+
+def test_the_seed_makes_faults_reproducible() -> None:
+    first = store_pattern(seed=7)
+    assert first == store_pattern(seed=7)
+    assert first != store_pattern(seed=8)
+    assert 0 < sum(first) < 64
+
+
+def test_failed_stores_are_not_stored(opened: list[FaultInjectAdapter]) -> None:
+    adapter = open_fault(store_fail_rate=1.0)
+    opened.append(adapter)
+    keys = make_keys(3)
+    assert BlockingAdapterClient(adapter).store(keys, [memoryview(b"abc")] * 3) == [False] * 3
+    assert list(adapter.inner.iter_keys()) == []
+    assert adapter.stats()["injected_store_failures"] == 3
+
+
+def test_failed_lookups_are_misses_and_pin_nothing(opened: list[FaultInjectAdapter]) -> None:
+    adapter = open_fault(lookup_fail_rate=1.0)
+    opened.append(adapter)
+    keys = make_keys(2)
+    fill(adapter, keys)
+    assert BlockingAdapterClient(adapter).lookup_and_lock(keys).found == [False, False]
+    assert adapter.pinned_keys() == {}
+    assert adapter.inner.pinned_keys() == {}  # type: ignore[attr-defined]
+    assert adapter.delete(keys) == [True, True]
+
+
+def test_per_operation_rate_overrides_the_default(opened: list[FaultInjectAdapter]) -> None:
+    adapter = open_fault(rate=1.0, lookup_fail_rate=0.0, load_fail_rate=0.0)
+    opened.append(adapter)
+    keys = make_keys(2)
+    data = fill(adapter, keys)
+    client = BlockingAdapterClient(adapter)
+    assert client.store(make_keys(1, start=50), [memoryview(b"z")]) == [False]
+    result = client.lookup_and_lock(keys)
+    assert result.found == [True, True]
+    targets = buffers(2)
+    assert client.load(keys, targets) == [True, True]
+    assert [bytes(t) for t in targets] == data
+    adapter.unlock(keys)
+
+
+def test_failed_loads_leave_buffers_untouched_and_release_pins(opened: list[FaultInjectAdapter]) -> None:
+    adapter = open_fault(load_fail_rate=1.0)
+    opened.append(adapter)
+    keys = make_keys(2)
+    fill(adapter, keys)
+    client = BlockingAdapterClient(adapter)
+    assert client.lookup_and_lock(keys).found == [True, True]
+    targets = buffers(2)
+    assert client.load(keys, targets) == [False, False]
+    assert all(bytes(t) == bytes(256) for t in targets)
+    adapter.unlock(keys)
+    assert adapter.pinned_keys() == {}
+    assert adapter.delete(keys) == [True, True]
+
+
+def test_batch_mode_fails_whole_calls() -> None:
+    adapter = open_fault(seed=3, rate=0.5, fail_mode="batch")
+    try:
+        client = BlockingAdapterClient(adapter)
+        outcomes = {tuple(client.store(make_keys(8, start=8 * i), [memoryview(b"b")] * 8)) for i in range(40)}
+        assert outcomes == {(True,) * 8, (False,) * 8}
+    finally:
+        adapter.close()
+
+
+def test_raise_mode_becomes_a_counted_backend_error(opened: list[FaultInjectAdapter]) -> None:
+    adapter = open_fault(rate=1.0, fail_mode="raise")
+    opened.append(adapter)
+    keys = make_keys(2)
+    assert BlockingAdapterClient(adapter).store(keys, [memoryview(b"r")] * 2) == [False, False]
+    stats = adapter.stats()
+    assert stats["backend_errors"] == 1
+    assert stats["injected_store_failures"] == 2
+
+
+@pytest.mark.parametrize(
+    ("count", "indices", "ratios", "expected"),
+    [
+        (5, (), (0.5,), {2}),
+        (5, (), (0.0,), {4}),
+        (5, (), (1.0,), {0}),
+        (4, (), (0.5,), {2}),
+        (1, (), (0.5,), {0}),
+        (6, (1, -1), (), {1, 5}),
+        (3, (7, -9), (), set()),
+        (0, (0,), (0.5,), set()),
+    ],
+)
+def test_gap_positions(
+    count: int, indices: tuple[int, ...], ratios: tuple[float, ...], expected: set[int]
+) -> None:
+    assert gap_positions(count, indices, ratios) == expected
+
+
+def test_gaps_drop_positions_of_every_load(opened: list[FaultInjectAdapter]) -> None:
+    adapter = open_fault(gap_tail_ratios=(0.5,), gap_indices=(0,))
+    opened.append(adapter)
+    keys = make_keys(5)
+    data = fill(adapter, keys)
+    client = BlockingAdapterClient(adapter)
+    assert client.lookup_and_lock(keys).found == [True] * 5, "gaps apply to loads, not lookups"
+    targets = buffers(5)
+    assert client.load(keys, targets) == [False, True, False, True, True]
+    assert [bytes(targets[i]) for i in (1, 3, 4)] == [data[i] for i in (1, 3, 4)]
+    adapter.unlock(keys)
+    assert adapter.stats()["injected_load_gaps"] == 2
+
+
+def test_detected_corruption_fails_the_load(opened: list[FaultInjectAdapter]) -> None:
+    adapter = open_fault(corrupt_rate=1.0)
+    opened.append(adapter)
+    keys = make_keys(1)
+    fill(adapter, keys)
+    client = BlockingAdapterClient(adapter)
+    client.lookup_and_lock(keys)
+    assert client.load(keys, buffers(1)) == [False]
+    adapter.unlock(keys)
+    assert adapter.stats()["injected_corruptions"] == 1
+
+
+def test_silent_corruption_hands_back_one_flipped_byte(opened: list[FaultInjectAdapter]) -> None:
+    adapter = open_fault(corrupt_rate=1.0, corrupt_detected=False)
+    opened.append(adapter)
+    keys = make_keys(1)
+    (data,) = fill(adapter, keys)
+    client = BlockingAdapterClient(adapter)
+    client.lookup_and_lock(keys)
+    (target,) = buffers(1)
+    assert client.load(keys, [target]) == [True]
+    differing = [i for i, (a, b) in enumerate(zip(bytes(target), data, strict=True)) if a != b]
+    assert len(differing) == 1
+    adapter.unlock(keys)
+
+
+class Signed:
+    """Appends a digest and verifies it: an end-to-end check like an authenticating serde."""
+
+    name = "signed"
+
+    def encode(self, data: memoryview) -> bytes:
+        return bytes(data) + blake3.blake3(data).digest()
+
+    def decode(self, data: memoryview, size: int) -> memoryview:
+        body, digest = data[:-32], bytes(data[-32:])
+        if blake3.blake3(body).digest() != digest:
+            raise ValueError("digest mismatch")
+        return body
+
+
+def test_silent_corruption_is_caught_by_the_wrappers_serde(opened: list[FaultInjectAdapter]) -> None:
+    adapter = open_fault(serde=(Signed(),), corrupt_rate=1.0, corrupt_detected=False)
+    opened.append(adapter)
+    keys = make_keys(1)
+    client = BlockingAdapterClient(adapter)
+    assert client.store(keys, [memoryview(b"k" * 300)]) == [True]
+    assert client.lookup_and_lock(keys).sizes == [300]
+    assert client.load(keys, buffers(1, 300)) == [False]
+    adapter.unlock(keys)
+    assert adapter.stats()["serde_decode_failures"] == 1
+
+
+def test_delays_are_counted_and_close_cuts_them_short() -> None:
+    adapter = open_fault(delay_s=3600.0, delay_ops=("store",))
+    task_id = adapter.submit_store(make_keys(1), [memoryview(b"d")])
+    deadline = time.monotonic() + 60
+    while adapter.stats().get("injected_store_delays", 0) == 0:
+        assert time.monotonic() < deadline, "the store never started its delay"
+        time.sleep(0.005)
+    lookup = BlockingAdapterClient(adapter, timeout=60).lookup_and_lock(make_keys(1))
+    assert lookup.found == [False], "lookups are not delayed"
+    adapter.close()
+    assert adapter.pop_completed_stores() == {task_id: [False]}
+    assert adapter.stats()["injected_store_delays"] == 1
+
+
+def test_a_stalled_inner_lookup_times_out_as_a_miss(opened: list[FaultInjectAdapter]) -> None:
+    stalled_inner = {"type": "fault_inject", "inner": mock_spec(), "delay_s": 3600, "delay_ops": ["lookup"]}
+    adapter = open_fault(inner=stalled_inner, lookup_timeout_s=0.1)
+    opened.append(adapter)
+    assert BlockingAdapterClient(adapter).lookup_and_lock(make_keys(1)).found == [False]
+    assert adapter.stats()["inner_lookup_timeouts"] == 1
+
+
+def test_accounting_comes_from_the_inner_adapter(opened: list[FaultInjectAdapter]) -> None:
+    adapter = open_fault(inner=mock_spec(max_size_gb=1 / 1024))
+    opened.append(adapter)
+    keys = make_keys(2, salt="t")
+    BlockingAdapterClient(adapter).store(keys, [memoryview(b"x" * 512)] * 2)
+    assert adapter.used_bytes() == adapter.inner.used_bytes() == 1024
+    assert adapter.used_bytes_by_salt() == {"t": 1024}
+    assert adapter.usage() == pytest.approx(1024 / (1 << 20))
+
+
+def test_config_is_decoded_with_its_inner_spec() -> None:
+    raw = {"type": "fault_inject", "inner": {"type": "mock"}, "rate": 0.25, "gap_tail_ratios": [0.5]}
+    spec = decode_adapter(load_registry(), raw, 0)
+    assert isinstance(spec.config, FaultInjectConfig)
+    assert spec.config.gap_tail_ratios == (0.5,)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"inner": {"max_size_gb": 1}}, 'string "type"'),
+        ({"inner": {"type": "mock"}, "rate": 1.5}, "rate"),
+        ({"inner": {"type": "mock"}, "delay_ops": ["sotre"]}, "delay_ops"),
+        ({"inner": {"type": "mock"}, "gap_tail_ratios": [2.0]}, "gap_tail_ratios"),
+        ({"inner": {"type": "mock"}, "fail_mode": "explode"}, "fail_mode"),
+    ],
+)
+def test_bad_config_is_refused(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        decode_adapter(load_registry(), {"type": "fault_inject", **raw}, 0)
+
+
+@pytest.mark.parametrize(
+    ("inner", "message"),
+    [({"type": "mokc"}, "did you mean 'mock'"), ({"type": "mock", "max_size_gb": -1}, "max_size_gb")],
+)
+def test_bad_inner_spec_is_a_config_error_naming_inner(inner: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=f"inner.*{message}"):
+        open_fault(inner=inner)
+
+
+def test_wrapped_event_fds_are_the_wrappers_own(opened: list[FaultInjectAdapter]) -> None:
+    adapter = open_fault()
+    opened.append(adapter)
+    assert {adapter.event_fd(op) for op in L2Op}.isdisjoint({adapter.inner.event_fd(op) for op in L2Op})

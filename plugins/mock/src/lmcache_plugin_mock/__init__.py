@@ -1,0 +1,51 @@
+"""L2 adapter ``mock``: objects kept in this process's memory."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from lmcache_tiers.config import L2AdapterConfig
+from lmcache_tiers.hookspecs import hookimpl
+from lmcache_tiers.registry import KindRegistry
+
+
+class MockConfig(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """In-memory L2 adapter for tests and benchmarks.
+
+    Stores fail once ``max_size_gb`` is full, so per-adapter eviction (``eviction``) has
+    something to do.  Bandwidth and latency are simulated by sleeping in each backend
+    call (a store or load of N bytes takes ``latency_s + N / bandwidth_bytes_per_s``).
+    Adapters configured with the same ``namespace`` share their objects within one
+    process, which lets tests close an adapter and open a new one as if after a restart.
+    """
+
+    max_size_gb: Annotated[
+        float,
+        msgspec.Meta(gt=0.0, description="Capacity in GiB; a store that does not fit fails for that key."),
+    ] = 1.0
+    bandwidth_bytes_per_s: Annotated[
+        int, msgspec.Meta(ge=0, description="Simulated transfer rate of stores and loads; 0 = unlimited.")
+    ] = 0
+    latency_s: Annotated[
+        float,
+        msgspec.Meta(
+            ge=0.0, le=60.0, description="Simulated latency added to every backend call, in seconds."
+        ),
+    ] = 0.0
+    namespace: Annotated[
+        str | None,
+        msgspec.Meta(
+            description="Mock adapters with the same namespace share their objects for the process lifetime."
+        ),
+    ] = None
+
+    def __post_init__(self) -> None:
+        if self.namespace is not None and not 0 < len(self.namespace) <= 128:
+            raise ValueError("namespace must be 1..128 characters long")
+
+
+@hookimpl
+def tiers_register_l2_adapters(registry: KindRegistry) -> None:
+    registry.add("mock", "lmcache_plugin_mock.adapter:MockAdapter", MockConfig)
