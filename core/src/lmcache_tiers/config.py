@@ -110,6 +110,13 @@ class ServerConfig(_Frozen, kw_only=True, frozen=True, forbid_unknown_fields=Tru
         str | None, _doc("Shared secret every request must carry; required off loopback.")
     ] = None
     no_shm: Annotated[bool, _doc("Do not offer the shared-memory data plane; bytes travel inline.")] = False
+    gds_l1_path: Annotated[
+        str | None,
+        _doc("Directory for an NVMe-backed L1 (a file of blocks) instead of CPU memory; null = memory."),
+    ] = None
+    gds_l1_use_direct_io: Annotated[
+        bool, _doc("Open the NVMe L1 file with O_DIRECT (bypass the page cache).")
+    ] = True
 
     @property
     def l1_size_bytes(self) -> int:

@@ -87,6 +87,17 @@ def serve(
     no_shm: Annotated[
         Optional[bool], typer.Option("--no-shm", help="Disable the shared-memory data plane.")
     ] = None,
+    gds_l1_path: Annotated[
+        Optional[str],
+        typer.Option(help="Keep L1 in blocks of a file under this directory (NVMe) instead of memory."),
+    ] = None,
+    gds_l1_use_direct_io: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--gds-l1-use-direct-io/--no-gds-l1-use-direct-io",
+            help=_help("O_DIRECT I/O for the NVMe L1.", "gds_l1_use_direct_io"),
+        ),
+    ] = None,
     no_default_l2: Annotated[
         bool, typer.Option("--no-default-l2", help="Run L1 only when no adapter is configured.")
     ] = False,
@@ -119,6 +130,8 @@ def serve(
         "metrics_port": metrics_port,
         "auth_token": auth_token,
         "no_shm": no_shm,
+        "gds_l1_path": gds_l1_path,
+        "gds_l1_use_direct_io": gds_l1_use_direct_io,
     }
     if not l2_adapter and "l2_adapters" not in file_values and not no_default_l2:
         file_values["l2_adapters"] = default_l2_adapters(plugin_set.registry)
