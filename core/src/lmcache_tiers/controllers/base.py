@@ -1,0 +1,215 @@
+"""What every controller thread shares: a wake-up fd, a poll loop, idle tracking, shutdown.
+
+A controller sleeps in ``poll`` on its adapters' eventfds plus one fd of its own, so work
+handed to it from another thread (or a request to stop) wakes it without busy-waiting and
+without a lock around the adapters.  ``wait_idle`` lets callers (tests, ``flush``) wait until
+everything handed over so far has been processed, with no sleeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from lmcache_tiers.l2.interface import L2Adapter
+from lmcache_tiers.policies import AdapterInfo
+
+logger = logging.getLogger(__name__)
+
+_ONE = (1).to_bytes(8, "little")  # an eventfd takes an 8-byte counter increment
+
+
+class Waker:
+    """A level-triggered wake-up fd: an eventfd on Linux, a non-blocking pipe elsewhere."""
+
+    def __init__(self) -> None:
+        if hasattr(os, "eventfd"):
+            fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            self._read_fd, self._write_fd = fd, fd
+        else:  # pragma: no cover - non-Linux hosts
+            self._read_fd, self._write_fd = os.pipe()
+            os.set_blocking(self._read_fd, False)
+            os.set_blocking(self._write_fd, False)
+        self._closed = False
+        # set() may race with close() at shutdown; writing to a closed (possibly reused)
+        # fd number would poke an unrelated file.
+        self._lock = threading.Lock()
+
+    def fileno(self) -> int:
+        return self._read_fd
+
+    def set(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._write_fd, _ONE)
+            except BlockingIOError:
+                pass  # already readable: the pipe is full or the counter saturated
+
+    def drain(self) -> None:
+        try:
+            os.read(self._read_fd, 4096)
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self._read_fd)
+            if self._write_fd != self._read_fd:
+                os.close(self._write_fd)
+
+
+@dataclass(frozen=True)
+class AdapterSlot:
+    """One adapter of the cascade as the controllers see it."""
+
+    index: int  # position in the cascade; policies' plans are keyed by it
+    type: str  # registered type name, e.g. "mock"
+    adapter: L2Adapter
+
+    @property
+    def name(self) -> str:
+        return self.adapter.name
+
+    def info(self) -> AdapterInfo:
+        try:
+            usage = float(self.adapter.usage())
+        except Exception:  # a failing backend must not stop policies from planning
+            usage = -1.0
+        return AdapterInfo(self.index, self.type, self.adapter.name, usage)
+
+
+def adapter_infos(slots: Sequence[AdapterSlot]) -> list[AdapterInfo]:
+    return [slot.info() for slot in slots]
+
+
+def aligned_total(sizes: Iterable[int], align: int) -> int:
+    """L1 bytes a batch of objects takes (each extent rounded up to the alignment)."""
+    return sum(-(-size // align) * align for size in sizes)
+
+
+class ControllerThread:
+    """A daemon thread running ``step`` whenever woken, one of its fds is readable, or
+    ``interval_s`` has passed.
+
+    Subclasses implement ``step(ready_fds)``, and optionally ``watched_fds``, ``busy``
+    (work still outstanding, e.g. submitted L2 tasks) and ``finish`` (release whatever is
+    left when the thread ends).  On ``stop`` the loop keeps stepping until ``busy`` is
+    false or the drain deadline passes, then calls ``finish`` in the thread and exits.
+    """
+
+    def __init__(self, name: str, *, interval_s: float = 1.0) -> None:
+        self.name = name
+        self.interval_s = interval_s
+        self._waker = Waker()
+        self._cond = threading.Condition()
+        self._requested = 0  # wake-ups asked for
+        self._served = 0  # wake-ups whose step has completed
+        self._stopping = False
+        self._drain_deadline = 0.0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.step_errors = 0
+        self._finished = False
+
+    # -- for subclasses ----------------------------------------------------------------
+
+    def watched_fds(self) -> Iterable[int]:
+        return ()
+
+    def step(self, ready_fds: set[int]) -> None:
+        raise NotImplementedError
+
+    def busy(self) -> bool:
+        return False
+
+    def finish(self) -> None:
+        """Release what is still held; runs once, in the thread, as it ends."""
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    # -- control -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._requested += 1
+        self._waker.set()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until every wake-up so far has been served and nothing is outstanding."""
+        self.wake()
+        with self._cond:
+            target = self._requested
+            return self._cond.wait_for(
+                lambda: not self._thread.is_alive() or (self._served >= target and not self.busy()),
+                timeout,
+            )
+
+    def request_stop(self, drain_timeout_s: float = 10.0) -> None:
+        """Ask the thread to finish outstanding work (up to ``drain_timeout_s``) and end."""
+        with self._cond:
+            if not self._stopping:
+                self._stopping = True
+                self._drain_deadline = time.monotonic() + drain_timeout_s
+        self._waker.set()
+
+    def join(self) -> None:
+        """Wait for the thread (after ``request_stop``); releases what it still held."""
+        if self._thread.is_alive():
+            self._thread.join()
+        elif self._thread.ident is None and not self._finished:
+            self._finished = True
+            self.finish()  # never started: nothing is in flight, but locks may be held
+        self._waker.close()
+
+    def stop(self, drain_timeout_s: float = 10.0) -> None:
+        self.request_stop(drain_timeout_s)
+        self.join()
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = select.poll()
+        waker_fd = self._waker.fileno()
+        poller.register(waker_fd, select.POLLIN)
+        for fd in self.watched_fds():
+            poller.register(fd, select.POLLIN)
+        timeout_ms = 0.0  # one step at once: a controller may have start-up work
+        try:
+            while True:
+                events = poller.poll(timeout_ms)
+                timeout_ms = self.interval_s * 1000.0
+                self._waker.drain()
+                with self._cond:
+                    generation = self._requested
+                try:
+                    self.step({fd for fd, _ in events if fd != waker_fd})
+                except Exception:
+                    # A bug or an adapter raising must not kill the thread that releases
+                    # everyone's locks; it is logged and counted, and the loop goes on.
+                    self.step_errors += 1
+                    logger.exception("%s: step failed", self.name)
+                with self._cond:
+                    self._served = max(self._served, generation)
+                    self._cond.notify_all()
+                if self._stopping and (not self.busy() or time.monotonic() >= self._drain_deadline):
+                    break
+        finally:
+            try:
+                self.finish()
+            finally:
+                with self._cond:
+                    self._cond.notify_all()

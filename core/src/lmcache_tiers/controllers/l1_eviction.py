@@ -1,0 +1,115 @@
+"""L1 eviction: keep the arena below the trigger watermark.
+
+The eviction policy is fed through an L1 listener.  Listeners run inside the L1 lock, and
+victims are consumed inside it too (``evict_now``), so the L1 lock is the one lock that
+serialises every call into the policy, whichever thread writes, reads or evicts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from lmcache_tiers.controllers.base import ControllerThread
+from lmcache_tiers.controllers.stats import EngineStats
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1 import L1Manager
+from lmcache_tiers.policies import EvictionPolicy
+
+logger = logging.getLogger(__name__)
+
+
+class _PolicyFeed:
+    """L1 listener that forwards changes to the policy and wakes the controller."""
+
+    def __init__(self, controller: L1EvictionController) -> None:
+        self._controller = controller
+
+    def on_l1_keys_written(self, keys: Sequence[ObjectKey]) -> None:
+        controller = self._controller
+        controller.policy.on_keys_written(keys)
+        if controller.l1.usage() >= controller.trigger_watermark:
+            controller.wake()
+
+    def on_l1_keys_read(self, keys: Sequence[ObjectKey]) -> None:
+        self._controller.policy.on_keys_read(keys)
+
+    def on_l1_keys_deleted(self, keys: Sequence[ObjectKey]) -> None:
+        self._controller.policy.on_keys_removed(keys)
+
+
+class L1EvictionController(ControllerThread):
+    """When usage reaches the watermark, evict ``eviction_ratio`` of the allocated bytes.
+
+    Locked objects (being written, read, or loaded by a prefetch) are never evicted: the
+    L1 manager skips them and the policy's next victim is tried.  The thread also reaps
+    lock TTLs, so a crashed client cannot pin memory forever.
+    """
+
+    def __init__(
+        self,
+        l1: L1Manager,
+        policy: EvictionPolicy,
+        *,
+        trigger_watermark: float,
+        eviction_ratio: float,
+        stats: EngineStats,
+        reap_interval_s: float = 5.0,
+    ) -> None:
+        super().__init__("l1-eviction", interval_s=1.0)
+        self.l1 = l1
+        self.policy = policy
+        self.trigger_watermark = trigger_watermark
+        self.eviction_ratio = eviction_ratio
+        self.stats = stats
+        self.reap_interval_s = reap_interval_s
+        self._next_reap = time.monotonic() + reap_interval_s
+        self._feed = _PolicyFeed(self)
+        l1.add_listener(self._feed)
+
+    def evict_now(self, bytes_to_free: int) -> int:
+        """Evict synchronously (any thread); returns the aligned bytes actually freed."""
+        if bytes_to_free <= 0:
+            return 0
+        with self.l1.lock:
+            before = self.l1.used_bytes
+            try:
+                # victims() is created inside the L1 lock: no listener can touch the
+                # policy while its iterator is alive.
+                evicted = self.l1.evict(bytes_to_free, self.policy.victims())
+            except Exception:
+                # A broken policy must not fail the write or prefetch that needed room.
+                logger.exception("L1 eviction policy failed")
+                self.stats.fail("l1_eviction_policy_error")
+                return 0
+            freed = before - self.l1.used_bytes
+        if evicted:
+            self.stats.add("l1_evicted_keys", len(evicted))
+            self.stats.add("l1_evicted_bytes", freed)
+            self.stats.add("l1_eviction_runs")
+            logger.debug("L1 eviction: %d objects, %d bytes freed", len(evicted), freed)
+        return freed
+
+    def above_watermark(self) -> bool:
+        return self.l1.usage() >= self.trigger_watermark
+
+    def step(self, ready_fds: set[int]) -> None:
+        if self.above_watermark():
+            freed = self.evict_now(int(self.l1.used_bytes * self.eviction_ratio))
+            if freed == 0:
+                # Everything left is locked (or the policy offers nothing, e.g. noop); the
+                # next write or the periodic tick tries again.
+                self.stats.fail("l1_nothing_evictable")
+        now = time.monotonic()
+        if now >= self._next_reap:
+            self._next_reap = now + self.reap_interval_s
+            expired = self.l1.expire_locks(now)
+            if expired:
+                self.stats.fail("l1_lock_expired", expired)
+
+    def finish(self) -> None:
+        try:
+            self.l1.remove_listener(self._feed)
+        except ValueError:
+            pass

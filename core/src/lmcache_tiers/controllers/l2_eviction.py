@@ -1,0 +1,149 @@
+"""L2 eviction: one controller per adapter whose config declares ``eviction``.
+
+The adapter reports stores, loads and deletes through an L2 listener (from its own
+threads), which feeds the eviction policy under a small lock.  Victims are collected under
+that lock in small batches and deleted with the lock released: ``delete`` notifies the
+listener, possibly from another thread, and must not wait on a lock this thread holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Sequence
+from itertools import islice
+
+from lmcache_tiers.config import L2EvictionConfig
+from lmcache_tiers.controllers.base import AdapterSlot, ControllerThread
+from lmcache_tiers.controllers.stats import EngineStats
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2.interface import L2Adapter
+from lmcache_tiers.policies import EvictionPolicy
+
+logger = logging.getLogger(__name__)
+
+#: keys deleted per ``delete`` call; bounds how long the policy lock is held
+DELETE_BATCH = 64
+
+
+class L2EvictionController(ControllerThread):
+    """Keeps one adapter below its trigger watermark.
+
+    Pinned keys (between a prefetch's lookup and load) are refused by ``delete``; they are
+    skipped for the rest of the cycle and offered again in the next one.
+    """
+
+    def __init__(
+        self,
+        slot: AdapterSlot,
+        policy: EvictionPolicy,
+        config: L2EvictionConfig,
+        stats: EngineStats,
+    ) -> None:
+        super().__init__(f"l2-eviction-{slot.index}", interval_s=1.0)
+        self.slot = slot
+        self.policy = policy
+        self.trigger_watermark = config.trigger_watermark
+        self.eviction_ratio = config.eviction_ratio
+        self.stats = stats
+        self._policy_lock = threading.Lock()
+        # Until the keys the adapter already held are fed to the policy (oldest first,
+        # in the thread: a scan can be slow), listener events wait here in order.
+        self._seeded = False
+        self._early_events: list[tuple[str, list[ObjectKey]]] = []
+        slot.adapter.add_listener(self)
+
+    # -- L2 listener (adapter threads) ---------------------------------------------------
+
+    def _feed(self, method: str, keys: Sequence[ObjectKey]) -> None:
+        with self._policy_lock:
+            if self._seeded:
+                getattr(self.policy, method)(keys)
+            else:
+                self._early_events.append((method, list(keys)))
+
+    def on_l2_keys_stored(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
+        self._feed("on_keys_written", keys)
+        self.wake()
+
+    def on_l2_keys_loaded(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
+        self._feed("on_keys_read", keys)
+
+    def on_l2_keys_deleted(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
+        self._feed("on_keys_removed", keys)
+
+    def _seed(self) -> None:
+        """Tell the policy about objects stored before this process started."""
+        try:
+            existing = list(self.slot.adapter.iter_keys())
+        except Exception as exc:
+            self.stats.fail("l2_eviction_scan_error")
+            logger.warning("%s: listing stored keys failed; they are not evicted: %s", self.slot.name, exc)
+            existing = []
+        with self._policy_lock:
+            if self._seeded:
+                return  # another thread (a direct evict() call) got here first
+            if existing:
+                self.policy.on_keys_written(existing)
+            for method, keys in self._early_events:
+                getattr(self.policy, method)(keys)
+            self._early_events.clear()
+            self._seeded = True
+        if existing:
+            logger.debug("%s: eviction policy seeded with %d stored keys", self.slot.name, len(existing))
+
+    # -- the thread ----------------------------------------------------------------------
+
+    def step(self, ready_fds: set[int]) -> None:
+        if self.stopping:
+            return
+        if not self._seeded:
+            self._seed()  # at start, before anything could need evicting
+        adapter = self.slot.adapter
+        usage = adapter.usage()
+        if usage < 0 or usage < self.trigger_watermark:
+            return  # no capacity to measure against, or below the watermark
+        self.evict(int(adapter.used_bytes() * self.eviction_ratio))
+
+    def evict(self, bytes_to_free: int) -> int:
+        """Delete victims until ``bytes_to_free`` are freed or none is left; returns freed."""
+        if not self._seeded:
+            self._seed()
+        adapter = self.slot.adapter
+        start = adapter.used_bytes()
+        refused: set[ObjectKey] = set()
+        evicted = 0
+        batch_size = 1  # the interface gives no per-key sizes: learn them from the first delete
+        fruitless = 0  # deletes in a row that freed no accounted bytes
+        while (freed := start - adapter.used_bytes()) < bytes_to_free and fruitless < DELETE_BATCH:
+            if evicted and freed > 0:
+                per_key = freed / evicted
+                batch_size = max(1, min(DELETE_BATCH, math.ceil((bytes_to_free - freed) / per_key)))
+            with self._policy_lock:
+                victims = (key for key in self.policy.victims() if key not in refused)
+                batch = list(islice(victims, batch_size))
+            if not batch:
+                break
+            before = adapter.used_bytes()
+            try:
+                deleted = adapter.delete(batch)
+            except Exception as exc:
+                self.stats.fail("l2_eviction_delete_error")
+                logger.warning("%s: eviction delete failed: %s", self.slot.name, exc)
+                break
+            # Deleted keys leave the policy through the listener; refused ones (pinned, or
+            # already gone) are not offered again in this cycle.
+            for key, ok in zip(batch, deleted, strict=False):
+                if ok:
+                    evicted += 1
+                else:
+                    refused.add(key)
+            # Objects the adapter never accounted (left by an earlier process and not yet
+            # looked up) free nothing it can measure; bound how many go for nothing.
+            fruitless = fruitless + sum(deleted) if adapter.used_bytes() >= before else 0
+        freed = start - adapter.used_bytes()
+        if evicted:
+            self.stats.add_adapter(self.slot.index, "keys_evicted", evicted)
+            logger.debug("L2 eviction on %s: %d keys, %d bytes freed", self.slot.name, evicted, freed)
+        return freed

@@ -1,0 +1,242 @@
+"""Conformance suites for store, prefetch and eviction policies.
+
+A policy plugin's tests subclass the suite of its kind, set ``component_name`` and, where
+the policy does something optional, declare it in ``capabilities``::
+
+    class TestLRU(EvictionPolicySuite):
+        component_name = "LRU"
+        capabilities = frozenset({EVICTS, RECENCY})
+
+The suites build the policy through the installed registry (``create(config())``), so
+they also prove the plugin's manifest and factory agree.  Override ``make_config`` to test
+a non-default configuration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import islice
+from typing import Any, ClassVar
+
+import msgspec
+import pytest
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.policies import AdapterInfo, EvictionPolicy, PrefetchPolicy, StorePolicy
+from lmcache_tiers.registry import Kind
+from lmcache_tiers.testing.base import ComponentSuite, capability, requires
+
+#: eviction: ``victims()`` offers every live key (a policy that never evicts lacks it)
+EVICTS = capability("evicts")
+#: eviction: a read moves a key behind keys that were not read since
+RECENCY = capability("recency")
+#: prefetch: every key some adapter found is planned from one of them
+LOADS_EVERY_HIT = capability("loads_every_hit")
+#: store: every key goes to every adapter
+STORES_EVERYWHERE = capability("stores_everywhere")
+
+
+def make_keys(count: int, *, start: int = 0, salt: str = "") -> list[ObjectKey]:
+    """Distinct keys of one prompt in prefix order."""
+    return [
+        ObjectKey("suite-model", 0, index.to_bytes(8, "big"), 0, salt)
+        for index in range(start, start + count)
+    ]
+
+
+def make_adapters(count: int) -> list[AdapterInfo]:
+    return [AdapterInfo(index, "mock", f"{index}:mock", 0.0) for index in range(count)]
+
+
+class _PolicySuite(ComponentSuite):
+    def make_config(self) -> msgspec.Struct:
+        """The config the policy is built with; the Struct's defaults unless overridden."""
+        config_type: Any = self.registered_component().config
+        built: msgspec.Struct = config_type()
+        return built
+
+    def make_policy(self) -> Any:
+        return self.registered_component().create(self.make_config())
+
+
+class StorePolicySuite(_PolicySuite):
+    """What every store policy must do."""
+
+    kind: ClassVar[Kind] = Kind.STORE_POLICY
+
+    @pytest.fixture
+    def policy(self) -> StorePolicy:
+        built = self.make_policy()
+        assert isinstance(built, StorePolicy)
+        return built
+
+    def test_targets_are_known_adapters_and_given_keys(self, policy: StorePolicy) -> None:
+        keys = make_keys(6)
+        adapters = make_adapters(3)
+        targets = policy.select_store_targets(keys, adapters)
+        assert set(targets) <= {a.index for a in adapters}
+        for chosen in targets.values():
+            assert set(chosen) <= set(keys)
+            assert len(chosen) == len(set(chosen)), "a key must not be stored twice in one adapter"
+
+    def test_no_adapters_means_no_targets(self, policy: StorePolicy) -> None:
+        targets = policy.select_store_targets(make_keys(3), [])
+        assert not any(targets.values())
+
+    def test_no_keys_means_nothing_to_store(self, policy: StorePolicy) -> None:
+        targets = policy.select_store_targets([], make_adapters(2))
+        assert not any(targets.values())
+
+    def test_deletions_are_a_subset_of_stored_keys(self, policy: StorePolicy) -> None:
+        keys = make_keys(5)
+        assert set(policy.select_l1_deletions(keys)) <= set(keys)
+        assert list(policy.select_l1_deletions([])) == []
+
+    def test_is_deterministic(self, policy: StorePolicy) -> None:
+        keys = make_keys(4)
+        adapters = make_adapters(2)
+        assert policy.select_store_targets(keys, adapters) == policy.select_store_targets(keys, adapters)
+
+    @requires(STORES_EVERYWHERE)
+    def test_every_key_goes_to_every_adapter_in_order(self, policy: StorePolicy) -> None:
+        keys = make_keys(4)
+        adapters = make_adapters(3)
+        assert policy.select_store_targets(keys, adapters) == {a.index: keys for a in adapters}
+
+
+class PrefetchPolicySuite(_PolicySuite):
+    """What every prefetch policy must do."""
+
+    kind: ClassVar[Kind] = Kind.PREFETCH_POLICY
+
+    @pytest.fixture
+    def policy(self) -> PrefetchPolicy:
+        built = self.make_policy()
+        assert isinstance(built, PrefetchPolicy)
+        return built
+
+    @staticmethod
+    def check_plan(
+        plan: dict[int, list[bool]],
+        found: Sequence[Sequence[bool]],
+        adapters: Sequence[AdapterInfo],
+        n_keys: int,
+    ) -> None:
+        positions = {a.index: p for p, a in enumerate(adapters)}
+        assert set(plan) <= set(positions), "plan names an adapter that does not exist"
+        for index, bitmap in plan.items():
+            assert len(bitmap) == n_keys
+            for key_position, wanted in enumerate(bitmap):
+                assert not wanted or found[positions[index]][key_position], (
+                    f"key {key_position} planned from adapter {index}, which does not hold it"
+                )
+        for key_position in range(n_keys):
+            sources = [index for index, bitmap in plan.items() if bitmap[key_position]]
+            assert len(sources) <= 1, f"key {key_position} planned from several adapters: {sources}"
+
+    def test_retain_loaded_is_a_bool(self, policy: PrefetchPolicy) -> None:
+        assert isinstance(policy.retain_loaded, bool)
+
+    def test_plan_only_loads_what_was_found(self, policy: PrefetchPolicy) -> None:
+        keys = make_keys(5)
+        adapters = make_adapters(3)
+        found = [
+            [True, False, True, False, False],
+            [True, True, False, False, True],
+            [False, True, True, False, True],
+        ]
+        self.check_plan(policy.select_load_plan(keys, found, adapters), found, adapters, len(keys))
+
+    def test_nothing_found_plans_nothing(self, policy: PrefetchPolicy) -> None:
+        keys = make_keys(3)
+        adapters = make_adapters(2)
+        plan = policy.select_load_plan(keys, [[False] * 3, [False] * 3], adapters)
+        assert not any(any(bitmap) for bitmap in plan.values())
+
+    def test_no_adapters_plans_nothing(self, policy: PrefetchPolicy) -> None:
+        assert not any(any(b) for b in policy.select_load_plan(make_keys(2), [], []).values())
+
+    @requires(LOADS_EVERY_HIT)
+    def test_every_hit_is_planned(self, policy: PrefetchPolicy) -> None:
+        keys = make_keys(4)
+        adapters = make_adapters(2)
+        found = [[True, False, False, True], [False, True, False, True]]
+        plan = policy.select_load_plan(keys, found, adapters)
+        self.check_plan(plan, found, adapters, len(keys))
+        planned = [any(bitmap[k] for bitmap in plan.values()) for k in range(len(keys))]
+        assert planned == [True, True, False, True]
+
+
+class EvictionPolicySuite(_PolicySuite):
+    """What every eviction policy must do (for L1 and for L2 adapters alike)."""
+
+    kind: ClassVar[Kind] = Kind.EVICTION_POLICY
+
+    @pytest.fixture
+    def policy(self) -> EvictionPolicy:
+        built = self.make_policy()
+        assert isinstance(built, EvictionPolicy)
+        return built
+
+    def test_empty_policy_offers_no_victims(self, policy: EvictionPolicy) -> None:
+        assert list(policy.victims()) == []
+
+    def test_victims_are_only_live_keys(self, policy: EvictionPolicy) -> None:
+        keys = make_keys(8)
+        policy.on_keys_written(keys)
+        policy.on_keys_read(keys[:3])
+        policy.on_keys_removed(keys[2:5])
+        offered = list(policy.victims())
+        assert set(offered) <= set(keys) - set(keys[2:5])
+        assert len(offered) == len(set(offered)), "a key is offered twice"
+
+    def test_unknown_keys_are_ignored(self, policy: EvictionPolicy) -> None:
+        stranger = make_keys(1, start=100)
+        policy.on_keys_removed(stranger)
+        policy.on_keys_read(make_keys(1, start=200))
+        policy.on_keys_removed(make_keys(1, start=200))
+        assert list(policy.victims()) == [], "a key that was never written is offered"
+
+    def test_stopping_early_leaves_the_policy_usable(self, policy: EvictionPolicy) -> None:
+        keys = make_keys(6)
+        policy.on_keys_written(keys)
+        first = list(islice(policy.victims(), 2))
+        policy.on_keys_removed(first)
+        assert not set(first) & set(policy.victims())
+
+    @requires(EVICTS)
+    def test_offers_every_live_key_once(self, policy: EvictionPolicy) -> None:
+        keys = make_keys(10)
+        policy.on_keys_written(keys[:5])
+        policy.on_keys_written(keys[5:])
+        policy.on_keys_written(keys[:2])  # rewriting must not duplicate
+        policy.on_keys_removed([keys[7]])
+        offered = list(policy.victims())
+        assert len(offered) == len(set(offered)) == 9
+        assert set(offered) == set(keys) - {keys[7]}
+
+    @requires(EVICTS)
+    def test_tail_of_a_batch_goes_before_its_head(self, policy: EvictionPolicy) -> None:
+        keys = make_keys(5)
+        policy.on_keys_written(keys)
+        offered = list(policy.victims())
+        assert offered.index(keys[4]) < offered.index(keys[0])
+        assert [offered.index(k) for k in reversed(keys)] == sorted(offered.index(k) for k in keys)
+
+    @requires(EVICTS)
+    def test_removed_then_rewritten_key_is_offered_again(self, policy: EvictionPolicy) -> None:
+        key = make_keys(1)
+        policy.on_keys_written(key)
+        policy.on_keys_removed(key)
+        assert list(policy.victims()) == []
+        policy.on_keys_written(key)
+        assert list(policy.victims()) == key
+
+    @requires(RECENCY)
+    def test_read_keys_are_evicted_after_unread_ones(self, policy: EvictionPolicy) -> None:
+        old, new = make_keys(3), make_keys(3, start=10)
+        policy.on_keys_written(old)
+        policy.on_keys_written(new)
+        policy.on_keys_read(old)
+        offered = list(policy.victims())
+        assert max(offered.index(k) for k in new) < min(offered.index(k) for k in old)

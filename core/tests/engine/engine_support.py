@@ -1,0 +1,166 @@
+"""Helpers of the engine tests: building a StorageManager, keys, payloads, invariants."""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from lmcache_tiers.config import AdapterSpec, L2AdapterConfig, ServerConfig, decode_adapter
+from lmcache_tiers.hookspecs import hookimpl
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2.base import BatchL2Adapter
+from lmcache_tiers.l2.context import AdapterContext
+from lmcache_tiers.plugins import discover
+from lmcache_tiers.registry import ComponentRegistry, KindRegistry
+from lmcache_tiers.storage import StorageManager
+
+MiB = 1 << 20
+L1_GB = 64 / 1024  # 64 MiB: small enough for many engines per test run
+
+
+class GatedConfig(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """In-memory adapter whose loads can be held back by the test."""
+
+    capacity_mb: float | None = None
+
+
+class GatedAdapter(BatchL2Adapter):
+    """A dict of bytes; ``gate`` / ``store_gate`` (open by default) hold loads / stores back."""
+
+    workers_per_op = 8  # several loads may wait at the gate at once
+
+    def __init__(self, config: GatedConfig, context: AdapterContext) -> None:
+        super().__init__(config, context)
+        self.capacity_mb = config.capacity_mb
+        self.gate = threading.Event()
+        self.gate.set()
+        self.loads_started = threading.Semaphore(0)
+        self.store_gate = threading.Event()
+        self.store_gate.set()
+        self.fail_loads: set[ObjectKey] = set()  # keys whose load reports failure
+        self.fail_stores: set[ObjectKey] = set()
+        self._data: dict[ObjectKey, bytes] = {}
+        self._lock = threading.Lock()
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        self.store_gate.wait()
+        done = []
+        with self._lock:
+            for key, payload in zip(keys, payloads, strict=True):
+                if key in self.fail_stores:
+                    done.append(False)
+                    continue
+                self._data[key] = bytes(payload)
+                done.append(True)
+        return done
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[Any]:
+        with self._lock:
+            return [len(self._data[key]) if key in self._data else None for key in keys]
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        self.loads_started.release()
+        self.gate.wait()
+        done = []
+        with self._lock:
+            for key, buffer in zip(keys, buffers, strict=True):
+                data = self._data.get(key)
+                if data is None or len(data) != buffer.nbytes or key in self.fail_loads:
+                    done.append(False)
+                    continue
+                buffer[:] = data
+                done.append(True)
+        return done
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        with self._lock:
+            return [self._data.pop(key, None) is not None for key in keys]
+
+    def iter_keys(self) -> Iterator[ObjectKey]:
+        with self._lock:
+            return iter(list(self._data))
+
+    def capacity_bytes(self) -> int | None:
+        return None if self.capacity_mb is None else int(self.capacity_mb * MiB)
+
+
+@hookimpl
+def tiers_register_l2_adapters(registry: KindRegistry) -> None:
+    registry.add("gated", GatedAdapter, GatedConfig)
+
+
+class LyingPrefetchPolicy:
+    """Plans every key from adapter 0, found or not: the controller must not trust it."""
+
+    retain_loaded = False
+
+    def __init__(self, config: object) -> None:
+        pass
+
+    def select_load_plan(self, keys: Sequence[ObjectKey], found: Any, adapters: Any) -> dict[int, list[bool]]:
+        return {0: [True] * len(keys), 7: [True] * len(keys)}
+
+
+class RaisingPrefetchPolicy(LyingPrefetchPolicy):
+    def select_load_plan(self, keys: Sequence[ObjectKey], found: Any, adapters: Any) -> dict[int, list[bool]]:
+        raise RuntimeError("policy bug")
+
+
+@hookimpl
+def tiers_register_prefetch_policies(registry: KindRegistry) -> None:
+    registry.add("lying", LyingPrefetchPolicy)
+    registry.add("raising", RaisingPrefetchPolicy)
+
+
+_registry: ComponentRegistry | None = None
+
+
+def registry() -> ComponentRegistry:
+    """The installed plugins plus the ``gated`` test adapter."""
+    global _registry
+    if _registry is None:
+        module = types.ModuleType("engine_test_adapters")
+        module.tiers_register_l2_adapters = tiers_register_l2_adapters  # type: ignore[attr-defined]
+        module.tiers_register_prefetch_policies = tiers_register_prefetch_policies  # type: ignore[attr-defined]
+        _registry = discover(extra_plugins={"engine-test-adapters": module}).registry
+    return _registry
+
+
+def spec(raw: dict[str, Any], index: int = 0) -> AdapterSpec:
+    """An adapter spec from its ``--l2-adapter`` JSON form (as an operator writes it)."""
+    return decode_adapter(registry(), raw, index)
+
+
+def mock(**options: Any) -> AdapterSpec:
+    return spec({"type": "mock", **options})
+
+
+def make_storage(
+    adapters: Sequence[AdapterSpec] = (), *, l1_gb: float = L1_GB, **settings: Any
+) -> StorageManager:
+    config = ServerConfig(l1_size_gb=l1_gb, l2_adapters=tuple(adapters), **settings)
+    return StorageManager(config, registry())
+
+
+def keys_of(prompt: int, count: int, *, model: str = "engine-test") -> list[ObjectKey]:
+    """Keys of one prompt's first ``count`` chunks (prompt id makes them distinct)."""
+    return [
+        ObjectKey(model, 0, prompt.to_bytes(4, "big") + index.to_bytes(4, "big")) for index in range(count)
+    ]
+
+
+def payload(key: ObjectKey, size: int) -> bytes:
+    """Deterministic bytes per key, so a hit can be checked against what was stored."""
+    seed = key.chunk_hash * (size // len(key.chunk_hash) + 1)
+    return seed[:size]
+
+
+def store(storage: StorageManager, keys: Sequence[ObjectKey], size: int) -> list[ObjectKey]:
+    """Reserve, fill and commit; returns the keys actually written (new ones)."""
+    reserved = storage.reserve_write(keys, [size] * len(keys))
+    for key, obj in reserved.items():
+        storage.view(obj)[:] = payload(key, size)
+    storage.commit_write(list(reserved))
+    return list(reserved)

@@ -1,0 +1,258 @@
+"""Prefetch controller: prefix-only loading, cascades, retention, queueing, cleanup."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+from engine_support import GatedAdapter, GatedConfig, MiB, keys_of, mock, payload, store
+
+from lmcache_tiers.config import AdapterSpec
+
+SIZE = 64 * 1024
+
+
+def gated(**options: object) -> AdapterSpec:
+    return AdapterSpec(type="gated", config=GatedConfig(**options))  # type: ignore[arg-type]
+
+
+def adapter(storage, index: int = 0) -> GatedAdapter:
+    found = storage.adapters[index]
+    assert isinstance(found, GatedAdapter)
+    return found
+
+
+def assert_no_locks(storage) -> None:
+    stats = storage.l1.stats()
+    assert (stats.write_locked, stats.read_locks) == (0, 0)
+    for each in storage.adapters:
+        assert each.pinned_keys() == {}
+
+
+def read_back(storage, keys, hits: int) -> None:
+    objects = storage.read(keys[:hits])
+    assert [o.key for o in objects] == keys[:hits]
+    for obj in objects:
+        assert bytes(storage.view(obj)) == payload(obj.key, SIZE)
+    storage.release(keys[:hits])
+
+
+def test_only_the_contiguous_prefix_is_loaded(engine) -> None:
+    storage = engine([mock()])
+    keys = keys_of(1, 5)
+    store(storage, [keys[i] for i in (0, 1, 3, 4)], SIZE)
+    assert storage.flush(10)
+    storage.clear()
+
+    handle = storage.submit_prefetch(keys)
+    assert storage.wait_prefetch(handle, 10) == 2
+    assert storage.status()["adapters"][0]["keys_loaded"] == 2
+    assert [storage.l1.contains(k) for k in keys] == [True, True, False, False, False]
+    read_back(storage, keys, 2)
+    storage.release(keys[:2])  # the prefetch's own read lock
+    assert len(storage.l1) == 0, "prefetched objects are temporary under the default policy"
+    assert_no_locks(storage)
+
+
+def test_hit_count_adds_l1_prefix_and_l2_prefix(engine, caplog) -> None:
+    storage = engine([mock()])
+    keys = keys_of(2, 6)
+    store(storage, keys, SIZE)
+    assert storage.flush(10)
+    storage.l1.delete(keys[2:])
+    with caplog.at_level(logging.DEBUG, logger="lmcache_tiers.controllers.prefetch"):
+        handle = storage.submit_prefetch(keys)
+        assert storage.wait_prefetch(handle, 10) == 6
+    assert "Prefetch request submitted: 6 total keys, 2 L1 prefix hits, 4 remaining for L2" in caplog.text
+    requests = storage.status()["requests"]
+    assert (requests["l1_hit_chunks"], requests["l2_hit_chunks"]) == (2, 4)
+    read_back(storage, keys, 6)
+    storage.release(keys)
+    assert_no_locks(storage)
+
+
+def test_result_is_delivered_once(engine) -> None:
+    storage = engine([mock()])
+    keys = keys_of(3, 2)
+    store(storage, keys, SIZE)
+    handle = storage.submit_prefetch(keys)
+    assert storage.wait_prefetch(handle, 10) == 2
+    assert storage.query_prefetch(handle) == 0
+    assert storage.query_prefetch(123456) == 0
+    storage.release(keys)
+
+
+def test_cascade_loads_each_key_from_the_lowest_index_adapter(engine) -> None:
+    storage = engine([mock(), mock()])
+    keys = keys_of(4, 5)
+    store(storage, keys, SIZE)
+    assert storage.flush(10)
+    assert storage.adapters[0].delete(keys[3:]) == [True, True]
+    storage.clear()
+
+    handle = storage.submit_prefetch(keys)
+    assert storage.wait_prefetch(handle, 10) == 5
+    first, second = storage.status()["adapters"]
+    assert (first["keys_loaded"], second["keys_loaded"]) == (3, 2)
+    read_back(storage, keys, 5)
+    storage.release(keys)
+    assert_no_locks(storage)
+
+
+def test_default_frees_prefetched_objects_after_the_read(engine) -> None:
+    storage = engine([mock()], l2_prefetch_policy="default")
+    keys = keys_of(5, 3)
+    store(storage, keys, SIZE)
+    assert storage.flush(10)
+    storage.clear()
+    assert storage.wait_prefetch(storage.submit_prefetch(keys), 10) == 3
+    assert storage.l1.stats().temporary == 3
+    read_back(storage, keys, 3)
+    storage.release(keys)
+    assert len(storage.l1) == 0
+
+
+def test_retain_keeps_prefetched_objects(engine) -> None:
+    storage = engine([mock()], l2_prefetch_policy="retain")
+    keys = keys_of(6, 3)
+    store(storage, keys, SIZE)
+    assert storage.flush(10)
+    storage.clear()
+    assert storage.wait_prefetch(storage.submit_prefetch(keys), 10) == 3
+    read_back(storage, keys, 3)
+    storage.release(keys)
+    assert [storage.l1.contains(k) for k in keys] == [True] * 3
+    assert storage.l1.stats().temporary == 0
+    # A second lookup is served by L1 alone.
+    assert storage.wait_prefetch(storage.submit_prefetch(keys), 10) == 3
+    assert storage.status()["adapters"][0]["keys_loaded"] == 3
+    storage.release(keys)
+    assert_no_locks(storage)
+
+
+def test_failed_load_ends_the_prefix_and_frees_everything_after_it(engine) -> None:
+    storage = engine([gated()])
+    keys = keys_of(7, 5)
+    store(storage, keys, SIZE)
+    assert storage.flush(10)
+    storage.clear()
+    adapter(storage).fail_loads.add(keys[2])
+
+    assert storage.wait_prefetch(storage.submit_prefetch(keys), 10) == 2
+    assert [storage.l1.contains(k) for k in keys] == [True, True, False, False, False]
+    assert storage.status()["failures"]["l2_load_failed"] == 1
+    storage.release(keys[:2])
+    assert len(storage.l1) == 0
+    assert_no_locks(storage)
+
+
+def test_requests_beyond_max_in_flight_queue(engine) -> None:
+    storage = engine([gated()], l2_prefetch_max_in_flight=2)
+    prompts = [keys_of(100 + p, 2) for p in range(5)]
+    for keys in prompts:
+        store(storage, keys, SIZE)
+    assert storage.flush(10)
+    storage.clear()
+    gate = adapter(storage)
+    gate.gate.clear()
+
+    handles = [storage.submit_prefetch(keys) for keys in prompts]
+    assert gate.loads_started.acquire(timeout=10)
+    assert gate.loads_started.acquire(timeout=10)
+    assert storage.status()["prefetch"]["in_flight"] == 2
+    assert storage.status()["prefetch"]["queued"] == 3
+    assert [storage.query_prefetch(h) for h in handles] == [None] * 5
+    gate.gate.set()
+    assert [storage.wait_prefetch(h, 10) for h in handles] == [2] * 5
+    for keys in prompts:
+        storage.release(keys)
+    assert_no_locks(storage)
+
+
+def test_overlapping_request_waits_for_the_one_loading_its_keys(engine) -> None:
+    storage = engine([gated()])
+    keys = keys_of(8, 4)
+    store(storage, keys, SIZE)
+    assert storage.flush(10)
+    storage.clear()
+    gate = adapter(storage)
+    gate.gate.clear()
+    first = storage.submit_prefetch(keys)
+    assert gate.loads_started.acquire(timeout=10)
+    second = storage.submit_prefetch(keys, readers=2)
+    assert storage.status()["prefetch"]["queued"] == 1
+    gate.gate.set()
+    assert storage.wait_prefetch(first, 10) == 4
+    assert storage.wait_prefetch(second, 10) == 4
+    assert storage.status()["adapters"][0]["keys_loaded"] == 4, "the second request loads nothing"
+    assert storage.l1.stats().read_locks == 3 * 4
+    storage.release(keys, 3)
+    assert len(storage.l1) == 0
+    assert_no_locks(storage)
+
+
+def test_full_l1_loads_a_shorter_prefix(engine) -> None:
+    big = 8 * MiB
+    storage = engine([mock()])  # 64 MiB of L1
+    pinned = keys_of(9, 6)
+    wanted = keys_of(10, 4)
+    store(storage, wanted, big)
+    assert storage.flush(10)
+    storage.clear()
+    store(storage, pinned, big)
+    assert storage.flush(10)
+    held = storage.read(pinned)  # 48 MiB read-locked: not evictable
+    assert len(held) == 6
+
+    assert storage.wait_prefetch(storage.submit_prefetch(wanted), 10) == 2
+    objects = storage.read(wanted[:2])
+    assert all(bytes(storage.view(o)) == payload(o.key, big) for o in objects)
+    storage.release(wanted[:2], 2)
+    storage.release(pinned)
+    assert all(storage.l1.contains(k) for k in pinned), "a locked object was evicted"
+    assert_no_locks(storage)
+
+
+def test_close_cancels_queued_requests_and_drains_running_ones(engine) -> None:
+    storage = engine([gated()], l2_prefetch_max_in_flight=1)
+    first_keys, second_keys = keys_of(11, 2), keys_of(12, 2)
+    store(storage, first_keys + second_keys, SIZE)
+    assert storage.flush(10)
+    storage.clear()
+    gate = adapter(storage)
+    gate.gate.clear()
+    first = storage.submit_prefetch(first_keys)
+    second = storage.submit_prefetch(second_keys)
+    assert gate.loads_started.acquire(timeout=10)
+
+    closer = threading.Thread(target=storage.close, kwargs={"drain_timeout_s": 30.0})
+    closer.start()
+    assert storage.wait_prefetch(second, 10) == 0, "a queued request is cancelled with no hits"
+    gate.gate.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    assert storage.query_prefetch(first) == 2
+
+
+def test_submit_after_close_is_refused(engine) -> None:
+    storage = engine([gated()])
+    storage.close()
+    with pytest.raises(Exception, match="closed"):
+        storage.submit_prefetch(keys_of(13, 1))
+
+
+@pytest.mark.parametrize("policy, hits", [("lying", 2), ("raising", 0)])
+def test_a_misbehaving_policy_cannot_leak_locks(engine, policy: str, hits: int) -> None:
+    storage = engine([mock(), mock()], l2_prefetch_policy=policy)
+    keys = keys_of(14, 4)
+    store(storage, keys, SIZE)
+    assert storage.flush(10)
+    storage.clear()
+    assert storage.adapters[0].delete(keys[2:]) == [True, True]  # adapter 0 lacks 2 and 3
+
+    assert storage.wait_prefetch(storage.submit_prefetch(keys), 10) == hits
+    read_back(storage, keys, hits)
+    storage.release(keys[:hits])
+    assert len(storage.l1) == 0
+    assert_no_locks(storage)

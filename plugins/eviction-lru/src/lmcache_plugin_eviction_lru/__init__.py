@@ -1,0 +1,18 @@
+"""Eviction policy ``LRU``: least recently used first."""
+
+from __future__ import annotations
+
+import msgspec
+
+from lmcache_tiers.hookspecs import hookimpl
+from lmcache_tiers.registry import KindRegistry
+
+
+class LRUConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Evict the least recently written or read object first; within one batch the tail of
+    the prefix goes before its head, so what remains is still a usable prefix."""
+
+
+@hookimpl
+def tiers_register_eviction_policies(registry: KindRegistry) -> None:
+    registry.add("LRU", "lmcache_plugin_eviction_lru.policy:LRUEvictionPolicy", LRUConfig)

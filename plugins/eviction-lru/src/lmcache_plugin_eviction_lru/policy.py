@@ -1,0 +1,44 @@
+"""The ``LRU`` eviction policy."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+
+from lmcache_plugin_eviction_lru import LRUConfig
+from lmcache_tiers.keys import ObjectKey
+
+
+class LRUEvictionPolicy:
+    """Least recently used first; the oldest key sits at the front of the order."""
+
+    def __init__(self, config: LRUConfig | None = None) -> None:
+        self.config = config or LRUConfig()
+        self._order: OrderedDict[ObjectKey, None] = OrderedDict()
+
+    # A batch is a prefix (chunk 0 first).  Touching it back to front leaves the tail
+    # older than the head, so eviction trims a prefix from its end and the chunks that
+    # remain are still a prefix an engine can use.
+
+    def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
+        order = self._order
+        for key in reversed(keys):
+            order[key] = None
+            order.move_to_end(key)
+
+    def on_keys_read(self, keys: Sequence[ObjectKey]) -> None:
+        # A read of a key this policy does not hold (already removed) must not revive it.
+        order = self._order
+        for key in reversed(keys):
+            if key in order:
+                order.move_to_end(key)
+
+    def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
+        for key in keys:
+            self._order.pop(key, None)
+
+    def victims(self) -> Iterator[ObjectKey]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)

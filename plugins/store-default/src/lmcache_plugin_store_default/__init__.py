@@ -1,0 +1,17 @@
+"""Store policy ``default``: every key goes to every adapter and L1 keeps its copy."""
+
+from __future__ import annotations
+
+import msgspec
+
+from lmcache_tiers.hookspecs import hookimpl
+from lmcache_tiers.registry import KindRegistry
+
+
+class DefaultStoreConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Store every written object in every L2 adapter; never delete it from L1."""
+
+
+@hookimpl
+def tiers_register_store_policies(registry: KindRegistry) -> None:
+    registry.add("default", "lmcache_plugin_store_default.policy:DefaultStorePolicy", DefaultStoreConfig)
