@@ -49,6 +49,14 @@ def build_policy(registry: ComponentRegistry, kind: Kind, name: str) -> Any:
     return component.create(config)
 
 
+def _refuse_with_nvme_l1(name: str, adapter_class: type) -> None:
+    """An NVMe L1 has no memory an adapter could address, only copies of its objects."""
+    if getattr(adapter_class, "needs_l1_buffers", False):
+        raise ConfigError(
+            f"l2 adapter {name} needs byte access to L1 memory and cannot be used with --gds-l1-path"
+        )
+
+
 class StorageManager:
     """The two-level store behind every front end; thread-safe."""
 
@@ -61,12 +69,21 @@ class StorageManager:
             registry, Kind.PREFETCH_POLICY, config.l2_prefetch_policy
         )
         eviction_policy: EvictionPolicy = build_policy(registry, Kind.EVICTION_POLICY, config.eviction_policy)
+        if config.gds_l1_path is not None:
+            # Refused before the L1 file takes its disk space; an adapter built by a factory
+            # function shows its class only once it exists (checked in _build_adapter).
+            for index, spec in enumerate(config.l2_adapters):
+                factory = registry.get(Kind.L2_ADAPTER, spec.type).load()
+                if isinstance(factory, type):
+                    _refuse_with_nvme_l1(f"{index}:{spec.type}", factory)
         self.l1 = L1Manager(
             config.l1_size_bytes,
             align=config.l1_align_bytes,
             lock_ttl_s=config.l1_lock_ttl_s,
             write_ttl_s=config.l1_write_ttl_s,
             shm_name=config.l1_shm_name,
+            nvme_path=config.gds_l1_path,
+            direct_io=config.gds_l1_use_direct_io,
         )
         self.adapters: list[L2Adapter] = []
         self._closed = False
@@ -120,8 +137,8 @@ class StorageManager:
             name=f"{index}:{spec.type}",
             config=spec.config,
             serde=build_serde_chain(spec.serde, registry),
-            l1_buffer=self.l1.arena.buffer,
-            l1_is_memory=True,
+            l1_buffer=self.l1.arena.buffer if self.l1.is_memory else None,
+            l1_is_memory=self.l1.is_memory,
         )
         adapter = registry.get(Kind.L2_ADAPTER, spec.type).create(spec.config, context)
         if not isinstance(adapter, L2Adapter):
@@ -129,6 +146,13 @@ class StorageManager:
             if callable(adapter_close):
                 adapter_close()
             raise ConfigError(f"l2 adapter {spec.type!r} built {type(adapter).__name__}, not an L2Adapter")
+        if not self.l1.is_memory:
+            # A factory function hides the class until the adapter exists.
+            try:
+                _refuse_with_nvme_l1(context.name, type(adapter))
+            except ConfigError:
+                adapter.close()
+                raise
         self.adapters.append(adapter)
         return AdapterSlot(index, spec.type, adapter)
 
@@ -204,8 +228,16 @@ class StorageManager:
         return [locked[key] for key in keys[:count]]
 
     def view(self, obj: L1Object) -> memoryview:
-        """The bytes of a reserved or read-locked object, in the L1 arena."""
+        """The bytes of a reserved or read-locked object, in the L1 arena (memory L1 only)."""
         return self.l1.view(obj)
+
+    def read_object(self, obj: L1Object, out: memoryview) -> None:
+        """Copy a read-locked object's bytes into ``out``; works for every L1 backing."""
+        self.l1.read_object(obj, out)
+
+    def write_object(self, obj: L1Object, data: memoryview) -> None:
+        """Fill a reserved object with exactly its size in bytes; works for every L1 backing."""
+        self.l1.write_object(obj, data)
 
     def release(self, keys: Sequence[ObjectKey], count: int = 1) -> None:
         """Drop ``count`` read locks per key (from ``read`` or a prefetch)."""

@@ -1,4 +1,8 @@
-"""L1Manager: object states, counted read locks, TTLs, temporaries, listeners, eviction."""
+"""L1Manager: object states, counted read locks, TTLs, temporaries, listeners, eviction.
+
+The state machine is backing-independent, so these tests run on the shared-memory arena
+and on the NVMe file alike; only tests of memory views are memory-only.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 
 from lmcache_tiers.errors import L1OutOfMemoryError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l1 import L1Manager, L1Stats, ObjectState
+from lmcache_tiers.l1 import L1Manager, L1Object, L1Stats, ObjectState
 
 ALIGN = 4096
 CAPACITY = 64 * ALIGN
@@ -52,9 +57,27 @@ class Recorder:
         return [(event, event_keys) for _, event, event_keys in self.log]
 
 
+def make_manager(nvme_dir: Path | None = None) -> L1Manager:
+    return L1Manager(
+        CAPACITY,
+        align=ALIGN,
+        lock_ttl_s=LOCK_TTL,
+        write_ttl_s=WRITE_TTL,
+        prefault=False,
+        nvme_path=None if nvme_dir is None else str(nvme_dir),
+    )
+
+
+@pytest.fixture(params=["memory", "nvme"])
+def l1(request: pytest.FixtureRequest) -> Iterator[L1Manager]:
+    manager = make_manager(request.getfixturevalue("nvme_dir") if request.param == "nvme" else None)
+    yield manager
+    manager.close()
+
+
 @pytest.fixture
-def l1() -> Iterator[L1Manager]:
-    manager = L1Manager(CAPACITY, align=ALIGN, lock_ttl_s=LOCK_TTL, write_ttl_s=WRITE_TTL, prefault=False)
+def memory_l1() -> Iterator[L1Manager]:
+    manager = make_manager()
     yield manager
     manager.close()
 
@@ -70,10 +93,14 @@ def write(l1: L1Manager, indices: Sequence[int], size: int = ALIGN, *, temporary
     """Store objects whose bytes are their index, READY."""
     reserved = l1.reserve_write(keys(*indices), [size] * len(indices), temporary=temporary)
     for obj in reserved.values():
-        view = l1.view(obj)
-        view[:] = bytes([int.from_bytes(obj.key.chunk_hash, "big") % 256]) * obj.size
-        view.release()
+        l1.write_object(obj, memoryview(bytes([int.from_bytes(obj.key.chunk_hash, "big") % 256]) * obj.size))
     assert all(l1.finish_write(list(reserved)))
+
+
+def read(l1: L1Manager, obj: L1Object) -> bytes:
+    out = bytearray(obj.size)
+    l1.read_object(obj, memoryview(out))
+    return bytes(out)
 
 
 def later(seconds: float) -> float:
@@ -83,7 +110,10 @@ def later(seconds: float) -> float:
 # -- writing -------------------------------------------------------------------------------
 
 
-def test_write_then_ready_with_bytes_in_the_arena(l1: L1Manager, recorder: Recorder) -> None:
+def test_write_then_ready_with_bytes_in_the_arena(memory_l1: L1Manager) -> None:
+    l1 = memory_l1
+    recorder = Recorder()
+    l1.add_listener(recorder)
     reserved = l1.reserve_write(keys(1, 2), [100, 5000])
     assert list(reserved) == keys(1, 2)
     first, second = reserved.values()
@@ -165,7 +195,7 @@ def test_read_locks_are_counted_per_ready_key(l1: L1Manager, recorder: Recorder)
     hits = l1.reserve_read(keys(1, 2, 3, 4, 1), count=2)
     assert list(hits) == keys(1, 3)  # every READY key, not only the prefix; repeats once
     assert hits[key(1)].read_locks == 2
-    assert bytes(l1.view(hits[key(3)])[:2]) == b"\x03\x03"
+    assert read(l1, hits[key(3)])[:2] == b"\x03\x03"
     assert l1.stats().read_locks == 4
     l1.reserve_read(keys(1))
     assert hits[key(1)].read_locks == 3

@@ -29,7 +29,7 @@ from lmcache_tiers.controllers.base import AdapterSlot, ControllerThread, aligne
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.errors import L1OutOfMemoryError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l1 import L1Manager, L1Object
+from lmcache_tiers.l1 import L1Manager, L1Object, aligned_buffer
 from lmcache_tiers.l2.interface import L2Op, LookupResult
 from lmcache_tiers.policies import PrefetchPolicy
 
@@ -94,6 +94,9 @@ class PrefetchController(ControllerThread):
         # tasks of abandoned requests: (adapter index, task id) -> keys to settle on completion
         self._orphan_lookups: dict[tuple[int, int], list[ObjectKey]] = {}
         self._orphan_loads: dict[tuple[int, int], list[ObjectKey]] = {}
+        # An NVMe L1 has no memory to load into: adapters fill these host buffers, copied
+        # into L1 when the load reports. (adapter index, task id) -> one buffer per key
+        self._staged: dict[tuple[int, int], list[memoryview]] = {}
         self._fd_routes: dict[int, tuple[AdapterSlot, L2Op]] = {}
         for slot in self.slots:
             self._fd_routes[slot.adapter.event_fd(L2Op.LOOKUP)] = (slot, L2Op.LOOKUP)
@@ -363,7 +366,10 @@ class PrefetchController(ControllerThread):
 
     def _submit_load(self, request: _Request, slot: AdapterSlot, keys: list[ObjectKey]) -> None:
         try:
-            buffers = [self.l1.view(request.reserved[key]) for key in keys]
+            if self.l1.is_memory:
+                buffers = [self.l1.view(request.reserved[key]) for key in keys]
+            else:
+                buffers = [aligned_buffer(request.reserved[key].size) for key in keys]
             task_id = slot.adapter.submit_load(keys, buffers)
         except Exception as exc:
             self.stats.fail("l2_load_submit_error")
@@ -372,6 +378,8 @@ class PrefetchController(ControllerThread):
             return
         request.loads[slot.index] = task_id
         self._load_tasks[(slot.index, task_id)] = (request, keys)
+        if not self.l1.is_memory:
+            self._staged[(slot.index, task_id)] = buffers
         self.stats.add_adapter(slot.index, "load_tasks_submitted")
 
     def _reap_loads(self, slot: AdapterSlot) -> None:
@@ -383,6 +391,7 @@ class PrefetchController(ControllerThread):
             return
         for task_id, results in completed.items():
             entry = self._load_tasks.pop((slot.index, task_id), None)
+            staged = self._staged.pop((slot.index, task_id), None)
             if entry is None:
                 # Its request was abandoned: now that the adapter is done with the
                 # buffers, they can be freed.
@@ -392,9 +401,26 @@ class PrefetchController(ControllerThread):
                 continue
             request, keys = entry
             try:
+                if staged is not None:
+                    results = self._copy_in(request, keys, results, staged)
                 self._load_done(slot, request, keys, results)
             except Exception:
                 self._abandon(request, "prefetch_internal_error")
+
+    def _copy_in(
+        self, request: _Request, keys: list[ObjectKey], results: list[bool], staged: list[memoryview]
+    ) -> list[bool]:
+        """Write the loaded host buffers into the NVMe L1; a copy that fails is a failed load."""
+        copied: list[bool] = []
+        for key, ok, buffer in zip(keys, results, staged, strict=False):
+            if ok:
+                try:
+                    self.l1.write_object(request.reserved[key], buffer)
+                except (KeyError, OSError, RuntimeError) as exc:
+                    logger.warning("copying loaded %s into the NVMe L1 failed: %s", key, exc)
+                    ok = False
+            copied.append(ok)
+        return copied
 
     def _load_done(
         self, slot: AdapterSlot, request: _Request, keys: list[ObjectKey], results: list[bool]

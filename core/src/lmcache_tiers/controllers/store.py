@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from lmcache_tiers.controllers.base import AdapterSlot, ControllerThread, adapter_infos
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l1 import L1Manager
+from lmcache_tiers.l1 import L1Manager, L1Object, aligned_buffer
 from lmcache_tiers.l2.interface import L2Op
 from lmcache_tiers.policies import StorePolicy
 
@@ -124,7 +124,10 @@ class StoreController(ControllerThread):
         if not keys:
             return
         try:
-            buffers = [self.l1.view(locked[key]) for key in keys]
+            if self.l1.is_memory:
+                buffers = [self.l1.view(locked[key]) for key in keys]
+            else:
+                buffers = [_copy_out(self.l1, locked[key]) for key in keys]
             task_id = slot.adapter.submit_store(keys, buffers)
         except Exception as exc:
             self.l1.finish_read(keys)
@@ -211,3 +214,10 @@ class StoreController(ControllerThread):
             self._queue.clear()
         if dropped:
             self.stats.fail("l2_store_dropped_at_shutdown", dropped)
+
+
+def _copy_out(l1: L1Manager, obj: L1Object) -> memoryview:
+    """An NVMe L1 object's bytes in host memory, which is what an adapter can read."""
+    buffer = aligned_buffer(obj.size)  # page-aligned: the O_DIRECT read lands in it directly
+    l1.read_object(obj, buffer)
+    return buffer

@@ -229,6 +229,18 @@ class L1Arena:
     def path(self) -> str:
         return os.path.join(SHM_DIR, self.name)
 
+    def read_into(self, offset: int, size: int, out: memoryview) -> None:
+        """Copy ``size`` bytes at ``offset`` into the byte view ``out[:size]``."""
+        if offset < 0 or offset + size > self.size:
+            raise ValueError(f"{size} bytes at offset {offset} do not fit the {self.size}-byte arena")
+        out[:size] = self.buffer[offset : offset + size]
+
+    def write_from(self, offset: int, data: memoryview) -> None:
+        """Copy the byte view ``data`` into the arena at ``offset``."""
+        if offset < 0 or offset + data.nbytes > self.size:
+            raise ValueError(f"{data.nbytes} bytes at offset {offset} do not fit the {self.size}-byte arena")
+        self.buffer[offset : offset + data.nbytes] = data
+
     @property
     def closed(self) -> bool:
         return not self._finalizer.alive

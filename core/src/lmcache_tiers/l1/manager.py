@@ -10,7 +10,9 @@ Life of an object::
                                                freed
 
 One re-entrant lock guards everything, so each batched call is atomic, and listeners
-(running inside it) may call back into the manager. Listeners are notified once per call,
+(running inside it) may call back into the manager. Object bytes are copied outside the
+lock (the object's own write or read lock protects its extent), so a slow NVMe transfer
+never stalls other callers. Listeners are notified once per call,
 after the call's state change is complete: an eviction policy that is told about deletes
 while its own victim iterator is being consumed would otherwise mutate what it iterates.
 """
@@ -23,10 +25,12 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Literal
 
-from lmcache_tiers.errors import ConfigError, L1OutOfMemoryError
+from lmcache_tiers.errors import ConfigError, L1OutOfMemoryError, TiersError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1.allocator import ExtentAllocator
 from lmcache_tiers.l1.arena import L1Arena
+from lmcache_tiers.l1.backing import L1Backing
+from lmcache_tiers.l1.nvme import DIRECT_IO_ALIGN, NvmeL1File
 from lmcache_tiers.l1.objects import L1Listener, L1Object, L1Stats, ObjectState
 
 if TYPE_CHECKING:
@@ -42,7 +46,13 @@ _WRITING = ObjectState.WRITING
 
 
 class L1Manager:
-    """Objects in one shared-memory arena, with write locks, counted read locks and TTLs."""
+    """Objects in one backing (a shared-memory arena, or an NVMe file when ``nvme_path`` is
+    set), with write locks, counted read locks and TTLs.
+
+    ``shm_name``, ``prefault`` and ``pin`` concern the memory arena; ``direct_io`` the NVMe
+    file. Objects of an NVMe L1 have no memory view: copy with :meth:`read_object` and
+    :meth:`write_object`, which work for both backings.
+    """
 
     def __init__(
         self,
@@ -54,6 +64,8 @@ class L1Manager:
         shm_name: str | None = None,
         prefault: bool = True,
         pin: bool = False,
+        nvme_path: str | None = None,
+        direct_io: bool = True,
     ) -> None:
         if lock_ttl_s <= 0 or write_ttl_s <= 0:
             raise ConfigError(f"L1 lock TTLs must be positive (lock {lock_ttl_s}s, write {write_ttl_s}s)")
@@ -63,7 +75,17 @@ class L1Manager:
             raise ConfigError(f"L1 size: {exc}") from None
         self.lock_ttl_s = lock_ttl_s
         self.write_ttl_s = write_ttl_s
-        self.arena = L1Arena(allocator.capacity, name=shm_name, prefault=prefault, pin=pin)
+        self._arena: L1Arena | None = None
+        self._backing: L1Backing
+        if nvme_path is None:
+            self._arena = L1Arena(allocator.capacity, name=shm_name, prefault=prefault, pin=pin)
+            self._backing = self._arena
+        else:
+            if align % DIRECT_IO_ALIGN:
+                raise ConfigError(
+                    f"an NVMe L1 needs an alignment that is a multiple of {DIRECT_IO_ALIGN}, got {align}"
+                )
+            self._backing = NvmeL1File(nvme_path, allocator.capacity, direct_io=direct_io)
         self.lock = threading.RLock()  # public so callers can group several calls atomically
         self._allocator = allocator
         self._objects: dict[ObjectKey, L1Object] = {}
@@ -75,6 +97,23 @@ class L1Manager:
         self._closed = False
 
     # -- properties --------------------------------------------------------------------
+
+    @property
+    def is_memory(self) -> bool:
+        """True if objects live in the shared-memory arena (views, shm clients possible)."""
+        return self._arena is not None
+
+    @property
+    def arena(self) -> L1Arena:
+        """The shared-memory arena; an NVMe L1 has none (check :attr:`is_memory`)."""
+        if self._arena is None:
+            raise TiersError(f"L1 lives in the NVMe file {self.nvme_file_path}, not in a memory arena")
+        return self._arena
+
+    @property
+    def nvme_file_path(self) -> str | None:
+        """The block file of an NVMe L1; None for the memory arena."""
+        return self._backing.path if isinstance(self._backing, NvmeL1File) else None
 
     @property
     def capacity_bytes(self) -> int:
@@ -156,12 +195,45 @@ class L1Manager:
 
     def view(self, obj: L1Object) -> memoryview:
         """The object's bytes in the arena. Raises KeyError if the object has left L1,
-        because its extent may already belong to another object."""
+        because its extent may already belong to another object, and TiersError for an
+        NVMe L1, whose objects are reachable only through read_object/write_object."""
         with self.lock:
-            self._check_open()
-            if self._objects.get(obj.key) is not obj:
-                raise KeyError(f"{obj.key} is no longer in L1")
-            return self.arena.buffer[obj.offset : obj.offset + obj.size]
+            self._check_present(obj)
+            if self._arena is None:
+                raise TiersError(
+                    f"L1 objects in the NVMe file {self.nvme_file_path} have no memory view: "
+                    "copy them with read_object/write_object"
+                )
+            return self._arena.buffer[obj.offset : obj.offset + obj.size]
+
+    def read_object(self, obj: L1Object, out: memoryview) -> None:
+        """Copy the object's bytes into ``out[:obj.size]``, from either backing.
+
+        The caller holds a lock on the object (a read lock, or the write lock it is
+        filling under), so its extent cannot change hands during the copy. Raises KeyError
+        if the object has left L1.
+        """
+        out = _byte_view(out)
+        if out.nbytes < obj.size:
+            raise ValueError(f"a {out.nbytes}-byte buffer cannot hold {obj.key} ({obj.size} bytes)")
+        with self.lock:
+            self._check_present(obj)
+        self._backing.read_into(obj.offset, obj.size, out)
+
+    def write_object(self, obj: L1Object, data: memoryview) -> None:
+        """Fill an object that is being written with exactly ``obj.size`` bytes.
+
+        Only WRITING objects are accepted: a READY object may have readers, who must see
+        the bytes that were committed. Raises KeyError if the object has left L1.
+        """
+        data = _byte_view(data)
+        if data.nbytes != obj.size:
+            raise ValueError(f"{obj.key} holds {obj.size} bytes, got {data.nbytes}")
+        with self.lock:
+            self._check_present(obj)
+            if obj.state is not _WRITING:
+                raise ValueError(f"{obj.key} is {obj.state.value}, not being written")
+        self._backing.write_from(obj.offset, data)
 
     # -- writing -----------------------------------------------------------------------
 
@@ -398,7 +470,7 @@ class L1Manager:
             self._locked.clear()
             self._temporary.clear()
             self._listeners.clear()
-            self.arena.close()
+            self._backing.close()
 
     def __enter__(self) -> Self:
         return self
@@ -411,6 +483,11 @@ class L1Manager:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the L1 manager is closed")
+
+    def _check_present(self, obj: L1Object) -> None:
+        self._check_open()
+        if self._objects.get(obj.key) is not obj:
+            raise KeyError(f"{obj.key} is no longer in L1")
 
     def _detach(self, obj: L1Object) -> None:
         del self._objects[obj.key]
@@ -426,6 +503,14 @@ class L1Manager:
             self._detach(obj)
         self._release_extents(objs)
         self._notify("deleted", [obj.key for obj in objs])
+
+
+def _byte_view(buffer: memoryview) -> memoryview:
+    """``buffer`` as a flat view of unsigned bytes, the only shape slice assignment mixes."""
+    view = memoryview(buffer)
+    if view.format == "B" and view.ndim == 1:
+        return view
+    return view.cast("B")
 
 
 def _check_count(count: int) -> None:

@@ -1,0 +1,217 @@
+"""Commands that talk to a running server: ``status`` and ``bench``.
+
+Plain functions with typer-annotated parameters; the CLI app registers them.  Heavy
+imports (zmq, numpy) happen inside the functions so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Annotated, Any, Optional
+
+import typer
+from rich.table import Table
+
+from lmcache_tiers.cli.output import fail, stdout
+
+if TYPE_CHECKING:
+    from lmcache_tiers.server.benchmark import BenchResult
+
+DEFAULT_URL = "tcp://127.0.0.1:5555"
+
+UrlOption = Annotated[str, typer.Option("--url", help="Server endpoint (tcp://host:port or ipc://path).")]
+TokenOption = Annotated[
+    Optional[str],
+    typer.Option(
+        "--auth-token", envvar="LMCACHE_TIERS_AUTH_TOKEN", help="Token, if the server requires one."
+    ),
+]
+TimeoutOption = Annotated[float, typer.Option("--timeout", min=0.01, help="Seconds to wait for each reply.")]
+
+
+def status(
+    url: UrlOption = DEFAULT_URL,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the raw status document as JSON.")] = False,
+    auth_token: TokenOption = None,
+    timeout: TimeoutOption = 5.0,
+) -> None:
+    """Show a running server's state: L1, L2 adapters, requests, in-flight work, failures."""
+    from lmcache_tiers.client import Client, ClientError
+
+    try:
+        with Client(url, auth_token=auth_token, timeout=timeout, name="status") as client:
+            document = client.status()
+    except ClientError as exc:
+        fail(f"cannot get the status of {url}: {exc}", 1)
+    if as_json:
+        typer.echo(json.dumps(document, indent=2, default=str))
+        return
+    for table in status_tables(document):
+        stdout.print(table)
+
+
+def _gib(value: Any) -> str:
+    return f"{float(value) / 2**30:.2f} GiB"
+
+
+def _pct(value: Any) -> str:
+    return "n/a" if value is None or float(value) < 0 else f"{float(value):.1%}"
+
+
+def status_tables(document: dict[str, Any]) -> list[Table]:
+    """The status document as rich tables (server and L1, L2 adapters, failures)."""
+    server, l1, requests = document.get("server", {}), document.get("l1", {}), document.get("requests", {})
+    overview = Table(title="lmcache-tiers server", show_header=False, title_justify="left")
+    overview.add_column(style="bold cyan", no_wrap=True)
+    overview.add_column()
+    overview.add_row("endpoint", str(server.get("endpoint")))
+    overview.add_row("version", f"{server.get('version')} (protocol {server.get('protocol_version')})")
+    overview.add_row("pid / uptime", f"{server.get('pid')} / {float(server.get('uptime_s', 0)):.0f} s")
+    overview.add_row("shared memory", str(server.get("shm_segment") or "off (inline only)"))
+    overview.add_row("clients", str(server.get("clients", 0)))
+    overview.add_row(
+        "L1",
+        f"{_gib(l1.get('used_bytes', 0))} of {_gib(l1.get('capacity_bytes', 0))} "
+        f"({_pct(l1.get('usage', 0))}), {l1.get('objects', 0)} objects, "
+        f"{l1.get('read_locks', 0)} read locks, {l1.get('write_locked', 0)} being written",
+    )
+    overview.add_row(
+        "lookups",
+        f"{requests.get('lookups', 0)}, hit chunks L1 {requests.get('l1_hit_chunks', 0)} "
+        f"/ L2 {requests.get('l2_hit_chunks', 0)}",
+    )
+    overview.add_row(
+        "stores / retrieves",
+        f"{server.get('store_chunks', 0)} chunks ({_gib(server.get('store_bytes', 0))}) / "
+        f"{server.get('retrieve_chunks', 0)} chunks ({_gib(server.get('retrieve_bytes', 0))})",
+    )
+    prefetch, store = document.get("prefetch", {}), document.get("store", {})
+    overview.add_row(
+        "in flight",
+        f"prefetches {prefetch.get('in_flight', 0)} (+{prefetch.get('queued', 0)} queued), "
+        f"L2 stores {store.get('in_flight_tasks', 0)} (+{store.get('pending_batches', 0)} batches)",
+    )
+    evicted = document.get("eviction", {}).get("l1", {})
+    overview.add_row(
+        "L1 evictions", f"{evicted.get('evicted_keys', 0)} objects ({evicted.get('policy', '?')})"
+    )
+    tables = [overview]
+
+    adapters = document.get("adapters", [])
+    if adapters:
+        l2 = Table(title="L2 adapters", title_justify="left")
+        for column in ("adapter", "usage", "used", "stored", "loaded", "evicted", "state"):
+            l2.add_column(column, justify="left" if column in ("adapter", "state") else "right")
+        for adapter in adapters:
+            l2.add_row(
+                str(adapter.get("name")),
+                _pct(adapter.get("usage")),
+                _gib(adapter.get("used_bytes", 0)),
+                str(adapter.get("keys_stored", 0)),
+                str(adapter.get("keys_loaded", 0)),
+                str(adapter.get("keys_evicted", 0)),
+                str(adapter.get("error", "ok")),
+            )
+        tables.append(l2)
+
+    failures = {**document.get("failures", {}), **server.get("failures", {})}
+    if failures:
+        failed = Table(title="failures", title_justify="left")
+        failed.add_column("reason")
+        failed.add_column("count", justify="right")
+        for reason, count in sorted(failures.items()):
+            failed.add_row(reason, str(count))
+        tables.append(failed)
+    return tables
+
+
+def bench(
+    url: UrlOption = DEFAULT_URL,
+    chunks: Annotated[int, typer.Option(min=1, help="Chunks per STORE/RETRIEVE batch.")] = 64,
+    chunk_mib: Annotated[float, typer.Option(min=0.001, help="Size of each chunk in MiB.")] = 2.0,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed repetitions (the median is reported).")] = 5,
+    lookup_keys: Annotated[int, typer.Option(min=1, help="Keys per LOOKUP request.")] = 16,
+    lookup_requests: Annotated[int, typer.Option(min=1, help="LOOKUP requests to time.")] = 20_000,
+    inline: Annotated[bool, typer.Option(help="Also measure inline (socket) transfers.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
+    auth_token: TokenOption = None,
+    timeout: TimeoutOption = 60.0,
+) -> None:
+    """Store and retrieve chunks through a running server and time it against memcpy."""
+    from lmcache_tiers.client import ClientError
+
+    try:
+        result = run_with_progress(
+            url,
+            chunks=chunks,
+            chunk_bytes=max(1, int(chunk_mib * (1 << 20))),
+            repeats=repeats,
+            lookup_keys=lookup_keys,
+            lookup_requests=lookup_requests,
+            inline=inline,
+            auth_token=auth_token,
+            timeout=timeout,
+            show=not as_json,
+        )
+    except (ClientError, RuntimeError) as exc:
+        fail(f"benchmark of {url} failed: {exc}", 1)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        stdout.print(bench_table(result))
+
+
+def run_with_progress(url: str, *, show: bool = True, **options: Any) -> BenchResult:
+    """``run_bench`` with a rich progress bar (``show=False``: silent)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from lmcache_tiers.server.benchmark import run_bench, steps_for
+
+    progress = Progress(
+        TextColumn("{task.description:<18}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        transient=True,
+        disable=not show,
+        # few redraws: the drawing thread competes with the timed requests for the GIL
+        refresh_per_second=2,
+    )
+    total = steps_for(
+        options.get("repeats", 5), options.get("inline", True), options.get("lookup_requests", 20_000)
+    )
+    with progress:
+        task = progress.add_task("bench", total=total)
+        return run_bench(
+            url, step=lambda label: progress.update(task, advance=1, description=label), **options
+        )
+
+
+def bench_table(result: BenchResult) -> Table:
+    size = f"{result.chunks} x {result.chunk_bytes / (1 << 20):g} MiB"
+    table = Table(title=f"lmcache-tiers bench: {size}, median of {result.repeats}", title_justify="left")
+    table.add_column("measurement")
+    table.add_column("value", justify="right")
+    table.add_column("vs memcpy (same run)", justify="right")
+    table.add_row("memcpy", f"{result.memcpy_gbps:.2f} GB/s", "1.00")
+    for label, value in (
+        ("STORE (shared memory)", result.store_gbps),
+        ("RETRIEVE (shared memory)", result.retrieve_gbps),
+        ("STORE (inline)", result.inline_store_gbps),
+        ("RETRIEVE (inline)", result.inline_retrieve_gbps),
+    ):
+        if value is not None:
+            ratio = result.ratio(value)
+            table.add_row(label, f"{value:.2f} GB/s", f"{ratio:.2f}" if ratio is not None else "")
+    keys = f"{result.lookup_keys} keys"
+    table.add_row(f"LOOKUP p50 ({keys})", f"{result.lookup_p50_us:.0f} us", "")
+    table.add_row(f"LOOKUP p99 ({keys})", f"{result.lookup_p99_us:.0f} us", "")
+    table.add_row("LOOKUP requests/s (1 client, sequential)", f"{result.lookup_per_s:,.0f}", "")
+    table.add_row(
+        f"LOOKUP requests/s (1 client, {result.lookup_window} in flight)",
+        f"{result.lookup_pipelined_per_s:,.0f}",
+        "",
+    )
+    table.add_row("PING p50", f"{result.ping_p50_us:.0f} us", "")
+    for note in result.notes:
+        table.caption = note
+    return table

@@ -1,0 +1,370 @@
+"""NVMe L1 backing: objects live in blocks of one preallocated file instead of memory.
+
+The file ``<directory>/lmcache_tiers_l1_<pid>_<random>.blocks`` is sized to the L1 capacity
+once, so a full disk is an error at start-up rather than in the middle of a write, and is
+read and written at object offsets with ``O_DIRECT``: KV objects are large and read once
+or twice, so the page cache would only double the memory they cost. ``O_DIRECT`` needs the
+buffer address, file offset and length aligned to the device block; the allocator's extents
+give aligned offsets and room to round lengths up, and caller buffers that are not aligned
+go through page-aligned bounce buffers.
+
+GPUDirect Storage (cuFile) moves data between NVMe and *GPU* memory. This L1 always
+transfers to and from host memory (client bytes, adapter buffers), where cuFile would
+fall back to the same POSIX I/O, so its presence is only detected and reported.
+
+The creating process removes the file on :meth:`NvmeL1File.close`, at garbage collection
+or at interpreter exit; :func:`remove_stale_block_files` reaps files of killed servers.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import errno
+import logging
+import mmap
+import os
+import re
+import secrets
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Self  # annotations only: Python 3.10 has no typing.Self
+
+from lmcache_tiers.errors import ConfigError, TiersError
+from lmcache_tiers.l1.arena import _process_exists
+
+logger = logging.getLogger(__name__)
+
+#: Alignment of O_DIRECT transfers: the page size, which is a multiple of the logical
+#: block size of every common device (512 B or 4 KiB).
+DIRECT_IO_ALIGN = 4096
+FILE_PREFIX = "lmcache_tiers_l1_"
+FILE_SUFFIX = ".blocks"
+_FILE_NAME = re.compile(rf"^{FILE_PREFIX}(\d+)_[0-9a-f]+{re.escape(FILE_SUFFIX)}$")
+# Unaligned caller buffers are copied through bounce buffers of at most this size, so a
+# large object costs a bounded amount of extra memory per concurrent transfer.
+BOUNCE_BYTES = 4 << 20
+
+
+def cufile_library() -> str | None:
+    """Name of the cuFile (GPUDirect Storage) library if the loader can find it; never loads it."""
+    return ctypes.util.find_library("cufile")
+
+
+def aligned_buffer(size: int) -> memoryview:
+    """A writable, zeroed, page-aligned buffer of ``size`` bytes.
+
+    Anonymous mappings start on a page boundary, so an ``O_DIRECT`` transfer into or out of
+    such a buffer needs no bounce copy. The mapping is unmapped once the view is released.
+    """
+    if size < 0:
+        raise ValueError(f"buffer size must not be negative, got {size}")
+    region = mmap.mmap(-1, max(_round_up(size), DIRECT_IO_ALIGN))
+    return memoryview(region)[:size]
+
+
+def default_block_file_name() -> str:
+    """``lmcache_tiers_l1_<pid>_<random>.blocks``: unique per server, traceable to its process."""
+    return f"{FILE_PREFIX}{os.getpid()}_{secrets.token_hex(4)}{FILE_SUFFIX}"
+
+
+def _round_up(size: int) -> int:
+    return -(-size // DIRECT_IO_ALIGN) * DIRECT_IO_ALIGN
+
+
+def _is_aligned(buffer: memoryview) -> bool:
+    # numpy reads the address through the buffer protocol without a copy, read-only
+    # buffers (bytes) included, which ctypes.from_buffer refuses. Imported here because
+    # only an NVMe L1 needs it and it is slow to import.
+    import numpy as np
+
+    address = int(np.frombuffer(buffer, dtype=np.uint8).ctypes.data)
+    return address % DIRECT_IO_ALIGN == 0
+
+
+def _no_direct_io(directory: str) -> ConfigError:
+    return ConfigError(
+        f"--gds-l1-path {directory}: the filesystem does not support O_DIRECT; put the NVMe L1 "
+        "on a local disk filesystem (ext4, xfs) or pass --no-gds-l1-use-direct-io"
+    )
+
+
+def _release(fd: int, path: str, owner_pid: int) -> None:
+    """Finalizer: close the file and, in the creating process only, remove it.
+
+    Must not reference the NvmeL1File, or it could never be collected. A forked child
+    inherits the finalizer; the pid check keeps it from removing its parent's file.
+    """
+    os.close(fd)
+    if os.getpid() == owner_pid:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+class NvmeL1File:
+    """Byte-addressed storage for L1 objects in one preallocated file under ``directory``.
+
+    Offsets must be multiples of :data:`DIRECT_IO_ALIGN` and the block rounded up from
+    ``offset + size`` must lie inside the file: the L1 allocator's extents satisfy both.
+    Transfers may run concurrently from any thread; :meth:`close` waits for them.
+    """
+
+    path: str
+    size: int
+    direct_io: bool
+
+    def __init__(self, directory: str, size_bytes: int, *, direct_io: bool = True) -> None:
+        if size_bytes <= 0 or size_bytes % DIRECT_IO_ALIGN:
+            raise ConfigError(
+                f"NVMe L1 size must be a positive multiple of {DIRECT_IO_ALIGN} bytes, got {size_bytes}"
+            )
+        if not os.path.isdir(directory):
+            raise ConfigError(f"--gds-l1-path {directory}: not an existing directory")
+        remove_stale_block_files(directory)
+        path = os.path.join(directory, default_block_file_name())
+        fd = _create(path, directory, direct_io)
+        try:
+            _preallocate(fd, path, directory, size_bytes)
+            if direct_io:
+                _probe_direct_io(fd, directory)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        self.path = path
+        self.size = size_bytes
+        self.direct_io = direct_io
+        self._fd = fd
+        self._bounce_pool: list[memoryview] = []
+        self._state = threading.Condition()
+        self._in_flight = 0
+        self._closed = False
+        # weakref.finalize also runs at interpreter exit, which covers servers that exit
+        # through an exception without calling close().
+        self._finalizer = weakref.finalize(self, _release, fd, path, os.getpid())
+        logger.info("NVMe L1: %s", _io_path_description(path, direct_io))
+
+    # -- transfers ---------------------------------------------------------------------
+
+    def read_into(self, offset: int, size: int, out: memoryview) -> None:
+        """Copy ``size`` bytes at ``offset`` into ``out[:size]`` (a writable byte view)."""
+        if out.nbytes < size:
+            raise ValueError(f"output buffer of {out.nbytes} bytes cannot hold {size} bytes")
+        self._check_range(offset, size)
+        if size == 0:
+            return
+        out = out[:size]
+        with self._transfer():
+            direct = self._direct_bytes(out, writable=True)
+            if direct:
+                self._pread_all(out[:direct], offset)
+            done = direct
+            while done < size:
+                chunk = min(size - done, BOUNCE_BYTES)
+                with self._bounce() as bounce:
+                    self._pread_all(bounce[: _round_up(chunk)], offset + done)
+                    out[done : done + chunk] = bounce[:chunk]
+                done += chunk
+
+    def write_from(self, offset: int, data: memoryview) -> None:
+        """Copy the byte view ``data`` to ``offset``; with O_DIRECT the rest of its last
+        block is zero-filled (it lies inside the object's extent and is never read)."""
+        size = data.nbytes
+        self._check_range(offset, size)
+        if size == 0:
+            return
+        with self._transfer():
+            direct = self._direct_bytes(data, writable=False)
+            if direct:
+                self._pwrite_all(data[:direct], offset)
+            done = direct
+            while done < size:
+                chunk = min(size - done, BOUNCE_BYTES)
+                length = _round_up(chunk) if self.direct_io else chunk
+                with self._bounce() as bounce:
+                    bounce[:chunk] = data[done : done + chunk]
+                    # A pooled bounce buffer still holds an earlier object's bytes.
+                    bounce[chunk:length] = bytes(length - chunk)
+                    self._pwrite_all(bounce[:length], offset + done)
+                done += chunk
+
+    def _direct_bytes(self, buffer: memoryview, *, writable: bool) -> int:
+        """How many leading bytes of ``buffer`` can be transferred without a bounce copy."""
+        if writable and buffer.readonly:
+            raise ValueError("cannot read into a read-only buffer")
+        if not self.direct_io:
+            return buffer.nbytes  # buffered I/O has no alignment rules
+        if not _is_aligned(buffer):
+            return 0
+        return buffer.nbytes // DIRECT_IO_ALIGN * DIRECT_IO_ALIGN
+
+    def _check_range(self, offset: int, size: int) -> None:
+        if size < 0:
+            raise ValueError(f"transfer size must not be negative, got {size}")
+        if offset % DIRECT_IO_ALIGN:
+            raise ValueError(f"NVMe L1 offset {offset} is not a multiple of {DIRECT_IO_ALIGN}")
+        if offset < 0 or offset + _round_up(size) > self.size:
+            raise ValueError(f"{size} bytes at offset {offset} do not fit the {self.size}-byte NVMe L1")
+
+    def _pread_all(self, buffer: memoryview, offset: int) -> None:
+        done = 0
+        while done < buffer.nbytes:
+            count = os.preadv(self._fd, [buffer[done:]], offset + done)
+            if count == 0:
+                raise TiersError(f"NVMe L1 file {self.path} ends at byte {offset + done}: was it truncated?")
+            done += count
+
+    def _pwrite_all(self, buffer: memoryview, offset: int) -> None:
+        done = 0
+        while done < buffer.nbytes:
+            done += os.pwrite(self._fd, buffer[done:], offset + done)
+
+    @contextmanager
+    def _transfer(self) -> Iterator[None]:
+        # close() must not close the descriptor under a running transfer: the number could
+        # be reused by another open() and the transfer would hit an unrelated file.
+        with self._state:
+            if self._closed:
+                raise RuntimeError(f"NVMe L1 file {self.path} is closed")
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._state:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self._state.notify_all()
+
+    @contextmanager
+    def _bounce(self) -> Iterator[memoryview]:
+        # Reused rather than mapped per call: a fresh mapping costs a syscall and a page
+        # fault per page. The pool grows to the number of concurrent transfers.
+        with self._state:
+            bounce = self._bounce_pool.pop() if self._bounce_pool else aligned_buffer(BOUNCE_BYTES)
+        try:
+            yield bounce
+        finally:
+            with self._state:
+                self._bounce_pool.append(bounce)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Wait for running transfers, then close and remove the file. Safe to call twice."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            while self._in_flight:
+                self._state.wait()
+            pool, self._bounce_pool = self._bounce_pool, []
+        for bounce in pool:
+            bounce.release()  # the last reference to its mapping: unmapped here
+        self._finalizer()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("O_DIRECT" if self.direct_io else "buffered")
+        return f"NvmeL1File(path={self.path!r}, size={self.size}, {state})"
+
+
+def _create(path: str, directory: str, direct_io: bool) -> int:
+    flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | (os.O_DIRECT if direct_io else 0)
+    try:
+        return os.open(path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL and direct_io:
+            # Linux creates the file before the filesystem gets to refuse O_DIRECT.
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            raise _no_direct_io(directory) from None
+        raise ConfigError(f"--gds-l1-path {directory}: cannot create {path}: {exc.strerror}") from None
+
+
+def _preallocate(fd: int, path: str, directory: str, size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            stat = os.statvfs(directory)
+            raise TiersError(
+                f"cannot place a {size / 2**30:.2f} GiB NVMe L1 in {directory} "
+                f"({stat.f_bavail * stat.f_frsize / 2**30:.2f} GiB free): lower --l1-size-gb "
+                "or free disk space"
+            ) from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        # No fallocate on this filesystem: a sparse file works, but blocks are only
+        # allocated on first write, so a full disk shows up then.
+        logger.warning("%s does not preallocate; the NVMe L1 file %s is sparse", directory, path)
+        os.ftruncate(fd, size)
+
+
+def _probe_direct_io(fd: int, directory: str) -> None:
+    """One aligned write and read of block 0: some filesystems (FUSE, network) accept
+    O_DIRECT at open and refuse it on the first transfer, which must fail here, not in a request."""
+    block = mmap.mmap(-1, DIRECT_IO_ALIGN)
+    try:
+        os.pwrite(fd, block, 0)
+        os.preadv(fd, [block], 0)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise _no_direct_io(directory) from None
+        raise
+    finally:
+        block.close()
+
+
+def _io_path_description(path: str, direct_io: bool) -> str:
+    mode = "O_DIRECT" if direct_io else "buffered"
+    library = cufile_library()
+    if library is None:
+        return f"cuFile not available, using {mode} file I/O on {path}"
+    return (
+        f"cuFile found ({library}) but L1 transfers go to host memory, which GPUDirect Storage "
+        f"does not accelerate; using {mode} file I/O on {path}"
+    )
+
+
+def remove_stale_block_files(directory: str) -> list[str]:
+    """Remove default-named block files in ``directory`` whose creating process is gone.
+
+    A server killed with SIGKILL runs no cleanup; its file would hold the disk space of a
+    whole L1. Only names of the form ``lmcache_tiers_l1_<pid>_<hex>.blocks`` are touched.
+    """
+    removed: list[str] = []
+    try:
+        entries = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        match = _FILE_NAME.match(entry)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        if pid == os.getpid() or _process_exists(pid):
+            continue
+        try:
+            os.unlink(os.path.join(directory, entry))
+        except FileNotFoundError:
+            continue
+        logger.warning("removed stale NVMe L1 file %s/%s left by dead process %d", directory, entry, pid)
+        removed.append(entry)
+    return removed

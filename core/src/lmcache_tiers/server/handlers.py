@@ -1,0 +1,512 @@
+"""Request handlers: turn each decoded request into StorageManager calls and a reply.
+
+Cheap requests (everything that only takes the L1 lock briefly) are answered on the
+server's loop thread, which is what keeps LOOKUP round trips short.  Requests that may
+block or copy a lot -- waiting for a prefetch, inline stores and retrieves, CLEAR -- return
+a :class:`Deferred`: its ``work`` runs on a small thread pool and returns a ``finish``
+callable that the loop thread runs to update per-client state and build the reply, so
+every mutation of sessions and stats stays on one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from lmcache_tiers import __version__
+from lmcache_tiers.errors import KeyValidationError, L1OutOfMemoryError
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1 import aligned_buffer
+from lmcache_tiers.server import protocol as p
+from lmcache_tiers.server.sessions import PendingPrefetch, Session, SessionTable
+from lmcache_tiers.server.stats import ServerStats
+
+logger = logging.getLogger(__name__)
+
+#: payload frames as they come off the socket (zmq.Frame) or go onto it (bytes-likes)
+Frames = Sequence[Any]
+Response = tuple[p._Reply, Frames]
+
+
+class HandlerError(Exception):
+    """A request that is well-formed but cannot be served; becomes an ErrorReply."""
+
+    def __init__(self, code: p.ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Deferred:
+    """Work for the pool; ``work()`` returns the loop-thread finisher producing the reply."""
+
+    work: Callable[[], Callable[[], Response]]
+    kind: str
+    #: runs on the loop thread once the work is over, whether it succeeded or raised
+    cleanup: Callable[[], None] | None = None
+
+
+class StorageLike(Protocol):
+    """What the server uses of :class:`lmcache_tiers.storage.StorageManager`."""
+
+    @property
+    def l1(self) -> Any: ...
+
+    def reserve_write(self, keys: Sequence[ObjectKey], sizes: Sequence[int]) -> dict[ObjectKey, Any]: ...
+
+    def commit_write(self, keys: Sequence[ObjectKey]) -> list[bool]: ...
+
+    def abort_write(self, keys: Sequence[ObjectKey]) -> None: ...
+
+    def submit_prefetch(self, keys: Sequence[ObjectKey], *, readers: int = 1) -> int: ...
+
+    def query_prefetch(self, handle: int) -> int | None: ...
+
+    def wait_prefetch(self, handle: int, timeout: float) -> int | None: ...
+
+    def read(self, keys: Sequence[ObjectKey]) -> list[Any]: ...
+
+    def read_object(self, obj: Any, out: memoryview) -> None: ...
+
+    def write_object(self, obj: Any, data: memoryview) -> None: ...
+
+    def release(self, keys: Sequence[ObjectKey], count: int = 1) -> None: ...
+
+    def clear(self, *, force: bool = False) -> int: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class DataPlane:
+    """What HELLO tells clients about the shared-memory segment ("" name: inline only)."""
+
+    shm_name: str = ""
+    shm_size: int = 0
+    shm_device: int = 0
+    shm_inode: int = 0
+
+
+class Handlers:
+    """Dispatch table from request type to handler, plus the shared state they use."""
+
+    #: how long one blocking wait in the pool lasts before it re-checks for shutdown
+    WAIT_SLICE_S = 0.2
+
+    def __init__(
+        self,
+        storage: StorageLike,
+        *,
+        chunk_size: int,
+        data_plane: DataPlane,
+        stats: ServerStats,
+        status_provider: Callable[[], dict[str, Any]],
+        max_inline_bytes: int,
+    ) -> None:
+        self.storage = storage
+        self.chunk_size = chunk_size
+        self.data_plane = data_plane
+        self.stats = stats
+        self.status_provider = status_provider
+        self.max_inline_bytes = max_inline_bytes
+        l1 = storage.l1
+        self.sessions = SessionTable(float(l1.lock_ttl_s), float(l1.write_ttl_s))
+        self.stopping = threading.Event()
+        # prefetch handles a pool thread is blocked on; the sweep leaves them alone
+        self._waited: set[int] = set()
+        #: (read-locked keys, reservations) clients still held when the server stopped
+        self.released_at_shutdown = (0, 0)
+        self._table: dict[type[p._Request], Callable[[Any, bytes, Frames], Response | Deferred]] = {
+            p.Hello: self.hello,
+            p.Ping: self.ping,
+            p.Lookup: self.lookup,
+            p.QueryPrefetchStatus: self.query_prefetch,
+            p.WaitPrefetchStatus: self.wait_prefetch,
+            p.StoreReserve: self.store_reserve,
+            p.StoreCommit: self.store_commit,
+            p.StoreAbort: self.store_abort,
+            p.StoreInline: self.store_inline,
+            p.Retrieve: self.retrieve,
+            p.Release: self.release,
+            p.Clear: self.clear,
+            p.Status: self.status,
+        }
+
+    def dispatch(self, request: p._Request, identity: bytes, frames: Frames) -> Response | Deferred:
+        if frames and not isinstance(request, p.StoreInline):
+            raise HandlerError(p.ErrorCode.INVALID_ARGUMENT, "only STORE_INLINE carries payload frames")
+        return self._table[type(request)](request, identity, frames)
+
+    # -- handshake and trivia -------------------------------------------------------------
+
+    def hello(self, req: p.Hello, identity: bytes, frames: Frames) -> Response:
+        if req.version != p.PROTOCOL_VERSION:
+            raise HandlerError(
+                p.ErrorCode.VERSION_MISMATCH,
+                f"client speaks protocol version {req.version}, this server speaks {p.PROTOCOL_VERSION}",
+            )
+        plane = self.data_plane
+        reply = p.HelloReply(
+            req.req_id,
+            server_version=__version__,
+            chunk_size=self.chunk_size,
+            shm_name=plane.shm_name,
+            shm_size=plane.shm_size,
+            shm_device=plane.shm_device,
+            shm_inode=plane.shm_inode,
+            lock_ttl_s=float(self.storage.l1.lock_ttl_s),
+            max_inline_bytes=self.max_inline_bytes,
+        )
+        logger.debug("client %s (pid %d) connected as %s", req.client_name or "?", req.pid, identity.hex())
+        return reply, ()
+
+    def ping(self, req: p.Ping, identity: bytes, frames: Frames) -> Response:
+        return p.PingReply(req.req_id), ()
+
+    def status(self, req: p.Status, identity: bytes, frames: Frames) -> Response:
+        self.refresh_gauges()
+        return p.StatusReply(req.req_id, status=self.status_provider()), ()
+
+    # -- lookup and prefetch ----------------------------------------------------------------
+
+    def lookup(self, req: p.Lookup, identity: bytes, frames: Frames) -> Response:
+        keys = req.keys
+        now = time.monotonic()
+        session = self.sessions.get(identity, now)
+        handle = self.storage.submit_prefetch(keys, readers=1)
+        hits = self.storage.query_prefetch(handle)
+        pending = PendingPrefetch(keys, now + self.sessions.lock_ttl_s)
+        if hits is None:
+            session.prefetches[handle] = pending
+        else:
+            self._claim(session, pending, hits, now)
+        return p.LookupReply(req.req_id, handle=handle, hits=hits), ()
+
+    def _claim(self, session: Session, pending: PendingPrefetch, hits: int, now: float) -> None:
+        """A finished prefetch read-locked ``hits`` leading keys on this client's behalf."""
+        hits = max(0, min(hits, len(pending.keys)))
+        session.add_read_locks(pending.keys[:hits], self.sessions.read_lock_deadline(now))
+
+    def _pending(self, session: Session, handle: int) -> PendingPrefetch:
+        pending = session.prefetches.get(handle)
+        if pending is None:
+            raise HandlerError(
+                p.ErrorCode.NOT_FOUND, f"no pending prefetch {handle} for this client (already collected?)"
+            )
+        return pending
+
+    def query_prefetch(self, req: p.QueryPrefetchStatus, identity: bytes, frames: Frames) -> Response:
+        session = self.sessions.get(identity)
+        pending = self._pending(session, req.handle)
+        hits = self.storage.query_prefetch(req.handle)
+        if hits is not None:
+            del session.prefetches[req.handle]
+            self._claim(session, pending, hits, time.monotonic())
+        return p.PrefetchStatusReply(req.req_id, hits=hits), ()
+
+    def wait_prefetch(
+        self, req: p.WaitPrefetchStatus, identity: bytes, frames: Frames
+    ) -> Response | Deferred:
+        session = self.sessions.get(identity)
+        self._pending(session, req.handle)
+        if req.handle in self._waited:
+            raise HandlerError(
+                p.ErrorCode.INVALID_ARGUMENT, f"prefetch {req.handle} is already being waited for"
+            )
+        quick = self.query_prefetch(p.QueryPrefetchStatus(req.req_id, "", req.handle), identity, frames)
+        reply = quick[0]
+        if isinstance(reply, p.PrefetchStatusReply) and reply.hits is not None:
+            return quick
+        handle, deadline = req.handle, time.monotonic() + req.timeout_s
+
+        def work() -> Callable[[], Response]:
+            hits = self._wait_until(handle, deadline)
+
+            def finish() -> Response:
+                live = self.sessions.peek(identity)
+                # A pending record already gone was collected meanwhile (by the sweep or a
+                # concurrent query), which recorded the locks; a timed-out one stays pending.
+                if hits is not None and live is not None:
+                    pending = live.prefetches.pop(handle, None)
+                    if pending is not None:
+                        self._claim(live, pending, hits, time.monotonic())
+                return p.PrefetchStatusReply(req.req_id, hits=hits), ()
+
+            return finish
+
+        self._waited.add(handle)
+        return Deferred(work, "prefetch_wait", cleanup=lambda: self._waited.discard(handle))
+
+    def _wait_until(self, handle: int, deadline: float) -> int | None:
+        # Sliced so a shutdown cancels waiting clients promptly instead of after their
+        # (possibly long) timeout.
+        while True:
+            remaining = deadline - time.monotonic()
+            hits = self.storage.wait_prefetch(handle, max(0.0, min(remaining, self.WAIT_SLICE_S)))
+            if hits is not None or remaining <= self.WAIT_SLICE_S or self.stopping.is_set():
+                return hits
+
+    def collect_prefetches(self, now: float) -> None:
+        """Claim finished prefetches nobody asked about, so RELEASE can drop their locks,
+        and forget ones past the lock TTL."""
+        for session in self.sessions:
+            for handle, pending in list(session.prefetches.items()):
+                if handle in self._waited:
+                    continue  # a pool thread is collecting this one
+                hits = self.storage.query_prefetch(handle)
+                if hits is not None:
+                    del session.prefetches[handle]
+                    self._claim(session, pending, hits, now)
+                elif pending.deadline <= now:
+                    del session.prefetches[handle]
+
+    # -- store ------------------------------------------------------------------------------
+
+    def store_reserve(self, req: p.StoreReserve, identity: bytes, frames: Frames) -> Response:
+        self._require_shm("STORE_RESERVE")
+        keys, sizes = req.keys, req.sizes
+        if len(keys) != len(sizes):
+            raise HandlerError(p.ErrorCode.INVALID_ARGUMENT, f"{len(keys)} keys but {len(sizes)} sizes")
+        now = time.monotonic()
+        session = self.sessions.get(identity, now)
+        reserved = self.storage.reserve_write(keys, sizes)
+        slots: list[p.Slot] = []
+        handed_out: set[ObjectKey] = set()
+        for key, size in zip(keys, sizes, strict=True):
+            obj = reserved.get(key)
+            if obj is None or key in handed_out:
+                slots.append(p.Slot(p.NO_SLOT, size))
+            else:
+                handed_out.add(key)
+                slots.append(p.Slot(obj.offset, obj.size))
+        session.add_writes(
+            {key: obj.size for key, obj in reserved.items()}, self.sessions.write_deadline(now)
+        )
+        return p.StoreReserveReply(req.req_id, slots=slots), ()
+
+    def _require_shm(self, what: str) -> None:
+        # Slots would point into memory nobody can map: refuse instead of pinning L1.
+        if not self.data_plane.shm_name:
+            raise HandlerError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"{what} needs the shared-memory data plane, which this server does not offer; "
+                "send bytes inline",
+            )
+
+    def store_commit(self, req: p.StoreCommit, identity: bytes, frames: Frames) -> Response:
+        session = self.sessions.get(identity)
+        mine, flags = session.take_writes(req.keys, time.monotonic())
+        committed = self.storage.commit_write(list(mine)) if mine else []
+        done_by_key = dict(zip(mine, committed, strict=True))
+        done = [flag and done_by_key.get(key, False) for key, flag in zip(req.keys, flags, strict=True)]
+        stored = [key for key, ok in done_by_key.items() if ok]
+        if stored:
+            self.stats.stores += 1
+            self.stats.store_chunks += len(stored)
+            self.stats.store_bytes += sum(mine[key] for key in stored)
+        return p.StoreReply(req.req_id, done=done), ()
+
+    def store_abort(self, req: p.StoreAbort, identity: bytes, frames: Frames) -> Response:
+        session = self.sessions.get(identity)
+        mine, flags = session.take_writes(req.keys, time.monotonic())
+        if mine:
+            self.storage.abort_write(list(mine))
+        return p.StoreReply(req.req_id, done=flags), ()
+
+    def store_inline(self, req: p.StoreInline, identity: bytes, frames: Frames) -> Deferred:
+        keys = req.keys
+        if len(frames) != len(keys):
+            raise HandlerError(
+                p.ErrorCode.INVALID_ARGUMENT, f"{len(keys)} keys but {len(frames)} payload frames"
+            )
+        views = [memoryview(frame) for frame in frames]
+        if any(view.nbytes == 0 for view in views):
+            raise HandlerError(p.ErrorCode.INVALID_ARGUMENT, "empty payload frame")
+        storage = self.storage
+
+        def work() -> Callable[[], Response]:
+            reserved = storage.reserve_write(keys, [view.nbytes for view in views])
+            copy_in = self._copier_in()
+            fresh: dict[ObjectKey, None] = {}
+            written = 0
+            try:
+                for key, view in zip(keys, views, strict=True):
+                    obj = reserved.get(key)
+                    if obj is None or key in fresh:
+                        continue  # already stored, or a repeat of a key in this batch
+                    copy_in(obj, view)
+                    fresh[key] = None
+                    written += obj.size
+            except BaseException:
+                storage.abort_write(list(reserved))
+                raise
+            committed = storage.commit_write(list(fresh)) if fresh else []
+            stored = {key for key, ok in zip(fresh, committed, strict=True) if ok}
+
+            def finish() -> Response:
+                self.stats.stores += 1
+                self.stats.store_chunks += len(stored)
+                self.stats.store_bytes += written
+                done = []
+                for key in keys:  # a key repeated in the batch was stored once, at its first position
+                    done.append(key in stored)
+                    stored.discard(key)
+                return p.StoreReply(req.req_id, done=done), ()
+
+            return finish
+
+        return Deferred(work, "store_inline")
+
+    # -- retrieve and release ---------------------------------------------------------------
+
+    def retrieve(self, req: p.Retrieve, identity: bytes, frames: Frames) -> Response | Deferred:
+        if req.inline:
+            return self._retrieve_inline(req, identity)
+        self._require_shm("RETRIEVE without inline")
+        now = time.monotonic()
+        session = self.sessions.get(identity, now)
+        objects = self.storage.read(req.keys)
+        session.add_read_locks(req.keys[: len(objects)], self.sessions.read_lock_deadline(now))
+        self.stats.retrieves += 1
+        self.stats.retrieve_chunks += len(objects)
+        self.stats.retrieve_bytes += sum(obj.size for obj in objects)
+        return p.RetrieveReply(req.req_id, slots=[p.Slot(obj.offset, obj.size) for obj in objects]), ()
+
+    def _retrieve_inline(self, req: p.Retrieve, identity: bytes) -> Deferred:
+        storage, limit = self.storage, self.max_inline_bytes
+
+        def work() -> Callable[[], Response]:
+            objects = storage.read(req.keys)
+            payloads: list[Any] = []
+            total = 0
+            try:
+                copy_out = self._copier_out()
+                for obj in objects:
+                    if payloads and total + obj.size > limit:
+                        break
+                    payloads.append(copy_out(obj))
+                    total += obj.size
+            finally:
+                storage.release(req.keys[: len(objects)])
+            truncated = len(payloads) < len(objects)
+            returned = req.keys[: len(payloads)]
+
+            def finish() -> Response:
+                # The client has its bytes: drop whatever it still held on them (its
+                # LOOKUP's locks), as a shared-memory client's RELEASE would.
+                self._release(identity, returned)
+                self.stats.retrieves += 1
+                self.stats.retrieve_chunks += len(payloads)
+                self.stats.retrieve_bytes += total
+                slots = [p.Slot(p.NO_SLOT, len(payload)) for payload in payloads]
+                return p.RetrieveReply(req.req_id, slots=slots, truncated=truncated), payloads
+
+            return finish
+
+        return Deferred(work, "retrieve_inline")
+
+    # Pool threads copy inline payloads.  With the arena in memory numpy does it, releasing
+    # the GIL so the loop keeps serving; an L1 without memory (the NVMe file) is reached
+    # only through the storage's read_object/write_object.
+
+    def _copier_in(self) -> Callable[[Any, memoryview], None]:
+        if not self.storage.l1.is_memory:
+            return self.storage.write_object
+        arena = np.frombuffer(self.storage.l1.arena.buffer, dtype=np.uint8)
+
+        def copy_in(obj: Any, data: memoryview) -> None:
+            arena[obj.offset : obj.offset + obj.size] = np.frombuffer(data, dtype=np.uint8)
+
+        return copy_in
+
+    def _copier_out(self) -> Callable[[Any], Any]:
+        if not self.storage.l1.is_memory:
+
+            def read_object(obj: Any) -> memoryview:
+                out = aligned_buffer(obj.size)  # page-aligned: O_DIRECT needs no bounce copy
+                self.storage.read_object(obj, out)
+                return out
+
+            return read_object
+        arena = np.frombuffer(self.storage.l1.arena.buffer, dtype=np.uint8)
+
+        def copy_out(obj: Any) -> bytearray:
+            out = bytearray(obj.size)
+            np.copyto(np.frombuffer(out, dtype=np.uint8), arena[obj.offset : obj.offset + obj.size])
+            return out
+
+        return copy_out
+
+    def release(self, req: p.Release, identity: bytes, frames: Frames) -> Response:
+        return p.ReleaseReply(req.req_id, released=self._release(identity, req.keys)), ()
+
+    def _release(self, identity: bytes, keys: Sequence[ObjectKey]) -> int:
+        session = self.sessions.peek(identity)
+        if session is None:
+            return 0
+        released = 0
+        for count, group in session.take_read_locks(keys, time.monotonic()).items():
+            self.storage.release(group, count)
+            released += len(group)
+        return released
+
+    # -- maintenance ------------------------------------------------------------------------
+
+    def clear(self, req: p.Clear, identity: bytes, frames: Frames) -> Deferred:
+        storage, force = self.storage, req.force
+
+        def work() -> Callable[[], Response]:
+            cleared = storage.clear(force=force)
+
+            def finish() -> Response:
+                if force:
+                    self.sessions.forget_all_locks()
+                return p.ClearReply(req.req_id, cleared=cleared), ()
+
+            return finish
+
+        return Deferred(work, "clear")
+
+    def refresh_gauges(self) -> None:
+        locks, writes, prefetches = self.sessions.totals()
+        self.stats.locked_keys = locks
+        self.stats.reserved_stores = writes
+        self.stats.pending_prefetches = prefetches
+        self.stats.sessions = len(self.sessions)
+
+    def release_everything(self) -> None:
+        """Shutdown: give back every lock and reservation any client still holds."""
+        now = time.monotonic()
+        self.collect_prefetches(now)
+        locks = writes = 0
+        for session in self.sessions:
+            if session.writes:
+                writes += len(session.writes)
+                self.storage.abort_write(list(session.writes))
+            for count, group in session.take_read_locks(list(session.read_locks), now).items():
+                self.storage.release(group, count)
+                locks += len(group)
+            session.writes.clear()
+            session.prefetches.clear()
+        self.released_at_shutdown = (locks, writes)
+
+
+def error_for(exc: BaseException) -> tuple[p.ErrorCode, str]:
+    """Map an exception raised while serving a request to an error code and message."""
+    if isinstance(exc, HandlerError):
+        return exc.code, str(exc)
+    if isinstance(exc, L1OutOfMemoryError):
+        return p.ErrorCode.OUT_OF_MEMORY, str(exc)
+    if isinstance(exc, KeyValidationError | ValueError):
+        return p.ErrorCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, KeyError):
+        return p.ErrorCode.NOT_FOUND, f"unknown: {exc}"
+    return p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"

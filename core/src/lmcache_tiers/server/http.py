@@ -1,0 +1,101 @@
+"""HTTP endpoint for operators: ``/metrics`` (Prometheus text), ``/healthz``, ``/status`` (JSON).
+
+It runs on its own threads so a slow scraper never delays an RPC, and it only reads:
+nothing here changes server state, and nothing takes a path from the request beyond
+matching these three routes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+
+logger = logging.getLogger(__name__)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class HttpEndpoint:
+    """Serves the three read-only routes on ``host:port`` from a daemon thread."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        metrics: Callable[[], bytes],
+        status: Callable[[], dict[str, Any]],
+        health: Callable[[], tuple[bool, str]],
+    ) -> None:
+        routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
+            "/metrics": lambda: (200, CONTENT_TYPE_LATEST, metrics()),
+            "/status": lambda: (200, "application/json", json.dumps(status(), default=str).encode()),
+            "/healthz": lambda: _health_response(health()),
+        }
+
+        class Handler(BaseHTTPRequestHandler):
+            server_version = "lmcache-tiers"
+
+            def do_GET(self) -> None:
+                route = routes.get(self.path.split("?", 1)[0])
+                if route is None:
+                    self._reply(
+                        404, "text/plain; charset=utf-8", b"not found: try /metrics, /status, /healthz\n"
+                    )
+                    return
+                try:
+                    code, content_type, body = route()
+                except Exception:
+                    logger.exception("HTTP %s failed", self.path)
+                    code, content_type, body = 500, "text/plain; charset=utf-8", b"internal error\n"
+                self._reply(code, content_type, body)
+
+            def _reply(self, code: int, content_type: str, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                logger.debug("http %s - %s", self.address_string(), format % args)
+
+        host = host.strip("[]")
+        self._server = (_Server6 if ":" in host else _Server)((host, port), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="tiers-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        address = self._server.server_address
+        host = address[0].decode() if isinstance(address[0], bytes) else str(address[0])
+        port = address[1]
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{port}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join(timeout=5)
+        self._server.server_close()
+
+
+def _health_response(state: tuple[bool, str]) -> tuple[int, str, bytes]:
+    healthy, detail = state
+    return (200 if healthy else 503), "text/plain; charset=utf-8", (detail + "\n").encode()

@@ -1,0 +1,143 @@
+"""Prometheus metrics, built at scrape time from the server's and the storage's counters.
+
+A custom collector on a per-server ``CollectorRegistry`` (never the process-global one, so
+two servers in one process -- as in tests -- do not collide) reads plain counters when
+scraped; the request path never touches a prometheus_client object or its locks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from lmcache_tiers import __version__
+from lmcache_tiers.server.stats import ServerStats
+
+PREFIX = "lmcache_tiers"
+
+
+def _counter(name: str, doc: str, labels: list[str] | None = None) -> CounterMetricFamily:
+    return CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
+
+
+def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
+
+
+class TiersCollector(Collector):
+    def __init__(self, stats: ServerStats, storage_status: Callable[[], dict[str, Any]]) -> None:
+        self.stats = stats
+        self.storage_status = storage_status
+
+    def collect(self) -> Iterator[Any]:
+        stats = self.stats
+        storage = self.storage_status()
+        requests = storage.get("requests", {})
+        l1 = storage.get("l1", {})
+
+        info = InfoMetricFamily(f"{PREFIX}_build", "lmcache-tiers version")
+        info.add_metric([], {"version": __version__})
+        yield info
+
+        by_op = _counter("requests", "RPC requests served, by operation", ["op"])
+        for op, count in sorted(dict(stats.requests).items()):
+            by_op.add_metric([op], count)
+        yield by_op
+
+        yield from self._single("lookups", requests.get("lookups", 0), "LOOKUP requests")
+        hits = _counter(
+            "lookup_hit_chunks", "Chunks found by lookups, by tier they were served from", ["tier"]
+        )
+        hits.add_metric(["l1"], requests.get("l1_hit_chunks", 0))
+        hits.add_metric(["l2"], requests.get("l2_hit_chunks", 0))
+        yield hits
+        yield from self._single("lookup_keys", requests.get("lookup_keys", 0), "Keys asked about by lookups")
+
+        yield from self._single("stores", stats.stores, "STORE requests that stored at least one chunk")
+        yield from self._single("store_chunks", stats.store_chunks, "Chunks stored by clients")
+        yield from self._single("retrieves", stats.retrieves, "RETRIEVE requests")
+        yield from self._single("retrieve_chunks", stats.retrieve_chunks, "Chunks handed to clients")
+        moved = _counter("bytes", "Payload bytes moved between clients and L1", ["direction"])
+        moved.add_metric(["store"], stats.store_bytes)
+        moved.add_metric(["retrieve"], stats.retrieve_bytes)
+        yield moved
+
+        usage = _gauge("l1_usage_ratio", "Allocated fraction of the L1 arena")
+        usage.add_metric([], float(l1.get("usage", 0.0)))
+        yield usage
+        for key, doc in (
+            ("used_bytes", "Allocated L1 bytes"),
+            ("capacity_bytes", "L1 arena size"),
+            ("objects", "Objects in L1"),
+            ("read_locks", "Read locks held in L1"),
+            ("write_locked", "L1 objects being written"),
+        ):
+            gauge = _gauge(f"l1_{key}", doc)
+            gauge.add_metric([], float(l1.get(key, 0)))
+            yield gauge
+
+        adapter_usage = _gauge(
+            "adapter_usage_ratio", "Used fraction of each L2 adapter (-1: no capacity)", ["adapter"]
+        )
+        adapter_bytes = _gauge("adapter_used_bytes", "Bytes held by each L2 adapter", ["adapter"])
+        adapter_stored = _counter("adapter_keys_stored", "Keys stored into each L2 adapter", ["adapter"])
+        adapter_loaded = _counter("adapter_keys_loaded", "Keys loaded from each L2 adapter", ["adapter"])
+        for adapter in storage.get("adapters", []):
+            name = str(adapter.get("name", adapter.get("index", "?")))
+            adapter_usage.add_metric([name], float(adapter.get("usage", -1.0)))
+            adapter_bytes.add_metric([name], float(adapter.get("used_bytes", 0)))
+            adapter_stored.add_metric([name], adapter.get("keys_stored", 0))
+            adapter_loaded.add_metric([name], adapter.get("keys_loaded", 0))
+        yield from (adapter_usage, adapter_bytes, adapter_stored, adapter_loaded)
+
+        prefetch = storage.get("prefetch", {})
+        store = storage.get("store", {})
+        in_flight = _gauge("in_flight", "Work in progress, by kind", ["kind"])
+        in_flight.add_metric(["l2_prefetches"], prefetch.get("in_flight", 0) + prefetch.get("queued", 0))
+        in_flight.add_metric(["l2_stores"], store.get("in_flight_tasks", 0) + store.get("pending_batches", 0))
+        in_flight.add_metric(["client_prefetches"], stats.pending_prefetches)
+        in_flight.add_metric(["client_stores"], stats.reserved_stores)
+        in_flight.add_metric(["pool_requests"], stats.pool_tasks)
+        yield in_flight
+
+        failures = _counter("failures", "Failures, by reason", ["reason"])
+        merged: dict[str, int] = dict(storage.get("failures", {}))
+        for reason, count in dict(stats.failures).items():
+            merged[reason] = merged.get(reason, 0) + count
+        for reason, count in sorted(merged.items()):
+            failures.add_metric([reason], count)
+        yield failures
+
+        eviction = storage.get("eviction", {})
+        evictions = _counter("evictions", "Objects evicted, by tier (l1 or an adapter name)", ["tier"])
+        evictions.add_metric(["l1"], eviction.get("l1", {}).get("evicted_keys", 0))
+        for name, count in sorted(eviction.get("l2", {}).items()):
+            evictions.add_metric([str(name)], count)
+        yield evictions
+
+        clients = _gauge("clients", "Clients holding locks or seen recently")
+        clients.add_metric([], stats.sessions)
+        yield clients
+        locked = _gauge("client_locked_keys", "Keys read-locked on behalf of clients")
+        locked.add_metric([], stats.locked_keys)
+        yield locked
+
+    @staticmethod
+    def _single(name: str, value: float, doc: str) -> Iterator[CounterMetricFamily]:
+        family = _counter(name, doc)
+        family.add_metric([], value)
+        yield family
+
+
+def build_registry(stats: ServerStats, storage_status: Callable[[], dict[str, Any]]) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(TiersCollector(stats, storage_status))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

@@ -1,0 +1,316 @@
+"""The native wire protocol: msgspec Structs encoded as msgpack, carried over ZeroMQ.
+
+A request is one ZeroMQ multipart message from a DEALER::
+
+    [header, payload_0, payload_1, ...]
+
+``header`` is one msgpack-encoded :data:`Request` (a tagged array: ``[op, req_id, token,
+...fields]``); payload frames follow only for :class:`StoreInline` (one per key, in key
+order).  The server's ROUTER prepends the peer identity, and replies the same way: one
+:data:`Reply` header (``[op, req_id, code, message, ...fields]``), then payload frames only
+for an inline :class:`RetrieveReply`.  Keeping payloads in their own frames means neither
+side copies KV bytes through msgpack, and a local client moves no payload bytes over the
+socket at all: it copies into and out of the L1 shared-memory segment at the offsets a
+reply names.
+
+Every reply carries an :class:`ErrorCode` and a message; a request the server cannot
+decode gets an :class:`ErrorReply` (or is dropped with a log line when it cannot be
+answered).  No request field is a file path: keys are validated ObjectKeys, and the only
+name the server hands out is that of its own shared-memory segment.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, Union
+
+import msgspec
+
+from lmcache_tiers.keys import ObjectKey
+
+#: Bumped on any incompatible change; checked in the HELLO handshake.
+PROTOCOL_VERSION = 1
+
+DEFAULT_URL = "tcp://127.0.0.1:5555"
+
+#: Keys one request may name; clients split larger batches.
+MAX_KEYS_PER_REQUEST = 8192
+#: Size limit of the msgpack header frame (8192 keys of ~100 bytes fit easily).
+MAX_HEADER_BYTES = 4 << 20
+#: Upper bound on one object; the arena's own size is the tighter limit in practice.
+MAX_OBJECT_BYTES = 1 << 40
+
+
+class Op(enum.IntEnum):
+    """Request kinds; the reply to a request carries the same tag (errors carry ERROR)."""
+
+    ERROR = 0
+    HELLO = 1
+    PING = 2
+    LOOKUP = 3
+    QUERY_PREFETCH_STATUS = 4
+    WAIT_PREFETCH_STATUS = 5
+    STORE_RESERVE = 6
+    STORE_COMMIT = 7
+    STORE_ABORT = 8
+    STORE_INLINE = 9
+    RETRIEVE = 10
+    RELEASE = 11
+    CLEAR = 12
+    STATUS = 13
+
+
+class ErrorCode(enum.IntEnum):
+    OK = 0
+    MALFORMED = 1  # not a decodable request of a known shape
+    UNKNOWN_OP = 2  # a well-formed array whose op tag this server does not know
+    VERSION_MISMATCH = 3
+    UNAUTHORIZED = 4  # missing or wrong auth token
+    TOO_LARGE = 5  # header, frame count or inline payload over the server's limits
+    INVALID_ARGUMENT = 6  # decodable but inconsistent (e.g. payload count != key count)
+    NOT_FOUND = 7  # e.g. a prefetch handle this client does not own
+    OUT_OF_MEMORY = 8  # L1 cannot hold the batch right now
+    SHUTTING_DOWN = 9
+    INTERNAL = 10  # a bug or a failing component; the message says which
+
+
+_U63 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+_Keys = Annotated[list[ObjectKey], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
+_Size = Annotated[int, msgspec.Meta(ge=1, le=MAX_OBJECT_BYTES)]
+_Sizes = Annotated[list[_Size], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
+_Timeout = Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)]
+_Text = Annotated[str, msgspec.Meta(max_length=256)]
+
+
+# -- requests ------------------------------------------------------------------------------
+
+
+class _Request(msgspec.Struct, array_like=True, gc=False, tag_field="op"):
+    """Fields every request starts with; ``token`` is "" when the server needs none."""
+
+    req_id: _U63
+    token: _Text
+
+
+class Hello(_Request, tag=Op.HELLO.value):
+    """Handshake: protocol version check and the data-plane parameters in the reply."""
+
+    version: int
+    client_name: _Text = ""
+    pid: int = 0
+
+
+class Ping(_Request, tag=Op.PING.value):
+    pass
+
+
+class Lookup(_Request, tag=Op.LOOKUP.value):
+    """Start an L1+L2 prefix lookup with prefetch; the hit prefix is read-locked for the
+    client until RETRIEVE/RELEASE (or the lock TTL)."""
+
+    keys: _Keys
+
+
+class QueryPrefetchStatus(_Request, tag=Op.QUERY_PREFETCH_STATUS.value):
+    handle: _U63
+
+
+class WaitPrefetchStatus(_Request, tag=Op.WAIT_PREFETCH_STATUS.value):
+    handle: _U63
+    timeout_s: _Timeout
+
+
+class StoreReserve(_Request, tag=Op.STORE_RESERVE.value):
+    """Reserve arena extents for the keys not yet in L1 (all or nothing)."""
+
+    keys: _Keys
+    sizes: _Sizes
+
+
+class StoreCommit(_Request, tag=Op.STORE_COMMIT.value):
+    keys: _Keys
+
+
+class StoreAbort(_Request, tag=Op.STORE_ABORT.value):
+    keys: _Keys
+
+
+class StoreInline(_Request, tag=Op.STORE_INLINE.value):
+    """Store with the bytes in the message: one payload frame per key follows."""
+
+    keys: _Keys
+
+
+class Retrieve(_Request, tag=Op.RETRIEVE.value):
+    """Read-lock the READY prefix of ``keys``.
+
+    With ``inline`` the bytes come back as payload frames and every lock this client holds
+    on the returned keys is dropped before the reply; otherwise the reply names arena slots
+    and the keys stay locked until RELEASE.
+    """
+
+    keys: _Keys
+    inline: bool = False
+
+
+class Release(_Request, tag=Op.RELEASE.value):
+    """Drop every read lock this client holds on ``keys`` (from LOOKUP or RETRIEVE)."""
+
+    keys: _Keys
+
+
+class Clear(_Request, tag=Op.CLEAR.value):
+    force: bool = False
+
+
+class Status(_Request, tag=Op.STATUS.value):
+    pass
+
+
+Request = Union[
+    Hello,
+    Ping,
+    Lookup,
+    QueryPrefetchStatus,
+    WaitPrefetchStatus,
+    StoreReserve,
+    StoreCommit,
+    StoreAbort,
+    StoreInline,
+    Retrieve,
+    Release,
+    Clear,
+    Status,
+]
+
+
+# -- replies -------------------------------------------------------------------------------
+
+
+class Slot(msgspec.Struct, array_like=True, gc=False):
+    """Where an object's bytes are in the arena; ``offset`` is -1 when there is no slot
+    (a key already stored, or an inline reply whose bytes are in a payload frame)."""
+
+    offset: int
+    size: int
+
+
+NO_SLOT = -1
+
+
+class _Reply(msgspec.Struct, array_like=True, gc=False, tag_field="op"):
+    req_id: int
+    code: int = ErrorCode.OK.value
+    message: str = ""
+
+
+class ErrorReply(_Reply, tag=Op.ERROR.value):
+    pass
+
+
+class HelloReply(_Reply, tag=Op.HELLO.value):
+    version: int = PROTOCOL_VERSION
+    server_version: str = ""
+    chunk_size: int = 0
+    #: "" when the server offers no shared-memory data plane (--no-shm)
+    shm_name: str = ""
+    shm_size: int = 0
+    #: identity of the segment file, so a client on another host (or in another /dev/shm
+    #: namespace) that happens to find a segment of the same name does not use it
+    shm_device: int = 0
+    shm_inode: int = 0
+    lock_ttl_s: float = 0.0
+    max_keys: int = MAX_KEYS_PER_REQUEST
+    max_inline_bytes: int = 0
+
+
+class PingReply(_Reply, tag=Op.PING.value):
+    pass
+
+
+class LookupReply(_Reply, tag=Op.LOOKUP.value):
+    handle: int = 0
+    #: prefix hits in L1+L2 when the lookup finished at once, else None (ask with the handle)
+    hits: int | None = None
+
+
+class PrefetchStatusReply(_Reply, tag=Op.QUERY_PREFETCH_STATUS.value):
+    """Reply to QUERY_ and WAIT_PREFETCH_STATUS: ``hits`` is None while still running."""
+
+    hits: int | None = None
+
+
+class StoreReserveReply(_Reply, tag=Op.STORE_RESERVE.value):
+    slots: list[Slot] = []
+
+
+class StoreReply(_Reply, tag=Op.STORE_COMMIT.value):
+    """Reply to STORE_COMMIT, STORE_ABORT and STORE_INLINE: one flag per requested key
+    (committed / aborted / newly stored)."""
+
+    done: list[bool] = []
+
+
+class RetrieveReply(_Reply, tag=Op.RETRIEVE.value):
+    """One slot per key of the hit prefix; inline replies have one payload frame per slot.
+    ``truncated``: an inline reply stopped early at the size limit; ask again for the rest."""
+
+    slots: list[Slot] = []
+    truncated: bool = False
+
+
+class ReleaseReply(_Reply, tag=Op.RELEASE.value):
+    released: int = 0
+
+
+class ClearReply(_Reply, tag=Op.CLEAR.value):
+    cleared: int = 0
+
+
+class StatusReply(_Reply, tag=Op.STATUS.value):
+    status: dict[str, Any] = {}
+
+
+Reply = Union[
+    ErrorReply,
+    HelloReply,
+    PingReply,
+    LookupReply,
+    PrefetchStatusReply,
+    StoreReserveReply,
+    StoreReply,
+    RetrieveReply,
+    ReleaseReply,
+    ClearReply,
+    StatusReply,
+]
+
+# One encoder and one decoder per direction, shared by every message: building them costs
+# far more than using them.
+encoder = msgspec.msgpack.Encoder()
+request_decoder: msgspec.msgpack.Decoder[Request] = msgspec.msgpack.Decoder(Request)
+reply_decoder: msgspec.msgpack.Decoder[Reply] = msgspec.msgpack.Decoder(Reply)
+_untyped_decoder = msgspec.msgpack.Decoder()
+
+_KNOWN_OPS = frozenset(op.value for op in Op if op is not Op.ERROR)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return encoder.encode(message)
+
+
+def diagnose_undecodable(header: bytes) -> tuple[int, ErrorCode]:
+    """For a header that failed typed decoding: the request id to answer (0 if unknown)
+    and whether the op is unknown or the message merely malformed."""
+    try:
+        raw = _untyped_decoder.decode(header)
+    except (msgspec.DecodeError, ValueError, RecursionError):
+        return 0, ErrorCode.MALFORMED
+    if not isinstance(raw, list) or len(raw) < 2:
+        return 0, ErrorCode.MALFORMED
+    op, req_id = raw[0], raw[1]
+    valid_id = isinstance(req_id, int) and not isinstance(req_id, bool) and 0 <= req_id < 1 << 63
+    answer_id = req_id if valid_id else 0
+    if isinstance(op, int) and not isinstance(op, bool) and op not in _KNOWN_OPS:
+        return answer_id, ErrorCode.UNKNOWN_OP
+    return answer_id, ErrorCode.MALFORMED

@@ -1,0 +1,146 @@
+"""Per-client bookkeeping of the locks and reservations a client holds in L1.
+
+The server remembers, per ZeroMQ peer identity, every read lock it took on a client's
+behalf (from a LOOKUP's prefetch or a RETRIEVE), every write reservation not yet committed,
+and every prefetch whose result the client has not collected.  That is what lets RELEASE
+drop exactly the locks the caller owns (a client can never release another client's
+locks), lets COMMIT touch only the caller's reservations, and lets a shutdown give back
+everything still held.
+
+A client that vanishes is not detectable over ROUTER/DEALER, so L1's lock TTLs reclaim
+its memory; records here carry the same deadlines, and an expired record is forgotten
+without being released, because L1 has already reaped (or will reap) that lock and a late
+release could otherwise drop a lock someone else took since.
+
+Only the server's loop thread touches these objects.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from lmcache_tiers.keys import ObjectKey
+
+
+@dataclass
+class PendingPrefetch:
+    keys: list[ObjectKey]
+    deadline: float
+
+
+@dataclass
+class Session:
+    """What one client currently holds.
+
+    Read locks are counted per key (a key locked by a LOOKUP and then by a RETRIEVE holds
+    two), with one deadline per key, the latest lock's: L1 also keeps one deadline per
+    object and extends it with each new lock.
+    """
+
+    identity: bytes
+    last_seen: float
+    read_locks: Counter[ObjectKey] = field(default_factory=Counter)
+    lock_deadlines: dict[ObjectKey, float] = field(default_factory=dict)
+    writes: dict[ObjectKey, tuple[float, int]] = field(default_factory=dict)  # key -> (deadline, size)
+    prefetches: dict[int, PendingPrefetch] = field(default_factory=dict)
+
+    def add_read_locks(self, keys: Sequence[ObjectKey], deadline: float) -> None:
+        # Both updates run in C: this is on the path of every LOOKUP and RETRIEVE.
+        self.read_locks.update(keys)
+        self.lock_deadlines.update(dict.fromkeys(keys, deadline))
+
+    def take_read_locks(self, keys: Iterable[ObjectKey], now: float) -> dict[int, list[ObjectKey]]:
+        """Forget the locks held on ``keys``; returns the live ones grouped by lock count,
+        ready for ``StorageManager.release(keys, count)``."""
+        by_count: dict[int, list[ObjectKey]] = defaultdict(list)
+        locks, deadlines = self.read_locks, self.lock_deadlines
+        for key in keys:
+            count = locks.pop(key, 0)
+            if count and deadlines.pop(key) > now:
+                by_count[count].append(key)
+        return by_count
+
+    def add_writes(self, sizes: dict[ObjectKey, int], deadline: float) -> None:
+        for key, size in sizes.items():
+            self.writes[key] = (deadline, size)
+
+    def take_writes(self, keys: Sequence[ObjectKey], now: float) -> tuple[dict[ObjectKey, int], list[bool]]:
+        """The caller's live reservations among ``keys`` with their sizes (forgotten here),
+        and a per-key flag."""
+        mine: dict[ObjectKey, int] = {}
+        flags: list[bool] = []
+        for key in keys:
+            deadline, size = self.writes.pop(key, (0.0, 0))
+            live = deadline > now
+            flags.append(live)
+            if live:
+                mine[key] = size
+        return mine, flags
+
+    @property
+    def empty(self) -> bool:
+        return not (self.read_locks or self.writes or self.prefetches)
+
+    def expire(self, now: float) -> None:
+        for key in [key for key, deadline in self.lock_deadlines.items() if deadline <= now]:
+            del self.lock_deadlines[key]
+            del self.read_locks[key]
+        self.writes = {key: held for key, held in self.writes.items() if held[0] > now}
+
+
+class SessionTable:
+    """Sessions by peer identity, with TTL-based forgetting."""
+
+    def __init__(self, lock_ttl_s: float, write_ttl_s: float, idle_s: float = 60.0) -> None:
+        self.lock_ttl_s = lock_ttl_s
+        self.write_ttl_s = write_ttl_s
+        self.idle_s = idle_s
+        self._sessions: dict[bytes, Session] = {}
+
+    def get(self, identity: bytes, now: float | None = None) -> Session:
+        now = time.monotonic() if now is None else now
+        session = self._sessions.get(identity)
+        if session is None:
+            session = self._sessions[identity] = Session(identity, now)
+        else:
+            session.last_seen = now
+        return session
+
+    def peek(self, identity: bytes) -> Session | None:
+        return self._sessions.get(identity)
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(list(self._sessions.values()))
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def read_lock_deadline(self, now: float) -> float:
+        return now + self.lock_ttl_s
+
+    def write_deadline(self, now: float) -> float:
+        return now + self.write_ttl_s
+
+    def sweep(self, now: float) -> None:
+        """Forget expired records and idle sessions holding nothing."""
+        for identity, session in list(self._sessions.items()):
+            session.expire(now)
+            if session.empty and now - session.last_seen > self.idle_s:
+                del self._sessions[identity]
+
+    def forget_all_locks(self) -> None:
+        """After a forced CLEAR every lock and reservation is gone from L1."""
+        for session in self._sessions.values():
+            session.read_locks.clear()
+            session.lock_deadlines.clear()
+            session.writes.clear()
+
+    def totals(self) -> tuple[int, int, int]:
+        """(read-locked keys, reserved keys, pending prefetches) over all clients."""
+        locks = sum(len(s.read_locks) for s in self._sessions.values())
+        writes = sum(len(s.writes) for s in self._sessions.values())
+        prefetches = sum(len(s.prefetches) for s in self._sessions.values())
+        return locks, writes, prefetches

@@ -1,0 +1,153 @@
+"""Serving-process pieces: endpoints, HTTP routes, metrics, start-up refusals, CLI output."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from lmcache_tiers.cli.commands_server import bench, bench_table, status, status_tables
+from lmcache_tiers.client import Client
+from lmcache_tiers.config import ServerConfig
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.server.app import TiersServer, configure_logging, is_loopback, rpc_endpoint, run_server
+from lmcache_tiers.server.benchmark import run_bench
+
+Factory = Callable[..., TiersServer]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [("127.0.0.1", True), ("localhost", True), ("::1", True), ("[::1]", True), ("ipc:///tmp/x", True),
+     ("0.0.0.0", False), ("10.1.2.3", False), ("::", False)],
+)  # fmt: skip
+def test_loopback_detection(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+def test_endpoints() -> None:
+    assert rpc_endpoint("127.0.0.1", 5555) == "tcp://127.0.0.1:5555"
+    assert rpc_endpoint("localhost", 0) == "tcp://127.0.0.1:*"
+    assert rpc_endpoint("::1", 7) == "tcp://[::1]:7"
+    assert rpc_endpoint("ipc:///run/tiers.sock", 5555) == "ipc:///run/tiers.sock"
+    with pytest.raises(ConfigError):
+        rpc_endpoint("tcp://127.0.0.1", 1)
+
+
+def test_refuses_to_bind_off_loopback_without_a_token(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("LMCACHE_TIERS_AUTH_TOKEN", raising=False)
+    config = ServerConfig(host="0.0.0.0", port=free_port(), metrics_port=0, l1_size_gb=0.0625)
+    assert run_server(config, banner=False) == 2
+    assert "requires --auth-token" in capsys.readouterr().err
+
+
+def test_a_busy_port_is_a_start_up_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = ServerConfig(port=port, metrics_port=0, l1_size_gb=0.0625, l1_shm_name="tiers_unit_busy")
+        assert run_server(config, banner=False) == 1
+    assert "cannot listen" in capsys.readouterr().err
+    assert not os.path.exists("/dev/shm/tiers_unit_busy")
+
+
+def test_log_level_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    package = logging.getLogger("lmcache_tiers")
+    before = package.level
+    try:
+        monkeypatch.setenv("LMCACHE_LOG_LEVEL", "debug")
+        configure_logging()
+        assert package.level == logging.DEBUG
+        monkeypatch.setenv("LMCACHE_LOG_LEVEL", "chatty")
+        configure_logging()
+        assert package.level == logging.INFO
+    finally:
+        package.setLevel(before)
+
+
+def fetch(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_http_routes_and_per_server_metrics(make_server: Factory) -> None:
+    first = make_server(metrics_port=free_port())
+    second = make_server(metrics_port=free_port())  # a second registry in one process must not collide
+    assert first.http_url and second.http_url
+    key = ObjectKey("unit", 0, b"metrics")
+    with Client(first.endpoint) as client:
+        client.store([key], [b"x" * 5000])
+        assert client.lookup([key]) == 1
+        client.release([key])
+    code, text = fetch(f"{first.http_url}/metrics")
+    assert code == 200
+    assert 'lmcache_tiers_lookup_hit_chunks_total{tier="l1"} 1.0' in text
+    assert 'lmcache_tiers_bytes_total{direction="store"} 5000.0' in text
+    assert "lmcache_tiers_store_chunks_total 0.0" in fetch(f"{second.http_url}/metrics")[1]
+    code, body = fetch(f"{first.http_url}/status")
+    assert code == 200 and json.loads(body)["l1"]["objects"] == 1
+    assert fetch(f"{first.http_url}/healthz") == (200, "ok\n")
+    assert fetch(f"{first.http_url}/metrics/../status")[0] == 404
+    first.rpc.draining = True  # what /healthz reports once a shutdown has begun
+    try:
+        assert fetch(f"{first.http_url}/healthz") == (503, "shutting down\n")
+    finally:
+        first.rpc.draining = False
+
+
+def test_status_command_and_tables(server: TiersServer) -> None:
+    app = typer.Typer()
+    app.command()(status)
+    app.command("bench")(bench)
+    result = CliRunner().invoke(app, ["status", "--url", server.endpoint])
+    assert result.exit_code == 0, result.output
+    assert server.endpoint in result.output and "objects" in result.output
+    document = json.loads(CliRunner().invoke(app, ["status", "--url", server.endpoint, "--json"]).output)
+    assert document["server"]["endpoint"] == server.endpoint
+    document["adapters"] = [{"name": "0:mock", "usage": 0.5, "used_bytes": 1 << 30, "keys_stored": 3}]
+    document["failures"] = {"l2_load_failed": 2}
+    titles = [table.title for table in status_tables(document)]
+    assert titles == ["lmcache-tiers server", "L2 adapters", "failures"]
+    unreachable = CliRunner().invoke(app, ["status", "--url", "tcp://127.0.0.1:9", "--timeout", "0.2"])
+    assert unreachable.exit_code == 1
+
+
+def test_bench_runs_and_checks_its_bytes(server: TiersServer) -> None:
+    steps: list[str] = []
+    result = run_bench(
+        server.endpoint, chunks=4, chunk_bytes=64 << 10, repeats=2, lookup_requests=64, step=steps.append
+    )
+    assert result.shm and result.memcpy_gbps > 0
+    assert (
+        result.store_gbps
+        and result.retrieve_gbps
+        and result.inline_store_gbps
+        and result.inline_retrieve_gbps
+    )
+    assert result.lookup_p50_us <= result.lookup_p99_us
+    assert result.lookup_per_s > 0 and result.lookup_pipelined_per_s > 0
+    assert {"memcpy", "shm store", "inline retrieve", "lookup (pipelined)"} <= set(steps)
+    assert bench_table(result).row_count == 10
+    stats = server.storage.status()["l1"]
+    assert (stats["objects"], stats["read_locks"]) == (0, 0), "the benchmark left data or locks behind"

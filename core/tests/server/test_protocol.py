@@ -1,0 +1,100 @@
+"""Wire format: stable tags, round trips, limits enforced at decode time."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.server import protocol as p
+
+KEY = ObjectKey("model", 7, b"\x01" * 32, 2, "tenant")
+
+REQUESTS = [
+    p.Hello(1, "tok", p.PROTOCOL_VERSION, "engine", 42),
+    p.Ping(2, ""),
+    p.Lookup(3, "", [KEY]),
+    p.QueryPrefetchStatus(4, "", 9),
+    p.WaitPrefetchStatus(5, "", 9, 1.5),
+    p.StoreReserve(6, "", [KEY], [4096]),
+    p.StoreCommit(7, "", [KEY]),
+    p.StoreAbort(8, "", [KEY]),
+    p.StoreInline(9, "", [KEY]),
+    p.Retrieve(10, "", [KEY], True),
+    p.Release(11, "", [KEY]),
+    p.Clear(12, "", True),
+    p.Status(13, ""),
+]
+
+REPLIES = [
+    p.ErrorReply(1, p.ErrorCode.NOT_FOUND, "nope"),
+    p.HelloReply(1, shm_name="seg", shm_size=10, shm_device=1, shm_inode=2, chunk_size=256),
+    p.PingReply(2),
+    p.LookupReply(3, handle=5, hits=None),
+    p.PrefetchStatusReply(4, hits=3),
+    p.StoreReserveReply(6, slots=[p.Slot(4096, 100), p.Slot(p.NO_SLOT, 100)]),
+    p.StoreReply(7, done=[True, False]),
+    p.RetrieveReply(10, slots=[p.Slot(0, 1)], truncated=True),
+    p.ReleaseReply(11, released=2),
+    p.ClearReply(12, cleared=3),
+    p.StatusReply(13, status={"l1": {"objects": 1}}),
+]
+
+
+@pytest.mark.parametrize("request_", REQUESTS, ids=lambda r: type(r).__name__)
+def test_requests_round_trip(request_: p.Request) -> None:
+    assert p.request_decoder.decode(p.encode(request_)) == request_
+
+
+@pytest.mark.parametrize("reply", REPLIES, ids=lambda r: type(r).__name__)
+def test_replies_round_trip(reply: p.Reply) -> None:
+    assert p.reply_decoder.decode(p.encode(reply)) == reply
+
+
+def test_op_numbers_are_stable() -> None:
+    # Changing any of these breaks deployed clients: bump PROTOCOL_VERSION instead.
+    assert [int(op) for op in p.Op] == list(range(14))
+    assert msgspec.msgpack.decode(p.encode(p.Ping(77, "t"))) == [p.Op.PING, 77, "t"]
+    assert msgspec.msgpack.decode(p.encode(p.ErrorReply(5, 4, "m"))) == [0, 5, 4, "m"]
+    assert [int(code) for code in p.ErrorCode] == list(range(11))
+
+
+def test_keys_are_validated_while_decoding() -> None:
+    raw = msgspec.msgpack.encode([p.Op.LOOKUP, 1, "", [["../etc", 0, b"h", 0, ""]]])
+    with pytest.raises(msgspec.ValidationError, match="model_name"):
+        p.request_decoder.decode(raw)
+    raw = msgspec.msgpack.encode([p.Op.LOOKUP, 1, "", [["m", 0, b"h", 0, "a/b"]]])
+    with pytest.raises(msgspec.ValidationError, match="cache_salt"):
+        p.request_decoder.decode(raw)
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        [p.Op.STORE_RESERVE, 1, "", [], [0]],  # zero-byte object
+        [p.Op.STORE_RESERVE, 1, "", [], [-5]],
+        [p.Op.WAIT_PREFETCH_STATUS, 1, "", 3, 1e9],  # timeout beyond an hour
+        [p.Op.PING, -1, ""],  # negative request id
+        [p.Op.PING, 1, "x" * 300],  # token longer than any real one
+        [p.Op.LOOKUP, 1, "", [["m", 0, b"h"]] * (p.MAX_KEYS_PER_REQUEST + 1)],
+    ],
+)
+def test_out_of_range_fields_are_refused(document: list[object]) -> None:
+    with pytest.raises(msgspec.ValidationError):
+        p.request_decoder.decode(msgspec.msgpack.encode(document))
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        (b"\xc1", (0, p.ErrorCode.MALFORMED)),  # never valid msgpack
+        (msgspec.msgpack.encode({"op": 2}), (0, p.ErrorCode.MALFORMED)),
+        (msgspec.msgpack.encode([42, 9, ""]), (9, p.ErrorCode.UNKNOWN_OP)),
+        (msgspec.msgpack.encode([p.Op.PING, 9]), (9, p.ErrorCode.MALFORMED)),
+        (msgspec.msgpack.encode([p.Op.PING, True, ""]), (0, p.ErrorCode.MALFORMED)),
+        (msgspec.msgpack.encode([p.Op.PING, 2**64 - 1, ""]), (0, p.ErrorCode.MALFORMED)),
+        (msgspec.msgpack.encode([True, 3]), (3, p.ErrorCode.MALFORMED)),
+    ],
+)
+def test_diagnosis_of_undecodable_headers(header: bytes, expected: tuple[int, p.ErrorCode]) -> None:
+    assert p.diagnose_undecodable(header) == expected

@@ -1,0 +1,232 @@
+"""Request semantics through the real client against an in-process server."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from lmcache_tiers.client import Client, ClientError, ProtocolError, RequestTimeoutError, ServerError
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.server import protocol as p
+from lmcache_tiers.server.app import TiersServer
+
+Factory = Callable[..., TiersServer]
+
+
+def keys_of(count: int, tag: str = "") -> list[ObjectKey]:
+    prefix = os.urandom(8) + tag.encode()
+    return [ObjectKey("unit", 0, prefix + index.to_bytes(2, "big")) for index in range(count)]
+
+
+def blobs(count: int, size: int = 10_000) -> list[bytes]:
+    return [os.urandom(size) for _ in range(count)]
+
+
+def l1(server: TiersServer) -> dict[str, int]:
+    return dict(server.storage.status()["l1"])
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_store_skips_present_and_repeated_keys(server: TiersServer, shm: bool) -> None:
+    keys, data = keys_of(3), blobs(3)
+    with Client(server.endpoint, shm=shm) as client:
+        assert client.uses_shm is shm
+        assert client.store(keys[:2], data[:2]) == 2
+        assert client.store(keys, data) == 1  # only the third is new
+        assert client.store([keys[0], keys[0]], [data[0], data[0]]) == 0
+        fresh = keys_of(1)
+        assert client.store(fresh * 2, [data[0], data[1]]) == 1  # a repeat within a batch is stored once
+        with client.retrieve(keys + fresh) as views:
+            assert [bytes(view) for view in views] == [*data, data[0]]
+    assert (l1(server)["objects"], l1(server)["write_locked"], l1(server)["read_locks"]) == (4, 0, 0)
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_retrieve_returns_the_prefix_and_releases_on_exit(server: TiersServer, shm: bool) -> None:
+    keys, data = keys_of(4), blobs(4)
+    with Client(server.endpoint, shm=shm) as client:
+        client.store(keys[:2] + keys[3:], data[:2] + data[3:])  # a gap at position 2
+        with client.retrieve(keys) as views:
+            assert [bytes(view) for view in views] == data[:2]
+            assert all(view.readonly for view in views)
+            if shm:
+                assert l1(server)["read_locks"] == 2
+        assert l1(server)["read_locks"] == 0
+        if shm:
+            with pytest.raises(ValueError):
+                bytes(views[0])  # released: no reading memory that may be reused
+
+
+def test_lookup_locks_until_retrieve_or_release(server: TiersServer) -> None:
+    keys, data = keys_of(3), blobs(3)
+    with Client(server.endpoint) as client, Client(server.endpoint) as other:
+        client.store(keys, data)
+        assert client.lookup(keys) == 3
+        assert l1(server)["read_locks"] == 3
+        assert other.release(keys) == 0  # another client cannot drop these locks
+        assert l1(server)["read_locks"] == 3
+        with client.retrieve(keys) as views:
+            assert len(views) == 3
+        assert l1(server)["read_locks"] == 0  # the retrieve consumed the lookup's locks too
+        assert client.lookup(keys[:2]) == 2
+        assert client.release(keys) == 2
+        assert l1(server)["read_locks"] == 0
+        assert client.lookup(keys_of(2)) == 0
+
+
+def test_lookup_many_pipelines_several_prompts(server: TiersServer) -> None:
+    keys, data = keys_of(4), blobs(4, 100)
+    with Client(server.endpoint) as client:
+        client.store(keys, data)
+        prompts = [keys, keys[:2], keys_of(3), keys[:3] + keys_of(1)] * 5
+        assert client.lookup_many(prompts, window=3) == [4, 2, 0, 3] * 5
+        client.release(keys)
+    assert l1(server)["read_locks"] == 0
+
+
+def test_retrieve_into_numpy_and_torch(server: TiersServer) -> None:
+    keys = keys_of(2)
+    tensors = [torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(128, dtype=torch.float32)]
+    with Client(server.endpoint) as client, Client(server.endpoint, shm=False) as inline:
+        assert client.store(keys, tensors) == 2
+        for reader in (client, inline):
+            out = [torch.empty_like(tensors[0]), np.empty(128, dtype=np.float32)]
+            assert reader.retrieve_into(keys, out) == 2
+            assert out[0].equal(tensors[0])
+            assert np.array_equal(out[1], tensors[1].numpy())
+        with pytest.raises(ValueError, match="too small"):
+            client.retrieve_into(keys[:1], [np.empty(8, dtype=np.uint8)])
+    assert l1(server)["read_locks"] == 0
+
+
+def test_inline_transfers_are_split_at_the_size_limit(make_server: Factory) -> None:
+    server = make_server(server_options={"max_inline_bytes": 25_000})
+    keys, data = keys_of(7), blobs(7, 10_000)
+    with Client(server.endpoint, shm=False) as client:
+        assert client.store(keys, data) == 7  # four requests of at most two chunks
+        with client.retrieve(keys) as views:  # truncated replies, continued by the client
+            assert [bytes(view) for view in views] == data
+        with pytest.raises(ClientError, match="over the server's inline limit"):
+            client.store(keys_of(1), [bytes(30_000)])
+    assert server.stats.requests["StoreInline"] == 4
+    assert server.stats.requests["Retrieve"] == 4
+
+
+def test_a_store_larger_than_l1_is_refused_whole(server: TiersServer) -> None:
+    big = np.zeros(40 << 20, dtype=np.uint8)
+    with Client(server.endpoint) as client:
+        with pytest.raises(ServerError) as refused:
+            client.store(keys_of(2), [big, big])
+        assert refused.value.code is p.ErrorCode.OUT_OF_MEMORY
+    assert (l1(server)["objects"], l1(server)["write_locked"]) == (0, 0)
+
+
+def test_commit_and_abort_touch_only_the_callers_reservations(server: TiersServer) -> None:
+    keys = keys_of(2)
+    with Client(server.endpoint) as owner, Client(server.endpoint) as stranger:
+        slots = owner._call(p.StoreReserve(0, "", keys, [100, 100]), p.StoreReserveReply).slots
+        assert all(slot.offset >= 0 for slot in slots)
+        assert stranger._call(p.StoreCommit(0, "", keys), p.StoreReply).done == [False, False]
+        assert stranger._call(p.StoreAbort(0, "", keys), p.StoreReply).done == [False, False]
+        assert l1(server)["write_locked"] == 2
+        assert owner._call(p.StoreAbort(0, "", keys[:1]), p.StoreReply).done == [True]
+        assert owner._call(p.StoreCommit(0, "", keys), p.StoreReply).done == [False, True]
+    assert (l1(server)["objects"], l1(server)["write_locked"]) == (1, 0)
+
+
+def test_a_failed_copy_aborts_the_reservation(server: TiersServer) -> None:
+    with Client(server.endpoint) as client:
+        good = np.zeros(1000, dtype=np.uint8)
+        client.store(keys_of(1), [good])
+        segment = client._segment
+        assert segment is not None
+        original = segment.array
+        segment.array = np.zeros(0, dtype=np.uint8)  # every copy now fails with a shape error
+        try:
+            with pytest.raises(ValueError):
+                client.store(keys_of(2), [good, good])
+        finally:
+            segment.array = original
+    assert (l1(server)["objects"], l1(server)["write_locked"]) == (1, 0)
+
+
+def test_timed_out_reservations_are_given_back_when_their_reply_turns_up(server: TiersServer) -> None:
+    keys = keys_of(2)
+    with Client(server.endpoint) as client:
+        request = p.StoreReserve(0, "", keys, [100, 100])
+        with client._lock:
+            client._start(request, (), deadline=float("inf"))
+            # pretend the caller gave up before the reply arrived
+            client._outstanding.discard(request.req_id)
+            client._remember_orphan(request)
+        client.ping()  # reads the late reply and sends the abort
+        client.ping()  # the abort has been handled before this reply
+    assert (l1(server)["objects"], l1(server)["write_locked"]) == (0, 0)
+
+
+def test_prefetch_from_l2_runs_off_the_loop(make_server: Factory) -> None:
+    server = make_server(adapters=['{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.5}'])
+    keys, data = keys_of(3), blobs(3)
+    with Client(server.endpoint) as client:
+        client.store(keys, data)
+        assert server.storage.flush(timeout=30)
+        assert client.clear() == 3
+        handle, hits = client.start_lookup(keys)
+        assert hits is None
+        # answered while the prefetch still runs: waiting for L2 never blocks the loop
+        assert client.query_prefetch(handle) is None
+        assert client.wait_prefetch(handle, 30) == 3
+        with pytest.raises(ServerError) as gone:
+            client.query_prefetch(handle)  # collected already
+        assert gone.value.code is p.ErrorCode.NOT_FOUND
+        with client.retrieve(keys) as views:
+            assert [bytes(view) for view in views] == data
+        assert client.clear() == 0  # prefetched objects were temporary: freed after reading
+        with pytest.raises(RequestTimeoutError):
+            client.lookup(keys, timeout=0.05)
+        # the abandoned prefetch is collected by the server; releasing it frees its locks
+        deadline = time.monotonic() + 10
+        while client.release(keys) != 3:
+            assert time.monotonic() < deadline, "the abandoned prefetch was never collected"
+            time.sleep(0.05)
+        assert l1(server)["read_locks"] == 0
+
+
+def test_shutdown_gives_back_what_clients_hold(make_server: Factory) -> None:
+    server = make_server()
+    keys = keys_of(3)
+    with Client(server.endpoint) as client:
+        client.store(keys, blobs(3))
+        assert client.lookup(keys) == 3
+        client._call(p.StoreReserve(0, "", keys_of(2), [10, 10]), p.StoreReserveReply)
+        assert (l1(server)["read_locks"], l1(server)["write_locked"]) == (3, 2)
+        server.request_stop()
+        deadline = time.monotonic() + 10
+        while server.handlers.released_at_shutdown == (0, 0):
+            assert time.monotonic() < deadline, "the server did not stop"
+            time.sleep(0.01)
+    assert server.handlers.released_at_shutdown == (3, 2)
+    assert (l1(server)["read_locks"], l1(server)["write_locked"]) == (0, 0)
+
+
+def test_unreachable_server_times_out_quickly() -> None:
+    with pytest.raises(RequestTimeoutError):
+        Client("tcp://127.0.0.1:9", timeout=0.2)
+
+
+def test_closed_client_refuses_calls(server: TiersServer) -> None:
+    client = Client(server.endpoint)
+    client.close()
+    client.close()
+    with pytest.raises(Exception, match="closed"):
+        client.ping()
+
+
+def test_wrong_reply_type_is_a_protocol_error(server: TiersServer) -> None:
+    with Client(server.endpoint) as client, pytest.raises(ProtocolError):
+        client._call(p.Ping(0, ""), p.StatusReply)

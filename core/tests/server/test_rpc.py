@@ -1,0 +1,119 @@
+"""The RPC loop's answers to bad, refused and late requests, seen from a raw DEALER."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from lmcache_tiers.client import Client, ServerError
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.server import protocol as p
+from lmcache_tiers.server.app import TiersServer
+
+Factory = Callable[..., TiersServer]
+KEY = ObjectKey("unit", 0, b"k" * 16)
+
+
+@pytest.fixture
+def raw(server: TiersServer) -> Iterator[Callable[..., p.Reply]]:
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+
+    def exchange(*frames: bytes) -> p.Reply:
+        sock.send_multipart(list(frames))
+        assert sock.poll(10_000), "no reply"
+        return p.reply_decoder.decode(sock.recv_multipart()[0])
+
+    yield exchange
+    sock.close(0)
+    context.term()
+
+
+def test_version_mismatch_is_refused_at_hello(raw: Callable[..., p.Reply]) -> None:
+    reply = raw(p.encode(p.Hello(3, "", p.PROTOCOL_VERSION + 1)))
+    assert (reply.req_id, reply.code) == (3, p.ErrorCode.VERSION_MISMATCH)
+    assert "version" in reply.message
+    hello = raw(p.encode(p.Hello(4, "", p.PROTOCOL_VERSION)))
+    assert isinstance(hello, p.HelloReply) and hello.shm_name and hello.shm_size > 0
+
+
+def test_shapes_that_cannot_be_served(raw: Callable[..., p.Reply]) -> None:
+    assert raw(b"\x93\x02").code == p.ErrorCode.MALFORMED  # truncated array
+    assert raw(msgspec.msgpack.encode([200, 6, ""])).code == p.ErrorCode.UNKNOWN_OP
+    reply = raw(p.encode(p.Ping(8, "")), b"stray payload")
+    assert (reply.req_id, reply.code) == (8, p.ErrorCode.INVALID_ARGUMENT)
+    reply = raw(p.encode(p.StoreInline(9, "", [KEY, KEY])), b"only one")
+    assert (reply.req_id, reply.code) == (9, p.ErrorCode.INVALID_ARGUMENT)
+    reply = raw(p.encode(p.StoreInline(10, "", [KEY])), b"")
+    assert (reply.req_id, reply.code) == (10, p.ErrorCode.INVALID_ARGUMENT)
+    reply = raw(p.encode(p.StoreReserve(11, "", [KEY], [1, 2])))
+    assert (reply.req_id, reply.code) == (11, p.ErrorCode.INVALID_ARGUMENT)
+    assert isinstance(raw(p.encode(p.Ping(12, ""))), p.PingReply)
+
+
+def test_requests_over_the_size_limit(make_server: Factory) -> None:
+    server = make_server(server_options={"max_request_bytes": 64 << 10, "max_inline_bytes": 32 << 10})
+    with Client(server.endpoint, shm=False) as client:
+        with pytest.raises(ServerError) as refused:
+            client._call(p.StoreInline(0, "", [KEY]), p.StoreReply, payloads=[bytes(100 << 10)])
+        assert refused.value.code is p.ErrorCode.TOO_LARGE
+        assert client.ping() > 0
+    assert server.stats.failures["too_large"] == 1
+
+
+def test_every_request_is_checked_against_the_token(make_server: Factory) -> None:
+    server = make_server(server_options={"auth_token": "correct horse"})
+    with pytest.raises(ServerError) as refused:
+        Client(server.endpoint, auth_token="wrong")
+    assert refused.value.code is p.ErrorCode.UNAUTHORIZED
+    with Client(server.endpoint, auth_token="correct horse") as client:
+        assert client.store([KEY], [b"x" * 100]) == 1
+        client._token = ""  # a later request without it is refused too
+        with pytest.raises(ServerError) as later:
+            client.lookup([KEY])
+        assert later.value.code is p.ErrorCode.UNAUTHORIZED
+
+
+def test_stopping_server_finishes_in_flight_work_and_refuses_new(make_server: Factory) -> None:
+    server = make_server()
+    entered, release = threading.Event(), threading.Event()
+    real_clear = server.storage.clear
+
+    def slow_clear(*, force: bool = False) -> int:
+        entered.set()
+        release.wait(10)
+        return real_clear(force=force)
+
+    server.storage.clear = slow_clear  # type: ignore[method-assign]
+    with Client(server.endpoint) as waiting, Client(server.endpoint) as late:
+        result: list[int] = []
+        clearing = threading.Thread(target=lambda: result.append(waiting.clear()))
+        clearing.start()
+        assert entered.wait(10)
+        server.request_stop()
+        with pytest.raises(ServerError) as refused:
+            for _ in range(100):
+                late.ping()  # answered until the loop notices the stop, then refused
+        assert refused.value.code is p.ErrorCode.SHUTTING_DOWN
+        release.set()
+        clearing.join(10)
+    assert result == [0], "the in-flight CLEAR was not answered before the server stopped"
+
+
+def test_unknown_handles_are_not_found(server: TiersServer) -> None:
+    with Client(server.endpoint) as client:
+        for call in (lambda: client.query_prefetch(12345), lambda: client.wait_prefetch(12345, 0.1)):
+            with pytest.raises(ServerError) as missing:
+                call()
+            assert missing.value.code is p.ErrorCode.NOT_FOUND
+        # a handle belongs to the client that started it
+        handle, hits = client.start_lookup([KEY])
+        assert hits == 0
+        with Client(server.endpoint) as other, pytest.raises(ServerError):
+            other.query_prefetch(handle)

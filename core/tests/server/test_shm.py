@@ -1,0 +1,108 @@
+"""Buffer conversion for the data plane and the client's segment mapping."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from lmcache_tiers.l1 import L1Arena
+from lmcache_tiers.server.shm import (
+    MappedSegment,
+    SegmentMismatch,
+    as_byte_array,
+    as_writable_byte_array,
+    segment_identity,
+)
+
+
+@pytest.mark.parametrize(
+    "buffer",
+    [
+        b"\x01\x02\x03\x04",
+        bytearray(b"\x01\x02\x03\x04"),
+        memoryview(b"\x01\x02\x03\x04"),
+        np.array([1, 2, 3, 4], dtype=np.uint8),
+        np.array([[1, 2], [3, 4]], dtype=np.uint8),
+        np.array([1, 2, 3, 4], dtype=np.uint8)[::1],
+    ],
+)
+def test_byte_views_of_simple_buffers(buffer: object) -> None:
+    assert as_byte_array(buffer).tobytes() == b"\x01\x02\x03\x04"
+
+
+def test_typed_and_strided_arrays_keep_their_bytes() -> None:
+    floats = np.arange(6, dtype=np.float32)
+    assert as_byte_array(floats).tobytes() == floats.tobytes()
+    strided = np.arange(12, dtype=np.int16)[::2]
+    assert as_byte_array(strided).tobytes() == np.ascontiguousarray(strided).tobytes()
+    view = memoryview(np.arange(8, dtype=np.int64))
+    assert as_byte_array(view).tobytes() == np.arange(8, dtype=np.int64).tobytes()
+
+
+def test_torch_tensors_including_bfloat16() -> None:
+    tensor = torch.arange(8, dtype=torch.bfloat16).reshape(2, 4)
+    raw = as_byte_array(tensor)
+    assert raw.nbytes == 16
+    assert torch.frombuffer(bytearray(raw.tobytes()), dtype=torch.bfloat16).reshape(2, 4).equal(tensor)
+    # no copy for a contiguous tensor: the view shares its memory
+    raw[0:2] = 0
+    assert tensor[0, 0].item() == 0.0
+    assert as_byte_array(tensor.t()).nbytes == 16  # non-contiguous: copied, same size
+
+
+def test_destinations_must_be_writable_and_contiguous() -> None:
+    with pytest.raises(TypeError, match="read-only"):
+        as_writable_byte_array(b"abc")
+    with pytest.raises(TypeError, match="contiguous"):
+        as_writable_byte_array(np.zeros(8, dtype=np.uint8)[::2])
+    with pytest.raises(TypeError, match="contiguous"):
+        as_writable_byte_array(torch.zeros(4, 4).t())
+    target = torch.zeros(4, dtype=torch.float16)
+    as_writable_byte_array(target)[:] = 0xFF
+    assert torch.isnan(target).all()
+
+
+def test_unsupported_objects_get_a_clear_error() -> None:
+    with pytest.raises(TypeError, match="cannot store a str"):
+        as_byte_array("text")
+
+
+@pytest.fixture
+def arena() -> Iterator[L1Arena]:
+    with L1Arena(1 << 20, name=f"tiers_unit_{uuid.uuid4().hex[:10]}", prefault=False) as created:
+        yield created
+
+
+def test_mapping_sees_the_servers_bytes(arena: L1Arena) -> None:
+    device, inode = segment_identity(arena.name)
+    segment = MappedSegment(arena.name, arena.size, device, inode)
+    arena.buffer[100:104] = b"abcd"
+    assert bytes(segment.buffer[100:104]) == b"abcd"
+    segment.array[200:202] = [7, 8]
+    assert bytes(arena.buffer[200:202]) == b"\x07\x08"
+    segment.check_slot(0, arena.size)
+    with pytest.raises(ValueError):
+        segment.check_slot(arena.size - 1, 2)
+    segment.close()
+    assert os.path.exists(arena.path), "a client must never unlink the server's segment"
+
+
+def test_a_segment_with_another_identity_is_refused(arena: L1Arena) -> None:
+    device, inode = segment_identity(arena.name)
+    with pytest.raises(SegmentMismatch, match="not the server's segment"):
+        MappedSegment(arena.name, arena.size, device, inode + 1)
+    with pytest.raises(SegmentMismatch):
+        MappedSegment(arena.name, arena.size * 2, device, inode)
+    with pytest.raises(SegmentMismatch, match="cannot open"):
+        MappedSegment("tiers_unit_missing", 4096, device, inode)
+
+
+@pytest.mark.parametrize("name", ["../etc/passwd", "a/b", "", ".."])
+def test_names_that_could_leave_dev_shm_are_refused(name: str) -> None:
+    with pytest.raises(SegmentMismatch, match="refusing"):
+        MappedSegment(name, 4096, 0, 0)

@@ -1,0 +1,212 @@
+"""Helpers of the end-to-end server tests: server subprocesses and client jobs.
+
+Client jobs are module-level functions so that ``spawn`` child processes can import and
+run them: every test client runs in a process of its own, like an engine would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lmcache_tiers.client import Client, ClientError, RequestTimeoutError, ServerError
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.server.protocol import StoreReserve, StoreReserveReply
+
+HERE = Path(__file__).parent
+LAUNCHER = HERE / "serve_for_tests.py"
+START_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    http_url: str | None
+    shm_name: str
+    proc: subprocess.Popen[bytes]
+    log_dir: Path
+    returncode: int | None = field(default=None)
+
+    @property
+    def shm_path(self) -> Path:
+        return Path("/dev/shm") / self.shm_name
+
+    def output(self) -> str:
+        out = (self.log_dir / "stdout.txt").read_text(errors="replace")
+        err = (self.log_dir / "stderr.txt").read_text(errors="replace")
+        return f"--- stdout ---\n{out}\n--- stderr ---\n{err}"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                self._remove_segment()
+                raise AssertionError(f"server did not stop within {timeout}s\n{self.output()}") from None
+            if sig == signal.SIGKILL:
+                self._remove_segment()
+        self.returncode = self.proc.returncode
+        return self.returncode
+
+    def _remove_segment(self) -> None:
+        # A killed server cannot unlink its segment; do not leave 256 MiB of /dev/shm behind.
+        self.shm_path.unlink(missing_ok=True)
+
+
+def start_server(
+    log_dir: Path,
+    *,
+    adapters: list[dict[str, Any]] | None = None,
+    metrics: bool = True,
+    env: dict[str, str] | None = None,
+    **config: Any,
+) -> ServerProcess:
+    """Start a server subprocess on free loopback ports and wait until it listens."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    shm_name = f"tiers_test_{uuid.uuid4().hex[:12]}"
+    settings: dict[str, Any] = {
+        "l1_size_gb": 0.25,
+        "port": free_port(),
+        "metrics_port": free_port() if metrics else 0,
+        "l1_shm_name": shm_name,
+        **config,
+    }
+    host = settings.get("host", "127.0.0.1")
+    url = host if str(host).startswith("ipc://") else f"tcp://{host}:{settings['port']}"
+    http_url = f"http://127.0.0.1:{settings['metrics_port']}" if settings["metrics_port"] else None
+    ready = log_dir / f"ready-{shm_name}"
+    spec = json.dumps({"config": settings, "adapters": adapters or []})
+    proc = subprocess.Popen(
+        [sys.executable, str(LAUNCHER), spec, str(ready)],
+        stdout=(log_dir / "stdout.txt").open("wb"),
+        stderr=(log_dir / "stderr.txt").open("wb"),
+        env={**os.environ, "LMCACHE_LOG_LEVEL": "INFO", "COLUMNS": "200", **(env or {})},
+    )
+    server = ServerProcess(url, http_url, shm_name, proc, log_dir)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode} during start-up\n{server.output()}")
+        if time.monotonic() > deadline:
+            server.stop(signal.SIGKILL)
+            raise AssertionError(f"server did not start within {START_TIMEOUT_S}s\n{server.output()}")
+        time.sleep(0.02)
+    return server
+
+
+# -- deterministic test data -------------------------------------------------------------
+
+
+def make_keys(tag: str, count: int, model: str = "test-model", salt: str = "") -> list[ObjectKey]:
+    return [
+        ObjectKey(model, 0, hashlib.blake2b(f"{tag}/{index}".encode(), digest_size=32).digest(), 0, salt)
+        for index in range(count)
+    ]
+
+
+def make_payloads(tag: str, count: int, size: int) -> list[np.ndarray[Any, Any]]:
+    seed = int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=8).digest(), "little")
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(count)]
+
+
+def digest(views: list[Any]) -> list[str]:
+    return [hashlib.blake2b(bytes(view), digest_size=16).hexdigest() for view in views]
+
+
+# -- client jobs (run in spawned processes) -----------------------------------------------
+
+
+def job_store(url: str, tag: str, count: int, size: int, shm: bool) -> tuple[int, bool]:
+    """Store ``count`` chunks; returns (newly stored, whether the client used shared memory)."""
+    with Client(url, shm=shm, timeout=30) as client:
+        return client.store(make_keys(tag, count), make_payloads(tag, count, size)), client.uses_shm
+
+
+def job_lookup_retrieve(url: str, tag: str, count: int, size: int, shm: bool) -> tuple[int, int, bool, bool]:
+    """Look up and retrieve; returns (hits, retrieved, bytes equal, used shared memory)."""
+    keys = make_keys(tag, count)
+    expected = digest(make_payloads(tag, count, size))
+    with Client(url, shm=shm, timeout=30) as client:
+        hits = client.lookup(keys, timeout=30)
+        with client.retrieve(keys[:hits]) as views:
+            got = digest(views)
+        return hits, len(got), got == expected[: len(got)], client.uses_shm
+
+
+def job_mixed(url: str, worker: int, rounds: int, size: int) -> dict[str, int]:
+    """A busy engine: stores its own chunks and a shared prefix, looks up, retrieves,
+    checks every byte, releases.  Any exception fails the test through the pool."""
+    shared_keys, shared_data = make_keys("shared", 4), make_payloads("shared", 4, size)
+    counts = {"stored": 0, "hits": 0, "checked": 0}
+    with Client(url, shm=worker % 2 == 0, timeout=60) as client:
+        for round_index in range(rounds):
+            tag = f"worker{worker}/round{round_index}"
+            keys = shared_keys + make_keys(tag, 4)
+            data = shared_data + make_payloads(tag, 4, size)
+            counts["stored"] += client.store(keys, data)
+            hits = client.lookup(keys)
+            if hits != len(keys):
+                raise AssertionError(f"worker {worker}: lookup found {hits} of {len(keys)} just stored")
+            counts["hits"] += hits
+            with client.retrieve(keys) as views:
+                if digest(views) != digest(data):
+                    raise AssertionError(f"worker {worker}: retrieved bytes differ")
+                counts["checked"] += len(views)
+            out = [np.empty(size, dtype=np.uint8) for _ in keys]
+            if client.retrieve_into(keys, out) != len(keys) or digest(out) != digest(data):
+                raise AssertionError(f"worker {worker}: retrieve_into bytes differ")
+    return counts
+
+
+def job_store_storm(url: str, worker: int, size: int, seconds: float, marks: str) -> dict[str, Any]:
+    """Store new chunks as fast as possible until the server goes away (or time is up);
+    a file in ``marks`` tells the test this worker has stored its first batch."""
+    stored, batches, ended_by = 0, 0, "time"
+    deadline = time.monotonic() + seconds
+    try:
+        with Client(url, shm=worker % 2 == 0, timeout=5) as client:
+            while time.monotonic() < deadline:
+                tag = f"storm{worker}/{batches}"
+                stored += client.store(make_keys(tag, 8), make_payloads(tag, 8, size))
+                batches += 1
+                if batches == 1:
+                    Path(marks, str(worker)).touch()
+    except ServerError as exc:
+        ended_by = exc.code.name
+    except RequestTimeoutError:
+        ended_by = "timeout"
+    except ClientError as exc:
+        ended_by = f"client error: {exc}"
+    return {"stored": stored, "batches": batches, "ended_by": ended_by}
+
+
+def job_vanish_holding_locks(url: str, tag: str, count: int) -> None:
+    """Take read locks (LOOKUP) and a write reservation, then die without a word."""
+    client = Client(url, timeout=30)
+    keys = make_keys(tag, count)
+    if client.lookup(keys) != count:
+        raise AssertionError("the chunks to lock are not stored")
+    client._call(StoreReserve(0, "", make_keys(tag + "/unfinished", 2), [4096, 4096]), StoreReserveReply)
+    os._exit(0)
