@@ -138,3 +138,21 @@ def test_plugins_show_prints_fields(site: Path) -> None:
     assert broken.returncode == 1 and "did not load" in broken.stderr
     missing = run_cli(["plugins", "show", "nothing-here"], site)
     assert missing.returncode == 1 and "no plugin or component named 'nothing-here'" in missing.stderr
+
+
+def test_usage_errors_are_one_line_with_exit_code_2() -> None:
+    cases = {
+        ("serve", "--port", "abc"): "error: Invalid value for '--port'",
+        ("serve", "--bogus"): "error: No such option: --bogus",
+        ("serve", "--print-config", "--l2-adapter", "{oops"): "error: --l2-adapter #1 is not valid JSON",
+        ("serve", "--print-config", "--l2-adapter", '{"type": "mokc"}'): "did you mean 'mock'?",
+        ("serve", "--print-config", "--eviction-ratio", "2"): "Expected `float` <= 1.0 - at `$.eviction_ratio`",
+        ("serve", "--print-config", "--host", "0.0.0.0"): "requires --auth-token",
+        ("serve", "--config", "/nonexistent.toml"): "config file '/nonexistent.toml' does not exist",
+    }
+    for args, message in cases.items():
+        result = run_cli(list(args))
+        assert result.returncode == 2, (args, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], (args, result.stderr)
+        assert "Traceback" not in result.stderr

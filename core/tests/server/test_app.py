@@ -17,9 +17,10 @@ from typer.testing import CliRunner
 from lmcache_tiers.cli.commands_server import bench, bench_table, status, status_tables
 from lmcache_tiers.client import Client
 from lmcache_tiers.config import ServerConfig
+from lmcache_tiers.endpoints import is_loopback, rpc_endpoint
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.server.app import TiersServer, configure_logging, is_loopback, rpc_endpoint, run_server
+from lmcache_tiers.server.app import TiersServer, configure_logging, run_server
 from lmcache_tiers.server.benchmark import run_bench
 
 Factory = Callable[..., TiersServer]

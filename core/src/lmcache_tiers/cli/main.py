@@ -77,8 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Abort:
         sys.exit(130)
     except TyperException as exc:  # usage errors: bad flag values, unknown options
-        if type(exc).__name__ == "NoArgsIsHelpError":
-            exc.show()
+        show_help = getattr(exc, "show", None)
+        if type(exc).__name__ == "NoArgsIsHelpError" and callable(show_help):
+            show_help()  # a bare command group prints its help, like --help
             sys.exit(EXIT_USAGE)
         fail(exc.format_message(), getattr(exc, "exit_code", EXIT_USAGE))
     except TiersError as exc:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
-import socket
 from typing import Annotated, Any, Optional
 
 import typer
@@ -13,6 +11,7 @@ import typer
 from lmcache_tiers.cli.output import fail
 from lmcache_tiers.config import ServerConfig, build_config, config_to_builtins, load_toml
 from lmcache_tiers.defaults import default_l2_adapters
+from lmcache_tiers.endpoints import is_loopback
 from lmcache_tiers.plugins import load_plugins
 
 SERVE_HELP = """Run the KV-cache server.
@@ -30,18 +29,6 @@ def _help(text: str, field: str | None = None) -> str:
     if field is None:
         return text
     return f"{text} [default: {_FIELD_DEFAULTS[field]}]"
-
-
-def _is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        try:
-            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-        except OSError:
-            return False
 
 
 def serve(
@@ -136,7 +123,7 @@ def serve(
     if not l2_adapter and "l2_adapters" not in file_values and not no_default_l2:
         file_values["l2_adapters"] = default_l2_adapters(plugin_set.registry)
     resolved = build_config(plugin_set.registry, file_values, overrides, l2_adapter)
-    if not _is_loopback(resolved.host) and not resolved.auth_token:
+    if not is_loopback(resolved.host) and not resolved.auth_token:
         fail(f"binding to {resolved.host} (not loopback) requires --auth-token or LMCACHE_TIERS_AUTH_TOKEN")
     if print_config:
         shown = config_to_builtins(resolved)

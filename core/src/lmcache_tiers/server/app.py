@@ -9,12 +9,10 @@ cuts the drain short.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import re
 import signal
-import socket
 import threading
 import time
 from types import FrameType
@@ -26,6 +24,7 @@ from rich.table import Table
 
 from lmcache_tiers import __version__
 from lmcache_tiers.config import ServerConfig, config_to_builtins
+from lmcache_tiers.endpoints import is_loopback, rpc_endpoint
 from lmcache_tiers.errors import ConfigError, TiersError
 from lmcache_tiers.registry import ComponentRegistry
 from lmcache_tiers.server import protocol as p
@@ -67,32 +66,6 @@ def configure_logging() -> None:
         package.propagate = False
     if level is None:
         logger.warning("%s=%r is not one of %s; using INFO", LOG_LEVEL_ENV, raw, ", ".join(_LEVELS))
-
-
-def is_loopback(host: str) -> bool:
-    """True for ipc:// endpoints and loopback names/addresses (never for a wildcard)."""
-    if host.startswith("ipc://") or host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        try:
-            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-        except OSError:
-            return False
-
-
-def rpc_endpoint(host: str, port: int) -> str:
-    """The ZeroMQ endpoint to bind: ``host`` may itself be an ``ipc://`` path; port 0 picks
-    a free port."""
-    if host.startswith("ipc://"):
-        return host
-    if "://" in host:
-        raise ConfigError(f"host {host!r}: give an address or name, or an ipc:// endpoint")
-    if host == "localhost":
-        host = "127.0.0.1"  # libzmq binds interfaces and addresses, not host names
-    bracketed = f"[{host.strip('[]')}]" if ":" in host else host
-    return f"tcp://{bracketed}:{port if port else '*'}"
 
 
 class TiersServer:
