@@ -1,4 +1,4 @@
-"""The pieces under the base classes: task board, pins, accounting, context."""
+"""The pieces under the base classes: task board, pins, accounting, copies, context."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from lmcache_tiers.config import L2AdapterConfig
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.accounting import ByteAccounting, ObjectSize
+from lmcache_tiers.l2.buffers import GIL_FREE_COPY_BYTES, copy_into
 from lmcache_tiers.l2.context import AdapterContext, buffer_address
 from lmcache_tiers.l2.interface import L2Op, LookupResult
 from lmcache_tiers.l2.pins import PinTable
@@ -91,6 +92,41 @@ def test_accounting_total_by_salt_overwrite_and_forget() -> None:
     assert accounting.forget(A_SALTED) is None
     assert accounting.by_salt() == {"": 10}
     assert len(accounting) == 1
+
+
+def test_accounting_batches_match_single_calls() -> None:
+    accounting = ByteAccounting()
+    accounting.record_many(
+        [(A, ObjectSize(100, 200)), (A_SALTED, ObjectSize(50, 50)), (A, ObjectSize(10, 20))]
+    )
+    assert accounting.used_bytes == 60
+    assert accounting.by_salt() == {"": 10, "t": 50}
+    assert accounting.get_many([A, B, A_SALTED]) == [ObjectSize(10, 20), None, ObjectSize(50, 50)]
+    accounting.record_many([])
+    assert accounting.get_many([]) == []
+
+
+@pytest.mark.parametrize(
+    "size", [0, 1, GIL_FREE_COPY_BYTES - 1, GIL_FREE_COPY_BYTES, 3 * GIL_FREE_COPY_BYTES + 5]
+)
+def test_copy_into_copies_every_byte_on_both_paths(size: int) -> None:
+    source = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    target = bytearray(size)
+    copy_into(memoryview(target), source)
+    assert bytes(target) == source
+
+
+def test_copy_into_ignores_formats_and_refuses_other_lengths() -> None:
+    words = memoryview(bytearray(8 * GIL_FREE_COPY_BYTES)).cast("Q")
+    source = memoryview(bytes(range(256)) * (GIL_FREE_COPY_BYTES // 32))
+    copy_into(words, source)
+    assert words.tobytes() == source.tobytes()
+    for length in (GIL_FREE_COPY_BYTES - 1, GIL_FREE_COPY_BYTES + 1, 10):
+        with pytest.raises(ValueError, match="cannot copy"):
+            copy_into(memoryview(bytearray(length)), bytes(length + 1))
+    for length in (10, GIL_FREE_COPY_BYTES):
+        with pytest.raises(TypeError, match="read-only"):
+            copy_into(memoryview(bytes(length)), bytes(length))
 
 
 def test_context_offsets_inside_the_arena_only() -> None:

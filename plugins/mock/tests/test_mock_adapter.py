@@ -1,19 +1,24 @@
-"""The mock adapter against the L2 conformance suite, plus its own knobs."""
+"""The mock adapter against the L2 conformance suite, plus its own knobs and memory pool."""
 
 from __future__ import annotations
 
+import mmap
+import threading
 import uuid
+from typing import Any
 
 import msgspec
 import pytest
 from lmcache_plugin_mock import MockConfig
+from lmcache_plugin_mock import adapter as adapter_module
 from lmcache_plugin_mock.adapter import MockAdapter
 
 from lmcache_tiers.config import decode_adapter
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.l2 import AdapterContext, BlockingAdapterClient
+from lmcache_tiers.l2.buffers import copy_into
 from lmcache_tiers.plugins import load_registry
-from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite, make_keys
+from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite, make_keys, pattern
 
 
 class TestMockAdapter(L2AdapterSuite):
@@ -94,3 +99,203 @@ def test_namespaces_share_objects_and_capacity() -> None:
     finally:
         for adapter in (first, second, other):
             adapter.close()
+
+
+class TestMockAdapterPool(TestMockAdapter):
+    """The same suite with objects large enough to live in the memory pool."""
+
+    object_size = 128 << 10
+
+    def make_config(self) -> MockConfig:
+        # 2 MiB: the capacity tests fill it with 16 objects of 128 KiB
+        return MockConfig(max_size_gb=1 / 512, namespace=uuid.uuid4().hex)
+
+
+POOLED = 256 << 10  # comfortably above the size from which objects go to the pool
+
+
+def pool_of(adapter: MockAdapter) -> Any:
+    pool = adapter._objects.pool
+    assert pool is not None
+    return pool
+
+
+def test_large_objects_live_in_the_pool_and_small_ones_on_the_heap() -> None:
+    adapter = make_mock(MockConfig(max_size_gb=1 / 256))
+    try:
+        client = BlockingAdapterClient(adapter, timeout=30)
+        keys = make_keys(2)
+        data = [pattern(1, POOLED), pattern(2, 1000)]
+        assert client.store(keys, [memoryview(d) for d in data]) == [True, True]
+        assert pool_of(adapter).allocator.allocated_bytes == POOLED
+        assert adapter.used_bytes() == POOLED + 1000
+        buffers = [memoryview(bytearray(len(d))) for d in data]
+        assert client.lookup_and_lock(keys).found == [True, True]
+        assert client.load(keys, buffers) == [True, True]
+        adapter.unlock(keys)
+        assert [bytes(b) for b in buffers] == data
+        assert adapter.delete(keys) == [True, True]
+        assert pool_of(adapter).allocator.allocated_bytes == 0
+    finally:
+        adapter.close()
+    assert adapter._objects.pool is None, "closing an adapter without a namespace drops its pool"
+
+
+def test_an_extent_being_loaded_is_not_reused_until_the_load_is_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    adapter = make_mock(MockConfig(max_size_gb=1 / 1024))  # 1 MiB: room for 4 objects
+    try:
+        keys = make_keys(4)
+        old = pattern(1, POOLED)
+        assert adapter.put_many(keys[:1], [memoryview(old)]) == [True]
+        pool = pool_of(adapter)
+        during_load: list[bool] = []
+
+        def copy_after_racing_writers(target: memoryview, source: bytes | bytearray | memoryview) -> None:
+            if not during_load:
+                # The load has claimed the object: replace and delete it, and store more
+                # (best fit would put them into its extent were it free) before its bytes
+                # are copied out.
+                during_load.append(True)
+                assert adapter.put_many(keys[:1], [memoryview(pattern(2, POOLED))]) == [True]
+                assert adapter.delete_many(keys[:1]) == [True]
+                fillers = [memoryview(pattern(3 + i, POOLED)) for i in range(3)]
+                assert adapter.put_many(keys[1:], fillers) == [True, True, True]
+                assert pool.allocator.allocated_bytes == 4 * POOLED, "the loaded extent must be held"
+            copy_into(target, source)
+
+        monkeypatch.setattr(adapter_module, "copy_into", copy_after_racing_writers)
+        buffer = memoryview(bytearray(POOLED))
+        assert adapter.get_many_into(keys[:1], [buffer]) == [True]
+        assert bytes(buffer) == old
+        assert pool.allocator.allocated_bytes == 3 * POOLED, "freed once the load finished"
+        assert adapter._objects.used == 3 * POOLED
+    finally:
+        adapter.close()
+
+
+def test_objects_the_pool_cannot_hold_go_to_the_heap() -> None:
+    # The pool is sized by the first adapter of a namespace; a larger one sharing it
+    # still stores up to its own capacity.
+    namespace = uuid.uuid4().hex
+    small = make_mock(MockConfig(max_size_gb=1 / 2048, namespace=namespace))  # 512 KiB pool
+    large = make_mock(MockConfig(max_size_gb=1 / 256, namespace=namespace))
+    try:
+        client = BlockingAdapterClient(large, timeout=30)
+        keys = make_keys(6)
+        data = [pattern(i, POOLED) for i in range(6)]
+        assert client.store(keys, [memoryview(d) for d in data]) == [True] * 6
+        assert pool_of(large).allocator.allocated_bytes == 2 * POOLED
+        assert BlockingAdapterClient(small).store(make_keys(1, start=10), [memoryview(data[0])]) == [False]
+        buffers = [memoryview(bytearray(POOLED)) for _ in keys]
+        assert client.lookup_and_lock(keys).found == [True] * 6
+        assert client.load(keys, buffers) == [True] * 6
+        large.unlock(keys)
+        assert [bytes(b) for b in buffers] == data
+    finally:
+        small.close()
+        large.close()
+
+
+def test_concurrent_stores_of_the_same_keys_keep_the_accounting_exact() -> None:
+    adapter = make_mock(MockConfig(max_size_gb=1 / 64))
+    keys = make_keys(4)
+    payloads = [memoryview(pattern(i, POOLED + i * 4096)) for i in range(4)]
+
+    def store_repeatedly() -> None:
+        for _ in range(50):
+            assert adapter.put_many(keys, payloads) == [True] * 4
+
+    try:
+        threads = [threading.Thread(target=store_repeatedly) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert adapter._objects.used == sum(p.nbytes for p in payloads)
+        extents = sum(pool_of(adapter).allocator.extent_size(p.nbytes) for p in payloads)
+        assert pool_of(adapter).allocator.allocated_bytes == extents
+    finally:
+        adapter.close()
+
+
+def test_prefault_populates_the_pool_at_start() -> None:
+    config = msgspec.json.decode(b'{"max_size_gb": 0.001, "prefault": true}', type=MockConfig)
+    adapter = make_mock(config)
+    try:
+        data = pattern(5, POOLED)
+        client = BlockingAdapterClient(adapter, timeout=30)
+        assert client.store(make_keys(1), [memoryview(data)]) == [True]
+        buffer = memoryview(bytearray(POOLED))
+        assert client.load(make_keys(1), [buffer]) == [True]
+        assert bytes(buffer) == data
+    finally:
+        adapter.close()
+
+
+def test_a_batch_is_checked_against_capacity_as_if_stored_one_by_one() -> None:
+    adapter = make_mock(MockConfig(max_size_gb=1 / 1024))  # 1 MiB
+    half, quarter = 512 << 10, 256 << 10
+    try:
+        keys = make_keys(4)
+        assert adapter.put_many(keys[:2], [memoryview(pattern(i, half)) for i in range(2)]) == [True, True]
+        # Full: shrinking keys[0] makes room for keys[2] within the same batch.
+        batch = [memoryview(pattern(10, quarter)), memoryview(pattern(11, quarter))]
+        assert adapter.put_many([keys[0], keys[2]], batch) == [True, True]
+        assert adapter._objects.used == 1 << 20
+        assert adapter.delete_many([keys[2]]) == [True]
+        # The second store of a key in one batch replaces the first one's bytes.
+        twice = [memoryview(pattern(20, quarter)), memoryview(pattern(21, quarter // 2))]
+        assert adapter.put_many([keys[3], keys[3]], twice) == [True, True]
+        assert adapter._objects.used == half + quarter + quarter // 2
+        assert adapter.contains_many(keys) == [quarter, half, None, quarter // 2]
+        buffers = [memoryview(bytearray(quarter)), memoryview(bytearray(quarter // 2))]
+        assert adapter.get_many_into([keys[0], keys[3]], buffers) == [True, True]
+        assert [bytes(b) for b in buffers] == [bytes(batch[0]), bytes(twice[1])]
+    finally:
+        adapter.close()
+
+
+def test_a_failed_copy_leaves_objects_and_capacity_as_they_were(monkeypatch: pytest.MonkeyPatch) -> None:
+    adapter = make_mock(MockConfig(max_size_gb=1 / 1024))
+    try:
+        keys = make_keys(2)
+        old = pattern(1, POOLED)
+        assert adapter.put_many(keys[:1], [memoryview(old)]) == [True]
+        copies: list[int] = []
+
+        def fail_second_copy(target: memoryview, source: bytes | bytearray | memoryview) -> None:
+            copies.append(1)
+            if len(copies) == 2:
+                raise OSError("simulated copy failure")
+            copy_into(target, source)
+
+        monkeypatch.setattr(adapter_module, "copy_into", fail_second_copy)
+        with pytest.raises(OSError, match="simulated"):
+            adapter.put_many(keys, [memoryview(pattern(2, POOLED // 2)), memoryview(pattern(3, POOLED))])
+        monkeypatch.undo()
+        assert adapter._objects.used == POOLED
+        assert pool_of(adapter).allocator.allocated_bytes == POOLED
+        buffer = memoryview(bytearray(POOLED))
+        assert adapter.get_many_into(keys[:1], [buffer]) == [True]
+        assert bytes(buffer) == old
+        assert adapter.contains_many(keys) == [POOLED, None]
+    finally:
+        adapter.close()
+
+
+def test_without_a_pool_every_object_goes_to_the_heap(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    adapter = make_mock(MockConfig(max_size_gb=1 / 1024))
+    monkeypatch.undo()
+    try:
+        assert adapter._objects.pool is None
+        data = pattern(9, POOLED)
+        assert adapter.put_many(make_keys(1), [memoryview(data)]) == [True]
+        buffer = memoryview(bytearray(POOLED))
+        assert adapter.get_many_into(make_keys(1), [buffer]) == [True]
+        assert bytes(buffer) == data
+    finally:
+        adapter.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from lmcache_tiers.keys import ObjectKey
@@ -49,6 +50,14 @@ class ByteAccounting:
             self._sizes[key] = size
             self._add(key.cache_salt, size.stored - (previous.stored if previous else 0))
 
+    def record_many(self, items: Iterable[tuple[ObjectKey, ObjectSize]]) -> None:
+        """``record`` for a whole batch under one acquisition of the lock."""
+        with self._lock:
+            for key, size in items:
+                previous = self._sizes.get(key)
+                self._sizes[key] = size
+                self._add(key.cache_salt, size.stored - (previous.stored if previous else 0))
+
     def record_if_absent(self, key: ObjectKey, size: ObjectSize) -> bool:
         with self._lock:
             if key in self._sizes:
@@ -67,6 +76,11 @@ class ByteAccounting:
     def get(self, key: ObjectKey) -> ObjectSize | None:
         with self._lock:
             return self._sizes.get(key)
+
+    def get_many(self, keys: Iterable[ObjectKey]) -> list[ObjectSize | None]:
+        """``get`` for a whole batch under one acquisition of the lock."""
+        with self._lock:
+            return [self._sizes.get(key) for key in keys]
 
     def __len__(self) -> int:
         with self._lock:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.accounting import ObjectSize
+from lmcache_tiers.l2.buffers import copy_into
 from lmcache_tiers.l2.interface import LookupResult
 from lmcache_tiers.serde import decode_chain
 
@@ -70,14 +71,15 @@ class StoreOp(BatchOp):
     def finish(self, io_result: Sequence[bool] | None) -> list[bool]:
         ok = [False] * len(self.keys)
         stored: list[ObjectKey] = []
+        sizes: list[tuple[ObjectKey, ObjectSize]] = []
         self.core.storing_end(self.io_keys())
         for position, index in enumerate(self.io_index):
             if io_result is not None and io_result[position]:
                 ok[index] = True
                 key = self.keys[index]
-                size = ObjectSize(self.payloads[position].nbytes, self.buffers[index].nbytes)
-                self.core.accounting.record(key, size)
+                sizes.append((key, ObjectSize(self.payloads[position].nbytes, self.buffers[index].nbytes)))
                 stored.append(key)
+        self.core.accounting.record_many(sizes)
         self.core.count("store_keys_ok", len(stored))
         self.core.count("store_keys_failed", len(self.keys) - len(stored))
         self.core.notify("on_l2_keys_stored", stored)
@@ -96,7 +98,7 @@ class LookupOp(BatchOp):
         self.io_index = [i for i, ok in enumerate(pinned) if ok]
         io_keys = self.io_keys()
         # Snapshot the accounting: a miss only forgets an entry no store replaced since.
-        self.known = [self.core.accounting.get(key) for key in io_keys]
+        self.known = self.core.accounting.get_many(io_keys)
         return io_keys
 
     def finish(self, io_result: Sequence[ContainsResult] | None) -> LookupResult:
@@ -138,11 +140,12 @@ class LoadOp(BatchOp):
         # even for a caller that loads without a lookup.
         pinned = self.core.pins.pin(self.keys)
         self.pinned = [key for key, ok in zip(self.keys, pinned, strict=True) if ok]
+        known = iter(self.core.accounting.get_many(self.pinned))
         for index, ok in enumerate(pinned):
             if not ok:
                 continue
             buffer = memoryview(self.buffers[index]).cast("B")
-            size = self.core.accounting.get(self.keys[index])
+            size = next(known)
             if size is not None and size.l1 != buffer.nbytes:
                 log.warning(
                     "%s: load buffer of %d bytes for %s, object needs %d",
@@ -188,7 +191,7 @@ class LoadOp(BatchOp):
             decoded = decode_chain(self.core.serde, self.targets[position], buffer.nbytes)
             if decoded.nbytes != buffer.nbytes:
                 raise ValueError(f"decoded {decoded.nbytes} bytes, expected {buffer.nbytes}")
-            buffer[:] = decoded
+            copy_into(buffer, decoded)
         except Exception as exc:  # tampered or damaged payload: a miss, not garbage
             self.core.count("serde_decode_failures")
             log.warning("%s: serde decode failed for %s: %s", self.core.name, self.keys[index], exc)

@@ -19,6 +19,9 @@ class MockConfig(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fiel
     call (a store or load of N bytes takes ``latency_s + N / bandwidth_bytes_per_s``).
     Adapters configured with the same ``namespace`` share their objects within one
     process, which lets tests close an adapter and open a new one as if after a restart.
+    Objects are kept in a memory pool of ``max_size_gb`` per namespace (address space,
+    faulted in as it is first written, or at start with ``prefault``) whose pages are
+    reused after deletes.
     """
 
     max_size_gb: Annotated[
@@ -34,6 +37,15 @@ class MockConfig(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fiel
             ge=0.0, le=60.0, description="Simulated latency added to every backend call, in seconds."
         ),
     ] = 0.0
+    prefault: Annotated[
+        bool,
+        msgspec.Meta(
+            description=(
+                "Fault in the whole memory pool (max_size_gb) when the adapter starts, so that "
+                "stores never pay for first touches of fresh pages; for benchmarks."
+            )
+        ),
+    ] = False
     namespace: Annotated[
         str | None,
         msgspec.Meta(
