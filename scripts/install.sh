@@ -13,7 +13,7 @@ packages=(-e "core[test]")
 for dir in plugins/*/; do
     [ -f "$dir/pyproject.toml" ] || continue
     case "$(basename "$dir")" in _*) continue ;; esac
-    packages+=(-e "$dir")
+    packages+=(-e "${dir%/}[test]")  # with its test extras (e.g. the S3 server for nixl OBJ)
 done
 # constraints.txt pins torch==2.13.0 (the CPU build); nixl would otherwise pull a CUDA one.
 "$VENV/bin/python" -m pip install -c constraints.txt "${packages[@]}" ruff mypy

@@ -1,0 +1,347 @@
+"""Store and load throughput of the NIXL adapters next to plain os.pwrite / os.preadv.
+
+For each case (default 256 x 1 MiB and 64 x 16 MiB) the same bytes, from the same
+page-aligned buffers, are written and read back by:
+
+* ``pwrite new``   -- one new file per object: open, ``os.pwrite``, close (what
+                      nixl_store_dynamic does, minus header, checksum and rename);
+* ``+ blake3``     -- the same plus core's record checksum of every object (computed
+                      before the write, verified after the read), to show its cost;
+* ``nixl_store_dynamic`` -- through the adapter's non-blocking interface, one batch;
+* ``pwrite reuse`` -- ``os.pwrite`` into files opened once (what nixl_store's slots are);
+* ``nixl_store``   -- through the adapter, one batch, into its preallocated slots;
+
+and reads with ``os.preadv`` / adapter loads.  Methods run interleaved, round by round.
+Every figure is the median of ``--repeat`` rounds, printed as GB/s with its ratio to the
+matching plain-I/O baseline (the target is >= 0.8); a ratio is the median of per-round
+ratios, which cancels most of a shared machine's drift.  Loads are served from the page
+cache unless ``--drop-caches`` (root only) empties it before every read phase, for the
+baselines and adapters alike.
+Stores write new files each round (objects deleted in between) but are not fsynced,
+so they too measure the kernel's write path rather than the device.
+
+    python bench/bench_nixl.py [--dir /mnt/nvme/bench] [--cases 256x1,64x16] [--repeat 5]
+        [--direct-io] [--drop-caches] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+from lmcache_plugin_nixl.config import NixlStoreConfig, NixlStoreDynamicConfig
+from lmcache_plugin_nixl.dynamic import NixlDynamicAdapter
+from lmcache_plugin_nixl.store import NixlStoreAdapter
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import AdapterContext, BlockingAdapterClient, L2Adapter
+from lmcache_tiers.l2.record import checksum
+
+MIB = 1 << 20
+GB = 1e9
+
+
+@dataclass
+class Case:
+    count: int
+    size: int
+
+    @property
+    def total(self) -> int:
+        return self.count * self.size
+
+    @property
+    def label(self) -> str:
+        return f"{self.count} x {self.size // MIB} MiB"
+
+
+@dataclass
+class Result:
+    case: str
+    method: str
+    store_gbps: float
+    load_gbps: float
+    baseline: str = ""
+    store_ratio: float | None = None
+    load_ratio: float | None = None
+    runs: dict[str, list[float]] = field(default_factory=dict)
+
+
+def parse_cases(text: str) -> list[Case]:
+    cases = []
+    for item in text.split(","):
+        count, size_mib = item.lower().split("x")
+        cases.append(Case(int(count), int(size_mib) * MIB))
+    return cases
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as handle:
+        handle.write("3\n")
+
+
+def timed(action: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    action()
+    return time.perf_counter() - start
+
+
+class Buffers:
+    """Source and destination objects in one page-aligned arena (like L1)."""
+
+    def __init__(self, case: Case) -> None:
+        self._map = mmap.mmap(-1, 2 * case.total)
+        self.view = memoryview(self._map)
+        rng = np.random.default_rng(0)
+        source_bytes = np.frombuffer(self._map, dtype=np.uint8)[: case.total]
+        source_bytes[:] = rng.integers(0, 256, case.total, dtype=np.uint8)
+        self.sources = [self.view[i * case.size : (i + 1) * case.size] for i in range(case.count)]
+        self.targets = [self.view[case.total + i * case.size :][: case.size] for i in range(case.count)]
+
+    def clear_targets(self) -> None:
+        for target in self.targets:
+            target[:] = bytes(len(target))
+
+    def verify(self) -> None:
+        for source, target in zip(self.sources, self.targets, strict=True):
+            if source != target:
+                raise SystemExit("loaded bytes differ from the stored bytes")
+
+
+def pwrite_new_files(
+    directory: str, buffers: Buffers, *, with_checksum: bool = False, extra_flags: int = 0
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One new file per object; ``with_checksum`` adds core's record checksum each way."""
+    prefix = "summed" if with_checksum else "plain"
+    paths = [os.path.join(directory, f"{prefix}-{i}.bin") for i in range(len(buffers.sources))]
+
+    def store() -> None:
+        for path, source in zip(paths, buffers.sources, strict=True):
+            if with_checksum:
+                checksum(source)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | extra_flags, 0o644)
+            os.pwrite(fd, source, 0)
+            os.close(fd)
+
+    def load() -> None:
+        for path, target in zip(paths, buffers.targets, strict=True):
+            fd = os.open(path, os.O_RDONLY | extra_flags)
+            os.preadv(fd, [target], 0)
+            os.close(fd)
+            if with_checksum:
+                checksum(target)
+
+    return store, load
+
+
+class ReusedFiles:
+    """Files opened once and rewritten in place, like a slot pool."""
+
+    def __init__(self, directory: str, buffers: Buffers, extra_flags: int = 0) -> None:
+        self.buffers = buffers
+        self.fds = [
+            os.open(os.path.join(directory, f"reuse-{i}.bin"), os.O_RDWR | os.O_CREAT | extra_flags, 0o644)
+            for i in range(len(buffers.sources))
+        ]
+
+    def store(self) -> None:
+        for fd, source in zip(self.fds, self.buffers.sources, strict=True):
+            os.pwrite(fd, source, 0)
+
+    def load(self) -> None:
+        for fd, target in zip(self.fds, self.buffers.targets, strict=True):
+            os.preadv(fd, [target], 0)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+
+
+def adapter_actions(
+    adapter: L2Adapter, keys: list[ObjectKey], buffers: Buffers
+) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+    """Store, load and delete every key of the case through the non-blocking interface."""
+    client = BlockingAdapterClient(adapter, timeout=600)
+
+    def store() -> None:
+        if client.store(keys, buffers.sources) != [True] * len(keys):
+            raise SystemExit(f"{adapter.name}: store failed: {adapter.stats()}")
+
+    def load() -> None:
+        if client.load(keys, buffers.targets) != [True] * len(keys):
+            raise SystemExit(f"{adapter.name}: load failed: {adapter.stats()}")
+
+    def reset() -> None:
+        adapter.delete(keys)
+
+    return store, load, reset
+
+
+@dataclass
+class Method:
+    """One way of storing and loading the case's objects."""
+
+    name: str
+    store: Callable[[], None]
+    load: Callable[[], None]
+    reset: Callable[[], None] | None = None
+    baseline: str = ""
+    store_times: list[float] = field(default_factory=list)
+    load_times: list[float] = field(default_factory=list)
+
+
+def run_round(method: Method, buffers: Buffers, drop: bool) -> None:
+    if method.reset is not None:
+        method.reset()
+    # Dirty pages of the previous phase are written back first, so that no method pays
+    # for another one's writeback.
+    os.sync()
+    method.store_times.append(timed(method.store))
+    os.sync()
+    buffers.clear_targets()
+    if drop:
+        drop_caches()
+    method.load_times.append(timed(method.load))
+    buffers.verify()
+
+
+def run_case(case: Case, root: str, args: argparse.Namespace) -> list[Result]:
+    buffers = Buffers(case)
+    keys = [ObjectKey("bench", 0, i.to_bytes(8, "big")) for i in range(case.count)]
+    direct = "true" if args.direct_io else "false"
+    plain_dir = os.path.join(root, "plain")
+    os.makedirs(plain_dir)
+    # With --direct-io the baselines use O_DIRECT too (the buffers are page-aligned).
+    flags = os.O_DIRECT if args.direct_io else 0
+    store_new, load_new = pwrite_new_files(plain_dir, buffers, extra_flags=flags)
+    store_summed, load_summed = pwrite_new_files(plain_dir, buffers, with_checksum=True, extra_flags=flags)
+
+    def unlinker(prefix: str) -> Callable[[], None]:
+        def unlink() -> None:
+            for name in os.listdir(plain_dir):
+                if name.startswith(prefix):
+                    os.unlink(os.path.join(plain_dir, name))
+
+        return unlink
+
+    reused = ReusedFiles(plain_dir, buffers, flags)
+    dynamic_config = msgspec.convert(
+        {
+            "backend": "POSIX",
+            "backend_params": {
+                "file_path": os.path.join(root, "dynamic"),
+                "use_direct_io": direct,
+                "max_capacity_gb": str(2 * case.total / (1 << 30)),
+                "shard_dirs": "true",
+            },
+            "persist_enabled": False,
+        },
+        NixlStoreDynamicConfig,
+    )
+    pool_config = msgspec.convert(
+        {
+            "backend": "POSIX",
+            "backend_params": {"file_path": os.path.join(root, "pool"), "use_direct_io": direct},
+            "pool_size": case.count,
+        },
+        NixlStoreConfig,
+    )
+    dynamic = NixlDynamicAdapter(
+        dynamic_config, AdapterContext(0, "0:nixl_store_dynamic", dynamic_config, l1_buffer=buffers.view)
+    )
+    pool_context = AdapterContext(1, "1:nixl_store", pool_config, l1_buffer=buffers.view)
+    pool = NixlStoreAdapter(pool_config, pool_context)
+    try:
+        methods = [
+            Method("pwrite new files", store_new, load_new, unlinker("plain-")),
+            Method("  + blake3 checksum", store_summed, load_summed, unlinker("summed-"), "pwrite new files"),
+            Method("nixl_store_dynamic", *adapter_actions(dynamic, keys, buffers), "pwrite new files"),
+            Method("pwrite reused files", reused.store, reused.load),
+            Method("nixl_store", *adapter_actions(pool, keys, buffers), "pwrite reused files"),
+        ]
+        # Rounds interleave the methods so that a machine getting slower or faster during
+        # the run shifts every figure alike instead of favouring whichever ran first.
+        for _ in range(args.repeat):
+            for method in methods:
+                run_round(method, buffers, args.drop_caches)
+    finally:
+        dynamic.close()
+        pool.close()
+        reused.close()
+
+    by_name: dict[str, Result] = {}
+    for method in methods:
+        result = Result(
+            case.label,
+            method.name,
+            case.total / statistics.median(method.store_times) / GB,
+            case.total / statistics.median(method.load_times) / GB,
+            runs={"store_s": method.store_times, "load_s": method.load_times},
+        )
+        if method.baseline:
+            # Ratios are taken round by round (baseline and adapter ran back to back) and
+            # then the median, which cancels most of a shared machine's drift.
+            base = next(m for m in methods if m.name == method.baseline)
+            result.baseline = base.name
+            result.store_ratio = statistics.median(
+                b / a for a, b in zip(method.store_times, base.store_times, strict=True)
+            )
+            result.load_ratio = statistics.median(
+                b / a for a, b in zip(method.load_times, base.load_times, strict=True)
+            )
+        by_name[method.name] = result
+    return list(by_name.values())
+
+
+def print_table(results: list[Result]) -> None:
+    header = ["case".ljust(14), "method".ljust(20), "store GB/s".rjust(10), "ratio".rjust(6)]
+    print(" ".join([*header, "load GB/s".rjust(10), "ratio".rjust(6), " baseline"]))
+    for r in results:
+        store_ratio = f"{r.store_ratio:.2f}" if r.store_ratio is not None else "-"
+        load_ratio = f"{r.load_ratio:.2f}" if r.load_ratio is not None else "-"
+        print(
+            f"{r.case:<14} {r.method:<20} {r.store_gbps:>10.2f} {store_ratio:>6} "
+            f"{r.load_gbps:>10.2f} {load_ratio:>6}  {r.baseline}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dir", help="directory on the filesystem to measure (default: a temp dir)")
+    parser.add_argument("--cases", default="256x1,64x16", help="COUNTxMIB,... (default 256x1,64x16)")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--direct-io", action="store_true", help="use_direct_io true for both adapters")
+    parser.add_argument(
+        "--drop-caches", action="store_true", help="drop the page cache before every load (root only)"
+    )
+    parser.add_argument("--json", action="store_true", help="print results as JSON")
+    args = parser.parse_args()
+
+    results: list[Result] = []
+    for case in parse_cases(args.cases):
+        root = tempfile.mkdtemp(prefix="bench-nixl-", dir=args.dir)
+        try:
+            results.extend(run_case(case, root, args))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        print(json.dumps([r.__dict__ for r in results], indent=2))
+    else:
+        print_table(results)
+
+
+if __name__ == "__main__":
+    main()

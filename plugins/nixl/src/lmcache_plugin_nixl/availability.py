@@ -1,0 +1,82 @@
+"""Checks that a NIXL backend can run here, made before any NIXL call that could hang.
+
+Creating the GDS or GDS_MT backend on a machine without CUDA's cuFile, the NVIDIA driver
+or a GPU can block inside the plugin instead of failing, so those prerequisites are
+looked up first with plain library and device probes (``ctypes.util.find_library`` does
+not load anything).  Plugins missing from the NIXL build (HF3FS is not in the PyPI wheel)
+or unable to load their own libraries are found through the agent's plugin list and
+plugin parameters, which only ``dlopen`` the plugin and return an error when that fails.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import errno
+import glob
+import os
+from collections.abc import Callable
+
+from lmcache_tiers.errors import BackendUnavailableError, ConfigError
+
+#: Backends that go through NVIDIA GPUDirect Storage and so need cuFile and a GPU.
+CUFILE_BACKENDS: frozenset[str] = frozenset({"GDS", "GDS_MT"})
+
+
+def _gpu_device_present() -> bool:
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def check_native_prerequisites(
+    backend: str,
+    find_library: Callable[[str], str | None] = ctypes.util.find_library,
+    gpu_present: Callable[[], bool] = _gpu_device_present,
+) -> None:
+    """Raise BackendUnavailableError naming the first missing piece a backend needs."""
+    if backend not in CUFILE_BACKENDS:
+        return
+    if find_library("cufile") is None:
+        raise BackendUnavailableError(
+            f"NIXL backend {backend} needs NVIDIA cuFile (libcufile, CUDA's GPUDirect Storage "
+            "library), which is not installed on this machine"
+        )
+    if find_library("cuda") is None:
+        raise BackendUnavailableError(
+            f"NIXL backend {backend} needs the NVIDIA driver library libcuda, which is not "
+            "installed on this machine"
+        )
+    if not gpu_present():
+        raise BackendUnavailableError(
+            f"NIXL backend {backend} needs an NVIDIA GPU, and no /dev/nvidia* device exists"
+        )
+
+
+def describe_missing_plugin(backend: str, available: list[str], nixl_module: str) -> str:
+    """One line saying that this NIXL build lacks ``backend``'s plugin."""
+    extra = ""
+    if backend == "HF3FS":
+        extra = " (the PyPI wheels do not include it; HF3FS needs NIXL built with 3FS support)"
+    listing = ", ".join(sorted(available)) or "none"
+    return (
+        f"NIXL backend {backend} is not available: {nixl_module} has no {backend} plugin"
+        f"{extra}; plugins found: {listing}"
+    )
+
+
+def check_direct_io(directory: str) -> None:
+    """Refuse ``use_direct_io`` on a filesystem that cannot open files with O_DIRECT.
+
+    Found at start-up with a probe file, rather than as EINVAL on every store later.  The
+    probe's name is a temporary-file name, so one left by a crash is swept like the others.
+    """
+    probe = os.path.join(directory, f".tmp-directio-{os.getpid()}.part")
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise ConfigError(
+                f'use_direct_io is "true" but the filesystem of {directory} does not support '
+                'O_DIRECT; set it to "false"'
+            ) from None
+        raise
+    os.close(fd)
+    os.unlink(probe)

@@ -1,0 +1,194 @@
+"""Configuration Structs of the two NIXL adapter types.
+
+They accept the JSON LMCache users already write: NIXL-specific options travel as strings
+in ``backend_params`` (``"use_direct_io": "false"``, ``"max_capacity_gb": "10"``), so they
+are parsed and checked here, in ``__post_init__``, where msgspec reports the failing path.
+Keys this adapter does not consume are handed to NIXL's ``create_backend`` as the
+backend's own init parameters (``use_uring``, ``bucket``, ...) and are checked against
+what the NIXL plugin advertises when the adapter starts.
+
+This module is imported whenever plugins are listed, so it must not import NIXL.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from lmcache_tiers.config import L2AdapterConfig
+
+#: Every NIXL storage backend the adapters know, in the order the docs list them.
+BACKENDS: tuple[str, ...] = ("POSIX", "GDS", "GDS_MT", "HF3FS", "OBJ", "AZURE_BLOB")
+
+#: Backends that read and write files on a mounted filesystem.
+FILE_BACKENDS: frozenset[str] = frozenset({"POSIX", "GDS", "GDS_MT", "HF3FS"})
+#: Backends that address objects in a remote store (S3-compatible, Azure Blob).
+OBJECT_BACKENDS: frozenset[str] = frozenset({"OBJ", "AZURE_BLOB"})
+
+_GIB = 1 << 30
+_TRUE = "true"
+_FALSE = "false"
+
+# backend_params keys consumed by the adapters themselves (never passed to NIXL).
+_FILE_KEYS = ("file_path", "use_direct_io")
+_DYNAMIC_KEYS = ("max_capacity_gb", "shard_dirs")
+
+
+def _parse_bool(params: dict[str, str], key: str, *, default: str | None) -> bool:
+    raw = params.get(key, default)
+    if raw is None:
+        raise ValueError(f'backend_params.{key} is required: "true" or "false"')
+    value = raw.strip().lower()
+    if value not in (_TRUE, _FALSE):
+        raise ValueError(f'backend_params.{key} must be "true" or "false", got {raw!r}')
+    return value == _TRUE
+
+
+def _require_file_path(params: dict[str, str], backend: str) -> str:
+    path = params.get("file_path", "").strip()
+    if not path:
+        raise ValueError(
+            f"backend_params.file_path is required for the {backend} backend: "
+            "the directory that holds the cache files"
+        )
+    return path
+
+
+def _check_backend_name(backend: str) -> None:
+    # A plain str (not a Literal) so the error can list the choices and catch lower case.
+    if backend not in BACKENDS:
+        hint = f"; did you mean {backend.upper()!r}?" if backend.upper() in BACKENDS else ""
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}{hint}")
+
+
+def _check_file_backend(params: dict[str, str], backend: str) -> None:
+    _require_file_path(params, backend)
+    _parse_bool(params, "use_direct_io", default=None)
+
+
+def _check_object_backend(params: dict[str, str], backend: str) -> None:
+    for key in _FILE_KEYS:
+        if key in params:
+            raise ValueError(
+                f"backend_params.{key} does not apply to the {backend} backend, "
+                "which stores objects, not files"
+            )
+    if backend == "AZURE_BLOB":
+        if not (params.get("account_url") or params.get("connection_string")):
+            raise ValueError(
+                "backend_params.account_url is required for the AZURE_BLOB backend "
+                "(or connection_string, e.g. for Azurite)"
+            )
+        if not params.get("container_name"):
+            raise ValueError("backend_params.container_name is required for the AZURE_BLOB backend")
+
+
+class _NixlBase(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    backend: Annotated[str, msgspec.Meta(description="NIXL backend: " + ", ".join(BACKENDS) + ".")]
+    backend_params: Annotated[
+        dict[str, str],
+        msgspec.Meta(
+            description=(
+                "String options: file_path and use_direct_io for file backends (plus "
+                "max_capacity_gb and shard_dirs for nixl_store_dynamic); other keys go to NIXL."
+            )
+        ),
+    ] = msgspec.field(default_factory=dict)
+
+    @property
+    def is_file_backend(self) -> bool:
+        return self.backend in FILE_BACKENDS
+
+    @property
+    def file_path(self) -> str:
+        """Directory of the cache files (file backends only)."""
+        return self.backend_params.get("file_path", "").strip()
+
+    @property
+    def use_direct_io(self) -> bool:
+        return self.is_file_backend and _parse_bool(self.backend_params, "use_direct_io", default=_FALSE)
+
+    def nixl_init_params(self) -> dict[str, str]:
+        """``backend_params`` minus the adapter's own keys: what NIXL's plugin receives."""
+        own = set(_FILE_KEYS) | set(_DYNAMIC_KEYS)
+        return {k: v for k, v in self.backend_params.items() if k not in own}
+
+
+class NixlStoreConfig(_NixlBase, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """NIXL L2 adapter over a pool of storage descriptors preallocated at start-up.
+
+    ``pool_size`` files (file backends) or objects (OBJ, AZURE_BLOB) are created and
+    registered with NIXL once; each holds one cached object. When every slot is taken,
+    stores are reported as not stored until eviction or deletes free slots. The pool
+    lives only as long as the server: nothing is recovered after a restart.
+    """
+
+    pool_size: Annotated[
+        int,
+        msgspec.Meta(gt=0, le=1 << 20, description="Number of storage slots: the most objects held at once."),
+    ]
+
+    def __post_init__(self) -> None:
+        _check_backend_name(self.backend)
+        params = self.backend_params
+        if self.backend in FILE_BACKENDS:
+            _check_file_backend(params, self.backend)
+        else:
+            _check_object_backend(params, self.backend)
+        for key in _DYNAMIC_KEYS:
+            if key in params:
+                raise ValueError(
+                    f"backend_params.{key} applies to nixl_store_dynamic only; "
+                    "nixl_store holds at most pool_size objects"
+                )
+
+
+class NixlStoreDynamicConfig(_NixlBase, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """NIXL L2 adapter storing one checksummed file per object, kept across restarts.
+
+    Files are opened and registered with NIXL per operation, published atomically
+    (temporary file, then rename) and found again after a restart by their deterministic
+    name. Usage is the bytes stored over ``backend_params.max_capacity_gb``; stores that
+    would exceed it are refused. File backends only (POSIX, GDS, GDS_MT, HF3FS).
+    """
+
+    persist_enabled: Annotated[
+        bool,
+        msgspec.Meta(
+            description="Keep the files at shutdown and find them after a restart; false deletes them all."
+        ),
+    ] = True
+
+    def __post_init__(self) -> None:
+        _check_backend_name(self.backend)
+        if self.backend in OBJECT_BACKENDS:
+            raise ValueError(
+                f"backend {self.backend!r} is not supported by nixl_store_dynamic, which "
+                "stores one file per object; use a file backend (POSIX, GDS, GDS_MT, HF3FS) "
+                f"or the nixl_store type for {self.backend}"
+            )
+        params = self.backend_params
+        _check_file_backend(params, self.backend)
+        self.max_capacity_bytes  # noqa: B018 - parses and validates max_capacity_gb
+        _parse_bool(params, "shard_dirs", default=_FALSE)
+
+    @property
+    def max_capacity_bytes(self) -> int:
+        raw = self.backend_params.get("max_capacity_gb")
+        if raw is None:
+            raise ValueError(
+                "backend_params.max_capacity_gb is required for nixl_store_dynamic: "
+                'the most gigabytes (GiB) of objects it may hold, e.g. "10"'
+            )
+        try:
+            gigabytes = float(raw)
+        except ValueError:
+            raise ValueError(f"backend_params.max_capacity_gb must be a number, got {raw!r}") from None
+        if not gigabytes > 0 or gigabytes == float("inf"):
+            raise ValueError(f"backend_params.max_capacity_gb must be a positive number, got {raw!r}")
+        return int(gigabytes * _GIB)
+
+    @property
+    def shard_dirs(self) -> bool:
+        return _parse_bool(self.backend_params, "shard_dirs", default=_FALSE)

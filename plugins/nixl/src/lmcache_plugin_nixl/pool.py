@@ -1,0 +1,150 @@
+"""nixl_store's storage: a fixed pool of slots created and registered once at start-up.
+
+File backends get one file per slot in ``file_path`` (``nixl-pool-000000.bin`` ...), all
+opened and registered with NIXL in a single call; an object always starts at offset 0 of
+its slot's file, which grows to fit it.  Object backends (OBJ, AZURE_BLOB) get one object
+key per slot, registered the same way.  The pool does not outlive the adapter: slot files
+are truncated when it starts and removed when it closes.
+
+With ``use_direct_io`` each slot file is opened twice, with and without ``O_DIRECT``:
+transfers whose memory address and length are 4096-aligned (KV chunks in the L1 arena
+usually are) bypass the page cache, others take the buffered descriptor rather than fail
+with EINVAL.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from typing import Protocol
+
+from lmcache_plugin_nixl.availability import check_direct_io
+from lmcache_plugin_nixl.dirlock import DirectoryLock
+from lmcache_plugin_nixl.memory import direct_io_ok
+from lmcache_plugin_nixl.runtime import NixlRuntime, Registration
+from lmcache_tiers.errors import ConfigError
+
+POOL_LOCK_NAME = ".lmcache-nixl-pool.lock"
+_OBJECT_PREFIX = "lmcache-tiers-nixl-pool"
+
+
+def slot_file_name(slot: int) -> str:
+    return f"nixl-pool-{slot:06d}.bin"
+
+
+class SlotStorage(Protocol):
+    """Where slot ``i`` lives, as NIXL addresses it."""
+
+    storage_mem: str
+
+    def device(self, slot: int, address: int, length: int) -> int:
+        """The NIXL device id (fd or object id) to transfer ``length`` bytes at ``address``."""
+        ...
+
+    def written(self, slot: int, length: int) -> None:
+        """Record that slot now holds ``length`` bytes."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _ensure_fd_budget(needed: int) -> None:
+    """Raise the soft open-file limit if the pool needs it, or explain why it cannot."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # Headroom for sockets, the arena, per-operation files of other adapters.
+    wanted = needed + 256
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        if hard != resource.RLIM_INFINITY and hard < wanted:
+            raise ConfigError(
+                f"nixl_store needs {needed} open files for its pool but the open-file limit is "
+                f"{hard}; lower pool_size or raise the limit (ulimit -n)"
+            )
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+class FileSlots:
+    """One preallocated file per slot, registered with NIXL once."""
+
+    storage_mem = "FILE"
+
+    def __init__(
+        self, runtime: NixlRuntime, backend: str, directory: str, pool_size: int, direct_io: bool
+    ) -> None:
+        self.directory = os.path.abspath(directory)
+        os.makedirs(self.directory, exist_ok=True)
+        self._lock = DirectoryLock(self.directory, POOL_LOCK_NAME)
+        self._buffered: list[int] = []
+        self._direct: list[int] = []
+        self._lengths = [0] * pool_size
+        self._registration: Registration | None = None
+        try:
+            if direct_io:
+                check_direct_io(self.directory)
+            _ensure_fd_budget(pool_size * (2 if direct_io else 1))
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+            for slot in range(pool_size):
+                path = os.path.join(self.directory, slot_file_name(slot))
+                # O_TRUNC: bytes a previous server left in the slot are never served.
+                self._buffered.append(os.open(path, flags | os.O_TRUNC, 0o644))
+                if direct_io:
+                    self._direct.append(os.open(path, flags | os.O_DIRECT, 0o644))
+            self._registration = runtime.register_files(backend, self._buffered + self._direct)
+        except BaseException:
+            self._close_files(remove=True)
+            raise
+
+    def device(self, slot: int, address: int, length: int) -> int:
+        if self._direct and direct_io_ok(address, length, 0):
+            return self._direct[slot]
+        return self._buffered[slot]
+
+    def written(self, slot: int, length: int) -> None:
+        # A smaller object must not leave the tail of a larger one on disk.
+        if length < self._lengths[slot]:
+            os.ftruncate(self._buffered[slot], length)
+        self._lengths[slot] = length
+
+    def _close_files(self, *, remove: bool) -> None:
+        for fd in self._buffered + self._direct:
+            os.close(fd)
+        if remove:
+            for slot in range(len(self._buffered)):
+                try:
+                    os.unlink(os.path.join(self.directory, slot_file_name(slot)))
+                except FileNotFoundError:
+                    pass
+        self._buffered, self._direct = [], []
+        self._lock.release()
+
+    def close(self) -> None:
+        if self._registration is not None:
+            self._registration.release()
+            self._registration = None
+        if self._buffered:
+            self._close_files(remove=True)
+
+
+class ObjectSlots:
+    """One object key per slot in an object store, registered with NIXL once.
+
+    The keys are fixed (``lmcache-tiers-nixl-pool-000000`` ...), so a server overwrites
+    its own previous pool instead of leaking objects; one bucket or container per server.
+    """
+
+    storage_mem = "OBJ"
+
+    def __init__(self, runtime: NixlRuntime, backend: str, pool_size: int) -> None:
+        self._registration: Registration | None = runtime.register_objects(
+            backend, [(slot, f"{_OBJECT_PREFIX}-{slot:06d}") for slot in range(pool_size)]
+        )
+
+    def device(self, slot: int, address: int, length: int) -> int:
+        return slot
+
+    def written(self, slot: int, length: int) -> None:
+        return None
+
+    def close(self) -> None:
+        if self._registration is not None:
+            self._registration.release()
+            self._registration = None

@@ -1,0 +1,411 @@
+"""Record files of nixl_store_dynamic: header by plain file I/O, payload through NIXL.
+
+A record file is core's record header (magic, version, key, lengths, serde chain, blake3
+checksum of the payload) padded to 4096 bytes, then the payload.  Headers go through
+NIXL too, from a page-aligned staging block registered per batch: writing or reading them
+with a system call per file would, with ``O_DIRECT``, wait for the device once per object.
+A load reads each file's header and payload in the same request (the header's length
+follows from the key, the payload's from the size the lookup reported) and checks the
+header before trusting the payload.  The padding keeps payloads block-aligned so
+``O_DIRECT`` can be used for them.
+
+Checksums cost about as much CPU as the copies themselves, so they are taken off the
+critical path: on store the helper thread computes them (and encodes the headers) while
+NIXL writes the payloads, the headers being written last; on load NIXL reads the batch in
+groups and the helper thread verifies one group while the next is being read.  NIXL and
+blake3 both release the GIL.
+
+Writes go to a temporary file renamed over the final name only after header and payload
+are complete, so a crash leaves either the old record, the new one, or a temporary file
+that the next start-up deletes.  No ``fsync``: a process crash keeps what the kernel
+already has, and after a power loss a record that lost bytes fails its checksum and is
+treated as a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from lmcache_plugin_nixl.layout import FileLayout
+from lmcache_plugin_nixl.memory import DIRECT_IO_ALIGN, buffer_address, direct_io_ok
+from lmcache_plugin_nixl.runtime import NixlRuntime, Registration
+from lmcache_plugin_nixl.transfers import BatchTransfer, Locator, StorageRow
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2.record import RecordError, RecordHeader, decode_header, encode_header, verify_payload
+
+log = logging.getLogger(__name__)
+
+HEADER_ALIGN = DIRECT_IO_ALIGN
+#: A load is read in about this many groups so verification overlaps the reads; groups
+#: stay above a minimum size so small batches remain one NIXL request.
+PIPELINE_GROUPS = 8
+PIPELINE_MIN_GROUP_BYTES = 8 << 20
+#: Files open at once per batch: a large batch is handled in slices of this many keys,
+#: so the number of objects is never bounded by the open-file limit.
+MAX_OPEN_FILES = 256
+
+
+@dataclass
+class _Pending:
+    """One object of a batch on its way to or from disk."""
+
+    index: int
+    fd: int
+    path: str  # temporary path for writes, final path for reads
+    offset: int  # where the payload starts: the header's length
+    length: int  # payload bytes
+    header: memoryview | None = None  # staging slot of a header being read
+
+
+class HeaderStaging:
+    """Page-aligned memory for a batch's headers, one 4096-multiple slot each."""
+
+    def __init__(self, lengths: Sequence[int]) -> None:
+        # Anonymous mmap memory is page-aligned and, as the lengths are multiples of
+        # 4096, so is every slot: usable with O_DIRECT.
+        self._block = mmap.mmap(-1, max(1, sum(lengths)))
+        whole = memoryview(self._block)
+        self.views: list[memoryview] = []
+        offset = 0
+        for length in lengths:
+            self.views.append(whole[offset : offset + length])
+            offset += length
+
+
+def _places(items: list[_Pending]) -> Locator:
+    """Where each item's payload goes in its file: after the header."""
+
+    def locate(position: int, _address: int) -> StorageRow:
+        item = items[position]
+        return item.offset, item.length, item.fd
+
+    return locate
+
+
+def _header_places(items: list[_Pending], staging: HeaderStaging) -> Locator:
+    """Each item's header: the start of its file."""
+
+    def locate(position: int, _address: int) -> StorageRow:
+        return 0, staging.views[position].nbytes, items[position].fd
+
+    return locate
+
+
+def _header_and_payload_places(items: list[_Pending]) -> Locator:
+    """Two descriptors per item, header then payload, for one READ request."""
+
+    def locate(position: int, _address: int) -> StorageRow:
+        item = items[position // 2]
+        if position % 2 == 0:
+            return 0, item.offset, item.fd
+        return item.offset, item.length, item.fd
+
+    return locate
+
+
+def _groups(items: list[_Pending]) -> Iterator[list[_Pending]]:
+    """Consecutive groups of about 1/PIPELINE_GROUPS of the bytes each."""
+    total = sum(item.length for item in items)
+    target = max(PIPELINE_MIN_GROUP_BYTES, -(-total // PIPELINE_GROUPS))
+    group: list[_Pending] = []
+    size = 0
+    for item in items:
+        group.append(item)
+        size += item.length
+        if size >= target:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
+
+
+class RecordFiles:
+    """Batched reads and writes of record files for one adapter."""
+
+    def __init__(
+        self,
+        runtime: NixlRuntime,
+        transfer: BatchTransfer,
+        layout: FileLayout,
+        *,
+        direct_io: bool,
+        serde_names: tuple[str, ...],
+    ) -> None:
+        self._runtime = runtime
+        self._transfer = transfer
+        self._layout = layout
+        self._direct_io = direct_io
+        self._serde = serde_names
+        self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nixl-checksum")
+
+    def close(self) -> None:
+        self._helper.shutdown(wait=True)
+
+    def header_length(self, key: ObjectKey) -> int:
+        """Header size of ``key``'s record; it depends only on the key and the serde chain."""
+        return len(encode_header(key, b"", serde=self._serde, align=HEADER_ALIGN))
+
+    def _register(self, rows: list[StorageRow]) -> Registration:
+        # A file appears twice in a load (header and payload); register it once.
+        return self._runtime.register_files(
+            self._transfer.backend, list(dict.fromkeys(row[2] for row in rows))
+        )
+
+    def _open_flags(self, base: int, address: int, length: int, offset: int) -> int:
+        if self._direct_io and direct_io_ok(address, length, offset):
+            return base | os.O_DIRECT
+        return base
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def write(
+        self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview], l1_sizes: Sequence[int]
+    ) -> list[bool]:
+        """Write and publish each record; False where any step failed (nothing published)."""
+        results: list[bool] = []
+        for start in range(0, len(keys), MAX_OPEN_FILES):
+            end = start + MAX_OPEN_FILES
+            results += self._write_slice(keys[start:end], payloads[start:end], l1_sizes[start:end])
+        return results
+
+    def _write_slice(
+        self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview], l1_sizes: Sequence[int]
+    ) -> list[bool]:
+        pending: list[_Pending] = []
+        results = [False] * len(keys)
+        try:
+            for index, (key, payload) in enumerate(zip(keys, payloads, strict=True)):
+                item = self._open_temp(index, key, payload)
+                if item is not None:
+                    pending.append(item)
+            if not pending:
+                return results
+            # The header needs the payload's checksum, the payload's place does not (the
+            # header's length is fixed by key and serde chain): checksums are computed on
+            # the helper thread while NIXL moves the payloads, and headers go last.
+            headers = self._helper.submit(
+                lambda: [
+                    self._encode(keys[item.index], payloads[item.index], l1_sizes[item.index])
+                    for item in pending
+                ]
+            )
+            try:
+                moved = self._transfer.run(
+                    "WRITE", [payloads[item.index] for item in pending], _places(pending), self._register
+                )
+            finally:
+                encoded = headers.result()
+            complete = [
+                (item, header)
+                for item, ok, header in zip(pending, moved, encoded, strict=True)
+                if ok and header is not None and len(header) == item.offset
+            ]
+            for (item, _header), ok in zip(complete, self._write_headers(complete), strict=True):
+                results[item.index] = ok and self._publish(item, self._layout.path_for(keys[item.index]))
+        finally:
+            for item in pending:
+                os.close(item.fd)
+                if not results[item.index]:
+                    _unlink_quietly(item.path)
+        return results
+
+    def _write_headers(self, complete: list[tuple[_Pending, bytes]]) -> list[bool]:
+        """Every header into the first block of its file, as one more NIXL request.
+
+        One request rather than a ``pwrite`` per file: with O_DIRECT each small write would
+        otherwise wait for the device in turn.  The staging block is page-aligned and every
+        header a multiple of 4096 bytes, as O_DIRECT requires.
+        """
+        if not complete:
+            return []
+        staging = HeaderStaging([len(header) for _item, header in complete])
+        for position, (_item, header) in enumerate(complete):
+            staging.views[position][:] = header
+        items = [item for item, _header in complete]
+        return self._transfer.run("WRITE", staging.views, _header_places(items, staging), self._register)
+
+    def _encode(self, key: ObjectKey, payload: memoryview, l1_size: int) -> bytes | None:
+        try:
+            return encode_header(key, payload, l1_size=l1_size, serde=self._serde, align=HEADER_ALIGN)
+        except ValueError as exc:
+            log.warning("cannot encode the record header of %s: %s", key.file_stem(), exc)
+            return None
+
+    def _open_temp(self, index: int, key: ObjectKey, payload: memoryview) -> _Pending | None:
+        offset = self.header_length(key)
+        try:
+            directory = self._layout.ensure_directory(key)
+            path = self._layout.temp_path(directory)
+            flags = self._open_flags(
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                buffer_address(payload),
+                payload.nbytes,
+                offset,
+            )
+            fd = os.open(path, flags, 0o644)
+        except OSError as exc:
+            log.warning("cannot create a record file for %s: %s", key.file_stem(), exc)
+            return None
+        return _Pending(index, fd, path, offset, payload.nbytes)
+
+    def _publish(self, item: _Pending, final_path: str) -> bool:
+        try:
+            os.rename(item.path, final_path)
+        except OSError as exc:
+            log.warning("cannot publish %s: %s", final_path, exc)
+            return False
+        return True
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def read(
+        self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]
+    ) -> list[bool | RecordError | None]:
+        """Fill each buffer with its key's verified payload.
+
+        Per key: True (loaded), None (no such file: a plain miss), False (an I/O failure
+        or an object of another size, worth no deletion) or the RecordError that makes the
+        record untrustworthy (the caller deletes it).
+        """
+        results: list[bool | RecordError | None] = []
+        for start in range(0, len(keys), MAX_OPEN_FILES):
+            results += self._read_slice(
+                keys[start : start + MAX_OPEN_FILES], buffers[start : start + MAX_OPEN_FILES]
+            )
+        return results
+
+    def _read_slice(
+        self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]
+    ) -> list[bool | RecordError | None]:
+        results: list[bool | RecordError | None] = [False] * len(keys)
+        pending: list[_Pending] = []
+        try:
+            for index, (key, buffer) in enumerate(zip(keys, buffers, strict=True)):
+                outcome = self._begin_read(index, key, buffer)
+                if isinstance(outcome, _Pending):
+                    pending.append(outcome)
+                else:
+                    results[index] = outcome
+            if not pending:
+                return results
+            # Header and payload of every file come in the same NIXL request. Pipelined:
+            # while NIXL reads one group, the helper thread verifies the group before it.
+            staging = HeaderStaging([item.offset for item in pending])
+            for item, view in zip(pending, staging.views, strict=True):
+                item.header = view
+            verifying: Future[None] | None = None
+            for group in _groups(pending):
+                targets: list[memoryview] = []
+                for item in group:
+                    assert item.header is not None
+                    targets += [item.header, buffers[item.index]]
+                moved = self._transfer.run("READ", targets, _header_and_payload_places(group), self._register)
+                if verifying is not None:
+                    verifying.result()
+                verifying = self._helper.submit(self._verify, keys, group, moved, buffers, results)
+            if verifying is not None:
+                verifying.result()
+        finally:
+            for item in pending:
+                os.close(item.fd)
+        return results
+
+    def _verify(
+        self,
+        keys: Sequence[ObjectKey],
+        group: list[_Pending],
+        moved: list[bool],
+        buffers: Sequence[memoryview],
+        results: list[bool | RecordError | None],
+    ) -> None:
+        for position, item in enumerate(group):
+            if not (moved[2 * position] and moved[2 * position + 1]):
+                continue
+            assert item.header is not None
+            try:
+                header = decode_header(
+                    bytes(item.header), expected_key=keys[item.index], expected_serde=self._serde
+                )
+                if header.header_len != item.offset or header.payload_len != item.length:
+                    raise RecordError(
+                        f"record header says {header.header_len}+{header.payload_len} bytes, "
+                        f"file holds {item.offset}+{item.length}"
+                    )
+                verify_payload(header, buffers[item.index])
+                results[item.index] = True
+            except RecordError as exc:
+                results[item.index] = exc
+
+    def _begin_read(
+        self, index: int, key: ObjectKey, buffer: memoryview
+    ) -> _Pending | RecordError | bool | None:
+        path = self._layout.path_for(key)
+        header_len = self.header_length(key)
+        flags = self._open_flags(
+            os.O_RDONLY | os.O_CLOEXEC, buffer_address(buffer), buffer.nbytes, header_len
+        )
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("cannot open %s: %s", path, exc)
+            return False
+        outcome: RecordError | bool
+        try:
+            size = os.fstat(fd).st_size
+            if size == header_len + buffer.nbytes:
+                return _Pending(index, fd, path, header_len, buffer.nbytes)
+            outcome = self._explain_size(fd, key, header_len, size, buffer.nbytes)
+        except RecordError as exc:
+            outcome = exc
+        except OSError as exc:
+            log.warning("cannot read %s: %s", path, exc)
+            outcome = False
+        os.close(fd)
+        return outcome
+
+    def _explain_size(self, fd: int, key: ObjectKey, header_len: int, size: int, expected: int) -> bool:
+        """A file of an unexpected size: another intact object (False) or damage (raises)."""
+        header = self._read_header(fd, key, header_len)
+        if header.header_len + header.payload_len != size:
+            raise RecordError(
+                f"record file is {size} bytes, header says {header.header_len + header.payload_len}"
+            )
+        log.warning("%s holds %d bytes, a load expected %d", key.file_stem(), header.payload_len, expected)
+        return False
+
+    def peek_header(self, key: ObjectKey) -> RecordHeader | RecordError | None:
+        """The verified header of ``key``'s record; None when there is no readable file."""
+        try:
+            fd = os.open(self._layout.path_for(key), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            return self._read_header(fd, key, self.header_length(key))
+        except RecordError as exc:
+            return exc
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    def _read_header(self, fd: int, key: ObjectKey, header_len: int) -> RecordHeader:
+        # Page-aligned memory works for O_DIRECT and buffered descriptors alike.
+        length = -(-header_len // HEADER_ALIGN) * HEADER_ALIGN
+        with mmap.mmap(-1, length) as block:
+            got = os.preadv(fd, [block], 0)
+            data = block[:got]  # a copy, so no view pins the mapping while it closes
+        return decode_header(data, expected_key=key, expected_serde=self._serde)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

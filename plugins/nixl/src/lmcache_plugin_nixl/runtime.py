@@ -1,0 +1,237 @@
+"""The process-wide NIXL agent shared by every NIXL adapter, and batched transfers on it.
+
+One agent per process: NIXL binds each backend plugin once per agent, and the two adapter
+types (and several instances of them) share the backends they have in common.  The agent
+runs in strict thread-sync mode because the L2 controllers call adapters from several
+threads; without NIXL's progress thread (which would busy-poll a core) the caller polls its
+own transfers.  Only one NIXL wheel can be loaded per process (their bindings collide), so
+the module is chosen once, by ``LMCACHE_NIXL_MODULE`` or NIXL's own CUDA-based pick.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lmcache_plugin_nixl.availability import check_native_prerequisites, describe_missing_plugin
+from lmcache_tiers.errors import BackendUnavailableError, ConfigError, TiersError
+
+log = logging.getLogger(__name__)
+
+#: Environment variable naming the NIXL API module, e.g. ``nixl_cu12._api``.
+NIXL_MODULE_ENV = "LMCACHE_NIXL_MODULE"
+_DEFAULT_MODULE = "nixl._api"
+
+#: A transfer still running after this long is failed (and NIXL asked to cancel it).
+TRANSFER_TIMEOUT_S = 300.0
+# Polls spin this many times before sleeping: small transfers finish within microseconds,
+# large ones would otherwise burn a core while the disk works.
+_SPIN_POLLS = 200
+_MAX_SLEEP_S = 0.0005
+
+Descriptors = npt.NDArray[np.uint64]
+
+
+class NixlTransferError(TiersError):
+    """A NIXL transfer could not be created, posted or completed."""
+
+
+def descriptors(rows: Sequence[tuple[int, int, int]]) -> Descriptors:
+    """An Nx3 (address or offset, length, device id or fd) array, NIXL's compact form."""
+    array = np.empty((len(rows), 3), dtype=np.uint64)
+    for index, row in enumerate(rows):
+        array[index] = row
+    return array
+
+
+class Registration:
+    """Memory or storage registered with one backend; release it exactly once."""
+
+    def __init__(self, runtime: NixlRuntime, descs: Any, backend: str) -> None:
+        self._runtime = runtime
+        self._descs = descs
+        self._backend = backend
+        self._released = False
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        try:
+            self._runtime.agent.deregister_memory(self._descs, backends=[self._backend])
+        except Exception as exc:
+            log.warning("NIXL deregistration on %s failed: %s", self._backend, exc)
+
+    def __enter__(self) -> Registration:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+class NixlRuntime:
+    """The NIXL agent, its backends and the transfer loop."""
+
+    _shared: NixlRuntime | None = None
+    _shared_lock = threading.Lock()
+
+    def __init__(self, api: ModuleType, module_name: str) -> None:
+        self.api = api
+        self.module_name = module_name
+        config = api.nixl_agent_config(
+            enable_prog_thread=False,
+            enable_listen_thread=False,
+            backends=[],
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        name = f"lmcache-tiers-{os.getpid()}-{secrets.token_hex(3)}"
+        try:
+            self.agent = api.nixl_agent(name, config)
+        except Exception as exc:
+            raise BackendUnavailableError(f"NIXL agent could not start ({module_name}): {exc}") from exc
+        self._backend_params: dict[str, dict[str, str]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> NixlRuntime:
+        """The process's runtime, created on first use."""
+        with cls._shared_lock:
+            if cls._shared is None:
+                module_name = os.environ.get(NIXL_MODULE_ENV, _DEFAULT_MODULE)
+                try:
+                    api = importlib.import_module(module_name)
+                except ImportError as exc:
+                    raise BackendUnavailableError(
+                        f"NIXL cannot be imported as {module_name!r}: {exc} "
+                        "(install it with `pip install nixl`, or set "
+                        f"{NIXL_MODULE_ENV} to e.g. nixl_cu12._api)"
+                    ) from exc
+                if not os.environ.get("NIXL_LOG_LEVEL"):
+                    # NIXL logs every agent and backend creation at INFO to stdout, which
+                    # is the server's console; keep its warnings and errors only.
+                    logging.getLogger("nixl").setLevel(logging.WARNING)
+                cls._shared = cls(api, module_name)
+            return cls._shared
+
+    @property
+    def agent_name(self) -> str:
+        return str(self.agent.name)
+
+    def plugins(self) -> list[str]:
+        return list(self.agent.get_plugin_list())
+
+    def ensure_backend(self, backend: str, init_params: dict[str, str]) -> None:
+        """Create ``backend`` once per process, after checking it can run here."""
+        check_native_prerequisites(backend)
+        with self._lock:
+            existing = self._backend_params.get(backend)
+            if existing is not None:
+                if existing != init_params:
+                    raise ConfigError(
+                        f"NIXL backend {backend} is already initialised in this process with "
+                        f"parameters {existing}; every adapter using {backend} must pass the "
+                        f"same NIXL parameters, got {init_params}"
+                    )
+                return
+            available = self.plugins()
+            if backend not in available:
+                raise BackendUnavailableError(describe_missing_plugin(backend, available, self.module_name))
+            try:
+                # Loading the plugin's parameters dlopens it: a plugin whose own libraries
+                # are missing fails here, quickly, instead of in create_backend.
+                options, _mem_types = self.agent.agent.getPluginParams(backend)
+            except Exception as exc:
+                raise BackendUnavailableError(
+                    f"NIXL backend {backend} is not available: {self.module_name}'s {backend} "
+                    f"plugin cannot load its libraries ({exc}); for OBJ try "
+                    f"{NIXL_MODULE_ENV}=nixl_cu12._api"
+                ) from exc
+            unknown = sorted(set(init_params) - set(options))
+            if options and unknown:
+                raise ConfigError(
+                    f"backend_params {', '.join(unknown)} not understood by NIXL's {backend} "
+                    f"plugin; it accepts: {', '.join(sorted(options))}"
+                )
+            try:
+                self.agent.create_backend(backend, dict(init_params))
+            except Exception as exc:
+                raise BackendUnavailableError(f"NIXL could not create the {backend} backend: {exc}") from exc
+            self._backend_params[backend] = dict(init_params)
+            log.info("NIXL backend %s created (%s)", backend, self.module_name)
+
+    def _register(self, backend: str, descs: Any) -> Registration:
+        try:
+            self.agent.register_memory(descs, backends=[backend])
+        except Exception as exc:
+            raise NixlTransferError(f"NIXL could not register memory with {backend}: {exc}") from exc
+        return Registration(self, descs, backend)
+
+    def register_dram(self, backend: str, regions: Sequence[tuple[int, int]]) -> Registration:
+        """Register host memory regions given as (address, length)."""
+        rows = descriptors([(address, length, 0) for address, length in regions])
+        return self._register(backend, self.agent.get_reg_descs(rows, "DRAM"))
+
+    def register_files(self, backend: str, fds: Sequence[int]) -> Registration:
+        """Register open files; a zero length registers the whole file, however it grows."""
+        rows = descriptors([(0, 0, fd) for fd in fds])
+        return self._register(backend, self.agent.get_reg_descs(rows, "FILE"))
+
+    def register_objects(self, backend: str, objects: Sequence[tuple[int, str]]) -> Registration:
+        """Register object-store keys; NIXL addresses each by the device id paired with it."""
+        rows = [(0, 0, device_id, name) for device_id, name in objects]
+        return self._register(backend, self.agent.get_reg_descs(rows, "OBJ"))
+
+    def transfer(
+        self,
+        backend: str,
+        operation: str,
+        dram: Descriptors,
+        storage: Descriptors,
+        storage_mem: str,
+    ) -> None:
+        """Run one batched READ (storage -> DRAM) or WRITE (DRAM -> storage) to completion."""
+        agent = self.agent
+        try:
+            local = agent.get_xfer_descs(dram, "DRAM")
+            remote = agent.get_xfer_descs(storage, storage_mem)
+            handle = agent.initialize_xfer(operation, local, remote, agent.name, backends=[backend])
+        except Exception as exc:
+            raise NixlTransferError(f"NIXL {operation} on {backend} could not be prepared: {exc}") from exc
+        try:
+            self._wait(handle, agent.transfer(handle), operation, backend)
+        except NixlTransferError:
+            raise
+        except Exception as exc:
+            raise NixlTransferError(f"NIXL {operation} on {backend} failed: {exc}") from exc
+        finally:
+            try:
+                handle.release()
+            except Exception as exc:
+                log.warning("NIXL could not release a %s handle on %s: %s", operation, backend, exc)
+
+    def _wait(self, handle: Any, state: str, operation: str, backend: str) -> None:
+        deadline = time.monotonic() + TRANSFER_TIMEOUT_S
+        polls = 0
+        sleep = 0.00001
+        while state == "PROC":
+            polls += 1
+            if polls > _SPIN_POLLS:
+                if time.monotonic() > deadline:
+                    raise NixlTransferError(
+                        f"NIXL {operation} on {backend} did not finish within {TRANSFER_TIMEOUT_S:.0f} s"
+                    )
+                time.sleep(sleep)
+                sleep = min(sleep * 2, _MAX_SLEEP_S)
+            state = self.agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise NixlTransferError(f"NIXL {operation} on {backend} ended in state {state}")

@@ -1,0 +1,136 @@
+"""Slot bookkeeping of nixl_store: which preallocated slot holds which key.
+
+A slot is claimed before its bytes are written and published only once the write has
+succeeded, so a lookup never reports an object still in flight.  Storing a key again
+writes a fresh slot and retires the old one.  Loads count readers per slot; a slot with
+readers is never handed to a new object (a delete of its key is refused, a retired slot
+waits for its last reader), so bytes are never overwritten while being read out.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from lmcache_tiers.keys import ObjectKey
+
+
+class Claim(Enum):
+    """Why a store got no slot."""
+
+    BUSY = "busy"  # another store of the same key is still writing it
+    FULL = "full"  # no free slot left
+
+
+@dataclass(frozen=True)
+class StoredSlot:
+    slot: int
+    size: int
+
+
+class SlotTable:
+    """Thread-safe map of keys to slots with a free list and per-slot reader counts."""
+
+    def __init__(self, pool_size: int) -> None:
+        self.pool_size = pool_size
+        # Lowest slots first, so a lightly used pool touches few files.
+        self._free = list(range(pool_size - 1, -1, -1))
+        self._stored: dict[ObjectKey, StoredSlot] = {}
+        self._writing: set[ObjectKey] = set()
+        self._readers: dict[int, int] = {}
+        # Slots replaced by a newer write of their key while a load was reading them.
+        self._retired: set[int] = set()
+        self._lock = threading.Lock()
+
+    def claim(self, keys: Sequence[ObjectKey]) -> list[int | Claim]:
+        """A free slot per key to write into, or why there is none."""
+        result: list[int | Claim] = []
+        with self._lock:
+            for key in keys:
+                if key in self._writing:
+                    result.append(Claim.BUSY)
+                elif not self._free:
+                    result.append(Claim.FULL)
+                else:
+                    self._writing.add(key)
+                    result.append(self._free.pop())
+        return result
+
+    def publish(self, key: ObjectKey, slot: int, size: int) -> None:
+        with self._lock:
+            self._writing.discard(key)
+            previous = self._stored.get(key)
+            self._stored[key] = StoredSlot(slot, size)
+            if previous is not None:
+                self._free_or_retire(previous.slot)
+
+    def _free_or_retire(self, slot: int) -> None:
+        if self._readers.get(slot):
+            self._retired.add(slot)
+        else:
+            self._free.append(slot)
+
+    def abandon(self, key: ObjectKey, slot: int) -> None:
+        """Give back a claimed slot whose write failed."""
+        with self._lock:
+            self._writing.discard(key)
+            self._free.append(slot)
+
+    def sizes(self, keys: Sequence[ObjectKey]) -> list[int | None]:
+        with self._lock:
+            return [entry.size if (entry := self._stored.get(key)) else None for key in keys]
+
+    def acquire_for_read(self, keys: Sequence[ObjectKey]) -> list[StoredSlot | None]:
+        """The slot of each stored key, counted as read until :meth:`release_reads`."""
+        result: list[StoredSlot | None] = []
+        with self._lock:
+            for key in keys:
+                entry = self._stored.get(key)
+                if entry is not None:
+                    self._readers[entry.slot] = self._readers.get(entry.slot, 0) + 1
+                result.append(entry)
+        return result
+
+    def release_reads(self, slots: Sequence[int]) -> None:
+        with self._lock:
+            for slot in slots:
+                remaining = self._readers[slot] - 1
+                if remaining:
+                    self._readers[slot] = remaining
+                    continue
+                del self._readers[slot]
+                if slot in self._retired:
+                    self._retired.remove(slot)
+                    self._free.append(slot)
+
+    def delete(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Free the slots of stored keys; keys being read or not stored are skipped."""
+        result: list[bool] = []
+        with self._lock:
+            for key in keys:
+                entry = self._stored.get(key)
+                if entry is None or self._readers.get(entry.slot):
+                    result.append(False)
+                    continue
+                del self._stored[key]
+                self._free.append(entry.slot)
+                result.append(True)
+        return result
+
+    def keys(self) -> Iterator[ObjectKey]:
+        with self._lock:
+            snapshot = list(self._stored)
+        return iter(snapshot)
+
+    @property
+    def used_slots(self) -> int:
+        """Slots not free: stored, being written, or retired and still being read."""
+        with self._lock:
+            return self.pool_size - len(self._free)
+
+    @property
+    def stored_bytes(self) -> int:
+        with self._lock:
+            return sum(entry.size for entry in self._stored.values())

@@ -1,0 +1,132 @@
+"""``nixl_store``: objects in a pool of storage slots preallocated and registered once.
+
+The base class does pinning, byte accounting, serde and the worker threads; this class
+maps keys to slots and moves bytes with batched NIXL transfers.  The pool is the
+capacity: usage is the fraction of slots in use, so per-adapter L2 eviction starts when
+the pool fills, and deletes (eviction included) return slots to the pool.  A store that
+finds no free slot reports its key as not stored and counts it (``pool_full_rejections``)
+instead of pretending to have written it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from lmcache_plugin_nixl.config import NixlStoreConfig
+from lmcache_plugin_nixl.memory import HostMemory
+from lmcache_plugin_nixl.pool import FileSlots, ObjectSlots, SlotStorage
+from lmcache_plugin_nixl.runtime import NixlRuntime
+from lmcache_plugin_nixl.slots import Claim, SlotTable
+from lmcache_plugin_nixl.transfers import BatchTransfer
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2.base import BatchL2Adapter, ContainsResult
+from lmcache_tiers.l2.context import AdapterContext
+
+
+class NixlStoreAdapter(BatchL2Adapter):
+    """L2 adapter over ``pool_size`` preallocated NIXL storage slots."""
+
+    def __init__(self, config: NixlStoreConfig, context: AdapterContext) -> None:
+        super().__init__(config, context)
+        self.nixl_config = config
+        runtime = NixlRuntime.shared()
+        runtime.ensure_backend(config.backend, config.nixl_init_params())
+        arena = context.l1_buffer if context.l1_is_memory else None
+        self._host = HostMemory(runtime, config.backend, arena)
+        try:
+            self._storage: SlotStorage
+            if config.is_file_backend:
+                self._storage = FileSlots(
+                    runtime, config.backend, config.file_path, config.pool_size, config.use_direct_io
+                )
+            else:
+                self._storage = ObjectSlots(runtime, config.backend, config.pool_size)
+        except BaseException:
+            self._host.close()
+            raise
+        self._slots = SlotTable(config.pool_size)
+        self._transfer = BatchTransfer(runtime, config.backend, self._host, self._storage.storage_mem)
+
+    # -- batch I/O --------------------------------------------------------------------------
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        claims = self._slots.claim(keys)
+        results = [False] * len(keys)
+        writes = [(i, claim) for i, claim in enumerate(claims) if isinstance(claim, int)]
+        self.count("pool_full_rejections", sum(1 for c in claims if c is Claim.FULL))
+        self.count("store_busy_skips", sum(1 for c in claims if c is Claim.BUSY))
+        if not writes:
+            return results
+        buffers = [payloads[i] for i, _slot in writes]
+
+        def locate(position: int, address: int) -> tuple[int, int, int]:
+            slot = writes[position][1]
+            length = buffers[position].nbytes
+            return 0, length, self._storage.device(slot, address, length)
+
+        try:
+            written = self._transfer.run("WRITE", buffers, locate)
+        except BaseException:
+            for i, slot in writes:
+                self._slots.abandon(keys[i], slot)
+            raise
+        for position, ((i, slot), ok) in enumerate(zip(writes, written, strict=True)):
+            if ok:
+                self._storage.written(slot, buffers[position].nbytes)
+                self._slots.publish(keys[i], slot, buffers[position].nbytes)
+                results[i] = True
+            else:
+                self._slots.abandon(keys[i], slot)
+        return results
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[ContainsResult]:
+        return list(self._slots.sizes(keys))
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        entries = self._slots.acquire_for_read(keys)
+        held = [entry.slot for entry in entries if entry is not None]
+        results = [False] * len(keys)
+        try:
+            reads = [
+                i for i, entry in enumerate(entries) if entry is not None and entry.size == buffers[i].nbytes
+            ]
+            if not reads:
+                return results
+            targets = [buffers[i] for i in reads]
+
+            def locate(position: int, address: int) -> tuple[int, int, int]:
+                entry = entries[reads[position]]
+                assert entry is not None
+                length = targets[position].nbytes
+                return 0, length, self._storage.device(entry.slot, address, length)
+
+            for i, ok in zip(reads, self._transfer.run("READ", targets, locate), strict=True):
+                results[i] = ok
+            return results
+        finally:
+            self._slots.release_reads(held)
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        return self._slots.delete(keys)
+
+    def iter_keys(self) -> Iterator[ObjectKey]:
+        return self._slots.keys()
+
+    def capacity_bytes(self) -> int | None:
+        # Capacity is counted in slots, not bytes; usage() below reports slot occupancy.
+        return None
+
+    def usage(self) -> float:
+        return self._slots.used_slots / self._slots.pool_size
+
+    def stats(self) -> dict[str, int]:
+        counters = super().stats()
+        counters["pool_slots_used"] = self._slots.used_slots
+        counters["pool_slots_total"] = self._slots.pool_size
+        return counters
+
+    def close_backend(self) -> None:
+        try:
+            self._storage.close()
+        finally:
+            self._host.close()

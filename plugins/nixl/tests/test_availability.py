@@ -1,0 +1,107 @@
+"""Backends that cannot run here fail at start-up with one clear line, before NIXL hangs."""
+
+from __future__ import annotations
+
+import ctypes.util
+from typing import TypeVar
+
+import msgspec
+import pytest
+from lmcache_plugin_nixl.availability import check_native_prerequisites
+from lmcache_plugin_nixl.config import NixlStoreConfig, NixlStoreDynamicConfig
+from lmcache_plugin_nixl.runtime import NixlRuntime
+from nixl_helpers import dynamic_config, open_dynamic, open_pool, pool_config, scratch_dir
+
+from lmcache_tiers.errors import BackendUnavailableError, ConfigError
+
+CUFILE_MISSING = ctypes.util.find_library("cufile") is None
+
+
+ConfigT = TypeVar("ConfigT", NixlStoreConfig, NixlStoreDynamicConfig)
+
+
+def _with_backend(config: ConfigT, backend: str) -> ConfigT:
+    return msgspec.structs.replace(config, backend=backend)
+
+
+@pytest.mark.skipif(
+    not CUFILE_MISSING, reason="libcufile is installed here; the missing-cuFile path cannot be shown"
+)
+@pytest.mark.parametrize("backend", ["GDS", "GDS_MT"])
+def test_gds_without_cufile_fails_at_start_up_naming_cufile(backend: str) -> None:
+    with scratch_dir() as directory:
+        for config in (pool_config(directory), dynamic_config(directory)):
+            with pytest.raises(BackendUnavailableError) as caught:
+                if isinstance(config, NixlStoreConfig):
+                    open_pool(_with_backend(config, backend))
+                else:
+                    open_dynamic(_with_backend(config, backend))
+            message = str(caught.value)
+            assert "\n" not in message
+            assert backend in message and "cuFile" in message and "libcufile" in message
+    # Refused before NIXL was asked to create the backend (which is what can hang).
+    assert backend not in NixlRuntime.shared().agent.backends
+
+
+@pytest.mark.parametrize("backend", ["GDS", "GDS_MT"])
+def test_gds_prerequisites_are_checked_in_order(backend: str) -> None:
+    present = {"cufile": "libcufile.so.0", "cuda": "libcuda.so.1"}
+    with pytest.raises(BackendUnavailableError, match="libcufile"):
+        check_native_prerequisites(backend, find_library=lambda name: None, gpu_present=lambda: True)
+    with pytest.raises(BackendUnavailableError, match="libcuda"):
+        check_native_prerequisites(
+            backend,
+            find_library=lambda name: present.get(name) if name == "cufile" else None,
+            gpu_present=lambda: True,
+        )
+    with pytest.raises(BackendUnavailableError, match="NVIDIA GPU"):
+        check_native_prerequisites(backend, find_library=present.get, gpu_present=lambda: False)
+    check_native_prerequisites(backend, find_library=present.get, gpu_present=lambda: True)
+
+
+def test_posix_needs_no_native_prerequisite() -> None:
+    check_native_prerequisites("POSIX", find_library=lambda name: None, gpu_present=lambda: False)
+
+
+def test_hf3fs_missing_from_the_wheel_is_named() -> None:
+    runtime = NixlRuntime.shared()
+    if "HF3FS" in runtime.plugins():
+        pytest.skip(f"{runtime.module_name} ships an HF3FS plugin; the missing-plugin path cannot be shown")
+    with scratch_dir() as directory, pytest.raises(BackendUnavailableError) as caught:
+        open_dynamic(_with_backend(dynamic_config(directory), "HF3FS"))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "HF3FS" in message and "no HF3FS plugin" in message and "POSIX" in message
+
+
+def test_unknown_nixl_parameter_lists_what_the_plugin_accepts() -> None:
+    with scratch_dir() as directory:
+        raw = msgspec.to_builtins(pool_config(directory))
+        raw["backend_params"]["use_urin"] = "true"
+        config = msgspec.convert(raw, NixlStoreConfig)
+        with pytest.raises(ConfigError) as caught:
+            open_pool(config)
+    assert "use_urin" in str(caught.value) and "use_uring" in str(caught.value)
+
+
+def test_same_backend_with_other_nixl_parameters_is_refused() -> None:
+    with scratch_dir() as directory:
+        first = open_pool(pool_config(directory + "/a"))
+        try:
+            raw = msgspec.to_builtins(pool_config(directory + "/b"))
+            raw["backend_params"]["kernel_queue_size"] = "64"
+            with pytest.raises(ConfigError, match="already initialised"):
+                open_pool(msgspec.convert(raw, NixlStoreConfig))
+        finally:
+            first.close()
+
+
+def test_two_adapters_on_one_directory_are_refused() -> None:
+    with scratch_dir() as directory:
+        first = open_dynamic(dynamic_config(directory))
+        try:
+            with pytest.raises(ConfigError, match="already used by another NIXL adapter"):
+                open_dynamic(dynamic_config(directory))
+        finally:
+            first.close()
+        open_dynamic(dynamic_config(directory)).close()

@@ -1,0 +1,83 @@
+"""A process SIGKILLed in the middle of a store storm leaves nothing a restart would serve wrong."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from crash_writer import expected, object_size
+from lmcache_plugin_nixl.layout import is_temp_name
+from nixl_helpers import Arena, client, dynamic_config, open_dynamic, scratch_dir
+
+from lmcache_tiers.testing.l2 import make_keys
+
+WRITER = Path(__file__).with_name("crash_writer.py")
+
+
+def temp_files(root: str) -> list[str]:
+    return [name for _dir, _dirs, files in os.walk(root) for name in files if is_temp_name(name)]
+
+
+def test_sigkill_during_store_storm_then_restart() -> None:
+    with scratch_dir() as root:
+        writer = subprocess.Popen(
+            [sys.executable, str(WRITER), root],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([str(WRITER.parent), os.environ.get("PYTHONPATH", "")]),
+            },
+        )
+        try:
+            assert writer.stdout is not None
+            # Let it publish a few hundred objects, then kill it while a batch is being
+            # written: as soon as a temporary file shows up in the directory its keys use
+            # (make_keys' hashes start with 0000).
+            stored = 0
+            while stored < 320:
+                line = writer.stdout.readline()
+                assert line, f"writer exited early with code {writer.wait()}"
+                stored = int(line)
+            shard = os.path.join(root, "00", "00")
+            while writer.poll() is None and not any(is_temp_name(name) for name in os.listdir(shard)):
+                pass
+            writer.send_signal(signal.SIGKILL)
+        finally:
+            writer.kill()
+            writer.wait()
+        assert writer.returncode == -signal.SIGKILL
+        left_behind = len(temp_files(root))
+        print(f"killed after {stored} objects reported, {left_behind} temporary files left behind")
+
+        arena = Arena(64 << 20)
+        adapter = open_dynamic(dynamic_config(root, capacity_gb=64, shard_dirs=True), arena.view)
+        try:
+            assert temp_files(root) == [], "start-up must remove the killed writer's temporary files"
+            assert adapter.stats().get("orphan_temp_files_removed", 0) == left_behind
+            # Objects past the last reported batch may or may not have been published.
+            candidates = stored + 64
+            keys = make_keys(candidates)
+            hits = 0
+            for start in range(0, candidates, 16):
+                batch = keys[start : start + 16]
+                result = client(adapter).lookup_and_lock(batch)
+                found = [key for key, hit in zip(batch, result.found, strict=True) if hit]
+                indexes = [start + i for i, hit in enumerate(result.found) if hit]
+                assert all(
+                    result.sizes[i] == object_size(start + i) for i, hit in enumerate(result.found) if hit
+                )
+                buffers = [arena.take(object_size(i)) for i in indexes]
+                loaded = client(adapter).load(found, buffers)
+                adapter.unlock(found)
+                for index, ok, buffer in zip(indexes, loaded, buffers, strict=True):
+                    assert ok, f"object {index} was found but did not load"
+                    assert bytes(buffer) == expected(index), f"object {index} loaded wrong bytes"
+                hits += len(found)
+                arena = Arena(64 << 20) if start % 128 == 112 else arena
+            assert hits >= stored, "every object the writer reported stored must survive"
+        finally:
+            adapter.close()

@@ -1,0 +1,383 @@
+"""nixl_store_dynamic on real NIXL POSIX: names, layouts, persistence, integrity, capacity."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Sequence
+
+import pytest
+from lmcache_plugin_nixl import recordio
+from lmcache_plugin_nixl.layout import TEMP_PREFIX, TEMP_SUFFIX
+from nixl_helpers import Arena, client, dynamic_config, lru_eviction_controller, open_dynamic, scratch_dir
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import L2Adapter
+from lmcache_tiers.l2.record import RECORD_MAGIC
+from lmcache_tiers.testing.l2 import make_keys, pattern
+
+SIZE = 64 << 10
+HASH = bytes.fromhex("abcd" + "01" * 30)
+
+
+def record_files(root: str) -> list[str]:
+    """Every record file under root, relative to it."""
+    found = []
+    for directory, _dirs, files in os.walk(root):
+        for name in files:
+            if name.endswith(".bin"):
+                found.append(os.path.relpath(os.path.join(directory, name), root))
+    return sorted(found)
+
+
+def store(adapter: L2Adapter, arena: Arena, keys: Sequence[ObjectKey], data: Sequence[bytes]) -> list[bool]:
+    return client(adapter).store(keys, [arena.filled(d) for d in data])
+
+
+def load(
+    adapter: L2Adapter, arena: Arena, keys: Sequence[ObjectKey], sizes: Sequence[int]
+) -> tuple[list[bool], list[bytes]]:
+    buffers = [arena.take(size) for size in sizes]
+    ok = client(adapter).load(keys, buffers)
+    return ok, [bytes(b) for b in buffers]
+
+
+def test_salted_and_unsalted_names_side_by_side() -> None:
+    arena = Arena()
+    plain = ObjectKey("llama", 0, HASH)
+    salted = ObjectKey("llama", 0, HASH, cache_salt="tenant-a")
+    data = [pattern(1, SIZE), pattern(2, SIZE)]
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root), arena.view)
+        try:
+            assert store(adapter, arena, [plain, salted], data) == [True, True]
+            stem = f"llama@0x00000000@0@{HASH.hex()}"
+            assert record_files(root) == sorted([f"{stem}.bin", f"{stem}@tenant-a.bin"])
+            assert load(adapter, arena, [plain, salted], [SIZE, SIZE]) == ([True, True], data)
+            assert adapter.delete([salted]) == [True]
+            assert record_files(root) == [f"{stem}.bin"]
+            assert load(adapter, arena, [plain], [SIZE]) == ([True], data[:1])
+        finally:
+            adapter.close()
+
+
+def test_shard_dirs_layout_on_disk() -> None:
+    arena = Arena()
+    key = ObjectKey("llama", 3, HASH, 1, "t")
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root, shard_dirs=True), arena.view)
+        try:
+            assert store(adapter, arena, [key], [pattern(3, SIZE)]) == [True]
+            assert record_files(root) == [os.path.join("ab", "cd", f"{key.file_stem()}.bin")]
+            assert key.file_stem().endswith("@t")
+            # Only the directories of stored keys exist: created lazily, not 256 x 256 up front.
+            assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["ab"]
+            assert os.listdir(os.path.join(root, "ab")) == ["cd"]
+        finally:
+            adapter.close()
+
+
+def test_flat_layout_on_disk() -> None:
+    arena = Arena()
+    key = ObjectKey("llama", 3, HASH)
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root), arena.view)
+        try:
+            assert store(adapter, arena, [key], [pattern(3, SIZE)]) == [True]
+            assert record_files(root) == [f"{key.file_stem()}.bin"]
+        finally:
+            adapter.close()
+
+
+@pytest.mark.parametrize("first_sharded", [False, True])
+def test_toggling_shard_dirs_does_not_find_old_files(first_sharded: bool) -> None:
+    arena = Arena()
+    keys = make_keys(3)
+    data = [pattern(i, SIZE) for i in range(3)]
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root, shard_dirs=first_sharded), arena.view)
+        assert store(adapter, arena, keys, data) == [True] * 3
+        adapter.close()
+        before = record_files(root)
+        toggled = open_dynamic(dynamic_config(root, shard_dirs=not first_sharded), arena.view)
+        try:
+            assert client(toggled).lookup_and_lock(keys).found == [False] * 3
+            assert list(toggled.iter_keys()) == []
+            assert toggled.stats().get("recovered_keys", 0) == 0
+        finally:
+            toggled.close()
+        assert record_files(root) == before, "the other layout's files are left alone"
+        again = open_dynamic(dynamic_config(root, shard_dirs=first_sharded), arena.view)
+        try:
+            assert client(again).lookup_and_lock(keys).found == [True] * 3
+            assert load(again, arena, keys, [SIZE] * 3) == ([True] * 3, data)
+            again.unlock(keys)
+        finally:
+            again.close()
+
+
+@pytest.mark.parametrize("shard_dirs", [False, True])
+def test_restart_recovers_lazily_when_persist_enabled(shard_dirs: bool) -> None:
+    arena = Arena()
+    keys = make_keys(4) + make_keys(2, salt="tenant-a")
+    sizes = [SIZE - 100 * i for i in range(6)]
+    data = [pattern(20 + i, size) for i, size in enumerate(sizes)]
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root, shard_dirs=shard_dirs), arena.view)
+        assert store(adapter, arena, keys, data) == [True] * 6
+        adapter.close()
+        assert len(record_files(root)) == 6
+        restarted = open_dynamic(dynamic_config(root, shard_dirs=shard_dirs), arena.view)
+        try:
+            # Nothing is read at start-up: the index and the accounting start empty.
+            assert restarted.used_bytes() == 0 and restarted.usage() == 0.0
+            result = client(restarted).lookup_and_lock(keys[:3])
+            assert result.found == [True] * 3 and result.sizes == sizes[:3]
+            assert restarted.stats()["recovered_keys"] == 3
+            assert restarted.used_bytes() == sum(sizes[:3])
+            assert load(restarted, arena, keys[:3], sizes[:3]) == ([True] * 3, data[:3])
+            restarted.unlock(keys[:3])
+            # Every record is listed (for eviction) even before its first lookup.
+            assert set(restarted.iter_keys()) == set(keys)
+            result = client(restarted).lookup_and_lock(keys)
+            assert result.found == [True] * 6
+            assert restarted.used_bytes_by_salt() == {"": sum(sizes[:4]), "tenant-a": sum(sizes[4:])}
+            restarted.unlock(keys)
+        finally:
+            restarted.close()
+
+
+def test_persist_disabled_deletes_every_file_at_shutdown() -> None:
+    arena = Arena()
+    keys = make_keys(5)
+    with scratch_dir() as root:
+        # Files left by an earlier run in the other layout are removed as well.
+        earlier = open_dynamic(dynamic_config(root), arena.view)
+        assert store(earlier, arena, make_keys(2, start=50), [pattern(9, 100)] * 2) == [True, True]
+        earlier.close()
+        adapter = open_dynamic(dynamic_config(root, shard_dirs=True, persist_enabled=False), arena.view)
+        assert store(adapter, arena, keys, [pattern(i, SIZE) for i in range(5)]) == [True] * 5
+        assert len(record_files(root)) == 7
+        adapter.close()
+        assert os.listdir(root) == [], "no file, no shard directory, no lock file"
+        reopened = open_dynamic(dynamic_config(root, shard_dirs=True), arena.view)
+        try:
+            assert client(reopened).lookup_and_lock(keys).found == [False] * 5
+        finally:
+            reopened.close()
+
+
+def test_stores_beyond_max_capacity_are_refused() -> None:
+    arena = Arena()
+    keys = make_keys(4)
+    size = 400 << 10
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root, capacity_gb=1 / 1024), arena.view)  # 1 MiB
+        try:
+            ok = store(adapter, arena, keys[:3], [pattern(i, size) for i in range(3)])
+            assert ok == [True, True, False]
+            assert adapter.stats()["capacity_refusals"] == 1
+            assert adapter.usage() == pytest.approx(2 * size / (1 << 20))
+            assert len(record_files(root)) == 2
+            assert client(adapter).lookup_and_lock(keys[2:3]).found == [False]
+            assert adapter.delete(keys[:1]) == [True]
+            assert store(adapter, arena, keys[2:3], [pattern(2, size)]) == [True]
+        finally:
+            adapter.close()
+
+
+def test_orphaned_temp_files_are_removed_at_start_up() -> None:
+    with scratch_dir() as root:
+        shard = os.path.join(root, "ab", "cd")
+        os.makedirs(shard)
+        orphans = [
+            os.path.join(root, f"{TEMP_PREFIX}99-1{TEMP_SUFFIX}"),
+            os.path.join(shard, f"{TEMP_PREFIX}99-2{TEMP_SUFFIX}"),
+        ]
+        unrelated = os.path.join(root, "notes.txt")
+        for path in [*orphans, unrelated]:
+            with open(path, "wb") as handle:
+                handle.write(b"partial")
+        adapter = open_dynamic(dynamic_config(root))
+        try:
+            assert not any(os.path.exists(path) for path in orphans)
+            assert os.path.exists(unrelated)
+            assert adapter.stats()["orphan_temp_files_removed"] == 2
+        finally:
+            adapter.close()
+
+
+def test_record_file_format() -> None:
+    arena = Arena()
+    (key,) = make_keys(1)
+    data = pattern(4, 10_000)
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root), arena.view)
+        try:
+            assert store(adapter, arena, [key], [data]) == [True]
+            with open(os.path.join(root, f"{key.file_stem()}.bin"), "rb") as handle:
+                raw = handle.read()
+            assert raw[:4] == RECORD_MAGIC
+            assert len(raw) == 4096 + len(data) and raw[4096:] == data
+        finally:
+            adapter.close()
+
+
+def _corrupt(path: str, offset: int) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)
+        handle.seek(offset)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage", ["payload", "header", "truncated"])
+def test_damaged_record_is_a_miss_and_is_removed(damage: str) -> None:
+    arena = Arena()
+    keys = make_keys(2)
+    data = [pattern(7, SIZE), pattern(8, SIZE)]
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root), arena.view)
+        try:
+            assert store(adapter, arena, keys, data) == [True, True]
+            path = os.path.join(root, f"{keys[0].file_stem()}.bin")
+            if damage == "payload":
+                _corrupt(path, 4096 + SIZE // 2)
+            elif damage == "header":
+                _corrupt(path, 40)
+            else:
+                os.truncate(path, 4096 + SIZE - 1)
+            assert client(adapter).lookup_and_lock(keys).found == [True, True]
+            ok, contents = load(adapter, arena, keys, [SIZE, SIZE])
+            assert ok == [False, True] and contents[1] == data[1]
+            adapter.unlock(keys)
+            assert not os.path.exists(path)
+            assert adapter.stats()["corrupt_records_removed"] == 1
+            assert client(adapter).lookup_and_lock(keys[:1]).found == [False]
+            assert adapter.used_bytes() == SIZE
+        finally:
+            adapter.close()
+
+
+def test_eviction_deletes_files_and_skips_pinned_keys() -> None:
+    arena = Arena()
+    keys = make_keys(4)
+    names = [f"{key.file_stem()}.bin" for key in keys]
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root, capacity_gb=(4 * SIZE) / (1 << 30)), arena.view)
+        try:
+            controller = lru_eviction_controller(adapter, watermark=0.75, ratio=0.5)
+            assert store(adapter, arena, keys, [pattern(i, SIZE) for i in range(4)]) == [True] * 4
+            assert adapter.usage() == 1.0
+            # LRU evicts the tail of a prefix first: keys[3] is the first victim. A
+            # prefetch has it pinned between its lookup and its load.
+            assert client(adapter).lookup_and_lock(keys[3:]).found == [True]
+            controller.evict(2 * SIZE)
+            assert set(record_files(root)) == {names[0], names[3]}, "pinned key skipped, next victims taken"
+            assert adapter.usage() == 0.5
+            adapter.unlock(keys[3:])
+            controller.evict(SIZE)
+            assert set(record_files(root)) == {names[0]}, "retried in the next cycle"
+        finally:
+            adapter.close()
+
+
+@pytest.mark.parametrize("size", [SIZE, SIZE + 123])
+def test_direct_io_round_trip_and_restart(size: int) -> None:
+    arena = Arena()
+    keys = make_keys(2)
+    data = [pattern(30, size), pattern(31, size // 3)]
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root, direct_io=True), arena.view)
+        assert store(adapter, arena, keys, data) == [True, True]
+        assert load(adapter, arena, keys, [len(d) for d in data]) == ([True, True], data)
+        adapter.close()
+        restarted = open_dynamic(dynamic_config(root, direct_io=True), arena.view)
+        try:
+            result = client(restarted).lookup_and_lock(keys)
+            assert result.sizes == [len(d) for d in data]
+            assert load(restarted, arena, keys, result.sizes) == ([True, True], data)
+            restarted.unlock(keys)
+        finally:
+            restarted.close()
+
+
+class ZlibSerde:
+    """A size-changing serde: the L1 size after a restart must come from the header."""
+
+    name = "test-zlib"
+
+    def encode(self, data: memoryview) -> bytes:
+        return zlib.compress(data)
+
+    def decode(self, data: memoryview, size: int) -> bytes:
+        return zlib.decompress(data)
+
+
+def test_size_changing_serde_recovers_l1_size_from_the_header() -> None:
+    arena = Arena()
+    keys = make_keys(2)
+    data = [bytes(SIZE), b"ab" * 5000]
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root), arena.view, serde=(ZlibSerde(),))
+        assert store(adapter, arena, keys, data) == [True, True]
+        stored = adapter.used_bytes()
+        assert stored < sum(map(len, data))
+        adapter.close()
+        restarted = open_dynamic(dynamic_config(root), arena.view, serde=(ZlibSerde(),))
+        try:
+            result = client(restarted).lookup_and_lock(keys)
+            assert result.sizes == [len(d) for d in data]
+            assert restarted.used_bytes() == stored
+            assert load(restarted, arena, keys, result.sizes) == ([True, True], data)
+            restarted.unlock(keys)
+        finally:
+            restarted.close()
+        # A record written with another serde chain is refused (and removed), not misread.
+        plain = open_dynamic(dynamic_config(root), arena.view)
+        try:
+            result = client(plain).lookup_and_lock(keys)
+            sizes = [size or 1 for size in result.sizes]
+            ok, _ = load(plain, arena, keys, sizes)
+            assert ok == [False, False]
+            assert plain.stats()["corrupt_records_removed"] == 2
+        finally:
+            plain.close()
+
+
+def test_large_batches_open_files_in_slices_and_close_them_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recordio, "MAX_OPEN_FILES", 3)
+    arena = Arena()
+    keys = make_keys(8)
+    data = [pattern(40 + i, 5000 + i) for i in range(8)]
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root), arena.view)
+        try:
+            # Warm up worker and helper threads so they do not count as new descriptors.
+            assert store(adapter, arena, make_keys(1, start=99), [b"x"]) == [True]
+            before = len(os.listdir("/proc/self/fd"))
+            assert store(adapter, arena, keys, data) == [True] * 8
+            assert load(adapter, arena, keys, [len(d) for d in data]) == ([True] * 8, data)
+            assert len(os.listdir("/proc/self/fd")) == before, "every record file is closed again"
+        finally:
+            adapter.close()
+
+
+def test_intact_record_of_another_size_fails_the_load_but_is_kept() -> None:
+    arena = Arena()
+    (key,) = make_keys(1)
+    data = pattern(50, SIZE)
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root), arena.view)
+        assert store(adapter, arena, [key], [data]) == [True]
+        adapter.close()
+        # After a restart nothing is accounted, so a load without a lookup reaches the
+        # files with whatever size the caller brings.
+        restarted = open_dynamic(dynamic_config(root), arena.view)
+        try:
+            assert load(restarted, arena, [key], [SIZE - 10])[0] == [False]
+            assert os.path.exists(os.path.join(root, f"{key.file_stem()}.bin"))
+            assert restarted.stats().get("corrupt_records_removed", 0) == 0
+            assert load(restarted, arena, [key], [SIZE]) == ([True], [data])
+        finally:
+            restarted.close()

@@ -1,0 +1,189 @@
+"""nixl_store on real NIXL POSIX: pool exhaustion, slot reuse, eviction around pins."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from lmcache_plugin_nixl.pool import slot_file_name
+from lmcache_plugin_nixl.slots import Claim, SlotTable
+from nixl_helpers import Arena, client, lru_eviction_controller, open_pool, pool_config, scratch_dir
+
+from lmcache_tiers.testing.l2 import make_keys, pattern
+
+SIZE = 64 << 10
+
+
+def test_full_pool_reports_unwritten_keys_and_counts_them() -> None:
+    arena = Arena()
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=4), arena.view)
+        try:
+            keys = make_keys(6)
+            data = [pattern(i, SIZE) for i in range(6)]
+            ok = client(adapter).store(keys, [arena.filled(d) for d in data])
+            assert ok == [True] * 4 + [False] * 2
+            assert adapter.stats()["pool_full_rejections"] == 2
+            assert adapter.usage() == 1.0
+            # The refused keys are not there; the stored ones load their own bytes.
+            result = client(adapter).lookup_and_lock(keys)
+            assert result.found == [True] * 4 + [False] * 2
+            buffers = [arena.take(SIZE) for _ in range(4)]
+            assert client(adapter).load(keys[:4], buffers) == [True] * 4
+            assert [bytes(b) for b in buffers] == data[:4]
+            adapter.unlock(keys[:4])
+            # A later batch is refused too, and counted again.
+            assert client(adapter).store(keys[4:], [arena.filled(d) for d in data[4:]]) == [False, False]
+            assert adapter.stats()["pool_full_rejections"] == 4
+        finally:
+            adapter.close()
+
+
+def test_delete_frees_slots_for_new_keys() -> None:
+    arena = Arena()
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=2), arena.view)
+        try:
+            keys = make_keys(3)
+            data = [pattern(10 + i, SIZE - i) for i in range(3)]
+            assert client(adapter).store(keys[:2], [arena.filled(d) for d in data[:2]]) == [True, True]
+            assert client(adapter).store(keys[2:], [arena.filled(data[2])]) == [False]
+            assert adapter.delete([keys[0]]) == [True]
+            assert adapter.usage() == 0.5
+            assert client(adapter).store(keys[2:], [arena.filled(data[2])]) == [True]
+            result = client(adapter).lookup_and_lock(keys)
+            assert result.found == [False, True, True]
+            buffers = [arena.take(len(d)) for d in data[1:]]
+            assert client(adapter).load(keys[1:], buffers) == [True, True]
+            assert [bytes(b) for b in buffers] == data[1:]
+            adapter.unlock(keys[1:])
+        finally:
+            adapter.close()
+
+
+def test_eviction_skips_pinned_keys_and_takes_them_next_cycle() -> None:
+    arena = Arena()
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=4), arena.view)
+        try:
+            controller = lru_eviction_controller(adapter, watermark=0.75, ratio=0.5)
+            keys = make_keys(4)
+            assert (
+                client(adapter).store(keys, [arena.filled(pattern(i, SIZE)) for i in range(4)]) == [True] * 4
+            )
+            # LRU evicts the tail of a prefix first; an in-flight prefetch has pinned it.
+            assert client(adapter).lookup_and_lock(keys[2:]).found == [True, True]
+            controller.evict(2 * SIZE)
+            assert set(adapter.iter_keys()) == set(keys[2:]), "pinned keys skipped, the others evicted"
+            assert adapter.usage() == 0.5
+            # The load completes and drops its pins; the next cycle takes them.
+            buffers = [arena.take(SIZE) for _ in range(2)]
+            assert client(adapter).load(keys[2:], buffers) == [True, True]
+            adapter.unlock(keys[2:])
+            controller.evict(2 * SIZE)
+            assert list(adapter.iter_keys()) == []
+            assert adapter.usage() == 0.0
+        finally:
+            adapter.close()
+
+
+def test_buffers_outside_the_registered_arena_round_trip() -> None:
+    # Serde output and callers without an L1 hand over ordinary bytes: registered per batch.
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=4), arena=None)
+        try:
+            keys = make_keys(2)
+            data = [pattern(1, 5000), pattern(2, 7)]
+            assert client(adapter).store(keys, [memoryview(d) for d in data]) == [True, True]
+            buffers = [memoryview(bytearray(len(d))) for d in data]
+            assert client(adapter).load(keys, buffers) == [True, True]
+            assert [bytes(b) for b in buffers] == data
+        finally:
+            adapter.close()
+
+
+@pytest.mark.parametrize("size", [SIZE, SIZE + 123])
+def test_direct_io_round_trip_aligned_and_unaligned(size: int) -> None:
+    arena = Arena()
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=2, direct_io=True), arena.view)
+        try:
+            keys = make_keys(2)
+            data = [pattern(5, size), pattern(6, size // 2)]
+            assert client(adapter).store(keys, [arena.filled(d) for d in data]) == [True, True]
+            buffers = [arena.take(len(d)) for d in data]
+            assert client(adapter).load(keys, buffers) == [True, True]
+            assert [bytes(b) for b in buffers] == data
+        finally:
+            adapter.close()
+
+
+def test_slot_files_are_preallocated_truncated_and_removed() -> None:
+    with scratch_dir() as directory:
+        stale = os.path.join(directory, slot_file_name(0))
+        with open(stale, "wb") as handle:
+            handle.write(b"left by an earlier server")
+        adapter = open_pool(pool_config(directory, pool_size=3))
+        try:
+            names = sorted(n for n in os.listdir(directory) if n.endswith(".bin"))
+            assert names == [slot_file_name(i) for i in range(3)]
+            assert os.path.getsize(stale) == 0
+            assert client(adapter).lookup_and_lock(make_keys(1)).found == [False]
+        finally:
+            adapter.close()
+        assert os.listdir(directory) == []
+
+
+def test_a_smaller_object_does_not_leave_the_old_tail_on_disk() -> None:
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=1))
+        try:
+            (key,) = make_keys(1)
+            assert client(adapter).store([key], [memoryview(pattern(1, SIZE))]) == [True]
+            assert client(adapter).store([key], [memoryview(pattern(2, 100))]) == [False], (
+                "pool of one is full"
+            )
+            assert adapter.delete([key]) == [True]
+            assert client(adapter).store([key], [memoryview(pattern(2, 100))]) == [True]
+            assert os.path.getsize(os.path.join(directory, slot_file_name(0))) == 100
+        finally:
+            adapter.close()
+
+
+# -- slot bookkeeping ------------------------------------------------------------------------
+
+
+def test_slot_table_claims_until_full() -> None:
+    table = SlotTable(2)
+    keys = make_keys(3)
+    claims = table.claim(keys)
+    assert sorted(c for c in claims if isinstance(c, int)) == [0, 1]
+    assert claims[2] is Claim.FULL
+    assert table.claim(keys[:1]) == [Claim.BUSY], "a key being written is not written twice"
+    first = claims[0]
+    assert isinstance(first, int)
+    table.abandon(keys[0], first)
+    assert table.sizes(keys) == [None, None, None]
+    assert table.used_slots == 1
+
+
+def test_slot_with_a_reader_is_never_reused() -> None:
+    table = SlotTable(2)
+    (key,) = make_keys(1)
+    (slot,) = table.claim([key])
+    assert isinstance(slot, int)
+    table.publish(key, slot, 10)
+    (entry,) = table.acquire_for_read([key])
+    assert entry is not None
+    assert table.delete([key]) == [False], "a delete racing a load is refused"
+    # Rewriting the key moves it to a new slot; the old one waits for its reader.
+    (new_slot,) = table.claim([key])
+    assert isinstance(new_slot, int) and new_slot != slot
+    table.publish(key, new_slot, 20)
+    assert table.used_slots == 2
+    assert table.claim(make_keys(1, start=5)) == [Claim.FULL]
+    table.release_reads([entry.slot])
+    assert table.used_slots == 1
+    assert table.sizes([key]) == [20]
+    assert table.delete([key]) == [True]
+    assert table.used_slots == 0

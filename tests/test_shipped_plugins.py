@@ -1,0 +1,47 @@
+"""Every plugin directory in the repository is installed, discoverable and documented."""
+
+import json
+import sys
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+from thirdparty import run_cli
+
+from lmcache_tiers.config_docs import render_config_reference
+from lmcache_tiers.plugins import load_plugins
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGIN_DIRS = sorted(
+    p for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists() and not p.name.startswith("_")
+)
+
+
+def _entry_points(directory: Path) -> dict[str, str]:
+    project = tomllib.loads((directory / "pyproject.toml").read_text())["project"]
+    return project["entry-points"]["lmcache_tiers"]
+
+
+def test_every_shipped_plugin_is_listed_with_components() -> None:
+    result = run_cli(["plugins", "list", "--json"])
+    assert result.returncode == 0, result.stderr
+    rows = {row["plugin"]: row for row in json.loads(result.stdout)}
+    assert PLUGIN_DIRS, "no plugins found in the repository"
+    for directory in PLUGIN_DIRS:
+        project = tomllib.loads((directory / "pyproject.toml").read_text())["project"]
+        assert project["name"] == f"lmcache-plugin-{directory.name}"
+        for name in _entry_points(directory):
+            assert name in rows, f"{directory.name}: entry point {name} is not installed"
+            assert rows[name]["status"] == "ok", rows[name]
+            assert rows[name]["components"], f"{name} registers no component"
+
+
+def test_configuration_reference_is_current() -> None:
+    expected = render_config_reference(load_plugins())
+    committed = (ROOT / "docs" / "configuration.md").read_text()
+    assert committed == expected, (
+        "docs/configuration.md is stale: run `lmcache-tiers plugins reference > docs/configuration.md`"
+    )
