@@ -5,7 +5,7 @@ page-aligned buffers, are written and read back by:
 
 * ``pwrite new``   -- one new file per object: open, ``os.pwrite``, close (what
                       nixl_store_dynamic does, minus header, checksum and rename);
-* ``+ blake3``     -- the same plus core's record checksum of every object (computed
+* ``+ checksum``   -- the same plus core's record checksum of every object (computed
                       before the write, verified after the read), to show its cost;
 * ``nixl_store_dynamic`` -- through the adapter's non-blocking interface, one batch;
 * ``pwrite reuse`` -- ``os.pwrite`` into files opened once (what nixl_store's slots are);
@@ -265,7 +265,7 @@ def run_case(case: Case, root: str, args: argparse.Namespace) -> list[Result]:
     try:
         methods = [
             Method("pwrite new files", store_new, load_new, unlinker("plain-")),
-            Method("  + blake3 checksum", store_summed, load_summed, unlinker("summed-"), "pwrite new files"),
+            Method("  + record checksum", store_summed, load_summed, unlinker("summed-"), "pwrite new files"),
             Method("nixl_store_dynamic", *adapter_actions(dynamic, keys, buffers), "pwrite new files"),
             Method("pwrite reused files", reused.store, reused.load),
             Method("nixl_store", *adapter_actions(pool, keys, buffers), "pwrite reused files"),

@@ -135,3 +135,26 @@ def test_any_record_round_trips(payload: bytes, salt: str, serde: list[str], ali
     header, body = decode_record(data, expected_key=key, expected_serde=serde)
     assert header.header_len % align == 0
     assert bytes(body) == payload
+
+
+def test_records_written_with_blake3_still_verify() -> None:
+    """Algorithm 1 (blake3) was the first checksum; such records must stay readable."""
+    import struct
+    import zlib
+
+    from lmcache_tiers.l2 import record
+
+    key = ObjectKey("m", 0, b"\x01" * 32)
+    payload = b"kv" * 1000
+    header = bytearray(record.encode_header(key, payload))
+    algo_offset = struct.calcsize("<4sHHIQQ")
+    digest_offset = algo_offset + 4
+    header[algo_offset] = record.CHECKSUM_BLAKE3_128
+    header[digest_offset : digest_offset + 16] = record.checksum(payload, record.CHECKSUM_BLAKE3_128)
+    crc_at = len(header) - 4
+    header[crc_at:] = struct.pack("<I", zlib.crc32(bytes(header[:crc_at])))
+    decoded = record.decode_header(bytes(header))
+    assert decoded.checksum_algo == record.CHECKSUM_BLAKE3_128
+    record.verify_payload(decoded, payload)
+    with pytest.raises(record.RecordChecksumError):
+        record.verify_payload(decoded, b"kV" * 1000)

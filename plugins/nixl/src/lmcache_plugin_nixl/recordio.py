@@ -1,6 +1,6 @@
 """Record files of nixl_store_dynamic: header by plain file I/O, payload through NIXL.
 
-A record file is core's record header (magic, version, key, lengths, serde chain, blake3
+A record file is core's record header (magic, version, key, lengths, serde chain, XXH3-128
 checksum of the payload) padded to 4096 bytes, then the payload.  Headers go through
 NIXL too, from a page-aligned staging block registered per batch: writing or reading them
 with a system call per file would, with ``O_DIRECT``, wait for the device once per object.
@@ -12,8 +12,8 @@ header before trusting the payload.  The padding keeps payloads block-aligned so
 Checksums cost about as much CPU as the copies themselves, so they are taken off the
 critical path: on store the helper thread computes them (and encodes the headers) while
 NIXL writes the payloads, the headers being written last; on load NIXL reads the batch in
-groups and the helper thread verifies one group while the next is being read.  NIXL and
-blake3 both release the GIL.
+groups and the helper thread verifies one group while the next is being read.  NIXL releases
+the GIL while it moves bytes.
 
 Writes go to a temporary file renamed over the final name only after header and payload
 are complete, so a crash leaves either the old record, the new one, or a temporary file
