@@ -45,3 +45,18 @@ def test_configuration_reference_is_current() -> None:
     assert committed == expected, (
         "docs/configuration.md is stale: run `lmcache-tiers plugins reference > docs/configuration.md`"
     )
+
+
+def test_listing_plugins_imports_no_backend_library() -> None:
+    """Manifests register "module:attr" strings, so discovery never loads NIXL or torch."""
+    import subprocess
+
+    probe = (
+        "import sys\n"
+        "from lmcache_tiers.plugins import load_plugins\n"
+        "assert all(p.status == 'ok' for p in load_plugins().plugins)\n"
+        "heavy = ('torch', 'nixl', 'nixl_cu12', 's3fs', 'redis', 'numpy')\n"
+        "print(','.join(m for m in heavy if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
