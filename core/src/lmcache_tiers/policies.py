@@ -103,3 +103,22 @@ def plan_from_lowest_index(
                 bitmap[key_position] = True
                 break
     return plan
+
+
+class LowestIndexPrefetchPolicy:
+    """Loads each key from the lowest-index adapter that holds it.
+
+    The built-in ``default`` and ``retain`` policies are this plan; they differ only in
+    ``retain_loaded``.  Third-party policies may subclass it too.
+    """
+
+    retain_loaded = False
+
+    def select_load_plan(
+        self,
+        keys: Sequence[ObjectKey],
+        found: Sequence[Sequence[bool]],
+        adapters: Sequence[AdapterInfo],
+    ) -> dict[int, list[bool]]:
+        return plan_from_lowest_index(keys, found, adapters)
+

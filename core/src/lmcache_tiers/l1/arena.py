@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from typing import Self  # annotations only: Python 3.10 has no typing.Self
 
 from lmcache_tiers.errors import ConfigError, TiersError
+from lmcache_tiers.l1.stale import remove_files_of_dead_processes
 
 logger = logging.getLogger(__name__)
 
@@ -269,35 +270,8 @@ class L1Arena:
 def remove_stale_segments() -> list[str]:
     """Unlink default-named segments whose creating process no longer exists.
 
-    A server killed with SIGKILL runs no cleanup; call this at start-up to reclaim its memory.
-    Only names of the form ``lmcache_tiers_<pid>_<hex>`` are considered, never a custom name.
+    Call at start-up to reclaim the memory of a server killed with SIGKILL.  Only names of
+    the form ``lmcache_tiers_<pid>_<hex>`` are considered, never a custom name.
     """
-    removed: list[str] = []
-    try:
-        entries = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return removed
-    for entry in entries:
-        match = _DEFAULT_NAME.match(entry)
-        if match is None:
-            continue
-        pid = int(match.group(1))
-        if pid == os.getpid() or _process_exists(pid):
-            continue
-        try:
-            os.unlink(os.path.join(SHM_DIR, entry))
-        except FileNotFoundError:
-            continue
-        logger.warning("removed stale L1 segment %s/%s left by dead process %d", SHM_DIR, entry, pid)
-        removed.append(entry)
-    return removed
+    return remove_files_of_dead_processes(SHM_DIR, _DEFAULT_NAME, "L1 segment")
 
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, owned by someone else
-    return True

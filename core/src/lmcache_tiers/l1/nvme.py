@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from typing import Self  # annotations only: Python 3.10 has no typing.Self
 
 from lmcache_tiers.errors import ConfigError, TiersError
-from lmcache_tiers.l1.arena import _process_exists
+from lmcache_tiers.l1.stale import remove_files_of_dead_processes
 
 logger = logging.getLogger(__name__)
 
@@ -346,25 +346,7 @@ def _io_path_description(path: str, direct_io: bool) -> str:
 def remove_stale_block_files(directory: str) -> list[str]:
     """Remove default-named block files in ``directory`` whose creating process is gone.
 
-    A server killed with SIGKILL runs no cleanup; its file would hold the disk space of a
-    whole L1. Only names of the form ``lmcache_tiers_l1_<pid>_<hex>.blocks`` are touched.
+    A killed server's file would hold the disk space of a whole L1.  Only names of the form
+    ``lmcache_tiers_l1_<pid>_<hex>.blocks`` are touched.
     """
-    removed: list[str] = []
-    try:
-        entries = os.listdir(directory)
-    except FileNotFoundError:
-        return removed
-    for entry in entries:
-        match = _FILE_NAME.match(entry)
-        if match is None:
-            continue
-        pid = int(match.group(1))
-        if pid == os.getpid() or _process_exists(pid):
-            continue
-        try:
-            os.unlink(os.path.join(directory, entry))
-        except FileNotFoundError:
-            continue
-        logger.warning("removed stale NVMe L1 file %s/%s left by dead process %d", directory, entry, pid)
-        removed.append(entry)
-    return removed
+    return remove_files_of_dead_processes(directory, _FILE_NAME, "NVMe L1 file")
