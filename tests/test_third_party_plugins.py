@@ -146,7 +146,12 @@ def test_usage_errors_are_one_line_with_exit_code_2() -> None:
         ("serve", "--bogus"): "error: No such option: --bogus",
         ("serve", "--print-config", "--l2-adapter", "{oops"): "error: --l2-adapter #1 is not valid JSON",
         ("serve", "--print-config", "--l2-adapter", '{"type": "mokc"}'): "did you mean 'mock'?",
-        ("serve", "--print-config", "--eviction-ratio", "2"): "Expected `float` <= 1.0 - at `$.eviction_ratio`",
+        (
+            "serve",
+            "--print-config",
+            "--eviction-ratio",
+            "2",
+        ): "Expected `float` <= 1.0 - at `$.eviction_ratio`",
         ("serve", "--print-config", "--host", "0.0.0.0"): "requires --auth-token",
         ("serve", "--config", "/nonexistent.toml"): "config file '/nonexistent.toml' does not exist",
     }
