@@ -2,7 +2,7 @@
 
 A record file is core's record header (magic, version, key, lengths, serde chain, XXH3-128
 checksum of the payload) padded to 4096 bytes, then the payload.  Headers go through
-NIXL too, from a page-aligned staging block registered per batch: writing or reading them
+NIXL too, from page-aligned staging blocks registered once and reused: writing or reading them
 with a system call per file would, with ``O_DIRECT``, wait for the device once per object.
 A load reads each file's header and payload in the same request (the header's length
 follows from the key, the payload's from the size the lookup reported) and checks the
@@ -12,8 +12,10 @@ header before trusting the payload.  The padding keeps payloads block-aligned so
 Checksums cost about as much CPU as the copies themselves, so they are taken off the
 critical path: on store the helper thread computes them (and encodes the headers) while
 NIXL writes the payloads, the headers being written last; on load NIXL reads the batch in
-groups and the helper thread verifies one group while the next is being read.  NIXL releases
-the GIL while it moves bytes.
+groups of about 16 MiB and the helper thread verifies each group while the following ones
+are read.  NIXL (during its transfer call) and xxhash both release the GIL, so the two
+overlap whenever a second core is free; when none is, a verified load costs the read
+plus the checksum.
 
 Writes go to a temporary file renamed over the final name only after header and payload
 are complete, so a crash leaves either the old record, the new one, or a temporary file
@@ -27,12 +29,15 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
+from queue import SimpleQueue
 
 from lmcache_plugin_nixl.layout import FileLayout
-from lmcache_plugin_nixl.memory import DIRECT_IO_ALIGN, buffer_address, direct_io_ok
+from lmcache_plugin_nixl.memory import DIRECT_IO_ALIGN, HostMemory, buffer_address, direct_io_ok
 from lmcache_plugin_nixl.runtime import NixlRuntime, Registration
 from lmcache_plugin_nixl.transfers import BatchTransfer, Locator, StorageRow
 from lmcache_tiers.keys import ObjectKey
@@ -41,13 +46,17 @@ from lmcache_tiers.l2.record import RecordError, RecordHeader, decode_header, en
 log = logging.getLogger(__name__)
 
 HEADER_ALIGN = DIRECT_IO_ALIGN
-#: A load is read in about this many groups so verification overlaps the reads; groups
-#: stay above a minimum size so small batches remain one NIXL request.
-PIPELINE_GROUPS = 8
-PIPELINE_MIN_GROUP_BYTES = 8 << 20
+#: A load is read in groups of about this many bytes (whole objects, at least one), each
+#: one NIXL request, and each group is verified while the next ones are read.  Small
+#: groups keep the verification of the last group (which nothing overlaps) short, but
+#: each group costs ~0.1 ms of Python and NIXL set-up on the reading thread: 16 MiB
+#: groups balance the two for batches of 1 MiB objects.
+PIPELINE_GROUP_BYTES = 16 << 20
 #: Files open at once per batch: a large batch is handled in slices of this many keys,
 #: so the number of objects is never bounded by the open-file limit.
 MAX_OPEN_FILES = 256
+#: Header staging blocks hold one slice's headers at their usual size (4096 bytes).
+STAGING_BLOCK_BYTES = MAX_OPEN_FILES * HEADER_ALIGN
 
 
 @dataclass
@@ -63,18 +72,58 @@ class _Pending:
 
 
 class HeaderStaging:
-    """Page-aligned memory for a batch's headers, one 4096-multiple slot each."""
+    """Page-aligned memory for a batch's headers, one 4096-multiple slot each.
 
-    def __init__(self, lengths: Sequence[int]) -> None:
-        # Anonymous mmap memory is page-aligned and, as the lengths are multiples of
-        # 4096, so is every slot: usable with O_DIRECT.
-        self._block = mmap.mmap(-1, max(1, sum(lengths)))
-        whole = memoryview(self._block)
-        self.views: list[memoryview] = []
+    Blocks are kept and reused, registered with NIXL once (pinned): allocating and
+    registering a block per batch, or per pipeline group, cost milliseconds each time.
+    A block serves one batch at a time; concurrent batches (the store and load
+    controllers) get a block each, so there are about as many blocks as batches ever ran
+    at once.  A batch needing more than ``STAGING_BLOCK_BYTES`` (unusually long keys)
+    gets a block of its own, registered for that batch only.
+    """
+
+    def __init__(self, host: HostMemory) -> None:
+        self._host = host
+        self._lock = threading.Lock()
+        self._free: list[mmap.mmap] = []
+
+    @contextmanager
+    def lease(self, lengths: Sequence[int]) -> Iterator[list[memoryview]]:
+        """Views of ``lengths`` bytes each, valid until the ``with`` block ends."""
+        total = max(1, sum(lengths))
+        block = self._take(total)
+        whole = memoryview(block)
+        views: list[memoryview] = []
         offset = 0
+        # Anonymous mmap memory is page-aligned and, as the lengths are multiples of 4096,
+        # so is every slot: usable with O_DIRECT.
         for length in lengths:
-            self.views.append(whole[offset : offset + length])
+            views.append(whole[offset : offset + length])
             offset += length
+        try:
+            yield views
+        finally:
+            for view in views:
+                view.release()
+            whole.release()
+            if len(block) == STAGING_BLOCK_BYTES:
+                with self._lock:
+                    self._free.append(block)
+            else:
+                block.close()
+
+    def _take(self, size: int) -> mmap.mmap:
+        if size > STAGING_BLOCK_BYTES:
+            return mmap.mmap(-1, size)
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        block = mmap.mmap(-1, STAGING_BLOCK_BYTES)
+        # The block stays mapped for the adapter's lifetime (its views are released after
+        # every batch, so nothing pins it); the host deregisters it when the adapter ends.
+        with memoryview(block) as view:
+            self._host.pin(view)
+        return block
 
 
 def _places(items: list[_Pending]) -> Locator:
@@ -87,11 +136,11 @@ def _places(items: list[_Pending]) -> Locator:
     return locate
 
 
-def _header_places(items: list[_Pending], staging: HeaderStaging) -> Locator:
+def _header_places(items: list[_Pending]) -> Locator:
     """Each item's header: the start of its file."""
 
     def locate(position: int, _address: int) -> StorageRow:
-        return 0, staging.views[position].nbytes, items[position].fd
+        return 0, items[position].offset, items[position].fd
 
     return locate
 
@@ -109,15 +158,13 @@ def _header_and_payload_places(items: list[_Pending]) -> Locator:
 
 
 def _groups(items: list[_Pending]) -> Iterator[list[_Pending]]:
-    """Consecutive groups of about 1/PIPELINE_GROUPS of the bytes each."""
-    total = sum(item.length for item in items)
-    target = max(PIPELINE_MIN_GROUP_BYTES, -(-total // PIPELINE_GROUPS))
+    """Consecutive groups of about PIPELINE_GROUP_BYTES each."""
     group: list[_Pending] = []
     size = 0
     for item in items:
         group.append(item)
         size += item.length
-        if size >= target:
+        if size >= PIPELINE_GROUP_BYTES:
             yield group
             group, size = [], 0
     if group:
@@ -141,23 +188,34 @@ class RecordFiles:
         self._layout = layout
         self._direct_io = direct_io
         self._serde = serde_names
-        self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nixl-checksum")
+        self._staging = HeaderStaging(transfer.host)
+        self._header_lengths: dict[int, int] = {}
+        # Checksums of one batch run on one helper thread, overlapping that batch's I/O.
+        # Two threads so that a load's verifier, which lives as long as its batch, never
+        # makes a concurrent store (or load) wait for its own checksum thread.
+        self._helper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nixl-checksum")
 
     def close(self) -> None:
         self._helper.shutdown(wait=True)
 
     def header_length(self, key: ObjectKey) -> int:
         """Header size of ``key``'s record; it depends only on the key and the serde chain."""
-        return len(encode_header(key, b"", serde=self._serde, align=HEADER_ALIGN))
+        # Only the key's encoded length varies, so the answer is cached per length rather
+        # than encoding a header for every file of every batch.
+        key_len = len(key.to_bytes())
+        length = self._header_lengths.get(key_len)
+        if length is None:
+            length = len(encode_header(key, b"", serde=self._serde, align=HEADER_ALIGN))
+            self._header_lengths[key_len] = length
+        return length
 
     def _register(self, rows: list[StorageRow]) -> Registration:
-        # A file appears twice in a load (header and payload); register it once.
         return self._runtime.register_files(
             self._transfer.backend, list(dict.fromkeys(row[2] for row in rows))
         )
 
-    def _open_flags(self, base: int, address: int, length: int, offset: int) -> int:
-        if self._direct_io and direct_io_ok(address, length, offset):
+    def _open_flags(self, base: int, buffer: memoryview, offset: int) -> int:
+        if self._direct_io and direct_io_ok(buffer_address(buffer), buffer.nbytes, offset):
             return base | os.O_DIRECT
         return base
 
@@ -223,11 +281,11 @@ class RecordFiles:
         """
         if not complete:
             return []
-        staging = HeaderStaging([len(header) for _item, header in complete])
-        for position, (_item, header) in enumerate(complete):
-            staging.views[position][:] = header
-        items = [item for item, _header in complete]
-        return self._transfer.run("WRITE", staging.views, _header_places(items, staging), self._register)
+        with self._staging.lease([len(header) for _item, header in complete]) as views:
+            for view, (_item, header) in zip(views, complete, strict=True):
+                view[:] = header
+            items = [item for item, _header in complete]
+            return self._transfer.run("WRITE", views, _header_places(items), self._register)
 
     def _encode(self, key: ObjectKey, payload: memoryview, l1_size: int) -> bytes | None:
         try:
@@ -241,12 +299,7 @@ class RecordFiles:
         try:
             directory = self._layout.ensure_directory(key)
             path = self._layout.temp_path(directory)
-            flags = self._open_flags(
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                buffer_address(payload),
-                payload.nbytes,
-                offset,
-            )
+            flags = self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, payload, offset)
             fd = os.open(path, flags, 0o644)
         except OSError as exc:
             log.warning("cannot create a record file for %s: %s", key.file_stem(), exc)
@@ -293,27 +346,59 @@ class RecordFiles:
                     results[index] = outcome
             if not pending:
                 return results
-            # Header and payload of every file come in the same NIXL request. Pipelined:
-            # while NIXL reads one group, the helper thread verifies the group before it.
-            staging = HeaderStaging([item.offset for item in pending])
-            for item, view in zip(pending, staging.views, strict=True):
-                item.header = view
-            verifying: Future[None] | None = None
+            with self._staging.lease([item.offset for item in pending]) as views:
+                for item, view in zip(pending, views, strict=True):
+                    item.header = view
+                self._read_pipelined(keys, pending, buffers, results)
+        finally:
+            for item in pending:
+                item.header = None
+                os.close(item.fd)
+        return results
+
+    def _read_pipelined(
+        self,
+        keys: Sequence[ObjectKey],
+        pending: list[_Pending],
+        buffers: Sequence[memoryview],
+        results: list[bool | RecordError | None],
+    ) -> None:
+        """Read header and payload of every file, group by group, verifying as they land.
+
+        This thread posts one NIXL request per group without waiting for verification;
+        the helper thread verifies each group as soon as it is read.  Both release the GIL
+        for their bulk work (NIXL's transfer call, xxhash over a buffer), so with a second
+        core the checksum adds only the last group's verification to the batch's time.
+        The files are registered once for the whole slice rather than per group.
+        """
+        # A file appears twice in the requests (header and payload); register it once.
+        registration = self._runtime.register_files(self._transfer.backend, [item.fd for item in pending])
+        inbox: SimpleQueue[tuple[list[_Pending], list[bool]] | None] = SimpleQueue()
+        verifier = self._helper.submit(self._verify_stream, keys, inbox, buffers, results)
+        try:
             for group in _groups(pending):
                 targets: list[memoryview] = []
                 for item in group:
                     assert item.header is not None
                     targets += [item.header, buffers[item.index]]
-                moved = self._transfer.run("READ", targets, _header_and_payload_places(group), self._register)
-                if verifying is not None:
-                    verifying.result()
-                verifying = self._helper.submit(self._verify, keys, group, moved, buffers, results)
-            if verifying is not None:
-                verifying.result()
+                inbox.put((group, self._transfer.run("READ", targets, _header_and_payload_places(group))))
         finally:
-            for item in pending:
-                os.close(item.fd)
-        return results
+            inbox.put(None)
+            try:
+                verifier.result()
+            finally:
+                registration.release()
+
+    def _verify_stream(
+        self,
+        keys: Sequence[ObjectKey],
+        inbox: SimpleQueue[tuple[list[_Pending], list[bool]] | None],
+        buffers: Sequence[memoryview],
+        results: list[bool | RecordError | None],
+    ) -> None:
+        while (work := inbox.get()) is not None:
+            group, moved = work
+            self._verify(keys, group, moved, buffers, results)
 
     def _verify(
         self,
@@ -346,9 +431,7 @@ class RecordFiles:
     ) -> _Pending | RecordError | bool | None:
         path = self._layout.path_for(key)
         header_len = self.header_length(key)
-        flags = self._open_flags(
-            os.O_RDONLY | os.O_CLOEXEC, buffer_address(buffer), buffer.nbytes, header_len
-        )
+        flags = self._open_flags(os.O_RDONLY | os.O_CLOEXEC, buffer, header_len)
         try:
             fd = os.open(path, flags)
         except FileNotFoundError:
