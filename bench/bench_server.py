@@ -1,31 +1,47 @@
-"""Server throughput and latency, each next to its limit measured in the same run.
+"""Server throughput and latency, each next to its target or limit measured in the same run.
 
 Starts ``lmcache-tiers serve`` in its own process (L1 only, loopback, a free port) unless
 ``--url`` names a running server, then runs the ``lmcache-tiers bench`` measurements from
 this process: STORE and RETRIEVE of N x S bytes through shared memory and inline, each as
 GB/s and as a ratio of a plain memcpy of the same bytes; LOOKUP p50/p99 and requests/s.
 
-    python bench/bench_server.py                       # 64 x 2 MiB, 16-key lookups
+LOOKUP is also put next to the floor of its transport: a bare ZeroMQ DEALER/ROUTER round
+trip (a Python echo process answering each LOOKUP-sized request with a reply-sized
+message), measured in this run right before and right after the server's figures.  How
+fast a sequential round trip can be depends on where the scheduler puts the two processes
+(sharing a core, or each on its own), so the floor moves with the machine and the load on
+it; the ratio to it does not.
+
+    python bench/bench_server.py                       # 64 x 2 MiB, 16-key lookups, tcp://
+    python bench/bench_server.py --transport ipc       # the same over ipc://
     python bench/bench_server.py --chunks 128 --chunk-mib 1 --json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
+
+import zmq
 
 from lmcache_tiers.cli.commands_server import bench_table, run_with_progress
 from lmcache_tiers.cli.output import stdout
 from lmcache_tiers.client import Client, ClientError
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.server import protocol as p
 
 STORE_TARGET = 0.5  # of memcpy
 LOOKUP_TARGET_PER_S = 10_000
+ECHO_REQUESTS = 20_000
 
 
 def free_port() -> int:
@@ -34,15 +50,24 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start_server(l1_size_gb: float) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
+def endpoint(transport: str, name: str) -> tuple[str, str]:
+    """(``--host`` value or "127.0.0.1", ZeroMQ URL) for a new endpoint of ``transport``."""
+    if transport == "ipc":
+        url = f"ipc://{tempfile.gettempdir()}/lmcache-tiers-bench-{name}-{os.getpid()}.sock"
+        return url, url
+    return "127.0.0.1", f"tcp://127.0.0.1:{free_port()}"
+
+
+def start_server(l1_size_gb: float, transport: str) -> tuple[subprocess.Popen[bytes], str]:
+    host, url = endpoint(transport, "server")
+    port = url.rsplit(":", 1)[1] if transport == "tcp" else "0"
     command = [
         sys.executable, "-m", "lmcache_tiers.cli.main", "serve",
-        "--l1-size-gb", str(l1_size_gb), "--no-default-l2", "--port", str(port), "--metrics-port", "0",
+        "--l1-size-gb", str(l1_size_gb), "--no-default-l2", "--host", host, "--port", port,
+        "--metrics-port", "0",
     ]  # fmt: skip
     env = {**os.environ, "LMCACHE_LOG_LEVEL": "WARNING"}
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)
-    url = f"tcp://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
         if proc.poll() is not None:
@@ -57,27 +82,120 @@ def start_server(l1_size_gb: float) -> tuple[subprocess.Popen[bytes], str]:
                 raise SystemExit("the server did not start within 60 s") from None
 
 
+# -- the transport's floor -------------------------------------------------------------------
+
+_ECHO_REPLY = p.encode(p.LookupReply(1, handle=1, hits=16))  # what a LOOKUP gets back
+_STOP = b"stop"
+
+
+def echo_server(url: str) -> None:
+    """Answer every request at once: a ROUTER loop with nothing else in it."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(url)
+    print("ready", flush=True)
+    more = int(zmq.SNDMORE)
+    while True:
+        identity = sock.recv()
+        request = sock.recv()
+        if request == _STOP:
+            break
+        sock.send(identity, more)
+        sock.send(_ECHO_REPLY)
+    sock.close(0)
+
+
+def echo_floor(url: str, lookup_keys: int, requests: int) -> tuple[float, float]:
+    """Sequential round trips of a LOOKUP-sized request to the echo process:
+    (requests/s, p50 in microseconds)."""
+    keys = [ObjectKey("bench", 0, os.urandom(18)) for _ in range(lookup_keys)]
+    request = p.encode(p.Lookup(1, "", keys))
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(url)
+    try:
+        for _ in range(500):
+            sock.send(request)
+            sock.recv()
+        samples: list[float] = []
+        began = time.perf_counter()
+        for _ in range(requests):
+            start = time.perf_counter_ns()
+            sock.send(request)
+            sock.recv()
+            samples.append((time.perf_counter_ns() - start) / 1e3)
+        elapsed = time.perf_counter() - began
+    finally:
+        sock.close(0)
+    return requests / elapsed, statistics.median(samples)
+
+
+def measure_floor(transport: str, lookup_keys: int) -> tuple[float, float]:
+    """Start an echo process on a fresh endpoint of ``transport`` and measure it."""
+    _, url = endpoint(transport, "echo")
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--echo-server", url], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "ready":
+            raise SystemExit("the echo process did not start")
+        result = echo_floor(url, lookup_keys, ECHO_REQUESTS)
+        stopper: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        stopper.setsockopt(zmq.LINGER, 1000)
+        stopper.connect(url)
+        stopper.send(_STOP)
+        stopper.close()
+        proc.wait(10)
+        return result
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if url.startswith("ipc://"):
+            # libzmq leaves the socket file behind when the echo process unbinds.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(url[len("ipc://") :])
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--url", help="benchmark this running server instead of starting one")
+    parser.add_argument(
+        "--url", help="benchmark this running server instead of starting one (the floor is measured here)"
+    )
+    parser.add_argument(
+        "--transport",
+        choices=("tcp", "ipc"),
+        default="tcp",
+        help="endpoint of the server started here and of the echo floor (tcp is the default users run)",
+    )
     parser.add_argument("--chunks", type=int, default=64)
     parser.add_argument("--chunk-mib", type=float, default=2.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--lookup-keys", type=int, default=16)
     parser.add_argument("--lookup-requests", type=int, default=20_000)
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--echo-server", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.echo_server:
+        echo_server(args.echo_server)
+        return
 
     chunk_bytes = int(args.chunk_mib * (1 << 20))
     proc = None
     url = args.url
+    transport = "ipc" if url is not None and url.startswith("ipc://") else args.transport
     if url is None:
         # room for one batch plus slack, since eviction is what frees space between repeats
         l1_gb = max(0.5, 3 * args.chunks * chunk_bytes / 2**30)
-        proc, url = start_server(l1_gb)
+        proc, url = start_server(l1_gb, transport)
     try:
+        floor_before = measure_floor(transport, args.lookup_keys)
         result = run_with_progress(
             url,
             show=not args.json,
@@ -87,24 +205,40 @@ def main() -> None:
             lookup_keys=args.lookup_keys,
             lookup_requests=args.lookup_requests,
         )
+        floor_after = measure_floor(transport, args.lookup_keys)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
+    floor_per_s = max(floor_before[0], floor_after[0])
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        data = result.to_dict()
+        data["transport"] = transport
+        data["zmq_echo_per_s"] = [floor_before[0], floor_after[0]]
+        data["zmq_echo_p50_us"] = [floor_before[1], floor_after[1]]
+        print(json.dumps(data, indent=2))
         return
     stdout.print(bench_table(result))
     store, retrieve = result.ratio(result.store_gbps), result.ratio(result.retrieve_gbps)
-    verdicts = [
-        f"STORE/memcpy {store:.2f} (target >= {STORE_TARGET})"
+    keys = f"{result.lookup_keys} keys"
+    lines = [
+        f"STORE (shared memory): {store:.2f} x memcpy (target >= {STORE_TARGET})"
         if store is not None
-        else "STORE: no shared memory",
-        f"RETRIEVE/memcpy {retrieve:.2f} (target >= {STORE_TARGET})" if retrieve is not None else "",
-        f"LOOKUP {result.lookup_per_s:,.0f}/s sequential, {result.lookup_pipelined_per_s:,.0f}/s with "
-        f"{result.lookup_window} in flight (target >= {LOOKUP_TARGET_PER_S:,}/s)",
+        else "STORE (shared memory): not available from here",
+        f"RETRIEVE (shared memory): {retrieve:.2f} x memcpy (target >= {STORE_TARGET})"
+        if retrieve is not None
+        else "RETRIEVE (shared memory): not available from here",
+        f"LOOKUP {keys}, sequential: {result.lookup_per_s:,.0f} req/s "
+        f"(target >= {LOOKUP_TARGET_PER_S:,}; transport floor this run {floor_per_s:,.0f})",
+        f"LOOKUP {keys}, p50 / p99: {result.lookup_p50_us:.0f} / {result.lookup_p99_us:.0f} us "
+        f"(transport floor p50 this run {min(floor_before[1], floor_after[1]):.0f} us)",
+        f"LOOKUP {keys}, {result.lookup_window} in flight: {result.lookup_pipelined_per_s:,.0f} req/s "
+        f"(target >= {LOOKUP_TARGET_PER_S:,})",
+        f"bare ZeroMQ round trip over {transport}, before / after: "
+        f"{floor_before[0]:,.0f} / {floor_after[0]:,.0f} req/s "
+        f"(LOOKUP reaches {result.lookup_per_s / floor_per_s:.0%} of the better one)",
     ]
-    print("; ".join(v for v in verdicts if v))
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -91,3 +91,27 @@ def test_decoding_validates_too() -> None:
     bad = msgspec.msgpack.encode(["a/b", 0, b"h", 0, ""])
     with pytest.raises(KeyValidationError):
         ObjectKey.from_bytes(bad)
+
+
+def test_remembered_names_keep_every_check() -> None:
+    import msgspec
+
+    from lmcache_tiers import keys as keys_module
+
+    ObjectKey("m", 0, b"h", cache_salt="s")  # both names are now remembered
+    for chunk_hash, kv_rank, group in ((b"", 0, 0), (b"h", 1 << 32, 0), (b"h", 0, -1)):
+        with pytest.raises(KeyValidationError):
+            ObjectKey("m", kv_rank, chunk_hash, group, "s")
+    with pytest.raises(KeyValidationError):
+        ObjectKey.from_bytes(msgspec.msgpack.encode(["m", 0, b"h", 0, "s/"]))
+    with pytest.raises(KeyValidationError):
+        ObjectKey(["m"], 0, b"h")  # type: ignore[arg-type]
+
+    class Name(str):
+        pass
+
+    ObjectKey(Name("subclassed"), 0, b"h")
+    assert "subclassed" not in keys_module._CHECKED_MODEL_NAMES  # only exact str values
+    for index in range(keys_module._MAX_CHECKED_NAMES + 10):
+        ObjectKey(f"model-{index}", 0, b"h")
+    assert len(keys_module._CHECKED_MODEL_NAMES) <= keys_module._MAX_CHECKED_NAMES

@@ -63,6 +63,13 @@ AUTH_TOKEN_ENV = "LMCACHE_TIERS_AUTH_TOKEN"
 
 _R = TypeVar("_R", bound=p._Reply)
 
+# Plain ints: pyzmq's flags are Python enums, and combining them runs enum code on every
+# request, a noticeable share of a LOOKUP round trip.
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+_OK = p.ErrorCode.OK.value
+
 
 class ClientError(TiersError):
     """Base class of every error the client raises."""
@@ -221,7 +228,8 @@ class Client:
         req_id = request.req_id
         # Zero-copy frames only where payloads come back; plain bytes are cheaper.
         zero_copy = isinstance(request, p.Retrieve) and request.inline
-        while req_id not in self._early:
+        arrived = self._early.pop(req_id, None)
+        while arrived is None:
             remaining = deadline - time.monotonic()
             frames = self._receive(remaining, zero_copy) if remaining > 0 else None
             if frames is None:
@@ -232,13 +240,15 @@ class Client:
                 reply = p.reply_decoder.decode(frames[0])
             except msgspec.DecodeError as exc:
                 raise ProtocolError(f"undecodable reply from {self.url}: {exc}") from None
-            if reply.req_id in self._outstanding:
+            if reply.req_id == req_id:
+                arrived = reply, frames
+            elif reply.req_id in self._outstanding:
                 self._early[reply.req_id] = (reply, frames)
             else:
                 self._settle_orphan(reply)
         self._outstanding.discard(req_id)
-        reply, frames = self._early.pop(req_id)
-        if reply.code != p.ErrorCode.OK:
+        reply, frames = arrived
+        if reply.code != _OK:
             raise ServerError(_error_code(reply.code), reply.message)
         if not isinstance(reply, expect):
             raise ProtocolError(f"expected {expect.__name__} but got {type(reply).__name__}")
@@ -250,18 +260,24 @@ class Client:
         if timeout_ms != self._receive_timeout_ms:
             self._socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._receive_timeout_ms = timeout_ms
+        # Frames carry their "more" flag; recv_multipart would ask getsockopt(RCVMORE),
+        # which runs pyzmq's Python-level option lookup, for every part.
+        sock = self._socket
         try:
-            if zero_copy:
-                return list(self._socket.recv_multipart(copy=False))
-            return list(self._socket.recv_multipart())
+            part = sock.recv(copy=False)
+            frames: list[Any] = [part if zero_copy else part.bytes]
+            while part.more:
+                part = sock.recv(copy=False)
+                frames.append(part if zero_copy else part.bytes)
         except zmq.Again:
             return None
+        return frames
 
     def _send(self, header: bytes, payloads: Sequence[Any], deadline: float) -> None:
         sock = self._socket
         while True:
             try:
-                sock.send(header, (zmq.SNDMORE if payloads else 0) | zmq.NOBLOCK)
+                sock.send(header, _SNDMORE_NOBLOCK if payloads else _NOBLOCK)
                 break
             except zmq.Again:
                 # IMMEDIATE: nothing is queued while the server is unreachable, so a request
@@ -271,7 +287,7 @@ class Client:
                     raise RequestTimeoutError(f"cannot reach the server at {self.url}") from None
         last = len(payloads) - 1
         for index, payload in enumerate(payloads):
-            sock.send(payload, zmq.SNDMORE if index < last else 0, copy=False)
+            sock.send(payload, _SNDMORE if index < last else 0, copy=False)
 
     def _remember_orphan(self, request: p._Request) -> None:
         if isinstance(request, (p.StoreReserve, p.Retrieve, p.Lookup)):

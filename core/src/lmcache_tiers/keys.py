@@ -23,6 +23,15 @@ MAX_MODEL_NAME_LEN = 256
 MAX_CACHE_SALT_LEN = 128
 MAX_CHUNK_HASH_LEN = 64
 _UNSAFE = re.compile(r"[/\\@\x00]")
+#: Names that passed _check_name, per field.  A server decodes every key of every request,
+#: and nearly all of them share a handful of names: re-running the checks for each key
+#: was most of the cost of decoding a LOOKUP.  Only exact ``str`` values are remembered,
+#: and a set is emptied when full, so a client sending many names cannot grow it.
+_CHECKED_MODEL_NAMES: set[str] = set()
+_CHECKED_SALTS: set[str] = set()
+_MAX_CHECKED_NAMES = 4096
+_KV_RANK_LIMIT = 1 << 32
+_OBJECT_GROUP_LIMIT = 1 << 16
 
 
 def kv_rank_of(world_size: int, worker_id: int) -> int:
@@ -43,7 +52,30 @@ def _check_name(field: str, value: str, limit: int, *, allow_empty: bool) -> Non
         raise KeyValidationError(f"{field} {value!r} contains '/', '\\', '@' or NUL, or is a dot name")
 
 
-class ObjectKey(msgspec.Struct, frozen=True, array_like=True, gc=False):
+def _check_names(model_name: str, cache_salt: str) -> None:
+    _check_name("model_name", model_name, MAX_MODEL_NAME_LEN, allow_empty=False)
+    _check_name("cache_salt", cache_salt, MAX_CACHE_SALT_LEN, allow_empty=True)
+    for checked, value in ((_CHECKED_MODEL_NAMES, model_name), (_CHECKED_SALTS, cache_salt)):
+        if type(value) is str:
+            if len(checked) >= _MAX_CHECKED_NAMES:
+                checked.clear()
+            checked.add(value)
+
+
+def _reject_numbers(key: ObjectKey) -> None:
+    """Raise for whichever of the key's byte and integer fields is out of range."""
+    chunk_hash = key.chunk_hash
+    if not isinstance(chunk_hash, bytes) or not 0 < len(chunk_hash) <= MAX_CHUNK_HASH_LEN:
+        raise KeyValidationError(f"chunk_hash must be 1..{MAX_CHUNK_HASH_LEN} bytes")
+    if not 0 <= key.kv_rank < _KV_RANK_LIMIT:
+        raise KeyValidationError(f"kv_rank {key.kv_rank} is outside 0..2**32-1")
+    raise KeyValidationError(f"object_group {key.object_group} is outside 0..65535")
+
+
+# cache_hash: a key is hashed by every dict and set it passes through (L1, the eviction
+# policy, per-client lock records...), several times per request; being frozen, it can
+# keep the hash it computed first.
+class ObjectKey(msgspec.Struct, frozen=True, array_like=True, gc=False, cache_hash=True):
     """Identity of one cached chunk object; immutable, hashable, validated on creation."""
 
     model_name: str
@@ -53,14 +85,23 @@ class ObjectKey(msgspec.Struct, frozen=True, array_like=True, gc=False):
     cache_salt: str = ""
 
     def __post_init__(self) -> None:
-        _check_name("model_name", self.model_name, MAX_MODEL_NAME_LEN, allow_empty=False)
-        _check_name("cache_salt", self.cache_salt, MAX_CACHE_SALT_LEN, allow_empty=True)
-        if not isinstance(self.chunk_hash, bytes) or not 0 < len(self.chunk_hash) <= MAX_CHUNK_HASH_LEN:
-            raise KeyValidationError(f"chunk_hash must be 1..{MAX_CHUNK_HASH_LEN} bytes")
-        if not 0 <= self.kv_rank < 1 << 32:
-            raise KeyValidationError(f"kv_rank {self.kv_rank} is outside 0..2**32-1")
-        if not 0 <= self.object_group < 1 << 16:
-            raise KeyValidationError(f"object_group {self.object_group} is outside 0..65535")
+        # Runs for every key of every request a server decodes: the usual case is two set
+        # probes and one compound test.  A value equal to a remembered exact str has the
+        # same characters, so it passed the same checks.
+        try:
+            known = self.model_name in _CHECKED_MODEL_NAMES and self.cache_salt in _CHECKED_SALTS
+        except TypeError:  # unhashable, so not a string: _check_name says so
+            known = False
+        if not known:
+            _check_names(self.model_name, self.cache_salt)
+        chunk_hash = self.chunk_hash
+        if not (
+            isinstance(chunk_hash, bytes)
+            and 0 < len(chunk_hash) <= MAX_CHUNK_HASH_LEN
+            and 0 <= self.kv_rank < _KV_RANK_LIMIT
+            and 0 <= self.object_group < _OBJECT_GROUP_LIMIT
+        ):
+            _reject_numbers(self)
 
     def file_stem(self) -> str:
         """Safe, unique name for files and objects: ``model@0xRANK@group@hash[@salt]``."""

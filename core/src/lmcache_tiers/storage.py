@@ -207,6 +207,18 @@ class StorageManager:
         self._check_open()
         return self.prefetch.submit(keys, readers)
 
+    def start_prefetch(
+        self, keys: Sequence[ObjectKey], *, readers: int = 1
+    ) -> tuple[int, list[ObjectKey] | None]:
+        """``submit_prefetch`` for a caller about to ask for the result anyway (a front end
+        answering a lookup): ``(handle, locked)`` when the prefetch finished at once, which
+        is the case whenever nothing is left for L2; ``locked`` is the read-locked prefix
+        (its length is the hit count; release it like any prefetched prefix).  Otherwise
+        ``(handle, None)``, and the result comes from ``query_prefetch``/``wait_prefetch``.
+        """
+        self._check_open()
+        return self.prefetch.begin(keys, readers)
+
     def query_prefetch(self, handle: int) -> int | None:
         """Prefix hit count (L1 + L2) once done, None while running.
 
@@ -221,11 +233,9 @@ class StorageManager:
     def read(self, keys: Sequence[ObjectKey]) -> list[L1Object]:
         """Read-lock and return the READY prefix of ``keys`` (release it with ``release``)."""
         self._check_open()
-        with self.l1.lock:
-            count = self.l1.prefix_hits(keys)
-            locked = self.l1.reserve_read(keys[:count])
-        self.stats.add("keys_read", count)
-        return [locked[key] for key in keys[:count]]
+        objects = self.l1.reserve_read_prefix(keys)
+        self.stats.add("keys_read", len(objects))
+        return objects
 
     def view(self, obj: L1Object) -> memoryview:
         """The bytes of a reserved or read-locked object, in the L1 arena (memory L1 only)."""

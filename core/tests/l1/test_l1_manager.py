@@ -273,6 +273,21 @@ def test_prefix_hits_counts_leading_ready_keys(l1: L1Manager) -> None:
     assert l1.prefix_hits([]) == 0
 
 
+def test_reserve_read_prefix_locks_the_leading_ready_keys(l1: L1Manager, recorder: Recorder) -> None:
+    write(l1, [1, 2, 4])
+    l1.reserve_write(keys(3), [ALIGN])
+    prefix = l1.reserve_read_prefix(keys(1, 2, 1, 3, 4), count=2)
+    assert [obj.key for obj in prefix] == keys(1, 2, 1)
+    # The repeated key is locked once; key 4, past the gap, is not locked at all.
+    objects = [l1.get(k) for k in keys(1, 2, 4)]
+    assert [obj.read_locks if obj else None for obj in objects] == [2, 2, 0]
+    assert recorder.events[-1] == ("read", keys(1, 2))
+    assert l1.reserve_read_prefix(keys(3, 1)) == []
+    assert l1.reserve_read_prefix([]) == []
+    l1.finish_read(keys(1, 2), count=2)
+    assert l1.stats().read_locks == 0
+
+
 # -- removal -------------------------------------------------------------------------------
 
 

@@ -122,6 +122,18 @@ class ManagerModel(RuleBasedStateMachine):
             self.model[k].read_locks += count
 
     @rule(batch=key_lists, count=st.integers(1, 2))
+    def reserve_read_prefix(self, batch: list[ObjectKey], count: int) -> None:
+        prefix = self.l1.reserve_read_prefix(batch, count)
+        expected: list[ObjectKey] = []
+        for k in batch:
+            if k not in self.model or self.model[k].writing:
+                break
+            expected.append(k)
+        assert [obj.key for obj in prefix] == expected
+        for k in dict.fromkeys(expected):
+            self.model[k].read_locks += count
+
+    @rule(batch=key_lists, count=st.integers(1, 2))
     def finish_read(self, batch: list[ObjectKey], count: int) -> None:
         self.l1.finish_read(batch, count)
         for k in dict.fromkeys(batch):

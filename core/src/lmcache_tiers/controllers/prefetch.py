@@ -106,30 +106,46 @@ class PrefetchController(ControllerThread):
 
     def submit(self, keys: Sequence[ObjectKey], readers: int = 1) -> int:
         """Start a prefetch of ``keys`` (prefix order); returns a handle to query."""
+        handle, locked = self.begin(keys, readers)
+        if locked is not None:
+            with self._lock:
+                self._publish(handle, len(locked))
+        return handle
+
+    def begin(self, keys: Sequence[ObjectKey], readers: int = 1) -> tuple[int, list[ObjectKey] | None]:
+        """Like ``submit``, but a prefetch with nothing to do in L2 (every key hit L1, no
+        adapter, or shutting down) is answered at once: ``(handle, locked)``, ``locked``
+        being the read-locked prefix (L1's own key objects, equal to the caller's), and
+        the handle then answers 0 like a collected one.  Otherwise ``(handle, None)``.
+
+        The common lookup (everything in L1) thus costs one pass over L1 and no request
+        record, queue, thread wake-up or result to collect.
+        """
         if readers < 1:
             raise ValueError(f"readers must be at least 1, got {readers}")
         keys = unique_prefix(keys)
         handle = next(self._handles)
-        l1_hits = self._lock_l1_prefix(keys, 0, readers)
+        locked = [obj.key for obj in self.l1.reserve_read_prefix(keys, readers)]
+        l1_hits = len(locked)
         remaining = len(keys) - l1_hits
-        self.stats.add("lookups")
-        self.stats.add("lookup_keys", len(keys))
-        self.stats.add("l1_hit_chunks", l1_hits)
+        self.stats.add_many(lookups=1, lookup_keys=len(keys), l1_hit_chunks=l1_hits)
         logger.debug(
             "Prefetch request submitted: %d total keys, %d L1 prefix hits, %d remaining for L2",
             len(keys),
             l1_hits,
             remaining,
         )
+        if remaining == 0 or not self.slots:
+            return handle, locked
         request = _Request(handle, keys, readers, l1_hits)
         with self._lock:
-            if remaining == 0 or not self.slots or self._closed:
-                self._publish(handle, l1_hits)
-                return handle
+            # Checked under the lock: once finish() has set it, nothing may be queued.
+            if self._closed:
+                return handle, locked
             self._queue.append(request)
             self._queued.add(handle)
         self.wake()
-        return handle
+        return handle, None
 
     def query(self, handle: int) -> int | None:
         """Prefix hit count once done (delivered once), None while running, 0 if unknown."""
@@ -176,11 +192,7 @@ class PrefetchController(ControllerThread):
 
     def _lock_l1_prefix(self, keys: list[ObjectKey], start: int, readers: int) -> int:
         """Read-lock the READY prefix of ``keys[start:]``; returns how many were locked."""
-        with self.l1.lock:
-            count = self.l1.prefix_hits(keys[start:])
-            if count:
-                self.l1.reserve_read(keys[start : start + count], readers)
-        return count
+        return len(self.l1.reserve_read_prefix(keys[start:] if start else keys, readers))
 
     def _release_read(self, keys: list[ObjectKey], readers: int) -> None:
         if keys:
@@ -569,6 +581,8 @@ class PrefetchController(ControllerThread):
 def unique_prefix(keys: Sequence[ObjectKey]) -> list[ObjectKey]:
     """``keys`` up to the first repeat: a real prefix never holds the same chunk twice,
     and a repeat would make one L1 object stand for two positions."""
+    if len(set(keys)) == len(keys):
+        return list(keys)  # the usual case, decided in C
     seen: set[ObjectKey] = set()
     for position, key in enumerate(keys):
         if key in seen:

@@ -41,6 +41,12 @@ class EngineStats:
         with self._lock:
             self._global[name] += amount
 
+    def add_many(self, **amounts: int) -> None:
+        """Several ``add`` calls under one lock acquisition (per-lookup counters)."""
+        with self._lock:
+            for name, amount in amounts.items():
+                self._global[name] += amount
+
     def add_adapter(self, index: int, name: str, amount: int = 1) -> None:
         with self._lock:
             self._adapters[index][name] += amount

@@ -342,6 +342,42 @@ class L1Manager:
             self._notify("read", list(hits))
             return hits
 
+    def reserve_read_prefix(self, keys: Sequence[ObjectKey], count: int = 1) -> list[L1Object]:
+        """Read-lock ``count`` times the leading READY keys; returns their objects in order.
+
+        The same as ``reserve_read(keys[:prefix_hits(keys)], count)`` under one lock, in
+        one pass: every LOOKUP and RETRIEVE does this, so it is worth a method. A key
+        repeated in the prefix is locked once and listed at each of its positions.
+        """
+        if count < 1:
+            _check_count(count)  # raises
+        with self.lock:
+            # No open check: a closed manager holds no objects, so nothing is locked.
+            objects = self._objects
+            prefix: list[L1Object] = []
+            for key in keys:
+                obj = objects.get(key)
+                if obj is None or obj.state is not _READY:
+                    break
+                prefix.append(obj)
+            if not prefix:
+                return prefix
+            # Deduplicated by object identity (a cheap hash, in C) rather than by key.
+            unique = list(dict.fromkeys(prefix))
+            locked = self._locked
+            deadline = time.monotonic() + self.lock_ttl_s
+            for obj in unique:
+                # A READY object is in _locked exactly when it has read locks.
+                if obj.read_locks:
+                    if obj.lock_deadline < deadline:
+                        obj.lock_deadline = deadline
+                else:
+                    locked[obj.key] = obj
+                    obj.lock_deadline = deadline
+                obj.read_locks += count
+            self._notify("read", [obj.key for obj in unique])
+            return prefix
+
     def finish_read(self, keys: Sequence[ObjectKey], count: int = 1) -> None:
         """Drop ``count`` read locks per key; a temporary object left unlocked is freed.
 

@@ -66,6 +66,10 @@ class StorageLike(Protocol):
 
     def submit_prefetch(self, keys: Sequence[ObjectKey], *, readers: int = 1) -> int: ...
 
+    def start_prefetch(
+        self, keys: Sequence[ObjectKey], *, readers: int = 1
+    ) -> tuple[int, list[ObjectKey] | None]: ...
+
     def query_prefetch(self, handle: int) -> int | None: ...
 
     def wait_prefetch(self, handle: int, timeout: float) -> int | None: ...
@@ -181,14 +185,14 @@ class Handlers:
         keys = req.keys
         now = time.monotonic()
         session = self.sessions.get(identity, now)
-        handle = self.storage.submit_prefetch(keys, readers=1)
-        hits = self.storage.query_prefetch(handle)
-        pending = PendingPrefetch(keys, now + self.sessions.lock_ttl_s)
-        if hits is None:
-            session.prefetches[handle] = pending
-        else:
-            self._claim(session, pending, hits, now)
-        return p.LookupReply(req.req_id, handle=handle, hits=hits), ()
+        handle, locked = self.storage.start_prefetch(keys, readers=1)
+        if locked is None:
+            session.prefetches[handle] = PendingPrefetch(keys, now + self.sessions.lock_ttl_s)
+            return p.LookupReply(req.req_id, handle=handle), ()
+        # Done at once (the usual all-in-L1 case): the prefix is this client's now.  The
+        # keys L1 returned are its own objects, which the session's dicts match by identity.
+        session.add_read_locks(locked, self.sessions.read_lock_deadline(now))
+        return p.LookupReply(req.req_id, handle=handle, hits=len(locked)), ()
 
     def _claim(self, session: Session, pending: PendingPrefetch, hits: int, now: float) -> None:
         """A finished prefetch read-locked ``hits`` leading keys on this client's behalf."""

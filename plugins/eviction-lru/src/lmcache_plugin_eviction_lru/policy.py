@@ -28,10 +28,14 @@ class LRUEvictionPolicy:
 
     def on_keys_read(self, keys: Sequence[ObjectKey]) -> None:
         # A read of a key this policy does not hold (already removed) must not revive it.
-        order = self._order
+        # Every LOOKUP lands here: one dict probe per key (move_to_end raises for a key it
+        # does not hold) instead of a membership test and then the move.
+        move_to_end = self._order.move_to_end
         for key in reversed(keys):
-            if key in order:
-                order.move_to_end(key)
+            try:
+                move_to_end(key)
+            except KeyError:
+                pass
 
     def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
         for key in keys:
