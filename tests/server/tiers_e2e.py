@@ -182,17 +182,18 @@ def job_mixed(url: str, worker: int, rounds: int, size: int) -> dict[str, int]:
 
 def job_store_storm(url: str, worker: int, size: int, seconds: float, marks: str) -> dict[str, Any]:
     """Store new chunks as fast as possible until the server goes away (or time is up);
-    a file in ``marks`` tells the test this worker has stored its first batch."""
+    a file in ``marks`` tells the test this worker has stored its first chunks."""
     stored, batches, ended_by = 0, 0, "time"
     deadline = time.monotonic() + seconds
     try:
         with Client(url, shm=worker % 2 == 0, timeout=5) as client:
             while time.monotonic() < deadline:
                 tag = f"storm{worker}/{batches}"
-                stored += client.store(make_keys(tag, 8), make_payloads(tag, 8, size))
+                newly = client.store(make_keys(tag, 8), make_payloads(tag, 8, size))
                 batches += 1
-                if batches == 1:
+                if newly and not stored:  # mark once something is really stored
                     Path(marks, str(worker)).touch()
+                stored += newly
     except ServerError as exc:
         ended_by = exc.code.name
     except RequestTimeoutError:
