@@ -143,9 +143,9 @@ class RpcServer:
         with self._waker_lock:
             self._waker.close(0)
         bound = getattr(self, "endpoint", "")
-        if bound:
-            with contextlib.suppress(zmq.ZMQError):
-                self.socket.unbind(bound)
+        # No unbind first: unbinding also drops the connections accepted on the endpoint,
+        # and with them replies still queued for sending (the last answers of a drain).
+        # Closing with a linger flushes those, then releases the port.
         self.socket.close(linger)
         self._context.term()
         if bound.startswith("ipc://"):
