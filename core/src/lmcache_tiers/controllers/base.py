@@ -13,6 +13,7 @@ import os
 import select
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -97,7 +98,7 @@ def aligned_total(sizes: Iterable[int], align: int) -> int:
     return sum(-(-size // align) * align for size in sizes)
 
 
-class ControllerThread:
+class ControllerThread(ABC):
     """A daemon thread running ``step`` whenever woken, one of its fds is readable, or
     ``interval_s`` has passed.
 
@@ -125,14 +126,16 @@ class ControllerThread:
     def watched_fds(self) -> Iterable[int]:
         return ()
 
+    @abstractmethod
     def step(self, ready_fds: set[int]) -> None:
-        raise NotImplementedError
+        """One round of work; ``ready_fds`` are the watched fds that became readable."""
 
     def busy(self) -> bool:
         return False
 
     def finish(self) -> None:
         """Release what is still held; runs once, in the thread, as it ends."""
+        return None  # optional hook: nothing held by default
 
     @property
     def stopping(self) -> bool:

@@ -10,6 +10,7 @@ holds when that result is refused because ``close()`` already failed the task.
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("lmcache_tiers.l2")
 
 
-class BatchOp:
+class BatchOp(ABC):
     """One submitted batch: ``prepare`` -> backend call -> ``finish``."""
 
     def __init__(self, core: AdapterCore, keys: Sequence[ObjectKey]) -> None:
@@ -37,16 +38,17 @@ class BatchOp:
     def io_keys(self) -> list[ObjectKey]:
         return [self.keys[i] for i in self.io_index]
 
+    @abstractmethod
     def prepare(self) -> Any:
         """Take pins, encode: everything before the backend call (no I/O)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def finish(self, io_result: Any) -> Any:
         """Account, decode, notify; ``io_result`` None means the backend call failed."""
-        raise NotImplementedError
 
     def released(self) -> None:
         """The result was refused (task already failed by close): undo what is held."""
+        return None  # optional hook: nothing held by default
 
 
 class StoreOp(BatchOp):
