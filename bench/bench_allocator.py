@@ -42,13 +42,7 @@ class FirstFitAllocator(ExtentAllocator):
         for offset, length in self.free_extents():
             if length >= need:
                 del self._by_size[bisect_left(self._by_size, self._pack(offset, length))]
-                del self._free_at[offset]
-                del self._free_ending[offset + length]
-                if length > need:
-                    self._insert_free(offset + need, length - need)
-                self._used[offset] = need
-                self.allocated_bytes += need
-                return offset
+                return self._claim(offset, length, need)
         return None
 
 

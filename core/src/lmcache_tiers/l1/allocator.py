@@ -126,6 +126,10 @@ class ExtentAllocator:
         packed = self._by_size.pop(index)
         offset = (packed & self._mask) * self.align
         length = (packed >> self._shift) * self.align
+        return self._claim(offset, length, need)
+
+    def _claim(self, offset: int, length: int, need: int) -> int:
+        """Use the head of free extent ``(offset, length)`` (already out of ``_by_size``)."""
         del self._free_at[offset]
         del self._free_ending[offset + length]
         if length > need:
