@@ -41,6 +41,7 @@ import zmq
 
 from lmcache_tiers.errors import TiersError
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.layout import check_layout, layout_of
 from lmcache_tiers.server import protocol as p
 from lmcache_tiers.server.shm import (
     BufferLike,
@@ -90,6 +91,11 @@ class ServerError(ClientError):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.server_message = message
+
+
+def _sent_layouts(layouts: Sequence[str]) -> list[str]:
+    """What goes on the wire: nothing at all when no object has a known layout."""
+    return list(layouts) if any(layouts) else []
 
 
 def _error_code(value: int) -> p.ErrorCode:
@@ -334,27 +340,48 @@ class Client:
         """Delete every unlocked object from L1 (every object with ``force``)."""
         return self._call(p.Clear(0, "", force), p.ClearReply).cleared
 
-    def store(self, keys: Sequence[ObjectKey], buffers: Sequence[BufferLike]) -> int:
+    def store(
+        self,
+        keys: Sequence[ObjectKey],
+        buffers: Sequence[BufferLike],
+        layouts: Sequence[str] | None = None,
+    ) -> int:
         """Store ``buffers[i]`` under ``keys[i]``; returns how many keys were newly stored
-        (keys already on the server are skipped)."""
+        (keys already on the server are skipped).
+
+        ``layouts`` name each object's tensor layout (``"bfloat16[2,16,256,1024]"``, see
+        :mod:`lmcache_tiers.layout`) for serdes that need it; by default they are taken
+        from torch tensors and numpy arrays, and are unknown for plain bytes.
+        """
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        if layouts is None:
+            layouts = [layout_of(buffer) for buffer in buffers]
+        elif len(layouts) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(layouts)} layouts")
         arrays = [as_byte_array(buffer) for buffer in buffers]
         if any(array.nbytes == 0 for array in arrays):
             raise ValueError("cannot store an empty buffer")
+        for layout, array in zip(layouts, arrays, strict=True):
+            check_layout(layout, array.nbytes)
         stored = 0
         if self._segment is not None:
             for part in self._batches(len(keys)):
-                stored += self._store_shm(list(keys[part]), arrays[part], self._segment)
+                stored += self._store_shm(
+                    list(keys[part]), arrays[part], _sent_layouts(layouts[part]), self._segment
+                )
         else:
-            for batch_keys, batch_arrays in self._inline_batches(list(keys), arrays):
-                reply = self._call(p.StoreInline(0, "", batch_keys), p.StoreReply, payloads=batch_arrays)
+            for batch_keys, batch_arrays, batch_layouts in self._inline_batches(
+                list(keys), arrays, list(layouts)
+            ):
+                request = p.StoreInline(0, "", batch_keys, _sent_layouts(batch_layouts))
+                reply = self._call(request, p.StoreReply, payloads=batch_arrays)
                 stored += sum(reply.done)
         return stored
 
     def _inline_batches(
-        self, keys: list[ObjectKey], arrays: list[np.ndarray[Any, Any]]
-    ) -> Iterator[tuple[list[ObjectKey], list[np.ndarray[Any, Any]]]]:
+        self, keys: list[ObjectKey], arrays: list[np.ndarray[Any, Any]], layouts: list[str]
+    ) -> Iterator[tuple[list[ObjectKey], list[np.ndarray[Any, Any]], list[str]]]:
         limit = max(1, self.server.max_inline_bytes)
         largest = max(array.nbytes for array in arrays)
         if largest > limit:
@@ -372,14 +399,18 @@ class Client:
             ):
                 total += arrays[end].nbytes
                 end += 1
-            yield keys[start:end], arrays[start:end]
+            yield keys[start:end], arrays[start:end], layouts[start:end]
             start = end
 
     def _store_shm(
-        self, keys: list[ObjectKey], arrays: list[np.ndarray[Any, Any]], segment: MappedSegment
+        self,
+        keys: list[ObjectKey],
+        arrays: list[np.ndarray[Any, Any]],
+        layouts: list[str],
+        segment: MappedSegment,
     ) -> int:
         sizes = [array.nbytes for array in arrays]
-        reply = self._call(p.StoreReserve(0, "", keys, sizes), p.StoreReserveReply)
+        reply = self._call(p.StoreReserve(0, "", keys, sizes, layouts), p.StoreReserveReply)
         if len(reply.slots) != len(keys):
             raise ProtocolError(f"STORE_RESERVE answered {len(reply.slots)} slots for {len(keys)} keys")
         reserved = [key for key, slot in zip(keys, reply.slots, strict=True) if slot.offset != p.NO_SLOT]

@@ -25,11 +25,11 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 
-class _Frozen(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class ComponentConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Base of every config Struct: keyword-only, immutable, unknown fields refused."""
 
 
-class L2EvictionConfig(_Frozen, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class L2EvictionConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Per-adapter L2 eviction: evict when usage reaches the watermark."""
 
     eviction_policy: Annotated[str, Meta(description="Eviction policy name, e.g. LRU.")] = "LRU"
@@ -41,14 +41,14 @@ class L2EvictionConfig(_Frozen, kw_only=True, frozen=True, forbid_unknown_fields
     ] = 0.2
 
 
-class SerdeSpec(_Frozen, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class SerdeSpec(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """One serde transform of an adapter's chain, resolved from ``{"type": ..., ...}``."""
 
     type: str
     config: msgspec.Struct
 
 
-class L2AdapterConfig(_Frozen, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class L2AdapterConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Options every L2 adapter accepts; adapter plugins subclass this Struct."""
 
     eviction: Annotated[
@@ -61,7 +61,7 @@ class L2AdapterConfig(_Frozen, kw_only=True, frozen=True, forbid_unknown_fields=
     ] = ()
 
 
-class AdapterSpec(_Frozen, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class AdapterSpec(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """A resolved ``--l2-adapter``: the plugin type and its decoded config."""
 
     type: str
@@ -73,7 +73,7 @@ def _doc(text: str, **constraints: Any) -> Meta:
     return Meta(description=text, **constraints)
 
 
-class ServerConfig(_Frozen, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class ServerConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Everything ``lmcache-tiers serve`` runs with; flag names follow LMCache's server."""
 
     host: Annotated[str, _doc("Address the RPC server binds to; non-loopback needs auth_token.")] = (

@@ -121,4 +121,3 @@ class LowestIndexPrefetchPolicy:
         adapters: Sequence[AdapterInfo],
     ) -> dict[int, list[bool]]:
         return plan_from_lowest_index(keys, found, adapters)
-

@@ -9,11 +9,36 @@ encoded payloads and never need to know which transforms are configured.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from lmcache_tiers.config import SerdeSpec
 from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.layout import TensorLayout
 from lmcache_tiers.registry import ComponentRegistry, Kind
+
+
+@dataclass(frozen=True, slots=True)
+class SerdeContext:
+    """What a serde knows about the object it transforms, besides its bytes.
+
+    ``key`` is the full object key (an encrypting serde binds it as associated data, so an
+    object copied under another key fails to decrypt); ``size`` is the object's L1
+    (decoded) size, the size the whole chain decodes back to; ``layout`` is the object's
+    tensor layout when its writer gave one ("" otherwise, see :mod:`lmcache_tiers.layout`).
+    The layout is known when an object is encoded; a serde that needs it to decode must
+    carry it in its own encoding.
+    """
+
+    key: ObjectKey
+    size: int
+    layout: str = ""
+
+    @property
+    def tensor_layout(self) -> TensorLayout | None:
+        """The parsed layout, or None when it is unknown or unreadable."""
+        return TensorLayout.parse_optional(self.layout)
 
 
 @runtime_checkable
@@ -23,19 +48,19 @@ class Serde(Protocol):
     ``name`` identifies the transform in persisted record headers (so a record written
     with another chain is recognised and refused rather than decoded wrongly).
 
-    ``decode(data, size)``: ``size`` is the size of the object in L1, i.e. the decoded
-    size of the *whole* chain.  The first serde of a chain (the last to decode) must
-    return exactly ``size`` bytes; a serde further down the chain whose own output is not
-    the L1 size must carry what it needs in its encoding.  Either method may raise (a
-    tampered ciphertext, a truncated frame): the base class turns that into a miss.
-    Both may be called from several threads at once.
+    ``decode(data, context)``: ``context.size`` is the size of the object in L1, i.e. the
+    decoded size of the *whole* chain.  The first serde of a chain (the last to decode)
+    must return exactly that many bytes; a serde further down the chain whose own output
+    is not the L1 size must carry what it needs in its encoding.  Either method may raise
+    (a tampered ciphertext, a truncated frame): the adapter turns that into a miss of that
+    object only.  Both may be called from several threads at once.
     """
 
     name: str
 
-    def encode(self, data: memoryview) -> bytes | memoryview: ...
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes | memoryview: ...
 
-    def decode(self, data: memoryview, size: int) -> bytes | memoryview: ...
+    def decode(self, data: memoryview, context: SerdeContext) -> bytes | memoryview: ...
 
 
 class IdentitySerde:
@@ -43,10 +68,10 @@ class IdentitySerde:
 
     name = "identity"
 
-    def encode(self, data: memoryview) -> bytes | memoryview:
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes | memoryview:
         return data
 
-    def decode(self, data: memoryview, size: int) -> bytes | memoryview:
+    def decode(self, data: memoryview, context: SerdeContext) -> bytes | memoryview:
         return data
 
 
@@ -69,15 +94,15 @@ def serde_names(chain: Sequence[Serde]) -> tuple[str, ...]:
     return tuple(serde.name for serde in chain if not isinstance(serde, IdentitySerde))
 
 
-def encode_chain(chain: Sequence[Serde], data: memoryview) -> memoryview:
+def encode_chain(chain: Sequence[Serde], data: memoryview, context: SerdeContext) -> memoryview:
     """Run every encoder, first to last."""
     for serde in chain:
-        data = memoryview(serde.encode(data)).cast("B")
+        data = memoryview(serde.encode(data, context)).cast("B")
     return data
 
 
-def decode_chain(chain: Sequence[Serde], data: memoryview, size: int) -> memoryview:
-    """Run every decoder, last to first; ``size`` is the object's L1 size."""
+def decode_chain(chain: Sequence[Serde], data: memoryview, context: SerdeContext) -> memoryview:
+    """Run every decoder, last to first; ``context.size`` is the object's L1 size."""
     for serde in reversed(chain):
-        data = memoryview(serde.decode(data, size)).cast("B")
+        data = memoryview(serde.decode(data, context)).cast("B")
     return data

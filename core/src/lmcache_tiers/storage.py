@@ -29,6 +29,7 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager, L1Object
 from lmcache_tiers.l2.context import AdapterContext
 from lmcache_tiers.l2.interface import L2Adapter
+from lmcache_tiers.layout import check_layout
 from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.policies import EvictionPolicy, PrefetchPolicy, StorePolicy
 from lmcache_tiers.registry import ComponentRegistry, Kind
@@ -165,18 +166,30 @@ class StorageManager:
 
     # -- writes --------------------------------------------------------------------------
 
-    def reserve_write(self, keys: Sequence[ObjectKey], sizes: Sequence[int]) -> dict[ObjectKey, L1Object]:
+    def reserve_write(
+        self,
+        keys: Sequence[ObjectKey],
+        sizes: Sequence[int],
+        layouts: Sequence[str] | None = None,
+    ) -> dict[ObjectKey, L1Object]:
         """Write-lock L1 extents for the keys not yet present; evicts once if L1 is full.
 
-        Raises L1OutOfMemoryError when even eviction cannot make room (everything locked).
+        ``layouts`` are the objects' tensor layouts ("" = unknown), checked against their
+        sizes and handed to the L2 serde chains.  Raises L1OutOfMemoryError when even
+        eviction cannot make room (everything locked).
         """
         self._check_open()
+        if layouts is not None:
+            if len(layouts) != len(keys):
+                raise ValueError(f"{len(keys)} keys but {len(layouts)} layouts")
+            for layout, size in zip(layouts, sizes, strict=True):
+                check_layout(layout, size)
         try:
-            reserved = self.l1.reserve_write(keys, sizes)
+            reserved = self.l1.reserve_write(keys, sizes, layouts=layouts)
         except L1OutOfMemoryError:
             self.l1_eviction.evict_now(aligned_total(sizes, self.config.l1_align_bytes))
             try:
-                reserved = self.l1.reserve_write(keys, sizes)
+                reserved = self.l1.reserve_write(keys, sizes, layouts=layouts)
             except L1OutOfMemoryError:
                 self.stats.fail("l1_write_oom")
                 raise

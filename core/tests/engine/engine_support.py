@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import types
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from lmcache_tiers.config import AdapterSpec, L2AdapterConfig, ServerConfig, decode_adapter
 from lmcache_tiers.hookspecs import hookimpl
@@ -14,6 +14,7 @@ from lmcache_tiers.l2.base import BatchL2Adapter
 from lmcache_tiers.l2.context import AdapterContext
 from lmcache_tiers.plugins import discover
 from lmcache_tiers.registry import ComponentRegistry, KindRegistry
+from lmcache_tiers.serde import SerdeContext
 from lmcache_tiers.storage import StorageManager
 
 MiB = 1 << 20
@@ -91,6 +92,28 @@ def tiers_register_l2_adapters(registry: KindRegistry) -> None:
     registry.add("gated", GatedAdapter, GatedConfig)
 
 
+class RecordingSerde:
+    """Size-preserving serde that remembers the context of every object it encodes."""
+
+    name = "recording"
+    seen: ClassVar[list[SerdeContext]] = []
+
+    def __init__(self, config: object) -> None:
+        pass
+
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
+        RecordingSerde.seen.append(context)
+        return bytes(data)
+
+    def decode(self, data: memoryview, context: SerdeContext) -> memoryview:
+        return data
+
+
+@hookimpl
+def tiers_register_serdes(registry: KindRegistry) -> None:
+    registry.add("recording", RecordingSerde)
+
+
 class LyingPrefetchPolicy:
     """Plans every key from adapter 0, found or not: the controller must not trust it."""
 
@@ -124,6 +147,7 @@ def registry() -> ComponentRegistry:
         module = types.ModuleType("engine_test_adapters")
         module.tiers_register_l2_adapters = tiers_register_l2_adapters  # type: ignore[attr-defined]
         module.tiers_register_prefetch_policies = tiers_register_prefetch_policies  # type: ignore[attr-defined]
+        module.tiers_register_serdes = tiers_register_serdes  # type: ignore[attr-defined]
         _registry = discover(extra_plugins={"engine-test-adapters": module}).registry
     return _registry
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from engine_support import GatedAdapter, GatedConfig, keys_of, mock, payload, store
+from engine_support import GatedAdapter, GatedConfig, RecordingSerde, keys_of, mock, payload, store
 
 from lmcache_tiers.config import AdapterSpec
 
@@ -114,3 +114,18 @@ def test_no_adapters_means_l1_only(engine) -> None:
     assert storage.wait_prefetch(storage.submit_prefetch(keys), 10) == 3
     storage.release(keys)
     assert storage.status()["adapters"] == []
+
+
+def test_layouts_reach_the_serde_chain_with_the_full_key(engine) -> None:
+    storage = engine([mock(serde=[{"type": "recording"}])])
+    keys = keys_of(9, 2)
+    reserved = storage.reserve_write(keys, [SIZE, SIZE], ["float16[4,4096]", ""])
+    for key, obj in reserved.items():
+        storage.view(obj)[:] = payload(key, SIZE)
+    storage.commit_write(keys)
+    assert storage.flush(10)
+    contexts = {context.key: context for context in RecordingSerde.seen if context.key in keys}
+    assert contexts[keys[0]].layout == "float16[4,4096]"
+    assert contexts[keys[0]].tensor_layout is not None
+    assert contexts[keys[1]].layout == ""
+    assert {context.size for context in contexts.values()} == {SIZE}

@@ -29,7 +29,7 @@ from lmcache_tiers.l2 import (
 from lmcache_tiers.l2.record import RecordError, decode_record
 from lmcache_tiers.plugins import PluginSet, discover
 from lmcache_tiers.registry import KindRegistry
-from lmcache_tiers.serde import Serde
+from lmcache_tiers.serde import Serde, SerdeContext
 from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite, make_keys
 
 # -- test backends ---------------------------------------------------------------------------
@@ -190,20 +190,20 @@ class Xor:
 
     name = "xor"
 
-    def encode(self, data: memoryview) -> bytes:
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
         return bytes(b ^ 0x5A for b in data)
 
-    def decode(self, data: memoryview, size: int) -> bytes:
+    def decode(self, data: memoryview, context: SerdeContext) -> bytes:
         return bytes(b ^ 0x5A for b in data)
 
 
 class Zlib:
     name = "zlib"
 
-    def encode(self, data: memoryview) -> bytes:
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
         return zlib.compress(data, 1)
 
-    def decode(self, data: memoryview, size: int) -> bytes:
+    def decode(self, data: memoryview, context: SerdeContext) -> bytes:
         return zlib.decompress(data)
 
 

@@ -9,24 +9,28 @@ import pytest
 
 from lmcache_tiers.config import SerdeSpec
 from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.registry import ComponentRegistry, EmptyConfig, Kind
 from lmcache_tiers.serde import (
     IdentitySerde,
     Serde,
+    SerdeContext,
     build_serde_chain,
     decode_chain,
     encode_chain,
     serde_names,
 )
 
+KEY = ObjectKey("serde-model", 0, b"\x01" * 32)
+
 
 class Zlib:
     name = "zlib"
 
-    def encode(self, data: memoryview) -> bytes:
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
         return zlib.compress(data)
 
-    def decode(self, data: memoryview, size: int) -> bytes:
+    def decode(self, data: memoryview, context: SerdeContext) -> bytes:
         return zlib.decompress(data)
 
 
@@ -37,10 +41,10 @@ class Prefix:
         self.name = f"prefix-{tag.decode()}"
         self.tag = tag
 
-    def encode(self, data: memoryview) -> bytes:
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
         return self.tag + bytes(data)
 
-    def decode(self, data: memoryview, size: int) -> memoryview:
+    def decode(self, data: memoryview, context: SerdeContext) -> memoryview:
         assert bytes(data[: len(self.tag)]) == self.tag, "decoded in the wrong order"
         return data[len(self.tag) :]
 
@@ -62,8 +66,9 @@ def test_identity_is_a_serde_and_changes_nothing() -> None:
     identity = IdentitySerde()
     assert isinstance(identity, Serde)
     data = memoryview(b"abc")
-    assert identity.encode(data) is data
-    assert identity.decode(data, 3) is data
+    context = SerdeContext(KEY, 3)
+    assert identity.encode(data, context) is data
+    assert identity.decode(data, context) is data
 
 
 def test_build_chain_in_order_and_round_trip() -> None:
@@ -75,15 +80,16 @@ def test_build_chain_in_order_and_round_trip() -> None:
     chain = build_serde_chain(specs, registry())
     assert serde_names(chain) == ("prefix-x", "zlib", "prefix-y")
     original = memoryview(b"hello world" * 100)
-    encoded = encode_chain(chain, original)
+    context = SerdeContext(KEY, original.nbytes)
+    encoded = encode_chain(chain, original, context)
     assert bytes(encoded[:1]) == b"y"
-    assert bytes(decode_chain(chain, encoded, len(original))) == bytes(original)
+    assert bytes(decode_chain(chain, encoded, context)) == bytes(original)
 
 
 def test_empty_chain_is_identity() -> None:
     assert build_serde_chain([], registry()) == []
     data = memoryview(b"xyz")
-    assert bytes(encode_chain([], data)) == b"xyz"
+    assert bytes(encode_chain([], data, SerdeContext(KEY, 3))) == b"xyz"
     assert serde_names([IdentitySerde()]) == ()
 
 

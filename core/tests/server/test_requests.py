@@ -230,3 +230,20 @@ def test_closed_client_refuses_calls(server: TiersServer) -> None:
 def test_wrong_reply_type_is_a_protocol_error(server: TiersServer) -> None:
     with Client(server.endpoint) as client, pytest.raises(ProtocolError):
         client._call(p.Ping(0, ""), p.StatusReply)
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_layouts_travel_with_stored_objects(server: TiersServer, shm: bool) -> None:
+    keys = keys_of(3)
+    tensors = [torch.arange(24, dtype=torch.bfloat16).reshape(2, 12), np.ones((3, 4), dtype=np.float32)]
+    with Client(server.endpoint, shm=shm) as client:
+        assert client.store(keys[:2], tensors) == 2
+        assert client.store(keys[2:], [b"x" * 48], layouts=["float16[4,6]"]) == 1
+        with pytest.raises(ServerError, match="describes 96 bytes"):
+            client._call(
+                p.StoreInline(0, "", keys_of(1), ["float32[4,6]"]), p.StoreReply, payloads=[b"y" * 48]
+            )
+        with pytest.raises(ValueError, match="describes"):
+            client.store(keys_of(1), [b"z" * 10], layouts=["float16[4]"])
+    layouts = [server.storage.l1.get(key).layout for key in keys]
+    assert layouts == ["bfloat16[2,12]", "float32[3,4]", "float16[4,6]"]

@@ -17,7 +17,7 @@ from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, BlockingAdapterClient, L2Op
 from lmcache_tiers.plugins import load_registry
-from lmcache_tiers.serde import Serde
+from lmcache_tiers.serde import Serde, SerdeContext
 from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite, make_keys, pattern
 
 
@@ -214,10 +214,10 @@ class Signed:
 
     name = "signed"
 
-    def encode(self, data: memoryview) -> bytes:
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
         return bytes(data) + blake3.blake3(data).digest()
 
-    def decode(self, data: memoryview, size: int) -> memoryview:
+    def decode(self, data: memoryview, context: SerdeContext) -> memoryview:
         body, digest = data[:-32], bytes(data[-32:])
         if blake3.blake3(body).digest() != digest:
             raise ValueError("digest mismatch")

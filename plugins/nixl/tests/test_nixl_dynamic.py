@@ -14,6 +14,7 @@ from nixl_helpers import Arena, client, dynamic_config, lru_eviction_controller,
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import L2Adapter
 from lmcache_tiers.l2.record import RECORD_MAGIC
+from lmcache_tiers.serde import SerdeContext
 from lmcache_tiers.testing.l2 import make_keys, pattern
 
 SIZE = 64 << 10
@@ -307,10 +308,10 @@ class ZlibSerde:
 
     name = "test-zlib"
 
-    def encode(self, data: memoryview) -> bytes:
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
         return zlib.compress(data)
 
-    def decode(self, data: memoryview, size: int) -> bytes:
+    def decode(self, data: memoryview, context: SerdeContext) -> bytes:
         return zlib.decompress(data)
 
 

@@ -128,7 +128,8 @@ class StoreController(ControllerThread):
                 buffers = [self.l1.view(locked[key]) for key in keys]
             else:
                 buffers = [_copy_out(self.l1, locked[key]) for key in keys]
-            task_id = slot.adapter.submit_store(keys, buffers)
+            layouts = [locked[key].layout for key in keys]
+            task_id = slot.adapter.submit_store(keys, buffers, layouts if any(layouts) else None)
         except Exception as exc:
             self.l1.finish_read(keys)
             self.stats.add_adapter(slot.index, "store_tasks_failed")

@@ -274,4 +274,3 @@ def remove_stale_segments() -> list[str]:
     the form ``lmcache_tiers_<pid>_<hex>`` are considered, never a custom name.
     """
     return remove_files_of_dead_processes(SHM_DIR, _DEFAULT_NAME, "L1 segment")
-

@@ -238,22 +238,33 @@ class L1Manager:
     # -- writing -----------------------------------------------------------------------
 
     def reserve_write(
-        self, keys: Sequence[ObjectKey], sizes: Sequence[int], *, temporary: bool = False
+        self,
+        keys: Sequence[ObjectKey],
+        sizes: Sequence[int],
+        *,
+        temporary: bool = False,
+        layouts: Sequence[str] | None = None,
     ) -> dict[ObjectKey, L1Object]:
         """Allocate and write-lock the keys not yet in L1, all or nothing.
 
         Keys already present (in any state, or earlier in the same batch) are skipped and
         absent from the result. Raises L1OutOfMemoryError, with nothing reserved, when the
-        new keys do not fit; the caller evicts and retries.
+        new keys do not fit; the caller evicts and retries. ``layouts`` (validated by the
+        caller) are kept with the objects for the L2 serde chain.
         """
         if len(keys) != len(sizes):
             raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
+        if layouts is not None and len(layouts) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(layouts)} layouts")
         with self.lock:
             self._check_open()
             wanted: dict[ObjectKey, int] = {}
-            for key, size in zip(keys, sizes, strict=True):
+            wanted_layouts: dict[ObjectKey, str] = {}
+            for position, (key, size) in enumerate(zip(keys, sizes, strict=True)):
                 if key not in self._objects and key not in wanted:
                     wanted[key] = size
+                    if layouts is not None and layouts[position]:
+                        wanted_layouts[key] = layouts[position]
             if not wanted:
                 return {}
             offsets = self._allocator.allocate_many(list(wanted.values()))
@@ -267,7 +278,9 @@ class L1Manager:
             deadline = time.monotonic() + self.write_ttl_s
             reserved: dict[ObjectKey, L1Object] = {}
             for (key, size), offset in zip(wanted.items(), offsets, strict=True):
-                obj = L1Object(key, offset, size, temporary, _WRITING, 0, deadline)
+                obj = L1Object(
+                    key, offset, size, temporary, _WRITING, 0, deadline, wanted_layouts.get(key, "")
+                )
                 self._objects[key] = obj
                 self._locked[key] = obj
                 if temporary:

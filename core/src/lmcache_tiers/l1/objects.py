@@ -30,6 +30,8 @@ class L1Object:
     state: ObjectState = ObjectState.WRITING
     read_locks: int = 0
     lock_deadline: float = field(default=0.0, repr=False)
+    #: tensor layout of the bytes when the writer gave one ("" = unknown); see layout.py
+    layout: str = ""
 
     @property
     def locked(self) -> bool:

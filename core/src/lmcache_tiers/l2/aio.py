@@ -175,9 +175,14 @@ class AsyncBatchL2Adapter(AdapterCore):
 
     # -- L2Adapter --------------------------------------------------------------------------
 
-    def submit_store(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> int:
-        self.validate_batch(keys, buffers)
-        op = StoreOp(self, keys, buffers)
+    def submit_store(
+        self,
+        keys: Sequence[ObjectKey],
+        buffers: Sequence[memoryview],
+        layouts: Sequence[str] | None = None,
+    ) -> int:
+        self.validate_batch(keys, buffers, layouts)
+        op = StoreOp(self, keys, buffers, layouts)
         return self._enqueue(L2Op.STORE, op, "put_many", op.prepare)
 
     def submit_lookup_and_lock(self, keys: Sequence[ObjectKey]) -> int:

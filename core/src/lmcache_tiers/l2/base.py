@@ -144,9 +144,14 @@ class BatchL2Adapter(AdapterCore):
 
     # -- L2Adapter --------------------------------------------------------------------------
 
-    def submit_store(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> int:
-        self.validate_batch(keys, buffers)
-        op = StoreOp(self, keys, buffers)
+    def submit_store(
+        self,
+        keys: Sequence[ObjectKey],
+        buffers: Sequence[memoryview],
+        layouts: Sequence[str] | None = None,
+    ) -> int:
+        self.validate_batch(keys, buffers, layouts)
+        op = StoreOp(self, keys, buffers, layouts)
 
         def job(task_id: int) -> None:
             io_keys, payloads = op.prepare()

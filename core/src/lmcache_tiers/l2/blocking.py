@@ -63,8 +63,10 @@ class BlockingAdapterClient:
         keys: Sequence[ObjectKey],
         buffers: Sequence[memoryview],
         timeout: float | None = USE_CLIENT_TIMEOUT,
+        layouts: Sequence[str] | None = None,
     ) -> list[bool]:
-        result: list[bool] = self.wait(L2Op.STORE, self.adapter.submit_store(keys, buffers), timeout)
+        task_id = self.adapter.submit_store(keys, buffers, layouts)
+        result: list[bool] = self.wait(L2Op.STORE, task_id, timeout)
         return result
 
     def lookup_and_lock(

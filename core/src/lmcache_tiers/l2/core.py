@@ -31,7 +31,7 @@ from lmcache_tiers.l2.ops import BatchOp
 from lmcache_tiers.l2.pins import PinTable
 from lmcache_tiers.l2.record import RecordHeader, decode_header, encode_header
 from lmcache_tiers.l2.tasks import TaskBoard
-from lmcache_tiers.serde import IdentitySerde, encode_chain, serde_names
+from lmcache_tiers.serde import IdentitySerde, SerdeContext, encode_chain, serde_names
 
 log = logging.getLogger("lmcache_tiers.l2")
 
@@ -136,9 +136,11 @@ class AdapterCore(L2Adapter):
 
     # -- shared machinery ---------------------------------------------------------------
 
-    def encode(self, buffer: memoryview) -> memoryview:
+    def encode(self, key: ObjectKey, buffer: memoryview, layout: str = "") -> memoryview:
         view = memoryview(buffer).cast("B")
-        return view if self.identity else encode_chain(self.serde, view)
+        if self.identity:
+            return view
+        return encode_chain(self.serde, view, SerdeContext(key, view.nbytes, layout))
 
     def resolve_size(
         self, key: ObjectKey, reported: ContainsResult, known: ObjectSize | None
@@ -197,9 +199,16 @@ class AdapterCore(L2Adapter):
         self.count("backend_errors")
         log.warning("%s: %s failed: %s: %s", self.name, method, type(exc).__name__, exc)
 
-    def validate_batch(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> None:
+    def validate_batch(
+        self,
+        keys: Sequence[ObjectKey],
+        buffers: Sequence[memoryview],
+        layouts: Sequence[str] | None = None,
+    ) -> None:
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        if layouts is not None and len(layouts) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(layouts)} layouts")
 
     @property
     def closed(self) -> bool:

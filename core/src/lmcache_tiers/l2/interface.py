@@ -73,10 +73,17 @@ class L2Adapter(ABC):
         """File descriptor that is readable when results of ``op`` are ready."""
 
     @abstractmethod
-    def submit_store(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> int:
+    def submit_store(
+        self,
+        keys: Sequence[ObjectKey],
+        buffers: Sequence[memoryview],
+        layouts: Sequence[str] | None = None,
+    ) -> int:
         """Start storing ``buffers[i]`` under ``keys[i]``; returns the task id.
 
         The buffers must stay valid and unchanged until the task's result is popped.
+        ``layouts[i]`` is the object's tensor layout string ("" or None: unknown), handed
+        to the serde chain (see :class:`~lmcache_tiers.serde.SerdeContext`).
         """
 
     @abstractmethod

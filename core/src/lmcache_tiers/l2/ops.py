@@ -18,7 +18,7 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.accounting import ObjectSize
 from lmcache_tiers.l2.buffers import copy_into
 from lmcache_tiers.l2.interface import LookupResult
-from lmcache_tiers.serde import decode_chain
+from lmcache_tiers.serde import SerdeContext, decode_chain
 
 if TYPE_CHECKING:
     from lmcache_tiers.l2.core import AdapterCore, ContainsResult
@@ -52,15 +52,22 @@ class BatchOp(ABC):
 
 
 class StoreOp(BatchOp):
-    def __init__(self, core: AdapterCore, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> None:
+    def __init__(
+        self,
+        core: AdapterCore,
+        keys: Sequence[ObjectKey],
+        buffers: Sequence[memoryview],
+        layouts: Sequence[str] | None = None,
+    ) -> None:
         super().__init__(core, keys)
         self.buffers = [memoryview(buffer).cast("B") for buffer in buffers]
+        self.layouts = list(layouts) if layouts is not None else [""] * len(self.keys)
         self.payloads: list[memoryview] = []
 
     def prepare(self) -> tuple[list[ObjectKey], list[memoryview]]:
         for index, buffer in enumerate(self.buffers):
             try:
-                payload = self.core.encode(buffer)
+                payload = self.core.encode(self.keys[index], buffer, self.layouts[index])
             except Exception as exc:  # a serde refusing one object fails that key only
                 self.core.count("serde_encode_failures")
                 log.warning("%s: serde encode failed for %s: %s", self.core.name, self.keys[index], exc)
@@ -190,7 +197,8 @@ class LoadOp(BatchOp):
     def _decode_into(self, position: int, index: int) -> bool:
         buffer = memoryview(self.buffers[index]).cast("B")
         try:
-            decoded = decode_chain(self.core.serde, self.targets[position], buffer.nbytes)
+            context = SerdeContext(self.keys[index], buffer.nbytes)
+            decoded = decode_chain(self.core.serde, self.targets[position], context)
             if decoded.nbytes != buffer.nbytes:
                 raise ValueError(f"decoded {decoded.nbytes} bytes, expected {buffer.nbytes}")
             copy_into(buffer, decoded)

@@ -58,7 +58,9 @@ class StorageLike(Protocol):
     @property
     def l1(self) -> Any: ...
 
-    def reserve_write(self, keys: Sequence[ObjectKey], sizes: Sequence[int]) -> dict[ObjectKey, Any]: ...
+    def reserve_write(
+        self, keys: Sequence[ObjectKey], sizes: Sequence[int], layouts: Sequence[str] | None = None
+    ) -> dict[ObjectKey, Any]: ...
 
     def commit_write(self, keys: Sequence[ObjectKey]) -> list[bool]: ...
 
@@ -279,9 +281,10 @@ class Handlers:
         keys, sizes = req.keys, req.sizes
         if len(keys) != len(sizes):
             raise HandlerError(p.ErrorCode.INVALID_ARGUMENT, f"{len(keys)} keys but {len(sizes)} sizes")
+        layouts = _layouts(req.layouts, len(keys))
         now = time.monotonic()
         session = self.sessions.get(identity, now)
-        reserved = self.storage.reserve_write(keys, sizes)
+        reserved = self.storage.reserve_write(keys, sizes, layouts)
         slots: list[p.Slot] = []
         handed_out: set[ObjectKey] = set()
         for key, size in zip(keys, sizes, strict=True):
@@ -334,10 +337,11 @@ class Handlers:
         views = [memoryview(frame) for frame in frames]
         if any(view.nbytes == 0 for view in views):
             raise HandlerError(p.ErrorCode.INVALID_ARGUMENT, "empty payload frame")
+        layouts = _layouts(req.layouts, len(keys))
         storage = self.storage
 
         def work() -> Callable[[], Response]:
-            reserved = storage.reserve_write(keys, [view.nbytes for view in views])
+            reserved = storage.reserve_write(keys, [view.nbytes for view in views], layouts)
             copy_in = self._copier_in()
             fresh: dict[ObjectKey, None] = {}
             written = 0
@@ -501,6 +505,15 @@ class Handlers:
             session.writes.clear()
             session.prefetches.clear()
         self.released_at_shutdown = (locks, writes)
+
+
+def _layouts(layouts: list[str], count: int) -> list[str] | None:
+    """A request's layouts: None when it sent none, else exactly one per key."""
+    if not layouts:
+        return None
+    if len(layouts) != count:
+        raise HandlerError(p.ErrorCode.INVALID_ARGUMENT, f"{count} keys but {len(layouts)} layouts")
+    return layouts
 
 
 def error_for(exc: BaseException) -> tuple[p.ErrorCode, str]:

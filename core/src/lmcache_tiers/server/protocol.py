@@ -27,6 +27,7 @@ from typing import Annotated, Any, Union
 import msgspec
 
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.layout import MAX_LAYOUT_LEN
 
 #: Bumped on any incompatible change; checked in the HELLO handshake.
 PROTOCOL_VERSION = 1
@@ -80,6 +81,11 @@ _Size = Annotated[int, msgspec.Meta(ge=1, le=MAX_OBJECT_BYTES)]
 _Sizes = Annotated[list[_Size], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
 _Timeout = Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)]
 _Text = Annotated[str, msgspec.Meta(max_length=256)]
+#: per-key tensor layouts ("" = unknown); an empty list means none were given
+_Layouts = Annotated[
+    list[Annotated[str, msgspec.Meta(max_length=MAX_LAYOUT_LEN)]],
+    msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST),
+]
 
 
 # -- requests ------------------------------------------------------------------------------
@@ -121,10 +127,15 @@ class WaitPrefetchStatus(_Request, tag=Op.WAIT_PREFETCH_STATUS.value):
 
 
 class StoreReserve(_Request, tag=Op.STORE_RESERVE.value):
-    """Reserve arena extents for the keys not yet in L1 (all or nothing)."""
+    """Reserve arena extents for the keys not yet in L1 (all or nothing).
+
+    ``layouts``: optional tensor layout per key (``"bfloat16[2,16,256,1024]"``, "" when
+    unknown), checked against the size and kept for the L2 serde chains.
+    """
 
     keys: _Keys
     sizes: _Sizes
+    layouts: _Layouts = []
 
 
 class StoreCommit(_Request, tag=Op.STORE_COMMIT.value):
@@ -136,9 +147,11 @@ class StoreAbort(_Request, tag=Op.STORE_ABORT.value):
 
 
 class StoreInline(_Request, tag=Op.STORE_INLINE.value):
-    """Store with the bytes in the message: one payload frame per key follows."""
+    """Store with the bytes in the message: one payload frame per key follows.
+    ``layouts`` as for STORE_RESERVE."""
 
     keys: _Keys
+    layouts: _Layouts = []
 
 
 class Retrieve(_Request, tag=Op.RETRIEVE.value):

@@ -79,13 +79,18 @@ class NixlDynamicAdapter(BatchL2Adapter):
 
     # -- store ------------------------------------------------------------------------------
 
-    def submit_store(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> int:
-        self.validate_batch(keys, buffers)
+    def submit_store(
+        self,
+        keys: Sequence[ObjectKey],
+        buffers: Sequence[memoryview],
+        layouts: Sequence[str] | None = None,
+    ) -> int:
+        self.validate_batch(keys, buffers, layouts)
         if not self.identity:
             with self._lock:
                 for key, buffer in zip(keys, buffers, strict=True):
                     self._l1_sizes[key] = memoryview(buffer).nbytes
-        return super().submit_store(keys, buffers)
+        return super().submit_store(keys, buffers, layouts)
 
     def _reserve(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[int]:
         accepted: list[int] = []

@@ -1,0 +1,133 @@
+"""Tensor layouts: the dtype and shape an object's bytes represent, when a writer knows them.
+
+Objects are bytes to L1 and to every adapter; a layout is optional metadata a front end
+attaches when it knows what the bytes are (a torch tensor handed to the client, the KV
+layout an LMCache engine registered).  Serdes that transform numbers rather than bytes
+(fp8 quantization, byte shuffling by element size) read it from their
+:class:`~lmcache_tiers.serde.SerdeContext`.  On the wire and in records a layout is a
+short string, ``"bfloat16[2,32,256,1024]"``; the empty string means "unknown".
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["DTYPE_SIZES", "FLOAT_DTYPES", "MAX_LAYOUT_LEN", "TensorLayout", "check_layout", "layout_of"]
+
+#: element size in bytes of every dtype a layout may name (torch attribute names)
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+}
+
+#: dtypes holding floating-point numbers (what a quantizing serde can act on)
+FLOAT_DTYPES = frozenset(name for name in DTYPE_SIZES if name.startswith(("float", "bfloat")))
+
+#: longest layout string accepted from a client or a record
+MAX_LAYOUT_LEN = 256
+_MAX_DIMS = 8
+_PATTERN = re.compile(r"^([a-z0-9_]+)\[(\d+(?:,\d+)*)?\]$")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLayout:
+    """A contiguous tensor of ``dtype`` with ``shape`` (row-major)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; known: {', '.join(sorted(DTYPE_SIZES))}")
+        if len(self.shape) > _MAX_DIMS or any(dim < 0 for dim in self.shape):
+            raise ValueError(f"bad shape {list(self.shape)}: at most {_MAX_DIMS} non-negative dims")
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in FLOAT_DTYPES
+
+    def format(self) -> str:
+        return f"{self.dtype}[{','.join(str(dim) for dim in self.shape)}]"
+
+    @classmethod
+    def parse(cls, text: str) -> TensorLayout:
+        """Read ``"dtype[d0,d1,...]"``; raises ValueError for anything else."""
+        if len(text) > MAX_LAYOUT_LEN:
+            raise ValueError(f"layout is {len(text)} characters long; at most {MAX_LAYOUT_LEN}")
+        match = _PATTERN.match(text)
+        if match is None:
+            raise ValueError(f"layout {text!r} is not of the form dtype[d0,d1,...]")
+        dims = match.group(2)
+        return cls(match.group(1), tuple(int(d) for d in dims.split(",")) if dims else ())
+
+    @classmethod
+    def parse_optional(cls, text: str) -> TensorLayout | None:
+        """``parse`` for stored metadata: None for "" and for anything unreadable."""
+        if not text:
+            return None
+        try:
+            return cls.parse(text)
+        except ValueError:
+            return None
+
+
+def check_layout(text: str, size: int) -> None:
+    """Raise ValueError unless ``text`` is "" or a layout of exactly ``size`` bytes."""
+    if not text:
+        return
+    layout = TensorLayout.parse(text)
+    if layout.nbytes != size:
+        raise ValueError(f"layout {text} describes {layout.nbytes} bytes, the object has {size}")
+
+
+def layout_of(buffer: object) -> str:
+    """The layout string of a torch tensor or numpy array, "" for plain bytes.
+
+    What a client sends with an object it stores, so that serdes know the numbers behind
+    the bytes.  Non-contiguous tensors are described as the contiguous copy the client
+    stores.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(buffer, torch.Tensor):
+        dtype = str(buffer.dtype).removeprefix("torch.")
+        shape = tuple(int(dim) for dim in buffer.shape)
+    elif isinstance(buffer, np.ndarray):
+        dtype = buffer.dtype.name
+        shape = tuple(int(dim) for dim in buffer.shape)
+    else:
+        return ""
+    if dtype not in DTYPE_SIZES or len(shape) > _MAX_DIMS:
+        return ""
+    return TensorLayout(dtype, shape).format()
