@@ -8,6 +8,7 @@ project keeps stable for third-party packages.  Conformance suites live in
 from lmcache_tiers.config import ComponentConfig, L2AdapterConfig, L2EvictionConfig
 from lmcache_tiers.errors import BackendUnavailableError, ConfigError, TiersError
 from lmcache_tiers.hookspecs import hookimpl
+from lmcache_tiers.keycodec import is_digest_name, key_to_name, name_to_key, printable
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.layout import TensorLayout
 from lmcache_tiers.policies import (
@@ -40,5 +41,9 @@ __all__ = [
     "TensorLayout",
     "TiersError",
     "hookimpl",
+    "is_digest_name",
+    "key_to_name",
+    "name_to_key",
     "plan_from_lowest_index",
+    "printable",
 ]
