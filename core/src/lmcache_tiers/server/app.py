@@ -127,7 +127,7 @@ class TiersServer:
             )
             if config.metrics_port:
                 metrics = build_registry(self.stats, self.storage.status)
-                http_host = "127.0.0.1" if config.host.startswith("ipc://") else config.host
+                http_host = config.metrics_host
                 try:
                     self.http = HttpEndpoint(
                         http_host,
