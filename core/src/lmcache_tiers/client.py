@@ -334,9 +334,29 @@ class Client:
         """Delete every unlocked object from L1 (every object with ``force``)."""
         return self._call(p.Clear(0, "", force), p.ClearReply).cleared
 
-    def store(self, keys: Sequence[ObjectKey], buffers: Sequence[BufferLike]) -> int:
+    def evict(self, keys: Sequence[ObjectKey]) -> int:
+        """Delete these keys from L1 (those nobody holds locked); L2 copies stay.  Returns
+        how many were deleted.  Raises ClientError on a server without EVICT."""
+        if "evict" not in self.server_features:
+            raise ClientError(f"the server at {self.url} has no EVICT request (it is older)")
+        evicted = 0
+        for part in self._batches(len(keys)):
+            evicted += self._call(p.Evict(0, "", list(keys[part])), p.EvictReply).evicted
+        return evicted
+
+    @property
+    def server_features(self) -> frozenset[str]:
+        """What the server announced in HELLO (``protocol.FEATURES``); empty for older servers."""
+        return frozenset(self.server.features)
+
+    def store(
+        self, keys: Sequence[ObjectKey], buffers: Sequence[BufferLike], *, l1_only: bool = False
+    ) -> int:
         """Store ``buffers[i]`` under ``keys[i]``; returns how many keys were newly stored
-        (keys already on the server are skipped)."""
+        (keys already on the server are skipped).  ``l1_only``: the server keeps them in L1
+        and never copies them to L2 (raises ClientError if it cannot promise that)."""
+        if l1_only and "l1_only_store" not in self.server_features:
+            raise ClientError(f"the server at {self.url} cannot keep stores out of L2 (it is older)")
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         arrays = [as_byte_array(buffer) for buffer in buffers]
@@ -345,10 +365,11 @@ class Client:
         stored = 0
         if self._segment is not None:
             for part in self._batches(len(keys)):
-                stored += self._store_shm(list(keys[part]), arrays[part], self._segment)
+                stored += self._store_shm(list(keys[part]), arrays[part], self._segment, l1_only)
         else:
             for batch_keys, batch_arrays in self._inline_batches(list(keys), arrays):
-                reply = self._call(p.StoreInline(0, "", batch_keys), p.StoreReply, payloads=batch_arrays)
+                request = p.StoreInline(0, "", batch_keys, l1_only)
+                reply = self._call(request, p.StoreReply, payloads=batch_arrays)
                 stored += sum(reply.done)
         return stored
 
@@ -376,7 +397,7 @@ class Client:
             start = end
 
     def _store_shm(
-        self, keys: list[ObjectKey], arrays: list[np.ndarray[Any, Any]], segment: MappedSegment
+        self, keys: list[ObjectKey], arrays: list[np.ndarray[Any, Any]], segment: MappedSegment, l1_only: bool
     ) -> int:
         sizes = [array.nbytes for array in arrays]
         reply = self._call(p.StoreReserve(0, "", keys, sizes), p.StoreReserveReply)
@@ -398,7 +419,7 @@ class Client:
             with contextlib.suppress(ClientError):
                 self._call(p.StoreAbort(0, "", reserved), p.StoreReply)
             raise
-        done = self._call(p.StoreCommit(0, "", reserved), p.StoreReply).done
+        done = self._call(p.StoreCommit(0, "", reserved, l1_only), p.StoreReply).done
         return sum(done)
 
     def lookup(self, keys: Sequence[ObjectKey], timeout: float | None = None) -> int:
