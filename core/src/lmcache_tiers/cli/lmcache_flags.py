@@ -64,7 +64,7 @@ REFUSED: dict[str, str] = {
         "L1 is one arena, in memory (--l1-size-gb) or in an NVMe file (--gds-l1-path); "
         "there are no tagged L1 managers"
     ),
-    "--l1-devdax-path": "L1 cannot live on a DAX device here (memory or --gds-l1-path only)",
+    "--l1-devdax-path": "L1 lives in memory (--l1-size-gb) or in an NVMe file (--gds-l1-path) only",
     "--periodic-notifier-interval-ms": "controllers wake on eventfds, not on a periodic notifier",
     "--disable-observability": _OBSERVABILITY,
     "--disable-grpc-metrics": "there is no gRPC transport (ZeroMQ only)",
