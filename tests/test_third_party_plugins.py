@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from thirdparty import pip_install_to, run_cli, serve_cli, write_package
+from thirdparty import pip_install_to, run_cli, serve_cli, wait_for, write_package
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import ObjectKey
@@ -268,7 +268,7 @@ def test_server_stores_and_serves_through_the_third_party_adapter(site: Path, tm
     try:
         with Client(server.url, timeout=30) as client:
             assert client.store(keys, chunks) == len(keys)
-            server.wait_for(lambda: _status_adapter(client)["keys_stored"] == len(keys), "L2 stores")
+            wait_for(server, lambda: _status_adapter(client)["keys_stored"] == len(keys), "L2 stores")
             assert len(list(directory.glob("*.obj"))) == len(keys)
             assert client.clear() == len(keys)  # L1 empty: every hit below comes from acme_dir
             assert client.lookup(keys, timeout=30) == len(keys)

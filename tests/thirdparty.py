@@ -11,8 +11,11 @@ import textwrap
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent / "server"))
+
+from tiers_e2e import ServerProcess
 
 CLI = [sys.executable, "-m", "lmcache_tiers.cli.main"]
 START_TIMEOUT_S = 60.0
@@ -90,45 +93,23 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-@dataclass
-class ServedCli:
-    """``lmcache-tiers serve`` running in a subprocess, its output in ``log_dir``."""
-
-    url: str
-    proc: subprocess.Popen[bytes]
-    log_dir: Path
-
-    def output(self) -> str:
-        out = (self.log_dir / "stdout.txt").read_text(errors="replace")
-        err = (self.log_dir / "stderr.txt").read_text(errors="replace")
-        return f"--- stdout ---\n{out}\n--- stderr ---\n{err}"
-
-    def wait_for(self, condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not done within {timeout:g}s\n{self.output()}")
-            time.sleep(0.05)
-
-    def stop(self, sig: int = signal.SIGINT, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError(f"server did not stop within {timeout:g}s\n{self.output()}") from None
-        return self.proc.returncode
+def wait_for(server: ServerProcess, condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Poll ``condition`` until it holds; fail with the server's output after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not done within {timeout:g}s\n{server.output()}")
+        time.sleep(0.05)
 
 
-def serve_cli(args: list[str], site: Path | None, log_dir: Path, **env: str) -> ServedCli:
+def serve_cli(args: list[str], site: Path | None, log_dir: Path, **env: str) -> ServerProcess:
     """Start ``lmcache-tiers serve ARGS`` on a free loopback port (no HTTP endpoint, a
     segment of its own) and wait until it answers PING."""
     from lmcache_tiers.client import Client, ClientError
 
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    shm_name = f"tiers_cli_{uuid.uuid4().hex[:12]}"
     command = [
         *CLI,
         "serve",
@@ -137,7 +118,7 @@ def serve_cli(args: list[str], site: Path | None, log_dir: Path, **env: str) -> 
         "--metrics-port",
         "0",
         "--shm-name",
-        f"tiers_cli_{uuid.uuid4().hex[:12]}",
+        shm_name,
         *args,
     ]
     proc = subprocess.Popen(
@@ -146,7 +127,7 @@ def serve_cli(args: list[str], site: Path | None, log_dir: Path, **env: str) -> 
         stderr=(log_dir / "stderr.txt").open("wb"),
         env=_environment(site, {"COLUMNS": "200", **env}),
     )
-    served = ServedCli(f"tcp://127.0.0.1:{port}", proc, log_dir)
+    served = ServerProcess(f"tcp://127.0.0.1:{port}", None, shm_name, proc, log_dir)
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         if proc.poll() is not None:

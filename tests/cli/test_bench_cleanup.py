@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
-from thirdparty import run_cli, serve_cli
+from thirdparty import run_cli, serve_cli, wait_for
 
 from lmcache_tiers.client import Client, ClientError
 from lmcache_tiers.config import build_config
@@ -46,7 +46,7 @@ def test_bench_against_a_server_with_persistent_l2_leaves_nothing(tmp_path: Path
     try:
         with Client(server.url, timeout=30) as client:
             assert client.store(keys, chunks) == len(keys)
-            server.wait_for(lambda: client.status()["adapters"][0]["keys_stored"] == len(keys), "L2 stores")
+            wait_for(server, lambda: client.status()["adapters"][0]["keys_stored"] == len(keys), "L2 stores")
             files_before = sorted(path.name for path in l2_dir.rglob("*") if path.is_file())
 
             bench = run_cli(

@@ -12,8 +12,9 @@ import subprocess
 import sys
 
 import pytest
+import test_obj_backend
 from lmcache_plugin_nixl.availability import azure_blob_endpoint, check_remote_endpoint
-from test_obj_backend import ACCESS_KEY, BUCKET, HERE, SECRET_KEY, s3_endpoint  # noqa: F401 - fixture
+from test_obj_backend import HERE, s3_endpoint  # noqa: F401 - the S3 server fixture
 
 from lmcache_tiers.errors import ConfigError
 
@@ -42,17 +43,13 @@ def test_obj_plugin_loads_with_no_module_setting() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def test_obj_round_trip_with_no_module_setting(s3_endpoint: str) -> None:  # noqa: F811 - the fixture
-    done = subprocess.run(
-        [sys.executable, str(HERE / "obj_roundtrip.py"), s3_endpoint, BUCKET, ACCESS_KEY, SECRET_KEY],
-        env=unset_module_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["loaded"] == [True, True, True] and report["equal"] == [True, True, True]
+def test_obj_round_trip_with_no_module_setting(
+    s3_endpoint: str,  # noqa: F811 - the fixture imported above
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The OBJ test's child process, with LMCACHE_NIXL_MODULE left unset.
+    monkeypatch.setattr(test_obj_backend, "child_env", unset_module_env)
+    test_obj_backend.test_obj_pool_round_trip_exhaustion_and_reuse(s3_endpoint)
 
 
 def test_azure_blob_endpoint_comes_from_account_url_or_connection_string() -> None:
