@@ -225,7 +225,10 @@ def _quoting_hint(message: str, value: Any) -> str:
                 number = float(literal)
             except ValueError:
                 return ""
-            shown = literal if message.startswith("Expected `float`") or number.is_integer() else ""
+            if message.startswith("Expected `float`"):
+                shown = literal
+            else:
+                shown = str(int(number)) if number.is_integer() else ""
             return f" (write the number without quotes: {shown})" if shown else ""
         if message.startswith("Expected `bool`, got `str`") and literal in ("true", "false"):
             return f" (write {literal} without quotes)"
