@@ -1,30 +1,44 @@
-"""Build throwaway third-party plugin packages and run the CLI against them."""
+"""Build throwaway third-party plugin packages and run the CLI (and a server) against them."""
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent / "server"))
+
+from tiers_e2e import ServerProcess
+
 CLI = [sys.executable, "-m", "lmcache_tiers.cli.main"]
+START_TIMEOUT_S = 60.0
 
 
-def write_package(root: Path, dist: str, module: str, source: str) -> Path:
-    """A minimal distribution with one entry point in the ``lmcache_tiers`` group."""
+def write_package(
+    root: Path, dist: str, module: str, source: str, submodules: dict[str, str] | None = None
+) -> Path:
+    """A minimal distribution with one entry point in the ``lmcache_tiers`` group;
+    ``submodules`` adds ``<module>/<name>.py`` files."""
     package = root / dist
     (package / module).mkdir(parents=True)
     (package / "pyproject.toml").write_text(
         textwrap.dedent(
             f"""
             [build-system]
-            requires = ["setuptools>=61"]
+            requires = ["setuptools>=77"]
             build-backend = "setuptools.build_meta"
 
             [project]
             name = "{dist}"
             version = "1.2.3"
+            license = "Apache-2.0"
 
             [project.entry-points.lmcache_tiers]
             {dist} = "{module}"
@@ -35,6 +49,8 @@ def write_package(root: Path, dist: str, module: str, source: str) -> Path:
         )
     )
     (package / module / "__init__.py").write_text(textwrap.dedent(source))
+    for name, text in (submodules or {}).items():
+        (package / module / f"{name}.py").write_text(textwrap.dedent(text))
     return package
 
 
@@ -58,8 +74,72 @@ def pip_install_to(target: Path, package: Path) -> None:
     )
 
 
-def run_cli(args: list[str], site: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+def _environment(site: Path | None, env: dict[str, str]) -> dict[str, str]:
     environ = dict(os.environ, **env)
     if site is not None:
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), environ.get("PYTHONPATH", "")]))
-    return subprocess.run(CLI + args, capture_output=True, text=True, env=environ, timeout=120)
+    return environ
+
+
+def run_cli(args: list[str], site: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        CLI + args, capture_output=True, text=True, env=_environment(site, env), timeout=120
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_for(server: ServerProcess, condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Poll ``condition`` until it holds; fail with the server's output after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not done within {timeout:g}s\n{server.output()}")
+        time.sleep(0.05)
+
+
+def serve_cli(args: list[str], site: Path | None, log_dir: Path, **env: str) -> ServerProcess:
+    """Start ``lmcache-tiers serve ARGS`` on a free loopback port (no HTTP endpoint, a
+    segment of its own) and wait until it answers PING."""
+    from lmcache_tiers.client import Client, ClientError
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    shm_name = f"tiers_cli_{uuid.uuid4().hex[:12]}"
+    command = [
+        *CLI,
+        "serve",
+        "--port",
+        str(port),
+        "--metrics-port",
+        "0",
+        "--shm-name",
+        shm_name,
+        *args,
+    ]
+    proc = subprocess.Popen(
+        command,
+        stdout=(log_dir / "stdout.txt").open("wb"),
+        stderr=(log_dir / "stderr.txt").open("wb"),
+        env=_environment(site, {"COLUMNS": "200", **env}),
+    )
+    served = ServerProcess(f"tcp://127.0.0.1:{port}", None, shm_name, proc, log_dir)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"serve exited with {proc.returncode} during start-up\n{served.output()}")
+        try:
+            with Client(served.url, timeout=0.5) as client:
+                client.ping()
+            return served
+        except ClientError:
+            if time.monotonic() > deadline:
+                served.stop(signal.SIGKILL)
+                raise AssertionError(
+                    f"serve did not answer within {START_TIMEOUT_S:g}s\n{served.output()}"
+                ) from None
+            time.sleep(0.1)

@@ -340,11 +340,28 @@ class Client:
         """Delete every unlocked object from L1 (every object with ``force``)."""
         return self._call(p.Clear(0, "", force), p.ClearReply).cleared
 
+    def evict(self, keys: Sequence[ObjectKey]) -> int:
+        """Delete these keys from L1 (those nobody holds locked); L2 copies stay.  Returns
+        how many were deleted.  Raises ClientError on a server without EVICT."""
+        if "evict" not in self.server_features:
+            raise ClientError(f"the server at {self.url} has no EVICT request (it is older)")
+        evicted = 0
+        for part in self._batches(len(keys)):
+            evicted += self._call(p.Evict(0, "", list(keys[part])), p.EvictReply).evicted
+        return evicted
+
+    @property
+    def server_features(self) -> frozenset[str]:
+        """What the server announced in HELLO (``protocol.FEATURES``); empty for older servers."""
+        return frozenset(self.server.features)
+
     def store(
         self,
         keys: Sequence[ObjectKey],
         buffers: Sequence[BufferLike],
         layouts: Sequence[str] | None = None,
+        *,
+        l1_only: bool = False,
     ) -> int:
         """Store ``buffers[i]`` under ``keys[i]``; returns how many keys were newly stored
         (keys already on the server are skipped).
@@ -352,7 +369,11 @@ class Client:
         ``layouts`` name each object's tensor layout (``"bfloat16[2,16,256,1024]"``, see
         :mod:`lmcache_tiers.layout`) for serdes that need it; by default they are taken
         from torch tensors and numpy arrays, and are unknown for plain bytes.
+        ``l1_only``: the server keeps them in L1 and never copies them to L2 (raises
+        ClientError if it cannot promise that).
         """
+        if l1_only and "l1_only_store" not in self.server_features:
+            raise ClientError(f"the server at {self.url} cannot keep stores out of L2 (it is older)")
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         if layouts is None:
@@ -368,13 +389,13 @@ class Client:
         if self._segment is not None:
             for part in self._batches(len(keys)):
                 stored += self._store_shm(
-                    list(keys[part]), arrays[part], _sent_layouts(layouts[part]), self._segment
+                    list(keys[part]), arrays[part], _sent_layouts(layouts[part]), self._segment, l1_only
                 )
         else:
             for batch_keys, batch_arrays, batch_layouts in self._inline_batches(
                 list(keys), arrays, list(layouts)
             ):
-                request = p.StoreInline(0, "", batch_keys, _sent_layouts(batch_layouts))
+                request = p.StoreInline(0, "", batch_keys, _sent_layouts(batch_layouts), l1_only)
                 reply = self._call(request, p.StoreReply, payloads=batch_arrays)
                 stored += sum(reply.done)
         return stored
@@ -408,6 +429,7 @@ class Client:
         arrays: list[np.ndarray[Any, Any]],
         layouts: list[str],
         segment: MappedSegment,
+        l1_only: bool,
     ) -> int:
         sizes = [array.nbytes for array in arrays]
         reply = self._call(p.StoreReserve(0, "", keys, sizes, layouts), p.StoreReserveReply)
@@ -429,7 +451,7 @@ class Client:
             with contextlib.suppress(ClientError):
                 self._call(p.StoreAbort(0, "", reserved), p.StoreReply)
             raise
-        done = self._call(p.StoreCommit(0, "", reserved), p.StoreReply).done
+        done = self._call(p.StoreCommit(0, "", reserved, l1_only), p.StoreReply).done
         return sum(done)
 
     def lookup(self, keys: Sequence[ObjectKey], timeout: float | None = None) -> int:

@@ -4,12 +4,22 @@ An adapter spec is JSON with a ``type`` that selects the plugin's own Struct, so
 valid adapter configurations is the union of what is installed.  Decoding is two-step
 (read ``type``, then decode the rest into that plugin's Struct) so an unknown type can get
 a "did you mean" answer and every other mistake keeps msgspec's path.
+
+Typing rule, the same for ``--l2-adapter`` JSON, the ``--config`` TOML file and flags: a
+value has the type its field declares, as in LMCache's own adapter configs.  A number is
+written as a number (``0.5``, not ``"0.5"``), a switch as ``true``/``false``, text as a
+string; NIXL's ``backend_params`` is a map of strings (``"max_capacity_gb": "10"``).
+Flags are text parsed as the field's type.  Every refusal names the full path of the
+value (``$.l2_adapters[0].backend_params.max_capacity_gb``) and, when the value only has
+the wrong quoting, how to write it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
+import typing
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -57,7 +67,10 @@ class L2AdapterConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown
     ] = None
     serde: Annotated[
         tuple[dict[str, Any], ...],
-        Meta(description='Serde chain applied on the way to L2, e.g. [{"type": "zstd"}].'),
+        Meta(
+            description='Serde chain applied on the way to L2: a list of {"type": NAME, ...} '
+            "objects naming installed serde plugins (`lmcache-tiers plugins list`)."
+        ),
     ] = ()
 
 
@@ -103,6 +116,9 @@ class ServerConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fi
     l2_prefetch_max_in_flight: Annotated[
         int, _doc("Prefetch requests running at once; the rest queue.", ge=1)
     ] = 8
+    metrics_host: Annotated[
+        str, _doc("Address the HTTP endpoint (/metrics, /healthz, /status) binds to.")
+    ] = "127.0.0.1"
     metrics_port: Annotated[
         int, _doc("HTTP port for /metrics, /healthz, /status; 0 disables.", ge=0, le=65535)
     ] = 9090
@@ -127,10 +143,111 @@ class ServerConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fi
 _SCALAR_FIELDS = frozenset(ServerConfig.__struct_fields__) - {"l2_adapters"}
 
 
-def _validation_message(exc: msgspec.ValidationError, prefix: str) -> str:
-    """Rewrite msgspec's ``at `$.x``` path so it is rooted at ``prefix``."""
+class FieldError(ValueError):
+    """Raised by a config Struct's ``__post_init__`` about one of its values, so the error
+    names that value's full path.  ``field`` is the path below the Struct, dotted
+    (``backend_params.max_capacity_gb``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+_PATH_STEP = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
+
+
+def _path_step(key: object) -> str:
+    text = str(key)
+    return f".{text}" if re.fullmatch(r"[A-Za-z_][\w-]*", text) else f"[{json.dumps(text)}]"
+
+
+def _declared_child(declared: Any, step: str | int) -> Any:
+    """The declared type one step (field name, list index or map value) below ``declared``."""
+    while True:
+        origin = typing.get_origin(declared)
+        if origin is Annotated:
+            declared = typing.get_args(declared)[0]
+        elif origin is typing.Union or type(declared).__name__ == "UnionType":
+            options = [a for a in typing.get_args(declared) if a is not type(None)]
+            declared = options[0] if len(options) == 1 else Any
+        else:
+            break
+    if isinstance(declared, type) and issubclass(declared, msgspec.Struct) and isinstance(step, str):
+        for info in msgspec.structs.fields(declared):
+            if info.encode_name == step:
+                return info.type
+        return Any
+    args = typing.get_args(declared)
+    if origin in (dict, Mapping) and len(args) == 2:
+        return args[1]
+    if origin in (list, tuple, set, frozenset) and args:
+        return args[0]
+    return Any
+
+
+def _locate(declared: Any, raw: Any, msgspec_path: str) -> tuple[str, Any]:
+    """msgspec's path below ``$`` with every ``[...]`` (a map value) replaced by the key
+    whose value fails, and the raw value found there (None when it cannot be followed)."""
+    concrete, value = "", raw
+    for name, index in _PATH_STEP.findall(msgspec_path):
+        if name:
+            concrete += f".{name}"
+            declared = _declared_child(declared, name)
+            value = value.get(name) if isinstance(value, Mapping) else None
+        elif index == "...":
+            declared = _declared_child(declared, "...")
+            bad = None
+            for key, item in value.items() if isinstance(value, Mapping) else ():
+                try:
+                    msgspec.convert(item, declared)
+                except (msgspec.ValidationError, TypeError):
+                    bad = (key, item)
+                    break
+            if bad is None:
+                return concrete + msgspec_path[msgspec_path.index("[...]") :], None
+            concrete += _path_step(bad[0])
+            value = bad[1]
+        else:
+            concrete += f"[{index}]"
+            declared = _declared_child(declared, int(index))
+            value = value[int(index)] if isinstance(value, list) and int(index) < len(value) else None
+    return concrete, value
+
+
+def _quoting_hint(message: str, value: Any) -> str:
+    """How to write a value that has the right content but the wrong JSON/TOML type."""
+    if message.startswith("Expected `str`, got `") and isinstance(value, (bool, int, float)):
+        return f" (write it as a string: {json.dumps(json.dumps(value))})"
+    if isinstance(value, str):
+        literal = value.strip().lower()
+        if message.startswith(("Expected `float`, got `str`", "Expected `int`, got `str`")):
+            try:
+                number = float(literal)
+            except ValueError:
+                return ""
+            if message.startswith("Expected `float`"):
+                shown = literal
+            else:
+                shown = str(int(number)) if number.is_integer() else ""
+            return f" (write the number without quotes: {shown})" if shown else ""
+        if message.startswith("Expected `bool`, got `str`") and literal in ("true", "false"):
+            return f" (write {literal} without quotes)"
+    return ""
+
+
+def validation_message(exc: msgspec.ValidationError, where: str, declared: Any, raw: Any) -> str:
+    """msgspec's error about ``raw`` (decoded as ``declared``) with the path rooted at
+    ``where`` and naming every map key, e.g. ``... - at `$.l2_adapters[0].backend_params.x```."""
     text = str(exc)
-    return text.replace("`$", f"`{prefix}") if "`$" in text else f"{text} (at `{prefix}`)"
+    message, _, at = text.partition(" - at `")
+    cause = exc.__cause__
+    if isinstance(cause, FieldError):
+        message = str(cause)
+    below, value = _locate(declared, raw, at.rstrip("`")[1:] if at else "")
+    if isinstance(cause, FieldError):
+        below += "." + cause.field
+        value = None
+    return f"{message}{_quoting_hint(message, value)} - at `{where}{below}`"
 
 
 def decode_component(
@@ -144,11 +261,15 @@ def decode_component(
     component = registry.get(kind, str(raw["type"]))
     fields = {k: v for k, v in raw.items() if k != "type"}
     try:
-        config = msgspec.convert(fields, component.config, strict=False)
+        config = msgspec.convert(fields, component.config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{component.name}: {_validation_message(exc, where)}") from exc
+        raise ConfigError(
+            f"{component.name}: {validation_message(exc, where, component.config, fields)}"
+        ) from exc
+    except FieldError as exc:  # raised from a Struct's __post_init__ outside msgspec
+        raise ConfigError(f"{component.name}: {exc} - at `{where}.{exc.field}`") from exc
     except (TypeError, ValueError) as exc:  # raised from a Struct's __post_init__
-        raise ConfigError(f"{component.name}: {exc} (at `{where}`)") from exc
+        raise ConfigError(f"{component.name}: {exc} - at `{where}`") from exc
     return component.name, config
 
 
@@ -222,7 +343,7 @@ def build_config(
     try:
         config = msgspec.convert(values, ServerConfig)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_validation_message(exc, "$")) from exc
+        raise ConfigError(validation_message(exc, "$", ServerConfig, values)) from exc
 
     if adapter_json:
         adapters = tuple(parse_adapter_json(registry, text, i) for i, text in enumerate(adapter_json))

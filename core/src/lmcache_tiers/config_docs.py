@@ -7,19 +7,30 @@ come from ``msgspec.Meta(description=...)``.
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
 from lmcache_tiers.config import L2AdapterConfig, L2EvictionConfig, ServerConfig
-from lmcache_tiers.registry import Kind
+from lmcache_tiers.registry import Component, Kind
 
 if TYPE_CHECKING:
     from lmcache_tiers.plugins import PluginSet
 
 #: Only shipped plugins go into the committed reference; third-party ones are listed live.
 SHIPPED_PREFIX = "lmcache-plugin-"
+
+#: section title of each component kind in the reference
+KIND_TITLES: dict[Kind, str] = {
+    Kind.L2_ADAPTER: "L2 adapters",
+    Kind.STORE_POLICY: "Store policies",
+    Kind.PREFETCH_POLICY: "Prefetch policies",
+    Kind.EVICTION_POLICY: "Eviction policies",
+    Kind.SERDE: "Serdes",
+    Kind.FRONTEND: "Front ends",
+}
 
 _CONSTRAINT_WORDS = {
     "minimum": ">=",
@@ -84,16 +95,35 @@ def component_fields(struct: type[msgspec.Struct]) -> list[FieldDoc]:
     return rows
 
 
-def _markdown_table(struct: type[msgspec.Struct]) -> list[str]:
-    lines = ["| field | type | default | constraints | description |", "|---|---|---|---|---|"]
+def component_doc(component: Component) -> str:
+    """The component's documentation as prose: a docstring's continuation lines lose the
+    indentation they have in the source (Markdown would render them as a code block)."""
+    return inspect.cleandoc(component.doc) if component.doc else ""
+
+
+def _markdown_table(struct: type[msgspec.Struct], flags: dict[str, list[str]] | None = None) -> list[str]:
+    """A Markdown table of ``struct``'s fields; with ``flags`` (field -> serve flags), a
+    column naming the command-line flags that set each field."""
+    head = [
+        "field",
+        *(["flag"] if flags is not None else []),
+        "type",
+        "default",
+        "constraints",
+        "description",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for f in component_fields(struct):
-        cells = [f"`{f.name}`", f.type.replace("|", "\\|"), f"`{f.default}`", f.constraints, f.doc]
+        named = [", ".join(f"`{flag}`" for flag in flags.get(f.name, []))] if flags is not None else []
+        cells = [f"`{f.name}`", *named, f.type.replace("|", "\\|"), f"`{f.default}`", f.constraints, f.doc]
         lines.append("| " + " | ".join(c.replace("\n", " ") for c in cells) + " |")
     return lines
 
 
 def render_config_reference(plugin_set: PluginSet) -> str:
     """Markdown for docs/configuration.md: the server config and every shipped component."""
+    from lmcache_tiers.cli.serve_cmd import config_flags
+
     out = [
         "# Configuration reference",
         "",
@@ -102,10 +132,13 @@ def render_config_reference(plugin_set: PluginSet) -> str:
         "",
         "## Server (`lmcache-tiers serve` flags and `--config` TOML keys)",
         "",
-        "Flags use dashes (`--l1-size-gb`), TOML keys use underscores (`l1_size_gb`).",
-        "`l2_adapters` is a list of adapter objects, each with a `type` (below).",
+        "TOML keys are the field names (`l1_size_gb`); the flags are LMCache's server flags",
+        "(`--l1-size-gb`, `--l1-read-ttl-seconds`). `l2_adapters` is a list of adapter objects,",
+        "each with a `type` (below). Values have the field's type in TOML and JSON alike",
+        '(`l1_size_gb = 2`, not `"2"`); errors name the path (`$.l2_adapters[0].pool_size`).',
+        "LMCache flags without a field here: [lmcache-compat.md](lmcache-compat.md).",
         "",
-        *_markdown_table(ServerConfig),
+        *_markdown_table(ServerConfig, config_flags()),
         "",
         "## Options common to every L2 adapter",
         "",
@@ -120,11 +153,12 @@ def render_config_reference(plugin_set: PluginSet) -> str:
         shipped = [c for c in plugin_set.registry.components(kind) if c.plugin.startswith(SHIPPED_PREFIX)]
         if not shipped:
             continue
-        out += [f"## {kind.value.replace('_', ' ').capitalize()}s", ""]
+        out += [f"## {KIND_TITLES[kind]}", ""]
         for component in shipped:
             out += [f"### `{component.name}` ({component.plugin})", ""]
-            if component.doc:
-                out += [component.doc.strip(), ""]
+            doc = component_doc(component)
+            if doc:
+                out += [doc, ""]
             fields = _markdown_table(component.config)
             out += (fields if len(fields) > 2 else ["No options."]) + [""]
     return "\n".join(out).rstrip() + "\n"

@@ -197,13 +197,15 @@ class StorageManager:
             self.l1_eviction.wake()
         return reserved
 
-    def commit_write(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        """Make reserved objects READY and queue them for L2; False for keys not reserved."""
+    def commit_write(self, keys: Sequence[ObjectKey], *, to_l2: bool = True) -> list[bool]:
+        """Make reserved objects READY and queue them for L2 (unless ``to_l2`` is False:
+        L1-only objects); False for keys not reserved."""
         self._check_open()
         done = self.l1.finish_write(keys)
         committed = [key for key, ok in zip(keys, done, strict=True) if ok]
         self.stats.add("keys_written", len(committed))
-        self.store.submit(committed)
+        if to_l2:
+            self.store.submit(committed)
         return done
 
     def abort_write(self, keys: Sequence[ObjectKey]) -> None:
@@ -271,6 +273,11 @@ class StorageManager:
         """Delete L1 objects (unlocked ones unless ``force``); returns how many."""
         self._check_open()
         return self.l1.clear(force=force)
+
+    def evict(self, keys: Sequence[ObjectKey]) -> int:
+        """Delete ``keys`` from L1 now, skipping locked ones; L2 copies stay. Returns how many."""
+        self._check_open()
+        return sum(self.l1.delete(keys))
 
     # -- operations ----------------------------------------------------------------------
 

@@ -149,6 +149,6 @@ def test_bench_runs_and_checks_its_bytes(server: TiersServer) -> None:
     assert result.lookup_p50_us <= result.lookup_p99_us
     assert result.lookup_per_s > 0 and result.lookup_pipelined_per_s > 0
     assert {"memcpy", "shm store", "inline retrieve", "lookup (pipelined)"} <= set(steps)
-    assert bench_table(result).row_count == 10
+    assert bench_table(result).row_count == 11
     stats = server.storage.status()["l1"]
     assert (stats["objects"], stats["read_locks"]) == (0, 0), "the benchmark left data or locks behind"

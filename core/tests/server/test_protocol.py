@@ -18,12 +18,16 @@ REQUESTS = [
     p.WaitPrefetchStatus(5, "", 9, 1.5),
     p.StoreReserve(6, "", [KEY], [4096]),
     p.StoreCommit(7, "", [KEY]),
+    p.StoreCommit(7, "", [KEY], True),
     p.StoreAbort(8, "", [KEY]),
     p.StoreInline(9, "", [KEY]),
+    p.StoreInline(9, "", [KEY], l1_only=True),
+    p.StoreInline(9, "", [KEY], ["uint8[4096]"], True),
     p.Retrieve(10, "", [KEY], True),
     p.Release(11, "", [KEY]),
     p.Clear(12, "", True),
     p.Status(13, ""),
+    p.Evict(14, "", [KEY]),
 ]
 
 REPLIES = [
@@ -38,6 +42,8 @@ REPLIES = [
     p.ReleaseReply(11, released=2),
     p.ClearReply(12, cleared=3),
     p.StatusReply(13, status={"l1": {"objects": 1}}),
+    p.EvictReply(14, evicted=1),
+    p.HelloReply(1, features=["l1_only_store", "evict"]),
 ]
 
 
@@ -53,7 +59,7 @@ def test_replies_round_trip(reply: p.Reply) -> None:
 
 def test_op_numbers_are_stable() -> None:
     # Changing any of these breaks deployed clients: bump PROTOCOL_VERSION instead.
-    assert [int(op) for op in p.Op] == list(range(14))
+    assert [int(op) for op in p.Op] == list(range(15))
     assert msgspec.msgpack.decode(p.encode(p.Ping(77, "t"))) == [p.Op.PING, 77, "t"]
     assert msgspec.msgpack.decode(p.encode(p.ErrorReply(5, 4, "m"))) == [0, 5, 4, "m"]
     assert [int(code) for code in p.ErrorCode] == list(range(11))

@@ -1,12 +1,14 @@
 """Entry point of the ``lmcache-tiers`` command: builds the typer app and runs it.
 
 Usage errors (bad flag values, unknown options) and configuration errors are turned into
-one line on stderr and exit code 2, never a traceback.
+one line on stderr and exit code 2, never a traceback.  ``-h`` is ``--help`` on every
+command and group, plugin commands included.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import typer
 from typer.exceptions import TyperException
@@ -14,6 +16,9 @@ from typer.exceptions import TyperException
 from lmcache_tiers import __version__
 from lmcache_tiers.cli.output import EXIT_USAGE, fail
 from lmcache_tiers.errors import TiersError
+from lmcache_tiers.registry import Kind
+
+HELP_OPTION_NAMES = ["-h", "--help"]
 
 
 def _version(value: bool) -> None:
@@ -24,16 +29,20 @@ def _version(value: bool) -> None:
 
 def build_app(with_plugin_commands: bool = True) -> typer.Typer:
     from lmcache_tiers.cli import plugins_cmd, serve_cmd
+    from lmcache_tiers.plugins import load_plugins
 
+    plugin_set = load_plugins()
+    adapters = ", ".join(plugin_set.registry.names(Kind.L2_ADAPTER)) or "none"
     app = typer.Typer(
         name="lmcache-tiers",
         help="Two-level KV-cache storage server for LLM inference engines.\n\n"
-        "L1 is a preallocated CPU-memory arena; L2 is an ordered list of adapters "
-        "(NIXL, files, S3, block devices, Redis ...) provided by plugins.",
+        "L1 is a preallocated CPU-memory arena; L2 is an ordered list of adapters provided by "
+        f"plugins (installed here: {adapters}).",
         no_args_is_help=True,
         add_completion=False,
         pretty_exceptions_enable=False,
         rich_markup_mode="rich",
+        context_settings={"help_option_names": HELP_OPTION_NAMES},
     )
 
     @app.callback()
@@ -44,13 +53,11 @@ def build_app(with_plugin_commands: bool = True) -> typer.Typer:
     ) -> None:
         """Two-level KV-cache storage server for LLM inference engines."""
 
-    app.command("serve", help=serve_cmd.SERVE_HELP)(serve_cmd.serve)
+    app.command("serve")(serve_cmd.make_serve(plugin_set))
     app.add_typer(plugins_cmd.app, name="plugins")
     _add_server_commands(app)
     if with_plugin_commands:
-        from lmcache_tiers.plugins import load_plugins
-
-        load_plugins().manager.hook.tiers_register_commands(app=app)
+        plugin_set.manager.hook.tiers_register_commands(app=app)
     return app
 
 
@@ -69,10 +76,31 @@ def _add_server_commands(app: typer.Typer) -> None:
         app.command("replay")(replay)
 
 
+def command_tree(app: typer.Typer) -> Any:
+    """The click command of ``app``, with flags shown without a value placeholder.
+
+    typer's rich help prints a type such as ``<bool>`` next to every on/off flag, including
+    ``--help`` and ``--version``, as if they took a value; an empty metavar removes it.
+    """
+    root = typer.main.get_command(app)
+    pending = [root]
+    while pending:
+        command = pending.pop()
+        pending.extend(getattr(command, "commands", {}).values())
+        context = typer.Context(command, info_name=command.name, help_option_names=HELP_OPTION_NAMES)
+        helper = command.get_help_option(context)
+        for param in [*command.params, *([helper] if helper is not None else [])]:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+    return root
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
+    from lmcache_tiers.cli import lmcache_flags
+
     try:
-        command = typer.main.get_command(build_app())
+        command = command_tree(build_app())
         result = command.main(args=argv, prog_name="lmcache-tiers", standalone_mode=False)
     except typer.Abort:
         sys.exit(130)
@@ -81,6 +109,11 @@ def main(argv: list[str] | None = None) -> None:
         if type(exc).__name__ == "NoArgsIsHelpError" and callable(show_help):
             show_help()  # a bare command group prints its help, like --help
             sys.exit(EXIT_USAGE)
+        context = getattr(exc, "ctx", None)
+        if type(exc).__name__ == "NoSuchOption" and getattr(context, "info_name", None) == "serve":
+            refused = lmcache_flags.refusal(str(getattr(exc, "option_name", "")))
+            if refused is not None:
+                fail(refused, EXIT_USAGE)
         fail(exc.format_message(), getattr(exc, "exit_code", EXIT_USAGE))
     except TiersError as exc:
         fail(str(exc), EXIT_USAGE)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from lmcache_tiers.cli.output import fail, stdout
-from lmcache_tiers.config_docs import component_fields, render_config_reference
+from lmcache_tiers.cli.output import EXIT_USAGE, fail, stdout
+from lmcache_tiers.config_docs import component_doc, component_fields, render_config_reference
 from lmcache_tiers.plugins import load_plugins
 from lmcache_tiers.registry import Component
 
@@ -71,16 +72,22 @@ def show(name: str = typer.Argument(..., help="A plugin name, or a component as 
     components = _matching_components(name)
     if not components:
         known = ", ".join(p.name for p in plugin_set.plugins) or "none"
-        fail(f"no plugin or component named {name!r}; installed plugins: {known}", 1)
+        fail(f"no plugin or component named {name!r}; installed plugins: {known}", EXIT_USAGE)
     for component in components:
-        table = Table(title=f"{component.qualified_name}  (plugin {component.plugin})", title_justify="left")
-        for column in ("field", "type", "default", "constraints", "doc"):
-            table.add_column(column)
-        for field in component_fields(component.config):
-            table.add_row(field.name, field.type, field.default, field.constraints, field.doc)
-        stdout.print(table)
-        if component.doc:
-            stdout.print(component.doc, markup=False)
+        title = f"{component.qualified_name}  (plugin {component.plugin})"
+        fields = component_fields(component.config)
+        if fields:
+            table = Table(title=title, title_justify="left")
+            for column in ("field", "type", "default", "constraints", "doc"):
+                table.add_column(column)
+            for field in fields:
+                table.add_row(field.name, field.type, field.default, field.constraints, field.doc)
+            stdout.print(table)
+        else:
+            stdout.print(f"[italic]{escape(title)}[/]\nno options", markup=True)
+        doc = component_doc(component)
+        if doc:
+            stdout.print(doc, markup=False)
         stdout.print()
 
 

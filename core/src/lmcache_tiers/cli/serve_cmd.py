@@ -1,139 +1,372 @@
-"""``lmcache-tiers serve``: LMCache's server flags, plus --config, --print-config, --strict."""
+"""``lmcache-tiers serve``: LMCache's server flags, plus --config, --print-config, --strict.
+
+Every option defaults to the ServerConfig default, so ``--help`` shows the value that
+applies.  Only options given on the command line (or by their environment variable)
+override the ``--config`` file; click reports where each value came from, so an option
+set to its default on the command line still wins over the file.  The lists of installed
+policies and adapter types in the help come from the plugin registry.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from typing import Annotated, Any, Optional
+import re
+from collections.abc import Callable
+from typing import Any, Optional
 
 import typer
+from rich.markup import escape
 
+from lmcache_tiers.cli import lmcache_flags as compat
 from lmcache_tiers.cli.output import fail
 from lmcache_tiers.config import ServerConfig, build_config, config_to_builtins, load_toml
-from lmcache_tiers.defaults import default_l2_adapters
+from lmcache_tiers.defaults import CACHE_DIR_ENV, default_l2_adapters
 from lmcache_tiers.endpoints import is_loopback
-from lmcache_tiers.plugins import load_plugins
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.plugins import PluginSet
+from lmcache_tiers.registry import ComponentRegistry, Kind
 
-SERVE_HELP = """Run the KV-cache server.
+logger = logging.getLogger("lmcache_tiers.cli.serve")
 
-With no flags it serves on the embedded default: a 1 GiB L1 arena, LRU eviction, and a
-capacity-capped file L2 under the user cache directory (when a file adapter plugin is
-installed). Flags override a --config TOML file, which overrides the defaults. Repeat
---l2-adapter for a cascade; the order is the lookup order.
-"""
+L1_PANEL = "L1"
+EVICTION_PANEL = "L1 eviction"
+L2_PANEL = "L2"
+RPC_PANEL = "RPC"
+HTTP_PANEL = "HTTP endpoint (/metrics, /healthz, /status)"
 
-_FIELD_DEFAULTS = {name: getattr(ServerConfig(), name) for name in ServerConfig.__struct_fields__}
+#: serve parameter -> (ServerConfig field, the flag shown in errors)
+FLAG_FIELDS: dict[str, tuple[str, str]] = {
+    "l1_size_gb": ("l1_size_gb", "--l1-size-gb"),
+    "l1_align_bytes": ("l1_align_bytes", "--l1-align-bytes"),
+    "l1_read_ttl_seconds": ("l1_lock_ttl_s", "--l1-read-ttl-seconds"),
+    "l1_write_ttl_seconds": ("l1_write_ttl_s", "--l1-write-ttl-seconds"),
+    "no_shm": ("no_shm", "--no-shm"),
+    "gds_l1_path": ("gds_l1_path", "--gds-l1-path"),
+    "gds_l1_use_direct_io": ("gds_l1_use_direct_io", "--gds-l1-use-direct-io"),
+    "eviction_policy": ("eviction_policy", "--eviction-policy"),
+    "eviction_trigger_watermark": ("eviction_trigger_watermark", "--eviction-trigger-watermark"),
+    "eviction_ratio": ("eviction_ratio", "--eviction-ratio"),
+    "l2_store_policy": ("l2_store_policy", "--l2-store-policy"),
+    "l2_prefetch_policy": ("l2_prefetch_policy", "--l2-prefetch-policy"),
+    "l2_prefetch_max_in_flight": ("l2_prefetch_max_in_flight", "--l2-prefetch-max-in-flight"),
+    "chunk_size": ("chunk_size", "--chunk-size"),
+    "host": ("host", "--host"),
+    "port": ("port", "--port"),
+    "auth_token": ("auth_token", "--auth-token"),
+    "metrics_host": ("metrics_host", "--metrics-host"),
+    "metrics_port": ("metrics_port", "--metrics-port"),
+}
+
+_D = ServerConfig()
 
 
-def _help(text: str, field: str | None = None) -> str:
-    if field is None:
-        return text
-    return f"{text} [default: {_FIELD_DEFAULTS[field]}]"
+def config_flags() -> dict[str, list[str]]:
+    """ServerConfig field -> the ``serve`` flags that set it (for the reference)."""
+    flags: dict[str, list[str]] = {field: [flag] for field, flag in FLAG_FIELDS.values()}
+    flags["no_shm"] = ["--no-shm", '--shm-name ""']
+    flags["l1_shm_name"] = ["--shm-name"]
+    flags["l2_adapters"] = ["--l2-adapter"]
+    flags["metrics_host"].append("--http-host")
+    flags["metrics_port"] += ["--http-port", "--prometheus-port", "--disable-metrics"]
+    return flags
 
 
-def serve(
-    l1_size_gb: Annotated[
-        Optional[float], typer.Option(help=_help("L1 arena size in GiB.", "l1_size_gb"))
-    ] = None,
-    eviction_policy: Annotated[
-        Optional[str], typer.Option(help=_help("L1 eviction policy.", "eviction_policy"))
-    ] = None,
-    eviction_trigger_watermark: Annotated[
-        Optional[float],
-        typer.Option(help=_help("L1 usage fraction that starts eviction.", "eviction_trigger_watermark")),
-    ] = None,
-    eviction_ratio: Annotated[
-        Optional[float],
-        typer.Option(help=_help("Fraction of allocated L1 freed per round.", "eviction_ratio")),
-    ] = None,
-    l2_adapter: Annotated[
-        Optional[list[str]],
-        typer.Option(help='L2 adapter as JSON with a "type"; repeat for a cascade (order = lookup order).'),
-    ] = None,
-    l2_store_policy: Annotated[
-        Optional[str], typer.Option(help=_help("Store policy.", "l2_store_policy"))
-    ] = None,
-    l2_prefetch_policy: Annotated[
-        Optional[str], typer.Option(help=_help("Prefetch policy.", "l2_prefetch_policy"))
-    ] = None,
-    l2_prefetch_max_in_flight: Annotated[
-        Optional[int], typer.Option(help=_help("Prefetch requests in flight.", "l2_prefetch_max_in_flight"))
-    ] = None,
-    chunk_size: Annotated[Optional[int], typer.Option(help=_help("Tokens per chunk.", "chunk_size"))] = None,
-    host: Annotated[Optional[str], typer.Option(help=_help("Address to bind.", "host"))] = None,
-    port: Annotated[Optional[int], typer.Option(help=_help("RPC port.", "port"))] = None,
-    metrics_port: Annotated[
-        Optional[int], typer.Option(help=_help("HTTP metrics port, 0 disables.", "metrics_port"))
-    ] = None,
-    auth_token: Annotated[
-        Optional[str],
-        typer.Option(
-            envvar="LMCACHE_TIERS_AUTH_TOKEN", help="Token clients must send; required off loopback."
+def _installed(registry: ComponentRegistry, kind: Kind) -> str:
+    return ", ".join(registry.names(kind)) or "none"
+
+
+def serve_help(registry: ComponentRegistry) -> str:
+    """The command's help: what runs with no flags, from the installed plugins."""
+    defaults = default_l2_adapters(registry)
+    if defaults:
+        spec = escape(" ".join(json.dumps(adapter) for adapter in defaults))
+        default_l2 = (
+            f"the embedded default L2 --l2-adapter '{spec}' ({CACHE_DIR_ENV} moves its directory; "
+            "--no-default-l2 runs L1 only)"
+        )
+    else:
+        default_l2 = "no L2 (no installed adapter plugin provides the embedded default)"
+    return (
+        "Run the KV-cache server.\n\n"
+        f"With no --l2-adapter and no l2_adapters in --config it serves a {_D.l1_size_gb:g} GiB L1 "
+        f"arena with {_D.eviction_policy} eviction and {default_l2}.  Flags override a --config "
+        "TOML file, which overrides the defaults.  Repeat --l2-adapter for a cascade; the order "
+        "is the lookup order.  LMCache server flags keep their meaning; those of features "
+        "lmcache-tiers does not have are refused (docs/lmcache-compat.md)."
+    )
+
+
+def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
+    """The ``serve`` command function, its help listing what ``plugin_set`` installed."""
+    registry = plugin_set.registry
+    eviction = f"L1 eviction policy; installed: {_installed(registry, Kind.EVICTION_POLICY)}."
+    adapter_types = _installed(registry, Kind.L2_ADAPTER)
+    store = f"Which adapters new L1 objects go to; installed: {_installed(registry, Kind.STORE_POLICY)}."
+    prefetch = (
+        f"Which adapter each L2 hit loads from; installed: {_installed(registry, Kind.PREFETCH_POLICY)}."
+    )
+
+    def serve(
+        ctx: typer.Context,
+        l1_size_gb: float = typer.Option(
+            _D.l1_size_gb, help="L1 arena size in GiB.", rich_help_panel=L1_PANEL
         ),
-    ] = None,
-    no_shm: Annotated[
-        Optional[bool], typer.Option("--no-shm", help="Disable the shared-memory data plane.")
-    ] = None,
-    gds_l1_path: Annotated[
-        Optional[str],
-        typer.Option(help="Keep L1 in blocks of a file under this directory (NVMe) instead of memory."),
-    ] = None,
-    gds_l1_use_direct_io: Annotated[
-        Optional[bool],
-        typer.Option(
+        l1_align_bytes: int = typer.Option(
+            _D.l1_align_bytes, help="Alignment of L1 extents in bytes.", rich_help_panel=L1_PANEL
+        ),
+        l1_read_ttl_seconds: float = typer.Option(
+            _D.l1_lock_ttl_s, help="Seconds before an unreleased read lock expires.", rich_help_panel=L1_PANEL
+        ),
+        l1_write_ttl_seconds: float = typer.Option(
+            _D.l1_write_ttl_s,
+            help="Seconds before an uncommitted write is dropped.",
+            rich_help_panel=L1_PANEL,
+        ),
+        shm_name: Optional[str] = typer.Option(
+            None,
+            help='Name of the L1 shared-memory segment (default: a unique name); "" turns shared memory off.',
+            rich_help_panel=L1_PANEL,
+        ),
+        no_shm: bool = typer.Option(
+            _D.no_shm,
+            "--no-shm",
+            help="No shared-memory data plane: bytes travel inline.",
+            rich_help_panel=L1_PANEL,
+        ),
+        gds_l1_path: Optional[str] = typer.Option(
+            None,
+            help="Keep L1 in blocks of a file under this directory (NVMe) instead of memory.",
+            rich_help_panel=L1_PANEL,
+        ),
+        gds_l1_use_direct_io: bool = typer.Option(
+            _D.gds_l1_use_direct_io,
             "--gds-l1-use-direct-io/--no-gds-l1-use-direct-io",
-            help=_help("O_DIRECT I/O for the NVMe L1.", "gds_l1_use_direct_io"),
+            help="O_DIRECT I/O for the NVMe L1.",
+            rich_help_panel=L1_PANEL,
         ),
-    ] = None,
-    no_default_l2: Annotated[
-        bool, typer.Option("--no-default-l2", help="Run L1 only when no adapter is configured.")
-    ] = False,
-    config: Annotated[
-        Optional[str], typer.Option("--config", help="TOML file with the same keys (underscored).")
-    ] = None,
-    print_config: Annotated[
-        bool, typer.Option("--print-config", help="Print the resolved configuration as JSON and exit.")
-    ] = False,
-    strict: Annotated[
-        bool, typer.Option("--strict", help="Refuse to start when any installed plugin failed to load.")
-    ] = False,
-) -> None:
-    plugin_set = load_plugins()
-    if strict and plugin_set.errors:
+        l1_init_size_gb: Optional[float] = typer.Option(
+            None,
+            help="Accepted for LMCache command lines: L1 is allocated and pre-faulted whole at start-up.",
+            rich_help_panel=L1_PANEL,
+        ),
+        eviction_policy: str = typer.Option(
+            _D.eviction_policy, help=eviction, rich_help_panel=EVICTION_PANEL
+        ),
+        eviction_trigger_watermark: float = typer.Option(
+            _D.eviction_trigger_watermark,
+            help="L1 usage fraction that starts eviction.",
+            rich_help_panel=EVICTION_PANEL,
+        ),
+        eviction_ratio: float = typer.Option(
+            _D.eviction_ratio,
+            help="Fraction of allocated L1 freed per round.",
+            rich_help_panel=EVICTION_PANEL,
+        ),
+        l2_adapter: Optional[list[str]] = typer.Option(  # noqa: B008 - typer declares options so
+            None,
+            metavar="JSON",
+            help=f'L2 adapter as JSON with a "type" (installed: {adapter_types}); repeat for a cascade.',
+            rich_help_panel=L2_PANEL,
+        ),
+        l2_store_policy: str = typer.Option(_D.l2_store_policy, help=store, rich_help_panel=L2_PANEL),
+        l2_prefetch_policy: str = typer.Option(
+            _D.l2_prefetch_policy, help=prefetch, rich_help_panel=L2_PANEL
+        ),
+        l2_prefetch_max_in_flight: int = typer.Option(
+            _D.l2_prefetch_max_in_flight, help="Prefetch requests in flight.", rich_help_panel=L2_PANEL
+        ),
+        no_default_l2: bool = typer.Option(
+            False,
+            "--no-default-l2",
+            help="Run L1 only when no adapter is configured.",
+            rich_help_panel=L2_PANEL,
+        ),
+        host: str = typer.Option(
+            _D.host, help="Address to bind, or an ipc:// endpoint.", rich_help_panel=RPC_PANEL
+        ),
+        port: int = typer.Option(_D.port, help="RPC port.", rich_help_panel=RPC_PANEL),
+        chunk_size: int = typer.Option(_D.chunk_size, help="Tokens per chunk.", rich_help_panel=RPC_PANEL),
+        auth_token: Optional[str] = typer.Option(
+            None,
+            envvar="LMCACHE_TIERS_AUTH_TOKEN",
+            help="Token clients must send; required off loopback.",
+            rich_help_panel=RPC_PANEL,
+        ),
+        supported_transfer_mode: Optional[str] = typer.Option(
+            None,
+            callback=compat.value_check(*compat.VALUE_CHECKED["--supported-transfer-mode"]),
+            metavar="engine_driven|auto",
+            help="Accepted for LMCache command lines: clients always copy into the L1 segment "
+            "themselves (engine-driven) or send bytes inline.",
+            rich_help_panel=RPC_PANEL,
+        ),
+        metrics_host: str = typer.Option(
+            _D.metrics_host,
+            "--metrics-host",
+            "--http-host",
+            help="Address of the HTTP endpoint.",
+            rich_help_panel=HTTP_PANEL,
+        ),
+        metrics_port: int = typer.Option(
+            _D.metrics_port,
+            "--metrics-port",
+            "--http-port",
+            help="HTTP port; 0 turns the endpoint off.",
+            rich_help_panel=HTTP_PANEL,
+        ),
+        prometheus_port: Optional[int] = typer.Option(
+            None,
+            help="LMCache's name for the /metrics port: the same as --metrics-port.",
+            rich_help_panel=HTTP_PANEL,
+        ),
+        disable_metrics: bool = typer.Option(
+            False,
+            "--disable-metrics",
+            help="No HTTP endpoint (it serves /metrics, /healthz and /status together).",
+            rich_help_panel=HTTP_PANEL,
+        ),
+        config: Optional[str] = typer.Option(
+            None, "--config", help="TOML file with the same keys (underscored)."
+        ),
+        print_config: bool = typer.Option(
+            False, "--print-config", help="Print the resolved configuration as JSON and exit."
+        ),
+        strict: bool = typer.Option(
+            False, "--strict", help="Refuse to start when any installed plugin failed to load."
+        ),
+        transport: Optional[str] = typer.Option(
+            None, hidden=True, callback=compat.value_check(*compat.VALUE_CHECKED["--transport"])
+        ),
+        hash_algorithm: Optional[str] = typer.Option(
+            None, hidden=True, callback=compat.value_check(*compat.VALUE_CHECKED["--hash-algorithm"])
+        ),
+        engine_type: Optional[str] = typer.Option(
+            None, hidden=True, callback=compat.value_check(*compat.VALUE_CHECKED["--engine-type"])
+        ),
+        gds_l1_backend: Optional[str] = typer.Option(
+            None, hidden=True, callback=compat.value_check(*compat.VALUE_CHECKED["--gds-l1-backend"])
+        ),
+        l1_use_lazy: Optional[bool] = typer.Option(None, "--l1-use-lazy/--no-l1-use-lazy", hidden=True),
+        isolated_ipc: Optional[bool] = typer.Option(None, "--isolated-ipc/--no-isolated-ipc", hidden=True),
+        l1_use_hugepages: Optional[bool] = typer.Option(
+            None,
+            "--l1-use-hugepages/--no-l1-use-hugepages",
+            hidden=True,
+            callback=compat.switch_check(compat.SWITCHES_REFUSED_ON["--l1-use-hugepages"]),
+        ),
+        run_script_api_enabled: Optional[bool] = typer.Option(
+            None,
+            "--run-script-api-enabled/--no-run-script-api-enabled",
+            hidden=True,
+            callback=compat.switch_check(compat.SWITCHES_REFUSED_ON["--run-script-api-enabled"]),
+        ),
+        separate_object_groups: Optional[bool] = typer.Option(
+            None,
+            "--separate-object-groups/--no-separate-object-groups",
+            hidden=True,
+            callback=compat.switch_check(compat.SWITCHES_REFUSED_ON["--separate-object-groups"]),
+        ),
+    ) -> None:
+        given = {name for name in ctx.params if _given(ctx, name)}
+        run_serve(plugin_set, ctx.params, given)
+
+    serve.__doc__ = serve_help(registry)
+    return serve
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
+def flag_overrides(params: dict[str, Any], given: set[str]) -> tuple[dict[str, Any], list[str]]:
+    """ServerConfig overrides from the options given, and the notes to log about them.
+
+    Raises ConfigError for LMCache flags that contradict each other or a native flag.
+    """
+    overrides = {FLAG_FIELDS[name][0]: params[name] for name in given if name in FLAG_FIELDS}
+    notes: list[str] = []
+    if "prometheus_port" in given:
+        port = params["prometheus_port"]
+        if "metrics_port" in given and params["metrics_port"] != port:
+            raise ConfigError(
+                f"--prometheus-port {port} and --metrics-port/--http-port {params['metrics_port']} "
+                "disagree: one HTTP endpoint serves /metrics, /healthz and /status; give one port"
+            )
+        overrides["metrics_port"] = port
+    if params["disable_metrics"]:
+        if overrides.get("metrics_port"):
+            raise ConfigError(
+                f"--disable-metrics turns the HTTP endpoint off, but port {overrides['metrics_port']} "
+                "was asked for it; drop one of the two"
+            )
+        overrides["metrics_port"] = 0
+        notes.append("--disable-metrics: the HTTP endpoint (/metrics, /healthz, /status) is off")
+    if "shm_name" in given:
+        if params["shm_name"] == "":
+            overrides["no_shm"] = True
+        elif params["no_shm"]:
+            raise ConfigError(f"--shm-name {params['shm_name']!r} names a segment, but --no-shm turns it off")
+        else:
+            overrides["l1_shm_name"] = params["shm_name"]
+    if "l1_init_size_gb" in given or params["l1_use_lazy"]:
+        notes.append(
+            "--l1-init-size-gb/--l1-use-lazy: L1 is allocated and pre-faulted whole at start-up "
+            "(--l1-size-gb); there is no lazily grown L1"
+        )
+    if params["isolated_ipc"]:
+        notes.append("--isolated-ipc: clients that cannot map the L1 segment send bytes inline by themselves")
+    if params["supported_transfer_mode"] == "auto":
+        notes.append(
+            "--supported-transfer-mode auto: transfers here are engine-driven (clients copy) or inline"
+        )
+    return overrides, notes
+
+
+_AT_FIELD = re.compile(r" - at `\$\.(\w+)`$")
+
+
+def _name_flag(exc: ConfigError, given: set[str]) -> ConfigError:
+    """Prefix an error about a top-level field with the flag that set it, if one did."""
+    found = _AT_FIELD.search(str(exc))
+    if found is not None:
+        for name in given:
+            field, flag = FLAG_FIELDS.get(name, ("", ""))
+            if field == found.group(1):
+                return ConfigError(f"{flag}: {exc}")
+    return exc
+
+
+def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) -> None:
+    """The body of ``serve`` once click has parsed the options."""
+    if params["strict"] and plugin_set.errors:
         broken = "; ".join(f"{p.name}: {p.error}" for p in plugin_set.errors)
         fail(f"--strict: plugins failed to load: {broken}")
-    file_values: dict[str, Any] = load_toml(config) if config else {}
-    overrides = {
-        "l1_size_gb": l1_size_gb,
-        "eviction_policy": eviction_policy,
-        "eviction_trigger_watermark": eviction_trigger_watermark,
-        "eviction_ratio": eviction_ratio,
-        "l2_store_policy": l2_store_policy,
-        "l2_prefetch_policy": l2_prefetch_policy,
-        "l2_prefetch_max_in_flight": l2_prefetch_max_in_flight,
-        "chunk_size": chunk_size,
-        "host": host,
-        "port": port,
-        "metrics_port": metrics_port,
-        "auth_token": auth_token,
-        "no_shm": no_shm,
-        "gds_l1_path": gds_l1_path,
-        "gds_l1_use_direct_io": gds_l1_use_direct_io,
-    }
-    if not l2_adapter and "l2_adapters" not in file_values and not no_default_l2:
+    overrides, notes = flag_overrides(params, given)
+    file_values: dict[str, Any] = load_toml(params["config"]) if params["config"] else {}
+    adapters = params["l2_adapter"]
+    if not adapters and "l2_adapters" not in file_values and not params["no_default_l2"]:
         file_values["l2_adapters"] = default_l2_adapters(plugin_set.registry)
-    resolved = build_config(plugin_set.registry, file_values, overrides, l2_adapter)
+    try:
+        resolved = build_config(plugin_set.registry, file_values, overrides, adapters)
+    except ConfigError as exc:
+        raise _name_flag(exc, given) from exc
     if not is_loopback(resolved.host) and not resolved.auth_token:
         fail(f"binding to {resolved.host} (not loopback) requires --auth-token or LMCACHE_TIERS_AUTH_TOKEN")
-    if print_config:
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "INFO")
+    try:
+        from lmcache_tiers.server.app import configure_logging, run_server
+    except ImportError as exc:
+        fail(f"the server is not available in this installation ({exc})", 1)
+    configure_logging()
+    for note in notes:
+        logger.info("%s", note)
+    if params["print_config"]:
         shown = config_to_builtins(resolved)
         if shown.get("auth_token"):
             shown["auth_token"] = "***"
         typer.echo(json.dumps(shown, indent=2))
         return
-    try:
-        from lmcache_tiers.server.app import run_server
-    except ImportError as exc:
-        fail(f"the server is not available in this installation ({exc})", 1)
-    os.environ.setdefault("LMCACHE_LOG_LEVEL", "INFO")
     raise typer.Exit(run_server(resolved, registry=plugin_set.registry))

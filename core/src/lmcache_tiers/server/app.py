@@ -50,20 +50,31 @@ _HEARTBEAT_LIMIT_S = 5.0
 
 
 def configure_logging() -> None:
-    """Apply ``LMCACHE_LOG_LEVEL`` to the ``lmcache_tiers`` loggers (INFO when unset).
+    """One log format for every Python logger of the server process, on stderr.
 
-    Log lines are plain, one per event, on stderr: they end up in files and journals that
-    people grep, unlike the banner and summary, which are for a terminal.
+    The handler sits on the root logger, so plugin loggers (``lmcache_plugin_nixl.*``, a
+    third-party plugin's package) and libraries print with the same timestamp, level and
+    logger name as core.  ``LMCACHE_LOG_LEVEL`` (INFO when unset) applies to
+    ``lmcache_tiers`` and to the package of every plugin entry point; other libraries keep
+    Python's WARNING.  A process that configured logging itself (root already has a
+    handler) keeps its handlers.  Log lines are plain, one per event: they end up in files
+    and journals that people grep, unlike the banner and summary, which are for a terminal.
     """
+    from importlib.metadata import entry_points
+
+    from lmcache_tiers.plugins import ENTRY_POINT_GROUP
+
     raw = os.environ.get(LOG_LEVEL_ENV, "INFO").strip().upper()
     level = _LEVELS.get(raw)
-    package = logging.getLogger("lmcache_tiers")
-    package.setLevel(level if level is not None else logging.INFO)
-    if not package.handlers and not logging.getLogger().handlers:
+    root = logging.getLogger()
+    if not root.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        package.addHandler(handler)
-        package.propagate = False
+        root.addHandler(handler)
+    packages = {"lmcache_tiers"}
+    packages.update(ep.value.split(":")[0].split(".")[0] for ep in entry_points(group=ENTRY_POINT_GROUP))
+    for name in sorted(packages):
+        logging.getLogger(name).setLevel(level if level is not None else logging.INFO)
     if level is None:
         logger.warning("%s=%r is not one of %s; using INFO", LOG_LEVEL_ENV, raw, ", ".join(_LEVELS))
 
@@ -116,7 +127,7 @@ class TiersServer:
             )
             if config.metrics_port:
                 metrics = build_registry(self.stats, self.storage.status)
-                http_host = "127.0.0.1" if config.host.startswith("ipc://") else config.host
+                http_host = config.metrics_host
                 try:
                     self.http = HttpEndpoint(
                         http_host,

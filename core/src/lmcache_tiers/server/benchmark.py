@@ -7,11 +7,20 @@ read-lock + one copy out of the arena into pre-faulted buffers + release, so the
 memcpy is the cost of the protocol.  Inline mode moves the same bytes through the socket.
 LOOKUP latency is the round trip of one request naming ``lookup_keys`` keys that are all in
 L1, measured one request at a time from one client.
+
+The benchmark is safe to run against a server in production: its keys carry a cache salt
+of their own (no engine's key can collide with them, and engines' lookups never see
+them), they are stored L1-only (nothing is written to, or evicted from, any L2 adapter),
+and every key it stored is deleted from L1 (EVICT) when it is done, also after a failure.
+It only needs L1 room for one batch; an engine's L1 objects may be evicted to make that
+room, exactly as a burst of stores would.  A server without these protocol features is
+refused rather than measured.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -21,8 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from lmcache_tiers.client import Client
+from lmcache_tiers.client import Client, ClientError
 from lmcache_tiers.keys import ObjectKey
+
+#: model name of every benchmark key; the cache salt is new per run
+BENCH_MODEL = "lmcache-tiers-bench"
+#: protocol features a server must have for the benchmark to leave nothing behind
+REQUIRED_FEATURES = ("l1_only_store", "evict")
 
 
 @dataclass
@@ -45,6 +59,9 @@ class BenchResult:
     lookup_window: int = 0
     lookup_pipelined_per_s: float = 0.0  # ``lookup_window`` requests in flight
     ping_p50_us: float = 0.0
+    cache_salt: str = ""
+    #: objects the benchmark stored and then deleted again (all of them, unless a note says)
+    objects_removed: int = 0
     notes: list[str] = field(default_factory=list)
 
     def ratio(self, value: float | None) -> float | None:
@@ -60,9 +77,32 @@ class BenchResult:
 Step = Callable[[str], None]
 
 
-def _keys(tag: str, count: int) -> list[ObjectKey]:
-    prefix = os.urandom(8)  # distinct per run, so nothing is already stored on the server
-    return [ObjectKey("bench", 0, prefix + tag.encode() + index.to_bytes(4, "big")) for index in range(count)]
+class BenchKeys:
+    """Keys of one benchmark run under its own salt, and which of them are on the server."""
+
+    def __init__(self) -> None:
+        self.salt = f"bench-{os.getpid()}-{secrets.token_hex(6)}"
+        self.stored: list[ObjectKey] = []  # on the server now
+        self.removed = 0  # stored and deleted again
+
+    def make(self, tag: str, count: int) -> list[ObjectKey]:
+        return [
+            ObjectKey(BENCH_MODEL, 0, tag.encode() + index.to_bytes(4, "big"), 0, self.salt)
+            for index in range(count)
+        ]
+
+    def store(self, client: Client, keys: list[ObjectKey], buffers: list[Any]) -> int:
+        self.stored.extend(keys)
+        return client.store(keys, buffers, l1_only=True)
+
+    def remove(self, client: Client, keys: list[ObjectKey] | None = None) -> int:
+        """EVICT ``keys`` (default: every key stored so far) and forget them."""
+        chosen = list(self.stored if keys is None else keys)
+        removed = client.evict(chosen) if chosen else 0
+        gone = set(chosen)
+        self.stored = [key for key in self.stored if key not in gone]
+        self.removed += removed
+        return removed
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -99,45 +139,73 @@ def run_bench(
     rng = np.random.default_rng(1234)
     sources = [rng.integers(0, 256, chunk_bytes, dtype=np.uint8) for _ in range(chunks)]
     targets = [np.ones(chunk_bytes, dtype=np.uint8) for _ in range(chunks)]  # pre-faulted
-    total = chunks * chunk_bytes
 
     with Client(url, auth_token=auth_token, timeout=timeout, name="bench") as client:
-        result = BenchResult(url, chunks, chunk_bytes, repeats, client.uses_shm)
+        missing = [name for name in REQUIRED_FEATURES if name not in client.server_features]
+        if missing:
+            raise RuntimeError(
+                f"the server lacks {', '.join(missing)} (it is older than this client), so the "
+                "benchmark could not keep its objects out of L2 and delete them afterwards"
+            )
+        bench_keys = BenchKeys()
+        result = BenchResult(url, chunks, chunk_bytes, repeats, client.uses_shm, cache_salt=bench_keys.salt)
         if not client.uses_shm:
             result.notes.append("shared memory unavailable from here: the default mode is inline")
-
-        copies: list[float] = []
-        for _ in range(repeats):
-            with _timed(copies):
-                for source, target in zip(sources, targets, strict=True):
-                    np.copyto(target, source)
-            tick("memcpy")
-        result.memcpy_gbps = _gbps(total, statistics.median(copies))
-
-        modes: list[tuple[Client, str]] = [(client, "shm" if client.uses_shm else "inline")]
-        inline_client: Client | None = None
-        if inline and client.uses_shm:
-            inline_client = Client(
-                url, auth_token=auth_token, timeout=timeout, shm=False, name="bench-inline"
-            )
-            modes.append((inline_client, "inline"))
         try:
-            for mode_client, mode in modes:
-                store_gbps, retrieve_gbps = _throughput(mode_client, mode, sources, targets, repeats, tick)
-                if mode == "shm":
-                    result.store_gbps, result.retrieve_gbps = store_gbps, retrieve_gbps
-                else:
-                    result.inline_store_gbps, result.inline_retrieve_gbps = store_gbps, retrieve_gbps
+            _memcpy(result, sources, targets, tick)
+            modes: list[tuple[Client, str]] = [(client, "shm" if client.uses_shm else "inline")]
+            if inline and client.uses_shm:
+                inline_client = Client(
+                    url, auth_token=auth_token, timeout=timeout, shm=False, name="bench-inline"
+                )
+                modes.append((inline_client, "inline"))
+            try:
+                for mode_client, mode in modes:
+                    figures = _throughput(mode_client, bench_keys, mode, sources, targets, repeats, tick)
+                    if mode == "shm":
+                        result.store_gbps, result.retrieve_gbps = figures
+                    else:
+                        result.inline_store_gbps, result.inline_retrieve_gbps = figures
+            finally:
+                for mode_client, _mode in modes[1:]:
+                    mode_client.close()
+            _latency(client, bench_keys, result, lookup_keys, lookup_requests, tick)
         finally:
-            if inline_client is not None:
-                inline_client.close()
-
-        _latency(client, result, lookup_keys, lookup_requests, tick)
+            _remove_everything(client, bench_keys, result)
     return result
+
+
+def _remove_everything(client: Client, bench_keys: BenchKeys, result: BenchResult) -> None:
+    """Delete what is left of the run's objects, and say so if some could not be."""
+    left = len(bench_keys.stored)
+    try:
+        removed = bench_keys.remove(client)
+    except ClientError as exc:
+        result.notes.append(f"could not delete {left} benchmark objects from L1: {exc}")
+        return
+    result.objects_removed = bench_keys.removed
+    if removed < left:
+        result.notes.append(
+            f"{left - removed} benchmark objects were still locked; they stay in L1 "
+            "(never in L2) until evicted"
+        )
+
+
+def _memcpy(
+    result: BenchResult, sources: list[np.ndarray[Any, Any]], targets: list[np.ndarray[Any, Any]], tick: Step
+) -> None:
+    copies: list[float] = []
+    for _ in range(result.repeats):
+        with _timed(copies):
+            for source, target in zip(sources, targets, strict=True):
+                np.copyto(target, source)
+        tick("memcpy")
+    result.memcpy_gbps = _gbps(result.chunks * result.chunk_bytes, statistics.median(copies))
 
 
 def _throughput(
     client: Client,
+    bench_keys: BenchKeys,
     mode: str,
     sources: list[np.ndarray[Any, Any]],
     targets: list[np.ndarray[Any, Any]],
@@ -149,10 +217,10 @@ def _throughput(
     keys: list[ObjectKey] = []
     for repeat in range(repeats):
         if keys:
-            client.clear()  # make room; the timed store below writes fresh keys
-        keys = _keys(f"{mode}{repeat}", len(sources))
+            bench_keys.remove(client, keys)  # make room; the timed store below writes fresh keys
+        keys = bench_keys.make(f"{mode}{repeat}", len(sources))
         with _timed(stores):
-            stored = client.store(keys, sources)
+            stored = bench_keys.store(client, keys, sources)
         if stored != len(keys):
             raise RuntimeError(f"{mode} STORE stored {stored} of {len(keys)} chunks (L1 too small?)")
         tick(f"{mode} store")
@@ -165,13 +233,15 @@ def _throughput(
         tick(f"{mode} retrieve")
     if any(not np.array_equal(source, target) for source, target in zip(sources, targets, strict=True)):
         raise RuntimeError(f"{mode} RETRIEVE returned different bytes than were stored")
-    client.clear()
+    bench_keys.remove(client, keys)
     return _gbps(total, statistics.median(stores)), _gbps(total, statistics.median(retrieves))
 
 
-def _latency(client: Client, result: BenchResult, lookup_keys: int, requests: int, tick: Step) -> None:
-    keys = _keys("lookup", lookup_keys)
-    client.store(keys, [np.zeros(4096, dtype=np.uint8)] * lookup_keys)
+def _latency(
+    client: Client, bench_keys: BenchKeys, result: BenchResult, lookup_keys: int, requests: int, tick: Step
+) -> None:
+    keys = bench_keys.make("lookup", lookup_keys)
+    bench_keys.store(client, keys, [np.zeros(4096, dtype=np.uint8)] * lookup_keys)
     pings = []
     for _ in range(1000):
         start = time.perf_counter_ns()
@@ -182,28 +252,29 @@ def _latency(client: Client, result: BenchResult, lookup_keys: int, requests: in
 
     latencies: list[float] = []
     report_every = max(1, requests // 100)
-    began = time.perf_counter()
-    for index in range(requests):
-        start = time.perf_counter_ns()
-        hits = client.lookup(keys)
-        latencies.append((time.perf_counter_ns() - start) / 1e3)
-        if hits != lookup_keys:
-            raise RuntimeError(f"LOOKUP found {hits} of {lookup_keys} keys stored in L1")
-        if index % report_every == report_every - 1:
-            tick("lookup")
-    elapsed = time.perf_counter() - began
-    # The same requests with a window of them in flight (Client.lookup_many): what one
-    # client gets when it looks up several prompts per scheduler step.
-    window = 32
-    batches = max(1, requests // window)
-    began_pipelined = time.perf_counter()
-    for _ in range(batches):
-        if client.lookup_many([keys] * window) != [lookup_keys] * window:
-            raise RuntimeError("pipelined LOOKUP did not find every key stored in L1")
-    pipelined = time.perf_counter() - began_pipelined
-    tick("lookup (pipelined)")
-    client.release(keys)  # every lookup read-locked the prefix once for this client
-    client.clear()
+    try:
+        began = time.perf_counter()
+        for index in range(requests):
+            start = time.perf_counter_ns()
+            hits = client.lookup(keys)
+            latencies.append((time.perf_counter_ns() - start) / 1e3)
+            if hits != lookup_keys:
+                raise RuntimeError(f"LOOKUP found {hits} of {lookup_keys} keys stored in L1")
+            if index % report_every == report_every - 1:
+                tick("lookup")
+        elapsed = time.perf_counter() - began
+        # The same requests with a window of them in flight (Client.lookup_many): what one
+        # client gets when it looks up several prompts per scheduler step.
+        window = 32
+        batches = max(1, requests // window)
+        began_pipelined = time.perf_counter()
+        for _ in range(batches):
+            if client.lookup_many([keys] * window) != [lookup_keys] * window:
+                raise RuntimeError("pipelined LOOKUP did not find every key stored in L1")
+        pipelined = time.perf_counter() - began_pipelined
+        tick("lookup (pipelined)")
+    finally:
+        client.release(keys)  # every lookup read-locked the prefix once for this client
     latencies.sort()
     result.lookup_keys = lookup_keys
     result.lookup_requests = requests

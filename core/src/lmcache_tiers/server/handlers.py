@@ -62,7 +62,7 @@ class StorageLike(Protocol):
         self, keys: Sequence[ObjectKey], sizes: Sequence[int], layouts: Sequence[str] | None = None
     ) -> dict[ObjectKey, Any]: ...
 
-    def commit_write(self, keys: Sequence[ObjectKey]) -> list[bool]: ...
+    def commit_write(self, keys: Sequence[ObjectKey], *, to_l2: bool = True) -> list[bool]: ...
 
     def abort_write(self, keys: Sequence[ObjectKey]) -> None: ...
 
@@ -85,6 +85,8 @@ class StorageLike(Protocol):
     def release(self, keys: Sequence[ObjectKey], count: int = 1) -> None: ...
 
     def clear(self, *, force: bool = False) -> int: ...
+
+    def evict(self, keys: Sequence[ObjectKey]) -> int: ...
 
     def status(self) -> dict[str, Any]: ...
 
@@ -144,6 +146,7 @@ class Handlers:
             p.Release: self.release,
             p.Clear: self.clear,
             p.Status: self.status,
+            p.Evict: self.evict,
         }
 
     def dispatch(self, request: p._Request, identity: bytes, frames: Frames) -> Response | Deferred:
@@ -170,6 +173,7 @@ class Handlers:
             shm_inode=plane.shm_inode,
             lock_ttl_s=float(self.storage.l1.lock_ttl_s),
             max_inline_bytes=self.max_inline_bytes,
+            features=list(p.FEATURES),
         )
         logger.debug("client %s (pid %d) connected as %s", req.client_name or "?", req.pid, identity.hex())
         return reply, ()
@@ -311,7 +315,7 @@ class Handlers:
     def store_commit(self, req: p.StoreCommit, identity: bytes, frames: Frames) -> Response:
         session = self.sessions.get(identity)
         mine, flags = session.take_writes(req.keys, time.monotonic())
-        committed = self.storage.commit_write(list(mine)) if mine else []
+        committed = self.storage.commit_write(list(mine), to_l2=not req.l1_only) if mine else []
         done_by_key = dict(zip(mine, committed, strict=True))
         done = [flag and done_by_key.get(key, False) for key, flag in zip(req.keys, flags, strict=True)]
         stored = [key for key, ok in done_by_key.items() if ok]
@@ -356,7 +360,7 @@ class Handlers:
             except BaseException:
                 storage.abort_write(list(reserved))
                 raise
-            committed = storage.commit_write(list(fresh)) if fresh else []
+            committed = storage.commit_write(list(fresh), to_l2=not req.l1_only) if fresh else []
             stored = {key for key, ok in zip(fresh, committed, strict=True) if ok}
 
             def finish() -> Response:
@@ -482,6 +486,9 @@ class Handlers:
             return finish
 
         return Deferred(work, "clear")
+
+    def evict(self, req: p.Evict, identity: bytes, frames: Frames) -> Response:
+        return p.EvictReply(req.req_id, evicted=self.storage.evict(req.keys)), ()
 
     def refresh_gauges(self) -> None:
         locks, writes, prefetches = self.sessions.totals()

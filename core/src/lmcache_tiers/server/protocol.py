@@ -13,6 +13,12 @@ side copies KV bytes through msgpack, and a local client moves no payload bytes 
 socket at all: it copies into and out of the L1 shared-memory segment at the offsets a
 reply names.
 
+Additions keep version 1 compatible: a new request gets a new op number (an older server
+answers UNKNOWN_OP), a new field goes at the end of its Struct with a default (msgspec
+ignores trailing fields it does not know, in both directions), and a client that needs a
+server-side behaviour checks :data:`FEATURES` in the HELLO reply first, since an older
+server would ignore the field silently.
+
 Every reply carries an :class:`ErrorCode` and a message; a request the server cannot
 decode gets an :class:`ErrorReply` (or is dropped with a log line when it cannot be
 answered).  No request field is a file path: keys are validated ObjectKeys, and the only
@@ -33,6 +39,11 @@ from lmcache_tiers.layout import MAX_LAYOUT_LEN
 PROTOCOL_VERSION = 1
 
 DEFAULT_URL = "tcp://127.0.0.1:5555"
+
+#: What this server does beyond the first version-1 servers, announced in HELLO:
+#: ``l1_only_store`` -- STORE_COMMIT/STORE_INLINE honour ``l1_only``;
+#: ``evict`` -- the EVICT request exists.
+FEATURES = ("l1_only_store", "evict")
 
 #: Keys one request may name; clients split larger batches.
 MAX_KEYS_PER_REQUEST = 8192
@@ -59,6 +70,7 @@ class Op(enum.IntEnum):
     RELEASE = 11
     CLEAR = 12
     STATUS = 13
+    EVICT = 14
 
 
 class ErrorCode(enum.IntEnum):
@@ -139,7 +151,11 @@ class StoreReserve(_Request, tag=Op.STORE_RESERVE.value):
 
 
 class StoreCommit(_Request, tag=Op.STORE_COMMIT.value):
+    """Make reserved keys READY.  ``l1_only``: never copy them to L2 (a benchmark's or a
+    scratch object); they stay L1-only even if stored again later under the same key."""
+
     keys: _Keys
+    l1_only: bool = False
 
 
 class StoreAbort(_Request, tag=Op.STORE_ABORT.value):
@@ -148,10 +164,11 @@ class StoreAbort(_Request, tag=Op.STORE_ABORT.value):
 
 class StoreInline(_Request, tag=Op.STORE_INLINE.value):
     """Store with the bytes in the message: one payload frame per key follows.
-    ``layouts`` as for STORE_RESERVE."""
+    ``layouts`` as for STORE_RESERVE, ``l1_only`` as for STORE_COMMIT."""
 
     keys: _Keys
     layouts: _Layouts = []
+    l1_only: bool = False
 
 
 class Retrieve(_Request, tag=Op.RETRIEVE.value):
@@ -180,6 +197,14 @@ class Status(_Request, tag=Op.STATUS.value):
     pass
 
 
+class Evict(_Request, tag=Op.EVICT.value):
+    """Delete ``keys`` from L1 now; keys locked by any client (or by an L2 store in
+    progress) are skipped.  L2 copies are not touched, so this removes an object from the
+    server only when it never went to L2 (``l1_only``)."""
+
+    keys: _Keys
+
+
 Request = Union[
     Hello,
     Ping,
@@ -194,6 +219,7 @@ Request = Union[
     Release,
     Clear,
     Status,
+    Evict,
 ]
 
 
@@ -235,6 +261,8 @@ class HelloReply(_Reply, tag=Op.HELLO.value):
     lock_ttl_s: float = 0.0
     max_keys: int = MAX_KEYS_PER_REQUEST
     max_inline_bytes: int = 0
+    #: :data:`FEATURES` of this server; empty from servers older than the list
+    features: list[str] = []
 
 
 class PingReply(_Reply, tag=Op.PING.value):
@@ -284,6 +312,10 @@ class StatusReply(_Reply, tag=Op.STATUS.value):
     status: dict[str, Any] = {}
 
 
+class EvictReply(_Reply, tag=Op.EVICT.value):
+    evicted: int = 0
+
+
 Reply = Union[
     ErrorReply,
     HelloReply,
@@ -296,6 +328,7 @@ Reply = Union[
     ReleaseReply,
     ClearReply,
     StatusReply,
+    EvictReply,
 ]
 
 # One encoder and one decoder per direction, shared by every message: building them costs

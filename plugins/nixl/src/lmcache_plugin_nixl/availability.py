@@ -14,7 +14,9 @@ import ctypes.util
 import errno
 import glob
 import os
+import socket
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 from lmcache_tiers.errors import BackendUnavailableError, ConfigError
 
@@ -48,6 +50,55 @@ def check_native_prerequisites(
         raise BackendUnavailableError(
             f"NIXL backend {backend} needs an NVIDIA GPU, and no /dev/nvidia* device exists"
         )
+
+
+#: how long the start-up reachability probe of a remote object store waits
+ENDPOINT_PROBE_TIMEOUT_S = 5.0
+
+
+def azure_blob_endpoint(params: dict[str, str]) -> tuple[str, str]:
+    """(URL of the blob service, the backend_params key it came from) for AZURE_BLOB."""
+    url = params.get("account_url", "").strip()
+    if url:
+        return url, "account_url"
+    fields = dict(
+        part.split("=", 1) for part in params.get("connection_string", "").split(";") if "=" in part
+    )
+    if fields.get("BlobEndpoint"):
+        return fields["BlobEndpoint"], "connection_string"
+    protocol = fields.get("DefaultEndpointsProtocol", "https")
+    suffix = fields.get("EndpointSuffix", "core.windows.net")
+    return f"{protocol}://{fields.get('AccountName', '')}.blob.{suffix}", "connection_string"
+
+
+def check_remote_endpoint(
+    backend: str, params: dict[str, str], timeout: float = ENDPOINT_PROBE_TIMEOUT_S
+) -> None:
+    """Refuse to start an AZURE_BLOB adapter whose service cannot be reached.
+
+    NIXL creates the backend and registers objects without contacting the service, so an
+    unreachable endpoint would otherwise show up only as failed stores and misses.  A TCP
+    connection to the endpoint's host and port is the probe (no request is sent).
+    """
+    if backend != "AZURE_BLOB":
+        return
+    url, key = azure_blob_endpoint(params)
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    try:
+        port = parts.port or (80 if parts.scheme == "http" else 443)
+    except ValueError:
+        host = ""
+    if not host:
+        raise ConfigError(f"backend_params.{key}: {url!r} is not a URL with a host name (AZURE_BLOB)")
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        raise ConfigError(
+            f"AZURE_BLOB endpoint {url} ({host}:{port}) cannot be reached: {reason}; check "
+            f"backend_params.{key} and that the service is up"
+        ) from None
 
 
 def describe_missing_plugin(backend: str, available: list[str], nixl_module: str) -> str:

@@ -2,7 +2,8 @@
 
 They accept the JSON LMCache users already write: NIXL-specific options travel as strings
 in ``backend_params`` (``"use_direct_io": "false"``, ``"max_capacity_gb": "10"``), so they
-are parsed and checked here, in ``__post_init__``, where msgspec reports the failing path.
+are parsed and checked here, in ``__post_init__``; each refusal is a ``FieldError`` naming
+the value, so the error carries its full path (``$.l2_adapters[0].backend_params.file_path``).
 Keys this adapter does not consume are handed to NIXL's ``create_backend`` as the
 backend's own init parameters (``use_uring``, ``bucket``, ...) and are checked against
 what the NIXL plugin advertises when the adapter starts.
@@ -16,7 +17,7 @@ from typing import Annotated
 
 import msgspec
 
-from lmcache_tiers.config import L2AdapterConfig
+from lmcache_tiers.config import FieldError, L2AdapterConfig
 
 #: Every NIXL storage backend the adapters know, in the order the docs list them.
 BACKENDS: tuple[str, ...] = ("POSIX", "GDS", "GDS_MT", "HF3FS", "OBJ", "AZURE_BLOB")
@@ -38,19 +39,22 @@ _DYNAMIC_KEYS = ("max_capacity_gb", "shard_dirs")
 def _parse_bool(params: dict[str, str], key: str, *, default: str | None) -> bool:
     raw = params.get(key, default)
     if raw is None:
-        raise ValueError(f'backend_params.{key} is required: "true" or "false"')
+        raise FieldError(f"backend_params.{key}", f'backend_params.{key} is required: "true" or "false"')
     value = raw.strip().lower()
     if value not in (_TRUE, _FALSE):
-        raise ValueError(f'backend_params.{key} must be "true" or "false", got {raw!r}')
+        raise FieldError(
+            f"backend_params.{key}", f'backend_params.{key} must be "true" or "false", got {raw!r}'
+        )
     return value == _TRUE
 
 
 def _require_file_path(params: dict[str, str], backend: str) -> str:
     path = params.get("file_path", "").strip()
     if not path:
-        raise ValueError(
+        raise FieldError(
+            "backend_params.file_path",
             f"backend_params.file_path is required for the {backend} backend: "
-            "the directory that holds the cache files"
+            "the directory that holds the cache files",
         )
     return path
 
@@ -59,7 +63,7 @@ def _check_backend_name(backend: str) -> None:
     # A plain str (not a Literal) so the error can list the choices and catch lower case.
     if backend not in BACKENDS:
         hint = f"; did you mean {backend.upper()!r}?" if backend.upper() in BACKENDS else ""
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}{hint}")
+        raise FieldError("backend", f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}{hint}")
 
 
 def _check_file_backend(params: dict[str, str], backend: str) -> None:
@@ -70,18 +74,23 @@ def _check_file_backend(params: dict[str, str], backend: str) -> None:
 def _check_object_backend(params: dict[str, str], backend: str) -> None:
     for key in _FILE_KEYS:
         if key in params:
-            raise ValueError(
+            raise FieldError(
+                f"backend_params.{key}",
                 f"backend_params.{key} does not apply to the {backend} backend, "
-                "which stores objects, not files"
+                "which stores objects, not files",
             )
     if backend == "AZURE_BLOB":
         if not (params.get("account_url") or params.get("connection_string")):
-            raise ValueError(
+            raise FieldError(
+                "backend_params.account_url",
                 "backend_params.account_url is required for the AZURE_BLOB backend "
-                "(or connection_string, e.g. for Azurite)"
+                "(or connection_string, e.g. for Azurite)",
             )
         if not params.get("container_name"):
-            raise ValueError("backend_params.container_name is required for the AZURE_BLOB backend")
+            raise FieldError(
+                "backend_params.container_name",
+                "backend_params.container_name is required for the AZURE_BLOB backend",
+            )
 
 
 class _NixlBase(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -138,9 +147,10 @@ class NixlStoreConfig(_NixlBase, kw_only=True, frozen=True, forbid_unknown_field
             _check_object_backend(params, self.backend)
         for key in _DYNAMIC_KEYS:
             if key in params:
-                raise ValueError(
+                raise FieldError(
+                    f"backend_params.{key}",
                     f"backend_params.{key} applies to nixl_store_dynamic only; "
-                    "nixl_store holds at most pool_size objects"
+                    "nixl_store holds at most pool_size objects",
                 )
 
 
@@ -163,10 +173,11 @@ class NixlStoreDynamicConfig(_NixlBase, kw_only=True, frozen=True, forbid_unknow
     def __post_init__(self) -> None:
         _check_backend_name(self.backend)
         if self.backend in OBJECT_BACKENDS:
-            raise ValueError(
+            raise FieldError(
+                "backend",
                 f"backend {self.backend!r} is not supported by nixl_store_dynamic, which "
                 "stores one file per object; use a file backend (POSIX, GDS, GDS_MT, HF3FS) "
-                f"or the nixl_store type for {self.backend}"
+                f"or the nixl_store type for {self.backend}",
             )
         params = self.backend_params
         _check_file_backend(params, self.backend)
@@ -177,16 +188,23 @@ class NixlStoreDynamicConfig(_NixlBase, kw_only=True, frozen=True, forbid_unknow
     def max_capacity_bytes(self) -> int:
         raw = self.backend_params.get("max_capacity_gb")
         if raw is None:
-            raise ValueError(
+            raise FieldError(
+                "backend_params.max_capacity_gb",
                 "backend_params.max_capacity_gb is required for nixl_store_dynamic: "
-                'the most gigabytes (GiB) of objects it may hold, e.g. "10"'
+                'the most gigabytes (GiB) of objects it may hold, e.g. "10"',
             )
         try:
             gigabytes = float(raw)
         except ValueError:
-            raise ValueError(f"backend_params.max_capacity_gb must be a number, got {raw!r}") from None
+            raise FieldError(
+                "backend_params.max_capacity_gb",
+                f"backend_params.max_capacity_gb must be a number, got {raw!r}",
+            ) from None
         if not gigabytes > 0 or gigabytes == float("inf"):
-            raise ValueError(f"backend_params.max_capacity_gb must be a positive number, got {raw!r}")
+            raise FieldError(
+                "backend_params.max_capacity_gb",
+                f"backend_params.max_capacity_gb must be a positive number, got {raw!r}",
+            )
         return int(gigabytes * _GIB)
 
     @property

@@ -5,12 +5,17 @@ types (and several instances of them) share the backends they have in common.  T
 runs in strict thread-sync mode because the L2 controllers call adapters from several
 threads; without NIXL's progress thread (which would busy-poll a core) the caller polls its
 own transfers.  Only one NIXL wheel can be loaded per process (their bindings collide), so
-the module is chosen once, by ``LMCACHE_NIXL_MODULE`` or NIXL's own CUDA-based pick.
+the module is chosen once: ``LMCACHE_NIXL_MODULE`` when set, else NIXL's own CUDA-based
+pick -- except where NIXL has no CUDA stack to go by and would take the CUDA 13 wheel,
+whose OBJ plugin needs CUDA's cuObject client: there the CUDA 12 wheel, whose OBJ plugin
+loads without it, serves every backend (see :func:`default_module`).
 """
 
 from __future__ import annotations
 
+import ctypes.util
 import importlib
+import importlib.util
 import logging
 import os
 import secrets
@@ -23,7 +28,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lmcache_plugin_nixl.availability import check_native_prerequisites, describe_missing_plugin
+from lmcache_plugin_nixl.availability import (
+    check_native_prerequisites,
+    check_remote_endpoint,
+    describe_missing_plugin,
+)
 from lmcache_tiers.errors import BackendUnavailableError, ConfigError, TiersError
 
 log = logging.getLogger(__name__)
@@ -52,6 +61,29 @@ def descriptors(rows: Sequence[tuple[int, int, int]]) -> Descriptors:
     for index, row in enumerate(rows):
         array[index] = row
     return array
+
+
+def default_module() -> tuple[str, str]:
+    """The NIXL module to load when ``LMCACHE_NIXL_MODULE`` is unset, and why.
+
+    With no CUDA stack in the process (a CPU-only host), NIXL takes whichever wheel comes
+    first, the CUDA 13 one; its OBJ plugin links ``libcuobjclient`` (CUDA 13 cuObject),
+    which such a host lacks, while the CUDA 12 wheel's OBJ plugin does not.  Without a GPU
+    the two wheels are otherwise alike (GDS needs a GPU either way), so the CUDA 12 wheel is
+    taken there and OBJ works with no setting.  With a CUDA stack, NIXL's pick stands.
+    """
+    try:
+        from nixl_meta_utils import detect_cuda_major
+    except ImportError:
+        return _DEFAULT_MODULE, "NIXL's own pick"
+    installed = {name for name in ("nixl_cu13", "nixl_cu12") if importlib.util.find_spec(name) is not None}
+    if (
+        installed == {"nixl_cu13", "nixl_cu12"}
+        and detect_cuda_major() is None
+        and ctypes.util.find_library("cuobjclient") is None
+    ):
+        return "nixl_cu12._api", "no CUDA stack here, and the CUDA 13 wheel's OBJ plugin needs libcuobjclient"
+    return _DEFAULT_MODULE, "NIXL's own pick"
 
 
 class Registration:
@@ -107,7 +139,11 @@ class NixlRuntime:
         """The process's runtime, created on first use."""
         with cls._shared_lock:
             if cls._shared is None:
-                module_name = os.environ.get(NIXL_MODULE_ENV, _DEFAULT_MODULE)
+                module_name = os.environ.get(NIXL_MODULE_ENV, "")
+                if module_name:
+                    reason = NIXL_MODULE_ENV
+                else:
+                    module_name, reason = default_module()
                 try:
                     api = importlib.import_module(module_name)
                 except ImportError as exc:
@@ -121,6 +157,7 @@ class NixlRuntime:
                     # is the server's console; keep its warnings and errors only.
                     logging.getLogger("nixl").setLevel(logging.WARNING)
                 cls._shared = cls(api, module_name)
+                log.info("NIXL module %s (%s)", module_name, reason)
             return cls._shared
 
     @property
@@ -133,6 +170,7 @@ class NixlRuntime:
     def ensure_backend(self, backend: str, init_params: dict[str, str]) -> None:
         """Create ``backend`` once per process, after checking it can run here."""
         check_native_prerequisites(backend)
+        check_remote_endpoint(backend, init_params)
         with self._lock:
             existing = self._backend_params.get(backend)
             if existing is not None:

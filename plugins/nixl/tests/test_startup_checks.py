@@ -1,0 +1,127 @@
+"""Start-up choices and checks of the NIXL runtime: the module that provides OBJ is picked
+without any setting, and an AZURE_BLOB service that cannot be reached stops the server
+with one line instead of failing every store later."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import test_obj_backend
+from lmcache_plugin_nixl.availability import azure_blob_endpoint, check_remote_endpoint
+from test_obj_backend import HERE, s3_endpoint  # noqa: F401 - the S3 server fixture
+
+from lmcache_tiers.errors import ConfigError
+
+CLI = [sys.executable, "-m", "lmcache_tiers.cli.main"]
+
+
+def unset_module_env() -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key != "LMCACHE_NIXL_MODULE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+    return env
+
+
+def test_obj_plugin_loads_with_no_module_setting() -> None:
+    if importlib.util.find_spec("nixl_cu12") is None:
+        pytest.skip(
+            "nixl-cu12 is not installed: no NIXL wheel here has an OBJ plugin that loads without CUDA"
+        )
+    probe = (
+        "from lmcache_plugin_nixl.runtime import NixlRuntime\n"
+        "runtime = NixlRuntime.shared()\n"
+        "runtime.agent.agent.getPluginParams('OBJ')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=unset_module_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_obj_round_trip_with_no_module_setting(
+    s3_endpoint: str,  # noqa: F811 - the fixture imported above
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The OBJ test's child process, with LMCACHE_NIXL_MODULE left unset.
+    monkeypatch.setattr(test_obj_backend, "child_env", unset_module_env)
+    test_obj_backend.test_obj_pool_round_trip_exhaustion_and_reuse(s3_endpoint)
+
+
+def test_azure_blob_endpoint_comes_from_account_url_or_connection_string() -> None:
+    assert azure_blob_endpoint({"account_url": "https://acct.blob.core.windows.net"}) == (
+        "https://acct.blob.core.windows.net",
+        "account_url",
+    )
+    azurite = "DefaultEndpointsProtocol=http;AccountName=dev;AccountKey=k==;BlobEndpoint=http://127.0.0.1:10000/dev;"
+    assert azure_blob_endpoint({"connection_string": azurite}) == (
+        "http://127.0.0.1:10000/dev",
+        "connection_string",
+    )
+    assert azure_blob_endpoint(
+        {"connection_string": "AccountName=acct;EndpointSuffix=core.chinacloudapi.cn"}
+    ) == (
+        "https://acct.blob.core.chinacloudapi.cn",
+        "connection_string",
+    )
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_remote_endpoint_probe() -> None:
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        check_remote_endpoint("AZURE_BLOB", {"account_url": f"http://127.0.0.1:{port}/acct"})
+    closed = _closed_port()
+    with pytest.raises(
+        ConfigError, match=rf"127\.0\.0\.1:{closed}\) cannot be reached: .*backend_params\.account_url"
+    ):
+        check_remote_endpoint("AZURE_BLOB", {"account_url": f"http://127.0.0.1:{closed}"})
+    with pytest.raises(ConfigError, match="not a URL with a host name"):
+        check_remote_endpoint("AZURE_BLOB", {"account_url": "acct.blob.core.windows.net"})
+    check_remote_endpoint("POSIX", {})  # only remote stores are probed
+
+
+def test_serve_with_an_unreachable_azure_blob_endpoint_exits_2_in_one_line() -> None:
+    closed = _closed_port()
+    adapter = {
+        "type": "nixl_store",
+        "backend": "AZURE_BLOB",
+        "pool_size": 4,
+        "backend_params": {"account_url": f"http://127.0.0.1:{closed}/acct", "container_name": "kv"},
+    }
+    done = subprocess.run(
+        [
+            *CLI,
+            "serve",
+            "--l1-size-gb",
+            "0.0625",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--l2-adapter",
+            json.dumps(adapter),
+        ],
+        env={**unset_module_env(), "COLUMNS": "400"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr
+    assert (
+        f"AZURE_BLOB endpoint http://127.0.0.1:{closed}/acct (127.0.0.1:{closed}) cannot be reached"
+        in errors[0]
+    )

@@ -1,0 +1,172 @@
+"""``lmcache-tiers bench`` leaves a production server as it found it.
+
+Its stores are L1-only under a salt of its own and are deleted (EVICT) at the end; the
+protocol pieces that make this possible (``l1_only`` on stores, EVICT, HELLO features) are
+checked here for their meaning and for compatibility with version-1 peers that predate them.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+from thirdparty import run_cli, serve_cli, wait_for
+
+from lmcache_tiers.client import Client, ClientError
+from lmcache_tiers.config import build_config
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.plugins import load_registry
+from lmcache_tiers.server import protocol as p
+from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.server.benchmark import run_bench
+
+
+def _production_data(count: int) -> tuple[list[ObjectKey], list[np.ndarray]]:  # type: ignore[type-arg]
+    keys = [ObjectKey("prod-model", 0, bytes([index + 1]) * 32) for index in range(count)]
+    rng = np.random.default_rng(11)
+    return keys, [rng.integers(0, 256, 32768, dtype=np.uint8) for _ in keys]
+
+
+def test_bench_against_a_server_with_persistent_l2_leaves_nothing(tmp_path: Path) -> None:
+    l2_dir = tmp_path / "l2"
+    adapter = {
+        "type": "nixl_store_dynamic",
+        "backend": "POSIX",
+        "backend_params": {"file_path": str(l2_dir), "use_direct_io": "false", "max_capacity_gb": "1"},
+    }
+    server = serve_cli(["--l1-size-gb", "0.25", "--l2-adapter", json.dumps(adapter)], None, tmp_path / "log")
+    keys, chunks = _production_data(6)
+    try:
+        with Client(server.url, timeout=30) as client:
+            assert client.store(keys, chunks) == len(keys)
+            wait_for(server, lambda: client.status()["adapters"][0]["keys_stored"] == len(keys), "L2 stores")
+            files_before = sorted(path.name for path in l2_dir.rglob("*") if path.is_file())
+
+            bench = run_cli(
+                [
+                    "bench",
+                    "--url",
+                    server.url,
+                    "--chunks",
+                    "8",
+                    "--chunk-mib",
+                    "0.25",
+                    "--repeats",
+                    "2",
+                    "--lookup-requests",
+                    "200",
+                    "--json",
+                ]
+            )
+            assert bench.returncode == 0, bench.stderr
+            figures = json.loads(bench.stdout)
+            assert figures["cache_salt"].startswith("bench-")
+            assert figures["objects_removed"] == 2 * 2 * 8 + 16  # shm and inline batches, lookup keys
+            assert figures["notes"] == []
+
+            status = client.status()
+            assert status["adapters"][0]["keys_stored"] == len(keys)  # no bench store reached L2
+            assert status["l1"]["objects"] == len(keys)  # the engine's objects are still in L1
+            assert sorted(path.name for path in l2_dir.rglob("*") if path.is_file()) == files_before
+            assert client.lookup(keys, timeout=30) == len(keys)
+            targets = [np.zeros_like(chunk) for chunk in chunks]
+            assert client.retrieve_into(keys, targets) == len(keys)
+            assert all(np.array_equal(a, b) for a, b in zip(chunks, targets, strict=True))
+    finally:
+        code = server.stop(signal.SIGINT)
+    assert code == 0, server.output()
+
+
+@pytest.fixture
+def in_process_server() -> Iterator[TiersServer]:
+    registry = load_registry()
+    config = build_config(
+        registry,
+        overrides={
+            "l1_size_gb": 0.0625,
+            "port": 0,
+            "metrics_port": 0,
+            "l1_shm_name": f"tiers_bench_{uuid.uuid4().hex[:12]}",
+        },
+        adapter_json=['{"type": "mock", "max_size_gb": 0.0625}'],
+    )
+    server = TiersServer(config, registry=registry)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.request_stop()
+        thread.join(30)
+        server.close()
+
+
+def test_l1_only_stores_never_reach_l2_and_evict_leaves_l2_copies(in_process_server: TiersServer) -> None:
+    storage = in_process_server.storage
+    keys, chunks = _production_data(4)
+    scratch = [ObjectKey("scratch", 0, bytes([index + 1]) * 32, 0, "s1") for index in range(3)]
+    with (
+        Client(in_process_server.endpoint) as client,
+        Client(in_process_server.endpoint, shm=False) as inline,
+    ):
+        assert client.server_features == frozenset(p.FEATURES)
+        assert client.store(keys, chunks) == len(keys)
+        assert client.store(scratch[:2], chunks[:2], l1_only=True) == 2
+        assert inline.store(scratch[2:], chunks[2:3], l1_only=True) == 1
+        assert storage.flush(timeout=30)
+        assert storage.status()["adapters"][0]["keys_stored"] == len(keys)
+
+        assert client.lookup(scratch[:1]) == 1  # read-locked for this client: EVICT skips it
+        assert client.evict(scratch) == 2
+        client.release(scratch[:1])
+        assert client.evict(scratch) == 1
+        assert client.lookup(scratch) == 0  # gone from the server: it was never in L2
+
+        assert client.evict(keys) == len(keys)
+        assert client.lookup(keys, timeout=30) == len(keys)  # loaded back from L2
+        assert storage.status()["requests"]["l2_hit_chunks"] == len(keys)
+        client.release(keys)
+
+
+def test_bench_refuses_a_server_without_the_features(
+    in_process_server: TiersServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(p, "FEATURES", ())  # what a server from before the features answers
+    with pytest.raises(RuntimeError, match="the server lacks l1_only_store, evict"):
+        run_bench(in_process_server.endpoint, chunks=2, chunk_bytes=4096, repeats=1, lookup_requests=10)
+    with Client(in_process_server.endpoint) as client:
+        with pytest.raises(ClientError, match="cannot keep stores out of L2"):
+            client.store([ObjectKey("m", 0, b"k")], [b"x"], l1_only=True)
+        with pytest.raises(ClientError, match="has no EVICT request"):
+            client.evict([ObjectKey("m", 0, b"k")])
+    assert in_process_server.storage.status()["l1"]["objects"] == 0
+
+
+def test_new_fields_and_ops_are_compatible_with_older_version_1_peers() -> None:
+    key = ObjectKey("m", 0, b"k")
+    # A request from an older client (no trailing l1_only) means what it always meant.
+    old_commit = msgspec.msgpack.encode([p.Op.STORE_COMMIT, 1, "", [key]])
+    assert p.request_decoder.decode(old_commit) == p.StoreCommit(1, "", [key], False)
+    old_inline = msgspec.msgpack.encode([p.Op.STORE_INLINE, 1, "", [key]])
+    assert p.request_decoder.decode(old_inline) == p.StoreInline(1, "", [key], [], False)
+    # A HELLO reply from an older server has no feature list.
+    new_hello = msgspec.msgpack.decode(p.encode(p.HelloReply(1, features=list(p.FEATURES))))
+    assert p.reply_decoder.decode(msgspec.msgpack.encode(new_hello[:-1])).features == []
+
+    # An older server reading a new request ignores the trailing field (hence the features)...
+    class OlderStoreCommit(msgspec.Struct, array_like=True, tag_field="op", tag=p.Op.STORE_COMMIT.value):
+        req_id: int
+        token: str
+        keys: list[ObjectKey]
+
+    older = msgspec.msgpack.decode(p.encode(p.StoreCommit(1, "", [key], True)), type=OlderStoreCommit)
+    assert older == OlderStoreCommit(1, "", [key])
+    # ...and answers EVICT, an op it does not know, with UNKNOWN_OP.
+    assert p.diagnose_undecodable(msgspec.msgpack.encode([99, 5, "", []])) == (5, p.ErrorCode.UNKNOWN_OP)
