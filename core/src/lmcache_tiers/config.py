@@ -276,6 +276,9 @@ def decode_component(
 def decode_adapter(registry: ComponentRegistry, raw: Any, index: int) -> AdapterSpec:
     """Resolve one adapter spec (already parsed from JSON or TOML)."""
     where = f"$.l2_adapters[{index}]"
+    if isinstance(raw, Mapping) and isinstance(raw.get("serde"), Mapping):
+        # LMCache writes one serde as an object; a chain of one is the same thing.
+        raw = {**raw, "serde": [raw["serde"]]}
     name, config = decode_component(registry, Kind.L2_ADAPTER, raw, where)
     if not isinstance(config, L2AdapterConfig):
         raise ConfigError(f"{name}: its config Struct does not subclass L2AdapterConfig")

@@ -15,8 +15,6 @@ import re
 import sys
 from dataclasses import dataclass
 
-import numpy as np
-
 __all__ = ["DTYPE_SIZES", "FLOAT_DTYPES", "MAX_LAYOUT_LEN", "TensorLayout", "check_layout", "layout_of"]
 
 #: element size in bytes of every dtype a layout may name (torch attribute names)
@@ -119,11 +117,14 @@ def layout_of(buffer: object) -> str:
     the bytes.  Non-contiguous tensors are described as the contiguous copy the client
     stores.
     """
+    # Only modules the caller already imported can have produced the buffer: looking them
+    # up keeps this module (imported by every plugin manifest) free of heavy imports.
     torch = sys.modules.get("torch")
+    numpy = sys.modules.get("numpy")
     if torch is not None and isinstance(buffer, torch.Tensor):
         dtype = str(buffer.dtype).removeprefix("torch.")
         shape = tuple(int(dim) for dim in buffer.shape)
-    elif isinstance(buffer, np.ndarray):
+    elif numpy is not None and isinstance(buffer, numpy.ndarray):
         dtype = buffer.dtype.name
         shape = tuple(int(dim) for dim in buffer.shape)
     else:
