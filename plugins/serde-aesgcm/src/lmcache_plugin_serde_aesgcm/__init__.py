@@ -1,0 +1,62 @@
+"""Serde ``aesgcm``: AES-256-GCM encryption of each object, bound to its key."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+import msgspec
+
+from lmcache_tiers.config import ComponentConfig
+from lmcache_tiers.hookspecs import hookimpl
+from lmcache_tiers.registry import KindRegistry
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class AesGcmConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """AES-256-GCM per object: a fresh random 96-bit nonce each time, the full object key
+    and the length as associated data (an object copied under another key fails to
+    decrypt), so a remote store holds only ciphertext and any tampering reads as a miss.
+
+    The configuration names where the 256-bit key is (a file or an environment variable),
+    never the key itself, so printed configs and logs cannot leak it.  The key is read once
+    at start-up; a missing, unreadable or malformed key stops the server with one line.
+    """
+
+    key_file: Annotated[
+        str | None,
+        msgspec.Meta(
+            description="File holding the 256-bit key: 32 raw bytes, 64 hex digits or base64 "
+            "(keep it mode 0600; a looser mode is logged as a warning)."
+        ),
+    ] = None
+    key_env: Annotated[
+        str | None,
+        msgspec.Meta(description="Environment variable holding the key as 64 hex digits or base64."),
+    ] = None
+    per_salt_keys: Annotated[
+        bool,
+        msgspec.Meta(
+            description="Derive a separate key per cache_salt (HKDF-SHA256), so tenants never share "
+            "a key; records say which way they were written, so either setting reads both."
+        ),
+    ] = True
+
+    def __post_init__(self) -> None:
+        if (self.key_file is None) == (self.key_env is None):
+            raise ValueError("exactly one of key_file or key_env must be set")
+        if self.key_file is not None and not self.key_file.strip():
+            raise ValueError("key_file is empty")
+        if self.key_env is not None and not _ENV_NAME.match(self.key_env):
+            raise ValueError(f"key_env {self.key_env!r} is not an environment variable name")
+
+
+@hookimpl
+def tiers_register_serdes(registry: KindRegistry) -> None:
+    registry.add(
+        "aesgcm",
+        "lmcache_plugin_serde_aesgcm.cipher:AesGcmSerde",
+        AesGcmConfig,
+        install_hint="pip install lmcache-plugin-serde-aesgcm",
+    )

@@ -1,0 +1,77 @@
+"""Reading the 256-bit master key from a file or an environment variable.
+
+Every error names where the key was looked for and what was wrong with it (its length,
+its encoding), never any of its bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import os
+import stat
+
+from lmcache_tiers.plugin import ConfigError
+
+log = logging.getLogger("lmcache_tiers.serde.aesgcm")
+
+KEY_SIZE = 32
+#: a key file larger than this is certainly not a key (and is not read whole)
+_MAX_KEY_FILE = 4096
+_EXPECTED = "32 raw bytes, 64 hex digits or base64 of 32 bytes"
+
+
+def _from_text(text: bytes) -> bytes | None:
+    """The key encoded as hex or base64 (surrounding whitespace ignored), else None."""
+    stripped = text.strip()
+    if len(stripped) == 2 * KEY_SIZE:
+        try:
+            return bytes.fromhex(stripped.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            return None
+    try:
+        decoded = base64.b64decode(stripped, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return decoded if len(decoded) == KEY_SIZE else None
+
+
+def _checked(key: bytes | None, where: str, found: str) -> bytes:
+    if key is None:
+        raise ConfigError(f"aesgcm: {where} holds no 256-bit key (expected {_EXPECTED}; found {found})")
+    if key == bytes(KEY_SIZE):
+        raise ConfigError(f"aesgcm: {where} holds an all-zero key; generate one with `openssl rand -hex 32`")
+    return key
+
+
+def read_key_file(path: str) -> bytes:
+    """The key stored in ``path``: exactly 32 raw bytes, or 64 hex digits / base64 text."""
+    where = f"key_file {path!r}"
+    try:
+        with open(os.path.expanduser(path), "rb") as handle:
+            mode = os.fstat(handle.fileno()).st_mode
+            if not stat.S_ISREG(mode):
+                raise ConfigError(f"aesgcm: {where} is not a regular file")
+            content = handle.read(_MAX_KEY_FILE + 1)
+    except OSError as exc:
+        raise ConfigError(f"aesgcm: {where} cannot be read: {exc.strerror or exc}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning(
+            "aesgcm: %s is accessible to group or others (mode %03o); restrict it with chmod 600",
+            where,
+            stat.S_IMODE(mode),
+        )
+    if len(content) > _MAX_KEY_FILE:
+        raise ConfigError(f"aesgcm: {where} is larger than {_MAX_KEY_FILE} bytes; it is not a key file")
+    key = content if len(content) == KEY_SIZE else _from_text(content)
+    return _checked(key, where, f"{len(content)} bytes")
+
+
+def read_key_env(name: str) -> bytes:
+    """The key in environment variable ``name`` (64 hex digits or base64)."""
+    where = f"environment variable {name}"
+    value = os.environ.get(name)
+    if value is None:
+        raise ConfigError(f"aesgcm: {where} is not set")
+    return _checked(_from_text(value.encode("utf-8", "replace")), where, f"{len(value.strip())} characters")

@@ -1,0 +1,237 @@
+"""The aesgcm serde: the conformance suite, keys, frames and what decode refuses."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from lmcache_plugin_serde_aesgcm import AesGcmConfig
+from lmcache_plugin_serde_aesgcm import cipher as cipher_module
+from lmcache_plugin_serde_aesgcm.cipher import HEADER_SIZE, TAG_SIZE, AesGcmDecodeError, AesGcmSerde
+
+from lmcache_tiers.plugin import ConfigError, SerdeContext
+from lmcache_tiers.testing.serde import (
+    BINDS_KEY,
+    DETECTS_CORRUPTION,
+    KV_SHAPE,
+    LOSSLESS,
+    SerdeSuite,
+    kv_layout,
+    kv_like_bf16,
+    suite_key,
+)
+
+KEY = bytes(range(1, 33))
+ENV = "TIERS_TEST_AESGCM_KEY"
+
+
+@pytest.fixture(autouse=True)
+def key_in_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV, KEY.hex())
+
+
+class TestAesGcmSerde(SerdeSuite):
+    component_name = "aesgcm"
+    capabilities = frozenset({LOSSLESS, DETECTS_CORRUPTION, BINDS_KEY})
+
+    def make_config(self) -> AesGcmConfig:
+        return AesGcmConfig(key_env=ENV)
+
+
+class TestAesGcmSharedKeyFromFile(SerdeSuite):
+    component_name = "aesgcm"
+    capabilities = frozenset({LOSSLESS, DETECTS_CORRUPTION, BINDS_KEY})
+
+    @pytest.fixture(autouse=True)
+    def key_file(self, tmp_path: Path) -> Iterator[None]:
+        path = tmp_path / "key"
+        path.write_bytes(KEY)
+        path.chmod(0o600)
+        self.path = str(path)
+        yield
+
+    def make_config(self) -> AesGcmConfig:
+        return AesGcmConfig(key_file=self.path, per_salt_keys=False)
+
+
+def _serde(**config: object) -> AesGcmSerde:
+    return AesGcmSerde(msgspec.convert({"key_env": ENV, **config}, AesGcmConfig))
+
+
+def _round(serde: AesGcmSerde, data: bytes, key: object = None) -> tuple[bytes, SerdeContext]:
+    context = SerdeContext(key or suite_key(), len(data), kv_layout(KV_SHAPE))  # type: ignore[arg-type]
+    return bytes(serde.encode(memoryview(data), context)), context
+
+
+def test_frame_is_ciphertext_of_the_right_size() -> None:
+    data = kv_like_bf16()
+    frame, _ = _round(_serde(), data)
+    assert len(frame) == HEADER_SIZE + len(data) + TAG_SIZE == _serde().max_encoded_size(len(data))
+    assert frame[:4] == b"LTAG"
+    assert data[1000:1032] not in frame
+
+
+def test_every_encryption_uses_a_fresh_nonce() -> None:
+    serde = _serde()
+    data = b"same object" * 100
+    frames = [_round(serde, data)[0] for _ in range(2000)]
+    nonces = {frame[HEADER_SIZE - 12 : HEADER_SIZE] for frame in frames}
+    assert len(nonces) == len(frames)
+    assert len({frame[HEADER_SIZE:] for frame in frames}) == len(frames)
+
+
+def test_epochs_rotate_and_old_frames_still_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cipher_module, "EPOCH_OBJECTS", 3)
+    serde = _serde()
+    data = kv_like_bf16(seed=1)
+    frames = [_round(serde, data) for _ in range(7)]
+    assert serde.stats()["key_epochs"] == 3
+    assert len({frame[16:32] for frame, _ in frames}) == 3  # the epoch field
+    reader = _serde()  # another process with the same master key
+    for frame, context in frames:
+        assert bytes(reader.decode(memoryview(frame), context)) == data
+
+
+def test_tenants_get_different_keys_and_either_setting_reads_both() -> None:
+    data = kv_like_bf16(seed=2)
+    per_salt, shared = _serde(per_salt_keys=True), _serde(per_salt_keys=False)
+    for writer in (per_salt, shared):
+        frame, context = _round(writer, data, suite_key(1, salt="tenant-a"))
+        for reader in (per_salt, shared):
+            assert bytes(reader.decode(memoryview(frame), context)) == data
+    # Same epoch, same nonce, same plaintext and key bytes: only the derived key differs.
+    a = per_salt._cipher(b"e" * 16, "tenant-a")
+    b = per_salt._cipher(b"e" * 16, "tenant-b")
+    assert a.encrypt(b"n" * 12, b"x" * 64, None) != b.encrypt(b"n" * 12, b"x" * 64, None)
+
+
+def test_a_frame_copied_under_another_key_fails_to_decrypt() -> None:
+    serde = _serde()
+    data = kv_like_bf16(seed=3)
+    frame, _ = _round(serde, data, suite_key(1))
+    with pytest.raises(AesGcmDecodeError, match="authentication failed"):
+        serde.decode(memoryview(frame), SerdeContext(suite_key(2), len(data)))
+    assert serde.stats()["auth_failures"] == 1
+
+
+def test_another_master_key_is_reported_as_such(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = kv_like_bf16(seed=4)
+    frame, context = _round(_serde(), data)
+    monkeypatch.setenv(ENV, os.urandom(32).hex())
+    other = _serde()
+    with pytest.raises(AesGcmDecodeError, match="another master key"):
+        other.decode(memoryview(frame), context)
+    assert other.stats()["wrong_key"] == 1
+
+
+def test_tampered_header_fields_fail_authentication() -> None:
+    serde = _serde()
+    data = kv_like_bf16(seed=5)
+    frame, context = _round(serde, data)
+    # per-salt flag cleared, unknown flag set, epoch and nonce bits flipped
+    for position, mask, counter in (
+        (5, 0x01, "auth_failures"),
+        (5, 0x02, "corrupt_frames"),
+        (20, 0x01, "auth_failures"),
+        (40, 0x80, "auth_failures"),
+    ):
+        damaged = bytearray(frame)
+        damaged[position] ^= mask
+        before = serde.stats()[counter]
+        with pytest.raises(AesGcmDecodeError):
+            serde.decode(memoryview(damaged), context)
+        assert serde.stats()[counter] == before + 1, (position, mask)
+
+
+def test_repr_and_errors_never_show_the_key() -> None:
+    serde = _serde()
+    assert KEY.hex() not in repr(serde) and ENV in repr(serde)
+    frame, context = _round(serde, b"x" * 100)
+    try:
+        serde.decode(memoryview(frame[:-1]), context)
+    except AesGcmDecodeError as exc:
+        assert KEY.hex() not in str(exc)
+
+
+# -- key sources -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        KEY,
+        KEY.hex().encode(),
+        KEY.hex().encode() + b"\n",
+        base64.b64encode(KEY),
+        base64.b64encode(KEY) + b"\r\n",
+    ],
+    ids=["raw", "hex", "hex-newline", "base64", "base64-crlf"],
+)
+def test_key_file_encodings(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "key"
+    path.write_bytes(content)
+    path.chmod(0o600)
+    frame, context = _round(AesGcmSerde(AesGcmConfig(key_file=str(path))), b"payload")
+    assert bytes(_serde().decode(memoryview(frame), context)) == b"payload"  # same key as ENV
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (KEY[:16], "found 16 bytes"),
+        (KEY + b"!", "found 33 bytes"),
+        (b"zz" * 32, "found 64 bytes"),
+        (bytes(32), "all-zero"),
+        (b"k" * 5000, "larger than 4096"),
+    ],
+)
+def test_bad_key_files_are_one_line_config_errors(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "key"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=message) as raised:
+        AesGcmSerde(AesGcmConfig(key_file=str(path)))
+    text = str(raised.value)
+    assert "\n" not in text and str(path) in text
+    assert content.hex() not in text and repr(content) not in text
+
+
+def test_missing_and_unreadable_key_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot be read: No such file"):
+        AesGcmSerde(AesGcmConfig(key_file=str(tmp_path / "absent")))
+    with pytest.raises(ConfigError, match="cannot be read: Is a directory"):
+        AesGcmSerde(AesGcmConfig(key_file=str(tmp_path)))
+
+
+def test_loose_key_file_mode_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "key"
+    path.write_bytes(KEY)
+    path.chmod(0o644)
+    with caplog.at_level(logging.WARNING, "lmcache_tiers.serde.aesgcm"):
+        AesGcmSerde(AesGcmConfig(key_file=str(path)))
+    assert "chmod 600" in caplog.text and "644" in caplog.text
+    assert KEY.hex() not in caplog.text
+
+
+def test_key_environment_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV)
+    with pytest.raises(ConfigError, match=f"environment variable {ENV} is not set"):
+        _serde()
+    monkeypatch.setenv(ENV, KEY.hex()[:40])
+    with pytest.raises(ConfigError, match="found 40 characters") as raised:
+        _serde()
+    assert KEY.hex()[:40] not in str(raised.value)
+
+
+def test_config_needs_exactly_one_key_source() -> None:
+    for fields in ({}, {"key_file": "/k", "key_env": ENV}):
+        with pytest.raises(msgspec.ValidationError, match="exactly one of key_file or key_env"):
+            msgspec.convert(fields, AesGcmConfig)
+    with pytest.raises(msgspec.ValidationError, match="not an environment variable name"):
+        msgspec.convert({"key_env": "A-B"}, AesGcmConfig)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"key_env": ENV, "key": KEY.hex()}, AesGcmConfig)

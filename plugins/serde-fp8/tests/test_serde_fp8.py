@@ -1,0 +1,226 @@
+"""The fp8 serde: the conformance suite, the error bound, the size ratio and passthrough."""
+
+from __future__ import annotations
+
+import logging
+import struct
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from lmcache_plugin_serde_fp8 import Fp8Config
+from lmcache_plugin_serde_fp8.codec import HEADER_SIZE, Fp8FrameError, Fp8Serde
+
+from lmcache_tiers.plugin import SerdeContext
+from lmcache_tiers.testing.serde import (
+    DETECTS_CORRUPTION,
+    KV_SHAPE,
+    SerdeSuite,
+    kv_layout,
+    kv_like_bf16,
+    kv_like_float32,
+    suite_key,
+)
+
+#: (relative bound in fp8's normal range, smallest normal, absolute bound below it / scale)
+BOUNDS = {"e4m3fn": (2.0**-4, 2.0**-6, 2.0**-10), "e5m2": (2.0**-3, 2.0**-14, 2.0**-17)}
+#: unit roundoff of the dtype the values are restored to
+ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24, "float64": 2.0**-24}
+TORCH_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+#: a realistic chunk: 8 layers of 256 tokens, 8 KV heads of 128 (8 MiB of bf16)
+REALISTIC_SHAPE = (2, 8, 256, 1024)
+
+
+def as_float64(data: bytes, dtype: str) -> np.ndarray:
+    return torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[dtype]).to(torch.float64).numpy()
+
+
+def check_bound(original: bytes, decoded: bytes, layout: str, fmt: str, granularity: str) -> dict[str, float]:
+    """Assert the documented per-element bound; return the measured errors."""
+    dtype = layout.split("[")[0]
+    shape = tuple(int(d) for d in layout.split("[")[1].rstrip("]").split(","))
+    x = as_float64(original, dtype).reshape(-1, shape[-1])
+    y = as_float64(decoded, dtype).reshape(-1, shape[-1])
+    relative, smallest_normal, absolute = BOUNDS[fmt]
+    amax = np.abs(x).max(axis=0 if granularity == "channel" else None)
+    scale = np.where(amax > 0, amax, 1.0) / float(
+        torch.finfo(torch.float8_e4m3fn if fmt == "e4m3fn" else torch.float8_e5m2).max
+    )
+    error = np.abs(y - x)
+    normal = np.abs(x) >= scale * smallest_normal
+    u = ROUNDOFF[dtype]
+    allowed = np.where(
+        normal, (relative + u + relative * u) * np.abs(x), (absolute * scale) * (1 + u) + u * np.abs(x)
+    )
+    worst = float((error - allowed * (1 + 1e-6)).max())
+    assert worst <= 0, f"{fmt}/{granularity}: an element exceeds the bound by {worst}"
+    nonzero = x != 0
+    return {
+        "max_relative_normal": float((error[normal] / np.abs(x[normal])).max()),
+        "mean_relative": float((error[nonzero] / np.abs(x[nonzero])).mean()),
+        "relative_rms": float(np.sqrt((error**2).mean() / (x**2).mean())),
+    }
+
+
+class _Fp8Suite(SerdeSuite):
+    component_name = "fp8"
+    capabilities = frozenset({DETECTS_CORRUPTION})
+    config = Fp8Config()
+
+    def make_config(self) -> Fp8Config:
+        return self.config
+
+    def assert_round_trip(self, original: bytes, decoded: bytes, layout: str) -> None:
+        assert len(decoded) == len(original)
+        dtype = layout.split("[")[0]
+        finite = dtype in TORCH_DTYPES and bool(np.isfinite(as_float64(original, dtype)).all())
+        if not finite or decoded == original:
+            assert decoded == original, f"an object fp8 cannot quantize ({layout!r}) must come back unchanged"
+            return
+        check_bound(original, decoded, layout, self.config.format or "e4m3fn", self.config.granularity)
+
+
+class TestFp8TensorE4m3(_Fp8Suite):
+    config = Fp8Config()
+
+
+class TestFp8ChannelE4m3(_Fp8Suite):
+    config = Fp8Config(format="e4m3fn", granularity="channel")
+
+
+class TestFp8ChannelE5m2(_Fp8Suite):
+    config = Fp8Config(format="e5m2", granularity="channel")
+
+
+def _encode(serde: Fp8Serde, data: bytes, layout: str) -> bytes:
+    return bytes(serde.encode(memoryview(data), SerdeContext(suite_key(), len(data), layout)))
+
+
+def _decode(serde: Fp8Serde, frame: bytes, size: int) -> bytes:
+    return bytes(serde.decode(memoryview(frame), SerdeContext(suite_key(), size)))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+def test_error_bound_and_size_ratio_on_realistic_bf16_kv(fmt: str, granularity: str) -> None:
+    data = kv_like_bf16(REALISTIC_SHAPE, seed=21)
+    layout = kv_layout(REALISTIC_SHAPE)
+    serde = Fp8Serde(Fp8Config(format=fmt, granularity=granularity))  # type: ignore[arg-type]
+    frame = _encode(serde, data, layout)
+    errors = check_bound(data, _decode(serde, frame, len(data)), layout, fmt, granularity)
+    ratio = len(frame) / len(data)
+    print(
+        f"fp8 {fmt}/{granularity}: ratio {ratio:.4f}, " + ", ".join(f"{k} {v:.4f}" for k, v in errors.items())
+    )
+    assert 0.5 < ratio < 0.5 + (HEADER_SIZE + 64 + 4 * 1024) / len(data)
+    relative = BOUNDS[fmt][0]
+    assert errors["max_relative_normal"] <= relative + 2.0**-8 + relative * 2.0**-8
+    # Round to nearest spreads errors over the whole half-ulp: the mean sits well below the bound.
+    assert errors["mean_relative"] < 0.6 * relative
+    assert errors["relative_rms"] < 0.6 * relative
+
+
+def test_channel_scales_help_tensors_with_outlier_channels() -> None:
+    values = kv_like_float32(REALISTIC_SHAPE, seed=22)
+    values[..., :4] *= 300.0  # a few channels far larger than the rest
+    data = values.astype(np.float32).tobytes()
+    layout = kv_layout(REALISTIC_SHAPE, "float32")
+    measured = {}
+    for granularity in ("tensor", "channel"):
+        serde = Fp8Serde(Fp8Config(granularity=granularity))  # type: ignore[arg-type]
+        frame = _encode(serde, data, layout)
+        assert len(frame) < 0.26 * len(data)  # float32 -> one byte per element
+        measured[granularity] = check_bound(
+            data, _decode(serde, frame, len(data)), layout, "e4m3fn", granularity
+        )
+    assert measured["channel"]["mean_relative"] < measured["tensor"]["mean_relative"]
+
+
+def test_dtype_and_shape_travel_in_the_frame() -> None:
+    for dtype in ("bfloat16", "float16", "float32", "float64"):
+        values = torch.randn(3, 5, 7, dtype=torch.float64).to(TORCH_DTYPES[dtype])
+        data = values.view(torch.uint8).numpy().tobytes()
+        layout = kv_layout((3, 5, 7), dtype)
+        frame = _encode(Fp8Serde(), data, layout)
+        assert frame[HEADER_SIZE : HEADER_SIZE + len(layout)] == layout.encode()
+        decoded = _decode(Fp8Serde(), frame, len(data))  # another instance: nothing kept in memory
+        restored = torch.frombuffer(bytearray(decoded), dtype=TORCH_DTYPES[dtype]).view(3, 5, 7)
+        torch.testing.assert_close(restored.double(), values.double(), rtol=0.07, atol=0.02)
+
+
+@pytest.mark.parametrize(
+    ("data", "layout", "counter"),
+    [
+        (kv_like_bf16(), "", "passthrough_no_layout"),
+        (kv_like_bf16()[:-2], kv_layout(KV_SHAPE), "passthrough_layout_mismatch"),
+        (bytes(range(256)) * 16, "int32[1024]", "passthrough_not_float"),
+        (bytes(64), "float8_e4m3fn[64]", "passthrough_not_float"),
+        (b"", "bfloat16[0,16]", "passthrough_empty"),
+        (np.array([1.0, np.inf] * 64, np.float32).tobytes(), "float32[4,32]", "passthrough_non_finite"),
+        (np.array([1.0, np.nan] * 64, np.float32).tobytes(), "float32[2,64]", "passthrough_non_finite"),
+        (np.array([1.0, 1e300] * 64).tobytes(), "float64[128]", "passthrough_non_finite"),
+        (np.ones((2, 1), np.float16).tobytes(), "float16[2,1]", "passthrough_not_smaller"),
+    ],
+    ids=["no-layout", "mismatch", "int", "fp8", "empty", "inf", "nan", "huge", "tiny"],
+)
+def test_passthrough_is_exact_counted_and_explained(
+    data: bytes, layout: str, counter: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    serde = Fp8Serde(Fp8Config(granularity="channel"))
+    with caplog.at_level(logging.INFO, "lmcache_tiers.serde.fp8"):
+        frame = _encode(serde, data, layout)
+        _encode(serde, data, layout)
+    assert len(frame) == HEADER_SIZE + len(data)
+    assert _decode(serde, frame, len(data)) == data
+    stats = serde.stats()
+    assert stats[counter] == 2 and stats["quantized_objects"] == 0
+    assert [r.levelno for r in caplog.records] == [logging.INFO]  # one line per reason, then DEBUG
+    assert counter in caplog.text
+
+
+def test_zeros_and_tiny_magnitudes_quantize_without_overflow() -> None:
+    serde = Fp8Serde()
+    zeros = bytes(4096)
+    assert _decode(serde, _encode(serde, zeros, "float32[1024]"), 4096) == zeros
+    tiny = np.full(1024, 1e-40, np.float32).tobytes()  # subnormal float32
+    decoded = np.frombuffer(_decode(serde, _encode(serde, tiny, "float32[1024]"), 4096), np.float32)
+    # The scale never drops below float32's smallest normal; error stays within scale * 2^-10.
+    smallest_scale = float(np.finfo(np.float32).tiny)
+    assert np.isfinite(decoded).all() and np.abs(decoded - 1e-40).max() <= smallest_scale * 2.0**-10
+    assert serde.stats()["quantized_objects"] == 2
+
+
+def test_reference_spelling_and_resolved_config() -> None:
+    assert msgspec.convert({"fp8_dtype": "float8_e5m2"}, Fp8Config).format == "e5m2"
+    assert msgspec.convert({}, Fp8Config).format == "e4m3fn"
+    assert msgspec.to_builtins(msgspec.convert({"fp8_dtype": "float8_e4m3fn"}, Fp8Config)) == {
+        "format": "e4m3fn",
+        "granularity": "tensor",
+        "fp8_dtype": None,
+    }
+    with pytest.raises(msgspec.ValidationError, match="contradicts"):
+        msgspec.convert({"fp8_dtype": "float8_e4m3fn", "format": "e5m2"}, Fp8Config)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"fp8_dtype": "float8_e4m3fnuz"}, Fp8Config)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"granularity": "row"}, Fp8Config)
+
+
+def test_forged_frames_are_refused_before_allocation() -> None:
+    """A frame whose checksum is valid but whose layout claims other sizes is refused."""
+    import xxhash
+
+    serde = Fp8Serde()
+    layout = b"bfloat16[65536,65536]"
+    body = layout + struct.pack("<f", 1.0) + bytes(16)
+    head = struct.pack("<4sBBBBHHIQ", b"LTF8", 1, 1, 1, 0, len(layout), 0, 1, 16)
+    digest = xxhash.xxh3_64(head + body).intdigest()
+    with pytest.raises(Fp8FrameError, match="disagrees"):
+        serde.decode(memoryview(head + struct.pack("<Q", digest) + body), SerdeContext(suite_key(), 32))
+    assert serde.stats()["corrupt_frames"] == 1

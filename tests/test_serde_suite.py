@@ -1,0 +1,90 @@
+"""The SerdeSuite fails serdes that break the contract (it is not a suite that always passes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lmcache_tiers.serde import IdentitySerde, SerdeContext
+from lmcache_tiers.testing.serde import SerdeSuite
+
+
+class _LengthPrefixed:
+    """Correct framing: an 8-byte length, then the bytes."""
+
+    name = "suite-probe"
+
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
+        return len(data).to_bytes(8, "little") + bytes(data)
+
+    def decode(self, data: memoryview, context: SerdeContext) -> bytes:
+        if len(data) < 8 or int.from_bytes(data[:8], "little") != len(data) - 8:
+            raise ValueError("bad frame")
+        return bytes(data[8:])
+
+
+class _IgnoresTrailingBytes(_LengthPrefixed):
+    def decode(self, data: memoryview, context: SerdeContext) -> bytes:
+        length = int.from_bytes(data[:8], "little")
+        if len(data) < 8 + length:
+            raise ValueError("short frame")
+        return bytes(data[8 : 8 + length])
+
+
+class _UnderstatesItsBound(_LengthPrefixed):
+    def max_encoded_size(self, size: int) -> int:
+        return size
+
+
+class _DropsTheLastByte(_LengthPrefixed):
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
+        body = bytes(data[:-1]) + b"\0" if len(data) else b""
+        return len(body).to_bytes(8, "little") + body
+
+
+class _ModifiesItsInput(_LengthPrefixed):
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
+        out = super().encode(data, context)
+        if not data.readonly and len(data):
+            data[0] ^= 0xFF
+        return out
+
+
+def _suite_for(serde: Any) -> SerdeSuite:
+    class Probe(SerdeSuite):
+        component_name = "probe"
+
+        def make_serde(self) -> Any:
+            return serde
+
+    return Probe()
+
+
+def test_a_correct_serde_passes() -> None:
+    suite = _suite_for(_LengthPrefixed())
+    serde = _LengthPrefixed()
+    suite.test_round_trip(serde)
+    suite.test_truncated_extended_and_foreign_input_is_refused(serde)
+    suite.test_inputs_are_left_untouched_and_may_be_read_only(serde)
+    suite.test_works_at_every_chain_position(serde)
+    suite.test_chain_decodes_last_to_first(serde)
+
+
+@pytest.mark.parametrize(
+    ("serde", "test"),
+    [
+        (IdentitySerde(), "test_truncated_extended_and_foreign_input_is_refused"),
+        (_IgnoresTrailingBytes(), "test_truncated_extended_and_foreign_input_is_refused"),
+        (_UnderstatesItsBound(), "test_max_encoded_size_is_respected"),
+        (_DropsTheLastByte(), "test_round_trip"),
+        (_DropsTheLastByte(), "test_large_object"),
+        (_ModifiesItsInput(), "test_inputs_are_left_untouched_and_may_be_read_only"),
+        (_LengthPrefixed(), "test_every_flipped_byte_is_detected"),
+        (_LengthPrefixed(), "test_decodes_only_under_its_own_key"),
+    ],
+)
+def test_a_broken_serde_fails(serde: Any, test: str) -> None:
+    suite = _suite_for(serde)
+    with pytest.raises(AssertionError):
+        getattr(suite, test)(serde)
