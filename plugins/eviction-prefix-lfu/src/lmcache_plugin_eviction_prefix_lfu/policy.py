@@ -1,0 +1,158 @@
+"""The ``PREFIX_LFU`` eviction policy.
+
+What KV-cache traffic looks like to an eviction policy:
+
+* a chunk is only useful while its whole prefix is present, so a prefix must be trimmed
+  from its end;
+* prompts come back: the same system prompt, document or conversation history is sent
+  again and again, at intervals far longer than a small cache's turnover, and a prompt
+  sent often is sent sooner again;
+* a request's tail is rarely reused: its last chunk ends where the next turn's text
+  starts, and the chunks a request stores right after reading a cached prefix are its
+  own divergent suffix.
+
+The policy therefore orders chunks by a priority (lowest evicted first)::
+
+    priority = tick of last use + credit * live * log2(uses) - penalty * live (tail only)
+
+``tick`` counts chunks touched (one per chunk of each batch), so ``live`` ticks are one
+cache turnover; ``uses`` counts the batches that wrote or read a chunk, and is remembered
+for evicted chunks, so a prompt sent again after being evicted comes back with its
+standing.  Plain LRU is ``credit = penalty = 0``.  The history holds the counts of the
+``max(history_min, history_factor * live)`` chunks evicted last, keyed by the key's hash
+(an int, about 100 bytes an entry): a small cache needs a history far longer than itself,
+because prompts return after many of its turnovers.
+
+Batches arrive in prefix order.  They are handled back to front, and a chunk's priority is
+raised to that of the chunk after it, so a head never ranks below its own tail.  A read
+that repeats the previous read exactly (an engine's RETRIEVE of the prefix its LOOKUP just
+locked) is not counted again.  A write that directly follows a read is taken as the
+extension of the prefix just read.
+
+Priorities are integers; chunks of one priority share a bucket (insertion ordered), and
+the sorted list of bucket priorities makes ``victims()`` a plain walk.  A touch costs a few
+dict operations, and a bisect when it opens a new bucket.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+
+from lmcache_plugin_eviction_prefix_lfu import PrefixLFUConfig
+from lmcache_tiers.keys import ObjectKey
+
+_Signature = tuple[int, ObjectKey, ObjectKey]
+
+
+class PrefixLFUEvictionPolicy:
+    """Recency with a logarithmic frequency credit and a tail penalty."""
+
+    def __init__(self, config: PrefixLFUConfig | None = None) -> None:
+        self.config = config or PrefixLFUConfig()
+        self._credit = self.config.frequency_credit
+        self._penalty = self.config.tail_penalty
+        self._history_factor = self.config.history_factor
+        self._history_min = self.config.history_min
+        self._tick = 0
+        self._uses: dict[ObjectKey, int] = {}  # live chunks
+        # evicted chunks by hash(key), oldest first: holding no key object keeps it small
+        self._history: OrderedDict[int, int] = OrderedDict()
+        self._priority: dict[ObjectKey, int] = {}
+        self._buckets: dict[int, dict[ObjectKey, None]] = {}
+        self._levels: list[int] = []  # sorted priorities of non-empty buckets
+        self._last_read: _Signature | None = None
+
+    def __len__(self) -> int:
+        return len(self._priority)
+
+    # -- bookkeeping ---------------------------------------------------------------------
+
+    def _place(self, key: ObjectKey, priority: int) -> None:
+        bucket = self._buckets.get(priority)
+        if bucket is None:
+            bucket = self._buckets[priority] = {}
+            bisect.insort(self._levels, priority)
+        bucket[key] = None
+        self._priority[key] = priority
+
+    def _unplace(self, key: ObjectKey) -> None:
+        priority = self._priority.pop(key)
+        bucket = self._buckets[priority]
+        del bucket[key]
+        if not bucket:
+            del self._buckets[priority]
+            del self._levels[bisect.bisect_left(self._levels, priority)]
+
+    def _touch(self, keys: Sequence[ObjectKey], tail_from: int) -> None:
+        """Count one use of each key and re-rank it; keys at ``tail_from`` and after are
+        a request's tail."""
+        live = max(1, len(self._priority))
+        now = self._tick
+        credit = self._credit * live
+        penalty = int(self._penalty * live)
+        uses, history, current = self._uses, self._history, self._priority
+        floor: int | None = None
+        for position in range(len(keys) - 1, -1, -1):
+            key = keys[position]
+            count = uses.get(key)
+            if count is None:
+                count = history.pop(hash(key), 0) if history else 0
+            count += 1
+            uses[key] = count
+            priority = now + int(credit * math.log2(count))
+            if position >= tail_from:
+                priority -= penalty
+            if floor is not None and priority < floor:
+                priority = floor  # the head of a prefix never goes before its tail
+            floor = priority
+            if key in current:
+                if current[key] == priority:
+                    # Same bucket: move to its end, as a fresh touch would.
+                    bucket = self._buckets[priority]
+                    del bucket[key]
+                    bucket[key] = None
+                    continue
+                self._unplace(key)
+            self._place(key, priority)
+        self._tick = now + len(keys)
+
+    # -- the policy protocol ---------------------------------------------------------------
+
+    def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
+        if not keys:
+            return
+        # Right after a read, a write extends the prefix just read: all of it is tail.
+        extends_read = self._last_read is not None
+        self._last_read = None
+        self._touch(keys, 0 if extends_read else len(keys) - 1)
+
+    def on_keys_read(self, keys: Sequence[ObjectKey]) -> None:
+        if not keys:
+            return
+        signature = (len(keys), keys[0], keys[-1])
+        if signature == self._last_read:
+            return  # the RETRIEVE of the prefix a LOOKUP just read
+        self._last_read = signature
+        current = self._priority
+        known = [key for key in keys if key in current]  # never revive a removed key
+        if known:
+            self._touch(known, len(known))
+
+    def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
+        history, uses = self._history, self._uses
+        for key in keys:
+            if key not in self._priority:
+                continue
+            self._unplace(key)
+            history[hash(key)] = uses.pop(key)
+        limit = max(self._history_min, self._history_factor * len(self._priority))
+        while len(history) > limit:
+            history.popitem(last=False)
+
+    def victims(self) -> Iterator[ObjectKey]:
+        buckets = self._buckets
+        for priority in self._levels:
+            yield from buckets[priority]
