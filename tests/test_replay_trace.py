@@ -83,6 +83,7 @@ def test_a_real_server_gives_the_exact_lru_hit_rate(
     assert replayed["corrupt_blocks"] == replayed["failed_requests"] == 0
     assert replayed["hit_blocks"] == replayed["l1_hit_blocks"]
     print(
-        f"capacity {capacity}: server {replayed['hit_rate']['blocks']:.4f}, simulated exact LRU {expected:.4f}"
+        f"capacity {capacity}: server {replayed['hit_rate']['blocks']:.4f}, "
+        f"simulated exact LRU {expected:.4f}"
     )
     assert abs(replayed["hit_rate"]["blocks"] - expected) <= 0.01

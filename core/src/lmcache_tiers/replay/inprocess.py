@@ -16,29 +16,23 @@ from lmcache_tiers.config import ServerConfig
 from lmcache_tiers.errors import L1OutOfMemoryError
 from lmcache_tiers.registry import ComponentRegistry
 from lmcache_tiers.replay.run import (
-    Payloads,
+    ClientState,
     ProgressHook,
     ReplayOptions,
     ReplayReport,
-    ReplayTotals,
     paced,
     status_delta,
 )
-from lmcache_tiers.replay.trace import KeySpace, Trace, TraceRequest
+from lmcache_tiers.replay.trace import Trace, TraceRequest
 from lmcache_tiers.storage import StorageManager
 
 
 def _replay_one(
-    storage: StorageManager,
-    request: TraceRequest,
-    keyspace: KeySpace,
-    payloads: Payloads,
-    totals: ReplayTotals,
-    scratch: memoryview,
-    timeout_s: float,
+    storage: StorageManager, request: TraceRequest, state: ClientState, scratch: memoryview, timeout_s: float
 ) -> None:
+    totals, payloads = state.totals, state.payloads
     blocks = request.hash_ids
-    keys = keyspace.keys(blocks)
+    keys = state.keyspace.keys(blocks)
     started = time.perf_counter()
     handle, locked = storage.start_prefetch(keys)
     if locked is not None:
@@ -97,9 +91,8 @@ def replay_in_process(
     progress: ProgressHook | None = None,
 ) -> ReplayReport:
     """Build a StorageManager from ``config``, replay ``trace`` through it, close it."""
-    totals = ReplayTotals()
-    keyspace = KeySpace(options.model, options.salt, options.kv_rank)
-    payloads = Payloads(options.block_bytes)
+    state = ClientState.for_options(options)
+    totals = state.totals
     scratch = np.zeros(options.block_bytes, dtype=np.uint8).data
     with StorageManager(config, registry) as storage:
         before = storage.status()
@@ -107,7 +100,7 @@ def replay_in_process(
         origin = trace.requests[0].timestamp_ms
         requests = list(enumerate(trace.requests))
         for _, request in paced(requests, options.time_scale, origin_ms=origin, start=time.monotonic()):
-            _replay_one(storage, request, keyspace, payloads, totals, scratch, options.timeout_s)
+            _replay_one(storage, request, state, scratch, options.timeout_s)
             if progress is not None:
                 progress(1)
         totals.seconds = time.perf_counter() - began

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from lmcache_tiers.replay.trace import REPLAY_MODEL, REPLAY_SALT, TraceRequest
+from lmcache_tiers.replay.trace import REPLAY_MODEL, REPLAY_SALT, KeySpace, TraceRequest
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,20 @@ class Payloads:
             return False
         expected = block.to_bytes(_ID_BYTES, "big")
         return view[:_ID_BYTES] == expected and view[-_ID_BYTES:] == expected
+
+
+@dataclass
+class ClientState:
+    """What one replaying client works with: its counters, its keys, its payloads."""
+
+    totals: ReplayTotals
+    keyspace: KeySpace
+    payloads: Payloads
+
+    @classmethod
+    def for_options(cls, options: ReplayOptions) -> ClientState:
+        keyspace = KeySpace(options.model, options.salt, options.kv_rank)
+        return cls(ReplayTotals(), keyspace, Payloads(options.block_bytes))
 
 
 def paced(

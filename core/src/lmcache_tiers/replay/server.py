@@ -17,7 +17,7 @@ from typing import Any
 
 from lmcache_tiers.client import Client, ClientError, ServerError
 from lmcache_tiers.replay.run import (
-    Payloads,
+    ClientState,
     ProgressHook,
     ReplayOptions,
     ReplayReport,
@@ -25,17 +25,16 @@ from lmcache_tiers.replay.run import (
     paced,
     status_delta,
 )
-from lmcache_tiers.replay.trace import KeySpace, Trace, TraceRequest
+from lmcache_tiers.replay.trace import Trace, TraceRequest
 from lmcache_tiers.server import protocol as p
 
 logger = logging.getLogger(__name__)
 
 
-def _replay_one(
-    client: Client, request: TraceRequest, keyspace: KeySpace, payloads: Payloads, totals: ReplayTotals
-) -> None:
+def _replay_one(client: Client, request: TraceRequest, state: ClientState) -> None:
+    totals, payloads = state.totals, state.payloads
     blocks = request.hash_ids
-    keys = keyspace.keys(blocks)
+    keys = state.keyspace.keys(blocks)
     started = time.perf_counter()
     try:
         hits = client.lookup(keys)
@@ -74,14 +73,13 @@ def replay_share(
     progress: ProgressHook | None = None,
 ) -> ReplayTotals:
     """One client's share of the trace; ``progress(n)`` after every n requests."""
-    totals = ReplayTotals()
-    keyspace = KeySpace(options.model, options.salt, options.kv_rank)
-    payloads = Payloads(options.block_bytes)
+    state = ClientState.for_options(options)
+    totals = state.totals
     began = time.perf_counter()
     with Client(url, timeout=options.timeout_s, auth_token=auth_token, name="replay") as client:
         for _, request in paced(requests, options.time_scale, origin_ms=origin_ms, start=start):
             try:
-                _replay_one(client, request, keyspace, payloads, totals)
+                _replay_one(client, request, state)
             except ClientError as exc:
                 totals.failed_requests += 1
                 logger.warning("replay: request failed: %s", exc)

@@ -37,4 +37,6 @@ class PrefixLFUConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
 
 @hookimpl
 def tiers_register_eviction_policies(registry: KindRegistry) -> None:
-    registry.add("PREFIX_LFU", "lmcache_plugin_eviction_prefix_lfu.policy:PrefixLFUEvictionPolicy", PrefixLFUConfig)
+    registry.add(
+        "PREFIX_LFU", "lmcache_plugin_eviction_prefix_lfu.policy:PrefixLFUEvictionPolicy", PrefixLFUConfig
+    )
