@@ -10,7 +10,9 @@ The simulation time of every installed policy over the whole trace is printed ne
 bare pass over the same block references (a set membership test per reference, as the
 infinite cache does): the cost of replaying the trace at all, measured in the same run.
 The replay's time per request is printed next to the server's PING round trip; a request
-takes at least three (LOOKUP, RETRIEVE or STORE, RELEASE or COMMIT).
+takes at least three (LOOKUP, RETRIEVE or STORE, RELEASE or COMMIT).  Policies run on
+every LOOKUP inside the L1 lock, so the cost of ``on_keys_read`` per hit key is printed
+for each policy next to ``LRU``'s, measured in the same run.
 
     python bench/bench_replay.py                          # the shared Mooncake trace
     python bench/bench_replay.py --trace my.jsonl --capacities 1000,4000 --json
@@ -112,6 +114,24 @@ def bare_pass_seconds(trace: Trace, repeats: int = 3) -> float:
     return best
 
 
+def read_cost_ns(factory: Any, prompts: int = 2000, length: int = 64, repeats: int = 3) -> float:
+    """Nanoseconds per key of ``on_keys_read`` on prompts the policy holds (LOOKUP hits);
+    a write between reads keeps policies that skip a repeated read honest."""
+    policy = factory()
+    space = KeySpace(model="bench-read-cost")
+    batches = [space.keys(range(start * length, (start + 1) * length)) for start in range(prompts)]
+    for batch in batches:
+        policy.on_keys_written(batch)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for batch in batches:
+            policy.on_keys_read(batch)
+            policy.on_keys_written(batch[:1])
+        best = min(best, time.perf_counter() - started)
+    return best / (prompts * length) * 1e9
+
+
 def run(trace_path: str, capacities: list[int], block_bytes: int) -> dict[str, Any]:
     trace = read_trace(trace_path)
     registry = load_registry()
@@ -156,6 +176,7 @@ def run(trace_path: str, capacities: list[int], block_bytes: int) -> dict[str, A
             )
     report["bare_pass_seconds"] = floor
     report["simulation_seconds"] = {name: statistics.mean(values) for name, values in timing.items()}
+    report["read_ns_per_key"] = {name: read_cost_ns(factory) for name, factory in factories.items()}
     return report
 
 
@@ -183,6 +204,11 @@ def show(report: dict[str, Any]) -> None:
     for name, seconds in report["simulation_seconds"].items():
         rate = report["block_references"] / seconds if seconds else float("inf")
         print(f"  {name:<12} {seconds:7.3f} s  {rate:>12,.0f} refs/s  {seconds / floor:6.1f}x the bare pass")
+    costs = report["read_ns_per_key"]
+    lru = costs.get("LRU") or costs.get("exact LRU")
+    print("on_keys_read per hit key (64-key prompts), next to LRU's:")
+    for name, cost in costs.items():
+        print(f"  {name:<12} {cost:7.0f} ns  {cost / lru:6.2f}x LRU")
 
 
 def main() -> None:

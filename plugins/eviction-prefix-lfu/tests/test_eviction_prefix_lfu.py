@@ -79,10 +79,10 @@ def test_a_repeated_read_is_counted_once() -> None:
     policy.on_keys_written(keys)
     policy.on_keys_read(keys)
     policy.on_keys_read(keys)  # the RETRIEVE after the LOOKUP
-    assert policy._uses[keys[0]] == 2
+    assert policy.uses(keys[0]) == 2
     policy.on_keys_written(make_keys(1, start=9))
     policy.on_keys_read(keys)
-    assert policy._uses[keys[0]] == 3
+    assert policy.uses(keys[0]) == 3
 
 
 def test_use_counts_survive_eviction() -> None:
@@ -93,7 +93,7 @@ def test_use_counts_survive_eviction() -> None:
     policy.on_keys_removed(keys)
     assert len(policy) == 0 and list(policy.victims()) == []
     policy.on_keys_written(keys)
-    assert policy._uses[keys[0]] == 3
+    assert policy.uses(keys[0]) == 3
 
 
 def test_a_head_never_ranks_below_its_tail() -> None:

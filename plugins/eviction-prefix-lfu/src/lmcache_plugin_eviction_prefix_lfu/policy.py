@@ -45,6 +45,9 @@ from lmcache_plugin_eviction_prefix_lfu import PrefixLFUConfig
 from lmcache_tiers.keys import ObjectKey
 
 _Signature = tuple[int, ObjectKey, ObjectKey]
+#: log2 of small use counts, looked up instead of computed on every touch
+_LOG2_SIZE = 1024
+_LOG2 = [0.0] + [math.log2(count) for count in range(1, _LOG2_SIZE)]
 
 
 class PrefixLFUEvictionPolicy:
@@ -57,67 +60,91 @@ class PrefixLFUEvictionPolicy:
         self._history_factor = self.config.history_factor
         self._history_min = self.config.history_min
         self._tick = 0
-        self._uses: dict[ObjectKey, int] = {}  # live chunks
+        # live chunk -> [priority, uses]: one lookup finds both on the LOOKUP path
+        self._state: dict[ObjectKey, list[int]] = {}
         # evicted chunks by hash(key), oldest first: holding no key object keeps it small
         self._history: OrderedDict[int, int] = OrderedDict()
-        self._priority: dict[ObjectKey, int] = {}
         self._buckets: dict[int, dict[ObjectKey, None]] = {}
         self._levels: list[int] = []  # sorted priorities of non-empty buckets
         self._last_read: _Signature | None = None
 
     def __len__(self) -> int:
-        return len(self._priority)
+        return len(self._state)
+
+    def uses(self, key: ObjectKey) -> int:
+        """Uses counted for a live key (0 for a key the policy does not hold)."""
+        entry = self._state.get(key)
+        return 0 if entry is None else entry[1]
 
     # -- bookkeeping ---------------------------------------------------------------------
 
-    def _place(self, key: ObjectKey, priority: int) -> None:
-        bucket = self._buckets.get(priority)
-        if bucket is None:
-            bucket = self._buckets[priority] = {}
-            bisect.insort(self._levels, priority)
-        bucket[key] = None
-        self._priority[key] = priority
-
-    def _unplace(self, key: ObjectKey) -> None:
-        priority = self._priority.pop(key)
+    def _unplace(self, key: ObjectKey) -> int:
+        """Forget a live key; returns its use count."""
+        priority, uses = self._state.pop(key)
         bucket = self._buckets[priority]
         del bucket[key]
         if not bucket:
             del self._buckets[priority]
             del self._levels[bisect.bisect_left(self._levels, priority)]
+        return uses
 
-    def _touch(self, keys: Sequence[ObjectKey], tail_from: int) -> None:
-        """Count one use of each key and re-rank it; keys at ``tail_from`` and after are
-        a request's tail."""
-        live = max(1, len(self._priority))
+    def _touch(self, keys: Sequence[ObjectKey], tail_from: int, *, known_only: bool = False) -> None:
+        """Count one use of each key and re-rank it; keys at ``tail_from`` and after are a
+        request's tail.  ``known_only``: skip keys the policy does not hold (reads).
+
+        This runs for every LOOKUP inside the L1 lock, hence the local names and the
+        inlined bucket moves: four dict operations per key in the common case.
+        """
+        state = self._state
+        live = max(1, len(state))
         now = self._tick
         credit = self._credit * live
         penalty = int(self._penalty * live)
-        uses, history, current = self._uses, self._history, self._priority
-        floor: int | None = None
+        history, buckets, levels = self._history, self._buckets, self._levels
+        state_get, log2 = state.get, _LOG2
+        floor = -(1 << 62)
+        last_priority, last_bucket = floor, None
+        touched = 0
         for position in range(len(keys) - 1, -1, -1):
             key = keys[position]
-            count = uses.get(key)
-            if count is None:
-                count = history.pop(hash(key), 0) if history else 0
-            count += 1
-            uses[key] = count
-            priority = now + int(credit * math.log2(count))
+            entry = state_get(key)
+            if entry is None:
+                if known_only:
+                    continue  # a read of a key already removed must not revive it
+                count = (history.pop(hash(key), 0) if history else 0) + 1
+            else:
+                count = entry[1] + 1
+            touched += 1
+            priority = now + int(credit * (log2[count] if count < _LOG2_SIZE else math.log2(count)))
             if position >= tail_from:
                 priority -= penalty
-            if floor is not None and priority < floor:
+            if priority < floor:
                 priority = floor  # the head of a prefix never goes before its tail
             floor = priority
-            if key in current:
-                if current[key] == priority:
-                    # Same bucket: move to its end, as a fresh touch would.
-                    bucket = self._buckets[priority]
-                    del bucket[key]
-                    bucket[key] = None
+            if entry is not None:
+                old = entry[0]
+                entry[1] = count
+                bucket = buckets[old]
+                del bucket[key]
+                if old == priority:
+                    bucket[key] = None  # same bucket: to its end, as a fresh touch
                     continue
-                self._unplace(key)
-            self._place(key, priority)
-        self._tick = now + len(keys)
+                if not bucket:
+                    del buckets[old]
+                    del levels[bisect.bisect_left(levels, old)]
+                entry[0] = priority
+            else:
+                state[key] = [priority, count]
+            if priority == last_priority and last_bucket is not None:
+                target = last_bucket
+            else:
+                target = buckets.get(priority)
+                if target is None:
+                    target = buckets[priority] = {}
+                    bisect.insort(levels, priority)
+                last_priority, last_bucket = priority, target
+            target[key] = None
+        self._tick = now + touched
 
     # -- the policy protocol ---------------------------------------------------------------
 
@@ -136,19 +163,14 @@ class PrefixLFUEvictionPolicy:
         if signature == self._last_read:
             return  # the RETRIEVE of the prefix a LOOKUP just read
         self._last_read = signature
-        current = self._priority
-        known = [key for key in keys if key in current]  # never revive a removed key
-        if known:
-            self._touch(known, len(known))
+        self._touch(keys, len(keys), known_only=True)
 
     def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
-        history, uses = self._history, self._uses
+        history, state = self._history, self._state
         for key in keys:
-            if key not in self._priority:
-                continue
-            self._unplace(key)
-            history[hash(key)] = uses.pop(key)
-        limit = max(self._history_min, self._history_factor * len(self._priority))
+            if key in state:
+                history[hash(key)] = self._unplace(key)
+        limit = max(self._history_min, self._history_factor * len(state))
         while len(history) > limit:
             history.popitem(last=False)
 
