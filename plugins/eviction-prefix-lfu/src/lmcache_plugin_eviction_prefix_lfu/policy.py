@@ -103,7 +103,11 @@ class PrefixLFUEvictionPolicy:
         history, buckets, levels = self._history, self._buckets, self._levels
         state_get, log2 = state.get, _LOG2
         floor = -(1 << 62)
+        # Neighbouring keys of a prefix usually share their use count, their old bucket
+        # and their new one: each is looked up once per run of equal values.
         last_priority, last_bucket = floor, None
+        last_old, last_old_bucket = floor, None
+        last_count, last_bonus = 0, 0
         touched = 0
         for position in range(len(keys) - 1, -1, -1):
             key = keys[position]
@@ -115,7 +119,10 @@ class PrefixLFUEvictionPolicy:
             else:
                 count = entry[1] + 1
             touched += 1
-            priority = now + int(credit * (log2[count] if count < _LOG2_SIZE else math.log2(count)))
+            if count != last_count:
+                last_count = count
+                last_bonus = int(credit * (log2[count] if count < _LOG2_SIZE else math.log2(count)))
+            priority = now + last_bonus
             if position >= tail_from:
                 priority -= penalty
             if priority < floor:
@@ -124,7 +131,11 @@ class PrefixLFUEvictionPolicy:
             if entry is not None:
                 old = entry[0]
                 entry[1] = count
-                bucket = buckets[old]
+                if old == last_old and last_old_bucket is not None:
+                    bucket = last_old_bucket
+                else:
+                    bucket = buckets[old]
+                    last_old, last_old_bucket = old, bucket
                 del bucket[key]
                 if old == priority:
                     bucket[key] = None  # same bucket: to its end, as a fresh touch
@@ -132,6 +143,7 @@ class PrefixLFUEvictionPolicy:
                 if not bucket:
                     del buckets[old]
                     del levels[bisect.bisect_left(levels, old)]
+                    last_old, last_old_bucket = floor, None
                 entry[0] = priority
             else:
                 state[key] = [priority, count]
