@@ -28,10 +28,11 @@ PROSE_CLAIMS: dict[str, tuple[str, ...]] = {
     r"\bRedis\b|\bValkey\b": ("redis", "valkey", "resp"),
     r"\bDAX\b": ("dax",),
     r"\braw[ _-]block": ("raw_block",),
-    r"\bMooncake\b": ("mooncake_store",),
+    # the Mooncake trace format (replay) is not a claim about the Mooncake Store adapter
+    r"\bMooncake\b(?! (?:format|trace|block|synthetic))": ("mooncake_store",),
     r"\bfsspec\b": ("fs",),
     # NIXL's OBJ backend talks to S3-compatible stores; "S3" alone claims an s3 adapter
-    r"\bS3\b(?!-compatible| server)": ("s3",),
+    r"\bS3\b(?!-compatible| server|-FIFO)": ("s3",),
     r"\bzstd\b|\bZstandard\b": ("zstd",),
     r"\blz4\b": ("lz4",),
     r"\bfp8\b|\bFP8\b": ("fp8",),

@@ -71,9 +71,9 @@ def _add_server_commands(app: typer.Typer) -> None:
         function = getattr(commands_server, name, None)
         if function is not None:
             app.command(name)(function)
-    replay = getattr(commands_server, "replay", None)
-    if replay is not None:
-        app.command("replay")(replay)
+    from lmcache_tiers.cli import replay_cmd
+
+    app.command("replay", help=replay_cmd.REPLAY_HELP)(replay_cmd.replay)
 
 
 def command_tree(app: typer.Typer) -> Any:

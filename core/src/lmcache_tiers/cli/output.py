@@ -6,6 +6,7 @@ import sys
 from typing import NoReturn
 
 from rich.console import Console
+from rich.markup import escape
 
 stdout = Console(highlight=False, soft_wrap=True)
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -17,5 +18,6 @@ EXIT_USAGE = 2
 def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
     """Print ``error: message`` as a single line on stderr and exit."""
     one_line = " ".join(str(message).split())
-    stderr.print(f"[bold red]error:[/] {one_line}", markup=True, highlight=False)
+    # The message is text, not markup: "[plot]" in an install hint must survive.
+    stderr.print(f"[bold red]error:[/] {escape(one_line)}", markup=True, highlight=False)
     sys.exit(code)

@@ -1,0 +1,355 @@
+"""``lmcache-tiers replay TRACE``: replay a Mooncake trace through a server, through an
+in-process StorageManager, or against a simulation of every eviction policy.
+
+A plain function with typer-annotated parameters; heavy imports happen inside it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Optional
+
+import typer
+
+from lmcache_tiers.cli.output import fail, stderr, stdout
+
+REPLAY_HELP = (
+    "Replay a Mooncake trace (one JSON object per line: timestamp in ms, input_length, "
+    "output_length, hash_ids of 512-token blocks) and report prefix hit rates.\n\n"
+    "Three modes: through a running server (--url, the default), in this process against a "
+    "StorageManager built from serve's L1/L2 flags (--in-process), or with no server at all "
+    "(--simulate): the miss-ratio curve of exact LRU, every installed eviction policy, "
+    "Belady's optimum and an infinite cache.\n\n"
+    "Replay keys carry their own model name and salt, so a replay never touches an engine's data."
+)
+
+DEFAULT_URL = "tcp://127.0.0.1:5555"
+
+
+def _split(values: list[str] | None) -> list[str]:
+    return [part.strip() for value in values or [] for part in value.split(",") if part.strip()]
+
+
+def replay(
+    trace_file: Annotated[str, typer.Argument(metavar="TRACE", help="Mooncake trace file (JSON lines).")],
+    simulate: Annotated[bool, typer.Option("--simulate", help="No server: simulate every policy.")] = False,
+    in_process: Annotated[
+        bool, typer.Option("--in-process", help="Replay against a StorageManager in this process.")
+    ] = False,
+    url: Annotated[
+        Optional[str], typer.Option("--url", help=f"Server to replay through (default {DEFAULT_URL}).")
+    ] = None,
+    limit: Annotated[Optional[int], typer.Option(min=1, help="Replay only the first N requests.")] = None,
+    block_bytes: Annotated[
+        int, typer.Option(min=128, help="Bytes per block (also converts byte capacities to blocks).")
+    ] = 16 << 10,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    # -- simulation -------------------------------------------------------------------
+    capacity: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            help="Simulated L1 capacity: blocks (1000, 4k) or bytes (512MiB); repeat or comma-separate."
+        ),
+    ] = None,
+    l2_capacity: Annotated[
+        Optional[list[str]],
+        typer.Option(help="Simulated L2 capacity, one per --capacity (a two-tier point each)."),
+    ] = None,
+    policy: Annotated[
+        Optional[list[str]], typer.Option(help="Eviction policies to simulate [default: all installed].")
+    ] = None,
+    l2_policy: Annotated[str, typer.Option(help="Eviction policy of the simulated L2.")] = "LRU",
+    reads_per_hit: Annotated[
+        int, typer.Option(min=1, help="Reads of each hit prefix per request (LOOKUP + RETRIEVE = 2).")
+    ] = 2,
+    plot: Annotated[
+        Optional[str], typer.Option(help="Also draw the miss-ratio curve into this PNG file.")
+    ] = None,
+    # -- real bytes -------------------------------------------------------------------
+    time_scale: Annotated[
+        float, typer.Option(min=0.0, help="Replay seconds per trace second; 0 sends as fast as possible.")
+    ] = 0.0,
+    clients: Annotated[
+        int, typer.Option(min=1, help="Client processes sharing the requests (server mode).")
+    ] = 1,
+    timeout: Annotated[float, typer.Option(min=0.01, help="Seconds to wait for each reply.")] = 60.0,
+    auth_token: Annotated[
+        Optional[str],
+        typer.Option(envvar="LMCACHE_TIERS_AUTH_TOKEN", help="Token, if the server requires one."),
+    ] = None,
+    model: Annotated[Optional[str], typer.Option(help="Model name of replay keys.")] = None,
+    salt: Annotated[Optional[str], typer.Option(help="Cache salt of replay keys.")] = None,
+    # -- in-process: serve's flags ------------------------------------------------------
+    l1_blocks: Annotated[
+        Optional[int],
+        typer.Option(min=1, help="In-process L1 of exactly N blocks that never starts background eviction."),
+    ] = None,
+    l1_size_gb: Annotated[Optional[float], typer.Option(help="In-process L1 arena size in GiB.")] = None,
+    eviction_policy: Annotated[Optional[str], typer.Option(help="In-process L1 eviction policy.")] = None,
+    eviction_trigger_watermark: Annotated[
+        Optional[float],
+        typer.Option(
+            help="L1 usage that starts background eviction (in-process; in --simulate: off unless set)."
+        ),
+    ] = None,
+    eviction_ratio: Annotated[
+        Optional[float], typer.Option(help="Fraction of allocated L1 freed per background round.")
+    ] = None,
+    l2_adapter: Annotated[
+        Optional[list[str]],
+        typer.Option(help='In-process L2 adapter as JSON with a "type"; repeat for a cascade.'),
+    ] = None,
+    l2_store_policy: Annotated[Optional[str], typer.Option(help="In-process store policy.")] = None,
+    l2_prefetch_policy: Annotated[Optional[str], typer.Option(help="In-process prefetch policy.")] = None,
+    l2_prefetch_max_in_flight: Annotated[
+        Optional[int], typer.Option(help="In-process prefetches in flight.")
+    ] = None,
+    gds_l1_path: Annotated[Optional[str], typer.Option(help="In-process NVMe L1 directory.")] = None,
+    config: Annotated[
+        Optional[str], typer.Option("--config", help="TOML file with serve's keys (in-process).")
+    ] = None,
+) -> None:
+    from lmcache_tiers.errors import TiersError
+    from lmcache_tiers.replay.trace import read_trace
+
+    modes = [
+        name
+        for name, chosen in (("--simulate", simulate), ("--in-process", in_process), ("--url", url))
+        if chosen
+    ]
+    if len(modes) > 1:
+        fail(f"choose one of --simulate, --in-process and --url, not {' and '.join(modes)}")
+    try:
+        trace = read_trace(trace_file, limit)
+        if simulate:
+            _simulate(
+                trace,
+                capacity,
+                l2_capacity,
+                policy,
+                l2_policy,
+                reads_per_hit,
+                block_bytes,
+                eviction_trigger_watermark,
+                eviction_ratio,
+                plot,
+                as_json,
+            )
+            return
+        options = _options(block_bytes, time_scale, timeout, model, salt)
+        if in_process:
+            overrides = {
+                "l1_size_gb": l1_size_gb,
+                "eviction_policy": eviction_policy,
+                "eviction_trigger_watermark": eviction_trigger_watermark,
+                "eviction_ratio": eviction_ratio,
+                "l2_store_policy": l2_store_policy,
+                "l2_prefetch_policy": l2_prefetch_policy,
+                "l2_prefetch_max_in_flight": l2_prefetch_max_in_flight,
+                "gds_l1_path": gds_l1_path,
+            }
+            _in_process(trace, options, config, overrides, l2_adapter, l1_blocks, as_json)
+            return
+    except TiersError as exc:
+        fail(str(exc))
+    _server(trace, options, url or DEFAULT_URL, clients, auth_token, as_json)
+
+
+def _options(block_bytes: int, time_scale: float, timeout: float, model: str | None, salt: str | None) -> Any:
+    from lmcache_tiers.replay.run import ReplayOptions
+    from lmcache_tiers.replay.trace import REPLAY_MODEL, REPLAY_SALT, KeySpace
+
+    options = ReplayOptions(
+        block_bytes=block_bytes,
+        time_scale=time_scale,
+        timeout_s=timeout,
+        model=model if model is not None else REPLAY_MODEL,
+        salt=salt if salt is not None else REPLAY_SALT,
+    )
+    KeySpace(options.model, options.salt)  # a bad model name or salt fails here, as one line
+    return options
+
+
+def _progress(show: bool) -> Any:
+    """A transient progress bar on stderr, so ``--json`` output stays clean."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("{task.description:<24}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=stderr,
+        transient=True,
+        disable=not show,
+        refresh_per_second=4,
+    )
+
+
+def _simulate(
+    trace: Any,
+    capacity: list[str] | None,
+    l2_capacity: list[str] | None,
+    policy: list[str] | None,
+    l2_policy: str,
+    reads_per_hit: int,
+    block_bytes: int,
+    watermark: float | None,
+    eviction_ratio: float | None,
+    plot: str | None,
+    as_json: bool,
+) -> None:
+    from lmcache_tiers.errors import ConfigError
+    from lmcache_tiers.plugins import load_registry
+    from lmcache_tiers.registry import Kind
+    from lmcache_tiers.replay.capacity import extent_bytes, parse_capacity
+    from lmcache_tiers.replay.report import curve_table, gap_table, simulation_document, timing_table
+    from lmcache_tiers.replay.simulate import (
+        TierSettings,
+        default_capacities,
+        policy_factories,
+        simulate_curve,
+    )
+
+    registry = load_registry()
+    extent = extent_bytes(block_bytes, 4096)
+    l1_specs, l2_specs = _split(capacity), _split(l2_capacity)
+    capacities = [parse_capacity(spec).in_blocks(extent) for spec in l1_specs] or default_capacities(trace)
+    l2_capacities: list[int | None] | None = None
+    if l2_specs:
+        if len(l2_specs) != len(capacities):
+            raise ConfigError(
+                f"give one --l2-capacity per --capacity ({len(capacities)}), got {len(l2_specs)}"
+            )
+        l2_capacities = [parse_capacity(spec).in_blocks(extent) for spec in l2_specs]
+    for blocks in [*capacities, *(l2_capacities or [])]:
+        if blocks is not None and blocks < 1:
+            raise ConfigError(f"a capacity of {blocks} blocks of {block_bytes} bytes holds nothing")
+    if watermark is not None and not 0.0 < watermark <= 1.0:
+        raise ConfigError(f"--eviction-trigger-watermark must be in (0, 1], got {watermark}")
+    ratio = 0.2 if eviction_ratio is None else eviction_ratio
+    if not 0.0 < ratio <= 1.0:
+        raise ConfigError(f"--eviction-ratio must be in (0, 1], got {ratio}")
+    factories = policy_factories(registry, _split(policy) or None)
+    l2_component = registry.get(Kind.EVICTION_POLICY, l2_policy)
+    l2_factory = policy_factories(registry, [l2_component.name])[l2_component.name]
+    settings = TierSettings(
+        reads_per_hit=reads_per_hit,
+        trigger_watermark=watermark,
+        eviction_ratio=ratio,
+        l2_policy=l2_component.name,
+    )
+    progress = _progress(not as_json)
+    with progress:
+        task = progress.add_task("simulating", total=len(capacities) * (len(factories) + 1))
+
+        def step(label: str) -> None:
+            progress.update(task, advance=1, description=label)
+
+        points = simulate_curve(
+            trace,
+            factories,
+            capacities,
+            l2_capacities=l2_capacities,
+            settings=settings,
+            l2_factory=l2_factory,
+            progress=step,
+        )
+    title = f"miss ratio on {trace.path} ({len(trace.requests):,} requests, lower is better)"
+    if plot:
+        from lmcache_tiers.replay.plot import plot_curve
+
+        plot_curve(points, plot, title=f"miss ratio: {trace.path.rsplit('/', 1)[-1]}")
+    if as_json:
+        document = simulation_document(trace, points, settings)
+        if plot:
+            document["plot"] = plot
+        typer.echo(json.dumps(document, indent=2))
+        return
+    _print_table(curve_table(points, title=title))
+    gaps = gap_table(points)
+    if gaps is not None:
+        _print_table(gaps)
+    _print_table(timing_table(points, trace))
+    conflicts = trace.chain_conflicts()
+    if conflicts:
+        stdout.print(
+            f"[yellow]note:[/] {conflicts} blocks appear after two different parents; "
+            "Belady is an upper bound there"
+        )
+    if plot:
+        stdout.print(f"plot written to {plot}")
+
+
+def _in_process(
+    trace: Any,
+    options: Any,
+    config_file: str | None,
+    overrides: dict[str, Any],
+    l2_adapter: list[str] | None,
+    l1_blocks: int | None,
+    as_json: bool,
+) -> None:
+    from lmcache_tiers.config import build_config, load_toml
+    from lmcache_tiers.errors import ConfigError
+    from lmcache_tiers.plugins import load_registry
+    from lmcache_tiers.replay.capacity import l1_size_for_blocks
+    from lmcache_tiers.replay.inprocess import replay_in_process
+
+    registry = load_registry()
+    file_values: dict[str, Any] = load_toml(config_file) if config_file else {}
+    if l1_blocks is not None:
+        if overrides.get("l1_size_gb") is not None or "l1_size_gb" in file_values:
+            raise ConfigError("give --l1-blocks or --l1-size-gb, not both")
+        size_gb, align = l1_size_for_blocks(l1_blocks, options.block_bytes)
+        overrides["l1_size_gb"] = size_gb
+        overrides["l1_align_bytes"] = align
+        if overrides.get("eviction_trigger_watermark") is None:
+            overrides["eviction_trigger_watermark"] = 1.0
+    # Never the embedded default L2 (it lives in the user's cache directory): replay data
+    # goes only where the flags or the config file say.
+    config = build_config(registry, file_values, overrides, l2_adapter)
+    progress = _progress(not as_json)
+    with progress:
+        task = progress.add_task("replaying (in-process)", total=len(trace.requests))
+        report = replay_in_process(
+            config, trace, options, registry=registry, progress=lambda n: progress.update(task, advance=n)
+        )
+    _show(report.to_dict(), as_json)
+
+
+def _server(trace: Any, options: Any, url: str, clients: int, auth_token: str | None, as_json: bool) -> None:
+    from lmcache_tiers.client import ClientError
+    from lmcache_tiers.replay.server import replay_server
+
+    progress = _progress(not as_json)
+    try:
+        with progress:
+            task = progress.add_task(f"replaying via {url}", total=len(trace.requests))
+            report = replay_server(
+                url,
+                trace,
+                options,
+                clients=clients,
+                auth_token=auth_token,
+                progress=lambda n: progress.update(task, advance=n),
+            )
+    except ClientError as exc:
+        fail(f"replay through {url} failed: {exc}", 1)
+    _show(report.to_dict(), as_json)
+
+
+def _print_table(table: Any) -> None:
+    # A terminal shrinks wide tables to fit; a pipe or file gets them whole.
+    stdout.print(table, width=None if stdout.is_terminal else 200)
+
+
+def _show(document: dict[str, Any], as_json: bool) -> None:
+    from lmcache_tiers.replay.report import replay_table
+
+    if as_json:
+        typer.echo(json.dumps(document, indent=2))
+    else:
+        _print_table(replay_table(document))
+    if document["corrupt_blocks"]:
+        fail(f"{document['corrupt_blocks']} retrieved blocks did not hold their own bytes", 1)

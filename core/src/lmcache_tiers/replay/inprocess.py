@@ -1,0 +1,110 @@
+"""Replay against a StorageManager of this process: the server's engine without its RPC.
+
+The request flow is the native client's -- a prefetch for the lookup, a read-locked
+prefix for the retrieve (bytes copied out and checked), both locks released, then a
+reserve / copy in / commit of the missing blocks -- so the L1 and L2 see what a server
+would, minus the sockets.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from lmcache_tiers.config import ServerConfig
+from lmcache_tiers.errors import L1OutOfMemoryError
+from lmcache_tiers.registry import ComponentRegistry
+from lmcache_tiers.replay.run import (
+    ClientState,
+    ProgressHook,
+    ReplayOptions,
+    ReplayReport,
+    paced,
+    status_delta,
+)
+from lmcache_tiers.replay.trace import Trace, TraceRequest
+from lmcache_tiers.storage import StorageManager
+
+
+def _replay_one(
+    storage: StorageManager, request: TraceRequest, state: ClientState, scratch: memoryview, timeout_s: float
+) -> None:
+    totals, payloads = state.totals, state.payloads
+    blocks = request.hash_ids
+    keys = state.keyspace.keys(blocks)
+    started = time.perf_counter()
+    handle, locked = storage.start_prefetch(keys)
+    if locked is not None:
+        hits = len(locked)
+    else:
+        waited = storage.wait_prefetch(handle, timeout_s)
+        if waited is None:
+            totals.failed_requests += 1  # its locks expire with the lock TTL
+            totals.count_request(request, 0)
+            return
+        hits = waited
+    totals.lookup_latencies_s.append(time.perf_counter() - started)
+    totals.count_request(request, hits)
+    if hits:
+        objects = storage.read(keys[:hits])
+        try:
+            totals.retrieved_blocks += len(objects)
+            if len(objects) < hits:
+                totals.short_retrieves += 1
+            for block, obj in zip(blocks, objects, strict=False):
+                out = scratch[: obj.size]
+                storage.read_object(obj, out)
+                if not payloads.matches(block, out):
+                    totals.corrupt_blocks += 1
+        finally:
+            storage.release(keys[: len(objects)])  # the retrieve's lock
+            storage.release(keys[:hits])  # the lookup's lock
+    missing = blocks[hits:]
+    if not missing:
+        return
+    missing_keys = keys[hits:]
+    try:
+        reserved = storage.reserve_write(missing_keys, [payloads.block_bytes] * len(missing))
+    except L1OutOfMemoryError:
+        totals.refused_stores += 1
+        return
+    written = []
+    try:
+        for key, data in zip(missing_keys, payloads.batch(missing), strict=True):
+            target = reserved.get(key)
+            if target is not None:
+                storage.write_object(target, data.data)
+                written.append(key)
+    except BaseException:
+        storage.abort_write(list(reserved))
+        raise
+    totals.stored_blocks += sum(storage.commit_write(written))
+
+
+def replay_in_process(
+    config: ServerConfig,
+    trace: Trace,
+    options: ReplayOptions,
+    *,
+    registry: ComponentRegistry | None = None,
+    progress: ProgressHook | None = None,
+) -> ReplayReport:
+    """Build a StorageManager from ``config``, replay ``trace`` through it, close it."""
+    state = ClientState.for_options(options)
+    totals = state.totals
+    scratch = np.zeros(options.block_bytes, dtype=np.uint8).data
+    with StorageManager(config, registry) as storage:
+        before = storage.status()
+        began = time.perf_counter()
+        origin = trace.requests[0].timestamp_ms
+        requests = list(enumerate(trace.requests))
+        for _, request in paced(requests, options.time_scale, origin_ms=origin, start=time.monotonic()):
+            _replay_one(storage, request, state, scratch, options.timeout_s)
+            if progress is not None:
+                progress(1)
+        totals.seconds = time.perf_counter() - began
+        storage.flush(timeout=options.timeout_s)  # count the L2 stores still in flight
+        after = storage.status()
+    where = f"L1 {config.l1_size_bytes} bytes, {len(config.l2_adapters)} L2 adapter(s)"
+    return ReplayReport("in-process", where, options, 1, totals, status_delta(before, after))

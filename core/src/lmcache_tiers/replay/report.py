@@ -1,0 +1,181 @@
+"""Tables for people and documents for machines: simulation curves and replay results."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rich.table import Table
+
+from lmcache_tiers.replay.simulate import BELADY, EXACT_LRU, INFINITE, CapacityPoint, TierSettings
+from lmcache_tiers.replay.trace import Trace
+
+
+def capacity_label(point: CapacityPoint) -> str:
+    if point.l2_capacity_blocks is None:
+        return f"{point.capacity_blocks:,}"
+    return f"{point.capacity_blocks:,} + L2 {point.l2_capacity_blocks:,}"
+
+
+def policy_names(points: Sequence[CapacityPoint]) -> list[str]:
+    return [run.policy for run in points[0].runs] if points else []
+
+
+def curve_table(points: Sequence[CapacityPoint], *, title: str) -> Table:
+    """Miss ratio of every policy at every capacity (lower is better)."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("capacity (blocks)", justify="right")
+    names = policy_names(points)
+    for name in names:
+        table.add_column(name, justify="right", style="bold" if name in (BELADY, INFINITE) else None)
+    for point in points:
+        best = min(
+            (run.miss_ratio for run in point.runs if run.policy not in (BELADY, INFINITE)), default=None
+        )
+        cells = []
+        for run in point.runs:
+            text = f"{run.miss_ratio:.4f}"
+            if best is not None and run.miss_ratio == best and run.policy not in (BELADY, INFINITE):
+                text = f"[green]{text}[/]"
+            cells.append(text)
+        table.add_row(capacity_label(point), *cells)
+    return table
+
+
+def gap_table(points: Sequence[CapacityPoint]) -> Table | None:
+    """How much of the exact-LRU -> Belady gap each policy closes at each capacity."""
+    names = [name for name in policy_names(points) if name not in (EXACT_LRU, BELADY, INFINITE)]
+    if not names:
+        return None
+    table = Table(title="share of the exact-LRU -> Belady hit-rate gap closed", title_justify="left")
+    table.add_column("capacity (blocks)", justify="right")
+    for name in names:
+        table.add_column(name, justify="right")
+    for point in points:
+        cells = []
+        for name in names:
+            closed = gap_closed(point, name)
+            cells.append("-" if closed is None else f"{closed:+.1%}")
+        table.add_row(capacity_label(point), *cells)
+    return table
+
+
+def gap_closed(point: CapacityPoint, policy: str) -> float | None:
+    lru, optimal = point.run(EXACT_LRU).hit_rate, point.run(BELADY).hit_rate
+    if optimal - lru <= 1e-12:
+        return None
+    return (point.run(policy).hit_rate - lru) / (optimal - lru)
+
+
+def timing_table(points: Sequence[CapacityPoint], trace: Trace) -> Table:
+    """Seconds per run of each policy over the trace's block references."""
+    table = Table(
+        title=f"simulation time ({trace.block_references:,} block references per run)", title_justify="left"
+    )
+    table.add_column("policy")
+    table.add_column("seconds per run (mean)", justify="right")
+    table.add_column("block references/s", justify="right")
+    for name in policy_names(points):
+        runs = [point.run(name) for point in points]
+        if name == INFINITE:
+            runs = runs[:1]
+        mean = sum(run.seconds for run in runs) / len(runs)
+        rate = trace.block_references / mean if mean > 0 else float("inf")
+        table.add_row(name, f"{mean:.3f}", f"{rate:,.0f}")
+    return table
+
+
+def trace_summary(trace: Trace) -> dict[str, Any]:
+    return {
+        "path": trace.path,
+        "requests": len(trace.requests),
+        "block_references": trace.block_references,
+        "unique_blocks": trace.unique_blocks(),
+        "input_tokens": trace.input_tokens,
+        "chain_conflicts": trace.chain_conflicts(),
+    }
+
+
+def simulation_document(
+    trace: Trace, points: Sequence[CapacityPoint], settings: TierSettings
+) -> dict[str, Any]:
+    return {
+        "trace": trace_summary(trace),
+        "settings": {
+            "reads_per_hit": settings.reads_per_hit,
+            "trigger_watermark": settings.trigger_watermark,
+            "eviction_ratio": settings.eviction_ratio,
+            "l2_policy": settings.l2_policy,
+            "retain_loaded": settings.retain_loaded,
+        },
+        "points": [
+            {
+                "capacity_blocks": point.capacity_blocks,
+                "l2_capacity_blocks": point.l2_capacity_blocks,
+                "runs": [run.to_dict() for run in point.runs],
+                "gap_closed": {
+                    run.policy: gap_closed(point, run.policy)
+                    for run in point.runs
+                    if run.policy not in (EXACT_LRU, BELADY, INFINITE)
+                },
+            }
+            for point in points
+        ],
+    }
+
+
+def _pct(value: float) -> str:
+    return f"{value:.2%}"
+
+
+def _bytes(value: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if value >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def replay_table(document: dict[str, Any]) -> Table:
+    """A replay report document (``ReplayReport.to_dict``) as a table."""
+    table = Table(
+        title=f"replay ({document['mode']}: {document['target']}, {document['clients']} client(s))",
+        title_justify="left",
+        show_header=False,
+    )
+    table.add_column(style="bold cyan", no_wrap=True)
+    table.add_column()
+    rates, moved = document["hit_rate"], document["bytes"]
+    latency = document["lookup_latency_ms"]
+    table.add_row(
+        "requests",
+        f"{document['requests']:,} in {document['seconds']:.1f} s ({document['requests_per_s']:,.0f}/s)",
+    )
+    table.add_row(
+        "prefix hit rate (blocks)",
+        f"{_pct(rates['blocks'])} total, {_pct(rates['l1_blocks'])} L1, {_pct(rates['l2_blocks'])} L2",
+    )
+    table.add_row(
+        "prefix hit rate (tokens)",
+        f"{_pct(rates['tokens'])} total, {_pct(rates['l1_tokens'])} L1, {_pct(rates['l2_tokens'])} L2",
+    )
+    table.add_row(
+        "L1 bytes", f"{_bytes(moved['l1_stored'])} stored, {_bytes(moved['l1_retrieved'])} retrieved"
+    )
+    table.add_row("L2 bytes", f"{_bytes(moved['l2_stored'])} stored, {_bytes(moved['l2_loaded'])} loaded")
+    table.add_row(
+        "evicted blocks", f"L1 {document['evicted_blocks']['l1']:,}, L2 {document['evicted_blocks']['l2']:,}"
+    )
+    if latency["p50"] is not None:
+        table.add_row("lookup latency", f"p50 {latency['p50']:.3f} ms, p99 {latency['p99']:.3f} ms")
+    problems = {
+        "refused stores (L1 full)": document["refused_stores"],
+        "short retrieves": document["short_retrieves"],
+        "corrupt blocks": document["corrupt_blocks"],
+        "failed requests": document["failed_requests"],
+    }
+    for label, count in problems.items():
+        if count:
+            table.add_row(label, f"[red]{count:,}[/]")
+    for reason, count in sorted(document["server_failures"].items()):
+        table.add_row(f"server: {reason}", f"[red]{count:,}[/]")
+    return table

@@ -1,0 +1,253 @@
+"""What the server and in-process replays share: pacing, payloads, counters, the report."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lmcache_tiers.replay.trace import REPLAY_MODEL, REPLAY_SALT, KeySpace, TraceRequest
+
+logger = logging.getLogger(__name__)
+
+_ID_BYTES = 8
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How requests are replayed with real bytes."""
+
+    block_bytes: int = 16 << 10
+    #: seconds of replay per second of trace time; 0 replays as fast as possible
+    time_scale: float = 0.0
+    timeout_s: float = 60.0
+    model: str = REPLAY_MODEL
+    salt: str = REPLAY_SALT
+    kv_rank: int = 0
+
+
+@dataclass
+class ReplayTotals:
+    """Counters of one replaying client (they add up across clients)."""
+
+    requests: int = 0
+    blocks: int = 0
+    tokens: int = 0
+    hit_blocks: int = 0
+    hit_tokens: int = 0
+    retrieved_blocks: int = 0
+    stored_blocks: int = 0
+    refused_stores: int = 0  # L1 could not make room (OUT_OF_MEMORY)
+    short_retrieves: int = 0  # fewer blocks retrievable than the lookup promised
+    corrupt_blocks: int = 0  # retrieved bytes that are not the block's
+    failed_requests: int = 0  # timeouts and server errors other than OUT_OF_MEMORY
+    seconds: float = 0.0
+    lookup_latencies_s: list[float] = field(default_factory=list)
+
+    def merge(self, other: ReplayTotals) -> None:
+        for name, value in vars(other).items():
+            if name == "lookup_latencies_s":
+                self.lookup_latencies_s.extend(value)
+            elif name == "seconds":
+                self.seconds = max(self.seconds, value)
+            else:
+                setattr(self, name, getattr(self, name) + value)
+
+    def count_request(self, request: TraceRequest, hits: int) -> None:
+        self.requests += 1
+        self.blocks += len(request.hash_ids)
+        self.tokens += request.input_length
+        self.hit_blocks += hits
+        self.hit_tokens += request.prefix_tokens(hits)
+
+
+class Payloads:
+    """Block bytes that name their block: its id in the first and last 8 bytes.
+
+    A retrieved block whose bytes do not carry its own id is counted as corrupt -- a
+    storage system must never hand out another object's bytes.
+    """
+
+    def __init__(self, block_bytes: int) -> None:
+        if block_bytes < 2 * _ID_BYTES:
+            raise ValueError(f"blocks must be at least {2 * _ID_BYTES} bytes, got {block_bytes}")
+        self.block_bytes = block_bytes
+        self._scratch = np.zeros((0, block_bytes), dtype=np.uint8)
+
+    def batch(self, blocks: Sequence[int]) -> list[np.ndarray[Any, Any]]:
+        """One buffer per block, valid until the next call."""
+        if len(blocks) > len(self._scratch):
+            self._scratch = np.zeros(
+                (max(len(blocks), 2 * len(self._scratch)), self.block_bytes), dtype=np.uint8
+            )
+        rows = self._scratch[: len(blocks)]
+        ids = np.array(blocks, dtype=">u8").view(np.uint8).reshape(len(blocks), _ID_BYTES)
+        rows[:, :_ID_BYTES] = ids
+        rows[:, -_ID_BYTES:] = ids
+        return list(rows)
+
+    def matches(self, block: int, data: memoryview | bytes) -> bool:
+        view = memoryview(data).cast("B")
+        if view.nbytes != self.block_bytes:
+            return False
+        expected = block.to_bytes(_ID_BYTES, "big")
+        return view[:_ID_BYTES] == expected and view[-_ID_BYTES:] == expected
+
+
+@dataclass
+class ClientState:
+    """What one replaying client works with: its counters, its keys, its payloads."""
+
+    totals: ReplayTotals
+    keyspace: KeySpace
+    payloads: Payloads
+
+    @classmethod
+    def for_options(cls, options: ReplayOptions) -> ClientState:
+        keyspace = KeySpace(options.model, options.salt, options.kv_rank)
+        return cls(ReplayTotals(), keyspace, Payloads(options.block_bytes))
+
+
+def paced(
+    requests: Sequence[tuple[int, TraceRequest]],
+    time_scale: float,
+    *,
+    origin_ms: float,
+    start: float,
+) -> Iterator[tuple[int, TraceRequest]]:
+    """Yield requests at their scaled arrival times; at once when ``time_scale`` is 0.
+
+    A request is due ``(timestamp - origin_ms) * time_scale`` ms after ``start`` (a
+    ``time.monotonic()`` value); every client of one replay uses the same origin (the
+    trace's first timestamp) and start, so together they keep the trace's arrivals.
+    A client that falls behind sends at once.
+    """
+    if time_scale <= 0:
+        yield from requests
+        return
+    began = start
+    for index, request in requests:
+        due = began + (request.timestamp_ms - origin_ms) / 1000.0 * time_scale
+        delay = due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        yield index, request
+
+
+def percentile(values: Sequence[float], fraction: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def _adapters_total(status: dict[str, Any], field_name: str) -> int:
+    return sum(int(adapter.get(field_name, 0)) for adapter in status.get("adapters", []))
+
+
+def status_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What the server counted between two STATUS documents (all clients' traffic)."""
+
+    def requests(doc: dict[str, Any], name: str) -> int:
+        return int(doc.get("requests", {}).get(name, 0))
+
+    def evicted(doc: dict[str, Any]) -> int:
+        return int(doc.get("eviction", {}).get("l1", {}).get("evicted_keys", 0))
+
+    def failures(doc: dict[str, Any]) -> dict[str, int]:
+        merged = dict(doc.get("failures", {}))
+        merged.update(doc.get("server", {}).get("failures", {}))
+        return {name: int(value) for name, value in merged.items()}
+
+    old_failures, new_failures = failures(before), failures(after)
+    return {
+        "l1_hit_blocks": requests(after, "l1_hit_chunks") - requests(before, "l1_hit_chunks"),
+        "l2_hit_blocks": requests(after, "l2_hit_chunks") - requests(before, "l2_hit_chunks"),
+        "l1_evicted_blocks": evicted(after) - evicted(before),
+        "l2_stored_blocks": _adapters_total(after, "keys_stored") - _adapters_total(before, "keys_stored"),
+        "l2_loaded_blocks": _adapters_total(after, "keys_loaded") - _adapters_total(before, "keys_loaded"),
+        "l2_evicted_blocks": _adapters_total(after, "keys_evicted") - _adapters_total(before, "keys_evicted"),
+        "failures": {
+            name: count - old_failures.get(name, 0)
+            for name, count in new_failures.items()
+            if count != old_failures.get(name, 0)
+        },
+    }
+
+
+@dataclass
+class ReplayReport:
+    """The outcome of a replay with real bytes, as shown and as ``--json``."""
+
+    mode: str  # "server" or "in-process"
+    target: str
+    options: ReplayOptions
+    clients: int
+    totals: ReplayTotals
+    server: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        totals, server, block = self.totals, self.server, self.options.block_bytes
+        latencies = totals.lookup_latencies_s
+        seconds = totals.seconds
+        l1_hits, l2_hits = server.get("l1_hit_blocks", 0), server.get("l2_hit_blocks", 0)
+
+        def rate(part: int, whole: int) -> float:
+            return part / whole if whole else 0.0
+
+        return {
+            "mode": self.mode,
+            "target": self.target,
+            "clients": self.clients,
+            "block_bytes": block,
+            "time_scale": self.options.time_scale,
+            "requests": totals.requests,
+            "seconds": seconds,
+            "requests_per_s": totals.requests / seconds if seconds > 0 else 0.0,
+            "blocks": totals.blocks,
+            "tokens": totals.tokens,
+            "hit_rate": {
+                "blocks": rate(totals.hit_blocks, totals.blocks),
+                "tokens": rate(totals.hit_tokens, totals.tokens),
+                "l1_blocks": rate(l1_hits, totals.blocks),
+                "l2_blocks": rate(l2_hits, totals.blocks),
+                # tokens split in the blocks' proportion: the server counts chunks per tier
+                "l1_tokens": rate(totals.hit_tokens, totals.tokens) * rate(l1_hits, l1_hits + l2_hits),
+                "l2_tokens": rate(totals.hit_tokens, totals.tokens) * rate(l2_hits, l1_hits + l2_hits),
+            },
+            "hit_blocks": totals.hit_blocks,
+            "hit_tokens": totals.hit_tokens,
+            "l1_hit_blocks": l1_hits,
+            "l2_hit_blocks": l2_hits,
+            "bytes": {
+                "l1_stored": totals.stored_blocks * block,
+                "l1_retrieved": totals.retrieved_blocks * block,
+                "l2_stored": server.get("l2_stored_blocks", 0) * block,
+                "l2_loaded": server.get("l2_loaded_blocks", 0) * block,
+            },
+            "evicted_blocks": {
+                "l1": server.get("l1_evicted_blocks", 0),
+                "l2": server.get("l2_evicted_blocks", 0),
+            },
+            "lookup_latency_ms": {
+                "p50": _ms(percentile(latencies, 0.50)),
+                "p99": _ms(percentile(latencies, 0.99)),
+            },
+            "stored_blocks": totals.stored_blocks,
+            "refused_stores": totals.refused_stores,
+            "short_retrieves": totals.short_retrieves,
+            "corrupt_blocks": totals.corrupt_blocks,
+            "failed_requests": totals.failed_requests,
+            "server_failures": server.get("failures", {}),
+        }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+ProgressHook = Callable[[int], None]

@@ -1,0 +1,203 @@
+"""Replay through a running server with ``lmcache_tiers.client.Client``: real bytes.
+
+Per request: LOOKUP the prompt's blocks (timed), RETRIEVE the hit prefix (checking every
+block's bytes) and release it, STORE the missing blocks.  ``clients`` processes share the
+requests round robin (request i goes to client i mod N) and pace them on one clock.
+L1/L2 hit splits, L2 traffic and evictions come from the server's STATUS counters before
+and after, so they include any other client's traffic at the same time.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from lmcache_tiers.client import Client, ClientError, ServerError
+from lmcache_tiers.replay.run import (
+    ClientState,
+    ProgressHook,
+    ReplayOptions,
+    ReplayReport,
+    ReplayTotals,
+    paced,
+    status_delta,
+)
+from lmcache_tiers.replay.trace import Trace, TraceRequest
+from lmcache_tiers.server import protocol as p
+
+logger = logging.getLogger(__name__)
+
+
+def _replay_one(client: Client, request: TraceRequest, state: ClientState) -> None:
+    totals, payloads = state.totals, state.payloads
+    blocks = request.hash_ids
+    keys = state.keyspace.keys(blocks)
+    started = time.perf_counter()
+    try:
+        hits = client.lookup(keys)
+    except ClientError:
+        totals.count_request(request, 0)  # a request that found nothing, as the engine sees it
+        raise
+    totals.lookup_latencies_s.append(time.perf_counter() - started)
+    totals.count_request(request, hits)
+    if hits:
+        with client.retrieve(keys[:hits]) as views:  # also drops the LOOKUP's locks
+            totals.retrieved_blocks += len(views)
+            if len(views) < hits:
+                totals.short_retrieves += 1
+            for block, view in zip(blocks, views, strict=False):
+                if not payloads.matches(block, view):
+                    totals.corrupt_blocks += 1
+                    logger.error("replay: block %d came back with bytes that are not its own", block)
+    missing = blocks[hits:]
+    if missing:
+        try:
+            totals.stored_blocks += client.store(keys[hits:], payloads.batch(missing))
+        except ServerError as exc:
+            if exc.code != p.ErrorCode.OUT_OF_MEMORY:
+                raise
+            totals.refused_stores += 1  # L1 full of locked objects: the engine recomputes
+
+
+def replay_share(
+    url: str,
+    requests: Sequence[tuple[int, TraceRequest]],
+    options: ReplayOptions,
+    *,
+    origin_ms: float,
+    start: float,
+    auth_token: str | None = None,
+    progress: ProgressHook | None = None,
+) -> ReplayTotals:
+    """One client's share of the trace; ``progress(n)`` after every n requests."""
+    state = ClientState.for_options(options)
+    totals = state.totals
+    began = time.perf_counter()
+    with Client(url, timeout=options.timeout_s, auth_token=auth_token, name="replay") as client:
+        for _, request in paced(requests, options.time_scale, origin_ms=origin_ms, start=start):
+            try:
+                _replay_one(client, request, state)
+            except ClientError as exc:
+                totals.failed_requests += 1
+                logger.warning("replay: request failed: %s", exc)
+            if progress is not None:
+                progress(1)
+    totals.seconds = time.perf_counter() - began
+    return totals
+
+
+def _worker(
+    url: str,
+    requests: list[tuple[int, TraceRequest]],
+    options: ReplayOptions,
+    origin_ms: float,
+    start: float,
+    auth_token: str | None,
+    counter: Any,
+    results: Any,
+) -> None:
+    def bump(count: int) -> None:
+        with counter.get_lock():
+            counter.value += count
+
+    try:
+        totals = replay_share(
+            url, requests, options, origin_ms=origin_ms, start=start, auth_token=auth_token, progress=bump
+        )
+        results.put(("ok", totals))
+    except BaseException as exc:  # the parent reports it; a worker must always answer
+        results.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def replay_server(
+    url: str,
+    trace: Trace,
+    options: ReplayOptions,
+    *,
+    clients: int = 1,
+    auth_token: str | None = None,
+    progress: ProgressHook | None = None,
+) -> ReplayReport:
+    """Replay ``trace`` against the server at ``url``; ClientError if it cannot be reached."""
+    if clients < 1:
+        raise ValueError("clients must be at least 1")
+    with Client(url, timeout=options.timeout_s, auth_token=auth_token, name="replay-status") as probe:
+        before = probe.status()
+    indexed = list(enumerate(trace.requests))
+    origin = trace.requests[0].timestamp_ms
+    if clients == 1:
+        totals = replay_share(
+            url,
+            indexed,
+            options,
+            origin_ms=origin,
+            start=time.monotonic(),
+            auth_token=auth_token,
+            progress=progress,
+        )
+    else:
+        totals = _replay_in_processes(url, indexed, options, clients, origin, auth_token, progress)
+    with Client(url, timeout=options.timeout_s, auth_token=auth_token, name="replay-status") as probe:
+        after = probe.status()
+    return ReplayReport("server", url, options, clients, totals, status_delta(before, after))
+
+
+def _replay_in_processes(
+    url: str,
+    indexed: list[tuple[int, TraceRequest]],
+    options: ReplayOptions,
+    clients: int,
+    origin: float,
+    auth_token: str | None,
+    progress: ProgressHook | None,
+) -> ReplayTotals:
+    context = multiprocessing.get_context("spawn")  # no inherited sockets or locks
+    counter = context.Value("q", 0)
+    results = context.Queue()
+    # Spawning takes a while: start the clock a little ahead so every client is up.
+    start = time.monotonic() + 2.0
+    workers = [
+        context.Process(
+            target=_worker,
+            args=(url, indexed[share::clients], options, origin, start, auth_token, counter, results),
+            name=f"replay-client-{share}",
+            daemon=True,
+        )
+        for share in range(clients)
+    ]
+    for worker in workers:
+        worker.start()
+    totals = ReplayTotals()
+    errors: list[str] = []
+    reported = 0
+    answers = 0
+    try:
+        while answers < clients:
+            try:
+                status, payload = results.get(timeout=0.2)
+            except Exception:  # queue.Empty: keep the progress moving
+                status = None
+            if status == "ok":
+                totals.merge(payload)
+                answers += 1
+            elif status == "error":
+                errors.append(payload)
+                answers += 1
+            elif not any(worker.is_alive() for worker in workers) and results.empty():
+                errors.append("a replay client process died without a result")
+                break
+            done = counter.value
+            if progress is not None and done > reported:
+                progress(done - reported)
+                reported = done
+    finally:
+        for worker in workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.kill()
+    if errors:
+        raise ClientError(f"{len(errors)} of {clients} replay clients failed: {errors[0]}")
+    return totals

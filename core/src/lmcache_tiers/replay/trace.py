@@ -1,0 +1,177 @@
+"""Mooncake-format request traces and the keys replay derives from them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from lmcache_tiers.errors import TiersError
+from lmcache_tiers.keys import ObjectKey
+
+#: tokens per block in Mooncake traces (each hash id stands for 512 prompt tokens)
+BLOCK_TOKENS = 512
+#: model name and cache salt of replayed keys: never those of an engine's real data
+REPLAY_MODEL = "lmcache-tiers-replay"
+REPLAY_SALT = "replay"
+
+
+class TraceError(TiersError):
+    """The trace file is missing or malformed; the message names the line."""
+
+
+class _Line(msgspec.Struct):
+    # Unknown fields are allowed: traces carry extras (e.g. a session id) replay ignores.
+    timestamp: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
+
+
+_decoder = msgspec.json.Decoder(_Line)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of a trace: when it arrives and which prompt blocks it needs."""
+
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    #: block ids in prefix order, cut at the first repeat (a prefix never holds a block twice)
+    hash_ids: tuple[int, ...]
+
+    def prefix_tokens(self, blocks: int, block_tokens: int = BLOCK_TOKENS) -> int:
+        """Prompt tokens covered by the first ``blocks`` blocks (the last one may be partial)."""
+        return min(blocks * block_tokens, self.input_length)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A whole trace in memory, in arrival order."""
+
+    path: str
+    requests: tuple[TraceRequest, ...]
+
+    @property
+    def block_references(self) -> int:
+        return sum(len(request.hash_ids) for request in self.requests)
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(request.input_length for request in self.requests)
+
+    def unique_blocks(self) -> int:
+        return len({block for request in self.requests for block in request.hash_ids})
+
+    def head(self, count: int | None) -> Trace:
+        """The first ``count`` requests (all of them for None)."""
+        if count is None or count >= len(self.requests):
+            return self
+        return Trace(self.path, self.requests[:count])
+
+    def chain_conflicts(self) -> int:
+        """Blocks seen after two different parents.
+
+        In a well-formed trace a block id names a whole prefix, so each block has one
+        parent (the block before it) and holding a block implies holding its ancestors
+        whenever eviction goes tail first; Belady's optimum relies on it.
+        """
+        parent: dict[int, int] = {}
+        conflicts = 0
+        for request in self.requests:
+            previous = -1
+            for block in request.hash_ids:
+                known = parent.setdefault(block, previous)
+                if known != previous:
+                    conflicts += 1
+                previous = block
+        return conflicts
+
+
+def _unique_prefix(hash_ids: list[int]) -> tuple[int, ...]:
+    if len(set(hash_ids)) == len(hash_ids):
+        return tuple(hash_ids)
+    seen: set[int] = set()
+    for position, block in enumerate(hash_ids):
+        if block in seen:
+            return tuple(hash_ids[:position])
+        seen.add(block)
+    return tuple(hash_ids)  # unreachable: a repeat was found above
+
+
+def _parse_line(raw: bytes, where: str) -> TraceRequest:
+    try:
+        line = _decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise TraceError(f"{where}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise TraceError(f"{where}: not a JSON object ({exc})") from None
+    if line.input_length < 0 or line.output_length < 0:
+        raise TraceError(f"{where}: input_length and output_length must not be negative")
+    for block in line.hash_ids:
+        if not 0 <= block < 1 << 64:
+            raise TraceError(f"{where}: hash id {block} is outside 0..2**64-1")
+    return TraceRequest(line.timestamp, line.input_length, line.output_length, _unique_prefix(line.hash_ids))
+
+
+def iter_trace(path: str | Path) -> Iterator[TraceRequest]:
+    """Requests of a trace file, one per non-empty line; TraceError names the bad line."""
+    name = str(path)
+    try:
+        handle = open(path, "rb")  # noqa: SIM115 -- closed by the with below; open errors differ
+    except FileNotFoundError:
+        raise TraceError(f"trace file {name} does not exist") from None
+    except IsADirectoryError:
+        raise TraceError(f"trace file {name} is a directory") from None
+    except OSError as exc:
+        raise TraceError(f"cannot read trace file {name}: {exc.strerror or exc}") from None
+    with handle:
+        for number, raw in enumerate(handle, start=1):
+            if raw.strip():
+                yield _parse_line(raw, f"{name} line {number}")
+
+
+def read_trace(path: str | Path, limit: int | None = None) -> Trace:
+    """The whole trace (or its first ``limit`` requests); an empty trace is an error."""
+    requests: list[TraceRequest] = []
+    for request in iter_trace(path):
+        if limit is not None and len(requests) >= limit:
+            break
+        requests.append(request)
+    if not requests:
+        raise TraceError(f"trace file {path} holds no requests")
+    return Trace(str(path), tuple(requests))
+
+
+class KeySpace:
+    """The ObjectKey of each block id: ``chunk_hash`` is the id as 8 big-endian bytes.
+
+    Replay keys carry their own model name and salt, so they never collide with an
+    engine's data on a shared server.  Keys are built once per block id and reused.
+    """
+
+    def __init__(self, model: str = REPLAY_MODEL, salt: str = REPLAY_SALT, kv_rank: int = 0) -> None:
+        self.model = model
+        self.salt = salt
+        self.kv_rank = kv_rank
+        self._keys: dict[int, ObjectKey] = {}
+        # Validates the names once, with the user's spelling in the message.
+        ObjectKey(model, kv_rank, bytes(8), 0, salt)
+
+    def key(self, block: int) -> ObjectKey:
+        found = self._keys.get(block)
+        if found is None:
+            found = self._keys[block] = ObjectKey(
+                self.model, self.kv_rank, block.to_bytes(8, "big"), 0, self.salt
+            )
+        return found
+
+    def keys(self, blocks: Sequence[int]) -> list[ObjectKey]:
+        return [self.key(block) for block in blocks]
+
+    @staticmethod
+    def block_of(key: ObjectKey) -> int:
+        return int.from_bytes(key.chunk_hash, "big")

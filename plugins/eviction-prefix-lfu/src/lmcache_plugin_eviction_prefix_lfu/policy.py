@@ -1,0 +1,192 @@
+"""The ``PREFIX_LFU`` eviction policy.
+
+What KV-cache traffic looks like to an eviction policy:
+
+* a chunk is only useful while its whole prefix is present, so a prefix must be trimmed
+  from its end;
+* prompts come back: the same system prompt, document or conversation history is sent
+  again and again, at intervals far longer than a small cache's turnover, and a prompt
+  sent often is sent sooner again;
+* a request's tail is rarely reused: its last chunk ends where the next turn's text
+  starts, and the chunks a request stores right after reading a cached prefix are its
+  own divergent suffix.
+
+The policy therefore orders chunks by a priority (lowest evicted first)::
+
+    priority = tick of last use + credit * live * log2(uses) - penalty * live (tail only)
+
+``tick`` counts chunks touched (one per chunk of each batch), so ``live`` ticks are one
+cache turnover; ``uses`` counts the batches that wrote or read a chunk, and is remembered
+for evicted chunks, so a prompt sent again after being evicted comes back with its
+standing.  Plain LRU is ``credit = penalty = 0``.  The history holds the counts of the
+``max(history_min, history_factor * live)`` chunks evicted last, keyed by the key's hash
+(an int, about 100 bytes an entry): a small cache needs a history far longer than itself,
+because prompts return after many of its turnovers.
+
+Batches arrive in prefix order.  They are handled back to front, and a chunk's priority is
+raised to that of the chunk after it, so a head never ranks below its own tail.  A read
+that repeats the previous read exactly (an engine's RETRIEVE of the prefix its LOOKUP just
+locked) is not counted again.  A write that directly follows a read is taken as the
+extension of the prefix just read.
+
+Priorities are integers; chunks of one priority share a bucket (insertion ordered), and
+the sorted list of bucket priorities makes ``victims()`` a plain walk.  A touch costs a few
+dict operations, and a bisect when it opens a new bucket.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+
+from lmcache_plugin_eviction_prefix_lfu import PrefixLFUConfig
+from lmcache_tiers.keys import ObjectKey
+
+_Signature = tuple[int, ObjectKey, ObjectKey]
+#: log2 of small use counts, looked up instead of computed on every touch
+_LOG2_SIZE = 1024
+_LOG2 = [0.0] + [math.log2(count) for count in range(1, _LOG2_SIZE)]
+
+
+class PrefixLFUEvictionPolicy:
+    """Recency with a logarithmic frequency credit and a tail penalty."""
+
+    def __init__(self, config: PrefixLFUConfig | None = None) -> None:
+        self.config = config or PrefixLFUConfig()
+        self._credit = self.config.frequency_credit
+        self._penalty = self.config.tail_penalty
+        self._history_factor = self.config.history_factor
+        self._history_min = self.config.history_min
+        self._tick = 0
+        # live chunk -> [priority, uses]: one lookup finds both on the LOOKUP path
+        self._state: dict[ObjectKey, list[int]] = {}
+        # evicted chunks by hash(key), oldest first: holding no key object keeps it small
+        self._history: OrderedDict[int, int] = OrderedDict()
+        self._buckets: dict[int, dict[ObjectKey, None]] = {}
+        self._levels: list[int] = []  # sorted priorities of non-empty buckets
+        self._last_read: _Signature | None = None
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+    def uses(self, key: ObjectKey) -> int:
+        """Uses counted for a live key (0 for a key the policy does not hold)."""
+        entry = self._state.get(key)
+        return 0 if entry is None else entry[1]
+
+    # -- bookkeeping ---------------------------------------------------------------------
+
+    def _unplace(self, key: ObjectKey) -> int:
+        """Forget a live key; returns its use count."""
+        priority, uses = self._state.pop(key)
+        bucket = self._buckets[priority]
+        del bucket[key]
+        if not bucket:
+            del self._buckets[priority]
+            del self._levels[bisect.bisect_left(self._levels, priority)]
+        return uses
+
+    def _touch(self, keys: Sequence[ObjectKey], tail_from: int, *, known_only: bool = False) -> None:
+        """Count one use of each key and re-rank it; keys at ``tail_from`` and after are a
+        request's tail.  ``known_only``: skip keys the policy does not hold (reads).
+
+        This runs for every LOOKUP inside the L1 lock, hence the local names and the
+        inlined bucket moves: four dict operations per key in the common case.
+        """
+        state = self._state
+        live = max(1, len(state))
+        now = self._tick
+        credit = self._credit * live
+        penalty = int(self._penalty * live)
+        history, buckets, levels = self._history, self._buckets, self._levels
+        state_get, log2 = state.get, _LOG2
+        floor = -(1 << 62)
+        # Neighbouring keys of a prefix usually share their use count, their old bucket
+        # and their new one: each is looked up once per run of equal values.
+        last_priority, last_bucket = floor, None
+        last_old, last_old_bucket = floor, None
+        last_count, last_bonus = 0, 0
+        touched = 0
+        for position in range(len(keys) - 1, -1, -1):
+            key = keys[position]
+            entry = state_get(key)
+            if entry is None:
+                if known_only:
+                    continue  # a read of a key already removed must not revive it
+                count = (history.pop(hash(key), 0) if history else 0) + 1
+            else:
+                count = entry[1] + 1
+            touched += 1
+            if count != last_count:
+                last_count = count
+                last_bonus = int(credit * (log2[count] if count < _LOG2_SIZE else math.log2(count)))
+            priority = now + last_bonus
+            if position >= tail_from:
+                priority -= penalty
+            if priority < floor:
+                priority = floor  # the head of a prefix never goes before its tail
+            floor = priority
+            if entry is not None:
+                old = entry[0]
+                entry[1] = count
+                if old == last_old and last_old_bucket is not None:
+                    bucket = last_old_bucket
+                else:
+                    bucket = buckets[old]
+                    last_old, last_old_bucket = old, bucket
+                del bucket[key]
+                if old == priority:
+                    bucket[key] = None  # same bucket: to its end, as a fresh touch
+                    continue
+                if not bucket:
+                    del buckets[old]
+                    del levels[bisect.bisect_left(levels, old)]
+                    last_old, last_old_bucket = floor, None
+                entry[0] = priority
+            else:
+                state[key] = [priority, count]
+            if priority == last_priority and last_bucket is not None:
+                target = last_bucket
+            else:
+                target = buckets.get(priority)
+                if target is None:
+                    target = buckets[priority] = {}
+                    bisect.insort(levels, priority)
+                last_priority, last_bucket = priority, target
+            target[key] = None
+        self._tick = now + touched
+
+    # -- the policy protocol ---------------------------------------------------------------
+
+    def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
+        if not keys:
+            return
+        # Right after a read, a write extends the prefix just read: all of it is tail.
+        extends_read = self._last_read is not None
+        self._last_read = None
+        self._touch(keys, 0 if extends_read else len(keys) - 1)
+
+    def on_keys_read(self, keys: Sequence[ObjectKey]) -> None:
+        if not keys:
+            return
+        signature = (len(keys), keys[0], keys[-1])
+        if signature == self._last_read:
+            return  # the RETRIEVE of the prefix a LOOKUP just read
+        self._last_read = signature
+        self._touch(keys, len(keys), known_only=True)
+
+    def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
+        history, state = self._history, self._state
+        for key in keys:
+            if key in state:
+                history[hash(key)] = self._unplace(key)
+        limit = max(self._history_min, self._history_factor * len(state))
+        while len(history) > limit:
+            history.popitem(last=False)
+
+    def victims(self) -> Iterator[ObjectKey]:
+        buckets = self._buckets
+        for priority in self._levels:
+            yield from buckets[priority]

@@ -1,0 +1,120 @@
+from itertools import islice
+
+from lmcache_plugin_eviction_prefix_lfu import PrefixLFUConfig
+from lmcache_plugin_eviction_prefix_lfu.policy import PrefixLFUEvictionPolicy
+
+from lmcache_tiers.testing.policies import EVICTS, EvictionPolicySuite, make_keys
+
+
+class TestPrefixLFUEvictionPolicy(EvictionPolicySuite):
+    component_name = "PREFIX_LFU"
+    # A key with many uses may outrank one read more recently: no unconditional RECENCY.
+    capabilities = frozenset({EVICTS})
+
+    def test_name_is_case_insensitive(self) -> None:
+        from lmcache_tiers.plugins import load_registry
+        from lmcache_tiers.registry import Kind
+
+        assert load_registry().get(Kind.EVICTION_POLICY, "prefix_lfu").name == "PREFIX_LFU"
+
+
+def test_without_credit_or_penalty_it_is_lru() -> None:
+    policy = PrefixLFUEvictionPolicy(PrefixLFUConfig(frequency_credit=0.0, tail_penalty=0.0))
+    first, second = make_keys(3), make_keys(2, start=10)
+    policy.on_keys_written(first)
+    policy.on_keys_written(second)
+    policy.on_keys_read(first[:1])
+    assert list(policy.victims()) == [first[2], first[1], second[1], second[0], first[0]]
+
+
+def test_a_prompt_used_often_outlives_newer_prompts_used_once() -> None:
+    policy = PrefixLFUEvictionPolicy()
+    system_prompt = make_keys(4)
+    policy.on_keys_written(system_prompt)
+    for _ in range(7):
+        policy.on_keys_written([])  # an empty batch changes nothing
+        policy.on_keys_read(system_prompt)
+        policy.on_keys_written(make_keys(1, start=500))  # breaks the duplicate-read rule
+    others = make_keys(8, start=100)
+    policy.on_keys_written(others)
+    offered = list(policy.victims())
+    assert max(offered.index(key) for key in others) < min(offered.index(key) for key in system_prompt)
+
+
+def _warm() -> PrefixLFUEvictionPolicy:
+    # Penalties are counted in cache turnovers: give the cache a size first.
+    policy = PrefixLFUEvictionPolicy()
+    policy.on_keys_written(make_keys(40, start=10_000))
+    return policy
+
+
+def test_the_last_chunk_of_a_write_goes_first() -> None:
+    policy = _warm()
+    older, newer = make_keys(4), make_keys(4, start=10)
+    policy.on_keys_written(older)
+    policy.on_keys_written(newer)
+    offered = list(policy.victims())
+    # each batch's tail starts a turnover behind: both tails go before both bodies
+    assert max(offered.index(older[3]), offered.index(newer[3])) < offered.index(older[2])
+    assert offered.index(older[2]) < offered.index(newer[2])
+
+
+def test_a_write_right_after_a_read_is_a_tail() -> None:
+    policy = _warm()
+    prompt, other = make_keys(3), make_keys(3, start=50)
+    policy.on_keys_written(prompt)
+    policy.on_keys_written(other)
+    policy.on_keys_read(prompt)
+    suffix = make_keys(2, start=100)
+    policy.on_keys_written(suffix)  # the request's own continuation of the prompt it read
+    offered = list(policy.victims())
+    assert offered.index(suffix[1]) < offered.index(suffix[0])
+    # newer than everything else, yet evicted before every chunk that is not a tail
+    assert offered.index(suffix[0]) < min(offered.index(key) for key in prompt + other[:2])
+
+
+def test_a_repeated_read_is_counted_once() -> None:
+    policy = PrefixLFUEvictionPolicy()
+    keys = make_keys(3)
+    policy.on_keys_written(keys)
+    policy.on_keys_read(keys)
+    policy.on_keys_read(keys)  # the RETRIEVE after the LOOKUP
+    assert policy.uses(keys[0]) == 2
+    policy.on_keys_written(make_keys(1, start=9))
+    policy.on_keys_read(keys)
+    assert policy.uses(keys[0]) == 3
+
+
+def test_use_counts_survive_eviction() -> None:
+    policy = PrefixLFUEvictionPolicy()
+    keys = make_keys(2)
+    policy.on_keys_written(keys)
+    policy.on_keys_read(keys)
+    policy.on_keys_removed(keys)
+    assert len(policy) == 0 and list(policy.victims()) == []
+    policy.on_keys_written(keys)
+    assert policy.uses(keys[0]) == 3
+
+
+def test_a_head_never_ranks_below_its_tail() -> None:
+    policy = PrefixLFUEvictionPolicy()
+    keys = make_keys(6)
+    policy.on_keys_written(keys[3:])  # the tail was stored alone and read often
+    for _ in range(5):
+        policy.on_keys_read(keys[3:])
+        policy.on_keys_written(make_keys(1, start=1000 + _))
+    policy.on_keys_written(keys[:3])
+    policy.on_keys_read(keys)  # now the whole prefix is read: heads rank with tails
+    offered = list(policy.victims())
+    positions = [offered.index(key) for key in keys]
+    assert positions == sorted(positions, reverse=True)
+
+
+def test_history_stays_bounded() -> None:
+    policy = PrefixLFUEvictionPolicy(PrefixLFUConfig(history_factor=2, history_min=100))
+    policy.on_keys_written(make_keys(10, start=1_000_000))
+    for start in range(0, 5000, 10):
+        policy.on_keys_written(make_keys(10, start=start))
+        policy.on_keys_removed(list(islice(policy.victims(), 10)))
+    assert len(policy) == 10
+    assert len(policy._history) == 100

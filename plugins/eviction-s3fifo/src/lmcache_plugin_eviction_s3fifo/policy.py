@@ -1,0 +1,115 @@
+"""The ``S3FIFO`` eviction policy.
+
+S3-FIFO (Yang et al., SOSP 2023) uses three FIFO queues: ``small`` for keys that just
+became present, ``main`` for keys that proved useful, and ``ghosts``, a queue of keys
+recently evicted from ``small``.  Eviction takes from ``small`` while it holds at least its
+share of the live keys: a key read since it entered moves to ``main``, any other key is a
+victim (and becomes a ghost).  From ``main`` a key with reads left is put back at the head
+with one read less; the others are victims.  A written key remembered as a ghost enters
+``main`` directly.  Reads only count, so a LOOKUP costs one dict update per key.
+
+``victims()`` performs those moves as it goes, exactly as the algorithm would while
+looking for room; a victim it yields leaves the queues for ``_offered`` until it is
+removed.  A victim the caller skipped (a locked object) stays there and is offered first
+next time; a read takes it back to ``main``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+from lmcache_plugin_eviction_s3fifo import S3FIFOConfig
+from lmcache_tiers.keys import ObjectKey
+
+_Queue = Literal["small", "main"]
+
+
+class S3FIFOEvictionPolicy:
+    """Small, main and ghost FIFO queues with a small read counter per key."""
+
+    def __init__(self, config: S3FIFOConfig | None = None) -> None:
+        self.config = config or S3FIFOConfig()
+        self._small_fraction = self.config.small_queue_fraction
+        self._max_frequency = self.config.max_frequency
+        # Oldest first in every queue (iteration order = eviction order).
+        self._small: OrderedDict[ObjectKey, None] = OrderedDict()
+        self._main: OrderedDict[ObjectKey, None] = OrderedDict()
+        self._ghosts: OrderedDict[ObjectKey, None] = OrderedDict()
+        self._frequency: dict[ObjectKey, int] = {}  # every live key
+        self._offered: OrderedDict[ObjectKey, _Queue] = OrderedDict()  # yielded, still live
+
+    def __len__(self) -> int:
+        return len(self._frequency)
+
+    # A batch is a prefix (chunk 0 first); queueing it back to front puts the tail nearer
+    # the exit than the head, so eviction trims prefixes from their end.
+
+    def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
+        frequency = self._frequency
+        for key in reversed(keys):
+            if key in frequency:
+                self._count_read(key)  # a rewrite of a live key is another use of it
+            elif key in self._ghosts:
+                del self._ghosts[key]
+                frequency[key] = 0
+                self._main[key] = None
+            else:
+                frequency[key] = 0
+                self._small[key] = None
+
+    def on_keys_read(self, keys: Sequence[ObjectKey]) -> None:
+        frequency = self._frequency
+        for key in keys:
+            if key in frequency:
+                self._count_read(key)
+
+    def _count_read(self, key: ObjectKey) -> None:
+        count = self._frequency[key]
+        if count < self._max_frequency:
+            self._frequency[key] = count + 1
+        if key in self._offered:
+            # Chosen as a victim but not evicted (it was locked), and now in use again.
+            del self._offered[key]
+            self._main[key] = None
+
+    def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
+        frequency, ghosts = self._frequency, self._ghosts
+        for key in keys:
+            if frequency.pop(key, None) is None:
+                continue
+            if key in self._small:
+                del self._small[key]
+            elif key in self._main:
+                del self._main[key]
+            elif self._offered.pop(key) == "small":
+                ghosts[key] = None  # evicted from `small`: remember it came by once
+        limit = max(1, len(frequency))
+        while len(ghosts) > limit:
+            ghosts.popitem(last=False)
+
+    def victims(self) -> Iterator[ObjectKey]:
+        offered = self._offered
+        # Victims offered earlier and skipped are still the first choice.
+        for key in list(offered):
+            if key in offered:
+                yield key
+        small, main, frequency = self._small, self._main, self._frequency
+        while small or main:
+            live = len(frequency)
+            if small and (not main or len(small) >= self._small_fraction * live):
+                key, _ = small.popitem(last=False)
+                if frequency[key] > 0:
+                    frequency[key] = 0  # promoted: its reads bought the move
+                    main[key] = None
+                    continue
+                offered[key] = "small"
+            else:
+                key, _ = main.popitem(last=False)
+                if frequency[key] > 0:
+                    frequency[key] -= 1
+                    main[key] = None
+                    continue
+                offered[key] = "main"
+            yield key

@@ -1,0 +1,66 @@
+from itertools import islice
+
+from lmcache_tiers.testing.policies import EVICTS, EvictionPolicySuite, make_keys
+
+
+class TestS3FIFOEvictionPolicy(EvictionPolicySuite):
+    component_name = "S3FIFO"
+    # FIFO queues: a read buys a key more passes, it does not move it behind unread keys.
+    capabilities = frozenset({EVICTS})
+
+    def test_every_spelling_resolves(self) -> None:
+        from lmcache_tiers.plugins import load_registry
+        from lmcache_tiers.registry import Kind
+
+        registry = load_registry()
+        for spelling in ("S3FIFO", "s3fifo", "S3-FIFO", "s3-fifo"):
+            component = registry.get(Kind.EVICTION_POLICY, spelling)
+            assert component.factory == registry.get(Kind.EVICTION_POLICY, "S3FIFO").factory
+
+    def test_keys_read_since_written_survive_the_small_queue(self) -> None:
+        policy = self.make_policy()
+        read, unread = make_keys(2), make_keys(8, start=10)
+        policy.on_keys_written(read)
+        policy.on_keys_written(unread)
+        policy.on_keys_read(read)
+        offered = list(policy.victims())
+        assert offered[: len(unread)] == list(reversed(unread))
+        assert set(offered[len(unread) :]) == set(read)
+
+    def test_a_returning_ghost_enters_the_main_queue(self) -> None:
+        policy = self.make_policy()
+        keys = make_keys(10)
+        policy.on_keys_written(keys)
+        first = next(iter(policy.victims()))
+        policy.on_keys_removed([first])
+        assert first in policy._ghosts
+        policy.on_keys_written([first])
+        assert first in policy._main and first not in policy._ghosts
+
+    def test_skipped_victims_are_offered_first_next_time(self) -> None:
+        policy = self.make_policy()
+        keys = make_keys(6)
+        policy.on_keys_written(keys)
+        skipped = list(islice(policy.victims(), 2))  # e.g. both were read-locked
+        assert list(islice(policy.victims(), 2)) == skipped
+        policy.on_keys_read(skipped[:1])  # in use again: back to the main queue
+        assert next(iter(policy.victims())) == skipped[1]
+
+    def test_main_queue_spends_one_read_per_pass(self) -> None:
+        policy = self.make_policy()
+        hot, cold = make_keys(1), make_keys(1, start=5)
+        policy.on_keys_written(hot)
+        policy.on_keys_read(hot)
+        policy.on_keys_read(hot)
+        policy.on_keys_written(cold)
+        offered = list(policy.victims())
+        assert offered == [cold[0], hot[0]]
+
+    def test_ghost_queue_stays_bounded(self) -> None:
+        policy = self.make_policy()
+        policy.on_keys_written(make_keys(40, start=100_000))
+        for start in range(0, 4000, 40):
+            policy.on_keys_written(make_keys(40, start=start))
+            policy.on_keys_removed(list(islice(policy.victims(), 40)))
+        assert len(policy) == 40
+        assert len(policy._ghosts) <= 40

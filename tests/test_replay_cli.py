@@ -1,0 +1,146 @@
+"""``lmcache-tiers replay``: one-line errors with exit code 2, plots, the output formats."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from replay_helpers import BLOCK_BYTES, small_trace, start_block_server
+from thirdparty import run_cli
+
+
+def _error_line(result) -> str:  # type: ignore[no-untyped-def]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def test_a_missing_trace_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    result = run_cli(["replay", str(tmp_path / "nope.jsonl"), "--simulate"])
+    assert result.returncode == 2
+    assert "does not exist" in _error_line(result)
+
+
+def test_a_malformed_line_is_named(tmp_path: Path) -> None:
+    trace = small_trace(tmp_path / "t.jsonl", requests=4)
+    with trace.open("a") as handle:
+        handle.write('{"timestamp": 9, "input_length": 10}\n')
+    result = run_cli(["replay", str(trace), "--simulate"])
+    assert result.returncode == 2
+    assert "line 5" in _error_line(result)
+
+
+@pytest.mark.parametrize("capacity", ["-3", "zero", "12 parsecs", "0"])
+def test_a_bad_capacity_is_one_line_and_exit_2(tmp_path: Path, capacity: str) -> None:
+    result = run_cli(["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate", "--capacity", capacity])
+    assert result.returncode == 2
+    assert "capacity" in _error_line(result)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--simulate", "--in-process"], "choose one of"),
+        (["--simulate", "--policy", "LRUU"], "did you mean 'LRU'"),
+        (["--simulate", "--capacity", "10,20", "--l2-capacity", "5"], "one --l2-capacity per --capacity"),
+        (["--in-process", "--l1-blocks", "10", "--l1-size-gb", "1"], "not both"),
+        (["--in-process", "--model", "a/b"], "model_name"),
+        (["--simulate", "--capacity", "100B"], "holds nothing"),
+    ],
+)
+def test_bad_combinations_are_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    result = run_cli(["replay", str(small_trace(tmp_path / "t.jsonl")), *args])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in _error_line(result)
+
+
+def test_an_unreachable_server_is_exit_1(tmp_path: Path) -> None:
+    result = run_cli(
+        ["replay", str(small_trace(tmp_path / "t.jsonl")), "--url", "tcp://127.0.0.1:9", "--timeout", "0.3"]
+    )
+    assert result.returncode == 1
+    assert "replay through tcp://127.0.0.1:9 failed" in _error_line(result)
+
+
+def test_simulation_tables_name_every_policy_and_the_time(tmp_path: Path) -> None:
+    result = run_cli(["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate", "--capacity", "8,32"])
+    assert result.returncode == 0, result.stderr
+    for text in ("exact LRU", "ARC", "S3FIFO", "PREFIX_LFU", "Belady", "infinite", "seconds per run"):
+        assert text in result.stdout
+
+
+def test_plot_without_matplotlib_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    shadow = tmp_path / "site" / "matplotlib"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('matplotlib hidden by the test')\n")
+    png = tmp_path / "curve.png"
+    result = run_cli(
+        [
+            "replay",
+            str(small_trace(tmp_path / "t.jsonl")),
+            "--simulate",
+            "--capacity",
+            "8",
+            "--plot",
+            str(png),
+        ],
+        site=tmp_path / "site",
+    )
+    assert result.returncode == 2
+    assert "pip install 'lmcache-tiers[plot]'" in _error_line(result)
+    assert not png.exists()
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("SKIP: matplotlib is not installed (extra lmcache-tiers[plot])")
+        pytest.skip("matplotlib is not installed (extra lmcache-tiers[plot])")
+    png = tmp_path / "curve.png"
+    trace = str(small_trace(tmp_path / "t.jsonl"))
+    result = run_cli(["replay", trace, "--simulate", "--capacity", "4,8,16", "--plot", str(png), "--json"])
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["plot"] == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_in_process_replay_reports_json(tmp_path: Path) -> None:
+    trace = str(small_trace(tmp_path / "t.jsonl"))
+    args = ["replay", trace, "--in-process", "--l1-blocks", "20", "--block-bytes", str(BLOCK_BYTES), "--json"]
+    result = run_cli(args)
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["mode"] == "in-process" and document["requests"] == 60
+    assert document["corrupt_blocks"] == 0 and document["failed_requests"] == 0
+    assert document["hit_blocks"] == document["l1_hit_blocks"] > 0
+    assert document["bytes"]["l1_retrieved"] == document["hit_blocks"] * BLOCK_BYTES
+
+
+def test_several_client_processes_share_the_requests(tmp_path: Path) -> None:
+    server = start_block_server(tmp_path / "server", 500)
+    try:
+        trace = str(small_trace(tmp_path / "t.jsonl", requests=80))
+        args = [
+            "replay",
+            trace,
+            "--url",
+            server.url,
+            "--clients",
+            "3",
+            "--block-bytes",
+            str(BLOCK_BYTES),
+            "--json",
+        ]
+        result = run_cli(args)
+        assert result.returncode == 0, result.stderr
+        document = json.loads(result.stdout)
+        assert document["clients"] == 3 and document["requests"] == 80
+        assert document["corrupt_blocks"] == document["failed_requests"] == 0
+        # every block seen before is still in an L1 this large, whichever client stored it
+        assert document["hit_blocks"] == document["l1_hit_blocks"]
+        assert document["stored_blocks"] + document["hit_blocks"] <= document["blocks"]
+    finally:
+        assert server.stop() == 0, server.output()
