@@ -93,17 +93,32 @@ def _check_object_backend(params: dict[str, str], backend: str) -> None:
             )
 
 
+def _as_string(value: str | bool | int | float) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
 class _NixlBase(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
     backend: Annotated[str, msgspec.Meta(description="NIXL backend: " + ", ".join(BACKENDS) + ".")]
     backend_params: Annotated[
-        dict[str, str],
+        dict[str, str | bool | int | float],
         msgspec.Meta(
             description=(
                 "String options: file_path and use_direct_io for file backends (plus "
-                "max_capacity_gb and shard_dirs for nixl_store_dynamic); other keys go to NIXL."
+                "max_capacity_gb and shard_dirs for nixl_store_dynamic); other keys go to NIXL. "
+                'Bare JSON numbers and booleans are taken as their string form ("10", "false"), '
+                "as LMCache does."
             )
         ),
     ] = msgspec.field(default_factory=dict)
+
+    def _params_as_strings(self) -> None:
+        """NIXL takes string parameters; LMCache's JSON may give ``false`` or ``10`` bare."""
+        if any(not isinstance(value, str) for value in self.backend_params.values()):
+            msgspec.structs.force_setattr(
+                self, "backend_params", {key: _as_string(value) for key, value in self.backend_params.items()}
+            )
 
     @property
     def is_file_backend(self) -> bool:
@@ -139,6 +154,7 @@ class NixlStoreConfig(_NixlBase, kw_only=True, frozen=True, forbid_unknown_field
     ]
 
     def __post_init__(self) -> None:
+        self._params_as_strings()
         _check_backend_name(self.backend)
         params = self.backend_params
         if self.backend in FILE_BACKENDS:
@@ -171,6 +187,7 @@ class NixlStoreDynamicConfig(_NixlBase, kw_only=True, frozen=True, forbid_unknow
     ] = True
 
     def __post_init__(self) -> None:
+        self._params_as_strings()
         _check_backend_name(self.backend)
         if self.backend in OBJECT_BACKENDS:
             raise FieldError(
