@@ -13,7 +13,7 @@ import pytest
 from tiers_e2e import ServerProcess, make_keys, make_payloads, start_server
 
 from lmcache_tiers.client import Client, ServerError
-from lmcache_tiers.server.protocol import ErrorCode
+from lmcache_tiers.wire.protocol import ErrorCode
 
 
 def fetch(url: str) -> tuple[int, str, str]:

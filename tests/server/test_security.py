@@ -12,7 +12,7 @@ import pytest
 from tiers_e2e import LAUNCHER, digest, free_port, make_keys, make_payloads, start_server
 
 from lmcache_tiers.client import Client, ServerError
-from lmcache_tiers.server.protocol import ErrorCode, StoreReserve, StoreReserveReply
+from lmcache_tiers.wire.protocol import ErrorCode, StoreReserve, StoreReserveReply
 
 
 def test_every_request_needs_the_token(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 
 from lmcache_tiers.client import Client, ClientError, RequestTimeoutError, ServerError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.server.protocol import StoreReserve, StoreReserveReply
+from lmcache_tiers.wire.protocol import StoreReserve, StoreReserveReply
 
 HERE = Path(__file__).parent
 LAUNCHER = HERE / "serve_for_tests.py"

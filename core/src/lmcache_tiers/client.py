@@ -42,8 +42,8 @@ import zmq
 from lmcache_tiers.errors import TiersError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.layout import check_layout, layout_of
-from lmcache_tiers.server import protocol as p
-from lmcache_tiers.server.shm import (
+from lmcache_tiers.wire import protocol as p
+from lmcache_tiers.wire.shm import (
     BufferLike,
     MappedSegment,
     SegmentMismatch,

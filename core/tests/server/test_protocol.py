@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.server import protocol as p
+from lmcache_tiers.wire import protocol as p
 
 KEY = ObjectKey("model", 7, b"\x01" * 32, 2, "tenant")
 

@@ -12,8 +12,8 @@ import torch
 
 from lmcache_tiers.client import Client, ClientError, ProtocolError, RequestTimeoutError, ServerError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.server import protocol as p
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.wire import protocol as p
 
 Factory = Callable[..., TiersServer]
 

@@ -11,8 +11,8 @@ import zmq
 
 from lmcache_tiers.client import Client, ServerError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.server import protocol as p
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.wire import protocol as p
 
 Factory = Callable[..., TiersServer]
 KEY = ObjectKey("unit", 0, b"k" * 16)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lmcache_tiers.l1 import L1Arena
-from lmcache_tiers.server.shm import (
+from lmcache_tiers.wire.shm import (
     MappedSegment,
     SegmentMismatch,
     as_byte_array,

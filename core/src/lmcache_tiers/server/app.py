@@ -27,13 +27,13 @@ from lmcache_tiers.config import ServerConfig, config_to_builtins
 from lmcache_tiers.endpoints import is_loopback, rpc_endpoint
 from lmcache_tiers.errors import ConfigError, TiersError
 from lmcache_tiers.registry import ComponentRegistry
-from lmcache_tiers.server import protocol as p
 from lmcache_tiers.server.handlers import DataPlane, Handlers
 from lmcache_tiers.server.http import HttpEndpoint
 from lmcache_tiers.server.metrics import build_registry, render
 from lmcache_tiers.server.rpc import RpcServer
-from lmcache_tiers.server.shm import segment_identity
 from lmcache_tiers.server.stats import ServerStats
+from lmcache_tiers.wire import protocol as p
+from lmcache_tiers.wire.shm import segment_identity
 
 if TYPE_CHECKING:
     from lmcache_tiers.storage import StorageManager

@@ -23,9 +23,9 @@ from lmcache_tiers import __version__
 from lmcache_tiers.errors import KeyValidationError, L1OutOfMemoryError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import aligned_buffer
-from lmcache_tiers.server import protocol as p
 from lmcache_tiers.server.sessions import PendingPrefetch, Session, SessionTable
 from lmcache_tiers.server.stats import ServerStats
+from lmcache_tiers.wire import protocol as p
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from typing import Any
 
 import zmq
 
-from lmcache_tiers.server import protocol as p
 from lmcache_tiers.server.handlers import Deferred, Frames, Handlers, Response, error_for
+from lmcache_tiers.wire import protocol as p
 
 logger = logging.getLogger(__name__)
 
