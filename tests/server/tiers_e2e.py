@@ -14,6 +14,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +117,25 @@ def start_server(
     return server
 
 
+def fetch(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """GET ``url``: (status, content type, body), for error statuses too."""
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.headers["Content-Type"], response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers["Content-Type"], exc.read().decode()
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """The value of one sample in Prometheus text; fails if it is not there."""
+    prefix = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(prefix + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{prefix} not in /metrics:\n{text}")
+
+
 # -- deterministic test data -------------------------------------------------------------
 
 
@@ -211,3 +232,10 @@ def job_vanish_holding_locks(url: str, tag: str, count: int) -> None:
         raise AssertionError("the chunks to lock are not stored")
     client._call(StoreReserve(0, "", make_keys(tag + "/unfinished", 2), [4096, 4096]), StoreReserveReply)
     os._exit(0)
+
+
+def job_force_clear_and_store(url: str, tag: str, count: int, size: int) -> tuple[int, int]:
+    """Another tenant: clear L1 by force, then store new chunks; returns (cleared, stored)."""
+    with Client(url, timeout=30) as client:
+        cleared = client.clear(force=True)
+        return cleared, client.store(make_keys(tag, count), make_payloads(tag, count, size))

@@ -21,6 +21,13 @@ A ``lookup`` leaves its hit prefix read-locked for this client so the objects ca
 evicted before they are retrieved; ``retrieve`` (on exit) and ``release`` drop those
 locks, and the server's lock TTL reclaims them from a client that never does.
 
+A shared-memory view is valid while its lock lives (its *lease*).  The server never
+reuses a locked extent, and holds it back for a while even when a lock was broken (a
+forced clear, the lock TTL); should a reader still outlast that, the segment's
+generation table shows the extent changed hands, and ``retrieve`` raises
+:class:`StaleReadError` at the end of its block (``retrieve_into`` retries first)
+instead of letting wrong bytes pass as the object's.
+
 One Client is one ZeroMQ socket: calls are serialized with a lock, so sharing a client
 between threads is safe but not parallel; use one client per thread for parallelism.
 """
@@ -58,6 +65,7 @@ __all__ = [
     "ProtocolError",
     "RequestTimeoutError",
     "ServerError",
+    "StaleReadError",
 ]
 
 AUTH_TOKEN_ENV = "LMCACHE_TIERS_AUTH_TOKEN"
@@ -93,9 +101,30 @@ class ServerError(ClientError):
         self.server_message = message
 
 
+class StaleReadError(ClientError):
+    """Objects whose extents changed hands while this client read them (its lease was
+    broken by a forced clear or outlived by the lock TTL): the bytes read for ``keys``
+    may belong to other objects and must not be used."""
+
+    def __init__(self, keys: Sequence[ObjectKey]) -> None:
+        first = keys[0]
+        super().__init__(
+            f"the bytes of {len(keys)} retrieved objects may have changed while they were held "
+            f"(first: model {first.model_name!r}, chunk {first.chunk_hash.hex()[:16]}); "
+            "their lease ended early (a forced clear, or held past the lock TTL): retrieve them again"
+        )
+        self.keys = list(keys)
+
+
 def _sent_layouts(layouts: Sequence[str]) -> list[str]:
     """What goes on the wire: nothing at all when no object has a known layout."""
     return list(layouts) if any(layouts) else []
+
+
+def _copy_into(target: np.ndarray[Any, Any], source: np.ndarray[Any, Any]) -> None:
+    if target.nbytes < source.nbytes:
+        raise ValueError(f"buffer of {target.nbytes} bytes is too small for {source.nbytes}")
+    target[: source.nbytes] = source
 
 
 def _error_code(value: int) -> p.ErrorCode:
@@ -113,6 +142,9 @@ class Client:
     it offers one and this process can map it (same host, same ``/dev/shm``), else send
     bytes inline; False always sends bytes inline.  ``uses_shm`` tells which it is.
     """
+
+    #: how many times ``retrieve_into`` asks again for objects whose extents changed hands
+    STALE_RETRIES = 2
 
     def __init__(
         self,
@@ -164,7 +196,14 @@ class Client:
         if not shm or not server.shm_name:
             return None  # inline: asked for, or no segment offered (--no-shm, NVMe L1)
         try:
-            return MappedSegment(server.shm_name, server.shm_size, server.shm_device, server.shm_inode)
+            return MappedSegment(
+                server.shm_name,
+                server.shm_size,
+                server.shm_device,
+                server.shm_inode,
+                generation_offset=server.generation_offset,
+                generation_block=server.generation_block,
+            )
         except SegmentMismatch:
             return None  # another host or /dev/shm namespace: inline
 
@@ -417,9 +456,13 @@ class Client:
         if not reserved:
             return 0
         try:
+            # A reservation that already changed hands (this process stalled past the write
+            # TTL and its grace period) is not written into: that extent is someone else's
+            # now.  Its commit is refused by the server, which expired it.
+            lost = {reply.slots[index].offset for index in segment.changed(reply.slots)}
             target = segment.array
             for array, slot in zip(arrays, reply.slots, strict=True):
-                if slot.offset == p.NO_SLOT:
+                if slot.offset == p.NO_SLOT or slot.offset in lost:
                     continue
                 if slot.size != array.nbytes:
                     raise ProtocolError(f"reserved {slot.size} bytes for a {array.nbytes}-byte buffer")
@@ -507,31 +550,48 @@ class Client:
         Shared-memory views point into the server's memory and are valid only inside the
         ``with`` block; on exit they are released together with every lock this client
         holds on ``keys`` (including its LOOKUP's), so do not nest retrieves of the same
-        keys.
+        keys.  If the lease of some objects ended early (a forced clear, or held past the
+        lock TTL) and their extents changed hands while the block ran, leaving it raises
+        :class:`StaleReadError` naming them: whatever was read from those views is void.
         """
         keys = list(keys)
-        if self._segment is None:
+        segment = self._segment
+        if segment is None:
             yield self._retrieve_inline(keys)
             return
-        segment = self._segment
-        views: list[memoryview] = []
-        locked: list[ObjectKey] = []
+        with self._lease(keys, segment) as slots:
+            views = [segment.buffer[slot.offset : slot.offset + slot.size].toreadonly() for slot in slots]
+            try:
+                yield views
+                # Checked while the locks still hold: after RELEASE the extents may be
+                # reused legitimately.
+                stale = segment.changed(slots)
+            finally:
+                for view in views:
+                    with contextlib.suppress(BufferError):
+                        view.release()  # any later use raises instead of reading reused memory
+        if stale:
+            raise StaleReadError([keys[index] for index in stale])
+
+    @contextlib.contextmanager
+    def _lease(self, keys: list[ObjectKey], segment: MappedSegment) -> Iterator[list[p.Slot]]:
+        """Read-lock the hit prefix of ``keys`` (RETRIEVE, part by part) and yield its arena
+        slots; on exit release every lock this client holds on ``keys``."""
+        slots: list[p.Slot] = []
         try:
             for part in self._batches(len(keys)):
                 batch = keys[part]
                 reply = self._call(p.Retrieve(0, "", batch), p.RetrieveReply)
-                locked.extend(batch[: len(reply.slots)])
+                if len(reply.slots) > len(batch):
+                    raise ProtocolError(f"RETRIEVE answered {len(reply.slots)} slots for {len(batch)} keys")
                 for slot in reply.slots:
                     segment.check_slot(slot.offset, slot.size)
-                    views.append(segment.buffer[slot.offset : slot.offset + slot.size].toreadonly())
+                slots.extend(reply.slots)
                 if len(reply.slots) < len(batch):
                     break
-            yield views
+            yield slots
         finally:
-            for view in views:
-                with contextlib.suppress(BufferError):
-                    view.release()  # any later use of a view raises instead of reading reused memory
-            if locked and not self._closed:
+            if slots and not self._closed:
                 self.release(keys)
 
     def _retrieve_inline(self, keys: list[ObjectKey]) -> list[memoryview]:
@@ -552,16 +612,35 @@ class Client:
 
     def retrieve_into(self, keys: Sequence[ObjectKey], buffers: Sequence[BufferLike]) -> int:
         """Copy the hit prefix of ``keys`` into ``buffers`` (one copy per object); returns the
-        number of keys copied.  Each buffer must be at least as large as its object."""
+        number of keys copied.  Each buffer must be at least as large as its object.
+
+        Each copy is checked against the generation the server handed out with its slot;
+        objects whose extent changed hands meanwhile are retrieved again (up to
+        ``STALE_RETRIES`` times), then :class:`StaleReadError` is raised.
+        """
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         targets = [as_writable_byte_array(buffer) for buffer in buffers]
-        with self.retrieve(keys) as views:
-            for view, target in zip(views, targets, strict=False):
-                if target.nbytes < view.nbytes:
-                    raise ValueError(f"buffer of {target.nbytes} bytes is too small for {view.nbytes}")
-                target[: view.nbytes] = np.frombuffer(view, dtype=np.uint8)
-            return len(views)
+        segment = self._segment
+        if segment is None:
+            with self.retrieve(keys) as views:
+                for view, target in zip(views, targets, strict=False):
+                    _copy_into(target, np.frombuffer(view, dtype=np.uint8))
+                return len(views)
+        keys = list(keys)
+        done = 0
+        for _ in range(self.STALE_RETRIES + 1):
+            rest = keys[done:]
+            with self._lease(rest, segment) as slots:
+                source = segment.array
+                for slot, target in zip(slots, targets[done:], strict=False):
+                    _copy_into(target, source[slot.offset : slot.offset + slot.size])
+                stale = segment.changed(slots)
+            if not stale:
+                return done + len(slots)
+            done += stale[0]  # the copies before the first stale one are good
+            lost = [rest[index] for index in stale]
+        raise StaleReadError(lost)
 
     def release(self, keys: Sequence[ObjectKey]) -> int:
         """Drop every lock this client holds on ``keys``; returns how many keys had one."""

@@ -115,7 +115,7 @@ class TiersServer:
                 max_frame_bytes=max_inline_bytes + p.MAX_HEADER_BYTES,
             )
             if config.metrics_port:
-                metrics = build_registry(self.stats, self.storage.status)
+                metrics = build_registry(self.stats, self.storage_status)
                 http_host = "127.0.0.1" if config.host.startswith("ipc://") else config.host
                 try:
                     self.http = HttpEndpoint(
@@ -139,7 +139,9 @@ class TiersServer:
             return DataPlane()
         arena = self.storage.l1.arena
         device, inode = segment_identity(arena.name)
-        return DataPlane(arena.name, arena.size, device, inode)
+        return DataPlane(
+            arena.name, arena.segment_size, device, inode, arena.generation_offset, arena.generation_block
+        )
 
     @property
     def endpoint(self) -> str:
@@ -163,7 +165,13 @@ class TiersServer:
             "draining": self.rpc.draining,
             **self.stats.snapshot(),
         }
-        return {"server": server, **self.storage.status()}
+        return {"server": server, **self.storage_status()}
+
+    def storage_status(self) -> dict[str, Any]:
+        """The storage's status, with what L1 holds back for readers whose lease ended."""
+        document = self.storage.status()
+        document["l1"]["leases"] = self.storage.l1.lease_stats()._asdict()
+        return document
 
     def health(self) -> tuple[bool, str]:
         if self.rpc.draining:
