@@ -160,6 +160,8 @@ class Client:
         self.url = url
         self.timeout = timeout
         self._token = auth_token if auth_token is not None else os.environ.get(AUTH_TOKEN_ENV, "")
+        if len(self._token) > p.MAX_TOKEN_LEN or len(name) > p.MAX_TOKEN_LEN:
+            raise ClientError(f"auth token and client name are limited to {p.MAX_TOKEN_LEN} characters")
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._pid = os.getpid()
@@ -264,7 +266,14 @@ class Client:
             raise ClientError("a Client cannot be used in a forked child; create a new one there")
         request.req_id = next(self._ids)
         request.token = self._token
-        self._send(p.encode(request), payloads, deadline)
+        header = p.encode(request)
+        if len(header) > p.MAX_HEADER_BYTES:
+            # The server would refuse it anyway; say so now rather than after a round trip.
+            raise ClientError(
+                f"{type(request).__name__} encodes to {len(header)} bytes, over the protocol's "
+                f"{p.MAX_HEADER_BYTES}-byte header limit"
+            )
+        self._send(header, payloads, deadline)
         self._outstanding.add(request.req_id)
 
     def _await(self, request: p._Request, expect: type[_R], deadline: float) -> tuple[_R, list[Any]]:
@@ -478,13 +487,28 @@ class Client:
     def lookup(self, keys: Sequence[ObjectKey], timeout: float | None = None) -> int:
         """How many leading keys the server holds in L1 or L2, waiting (up to ``timeout``,
         default the client's) for their prefetch from L2 into L1.  The hit prefix stays
-        read-locked for this client until ``retrieve`` finishes with it or ``release``."""
+        read-locked for this client until ``retrieve`` finishes with it or ``release``.
+
+        More keys than the server takes in one request are looked up part by part, each
+        part only while the one before it was a full hit (the answer is a prefix).
+        """
         limit = self.timeout if timeout is None else timeout
-        keys = list(keys)[: self.max_keys]
-        reply = self._call(p.Lookup(0, "", keys), p.LookupReply, timeout=limit)
+        deadline = time.monotonic() + limit
+        keys = list(keys)
+        hits = 0
+        for part in self._batches(len(keys)):
+            found = self._lookup_part(keys[part], deadline, limit)
+            hits += found
+            if found < part.stop - part.start:
+                break
+        return hits
+
+    def _lookup_part(self, keys: list[ObjectKey], deadline: float, limit: float) -> int:
+        remaining = max(0.0, deadline - time.monotonic())
+        reply = self._call(p.Lookup(0, "", keys), p.LookupReply, timeout=remaining)
         if reply.hits is not None:
             return reply.hits
-        hits = self.wait_prefetch(reply.handle, limit)
+        hits = self.wait_prefetch(reply.handle, max(0.0, deadline - time.monotonic()))
         if hits is None:
             raise RequestTimeoutError(f"prefetch of {len(keys)} keys did not finish within {limit:g}s")
         return hits
@@ -501,6 +525,8 @@ class Client:
         with self._lock:
             for begin in range(0, len(key_lists), max(1, window)):
                 batch = range(begin, min(len(key_lists), begin + max(1, window)))
+                # Prompts longer than one request start with their first part here and
+                # continue below, once that part is known to be a full hit.
                 requests = [p.Lookup(0, "", list(key_lists[i])[: self.max_keys]) for i in batch]
                 for request in requests:
                     self._start(request, (), deadline)
@@ -526,11 +552,25 @@ class Client:
                 if hits is None:
                     raise RequestTimeoutError(f"prefetch did not finish within {limit:g}s")
                 results[position] = hits
+            for position, keys in enumerate(key_lists):
+                first = results[position] or 0
+                if len(keys) > self.max_keys and first == self.max_keys:
+                    rest = list(keys)[self.max_keys :]
+                    left = max(0.0, deadline - time.monotonic())
+                    results[position] = first + self.lookup(rest, timeout=left)
         return [hits or 0 for hits in results]
 
     def start_lookup(self, keys: Sequence[ObjectKey]) -> tuple[int, int | None]:
-        """Start a lookup without waiting: (handle, hits or None while the prefetch runs)."""
-        reply = self._call(p.Lookup(0, "", list(keys)[: self.max_keys]), p.LookupReply)
+        """Start a lookup without waiting: (handle, hits or None while the prefetch runs).
+
+        One handle covers one request, so at most ``max_keys`` keys (``lookup`` takes any
+        number)."""
+        if len(keys) > self.max_keys:
+            raise ValueError(
+                f"start_lookup takes at most {self.max_keys} keys (the server's limit per request), "
+                f"got {len(keys)}: use lookup(), which looks longer prompts up part by part"
+            )
+        reply = self._call(p.Lookup(0, "", list(keys)), p.LookupReply)
         return reply.handle, reply.hits
 
     def query_prefetch(self, handle: int) -> int | None:

@@ -288,3 +288,40 @@ def test_locked_objects_count_against_the_room_a_store_can_get(make_server: Fact
         assert server.storage.status()["eviction"]["l1"]["evicted_keys"] > 0
         assert client.lookup(resident[:10]) == 10
         client.release(resident)
+
+
+def test_lookups_longer_than_one_request_are_split_with_prefix_semantics(server: TiersServer) -> None:
+    count = p.MAX_KEYS_PER_REQUEST + 808
+    keys = keys_of(count)
+    with Client(server.endpoint) as client:
+        assert client.store(keys, [b"k" * 64] * count) == count
+        assert client.lookup(keys) == count  # two requests, not a silent cut at the limit
+        assert server.storage.l1.stats().read_locks == count
+        assert client.release(keys) == count
+        assert client.lookup_many([keys, keys[:10], keys_of(3)]) == [count, 10, 0]
+        assert client.release(keys) == count
+        gap = p.MAX_KEYS_PER_REQUEST + 100
+        assert server.storage.l1.delete([keys[gap]]) == [True]
+        assert client.lookup(keys) == gap
+        assert client.release(keys) == gap
+        with pytest.raises(ValueError, match="at most 8192 keys"):
+            client.start_lookup(keys)
+    assert l1(server)["read_locks"] == 0
+
+
+def test_a_later_part_is_asked_only_after_a_full_hit(server: TiersServer) -> None:
+    keys = keys_of(10)
+    with Client(server.endpoint) as client:
+        client.max_keys = 4  # as if the server took four keys per request
+        client.store(keys[:6], blobs(6, 100))
+        before = server.stats.requests["Lookup"]
+        assert client.lookup(keys) == 6  # [0:4] full, [4:8] two hits: [8:10] is never asked
+        assert server.stats.requests["Lookup"] - before == 2
+        assert client.release(keys) == 6
+        assert client.lookup(keys[6:]) == 0
+        assert server.stats.requests["Lookup"] - before == 3
+
+
+def test_tokens_longer_than_the_protocol_carries_are_refused_by_the_client(server: TiersServer) -> None:
+    with pytest.raises(ClientError, match="limited to 256"):
+        Client(server.endpoint, auth_token="t" * (p.MAX_TOKEN_LEN + 1))

@@ -125,6 +125,11 @@ def serve(
     resolved = build_config(plugin_set.registry, file_values, overrides, l2_adapter)
     if not is_loopback(resolved.host) and not resolved.auth_token:
         fail(f"binding to {resolved.host} (not loopback) requires --auth-token or LMCACHE_TIERS_AUTH_TOKEN")
+    if resolved.auth_token:
+        from lmcache_tiers.wire.protocol import MAX_TOKEN_LEN
+
+        if len(resolved.auth_token) > MAX_TOKEN_LEN:
+            fail(f"--auth-token is longer than the {MAX_TOKEN_LEN} characters the protocol carries")
     if print_config:
         shown = config_to_builtins(resolved)
         if shown.get("auth_token"):

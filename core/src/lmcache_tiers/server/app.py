@@ -68,6 +68,14 @@ def configure_logging() -> None:
         logger.warning("%s=%r is not one of %s; using INFO", LOG_LEVEL_ENV, raw, ", ".join(_LEVELS))
 
 
+def check_auth_token(token: str | None) -> None:
+    """Refuse a token no request could carry: every request would be refused as MALFORMED."""
+    if token is not None and len(token) > p.MAX_TOKEN_LEN:
+        raise ConfigError(
+            f"the auth token is {len(token)} characters long; the protocol carries at most {p.MAX_TOKEN_LEN}"
+        )
+
+
 class TiersServer:
     """One server: storage, RPC front end and HTTP endpoint. ``serve`` blocks."""
 
@@ -87,6 +95,7 @@ class TiersServer:
             raise ConfigError(
                 f"binding to {config.host} (not loopback) requires --auth-token or {AUTH_TOKEN_ENV}"
             )
+        check_auth_token(auth_token)
         endpoint = rpc_endpoint(config.host, config.port)
         self.config = config
         self.drain_timeout_s = drain_timeout_s
