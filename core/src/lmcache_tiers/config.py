@@ -106,6 +106,10 @@ class ServerConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fi
     metrics_port: Annotated[
         int, _doc("HTTP port for /metrics, /healthz, /status; 0 disables.", ge=0, le=65535)
     ] = 9090
+    metrics_host: Annotated[
+        str,
+        _doc("Address the HTTP endpoint binds to, whatever host is; off loopback, /status needs auth_token."),
+    ] = "127.0.0.1"
     auth_token: Annotated[
         str | None, _doc("Shared secret every request must carry; required off loopback.")
     ] = None

@@ -65,6 +65,12 @@ def serve(
     metrics_port: Annotated[
         Optional[int], typer.Option(help=_help("HTTP metrics port, 0 disables.", "metrics_port"))
     ] = None,
+    metrics_host: Annotated[
+        Optional[str],
+        typer.Option(
+            help=_help("Address of the HTTP endpoint; off loopback /status needs the token.", "metrics_host")
+        ),
+    ] = None,
     auth_token: Annotated[
         Optional[str],
         typer.Option(
@@ -115,6 +121,7 @@ def serve(
         "host": host,
         "port": port,
         "metrics_port": metrics_port,
+        "metrics_host": metrics_host,
         "auth_token": auth_token,
         "no_shm": no_shm,
         "gds_l1_path": gds_l1_path,

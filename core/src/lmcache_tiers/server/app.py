@@ -76,6 +76,21 @@ def check_auth_token(token: str | None) -> None:
         )
 
 
+def check_metrics_host(config: ServerConfig, token: str | None) -> None:
+    """The HTTP endpoint binds an address of its own; beyond loopback, /status (pid, segment
+    name, paths) is served only against the auth token, so one must exist."""
+    if not config.metrics_port:
+        return
+    host = config.metrics_host
+    if "://" in host:
+        raise ConfigError(f"metrics_host {host!r}: give an address or name (HTTP does not serve on {host})")
+    if not is_loopback(host) and not token:
+        raise ConfigError(
+            f"serving HTTP on {host} (not loopback) requires --auth-token or {AUTH_TOKEN_ENV}: "
+            "/status answers only requests that carry it"
+        )
+
+
 class TiersServer:
     """One server: storage, RPC front end and HTTP endpoint. ``serve`` blocks."""
 
@@ -96,6 +111,7 @@ class TiersServer:
                 f"binding to {config.host} (not loopback) requires --auth-token or {AUTH_TOKEN_ENV}"
             )
         check_auth_token(auth_token)
+        check_metrics_host(config, auth_token)
         endpoint = rpc_endpoint(config.host, config.port)
         self.config = config
         self.drain_timeout_s = drain_timeout_s
@@ -125,7 +141,7 @@ class TiersServer:
             )
             if config.metrics_port:
                 metrics = build_registry(self.stats, self.storage_status)
-                http_host = "127.0.0.1" if config.host.startswith("ipc://") else config.host
+                http_host = config.metrics_host
                 try:
                     self.http = HttpEndpoint(
                         http_host,
@@ -133,6 +149,7 @@ class TiersServer:
                         metrics=lambda: render(metrics),
                         status=self.status,
                         health=self.health,
+                        status_token=None if is_loopback(http_host) else auth_token,
                     )
                 except OSError as exc:
                     self.rpc.close()
@@ -240,7 +257,7 @@ def run_server(
     2 for a configuration mistake, 1 when the server cannot start for another reason)."""
     configure_logging()
     console = Console(highlight=False)
-    errors = Console(stderr=True, highlight=False)
+    errors = Console(stderr=True, highlight=False, soft_wrap=True)  # one line, whatever the width
     token = config.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
     hooks = _plugin_hooks()
     from lmcache_tiers.l1 import remove_stale_segments
