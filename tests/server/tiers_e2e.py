@@ -188,8 +188,14 @@ def job_mixed(url: str, worker: int, rounds: int, size: int) -> dict[str, int]:
             data = shared_data + make_payloads(tag, 4, size)
             counts["stored"] += client.store(keys, data)
             hits = client.lookup(keys)
-            if hits != len(keys):
-                raise AssertionError(f"worker {worker}: lookup found {hits} of {len(keys)} just stored")
+            # store() skips keys another worker is still filling (the shared prefix, in the
+            # first round): they become readable when that worker commits, not before.
+            deadline = time.monotonic() + 30
+            while hits != len(keys):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"worker {worker}: lookup found {hits} of {len(keys)} just stored")
+                time.sleep(0.005)
+                hits = client.lookup(keys)
             counts["hits"] += hits
             with client.retrieve(keys) as views:
                 if digest(views) != digest(data):

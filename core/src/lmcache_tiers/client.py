@@ -394,8 +394,11 @@ class Client:
         buffers: Sequence[BufferLike],
         layouts: Sequence[str] | None = None,
     ) -> int:
-        """Store ``buffers[i]`` under ``keys[i]``; returns how many keys were newly stored
-        (keys already on the server are skipped).
+        """Store ``buffers[i]`` under ``keys[i]``; returns how many keys were newly stored.
+
+        Keys already on the server are skipped, and so are keys another client is storing
+        at the same moment: those become readable when that client commits them, so a
+        lookup right after this call may not find them yet.
 
         ``layouts`` name each object's tensor layout (``"bfloat16[2,16,256,1024]"``, see
         :mod:`lmcache_tiers.layout`) for serdes that need it; by default they are taken
