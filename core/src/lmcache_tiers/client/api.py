@@ -1,52 +1,16 @@
-"""Python client of the lmcache-tiers server, used by engines, tests and benchmarks.
-
-::
-
-    from lmcache_tiers.client import Client
-
-    with Client("tcp://127.0.0.1:5555") as client:
-        client.store(keys, tensors)               # bytes, memoryview, numpy, torch CPU
-        hits = client.lookup(keys, timeout=5.0)   # prefix hits in L1+L2, waits for prefetch
-        with client.retrieve(keys[:hits]) as views:
-            for view, out in zip(views, outputs):
-                out[:] = view                       # one copy out of the server's memory
-
-On the same host the client maps the server's L1 shared-memory segment: a store reserves
-extents, copies the caller's bytes in and commits; a retrieve read-locks objects, hands out
-read-only views into the segment and releases the locks when the ``with`` block ends, so
-no payload byte crosses the socket.  Elsewhere (or with ``shm=False``) the bytes travel
-inline in the messages and the same calls work unchanged.
-
-A ``lookup`` leaves its hit prefix read-locked for this client so the objects cannot be
-evicted before they are retrieved; ``retrieve`` (on exit) and ``release`` drop those
-locks, and the server's lock TTL reclaims them from a client that never does.
-
-A shared-memory view is valid while its lock lives (its *lease*).  The server never
-reuses a locked extent, and holds it back for a while even when a lock was broken (a
-forced clear, the lock TTL); should a reader still outlast that, the segment's
-generation table shows the extent changed hands, and ``retrieve`` raises
-:class:`StaleReadError` at the end of its block (``retrieve_into`` retries first)
-instead of letting wrong bytes pass as the object's.
-
-One Client is one ZeroMQ socket: calls are serialized with a lock, so sharing a client
-between threads is safe but not parallel; use one client per thread for parallelism.
-"""
+"""The :class:`Client`: store, lookup, retrieve and release over one :class:`Connection`."""
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import os
-import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
-import msgspec
 import numpy as np
-import zmq
 
-from lmcache_tiers.errors import TiersError
+from lmcache_tiers.client.connection import Connection
+from lmcache_tiers.client.errors import ClientError, ProtocolError, RequestTimeoutError, StaleReadError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.layout import check_layout, layout_of
 from lmcache_tiers.wire import protocol as p
@@ -57,63 +21,6 @@ from lmcache_tiers.wire.shm import (
     as_byte_array,
     as_writable_byte_array,
 )
-
-__all__ = [
-    "AUTH_TOKEN_ENV",
-    "Client",
-    "ClientError",
-    "ProtocolError",
-    "RequestTimeoutError",
-    "ServerError",
-    "StaleReadError",
-]
-
-AUTH_TOKEN_ENV = "LMCACHE_TIERS_AUTH_TOKEN"
-
-_R = TypeVar("_R", bound=p._Reply)
-
-# Plain ints: pyzmq's flags are Python enums, and combining them runs enum code on every
-# request, a noticeable share of a LOOKUP round trip.
-_NOBLOCK = int(zmq.NOBLOCK)
-_SNDMORE = int(zmq.SNDMORE)
-_SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
-_OK = p.ErrorCode.OK.value
-
-
-class ClientError(TiersError):
-    """Base class of every error the client raises."""
-
-
-class RequestTimeoutError(ClientError, TimeoutError):
-    """The server did not answer in time (not running, overloaded, or unreachable)."""
-
-
-class ProtocolError(ClientError):
-    """The server answered something this client cannot understand."""
-
-
-class ServerError(ClientError):
-    """The server answered with an error code."""
-
-    def __init__(self, code: p.ErrorCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.server_message = message
-
-
-class StaleReadError(ClientError):
-    """Objects whose extents changed hands while this client read them (its lease was
-    broken by a forced clear or outlived by the lock TTL): the bytes read for ``keys``
-    may belong to other objects and must not be used."""
-
-    def __init__(self, keys: Sequence[ObjectKey]) -> None:
-        first = keys[0]
-        super().__init__(
-            f"the bytes of {len(keys)} retrieved objects may have changed while they were held "
-            f"(first: model {first.model_name!r}, chunk {first.chunk_hash.hex()[:16]}); "
-            "their lease ended early (a forced clear, or held past the lock TTL): retrieve them again"
-        )
-        self.keys = list(keys)
 
 
 def _sent_layouts(layouts: Sequence[str]) -> list[str]:
@@ -127,14 +34,7 @@ def _copy_into(target: np.ndarray[Any, Any], source: np.ndarray[Any, Any]) -> No
     target[: source.nbytes] = source
 
 
-def _error_code(value: int) -> p.ErrorCode:
-    try:
-        return p.ErrorCode(value)
-    except ValueError:
-        return p.ErrorCode.INTERNAL
-
-
-class Client:
+class Client(Connection):
     """Connection to one lmcache-tiers server.
 
     ``timeout`` bounds every request (seconds).  ``auth_token`` defaults to
@@ -155,43 +55,13 @@ class Client:
         shm: bool = True,
         name: str = "",
     ) -> None:
-        if timeout <= 0:
-            raise ValueError("timeout must be positive")
-        self.url = url
-        self.timeout = timeout
-        self._token = auth_token if auth_token is not None else os.environ.get(AUTH_TOKEN_ENV, "")
-        if len(self._token) > p.MAX_TOKEN_LEN or len(name) > p.MAX_TOKEN_LEN:
-            raise ClientError(f"auth token and client name are limited to {p.MAX_TOKEN_LEN} characters")
-        self._ids = itertools.count(1)
-        self._lock = threading.RLock()
-        self._pid = os.getpid()
         self._segment: MappedSegment | None = None
-        self._closed = False
-        # requests that timed out, by id, in case their replies still arrive
-        self._orphans: dict[int, p._Request] = {}
-        self._receive_timeout_ms = -1
-        # ids of requests sent and not yet answered, and answers that came in early
-        self._outstanding: set[int] = set()
-        self._early: dict[int, tuple[p.Reply, list[Any]]] = {}
-        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        # Fail fast instead of queueing requests forever for a peer that never appears.
-        self._socket.setsockopt(zmq.IMMEDIATE, 1)
+        super().__init__(url, timeout=timeout, auth_token=auth_token, name=name)
         try:
-            try:
-                self._socket.connect(url)
-            except zmq.ZMQError as exc:
-                raise ClientError(f"invalid server URL {url!r}: {exc}") from None
-            self.server = self._call(
-                p.Hello(0, self._token, p.PROTOCOL_VERSION, name, os.getpid()), p.HelloReply
-            )
             self._segment = self._map_segment(shm)
         except BaseException:
             self.close()
             raise
-        self.max_keys = max(1, self.server.max_keys)
-
-    # -- connection ------------------------------------------------------------------------
 
     def _map_segment(self, shm: bool) -> MappedSegment | None:
         server = self.server
@@ -216,13 +86,10 @@ class Client:
 
     def close(self) -> None:
         """Close the socket and unmap the segment. Locks still held expire on the server."""
-        if self._closed:
-            return
-        self._closed = True
         if self._segment is not None:
             self._segment.close()
             self._segment = None
-        self._socket.close(0)
+        super().close()
 
     def __enter__(self) -> Client:
         return self
@@ -233,144 +100,6 @@ class Client:
     def __repr__(self) -> str:
         mode = "closed" if self._closed else ("shm" if self.uses_shm else "inline")
         return f"Client({self.url!r}, {mode})"
-
-    # -- request/reply -----------------------------------------------------------------------
-
-    def _call(
-        self,
-        request: p._Request,
-        expect: type[_R],
-        payloads: Sequence[Any] = (),
-        timeout: float | None = None,
-    ) -> _R:
-        reply, _ = self._exchange(request, expect, payloads, timeout)
-        return reply
-
-    def _exchange(
-        self,
-        request: p._Request,
-        expect: type[_R],
-        payloads: Sequence[Any] = (),
-        timeout: float | None = None,
-    ) -> tuple[_R, list[Any]]:
-        with self._lock:
-            deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-            self._start(request, payloads, deadline)
-            return self._await(request, expect, deadline)
-
-    def _start(self, request: p._Request, payloads: Sequence[Any], deadline: float) -> None:
-        """Send one request (caller holds the lock); its reply is collected by ``_await``."""
-        if self._closed:
-            raise ClientError("the client is closed")
-        if os.getpid() != self._pid:
-            raise ClientError("a Client cannot be used in a forked child; create a new one there")
-        request.req_id = next(self._ids)
-        request.token = self._token
-        header = p.encode(request)
-        if len(header) > p.MAX_HEADER_BYTES:
-            # The server would refuse it anyway; say so now rather than after a round trip.
-            raise ClientError(
-                f"{type(request).__name__} encodes to {len(header)} bytes, over the protocol's "
-                f"{p.MAX_HEADER_BYTES}-byte header limit"
-            )
-        self._send(header, payloads, deadline)
-        self._outstanding.add(request.req_id)
-
-    def _await(self, request: p._Request, expect: type[_R], deadline: float) -> tuple[_R, list[Any]]:
-        """Receive until the reply to ``request`` arrives; replies to other outstanding
-        requests of this client are kept for their own ``_await``."""
-        req_id = request.req_id
-        # Zero-copy frames only where payloads come back; plain bytes are cheaper.
-        zero_copy = isinstance(request, p.Retrieve) and request.inline
-        arrived = self._early.pop(req_id, None)
-        while arrived is None:
-            remaining = deadline - time.monotonic()
-            frames = self._receive(remaining, zero_copy) if remaining > 0 else None
-            if frames is None:
-                self._outstanding.discard(req_id)
-                self._remember_orphan(request)
-                raise RequestTimeoutError(f"no reply from {self.url} to {type(request).__name__} in time")
-            try:
-                reply = p.reply_decoder.decode(frames[0])
-            except msgspec.DecodeError as exc:
-                raise ProtocolError(f"undecodable reply from {self.url}: {exc}") from None
-            if reply.req_id == req_id:
-                arrived = reply, frames
-            elif reply.req_id in self._outstanding:
-                self._early[reply.req_id] = (reply, frames)
-            else:
-                self._settle_orphan(reply)
-        self._outstanding.discard(req_id)
-        reply, frames = arrived
-        if reply.code != _OK:
-            raise ServerError(_error_code(reply.code), reply.message)
-        if not isinstance(reply, expect):
-            raise ProtocolError(f"expected {expect.__name__} but got {type(reply).__name__}")
-        return reply, frames[1:]
-
-    def _receive(self, seconds: float, zero_copy: bool) -> list[Any] | None:
-        # A blocking receive with a timeout wakes up faster than polling first.
-        timeout_ms = max(1, int(seconds * 1000))
-        if timeout_ms != self._receive_timeout_ms:
-            self._socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
-            self._receive_timeout_ms = timeout_ms
-        # Frames carry their "more" flag; recv_multipart would ask getsockopt(RCVMORE),
-        # which runs pyzmq's Python-level option lookup, for every part.
-        sock = self._socket
-        try:
-            part = sock.recv(copy=False)
-            frames: list[Any] = [part if zero_copy else part.bytes]
-            while part.more:
-                part = sock.recv(copy=False)
-                frames.append(part if zero_copy else part.bytes)
-        except zmq.Again:
-            return None
-        return frames
-
-    def _send(self, header: bytes, payloads: Sequence[Any], deadline: float) -> None:
-        sock = self._socket
-        while True:
-            try:
-                sock.send(header, _SNDMORE_NOBLOCK if payloads else _NOBLOCK)
-                break
-            except zmq.Again:
-                # IMMEDIATE: nothing is queued while the server is unreachable, so a request
-                # never reaches a server long after its caller gave up on it.
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000)), zmq.POLLOUT):
-                    raise RequestTimeoutError(f"cannot reach the server at {self.url}") from None
-        last = len(payloads) - 1
-        for index, payload in enumerate(payloads):
-            sock.send(payload, _SNDMORE if index < last else 0, copy=False)
-
-    def _remember_orphan(self, request: p._Request) -> None:
-        if isinstance(request, (p.StoreReserve, p.Retrieve, p.Lookup)):
-            self._orphans[request.req_id] = request
-            while len(self._orphans) > 1024:
-                self._orphans.pop(next(iter(self._orphans)))
-
-    def _settle_orphan(self, reply: p._Reply) -> None:
-        """A reply arrived after its request timed out: give back what it took on our
-        behalf (reservations, read locks), which nobody will otherwise release before the
-        server's TTL.  The follow-up request's own reply is discarded like this one."""
-        request = self._orphans.pop(reply.req_id, None)
-        if request is None or reply.code != p.ErrorCode.OK:
-            return
-        follow_up: p._Request | None = None
-        if isinstance(request, p.StoreReserve) and isinstance(reply, p.StoreReserveReply):
-            keys = [k for k, slot in zip(request.keys, reply.slots, strict=False) if slot.offset != p.NO_SLOT]
-            follow_up = p.StoreAbort(next(self._ids), self._token, keys) if keys else None
-        elif isinstance(request, p.Retrieve) and isinstance(reply, p.RetrieveReply) and not request.inline:
-            follow_up = p.Release(next(self._ids), self._token, request.keys[: len(reply.slots)])
-        elif isinstance(request, p.Lookup) and isinstance(reply, p.LookupReply) and reply.hits:
-            follow_up = p.Release(next(self._ids), self._token, request.keys[: reply.hits])
-        if follow_up is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._socket.send(p.encode(follow_up), zmq.NOBLOCK)
-
-    def _batches(self, count: int) -> Iterator[slice]:
-        for start in range(0, count, self.max_keys):
-            yield slice(start, min(count, start + self.max_keys))
 
     # -- API ---------------------------------------------------------------------------------
 
