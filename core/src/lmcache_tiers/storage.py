@@ -289,7 +289,8 @@ class StorageManager:
             self.l1.finish_read(keys, count)
 
     def clear(self, *, force: bool = False) -> int:
-        """Delete L1 objects (unlocked ones unless ``force``); returns how many."""
+        """Delete L1 objects (unlocked ones unless ``force``, which also takes read-locked
+        ones, holding their extents for their readers); returns how many."""
         self._check_open()
         return self.l1.clear(force=force)
 

@@ -114,7 +114,9 @@ class Client(Connection):
         return self._call(p.Status(0, ""), p.StatusReply).status
 
     def clear(self, *, force: bool = False) -> int:
-        """Delete every unlocked object from L1 (every object with ``force``)."""
+        """Delete every unlocked object from L1; returns how many.  With ``force`` also the
+        read-locked ones: they leave L1 at once, but their readers keep their bytes until
+        they release them.  Objects being written are left to their writers."""
         return self._call(p.Clear(0, "", force), p.ClearReply).cleared
 
     def store(
