@@ -103,13 +103,12 @@ class ServerConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fi
     l2_prefetch_max_in_flight: Annotated[
         int, _doc("Prefetch requests running at once; the rest queue.", ge=1)
     ] = 8
+    metrics_host: Annotated[
+        str, _doc("Address the HTTP endpoint (/metrics, /healthz, /status) binds to.")
+    ] = "127.0.0.1"
     metrics_port: Annotated[
         int, _doc("HTTP port for /metrics, /healthz, /status; 0 disables.", ge=0, le=65535)
     ] = 9090
-    metrics_host: Annotated[
-        str,
-        _doc("Address the HTTP endpoint binds to, whatever host is; off loopback, /status needs auth_token."),
-    ] = "127.0.0.1"
     auth_token: Annotated[
         str | None, _doc("Shared secret every request must carry; required off loopback.")
     ] = None

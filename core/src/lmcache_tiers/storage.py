@@ -199,6 +199,18 @@ class StorageManager:
             self.l1_eviction.wake()
         return reserved
 
+    def commit_write(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Make reserved objects READY and queue them for L2; False for keys not reserved."""
+        self._check_open()
+        done = self.l1.finish_write(keys)
+        committed = [key for key, ok in zip(keys, done, strict=True) if ok]
+        self.stats.add("keys_written", len(committed))
+        self.store.submit(committed)
+        return done
+
+    def abort_write(self, keys: Sequence[ObjectKey]) -> None:
+        self.l1.abort_write(keys)
+
     def _refuse_if_it_cannot_fit(self, keys: Sequence[ObjectKey], sizes: Sequence[int]) -> None:
         """Evicting for a batch that cannot fit anyway would only empty L1 for nothing."""
         new_sizes: dict[ObjectKey, int] = {}
@@ -217,18 +229,6 @@ class StorageManager:
         )
         logger.warning("%s", message)
         raise L1OutOfMemoryError(message)
-
-    def commit_write(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        """Make reserved objects READY and queue them for L2; False for keys not reserved."""
-        self._check_open()
-        done = self.l1.finish_write(keys)
-        committed = [key for key, ok in zip(keys, done, strict=True) if ok]
-        self.stats.add("keys_written", len(committed))
-        self.store.submit(committed)
-        return done
-
-    def abort_write(self, keys: Sequence[ObjectKey]) -> None:
-        self.l1.abort_write(keys)
 
     # -- lookups and reads ---------------------------------------------------------------
 
@@ -289,8 +289,7 @@ class StorageManager:
             self.l1.finish_read(keys, count)
 
     def clear(self, *, force: bool = False) -> int:
-        """Delete L1 objects (unlocked ones unless ``force``, which also takes read-locked
-        ones, holding their extents for their readers); returns how many."""
+        """Delete L1 objects (unlocked ones unless ``force``); returns how many."""
         self._check_open()
         return self.l1.clear(force=force)
 
