@@ -37,7 +37,7 @@ from lmcache_tiers.cli.commands_server import bench_table, run_with_progress
 from lmcache_tiers.cli.output import stdout
 from lmcache_tiers.client import Client, ClientError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.server import protocol as p
+from lmcache_tiers.wire import protocol as p
 
 STORE_TARGET = 0.5  # of memcpy
 LOOKUP_TARGET_PER_S = 10_000

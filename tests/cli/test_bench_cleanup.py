@@ -23,9 +23,9 @@ from lmcache_tiers.client import Client, ClientError
 from lmcache_tiers.config import build_config
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.plugins import load_registry
-from lmcache_tiers.server import protocol as p
 from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.server.benchmark import run_bench
+from lmcache_tiers.wire import protocol as p
 
 
 def _production_data(count: int) -> tuple[list[ObjectKey], list[np.ndarray]]:  # type: ignore[type-arg]

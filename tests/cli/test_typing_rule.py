@@ -2,8 +2,9 @@
 
 A value has its field's type: numbers unquoted, switches true/false, text as strings.
 NIXL's ``backend_params`` is a map of strings handed to NIXL; bare numbers and booleans
-there are taken as their string form, as LMCache takes them.  The same value is accepted or refused the same way
-wherever it is written, and a refusal names the full path of the value.
+there are taken as their string form, as LMCache takes them.  The same value is
+accepted or refused the same way wherever it is written, and a refusal names the full
+path of the value.
 """
 
 from __future__ import annotations

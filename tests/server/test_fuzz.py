@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tiers_e2e import ServerProcess, start_server
 
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.server import protocol as p
+from lmcache_tiers.wire import protocol as p
 
 REPLY_TIMEOUT_MS = 15_000
 FUZZ = settings(

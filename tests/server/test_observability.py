@@ -5,31 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-from tiers_e2e import ServerProcess, make_keys, make_payloads, start_server
+from tiers_e2e import ServerProcess, fetch, make_keys, make_payloads, metric, start_server
 
 from lmcache_tiers.client import Client, ServerError
-from lmcache_tiers.server.protocol import ErrorCode
-
-
-def fetch(url: str) -> tuple[int, str, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, response.headers["Content-Type"], response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.headers["Content-Type"], exc.read().decode()
-
-
-def metric(text: str, name: str, labels: str = "") -> float:
-    prefix = f"{name}{{{labels}}}" if labels else name
-    for line in text.splitlines():
-        if line.startswith(prefix + " "):
-            return float(line.split()[-1])
-    raise AssertionError(f"{prefix} not in /metrics:\n{text}")
+from lmcache_tiers.wire.protocol import ErrorCode
 
 
 def test_metrics_status_and_health(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 from tiers_e2e import LAUNCHER, digest, free_port, make_keys, make_payloads, start_server
 
 from lmcache_tiers.client import Client, ServerError
-from lmcache_tiers.server.protocol import ErrorCode, StoreReserve, StoreReserveReply
+from lmcache_tiers.wire.protocol import ErrorCode, StoreReserve, StoreReserveReply
 
 
 def test_every_request_needs_the_token(tmp_path: Path) -> None:
@@ -87,3 +87,29 @@ def test_no_shm_server_serves_inline(tmp_path: Path) -> None:
         assert refused.value.code is ErrorCode.INVALID_ARGUMENT
     finally:
         assert server.stop() == 0, server.output()
+
+
+def test_a_token_longer_than_the_protocol_carries_is_refused_at_start_up(tmp_path: Path) -> None:
+    token = "t" * 300
+    spec = {"config": {"port": free_port(), "metrics_port": 0, "l1_size_gb": 0.01, "auth_token": token}}
+    launched = subprocess.run(
+        [sys.executable, str(LAUNCHER), json.dumps(spec), str(tmp_path / "ready")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert launched.returncode == 2
+    assert "at most 256" in launched.stderr and len(launched.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "ready").exists()
+
+    command = [sys.executable, "-m", "lmcache_tiers.cli.main", "serve", "--no-default-l2"]
+    served = subprocess.run(
+        [*command, "--port", str(free_port()), "--metrics-port", "0", "--l1-size-gb", "0.01"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "LMCACHE_TIERS_AUTH_TOKEN": token, "COLUMNS": "200"},
+    )
+    assert served.returncode == 2
+    assert "longer than the 256 characters" in served.stderr
+    assert len(served.stderr.strip().splitlines()) == 1

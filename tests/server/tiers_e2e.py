@@ -14,6 +14,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +25,7 @@ import numpy as np
 
 from lmcache_tiers.client import Client, ClientError, RequestTimeoutError, ServerError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.server.protocol import StoreReserve, StoreReserveReply
+from lmcache_tiers.wire.protocol import StoreReserve, StoreReserveReply
 
 HERE = Path(__file__).parent
 LAUNCHER = HERE / "serve_for_tests.py"
@@ -115,6 +117,25 @@ def start_server(
     return server
 
 
+def fetch(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """GET ``url``: (status, content type, body), for error statuses too."""
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.headers["Content-Type"], response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers["Content-Type"], exc.read().decode()
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """The value of one sample in Prometheus text; fails if it is not there."""
+    prefix = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(prefix + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{prefix} not in /metrics:\n{text}")
+
+
 # -- deterministic test data -------------------------------------------------------------
 
 
@@ -167,8 +188,14 @@ def job_mixed(url: str, worker: int, rounds: int, size: int) -> dict[str, int]:
             data = shared_data + make_payloads(tag, 4, size)
             counts["stored"] += client.store(keys, data)
             hits = client.lookup(keys)
-            if hits != len(keys):
-                raise AssertionError(f"worker {worker}: lookup found {hits} of {len(keys)} just stored")
+            # store() skips keys another worker is still filling (the shared prefix, in the
+            # first round): they become readable when that worker commits, not before.
+            deadline = time.monotonic() + 30
+            while hits != len(keys):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"worker {worker}: lookup found {hits} of {len(keys)} just stored")
+                time.sleep(0.005)
+                hits = client.lookup(keys)
             counts["hits"] += hits
             with client.retrieve(keys) as views:
                 if digest(views) != digest(data):
@@ -211,3 +238,10 @@ def job_vanish_holding_locks(url: str, tag: str, count: int) -> None:
         raise AssertionError("the chunks to lock are not stored")
     client._call(StoreReserve(0, "", make_keys(tag + "/unfinished", 2), [4096, 4096]), StoreReserveReply)
     os._exit(0)
+
+
+def job_force_clear_and_store(url: str, tag: str, count: int, size: int) -> tuple[int, int]:
+    """Another tenant: clear L1 by force, then store new chunks; returns (cleared, stored)."""
+    with Client(url, timeout=30) as client:
+        cleared = client.clear(force=True)
+        return cleared, client.store(make_keys(tag, count), make_payloads(tag, count, size))

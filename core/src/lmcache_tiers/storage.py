@@ -176,7 +176,8 @@ class StorageManager:
 
         ``layouts`` are the objects' tensor layouts ("" = unknown), checked against their
         sizes and handed to the L2 serde chains.  Raises L1OutOfMemoryError when even
-        eviction cannot make room (everything locked).
+        eviction cannot make room -- before evicting anything when even evicting every
+        unlocked object would not be enough (a batch larger than L1, or L1 mostly locked).
         """
         self._check_open()
         if layouts is not None:
@@ -187,6 +188,7 @@ class StorageManager:
         try:
             reserved = self.l1.reserve_write(keys, sizes, layouts=layouts)
         except L1OutOfMemoryError:
+            self._refuse_if_it_cannot_fit(keys, sizes)
             self.l1_eviction.evict_now(aligned_total(sizes, self.config.l1_align_bytes))
             try:
                 reserved = self.l1.reserve_write(keys, sizes, layouts=layouts)
@@ -210,6 +212,25 @@ class StorageManager:
 
     def abort_write(self, keys: Sequence[ObjectKey]) -> None:
         self.l1.abort_write(keys)
+
+    def _refuse_if_it_cannot_fit(self, keys: Sequence[ObjectKey], sizes: Sequence[int]) -> None:
+        """Evicting for a batch that cannot fit anyway would only empty L1 for nothing."""
+        new_sizes: dict[ObjectKey, int] = {}
+        for key, size in zip(keys, sizes, strict=True):
+            if key not in new_sizes and not self.l1.contains(key):
+                new_sizes[key] = size  # a key repeated in the batch is reserved once, at its first size
+        need = aligned_total(new_sizes.values(), self.config.l1_align_bytes)
+        room = self.l1.reclaimable_bytes()
+        if need <= room:
+            return
+        self.stats.fail("l1_write_cannot_fit")
+        message = (
+            f"a store of {len(new_sizes)} new objects needs {need} bytes of L1, but at most {room} of "
+            f"{self.l1.capacity_bytes} can be made free (the rest is locked or being written): "
+            "refused without evicting anything"
+        )
+        logger.warning("%s", message)
+        raise L1OutOfMemoryError(message)
 
     # -- lookups and reads ---------------------------------------------------------------
 

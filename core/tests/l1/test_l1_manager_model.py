@@ -62,6 +62,8 @@ class ManagerModel(RuleBasedStateMachine):
         self.l1.add_listener(self.notes)
         self.model: dict[ObjectKey, Entry] = {}
         self.removed: list[ObjectKey] = []
+        # extents of read-locked objects deleted by force: [units, locks still held], per key
+        self.quarantined: dict[ObjectKey, list[list[int]]] = {}
 
     def make_manager(self) -> L1Manager:
         return L1Manager(UNITS * ALIGN, align=ALIGN, prefault=False)
@@ -137,10 +139,18 @@ class ManagerModel(RuleBasedStateMachine):
     def finish_read(self, batch: list[ObjectKey], count: int) -> None:
         self.l1.finish_read(batch, count)
         for k in dict.fromkeys(batch):
+            left = count
+            held = self.quarantined.get(k, [])
+            while held and left:  # quarantined extents are credited first, oldest first
+                taken = min(left, held[0][1])
+                held[0][1] -= taken
+                left -= taken
+                if held[0][1] == 0:
+                    held.pop(0)
             entry = self.model.get(k)
-            if entry is None or entry.read_locks == 0:
+            if entry is None or entry.read_locks == 0 or not left:
                 continue
-            entry.read_locks = max(0, entry.read_locks - count)
+            entry.read_locks = max(0, entry.read_locks - left)
             if entry.read_locks == 0 and entry.temporary:
                 self._remove(k)
 
@@ -150,9 +160,12 @@ class ManagerModel(RuleBasedStateMachine):
         expected = []
         for k in batch:
             entry = self.model.get(k)
-            ok = entry is not None and (force or (not entry.writing and entry.read_locks == 0))
+            ok = entry is not None and not entry.writing and (force or entry.read_locks == 0)
             expected.append(ok)
             if ok:
+                assert entry is not None
+                if entry.read_locks:
+                    self.quarantined.setdefault(k, []).append([entry.units, entry.read_locks])
                 self._remove(k)
         assert result == expected
 
@@ -183,6 +196,7 @@ class ManagerModel(RuleBasedStateMachine):
                 self._remove(k)
             else:
                 entry.read_locks = 0
+        self.quarantined.clear()  # at the end of time every lease has ended
 
     @rule(batch=key_lists, temporary=st.booleans())
     def set_temporary(self, batch: list[ObjectKey], temporary: bool) -> None:
@@ -205,7 +219,9 @@ class ManagerModel(RuleBasedStateMachine):
     def matches_model(self) -> None:
         stats = self.l1.stats()
         assert stats.objects == len(self.model)
-        assert stats.used_bytes == sum(e.units for e in self.model.values()) * ALIGN
+        held = sum(units for entries in self.quarantined.values() for units, _ in entries)
+        assert stats.used_bytes == (sum(e.units for e in self.model.values()) + held) * ALIGN
+        assert self.l1.lease_stats().quarantined_bytes == held * ALIGN
         assert stats.write_locked == sum(e.writing for e in self.model.values())
         assert stats.read_locks == sum(e.read_locks for e in self.model.values())
         assert stats.temporary == sum(e.temporary for e in self.model.values())

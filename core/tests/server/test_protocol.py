@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.server import protocol as p
+from lmcache_tiers.wire import protocol as p
 
 KEY = ObjectKey("model", 7, b"\x01" * 32, 2, "tenant")
 
@@ -104,3 +104,43 @@ def test_out_of_range_fields_are_refused(document: list[object]) -> None:
 )
 def test_diagnosis_of_undecodable_headers(header: bytes, expected: tuple[int, p.ErrorCode]) -> None:
     assert p.diagnose_undecodable(header) == expected
+
+
+class _OldSlot(msgspec.Struct, array_like=True, gc=False):
+    offset: int
+    size: int
+
+
+class _OldRetrieveReply(msgspec.Struct, array_like=True, gc=False, tag_field="op", tag=p.Op.RETRIEVE.value):
+    req_id: int
+    code: int = 0
+    message: str = ""
+    slots: list[_OldSlot] = []
+    truncated: bool = False
+
+
+def test_generations_are_optional_in_both_directions() -> None:
+    # a client of the previous release ignores the trailing generation...
+    new = p.RetrieveReply(4, slots=[p.Slot(8192, 10, 5)])
+    old = msgspec.msgpack.decode(p.encode(new), type=_OldRetrieveReply)
+    assert [(slot.offset, slot.size) for slot in old.slots] == [(8192, 10)]
+    # ...and a reply of the previous release decodes with generation 0 and no table
+    decoded = p.reply_decoder.decode(msgspec.msgpack.encode(_OldRetrieveReply(4, slots=[_OldSlot(0, 3)])))
+    assert isinstance(decoded, p.RetrieveReply) and decoded.slots == [p.Slot(0, 3, 0)]
+    hello = p.reply_decoder.decode(msgspec.msgpack.encode([p.Op.HELLO, 1, 0, "", 1, "", 256]))
+    assert isinstance(hello, p.HelloReply) and (hello.generation_offset, hello.generation_block) == (0, 0)
+
+
+@pytest.mark.parametrize("req_id", [0, 1, 127, 128, 255, 256, 65_535, 65_536, 2**32, 2**63 - 1])
+def test_the_request_id_of_an_oversized_header_is_read_from_its_start(req_id: int) -> None:
+    header = p.encode(p.Lookup(req_id, "t" * 200, [KEY] * 100))
+    assert p.peek_request_id(header) == req_id
+    assert p.peek_request_id(header[:3]) == (req_id if req_id < 128 else 0)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [b"", b"\x92", msgspec.msgpack.encode({"op": 3}), msgspec.msgpack.encode([300, 7]), b"\x93\x03\xcf\x01"],
+)
+def test_headers_that_do_not_start_like_a_request_have_no_id(header: bytes) -> None:
+    assert p.peek_request_id(header) == 0

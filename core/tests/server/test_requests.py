@@ -12,8 +12,8 @@ import torch
 
 from lmcache_tiers.client import Client, ClientError, ProtocolError, RequestTimeoutError, ServerError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.server import protocol as p
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.wire import protocol as p
 
 Factory = Callable[..., TiersServer]
 
@@ -247,3 +247,81 @@ def test_layouts_travel_with_stored_objects(server: TiersServer, shm: bool) -> N
             client.store(keys_of(1), [b"z" * 10], layouts=["float16[4]"])
     layouts = [server.storage.l1.get(key).layout for key in keys]
     assert layouts == ["bfloat16[2,12]", "float32[3,4]", "float16[4,6]"]
+
+
+def _fill(client: Client, count: int, size: int) -> list[ObjectKey]:
+    keys = keys_of(count)
+    assert client.store(keys, [np.full(size, index, dtype=np.uint8) for index in range(count)]) == count
+    return keys
+
+
+@pytest.mark.parametrize(
+    ("count", "size"),
+    [(1, 70 << 20), (10, 8 << 20)],
+    ids=["one object larger than L1", "a batch larger than L1"],
+)
+def test_a_store_that_cannot_fit_evicts_nothing(make_server: Factory, count: int, size: int) -> None:
+    server = make_server(eviction_trigger_watermark=1.0)  # no background eviction in the way
+    with Client(server.endpoint) as client:
+        resident = _fill(client, 15, 4 << 20)  # 60 of the 64 MiB
+        with pytest.raises(ServerError) as refused:
+            client.store(keys_of(count), [np.zeros(size, dtype=np.uint8)] * count)
+        assert refused.value.code is p.ErrorCode.OUT_OF_MEMORY
+        assert client.lookup(resident) == 15  # every resident object is still there
+        client.release(resident)
+        assert "without evicting anything" in refused.value.server_message
+    status = server.storage.status()
+    assert status["eviction"]["l1"]["evicted_keys"] == 0
+    assert status["failures"]["l1_write_cannot_fit"] == 1
+
+
+def test_locked_objects_count_against_the_room_a_store_can_get(make_server: Factory) -> None:
+    server = make_server(eviction_trigger_watermark=1.0)
+    with Client(server.endpoint) as client:
+        resident = _fill(client, 15, 4 << 20)
+        assert client.lookup(resident[:10]) == 10  # 40 MiB read-locked: at most 24 MiB can be freed
+        with pytest.raises(ServerError, match="without evicting anything"):
+            client.store(keys_of(1), [np.zeros(30 << 20, dtype=np.uint8)])
+        assert server.storage.status()["eviction"]["l1"]["evicted_keys"] == 0
+        # what eviction can make room for is still stored, by evicting unlocked objects only
+        assert client.store(keys_of(1), [np.zeros(20 << 20, dtype=np.uint8)]) == 1
+        assert server.storage.status()["eviction"]["l1"]["evicted_keys"] > 0
+        assert client.lookup(resident[:10]) == 10
+        client.release(resident)
+
+
+def test_lookups_longer_than_one_request_are_split_with_prefix_semantics(server: TiersServer) -> None:
+    count = p.MAX_KEYS_PER_REQUEST + 808
+    keys = keys_of(count)
+    with Client(server.endpoint) as client:
+        assert client.store(keys, [b"k" * 64] * count) == count
+        assert client.lookup(keys) == count  # two requests, not a silent cut at the limit
+        assert server.storage.l1.stats().read_locks == count
+        assert client.release(keys) == count
+        assert client.lookup_many([keys, keys[:10], keys_of(3)]) == [count, 10, 0]
+        assert client.release(keys) == count
+        gap = p.MAX_KEYS_PER_REQUEST + 100
+        assert server.storage.l1.delete([keys[gap]]) == [True]
+        assert client.lookup(keys) == gap
+        assert client.release(keys) == gap
+        with pytest.raises(ValueError, match="at most 8192 keys"):
+            client.start_lookup(keys)
+    assert l1(server)["read_locks"] == 0
+
+
+def test_a_later_part_is_asked_only_after_a_full_hit(server: TiersServer) -> None:
+    keys = keys_of(10)
+    with Client(server.endpoint) as client:
+        client.max_keys = 4  # as if the server took four keys per request
+        client.store(keys[:6], blobs(6, 100))
+        before = server.stats.requests["Lookup"]
+        assert client.lookup(keys) == 6  # [0:4] full, [4:8] two hits: [8:10] is never asked
+        assert server.stats.requests["Lookup"] - before == 2
+        assert client.release(keys) == 6
+        assert client.lookup(keys[6:]) == 0
+        assert server.stats.requests["Lookup"] - before == 3
+
+
+def test_tokens_longer_than_the_protocol_carries_are_refused_by_the_client(server: TiersServer) -> None:
+    with pytest.raises(ClientError, match="limited to 256"):
+        Client(server.endpoint, auth_token="t" * (p.MAX_TOKEN_LEN + 1))

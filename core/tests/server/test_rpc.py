@@ -9,10 +9,10 @@ import msgspec
 import pytest
 import zmq
 
-from lmcache_tiers.client import Client, ServerError
+from lmcache_tiers.client import Client, ClientError, RequestTimeoutError, ServerError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.server import protocol as p
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.wire import protocol as p
 
 Factory = Callable[..., TiersServer]
 KEY = ObjectKey("unit", 0, b"k" * 16)
@@ -117,3 +117,23 @@ def test_unknown_handles_are_not_found(server: TiersServer) -> None:
         assert hits == 0
         with Client(server.endpoint) as other, pytest.raises(ServerError):
             other.query_prefetch(handle)
+
+
+def test_an_oversized_header_is_refused_under_its_own_request_id(raw: Callable[..., p.Reply]) -> None:
+    header = msgspec.msgpack.encode([p.Op.LOOKUP, 4242, "", "x" * (p.MAX_HEADER_BYTES + 1)])
+    reply = raw(header)
+    assert (reply.req_id, reply.code) == (4242, p.ErrorCode.TOO_LARGE)
+    assert "limit" in reply.message
+
+
+def test_the_client_refuses_to_send_an_oversized_header(server: TiersServer) -> None:
+    model = "m" * 256
+    keys = [
+        ObjectKey(model, 0, index.to_bytes(64, "big"), 0, "s" * 128)
+        for index in range(p.MAX_KEYS_PER_REQUEST + 2000)
+    ]
+    with Client(server.endpoint, timeout=5) as client:
+        with pytest.raises(ClientError, match="header limit") as refused:
+            client._call(p.Lookup(0, "", keys), p.LookupReply)
+        assert not isinstance(refused.value, RequestTimeoutError)
+        assert client.ping() > 0  # nothing is left waiting

@@ -46,12 +46,3 @@ def test_sweep_drops_idle_empty_sessions_and_expired_records() -> None:
     busy.prefetches.clear()
     table.sweep(now=61.0)
     assert len(table) == 0
-
-
-def test_forced_clear_forgets_every_lock() -> None:
-    table = SessionTable(lock_ttl_s=10, write_ttl_s=20)
-    session = table.get(b"x", 0.0)
-    session.add_read_locks([A], 10.0)
-    session.add_writes({B: 1}, 20.0)
-    table.forget_all_locks()
-    assert table.totals() == (0, 0, 0)

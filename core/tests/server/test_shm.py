@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lmcache_tiers.l1 import L1Arena
-from lmcache_tiers.server.shm import (
+from lmcache_tiers.wire import protocol as p
+from lmcache_tiers.wire.shm import (
     MappedSegment,
     SegmentMismatch,
     as_byte_array,
@@ -106,3 +107,47 @@ def test_a_segment_with_another_identity_is_refused(arena: L1Arena) -> None:
 def test_names_that_could_leave_dev_shm_are_refused(name: str) -> None:
     with pytest.raises(SegmentMismatch, match="refusing"):
         MappedSegment(name, 4096, 0, 0)
+
+
+def test_generations_tell_which_slots_changed_hands() -> None:
+    name = f"tiers_unit_{uuid.uuid4().hex[:10]}"
+    with L1Arena(16 * 4096, name=name, prefault=False, generation_block=4096) as arena:
+        assert (arena.size, arena.generation_offset, arena.segment_size) == (
+            16 * 4096,
+            16 * 4096,
+            16 * 4096 + 16 * 8,
+        )
+        device, inode = segment_identity(arena.name)
+        segment = MappedSegment(
+            arena.name,
+            arena.segment_size,
+            device,
+            inode,
+            generation_offset=arena.generation_offset,
+            generation_block=arena.generation_block,
+        )
+        try:
+            assert segment.tracks_generations and segment.data_size == arena.size
+            arena.generations[2] = 7  # the server gave the extent at 8192 back seven times
+            slots = [p.Slot(0, 100, 0), p.Slot(8192, 5000, 7), p.Slot(p.NO_SLOT, 10, 3)]
+            assert segment.changed(slots) == []
+            arena.generations[2] += 1
+            assert segment.changed(slots) == [1]
+            with pytest.raises(ValueError, match="outside"):
+                segment.check_slot(arena.size - 8, 16)  # the table is not object memory
+        finally:
+            segment.close()
+
+
+def test_a_generation_table_that_does_not_fit_is_refused(arena: L1Arena) -> None:
+    device, inode = segment_identity(arena.name)
+    with pytest.raises(SegmentMismatch, match="does not fit"):
+        MappedSegment(
+            arena.name, arena.size, device, inode, generation_offset=arena.size - 8, generation_block=64
+        )
+    untracked = MappedSegment(arena.name, arena.size, device, inode)
+    try:
+        assert not untracked.tracks_generations
+        assert untracked.changed([p.Slot(0, 1, 99)]) == []  # an old server: nothing to compare
+    finally:
+        untracked.close()

@@ -27,6 +27,7 @@ from lmcache_tiers.endpoints import is_loopback
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.plugins import PluginSet
 from lmcache_tiers.registry import ComponentRegistry, Kind
+from lmcache_tiers.wire.protocol import MAX_TOKEN_LEN
 
 logger = logging.getLogger("lmcache_tiers.cli.serve")
 
@@ -355,6 +356,8 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
         raise _name_flag(exc, given) from exc
     if not is_loopback(resolved.host) and not resolved.auth_token:
         fail(f"binding to {resolved.host} (not loopback) requires --auth-token or LMCACHE_TIERS_AUTH_TOKEN")
+    if resolved.auth_token and len(resolved.auth_token) > MAX_TOKEN_LEN:
+        fail(f"--auth-token is longer than the {MAX_TOKEN_LEN} characters the protocol carries")
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "INFO")
     try:
         from lmcache_tiers.server.app import configure_logging, run_server

@@ -5,6 +5,12 @@ same host copies KV bytes straight into and out of the arena (one copy each way,
 through the socket). The file is created with ``O_EXCL`` and unlinked by its creator on
 ``close()``, at garbage collection or at interpreter exit, whichever comes first; names carry
 the creator's pid so :func:`remove_stale_segments` can reap what a killed server left behind.
+
+Behind the object bytes the segment may carry a **generation table**: one native-endian
+uint64 per ``generation_block`` bytes of arena, bumped by the L1 manager each time an
+extent starting in that block goes back to the allocator.  Clients map the whole segment,
+so a reader can tell, after copying out of an extent, whether it changed hands meanwhile
+(see ``docs/server.md``, "Leases").
 """
 
 from __future__ import annotations
@@ -149,12 +155,29 @@ class L1Arena:
     buffer: memoryview
     pinned: bool
     owner: bool
+    #: file size: ``size`` plus the generation table, if any
+    segment_size: int
+    #: byte offset of the generation table in the segment (0: the segment has none)
+    generation_offset: int
+    #: arena bytes per generation entry (0: no table)
+    generation_block: int
+    #: the table as uint64 entries (an empty view when there is none)
+    generations: memoryview
 
     def __init__(
-        self, size_bytes: int, *, name: str | None = None, prefault: bool = True, pin: bool = False
+        self,
+        size_bytes: int,
+        *,
+        name: str | None = None,
+        prefault: bool = True,
+        pin: bool = False,
+        generation_block: int = 0,
     ) -> None:
         if size_bytes <= 0:
             raise ConfigError(f"L1 arena size must be positive, got {size_bytes} bytes")
+        if generation_block < 0:
+            raise ConfigError(f"generation block must not be negative, got {generation_block}")
+        table_offset, segment_size = _layout(size_bytes, generation_block)
         name = default_segment_name() if name is None else name
         path = _segment_path(name)
         try:
@@ -168,7 +191,7 @@ class L1Arena:
             try:
                 # Reserving the pages now turns a too-small /dev/shm into a clear error here
                 # instead of a SIGBUS on some later write.
-                os.posix_fallocate(fd, 0, size_bytes)
+                os.posix_fallocate(fd, 0, segment_size)
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:
                     free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
@@ -178,8 +201,8 @@ class L1Arena:
                     ) from None
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
-                os.ftruncate(fd, size_bytes)
-            segment = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                os.ftruncate(fd, segment_size)
+            segment = mmap.mmap(fd, segment_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             os.unlink(path)
@@ -188,13 +211,13 @@ class L1Arena:
         pinned_at: int | None = None
         try:
             if prefault:
-                _prefault(segment, size_bytes)
+                _prefault(segment, segment_size)
             if pin:
                 pinned_at = _pin(segment, size_bytes)
         except BaseException:
             _release(segment, path, os.getpid(), None)
             raise
-        self._setup(name, segment, path, pinned_at)
+        self._setup(name, segment, path, pinned_at, size_bytes, table_offset, generation_block)
         logger.info(
             "L1 arena %s: %.2f GiB, prefault=%s, pinned=%s", path, size_bytes / 2**30, prefault, self.pinned
         )
@@ -212,16 +235,31 @@ class L1Arena:
         finally:
             os.close(fd)
         arena = cls.__new__(cls)
-        arena._setup(name, segment, None, None)
+        arena._setup(name, segment, None, None, size, 0, 0)
         return arena
 
-    def _setup(self, name: str, segment: mmap.mmap, path: str | None, pinned_at: int | None) -> None:
+    def _setup(
+        self,
+        name: str,
+        segment: mmap.mmap,
+        path: str | None,
+        pinned_at: int | None,
+        size: int,
+        table_offset: int,
+        generation_block: int,
+    ) -> None:
         self.name = name
-        self.size = len(segment)
+        self.size = size
+        self.segment_size = len(segment)
         self.owner = path is not None
         self.pinned = pinned_at is not None
+        self.generation_offset = table_offset
+        self.generation_block = generation_block if table_offset else 0
         self._segment = segment
-        self.buffer = memoryview(segment)
+        whole = memoryview(segment)
+        self.buffer = whole[:size]
+        self.generations = whole[table_offset:].cast("Q") if table_offset else whole[:0].cast("Q")
+        whole.release()
         # weakref.finalize also runs at interpreter exit, which covers servers that exit
         # through an exception without calling close().
         self._finalizer = weakref.finalize(self, _release, segment, path, os.getpid(), pinned_at)
@@ -252,6 +290,7 @@ class L1Arena:
             return
         try:
             self.buffer.release()
+            self.generations.release()
         except BufferError:
             logger.warning("L1 arena buffer is still exported; it stays mapped until released")
         self._finalizer()
@@ -265,6 +304,16 @@ class L1Arena:
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("owner" if self.owner else "attached")
         return f"L1Arena(name={self.name!r}, size={self.size}, {state})"
+
+
+def _layout(size: int, generation_block: int) -> tuple[int, int]:
+    """(offset of the generation table, segment size): the table starts at the first
+    8-byte boundary after the object bytes and has one entry per started block."""
+    if not generation_block:
+        return 0, size
+    table_offset = -(-size // 8) * 8
+    entries = -(-size // generation_block)
+    return table_offset, table_offset + 8 * entries
 
 
 def remove_stale_segments() -> list[str]:

@@ -9,6 +9,12 @@ Life of an object::
                       freed                      v
                                                freed
 
+"Freed" means the extent goes back to the allocator -- unless someone may still be
+reading it (a read-locked object deleted by force, an object whose locks expired a moment
+ago), in which case it is quarantined until they are done; every extent that goes back
+bumps its generation first, which is how a client holding views into it finds out
+(``l1/leases.py``).
+
 One re-entrant lock guards everything, so each batched call is atomic, and listeners
 (running inside it) may call back into the manager. Object bytes are copied outside the
 lock (the object's own write or read lock protects its extent), so a slow NVMe transfer
@@ -30,6 +36,7 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1.allocator import ExtentAllocator
 from lmcache_tiers.l1.arena import L1Arena
 from lmcache_tiers.l1.backing import L1Backing
+from lmcache_tiers.l1.leases import ExtentLeases, LeaseStats
 from lmcache_tiers.l1.nvme import DIRECT_IO_ALIGN, NvmeL1File
 from lmcache_tiers.l1.objects import L1Listener, L1Object, L1Stats, ObjectState
 
@@ -52,6 +59,10 @@ class L1Manager:
     ``shm_name``, ``prefault`` and ``pin`` concern the memory arena; ``direct_io`` the NVMe
     file. Objects of an NVMe L1 have no memory view: copy with :meth:`read_object` and
     :meth:`write_object`, which work for both backings.
+
+    ``lease_grace_s`` (default: the lock TTL, at most 30 s) is how long the extent of an
+    expired lock stays out of reach of new objects after the expiry, and the least time a
+    read-locked extent deleted by force is held when its holders do not release it.
     """
 
     def __init__(
@@ -66,9 +77,13 @@ class L1Manager:
         pin: bool = False,
         nvme_path: str | None = None,
         direct_io: bool = True,
+        lease_grace_s: float | None = None,
     ) -> None:
         if lock_ttl_s <= 0 or write_ttl_s <= 0:
             raise ConfigError(f"L1 lock TTLs must be positive (lock {lock_ttl_s}s, write {write_ttl_s}s)")
+        grace_s = min(lock_ttl_s, 30.0) if lease_grace_s is None else lease_grace_s
+        if grace_s < 0:
+            raise ConfigError(f"the L1 lease grace period must not be negative, got {grace_s}s")
         try:
             allocator = ExtentAllocator(capacity_bytes, align)
         except ValueError as exc:
@@ -78,7 +93,10 @@ class L1Manager:
         self._arena: L1Arena | None = None
         self._backing: L1Backing
         if nvme_path is None:
-            self._arena = L1Arena(allocator.capacity, name=shm_name, prefault=prefault, pin=pin)
+            # One generation per allocation unit: every extent starts on a unit boundary.
+            self._arena = L1Arena(
+                allocator.capacity, name=shm_name, prefault=prefault, pin=pin, generation_block=align
+            )
             self._backing = self._arena
         else:
             if align % DIRECT_IO_ALIGN:
@@ -95,6 +113,7 @@ class L1Manager:
         self._temporary: set[ObjectKey] = set()
         self._listeners: list[L1Listener] = []
         self._closed = False
+        self._leases = ExtentLeases(allocator, self._arena.generations if self._arena else None, grace_s)
 
     # -- properties --------------------------------------------------------------------
 
@@ -114,6 +133,11 @@ class L1Manager:
     def nvme_file_path(self) -> str | None:
         """The block file of an NVMe L1; None for the memory arena."""
         return self._backing.path if isinstance(self._backing, NvmeL1File) else None
+
+    @property
+    def lease_grace_s(self) -> float:
+        """How long an extent is held back after its lock expired (see ``l1/leases.py``)."""
+        return self._leases.grace_s
 
     @property
     def capacity_bytes(self) -> int:
@@ -210,14 +234,16 @@ class L1Manager:
         """Copy the object's bytes into ``out[:obj.size]``, from either backing.
 
         The caller holds a lock on the object (a read lock, or the write lock it is
-        filling under), so its extent cannot change hands during the copy. Raises KeyError
-        if the object has left L1.
+        filling under), so its extent cannot change hands during the copy -- a forced
+        delete meanwhile quarantines the extent. Raises KeyError if the object has left L1
+        and its extent is not held for its readers.
         """
         out = _byte_view(out)
         if out.nbytes < obj.size:
             raise ValueError(f"a {out.nbytes}-byte buffer cannot hold {obj.key} ({obj.size} bytes)")
         with self.lock:
-            self._check_present(obj)
+            if not self._leases.holds(obj):
+                self._check_present(obj)
         self._backing.read_into(obj.offset, obj.size, out)
 
     def write_object(self, obj: L1Object, data: memoryview) -> None:
@@ -268,6 +294,8 @@ class L1Manager:
             if not wanted:
                 return {}
             offsets = self._allocator.allocate_many(list(wanted.values()))
+            if offsets is None and self._leases.reclaim(time.monotonic()):
+                offsets = self._allocator.allocate_many(list(wanted.values()))
             if offsets is None:
                 allocator = self._allocator
                 need = sum(allocator.extent_size(size) for size in wanted.values())
@@ -394,16 +422,20 @@ class L1Manager:
     def finish_read(self, keys: Sequence[ObjectKey], count: int = 1) -> None:
         """Drop ``count`` read locks per key; a temporary object left unlocked is freed.
 
-        Keys not in L1 or not read-locked (e.g. their locks expired) are ignored.
+        Locks on an extent quarantined by a forced delete are credited first (see
+        ``l1/leases.py``); keys not in L1 or not read-locked (e.g. their locks expired)
+        are ignored.
         """
         _check_count(count)
         with self.lock:
             freed: list[L1Object] = []
+            leases = self._leases
             for key in dict.fromkeys(keys):
+                left = leases.credit(key, count) if leases.has_holders(key) else count
                 obj = self._objects.get(key)
-                if obj is None or obj.read_locks == 0:
+                if obj is None or obj.read_locks == 0 or not left:
                     continue
-                obj.read_locks = max(0, obj.read_locks - count)
+                obj.read_locks = max(0, obj.read_locks - left)
                 if obj.read_locks == 0:
                     del self._locked[key]
                     if obj.temporary:
@@ -430,13 +462,16 @@ class L1Manager:
     # -- removal -----------------------------------------------------------------------
 
     def delete(self, keys: Sequence[ObjectKey], *, force: bool = False) -> list[bool]:
-        """Free objects; locked ones (being written or read) are skipped unless ``force``."""
+        """Free objects; read-locked ones are skipped unless ``force``, objects being
+        written always (only abort_write or the write TTL ends a reservation, whose writer
+        may be copying into it).  A read-locked object deleted by force leaves L1 at once;
+        its extent is held until its readers release it or their lease ends."""
         with self.lock:
             done: list[bool] = []
             victims: list[L1Object] = []
             for key in keys:
                 obj = self._objects.get(key)
-                if obj is None or (obj.locked and not force):
+                if obj is None or obj.state is _WRITING or (obj.read_locks and not force):
                     done.append(False)
                     continue
                 self._detach(obj)
@@ -476,8 +511,10 @@ class L1Manager:
         """Reap locks past their TTL, as if their crashed holders had released them.
 
         An expired write reservation is freed; expired read locks are dropped (and a
-        temporary object with them). Returns the number of objects whose locks expired.
-        ``now`` is a ``time.monotonic()`` value.
+        temporary object with them). Either way the extent is not reused for the lease
+        grace period, in case its holder is only slow; quarantined extents whose lease has
+        ended are reclaimed. Returns the number of objects whose locks expired. ``now`` is
+        a ``time.monotonic()`` value.
         """
         now = time.monotonic() if now is None else now
         with self.lock:
@@ -487,6 +524,7 @@ class L1Manager:
             for key, obj in list(self._locked.items()):
                 if obj.lock_deadline > now:
                     continue
+                self._leases.lapse(obj, now)
                 if obj.state is _WRITING:
                     expired_writes.append(obj)
                     continue
@@ -497,11 +535,14 @@ class L1Manager:
                     freed.append(obj)
             if expired_writes or expired_reads:
                 logger.warning(
-                    "L1 lock TTL expired: %d write reservations freed, %d objects' read locks dropped",
+                    "L1 lock TTL expired: %d write reservations freed, %d objects' read locks dropped; "
+                    "their extents are not reused for another %gs",
                     len(expired_writes),
                     expired_reads,
+                    self._leases.grace_s,
                 )
             self._free(expired_writes + freed)
+            self._leases.reclaim(now)
             return len(expired_writes) + expired_reads
 
     def clear(self, *, force: bool = False) -> int:
@@ -519,6 +560,7 @@ class L1Manager:
             self._locked.clear()
             self._temporary.clear()
             self._listeners.clear()
+            self._leases.close()
             self._backing.close()
 
     def __enter__(self) -> Self:
@@ -545,7 +587,26 @@ class L1Manager:
 
     def _release_extents(self, objs: list[L1Object]) -> None:
         if objs:
-            self._allocator.free_many([obj.offset for obj in objs])
+            self._leases.release_extents(objs, time.monotonic())
+
+    # -- leases ------------------------------------------------------------------------
+
+    def generations(self, objs: Sequence[L1Object]) -> list[int]:
+        """The generation of each object's extent now (0s for an NVMe L1): a reader that
+        finds the same value in the arena's table after copying read the object's bytes."""
+        return self._leases.generations(objs)
+
+    def lease_stats(self) -> LeaseStats:
+        with self.lock:
+            return self._leases.stats()
+
+    def reclaimable_bytes(self) -> int:
+        """Free bytes plus what evicting every unlocked object would free: the most any
+        reservation can get, whatever the eviction policy picks."""
+        with self.lock:
+            size_at = self._allocator.size_at
+            locked = sum(size_at(obj.offset) for obj in self._locked.values())
+            return self._allocator.capacity - locked - self._leases.quarantined_bytes
 
     def _free(self, objs: list[L1Object]) -> None:
         for obj in objs:

@@ -5,11 +5,12 @@ a trace through a real server with an L1 of C blocks gives the simulated hit rat
 
 * a LOOKUP read-locks the leading present blocks (``on_keys_read``), a RETRIEVE reads
   the same prefix again, and both locks are released before the request stores;
-* a STORE of the missing blocks reserves those not present; when they do not fit, the
-  eviction policy's victims are taken (present, unlocked ones only) until as many blocks
-  as the STORE named are freed -- ``reserve_write`` frees the bytes of the whole request,
-  not just the shortfall -- then the reservation is retried once and refused if it still
-  does not fit (nothing is stored);
+* a STORE of the missing blocks reserves those not present; when they do not fit, it is
+  refused at once (nothing evicted, nothing stored) if even evicting every unlocked block
+  would not make room; otherwise the eviction policy's victims are taken (present,
+  unlocked ones only) until as many blocks as the STORE named are freed --
+  ``reserve_write`` frees the bytes of the whole request, not just the shortfall -- then
+  the reservation is retried once and refused if it still does not fit;
 * committed blocks are announced in prefix order (``on_keys_written``), removals once
   per eviction, after the victims iterator is done with (``on_keys_removed``);
 * optionally, background eviction at a trigger watermark (``eviction_ratio`` of the used
@@ -121,6 +122,12 @@ class L1Model(CacheModel):
         wanted = [key for key in keys if key not in present]
         if len(wanted) <= self.free:
             return wanted
+        locked = list(locked)
+        if len(wanted) > self.capacity - len({key for key in locked if key in present}):
+            # Even evicting every unlocked block would not make room: refused before
+            # anything is evicted, as reserve_write does.
+            self.refused_stores += 1
+            return None
         self.evict(len(keys), locked)
         wanted = [key for key in keys if key not in present]
         if len(wanted) > self.free:

@@ -26,7 +26,7 @@ from lmcache_tiers.replay.run import (
     status_delta,
 )
 from lmcache_tiers.replay.trace import Trace, TraceRequest
-from lmcache_tiers.server import protocol as p
+from lmcache_tiers.wire import protocol as p
 
 logger = logging.getLogger(__name__)
 

@@ -27,13 +27,13 @@ from lmcache_tiers.config import ServerConfig, config_to_builtins
 from lmcache_tiers.endpoints import is_loopback, rpc_endpoint
 from lmcache_tiers.errors import ConfigError, TiersError
 from lmcache_tiers.registry import ComponentRegistry
-from lmcache_tiers.server import protocol as p
 from lmcache_tiers.server.handlers import DataPlane, Handlers
 from lmcache_tiers.server.http import HttpEndpoint
 from lmcache_tiers.server.metrics import build_registry, render
 from lmcache_tiers.server.rpc import RpcServer
-from lmcache_tiers.server.shm import segment_identity
 from lmcache_tiers.server.stats import ServerStats
+from lmcache_tiers.wire import protocol as p
+from lmcache_tiers.wire.shm import segment_identity
 
 if TYPE_CHECKING:
     from lmcache_tiers.storage import StorageManager
@@ -79,6 +79,29 @@ def configure_logging() -> None:
         logger.warning("%s=%r is not one of %s; using INFO", LOG_LEVEL_ENV, raw, ", ".join(_LEVELS))
 
 
+def check_auth_token(token: str | None) -> None:
+    """Refuse a token no request could carry: every request would be refused as MALFORMED."""
+    if token is not None and len(token) > p.MAX_TOKEN_LEN:
+        raise ConfigError(
+            f"the auth token is {len(token)} characters long; the protocol carries at most {p.MAX_TOKEN_LEN}"
+        )
+
+
+def check_metrics_host(config: ServerConfig, token: str | None) -> None:
+    """The HTTP endpoint binds an address of its own; beyond loopback, /status (pid, segment
+    name, paths) is served only against the auth token, so one must exist."""
+    if not config.metrics_port:
+        return
+    host = config.metrics_host
+    if "://" in host:
+        raise ConfigError(f"metrics_host {host!r}: give an address or name (HTTP does not serve on {host})")
+    if not is_loopback(host) and not token:
+        raise ConfigError(
+            f"serving HTTP on {host} (not loopback) requires --auth-token or {AUTH_TOKEN_ENV}: "
+            "/status answers only requests that carry it"
+        )
+
+
 class TiersServer:
     """One server: storage, RPC front end and HTTP endpoint. ``serve`` blocks."""
 
@@ -98,6 +121,8 @@ class TiersServer:
             raise ConfigError(
                 f"binding to {config.host} (not loopback) requires --auth-token or {AUTH_TOKEN_ENV}"
             )
+        check_auth_token(auth_token)
+        check_metrics_host(config, auth_token)
         endpoint = rpc_endpoint(config.host, config.port)
         self.config = config
         self.drain_timeout_s = drain_timeout_s
@@ -126,7 +151,7 @@ class TiersServer:
                 max_frame_bytes=max_inline_bytes + p.MAX_HEADER_BYTES,
             )
             if config.metrics_port:
-                metrics = build_registry(self.stats, self.storage.status)
+                metrics = build_registry(self.stats, self.storage_status)
                 http_host = config.metrics_host
                 try:
                     self.http = HttpEndpoint(
@@ -135,6 +160,7 @@ class TiersServer:
                         metrics=lambda: render(metrics),
                         status=self.status,
                         health=self.health,
+                        status_token=None if is_loopback(http_host) else auth_token,
                     )
                 except OSError as exc:
                     self.rpc.close()
@@ -150,7 +176,9 @@ class TiersServer:
             return DataPlane()
         arena = self.storage.l1.arena
         device, inode = segment_identity(arena.name)
-        return DataPlane(arena.name, arena.size, device, inode)
+        return DataPlane(
+            arena.name, arena.segment_size, device, inode, arena.generation_offset, arena.generation_block
+        )
 
     @property
     def endpoint(self) -> str:
@@ -174,7 +202,13 @@ class TiersServer:
             "draining": self.rpc.draining,
             **self.stats.snapshot(),
         }
-        return {"server": server, **self.storage.status()}
+        return {"server": server, **self.storage_status()}
+
+    def storage_status(self) -> dict[str, Any]:
+        """The storage's status, with what L1 holds back for readers whose lease ended."""
+        document = self.storage.status()
+        document["l1"]["leases"] = self.storage.l1.lease_stats()._asdict()
+        return document
 
     def health(self) -> tuple[bool, str]:
         if self.rpc.draining:
@@ -234,7 +268,7 @@ def run_server(
     2 for a configuration mistake, 1 when the server cannot start for another reason)."""
     configure_logging()
     console = Console(highlight=False)
-    errors = Console(stderr=True, highlight=False)
+    errors = Console(stderr=True, highlight=False, soft_wrap=True)  # one line, whatever the width
     token = config.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
     hooks = _plugin_hooks()
     from lmcache_tiers.l1 import remove_stale_segments

@@ -23,9 +23,9 @@ from lmcache_tiers import __version__
 from lmcache_tiers.errors import KeyValidationError, L1OutOfMemoryError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import aligned_buffer
-from lmcache_tiers.server import protocol as p
 from lmcache_tiers.server.sessions import PendingPrefetch, Session, SessionTable
 from lmcache_tiers.server.stats import ServerStats
+from lmcache_tiers.wire import protocol as p
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,8 @@ class DataPlane:
     shm_size: int = 0
     shm_device: int = 0
     shm_inode: int = 0
+    generation_offset: int = 0
+    generation_block: int = 0
 
 
 class Handlers:
@@ -173,6 +175,8 @@ class Handlers:
             shm_inode=plane.shm_inode,
             lock_ttl_s=float(self.storage.l1.lock_ttl_s),
             max_inline_bytes=self.max_inline_bytes,
+            generation_offset=plane.generation_offset,
+            generation_block=plane.generation_block,
             features=list(p.FEATURES),
         )
         logger.debug("client %s (pid %d) connected as %s", req.client_name or "?", req.pid, identity.hex())
@@ -289,6 +293,7 @@ class Handlers:
         now = time.monotonic()
         session = self.sessions.get(identity, now)
         reserved = self.storage.reserve_write(keys, sizes, layouts)
+        generations = dict(zip(reserved, self.storage.l1.generations(list(reserved.values())), strict=True))
         slots: list[p.Slot] = []
         handed_out: set[ObjectKey] = set()
         for key, size in zip(keys, sizes, strict=True):
@@ -297,7 +302,7 @@ class Handlers:
                 slots.append(p.Slot(p.NO_SLOT, size))
             else:
                 handed_out.add(key)
-                slots.append(p.Slot(obj.offset, obj.size))
+                slots.append(p.Slot(obj.offset, obj.size, generations[key]))
         session.add_writes(
             {key: obj.size for key, obj in reserved.items()}, self.sessions.write_deadline(now)
         )
@@ -390,7 +395,11 @@ class Handlers:
         self.stats.retrieves += 1
         self.stats.retrieve_chunks += len(objects)
         self.stats.retrieve_bytes += sum(obj.size for obj in objects)
-        return p.RetrieveReply(req.req_id, slots=[p.Slot(obj.offset, obj.size) for obj in objects]), ()
+        # Read after locking: a locked extent cannot go back to the allocator, so these
+        # are the generations the client must still find once it has read the bytes.
+        generations = self.storage.l1.generations(objects)
+        slots = [p.Slot(obj.offset, obj.size, gen) for obj, gen in zip(objects, generations, strict=True)]
+        return p.RetrieveReply(req.req_id, slots=slots), ()
 
     def _retrieve_inline(self, req: p.Retrieve, identity: bytes) -> Deferred:
         storage, limit = self.storage, self.max_inline_bytes
@@ -473,17 +482,13 @@ class Handlers:
     # -- maintenance ------------------------------------------------------------------------
 
     def clear(self, req: p.Clear, identity: bytes, frames: Frames) -> Deferred:
+        # Clients keep their records of locks on objects cleared by force: L1 holds those
+        # extents until the locks are released (RELEASE frees them early) or expire.
         storage, force = self.storage, req.force
 
         def work() -> Callable[[], Response]:
             cleared = storage.clear(force=force)
-
-            def finish() -> Response:
-                if force:
-                    self.sessions.forget_all_locks()
-                return p.ClearReply(req.req_id, cleared=cleared), ()
-
-            return finish
+            return lambda: (p.ClearReply(req.req_id, cleared=cleared), ())
 
         return Deferred(work, "clear")
 

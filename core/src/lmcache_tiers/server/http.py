@@ -2,11 +2,15 @@
 
 It runs on its own threads so a slow scraper never delays an RPC, and it only reads:
 nothing here changes server state, and nothing takes a path from the request beyond
-matching these three routes.
+matching these three routes.  ``/metrics`` and ``/healthz`` carry counters and a health
+word only, never a process id, segment name or path; ``/status`` carries all of those,
+so when the endpoint listens beyond loopback it answers only requests that present the
+server's auth token (``Authorization: Bearer <token>``).
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import socket
@@ -40,23 +44,40 @@ class HttpEndpoint:
         metrics: Callable[[], bytes],
         status: Callable[[], dict[str, Any]],
         health: Callable[[], tuple[bool, str]],
+        status_token: str | None = None,
     ) -> None:
+        """``status_token``: when set, ``/status`` needs ``Authorization: Bearer <it>``."""
         routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
             "/metrics": lambda: (200, CONTENT_TYPE_LATEST, metrics()),
             "/status": lambda: (200, "application/json", json.dumps(status(), default=str).encode()),
             "/healthz": lambda: _health_response(health()),
         }
+        expected = f"Bearer {status_token}".encode() if status_token else None
 
         class Handler(BaseHTTPRequestHandler):
             server_version = "lmcache-tiers"
 
             def do_GET(self) -> None:
-                route = routes.get(self.path.split("?", 1)[0])
+                path = self.path.split("?", 1)[0]
+                route = routes.get(path)
                 if route is None:
                     self._reply(
                         404, "text/plain; charset=utf-8", b"not found: try /metrics, /status, /healthz\n"
                     )
                     return
+                if path == "/status" and expected is not None:
+                    offered = self.headers.get("Authorization", "").encode()
+                    if not hmac.compare_digest(offered, expected):
+                        logger.info(
+                            "HTTP /status refused to %s: missing or wrong token", self.address_string()
+                        )
+                        self._reply(
+                            401,
+                            "text/plain; charset=utf-8",
+                            b"/status needs the server's auth token: Authorization: Bearer <token>\n",
+                            {"WWW-Authenticate": 'Bearer realm="lmcache-tiers"'},
+                        )
+                        return
                 try:
                     code, content_type, body = route()
                 except Exception:
@@ -64,10 +85,14 @@ class HttpEndpoint:
                     code, content_type, body = 500, "text/plain; charset=utf-8", b"internal error\n"
                 self._reply(code, content_type, body)
 
-            def _reply(self, code: int, content_type: str, body: bytes) -> None:
+            def _reply(
+                self, code: int, content_type: str, body: bytes, extra: dict[str, str] | None = None
+            ) -> None:
                 self.send_response(code)
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
+                for name, value in (extra or {}).items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(body)
 

@@ -80,6 +80,8 @@ class TiersCollector(Collector):
             gauge.add_metric([], float(l1.get(key, 0)))
             yield gauge
 
+        yield from self._leases(l1.get("leases", {}))
+
         adapter_usage = _gauge(
             "adapter_usage_ratio", "Used fraction of each L2 adapter (-1: no capacity)", ["adapter"]
         )
@@ -125,6 +127,34 @@ class TiersCollector(Collector):
         locked = _gauge("client_locked_keys", "Keys read-locked on behalf of clients")
         locked.add_metric([], stats.locked_keys)
         yield locked
+
+    @staticmethod
+    def _leases(leases: dict[str, int]) -> Iterator[Any]:
+        held = _gauge("l1_quarantined_bytes", "L1 bytes held back for readers whose lease was broken")
+        held.add_metric([], float(leases.get("quarantined_bytes", 0)))
+        yield held
+        extents = _gauge("l1_quarantined_extents", "L1 extents held back for readers whose lease was broken")
+        extents.add_metric([], float(leases.get("quarantined_extents", 0)))
+        yield extents
+        taken = _counter(
+            "l1_quarantined", "L1 extents held back after a forced delete or a lock expiry", ["reason"]
+        )
+        taken.add_metric(["forced"], leases.get("quarantined_forced", 0))
+        taken.add_metric(["expired"], leases.get("quarantined_expired", 0))
+        yield taken
+        reclaimed = _counter(
+            "l1_quarantine_reclaimed",
+            "Quarantined L1 extents given back: released by their readers, or at the end of their lease",
+            ["how"],
+        )
+        reclaimed.add_metric(["released"], leases.get("reclaimed_released", 0))
+        reclaimed.add_metric(["lease_end"], leases.get("reclaimed_lease_end", 0))
+        yield reclaimed
+        yield from TiersCollector._single(
+            "l1_quarantine_reclaimed_bytes",
+            leases.get("reclaimed_bytes", 0),
+            "Bytes of quarantined L1 extents given back",
+        )
 
     @staticmethod
     def _single(name: str, value: float, doc: str) -> Iterator[CounterMetricFamily]:

@@ -29,8 +29,8 @@ from typing import Any
 
 import zmq
 
-from lmcache_tiers.server import protocol as p
 from lmcache_tiers.server.handlers import Deferred, Frames, Handlers, Response, error_for
+from lmcache_tiers.wire import protocol as p
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +244,9 @@ class RpcServer:
 
     def _handle(self, identity: bytes, header: bytes, frames: Frames, too_large: bool, total: int) -> None:
         if too_large and len(header) > p.MAX_HEADER_BYTES:
-            self._fail(identity, 0, p.ErrorCode.TOO_LARGE, f"request header over {p.MAX_HEADER_BYTES} bytes")
+            # Not decoded, but its id is readable: the caller learns at once, not at its timeout.
+            message = f"request header of {len(header)} bytes is over the {p.MAX_HEADER_BYTES}-byte limit"
+            self._fail(identity, p.peek_request_id(header), p.ErrorCode.TOO_LARGE, message)
             return
         try:
             request = p.request_decoder.decode(header)

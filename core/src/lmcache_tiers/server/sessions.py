@@ -131,13 +131,6 @@ class SessionTable:
             if session.empty and now - session.last_seen > self.idle_s:
                 del self._sessions[identity]
 
-    def forget_all_locks(self) -> None:
-        """After a forced CLEAR every lock and reservation is gone from L1."""
-        for session in self._sessions.values():
-            session.read_locks.clear()
-            session.lock_deadlines.clear()
-            session.writes.clear()
-
     def totals(self) -> tuple[int, int, int]:
         """(read-locked keys, reserved keys, pending prefetches) over all clients."""
         locks = sum(len(s.read_locks) for s in self._sessions.values())

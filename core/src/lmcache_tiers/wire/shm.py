@@ -7,6 +7,11 @@ memcpy each way, nothing through the socket.  The mapping is opened by name from
 another host, or in a container with its own ``/dev/shm``, never writes into an unrelated
 segment that merely has the same name.  The client only ever unmaps; unlinking is the
 server's job (no resource tracker is involved, so a client exiting cannot remove it).
+
+Behind the object bytes the segment carries the server's generation table (one uint64
+per allocation unit, bumped whenever an extent goes back to the server's allocator):
+:meth:`MappedSegment.changed` tells which slots a reader was handed have changed hands
+since, i.e. whose bytes it may not have read as they were.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import mmap
 import os
 import re
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,6 +34,17 @@ BufferLike = Any
 
 class SegmentMismatch(Exception):
     """The named segment is missing here or is not the one the server created."""
+
+
+class SlotLike(Protocol):
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def generation(self) -> int: ...
 
 
 def segment_identity(name: str) -> tuple[int, int]:
@@ -44,9 +61,23 @@ def _checked(name: str) -> str:
 
 
 class MappedSegment:
-    """A client's read-write mapping of the server's arena."""
+    """A client's read-write mapping of the server's arena.
 
-    def __init__(self, name: str, size: int, device: int, inode: int) -> None:
+    ``size`` is the segment file's size; ``generation_offset`` (0: none) where the
+    generation table starts, which is also where the object bytes end, and
+    ``generation_block`` the arena bytes per table entry.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        size: int,
+        device: int,
+        inode: int,
+        *,
+        generation_offset: int = 0,
+        generation_block: int = 0,
+    ) -> None:
         path = os.path.join(SHM_DIR, _checked(name))
         try:
             fd = os.open(path, os.O_RDWR)
@@ -59,20 +90,46 @@ class MappedSegment:
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        tracked = 0 < generation_offset < size and generation_offset % 8 == 0 and generation_block > 0
+        if tracked and (size - generation_offset) // 8 < -(-generation_offset // generation_block):
+            raise SegmentMismatch(f"{path}: the generation table the server describes does not fit")
         self.name = name
         self.size = size
+        #: where object bytes may be: everything before the generation table
+        self.data_size = generation_offset if tracked else size
         self.buffer = memoryview(self._mmap)
         # numpy slices copy with one memcpy and release the GIL while doing it.
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.generation_block = generation_block if tracked else 0
+        self.generations = self.buffer[generation_offset if tracked else size :].cast("Q")
+
+    @property
+    def tracks_generations(self) -> bool:
+        return self.generation_block > 0
 
     def check_slot(self, offset: int, size: int) -> None:
-        if offset < 0 or size < 0 or offset + size > self.size:
-            raise ValueError(f"slot ({offset}, {size}) lies outside the {self.size}-byte segment")
+        if offset < 0 or size < 0 or offset + size > self.data_size:
+            raise ValueError(f"slot ({offset}, {size}) lies outside the {self.data_size}-byte arena")
+
+    def changed(self, slots: Sequence[SlotLike]) -> list[int]:
+        """Positions of the slots whose extent has changed hands since the server handed
+        them out: their bytes may not be the object's.  Empty when the server keeps no
+        generation table; slots without an extent (``offset`` -1) never count."""
+        block = self.generation_block
+        if not block:
+            return []
+        table = self.generations
+        return [
+            index
+            for index, slot in enumerate(slots)
+            if slot.offset >= 0 and table[slot.offset // block] != slot.generation
+        ]
 
     def close(self) -> None:
         """Unmap; if views handed to the caller are still alive the mapping stays until they go."""
         self.array = np.empty(0, dtype=np.uint8)
         try:
+            self.generations.release()
             self.buffer.release()
             self._mmap.close()
         except BufferError:

@@ -51,6 +51,8 @@ MAX_KEYS_PER_REQUEST = 8192
 MAX_HEADER_BYTES = 4 << 20
 #: Upper bound on one object; the arena's own size is the tighter limit in practice.
 MAX_OBJECT_BYTES = 1 << 40
+#: Longest auth token (and client name) a request may carry.
+MAX_TOKEN_LEN = 256
 
 
 class Op(enum.IntEnum):
@@ -92,7 +94,7 @@ _Keys = Annotated[list[ObjectKey], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)
 _Size = Annotated[int, msgspec.Meta(ge=1, le=MAX_OBJECT_BYTES)]
 _Sizes = Annotated[list[_Size], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
 _Timeout = Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)]
-_Text = Annotated[str, msgspec.Meta(max_length=256)]
+_Text = Annotated[str, msgspec.Meta(max_length=MAX_TOKEN_LEN)]
 #: per-key tensor layouts ("" = unknown); an empty list means none were given
 _Layouts = Annotated[
     list[Annotated[str, msgspec.Meta(max_length=MAX_LAYOUT_LEN)]],
@@ -228,10 +230,17 @@ Request = Union[
 
 class Slot(msgspec.Struct, array_like=True, gc=False):
     """Where an object's bytes are in the arena; ``offset`` is -1 when there is no slot
-    (a key already stored, or an inline reply whose bytes are in a payload frame)."""
+    (a key already stored, or an inline reply whose bytes are in a payload frame).
+
+    ``generation``: the extent's entry in the segment's generation table when the slot
+    was handed out.  While the table still shows it, the extent has not changed hands;
+    a client compares after copying (0 from a server without a table, which is never
+    checked).
+    """
 
     offset: int
     size: int
+    generation: int = 0
 
 
 NO_SLOT = -1
@@ -261,6 +270,10 @@ class HelloReply(_Reply, tag=Op.HELLO.value):
     lock_ttl_s: float = 0.0
     max_keys: int = MAX_KEYS_PER_REQUEST
     max_inline_bytes: int = 0
+    #: byte offset of the generation table in the segment (0: none; see Slot.generation)
+    generation_offset: int = 0
+    #: arena bytes per table entry: an extent at ``offset`` is entry ``offset // block``
+    generation_block: int = 0
     #: :data:`FEATURES` of this server; empty from servers older than the list
     features: list[str] = []
 
@@ -343,6 +356,40 @@ _KNOWN_OPS = frozenset(op.value for op in Op if op is not Op.ERROR)
 
 def encode(message: msgspec.Struct) -> bytes:
     return encoder.encode(message)
+
+
+def peek_request_id(header: bytes) -> int:
+    """The request id of a header too large to decode, read from its first bytes (0 when
+    they are not the start of a request): a refusal that names it reaches its caller at
+    once instead of leaving it waiting for a reply that never comes."""
+    view = memoryview(header)[:32]
+    try:
+        lead = view[0]
+        if 0x90 <= lead <= 0x9F:  # fixarray
+            position = 1
+        elif lead == 0xDC:  # array 16
+            position = 3
+        elif lead == 0xDD:  # array 32
+            position = 5
+        else:
+            return 0
+        if view[position] > 0x7F:  # the op tag is a positive fixint
+            return 0
+        position += 1
+        kind = view[position]
+        if kind <= 0x7F:
+            return int(kind)
+        widths = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+        width = widths.get(kind)
+        if width is None:
+            return 0
+        raw = view[position + 1 : position + 1 + width]
+        if len(raw) < width:
+            return 0
+        value = int.from_bytes(raw, "big")
+        return value if value < 1 << 63 else 0
+    except IndexError:
+        return 0
 
 
 def diagnose_undecodable(header: bytes) -> tuple[int, ErrorCode]:

@@ -1,0 +1,101 @@
+"""What the lease check costs a zero-copy reader, next to the copy it guards.
+
+After copying its objects out of the arena, a client compares each slot's generation with
+the segment's generation table (``MappedSegment.changed``); the server reads the same
+table once per RETRIEVE (``L1Manager.generations``).  This measures both, in the same
+process and on the same arena, next to the limit they add to: one memcpy of the same
+objects out of the arena into pre-faulted buffers (what ``retrieve_into`` does anyway).
+
+    python bench/bench_leases.py                      # 64 x 1 MiB and 1024 x 64 KiB
+    python bench/bench_leases.py --shapes 4096x16     # 4096 objects of 16 KiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1 import L1Manager
+from lmcache_tiers.wire import protocol as p
+from lmcache_tiers.wire.shm import MappedSegment, segment_identity
+
+KIB = 1 << 10
+
+
+def timed(action: Callable[[], object], repeats: int) -> float:
+    """Median seconds of one call."""
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def measure(count: int, size: int, repeats: int) -> dict[str, float]:
+    capacity = max(count * size * 2, 64 << 20)
+    with L1Manager(capacity, lock_ttl_s=60.0) as l1:
+        keys = [ObjectKey("bench", 0, index.to_bytes(8, "big")) for index in range(count)]
+        reserved = l1.reserve_write(keys, [size] * count)
+        l1.finish_write(keys)
+        objects = list(reserved.values())
+        arena = l1.arena
+        device, inode = segment_identity(arena.name)
+        segment = MappedSegment(
+            arena.name,
+            arena.segment_size,
+            device,
+            inode,
+            generation_offset=arena.generation_offset,
+            generation_block=arena.generation_block,
+        )
+        try:
+            generations = l1.generations(objects)
+            slots = [p.Slot(obj.offset, obj.size, gen) for obj, gen in zip(objects, generations, strict=True)]
+            targets = [np.ones(size, dtype=np.uint8) for _ in range(count)]  # pre-faulted
+            source = segment.array
+
+            def copy() -> None:
+                for slot, target in zip(slots, targets, strict=True):
+                    target[:] = source[slot.offset : slot.offset + slot.size]
+
+            copy_s = timed(copy, repeats)
+            check_s = timed(lambda: segment.changed(slots), repeats * 5)
+            server_s = timed(lambda: l1.generations(objects), repeats * 5)
+            assert segment.changed(slots) == []
+        finally:
+            segment.close()
+    return {"copy_s": copy_s, "client_check_s": check_s, "server_read_s": server_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=["64x1024", "1024x64"],
+        help="COUNTxKIB: objects per retrieve and their size in KiB",
+    )
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    for shape in args.shapes:
+        count, kib = (int(part) for part in shape.split("x"))
+        figures = measure(count, kib * KIB, args.repeats)
+        copy_us = figures["copy_s"] * 1e6
+        print(
+            f"{count} x {kib} KiB: client check {figures['client_check_s'] * 1e6:.1f} us + server read "
+            f"{figures['server_read_s'] * 1e6:.1f} us per retrieve, next to the copy of the same objects "
+            f"{copy_us:.0f} us ({count * kib * KIB / figures['copy_s'] / 1e9:.2f} GB/s): "
+            f"{(figures['client_check_s'] + figures['server_read_s']) / figures['copy_s']:.2%} of it"
+        )
+
+
+if __name__ == "__main__":
+    main()

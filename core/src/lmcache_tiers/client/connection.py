@@ -1,0 +1,224 @@
+"""One DEALER socket to the server: requests out, replies matched to them by id.
+
+Several requests may be in flight (``lookup_many`` pipelines them); a reply that arrives
+for another outstanding request is kept for it, and one for a request that already timed
+out settles what that request took on the client's behalf (reservations, read locks),
+which nobody would otherwise give back before the server's TTL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+import zmq
+
+from lmcache_tiers.client.errors import (
+    ClientError,
+    ProtocolError,
+    RequestTimeoutError,
+    ServerError,
+    error_code,
+)
+from lmcache_tiers.wire import protocol as p
+
+AUTH_TOKEN_ENV = "LMCACHE_TIERS_AUTH_TOKEN"
+
+_R = TypeVar("_R", bound=p._Reply)
+
+# Plain ints: pyzmq's flags are Python enums, and combining them runs enum code on every
+# request, a noticeable share of a LOOKUP round trip.
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+_OK = p.ErrorCode.OK.value
+
+
+class Connection:
+    """A connected, greeted DEALER socket; ``server`` is the HELLO reply."""
+
+    def __init__(self, url: str, *, timeout: float, auth_token: str | None, name: str) -> None:
+        if timeout <= 0:
+            raise ValueError("timeout must be positive")
+        self.url = url
+        self.timeout = timeout
+        self._token = auth_token if auth_token is not None else os.environ.get(AUTH_TOKEN_ENV, "")
+        if len(self._token) > p.MAX_TOKEN_LEN or len(name) > p.MAX_TOKEN_LEN:
+            raise ClientError(f"auth token and client name are limited to {p.MAX_TOKEN_LEN} characters")
+        self._ids = itertools.count(1)
+        self._lock = threading.RLock()
+        self._pid = os.getpid()
+        self._closed = False
+        # requests that timed out, by id, in case their replies still arrive
+        self._orphans: dict[int, p._Request] = {}
+        self._receive_timeout_ms = -1
+        # ids of requests sent and not yet answered, and answers that came in early
+        self._outstanding: set[int] = set()
+        self._early: dict[int, tuple[p.Reply, list[Any]]] = {}
+        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        # Fail fast instead of queueing requests forever for a peer that never appears.
+        self._socket.setsockopt(zmq.IMMEDIATE, 1)
+        try:
+            try:
+                self._socket.connect(url)
+            except zmq.ZMQError as exc:
+                raise ClientError(f"invalid server URL {url!r}: {exc}") from None
+            self.server = self._call(
+                p.Hello(0, self._token, p.PROTOCOL_VERSION, name, os.getpid()), p.HelloReply
+            )
+        except BaseException:
+            self.close()
+            raise
+        self.max_keys = max(1, self.server.max_keys)
+
+    def close(self) -> None:
+        """Close the socket. Locks still held expire on the server."""
+        if self._closed:
+            return
+        self._closed = True
+        self._socket.close(0)
+
+    # -- request/reply -----------------------------------------------------------------------
+
+    def _call(
+        self,
+        request: p._Request,
+        expect: type[_R],
+        payloads: Sequence[Any] = (),
+        timeout: float | None = None,
+    ) -> _R:
+        reply, _ = self._exchange(request, expect, payloads, timeout)
+        return reply
+
+    def _exchange(
+        self,
+        request: p._Request,
+        expect: type[_R],
+        payloads: Sequence[Any] = (),
+        timeout: float | None = None,
+    ) -> tuple[_R, list[Any]]:
+        with self._lock:
+            deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+            self._start(request, payloads, deadline)
+            return self._await(request, expect, deadline)
+
+    def _start(self, request: p._Request, payloads: Sequence[Any], deadline: float) -> None:
+        """Send one request (caller holds the lock); its reply is collected by ``_await``."""
+        if self._closed:
+            raise ClientError("the client is closed")
+        if os.getpid() != self._pid:
+            raise ClientError("a Client cannot be used in a forked child; create a new one there")
+        request.req_id = next(self._ids)
+        request.token = self._token
+        header = p.encode(request)
+        if len(header) > p.MAX_HEADER_BYTES:
+            # The server would refuse it anyway; say so now rather than after a round trip.
+            raise ClientError(
+                f"{type(request).__name__} encodes to {len(header)} bytes, over the protocol's "
+                f"{p.MAX_HEADER_BYTES}-byte header limit"
+            )
+        self._send(header, payloads, deadline)
+        self._outstanding.add(request.req_id)
+
+    def _await(self, request: p._Request, expect: type[_R], deadline: float) -> tuple[_R, list[Any]]:
+        """Receive until the reply to ``request`` arrives; replies to other outstanding
+        requests of this client are kept for their own ``_await``."""
+        req_id = request.req_id
+        # Zero-copy frames only where payloads come back; plain bytes are cheaper.
+        zero_copy = isinstance(request, p.Retrieve) and request.inline
+        arrived = self._early.pop(req_id, None)
+        while arrived is None:
+            remaining = deadline - time.monotonic()
+            frames = self._receive(remaining, zero_copy) if remaining > 0 else None
+            if frames is None:
+                self._outstanding.discard(req_id)
+                self._remember_orphan(request)
+                raise RequestTimeoutError(f"no reply from {self.url} to {type(request).__name__} in time")
+            try:
+                reply = p.reply_decoder.decode(frames[0])
+            except msgspec.DecodeError as exc:
+                raise ProtocolError(f"undecodable reply from {self.url}: {exc}") from None
+            if reply.req_id == req_id:
+                arrived = reply, frames
+            elif reply.req_id in self._outstanding:
+                self._early[reply.req_id] = (reply, frames)
+            else:
+                self._settle_orphan(reply)
+        self._outstanding.discard(req_id)
+        reply, frames = arrived
+        if reply.code != _OK:
+            raise ServerError(error_code(reply.code), reply.message)
+        if not isinstance(reply, expect):
+            raise ProtocolError(f"expected {expect.__name__} but got {type(reply).__name__}")
+        return reply, frames[1:]
+
+    def _receive(self, seconds: float, zero_copy: bool) -> list[Any] | None:
+        # A blocking receive with a timeout wakes up faster than polling first.
+        timeout_ms = max(1, int(seconds * 1000))
+        if timeout_ms != self._receive_timeout_ms:
+            self._socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
+            self._receive_timeout_ms = timeout_ms
+        # Frames carry their "more" flag; recv_multipart would ask getsockopt(RCVMORE),
+        # which runs pyzmq's Python-level option lookup, for every part.
+        sock = self._socket
+        try:
+            part = sock.recv(copy=False)
+            frames: list[Any] = [part if zero_copy else part.bytes]
+            while part.more:
+                part = sock.recv(copy=False)
+                frames.append(part if zero_copy else part.bytes)
+        except zmq.Again:
+            return None
+        return frames
+
+    def _send(self, header: bytes, payloads: Sequence[Any], deadline: float) -> None:
+        sock = self._socket
+        while True:
+            try:
+                sock.send(header, _SNDMORE_NOBLOCK if payloads else _NOBLOCK)
+                break
+            except zmq.Again:
+                # IMMEDIATE: nothing is queued while the server is unreachable, so a request
+                # never reaches a server long after its caller gave up on it.
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000)), zmq.POLLOUT):
+                    raise RequestTimeoutError(f"cannot reach the server at {self.url}") from None
+        last = len(payloads) - 1
+        for index, payload in enumerate(payloads):
+            sock.send(payload, _SNDMORE if index < last else 0, copy=False)
+
+    def _remember_orphan(self, request: p._Request) -> None:
+        if isinstance(request, (p.StoreReserve, p.Retrieve, p.Lookup)):
+            self._orphans[request.req_id] = request
+            while len(self._orphans) > 1024:
+                self._orphans.pop(next(iter(self._orphans)))
+
+    def _settle_orphan(self, reply: p._Reply) -> None:
+        """A reply arrived after its request timed out: give back what it took on our
+        behalf (reservations, read locks), which nobody will otherwise release before the
+        server's TTL.  The follow-up request's own reply is discarded like this one."""
+        request = self._orphans.pop(reply.req_id, None)
+        if request is None or reply.code != p.ErrorCode.OK:
+            return
+        follow_up: p._Request | None = None
+        if isinstance(request, p.StoreReserve) and isinstance(reply, p.StoreReserveReply):
+            keys = [k for k, slot in zip(request.keys, reply.slots, strict=False) if slot.offset != p.NO_SLOT]
+            follow_up = p.StoreAbort(next(self._ids), self._token, keys) if keys else None
+        elif isinstance(request, p.Retrieve) and isinstance(reply, p.RetrieveReply) and not request.inline:
+            follow_up = p.Release(next(self._ids), self._token, request.keys[: len(reply.slots)])
+        elif isinstance(request, p.Lookup) and isinstance(reply, p.LookupReply) and reply.hits:
+            follow_up = p.Release(next(self._ids), self._token, request.keys[: reply.hits])
+        if follow_up is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.send(p.encode(follow_up), zmq.NOBLOCK)
+
+    def _batches(self, count: int) -> Iterator[slice]:
+        for start in range(0, count, self.max_keys):
+            yield slice(start, min(count, start + self.max_keys))

@@ -1,0 +1,210 @@
+"""What keeps an extent from changing hands under a reader: generations and the quarantine.
+
+An object normally gives its extent back to the allocator the moment it leaves L1.  Two
+things take an object out from under a holder that has not finished with it:
+
+* a forced delete (``clear(force=True)``) of a read-locked object: the reader still holds
+  its lock and may still be copying out of the extent, or holding views into it;
+* the lock TTL: a reader that kept its lock longer than ``lock_ttl_s`` has it dropped as
+  if it had crashed, and a writer slower than ``write_ttl_s`` has its reservation freed.
+
+Either way the extent is **quarantined** instead of freed.  A forced extent stays until
+every lock held on it at the time is released, or its lease ends (the locks' deadline, at
+least the grace period); an expired one for the grace period.  Only then is it reused.
+
+Every extent that goes back to the allocator first bumps its **generation**: one counter
+per allocation unit, in the table the arena keeps behind the object bytes (clients map it
+with the segment).  Any reuse of an extent's bytes needs that extent to go back first, so
+a reader that compares the generation it was given with the table after its copy knows
+whether the bytes may have changed -- the guarantee that holds even when a lease was
+broken and the quarantine did not outlast the reader.
+
+Releases arrive by key.  When a key was stored again while its old extent is still
+quarantined, a release of that key is credited to the quarantined extent first: locks on
+the old object were taken before the new object existed, and locks are mostly released
+in the order they were taken.  The L1 manager's lock guards this class.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1.allocator import ExtentAllocator
+from lmcache_tiers.l1.objects import L1Object
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class _Held:
+    obj: L1Object
+    holders: int  # locks still held on the extent; 0 for an expired one
+    until: float  # monotonic time at which it is reclaimed whatever its holders do
+    extent_bytes: int
+
+
+class LeaseStats(NamedTuple):
+    """What is held back now, and what has been held back and reclaimed since start-up."""
+
+    quarantined_extents: int
+    quarantined_bytes: int
+    lapsed_objects: int  # objects whose read locks expired; their extent is held if they leave
+    quarantined_forced: int  # extents of read-locked objects deleted by force
+    quarantined_expired: int  # extents of expired locks (reads or unfinished writes)
+    reclaimed_released: int  # quarantined extents freed once their holders released them
+    reclaimed_lease_end: int  # quarantined extents freed at the end of their lease
+    reclaimed_bytes: int
+
+
+class ExtentLeases:
+    """Generations of the allocator's extents, and the extents held back from it."""
+
+    def __init__(self, allocator: ExtentAllocator, generations: memoryview | None, grace_s: float) -> None:
+        self._allocator = allocator
+        self._block = allocator.align
+        self._generations = generations
+        self.grace_s = grace_s
+        self._by_offset: dict[int, _Held] = {}
+        # quarantined extents that still have holders, per key, oldest first
+        self._held: dict[ObjectKey, list[_Held]] = {}
+        # extent offset -> end of the grace period of an object whose locks expired
+        self._lapsed: dict[int, float] = {}
+        self.quarantined_bytes = 0
+        self._counts = dict.fromkeys(("forced", "expired", "released", "lease_end", "bytes"), 0)
+
+    # -- extents leaving -------------------------------------------------------------------
+
+    def lapse(self, obj: L1Object, now: float) -> None:
+        """``obj``'s locks expired: if it leaves L1 within the grace period, hold its extent."""
+        self._lapsed[obj.offset] = now + self.grace_s
+
+    def release_extents(self, objs: Sequence[L1Object], now: float) -> None:
+        """Objects that left L1: free their extents, or quarantine those someone may still
+        be reading (read-locked ones deleted by force, lapsed ones)."""
+        free: list[int] = []
+        forced = 0
+        for obj in objs:
+            lapsed_until = self._lapsed.pop(obj.offset, 0.0) if self._lapsed else 0.0
+            if obj.read_locks:
+                # Only a forced delete takes a read-locked object away: its readers keep
+                # the extent for the rest of their lease, and at least the grace period.
+                self._hold(obj, obj.read_locks, max(obj.lock_deadline, lapsed_until, now + self.grace_s))
+                self._counts["forced"] += 1
+                forced += 1
+            elif lapsed_until > now:
+                self._hold(obj, 0, lapsed_until)
+                self._counts["expired"] += 1
+            else:
+                free.append(obj.offset)
+        if forced:
+            logger.warning(
+                "%d read-locked L1 objects deleted by force; their extents are held until their "
+                "readers release them (at most until their lock TTL ends)",
+                forced,
+            )
+        self._give_back(free)
+
+    def _hold(self, obj: L1Object, holders: int, until: float) -> None:
+        entry = _Held(obj, holders, until, self._allocator.size_at(obj.offset))
+        self._by_offset[obj.offset] = entry
+        self.quarantined_bytes += entry.extent_bytes
+        if holders:
+            self._held.setdefault(obj.key, []).append(entry)
+
+    def _give_back(self, offsets: list[int]) -> None:
+        # The generation moves before the allocator can hand the extent out again.
+        if not offsets:
+            return
+        generations, block = self._generations, self._block
+        if generations is not None:
+            for offset in offsets:
+                generations[offset // block] += 1
+        self._allocator.free_many(offsets)
+
+    # -- holders returning -----------------------------------------------------------------
+
+    def has_holders(self, key: ObjectKey) -> bool:
+        return key in self._held
+
+    def holds(self, obj: L1Object) -> bool:
+        entry = self._by_offset.get(obj.offset)
+        return entry is not None and entry.obj is obj
+
+    def credit(self, key: ObjectKey, count: int) -> int:
+        """``count`` locks on ``key`` were released: credit them to its quarantined extents,
+        oldest first, freeing those left without holders; returns the locks left over."""
+        entries = self._held.get(key)
+        freed: list[int] = []
+        while entries and count:
+            entry = entries[0]
+            taken = min(count, entry.holders)
+            entry.holders -= taken
+            count -= taken
+            if entry.holders == 0:
+                entries.pop(0)
+                self._forget(entry, "released")
+                freed.append(entry.obj.offset)
+        if not entries:
+            self._held.pop(key, None)
+        self._give_back(freed)
+        return count
+
+    def reclaim(self, now: float) -> int:
+        """Free quarantined extents whose lease has ended; returns how many."""
+        if self._lapsed:
+            self._lapsed = {offset: until for offset, until in self._lapsed.items() if until > now}
+        due = [entry for entry in self._by_offset.values() if entry.until <= now]
+        for entry in due:
+            if entry.holders:
+                entries = self._held[entry.obj.key]
+                entries.remove(entry)
+                if not entries:
+                    del self._held[entry.obj.key]
+            self._forget(entry, "lease_end")
+        if due:
+            logger.warning(
+                "%d quarantined L1 extents reclaimed at the end of their lease; a reader still "
+                "holding views into them is told that their bytes may have changed",
+                len(due),
+            )
+        self._give_back([entry.obj.offset for entry in due])
+        return len(due)
+
+    def _forget(self, entry: _Held, how: str) -> None:
+        del self._by_offset[entry.obj.offset]
+        self.quarantined_bytes -= entry.extent_bytes
+        self._counts[how] += 1
+        self._counts["bytes"] += entry.extent_bytes
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def generations(self, objs: Sequence[L1Object]) -> list[int]:
+        """The current generation of each object's extent (0s without a table)."""
+        generations, block = self._generations, self._block
+        if generations is None:
+            return [0] * len(objs)
+        return [generations[obj.offset // block] for obj in objs]
+
+    def stats(self) -> LeaseStats:
+        counts = self._counts
+        return LeaseStats(
+            quarantined_extents=len(self._by_offset),
+            quarantined_bytes=self.quarantined_bytes,
+            lapsed_objects=len(self._lapsed),
+            quarantined_forced=counts["forced"],
+            quarantined_expired=counts["expired"],
+            reclaimed_released=counts["released"],
+            reclaimed_lease_end=counts["lease_end"],
+            reclaimed_bytes=counts["bytes"],
+        )
+
+    def close(self) -> None:
+        self._by_offset.clear()
+        self._held.clear()
+        self._lapsed.clear()
+        self.quarantined_bytes = 0
+        self._generations = None

@@ -1,0 +1,198 @@
+"""Leases: a locked extent never changes hands under its holder without its generation moving.
+
+A forced delete quarantines the extents of read-locked objects until their readers release
+them; an expired lock keeps its extent out of reach for the grace period; and every extent
+that goes back to the allocator bumps its entry in the arena's generation table first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lmcache_tiers.errors import L1OutOfMemoryError
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1 import L1Manager, L1Object
+
+ALIGN = 4096
+CAPACITY = 16 * ALIGN
+LOCK_TTL = 30.0
+GRACE = 5.0
+
+
+def key(index: int) -> ObjectKey:
+    return ObjectKey("lease-model", 0, index.to_bytes(8, "big"))
+
+
+def keys(*indices: int) -> list[ObjectKey]:
+    return [key(index) for index in indices]
+
+
+def make(nvme_dir: Path | None = None) -> L1Manager:
+    return L1Manager(
+        CAPACITY,
+        align=ALIGN,
+        lock_ttl_s=LOCK_TTL,
+        write_ttl_s=LOCK_TTL,
+        prefault=False,
+        lease_grace_s=GRACE,
+        nvme_path=None if nvme_dir is None else str(nvme_dir),
+    )
+
+
+@pytest.fixture(params=["memory", "nvme"])
+def l1(request: pytest.FixtureRequest) -> Iterator[L1Manager]:
+    manager = make(request.getfixturevalue("nvme_dir") if request.param == "nvme" else None)
+    yield manager
+    manager.close()
+
+
+@pytest.fixture
+def memory_l1() -> Iterator[L1Manager]:
+    manager = make()
+    yield manager
+    manager.close()
+
+
+def store(l1: L1Manager, indices: list[int], units: int = 1, fill: int | None = None) -> list[L1Object]:
+    reserved = l1.reserve_write(keys(*indices), [units * ALIGN] * len(indices))
+    for index, obj in zip(indices, reserved.values(), strict=True):
+        l1.write_object(obj, memoryview(bytes([index % 256 if fill is None else fill]) * obj.size))
+    assert all(l1.finish_write(list(reserved)))
+    return list(reserved.values())
+
+
+def read(l1: L1Manager, obj: L1Object) -> bytes:
+    out = bytearray(obj.size)
+    l1.read_object(obj, memoryview(out))
+    return bytes(out)
+
+
+def table_entry(l1: L1Manager, obj: L1Object) -> int:
+    return int(l1.arena.generations[obj.offset // ALIGN])
+
+
+def test_every_extent_going_back_moves_its_generation(memory_l1: L1Manager) -> None:
+    l1 = memory_l1
+    assert l1.arena.generation_block == ALIGN
+    assert len(l1.arena.generations) == CAPACITY // ALIGN
+    first, second = store(l1, [1, 2])
+    before = l1.generations([first, second])
+    assert before == [table_entry(l1, first), table_entry(l1, second)]
+    assert l1.delete(keys(1)) == [True]
+    assert l1.generations([first, second]) == [before[0] + 1, before[1]]
+    assert l1.evict(ALIGN, keys(2)) == keys(2)
+    assert table_entry(l1, second) == before[1] + 1
+    (aborted,) = l1.reserve_write(keys(3), [ALIGN]).values()
+    generation = table_entry(l1, aborted)
+    l1.abort_write(keys(3))
+    assert table_entry(l1, aborted) == generation + 1
+
+
+def test_a_forced_delete_holds_read_locked_extents_until_released(l1: L1Manager) -> None:
+    objects = store(l1, [1, 2, 3], units=4, fill=0xAB)
+    l1.reserve_read(keys(1, 2), count=2)
+    generations = l1.generations(objects)
+    assert l1.clear(force=True) == 3
+    assert len(l1) == 0
+    # 3 was unlocked: its extent is free; 1 and 2 are quarantined with their two locks each
+    stats = l1.lease_stats()
+    assert (stats.quarantined_extents, stats.quarantined_bytes, stats.quarantined_forced) == (2, 8 * ALIGN, 2)
+    assert l1.used_bytes == 8 * ALIGN and l1.reclaimable_bytes() == CAPACITY - 8 * ALIGN
+    # new objects, even under the same keys, cannot get those extents
+    fresh = store(l1, [1, 7], units=4, fill=0xCD)
+    assert {obj.offset for obj in fresh}.isdisjoint({objects[0].offset, objects[1].offset})
+    with pytest.raises(L1OutOfMemoryError):
+        l1.reserve_write(keys(8), [2 * ALIGN])
+    # the readers' copies still see their bytes
+    assert read(l1, objects[0]) == bytes([0xAB]) * objects[0].size
+    if l1.is_memory:
+        assert l1.generations(objects[:2]) == generations[:2]
+    # a release is credited to the quarantined extent before the new object of that key
+    l1.finish_read(keys(1))
+    new_one = l1.get(key(1))
+    assert new_one is not None and new_one.read_locks == 0
+    assert l1.lease_stats().quarantined_extents == 2
+    l1.finish_read(keys(1, 2), count=2)
+    stats = l1.lease_stats()
+    assert (stats.quarantined_extents, stats.reclaimed_released, stats.reclaimed_bytes) == (0, 2, 8 * ALIGN)
+    assert l1.used_bytes == 8 * ALIGN  # only the two new objects
+    if l1.is_memory:
+        assert [table_entry(l1, obj) for obj in objects[:2]] == [gen + 1 for gen in generations[:2]]
+
+
+def test_a_forced_extent_goes_back_at_the_end_of_its_readers_lease(l1: L1Manager) -> None:
+    (obj,) = store(l1, [1])
+    l1.reserve_read(keys(1))
+    deadline = obj.lock_deadline
+    l1.clear(force=True)
+    assert l1.expire_locks(deadline - 1) == 0
+    assert l1.lease_stats().quarantined_extents == 1
+    l1.expire_locks(deadline + 1)
+    stats = l1.lease_stats()
+    assert (stats.quarantined_extents, stats.reclaimed_lease_end) == (0, 1)
+    assert l1.used_bytes == 0
+    l1.finish_read(keys(1))  # the reader that never came back is harmless now
+
+
+def test_expired_read_locks_keep_their_extent_for_the_grace_period(l1: L1Manager) -> None:
+    (obj,) = store(l1, [1], fill=0x11)
+    l1.reserve_read(keys(1))
+    expired_at = obj.lock_deadline + 1
+    assert l1.expire_locks(expired_at) == 1
+    assert obj.read_locks == 0 and l1.lease_stats().lapsed_objects == 1
+    # the object is evictable again, but its extent stays out of reach for a while
+    assert l1.evict(ALIGN, keys(1)) == keys(1)
+    assert l1.lease_stats().quarantined_expired == 1
+    assert l1.reclaimable_bytes() == CAPACITY - ALIGN
+    assert read(l1, obj) == bytes([0x11]) * ALIGN  # the slow reader still reads its bytes
+    l1.expire_locks(expired_at + GRACE + 1)
+    assert l1.used_bytes == 0 and l1.lease_stats().lapsed_objects == 0
+
+
+def test_an_object_leaving_after_its_grace_period_is_freed_at_once(l1: L1Manager) -> None:
+    (obj,) = store(l1, [1])
+    l1.reserve_read(keys(1))
+    l1.expire_locks(obj.lock_deadline + 1)
+    l1.expire_locks(obj.lock_deadline + GRACE + 2)  # the lapse is forgotten
+    assert l1.delete(keys(1)) == [True]
+    assert l1.used_bytes == 0 and l1.lease_stats().quarantined_expired == 0
+
+
+def test_a_full_l1_reclaims_ended_leases_before_refusing_a_reservation() -> None:
+    with L1Manager(CAPACITY, align=ALIGN, lock_ttl_s=0.2, prefault=False, lease_grace_s=0.1) as l1:
+        store(l1, list(range(16)))
+        l1.reserve_read(keys(*range(16)))
+        l1.clear(force=True)
+        with pytest.raises(L1OutOfMemoryError):
+            l1.reserve_write(keys(100), [ALIGN])
+        time.sleep(0.4)  # past the readers' lease (lock TTL 0.2 s; grace 0.1 s)
+        # nobody reaped the quarantine meanwhile: the reservation itself does
+        assert list(l1.reserve_write(keys(100), [ALIGN])) == keys(100)
+        assert l1.lease_stats().reclaimed_lease_end == 16
+
+
+def test_writers_are_never_forced_out(l1: L1Manager) -> None:
+    (reserved,) = l1.reserve_write(keys(1), [ALIGN]).values()
+    assert l1.delete(keys(1), force=True) == [False]
+    assert l1.clear(force=True) == 0
+    l1.write_object(reserved, memoryview(b"w" * ALIGN))
+    assert l1.finish_write(keys(1)) == [True]
+    assert read(l1, reserved) == b"w" * ALIGN
+
+
+def test_reclaimable_bytes_counts_free_and_unlocked(l1: L1Manager) -> None:
+    store(l1, [1, 2, 3], units=2)
+    l1.reserve_write(keys(4), [ALIGN])
+    l1.reserve_read(keys(2))
+    # 1 and 3 may be evicted; 2 is read, 4 is being written
+    assert l1.reclaimable_bytes() == CAPACITY - 3 * ALIGN
+
+
+def test_an_nvme_l1_reports_no_generations(nvme_dir: Path) -> None:
+    with make(nvme_dir) as l1:
+        objects = store(l1, [1, 2])
+        assert l1.generations(objects) == [0, 0]
