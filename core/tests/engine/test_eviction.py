@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from engine_support import GatedAdapter, GatedConfig, MiB, keys_of, mock, payload, spec, store
+from engine_support import (
+    GatedAdapter,
+    GatedConfig,
+    MiB,
+    keys_of,
+    mock,
+    payload,
+    spec,
+    store,
+    store_in_l2_only,
+)
 
 from lmcache_tiers.config import AdapterSpec, L2EvictionConfig
 
@@ -70,9 +80,7 @@ def test_l2_eviction_skips_pinned_keys(engine) -> None:
     adapter = storage.adapters[0]
     assert isinstance(adapter, GatedAdapter)
     pinned = keys_of(1, 2)
-    store(storage, pinned, MiB)
-    assert storage.flush(10)
-    storage.clear()
+    store_in_l2_only(storage, pinned, MiB)
     adapter.gate.clear()
     handle = storage.submit_prefetch(pinned)
     assert adapter.loads_started.acquire(timeout=10)  # looked up and pinned, load parked
