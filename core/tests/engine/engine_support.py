@@ -229,3 +229,15 @@ def store_in_l2_only(storage: StorageManager, keys: Sequence[ObjectKey], size: i
     store(storage, keys, size)
     assert storage.flush(10)
     storage.clear()
+
+
+def parked_prefetch(storage: StorageManager, keys: Sequence[ObjectKey], size: int) -> int:
+    """With a ``gated`` adapter first: ``keys`` stored in L2 only, and a prefetch of them
+    whose load is parked at the gate (looked up, pinned, L1 reserved); its handle."""
+    adapter = storage.adapters[0]
+    assert isinstance(adapter, GatedAdapter)
+    store_in_l2_only(storage, keys, size)
+    adapter.gate.clear()
+    handle = storage.submit_prefetch(keys)
+    assert adapter.loads_started.acquire(timeout=10)
+    return handle

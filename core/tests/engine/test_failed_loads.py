@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import random
 
-from engine_support import GatedAdapter, GatedConfig, keys_of, mock, payload, spec, store, store_in_l2_only
+from engine_support import (
+    GatedAdapter,
+    GatedConfig,
+    keys_of,
+    mock,
+    parked_prefetch,
+    payload,
+    spec,
+    store,
+    store_in_l2_only,
+)
 
 from lmcache_tiers.config import AdapterSpec
 from lmcache_tiers.errors import L1OutOfMemoryError
@@ -67,10 +77,7 @@ def test_a_prefetch_never_hands_over_a_writers_object(engine) -> None:
     storage = engine([AdapterSpec(type="gated", config=GatedConfig())])
     adapter = gated_adapter(storage)
     keys = keys_of(2, 1)
-    store_in_l2_only(storage, keys, SIZE)
-    adapter.gate.clear()
-    handle = storage.submit_prefetch(keys)
-    assert adapter.loads_started.acquire(timeout=10)
+    handle = parked_prefetch(storage, keys, SIZE)
     assert storage.clear(force=True) == 1
     (writer,) = storage.reserve_write(keys, [SIZE]).values()
     adapter.gate.set()
@@ -84,10 +91,7 @@ def test_a_forced_clear_during_a_load_never_lets_it_overwrite_another_object(eng
     storage = engine([AdapterSpec(type="gated", config=GatedConfig())])
     adapter = gated_adapter(storage)
     loaded, other = keys_of(3, 1), keys_of(4, 1)
-    store_in_l2_only(storage, loaded, SIZE)
-    adapter.gate.clear()
-    handle = storage.submit_prefetch(loaded)
-    assert adapter.loads_started.acquire(timeout=10)
+    handle = parked_prefetch(storage, loaded, SIZE)
     assert storage.clear(force=True) == 1
     # The extent the load writes into is not free: a new object gets another one.
     (writer,) = storage.reserve_write(other, [SIZE]).values()
