@@ -7,6 +7,7 @@ read-locked in L1 for the reader, who releases it when done.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -26,7 +27,7 @@ from lmcache_tiers.controllers import (
 )
 from lmcache_tiers.errors import ConfigError, L1OutOfMemoryError, TiersError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l1 import L1Manager, L1Object
+from lmcache_tiers.l1 import L1Loan, L1Manager, L1Object
 from lmcache_tiers.l2.context import AdapterContext
 from lmcache_tiers.l2.interface import L2Adapter
 from lmcache_tiers.layout import check_layout
@@ -108,8 +109,12 @@ class StorageManager:
                 prefetch_policy,
                 self.stats,
                 max_in_flight=config.l2_prefetch_max_in_flight,
-                evict=self.l1_eviction.evict_now,
+                # Room to load into is never made by dropping a write not yet in L2.
+                evict=functools.partial(self.l1_eviction.evict_now, spare_unstored=True),
                 align=config.l1_align_bytes,
+                # Shorter than the lock TTL: the locks an expired result gives back are
+                # still its own.
+                result_ttl_s=config.l1_lock_ttl_s / 2,
             )
             self.l2_evictions: dict[int, L2EvictionController] = {}
             for slot, spec in zip(self._slots, config.l2_adapters, strict=True):
@@ -201,13 +206,19 @@ class StorageManager:
 
     def commit_write(self, keys: Sequence[ObjectKey], *, to_l2: bool = True) -> list[bool]:
         """Make reserved objects READY and queue them for L2 (unless ``to_l2`` is False:
-        L1-only objects); False for keys not reserved."""
+        L1-only objects); False for keys not reserved.
+
+        From their commit until their L2 stores settle, the objects are evicted only when
+        nothing else can make room for a write, and counted then
+        (``evicted_before_l2_store``).
+        """
         self._check_open()
-        done = self.l1.finish_write(keys)
-        committed = [key for key, ok in zip(keys, done, strict=True) if ok]
+        with self.l1.lock:  # no eviction between the commit and the unstored flag
+            done = self.l1.finish_write(keys)
+            committed = [key for key, ok in zip(keys, done, strict=True) if ok]
+            if to_l2:
+                self.store.submit(committed)
         self.stats.add("keys_written", len(committed))
-        if to_l2:
-            self.store.submit(committed)
         return done
 
     def abort_write(self, keys: Sequence[ObjectKey]) -> None:
@@ -266,6 +277,12 @@ class StorageManager:
         """Like ``query_prefetch`` but waits up to ``timeout`` s; None if still running."""
         return self.prefetch.wait(handle, timeout)
 
+    def discard_prefetch(self, handle: int) -> None:
+        """The caller will never ask for ``handle``'s result: the read locks it holds are
+        released now, or when it finishes.  A result nobody queries is given back anyway
+        after half the L1 lock TTL (counted as ``prefetch_result_expired``)."""
+        self.prefetch.discard(handle)
+
     def read(self, keys: Sequence[ObjectKey]) -> list[L1Object]:
         """Read-lock and return the READY prefix of ``keys`` (release it with ``release``)."""
         self._check_open()
@@ -276,6 +293,11 @@ class StorageManager:
     def view(self, obj: L1Object) -> memoryview:
         """The bytes of a reserved or read-locked object, in the L1 arena (memory L1 only)."""
         return self.l1.view(obj)
+
+    def lend(self, obj: L1Object, *, fill: bool = False) -> L1Loan:
+        """A locked object's bytes for copying out (or, ``fill``, in), for every L1 backing:
+        see :meth:`L1Manager.lend`."""
+        return self.l1.lend(obj, fill=fill)
 
     def read_object(self, obj: L1Object, out: memoryview) -> None:
         """Copy a read-locked object's bytes into ``out``; works for every L1 backing."""
@@ -296,9 +318,17 @@ class StorageManager:
         return self.l1.clear(force=force)
 
     def evict(self, keys: Sequence[ObjectKey]) -> int:
-        """Delete ``keys`` from L1 now, skipping locked ones; L2 copies stay. Returns how many."""
+        """Delete ``keys`` from L1 now; L2 copies stay. Returns how many.
+
+        Locked objects are skipped, and so are objects whose L2 store has not happened yet:
+        L1 holds their only copy, and dropping an acknowledged write on request is still
+        dropping it.
+        """
         self._check_open()
-        return sum(self.l1.delete(keys))
+        with self.l1.lock:
+            objects = [(key, self.l1.get(key)) for key in keys]
+            settled = [key for key, obj in objects if obj is not None and not obj.unstored]
+            return sum(self.l1.delete(settled))
 
     # -- operations ----------------------------------------------------------------------
 

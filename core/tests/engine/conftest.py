@@ -13,7 +13,7 @@ from lmcache_tiers.storage import StorageManager
 # Helpers shared by the engine tests (imported by name under importlib mode).
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_support import make_storage
+from engine_support import GatedStorePolicy, make_storage
 
 CONTROLLER_THREAD_PREFIXES = ("l1-eviction", "l2-store", "l2-prefetch", "l2-eviction-")
 
@@ -33,6 +33,7 @@ def engine() -> Iterator[Callable[..., StorageManager]]:
         return storage
 
     yield build
+    GatedStorePolicy.gate.set()  # a test that failed midway must not leave the store controller parked
     for storage in built:
         for adapter in storage.adapters:
             for gate_name in ("gate", "store_gate"):

@@ -40,7 +40,7 @@ class GatedAdapter(BatchL2Adapter):
         self.loads_started = threading.Semaphore(0)
         self.store_gate = threading.Event()
         self.store_gate.set()
-        self.fail_loads: set[ObjectKey] = set()  # keys whose load reports failure
+        self.fail_loads: set[ObjectKey] = set()  # keys whose load scribbles and reports failure
         self.fail_stores: set[ObjectKey] = set()
         self._data: dict[ObjectKey, bytes] = {}
         self._lock = threading.Lock()
@@ -68,6 +68,9 @@ class GatedAdapter(BatchL2Adapter):
         with self._lock:
             for key, buffer in zip(keys, buffers, strict=True):
                 data = self._data.get(key)
+                if key in self.fail_loads:
+                    # A failing load may leave anything in its buffer, like a half transfer.
+                    buffer[:] = b"\xbd" * buffer.nbytes
                 if data is None or len(data) != buffer.nbytes or key in self.fail_loads:
                     done.append(False)
                     continue
@@ -137,6 +140,35 @@ def tiers_register_prefetch_policies(registry: KindRegistry) -> None:
     registry.add("raising", RaisingPrefetchPolicy)
 
 
+class GatedStorePolicy:
+    """Every key to every adapter, but ``select_store_targets`` waits at ``gate`` (open by
+    default): committed objects stay queued, unlocked and unstored, for as long as a test
+    needs.  ``skip`` keys are sent nowhere (not meant for L2)."""
+
+    gate = threading.Event()
+    entered = threading.Semaphore(0)
+    skip: ClassVar[set[ObjectKey]] = set()
+
+    def __init__(self, config: object) -> None:
+        GatedStorePolicy.gate.set()
+        GatedStorePolicy.entered = threading.Semaphore(0)
+        GatedStorePolicy.skip.clear()
+
+    def select_store_targets(self, keys: Sequence[ObjectKey], adapters: Any) -> dict[int, list[ObjectKey]]:
+        GatedStorePolicy.entered.release()
+        GatedStorePolicy.gate.wait()
+        wanted = [key for key in keys if key not in GatedStorePolicy.skip]
+        return {adapter.index: wanted for adapter in adapters} if wanted else {}
+
+    def select_l1_deletions(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
+        return []
+
+
+@hookimpl
+def tiers_register_store_policies(registry: KindRegistry) -> None:
+    registry.add("gated", GatedStorePolicy)
+
+
 _registry: ComponentRegistry | None = None
 
 
@@ -148,6 +180,7 @@ def registry() -> ComponentRegistry:
         module.tiers_register_l2_adapters = tiers_register_l2_adapters  # type: ignore[attr-defined]
         module.tiers_register_prefetch_policies = tiers_register_prefetch_policies  # type: ignore[attr-defined]
         module.tiers_register_serdes = tiers_register_serdes  # type: ignore[attr-defined]
+        module.tiers_register_store_policies = tiers_register_store_policies  # type: ignore[attr-defined]
         _registry = discover(extra_plugins={"engine-test-adapters": module}).registry
     return _registry
 
@@ -188,3 +221,23 @@ def store(storage: StorageManager, keys: Sequence[ObjectKey], size: int) -> list
         storage.view(obj)[:] = payload(key, size)
     storage.commit_write(list(reserved))
     return list(reserved)
+
+
+def store_in_l2_only(storage: StorageManager, keys: Sequence[ObjectKey], size: int) -> None:
+    """Store ``keys``, wait for their L2 stores, and drop them from L1: the next lookup of
+    them goes to L2."""
+    store(storage, keys, size)
+    assert storage.flush(10)
+    storage.clear()
+
+
+def parked_prefetch(storage: StorageManager, keys: Sequence[ObjectKey], size: int) -> int:
+    """With a ``gated`` adapter first: ``keys`` stored in L2 only, and a prefetch of them
+    whose load is parked at the gate (looked up, pinned, L1 reserved); its handle."""
+    adapter = storage.adapters[0]
+    assert isinstance(adapter, GatedAdapter)
+    store_in_l2_only(storage, keys, size)
+    adapter.gate.clear()
+    handle = storage.submit_prefetch(keys)
+    assert adapter.loads_started.acquire(timeout=10)
+    return handle

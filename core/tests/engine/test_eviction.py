@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from engine_support import GatedAdapter, GatedConfig, MiB, keys_of, mock, payload, spec, store
+from engine_support import (
+    GatedAdapter,
+    GatedConfig,
+    MiB,
+    keys_of,
+    mock,
+    parked_prefetch,
+    payload,
+    spec,
+    store,
+)
 
 from lmcache_tiers.config import AdapterSpec, L2EvictionConfig
 
@@ -70,12 +80,7 @@ def test_l2_eviction_skips_pinned_keys(engine) -> None:
     adapter = storage.adapters[0]
     assert isinstance(adapter, GatedAdapter)
     pinned = keys_of(1, 2)
-    store(storage, pinned, MiB)
-    assert storage.flush(10)
-    storage.clear()
-    adapter.gate.clear()
-    handle = storage.submit_prefetch(pinned)
-    assert adapter.loads_started.acquire(timeout=10)  # looked up and pinned, load parked
+    handle = parked_prefetch(storage, pinned, MiB)  # looked up and pinned, load parked
 
     others = keys_of(2, 4)
     store(storage, others, MiB)  # 6 of 8 MiB: over the 0.5 watermark

@@ -38,7 +38,7 @@ def test_sweep_drops_idle_empty_sessions_and_expired_records() -> None:
     table = SessionTable(lock_ttl_s=10, write_ttl_s=20, idle_s=60)
     busy = table.get(b"busy", 0.0)
     busy.add_read_locks([A], deadline=10.0)
-    busy.prefetches[3] = PendingPrefetch([A], deadline=10.0)
+    busy.prefetches[3] = PendingPrefetch([A], started=0.0, deadline=10.0)
     table.get(b"idle", 0.0)
     table.sweep(now=11.0)
     assert table.peek(b"idle") is not None and not busy.read_locks

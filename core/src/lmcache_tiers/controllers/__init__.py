@@ -4,7 +4,15 @@ Each is one thread sleeping in ``poll`` on its adapters' eventfds and a wake-up 
 own; the StorageManager builds, starts and stops them.
 """
 
-from lmcache_tiers.controllers.base import AdapterSlot, ControllerThread, Waker, adapter_infos, aligned_total
+from lmcache_tiers.controllers.base import (
+    AdapterSlot,
+    BurstLog,
+    ControllerThread,
+    TaskTracker,
+    Waker,
+    adapter_infos,
+    aligned_total,
+)
 from lmcache_tiers.controllers.l1_eviction import L1EvictionController
 from lmcache_tiers.controllers.l2_eviction import L2EvictionController
 from lmcache_tiers.controllers.prefetch import PrefetchController
@@ -13,12 +21,14 @@ from lmcache_tiers.controllers.store import StoreController
 
 __all__ = [
     "AdapterSlot",
+    "BurstLog",
     "ControllerThread",
     "EngineStats",
     "L1EvictionController",
     "L2EvictionController",
     "PrefetchController",
     "StoreController",
+    "TaskTracker",
     "Waker",
     "adapter_infos",
     "aligned_total",

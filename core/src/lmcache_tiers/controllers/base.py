@@ -3,21 +3,25 @@
 A controller sleeps in ``poll`` on its adapters' eventfds plus one fd of its own, so work
 handed to it from another thread (or a request to stop) wakes it without busy-waiting and
 without a lock around the adapters.  ``wait_idle`` lets callers (tests, ``flush``) wait until
-everything handed over so far has been processed, with no sleeps.
+everything handed over so far has been processed, with no sleeps.  A :class:`TaskTracker`
+pairs the results an adapter reports with whatever submitted the tasks.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import select
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
-from lmcache_tiers.l2.interface import L2Adapter
+from lmcache_tiers.controllers.stats import EngineStats
+from lmcache_tiers.l2.interface import L2Adapter, L2Op
 from lmcache_tiers.policies import AdapterInfo
 
 logger = logging.getLogger(__name__)
@@ -91,6 +95,117 @@ class AdapterSlot:
 
 def adapter_infos(slots: Sequence[AdapterSlot]) -> list[AdapterInfo]:
     return [slot.info() for slot in slots]
+
+
+class BurstLog:
+    """One log line per burst of like events (drops, refusals): the first event of a burst
+    is logged at once; events less than ``quiet_s`` after the previous one only add to a
+    tally, which the next burst's line reports.  The exact figures are in the counters."""
+
+    def __init__(self, log: logging.Logger, reason: str, *, quiet_s: float = 10.0) -> None:
+        self._log = log
+        self.reason = reason
+        self.quiet_s = quiet_s
+        self._lock = threading.Lock()
+        self._last = -math.inf
+        self._untold = 0
+
+    def event(self, count: int, what: str) -> None:
+        """``count`` events, described by ``what`` (e.g. "objects evicted before ...")."""
+        now = time.monotonic()
+        with self._lock:
+            quiet = now - self._last > self.quiet_s
+            self._last = now
+            if not quiet:
+                self._untold += count
+                return
+            untold, self._untold = self._untold, 0
+        earlier = f"; {untold} more in the previous burst" if untold else ""
+        self._log.warning(
+            "%d %s (failure reason %s; more within %gs are only counted%s)",
+            count,
+            what,
+            self.reason,
+            self.quiet_s,
+            earlier,
+        )
+
+
+OwnerT = TypeVar("OwnerT")
+ResultT = TypeVar("ResultT")
+#: what settles an orphaned task's result: (adapter slot, owner, result)
+OrphanSettler = Callable[[AdapterSlot, OwnerT, ResultT], None]
+
+
+class TaskTracker(Generic[OwnerT, ResultT]):
+    """The tasks of one operation kind a controller has submitted, by (adapter, task id).
+
+    ``reap(slot)`` pops the adapter's completed results and pairs each with the owner it
+    was tracked with.  A task whose owner gave up before it finished is *orphaned*: when
+    its result comes, the callback given then gets the adapter's slot, the owner and the
+    result (to drop the pins the task took, or free the buffers it wrote into).  Results
+    of tasks never tracked are ignored: each op kind has a single consumer, so they cannot
+    belong to anyone else.  Controller thread only.
+    """
+
+    def __init__(
+        self,
+        op: L2Op,
+        pop_completed: Callable[[L2Adapter], Mapping[int, ResultT]],
+        stats: EngineStats,
+    ) -> None:
+        self.op = op
+        self._pop_completed = pop_completed
+        self._stats = stats
+        self._owners: dict[tuple[int, int], OwnerT] = {}
+        self._orphans: dict[tuple[int, int], tuple[OwnerT, OrphanSettler[OwnerT, ResultT]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def track(self, slot: AdapterSlot, task_id: int, owner: OwnerT) -> None:
+        self._owners[(slot.index, task_id)] = owner
+
+    def owners(self) -> list[OwnerT]:
+        return list(self._owners.values())
+
+    def orphan(self, index: int, task_id: int, settle: OrphanSettler[OwnerT, ResultT]) -> OwnerT | None:
+        """Detach a running task from its owner (returned, None if not tracked):
+        ``settle(slot, owner, result)`` runs instead when the adapter reports it."""
+        owner = self._owners.pop((index, task_id), None)
+        if owner is not None:
+            self._orphans[(index, task_id)] = (owner, settle)
+        return owner
+
+    def clear(self) -> None:
+        self._owners.clear()
+        self._orphans.clear()
+
+    def reap(self, slot: AdapterSlot) -> list[tuple[OwnerT, ResultT]]:
+        """The adapter's completed tasks that have an owner, with their results."""
+        kind = self.op.name.lower()
+        try:
+            completed = self._pop_completed(slot.adapter)
+        except Exception:
+            logger.exception("%s: popping %s results failed", slot.name, kind)
+            self._stats.fail(f"l2_{kind}_pop_error")
+            return []
+        owned: list[tuple[OwnerT, ResultT]] = []
+        for task_id, result in completed.items():
+            key = (slot.index, task_id)
+            owner = self._owners.pop(key, None)
+            if owner is not None:
+                owned.append((owner, result))
+                continue
+            orphan = self._orphans.pop(key, None)
+            if orphan is None:
+                continue
+            try:
+                orphan[1](slot, orphan[0], result)
+            except Exception:
+                logger.exception("%s: settling an abandoned %s task failed", slot.name, kind)
+                self._stats.fail(f"l2_{kind}_orphan_error")
+        return owned
 
 
 def aligned_total(sizes: Iterable[int], align: int) -> int:

@@ -3,6 +3,11 @@
 The eviction policy is fed through an L1 listener.  Listeners run inside the L1 lock, and
 victims are consumed inside it too (``evict_now``), so the L1 lock is the one lock that
 serialises every call into the policy, whichever thread writes, reads or evicts.
+
+Objects whose L2 store has not happened yet are acknowledged writes that exist nowhere
+else: the watermark pass never evicts them (it only makes headroom), and a write that needs
+room takes them only when nothing else frees enough -- counted as
+``evicted_before_l2_store`` and logged once per burst.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from lmcache_tiers.controllers.base import ControllerThread
+from lmcache_tiers.controllers.base import BurstLog, ControllerThread
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager
@@ -66,10 +71,15 @@ class L1EvictionController(ControllerThread):
         self.reap_interval_s = reap_interval_s
         self._next_reap = time.monotonic() + reap_interval_s
         self._feed = _PolicyFeed(self)
+        self._lost_writes = BurstLog(logger, "evicted_before_l2_store")
         l1.add_listener(self._feed)
 
-    def evict_now(self, bytes_to_free: int) -> int:
-        """Evict synchronously (any thread); returns the aligned bytes actually freed."""
+    def evict_now(self, bytes_to_free: int, *, spare_unstored: bool = False) -> int:
+        """Evict synchronously (any thread); returns the aligned bytes actually freed.
+
+        Objects not yet stored in L2 go last, and never with ``spare_unstored`` (room for
+        a prefetch, or headroom, is not worth an acknowledged write).
+        """
         if bytes_to_free <= 0:
             return 0
         with self.l1.lock:
@@ -77,18 +87,27 @@ class L1EvictionController(ControllerThread):
             try:
                 # victims() is created inside the L1 lock: no listener can touch the
                 # policy while its iterator is alive.
-                evicted = self.l1.evict(bytes_to_free, self.policy.victims())
+                eviction = self.l1.make_room(
+                    bytes_to_free, self.policy.victims(), spare_unstored=spare_unstored
+                )
             except Exception:
                 # A broken policy must not fail the write or prefetch that needed room.
                 logger.exception("L1 eviction policy failed")
                 self.stats.fail("l1_eviction_policy_error")
                 return 0
             freed = before - self.l1.used_bytes
-        if evicted:
-            self.stats.add("l1_evicted_keys", len(evicted))
+        if eviction.keys:
+            self.stats.add("l1_evicted_keys", len(eviction.keys))
             self.stats.add("l1_evicted_bytes", freed)
             self.stats.add("l1_eviction_runs")
-            logger.debug("L1 eviction: %d objects, %d bytes freed", len(evicted), freed)
+            logger.debug("L1 eviction: %d objects, %d bytes freed", len(eviction.keys), freed)
+        if eviction.unstored:
+            self.stats.fail("evicted_before_l2_store", len(eviction.unstored))
+            self._lost_writes.event(
+                len(eviction.unstored),
+                "L1 objects evicted before their L2 store: every other object was locked or too "
+                "small to make room for a write (L2 stores are slower than the writes)",
+            )
         return freed
 
     def above_watermark(self) -> bool:
@@ -96,10 +115,10 @@ class L1EvictionController(ControllerThread):
 
     def step(self, ready_fds: set[int]) -> None:
         if self.above_watermark():
-            freed = self.evict_now(int(self.l1.used_bytes * self.eviction_ratio))
+            freed = self.evict_now(int(self.l1.used_bytes * self.eviction_ratio), spare_unstored=True)
             if freed == 0:
-                # Everything left is locked (or the policy offers nothing, e.g. noop); the
-                # next write or the periodic tick tries again.
+                # Everything left is locked or waiting for its L2 store (or the policy offers
+                # nothing, e.g. noop); the next write or the periodic tick tries again.
                 self.stats.fail("l1_nothing_evictable")
         now = time.monotonic()
         if now >= self._next_reap:

@@ -11,9 +11,13 @@ One request goes through::
     hand-off loaded objects become READY and read-locked in one step; failed keys and
              everything after the first gap are freed; the hit count is L1 hits plus the
              contiguous prefix actually loaded
+    result   kept, with the prefix's read locks, until the owner claims it (or gives it
+             back: see prefetch_results.py)
 
 Every L1 lock and L2 pin a request takes is released on every path: success, adapter
-failure, policy error and shutdown.
+failure, policy error and shutdown.  The L1 objects a request loads into are reserved as
+loads (``L1Manager.reserve_load``) and finished or freed by object identity, so a failed
+load's bytes never become readable, nor reach the store controller as a fresh write.
 """
 
 from __future__ import annotations
@@ -21,21 +25,23 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections import Counter, OrderedDict, deque
+import time
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from lmcache_tiers.controllers.base import AdapterSlot, ControllerThread, aligned_total
+from lmcache_tiers.controllers.base import AdapterSlot, ControllerThread, TaskTracker, aligned_total
+from lmcache_tiers.controllers.prefetch_results import HeldResult, PrefetchResults
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.errors import L1OutOfMemoryError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l1 import L1Manager, L1Object, aligned_buffer
+from lmcache_tiers.l1 import L1Loan, L1Manager, L1Object
 from lmcache_tiers.l2.interface import L2Op, LookupResult
 from lmcache_tiers.policies import PrefetchPolicy
 
 logger = logging.getLogger(__name__)
 
-#: results delivered to nobody are forgotten beyond this many (their locks expire by TTL)
+#: results waiting for their owners beyond this many are given back, oldest first
 MAX_UNCLAIMED_RESULTS = 1 << 16
 
 
@@ -45,6 +51,7 @@ class _Request:
     keys: list[ObjectKey]
     readers: int
     l1_hits: int  # leading keys read-locked ``readers`` times
+    result_deadline: float  # the result is given back if not claimed by then
     remaining: list[ObjectKey] = field(default_factory=list)  # keys[l1_hits:] at start
     lookups: dict[int, int] = field(default_factory=dict)  # adapter index -> task id
     found: dict[int, LookupResult] = field(default_factory=dict)  # adapter index -> result
@@ -55,6 +62,14 @@ class _Request:
     reserved: dict[ObjectKey, L1Object] = field(default_factory=dict)  # write-locked
     loads: dict[int, int] = field(default_factory=dict)  # adapter index -> task id
     loaded: set[ObjectKey] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _Load:
+    request: _Request
+    keys: list[ObjectKey]
+    objects: list[L1Object]  # reserved as loads, one per key
+    loans: list[L1Loan]  # what the adapter fills, one per key; committed on success
 
 
 class PrefetchController(ControllerThread):
@@ -70,6 +85,7 @@ class PrefetchController(ControllerThread):
         max_in_flight: int,
         evict: Callable[[int], int],
         align: int,
+        result_ttl_s: float,
     ) -> None:
         super().__init__("l2-prefetch")
         self.l1 = l1
@@ -84,19 +100,20 @@ class PrefetchController(ControllerThread):
         self._done = threading.Condition(self._lock)
         self._queue: deque[_Request] = deque()
         self._queued: set[int] = set()
-        self._results: OrderedDict[int, int] = OrderedDict()
+        self._results = PrefetchResults(
+            self._release_read, stats, ttl_s=result_ttl_s, limit=MAX_UNCLAIMED_RESULTS
+        )
         self._closed = False  # set once the thread is done: submits complete at once
-        # controller thread only:
+        # _active is changed under _lock (queries look at it) by the controller thread only
         self._active: dict[int, _Request] = {}
+        # controller thread only:
         self._claimed: Counter[ObjectKey] = Counter()  # keys an active request may load
-        self._lookup_tasks: dict[tuple[int, int], _Request] = {}
-        self._load_tasks: dict[tuple[int, int], tuple[_Request, list[ObjectKey]]] = {}
-        # tasks of abandoned requests: (adapter index, task id) -> keys to settle on completion
-        self._orphan_lookups: dict[tuple[int, int], list[ObjectKey]] = {}
-        self._orphan_loads: dict[tuple[int, int], list[ObjectKey]] = {}
-        # An NVMe L1 has no memory to load into: adapters fill these host buffers, copied
-        # into L1 when the load reports. (adapter index, task id) -> one buffer per key
-        self._staged: dict[tuple[int, int], list[memoryview]] = {}
+        self._lookups = TaskTracker[_Request, LookupResult](
+            L2Op.LOOKUP, lambda adapter: adapter.pop_completed_lookups(), stats
+        )
+        self._loads = TaskTracker[_Load, list[bool]](
+            L2Op.LOAD, lambda adapter: adapter.pop_completed_loads(), stats
+        )
         self._fd_routes: dict[int, tuple[AdapterSlot, L2Op]] = {}
         for slot in self.slots:
             self._fd_routes[slot.adapter.event_fd(L2Op.LOOKUP)] = (slot, L2Op.LOOKUP)
@@ -108,8 +125,9 @@ class PrefetchController(ControllerThread):
         """Start a prefetch of ``keys`` (prefix order); returns a handle to query."""
         handle, locked = self.begin(keys, readers)
         if locked is not None:
+            deadline = time.monotonic() + self._results.ttl_s
             with self._lock:
-                self._publish(handle, len(locked))
+                self._publish(handle, HeldResult(len(locked), locked, readers, deadline))
         return handle
 
     def begin(self, keys: Sequence[ObjectKey], readers: int = 1) -> tuple[int, list[ObjectKey] | None]:
@@ -137,7 +155,7 @@ class PrefetchController(ControllerThread):
         )
         if remaining == 0 or not self.slots:
             return handle, locked
-        request = _Request(handle, keys, readers, l1_hits)
+        request = _Request(handle, keys, readers, l1_hits, time.monotonic() + self._results.ttl_s)
         with self._lock:
             # Checked under the lock: once finish() has set it, nothing may be queued.
             if self._closed:
@@ -158,6 +176,12 @@ class PrefetchController(ControllerThread):
             self._done.wait_for(lambda: self._claim_ready(handle), timeout)
             return self._claim(handle)
 
+    def discard(self, handle: int) -> None:
+        """The owner will never claim ``handle``: its read locks are released now, or when
+        the prefetch finishes.  Counting why is the owner's business."""
+        with self._lock:
+            self._results.discard(handle, running=handle in self._queued or self._is_active(handle))
+
     def queued(self) -> int:
         with self._lock:
             return len(self._queue)
@@ -175,17 +199,16 @@ class PrefetchController(ControllerThread):
         return handle in self._active
 
     def _claim(self, handle: int) -> int | None:
-        if handle in self._results:
-            return self._results.pop(handle)
+        hits = self._results.claim(handle)
+        if hits is not None:
+            return hits
         if handle in self._queued or self._is_active(handle):
             return None
         return 0
 
-    def _publish(self, handle: int, hits: int) -> None:
+    def _publish(self, handle: int, result: HeldResult) -> None:
         """Record a result; caller holds ``self._lock``."""
-        self._results[handle] = hits
-        while len(self._results) > MAX_UNCLAIMED_RESULTS:
-            self._results.popitem(last=False)
+        self._results.publish(handle, result)
         self._done.notify_all()
 
     # -- L1 helpers ----------------------------------------------------------------------
@@ -216,6 +239,8 @@ class PrefetchController(ControllerThread):
             self._cancel_queued()
         else:
             self._start_queued()
+        with self._lock:
+            self._results.expire(time.monotonic())
 
     def _start_queued(self) -> None:
         while len(self._active) < self.max_in_flight:
@@ -259,25 +284,13 @@ class PrefetchController(ControllerThread):
                 logger.warning("lookup on %s could not be submitted: %s", slot.name, exc)
                 continue
             request.lookups[slot.index] = task_id
-            self._lookup_tasks[(slot.index, task_id)] = request
+            self._lookups.track(slot, task_id, request)
             self.stats.add_adapter(slot.index, "lookups")
         if not request.lookups:
             self._finish(request, 0)
 
     def _reap_lookups(self, slot: AdapterSlot) -> None:
-        try:
-            completed = slot.adapter.pop_completed_lookups()
-        except Exception:
-            logger.exception("%s: popping lookup results failed", slot.name)
-            self.stats.fail("l2_lookup_pop_error")
-            return
-        for task_id, result in completed.items():
-            request = self._lookup_tasks.pop((slot.index, task_id), None)
-            if request is None:
-                # Its request was abandoned while the lookup ran: drop the pins it took.
-                keys = self._orphan_lookups.pop((slot.index, task_id), [])
-                self._unlock_slot(slot, [key for key, hit in zip(keys, result.found, strict=False) if hit])
-                continue
+        for request, result in self._lookups.reap(slot):
             try:
                 self._lookup_done(slot, request, result)
             except Exception:
@@ -365,7 +378,7 @@ class PrefetchController(ControllerThread):
         evicted = False
         while count > 0:
             try:
-                return self.l1.reserve_write(keys[:count], sizes[:count], temporary=temporary)
+                return self.l1.reserve_load(keys[:count], sizes[:count], temporary=temporary)
             except L1OutOfMemoryError:
                 if not evicted:
                     evicted = True
@@ -377,62 +390,38 @@ class PrefetchController(ControllerThread):
         return {}
 
     def _submit_load(self, request: _Request, slot: AdapterSlot, keys: list[ObjectKey]) -> None:
+        objects = [request.reserved[key] for key in keys]
         try:
-            if self.l1.is_memory:
-                buffers = [self.l1.view(request.reserved[key]) for key in keys]
-            else:
-                buffers = [aligned_buffer(request.reserved[key].size) for key in keys]
-            task_id = slot.adapter.submit_load(keys, buffers)
+            loans = [self.l1.lend(obj, fill=True) for obj in objects]
+            task_id = slot.adapter.submit_load(keys, [loan.buffer for loan in loans])
         except Exception as exc:
             self.stats.fail("l2_load_submit_error")
             logger.warning("load of %d keys from %s could not be submitted: %s", len(keys), slot.name, exc)
             self._unlock(request, slot.index, keys)
             return
         request.loads[slot.index] = task_id
-        self._load_tasks[(slot.index, task_id)] = (request, keys)
-        if not self.l1.is_memory:
-            self._staged[(slot.index, task_id)] = buffers
+        self._loads.track(slot, task_id, _Load(request, keys, objects, loans))
         self.stats.add_adapter(slot.index, "load_tasks_submitted")
 
     def _reap_loads(self, slot: AdapterSlot) -> None:
-        try:
-            completed = slot.adapter.pop_completed_loads()
-        except Exception:
-            logger.exception("%s: popping load results failed", slot.name)
-            self.stats.fail("l2_load_pop_error")
-            return
-        for task_id, results in completed.items():
-            entry = self._load_tasks.pop((slot.index, task_id), None)
-            staged = self._staged.pop((slot.index, task_id), None)
-            if entry is None:
-                # Its request was abandoned: now that the adapter is done with the
-                # buffers, they can be freed.
-                keys = self._orphan_loads.pop((slot.index, task_id), [])
-                self._unlock_slot(slot, keys)
-                self.l1.abort_write(keys)
-                continue
-            request, keys = entry
+        for load, results in self._loads.reap(slot):
             try:
-                if staged is not None:
-                    results = self._copy_in(request, keys, results, staged)
-                self._load_done(slot, request, keys, results)
+                self._load_done(slot, load.request, load.keys, self._commit_loaded(load, results))
             except Exception:
-                self._abandon(request, "prefetch_internal_error")
+                self._abandon(load.request, "prefetch_internal_error")
 
-    def _copy_in(
-        self, request: _Request, keys: list[ObjectKey], results: list[bool], staged: list[memoryview]
-    ) -> list[bool]:
-        """Write the loaded host buffers into the NVMe L1; a copy that fails is a failed load."""
-        copied: list[bool] = []
-        for key, ok, buffer in zip(keys, results, staged, strict=False):
+    def _commit_loaded(self, load: _Load, results: list[bool]) -> list[bool]:
+        """Make the loaded bytes the objects' own; a commit that fails is a failed load."""
+        committed: list[bool] = []
+        for key, ok, loan in zip(load.keys, results, load.loans, strict=False):
             if ok:
                 try:
-                    self.l1.write_object(request.reserved[key], buffer)
-                except (KeyError, OSError, RuntimeError) as exc:
-                    logger.warning("copying loaded %s into the NVMe L1 failed: %s", key, exc)
+                    loan.commit()
+                except (KeyError, ValueError, OSError, RuntimeError) as exc:
+                    logger.warning("copying loaded %s into L1 failed: %s", key, exc)
                     ok = False
-            copied.append(ok)
-        return copied
+            committed.append(ok)
+        return committed
 
     def _load_done(
         self, slot: AdapterSlot, request: _Request, keys: list[ObjectKey], results: list[bool]
@@ -461,7 +450,8 @@ class PrefetchController(ControllerThread):
             for key, source in zip(request.remaining[:cut], request.sources, strict=False)
             if source is not None
         ]
-        handed = self.l1.finish_write_and_reserve_read(loaded, request.readers) if loaded else []
+        objects = [request.reserved[key] for key in loaded]
+        handed = self.l1.finish_load(objects, request.readers) if objects else []
         # An object that vanished before the hand-off (TTL expiry, forced clear) ends the
         # prefix there too.
         if not all(handed):
@@ -488,9 +478,7 @@ class PrefetchController(ControllerThread):
 
     def _abort(self, request: _Request, keys: list[ObjectKey]) -> None:
         if keys:
-            self.l1.abort_write(keys)
-            for key in keys:
-                request.reserved.pop(key, None)
+            self.l1.abort_load([request.reserved.pop(key) for key in keys])
 
     def _unlock(self, request: _Request, index: int, keys: list[ObjectKey]) -> None:
         if not keys:
@@ -515,11 +503,13 @@ class PrefetchController(ControllerThread):
             for key in request.remaining:
                 if self._claimed[key] <= 0:
                     del self._claimed[key]
+        hits = request.l1_hits + l2_prefix
+        result = HeldResult(hits, request.keys[:hits], request.readers, request.result_deadline)
         with self._lock:
             # Leaving _active and publishing under one lock: a query in between must not
             # mistake the handle for an unknown one.
             self._active.pop(request.handle, None)
-            self._publish(request.handle, request.l1_hits + l2_prefix)
+            self._publish(request.handle, result)
 
     def _abandon(self, request: _Request, reason: str) -> None:
         """Give up on a request (shutdown, or an unexpected error) and release what it holds.
@@ -537,14 +527,12 @@ class PrefetchController(ControllerThread):
         )
         self.stats.fail(reason)
         for index, task_id in request.lookups.items():
-            if self._lookup_tasks.pop((index, task_id), None) is not None:
-                self._orphan_lookups[(index, task_id)] = request.remaining
+            self._lookups.orphan(index, task_id, self._settle_orphan_lookup)
         loading: set[ObjectKey] = set()
         for index, task_id in request.loads.items():
-            entry = self._load_tasks.pop((index, task_id), None)
-            if entry is not None:
-                self._orphan_loads[(index, task_id)] = entry[1]
-                loading.update(entry[1])
+            load = self._loads.orphan(index, task_id, self._settle_orphan_load)
+            if load is not None:
+                loading.update(load.keys)
         request.lookups.clear()
         request.loads.clear()
         for index in list(request.pinned):
@@ -557,6 +545,16 @@ class PrefetchController(ControllerThread):
         request.l1_hits = 0
         self._finish(request, 0)
 
+    def _settle_orphan_lookup(self, slot: AdapterSlot, request: _Request, result: LookupResult) -> None:
+        # The abandoned request will not load them: drop the pins the lookup took.
+        found = result.found
+        self._unlock_slot(slot, [key for key, hit in zip(request.remaining, found, strict=False) if hit])
+
+    def _settle_orphan_load(self, slot: AdapterSlot, load: _Load, results: list[bool]) -> None:
+        # The adapter is done with the buffers: the objects can be freed, the pins dropped.
+        self._unlock_slot(slot, load.keys)
+        self.l1.abort_load(load.objects)
+
     # -- shutdown ------------------------------------------------------------------------
 
     def _cancel_queued(self) -> None:
@@ -567,7 +565,7 @@ class PrefetchController(ControllerThread):
         for request in cancelled:
             self._release_read(request.keys[: request.l1_hits], request.readers)
             with self._lock:
-                self._publish(request.handle, 0)
+                self._publish(request.handle, HeldResult(0, [], request.readers, request.result_deadline))
 
     def finish(self) -> None:
         """Release what requests that did not drain in time still hold."""

@@ -5,6 +5,10 @@ for as long as a task may read their bytes, so eviction cannot hand the extent t
 object mid-copy; the lock is dropped when the task's result is popped (or, at shutdown,
 when draining gives up).  Once every task of a batch is done, the policy may drop the
 stored keys from L1 (``skip_l1``).
+
+Committed objects are flagged *unstored* in L1 from their commit until their stores are
+settled (stored in one adapter, or every task done), so L1 eviction takes them only as a
+last resort, and counts them when it does.
 """
 
 from __future__ import annotations
@@ -15,10 +19,10 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from lmcache_tiers.controllers.base import AdapterSlot, ControllerThread, adapter_infos
+from lmcache_tiers.controllers.base import AdapterSlot, ControllerThread, TaskTracker, adapter_infos
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l1 import L1Manager, L1Object, aligned_buffer
+from lmcache_tiers.l1 import L1Manager, L1Object
 from lmcache_tiers.l2.interface import L2Op
 from lmcache_tiers.policies import StorePolicy
 
@@ -27,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class _Batch:
-    keys: list[ObjectKey]
+    objects: dict[ObjectKey, L1Object]  # committed objects flagged unstored, prefix order
     tasks_left: int = 0
     stored: set[ObjectKey] = field(default_factory=set)  # in at least one adapter
 
@@ -56,24 +60,35 @@ class StoreController(ControllerThread):
         self.policy = policy
         self.stats = stats
         self._queue_lock = threading.Lock()
-        self._queue: deque[list[ObjectKey]] = deque()
-        # (adapter index, task id) -> task; touched by the controller thread only
-        self._tasks: dict[tuple[int, int], _Task] = {}
+        self._queue: deque[list[L1Object]] = deque()
+        self._starting = 0  # batches taken off the queue whose tasks are not tracked yet
+        # touched by the controller thread only
+        self._tasks = TaskTracker[_Task, list[bool]](
+            L2Op.STORE, lambda adapter: adapter.pop_completed_stores(), stats
+        )
         self._fd_slot = {slot.adapter.event_fd(L2Op.STORE): slot for slot in self.slots}
 
     # -- called from other threads -----------------------------------------------------
 
     def submit(self, keys: Sequence[ObjectKey]) -> None:
-        """Queue freshly committed keys (prefix order) for L2."""
+        """Queue freshly committed keys (prefix order) for L2.
+
+        The caller holds the L1 lock around their commit and this call, so eviction never
+        sees a committed object before it is flagged unstored.
+        """
         if not keys or not self.slots:
+            return  # nothing is meant for L2: the objects are as evictable as any
+        objects = self.l1.mark_unstored(keys)
+        if not objects:
             return
         with self._queue_lock:
-            self._queue.append(list(keys))
+            self._queue.append(objects)
         self.wake()
 
     def pending_batches(self) -> int:
+        """Batches not yet handed to the adapters (one being started counts)."""
         with self._queue_lock:
-            return len(self._queue)
+            return len(self._queue) + self._starting
 
     def in_flight(self) -> int:
         return len(self._tasks)
@@ -95,25 +110,36 @@ class StoreController(ControllerThread):
             with self._queue_lock:
                 if not self._queue:
                     break
-                keys = self._queue.popleft()
-            self._start_batch(keys)
+                objects = self._queue.popleft()
+                self._starting = 1
+            try:
+                self._start_batch(objects)
+            finally:
+                with self._queue_lock:
+                    self._starting = 0
 
-    def _start_batch(self, keys: list[ObjectKey]) -> None:
+    def _start_batch(self, objects: list[L1Object]) -> None:
+        batch = _Batch({obj.key: obj for obj in objects})
+        keys = list(batch.objects)
         try:
             targets = self.policy.select_store_targets(keys, adapter_infos(self.slots))
         except Exception:
             logger.exception("store policy failed on %d keys; they stay in L1 only", len(keys))
             self.stats.fail("store_policy_error")
+            self.l1.settle_unstored(objects)
             return
-        batch = _Batch(keys)
-        wanted = set(keys)
+        wanted = batch.objects
+        targeted: set[ObjectKey] = set()
         for index, target_keys in targets.items():
             if not 0 <= index < len(self.slots):
                 self.stats.fail("store_policy_bad_adapter")
                 continue
             chosen = [key for key in dict.fromkeys(target_keys) if key in wanted]
             if chosen:
+                targeted.update(chosen)
                 self._submit(self.slots[index], chosen, batch)
+        # Keys the policy sends nowhere are not meant for L2: nothing to wait for.
+        self.l1.settle_unstored([obj for key, obj in wanted.items() if key not in targeted])
         if batch.tasks_left == 0:
             self._finish_batch(batch)
 
@@ -124,10 +150,8 @@ class StoreController(ControllerThread):
         if not keys:
             return
         try:
-            if self.l1.is_memory:
-                buffers = [self.l1.view(locked[key]) for key in keys]
-            else:
-                buffers = [_copy_out(self.l1, locked[key]) for key in keys]
+            # The loans live as long as the task: the read locks keep their bytes in place.
+            buffers = [self.l1.lend(locked[key]).buffer for key in keys]
             layouts = [locked[key].layout for key in keys]
             task_id = slot.adapter.submit_store(keys, buffers, layouts if any(layouts) else None)
         except Exception as exc:
@@ -137,22 +161,13 @@ class StoreController(ControllerThread):
             self.stats.fail("l2_store_submit_error")
             logger.warning("store of %d keys to %s could not be submitted: %s", len(keys), slot.name, exc)
             return
-        self._tasks[(slot.index, task_id)] = _Task(slot, task_id, keys, batch)
+        self._tasks.track(slot, task_id, _Task(slot, task_id, keys, batch))
         batch.tasks_left += 1
         self.stats.add_adapter(slot.index, "store_tasks_submitted")
         logger.debug("Submitted store task %d to %s: %d keys", task_id, slot.name, len(keys))
 
     def _reap(self, slot: AdapterSlot) -> None:
-        try:
-            completed = slot.adapter.pop_completed_stores()
-        except Exception:
-            logger.exception("%s: popping store results failed", slot.name)
-            self.stats.fail("l2_store_pop_error")
-            return
-        for task_id, results in completed.items():
-            task = self._tasks.pop((slot.index, task_id), None)
-            if task is None:
-                continue  # not ours (cannot happen with one consumer) -- nothing to release
+        for task, results in self._tasks.reap(slot):
             self._complete(task, results)
 
     def _complete(self, task: _Task, results: Sequence[bool]) -> None:
@@ -175,14 +190,18 @@ class StoreController(ControllerThread):
         )
         batch = task.batch
         batch.stored.update(stored)
+        # In L2 now: evictable like any object, whatever other adapters still do.
+        self.l1.settle_unstored([batch.objects[key] for key in stored if key in batch.objects])
         batch.tasks_left -= 1
         if batch.tasks_left == 0:
             self._finish_batch(batch)
 
     def _finish_batch(self, batch: _Batch) -> None:
+        # Failed stores were counted as they completed; nothing more will try these.
+        self.l1.settle_unstored(batch.objects.values())
         # A key stored in at least one adapter can be served from L2 again, so it is
         # safe for the policy to drop it from L1.
-        stored = [key for key in batch.keys if key in batch.stored]
+        stored = [key for key in batch.objects if key in batch.stored]
         if not stored:
             return
         try:
@@ -205,20 +224,15 @@ class StoreController(ControllerThread):
 
     def finish(self) -> None:
         # Draining gave up (stalled adapter) or finished: release every lock still held.
-        for task in self._tasks.values():
+        for task in self._tasks.owners():
             self.l1.finish_read(task.keys)
+            self.l1.settle_unstored(task.batch.objects.values())
             self.stats.add_adapter(task.slot.index, "store_tasks_failed")
             self.stats.fail("l2_store_abandoned", len(task.keys))
         self._tasks.clear()
         with self._queue_lock:
-            dropped = sum(len(keys) for keys in self._queue)
+            queued = [obj for objects in self._queue for obj in objects]
             self._queue.clear()
-        if dropped:
-            self.stats.fail("l2_store_dropped_at_shutdown", dropped)
-
-
-def _copy_out(l1: L1Manager, obj: L1Object) -> memoryview:
-    """An NVMe L1 object's bytes in host memory, which is what an adapter can read."""
-    buffer = aligned_buffer(obj.size)  # page-aligned: the O_DIRECT read lands in it directly
-    l1.read_object(obj, buffer)
-    return buffer
+        self.l1.settle_unstored(queued)
+        if queued:
+            self.stats.fail("l2_store_dropped_at_shutdown", len(queued))

@@ -37,13 +37,14 @@ from lmcache_tiers.l1.allocator import ExtentAllocator
 from lmcache_tiers.l1.arena import L1Arena
 from lmcache_tiers.l1.backing import L1Backing
 from lmcache_tiers.l1.leases import ExtentLeases, LeaseStats
-from lmcache_tiers.l1.nvme import DIRECT_IO_ALIGN, NvmeL1File
-from lmcache_tiers.l1.objects import L1Listener, L1Object, L1Stats, ObjectState
+from lmcache_tiers.l1.loan import L1Loan
+from lmcache_tiers.l1.nvme import DIRECT_IO_ALIGN, NvmeL1File, aligned_buffer
+from lmcache_tiers.l1.objects import Eviction, L1Listener, L1Object, L1Stats, ObjectState
 
 if TYPE_CHECKING:
     from typing import Self  # annotations only: Python 3.10 has no typing.Self
 
-__all__ = ["L1Listener", "L1Manager", "L1Object", "L1Stats", "ObjectState"]
+__all__ = ["Eviction", "L1Listener", "L1Loan", "L1Manager", "L1Object", "L1Stats", "ObjectState"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,9 @@ class L1Manager:
         self._locked: dict[ObjectKey, L1Object] = {}
         self._temporary: set[ObjectKey] = set()
         self._listeners: list[L1Listener] = []
+        # Load reservations freed (forced clear, write TTL) while their load may still be
+        # writing into them: their extents stay allocated until the prefetch lets go.
+        self._held_loads: set[L1Object] = set()
         self._closed = False
         self._leases = ExtentLeases(allocator, self._arena.generations if self._arena else None, grace_s)
 
@@ -329,24 +333,31 @@ class L1Manager:
     def _finish_write(self, keys: Sequence[ObjectKey], read_count: int) -> list[bool]:
         with self.lock:
             self._check_open()
-            done: list[bool] = []
-            written: list[ObjectKey] = []
-            deadline = time.monotonic() + self.lock_ttl_s
-            for key in keys:
-                obj = self._objects.get(key)
-                if obj is None or obj.state is not _WRITING:
-                    done.append(False)
-                    continue
-                obj.state = _READY
-                obj.read_locks = read_count
-                if read_count:
-                    obj.lock_deadline = deadline
-                else:
-                    del self._locked[key]
-                written.append(key)
-                done.append(True)
-            self._notify("written", written)
-            return done
+            # A reservation made by a prefetch is finished by that prefetch only (finish_load).
+            return self._make_ready([self._objects.get(key) for key in keys], read_count, loads=False)
+
+    def _make_ready(self, objs: Sequence[L1Object | None], read_count: int, *, loads: bool) -> list[bool]:
+        """WRITING -> READY, read-locked ``read_count`` times; None and reservations of the
+        other kind (a prefetch's when not ``loads``, a writer's when ``loads``) are refused.
+        The caller holds the lock."""
+        done: list[bool] = []
+        written: list[ObjectKey] = []
+        deadline = time.monotonic() + self.lock_ttl_s
+        for obj in objs:
+            if obj is None or obj.state is not _WRITING or obj.loading is not loads:
+                done.append(False)
+                continue
+            obj.loading = False
+            obj.state = _READY
+            obj.read_locks = read_count
+            if read_count:
+                obj.lock_deadline = deadline
+            else:
+                del self._locked[obj.key]
+            written.append(obj.key)
+            done.append(True)
+        self._notify("written", written)
+        return done
 
     def abort_write(self, keys: Sequence[ObjectKey]) -> None:
         """Free objects still being written; other keys are left alone."""
@@ -354,7 +365,7 @@ class L1Manager:
             aborted: list[L1Object] = []
             for key in dict.fromkeys(keys):
                 obj = self._objects.get(key)
-                if obj is not None and obj.state is _WRITING:
+                if obj is not None and obj.state is _WRITING and not obj.loading:
                     aborted.append(obj)
             self._free(aborted)
 
@@ -459,6 +470,97 @@ class L1Manager:
                 else:
                     self._temporary.discard(key)
 
+    # -- hand-offs with L2: writes waiting for their store, loads, loans ---------------
+
+    def mark_unstored(self, keys: Sequence[ObjectKey]) -> list[L1Object]:
+        """Flag READY objects as committed but not yet stored in L2, so that eviction takes
+        them last; returns the flagged objects, to be passed to ``settle_unstored`` once
+        their stores are done (stored, failed or not wanted)."""
+        with self.lock:
+            marked: list[L1Object] = []
+            for key in keys:
+                obj = self._objects.get(key)
+                if obj is not None and obj.state is _READY:
+                    obj.unstored = True
+                    marked.append(obj)
+            return marked
+
+    def settle_unstored(self, objs: Iterable[L1Object]) -> None:
+        """Clear ``mark_unstored``'s flag on exactly these objects (ones already gone from L1
+        are harmless: the flag dies with them)."""
+        with self.lock:
+            for obj in objs:
+                obj.unstored = False
+
+    def reserve_load(
+        self, keys: Sequence[ObjectKey], sizes: Sequence[int], *, temporary: bool
+    ) -> dict[ObjectKey, L1Object]:
+        """``reserve_write`` for a prefetch that fills the objects from L2.
+
+        Such a reservation is finished (``finish_load``) or freed (``abort_load``) only by
+        the prefetch, by object identity: a writer's commit or abort of the same key never
+        publishes or frees it, so bytes whose load failed can never become readable or be
+        queued for L2 as if freshly written.
+        """
+        with self.lock:
+            reserved = self.reserve_write(keys, sizes, temporary=temporary)
+            for obj in reserved.values():
+                obj.loading = True
+            return reserved
+
+    def finish_load(self, objs: Sequence[L1Object], count: int = 1) -> list[bool]:
+        """Loaded objects of ``reserve_load``: READY and read-locked ``count`` times in one
+        step, so nothing can evict them before the reader gets them.  False for an object
+        that is no longer this reservation (freed by a forced clear or its TTL)."""
+        _check_count(count)
+        with self.lock:
+            self._check_open()
+            objects = self._objects
+            current = [obj if objects.get(obj.key) is obj else None for obj in objs]
+            return self._make_ready(current, count, loads=True)
+
+    def abort_load(self, objs: Iterable[L1Object]) -> None:
+        """Free ``reserve_load`` objects that will not be finished (failed, or not needed),
+        once their load is over; objects finished meanwhile are left alone.  An object a
+        forced clear or its TTL already took out of L1 gives its held extent back now."""
+        with self.lock:
+            objects = self._objects
+            present: list[L1Object] = []
+            held: list[L1Object] = []
+            for obj in dict.fromkeys(objs):
+                if obj in self._held_loads:
+                    self._held_loads.discard(obj)
+                    held.append(obj)
+                elif objects.get(obj.key) is obj and obj.state is _WRITING and obj.loading:
+                    present.append(obj)
+                else:
+                    continue
+                obj.loading = False
+            self._release_extents(held)  # detached, and reported deleted, already
+            self._free(present)
+
+    def lend(self, obj: L1Object, *, fill: bool = False) -> L1Loan:
+        """Lend the object's bytes to a caller that holds a lock on it.
+
+        For reading (the default), ``buffer`` holds the bytes: the object's extent in the
+        arena (read-only), or a host copy staged from the NVMe file.  With ``fill`` the
+        object must be WRITING: the caller writes ``buffer`` -- the extent itself, or a
+        staging buffer -- and calls ``commit()`` to make those the object's bytes.  Raises
+        KeyError if the object has left L1.
+        """
+        with self.lock:
+            self._check_present(obj)
+            if fill and obj.state is not _WRITING:
+                raise ValueError(f"{obj.key} is {obj.state.value}, not being written")
+        if self._arena is not None:
+            extent = self._arena.buffer[obj.offset : obj.offset + obj.size]
+            return L1Loan(extent if fill else extent.toreadonly(), staged=False)
+        staged = aligned_buffer(obj.size)  # page-aligned: O_DIRECT moves it without a bounce
+        if fill:
+            return L1Loan(staged, staged=True, commit=lambda: self.write_object(obj, staged))
+        self._backing.read_into(obj.offset, obj.size, staged)
+        return L1Loan(staged, staged=True)
+
     # -- removal -----------------------------------------------------------------------
 
     def delete(self, keys: Sequence[ObjectKey], *, force: bool = False) -> list[bool]:
@@ -483,29 +585,56 @@ class L1Manager:
 
     def evict(self, bytes_to_free: int, victims: Iterable[ObjectKey]) -> list[ObjectKey]:
         """Delete unlocked READY victims, in the given order, until ``bytes_to_free`` aligned
-        bytes are freed or the victims run out. Returns the evicted keys."""
+        bytes are freed or the victims run out. Returns the evicted keys (see make_room)."""
+        return self.make_room(bytes_to_free, victims).keys
+
+    def make_room(
+        self, bytes_to_free: int, victims: Iterable[ObjectKey], *, spare_unstored: bool = False
+    ) -> Eviction:
+        """Delete unlocked READY victims, in the given order, until ``bytes_to_free`` aligned
+        bytes are freed or the victims run out.
+
+        Objects still waiting for their L2 store (``mark_unstored``) are passed over while
+        the others can free the room: losing one loses an acknowledged write.  Only when
+        every other victim is not enough are they evicted, in victim order, and reported in
+        ``Eviction.unstored``; with ``spare_unstored`` never.
+        """
         evicted: list[L1Object] = []
+        unstored: list[L1Object] = []
         if bytes_to_free <= 0:
-            return []
+            return Eviction([], [])
         with self.lock:
             freed = 0
+            passed_over: dict[L1Object, None] = {}
             try:
                 for key in victims:
                     obj = self._objects.get(key)
                     if obj is None or obj.state is not _READY or obj.read_locks:
+                        continue
+                    if obj.unstored:
+                        passed_over[obj] = None
                         continue
                     self._detach(obj)
                     evicted.append(obj)
                     freed += self._allocator.size_at(obj.offset)
                     if freed >= bytes_to_free:
                         break
+                if freed < bytes_to_free and not spare_unstored:
+                    # Every victim was seen and the room is still short: the last resort.
+                    for obj in passed_over:
+                        self._detach(obj)
+                        evicted.append(obj)
+                        unstored.append(obj)
+                        freed += self._allocator.size_at(obj.offset)
+                        if freed >= bytes_to_free:
+                            break
             finally:
                 # The victims iterator may belong to a listener (the eviction policy), so it
                 # is told only once iteration is over; detached objects are freed even if
                 # the iterator raised.
                 self._release_extents(evicted)
                 self._notify("deleted", [obj.key for obj in evicted])
-            return [obj.key for obj in evicted]
+            return Eviction([obj.key for obj in evicted], [obj.key for obj in unstored])
 
     def expire_locks(self, now: float | None = None) -> int:
         """Reap locks past their TTL, as if their crashed holders had released them.
@@ -586,8 +715,15 @@ class L1Manager:
         self._temporary.discard(obj.key)
 
     def _release_extents(self, objs: list[L1Object]) -> None:
-        if objs:
-            self._leases.release_extents(objs, time.monotonic())
+        if not objs:
+            return
+        # An adapter may still be filling a load reservation: handing its extent to another
+        # object would let the load overwrite that object's bytes.  abort_load frees it.
+        free = [obj for obj in objs if not obj.loading]
+        if len(free) < len(objs):
+            self._held_loads.update(obj for obj in objs if obj.loading)
+        if free:
+            self._leases.release_extents(free, time.monotonic())
 
     # -- leases ------------------------------------------------------------------------
 

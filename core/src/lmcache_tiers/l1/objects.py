@@ -32,6 +32,10 @@ class L1Object:
     lock_deadline: float = field(default=0.0, repr=False)
     #: tensor layout of the bytes when the writer gave one ("" = unknown); see layout.py
     layout: str = ""
+    #: committed but its L2 stores are not settled yet: eviction takes it last, and counts it
+    unstored: bool = field(default=False, repr=False)
+    #: reserved by a prefetch that fills it from L2: only that prefetch may finish or abort it
+    loading: bool = field(default=False, repr=False)
 
     @property
     def locked(self) -> bool:
@@ -51,6 +55,13 @@ class L1Listener(Protocol):
     def on_l1_keys_read(self, keys: Sequence[ObjectKey]) -> None: ...
 
     def on_l1_keys_deleted(self, keys: Sequence[ObjectKey]) -> None: ...
+
+
+class Eviction(NamedTuple):
+    """What one eviction pass took out of L1."""
+
+    keys: list[ObjectKey]  # evicted, in victim order
+    unstored: list[ObjectKey]  # of those, objects whose L2 store had not happened yet
 
 
 class L1Stats(NamedTuple):

@@ -17,12 +17,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
-
 from lmcache_tiers import __version__
+from lmcache_tiers.controllers import BurstLog
 from lmcache_tiers.errors import KeyValidationError, L1OutOfMemoryError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l1 import aligned_buffer
+from lmcache_tiers.l1 import L1Loan
+from lmcache_tiers.l2.buffers import copy_into
 from lmcache_tiers.server.sessions import PendingPrefetch, Session, SessionTable
 from lmcache_tiers.server.stats import ServerStats
 from lmcache_tiers.wire import protocol as p
@@ -76,7 +76,11 @@ class StorageLike(Protocol):
 
     def wait_prefetch(self, handle: int, timeout: float) -> int | None: ...
 
+    def discard_prefetch(self, handle: int) -> None: ...
+
     def read(self, keys: Sequence[ObjectKey]) -> list[Any]: ...
+
+    def lend(self, obj: Any, *, fill: bool = False) -> L1Loan: ...
 
     def read_object(self, obj: Any, out: memoryview) -> None: ...
 
@@ -132,6 +136,7 @@ class Handlers:
         self.stopping = threading.Event()
         # prefetch handles a pool thread is blocked on; the sweep leaves them alone
         self._waited: set[int] = set()
+        self._expired_results = BurstLog(logger, "prefetch_result_expired")
         #: (read-locked keys, reservations) clients still held when the server stopped
         self.released_at_shutdown = (0, 0)
         self._table: dict[type[p._Request], Callable[[Any, bytes, Frames], Response | Deferred]] = {
@@ -190,6 +195,11 @@ class Handlers:
         return p.StatusReply(req.req_id, status=self.status_provider()), ()
 
     # -- lookup and prefetch ----------------------------------------------------------------
+    #
+    # A LOOKUP that has to go to L2 leaves a PendingPrefetch in the client's session.  Once
+    # the prefetch is done (seen by a query, a wait or the periodic sweep) the record holds
+    # the read locks taken for the client; they become the client's when it collects the
+    # result, and are given back if it does not within the result TTL.
 
     def lookup(self, req: p.Lookup, identity: bytes, frames: Frames) -> Response:
         keys = req.keys
@@ -197,48 +207,56 @@ class Handlers:
         session = self.sessions.get(identity, now)
         handle, locked = self.storage.start_prefetch(keys, readers=1)
         if locked is None:
-            session.prefetches[handle] = PendingPrefetch(keys, now + self.sessions.lock_ttl_s)
+            session.prefetches[handle] = PendingPrefetch(keys, now, now + self.sessions.result_ttl_s)
             return p.LookupReply(req.req_id, handle=handle), ()
         # Done at once (the usual all-in-L1 case): the prefix is this client's now.  The
         # keys L1 returned are its own objects, which the session's dicts match by identity.
         session.add_read_locks(locked, self.sessions.read_lock_deadline(now))
         return p.LookupReply(req.req_id, handle=handle, hits=len(locked)), ()
 
-    def _claim(self, session: Session, pending: PendingPrefetch, hits: int, now: float) -> None:
-        """A finished prefetch read-locked ``hits`` leading keys on this client's behalf."""
-        hits = max(0, min(hits, len(pending.keys)))
-        session.add_read_locks(pending.keys[:hits], self.sessions.read_lock_deadline(now))
+    def _settled(self, handle: int, pending: PendingPrefetch) -> bool:
+        """Whether the prefetch is done, asking the storage unless a pool thread is waiting
+        for it (that thread collects the storage's result; a second ask would get 0)."""
+        if pending.hits is None and handle not in self._waited:
+            hits = self.storage.query_prefetch(handle)
+            if hits is not None:
+                pending.settle(hits)
+        return pending.hits is not None
+
+    def _collect(self, session: Session, handle: int, pending: PendingPrefetch) -> int:
+        """Hand a finished prefetch to its client: the hit count, and the locks with it."""
+        del session.prefetches[handle]
+        # Deadline from the LOOKUP: L1 took the locks no earlier, so keeps them no shorter.
+        session.add_read_locks(pending.locked, pending.started + self.sessions.lock_ttl_s)
+        return pending.hits or 0
 
     def _pending(self, session: Session, handle: int) -> PendingPrefetch:
         pending = session.prefetches.get(handle)
         if pending is None:
             raise HandlerError(
-                p.ErrorCode.NOT_FOUND, f"no pending prefetch {handle} for this client (already collected?)"
+                p.ErrorCode.NOT_FOUND,
+                f"no pending prefetch {handle} for this client (already collected, or not "
+                f"collected within {self.sessions.result_ttl_s:g}s)",
             )
         return pending
 
     def query_prefetch(self, req: p.QueryPrefetchStatus, identity: bytes, frames: Frames) -> Response:
         session = self.sessions.get(identity)
         pending = self._pending(session, req.handle)
-        hits = self.storage.query_prefetch(req.handle)
-        if hits is not None:
-            del session.prefetches[req.handle]
-            self._claim(session, pending, hits, time.monotonic())
+        hits = self._collect(session, req.handle, pending) if self._settled(req.handle, pending) else None
         return p.PrefetchStatusReply(req.req_id, hits=hits), ()
 
     def wait_prefetch(
         self, req: p.WaitPrefetchStatus, identity: bytes, frames: Frames
     ) -> Response | Deferred:
         session = self.sessions.get(identity)
-        self._pending(session, req.handle)
+        pending = self._pending(session, req.handle)
         if req.handle in self._waited:
             raise HandlerError(
                 p.ErrorCode.INVALID_ARGUMENT, f"prefetch {req.handle} is already being waited for"
             )
-        quick = self.query_prefetch(p.QueryPrefetchStatus(req.req_id, "", req.handle), identity, frames)
-        reply = quick[0]
-        if isinstance(reply, p.PrefetchStatusReply) and reply.hits is not None:
-            return quick
+        if self._settled(req.handle, pending):
+            return p.PrefetchStatusReply(req.req_id, hits=self._collect(session, req.handle, pending)), ()
         handle, deadline = req.handle, time.monotonic() + req.timeout_s
 
         def work() -> Callable[[], Response]:
@@ -246,13 +264,16 @@ class Handlers:
 
             def finish() -> Response:
                 live = self.sessions.peek(identity)
-                # A pending record already gone was collected meanwhile (by the sweep or a
-                # concurrent query), which recorded the locks; a timed-out one stays pending.
-                if hits is not None and live is not None:
-                    pending = live.prefetches.pop(handle, None)
-                    if pending is not None:
-                        self._claim(live, pending, hits, time.monotonic())
-                return p.PrefetchStatusReply(req.req_id, hits=hits), ()
+                record = None if live is None else live.prefetches.get(handle)
+                if live is None or record is None:
+                    # Queries and the sweep leave a waited-for record alone: only a shutdown
+                    # (release_everything) removed it, and the storage is closing.
+                    return p.PrefetchStatusReply(req.req_id, hits=hits), ()
+                if hits is not None and record.hits is None:
+                    record.settle(hits)
+                if record.hits is None:
+                    return p.PrefetchStatusReply(req.req_id, hits=None), ()  # timed out: stays pending
+                return p.PrefetchStatusReply(req.req_id, hits=self._collect(live, handle, record)), ()
 
             return finish
 
@@ -269,18 +290,35 @@ class Handlers:
                 return hits
 
     def collect_prefetches(self, now: float) -> None:
-        """Claim finished prefetches nobody asked about, so RELEASE can drop their locks,
-        and forget ones past the lock TTL."""
+        """Settle finished prefetches (kept until their client asks) and give back those
+        their client did not collect within the result TTL: locks released, counted."""
+        expired = keys = 0
         for session in self.sessions:
             for handle, pending in list(session.prefetches.items()):
                 if handle in self._waited:
                     continue  # a pool thread is collecting this one
-                hits = self.storage.query_prefetch(handle)
-                if hits is not None:
-                    del session.prefetches[handle]
-                    self._claim(session, pending, hits, now)
-                elif pending.deadline <= now:
-                    del session.prefetches[handle]
+                self._settled(handle, pending)
+                if pending.deadline > now:
+                    continue
+                del session.prefetches[handle]
+                expired += 1
+                keys += self._give_back(handle, pending)
+        if expired:
+            self.stats.failures["prefetch_result_expired"] += expired
+            self._expired_results.event(
+                expired,
+                f"prefetch results not collected by their clients within {self.sessions.result_ttl_s:g}s; "
+                f"their read locks on {keys} keys were released",
+            )
+
+    def _give_back(self, handle: int, pending: PendingPrefetch) -> int:
+        """Release what a pending record holds (or will hold); returns the keys released."""
+        if pending.hits is None:
+            self.storage.discard_prefetch(handle)  # released when it finishes
+            return 0
+        if pending.locked:
+            self.storage.release(pending.locked)
+        return len(pending.locked)
 
     # -- store ------------------------------------------------------------------------------
 
@@ -434,35 +472,24 @@ class Handlers:
 
         return Deferred(work, "retrieve_inline")
 
-    # Pool threads copy inline payloads.  With the arena in memory numpy does it, releasing
-    # the GIL so the loop keeps serving; an L1 without memory (the NVMe file) is reached
-    # only through the storage's read_object/write_object.
+    # Pool threads copy inline payloads through L1 loans, which work for every L1 backing;
+    # copy_into and the loan's detach() release the GIL, so the loop keeps serving.
 
     def _copier_in(self) -> Callable[[Any, memoryview], None]:
-        if not self.storage.l1.is_memory:
-            return self.storage.write_object
-        arena = np.frombuffer(self.storage.l1.arena.buffer, dtype=np.uint8)
+        lend = self.storage.lend
 
         def copy_in(obj: Any, data: memoryview) -> None:
-            arena[obj.offset : obj.offset + obj.size] = np.frombuffer(data, dtype=np.uint8)
+            loan = lend(obj, fill=True)
+            copy_into(loan.buffer, data)
+            loan.commit()
 
         return copy_in
 
     def _copier_out(self) -> Callable[[Any], Any]:
-        if not self.storage.l1.is_memory:
+        lend = self.storage.lend
 
-            def read_object(obj: Any) -> memoryview:
-                out = aligned_buffer(obj.size)  # page-aligned: O_DIRECT needs no bounce copy
-                self.storage.read_object(obj, out)
-                return out
-
-            return read_object
-        arena = np.frombuffer(self.storage.l1.arena.buffer, dtype=np.uint8)
-
-        def copy_out(obj: Any) -> bytearray:
-            out = bytearray(obj.size)
-            np.copyto(np.frombuffer(out, dtype=np.uint8), arena[obj.offset : obj.offset + obj.size])
-            return out
+        def copy_out(obj: Any) -> memoryview | bytearray:
+            return lend(obj).detach()
 
         return copy_out
 
@@ -473,10 +500,17 @@ class Handlers:
         session = self.sessions.peek(identity)
         if session is None:
             return 0
-        released = 0
-        for count, group in session.take_read_locks(keys, time.monotonic()).items():
+        groups = session.take_read_locks(keys, time.monotonic())
+        for count, group in groups.items():
             self.storage.release(group, count)
-            released += len(group)
+        released = sum(len(group) for group in groups.values())
+        if session.prefetches:
+            # A finished prefetch the client never asked about holds locks for it too.
+            held = session.take_prefetch_locks(keys)
+            for count, group in held.items():
+                self.storage.release(group, count)
+            if held:
+                released = len({key for part in (groups, held) for group in part.values() for key in group})
         return released
 
     # -- maintenance ------------------------------------------------------------------------
@@ -514,6 +548,8 @@ class Handlers:
             for count, group in session.take_read_locks(list(session.read_locks), now).items():
                 self.storage.release(group, count)
                 locks += len(group)
+            for handle, pending in session.prefetches.items():
+                locks += self._give_back(handle, pending)
             session.writes.clear()
             session.prefetches.clear()
         self.released_at_shutdown = (locks, writes)

@@ -2,7 +2,8 @@
 
 The server remembers, per ZeroMQ peer identity, every read lock it took on a client's
 behalf (from a LOOKUP's prefetch or a RETRIEVE), every write reservation not yet committed,
-and every prefetch whose result the client has not collected.  That is what lets RELEASE
+and every prefetch whose result the client has not collected -- with the locks that
+prefetch took, which the client does not know about until it collects the result.  That is what lets RELEASE
 drop exactly the locks the caller owns (a client can never release another client's
 locks), lets COMMIT touch only the caller's reservations, and lets a shutdown give back
 everything still held.
@@ -27,8 +28,23 @@ from lmcache_tiers.keys import ObjectKey
 
 @dataclass
 class PendingPrefetch:
+    """A LOOKUP whose result the client has not collected.
+
+    ``hits`` is None while the prefetch runs.  Once it is known, ``locked`` holds the
+    leading keys the prefetch read-locked for the client: they are this record's, not yet
+    the session's, until the client collects the result (QUERY/WAIT), releases those keys,
+    or ``deadline`` (the result TTL) passes and they are given back.
+    """
+
     keys: list[ObjectKey]
+    started: float  # when the LOOKUP arrived
     deadline: float
+    hits: int | None = None
+    locked: list[ObjectKey] = field(default_factory=list)
+
+    def settle(self, hits: int) -> None:
+        self.hits = max(0, min(hits, len(self.keys)))
+        self.locked = self.keys[: self.hits]
 
 
 @dataclass
@@ -61,6 +77,21 @@ class Session:
             count = locks.pop(key, 0)
             if count and deadlines.pop(key) > now:
                 by_count[count].append(key)
+        return by_count
+
+    def take_prefetch_locks(self, keys: Iterable[ObjectKey]) -> dict[int, list[ObjectKey]]:
+        """Take the locks finished, uncollected prefetches hold on ``keys``, grouped by how
+        many such prefetches held each key (for ``StorageManager.release(keys, count)``).
+        Their hit counts stay for the client to collect."""
+        wanted = set(keys)
+        held: Counter[ObjectKey] = Counter()
+        for pending in self.prefetches.values():
+            if pending.locked and not wanted.isdisjoint(pending.locked):
+                held.update(key for key in pending.locked if key in wanted)
+                pending.locked = [key for key in pending.locked if key not in wanted]
+        by_count: dict[int, list[ObjectKey]] = defaultdict(list)
+        for key, count in held.items():
+            by_count[count].append(key)
         return by_count
 
     def add_writes(self, sizes: dict[ObjectKey, int], deadline: float) -> None:
@@ -117,6 +148,12 @@ class SessionTable:
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    @property
+    def result_ttl_s(self) -> float:
+        """How long a finished prefetch waits for its client: half the lock TTL, so the
+        locks it gives back at expiry are still its own (L1 has not reaped them)."""
+        return self.lock_ttl_s / 2
 
     def read_lock_deadline(self, now: float) -> float:
         return now + self.lock_ttl_s
