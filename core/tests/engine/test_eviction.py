@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine_support import GatedAdapter, GatedConfig, MiB, keys_of, mock, payload, spec, store
+from engine_support import GatedConfig, MiB, gated_backend, keys_of, mock, payload, spec, store
 
 from lmcache_tiers.config import AdapterSpec, L2EvictionConfig
 
@@ -67,8 +67,7 @@ def test_each_adapter_evicts_at_its_own_watermark(engine) -> None:
 def test_l2_eviction_skips_pinned_keys(engine) -> None:
     config = GatedConfig(capacity_mb=8, eviction=L2EvictionConfig(trigger_watermark=0.5, eviction_ratio=0.9))
     storage = engine([AdapterSpec(type="gated", config=config)])
-    adapter = storage.adapters[0]
-    assert isinstance(adapter, GatedAdapter)
+    adapter = gated_backend(storage)
     pinned = keys_of(1, 2)
     store(storage, pinned, MiB)
     assert storage.flush(10)
@@ -82,7 +81,7 @@ def test_l2_eviction_skips_pinned_keys(engine) -> None:
     # flush() would wait for the parked prefetch; only stores and L2 eviction must settle.
     assert storage.store.wait_idle(10)
     assert storage.l2_evictions[0].wait_idle(10)
-    remaining = set(adapter.iter_keys())
+    remaining = set(storage.adapters[0].iter_keys())
     assert set(pinned) <= remaining, "a pinned key was evicted"
     assert not set(others) & remaining
     adapter.gate.set()

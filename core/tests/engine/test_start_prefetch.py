@@ -22,6 +22,7 @@ def test_an_all_l1_lookup_is_answered_with_the_locked_prefix(engine: Engine) -> 
     storage = engine([mock()])
     keys = keys_of(30, 4)
     store(storage, keys, SIZE)
+    assert storage.flush(10)  # the L2 stores hold read locks until they are done
     # A repeated key ends the prefix, as with submit_prefetch.
     handle, locked = storage.start_prefetch(keys[:3] + keys[:1], readers=2)
     assert locked == keys[:3]

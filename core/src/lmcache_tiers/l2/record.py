@@ -71,6 +71,14 @@ class RecordMismatchError(RecordError):
     """The record is intact but belongs to another key or another serde chain."""
 
 
+class RecordSerdeMismatchError(RecordMismatchError):
+    """The record is intact and of this key, but written with another serde chain.
+
+    It cannot be read with the configured chain; it is not damaged either (configuring
+    the chain it names again makes it readable), so adapters report a miss and keep it.
+    """
+
+
 @dataclass(frozen=True)
 class RecordHeader:
     """A decoded header."""
@@ -208,7 +216,7 @@ def decode_header(
             f"record holds key {header.key.file_stem()}, not {expected_key.file_stem()}"
         )
     if expected_serde is not None and header.serde != tuple(expected_serde):
-        raise RecordMismatchError(
+        raise RecordSerdeMismatchError(
             f"record was written with serde chain {list(header.serde)}, configured is {list(expected_serde)}"
         )
     return header

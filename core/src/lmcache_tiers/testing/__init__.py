@@ -5,8 +5,32 @@ A plugin's tests subclass the suite for its kind (``L2AdapterSuite``,
 names; capabilities that do not apply are declared on the subclass and their tests are
 skipped with the reason printed, never faked.  ``ComponentSuite`` is the base of them
 all: it checks that the component is discoverable through its installed entry point.
+
+Names are imported on first use: :mod:`lmcache_tiers.testing.blocking` (blocking calls
+over an adapter, for tests and tools) works without pytest installed.
 """
 
-from lmcache_tiers.testing.base import ComponentSuite, capability, requires
+from __future__ import annotations
 
-__all__ = ["ComponentSuite", "capability", "requires"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lmcache_tiers.testing.base import ComponentSuite, capability, requires
+    from lmcache_tiers.testing.blocking import BlockingAdapterClient
+
+_EXPORTS = {
+    "BlockingAdapterClient": "lmcache_tiers.testing.blocking",
+    "ComponentSuite": "lmcache_tiers.testing.base",
+    "capability": "lmcache_tiers.testing.base",
+    "requires": "lmcache_tiers.testing.base",
+}
+
+__all__ = ["BlockingAdapterClient", "ComponentSuite", "capability", "requires"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

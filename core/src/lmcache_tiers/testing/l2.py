@@ -12,8 +12,9 @@ declare what it supports::
 
 The default ``adapter`` fixture builds the component through the installed registry with
 ``make_config()`` and an :class:`~lmcache_tiers.l2.AdapterContext` whose ``l1_buffer`` is
-the suite's ``l1_buffer`` fixture; every buffer the suite stores from or loads into is a
-slice of it, so adapters that need L1 buffers (NIXL) run the same tests.  Override the
+the suite's ``l1_buffer`` fixture, the way the StorageManager does (the factory's backend
+wrapped in core's adapter); every buffer the suite stores from or loads into is a slice
+of it, so backends that need L1 buffers (NIXL) run the same tests.  Override the
 ``adapter`` fixture (fresh and empty storage per test) when construction needs more, and
 ``reopen_adapter`` (a callable: close the given adapter, open a new one over the same
 storage) when the default -- the same config again -- does not reach the same storage.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import select
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -34,9 +36,10 @@ import pytest
 
 from lmcache_tiers.config import L2AdapterConfig
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2 import AdapterContext, BlockingAdapterClient, L2Adapter, L2Op
+from lmcache_tiers.l2 import AdapterContext, L2Adapter, L2Op, create_adapter
 from lmcache_tiers.registry import Kind
 from lmcache_tiers.testing.base import ComponentSuite, capability, requires
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
 
 #: objects survive ``close()`` and are found, loadable and accounted after reopening
 PERSISTENCE = capability("persistence")
@@ -132,8 +135,13 @@ class L2AdapterSuite(ComponentSuite):
         return AdapterContext(index=0, name=f"0:{self.component_name}", config=config, l1_buffer=l1_buffer)
 
     def open_adapter(self, config: L2AdapterConfig, l1_buffer: memoryview) -> L2Adapter:
-        adapter: L2Adapter = self.registered_component().create(config, self.make_context(config, l1_buffer))
-        return adapter
+        return create_adapter(
+            self.registered_component().load(),
+            config,
+            self.make_context(config, l1_buffer),
+            registry=self.registry(),
+            type_name=self.component_name,
+        )
 
     @pytest.fixture
     def l1_buffer(self) -> memoryview:
@@ -202,6 +210,13 @@ class L2AdapterSuite(ComponentSuite):
         pinned = getattr(adapter, "pinned_keys", None)
         if pinned is not None:
             assert pinned() == {}, "pins left behind"
+
+    def wait_scanned(self, adapter: L2Adapter) -> None:
+        """Wait until the start-up scan of the backend's listing has finished."""
+        deadline = time.monotonic() + self.wait_timeout_s
+        while adapter.stats().get("scan_running", 0):
+            assert time.monotonic() < deadline, "the start-up scan never finished"
+            time.sleep(0.01)
 
     # -- the round trip --------------------------------------------------------------------
 
@@ -506,6 +521,25 @@ class L2AdapterSuite(ComponentSuite):
         loaded, contents = self.load(reopened, pool, keys, result.sizes)
         assert loaded == [True] * 4 and contents == data
         reopened.unlock(keys)
+
+    @requires(PERSISTENCE)
+    def test_usage_is_known_right_after_reopening(
+        self, adapter: L2Adapter, pool: BufferPool, reopen_adapter: Reopen
+    ) -> None:
+        keys = make_keys(3) + make_keys(2, salt="tenant-a")
+        ok, data = self.store(adapter, pool, keys)
+        assert ok == [True] * 5
+        reopened = reopen_adapter(adapter)
+        self.wait_scanned(reopened)
+        # Before any lookup: the start-up scan accounted what the backend holds.
+        assert reopened.used_bytes() == sum(len(d) for d in data)
+        assert _nonzero(reopened.used_bytes_by_salt()) == {
+            "": sum(map(len, data[:3])),
+            "tenant-a": sum(map(len, data[3:])),
+        }
+        self._check_usage(reopened)
+        assert reopened.delete(keys[:1]) == [True]
+        assert reopened.used_bytes() == sum(len(d) for d in data[1:])
 
     @requires(PERSISTENCE)
     def test_deletes_survive_reopening(

@@ -16,7 +16,7 @@ from typing import Annotated
 
 import msgspec
 
-from lmcache_tiers.config import L2AdapterConfig
+from lmcache_tiers.plugin import L2AdapterConfig
 
 #: Every NIXL storage backend the adapters know, in the order the docs list them.
 BACKENDS: tuple[str, ...] = ("POSIX", "GDS", "GDS_MT", "HF3FS", "OBJ", "AZURE_BLOB")
@@ -84,7 +84,7 @@ def _check_object_backend(params: dict[str, str], backend: str) -> None:
             raise ValueError("backend_params.container_name is required for the AZURE_BLOB backend")
 
 
-class _NixlBase(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class _NixlBase(L2AdapterConfig):
     backend: Annotated[str, msgspec.Meta(description="NIXL backend: " + ", ".join(BACKENDS) + ".")]
     backend_params: Annotated[
         dict[str, str],
@@ -115,7 +115,7 @@ class _NixlBase(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_field
         return {k: v for k, v in self.backend_params.items() if k not in own}
 
 
-class NixlStoreConfig(_NixlBase, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class NixlStoreConfig(_NixlBase):
     """NIXL L2 adapter over a pool of storage descriptors preallocated at start-up.
 
     ``pool_size`` files (file backends) or objects (OBJ, AZURE_BLOB) are created and
@@ -144,7 +144,7 @@ class NixlStoreConfig(_NixlBase, kw_only=True, frozen=True, forbid_unknown_field
                 )
 
 
-class NixlStoreDynamicConfig(_NixlBase, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class NixlStoreDynamicConfig(_NixlBase):
     """NIXL L2 adapter storing one checksummed file per object, kept across restarts.
 
     Files are opened and registered with NIXL per operation, published atomically

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lmcache_plugin_nixl.availability import check_native_prerequisites, describe_missing_plugin
-from lmcache_tiers.errors import BackendUnavailableError, ConfigError, TiersError
+from lmcache_tiers.plugin import BackendUnavailableError, ConfigError, TiersError
 
 log = logging.getLogger(__name__)
 
