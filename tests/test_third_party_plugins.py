@@ -9,14 +9,13 @@ from thirdparty import pip_install_to, run_cli, write_package
 ACME = '''
 import msgspec
 from typing import Annotated
-from lmcache_tiers.config import L2AdapterConfig
-from lmcache_tiers.hookspecs import hookimpl
+from lmcache_tiers.plugin import ComponentConfig, L2AdapterConfig, hookimpl
 
-class AcmeConfig(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class AcmeConfig(L2AdapterConfig):
     """Acme tape library."""
     slots: Annotated[int, msgspec.Meta(gt=0, description="Tape slots.")] = 4
 
-class AcmePolicyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class AcmePolicyConfig(ComponentConfig):
     """Acme policy."""
 
 @hookimpl
