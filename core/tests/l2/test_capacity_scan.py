@@ -375,6 +375,19 @@ def test_backend_gauges_are_merged_into_the_adapter_stats(adapters: list[L2Adapt
     assert stats["slots_used"] == 7 and stats["pending_tasks"] == 0
 
 
+class Counting(Xor):
+    name = "counting"
+
+    def stats(self) -> dict[str, int]:
+        return {"passed_through": 3}
+
+
+def test_serde_counters_show_in_the_adapter_stats(adapters: list[L2Adapter]) -> None:
+    adapter = open_dict(serde=[Counting()])
+    adapters.append(adapter)
+    assert adapter.stats()["serde_counting_passed_through"] == 3
+
+
 def test_the_context_offers_what_a_backend_needs() -> None:
     seen: dict[str, Any] = {}
 

@@ -198,6 +198,13 @@ class BackendAdapter(L2Adapter):
                 counters.update({str(name): int(value) for name, value in gauges().items()})
             except Exception as exc:
                 self.state.backend_failed("stats", exc)
+        for serde in self.state.chain.serdes:  # a serde may count what it did, as serde_<name>_*
+            serde_stats = getattr(serde, "stats", None)
+            if callable(serde_stats):
+                try:
+                    counters.update({f"serde_{serde.name}_{k}": int(v) for k, v in serde_stats().items()})
+                except Exception:
+                    log.exception("%s: stats of serde %s failed", self.name, serde.name)
         return counters
 
     def close(self) -> None:
