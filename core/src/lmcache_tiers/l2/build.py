@@ -40,10 +40,14 @@ def _discard(made: object) -> None:
             log.exception("closing a refused %s failed", type(made).__name__)
 
 
-def _refuse(made: object, what: str) -> ConfigError:
+def _made(factory: Callable[..., Any], config: L2AdapterConfig, context: BackendContext, what: str) -> Any:
+    """What a factory built, if it is an L2 backend or a complete L2Adapter."""
+    made = factory(config, context)
+    if isinstance(made, L2Adapter) or not missing_methods(made):
+        return made
     _discard(made)
     missing = ", ".join(missing_methods(made))
-    return ConfigError(
+    raise ConfigError(
         f"{what} built {type(made).__name__}, which is neither an L2 backend (it lacks {missing}) "
         "nor an L2Adapter"
     )
@@ -59,12 +63,8 @@ def create_adapter(
 ) -> L2Adapter:
     """Call an adapter factory and wrap what it returns (unless it is an adapter already)."""
     context = BackendContext(AdapterState(facts, registry))
-    made = factory(config, context)
-    if isinstance(made, L2Adapter):
-        return made
-    if missing_methods(made):
-        raise _refuse(made, f"l2 adapter {type_name or facts.name!r}")
-    return BackendAdapter(made, context)
+    made = _made(factory, config, context, f"l2 adapter {type_name or facts.name!r}")
+    return made if isinstance(made, L2Adapter) else BackendAdapter(made, context)
 
 
 def build_adapter(registry: ComponentRegistry, spec: AdapterSpec, facts: AdapterContext) -> L2Adapter:
@@ -87,13 +87,11 @@ def open_inner_backend(state: AdapterState, outer: str, raw: Mapping[str, Any], 
     if spec.config.eviction is not None:
         log.warning("%s: eviction of the inner adapter never runs; set it on %s", outer, outer)
     state.chain.extend(build_serde_chain(spec.serde, registry))
-    context = BackendContext(
-        state, name=f"{outer}>{spec.type}", config=spec.config, counter_prefix=counter_prefix
-    )
-    made = registry.get(Kind.L2_ADAPTER, spec.type).create(spec.config, context)
+    name = f"{outer}>{spec.type}"
+    context = BackendContext(state, name=name, config=spec.config, counter_prefix=counter_prefix)
+    factory = registry.get(Kind.L2_ADAPTER, spec.type).load()
+    made = _made(factory, spec.config, context, f"{outer} `inner` {spec.type!r}")
     if isinstance(made, L2Adapter):
         _discard(made)
         raise ConfigError(f"{outer} wraps L2 backends; {spec.type!r} builds a complete adapter")
-    if missing_methods(made):
-        raise _refuse(made, f"{outer} `inner` {spec.type!r}")
     return made

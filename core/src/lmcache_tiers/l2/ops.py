@@ -106,11 +106,13 @@ class StoreOp(BatchOp):
             staged = state.chain.encode(key, self.buffers[index], self.layouts[index])
         except SerdeBoundError as exc:
             state.count("serde_bound_exceeded")
-            state.burst.warn("serde_bound", "%s: %s not stored: %s", state.name, key, exc)
+            state.burst.warn("serde_bound", "%s: %s not stored: %s", state.name, key.file_stem(), exc)
             return None
         except Exception as exc:  # a serde refusing one object fails that key only
             state.count("serde_encode_failures")
-            state.burst.warn("serde_encode", "%s: serde encode failed for %s: %s", state.name, key, exc)
+            state.burst.warn(
+                "serde_encode", "%s: serde encode failed for %s: %s", state.name, key.file_stem(), exc
+            )
             return None
         return staged.view, staged
 
@@ -151,7 +153,11 @@ class StoreOp(BatchOp):
             state.count("store_refused_scanning")
             reason = "the start-up scan has not finished, so the usage is not known yet"
         state.burst.warn(
-            f"store_refused:{verdict.value}", "%s: %s not stored: %s", state.name, self.keys[index], reason
+            f"store_refused:{verdict.value}",
+            "%s: %s not stored: %s",
+            state.name,
+            self.keys[index].file_stem(),
+            reason,
         )
 
     def finish(self, io_result: Sequence[Any] | None, *, call_returned: bool = True) -> list[bool]:
@@ -200,7 +206,7 @@ def resolve_size(
             "%s: %s found but its L1 size is unknown (the serde chain changes sizes and the "
             "backend reported only the stored size); treated as a miss",
             state.name,
-            key,
+            key.file_stem(),
         )
         return None
     if known is None:
@@ -300,7 +306,7 @@ class LoadOp(BatchOp):
                     "%s: load buffer of %d bytes for %s, the object needs %d",
                     state.name,
                     buffer.nbytes,
-                    self.keys[index],
+                    self.keys[index].file_stem(),
                     size.l1,
                 )
                 continue
@@ -343,7 +349,9 @@ class LoadOp(BatchOp):
             state.chain.decode_into(key, self.targets[position], self.buffers[index])
         except Exception as exc:  # tampered or damaged payload: a miss, not garbage
             state.count("serde_decode_failures")
-            state.burst.warn("serde_decode", "%s: serde decode failed for %s: %s", state.name, key, exc)
+            state.burst.warn(
+                "serde_decode", "%s: serde decode failed for %s: %s", state.name, key.file_stem(), exc
+            )
             return False
         return True
 

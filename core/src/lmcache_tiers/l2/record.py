@@ -11,9 +11,10 @@ Layout (little-endian)::
 at ``header_len``.  The header crc catches a torn or bit-flipped header before any of its
 lengths are trusted; the payload checksum catches a damaged payload.  ``l1_size`` is the
 decoded (L1) size, which a size-changing serde chain makes differ from ``payload_len``: a
-persistent adapter reports it from the header after a restart, when the base class has no
+persistent backend reports it from the header after a restart, when the adapter has no
 memory of the key (see ``ObjectSize``).  Any mismatch raises a :class:`RecordError`
-subclass; callers turn it into a miss and delete the object.
+subclass; callers turn it into a miss and delete the object -- except a record of another
+serde chain (:class:`RecordSerdeMismatchError`), which is intact and kept.
 
 Checksum: XXH3-128 (plenty against accidental corruption; this is not a MAC -- the
 AES-GCM serde is what defends against tampering).  It is verified on every load, so its
