@@ -8,7 +8,7 @@ import asyncio
 import threading
 import types
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -88,14 +88,6 @@ class TestAsyncBackendWithRecordsAndSerde(_DictSuite):
 
 
 # -- serde and records beyond the suite ---------------------------------------------------------
-
-
-@pytest.fixture
-def adapters() -> Iterator[list[BackendAdapter]]:
-    opened: list[BackendAdapter] = []
-    yield opened
-    for adapter in opened:
-        adapter.close()
 
 
 COMPRESSIBLE = b"kv-cache " * 2000

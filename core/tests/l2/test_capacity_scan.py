@@ -30,14 +30,6 @@ from lmcache_tiers.testing.l2 import make_keys, pattern
 KIB = 1 << 10
 
 
-@pytest.fixture
-def adapters() -> Iterator[list[L2Adapter]]:
-    opened: list[L2Adapter] = []
-    yield opened
-    for adapter in opened:
-        adapter.close()
-
-
 def store(adapter: L2Adapter, keys: Sequence[ObjectKey], sizes: Sequence[int]) -> list[bool]:
     return BlockingAdapterClient(adapter, timeout=30).store(
         keys, [memoryview(pattern(i, size)) for i, size in enumerate(sizes)]
