@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import L2Adapter
 from lmcache_tiers.testing.base import requires
 from lmcache_tiers.testing.l2_support import (
@@ -20,14 +21,20 @@ from lmcache_tiers.testing.l2_support import (
 class L2CapabilityTests(L2SuiteBase):
     """Tests a backend runs only when it declares the capability they need."""
 
+    def _stored_then_reopened(
+        self, adapter: L2Adapter, pool: BufferPool, reopen_adapter: Reopen, salted: int
+    ) -> tuple[L2Adapter, list[ObjectKey], list[bytes]]:
+        """Store 3 plain and ``salted`` salted keys, then reopen the adapter."""
+        keys = make_keys(3) + make_keys(salted, salt="tenant-a")
+        ok, data = self.store(adapter, pool, keys)
+        assert ok == [True] * len(keys)
+        return reopen_adapter(adapter), keys, data
+
     @requires(PERSISTENCE)
     def test_objects_survive_reopening(
         self, adapter: L2Adapter, pool: BufferPool, reopen_adapter: Reopen
     ) -> None:
-        keys = make_keys(3) + make_keys(1, salt="tenant-a")
-        ok, data = self.store(adapter, pool, keys)
-        assert ok == [True] * 4
-        reopened = reopen_adapter(adapter)
+        reopened, keys, data = self._stored_then_reopened(adapter, pool, reopen_adapter, 1)
         assert set(reopened.iter_keys()) == set(keys)
         result = self.client(reopened).lookup_and_lock(keys)
         assert result.found == [True] * 4
@@ -43,10 +50,7 @@ class L2CapabilityTests(L2SuiteBase):
     def test_usage_is_known_right_after_reopening(
         self, adapter: L2Adapter, pool: BufferPool, reopen_adapter: Reopen
     ) -> None:
-        keys = make_keys(3) + make_keys(2, salt="tenant-a")
-        ok, data = self.store(adapter, pool, keys)
-        assert ok == [True] * 5
-        reopened = reopen_adapter(adapter)
+        reopened, keys, data = self._stored_then_reopened(adapter, pool, reopen_adapter, 2)
         self.wait_scanned(reopened)
         # Before any lookup: the start-up scan accounted what the backend holds.
         assert reopened.used_bytes() == sum(len(d) for d in data)
