@@ -21,7 +21,7 @@ import re
 import sys
 import typing
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -35,11 +35,39 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 
-class ComponentConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """Base of every config Struct: keyword-only, immutable, unknown fields refused."""
+class _KeywordOnly(msgspec.StructMeta):
+    """Makes every subclass keyword-only, which msgspec does not inherit by itself.
+
+    ``frozen`` and ``forbid_unknown_fields`` are inherited by msgspec; ``kw_only`` applies
+    only to the fields a class defines, so without this every subclass would repeat it.
+    """
+
+    def __new__(mcls, name: str, bases: tuple[type, ...], namespace: dict[str, Any], **options: Any) -> Any:
+        options.setdefault("kw_only", True)
+        return super().__new__(mcls, name, bases, namespace, **options)
 
 
-class L2EvictionConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+if TYPE_CHECKING:
+    # Type checkers read dataclass_transform, not metaclasses: this declaration tells them
+    # what the metaclass does at run time (subclasses are keyword-only and frozen).
+    from typing_extensions import dataclass_transform
+
+    @dataclass_transform(kw_only_default=True, frozen_default=True, field_specifiers=(msgspec.field,))
+    class ComponentConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+        """Base of every config Struct: keyword-only, immutable, unknown fields refused."""
+
+else:
+
+    class ComponentConfig(
+        msgspec.Struct, metaclass=_KeywordOnly, kw_only=True, frozen=True, forbid_unknown_fields=True
+    ):
+        """Base of every config Struct: keyword-only, immutable, unknown fields refused.
+
+        Subclasses inherit all three flags: ``class MyConfig(ComponentConfig):`` is enough.
+        """
+
+
+class L2EvictionConfig(ComponentConfig):
     """Per-adapter L2 eviction: evict when usage reaches the watermark."""
 
     eviction_policy: Annotated[str, Meta(description="Eviction policy name, e.g. LRU.")] = "LRU"
@@ -51,14 +79,14 @@ class L2EvictionConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknow
     ] = 0.2
 
 
-class SerdeSpec(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class SerdeSpec(ComponentConfig):
     """One serde transform of an adapter's chain, resolved from ``{"type": ..., ...}``."""
 
     type: str
     config: msgspec.Struct
 
 
-class L2AdapterConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class L2AdapterConfig(ComponentConfig):
     """Options every L2 adapter accepts; adapter plugins subclass this Struct."""
 
     eviction: Annotated[
@@ -74,7 +102,7 @@ class L2AdapterConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown
     ] = ()
 
 
-class AdapterSpec(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class AdapterSpec(ComponentConfig):
     """A resolved ``--l2-adapter``: the plugin type and its decoded config."""
 
     type: str
@@ -86,7 +114,7 @@ def _doc(text: str, **constraints: Any) -> Meta:
     return Meta(description=text, **constraints)
 
 
-class ServerConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class ServerConfig(ComponentConfig):
     """Everything ``lmcache-tiers serve`` runs with; flag names follow LMCache's server."""
 
     host: Annotated[str, _doc("Address the RPC server binds to; non-loopback needs auth_token.")] = (

@@ -1,49 +1,211 @@
 """The public API of lmcache-tiers for plugin authors.
 
 A plugin imports from here and nowhere else in ``lmcache_tiers``: these names are what the
-project keeps stable for third-party packages.  Conformance suites live in
-:mod:`lmcache_tiers.testing` (they import pytest, so they are not pulled in here).
+project keeps stable for third-party packages.  Importing this module is cheap (no numpy,
+no pytest): manifests import it whenever plugins are listed.  Names whose modules are
+heavier -- the backend context, record and copy helpers, the conformance suites -- are
+imported on first use.
+
+What each kind of plugin needs:
+
+* every plugin: ``hookimpl``, ``KindRegistry``, ``ComponentConfig`` (config base Struct,
+  keyword-only, frozen and strict for every subclass), ``EmptyConfig``, the errors,
+  ``FieldError`` (a ``__post_init__`` error naming the field at fault);
+* an L2 backend: ``L2Backend`` / ``AsyncL2Backend`` (protocols), ``L2AdapterConfig``,
+  ``BackendContext``, ``ObjectKey``, ``ObjectSize``, ``Capacity``; persistent ones also
+  ``RecordError`` (and subclasses), ``RecordHeader``, ``verify_payload``,
+  ``header_length``, ``PREFIX_SIZE``; backends copying bytes ``copy_into``; slot and
+  extent stores ``ExtentAllocator``;
+* policies: ``StorePolicy``, ``PrefetchPolicy``, ``EvictionPolicy``, ``AdapterInfo``,
+  ``LowestIndexPrefetchPolicy``, ``plan_from_lowest_index``;
+* a serde: ``Serde``, ``SerdeContext``, ``TensorLayout``;
+* a front end: ``Frontend``;
+* tests: ``L2AdapterSuite`` (``PERSISTENCE``, ``CAPACITY``, ``EVICTION``), ``SerdeSuite``
+  (``LOSSLESS``, ``DETECTS_CORRUPTION``, ``BINDS_KEY``),
+  ``StorePolicySuite``, ``PrefetchPolicySuite``, ``EvictionPolicySuite`` (``EVICTS``,
+  ``RECENCY``, ``LOADS_EVERY_HIT``, ``STORES_EVERYWHERE``), ``ComponentSuite``,
+  ``BlockingAdapterClient``.
 """
 
-from lmcache_tiers.config import ComponentConfig, L2AdapterConfig, L2EvictionConfig
-from lmcache_tiers.errors import BackendUnavailableError, ConfigError, TiersError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lmcache_tiers.config import ComponentConfig, FieldError, L2AdapterConfig, L2EvictionConfig
+from lmcache_tiers.errors import BackendUnavailableError, ConfigError, KeyValidationError, TiersError
 from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keycodec import is_digest_name, key_to_name, name_to_key, printable
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.layout import TensorLayout
-from lmcache_tiers.policies import (
+from lmcache_tiers.policies import LowestIndexPrefetchPolicy, plan_from_lowest_index
+from lmcache_tiers.protocols import (
     AdapterInfo,
+    AsyncL2Backend,
+    Capacity,
     EvictionPolicy,
-    LowestIndexPrefetchPolicy,
+    Frontend,
+    L2Backend,
+    ObjectSize,
     PrefetchPolicy,
+    Serde,
     StorePolicy,
-    plan_from_lowest_index,
 )
-from lmcache_tiers.registry import EmptyConfig, KindRegistry
-from lmcache_tiers.serde import Serde, SerdeContext
+from lmcache_tiers.registry import EmptyConfig, Kind, KindRegistry
+
+if TYPE_CHECKING:
+    from lmcache_tiers.l1.allocator import ExtentAllocator
+    from lmcache_tiers.l2.buffers import GIL_FREE_COPY_BYTES, copy_into
+    from lmcache_tiers.l2.context import BackendContext
+    from lmcache_tiers.l2.interface import L2Adapter, L2Listener, L2Op, LookupResult
+    from lmcache_tiers.l2.record import (
+        PREFIX_SIZE,
+        RecordChecksumError,
+        RecordCorruptError,
+        RecordError,
+        RecordHeader,
+        RecordMismatchError,
+        RecordSerdeMismatchError,
+        RecordVersionError,
+        header_length,
+        verify_payload,
+    )
+    from lmcache_tiers.layout import TensorLayout
+    from lmcache_tiers.serde import SerdeContext
+    from lmcache_tiers.testing.base import ComponentSuite
+    from lmcache_tiers.testing.blocking import BlockingAdapterClient
+    from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite
+    from lmcache_tiers.testing.policies import (
+        EVICTS,
+        LOADS_EVERY_HIT,
+        RECENCY,
+        STORES_EVERYWHERE,
+        EvictionPolicySuite,
+        PrefetchPolicySuite,
+        StorePolicySuite,
+    )
+    from lmcache_tiers.testing.serde import BINDS_KEY, DETECTS_CORRUPTION, LOSSLESS, SerdeSuite
+
+_RECORD = "lmcache_tiers.l2.record"
+_L2 = "lmcache_tiers.l2.interface"
+_POLICY_SUITES = "lmcache_tiers.testing.policies"
+_LAZY = {
+    "BackendContext": "lmcache_tiers.l2.context",
+    "copy_into": "lmcache_tiers.l2.buffers",
+    "GIL_FREE_COPY_BYTES": "lmcache_tiers.l2.buffers",
+    "ExtentAllocator": "lmcache_tiers.l1.allocator",
+    "SerdeContext": "lmcache_tiers.serde",
+    "TensorLayout": "lmcache_tiers.layout",
+    "L2Adapter": _L2,
+    "L2Listener": _L2,
+    "L2Op": _L2,
+    "LookupResult": _L2,
+    "PREFIX_SIZE": _RECORD,
+    "RecordChecksumError": _RECORD,
+    "RecordCorruptError": _RECORD,
+    "RecordError": _RECORD,
+    "RecordHeader": _RECORD,
+    "RecordMismatchError": _RECORD,
+    "RecordSerdeMismatchError": _RECORD,
+    "RecordVersionError": _RECORD,
+    "header_length": _RECORD,
+    "verify_payload": _RECORD,
+    "BlockingAdapterClient": "lmcache_tiers.testing.blocking",
+    "ComponentSuite": "lmcache_tiers.testing.base",
+    "L2AdapterSuite": "lmcache_tiers.testing.l2",
+    "PERSISTENCE": "lmcache_tiers.testing.l2",
+    "CAPACITY": "lmcache_tiers.testing.l2",
+    "EVICTION": "lmcache_tiers.testing.l2",
+    "StorePolicySuite": _POLICY_SUITES,
+    "PrefetchPolicySuite": _POLICY_SUITES,
+    "EvictionPolicySuite": _POLICY_SUITES,
+    "EVICTS": _POLICY_SUITES,
+    "RECENCY": _POLICY_SUITES,
+    "LOADS_EVERY_HIT": _POLICY_SUITES,
+    "STORES_EVERYWHERE": _POLICY_SUITES,
+    "SerdeSuite": "lmcache_tiers.testing.serde",
+    "LOSSLESS": "lmcache_tiers.testing.serde",
+    "DETECTS_CORRUPTION": "lmcache_tiers.testing.serde",
+    "BINDS_KEY": "lmcache_tiers.testing.serde",
+}
 
 __all__ = [
+    "BINDS_KEY",
+    "CAPACITY",
+    "DETECTS_CORRUPTION",
+    "EVICTION",
+    "EVICTS",
+    "GIL_FREE_COPY_BYTES",
+    "LOADS_EVERY_HIT",
+    "LOSSLESS",
+    "PERSISTENCE",
+    "PREFIX_SIZE",
+    "RECENCY",
+    "STORES_EVERYWHERE",
     "AdapterInfo",
+    "AsyncL2Backend",
+    "BackendContext",
     "BackendUnavailableError",
+    "BlockingAdapterClient",
+    "Capacity",
     "ComponentConfig",
+    "ComponentSuite",
     "ConfigError",
     "EmptyConfig",
     "EvictionPolicy",
+    "EvictionPolicySuite",
+    "ExtentAllocator",
+    "FieldError",
+    "Frontend",
+    "KeyValidationError",
+    "Kind",
     "KindRegistry",
+    "L2Adapter",
     "L2AdapterConfig",
+    "L2AdapterSuite",
+    "L2Backend",
     "L2EvictionConfig",
+    "L2Listener",
+    "L2Op",
+    "LookupResult",
     "LowestIndexPrefetchPolicy",
     "ObjectKey",
+    "ObjectSize",
     "PrefetchPolicy",
+    "PrefetchPolicySuite",
+    "RecordChecksumError",
+    "RecordCorruptError",
+    "RecordError",
+    "RecordHeader",
+    "RecordMismatchError",
+    "RecordSerdeMismatchError",
+    "RecordVersionError",
     "Serde",
     "SerdeContext",
+    "SerdeSuite",
     "StorePolicy",
+    "StorePolicySuite",
     "TensorLayout",
     "TiersError",
+    "copy_into",
+    "header_length",
     "hookimpl",
     "is_digest_name",
     "key_to_name",
     "name_to_key",
     "plan_from_lowest_index",
     "printable",
+    "verify_payload",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -28,6 +28,7 @@ from lmcache_tiers.controllers import (
 from lmcache_tiers.errors import ConfigError, L1OutOfMemoryError, TiersError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Loan, L1Manager, L1Object
+from lmcache_tiers.l2.build import build_adapter
 from lmcache_tiers.l2.context import AdapterContext
 from lmcache_tiers.l2.interface import L2Adapter
 from lmcache_tiers.layout import check_layout
@@ -51,9 +52,13 @@ def build_policy(registry: ComponentRegistry, kind: Kind, name: str) -> Any:
     return component.create(config)
 
 
-def _refuse_with_nvme_l1(name: str, adapter_class: type) -> None:
-    """An NVMe L1 has no memory an adapter could address, only copies of its objects."""
-    if getattr(adapter_class, "needs_l1_buffers", False):
+def _refuse_with_nvme_l1(name: str, built: object) -> None:
+    """An NVMe L1 has no memory an adapter could address, only copies of its objects.
+
+    ``built`` is the factory when it is a class (a backend's or an adapter's), else the
+    adapter it built.
+    """
+    if getattr(built, "needs_l1_buffers", False):
         raise ConfigError(
             f"l2 adapter {name} needs byte access to L1 memory and cannot be used with --gds-l1-path"
         )
@@ -146,16 +151,11 @@ class StorageManager:
             l1_buffer=self.l1.arena.buffer if self.l1.is_memory else None,
             l1_is_memory=self.l1.is_memory,
         )
-        adapter = registry.get(Kind.L2_ADAPTER, spec.type).create(spec.config, context)
-        if not isinstance(adapter, L2Adapter):
-            adapter_close = getattr(adapter, "close", None)
-            if callable(adapter_close):
-                adapter_close()
-            raise ConfigError(f"l2 adapter {spec.type!r} built {type(adapter).__name__}, not an L2Adapter")
+        adapter = build_adapter(registry, spec, context)
         if not self.l1.is_memory:
             # A factory function hides the class until the adapter exists.
             try:
-                _refuse_with_nvme_l1(context.name, type(adapter))
+                _refuse_with_nvme_l1(context.name, adapter)
             except ConfigError:
                 adapter.close()
                 raise

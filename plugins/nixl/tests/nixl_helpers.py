@@ -10,17 +10,18 @@ from typing import Any
 
 import msgspec
 from lmcache_plugin_nixl.config import NixlStoreConfig, NixlStoreDynamicConfig
-from lmcache_plugin_nixl.dynamic import NixlDynamicAdapter
-from lmcache_plugin_nixl.store import NixlStoreAdapter
+from lmcache_plugin_nixl.dynamic import NixlDynamicBackend
+from lmcache_plugin_nixl.store import NixlStoreBackend
 
 from lmcache_tiers.config import L2EvictionConfig
 from lmcache_tiers.controllers.base import AdapterSlot
 from lmcache_tiers.controllers.l2_eviction import L2EvictionController
 from lmcache_tiers.controllers.stats import EngineStats
-from lmcache_tiers.l2 import AdapterContext, BlockingAdapterClient, L2Adapter
+from lmcache_tiers.l2 import AdapterContext, BackendAdapter, L2Adapter, create_adapter
 from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.registry import Kind
 from lmcache_tiers.serde import Serde
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
 
 
 @contextmanager
@@ -70,14 +71,20 @@ def context(config: Any, arena: memoryview | None, serde: tuple[Serde, ...] = ()
     return AdapterContext(index=0, name="0:nixl-test", config=config, serde=serde, l1_buffer=arena)
 
 
-def open_pool(config: NixlStoreConfig, arena: memoryview | None = None) -> NixlStoreAdapter:
-    return NixlStoreAdapter(config, context(config, arena))
+def _open(factory: Any, config: Any, facts: AdapterContext) -> BackendAdapter:
+    adapter = create_adapter(factory, config, facts)
+    assert isinstance(adapter, BackendAdapter)
+    return adapter
+
+
+def open_pool(config: NixlStoreConfig, arena: memoryview | None = None) -> BackendAdapter:
+    return _open(NixlStoreBackend, config, context(config, arena))
 
 
 def open_dynamic(
     config: NixlStoreDynamicConfig, arena: memoryview | None = None, serde: tuple[Serde, ...] = ()
-) -> NixlDynamicAdapter:
-    return NixlDynamicAdapter(config, context(config, arena, serde))
+) -> BackendAdapter:
+    return _open(NixlDynamicBackend, config, context(config, arena, serde))
 
 
 def client(adapter: Any) -> BlockingAdapterClient:

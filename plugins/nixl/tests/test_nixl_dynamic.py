@@ -104,7 +104,7 @@ def test_toggling_shard_dirs_does_not_find_old_files(first_sharded: bool) -> Non
         try:
             assert client(toggled).lookup_and_lock(keys).found == [False] * 3
             assert list(toggled.iter_keys()) == []
-            assert toggled.stats().get("recovered_keys", 0) == 0
+            assert toggled.stats()["scan_keys"] == 0 and toggled.used_bytes() == 0
         finally:
             toggled.close()
         assert record_files(root) == before, "the other layout's files are left alone"
@@ -118,7 +118,7 @@ def test_toggling_shard_dirs_does_not_find_old_files(first_sharded: bool) -> Non
 
 
 @pytest.mark.parametrize("shard_dirs", [False, True])
-def test_restart_recovers_lazily_when_persist_enabled(shard_dirs: bool) -> None:
+def test_restart_accounts_what_is_on_disk_when_persist_enabled(shard_dirs: bool) -> None:
     arena = Arena()
     keys = make_keys(4) + make_keys(2, salt="tenant-a")
     sizes = [SIZE - 100 * i for i in range(6)]
@@ -130,12 +130,14 @@ def test_restart_recovers_lazily_when_persist_enabled(shard_dirs: bool) -> None:
         assert len(record_files(root)) == 6
         restarted = open_dynamic(dynamic_config(root, shard_dirs=shard_dirs), arena.view)
         try:
-            # Nothing is read at start-up: the index and the accounting start empty.
-            assert restarted.used_bytes() == 0 and restarted.usage() == 0.0
+            # The start-up scan lists the files (no header is read) and accounts them.
+            assert restarted.stats()["scan_keys"] == 6
+            assert restarted.used_bytes() == sum(sizes)
+            assert restarted.usage() == pytest.approx(sum(sizes) / (1 << 30))
+            assert restarted.used_bytes_by_salt() == {"": sum(sizes[:4]), "tenant-a": sum(sizes[4:])}
             result = client(restarted).lookup_and_lock(keys[:3])
             assert result.found == [True] * 3 and result.sizes == sizes[:3]
-            assert restarted.stats()["recovered_keys"] == 3
-            assert restarted.used_bytes() == sum(sizes[:3])
+            assert restarted.used_bytes() == sum(sizes)
             assert load(restarted, arena, keys[:3], sizes[:3]) == ([True] * 3, data[:3])
             restarted.unlock(keys[:3])
             # Every record is listed (for eviction) even before its first lookup.
@@ -248,8 +250,11 @@ def test_damaged_record_is_a_miss_and_is_removed(damage: str) -> None:
                 _corrupt(path, 40)
             else:
                 os.truncate(path, 4096 + SIZE - 1)
-            assert client(adapter).lookup_and_lock(keys).found == [True, True]
-            ok, contents = load(adapter, arena, keys, [SIZE, SIZE])
+            result = client(adapter).lookup_and_lock(keys)
+            assert result.found == [True, True]
+            # Loaded with the sizes the lookup reported, as a prefetch does (a truncated
+            # file reports its truncated size: the header tells the load it is damaged).
+            ok, contents = load(adapter, arena, keys, result.sizes)
             assert ok == [False, True] and contents[1] == data[1]
             adapter.unlock(keys)
             assert not os.path.exists(path)
@@ -334,16 +339,30 @@ def test_size_changing_serde_recovers_l1_size_from_the_header() -> None:
             restarted.unlock(keys)
         finally:
             restarted.close()
-        # A record written with another serde chain is refused (and removed), not misread.
+        # A record written with another serde chain is a miss, not misread; it is kept, so
+        # configuring that chain again makes it readable.
+        files = record_files(root)
         plain = open_dynamic(dynamic_config(root), arena.view)
         try:
             result = client(plain).lookup_and_lock(keys)
             sizes = [size or 1 for size in result.sizes]
             ok, _ = load(plain, arena, keys, sizes)
+            plain.unlock([k for k, hit in zip(keys, result.found, strict=True) if hit])
             assert ok == [False, False]
-            assert plain.stats()["corrupt_records_removed"] == 2
+            stats = plain.stats()
+            assert stats["serde_chain_mismatch"] == 2
+            assert stats.get("corrupt_records_removed", 0) == 0
+            assert client(plain).lookup_and_lock(keys).found == [False, False]
         finally:
             plain.close()
+        assert record_files(root) == files
+        again = open_dynamic(dynamic_config(root), arena.view, serde=(ZlibSerde(),))
+        try:
+            result = client(again).lookup_and_lock(keys)
+            assert load(again, arena, keys, result.sizes) == ([True, True], data)
+            again.unlock(keys)
+        finally:
+            again.close()
 
 
 def test_large_batches_open_files_in_slices_and_close_them_all(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -372,10 +391,11 @@ def test_intact_record_of_another_size_fails_the_load_but_is_kept() -> None:
         adapter = open_dynamic(dynamic_config(root), arena.view)
         assert store(adapter, arena, [key], [data]) == [True]
         adapter.close()
-        # After a restart nothing is accounted, so a load without a lookup reaches the
-        # files with whatever size the caller brings.
         restarted = open_dynamic(dynamic_config(root), arena.view)
         try:
+            # The backend itself, given a buffer of another size, fails without deleting.
+            assert restarted.backend.get_many_into([key], [arena.take(SIZE - 10)]) == [False]  # type: ignore[attr-defined]
+            # Through the adapter, the scan's accounting already refuses the wrong size.
             assert load(restarted, arena, [key], [SIZE - 10])[0] == [False]
             assert os.path.exists(os.path.join(root, f"{key.file_stem()}.bin"))
             assert restarted.stats().get("corrupt_records_removed", 0) == 0

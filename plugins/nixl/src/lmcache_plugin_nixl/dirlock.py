@@ -11,7 +11,7 @@ from __future__ import annotations
 import fcntl
 import os
 
-from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.plugin import ConfigError
 
 
 class DirectoryLock:

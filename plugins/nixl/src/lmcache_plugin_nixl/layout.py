@@ -19,8 +19,7 @@ import os
 import threading
 from collections.abc import Iterator
 
-from lmcache_tiers.errors import KeyValidationError
-from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.plugin import KeyValidationError, ObjectKey
 
 RECORD_SUFFIX = ".bin"
 TEMP_PREFIX = ".tmp-"
@@ -125,12 +124,17 @@ class FileLayout:
                 if entry.is_file(follow_symlinks=False):
                     yield entry
 
-    def iter_keys(self) -> Iterator[ObjectKey]:
-        """Keys of the records stored in this layout (files of the other layout are not)."""
+    def iter_records(self) -> Iterator[tuple[ObjectKey, int]]:
+        """Keys and file sizes of the records in this layout (not the other layout's)."""
         for entry in self._files():
             key = key_from_name(entry.name)
-            if key is not None and self.path_for(key) == entry.path:
-                yield key
+            if key is None or self.path_for(key) != entry.path:
+                continue
+            try:
+                size = entry.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                continue  # deleted since the directory was read
+            yield key, size
 
     def remove_temp_files(self) -> int:
         """Delete temporary files a crashed writer left behind; returns how many."""

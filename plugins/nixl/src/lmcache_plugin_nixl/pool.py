@@ -22,7 +22,7 @@ from lmcache_plugin_nixl.availability import check_direct_io
 from lmcache_plugin_nixl.dirlock import DirectoryLock
 from lmcache_plugin_nixl.memory import direct_io_ok
 from lmcache_plugin_nixl.runtime import NixlRuntime, Registration
-from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.plugin import ConfigError
 
 POOL_LOCK_NAME = ".lmcache-nixl-pool.lock"
 _OBJECT_PREFIX = "lmcache-tiers-nixl-pool"

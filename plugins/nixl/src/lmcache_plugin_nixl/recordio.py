@@ -40,8 +40,7 @@ from lmcache_plugin_nixl.layout import FileLayout
 from lmcache_plugin_nixl.memory import DIRECT_IO_ALIGN, HostMemory, buffer_address, direct_io_ok
 from lmcache_plugin_nixl.runtime import NixlRuntime, Registration
 from lmcache_plugin_nixl.transfers import BatchTransfer, Locator, StorageRow
-from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2.record import RecordError, RecordHeader, decode_header, encode_header, verify_payload
+from lmcache_tiers.plugin import BackendContext, ObjectKey, RecordError, RecordHeader, verify_payload
 
 log = logging.getLogger(__name__)
 
@@ -179,15 +178,15 @@ class RecordFiles:
         runtime: NixlRuntime,
         transfer: BatchTransfer,
         layout: FileLayout,
+        context: BackendContext,
         *,
         direct_io: bool,
-        serde_names: tuple[str, ...],
     ) -> None:
         self._runtime = runtime
         self._transfer = transfer
         self._layout = layout
         self._direct_io = direct_io
-        self._serde = serde_names
+        self._context = context
         self._staging = HeaderStaging(transfer.host)
         self._header_lengths: dict[int, int] = {}
         # Checksums of one batch run on one helper thread, overlapping that batch's I/O.
@@ -199,13 +198,17 @@ class RecordFiles:
         self._helper.shutdown(wait=True)
 
     def header_length(self, key: ObjectKey) -> int:
-        """Header size of ``key``'s record; it depends only on the key and the serde chain."""
-        # Only the key's encoded length varies, so the answer is cached per length rather
-        # than encoding a header for every file of every batch.
+        """Header size of ``key``'s record: its key, layout and serde chain padded to 4096.
+
+        Keys and layouts are bounded well below a block, so the padded length depends on
+        the key's encoded length only; a header that came out longer is refused when it
+        is written, never read at the wrong offset.
+        """
+        # Cached per key length rather than encoding a header for every file of a batch.
         key_len = len(key.to_bytes())
         length = self._header_lengths.get(key_len)
         if length is None:
-            length = len(encode_header(key, b"", serde=self._serde, align=HEADER_ALIGN))
+            length = len(self._context.record_header(key, memoryview(b""), align=HEADER_ALIGN))
             self._header_lengths[key_len] = length
         return length
 
@@ -221,19 +224,15 @@ class RecordFiles:
 
     # -- writes -----------------------------------------------------------------------------
 
-    def write(
-        self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview], l1_sizes: Sequence[int]
-    ) -> list[bool]:
+    def write(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
         """Write and publish each record; False where any step failed (nothing published)."""
         results: list[bool] = []
         for start in range(0, len(keys), MAX_OPEN_FILES):
             end = start + MAX_OPEN_FILES
-            results += self._write_slice(keys[start:end], payloads[start:end], l1_sizes[start:end])
+            results += self._write_slice(keys[start:end], payloads[start:end])
         return results
 
-    def _write_slice(
-        self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview], l1_sizes: Sequence[int]
-    ) -> list[bool]:
+    def _write_slice(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
         pending: list[_Pending] = []
         results = [False] * len(keys)
         try:
@@ -247,10 +246,7 @@ class RecordFiles:
             # header's length is fixed by key and serde chain): checksums are computed on
             # the helper thread while NIXL moves the payloads, and headers go last.
             headers = self._helper.submit(
-                lambda: [
-                    self._encode(keys[item.index], payloads[item.index], l1_sizes[item.index])
-                    for item in pending
-                ]
+                lambda: [self._encode(keys[item.index], payloads[item.index]) for item in pending]
             )
             try:
                 moved = self._transfer.run(
@@ -287,9 +283,10 @@ class RecordFiles:
             items = [item for item, _header in complete]
             return self._transfer.run("WRITE", views, _header_places(items), self._register)
 
-    def _encode(self, key: ObjectKey, payload: memoryview, l1_size: int) -> bytes | None:
+    def _encode(self, key: ObjectKey, payload: memoryview) -> bytes | None:
         try:
-            return encode_header(key, payload, l1_size=l1_size, serde=self._serde, align=HEADER_ALIGN)
+            # Core fills in the L1 size, layout and serde chain of the key being stored.
+            return self._context.record_header(key, payload, align=HEADER_ALIGN)
         except ValueError as exc:
             log.warning("cannot encode the record header of %s: %s", key.file_stem(), exc)
             return None
@@ -321,9 +318,10 @@ class RecordFiles:
     ) -> list[bool | RecordError | None]:
         """Fill each buffer with its key's verified payload.
 
-        Per key: True (loaded), None (no such file: a plain miss), False (an I/O failure
-        or an object of another size, worth no deletion) or the RecordError that makes the
-        record untrustworthy (the caller deletes it).
+        Per key: True (loaded), None (no such file: a plain miss), False (an I/O failure,
+        an object of another size or one written with another serde chain, worth no
+        deletion) or the RecordError that makes the record untrustworthy (the caller
+        deletes it).
         """
         results: list[bool | RecordError | None] = []
         for start in range(0, len(keys), MAX_OPEN_FILES):
@@ -413,9 +411,9 @@ class RecordFiles:
                 continue
             assert item.header is not None
             try:
-                header = decode_header(
-                    bytes(item.header), expected_key=keys[item.index], expected_serde=self._serde
-                )
+                header = self._context.read_record_header(bytes(item.header), keys[item.index])
+                if header is None:
+                    continue  # intact, but of another serde chain: a miss that is kept
                 if header.header_len != item.offset or header.payload_len != item.length:
                     raise RecordError(
                         f"record header says {header.header_len}+{header.payload_len} bytes, "
@@ -456,6 +454,8 @@ class RecordFiles:
     def _explain_size(self, fd: int, key: ObjectKey, header_len: int, size: int, expected: int) -> bool:
         """A file of an unexpected size: another intact object (False) or damage (raises)."""
         header = self._read_header(fd, key, header_len)
+        if header is None:
+            return False  # of another serde chain: kept
         if header.header_len + header.payload_len != size:
             raise RecordError(
                 f"record file is {size} bytes, header says {header.header_len + header.payload_len}"
@@ -464,7 +464,8 @@ class RecordFiles:
         return False
 
     def peek_header(self, key: ObjectKey) -> RecordHeader | RecordError | None:
-        """The verified header of ``key``'s record; None when there is no readable file."""
+        """The verified header of ``key``'s record; None when there is no readable file or
+        the record was written with another serde chain."""
         try:
             fd = os.open(self._layout.path_for(key), os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
@@ -478,13 +479,13 @@ class RecordFiles:
         finally:
             os.close(fd)
 
-    def _read_header(self, fd: int, key: ObjectKey, header_len: int) -> RecordHeader:
+    def _read_header(self, fd: int, key: ObjectKey, header_len: int) -> RecordHeader | None:
         # Page-aligned memory works for O_DIRECT and buffered descriptors alike.
         length = -(-header_len // HEADER_ALIGN) * HEADER_ALIGN
         with mmap.mmap(-1, length) as block:
             got = os.preadv(fd, [block], 0)
             data = block[:got]  # a copy, so no view pins the mapping while it closes
-        return decode_header(data, expected_key=key, expected_serde=self._serde)
+        return self._context.read_record_header(data, key)
 
 
 def _unlink_quietly(path: str) -> None:

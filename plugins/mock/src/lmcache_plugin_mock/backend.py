@@ -1,16 +1,15 @@
-"""The in-memory adapter behind the ``mock`` type.
+"""The in-memory backend behind the ``mock`` type.
 
 Objects of 64 KiB and more live in one memory pool per namespace: an anonymous mapping
 of the configured capacity, carved into page-aligned extents, whose pages are reused
 when objects are deleted or replaced.  A fresh ``bytes`` per stored object would make
 every store fault in new pages (under 1 GB/s on some VMs, slower than the copy itself)
-and would copy with the GIL held; the pool is written with
-:func:`~lmcache_tiers.l2.buffers.copy_into`, which releases it.  Smaller objects, and one
-the pool has no extent for (fragmentation, or a namespace shared with an adapter
-configured larger), are kept as ``bytes``, so what fits is still decided by bytes stored
-against ``max_size_gb``, exactly as without a pool.
+and would copy with the GIL held; the pool is written with ``copy_into``, which releases
+it.  Smaller objects, and one the pool has no extent for (fragmentation, or a namespace
+shared with an adapter configured larger), are kept as ``bytes``.  What fits is decided
+by core, against ``max_size_gb``, before a store reaches the backend.
 
-Room is claimed and objects are published under the namespace lock; the bytes are copied
+Extents are claimed and objects published under the namespace lock; the bytes are copied
 outside it, so a lookup never waits for another key's copy.  An extent being read by a
 load is freed only when that load is done with it, even if the key is overwritten or
 deleted meanwhile.
@@ -22,13 +21,10 @@ import errno
 import logging
 import mmap
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from lmcache_plugin_mock import MockConfig
-from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l1.allocator import ExtentAllocator
-from lmcache_tiers.l2 import AdapterContext, BatchL2Adapter
-from lmcache_tiers.l2.buffers import copy_into
+from lmcache_tiers.plugin import BackendContext, ExtentAllocator, ObjectKey, copy_into
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +70,7 @@ class _Pool:
 class _Object:
     """One stored object: an extent of a pool, or ``bytes`` (small, or no room in the pool)."""
 
-    __slots__ = ("counted", "heap", "offset", "pool", "readers", "replaces", "retired", "size")
+    __slots__ = ("heap", "offset", "pool", "readers", "retired", "size")
 
     def __init__(self, size: int, pool: _Pool | None, offset: int) -> None:
         self.size = size
@@ -85,10 +81,6 @@ class _Object:
         self.readers = 0
         #: deleted or replaced; its extent is freed once no load reads it
         self.retired = False
-        #: its size is part of the namespace's ``used``
-        self.counted = True
-        #: while being stored: the object it will replace, whose bytes it took over
-        self.replaces: _Object | None = None
 
     def view(self) -> memoryview:
         if self.pool is None:
@@ -102,14 +94,11 @@ class _Object:
 
 
 class _Objects:
-    """One namespace's objects, the bytes they take and the pool they live in."""
+    """One namespace's objects and the pool they live in."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.data: dict[ObjectKey, _Object] = {}
-        #: bytes of stored objects plus those of stores still copying, minus those of the
-        #: objects these stores will replace (see ``_Object.counted``)
-        self.used = 0
         self.pool: _Pool | None = None
         self.pool_tried = False
 
@@ -129,12 +118,6 @@ class _Objects:
                 logger.warning("mock: no memory pool of %d bytes (%s); objects go to the heap", capacity, exc)
                 self.pool = None
 
-    def uncount(self, obj: _Object) -> None:
-        """Call with ``lock`` held: take ``obj``'s bytes out of ``used`` (once)."""
-        if obj.counted:
-            obj.counted = False
-            self.used -= obj.size
-
     def retire(self, obj: _Object) -> None:
         """Call with ``lock`` held: ``obj`` left ``data``; free it unless a load reads it."""
         obj.retired = True
@@ -150,7 +133,6 @@ class _Objects:
             for obj in self.data.values():
                 self.retire(obj)
             self.data.clear()
-            self.used = 0
             self.pool = None
 
 
@@ -165,93 +147,55 @@ def _objects_for(namespace: str | None) -> _Objects:
         return _NAMESPACES.setdefault(namespace, _Objects())
 
 
-class MockAdapter(BatchL2Adapter):
+class MockBackend:
     """Keeps payloads in process memory; capacity, bandwidth and latency as configured."""
 
-    needs_l1_buffers = False
-
-    def __init__(self, config: MockConfig, context: AdapterContext) -> None:
-        super().__init__(config, context)
-        self.mock_config = config
+    def __init__(self, config: MockConfig, context: BackendContext) -> None:
+        self.config = config
+        self.context = context
         self._capacity = int(config.max_size_gb * (1 << 30))
         self._objects = _objects_for(config.namespace)
         self._objects.ensure_pool(self._capacity, prefault=config.prefault)
 
     def _simulate(self, nbytes: int) -> bool:
         """Spend the simulated time of a call moving ``nbytes``; False if closed meanwhile."""
-        seconds = self.mock_config.latency_s
-        if self.mock_config.bandwidth_bytes_per_s:
-            seconds += nbytes / self.mock_config.bandwidth_bytes_per_s
-        return self.sleep_unless_closed(seconds)
+        seconds = self.config.latency_s
+        if self.config.bandwidth_bytes_per_s:
+            seconds += nbytes / self.config.bandwidth_bytes_per_s
+        return self.context.sleep(seconds)
 
     def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
         if not self._simulate(sum(p.nbytes for p in payloads)):
             return [False] * len(keys)
         objects = self._objects
-        claimed: list[_Object | None] = []
+        claimed: list[_Object] = []
         with objects.lock:
             pool = objects.pool
-            claiming: dict[ObjectKey, _Object] = {}
-            for key, payload in zip(keys, payloads, strict=True):
-                current = claiming.get(key)
-                if current is None:
-                    current = objects.data.get(key)
-                previous = current if current is not None and current.counted else None
-                freed = 0 if previous is None else previous.size
-                if objects.used - freed + payload.nbytes > self._capacity:
-                    claimed.append(None)
-                    continue
+            for payload in payloads:
                 offset = None
                 if pool is not None and payload.nbytes >= _POOL_MIN_BYTES:
                     offset = pool.allocate(payload.nbytes)
-                claim = _Object(payload.nbytes, pool if offset is not None else None, offset or 0)
-                # Counted from now on, and the object it replaces no longer is: capacity
-                # is checked as if each store replaced its key at once, which keeps a
-                # batch that overwrites and adds near capacity exact, and concurrent
-                # stores from overcommitting.
-                objects.used += payload.nbytes
-                if previous is not None:
-                    objects.uncount(previous)
-                    claim.replaces = previous
-                claiming[key] = claim
-                claimed.append(claim)
+                claimed.append(_Object(payload.nbytes, pool if offset is not None else None, offset or 0))
         try:
             for obj, payload in zip(claimed, payloads, strict=True):
-                if obj is None:
-                    continue
                 if obj.pool is None:
                     obj.heap = bytes(payload)
                 else:
                     copy_into(obj.view(), payload)
         except BaseException:
             with objects.lock:
-                for key, obj in zip(keys, claimed, strict=True):
-                    if obj is None:
-                        continue
-                    objects.uncount(obj)
+                for obj in claimed:
                     objects.retire(obj)
-                    # A replaced object still stored counts again.
-                    previous = obj.replaces
-                    if previous is not None and objects.data.get(key) is previous and not previous.counted:
-                        previous.counted = True
-                        objects.used += previous.size
             raise
-        ok: list[bool] = []
         with objects.lock:
             for key, obj in zip(keys, claimed, strict=True):
-                if obj is None:
-                    ok.append(False)
-                    continue
                 # Whatever holds the key now (a concurrent store or delete may have
                 # changed it during the copy) is what this store replaces.
                 replaced = objects.data.get(key)
                 objects.data[key] = obj
-                obj.replaces = None
                 if replaced is not None:
-                    objects.uncount(replaced)
                     objects.retire(replaced)
-                ok.append(True)
-        return ok
+        return [True] * len(keys)
 
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | None]:
         self._simulate(0)
@@ -292,19 +236,17 @@ class MockAdapter(BatchL2Adapter):
             for key in keys:
                 obj = objects.data.pop(key, None)
                 if obj is not None:
-                    objects.uncount(obj)
                     objects.retire(obj)
                 ok.append(obj is not None)
         return ok
 
-    def iter_keys(self) -> Iterator[ObjectKey]:
+    def list_keys(self) -> list[tuple[ObjectKey, int]]:
         with self._objects.lock:
-            keys = list(self._objects.data)
-        return iter(keys)
+            return [(key, obj.size) for key, obj in self._objects.data.items()]
 
-    def capacity_bytes(self) -> int:
+    def capacity(self) -> int:
         return self._capacity
 
-    def close_backend(self) -> None:
-        if self.mock_config.namespace is None:
+    def close(self) -> None:
+        if self.config.namespace is None:
             self._objects.close()

@@ -1,10 +1,9 @@
 """Blocking calls over an adapter's non-blocking interface.
 
-For code that simply wants "store this and tell me how it went": tests, benchmarks, CLI
-tools and adapters that wrap another adapter.  Several threads may wait on the same
-client; one of them polls the operation's eventfd at a time and hands every popped
-result to its waiter.  The controllers do not use this: they multiplex many tasks on the
-eventfds themselves.
+For code that simply wants "store this and tell me how it went": tests, benchmarks and
+tools (it needs no pytest).  Several threads may wait on the same client; one of them
+polls the operation's eventfd at a time and hands every popped result to its waiter.  The
+controllers do not use this: they multiplex many tasks on the eventfds themselves.
 """
 
 from __future__ import annotations
