@@ -426,3 +426,27 @@ def config_to_builtins(config: ServerConfig) -> dict[str, Any]:
         for spec in config.l2_adapters
     ]
     return data
+
+
+#: field names whose values are credentials: never printed nor logged
+SECRET_FIELD = re.compile(r"secret|password|passwd|token|credential|access_key|api_key", re.IGNORECASE)
+#: the password of a URL's user information (``redis://user:password@host``)
+_URL_PASSWORD = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^:/@\s]*):[^@/\s]+@", re.IGNORECASE)
+REDACTED = "***"
+
+
+def redact_secrets(value: Any) -> Any:
+    """A copy of plain config data (``config_to_builtins``) fit to print: values of
+    fields named like credentials and passwords inside URLs become ``***``."""
+    if isinstance(value, Mapping):
+        return {
+            key: REDACTED
+            if isinstance(key, str) and SECRET_FIELD.search(key) and item not in (None, "")
+            else redact_secrets(item)
+            for key, item in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [redact_secrets(item) for item in value]
+    if isinstance(value, str):
+        return _URL_PASSWORD.sub(rf"\g<head>:{REDACTED}@", value)
+    return value
