@@ -74,7 +74,9 @@ class RedisConfig(L2AdapterConfig):
         str | None, _doc("redis://, rediss:// or unix:// URL of the store (may carry credentials).")
     ] = None
     host: Annotated[str | None, _doc("Host of the store (LMCache resp); with `port`.")] = None
-    port: Annotated[int | None, _doc("Port of the store with `host`; default 6379.", gt=0, lt=65536)] = None
+    port: Annotated[
+        Annotated[int, msgspec.Meta(gt=0, lt=65536)] | None, _doc("Port of the store with `host`; default 6379.")
+    ] = None
     startup_nodes: Annotated[
         str | tuple[str, ...] | None,
         _doc('Seed nodes, "host:port,host:port" or a list (LMCache valkey); standalone uses the first.'),
@@ -85,7 +87,8 @@ class RedisConfig(L2AdapterConfig):
     username: Annotated[str | None, _doc("ACL user name; never printed.")] = None
     password: Annotated[str | None, _doc("Password; never logged nor printed.")] = None
     database_id: Annotated[
-        int | None, _doc("Logical database of a standalone store (the /db of the url).", ge=0)
+        Annotated[int, msgspec.Meta(ge=0)] | None,
+        _doc("Logical database of a standalone store (the /db of the url)."),
     ] = None
     tls_enable: Annotated[bool, _doc("Connect with TLS (as rediss:// does).")] = False
     key_prefix: Annotated[
@@ -98,7 +101,8 @@ class RedisConfig(L2AdapterConfig):
         int, _doc("Worker threads per operation kind (store, lookup, load).", ge=1, le=64)
     ] = 2
     pool_size: Annotated[
-        int | None, _doc("Connections kept per store node; null: enough for every worker.", ge=1, le=1024)
+        Annotated[int, msgspec.Meta(ge=1, le=1024)] | None,
+        _doc("Connections kept per store node; null: enough for every worker."),
     ] = None
     pipeline_max_bytes: Annotated[
         int,

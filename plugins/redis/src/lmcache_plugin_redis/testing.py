@@ -8,6 +8,7 @@ directory of their own, and are killed when stopped.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -51,10 +52,20 @@ def free_port(*, cluster: bool = False) -> int:
 class RedisServer:
     """One ``redis-server`` on 127.0.0.1; ``stop`` and ``start`` again keep its port."""
 
-    def __init__(self, directory: Path, *, port: int | None = None, cluster: bool = False) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        port: int | None = None,
+        cluster: bool = False,
+        password: str | None = None,
+        extra: list[str] | None = None,
+    ) -> None:
         self.directory = directory
         self.port = port or free_port(cluster=cluster)
         self.cluster = cluster
+        self.password = password
+        self.extra = list(extra or [])
         self.proc: subprocess.Popen[bytes] | None = None
         directory.mkdir(parents=True, exist_ok=True)
 
@@ -82,7 +93,9 @@ class RedisServer:
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", str(self.directory / "nodes.conf")]
             args += ["--cluster-node-timeout", "2000"]
-        return args
+        if self.password is not None:
+            args += ["--requirepass", self.password]
+        return args + self.extra
 
     def start(self) -> RedisServer:
         self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -102,11 +115,13 @@ class RedisServer:
 
     def cli(self, *args: str, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            ["redis-cli", "-h", "127.0.0.1", "-p", str(self.port), *args],
+            ["redis-cli", "-h", "127.0.0.1", "-p", str(self.port), "--no-auth-warning", *args],
             capture_output=True,
             text=True,
             check=check,
             timeout=timeout,
+            # the password travels in the environment, never on a command line others can read
+            env={**os.environ, "REDISCLI_AUTH": self.password} if self.password else None,
         )
 
     def log(self) -> str:
