@@ -75,7 +75,8 @@ class RedisConfig(L2AdapterConfig):
     ] = None
     host: Annotated[str | None, _doc("Host of the store (LMCache resp); with `port`.")] = None
     port: Annotated[
-        Annotated[int, msgspec.Meta(gt=0, lt=65536)] | None, _doc("Port of the store with `host`; default 6379.")
+        Annotated[int, msgspec.Meta(gt=0, lt=65536)] | None,
+        _doc("Port of the store with `host`; default 6379."),
     ] = None
     startup_nodes: Annotated[
         str | tuple[str, ...] | None,
