@@ -198,7 +198,8 @@ def main() -> None:
     )
     print(heading)
     print(
-        f"{'method':<10} {'store GB/s':>10} {'load GB/s':>10} {'store p50/p99 ms':>18} {'load p50/p99 ms':>18}"
+        f"{'method':<10} {'store GB/s':>10} {'load GB/s':>10} "
+        f"{'store p50/p99 ms':>18} {'load p50/p99 ms':>18}"
     )
     for name, row in results.items():
         print(
