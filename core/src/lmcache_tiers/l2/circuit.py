@@ -39,7 +39,7 @@ from typing import Any
 
 from lmcache_tiers.config import CircuitConfig, L2AdapterConfig
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2.calls import is_async_backend
+from lmcache_tiers.l2.calls import is_async_backend, optional_method
 from lmcache_tiers.l2.context import BackendContext
 
 log = logging.getLogger("lmcache_tiers.l2")
@@ -146,11 +146,6 @@ class CircuitBreaker:
             return {"circuit_open": int(self._open), "circuit_consecutive_failures": self._consecutive}
 
 
-def _optional(backend: object, name: str) -> Callable[..., Any] | None:
-    method = getattr(backend, name, None)
-    return method if callable(method) else None
-
-
 class _Guard:
     """What both flavours share: the breaker, the pass-through members, refusals."""
 
@@ -184,12 +179,12 @@ class _Guard:
         return self.inner.capacity()
 
     def interrupt(self) -> None:
-        interrupt = _optional(self.inner, "interrupt")
+        interrupt = optional_method(self.inner, "interrupt")
         if interrupt is not None:
             interrupt()
 
     def stats(self) -> dict[str, int]:
-        gauges = _optional(self.inner, "stats")
+        gauges = optional_method(self.inner, "stats")
         merged = {str(k): int(v) for k, v in (gauges() if gauges is not None else {}).items()}
         merged.update(self.breaker.gauges())
         return merged
@@ -212,7 +207,7 @@ class CircuitBackend(_Guard):
         self.breaker.on_open = self._start_probing
 
     def open(self) -> None:
-        opener = _optional(self.inner, "open")
+        opener = optional_method(self.inner, "open")
         if opener is not None:
             opener()
 
@@ -285,7 +280,7 @@ class CircuitBackend(_Guard):
 
     def _probe(self) -> bool:
         self.context.count("circuit_probes")
-        ping = _optional(self.inner, "ping")
+        ping = optional_method(self.inner, "ping")
 
         def ask() -> Any:
             return ping() if ping is not None else self.inner.contains_many([PROBE_KEY])
@@ -305,7 +300,7 @@ class CircuitBackend(_Guard):
             if self._helpers is not None:
                 self._helpers.shutdown(wait=False, cancel_futures=True)
         finally:
-            closer = _optional(self.inner, "close")
+            closer = optional_method(self.inner, "close")
             if closer is not None:
                 closer()
 
@@ -321,7 +316,7 @@ class AsyncCircuitBackend(_Guard):
 
     async def open(self) -> None:
         self._loop = asyncio.get_running_loop()
-        opener = _optional(self.inner, "open")
+        opener = optional_method(self.inner, "open")
         if opener is not None:
             outcome = opener()
             if inspect.isawaitable(outcome):
@@ -395,7 +390,7 @@ class AsyncCircuitBackend(_Guard):
 
     async def _probe(self) -> bool:
         self.context.count("circuit_probes")
-        ping = _optional(self.inner, "ping")
+        ping = optional_method(self.inner, "ping")
         try:
             outcome = ping() if ping is not None else self.inner.contains_many([PROBE_KEY])
             if inspect.isawaitable(outcome):
@@ -410,7 +405,7 @@ class AsyncCircuitBackend(_Guard):
         if task is not None and not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        closer = _optional(self.inner, "close")
+        closer = optional_method(self.inner, "close")
         if closer is not None:
             outcome = closer()
             if inspect.isawaitable(outcome):
