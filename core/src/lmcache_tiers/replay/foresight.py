@@ -22,12 +22,12 @@ The simulator tells the oracle which request is being replayed through ``start_r
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.replay.lending_heap import LendingHeap
 from lmcache_tiers.replay.trace import KeySpace, Trace
 
 NEXT_USE = "next use"
@@ -82,26 +82,18 @@ class NextUseOracle:
         # keys whose next use is beyond the horizon, least recently touched first
         self._unknown: OrderedDict[ObjectKey, None] = OrderedDict()
         # keys whose next use is known: (-next use, -depth, seq, key), stale entries skipped
-        self._known: list[tuple[int, int, int, ObjectKey]] = []
+        self._known: LendingHeap[tuple[int, int, int, ObjectKey]] = LendingHeap(self._is_current)
         # request index -> keys whose next use enters the horizon then, with that next use
         self._due: dict[int, list[tuple[ObjectKey, int]]] = {}
         self._last_started = -1
-        # known entries victims() popped and offered; back on the heap unless removed
-        self._offered: list[tuple[int, int, int, ObjectKey]] = []
 
     def _is_current(self, entry: tuple[int, int, int, ObjectKey]) -> bool:
         state = self._state.get(entry[3])
-        return state is not None and state[2] == entry[2] and state[0] == -entry[0]
-
-    def _take_back(self) -> None:
-        for entry in self._offered:
-            if self._is_current(entry) and entry[3] not in self._unknown:
-                heapq.heappush(self._known, entry)
-        self._offered.clear()
+        return state is not None and state[2] == entry[2] and entry[3] not in self._unknown
 
     def start_request(self, index: int) -> None:
         """The simulator is about to replay request ``index``: the horizon moves with it."""
-        self._take_back()
+        self._known.take_back()
         self._now = index
         if self._horizon is None:
             return
@@ -110,7 +102,7 @@ class NextUseOracle:
                 state = self._state.get(key)
                 if state is not None and state[0] == upcoming and key in self._unknown:
                     del self._unknown[key]
-                    heapq.heappush(self._known, (-upcoming, -state[1], state[2], key))
+                    self._known.push((-upcoming, -state[1], state[2], key))
         self._last_started = max(self._last_started, index)
 
     def _next_use(self, key: ObjectKey) -> int:
@@ -122,7 +114,7 @@ class NextUseOracle:
 
     def _touch(self, keys: Sequence[ObjectKey], known_only: bool) -> None:
         # Back to front, as exact LRU touches a batch: the tail ends up older than the head.
-        self._take_back()
+        self._known.take_back()
         now, horizon = self._now, self._horizon
         for depth in range(len(keys) - 1, -1, -1):
             key = keys[depth]
@@ -137,14 +129,13 @@ class NextUseOracle:
                 if upcoming != _NEVER and horizon:  # a horizon of 0 never learns a use
                     self._due.setdefault(upcoming - horizon, []).append((key, upcoming))
             else:
-                heapq.heappush(self._known, (-upcoming, -depth, seq, key))
+                self._known.push((-upcoming, -depth, seq, key))
         if len(self._known) > 4 * len(self._state) + 1024:
-            self._known = [
+            self._known.rebuild(
                 (-upcoming, -depth, seq, key)
                 for key, (upcoming, depth, seq) in self._state.items()
                 if key not in self._unknown
-            ]
-            heapq.heapify(self._known)
+            )
 
     def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
         self._touch(keys, known_only=False)
@@ -156,19 +147,13 @@ class NextUseOracle:
         for key in keys:
             if self._state.pop(key, None) is not None:
                 self._unknown.pop(key, None)
-        self._take_back()
+        self._known.take_back()
 
     def victims(self) -> Iterator[ObjectKey]:
-        self._take_back()
+        self._known.take_back()
         yield from self._unknown
-        # Pops from the heap itself: offered entries are pushed back on the next call
-        # (the caller reports what it evicted before calling anything else).
-        known, offered = self._known, self._offered
-        while known:
-            entry = heapq.heappop(known)
-            if self._is_current(entry):
-                offered.append(entry)
-                yield entry[3]
+        for entry in self._known.offer():
+            yield entry[3]
 
     def __len__(self) -> int:
         return len(self._state)

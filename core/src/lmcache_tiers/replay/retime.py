@@ -27,7 +27,6 @@ through the server's eviction rules like any other: what knowing the rates achie
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.replay.lending_heap import LendingHeap
 from lmcache_tiers.replay.trace import KeySpace, Trace, TraceRequest
 
 RATE_ORACLE = "rate oracle"
@@ -257,22 +257,14 @@ class RateOracle:
         self._seq = itertools.count()
         # key -> (rate, touch sequence, rate group or -1)
         self._state: dict[ObjectKey, tuple[float, int, int]] = {}
-        self._heap: list[tuple[float, int, ObjectKey]] = []
-        # entries victims() popped and offered; back on the heap unless their key was removed
-        self._offered: list[tuple[float, int, ObjectKey]] = []
+        self._heap: LendingHeap[tuple[float, int, ObjectKey]] = LendingHeap(self._is_current)
 
     def _is_current(self, entry: tuple[float, int, ObjectKey]) -> bool:
         state = self._state.get(entry[2])
         return state is not None and state[1] == entry[1] and state[0] == entry[0]
 
-    def _take_back(self) -> None:
-        for entry in self._offered:
-            if self._is_current(entry):
-                heapq.heappush(self._heap, entry)
-        self._offered.clear()
-
     def start_request(self, index: int) -> None:
-        self._take_back()
+        self._heap.take_back()
         epoch = self._model.cell_of(self._moments[index]) // self._stride
         if epoch == self._epoch:
             return
@@ -281,12 +273,12 @@ class RateOracle:
         rates, state = self._rates, self._state
         for key, (_, seq, group) in state.items():
             state[key] = (rates[group] if group >= 0 else 0.0, seq, group)
-        self._heap = [(rate, seq, key) for key, (rate, seq, _) in state.items()]
-        heapq.heapify(self._heap)
+        self._heap.rebuild((rate, seq, key) for key, (rate, seq, _) in state.items())
 
     def _touch(self, keys: Sequence[ObjectKey], known_only: bool) -> None:
-        self._take_back()
-        state, rates, heap = self._state, self._rates, self._heap
+        heap = self._heap
+        heap.take_back()
+        state, rates = self._state, self._rates
         group_of = self._model.group_of
         for depth in range(len(keys) - 1, -1, -1):  # back to front: a batch's tail is older
             key = keys[depth]
@@ -300,10 +292,9 @@ class RateOracle:
             rate = rates[group] if group >= 0 else 0.0
             seq = next(self._seq)
             state[key] = (rate, seq, group)
-            heapq.heappush(heap, (rate, seq, key))
+            heap.push((rate, seq, key))
         if len(heap) > 4 * len(state) + 1024:
-            self._heap = [(rate, seq, key) for key, (rate, seq, _) in state.items()]
-            heapq.heapify(self._heap)
+            heap.rebuild((rate, seq, key) for key, (rate, seq, _) in state.items())
 
     def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
         self._touch(keys, known_only=False)
@@ -314,18 +305,11 @@ class RateOracle:
     def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
         for key in keys:
             self._state.pop(key, None)
-        self._take_back()
+        self._heap.take_back()
 
     def victims(self) -> Iterator[ObjectKey]:
-        # Pops from the heap itself: offered entries are pushed back on the next call
-        # (the caller reports what it evicted before calling anything else).
-        self._take_back()
-        heap, offered = self._heap, self._offered
-        while heap:
-            entry = heapq.heappop(heap)
-            if self._is_current(entry):
-                offered.append(entry)
-                yield entry[2]
+        for entry in self._heap.offer():
+            yield entry[2]
 
     def __len__(self) -> int:
         return len(self._state)
