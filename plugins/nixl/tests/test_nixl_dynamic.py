@@ -8,11 +8,11 @@ from collections.abc import Sequence
 
 import pytest
 from lmcache_plugin_nixl import recordio
-from lmcache_plugin_nixl.layout import TEMP_PREFIX, TEMP_SUFFIX
 from nixl_helpers import Arena, client, dynamic_config, lru_eviction_controller, open_dynamic, scratch_dir
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import L2Adapter
+from lmcache_tiers.l2.files.layout import TEMP_PREFIX, TEMP_SUFFIX
 from lmcache_tiers.l2.record import RECORD_MAGIC
 from lmcache_tiers.serde import SerdeContext
 from lmcache_tiers.testing.l2 import make_keys, pattern
