@@ -51,9 +51,8 @@ class FsConfig(L2AdapterConfig):
         ),
     ] = False
     read_ahead_size: Annotated[
-        int | None,
+        Annotated[int, msgspec.Meta(gt=0)] | None,
         msgspec.Meta(
-            gt=0,
             description="LMCache fs field: read this many payload bytes first, to start the "
             "filesystem's read-ahead, then the rest (buffered reads; the read block size for fsspec).",
         ),

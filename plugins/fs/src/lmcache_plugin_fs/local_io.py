@@ -253,6 +253,8 @@ class LocalRecords:
         path = self.files.layout.path_for(key)
         header_len = self.sizes.length(key)
         direct = self.direct and _aligned(buffer)
+        if self.direct and not direct:
+            self.context.count("direct_io_fallbacks")
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (_DIRECT if direct else 0))
         except FileNotFoundError:

@@ -1,0 +1,73 @@
+"""Shared helpers of the fs plugin tests: configs, adapters, arenas, files on disk."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+from lmcache_plugin_fs import FsConfig
+from lmcache_plugin_fs.backend import FsBackend
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
+from lmcache_tiers.serde import Serde
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.files import AlignedArena
+
+HEADER = 4096
+
+
+def fs_config(root: str, **fields: Any) -> FsConfig:
+    return msgspec.convert({"path": root, **fields}, FsConfig)
+
+
+def open_fs(
+    config: FsConfig, arena: memoryview | None = None, serde: tuple[Serde, ...] = ()
+) -> BackendAdapter:
+    facts = AdapterContext(index=0, name="0:fs-test", config=config, serde=serde, l1_buffer=arena)
+    adapter = create_adapter(FsBackend, config, facts)
+    assert isinstance(adapter, BackendAdapter)
+    return adapter
+
+
+def client(adapter: Any) -> BlockingAdapterClient:
+    return BlockingAdapterClient(adapter, timeout=60.0)
+
+
+Arena = AlignedArena
+
+
+def store(adapter: Any, arena: Arena, keys: Sequence[ObjectKey], data: Sequence[bytes]) -> list[bool]:
+    return client(adapter).store(keys, [arena.filled(d) for d in data])
+
+
+def load(
+    adapter: Any, arena: Arena, keys: Sequence[ObjectKey], sizes: Sequence[int]
+) -> tuple[list[bool], list[bytes]]:
+    buffers = [arena.take(size) for size in sizes]
+    ok = client(adapter).load(keys, buffers)
+    return ok, [bytes(b) for b in buffers]
+
+
+def record_files(root: str) -> list[str]:
+    """Every record file under root, relative to it."""
+    return sorted(
+        os.path.relpath(os.path.join(directory, name), root)
+        for directory, _dirs, files in os.walk(root)
+        for name in files
+        if name.endswith(".bin")
+    )
+
+
+def payload_bytes_on_disk(root: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, path)) - HEADER for path in record_files(root))
+
+
+def flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)
+        handle.seek(offset)
+        handle.write(bytes([byte[0] ^ 0xFF]))
