@@ -136,13 +136,19 @@ def test_discard_spares_a_record_published_after_the_judgement(tmp_path: Path) -
     _store(files, key, b"new")
     assert not files.discard(key, judged, "corrupt_records_removed", "checksum")
     assert os.path.exists(files.layout.path_for(key))
-    assert files.discard(key, identity_of(os.stat(files.layout.path_for(key))), "corrupt_records_removed", "x")
+    assert files.discard(
+        key, identity_of(os.stat(files.layout.path_for(key))), "corrupt_records_removed", "x"
+    )
 
 
 def test_temp_files_are_swept_and_foreign_files_kept(tmp_path: Path) -> None:
     counts: dict[str, int] = {}
     (tmp_path / "ab" / "cd").mkdir(parents=True)
-    for path in (tmp_path / ".tmp-9-1.part", tmp_path / "ab" / "cd" / ".tmp-9-2.part", tmp_path / "notes.txt"):
+    for path in (
+        tmp_path / ".tmp-9-1.part",
+        tmp_path / "ab" / "cd" / ".tmp-9-2.part",
+        tmp_path / "notes.txt",
+    ):
         path.write_bytes(b"partial")
     files = _files(tmp_path, counts, sharded=True)
     assert files.remove_temp_files() == 2
@@ -176,10 +182,14 @@ def test_lock_survives_the_directory_being_removed_and_recreated(
             "    print(type(exc).__name__, exc); sys.exit(3)\n"
         )
         env = {**os.environ, LOCK_DIR_ENV: str(tmp_path / "locks")}
-        first = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, env=env)
+        first = subprocess.run(
+            [sys.executable, "-c", code, str(root)], capture_output=True, text=True, env=env
+        )
         assert first.returncode == 3 and f"(pid {os.getpid()})" in first.stdout
         subprocess.run(["rm", "-rf", str(root)], check=True)
-        again = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, env=env)
+        again = subprocess.run(
+            [sys.executable, "-c", code, str(root)], capture_output=True, text=True, env=env
+        )
         assert again.returncode == 3, "deleting the directory must not hand its lock to a second server"
         assert "DirectoryInUseError" in again.stdout
     finally:
