@@ -1,11 +1,12 @@
 """Record files in a local directory with plain ``os`` calls: pwrite/preadv, O_DIRECT.
 
-A store writes the payload to a new temporary file at the header's offset while a helper
-thread computes its checksum and encodes the header (xxhash and the system calls both
-release the GIL, so the two overlap when a second core is free), then writes the header
-and renames the file over the record (:meth:`LocalFiles.publish`).  A load reads header
-and payload with one ``preadv`` and verifies the previous object on the helper thread
-while it reads the next.  Nothing is handed back that did not verify.
+A store encodes the header (with the payload's checksum), writes payload and header to a
+new temporary file and renames it over the record (:meth:`LocalFiles.publish`).  A load
+reads header and payload with one ``preadv`` and verifies them.  Nothing is handed back
+that did not verify.  A batch of large objects is spread over a few I/O threads, each
+handling whole records: the copies to and from the page cache, the checksums and the
+system calls all release the GIL, so records move in parallel on as many cores (handing
+checksums to a helper thread instead costs a GIL hand-off per object and gained less).
 
 With ``O_DIRECT`` the header goes through a page-aligned scratch block and the payload
 straight from (or into) the caller's buffer when its address is page-aligned (L1 extents
@@ -46,9 +47,11 @@ from lmcache_tiers.plugin import (
 
 log = logging.getLogger(__name__)
 
-#: objects at least this large are checksummed on the helper thread, overlapping I/O;
-#: smaller ones inline, where handing them over would cost more than it saves
-OVERLAP_BYTES = 256 << 10
+#: a batch of at least this many bytes (and two objects) is spread over the I/O threads;
+#: smaller ones run on the calling thread, where handing them over would cost more
+PARALLEL_BYTES = 512 << 10
+#: I/O threads per adapter (records of one batch in flight at once)
+IO_THREADS = max(2, min(4, os.cpu_count() or 2))
 _DIRECT = getattr(os, "O_DIRECT", 0)
 #: the record format's bound on a header (lmcache_tiers.l2.record.MAX_HEADER_LEN)
 MAX_HEADER_BYTES = 1 << 16
@@ -121,34 +124,37 @@ class LocalRecords:
         self.failures = failures
         self.sizes = HeaderSizes(self._encode_header)
         self._scratch = _Scratch()
-        self._helper = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"fs-{context.name}-checksum")
+        self._pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix=f"fs-{context.name}-io")
 
     def close(self) -> None:
-        self._helper.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
 
     def _encode_header(self, key: ObjectKey, payload: memoryview) -> bytes:
         return self.context.record_header(key, payload, align=RECORD_ALIGN)
 
-    def _later(self, work: Callable[[], object], size: int) -> Future[object]:
-        if size >= OVERLAP_BYTES:
-            return self._helper.submit(work)
-        done: Future[object] = Future()
-        try:
-            done.set_result(work())
-        except BaseException as exc:
-            done.set_exception(exc)
-        return done
+    def _each(
+        self,
+        work: Callable[[ObjectKey, memoryview], bool],
+        keys: Sequence[ObjectKey],
+        views: Sequence[memoryview],
+    ) -> list[bool]:
+        """``work`` per record, on the I/O threads for a large batch.  Every record fails or
+        succeeds alone; all are finished before this returns (the views are the caller's)."""
+        pairs = list(zip(keys, views, strict=True))
+        if len(pairs) < 2 or sum(view.nbytes for view in views) < PARALLEL_BYTES:
+            return [work(key, view) for key, view in pairs]
+        futures: list[Future[bool]] = [self._pool.submit(work, key, view) for key, view in pairs]
+        return [future.result() for future in futures]
 
     # -- stores -------------------------------------------------------------------------------
 
     def write_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
-        # One record at a time: each fails alone (a full disk fails the records that do not
-        # fit, not the batch), and a smaller record after a failed one may still fit.
-        return [self._write(key, payload) for key, payload in zip(keys, payloads, strict=True)]
+        # Each record fails alone: a full disk fails the records that do not fit, not the
+        # batch, and a smaller record after a failed one may still fit.
+        return self._each(self._write, keys, payloads)
 
     def _write(self, key: ObjectKey, payload: memoryview) -> bool:
         header_len = self.sizes.length(key)
-        header: Future[object] = self._later(lambda: self._encode_header(key, payload), payload.nbytes)
         direct = self.direct and _aligned(payload)
         if self.direct and not direct:
             self.context.count("direct_io_fallbacks")
@@ -161,8 +167,7 @@ class LocalRecords:
             if direct:
                 _set_direct(fd, False)  # the tail and the header go through the page cache
                 _pwrite_all(fd, payload[whole:], header_len + whole)
-            encoded = header.result()
-            assert isinstance(encoded, bytes)
+            encoded = self._encode_header(key, payload)
             if len(encoded) != header_len:
                 self.context.count("record_header_too_long")
                 log.warning(
@@ -184,8 +189,6 @@ class LocalRecords:
             log.warning("%s: cannot store %s: %s", self.context.name, printable(record_name(key)), exc)
             return False
         finally:
-            if not header.done():
-                header.exception()  # the helper must be done with the payload before it is reused
             if fd >= 0:
                 os.close(fd)
             if path is not None:
@@ -234,19 +237,11 @@ class LocalRecords:
     # -- loads --------------------------------------------------------------------------------
 
     def read_many(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
-        results = [False] * len(keys)
-        checks: list[tuple[int, Future[object]]] = []
-        try:
-            for index, (key, buffer) in enumerate(zip(keys, buffers, strict=True)):
-                read = self._read(key, buffer)
-                if read is None:
-                    continue
-                checks.append((index, self._later(self._verifier(key, buffer, *read), buffer.nbytes)))
-        finally:
-            # Every verification ends before the buffers go back to the caller.
-            for index, check in checks:
-                results[index] = check.result() is True
-        return results
+        return self._each(self._load, keys, buffers)
+
+    def _load(self, key: ObjectKey, buffer: memoryview) -> bool:
+        read = self._read(key, buffer)
+        return read is not None and self._verify(key, buffer, *read)
 
     def _read(self, key: ObjectKey, buffer: memoryview) -> tuple[bytes, FileIdentity] | None:
         """Header bytes and file identity of a record read into ``buffer``; None if not."""
@@ -311,11 +306,6 @@ class LocalRecords:
             self.files.discard(key, identity, "corrupt_records_removed", str(exc))
         except OSError:
             pass
-
-    def _verifier(
-        self, key: ObjectKey, buffer: memoryview, header_bytes: bytes, identity: FileIdentity
-    ) -> Callable[[], bool]:
-        return lambda: self._verify(key, buffer, header_bytes, identity)
 
     def _verify(
         self, key: ObjectKey, buffer: memoryview, header_bytes: bytes, identity: FileIdentity
