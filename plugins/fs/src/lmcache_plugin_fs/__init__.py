@@ -16,15 +16,15 @@ _LOCAL_PREFIXES = ("file://", "local://")
 
 class FsConfig(L2AdapterConfig):
     """One record file per object (core's header with an XXH3-128 checksum, verified on
-    load) in a local directory or any fsspec URL (``memory://``, ``s3://`` with s3fs, ...).
+    load) in a local directory or any fsspec URL (`memory://`, `s3://` with s3fs, ...).
     Files are published atomically, found again after a restart (the start-up scan counts
     what is on disk), and a damaged record is a miss that is removed and counted.
 
-    LMCache compatibility: ``base_path``, ``relative_tmp_dir``, ``use_odirect`` and
-    ``read_ahead_size`` are the fields of LMCache's own ``fs`` adapter, with the same
-    meaning (``base_path`` is an alias of ``path``); ``max_capacity_gb`` is LMCache's
-    ``fs_native`` field (0 = no capacity), except that here a capacity is enforced: stores
-    beyond it are refused, and with ``eviction`` the oldest objects make room. The other
+    LMCache compatibility: `base_path`, `relative_tmp_dir`, `use_odirect` and
+    `read_ahead_size` are the fields of LMCache's own `fs` adapter, with the same
+    meaning (`base_path` is an alias of `path`); `max_capacity_gb` is LMCache's
+    `fs_native` field (0 = no capacity), except that here a capacity is enforced: stores
+    beyond it are refused, and with `eviction` the oldest objects make room. The other
     fields are lmcache-tiers' own.
     """
 
