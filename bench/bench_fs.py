@@ -195,7 +195,7 @@ def scan(root: str, count: int) -> None:
         listed, bare = bare_listing(directory)
         block = mmap.mmap(-1, MIB)
         start = time.perf_counter()
-        adapter = open_fs(directory, memoryview(block), max_capacity_gb=1024)
+        adapter = open_fs(directory, memoryview(block), max_capacity_gb=1024, shard_dirs=sharded)
         while adapter.stats().get("scan_running", 0):
             time.sleep(0.001)
         elapsed = time.perf_counter() - start

@@ -78,7 +78,7 @@ def classify_name(name: str) -> NamedEntry:
     """What a file name in a store's tree is."""
     if name.endswith(RECORD_SUFFIX):
         stem = name[: -len(RECORD_SUFFIX)]
-        if is_digest_name(stem):
+        if stem.startswith("~") and is_digest_name(stem):
             return NamedEntry(EntryKind.DIGEST, None)
         key = name_to_key(stem)
         if key is not None:

@@ -22,7 +22,14 @@ from typing import NamedTuple
 
 from lmcache_tiers.keycodec import printable
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2.files.layout import EntryKind, FileLayout, classify_name, is_shard_name, is_temp_name
+from lmcache_tiers.l2.files.layout import (
+    RECORD_SUFFIX,
+    EntryKind,
+    FileLayout,
+    classify_name,
+    is_shard_name,
+    is_temp_name,
+)
 from lmcache_tiers.l2.files.records import record_key
 from lmcache_tiers.l2.record import MAX_HEADER_LEN, RecordError
 
@@ -32,6 +39,10 @@ __all__ = ["FileIdentity", "LocalFiles", "identity_of"]
 
 #: stripes of the per-key lock (keys are spread by hash; collisions only serialise)
 _STRIPES = 64
+
+
+def _is_record_name(name: str) -> bool:
+    return name.endswith(RECORD_SUFFIX)
 
 
 def _shard_directories(directory: str) -> list[str]:
@@ -193,11 +204,16 @@ class LocalFiles:
         if self.layout.temp_dir:
             yield self.layout.temp_dir
 
-    def _files(self) -> Iterator[tuple[str, os.DirEntry[str]]]:
+    def _files(self, wanted: Callable[[str], bool] | None = None) -> Iterator[tuple[str, os.DirEntry[str]]]:
+        """Regular files of every directory (whose names ``wanted`` accepts)."""
         for directory in self.directories():
             try:
                 with os.scandir(directory) as entries:
-                    listed = [entry for entry in entries if entry.is_file(follow_symlinks=False)]
+                    listed = [
+                        entry
+                        for entry in entries
+                        if (wanted is None or wanted(entry.name)) and entry.is_file(follow_symlinks=False)
+                    ]
             except (FileNotFoundError, NotADirectoryError):
                 continue
             for entry in listed:
@@ -207,13 +223,16 @@ class LocalFiles:
         """``(key, payload bytes)`` of every record in this layout, from names and one
         ``stat`` each; records shorter than their header (zero-length, torn) are removed
         and counted (``truncated_records_removed``) the first time they are listed."""
-        for directory, entry in self._files():
+        layout = self.layout
+        for directory, entry in self._files(_is_record_name):
             kind, key = classify_name(entry.name)
             if kind is EntryKind.DIGEST:
                 key = self._key_from_header(entry.path)
             elif kind is not EntryKind.RECORD:
                 continue
-            if key is None or not self.layout.owns(directory, key):
+            if key is None or not (
+                directory == layout.root if not layout.shard_dirs else layout.owns(directory, key)
+            ):
                 continue
             try:
                 stat = entry.stat(follow_symlinks=False)
@@ -250,7 +269,7 @@ class LocalFiles:
         the only writer, so every temporary file found is an orphan.
         """
         removed = 0
-        for _directory, entry in self._files():
+        for _directory, entry in self._files(is_temp_name):
             if is_temp_name(entry.name):
                 try:
                     os.unlink(entry.path)
