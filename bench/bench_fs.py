@@ -95,7 +95,9 @@ def raw_load(directory: str, targets: list[memoryview], direct: bool) -> float:
     return time.perf_counter() - start
 
 
-def adapter_round(client: BlockingAdapterClient, keys: list[ObjectKey], buffers: list[memoryview], store: bool) -> float:
+def adapter_round(
+    client: BlockingAdapterClient, keys: list[ObjectKey], buffers: list[memoryview], store: bool
+) -> float:
     start = time.perf_counter()
     results = client.store(keys, buffers) if store else client.load(keys, buffers)
     elapsed = time.perf_counter() - start
@@ -204,8 +206,9 @@ def scan(root: str, count: int) -> None:
         if scanned != count or listed != count:
             raise SystemExit(f"scan accounted {scanned}, listing saw {listed}, of {count}")
         print(
-            f"scan {count:,} objects {'sharded' if sharded else 'flat   '}  fs {count / elapsed:9,.0f} objects/s   "
-            f"bare scandir+stat {count / bare:9,.0f} objects/s   ratio {bare / elapsed:4.2f}   (goal >= 50,000/s)"
+            f"scan {count:,} objects {'sharded' if sharded else 'flat   '}  "
+            f"fs {count / elapsed:9,.0f} objects/s   bare scandir+stat {count / bare:9,.0f} objects/s   "
+            f"ratio {bare / elapsed:4.2f}   (goal >= 50,000/s)"
         )
 
 
@@ -229,7 +232,17 @@ def reference(root: str, venv: Path, keys: int, repeat: int) -> None:
     os.makedirs(ref_dir)
     env = {**os.environ, "DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false"}
     spec = msgspec.json.encode({"type": "fs", "base_path": ref_dir}).decode()
-    command = [str(cli), "bench", "l2", "--l2-adapter", spec, "--num-keys", str(keys), "--data-size-kb", "1024"]
+    command = [
+        str(cli),
+        "bench",
+        "l2",
+        "--l2-adapter",
+        spec,
+        "--num-keys",
+        str(keys),
+        "--data-size-kb",
+        "1024",
+    ]
     command += ["--rounds", str(repeat), "--warmup-rounds", "1", "--l1-align-bytes", "4096"]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
     if result.returncode != 0:
@@ -253,15 +266,26 @@ def reference(root: str, venv: Path, keys: int, repeat: int) -> None:
     finally:
         adapter.close()
     total = keys * MIB
-    for op, ours, theirs in (("store", statistics.mean(stores), ref_store), ("load", statistics.mean(loads), ref_load)):
+    for op, ours, theirs in (
+        ("store", statistics.mean(stores), ref_store),
+        ("load", statistics.mean(loads), ref_load),
+    ):
         print(
             f"vs reference, {keys} x 1 MiB {op:5}  fs {total / ours / GB:6.2f} GB/s   "
-            f"lmcache 0.5.6 fs {total / theirs / GB:6.2f} GB/s   ratio {theirs / ours:4.2f}x   (target >= 1.5x)"
+            f"lmcache 0.5.6 fs {total / theirs / GB:6.2f} GB/s   "
+            f"ratio {theirs / ours:4.2f}x   (target >= 1.5x)"
         )
 
 
+def _each_case(root: str, args: argparse.Namespace) -> None:
+    for case in args.cases.split(","):
+        throughput(root, case, args.repeat, args.direct_io)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--dir", default=None, help="filesystem to measure (default: the temp directory)")
     parser.add_argument("--parts", default="throughput,scan,reference")
     parser.add_argument("--cases", default="256x1,64x16")
@@ -273,8 +297,9 @@ def main() -> None:
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="bench-fs-", dir=args.dir)
     parts: dict[str, Callable[[], None]] = {
-        "throughput": lambda: [throughput(root, case, args.repeat, args.direct_io) for case in args.cases.split(",")]
-        and None,
+        "throughput": lambda: (
+            [throughput(root, case, args.repeat, args.direct_io) for case in args.cases.split(",")] and None
+        ),
         "scan": lambda: scan(root, args.scan_objects),
         "reference": lambda: reference(root, args.reference_venv, args.ref_keys, args.repeat),
     }

@@ -72,7 +72,8 @@ def test_sigkill_during_a_store_storm_then_restart(tmp_path: Path) -> None:
         server.stop(signal.SIGKILL)
         writer.join(30)
     batches = list(stored_batches)
-    print(f"killed after {len(batches)} acknowledged batches, {len(list((tmp_path / 'l2').rglob('*.bin')))} records")
+    records = len(list((tmp_path / "l2").rglob("*.bin")))
+    print(f"killed after {len(batches)} acknowledged batches, {records} records")
 
     restarted = start_server(tmp_path / "second", adapters=[adapter])
     try:
@@ -85,7 +86,9 @@ def test_sigkill_during_a_store_storm_then_restart(tmp_path: Path) -> None:
                     continue
                 with client.retrieve(keys[:found]) as views:
                     got = digest(views)
-                assert got == digest(make_payloads(f"storm{batch}", 8, CHUNK))[:found], f"batch {batch} wrong bytes"
+                assert got == digest(make_payloads(f"storm{batch}", 8, CHUNK))[:found], (
+                    f"batch {batch} wrong bytes"
+                )
                 hits += found
                 checked += 1
             status = client.status()

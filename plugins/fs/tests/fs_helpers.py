@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 from lmcache_plugin_fs import FsConfig
 from lmcache_plugin_fs.backend import FsBackend
 
-from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
 from lmcache_tiers.serde import Serde
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
-from lmcache_tiers.testing.files import AlignedArena
+from lmcache_tiers.testing.files import AlignedArena, load_data, store_data
 
 HEADER = 4096
 
@@ -39,16 +37,8 @@ def client(adapter: Any) -> BlockingAdapterClient:
 Arena = AlignedArena
 
 
-def store(adapter: Any, arena: Arena, keys: Sequence[ObjectKey], data: Sequence[bytes]) -> list[bool]:
-    return client(adapter).store(keys, [arena.filled(d) for d in data])
-
-
-def load(
-    adapter: Any, arena: Arena, keys: Sequence[ObjectKey], sizes: Sequence[int]
-) -> tuple[list[bool], list[bytes]]:
-    buffers = [arena.take(size) for size in sizes]
-    ok = client(adapter).load(keys, buffers)
-    return ok, [bytes(b) for b in buffers]
+store = store_data
+load = load_data
 
 
 def record_files(root: str) -> list[str]:

@@ -3,32 +3,20 @@ O_DIRECT and a temp directory) and fsspec's memory://."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import uuid
 from collections.abc import Iterator
 
 import pytest
 from lmcache_plugin_fs import FsConfig
 
+from lmcache_tiers.testing.files import ScratchDirectory
 from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite
 
 #: 2 MiB: 128 objects of the suite's 16 KiB before stores are refused
 SUITE_CAPACITY_GB = 2 / 1024
 
 
-class _ScratchDirectory:
-    storage_dir: str
-
-    @pytest.fixture(autouse=True)
-    def _storage_dir(self) -> Iterator[None]:
-        # Autouse fixtures run before the suite's adapter fixture, which calls make_config.
-        self.storage_dir = tempfile.mkdtemp(prefix="lmcache-fs-suite-")
-        yield
-        shutil.rmtree(self.storage_dir, ignore_errors=True)
-
-
-class TestFsLocal(_ScratchDirectory, L2AdapterSuite):
+class TestFsLocal(ScratchDirectory, L2AdapterSuite):
     component_name = "fs"
     capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION})
 
@@ -48,7 +36,7 @@ class TestFsLocalDirect(TestFsLocal):
         )
 
 
-class TestFsUnbounded(_ScratchDirectory, L2AdapterSuite):
+class TestFsUnbounded(ScratchDirectory, L2AdapterSuite):
     component_name = "fs"
     capabilities = frozenset({PERSISTENCE})
 

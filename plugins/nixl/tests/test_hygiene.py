@@ -3,7 +3,6 @@ names that need escaping, a vanished root, capacity across restarts."""
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 
@@ -12,12 +11,10 @@ from nixl_helpers import Arena, client, dynamic_config, open_dynamic, scratch_di
 
 from lmcache_tiers.config import L2EvictionConfig
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.plugin import is_temp_name
-from lmcache_tiers.testing.files import small_tmpfs
+from lmcache_tiers.testing.files import check_full_disk_batch
 from lmcache_tiers.testing.l2 import make_keys, pattern
 from lmcache_tiers.testing.l2_restarts import fill_across_restarts
 
-OBJECT = 300 << 10
 SIZE = 64 << 10
 
 
@@ -25,25 +22,8 @@ def _store(adapter: object, arena: Arena, keys: list[ObjectKey], data: list[byte
     return client(adapter).store(keys, [arena.filled(d) for d in data])
 
 
-def test_a_batch_that_hits_enospc_stores_what_fits(caplog: pytest.LogCaptureFixture) -> None:
-    with small_tmpfs(1 << 20) as root:
-        arena = Arena()
-        keys = make_keys(6)
-        data = [pattern(i, OBJECT) for i in range(5)] + [pattern(5, 1000)]
-        adapter = open_dynamic(dynamic_config(root), arena.view)
-        try:
-            with caplog.at_level(logging.WARNING):
-                ok = _store(adapter, arena, keys, data)
-            assert ok == [True, True, True, False, False, True]
-            assert adapter.stats()["store_no_space"] == 2
-            assert len([r for r in caplog.records if "no space left" in r.getMessage()]) == 1
-            assert not [n for _d, _s, files in os.walk(root) for n in files if is_temp_name(n)]
-            assert client(adapter).lookup_and_lock(keys).found == ok
-            adapter.unlock([k for k, hit in zip(keys, ok, strict=True) if hit])
-            assert adapter.delete(keys[:2]) == [True, True]
-            assert _store(adapter, arena, keys[3:5], data[3:5]) == [True, True]
-        finally:
-            adapter.close()
+def test_a_batch_that_hits_enospc_stores_what_fits() -> None:
+    check_full_disk_batch(lambda root, arena: open_dynamic(dynamic_config(root), arena))
 
 
 def test_model_names_starting_with_a_dot_are_listed_and_removed() -> None:

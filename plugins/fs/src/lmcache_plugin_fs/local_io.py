@@ -40,6 +40,7 @@ from lmcache_tiers.plugin import (
     RecordHeader,
     WriteFailures,
     identity_of,
+    is_out_of_space,
     printable,
     record_name,
     verify_payload,
@@ -134,26 +135,39 @@ class LocalRecords:
 
     def _each(
         self,
-        work: Callable[[ObjectKey, memoryview], bool],
+        work: Callable[[int, ObjectKey, memoryview], bool],
         keys: Sequence[ObjectKey],
         views: Sequence[memoryview],
     ) -> list[bool]:
-        """``work`` per record, on the I/O threads for a large batch.  Every record fails or
-        succeeds alone; all are finished before this returns (the views are the caller's)."""
-        pairs = list(zip(keys, views, strict=True))
-        if len(pairs) < 2 or sum(view.nbytes for view in views) < PARALLEL_BYTES:
-            return [work(key, view) for key, view in pairs]
-        futures: list[Future[bool]] = [self._pool.submit(work, key, view) for key, view in pairs]
+        """``work(index, key, view)`` per record, on the I/O threads for a large batch.  Every
+        record fails or succeeds alone; all are finished before this returns (the views are
+        the caller's)."""
+        items = list(enumerate(zip(keys, views, strict=True)))
+        if len(items) < 2 or sum(view.nbytes for view in views) < PARALLEL_BYTES:
+            return [work(index, key, view) for index, (key, view) in items]
+        futures: list[Future[bool]] = [
+            self._pool.submit(work, index, key, view) for index, (key, view) in items
+        ]
         return [future.result() for future in futures]
 
     # -- stores -------------------------------------------------------------------------------
 
     def write_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
-        # Each record fails alone: a full disk fails the records that do not fit, not the
-        # batch, and a smaller record after a failed one may still fit.
-        return self._each(self._write, keys, payloads)
+        """Each record fails alone: a full disk fails the records that do not fit, not the
+        batch, and a smaller record after a failed one may still fit.  Records written in
+        parallel compete for the last free blocks, so those that found the disk full are
+        tried once more, one after the other, before they count as not fitting."""
+        full: set[int] = set()
 
-    def _write(self, key: ObjectKey, payload: memoryview) -> bool:
+        def attempt(index: int, key: ObjectKey, payload: memoryview) -> bool:
+            return self._write(key, payload, on_full=lambda: full.add(index))
+
+        results = self._each(attempt, keys, payloads)
+        for index in sorted(full):
+            results[index] = self._write(keys[index], payloads[index])
+        return results
+
+    def _write(self, key: ObjectKey, payload: memoryview, on_full: Callable[[], None] | None = None) -> bool:
         header_len = self.sizes.length(key)
         direct = self.direct and _aligned(payload)
         if self.direct and not direct:
@@ -183,7 +197,10 @@ class LocalRecords:
             path = None
             return True
         except OSError as exc:
-            self.failures.failed(record_name(key), exc)
+            if on_full is not None and is_out_of_space(exc):
+                on_full()  # not counted yet: tried again once the batch is done
+            else:
+                self.failures.failed(record_name(key), exc)
             return False
         except ValueError as exc:  # the header cannot be encoded (e.g. an oversized layout)
             log.warning("%s: cannot store %s: %s", self.context.name, printable(record_name(key)), exc)
@@ -239,7 +256,7 @@ class LocalRecords:
     def read_many(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         return self._each(self._load, keys, buffers)
 
-    def _load(self, key: ObjectKey, buffer: memoryview) -> bool:
+    def _load(self, _index: int, key: ObjectKey, buffer: memoryview) -> bool:
         read = self._read(key, buffer)
         return read is not None and self._verify(key, buffer, *read)
 
