@@ -204,3 +204,9 @@ def test_two_adapters_of_one_process_are_refused(tmp_path: Path, monkeypatch: py
         PathLock("default-l2", what="the default cache")
     lock.release()
     PathLock("default-l2", what="the default cache").release()
+
+
+def test_keys_in_log_lines_have_control_characters_escaped() -> None:
+    key = ObjectKey("model\n2024-01-01 INFO forged", 0, b"\x01" * 4, 0, "salt\x1b[31m\r")
+    stem = key.file_stem()
+    assert stem.isprintable() and "%0A" in stem and "%1B" in stem and "%0D" in stem
