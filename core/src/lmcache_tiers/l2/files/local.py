@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
-from lmcache_tiers.keycodec import printable
+from lmcache_tiers.keycodec import is_digest_name, name_to_key, printable
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.files.layout import (
     RECORD_SUFFIX,
@@ -39,10 +39,6 @@ __all__ = ["FileIdentity", "LocalFiles", "identity_of"]
 
 #: stripes of the per-key lock (keys are spread by hash; collisions only serialise)
 _STRIPES = 64
-
-
-def _is_record_name(name: str) -> bool:
-    return name.endswith(RECORD_SUFFIX)
 
 
 def _shard_directories(directory: str) -> list[str]:
@@ -222,32 +218,44 @@ class LocalFiles:
     def iter_records(self, header_length: Callable[[ObjectKey], int]) -> Iterator[tuple[ObjectKey, int]]:
         """``(key, payload bytes)`` of every record in this layout, from names and one
         ``stat`` each; records shorter than their header (zero-length, torn) are removed
-        and counted (``truncated_records_removed``) the first time they are listed."""
+        and counted (``truncated_records_removed``) the first time they are listed.
+
+        The start-up scan runs this over every file of a cache, so it is one plain loop:
+        each call or generator level per entry costs about as much as the ``stat``.
+        """
         layout = self.layout
-        for directory, entry in self._files(_is_record_name):
-            kind, key = classify_name(entry.name)
-            if kind is EntryKind.DIGEST:
-                key = self._key_from_header(entry.path)
-            elif kind is not EntryKind.RECORD:
-                continue
-            if key is None or not (
-                directory == layout.root if not layout.shard_dirs else layout.owns(directory, key)
-            ):
-                continue
+        suffix, cut = RECORD_SUFFIX, -len(RECORD_SUFFIX)
+        for directory in self.directories():
             try:
-                stat = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue  # deleted since the directory was read
-            stored = stat.st_size - header_length(key)
-            if stored < 0:
-                self.discard(
-                    key,
-                    identity_of(stat),
-                    "truncated_records_removed",
-                    f"{stat.st_size} bytes, shorter than its record header",
-                )
+                with os.scandir(directory) as listing:
+                    entries = [
+                        e for e in listing if e.name.endswith(suffix) and e.is_file(follow_symlinks=False)
+                    ]
+            except (FileNotFoundError, NotADirectoryError):
                 continue
-            yield key, stored
+            here = directory == layout.root if not layout.shard_dirs else None
+            for entry in entries:
+                stem = entry.name[:cut]
+                if stem.startswith("~") and is_digest_name(stem):
+                    key = self._key_from_header(entry.path)
+                else:
+                    key = name_to_key(stem)
+                if key is None or not (here if here is not None else layout.owns(directory, key)):
+                    continue
+                try:
+                    stat = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # deleted since the directory was read
+                stored = stat.st_size - header_length(key)
+                if stored < 0:
+                    self.discard(
+                        key,
+                        identity_of(stat),
+                        "truncated_records_removed",
+                        f"{stat.st_size} bytes, shorter than its record header",
+                    )
+                    continue
+                yield key, stored
 
     def _key_from_header(self, path: str) -> ObjectKey | None:
         """The key of a digest-named record, from its header (None if it has none)."""
