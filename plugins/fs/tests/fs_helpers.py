@@ -12,7 +12,7 @@ from lmcache_plugin_fs.backend import FsBackend
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
 from lmcache_tiers.serde import Serde
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
-from lmcache_tiers.testing.files import AlignedArena, load_data, store_data
+from lmcache_tiers.testing.files import AlignedArena, flip_byte, load_data, store_data
 
 HEADER = 4096
 
@@ -39,6 +39,18 @@ Arena = AlignedArena
 
 store = store_data
 load = load_data
+__all__ = [
+    "HEADER",
+    "Arena",
+    "client",
+    "flip_byte",
+    "fs_config",
+    "load",
+    "open_fs",
+    "payload_bytes_on_disk",
+    "record_files",
+    "store",
+]
 
 
 def record_files(root: str) -> list[str]:
@@ -53,11 +65,3 @@ def record_files(root: str) -> list[str]:
 
 def payload_bytes_on_disk(root: str) -> int:
     return sum(os.path.getsize(os.path.join(root, path)) - HEADER for path in record_files(root))
-
-
-def flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as handle:
-        handle.seek(offset)
-        byte = handle.read(1)
-        handle.seek(offset)
-        handle.write(bytes([byte[0] ^ 0xFF]))

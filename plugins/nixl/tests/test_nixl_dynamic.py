@@ -14,7 +14,7 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.files.layout import TEMP_PREFIX, TEMP_SUFFIX
 from lmcache_tiers.l2.record import RECORD_MAGIC
 from lmcache_tiers.serde import SerdeContext
-from lmcache_tiers.testing.files import load_data, store_data
+from lmcache_tiers.testing.files import flip_byte, load_data, store_data
 from lmcache_tiers.testing.l2 import make_keys, pattern
 
 SIZE = 64 << 10
@@ -218,14 +218,6 @@ def test_record_file_format() -> None:
             adapter.close()
 
 
-def _corrupt(path: str, offset: int) -> None:
-    with open(path, "r+b") as handle:
-        handle.seek(offset)
-        byte = handle.read(1)
-        handle.seek(offset)
-        handle.write(bytes([byte[0] ^ 0xFF]))
-
-
 @pytest.mark.parametrize("damage", ["payload", "header", "truncated"])
 def test_damaged_record_is_a_miss_and_is_removed(damage: str) -> None:
     arena = Arena()
@@ -237,9 +229,9 @@ def test_damaged_record_is_a_miss_and_is_removed(damage: str) -> None:
             assert store(adapter, arena, keys, data) == [True, True]
             path = os.path.join(root, f"{keys[0].file_stem()}.bin")
             if damage == "payload":
-                _corrupt(path, 4096 + SIZE // 2)
+                flip_byte(path, 4096 + SIZE // 2)
             elif damage == "header":
-                _corrupt(path, 40)
+                flip_byte(path, 40)
             else:
                 os.truncate(path, 4096 + SIZE - 1)
             result = client(adapter).lookup_and_lock(keys)

@@ -28,6 +28,7 @@ __all__ = [
     "AlignedArena",
     "ScratchDirectory",
     "check_full_disk_batch",
+    "flip_byte",
     "load_data",
     "small_tmpfs",
     "store_data",
@@ -74,6 +75,15 @@ def small_tmpfs(size_bytes: int) -> Iterator[str]:
     finally:
         subprocess.run(["umount", "-l", directory], check=False)
         os.rmdir(directory)
+
+
+def flip_byte(path: str, offset: int) -> None:
+    """Damage one byte of a file in place (a bit rot stand-in)."""
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)
+        handle.seek(offset)
+        handle.write(bytes([byte[0] ^ 0xFF]))
 
 
 def _client(adapter: L2Adapter) -> BlockingAdapterClient:
