@@ -15,7 +15,7 @@ What each kind of plugin needs:
   ``BackendContext``, ``ObjectKey``, ``ObjectSize``, ``Capacity``; persistent ones also
   ``RecordError`` (and subclasses), ``RecordHeader``, ``verify_payload``,
   ``header_length``, ``PREFIX_SIZE``; backends copying bytes ``copy_into``; slot and
-  extent stores ``ExtentAllocator``;
+  extent stores ``ExtentAllocator``; a warning logged once per burst ``BurstLog``;
 * policies: ``StorePolicy``, ``PrefetchPolicy``, ``EvictionPolicy``, ``AdapterInfo``,
   ``LowestIndexPrefetchPolicy``, ``plan_from_lowest_index``;
 * a serde: ``Serde``, ``SerdeContext``, ``TensorLayout``;
@@ -69,6 +69,7 @@ if TYPE_CHECKING:
         header_length,
         verify_payload,
     )
+    from lmcache_tiers.l2.state import BurstLog
     from lmcache_tiers.layout import TensorLayout
     from lmcache_tiers.serde import SerdeContext
     from lmcache_tiers.testing.base import ComponentSuite
@@ -90,6 +91,7 @@ _L2 = "lmcache_tiers.l2.interface"
 _POLICY_SUITES = "lmcache_tiers.testing.policies"
 _LAZY = {
     "BackendContext": "lmcache_tiers.l2.context",
+    "BurstLog": "lmcache_tiers.l2.state",
     "copy_into": "lmcache_tiers.l2.buffers",
     "GIL_FREE_COPY_BYTES": "lmcache_tiers.l2.buffers",
     "ExtentAllocator": "lmcache_tiers.l1.allocator",
@@ -146,6 +148,7 @@ __all__ = [
     "BackendContext",
     "BackendUnavailableError",
     "BlockingAdapterClient",
+    "BurstLog",
     "Capacity",
     "ComponentConfig",
     "ComponentSuite",
