@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from lmcache_plugin_raw_block.guards import InFlight
-from lmcache_plugin_raw_block.slotheader import decode_slot_header, encode_slot_header
+from lmcache_plugin_raw_block.parallel import Workers
+from lmcache_plugin_raw_block.slotheader import decode_slot_header, encode_slot_header, record_of
 from lmcache_plugin_raw_block.slots import Claim, SlotEntry, SlotTable
 
 from lmcache_plugin_dax.config import DaxConfig
@@ -34,7 +34,6 @@ from lmcache_tiers.plugin import (
     ObjectSize,
     RecordCorruptError,
     RecordError,
-    RecordMismatchError,
     copy_into,
     verify_payload,
 )
@@ -85,8 +84,8 @@ class DaxBackend:
             for region in self.regions:
                 region.close()
             raise
-        self._readers = ThreadPoolExecutor(config.load_workers, thread_name_prefix="dax-load")
-        self._writers = ThreadPoolExecutor(config.num_store_workers, thread_name_prefix="dax-store")
+        self._readers = Workers(config.load_workers, "dax-load")
+        self._writers = Workers(config.num_store_workers, "dax-store")
 
     def _place(self, slot: int) -> tuple[DaxRegion, int]:
         return self.regions[int(self._region_of[slot])], int(self._local_of[slot])
@@ -162,9 +161,14 @@ class DaxBackend:
                     "no_slot", "dax: %d objects not stored: no free slot", len(group) - len(claims)
                 )
             chosen = group[: len(claims)]
-            stored = self._writers.map(
-                self._store_one, [keys[i] for i in chosen], [payloads[i] for i in chosen], claims
-            )
+            with self._in_flight.use() as usable:
+                if not usable:
+                    for claim in claims:
+                        self.table.abandon(claim)
+                    return results
+                stored = self._writers.map(
+                    self._store_one, [keys[i] for i in chosen], [payloads[i] for i in chosen], claims
+                )
             for index, ok in zip(chosen, stored, strict=True):
                 results[index] = ok
         return results
@@ -181,12 +185,8 @@ class DaxBackend:
                 raise ValueError(
                     f"its index entry needs {len(header)} bytes, an entry holds {ENTRY_BYTES - COMMIT_BYTES}"
                 )
-            with self._in_flight.use() as usable:
-                if not usable:
-                    self.table.abandon(claim)
-                    return False
-                copy_into(region.slot(local, data.nbytes), data)
-                region.write_entry(local, header, claim.seq)
+            copy_into(region.slot(local, data.nbytes), data)
+            region.write_entry(local, header, claim.seq)
         except ValueError as exc:
             self.context.count("header_too_large")
             self._burst.warn("header", "dax: %s not stored: %s", key.file_stem(), exc)
@@ -214,12 +214,15 @@ class DaxBackend:
                 for i, entry in enumerate(entries)
                 if entry is not None and entry.stored == buffers[i].nbytes
             ]
-            outcomes = self._readers.map(
-                self._load_one,
-                [keys[i] for i in wanted],
-                [entries[i] for i in wanted],
-                [buffers[i] for i in wanted],
-            )
+            with self._in_flight.use() as usable:
+                if not usable:
+                    return results
+                outcomes = self._readers.map(
+                    self._load_one,
+                    [keys[i] for i in wanted],
+                    [entries[i] for i in wanted],
+                    [buffers[i] for i in wanted],
+                )
             for index, outcome in zip(wanted, outcomes, strict=True):
                 if isinstance(outcome, RecordError):
                     self._remove_damaged(keys[index], entries[index], outcome)
@@ -233,35 +236,30 @@ class DaxBackend:
         assert entry is not None
         region, local = self._place(entry.slot)
         target = buffer if buffer.format == "B" else buffer.cast("B")
-        with self._in_flight.use() as usable:
-            if not usable:
-                return False
-            header = decode_slot_header(region.entry_header(local), region.identity, local)
-            if header is None:
-                return RecordCorruptError(f"the index entry of slot {local} of {region.path} is damaged")
-            if header.seq != entry.seq or header.key != key:
-                return RecordMismatchError(
-                    f"slot {local} of {region.path} holds write {header.seq} of {header.key.file_stem()}, "
-                    f"not write {entry.seq} of {key.file_stem()}"
+        record_bytes = record_of(region.entry_header(local), region.identity, local, entry.seq, key)
+        if record_bytes is None:
+            return RecordCorruptError(
+                f"the index entry of slot {local} of {region.path} is damaged or not that of "
+                f"write {entry.seq} of {key.file_stem()}"
+            )
+        try:
+            record = self.context.read_record_header(record_bytes, key)
+            if record is None:
+                return False  # written with another serde chain: kept, a miss
+            if record.payload_len != target.nbytes:
+                return RecordCorruptError(
+                    f"record says {record.payload_len} bytes, the index {target.nbytes}"
                 )
-            try:
-                record = self.context.read_record_header(header.record, key)
-                if record is None:
-                    return False  # written with another serde chain: kept, a miss
-                if record.payload_len != target.nbytes:
-                    return RecordCorruptError(
-                        f"record says {record.payload_len} bytes, the index {target.nbytes}"
-                    )
-                copy_into(target, region.slot(local, target.nbytes))
-                verify_payload(record, target)
-            except RecordError as exc:
-                return exc
-            if int(region.commits[local]) != entry.seq:
-                # Reader counts keep slots from being reused under a load; this would
-                # mean something else wrote the mapping meanwhile.
-                self.context.count("generation_mismatch")
-                self._burst.warn("generation", "dax: slot %d of %s changed during a load", local, region.path)
-                return False
+            copy_into(target, region.slot(local, target.nbytes))
+            verify_payload(record, target)
+        except RecordError as exc:
+            return exc
+        if int(region.commits[local]) != entry.seq:
+            # Reader counts keep slots from being reused under a load; this would mean
+            # something else wrote the mapping meanwhile.
+            self.context.count("generation_mismatch")
+            self._burst.warn("generation", "dax: slot %d of %s changed during a load", local, region.path)
+            return False
         return True
 
     def _remove_damaged(self, key: ObjectKey, entry: SlotEntry | None, error: RecordError) -> None:
@@ -285,8 +283,8 @@ class DaxBackend:
         return {"slots_total": self.table.slot_count, "slots_used": self.table.used_slots}
 
     def close(self) -> None:
-        self._writers.shutdown(wait=False)
-        self._readers.shutdown(wait=False)
+        self._writers.shutdown()
+        self._readers.shutdown()
         if not self._in_flight.drain(CLOSE_DRAIN_S):
             log.error("dax: mappings left in place: copies are still running")
             return

@@ -17,14 +17,14 @@ import errno
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from lmcache_plugin_raw_block.checkpoint import Checkpoint, CheckpointAreas, CheckpointTooLarge
 from lmcache_plugin_raw_block.config import RawBlockConfig
 from lmcache_plugin_raw_block.device import BlockDevice, open_device
 from lmcache_plugin_raw_block.geometry import Geometry, plan_geometry
+from lmcache_plugin_raw_block.parallel import Workers
 from lmcache_plugin_raw_block.recovery import CLAIM_GROUP, recover
-from lmcache_plugin_raw_block.slotheader import decode_slot_header, encode_slot_header
+from lmcache_plugin_raw_block.slotheader import encode_slot_header, record_of
 from lmcache_plugin_raw_block.slotio import SlotIO
 from lmcache_plugin_raw_block.slots import Claim, SlotEntry, SlotTable
 from lmcache_plugin_raw_block.superblock import (
@@ -44,7 +44,6 @@ from lmcache_tiers.plugin import (
     ObjectSize,
     RecordCorruptError,
     RecordError,
-    RecordMismatchError,
     verify_payload,
 )
 
@@ -96,8 +95,8 @@ class RawBlockBackend:
         self._checkpoint_lock = threading.Lock()
         self._checkpointed_version = -1
         self._thread: threading.Thread | None = None
-        self._readers = ThreadPoolExecutor(config.num_load_workers, thread_name_prefix="raw-block-load")
-        self._writers = ThreadPoolExecutor(config.num_store_workers, thread_name_prefix="raw-block-store")
+        self._readers = Workers(config.num_load_workers, "raw-block-load")
+        self._writers = Workers(config.num_store_workers, "raw-block-store")
         try:
             self.geometry = plan_geometry(config, self._device.size)
             self._io = SlotIO(self._device, self.geometry)
@@ -107,8 +106,8 @@ class RawBlockBackend:
                 self._recover(checkpoint)
             self.checkpoint(force=True)
         except BaseException:
-            self._readers.shutdown(wait=False)
-            self._writers.shutdown(wait=False)
+            self._readers.shutdown()
+            self._writers.shutdown()
             self._device.close(0.0)
             raise
         if config.meta_enable_periodic:
@@ -191,7 +190,7 @@ class RawBlockBackend:
                 self._burst.warn("read", "raw_block: cannot read the header of slot %d: %s", slot, exc)
                 return None
 
-        return list(self._readers.map(read, slots))
+        return self._readers.map(read, slots)
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -336,16 +335,14 @@ class RawBlockBackend:
             self.context.count("slot_read_errors")
             self._burst.warn("read", "raw_block: reading slot %d failed: %s", entry.slot, exc)
             return False
-        header = decode_slot_header(block, self.identity, entry.slot)
-        if header is None:
-            return RecordCorruptError(f"the header of slot {entry.slot} is damaged")
-        if header.seq != entry.seq or header.key != key:
-            return RecordMismatchError(
-                f"slot {entry.slot} holds write {header.seq} of {header.key.file_stem()}, "
-                f"not write {entry.seq} of {key.file_stem()}"
+        record_bytes = record_of(block, self.identity, entry.slot, entry.seq, key)
+        if record_bytes is None:
+            return RecordCorruptError(
+                f"the header of slot {entry.slot} is damaged or not that of write {entry.seq} of "
+                f"{key.file_stem()}"
             )
         try:
-            record = self.context.read_record_header(header.record, key)
+            record = self.context.read_record_header(record_bytes, key)
             if record is None:
                 return False  # written with another serde chain: kept, a miss
             if record.payload_len != target.nbytes:
@@ -389,8 +386,8 @@ class RawBlockBackend:
         if self._thread is not None:
             self._thread.join()
         self.checkpoint(force=True)
-        self._writers.shutdown(wait=False)
-        self._readers.shutdown(wait=False)
+        self._writers.shutdown()
+        self._readers.shutdown()
         if self._device.in_flight.drain(CLOSE_DRAIN_S):
             self._io.close()
         self._device.close(0.0)

@@ -76,3 +76,26 @@ def decode_slot_header(data: bytes | memoryview, identity: bytes, slot: int) -> 
     except (KeyValidationError, msgspec.DecodeError):
         return None
     return SlotHeader(number, seq, key, stored, l1, bytes(record))
+
+
+def record_of(
+    data: bytes | memoryview, identity: bytes, slot: int, seq: int, key: ObjectKey
+) -> memoryview | None:
+    """The record header in ``data`` if it is the intact header of write ``seq`` of
+    ``key`` in ``slot`` on this device, else None: what a load checks, without decoding
+    the key (it compares the encoded bytes)."""
+    view = memoryview(data).cast("B")
+    if len(view) < FIXED_BYTES or bytes(view[:8]) != SLOT_MAGIC:
+        return None
+    _magic, owner, number, found_seq, _stored, _l1, key_len, record_len = _FIELDS.unpack_from(view)
+    end = FIXED_BYTES + key_len + record_len
+    if owner != identity or number != slot or found_seq != seq or end > len(view):
+        return None
+    (crc,) = _CRC.unpack_from(view, _FIELDS.size)
+    key_bytes = view[FIXED_BYTES : FIXED_BYTES + key_len]
+    record = view[FIXED_BYTES + key_len : end]
+    if key_bytes != key.to_bytes():
+        return None
+    if zlib.crc32(record, zlib.crc32(key_bytes, zlib.crc32(view[: _FIELDS.size]))) != crc:
+        return None
+    return record
