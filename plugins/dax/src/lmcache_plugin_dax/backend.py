@@ -253,7 +253,9 @@ class DaxBackend:
             copy_into(target, region.slot(local, target.nbytes))
             verify_payload(record, target)
         except RecordError as exc:
-            return exc
+            # Without its traceback: the frames it holds reference buffers (a mapping's)
+            # that must not outlive this call, and the error is kept and logged.
+            return exc.with_traceback(None)
         if int(region.commits[local]) != entry.seq:
             # Reader counts keep slots from being reused under a load; this would mean
             # something else wrote the mapping meanwhile.
@@ -266,7 +268,7 @@ class DaxBackend:
         assert entry is not None
         if self.table.discard(key, entry):
             self.context.count("corrupt_records_removed")
-            self._burst.warn("corrupt", "dax: %s removed: %s", key.file_stem(), error)
+            self._burst.warn("corrupt", "dax: %s removed: %s", key.file_stem(), str(error))
 
     # -- the rest of the backend protocol --------------------------------------------------
 

@@ -61,8 +61,8 @@ class DaxConfig(L2AdapterConfig):
         msgspec.Meta(description=_lmcache("The one mapping, with max_dax_size_gb (or use devices).")),
     ] = None
     max_dax_size_gb: Annotated[
-        float | None,
-        msgspec.Meta(gt=0.0, description=_lmcache("GiB of device_path to map.")),
+        Annotated[float, msgspec.Meta(gt=0.0)] | None,
+        msgspec.Meta(description=_lmcache("GiB of device_path to map.")),
     ] = None
     devices: Annotated[
         tuple[DaxDevice, ...],
@@ -82,13 +82,11 @@ class DaxConfig(L2AdapterConfig):
         msgspec.Meta(gt=0, le=64, description=_lmcache("Threads copying the objects of one store batch.")),
     ] = 1
     num_load_workers: Annotated[
-        int | None,
+        Annotated[int, msgspec.Meta(gt=0, le=64)] | None,
         msgspec.Meta(
-            gt=0,
-            le=64,
             description=_lmcache(
                 "Threads copying and verifying the objects of one load batch; null: min(4, CPUs)."
-            ),
+            )
         ),
     ] = None
     num_lookup_workers: Annotated[

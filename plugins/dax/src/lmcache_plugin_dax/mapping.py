@@ -10,6 +10,7 @@ touches.  The index's commit words are reached through a strided numpy view, one
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import mmap
 import os
@@ -179,7 +180,14 @@ class DaxRegion:
             try:
                 self._map.close()
             except BufferError:
-                log.warning("%s: %s stays mapped until its last view is collected", _NAME, self.path)
+                gc.collect()  # a view held only by a reference cycle goes now
+                try:
+                    self._map.close()
+                except BufferError:
+                    # The mapping holds its own descriptor, and with it the lock.
+                    log.warning(
+                        "%s: %s stays mapped and locked until its last view is collected", _NAME, self.path
+                    )
             self._map = None
         if self.fd >= 0:
             os.close(self.fd)

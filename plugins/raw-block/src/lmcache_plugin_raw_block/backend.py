@@ -351,7 +351,9 @@ class RawBlockBackend:
                 )
             verify_payload(record, target)
         except RecordError as exc:
-            return exc
+            # Without its traceback: the frames it holds reference buffers (a mapping's)
+            # that must not outlive this call, and the error is kept and logged.
+            return exc.with_traceback(None)
         return True
 
     def _remove_damaged(self, key: ObjectKey, entry: SlotEntry | None, error: RecordError) -> None:
@@ -359,7 +361,7 @@ class RawBlockBackend:
         if self.table.discard(key, entry):
             self.context.count("corrupt_records_removed")
             self._burst.warn(
-                "corrupt", "raw_block: %s in slot %d removed: %s", key.file_stem(), entry.slot, error
+                "corrupt", "raw_block: %s in slot %d removed: %s", key.file_stem(), entry.slot, str(error)
             )
 
     # -- the rest of the backend protocol --------------------------------------------------

@@ -98,4 +98,5 @@ def record_of(
         return None
     if zlib.crc32(record, zlib.crc32(key_bytes, zlib.crc32(view[: _FIELDS.size]))) != crc:
         return None
-    return record
+    # A copy: no view of a mapping outlives the call (it would keep the mapping alive).
+    return bytes(record)
