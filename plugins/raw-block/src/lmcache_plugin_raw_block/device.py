@@ -76,9 +76,10 @@ def _missing(config: RawBlockConfig) -> None:
             "preallocated file, or set capacity_bytes to have a file of that size created"
         )
     real = os.path.realpath(path)
-    if real == "/dev" or real.startswith("/dev/"):
-        raise ConfigError(f"{_NAME}: device_path {path} does not exist (no file is created under /dev)")
     parent = os.path.dirname(real) or "."
+    # A missing name under /dev is a mistyped device, not a file to create (/dev/shm aside).
+    if parent == "/dev" or (parent.startswith("/dev/") and not (parent + "/").startswith("/dev/shm/")):
+        raise ConfigError(f"{_NAME}: device_path {path} does not exist (no file is created under /dev)")
     if not os.path.isdir(parent):
         raise ConfigError(f"{_NAME}: device_path {path}: directory {parent} does not exist")
     try:

@@ -78,9 +78,7 @@ def decode_slot_header(data: bytes | memoryview, identity: bytes, slot: int) -> 
     return SlotHeader(number, seq, key, stored, l1, bytes(record))
 
 
-def record_of(
-    data: bytes | memoryview, identity: bytes, slot: int, seq: int, key: ObjectKey
-) -> bytes | None:
+def record_of(data: bytes | memoryview, identity: bytes, slot: int, seq: int, key: ObjectKey) -> bytes | None:
     """The record header in ``data`` if it is the intact header of write ``seq`` of
     ``key`` in ``slot`` on this device, else None: what a load checks, without decoding
     the key (it compares the encoded bytes)."""
