@@ -15,6 +15,7 @@ from lmcache_plugin_dax.layout import ENTRY_BYTES, SUPERBLOCK_BYTES
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
+from lmcache_tiers.serde import Serde
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 
 SLOT = 64 << 10
@@ -38,8 +39,8 @@ def config(path: Path | str, slots: int = 16, **extra: Any) -> DaxConfig:
     return DaxConfig(device_path=str(path), max_dax_size_gb=size_gb(slots), slot_bytes=SLOT, **extra)
 
 
-def open_dax(cfg: DaxConfig) -> BackendAdapter:
-    adapter = create_adapter(DaxBackend, cfg, AdapterContext(index=0, name="0:dax", config=cfg))
+def open_dax(cfg: DaxConfig, serde: tuple[Serde, ...] = ()) -> BackendAdapter:
+    adapter = create_adapter(DaxBackend, cfg, AdapterContext(index=0, name="0:dax", config=cfg, serde=serde))
     assert isinstance(adapter, BackendAdapter)
     return adapter
 

@@ -3,6 +3,8 @@ mappings, eviction with pinned keys, capacity across restarts."""
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 from dax_helpers import SLOT, backend_of, client, config, flip_byte, load, open_dax, shm_dir, size_gb, store
 from lmcache_plugin_dax import DaxConfig, DaxDevice
@@ -223,3 +225,39 @@ def test_capacity_is_held_across_three_restarts(evict: bool) -> None:
                 assert len(backend_of(adapter).regions[0].committed()) == objects
             finally:
                 adapter.close()
+
+
+class ZlibSerde:
+    """A size-changing serde: after a restart the L1 size must come from the index entry."""
+
+    name = "test-zlib"
+
+    def encode(self, data: memoryview, context: object) -> bytes:
+        return zlib.compress(data)
+
+    def decode(self, data: memoryview, context: object) -> bytes:
+        return zlib.decompress(data)
+
+
+def test_serde_records_keep_their_l1_size_and_other_chains_are_kept_as_misses() -> None:
+    with shm_dir() as directory:
+        cfg = config(directory / "dax.img")
+        keys = make_keys(2)
+        data = [bytes(50_000), b"ab" * 20_000]
+        adapter = open_dax(cfg, serde=(ZlibSerde(),))
+        assert store(adapter, keys, data) == [True, True]
+        adapter.close()
+        plain = open_dax(cfg)
+        try:
+            assert client(plain).lookup_and_lock(keys).found == [False, False]
+            assert len(list(plain.iter_keys())) == 2, "kept, not deleted"
+        finally:
+            plain.close()
+        again = open_dax(cfg, serde=(ZlibSerde(),))
+        try:
+            result = client(again).lookup_and_lock(keys)
+            assert result.sizes == [len(d) for d in data]
+            again.unlock(keys)
+            assert load(again, keys, [len(d) for d in data]) == ([True, True], data)
+        finally:
+            again.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 from lmcache_plugin_raw_block.geometry import plan_geometry
@@ -189,3 +190,42 @@ def test_trusting_the_checkpoint_still_verifies_every_load(tmp_path: Path) -> No
         assert client(reopened).lookup_and_lock(keys[:1]).found == [False]
     finally:
         reopened.close()
+
+
+class ZlibSerde:
+    """A size-changing serde: after a restart the L1 size must come from the slot header."""
+
+    name = "test-zlib"
+
+    def encode(self, data: memoryview, context: object) -> bytes:
+        return zlib.compress(data)
+
+    def decode(self, data: memoryview, context: object) -> bytes:
+        return zlib.decompress(data)
+
+
+def test_serde_records_keep_their_l1_size_and_other_chains_are_kept_as_misses(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "dev.img")
+    keys = make_keys(2)
+    data = [bytes(50_000), b"ab" * 20_000]
+    adapter = open_raw(cfg, serde=(ZlibSerde(),))
+    assert store(adapter, keys, data) == [True, True]
+    stored = adapter.used_bytes()
+    assert stored < sum(map(len, data))
+    adapter.close()
+    plain = open_raw(cfg)  # no serde chain: the records are intact but unreadable here
+    try:
+        assert client(plain).lookup_and_lock(keys).found == [False, False]
+        assert plain.stats()["serde_chain_mismatch"] >= 1
+        assert len(list(plain.iter_keys())) == 2, "kept, not deleted"
+    finally:
+        plain.close()
+    again = open_raw(cfg, serde=(ZlibSerde(),))
+    try:
+        result = client(again).lookup_and_lock(keys)
+        assert result.sizes == [len(d) for d in data], "L1 sizes from the slot headers"
+        again.unlock(keys)
+        assert load(again, keys, [len(d) for d in data]) == ([True, True], data)
+        assert again.used_bytes() == stored
+    finally:
+        again.close()
