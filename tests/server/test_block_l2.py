@@ -22,7 +22,9 @@ from tiers_e2e import (
     job_store_storm,
     make_keys,
     make_payloads,
+    run_in_process,
     start_server,
+    wait_stored_in_l2,
 )
 
 from lmcache_tiers.client import Client
@@ -63,18 +65,6 @@ def adapter_spec(kind: str, directory: Path) -> dict[str, Any]:
         "slot_bytes": CHUNK,
         "eviction": EVICTION,
     }
-
-
-def run_in_process(function: Any, *args: Any) -> Any:
-    with ProcessPoolExecutor(1, mp_context=SPAWN) as pool:
-        return pool.submit(function, *args).result(timeout=120)
-
-
-def wait_stored_in_l2(client: Client, count: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while client.status()["adapters"][0]["keys_stored"] < count:
-        assert time.monotonic() < deadline, "the store controller never wrote the chunks to L2"
-        time.sleep(0.05)
 
 
 def stop(server: ServerProcess) -> None:

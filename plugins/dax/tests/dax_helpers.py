@@ -1,10 +1,11 @@
-"""Shared helpers of the dax tests: mapped files in /dev/shm, adapters, blocking calls."""
+"""Helpers of the dax tests: mapped files in /dev/shm, configs, adapters (and, from
+raw_block's slot_helpers, blocking calls, damage, eviction)."""
 
 from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -12,11 +13,12 @@ from typing import Any
 from lmcache_plugin_dax import DaxConfig
 from lmcache_plugin_dax.backend import DaxBackend
 from lmcache_plugin_dax.layout import ENTRY_BYTES, SUPERBLOCK_BYTES
+from slot_helpers import client, flip_byte, load, store
 
-from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
 from lmcache_tiers.serde import Serde
-from lmcache_tiers.testing.blocking import BlockingAdapterClient
+
+__all__ = ["backend_of", "client", "config", "flip_byte", "load", "open_dax", "shm_dir", "size_gb", "store"]
 
 SLOT = 64 << 10
 
@@ -49,27 +51,3 @@ def backend_of(adapter: BackendAdapter) -> DaxBackend:
     backend = adapter.backend
     assert isinstance(backend, DaxBackend)
     return backend
-
-
-def client(adapter: Any) -> BlockingAdapterClient:
-    return BlockingAdapterClient(adapter, timeout=60.0)
-
-
-def store(adapter: Any, keys: Sequence[ObjectKey], data: Sequence[bytes]) -> list[bool]:
-    return client(adapter).store(keys, [memoryview(bytearray(d)) for d in data])
-
-
-def load(adapter: Any, keys: Sequence[ObjectKey], sizes: Sequence[int]) -> tuple[list[bool], list[bytes]]:
-    result = client(adapter).lookup_and_lock(keys)
-    buffers = [memoryview(bytearray(size)) for size in sizes]
-    loaded = client(adapter).load(keys, buffers)
-    adapter.unlock([key for key, hit in zip(keys, result.found, strict=True) if hit])
-    return loaded, [bytes(b) for b in buffers]
-
-
-def flip_byte(path: Path | str, offset: int) -> None:
-    with open(path, "r+b") as device:
-        device.seek(offset)
-        byte = device.read(1)
-        device.seek(offset)
-        device.write(bytes([byte[0] ^ 0xFF]))

@@ -3,28 +3,12 @@ mappings, eviction with pinned keys, capacity across restarts."""
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 from dax_helpers import SLOT, backend_of, client, config, flip_byte, load, open_dax, shm_dir, size_gb, store
 from lmcache_plugin_dax import DaxConfig, DaxDevice
+from slot_helpers import ZlibSerde, lru_controller
 
-from lmcache_tiers.config import L2EvictionConfig
-from lmcache_tiers.controllers.base import AdapterSlot
-from lmcache_tiers.controllers.l2_eviction import L2EvictionController
-from lmcache_tiers.controllers.stats import EngineStats
-from lmcache_tiers.l2 import L2Adapter
-from lmcache_tiers.plugins import load_registry
-from lmcache_tiers.registry import Kind
 from lmcache_tiers.testing.l2 import make_keys, pattern
-
-
-def lru_controller(adapter: L2Adapter, watermark: float, ratio: float) -> L2EvictionController:
-    eviction = L2EvictionConfig(eviction_policy="LRU", trigger_watermark=watermark, eviction_ratio=ratio)
-    component = load_registry().get(Kind.EVICTION_POLICY, "LRU")
-    return L2EvictionController(
-        AdapterSlot(0, "dax", adapter), component.create(component.config()), eviction, EngineStats(1)
-    )
 
 
 def data_for(count: int, seed: int = 0) -> list[bytes]:
@@ -225,18 +209,6 @@ def test_capacity_is_held_across_three_restarts(evict: bool) -> None:
                 assert len(backend_of(adapter).regions[0].committed()) == objects
             finally:
                 adapter.close()
-
-
-class ZlibSerde:
-    """A size-changing serde: after a restart the L1 size must come from the index entry."""
-
-    name = "test-zlib"
-
-    def encode(self, data: memoryview, context: object) -> bytes:
-        return zlib.compress(data)
-
-    def decode(self, data: memoryview, context: object) -> bytes:
-        return zlib.decompress(data)
 
 
 def test_serde_records_keep_their_l1_size_and_other_chains_are_kept_as_misses() -> None:

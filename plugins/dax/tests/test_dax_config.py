@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from dax_helpers import config, open_dax, shm_dir
 from lmcache_plugin_dax import DaxConfig, DaxDevice
+from slot_helpers import plugins_show_rows
 
 from lmcache_tiers.config import decode_adapter
 from lmcache_tiers.errors import ConfigError
@@ -127,14 +126,7 @@ def test_a_file_holding_a_filesystem_is_refused(tmp_path: Path) -> None:
 
 
 def test_plugins_show_marks_lmcache_fields() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "lmcache_tiers.cli.main", "plugins", "show", "dax"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "COLUMNS": "400"},
-    )
-    assert result.returncode == 0, result.stderr
-    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 2}
+    rows = plugins_show_rows("dax")
     for name in ("device_path", "max_dax_size_gb", "devices", "slot_bytes"):
         assert "LMCache field." in rows[name], name
     assert "lmcache-tiers addition" in rows["persist_enabled"]

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from lmcache_plugin_raw_block import RawBlockConfig
 from rb_helpers import config, open_raw
+from slot_helpers import plugins_show_rows
 
 from lmcache_tiers.config import decode_adapter
 from lmcache_tiers.errors import ConfigError
@@ -132,14 +131,7 @@ def test_two_adapters_on_one_device_are_refused(tmp_path: Path) -> None:
     open_raw(cfg).close()  # the lock went with the first adapter
 
 
-def test_plugins_show_lists_the_fields_and_their_lmcache_names() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "lmcache_tiers.cli.main", "plugins", "show", "raw-block"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "COLUMNS": "400"},
-    )
-    assert result.returncode == 0, result.stderr
-    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 2}
+def test_plugins_show_marks_lmcache_fields() -> None:
+    rows = plugins_show_rows("raw-block")
     for name in ("device_path", "slot_bytes", "capacity_bytes", "use_odirect", "block_align", "header_bytes"):
         assert "LMCache field." in rows[name], f"{name} is not marked as LMCache's own field"

@@ -3,62 +3,22 @@ and every store it had acknowledged is found again."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from crash_writer import crash_config, expected, object_size
+from crash_writer import LARGEST, crash_config
 from rb_helpers import Arena, client, open_raw
+from storm import expected, object_size, run_and_kill
 
 from lmcache_tiers.testing.l2 import make_keys
 
 WRITER = Path(__file__).with_name("crash_writer.py")
 
 
-def run_and_kill(path: str, at_least: int, extra_delay_s: float) -> tuple[int, int]:
-    """Start the writer, kill it once it reported ``at_least`` objects (plus a delay, to
-    land inside a later batch); returns (deleted below, stored below) as last reported."""
-    writer = subprocess.Popen(
-        [sys.executable, str(WRITER), path],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(WRITER.parent), os.environ.get("PYTHONPATH", "")]),
-        },
-    )
-    reported = {"stored": 0, "deleted": 0}
-
-    def take(line: str) -> None:
-        what, count = line.split()
-        reported[what] = int(count)
-
-    try:
-        assert writer.stdout is not None
-        while reported["stored"] < at_least:
-            line = writer.stdout.readline()
-            assert line, f"writer exited early with code {writer.wait()}"
-            take(line)
-        time.sleep(extra_delay_s)
-        writer.send_signal(signal.SIGKILL)
-        # What it printed before dying counts: those calls had returned.
-        for line in writer.stdout:
-            take(line)
-    finally:
-        writer.kill()
-        writer.wait()
-    assert writer.returncode == -signal.SIGKILL
-    return reported["deleted"], reported["stored"]
-
-
 @pytest.mark.parametrize("delay_s", [0.0, 1.3, 2.6])
 def test_sigkill_during_store_storm_then_reopen(tmp_path: Path, delay_s: float) -> None:
     path = str(tmp_path / "dev.img")
-    deleted, stored = run_and_kill(path, 160, delay_s)
+    deleted, stored = run_and_kill(WRITER, path, 160, delay_s)
     adapter = open_raw(crash_config(path))
     try:
         stats = adapter.stats()
@@ -78,13 +38,13 @@ def test_sigkill_during_store_storm_then_reopen(tmp_path: Path, delay_s: float) 
             result = client(adapter).lookup_and_lock(keys)
             indexes = [start + i for i, hit in enumerate(result.found) if hit]
             found = [key for key, hit in zip(keys, result.found, strict=True) if hit]
-            assert [result.sizes[i - start] for i in indexes] == [object_size(i) for i in indexes]
-            buffers = [arena.take(object_size(i)) for i in indexes]
+            assert [result.sizes[i - start] for i in indexes] == [object_size(i, LARGEST) for i in indexes]
+            buffers = [arena.take(object_size(i, LARGEST)) for i in indexes]
             loaded = client(adapter).load(found, buffers)
             adapter.unlock(found)
             for index, ok, buffer in zip(indexes, loaded, buffers, strict=True):
                 assert ok, f"object {index} was found but did not load"
-                assert bytes(buffer) == expected(index), f"object {index} loaded wrong bytes"
+                assert bytes(buffer) == expected(index, LARGEST), f"object {index} loaded wrong bytes"
             hits += len(found)
         survivors = make_keys(stored - deleted, start=deleted)
         assert client(adapter).lookup_and_lock(survivors).found == [True] * len(survivors), (

@@ -8,24 +8,9 @@ from pathlib import Path
 import pytest
 from lmcache_plugin_raw_block.backend import SUPERBLOCK_MAGIC
 from rb_helpers import PAYLOAD, Arena, backend_of, client, config, flip_byte, load, open_raw, store
+from slot_helpers import lru_controller
 
-from lmcache_tiers.config import L2EvictionConfig
-from lmcache_tiers.controllers.base import AdapterSlot
-from lmcache_tiers.controllers.l2_eviction import L2EvictionController
-from lmcache_tiers.controllers.stats import EngineStats
-from lmcache_tiers.l2 import L2Adapter
-from lmcache_tiers.plugins import load_registry
-from lmcache_tiers.registry import Kind
 from lmcache_tiers.testing.l2 import make_keys, pattern
-
-
-def lru_controller(adapter: L2Adapter, watermark: float, ratio: float) -> L2EvictionController:
-    """The real per-adapter eviction controller with the installed LRU policy (cycles are
-    run by calling ``evict``, not by its thread)."""
-    eviction = L2EvictionConfig(eviction_policy="LRU", trigger_watermark=watermark, eviction_ratio=ratio)
-    component = load_registry().get(Kind.EVICTION_POLICY, "LRU")
-    policy = component.create(component.config())
-    return L2EvictionController(AdapterSlot(0, "raw_block", adapter), policy, eviction, EngineStats(1))
 
 
 @pytest.mark.parametrize("where", ["payload", "header"])

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 
 from lmcache_plugin_raw_block.geometry import plan_geometry
 from rb_helpers import PAYLOAD, Arena, backend_of, client, config, crash, flip_byte, load, open_raw, store
+from slot_helpers import ZlibSerde
 
 from lmcache_tiers.testing.l2 import make_keys, pattern
 
@@ -190,18 +190,6 @@ def test_trusting_the_checkpoint_still_verifies_every_load(tmp_path: Path) -> No
         assert client(reopened).lookup_and_lock(keys[:1]).found == [False]
     finally:
         reopened.close()
-
-
-class ZlibSerde:
-    """A size-changing serde: after a restart the L1 size must come from the slot header."""
-
-    name = "test-zlib"
-
-    def encode(self, data: memoryview, context: object) -> bytes:
-        return zlib.compress(data)
-
-    def decode(self, data: memoryview, context: object) -> bytes:
-        return zlib.decompress(data)
 
 
 def test_serde_records_keep_their_l1_size_and_other_chains_are_kept_as_misses(tmp_path: Path) -> None:

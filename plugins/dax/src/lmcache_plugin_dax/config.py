@@ -10,13 +10,10 @@ import os
 from typing import Annotated
 
 import msgspec
+from lmcache_plugin_raw_block.config import LookupWorkers, lmcache_field
 
 from lmcache_plugin_dax.layout import mapped_bytes, plan_layout
 from lmcache_tiers.plugin import ComponentConfig, FieldError, L2AdapterConfig
-
-
-def _lmcache(text: str) -> str:
-    return f"LMCache field. {text}"
 
 
 class DaxDevice(ComponentConfig):
@@ -26,7 +23,7 @@ class DaxDevice(ComponentConfig):
         str,
         msgspec.Meta(
             min_length=1,
-            description=_lmcache(
+            description=lmcache_field(
                 "A device DAX node (/dev/daxX.Y) or a regular file (created, or extended and "
                 "preallocated, to max_dax_size_gb)."
             ),
@@ -34,7 +31,7 @@ class DaxDevice(ComponentConfig):
     ]
     max_dax_size_gb: Annotated[
         float,
-        msgspec.Meta(gt=0.0, description=_lmcache("GiB of it to map (index and slots together).")),
+        msgspec.Meta(gt=0.0, description=lmcache_field("GiB of it to map (index and slots together).")),
     ]
 
 
@@ -54,19 +51,19 @@ class DaxConfig(L2AdapterConfig):
 
     slot_bytes: Annotated[
         int,
-        msgspec.Meta(gt=0, description=_lmcache("Size of one slot: the largest object stored.")),
+        msgspec.Meta(gt=0, description=lmcache_field("Size of one slot: the largest object stored.")),
     ]
     device_path: Annotated[
         str | None,
-        msgspec.Meta(description=_lmcache("The one mapping, with max_dax_size_gb (or use devices).")),
+        msgspec.Meta(description=lmcache_field("The one mapping, with max_dax_size_gb (or use devices).")),
     ] = None
     max_dax_size_gb: Annotated[
         Annotated[float, msgspec.Meta(gt=0.0)] | None,
-        msgspec.Meta(description=_lmcache("GiB of device_path to map.")),
+        msgspec.Meta(description=lmcache_field("GiB of device_path to map.")),
     ] = None
     devices: Annotated[
         tuple[DaxDevice, ...],
-        msgspec.Meta(description=_lmcache("Several mappings, each {device_path, max_dax_size_gb}.")),
+        msgspec.Meta(description=lmcache_field("Several mappings, each {device_path, max_dax_size_gb}.")),
     ] = ()
     persist_enabled: Annotated[
         bool,
@@ -79,27 +76,19 @@ class DaxConfig(L2AdapterConfig):
     ] = True
     num_store_workers: Annotated[
         int,
-        msgspec.Meta(gt=0, le=64, description=_lmcache("Threads copying the objects of one store batch.")),
+        msgspec.Meta(
+            gt=0, le=64, description=lmcache_field("Threads copying the objects of one store batch.")
+        ),
     ] = 1
     num_load_workers: Annotated[
         Annotated[int, msgspec.Meta(gt=0, le=64)] | None,
         msgspec.Meta(
-            description=_lmcache(
+            description=lmcache_field(
                 "Threads copying and verifying the objects of one load batch; null: min(4, CPUs)."
             )
         ),
     ] = None
-    num_lookup_workers: Annotated[
-        int,
-        msgspec.Meta(
-            gt=0,
-            le=64,
-            description=_lmcache(
-                "Accepted for LMCache configs; lookups are answered from the in-memory "
-                "index, so it changes nothing."
-            ),
-        ),
-    ] = 1
+    num_lookup_workers: LookupWorkers = 1
 
     def __post_init__(self) -> None:
         if self.devices and (self.device_path is not None or self.max_dax_size_gb is not None):

@@ -1,19 +1,19 @@
 """``raw_block``: objects in the fixed-size slots of a block device or a preallocated file.
 
-Core does pins, accounting, capacity admission, serde and the adapter threads; this
-backend maps keys to slots (``slots.py``), moves whole slots with one system call each
-(``slotio.py``), checkpoints the index (``checkpoint.py``) and rebuilds it at start-up
-(``recovery.py``).  A store claims fresh slots lowest first, a few dozen at a time,
-writes each slot's header and payload together and publishes the key only then; a load
-reads header and payload together and hands back bytes only when the slot header names
-the key and write it expects, the record header verifies and the payload matches its
-checksum.  A damaged slot is a miss: the object is removed and counted.  The device holds
-``slot_count`` objects, whatever their sizes (``Capacity(objects=...)``).
+Core does pins, accounting, capacity admission, serde and the adapter threads;
+``slotstore.py`` (shared with ``dax``) maps keys to slots and verifies every load; this
+backend moves whole slots with one system call each (``slotio.py``), checkpoints the
+index (``checkpoint.py``) and rebuilds it at start-up (``recovery.py``).  A store claims
+fresh slots lowest first, a few dozen at a time, writes each slot's header and payload
+together and publishes the key only then; a load reads header and payload together and
+hands back bytes only when the slot header names the key and write it expects, the
+record header verifies and the payload matches its checksum.  A damaged slot is a miss:
+the object is removed and counted.  The device holds ``slot_count`` objects, whatever
+their sizes (``Capacity(objects=...)``).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 from collections.abc import Sequence
@@ -22,11 +22,11 @@ from lmcache_plugin_raw_block.checkpoint import Checkpoint, CheckpointAreas, Che
 from lmcache_plugin_raw_block.config import RawBlockConfig
 from lmcache_plugin_raw_block.device import BlockDevice, open_device
 from lmcache_plugin_raw_block.geometry import Geometry, plan_geometry
-from lmcache_plugin_raw_block.parallel import Workers
-from lmcache_plugin_raw_block.recovery import CLAIM_GROUP, recover
-from lmcache_plugin_raw_block.slotheader import encode_slot_header, record_of
+from lmcache_plugin_raw_block.recovery import recover
+from lmcache_plugin_raw_block.slotheader import record_of
 from lmcache_plugin_raw_block.slotio import SlotIO
 from lmcache_plugin_raw_block.slots import Claim, SlotEntry, SlotTable
+from lmcache_plugin_raw_block.slotstore import SlotStoreBackend
 from lmcache_plugin_raw_block.superblock import (
     SIGNATURE_PROBE_BYTES,
     decode_superblock,
@@ -35,17 +35,7 @@ from lmcache_plugin_raw_block.superblock import (
     has_magic,
     new_identity,
 )
-from lmcache_tiers.plugin import (
-    BackendContext,
-    BurstLog,
-    Capacity,
-    ConfigError,
-    ObjectKey,
-    ObjectSize,
-    RecordCorruptError,
-    RecordError,
-    verify_payload,
-)
+from lmcache_tiers.plugin import BackendContext, ConfigError, ObjectKey
 
 log = logging.getLogger(__name__)
 
@@ -79,24 +69,22 @@ def _reformat_reason(found: bytes, magic_ok: bool, geometry: Geometry, config: R
     return "it holds no raw_block superblock"
 
 
-class RawBlockBackend:
+class RawBlockBackend(SlotStoreBackend):
     """Backend over the slots of one device; see the module docstring."""
 
-    # One store thread: recovery relies on at most CLAIM_GROUP writes being in flight.
-    # Loads and stores use worker pools of their own for parallel I/O within a batch.
-    concurrency = 1
+    type_name = "raw_block"
+    too_large_hint = "raise slot_bytes (a slot's payload is slot_bytes - header_bytes)"
 
     def __init__(self, config: RawBlockConfig, context: BackendContext) -> None:
         self.config = config
-        self.context = context
-        self._burst = BurstLog()
+        self._init_slot_store(
+            context, config.payload_bytes, config.num_store_workers, config.num_load_workers
+        )
         self._device: BlockDevice = open_device(config)
         self._stop = threading.Event()
         self._checkpoint_lock = threading.Lock()
         self._checkpointed_version = -1
         self._thread: threading.Thread | None = None
-        self._readers = Workers(config.num_load_workers, "raw-block-load")
-        self._writers = Workers(config.num_store_workers, "raw-block-store")
         try:
             self.geometry = plan_geometry(config, self._device.size)
             self._io = SlotIO(self._device, self.geometry)
@@ -106,8 +94,7 @@ class RawBlockBackend:
                 self._recover(checkpoint)
             self.checkpoint(force=True)
         except BaseException:
-            self._readers.shutdown()
-            self._writers.shutdown()
+            self._stop_workers()
             self._device.close(0.0)
             raise
         if config.meta_enable_periodic:
@@ -227,153 +214,27 @@ class RawBlockBackend:
         while not self._stop.wait(self.config.meta_checkpoint_interval_sec):
             self.checkpoint()
 
-    # -- stores ----------------------------------------------------------------------------
+    # -- moving one slot (the rest is SlotStoreBackend's) ---------------------------------
 
-    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
-        results = [False] * len(keys)
-        limit = self.geometry.payload_bytes
-        fitting = []
-        for index, payload in enumerate(payloads):
-            if payload.nbytes <= limit:
-                fitting.append(index)
-                continue
-            self.context.count("object_too_large")
-            self._burst.warn(
-                "too_large",
-                "raw_block: %s not stored: %d bytes exceed a slot's payload of %d "
-                "(slot_bytes - header_bytes); raise slot_bytes",
-                keys[index].file_stem(),
-                payload.nbytes,
-                limit,
-            )
-        for start in range(0, len(fitting), CLAIM_GROUP):
-            group = fitting[start : start + CLAIM_GROUP]
-            claims = self.table.claim(len(group))
-            if len(claims) < len(group):
-                self.context.count("no_free_slot", len(group) - len(claims))
-                self._burst.warn(
-                    "no_slot", "raw_block: %d objects not stored: no free slot", len(group) - len(claims)
-                )
-            chosen = group[: len(claims)]
-            stored = self._writers.map(
-                self._store_one, [keys[i] for i in chosen], [payloads[i] for i in chosen], claims
-            )
-            for index, ok in zip(chosen, stored, strict=True):
-                results[index] = ok
-        return results
+    @property
+    def header_room(self) -> int:
+        return self.geometry.header_bytes
 
-    def _store_one(self, key: ObjectKey, payload: memoryview, claim: Claim) -> bool:
-        quarantine = False
-        try:
-            data = payload if payload.format == "B" else payload.cast("B")
-            record = self.context.record_header(key, data)
-            l1 = self.context.l1_size_of(key) or data.nbytes
-            header = encode_slot_header(self.identity, claim.slot, claim.seq, key, data.nbytes, l1, record)
-            if len(header) > self.geometry.header_bytes:
-                self.context.count("header_too_large")
-                self._burst.warn(
-                    "header_size",
-                    "raw_block: %s not stored: its header needs %d bytes, header_bytes is %d",
-                    key.file_stem(),
-                    len(header),
-                    self.geometry.header_bytes,
-                )
-            else:
-                self._io.write(claim.slot, header, data)
-                self.table.publish(key, SlotEntry(claim.slot, claim.seq, data.nbytes, l1))
-                return True
-        except ValueError as exc:  # a record header that cannot be encoded
-            self.context.count("header_too_large")
-            self._burst.warn("header", "raw_block: %s not stored: %s", key.file_stem(), exc)
-        except OSError as exc:
-            quarantine = exc.errno != errno.EBADF
-            self.context.count("slot_write_errors")
-            self._burst.warn("write", "raw_block: writing slot %d failed: %s", claim.slot, exc)
-        except BaseException:
-            self.table.abandon(claim)
-            raise
-        self.table.abandon(claim, quarantine=quarantine)
-        return False
+    def _slot_place(self, slot: int) -> tuple[bytes, int]:
+        return self.identity, slot
 
-    # -- lookups and loads -----------------------------------------------------------------
+    def _write_slot(self, claim: Claim, header: bytes, payload: memoryview) -> None:
+        self._io.write(claim.slot, header, payload)
 
-    def contains_many(self, keys: Sequence[ObjectKey]) -> list[ObjectSize | None]:
-        return [
-            None if entry is None else ObjectSize(entry.stored, entry.l1) for entry in self.table.lookup(keys)
-        ]
+    def _fetch(self, entry: SlotEntry, key: ObjectKey, target: memoryview) -> bytes | None:
+        # Header and payload in one read; the payload is verified once the header is.
+        block = self._io.read(entry.slot, target)
+        return record_of(block, self.identity, entry.slot, entry.seq, key)
 
-    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
-        entries = self.table.acquire(keys)
-        try:
-            results = [False] * len(keys)
-            wanted = [
-                i
-                for i, entry in enumerate(entries)
-                if entry is not None and entry.stored == buffers[i].nbytes
-            ]
-            outcomes = self._readers.map(
-                self._load_one,
-                [keys[i] for i in wanted],
-                [entries[i] for i in wanted],
-                [buffers[i] for i in wanted],
-            )
-            for index, outcome in zip(wanted, outcomes, strict=True):
-                if isinstance(outcome, RecordError):
-                    self._remove_damaged(keys[index], entries[index], outcome)
-                else:
-                    results[index] = outcome
-            return results
-        finally:
-            self.table.release(entries)
-
-    def _load_one(self, key: ObjectKey, entry: SlotEntry | None, buffer: memoryview) -> bool | RecordError:
-        assert entry is not None
-        target = buffer if buffer.format == "B" else buffer.cast("B")
-        try:
-            block = self._io.read(entry.slot, target)
-        except OSError as exc:
-            self.context.count("slot_read_errors")
-            self._burst.warn("read", "raw_block: reading slot %d failed: %s", entry.slot, exc)
-            return False
-        record_bytes = record_of(block, self.identity, entry.slot, entry.seq, key)
-        if record_bytes is None:
-            return RecordCorruptError(
-                f"the header of slot {entry.slot} is damaged or not that of write {entry.seq} of "
-                f"{key.file_stem()}"
-            )
-        try:
-            record = self.context.read_record_header(record_bytes, key)
-            if record is None:
-                return False  # written with another serde chain: kept, a miss
-            if record.payload_len != target.nbytes:
-                return RecordCorruptError(
-                    f"record says {record.payload_len} bytes, the index {target.nbytes}"
-                )
-            verify_payload(record, target)
-        except RecordError as exc:
-            # Without its traceback: the frames it holds reference buffers (a mapping's)
-            # that must not outlive this call, and the error is kept and logged.
-            return exc.with_traceback(None)
-        return True
-
-    def _remove_damaged(self, key: ObjectKey, entry: SlotEntry | None, error: RecordError) -> None:
-        assert entry is not None
-        if self.table.discard(key, entry):
-            self.context.count("corrupt_records_removed")
-            self._burst.warn(
-                "corrupt", "raw_block: %s in slot %d removed: %s", key.file_stem(), entry.slot, str(error)
-            )
+    def _fill(self, entry: SlotEntry, target: memoryview) -> None:
+        """Nothing to do: :meth:`_fetch` read the payload with the header."""
 
     # -- the rest of the backend protocol --------------------------------------------------
-
-    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        return self.table.delete(keys)
-
-    def list_keys(self) -> list[tuple[ObjectKey, ObjectSize]]:
-        return [(key, ObjectSize(entry.stored, entry.l1)) for key, entry in self.table.items()]
-
-    def capacity(self) -> Capacity:
-        return Capacity(objects=self.geometry.slot_count)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -388,8 +249,7 @@ class RawBlockBackend:
         if self._thread is not None:
             self._thread.join()
         self.checkpoint(force=True)
-        self._writers.shutdown()
-        self._readers.shutdown()
+        self._stop_workers()
         if self._device.in_flight.drain(CLOSE_DRAIN_S):
             self._io.close()
         self._device.close(0.0)

@@ -20,8 +20,23 @@ META_BYTES_PER_SLOT = 512
 META_MIN_AREA_BYTES = 64 << 10
 
 
-def _lmcache(text: str) -> str:
+def lmcache_field(text: str) -> str:
+    """A field description marking the field as LMCache's own (``plugins show`` says so)."""
     return f"LMCache field. {text}"
+
+
+#: LMCache's ``num_lookup_workers`` of the slot stores, accepted so its JSON works as is
+LookupWorkers = Annotated[
+    int,
+    msgspec.Meta(
+        gt=0,
+        le=64,
+        description=lmcache_field(
+            "Accepted for LMCache configs; lookups are answered from the in-memory index "
+            "without I/O, so it changes nothing."
+        ),
+    ),
+]
 
 
 class RawBlockConfig(L2AdapterConfig):
@@ -43,7 +58,7 @@ class RawBlockConfig(L2AdapterConfig):
         str,
         msgspec.Meta(
             min_length=1,
-            description=_lmcache(
+            description=lmcache_field(
                 "Block device (e.g. /dev/nvme1n1) or regular file holding the slots. A regular "
                 "file shorter than capacity_bytes is extended and preallocated."
             ),
@@ -53,14 +68,14 @@ class RawBlockConfig(L2AdapterConfig):
         int,
         msgspec.Meta(
             gt=0,
-            description=_lmcache("Size of one slot, header included; a multiple of block_align."),
+            description=lmcache_field("Size of one slot, header included; a multiple of block_align."),
         ),
     ]
     capacity_bytes: Annotated[
         int,
         msgspec.Meta(
             ge=0,
-            description=_lmcache(
+            description=lmcache_field(
                 "Bytes of the device to use, metadata included; 0 uses the whole device "
                 "(a block device smaller than this is used whole, with a warning)."
             ),
@@ -68,14 +83,14 @@ class RawBlockConfig(L2AdapterConfig):
     ] = 0
     use_odirect: Annotated[
         bool,
-        msgspec.Meta(description=_lmcache("Open the device with O_DIRECT (no page cache).")),
+        msgspec.Meta(description=lmcache_field("Open the device with O_DIRECT (no page cache).")),
     ] = True
     block_align: Annotated[
         int,
         msgspec.Meta(
             ge=512,
             le=_MIB,
-            description=_lmcache(
+            description=lmcache_field(
                 "Alignment of every offset and length, a power of two no smaller than the "
                 "device's logical block size."
             ),
@@ -85,7 +100,7 @@ class RawBlockConfig(L2AdapterConfig):
         int,
         msgspec.Meta(
             ge=512,
-            description=_lmcache(
+            description=lmcache_field(
                 "Bytes reserved at the start of each slot for its header; a multiple of "
                 "block_align. A key whose header does not fit is not stored (header_too_large)."
             ),
@@ -94,7 +109,7 @@ class RawBlockConfig(L2AdapterConfig):
     meta_total_bytes: Annotated[
         int | None,
         msgspec.Meta(
-            description=_lmcache(
+            description=lmcache_field(
                 "Bytes before the first slot: the superblock and two checkpoint areas; a "
                 f"multiple of block_align. null (lmcache-tiers' default; LMCache's is 256 MiB) "
                 f"sizes it for the slot count, {META_BYTES_PER_SLOT} bytes per slot per area."
@@ -105,7 +120,7 @@ class RawBlockConfig(L2AdapterConfig):
         int,
         msgspec.Meta(
             gt=0,
-            description=_lmcache(
+            description=lmcache_field(
                 "Seconds between checkpoints of the slot index (written only when something "
                 "changed, and always at shutdown)."
             ),
@@ -114,7 +129,7 @@ class RawBlockConfig(L2AdapterConfig):
     meta_enable_periodic: Annotated[
         bool,
         msgspec.Meta(
-            description=_lmcache(
+            description=lmcache_field(
                 "Write checkpoints periodically; false writes one at start-up and shutdown only "
                 "(recovery after a crash then reads more slot headers)."
             )
@@ -123,7 +138,7 @@ class RawBlockConfig(L2AdapterConfig):
     load_checkpoint_on_init: Annotated[
         bool,
         msgspec.Meta(
-            description=_lmcache(
+            description=lmcache_field(
                 "Recover the objects on the device at start-up; false starts empty (the "
                 "device is reformatted)."
             )
@@ -132,7 +147,7 @@ class RawBlockConfig(L2AdapterConfig):
     meta_verify_on_load: Annotated[
         bool,
         msgspec.Meta(
-            description=_lmcache(
+            description=lmcache_field(
                 "Check every checkpointed slot's header at start-up; false trusts the "
                 "checkpoint (loads still verify each header and payload)."
             )
@@ -141,7 +156,9 @@ class RawBlockConfig(L2AdapterConfig):
     num_store_workers: Annotated[
         int,
         msgspec.Meta(
-            gt=0, le=64, description=_lmcache("Threads writing the slots of one store batch in parallel.")
+            gt=0,
+            le=64,
+            description=lmcache_field("Threads writing the slots of one store batch in parallel."),
         ),
     ] = 2
     num_load_workers: Annotated[
@@ -149,20 +166,12 @@ class RawBlockConfig(L2AdapterConfig):
         msgspec.Meta(
             gt=0,
             le=64,
-            description=_lmcache("Threads reading and verifying the slots of one load batch in parallel."),
-        ),
-    ] = 4
-    num_lookup_workers: Annotated[
-        int,
-        msgspec.Meta(
-            gt=0,
-            le=64,
-            description=_lmcache(
-                "Accepted for LMCache configs; lookups are answered from the in-memory "
-                "index without I/O, so it changes nothing."
+            description=lmcache_field(
+                "Threads reading and verifying the slots of one load batch in parallel."
             ),
         ),
-    ] = 1
+    ] = 4
+    num_lookup_workers: LookupWorkers = 1
 
     def __post_init__(self) -> None:
         align = self.block_align

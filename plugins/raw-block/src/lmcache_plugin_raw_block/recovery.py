@@ -25,13 +25,11 @@ from dataclasses import dataclass, field
 
 from lmcache_plugin_raw_block.checkpoint import Checkpoint
 from lmcache_plugin_raw_block.slotheader import SlotHeader, decode_slot_header
-from lmcache_plugin_raw_block.slots import SlotEntry
+from lmcache_plugin_raw_block.slots import CLAIM_GROUP, SlotEntry
 from lmcache_tiers.plugin import BackendContext, ObjectKey, RecordError
 
 log = logging.getLogger(__name__)
 
-#: slots claimed at a time by a store; with one store thread, the most writes in flight
-CLAIM_GROUP = 64
 #: free slots in a row without a newer write that end the scan (twice the most that can
 #: be in flight at once, plus a margin)
 SCAN_WINDOW = 2 * CLAIM_GROUP + 64

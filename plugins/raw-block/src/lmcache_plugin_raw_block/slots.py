@@ -24,6 +24,10 @@ from dataclasses import dataclass
 
 from lmcache_tiers.plugin import ObjectKey
 
+#: slots a store claims and writes per round of a batch; with one store thread, the most
+#: writes in flight at once (raw_block's recovery relies on it)
+CLAIM_GROUP = 64
+
 
 @dataclass(frozen=True, slots=True)
 class SlotEntry:
