@@ -6,13 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from crash_writer import LARGEST, crash_config
+from rb_crash_writer import LARGEST, crash_config
 from rb_helpers import Arena, client, open_raw
 from storm import expected, object_size, run_and_kill
 
 from lmcache_tiers.testing.l2 import make_keys
 
-WRITER = Path(__file__).with_name("crash_writer.py")
+WRITER = Path(__file__).with_name("rb_crash_writer.py")
 
 
 @pytest.mark.parametrize("delay_s", [0.0, 1.3, 2.6])

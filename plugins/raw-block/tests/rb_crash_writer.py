@@ -1,6 +1,6 @@
 """Child process of the raw_block crash test: a store storm (``storm.py``) until killed.
 
-Run as ``python crash_writer.py DEVICE_PATH``.
+Run as ``python rb_crash_writer.py DEVICE_PATH``.
 """
 
 from __future__ import annotations
