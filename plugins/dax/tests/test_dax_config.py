@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from dax_helpers import config, open_dax, shm_dir
 from lmcache_plugin_dax import DaxConfig, DaxDevice
-from slot_helpers import plugins_show_rows
+from slot_helpers import plugins_show_rows, small_tmpfs
 
 from lmcache_tiers.config import decode_adapter
 from lmcache_tiers.errors import ConfigError
@@ -130,3 +130,8 @@ def test_plugins_show_marks_lmcache_fields() -> None:
     for name in ("device_path", "max_dax_size_gb", "devices", "slot_bytes"):
         assert "LMCache field." in rows[name], name
     assert "lmcache-tiers addition" in rows["persist_enabled"]
+
+
+def test_a_file_that_cannot_be_preallocated_is_refused_at_start() -> None:
+    with small_tmpfs("1m") as mount, pytest.raises(ConfigError, match=r"cannot preallocate .* No space left"):
+        open_dax(config(Path(mount) / "dax.img", slots=64))

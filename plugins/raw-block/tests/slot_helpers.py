@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from lmcache_tiers.config import L2EvictionConfig
 from lmcache_tiers.controllers.base import AdapterSlot
@@ -107,3 +112,23 @@ def plugins_show_rows(plugin: str) -> dict[str, str]:
     )
     assert result.returncode == 0, result.stderr
     return {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 2}
+
+
+@contextmanager
+def small_tmpfs(size: str) -> Iterator[str]:
+    """A tmpfs of ``size`` mounted on a fresh directory (root only: skipped with the
+    reason otherwise); unmounted afterwards."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    directory = tempfile.mkdtemp(prefix="lmcache-slot-tmpfs-")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", directory], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        os.rmdir(directory)
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", directory], check=False)
+        os.rmdir(directory)

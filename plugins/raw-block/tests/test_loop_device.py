@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 from lmcache_plugin_raw_block import RawBlockConfig
-from rb_helpers import client, open_raw, store
+from rb_helpers import client, load, open_raw, store
+from rb_helpers import config as sized_config
+from slot_helpers import small_tmpfs
 
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.plugin import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite
-from lmcache_tiers.testing.l2 import make_keys
+from lmcache_tiers.testing.l2 import make_keys, pattern
 
 DEVICE_BYTES = 8 << 20
 
@@ -36,12 +38,15 @@ def _unavailable() -> str | None:
 
 
 @contextmanager
-def loop_device(size: int = DEVICE_BYTES, sector_size: int | None = None) -> Iterator[str]:
-    """A loop device over a fresh zeroed file; detached and removed afterwards."""
+def loop_device(
+    size: int = DEVICE_BYTES, sector_size: int | None = None, directory: str | None = None
+) -> Iterator[str]:
+    """A loop device over a fresh sparse file (in ``directory``, default a new temporary
+    one); detached and removed afterwards."""
     reason = _unavailable()
     if reason is not None:
         pytest.skip(reason)
-    directory = tempfile.mkdtemp(prefix="lmcache-raw-block-loop-")
+    directory = directory or tempfile.mkdtemp(prefix="lmcache-raw-block-loop-")
     backing = Path(directory) / "backing.img"
     with open(backing, "wb") as handle:
         handle.truncate(size)
@@ -57,6 +62,7 @@ def loop_device(size: int = DEVICE_BYTES, sector_size: int | None = None) -> Ite
         yield device
     finally:
         subprocess.run(["losetup", "--detach", device], check=False)
+        backing.unlink(missing_ok=True)
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -111,3 +117,53 @@ def test_block_align_below_the_logical_block_size_is_refused() -> None:
             adapter.unlock(make_keys(1))
         finally:
             adapter.close()
+
+
+def test_a_full_backing_store_fails_the_stores_that_do_not_fit_until_space_returns() -> None:
+    """A loop device over a sparse file on a 4 MiB tmpfs: writes past 4 MiB get ENOSPC from
+    the block device, as from a full thin-provisioned volume."""
+    slot = 260 << 10
+    with small_tmpfs("4m") as mount, loop_device(16 << 20, directory=mount) as device:
+        config = RawBlockConfig(device_path=device, slot_bytes=slot)
+        adapter = open_raw(config)
+        try:
+            outcomes: dict[int, bool] = {}
+            for index in range(24):
+                (ok,) = store(adapter, make_keys(1, start=index), [pattern(index, 200_000)])
+                outcomes[index] = ok
+            stored = [i for i, ok in outcomes.items() if ok]
+            failed = [i for i, ok in outcomes.items() if not ok]
+            assert stored and failed, outcomes
+            stats = adapter.stats()
+            assert stats["slot_write_errors"] >= len(failed)
+            assert stats["slots_used"] == len(stored), "failed writes hold no slot"
+            for index in failed:
+                assert client(adapter).lookup_and_lock(make_keys(1, start=index)).found == [False]
+            # The loop driver acknowledges the write that crosses the limit although its
+            # tail never landed (the same happens with the device alone, without this
+            # adapter): the checksum turns it into a counted miss, never wrong bytes.
+            keys = [make_keys(1, start=i)[0] for i in stored]
+            loaded, contents = load(adapter, keys, [200_000] * len(keys))
+            for index, ok, data in zip(stored, loaded, contents, strict=True):
+                assert not ok or data == pattern(index, 200_000), f"object {index} loaded wrong bytes"
+            torn = loaded.count(False)
+            assert torn <= 1 and adapter.stats().get("corrupt_records_removed", 0) == torn
+            stored = [index for index, ok in zip(stored, loaded, strict=True) if ok]
+            subprocess.run(["mount", "-o", "remount,size=64m", mount], check=True)
+            assert store(
+                adapter, make_keys(2, start=100), [pattern(100, 200_000), pattern(101, 200_000)]
+            ) == [True, True]
+        finally:
+            adapter.close()
+        reopened = open_raw(config)
+        try:
+            keys = [make_keys(1, start=i)[0] for i in stored] + make_keys(2, start=100)
+            expected = [pattern(i, 200_000) for i in stored] + [pattern(100, 200_000), pattern(101, 200_000)]
+            assert load(reopened, keys, [200_000] * len(keys)) == ([True] * len(keys), expected)
+        finally:
+            reopened.close()
+
+
+def test_a_file_that_cannot_be_preallocated_is_refused_at_start() -> None:
+    with small_tmpfs("1m") as mount, pytest.raises(ConfigError, match=r"cannot preallocate .* No space left"):
+        open_raw(sized_config(Path(mount) / "device.img", slots=64))

@@ -89,8 +89,10 @@ class SlotStoreBackend(ABC):
         return True
 
     def _quarantine_on(self, error: OSError) -> bool:
-        """Whether a slot whose write failed so is kept out of use."""
-        return error.errno != errno.EBADF
+        """Whether a slot whose write failed so is kept out of use: after a media error
+        (EIO) it is; after a full thin-provisioned device (ENOSPC) or anything else it
+        is offered again, so stores succeed again once the cause is gone."""
+        return error.errno == errno.EIO
 
     # -- stores ----------------------------------------------------------------------------
 
