@@ -16,7 +16,7 @@ What each kind of plugin needs:
   ``CircuitConfig`` (the ``circuit`` option) and ``PROBE_KEY`` (what a probe asks about); persistent ones also
   ``RecordError`` (and subclasses), ``RecordHeader``, ``verify_payload``,
   ``header_length``, ``PREFIX_SIZE``; backends copying bytes ``copy_into``; slot and
-  extent stores ``ExtentAllocator``;
+  extent stores ``ExtentAllocator``; a warning logged once per burst ``BurstLog``;
 * policies: ``StorePolicy``, ``PrefetchPolicy``, ``EvictionPolicy``, ``AdapterInfo``,
   ``LowestIndexPrefetchPolicy``, ``plan_from_lowest_index``;
 * a serde: ``Serde``, ``SerdeContext``, ``TensorLayout``;
@@ -97,6 +97,7 @@ if TYPE_CHECKING:
         header_length,
         verify_payload,
     )
+    from lmcache_tiers.l2.state import BurstLog
     from lmcache_tiers.layout import TensorLayout
     from lmcache_tiers.serde import SerdeContext
     from lmcache_tiers.testing.base import ComponentSuite
@@ -119,6 +120,7 @@ _L2 = "lmcache_tiers.l2.interface"
 _POLICY_SUITES = "lmcache_tiers.testing.policies"
 _LAZY = {
     "BackendContext": "lmcache_tiers.l2.context",
+    "BurstLog": "lmcache_tiers.l2.state",
     "copy_into": "lmcache_tiers.l2.buffers",
     "PROBE_KEY": "lmcache_tiers.l2.circuit",
     "GIL_FREE_COPY_BYTES": "lmcache_tiers.l2.buffers",
@@ -198,6 +200,7 @@ __all__ = [
     "BackendContext",
     "BackendUnavailableError",
     "BlockingAdapterClient",
+    "BurstLog",
     "Capacity",
     "CircuitConfig",
     "ComponentConfig",
