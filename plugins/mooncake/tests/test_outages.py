@@ -4,6 +4,7 @@ the adapter works again by itself.  Plus the deadline pool the lookups run on.""
 from __future__ import annotations
 
 import importlib
+import signal
 import threading
 import time
 
@@ -61,6 +62,28 @@ def test_master_killed_mid_run_then_restarted(own_cluster: LocalCluster) -> None
         assert client.lookup_and_lock(stored).found == [False, False], "old objects died with the master"
         assert adapter.used_bytes() == 2 * SIZE, "only the new objects are accounted"
         assert adapter.stats()["connected"] == 1
+    finally:
+        adapter.close()
+
+
+def test_a_hung_master_fails_calls_after_the_timeout(own_cluster: LocalCluster) -> None:
+    own_cluster.add_segment_host("64MB")
+    adapter = open_adapter(config_for(own_cluster, operation_timeout_s=1.0))
+    client = BlockingAdapterClient(adapter, timeout=60)
+    master = own_cluster.master
+    assert master is not None
+    try:
+        assert _round_trip(client, 0)
+        master.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert client.lookup_and_lock(make_keys(2)).found == [False, False]
+            assert client.store(make_keys(1, start=9), [memoryview(b"z" * SIZE)]) == [False]
+            assert time.monotonic() - started < HANG_GUARD_S
+        finally:
+            master.send_signal(signal.SIGCONT)
+        assert adapter.stats()["backend_errors"] >= 2
+        assert _round_trip(client, 10), "the same client works again once the master answers"
     finally:
         adapter.close()
 
