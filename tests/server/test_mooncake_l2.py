@@ -1,8 +1,9 @@
 """Real servers whose L2 is one Mooncake Store pool (master and segment host on loopback).
 
 A server restart finds what it stored; two servers share their chunks; a master killed
-mid-run turns lookups into misses and failed stores (counted), and after it restarts the
-same server stores and hits again.  These are the commands of docs/adapters/mooncake.md's
+mid-run turns lookups into misses and failed stores (counted) and opens the adapter's
+circuit, and after it restarts the circuit closes by itself and the same server stores
+and hits again.  These are the commands of docs/adapters/mooncake.md's
 "Deployment" section.
 """
 
@@ -131,7 +132,13 @@ def test_a_master_killed_mid_run_degrades_to_misses_and_recovers(
             time.sleep(0.2)
         with Client(server.url) as client:
             backend = client.status()["adapters"][0]["backend"]
-        assert backend["backend_errors"] >= 2, backend
+            assert backend["backend_errors"] >= 2, backend
+            for _ in range(5):  # repeated failures open the circuit
+                if client.status()["adapters"][0]["backend"]["circuit_open"]:
+                    break
+                client.lookup(make_keys("before", 4), timeout=30)
+        _, _, text = fetch(server.http_url + "/metrics")
+        assert metric(text, "lmcache_tiers_adapter_circuit_open", 'adapter="0:mooncake_store"') == 1.0
 
         cluster.start_master()  # same ports; the pool starts empty
         cluster.wait_for_segments(1)
@@ -152,6 +159,8 @@ def test_a_master_killed_mid_run_degrades_to_misses_and_recovers(
                     break  # stored in the pool again
             assert time.monotonic() < deadline, "no L2 store succeeded after the master came back"
             attempt += 1
+        _, _, text = fetch(server.http_url + "/metrics")
+        assert metric(text, "lmcache_tiers_adapter_circuit_open", 'adapter="0:mooncake_store"') == 0.0
         with Client(server.url, timeout=30) as client:
             client.clear()
         hits, retrieved, equal, _ = run_in_process(job_lookup_retrieve, server.url, tag, 2, CHUNK, True)

@@ -34,8 +34,10 @@ def open_adapter(
 
 
 def backend_of(adapter: BackendAdapter) -> MooncakeStoreBackend:
-    assert isinstance(adapter.backend, MooncakeStoreBackend)
-    return adapter.backend
+    """The adapter's backend, behind core's circuit breaker when it is on."""
+    backend = getattr(adapter.backend, "inner", adapter.backend)
+    assert isinstance(backend, MooncakeStoreBackend)
+    return backend
 
 
 def raw_client(cluster: LocalCluster) -> Any:

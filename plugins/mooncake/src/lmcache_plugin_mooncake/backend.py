@@ -19,7 +19,9 @@ serde chain, XXH3-128 checksum of the payload) followed by the payload.
 
 Lookups and deletes wait at most ``operation_timeout_s`` (see :mod:`.calls`); stores and
 loads run on the adapter's threads and are bounded by Mooncake's own timeouts, set from
-the same value, because they read or write memory core may reuse once they return.
+the same value, because they read or write memory core may reuse once they return.  Every
+failure of the pool raises, so core's circuit breaker (``remote = True``) opens after
+repeated ones and ``ping`` closes it when the master answers again.
 """
 
 from __future__ import annotations
@@ -107,8 +109,16 @@ def _check(what: str, codes: Sequence[int]) -> None:
         raise MooncakeError(f"{what}: {describe(unreachable[0])} for {len(unreachable)} of {len(codes)} keys")
 
 
+#: the name the circuit breaker's probe asks about (no key is named like it)
+PROBE_NAME = "lmcache-tiers-probe"
+
+
 class MooncakeStoreBackend:
     """Stores records in a Mooncake Store pool; see the module docstring."""
+
+    #: core puts its circuit breaker in front: after repeated failures lookups miss at
+    #: once and stores are skipped, and ``ping`` probes the master until it answers
+    remote = True
 
     def __init__(self, config: MooncakeStoreConfig, context: BackendContext) -> None:
         self.config = config
@@ -141,6 +151,13 @@ class MooncakeStoreBackend:
     def close(self) -> None:
         self.connection.close(self.timeout)
         self.calls.close()
+
+    def ping(self) -> None:
+        """Raise unless the master answers an existence query within the timeout."""
+        store = self.connection.store()
+        (code,) = self.calls.run("probe", self.timeout, store.batch_is_exist, [PROBE_NAME])
+        if code < 0:
+            raise MooncakeError(f"existence query returned {describe(code)}")
 
     def capacity(self) -> int | None:
         return self.config.capacity_bytes
