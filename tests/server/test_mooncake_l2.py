@@ -10,15 +10,24 @@ and hits again.  These are the commands of docs/adapters/mooncake.md's
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing
 import time
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tiers_e2e import ServerProcess, fetch, job_lookup_retrieve, job_store, make_keys, metric, start_server
+from tiers_e2e import (
+    ServerProcess,
+    fetch,
+    job_lookup_retrieve,
+    job_store,
+    make_keys,
+    metric,
+    run_in_process,
+    start_server,
+    stop_cleanly,
+    wait_stored_in_l2,
+)
 
 from lmcache_tiers.client import Client
 
@@ -27,7 +36,6 @@ if importlib.util.find_spec("lmcache_plugin_mooncake") is None:
 
 from lmcache_plugin_mooncake.cluster import LocalCluster, unavailable_reason
 
-SPAWN = multiprocessing.get_context("spawn")
 CHUNK = 256 << 10
 #: the servers' Mooncake clients listen on loopback only
 LOOPBACK = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
@@ -47,34 +55,17 @@ def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
         pool.stop()
 
 
-def run_in_process(function: Any, *args: Any) -> Any:
-    with ProcessPoolExecutor(1, mp_context=SPAWN) as pool:
-        return pool.submit(function, *args).result(timeout=180)
-
-
 def serve(log_dir: Path, cluster: LocalCluster, **fields: Any) -> ServerProcess:
     return start_server(log_dir, adapters=[cluster.adapter(**fields)], env=LOOPBACK)
-
-
-def wait_stored_in_l2(client: Client, count: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while client.status()["adapters"][0]["keys_stored"] < count:
-        assert time.monotonic() < deadline, "the store controller never wrote the chunks to L2"
-        time.sleep(0.05)
-
-
-def stop(server: ServerProcess) -> None:
-    assert server.stop() == 0, server.output()
 
 
 def test_a_restarted_server_finds_what_it_stored(tmp_path: Path, cluster: LocalCluster) -> None:
     first = serve(tmp_path / "first", cluster)
     try:
         assert run_in_process(job_store, first.url, "restart", 6, CHUNK, True) == (6, True)
-        with Client(first.url) as client:
-            wait_stored_in_l2(client, 6)
+        wait_stored_in_l2(first, 6)
     finally:
-        stop(first)
+        stop_cleanly(first)
     second = serve(tmp_path / "second", cluster)
     try:
         hits, retrieved, equal, _ = run_in_process(job_lookup_retrieve, second.url, "restart", 6, CHUNK, True)
@@ -83,7 +74,7 @@ def test_a_restarted_server_finds_what_it_stored(tmp_path: Path, cluster: LocalC
             adapter = client.status()["adapters"][0]
         assert adapter["backend"]["scan_keys"] == 6, "the master's listing accounted them at start"
     finally:
-        stop(second)
+        stop_cleanly(second)
 
 
 def test_two_servers_share_one_pool(tmp_path: Path, cluster: LocalCluster) -> None:
@@ -91,15 +82,14 @@ def test_two_servers_share_one_pool(tmp_path: Path, cluster: LocalCluster) -> No
     two = serve(tmp_path / "two", cluster, global_segment_size="64MB")
     try:
         assert run_in_process(job_store, one.url, "shared", 8, CHUNK, True) == (8, True)
-        with Client(one.url) as client:
-            wait_stored_in_l2(client, 8)
+        wait_stored_in_l2(one, 8)
         hits, retrieved, equal, _ = run_in_process(job_lookup_retrieve, two.url, "shared", 8, CHUNK, True)
         assert (hits, retrieved, equal) == (8, 8, True)
         with Client(two.url) as client:
             assert client.status()["requests"]["l2_hit_chunks"] == 8
     finally:
-        stop(one)
-        stop(two)
+        stop_cleanly(one)
+        stop_cleanly(two)
 
 
 def test_a_master_killed_mid_run_degrades_to_misses_and_recovers(
@@ -108,8 +98,8 @@ def test_a_master_killed_mid_run_degrades_to_misses_and_recovers(
     server = serve(tmp_path / "server", cluster, operation_timeout_s=1.0)
     try:
         assert run_in_process(job_store, server.url, "before", 4, CHUNK, True) == (4, True)
+        wait_stored_in_l2(server, 4)
         with Client(server.url, timeout=30) as client:
-            wait_stored_in_l2(client, 4)
             assert client.clear() == 4  # only the pool holds them now
             cluster.kill_master()
             started = time.monotonic()
@@ -166,4 +156,4 @@ def test_a_master_killed_mid_run_degrades_to_misses_and_recovers(
         hits, retrieved, equal, _ = run_in_process(job_lookup_retrieve, server.url, tag, 2, CHUNK, True)
         assert (hits, retrieved, equal) == (2, 2, True)
     finally:
-        stop(server)
+        stop_cleanly(server)
