@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 from tiers_e2e import (
-    ServerProcess,
     digest,
     job_lookup_retrieve,
     job_store,
@@ -24,6 +23,7 @@ from tiers_e2e import (
     make_payloads,
     run_in_process,
     start_server,
+    stop_cleanly,
     wait_stored_in_l2,
 )
 
@@ -67,11 +67,6 @@ def adapter_spec(kind: str, directory: Path) -> dict[str, Any]:
     }
 
 
-def stop(server: ServerProcess) -> None:
-    assert server.stop() == 0, server.output()
-    assert not server.shm_path.exists()
-
-
 @pytest.mark.parametrize("kind", ["raw_block", "dax"])
 def test_chunks_come_back_from_l2_and_after_a_server_restart(
     tmp_path: Path, storage: Path, kind: str
@@ -86,7 +81,7 @@ def test_chunks_come_back_from_l2_and_after_a_server_restart(
         hits, retrieved, equal, _ = run_in_process(job_lookup_retrieve, first.url, kind, 8, CHUNK, True)
         assert (hits, retrieved, equal) == (8, 8, True)
     finally:
-        stop(first)
+        stop_cleanly(first)
     second = start_server(tmp_path / "second", adapters=[spec])
     try:
         with Client(second.url) as client:
@@ -95,7 +90,7 @@ def test_chunks_come_back_from_l2_and_after_a_server_restart(
         hits, retrieved, equal, _ = run_in_process(job_lookup_retrieve, second.url, kind, 8, CHUNK, False)
         assert (hits, retrieved, equal) == (8, 8, True)
     finally:
-        stop(second)
+        stop_cleanly(second)
 
 
 def verify_storm(url: str, results: list[dict[str, Any]]) -> tuple[int, int]:
@@ -148,4 +143,4 @@ def test_sigkill_of_the_server_during_a_store_storm(tmp_path: Path, storage: Pat
         print(f"{kind}: {found} of {checked} storm chunks found after the kill, all with their bytes")
         assert found > 0
     finally:
-        stop(restarted)
+        stop_cleanly(restarted)

@@ -5,16 +5,24 @@ restarting lmcache-tiers, and two servers share one Redis."""
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tiers_e2e import ServerProcess, fetch, job_lookup_retrieve, job_store, metric, start_server
+from tiers_e2e import (
+    ServerProcess,
+    fetch,
+    job_lookup_retrieve,
+    job_store,
+    metric,
+    run_in_process,
+    start_server,
+    stop_cleanly,
+    wait_stored_in_l2,
+)
 
 from lmcache_tiers.client import Client
 
@@ -23,7 +31,6 @@ if importlib.util.find_spec("lmcache_plugin_redis") is None:
 
 from lmcache_plugin_redis.testing import RedisServer, missing_reason
 
-SPAWN = multiprocessing.get_context("spawn")
 CHUNK = 256 << 10
 WAIT_S = 60.0  # guards against hangs only
 ADAPTER = "0:redis"
@@ -37,11 +44,6 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path / "redis").start()
     yield server
     server.stop()
-
-
-def run_in_process(function: Any, *args: Any) -> Any:
-    with ProcessPoolExecutor(1, mp_context=SPAWN) as pool:
-        return pool.submit(function, *args).result(timeout=120)
 
 
 def redis_adapter(server: RedisServer, prefix: str, **fields: Any) -> dict[str, Any]:
@@ -63,11 +65,6 @@ def wait_until(condition: Any, what: str) -> None:
         time.sleep(0.05)
 
 
-def stored_in_l2(server: ServerProcess, count: int) -> None:
-    with Client(server.url) as client:
-        wait_until(lambda: client.status()["adapters"][0]["keys_stored"] >= count, "the L2 stores")
-
-
 def metrics_of(server: ServerProcess) -> str:
     assert server.http_url is not None
     status, _, body = fetch(server.http_url + "/metrics")
@@ -75,18 +72,14 @@ def metrics_of(server: ServerProcess) -> str:
     return body
 
 
-def stop(server: ServerProcess) -> None:
-    assert server.stop() == 0, server.output()
-
-
 def test_a_restarted_server_finds_what_it_stored_in_redis(tmp_path: Path, redis_server: RedisServer) -> None:
     adapter = redis_adapter(redis_server, f"restart-{uuid.uuid4().hex[:8]}:")
     first = start_server(tmp_path / "first", adapters=[adapter])
     try:
         assert run_in_process(job_store, first.url, "persist", 6, CHUNK, True) == (6, True)
-        stored_in_l2(first, 6)
+        wait_stored_in_l2(first, 6)
     finally:
-        stop(first)
+        stop_cleanly(first)
     second = start_server(tmp_path / "second", adapters=[adapter])
     try:
         hits, retrieved, equal, _ = run_in_process(job_lookup_retrieve, second.url, "persist", 6, CHUNK, True)
@@ -96,14 +89,14 @@ def test_a_restarted_server_finds_what_it_stored_in_redis(tmp_path: Path, redis_
         assert status["requests"]["l2_hit_chunks"] == 6
         assert status["adapters"][0]["used_bytes"] == 6 * CHUNK, "the start-up scan accounted the objects"
     finally:
-        stop(second)
+        stop_cleanly(second)
 
 
 def test_redis_killed_mid_run_degrades_to_misses_and_heals(tmp_path: Path, redis_server: RedisServer) -> None:
     server = start_server(tmp_path / "server", adapters=[redis_adapter(redis_server, "kill:")])
     try:
         assert run_in_process(job_store, server.url, "before", 4, CHUNK, True) == (4, True)
-        stored_in_l2(server, 4)
+        wait_stored_in_l2(server, 4)
         with Client(server.url) as client:
             assert client.clear() == 4  # only Redis holds them now
 
@@ -144,7 +137,7 @@ def test_redis_killed_mid_run_degrades_to_misses_and_heals(tmp_path: Path, redis
         assert backend["circuit_closed"] == 1
         assert backend["circuit_missed_lookup_keys"] >= 1
     finally:
-        stop(server)
+        stop_cleanly(server)
 
 
 def test_two_servers_share_one_redis(tmp_path: Path, redis_server: RedisServer) -> None:
@@ -153,11 +146,11 @@ def test_two_servers_share_one_redis(tmp_path: Path, redis_server: RedisServer) 
     second = start_server(tmp_path / "second", adapters=[adapter])
     try:
         assert run_in_process(job_store, first.url, "shared", 5, CHUNK, True) == (5, True)
-        stored_in_l2(first, 5)
+        wait_stored_in_l2(first, 5)
         hits, retrieved, equal, _ = run_in_process(job_lookup_retrieve, second.url, "shared", 5, CHUNK, True)
         assert (hits, retrieved, equal) == (5, 5, True)
         with Client(second.url) as client:
             assert client.status()["requests"]["l2_hit_chunks"] == 5
     finally:
-        stop(first)
-        stop(second)
+        stop_cleanly(first)
+        stop_cleanly(second)
