@@ -45,6 +45,12 @@ def expected(index: int, largest: int) -> bytes:
     return index.to_bytes(8, "big") + _random_block()[offset + 8 : offset + size]
 
 
+def report(what: str, count: int) -> None:
+    # One write(2) per line: a kill can never leave half a line in the pipe, which
+    # print() with several arguments can when stdout is unbuffered (PYTHONUNBUFFERED).
+    os.write(sys.stdout.fileno(), f"{what} {count}\n".encode())
+
+
 def storm(adapter: Any, largest: int, take: Any = None) -> None:
     """Store and delete until killed; ``take(data)`` gives the buffer to store from."""
     blocking = client(adapter)
@@ -54,13 +60,13 @@ def storm(adapter: Any, largest: int, take: Any = None) -> None:
             if adapter.delete(make_keys(BATCH, start=oldest)) != [True] * BATCH:
                 raise SystemExit(f"delete of batch at {oldest} failed")
             oldest += BATCH
-            print("deleted", oldest, flush=True)
+            report("deleted", oldest)
         data = [expected(i, largest) for i in range(index, index + BATCH)]
         views = [take(d) if take else memoryview(bytearray(d)) for d in data]
         if blocking.store(make_keys(BATCH, start=index), views) != [True] * BATCH:
             raise SystemExit(f"store of batch at {index} failed")
         index += BATCH
-        print("stored", index, flush=True)
+        report("stored", index)
 
 
 def run_and_kill(writer: Path, path: str, at_least: int, extra_delay_s: float) -> tuple[int, int]:
