@@ -386,6 +386,26 @@ def build_config(
     return msgspec.structs.replace(config, l2_adapters=adapters)
 
 
+#: option names whose values are credentials: never printed (``--print-config``, the banner)
+SECRET_FIELD = re.compile(r"secret|password|passwd|token|credential|access_key|api_key", re.IGNORECASE)
+REDACTED = "***"
+
+
+def redact_secrets(data: Any) -> Any:
+    """``data`` (plain JSON-like values) with every set value of a secret-named field, at
+    any depth, replaced by ``"***"``; unset ones (None, empty) stay visible as unset."""
+    if isinstance(data, Mapping):
+        return {
+            key: REDACTED
+            if isinstance(key, str) and SECRET_FIELD.search(key) and value not in (None, "")
+            else redact_secrets(value)
+            for key, value in data.items()
+        }
+    if isinstance(data, (list, tuple)):
+        return [redact_secrets(item) for item in data]
+    return data
+
+
 def config_to_builtins(config: ServerConfig) -> dict[str, Any]:
     """The resolved config as plain data, with each adapter's ``type`` put back."""
     data: dict[str, Any] = msgspec.to_builtins(config)

@@ -21,7 +21,7 @@ from rich.markup import escape
 
 from lmcache_tiers.cli import lmcache_flags as compat
 from lmcache_tiers.cli.output import fail
-from lmcache_tiers.config import ServerConfig, build_config, config_to_builtins, load_toml
+from lmcache_tiers.config import ServerConfig, build_config, config_to_builtins, load_toml, redact_secrets
 from lmcache_tiers.defaults import CACHE_DIR_ENV, default_l2_adapters
 from lmcache_tiers.endpoints import is_loopback
 from lmcache_tiers.errors import ConfigError
@@ -367,9 +367,6 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
     for note in notes:
         logger.info("%s", note)
     if params["print_config"]:
-        shown = config_to_builtins(resolved)
-        if shown.get("auth_token"):
-            shown["auth_token"] = "***"
-        typer.echo(json.dumps(shown, indent=2))
+        typer.echo(json.dumps(redact_secrets(config_to_builtins(resolved)), indent=2))
         return
     raise typer.Exit(run_server(resolved, registry=plugin_set.registry))

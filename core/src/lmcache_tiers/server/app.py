@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import threading
 import time
@@ -23,7 +22,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from lmcache_tiers import __version__
-from lmcache_tiers.config import ServerConfig, config_to_builtins
+from lmcache_tiers.config import ServerConfig, config_to_builtins, redact_secrets
 from lmcache_tiers.endpoints import is_loopback, rpc_endpoint
 from lmcache_tiers.errors import ConfigError, TiersError
 from lmcache_tiers.registry import ComponentRegistry
@@ -43,8 +42,6 @@ logger = logging.getLogger(__name__)
 LOG_LEVEL_ENV = "LMCACHE_LOG_LEVEL"
 AUTH_TOKEN_ENV = "LMCACHE_TIERS_AUTH_TOKEN"
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
-#: adapter options never printed in the banner (credentials of remote stores)
-_SECRET_FIELD = re.compile(r"secret|password|passwd|token|credential|access_key|api_key", re.IGNORECASE)
 #: the RPC loop must have turned within this long for /healthz to answer ok
 _HEARTBEAT_LIMIT_S = 5.0
 
@@ -374,11 +371,11 @@ def _banner(server: TiersServer, auth: bool) -> Panel:
         f"{config.eviction_trigger_watermark:.0%} frees {config.eviction_ratio:.0%}, "
         f"lock TTL {config.l1_lock_ttl_s:g}s",
     )
-    adapters = config_to_builtins(config)["l2_adapters"]
+    adapters = redact_secrets(config_to_builtins(config)["l2_adapters"])
     if adapters:
         for index, adapter in enumerate(adapters):
             fields = ", ".join(
-                f"{k}={'***' if _SECRET_FIELD.search(k) else v}"
+                f"{k}={v}"
                 for k, v in adapter.items()
                 if k != "type" and v is not None and v not in ([], (), {})
             )
