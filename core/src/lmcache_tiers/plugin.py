@@ -14,7 +14,8 @@ What each kind of plugin needs:
 * an L2 backend: ``L2Backend`` / ``AsyncL2Backend`` (protocols), ``L2AdapterConfig``,
   ``BackendContext``, ``ObjectKey``, ``ObjectSize``, ``Capacity``; persistent ones also
   ``RecordError`` (and subclasses), ``RecordHeader``, ``verify_payload``,
-  ``header_length``, ``PREFIX_SIZE``; backends copying bytes ``copy_into``; slot and
+  ``header_length``, ``PREFIX_SIZE``, ``decode_header`` (a header whose key is not
+  known yet, e.g. a listed digest name's); backends copying bytes ``copy_into``; slot and
   extent stores ``ExtentAllocator``;
 * policies: ``StorePolicy``, ``PrefetchPolicy``, ``EvictionPolicy``, ``AdapterInfo``,
   ``LowestIndexPrefetchPolicy``, ``plan_from_lowest_index``;
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
         RecordMismatchError,
         RecordSerdeMismatchError,
         RecordVersionError,
+        decode_header,
         header_length,
         verify_payload,
     )
@@ -107,6 +109,7 @@ _LAZY = {
     "RecordMismatchError": _RECORD,
     "RecordSerdeMismatchError": _RECORD,
     "RecordVersionError": _RECORD,
+    "decode_header": _RECORD,
     "header_length": _RECORD,
     "verify_payload": _RECORD,
     "BlockingAdapterClient": "lmcache_tiers.testing.blocking",
@@ -187,6 +190,7 @@ __all__ = [
     "TensorLayout",
     "TiersError",
     "copy_into",
+    "decode_header",
     "header_length",
     "hookimpl",
     "is_digest_name",
