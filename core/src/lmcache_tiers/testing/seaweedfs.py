@@ -138,7 +138,9 @@ class SeaweedS3:
             self.kill()
 
     def close(self) -> None:
-        self.stop()
+        """End the server for good (killed: a graceful stop takes seconds and keeps nothing
+        a test needs) and remove its sockets."""
+        self.kill()
         shutil.rmtree(self._sockets, ignore_errors=True)
 
     def __enter__(self) -> SeaweedS3:
