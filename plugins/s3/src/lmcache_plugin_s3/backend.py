@@ -42,6 +42,7 @@ from lmcache_tiers.plugin import (
     RecordError,
     RecordHeader,
     RecordVersionError,
+    copy_into,
     decode_header,
     header_length,
     verify_payload,
@@ -289,7 +290,11 @@ class S3Backend:
                     self.context.count("load_size_changed")
                     return False
                 _check_size(int(answer["ContentLength"]), header)
-                await read_exactly(body, buffer.nbytes, into=buffer)
+                # The rest is exactly the payload now (the length was checked): one read.
+                payload = await body.read()
+                if len(payload) != buffer.nbytes:
+                    raise ShortBody(f"the body ended after {len(payload)} of {buffer.nbytes} payload bytes")
+                copy_into(buffer, payload)
             finally:
                 body.close()
             try:

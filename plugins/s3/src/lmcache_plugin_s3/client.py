@@ -62,6 +62,35 @@ def _endpoint_label(config: S3Config) -> str:
     return config.endpoint_url or f"AWS S3 ({config.region or 'default region'})"
 
 
+def open_filesystem(config: S3Config) -> s3fs.S3FileSystem:
+    """The s3fs filesystem of ``config``, bound to the running event loop (the benchmark
+    uses it too, as the direct client the adapter is compared with)."""
+    session = aiobotocore.session.AioSession(profile=config.profile)
+    if config.region is not None:
+        session.set_config_variable("region", config.region)
+    fs = s3fs.S3FileSystem(
+        asynchronous=True,
+        loop=asyncio.get_running_loop(),
+        skip_instance_cache=True,
+        session=session,
+        endpoint_url=config.endpoint_url,
+        key=config.aws_access_key_id,
+        secret=config.aws_secret_access_key,
+        use_ssl=config.use_tls,
+        config_kwargs={
+            "connect_timeout": config.connect_timeout_s,
+            "read_timeout": config.read_timeout_s,
+            "max_pool_connections": config.max_inflight,
+            "retries": {"mode": "standard", "total_max_attempts": 1 + config.retries},
+            "s3": {"addressing_style": config.addressing_style},
+            "request_checksum_calculation": "when_required",
+            "response_checksum_validation": "when_required",
+        },
+    )
+    fs.retries = 1  # one attempt per s3fs call: botocore does the retrying
+    return fs
+
+
 class S3Client:
     """One adapter's connection to its bucket: bounded, counted requests."""
 
@@ -81,31 +110,10 @@ class S3Client:
 
     async def open(self) -> None:
         config = self.config
-        session = aiobotocore.session.AioSession(profile=config.profile)
-        if config.region is not None:
-            session.set_config_variable("region", config.region)
-        fs = s3fs.S3FileSystem(
-            asynchronous=True,
-            loop=asyncio.get_running_loop(),
-            skip_instance_cache=True,
-            session=session,
-            endpoint_url=config.endpoint_url,
-            key=config.aws_access_key_id,
-            secret=config.aws_secret_access_key,
-            use_ssl=config.use_tls,
-            config_kwargs={
-                "connect_timeout": config.connect_timeout_s,
-                "read_timeout": config.read_timeout_s,
-                "max_pool_connections": config.max_inflight,
-                "retries": {"mode": "standard", "total_max_attempts": 1 + config.retries},
-                "s3": {"addressing_style": config.addressing_style},
-                "request_checksum_calculation": "when_required",
-                "response_checksum_validation": "when_required",
-            },
-        )
-        fs.retries = 1  # one attempt per s3fs call: botocore does the retrying
+        fs = open_filesystem(config)
         await fs.set_session()
         self.fs = fs
+        session = fs.session
         log.info(
             "%s: s3://%s/%s at %s, credentials from %s",
             self.name,
