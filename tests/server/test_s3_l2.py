@@ -9,7 +9,11 @@ Credentials reach the servers the way operators give them: the AWS environment v
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import re
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -154,3 +158,19 @@ def test_an_s3_outage_mid_run_is_survived_and_healed(seaweed: SeaweedS3, tmp_pat
         assert hits_and_bytes(server, "after", 2) == (2, True)
     finally:
         stop(server)
+
+
+def test_serve_with_a_missing_bucket_exits_2_with_one_line(seaweed: SeaweedS3) -> None:
+    adapter = s3_adapter(seaweed, "p", bucket="absent-bucket")
+    command = [sys.executable, "-m", "lmcache_tiers.cli.main", "serve", "--port", "0", "--metrics-port", "0"]
+    done = subprocess.run(
+        [*command, "--l1-size-gb", "0.05", "--l2-adapter", json.dumps(adapter)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **seaweed.env},
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: 0:s3: bucket 'absent-bucket' does not exist at {seaweed.endpoint}"]
+    assert seaweed.secret_key not in done.stdout + done.stderr

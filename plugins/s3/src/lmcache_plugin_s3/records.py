@@ -6,9 +6,9 @@ bucket listing, which reports object sizes only, tell each payload's size withou
 reading a byte of it -- and so rebuild usage after a restart at one request per 1000
 objects.  Every header fits: a key is at most ~1.6 KiB, a layout 256 bytes.
 
-Reads never trust a length they have not checked: a response body is consumed exactly
-as far as the header says, and the payload is copied into the caller's buffer only once
-the header's length equals the buffer's.
+Reads never trust a length they have not checked: a header is read piece by piece as far
+as its own length field says, and a payload is copied into the caller's buffer only once
+the header's length equals the buffer's and the object's size equals header + payload.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from lmcache_tiers.plugin import ObjectKey, copy_into, is_digest_name, key_to_name, name_to_key
+from lmcache_tiers.plugin import ObjectKey, is_digest_name, key_to_name, name_to_key
 
 #: every record header is padded to this size; a listed object of N bytes holds a
 #: payload of N - HEADER_BYTES
@@ -54,20 +54,14 @@ def total_size(response: dict[str, Any]) -> int:
     return int(match.group(1)) if match else int(response["ContentLength"])
 
 
-async def read_exactly(body: Any, size: int, into: memoryview | None = None) -> bytes:
-    """Read ``size`` bytes of a streaming body (into ``into`` when given, which must be
-    ``size`` bytes long); raises :class:`ShortBody` if it ends first."""
-    if into is not None and into.nbytes != size:
-        raise ValueError(f"read_exactly: a buffer of {into.nbytes} bytes for {size}")
+async def read_exactly(body: Any, size: int) -> bytes:
+    """The next ``size`` bytes of a streaming body; :class:`ShortBody` if it ends first."""
     parts: list[bytes] = []
     filled = 0
     while filled < size:
         chunk = await body.read(size - filled)
         if not chunk:
             raise ShortBody(f"the body ended after {filled} of {size} bytes")
-        if into is not None:
-            copy_into(into[filled : filled + len(chunk)], chunk)
-        else:
-            parts.append(chunk)
+        parts.append(chunk)
         filled += len(chunk)
-    return b"" if into is not None else b"".join(parts)
+    return b"".join(parts)
