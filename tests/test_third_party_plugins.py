@@ -192,7 +192,14 @@ def test_third_party_adapter_selected_by_type_without_core_changes(site: Path) -
     assert result.returncode == 0, result.stderr
     config = json.loads(result.stdout)
     assert config["l2_adapters"] == [
-        {"type": "acme_dir", "eviction": None, "serde": [], "directory": "/tmp/acme", "slots": 9}
+        {
+            "type": "acme_dir",
+            "eviction": None,
+            "serde": [],
+            "circuit": None,
+            "directory": "/tmp/acme",
+            "slots": 9,
+        }
     ]
     # the help lists what is installed, third-party types included
     helped = run_cli(["serve", "--help"], site, COLUMNS="250")

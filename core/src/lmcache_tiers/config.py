@@ -79,6 +79,31 @@ class L2EvictionConfig(ComponentConfig):
     ] = 0.2
 
 
+class CircuitConfig(ComponentConfig):
+    """Circuit breaker of one adapter's backend: after repeated failures lookups miss at
+    once, stores are skipped and loads fail, until a background probe finds the backend
+    answering again."""
+
+    enabled: Annotated[
+        bool | None,
+        Meta(description="On or off; null: on for backends that declare themselves remote."),
+    ] = None
+    failure_threshold: Annotated[
+        int, Meta(ge=1, description="Consecutive failed backend calls that open the circuit.")
+    ] = 5
+    probe_interval_s: Annotated[
+        float, Meta(gt=0.0, le=3600.0, description="Seconds between probes of the backend while open.")
+    ] = 1.0
+    call_timeout_s: Annotated[
+        Annotated[float, Meta(gt=0.0)] | None,
+        Meta(
+            description="Longest a lookup or probe waits for the backend before it counts as a failed "
+            "call (a lookup is then all misses); null: only the backend's own timeouts. Stores and "
+            "loads are always bounded by the backend's own timeouts.",
+        ),
+    ] = None
+
+
 class SerdeSpec(ComponentConfig):
     """One serde transform of an adapter's chain, resolved from ``{"type": ..., ...}``."""
 
@@ -100,6 +125,10 @@ class L2AdapterConfig(ComponentConfig):
             "objects naming installed serde plugins (`lmcache-tiers plugins list`)."
         ),
     ] = ()
+    circuit: Annotated[
+        CircuitConfig | None,
+        Meta(description="Circuit breaker of the backend; null: the defaults (on for remote backends)."),
+    ] = None
 
 
 class AdapterSpec(ComponentConfig):
@@ -386,26 +415,6 @@ def build_config(
     return msgspec.structs.replace(config, l2_adapters=adapters)
 
 
-#: option names whose values are credentials: never printed (``--print-config``, the banner)
-SECRET_FIELD = re.compile(r"secret|password|passwd|token|credential|access_key|api_key", re.IGNORECASE)
-REDACTED = "***"
-
-
-def redact_secrets(data: Any) -> Any:
-    """``data`` (plain JSON-like values) with every set value of a secret-named field, at
-    any depth, replaced by ``"***"``; unset ones (None, empty) stay visible as unset."""
-    if isinstance(data, Mapping):
-        return {
-            key: REDACTED
-            if isinstance(key, str) and SECRET_FIELD.search(key) and value not in (None, "")
-            else redact_secrets(value)
-            for key, value in data.items()
-        }
-    if isinstance(data, (list, tuple)):
-        return [redact_secrets(item) for item in data]
-    return data
-
-
 def config_to_builtins(config: ServerConfig) -> dict[str, Any]:
     """The resolved config as plain data, with each adapter's ``type`` put back."""
     data: dict[str, Any] = msgspec.to_builtins(config)
@@ -417,3 +426,27 @@ def config_to_builtins(config: ServerConfig) -> dict[str, Any]:
         for spec in config.l2_adapters
     ]
     return data
+
+
+#: field names whose values are credentials: never printed nor logged
+SECRET_FIELD = re.compile(r"secret|password|passwd|token|credential|access_key|api_key", re.IGNORECASE)
+#: the password of a URL's user information (``redis://user:password@host``)
+_URL_PASSWORD = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^:/@\s]*):[^@/\s]+@", re.IGNORECASE)
+REDACTED = "***"
+
+
+def redact_secrets(value: Any) -> Any:
+    """A copy of plain config data (``config_to_builtins``) fit to print: values of
+    fields named like credentials and passwords inside URLs become ``***``."""
+    if isinstance(value, Mapping):
+        return {
+            key: REDACTED
+            if isinstance(key, str) and SECRET_FIELD.search(key) and item not in (None, "")
+            else redact_secrets(item)
+            for key, item in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [redact_secrets(item) for item in value]
+    if isinstance(value, str):
+        return _URL_PASSWORD.sub(rf"\g<head>:{REDACTED}@", value)
+    return value

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
-from lmcache_tiers.config import L2AdapterConfig, L2EvictionConfig, ServerConfig
+from lmcache_tiers.config import CircuitConfig, L2AdapterConfig, L2EvictionConfig, ServerConfig
 from lmcache_tiers.registry import Component, Kind
 
 if TYPE_CHECKING:
@@ -147,6 +147,10 @@ def render_config_reference(plugin_set: PluginSet) -> str:
         "`eviction` object:",
         "",
         *_markdown_table(L2EvictionConfig),
+        "",
+        "`circuit` object:",
+        "",
+        *_markdown_table(CircuitConfig),
         "",
     ]
     for kind in Kind:

@@ -12,7 +12,8 @@ What each kind of plugin needs:
   keyword-only, frozen and strict for every subclass), ``EmptyConfig``, the errors,
   ``FieldError`` (a ``__post_init__`` error naming the field at fault);
 * an L2 backend: ``L2Backend`` / ``AsyncL2Backend`` (protocols), ``L2AdapterConfig``,
-  ``BackendContext``, ``ObjectKey``, ``ObjectSize``, ``Capacity``; persistent ones also
+  ``BackendContext``, ``ObjectKey``, ``ObjectSize``, ``Capacity``; remote ones
+  ``CircuitConfig`` (the ``circuit`` option) and ``PROBE_KEY`` (what a probe asks about); persistent ones also
   ``RecordError`` (and subclasses), ``RecordHeader``, ``verify_payload``,
   ``header_length``, ``PREFIX_SIZE``, ``decode_header`` (a header whose key is not
   known yet, e.g. a listed digest name's); backends copying bytes ``copy_into``; slot and
@@ -33,7 +34,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lmcache_tiers.config import ComponentConfig, FieldError, L2AdapterConfig, L2EvictionConfig
+from lmcache_tiers.config import CircuitConfig, ComponentConfig, FieldError, L2AdapterConfig, L2EvictionConfig
 from lmcache_tiers.errors import BackendUnavailableError, ConfigError, KeyValidationError, TiersError
 from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keycodec import is_digest_name, key_to_name, name_to_key, printable
@@ -56,6 +57,7 @@ from lmcache_tiers.registry import EmptyConfig, Kind, KindRegistry
 if TYPE_CHECKING:
     from lmcache_tiers.l1.allocator import ExtentAllocator
     from lmcache_tiers.l2.buffers import GIL_FREE_COPY_BYTES, copy_into
+    from lmcache_tiers.l2.circuit import PROBE_KEY
     from lmcache_tiers.l2.context import BackendContext
     from lmcache_tiers.l2.interface import L2Adapter, L2Listener, L2Op, LookupResult
     from lmcache_tiers.l2.record import (
@@ -93,6 +95,7 @@ _POLICY_SUITES = "lmcache_tiers.testing.policies"
 _LAZY = {
     "BackendContext": "lmcache_tiers.l2.context",
     "copy_into": "lmcache_tiers.l2.buffers",
+    "PROBE_KEY": "lmcache_tiers.l2.circuit",
     "GIL_FREE_COPY_BYTES": "lmcache_tiers.l2.buffers",
     "ExtentAllocator": "lmcache_tiers.l1.allocator",
     "SerdeContext": "lmcache_tiers.serde",
@@ -142,6 +145,7 @@ __all__ = [
     "LOSSLESS",
     "PERSISTENCE",
     "PREFIX_SIZE",
+    "PROBE_KEY",
     "RECENCY",
     "STORES_EVERYWHERE",
     "AdapterInfo",
@@ -150,6 +154,7 @@ __all__ = [
     "BackendUnavailableError",
     "BlockingAdapterClient",
     "Capacity",
+    "CircuitConfig",
     "ComponentConfig",
     "ComponentSuite",
     "ConfigError",

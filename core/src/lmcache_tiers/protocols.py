@@ -89,7 +89,13 @@ class L2Backend(Protocol):
     * ``needs_l1_buffers: bool`` (class attribute, default False) -- True when the
       backend addresses the buffers it gets by their place in ``context.l1_buffer``
       (memory registered once); such a backend is refused with the NVMe L1;
-    * ``concurrency: int`` -- worker threads per operation kind (default 1).
+    * ``concurrency: int`` -- worker threads per operation kind (default 1);
+    * ``remote: bool`` (class attribute, default False) -- True for a store reached over
+      the network: core then puts a circuit breaker in front of it unless the adapter's
+      ``circuit.enabled`` says otherwise (see :mod:`lmcache_tiers.l2.circuit`);
+    * ``ping()`` -- a cheap call that raises when the store does not answer; the
+      breaker's probe (``contains_many`` of ``PROBE_KEY`` without it).  A coroutine for
+      coroutine backends.
     """
 
     def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> Sequence[bool]:

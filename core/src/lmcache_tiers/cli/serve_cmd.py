@@ -367,6 +367,7 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
     for note in notes:
         logger.info("%s", note)
     if params["print_config"]:
-        typer.echo(json.dumps(redact_secrets(config_to_builtins(resolved)), indent=2))
+        shown = redact_secrets(config_to_builtins(resolved))
+        typer.echo(json.dumps(shown, indent=2))
         return
     raise typer.Exit(run_server(resolved, registry=plugin_set.registry))

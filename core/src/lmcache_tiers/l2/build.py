@@ -3,7 +3,8 @@ conformance suite take.
 
 A factory registered for kind ``l2_adapter`` is called as ``factory(config, context)``
 with a :class:`~lmcache_tiers.l2.context.BackendContext` and returns a backend, which core
-wraps in :class:`~lmcache_tiers.l2.adapter.BackendAdapter`.  A factory may instead return
+wraps in :class:`~lmcache_tiers.l2.adapter.BackendAdapter` (behind a circuit breaker when
+its config or its being remote asks for one, :mod:`~lmcache_tiers.l2.circuit`).  A factory may instead return
 a complete :class:`~lmcache_tiers.l2.interface.L2Adapter` (advanced, tests), used as is.
 """
 
@@ -17,6 +18,7 @@ from lmcache_tiers.config import AdapterSpec, L2AdapterConfig, decode_adapter
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.l2.adapter import BackendAdapter
 from lmcache_tiers.l2.calls import missing_methods
+from lmcache_tiers.l2.circuit import guard_backend
 from lmcache_tiers.l2.context import AdapterContext, BackendContext
 from lmcache_tiers.l2.interface import L2Adapter
 from lmcache_tiers.l2.state import AdapterState
@@ -64,7 +66,9 @@ def create_adapter(
     """Call an adapter factory and wrap what it returns (unless it is an adapter already)."""
     context = BackendContext(AdapterState(facts, registry))
     made = _made(factory, config, context, f"l2 adapter {type_name or facts.name!r}")
-    return made if isinstance(made, L2Adapter) else BackendAdapter(made, context)
+    if isinstance(made, L2Adapter):
+        return made
+    return BackendAdapter(guard_backend(made, config, context), context)
 
 
 def build_adapter(registry: ComponentRegistry, spec: AdapterSpec, facts: AdapterContext) -> L2Adapter:

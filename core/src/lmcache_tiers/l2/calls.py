@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmcache_tiers.keys import ObjectKey
@@ -14,6 +14,12 @@ from lmcache_tiers.protocols import ObjectSize
 REQUIRED_METHODS = ("put_many", "contains_many", "get_many_into", "delete_many", "list_keys", "capacity")
 #: the batch methods, all coroutine functions or none
 BATCH_METHODS = ("put_many", "contains_many", "get_many_into", "delete_many")
+
+
+def optional_method(backend: object, name: str) -> Callable[..., Any] | None:
+    """A backend's optional member ``name`` when it is callable (``open``, ``ping`` ...)."""
+    method = getattr(backend, name, None)
+    return method if callable(method) else None
 
 
 def missing_methods(backend: object) -> list[str]:

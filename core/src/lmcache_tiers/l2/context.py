@@ -99,6 +99,12 @@ class BackendContext:
         """Add to a counter reported by the adapter's ``stats()`` (and ``/metrics``)."""
         self._state.count(self._prefix + name, amount)
 
+    def warn(self, kind: str, message: str, *args: object) -> None:
+        """Log a warning about this adapter at most once a minute per ``kind`` (the
+        ones held back are counted in the next line), so a failing store explains itself
+        without flooding the log.  ``message`` is a %-format; the adapter name is added."""
+        self._state.burst.warn(f"{self._prefix}{kind}", "%s: " + message, self.name, *args)
+
     @property
     def closing(self) -> bool:
         """True once the adapter started closing: long calls should return early."""

@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from lmcache_tiers.l2.calls import call, call_async
+from lmcache_tiers.l2.calls import call, call_async, optional_method
 from lmcache_tiers.l2.interface import L2Op
 from lmcache_tiers.l2.ops import BatchOp
 from lmcache_tiers.l2.state import AdapterState
@@ -34,11 +34,6 @@ log = logging.getLogger("lmcache_tiers.l2")
 T = TypeVar("T")
 Publish = Callable[[int, BatchOp, Any], None]
 Entry = Any  # one item of a backend listing: (key, size)
-
-
-def _optional(backend: object, name: str) -> Callable[[], Any] | None:
-    method = getattr(backend, name, None)
-    return method if callable(method) else None
 
 
 def chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
@@ -89,7 +84,7 @@ class Runner(ABC):
         """Run the backend's ``close`` (once) and end the runner's threads."""
 
     def _interrupt(self) -> None:
-        interrupt = _optional(self.backend, "interrupt")
+        interrupt = optional_method(self.backend, "interrupt")
         if interrupt is not None:
             try:
                 interrupt()
@@ -105,7 +100,7 @@ class ThreadRunner(Runner):
         self._threads: list[threading.Thread] = []
 
     def open(self, timeout: float) -> None:
-        opener = _optional(self.backend, "open")
+        opener = optional_method(self.backend, "open")
         if opener is not None:
             opener()
         for op in L2Op:
@@ -165,7 +160,7 @@ class ThreadRunner(Runner):
             log.warning("%s: backend calls still running at the close deadline: %s", self.state.name, stuck)
 
     def close_backend(self, deadline: float) -> None:
-        closer = _optional(self.backend, "close")
+        closer = optional_method(self.backend, "close")
         if closer is not None:
             closer()
 
@@ -216,7 +211,7 @@ class LoopRunner(Runner):
     # -- opening ------------------------------------------------------------------------------
 
     async def _open(self) -> None:
-        opener = _optional(self.backend, "open")
+        opener = optional_method(self.backend, "open")
         if opener is not None:
             outcome = opener()
             if inspect.isawaitable(outcome):
@@ -359,7 +354,7 @@ class LoopRunner(Runner):
             future.cancel()
 
     def close_backend(self, deadline: float) -> None:
-        closer = _optional(self.backend, "close")
+        closer = optional_method(self.backend, "close")
 
         async def close() -> None:
             if closer is not None:

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 LOG_LEVEL_ENV = "LMCACHE_LOG_LEVEL"
 AUTH_TOKEN_ENV = "LMCACHE_TIERS_AUTH_TOKEN"
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
+#: adapter options never printed in the banner (credentials of remote stores)
 #: the RPC loop must have turned within this long for /healthz to answer ok
 _HEARTBEAT_LIMIT_S = 5.0
 
