@@ -1,7 +1,8 @@
 """lmcache-tiers servers whose L2 is the ``s3`` adapter, on a real S3 server (SeaweedFS):
 a restart of lmcache-tiers finds its chunks again, two servers share one bucket, and an
-S3 outage mid-run is survived -- L1 keeps serving, failures are in /metrics, and hits
-from the bucket resume once it is back, without restarting lmcache-tiers.
+S3 outage mid-run is survived -- L1 keeps serving, failures and the circuit breaker's
+state are in /metrics, and once the bucket is back the circuit closes by itself and hits
+resume, without restarting lmcache-tiers.
 
 Credentials reach the servers the way operators give them: the AWS environment variables.
 """
@@ -16,12 +17,12 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tiers_e2e import ServerProcess, digest, fetch, make_keys, make_payloads, start_server
+from tiers_e2e import ServerProcess, digest, fetch, make_keys, make_payloads, metric, start_server
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.testing.seaweedfs import SeaweedS3, serving
@@ -77,14 +78,31 @@ def hits_and_bytes(server: ServerProcess, tag: str, count: int) -> tuple[int, bo
     return hits, equal
 
 
-def failures(server: ServerProcess) -> dict[str, float]:
+def metrics(server: ServerProcess) -> str:
     assert server.http_url is not None
     status, _, text = fetch(server.http_url + "/metrics")
     assert status == 200
+    return text
+
+
+def failures(server: ServerProcess) -> dict[str, float]:
     return {
         match.group(1): float(match.group(2))
-        for match in re.finditer(r'^lmcache_tiers_failures_total\{reason="([^"]+)"\} (\S+)$', text, re.M)
+        for match in re.finditer(
+            r'^lmcache_tiers_failures_total\{reason="([^"]+)"\} (\S+)$', metrics(server), re.M
+        )
     }
+
+
+def circuit_open(server: ServerProcess) -> float:
+    return metric(metrics(server), "lmcache_tiers_adapter_circuit_open", 'adapter="0:s3"')
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.1)
 
 
 def test_a_restarted_server_finds_its_chunks_in_the_bucket(seaweed: SeaweedS3, tmp_path: Path) -> None:
@@ -126,10 +144,12 @@ def test_an_s3_outage_mid_run_is_survived_and_healed(seaweed: SeaweedS3, tmp_pat
         read_timeout_s=2.0,
         request_timeout_s=REQUEST_TIMEOUT_S,
         retries=1,
+        circuit={"failure_threshold": 2, "probe_interval_s": 0.2},
     )
     server = start(seaweed, tmp_path / "server", adapter)
     try:
         store_in_l2(server, "before", 8)
+        assert circuit_open(server) == 0
         seaweed.kill()
 
         started = time.monotonic()
@@ -138,20 +158,23 @@ def test_an_s3_outage_mid_run_is_survived_and_healed(seaweed: SeaweedS3, tmp_pat
         with Client(server.url, timeout=30) as client:  # L1 keeps serving meanwhile
             assert client.store(make_keys("during", 4), make_payloads("during", 4, CHUNK)) == 4
         assert hits_and_bytes(server, "during", 4) == (4, True)
-        deadline = time.monotonic() + HANG_GUARD_S
-        while failures(server).get("l2_store_failed", 0) < 4:
-            assert time.monotonic() < deadline, f"failed L2 stores never reached /metrics: {failures(server)}"
-            time.sleep(0.1)
-        with Client(server.url) as client:
-            assert client.status()["adapters"][0]["backend"]["backend_errors"] > 0
+        wait_for(lambda: failures(server).get("l2_store_failed", 0) >= 4, "failed L2 stores in /metrics")
+        wait_for(lambda: circuit_open(server) == 1, "the circuit opened, in /metrics")
+        assert hits_and_bytes(server, "before", 8) == (0, True), "open: misses at once"
+        text = metrics(server)
+        assert metric(text, "lmcache_tiers_adapter_backend_errors_total", 'adapter="0:s3"') >= 2
+        assert (
+            metric(text, "lmcache_tiers_adapter_stat", 'adapter="0:s3",stat="circuit_missed_lookup_keys"') > 0
+        )
 
         seaweed.start()
-        deadline = time.monotonic() + HANG_GUARD_S
-        while (found := hits_and_bytes(server, "before", 8)) != (8, True):
-            assert time.monotonic() < deadline, f"hits never resumed after S3 came back: {found}"
-            time.sleep(0.2)
+        wait_for(lambda: circuit_open(server) == 0, "the circuit closed by itself")
+        assert hits_and_bytes(server, "before", 8) == (8, True), "hits resume, lmcache-tiers never restarted"
         store_in_l2(server, "after", 2)  # stores to the bucket resume too
         assert hits_and_bytes(server, "after", 2) == (2, True)
+        with Client(server.url) as client:
+            backend = client.status()["adapters"][0]["backend"]
+        assert backend["circuit_opened"] == 1 and backend["circuit_closed"] == 1
     finally:
         stop(server)
 

@@ -3,9 +3,10 @@ adapter's event loop.
 
 Each key of a batch is its own request, all of a batch in flight together (at most
 ``max_inflight`` per adapter).  Results are per key; a key whose request failed is a
-failure (False, or None for a lookup), counted and logged once a minute -- and when every
-request of a batch failed, the batch raises, so core counts it as a backend error and
-the store's outage is visible as such.  Lookups and loads always ask the bucket, so a
+failure (False, or None for a lookup), counted and logged once a minute.  When every
+request of a batch failed, the batch raises: core counts a backend error, and its circuit
+breaker (this backend declares itself ``remote``) stops calling a store that keeps
+failing until ``ping`` finds it answering.  Lookups and loads always ask the bucket, so a
 chunk another server stored is found and one it deleted is a miss.
 """
 
@@ -54,7 +55,6 @@ T = TypeVar("T")
 _DELETE_BATCH = 1000
 #: objects per listing page (the S3 API's limit)
 _LIST_PAGE = 1000
-_WARN_EVERY_S = 60.0
 _PROGRESS_EVERY_S = 10.0
 
 
@@ -69,27 +69,11 @@ def _check_size(total: int, header: RecordHeader) -> None:
         raise _Damaged(f"the object is {total} bytes, its header says {expected}")
 
 
-class _Warnings:
-    """One log line per kind of problem per minute, with how many were not logged."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._last: dict[str, float] = {}
-        self._quiet: dict[str, int] = {}
-
-    def warn(self, kind: str, message: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, -_WARN_EVERY_S) < _WARN_EVERY_S:
-            self._quiet[kind] = self._quiet.get(kind, 0) + 1
-            return
-        self._last[kind] = now
-        quiet = self._quiet.pop(kind, 0)
-        suffix = f" ({quiet} more since the last such line)" if quiet else ""
-        log.warning(f"%s: {message}{suffix}", self.name, *args)
-
-
 class S3Backend:
     """Records in ``s3://<bucket>/<prefix>/``, one object per key."""
+
+    #: behind core's circuit breaker: an unreachable store is asked only by its probe
+    remote = True
 
     def __init__(self, config: S3Config, context: BackendContext) -> None:
         self.config = config
@@ -99,7 +83,6 @@ class S3Backend:
         self.concurrency = config.max_inflight
         self.names = ObjectNames(config.prefix)
         self.client = S3Client(config, context.name)
-        self.warnings = _Warnings(context.name)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._answered_at_start = check_bucket(config, context.name)
 
@@ -115,6 +98,10 @@ class S3Backend:
 
     async def close(self) -> None:
         await self.client.close()
+
+    async def ping(self) -> None:
+        """The circuit breaker's probe: the bucket answers (raises otherwise)."""
+        await self.client.call("head_bucket")
 
     def capacity(self) -> int | None:
         return int(self.config.max_capacity_gb * (1 << 30)) or None
@@ -219,7 +206,7 @@ class S3Backend:
         header = self.context.record_header(key, payload, align=HEADER_BYTES)
         if len(header) != HEADER_BYTES:
             self.context.count("store_header_too_large")
-            self.warnings.warn(
+            self.context.warn(
                 "header",
                 "record header of %s is %d bytes, over %d; not stored",
                 key.file_stem(),
@@ -229,7 +216,7 @@ class S3Backend:
             return False
         if HEADER_BYTES + payload.nbytes > MAX_PUT_BYTES:
             self.context.count("store_object_too_large")
-            self.warnings.warn(
+            self.context.warn(
                 "too_large",
                 "%s is %d bytes, over one PUT's 5 GiB; not stored",
                 key.file_stem(),
@@ -339,7 +326,7 @@ class S3Backend:
             data, _total = await self.client.bounded(lambda: self._first_bytes(name))
             header = decode_header(data)
         except Exception as exc:
-            self.warnings.warn("digest", "reading the header of listed %s failed: %s", name, describe(exc))
+            self.context.warn("digest", "reading the header of listed %s failed: %s", name, describe(exc))
             return None
         return header.key if self.names.of(header.key) == name else None
 
@@ -371,18 +358,18 @@ class S3Backend:
 
     def _unknown_version(self, key: ObjectKey, exc: RecordVersionError) -> None:
         self.context.count("record_version_unknown")
-        self.warnings.warn("version", "%s: %s; a miss, kept", key.file_stem(), exc)
+        self.context.warn("version", "%s: %s; a miss, kept", key.file_stem(), exc)
 
     async def _remove_damaged(self, key: ObjectKey, name: str, why: str) -> None:
         self.context.count("corrupt_records_removed")
-        self.warnings.warn(
+        self.context.warn(
             "damaged", "s3://%s/%s is damaged (%s); a miss, removed", self.config.bucket, name, why
         )
         try:
             await self.client.call("delete_object", Key=name)
         except Exception as exc:
             self.context.count("corrupt_remove_failures")
-            self.warnings.warn("remove", "removing damaged %s failed: %s", name, describe(exc))
+            self.context.warn("remove", "removing damaged %s failed: %s", name, describe(exc))
 
     async def _each(self, op: str, calls: Sequence[Awaitable[T]]) -> list[T | None]:
         """Await one coroutine per key; a failed key is None (the caller's failure value),
@@ -402,4 +389,4 @@ class S3Backend:
 
     def _failed(self, op: str, count: int, example: BaseException) -> None:
         self.context.count(f"{op}_request_failures", count)
-        self.warnings.warn(op, "%d %s requests failed, e.g. %s", count, op, describe(example))
+        self.context.warn(op, "%d %s requests failed, e.g. %s", count, op, describe(example))
