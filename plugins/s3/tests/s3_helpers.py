@@ -49,16 +49,23 @@ def blocking(adapter: L2Adapter, timeout: float = 60.0) -> BlockingAdapterClient
     return BlockingAdapterClient(adapter, timeout=timeout)
 
 
+_RAW_CLIENTS: dict[str, s3fs.S3FileSystem] = {}
+
+
 class Raw:
     """Direct access to the test bucket, past the adapter: what another writer could do."""
 
     def __init__(self, server: SeaweedS3, prefix: str) -> None:
-        self.fs = s3fs.S3FileSystem(
-            key=server.access_key,
-            secret=server.secret_key,
-            endpoint_url=server.endpoint,
-            skip_instance_cache=True,
-        )
+        # One client per server for the whole session: each one made and dropped would
+        # be torn down by the garbage collector on a loop of its own, noisily.
+        self.fs = _RAW_CLIENTS.get(server.endpoint)
+        if self.fs is None:
+            self.fs = _RAW_CLIENTS[server.endpoint] = s3fs.S3FileSystem(
+                key=server.access_key,
+                secret=server.secret_key,
+                endpoint_url=server.endpoint,
+                skip_instance_cache=True,
+            )
         self.names = ObjectNames(prefix)
 
     def path(self, key_or_name: ObjectKey | str) -> str:

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 from lmcache_plugin_s3 import S3Config
 
-from lmcache_tiers.config import build_config
+from lmcache_tiers.config import decode_adapter
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.plugins import load_registry
 
@@ -19,8 +19,7 @@ SECRET = "wJalrXUtnFEMI-very-secret"
 
 
 def decode(**fields: object) -> S3Config:
-    config = build_config(load_registry(), adapter_json=[json.dumps({"type": "s3", **fields})])
-    adapter = config.l2_adapters[0].config
+    adapter = decode_adapter(load_registry(), {"type": "s3", **fields}, 0).config
     assert isinstance(adapter, S3Config)
     return adapter
 

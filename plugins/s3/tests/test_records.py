@@ -168,3 +168,16 @@ def test_a_record_of_an_unknown_format_version_is_a_miss_that_is_kept(adapter: L
     assert blocking(adapter).lookup_and_lock([key]).found == [False]
     assert raw.exists(key), "a newer server sharing the bucket may read it"
     assert adapter.stats()["record_version_unknown"] == 1
+
+
+@pytest.mark.parametrize("cut", [0, 4, 60], ids=["empty", "tiny", "header-prefix"])
+def test_an_object_too_short_for_a_record_fails_a_load_and_is_removed(
+    adapter: L2Adapter, raw: Raw, l1: memoryview, cut: int
+) -> None:
+    (key,) = make_keys(1)
+    raw.write(key, encode_header(key, pattern(8, SIZE), align=4096)[:cut])
+    buffer, region = fenced(l1, SIZE)
+    assert blocking(adapter).load([key], [buffer]) == [False]  # a load with no lookup first
+    assert canaries_intact(region, SIZE)
+    assert not raw.exists(key)
+    assert adapter.stats()["corrupt_records_removed"] == 1

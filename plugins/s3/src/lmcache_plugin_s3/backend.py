@@ -260,7 +260,10 @@ class S3Backend:
         async def into_buffer() -> bool:
             answer = await self.client.request("get_object", Key=name)
             body = answer["Body"]
+            length = int(answer["ContentLength"])
             try:
+                if length < PREFIX_SIZE:
+                    raise _Damaged(f"the object is {length} bytes, shorter than a record header")
                 prefix = await read_exactly(body, PREFIX_SIZE)
                 try:
                     header_len = header_length(prefix)
@@ -269,6 +272,8 @@ class S3Backend:
                     return False
                 except RecordError as exc:
                     raise _Damaged(str(exc)) from exc
+                if header_len > length:
+                    raise _Damaged(f"the object is {length} bytes, its header alone {header_len}")
                 header = self._header(key, prefix + await read_exactly(body, header_len - PREFIX_SIZE))
                 if header is None:
                     return False
@@ -276,7 +281,7 @@ class S3Backend:
                     # Replaced by another writer since the lookup: not these bytes, no copy.
                     self.context.count("load_size_changed")
                     return False
-                _check_size(int(answer["ContentLength"]), header)
+                _check_size(length, header)
                 # The rest is exactly the payload now (the length was checked): one read.
                 payload = await body.read()
                 if len(payload) != buffer.nbytes:
@@ -336,11 +341,10 @@ class S3Backend:
         """The header slot of an object and the object's whole size (one ranged GET)."""
         answer = await self.client.request("get_object", Key=name, Range=f"bytes=0-{HEADER_BYTES - 1}")
         body = answer["Body"]
+        # A store that ignored the range sends the whole object: read the slot only.
+        slot = min(HEADER_BYTES, int(answer["ContentLength"]))
         try:
-            # A store that ignored the range sends the whole object: read the slot only.
-            return await read_exactly(body, min(HEADER_BYTES, int(answer["ContentLength"]))), total_size(
-                answer
-            )
+            return await read_exactly(body, slot), total_size(answer)
         finally:
             body.close()
 
