@@ -3,34 +3,25 @@
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing
-import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tiers_e2e import ServerProcess, job_lookup_retrieve, job_store, start_server
+from tiers_e2e import (
+    ServerProcess,
+    job_lookup_retrieve,
+    job_store,
+    run_in_process,
+    start_server,
+    wait_stored_in_l2,
+)
 
 from lmcache_tiers.client import Client
 
 if importlib.util.find_spec("lmcache_plugin_nixl") is None:
     pytest.skip("lmcache-plugin-nixl is not installed", allow_module_level=True)
 
-SPAWN = multiprocessing.get_context("spawn")
 CHUNK = 256 << 10
-
-
-def run_in_process(function: Any, *args: Any) -> Any:
-    with ProcessPoolExecutor(1, mp_context=SPAWN) as pool:
-        return pool.submit(function, *args).result(timeout=120)
-
-
-def wait_stored_in_l2(client: Client, count: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while client.status()["adapters"][0]["keys_stored"] < count:
-        assert time.monotonic() < deadline, "the store controller never wrote the chunks to L2"
-        time.sleep(0.05)
 
 
 def _adapter(kind: str, directory: Path) -> dict[str, Any]:

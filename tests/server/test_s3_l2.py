@@ -22,7 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tiers_e2e import ServerProcess, digest, fetch, make_keys, make_payloads, metric, start_server
+from tiers_e2e import (
+    ServerProcess,
+    digest,
+    fetch,
+    make_keys,
+    make_payloads,
+    metric,
+    start_server,
+    wait_stored_in_l2,
+)
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.testing.seaweedfs import SeaweedS3, serving
@@ -61,10 +70,7 @@ def store_in_l2(server: ServerProcess, tag: str, count: int) -> None:
     with Client(server.url, timeout=30) as client:
         before = client.status()["adapters"][0]["keys_stored"]
         assert client.store(make_keys(tag, count), make_payloads(tag, count, CHUNK)) == count
-        deadline = time.monotonic() + HANG_GUARD_S
-        while client.status()["adapters"][0]["keys_stored"] < before + count:
-            assert time.monotonic() < deadline, f"the chunks never reached S3\n{server.output()}"
-            time.sleep(0.05)
+        wait_stored_in_l2(client, before + count, HANG_GUARD_S)
         client.clear()
 
 

@@ -156,6 +156,26 @@ def digest(views: list[Any]) -> list[str]:
     return [hashlib.blake2b(bytes(view), digest_size=16).hexdigest() for view in views]
 
 
+# -- running jobs, waiting for L2 -----------------------------------------------------------
+
+
+def run_in_process(function: Any, *args: Any) -> Any:
+    """``function(*args)`` in a spawned process of its own, like an engine; its result."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result(timeout=120)
+
+
+def wait_stored_in_l2(client: Client, count: int, timeout: float = 60.0) -> None:
+    """Until the first adapter reports ``count`` keys stored."""
+    deadline = time.monotonic() + timeout
+    while client.status()["adapters"][0]["keys_stored"] < count:
+        assert time.monotonic() < deadline, "the store controller never wrote the chunks to L2"
+        time.sleep(0.05)
+
+
 # -- client jobs (run in spawned processes) -----------------------------------------------
 
 

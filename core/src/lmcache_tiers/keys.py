@@ -104,9 +104,14 @@ class ObjectKey(msgspec.Struct, frozen=True, array_like=True, gc=False, cache_ha
             _reject_numbers(self)
 
     def file_stem(self) -> str:
-        """Safe, unique name for files and objects: ``model@0xRANK@group@hash[@salt]``."""
-        stem = f"{self.model_name}@0x{self.kv_rank:08x}@{self.object_group}@{self.chunk_hash.hex()}"
-        return f"{stem}@{self.cache_salt}" if self.cache_salt else stem
+        """Safe, unique name for files, objects and log lines: ``model@0xRANK@group@hash[@salt]``
+        with every byte of model name and salt outside ``[A-Za-z0-9._-]`` (and a leading dot)
+        ``%XX``-escaped, so a control character in a client's name can never garble a log
+        line (:func:`lmcache_tiers.keycodec.readable_name`; unbounded in length, which
+        ``key_to_name`` bounds for file names)."""
+        from lmcache_tiers.keycodec import readable_name
+
+        return readable_name(self)
 
     def to_bytes(self) -> bytes:
         return _KEY_ENCODER.encode(self)

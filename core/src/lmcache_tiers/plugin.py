@@ -15,13 +15,17 @@ What each kind of plugin needs:
   ``BackendContext``, ``ObjectKey``, ``ObjectSize``, ``Capacity``; remote ones
   ``CircuitConfig`` (the ``circuit`` option) and ``PROBE_KEY`` (what a probe asks about); persistent ones also
   ``RecordError`` (and subclasses), ``RecordHeader``, ``verify_payload``,
-  ``header_length``, ``PREFIX_SIZE``, ``decode_header`` (a header whose key is not
-  known yet, e.g. a listed digest name's); backends copying bytes ``copy_into``; slot and
-  extent stores ``ExtentAllocator``;
+  ``header_length``, ``PREFIX_SIZE``; backends copying bytes ``copy_into``; slot and
+  extent stores ``ExtentAllocator``; a warning logged once per burst ``BurstLog``;
 * policies: ``StorePolicy``, ``PrefetchPolicy``, ``EvictionPolicy``, ``AdapterInfo``,
   ``LowestIndexPrefetchPolicy``, ``plan_from_lowest_index``;
 * a serde: ``Serde``, ``SerdeContext``, ``TensorLayout``;
 * a front end: ``Frontend``;
+* file-per-object stores: ``FileLayout``, ``LocalFiles``, ``DirectoryLock`` (and
+  ``PathLock``, ``DirectoryInUseError``), ``HeaderSizes``, ``WriteFailures``,
+  ``RECORD_ALIGN``, ``RECORD_SUFFIX``, name helpers (``record_name``, ``classify_name``,
+  ``EntryKind``, ``is_temp_name``, ``check_relative_dir``, ``record_key``), ``identity_of``, ``FileIdentity``,
+  ``is_out_of_space``;
 * tests: ``L2AdapterSuite`` (``PERSISTENCE``, ``CAPACITY``, ``EVICTION``), ``SerdeSuite``
   (``LOSSLESS``, ``DETECTS_CORRUPTION``, ``BINDS_KEY``),
   ``StorePolicySuite``, ``PrefetchPolicySuite``, ``EvictionPolicySuite`` (``EVICTS``,
@@ -59,6 +63,27 @@ if TYPE_CHECKING:
     from lmcache_tiers.l2.buffers import GIL_FREE_COPY_BYTES, copy_into
     from lmcache_tiers.l2.circuit import PROBE_KEY
     from lmcache_tiers.l2.context import BackendContext
+    from lmcache_tiers.l2.files import (
+        RECORD_ALIGN,
+        RECORD_SUFFIX,
+        DirectoryInUseError,
+        DirectoryLock,
+        EntryKind,
+        FileIdentity,
+        FileLayout,
+        HeaderSizes,
+        LocalFiles,
+        PathLock,
+        ProcessClaim,
+        WriteFailures,
+        check_relative_dir,
+        classify_name,
+        identity_of,
+        is_out_of_space,
+        is_temp_name,
+        record_key,
+        record_name,
+    )
     from lmcache_tiers.l2.interface import L2Adapter, L2Listener, L2Op, LookupResult
     from lmcache_tiers.l2.record import (
         PREFIX_SIZE,
@@ -69,10 +94,10 @@ if TYPE_CHECKING:
         RecordMismatchError,
         RecordSerdeMismatchError,
         RecordVersionError,
-        decode_header,
         header_length,
         verify_payload,
     )
+    from lmcache_tiers.l2.state import BurstLog
     from lmcache_tiers.layout import TensorLayout
     from lmcache_tiers.serde import SerdeContext
     from lmcache_tiers.testing.base import ComponentSuite
@@ -90,16 +115,37 @@ if TYPE_CHECKING:
     from lmcache_tiers.testing.serde import BINDS_KEY, DETECTS_CORRUPTION, LOSSLESS, SerdeSuite
 
 _RECORD = "lmcache_tiers.l2.record"
+_FILES = "lmcache_tiers.l2.files"
 _L2 = "lmcache_tiers.l2.interface"
 _POLICY_SUITES = "lmcache_tiers.testing.policies"
 _LAZY = {
     "BackendContext": "lmcache_tiers.l2.context",
+    "BurstLog": "lmcache_tiers.l2.state",
     "copy_into": "lmcache_tiers.l2.buffers",
     "PROBE_KEY": "lmcache_tiers.l2.circuit",
     "GIL_FREE_COPY_BYTES": "lmcache_tiers.l2.buffers",
     "ExtentAllocator": "lmcache_tiers.l1.allocator",
     "SerdeContext": "lmcache_tiers.serde",
     "TensorLayout": "lmcache_tiers.layout",
+    "RECORD_ALIGN": _FILES,
+    "RECORD_SUFFIX": _FILES,
+    "DirectoryInUseError": _FILES,
+    "DirectoryLock": _FILES,
+    "EntryKind": _FILES,
+    "FileIdentity": _FILES,
+    "FileLayout": _FILES,
+    "HeaderSizes": _FILES,
+    "LocalFiles": _FILES,
+    "PathLock": _FILES,
+    "ProcessClaim": _FILES,
+    "WriteFailures": _FILES,
+    "check_relative_dir": _FILES,
+    "classify_name": _FILES,
+    "identity_of": _FILES,
+    "is_out_of_space": _FILES,
+    "is_temp_name": _FILES,
+    "record_key": _FILES,
+    "record_name": _FILES,
     "L2Adapter": _L2,
     "L2Listener": _L2,
     "L2Op": _L2,
@@ -112,7 +158,6 @@ _LAZY = {
     "RecordMismatchError": _RECORD,
     "RecordSerdeMismatchError": _RECORD,
     "RecordVersionError": _RECORD,
-    "decode_header": _RECORD,
     "header_length": _RECORD,
     "verify_payload": _RECORD,
     "BlockingAdapterClient": "lmcache_tiers.testing.blocking",
@@ -147,23 +192,32 @@ __all__ = [
     "PREFIX_SIZE",
     "PROBE_KEY",
     "RECENCY",
+    "RECORD_ALIGN",
+    "RECORD_SUFFIX",
     "STORES_EVERYWHERE",
     "AdapterInfo",
     "AsyncL2Backend",
     "BackendContext",
     "BackendUnavailableError",
     "BlockingAdapterClient",
+    "BurstLog",
     "Capacity",
     "CircuitConfig",
     "ComponentConfig",
     "ComponentSuite",
     "ConfigError",
+    "DirectoryInUseError",
+    "DirectoryLock",
     "EmptyConfig",
+    "EntryKind",
     "EvictionPolicy",
     "EvictionPolicySuite",
     "ExtentAllocator",
     "FieldError",
+    "FileIdentity",
+    "FileLayout",
     "Frontend",
+    "HeaderSizes",
     "KeyValidationError",
     "Kind",
     "KindRegistry",
@@ -174,12 +228,15 @@ __all__ = [
     "L2EvictionConfig",
     "L2Listener",
     "L2Op",
+    "LocalFiles",
     "LookupResult",
     "LowestIndexPrefetchPolicy",
     "ObjectKey",
     "ObjectSize",
+    "PathLock",
     "PrefetchPolicy",
     "PrefetchPolicySuite",
+    "ProcessClaim",
     "RecordChecksumError",
     "RecordCorruptError",
     "RecordError",
@@ -194,15 +251,22 @@ __all__ = [
     "StorePolicySuite",
     "TensorLayout",
     "TiersError",
+    "WriteFailures",
+    "check_relative_dir",
+    "classify_name",
     "copy_into",
-    "decode_header",
     "header_length",
     "hookimpl",
+    "identity_of",
     "is_digest_name",
+    "is_out_of_space",
+    "is_temp_name",
     "key_to_name",
     "name_to_key",
     "plan_from_lowest_index",
     "printable",
+    "record_key",
+    "record_name",
     "verify_payload",
 ]
 

@@ -22,6 +22,7 @@ from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.registry import Kind
 from lmcache_tiers.serde import Serde
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.files import AlignedArena
 
 
 @contextmanager
@@ -91,27 +92,7 @@ def client(adapter: Any) -> BlockingAdapterClient:
     return BlockingAdapterClient(adapter, timeout=60.0)
 
 
-class Arena:
-    """Page-aligned stand-in for the L1 arena; ``take`` hands out 4096-aligned slices."""
-
-    def __init__(self, size: int = 64 << 20) -> None:
-        import mmap
-
-        self._map = mmap.mmap(-1, size)
-        self.view = memoryview(self._map)
-        self._offset = 0
-
-    def take(self, size: int) -> memoryview:
-        start = -(-self._offset // 4096) * 4096
-        if start + size > self.view.nbytes:
-            raise MemoryError("test arena exhausted")
-        self._offset = start + size
-        return self.view[start : start + size]
-
-    def filled(self, data: bytes) -> memoryview:
-        view = self.take(len(data))
-        view[:] = data
-        return view
+Arena = AlignedArena
 
 
 def lru_eviction_controller(adapter: L2Adapter, watermark: float, ratio: float) -> L2EvictionController:

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import zlib
-from collections.abc import Sequence
 
 import pytest
 from lmcache_plugin_nixl import recordio
-from lmcache_plugin_nixl.layout import TEMP_PREFIX, TEMP_SUFFIX
 from nixl_helpers import Arena, client, dynamic_config, lru_eviction_controller, open_dynamic, scratch_dir
 
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2 import L2Adapter
+from lmcache_tiers.l2.files.layout import TEMP_PREFIX, TEMP_SUFFIX
 from lmcache_tiers.l2.record import RECORD_MAGIC
 from lmcache_tiers.serde import SerdeContext
+from lmcache_tiers.testing.files import flip_byte, load_data, store_data
 from lmcache_tiers.testing.l2 import make_keys, pattern
 
 SIZE = 64 << 10
@@ -31,16 +31,8 @@ def record_files(root: str) -> list[str]:
     return sorted(found)
 
 
-def store(adapter: L2Adapter, arena: Arena, keys: Sequence[ObjectKey], data: Sequence[bytes]) -> list[bool]:
-    return client(adapter).store(keys, [arena.filled(d) for d in data])
-
-
-def load(
-    adapter: L2Adapter, arena: Arena, keys: Sequence[ObjectKey], sizes: Sequence[int]
-) -> tuple[list[bool], list[bytes]]:
-    buffers = [arena.take(size) for size in sizes]
-    ok = client(adapter).load(keys, buffers)
-    return ok, [bytes(b) for b in buffers]
+store = store_data
+load = load_data
 
 
 def test_salted_and_unsalted_names_side_by_side() -> None:
@@ -226,14 +218,6 @@ def test_record_file_format() -> None:
             adapter.close()
 
 
-def _corrupt(path: str, offset: int) -> None:
-    with open(path, "r+b") as handle:
-        handle.seek(offset)
-        byte = handle.read(1)
-        handle.seek(offset)
-        handle.write(bytes([byte[0] ^ 0xFF]))
-
-
 @pytest.mark.parametrize("damage", ["payload", "header", "truncated"])
 def test_damaged_record_is_a_miss_and_is_removed(damage: str) -> None:
     arena = Arena()
@@ -245,9 +229,9 @@ def test_damaged_record_is_a_miss_and_is_removed(damage: str) -> None:
             assert store(adapter, arena, keys, data) == [True, True]
             path = os.path.join(root, f"{keys[0].file_stem()}.bin")
             if damage == "payload":
-                _corrupt(path, 4096 + SIZE // 2)
+                flip_byte(path, 4096 + SIZE // 2)
             elif damage == "header":
-                _corrupt(path, 40)
+                flip_byte(path, 40)
             else:
                 os.truncate(path, 4096 + SIZE - 1)
             result = client(adapter).lookup_and_lock(keys)
@@ -375,6 +359,7 @@ def test_large_batches_open_files_in_slices_and_close_them_all(monkeypatch: pyte
         try:
             # Warm up worker and helper threads so they do not count as new descriptors.
             assert store(adapter, arena, make_keys(1, start=99), [b"x"]) == [True]
+            gc.collect()  # adapters of earlier tests close their eventfds when collected
             before = len(os.listdir("/proc/self/fd"))
             assert store(adapter, arena, keys, data) == [True] * 8
             assert load(adapter, arena, keys, [len(d) for d in data]) == ([True] * 8, data)

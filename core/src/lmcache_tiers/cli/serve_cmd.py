@@ -22,7 +22,7 @@ from rich.markup import escape
 from lmcache_tiers.cli import lmcache_flags as compat
 from lmcache_tiers.cli.output import fail
 from lmcache_tiers.config import ServerConfig, build_config, config_to_builtins, load_toml, redact_secrets
-from lmcache_tiers.defaults import CACHE_DIR_ENV, default_l2_adapters
+from lmcache_tiers.defaults import CACHE_DIR_ENV, claim_default_l2, default_l2_adapters
 from lmcache_tiers.endpoints import is_loopback
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.plugins import PluginSet
@@ -61,6 +61,8 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
 }
 
 _D = ServerConfig()
+#: the default L2's claim, held for the life of the serving process
+_DEFAULT_L2_CLAIMS: list[object] = []
 
 
 def config_flags() -> dict[str, list[str]]:
@@ -84,7 +86,8 @@ def serve_help(registry: ComponentRegistry) -> str:
     if defaults:
         spec = escape(" ".join(json.dumps(adapter) for adapter in defaults))
         default_l2 = (
-            f"the embedded default L2 --l2-adapter '{spec}' ({CACHE_DIR_ENV} moves its directory; "
+            f"the embedded default L2 --l2-adapter '{spec}' (capacity: 10 GiB or 10% of its "
+            f"filesystem, whichever is smaller; {CACHE_DIR_ENV} moves its directory; "
             "--no-default-l2 runs L1 only)"
         )
     else:
@@ -348,7 +351,8 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
     overrides, notes = flag_overrides(params, given)
     file_values: dict[str, Any] = load_toml(params["config"]) if params["config"] else {}
     adapters = params["l2_adapter"]
-    if not adapters and "l2_adapters" not in file_values and not params["no_default_l2"]:
+    uses_default_l2 = not adapters and "l2_adapters" not in file_values and not params["no_default_l2"]
+    if uses_default_l2:
         file_values["l2_adapters"] = default_l2_adapters(plugin_set.registry)
     try:
         resolved = build_config(plugin_set.registry, file_values, overrides, adapters)
@@ -358,6 +362,9 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
         fail(f"binding to {resolved.host} (not loopback) requires --auth-token or LMCACHE_TIERS_AUTH_TOKEN")
     if resolved.auth_token and len(resolved.auth_token) > MAX_TOKEN_LEN:
         fail(f"--auth-token is longer than the {MAX_TOKEN_LEN} characters the protocol carries")
+    if uses_default_l2 and file_values["l2_adapters"] and not params["print_config"]:
+        # A second default server gets a hint, not the adapter's directory-lock error.
+        _DEFAULT_L2_CLAIMS.append(claim_default_l2())
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "INFO")
     try:
         from lmcache_tiers.server.app import configure_logging, run_server

@@ -23,8 +23,10 @@ from rich.table import Table
 
 from lmcache_tiers import __version__
 from lmcache_tiers.config import ServerConfig, config_to_builtins, redact_secrets
+from lmcache_tiers.defaults import describe_default
 from lmcache_tiers.endpoints import is_loopback, rpc_endpoint
 from lmcache_tiers.errors import ConfigError, TiersError
+from lmcache_tiers.l2.scan_progress import watch_scans
 from lmcache_tiers.registry import ComponentRegistry
 from lmcache_tiers.server.handlers import DataPlane, Handlers
 from lmcache_tiers.server.http import HttpEndpoint
@@ -286,6 +288,7 @@ def run_server(
     try:
         if banner:
             console.print(_banner(server, token is not None))
+            watch_scans(server.storage.adapters, console)
         _call_hook(hooks, "tiers_server_started", config=config, storage=server.storage)
         if ready is not None:
             ready.set()
@@ -381,6 +384,9 @@ def _banner(server: TiersServer, auth: bool) -> Panel:
                 if k != "type" and v is not None and v not in ([], (), {})
             )
             grid.add_row("L2" if index == 0 else "", f"{index}: {adapter['type']}  {fields}")
+            default_note = describe_default(adapter)
+            if default_note is not None:
+                grid.add_row("", f"   {default_note}")
     else:
         grid.add_row("L2", "none (L1 only)")
     grid.add_row(

@@ -44,8 +44,8 @@ from lmcache_tiers.plugin import (
     RecordHeader,
     RecordVersionError,
     copy_into,
-    decode_header,
     header_length,
+    record_key,
     verify_payload,
 )
 
@@ -329,11 +329,11 @@ class S3Backend:
 
         try:
             data, _total = await self.client.bounded(lambda: self._first_bytes(name))
-            header = decode_header(data)
+            key = record_key(data)
         except Exception as exc:
             self.context.warn("digest", "reading the header of listed %s failed: %s", name, describe(exc))
             return None
-        return header.key if self.names.of(header.key) == name else None
+        return key if self.names.of(key) == name else None
 
     # -- helpers ---------------------------------------------------------------------------
 

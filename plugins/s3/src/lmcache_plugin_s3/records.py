@@ -1,10 +1,11 @@
 """How records sit in the bucket: object names, the fixed header slot, bounded reads.
 
 An object is ``<prefix>/<key_to_name(key)>`` and holds one record: the core record header
-padded to :data:`HEADER_BYTES`, then the payload.  The fixed header size is what lets a
-bucket listing, which reports object sizes only, tell each payload's size without
-reading a byte of it -- and so rebuild usage after a restart at one request per 1000
-objects.  Every header fits: a key is at most ~1.6 KiB, a layout 256 bytes.
+padded to :data:`HEADER_BYTES` (core's ``RECORD_ALIGN``, 4 KiB), then the payload.  The
+fixed header size is what lets a bucket listing, which reports object sizes only, tell
+each payload's size without reading a byte of it -- and so rebuild usage after a restart
+at one request per 1000 objects.  Every header fits: a key is at most ~1.6 KiB, a layout
+256 bytes.
 
 Reads never trust a length they have not checked: a header is read piece by piece as far
 as its own length field says, and a payload is copied into the caller's buffer only once
@@ -16,11 +17,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from lmcache_tiers.plugin import ObjectKey, is_digest_name, key_to_name, name_to_key
+from lmcache_tiers.plugin import RECORD_ALIGN, ObjectKey, is_digest_name, key_to_name, name_to_key
 
-#: every record header is padded to this size; a listed object of N bytes holds a
-#: payload of N - HEADER_BYTES
-HEADER_BYTES = 4096
+#: every record header is padded to this size (core's, as the file stores pad theirs); a
+#: listed object of N bytes holds a payload of N - HEADER_BYTES
+HEADER_BYTES: int = RECORD_ALIGN
 #: the largest object one PUT may create
 MAX_PUT_BYTES = 5 << 30
 _CONTENT_RANGE = re.compile(r"^bytes \d+-\d+/(\d+)$")
