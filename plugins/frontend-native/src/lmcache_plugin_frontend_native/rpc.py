@@ -29,7 +29,7 @@ from typing import Any
 
 import zmq
 
-from lmcache_tiers.server.handlers import Deferred, Frames, Handlers, Response, error_for
+from lmcache_plugin_frontend_native.handlers import Deferred, Frames, Handlers, Response, error_for
 from lmcache_tiers.wire import protocol as p
 
 logger = logging.getLogger(__name__)
