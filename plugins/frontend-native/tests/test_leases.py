@@ -139,7 +139,8 @@ def test_retrieve_into_checks_every_copy(
             # the copy that read the intruders' bytes is noticed; what is returned is exact
             assert reader.retrieve_into(keys, out) == copied
             assert [bytes(buffer) for buffer in out[:copied]] == data[:copied]
-        assert server.frontends[0].stats().requests["Retrieve"] == min(interruptions + 1, 1 + Client.STALE_RETRIES)
+        retrieves = server.frontends[0].stats().requests["Retrieve"]
+        assert retrieves == min(interruptions + 1, 1 + Client.STALE_RETRIES)
 
 
 def test_lease_counters_reach_metrics(server: TiersServer) -> None:

@@ -58,7 +58,8 @@ def test_shapes_that_cannot_be_served(raw: Callable[..., p.Reply]) -> None:
 
 
 def test_requests_over_the_size_limit(make_server: Factory) -> None:
-    server = make_server(frontends=[{"type": "native", "max_request_bytes": 64 << 10, "max_inline_bytes": 32 << 10}])
+    limits = {"max_request_bytes": 64 << 10, "max_inline_bytes": 32 << 10}
+    server = make_server(frontends=[{"type": "native", **limits}])
     with Client(server.endpoint, shm=False) as client:
         with pytest.raises(ServerError) as refused:
             client._call(p.StoreInline(0, "", [KEY]), p.StoreReply, payloads=[bytes(100 << 10)])
