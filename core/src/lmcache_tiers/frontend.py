@@ -31,7 +31,8 @@ from lmcache_tiers.endpoints import rpc_endpoint
 from lmcache_tiers.errors import ConfigError
 
 if TYPE_CHECKING:
-    from lmcache_tiers.config import ServerConfig
+    from lmcache_tiers.config import FrontendSpec, ServerConfig
+    from lmcache_tiers.registry import ComponentRegistry
     from lmcache_tiers.storage import StorageManager
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "FrontendContext",
     "FrontendStats",
     "check_frontends",
+    "create_frontend",
     "merged_stats",
 ]
 
@@ -169,6 +171,43 @@ class Frontend(Protocol):
     def describe(self) -> str:
         """One line for the start-up banner, e.g. the protocol and the data path."""
         ...
+
+
+def create_frontend(
+    registry: ComponentRegistry,
+    index: int,
+    spec: FrontendSpec,
+    storage: StorageManager,
+    server: ServerConfig,
+    *,
+    auth_token: str | None,
+    drain_timeout_s: float,
+    status: Callable[[], dict[str, Any]],
+    fatal: Callable[[BaseException], None],
+) -> Frontend:
+    """Build (and bind) the ``index``-th configured front end over ``storage``."""
+    from lmcache_tiers.registry import Kind
+
+    host, port = spec.config.address(server)
+    context = FrontendContext(
+        index=index,
+        name=f"{index}:{spec.type}",
+        storage=storage,
+        server=server,
+        host=host,
+        port=port,
+        auth_token=auth_token,
+        drain_timeout_s=drain_timeout_s,
+        status=status,
+        fatal=fatal,
+    )
+    frontend = registry.get(Kind.FRONTEND, spec.type).create(spec.config, context)
+    if not isinstance(frontend, Frontend):
+        stop = getattr(frontend, "stop", None)
+        if callable(stop):
+            stop(force=True)
+        raise ConfigError(f"front end {context.name} built {type(frontend).__name__}, not a Frontend")
+    return frontend
 
 
 # -- start-up checks -----------------------------------------------------------------------

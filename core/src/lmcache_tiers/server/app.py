@@ -33,7 +33,7 @@ from lmcache_tiers import __version__
 from lmcache_tiers.config import ServerConfig, config_to_builtins, default_frontends
 from lmcache_tiers.endpoints import is_loopback
 from lmcache_tiers.errors import ConfigError, TiersError
-from lmcache_tiers.frontend import Frontend, FrontendContext, FrontendStats, check_frontends, merged_stats
+from lmcache_tiers.frontend import Frontend, FrontendStats, check_frontends, create_frontend, merged_stats
 from lmcache_tiers.registry import ComponentRegistry, Kind
 from lmcache_tiers.server.http import HttpEndpoint
 from lmcache_tiers.server.metrics import build_registry, render
@@ -122,9 +122,9 @@ class TiersServer:
         if not config.frontends:
             config = _with_default_frontends(config, registry)
         check_serving(config, auth_token)
-        # Resolved before L1 is allocated: a front end whose code cannot be imported costs
-        # no start-up.
-        factories = [registry.get(Kind.FRONTEND, spec.type).load() for spec in config.frontends]
+        # Imported before L1 is allocated: a front end whose code cannot load costs no start-up.
+        for spec in config.frontends:
+            registry.get(Kind.FRONTEND, spec.type).load()
         self.config = config
         self.drain_timeout_s = drain_timeout_s
         self.auth_required = bool(auth_token)
@@ -138,24 +138,18 @@ class TiersServer:
         self.http: HttpEndpoint | None = None
         self.frontends: list[Frontend] = []
         try:
-            for index, (spec, factory) in enumerate(zip(config.frontends, factories, strict=True)):
-                host, port = spec.config.address(config)
-                context = FrontendContext(
-                    index=index,
-                    name=f"{index}:{spec.type}",
-                    storage=self.storage,
-                    server=config,
-                    host=host,
-                    port=port,
+            for index, spec in enumerate(config.frontends):
+                frontend = create_frontend(
+                    registry,
+                    index,
+                    spec,
+                    self.storage,
+                    config,
                     auth_token=auth_token,
                     drain_timeout_s=drain_timeout_s,
                     status=self.status,
                     fatal=self._on_fatal,
                 )
-                frontend = factory(spec.config, context)
-                if not isinstance(frontend, Frontend):
-                    built = type(frontend).__name__
-                    raise ConfigError(f"front end {context.name} built {built}, not a Frontend")
                 self.frontends.append(frontend)
             if config.metrics_port:
                 metrics = build_registry(self.frontend_stats, self.storage_status)
