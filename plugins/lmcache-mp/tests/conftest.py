@@ -10,16 +10,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # mpclient, for every test module here
 
-from mpclient import MPClient
+from mpclient import MPClient, mp_address
 
 from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.testing.server import make_server
 
 __all__ = ["make_server"]
-
-
-def mp_address(server: TiersServer) -> str:
-    return next(f.address for f in server.frontends if f.name.endswith(":lmcache_mp"))
 
 
 @pytest.fixture

@@ -22,6 +22,11 @@ HELLO_TOKEN = 9906
 _NO_REPLY = object()
 
 
+def mp_address(server: Any) -> str:
+    """The address of a TiersServer's LMCache front end."""
+    return str(next(f.address for f in server.frontends if f.name.endswith(":lmcache_mp")))
+
+
 def tokens_of(sequence: int, count: int = 1024) -> list[int]:
     """``(seq, 9906, 9906, ...)``: the token ids ``lmcache bench server`` sends."""
     return [sequence] + [HELLO_TOKEN] * count

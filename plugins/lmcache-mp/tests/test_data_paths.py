@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import mp_address
-from mpclient import Key, MPClient, Registration, chunk_payloads, tokens_of
+from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, tokens_of
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import prefix_keys

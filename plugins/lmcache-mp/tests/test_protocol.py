@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 import msgspec
-from mpclient import Key, MPClient, Registration, chunk_payloads, tokens_of
+from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, tokens_of
 
 from lmcache_tiers.server.app import TiersServer
 
@@ -126,8 +126,6 @@ def test_a_second_lookup_of_a_request_replaces_the_first(client: MPClient, mp_se
 
 def test_a_chunk_counts_only_when_every_rank_has_it(make_mp_server: Any) -> None:
     server = make_mp_server()
-    from conftest import mp_address
-
     ranks = [Registration(instance_id=2000 + worker, world_size=2) for worker in range(2)]
     with MPClient(mp_address(server)) as client:
         shm = client.register(ranks[0])["shm_name"]
@@ -164,8 +162,6 @@ def test_refusals_get_no_reply_and_are_counted(client: MPClient, mp_server: Tier
 
 
 def test_a_store_l1_cannot_hold_fails_at_commit(make_mp_server: Any) -> None:
-    from conftest import mp_address
-
     server = make_mp_server(l1_size_gb=0.0007)  # room for five chunks
     with MPClient(mp_address(server)) as client:
         shm = client.register(REG)["shm_name"]
@@ -191,8 +187,6 @@ def test_unregister_aborts_unfinished_stores(client: MPClient, mp_server: TiersS
 
 
 def test_silent_instances_are_reaped(make_mp_server: Any) -> None:
-    from conftest import mp_address
-
     server = make_mp_server(worker_registration_grace_s=0.3)
     with MPClient(mp_address(server)) as client:
         client.register(REG)
@@ -218,8 +212,6 @@ def test_clear_empties_l1(client: MPClient, mp_server: TiersServer) -> None:
 
 
 def test_shutdown_gives_back_what_clients_hold(make_mp_server: Any) -> None:
-    from conftest import mp_address
-
     server = make_mp_server()
     with MPClient(mp_address(server)) as client:
         shm = client.register(REG)["shm_name"]
