@@ -9,8 +9,9 @@ scripts/install_reference_lmcache.sh fills) runs against
 first with L1 only, then with a file L2 (LMCache's ``fs`` adapter; lmcache-tiers'
 ``nixl_store_dynamic`` on NIXL's POSIX backend), in the same directory tree, same L1 size,
 same requests (``--requests`` of ``--tokens`` tokens, KV layout ``--shape-spec``).  The
-servers run one at a time, in rounds that alternate them; each figure is the median over
-the rounds of the p50 / p99 the client reports.
+servers run one at a time, in rounds that alternate them; each figure's p50 and p99 are
+over every request of every round (the client prints one line per operation), so a burst
+of load on the machine weighs on both servers alike.
 
 Next to the figures, the limits measured in the same run: a memcpy of one request's KV
 bytes (a store or a retrieve copies them once between the engine's blocks and the L1
@@ -18,7 +19,7 @@ segment, on the client), and two bare ZeroMQ round trips (a lookup is the LOOKUP
 and its first status query).  Target: lmcache-tiers faster on every figure, and lookups
 under 3 ms p99 with the L2 configured.
 
-    python bench/bench_lmcache_mp.py                   # 3 rounds of 8 requests x 1024 tokens
+    python bench/bench_lmcache_mp.py                   # 4 rounds of 16 requests x 1024 tokens
     python bench/bench_lmcache_mp.py --rounds 5 --requests 16 --json
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -48,13 +50,14 @@ CACHE_HOME = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
 REF_VENV = Path(os.environ.get("LMCACHE_REF_VENV", CACHE_HOME / "lmcache-tiers" / "lmcache-0.5.6"))
 REF_ENV = {"DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"}
 LOOKUP_P99_TARGET_MS = 3.0
-#: (figure, the client's JSON section, what it is)
-FIGURES = [
-    ("store", "cold_store", "cold pass: prepare_store, gather into L1, commit_store"),
-    ("retrieve", "warm_retrieve", "warm pass: prepare_retrieve, scatter from L1, commit_retrieve"),
-    ("lookup (miss)", "cold_lookup", "cold pass: lookup + status queries until the answer"),
-    ("lookup (hit)", "warm_lookup", "warm pass: lookup + status queries until the answer"),
-]
+#: figure -> (pass, operation) in the client's lines: "[seq 3/warm] LOOKUP: 4/4 chunks hit (0.6 ms)"
+FIGURES = {
+    "store": ("cold", "STORE"),  # prepare_store, gather into L1, commit_store
+    "retrieve": ("warm", "RETRIEVE"),  # prepare_retrieve, scatter from L1, commit_retrieve
+    "lookup (miss)": ("cold", "LOOKUP"),  # lookup, then status queries until the answer
+    "lookup (hit)": ("warm", "LOOKUP"),
+}
+_LINE = re.compile(r"\[seq \d+/(cold|warm)\] (LOOKUP|STORE|RETRIEVE): .*?([\d.]+) ms")
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 180.0) -> None:
@@ -80,7 +83,7 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 180.0) 
         context.term()
 
 
-def start_reference(port: int, l2_dir: Path | None, l1_gb: float, logs: Path) -> subprocess.Popen[bytes]:
+def start_reference(port: int, l2_dir: Path | None, l1_gb: int, logs: Path) -> subprocess.Popen[bytes]:
     command = [
         str(REF_VENV / "bin" / "lmcache"),
         *("server", "--host", "127.0.0.1", "--port", str(port)),
@@ -98,7 +101,7 @@ def start_reference(port: int, l2_dir: Path | None, l1_gb: float, logs: Path) ->
     )
 
 
-def start_tiers(port: int, l2_dir: Path | None, l1_gb: float, logs: Path) -> subprocess.Popen[bytes]:
+def start_tiers(port: int, l2_dir: Path | None, l1_gb: int, logs: Path) -> subprocess.Popen[bytes]:
     command = [
         sys.executable,
         *("-m", "lmcache_tiers.cli.main", "serve", "--no-default-l2", "--l1-size-gb", str(l1_gb)),
@@ -121,7 +124,8 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def run_client(url: str, args: argparse.Namespace, output: Path) -> dict[str, Any]:
+def run_client(url: str, args: argparse.Namespace, output: Path) -> tuple[dict[str, Any], str]:
+    """The client's JSON metrics and its log."""
     command = [
         str(REF_VENV / "bin" / "lmcache"),
         *("bench", "server", "--rpc-url", url, "--mode", "cpu", "--interval", "0"),
@@ -140,10 +144,26 @@ def run_client(url: str, args: argparse.Namespace, output: Path) -> dict[str, An
         raise SystemExit(f"the LMCache client failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     metrics: dict[str, Any] = json.loads(output.read_text())["metrics"]
     output.unlink()
-    return metrics
+    return metrics, done.stdout
 
 
-def one_run(system: str, with_l2: bool, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def samples_of(log: str) -> dict[str, list[float]]:
+    """Every operation's latency in ms, by figure."""
+    found: dict[str, list[float]] = {name: [] for name in FIGURES}
+    wanted = {where: name for name, where in FIGURES.items()}
+    for match in _LINE.finditer(log):
+        name = wanted.get((match.group(1), match.group(2)))
+        if name is not None:
+            found[name].append(float(match.group(3)))
+    return found
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def one_run(system: str, with_l2: bool, args: argparse.Namespace, work: Path) -> dict[str, list[float]]:
     port = free_port()
     l2_dir = work / f"l2-{system}" if with_l2 else None
     if l2_dir is not None:
@@ -153,8 +173,14 @@ def one_run(system: str, with_l2: bool, args: argparse.Namespace, work: Path) ->
     proc = start(port, l2_dir, args.l1_size_gb, work)
     try:
         url = f"tcp://127.0.0.1:{port}"
-        wait_ready(url, proc)
-        metrics = run_client(url, args, work / f"{system}.json")
+        try:
+            wait_ready(url, proc)
+        except SystemExit as exc:
+            log = (work / ("reference.log" if system == "reference" else "tiers.log")).read_text(
+                errors="replace"
+            )
+            raise SystemExit(f"{system}: {exc}\n{log[-3000:]}") from None
+        metrics, log = run_client(url, args, work / f"{system}.json")
     finally:
         stop(proc)
         if l2_dir is not None:
@@ -162,10 +188,12 @@ def one_run(system: str, with_l2: bool, args: argparse.Namespace, work: Path) ->
     results = metrics["results"]
     if results["checksum_fail"] or results["checksum_ok"] != args.requests:
         raise SystemExit(f"{system} (L2: {with_l2}) failed checksums: {results}")
-    return {
-        name: (metrics[section][f"{section}_p50"], metrics[section][f"{section}_p99"])
-        for name, section, _ in FIGURES
-    }
+    found = samples_of(log)
+    if any(len(values) != args.requests for values in found.values()):
+        raise SystemExit(
+            f"{system}: the client's log lacks some operations: { {k: len(v) for k, v in found.items()} }"
+        )
+    return found
 
 
 def memcpy_ms(nbytes: int) -> float:
@@ -191,18 +219,20 @@ def request_bytes(shape_spec: str, tokens: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--shape-spec", default="(2,256,16,8,128):bfloat16:8")
-    parser.add_argument("--l1-size-gb", type=float, default=1.0)
+    parser.add_argument(
+        "--l1-size-gb", type=int, default=1, help="L1 of both servers (LMCache takes whole GB)"
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
     if not (REF_VENV / "bin" / "lmcache").exists():
         raise SystemExit(f"no reference LMCache in {REF_VENV}: run scripts/install_reference_lmcache.sh")
 
     work = Path(tempfile.mkdtemp(prefix="bench-lmcache-mp-", dir=os.environ.get("BENCH_DIR")))
-    samples: dict[tuple[bool, str], list[dict[str, Any]]] = {}
+    samples: dict[tuple[bool, str], dict[str, list[float]]] = {}
     floors_us: list[float] = []
     try:
         for round_index in range(args.rounds):
@@ -214,7 +244,9 @@ def main() -> None:
                         file=sys.stderr,
                         flush=True,
                     )
-                    samples.setdefault((with_l2, system), []).append(one_run(system, with_l2, args, work))
+                    pooled = samples.setdefault((with_l2, system), {name: [] for name in FIGURES})
+                    for name, values in one_run(system, with_l2, args, work).items():
+                        pooled[name].extend(values)
             floors_us.append(measure_floor("tcp", 4)[1])
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -229,12 +261,13 @@ def main() -> None:
     }
     table = []
     for with_l2 in (False, True):
-        for name, _, _ in FIGURES:
+        for name in FIGURES:
             row: dict[str, Any] = {"l2": with_l2, "figure": name, "limit_ms": round(limits[name], 3)}
             for system in ("reference", "tiers"):
-                runs = samples[(with_l2, system)]
-                row[f"{system}_p50_ms"] = statistics.median(run[name][0] for run in runs)
-                row[f"{system}_p99_ms"] = statistics.median(run[name][1] for run in runs)
+                values = samples[(with_l2, system)][name]
+                row[f"{system}_p50_ms"] = statistics.median(values)
+                row[f"{system}_p99_ms"] = percentile(values, 0.99)
+                row["samples"] = len(values)
             row["faster"] = (
                 row["tiers_p50_ms"] < row["reference_p50_ms"]
                 and row["tiers_p99_ms"] < row["reference_p99_ms"]
@@ -257,7 +290,8 @@ def main() -> None:
         return
     print(
         f"LMCache bench server --mode cpu: {args.requests} requests x {args.tokens} tokens, "
-        f"{summary['request_mib']:.0f} MiB each, {args.shape_spec}; median of {args.rounds} rounds (ms)"
+        f"{summary['request_mib']:.0f} MiB each, {args.shape_spec}; {args.rounds} rounds, "
+        f"{table[0]['samples']} samples per figure (ms)"
     )
     print(
         f"{'L2':<5}{'figure':<15}{'reference p50/p99':>20}{'lmcache-tiers p50/p99':>24}{'limit':>9}  faster"

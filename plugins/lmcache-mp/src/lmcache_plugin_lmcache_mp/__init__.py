@@ -10,7 +10,7 @@ says how to point a client here and what is supported.
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from lmcache_tiers.plugin import ServerConfig
 
 
-def _doc(text: str, **constraints: float) -> msgspec.Meta:
+def _doc(text: str, **constraints: Any) -> Any:
     return msgspec.Meta(description=text, **constraints)
 
 

@@ -21,7 +21,7 @@ from lmcache_plugin_lmcache_mp.lookups import Lookups
 from lmcache_plugin_lmcache_mp.state import Instance
 from lmcache_plugin_lmcache_mp.transfers import Transfers
 from lmcache_plugin_lmcache_mp.wire import RegisterPayload, RegisterReply
-from lmcache_tiers.plugin import KeyValidationError, ObjectKey, TensorLayout
+from lmcache_tiers.plugin import KeyValidationError, ObjectKey, TensorLayout, printable
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class Handlers:
         logger.info(
             "registered instance %d: model %s, world size %d, chunks of %s (%d bytes), %s",
             payload.instance_id,
-            payload.model_name,
+            printable(payload.model_name),
             payload.world_size,
             layout.format(),
             layout.nbytes,

@@ -22,6 +22,7 @@ from lmcache_plugin_lmcache_mp.chunks import chunk_range, keys_for_all_ranks
 from lmcache_plugin_lmcache_mp.state import LookupJob
 from lmcache_plugin_lmcache_mp.wire import CacheKey
 from lmcache_tiers.controllers import BurstLog
+from lmcache_tiers.plugin import printable
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,8 @@ class Lookups:
         if shared.layout_for(key.model_name, key.world_size) is None:
             logger.debug(
                 "lookup of request %s: no instance registered for model %s, world size %d: 0 hits",
-                key.request_id,
-                key.model_name,
+                printable(key.request_id),
+                printable(key.model_name),
                 key.world_size,
             )
             state.job = _settled_empty(key.world_size, readers, now)
@@ -102,7 +103,9 @@ class Lookups:
         _readers(key, "free_lookup_locks")
         job = self._job(key.request_id)
         if job is None:
-            logger.debug("free_lookup_locks of request %s without a lookup: nothing held", key.request_id)
+            logger.debug(
+                "free_lookup_locks of request %s without a lookup: nothing held", printable(key.request_id)
+            )
             return None
         chunk_size = self.shared.chunk_size
         first = -(-key.start // chunk_size)

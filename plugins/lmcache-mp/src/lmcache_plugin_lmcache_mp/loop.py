@@ -32,7 +32,7 @@ import zmq
 from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused
 from lmcache_plugin_lmcache_mp.handlers import NOT_SERVED, Handlers
 from lmcache_plugin_lmcache_mp.wire import CacheKey, decode_arguments, encode_reply, operation_name, peek_uid
-from lmcache_tiers.plugin import FrontendStats, KeyValidationError
+from lmcache_tiers.plugin import FrontendStats, KeyValidationError, printable
 
 logger = logging.getLogger(__name__)
 
@@ -247,15 +247,16 @@ class MPServer:
             self.stats.requests["unknown"] += 1
             self._unanswered("?", peek_uid(uid), "", "mp_unknown_op", str(exc))
             return
-        self.stats.requests[name] += 1
         if name not in self.handlers.table:
             if name in NOT_SERVED:
+                self.stats.requests[name] += 1
                 self._unanswered(name, peek_uid(uid), "", "mp_not_served", NOT_SERVED[name])
-            else:
-                self._unanswered(
-                    name, peek_uid(uid), "", "mp_unknown_op", "not an operation of LMCache's protocol"
-                )
+            else:  # one label for all: a client must not grow /metrics with made-up names
+                self.stats.requests["unknown"] += 1
+                message = "not an operation of LMCache's protocol"
+                self._unanswered(name[:64], peek_uid(uid), "", "mp_unknown_op", message)
             return
+        self.stats.requests[name] += 1
         if self.draining:
             self._unanswered(name, peek_uid(uid), "", "mp_shutting_down", "the server is shutting down")
             return
@@ -319,13 +320,14 @@ class MPServer:
         if not log:
             return
         earlier = f" ({held} more not logged)" if held else ""
-        ids = f"uid {uid}" + (f", request_id {request_id}" if request_id else "")
+        # Names and ids come from clients: escaped, so they cannot forge log lines.
+        ids = f"uid {printable(uid)}" + (f", request_id {printable(request_id)}" if request_id else "")
         logger.warning(
             "%s: %s (%s) not answered, as LMCache's server would not: %s [%s]%s",
             self.name,
-            name,
+            printable(name, 64),
             ids,
-            message[:300],
+            printable(message, 300),
             reason,
             earlier,
         )

@@ -67,7 +67,7 @@ class PickleCodec:
                     f"pickled chunk {dtype}{list(tensor.shape)} on {tensor.device} is not the registered "
                     f"layout {layout.format()} on cpu"
                 )
-            views.append(memoryview(tensor.contiguous().view(torch.uint8).reshape(-1).numpy()))
+            views.append(tensor.contiguous().view(torch.uint8).reshape(-1).numpy().data)
         return views
 
     def dump(self, chunks: Sequence[bytes | bytearray | memoryview], layout: TensorLayout) -> bytes:

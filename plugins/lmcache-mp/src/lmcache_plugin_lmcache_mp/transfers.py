@@ -29,7 +29,7 @@ from lmcache_plugin_lmcache_mp.lookups import Lookups
 from lmcache_plugin_lmcache_mp.state import Instance, PendingTransfers, Transfer
 from lmcache_plugin_lmcache_mp.wire import CacheKey, PrepareRetrieveReply, PrepareStoreReply
 from lmcache_tiers.controllers import BurstLog
-from lmcache_tiers.plugin import L1OutOfMemoryError, ObjectKey
+from lmcache_tiers.plugin import L1OutOfMemoryError, ObjectKey, printable
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,9 @@ class Transfers:
             else:
                 self.shared.stats.failure("mp_commit_without_reservation")
                 logger.debug(
-                    "commit_store of request %s: no reservation of instance %d", key.request_id, instance_id
+                    "commit_store of request %s: no reservation of instance %d",
+                    printable(key.request_id),
+                    instance_id,
                 )
             return False
         done = self.storage.commit_write(pending.keys)
