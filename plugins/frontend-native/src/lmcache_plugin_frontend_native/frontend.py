@@ -7,9 +7,6 @@ server's start-up before anything is served.
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
 from typing import Any
 
 from lmcache_plugin_frontend_native import NativeConfig
@@ -18,11 +15,6 @@ from lmcache_plugin_frontend_native.rpc import RpcServer
 from lmcache_tiers.plugin import FrontendContext, FrontendStats
 from lmcache_tiers.wire import protocol as p
 from lmcache_tiers.wire.shm import segment_identity
-
-logger = logging.getLogger(__name__)
-
-#: the RPC loop must have turned within this long for the front end to count as healthy
-HEARTBEAT_LIMIT_S = 5.0
 
 
 def data_plane_of(context: FrontendContext) -> DataPlane:
@@ -57,6 +49,7 @@ class NativeFrontend:
         self.rpc = RpcServer(
             self.handlers,
             context.endpoint,
+            name=context.name,
             auth_token=context.auth_token,
             pool_workers=config.pool_workers,
             drain_timeout_s=context.drain_timeout_s,
@@ -64,35 +57,19 @@ class NativeFrontend:
             # one inline chunk up to the advertised limit must fit in one frame
             max_frame_bytes=config.max_inline_bytes + p.MAX_HEADER_BYTES,
         )
-        self._thread: threading.Thread | None = None
-        self._closed = False
 
     @property
     def address(self) -> str:
         return self.rpc.endpoint
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._serve, name=f"tiers-{self.name}", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        try:
-            self.rpc.serve()
-        except BaseException as exc:  # a bug in the loop: the server shuts down
-            logger.exception("%s: the RPC loop failed", self.name)
-            self._context.fatal(exc)
+        self.rpc.start(self._context.fatal)
 
     def stop(self, *, force: bool = False) -> None:
         self.rpc.request_stop(force=force)
 
     def join(self, timeout: float | None = None) -> bool:
-        if self._thread is None:
-            if not self._closed:
-                self._closed = True
-                self.rpc.close()
-            return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        return self.rpc.router.join(timeout)
 
     def stats(self) -> FrontendStats:
         return self._stats
@@ -111,12 +88,7 @@ class NativeFrontend:
         }
 
     def health(self) -> tuple[bool, str]:
-        if self.rpc.draining:
-            return False, "shutting down"
-        stalled = time.monotonic() - self.rpc.heartbeat
-        if self._thread is not None and stalled > HEARTBEAT_LIMIT_S:
-            return False, f"rpc loop has not turned for {stalled:.1f}s"
-        return True, "ok"
+        return self.rpc.router.health()
 
     def describe(self) -> str:
         auth = "auth token required" if self._context.auth_token else "no auth, loopback only"

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from typing import Any
 
 from lmcache_plugin_lmcache_mp import LMCacheMPConfig
@@ -15,9 +13,6 @@ from lmcache_plugin_lmcache_mp.state import RequestTable
 from lmcache_tiers.plugin import FrontendContext, FrontendStats
 
 logger = logging.getLogger(__name__)
-
-#: the loop must have turned within this long for the front end to count as healthy
-HEARTBEAT_LIMIT_S = 5.0
 
 PICKLE_WARNING = (
     "%s: the pickle data path is ON (allow_pickle): the server unpickles KV chunks sent by "
@@ -64,8 +59,6 @@ class LMCacheMPFrontend:
             max_frame_bytes=config.max_message_mb << 20,
             drain_timeout_s=context.drain_timeout_s,
         )
-        self._thread: threading.Thread | None = None
-        self._closed = False
         if codec is not None:
             logger.warning(PICKLE_WARNING, self.name, self.loop.endpoint)
 
@@ -74,27 +67,13 @@ class LMCacheMPFrontend:
         return self.loop.endpoint
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._serve, name=f"tiers-{self.name}", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        try:
-            self.loop.serve()
-        except BaseException as exc:  # a bug in the loop: the server shuts down
-            logger.exception("%s: the request loop failed", self.name)
-            self._context.fatal(exc)
+        self.loop.start(self._context.fatal)
 
     def stop(self, *, force: bool = False) -> None:
         self.loop.request_stop(force=force)
 
     def join(self, timeout: float | None = None) -> bool:
-        if self._thread is None:
-            if not self._closed:
-                self._closed = True
-                self.loop.close()
-            return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        return self.loop.router.join(timeout)
 
     def stats(self) -> FrontendStats:
         return self.shared.stats
@@ -129,12 +108,7 @@ class LMCacheMPFrontend:
         return "pickled chunks"
 
     def health(self) -> tuple[bool, str]:
-        if self.loop.draining:
-            return False, "shutting down"
-        stalled = time.monotonic() - self.loop.heartbeat
-        if self._thread is not None and stalled > HEARTBEAT_LIMIT_S:
-            return False, f"request loop has not turned for {stalled:.1f}s"
-        return True, "ok"
+        return self.loop.router.health()
 
     def describe(self) -> str:
         auth = "remote allowed, no auth" if self.config.allow_remote else "no auth, loopback only"

@@ -1,10 +1,9 @@
-"""The request loop: one ZeroMQ ROUTER, one loop thread, a pool for requests that wait.
+"""The request loop: LMCache's frames on core's RouterLoop (one ROUTER, one loop thread).
 
 As in LMCache's server, the ROUTER is bound with ``ROUTER_MANDATORY`` and only the loop
 thread touches it; requests are answered in the loop unless their handler returns a
 :class:`~lmcache_plugin_lmcache_mp.base.Deferred`, whose work runs on the pool and whose
-finisher (and reply) comes back to the loop through a queue and a wake-up message from an
-in-process DEALER.
+finisher (and reply) comes back to the loop.
 
 Nothing a client sends can stop the loop: frames are bounded (``ZMQ_MAXMSGSIZE``
 disconnects a peer sending a larger one; at most :data:`MAX_FRAMES` frames are kept), and a
@@ -14,16 +13,9 @@ counted, and -- like LMCache's server -- not answered.
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import errno
-import itertools
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -33,6 +25,7 @@ from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused
 from lmcache_plugin_lmcache_mp.handlers import NOT_SERVED, Handlers
 from lmcache_plugin_lmcache_mp.wire import CacheKey, decode_arguments, encode_reply, operation_name, peek_uid
 from lmcache_tiers.plugin import FrontendStats, KeyValidationError, printable
+from lmcache_tiers.router import RouterLoop
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +34,6 @@ logger = logging.getLogger(__name__)
 MAX_FRAMES = 16
 #: unanswered requests logged per second; the rest are counted, then summed up in one line
 LOG_LINES_PER_SECOND = 20
-
-_instances = itertools.count()
-_NOBLOCK = int(zmq.NOBLOCK)
-_SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
-#: identity, uid, op, name, argument frames, then the finisher or what the work raised
-_Completion = tuple[bytes, bytes, bytes, str, list[bytes], "Callable[[], Any] | None", "BaseException | None"]
 
 
 class _LineBudget:
@@ -72,7 +59,7 @@ class _LineBudget:
 
 
 class MPServer:
-    """LMCache's protocol on one ROUTER socket, until :meth:`request_stop`."""
+    """LMCache's protocol on one ROUTER socket (core's RouterLoop), until :meth:`request_stop`."""
 
     SWEEP_INTERVAL_S = 0.5
 
@@ -89,119 +76,36 @@ class MPServer:
         self.handlers = handlers
         self.stats: FrontendStats = handlers.shared.stats
         self.name = name
-        self.drain_timeout_s = drain_timeout_s
-        self._context = zmq.Context()
-        self.socket = self._context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
-        self.socket.setsockopt(zmq.LINGER, 500)
-        self.socket.setsockopt(zmq.RCVTIMEO, int(self.SWEEP_INTERVAL_S * 1000))
-        if "[" in endpoint:
-            self.socket.setsockopt(zmq.IPV6, 1)
-        # The wake-up DEALER connects before the public endpoint exists, so the first
-        # message the ROUTER receives is its greeting: that is how its identity is known.
-        inproc = f"inproc://tiers-lmcache-mp-wake-{next(_instances)}"
-        self.socket.bind(inproc)
-        self._waker = self._context.socket(zmq.DEALER)
-        self._waker.setsockopt(zmq.LINGER, 0)
-        self._waker.connect(inproc)
-        self._waker.send(b"")
-        self._wake_identity = self.socket.recv()
-        self.socket.recv()
-        self._waker_lock = threading.Lock()
-        try:
-            self.socket.bind(endpoint)
-        except zmq.ZMQError as exc:
-            self._close_sockets(0)
-            raise OSError(exc.errno, f"cannot listen on {endpoint}: {exc.strerror}") from None
-        raw = self.socket.getsockopt(zmq.LAST_ENDPOINT)
-        self.endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tiers-lmcache-mp")
-        self._completions: collections.deque[_Completion] = collections.deque()
-        self._in_pool = 0
-        self._stop_requested = False
-        self._force_stop = False
-        self.draining = False
-        self.heartbeat = time.monotonic()
+        self.router = RouterLoop(
+            endpoint,
+            name=name,
+            stats=self.stats,
+            pool_workers=workers,
+            max_frame_bytes=max_frame_bytes,
+            sweep_interval_s=self.SWEEP_INTERVAL_S,
+            drain_timeout_s=drain_timeout_s,
+        )
+        self.socket = self.router.socket
+        self.endpoint = self.router.endpoint
         self._budget = _LineBudget(LOG_LINES_PER_SECOND)
 
-    # -- control ---------------------------------------------------------------------------
+    @property
+    def draining(self) -> bool:
+        return self.router.draining
 
     def request_stop(self, *, force: bool = False) -> None:
         """Begin a stop; safe from a signal handler (a flag, and a non-blocking wake-up)."""
-        self._stop_requested = True
-        if force:
-            self._force_stop = True
-        if self._waker_lock.acquire(blocking=False):
-            try:
-                self._waker.send(b"", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass  # closed or full: the receive timeout gets there
-            finally:
-                self._waker_lock.release()
+        self.router.request_stop(force=force)
 
-    def _wake(self) -> None:
-        with self._waker_lock, contextlib.suppress(zmq.ZMQError):
-            self._waker.send(b"", zmq.NOBLOCK)
-
-    def close(self) -> None:
-        """Release the sockets of a loop that will not run."""
-        self._pool.shutdown(wait=False)
-        self._close_sockets(0)
-
-    def _close_sockets(self, linger: int | None = None) -> None:
-        with self._waker_lock:
-            self._waker.close(0)
-        bound = getattr(self, "endpoint", "")
-        self.socket.close(linger)
-        self._context.term()
-        if bound.startswith("ipc://"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(bound[len("ipc://") :])
-
-    # -- the loop --------------------------------------------------------------------------
-
-    def serve(self) -> None:
-        next_sweep = time.monotonic() + self.SWEEP_INTERVAL_S
-        drain_deadline = 0.0
-        try:
-            while True:
-                self._receive_one()
-                if self._completions:
-                    self._finish_completions()
-                now = time.monotonic()
-                self.heartbeat = now
-                if now >= next_sweep:
-                    self._sweep(now)
-                    next_sweep = now + self.SWEEP_INTERVAL_S
-                if self._stop_requested and not self.draining:
-                    self.draining = True
-                    self.handlers.shared.stopping.set()  # waits in the pool end early
-                    drain_deadline = now + self.drain_timeout_s
-                    logger.info("%s stopping: refusing new requests, %d in flight", self.name, self._in_pool)
-                if self.draining and (self._in_pool == 0 or now >= drain_deadline or self._force_stop):
-                    break
-        finally:
-            self._shutdown()
-
-    def _sweep(self, now: float) -> None:
-        try:
-            self.handlers.sweep(now)
-            self.stats.pool_tasks = self._in_pool
-        except Exception:
-            logger.exception("%s: periodic maintenance failed", self.name)
-
-    def _shutdown(self) -> None:
-        if self._in_pool:
-            logger.warning(
-                "%s: abandoning %d requests still running at the drain deadline", self.name, self._in_pool
-            )
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        try:
-            self.handlers.release_everything()
-        except Exception:
-            logger.exception("%s: releasing client locks at shutdown failed", self.name)
-        self._close_sockets()
+    def start(self, on_failure: Callable[[BaseException], None]) -> None:
+        """Serve on the loop's thread until a stop, then give back what clients hold."""
+        self.router.start(
+            self._receive_one,
+            sweep=self.handlers.sweep,
+            on_drain=self.handlers.shared.stopping.set,  # waits in the pool end early
+            on_shutdown=self.handlers.release_everything,
+            on_failure=on_failure,
+        )
 
     def _receive_one(self) -> None:
         sock = self.socket
@@ -221,7 +125,7 @@ class MPServer:
                 frames.append(part.bytes)
             elif len(frames) == MAX_FRAMES:
                 frames.append(b"")  # marks the message as over the frame limit
-        if frames[0] == self._wake_identity:
+        if self.router.is_waker(frames[0]):
             return
         if len(frames) < 3:
             self._unanswered(
@@ -276,29 +180,17 @@ class MPServer:
     def _submit(
         self, identity: bytes, uid: bytes, op: bytes, name: str, arg_frames: list[bytes], deferred: Deferred
     ) -> None:
-        def run() -> None:
-            try:
-                item: _Completion = (identity, uid, op, name, arg_frames, deferred.work(), None)
-            except BaseException as exc:
-                item = (identity, uid, op, name, arg_frames, None, exc)
-            self._completions.append(item)
-            self._wake()
-
-        self._in_pool += 1
-        self._pool.submit(run)
-
-    def _finish_completions(self) -> None:
-        while self._completions:
-            identity, uid, op, name, arg_frames, finish, error = self._completions.popleft()
-            self._in_pool -= 1
+        def done(finish: Callable[[], Any] | None, error: BaseException | None) -> None:
             if finish is not None:
                 try:
                     self._send(identity, uid, op, finish())
-                    continue
+                    return
                 except Exception as exc:
                     error = exc
             assert error is not None
             self._failed(name, uid, arg_frames, error)
+
+        self.router.submit(deferred.work, done)
 
     # -- replying --------------------------------------------------------------------------
 
@@ -333,27 +225,9 @@ class MPServer:
         )
 
     def _send(self, identity: bytes, uid: bytes, op: bytes, result: Any) -> None:
-        sock = self.socket
-        try:
-            sock.send(identity, _SNDMORE_NOBLOCK)
-            sock.send(uid, _SNDMORE_NOBLOCK)
-            if result is None:
-                sock.send(op, _NOBLOCK)
-                return
-            payload = encode_reply(result)
-            sock.send(op, _SNDMORE_NOBLOCK)
-            sock.send(payload, _NOBLOCK, copy=len(payload) < 65536)
-        except zmq.Again:
-            self.stats.failure("reply_dropped")
-            logger.warning(
-                "%s: dropped a reply to %s: it is not reading its replies", self.name, identity.hex()
-            )
-        except zmq.ZMQError as exc:
-            self.stats.failure("reply_dropped")
-            if exc.errno == errno.EHOSTUNREACH:
-                logger.info("%s: dropped a reply to %s: the client is gone", self.name, identity.hex())
-            else:
-                logger.warning("%s: dropped a reply to %s: %s", self.name, identity.hex(), exc)
+        # None (LMCache's "void") goes as no payload frame
+        frames = [identity, uid, op] if result is None else [identity, uid, op, encode_reply(result)]
+        self.router.send(frames)
 
 
 def _request_id(name: str, arg_frames: list[bytes]) -> str:
