@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from fuzz_kit import connected_dealer, msgpack_values, mutate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lmcache_plugin_lmcache_mp.wire import OPERATION_IDS, SIGNATURES, CacheKey, RegisterPayload
@@ -43,13 +44,8 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
 
 @pytest.fixture(scope="module")
 def dealer(fuzz_server: ServerProcess) -> Iterator[zmq.Socket[bytes]]:
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(fuzz_server.url)
-    yield sock
-    sock.close(0)
-    context.term()
+    with connected_dealer(fuzz_server.url) as sock:
+        yield sock
 
 
 def check_alive(sock: zmq.Socket[bytes], server: ServerProcess, frames: list[bytes]) -> None:
@@ -122,19 +118,6 @@ valid_requests = st.sampled_from(sorted(SIGNATURES)).flatmap(
     lambda name: arguments_of(name).map(lambda args: [name, *args])
 )
 
-msgpack_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**63), 2**64 - 1)
-    | st.floats()
-    | st.text(max_size=20)
-    | st.binary(max_size=40),
-    lambda children: (
-        st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=8), children, max_size=4)
-    ),
-    max_leaves=20,
-)
-
 
 def encode_request(request: list[Any]) -> list[bytes]:
     name, *args = request
@@ -150,17 +133,7 @@ def encode_request(request: list[Any]) -> list[bytes]:
 def mutated(draw: st.DrawFn) -> list[bytes]:
     frames = [bytearray(frame) for frame in encode_request(draw(valid_requests))]
     for _ in range(draw(st.integers(1, 4))):
-        frame = frames[draw(st.integers(0, len(frames) - 1))]
-        action = draw(st.sampled_from(["truncate", "flip", "insert", "delete"]))
-        position = draw(st.integers(0, max(0, len(frame) - 1)))
-        if action == "truncate":
-            del frame[position:]
-        elif action == "flip" and frame:
-            frame[position] ^= draw(st.integers(1, 255))
-        elif action == "insert":
-            frame[position:position] = draw(st.binary(min_size=1, max_size=8))
-        elif frame:
-            del frame[position]
+        mutate(draw, frames[draw(st.integers(0, len(frames) - 1))])
     return [bytes(frame) for frame in frames]
 
 
@@ -214,57 +187,37 @@ def test_pathological_messages(dealer: zmq.Socket[bytes], fuzz_server: ServerPro
 
 
 def test_a_peer_over_the_frame_limit_is_dropped_alone(fuzz_server: ServerProcess) -> None:
-    context = zmq.Context()
-    try:
-        rogue = context.socket(zmq.DEALER)
-        rogue.setsockopt(zmq.LINGER, 0)
-        rogue.connect(fuzz_server.url)
+    with connected_dealer(fuzz_server.url) as rogue, connected_dealer(fuzz_server.url) as honest:
         rogue.send_multipart([msgspec.msgpack.encode(1), msgspec.msgpack.encode(17), bytes(8 << 20)])
-        honest = context.socket(zmq.DEALER)
-        honest.setsockopt(zmq.LINGER, 0)
-        honest.connect(fuzz_server.url)
         check_alive(honest, fuzz_server, [msgspec.msgpack.encode(2), msgspec.msgpack.encode(24)])
-        rogue.close(0)
-        honest.close(0)
-    finally:
-        context.term()
 
 
 def test_everything_is_given_back_at_the_end(tmp_path: Path) -> None:
     """Fuzzed registrations, reservations and lookups hold L1; a stop releases all of it."""
     server = start_server(tmp_path / "server", l1_size_gb=0.0625, frontends=[{"type": "lmcache_mp"}])
-    context = zmq.Context()
-    try:
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(server.url)
-        registration = {
-            "instance_id": 1,
-            "model_name": "m",
-            "world_size": 1,
-            "block_size": 16,
-            "num_layers": 1,
-            "hidden_dim_size": 8,
-            "dtype_str": "float16",
-            "use_mla": False,
-            "num_physical_slots": 256,
-        }
-        key = {
-            "model_name": "m",
-            "world_size": 1,
-            "worker_id": 0,
-            "token_ids": list(range(1024)),
-            "start": 0,
-            "end": 1024,
-            "request_id": "r",
-            "num_kv_readers": 1,
-        }
+    registration = {
+        "instance_id": 1,
+        "model_name": "m",
+        "world_size": 1,
+        "block_size": 16,
+        "num_layers": 1,
+        "hidden_dim_size": 8,
+        "dtype_str": "float16",
+        "use_mla": False,
+        "num_physical_slots": 256,
+    }
+    key = {
+        "model_name": "m",
+        "world_size": 1,
+        "worker_id": 0,
+        "token_ids": list(range(1024)),
+        "start": 0,
+        "end": 1024,
+        "request_id": "r",
+        "num_kv_readers": 1,
+    }
+    with connected_dealer(server.url) as sock:
         for request in (["register_kv_cache_engine_driven_context", registration], ["prepare_store", key, 1]):
             check_alive(sock, server, encode_request(request))
-        sock.close(0)
-    finally:
-        context.term()
     assert server.stop() == 0, server.output()
-    assert (
-        "1 unfinished stores aborted" in server.output() or "4 unfinished stores aborted" in server.output()
-    )
+    assert "4 unfinished stores aborted" in server.output()

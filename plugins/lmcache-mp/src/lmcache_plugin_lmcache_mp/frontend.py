@@ -60,11 +60,11 @@ class LMCacheMPFrontend:
             drain_timeout_s=context.drain_timeout_s,
         )
         if codec is not None:
-            logger.warning(PICKLE_WARNING, self.name, self.loop.endpoint)
+            logger.warning(PICKLE_WARNING, self.name, self.loop.router.endpoint)
 
     @property
     def address(self) -> str:
-        return self.loop.endpoint
+        return self.loop.router.endpoint
 
     def start(self) -> None:
         self.loop.start(self._context.fatal)
@@ -96,7 +96,7 @@ class LMCacheMPFrontend:
                 for instance in shared.instances.values()
             ],
             "requests": len(shared.requests),
-            "draining": self.loop.draining,
+            "draining": self.loop.router.draining,
             **shared.stats.snapshot(),
         }
 

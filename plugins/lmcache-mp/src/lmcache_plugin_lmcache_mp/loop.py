@@ -86,12 +86,7 @@ class MPServer:
             drain_timeout_s=drain_timeout_s,
         )
         self.socket = self.router.socket
-        self.endpoint = self.router.endpoint
         self._budget = _LineBudget(LOG_LINES_PER_SECOND)
-
-    @property
-    def draining(self) -> bool:
-        return self.router.draining
 
     def request_stop(self, *, force: bool = False) -> None:
         """Begin a stop; safe from a signal handler (a flag, and a non-blocking wake-up)."""
@@ -161,7 +156,7 @@ class MPServer:
                 self._unanswered(name[:64], peek_uid(uid), "", "mp_unknown_op", message)
             return
         self.stats.requests[name] += 1
-        if self.draining:
+        if self.router.draining:
             self._unanswered(name, peek_uid(uid), "", "mp_shutting_down", "the server is shutting down")
             return
         try:
