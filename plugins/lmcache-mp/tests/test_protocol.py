@@ -82,6 +82,21 @@ def test_a_store_of_chunks_present_reserves_only_the_new_ones(client: MPClient) 
     assert again == {"context": {"slots": [], "chunk_indices": []}}
 
 
+def test_a_repeated_prepare_store_replaces_the_first(client: MPClient, mp_server: TiersServer) -> None:
+    shm = client.register(REG)["shm_name"]
+    key = Key(tokens_of(30), "r", worker_id=0)
+    first = client.call("prepare_store", key.encode(), REG.instance_id)["context"]
+    again = client.call("prepare_store", key.encode(), REG.instance_id)["context"]  # a client retry
+    assert len(first["slots"]) == len(again["slots"]) == 4
+    assert l1(mp_server)["write_locked"] == 4
+    segment = client.segment(shm)
+    payloads = chunk_payloads(30, 4, CHUNK)
+    for slot, payload in zip(again["slots"], payloads, strict=True):
+        segment[slot["offset"] : slot["offset"] + slot["length"]] = payload
+    assert client.call("commit_store", key.encode(), REG.instance_id, b"") is True
+    assert client.retrieve(key, REG.instance_id, shm) == payloads
+
+
 def test_commit_without_prepare_is_false(client: MPClient, mp_server: TiersServer) -> None:
     client.register(REG)
     key = Key(tokens_of(3), "r", worker_id=0)

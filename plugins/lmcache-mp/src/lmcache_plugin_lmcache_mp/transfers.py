@@ -64,6 +64,11 @@ class Transfers:
             return PrepareStoreReply(context=_ALL_PRESENT)  # no full chunk: nothing to store
         if self.shared.shm is None:
             return PrepareStoreReply(context={})  # pickled: the chunks come with commit_store
+        repeated = self.writes.pop(instance_id, keys, time.monotonic())
+        if repeated is not None:
+            # The same prepare again (the client timed out on the first): its slots were
+            # never committed; without this they would stay write-locked for the write TTL.
+            self.storage.abort_write(repeated.keys)
         size = instance.object_bytes
         try:
             reserved = self.storage.reserve_write(
