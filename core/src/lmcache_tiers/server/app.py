@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import select
 import signal
 import threading
@@ -26,15 +25,14 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.panel import Panel
-from rich.table import Table
 
 from lmcache_tiers import __version__
-from lmcache_tiers.config import ServerConfig, config_to_builtins, default_frontends
+from lmcache_tiers.config import ServerConfig, default_frontends
 from lmcache_tiers.endpoints import is_loopback
 from lmcache_tiers.errors import ConfigError, TiersError
 from lmcache_tiers.frontend import Frontend, FrontendStats, check_frontends, create_frontend, merged_stats
 from lmcache_tiers.registry import ComponentRegistry, Kind
+from lmcache_tiers.server.banner import start_banner, stop_summary
 from lmcache_tiers.server.http import HttpEndpoint
 from lmcache_tiers.server.metrics import build_registry, render
 from lmcache_tiers.wire import protocol as p
@@ -47,8 +45,6 @@ logger = logging.getLogger(__name__)
 LOG_LEVEL_ENV = "LMCACHE_LOG_LEVEL"
 AUTH_TOKEN_ENV = "LMCACHE_TIERS_AUTH_TOKEN"
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
-#: adapter options never printed in the banner (credentials of remote stores)
-_SECRET_FIELD = re.compile(r"secret|password|passwd|token|credential|access_key|api_key", re.IGNORECASE)
 #: how long a front end that does not finish its drain is waited for beyond the deadline
 _JOIN_GRACE_S = 5.0
 
@@ -346,7 +342,7 @@ def run_server(
     code = 0
     try:
         if banner:
-            console.print(_banner(server))
+            console.print(start_banner(server))
         _call_hook(hooks, "tiers_server_started", config=config, storage=server.storage)
         if ready is not None:
             ready.set()
@@ -363,7 +359,7 @@ def run_server(
     finally:
         restore()
     if banner:
-        console.print(_summary(summary))
+        console.print(stop_summary(summary))
     return code
 
 
@@ -406,65 +402,3 @@ def _install_signal_handlers(server: TiersServer) -> Any:
             signal.signal(sig, handler)
 
     return restore
-
-
-def _gib(size: float) -> str:
-    return f"{size / 2**30:.2f} GiB"
-
-
-def _banner(server: TiersServer) -> Panel:
-    config = server.config
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold cyan", no_wrap=True)
-    grid.add_column()
-    for index, frontend in enumerate(server.frontends):
-        grid.add_row("front ends" if index == 0 else "", f"{frontend.address}  {frontend.describe()}")
-    http = server.http_url
-    grid.add_row("HTTP", f"{http}/metrics  /healthz  /status" if http else "disabled (--metrics-port 0)")
-    grid.add_row(
-        "L1",
-        f"{_gib(config.l1_size_bytes)}, eviction {config.eviction_policy} at "
-        f"{config.eviction_trigger_watermark:.0%} frees {config.eviction_ratio:.0%}, "
-        f"lock TTL {config.l1_lock_ttl_s:g}s",
-    )
-    adapters = config_to_builtins(config)["l2_adapters"]
-    if adapters:
-        for index, adapter in enumerate(adapters):
-            fields = ", ".join(
-                f"{k}={'***' if _SECRET_FIELD.search(k) else v}"
-                for k, v in adapter.items()
-                if k != "type" and v is not None and v not in ([], (), {})
-            )
-            grid.add_row("L2" if index == 0 else "", f"{index}: {adapter['type']}  {fields}")
-    else:
-        grid.add_row("L2", "none (L1 only)")
-    grid.add_row(
-        "policies",
-        f"store {config.l2_store_policy}, prefetch {config.l2_prefetch_policy} "
-        f"(at most {config.l2_prefetch_max_in_flight} in flight)",
-    )
-    grid.add_row("chunk size", f"{config.chunk_size} tokens")
-    grid.add_row("log level", logging.getLevelName(logging.getLogger("lmcache_tiers").getEffectiveLevel()))
-    return Panel(grid, title=f"lmcache-tiers {__version__}  (pid {os.getpid()})", expand=False)
-
-
-def _summary(summary: dict[str, Any]) -> Panel:
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold cyan", no_wrap=True)
-    grid.add_column()
-    grid.add_row("uptime", f"{summary['uptime_s']:.1f} s, {summary['requests']} requests")
-    grid.add_row("stored", f"{summary['stored_chunks']} chunks, {_gib(summary['stored_bytes'])}")
-    grid.add_row("retrieved", f"{summary['retrieved_chunks']} chunks, {_gib(summary['retrieved_bytes'])}")
-    grid.add_row(
-        "lookups",
-        f"{summary['lookups']}, hit chunks L1 {summary['l1_hit_chunks']} / L2 {summary['l2_hit_chunks']}",
-    )
-    grid.add_row("failures", str(summary["failures"]))
-    grid.add_row(
-        "released",
-        f"{summary['client_locks_released']} client locks, "
-        f"{summary['client_reservations_aborted']} unfinished stores aborted",
-    )
-    flushed = "all flushed" if summary["l2_flushed"] else "flush timed out"
-    grid.add_row("L2 stores", f"{summary['l2_stores_pending']} pending at stop, {flushed}")
-    return Panel(grid, title="lmcache-tiers stopped", expand=False)
