@@ -103,9 +103,11 @@ class LMCacheMPFrontend:
     def _data_path(self) -> str:
         shm = self.shared.shm
         if shm is not None:
-            pickled = ", pickled chunks accepted" if self.shared.pickle is not None else ""
+            pickled = (
+                ", PICKLED CHUNKS ACCEPTED (trusted clients only)" if self.shared.pickle is not None else ""
+            )
             return f"shared memory /dev/shm/{shm[0]}{pickled}"
-        return "pickled chunks"
+        return "PICKLED CHUNKS (allow_pickle: trusted clients only)"
 
     def health(self) -> tuple[bool, str]:
         return self.loop.router.health()
