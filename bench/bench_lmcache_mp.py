@@ -8,10 +8,12 @@ scripts/install_reference_lmcache.sh fills) runs against
 
 first with L1 only, then with a file L2 (LMCache's ``fs`` adapter; lmcache-tiers'
 ``nixl_store_dynamic`` on NIXL's POSIX backend), in the same directory tree, same L1 size,
-same requests (``--requests`` of ``--tokens`` tokens, KV layout ``--shape-spec``).  The
-servers run one at a time, in rounds that alternate them; each figure's p50 and p99 are
-over every request of every round (the client prints one line per operation), so a burst
-of load on the machine weighs on both servers alike.
+same KV layout (``--shape-spec``), requests of ``--tokens`` tokens.  Both servers of a
+configuration run side by side (idle, each costs nothing) and the client runs against them
+in turn, ``--requests-per-slice`` requests at a time, ``--slices`` times each, so a burst
+of load from elsewhere on the machine falls on both alike; every slice uses requests (token
+sequences) of its own, so cold passes are cold.  The p50 and p99 of each figure are over
+all the requests of all slices (the client prints one line per operation).
 
 Next to the figures, the limits measured in the same run: a memcpy of one request's KV
 bytes (a store or a retrieve copies them once between the engine's blocks and the L1
@@ -19,8 +21,8 @@ segment, on the client), and two bare ZeroMQ round trips (a lookup is the LOOKUP
 and its first status query).  Target: lmcache-tiers faster on every figure, and lookups
 under 3 ms p99 with the L2 configured.
 
-    python bench/bench_lmcache_mp.py                   # 4 rounds of 16 requests x 1024 tokens
-    python bench/bench_lmcache_mp.py --rounds 5 --requests 16 --json
+    python bench/bench_lmcache_mp.py                   # 8 slices of 4 requests x 1024 tokens each
+    python bench/bench_lmcache_mp.py --slices 16 --json
 """
 
 from __future__ import annotations
@@ -124,12 +126,14 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def run_client(url: str, args: argparse.Namespace, output: Path) -> tuple[dict[str, Any], str]:
-    """The client's JSON metrics and its log."""
+def run_client(
+    url: str, args: argparse.Namespace, first: int, count: int, output: Path
+) -> tuple[dict[str, Any], str]:
+    """The client's JSON metrics and its log for requests ``first .. first + count - 1``."""
     command = [
         str(REF_VENV / "bin" / "lmcache"),
         *("bench", "server", "--rpc-url", url, "--mode", "cpu", "--interval", "0"),
-        *("--start", "0", "--end", str(args.requests), "--num-tokens", str(args.tokens)),
+        *("--start", str(first), "--end", str(first + count), "--num-tokens", str(args.tokens)),
         *("--kvcache-shape-spec", args.shape_spec, "--format", "json", "--output", str(output)),
     ]
     done = subprocess.run(
@@ -163,33 +167,42 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
-def one_run(system: str, with_l2: bool, args: argparse.Namespace, work: Path) -> dict[str, list[float]]:
-    port = free_port()
-    l2_dir = work / f"l2-{system}" if with_l2 else None
-    if l2_dir is not None:
-        shutil.rmtree(l2_dir, ignore_errors=True)
-        l2_dir.mkdir(parents=True)
-    start = start_reference if system == "reference" else start_tiers
-    proc = start(port, l2_dir, args.l1_size_gb, work)
+def start_both(
+    with_l2: bool, args: argparse.Namespace, work: Path
+) -> dict[str, tuple[subprocess.Popen[bytes], str]]:
+    """Both servers of one configuration, listening: system -> (process, URL)."""
+    running: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
     try:
-        url = f"tcp://127.0.0.1:{port}"
-        try:
-            wait_ready(url, proc)
-        except SystemExit as exc:
-            log = (work / ("reference.log" if system == "reference" else "tiers.log")).read_text(
-                errors="replace"
-            )
-            raise SystemExit(f"{system}: {exc}\n{log[-3000:]}") from None
-        metrics, log = run_client(url, args, work / f"{system}.json")
-    finally:
-        stop(proc)
-        if l2_dir is not None:
-            shutil.rmtree(l2_dir, ignore_errors=True)
+        for system, start in (("reference", start_reference), ("tiers", start_tiers)):
+            l2_dir = work / f"l2-{system}" if with_l2 else None
+            if l2_dir is not None:
+                shutil.rmtree(l2_dir, ignore_errors=True)
+                l2_dir.mkdir(parents=True)
+            port = free_port()
+            proc = start(port, l2_dir, args.l1_size_gb, work)
+            running[system] = (proc, f"tcp://127.0.0.1:{port}")
+            try:
+                wait_ready(running[system][1], proc)
+            except SystemExit as exc:
+                log = (work / f"{system}.log").read_text(errors="replace")
+                raise SystemExit(f"{system}: {exc}\n{log[-3000:]}") from None
+    except BaseException:
+        for proc, _ in running.values():
+            stop(proc)
+        raise
+    return running
+
+
+def run_slice(
+    system: str, url: str, first: int, args: argparse.Namespace, work: Path
+) -> dict[str, list[float]]:
+    count = args.requests_per_slice
+    metrics, log = run_client(url, args, first, count, work / f"{system}.json")
     results = metrics["results"]
-    if results["checksum_fail"] or results["checksum_ok"] != args.requests:
-        raise SystemExit(f"{system} (L2: {with_l2}) failed checksums: {results}")
+    if results["checksum_fail"] or results["checksum_ok"] != count:
+        raise SystemExit(f"{system}: checksums failed for requests {first}..{first + count - 1}: {results}")
     found = samples_of(log)
-    if any(len(values) != args.requests for values in found.values()):
+    if any(len(values) != count for values in found.values()):
         raise SystemExit(
             f"{system}: the client's log lacks some operations: { {k: len(v) for k, v in found.items()} }"
         )
@@ -219,12 +232,12 @@ def request_bytes(shape_spec: str, tokens: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--slices", type=int, default=8, help="client runs per server and configuration")
+    parser.add_argument("--requests-per-slice", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--shape-spec", default="(2,256,16,8,128):bfloat16:8")
     parser.add_argument(
-        "--l1-size-gb", type=int, default=1, help="L1 of both servers (LMCache takes whole GB)"
+        "--l1-size-gb", type=int, default=2, help="L1 of both servers (LMCache takes whole GB)"
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
@@ -235,19 +248,25 @@ def main() -> None:
     samples: dict[tuple[bool, str], dict[str, list[float]]] = {}
     floors_us: list[float] = []
     try:
-        for round_index in range(args.rounds):
-            order = ["reference", "tiers"] if round_index % 2 == 0 else ["tiers", "reference"]
-            for with_l2 in (False, True):
-                for system in order:
-                    print(
-                        f"round {round_index + 1}/{args.rounds}: {system}, L2 {'on' if with_l2 else 'off'}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    pooled = samples.setdefault((with_l2, system), {name: [] for name in FIGURES})
-                    for name, values in one_run(system, with_l2, args, work).items():
-                        pooled[name].extend(values)
-            floors_us.append(measure_floor("tcp", 4)[1])
+        for with_l2 in (False, True):
+            running = start_both(with_l2, args, work)
+            try:
+                for index in range(args.slices):
+                    order = ["reference", "tiers"] if index % 2 == 0 else ["tiers", "reference"]
+                    first = index * args.requests_per_slice
+                    for system in order:
+                        print(
+                            f"L2 {'on' if with_l2 else 'off'}, slice {index + 1}/{args.slices}: {system}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                        pooled = samples.setdefault((with_l2, system), {name: [] for name in FIGURES})
+                        for name, values in run_slice(system, running[system][1], first, args, work).items():
+                            pooled[name].extend(values)
+                floors_us.append(measure_floor("tcp", 4)[1])
+            finally:
+                for proc, _ in running.values():
+                    stop(proc)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -275,11 +294,11 @@ def main() -> None:
             table.append(row)
     lookup_p99 = max(row["tiers_p99_ms"] for row in table if row["l2"] and row["figure"].startswith("lookup"))
     summary = {
-        "requests": args.requests,
+        "requests": args.slices * args.requests_per_slice,
         "tokens": args.tokens,
         "shape_spec": args.shape_spec,
         "request_mib": request_bytes(args.shape_spec, args.tokens) / 2**20,
-        "rounds": args.rounds,
+        "slices": args.slices,
         "rows": table,
         "faster_on_every_figure": all(row["faster"] for row in table),
         "tiers_lookup_p99_with_l2_ms": lookup_p99,
@@ -289,8 +308,8 @@ def main() -> None:
         print(json.dumps(summary, indent=2))
         return
     print(
-        f"LMCache bench server --mode cpu: {args.requests} requests x {args.tokens} tokens, "
-        f"{summary['request_mib']:.0f} MiB each, {args.shape_spec}; {args.rounds} rounds, "
+        f"LMCache bench server --mode cpu: {summary['requests']} requests x {args.tokens} tokens, "
+        f"{summary['request_mib']:.0f} MiB each, {args.shape_spec}; {args.slices} alternating slices, "
         f"{table[0]['samples']} samples per figure (ms)"
     )
     print(
