@@ -44,12 +44,13 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 from lmcache_plugin_nixl.config import NixlStoreConfig, NixlStoreDynamicConfig
-from lmcache_plugin_nixl.dynamic import NixlDynamicAdapter
-from lmcache_plugin_nixl.store import NixlStoreAdapter
+from lmcache_plugin_nixl.dynamic import NixlDynamicBackend
+from lmcache_plugin_nixl.store import NixlStoreBackend
 
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2 import AdapterContext, BlockingAdapterClient, L2Adapter
+from lmcache_tiers.l2 import AdapterContext, L2Adapter, create_adapter
 from lmcache_tiers.l2.record import checksum
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
 
 MIB = 1 << 20
 GB = 1e9
@@ -284,11 +285,10 @@ def run_case(case: Case, root: str, args: argparse.Namespace) -> list[Result]:
         },
         NixlStoreConfig,
     )
-    dynamic = NixlDynamicAdapter(
-        dynamic_config, AdapterContext(0, "0:nixl_store_dynamic", dynamic_config, l1_buffer=buffers.view)
-    )
+    dynamic_context = AdapterContext(0, "0:nixl_store_dynamic", dynamic_config, l1_buffer=buffers.view)
+    dynamic = create_adapter(NixlDynamicBackend, dynamic_config, dynamic_context)
     pool_context = AdapterContext(1, "1:nixl_store", pool_config, l1_buffer=buffers.view)
-    pool = NixlStoreAdapter(pool_config, pool_context)
+    pool = create_adapter(NixlStoreBackend, pool_config, pool_context)
     try:
         methods = [
             Method("pwrite new files", store_new, load_new, unlinker("plain-")),

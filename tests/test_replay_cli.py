@@ -48,6 +48,8 @@ def test_a_bad_capacity_is_one_line_and_exit_2(tmp_path: Path, capacity: str) ->
         (["--in-process", "--l1-blocks", "10", "--l1-size-gb", "1"], "not both"),
         (["--in-process", "--model", "a@b"], "model_name"),
         (["--simulate", "--capacity", "100B"], "holds nothing"),
+        (["--simulate", "--foresight", "soon"], "foresight horizon"),
+        (["--simulate", "--retime-bandwidth", "5"], "needs --retime"),
     ],
 )
 def test_bad_combinations_are_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
@@ -69,6 +71,24 @@ def test_simulation_tables_name_every_policy_and_the_time(tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr
     for text in ("exact LRU", "ARC", "S3FIFO", "PREFIX_LFU", "Belady", "infinite", "seconds per run"):
         assert text in result.stdout
+
+
+def test_oracles_and_the_retimed_model_are_reported(tmp_path: Path) -> None:
+    trace = str(small_trace(tmp_path / "t.jsonl"))
+    args = ["replay", trace, "--simulate", "--capacity", "8,16", "--foresight", "0,all", "--retime", "1"]
+    result = run_cli([*args, "--json"])
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["analysis"]["retimed"]["seed"] == 1
+    assert document["analysis"]["oracles"] == ["rate oracle", "next use <= 0", "next use"]
+    for point in document["points"]:
+        runs = {run["policy"]: run for run in point["runs"]}
+        assert runs["next use <= 0"]["hit_blocks"] == runs["exact LRU"]["hit_blocks"]
+        assert runs["next use"]["hit_blocks"] <= runs["Belady"]["hit_blocks"]
+        assert 0.0 < point["online_bound_hit_rate"] < 1.0
+    shown = run_cli(args)
+    assert shown.returncode == 0, shown.stderr
+    assert "re-timed" in shown.stdout and "bound on any online policy" in shown.stdout
 
 
 def test_plot_without_matplotlib_is_one_line_and_exit_2(tmp_path: Path) -> None:

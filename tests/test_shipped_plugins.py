@@ -52,11 +52,40 @@ def test_listing_plugins_imports_no_backend_library() -> None:
     import subprocess
 
     probe = (
-        "import sys\n"
+        "import sys, lmcache_tiers\n"
         "from lmcache_tiers.plugins import load_plugins\n"
         "assert all(p.status == 'ok' for p in load_plugins().plugins)\n"
-        "heavy = ('torch', 'nixl', 'nixl_cu12', 's3fs', 'redis', 'numpy')\n"
+        "assert lmcache_tiers.plugin.hookimpl is not None  # the plugin API is as light\n"
+        "heavy = ('torch', 'nixl', 'nixl_cu12', 's3fs', 'redis', 'numpy', 'pytest')\n"
         "print(','.join(m for m in heavy if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_tox_lists_one_env_per_plugin_directory() -> None:
+    import configparser
+    import re
+
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read(ROOT / "tox.ini")
+    headers = [s for s in parser.sections() if s.startswith("testenv:plugin-")]
+    assert len(headers) == 1, "one list of plugin environments"
+    match = re.fullmatch(r"testenv:plugin-\{(.+)\}", headers[0])
+    assert match is not None
+    assert sorted(match.group(1).split(",")) == sorted(d.name for d in PLUGIN_DIRS)
+
+
+def test_a_plugin_env_installs_the_local_plugins_its_tests_need() -> None:
+    import subprocess
+
+    plan = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "plugin_env.py"), "plugin-fault-inject", "--plan"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    install, run = plan
+    assert f"-e {ROOT / 'plugins' / 'mock'} -e {ROOT / 'plugins' / 'fault-inject'}[test]" in install
+    assert "-c " in install and "constraints.txt" in install
+    assert run.endswith(f"-m pytest {ROOT / 'plugins' / 'fault-inject'}")

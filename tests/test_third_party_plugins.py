@@ -2,8 +2,8 @@
 
 ``acme-tiers`` is installed with pip into a directory of its own, like a user's
 ``pip install``; nothing in the repository imports it.  Its ``acme_dir`` adapter is a real
-one, written against ``lmcache_tiers.l2.BatchL2Adapter``: each object is a file (the key,
-then the bytes) in a directory, found again at start-up.  The server is started with the
+backend written against ``lmcache_tiers.plugin`` alone: each object is a file (the key,
+then the bytes) in a directory, listed again at start-up.  The server is started with the
 ``lmcache-tiers serve`` command and a client stores, looks up and retrieves through it,
 with the bytes coming back from the plugin's files.
 """
@@ -22,20 +22,19 @@ from lmcache_tiers.keys import ObjectKey
 ACME = '''
 import msgspec
 from typing import Annotated
-from lmcache_tiers.config import L2AdapterConfig
-from lmcache_tiers.hookspecs import hookimpl
+from lmcache_tiers.plugin import ComponentConfig, L2AdapterConfig, hookimpl
 
-class AcmeConfig(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class AcmeConfig(L2AdapterConfig):
     """Acme directory store: one file per object."""
     directory: Annotated[str, msgspec.Meta(description="Where the object files live.")] = "/tmp/acme"
     slots: Annotated[int, msgspec.Meta(gt=0, description="Most objects held at once.")] = 4
 
-class AcmePolicyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class AcmePolicyConfig(ComponentConfig):
     """Acme policy."""
 
 @hookimpl
 def tiers_register_l2_adapters(registry):
-    registry.add("acme_dir", "acme_tiers.impl:AcmeDirAdapter", AcmeConfig)
+    registry.add("acme_dir", "acme_tiers.impl:AcmeDirBackend", AcmeConfig)
 
 @hookimpl
 def tiers_register_eviction_policies(registry):
@@ -51,7 +50,7 @@ def tiers_register_prefetch_policies(registry):
 '''
 
 ACME_IMPL = '''
-"""The acme_dir adapter: each object is <directory>/<name>.obj = 4-byte key length, the
+"""The acme_dir backend: each object is <directory>/<name>.obj = 4-byte key length, the
 msgpack-encoded key, then the payload; written to a temporary file and renamed."""
 import hashlib
 import logging
@@ -60,17 +59,15 @@ import threading
 
 import msgspec
 
-from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2 import BatchL2Adapter
+from lmcache_tiers.plugin import Capacity, ObjectKey
 
 log = logging.getLogger("acme_tiers.impl")
 _encode_key = msgspec.msgpack.Encoder().encode
 _decode_key = msgspec.msgpack.Decoder(ObjectKey).decode
 
 
-class AcmeDirAdapter(BatchL2Adapter):
+class AcmeDirBackend:
     def __init__(self, config, context):
-        super().__init__(config, context)
         self.directory = config.directory
         self.slots = config.slots
         os.makedirs(self.directory, exist_ok=True)
@@ -90,12 +87,7 @@ class AcmeDirAdapter(BatchL2Adapter):
         return os.path.join(self.directory, hashlib.sha256(_encode_key(key)).hexdigest() + ".obj")
 
     def put_many(self, keys, payloads):
-        done = []
         for key, payload in zip(keys, payloads):
-            with self._lock:
-                if key not in self._index and len(self._index) >= self.slots:
-                    done.append(False)
-                    continue
             encoded = _encode_key(key)
             path = self._path(key)
             with open(path + ".tmp", "wb") as handle:
@@ -104,8 +96,7 @@ class AcmeDirAdapter(BatchL2Adapter):
             os.replace(path + ".tmp", path)
             with self._lock:
                 self._index[key] = (path, 4 + len(encoded), payload.nbytes)
-            done.append(True)
-        return done
+        return [True] * len(keys)
 
     def contains_many(self, keys):
         with self._lock:
@@ -134,12 +125,12 @@ class AcmeDirAdapter(BatchL2Adapter):
             done.append(found is not None)
         return done
 
-    def iter_keys(self):
+    def list_keys(self):
         with self._lock:
-            return iter(list(self._index))
+            return [(key, size) for key, (_path, _header, size) in self._index.items()]
 
-    def capacity_bytes(self):
-        return None
+    def capacity(self):
+        return Capacity(objects=self.slots)
 '''
 
 BROKEN = """
@@ -201,7 +192,14 @@ def test_third_party_adapter_selected_by_type_without_core_changes(site: Path) -
     assert result.returncode == 0, result.stderr
     config = json.loads(result.stdout)
     assert config["l2_adapters"] == [
-        {"type": "acme_dir", "eviction": None, "serde": [], "directory": "/tmp/acme", "slots": 9}
+        {
+            "type": "acme_dir",
+            "eviction": None,
+            "serde": [],
+            "circuit": None,
+            "directory": "/tmp/acme",
+            "slots": 9,
+        }
     ]
     # the help lists what is installed, third-party types included
     helped = run_cli(["serve", "--help"], site, COLUMNS="250")

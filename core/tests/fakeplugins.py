@@ -7,19 +7,19 @@ from typing import Annotated
 
 import msgspec
 
-from lmcache_tiers.config import L2AdapterConfig
+from lmcache_tiers.config import ComponentConfig, L2AdapterConfig
 from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.registry import KindRegistry
 
 
-class DemoAdapterConfig(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class DemoAdapterConfig(L2AdapterConfig):
     """A demo adapter."""
 
     size_gb: Annotated[float, msgspec.Meta(gt=0, description="Capacity.")] = 1.0
     path: str = "/tmp/x"
 
 
-class DemoSerdeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class DemoSerdeConfig(ComponentConfig):
     """A demo serde."""
 
     level: Annotated[int, msgspec.Meta(ge=1, le=9)] = 3

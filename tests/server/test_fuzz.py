@@ -92,6 +92,7 @@ valid_requests = st.one_of(
     st.builds(p.Status, st.integers(0, 99), st.just("")),
 )
 
+
 @st.composite
 def mutated(draw: st.DrawFn) -> list[bytes]:
     header = bytearray(p.encode(draw(valid_requests)))

@@ -3,34 +3,25 @@
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing
-import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tiers_e2e import ServerProcess, job_lookup_retrieve, job_store, start_server
+from tiers_e2e import (
+    job_lookup_retrieve,
+    job_store,
+    run_in_process,
+    start_server,
+    stop_cleanly,
+    wait_stored_in_l2,
+)
 
 from lmcache_tiers.client import Client
 
 if importlib.util.find_spec("lmcache_plugin_nixl") is None:
     pytest.skip("lmcache-plugin-nixl is not installed", allow_module_level=True)
 
-SPAWN = multiprocessing.get_context("spawn")
 CHUNK = 256 << 10
-
-
-def run_in_process(function: Any, *args: Any) -> Any:
-    with ProcessPoolExecutor(1, mp_context=SPAWN) as pool:
-        return pool.submit(function, *args).result(timeout=120)
-
-
-def wait_stored_in_l2(client: Client, count: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while client.status()["adapters"][0]["keys_stored"] < count:
-        assert time.monotonic() < deadline, "the store controller never wrote the chunks to L2"
-        time.sleep(0.05)
 
 
 def _adapter(kind: str, directory: Path) -> dict[str, Any]:
@@ -44,18 +35,13 @@ def _adapter(kind: str, directory: Path) -> dict[str, Any]:
     }
 
 
-def _stop(server: ServerProcess) -> None:
-    assert server.stop() == 0, server.output()
-    assert not server.shm_path.exists()
-
-
 @pytest.mark.parametrize("kind", ["nixl_store", "nixl_store_dynamic"])
 def test_store_evict_from_l1_then_prefetch_from_nixl(tmp_path: Path, kind: str) -> None:
     server = start_server(tmp_path / "server", adapters=[_adapter(kind, tmp_path / "l2")])
     try:
         assert run_in_process(job_store, server.url, "nixl", 8, CHUNK, True) == (8, True)
+        wait_stored_in_l2(server, 8)
         with Client(server.url) as client:
-            wait_stored_in_l2(client, 8)
             assert client.clear() == 8  # only L2 holds the chunks now
         hits, retrieved, equal, _ = run_in_process(job_lookup_retrieve, server.url, "nixl", 8, CHUNK, True)
         assert (hits, retrieved, equal) == (8, 8, True)
@@ -64,7 +50,7 @@ def test_store_evict_from_l1_then_prefetch_from_nixl(tmp_path: Path, kind: str) 
         assert status["requests"]["l2_hit_chunks"] >= 8
         assert status["l1"]["read_locks"] == 0
     finally:
-        _stop(server)
+        stop_cleanly(server)
 
 
 def test_dynamic_store_persists_across_a_server_restart(tmp_path: Path) -> None:
@@ -72,10 +58,9 @@ def test_dynamic_store_persists_across_a_server_restart(tmp_path: Path) -> None:
     first = start_server(tmp_path / "first", adapters=[adapter])
     try:
         assert run_in_process(job_store, first.url, "persist", 6, CHUNK, True) == (6, True)
-        with Client(first.url) as client:
-            wait_stored_in_l2(client, 6)
+        wait_stored_in_l2(first, 6)
     finally:
-        _stop(first)
+        stop_cleanly(first)
     assert len(list((tmp_path / "l2").rglob("*.bin"))) == 6
 
     second = start_server(tmp_path / "second", adapters=[adapter])
@@ -85,4 +70,4 @@ def test_dynamic_store_persists_across_a_server_restart(tmp_path: Path) -> None:
         )
         assert (hits, retrieved, equal) == (6, 6, True)
     finally:
-        _stop(second)
+        stop_cleanly(second)

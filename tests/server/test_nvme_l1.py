@@ -144,21 +144,19 @@ REFUSAL_SCRIPT = textwrap.dedent(
     """
     import sys, types
     from lmcache_tiers.config import build_config
-    from lmcache_tiers.hookspecs import hookimpl
-    from lmcache_tiers.l2.base import BatchL2Adapter
-    from lmcache_tiers.config import L2AdapterConfig
+    from lmcache_tiers.plugin import L2AdapterConfig, hookimpl
     from lmcache_tiers.plugins import discover
     from lmcache_tiers.server.app import run_server
 
-    class OffsetConfig(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    class OffsetConfig(L2AdapterConfig):
         pass
 
-    class OffsetAdapter(BatchL2Adapter):
+    class OffsetBackend:
         needs_l1_buffers = True  # registers the arena and addresses objects by offset
 
     @hookimpl
     def tiers_register_l2_adapters(registry):
-        registry.add("offset_store", OffsetAdapter, OffsetConfig)
+        registry.add("offset_store", OffsetBackend, OffsetConfig)
 
     plugin = types.ModuleType("offset_plugin")
     plugin.tiers_register_l2_adapters = tiers_register_l2_adapters

@@ -33,8 +33,9 @@ if _missing:
     pytest.skip(f"not installed: {', '.join(_missing)}", allow_module_level=True)
 
 import torch  # noqa: E402 - only once the plugins (and torch with fp8) are known to be there
-from lmcache_plugin_nixl.layout import FileLayout  # noqa: E402
 from lmcache_plugin_nixl.recordio import HEADER_ALIGN  # noqa: E402
+
+from lmcache_tiers.plugin import FileLayout  # noqa: E402
 
 SHAPE = (2, 4, 256, 256)  # 1 MiB of bf16 per chunk
 COUNT = 6

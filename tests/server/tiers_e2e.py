@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,6 +138,31 @@ def metric(text: str, name: str, labels: str = "") -> float:
         if line.startswith(prefix + " "):
             return float(line.split()[-1])
     raise AssertionError(f"{prefix} not in /metrics:\n{text}")
+
+
+def run_in_process(function: Any, *args: Any, timeout: float = 180.0) -> Any:
+    """``function(*args)`` in a spawned process of its own, as an engine would run it."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result(timeout=timeout)
+
+
+def wait_stored_in_l2(target: ServerProcess | Client, count: int, timeout: float = 60.0) -> None:
+    """Wait until the first adapter has stored ``count`` keys in all, asking through
+    ``target`` (a client, or a server to open one to)."""
+    if isinstance(target, ServerProcess):
+        with Client(target.url) as client:
+            wait_stored_in_l2(client, count, timeout)
+        return
+    deadline = time.monotonic() + timeout
+    while target.status()["adapters"][0]["keys_stored"] < count:
+        assert time.monotonic() < deadline, "the store controller never wrote the chunks to L2"
+        time.sleep(0.05)
+
+
+def stop_cleanly(server: ServerProcess) -> None:
+    """Stop ``server`` and check it exited with 0 and removed its L1 segment."""
+    assert server.stop() == 0, server.output()
+    assert not server.shm_path.exists(), "the L1 segment outlived the server"
 
 
 # -- deterministic test data -------------------------------------------------------------

@@ -21,7 +21,7 @@ import re
 import sys
 import typing
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -36,11 +36,39 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 
-class ComponentConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """Base of every config Struct: keyword-only, immutable, unknown fields refused."""
+class _KeywordOnly(msgspec.StructMeta):
+    """Makes every subclass keyword-only, which msgspec does not inherit by itself.
+
+    ``frozen`` and ``forbid_unknown_fields`` are inherited by msgspec; ``kw_only`` applies
+    only to the fields a class defines, so without this every subclass would repeat it.
+    """
+
+    def __new__(mcls, name: str, bases: tuple[type, ...], namespace: dict[str, Any], **options: Any) -> Any:
+        options.setdefault("kw_only", True)
+        return super().__new__(mcls, name, bases, namespace, **options)
 
 
-class L2EvictionConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+if TYPE_CHECKING:
+    # Type checkers read dataclass_transform, not metaclasses: this declaration tells them
+    # what the metaclass does at run time (subclasses are keyword-only and frozen).
+    from typing_extensions import dataclass_transform
+
+    @dataclass_transform(kw_only_default=True, frozen_default=True, field_specifiers=(msgspec.field,))
+    class ComponentConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+        """Base of every config Struct: keyword-only, immutable, unknown fields refused."""
+
+else:
+
+    class ComponentConfig(
+        msgspec.Struct, metaclass=_KeywordOnly, kw_only=True, frozen=True, forbid_unknown_fields=True
+    ):
+        """Base of every config Struct: keyword-only, immutable, unknown fields refused.
+
+        Subclasses inherit all three flags: ``class MyConfig(ComponentConfig):`` is enough.
+        """
+
+
+class L2EvictionConfig(ComponentConfig):
     """Per-adapter L2 eviction: evict when usage reaches the watermark."""
 
     eviction_policy: Annotated[str, Meta(description="Eviction policy name, e.g. LRU.")] = "LRU"
@@ -52,14 +80,39 @@ class L2EvictionConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknow
     ] = 0.2
 
 
-class SerdeSpec(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class CircuitConfig(ComponentConfig):
+    """Circuit breaker of one adapter's backend: after repeated failures lookups miss at
+    once, stores are skipped and loads fail, until a background probe finds the backend
+    answering again."""
+
+    enabled: Annotated[
+        bool | None,
+        Meta(description="On or off; null: on for backends that declare themselves remote."),
+    ] = None
+    failure_threshold: Annotated[
+        int, Meta(ge=1, description="Consecutive failed backend calls that open the circuit.")
+    ] = 5
+    probe_interval_s: Annotated[
+        float, Meta(gt=0.0, le=3600.0, description="Seconds between probes of the backend while open.")
+    ] = 1.0
+    call_timeout_s: Annotated[
+        Annotated[float, Meta(gt=0.0)] | None,
+        Meta(
+            description="Longest a lookup or probe waits for the backend before it counts as a failed "
+            "call (a lookup is then all misses); null: only the backend's own timeouts. Stores and "
+            "loads are always bounded by the backend's own timeouts.",
+        ),
+    ] = None
+
+
+class SerdeSpec(ComponentConfig):
     """One serde transform of an adapter's chain, resolved from ``{"type": ..., ...}``."""
 
     type: str
     config: msgspec.Struct
 
 
-class L2AdapterConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class L2AdapterConfig(ComponentConfig):
     """Options every L2 adapter accepts; adapter plugins subclass this Struct."""
 
     eviction: Annotated[
@@ -73,9 +126,13 @@ class L2AdapterConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown
             "objects naming installed serde plugins (`lmcache-tiers plugins list`)."
         ),
     ] = ()
+    circuit: Annotated[
+        CircuitConfig | None,
+        Meta(description="Circuit breaker of the backend; null: the defaults (on for remote backends)."),
+    ] = None
 
 
-class AdapterSpec(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class AdapterSpec(ComponentConfig):
     """A resolved ``--l2-adapter``: the plugin type and its decoded config."""
 
     type: str
@@ -108,7 +165,6 @@ class FrontendConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_
         self.endpoint(server)
 
 
-
 class FrontendSpec(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """A resolved ``--frontend``: the front-end type and its decoded config."""
 
@@ -120,7 +176,7 @@ def _doc(text: str, **constraints: Any) -> Meta:
     return Meta(description=text, **constraints)
 
 
-class ServerConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class ServerConfig(ComponentConfig):
     """Everything ``lmcache-tiers serve`` runs with; flag names follow LMCache's server."""
 
     host: Annotated[str, _doc("Address the RPC server binds to; non-loopback needs auth_token.")] = (
@@ -436,3 +492,27 @@ def config_to_builtins(config: ServerConfig) -> dict[str, Any]:
     for name, specs in (("l2_adapters", config.l2_adapters), ("frontends", config.frontends)):
         data[name] = [{"type": spec.type, **msgspec.to_builtins(spec.config)} for spec in specs]
     return data
+
+
+#: field names whose values are credentials: never printed nor logged
+SECRET_FIELD = re.compile(r"secret|password|passwd|token|credential|access_key|api_key", re.IGNORECASE)
+#: the password of a URL's user information (``redis://user:password@host``)
+_URL_PASSWORD = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^:/@\s]*):[^@/\s]+@", re.IGNORECASE)
+REDACTED = "***"
+
+
+def redact_secrets(value: Any) -> Any:
+    """A copy of plain config data (``config_to_builtins``) fit to print: values of
+    fields named like credentials and passwords inside URLs become ``***``."""
+    if isinstance(value, Mapping):
+        return {
+            key: REDACTED
+            if isinstance(key, str) and SECRET_FIELD.search(key) and item not in (None, "")
+            else redact_secrets(item)
+            for key, item in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [redact_secrets(item) for item in value]
+    if isinstance(value, str):
+        return _URL_PASSWORD.sub(rf"\g<head>:{REDACTED}@", value)
+    return value

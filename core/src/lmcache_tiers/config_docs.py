@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
-from lmcache_tiers.config import FrontendConfig, L2AdapterConfig, L2EvictionConfig, ServerConfig
+from lmcache_tiers.config import (
+    CircuitConfig,
+    FrontendConfig,
+    L2AdapterConfig,
+    L2EvictionConfig,
+    ServerConfig,
+)
 from lmcache_tiers.registry import Component, Kind
 
 if TYPE_CHECKING:
@@ -148,6 +154,10 @@ def render_config_reference(plugin_set: PluginSet) -> str:
         "`eviction` object:",
         "",
         *_markdown_table(L2EvictionConfig),
+        "",
+        "`circuit` object:",
+        "",
+        *_markdown_table(CircuitConfig),
         "",
         "## Options common to every front end",
         "",

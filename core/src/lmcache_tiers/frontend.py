@@ -242,9 +242,7 @@ def check_frontends(server: ServerConfig, auth_token: str | None) -> None:
     """Everything about the front ends that can be refused before L1 exists: each one's own
     checks, and two listeners (front ends, the HTTP endpoint) on one address."""
     if not server.frontends:
-        raise ConfigError(
-            "no front end to serve: install lmcache-plugin-frontend-native or give --frontend"
-        )
+        raise ConfigError("no front end to serve: install lmcache-plugin-frontend-native or give --frontend")
     listeners: list[tuple[str, tuple[str, int]]] = []
     for index, spec in enumerate(server.frontends):
         label = f"front end {index}:{spec.type}"
@@ -260,6 +258,5 @@ def check_frontends(server: ServerConfig, auth_token: str | None) -> None:
             if _overlap(address, other):
                 where = address[0] if address[0].startswith("ipc://") else f"{address[0]}:{address[1]}"
                 raise ConfigError(
-                    f"{other_label} and {label} would both listen on {where}: give one of them "
-                    'another "port"'
+                    f'{other_label} and {label} would both listen on {where}: give one of them another "port"'
                 )

@@ -31,8 +31,9 @@ def tiers_register_l2_adapters(registry: KindRegistry) -> None:
     ``registry.add(name, factory, config, doc)`` once per adapter type; ``factory`` is a
     callable or a ``"module:attr"`` string imported only when the adapter is configured.
     The factory is called as ``factory(config, context)`` with the decoded config Struct
-    and an :class:`~lmcache_tiers.l2.AdapterContext`, and returns an L2 adapter.
-    Return value is ignored.
+    and a :class:`~lmcache_tiers.l2.BackendContext`, and returns an L2 backend (see
+    :class:`~lmcache_tiers.protocols.L2Backend`; core wraps it in the adapter the
+    controllers use) or, for advanced uses, a complete L2 adapter.  Return value is ignored.
     """
 
 

@@ -109,10 +109,12 @@ class ObjectKey(msgspec.Struct, frozen=True, array_like=True, gc=False, cache_ha
             _reject_numbers(self)
 
     def file_stem(self) -> str:
-        """Safe, unique name for files and objects: ``model@0xRANK@group@hash[@salt]``,
-        with every character outside ``[A-Za-z0-9._-]`` of the model name and salt
-        percent-escaped (``meta-llama/x`` gives ``meta-llama%2Fx``): never a path."""
-        from lmcache_tiers.keycodec import readable_name  # keycodec imports this module
+        """Safe, unique name for files, objects and log lines: ``model@0xRANK@group@hash[@salt]``
+        with every byte of model name and salt outside ``[A-Za-z0-9._-]`` (and a leading dot)
+        ``%XX``-escaped, so a control character in a client's name can never garble a log
+        line (:func:`lmcache_tiers.keycodec.readable_name`; unbounded in length, which
+        ``key_to_name`` bounds for file names)."""
+        from lmcache_tiers.keycodec import readable_name
 
         return readable_name(self)
 

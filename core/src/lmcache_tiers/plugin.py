@@ -1,12 +1,52 @@
 """The public API of lmcache-tiers for plugin authors.
 
 A plugin imports from here and nowhere else in ``lmcache_tiers``: these names are what the
-project keeps stable for third-party packages.  Conformance suites live in
-:mod:`lmcache_tiers.testing` (they import pytest, so they are not pulled in here).
+project keeps stable for third-party packages.  Importing this module is cheap (no numpy,
+no pytest): manifests import it whenever plugins are listed.  Names whose modules are
+heavier -- the backend context, record and copy helpers, the conformance suites -- are
+imported on first use.
+
+What each kind of plugin needs:
+
+* every plugin: ``hookimpl``, ``KindRegistry``, ``ComponentConfig`` (config base Struct,
+  keyword-only, frozen and strict for every subclass), ``EmptyConfig``, the errors,
+  ``FieldError`` (a ``__post_init__`` error naming the field at fault);
+* an L2 backend: ``L2Backend`` / ``AsyncL2Backend`` (protocols), ``L2AdapterConfig``,
+  ``BackendContext``, ``ObjectKey``, ``ObjectSize``, ``Capacity``; remote ones
+  ``CircuitConfig`` (the ``circuit`` option) and ``PROBE_KEY`` (what a probe asks about); persistent ones also
+  ``RecordError`` (and subclasses), ``RecordHeader``, ``verify_payload``,
+  ``header_length``, ``PREFIX_SIZE``; backends copying bytes ``copy_into``; slot and
+  extent stores ``ExtentAllocator``; a warning logged once per burst ``BurstLog``;
+* policies: ``StorePolicy``, ``PrefetchPolicy``, ``EvictionPolicy``, ``AdapterInfo``,
+  ``LowestIndexPrefetchPolicy``, ``plan_from_lowest_index``;
+* a serde: ``Serde``, ``SerdeContext``, ``TensorLayout``;
+* a front end: ``Frontend``, ``FrontendConfig``, ``FrontendContext``, ``FrontendStats``,
+  ``ServerConfig``, ``StorageManager`` (what it serves), ``RouterLoop`` (a ZeroMQ ROUTER
+  loop), ``L1Loan``, ``is_loopback``, the key helpers ``NONE_HASH``, ``chunk_hashes``,
+  ``kv_rank_of``, ``L1OutOfMemoryError``; the native protocol's Structs
+  ``wire_protocol`` and ``segment_identity`` (shared with the Python client);
+* file-per-object stores: ``FileLayout``, ``LocalFiles``, ``DirectoryLock`` (and
+  ``PathLock``, ``DirectoryInUseError``), ``HeaderSizes``, ``WriteFailures``,
+  ``RECORD_ALIGN``, ``RECORD_SUFFIX``, name helpers (``record_name``, ``classify_name``,
+  ``EntryKind``, ``is_temp_name``, ``check_relative_dir``, ``record_key``), ``identity_of``, ``FileIdentity``,
+  ``is_out_of_space``;
+* tests: ``L2AdapterSuite`` (``PERSISTENCE``, ``CAPACITY``, ``EVICTION``), ``SerdeSuite``
+  (``LOSSLESS``, ``DETECTS_CORRUPTION``, ``BINDS_KEY``),
+  ``StorePolicySuite``, ``PrefetchPolicySuite``, ``EvictionPolicySuite`` (``EVICTS``,
+  ``RECENCY``, ``LOADS_EVERY_HIT``, ``STORES_EVERYWHERE``), ``ComponentSuite``,
+  ``FrontendSuite``, ``BlockingAdapterClient``.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lmcache_tiers import __version__
 from lmcache_tiers.config import (
+    CircuitConfig,
     ComponentConfig,
+    FieldError,
     FrontendConfig,
     L2AdapterConfig,
     L2EvictionConfig,
@@ -24,51 +64,273 @@ from lmcache_tiers.frontend import Frontend, FrontendContext, FrontendStats
 from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keycodec import is_digest_name, key_to_name, name_to_key, printable
 from lmcache_tiers.keys import NONE_HASH, ObjectKey, chunk_hashes, kv_rank_of
-from lmcache_tiers.layout import TensorLayout
-from lmcache_tiers.policies import (
+from lmcache_tiers.policies import LowestIndexPrefetchPolicy, plan_from_lowest_index
+from lmcache_tiers.protocols import (
     AdapterInfo,
+    AsyncL2Backend,
+    Capacity,
     EvictionPolicy,
-    LowestIndexPrefetchPolicy,
+    L2Backend,
+    ObjectSize,
     PrefetchPolicy,
+    Serde,
     StorePolicy,
-    plan_from_lowest_index,
 )
-from lmcache_tiers.registry import EmptyConfig, KindRegistry
-from lmcache_tiers.serde import Serde, SerdeContext
+from lmcache_tiers.registry import EmptyConfig, Kind, KindRegistry
+
+if TYPE_CHECKING:
+    from lmcache_tiers.burst import BurstLog
+    from lmcache_tiers.l1.allocator import ExtentAllocator
+    from lmcache_tiers.l1.loan import L1Loan
+    from lmcache_tiers.l2.buffers import GIL_FREE_COPY_BYTES, copy_into
+    from lmcache_tiers.l2.circuit import PROBE_KEY
+    from lmcache_tiers.l2.context import BackendContext
+    from lmcache_tiers.l2.files import (
+        RECORD_ALIGN,
+        RECORD_SUFFIX,
+        DirectoryInUseError,
+        DirectoryLock,
+        EntryKind,
+        FileIdentity,
+        FileLayout,
+        HeaderSizes,
+        LocalFiles,
+        PathLock,
+        ProcessClaim,
+        WriteFailures,
+        check_relative_dir,
+        classify_name,
+        identity_of,
+        is_out_of_space,
+        is_temp_name,
+        record_key,
+        record_name,
+    )
+    from lmcache_tiers.l2.interface import L2Adapter, L2Listener, L2Op, LookupResult
+    from lmcache_tiers.l2.record import (
+        PREFIX_SIZE,
+        RecordChecksumError,
+        RecordCorruptError,
+        RecordError,
+        RecordHeader,
+        RecordMismatchError,
+        RecordSerdeMismatchError,
+        RecordVersionError,
+        header_length,
+        verify_payload,
+    )
+    from lmcache_tiers.layout import TensorLayout
+    from lmcache_tiers.router import RouterLoop
+    from lmcache_tiers.serde import SerdeContext
+    from lmcache_tiers.storage import StorageManager
+    from lmcache_tiers.testing.base import ComponentSuite
+    from lmcache_tiers.testing.blocking import BlockingAdapterClient
+    from lmcache_tiers.testing.frontend import FrontendSuite
+    from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite
+    from lmcache_tiers.testing.policies import (
+        EVICTS,
+        LOADS_EVERY_HIT,
+        RECENCY,
+        STORES_EVERYWHERE,
+        EvictionPolicySuite,
+        PrefetchPolicySuite,
+        StorePolicySuite,
+    )
+    from lmcache_tiers.testing.serde import BINDS_KEY, DETECTS_CORRUPTION, LOSSLESS, SerdeSuite
+    from lmcache_tiers.wire import protocol as wire_protocol
+    from lmcache_tiers.wire.shm import segment_identity
+
+#: modules exported whole (the native protocol's Structs, shared with the client)
+_LAZY_MODULES = {"wire_protocol": "lmcache_tiers.wire.protocol"}
+_RECORD = "lmcache_tiers.l2.record"
+_FILES = "lmcache_tiers.l2.files"
+_L2 = "lmcache_tiers.l2.interface"
+_POLICY_SUITES = "lmcache_tiers.testing.policies"
+_LAZY = {
+    "BackendContext": "lmcache_tiers.l2.context",
+    "BurstLog": "lmcache_tiers.burst",
+    "copy_into": "lmcache_tiers.l2.buffers",
+    "PROBE_KEY": "lmcache_tiers.l2.circuit",
+    "GIL_FREE_COPY_BYTES": "lmcache_tiers.l2.buffers",
+    "ExtentAllocator": "lmcache_tiers.l1.allocator",
+    "SerdeContext": "lmcache_tiers.serde",
+    "TensorLayout": "lmcache_tiers.layout",
+    "RECORD_ALIGN": _FILES,
+    "RECORD_SUFFIX": _FILES,
+    "DirectoryInUseError": _FILES,
+    "DirectoryLock": _FILES,
+    "EntryKind": _FILES,
+    "FileIdentity": _FILES,
+    "FileLayout": _FILES,
+    "HeaderSizes": _FILES,
+    "LocalFiles": _FILES,
+    "PathLock": _FILES,
+    "ProcessClaim": _FILES,
+    "WriteFailures": _FILES,
+    "check_relative_dir": _FILES,
+    "classify_name": _FILES,
+    "identity_of": _FILES,
+    "is_out_of_space": _FILES,
+    "is_temp_name": _FILES,
+    "record_key": _FILES,
+    "record_name": _FILES,
+    "L2Adapter": _L2,
+    "L2Listener": _L2,
+    "L2Op": _L2,
+    "LookupResult": _L2,
+    "PREFIX_SIZE": _RECORD,
+    "RecordChecksumError": _RECORD,
+    "RecordCorruptError": _RECORD,
+    "RecordError": _RECORD,
+    "RecordHeader": _RECORD,
+    "RecordMismatchError": _RECORD,
+    "RecordSerdeMismatchError": _RECORD,
+    "RecordVersionError": _RECORD,
+    "header_length": _RECORD,
+    "verify_payload": _RECORD,
+    "BlockingAdapterClient": "lmcache_tiers.testing.blocking",
+    "FrontendSuite": "lmcache_tiers.testing.frontend",
+    "L1Loan": "lmcache_tiers.l1.loan",
+    "RouterLoop": "lmcache_tiers.router",
+    "StorageManager": "lmcache_tiers.storage",
+    "segment_identity": "lmcache_tiers.wire.shm",
+    "ComponentSuite": "lmcache_tiers.testing.base",
+    "L2AdapterSuite": "lmcache_tiers.testing.l2",
+    "PERSISTENCE": "lmcache_tiers.testing.l2",
+    "CAPACITY": "lmcache_tiers.testing.l2",
+    "EVICTION": "lmcache_tiers.testing.l2",
+    "StorePolicySuite": _POLICY_SUITES,
+    "PrefetchPolicySuite": _POLICY_SUITES,
+    "EvictionPolicySuite": _POLICY_SUITES,
+    "EVICTS": _POLICY_SUITES,
+    "RECENCY": _POLICY_SUITES,
+    "LOADS_EVERY_HIT": _POLICY_SUITES,
+    "STORES_EVERYWHERE": _POLICY_SUITES,
+    "SerdeSuite": "lmcache_tiers.testing.serde",
+    "LOSSLESS": "lmcache_tiers.testing.serde",
+    "DETECTS_CORRUPTION": "lmcache_tiers.testing.serde",
+    "BINDS_KEY": "lmcache_tiers.testing.serde",
+}
 
 __all__ = [
+    "BINDS_KEY",
+    "CAPACITY",
+    "DETECTS_CORRUPTION",
+    "EVICTION",
+    "EVICTS",
+    "GIL_FREE_COPY_BYTES",
+    "LOADS_EVERY_HIT",
+    "LOSSLESS",
     "NONE_HASH",
+    "PERSISTENCE",
+    "PREFIX_SIZE",
+    "PROBE_KEY",
+    "RECENCY",
+    "RECORD_ALIGN",
+    "RECORD_SUFFIX",
+    "STORES_EVERYWHERE",
     "AdapterInfo",
+    "AsyncL2Backend",
+    "BackendContext",
     "BackendUnavailableError",
+    "BlockingAdapterClient",
+    "BurstLog",
+    "Capacity",
+    "CircuitConfig",
     "ComponentConfig",
+    "ComponentSuite",
     "ConfigError",
+    "DirectoryInUseError",
+    "DirectoryLock",
     "EmptyConfig",
+    "EntryKind",
     "EvictionPolicy",
+    "EvictionPolicySuite",
+    "ExtentAllocator",
+    "FieldError",
+    "FileIdentity",
+    "FileLayout",
     "Frontend",
     "FrontendConfig",
     "FrontendContext",
     "FrontendStats",
+    "FrontendSuite",
+    "HeaderSizes",
     "KeyValidationError",
+    "Kind",
     "KindRegistry",
+    "L1Loan",
     "L1OutOfMemoryError",
+    "L2Adapter",
     "L2AdapterConfig",
+    "L2AdapterSuite",
+    "L2Backend",
     "L2EvictionConfig",
+    "L2Listener",
+    "L2Op",
+    "LocalFiles",
+    "LookupResult",
     "LowestIndexPrefetchPolicy",
     "ObjectKey",
+    "ObjectSize",
+    "PathLock",
     "PrefetchPolicy",
+    "PrefetchPolicySuite",
+    "ProcessClaim",
+    "RecordChecksumError",
+    "RecordCorruptError",
+    "RecordError",
+    "RecordHeader",
+    "RecordMismatchError",
+    "RecordSerdeMismatchError",
+    "RecordVersionError",
+    "RouterLoop",
     "Serde",
     "SerdeContext",
+    "SerdeSuite",
     "ServerConfig",
+    "StorageManager",
     "StorePolicy",
+    "StorePolicySuite",
     "TensorLayout",
     "TiersError",
+    "WriteFailures",
+    "__version__",
+    "check_relative_dir",
     "chunk_hashes",
+    "classify_name",
+    "copy_into",
+    "header_length",
     "hookimpl",
+    "identity_of",
     "is_digest_name",
     "is_loopback",
+    "is_out_of_space",
+    "is_temp_name",
     "key_to_name",
     "kv_rank_of",
     "name_to_key",
     "plan_from_lowest_index",
     "printable",
+    "record_key",
+    "record_name",
+    "segment_identity",
+    "verify_payload",
+    "wire_protocol",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_MODULES:
+        globals()[name] = importlib.import_module(_LAZY_MODULES[name])
+        return globals()[name]
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

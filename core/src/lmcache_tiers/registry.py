@@ -31,7 +31,10 @@ class Kind(str, Enum):
 
 
 class EmptyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """Config of a component that takes no options."""
+    """Config of a component that takes no options.
+
+    (Not a ``ComponentConfig``: the registry cannot import config, which imports it.)
+    """
 
 
 @dataclass

@@ -2,21 +2,32 @@
 
 An adapter has a chain of serdes (fp8 quantization, compression, encryption ...), built
 from its config's ``serde`` list.  On store the chain encodes first to last; on load it
-decodes last to first.  The L2 base classes apply the chain, so adapters only ever see
-encoded payloads and never need to know which transforms are configured.
+decodes last to first.  Core applies the chain (:mod:`lmcache_tiers.l2.codec`), so L2
+backends only ever see encoded payloads and never need to know which transforms are
+configured.  The :class:`Serde` protocol itself lives in :mod:`lmcache_tiers.protocols`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 from lmcache_tiers.config import SerdeSpec
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.layout import TensorLayout
+from lmcache_tiers.protocols import Serde
 from lmcache_tiers.registry import ComponentRegistry, Kind
+
+__all__ = [
+    "IdentitySerde",
+    "Serde",
+    "SerdeContext",
+    "build_serde_chain",
+    "decode_chain",
+    "encode_chain",
+    "serde_names",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,28 +50,6 @@ class SerdeContext:
     def tensor_layout(self) -> TensorLayout | None:
         """The parsed layout, or None when it is unknown or unreadable."""
         return TensorLayout.parse_optional(self.layout)
-
-
-@runtime_checkable
-class Serde(Protocol):
-    """One reversible byte transform.
-
-    ``name`` identifies the transform in persisted record headers (so a record written
-    with another chain is recognised and refused rather than decoded wrongly).
-
-    ``decode(data, context)``: ``context.size`` is the size of the object in L1, i.e. the
-    decoded size of the *whole* chain.  The first serde of a chain (the last to decode)
-    must return exactly that many bytes; a serde further down the chain whose own output
-    is not the L1 size must carry what it needs in its encoding.  Either method may raise
-    (a tampered ciphertext, a truncated frame): the adapter turns that into a miss of that
-    object only.  Both may be called from several threads at once.
-    """
-
-    name: str
-
-    def encode(self, data: memoryview, context: SerdeContext) -> bytes | memoryview: ...
-
-    def decode(self, data: memoryview, context: SerdeContext) -> bytes | memoryview: ...
 
 
 class IdentitySerde:

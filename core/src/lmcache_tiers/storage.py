@@ -3,167 +3,51 @@
 Front ends talk only to this class.  Writes are reserved in L1, filled by the client and
 committed, which queues them for L2; lookups run as prefetches that leave the hit prefix
 read-locked in L1 for the reader, who releases it when done.
+
+This module holds the operations front ends call; building, starting and stopping the
+parts is ``storage_wiring.py``, the status snapshot ``storage_status.py``.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
-from lmcache_tiers.config import AdapterSpec, ServerConfig
-from lmcache_tiers.controllers import (
-    AdapterSlot,
-    ControllerThread,
-    EngineStats,
-    L1EvictionController,
-    L2EvictionController,
-    PrefetchController,
-    StoreController,
-    aligned_total,
-)
-from lmcache_tiers.errors import ConfigError, L1OutOfMemoryError, TiersError
+from lmcache_tiers.config import ServerConfig
+from lmcache_tiers.controllers import aligned_total
+from lmcache_tiers.errors import L1OutOfMemoryError, TiersError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l1 import L1Loan, L1Manager, L1Object
-from lmcache_tiers.l2.context import AdapterContext
-from lmcache_tiers.l2.interface import L2Adapter
+from lmcache_tiers.l1 import L1Loan, L1Object
 from lmcache_tiers.layout import check_layout
 from lmcache_tiers.plugins import load_registry
-from lmcache_tiers.policies import EvictionPolicy, PrefetchPolicy, StorePolicy
-from lmcache_tiers.registry import ComponentRegistry, Kind
-from lmcache_tiers.serde import build_serde_chain
+from lmcache_tiers.registry import ComponentRegistry
+from lmcache_tiers.storage_status import storage_status
+from lmcache_tiers.storage_wiring import StorageParts, build_policy
+
+__all__ = ["StorageManager", "build_policy"]
 
 logger = logging.getLogger(__name__)
-
-
-def build_policy(registry: ComponentRegistry, kind: Kind, name: str) -> Any:
-    """Create a policy with its config Struct's defaults (the flags carry only its name)."""
-    component = registry.get(kind, name)
-    try:
-        config = component.config()
-    except TypeError as exc:
-        raise ConfigError(
-            f"{component.qualified_name} needs configuration it cannot get from a flag: {exc}"
-        ) from exc
-    return component.create(config)
-
-
-def _refuse_with_nvme_l1(name: str, adapter_class: type) -> None:
-    """An NVMe L1 has no memory an adapter could address, only copies of its objects."""
-    if getattr(adapter_class, "needs_l1_buffers", False):
-        raise ConfigError(
-            f"l2 adapter {name} needs byte access to L1 memory and cannot be used with --gds-l1-path"
-        )
 
 
 class StorageManager:
     """The two-level store behind every front end; thread-safe."""
 
     def __init__(self, config: ServerConfig, registry: ComponentRegistry | None = None) -> None:
-        registry = registry if registry is not None else load_registry()
+        parts = StorageParts(config, registry if registry is not None else load_registry())
         self.config = config
-        # Policies first: a bad name fails before gigabytes of L1 are mapped.
-        store_policy: StorePolicy = build_policy(registry, Kind.STORE_POLICY, config.l2_store_policy)
-        prefetch_policy: PrefetchPolicy = build_policy(
-            registry, Kind.PREFETCH_POLICY, config.l2_prefetch_policy
-        )
-        eviction_policy: EvictionPolicy = build_policy(registry, Kind.EVICTION_POLICY, config.eviction_policy)
-        if config.gds_l1_path is not None:
-            # Refused before the L1 file takes its disk space; an adapter built by a factory
-            # function shows its class only once it exists (checked in _build_adapter).
-            for index, spec in enumerate(config.l2_adapters):
-                factory = registry.get(Kind.L2_ADAPTER, spec.type).load()
-                if isinstance(factory, type):
-                    _refuse_with_nvme_l1(f"{index}:{spec.type}", factory)
-        self.l1 = L1Manager(
-            config.l1_size_bytes,
-            align=config.l1_align_bytes,
-            lock_ttl_s=config.l1_lock_ttl_s,
-            write_ttl_s=config.l1_write_ttl_s,
-            shm_name=config.l1_shm_name,
-            nvme_path=config.gds_l1_path,
-            direct_io=config.gds_l1_use_direct_io,
-        )
-        self.adapters: list[L2Adapter] = []
+        self.l1 = parts.l1
+        self.adapters = parts.adapters
+        self.stats = parts.stats
+        self.l1_eviction = parts.l1_eviction
+        self.store = parts.store
+        self.prefetch = parts.prefetch
+        self.l2_evictions = parts.l2_evictions
+        self._parts = parts
         self._closed = False
         self._close_lock = threading.Lock()
-        try:
-            self._slots = [
-                self._build_adapter(registry, index, spec) for index, spec in enumerate(config.l2_adapters)
-            ]
-            self.stats = EngineStats(len(self._slots))
-            self.l1_eviction = L1EvictionController(
-                self.l1,
-                eviction_policy,
-                trigger_watermark=config.eviction_trigger_watermark,
-                eviction_ratio=config.eviction_ratio,
-                stats=self.stats,
-            )
-            self.store = StoreController(self.l1, self._slots, store_policy, self.stats)
-            self.prefetch = PrefetchController(
-                self.l1,
-                self._slots,
-                prefetch_policy,
-                self.stats,
-                max_in_flight=config.l2_prefetch_max_in_flight,
-                # Room to load into is never made by dropping a write not yet in L2.
-                evict=functools.partial(self.l1_eviction.evict_now, spare_unstored=True),
-                align=config.l1_align_bytes,
-                # Shorter than the lock TTL: the locks an expired result gives back are
-                # still its own.
-                result_ttl_s=config.l1_lock_ttl_s / 2,
-            )
-            self.l2_evictions: dict[int, L2EvictionController] = {}
-            for slot, spec in zip(self._slots, config.l2_adapters, strict=True):
-                if spec.config.eviction is not None:
-                    policy = build_policy(
-                        registry, Kind.EVICTION_POLICY, spec.config.eviction.eviction_policy
-                    )
-                    self.l2_evictions[slot.index] = L2EvictionController(
-                        slot, policy, spec.config.eviction, self.stats
-                    )
-        except BaseException:
-            self._close_adapters()
-            self.l1.close()
-            raise
-        self._names = {
-            "store_policy": config.l2_store_policy,
-            "prefetch_policy": config.l2_prefetch_policy,
-            "eviction_policy": config.eviction_policy,
-        }
-        for controller in self._controllers():
-            controller.start()
-
-    def _build_adapter(self, registry: ComponentRegistry, index: int, spec: AdapterSpec) -> AdapterSlot:
-        context = AdapterContext(
-            index=index,
-            name=f"{index}:{spec.type}",
-            config=spec.config,
-            serde=build_serde_chain(spec.serde, registry),
-            l1_buffer=self.l1.arena.buffer if self.l1.is_memory else None,
-            l1_is_memory=self.l1.is_memory,
-        )
-        adapter = registry.get(Kind.L2_ADAPTER, spec.type).create(spec.config, context)
-        if not isinstance(adapter, L2Adapter):
-            adapter_close = getattr(adapter, "close", None)
-            if callable(adapter_close):
-                adapter_close()
-            raise ConfigError(f"l2 adapter {spec.type!r} built {type(adapter).__name__}, not an L2Adapter")
-        if not self.l1.is_memory:
-            # A factory function hides the class until the adapter exists.
-            try:
-                _refuse_with_nvme_l1(context.name, type(adapter))
-            except ConfigError:
-                adapter.close()
-                raise
-        self.adapters.append(adapter)
-        return AdapterSlot(index, spec.type, adapter)
-
-    def _controllers(self) -> list[ControllerThread]:
-        return [self.l1_eviction, self.store, self.prefetch, *self.l2_evictions.values()]
+        parts.start()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -338,92 +222,11 @@ class StorageManager:
         Returns False if ``timeout`` passed first.  For tests, benchmarks and shutdown
         scripts; serving never needs it.
         """
-        # Stores first: their completions are what wakes L2 eviction.
-        ordered: list[ControllerThread] = [
-            self.store,
-            *self.l2_evictions.values(),
-            self.prefetch,
-            self.l1_eviction,
-        ]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for controller in ordered:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not controller.wait_idle(left):
-                return False
-        return True
+        return self._parts.wait_idle(timeout)
 
     def status(self) -> dict[str, Any]:
         """JSON-able snapshot: usage, counters, in-flight work and failures."""
-        counters, per_adapter, failures = self.stats.snapshot()
-        step_errors = sum(controller.step_errors for controller in self._controllers())
-        if step_errors:
-            failures["controller_step_error"] = step_errors
-        l1_stats = self.l1.stats()
-        adapters = []
-        for slot, counts in zip(self._slots, per_adapter, strict=True):
-            entry: dict[str, Any] = {"index": slot.index, "name": slot.name, "type": slot.type}
-            try:
-                entry["usage"] = slot.adapter.usage()
-                entry["used_bytes"] = slot.adapter.used_bytes()
-                entry["backend"] = slot.adapter.stats()
-            except Exception as exc:  # a dead backend still gets a status line
-                entry["error"] = f"{type(exc).__name__}: {exc}"
-            entry.update(counts)
-            eviction = self.l2_evictions.get(slot.index)
-            entry["eviction"] = (
-                None
-                if eviction is None
-                else {
-                    "trigger_watermark": eviction.trigger_watermark,
-                    "eviction_ratio": eviction.eviction_ratio,
-                }
-            )
-            adapters.append(entry)
-        return {
-            "l1": {
-                "capacity_bytes": self.l1.capacity_bytes,
-                "used_bytes": l1_stats.used_bytes,
-                "usage": self.l1.usage(),
-                "objects": l1_stats.objects,
-                "write_locked": l1_stats.write_locked,
-                "read_locks": l1_stats.read_locks,
-                "temporary": l1_stats.temporary,
-                "fragmentation": self.l1.fragmentation(),
-            },
-            "requests": {
-                "lookups": counters.get("lookups", 0),
-                "lookup_keys": counters.get("lookup_keys", 0),
-                "l1_hit_chunks": counters.get("l1_hit_chunks", 0),
-                "l2_hit_chunks": counters.get("l2_hit_chunks", 0),
-                "keys_written": counters.get("keys_written", 0),
-                "keys_read": counters.get("keys_read", 0),
-            },
-            "prefetch": {
-                "policy": self._names["prefetch_policy"],
-                "in_flight": self.prefetch.in_flight(),
-                "queued": self.prefetch.queued(),
-                "max_in_flight": self.prefetch.max_in_flight,
-            },
-            "store": {
-                "policy": self._names["store_policy"],
-                "in_flight_tasks": self.store.in_flight(),
-                "pending_batches": self.store.pending_batches(),
-                "l1_deleted_after_store": counters.get("l1_deleted_after_store", 0),
-            },
-            "eviction": {
-                "l1": {
-                    "policy": self._names["eviction_policy"],
-                    "trigger_watermark": self.l1_eviction.trigger_watermark,
-                    "eviction_ratio": self.l1_eviction.eviction_ratio,
-                    "evicted_keys": counters.get("l1_evicted_keys", 0),
-                    "evicted_bytes": counters.get("l1_evicted_bytes", 0),
-                    "runs": counters.get("l1_eviction_runs", 0),
-                },
-                "l2": {slot.name: per_adapter[slot.index]["keys_evicted"] for slot in self._slots},
-            },
-            "adapters": adapters,
-            "failures": failures,
-        }
+        return storage_status(self._parts)
 
     def close(self, drain_timeout_s: float = 10.0) -> None:
         """Finish in-flight L2 work (up to ``drain_timeout_s``), stop every thread, close
@@ -432,24 +235,7 @@ class StorageManager:
             if self._closed:
                 return
             self._closed = True
-        # Stores and prefetches drain side by side; eviction stops after them so a
-        # prefetch that needs room can still get it.
-        draining: list[ControllerThread] = [self.prefetch, self.store]
-        for controller in draining:
-            controller.request_stop(drain_timeout_s)
-        for controller in draining:
-            controller.join()
-        for evictor in (*self.l2_evictions.values(), self.l1_eviction):
-            evictor.stop(0.0)
-        self._close_adapters()
-        self.l1.close()
-
-    def _close_adapters(self) -> None:
-        for adapter in self.adapters:
-            try:
-                adapter.close()
-            except Exception:
-                logger.exception("closing L2 adapter %s failed", adapter.name)
+        self._parts.close(drain_timeout_s)
 
     def __enter__(self) -> StorageManager:
         return self

@@ -36,8 +36,9 @@ def engine() -> Iterator[Callable[..., StorageManager]]:
     GatedStorePolicy.gate.set()  # a test that failed midway must not leave the store controller parked
     for storage in built:
         for adapter in storage.adapters:
+            backend = getattr(adapter, "backend", adapter)
             for gate_name in ("gate", "store_gate"):
-                gate = getattr(adapter, gate_name, None)
+                gate = getattr(backend, gate_name, None)
                 if gate is not None:
                     gate.set()  # a test that failed midway must not leave a task parked
         storage.close()

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import threading
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from lmcache_tiers.config import AdapterSpec, L2AdapterConfig, ServerConfig, decode_adapter
 from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2.base import BatchL2Adapter
-from lmcache_tiers.l2.context import AdapterContext
+from lmcache_tiers.l2 import BackendAdapter, BackendContext
 from lmcache_tiers.plugins import discover
 from lmcache_tiers.registry import ComponentRegistry, KindRegistry
 from lmcache_tiers.serde import SerdeContext
@@ -21,19 +20,18 @@ MiB = 1 << 20
 L1_GB = 64 / 1024  # 64 MiB: small enough for many engines per test run
 
 
-class GatedConfig(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class GatedConfig(L2AdapterConfig):
     """In-memory adapter whose loads can be held back by the test."""
 
     capacity_mb: float | None = None
 
 
-class GatedAdapter(BatchL2Adapter):
+class GatedBackend:
     """A dict of bytes; ``gate`` / ``store_gate`` (open by default) hold loads / stores back."""
 
-    workers_per_op = 8  # several loads may wait at the gate at once
+    concurrency = 8  # several loads may wait at the gate at once
 
-    def __init__(self, config: GatedConfig, context: AdapterContext) -> None:
-        super().__init__(config, context)
+    def __init__(self, config: GatedConfig, context: BackendContext) -> None:
         self.capacity_mb = config.capacity_mb
         self.gate = threading.Event()
         self.gate.set()
@@ -82,17 +80,24 @@ class GatedAdapter(BatchL2Adapter):
         with self._lock:
             return [self._data.pop(key, None) is not None for key in keys]
 
-    def iter_keys(self) -> Iterator[ObjectKey]:
+    def list_keys(self) -> list[tuple[ObjectKey, int]]:
         with self._lock:
-            return iter(list(self._data))
+            return [(key, len(data)) for key, data in self._data.items()]
 
-    def capacity_bytes(self) -> int | None:
+    def capacity(self) -> int | None:
         return None if self.capacity_mb is None else int(self.capacity_mb * MiB)
+
+
+def gated_backend(storage: StorageManager, index: int = 0) -> GatedBackend:
+    """The ``gated`` backend behind adapter ``index`` of a storage manager."""
+    adapter = storage.adapters[index]
+    assert isinstance(adapter, BackendAdapter) and isinstance(adapter.backend, GatedBackend)
+    return adapter.backend
 
 
 @hookimpl
 def tiers_register_l2_adapters(registry: KindRegistry) -> None:
-    registry.add("gated", GatedAdapter, GatedConfig)
+    registry.add("gated", GatedBackend, GatedConfig)
 
 
 class RecordingSerde:
@@ -234,10 +239,9 @@ def store_in_l2_only(storage: StorageManager, keys: Sequence[ObjectKey], size: i
 def parked_prefetch(storage: StorageManager, keys: Sequence[ObjectKey], size: int) -> int:
     """With a ``gated`` adapter first: ``keys`` stored in L2 only, and a prefetch of them
     whose load is parked at the gate (looked up, pinned, L1 reserved); its handle."""
-    adapter = storage.adapters[0]
-    assert isinstance(adapter, GatedAdapter)
+    backend = gated_backend(storage)
     store_in_l2_only(storage, keys, size)
-    adapter.gate.clear()
+    backend.gate.clear()
     handle = storage.submit_prefetch(keys)
-    assert adapter.loads_started.acquire(timeout=10)
+    assert backend.loads_started.acquire(timeout=10)
     return handle

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from engine_support import (
-    GatedAdapter,
     GatedConfig,
     MiB,
+    gated_backend,
     keys_of,
     mock,
     parked_prefetch,
@@ -77,8 +77,7 @@ def test_each_adapter_evicts_at_its_own_watermark(engine) -> None:
 def test_l2_eviction_skips_pinned_keys(engine) -> None:
     config = GatedConfig(capacity_mb=8, eviction=L2EvictionConfig(trigger_watermark=0.5, eviction_ratio=0.9))
     storage = engine([AdapterSpec(type="gated", config=config)])
-    adapter = storage.adapters[0]
-    assert isinstance(adapter, GatedAdapter)
+    adapter = gated_backend(storage)
     pinned = keys_of(1, 2)
     handle = parked_prefetch(storage, pinned, MiB)  # looked up and pinned, load parked
 
@@ -87,7 +86,7 @@ def test_l2_eviction_skips_pinned_keys(engine) -> None:
     # flush() would wait for the parked prefetch; only stores and L2 eviction must settle.
     assert storage.store.wait_idle(10)
     assert storage.l2_evictions[0].wait_idle(10)
-    remaining = set(adapter.iter_keys())
+    remaining = set(storage.adapters[0].iter_keys())
     assert set(pinned) <= remaining, "a pinned key was evicted"
     assert not set(others) & remaining
     adapter.gate.set()

@@ -6,8 +6,8 @@ import random
 import time
 
 from engine_support import (
-    GatedAdapter,
     GatedConfig,
+    gated_backend,
     keys_of,
     mock,
     parked_prefetch,
@@ -31,12 +31,6 @@ def expire_reservations(storage: StorageManager) -> int:
     return storage.l1.expire_locks(now=time.monotonic() + storage.l1.write_ttl_s + 1)
 
 
-def gated_adapter(storage: StorageManager) -> GatedAdapter:
-    found = storage.adapters[0]
-    assert isinstance(found, GatedAdapter)
-    return found
-
-
 def look_up_and_check(storage: StorageManager, keys: list[ObjectKey], failure: str) -> int:
     """Prefetch ``keys``, check every byte of the prefix found, release it; its length."""
     hits = storage.wait_prefetch(storage.submit_prefetch(keys), 30)
@@ -49,7 +43,7 @@ def look_up_and_check(storage: StorageManager, keys: list[ObjectKey], failure: s
 
 def test_a_writers_late_commit_cannot_publish_a_prefetch_reservation(engine) -> None:
     storage = engine([AdapterSpec(type="gated", config=GatedConfig())])
-    adapter = gated_adapter(storage)
+    adapter = gated_backend(storage)
     keys = keys_of(1, 1)
     store_in_l2_only(storage, keys, SIZE)
     stores_before = storage.status()["adapters"][0]["store_tasks_submitted"]
@@ -86,7 +80,7 @@ def test_a_prefetch_never_hands_over_a_writers_object(engine) -> None:
     """The reverse race: the prefetch's reservation expires and a writer takes the key;
     the load's late hand-off (and its clean-up) must leave the writer's object alone."""
     storage = engine([AdapterSpec(type="gated", config=GatedConfig())])
-    adapter = gated_adapter(storage)
+    adapter = gated_backend(storage)
     keys = keys_of(2, 1)
     handle = parked_prefetch(storage, keys, SIZE)
     assert expire_reservations(storage) == 1
@@ -100,7 +94,7 @@ def test_a_prefetch_never_hands_over_a_writers_object(engine) -> None:
 
 def test_an_expired_load_reservation_never_lets_the_load_overwrite_another_object(engine) -> None:
     storage = engine([AdapterSpec(type="gated", config=GatedConfig())])
-    adapter = gated_adapter(storage)
+    adapter = gated_backend(storage)
     loaded, other = keys_of(3, 1), keys_of(4, 1)
     handle = parked_prefetch(storage, loaded, SIZE)
     assert expire_reservations(storage) == 1

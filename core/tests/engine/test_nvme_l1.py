@@ -9,12 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_support import GatedAdapter, GatedConfig, keys_of, mock, payload, registry
+from engine_support import GatedBackend, GatedConfig, keys_of, mock, payload, registry
 
 from lmcache_tiers.config import AdapterSpec, ServerConfig
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.hookspecs import hookimpl
-from lmcache_tiers.l2.context import AdapterContext
+from lmcache_tiers.l2 import BackendContext
 from lmcache_tiers.plugins import discover
 from lmcache_tiers.registry import ComponentRegistry, KindRegistry
 from lmcache_tiers.storage import StorageManager
@@ -25,23 +25,26 @@ SIZES = [1, 4095, 64 * 1024 + 3]
 closed_adapters: list[str] = []
 
 
-class NeedsL1MemoryAdapter(GatedAdapter):
+class NeedsL1MemoryBackend(GatedBackend):
     """Stands for a backend that registers the L1 arena once and addresses it by offset."""
 
     needs_l1_buffers = True
 
+    def __init__(self, config: GatedConfig, context: BackendContext) -> None:
+        super().__init__(config, context)
+        self.name = context.name
+
     def close(self) -> None:
         closed_adapters.append(self.name)
-        super().close()
 
 
-def build_needs_l1_memory(config: GatedConfig, context: AdapterContext) -> NeedsL1MemoryAdapter:
-    return NeedsL1MemoryAdapter(config, context)
+def build_needs_l1_memory(config: GatedConfig, context: BackendContext) -> NeedsL1MemoryBackend:
+    return NeedsL1MemoryBackend(config, context)
 
 
 @hookimpl
 def tiers_register_l2_adapters(registry: KindRegistry) -> None:
-    registry.add("needs_l1_memory", NeedsL1MemoryAdapter, GatedConfig)
+    registry.add("needs_l1_memory", NeedsL1MemoryBackend, GatedConfig)
     # A factory function: the class is known only once the adapter exists.
     registry.add("needs_l1_memory_factory", build_needs_l1_memory, GatedConfig)
 

@@ -6,7 +6,7 @@ import logging
 import threading
 
 import pytest
-from engine_support import GatedAdapter, GatedConfig, MiB, keys_of, mock, payload, store
+from engine_support import GatedBackend, GatedConfig, MiB, gated_backend, keys_of, mock, payload, store
 
 from lmcache_tiers.config import AdapterSpec
 
@@ -17,10 +17,8 @@ def gated(**options: object) -> AdapterSpec:
     return AdapterSpec(type="gated", config=GatedConfig(**options))  # type: ignore[arg-type]
 
 
-def adapter(storage, index: int = 0) -> GatedAdapter:
-    found = storage.adapters[index]
-    assert isinstance(found, GatedAdapter)
-    return found
+def adapter(storage, index: int = 0) -> GatedBackend:
+    return gated_backend(storage, index)
 
 
 def assert_no_locks(storage) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 import hypothesis.strategies as st
-from engine_support import GatedAdapter, GatedConfig, keys_of, make_storage, mock, payload
+from engine_support import GatedConfig, gated_backend, keys_of, make_storage, mock, payload
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -38,9 +38,7 @@ class EngineMachine(RuleBasedStateMachine):
         faulty = AdapterSpec(type="gated", config=GatedConfig())
         # 2 MiB of L1 so eviction and "L1 full" paths are exercised within a few steps.
         self.storage = make_storage([faulty, mock()], l1_gb=2 / 1024, l2_prefetch_max_in_flight=2)
-        adapter = self.storage.adapters[0]
-        assert isinstance(adapter, GatedAdapter)
-        self.faulty = adapter
+        self.faulty = gated_backend(self.storage)
         self.known: set[ObjectKey] = set()
         self.held: Counter[ObjectKey] = Counter()
 

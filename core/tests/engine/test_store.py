@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from engine_support import GatedAdapter, GatedConfig, RecordingSerde, keys_of, mock, payload, store
+from engine_support import GatedConfig, RecordingSerde, gated_backend, keys_of, mock, payload, store
 
 from lmcache_tiers.config import AdapterSpec
 
@@ -56,8 +56,7 @@ def test_skip_l1_with_noop_is_a_buffer_only_l1(engine) -> None:
 
 def test_skip_l1_waits_for_readers(engine) -> None:
     storage = engine([gated()], l2_store_policy="skip_l1")
-    adapter = storage.adapters[0]
-    assert isinstance(adapter, GatedAdapter)
+    adapter = gated_backend(storage)
     adapter.store_gate.clear()
     keys = keys_of(3, 3)
     store(storage, keys, SIZE)
@@ -72,8 +71,7 @@ def test_skip_l1_waits_for_readers(engine) -> None:
 
 def test_failed_stores_are_counted_and_stay_in_l1(engine) -> None:
     storage = engine([gated()], l2_store_policy="skip_l1")
-    adapter = storage.adapters[0]
-    assert isinstance(adapter, GatedAdapter)
+    adapter = gated_backend(storage)
     keys = keys_of(4, 3)
     adapter.fail_stores.add(keys[1])
     store(storage, keys, SIZE)
@@ -87,8 +85,7 @@ def test_failed_stores_are_counted_and_stay_in_l1(engine) -> None:
 
 def test_skip_l1_deletes_a_key_stored_in_any_adapter(engine) -> None:
     storage = engine([gated(), gated()], l2_store_policy="skip_l1")
-    first = storage.adapters[0]
-    assert isinstance(first, GatedAdapter)
+    first = gated_backend(storage)
     keys = keys_of(5, 2)
     first.fail_stores.update(keys)
     store(storage, keys, SIZE)

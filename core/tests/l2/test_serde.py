@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import zlib
 
-import msgspec
 import pytest
 
-from lmcache_tiers.config import SerdeSpec
+from lmcache_tiers.config import ComponentConfig, SerdeSpec
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.registry import ComponentRegistry, EmptyConfig, Kind
@@ -49,7 +48,7 @@ class Prefix:
         return data[len(self.tag) :]
 
 
-class TagConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class TagConfig(ComponentConfig):
     tag: str = "a"
 
 

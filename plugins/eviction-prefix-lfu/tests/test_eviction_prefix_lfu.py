@@ -1,5 +1,8 @@
+import os
 from itertools import islice
+from pathlib import Path
 
+import pytest
 from lmcache_plugin_eviction_prefix_lfu import PrefixLFUConfig
 from lmcache_plugin_eviction_prefix_lfu.policy import PrefixLFUEvictionPolicy
 
@@ -118,3 +121,35 @@ def test_history_stays_bounded() -> None:
         policy.on_keys_removed(list(islice(policy.victims(), 10)))
     assert len(policy) == 10
     assert len(policy._history) == 100
+
+
+def _shared_trace() -> Path:
+    """The shared Mooncake trace, or a skip that says where it was looked for."""
+    configured = os.environ.get("LMCACHE_TIERS_REPLAY_TRACE")
+    repository = Path(__file__).resolve().parents[3]
+    path = (
+        Path(configured)
+        if configured
+        else repository.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+    )
+    if not path.is_file():
+        reason = f"trace {path} is absent (set LMCACHE_TIERS_REPLAY_TRACE to its path)"
+        print(f"SKIP: {reason}")
+        pytest.skip(reason)
+    return path
+
+
+@pytest.mark.parametrize("capacity", [1000, 4000])
+def test_it_beats_lru_arc_and_s3fifo_on_the_shared_trace(capacity: int) -> None:
+    from lmcache_tiers.plugins import load_registry
+    from lmcache_tiers.replay.simulate import EXACT_LRU, policy_factories, simulate_policy
+    from lmcache_tiers.replay.trace import read_trace
+
+    trace = read_trace(_shared_trace())
+    factories = policy_factories(load_registry(), ["ARC", "S3FIFO", "PREFIX_LFU"])
+    hits = {
+        name: simulate_policy(trace, name, factory, capacity).hit_rate for name, factory in factories.items()
+    }
+    print(f"{capacity} blocks: " + ", ".join(f"{name} {rate:.4f}" for name, rate in hits.items()))
+    for rival in (EXACT_LRU, "ARC", "S3FIFO"):
+        assert hits["PREFIX_LFU"] > hits[rival], f"{rival} beat PREFIX_LFU at {capacity} blocks"

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import time
+import types
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import blake3
 import pytest
 from lmcache_plugin_fault_inject import FaultInjectConfig
-from lmcache_plugin_fault_inject.adapter import FaultInjectAdapter, gap_positions
+from lmcache_plugin_fault_inject.backend import gap_positions, open_fault_inject
 
-from lmcache_tiers.config import decode_adapter
+from lmcache_tiers.config import L2AdapterConfig, decode_adapter
 from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2 import AdapterContext, BlockingAdapterClient, L2Op
-from lmcache_tiers.plugins import load_registry
+from lmcache_tiers.l2 import AdapterContext, BackendAdapter, L2Adapter, create_adapter
+from lmcache_tiers.plugins import discover, load_registry
+from lmcache_tiers.registry import KindRegistry
 from lmcache_tiers.serde import Serde, SerdeContext
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite, make_keys, pattern
 
 
@@ -35,28 +41,32 @@ class TestFaultInjectPassThrough(L2AdapterSuite):
         return FaultInjectConfig(inner=mock_spec(max_size_gb=1 / 4096))
 
 
-def open_fault(serde: tuple[Serde, ...] = (), **settings: Any) -> FaultInjectAdapter:
+def open_fault(serde: tuple[Serde, ...] = (), **settings: Any) -> BackendAdapter:
     settings.setdefault("inner", mock_spec())
     config = FaultInjectConfig(**settings)
-    return FaultInjectAdapter(
-        config, AdapterContext(index=0, name="0:fault_inject", config=config, serde=serde)
-    )
+    context = AdapterContext(index=0, name="0:fault_inject", config=config, serde=serde)
+    adapter = create_adapter(open_fault_inject, config, context)
+    assert isinstance(adapter, BackendAdapter)
+    return adapter
+
+
+def inner_of(adapter: BackendAdapter) -> Any:
+    """The wrapped backend, called directly."""
+    return adapter.backend.inner  # type: ignore[attr-defined]
 
 
 @pytest.fixture
-def opened() -> Iterator[list[FaultInjectAdapter]]:
-    adapters: list[FaultInjectAdapter] = []
+def opened() -> Iterator[list[BackendAdapter]]:
+    adapters: list[BackendAdapter] = []
     yield adapters
     for adapter in adapters:
         adapter.close()
 
 
-def fill(adapter: FaultInjectAdapter, keys: list[ObjectKey], size: int = 256) -> list[bytes]:
-    """Store straight into the inner adapter, bypassing injected store faults."""
+def fill(adapter: BackendAdapter, keys: list[ObjectKey], size: int = 256) -> list[bytes]:
+    """Store straight into the inner backend, bypassing injected store faults."""
     data = [pattern(i, size) for i in range(len(keys))]
-    assert BlockingAdapterClient(adapter.inner).store(keys, [memoryview(d) for d in data]) == [True] * len(
-        keys
-    )
+    assert inner_of(adapter).put_many(keys, [memoryview(d) for d in data]) == [True] * len(keys)
     return data
 
 
@@ -80,27 +90,26 @@ def test_the_seed_makes_faults_reproducible() -> None:
     assert 0 < sum(first) < 64
 
 
-def test_failed_stores_are_not_stored(opened: list[FaultInjectAdapter]) -> None:
+def test_failed_stores_are_not_stored(opened: list[BackendAdapter]) -> None:
     adapter = open_fault(store_fail_rate=1.0)
     opened.append(adapter)
     keys = make_keys(3)
     assert BlockingAdapterClient(adapter).store(keys, [memoryview(b"abc")] * 3) == [False] * 3
-    assert list(adapter.inner.iter_keys()) == []
+    assert list(inner_of(adapter).list_keys()) == []
     assert adapter.stats()["injected_store_failures"] == 3
 
 
-def test_failed_lookups_are_misses_and_pin_nothing(opened: list[FaultInjectAdapter]) -> None:
+def test_failed_lookups_are_misses_and_pin_nothing(opened: list[BackendAdapter]) -> None:
     adapter = open_fault(lookup_fail_rate=1.0)
     opened.append(adapter)
     keys = make_keys(2)
     fill(adapter, keys)
     assert BlockingAdapterClient(adapter).lookup_and_lock(keys).found == [False, False]
     assert adapter.pinned_keys() == {}
-    assert adapter.inner.pinned_keys() == {}  # type: ignore[attr-defined]
     assert adapter.delete(keys) == [True, True]
 
 
-def test_per_operation_rate_overrides_the_default(opened: list[FaultInjectAdapter]) -> None:
+def test_per_operation_rate_overrides_the_default(opened: list[BackendAdapter]) -> None:
     adapter = open_fault(rate=1.0, lookup_fail_rate=0.0, load_fail_rate=0.0)
     opened.append(adapter)
     keys = make_keys(2)
@@ -115,7 +124,7 @@ def test_per_operation_rate_overrides_the_default(opened: list[FaultInjectAdapte
     adapter.unlock(keys)
 
 
-def test_failed_loads_leave_buffers_untouched_and_release_pins(opened: list[FaultInjectAdapter]) -> None:
+def test_failed_loads_leave_buffers_untouched_and_release_pins(opened: list[BackendAdapter]) -> None:
     adapter = open_fault(load_fail_rate=1.0)
     opened.append(adapter)
     keys = make_keys(2)
@@ -140,7 +149,7 @@ def test_batch_mode_fails_whole_calls() -> None:
         adapter.close()
 
 
-def test_raise_mode_becomes_a_counted_backend_error(opened: list[FaultInjectAdapter]) -> None:
+def test_raise_mode_becomes_a_counted_backend_error(opened: list[BackendAdapter]) -> None:
     adapter = open_fault(rate=1.0, fail_mode="raise")
     opened.append(adapter)
     keys = make_keys(2)
@@ -169,7 +178,7 @@ def test_gap_positions(
     assert gap_positions(count, indices, ratios) == expected
 
 
-def test_gaps_drop_positions_of_every_load(opened: list[FaultInjectAdapter]) -> None:
+def test_gaps_drop_positions_of_every_load(opened: list[BackendAdapter]) -> None:
     adapter = open_fault(gap_tail_ratios=(0.5,), gap_indices=(0,))
     opened.append(adapter)
     keys = make_keys(5)
@@ -183,7 +192,7 @@ def test_gaps_drop_positions_of_every_load(opened: list[FaultInjectAdapter]) -> 
     assert adapter.stats()["injected_load_gaps"] == 2
 
 
-def test_detected_corruption_fails_the_load(opened: list[FaultInjectAdapter]) -> None:
+def test_detected_corruption_fails_the_load(opened: list[BackendAdapter]) -> None:
     adapter = open_fault(corrupt_rate=1.0)
     opened.append(adapter)
     keys = make_keys(1)
@@ -195,7 +204,7 @@ def test_detected_corruption_fails_the_load(opened: list[FaultInjectAdapter]) ->
     assert adapter.stats()["injected_corruptions"] == 1
 
 
-def test_silent_corruption_hands_back_one_flipped_byte(opened: list[FaultInjectAdapter]) -> None:
+def test_silent_corruption_hands_back_one_flipped_byte(opened: list[BackendAdapter]) -> None:
     adapter = open_fault(corrupt_rate=1.0, corrupt_detected=False)
     opened.append(adapter)
     keys = make_keys(1)
@@ -224,7 +233,7 @@ class Signed:
         return body
 
 
-def test_silent_corruption_is_caught_by_the_wrappers_serde(opened: list[FaultInjectAdapter]) -> None:
+def test_silent_corruption_is_caught_by_the_wrappers_serde(opened: list[BackendAdapter]) -> None:
     adapter = open_fault(serde=(Signed(),), corrupt_rate=1.0, corrupt_detected=False)
     opened.append(adapter)
     keys = make_keys(1)
@@ -250,7 +259,7 @@ def test_delays_are_counted_and_close_cuts_them_short() -> None:
     assert adapter.stats()["injected_store_delays"] == 1
 
 
-def test_a_stalled_inner_lookup_times_out_as_a_miss(opened: list[FaultInjectAdapter]) -> None:
+def test_a_stalled_inner_lookup_times_out_as_a_miss(opened: list[BackendAdapter]) -> None:
     stalled_inner = {"type": "fault_inject", "inner": mock_spec(), "delay_s": 3600, "delay_ops": ["lookup"]}
     adapter = open_fault(inner=stalled_inner, lookup_timeout_s=0.1)
     opened.append(adapter)
@@ -258,12 +267,12 @@ def test_a_stalled_inner_lookup_times_out_as_a_miss(opened: list[FaultInjectAdap
     assert adapter.stats()["inner_lookup_timeouts"] == 1
 
 
-def test_accounting_comes_from_the_inner_adapter(opened: list[FaultInjectAdapter]) -> None:
+def test_one_accounting_with_the_inner_capacity(opened: list[BackendAdapter]) -> None:
     adapter = open_fault(inner=mock_spec(max_size_gb=1 / 1024))
     opened.append(adapter)
     keys = make_keys(2, salt="t")
     BlockingAdapterClient(adapter).store(keys, [memoryview(b"x" * 512)] * 2)
-    assert adapter.used_bytes() == adapter.inner.used_bytes() == 1024
+    assert adapter.used_bytes() == 1024
     assert adapter.used_bytes_by_salt() == {"t": 1024}
     assert adapter.usage() == pytest.approx(1024 / (1 << 20))
 
@@ -299,7 +308,84 @@ def test_bad_inner_spec_is_a_config_error_naming_inner(inner: dict[str, Any], me
         open_fault(inner=inner)
 
 
-def test_wrapped_event_fds_are_the_wrappers_own(opened: list[FaultInjectAdapter]) -> None:
-    adapter = open_fault()
+def test_the_inner_backend_runs_inside_the_wrapper(opened: list[BackendAdapter]) -> None:
+    nested = {"type": "fault_inject", "inner": mock_spec(), "lookup_fail_rate": 1.0}
+    adapter = open_fault(inner=nested)
     opened.append(adapter)
-    assert {adapter.event_fd(op) for op in L2Op}.isdisjoint({adapter.inner.event_fd(op) for op in L2Op})
+    inner = inner_of(adapter)
+    assert not isinstance(inner, L2Adapter), "one task board, one pin table, one accounting"
+    keys = make_keys(1)
+    assert BlockingAdapterClient(adapter).store(keys, [memoryview(b"s")]) == [True]
+    assert adapter.used_bytes() == 1
+    assert BlockingAdapterClient(adapter).lookup_and_lock(keys).found == [False]
+    stats = adapter.stats()
+    assert stats["inner_injected_lookup_failures"] == 1, "the inner backend's counters, prefixed"
+    assert stats.get("injected_lookup_failures", 0) == 0
+
+
+class AsyncMemory:
+    """A coroutine backend, to show the wrapper turns into coroutines around one."""
+
+    def __init__(self, config: Any, context: Any) -> None:
+        self.objects: dict[ObjectKey, bytes] = {}
+        self.stall = asyncio.Event()
+        self.stall.set()
+
+    async def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        self.objects.update((key, bytes(payload)) for key, payload in zip(keys, payloads, strict=True))
+        return [True] * len(keys)
+
+    async def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | None]:
+        await self.stall.wait()
+        return [len(self.objects[key]) if key in self.objects else None for key in keys]
+
+    async def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        ok = []
+        for key, buffer in zip(keys, buffers, strict=True):
+            data = self.objects.get(key)
+            if data is not None and len(data) == buffer.nbytes:
+                buffer[:] = data
+            ok.append(data is not None and len(data) == buffer.nbytes)
+        return ok
+
+    async def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        return [self.objects.pop(key, None) is not None for key in keys]
+
+    async def list_keys(self) -> AsyncIterator[tuple[ObjectKey, int]]:
+        for key, data in list(self.objects.items()):
+            yield key, len(data)
+
+    def capacity(self) -> None:
+        return None
+
+
+class AsyncMemoryConfig(L2AdapterConfig):
+    """A coroutine backend for the fault_inject tests."""
+
+
+@hookimpl
+def tiers_register_l2_adapters(registry: KindRegistry) -> None:
+    registry.add("async_memory", AsyncMemory, AsyncMemoryConfig)
+
+
+def test_a_coroutine_backend_is_wrapped_in_coroutines(opened: list[BackendAdapter]) -> None:
+    module = types.ModuleType("fault_inject_async_test")
+    module.tiers_register_l2_adapters = tiers_register_l2_adapters  # type: ignore[attr-defined]
+    registry = discover(extra_plugins={"fault-inject-async-test": module}).registry
+    config = FaultInjectConfig(inner={"type": "async_memory"}, load_fail_rate=1.0, lookup_timeout_s=0.1)
+    context = AdapterContext(index=0, name="0:fault_inject", config=config)
+    adapter = create_adapter(open_fault_inject, config, context, registry=registry)
+    assert isinstance(adapter, BackendAdapter)
+    opened.append(adapter)
+    assert inspect.iscoroutinefunction(adapter.backend.put_many)  # type: ignore[attr-defined]
+    client = BlockingAdapterClient(adapter)
+    keys = make_keys(2)
+    assert client.store(keys, [memoryview(b"a"), memoryview(b"b")]) == [True, True]
+    assert client.lookup_and_lock(keys).found == [True, True]
+    assert client.load(keys, buffers(2, 1)) == [False, False]
+    adapter.unlock(keys)
+    inner_of(adapter).stall.clear()  # the next lookup stalls in the inner backend
+    assert client.lookup_and_lock(keys).found == [False, False]
+    stats = adapter.stats()
+    assert (stats["injected_load_failures"], stats["inner_lookup_timeouts"]) == (2, 1)
+    assert adapter.delete(keys) == [True, True]

@@ -61,7 +61,7 @@ def test_store_lookup_retrieve_round_trip(client: MPClient, mp_server: TiersServ
     assert client.retrieve(Key(tokens_of(1), "warm", worker_id=0), REG.instance_id, shm) == payloads
     assert l1(mp_server)["read_locks"] == 0  # the retrieve consumed them
     assert client.call("end_session", "warm") is None
-    layout = mp_server.storage.l1.get(next(iter(mp_server.storage.l1._objects))).layout
+    layout = next(iter(mp_server.storage.l1._table.objects.values())).layout
     assert layout == "bfloat16[2,2,256,64]"
     stats = mp_stats(mp_server)
     assert (stats.store_chunks, stats.retrieve_chunks, stats.store_bytes) == (4, 4, 4 * CHUNK)

@@ -10,14 +10,15 @@ from typing import Any
 import msgspec
 import pytest
 from lmcache_plugin_mock import MockConfig
-from lmcache_plugin_mock import adapter as adapter_module
-from lmcache_plugin_mock.adapter import MockAdapter
+from lmcache_plugin_mock import backend as backend_module
+from lmcache_plugin_mock.backend import MockBackend
 
 from lmcache_tiers.config import decode_adapter
 from lmcache_tiers.errors import ConfigError
-from lmcache_tiers.l2 import AdapterContext, BlockingAdapterClient
+from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
 from lmcache_tiers.l2.buffers import copy_into
 from lmcache_tiers.plugins import load_registry
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite, make_keys, pattern
 
 
@@ -59,8 +60,21 @@ def test_config_is_frozen() -> None:
     assert msgspec.json.decode(b'{"max_size_gb": 0.5}', type=MockConfig).max_size_gb == 0.5
 
 
-def make_mock(config: MockConfig) -> MockAdapter:
-    return MockAdapter(config, AdapterContext(index=0, name="0:mock", config=config))
+def make_mock(config: MockConfig) -> BackendAdapter:
+    adapter = create_adapter(MockBackend, config, AdapterContext(index=0, name="0:mock", config=config))
+    assert isinstance(adapter, BackendAdapter)
+    return adapter
+
+
+def backend_of(adapter: BackendAdapter) -> MockBackend:
+    backend = adapter.backend
+    assert isinstance(backend, MockBackend)
+    return backend
+
+
+def stored_bytes(backend: MockBackend) -> int:
+    with backend._objects.lock:
+        return sum(obj.size for obj in backend._objects.data.values())
 
 
 def test_simulated_bandwidth_still_moves_the_bytes() -> None:
@@ -86,7 +100,7 @@ def test_close_interrupts_a_slow_simulated_transfer() -> None:
     assert adapter.pop_completed_stores() == {task_id: [False]}
 
 
-def test_namespaces_share_objects_and_capacity() -> None:
+def test_namespaces_share_objects() -> None:
     namespace = uuid.uuid4().hex
     first = make_mock(MockConfig(namespace=namespace))
     second = make_mock(MockConfig(namespace=namespace))
@@ -114,8 +128,8 @@ class TestMockAdapterPool(TestMockAdapter):
 POOLED = 256 << 10  # comfortably above the size from which objects go to the pool
 
 
-def pool_of(adapter: MockAdapter) -> Any:
-    pool = adapter._objects.pool
+def pool_of(adapter: BackendAdapter) -> Any:
+    pool = backend_of(adapter)._objects.pool
     assert pool is not None
     return pool
 
@@ -138,15 +152,16 @@ def test_large_objects_live_in_the_pool_and_small_ones_on_the_heap() -> None:
         assert pool_of(adapter).allocator.allocated_bytes == 0
     finally:
         adapter.close()
-    assert adapter._objects.pool is None, "closing an adapter without a namespace drops its pool"
+    assert backend_of(adapter)._objects.pool is None, "closing an adapter without a namespace drops its pool"
 
 
 def test_an_extent_being_loaded_is_not_reused_until_the_load_is_done(monkeypatch: pytest.MonkeyPatch) -> None:
     adapter = make_mock(MockConfig(max_size_gb=1 / 1024))  # 1 MiB: room for 4 objects
+    backend = backend_of(adapter)
     try:
         keys = make_keys(4)
         old = pattern(1, POOLED)
-        assert adapter.put_many(keys[:1], [memoryview(old)]) == [True]
+        assert backend.put_many(keys[:1], [memoryview(old)]) == [True]
         pool = pool_of(adapter)
         during_load: list[bool] = []
 
@@ -156,19 +171,19 @@ def test_an_extent_being_loaded_is_not_reused_until_the_load_is_done(monkeypatch
                 # (best fit would put them into its extent were it free) before its bytes
                 # are copied out.
                 during_load.append(True)
-                assert adapter.put_many(keys[:1], [memoryview(pattern(2, POOLED))]) == [True]
-                assert adapter.delete_many(keys[:1]) == [True]
+                assert backend.put_many(keys[:1], [memoryview(pattern(2, POOLED))]) == [True]
+                assert backend.delete_many(keys[:1]) == [True]
                 fillers = [memoryview(pattern(3 + i, POOLED)) for i in range(3)]
-                assert adapter.put_many(keys[1:], fillers) == [True, True, True]
+                assert backend.put_many(keys[1:], fillers) == [True, True, True]
                 assert pool.allocator.allocated_bytes == 4 * POOLED, "the loaded extent must be held"
             copy_into(target, source)
 
-        monkeypatch.setattr(adapter_module, "copy_into", copy_after_racing_writers)
+        monkeypatch.setattr(backend_module, "copy_into", copy_after_racing_writers)
         buffer = memoryview(bytearray(POOLED))
-        assert adapter.get_many_into(keys[:1], [buffer]) == [True]
+        assert backend.get_many_into(keys[:1], [buffer]) == [True]
         assert bytes(buffer) == old
         assert pool.allocator.allocated_bytes == 3 * POOLED, "freed once the load finished"
-        assert adapter._objects.used == 3 * POOLED
+        assert stored_bytes(backend) == 3 * POOLED
     finally:
         adapter.close()
 
@@ -185,7 +200,6 @@ def test_objects_the_pool_cannot_hold_go_to_the_heap() -> None:
         data = [pattern(i, POOLED) for i in range(6)]
         assert client.store(keys, [memoryview(d) for d in data]) == [True] * 6
         assert pool_of(large).allocator.allocated_bytes == 2 * POOLED
-        assert BlockingAdapterClient(small).store(make_keys(1, start=10), [memoryview(data[0])]) == [False]
         buffers = [memoryview(bytearray(POOLED)) for _ in keys]
         assert client.lookup_and_lock(keys).found == [True] * 6
         assert client.load(keys, buffers) == [True] * 6
@@ -196,14 +210,34 @@ def test_objects_the_pool_cannot_hold_go_to_the_heap() -> None:
         large.close()
 
 
-def test_concurrent_stores_of_the_same_keys_keep_the_accounting_exact() -> None:
+def test_a_namespace_fuller_than_the_capacity_refuses_stores_after_a_restart() -> None:
+    namespace = uuid.uuid4().hex
+    large = make_mock(MockConfig(max_size_gb=1 / 256, namespace=namespace))
+    try:
+        keys = make_keys(6)
+        payloads = [memoryview(pattern(i, POOLED)) for i in range(6)]
+        assert BlockingAdapterClient(large).store(keys, payloads) == [True] * 6
+    finally:
+        large.close()
+    small = make_mock(MockConfig(max_size_gb=1 / 2048, namespace=namespace))  # 512 KiB
+    try:
+        assert small.used_bytes() == 6 * POOLED, "the start-up scan accounted the namespace"
+        assert small.usage() > 1.0
+        assert BlockingAdapterClient(small).store(make_keys(1, start=10), [payloads[0]]) == [False]
+        assert small.stats()["capacity_refusals"] == 1
+    finally:
+        small.close()
+
+
+def test_concurrent_stores_of_the_same_keys_keep_the_pool_exact() -> None:
     adapter = make_mock(MockConfig(max_size_gb=1 / 64))
+    backend = backend_of(adapter)
     keys = make_keys(4)
     payloads = [memoryview(pattern(i, POOLED + i * 4096)) for i in range(4)]
 
     def store_repeatedly() -> None:
         for _ in range(50):
-            assert adapter.put_many(keys, payloads) == [True] * 4
+            assert backend.put_many(keys, payloads) == [True] * 4
 
     try:
         threads = [threading.Thread(target=store_repeatedly) for _ in range(3)]
@@ -211,7 +245,7 @@ def test_concurrent_stores_of_the_same_keys_keep_the_accounting_exact() -> None:
             thread.start()
         for thread in threads:
             thread.join()
-        assert adapter._objects.used == sum(p.nbytes for p in payloads)
+        assert stored_bytes(backend) == sum(p.nbytes for p in payloads)
         extents = sum(pool_of(adapter).allocator.extent_size(p.nbytes) for p in payloads)
         assert pool_of(adapter).allocator.allocated_bytes == extents
     finally:
@@ -232,35 +266,31 @@ def test_prefault_populates_the_pool_at_start() -> None:
         adapter.close()
 
 
-def test_a_batch_is_checked_against_capacity_as_if_stored_one_by_one() -> None:
+def test_a_batch_storing_one_key_twice_keeps_the_last() -> None:
     adapter = make_mock(MockConfig(max_size_gb=1 / 1024))  # 1 MiB
-    half, quarter = 512 << 10, 256 << 10
+    backend = backend_of(adapter)
+    quarter = 256 << 10
     try:
-        keys = make_keys(4)
-        assert adapter.put_many(keys[:2], [memoryview(pattern(i, half)) for i in range(2)]) == [True, True]
-        # Full: shrinking keys[0] makes room for keys[2] within the same batch.
-        batch = [memoryview(pattern(10, quarter)), memoryview(pattern(11, quarter))]
-        assert adapter.put_many([keys[0], keys[2]], batch) == [True, True]
-        assert adapter._objects.used == 1 << 20
-        assert adapter.delete_many([keys[2]]) == [True]
-        # The second store of a key in one batch replaces the first one's bytes.
+        keys = make_keys(1)
         twice = [memoryview(pattern(20, quarter)), memoryview(pattern(21, quarter // 2))]
-        assert adapter.put_many([keys[3], keys[3]], twice) == [True, True]
-        assert adapter._objects.used == half + quarter + quarter // 2
-        assert adapter.contains_many(keys) == [quarter, half, None, quarter // 2]
-        buffers = [memoryview(bytearray(quarter)), memoryview(bytearray(quarter // 2))]
-        assert adapter.get_many_into([keys[0], keys[3]], buffers) == [True, True]
-        assert [bytes(b) for b in buffers] == [bytes(batch[0]), bytes(twice[1])]
+        assert backend.put_many([keys[0], keys[0]], twice) == [True, True]
+        assert stored_bytes(backend) == quarter // 2
+        assert pool_of(adapter).allocator.allocated_bytes == quarter // 2, "the first copy's extent is freed"
+        assert backend.contains_many(keys) == [quarter // 2]
+        buffer = memoryview(bytearray(quarter // 2))
+        assert backend.get_many_into(keys, [buffer]) == [True]
+        assert bytes(buffer) == bytes(twice[1])
     finally:
         adapter.close()
 
 
-def test_a_failed_copy_leaves_objects_and_capacity_as_they_were(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_copy_leaves_objects_as_they_were(monkeypatch: pytest.MonkeyPatch) -> None:
     adapter = make_mock(MockConfig(max_size_gb=1 / 1024))
+    backend = backend_of(adapter)
     try:
         keys = make_keys(2)
         old = pattern(1, POOLED)
-        assert adapter.put_many(keys[:1], [memoryview(old)]) == [True]
+        assert backend.put_many(keys[:1], [memoryview(old)]) == [True]
         copies: list[int] = []
 
         def fail_second_copy(target: memoryview, source: bytes | bytearray | memoryview) -> None:
@@ -269,16 +299,16 @@ def test_a_failed_copy_leaves_objects_and_capacity_as_they_were(monkeypatch: pyt
                 raise OSError("simulated copy failure")
             copy_into(target, source)
 
-        monkeypatch.setattr(adapter_module, "copy_into", fail_second_copy)
+        monkeypatch.setattr(backend_module, "copy_into", fail_second_copy)
         with pytest.raises(OSError, match="simulated"):
-            adapter.put_many(keys, [memoryview(pattern(2, POOLED // 2)), memoryview(pattern(3, POOLED))])
+            backend.put_many(keys, [memoryview(pattern(2, POOLED // 2)), memoryview(pattern(3, POOLED))])
         monkeypatch.undo()
-        assert adapter._objects.used == POOLED
+        assert stored_bytes(backend) == POOLED
         assert pool_of(adapter).allocator.allocated_bytes == POOLED
         buffer = memoryview(bytearray(POOLED))
-        assert adapter.get_many_into(keys[:1], [buffer]) == [True]
+        assert backend.get_many_into(keys[:1], [buffer]) == [True]
         assert bytes(buffer) == old
-        assert adapter.contains_many(keys) == [POOLED, None]
+        assert backend.contains_many(keys) == [POOLED, None]
     finally:
         adapter.close()
 
@@ -290,12 +320,13 @@ def test_without_a_pool_every_object_goes_to_the_heap(monkeypatch: pytest.Monkey
     monkeypatch.setattr(mmap, "mmap", refuse)
     adapter = make_mock(MockConfig(max_size_gb=1 / 1024))
     monkeypatch.undo()
+    backend = backend_of(adapter)
     try:
-        assert adapter._objects.pool is None
+        assert backend._objects.pool is None
         data = pattern(9, POOLED)
-        assert adapter.put_many(make_keys(1), [memoryview(data)]) == [True]
+        assert backend.put_many(make_keys(1), [memoryview(data)]) == [True]
         buffer = memoryview(bytearray(POOLED))
-        assert adapter.get_many_into(make_keys(1), [buffer]) == [True]
+        assert backend.get_many_into(make_keys(1), [buffer]) == [True]
         assert bytes(buffer) == data
     finally:
         adapter.close()

@@ -10,17 +10,19 @@ from typing import Any
 
 import msgspec
 from lmcache_plugin_nixl.config import NixlStoreConfig, NixlStoreDynamicConfig
-from lmcache_plugin_nixl.dynamic import NixlDynamicAdapter
-from lmcache_plugin_nixl.store import NixlStoreAdapter
+from lmcache_plugin_nixl.dynamic import NixlDynamicBackend
+from lmcache_plugin_nixl.store import NixlStoreBackend
 
 from lmcache_tiers.config import L2EvictionConfig
 from lmcache_tiers.controllers.base import AdapterSlot
 from lmcache_tiers.controllers.l2_eviction import L2EvictionController
 from lmcache_tiers.controllers.stats import EngineStats
-from lmcache_tiers.l2 import AdapterContext, BlockingAdapterClient, L2Adapter
+from lmcache_tiers.l2 import AdapterContext, BackendAdapter, L2Adapter, create_adapter
 from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.registry import Kind
 from lmcache_tiers.serde import Serde
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.files import AlignedArena
 
 
 @contextmanager
@@ -70,41 +72,27 @@ def context(config: Any, arena: memoryview | None, serde: tuple[Serde, ...] = ()
     return AdapterContext(index=0, name="0:nixl-test", config=config, serde=serde, l1_buffer=arena)
 
 
-def open_pool(config: NixlStoreConfig, arena: memoryview | None = None) -> NixlStoreAdapter:
-    return NixlStoreAdapter(config, context(config, arena))
+def _open(factory: Any, config: Any, facts: AdapterContext) -> BackendAdapter:
+    adapter = create_adapter(factory, config, facts)
+    assert isinstance(adapter, BackendAdapter)
+    return adapter
+
+
+def open_pool(config: NixlStoreConfig, arena: memoryview | None = None) -> BackendAdapter:
+    return _open(NixlStoreBackend, config, context(config, arena))
 
 
 def open_dynamic(
     config: NixlStoreDynamicConfig, arena: memoryview | None = None, serde: tuple[Serde, ...] = ()
-) -> NixlDynamicAdapter:
-    return NixlDynamicAdapter(config, context(config, arena, serde))
+) -> BackendAdapter:
+    return _open(NixlDynamicBackend, config, context(config, arena, serde))
 
 
 def client(adapter: Any) -> BlockingAdapterClient:
     return BlockingAdapterClient(adapter, timeout=60.0)
 
 
-class Arena:
-    """Page-aligned stand-in for the L1 arena; ``take`` hands out 4096-aligned slices."""
-
-    def __init__(self, size: int = 64 << 20) -> None:
-        import mmap
-
-        self._map = mmap.mmap(-1, size)
-        self.view = memoryview(self._map)
-        self._offset = 0
-
-    def take(self, size: int) -> memoryview:
-        start = -(-self._offset // 4096) * 4096
-        if start + size > self.view.nbytes:
-            raise MemoryError("test arena exhausted")
-        self._offset = start + size
-        return self.view[start : start + size]
-
-    def filled(self, data: bytes) -> memoryview:
-        view = self.take(len(data))
-        view[:] = data
-        return view
+Arena = AlignedArena
 
 
 def lru_eviction_controller(adapter: L2Adapter, watermark: float, ratio: float) -> L2EvictionController:

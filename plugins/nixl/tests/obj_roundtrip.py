@@ -12,8 +12,7 @@ import sys
 
 import msgspec
 from lmcache_plugin_nixl.config import NixlStoreConfig
-from lmcache_plugin_nixl.store import NixlStoreAdapter
-from nixl_helpers import Arena, client, context
+from nixl_helpers import Arena, client, open_pool
 
 from lmcache_tiers.testing.l2 import make_keys, pattern
 
@@ -29,7 +28,7 @@ def main(endpoint: str, bucket: str, access_key: str, secret_key: str) -> None:
     }
     config = msgspec.convert({"backend": "OBJ", "backend_params": params, "pool_size": 3}, NixlStoreConfig)
     arena = Arena(32 << 20)
-    adapter = NixlStoreAdapter(config, context(config, arena.view))
+    adapter = open_pool(config, arena.view)
     report: dict[str, object] = {}
     try:
         keys = make_keys(4)
@@ -38,7 +37,7 @@ def main(endpoint: str, bucket: str, access_key: str, secret_key: str) -> None:
         buffers = [arena.take(len(d)) for d in data[:3]]
         report["loaded"] = client(adapter).load(keys[:3], buffers)
         report["equal"] = [bytes(b) == d for b, d in zip(buffers, data, strict=False)]
-        report["pool_full_rejections"] = adapter.stats().get("pool_full_rejections", 0)
+        report["capacity_refusals"] = adapter.stats().get("capacity_refusals", 0)
         report["deleted"] = adapter.delete(keys[:1])
         report["stored_after_delete"] = client(adapter).store(keys[3:], [arena.filled(data[3])])
         target = arena.take(len(data[3]))

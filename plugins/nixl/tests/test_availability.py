@@ -100,7 +100,7 @@ def test_two_adapters_on_one_directory_are_refused() -> None:
     with scratch_dir() as directory:
         first = open_dynamic(dynamic_config(directory))
         try:
-            with pytest.raises(ConfigError, match="already used by another NIXL adapter"):
+            with pytest.raises(ConfigError, match="already used by another adapter of this server"):
                 open_dynamic(dynamic_config(directory))
         finally:
             first.close()

@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Iterator
-
-import pytest
 from lmcache_plugin_nixl.config import NixlStoreConfig, NixlStoreDynamicConfig
 from nixl_helpers import dynamic_config, pool_config
 
+from lmcache_tiers.testing.files import ScratchDirectory
 from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite
 
 
-class _ScratchDirectory:
-    storage_dir: str
-
-    @pytest.fixture(autouse=True)
-    def _storage_dir(self) -> Iterator[None]:
-        # Autouse fixtures run before the suite's adapter fixture, which calls make_config.
-        self.storage_dir = tempfile.mkdtemp(prefix="lmcache-nixl-suite-")
-        yield
-        shutil.rmtree(self.storage_dir, ignore_errors=True)
-
-
-class TestNixlStoreConformance(_ScratchDirectory, L2AdapterSuite):
+class TestNixlStoreConformance(ScratchDirectory, L2AdapterSuite):
     component_name = "nixl_store"
     # The pool is the capacity (usage = slots in use); deletes return slots. Nothing
     # survives a restart, so no PERSISTENCE.
@@ -36,7 +21,7 @@ class TestNixlStoreConformance(_ScratchDirectory, L2AdapterSuite):
         return pool_config(self.storage_dir, pool_size=64)
 
 
-class TestNixlStoreDynamicConformance(_ScratchDirectory, L2AdapterSuite):
+class TestNixlStoreDynamicConformance(ScratchDirectory, L2AdapterSuite):
     component_name = "nixl_store_dynamic"
     capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION})
 

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from crash_writer import expected, object_size
-from lmcache_plugin_nixl.layout import is_temp_name
 from nixl_helpers import Arena, client, dynamic_config, open_dynamic, scratch_dir
 
+from lmcache_tiers.plugin import is_temp_name
 from lmcache_tiers.testing.l2 import make_keys
 
 WRITER = Path(__file__).with_name("crash_writer.py")

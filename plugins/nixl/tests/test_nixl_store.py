@@ -23,7 +23,7 @@ def test_full_pool_reports_unwritten_keys_and_counts_them() -> None:
             data = [pattern(i, SIZE) for i in range(6)]
             ok = client(adapter).store(keys, [arena.filled(d) for d in data])
             assert ok == [True] * 4 + [False] * 2
-            assert adapter.stats()["pool_full_rejections"] == 2
+            assert adapter.stats()["capacity_refusals"] == 2, "the pool holds 4 objects"
             assert adapter.usage() == 1.0
             # The refused keys are not there; the stored ones load their own bytes.
             result = client(adapter).lookup_and_lock(keys)
@@ -34,7 +34,7 @@ def test_full_pool_reports_unwritten_keys_and_counts_them() -> None:
             adapter.unlock(keys[:4])
             # A later batch is refused too, and counted again.
             assert client(adapter).store(keys[4:], [arena.filled(d) for d in data[4:]]) == [False, False]
-            assert adapter.stats()["pool_full_rejections"] == 4
+            assert adapter.stats()["capacity_refusals"] == 4
         finally:
             adapter.close()
 

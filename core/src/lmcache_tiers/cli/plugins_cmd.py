@@ -8,14 +8,17 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from lmcache_tiers.cli import plugins_new
 from lmcache_tiers.cli.output import EXIT_USAGE, fail, stdout
 from lmcache_tiers.config_docs import component_doc, component_fields, render_config_reference
 from lmcache_tiers.plugins import load_plugins
 from lmcache_tiers.registry import Component
 
 app = typer.Typer(
-    help="List installed plugins and show their components' configuration.", no_args_is_help=True
+    help="List installed plugins, show their components' configuration, write new ones.",
+    no_args_is_help=True,
 )
+app.command("new")(plugins_new.new)
 
 
 @app.command("list")

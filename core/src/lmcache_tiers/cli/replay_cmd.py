@@ -19,7 +19,8 @@ REPLAY_HELP = (
     "Three modes: through a running server (--url, the default), in this process against a "
     "StorageManager built from serve's L1/L2 flags (--in-process), or with no server at all "
     "(--simulate): the miss-ratio curve of exact LRU, every installed eviction policy, "
-    "Belady's optimum and an infinite cache.\n\n"
+    "Belady's optimum and an infinite cache; --foresight and --retime add oracles that show what "
+    "knowing the future is worth.\n\n"
     "Replay keys carry their own model name and salt, so a replay never touches an engine's data."
 )
 
@@ -64,6 +65,25 @@ def replay(
     ] = 2,
     plot: Annotated[
         Optional[str], typer.Option(help="Also draw the miss-ratio curve into this PNG file.")
+    ] = None,
+    foresight: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            help="Add an oracle told each block's next use within H requests ('all': unlimited); "
+            "repeat or comma-separate."
+        ),
+    ] = None,
+    retime: Annotated[
+        Optional[int],
+        typer.Option(
+            min=0,
+            help="Simulate a re-timed sample (this seed) of the trace's Poisson model instead, with "
+            "the rate oracle and the bound no online policy beats on it.",
+        ),
+    ] = None,
+    retime_bandwidth: Annotated[
+        Optional[int],
+        typer.Option(min=1, help="Rate smoothing of --retime, in requests [default: the likeliest]."),
     ] = None,
     # -- real bytes -------------------------------------------------------------------
     time_scale: Annotated[
@@ -134,6 +154,7 @@ def replay(
                 eviction_ratio,
                 plot,
                 as_json,
+                _analysis_options(foresight, retime, retime_bandwidth),
             )
             return
         options = _options(block_bytes, time_scale, timeout, model, salt)
@@ -153,6 +174,20 @@ def replay(
     except TiersError as exc:
         fail(str(exc))
     _server(trace, options, url or DEFAULT_URL, clients, auth_token, as_json)
+
+
+def _analysis_options(foresight: list[str] | None, seed: int | None, bandwidth: int | None) -> Any:
+    from lmcache_tiers.errors import ConfigError
+    from lmcache_tiers.replay.analysis import AnalysisOptions
+    from lmcache_tiers.replay.foresight import parse_horizons
+
+    try:
+        horizons = parse_horizons(_split(foresight))
+    except ValueError as exc:
+        raise ConfigError(f"--foresight: {exc}") from None
+    if bandwidth is not None and seed is None:
+        raise ConfigError("--retime-bandwidth needs --retime SEED")
+    return AnalysisOptions(foresight=horizons, retime_seed=seed, retime_bandwidth=bandwidth)
 
 
 def _options(block_bytes: int, time_scale: float, timeout: float, model: str | None, salt: str | None) -> Any:
@@ -198,12 +233,20 @@ def _simulate(
     eviction_ratio: float | None,
     plot: str | None,
     as_json: bool,
+    analysis_options: Any,
 ) -> None:
     from lmcache_tiers.errors import ConfigError
     from lmcache_tiers.plugins import load_registry
     from lmcache_tiers.registry import Kind
+    from lmcache_tiers.replay.analysis import prepare
     from lmcache_tiers.replay.capacity import extent_bytes, parse_capacity
-    from lmcache_tiers.replay.report import curve_table, gap_table, simulation_document, timing_table
+    from lmcache_tiers.replay.report import (
+        bound_table,
+        curve_table,
+        gap_table,
+        simulation_document,
+        timing_table,
+    )
     from lmcache_tiers.replay.simulate import (
         TierSettings,
         default_capacities,
@@ -230,7 +273,9 @@ def _simulate(
     ratio = 0.2 if eviction_ratio is None else eviction_ratio
     if not 0.0 < ratio <= 1.0:
         raise ConfigError(f"--eviction-ratio must be in (0, 1], got {ratio}")
-    factories = policy_factories(registry, _split(policy) or None)
+    analysis = prepare(trace, analysis_options)
+    trace = analysis.trace
+    factories = {**policy_factories(registry, _split(policy) or None), **analysis.factories}
     l2_component = registry.get(Kind.EVICTION_POLICY, l2_policy)
     l2_factory = policy_factories(registry, [l2_component.name])[l2_component.name]
     settings = TierSettings(
@@ -255,21 +300,26 @@ def _simulate(
             l2_factory=l2_factory,
             progress=step,
         )
+        bounds = analysis.online_bound(
+            [point.capacity_blocks + (point.l2_capacity_blocks or 0) for point in points]
+        )
     title = f"miss ratio on {trace.path} ({len(trace.requests):,} requests, lower is better)"
     if plot:
         from lmcache_tiers.replay.plot import plot_curve
 
         plot_curve(points, plot, title=f"miss ratio: {trace.path.rsplit('/', 1)[-1]}")
     if as_json:
-        document = simulation_document(trace, points, settings)
+        document = simulation_document(trace, points, settings, analysis=analysis.describe(), bounds=bounds)
         if plot:
             document["plot"] = plot
         typer.echo(json.dumps(document, indent=2))
         return
-    _print_table(curve_table(points, title=title))
+    _print_table(curve_table(points, title=title, oracles=analysis.oracles))
     gaps = gap_table(points)
     if gaps is not None:
         _print_table(gaps)
+    if bounds is not None:
+        _print_table(bound_table(points, bounds))
     _print_table(timing_table(points, trace))
     conflicts = trace.chain_conflicts()
     if conflicts:

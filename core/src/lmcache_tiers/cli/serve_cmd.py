@@ -21,8 +21,8 @@ from rich.markup import escape
 
 from lmcache_tiers.cli import lmcache_flags as compat
 from lmcache_tiers.cli.output import fail
-from lmcache_tiers.config import ServerConfig, build_config, config_to_builtins, load_toml
-from lmcache_tiers.defaults import CACHE_DIR_ENV, default_l2_adapters
+from lmcache_tiers.config import ServerConfig, build_config, config_to_builtins, load_toml, redact_secrets
+from lmcache_tiers.defaults import CACHE_DIR_ENV, claim_default_l2, default_l2_adapters
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.plugins import PluginSet
 from lmcache_tiers.registry import ComponentRegistry, Kind
@@ -59,6 +59,8 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
 }
 
 _D = ServerConfig()
+#: the default L2's claim, held for the life of the serving process
+_DEFAULT_L2_CLAIMS: list[object] = []
 
 
 def config_flags() -> dict[str, list[str]]:
@@ -83,7 +85,8 @@ def serve_help(registry: ComponentRegistry) -> str:
     if defaults:
         spec = escape(" ".join(json.dumps(adapter) for adapter in defaults))
         default_l2 = (
-            f"the embedded default L2 --l2-adapter '{spec}' ({CACHE_DIR_ENV} moves its directory; "
+            f"the embedded default L2 --l2-adapter '{spec}' (capacity: 10 GiB or 10% of its "
+            f"filesystem, whichever is smaller; {CACHE_DIR_ENV} moves its directory; "
             "--no-default-l2 runs L1 only)"
         )
     else:
@@ -359,12 +362,16 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
     overrides, notes = flag_overrides(params, given)
     file_values: dict[str, Any] = load_toml(params["config"]) if params["config"] else {}
     adapters = params["l2_adapter"]
-    if not adapters and "l2_adapters" not in file_values and not params["no_default_l2"]:
+    uses_default_l2 = not adapters and "l2_adapters" not in file_values and not params["no_default_l2"]
+    if uses_default_l2:
         file_values["l2_adapters"] = default_l2_adapters(plugin_set.registry)
     try:
         resolved = build_config(plugin_set.registry, file_values, overrides, adapters, params["frontend"])
     except ConfigError as exc:
         raise _name_flag(exc, given) from exc
+    if uses_default_l2 and file_values["l2_adapters"] and not params["print_config"]:
+        # A second default server gets a hint, not the adapter's directory-lock error.
+        _DEFAULT_L2_CLAIMS.append(claim_default_l2())
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "INFO")
     try:
         from lmcache_tiers.server.app import check_serving, configure_logging, run_server
@@ -376,9 +383,7 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
     for note in notes:
         logger.info("%s", note)
     if params["print_config"]:
-        shown = config_to_builtins(resolved)
-        if shown.get("auth_token"):
-            shown["auth_token"] = "***"
+        shown = redact_secrets(config_to_builtins(resolved))
         typer.echo(json.dumps(shown, indent=2))
         return
     raise typer.Exit(run_server(resolved, registry=plugin_set.registry))

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.l1.arena import L1Arena
+from lmcache_tiers.l1.nvme import DIRECT_IO_ALIGN, NvmeL1File
+
 
 class L1Backing(Protocol):
     @property
@@ -21,3 +25,26 @@ class L1Backing(Protocol):
         """Copy all of ``data`` to ``offset``."""
 
     def close(self) -> None: ...
+
+
+def open_backing(
+    capacity: int,
+    align: int,
+    *,
+    shm_name: str | None,
+    prefault: bool,
+    pin: bool,
+    nvme_path: str | None,
+    direct_io: bool,
+) -> tuple[L1Backing, L1Arena | None]:
+    """The backing of an L1 of ``capacity`` bytes in extents of ``align``: a shared-memory
+    arena (returned twice: it is also the arena), or the NVMe file under ``nvme_path``."""
+    if nvme_path is None:
+        # One generation per allocation unit: every extent starts on a unit boundary.
+        arena = L1Arena(capacity, name=shm_name, prefault=prefault, pin=pin, generation_block=align)
+        return arena, arena
+    if align % DIRECT_IO_ALIGN:
+        raise ConfigError(
+            f"an NVMe L1 needs an alignment that is a multiple of {DIRECT_IO_ALIGN}, got {align}"
+        )
+    return NvmeL1File(nvme_path, capacity, direct_io=direct_io), None

@@ -1,28 +1,33 @@
-"""L2: the adapter interface the controllers use and the base classes plugins subclass.
+"""L2: the interface the controllers use, and the one adapter that wraps any backend.
 
 * :mod:`~lmcache_tiers.l2.interface` -- ``L2Adapter`` (non-blocking), ``L2Op``,
   ``LookupResult``, ``L2Listener``;
-* :mod:`~lmcache_tiers.l2.base` -- ``BatchL2Adapter`` / ``AsyncBatchL2Adapter``: write plain
-  batch I/O, get threads, eventfds, pins, accounting, serde and listeners for free;
-* :mod:`~lmcache_tiers.l2.context` -- ``AdapterContext`` handed to every factory;
-* :mod:`~lmcache_tiers.l2.record` -- the header persistent adapters store with an object;
-* :mod:`~lmcache_tiers.l2.blocking` -- blocking calls for tests, tools and wrappers.
+* :mod:`~lmcache_tiers.l2.adapter` -- ``BackendAdapter``: a backend (plain batch I/O, see
+  :mod:`lmcache_tiers.protocols`) wrapped with threads or an event loop, eventfds, pins,
+  accounting, capacity, serde and listeners;
+* :mod:`~lmcache_tiers.l2.build` -- ``build_adapter`` / ``create_adapter``: factory ->
+  backend -> adapter;
+* :mod:`~lmcache_tiers.l2.context` -- ``AdapterContext`` (facts the StorageManager
+  knows) and ``BackendContext`` (what a backend's factory receives);
+* :mod:`~lmcache_tiers.l2.record` -- the header persistent backends store with an object.
 """
 
-from lmcache_tiers.l2.accounting import ObjectSize
-from lmcache_tiers.l2.base import AsyncBatchL2Adapter, BatchL2Adapter
-from lmcache_tiers.l2.blocking import BlockingAdapterClient
-from lmcache_tiers.l2.context import AdapterContext
+from lmcache_tiers.l2.adapter import BackendAdapter
+from lmcache_tiers.l2.build import build_adapter, create_adapter
+from lmcache_tiers.l2.context import AdapterContext, BackendContext
 from lmcache_tiers.l2.interface import L2Adapter, L2Listener, L2Op, LookupResult
+from lmcache_tiers.protocols import Capacity, ObjectSize
 
 __all__ = [
     "AdapterContext",
-    "AsyncBatchL2Adapter",
-    "BatchL2Adapter",
-    "BlockingAdapterClient",
+    "BackendAdapter",
+    "BackendContext",
+    "Capacity",
     "L2Adapter",
     "L2Listener",
     "L2Op",
     "LookupResult",
     "ObjectSize",
+    "build_adapter",
+    "create_adapter",
 ]

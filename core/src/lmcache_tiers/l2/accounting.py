@@ -1,39 +1,63 @@
-"""Byte accounting of an adapter: per key, in total and per ``cache_salt``."""
+"""Byte accounting of an adapter: per key, in total and per ``cache_salt``; capacity checks.
+
+Keys enter on a successful store, from the start-up scan of the backend's listing, or
+lazily when a lookup finds a key this process does not know; they leave on delete or when
+a lookup finds them gone.  Stores are admitted against the capacity *before* they reach
+the backend and reserve what they may add, so concurrent stores can never push usage over
+the capacity together.
+"""
 
 from __future__ import annotations
 
+import enum
 import threading
-from collections.abc import Iterable
-from typing import NamedTuple
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.protocols import Capacity, ObjectSize
+
+__all__ = ["UNKNOWN_L1", "Admission", "ByteAccounting", "ObjectSize", "Verdict"]
+
+#: ``ObjectSize.l1`` of an object listed by the backend whose L1 size is not known yet
+#: (a size-changing serde chain and a listing that reports stored sizes only)
+UNKNOWN_L1 = -1
 
 
-class ObjectSize(NamedTuple):
-    """Sizes of one stored object.
+class Verdict(enum.Enum):
+    """What the capacity check says about one store."""
 
-    ``stored`` is what the backend holds (the serde chain's output, what counts against
-    capacity); ``l1`` is the decoded size a load needs in L1.  They differ only with a
-    size-changing serde chain.
-    """
+    ADMITTED = "admitted"
+    FULL = "full"  # it does not fit under the capacity
+    SCANNING = "scanning"  # it would add bytes while the usage is not known yet
 
-    stored: int
-    l1: int
+
+@dataclass
+class Admission:
+    """Verdicts of one store batch and what it reserved until it is settled."""
+
+    verdicts: list[Verdict]
+    reserved_bytes: int = 0
+    reserved_objects: int = 0
+    settled: bool = field(default=False, repr=False)
 
 
 class ByteAccounting:
-    """Sizes of the objects an adapter knows of.
-
-    Keys enter on a successful store, or lazily when a lookup finds a key this process
-    never stored (after a restart), or when a persistent adapter reports what its recovery
-    scan found; they leave on delete or when a lookup finds them gone.
-    """
+    """Sizes of the objects an adapter knows of, and the capacity admission of stores."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sizes: dict[ObjectKey, ObjectSize] = {}
         self._total = 0
         self._by_salt: dict[str, int] = {}
+        self._reserved_bytes = 0
+        self._reserved_objects = 0
+        self._scanning = False
+        # Keys a live operation recorded or forgot while the scan ran: the listing may be
+        # older than what the operation did, so the scan leaves them alone.
+        self._touched: set[ObjectKey] = set()
+
+    # -- internals (call with the lock held) --------------------------------------------------
 
     def _add(self, salt: str, delta: int) -> None:
         self._total += delta
@@ -43,27 +67,31 @@ class ByteAccounting:
         else:
             self._by_salt.pop(salt, None)
 
+    def _set(self, key: ObjectKey, size: ObjectSize) -> None:
+        previous = self._sizes.get(key)
+        self._sizes[key] = size
+        self._add(key.cache_salt, size.stored - (previous.stored if previous else 0))
+        if self._scanning:
+            self._touched.add(key)
+
+    # -- keys ---------------------------------------------------------------------------------
+
     def record(self, key: ObjectKey, size: ObjectSize) -> None:
         """Account ``key`` at ``size`` (replacing what it had, e.g. on overwrite)."""
         with self._lock:
-            previous = self._sizes.get(key)
-            self._sizes[key] = size
-            self._add(key.cache_salt, size.stored - (previous.stored if previous else 0))
+            self._set(key, size)
 
     def record_many(self, items: Iterable[tuple[ObjectKey, ObjectSize]]) -> None:
         """``record`` for a whole batch under one acquisition of the lock."""
         with self._lock:
             for key, size in items:
-                previous = self._sizes.get(key)
-                self._sizes[key] = size
-                self._add(key.cache_salt, size.stored - (previous.stored if previous else 0))
+                self._set(key, size)
 
     def record_if_absent(self, key: ObjectKey, size: ObjectSize) -> bool:
         with self._lock:
             if key in self._sizes:
                 return False
-            self._sizes[key] = size
-            self._add(key.cache_salt, size.stored)
+            self._set(key, size)
             return True
 
     def forget(self, key: ObjectKey) -> ObjectSize | None:
@@ -71,6 +99,8 @@ class ByteAccounting:
             previous = self._sizes.pop(key, None)
             if previous is not None:
                 self._add(key.cache_salt, -previous.stored)
+            if self._scanning:
+                self._touched.add(key)
             return previous
 
     def get(self, key: ObjectKey) -> ObjectSize | None:
@@ -94,3 +124,102 @@ class ByteAccounting:
     def by_salt(self) -> dict[str, int]:
         with self._lock:
             return dict(self._by_salt)
+
+    # -- the start-up scan ----------------------------------------------------------------------
+
+    @property
+    def scanning(self) -> bool:
+        return self._scanning
+
+    def begin_scan(self) -> None:
+        with self._lock:
+            self._scanning = True
+            self._touched.clear()
+
+    def add_scanned(self, items: Iterable[tuple[ObjectKey, ObjectSize]]) -> tuple[int, int]:
+        """Account listed objects not known yet; returns (objects, bytes) added."""
+        added = added_bytes = 0
+        with self._lock:
+            for key, size in items:
+                if key in self._sizes or key in self._touched:
+                    continue
+                self._sizes[key] = size
+                self._add(key.cache_salt, size.stored)
+                added += 1
+                added_bytes += size.stored
+        return added, added_bytes
+
+    def end_scan(self) -> None:
+        with self._lock:
+            self._scanning = False
+            self._touched.clear()
+
+    # -- capacity ---------------------------------------------------------------------------------
+
+    def usage(self, limit: Capacity | None) -> float:
+        """Used fraction of the tighter limit; -1.0 without any."""
+        if limit is None or (limit.bytes is None and limit.objects is None):
+            return -1.0
+        with self._lock:
+            used, objects = self._total, len(self._sizes)
+        fractions: list[float] = []
+        for amount, bound in ((used, limit.bytes), (objects, limit.objects)):
+            if bound is not None:
+                fractions.append(amount / bound if bound > 0 else 1.0)
+        return max(fractions)
+
+    def admit(self, items: Sequence[tuple[ObjectKey, int]], limit: Capacity | None) -> Admission:
+        """Check each store (key, stored bytes) of a batch, in order, against ``limit``.
+
+        A store is admitted when the bytes and objects it adds fit next to what is
+        accounted and what admitted stores still in flight may add.  An overwrite adds
+        the difference to the object it replaces; one that shrinks an object frees
+        nothing until it has succeeded, so a batch can never end above the capacity.
+        While the start-up scan runs the usage is not known, and a store that would add
+        anything is refused (``Verdict.SCANNING``).
+        """
+        if limit is None or (limit.bytes is None and limit.objects is None):
+            return Admission([Verdict.ADMITTED] * len(items))
+        verdicts: list[Verdict] = []
+        claimed: dict[ObjectKey, int] = {}
+        grow_bytes = grow_objects = 0
+        with self._lock:
+            for key, size in items:
+                if key in claimed:
+                    exists, base = True, claimed[key]
+                else:
+                    previous = self._sizes.get(key)
+                    exists, base = previous is not None, previous.stored if previous else 0
+                growth = max(0, size - base)
+                new_object = 0 if exists else 1
+                if self._scanning and (growth or new_object):
+                    verdicts.append(Verdict.SCANNING)
+                    continue
+                bytes_fit = (
+                    limit.bytes is None
+                    or self._total + self._reserved_bytes + grow_bytes + growth <= limit.bytes
+                )
+                objects_fit = (
+                    limit.objects is None
+                    or len(self._sizes) + self._reserved_objects + grow_objects + new_object <= limit.objects
+                )
+                if not (bytes_fit and objects_fit):
+                    verdicts.append(Verdict.FULL)
+                    continue
+                verdicts.append(Verdict.ADMITTED)
+                claimed[key] = size
+                grow_bytes += growth
+                grow_objects += new_object
+            self._reserved_bytes += grow_bytes
+            self._reserved_objects += grow_objects
+        return Admission(verdicts, grow_bytes, grow_objects)
+
+    def settle(self, admission: Admission, stored: Iterable[tuple[ObjectKey, ObjectSize]]) -> None:
+        """Account the stores that succeeded and release what the batch reserved (once)."""
+        with self._lock:
+            if not admission.settled:
+                admission.settled = True
+                self._reserved_bytes -= admission.reserved_bytes
+                self._reserved_objects -= admission.reserved_objects
+            for key, size in stored:
+                self._set(key, size)

@@ -1,14 +1,21 @@
-"""What an adapter factory receives besides its own config."""
+"""What an adapter is built from: the facts the StorageManager knows (``AdapterContext``)
+and what a backend's factory receives from core (``BackendContext``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lmcache_tiers.config import L2AdapterConfig
-from lmcache_tiers.serde import Serde
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2.record import RecordHeader, RecordSerdeMismatchError, decode_header, encode_header
+from lmcache_tiers.protocols import Serde
+
+if TYPE_CHECKING:
+    from lmcache_tiers.l2.state import AdapterState
 
 
 def buffer_address(buffer: memoryview) -> int:
@@ -28,7 +35,7 @@ class AdapterContext:
     name: str
     #: the adapter's decoded config (the same object the factory gets first)
     config: L2AdapterConfig
-    #: serde chain in encoding order; the base classes apply it
+    #: serde chain in encoding order; the adapter applies it
     serde: Sequence[Serde] = field(default_factory=tuple)
     #: the whole L1 arena, for backends that register memory once (NIXL); None in tests
     #: that run an adapter without an L1
@@ -45,3 +52,116 @@ class AdapterContext:
         if offset >= 0 and offset + buffer.nbytes <= self.l1_buffer.nbytes:
             return offset
         return None
+
+
+class BackendContext:
+    """What core gives a backend: the second argument of every L2 adapter factory.
+
+    A backend needs at most: ``name`` and ``config``; ``l1_buffer`` (host memory of the
+    L1 arena to register once, or None); ``count`` (counters in ``stats()``); the record
+    helpers ``record_header`` / ``read_record_header`` / ``l1_size_of``; ``closing`` and
+    ``sleep``.  Wrappers build the backend they wrap with ``open_inner``.  ``index``,
+    ``serde``, ``l1_offset`` and ``facts`` are for factories that return a complete
+    :class:`~lmcache_tiers.l2.interface.L2Adapter`.
+    """
+
+    def __init__(
+        self,
+        state: AdapterState,
+        *,
+        name: str | None = None,
+        config: L2AdapterConfig | None = None,
+        counter_prefix: str = "",
+    ) -> None:
+        self._state = state
+        self._prefix = counter_prefix
+        self.facts: AdapterContext = state.facts
+        #: label for logs, e.g. ``"0:nixl_store"`` (``"0:fault_inject>mock"`` when wrapped)
+        self.name = name or state.facts.name
+        #: the backend's own decoded config Struct
+        self.config = config if config is not None else state.facts.config
+        self.index = state.facts.index
+        #: the L1 arena when it is host memory a backend may register once, else None
+        self.l1_buffer = state.facts.l1_buffer if state.facts.l1_is_memory else None
+
+    @property
+    def serde(self) -> tuple[Serde, ...]:
+        """The adapter's serde chain in encoding order (core applies it to backends)."""
+        return self._state.chain.serdes
+
+    def l1_offset(self, buffer: memoryview) -> int | None:
+        """Offset of ``buffer`` in the L1 arena, None when it is not a slice of it."""
+        return self.facts.l1_offset(buffer)
+
+    # -- for every backend ---------------------------------------------------------------------
+
+    def count(self, name: str, amount: int = 1) -> None:
+        """Add to a counter reported by the adapter's ``stats()`` (and ``/metrics``)."""
+        self._state.count(self._prefix + name, amount)
+
+    def warn(self, kind: str, message: str, *args: object) -> None:
+        """Log a warning about this adapter at most once a minute per ``kind`` (the
+        ones held back are counted in the next line), so a failing store explains itself
+        without flooding the log.  ``message`` is a %-format; the adapter name is added."""
+        self._state.burst.warn(f"{self._prefix}{kind}", "%s: " + message, self.name, *args)
+
+    @property
+    def closing(self) -> bool:
+        """True once the adapter started closing: long calls should return early."""
+        return self._state.closing.is_set()
+
+    def sleep(self, seconds: float) -> bool:
+        """Sleep (simulated latency, back-off); False if closing cut it short."""
+        closing = self._state.closing
+        return not closing.wait(seconds) if seconds > 0 else not closing.is_set()
+
+    # -- for persistent backends ---------------------------------------------------------------
+
+    def l1_size_of(self, key: ObjectKey) -> int | None:
+        """The L1 size of ``key`` (being stored now, or known to core); None if unknown.
+
+        When it is None, ``contains_many`` should report ``ObjectSize`` from the record
+        header: the serde chain may change sizes and core cannot tell the L1 size.
+        """
+        return self._state.l1_size_of(key)
+
+    def record_header(self, key: ObjectKey, payload: memoryview, *, align: int = 1) -> bytes:
+        """The record header of a payload ``put_many`` got: L1 size, layout and serde
+        chain of the key being stored are filled in; ``align`` pads it to a multiple."""
+        storing = self._state.storing(key)
+        l1_size, layout = storing if storing is not None else (self._state.l1_size_of(key), "")
+        return encode_header(
+            key,
+            payload,
+            l1_size=payload.nbytes if l1_size is None else l1_size,
+            serde=self._state.chain.names,
+            layout=layout,
+            align=align,
+        )
+
+    def read_record_header(self, data: bytes | memoryview, key: ObjectKey) -> RecordHeader | None:
+        """Decode and verify a stored header of ``key``.
+
+        None: the record is intact but written with another serde chain -- report a miss
+        and keep it (it is counted as ``serde_chain_mismatch``; restoring that chain makes
+        it readable again).  Raises a :class:`~lmcache_tiers.l2.record.RecordError` for a
+        damaged record or another key's: report a miss, remove it and
+        ``count("corrupt_records_removed")``.
+        """
+        try:
+            return decode_header(data, expected_key=key, expected_serde=self._state.chain.names)
+        except RecordSerdeMismatchError:
+            written = decode_header(data, expected_key=key).serde
+            self._state.mark_unreadable(key, written)
+            return None
+
+    # -- for wrappers -----------------------------------------------------------------------------
+
+    def open_inner(self, spec: Mapping[str, Any]) -> Any:
+        """Build the backend an adapter spec (``{"type": ..., ...}``) describes, inside this
+        adapter: one task board, one pin table, one accounting.  Its serde chain runs
+        after this adapter's own; its counters go to this adapter's ``stats()`` as
+        ``inner_<name>``."""
+        from lmcache_tiers.l2.build import open_inner_backend
+
+        return open_inner_backend(self._state, self.name, spec, self._prefix + "inner_")

@@ -6,9 +6,9 @@ caller pops them.  The store controller and the prefetch controller call one ada
 two threads at the same time; each operation kind has a single consumer, which is what
 makes "pop everything completed" safe.
 
-Plugin authors normally do not implement this class directly: they subclass
-:class:`~lmcache_tiers.l2.base.BatchL2Adapter` or
-:class:`~lmcache_tiers.l2.base.AsyncBatchL2Adapter` and write plain batch I/O.
+Plugin authors do not implement this class: they write a backend (plain batch I/O, see
+:mod:`lmcache_tiers.protocols`) and core wraps it in
+:class:`~lmcache_tiers.l2.adapter.BackendAdapter`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import ClassVar, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 from lmcache_tiers.keys import ObjectKey
 
@@ -66,7 +66,7 @@ class L2Adapter(ABC):
     #: True: the buffers handed to ``submit_store``/``submit_load`` must be views into the
     #: L1 arena (``AdapterContext.l1_buffer``), because the backend addresses them by
     #: offset in memory it registered once (NIXL, GDS).  False: any buffer works.
-    needs_l1_buffers: ClassVar[bool] = True
+    needs_l1_buffers: bool = True
 
     @abstractmethod
     def event_fd(self, op: L2Op) -> int:

@@ -1,222 +1,372 @@
 """The four batch operations, each split around its backend call.
 
-``prepare`` takes pins and encodes (no backend I/O), the base class runs the backend call
-(on a worker thread or the event loop), and ``finish`` accounts, decodes, notifies
-listeners and builds the result; ``finish(None)`` means the backend call failed and
-releases whatever ``prepare`` took.  ``released`` undoes what a *successful* result still
-holds when that result is refused because ``close()`` already failed the task.
+``prepare`` takes pins, encodes and checks capacity (no backend I/O); the runner makes
+the backend call (on a worker thread or the event loop); ``finish`` accounts, decodes,
+notifies listeners and builds the result.  ``finish(None)`` means the backend call failed
+and releases whatever ``prepare`` took.  ``released`` undoes what a *successful* result
+still holds when that result is refused because ``close()`` already failed the task.
+
+The rules every adapter follows live here, once:
+
+* a lookup pins each hit; a load holds its own pin while it runs; a delete skips pinned
+  keys, and a key being deleted is never reported found;
+* bytes are accounted on a successful store, from the start-up scan, on the first lookup
+  hit of a key not known yet, and are released on delete or when a lookup finds a key gone;
+* serde and capacity refusals fail one object, backend exceptions the whole batch.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2.accounting import ObjectSize
-from lmcache_tiers.l2.buffers import copy_into
-from lmcache_tiers.l2.interface import LookupResult
-from lmcache_tiers.serde import SerdeContext, decode_chain
-
-if TYPE_CHECKING:
-    from lmcache_tiers.l2.core import AdapterCore, ContainsResult
+from lmcache_tiers.l2.accounting import UNKNOWN_L1, Admission, Verdict
+from lmcache_tiers.l2.codec import SerdeBoundError, Staged
+from lmcache_tiers.l2.interface import L2Op, LookupResult
+from lmcache_tiers.l2.state import AdapterState
+from lmcache_tiers.protocols import Capacity, ObjectSize
 
 log = logging.getLogger("lmcache_tiers.l2")
+
+Found = int | ObjectSize | None
 
 
 class BatchOp(ABC):
     """One submitted batch: ``prepare`` -> backend call -> ``finish``."""
 
-    def __init__(self, core: AdapterCore, keys: Sequence[ObjectKey]) -> None:
-        self.core = core
+    #: the backend method this operation calls
+    method: str
+    #: the task kind it runs as (None: ``delete``, which runs on the caller's thread)
+    kind: L2Op | None = None
+    #: prepare / finish do CPU-heavy serde work (an event loop runs them off the loop)
+    heavy_prepare = False
+    heavy_finish = False
+
+    def __init__(self, state: AdapterState, keys: Sequence[ObjectKey]) -> None:
+        self.state = state
         self.keys = list(keys)
-        #: keys (and their positions) that reach the backend call
+        #: positions of the keys that reach the backend call
         self.io_index: list[int] = []
 
     def io_keys(self) -> list[ObjectKey]:
         return [self.keys[i] for i in self.io_index]
 
     @abstractmethod
-    def prepare(self) -> Any:
-        """Take pins, encode: everything before the backend call (no I/O)."""
+    def prepare(self) -> tuple[Any, ...]:
+        """Everything before the backend call; returns the call's arguments."""
 
     @abstractmethod
-    def finish(self, io_result: Any) -> Any:
-        """Account, decode, notify; ``io_result`` None means the backend call failed."""
+    def finish(self, io_result: Sequence[Any] | None, *, call_returned: bool = True) -> Any:
+        """Account, decode, notify; ``io_result`` None means the backend call failed.
+
+        ``call_returned`` is False when the call was abandoned (cancelled on close) and
+        may still touch its buffers: staging memory is then not reused.
+        """
 
     def released(self) -> None:
         """The result was refused (task already failed by close): undo what is held."""
         return None  # optional hook: nothing held by default
 
 
+def _release(staged: Sequence[Staged | None], reuse: bool) -> None:
+    for buffer in staged:
+        if buffer is not None:
+            buffer.release(reuse=reuse)
+
+
 class StoreOp(BatchOp):
+    method = "put_many"
+    kind = L2Op.STORE
+
     def __init__(
         self,
-        core: AdapterCore,
+        state: AdapterState,
         keys: Sequence[ObjectKey],
         buffers: Sequence[memoryview],
-        layouts: Sequence[str] | None = None,
+        layouts: Sequence[str] | None,
+        limit: Callable[[], Capacity | None],
     ) -> None:
-        super().__init__(core, keys)
+        super().__init__(state, keys)
         self.buffers = [memoryview(buffer).cast("B") for buffer in buffers]
         self.layouts = list(layouts) if layouts is not None else [""] * len(self.keys)
+        self.limit = limit
+        self.heavy_prepare = not state.chain.identity
         self.payloads: list[memoryview] = []
+        self.staged: list[Staged | None] = []
+        self.admission = Admission([])
+
+    def _encode(self, index: int) -> tuple[memoryview, Staged | None] | None:
+        state, key = self.state, self.keys[index]
+        if state.chain.identity:
+            return self.buffers[index], None
+        try:
+            staged = state.chain.encode(key, self.buffers[index], self.layouts[index])
+        except SerdeBoundError as exc:
+            state.count("serde_bound_exceeded")
+            state.burst.warn("serde_bound", "%s: %s not stored: %s", state.name, key.file_stem(), exc)
+            return None
+        except Exception as exc:  # a serde refusing one object fails that key only
+            state.count("serde_encode_failures")
+            state.burst.warn(
+                "serde_encode", "%s: serde encode failed for %s: %s", state.name, key.file_stem(), exc
+            )
+            return None
+        return staged.view, staged
 
     def prepare(self) -> tuple[list[ObjectKey], list[memoryview]]:
-        for index, buffer in enumerate(self.buffers):
-            try:
-                payload = self.core.encode(self.keys[index], buffer, self.layouts[index])
-            except Exception as exc:  # a serde refusing one object fails that key only
-                self.core.count("serde_encode_failures")
-                log.warning("%s: serde encode failed for %s: %s", self.core.name, self.keys[index], exc)
+        state = self.state
+        encoded: list[tuple[int, memoryview, Staged | None]] = []
+        for index in range(len(self.keys)):
+            outcome = self._encode(index)
+            if outcome is not None:
+                encoded.append((index, *outcome))
+        try:
+            limit = self.limit()
+        except Exception as exc:  # no capacity known: nothing can be shown to fit
+            state.backend_failed("capacity", exc)
+            _release([staged for _, _, staged in encoded], True)
+            return [], []
+        self.admission = state.accounting.admit([(self.keys[i], p.nbytes) for i, p, _ in encoded], limit)
+        storing: list[tuple[ObjectKey, int, str]] = []
+        for (index, payload, staged), verdict in zip(encoded, self.admission.verdicts, strict=True):
+            if verdict is not Verdict.ADMITTED:
+                if staged is not None:
+                    staged.release()
+                self._refused(index, verdict)
                 continue
             self.io_index.append(index)
             self.payloads.append(payload)
-        self.core.storing_begin(self.io_keys(), [self.buffers[i].nbytes for i in self.io_index])
+            self.staged.append(staged)
+            storing.append((self.keys[index], self.buffers[index].nbytes, self.layouts[index]))
+        state.storing_begin(storing)
         return self.io_keys(), self.payloads
 
-    def finish(self, io_result: Sequence[bool] | None) -> list[bool]:
+    def _refused(self, index: int, verdict: Verdict) -> None:
+        state = self.state
+        if verdict is Verdict.FULL:
+            state.count("capacity_refusals")
+            reason = "it does not fit under the capacity"
+        else:
+            state.count("store_refused_scanning")
+            reason = "the start-up scan has not finished, so the usage is not known yet"
+        state.burst.warn(
+            f"store_refused:{verdict.value}",
+            "%s: %s not stored: %s",
+            state.name,
+            self.keys[index].file_stem(),
+            reason,
+        )
+
+    def finish(self, io_result: Sequence[Any] | None, *, call_returned: bool = True) -> list[bool]:
+        state = self.state
         ok = [False] * len(self.keys)
-        stored: list[ObjectKey] = []
-        sizes: list[tuple[ObjectKey, ObjectSize]] = []
-        self.core.storing_end(self.io_keys())
+        stored: list[tuple[ObjectKey, ObjectSize]] = []
+        state.storing_end(self.io_keys())
         for position, index in enumerate(self.io_index):
             if io_result is not None and io_result[position]:
                 ok[index] = True
-                key = self.keys[index]
-                sizes.append((key, ObjectSize(self.payloads[position].nbytes, self.buffers[index].nbytes)))
-                stored.append(key)
-        self.core.accounting.record_many(sizes)
-        self.core.count("store_keys_ok", len(stored))
-        self.core.count("store_keys_failed", len(self.keys) - len(stored))
-        self.core.notify("on_l2_keys_stored", stored)
-        log.debug("%s: stored %d/%d keys", self.core.name, len(stored), len(self.keys))
+                stored.append(
+                    (self.keys[index], ObjectSize(self.payloads[position].nbytes, self.buffers[index].nbytes))
+                )
+        _release(self.staged, call_returned)
+        state.accounting.settle(self.admission, stored)
+        keys = [key for key, _ in stored]
+        state.count("store_keys_ok", len(keys))
+        state.count("store_keys_failed", len(self.keys) - len(keys))
+        state.notify("on_l2_keys_stored", keys)
+        log.debug("%s: stored %d/%d keys", state.name, len(keys), len(self.keys))
         return ok
 
 
+def resolve_size(
+    state: AdapterState, key: ObjectKey, reported: Found, known: ObjectSize | None
+) -> ObjectSize | None:
+    """Both sizes of a key the backend reported found, accounting it if new; None = miss."""
+    if reported is None:
+        return None
+    if known is not None and known.l1 == UNKNOWN_L1:
+        known_l1: ObjectSize | None = None
+    else:
+        known_l1 = known
+    if isinstance(reported, ObjectSize):
+        size = reported
+    elif known_l1 is not None and known_l1.stored == reported:
+        return known_l1
+    elif state.chain.identity:
+        size = ObjectSize(reported, reported)
+    else:
+        # A size-changing serde and a backend that only knows the stored size: the L1
+        # size cannot be derived, so the key is a miss rather than a wrong reservation.
+        state.count("lookup_size_unknown")
+        state.burst.warn(
+            "lookup_size_unknown",
+            "%s: %s found but its L1 size is unknown (the serde chain changes sizes and the "
+            "backend reported only the stored size); treated as a miss",
+            state.name,
+            key.file_stem(),
+        )
+        return None
+    if known is None:
+        if not state.accounting.record_if_absent(key, size):
+            current = state.accounting.get(key)
+            return current if current is not None and current.l1 != UNKNOWN_L1 else size
+    elif known != size:
+        state.accounting.record(key, size)
+    return size
+
+
 class LookupOp(BatchOp):
-    def __init__(self, core: AdapterCore, keys: Sequence[ObjectKey]) -> None:
-        super().__init__(core, keys)
+    method = "contains_many"
+    kind = L2Op.LOOKUP
+
+    def __init__(self, state: AdapterState, keys: Sequence[ObjectKey]) -> None:
+        super().__init__(state, keys)
         self.known: list[ObjectSize | None] = []
         self.hits: list[ObjectKey] = []
 
-    def prepare(self) -> list[ObjectKey]:
-        pinned = self.core.pins.pin(self.keys)
-        self.io_index = [i for i, ok in enumerate(pinned) if ok]
+    def prepare(self) -> tuple[list[ObjectKey]]:
+        state = self.state
+        pinned = state.pins.pin(self.keys)
+        unreadable = state.unreadable(self.keys)
+        # Records of another serde chain are misses without asking the backend again.
+        state.pins.unpin(
+            [key for key, ok, bad in zip(self.keys, pinned, unreadable, strict=True) if ok and bad]
+        )
+        self.io_index = [
+            i for i, (ok, bad) in enumerate(zip(pinned, unreadable, strict=True)) if ok and not bad
+        ]
         io_keys = self.io_keys()
         # Snapshot the accounting: a miss only forgets an entry no store replaced since.
-        self.known = self.core.accounting.get_many(io_keys)
-        return io_keys
+        self.known = state.accounting.get_many(io_keys)
+        return (io_keys,)
 
-    def finish(self, io_result: Sequence[ContainsResult] | None) -> LookupResult:
+    def finish(self, io_result: Sequence[Any] | None, *, call_returned: bool = True) -> LookupResult:
+        state = self.state
         found = [False] * len(self.keys)
         sizes = [0] * len(self.keys)
         misses: list[ObjectKey] = []
         for position, index in enumerate(self.io_index):
             key = self.keys[index]
             reported = io_result[position] if io_result is not None else None
-            size = self.core.resolve_size(key, reported, self.known[position])
+            size = resolve_size(state, key, reported, self.known[position])
             if size is None:
                 misses.append(key)
-                if io_result is not None and reported is None:
-                    self.core.accounting_forget_if_unchanged(key, self.known[position])
+                known = self.known[position]
+                gone = io_result is not None and reported is None and known is not None
+                if gone and state.accounting.get(key) is known:
+                    state.accounting.forget(key)
                 continue
             found[index] = True
             sizes[index] = size.l1
             self.hits.append(key)
-        self.core.pins.unpin(misses)
-        self.core.count("lookup_hits", len(self.hits))
-        self.core.count("lookup_misses", len(self.keys) - len(self.hits))
-        log.debug("%s: lookup found %d/%d keys", self.core.name, len(self.hits), len(self.keys))
+        state.pins.unpin(misses)
+        state.count("lookup_hits", len(self.hits))
+        state.count("lookup_misses", len(self.keys) - len(self.hits))
+        log.debug("%s: lookup found %d/%d keys", state.name, len(self.hits), len(self.keys))
         return LookupResult(found, sizes)
 
     def released(self) -> None:
-        self.core.pins.unpin(self.hits)
+        self.state.pins.unpin(self.hits)
 
 
 class LoadOp(BatchOp):
-    def __init__(self, core: AdapterCore, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> None:
-        super().__init__(core, keys)
-        self.buffers = list(buffers)
+    method = "get_many_into"
+    kind = L2Op.LOAD
+
+    def __init__(self, state: AdapterState, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> None:
+        super().__init__(state, keys)
+        self.buffers = [memoryview(buffer).cast("B") for buffer in buffers]
+        self.heavy_finish = not state.chain.identity
         self.targets: list[memoryview] = []
-        self.sizes: list[ObjectSize | None] = []
+        self.staged: list[Staged | None] = []
         self.pinned: list[ObjectKey] = []
 
     def prepare(self) -> tuple[list[ObjectKey], list[memoryview]]:
+        state = self.state
+        identity = state.chain.identity
         # The load's own pin keeps a concurrent delete off the bytes while they are copied,
         # even for a caller that loads without a lookup.
-        pinned = self.core.pins.pin(self.keys)
+        pinned = state.pins.pin(self.keys)
+        unreadable = state.unreadable(self.keys)
         self.pinned = [key for key, ok in zip(self.keys, pinned, strict=True) if ok]
-        known = iter(self.core.accounting.get_many(self.pinned))
+        known = iter(state.accounting.get_many(self.pinned))
         for index, ok in enumerate(pinned):
             if not ok:
                 continue
-            buffer = memoryview(self.buffers[index]).cast("B")
             size = next(known)
-            if size is not None and size.l1 != buffer.nbytes:
-                log.warning(
-                    "%s: load buffer of %d bytes for %s, object needs %d",
-                    self.core.name,
+            buffer = self.buffers[index]
+            if unreadable[index]:
+                continue
+            if size is not None and size.l1 != UNKNOWN_L1 and size.l1 != buffer.nbytes:
+                state.burst.warn(
+                    "load_size",
+                    "%s: load buffer of %d bytes for %s, the object needs %d",
+                    state.name,
                     buffer.nbytes,
-                    self.keys[index],
+                    self.keys[index].file_stem(),
                     size.l1,
                 )
                 continue
-            if self.core.identity:
-                target = buffer
+            if identity:
+                target, staged = buffer, None
             elif size is None:
                 continue  # the encoded size is unknown: the caller skipped the lookup
             else:
-                target = memoryview(bytearray(size.stored))
+                staged = state.chain.pool.take(size.stored)
+                target = staged.view
             self.io_index.append(index)
             self.targets.append(target)
-            self.sizes.append(size)
+            self.staged.append(staged)
         return self.io_keys(), self.targets
 
-    def finish(self, io_result: Sequence[bool] | None) -> list[bool]:
+    def finish(self, io_result: Sequence[Any] | None, *, call_returned: bool = True) -> list[bool]:
+        state = self.state
         ok = [False] * len(self.keys)
         loaded: list[ObjectKey] = []
         try:
             for position, index in enumerate(self.io_index):
                 if io_result is None or not io_result[position]:
                     continue
-                if not self.core.identity and not self._decode_into(position, index):
+                if not state.chain.identity and not self._decode(position, index):
                     continue
                 ok[index] = True
                 loaded.append(self.keys[index])
         finally:
-            self.core.pins.unpin(self.pinned)
-        self.core.count("load_keys_ok", len(loaded))
-        self.core.count("load_keys_failed", len(self.keys) - len(loaded))
-        self.core.notify("on_l2_keys_loaded", loaded)
-        log.debug("%s: loaded %d/%d keys", self.core.name, len(loaded), len(self.keys))
+            _release(self.staged, call_returned)
+            state.pins.unpin(self.pinned)
+        state.count("load_keys_ok", len(loaded))
+        state.count("load_keys_failed", len(self.keys) - len(loaded))
+        state.notify("on_l2_keys_loaded", loaded)
+        log.debug("%s: loaded %d/%d keys", state.name, len(loaded), len(self.keys))
         return ok
 
-    def _decode_into(self, position: int, index: int) -> bool:
-        buffer = memoryview(self.buffers[index]).cast("B")
+    def _decode(self, position: int, index: int) -> bool:
+        state, key = self.state, self.keys[index]
         try:
-            context = SerdeContext(self.keys[index], buffer.nbytes)
-            decoded = decode_chain(self.core.serde, self.targets[position], context)
-            if decoded.nbytes != buffer.nbytes:
-                raise ValueError(f"decoded {decoded.nbytes} bytes, expected {buffer.nbytes}")
-            copy_into(buffer, decoded)
+            state.chain.decode_into(key, self.targets[position], self.buffers[index])
         except Exception as exc:  # tampered or damaged payload: a miss, not garbage
-            self.core.count("serde_decode_failures")
-            log.warning("%s: serde decode failed for %s: %s", self.core.name, self.keys[index], exc)
+            state.count("serde_decode_failures")
+            state.burst.warn(
+                "serde_decode", "%s: serde decode failed for %s: %s", state.name, key.file_stem(), exc
+            )
             return False
         return True
 
 
 class DeleteOp(BatchOp):
-    def prepare(self) -> list[ObjectKey]:
-        claimed = self.core.pins.begin_delete(self.keys)
-        self.io_index = [i for i, ok in enumerate(claimed) if ok]
-        self.core.count("delete_keys_skipped", len(self.keys) - len(self.io_index))
-        return self.io_keys()
+    method = "delete_many"
 
-    def finish(self, io_result: Sequence[bool] | None) -> list[bool]:
+    def prepare(self) -> tuple[list[ObjectKey]]:
+        claimed = self.state.pins.begin_delete(self.keys)
+        self.io_index = [i for i, ok in enumerate(claimed) if ok]
+        self.state.count("delete_keys_skipped", len(self.keys) - len(self.io_index))
+        return (self.io_keys(),)
+
+    def finish(self, io_result: Sequence[Any] | None, *, call_returned: bool = True) -> list[bool]:
+        state = self.state
         ok = [False] * len(self.keys)
         deleted: list[ObjectKey] = []
         try:
@@ -224,10 +374,11 @@ class DeleteOp(BatchOp):
                 if io_result is not None and io_result[position]:
                     ok[index] = True
                     key = self.keys[index]
-                    self.core.accounting.forget(key)
+                    state.accounting.forget(key)
                     deleted.append(key)
+            state.forget_unreadable(deleted)
         finally:
-            self.core.pins.end_delete(self.io_keys())
-        self.core.count("delete_keys_ok", len(deleted))
-        self.core.notify("on_l2_keys_deleted", deleted)
+            state.pins.end_delete(self.io_keys())
+        state.count("delete_keys_ok", len(deleted))
+        state.notify("on_l2_keys_deleted", deleted)
         return ok

@@ -11,9 +11,10 @@ Layout (little-endian)::
 at ``header_len``.  The header crc catches a torn or bit-flipped header before any of its
 lengths are trusted; the payload checksum catches a damaged payload.  ``l1_size`` is the
 decoded (L1) size, which a size-changing serde chain makes differ from ``payload_len``: a
-persistent adapter reports it from the header after a restart, when the base class has no
+persistent backend reports it from the header after a restart, when the adapter has no
 memory of the key (see ``ObjectSize``).  Any mismatch raises a :class:`RecordError`
-subclass; callers turn it into a miss and delete the object.
+subclass; callers turn it into a miss and delete the object -- except a record of another
+serde chain (:class:`RecordSerdeMismatchError`), which is intact and kept.
 
 Checksum: XXH3-128 (plenty against accidental corruption; this is not a MAC -- the
 AES-GCM serde is what defends against tampering).  It is verified on every load, so its
@@ -69,6 +70,14 @@ class RecordChecksumError(RecordError):
 
 class RecordMismatchError(RecordError):
     """The record is intact but belongs to another key or another serde chain."""
+
+
+class RecordSerdeMismatchError(RecordMismatchError):
+    """The record is intact and of this key, but written with another serde chain.
+
+    It cannot be read with the configured chain; it is not damaged either (configuring
+    the chain it names again makes it readable), so adapters report a miss and keep it.
+    """
 
 
 @dataclass(frozen=True)
@@ -208,7 +217,7 @@ def decode_header(
             f"record holds key {header.key.file_stem()}, not {expected_key.file_stem()}"
         )
     if expected_serde is not None and header.serde != tuple(expected_serde):
-        raise RecordMismatchError(
+        raise RecordSerdeMismatchError(
             f"record was written with serde chain {list(header.serde)}, configured is {list(expected_serde)}"
         )
     return header

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from rich.table import Table
@@ -21,21 +21,25 @@ def policy_names(points: Sequence[CapacityPoint]) -> list[str]:
     return [run.policy for run in points[0].runs] if points else []
 
 
-def curve_table(points: Sequence[CapacityPoint], *, title: str) -> Table:
-    """Miss ratio of every policy at every capacity (lower is better)."""
+def curve_table(points: Sequence[CapacityPoint], *, title: str, oracles: Collection[str] = ()) -> Table:
+    """Miss ratio of every policy at every capacity (lower is better).
+
+    ``oracles`` (analysis runs that know the trace) are shown in italics and never marked
+    as the best policy.
+    """
     table = Table(title=title, title_justify="left")
     table.add_column("capacity (blocks)", justify="right")
     names = policy_names(points)
+    limits = {BELADY, INFINITE, *oracles}
     for name in names:
-        table.add_column(name, justify="right", style="bold" if name in (BELADY, INFINITE) else None)
+        style = "bold" if name in (BELADY, INFINITE) else "italic" if name in oracles else None
+        table.add_column(name, justify="right", style=style)
     for point in points:
-        best = min(
-            (run.miss_ratio for run in point.runs if run.policy not in (BELADY, INFINITE)), default=None
-        )
+        best = min((run.miss_ratio for run in point.runs if run.policy not in limits), default=None)
         cells = []
         for run in point.runs:
             text = f"{run.miss_ratio:.4f}"
-            if best is not None and run.miss_ratio == best and run.policy not in (BELADY, INFINITE):
+            if best is not None and run.miss_ratio == best and run.policy not in limits:
                 text = f"[green]{text}[/]"
             cells.append(text)
         table.add_row(capacity_label(point), *cells)
@@ -61,10 +65,35 @@ def gap_table(points: Sequence[CapacityPoint]) -> Table | None:
 
 
 def gap_closed(point: CapacityPoint, policy: str) -> float | None:
+    return gap_share(point, point.run(policy).hit_rate)
+
+
+def gap_share(point: CapacityPoint, hit_rate: float) -> float | None:
+    """The share of the exact-LRU -> Belady hit-rate gap that ``hit_rate`` closes."""
     lru, optimal = point.run(EXACT_LRU).hit_rate, point.run(BELADY).hit_rate
     if optimal - lru <= 1e-12:
         return None
-    return (point.run(policy).hit_rate - lru) / (optimal - lru)
+    return (hit_rate - lru) / (optimal - lru)
+
+
+def bound_table(points: Sequence[CapacityPoint], bounds: Mapping[int, float]) -> Table:
+    """The online bound of a re-timed sample next to exact LRU and Belady on that sample."""
+    table = Table(
+        title="bound on any online policy's expected hit rate on the re-timed model", title_justify="left"
+    )
+    for column in ("capacity (blocks)", "exact LRU", "online bound", "Belady", "gap share of the bound"):
+        table.add_column(column, justify="right")
+    for point in points:
+        bound = bounds[point.capacity_blocks + (point.l2_capacity_blocks or 0)]
+        share = gap_share(point, bound)
+        table.add_row(
+            capacity_label(point),
+            f"{point.run(EXACT_LRU).hit_rate:.4f}",
+            f"{bound:.4f}",
+            f"{point.run(BELADY).hit_rate:.4f}",
+            "-" if share is None else f"{share:+.1%}",
+        )
+    return table
 
 
 def timing_table(points: Sequence[CapacityPoint], trace: Trace) -> Table:
@@ -97,9 +126,14 @@ def trace_summary(trace: Trace) -> dict[str, Any]:
 
 
 def simulation_document(
-    trace: Trace, points: Sequence[CapacityPoint], settings: TierSettings
+    trace: Trace,
+    points: Sequence[CapacityPoint],
+    settings: TierSettings,
+    *,
+    analysis: Mapping[str, Any] | None = None,
+    bounds: Mapping[int, float] | None = None,
 ) -> dict[str, Any]:
-    return {
+    document = {
         "trace": trace_summary(trace),
         "settings": {
             "reads_per_hit": settings.reads_per_hit,
@@ -118,10 +152,21 @@ def simulation_document(
                     for run in point.runs
                     if run.policy not in (EXACT_LRU, BELADY, INFINITE)
                 },
+                **_bound_fields(point, bounds),
             }
             for point in points
         ],
     }
+    if analysis is not None:
+        document["analysis"] = dict(analysis)
+    return document
+
+
+def _bound_fields(point: CapacityPoint, bounds: Mapping[int, float] | None) -> dict[str, Any]:
+    if bounds is None:
+        return {}
+    bound = bounds[point.capacity_blocks + (point.l2_capacity_blocks or 0)]
+    return {"online_bound_hit_rate": bound, "online_bound_gap_closed": gap_share(point, bound)}
 
 
 def _pct(value: float) -> str:

@@ -181,9 +181,13 @@ def simulate_policy(
     if l2_capacity_blocks is not None:
         l2 = CacheModel((l2_factory or ExactLRU)(), l2_capacity_blocks)
     model = TwoTierModel(l1, l2, reads_per_hit=settings.reads_per_hit, retain_loaded=settings.retain_loaded)
+    # Analysis policies that know the trace (oracles) are told which request comes next.
+    clock: Callable[[int], None] | None = getattr(l1.policy, "start_request", None)
     l1_hits = l2_hits = hit_tokens = 0
     started = time.perf_counter()
-    for request, keys in zip(trace.requests, keys_by_request, strict=True):
+    for index, (request, keys) in enumerate(zip(trace.requests, keys_by_request, strict=True)):
+        if clock is not None:
+            clock(index)
         from_l1, from_l2 = model.request(keys)
         l1_hits += from_l1
         l2_hits += from_l2

@@ -31,6 +31,7 @@ from lmcache_tiers.config import ServerConfig, default_frontends
 from lmcache_tiers.endpoints import is_loopback
 from lmcache_tiers.errors import ConfigError, TiersError
 from lmcache_tiers.frontend import Frontend, FrontendStats, check_frontends, create_frontend, merged_stats
+from lmcache_tiers.l2.scan_progress import watch_scans
 from lmcache_tiers.registry import ComponentRegistry, Kind
 from lmcache_tiers.server.banner import start_banner, stop_summary
 from lmcache_tiers.server.http import HttpEndpoint
@@ -343,6 +344,7 @@ def run_server(
     try:
         if banner:
             console.print(start_banner(server))
+            watch_scans(server.storage.adapters, console)
         _call_hook(hooks, "tiers_server_started", config=config, storage=server.storage)
         if ready is not None:
             ready.set()

@@ -7,22 +7,19 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from typing import TYPE_CHECKING, Any
 
 from rich.panel import Panel
 from rich.table import Table
 
 from lmcache_tiers import __version__
-from lmcache_tiers.config import config_to_builtins
+from lmcache_tiers.config import config_to_builtins, redact_secrets
+from lmcache_tiers.defaults import describe_default
 
 if TYPE_CHECKING:
     from lmcache_tiers.server.app import TiersServer
 
 __all__ = ["start_banner", "stop_summary"]
-
-#: adapter options never printed in the banner (credentials of remote stores)
-_SECRET_FIELD = re.compile(r"secret|password|passwd|token|credential|access_key|api_key", re.IGNORECASE)
 
 
 def _gib(size: float) -> str:
@@ -45,15 +42,18 @@ def start_banner(server: TiersServer) -> Panel:
         f"{config.eviction_trigger_watermark:.0%} frees {config.eviction_ratio:.0%}, "
         f"lock TTL {config.l1_lock_ttl_s:g}s",
     )
-    adapters = config_to_builtins(config)["l2_adapters"]
+    adapters = redact_secrets(config_to_builtins(config)["l2_adapters"])
     if adapters:
         for index, adapter in enumerate(adapters):
             fields = ", ".join(
-                f"{k}={'***' if _SECRET_FIELD.search(k) else v}"
+                f"{k}={v}"
                 for k, v in adapter.items()
                 if k != "type" and v is not None and v not in ([], (), {})
             )
             grid.add_row("L2" if index == 0 else "", f"{index}: {adapter['type']}  {fields}")
+            default_note = describe_default(adapter)
+            if default_note is not None:
+                grid.add_row("", f"   {default_note}")
     else:
         grid.add_row("L2", "none (L1 only)")
     grid.add_row(

@@ -96,13 +96,33 @@ class TiersCollector(Collector):
         adapter_bytes = _gauge("adapter_used_bytes", "Bytes held by each L2 adapter", ["adapter"])
         adapter_stored = _counter("adapter_keys_stored", "Keys stored into each L2 adapter", ["adapter"])
         adapter_loaded = _counter("adapter_keys_loaded", "Keys loaded from each L2 adapter", ["adapter"])
+        circuit_open = _gauge(
+            "adapter_circuit_open",
+            "1 while an adapter's circuit breaker is open (its backend not called)",
+            ["adapter"],
+        )
+        backend_errors = _counter(
+            "adapter_backend_errors", "Failed backend calls of each L2 adapter", ["adapter"]
+        )
+        adapter_stat = _gauge(
+            "adapter_stat",
+            "Every counter and gauge of each L2 adapter's stats(), as in /status",
+            ["adapter", "stat"],
+        )
         for adapter in storage.get("adapters", []):
             name = str(adapter.get("name", adapter.get("index", "?")))
             adapter_usage.add_metric([name], float(adapter.get("usage", -1.0)))
             adapter_bytes.add_metric([name], float(adapter.get("used_bytes", 0)))
             adapter_stored.add_metric([name], adapter.get("keys_stored", 0))
             adapter_loaded.add_metric([name], adapter.get("keys_loaded", 0))
+            backend = adapter.get("backend", {})
+            if "circuit_open" in backend:
+                circuit_open.add_metric([name], float(backend["circuit_open"]))
+            backend_errors.add_metric([name], backend.get("backend_errors", 0))
+            for stat, value in sorted(backend.items()):
+                adapter_stat.add_metric([name, str(stat)], float(value))
         yield from (adapter_usage, adapter_bytes, adapter_stored, adapter_loaded)
+        yield from (circuit_open, backend_errors, adapter_stat)
 
         prefetch = storage.get("prefetch", {})
         store = storage.get("store", {})

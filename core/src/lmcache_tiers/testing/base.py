@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from lmcache_tiers.plugins import load_plugins
-from lmcache_tiers.registry import Component, Kind
+from lmcache_tiers.registry import Component, ComponentRegistry, Kind
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -48,8 +48,12 @@ class ComponentSuite:
         if missing:
             pytest.skip(f"{self.component_name} does not declare capability: {', '.join(missing)}")
 
+    def registry(self) -> ComponentRegistry:
+        """The registry of the installed plugins the suite builds components from."""
+        return load_plugins().registry
+
     def registered_component(self) -> Component:
-        return load_plugins().registry.get(self.kind, self.component_name)
+        return self.registry().get(self.kind, self.component_name)
 
     def test_discoverable_through_entry_point(self) -> None:
         plugin_set = load_plugins()

@@ -12,8 +12,9 @@ declare what it supports::
 
 The default ``adapter`` fixture builds the component through the installed registry with
 ``make_config()`` and an :class:`~lmcache_tiers.l2.AdapterContext` whose ``l1_buffer`` is
-the suite's ``l1_buffer`` fixture; every buffer the suite stores from or loads into is a
-slice of it, so adapters that need L1 buffers (NIXL) run the same tests.  Override the
+the suite's ``l1_buffer`` fixture, the way the StorageManager does (the factory's backend
+wrapped in core's adapter); every buffer the suite stores from or loads into is a slice
+of it, so backends that need L1 buffers (NIXL) run the same tests.  Override the
 ``adapter`` fixture (fresh and empty storage per test) when construction needs more, and
 ``reopen_adapter`` (a callable: close the given adapter, open a new one over the same
 storage) when the default -- the same config again -- does not reach the same storage.
@@ -26,182 +27,40 @@ from __future__ import annotations
 
 import select
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
-import numpy as np
 import pytest
 
-from lmcache_tiers.config import L2AdapterConfig
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2 import AdapterContext, BlockingAdapterClient, L2Adapter, L2Op
-from lmcache_tiers.registry import Kind
-from lmcache_tiers.testing.base import ComponentSuite, capability, requires
+from lmcache_tiers.l2 import L2Adapter, L2Op
+from lmcache_tiers.testing.l2_capabilities import L2CapabilityTests
+from lmcache_tiers.testing.l2_support import (
+    CAPACITY,
+    EVICTION,
+    PERSISTENCE,
+    BufferPool,
+    RecordingListener,
+    Reopen,
+    make_keys,
+    nonzero,
+    pattern,
+)
 
-#: objects survive ``close()`` and are found, loadable and accounted after reopening
-PERSISTENCE = capability("persistence")
-#: ``usage()`` is a fraction of a finite capacity and a store that does not fit fails
-CAPACITY = capability("capacity")
-#: deleting objects frees capacity, so stores that failed for lack of room succeed again
-EVICTION = capability("eviction")
-
-Reopen = Callable[[L2Adapter], L2Adapter]
-
-
-def make_keys(count: int, *, start: int = 0, salt: str = "", model: str = "suite-model") -> list[ObjectKey]:
-    """Distinct keys of one prompt in prefix order."""
-    return [ObjectKey(model, 0, index.to_bytes(8, "big"), 0, salt) for index in range(start, start + count)]
-
-
-def pattern(seed: int, size: int) -> bytes:
-    """Deterministic pseudo-random bytes, different for every seed."""
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
-
-
-class BufferPool:
-    """Bump allocator over the suite's L1 buffer: every test buffer is a slice of it."""
-
-    def __init__(self, arena: memoryview) -> None:
-        self.arena = arena
-        self.offset = 0
-        self._lock = threading.Lock()
-
-    def take(self, size: int) -> memoryview:
-        with self._lock:
-            start = -(-self.offset // 64) * 64
-            if start + size > self.arena.nbytes:
-                raise MemoryError(
-                    f"suite L1 buffer exhausted ({self.arena.nbytes} bytes); raise l1_buffer_size"
-                )
-            self.offset = start + size
-            return self.arena[start : start + size]
-
-    def filled(self, data: bytes) -> memoryview:
-        view = self.take(len(data))
-        view[:] = data
-        return view
+__all__ = [
+    "CAPACITY",
+    "EVICTION",
+    "PERSISTENCE",
+    "BufferPool",
+    "L2AdapterSuite",
+    "RecordingListener",
+    "Reopen",
+    "make_keys",
+    "pattern",
+]
 
 
-class RecordingListener:
-    """Collects every notification, in order."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, L2Adapter, list[ObjectKey]]] = []
-        self._lock = threading.Lock()
-
-    def _add(self, kind: str, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
-        with self._lock:
-            self.events.append((kind, adapter, list(keys)))
-
-    def on_l2_keys_stored(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
-        self._add("stored", adapter, keys)
-
-    def on_l2_keys_loaded(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
-        self._add("loaded", adapter, keys)
-
-    def on_l2_keys_deleted(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
-        self._add("deleted", adapter, keys)
-
-    def keys(self, kind: str) -> list[ObjectKey]:
-        with self._lock:
-            return [key for event, _, keys in self.events if event == kind for key in keys]
-
-
-class L2AdapterSuite(ComponentSuite):
+class L2AdapterSuite(L2CapabilityTests):
     """Behaviour every L2 adapter must show through the non-blocking interface."""
-
-    kind = Kind.L2_ADAPTER
-    #: size of the objects the suite stores (a few sizes around it are used too)
-    object_size: ClassVar[int] = 16 << 10
-    #: bytes of the suite's stand-in L1 arena
-    l1_buffer_size: ClassVar[int] = 64 << 20
-    #: guard against hangs while waiting for a task; never a performance expectation
-    wait_timeout_s: ClassVar[float] = 60.0
-    #: capacity tests give up (and fail) if this many objects all fit
-    max_fill_objects: ClassVar[int] = 512
-
-    # -- fixtures and hooks a plugin may override ---------------------------------------
-
-    def make_config(self) -> L2AdapterConfig:
-        """Config of the adapter under test: the Struct's defaults unless overridden."""
-        config_type: Any = self.registered_component().config
-        config: L2AdapterConfig = config_type()
-        return config
-
-    def make_context(self, config: L2AdapterConfig, l1_buffer: memoryview) -> AdapterContext:
-        return AdapterContext(index=0, name=f"0:{self.component_name}", config=config, l1_buffer=l1_buffer)
-
-    def open_adapter(self, config: L2AdapterConfig, l1_buffer: memoryview) -> L2Adapter:
-        adapter: L2Adapter = self.registered_component().create(config, self.make_context(config, l1_buffer))
-        return adapter
-
-    @pytest.fixture
-    def l1_buffer(self) -> memoryview:
-        return memoryview(bytearray(self.l1_buffer_size))
-
-    @pytest.fixture
-    def pool(self, l1_buffer: memoryview) -> BufferPool:
-        return BufferPool(l1_buffer)
-
-    @pytest.fixture
-    def opened(self) -> Iterator[list[L2Adapter]]:
-        """Every adapter a test opened; all closed at teardown."""
-        adapters: list[L2Adapter] = []
-        yield adapters
-        for adapter in adapters:
-            adapter.close()
-
-    @pytest.fixture
-    def adapter(self, l1_buffer: memoryview, opened: list[L2Adapter]) -> L2Adapter:
-        adapter = self.open_adapter(self.make_config(), l1_buffer)
-        opened.append(adapter)
-        return adapter
-
-    @pytest.fixture
-    def reopen_adapter(self, l1_buffer: memoryview, opened: list[L2Adapter]) -> Reopen:
-        def reopen(previous: L2Adapter) -> L2Adapter:
-            config = getattr(previous, "config", None) or self.make_config()
-            previous.close()
-            adapter = self.open_adapter(config, l1_buffer)
-            opened.append(adapter)
-            return adapter
-
-        return reopen
-
-    # -- helpers ---------------------------------------------------------------------------
-
-    def client(self, adapter: L2Adapter) -> BlockingAdapterClient:
-        return BlockingAdapterClient(adapter, timeout=self.wait_timeout_s)
-
-    def sizes(self, count: int) -> list[int]:
-        """Object sizes of a batch: not all equal, so a size mix-up shows."""
-        return [self.object_size - (index % 3) * 1000 - index for index in range(count)]
-
-    def store(
-        self,
-        adapter: L2Adapter,
-        pool: BufferPool,
-        keys: Sequence[ObjectKey],
-        sizes: Sequence[int] | None = None,
-        *,
-        seed: int = 0,
-    ) -> tuple[list[bool], list[bytes]]:
-        sizes = list(sizes) if sizes is not None else self.sizes(len(keys))
-        data = [pattern(seed * 100_003 + index, size) for index, size in enumerate(sizes)]
-        ok = self.client(adapter).store(keys, [pool.filled(d) for d in data])
-        return ok, data
-
-    def load(
-        self, adapter: L2Adapter, pool: BufferPool, keys: Sequence[ObjectKey], sizes: Sequence[int]
-    ) -> tuple[list[bool], list[bytes]]:
-        buffers = [pool.take(size) for size in sizes]
-        ok = self.client(adapter).load(keys, buffers)
-        return ok, [bytes(b) for b in buffers]
-
-    def assert_no_pins(self, adapter: L2Adapter) -> None:
-        pinned = getattr(adapter, "pinned_keys", None)
-        if pinned is not None:
-            assert pinned() == {}, "pins left behind"
 
     # -- the round trip --------------------------------------------------------------------
 
@@ -328,21 +187,14 @@ class L2AdapterSuite(ComponentSuite):
         assert self.store(adapter, pool, plain, plain_sizes)[0] == [True] * 2
         assert self.store(adapter, pool, salted, salted_sizes)[0] == [True] * 3
         assert adapter.used_bytes() == 4200
-        assert _nonzero(adapter.used_bytes_by_salt()) == {"": 3000, "tenant-a": 1200}
+        assert nonzero(adapter.used_bytes_by_salt()) == {"": 3000, "tenant-a": 1200}
         self._check_usage(adapter)
         assert adapter.delete([plain[0], salted[2]]) == [True, True]
         assert adapter.used_bytes() == 2700
-        assert _nonzero(adapter.used_bytes_by_salt()) == {"": 2000, "tenant-a": 700}
+        assert nonzero(adapter.used_bytes_by_salt()) == {"": 2000, "tenant-a": 700}
         adapter.delete(plain + salted)
         assert adapter.used_bytes() == 0
-        assert _nonzero(adapter.used_bytes_by_salt()) == {}
-
-    def _check_usage(self, adapter: L2Adapter) -> None:
-        usage = adapter.usage()
-        if CAPACITY in self.capabilities:
-            assert 0.0 < usage <= 1.0
-        else:
-            assert usage == -1.0 or 0.0 <= usage <= 1.0
+        assert nonzero(adapter.used_bytes_by_salt()) == {}
 
     def test_cache_salt_isolates_tenants(self, adapter: L2Adapter, pool: BufferPool) -> None:
         (mine,) = make_keys(1, salt="tenant-a")
@@ -485,74 +337,3 @@ class L2AdapterSuite(ComponentSuite):
         self.store(adapter, pool, make_keys(2))
         stats = adapter.stats()
         assert all(isinstance(name, str) and isinstance(value, int) for name, value in stats.items())
-
-    # -- capabilities ----------------------------------------------------------------------
-
-    @requires(PERSISTENCE)
-    def test_objects_survive_reopening(
-        self, adapter: L2Adapter, pool: BufferPool, reopen_adapter: Reopen
-    ) -> None:
-        keys = make_keys(3) + make_keys(1, salt="tenant-a")
-        ok, data = self.store(adapter, pool, keys)
-        assert ok == [True] * 4
-        reopened = reopen_adapter(adapter)
-        assert set(reopened.iter_keys()) == set(keys)
-        result = self.client(reopened).lookup_and_lock(keys)
-        assert result.found == [True] * 4
-        assert result.sizes == [len(d) for d in data]
-        assert reopened.used_bytes() == sum(len(d) for d in data)
-        by_salt = {"": sum(map(len, data[:3])), "tenant-a": len(data[3])}
-        assert _nonzero(reopened.used_bytes_by_salt()) == by_salt
-        loaded, contents = self.load(reopened, pool, keys, result.sizes)
-        assert loaded == [True] * 4 and contents == data
-        reopened.unlock(keys)
-
-    @requires(PERSISTENCE)
-    def test_deletes_survive_reopening(
-        self, adapter: L2Adapter, pool: BufferPool, reopen_adapter: Reopen
-    ) -> None:
-        keys = make_keys(3)
-        self.store(adapter, pool, keys)
-        assert adapter.delete(keys[:2]) == [True, True]
-        reopened = reopen_adapter(adapter)
-        assert self.client(reopened).lookup_and_lock(keys).found == [False, False, True]
-        reopened.unlock(keys[2:])
-
-    def _fill(self, adapter: L2Adapter, pool: BufferPool) -> tuple[list[ObjectKey], ObjectKey]:
-        """Store single objects until one does not fit; returns (stored, refused)."""
-        client = self.client(adapter)
-        stored: list[ObjectKey] = []
-        for index in range(self.max_fill_objects):
-            (key,) = make_keys(1, start=10_000 + index)
-            if client.store([key], [pool.filled(pattern(index, self.object_size))]) == [False]:
-                return stored, key
-            stored.append(key)
-        raise AssertionError(
-            f"{self.max_fill_objects} objects of {self.object_size} bytes all fit; "
-            "configure a smaller capacity for the capacity tests"
-        )
-
-    @requires(CAPACITY)
-    def test_store_beyond_capacity_fails(self, adapter: L2Adapter, pool: BufferPool) -> None:
-        stored, refused = self._fill(adapter, pool)
-        assert stored, "not even one object fitted"
-        assert 0.0 < adapter.usage() <= 1.0
-        assert adapter.used_bytes() == self.object_size * len(stored)
-        assert self.client(adapter).lookup_and_lock([refused]).found == [False]
-
-    @requires(CAPACITY, EVICTION)
-    def test_deleting_frees_capacity(self, adapter: L2Adapter, pool: BufferPool) -> None:
-        stored, refused = self._fill(adapter, pool)
-        before = adapter.usage()
-        assert adapter.delete(stored[:2]) == [True, True]
-        assert adapter.usage() < before
-        data = pattern(77, self.object_size)
-        assert self.client(adapter).store([refused], [pool.filled(data)]) == [True]
-        result = self.client(adapter).lookup_and_lock([refused])
-        loaded, contents = self.load(adapter, pool, [refused], result.sizes)
-        assert loaded == [True] and contents == [data]
-        adapter.unlock([refused])
-
-
-def _nonzero(by_salt: dict[str, int]) -> dict[str, int]:
-    return {salt: size for salt, size in by_salt.items() if size}

@@ -1,8 +1,8 @@
-"""Manifest of the plugin: its config Struct and the hook that registers it.
+"""Manifest of ``lmcache-plugin-template``: the config Struct and the hook that registers ``template``.
 
-Keep this module light. It is imported by every ``lmcache-tiers plugins list`` and
-``serve``; the implementation (and any heavy backend library) lives in ``adapter.py`` and
-is imported only when an adapter of this type is configured.
+Keep this module light.  It is imported by every ``lmcache-tiers plugins list`` and
+``serve``; the implementation (and any backend library) lives in ``backend.py`` and is
+imported only when an adapter of this type is configured.
 """
 
 from __future__ import annotations
@@ -11,24 +11,22 @@ from typing import Annotated
 
 import msgspec
 
-from lmcache_tiers.config import L2AdapterConfig
-from lmcache_tiers.hookspecs import hookimpl
-from lmcache_tiers.registry import KindRegistry
+from lmcache_tiers.plugin import KindRegistry, L2AdapterConfig, hookimpl
 
 
-class TemplateMemoryConfig(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """Objects kept in a dict of this process (a starting point for real backends)."""
+class TemplateConfig(L2AdapterConfig):
+    """Objects kept in a dict of this process (a starting point for a real backend)."""
 
     max_size_gb: Annotated[
-        float, msgspec.Meta(gt=0.0, description="Capacity in GiB; a store that does not fit fails.")
+        float, msgspec.Meta(gt=0.0, description="Capacity in GiB; stores that do not fit are refused.")
     ] = 1.0
 
 
 @hookimpl
 def tiers_register_l2_adapters(registry: KindRegistry) -> None:
     registry.add(
-        "template_memory",
-        "lmcache_plugin_template.adapter:TemplateMemoryAdapter",
-        TemplateMemoryConfig,
+        "template",
+        "lmcache_plugin_template.backend:TemplateBackend",
+        TemplateConfig,
         install_hint="pip install lmcache-plugin-template",
     )

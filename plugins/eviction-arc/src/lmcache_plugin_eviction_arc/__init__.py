@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import msgspec
-
-from lmcache_tiers.hookspecs import hookimpl
-from lmcache_tiers.registry import KindRegistry
+from lmcache_tiers.plugin import ComponentConfig, KindRegistry, hookimpl
 
 
-class ARCConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class ARCConfig(ComponentConfig):
     """Adaptive Replacement Cache: keys seen once and keys seen again live in two LRU lists,
     and ghost lists of recently evicted keys move the split between them towards whichever
     list would have kept the key; within one batch the tail of the prefix goes first."""

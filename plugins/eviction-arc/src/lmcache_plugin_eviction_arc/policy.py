@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 from lmcache_plugin_eviction_arc import ARCConfig
-from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.plugin import ObjectKey
 
 
 class ARCEvictionPolicy:

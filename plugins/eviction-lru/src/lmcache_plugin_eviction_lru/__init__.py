@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import msgspec
-
-from lmcache_tiers.hookspecs import hookimpl
-from lmcache_tiers.registry import KindRegistry
+from lmcache_tiers.plugin import ComponentConfig, KindRegistry, hookimpl
 
 
-class LRUConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class LRUConfig(ComponentConfig):
     """Evict the least recently written or read object first; within one batch the tail of
     the prefix goes before its head, so what remains is still a usable prefix."""
 

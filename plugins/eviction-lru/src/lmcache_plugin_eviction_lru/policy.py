@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 from lmcache_plugin_eviction_lru import LRUConfig
-from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.plugin import ObjectKey
 
 
 class LRUEvictionPolicy:

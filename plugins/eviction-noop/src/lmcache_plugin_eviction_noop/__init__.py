@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import msgspec
-
-from lmcache_tiers.hookspecs import hookimpl
-from lmcache_tiers.registry import KindRegistry
+from lmcache_tiers.plugin import ComponentConfig, KindRegistry, hookimpl
 
 
-class NoopEvictionConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class NoopEvictionConfig(ComponentConfig):
     """Never evict.  Objects leave only when deleted (e.g. by the ``skip_l1`` store policy);
     when memory is full, new writes are refused instead."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from lmcache_plugin_eviction_noop import NoopEvictionConfig
-from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.plugin import ObjectKey
 
 
 class NoopEvictionPolicy:

@@ -6,11 +6,10 @@ from typing import Annotated
 
 import msgspec
 
-from lmcache_tiers.hookspecs import hookimpl
-from lmcache_tiers.registry import KindRegistry
+from lmcache_tiers.plugin import ComponentConfig, KindRegistry, hookimpl
 
 
-class PrefixLFUConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class PrefixLFUConfig(ComponentConfig):
     """Least recently used first, except that every doubling of a chunk's uses buys it
     `frequency_credit` cache turnovers more; use counts outlive eviction, so a prompt sent
     again regains its standing at once.  A request's tail (the last chunk it stored, and

@@ -42,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 from lmcache_plugin_eviction_prefix_lfu import PrefixLFUConfig
-from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.plugin import ObjectKey
 
 _Signature = tuple[int, ObjectKey, ObjectKey]
 #: log2 of small use counts, looked up instead of computed on every touch

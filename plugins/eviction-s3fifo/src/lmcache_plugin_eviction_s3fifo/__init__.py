@@ -6,11 +6,10 @@ from typing import Annotated
 
 import msgspec
 
-from lmcache_tiers.hookspecs import hookimpl
-from lmcache_tiers.registry import KindRegistry
+from lmcache_tiers.plugin import ComponentConfig, KindRegistry, hookimpl
 
 
-class S3FIFOConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class S3FIFOConfig(ComponentConfig):
     """S3-FIFO: new keys enter a small FIFO queue and leave it quickly unless read again,
     reused keys cycle through a main FIFO queue, and a ghost queue of keys evicted from the
     small one sends them straight to the main queue when they come back.  Within one batch

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from typing import Literal
 
 from lmcache_plugin_eviction_s3fifo import S3FIFOConfig
-from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.plugin import ObjectKey
 
 _Queue = Literal["small", "main"]
 

@@ -6,9 +6,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from lmcache_tiers.config import L2AdapterConfig
-from lmcache_tiers.hookspecs import hookimpl
-from lmcache_tiers.registry import KindRegistry
+from lmcache_tiers.plugin import KindRegistry, L2AdapterConfig, hookimpl
 
 Rate = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Op = Literal["store", "lookup", "load", "delete"]
@@ -23,8 +21,11 @@ def _doc(description: str) -> msgspec.Meta:
     return msgspec.Meta(description=description)
 
 
-class FaultInjectConfig(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class FaultInjectConfig(L2AdapterConfig):
     """Wraps the adapter given as ``inner`` and injects faults into its operations.
+
+    The inner adapter's backend runs inside this adapter: one set of tasks, pins and
+    byte accounting (its counters show in ``stats()`` as ``inner_<name>``).
 
     Its purpose is to drive every failure path of the controllers.  All randomness comes
     from ``seed`` (one generator per operation kind), so a run with the same calls injects
@@ -35,7 +36,7 @@ class FaultInjectConfig(L2AdapterConfig, kw_only=True, frozen=True, forbid_unkno
     ``fail_mode`` says what failing means: ``keys`` -- each key fails independently with
     the rate (a failed store is not stored, a failed lookup is a miss, a failed load leaves
     its buffer untouched); ``batch`` -- the whole call fails with the rate; ``raise`` -- the
-    backend call raises with the rate (the base class turns that into a failed batch and
+    backend call raises with the rate (the adapter turns that into a failed batch and
     counts a backend error).
 
     Gaps: ``gap_indices`` and ``gap_tail_ratios`` always fail given positions of every
@@ -110,4 +111,4 @@ class FaultInjectConfig(L2AdapterConfig, kw_only=True, frozen=True, forbid_unkno
 
 @hookimpl
 def tiers_register_l2_adapters(registry: KindRegistry) -> None:
-    registry.add("fault_inject", "lmcache_plugin_fault_inject.adapter:FaultInjectAdapter", FaultInjectConfig)
+    registry.add("fault_inject", "lmcache_plugin_fault_inject.backend:open_fault_inject", FaultInjectConfig)

@@ -11,8 +11,14 @@ from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 
-from lmcache_tiers.plugin import ConfigError, FrontendConfig, KindRegistry, hookimpl, is_loopback
-from lmcache_tiers.wire.protocol import MAX_TOKEN_LEN
+from lmcache_tiers.plugin import (
+    ConfigError,
+    FrontendConfig,
+    KindRegistry,
+    hookimpl,
+    is_loopback,
+    wire_protocol,
+)
 
 if TYPE_CHECKING:
     from lmcache_tiers.plugin import ServerConfig
@@ -38,10 +44,10 @@ class NativeConfig(FrontendConfig, kw_only=True, frozen=True, forbid_unknown_fie
         host, _ = self.address(server)
         if not is_loopback(host) and not auth_token:
             raise ConfigError(f"binding to {host} (not loopback) requires --auth-token or {AUTH_TOKEN_ENV}")
-        if auth_token is not None and len(auth_token) > MAX_TOKEN_LEN:
+        if auth_token is not None and len(auth_token) > wire_protocol.MAX_TOKEN_LEN:
             raise ConfigError(
                 f"the auth token is {len(auth_token)} characters long; the protocol carries at most "
-                f"{MAX_TOKEN_LEN}"
+                f"{wire_protocol.MAX_TOKEN_LEN}"
             )
 
 

@@ -12,9 +12,8 @@ from typing import Any
 from lmcache_plugin_frontend_native import NativeConfig
 from lmcache_plugin_frontend_native.handlers import DataPlane, Handlers
 from lmcache_plugin_frontend_native.rpc import RpcServer
-from lmcache_tiers.plugin import FrontendContext, FrontendStats
-from lmcache_tiers.wire import protocol as p
-from lmcache_tiers.wire.shm import segment_identity
+from lmcache_tiers.plugin import FrontendContext, FrontendStats, segment_identity
+from lmcache_tiers.plugin import wire_protocol as p
 
 
 def data_plane_of(context: FrontendContext) -> DataPlane:

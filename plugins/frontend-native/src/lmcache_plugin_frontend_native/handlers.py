@@ -18,14 +18,17 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from lmcache_plugin_frontend_native.sessions import PendingPrefetch, Session, SessionTable
-from lmcache_tiers import __version__
-from lmcache_tiers.controllers import BurstLog
-from lmcache_tiers.errors import KeyValidationError, L1OutOfMemoryError
-from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l1 import L1Loan
-from lmcache_tiers.l2.buffers import copy_into
-from lmcache_tiers.plugin import FrontendStats
-from lmcache_tiers.wire import protocol as p
+from lmcache_tiers.plugin import (
+    BurstLog,
+    FrontendStats,
+    KeyValidationError,
+    L1Loan,
+    L1OutOfMemoryError,
+    ObjectKey,
+    __version__,
+    copy_into,
+)
+from lmcache_tiers.plugin import wire_protocol as p
 
 logger = logging.getLogger(__name__)
 

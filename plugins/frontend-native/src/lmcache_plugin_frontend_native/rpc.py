@@ -17,8 +17,8 @@ from typing import Any
 import zmq
 
 from lmcache_plugin_frontend_native.handlers import Deferred, Frames, Handlers, Response, error_for
-from lmcache_tiers.router import RouterLoop
-from lmcache_tiers.wire import protocol as p
+from lmcache_tiers.plugin import RouterLoop
+from lmcache_tiers.plugin import wire_protocol as p
 
 logger = logging.getLogger(__name__)
 

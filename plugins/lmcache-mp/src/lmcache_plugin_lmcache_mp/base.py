@@ -20,7 +20,7 @@ from lmcache_tiers.plugin import FrontendStats
 if TYPE_CHECKING:
     from lmcache_plugin_lmcache_mp import LMCacheMPConfig
     from lmcache_plugin_lmcache_mp.pickled import PickleCodec
-    from lmcache_tiers.storage import StorageManager
+    from lmcache_tiers.plugin import StorageManager
 
 __all__ = ["Deferred", "RequestRefused", "Shared"]
 

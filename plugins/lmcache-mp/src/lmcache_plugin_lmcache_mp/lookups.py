@@ -21,8 +21,7 @@ from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused, Shared
 from lmcache_plugin_lmcache_mp.chunks import chunk_range, keys_for_all_ranks
 from lmcache_plugin_lmcache_mp.state import LookupJob
 from lmcache_plugin_lmcache_mp.wire import CacheKey
-from lmcache_tiers.controllers import BurstLog
-from lmcache_tiers.plugin import printable
+from lmcache_tiers.plugin import BurstLog, printable
 
 logger = logging.getLogger(__name__)
 

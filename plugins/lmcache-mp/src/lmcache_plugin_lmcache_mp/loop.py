@@ -24,8 +24,7 @@ import zmq
 from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused
 from lmcache_plugin_lmcache_mp.handlers import NOT_SERVED, Handlers
 from lmcache_plugin_lmcache_mp.wire import CacheKey, decode_arguments, encode_reply, operation_name, peek_uid
-from lmcache_tiers.plugin import FrontendStats, KeyValidationError, printable
-from lmcache_tiers.router import RouterLoop
+from lmcache_tiers.plugin import FrontendStats, KeyValidationError, RouterLoop, printable
 
 logger = logging.getLogger(__name__)
 

@@ -28,8 +28,7 @@ from lmcache_plugin_lmcache_mp.chunks import chunk_range, keys_for_rank
 from lmcache_plugin_lmcache_mp.lookups import Lookups
 from lmcache_plugin_lmcache_mp.state import Instance, PendingTransfers, Transfer
 from lmcache_plugin_lmcache_mp.wire import CacheKey, PrepareRetrieveReply, PrepareStoreReply
-from lmcache_tiers.controllers import BurstLog
-from lmcache_tiers.plugin import L1OutOfMemoryError, ObjectKey, printable
+from lmcache_tiers.plugin import BurstLog, L1OutOfMemoryError, ObjectKey, printable
 
 logger = logging.getLogger(__name__)
 

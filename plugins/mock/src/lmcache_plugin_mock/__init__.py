@@ -6,17 +6,16 @@ from typing import Annotated
 
 import msgspec
 
-from lmcache_tiers.config import L2AdapterConfig
-from lmcache_tiers.hookspecs import hookimpl
-from lmcache_tiers.registry import KindRegistry
+from lmcache_tiers.plugin import KindRegistry, L2AdapterConfig, hookimpl
 
 
-class MockConfig(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class MockConfig(L2AdapterConfig):
     """In-memory L2 adapter for tests and benchmarks.
 
-    Stores fail once ``max_size_gb`` is full, so per-adapter eviction (``eviction``) has
-    something to do.  Bandwidth and latency are simulated by sleeping in each backend
-    call (a store or load of N bytes takes ``latency_s + N / bandwidth_bytes_per_s``).
+    Stores fail once ``max_size_gb`` is full (refused by core, counted), so per-adapter
+    eviction (``eviction``) has something to do.  Bandwidth and latency are simulated by
+    sleeping in each backend call (a store or load of N bytes takes
+    ``latency_s + N / bandwidth_bytes_per_s``).
     Adapters configured with the same ``namespace`` share their objects within one
     process, which lets tests close an adapter and open a new one as if after a restart.
     Objects are kept in a memory pool of ``max_size_gb`` per namespace (address space,
@@ -60,4 +59,4 @@ class MockConfig(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fiel
 
 @hookimpl
 def tiers_register_l2_adapters(registry: KindRegistry) -> None:
-    registry.add("mock", "lmcache_plugin_mock.adapter:MockAdapter", MockConfig)
+    registry.add("mock", "lmcache_plugin_mock.backend:MockBackend", MockConfig)

@@ -8,8 +8,7 @@ Both types share one NIXL agent per process (``runtime.NixlRuntime``).
 from __future__ import annotations
 
 from lmcache_plugin_nixl.config import NixlStoreConfig, NixlStoreDynamicConfig
-from lmcache_tiers.hookspecs import hookimpl
-from lmcache_tiers.registry import KindRegistry
+from lmcache_tiers.plugin import KindRegistry, hookimpl
 
 __all__ = ["NixlStoreConfig", "NixlStoreDynamicConfig", "tiers_register_l2_adapters"]
 
@@ -20,13 +19,13 @@ _INSTALL_HINT = "pip install lmcache-plugin-nixl nixl"
 def tiers_register_l2_adapters(registry: KindRegistry) -> None:
     registry.add(
         "nixl_store",
-        "lmcache_plugin_nixl.store:NixlStoreAdapter",
+        "lmcache_plugin_nixl.store:NixlStoreBackend",
         NixlStoreConfig,
         install_hint=_INSTALL_HINT,
     )
     registry.add(
         "nixl_store_dynamic",
-        "lmcache_plugin_nixl.dynamic:NixlDynamicAdapter",
+        "lmcache_plugin_nixl.dynamic:NixlDynamicBackend",
         NixlStoreDynamicConfig,
         install_hint=_INSTALL_HINT,
     )

@@ -18,7 +18,7 @@ import socket
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from lmcache_tiers.errors import BackendUnavailableError, ConfigError
+from lmcache_tiers.plugin import BackendUnavailableError, ConfigError
 
 #: Backends that go through NVIDIA GPUDirect Storage and so need cuFile and a GPU.
 CUFILE_BACKENDS: frozenset[str] = frozenset({"GDS", "GDS_MT"})

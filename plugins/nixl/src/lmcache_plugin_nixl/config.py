@@ -17,7 +17,7 @@ from typing import Annotated
 
 import msgspec
 
-from lmcache_tiers.config import FieldError, L2AdapterConfig
+from lmcache_tiers.plugin import FieldError, L2AdapterConfig
 
 #: Every NIXL storage backend the adapters know, in the order the docs list them.
 BACKENDS: tuple[str, ...] = ("POSIX", "GDS", "GDS_MT", "HF3FS", "OBJ", "AZURE_BLOB")
@@ -99,7 +99,7 @@ def _as_string(value: str | bool | int | float) -> str:
     return str(value)
 
 
-class _NixlBase(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class _NixlBase(L2AdapterConfig):
     backend: Annotated[str, msgspec.Meta(description="NIXL backend: " + ", ".join(BACKENDS) + ".")]
     backend_params: Annotated[
         dict[str, str | bool | int | float],
@@ -139,7 +139,7 @@ class _NixlBase(L2AdapterConfig, kw_only=True, frozen=True, forbid_unknown_field
         return {k: v for k, v in self.backend_params.items() if k not in own}
 
 
-class NixlStoreConfig(_NixlBase, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class NixlStoreConfig(_NixlBase):
     """NIXL L2 adapter over a pool of storage descriptors preallocated at start-up.
 
     ``pool_size`` files (file backends) or objects (OBJ, AZURE_BLOB) are created and
@@ -170,7 +170,7 @@ class NixlStoreConfig(_NixlBase, kw_only=True, frozen=True, forbid_unknown_field
                 )
 
 
-class NixlStoreDynamicConfig(_NixlBase, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class NixlStoreDynamicConfig(_NixlBase):
     """NIXL L2 adapter storing one checksummed file per object, kept across restarts.
 
     Files are opened and registered with NIXL per operation, published atomically

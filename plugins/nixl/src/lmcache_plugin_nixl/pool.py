@@ -19,12 +19,10 @@ import resource
 from typing import Protocol
 
 from lmcache_plugin_nixl.availability import check_direct_io
-from lmcache_plugin_nixl.dirlock import DirectoryLock
 from lmcache_plugin_nixl.memory import direct_io_ok
 from lmcache_plugin_nixl.runtime import NixlRuntime, Registration
-from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.plugin import ConfigError, DirectoryLock
 
-POOL_LOCK_NAME = ".lmcache-nixl-pool.lock"
 _OBJECT_PREFIX = "lmcache-tiers-nixl-pool"
 
 
@@ -72,7 +70,7 @@ class FileSlots:
     ) -> None:
         self.directory = os.path.abspath(directory)
         os.makedirs(self.directory, exist_ok=True)
-        self._lock = DirectoryLock(self.directory, POOL_LOCK_NAME)
+        self._lock = DirectoryLock(self.directory, what=f"the nixl_store directory {self.directory}")
         self._buffered: list[int] = []
         self._direct: list[int] = []
         self._lengths = [0] * pool_size

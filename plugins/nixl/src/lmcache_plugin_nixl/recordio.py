@@ -18,14 +18,18 @@ overlap whenever a second core is free; when none is, a verified load costs the 
 plus the checksum.
 
 Writes go to a temporary file renamed over the final name only after header and payload
-are complete, so a crash leaves either the old record, the new one, or a temporary file
-that the next start-up deletes.  No ``fsync``: a process crash keeps what the kernel
-already has, and after a power loss a record that lost bytes fails its checksum and is
-treated as a miss.
+are complete (core's :class:`~lmcache_tiers.l2.files.LocalFiles`), so a crash leaves
+either the old record, the new one, or a temporary file that the next start-up deletes.
+No ``fsync``: a process crash keeps what the kernel already has, and after a power loss a
+record that lost bytes fails its checksum and is treated as a miss.  Each temporary file
+is given its full size with ``posix_fallocate`` before NIXL writes to it, so a full disk
+fails exactly the records that do not fit, one by one, before the transfer (NIXL would
+fail the whole request); a filesystem without ``fallocate`` skips that step.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -36,12 +40,25 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from queue import SimpleQueue
 
-from lmcache_plugin_nixl.layout import FileLayout
 from lmcache_plugin_nixl.memory import DIRECT_IO_ALIGN, HostMemory, buffer_address, direct_io_ok
 from lmcache_plugin_nixl.runtime import NixlRuntime, Registration
 from lmcache_plugin_nixl.transfers import BatchTransfer, Locator, StorageRow
-from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2.record import RecordError, RecordHeader, decode_header, encode_header, verify_payload
+from lmcache_tiers.plugin import (
+    BackendContext,
+    FileIdentity,
+    HeaderSizes,
+    LocalFiles,
+    ObjectKey,
+    ObjectSize,
+    RecordError,
+    RecordHeader,
+    WriteFailures,
+    identity_of,
+    is_out_of_space,
+    printable,
+    record_name,
+    verify_payload,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +86,7 @@ class _Pending:
     offset: int  # where the payload starts: the header's length
     length: int  # payload bytes
     header: memoryview | None = None  # staging slot of a header being read
+    identity: FileIdentity | None = None  # of the file read, so only that one is removed
 
 
 class HeaderStaging:
@@ -178,18 +196,23 @@ class RecordFiles:
         self,
         runtime: NixlRuntime,
         transfer: BatchTransfer,
-        layout: FileLayout,
+        files: LocalFiles,
+        context: BackendContext,
         *,
         direct_io: bool,
-        serde_names: tuple[str, ...],
     ) -> None:
         self._runtime = runtime
         self._transfer = transfer
-        self._layout = layout
+        self._files = files
+        self._layout = files.layout
         self._direct_io = direct_io
-        self._serde = serde_names
+        self._context = context
         self._staging = HeaderStaging(transfer.host)
-        self._header_lengths: dict[int, int] = {}
+        self._sizes = HeaderSizes(
+            lambda key, payload: context.record_header(key, payload, align=HEADER_ALIGN)
+        )
+        self._failures = WriteFailures(context.name, files.layout.root, context.count)
+        self._can_reserve = True
         # Checksums of one batch run on one helper thread, overlapping that batch's I/O.
         # Two threads so that a load's verifier, which lives as long as its batch, never
         # makes a concurrent store (or load) wait for its own checksum thread.
@@ -199,15 +222,13 @@ class RecordFiles:
         self._helper.shutdown(wait=True)
 
     def header_length(self, key: ObjectKey) -> int:
-        """Header size of ``key``'s record; it depends only on the key and the serde chain."""
-        # Only the key's encoded length varies, so the answer is cached per length rather
-        # than encoding a header for every file of every batch.
-        key_len = len(key.to_bytes())
-        length = self._header_lengths.get(key_len)
-        if length is None:
-            length = len(encode_header(key, b"", serde=self._serde, align=HEADER_ALIGN))
-            self._header_lengths[key_len] = length
-        return length
+        """Header size of ``key``'s record: its key, layout and serde chain padded to 4096.
+
+        Keys and layouts are bounded well below a block, so the padded length depends on
+        the key's encoded length only; a header that came out longer is refused when it
+        is written, never read at the wrong offset.
+        """
+        return self._sizes.length(key)
 
     def _register(self, rows: list[StorageRow]) -> Registration:
         return self._runtime.register_files(
@@ -221,19 +242,15 @@ class RecordFiles:
 
     # -- writes -----------------------------------------------------------------------------
 
-    def write(
-        self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview], l1_sizes: Sequence[int]
-    ) -> list[bool]:
+    def write(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
         """Write and publish each record; False where any step failed (nothing published)."""
         results: list[bool] = []
         for start in range(0, len(keys), MAX_OPEN_FILES):
             end = start + MAX_OPEN_FILES
-            results += self._write_slice(keys[start:end], payloads[start:end], l1_sizes[start:end])
+            results += self._write_slice(keys[start:end], payloads[start:end])
         return results
 
-    def _write_slice(
-        self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview], l1_sizes: Sequence[int]
-    ) -> list[bool]:
+    def _write_slice(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
         pending: list[_Pending] = []
         results = [False] * len(keys)
         try:
@@ -247,10 +264,7 @@ class RecordFiles:
             # header's length is fixed by key and serde chain): checksums are computed on
             # the helper thread while NIXL moves the payloads, and headers go last.
             headers = self._helper.submit(
-                lambda: [
-                    self._encode(keys[item.index], payloads[item.index], l1_sizes[item.index])
-                    for item in pending
-                ]
+                lambda: [self._encode(keys[item.index], payloads[item.index]) for item in pending]
             )
             try:
                 moved = self._transfer.run(
@@ -264,12 +278,12 @@ class RecordFiles:
                 if ok and header is not None and len(header) == item.offset
             ]
             for (item, _header), ok in zip(complete, self._write_headers(complete), strict=True):
-                results[item.index] = ok and self._publish(item, self._layout.path_for(keys[item.index]))
+                results[item.index] = ok and self._publish(item, keys[item.index])
         finally:
             for item in pending:
                 os.close(item.fd)
                 if not results[item.index]:
-                    _unlink_quietly(item.path)
+                    self._files.remove_quietly(item.path)
         return results
 
     def _write_headers(self, complete: list[tuple[_Pending, bytes]]) -> list[bool]:
@@ -287,63 +301,75 @@ class RecordFiles:
             items = [item for item, _header in complete]
             return self._transfer.run("WRITE", views, _header_places(items), self._register)
 
-    def _encode(self, key: ObjectKey, payload: memoryview, l1_size: int) -> bytes | None:
+    def _encode(self, key: ObjectKey, payload: memoryview) -> bytes | None:
         try:
-            return encode_header(key, payload, l1_size=l1_size, serde=self._serde, align=HEADER_ALIGN)
+            # Core fills in the L1 size, layout and serde chain of the key being stored.
+            return self._context.record_header(key, payload, align=HEADER_ALIGN)
         except ValueError as exc:
-            log.warning("cannot encode the record header of %s: %s", key.file_stem(), exc)
+            log.warning("cannot encode the record header of %s: %s", printable(record_name(key)), exc)
             return None
 
     def _open_temp(self, index: int, key: ObjectKey, payload: memoryview) -> _Pending | None:
         offset = self.header_length(key)
         try:
-            directory = self._layout.ensure_directory(key)
-            path = self._layout.temp_path(directory)
-            flags = self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, payload, offset)
-            fd = os.open(path, flags, 0o644)
+            fd, path = self._files.create_temp(key, self._open_flags(0, payload, offset))
         except OSError as exc:
-            log.warning("cannot create a record file for %s: %s", key.file_stem(), exc)
+            self._failures.failed(record_name(key), exc)
+            return None
+        try:
+            self._reserve(fd, offset + payload.nbytes)
+        except OSError as exc:
+            os.close(fd)
+            self._files.remove_quietly(path)
+            self._failures.failed(record_name(key), exc)
             return None
         return _Pending(index, fd, path, offset, payload.nbytes)
 
-    def _publish(self, item: _Pending, final_path: str) -> bool:
+    def _reserve(self, fd: int, size: int) -> None:
+        """Allocate the file's blocks now: ENOSPC here fails this record alone."""
+        if not self._can_reserve:
+            return
         try:
-            os.rename(item.path, final_path)
+            os.posix_fallocate(fd, 0, size)
         except OSError as exc:
-            log.warning("cannot publish %s: %s", final_path, exc)
+            if is_out_of_space(exc):
+                raise
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                self._can_reserve = False  # this filesystem cannot: NIXL's own errors stand
+                return
+            raise
+
+    def _publish(self, item: _Pending, key: ObjectKey) -> bool:
+        try:
+            self._files.publish(key, item.path)
+        except OSError as exc:
+            self._failures.failed(record_name(key), exc)
             return False
         return True
 
     # -- reads ------------------------------------------------------------------------------
 
-    def read(
-        self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]
-    ) -> list[bool | RecordError | None]:
-        """Fill each buffer with its key's verified payload.
+    def read(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        """Fill each buffer with its key's verified payload; True where loaded.
 
-        Per key: True (loaded), None (no such file: a plain miss), False (an I/O failure
-        or an object of another size, worth no deletion) or the RecordError that makes the
-        record untrustworthy (the caller deletes it).
+        A record that does not verify is removed (``corrupt_records_removed``); one of
+        another size or written with another serde chain is a miss that is kept.
         """
-        results: list[bool | RecordError | None] = []
+        results: list[bool] = []
         for start in range(0, len(keys), MAX_OPEN_FILES):
             results += self._read_slice(
                 keys[start : start + MAX_OPEN_FILES], buffers[start : start + MAX_OPEN_FILES]
             )
         return results
 
-    def _read_slice(
-        self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]
-    ) -> list[bool | RecordError | None]:
-        results: list[bool | RecordError | None] = [False] * len(keys)
+    def _read_slice(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        results: list[bool] = [False] * len(keys)
         pending: list[_Pending] = []
         try:
             for index, (key, buffer) in enumerate(zip(keys, buffers, strict=True)):
                 outcome = self._begin_read(index, key, buffer)
                 if isinstance(outcome, _Pending):
                     pending.append(outcome)
-                else:
-                    results[index] = outcome
             if not pending:
                 return results
             with self._staging.lease([item.offset for item in pending]) as views:
@@ -361,7 +387,7 @@ class RecordFiles:
         keys: Sequence[ObjectKey],
         pending: list[_Pending],
         buffers: Sequence[memoryview],
-        results: list[bool | RecordError | None],
+        results: list[bool],
     ) -> None:
         """Read header and payload of every file, group by group, verifying as they land.
 
@@ -394,7 +420,7 @@ class RecordFiles:
         keys: Sequence[ObjectKey],
         inbox: SimpleQueue[tuple[list[_Pending], list[bool]] | None],
         buffers: Sequence[memoryview],
-        results: list[bool | RecordError | None],
+        results: list[bool],
     ) -> None:
         while (work := inbox.get()) is not None:
             group, moved = work
@@ -406,16 +432,16 @@ class RecordFiles:
         group: list[_Pending],
         moved: list[bool],
         buffers: Sequence[memoryview],
-        results: list[bool | RecordError | None],
+        results: list[bool],
     ) -> None:
         for position, item in enumerate(group):
             if not (moved[2 * position] and moved[2 * position + 1]):
                 continue
             assert item.header is not None
             try:
-                header = decode_header(
-                    bytes(item.header), expected_key=keys[item.index], expected_serde=self._serde
-                )
+                header = self._context.read_record_header(bytes(item.header), keys[item.index])
+                if header is None:
+                    continue  # intact, but of another serde chain: a miss that is kept
                 if header.header_len != item.offset or header.payload_len != item.length:
                     raise RecordError(
                         f"record header says {header.header_len}+{header.payload_len} bytes, "
@@ -424,11 +450,9 @@ class RecordFiles:
                 verify_payload(header, buffers[item.index])
                 results[item.index] = True
             except RecordError as exc:
-                results[item.index] = exc
+                self._files.discard(keys[item.index], item.identity, "corrupt_records_removed", str(exc))
 
-    def _begin_read(
-        self, index: int, key: ObjectKey, buffer: memoryview
-    ) -> _Pending | RecordError | bool | None:
+    def _begin_read(self, index: int, key: ObjectKey, buffer: memoryview) -> _Pending | None:
         path = self._layout.path_for(key)
         header_len = self.header_length(key)
         flags = self._open_flags(os.O_RDONLY | os.O_CLOEXEC, buffer, header_len)
@@ -437,58 +461,61 @@ class RecordFiles:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            log.warning("cannot open %s: %s", path, exc)
-            return False
-        outcome: RecordError | bool
+            log.warning("cannot open %s: %s", printable(path, 300), exc)
+            return None
+        identity = None
         try:
-            size = os.fstat(fd).st_size
-            if size == header_len + buffer.nbytes:
-                return _Pending(index, fd, path, header_len, buffer.nbytes)
-            outcome = self._explain_size(fd, key, header_len, size, buffer.nbytes)
+            stat = os.fstat(fd)
+            identity = identity_of(stat)
+            if stat.st_size == header_len + buffer.nbytes:
+                return _Pending(index, fd, path, header_len, buffer.nbytes, identity=identity)
+            self._explain_size(fd, key, header_len, stat.st_size, buffer.nbytes)
         except RecordError as exc:
-            outcome = exc
+            self._files.discard(key, identity, "corrupt_records_removed", str(exc))
         except OSError as exc:
-            log.warning("cannot read %s: %s", path, exc)
-            outcome = False
+            log.warning("cannot read %s: %s", printable(path, 300), exc)
         os.close(fd)
-        return outcome
+        return None
 
     def _explain_size(self, fd: int, key: ObjectKey, header_len: int, size: int, expected: int) -> bool:
         """A file of an unexpected size: another intact object (False) or damage (raises)."""
         header = self._read_header(fd, key, header_len)
+        if header is None:
+            return False  # of another serde chain: kept
         if header.header_len + header.payload_len != size:
             raise RecordError(
                 f"record file is {size} bytes, header says {header.header_len + header.payload_len}"
             )
-        log.warning("%s holds %d bytes, a load expected %d", key.file_stem(), header.payload_len, expected)
+        log.warning(
+            "%s holds %d bytes, a load expected %d", printable(record_name(key)), header.payload_len, expected
+        )
         return False
 
-    def peek_header(self, key: ObjectKey) -> RecordHeader | RecordError | None:
-        """The verified header of ``key``'s record; None when there is no readable file."""
+    def size_from_header(self, key: ObjectKey) -> ObjectSize | None:
+        """Stored and L1 size from ``key``'s verified header; None when there is no
+        readable file, the record was written with another serde chain, or it is damaged
+        (then it is removed)."""
         try:
             fd = os.open(self._layout.path_for(key), os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
+        identity = None
         try:
-            return self._read_header(fd, key, self.header_length(key))
+            identity = identity_of(os.fstat(fd))
+            header = self._read_header(fd, key, self.header_length(key))
         except RecordError as exc:
-            return exc
+            self._files.discard(key, identity, "corrupt_records_removed", str(exc))
+            return None
         except OSError:
             return None
         finally:
             os.close(fd)
+        return None if header is None else ObjectSize(header.payload_len, header.l1_size)
 
-    def _read_header(self, fd: int, key: ObjectKey, header_len: int) -> RecordHeader:
+    def _read_header(self, fd: int, key: ObjectKey, header_len: int) -> RecordHeader | None:
         # Page-aligned memory works for O_DIRECT and buffered descriptors alike.
         length = -(-header_len // HEADER_ALIGN) * HEADER_ALIGN
         with mmap.mmap(-1, length) as block:
             got = os.preadv(fd, [block], 0)
             data = block[:got]  # a copy, so no view pins the mapping while it closes
-        return decode_header(data, expected_key=key, expected_serde=self._serde)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+        return self._context.read_record_header(data, key)

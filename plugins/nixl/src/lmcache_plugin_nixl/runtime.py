@@ -33,7 +33,7 @@ from lmcache_plugin_nixl.availability import (
     check_remote_endpoint,
     describe_missing_plugin,
 )
-from lmcache_tiers.errors import BackendUnavailableError, ConfigError, TiersError
+from lmcache_tiers.plugin import BackendUnavailableError, ConfigError, TiersError
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ waits for its last reader), so bytes are never overwritten while being read out.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.plugin import ObjectKey
 
 
 class Claim(Enum):
@@ -119,10 +119,10 @@ class SlotTable:
                 result.append(True)
         return result
 
-    def keys(self) -> Iterator[ObjectKey]:
+    def items(self) -> list[tuple[ObjectKey, int]]:
+        """Every stored key with its size."""
         with self._lock:
-            snapshot = list(self._stored)
-        return iter(snapshot)
+            return [(key, entry.size) for key, entry in self._stored.items()]
 
     @property
     def used_slots(self) -> int:

@@ -1,16 +1,17 @@
 """``nixl_store``: objects in a pool of storage slots preallocated and registered once.
 
-The base class does pinning, byte accounting, serde and the worker threads; this class
-maps keys to slots and moves bytes with batched NIXL transfers.  The pool is the
-capacity: usage is the fraction of slots in use, so per-adapter L2 eviction starts when
-the pool fills, and deletes (eviction included) return slots to the pool.  A store that
-finds no free slot reports its key as not stored and counts it (``pool_full_rejections``)
-instead of pretending to have written it.
+Core does pinning, byte accounting, serde and the worker threads; this backend maps keys
+to slots and moves bytes with batched NIXL transfers.  The pool is the capacity, counted
+in objects (``Capacity(objects=pool_size)``): usage is the fraction of slots in use, so
+per-adapter L2 eviction starts when the pool fills, core refuses stores of new keys
+once every slot is taken (``capacity_refusals``), and deletes (eviction included) return
+slots to the pool.  A store that still finds no free slot -- one held by a load of the
+object it replaces -- reports its key as not stored (``pool_full_rejections``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from lmcache_plugin_nixl.config import NixlStoreConfig
 from lmcache_plugin_nixl.memory import HostMemory
@@ -18,21 +19,18 @@ from lmcache_plugin_nixl.pool import FileSlots, ObjectSlots, SlotStorage
 from lmcache_plugin_nixl.runtime import NixlRuntime
 from lmcache_plugin_nixl.slots import Claim, SlotTable
 from lmcache_plugin_nixl.transfers import BatchTransfer
-from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2.base import BatchL2Adapter, ContainsResult
-from lmcache_tiers.l2.context import AdapterContext
+from lmcache_tiers.plugin import BackendContext, Capacity, ObjectKey
 
 
-class NixlStoreAdapter(BatchL2Adapter):
-    """L2 adapter over ``pool_size`` preallocated NIXL storage slots."""
+class NixlStoreBackend:
+    """Backend over ``pool_size`` preallocated NIXL storage slots."""
 
-    def __init__(self, config: NixlStoreConfig, context: AdapterContext) -> None:
-        super().__init__(config, context)
-        self.nixl_config = config
+    def __init__(self, config: NixlStoreConfig, context: BackendContext) -> None:
+        self.config = config
+        self.context = context
         runtime = NixlRuntime.shared()
         runtime.ensure_backend(config.backend, config.nixl_init_params())
-        arena = context.l1_buffer if context.l1_is_memory else None
-        self._host = HostMemory(runtime, config.backend, arena)
+        self._host = HostMemory(runtime, config.backend, context.l1_buffer)
         try:
             self._storage: SlotStorage
             if config.is_file_backend:
@@ -47,14 +45,12 @@ class NixlStoreAdapter(BatchL2Adapter):
         self._slots = SlotTable(config.pool_size)
         self._transfer = BatchTransfer(runtime, config.backend, self._host, self._storage.storage_mem)
 
-    # -- batch I/O --------------------------------------------------------------------------
-
     def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
         claims = self._slots.claim(keys)
         results = [False] * len(keys)
         writes = [(i, claim) for i, claim in enumerate(claims) if isinstance(claim, int)]
-        self.count("pool_full_rejections", sum(1 for c in claims if c is Claim.FULL))
-        self.count("store_busy_skips", sum(1 for c in claims if c is Claim.BUSY))
+        self.context.count("pool_full_rejections", sum(1 for c in claims if c is Claim.FULL))
+        self.context.count("store_busy_skips", sum(1 for c in claims if c is Claim.BUSY))
         if not writes:
             return results
         buffers = [payloads[i] for i, _slot in writes]
@@ -79,8 +75,8 @@ class NixlStoreAdapter(BatchL2Adapter):
                 self._slots.abandon(keys[i], slot)
         return results
 
-    def contains_many(self, keys: Sequence[ObjectKey]) -> list[ContainsResult]:
-        return list(self._slots.sizes(keys))
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | None]:
+        return self._slots.sizes(keys)
 
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         entries = self._slots.acquire_for_read(keys)
@@ -109,23 +105,16 @@ class NixlStoreAdapter(BatchL2Adapter):
     def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         return self._slots.delete(keys)
 
-    def iter_keys(self) -> Iterator[ObjectKey]:
-        return self._slots.keys()
+    def list_keys(self) -> list[tuple[ObjectKey, int]]:
+        return self._slots.items()
 
-    def capacity_bytes(self) -> int | None:
-        # Capacity is counted in slots, not bytes; usage() below reports slot occupancy.
-        return None
-
-    def usage(self) -> float:
-        return self._slots.used_slots / self._slots.pool_size
+    def capacity(self) -> Capacity:
+        return Capacity(objects=self._slots.pool_size)
 
     def stats(self) -> dict[str, int]:
-        counters = super().stats()
-        counters["pool_slots_used"] = self._slots.used_slots
-        counters["pool_slots_total"] = self._slots.pool_size
-        return counters
+        return {"pool_slots_used": self._slots.used_slots, "pool_slots_total": self._slots.pool_size}
 
-    def close_backend(self) -> None:
+    def close(self) -> None:
         try:
             self._storage.close()
         finally:

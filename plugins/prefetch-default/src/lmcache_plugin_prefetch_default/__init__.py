@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import msgspec
-
-from lmcache_tiers.hookspecs import hookimpl
-from lmcache_tiers.registry import KindRegistry
+from lmcache_tiers.plugin import ComponentConfig, KindRegistry, hookimpl
 
 
-class DefaultPrefetchConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class DefaultPrefetchConfig(ComponentConfig):
     """Load each hit from the lowest-index adapter holding it; free it from L1 after its last read."""
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lmcache_plugin_prefetch_default import DefaultPrefetchConfig
-from lmcache_tiers.policies import LowestIndexPrefetchPolicy
+from lmcache_tiers.plugin import LowestIndexPrefetchPolicy
 
 
 class DefaultPrefetchPolicy(LowestIndexPrefetchPolicy):

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import msgspec
-
-from lmcache_tiers.hookspecs import hookimpl
-from lmcache_tiers.registry import KindRegistry
+from lmcache_tiers.plugin import ComponentConfig, KindRegistry, hookimpl
 
 
-class RetainPrefetchConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class RetainPrefetchConfig(ComponentConfig):
     """Load each hit from the lowest-index adapter holding it; keep it in L1 for later hits."""
 
 

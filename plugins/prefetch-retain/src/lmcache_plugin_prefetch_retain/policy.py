@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lmcache_plugin_prefetch_retain import RetainPrefetchConfig
-from lmcache_tiers.policies import LowestIndexPrefetchPolicy
+from lmcache_tiers.plugin import LowestIndexPrefetchPolicy
 
 
 class RetainPrefetchPolicy(LowestIndexPrefetchPolicy):

@@ -7,14 +7,12 @@ from typing import Annotated
 
 import msgspec
 
-from lmcache_tiers.config import ComponentConfig
-from lmcache_tiers.hookspecs import hookimpl
-from lmcache_tiers.registry import KindRegistry
+from lmcache_tiers.plugin import ComponentConfig, KindRegistry, hookimpl
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class AesGcmConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class AesGcmConfig(ComponentConfig):
     """AES-256-GCM per object: a fresh random 96-bit nonce each time, the full object key
     and the length as associated data (an object copied under another key fails to
     decrypt), so a remote store holds only ciphertext and any tampering reads as a miss.

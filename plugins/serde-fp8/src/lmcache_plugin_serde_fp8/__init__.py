@@ -6,9 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from lmcache_tiers.config import ComponentConfig
-from lmcache_tiers.hookspecs import hookimpl
-from lmcache_tiers.registry import KindRegistry
+from lmcache_tiers.plugin import ComponentConfig, KindRegistry, hookimpl
 
 # The manifest imports only core's light modules; torch is imported by the codec module,
 # only when an adapter is configured with this serde.
@@ -17,7 +15,7 @@ from lmcache_tiers.registry import KindRegistry
 _REFERENCE_DTYPES = {"float8_e4m3fn": "e4m3fn", "float8_e5m2": "e5m2"}
 
 
-class Fp8Config(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class Fp8Config(ComponentConfig):
     """Quantize each floating-point tensor to fp8 with a scale and dequantize it to its
     original dtype on load: half the bytes of bf16, a quarter of float32.
 

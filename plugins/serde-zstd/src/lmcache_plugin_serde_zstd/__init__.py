@@ -6,15 +6,13 @@ from typing import Annotated
 
 import msgspec
 
-from lmcache_tiers.config import ComponentConfig
-from lmcache_tiers.hookspecs import hookimpl
-from lmcache_tiers.registry import KindRegistry
+from lmcache_tiers.plugin import ComponentConfig, KindRegistry, hookimpl
 
 # The manifest imports only core's light modules (lmcache_tiers.plugin pulls in numpy),
 # so listing plugins stays cheap; the codec module imports zstandard and numpy.
 
 
-class ZstdConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class ZstdConfig(ComponentConfig):
     """Lossless Zstandard compression of each object, optionally after a byte shuffle.
 
     The shuffle groups byte i of every element together (all high bytes of a bf16 tensor,

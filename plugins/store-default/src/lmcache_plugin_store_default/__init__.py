@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import msgspec
-
-from lmcache_tiers.hookspecs import hookimpl
-from lmcache_tiers.registry import KindRegistry
+from lmcache_tiers.plugin import ComponentConfig, KindRegistry, hookimpl
 
 
-class DefaultStoreConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class DefaultStoreConfig(ComponentConfig):
     """Store every written object in every L2 adapter; never delete it from L1."""
 
 

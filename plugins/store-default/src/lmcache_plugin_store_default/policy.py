@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lmcache_plugin_store_default import DefaultStoreConfig
-from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.policies import AdapterInfo
+from lmcache_tiers.plugin import AdapterInfo, ObjectKey
 
 
 class DefaultStorePolicy:

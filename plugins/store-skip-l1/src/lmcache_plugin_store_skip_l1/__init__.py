@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import msgspec
-
-from lmcache_tiers.hookspecs import hookimpl
-from lmcache_tiers.registry import KindRegistry
+from lmcache_tiers.plugin import ComponentConfig, KindRegistry, hookimpl
 
 
-class SkipL1StoreConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class SkipL1StoreConfig(ComponentConfig):
     """Store every written object in every L2 adapter, then drop it from L1.
 
     With eviction policy ``noop`` this is the buffer-only mode: L1 holds an object only

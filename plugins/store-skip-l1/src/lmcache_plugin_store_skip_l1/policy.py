@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lmcache_plugin_store_skip_l1 import SkipL1StoreConfig
-from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.policies import AdapterInfo
+from lmcache_tiers.plugin import AdapterInfo, ObjectKey
 
 
 class SkipL1StorePolicy:

@@ -1,0 +1,314 @@
+"""The fs adapter: store/load GB/s next to plain pwrite/preadv, the start-up scan rate, and
+fs next to the reference LMCache's own ``lmcache bench l2`` fs adapter.
+
+Three parts, each printing its figure next to the limit measured in the same run:
+
+* ``throughput`` -- 256 x 1 MiB and 64 x 16 MiB (``--cases``) stored and loaded through the
+  adapter's non-blocking interface (one batch) and with plain ``os.pwrite`` into one new
+  file per object / ``os.preadv`` of the same bytes from the same page-aligned buffers
+  (``O_DIRECT`` for both with ``--direct-io``).  Methods alternate round by round; each
+  figure is the median of ``--repeat`` rounds and a ratio the median of per-round ratios
+  (target >= 0.8).  Loads come from the page cache unless ``--direct-io``.
+* ``scan`` -- ``--scan-objects`` (100,000) small records created on disk, then the time
+  from building the adapter until its start-up scan has accounted them all (flat and
+  sharded), next to a bare ``os.scandir`` + one ``stat`` per file of the same tree.
+* ``reference`` -- ``lmcache bench l2`` with LMCache's fs adapter (``base_path``) from the
+  reference venv (``--reference-venv``; ``DO_NOT_TRACK=1``) and the same workload through
+  fs: ``--ref-keys`` keys of 1 MiB per round, ``--repeat`` rounds after one warm-up; GB/s
+  from the mean round duration of each (target: fs >= 1.5x).
+
+    python bench/bench_fs.py [--dir /mnt/nvme] [--parts throughput,scan,reference]
+        [--cases 256x1,64x16] [--repeat 5] [--direct-io] [--scan-objects 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+from lmcache_plugin_fs import FsConfig
+from lmcache_plugin_fs.backend import FsBackend
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import AdapterContext, L2Adapter, create_adapter
+from lmcache_tiers.l2.files import FileLayout, record_name
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+
+MIB = 1 << 20
+GB = 1e9
+HEADER = 4096
+_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def keys_for(tag: str, count: int) -> list[ObjectKey]:
+    return [ObjectKey("bench-model", 0, f"{tag}-{i}".encode().ljust(32, b"\0")[:32]) for i in range(count)]
+
+
+def open_fs(root: str, arena: memoryview, **fields: object) -> L2Adapter:
+    config = msgspec.convert({"path": root, **fields}, FsConfig)
+    facts = AdapterContext(index=0, name="0:fs", config=config, l1_buffer=arena)
+    return create_adapter(FsBackend, config, facts)
+
+
+class Arena:
+    """Page-aligned, pre-faulted buffers: one per object, filled with distinct bytes."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self.map = mmap.mmap(-1, count * size)
+        self.view = memoryview(self.map)
+        self.sources = [self.view[i * size : (i + 1) * size] for i in range(count)]
+        for index, source in enumerate(self.sources):
+            source[:] = os.urandom(64) * (size // 64) if index == 0 else self.sources[0]
+            source[:8] = index.to_bytes(8, "big")
+
+
+# -- throughput ---------------------------------------------------------------------------
+
+
+def raw_store(directory: str, sources: list[memoryview], direct: bool) -> float:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_DIRECT if direct else 0)
+    start = time.perf_counter()
+    for index, source in enumerate(sources):
+        fd = os.open(os.path.join(directory, f"raw-{index}.bin"), flags, 0o644)
+        os.pwrite(fd, source, 0)
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def raw_load(directory: str, targets: list[memoryview], direct: bool) -> float:
+    flags = os.O_RDONLY | (_DIRECT if direct else 0)
+    start = time.perf_counter()
+    for index, target in enumerate(targets):
+        fd = os.open(os.path.join(directory, f"raw-{index}.bin"), flags)
+        os.preadv(fd, [target], 0)
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def adapter_round(
+    client: BlockingAdapterClient, keys: list[ObjectKey], buffers: list[memoryview], store: bool
+) -> float:
+    start = time.perf_counter()
+    results = client.store(keys, buffers) if store else client.load(keys, buffers)
+    elapsed = time.perf_counter() - start
+    if results != [True] * len(keys):
+        raise SystemExit(f"{'store' if store else 'load'} failed for {results.count(False)} objects")
+    return elapsed
+
+
+def throughput(root: str, case: str, repeat: int, direct: bool) -> None:
+    count, size_mib = (int(part) for part in case.split("x"))
+    size = size_mib * MIB
+    total = count * size
+    arena = Arena(count * 2, size)
+    sources, targets = arena.sources[:count], arena.sources[count:]
+    raw_dir = os.path.join(root, f"raw-{case}")
+    fs_dir = os.path.join(root, f"fs-{case}")
+    os.makedirs(raw_dir)
+    adapter = open_fs(fs_dir, arena.view, use_odirect=direct)
+    client = BlockingAdapterClient(adapter, timeout=600)
+    keys = keys_for(case, count)
+    rows: dict[str, list[float]] = {"raw store": [], "fs store": [], "raw load": [], "fs load": []}
+    try:
+        for _round in range(repeat + 1):  # the first round warms up files, caches and threads
+            adapter.delete(keys)
+            for name in os.listdir(raw_dir):
+                os.unlink(os.path.join(raw_dir, name))
+            # Each store starts with no dirty pages (so neither pays for the other's
+            # writeback), and the order alternates by round.
+            timings: dict[str, float] = {}
+            order = ["raw", "fs"] if _round % 2 else ["fs", "raw"]
+            for method in order:
+                os.sync()
+                timings[f"{method} store"] = (
+                    raw_store(raw_dir, sources, direct)
+                    if method == "raw"
+                    else adapter_round(client, keys, sources, store=True)
+                )
+            for method in order:
+                timings[f"{method} load"] = (
+                    raw_load(raw_dir, targets, direct)
+                    if method == "raw"
+                    else adapter_round(client, keys, targets, store=False)
+                )
+            if _round:
+                for name, seconds in timings.items():
+                    rows[name].append(total / seconds / GB)
+    finally:
+        adapter.close()
+    mode = "O_DIRECT" if direct else "page cache"
+    for op in ("store", "load"):
+        raw, ours = rows[f"raw {op}"], rows[f"fs {op}"]
+        ratio = statistics.median(o / r for o, r in zip(ours, raw, strict=True))
+        print(
+            f"{case.replace('x', ' x ')} MiB {op:5}  fs {statistics.median(ours):6.2f} GB/s   "
+            f"raw {'pwrite' if op == 'store' else 'preadv'} {statistics.median(raw):6.2f} GB/s   "
+            f"ratio {ratio:4.2f}  ({mode}, median of {repeat})"
+        )
+
+
+# -- scan ---------------------------------------------------------------------------------
+
+
+def make_records(root: str, count: int, sharded: bool) -> None:
+    """``count`` record files named for their keys, 4 KiB header + 16 bytes each (sparse)."""
+    layout = FileLayout(root, shard_dirs=sharded)
+    made: set[str] = set()
+    for key in keys_for("scan", count):
+        directory = layout.directory_for(key)
+        if directory not in made:
+            os.makedirs(directory, exist_ok=True)
+            made.add(directory)
+        fd = os.open(os.path.join(directory, record_name(key)), os.O_WRONLY | os.O_CREAT, 0o644)
+        os.ftruncate(fd, HEADER + 16)
+        os.close(fd)
+
+
+def bare_listing(root: str) -> tuple[int, float]:
+    start = time.perf_counter()
+    count = 0
+    pending = [root]
+    while pending:
+        with os.scandir(pending.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
+                else:
+                    entry.stat(follow_symlinks=False)
+                    count += 1
+    return count, time.perf_counter() - start
+
+
+def scan(root: str, count: int) -> None:
+    for sharded in (False, True):
+        directory = os.path.join(root, f"scan-{'sharded' if sharded else 'flat'}")
+        make_records(directory, count, sharded)
+        os.system("sync")
+        listed, bare = bare_listing(directory)
+        block = mmap.mmap(-1, MIB)
+        start = time.perf_counter()
+        adapter = open_fs(directory, memoryview(block), max_capacity_gb=1024, shard_dirs=sharded)
+        while adapter.stats().get("scan_running", 0):
+            time.sleep(0.001)
+        elapsed = time.perf_counter() - start
+        scanned = adapter.stats()["scan_keys"]
+        adapter.close()
+        if scanned != count or listed != count:
+            raise SystemExit(f"scan accounted {scanned}, listing saw {listed}, of {count}")
+        print(
+            f"scan {count:,} objects {'sharded' if sharded else 'flat   '}  "
+            f"fs {count / elapsed:9,.0f} objects/s   bare scandir+stat {count / bare:9,.0f} objects/s   "
+            f"ratio {bare / elapsed:4.2f}   (goal >= 50,000/s)"
+        )
+
+
+# -- the reference ---------------------------------------------------------------------------
+
+
+def _reference_figures(output: str, op: str) -> float:
+    section = output.split(f" {op} ")[1] if f" {op} " in output else ""
+    found = re.search(r"Duration avg \(ms\):\s+([0-9.]+)", section)
+    if found is None:
+        raise SystemExit(f"cannot read the reference's {op} duration:\n{output[-2000:]}")
+    return float(found.group(1)) / 1000
+
+
+def reference(root: str, venv: Path, keys: int, repeat: int) -> None:
+    cli = venv / "bin" / "lmcache"
+    if not cli.exists():
+        print(f"reference: skipped, {cli} is not installed")
+        return
+    ref_dir = os.path.join(root, "reference")
+    os.makedirs(ref_dir)
+    env = {**os.environ, "DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false"}
+    spec = msgspec.json.encode({"type": "fs", "base_path": ref_dir}).decode()
+    command = [
+        str(cli),
+        "bench",
+        "l2",
+        "--l2-adapter",
+        spec,
+        "--num-keys",
+        str(keys),
+        "--data-size-kb",
+        "1024",
+    ]
+    command += ["--rounds", str(repeat), "--warmup-rounds", "1", "--l1-align-bytes", "4096"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+    if result.returncode != 0:
+        raise SystemExit(f"lmcache bench l2 failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+    ref_store = _reference_figures(result.stdout, "Store")
+    ref_load = _reference_figures(result.stdout, "Load")
+
+    arena = Arena(keys, MIB)
+    adapter = open_fs(os.path.join(root, "versus"), arena.view)
+    client = BlockingAdapterClient(adapter, timeout=600)
+    stores: list[float] = []
+    loads: list[float] = []
+    try:
+        for round_index in range(repeat + 1):
+            round_keys = keys_for(f"round{round_index}", keys)
+            store_s = adapter_round(client, round_keys, arena.sources, store=True)
+            load_s = adapter_round(client, round_keys, arena.sources, store=False)
+            if round_index:
+                stores.append(store_s)
+                loads.append(load_s)
+    finally:
+        adapter.close()
+    total = keys * MIB
+    for op, ours, theirs in (
+        ("store", statistics.mean(stores), ref_store),
+        ("load", statistics.mean(loads), ref_load),
+    ):
+        print(
+            f"vs reference, {keys} x 1 MiB {op:5}  fs {total / ours / GB:6.2f} GB/s   "
+            f"lmcache 0.5.6 fs {total / theirs / GB:6.2f} GB/s   "
+            f"ratio {theirs / ours:4.2f}x   (target >= 1.5x)"
+        )
+
+
+def _each_case(root: str, args: argparse.Namespace) -> None:
+    for case in args.cases.split(","):
+        throughput(root, case, args.repeat, args.direct_io)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dir", default=None, help="filesystem to measure (default: the temp directory)")
+    parser.add_argument("--parts", default="throughput,scan,reference")
+    parser.add_argument("--cases", default="256x1,64x16")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--direct-io", action="store_true")
+    parser.add_argument("--scan-objects", type=int, default=100_000)
+    parser.add_argument("--ref-keys", type=int, default=64)
+    parser.add_argument("--reference-venv", type=Path, default=Path("/work/ref/.venv-lmcache"))
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="bench-fs-", dir=args.dir)
+    parts: dict[str, Callable[[], None]] = {
+        "throughput": lambda: (
+            [throughput(root, case, args.repeat, args.direct_io) for case in args.cases.split(",")] and None
+        ),
+        "scan": lambda: scan(root, args.scan_objects),
+        "reference": lambda: reference(root, args.reference_venv, args.ref_keys, args.repeat),
+    }
+    try:
+        for part in args.parts.split(","):
+            parts[part]()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

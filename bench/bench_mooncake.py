@@ -1,0 +1,294 @@
+"""Store and load through the ``mooncake_store`` adapter next to Mooncake's own client.
+
+A master and a segment host (``mooncake_client`` lending memory to the pool) run on
+loopback; the adapter and a plain ``MooncakeDistributedStore`` both join the pool lending
+none, so every object lands in the segment host for both.  The same bytes, from the same
+pre-faulted buffers, are moved by:
+
+* ``direct`` -- the Mooncake client itself: ``batch_put_from`` / ``batch_get_into`` of the
+  whole batch from and into registered memory (its zero-copy path), and ``put_from`` /
+  ``get_into`` of one object for the latencies;
+* ``adapter`` -- the adapter through the non-blocking interface the controllers use (one
+  submitted batch; one key per task for the latencies): record header and checksum,
+  the existence check before a put, a verified scatter read (header and payload).
+
+Throughput is one batch of ``--objects`` x ``--size`` (default 256 x 1 MiB); latency is
+per object, ``--objects`` single-object calls, p50 and p99.  Methods run interleaved,
+round by round; every figure is the median of ``--repeat`` rounds and the ratio is the
+median of per-round ratios adapter/direct (throughput) or direct/adapter (latency), so
+higher is better and the target is >= 0.8.
+
+    python bench/bench_mooncake.py [--objects 256] [--size-mib 1] [--repeat 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+
+from lmcache_plugin_mooncake import MooncakeStoreConfig
+from lmcache_plugin_mooncake.backend import MooncakeStoreBackend
+from lmcache_plugin_mooncake.cluster import LocalCluster, unavailable_reason
+from lmcache_plugin_mooncake.headers import address_of
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import AdapterContext, L2Adapter, create_adapter
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+
+MIB = 1 << 20
+GB = 1e9
+
+
+def region(size: int) -> memoryview:
+    memory = mmap.mmap(-1, size)
+    view = memoryview(memory)
+    view[:] = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    return view
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Direct:
+    """Mooncake's own client on the same bytes."""
+
+    def __init__(self, cluster: LocalCluster, src: memoryview, dst: memoryview) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        self.store = MooncakeDistributedStore()
+        code = self.store.setup(
+            "127.0.0.1", cluster.metadata_server, 0, 16 * MIB, "tcp", "", cluster.master_server_address
+        )
+        assert code == 0, f"direct client set-up returned {code}"
+        for view in (src, dst):
+            assert self.store.register_buffer(address_of(view), view.nbytes) == 0
+        self.src, self.dst = address_of(src), address_of(dst)
+
+    def warm_up(self, segment: int, size: int) -> None:
+        """Write the whole segment once: the segment host's pages are faulted in on their
+        first write (slow), which would otherwise land on whichever method wrote first."""
+        names = [f"warm-up-{i}" for i in range(int(segment * 0.85) // size)]
+        for start in range(0, len(names), 64):
+            part = names[start : start + 64]
+            self.store.batch_put_from(part, [self.src] * len(part), [size] * len(part))
+        self.remove(names)
+
+    def put_batch(self, names: list[str], size: int) -> None:
+        codes = self.store.batch_put_from(
+            names, [self.src + i * size for i in range(len(names))], [size] * len(names)
+        )
+        assert set(codes) == {0}, set(codes)
+
+    def get_batch(self, names: list[str], size: int) -> None:
+        codes = self.store.batch_get_into(
+            names, [self.dst + i * size for i in range(len(names))], [size] * len(names)
+        )
+        assert set(codes) == {size}, set(codes)
+
+    def put_one(self, name: str, index: int, size: int) -> None:
+        assert self.store.put_from(name, self.src + index * size, size) == 0
+
+    def get_one(self, name: str, index: int, size: int) -> None:
+        assert self.store.get_into(name, self.dst + index * size, size) == size
+
+    def remove(self, names: list[str]) -> None:
+        self.store.batch_remove(names, True)
+
+
+class Through:
+    """The adapter, through the non-blocking interface."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        settings = cluster.adapter(key_prefix=f"bench-{uuid.uuid4().hex[:8]}/")
+        settings.pop("type")
+        config = MooncakeStoreConfig(**settings)
+        self.adapter: L2Adapter = create_adapter(
+            MooncakeStoreBackend, config, AdapterContext(index=0, name="0:mooncake_store", config=config)
+        )
+        self.client = BlockingAdapterClient(self.adapter, timeout=120)
+
+    def store(self, keys: list[ObjectKey], views: list[memoryview]) -> None:
+        assert self.client.store(keys, views) == [True] * len(keys)
+
+    def load(self, keys: list[ObjectKey], views: list[memoryview]) -> None:
+        found = self.client.lookup_and_lock(keys)
+        assert found.found == [True] * len(keys)
+        assert self.client.load(keys, views) == [True] * len(keys)
+        self.adapter.unlock(keys)
+
+    def load_only(self, keys: list[ObjectKey], views: list[memoryview]) -> None:
+        assert self.client.load(keys, views) == [True] * len(keys)
+
+
+def timed(action: Callable[..., None], *args: Any) -> float:
+    started = time.perf_counter()
+    action(*args)
+    return time.perf_counter() - started
+
+
+def batch_round(
+    tag: str, direct: Direct, through: Through, src: memoryview, dst: memoryview, size: int, count: int
+) -> dict[str, float]:
+    """One batch of ``count`` objects stored and loaded by each method."""
+    names = [f"direct-{tag}-{i}" for i in range(count)]
+    keys = [ObjectKey("bench", 0, f"{tag}-{i}".encode().ljust(16, b"."), 0) for i in range(count)]
+    src_views = [src[i * size : (i + 1) * size] for i in range(count)]
+    dst_views = [dst[i * size : (i + 1) * size] for i in range(count)]
+    # Who goes first alternates from round to round, so that neither always runs on a
+    # pool the other just warmed or fragmented.
+    figures: dict[str, float] = {}
+    order = ("direct", "adapter") if int(tag[1:]) % 2 == 0 else ("adapter", "direct")
+    for op in ("store", "load"):
+        for who in order:
+            if who == "direct":
+                action = direct.put_batch if op == "store" else direct.get_batch
+                figures[f"direct_{op}_s"] = timed(action, names, size)
+            else:
+                figures[f"adapter_{op}_s"] = timed(
+                    through.store if op == "store" else through.load,
+                    keys,
+                    src_views if op == "store" else dst_views,
+                )
+    assert dst.tobytes() == src.tobytes(), "the adapter loaded other bytes than it stored"
+    direct.remove(names)
+    through.adapter.delete(keys)
+    return figures
+
+
+def latency_round(
+    tag: str, direct: Direct, through: Through, src: memoryview, dst: memoryview, size: int, count: int
+) -> dict[str, float]:
+    """``count`` single-object stores, then loads, by each method: p50 and p99 in ms."""
+    names = [f"direct-{tag}-single-{i}" for i in range(count)]
+    keys = [ObjectKey("bench", 0, f"{tag}-s-{i}".encode().ljust(16, b"."), 0) for i in range(count)]
+    samples: dict[str, list[float]] = {
+        "direct_store": [],
+        "adapter_store": [],
+        "direct_load": [],
+        "adapter_load": [],
+    }
+    for i in range(count):
+        source = src[i * size : (i + 1) * size]
+        samples["direct_store"].append(timed(direct.put_one, names[i], i, size))
+        samples["adapter_store"].append(timed(through.store, [keys[i]], [source]))
+    through.client.lookup_and_lock(keys)
+    for i in range(count):
+        target = dst[i * size : (i + 1) * size]
+        samples["direct_load"].append(timed(direct.get_one, names[i], i, size))
+        samples["adapter_load"].append(timed(through.load_only, [keys[i]], [target]))
+    through.adapter.unlock(keys)
+    direct.remove(names)
+    through.adapter.delete(keys)
+    figures: dict[str, float] = {}
+    for name, values in samples.items():
+        figures[f"{name}_p50_ms"] = percentile(values, 0.50) * 1e3
+        figures[f"{name}_p99_ms"] = percentile(values, 0.99) * 1e3
+    return figures
+
+
+def one_round(
+    tag: str, direct: Direct, through: Through, src: memoryview, dst: memoryview, size: int, count: int
+) -> dict[str, float]:
+    return {
+        **batch_round(tag, direct, through, src, dst, size, count),
+        **latency_round(tag, direct, through, src, dst, size, count),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    size, count = args.size_mib * MIB, args.objects
+    loads_before = os.getloadavg()
+    src, dst = region(size * count), region(size * count)
+    dst[:] = bytes(dst.nbytes)
+    with tempfile.TemporaryDirectory(prefix="bench-mooncake-") as logs:
+        cluster = LocalCluster(Path(logs)).start()
+        try:
+            segment = 2 * size * count + 256 * MIB
+            cluster.add_segment_host(f"{segment // MIB}MB")
+            direct = Direct(cluster, src, dst)
+            direct.warm_up(segment, size)
+            through = Through(cluster)
+            rounds = [
+                one_round(f"r{number}", direct, through, src, dst, size, count)
+                for number in range(args.repeat)
+            ]
+            through.adapter.close()
+            direct.store.close()
+        finally:
+            cluster.stop()
+    total = size * count
+    result: dict[str, Any] = {
+        "objects": count,
+        "size_bytes": size,
+        "repeat": args.repeat,
+        "load_average": [round(x, 2) for x in (loads_before[0], os.getloadavg()[0])],
+        "cpus": os.cpu_count(),
+    }
+    for op in ("store", "load"):
+        result[f"direct_{op}_gbps"] = statistics.median(total / r[f"direct_{op}_s"] / GB for r in rounds)
+        result[f"adapter_{op}_gbps"] = statistics.median(total / r[f"adapter_{op}_s"] / GB for r in rounds)
+        result[f"{op}_gbps_ratio"] = statistics.median(
+            r[f"direct_{op}_s"] / r[f"adapter_{op}_s"] for r in rounds
+        )
+        for q in ("p50", "p99"):
+            for who in ("direct", "adapter"):
+                result[f"{who}_{op}_{q}_ms"] = statistics.median(r[f"{who}_{op}_{q}_ms"] for r in rounds)
+            result[f"{op}_{q}_ratio"] = statistics.median(
+                r[f"direct_{op}_{q}_ms"] / r[f"adapter_{op}_{q}_ms"] for r in rounds
+            )
+    return result
+
+
+def report(result: dict[str, Any]) -> None:
+    print(
+        f"mooncake_store vs Mooncake's client: {result['objects']} x {result['size_bytes'] // MIB} MiB, "
+        f"median of {result['repeat']} rounds (ratio: adapter as a fraction of direct, target >= 0.8)"
+    )
+    before, after = result["load_average"]
+    print(f"(1-minute load average {before} at start, {after} at the end, on {result['cpus']} CPUs)")
+    print(f"{'':<22}{'direct':>12}{'adapter':>12}{'ratio':>8}")
+    for op in ("store", "load"):
+        print(
+            f"{op + ' GB/s':<22}{result[f'direct_{op}_gbps']:>12.2f}{result[f'adapter_{op}_gbps']:>12.2f}"
+            f"{result[f'{op}_gbps_ratio']:>8.2f}"
+        )
+        for q in ("p50", "p99"):
+            print(
+                f"{op + ' ' + q + ' ms/object':<22}{result[f'direct_{op}_{q}_ms']:>12.3f}"
+                f"{result[f'adapter_{op}_{q}_ms']:>12.3f}{result[f'{op}_{q}_ratio']:>8.2f}"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--objects", type=int, default=256)
+    parser.add_argument("--size-mib", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = parser.parse_args()
+    reason = unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"Mooncake is not usable here: {reason}")
+    result = run(args)
+    print(json.dumps(result, indent=2)) if args.json else report(result)
+
+
+if __name__ == "__main__":
+    main()

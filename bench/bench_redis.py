@@ -1,0 +1,218 @@
+"""Store and load through the redis adapter next to redis-py's own put/get of the same bytes.
+
+A real ``redis-server`` (no persistence) is started on loopback.  For ``--objects`` x
+``--size-mib`` (default 256 x 1 MiB) the same bytes, from one pre-faulted arena standing
+in for L1, are written and read back by:
+
+* ``redis-py``  -- the client library used directly, as its documentation shows: pipelined
+  ``SET key value`` / ``GET key`` of the same bytes per round trip as the adapter sends
+  (its ``pipeline_max_bytes``, 8 MiB), each reply copied into the arena (where an engine
+  needs the bytes);
+* ``adapter``   -- the ``redis`` adapter through the non-blocking interface the
+  controllers use (core's task board, pins, accounting and circuit breaker included),
+  batches of ``--batch`` keys: records with a checksum written, every load verified.
+
+Per-object latency is measured with batches of one, for both.  Rounds interleave the two
+methods; every figure is the median of ``--repeat`` rounds, printed with its ratio to
+redis-py's (the target is >= 0.8; the ratio is the median of per-round ratios, which
+cancels most of a shared machine's drift).
+
+    python bench/bench_redis.py [--objects 256] [--size-mib 1] [--batch 32] [--repeat 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import redis
+from lmcache_plugin_redis import RedisConfig
+from lmcache_plugin_redis.testing import RedisServer, missing_reason
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import AdapterContext, L2Adapter, create_adapter
+from lmcache_tiers.plugins import load_registry
+from lmcache_tiers.registry import Kind
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+
+
+def arena(size: int) -> memoryview:
+    """A pre-faulted buffer (first touches of fresh memory are slow here)."""
+    array = np.ones(size, dtype=np.uint8)
+    return memoryview(array).cast("B")
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+class Direct:
+    """redis-py used directly: SET and GET of whole values in pipelines."""
+
+    def __init__(self, url: str, views: list[memoryview], targets: list[memoryview], batch: int) -> None:
+        self.client = redis.Redis.from_url(url)
+        self.names = [f"direct:{index}" for index in range(len(views))]
+        self.views, self.targets, self.batch = views, targets, batch
+
+    def _trips(self, indices: range) -> list[range]:
+        return [indices[i : i + self.batch] for i in range(0, len(indices), self.batch)]
+
+    def store(self, indices: range) -> None:
+        for trip in self._trips(indices):
+            pipe = self.client.pipeline(transaction=False)
+            for index in trip:
+                pipe.set(self.names[index], self.views[index])
+            pipe.execute()
+
+    def load(self, indices: range) -> None:
+        for trip in self._trips(indices):
+            pipe = self.client.pipeline(transaction=False)
+            for index in trip:
+                pipe.get(self.names[index])
+            for index, value in zip(trip, pipe.execute(), strict=True):
+                self.targets[index][:] = value
+
+    def clear(self) -> None:
+        self.client.delete(*self.names)
+
+
+class ThroughAdapter:
+    """The redis adapter, driven as the store and prefetch controllers drive it."""
+
+    def __init__(self, adapter: L2Adapter, views: list[memoryview], targets: list[memoryview]) -> None:
+        self.adapter = adapter
+        self.client = BlockingAdapterClient(adapter, timeout=120)
+        self.keys = [ObjectKey("bench", 0, index.to_bytes(8, "big")) for index in range(len(views))]
+        self.views, self.targets = views, targets
+
+    def store(self, indices: range) -> None:
+        ok = self.client.store([self.keys[i] for i in indices], [self.views[i] for i in indices])
+        assert all(ok), "a store failed"
+
+    def load(self, indices: range) -> None:
+        keys = [self.keys[i] for i in indices]
+        found = self.client.lookup_and_lock(keys)
+        assert all(found.found), "a lookup missed"
+        ok = self.client.load(keys, [self.targets[i] for i in indices])
+        self.adapter.unlock(keys)
+        assert all(ok), "a load failed"
+
+    def clear(self) -> None:
+        self.adapter.delete(self.keys)
+
+
+def timed(step: Callable[[range], None], count: int, batch: int) -> float:
+    started = time.perf_counter()
+    for start in range(0, count, batch):
+        step(range(start, min(count, start + batch)))
+    return time.perf_counter() - started
+
+
+def latencies(step: Callable[[range], None], count: int) -> list[float]:
+    out = []
+    for index in range(count):
+        started = time.perf_counter()
+        step(range(index, index + 1))
+        out.append(time.perf_counter() - started)
+    return out
+
+
+def run(objects: int, size: int, batch: int, repeat: int) -> dict[str, dict[str, float]]:
+    source, dest = arena(objects * size), arena(objects * size)
+    source[:] = np.random.default_rng(1).integers(0, 256, objects * size, dtype=np.uint8).tobytes()
+    views = [source[i * size : (i + 1) * size] for i in range(objects)]
+    targets = [dest[i * size : (i + 1) * size] for i in range(objects)]
+    with tempfile.TemporaryDirectory(prefix="bench-redis-") as directory:
+        server = RedisServer(Path(directory)).start()
+        try:
+            config = RedisConfig(url=server.url, key_prefix=f"bench-{uuid.uuid4().hex[:6]}:")
+            registry = load_registry()
+            adapter = create_adapter(
+                registry.get(Kind.L2_ADAPTER, "redis").load(),
+                config,
+                AdapterContext(index=0, name="0:redis", config=config, l1_buffer=source),
+                registry=registry,
+                type_name="redis",
+            )
+            methods = {
+                "redis-py": Direct(server.url, views, targets, batch),
+                "adapter": ThroughAdapter(adapter, views, targets),
+            }
+            rounds: dict[str, dict[str, list[float]]] = {
+                name: {"store": [], "load": [], "store_lat": [], "load_lat": []} for name in methods
+            }
+            for _ in range(repeat):
+                for name, method in methods.items():
+                    rounds[name]["store"].append(objects * size / timed(method.store, objects, batch) / 1e9)
+                    np.frombuffer(dest, dtype=np.uint8)[:] = 0  # a load must write every byte
+                    rounds[name]["load"].append(objects * size / timed(method.load, objects, batch) / 1e9)
+                    assert bytes(dest) == bytes(source), f"{name} loaded other bytes"
+                    rounds[name]["store_lat"].extend(latencies(method.store, objects))
+                    rounds[name]["load_lat"].extend(latencies(method.load, objects))
+                    method.clear()
+            adapter.close()
+        finally:
+            server.stop()
+    results: dict[str, dict[str, float]] = {}
+    for name, data in rounds.items():
+        results[name] = {
+            "store_gbps": statistics.median(data["store"]),
+            "load_gbps": statistics.median(data["load"]),
+            "store_p50_ms": percentile(data["store_lat"], 0.5) * 1e3,
+            "store_p99_ms": percentile(data["store_lat"], 0.99) * 1e3,
+            "load_p50_ms": percentile(data["load_lat"], 0.5) * 1e3,
+            "load_p99_ms": percentile(data["load_lat"], 0.99) * 1e3,
+        }
+    for kind in ("store", "load"):
+        ratios = [a / d for a, d in zip(rounds["adapter"][kind], rounds["redis-py"][kind], strict=True)]
+        results["adapter"][f"{kind}_ratio"] = statistics.median(ratios)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--objects", type=int, default=256)
+    parser.add_argument("--size-mib", type=float, default=1.0)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    reason = missing_reason()
+    if reason is not None:
+        raise SystemExit(f"cannot run: {reason}")
+    size = int(args.size_mib * (1 << 20))
+    results = run(args.objects, size, args.batch, args.repeat)
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    heading = (
+        f"{args.objects} x {args.size_mib:g} MiB, batches of {args.batch}, median of {args.repeat} rounds"
+    )
+    print(heading)
+    print(
+        f"{'method':<10} {'store GB/s':>10} {'load GB/s':>10} "
+        f"{'store p50/p99 ms':>18} {'load p50/p99 ms':>18}"
+    )
+    for name, row in results.items():
+        print(
+            f"{name:<10} {row['store_gbps']:>10.2f} {row['load_gbps']:>10.2f} "
+            f"{row['store_p50_ms']:>8.2f}/{row['store_p99_ms']:<8.2f} "
+            f"{row['load_p50_ms']:>8.2f}/{row['load_p99_ms']:<8.2f}"
+        )
+    adapter = results["adapter"]
+    print(
+        f"adapter / redis-py: store {adapter['store_ratio']:.2f}x, load {adapter['load_ratio']:.2f}x "
+        "(target >= 0.8x)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,365 @@
+"""Store and load through the ``s3`` adapter next to s3fs doing direct put/get of the same bytes.
+
+One S3 server (SeaweedFS ``weed mini`` on loopback, started here unless ``--endpoint`` is
+given), one case (default 256 x 1 MiB), two methods run interleaved, round by round:
+
+* ``s3fs direct`` -- the store's own client: ``_pipe_file`` / ``_cat_file`` of each object,
+  all in flight at once (at most ``--inflight``), built with the adapter's client settings
+  (same timeouts, connection pool and checksum options) so the difference is the adapter;
+* ``s3 adapter``  -- one batch through the adapter's non-blocking interface, as the
+  store and prefetch controllers submit it: records with a header and a checksum, the
+  checksum verified on load, the payload copied into the L1 buffer.
+
+Throughput: GB/s of payload for the whole batch, median of ``--repeat`` rounds, with the
+adapter's ratio to the direct client (target >= 0.8; a ratio is the median of per-round
+ratios, which cancels most of a shared machine's drift).  Latency: one object at a time,
+``--latency-objects`` of them, p50 / p99 in ms for put/store and get/load; the adapter's
+lookup (a ranged GET of the header) is shown next to a direct HEAD.
+The server shares the machine's cores with the client, so on a small machine the figures
+are the server's as much as the client's -- which is why both run against the same one.
+
+    python bench/bench_s3.py [--cases 256x1] [--repeat 3] [--inflight 32] [--json]
+        [--endpoint URL --bucket NAME]   (credentials from the AWS environment)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any, TypeVar
+
+import numpy as np
+from lmcache_plugin_s3 import S3Config
+from lmcache_plugin_s3.client import open_filesystem
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import AdapterContext, L2Adapter, create_adapter
+from lmcache_tiers.plugins import load_registry
+from lmcache_tiers.registry import Kind
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.seaweedfs import SeaweedS3
+
+MIB = 1 << 20
+GB = 1e9
+BUCKET = "tiers-bench"
+T = TypeVar("T")
+
+
+@dataclass
+class Figures:
+    method: str
+    store_gbps: float
+    load_gbps: float
+    store_ms: tuple[float, float]  # p50, p99
+    load_ms: tuple[float, float]
+    lookup_ms: tuple[float, float]
+    store_ratio: float | None = None
+    load_ratio: float | None = None
+    runs: dict[str, list[float]] = field(default_factory=dict)
+
+
+class Loop:
+    """An event loop on a thread of its own, for the direct client (the adapter has its own)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+
+class Direct:
+    """s3fs on its own, with the adapter's client settings."""
+
+    def __init__(self, config: S3Config, loop: Loop, inflight: int) -> None:
+        self.loop = loop
+        self.config = config
+        self.fs = loop.run(self._open())
+        self.slots = asyncio.Semaphore(inflight)
+
+    async def _open(self) -> Any:
+        fs = open_filesystem(self.config)
+        # One GET per object: with more, _cat_file asks for the size first (a HEAD).
+        fs.max_concurrency = 1
+        await fs.set_session()
+        return fs
+
+    def path(self, name: str) -> str:
+        return f"{self.config.bucket}/{self.config.prefix}/direct-{name}"
+
+    async def _bounded(self, make: Callable[[], Awaitable[T]]) -> T:
+        async with self.slots:
+            return await make()
+
+    def put_all(self, names: list[str], sources: list[memoryview]) -> None:
+        async def run() -> None:
+            await asyncio.gather(
+                *(
+                    self._bounded(lambda n=n, s=s: self.fs._pipe_file(self.path(n), bytes(s)))
+                    for n, s in zip(names, sources, strict=True)
+                )
+            )
+
+        self.loop.run(run())
+
+    def get_all(self, names: list[str], targets: list[memoryview]) -> None:
+        async def one(name: str, target: memoryview) -> None:
+            data = await self.fs._cat_file(self.path(name))
+            target[:] = data
+
+        async def run() -> None:
+            await asyncio.gather(
+                *(self._bounded(lambda n=n, t=t: one(n, t)) for n, t in zip(names, targets, strict=True))
+            )
+
+        self.loop.run(run())
+
+    def head(self, name: str) -> None:
+        self.loop.run(self.fs._info(self.path(name)))
+
+    def delete_all(self, names: list[str]) -> None:
+        self.loop.run(self.fs._rm([self.path(name) for name in names]))
+
+    def close(self) -> None:
+        async def close() -> None:
+            await self.fs._s3creator.__aexit__(None, None, None)
+
+        self.loop.run(close())
+
+
+class Arena:
+    """Source and target objects in one pre-faulted arena (like L1)."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self.memory = np.empty(2 * count * size, dtype=np.uint8)
+        self.memory[: count * size] = np.random.default_rng(0).integers(0, 256, count * size, dtype=np.uint8)
+        self.memory[count * size :] = 0
+        view = memoryview(self.memory).cast("B")
+        self.view = view
+        self.sources = [view[i * size : (i + 1) * size] for i in range(count)]
+        self.targets = [view[(count + i) * size : (count + i + 1) * size] for i in range(count)]
+
+    def clear_targets(self) -> None:
+        self.memory[len(self.memory) // 2 :] = 0
+
+    def verify(self) -> None:
+        if any(source != target for source, target in zip(self.sources, self.targets, strict=True)):
+            raise SystemExit("loaded bytes differ from the stored bytes")
+
+
+def timed(action: Callable[..., object], *args: Any) -> float:
+    start = time.perf_counter()
+    action(*args)
+    return time.perf_counter() - start
+
+
+def checked(what: str, call: Callable[..., list[bool]], *args: Any) -> None:
+    results = call(*args)
+    if not all(results):
+        raise SystemExit(f"adapter {what} failed for {results.count(False)} of {len(results)} objects")
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    return (
+        1e3 * ordered[len(ordered) // 2],
+        1e3 * ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
+    )
+
+
+def open_adapter(config: S3Config, arena: Arena) -> L2Adapter:
+    registry = load_registry()
+    factory = registry.get(Kind.L2_ADAPTER, "s3").load()
+    context = AdapterContext(index=0, name="0:s3", config=config, l1_buffer=arena.view)
+    return create_adapter(factory, config, context, registry=registry, type_name="s3")
+
+
+def keys_for(tag: str, count: int) -> list[ObjectKey]:
+    return [ObjectKey("bench-model", 0, f"{tag}/{i}".encode().ljust(32, b".")[:32]) for i in range(count)]
+
+
+def run_case(count: int, size: int, args: argparse.Namespace, config: S3Config) -> list[Figures]:
+    arena = Arena(count, size)
+    loop = Loop()
+    direct = Direct(config, loop, args.inflight)
+    adapter = open_adapter(config, arena)
+    client = BlockingAdapterClient(adapter, timeout=600)
+    total = count * size
+    runs: dict[str, dict[str, list[float]]] = {"s3fs direct": {}, "s3 adapter": {}}
+    try:
+        for round_index in range(args.repeat):
+            names = [f"r{round_index}-{i}" for i in range(count)]
+            keys = keys_for(f"r{round_index}", count)
+
+            phases = {
+                "s3fs direct": {
+                    "store": partial(direct.put_all, names, arena.sources),
+                    "load": partial(direct.get_all, names, arena.targets),
+                },
+                "s3 adapter": {
+                    "store": partial(checked, "store", client.store, keys, arena.sources),
+                    "load": partial(checked, "load", client.load, keys, arena.targets),
+                },
+            }
+            # Who goes first alternates, so neither gains from the other's warm-up.
+            order = list(phases) if round_index % 2 == 0 else list(reversed(phases))
+            for op in ("store", "load"):
+                for method in order:
+                    arena.clear_targets()
+                    runs[method].setdefault(op, []).append(total / timed(phases[method][op]) / GB)
+                    if op == "load":
+                        arena.verify()
+            direct.delete_all(names)
+            adapter.delete(keys)
+        latency = measure_latency(direct, adapter, client, arena, args.latency_objects)
+    finally:
+        adapter.close()
+        direct.close()
+        loop.close()
+    results = [
+        Figures(
+            method,
+            statistics.median(record["store"]),
+            statistics.median(record["load"]),
+            latency[method]["store"],
+            latency[method]["load"],
+            latency[method]["lookup"],
+            runs=record,
+        )
+        for method, record in runs.items()
+    ]
+    base, mine = results
+    mine.store_ratio = statistics.median(
+        a / b for a, b in zip(mine.runs["store"], base.runs["store"], strict=True)
+    )
+    mine.load_ratio = statistics.median(
+        a / b for a, b in zip(mine.runs["load"], base.runs["load"], strict=True)
+    )
+    return results
+
+
+def measure_latency(
+    direct: Direct, adapter: L2Adapter, client: BlockingAdapterClient, arena: Arena, objects: int
+) -> dict[str, dict[str, tuple[float, float]]]:
+    """One object at a time: what a single chunk's round trip costs each way."""
+    samples: dict[str, dict[str, list[float]]] = {
+        "s3fs direct": {"store": [], "load": [], "lookup": []},
+        "s3 adapter": {"store": [], "load": [], "lookup": []},
+    }
+    count = min(objects, len(arena.sources))
+    names = [f"lat-{i}" for i in range(count)]
+    keys = keys_for("lat", count)
+    mine, theirs = samples["s3 adapter"], samples["s3fs direct"]
+    for name, key, source, target in zip(
+        names, keys, arena.sources[:count], arena.targets[:count], strict=True
+    ):
+        theirs["store"].append(timed(direct.put_all, [name], [source]))
+        mine["store"].append(timed(client.store, [key], [source]))
+        theirs["lookup"].append(timed(direct.head, name))
+        mine["lookup"].append(timed(client.lookup_and_lock, [key]))
+        theirs["load"].append(timed(direct.get_all, [name], [target]))
+        mine["load"].append(timed(client.load, [key], [target]))
+        adapter.unlock([key])
+    direct.delete_all(names)
+    adapter.delete(keys)
+    return {
+        method: {op: percentiles(values) for op, values in ops.items()} for method, ops in samples.items()
+    }
+
+
+def _row(cells: tuple[str, ...]) -> str:
+    widths = (13, 16, 16, 18, 17, 19)
+    return " ".join(
+        f"{text:<{w}}" if i == 0 else f"{text:>{w}}"
+        for i, (text, w) in enumerate(zip(cells, widths, strict=True))
+    )
+
+
+def print_table(label: str, where: str, results: list[Figures]) -> None:
+    print(f"\n{label}  ({where}, {os.cpu_count()} cores)")
+    print(
+        _row(
+            ("method", "store GB/s", "load GB/s", "store p50/p99 ms", "load p50/p99 ms", "lookup p50/p99 ms")
+        )
+    )
+    for figures in results:
+        store_ratio = f" ({figures.store_ratio:.2f}x)" if figures.store_ratio else ""
+        load_ratio = f" ({figures.load_ratio:.2f}x)" if figures.load_ratio else ""
+        latencies = (figures.store_ms, figures.load_ms, figures.lookup_ms)
+        cells = (
+            figures.method,
+            f"{figures.store_gbps:.3f}{store_ratio}",
+            f"{figures.load_gbps:.3f}{load_ratio}",
+            *(f"{p50:.2f} / {p99:.2f}" for p50, p99 in latencies),
+        )
+        print(_row(cells))
+    print("(ratios: adapter / direct, median of per-round ratios; target >= 0.8. direct lookup = HEAD,")
+    print(" adapter lookup = a ranged GET of the record header)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--cases", default="256x1", help="COUNTxMIB[,COUNTxMIB...] (default 256x1)")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds per case (default 3)")
+    parser.add_argument(
+        "--inflight", type=int, default=32, help="requests in flight, both methods (default 32)"
+    )
+    parser.add_argument(
+        "--latency-objects", type=int, default=128, help="objects timed one by one (default 128)"
+    )
+    parser.add_argument("--endpoint", help="an S3 endpoint to use instead of a local SeaweedFS")
+    parser.add_argument(
+        "--bucket", default=BUCKET, help=f"bucket (default {BUCKET}; must exist with --endpoint)"
+    )
+    parser.add_argument("--json", action="store_true", help="print results as JSON")
+    args = parser.parse_args()
+    server: SeaweedS3 | None = None
+    if args.endpoint is None:
+        server = SeaweedS3(tempfile.mkdtemp(prefix="bench-s3-"), buckets=[args.bucket])
+        server.start()
+        os.environ.update(server.env)
+        endpoint, where = server.endpoint, "SeaweedFS weed mini on loopback"
+    else:
+        endpoint, where = args.endpoint, args.endpoint
+    config = S3Config(
+        bucket=args.bucket,
+        prefix=f"bench-{uuid.uuid4().hex[:8]}",
+        endpoint_url=endpoint,
+        max_inflight=args.inflight,
+    )
+    report = []
+    try:
+        for item in args.cases.split(","):
+            count, mib = (int(part) for part in item.lower().split("x"))
+            results = run_case(count, mib * MIB, args, config)
+            label = f"{count} x {mib} MiB"
+            report.append({"case": label, "where": where, "results": [asdict(r) for r in results]})
+            if not args.json:
+                print_table(label, where, results)
+    finally:
+        if server is not None:
+            server.close()
+    if args.json:
+        print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""What a prefetch takes and gives back: L1 read locks on its prefix, L1 load
+reservations for the keys it loads, and the pins its lookups took on the adapters.
+
+Each request's record (``prefetch_requests.py``) says what it holds; :class:`PrefetchLocks`
+takes and releases those holds, keeping the record in step, so that every path through
+the controller -- success, adapter failure, policy error, shutdown -- gives all of it back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from lmcache_tiers.controllers.base import AdapterSlot, aligned_total
+from lmcache_tiers.controllers.prefetch_requests import PrefetchRequest
+from lmcache_tiers.controllers.stats import EngineStats
+from lmcache_tiers.errors import L1OutOfMemoryError
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1 import L1Manager, L1Object
+
+logger = logging.getLogger(__name__)
+
+
+class PrefetchLocks:
+    """L1 locks and adapter pins of prefetch requests; used by the controller thread, except
+    :meth:`release_read`, which front ends reach through results they give back."""
+
+    def __init__(
+        self,
+        l1: L1Manager,
+        slots: Sequence[AdapterSlot],
+        stats: EngineStats,
+        *,
+        evict: Callable[[int], int],
+        align: int,
+    ) -> None:
+        self.l1 = l1
+        self.slots = list(slots)
+        self.stats = stats
+        self._evict = evict
+        self._align = align
+
+    # -- L1 read locks -------------------------------------------------------------------
+
+    def lock_l1_prefix(self, keys: list[ObjectKey], start: int, readers: int) -> int:
+        """Read-lock the READY prefix of ``keys[start:]``; returns how many were locked."""
+        return len(self.l1.reserve_read_prefix(keys[start:] if start else keys, readers))
+
+    def release_read(self, keys: list[ObjectKey], readers: int) -> None:
+        if keys:
+            self.l1.finish_read(keys, readers)
+
+    # -- L1 load reservations ------------------------------------------------------------
+
+    def reserve_planned(self, request: PrefetchRequest, sources: list[int], *, temporary: bool) -> None:
+        """Reserve L1 objects for the planned prefix (``sources``: one adapter per key) and
+        settle ``request.reserved`` and ``request.sources``, the usable part of the plan.
+
+        A key L1 could not reserve is usable only if it is READY in L1 by now (another
+        writer beat us to it; it is read-locked like a hit); the first other key ends it.
+        """
+        keys = request.remaining
+        reserved = self._reserve(keys[: len(sources)], request.load_sizes(sources), temporary)
+        request.reserved = reserved
+        usable: list[int | None] = []
+        for key, source in zip(keys, sources, strict=False):
+            if key in reserved:
+                usable.append(source)
+            elif self.l1.reserve_read([key], request.readers):
+                usable.append(None)
+            else:
+                break
+        request.sources = usable
+        self.abort(request, [key for key in keys[len(usable) : len(sources)] if key in reserved])
+
+    def _reserve(self, keys: list[ObjectKey], sizes: list[int], temporary: bool) -> dict[ObjectKey, L1Object]:
+        """Write-lock L1 extents for ``keys``; when L1 is full, evict once, then load fewer."""
+        count = len(keys)
+        evicted = False
+        while count > 0:
+            try:
+                return self.l1.reserve_load(keys[:count], sizes[:count], temporary=temporary)
+            except L1OutOfMemoryError:
+                if not evicted:
+                    evicted = True
+                    self._evict(aligned_total(sizes[:count], self._align))
+                    continue
+                count //= 2
+        if keys:
+            self.stats.fail("prefetch_l1_full")
+        return {}
+
+    def abort(self, request: PrefetchRequest, keys: list[ObjectKey]) -> None:
+        """Free the load reservations of ``keys`` (their loads are over, or never started)."""
+        if keys:
+            self.l1.abort_load([request.reserved.pop(key) for key in keys])
+
+    def hand_off(self, request: PrefetchRequest) -> int:
+        """Turn the loaded prefix into read-locked READY objects and free everything else;
+        returns how many keys of ``request.remaining`` the prefix reaches."""
+        cut, loaded = request.loaded_prefix()
+        objects = [request.reserved[key] for key in loaded]
+        handed = self.l1.finish_load(objects, request.readers) if objects else []
+        # An object that vanished before the hand-off (TTL expiry, forced clear) ends the
+        # prefix there too.
+        if not all(handed):
+            first_lost = loaded[handed.index(False)]
+            cut = request.remaining.index(first_lost)
+        handed_keys = {key for key, ok in zip(loaded, handed, strict=True) if ok}
+        for key in request.remaining[:cut]:
+            request.reserved.pop(key, None)
+        # Past the cut: loaded-but-unusable objects are freed, L1 hits are unlocked.
+        tail = request.remaining[cut : len(request.sources)]
+        self.release_read(
+            [
+                key
+                for key, source in zip(tail, request.sources[cut:], strict=False)
+                if source is None or key in handed_keys
+            ],
+            request.readers,
+        )
+        self.abort(request, list(request.reserved))
+        return cut
+
+    # -- adapter pins --------------------------------------------------------------------
+
+    def unpin(self, request: PrefetchRequest, index: int, keys: list[ObjectKey]) -> None:
+        """Drop the pins ``request`` holds on ``keys`` at adapter ``index``."""
+        if not keys:
+            return
+        request.forget_pins(index, keys)
+        self.unpin_slot(self.slots[index], keys)
+
+    def unpin_slot(self, slot: AdapterSlot, keys: list[ObjectKey]) -> None:
+        if not keys:
+            return
+        try:
+            slot.adapter.unlock(keys)
+        except Exception as exc:
+            self.stats.fail("l2_unlock_error")
+            logger.warning("unlock of %d keys on %s failed: %s", len(keys), slot.name, exc)
+
+    # -- giving up -----------------------------------------------------------------------
+
+    def release_all(self, request: PrefetchRequest, loading: set[ObjectKey]) -> None:
+        """Release everything an abandoned request holds, except the pins and reservations
+        of ``loading`` keys, whose loads are still running (they settle when those report)."""
+        for index in list(request.pinned):
+            self.unpin(request, index, [key for key in request.pinned[index] if key not in loading])
+        self.abort(request, [key for key in request.reserved if key not in loading])
+        self.release_read(request.keys[: request.l1_hits] + request.found_in_l1(), request.readers)
+        request.l1_hits = 0

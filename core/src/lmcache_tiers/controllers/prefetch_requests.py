@@ -1,0 +1,128 @@
+"""A prefetch request's record and the planning that needs no lock, thread or adapter.
+
+The prefetch controller moves a request through its phases (``prefetch.py``); the record
+keeps what the request holds at each point -- L1 read locks on its hits, adapter pins on
+what lookups found, L1 load reservations -- so that every exit path can give it all back.
+The functions here decide which adapter each key loads from, and how far the prefix
+reaches once the loads are in.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1 import L1Loan, L1Object
+from lmcache_tiers.l2.interface import LookupResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class PrefetchRequest:
+    handle: int
+    keys: list[ObjectKey]
+    readers: int
+    l1_hits: int  # leading keys read-locked ``readers`` times
+    result_deadline: float  # the result is given back if not claimed by then
+    remaining: list[ObjectKey] = field(default_factory=list)  # keys[l1_hits:] at start
+    lookups: dict[int, int] = field(default_factory=dict)  # adapter index -> task id
+    found: dict[int, LookupResult] = field(default_factory=dict)  # adapter index -> result
+    pinned: dict[int, list[ObjectKey]] = field(default_factory=dict)  # pins not yet dropped
+    # hand-off candidates: prefix of ``remaining``; per key, the adapter index it loads
+    # from, or None for a key found READY in L1 meanwhile (read-locked like a hit)
+    sources: list[int | None] = field(default_factory=list)
+    reserved: dict[ObjectKey, L1Object] = field(default_factory=dict)  # write-locked
+    loads: dict[int, int] = field(default_factory=dict)  # adapter index -> task id
+    loaded: set[ObjectKey] = field(default_factory=set)
+
+    def forget_pins(self, index: int, keys: list[ObjectKey]) -> None:
+        """``keys``' pins on adapter ``index`` are being dropped."""
+        dropped = set(keys)
+        self.pinned[index] = [key for key in self.pinned.get(index, ()) if key not in dropped]
+
+    def load_sizes(self, sources: Sequence[int]) -> list[int]:
+        """L1 bytes of each key of the planned prefix, as its source adapter reported them."""
+        return [self.found[source].sizes[position] for position, source in enumerate(sources)]
+
+    def loads_by_adapter(self) -> dict[int, list[ObjectKey]]:
+        """The keys of the usable prefix to load, grouped by source adapter."""
+        to_load: dict[int, list[ObjectKey]] = {}
+        for key, source in zip(self.remaining, self.sources, strict=False):
+            if source is not None:
+                to_load.setdefault(source, []).append(key)
+        return to_load
+
+    def found_in_l1(self) -> list[ObjectKey]:
+        """Keys of the usable prefix found READY in L1 after the start (read-locked)."""
+        return [key for key, source in zip(self.remaining, self.sources, strict=False) if source is None]
+
+    def loaded_prefix(self) -> tuple[int, list[ObjectKey]]:
+        """How far the usable prefix reaches with the loads that succeeded (up to the first
+        key that failed), and the loaded keys within that reach."""
+        cut = 0
+        for key, source in zip(self.remaining, self.sources, strict=False):
+            if source is not None and key not in self.loaded:
+                break
+            cut += 1
+        loaded = [
+            key for key, source in zip(self.remaining[:cut], self.sources, strict=False) if source is not None
+        ]
+        return cut, loaded
+
+
+@dataclass(eq=False)
+class PrefetchLoad:
+    request: PrefetchRequest
+    keys: list[ObjectKey]
+    objects: list[L1Object]  # reserved as loads, one per key
+    loans: list[L1Loan]  # what the adapter fills, one per key; committed on success
+
+    def commit(self, results: list[bool]) -> list[bool]:
+        """Make the loaded bytes the objects' own; a commit that fails is a failed load."""
+        committed: list[bool] = []
+        for key, ok, loan in zip(self.keys, results, self.loans, strict=False):
+            if ok:
+                try:
+                    loan.commit()
+                except (KeyError, ValueError, OSError, RuntimeError) as exc:
+                    logger.warning("copying loaded %s into L1 failed: %s", key, exc)
+                    ok = False
+            committed.append(ok)
+        return committed
+
+
+def contiguous_sources(
+    keys: list[ObjectKey], plan: dict[int, list[bool]], found: dict[int, LookupResult]
+) -> list[int]:
+    """Per key of the plan's contiguous prefix, the lowest planned adapter that found it."""
+    candidates = sorted(index for index in plan if index in found)
+    sources: list[int] = []
+    for position in range(len(keys)):
+        source = next(
+            (
+                index
+                for index in candidates
+                if position < len(plan[index]) and plan[index][position] and found[index].found[position]
+            ),
+            None,
+        )
+        if source is None:
+            break
+        sources.append(source)
+    return sources
+
+
+def unique_prefix(keys: Sequence[ObjectKey]) -> list[ObjectKey]:
+    """``keys`` up to the first repeat: a real prefix never holds the same chunk twice,
+    and a repeat would make one L1 object stand for two positions."""
+    if len(set(keys)) == len(keys):
+        return list(keys)  # the usual case, decided in C
+    seen: set[ObjectKey] = set()
+    for position, key in enumerate(keys):
+        if key in seen:
+            return list(keys[:position])
+        seen.add(key)
+    return list(keys)

@@ -1,0 +1,131 @@
+"""Read locks: counted, with one deadline per object, taken on READY objects and dropped
+by their readers (or reaped at their TTL, ``l1/removal.py``).
+
+A temporary object is freed when its last read lock is dropped.  Locks on an extent that
+a forced delete quarantined are credited to it before the key's live object
+(``l1/leases.py``).  ``lock_prefix`` and ``release`` run on every lookup and retrieve: they
+make one pass over the keys, with the table's dicts in locals.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1.leases import ExtentLeases
+from lmcache_tiers.l1.objects import L1Object, ObjectState
+from lmcache_tiers.l1.table import ObjectTable, check_lock_count
+
+_READY = ObjectState.READY
+
+
+class ReadLocks:
+    """Taking and dropping read locks; every method takes the L1 lock."""
+
+    def __init__(
+        self, lock: threading.RLock, table: ObjectTable, leases: ExtentLeases, *, lock_ttl_s: float
+    ) -> None:
+        self._lock = lock
+        self._table = table
+        self._leases = leases
+        self.lock_ttl_s = lock_ttl_s
+
+    def prefix_hits(self, keys: Sequence[ObjectKey]) -> int:
+        with self._lock:
+            objects = self._table.objects
+            hits = 0
+            for key in keys:
+                obj = objects.get(key)
+                if obj is None or obj.state is not _READY:
+                    break
+                hits += 1
+            return hits
+
+    def lock_present(self, keys: Sequence[ObjectKey], count: int) -> dict[ObjectKey, L1Object]:
+        """``L1Manager.reserve_read``: every READY key present, each locked once."""
+        check_lock_count(count)
+        with self._lock:
+            table = self._table
+            table.check_open()
+            objects, locked = table.objects, table.locked
+            hits: dict[ObjectKey, L1Object] = {}
+            deadline = time.monotonic() + self.lock_ttl_s
+            for key in keys:
+                obj = objects.get(key)
+                if obj is None or obj.state is not _READY or key in hits:
+                    continue
+                obj.read_locks += count
+                # One deadline per object: a new reader extends it, and reaping drops all
+                # of the object's read locks at once.
+                obj.lock_deadline = max(obj.lock_deadline, deadline) if key in locked else deadline
+                locked[key] = obj
+                hits[key] = obj
+            table.listeners.notify("read", list(hits))
+            return hits
+
+    def lock_prefix(self, keys: Sequence[ObjectKey], count: int) -> list[L1Object]:
+        """``L1Manager.reserve_read_prefix``: the leading READY keys, in one pass."""
+        if count < 1:
+            check_lock_count(count)  # raises
+        with self._lock:
+            # No open check: a closed manager holds no objects, so nothing is locked.
+            table = self._table
+            objects = table.objects
+            prefix: list[L1Object] = []
+            for key in keys:
+                obj = objects.get(key)
+                if obj is None or obj.state is not _READY:
+                    break
+                prefix.append(obj)
+            if not prefix:
+                return prefix
+            # Deduplicated by object identity (a cheap hash, in C) rather than by key.
+            unique = list(dict.fromkeys(prefix))
+            locked = table.locked
+            deadline = time.monotonic() + self.lock_ttl_s
+            for obj in unique:
+                # A READY object is in ``locked`` exactly when it has read locks.
+                if obj.read_locks:
+                    if obj.lock_deadline < deadline:
+                        obj.lock_deadline = deadline
+                else:
+                    locked[obj.key] = obj
+                    obj.lock_deadline = deadline
+                obj.read_locks += count
+            table.listeners.notify("read", [obj.key for obj in unique])
+            return prefix
+
+    def release(self, keys: Sequence[ObjectKey], count: int) -> None:
+        """``L1Manager.finish_read``: drop ``count`` locks per key, quarantined extents first."""
+        check_lock_count(count)
+        with self._lock:
+            table = self._table
+            objects, locked = table.objects, table.locked
+            freed: list[L1Object] = []
+            leases = self._leases
+            for key in dict.fromkeys(keys):
+                left = leases.credit(key, count) if leases.has_holders(key) else count
+                obj = objects.get(key)
+                if obj is None or obj.read_locks == 0 or not left:
+                    continue
+                obj.read_locks = max(0, obj.read_locks - left)
+                if obj.read_locks == 0:
+                    del locked[key]
+                    if obj.temporary:
+                        freed.append(obj)
+            table.free(freed)
+
+    def set_temporary(self, keys: Sequence[ObjectKey], temporary: bool) -> None:
+        with self._lock:
+            table = self._table
+            for key in keys:
+                obj = table.objects.get(key)
+                if obj is None:
+                    continue
+                obj.temporary = temporary
+                if temporary:
+                    table.temporary.add(key)
+                else:
+                    table.temporary.discard(key)

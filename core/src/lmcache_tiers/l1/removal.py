@@ -1,0 +1,132 @@
+"""Objects leaving L1 on request: deletes, eviction passes and the reaping of locks past
+their TTL.
+
+Deletes skip objects being written (only ``abort_write`` or the write TTL ends a
+reservation, whose writer may be copying into it) and, unless forced, read-locked ones.
+Eviction takes unlocked READY objects in the policy's victim order and passes over
+unstored ones while the others can free the room.  Whatever leaves while someone may still
+read its extent is quarantined rather than freed (``l1/leases.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1.allocator import ExtentAllocator
+from lmcache_tiers.l1.leases import ExtentLeases
+from lmcache_tiers.l1.objects import Eviction, L1Object, ObjectState
+from lmcache_tiers.l1.table import ObjectTable
+
+logger = logging.getLogger(__name__)
+
+_READY = ObjectState.READY
+_WRITING = ObjectState.WRITING
+
+
+class Removal:
+    """Delete, evict and expire; every method takes the L1 lock."""
+
+    def __init__(
+        self, lock: threading.RLock, table: ObjectTable, allocator: ExtentAllocator, leases: ExtentLeases
+    ) -> None:
+        self._lock = lock
+        self._table = table
+        self._allocator = allocator
+        self._leases = leases
+
+    def delete(self, keys: Sequence[ObjectKey], *, force: bool) -> list[bool]:
+        with self._lock:
+            table = self._table
+            done: list[bool] = []
+            victims: list[L1Object] = []
+            for key in keys:
+                obj = table.objects.get(key)
+                if obj is None or obj.state is _WRITING or (obj.read_locks and not force):
+                    done.append(False)
+                    continue
+                table.detach(obj)
+                victims.append(obj)
+                done.append(True)
+            table.release_extents(victims)
+            table.listeners.notify("deleted", [obj.key for obj in victims])
+            return done
+
+    def clear(self, *, force: bool) -> int:
+        with self._lock:
+            return sum(self.delete(list(self._table.objects), force=force))
+
+    def make_room(
+        self, bytes_to_free: int, victims: Iterable[ObjectKey], *, spare_unstored: bool
+    ) -> Eviction:
+        evicted: list[L1Object] = []
+        unstored: list[L1Object] = []
+        if bytes_to_free <= 0:
+            return Eviction([], [])
+        with self._lock:
+            table = self._table
+            size_at = self._allocator.size_at
+            freed = 0
+            passed_over: dict[L1Object, None] = {}
+            try:
+                for key in victims:
+                    obj = table.objects.get(key)
+                    if obj is None or obj.state is not _READY or obj.read_locks:
+                        continue
+                    if obj.unstored:
+                        passed_over[obj] = None
+                        continue
+                    table.detach(obj)
+                    evicted.append(obj)
+                    freed += size_at(obj.offset)
+                    if freed >= bytes_to_free:
+                        break
+                if freed < bytes_to_free and not spare_unstored:
+                    # Every victim was seen and the room is still short: the last resort.
+                    for obj in passed_over:
+                        table.detach(obj)
+                        evicted.append(obj)
+                        unstored.append(obj)
+                        freed += size_at(obj.offset)
+                        if freed >= bytes_to_free:
+                            break
+            finally:
+                # The victims iterator may belong to a listener (the eviction policy), so it
+                # is told only once iteration is over; detached objects are freed even if
+                # the iterator raised.
+                table.release_extents(evicted)
+                table.listeners.notify("deleted", [obj.key for obj in evicted])
+            return Eviction([obj.key for obj in evicted], [obj.key for obj in unstored])
+
+    def expire_locks(self, now: float) -> int:
+        with self._lock:
+            table = self._table
+            leases = self._leases
+            expired_writes: list[L1Object] = []
+            freed: list[L1Object] = []
+            expired_reads = 0
+            for key, obj in list(table.locked.items()):
+                if obj.lock_deadline > now:
+                    continue
+                leases.lapse(obj, now)
+                if obj.state is _WRITING:
+                    expired_writes.append(obj)
+                    continue
+                expired_reads += 1
+                obj.read_locks = 0
+                del table.locked[key]
+                if obj.temporary:
+                    freed.append(obj)
+            if expired_writes or expired_reads:
+                logger.warning(
+                    "L1 lock TTL expired: %d write reservations freed, %d objects' read locks dropped; "
+                    "their extents are not reused for another %gs",
+                    len(expired_writes),
+                    expired_reads,
+                    leases.grace_s,
+                )
+            table.free(expired_writes + freed)
+            leases.reclaim(now)
+            return len(expired_writes) + expired_reads

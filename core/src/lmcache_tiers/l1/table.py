@@ -1,0 +1,153 @@
+"""The object table of one L1: every object by key, the indexes kept beside it, and the
+one way objects leave.
+
+``objects`` holds every object in any state.  ``locked`` holds the ones under a write
+lock or read locks, and ``temporary`` the keys freed after their last read, so TTL reaping
+and stats cost O(locked) rather than O(objects).
+
+An object leaves by being detached from the table and having its extent released: back
+to the allocator through the leases (which may quarantine it, see ``l1/leases.py``), or
+held while a prefetch's load may still be writing into it.  Listeners hear about it once,
+after the call's state change is complete (see ``l1/manager.py``).
+
+Not thread-safe: every caller holds the L1 manager's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Literal
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1.leases import ExtentLeases
+from lmcache_tiers.l1.objects import L1Listener, L1Object, L1Stats, ObjectState
+
+logger = logging.getLogger(__name__)
+
+L1Event = Literal["written", "read", "deleted"]
+
+
+def check_lock_count(count: int) -> None:
+    if count < 1:
+        raise ValueError(f"lock count must be at least 1, got {count}")
+
+
+class L1Listeners:
+    """The registered listeners, told about each call's changes in registration order."""
+
+    def __init__(self) -> None:
+        self._listeners: list[L1Listener] = []
+
+    def add(self, listener: L1Listener) -> None:
+        self._listeners.append(listener)
+
+    def remove(self, listener: L1Listener) -> None:
+        self._listeners.remove(listener)
+
+    def clear(self) -> None:
+        self._listeners.clear()
+
+    def notify(self, event: L1Event, keys: list[ObjectKey]) -> None:
+        if not keys:
+            return
+        for listener in list(self._listeners):
+            try:
+                if event == "written":
+                    listener.on_l1_keys_written(keys)
+                elif event == "read":
+                    listener.on_l1_keys_read(keys)
+                else:
+                    listener.on_l1_keys_deleted(keys)
+            except Exception:
+                # L1 state is already consistent; one faulty listener must not fail the
+                # caller's request or starve the listeners after it.
+                logger.exception("L1 listener %r failed on %s of %d keys", listener, event, len(keys))
+
+
+class ObjectTable:
+    """Objects by key, with the locked and temporary indexes and the held load extents."""
+
+    def __init__(self, leases: ExtentLeases, listeners: L1Listeners) -> None:
+        self.objects: dict[ObjectKey, L1Object] = {}
+        self.locked: dict[ObjectKey, L1Object] = {}
+        self.temporary: set[ObjectKey] = set()
+        self.listeners = listeners
+        self.closed = False
+        self._leases = leases
+        # Load reservations freed (forced clear, write TTL) while their load may still be
+        # writing into them: their extents stay allocated until the prefetch lets go.
+        self._held_loads: set[L1Object] = set()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the L1 manager is closed")
+
+    def check_present(self, obj: L1Object) -> None:
+        """Raise KeyError unless ``obj`` itself (not a later object of its key) is in L1."""
+        self.check_open()
+        if self.objects.get(obj.key) is not obj:
+            raise KeyError(f"{obj.key} is no longer in L1")
+
+    def insert(self, obj: L1Object) -> None:
+        """Add a new, write-locked object."""
+        self.objects[obj.key] = obj
+        self.locked[obj.key] = obj
+        if obj.temporary:
+            self.temporary.add(obj.key)
+
+    def detach(self, obj: L1Object) -> None:
+        """Take ``obj`` out of the table; its extent is still to be released."""
+        del self.objects[obj.key]
+        self.locked.pop(obj.key, None)
+        self.temporary.discard(obj.key)
+
+    def release_extents(self, objs: list[L1Object]) -> None:
+        """Give back the extents of detached objects, except those a load is still filling."""
+        if not objs:
+            return
+        # An adapter may still be filling a load reservation: handing its extent to another
+        # object would let the load overwrite that object's bytes.  abort_load frees it.
+        free = [obj for obj in objs if not obj.loading]
+        if len(free) < len(objs):
+            self._held_loads.update(obj for obj in objs if obj.loading)
+        if free:
+            self._leases.release_extents(free, time.monotonic())
+
+    def release_held_load(self, obj: L1Object) -> bool:
+        """True if ``obj`` left L1 while loading and its extent was held for the load: the
+        caller (the load's end) then releases the extent."""
+        if obj not in self._held_loads:
+            return False
+        self._held_loads.discard(obj)
+        return True
+
+    def free(self, objs: list[L1Object]) -> None:
+        """Detach objects, release their extents and tell the listeners they are gone."""
+        for obj in objs:
+            self.detach(obj)
+        self.release_extents(objs)
+        self.listeners.notify("deleted", [obj.key for obj in objs])
+
+    def locked_bytes(self, extent_size_at: Callable[[int], int]) -> int:
+        return sum(extent_size_at(obj.offset) for obj in self.locked.values())
+
+    def stats(self, used_bytes: int) -> L1Stats:
+        write_locked = sum(1 for obj in self.locked.values() if obj.state is ObjectState.WRITING)
+        read_locks = sum(obj.read_locks for obj in self.locked.values())
+        return L1Stats(
+            objects=len(self.objects),
+            used_bytes=used_bytes,
+            write_locked=write_locked,
+            read_locks=read_locks,
+            temporary=len(self.temporary),
+        )
+
+    def close(self) -> None:
+        """Forget every object, without notifying listeners (and forget the listeners)."""
+        self.closed = True
+        self.objects.clear()
+        self.locked.clear()
+        self.temporary.clear()
+        self.listeners.clear()

@@ -1,0 +1,228 @@
+"""The one adapter class: any backend, wrapped into the non-blocking ``L2Adapter``.
+
+The adapter holds the backend (composition: nothing the backend defines can collide with
+the machinery) and owns task ids and eventfds, pins, accounting and capacity, the serde
+chain, listeners and the runner.  A backend whose batch methods are coroutines runs on
+an event loop (:class:`~lmcache_tiers.l2.runners.LoopRunner`), any other on worker
+threads (:class:`~lmcache_tiers.l2.runners.ThreadRunner`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2.calls import is_async_backend
+from lmcache_tiers.l2.context import BackendContext
+from lmcache_tiers.l2.interface import L2Adapter, L2Listener, L2Op, LookupResult
+from lmcache_tiers.l2.ops import BatchOp, DeleteOp, LoadOp, LookupOp, StoreOp
+from lmcache_tiers.l2.runners import LoopRunner, Runner, ThreadRunner
+from lmcache_tiers.l2.scan import KeyScan
+from lmcache_tiers.l2.state import AdapterState
+from lmcache_tiers.protocols import Capacity, ObjectSize
+
+log = logging.getLogger("lmcache_tiers.l2")
+
+#: calls in flight at once on an event loop, unless the backend sets ``concurrency``
+DEFAULT_ASYNC_CONCURRENCY = 64
+#: keys fetched per cross-thread round trip by ``iter_keys``
+_ITER_BATCH = 1024
+
+__all__ = ["BackendAdapter", "ObjectSize"]
+
+
+def capacity_of(value: Any) -> Capacity | None:
+    """A backend's ``capacity()`` answer as a :class:`Capacity` (None: no limit)."""
+    if value is None or isinstance(value, Capacity):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return Capacity(bytes=value)
+    raise ValueError(f"capacity() returned {value!r}: an int of bytes, a Capacity or None")
+
+
+class BackendAdapter(L2Adapter):
+    """Wraps one backend; see :mod:`lmcache_tiers.protocols` for what a backend provides."""
+
+    #: how long ``close()`` waits for backend calls already running before failing them
+    #: (and how long building the adapter waits for an asynchronous ``open``)
+    close_timeout_s: ClassVar[float] = 30.0
+
+    def __init__(self, backend: object, context: BackendContext) -> None:
+        state: AdapterState = context._state
+        self.backend = backend
+        self.state = state
+        self.name = state.name
+        self.config = state.facts.config
+        self.needs_l1_buffers = bool(getattr(backend, "needs_l1_buffers", False))
+        self._closed = False
+        self._lock = threading.Lock()
+        state.adapter = self
+        concurrency = getattr(backend, "concurrency", None)
+        self.runner: Runner
+        if is_async_backend(backend):
+            self.runner = LoopRunner(
+                state, backend, self._publish, int(concurrency or DEFAULT_ASYNC_CONCURRENCY)
+            )
+        else:
+            self.runner = ThreadRunner(state, backend, self._publish, int(concurrency or 1))
+        self.scan = KeyScan(state, self.runner)
+        try:
+            self.runner.open(self.close_timeout_s)
+        except BaseException:
+            self._closed = True
+            self._close_backend(time.monotonic() + self.close_timeout_s)
+            raise
+        self.scan.start()
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _publish(self, task_id: int, op: BatchOp, result: Any) -> None:
+        if not self.state.board.complete(task_id, result):
+            op.released()
+
+    def _submit(self, op: BatchOp) -> int:
+        assert op.kind is not None
+        board = self.state.board
+        task_id = board.new_task(op.kind, len(op.keys))
+        with self._lock:
+            if not self._closed:
+                self.state.count(f"{op.kind.name.lower()}_tasks")
+                self.runner.run(task_id, op)
+                return task_id
+        self.state.count("tasks_failed_closed")
+        board.fail(task_id)
+        return task_id
+
+    def _limit(self) -> Capacity | None:
+        return capacity_of(self.backend.capacity())  # type: ignore[attr-defined]
+
+    def capacity(self) -> Capacity | None:
+        """The backend's capacity, or None when it has none (or cannot tell)."""
+        try:
+            return self._limit()
+        except Exception as exc:
+            self.state.backend_failed("capacity", exc)
+            return None
+
+    @staticmethod
+    def _check_lengths(
+        keys: Sequence[ObjectKey], buffers: Sequence[memoryview], layouts: Sequence[str] | None = None
+    ) -> None:
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        if layouts is not None and len(layouts) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(layouts)} layouts")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- L2Adapter ---------------------------------------------------------------------------
+
+    def event_fd(self, op: L2Op) -> int:
+        return self.state.board.event_fd(op)
+
+    def submit_store(
+        self,
+        keys: Sequence[ObjectKey],
+        buffers: Sequence[memoryview],
+        layouts: Sequence[str] | None = None,
+    ) -> int:
+        self._check_lengths(keys, buffers, layouts)
+        return self._submit(StoreOp(self.state, keys, buffers, layouts, self._limit))
+
+    def pop_completed_stores(self) -> dict[int, list[bool]]:
+        return self.state.board.pop(L2Op.STORE)
+
+    def submit_lookup_and_lock(self, keys: Sequence[ObjectKey]) -> int:
+        return self._submit(LookupOp(self.state, keys))
+
+    def pop_completed_lookups(self) -> dict[int, LookupResult]:
+        return self.state.board.pop(L2Op.LOOKUP)
+
+    def submit_load(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> int:
+        self._check_lengths(keys, buffers)
+        return self._submit(LoadOp(self.state, keys, buffers))
+
+    def pop_completed_loads(self) -> dict[int, list[bool]]:
+        return self.state.board.pop(L2Op.LOAD)
+
+    def unlock(self, keys: Sequence[ObjectKey]) -> None:
+        self.state.pins.unpin(keys)
+
+    def delete(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        if self._closed:
+            return [False] * len(keys)
+        result: list[bool] = self.runner.call_now(DeleteOp(self.state, keys))
+        return result
+
+    def usage(self) -> float:
+        return self.state.accounting.usage(self.capacity())
+
+    def used_bytes(self) -> int:
+        return self.state.accounting.used_bytes
+
+    def used_bytes_by_salt(self) -> dict[str, int]:
+        return self.state.accounting.by_salt()
+
+    def iter_keys(self) -> Iterator[ObjectKey]:
+        if self._closed:
+            return
+        for batch in self.runner.listing(_ITER_BATCH):
+            for entry in batch:
+                yield entry[0]
+
+    def add_listener(self, listener: L2Listener) -> None:
+        self.state.add_listener(listener)
+
+    def pinned_keys(self) -> dict[ObjectKey, int]:
+        """Pin count of every pinned key (diagnostics; tests that locks return to zero)."""
+        return self.state.pins.snapshot()
+
+    def l1_size_of(self, key: ObjectKey) -> int | None:
+        return self.state.l1_size_of(key)
+
+    def stats(self) -> dict[str, int]:
+        counters = self.state.counters.snapshot()
+        counters.update(self.scan.stats())
+        counters["pending_tasks"] = self.state.board.pending_count()
+        counters["pinned_keys"] = len(self.state.pins.snapshot())
+        counters["objects"] = len(self.state.accounting)
+        gauges = getattr(self.backend, "stats", None)
+        if callable(gauges):
+            try:
+                counters.update({str(name): int(value) for name, value in gauges().items()})
+            except Exception as exc:
+                self.state.backend_failed("stats", exc)
+        for serde in self.state.chain.serdes:  # a serde may count what it did, as serde_<name>_*
+            serde_stats = getattr(serde, "stats", None)
+            if callable(serde_stats):
+                try:
+                    counters.update({f"serde_{serde.name}_{k}": int(v) for k, v in serde_stats().items()})
+                except Exception:
+                    log.exception("%s: stats of serde %s failed", self.name, serde.name)
+        return counters
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.state.closing.set()
+        deadline = time.monotonic() + self.close_timeout_s
+        self.runner.stop(deadline)
+        self.scan.join(deadline)
+        failed = self.state.board.fail_all_pending()
+        self.state.count("tasks_failed_closed", failed)
+        self._close_backend(deadline)
+
+    def _close_backend(self, deadline: float) -> None:
+        try:
+            self.runner.close_backend(deadline)
+        except Exception:
+            log.exception("%s: closing the backend failed", self.name)
+        self.state.chain.pool.clear()

@@ -1,0 +1,101 @@
+"""Building an adapter from its spec: the one path the StorageManager, wrappers and the
+conformance suite take.
+
+A factory registered for kind ``l2_adapter`` is called as ``factory(config, context)``
+with a :class:`~lmcache_tiers.l2.context.BackendContext` and returns a backend, which core
+wraps in :class:`~lmcache_tiers.l2.adapter.BackendAdapter` (behind a circuit breaker when
+its config or its being remote asks for one, :mod:`~lmcache_tiers.l2.circuit`).  A factory may instead return
+a complete :class:`~lmcache_tiers.l2.interface.L2Adapter` (advanced, tests), used as is.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from lmcache_tiers.config import AdapterSpec, L2AdapterConfig, decode_adapter
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.l2.adapter import BackendAdapter
+from lmcache_tiers.l2.calls import missing_methods
+from lmcache_tiers.l2.circuit import guard_backend
+from lmcache_tiers.l2.context import AdapterContext, BackendContext
+from lmcache_tiers.l2.interface import L2Adapter
+from lmcache_tiers.l2.state import AdapterState
+from lmcache_tiers.registry import Kind
+from lmcache_tiers.serde import build_serde_chain
+
+if TYPE_CHECKING:
+    from lmcache_tiers.registry import ComponentRegistry
+
+log = logging.getLogger("lmcache_tiers.l2")
+
+__all__ = ["build_adapter", "create_adapter", "open_inner_backend"]
+
+
+def _discard(made: object) -> None:
+    close = getattr(made, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:
+            log.exception("closing a refused %s failed", type(made).__name__)
+
+
+def _made(factory: Callable[..., Any], config: L2AdapterConfig, context: BackendContext, what: str) -> Any:
+    """What a factory built, if it is an L2 backend or a complete L2Adapter."""
+    made = factory(config, context)
+    if isinstance(made, L2Adapter) or not missing_methods(made):
+        return made
+    _discard(made)
+    missing = ", ".join(missing_methods(made))
+    raise ConfigError(
+        f"{what} built {type(made).__name__}, which is neither an L2 backend (it lacks {missing}) "
+        "nor an L2Adapter"
+    )
+
+
+def create_adapter(
+    factory: Callable[..., Any],
+    config: L2AdapterConfig,
+    facts: AdapterContext,
+    *,
+    registry: ComponentRegistry | None = None,
+    type_name: str = "",
+) -> L2Adapter:
+    """Call an adapter factory and wrap what it returns (unless it is an adapter already)."""
+    context = BackendContext(AdapterState(facts, registry))
+    made = _made(factory, config, context, f"l2 adapter {type_name or facts.name!r}")
+    if isinstance(made, L2Adapter):
+        return made
+    return BackendAdapter(guard_backend(made, config, context), context)
+
+
+def build_adapter(registry: ComponentRegistry, spec: AdapterSpec, facts: AdapterContext) -> L2Adapter:
+    """The adapter a resolved spec describes (its serde chain is in ``facts.serde``)."""
+    component = registry.get(Kind.L2_ADAPTER, spec.type)
+    return create_adapter(component.load(), spec.config, facts, registry=registry, type_name=spec.type)
+
+
+def open_inner_backend(state: AdapterState, outer: str, raw: Mapping[str, Any], counter_prefix: str) -> Any:
+    """The backend a wrapper wraps, built from its spec inside the wrapper's adapter."""
+    if state.registry is None:
+        from lmcache_tiers.plugins import load_registry
+
+        state.registry = load_registry()
+    registry = state.registry
+    try:
+        spec = decode_adapter(registry, dict(raw), state.facts.index)
+    except ConfigError as exc:
+        raise ConfigError(f"{outer} `inner`: {exc}") from exc
+    if spec.config.eviction is not None:
+        log.warning("%s: eviction of the inner adapter never runs; set it on %s", outer, outer)
+    state.chain.extend(build_serde_chain(spec.serde, registry))
+    name = f"{outer}>{spec.type}"
+    context = BackendContext(state, name=name, config=spec.config, counter_prefix=counter_prefix)
+    factory = registry.get(Kind.L2_ADAPTER, spec.type).load()
+    made = _made(factory, spec.config, context, f"{outer} `inner` {spec.type!r}")
+    if isinstance(made, L2Adapter):
+        _discard(made)
+        raise ConfigError(f"{outer} wraps L2 backends; {spec.type!r} builds a complete adapter")
+    return made

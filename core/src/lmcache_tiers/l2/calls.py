@@ -1,0 +1,79 @@
+"""Calling a backend method: one result per key, of the right kind, or the batch fails."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2.state import AdapterState
+from lmcache_tiers.protocols import ObjectSize
+
+#: what a backend must define; the rest of the protocol is optional
+REQUIRED_METHODS = ("put_many", "contains_many", "get_many_into", "delete_many", "list_keys", "capacity")
+#: the batch methods, all coroutine functions or none
+BATCH_METHODS = ("put_many", "contains_many", "get_many_into", "delete_many")
+
+
+def optional_method(backend: object, name: str) -> Callable[..., Any] | None:
+    """A backend's optional member ``name`` when it is callable (``open``, ``ping`` ...)."""
+    method = getattr(backend, name, None)
+    return method if callable(method) else None
+
+
+def missing_methods(backend: object) -> list[str]:
+    return [name for name in REQUIRED_METHODS if not callable(getattr(backend, name, None))]
+
+
+def is_async_backend(backend: object) -> bool:
+    """Whether the batch methods are coroutine functions (all of them, or a TypeError)."""
+    flags = [inspect.iscoroutinefunction(getattr(backend, name)) for name in BATCH_METHODS]
+    if any(flags) and not all(flags):
+        mixed = ", ".join(
+            f"{name}={'async' if flag else 'sync'}" for name, flag in zip(BATCH_METHODS, flags, strict=True)
+        )
+        raise TypeError(f"{type(backend).__name__} mixes coroutine and plain batch methods ({mixed})")
+    return all(flags)
+
+
+def _valid_found(item: Any) -> bool:
+    if item is None or isinstance(item, ObjectSize):
+        return item is None or (item.stored >= 0 and item.l1 >= 0)
+    return isinstance(item, int) and not isinstance(item, bool) and item >= 0
+
+
+def checked(method: str, result: Any, expected: int) -> list[Any]:
+    """``result`` as a list, or ValueError when it cannot be trusted for ``expected`` keys."""
+    items = list(result)
+    if len(items) != expected:
+        raise ValueError(f"{method} returned {len(items)} results for {expected} keys")
+    if method == "contains_many" and not all(_valid_found(item) for item in items):
+        raise ValueError(f"{method} returned something other than a size, ObjectSize or None")
+    return items
+
+
+def call(
+    state: AdapterState, backend: object, method: str, keys: list[ObjectKey], *args: Sequence[memoryview]
+) -> list[Any] | None:
+    """Run one synchronous backend method; None when it raised or answered wrongly."""
+    if not keys:
+        return []
+    try:
+        return checked(method, getattr(backend, method)(keys, *args), len(keys))
+    except Exception as exc:
+        state.backend_failed(method, exc)
+        return None
+
+
+async def call_async(
+    state: AdapterState, backend: object, method: str, keys: list[ObjectKey], *args: Sequence[memoryview]
+) -> list[Any] | None:
+    """``call`` for a coroutine method."""
+    if not keys:
+        return []
+    try:
+        return checked(method, await getattr(backend, method)(keys, *args), len(keys))
+    except Exception as exc:
+        state.backend_failed(method, exc)
+        return None

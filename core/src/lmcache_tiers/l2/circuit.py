@@ -1,0 +1,347 @@
+"""Circuit breaker: a backend that keeps failing is not called until it answers again.
+
+A remote store that goes away (a Redis restarted, an S3 endpoint unreachable) would
+otherwise cost every lookup a timeout and every store a failed round trip.  After
+``failure_threshold`` consecutive failed calls the circuit **opens**: lookups answer
+misses at once, stores are skipped, loads and deletes fail, each counted and none
+reaching the backend.  While open, a probe -- the backend's ``ping()`` when it has one,
+else ``contains_many`` of a key nobody stores -- runs every ``probe_interval_s``; the
+first probe that succeeds **closes** the circuit and calls resume.  Nothing has to be
+restarted, and the server keeps serving from L1 throughout.
+
+It is composition: :func:`guard_backend` puts a guard in front of the backend (one with
+plain methods, one with coroutines), so the adapter, its runner and the backend are
+unchanged.  A failed call is one that raised (the adapter counts it as a
+``backend_errors`` too); a per-key False or None is an answer, not a failure.  With
+``call_timeout_s`` a lookup (or probe) not answered in time is a failed call too: it
+holds no buffer, so it can be abandoned; stores and loads hold buffers the backend may
+still use, so only the backend's own timeouts end them.
+
+It is on by default for backends that declare ``remote = True`` (``circuit.enabled``
+turns it on or off for any backend).  State and counters are in the adapter's
+``stats()``: ``circuit_open`` (0/1), ``circuit_consecutive_failures``, and the counters
+``circuit_opened``, ``circuit_closed``, ``circuit_failures``, ``circuit_probes``,
+``circuit_probe_failures``, ``circuit_call_timeouts``, ``circuit_skipped_store_keys``,
+``circuit_missed_lookup_keys``, ``circuit_failed_load_keys``,
+``circuit_failed_delete_keys``.  Each transition is one log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lmcache_tiers.config import CircuitConfig, L2AdapterConfig
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2.breaker import CallTimeout, CircuitBreaker
+from lmcache_tiers.l2.calls import is_async_backend, optional_method
+from lmcache_tiers.l2.context import BackendContext
+
+log = logging.getLogger("lmcache_tiers.l2")
+
+__all__ = [
+    "PROBE_KEY",
+    "AsyncCircuitBackend",
+    "CallTimeout",
+    "CircuitBackend",
+    "CircuitBreaker",
+    "guard_backend",
+]
+
+#: what a probe asks about when the backend has no ``ping``: a key no engine produces
+PROBE_KEY = ObjectKey("lmcache-tiers-circuit-probe", 0, b"\x00" * 16)
+
+#: counter of the keys each operation refused while the circuit was open
+_REFUSED = {
+    "put_many": "circuit_skipped_store_keys",
+    "contains_many": "circuit_missed_lookup_keys",
+    "get_many_into": "circuit_failed_load_keys",
+    "delete_many": "circuit_failed_delete_keys",
+}
+
+
+class _Guard:
+    """What both flavours share: the breaker, the pass-through members, refusals."""
+
+    def __init__(self, inner: Any, config: CircuitConfig, context: BackendContext) -> None:
+        self.inner = inner
+        self.context = context
+        self.call_timeout_s = config.call_timeout_s
+        self.breaker = CircuitBreaker(context.name, config, context.count)
+        self.needs_l1_buffers = bool(getattr(inner, "needs_l1_buffers", False))
+        self.remote = bool(getattr(inner, "remote", False))
+        concurrency = getattr(inner, "concurrency", None)
+        if concurrency is not None:
+            self.concurrency = concurrency
+
+    def refused(self, method: str, keys: Sequence[ObjectKey]) -> bool:
+        """True (and counted) when the circuit is open and ``method`` must not run."""
+        if not self.breaker.is_open:
+            return False
+        self.context.count(_REFUSED[method], len(keys))
+        return True
+
+    def failed(self, method: str, exc: BaseException) -> None:
+        if isinstance(exc, CallTimeout):
+            self.context.count("circuit_call_timeouts")
+        self.breaker.failed(f"{method}: {type(exc).__name__}: {exc}")
+
+    def list_keys(self) -> Any:
+        return self.inner.list_keys()
+
+    def capacity(self) -> Any:
+        return self.inner.capacity()
+
+    def interrupt(self) -> None:
+        interrupt = optional_method(self.inner, "interrupt")
+        if interrupt is not None:
+            interrupt()
+
+    def stats(self) -> dict[str, int]:
+        gauges = optional_method(self.inner, "stats")
+        merged = {str(k): int(v) for k, v in (gauges() if gauges is not None else {}).items()}
+        merged.update(self.breaker.gauges())
+        return merged
+
+
+class CircuitBackend(_Guard):
+    """Guards a backend of plain methods; probes run on a thread of their own."""
+
+    def __init__(self, inner: Any, config: CircuitConfig, context: BackendContext) -> None:
+        super().__init__(inner, config, context)
+        self._probe_lock = threading.Lock()
+        self._probing = False
+        self._probe_thread: threading.Thread | None = None
+        # Timed calls run on helper threads so that one not answered in time can be left.
+        self._helpers: concurrent.futures.ThreadPoolExecutor | None = None
+        if self.call_timeout_s is not None:
+            self._helpers = concurrent.futures.ThreadPoolExecutor(
+                max_workers=4, thread_name_prefix=f"l2-{context.name}-timed"
+            )
+        self.breaker.on_open = self._start_probing
+
+    def open(self) -> None:
+        opener = optional_method(self.inner, "open")
+        if opener is not None:
+            opener()
+
+    def _bounded(self, call: Callable[[], Any]) -> Any:
+        """``call()``, given up after ``call_timeout_s`` (on a helper thread) when set."""
+        if self._helpers is None:
+            return call()
+        future = self._helpers.submit(call)
+        try:
+            return future.result(self.call_timeout_s)
+        except TimeoutError:
+            if future.done():
+                raise  # the call itself raised a TimeoutError
+            future.cancel()  # not started yet: it need not run at all
+            raise CallTimeout(self.call_timeout_s or 0.0) from None
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            if method == "contains_many":
+                result = self._bounded(lambda: self.inner.contains_many(*args))
+            else:
+                result = getattr(self.inner, method)(*args)
+        except Exception as exc:
+            self.failed(method, exc)
+            raise
+        self.breaker.succeeded()
+        return result
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> Any:
+        if self.refused("put_many", keys):
+            return [False] * len(keys)
+        return self._call("put_many", keys, payloads)
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> Any:
+        if self.refused("contains_many", keys):
+            return [None] * len(keys)
+        return self._call("contains_many", keys)
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> Any:
+        if self.refused("get_many_into", keys):
+            return [False] * len(keys)
+        return self._call("get_many_into", keys, buffers)
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> Any:
+        if self.refused("delete_many", keys):
+            return [False] * len(keys)
+        return self._call("delete_many", keys)
+
+    # -- probing --------------------------------------------------------------------------
+
+    def _start_probing(self) -> None:
+        with self._probe_lock:
+            if self._probing:
+                return
+            self._probing = True
+            self._probe_thread = threading.Thread(
+                target=self._probe_loop, name=f"l2-{self.context.name}-probe", daemon=True
+            )
+            self._probe_thread.start()
+
+    def _probe_loop(self) -> None:
+        answered = False
+        while not answered and self.context.sleep(self.breaker.probe_interval_s):
+            answered = self._probe()
+        # Closing and ending the probing are one step: a reopening starts a new thread.
+        with self._probe_lock:
+            if answered:
+                self.breaker.probe_succeeded()
+            self._probing = False
+
+    def _probe(self) -> bool:
+        self.context.count("circuit_probes")
+        ping = optional_method(self.inner, "ping")
+
+        def ask() -> Any:
+            return ping() if ping is not None else self.inner.contains_many([PROBE_KEY])
+
+        try:
+            self._bounded(ask)
+        except Exception as exc:
+            self.breaker.probe_failed(exc)
+            return False
+        return True
+
+    def close(self) -> None:
+        try:
+            thread = self._probe_thread
+            if thread is not None:
+                thread.join(1.0)  # it sleeps through context.sleep, which closing ends
+            if self._helpers is not None:
+                self._helpers.shutdown(wait=False, cancel_futures=True)
+        finally:
+            closer = optional_method(self.inner, "close")
+            if closer is not None:
+                closer()
+
+
+class AsyncCircuitBackend(_Guard):
+    """Guards a backend of coroutines; probes run as a task on the adapter's loop."""
+
+    def __init__(self, inner: Any, config: CircuitConfig, context: BackendContext) -> None:
+        super().__init__(inner, config, context)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._probe_task: asyncio.Task[None] | None = None
+        self.breaker.on_open = self._start_probing
+
+    async def open(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        opener = optional_method(self.inner, "open")
+        if opener is not None:
+            outcome = opener()
+            if inspect.isawaitable(outcome):
+                await outcome
+
+    async def _bounded(self, call: Any) -> Any:
+        """Await ``call``, cancelled after ``call_timeout_s`` when set."""
+        if self.call_timeout_s is None:
+            return await call
+        task = asyncio.ensure_future(call)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.call_timeout_s)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not done:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise CallTimeout(self.call_timeout_s)
+        return task.result()
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        call = getattr(self.inner, method)(*args)
+        try:
+            result = await (self._bounded(call) if method == "contains_many" else call)
+        except Exception as exc:
+            self.failed(method, exc)
+            raise
+        self.breaker.succeeded()
+        return result
+
+    async def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> Any:
+        if self.refused("put_many", keys):
+            return [False] * len(keys)
+        return await self._call("put_many", keys, payloads)
+
+    async def contains_many(self, keys: Sequence[ObjectKey]) -> Any:
+        if self.refused("contains_many", keys):
+            return [None] * len(keys)
+        return await self._call("contains_many", keys)
+
+    async def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> Any:
+        if self.refused("get_many_into", keys):
+            return [False] * len(keys)
+        return await self._call("get_many_into", keys, buffers)
+
+    async def delete_many(self, keys: Sequence[ObjectKey]) -> Any:
+        if self.refused("delete_many", keys):
+            return [False] * len(keys)
+        return await self._call("delete_many", keys)
+
+    # -- probing --------------------------------------------------------------------------
+
+    def _start_probing(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._spawn_probe)
+
+    def _spawn_probe(self) -> None:
+        if self._probe_task is None or self._probe_task.done():
+            self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
+
+    async def _probe_loop(self) -> None:
+        while not self.context.closing:
+            await asyncio.sleep(self.breaker.probe_interval_s)
+            if self.context.closing:
+                return
+            if await self._probe():
+                self.breaker.probe_succeeded()
+                return
+
+    async def _probe(self) -> bool:
+        self.context.count("circuit_probes")
+        ping = optional_method(self.inner, "ping")
+        try:
+            outcome = ping() if ping is not None else self.inner.contains_many([PROBE_KEY])
+            if inspect.isawaitable(outcome):
+                await self._bounded(outcome)
+        except Exception as exc:
+            self.breaker.probe_failed(exc)
+            return False
+        return True
+
+    async def close(self) -> None:
+        task = self._probe_task
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        closer = optional_method(self.inner, "close")
+        if closer is not None:
+            outcome = closer()
+            if inspect.isawaitable(outcome):
+                await outcome
+
+
+def circuit_enabled(backend: object, config: L2AdapterConfig) -> bool:
+    circuit = config.circuit
+    if circuit is not None and circuit.enabled is not None:
+        return circuit.enabled
+    return bool(getattr(backend, "remote", False))
+
+
+def guard_backend(backend: object, config: L2AdapterConfig, context: BackendContext) -> object:
+    """``backend`` behind a circuit breaker when its config (or its being remote) asks for one."""
+    if not circuit_enabled(backend, config):
+        return backend
+    circuit = config.circuit or CircuitConfig()
+    flavour = AsyncCircuitBackend if is_async_backend(backend) else CircuitBackend
+    return flavour(backend, circuit, context)

@@ -1,0 +1,157 @@
+"""Where a file-per-object store keeps each object: deterministic names, flat or sharded.
+
+A key's record file is ``<name>.bin``, ``<name>`` being :func:`~lmcache_tiers.keycodec.key_to_name`:
+only ``[A-Za-z0-9._-]``, ``%`` escapes and ``@`` separators, never a leading dot, so no
+key can name a path outside the root and no listing hides a record.  Keys whose readable
+name would not fit in a file name get a digest name (``~<32 hex>.bin``) whose key is read
+from the record header.  With sharding the file sits in ``<root>/<h0h1>/<h2h3>/``, named
+from the first four hex characters of the chunk hash, so no directory grows beyond what
+filesystems list quickly.  The path depends only on the key and the layout: after a
+restart the same key finds the same file, and a key is never looked up in the other layout.
+
+Objects are written to a temporary file (``.tmp-<pid>-<n>.part``) in the record's
+directory, or in ``temp_dir`` when one is configured, and renamed over the final name
+once complete, so a reader never sees half an object; temporary names are recognisable so
+the start-up sweep removes those a crash left behind.  Paths are POSIX strings, the same
+for local directories and fsspec filesystems.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import os
+import posixpath
+import threading
+from typing import NamedTuple
+
+from lmcache_tiers.keycodec import NAME_MAX, is_digest_name, key_to_name, name_to_key
+from lmcache_tiers.keys import ObjectKey
+
+__all__ = [
+    "RECORD_SUFFIX",
+    "TEMP_PREFIX",
+    "TEMP_SUFFIX",
+    "EntryKind",
+    "FileLayout",
+    "NamedEntry",
+    "check_relative_dir",
+    "classify_name",
+    "is_shard_name",
+    "is_temp_name",
+    "record_name",
+]
+
+RECORD_SUFFIX = ".bin"
+TEMP_PREFIX = ".tmp-"
+TEMP_SUFFIX = ".part"
+_NAME_BUDGET = NAME_MAX - len(RECORD_SUFFIX)
+_HEX = frozenset("0123456789abcdef")
+
+
+class EntryKind(enum.Enum):
+    RECORD = "record"  # a readable name: the key is in the name
+    DIGEST = "digest"  # a digest name: the key is in the record header
+    TEMP = "temp"  # an object being written, or left by a killed writer
+    FOREIGN = "foreign"  # not ours: never touched
+
+
+class NamedEntry(NamedTuple):
+    kind: EntryKind
+    key: ObjectKey | None  # for RECORD only
+
+
+def record_name(key: ObjectKey) -> str:
+    """File name of ``key``'s record (at most NAME_MAX bytes)."""
+    return key_to_name(key, _NAME_BUDGET) + RECORD_SUFFIX
+
+
+def is_temp_name(name: str) -> bool:
+    return name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX)
+
+
+def is_shard_name(name: str) -> bool:
+    return len(name) == 2 and name[0] in _HEX and name[1] in _HEX
+
+
+def classify_name(name: str) -> NamedEntry:
+    """What a file name in a store's tree is."""
+    if name.endswith(RECORD_SUFFIX):
+        stem = name[: -len(RECORD_SUFFIX)]
+        if stem.startswith("~") and is_digest_name(stem):
+            return NamedEntry(EntryKind.DIGEST, None)
+        key = name_to_key(stem)
+        if key is not None:
+            return NamedEntry(EntryKind.RECORD, key)
+    elif is_temp_name(name):
+        return NamedEntry(EntryKind.TEMP, None)
+    return NamedEntry(EntryKind.FOREIGN, None)
+
+
+def check_relative_dir(value: str) -> str:
+    """``value`` as a normalised relative directory inside a store's root; ValueError if it
+    could point outside it or collide with the store's own names."""
+    if not value or value.startswith("/") or "\\" in value or "\x00" in value:
+        raise ValueError(f"{value!r} must be a relative path inside the root (no leading '/')")
+    normal = posixpath.normpath(value)
+    parts = normal.split("/")
+    if normal in (".", "") or ".." in parts:
+        raise ValueError(f"{value!r} must name a directory inside the root ('..' is not allowed)")
+    if is_shard_name(parts[0]) or parts[0].endswith(RECORD_SUFFIX):
+        raise ValueError(f"{value!r} collides with the names of shard directories or records")
+    return normal
+
+
+class FileLayout:
+    """Maps keys to POSIX paths under ``root``."""
+
+    def __init__(self, root: str, *, shard_dirs: bool, temp_dir: str | None = None) -> None:
+        self.root = root.rstrip("/") or "/"
+        self.shard_dirs = shard_dirs
+        #: where temporary files go (None: next to their record)
+        self.temp_dir = posixpath.join(self.root, check_relative_dir(temp_dir)) if temp_dir else None
+        self._temp_counter = itertools.count()
+        self._known_dirs: set[str] = set()
+        self._lock = threading.Lock()
+
+    def shard_of(self, key: ObjectKey) -> str:
+        """Relative shard directory of ``key`` ("" when flat)."""
+        if not self.shard_dirs:
+            return ""
+        digest = key.chunk_hash.hex().ljust(4, "0")  # a 1-byte hash still gets two levels
+        return f"{digest[0:2]}/{digest[2:4]}"
+
+    def directory_for(self, key: ObjectKey) -> str:
+        shard = self.shard_of(key)
+        return posixpath.join(self.root, shard) if shard else self.root
+
+    def path_for(self, key: ObjectKey) -> str:
+        return posixpath.join(self.directory_for(key), record_name(key))
+
+    def temp_path(self, key: ObjectKey) -> str:
+        """A fresh temporary path for writing ``key``'s record.
+
+        Independent of the key's name so a long name cannot push it past NAME_MAX; the pid
+        keeps two processes (one killed, one starting) from ever picking the same name.
+        """
+        directory = self.temp_dir or self.directory_for(key)
+        name = f"{TEMP_PREFIX}{os.getpid()}-{next(self._temp_counter)}{TEMP_SUFFIX}"
+        return posixpath.join(directory, name)
+
+    def owns(self, directory: str, key: ObjectKey) -> bool:
+        """Whether a record of ``key`` found in ``directory`` is where this layout puts it."""
+        return directory.rstrip("/") == self.directory_for(key)
+
+    # -- directories a local store has created (a cache, so a store costs no mkdir) -----------
+
+    def is_known(self, directory: str) -> bool:
+        return directory in self._known_dirs
+
+    def remember(self, directory: str) -> None:
+        with self._lock:
+            self._known_dirs.add(directory)
+
+    def forget_directories(self) -> None:
+        """Called when a directory vanished (someone removed the tree): create them again."""
+        with self._lock:
+            self._known_dirs.clear()

@@ -1,0 +1,376 @@
+"""Where a backend's calls run: worker threads for plain methods, an event loop for coroutines.
+
+Both runners run a batch operation the same way -- ``prepare``, the backend call,
+``finish``, publish -- and differ only in how the call is made:
+
+* :class:`ThreadRunner`: each operation kind (store, lookup, load) has its own worker
+  thread(s), so a long store never delays a lookup; ``delete`` and listings run on the
+  caller's thread;
+* :class:`LoopRunner`: one asyncio loop on its own thread, at most ``concurrency`` calls
+  in flight; serde work of size-changing chains runs in the loop's executor so CPU-heavy
+  transforms never stall other calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterable, Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+from lmcache_tiers.l2.calls import call, call_async, optional_method
+from lmcache_tiers.l2.interface import L2Op
+from lmcache_tiers.l2.ops import BatchOp
+from lmcache_tiers.l2.state import AdapterState
+
+log = logging.getLogger("lmcache_tiers.l2")
+
+T = TypeVar("T")
+Publish = Callable[[int, BatchOp, Any], None]
+Entry = Any  # one item of a backend listing: (key, size)
+
+
+def chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    batch: list[T] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+class Runner(ABC):
+    """Runs one backend's calls; the adapter owns task ids and results."""
+
+    def __init__(self, state: AdapterState, backend: object, publish: Publish) -> None:
+        self.state = state
+        self.backend = backend
+        self.publish = publish
+
+    @abstractmethod
+    def open(self, timeout: float) -> None:
+        """Start the threads and run the backend's ``open``."""
+
+    def opened(self, timeout: float) -> bool | None:
+        """True once the backend opened, False if it failed to, None if still opening."""
+        return True
+
+    @abstractmethod
+    def run(self, task_id: int, op: BatchOp) -> None:
+        """Run ``op`` in the background and publish its result under ``task_id``."""
+
+    @abstractmethod
+    def call_now(self, op: BatchOp) -> Any:
+        """Run ``op`` to completion for the calling thread (``delete``)."""
+
+    @abstractmethod
+    def listing(self, batch: int) -> Iterator[list[Entry]]:
+        """The backend's ``list_keys`` in batches, for any thread but the runner's own."""
+
+    @abstractmethod
+    def stop(self, deadline: float) -> None:
+        """Fail queued tasks, unblock and wait for running calls until ``deadline``."""
+
+    @abstractmethod
+    def close_backend(self, deadline: float) -> None:
+        """Run the backend's ``close`` (once) and end the runner's threads."""
+
+    def _interrupt(self) -> None:
+        interrupt = optional_method(self.backend, "interrupt")
+        if interrupt is not None:
+            try:
+                interrupt()
+            except Exception:
+                log.exception("%s: interrupt failed", self.state.name)
+
+
+class ThreadRunner(Runner):
+    def __init__(self, state: AdapterState, backend: object, publish: Publish, workers: int) -> None:
+        super().__init__(state, backend, publish)
+        self.workers = max(1, workers)
+        self._queues: dict[L2Op, queue.SimpleQueue[tuple[int, BatchOp] | None]] = {}
+        self._threads: list[threading.Thread] = []
+
+    def open(self, timeout: float) -> None:
+        opener = optional_method(self.backend, "open")
+        if opener is not None:
+            opener()
+        for op in L2Op:
+            jobs: queue.SimpleQueue[tuple[int, BatchOp] | None] = queue.SimpleQueue()
+            self._queues[op] = jobs
+            for number in range(self.workers):
+                thread = threading.Thread(
+                    target=self._work,
+                    args=(jobs,),
+                    name=f"l2-{self.state.name}-{op.name.lower()}-{number}",
+                    daemon=True,
+                )
+                thread.start()
+                self._threads.append(thread)
+
+    def _execute(self, op: BatchOp) -> Any:
+        args = op.prepare()
+        return op.finish(call(self.state, self.backend, op.method, *args))
+
+    def _work(self, jobs: queue.SimpleQueue[tuple[int, BatchOp] | None]) -> None:
+        while (item := jobs.get()) is not None:
+            task_id, op = item
+            try:
+                self.publish(task_id, op, self._execute(op))
+            except BaseException:  # never let one task kill the worker
+                log.exception("%s: task %d crashed", self.state.name, task_id)
+                self.state.board.fail(task_id)
+
+    def run(self, task_id: int, op: BatchOp) -> None:
+        assert op.kind is not None
+        self._queues[op.kind].put((task_id, op))
+
+    def call_now(self, op: BatchOp) -> Any:
+        return self._execute(op)
+
+    def listing(self, batch: int) -> Iterator[list[Entry]]:
+        listed: Iterable[Entry] = self.backend.list_keys()  # type: ignore[attr-defined]
+        return chunks(listed, batch)
+
+    def stop(self, deadline: float) -> None:
+        # Tasks still queued never reach the backend; running ones may finish in time.
+        for jobs in self._queues.values():
+            while True:
+                try:
+                    item = jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    self.state.board.fail(item[0])
+            for _ in range(self.workers):
+                jobs.put(None)
+        self._interrupt()
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [thread.name for thread in self._threads if thread.is_alive()]
+        if stuck:
+            log.warning("%s: backend calls still running at the close deadline: %s", self.state.name, stuck)
+
+    def close_backend(self, deadline: float) -> None:
+        closer = optional_method(self.backend, "close")
+        if closer is not None:
+            closer()
+
+    def threads(self) -> list[threading.Thread]:
+        return list(self._threads)
+
+
+class LoopRunner(Runner):
+    def __init__(self, state: AdapterState, backend: object, publish: Publish, concurrency: int) -> None:
+        super().__init__(state, backend, publish)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, name=f"l2-{state.name}-loop", daemon=True)
+        self._semaphore = asyncio.Semaphore(max(1, concurrency))
+        self._opened: concurrent.futures.Future[None] | None = None
+        self._futures: set[concurrent.futures.Future[Any]] = set()
+        self._lock = threading.Lock()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        loop = self._loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+            leftovers = asyncio.all_tasks(loop)
+            for task in leftovers:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            loop.close()
+
+    def _schedule(self, coroutine: Any) -> concurrent.futures.Future[Any]:
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        with self._lock:
+            self._futures.add(future)
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._futures.discard(future)
+
+    async def _offload(self, function: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(None, function)
+
+    # -- opening ------------------------------------------------------------------------------
+
+    async def _open(self) -> None:
+        opener = optional_method(self.backend, "open")
+        if opener is not None:
+            outcome = opener()
+            if inspect.isawaitable(outcome):
+                await outcome
+
+    def open(self, timeout: float) -> None:
+        self._thread.start()
+        self._opened = asyncio.run_coroutine_threadsafe(self._open(), self._loop)
+        try:
+            self._opened.result(timeout)
+        except concurrent.futures.TimeoutError:
+            log.warning("%s: the backend is still opening after %.0f s", self.state.name, timeout)
+        except Exception as exc:
+            self.state.count("open_failures")
+            log.warning(
+                "%s: the backend failed to open, every operation fails: %s: %s",
+                self.state.name,
+                type(exc).__name__,
+                exc,
+            )
+
+    def opened(self, timeout: float) -> bool | None:
+        opened = self._opened
+        if opened is None:
+            return None
+        try:
+            opened.result(timeout)
+        except concurrent.futures.TimeoutError:
+            return None
+        except BaseException:
+            return False
+        return True
+
+    async def _backend_ready(self) -> bool:
+        assert self._opened is not None
+        try:
+            await asyncio.wrap_future(self._opened)
+        except Exception as exc:
+            self.state.backend_failed("open", exc)
+            return False
+        return True
+
+    # -- operations ---------------------------------------------------------------------------
+
+    async def _run(self, task_id: int, op: BatchOp) -> None:
+        prepared = False
+        result: list[Any] | None = None
+        try:
+            if await self._backend_ready():
+                async with self._semaphore:
+                    args = await self._offload(op.prepare) if op.heavy_prepare else op.prepare()
+                    prepared = True
+                    result = await call_async(self.state, self.backend, op.method, *args)
+        except asyncio.CancelledError:
+            if prepared:
+                self.publish(task_id, op, op.finish(None, call_returned=False))
+            else:
+                self.state.board.fail(task_id)
+            raise
+
+        def finish() -> None:
+            self.publish(task_id, op, op.finish(result))
+
+        if op.heavy_finish:
+            # The executor finishes and publishes even if this task is cancelled while it
+            # waits, so pins are never left behind.
+            await self._offload(finish)
+        else:
+            finish()
+
+    def run(self, task_id: int, op: BatchOp) -> None:
+        self._schedule(self._run(task_id, op))
+
+    async def _now(self, op: BatchOp) -> Any:
+        result: list[Any] | None = None
+        args = op.prepare()
+        try:
+            if await self._backend_ready():
+                result = await call_async(self.state, self.backend, op.method, *args)
+        finally:
+            outcome = op.finish(result)
+        return outcome
+
+    def call_now(self, op: BatchOp) -> Any:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(f"{self.state.name}: a blocking call would stall the adapter's own event loop")
+        try:
+            return self._schedule(self._now(op)).result()
+        except concurrent.futures.CancelledError:
+            return op.finish(None, call_returned=False)
+
+    def listing(self, batch: int) -> Iterator[list[Entry]]:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(f"{self.state.name}: listing keys would stall the adapter's own event loop")
+        listed = self.backend.list_keys()  # type: ignore[attr-defined]
+        if not isinstance(listed, AsyncIterable):
+            yield from chunks(listed, batch)
+            return
+        iterator = listed.__aiter__()
+
+        async def next_batch() -> tuple[list[Entry], bool]:
+            items: list[Entry] = []
+            try:
+                while len(items) < batch:
+                    items.append(await iterator.__anext__())
+            except StopAsyncIteration:
+                return items, True
+            return items, False
+
+        try:
+            while True:
+                items, exhausted = asyncio.run_coroutine_threadsafe(next_batch(), self._loop).result()
+                yield items
+                if exhausted:
+                    return
+        finally:
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None and self._loop.is_running():
+                try:
+                    asyncio.run_coroutine_threadsafe(aclose(), self._loop).result(5.0)
+                except Exception:
+                    log.debug("%s: closing the key listing failed", self.state.name, exc_info=True)
+
+    # -- closing --------------------------------------------------------------------------------
+
+    def stop(self, deadline: float) -> None:
+        self._interrupt()
+        with self._lock:
+            futures = list(self._futures)
+        if not futures:
+            return
+        _done, running = concurrent.futures.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+        if running:
+            log.warning(
+                "%s: %d backend calls still running at the close deadline; cancelled",
+                self.state.name,
+                len(running),
+            )
+        for future in running:
+            future.cancel()
+
+    def close_backend(self, deadline: float) -> None:
+        closer = optional_method(self.backend, "close")
+
+        async def close() -> None:
+            if closer is not None:
+                outcome = closer()
+                if inspect.isawaitable(outcome):
+                    await outcome
+
+        try:
+            if self._thread.is_alive():
+                future = asyncio.run_coroutine_threadsafe(close(), self._loop)
+                future.result(max(0.1, deadline - time.monotonic()))
+            else:
+                asyncio.run(close())
+        finally:
+            if self._thread.is_alive():
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(max(0.1, deadline - time.monotonic()))
+            elif not self._loop.is_closed():
+                self._loop.close()

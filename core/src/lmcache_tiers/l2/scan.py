@@ -1,0 +1,156 @@
+"""The start-up scan: what the backend already holds, accounted from its listing.
+
+A persistent backend reopened after a restart holds objects this process never stored.
+The scan reads ``list_keys`` once, in batches, and accounts every listed object (bytes in
+total and per ``cache_salt``), so usage is right soon after start rather than only once
+each key was looked up.  The first batches are read while the adapter is built, which is
+all of a small cache; the rest on a thread of its own, with progress in ``stats()``
+(``scan_running``, ``scan_keys``, ``scan_bytes``).  Stores that would add bytes while it
+runs are refused: the usage they would be checked against is not known yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2.accounting import UNKNOWN_L1
+from lmcache_tiers.l2.runners import Entry, Runner
+from lmcache_tiers.l2.state import AdapterState
+from lmcache_tiers.protocols import ObjectSize
+
+log = logging.getLogger("lmcache_tiers.l2")
+
+#: listed objects accounted while the adapter is being built
+FOREGROUND_ENTRIES = 4096
+#: objects taken from the listing at a time
+BATCH_ENTRIES = 1024
+
+
+class KeyScan:
+    """Accounts the backend's listing once, partly in the foreground, then on a thread."""
+
+    def __init__(self, state: AdapterState, runner: Runner) -> None:
+        self.state = state
+        self.runner = runner
+        self.keys = 0
+        self.bytes = 0
+        self.invalid = 0
+        self.errors = 0
+        self.running = False
+        self._thread: threading.Thread | None = None
+        self._batches: Iterator[list[Entry]] | None = None
+        self._started = 0.0
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        self.state.accounting.begin_scan()
+        self.running = True
+        self._started = time.monotonic()
+        if self.runner.opened(0.0) is True and self._account(FOREGROUND_ENTRIES):
+            return
+        self._thread = threading.Thread(
+            target=self._background, name=f"l2-{self.state.name}-scan", daemon=True
+        )
+        self._thread.start()
+
+    def _size(self, entry: Any) -> tuple[ObjectKey, ObjectSize] | None:
+        try:
+            key, size = entry
+        except (TypeError, ValueError):
+            return None
+        if not isinstance(key, ObjectKey):
+            return None
+        if isinstance(size, ObjectSize):
+            return (key, size) if size.stored >= 0 and size.l1 >= 0 else None
+        if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
+            return key, ObjectSize(size, size if self.state.chain.identity else UNKNOWN_L1)
+        return None
+
+    def _account(self, limit: int | None) -> bool:
+        """Account batches until ``limit`` entries (None: all); True once finished."""
+        taken = 0
+        try:
+            if self._batches is None:
+                self._batches = self.runner.listing(BATCH_ENTRIES)
+            while limit is None or taken < limit:
+                if self.state.closing.is_set():
+                    self._finish("the adapter closed first")
+                    return True
+                batch = next(self._batches, None)
+                if batch is None:
+                    self._finish(None)
+                    return True
+                taken += len(batch)
+                sizes = [size for size in map(self._size, batch) if size is not None]
+                self.invalid += len(batch) - len(sizes)
+                with self._lock:
+                    if not self.running:  # ended by close() while this batch was listed
+                        return True
+                    added, added_bytes = self.state.accounting.add_scanned(sizes)
+                    self.keys += added
+                    self.bytes += added_bytes
+        except Exception as exc:  # the rest is accounted lazily, on first lookup
+            self.errors += 1
+            self._finish(f"listing failed: {type(exc).__name__}: {exc}")
+            return True
+        return False
+
+    def _background(self) -> None:
+        while not self.state.closing.is_set():
+            opened = self.runner.opened(0.1)
+            if opened is None:
+                continue
+            if opened:
+                self._account(None)
+            else:
+                self._finish("the backend did not open")
+            return
+        self._finish("the adapter closed first")
+
+    def _finish(self, problem: str | None) -> None:
+        with self._lock:
+            if not self.running:
+                return
+            self.running = False
+            self.state.accounting.end_scan()
+        if self.invalid:
+            self.state.count("scan_invalid_entries", self.invalid)
+            log.warning(
+                "%s: %d listed entries were not (key, size) pairs; ignored", self.state.name, self.invalid
+            )
+        elapsed = time.monotonic() - self._started
+        if problem is None:
+            log.info(
+                "%s: start-up scan accounted %d objects, %d bytes in %.1f s",
+                self.state.name,
+                self.keys,
+                self.bytes,
+                elapsed,
+            )
+        else:
+            log.warning(
+                "%s: start-up scan stopped after %d objects (%s); the rest is accounted on first lookup",
+                self.state.name,
+                self.keys,
+                problem,
+            )
+
+    def join(self, deadline: float) -> None:
+        thread = self._thread
+        if thread is not None:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if self.running:
+            self._finish("the adapter closed first")
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "scan_running": int(self.running),
+            "scan_keys": self.keys,
+            "scan_bytes": self.bytes,
+            "scan_errors": self.errors,
+        }

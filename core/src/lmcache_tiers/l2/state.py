@@ -1,0 +1,146 @@
+"""The state one adapter's operations share: what the backend context exposes and the
+batch operations update (pins, accounting, serde chain, counters, listeners).
+
+It holds no threads; the runner and the adapter own those.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from lmcache_tiers.burst import BurstLog
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2.accounting import UNKNOWN_L1, ByteAccounting
+from lmcache_tiers.l2.codec import SerdeChain
+from lmcache_tiers.l2.context import AdapterContext
+from lmcache_tiers.l2.interface import L2Listener
+from lmcache_tiers.l2.pins import PinTable
+from lmcache_tiers.l2.tasks import TaskBoard
+
+if TYPE_CHECKING:
+    from lmcache_tiers.l2.interface import L2Adapter
+    from lmcache_tiers.registry import ComponentRegistry
+
+log = logging.getLogger("lmcache_tiers.l2")
+
+
+class Counters:
+    """Monotonic counters of one adapter, thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def add(self, name: str, amount: int = 1) -> None:
+        if amount:
+            with self._lock:
+                self._counts[name] += amount
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+class AdapterState:
+    """Everything the operations of one adapter share; built before its backend."""
+
+    def __init__(self, facts: AdapterContext, registry: ComponentRegistry | None = None) -> None:
+        self.facts = facts
+        self.name = facts.name
+        self.registry = registry
+        self.chain = SerdeChain(facts.serde)
+        self.accounting = ByteAccounting()
+        self.pins = PinTable()
+        self.board = TaskBoard()
+        self.counters = Counters()
+        self.closing = threading.Event()
+        self.burst = BurstLog()
+        self.adapter: L2Adapter | None = None  # the adapter listeners are told about
+        self._listeners: list[L2Listener] = []
+        self._lock = threading.Lock()
+        #: (L1 size, layout) of keys whose store is in the backend call right now
+        self._storing: dict[ObjectKey, tuple[int, str]] = {}
+        #: keys whose record was written with another serde chain (misses until replaced)
+        self._unreadable: set[ObjectKey] = set()
+
+    def count(self, name: str, amount: int = 1) -> None:
+        self.counters.add(name, amount)
+
+    # -- keys being stored -------------------------------------------------------------------
+
+    def storing_begin(self, items: Sequence[tuple[ObjectKey, int, str]]) -> None:
+        with self._lock:
+            for key, l1_size, layout in items:
+                self._storing[key] = (l1_size, layout)
+                self._unreadable.discard(key)
+
+    def storing_end(self, keys: Sequence[ObjectKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._storing.pop(key, None)
+
+    def storing(self, key: ObjectKey) -> tuple[int, str] | None:
+        with self._lock:
+            return self._storing.get(key)
+
+    def l1_size_of(self, key: ObjectKey) -> int | None:
+        """L1 size of a key being stored now, else of an accounted key; None if unknown."""
+        storing = self.storing(key)
+        if storing is not None:
+            return storing[0]
+        size = self.accounting.get(key)
+        return None if size is None or size.l1 == UNKNOWN_L1 else size.l1
+
+    # -- records of another serde chain -----------------------------------------------------------
+
+    def mark_unreadable(self, key: ObjectKey, written: Sequence[str]) -> None:
+        with self._lock:
+            self._unreadable.add(key)
+        self.count("serde_chain_mismatch")
+        self.burst.warn(
+            "serde_chain_mismatch",
+            "%s: %s was written with serde chain %s, configured is %s: a miss (the record is kept)",
+            self.name,
+            key.file_stem(),
+            list(written),
+            list(self.chain.names),
+        )
+
+    def unreadable(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        with self._lock:
+            if not self._unreadable:
+                return [False] * len(keys)
+            return [key in self._unreadable for key in keys]
+
+    def forget_unreadable(self, keys: Sequence[ObjectKey]) -> None:
+        with self._lock:
+            self._unreadable.difference_update(keys)
+
+    # -- listeners -----------------------------------------------------------------------------
+
+    def add_listener(self, listener: L2Listener) -> None:
+        self._listeners.append(listener)
+
+    def notify(self, method: str, keys: Sequence[ObjectKey]) -> None:
+        if not keys:
+            return
+        for listener in list(self._listeners):
+            try:
+                getattr(listener, method)(self.adapter, keys)
+            except Exception:  # a listener bug must not fail the adapter's operations
+                log.exception("%s: listener %r failed in %s", self.name, listener, method)
+
+    def backend_failed(self, method: str, exc: BaseException) -> None:
+        self.count("backend_errors")
+        self.burst.warn(
+            f"backend_errors:{method}",
+            "%s: %s failed: %s: %s",
+            self.name,
+            method,
+            type(exc).__name__,
+            exc,
+        )

@@ -1,0 +1,279 @@
+"""Every interface a plugin implements, in one module.
+
+* :class:`L2Backend` / :class:`AsyncL2Backend` -- the plain batch I/O of an L2 backend;
+  core wraps it into the adapter the controllers use (see :mod:`lmcache_tiers.l2`);
+* :class:`StorePolicy`, :class:`PrefetchPolicy`, :class:`EvictionPolicy` -- small pure
+  objects the controllers consult;
+* :class:`Serde` -- one reversible byte transform of an adapter's serde chain.
+
+The front-end contract (a wire protocol the server speaks) is in
+:mod:`lmcache_tiers.frontend`, next to the code that checks and builds front ends.
+
+Plugins reach these names through :mod:`lmcache_tiers.plugin`.  This module imports
+nothing heavy: manifests that name a protocol stay cheap to import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+
+from lmcache_tiers.keys import ObjectKey
+
+if TYPE_CHECKING:
+    from lmcache_tiers.serde import SerdeContext
+
+__all__ = [
+    "AdapterInfo",
+    "AsyncL2Backend",
+    "Capacity",
+    "EvictionPolicy",
+    "L2Backend",
+    "ObjectSize",
+    "PrefetchPolicy",
+    "Serde",
+    "StorePolicy",
+]
+
+
+# -- L2 backends -------------------------------------------------------------------------------
+
+
+class ObjectSize(NamedTuple):
+    """Sizes of one stored object.
+
+    ``stored`` is what the backend holds (the serde chain's output, what counts against
+    capacity); ``l1`` is the decoded size a load needs in L1.  They differ only with a
+    size-changing serde chain.
+    """
+
+    stored: int
+    l1: int
+
+
+class Capacity(NamedTuple):
+    """What a backend can hold: bytes, objects, or both (None: no limit of that kind).
+
+    Slot stores (a fixed number of files, blocks or regions) declare ``objects``: their
+    usage is the fraction of slots in use, whatever the objects' sizes.
+    """
+
+    bytes: int | None = None
+    objects: int | None = None
+
+
+#: what ``contains_many`` reports per key: None (miss), the stored size or both sizes
+Found = int | ObjectSize | None
+
+
+@runtime_checkable
+class L2Backend(Protocol):
+    """Plain batch I/O of one L2 backend, written as ordinary (blocking) methods.
+
+    Core wraps the backend in one adapter that owns everything else: worker threads,
+    task ids, eventfds, pins between lookup and load, lock-aware delete, byte accounting
+    (seeded at start from ``list_keys``), capacity refusals, the serde chain and listener
+    notifications.  Each operation kind (store, lookup, load) runs on its own worker
+    thread(s), and ``delete_many`` on the caller's thread, so the methods must be
+    thread-safe.  Every method gets keys in prefix order and answers one result per key;
+    an exception or a result of the wrong length fails the whole batch (counted as
+    ``backend_errors``).
+
+    Optional members, found by name when present:
+
+    * ``open()`` -- runs once before any other call;
+    * ``close()`` -- runs once when the adapter closes, after the calls still running
+      finished (or ``close_timeout_s`` passed);
+    * ``interrupt()`` -- called once when closing starts, to unblock calls in progress
+      (a remote peer that stopped answering); sleeps through ``context.sleep`` end anyway;
+    * ``stats() -> Mapping[str, int]`` -- gauges merged into the adapter's ``stats()``;
+    * ``needs_l1_buffers: bool`` (class attribute, default False) -- True when the
+      backend addresses the buffers it gets by their place in ``context.l1_buffer``
+      (memory registered once); such a backend is refused with the NVMe L1;
+    * ``concurrency: int`` -- worker threads per operation kind (default 1);
+    * ``remote: bool`` (class attribute, default False) -- True for a store reached over
+      the network: core then puts a circuit breaker in front of it unless the adapter's
+      ``circuit.enabled`` says otherwise (see :mod:`lmcache_tiers.l2.circuit`);
+    * ``ping()`` -- a cheap call that raises when the store does not answer; the
+      breaker's probe (``contains_many`` of ``PROBE_KEY`` without it).  A coroutine for
+      coroutine backends.
+    """
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> Sequence[bool]:
+        """Store each payload under its key, replacing an existing object; True where stored.
+
+        Payloads are valid only during the call.  Capacity was checked by core: a
+        backend refuses a key only when it really cannot store it.
+        """
+        ...
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> Sequence[Found]:
+        """The stored size of each present key (what ``put_many`` got), None for a miss.
+
+        A persistent backend whose records carry the L1 size returns ``ObjectSize`` when
+        ``context.l1_size_of(key)`` is None: that is how the L1 size of an object stored
+        by an earlier process is recovered under a size-changing serde chain.
+        """
+        ...
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> Sequence[bool]:
+        """Fill each buffer (exactly the stored size) with its object; False where not."""
+        ...
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> Sequence[bool]:
+        """Remove each key; False where it was absent or could not be removed."""
+        ...
+
+    def list_keys(self) -> Iterable[tuple[ObjectKey, int | ObjectSize]]:
+        """Every stored key with its size (as ``contains_many`` reports it).
+
+        Core reads it once at start, in the background, to account what an earlier
+        process stored; the L2 eviction controller reads it to seed its policy.
+        """
+        ...
+
+    def capacity(self) -> int | Capacity | None:
+        """Bytes (an int), a :class:`Capacity`, or None when there is no natural limit.
+
+        Cheap and called from any thread; stores that do not fit are refused by core.
+        """
+        ...
+
+
+@runtime_checkable
+class AsyncL2Backend(Protocol):
+    """The same batch I/O as :class:`L2Backend`, written as coroutines.
+
+    Core runs them on an event loop of the adapter's own thread, at most ``concurrency``
+    calls at once (default 64); ``open`` and ``close`` may be coroutines too (``open`` is
+    where loop-bound clients are created).  ``list_keys`` may be an async generator.
+    ``capacity``, ``interrupt`` and ``stats`` stay plain methods.  Whether a backend is
+    asynchronous is read from its methods: the four batch methods are all coroutine
+    functions or none is.
+    """
+
+    async def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> Sequence[bool]: ...
+
+    async def contains_many(self, keys: Sequence[ObjectKey]) -> Sequence[Found]: ...
+
+    async def get_many_into(
+        self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]
+    ) -> Sequence[bool]: ...
+
+    async def delete_many(self, keys: Sequence[ObjectKey]) -> Sequence[bool]: ...
+
+    def list_keys(
+        self,
+    ) -> AsyncIterable[tuple[ObjectKey, int | ObjectSize]] | Iterable[tuple[ObjectKey, int | ObjectSize]]: ...
+
+    def capacity(self) -> int | Capacity | None: ...
+
+
+# -- policies ----------------------------------------------------------------------------------
+
+
+class AdapterInfo(NamedTuple):
+    """What a policy may know about one L2 adapter of the cascade."""
+
+    # Shadows tuple.index on purpose: the field name is part of the policy contract.
+    index: int  # type: ignore[assignment]  # position in the cascade (0 = first)
+    type: str  # registered adapter type, e.g. "mock"
+    name: str  # instance label, e.g. "0:mock"
+    usage: float  # used/capacity, -1.0 when the adapter has no capacity
+
+
+@runtime_checkable
+class StorePolicy(Protocol):
+    """Decides where freshly written L1 objects go, and whether L1 keeps them."""
+
+    def select_store_targets(
+        self, keys: Sequence[ObjectKey], adapters: Sequence[AdapterInfo]
+    ) -> dict[int, list[ObjectKey]]:
+        """Map adapter index -> the keys (a subset of ``keys``) to store there."""
+        ...
+
+    def select_l1_deletions(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
+        """Of ``keys`` just stored successfully in L2, those L1 should drop now."""
+        ...
+
+
+@runtime_checkable
+class PrefetchPolicy(Protocol):
+    """Decides which adapter each L2 hit is loaded from."""
+
+    #: False: loaded objects are temporary in L1 (freed after their last read).
+    retain_loaded: bool
+
+    def select_load_plan(
+        self,
+        keys: Sequence[ObjectKey],
+        found: Sequence[Sequence[bool]],
+        adapters: Sequence[AdapterInfo],
+    ) -> dict[int, list[bool]]:
+        """Map adapter index -> bitmap over ``keys`` of what to load from it.
+
+        ``found[i][k]`` tells whether adapter ``adapters[i]`` holds ``keys[k]``.  A key
+        should be planned from at most one adapter that found it; the controller trims
+        the plan to its contiguous prefix.
+        """
+        ...
+
+
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    """Orders keys for eviction; used for L1 and for each L2 adapter alike."""
+
+    def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
+        """Keys became present; later keys of a batch must be evicted first."""
+        ...
+
+    def on_keys_read(self, keys: Sequence[ObjectKey]) -> None:
+        """Keys were read (same tail-first ordering as writes)."""
+        ...
+
+    def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
+        """Keys are gone (deleted, evicted or freed); forget them."""
+        ...
+
+    def victims(self) -> Iterator[ObjectKey]:
+        """Keys in eviction order.
+
+        The caller stops iterating once enough is freed.  It calls no other method of
+        the policy while the iterator is in use (removals it causes are reported
+        afterwards), so a lazy generator over internal state is fine.
+        """
+        ...
+
+
+# -- serde and front ends ----------------------------------------------------------------------
+
+
+@runtime_checkable
+class Serde(Protocol):
+    """One reversible byte transform.
+
+    ``name`` identifies the transform in persisted record headers (so a record written
+    with another chain is recognised and refused rather than decoded wrongly).
+
+    ``decode(data, context)``: ``context.size`` is the size of the object in L1, i.e. the
+    decoded size of the *whole* chain.  The first serde of a chain (the last to decode)
+    must return exactly that many bytes; a serde further down the chain whose own output
+    is not the L1 size must carry what it needs in its encoding.  Either method may raise
+    (a tampered ciphertext, a truncated frame): the adapter turns that into a miss of that
+    object only.  Both may be called from several threads at once.
+
+    Optional: ``max_encoded_size(size: int) -> int``, an upper bound of what ``encode``
+    returns for ``size`` input bytes.  When every serde of a chain declares one, the
+    adapter sizes the buffer the encoded object is staged in from it; an output larger
+    than its serde's bound fails that object (counted ``serde_bound_exceeded``).
+    """
+
+    name: str
+
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes | memoryview: ...
+
+    def decode(self, data: memoryview, context: SerdeContext) -> bytes | memoryview: ...
+
+
+#: what ``L2Backend.stats`` returns
+BackendStats = Mapping[str, int]

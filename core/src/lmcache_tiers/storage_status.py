@@ -1,0 +1,86 @@
+"""The StorageManager's status: one JSON-able snapshot of usage, counters, in-flight work
+and failures, for ``/status``, ``/metrics`` and ``lmcache-tiers status``.
+
+Adapters are asked one at a time; one whose backend raises still gets its entry, with the
+error instead of its usage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmcache_tiers.storage_wiring import StorageParts
+
+
+def storage_status(parts: StorageParts) -> dict[str, Any]:
+    """See :meth:`lmcache_tiers.storage.StorageManager.status`."""
+    counters, per_adapter, failures = parts.stats.snapshot()
+    step_errors = sum(controller.step_errors for controller in parts.controllers())
+    if step_errors:
+        failures["controller_step_error"] = step_errors
+    l1_stats = parts.l1.stats()
+    adapters = []
+    for slot, counts in zip(parts.slots, per_adapter, strict=True):
+        entry: dict[str, Any] = {"index": slot.index, "name": slot.name, "type": slot.type}
+        try:
+            entry["usage"] = slot.adapter.usage()
+            entry["used_bytes"] = slot.adapter.used_bytes()
+            entry["backend"] = slot.adapter.stats()
+        except Exception as exc:  # a dead backend still gets a status line
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        entry.update(counts)
+        eviction = parts.l2_evictions.get(slot.index)
+        entry["eviction"] = (
+            None
+            if eviction is None
+            else {
+                "trigger_watermark": eviction.trigger_watermark,
+                "eviction_ratio": eviction.eviction_ratio,
+            }
+        )
+        adapters.append(entry)
+    return {
+        "l1": {
+            "capacity_bytes": parts.l1.capacity_bytes,
+            "used_bytes": l1_stats.used_bytes,
+            "usage": parts.l1.usage(),
+            "objects": l1_stats.objects,
+            "write_locked": l1_stats.write_locked,
+            "read_locks": l1_stats.read_locks,
+            "temporary": l1_stats.temporary,
+            "fragmentation": parts.l1.fragmentation(),
+        },
+        "requests": {
+            "lookups": counters.get("lookups", 0),
+            "lookup_keys": counters.get("lookup_keys", 0),
+            "l1_hit_chunks": counters.get("l1_hit_chunks", 0),
+            "l2_hit_chunks": counters.get("l2_hit_chunks", 0),
+            "keys_written": counters.get("keys_written", 0),
+            "keys_read": counters.get("keys_read", 0),
+        },
+        "prefetch": {
+            "policy": parts.policy_names["prefetch_policy"],
+            "in_flight": parts.prefetch.in_flight(),
+            "queued": parts.prefetch.queued(),
+            "max_in_flight": parts.prefetch.max_in_flight,
+        },
+        "store": {
+            "policy": parts.policy_names["store_policy"],
+            "in_flight_tasks": parts.store.in_flight(),
+            "pending_batches": parts.store.pending_batches(),
+            "l1_deleted_after_store": counters.get("l1_deleted_after_store", 0),
+        },
+        "eviction": {
+            "l1": {
+                "policy": parts.policy_names["eviction_policy"],
+                "trigger_watermark": parts.l1_eviction.trigger_watermark,
+                "eviction_ratio": parts.l1_eviction.eviction_ratio,
+                "evicted_keys": counters.get("l1_evicted_keys", 0),
+                "evicted_bytes": counters.get("l1_evicted_bytes", 0),
+                "runs": counters.get("l1_eviction_runs", 0),
+            },
+            "l2": {slot.name: per_adapter[slot.index]["keys_evicted"] for slot in parts.slots},
+        },
+        "adapters": adapters,
+        "failures": failures,
+    }

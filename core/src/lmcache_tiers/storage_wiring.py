@@ -1,0 +1,197 @@
+"""The parts of a StorageManager, built in dependency order, started and stopped.
+
+Policies are built first, so a bad name fails before gigabytes of L1 are mapped; then L1,
+the adapters (each refused at once if it needs L1 memory an NVMe L1 does not have), the
+engine's counters and the controllers.  Whatever was built is closed again if a later
+part fails.  Stopping runs the other way: prefetches and stores drain side by side,
+eviction stops after them, then the adapters close and L1 goes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any
+
+from lmcache_tiers.config import AdapterSpec, ServerConfig
+from lmcache_tiers.controllers import (
+    AdapterSlot,
+    ControllerThread,
+    EngineStats,
+    L1EvictionController,
+    L2EvictionController,
+    PrefetchController,
+    StoreController,
+)
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.l1 import L1Manager
+from lmcache_tiers.l2.build import build_adapter
+from lmcache_tiers.l2.context import AdapterContext
+from lmcache_tiers.l2.interface import L2Adapter
+from lmcache_tiers.policies import EvictionPolicy, PrefetchPolicy, StorePolicy
+from lmcache_tiers.registry import ComponentRegistry, Kind
+from lmcache_tiers.serde import build_serde_chain
+
+logger = logging.getLogger(__name__)
+
+
+def build_policy(registry: ComponentRegistry, kind: Kind, name: str) -> Any:
+    """Create a policy with its config Struct's defaults (the flags carry only its name)."""
+    component = registry.get(kind, name)
+    try:
+        config = component.config()
+    except TypeError as exc:
+        raise ConfigError(
+            f"{component.qualified_name} needs configuration it cannot get from a flag: {exc}"
+        ) from exc
+    return component.create(config)
+
+
+def _refuse_with_nvme_l1(name: str, built: object) -> None:
+    """An NVMe L1 has no memory an adapter could address, only copies of its objects.
+
+    ``built`` is the factory when it is a class (a backend's or an adapter's), else the
+    adapter it built.
+    """
+    if getattr(built, "needs_l1_buffers", False):
+        raise ConfigError(
+            f"l2 adapter {name} needs byte access to L1 memory and cannot be used with --gds-l1-path"
+        )
+
+
+class StorageParts:
+    """L1, the adapters (``slots``, in cascade order), the counters and the controllers."""
+
+    def __init__(self, config: ServerConfig, registry: ComponentRegistry) -> None:
+        store_policy: StorePolicy = build_policy(registry, Kind.STORE_POLICY, config.l2_store_policy)
+        prefetch_policy: PrefetchPolicy = build_policy(
+            registry, Kind.PREFETCH_POLICY, config.l2_prefetch_policy
+        )
+        eviction_policy: EvictionPolicy = build_policy(registry, Kind.EVICTION_POLICY, config.eviction_policy)
+        if config.gds_l1_path is not None:
+            # Refused before the L1 file takes its disk space; an adapter built by a factory
+            # function shows its class only once it exists (checked in _build_adapter).
+            for index, spec in enumerate(config.l2_adapters):
+                factory = registry.get(Kind.L2_ADAPTER, spec.type).load()
+                if isinstance(factory, type):
+                    _refuse_with_nvme_l1(f"{index}:{spec.type}", factory)
+        self.policy_names = {
+            "store_policy": config.l2_store_policy,
+            "prefetch_policy": config.l2_prefetch_policy,
+            "eviction_policy": config.eviction_policy,
+        }
+        self.l1 = L1Manager(
+            config.l1_size_bytes,
+            align=config.l1_align_bytes,
+            lock_ttl_s=config.l1_lock_ttl_s,
+            write_ttl_s=config.l1_write_ttl_s,
+            shm_name=config.l1_shm_name,
+            nvme_path=config.gds_l1_path,
+            direct_io=config.gds_l1_use_direct_io,
+        )
+        self.adapters: list[L2Adapter] = []
+        try:
+            self.slots = [
+                self._build_adapter(registry, index, spec) for index, spec in enumerate(config.l2_adapters)
+            ]
+            self.stats = EngineStats(len(self.slots))
+            self.l1_eviction = L1EvictionController(
+                self.l1,
+                eviction_policy,
+                trigger_watermark=config.eviction_trigger_watermark,
+                eviction_ratio=config.eviction_ratio,
+                stats=self.stats,
+            )
+            self.store = StoreController(self.l1, self.slots, store_policy, self.stats)
+            self.prefetch = PrefetchController(
+                self.l1,
+                self.slots,
+                prefetch_policy,
+                self.stats,
+                max_in_flight=config.l2_prefetch_max_in_flight,
+                # Room to load into is never made by dropping a write not yet in L2.
+                evict=functools.partial(self.l1_eviction.evict_now, spare_unstored=True),
+                align=config.l1_align_bytes,
+                # Shorter than the lock TTL: the locks an expired result gives back are
+                # still its own.
+                result_ttl_s=config.l1_lock_ttl_s / 2,
+            )
+            self.l2_evictions: dict[int, L2EvictionController] = {}
+            for slot, spec in zip(self.slots, config.l2_adapters, strict=True):
+                if spec.config.eviction is not None:
+                    policy = build_policy(
+                        registry, Kind.EVICTION_POLICY, spec.config.eviction.eviction_policy
+                    )
+                    self.l2_evictions[slot.index] = L2EvictionController(
+                        slot, policy, spec.config.eviction, self.stats
+                    )
+        except BaseException:
+            self._close_adapters()
+            self.l1.close()
+            raise
+
+    def _build_adapter(self, registry: ComponentRegistry, index: int, spec: AdapterSpec) -> AdapterSlot:
+        context = AdapterContext(
+            index=index,
+            name=f"{index}:{spec.type}",
+            config=spec.config,
+            serde=build_serde_chain(spec.serde, registry),
+            l1_buffer=self.l1.arena.buffer if self.l1.is_memory else None,
+            l1_is_memory=self.l1.is_memory,
+        )
+        adapter = build_adapter(registry, spec, context)
+        if not self.l1.is_memory:
+            # A factory function hides the class until the adapter exists.
+            try:
+                _refuse_with_nvme_l1(context.name, adapter)
+            except ConfigError:
+                adapter.close()
+                raise
+        self.adapters.append(adapter)
+        return AdapterSlot(index, spec.type, adapter)
+
+    def controllers(self) -> list[ControllerThread]:
+        return [self.l1_eviction, self.store, self.prefetch, *self.l2_evictions.values()]
+
+    def start(self) -> None:
+        for controller in self.controllers():
+            controller.start()
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until every controller has processed what it was handed; False on timeout."""
+        # Stores first: their completions are what wakes L2 eviction.
+        ordered: list[ControllerThread] = [
+            self.store,
+            *self.l2_evictions.values(),
+            self.prefetch,
+            self.l1_eviction,
+        ]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for controller in ordered:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not controller.wait_idle(left):
+                return False
+        return True
+
+    def close(self, drain_timeout_s: float) -> None:
+        """Finish in-flight L2 work (up to ``drain_timeout_s``), stop every thread, close
+        the adapters and release L1.  Call once."""
+        # Stores and prefetches drain side by side; eviction stops after them so a
+        # prefetch that needs room can still get it.
+        draining: list[ControllerThread] = [self.prefetch, self.store]
+        for controller in draining:
+            controller.request_stop(drain_timeout_s)
+        for controller in draining:
+            controller.join()
+        for evictor in (*self.l2_evictions.values(), self.l1_eviction):
+            evictor.stop(0.0)
+        self._close_adapters()
+        self.l1.close()
+
+    def _close_adapters(self) -> None:
+        for adapter in self.adapters:
+            try:
+                adapter.close()
+            except Exception:
+                logger.exception("closing L2 adapter %s failed", adapter.name)

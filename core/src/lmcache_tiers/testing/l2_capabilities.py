@@ -1,0 +1,95 @@
+"""The capability tests of the L2 conformance suite: persistence, capacity, eviction."""
+
+from __future__ import annotations
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import L2Adapter
+from lmcache_tiers.testing.base import requires
+from lmcache_tiers.testing.l2_support import (
+    CAPACITY,
+    EVICTION,
+    PERSISTENCE,
+    BufferPool,
+    L2SuiteBase,
+    Reopen,
+    make_keys,
+    nonzero,
+    pattern,
+)
+
+
+class L2CapabilityTests(L2SuiteBase):
+    """Tests a backend runs only when it declares the capability they need."""
+
+    def _stored_then_reopened(
+        self, adapter: L2Adapter, pool: BufferPool, reopen_adapter: Reopen, salted: int
+    ) -> tuple[L2Adapter, list[ObjectKey], list[bytes]]:
+        """Store 3 plain and ``salted`` salted keys, then reopen the adapter."""
+        keys = make_keys(3) + make_keys(salted, salt="tenant-a")
+        ok, data = self.store(adapter, pool, keys)
+        assert ok == [True] * len(keys)
+        return reopen_adapter(adapter), keys, data
+
+    @requires(PERSISTENCE)
+    def test_objects_survive_reopening(
+        self, adapter: L2Adapter, pool: BufferPool, reopen_adapter: Reopen
+    ) -> None:
+        reopened, keys, data = self._stored_then_reopened(adapter, pool, reopen_adapter, 1)
+        assert set(reopened.iter_keys()) == set(keys)
+        result = self.client(reopened).lookup_and_lock(keys)
+        assert result.found == [True] * 4
+        assert result.sizes == [len(d) for d in data]
+        assert reopened.used_bytes() == sum(len(d) for d in data)
+        by_salt = {"": sum(map(len, data[:3])), "tenant-a": len(data[3])}
+        assert nonzero(reopened.used_bytes_by_salt()) == by_salt
+        loaded, contents = self.load(reopened, pool, keys, result.sizes)
+        assert loaded == [True] * 4 and contents == data
+        reopened.unlock(keys)
+
+    @requires(PERSISTENCE)
+    def test_usage_is_known_right_after_reopening(
+        self, adapter: L2Adapter, pool: BufferPool, reopen_adapter: Reopen
+    ) -> None:
+        reopened, keys, data = self._stored_then_reopened(adapter, pool, reopen_adapter, 2)
+        self.wait_scanned(reopened)
+        # Before any lookup: the start-up scan accounted what the backend holds.
+        assert reopened.used_bytes() == sum(len(d) for d in data)
+        assert nonzero(reopened.used_bytes_by_salt()) == {
+            "": sum(map(len, data[:3])),
+            "tenant-a": sum(map(len, data[3:])),
+        }
+        self._check_usage(reopened)
+        assert reopened.delete(keys[:1]) == [True]
+        assert reopened.used_bytes() == sum(len(d) for d in data[1:])
+
+    @requires(PERSISTENCE)
+    def test_deletes_survive_reopening(
+        self, adapter: L2Adapter, pool: BufferPool, reopen_adapter: Reopen
+    ) -> None:
+        keys = make_keys(3)
+        self.store(adapter, pool, keys)
+        assert adapter.delete(keys[:2]) == [True, True]
+        reopened = reopen_adapter(adapter)
+        assert self.client(reopened).lookup_and_lock(keys).found == [False, False, True]
+        reopened.unlock(keys[2:])
+
+    @requires(CAPACITY)
+    def test_store_beyond_capacity_fails(self, adapter: L2Adapter, pool: BufferPool) -> None:
+        stored, refused = self._fill(adapter, pool)
+        assert stored, "not even one object fitted"
+        assert 0.0 < adapter.usage() <= 1.0
+        assert adapter.used_bytes() == self.object_size * len(stored)
+        assert self.client(adapter).lookup_and_lock([refused]).found == [False]
+
+    @requires(CAPACITY, EVICTION)
+    def test_deleting_frees_capacity(self, adapter: L2Adapter, pool: BufferPool) -> None:
+        stored, refused = self._fill(adapter, pool)
+        before = adapter.usage()
+        assert adapter.delete(stored[:2]) == [True, True]
+        assert adapter.usage() < before
+        data = pattern(77, self.object_size)
+        assert self.client(adapter).store([refused], [pool.filled(data)]) == [True]
+        result = self.client(adapter).lookup_and_lock([refused])
+        loaded, contents = self.load(adapter, pool, [refused], result.sizes)
+        assert loaded == [True] and contents == [data]
+        adapter.unlock([refused])

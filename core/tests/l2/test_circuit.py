@@ -1,0 +1,313 @@
+"""The circuit breaker in front of a backend: opens on repeated failures, fails fast while
+open, probes, and closes by itself once the backend answers again."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import pytest
+from l2_backends import AsyncDictBackend, DictBackend, DictConfig, open_dict
+
+from lmcache_tiers.config import CircuitConfig, decode_adapter
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import BackendAdapter
+from lmcache_tiers.l2.circuit import PROBE_KEY, AsyncCircuitBackend, CircuitBackend
+from lmcache_tiers.registry import ComponentRegistry, Kind
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.l2 import make_keys
+
+WAIT_S = 30.0  # guards against hangs only
+
+
+class Outage:
+    """A switch every test backend consults: down (raise), hung (block) or up."""
+
+    def __init__(self) -> None:
+        self.down = False
+        self.hang = threading.Event()
+        self.released = threading.Event()
+        self.pings = 0
+
+    def check(self) -> None:
+        if self.hang.is_set():
+            self.released.wait(WAIT_S)
+        if self.down:
+            raise ConnectionError("store unreachable")
+
+
+OUTAGE = Outage()
+
+
+@pytest.fixture(autouse=True)
+def outage() -> Outage:
+    global OUTAGE
+    OUTAGE = Outage()
+    yield OUTAGE
+    OUTAGE.released.set()
+
+
+class RemoteDict(DictBackend):
+    """A dict that behaves like a store across a network: it fails while the outage lasts."""
+
+    remote = True
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        OUTAGE.check()
+        return super().put_many(keys, payloads)
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[Any]:
+        OUTAGE.check()
+        return super().contains_many(keys)
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        OUTAGE.check()
+        return super().get_many_into(keys, buffers)
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        OUTAGE.check()
+        return super().delete_many(keys)
+
+
+class PingingRemoteDict(RemoteDict):
+    def ping(self) -> None:
+        OUTAGE.pings += 1
+        OUTAGE.check()
+
+
+class LocalDict(RemoteDict):
+    remote = False
+
+
+class AsyncRemoteDict(AsyncDictBackend):
+    remote = True
+
+    async def _check(self) -> None:
+        await asyncio.sleep(0)
+        if OUTAGE.hang.is_set():
+            await asyncio.sleep(WAIT_S)
+        if OUTAGE.down:
+            raise ConnectionError("store unreachable")
+
+    async def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:  # type: ignore[override]
+        await self._check()
+        return await super().put_many(keys, payloads)
+
+    async def contains_many(self, keys: Sequence[ObjectKey]) -> list[Any]:  # type: ignore[override]
+        await self._check()
+        return await super().contains_many(keys)
+
+    async def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:  # type: ignore[override]
+        await self._check()
+        return await super().get_many_into(keys, buffers)
+
+    async def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:  # type: ignore[override]
+        await self._check()
+        return await super().delete_many(keys)
+
+
+FAST = CircuitConfig(failure_threshold=3, probe_interval_s=0.02)
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def opened(adapters: list[BackendAdapter], backend: type[DictBackend], **config: Any) -> BackendAdapter:
+    config.setdefault("circuit", FAST)
+    adapter = open_dict(backend, **config)
+    adapters.append(adapter)
+    return adapter
+
+
+def fail_lookups(client: BlockingAdapterClient, keys: list[ObjectKey], times: int) -> None:
+    for _ in range(times):
+        assert client.lookup_and_lock(keys).found == [False] * len(keys)
+
+
+def store(client: BlockingAdapterClient, keys: list[ObjectKey], data: bytes = b"v" * 100) -> list[bool]:
+    return client.store(keys, [memoryview(bytearray(data)) for _ in keys])
+
+
+@pytest.mark.parametrize("backend", [RemoteDict, AsyncRemoteDict], ids=["plain", "coroutines"])
+def test_failures_open_the_circuit_and_a_probe_closes_it(
+    adapters: list[BackendAdapter], outage: Outage, backend: type[DictBackend]
+) -> None:
+    adapter = opened(adapters, backend)
+    guard = adapter.backend
+    assert isinstance(guard, AsyncCircuitBackend if backend is AsyncRemoteDict else CircuitBackend)
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    keys = make_keys(2)
+    assert store(client, keys) == [True, True]
+    assert adapter.stats()["circuit_open"] == 0
+
+    outage.down = True
+    fail_lookups(client, keys, 3)
+    stats = adapter.stats()
+    assert stats["circuit_open"] == 1 and stats["circuit_opened"] == 1
+    assert stats["circuit_failures"] == 3 and stats["backend_errors"] == 3
+
+    # Open: nothing reaches the backend; every refusal is counted.
+    calls = dict(guard.inner.calls)
+    assert client.lookup_and_lock(keys).found == [False, False]
+    assert store(client, make_keys(3, start=10)) == [False] * 3
+    assert client.load(keys, [memoryview(bytearray(100)) for _ in keys]) == [False, False]
+    assert adapter.delete(keys[:1]) == [False]
+    assert guard.inner.calls == calls
+    stats = adapter.stats()
+    assert stats["circuit_missed_lookup_keys"] == 2
+    assert stats["circuit_skipped_store_keys"] == 3
+    assert stats["circuit_failed_load_keys"] == 2
+    assert stats["circuit_failed_delete_keys"] == 1
+    assert stats["backend_errors"] == 3, "refusals are not backend calls"
+    wait_for(lambda: adapter.stats().get("circuit_probe_failures", 0) >= 2, "failed probes")
+
+    outage.down = False
+    wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close")
+    stats = adapter.stats()
+    assert stats["circuit_closed"] == 1 and stats["circuit_probes"] >= 3
+    found = client.lookup_and_lock(keys)
+    assert found.found == [True, True]
+    loaded = [memoryview(bytearray(100)) for _ in keys]
+    assert client.load(keys, loaded) == [True, True]
+    assert [bytes(b) for b in loaded] == [b"v" * 100] * 2
+    adapter.unlock(keys)
+
+
+@pytest.mark.parametrize("backend", [RemoteDict, AsyncRemoteDict], ids=["plain", "coroutines"])
+def test_the_circuit_opens_again_after_it_closed(
+    adapters: list[BackendAdapter], outage: Outage, backend: type[DictBackend]
+) -> None:
+    adapter = opened(adapters, backend)
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    keys = make_keys(1)
+    for round_number in (1, 2):
+        outage.down = True
+        fail_lookups(client, keys, 3)
+        assert adapter.stats()["circuit_opened"] == round_number
+        outage.down = False
+        wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close")
+        assert adapter.stats()["circuit_closed"] == round_number
+    assert store(client, keys) == [True]
+
+
+def test_a_success_resets_the_count_of_consecutive_failures(
+    adapters: list[BackendAdapter], outage: Outage
+) -> None:
+    adapter = opened(adapters, RemoteDict)
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    keys = make_keys(1)
+    for _ in range(3):
+        outage.down = True
+        fail_lookups(client, keys, 2)
+        assert adapter.stats()["circuit_consecutive_failures"] == 2
+        outage.down = False
+        fail_lookups(client, keys, 1)
+        assert adapter.stats()["circuit_consecutive_failures"] == 0
+    assert adapter.stats()["circuit_open"] == 0
+    assert adapter.stats()["circuit_failures"] == 6
+
+
+def test_the_probe_uses_ping_when_the_backend_has_one(adapters: list[BackendAdapter], outage: Outage) -> None:
+    adapter = opened(adapters, PingingRemoteDict)
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    outage.down = True
+    fail_lookups(client, make_keys(1), 3)
+    wait_for(lambda: outage.pings >= 2, "pings")
+    assert adapter.backend.inner.calls.get("contains_many", 0) == 0
+    outage.down = False
+    wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close")
+
+
+def test_without_ping_the_probe_asks_about_a_key_nobody_stores(adapters: list[BackendAdapter]) -> None:
+    adapter = opened(adapters, RemoteDict)
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    OUTAGE.down = True
+    fail_lookups(client, make_keys(1), 3)
+    OUTAGE.down = False
+    wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close")
+    assert PROBE_KEY not in adapter.backend.inner.objects
+    assert adapter.backend.inner.calls["contains_many"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("backend", "circuit", "opens_after"),
+    [
+        (LocalDict, None, None),
+        (LocalDict, CircuitConfig(enabled=True, failure_threshold=3), 3),
+        (RemoteDict, None, CircuitConfig().failure_threshold),
+        (RemoteDict, CircuitConfig(enabled=False), None),
+    ],
+    ids=["local", "local-enabled", "remote", "remote-disabled"],
+)
+def test_the_circuit_is_on_for_remote_backends_unless_configured(
+    adapters: list[BackendAdapter],
+    outage: Outage,
+    backend: type[DictBackend],
+    circuit: Any,
+    opens_after: int | None,
+) -> None:
+    adapter = opened(adapters, backend, circuit=circuit)
+    assert isinstance(adapter.backend, CircuitBackend) is (opens_after is not None)
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    outage.down = True
+    fail_lookups(client, make_keys(1), 8)
+    assert adapter.stats().get("circuit_open", 0) == int(opens_after is not None)
+    assert adapter.stats()["backend_errors"] == (opens_after or 8)
+
+
+@pytest.mark.parametrize("backend", [RemoteDict, AsyncRemoteDict], ids=["plain", "coroutines"])
+def test_a_lookup_not_answered_in_time_is_a_miss_and_a_failure(
+    adapters: list[BackendAdapter], outage: Outage, backend: type[DictBackend]
+) -> None:
+    circuit = CircuitConfig(failure_threshold=2, probe_interval_s=0.02, call_timeout_s=0.05)
+    adapter = opened(adapters, backend, circuit=circuit)
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    keys = make_keys(1)
+    assert store(client, keys) == [True]
+    outage.hang.set()
+    fail_lookups(client, keys, 2)
+    stats = adapter.stats()
+    assert stats["circuit_call_timeouts"] == 2 and stats["circuit_open"] == 1
+    # Probes time out too while the backend hangs; once it answers the circuit closes.
+    wait_for(lambda: adapter.stats().get("circuit_probe_failures", 0) >= 1, "a timed-out probe")
+    outage.hang.clear()
+    outage.released.set()
+    wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close")
+    assert client.lookup_and_lock(keys).found == [True]
+    adapter.unlock(keys)
+
+
+@pytest.mark.parametrize("backend", [RemoteDict, AsyncRemoteDict], ids=["plain", "coroutines"])
+def test_closing_an_open_circuit_ends_its_probing(
+    adapters: list[BackendAdapter], outage: Outage, backend: type[DictBackend]
+) -> None:
+    adapter = open_dict(backend, circuit=CircuitConfig(failure_threshold=1, probe_interval_s=0.01))
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    outage.down = True
+    fail_lookups(client, make_keys(1), 1)
+    wait_for(lambda: adapter.stats().get("circuit_probes", 0) >= 1, "a probe")
+    adapter.close()
+    probes = adapter.stats().get("circuit_probes", 0)
+    time.sleep(0.1)
+    assert adapter.stats().get("circuit_probes", 0) == probes
+    assert not [t.name for t in threading.enumerate() if t.name.endswith("-probe") and "0:t" in t.name]
+
+
+def test_circuit_options_are_validated_with_their_path() -> None:
+    registry = ComponentRegistry()
+    registry.for_plugin(Kind.L2_ADAPTER, "test").add("dict", DictBackend, DictConfig)
+    spec = decode_adapter(registry, {"type": "dict", "circuit": {"failure_threshold": 2}}, 0)
+    assert spec.config.circuit == CircuitConfig(failure_threshold=2)
+    for bad in ({"failure_threshold": 0}, {"probe_interval_s": 0}, {"call_timeout_s": -1}, {"x": 1}):
+        with pytest.raises(ConfigError, match=r"\$\.l2_adapters\[1\]\.circuit"):
+            decode_adapter(registry, {"type": "dict", "circuit": bad}, 1)
+    assert msgspec.convert({}, CircuitConfig).enabled is None

@@ -1,0 +1,212 @@
+"""Core's file-store code: names and paths, the start-up sweep, guarded removal, the lock."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmcache_tiers.errors import KeyValidationError
+from lmcache_tiers.keys import MAX_CACHE_SALT_LEN, MAX_MODEL_NAME_LEN, ObjectKey
+from lmcache_tiers.l2.files import (
+    DirectoryInUseError,
+    DirectoryLock,
+    EntryKind,
+    FileLayout,
+    LocalFiles,
+    PathLock,
+    check_relative_dir,
+    classify_name,
+    identity_of,
+    record_name,
+)
+from lmcache_tiers.l2.files.dirlock import LOCK_DIR_ENV
+from lmcache_tiers.l2.record import encode_header
+
+_names = st.text(
+    alphabet=st.characters(blacklist_characters="/\\@\x00", blacklist_categories=("Cs",)),
+    max_size=MAX_MODEL_NAME_LEN,
+)
+HEADER = 4096
+
+
+def valid_key(model: str, salt: str, rank: int, group: int, digest: bytes) -> ObjectKey | None:
+    try:
+        return ObjectKey(model, rank, digest, group, salt)
+    except KeyValidationError:
+        return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    model=_names.filter(bool),
+    salt=_names.map(lambda s: s[:MAX_CACHE_SALT_LEN]),
+    digest=st.binary(min_size=1, max_size=64),
+    sharded=st.booleans(),
+)
+def test_every_valid_key_has_a_recognised_path_inside_the_root(
+    model: str, salt: str, digest: bytes, sharded: bool
+) -> None:
+    key = valid_key(model, salt, 7, 3, digest)
+    if key is None:
+        return
+    layout = FileLayout("/srv/cache", shard_dirs=sharded, temp_dir="tmp")
+    path = layout.path_for(key)
+    directory, name = posixpath.split(path)
+    # Never outside the root, never hidden, never too long, always recognised as ours.
+    assert posixpath.normpath(path).startswith("/srv/cache/")
+    assert directory == layout.directory_for(key) and layout.owns(directory, key)
+    assert not name.startswith(".") and "/" not in name and len(name.encode()) <= 255
+    kind, decoded = classify_name(name)
+    assert kind in (EntryKind.RECORD, EntryKind.DIGEST)
+    assert kind is EntryKind.DIGEST or decoded == key
+    assert posixpath.normpath(layout.temp_path(key)).startswith("/srv/cache/tmp/")
+
+
+def test_plain_names_keep_the_names_of_earlier_caches() -> None:
+    key = ObjectKey("llama", 3, bytes.fromhex("abcd" + "01" * 30), 1, "t")
+    assert record_name(key) == key.file_stem() + ".bin"
+    assert FileLayout("/r", shard_dirs=True).path_for(key) == f"/r/ab/cd/{key.file_stem()}.bin"
+
+
+@pytest.mark.parametrize(
+    ("model", "salt"),
+    [(".hidden", ""), ("...", "x"), ("tab\there", "new\nline"), ("ünïcode", "salt"), ("a" * 256, "b" * 128)],
+)
+def test_unusual_names_are_escaped_and_round_trip(tmp_path: Path, model: str, salt: str) -> None:
+    key = ObjectKey(model, 0, b"\x01" * 32, 0, salt)
+    files = LocalFiles(FileLayout(str(tmp_path), shard_dirs=False), name="t", count=lambda *_: None)
+    fd, temp = files.create_temp(key)
+    os.write(fd, encode_header(key, b"payload", align=HEADER) + b"payload")
+    os.close(fd)
+    files.publish(key, temp)
+    assert [p.parent for p in tmp_path.iterdir()] == [tmp_path]
+    assert list(files.iter_records(lambda _key: HEADER)) == [(key, 7)]
+    assert files.delete(key) and list(tmp_path.iterdir()) == []
+
+
+def test_relative_tmp_dir_must_stay_inside_the_root() -> None:
+    assert check_relative_dir("tmp/./x") == "tmp/x"
+    for bad in ("/abs", "..", "a/../../b", "ab", "", "x.bin"):
+        with pytest.raises(ValueError):
+            check_relative_dir(bad)
+
+
+def _store(files: LocalFiles, key: ObjectKey, payload: bytes) -> None:
+    fd, temp = files.create_temp(key)
+    os.write(fd, encode_header(key, payload, align=HEADER) + payload)
+    os.close(fd)
+    files.publish(key, temp)
+
+
+def _files(root: Path, counts: dict[str, int], *, sharded: bool = False) -> LocalFiles:
+    def count(name: str, amount: int) -> None:
+        counts[name] = counts.get(name, 0) + amount
+
+    return LocalFiles(FileLayout(str(root), shard_dirs=sharded), name="t", count=count)
+
+
+def test_truncated_and_empty_records_are_removed_when_listed(tmp_path: Path) -> None:
+    counts: dict[str, int] = {}
+    files = _files(tmp_path, counts, sharded=True)
+    keys = [ObjectKey("m", 0, bytes([i]) * 32) for i in range(3)]
+    for key in keys:
+        _store(files, key, b"x" * 100)
+    os.truncate(files.layout.path_for(keys[0]), 0)
+    os.truncate(files.layout.path_for(keys[1]), HEADER - 1)
+    listed = dict(files.iter_records(lambda _key: HEADER))
+    assert listed == {keys[2]: 100}
+    assert counts["truncated_records_removed"] == 2
+    assert not os.path.exists(files.layout.path_for(keys[0]))
+    assert dict(files.iter_records(lambda _key: HEADER)) == {keys[2]: 100}
+    assert counts["truncated_records_removed"] == 2, "counted the first time only"
+
+
+def test_discard_spares_a_record_published_after_the_judgement(tmp_path: Path) -> None:
+    files = _files(tmp_path, {})
+    key = ObjectKey("m", 0, b"\x02" * 32)
+    _store(files, key, b"old")
+    judged = identity_of(os.stat(files.layout.path_for(key)))
+    _store(files, key, b"new")
+    assert not files.discard(key, judged, "corrupt_records_removed", "checksum")
+    assert os.path.exists(files.layout.path_for(key))
+    assert files.discard(
+        key, identity_of(os.stat(files.layout.path_for(key))), "corrupt_records_removed", "x"
+    )
+
+
+def test_temp_files_are_swept_and_foreign_files_kept(tmp_path: Path) -> None:
+    counts: dict[str, int] = {}
+    (tmp_path / "ab" / "cd").mkdir(parents=True)
+    for path in (
+        tmp_path / ".tmp-9-1.part",
+        tmp_path / "ab" / "cd" / ".tmp-9-2.part",
+        tmp_path / "notes.txt",
+    ):
+        path.write_bytes(b"partial")
+    files = _files(tmp_path, counts, sharded=True)
+    assert files.remove_temp_files() == 2
+    assert counts["orphan_temp_files_removed"] == 2
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_vanished_root_is_created_again(tmp_path: Path, sharded: bool) -> None:
+    counts: dict[str, int] = {}
+    root = tmp_path / "cache"
+    files = _files(root, counts, sharded=sharded)
+    key = ObjectKey("m", 0, b"\x03" * 32)
+    _store(files, key, b"one")
+    subprocess.run(["rm", "-rf", str(root)], check=True)
+    _store(files, key, b"two")
+    assert dict(files.iter_records(lambda _key: HEADER)) == {key: 3}
+    assert counts["root_recreated"] == 1
+
+
+def test_lock_survives_the_directory_being_removed_and_recreated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path / "locks"))
+    root = tmp_path / "cache"
+    lock = DirectoryLock(str(root))
+    try:
+        code = (
+            "import sys; from lmcache_tiers.l2.files import DirectoryLock\n"
+            "try:\n    DirectoryLock(sys.argv[1])\nexcept Exception as exc:\n"
+            "    print(type(exc).__name__, exc); sys.exit(3)\n"
+        )
+        env = {**os.environ, LOCK_DIR_ENV: str(tmp_path / "locks")}
+        first = subprocess.run(
+            [sys.executable, "-c", code, str(root)], capture_output=True, text=True, env=env
+        )
+        assert first.returncode == 3 and f"(pid {os.getpid()})" in first.stdout
+        subprocess.run(["rm", "-rf", str(root)], check=True)
+        again = subprocess.run(
+            [sys.executable, "-c", code, str(root)], capture_output=True, text=True, env=env
+        )
+        assert again.returncode == 3, "deleting the directory must not hand its lock to a second server"
+        assert "DirectoryInUseError" in again.stdout
+    finally:
+        lock.release()
+    DirectoryLock(str(root)).release()
+
+
+def test_two_adapters_of_one_process_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path / "locks"))
+    lock = PathLock("default-l2", what="the default cache")
+    with pytest.raises(DirectoryInUseError, match="another adapter of this server"):
+        PathLock("default-l2", what="the default cache")
+    lock.release()
+    PathLock("default-l2", what="the default cache").release()
+
+
+def test_keys_in_log_lines_have_control_characters_escaped() -> None:
+    key = ObjectKey("model\n2024-01-01 INFO forged", 0, b"\x01" * 4, 0, "salt\x1b[31m\r")
+    stem = key.file_stem()
+    assert stem.isprintable() and "%0A" in stem and "%1B" in stem and "%0D" in stem

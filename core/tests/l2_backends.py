@@ -1,0 +1,180 @@
+"""Small dict backends (plain and coroutine) the L2 tests run the adapter on."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+import zlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from lmcache_tiers.config import L2AdapterConfig
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import AdapterContext, BackendAdapter, BackendContext, ObjectSize, create_adapter
+from lmcache_tiers.l2.record import RecordError, decode_record, verify_payload
+from lmcache_tiers.serde import Serde, SerdeContext
+
+
+class DictConfig(L2AdapterConfig):
+    """Objects in a process-wide dict (shared per namespace), optionally as records."""
+
+    namespace: str = ""
+    capacity: int | None = None
+    # store header + payload and verify both on every read, as a persistent backend does
+    records: bool = False
+
+
+_SPACES: dict[str, dict[ObjectKey, bytes]] = {}
+
+
+class DictBackend:
+    """Plain batch I/O on one dict; with ``records`` it stores and checks record headers."""
+
+    def __init__(self, config: DictConfig, context: BackendContext) -> None:
+        self.config = config
+        self.context = context
+        self.lock = threading.Lock()
+        self.objects = _SPACES.setdefault(config.namespace or uuid.uuid4().hex, {})
+        self.calls: dict[str, int] = {}
+
+    def _called(self, method: str) -> None:
+        self.calls[method] = self.calls.get(method, 0) + 1
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        self._called("put_many")
+        with self.lock:
+            for key, payload in zip(keys, payloads, strict=True):
+                header = self.context.record_header(key, payload) if self.config.records else b""
+                self.objects[key] = header + bytes(payload)
+        return [True] * len(keys)
+
+    def _drop_corrupt(self, key: ObjectKey) -> None:
+        self.objects.pop(key, None)
+        self.context.count("corrupt_records_removed")
+
+    def _size(self, key: ObjectKey, value: bytes) -> int | ObjectSize | None:
+        if not self.config.records:
+            return len(value)
+        try:
+            header = self.context.read_record_header(value, key)
+        except RecordError:
+            self._drop_corrupt(key)
+            return None
+        return None if header is None else ObjectSize(header.payload_len, header.l1_size)
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | ObjectSize | None]:
+        self._called("contains_many")
+        with self.lock:
+            return [None if key not in self.objects else self._size(key, self.objects[key]) for key in keys]
+
+    def _payload(self, key: ObjectKey, value: bytes) -> bytes | None:
+        if not self.config.records:
+            return value
+        try:
+            header = self.context.read_record_header(value, key)
+            if header is None:
+                return None
+            payload = memoryview(value)[header.header_len :]
+            verify_payload(header, payload)
+        except RecordError:
+            self._drop_corrupt(key)
+            return None
+        return bytes(payload)
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        self._called("get_many_into")
+        ok = []
+        with self.lock:
+            for key, buffer in zip(keys, buffers, strict=True):
+                value = self.objects.get(key)
+                payload = None if value is None else self._payload(key, value)
+                if payload is None or len(payload) != buffer.nbytes:
+                    ok.append(False)
+                    continue
+                buffer[:] = payload
+                ok.append(True)
+        return ok
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        with self.lock:
+            return [self.objects.pop(key, None) is not None for key in keys]
+
+    def list_keys(self) -> list[tuple[ObjectKey, int]]:
+        with self.lock:
+            items = list(self.objects.items())
+        if not self.config.records:
+            return [(key, len(value)) for key, value in items]
+        # As a file store lists: stored sizes from the object sizes, headers not read.
+        return [(key, decode_record(value)[0].payload_len) for key, value in items]
+
+    def capacity(self) -> int | None:
+        return self.config.capacity
+
+
+class AsyncDictBackend(DictBackend):
+    """The same dict behind coroutines, with optional open and close."""
+
+    def __init__(self, config: DictConfig, context: BackendContext) -> None:
+        super().__init__(config, context)
+        self.opened = 0
+        self.closed = 0
+
+    async def open(self) -> None:
+        self.opened += 1
+
+    async def close(self) -> None:
+        self.closed += 1
+
+    async def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:  # type: ignore[override]
+        await asyncio.sleep(0)
+        return DictBackend.put_many(self, keys, payloads)
+
+    async def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | ObjectSize | None]:  # type: ignore[override]
+        await asyncio.sleep(0)
+        return DictBackend.contains_many(self, keys)
+
+    async def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:  # type: ignore[override]
+        await asyncio.sleep(0)
+        return DictBackend.get_many_into(self, keys, buffers)
+
+    async def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:  # type: ignore[override]
+        await asyncio.sleep(0)
+        return DictBackend.delete_many(self, keys)
+
+    async def list_keys(self) -> AsyncIterator[tuple[ObjectKey, int]]:  # type: ignore[override]
+        for item in DictBackend.list_keys(self):
+            await asyncio.sleep(0)
+            yield item
+
+
+class Xor:
+    """Size-preserving transform: proves the chain runs without changing any size."""
+
+    name = "xor"
+
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
+        return bytes(b ^ 0x5A for b in data)
+
+    def decode(self, data: memoryview, context: SerdeContext) -> bytes:
+        return bytes(b ^ 0x5A for b in data)
+
+
+class Zlib:
+    name = "zlib"
+
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
+        return zlib.compress(data, 1)
+
+    def decode(self, data: memoryview, context: SerdeContext) -> bytes:
+        return zlib.decompress(data)
+
+
+def open_dict(
+    backend: type[DictBackend] = DictBackend, *, serde: Sequence[Serde] = (), **config: Any
+) -> BackendAdapter:
+    settings = DictConfig(**config)
+    facts = AdapterContext(index=0, name="0:t", config=settings, serde=tuple(serde))
+    adapter = create_adapter(backend, settings, facts)
+    assert isinstance(adapter, BackendAdapter)
+    return adapter

@@ -1,0 +1,114 @@
+import random
+from pathlib import Path
+
+import pytest
+from replay_support import write_trace
+
+from lmcache_tiers.replay.retime import (
+    RateOracle,
+    best_bandwidth,
+    fit_rates,
+    prompt_trees,
+    rate_bound,
+    retime,
+)
+from lmcache_tiers.replay.simulate import simulate_policy
+from lmcache_tiers.replay.trace import KeySpace, Trace, read_trace
+
+
+def _line(index: int, blocks: list[int]) -> dict[str, object]:
+    return {
+        "timestamp": index * 10,
+        "input_length": 512 * len(blocks),
+        "output_length": 1,
+        "hash_ids": blocks,
+    }
+
+
+def _clustered_trace(tmp_path: Path, spread: int, seed: int = 3) -> Trace:
+    """20 prompts of 3 shared blocks, each sent 6 times within ``spread`` requests (plus
+    its own tail block), among one-off requests."""
+    rng = random.Random(seed)
+    slots: dict[int, list[int]] = {}
+    for prompt in range(20):
+        start = rng.randrange(0, 1000 - spread)
+        for _ in range(6):
+            slots.setdefault(start + rng.randrange(spread), []).append(prompt)
+    lines, fresh = [], 100_000
+    for index in range(1000):
+        for prompt in slots.get(index, []):
+            lines.append(_line(len(lines), [prompt * 10, prompt * 10 + 1, prompt * 10 + 2, fresh]))
+            fresh += 1
+        lines.append(_line(len(lines), [fresh, fresh + 1]))
+        fresh += 2
+    return read_trace(write_trace(tmp_path / f"clustered-{spread}.jsonl", lines))
+
+
+def test_prompt_trees_group_requests_by_their_first_block(synthetic_trace: Trace) -> None:
+    trees = prompt_trees(synthetic_trace)
+    assert sorted(index for tree in trees for index in tree) == list(range(len(synthetic_trace.requests)))
+    for tree in trees:
+        assert len({synthetic_trace.requests[index].hash_ids[0] for index in tree}) == 1
+
+
+def test_the_likeliest_bandwidth_follows_how_tight_prompts_cluster(tmp_path: Path) -> None:
+    candidates = [4, 64, 1024]
+    assert best_bandwidth(_clustered_trace(tmp_path, spread=12), candidates) == 4
+    assert best_bandwidth(_clustered_trace(tmp_path, spread=900), candidates) > 4
+
+
+def test_a_sample_keeps_prefixes_one_offs_and_fresh_tails(synthetic_trace: Trace) -> None:
+    sample = retime(synthetic_trace, 40.0, seed=5)
+    again = retime(synthetic_trace, 40.0, seed=5)
+    assert again.trace.requests == sample.trace.requests, "a seed must give one sample"
+    assert retime(synthetic_trace, 40.0, seed=6).trace.requests != sample.trace.requests
+    assert sample.trace.chain_conflicts() == 0
+    assert list(sample.moments) == sorted(sample.moments)
+    assert all(0.0 <= moment < len(synthetic_trace.requests) for moment in sample.moments)
+    original = {block for request in synthetic_trace.requests for block in request.hash_ids}
+    by_root: dict[int, list[tuple[int, ...]]] = {}
+    for request in synthetic_trace.requests:
+        by_root.setdefault(request.hash_ids[0], []).append(request.hash_ids)
+    for request in sample.trace.requests:
+        recorded = by_root[request.hash_ids[0]]
+        if len(recorded) == 1:
+            assert request.hash_ids == recorded[0], "a one-off request stays as it was"
+            continue
+        kept = [block for block in request.hash_ids if block in original]
+        assert any(kept == list(blocks[: len(kept)]) for blocks in recorded), "a shared prefix is copied"
+        assert request.hash_ids[: len(kept)] == tuple(kept), "fresh ids only follow the shared prefix"
+
+
+def test_the_bound_grows_with_capacity_and_stays_a_hit_rate(synthetic_trace: Trace) -> None:
+    sample = retime(synthetic_trace, 40.0, seed=1)
+    bounds = rate_bound(sample, [1, 8, 64, 10_000], synthetic_trace.block_references)
+    values = [bounds[capacity] for capacity in (1, 8, 64, 10_000)]
+    assert values == sorted(values) and values[0] > 0.0 and values[-1] < 1.0
+
+
+def test_no_policy_beats_the_bound_on_average(synthetic_trace: Trace) -> None:
+    # The bound holds in expectation: the mean over samples of what the policy told the
+    # rates gets stays under the mean bound (it is the best policy we have for the model).
+    model = fit_rates(synthetic_trace, 40.0)
+    hits, bounds = [], []
+    for seed in range(12):
+        sample = retime(synthetic_trace, 40.0, seed, model)
+        run = simulate_policy(sample.trace, "rate oracle", lambda sample=sample: RateOracle(sample), 16)
+        hits.append(run.hit_blocks / synthetic_trace.block_references)
+        bounds.append(rate_bound(sample, [16], synthetic_trace.block_references)[16])
+    assert sum(hits) / len(hits) <= sum(bounds) / len(bounds)
+
+
+def test_the_rate_oracle_evicts_blocks_nobody_needs_first(synthetic_trace: Trace) -> None:
+    sample = retime(synthetic_trace, 40.0, seed=2)
+    oracle = RateOracle(sample)
+    oracle.start_request(0)
+    shared = next(block for block in sample.model.group_of)
+    space = KeySpace()
+    oracle.on_keys_written([space.key(shared), space.key(10**9)])  # a block no model knows
+    assert list(oracle.victims()) == [space.key(10**9), space.key(shared)]
+
+
+def test_a_bandwidth_must_be_positive(synthetic_trace: Trace) -> None:
+    with pytest.raises(ValueError, match="bandwidth"):
+        retime(synthetic_trace, 0.0, seed=1)

@@ -1,0 +1,190 @@
+"""``dax``: objects in fixed-size slots of memory-mapped DAX devices or files.
+
+Core does pins, accounting, capacity admission, serde and the adapter threads;
+``lmcache_plugin_raw_block.slotstore`` (shared with ``raw_block``) maps keys to slots and
+verifies every load; this backend moves the bytes of slots spread over one or several
+mappings (``mapping.py``).  A store copies the payload into a claimed slot, writes the
+slot's index entry and commits it with one 8-byte store of the write's sequence number;
+only then is the key published.  A load checks the entry, copies the slot out, verifies
+the copy against the payload checksum and hands it back only if the commit word still
+holds the same write (the slot's generation) after the copy.  Freeing a slot clears its
+commit word, so a restart brings back exactly the committed objects; a slot being read
+is reused only once its readers are done.  Copies release the GIL (``copy_into``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+from lmcache_plugin_raw_block.guards import InFlight
+from lmcache_plugin_raw_block.slotheader import decode_slot_header, record_of
+from lmcache_plugin_raw_block.slots import Claim, SlotEntry, SlotTable
+from lmcache_plugin_raw_block.slotstore import SlotStoreBackend
+
+from lmcache_plugin_dax.config import DaxConfig
+from lmcache_plugin_dax.layout import COMMIT_BYTES, ENTRY_BYTES
+from lmcache_plugin_dax.mapping import DaxRegion
+from lmcache_tiers.plugin import BackendContext, ObjectKey, RecordError, copy_into
+
+log = logging.getLogger(__name__)
+
+#: how long close() waits for copies that outlived the adapter's own wait
+CLOSE_DRAIN_S = 10.0
+
+
+def _interleave(counts: Sequence[int]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """(region, local slot) of every global slot, the regions taken in turn, so that
+    lowest-first allocation spreads objects (and bandwidth) over all mappings."""
+    regions = np.concatenate([np.full(count, index, dtype=np.int64) for index, count in enumerate(counts)])
+    locals_ = np.concatenate([np.arange(count, dtype=np.int64) for count in counts])
+    order = np.lexsort((regions, locals_))
+    return regions[order], locals_[order]
+
+
+class DaxBackend(SlotStoreBackend):
+    """Backend over the slots of one or several mappings; see the module docstring."""
+
+    type_name = "dax"
+    too_large_hint = "raise slot_bytes"
+
+    def __init__(self, config: DaxConfig, context: BackendContext) -> None:
+        self.config = config
+        self._init_slot_store(context, config.slot_bytes, config.num_store_workers, config.load_workers)
+        self._in_flight = InFlight()
+        self.regions: list[DaxRegion] = []
+        try:
+            for device in config.mappings():
+                self.regions.append(DaxRegion(device.device_path, device.max_dax_size_gb, config.slot_bytes))
+            counts = [region.layout.slot_count for region in self.regions]
+            self._region_of, self._local_of = _interleave(counts)
+            self._global_of = []
+            for index, count in enumerate(counts):
+                mask = self._region_of == index
+                global_of = np.empty(count, dtype=np.int64)
+                global_of[self._local_of[mask]] = np.flatnonzero(mask)
+                self._global_of.append(global_of)
+            self.table = SlotTable(sum(counts), on_free=self._clear)
+            reopened = [region.mount(keep=config.persist_enabled) for region in self.regions]
+            self._recover([index for index, kept in enumerate(reopened) if kept])
+        except BaseException:
+            self._stop_workers()
+            for region in self.regions:
+                region.close()
+            raise
+
+    def _place(self, slot: int) -> tuple[DaxRegion, int]:
+        return self.regions[int(self._region_of[slot])], int(self._local_of[slot])
+
+    def _clear(self, slot: int) -> None:
+        """A slot became free: uncommit it, so a restart does not bring its object back."""
+        region, local = self._place(slot)
+        with self._in_flight.use() as usable:
+            if usable:
+                region.clear(local)
+
+    # -- start-up --------------------------------------------------------------------------
+
+    def _recover(self, reopened: Sequence[int]) -> None:
+        entries: list[tuple[ObjectKey, SlotEntry]] = []
+        dropped = corrupt = 0
+        for index in reopened:
+            region = self.regions[index]
+            for local, seq in region.committed():
+                header = decode_slot_header(region.entry_header(local), region.identity, local)
+                if header is None or header.seq != seq or header.stored > self.config.slot_bytes:
+                    region.clear(local)
+                    dropped += 1
+                    continue
+                try:
+                    self.context.read_record_header(header.record, header.key)
+                except RecordError as exc:
+                    region.clear(local)
+                    corrupt += 1
+                    log.warning(
+                        "dax: %s slot %d (%s) dropped: %s", region.path, local, header.key.file_stem(), exc
+                    )
+                    continue
+                slot = int(self._global_of[index][local])
+                entries.append((header.key, SlotEntry(slot, seq, header.stored, header.l1)))
+        superseded = self.table.restore(entries, next_seq=1)
+        for entry in superseded:
+            self._clear(entry.slot)
+        self.context.count("recovered_objects", len(entries) - len(superseded))
+        self.context.count("recovery_dropped_slots", dropped + len(superseded))
+        self.context.count("corrupt_records_removed", corrupt)
+        if reopened:
+            log.info(
+                "dax: %d objects recovered from %d mappings, %d index entries dropped",
+                len(entries) - len(superseded),
+                len(reopened),
+                dropped + corrupt + len(superseded),
+            )
+
+    # -- moving one slot (the rest is SlotStoreBackend's) ---------------------------------
+
+    @property
+    def header_room(self) -> int:
+        return ENTRY_BYTES - COMMIT_BYTES
+
+    def _slot_place(self, slot: int) -> tuple[bytes, int]:
+        region, local = self._place(slot)
+        return region.identity, local
+
+    def _store_group(
+        self, keys: list[ObjectKey], payloads: list[memoryview], claims: list[Claim]
+    ) -> list[bool]:
+        with self._in_flight.use() as usable:
+            if usable:
+                return super()._store_group(keys, payloads, claims)
+        for claim in claims:
+            self.table.abandon(claim)
+        return [False] * len(claims)
+
+    def _write_slot(self, claim: Claim, header: bytes, payload: memoryview) -> None:
+        # The record header was computed first: its checksum pass left the payload in
+        # cache for this copy.  The commit word goes last.
+        region, local = self._place(claim.slot)
+        copy_into(region.slot(local, payload.nbytes), payload)
+        region.write_entry(local, header, claim.seq)
+
+    def _load_group(
+        self, keys: list[ObjectKey], entries: list[SlotEntry | None], buffers: list[memoryview]
+    ) -> list[bool | RecordError]:
+        with self._in_flight.use() as usable:
+            if usable:
+                return super()._load_group(keys, entries, buffers)
+        return [False] * len(keys)
+
+    def _fetch(self, entry: SlotEntry, key: ObjectKey, target: memoryview) -> bytes | None:
+        region, local = self._place(entry.slot)
+        return record_of(region.entry_header(local), region.identity, local, entry.seq, key)
+
+    def _fill(self, entry: SlotEntry, target: memoryview) -> None:
+        region, local = self._place(entry.slot)
+        copy_into(target, region.slot(local, target.nbytes))
+
+    def _still_current(self, entry: SlotEntry) -> bool:
+        region, local = self._place(entry.slot)
+        if int(region.commits[local]) == entry.seq:
+            return True
+        # Reader counts keep slots from being reused under a load: this means something
+        # else wrote the mapping meanwhile.
+        self.context.count("generation_mismatch")
+        self._burst.warn("generation", "dax: slot %d of %s changed during a load", local, region.path)
+        return False
+
+    # -- the rest of the backend protocol --------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        return {"slots_total": self.table.slot_count, "slots_used": self.table.used_slots}
+
+    def close(self) -> None:
+        self._stop_workers()
+        if not self._in_flight.drain(CLOSE_DRAIN_S):
+            log.error("dax: mappings left in place: copies are still running")
+            return
+        for region in self.regions:
+            region.close()

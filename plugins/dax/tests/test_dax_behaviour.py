@@ -1,0 +1,235 @@
+"""dax beyond the conformance suite: restarts, damage, readers and generations, several
+mappings, eviction with pinned keys, capacity across restarts."""
+
+from __future__ import annotations
+
+import pytest
+from dax_helpers import SLOT, backend_of, client, config, flip_byte, load, open_dax, shm_dir, size_gb, store
+from lmcache_plugin_dax import DaxConfig, DaxDevice
+from slot_helpers import ZlibSerde, lru_controller
+
+from lmcache_tiers.testing.l2 import make_keys, pattern
+
+
+def data_for(count: int, seed: int = 0) -> list[bytes]:
+    return [pattern(seed * 1000 + i, SLOT - i * 977) for i in range(count)]
+
+
+def test_a_restart_finds_the_committed_objects_and_their_usage() -> None:
+    with shm_dir() as directory:
+        cfg = config(directory / "dax.img")
+        keys, data = make_keys(5), data_for(5)
+        adapter = open_dax(cfg)
+        assert store(adapter, keys, data) == [True] * 5
+        assert adapter.delete(keys[4:]) == [True]
+        adapter.close()
+        reopened = open_dax(cfg)
+        try:
+            assert reopened.stats()["recovered_objects"] == 4
+            assert reopened.used_bytes() == sum(map(len, data[:4]))
+            assert reopened.usage() == 4 / 16
+            assert load(reopened, keys[:4], [len(d) for d in data[:4]]) == ([True] * 4, data[:4])
+            assert client(reopened).lookup_and_lock(keys[4:]).found == [False]
+        finally:
+            reopened.close()
+
+
+def test_persist_enabled_false_starts_empty_as_lmcache_does() -> None:
+    with shm_dir() as directory:
+        adapter = open_dax(config(directory / "dax.img"))
+        assert store(adapter, make_keys(2), data_for(2)) == [True, True]
+        adapter.close()
+        fresh = open_dax(config(directory / "dax.img", persist_enabled=False))
+        try:
+            assert list(fresh.iter_keys()) == []
+        finally:
+            fresh.close()
+
+
+@pytest.mark.parametrize("where", ["slot", "index entry"])
+def test_a_flipped_byte_is_a_miss_removed_for_good(where: str) -> None:
+    with shm_dir() as directory:
+        cfg = config(directory / "dax.img")
+        keys, data = make_keys(2), data_for(2)
+        adapter = open_dax(cfg)
+        try:
+            assert store(adapter, keys, data) == [True, True]
+            backend = backend_of(adapter)
+            entry = backend.table.lookup(keys[:1])[0]
+            assert entry is not None
+            region, local = backend._place(entry.slot)
+            layout = region.layout
+            offset = layout.slot_offset(local) + 1234 if where == "slot" else layout.entry_offset(local) + 40
+            flip_byte(cfg.device_path, offset)  # through the file: the mapping is shared
+            loaded, contents = load(adapter, keys, [len(d) for d in data])
+            assert loaded == [False, True] and contents[1] == data[1]
+            assert adapter.stats()["corrupt_records_removed"] == 1
+            assert int(region.commits[local]) == 0, "uncommitted, so a restart does not bring it back"
+        finally:
+            adapter.close()
+        reopened = open_dax(cfg)
+        try:
+            assert client(reopened).lookup_and_lock(keys).found == [False, True]
+            reopened.unlock(keys[1:])
+        finally:
+            reopened.close()
+
+
+def test_a_damaged_index_entry_is_dropped_at_restart() -> None:
+    with shm_dir() as directory:
+        cfg = config(directory / "dax.img")
+        keys, data = make_keys(3), data_for(3)
+        adapter = open_dax(cfg)
+        assert store(adapter, keys, data) == [True] * 3
+        region, local = backend_of(adapter)._place(backend_of(adapter).table.lookup(keys[1:2])[0].slot)  # type: ignore[union-attr]
+        offset = region.layout.entry_offset(local) + 100
+        adapter.close()
+        flip_byte(cfg.device_path, offset)
+        reopened = open_dax(cfg)
+        try:
+            assert reopened.stats()["recovery_dropped_slots"] == 1
+            assert client(reopened).lookup_and_lock(keys).found == [True, False, True]
+            reopened.unlock([keys[0], keys[2]])
+        finally:
+            reopened.close()
+
+
+def test_a_slot_being_read_is_reclaimed_only_after_its_reader_leaves() -> None:
+    with shm_dir() as directory:
+        adapter = open_dax(config(directory / "dax.img", slots=2))
+        try:
+            backend = backend_of(adapter)
+            (key,) = make_keys(1)
+            assert store(adapter, [key], [b"old" * 1000]) == [True]
+            (reading,) = backend.table.acquire([key])  # a load copying the old object out
+            assert reading is not None
+            region, local = backend._place(reading.slot)
+            assert store(adapter, [key], [b"new" * 1000]) == [True]  # the overwrite takes the other slot
+            assert store(adapter, make_keys(1, start=5), [b"x"]) == [False], "the read slot is not reused"
+            assert int(region.commits[local]) == reading.seq, "still committed while read"
+            backend.table.release([reading])
+            assert int(region.commits[local]) == 0, "uncommitted once the reader left"
+            assert store(adapter, make_keys(1, start=5), [b"x"]) == [True]
+            assert load(adapter, [key], [3000]) == ([True], [b"new" * 1000])
+        finally:
+            adapter.close()
+
+
+def test_a_slot_whose_generation_changed_under_a_load_is_not_served() -> None:
+    with shm_dir() as directory:
+        adapter = open_dax(config(directory / "dax.img"))
+        try:
+            backend = backend_of(adapter)
+            (key,) = make_keys(1)
+            assert store(adapter, [key], [b"v" * 5000]) == [True]
+            entry = backend.table.lookup([key])[0]
+            assert entry is not None
+            region, local = backend._place(entry.slot)
+            region.commits[local] = entry.seq + 7  # as if another writer reused the slot
+            assert load(adapter, [key], [5000])[0] == [False]
+            assert adapter.stats()["generation_mismatch"] == 1
+        finally:
+            adapter.close()
+
+
+def test_objects_are_spread_over_every_mapping_and_found_after_a_restart() -> None:
+    with shm_dir() as directory:
+        cfg = DaxConfig(
+            slot_bytes=SLOT,
+            devices=(
+                DaxDevice(device_path=str(directory / "a.img"), max_dax_size_gb=size_gb(4)),
+                DaxDevice(device_path=str(directory / "b.img"), max_dax_size_gb=size_gb(8)),
+            ),
+        )
+        keys, data = make_keys(10), data_for(10)
+        adapter = open_dax(cfg)
+        assert adapter.stats()["slots_total"] == 12
+        assert store(adapter, keys, data) == [True] * 10
+        regions = backend_of(adapter).regions
+        assert [len(region.committed()) for region in regions] == [4, 6]
+        adapter.close()
+        reopened = open_dax(cfg)
+        try:
+            assert load(reopened, keys, [len(d) for d in data]) == ([True] * 10, data)
+        finally:
+            reopened.close()
+
+
+def test_objects_larger_than_a_slot_are_refused_and_counted() -> None:
+    with shm_dir() as directory:
+        adapter = open_dax(config(directory / "dax.img"))
+        try:
+            assert store(adapter, make_keys(2), [b"a" * SLOT, b"b" * (SLOT + 1)]) == [True, False]
+            assert adapter.stats()["object_too_large"] == 1
+        finally:
+            adapter.close()
+
+
+def test_eviction_frees_slots_and_skips_pinned_keys() -> None:
+    with shm_dir() as directory:
+        adapter = open_dax(config(directory / "dax.img", slots=4))
+        try:
+            controller = lru_controller(adapter, watermark=0.75, ratio=0.5)
+            keys = make_keys(4)
+            assert store(adapter, keys, [pattern(i, 1000) for i in range(4)]) == [True] * 4
+            assert adapter.usage() == 1.0
+            assert client(adapter).lookup_and_lock(keys[3:]).found == [True]  # pinned by a prefetch
+            controller.evict(2000)
+            remaining = set(adapter.iter_keys())
+            assert keys[3] in remaining and len(remaining) == 2
+            adapter.unlock(keys[3:])
+            controller.evict(1000)
+            assert keys[3] not in set(adapter.iter_keys()), "retried in the next cycle"
+            commits = backend_of(adapter).regions[0].committed()
+            assert len(commits) == 1, "evicted slots are uncommitted"
+        finally:
+            adapter.close()
+
+
+@pytest.mark.parametrize("evict", [False, True])
+def test_capacity_is_held_across_three_restarts(evict: bool) -> None:
+    with shm_dir() as directory:
+        cfg = config(directory / "dax.img", slots=8)
+        for run in range(4):
+            adapter = open_dax(cfg)
+            try:
+                if run:
+                    assert adapter.usage() == (1.0 if not evict else adapter.usage())
+                    assert adapter.usage() <= 1.0
+                controller = lru_controller(adapter, watermark=0.75, ratio=0.25) if evict else None
+                for key in make_keys(8, start=run * 100):
+                    stored = store(adapter, [key], [pattern(run, 3000)])
+                    if controller is not None:
+                        controller.step(set())
+                    if not evict and run:
+                        assert stored == [False], "a full mapping refuses new objects after a restart"
+                    assert adapter.usage() <= 1.0
+                objects = len(set(adapter.iter_keys()))
+                assert objects <= 8 and adapter.stats()["slots_used"] == objects
+                assert len(backend_of(adapter).regions[0].committed()) == objects
+            finally:
+                adapter.close()
+
+
+def test_serde_records_keep_their_l1_size_and_other_chains_are_kept_as_misses() -> None:
+    with shm_dir() as directory:
+        cfg = config(directory / "dax.img")
+        keys = make_keys(2)
+        data = [bytes(50_000), b"ab" * 20_000]
+        adapter = open_dax(cfg, serde=(ZlibSerde(),))
+        assert store(adapter, keys, data) == [True, True]
+        adapter.close()
+        plain = open_dax(cfg)
+        try:
+            assert client(plain).lookup_and_lock(keys).found == [False, False]
+            assert len(list(plain.iter_keys())) == 2, "kept, not deleted"
+        finally:
+            plain.close()
+        again = open_dax(cfg, serde=(ZlibSerde(),))
+        try:
+            result = client(again).lookup_and_lock(keys)
+            assert result.sizes == [len(d) for d in data]
+            again.unlock(keys)
+            assert load(again, keys, [len(d) for d in data]) == ([True, True], data)
+        finally:
+            again.close()

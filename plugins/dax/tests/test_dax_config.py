@@ -1,0 +1,137 @@
+"""dax's configuration: LMCache's JSON accepted as is, one-line errors for the rest."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from dax_helpers import config, open_dax, shm_dir
+from lmcache_plugin_dax import DaxConfig, DaxDevice
+from slot_helpers import plugins_show_rows, small_tmpfs
+
+from lmcache_tiers.config import decode_adapter
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.plugins import load_registry
+
+
+def decode(**fields: object) -> DaxConfig:
+    spec = decode_adapter(load_registry(), {"type": "dax", **fields}, 0)
+    assert isinstance(spec.config, DaxConfig)
+    return spec.config
+
+
+def test_both_lmcache_forms_are_accepted_unchanged() -> None:
+    single = decode(
+        device_path="/dev/dax0.0",
+        max_dax_size_gb=4,
+        slot_bytes=2 << 20,
+        num_store_workers=1,
+        num_lookup_workers=1,
+        num_load_workers=4,
+    )
+    assert single.mappings() == (DaxDevice(device_path="/dev/dax0.0", max_dax_size_gb=4.0),)
+    several = decode(
+        slot_bytes=2 << 20,
+        devices=[
+            {"device_path": "/dev/dax0.0", "max_dax_size_gb": 4},
+            {"device_path": "/dev/dax1.0", "max_dax_size_gb": 8.5},
+        ],
+    )
+    assert [d.device_path for d in several.mappings()] == ["/dev/dax0.0", "/dev/dax1.0"]
+    assert several.load_workers == min(4, os.cpu_count() or 1)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"max_dax_size_gb": 1}, "device_path is required"),
+        ({"device_path": "/dev/dax0.0"}, "max_dax_size_gb is required"),
+        ({"device_path": "", "max_dax_size_gb": 1}, "device_path must not be empty"),
+        (
+            {
+                "device_path": "/dev/dax0.0",
+                "max_dax_size_gb": 1,
+                "devices": [{"device_path": "/x", "max_dax_size_gb": 1}],
+            },
+            "either devices or device_path",
+        ),
+        (
+            {"device_path": "/dev/dax0.0", "max_dax_size_gb": 0.0001},
+            r"cannot hold its index.*max_dax_size_gb",
+        ),
+        (
+            {
+                "devices": [
+                    {"device_path": "/a", "max_dax_size_gb": 1},
+                    {"device_path": "/a", "max_dax_size_gb": 2},
+                ]
+            },
+            r"listed twice.*devices\[1\].device_path",
+        ),
+        ({"devices": [{"device_path": "/a"}]}, "max_dax_size_gb"),
+        ({"device_path": "/dev/dax0.0", "max_dax_size_gb": 1, "hotplug_enabled": True}, "unknown field"),
+    ],
+)
+def test_bad_values_get_one_line_naming_the_field(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as caught:
+        decode(slot_bytes=1 << 20, **fields)
+    assert "\n" not in str(caught.value)
+    assert "l2_adapters[0]" in str(caught.value)
+
+
+def test_a_missing_file_is_created_and_preallocated() -> None:
+    with shm_dir() as directory:
+        cfg = config(directory / "new.img", slots=4)
+        adapter = open_dax(cfg)
+        try:
+            size = (directory / "new.img").stat()
+            assert size.st_size >= 4 * cfg.slot_bytes
+            assert size.st_blocks * 512 >= size.st_size, "no holes: a store into one could SIGBUS"
+            assert adapter.stats()["slots_total"] == 4
+        finally:
+            adapter.close()
+
+
+def test_paths_that_cannot_be_mapped_are_refused() -> None:
+    with pytest.raises(ConfigError, match="cannot map"):
+        open_dax(config("/dev/null", slots=64))  # a character device without mmap
+    with pytest.raises(ConfigError, match="neither a DAX character device nor a regular file"):
+        open_dax(config("/tmp"))
+    with pytest.raises(ConfigError, match="cannot open"):
+        open_dax(config("/no/such/dir/dax.img"))
+
+
+def test_two_adapters_on_one_mapping_are_refused() -> None:
+    with shm_dir() as directory:
+        cfg = config(directory / "dax.img")
+        first = open_dax(cfg)
+        try:
+            with pytest.raises(ConfigError, match="in use by another dax adapter"):
+                open_dax(cfg)
+        finally:
+            first.close()
+        open_dax(cfg).close()
+
+
+def test_a_file_holding_a_filesystem_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "image"
+    cfg = config(path)
+    with open(path, "wb") as image:
+        image.truncate(1 << 20)
+        image.write(b"XFSB")
+    with pytest.raises(ConfigError, match="XFS filesystem; refusing to overwrite it"):
+        open_dax(cfg)
+    assert path.read_bytes()[:4] == b"XFSB"
+
+
+def test_plugins_show_marks_lmcache_fields() -> None:
+    rows = plugins_show_rows("dax")
+    for name in ("device_path", "max_dax_size_gb", "devices", "slot_bytes"):
+        assert "LMCache field." in rows[name], name
+    assert "lmcache-tiers addition" in rows["persist_enabled"]
+
+
+def test_a_file_that_cannot_be_preallocated_is_refused_at_start() -> None:
+    with small_tmpfs("1m") as mount, pytest.raises(ConfigError, match=r"cannot preallocate .* No space left"):
+        open_dax(config(Path(mount) / "dax.img", slots=64))

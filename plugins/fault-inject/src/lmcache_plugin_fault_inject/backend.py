@@ -1,0 +1,262 @@
+"""The ``fault_inject`` backend: another backend's methods, called with faults injected.
+
+The wrapped backend is built inside this adapter (``context.open_inner``), so there is
+one task board, one pin table and one accounting; its serde chain runs after the
+wrapper's own.  A wrapped backend of coroutines is wrapped in coroutines, so both run on
+the adapter's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import random
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from lmcache_plugin_fault_inject import FaultInjectConfig
+from lmcache_tiers.plugin import BackendContext, Capacity, ObjectKey, ObjectSize
+
+#: how often an asynchronous delay checks whether the adapter is closing
+_DELAY_POLL_S = 0.05
+
+Found = int | ObjectSize | None
+
+
+class InjectedFault(OSError):
+    """The failure ``fail_mode = "raise"`` throws out of a backend call."""
+
+
+def gap_positions(count: int, indices: Sequence[int], tail_ratios: Sequence[float]) -> set[int]:
+    """Positions of a ``count``-key load batch that the gap settings always drop."""
+    if count == 0:
+        return set()
+    positions = {index if index >= 0 else count + index for index in indices}
+    positions.update(round((1.0 - ratio) * (count - 1)) for ratio in tail_ratios)
+    return {position for position in positions if 0 <= position < count}
+
+
+def _optional(backend: object, name: str) -> Any:
+    method = getattr(backend, name, None)
+    return method if callable(method) else None
+
+
+class _FaultInjector:
+    """Decisions (seeded), bookkeeping and the parts both flavours share."""
+
+    def __init__(self, config: FaultInjectConfig, context: BackendContext, inner: Any) -> None:
+        self.config = config
+        self.context = context
+        self.inner = inner
+        self.needs_l1_buffers = bool(getattr(inner, "needs_l1_buffers", False))
+        inner_concurrency = getattr(inner, "concurrency", None)
+        if inner_concurrency is not None:
+            self.concurrency = inner_concurrency
+        # One generator per operation kind: each kind runs on its own worker thread, so
+        # the sequence of decisions per kind does not depend on thread interleaving.
+        self._random = {
+            op: random.Random(f"{config.seed}:{op}") for op in ("store", "lookup", "load", "delete")
+        }
+        self._fail_rates = {
+            "store": config.rate if config.store_fail_rate is None else config.store_fail_rate,
+            "lookup": config.rate if config.lookup_fail_rate is None else config.lookup_fail_rate,
+            "load": config.rate if config.load_fail_rate is None else config.load_fail_rate,
+            "delete": config.delete_fail_rate,
+        }
+
+    def delay_of(self, op: str) -> float:
+        """Seconds this call of ``op`` sleeps first (0: none); counted when chosen."""
+        config = self.config
+        if op in config.delay_ops and config.delay_s > 0 and self._random[op].random() < config.delay_rate:
+            self.context.count(f"injected_{op}_delays")
+            return config.delay_s
+        return 0.0
+
+    def failures(self, op: str, count: int) -> list[bool]:
+        """Which of ``count`` keys fail (True = fail); raises in ``raise`` mode."""
+        rng, rate = self._random[op], self._fail_rates[op]
+        if self.config.fail_mode == "keys":
+            failed = [rng.random() < rate for _ in range(count)]
+        else:
+            failed = [rng.random() < rate] * count
+            if failed and failed[0] and self.config.fail_mode == "raise":
+                self.context.count(f"injected_{op}_failures", count)
+                raise InjectedFault(f"injected {op} failure")
+        self.context.count(f"injected_{op}_failures", sum(failed))
+        return failed
+
+    def load_plan(self, keys: Sequence[ObjectKey], failed: list[bool]) -> list[int]:
+        gaps = gap_positions(len(keys), self.config.gap_indices, self.config.gap_tail_ratios)
+        self.context.count("injected_load_gaps", len(gaps))
+        return [i for i, fail in enumerate(failed) if not fail and i not in gaps]
+
+    def corrupted(self, buffer: memoryview) -> bool:
+        """Flip one byte with ``corrupt_rate``; True if the load must report failure."""
+        rng = self._random["load"]
+        if buffer.nbytes == 0 or rng.random() >= self.config.corrupt_rate:
+            return False
+        buffer[rng.randrange(buffer.nbytes)] ^= 0xFF
+        self.context.count("injected_corruptions")
+        return self.config.corrupt_detected
+
+    @staticmethod
+    def spread(count: int, chosen: list[int], results: Iterable[Any], fill: Any) -> list[Any]:
+        """Results of the chosen positions in place, ``fill`` elsewhere."""
+        out = [fill] * count
+        for index, result in zip(chosen, results, strict=True):
+            out[index] = result
+        return out
+
+    # -- what does not depend on the flavour --------------------------------------------------
+
+    def list_keys(self) -> Any:
+        return self.inner.list_keys()
+
+    def capacity(self) -> int | Capacity | None:
+        capacity: int | Capacity | None = self.inner.capacity()
+        return capacity
+
+    def interrupt(self) -> None:
+        interrupt = _optional(self.inner, "interrupt")
+        if interrupt is not None:
+            interrupt()
+
+    def stats(self) -> dict[str, int]:
+        gauges = _optional(self.inner, "stats")
+        return {f"inner_{name}": value for name, value in (gauges() if gauges else {}).items()}
+
+
+class FaultInjectBackend(_FaultInjector):
+    """Wraps a backend of plain methods."""
+
+    def __init__(self, config: FaultInjectConfig, context: BackendContext, inner: Any) -> None:
+        super().__init__(config, context, inner)
+        # Lookups run on helper threads so a stalled inner lookup can be abandoned as a
+        # miss (a lookup holds no buffer the inner backend could still write to).
+        self._lookups = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{context.name}-lookup")
+
+    def _before(self, op: str, count: int) -> list[bool]:
+        delay = self.delay_of(op)
+        if delay and not self.context.sleep(delay):
+            return [True] * count
+        return self.failures(op, count)
+
+    def open(self) -> None:
+        opener = _optional(self.inner, "open")
+        if opener is not None:
+            opener()
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        chosen = [i for i, fail in enumerate(self._before("store", len(keys))) if not fail]
+        if not chosen:
+            return [False] * len(keys)
+        stored = self.inner.put_many([keys[i] for i in chosen], [payloads[i] for i in chosen])
+        return self.spread(len(keys), chosen, stored, False)
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[Found]:
+        chosen = [i for i, fail in enumerate(self._before("lookup", len(keys))) if not fail]
+        if not chosen:
+            return [None] * len(keys)
+        call = self._lookups.submit(self.inner.contains_many, [keys[i] for i in chosen])
+        deadline = time.monotonic() + self.config.lookup_timeout_s
+        while True:
+            try:
+                found = call.result(min(_DELAY_POLL_S, max(0.0, deadline - time.monotonic())))
+                break
+            except FutureTimeout:
+                if time.monotonic() >= deadline or self.context.closing:
+                    self.context.count("inner_lookup_timeouts")
+                    return [None] * len(keys)
+        return self.spread(len(keys), chosen, found, None)
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        chosen = self.load_plan(keys, self._before("load", len(keys)))
+        if not chosen:
+            return [False] * len(keys)
+        loaded = self.inner.get_many_into([keys[i] for i in chosen], [buffers[i] for i in chosen])
+        ok = [bool(done) and not self.corrupted(buffers[i]) for i, done in zip(chosen, loaded, strict=True)]
+        return self.spread(len(keys), chosen, ok, False)
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        chosen = [i for i, fail in enumerate(self._before("delete", len(keys))) if not fail]
+        if not chosen:
+            return [False] * len(keys)
+        return self.spread(len(keys), chosen, self.inner.delete_many([keys[i] for i in chosen]), False)
+
+    def close(self) -> None:
+        self._lookups.shutdown(wait=False, cancel_futures=True)
+        closer = _optional(self.inner, "close")
+        if closer is not None:
+            closer()
+
+
+class AsyncFaultInjectBackend(_FaultInjector):
+    """Wraps a backend of coroutines, as coroutines on the same event loop."""
+
+    async def _before(self, op: str, count: int) -> list[bool]:
+        delay = self.delay_of(op)
+        end = time.monotonic() + delay
+        while delay and (left := end - time.monotonic()) > 0:
+            if self.context.closing:
+                return [True] * count
+            await asyncio.sleep(min(_DELAY_POLL_S, left))
+        return self.failures(op, count)
+
+    async def open(self) -> None:
+        await _maybe_await(_optional(self.inner, "open"))
+
+    async def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        chosen = [i for i, fail in enumerate(await self._before("store", len(keys))) if not fail]
+        if not chosen:
+            return [False] * len(keys)
+        stored = await self.inner.put_many([keys[i] for i in chosen], [payloads[i] for i in chosen])
+        return self.spread(len(keys), chosen, stored, False)
+
+    async def contains_many(self, keys: Sequence[ObjectKey]) -> list[Found]:
+        chosen = [i for i, fail in enumerate(await self._before("lookup", len(keys))) if not fail]
+        if not chosen:
+            return [None] * len(keys)
+        try:
+            found = await asyncio.wait_for(
+                self.inner.contains_many([keys[i] for i in chosen]), self.config.lookup_timeout_s
+            )
+        except asyncio.TimeoutError:
+            self.context.count("inner_lookup_timeouts")
+            return [None] * len(keys)
+        return self.spread(len(keys), chosen, found, None)
+
+    async def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        chosen = self.load_plan(keys, await self._before("load", len(keys)))
+        if not chosen:
+            return [False] * len(keys)
+        loaded = await self.inner.get_many_into([keys[i] for i in chosen], [buffers[i] for i in chosen])
+        ok = [bool(done) and not self.corrupted(buffers[i]) for i, done in zip(chosen, loaded, strict=True)]
+        return self.spread(len(keys), chosen, ok, False)
+
+    async def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        chosen = [i for i, fail in enumerate(await self._before("delete", len(keys))) if not fail]
+        if not chosen:
+            return [False] * len(keys)
+        deleted = await self.inner.delete_many([keys[i] for i in chosen])
+        return self.spread(len(keys), chosen, deleted, False)
+
+    async def close(self) -> None:
+        await _maybe_await(_optional(self.inner, "close"))
+
+
+async def _maybe_await(method: Any) -> None:
+    if method is not None:
+        outcome = method()
+        if inspect.isawaitable(outcome):
+            await outcome
+
+
+def open_fault_inject(config: FaultInjectConfig, context: BackendContext) -> _FaultInjector:
+    """The factory: build the inner backend, wrap it in the flavour of its methods."""
+    inner = context.open_inner(config.inner)
+    if inspect.iscoroutinefunction(inner.put_many):
+        return AsyncFaultInjectBackend(config, context, inner)
+    return FaultInjectBackend(config, context, inner)

@@ -1,0 +1,153 @@
+"""L2 adapter ``fs``: one checksummed record file per object, in a directory or any fsspec
+filesystem.  This manifest stays light: the implementation is imported when configured."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from lmcache_tiers.plugin import FieldError, KindRegistry, L2AdapterConfig, hookimpl
+
+_GIB = 1 << 30
+#: URL prefixes served by plain ``os`` calls rather than fsspec's file objects
+_LOCAL_PREFIXES = ("file://", "local://")
+
+
+class FsConfig(L2AdapterConfig):
+    """One record file per object (core's header with an XXH3-128 checksum, verified on
+    load) in a local directory or any fsspec URL (`memory://`, `s3://` with s3fs, ...).
+    Files are published atomically, found again after a restart (the start-up scan counts
+    what is on disk), and a damaged record is a miss that is removed and counted.
+
+    LMCache compatibility: `base_path`, `relative_tmp_dir`, `use_odirect` and
+    `read_ahead_size` are the fields of LMCache's own `fs` adapter, with the same
+    meaning (`base_path` is an alias of `path`); `max_capacity_gb` is LMCache's
+    `fs_native` field (0 = no capacity), except that here a capacity is enforced: stores
+    beyond it are refused, and with `eviction` the oldest objects make room. The other
+    fields are lmcache-tiers' own.
+    """
+
+    path: Annotated[
+        str | None,
+        msgspec.Meta(description="Directory or fsspec URL holding the records; created if missing."),
+    ] = None
+    base_path: Annotated[
+        str | None,
+        msgspec.Meta(description="LMCache alias of path (LMCache's fs field name); give one of the two."),
+    ] = None
+    relative_tmp_dir: Annotated[
+        str | None,
+        msgspec.Meta(
+            description="LMCache fs field: sub-directory of the root for files being written "
+            "(default: next to their record). Must be on the same filesystem."
+        ),
+    ] = None
+    use_odirect: Annotated[
+        bool,
+        msgspec.Meta(
+            description="LMCache fs field: O_DIRECT reads and writes, bypassing the page cache "
+            "(local paths only; buffers are page-aligned)."
+        ),
+    ] = False
+    read_ahead_size: Annotated[
+        Annotated[int, msgspec.Meta(gt=0)] | None,
+        msgspec.Meta(
+            description="LMCache fs field: read this many payload bytes first, to start the "
+            "filesystem's read-ahead, then the rest (buffered reads; the read block size for fsspec).",
+        ),
+    ] = None
+    max_capacity_gb: Annotated[
+        float,
+        msgspec.Meta(
+            ge=0.0,
+            description="LMCache fs_native field: most GiB of payload held; 0 = unbounded (usage -1.0). "
+            "Required for eviction.",
+        ),
+    ] = 0.0
+    recover_on_start: Annotated[
+        bool,
+        msgspec.Meta(
+            description="Serve the records an earlier run left (the start-up scan accounts them); "
+            "false removes them when the adapter starts."
+        ),
+    ] = True
+    persist_enabled: Annotated[
+        bool,
+        msgspec.Meta(description="Keep the records at shutdown; false removes them when the adapter closes."),
+    ] = True
+    shard_dirs: Annotated[
+        bool,
+        msgspec.Meta(
+            description="Two-level directories <root>/ab/cd/ named from the chunk hash, not one flat one."
+        ),
+    ] = False
+    fsync: Annotated[
+        bool,
+        msgspec.Meta(
+            description="fsync each record before publishing it (and its directory after), so a store "
+            "survives a power loss; off, a torn record after a crash fails its checksum and is a miss."
+        ),
+    ] = False
+    storage_options: Annotated[
+        dict[str, Any],
+        msgspec.Meta(description="Options for the fsspec filesystem of a URL (e.g. s3fs credentials)."),
+    ] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.base_path is None):
+            field = "path" if self.path is not None else "base_path"
+            raise FieldError(
+                field, "give the directory as path (or LMCache's base_path), exactly one of them"
+            )
+        if not self.root.strip():
+            raise FieldError(
+                "path" if self.path is not None else "base_path", "the directory must not be empty"
+            )
+        if self.relative_tmp_dir is not None:
+            from lmcache_tiers.plugin import check_relative_dir
+
+            try:
+                check_relative_dir(self.relative_tmp_dir)
+            except ValueError as exc:
+                raise FieldError("relative_tmp_dir", f"relative_tmp_dir {exc}") from None
+        if self.use_odirect and not self.is_local:
+            raise FieldError(
+                "use_odirect", f"use_odirect applies to local directories only, not {self.root!r}"
+            )
+        if self.eviction is not None and not self.max_capacity_gb > 0:
+            raise FieldError(
+                "eviction",
+                "eviction needs a capacity: set max_capacity_gb > 0 (it is what eviction keeps under)",
+            )
+        if self.storage_options and self.is_local:
+            raise FieldError(
+                "storage_options", "storage_options apply to fsspec URLs, not to local directories"
+            )
+
+    @property
+    def root(self) -> str:
+        """The directory or URL given, whichever field named it."""
+        return self.path if self.path is not None else (self.base_path or "")
+
+    @property
+    def is_local(self) -> bool:
+        root = self.root
+        return "://" not in root or root.startswith(_LOCAL_PREFIXES)
+
+    @property
+    def local_root(self) -> str:
+        root = self.root
+        for prefix in _LOCAL_PREFIXES:
+            if root.startswith(prefix):
+                root = root[len(prefix) :]
+        return root
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return int(self.max_capacity_gb * _GIB) if self.max_capacity_gb > 0 else None
+
+
+@hookimpl
+def tiers_register_l2_adapters(registry: KindRegistry) -> None:
+    registry.add("fs", "lmcache_plugin_fs.backend:FsBackend", FsConfig)

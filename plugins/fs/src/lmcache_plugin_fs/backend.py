@@ -1,0 +1,169 @@
+"""``fs``: the backend core wraps into an adapter.
+
+Local directories (plain paths, ``file://``) are served with ``os`` calls
+(:mod:`~lmcache_plugin_fs.local_io`), every other fsspec URL through fsspec
+(:mod:`~lmcache_plugin_fs.remote`); both keep the same records in the same layout.  The
+backend keeps no index: a lookup checks the key's deterministic file (its size minus the
+header's is the stored size), and ``list_keys`` lists the tree with file sizes, from which
+core accounts what an earlier run stored as soon as the adapter starts.  Capacity is
+checked by core; eviction (``eviction``) is core's L2 eviction controller deleting files.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+
+from lmcache_plugin_fs import FsConfig
+from lmcache_plugin_fs.local_io import LocalRecords
+from lmcache_plugin_fs.remote import RemoteRecords
+from lmcache_tiers.plugin import (
+    BackendContext,
+    ConfigError,
+    DirectoryLock,
+    FileLayout,
+    LocalFiles,
+    ObjectKey,
+    ObjectSize,
+    ProcessClaim,
+    WriteFailures,
+    printable,
+)
+
+log = logging.getLogger(__name__)
+
+
+class FsBackend:
+    """One record file per object under ``config.root``."""
+
+    def __init__(self, config: FsConfig, context: BackendContext) -> None:
+        self.config = config
+        self.context = context
+        self._capacity = config.capacity_bytes
+        self._records: LocalRecords | RemoteRecords
+        #: what holds the tree: the local directory, or the fsspec records themselves
+        self._tree: LocalFiles | RemoteRecords
+        if config.is_local:
+            self._open_local(config, context)
+        else:
+            self._open_remote(config, context)
+        try:
+            self._start_up()
+        except BaseException:
+            self._release()
+            raise
+
+    def _open_local(self, config: FsConfig, context: BackendContext) -> None:
+        root = config.local_root
+        try:
+            lock = DirectoryLock(root, what=f"the fs directory {root}")
+        except OSError as exc:
+            raise ConfigError(f"fs: cannot use {root}: {exc.strerror or exc}") from exc
+        self._lock: DirectoryLock | ProcessClaim = lock
+        layout = FileLayout(lock.root, shard_dirs=config.shard_dirs, temp_dir=config.relative_tmp_dir)
+        try:
+            files = LocalFiles(
+                layout,
+                name=context.name,
+                count=context.count,
+                fsync=config.fsync,
+                on_root_recreated=lock.root_recreated,
+            )
+            if config.use_odirect:
+                _probe_direct_io(layout.root)
+        except BaseException:
+            lock.release()
+            raise
+        failures = WriteFailures(context.name, layout.root, context.count)
+        self._tree = files
+        self._records = LocalRecords(
+            files,
+            context,
+            direct=config.use_odirect,
+            read_ahead=config.read_ahead_size,
+            failures=failures,
+        )
+
+    def _open_remote(self, config: FsConfig, context: BackendContext) -> None:
+        import fsspec
+
+        try:
+            fs, root = fsspec.core.url_to_fs(config.root, **config.storage_options)
+        except (ImportError, ValueError) as exc:
+            raise ConfigError(f"fs: cannot open {printable(config.root)}: {exc}") from exc
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        # memory:// lives in this process: one adapter per path is the whole rule. Other
+        # remote stores cannot be locked from here; give each server its own path.
+        self._lock = ProcessClaim(f"{protocol}://{root}", what=f"the fs store {config.root}")
+        layout = FileLayout(root, shard_dirs=config.shard_dirs, temp_dir=config.relative_tmp_dir)
+        failures = WriteFailures(context.name, config.root, context.count)
+        try:
+            records = RemoteRecords(fs, layout, context, read_ahead=config.read_ahead_size, failures=failures)
+        except BaseException:
+            self._lock.release()
+            raise
+        self._records = self._tree = records
+
+    def _start_up(self) -> None:
+        """Remove what a killed run left half-written; drop old records if asked to."""
+        self._tree.remove_temp_files()
+        if not self.config.recover_on_start:
+            dropped = self._tree.remove_all_records()
+            self.context.count("records_dropped_at_start", dropped)
+            log.info(
+                "%s: recover_on_start is false: removed %d records of an earlier run",
+                self.context.name,
+                dropped,
+            )
+
+    # -- the backend methods ------------------------------------------------------------------
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        return self._records.write_many(keys, payloads)
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | ObjectSize | None]:
+        return [self._records.stored_size(key) for key in keys]
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        return self._records.read_many(keys, buffers)
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        return [self._tree.delete(key) for key in keys]
+
+    def list_keys(self) -> Iterator[tuple[ObjectKey, int]]:
+        return self._tree.iter_records(self._records.sizes.length)
+
+    def capacity(self) -> int | None:
+        return self._capacity
+
+    def close(self) -> None:
+        try:
+            if not self.config.persist_enabled:
+                removed = self._tree.remove_all_records()
+                log.info("%s: persistence off, removed %d record files", self.context.name, removed)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self._records.close()
+        self._lock.release()
+
+
+def _probe_direct_io(directory: str) -> None:
+    """Refuse use_odirect at start-up on a filesystem that refuses O_DIRECT (tmpfs)."""
+    import os
+    import tempfile
+
+    flag = getattr(os, "O_DIRECT", 0)
+    fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", suffix=".part", dir=directory)
+    os.close(fd)
+    try:
+        fd = os.open(probe, os.O_RDWR | flag)
+        os.close(fd)
+    except OSError as exc:
+        raise ConfigError(
+            f"fs: use_odirect is true but the filesystem of {directory} refuses O_DIRECT ({exc.strerror}); "
+            "set use_odirect to false"
+        ) from None
+    finally:
+        os.unlink(probe)

@@ -1,0 +1,343 @@
+"""Record files in a local directory with plain ``os`` calls: pwrite/preadv, O_DIRECT.
+
+A store encodes the header (with the payload's checksum), writes payload and header to a
+new temporary file and renames it over the record (:meth:`LocalFiles.publish`).  A load
+reads header and payload with one ``preadv`` and verifies them.  Nothing is handed back
+that did not verify.  A batch of large objects is spread over a few I/O threads, each
+handling whole records: the copies to and from the page cache, the checksums and the
+system calls all release the GIL, so records move in parallel on as many cores (handing
+checksums to a helper thread instead costs a GIL hand-off per object and gained less).
+
+With ``O_DIRECT`` the header goes through a page-aligned scratch block and the payload
+straight from (or into) the caller's buffer when its address is page-aligned (L1 extents
+and serde staging buffers are); the last partial block of an odd-sized payload is read or
+written with ``O_DIRECT`` cleared on the descriptor, so no byte beyond a buffer is ever
+touched.  A buffer that is not aligned is written or read through the page cache instead
+(``direct_io_fallbacks``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from lmcache_tiers.plugin import (
+    RECORD_ALIGN,
+    BackendContext,
+    FileIdentity,
+    HeaderSizes,
+    LocalFiles,
+    ObjectKey,
+    ObjectSize,
+    RecordError,
+    RecordHeader,
+    WriteFailures,
+    identity_of,
+    is_out_of_space,
+    printable,
+    record_name,
+    verify_payload,
+)
+
+log = logging.getLogger(__name__)
+
+#: a batch of at least this many bytes (and two objects) is spread over the I/O threads;
+#: smaller ones run on the calling thread, where handing them over would cost more
+PARALLEL_BYTES = 512 << 10
+#: I/O threads per adapter (records of one batch in flight at once)
+IO_THREADS = max(2, min(4, os.cpu_count() or 2))
+_DIRECT = getattr(os, "O_DIRECT", 0)
+#: the record format's bound on a header (lmcache_tiers.l2.record.MAX_HEADER_LEN)
+MAX_HEADER_BYTES = 1 << 16
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+
+
+def _aligned(view: memoryview) -> bool:
+    return _address(view) % RECORD_ALIGN == 0
+
+
+def _set_direct(fd: int, on: bool) -> None:
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, (flags | _DIRECT) if on else (flags & ~_DIRECT))
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data.nbytes:
+        written = os.pwrite(fd, data, offset)
+        if written <= 0:
+            raise OSError(28, "No space left on device (short write)")
+        data, offset = data[written:], offset + written
+
+
+def _pread_all(fd: int, buffers: list[memoryview], offset: int) -> int:
+    """Fill ``buffers`` from ``offset``; returns the bytes read (short only at EOF)."""
+    total = 0
+    pending = [b for b in buffers if b.nbytes]
+    while pending:
+        got = os.preadv(fd, pending, offset)
+        if got <= 0:
+            break
+        total += got
+        offset += got
+        while pending and got >= pending[0].nbytes:
+            got -= pending[0].nbytes
+            pending.pop(0)
+        if pending and got:
+            pending[0] = pending[0][got:]
+    return total
+
+
+class _Scratch(threading.local):
+    """A page-aligned header block per thread (O_DIRECT needs aligned memory), as large as
+    the longest header a record may have."""
+
+    def __init__(self) -> None:
+        self.block = mmap.mmap(-1, MAX_HEADER_BYTES)
+        self.view = memoryview(self.block)
+
+
+class LocalRecords:
+    """Reads and writes the record files of one ``fs`` adapter on a local root."""
+
+    def __init__(
+        self,
+        files: LocalFiles,
+        context: BackendContext,
+        *,
+        direct: bool,
+        read_ahead: int | None,
+        failures: WriteFailures,
+    ) -> None:
+        self.files = files
+        self.context = context
+        self.direct = direct and bool(_DIRECT)
+        self.read_ahead = read_ahead
+        self.failures = failures
+        self.sizes = HeaderSizes(self._encode_header)
+        self._scratch = _Scratch()
+        self._pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix=f"fs-{context.name}-io")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _encode_header(self, key: ObjectKey, payload: memoryview) -> bytes:
+        return self.context.record_header(key, payload, align=RECORD_ALIGN)
+
+    def _each(
+        self,
+        work: Callable[[int, ObjectKey, memoryview], bool],
+        keys: Sequence[ObjectKey],
+        views: Sequence[memoryview],
+    ) -> list[bool]:
+        """``work(index, key, view)`` per record, on the I/O threads for a large batch.  Every
+        record fails or succeeds alone; all are finished before this returns (the views are
+        the caller's)."""
+        items = list(enumerate(zip(keys, views, strict=True)))
+        if len(items) < 2 or sum(view.nbytes for view in views) < PARALLEL_BYTES:
+            return [work(index, key, view) for index, (key, view) in items]
+        futures: list[Future[bool]] = [
+            self._pool.submit(work, index, key, view) for index, (key, view) in items
+        ]
+        return [future.result() for future in futures]
+
+    # -- stores -------------------------------------------------------------------------------
+
+    def write_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        """Each record fails alone: a full disk fails the records that do not fit, not the
+        batch, and a smaller record after a failed one may still fit.  Records written in
+        parallel compete for the last free blocks, so those that found the disk full are
+        tried once more, one after the other, before they count as not fitting."""
+        full: set[int] = set()
+
+        def attempt(index: int, key: ObjectKey, payload: memoryview) -> bool:
+            return self._write(key, payload, on_full=lambda: full.add(index))
+
+        results = self._each(attempt, keys, payloads)
+        for index in sorted(full):
+            results[index] = self._write(keys[index], payloads[index])
+        return results
+
+    def _write(self, key: ObjectKey, payload: memoryview, on_full: Callable[[], None] | None = None) -> bool:
+        header_len = self.sizes.length(key)
+        direct = self.direct and _aligned(payload)
+        if self.direct and not direct:
+            self.context.count("direct_io_fallbacks")
+        path = None
+        fd = -1
+        try:
+            fd, path = self.files.create_temp(key, _DIRECT if direct else 0)
+            whole = payload.nbytes - payload.nbytes % RECORD_ALIGN if direct else payload.nbytes
+            _pwrite_all(fd, payload[:whole], header_len)
+            if direct:
+                _set_direct(fd, False)  # the tail and the header go through the page cache
+                _pwrite_all(fd, payload[whole:], header_len + whole)
+            encoded = self._encode_header(key, payload)
+            if len(encoded) != header_len:
+                self.context.count("record_header_too_long")
+                log.warning(
+                    "%s: the record header of %s is %d bytes, not %d: not stored",
+                    self.context.name,
+                    printable(record_name(key)),
+                    len(encoded),
+                    header_len,
+                )
+                return False
+            _pwrite_all(fd, memoryview(encoded), 0)
+            self.files.publish(key, path, fd)
+            path = None
+            return True
+        except OSError as exc:
+            if on_full is not None and is_out_of_space(exc):
+                on_full()  # not counted yet: tried again once the batch is done
+            else:
+                self.failures.failed(record_name(key), exc)
+            return False
+        except ValueError as exc:  # the header cannot be encoded (e.g. an oversized layout)
+            log.warning("%s: cannot store %s: %s", self.context.name, printable(record_name(key)), exc)
+            return False
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            if path is not None:
+                self.files.remove_quietly(path)
+
+    # -- lookups ------------------------------------------------------------------------------
+
+    def stored_size(self, key: ObjectKey) -> int | ObjectSize | None:
+        path = self.files.layout.path_for(key)
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return None
+        header_len = self.sizes.length(key)
+        stored = stat.st_size - header_len
+        if stored < 0:
+            self.files.discard(key, identity_of(stat), "truncated_records_removed", "shorter than its header")
+            return None
+        if not self.context.serde or self.context.l1_size_of(key) is not None:
+            return stored
+        # A size-changing chain and a key core has no L1 size for: only the header knows.
+        header = self._peek_header(key, path)
+        if isinstance(header, tuple):
+            self.files.discard(key, header[1], "corrupt_records_removed", str(header[0]))
+            return None
+        return None if header is None else ObjectSize(header.payload_len, header.l1_size)
+
+    def _peek_header(
+        self, key: ObjectKey, path: str
+    ) -> RecordHeader | tuple[RecordError, FileIdentity] | None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            identity = identity_of(os.fstat(fd))
+            data = os.pread(fd, self.sizes.length(key), 0)
+            return self.context.read_record_header(data, key)
+        except RecordError as exc:
+            return exc, identity
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    # -- loads --------------------------------------------------------------------------------
+
+    def read_many(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        return self._each(self._load, keys, buffers)
+
+    def _load(self, _index: int, key: ObjectKey, buffer: memoryview) -> bool:
+        read = self._read(key, buffer)
+        return read is not None and self._verify(key, buffer, *read)
+
+    def _read(self, key: ObjectKey, buffer: memoryview) -> tuple[bytes, FileIdentity] | None:
+        """Header bytes and file identity of a record read into ``buffer``; None if not."""
+        path = self.files.layout.path_for(key)
+        header_len = self.sizes.length(key)
+        direct = self.direct and _aligned(buffer)
+        if self.direct and not direct:
+            self.context.count("direct_io_fallbacks")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (_DIRECT if direct else 0))
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("%s: cannot open %s: %s", self.context.name, printable(path, 300), exc)
+            return None
+        try:
+            stat = os.fstat(fd)
+            identity = identity_of(stat)
+            if stat.st_size != header_len + buffer.nbytes:
+                self._explain_size(key, fd, identity, stat.st_size, buffer.nbytes)
+                return None
+            header = self._scratch.view[:header_len]
+            if direct:
+                whole = buffer.nbytes - buffer.nbytes % RECORD_ALIGN
+                got = _pread_all(fd, [header, buffer[:whole]], 0)
+                _set_direct(fd, False)
+                got += _pread_all(fd, [buffer[whole:]], header_len + whole)
+            elif self.read_ahead and buffer.nbytes > self.read_ahead:
+                got = _pread_all(fd, [header, buffer[: self.read_ahead]], 0)
+                got += _pread_all(fd, [buffer[self.read_ahead :]], header_len + self.read_ahead)
+            else:
+                got = _pread_all(fd, [header, buffer], 0)
+            if got != header_len + buffer.nbytes:
+                return None  # shrunk under us: not a record anyone may trust now
+            return bytes(header), identity
+        except OSError as exc:
+            log.warning("%s: cannot read %s: %s", self.context.name, printable(path, 300), exc)
+            return None
+        finally:
+            os.close(fd)
+
+    def _explain_size(
+        self, key: ObjectKey, fd: int, identity: FileIdentity, size: int, expected: int
+    ) -> None:
+        """A file of an unexpected size: another intact object (kept) or damage (removed)."""
+        try:
+            header = self.context.read_record_header(os.pread(fd, self.sizes.length(key), 0), key)
+            if header is None:
+                return  # another serde chain: kept
+            if header.header_len + header.payload_len != size:
+                raise RecordError(
+                    f"file is {size} bytes, its header says {header.header_len + header.payload_len}"
+                )
+            log.info(
+                "%s: %s holds %d bytes, a load expected %d",
+                self.context.name,
+                printable(record_name(key)),
+                header.payload_len,
+                expected,
+            )
+        except RecordError as exc:
+            self.files.discard(key, identity, "corrupt_records_removed", str(exc))
+        except OSError:
+            pass
+
+    def _verify(
+        self, key: ObjectKey, buffer: memoryview, header_bytes: bytes, identity: FileIdentity
+    ) -> bool:
+        try:
+            header = self.context.read_record_header(header_bytes, key)
+            if header is None:
+                return False  # intact, of another serde chain: a miss that is kept
+            if header.header_len != len(header_bytes) or header.payload_len != buffer.nbytes:
+                raise RecordError(
+                    f"record header says {header.header_len}+{header.payload_len} bytes, "
+                    f"file holds {len(header_bytes)}+{buffer.nbytes}"
+                )
+            verify_payload(header, buffer)
+            return True
+        except RecordError as exc:
+            self.files.discard(key, identity, "corrupt_records_removed", str(exc))
+            return False

@@ -1,0 +1,259 @@
+"""Record files on an fsspec filesystem (``memory://``, ``s3://``, ...): the same records,
+names and layout as a local directory, through fsspec's file API.
+
+A record is written to a temporary name and moved over its final name (object stores
+write an object whole when its file closes, so a reader never sees part of one either
+way).  A listing is one ``find`` with sizes: no record is opened.  Removing a record that
+failed verification re-reads its header first and keeps it when a store replaced it
+meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from lmcache_tiers.plugin import (
+    RECORD_ALIGN,
+    BackendContext,
+    EntryKind,
+    FileLayout,
+    HeaderSizes,
+    ObjectKey,
+    ObjectSize,
+    RecordError,
+    WriteFailures,
+    classify_name,
+    copy_into,
+    is_temp_name,
+    printable,
+    record_key,
+    record_name,
+    verify_payload,
+)
+
+log = logging.getLogger(__name__)
+
+_STRIPES = 64
+#: the record format's bound on a header
+MAX_HEADER_BYTES = 1 << 16
+
+
+class RemoteRecords:
+    """Reads and writes the record files of one ``fs`` adapter through an fsspec filesystem."""
+
+    def __init__(
+        self,
+        fs: Any,
+        layout: FileLayout,
+        context: BackendContext,
+        *,
+        read_ahead: int | None,
+        failures: WriteFailures,
+    ) -> None:
+        self.fs = fs
+        self.layout = layout
+        self.context = context
+        self.read_ahead = read_ahead
+        self.failures = failures
+        self.sizes = HeaderSizes(lambda key, payload: context.record_header(key, payload, align=RECORD_ALIGN))
+        self._stripes = [threading.Lock() for _ in range(_STRIPES)]
+        fs.makedirs(layout.root, exist_ok=True)
+
+    def close(self) -> None:
+        pass
+
+    def _stripe(self, key: ObjectKey) -> threading.Lock:
+        return self._stripes[hash(key) % _STRIPES]
+
+    # -- stores -------------------------------------------------------------------------------
+
+    def write_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        return [self._write(key, payload) for key, payload in zip(keys, payloads, strict=True)]
+
+    def _write(self, key: ObjectKey, payload: memoryview) -> bool:
+        header_len = self.sizes.length(key)
+        temp = self.layout.temp_path(key)
+        try:
+            header = self.context.record_header(key, payload, align=RECORD_ALIGN)
+            if len(header) != header_len:
+                self.context.count("record_header_too_long")
+                return False
+            self.fs.makedirs(posixpath.dirname(temp), exist_ok=True)
+            self.fs.makedirs(self.layout.directory_for(key), exist_ok=True)
+            with self.fs.open(temp, "wb") as handle:
+                handle.write(header)
+                handle.write(payload)
+            with self._stripe(key):
+                self.fs.mv(temp, self.layout.path_for(key))
+            return True
+        except ValueError as exc:
+            log.warning("%s: cannot store %s: %s", self.context.name, printable(record_name(key)), exc)
+        except OSError as exc:
+            self.failures.failed(record_name(key), exc)
+        self._remove_quietly(temp)
+        return False
+
+    def _remove_quietly(self, path: str) -> None:
+        try:
+            self.fs.rm_file(path)
+        except (OSError, ValueError):
+            pass
+
+    # -- lookups and loads ----------------------------------------------------------------------
+
+    def _size(self, path: str) -> int | None:
+        try:
+            size = self.fs.info(path).get("size")
+        except (FileNotFoundError, OSError):
+            return None
+        return int(size) if size is not None else None
+
+    def stored_size(self, key: ObjectKey) -> int | ObjectSize | None:
+        path = self.layout.path_for(key)
+        size = self._size(path)
+        if size is None:
+            return None
+        stored = size - self.sizes.length(key)
+        if stored < 0:
+            self.discard(key, size, None, "truncated_records_removed", "shorter than its header")
+            return None
+        if not self.context.serde or self.context.l1_size_of(key) is not None:
+            return stored
+        try:
+            with self.fs.open(path, "rb") as handle:
+                prefix = handle.read(self.sizes.length(key))
+            header = self.context.read_record_header(prefix, key)
+        except RecordError as exc:
+            self.discard(key, size, prefix, "corrupt_records_removed", str(exc))
+            return None
+        except OSError:
+            return None
+        return None if header is None else ObjectSize(header.payload_len, header.l1_size)
+
+    def read_many(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        return [self._read(key, buffer) for key, buffer in zip(keys, buffers, strict=True)]
+
+    def _read(self, key: ObjectKey, buffer: memoryview) -> bool:
+        path = self.layout.path_for(key)
+        header_len = self.sizes.length(key)
+        options = {"block_size": self.read_ahead} if self.read_ahead else {}
+        prefix = b""
+        size = 0
+        try:
+            with self.fs.open(path, "rb", **options) as handle:
+                size = int(handle.size)
+                prefix = handle.read(header_len)
+                header = self.context.read_record_header(prefix, key)
+                if header is None:
+                    return False  # another serde chain: kept
+                if header.header_len != header_len or header.header_len + header.payload_len != size:
+                    raise RecordError(
+                        f"file is {size} bytes, its header says {header.header_len + header.payload_len}"
+                    )
+                if header.payload_len != buffer.nbytes:
+                    return False  # another intact object of another size
+                data = handle.read(buffer.nbytes)
+            if len(data) != buffer.nbytes:
+                raise RecordError(f"payload is {len(data)} bytes, its header says {buffer.nbytes}")
+            verify_payload(header, data)
+            copy_into(buffer, data)
+            return True
+        except FileNotFoundError:
+            return False
+        except RecordError as exc:
+            self.discard(key, size, prefix, "corrupt_records_removed", str(exc))
+        except OSError as exc:
+            log.warning("%s: cannot read %s: %s", self.context.name, printable(path, 300), exc)
+        return False
+
+    # -- removal --------------------------------------------------------------------------------
+
+    def discard(self, key: ObjectKey, size: int, prefix: bytes | None, counter: str, reason: str) -> bool:
+        """Remove a record judged bad, unless a store replaced it since (other size or header)."""
+        path = self.layout.path_for(key)
+        with self._stripe(key):
+            if self._size(path) != size:
+                return False
+            if prefix is not None:
+                try:
+                    with self.fs.open(path, "rb") as handle:
+                        if handle.read(len(prefix)) != prefix:
+                            return False
+                except OSError:
+                    return False
+            self._remove_quietly(path)
+        self.context.count(counter)
+        log.warning("%s: removed %s: %s", self.context.name, printable(path, 300), printable(reason, 300))
+        return True
+
+    def delete(self, key: ObjectKey) -> bool:
+        path = self.layout.path_for(key)
+        with self._stripe(key):
+            try:
+                self.fs.rm_file(path)
+                return True
+            except FileNotFoundError:
+                return False
+            except OSError as exc:
+                log.warning("%s: cannot delete %s: %s", self.context.name, printable(path, 300), exc)
+                return False
+
+    # -- the tree -------------------------------------------------------------------------------
+
+    def _entries(self) -> Iterator[tuple[str, str, int]]:
+        """(directory, name, size) of every file under the root."""
+        try:
+            found = self.fs.find(self.layout.root, detail=True, withdirs=False)
+        except FileNotFoundError:
+            return
+        for path, info in found.items():
+            path = str(path)
+            if not path.startswith("/") and self.layout.root.startswith("/"):
+                path = "/" + path
+            directory, name = posixpath.split(path)
+            yield directory, name, int(info.get("size") or 0)
+
+    def iter_records(self, header_length: Callable[[ObjectKey], int]) -> Iterator[tuple[ObjectKey, int]]:
+        for directory, name, size in self._entries():
+            kind, key = classify_name(name)
+            if kind is EntryKind.DIGEST:
+                key = self._key_from_header(posixpath.join(directory, name))
+            elif kind is not EntryKind.RECORD:
+                continue
+            if key is None or not self.layout.owns(directory, key):
+                continue
+            stored = size - self.sizes.length(key)
+            if stored < 0:
+                self.discard(
+                    key, size, None, "truncated_records_removed", f"{size} bytes, shorter than its header"
+                )
+                continue
+            yield key, stored
+
+    def _key_from_header(self, path: str) -> ObjectKey | None:
+        try:
+            with self.fs.open(path, "rb") as handle:
+                return record_key(handle.read(MAX_HEADER_BYTES))
+        except (OSError, RecordError):
+            return None  # a damaged one is removed by the first load that finds it
+
+    def remove_temp_files(self) -> int:
+        removed = 0
+        for directory, name, _size in self._entries():
+            if is_temp_name(name):
+                self._remove_quietly(posixpath.join(directory, name))
+                removed += 1
+        self.context.count("orphan_temp_files_removed", removed)
+        return removed
+
+    def remove_all_records(self) -> int:
+        removed = 0
+        for directory, name, _size in self._entries():
+            if classify_name(name).kind is not EntryKind.FOREIGN:
+                self._remove_quietly(posixpath.join(directory, name))
+                removed += 1
+        return removed

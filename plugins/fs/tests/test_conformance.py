@@ -1,0 +1,62 @@
+"""fs against the L2 adapter conformance suite: a local directory (flat, sharded, with
+O_DIRECT and a temp directory) and fsspec's memory://."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from lmcache_plugin_fs import FsConfig
+
+from lmcache_tiers.testing.files import ScratchDirectory
+from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite
+
+#: 2 MiB: 128 objects of the suite's 16 KiB before stores are refused
+SUITE_CAPACITY_GB = 2 / 1024
+
+
+class TestFsLocal(ScratchDirectory, L2AdapterSuite):
+    component_name = "fs"
+    capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION})
+
+    def make_config(self) -> FsConfig:
+        return FsConfig(path=self.storage_dir, max_capacity_gb=SUITE_CAPACITY_GB)
+
+
+class TestFsLocalSharded(TestFsLocal):
+    def make_config(self) -> FsConfig:
+        return FsConfig(base_path=self.storage_dir, max_capacity_gb=SUITE_CAPACITY_GB, shard_dirs=True)
+
+
+class TestFsLocalDirect(TestFsLocal):
+    def make_config(self) -> FsConfig:
+        return FsConfig(
+            path=self.storage_dir, max_capacity_gb=SUITE_CAPACITY_GB, use_odirect=True, relative_tmp_dir="tmp"
+        )
+
+
+class TestFsUnbounded(ScratchDirectory, L2AdapterSuite):
+    component_name = "fs"
+    capabilities = frozenset({PERSISTENCE})
+
+    def make_config(self) -> FsConfig:
+        return FsConfig(path=f"file://{self.storage_dir}")
+
+
+class TestFsMemory(L2AdapterSuite):
+    component_name = "fs"
+    capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION})
+
+    @pytest.fixture(autouse=True)
+    def _namespace(self) -> Iterator[None]:
+        self.url = f"memory://lmcache-fs-suite-{uuid.uuid4().hex}"
+        yield
+        import fsspec
+
+        memory = fsspec.filesystem("memory")
+        if memory.exists(self.url):
+            memory.rm(self.url, recursive=True)
+
+    def make_config(self) -> FsConfig:
+        return FsConfig(path=self.url, max_capacity_gb=SUITE_CAPACITY_GB, shard_dirs=True)

@@ -1,0 +1,309 @@
+"""fs on local directories and memory://: integrity, capacity across restarts, eviction,
+O_DIRECT, start-up options, config and what plugins show says about LMCache's fields."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from pathlib import Path
+
+import msgspec
+import pytest
+from fs_helpers import (
+    HEADER,
+    Arena,
+    client,
+    flip_byte,
+    fs_config,
+    load,
+    open_fs,
+    payload_bytes_on_disk,
+    record_files,
+    store,
+)
+
+from lmcache_tiers.config import L2EvictionConfig, decode_adapter
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.plugins import load_registry
+from lmcache_tiers.testing.l2 import make_keys, pattern
+from lmcache_tiers.testing.l2_restarts import fill_across_restarts
+
+SIZE = 64 << 10
+MIB = 1 << 20
+
+
+def _eviction_controller(adapter: object, watermark: float, ratio: float) -> object:
+    from lmcache_tiers.testing.l2_restarts import _eviction_controller as build
+
+    return build(adapter, L2EvictionConfig(trigger_watermark=watermark, eviction_ratio=ratio))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("damage", ["payload", "header", "truncated", "empty"])
+def test_damaged_record_is_a_miss_and_is_removed(tmp_path: Path, damage: str) -> None:
+    arena = Arena()
+    keys = make_keys(2)
+    data = [pattern(7, SIZE), pattern(8, SIZE)]
+    adapter = open_fs(fs_config(str(tmp_path)), arena.view)
+    try:
+        assert store(adapter, arena, keys, data) == [True, True]
+        path = str(tmp_path / f"{keys[0].file_stem()}.bin")
+        if damage == "payload":
+            flip_byte(path, HEADER + SIZE // 2)
+        elif damage == "header":
+            flip_byte(path, 40)
+        elif damage == "truncated":
+            os.truncate(path, HEADER + SIZE - 1)
+        else:
+            os.truncate(path, 0)
+        result = client(adapter).lookup_and_lock(keys)
+        hit = damage != "empty"  # an empty file is shorter than a header: removed by the lookup
+        assert result.found == [hit, True]
+        if hit:
+            ok, contents = load(adapter, arena, keys, result.sizes)
+            assert ok == [False, True] and contents[1] == data[1]
+        adapter.unlock([k for k, found in zip(keys, result.found, strict=True) if found])
+        assert not os.path.exists(path)
+        counter = "truncated_records_removed" if damage == "empty" else "corrupt_records_removed"
+        assert adapter.stats()[counter] == 1
+        assert client(adapter).lookup_and_lock(keys[:1]).found == [False]
+        assert adapter.used_bytes() == SIZE
+    finally:
+        adapter.close()
+
+
+def test_damaged_record_never_survives_a_restart(tmp_path: Path) -> None:
+    arena = Arena()
+    keys = make_keys(3)
+    adapter = open_fs(fs_config(str(tmp_path)), arena.view)
+    assert store(adapter, arena, keys, [pattern(i, SIZE) for i in range(3)]) == [True] * 3
+    adapter.close()
+    os.truncate(tmp_path / f"{keys[0].file_stem()}.bin", 100)
+    (tmp_path / f"{keys[1].file_stem()}.bin").write_bytes(b"")
+    restarted = open_fs(fs_config(str(tmp_path)), arena.view)
+    try:
+        assert restarted.stats()["truncated_records_removed"] == 2
+        assert restarted.stats()["scan_keys"] == 1 and restarted.used_bytes() == SIZE
+        assert record_files(str(tmp_path)) == [f"{keys[2].file_stem()}.bin"]
+    finally:
+        restarted.close()
+
+
+@pytest.mark.parametrize("with_eviction", [False, True])
+@pytest.mark.parametrize("url", [False, True])
+def test_capacity_is_held_across_three_restarts(tmp_path: Path, with_eviction: bool, url: bool) -> None:
+    capacity = 2 * MIB
+    eviction = L2EvictionConfig(trigger_watermark=0.8, eviction_ratio=0.3) if with_eviction else None
+    if url:
+        import fsspec
+
+        root = f"memory://restarts-{uuid.uuid4().hex}"
+        memory = fsspec.filesystem("memory")
+
+        def on_disk() -> int:
+            return sum(int(info["size"]) - HEADER for info in memory.find(root, detail=True).values())
+    else:
+        root = str(tmp_path)
+
+        def on_disk() -> int:
+            return payload_bytes_on_disk(root)
+
+    config = fs_config(root, max_capacity_gb=capacity / (1 << 30), eviction=eviction, shard_dirs=True)
+    reports = fill_across_restarts(
+        lambda: open_fs(config), on_disk, capacity=capacity, object_size=SIZE, eviction=eviction
+    )
+    for run, report in enumerate(reports):
+        assert report.on_disk <= capacity, f"run {run} left {report.on_disk} bytes over a {capacity} cap"
+        assert report.used_bytes == report.on_disk, "accounting must match what is on disk"
+        assert report.refused > 0 or with_eviction
+    assert [r.scanned_bytes for r in reports[1:]] == [r.on_disk for r in reports[:-1]]
+    if with_eviction:
+        # Eviction makes room for new objects: each run's newest batch is stored and found.
+        assert all(r.last_keys_found == 4 for r in reports)
+        assert all(r.on_disk >= capacity // 2 for r in reports)
+    else:
+        # Without eviction a full cache refuses: later runs store nothing new.
+        assert reports[1].stored == 0 and reports[2].stored == 0
+
+
+def test_eviction_under_capacity_pressure_skips_pinned_keys(tmp_path: Path) -> None:
+    arena = Arena()
+    keys = make_keys(4)
+    names = [f"{key.file_stem()}.bin" for key in keys]
+    config = fs_config(
+        str(tmp_path), max_capacity_gb=(4 * SIZE) / (1 << 30), eviction={"eviction_policy": "LRU"}
+    )
+    adapter = open_fs(config, arena.view)
+    try:
+        controller = _eviction_controller(adapter, watermark=0.75, ratio=0.5)
+        assert store(adapter, arena, keys, [pattern(i, SIZE) for i in range(4)]) == [True] * 4
+        assert adapter.usage() == 1.0
+        # A fifth object does not fit until eviction runs.
+        assert store(adapter, arena, make_keys(1, start=9), [pattern(9, SIZE)]) == [False]
+        # LRU evicts the tail of a prefix first: keys[3] is the first victim, and a
+        # prefetch has it pinned between its lookup and its load.
+        assert client(adapter).lookup_and_lock(keys[3:]).found == [True]
+        controller.evict(2 * SIZE)  # type: ignore[attr-defined]
+        assert set(record_files(str(tmp_path))) == {names[0], names[3]}, "pinned key skipped"
+        assert adapter.usage() == 0.5
+        adapter.unlock(keys[3:])
+        controller.evict(SIZE)  # type: ignore[attr-defined]
+        assert set(record_files(str(tmp_path))) == {names[0]}, "retried in the next cycle"
+        assert store(adapter, arena, make_keys(1, start=9), [pattern(9, SIZE)]) == [True]
+    finally:
+        adapter.close()
+
+
+@pytest.mark.parametrize("size", [SIZE, SIZE + 123, 100])
+def test_direct_io_round_trip_and_restart(tmp_path: Path, size: int) -> None:
+    arena = Arena()
+    keys = make_keys(2)
+    data = [pattern(30, size), pattern(31, size // 3 + 1)]
+    config = fs_config(str(tmp_path), use_odirect=True)
+    adapter = open_fs(config, arena.view)
+    assert store(adapter, arena, keys, data) == [True, True]
+    assert load(adapter, arena, keys, [len(d) for d in data]) == ([True, True], data)
+    assert adapter.stats().get("direct_io_fallbacks", 0) == 0, "aligned buffers take the O_DIRECT path"
+    adapter.close()
+    restarted = open_fs(config, arena.view)
+    try:
+        result = client(restarted).lookup_and_lock(keys)
+        assert result.sizes == [len(d) for d in data]
+        assert load(restarted, arena, keys, result.sizes) == ([True, True], data)
+        restarted.unlock(keys)
+        unaligned = arena.take(len(data[0]) + 1)[1:]
+        assert client(restarted).load(keys[:1], [unaligned]) == [True] and bytes(unaligned) == data[0]
+        assert restarted.stats()["direct_io_fallbacks"] == 1
+    finally:
+        restarted.close()
+
+
+@pytest.mark.parametrize("read_ahead", [None, 1000, 10 * SIZE])
+def test_read_ahead_reads_every_byte(tmp_path: Path, read_ahead: int | None) -> None:
+    arena = Arena()
+    keys = make_keys(3)
+    data = [pattern(40 + i, SIZE - i) for i in range(3)]
+    adapter = open_fs(fs_config(str(tmp_path), read_ahead_size=read_ahead), arena.view)
+    try:
+        assert store(adapter, arena, keys, data) == [True] * 3
+        assert load(adapter, arena, keys, [len(d) for d in data]) == ([True] * 3, data)
+    finally:
+        adapter.close()
+
+
+def test_recover_on_start_false_and_persist_disabled(tmp_path: Path) -> None:
+    arena = Arena()
+    keys = make_keys(3)
+    (tmp_path / "notes.txt").write_text("not ours")
+    first = open_fs(fs_config(str(tmp_path)), arena.view)
+    assert store(first, arena, keys, [pattern(i, SIZE) for i in range(3)]) == [True] * 3
+    first.close()
+    fresh = open_fs(fs_config(str(tmp_path), recover_on_start=False, persist_enabled=False, shard_dirs=True))
+    try:
+        assert fresh.stats()["records_dropped_at_start"] == 3 and fresh.used_bytes() == 0
+        assert client(fresh).lookup_and_lock(keys).found == [False] * 3
+        assert store(fresh, arena, keys[:1], [pattern(1, SIZE)]) == [True]
+    finally:
+        fresh.close()
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"], "records and shard directories removed, others kept"
+
+
+def test_temp_files_go_to_relative_tmp_dir_and_are_swept(tmp_path: Path) -> None:
+    (tmp_path / "staging").mkdir()
+    (tmp_path / "staging" / ".tmp-1-1.part").write_bytes(b"half")
+    arena = Arena()
+    adapter = open_fs(fs_config(str(tmp_path), relative_tmp_dir="staging"), arena.view)
+    try:
+        assert adapter.stats()["orphan_temp_files_removed"] == 1
+        assert store(adapter, arena, make_keys(1), [pattern(1, SIZE)]) == [True]
+        assert os.listdir(tmp_path / "staging") == []
+    finally:
+        adapter.close()
+
+
+def test_two_adapters_on_one_directory_are_refused(tmp_path: Path) -> None:
+    first = open_fs(fs_config(str(tmp_path)))
+    try:
+        with pytest.raises(ConfigError, match="already used by another adapter"):
+            open_fs(fs_config(f"file://{tmp_path}"))
+        with pytest.raises(ConfigError, match="already used by another adapter"):
+            open_fs(fs_config(str(tmp_path / ".." / tmp_path.name)))
+    finally:
+        first.close()
+    open_fs(fs_config(str(tmp_path))).close()
+
+
+def test_control_characters_in_names_are_escaped_in_log_lines(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    arena = Arena()
+    key = ObjectKey("evil\nmodel\x1b[31m", 0, b"\x05" * 32, 0, "salt\r\nforged line")
+    adapter = open_fs(fs_config(str(tmp_path)), arena.view)
+    try:
+        assert store(adapter, arena, [key], [pattern(1, SIZE)]) == [True]
+        (path,) = record_files(str(tmp_path))
+        assert "\n" not in path and "\x1b" not in path and not path.startswith(".")
+        flip_byte(str(tmp_path / path), HEADER + 10)
+        with caplog.at_level(logging.WARNING):
+            assert load(adapter, arena, [key], [SIZE])[0] == [False]
+        assert adapter.stats()["corrupt_records_removed"] == 1
+        lines = [record.getMessage() for record in caplog.records]
+        assert lines and all("\n" not in line and "\r" not in line and "\x1b" not in line for line in lines)
+    finally:
+        adapter.close()
+
+
+# -- configuration -------------------------------------------------------------------------
+
+
+def _decode(raw: dict[str, object]) -> object:
+    return decode_adapter(load_registry(), {"type": "fs", **raw}, 0).config
+
+
+def test_lmcache_fields_are_accepted() -> None:
+    config = _decode(
+        {"base_path": "/data/kv", "relative_tmp_dir": "tmp", "use_odirect": True, "read_ahead_size": 65536}
+    )
+    assert config.root == "/data/kv" and config.capacity_bytes is None  # type: ignore[attr-defined]
+    assert _decode({"path": "/d", "max_capacity_gb": 2}).capacity_bytes == 2 << 30  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({}, "exactly one of them"),
+        ({"path": "/a", "base_path": "/b"}, "exactly one of them"),
+        ({"path": "/a", "eviction": {"eviction_policy": "LRU"}}, "eviction needs a capacity"),
+        ({"path": "memory://x", "use_odirect": True}, "local directories only"),
+        ({"path": "/a", "relative_tmp_dir": "../elsewhere"}, "relative_tmp_dir"),
+        ({"path": "/a", "max_capacity_gb": -1}, "max_capacity_gb"),
+        ({"path": "/a", "read_ahead_size": 0}, "read_ahead_size"),
+    ],
+)
+def test_bad_configs_are_refused_with_one_line(raw: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as info:
+        _decode(raw)
+    assert "\n" not in str(info.value)
+
+
+def test_plugins_show_names_the_lmcache_aliases() -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "lmcache_tiers.cli.main", "plugins", "show", "fs"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert "LMCache alias of path" in text
+    for field in ("base_path", "relative_tmp_dir", "use_odirect", "read_ahead_size", "max_capacity_gb"):
+        assert field in text
+
+
+def test_config_round_trips_through_builtins() -> None:
+    config = fs_config("/d", shard_dirs=True, eviction={"eviction_policy": "LRU"}, max_capacity_gb=1)
+    assert msgspec.convert(msgspec.to_builtins(config), type(config)) == config

@@ -1,0 +1,463 @@
+"""The backend behind ``mooncake_store``: core's records in a Mooncake Store pool.
+
+Object ``key`` is named ``key_prefix + key_to_name(key)`` in the pool, the same name on
+every server, and holds a record: a header padded to ``HEADER_BYTES`` (key, lengths,
+serde chain, XXH3-128 checksum of the payload) followed by the payload.
+
+* Store: Mooncake's put keeps an object that already exists (and says it succeeded), so
+  names the pool already holds are removed first and put again; each put gathers the
+  header and the payload (an L1 slice) without copying them together.
+* Lookup: existence, then the replicas' sizes from the master (a record's payload is its
+  size minus the header), in two batched RPCs; only when core cannot tell the L1 size
+  (a size-changing serde chain, a key another server stored) is the header read too.
+* Load: one scatter read per key -- header into a registered lane, payload straight into
+  the L1 buffer, exactly the sizes the lookup reported -- then the header and the payload
+  checksum are verified; anything that does not verify is a miss, and damage is removed.
+* Objects vanish on their own (Mooncake evicts, a client lending memory stops): a
+  vanished object is a miss; deleting one core still accounts reports True (counted as
+  ``objects_vanished``) so that its bytes are released.
+
+Lookups and deletes wait at most ``operation_timeout_s`` (see :mod:`.calls`); stores and
+loads run on the adapter's threads and are bounded by Mooncake's own timeouts, set from
+the same value, because they read or write memory core may reuse once they return.  Every
+failure of the pool raises, so core's circuit breaker (``remote = True``) opens after
+repeated ones and ``ping`` closes it when the master answers again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from lmcache_plugin_mooncake.calls import CallPool
+from lmcache_plugin_mooncake.client import (
+    NO_ROOM,
+    NOT_FOUND,
+    UNREACHABLE,
+    Connection,
+    MooncakeError,
+    describe,
+)
+from lmcache_plugin_mooncake.config import MooncakeStoreConfig
+from lmcache_plugin_mooncake.headers import HEADER_BYTES, HeaderLanes, Lane, address_of, chunks
+from lmcache_plugin_mooncake.listing import iter_pool_names
+from lmcache_tiers.plugin import (
+    BackendContext,
+    ObjectKey,
+    ObjectSize,
+    RecordError,
+    key_to_name,
+    name_to_key,
+    printable,
+    verify_payload,
+)
+
+logger = logging.getLogger(__name__)
+
+#: longest object name written (readable names; longer keys get digest names)
+MAX_NAME_BYTES = 255
+#: names sized per replica query of the start-up listing
+_LIST_BATCH = 512
+#: a repeated warning is logged at most once per this many seconds
+_WARN_EVERY_S = 60.0
+
+
+class _Throttle:
+    """At most one warning of a kind per window, with the count of the others."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next: dict[str, float] = {}
+        self._skipped: dict[str, int] = {}
+
+    def warn(self, kind: str, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next.get(kind, 0.0):
+                self._skipped[kind] = self._skipped.get(kind, 0) + 1
+                return
+            self._next[kind] = now + _WARN_EVERY_S
+            skipped = self._skipped.pop(kind, 0)
+        if skipped:
+            message += " (and %d more in the last %.0fs)"
+            args = (*args, skipped, _WARN_EVERY_S)
+        logger.warning(message, *args)
+
+
+class ObjectNames:
+    """Pool names of keys under one prefix, and back."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._max = MAX_NAME_BYTES - len(prefix.encode())
+
+    def of(self, key: ObjectKey) -> str:
+        return self.prefix + key_to_name(key, self._max)
+
+    def key(self, name: str) -> ObjectKey | None:
+        """The key of a readable name under the prefix; None for digest and foreign names."""
+        return name_to_key(name[len(self.prefix) :]) if name.startswith(self.prefix) else None
+
+
+def _check(what: str, codes: Sequence[int]) -> None:
+    """Fail the whole batch when the master did not answer for some key."""
+    unreachable = [code for code in codes if code in UNREACHABLE]
+    if unreachable:
+        raise MooncakeError(f"{what}: {describe(unreachable[0])} for {len(unreachable)} of {len(codes)} keys")
+
+
+#: the name the circuit breaker's probe asks about (no key is named like it)
+PROBE_NAME = "lmcache-tiers-probe"
+
+
+class MooncakeStoreBackend:
+    """Stores records in a Mooncake Store pool; see the module docstring."""
+
+    #: core puts its circuit breaker in front: after repeated failures lookups miss at
+    #: once and stores are skipped, and ``ping`` probes the master until it answers
+    remote = True
+
+    def __init__(self, config: MooncakeStoreConfig, context: BackendContext) -> None:
+        self.config = config
+        self.context = context
+        self.timeout = config.operation_timeout_s
+        self.concurrency = config.num_workers
+        self.names = ObjectNames(config.key_prefix)
+        # Loads and lookups of every worker at once, and spares for calls given up.
+        self.lanes = HeaderLanes(2 * config.num_workers + 4)
+        self.connection = Connection(config, context.name, self.lanes)
+        self.calls = CallPool(context.name, 2 * config.num_workers + 2)
+        self._throttle = _Throttle()
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    def open(self) -> None:
+        if not self.connection.start(wait_s=self.timeout):
+            logger.warning(
+                "%s: not connected to the Mooncake master at %s yet (%s); calls fail until it answers",
+                self.context.name,
+                self.config.master_server_address,
+                self.connection.last_error,
+            )
+        if self.config.master_metrics_url is None and self.config.capacity_bytes:
+            logger.info(
+                "%s: no master_metrics_url: objects stored before start are accounted when lookups find them",
+                self.context.name,
+            )
+
+    def close(self) -> None:
+        self.connection.close(self.timeout)
+        self.calls.close()
+
+    def ping(self) -> None:
+        """Raise unless the master answers an existence query within the timeout."""
+        store = self.connection.store()
+        (code,) = self.calls.run("probe", self.timeout, store.batch_is_exist, [PROBE_NAME])
+        if code < 0:
+            raise MooncakeError(f"existence query returned {describe(code)}")
+
+    def capacity(self) -> int | None:
+        return self.config.capacity_bytes
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "connected": int(self.connection.connected),
+            "connect_failures": self.connection.failures,
+            "calls_in_mooncake": self.calls.busy,
+            "header_lanes_free": self.lanes.free,
+        }
+
+    # -- store -----------------------------------------------------------------------------
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        ok = [False] * len(keys)
+        records: list[tuple[int, str, bytes]] = []
+        for index, (key, payload) in enumerate(zip(keys, payloads, strict=True)):
+            header = self.context.record_header(key, payload, align=HEADER_BYTES)
+            if len(header) != HEADER_BYTES:
+                self.context.count("record_header_too_long")
+                self._throttle.warn(
+                    "header", "%s: %s not stored: its record header needs %d bytes, more than %d",
+                    self.context.name, printable(key.file_stem()), len(header), HEADER_BYTES,
+                )  # fmt: skip
+                continue
+            records.append((index, self.names.of(key), header))
+        if not records:
+            return ok
+        store = self.connection.store()
+        names = [name for _, name, _ in records]
+        writable = self._make_room(store, names)
+        parts = [
+            ([address_of(header), address_of(payloads[index])], [HEADER_BYTES, payloads[index].nbytes])
+            if payloads[index].nbytes
+            else ([address_of(header)], [HEADER_BYTES])
+            for index, _, header in records
+        ]
+        todo = [position for position, free in enumerate(writable) if free]
+        codes = store.batch_put_from_multi_buffers(
+            [names[p] for p in todo], [parts[p][0] for p in todo], [parts[p][1] for p in todo]
+        )
+        _check("put", codes)
+        for position, code in zip(todo, codes, strict=True):
+            if code == 0:
+                ok[records[position][0]] = True
+            elif code == NO_ROOM:
+                self.context.count("store_no_room")
+                self._throttle.warn(
+                    "room", "%s: the Mooncake pool has no room for %s", self.context.name, names[position]
+                )
+            else:
+                self.context.count("store_failures")
+                self._throttle.warn(
+                    "put", "%s: put of %s returned %s", self.context.name, names[position], describe(code)
+                )
+        return ok
+
+    def _make_room(self, store: Any, names: list[str]) -> list[bool]:
+        """Remove the names the pool holds already (a put would keep them); True where a
+        put may follow."""
+        present = store.batch_is_exist(names)
+        _check("existence query", present)
+        if any(code < 0 for code in present):
+            raise MooncakeError(f"existence query returned {describe(min(present))}")
+        existing = [name for name, code in zip(names, present, strict=True) if code == 1]
+        if not existing:
+            return [True] * len(names)
+        codes = dict(zip(existing, store.batch_remove(existing, True), strict=True))
+        _check("remove", list(codes.values()))
+        self.context.count("store_replaced", sum(1 for code in codes.values() if code in (0, NOT_FOUND)))
+        free = [codes.get(name, 0) in (0, NOT_FOUND) for name in names]
+        for name, code in codes.items():
+            if code not in (0, NOT_FOUND):
+                self.context.count("store_failures")
+                self._throttle.warn(
+                    "replace",
+                    "%s: %s not replaced: remove returned %s",
+                    self.context.name,
+                    name,
+                    describe(code),
+                )
+        return free
+
+    # -- lookup ----------------------------------------------------------------------------
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | ObjectSize | None]:
+        names = [self.names.of(key) for key in keys]
+        store = self.connection.store()
+        return self.calls.run("lookup", self.timeout, self._contains, store, list(keys), names)
+
+    def _contains(self, store: Any, keys: list[ObjectKey], names: list[str]) -> list[int | ObjectSize | None]:
+        found: list[int | ObjectSize | None] = [None] * len(keys)
+        present = store.batch_is_exist(names)
+        _check("existence query", present)
+        if any(code < 0 for code in present):
+            raise MooncakeError(f"existence query returned {describe(min(present))}")
+        hits = [index for index, code in enumerate(present) if code == 1]
+        sizes = self._record_sizes(store, [names[i] for i in hits])
+        need_header: list[int] = []
+        for index in hits:
+            size = sizes.get(names[index])
+            if size is None:
+                continue  # gone since the existence query, or still being written
+            if size < HEADER_BYTES:
+                self._remove_damaged(
+                    store, keys[index], names[index], f"{size} bytes, shorter than a record header"
+                )
+                continue
+            found[index] = size - HEADER_BYTES
+            if self.context.serde and self.context.l1_size_of(keys[index]) is None:
+                need_header.append(index)
+        for chunk in chunks(len(need_header)):
+            self._sizes_from_headers(store, keys, names, [need_header[i] for i in chunk], found)
+        return found
+
+    def _record_sizes(self, store: Any, names: list[str]) -> dict[str, int]:
+        """Size of each name's complete replica (names without one are left out)."""
+        if not names:
+            return {}
+        replicas = store.batch_get_replica_desc(names)
+        if not replicas:
+            raise MooncakeError(f"replica query answered nothing for {len(names)} existing keys")
+        complete = self.connection.module.ReplicaStatus.COMPLETE
+        sizes: dict[str, int] = {}
+        for name, descriptors in replicas.items():
+            for replica in descriptors:
+                if replica.status != complete:
+                    continue
+                if replica.is_memory_replica():
+                    sizes[name] = int(replica.get_memory_descriptor().buffer_descriptor.size)
+                    break
+                if replica.is_disk_replica():
+                    sizes[name] = int(replica.get_disk_descriptor().object_size)
+                    break
+        return sizes
+
+    def _sizes_from_headers(
+        self,
+        store: Any,
+        keys: list[ObjectKey],
+        names: list[str],
+        indexes: list[int],
+        found: list[int | ObjectSize | None],
+    ) -> None:
+        """Replace ``found[i]`` by both sizes from the record header (None: a miss)."""
+        with self.lanes.lane(self.timeout) as lane:
+            codes = store.get_into_ranges(
+                [lane.address(0)],
+                [[names[i] for i in indexes]],
+                [[[slot * HEADER_BYTES] for slot in range(len(indexes))]],
+                [[[0] for _ in indexes]],
+                [[[HEADER_BYTES] for _ in indexes]],
+            )[0]
+            _check("header read", [code[0] for code in codes])
+            for slot, (index, code) in enumerate(zip(indexes, codes, strict=True)):
+                stored = found[index]
+                found[index] = None
+                if code[0] != HEADER_BYTES:
+                    if code[0] != NOT_FOUND:
+                        self.context.count("header_read_failures")
+                    continue
+                header = self._header(store, keys[index], names[index], lane.slot(slot))
+                if header is not None and header.payload_len != stored:
+                    self._remove_damaged(
+                        store, keys[index], names[index], "payload length differs from its header"
+                    )
+                elif header is not None:
+                    found[index] = ObjectSize(header.payload_len, header.l1_size)
+
+    # -- load ------------------------------------------------------------------------------
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        store = self.connection.store()
+        ok = [False] * len(keys)
+        for chunk in chunks(len(keys)):
+            with self.lanes.lane(self.timeout) as lane:
+                self._load_chunk(
+                    store, lane, [keys[i] for i in chunk], [buffers[i] for i in chunk], ok, chunk.start
+                )
+        return ok
+
+    def _load_chunk(
+        self,
+        store: Any,
+        lane: Lane,
+        keys: list[ObjectKey],
+        buffers: list[memoryview],
+        ok: list[bool],
+        offset: int,
+    ) -> None:
+        names = [self.names.of(key) for key in keys]
+        pointers = [
+            [lane.address(slot), address_of(buffer)] if buffer.nbytes else [lane.address(slot)]
+            for slot, buffer in enumerate(buffers)
+        ]
+        sizes = [[HEADER_BYTES, buffer.nbytes] if buffer.nbytes else [HEADER_BYTES] for buffer in buffers]
+        codes = store.batch_get_into_multi_buffers(names, pointers, sizes)
+        _check("get", codes)
+        for slot, (key, name, buffer, code) in enumerate(zip(keys, names, buffers, codes, strict=True)):
+            if code == HEADER_BYTES + buffer.nbytes:
+                ok[offset + slot] = self._verified(store, key, name, lane.slot(slot), buffer)
+            elif code == NOT_FOUND:
+                self.context.count("load_vanished")
+            else:
+                # -600: the object is not the size the lookup reported (replaced since)
+                self.context.count("load_failures")
+                self._throttle.warn(
+                    "get", "%s: get of %s returned %s", self.context.name, name, describe(code)
+                )
+
+    def _verified(self, store: Any, key: ObjectKey, name: str, slot: memoryview, payload: memoryview) -> bool:
+        header = self._header(store, key, name, slot)
+        if header is None:
+            return False
+        if header.payload_len != payload.nbytes:
+            self._remove_damaged(store, key, name, "payload length differs from its header")
+            return False
+        try:
+            verify_payload(header, payload)
+        except RecordError as exc:
+            self._remove_damaged(store, key, name, str(exc))
+            return False
+        return True
+
+    def _header(self, store: Any, key: ObjectKey, name: str, slot: memoryview) -> Any:
+        """The verified header in ``slot``; None for a miss (damage is removed)."""
+        try:
+            header = self.context.read_record_header(slot, key)
+        except RecordError as exc:
+            self._remove_damaged(store, key, name, str(exc))
+            return None
+        if header is not None and header.header_len != HEADER_BYTES:
+            self._remove_damaged(store, key, name, f"header of {header.header_len} bytes, not {HEADER_BYTES}")
+            return None
+        return header  # None: written with another serde chain, kept (core counts it)
+
+    def _remove_damaged(self, store: Any, key: ObjectKey, name: str, why: str) -> None:
+        code = store.remove(name, True)
+        self.context.count("corrupt_records_removed")
+        outcome = "ok" if code in (0, NOT_FOUND) else describe(code)
+        self._throttle.warn(
+            "damaged", "%s: %s is not a valid record (%s): a miss, removed (%s)",
+            self.context.name, printable(key.file_stem()), why, outcome,
+        )  # fmt: skip
+
+    # -- delete ----------------------------------------------------------------------------
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        names = [self.names.of(key) for key in keys]
+        store = self.connection.store()
+        codes = self.calls.run("delete", self.timeout, store.batch_remove, names, True)
+        _check("remove", codes)
+        removed: list[bool] = []
+        for key, name, code in zip(keys, names, codes, strict=True):
+            if code == 0:
+                removed.append(True)
+            elif code == NOT_FOUND and self.context.l1_size_of(key) is not None:
+                # Gone already (Mooncake evicted it, its segment left, another server
+                # deleted it) while core still accounts it: True releases its bytes.
+                self.context.count("objects_vanished")
+                removed.append(True)
+            else:
+                if code != NOT_FOUND:
+                    self.context.count("delete_failures")
+                    self._throttle.warn(
+                        "remove", "%s: remove of %s returned %s", self.context.name, name, describe(code)
+                    )
+                removed.append(False)
+        return removed
+
+    # -- listing ---------------------------------------------------------------------------
+
+    def list_keys(self) -> Iterator[tuple[ObjectKey, int]]:
+        if self.config.master_metrics_url is None:
+            return iter(())
+        return self._listed(
+            iter_pool_names(self.config.master_metrics_url, self.config.key_prefix, self.timeout)
+        )
+
+    def _listed(self, names: Iterable[str]) -> Iterator[tuple[ObjectKey, int]]:
+        batch: list[tuple[ObjectKey, str]] = []
+        for name in names:
+            key = self.names.key(name)
+            if key is None:  # a digest name (accounted when looked up) or not ours
+                self.context.count("listing_names_skipped")
+                continue
+            batch.append((key, name))
+            if len(batch) == _LIST_BATCH:
+                yield from self._sized(batch)
+                batch = []
+        if batch:
+            yield from self._sized(batch)
+
+    def _sized(self, batch: list[tuple[ObjectKey, str]]) -> Iterator[tuple[ObjectKey, int]]:
+        store = self.connection.store()
+        sizes = self.calls.run(
+            "replica query", self.timeout, self._record_sizes, store, [n for _, n in batch]
+        )
+        for key, name in batch:
+            size = sizes.get(name)
+            if size is not None and size >= HEADER_BYTES:
+                yield key, size - HEADER_BYTES

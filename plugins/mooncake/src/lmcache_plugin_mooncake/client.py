@@ -1,0 +1,245 @@
+"""The Mooncake client of one adapter: its set-up, its timeouts, and getting it back.
+
+``MooncakeDistributedStore.setup`` against a master that does not answer retries for
+about 90 s, and a failed client cannot be used again, so the connection is made on a
+thread of its own: the adapter opens at once and its calls fail (``MooncakeUnavailable``,
+counted) until the client is up; a failed attempt is retried with a growing pause.  Once
+connected, the client itself reconnects to a master that restarted.
+
+Mooncake's timeouts are environment variables its C++ client reads when a client is set
+up; they are set from ``operation_timeout_s`` just before each set-up (under a lock, so
+two adapters of one process each get their own), except those the operator set before
+the first adapter started: the operator's values win.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import os
+import threading
+import time
+from typing import Any
+
+from lmcache_plugin_mooncake.config import MooncakeStoreConfig
+from lmcache_plugin_mooncake.headers import HeaderLanes
+from lmcache_tiers.plugin import BackendUnavailableError, TiersError
+
+logger = logging.getLogger(__name__)
+
+#: what the codes Mooncake's calls return mean (as its client logs them)
+ERROR_NAMES = {
+    -200: "no room in the pool",
+    -600: "invalid parameters",
+    -704: "object not found",
+    -706: "object has a lease",
+    -800: "transfer failed",
+    -900: "master RPC failed",
+    -901: "master RPC timed out",
+}
+NOT_FOUND = -704
+NO_ROOM = -200
+#: codes that say the master did not answer: the whole batch fails (counted as a
+#: backend error), not a key at a time
+UNREACHABLE = frozenset({-900, -901})
+#: first and longest pause between two connection attempts
+_RETRY_FIRST_S = 1.0
+_RETRY_MAX_S = 30.0
+INSTALL_HINT = (
+    "pip install 'lmcache-plugin-mooncake[non-cuda]' (or mooncake-transfer-engine on a CUDA "
+    "machine); the client needs libibverbs1, librdmacm1 and libnuma1"
+)
+
+
+def describe(code: int) -> str:
+    name = ERROR_NAMES.get(code)
+    return f"{code} ({name})" if name else str(code)
+
+
+class MooncakeError(TiersError):
+    """A Mooncake call failed for a whole batch (the master is unreachable, ...)."""
+
+
+class MooncakeUnavailable(MooncakeError):
+    """No connected Mooncake client (yet): the call was not made."""
+
+
+def timeout_environment(timeout_s: float) -> dict[str, str]:
+    """The Mooncake environment variables ``operation_timeout_s`` stands for."""
+    seconds = str(max(1, math.ceil(timeout_s)))
+    return {
+        "MC_RPC_TIMEOUT_MS": str(max(1, round(timeout_s * 1000))),
+        "MC_TCP_PROGRESS_TIMEOUT_SEC": seconds,
+        "MC_TCP_STATUS_TIMEOUT_SEC": seconds,
+        # One set-up attempt per connection attempt: the retries are this module's.
+        "MC_STORE_CLIENT_SETUP_RETRIES": "1",
+    }
+
+
+#: held while the environment is set for, and a client is set up with, one timeout
+_SETUP_LOCK = threading.Lock()
+#: the timeout variables the operator set before this module first touched them
+_OPERATOR_SET: frozenset[str] | None = None
+
+
+def apply_timeout_environment(timeout_s: float) -> dict[str, str]:
+    """Put the timeouts of ``timeout_s`` in the environment (call with ``_SETUP_LOCK``
+    held); returns the values in effect."""
+    global _OPERATOR_SET
+    wanted = timeout_environment(timeout_s)
+    if _OPERATOR_SET is None:
+        _OPERATOR_SET = frozenset(name for name in wanted if name in os.environ)
+    for name, value in wanted.items():
+        if name not in _OPERATOR_SET:
+            os.environ[name] = value
+    return {name: os.environ[name] for name in wanted}
+
+
+def import_store_module() -> Any:
+    """``mooncake.store``, or ``BackendUnavailableError`` saying what to install."""
+    try:
+        return importlib.import_module("mooncake.store")
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"the Mooncake client cannot be imported ({exc}); {INSTALL_HINT}"
+        ) from exc
+
+
+class Connection:
+    """One ``MooncakeDistributedStore``, set up in the background and replaced on failure."""
+
+    def __init__(self, config: MooncakeStoreConfig, name: str, lanes: HeaderLanes) -> None:
+        self.config = config
+        self.name = name
+        self.lanes = lanes
+        self._module: Any = None
+        self._store: Any = None
+        self._lock = threading.Lock()
+        self._connected = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_error = "not connected yet"
+        self.attempts = 0
+        self.failures = 0
+
+    def start(self, wait_s: float) -> bool:
+        """Import the client, start connecting; True if connected within ``wait_s``."""
+        self._module = import_store_module()
+        self._thread = threading.Thread(
+            target=self._connect_loop, name=f"mooncake-{self.name}-connect", daemon=True
+        )
+        self._thread.start()
+        return self._connected.wait(wait_s)
+
+    @property
+    def module(self) -> Any:
+        """The imported ``mooncake.store`` module (after ``start``)."""
+        return self._module
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def store(self) -> Any:
+        """The connected client; ``MooncakeUnavailable`` while there is none."""
+        with self._lock:
+            store = self._store
+        if store is None:
+            address = self.config.master_server_address
+            raise MooncakeUnavailable(f"not connected to the Mooncake master at {address}: {self.last_error}")
+        return store
+
+    def _connect_loop(self) -> None:
+        pause = _RETRY_FIRST_S
+        while not self._stop.is_set():
+            self.attempts += 1
+            try:
+                store = self._setup()
+            except Exception as exc:  # a set-up failure is retried, never raised
+                self.failures += 1
+                self.last_error = str(exc)
+                log = logger.warning if self.failures in (1, 10) or self.failures % 100 == 0 else logger.debug
+                log(
+                    "%s: Mooncake set-up failed (attempt %d): %s; retrying in %.0fs",
+                    self.name,
+                    self.attempts,
+                    exc,
+                    pause,
+                )
+                if self._stop.wait(pause):
+                    return
+                pause = min(pause * 2, _RETRY_MAX_S)
+                continue
+            with self._lock:
+                if self._stop.is_set():
+                    _close_quietly(store)
+                    return
+                self._store = store
+            self._connected.set()
+            logger.info(
+                "%s: connected to the Mooncake master at %s (lending %d bytes to the pool)",
+                self.name,
+                self.config.master_server_address,
+                self.config.segment_bytes,
+            )
+            return
+
+    def _setup(self) -> Any:
+        config = self.config
+        with _SETUP_LOCK:
+            applied = apply_timeout_environment(config.operation_timeout_s)
+            logger.debug(
+                "%s: Mooncake set-up with %s", self.name, ", ".join(f"{k}={v}" for k, v in applied.items())
+            )
+            store = self._module.MooncakeDistributedStore()
+            code = store.setup(
+                config.local_hostname,
+                config.metadata_server,
+                config.segment_bytes,
+                config.local_buffer_bytes,
+                config.protocol,
+                "",  # RDMA devices: none with TCP
+                config.master_server_address,
+            )
+        if code != 0:
+            _close_quietly(store)
+            raise MooncakeError(f"setup returned {describe(code)}")
+        code = store.register_buffer(self.lanes.address, self.lanes.size)
+        if code != 0:
+            _close_quietly(store)
+            raise MooncakeError(f"registering the header buffer returned {describe(code)}")
+        return store
+
+    def close(self, timeout_s: float) -> None:
+        """Stop connecting and close the client, waiting at most ``timeout_s``.
+
+        Closing unmounts this server's segment at the master; with the master gone
+        Mooncake retries for a while, so a close that takes longer is left to finish on
+        its own (daemon thread) and the adapter closes anyway.
+        """
+        self._stop.set()
+        with self._lock:
+            store, self._store = self._store, None
+        self._connected.clear()
+        if store is None:
+            return
+        closer = threading.Thread(
+            target=_close_quietly, args=(store,), name=f"mooncake-{self.name}-close", daemon=True
+        )
+        started = time.monotonic()
+        closer.start()
+        closer.join(timeout_s)
+        if closer.is_alive():
+            logger.warning(
+                "%s: the Mooncake client did not close within %.0fs (master unreachable?); left closing",
+                self.name,
+                time.monotonic() - started,
+            )
+
+
+def _close_quietly(store: Any) -> None:
+    try:
+        store.close()
+    except Exception:
+        logger.debug("closing a Mooncake client failed", exc_info=True)

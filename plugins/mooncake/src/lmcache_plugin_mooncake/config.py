@@ -1,0 +1,198 @@
+"""Configuration of the ``mooncake_store`` adapter (imported by the manifest: keep it light).
+
+Field names are the ones LMCache's ``mooncake_store`` adapter passes to Mooncake's setup
+(``local_hostname``, ``metadata_server``, ``master_server_address``, ``protocol``,
+``global_segment_size``, ``local_buffer_size``) and its ``num_workers``; sizes are taken as
+LMCache and Mooncake users write them: a number of bytes, the same as a string
+(``"3355443200"``), or with a unit (``"4GB"``, ``"512 MiB"``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
+
+import msgspec
+
+from lmcache_tiers.plugin import FieldError, L2AdapterConfig
+
+#: LMCache's defaults for the two sizes (its ``mooncake_store`` connector)
+DEFAULT_SEGMENT_BYTES = 3355443200
+DEFAULT_LOCAL_BUFFER_BYTES = 16 << 20
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_PREFIX = re.compile(r"^[A-Za-z0-9._:/-]{1,64}$")
+_HOST_PORT = re.compile(r"^[A-Za-z0-9._\[\]:-]+:\d{1,5}$")
+
+Size = Annotated[
+    int | str,
+    msgspec.Meta(
+        description="Bytes: a number, the same as a string, or with a unit (KB, MB, GB, TB; powers of 1024)."
+    ),
+]
+
+
+def parse_size(value: int | str, field: str) -> int:
+    """Bytes of a size field; ``FieldError`` naming ``field`` for anything else."""
+    if isinstance(value, bool):
+        raise FieldError(field, f"{value!r} is not a size")
+    if isinstance(value, int):
+        if value < 0:
+            raise FieldError(field, f"{value} is negative")
+        return value
+    match = _SIZE.match(value)
+    if match is None:
+        raise FieldError(field, f"{value!r} is not a size (bytes, or a number with KB, MB, GB or TB)")
+    return int(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+def _has_credentials(address: str) -> bool:
+    """True when ``address`` carries a user or password (``scheme://user:pass@host``)."""
+    if "://" in address:
+        parts = urlsplit(address)
+        return parts.username is not None or parts.password is not None
+    return "@" in address
+
+
+class MooncakeStoreConfig(L2AdapterConfig):
+    """A Mooncake Store pool as the L2: objects are shared by every lmcache-tiers server
+    (and any Mooncake client) connected to the same master, so a chunk one server stored
+    is a hit on the others.
+
+    The server joins the pool as a Mooncake client over the TCP transport and may lend it
+    memory (``global_segment_size``); objects live in the segments of the clients that
+    lend memory and vanish with them, and Mooncake evicts on its own when the pool fills:
+    a vanished object is a miss.  Each object is stored as core's record (a fixed
+    4096-byte header with its key and checksum, then the payload), so a damaged or
+    foreign object is never handed out.  Credentials are not accepted in any field (they
+    would show in ``--print-config``); Mooncake reads its own from its environment.
+    """
+
+    local_hostname: Annotated[
+        str,
+        msgspec.Meta(
+            min_length=1,
+            max_length=255,
+            description=(
+                "Address of this host that other Mooncake clients reach (they read the objects "
+                "in the segment this server lends to the pool)."
+            ),
+        ),
+    ] = "127.0.0.1"
+    metadata_server: Annotated[
+        str,
+        msgspec.Meta(
+            min_length=1,
+            max_length=1024,
+            description=(
+                "Mooncake's metadata service, handed to Mooncake as is: e.g. "
+                "http://host:8080/metadata (mooncake_master --enable_http_metadata_server)."
+            ),
+        ),
+    ] = "http://127.0.0.1:8080/metadata"
+    master_server_address: Annotated[
+        str,
+        msgspec.Meta(description="host:port of mooncake_master's RPC service (--rpc_port)."),
+    ] = "127.0.0.1:50051"
+    protocol: Annotated[
+        Literal["tcp"],
+        msgspec.Meta(description="Mooncake transfer protocol; this adapter uses TCP (no RDMA)."),
+    ] = "tcp"
+    global_segment_size: Annotated[
+        Size,
+        msgspec.Meta(
+            description=(
+                "Memory this server lends to the pool; objects in it vanish when the server "
+                "stops. 0: lend none (objects live in other clients' segments, e.g. mooncake_client)."
+            )
+        ),
+    ] = DEFAULT_SEGMENT_BYTES
+    local_buffer_size: Annotated[
+        Size,
+        msgspec.Meta(
+            description=(
+                "Mooncake's own transfer buffer; this adapter moves objects straight from and "
+                "into L1, so it is only used by Mooncake internals."
+            )
+        ),
+    ] = DEFAULT_LOCAL_BUFFER_BYTES
+    num_workers: Annotated[
+        int,
+        msgspec.Meta(ge=1, le=64, description="Worker threads per operation kind (store, lookup, load)."),
+    ] = 4
+    key_prefix: Annotated[
+        str,
+        msgspec.Meta(
+            description=(
+                "Prefix of every object name in the pool; servers that share objects use the same "
+                "one. Letters, digits and . _ : / - (1..64)."
+            )
+        ),
+    ] = "lmcache_tiers/"
+    max_capacity_gb: Annotated[
+        float,
+        msgspec.Meta(
+            ge=0.0,
+            description=(
+                "Bytes this adapter may hold, in GiB, counted by core; 0: no limit of its own "
+                "(usage -1.0, no eviction; the pool evicts by itself)."
+            ),
+        ),
+    ] = 0.0
+    operation_timeout_s: Annotated[
+        float,
+        msgspec.Meta(
+            gt=0.0,
+            le=600.0,
+            description=(
+                "Longest a call to Mooncake may take: master RPCs and stalled transfers fail "
+                "after it (Mooncake's own timeouts), and lookups and deletes are given up."
+            ),
+        ),
+    ] = 5.0
+    master_metrics_url: Annotated[
+        str | None,
+        msgspec.Meta(
+            description=(
+                "URL of the master's HTTP metrics server (mooncake_master --metrics_port), e.g. "
+                "http://host:9003: its key listing seeds usage at start. None: usage is learned "
+                "from lookups."
+            )
+        ),
+    ] = None
+
+    def __post_init__(self) -> None:
+        for field in ("global_segment_size", "local_buffer_size"):
+            parse_size(getattr(self, field), field)
+        for field in ("metadata_server", "master_server_address", "master_metrics_url"):
+            value = getattr(self, field)
+            if value is not None and _has_credentials(value):
+                raise FieldError(
+                    field,
+                    "credentials are not accepted here (they would show in --print-config and logs); "
+                    "give them to Mooncake through its environment",
+                )
+        if not _HOST_PORT.match(self.master_server_address):
+            raise FieldError("master_server_address", f"{self.master_server_address!r} is not host:port")
+        if not _PREFIX.match(self.key_prefix):
+            raise FieldError("key_prefix", f"{self.key_prefix!r}: 1..64 of letters, digits and . _ : / -")
+        if self.master_metrics_url is not None and urlsplit(self.master_metrics_url).scheme not in (
+            "http",
+            "https",
+        ):
+            raise FieldError("master_metrics_url", f"{self.master_metrics_url!r} is not an http(s) URL")
+        if self.eviction is not None and self.max_capacity_gb == 0:
+            raise FieldError("eviction", "L2 eviction needs max_capacity_gb > 0 (0 means no limit)")
+
+    @property
+    def segment_bytes(self) -> int:
+        return parse_size(self.global_segment_size, "global_segment_size")
+
+    @property
+    def local_buffer_bytes(self) -> int:
+        return parse_size(self.local_buffer_size, "local_buffer_size")
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return int(self.max_capacity_gb * (1 << 30)) or None

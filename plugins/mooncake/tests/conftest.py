@@ -1,0 +1,48 @@
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Helper modules of these tests (imported by name under pytest's importlib mode).
+sys.path.insert(0, str(Path(__file__).parent))
+# Mooncake clients of this process listen on loopback only (read when a client is set up).
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+
+from lmcache_plugin_mooncake.cluster import LocalCluster, unavailable_reason
+
+
+@pytest.fixture(scope="session")
+def mooncake_unavailable() -> str | None:
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"\nMooncake tests skipped: {reason}")
+    return reason
+
+
+@pytest.fixture(scope="session")
+def mooncake_pool(
+    tmp_path_factory: pytest.TempPathFactory, mooncake_unavailable: str | None
+) -> Iterator[LocalCluster]:
+    """One master and one segment host for the tests that do not kill them."""
+    if mooncake_unavailable is not None:
+        pytest.skip(mooncake_unavailable)
+    cluster = LocalCluster(tmp_path_factory.mktemp("mooncake-pool")).start()
+    try:
+        cluster.add_segment_host("512MB")
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def own_cluster(tmp_path: Path, mooncake_unavailable: str | None) -> Iterator[LocalCluster]:
+    """A cluster of the test's own (master only: add segment hosts, kill it at will)."""
+    if mooncake_unavailable is not None:
+        pytest.skip(mooncake_unavailable)
+    cluster = LocalCluster(tmp_path / "mooncake").start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

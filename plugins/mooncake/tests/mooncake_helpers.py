@@ -1,0 +1,59 @@
+"""Adapters and raw Mooncake clients on a test cluster."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from lmcache_plugin_mooncake import MooncakeStoreConfig
+from lmcache_plugin_mooncake.backend import MooncakeStoreBackend
+from lmcache_plugin_mooncake.cluster import LocalCluster
+
+from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
+from lmcache_tiers.protocols import Serde
+
+
+def config_for(cluster: LocalCluster, **fields: Any) -> MooncakeStoreConfig:
+    """An adapter config on ``cluster`` under a prefix of its own (fields override)."""
+    settings = cluster.adapter(key_prefix=f"test-{uuid.uuid4().hex[:12]}/", operation_timeout_s=2.0)
+    settings.pop("type")
+    settings.update(fields)
+    return MooncakeStoreConfig(**settings)
+
+
+def open_adapter(
+    config: MooncakeStoreConfig, serde: tuple[Serde, ...] = (), name: str = "0:mooncake_store"
+) -> BackendAdapter:
+    adapter = create_adapter(
+        MooncakeStoreBackend, config, AdapterContext(index=0, name=name, config=config, serde=serde)
+    )
+    assert isinstance(adapter, BackendAdapter)
+    return adapter
+
+
+def backend_of(adapter: BackendAdapter) -> MooncakeStoreBackend:
+    """The adapter's backend, behind core's circuit breaker when it is on."""
+    backend = getattr(adapter.backend, "inner", adapter.backend)
+    assert isinstance(backend, MooncakeStoreBackend)
+    return backend
+
+
+def raw_client(cluster: LocalCluster) -> Any:
+    """A plain Mooncake client on the cluster: another party writing into the pool."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    code = store.setup(
+        "127.0.0.1", cluster.metadata_server, 0, 16 << 20, "tcp", "", cluster.master_server_address
+    )
+    assert code == 0, f"raw client set-up returned {code}"
+    return store
+
+
+def eventually(check: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout}s"
+        time.sleep(0.05)

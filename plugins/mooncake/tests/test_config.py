@@ -1,0 +1,127 @@
+"""The ``mooncake_store`` config: LMCache's field names and size forms, refusals with their
+path, and no credentials anywhere a config is printed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from lmcache_plugin_mooncake import MooncakeStoreConfig
+from lmcache_plugin_mooncake.config import parse_size
+
+from lmcache_tiers.config import decode_adapter
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.plugins import load_registry
+
+
+def decode(**fields: object) -> MooncakeStoreConfig:
+    spec = decode_adapter(load_registry(), {"type": "mooncake_store", **fields}, 0)
+    assert isinstance(spec.config, MooncakeStoreConfig)
+    return spec.config
+
+
+def test_lmcache_field_names_and_string_sizes_are_accepted() -> None:
+    # As LMCache's mooncake_store adapter is configured (every value a string there).
+    config = decode(
+        local_hostname="10.0.0.5",
+        metadata_server="http://10.0.0.1:8080/metadata",
+        master_server_address="10.0.0.1:50051",
+        protocol="tcp",
+        global_segment_size="3355443200",
+        local_buffer_size="1073741824",
+        num_workers=8,
+    )
+    assert (config.segment_bytes, config.local_buffer_bytes) == (3355443200, 1 << 30)
+    assert config.num_workers == 8
+    assert config.capacity_bytes is None, "max_capacity_gb 0: no limit of its own"
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        (0, 0),
+        (4096, 4096),
+        ("4096", 4096),
+        ("4GB", 4 << 30),
+        ("512 MiB", 512 << 20),
+        ("16mb", 16 << 20),
+        ("1 t", 1 << 40),
+    ],
+)
+def test_sizes(text: int | str, size: int) -> None:
+    assert parse_size(text, "global_segment_size") == size
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"global_segment_size": "lots"}, r"\$\.l2_adapters\[0\]\.global_segment_size"),
+        ({"local_buffer_size": -1}, "local_buffer_size"),
+        ({"protocol": "rdma"}, "protocol"),
+        ({"num_workers": 0}, "num_workers"),
+        ({"operation_timeout_s": 0}, "operation_timeout_s"),
+        ({"max_capacity_gb": -1}, "max_capacity_gb"),
+        ({"master_server_address": "no-port"}, "master_server_address"),
+        ({"key_prefix": "has space"}, "key_prefix"),
+        ({"key_prefix": ""}, "key_prefix"),
+        ({"master_metrics_url": "ftp://x"}, "master_metrics_url"),
+        ({"eviction": {"eviction_policy": "LRU"}}, "eviction.*max_capacity_gb"),
+        ({"per_op_workers": {"store": 2}}, "unknown field"),
+    ],
+)
+def test_bad_values_are_refused_with_their_path(fields: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        decode(**fields)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"metadata_server": "http://admin:hunter2@10.0.0.1:8080/metadata"},
+        {"metadata_server": "redis://:hunter2@10.0.0.1:6379"},
+        {"master_server_address": "admin:hunter2@10.0.0.1:50051"},
+        {"master_metrics_url": "http://admin:hunter2@10.0.0.1:9003"},
+    ],
+)
+def test_credentials_are_refused_without_being_echoed(fields: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match="credentials are not accepted") as caught:
+        decode(**fields)
+    assert "hunter2" not in str(caught.value)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lmcache_tiers.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "300"},
+    )
+
+
+def test_print_config_and_plugins_show_print_no_credentials() -> None:
+    leaky = json.dumps({"type": "mooncake_store", "metadata_server": "http://u:hunter2@h:8080/metadata"})
+    refused = _cli("serve", "--l2-adapter", leaky, "--print-config")
+    assert refused.returncode == 2, refused.stderr
+    assert "credentials are not accepted" in refused.stderr
+    assert "hunter2" not in refused.stdout + refused.stderr
+
+    adapter = {
+        "type": "mooncake_store",
+        "metadata_server": "http://h:8080/metadata",
+        "global_segment_size": "1GB",
+    }
+    printed = _cli("serve", "--l2-adapter", json.dumps(adapter), "--print-config")
+    assert printed.returncode == 0, printed.stderr
+    (shown,) = json.loads(printed.stdout)["l2_adapters"]
+    assert shown["metadata_server"] == "http://h:8080/metadata"
+    assert shown["global_segment_size"] == "1GB"
+
+    show = _cli("plugins", "show", "mooncake_store")
+    assert show.returncode == 0, show.stderr
+    assert "master_server_address" in show.stdout and "credentials are not accepted" in " ".join(
+        show.stdout.lower().split()
+    )

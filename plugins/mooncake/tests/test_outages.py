@@ -1,0 +1,191 @@
+"""The master goes away and comes back: calls fail within the timeout, nothing hangs, and
+the adapter works again by itself.  Plus the deadline pool the lookups run on."""
+
+from __future__ import annotations
+
+import importlib
+import signal
+import threading
+import time
+
+import pytest
+from lmcache_plugin_mooncake import client as client_module
+from lmcache_plugin_mooncake.calls import CallPool, CallTimeout
+from lmcache_plugin_mooncake.cluster import LocalCluster
+from mooncake_helpers import config_for, eventually, open_adapter
+
+from lmcache_tiers.errors import BackendUnavailableError
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.l2 import make_keys, pattern
+
+SIZE = 64 << 10
+#: generous bound on a call against a dead master with a 1 s timeout: a guard against
+#: hangs, not a performance expectation
+HANG_GUARD_S = 20.0
+
+
+def _round_trip(client: BlockingAdapterClient, start: int) -> bool:
+    keys = make_keys(2, start=start)
+    data = [pattern(start + i, SIZE) for i in range(2)]
+    if client.store(keys, [memoryview(d) for d in data]) != [True, True]:
+        return False
+    result = client.lookup_and_lock(keys)
+    buffers = [memoryview(bytearray(SIZE)) for _ in keys]
+    loaded = client.load(keys, buffers) if all(result.found) else [False]
+    client.adapter.unlock([k for k, hit in zip(keys, result.found, strict=True) if hit])
+    return loaded == [True, True] and [bytes(b) for b in buffers] == data
+
+
+def test_master_killed_mid_run_then_restarted(own_cluster: LocalCluster) -> None:
+    own_cluster.add_segment_host("128MB")
+    adapter = open_adapter(config_for(own_cluster, operation_timeout_s=1.0))
+    client = BlockingAdapterClient(adapter, timeout=60)
+    try:
+        assert _round_trip(client, 0)
+        stored = make_keys(2, start=0)
+        own_cluster.kill_master()
+
+        started = time.monotonic()
+        assert client.lookup_and_lock(stored).found == [False, False]
+        assert time.monotonic() - started < HANG_GUARD_S
+        assert client.store(make_keys(1, start=50), [memoryview(b"x" * SIZE)]) == [False]
+        buffers = [memoryview(bytearray(SIZE)) for _ in stored]
+        assert client.load(stored, buffers) == [False, False]
+        assert adapter.delete(stored) == [False, False]
+        assert time.monotonic() - started < 4 * HANG_GUARD_S
+        stats = adapter.stats()
+        assert stats["backend_errors"] >= 4, stats
+
+        # Repeated failures open core's circuit: lookups then miss without calling Mooncake.
+        for _ in range(5):
+            client.lookup_and_lock(stored)
+        assert adapter.stats()["circuit_open"] == 1
+        missed = adapter.stats()["circuit_missed_lookup_keys"]
+        assert client.lookup_and_lock(stored).found == [False, False]
+        assert adapter.stats()["circuit_missed_lookup_keys"] == missed + 2
+
+        own_cluster.start_master()  # same ports, empty: objects do not survive it
+        own_cluster.wait_for_segments(1)
+        eventually(
+            lambda: adapter.stats()["circuit_open"] == 0, timeout=60, what="the circuit closing by itself"
+        )
+        assert adapter.stats()["circuit_closed"] >= 1
+        eventually(lambda: _round_trip(client, 100), timeout=60, what="stores and hits after the restart")
+        assert client.lookup_and_lock(stored).found == [False, False], "old objects died with the master"
+        assert adapter.used_bytes() == 2 * SIZE, "only the new objects are accounted"
+        assert adapter.stats()["connected"] == 1
+    finally:
+        adapter.close()
+
+
+def test_a_hung_master_fails_calls_after_the_timeout(own_cluster: LocalCluster) -> None:
+    own_cluster.add_segment_host("64MB")
+    adapter = open_adapter(config_for(own_cluster, operation_timeout_s=1.0))
+    client = BlockingAdapterClient(adapter, timeout=60)
+    master = own_cluster.master
+    assert master is not None
+    try:
+        assert _round_trip(client, 0)
+        master.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert client.lookup_and_lock(make_keys(2)).found == [False, False]
+            assert client.store(make_keys(1, start=9), [memoryview(b"z" * SIZE)]) == [False]
+            assert time.monotonic() - started < HANG_GUARD_S
+        finally:
+            master.send_signal(signal.SIGCONT)
+        assert adapter.stats()["backend_errors"] >= 2
+        eventually(lambda: _round_trip(client, 10), timeout=60, what="calls working once the master answers")
+    finally:
+        adapter.close()
+
+
+def test_an_adapter_opened_before_the_master_starts_connects_later(own_cluster: LocalCluster) -> None:
+    own_cluster.kill_master()
+    started = time.monotonic()
+    adapter = open_adapter(config_for(own_cluster, operation_timeout_s=1.0))
+    try:
+        assert time.monotonic() - started < HANG_GUARD_S, "opening must not wait for the master"
+        client = BlockingAdapterClient(adapter, timeout=60)
+        assert adapter.stats()["connected"] == 0
+        assert client.lookup_and_lock(make_keys(1)).found == [False]
+        assert client.store(make_keys(1), [memoryview(b"y" * SIZE)]) == [False]
+        assert adapter.stats()["backend_errors"] == 2
+        own_cluster.start_master()
+        own_cluster.add_segment_host("64MB")
+        eventually(lambda: adapter.stats()["connected"] == 1, timeout=90, what="the connection")
+        assert adapter.stats()["connect_failures"] >= 1
+        assert _round_trip(client, 0)
+    finally:
+        adapter.close()
+
+
+def test_a_missing_client_library_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, mooncake_pool: LocalCluster
+) -> None:
+    real = importlib.import_module
+
+    def refuse(name: str, package: str | None = None) -> object:
+        if name == "mooncake.store":
+            raise ImportError("libibverbs.so.1: cannot open shared object file")
+        return real(name, package)
+
+    monkeypatch.setattr(client_module.importlib, "import_module", refuse)
+    with pytest.raises(
+        BackendUnavailableError, match=r"libibverbs.*pip install 'lmcache-plugin-mooncake\[non-cuda\]'"
+    ):
+        open_adapter(config_for(mooncake_pool))
+
+
+def test_timeouts_are_put_in_mooncakes_environment_unless_the_operator_set_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(client_module, "_OPERATOR_SET", None)
+    for name in client_module.timeout_environment(1.0):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MC_TCP_STATUS_TIMEOUT_SEC", "77")
+    applied = client_module.apply_timeout_environment(2.5)
+    assert applied["MC_RPC_TIMEOUT_MS"] == "2500"
+    assert applied["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "3"
+    assert applied["MC_TCP_STATUS_TIMEOUT_SEC"] == "77", "the operator's value wins"
+    assert client_module.apply_timeout_environment(1.0)["MC_RPC_TIMEOUT_MS"] == "1000", (
+        "ours follow the adapter"
+    )
+
+
+# -- the deadline pool --------------------------------------------------------------------------
+
+
+def test_a_call_past_its_deadline_is_given_up_and_cleaned_up_when_it_ends() -> None:
+    pool = CallPool("test", 1)
+    release = threading.Event()
+    late: list[str] = []
+    try:
+        started = time.monotonic()
+        with pytest.raises(CallTimeout, match=r"lookup did not answer within 0\.2s"):
+            pool.run("lookup", 0.2, release.wait, 30, on_late=lambda: late.append("first"))
+        assert time.monotonic() - started < HANG_GUARD_S
+        # The only thread is stuck: the next call waits in the queue, is given up, never runs.
+        ran: list[int] = []
+        with pytest.raises(CallTimeout):
+            pool.run("queued", 0.1, ran.append, 1, on_late=lambda: late.append("second"))
+        assert late == [] and pool.busy == 1
+        release.set()
+        eventually(lambda: late == ["first", "second"], timeout=10, what="late clean-ups")
+        assert ran == [], "a call given up before it started never runs"
+        assert pool.run("after", 5, lambda x: x * 2, 21) == 42
+    finally:
+        release.set()
+        pool.close()
+
+
+def test_a_call_answered_in_time_returns_or_raises_as_it_did() -> None:
+    pool = CallPool("test", 2)
+    cleaned: list[int] = []
+    try:
+        assert pool.run("ok", 5, sum, [1, 2, 3], on_late=lambda: cleaned.append(1)) == 6
+        with pytest.raises(ZeroDivisionError):
+            pool.run("fails", 5, lambda: 1 / 0)
+        assert cleaned == [], "on_late is only for calls given up"
+    finally:
+        pool.close()

@@ -1,0 +1,294 @@
+"""What the suite cannot show: a pool other parties write to, objects that vanish,
+damaged records, and records of another serde chain -- all against a real master."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from lmcache_plugin_mooncake.cluster import LocalCluster
+from lmcache_plugin_mooncake.headers import HEADER_BYTES, KEYS_PER_LANE
+from mooncake_helpers import backend_of, config_for, eventually, open_adapter, raw_client
+from test_conformance import Xor
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import BackendAdapter
+from lmcache_tiers.l2.record import encode_header
+from lmcache_tiers.serde import SerdeContext
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.l2 import make_keys, pattern
+
+SIZE = 64 << 10
+
+
+class Trailer:
+    """A size-changing serde: 13 bytes appended on the way out, checked and dropped back."""
+
+    name = "test-trailer"
+    TAIL = b"\x5a" * 13
+
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
+        return bytes(data) + self.TAIL
+
+    def decode(self, data: memoryview, context: SerdeContext) -> bytes:
+        if bytes(data[-len(self.TAIL) :]) != self.TAIL:
+            raise ValueError("trailer missing")
+        return bytes(data[: -len(self.TAIL)])
+
+
+@pytest.fixture
+def adapters() -> Iterator[list[BackendAdapter]]:
+    opened: list[BackendAdapter] = []
+    yield opened
+    for adapter in opened:
+        adapter.close()
+
+
+@pytest.fixture
+def raw(mooncake_pool: LocalCluster) -> Iterator[Any]:
+    client = raw_client(mooncake_pool)
+    yield client
+    client.close()
+
+
+def store(adapter: BackendAdapter, keys: list[ObjectKey], size: int = SIZE, seed: int = 0) -> list[bytes]:
+    data = [pattern(seed * 1000 + i, size) for i in range(len(keys))]
+    assert BlockingAdapterClient(adapter).store(keys, [memoryview(d) for d in data]) == [True] * len(keys)
+    return data
+
+
+def load(adapter: BackendAdapter, keys: list[ObjectKey], sizes: list[int]) -> tuple[list[bool], list[bytes]]:
+    buffers = [memoryview(bytearray(size)) for size in sizes]
+    ok = BlockingAdapterClient(adapter).load(keys, buffers)
+    return ok, [bytes(b) for b in buffers]
+
+
+def name_of(adapter: BackendAdapter, key: ObjectKey) -> str:
+    return backend_of(adapter).names.of(key)
+
+
+# -- objects vanishing ----------------------------------------------------------------------------
+
+
+def test_an_object_removed_by_another_client_is_a_miss_and_its_bytes_are_released(
+    mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter]
+) -> None:
+    adapter = open_adapter(config_for(mooncake_pool))
+    adapters.append(adapter)
+    keys = make_keys(3)
+    data = store(adapter, keys)
+    assert adapter.used_bytes() == 3 * SIZE
+    client = BlockingAdapterClient(adapter)
+
+    assert raw.remove(name_of(adapter, keys[0]), True) == 0
+    result = client.lookup_and_lock(keys)
+    assert result.found == [False, True, True]
+    assert adapter.used_bytes() == 2 * SIZE, "a lookup that finds an accounted key gone releases it"
+
+    # Gone between the lookup and the load: that key fails, nothing else does.
+    assert raw.remove(name_of(adapter, keys[1]), True) == 0
+    ok, contents = load(adapter, keys[1:], [SIZE, SIZE])
+    assert ok == [False, True]
+    assert contents[1] == data[2]
+    assert adapter.stats()["load_vanished"] == 1
+    adapter.unlock(keys[1:])
+
+    assert adapter.delete([keys[1]]) == [True], "a vanished key core still accounts is released"
+    assert adapter.stats()["objects_vanished"] == 1
+    assert adapter.used_bytes() == SIZE
+    assert adapter.delete([keys[1]]) == [False], "a key nobody accounts is simply absent"
+
+
+def test_objects_the_pool_evicts_are_misses_and_the_rest_load_intact(own_cluster: LocalCluster) -> None:
+    own_cluster.add_segment_host("48MB")
+    adapter = open_adapter(config_for(own_cluster))
+    try:
+        client = BlockingAdapterClient(adapter)
+        keys = make_keys(80)
+        data = [pattern(i, 1 << 20) for i in range(80)]
+        stored: set[int] = set()
+        refused = 0
+        for start in range(0, 80, 8):  # 80 MiB into a 48 MiB pool: it evicts, or refuses when full
+            ok = client.store(keys[start : start + 8], [memoryview(d) for d in data[start : start + 8]])
+            stored |= {start + i for i, done in enumerate(ok) if done}
+            refused += ok.count(False)
+        assert adapter.stats().get("store_no_room", 0) == refused, "every refusal is counted"
+        result = client.lookup_and_lock(keys)
+        hits = [i for i, found in enumerate(result.found) if found]
+        assert 0 < len(hits) < len(stored) + refused, "the pool should have dropped some objects"
+        assert set(hits) <= stored
+        ok, contents = load(adapter, [keys[i] for i in hits], [1 << 20] * len(hits))
+        assert ok == [True] * len(hits)
+        assert all(contents[n] == data[i] for n, i in enumerate(hits)), "what is found is intact"
+        adapter.unlock([keys[i] for i in hits])
+        assert adapter.used_bytes() == len(hits) << 20, "accounting follows what lookups found"
+    finally:
+        adapter.close()
+
+
+# -- other writers of the same names ----------------------------------------------------------
+
+
+def test_two_adapters_share_objects(mooncake_pool: LocalCluster, adapters: list[BackendAdapter]) -> None:
+    config = config_for(mooncake_pool)
+    first = open_adapter(config, name="0:first")
+    second = open_adapter(config, name="0:second")
+    adapters += [first, second]
+    keys = make_keys(4, salt="tenant-a")
+    data = store(first, keys)
+    result = BlockingAdapterClient(second).lookup_and_lock(keys)
+    assert result.found == [True] * 4 and result.sizes == [SIZE] * 4
+    ok, contents = load(second, keys, result.sizes)
+    assert ok == [True] * 4 and contents == data
+    second.unlock(keys)
+    assert second.delete(keys[:2]) == [True, True]
+    assert BlockingAdapterClient(first).lookup_and_lock(keys).found == [False, False, True, True]
+    first.unlock(keys[2:])
+
+
+def test_a_store_replaces_what_another_client_put_under_the_name(
+    mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter]
+) -> None:
+    adapter = open_adapter(config_for(mooncake_pool))
+    adapters.append(adapter)
+    (key,) = make_keys(1)
+    assert raw.put(name_of(adapter, key), b"not a record" * 100) == 0
+    data = store(adapter, [key])
+    assert adapter.stats()["store_replaced"] == 1
+    ok, contents = load(adapter, [key], [SIZE])
+    assert ok == [True] and contents == data
+
+
+def test_batches_larger_than_a_lane_round_trip(
+    mooncake_pool: LocalCluster, adapters: list[BackendAdapter]
+) -> None:
+    config = config_for(mooncake_pool)
+    first = open_adapter(config, serde=(Xor(),))
+    keys = make_keys(2 * KEYS_PER_LANE + 7)
+    data = store(first, keys, size=4096)
+    first.close()
+    reopened = open_adapter(config, serde=(Xor(),))
+    adapters.append(reopened)
+    result = BlockingAdapterClient(reopened).lookup_and_lock(keys)
+    assert result.found == [True] * len(keys), "sizes read from the headers, a lane at a time"
+    assert result.sizes == [4096] * len(keys)
+    ok, contents = load(reopened, keys, result.sizes)
+    assert ok == [True] * len(keys) and contents == data
+    reopened.unlock(keys)
+
+
+# -- damaged and foreign records ----------------------------------------------------------------
+
+
+def _record(key: ObjectKey, payload: bytes, serde: tuple[str, ...] = ()) -> bytes:
+    return encode_header(key, payload, serde=serde, align=HEADER_BYTES) + payload
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["garbage", "flipped_payload_byte", "another_keys_record", "header_length_not_fixed"],
+)
+def test_a_record_that_does_not_verify_is_a_miss_and_is_removed(
+    mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter], damage: str
+) -> None:
+    adapter = open_adapter(config_for(mooncake_pool))
+    adapters.append(adapter)
+    key, other = make_keys(2)
+    name = name_of(adapter, key)
+    payload = pattern(7, SIZE)
+    record = {
+        "garbage": pattern(8, HEADER_BYTES + SIZE),
+        "flipped_payload_byte": bytearray(_record(key, payload)),
+        "another_keys_record": _record(other, payload),
+        "header_length_not_fixed": encode_header(key, payload, align=2 * HEADER_BYTES)[:HEADER_BYTES]
+        + payload,
+    }[damage]
+    if isinstance(record, bytearray):
+        record[HEADER_BYTES + 1000] ^= 0x01
+    assert raw.put(name, bytes(record)) == 0
+
+    result = BlockingAdapterClient(adapter).lookup_and_lock([key])
+    assert result.found == [True] and result.sizes == [SIZE]
+    ok, _ = load(adapter, [key], [SIZE])
+    adapter.unlock([key])
+    assert ok == [False]
+    assert adapter.stats()["corrupt_records_removed"] == 1
+    assert raw.is_exist(name) == 0, "the damaged object was removed from the pool"
+
+
+def test_an_object_shorter_than_a_header_is_a_miss_and_is_removed(
+    mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter]
+) -> None:
+    adapter = open_adapter(config_for(mooncake_pool))
+    adapters.append(adapter)
+    (key,) = make_keys(1)
+    assert raw.put(name_of(adapter, key), b"short") == 0
+    assert BlockingAdapterClient(adapter).lookup_and_lock([key]).found == [False]
+    assert adapter.stats()["corrupt_records_removed"] == 1
+    assert raw.is_exist(name_of(adapter, key)) == 0
+
+
+def test_a_record_of_another_serde_chain_is_a_miss_and_is_kept(
+    mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter]
+) -> None:
+    config = config_for(mooncake_pool)
+    writer = open_adapter(config, serde=(Xor(),))
+    adapters.append(writer)
+    keys = make_keys(2)
+    store(writer, keys)
+    for reader_serde in [(), (Trailer(),)]:
+        reader = open_adapter(config, serde=reader_serde)
+        adapters.append(reader)
+        result = BlockingAdapterClient(reader).lookup_and_lock(keys)
+        if any(result.found):  # no chain: found by size, refused when its header is read
+            ok, _ = load(reader, keys, result.sizes)
+            reader.unlock(keys)
+            assert ok == [False, False]
+        assert reader.stats()["serde_chain_mismatch"] >= 1
+        assert reader.stats().get("corrupt_records_removed", 0) == 0
+    assert [raw.is_exist(name_of(writer, key)) for key in keys] == [1, 1], "records of another chain are kept"
+
+
+def test_a_size_changing_chain_recovers_l1_sizes_from_the_headers(
+    mooncake_pool: LocalCluster, adapters: list[BackendAdapter]
+) -> None:
+    config = config_for(mooncake_pool)
+    first = open_adapter(config, serde=(Trailer(),))
+    keys = make_keys(3)
+    data = store(first, keys)
+    assert first.used_bytes() == 3 * (SIZE + 13)
+    first.close()
+    second = open_adapter(config, serde=(Trailer(),))
+    adapters.append(second)
+    eventually(lambda: not second.stats()["scan_running"], what="the start-up scan")
+    assert second.used_bytes() == 3 * (SIZE + 13), "the listing accounts stored bytes"
+    assert second.l1_size_of(keys[0]) is None
+    result = BlockingAdapterClient(second).lookup_and_lock(keys)
+    assert result.sizes == [SIZE] * 3, "L1 sizes come from the record headers"
+    ok, contents = load(second, keys, result.sizes)
+    assert ok == [True] * 3 and contents == data
+    second.unlock(keys)
+
+
+def test_keys_with_digest_names_are_skipped_by_the_listing_and_found_by_lookups(
+    mooncake_pool: LocalCluster, adapters: list[BackendAdapter]
+) -> None:
+    config = config_for(mooncake_pool)
+    first = open_adapter(config)
+    long_model = "m" * 250  # its readable name does not fit: the object gets a digest name
+    keys = [ObjectKey(long_model, 0, b"\x01" * 32), ObjectKey("short", 0, b"\x02" * 32)]
+    data = store(first, keys)
+    assert name_of(first, keys[0]).startswith(config.key_prefix + "~")
+    first.close()
+    second = open_adapter(config)
+    adapters.append(second)
+    eventually(lambda: not second.stats()["scan_running"], what="the start-up scan")
+    assert second.stats()["listing_names_skipped"] == 1
+    assert second.used_bytes() == SIZE
+    result = BlockingAdapterClient(second).lookup_and_lock(keys)
+    assert result.found == [True, True]
+    assert second.used_bytes() == 2 * SIZE, "accounted when a lookup found it"
+    ok, contents = load(second, keys, result.sizes)
+    assert ok == [True, True] and contents == data
+    second.unlock(keys)

@@ -1,0 +1,255 @@
+"""``raw_block``: objects in the fixed-size slots of a block device or a preallocated file.
+
+Core does pins, accounting, capacity admission, serde and the adapter threads;
+``slotstore.py`` (shared with ``dax``) maps keys to slots and verifies every load; this
+backend moves whole slots with one system call each (``slotio.py``), checkpoints the
+index (``checkpoint.py``) and rebuilds it at start-up (``recovery.py``).  A store claims
+fresh slots lowest first, a few dozen at a time, writes each slot's header and payload
+together and publishes the key only then; a load reads header and payload together and
+hands back bytes only when the slot header names the key and write it expects, the
+record header verifies and the payload matches its checksum.  A damaged slot is a miss:
+the object is removed and counted.  The device holds ``slot_count`` objects, whatever
+their sizes (``Capacity(objects=...)``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from lmcache_plugin_raw_block.checkpoint import Checkpoint, CheckpointAreas, CheckpointTooLarge
+from lmcache_plugin_raw_block.config import RawBlockConfig
+from lmcache_plugin_raw_block.device import BlockDevice, open_device
+from lmcache_plugin_raw_block.geometry import Geometry, plan_geometry
+from lmcache_plugin_raw_block.recovery import recover
+from lmcache_plugin_raw_block.slotheader import record_of
+from lmcache_plugin_raw_block.slotio import SlotIO
+from lmcache_plugin_raw_block.slots import Claim, SlotEntry, SlotTable
+from lmcache_plugin_raw_block.slotstore import SlotStoreBackend
+from lmcache_plugin_raw_block.superblock import (
+    SIGNATURE_PROBE_BYTES,
+    decode_superblock,
+    encode_superblock,
+    foreign_signature,
+    has_magic,
+    new_identity,
+)
+from lmcache_tiers.plugin import BackendContext, ConfigError, ObjectKey
+
+log = logging.getLogger(__name__)
+
+SUPERBLOCK_MAGIC = b"LMTRBLK1"
+#: how long close() waits for device calls that outlived the adapter's own wait
+CLOSE_DRAIN_S = 10.0
+
+
+def _reformat_reason(found: bytes, magic_ok: bool, geometry: Geometry, config: RawBlockConfig) -> str | None:
+    """Why the device must be formatted (None: reopen it), or raise if it must not be."""
+    superblock = decode_superblock(found, SUPERBLOCK_MAGIC)
+    if superblock is not None:
+        if not config.load_checkpoint_on_init:
+            return "load_checkpoint_on_init is false"
+        if superblock.geometry != geometry.as_dict():
+            changed = sorted(
+                f"{name} {superblock.geometry.get(name)} -> {value}"
+                for name, value in geometry.as_dict().items()
+                if superblock.geometry.get(name) != value
+            )
+            return "its geometry changed (" + ", ".join(changed) + ")"
+        return None
+    if magic_ok:
+        return "its superblock is damaged"
+    foreign = foreign_signature(found)
+    if foreign is not None:
+        raise ConfigError(
+            f"raw_block: {config.device_path} holds {foreign}; refusing to overwrite it "
+            "(erase its signatures first, e.g. with wipefs, if it is meant for raw_block)"
+        )
+    return "it holds no raw_block superblock"
+
+
+class RawBlockBackend(SlotStoreBackend):
+    """Backend over the slots of one device; see the module docstring."""
+
+    type_name = "raw_block"
+    too_large_hint = "raise slot_bytes (a slot's payload is slot_bytes - header_bytes)"
+
+    def __init__(self, config: RawBlockConfig, context: BackendContext) -> None:
+        self.config = config
+        self._init_slot_store(
+            context, config.payload_bytes, config.num_store_workers, config.num_load_workers
+        )
+        self._device: BlockDevice = open_device(config)
+        self._stop = threading.Event()
+        self._checkpoint_lock = threading.Lock()
+        self._checkpointed_version = -1
+        self._thread: threading.Thread | None = None
+        try:
+            self.geometry = plan_geometry(config, self._device.size)
+            self._io = SlotIO(self._device, self.geometry)
+            self.table = SlotTable(self.geometry.slot_count)
+            reopened, checkpoint = self._mount()
+            if reopened:
+                self._recover(checkpoint)
+            self.checkpoint(force=True)
+        except BaseException:
+            self._stop_workers()
+            self._device.close(0.0)
+            raise
+        if config.meta_enable_periodic:
+            self._thread = threading.Thread(
+                target=self._checkpoint_loop, name=f"raw-block-checkpoint-{context.name}", daemon=True
+            )
+            self._thread.start()
+
+    # -- start-up --------------------------------------------------------------------------
+
+    def _mount(self) -> tuple[bool, Checkpoint | None]:
+        """Reopen the device's layout, or format it: (reopened, checkpoint to recover from)."""
+        device, geometry = self._device, self.geometry
+        found = device.read_at(0, min(SIGNATURE_PROBE_BYTES, geometry.meta_total_bytes))
+        reason = _reformat_reason(found, has_magic(found, SUPERBLOCK_MAGIC), geometry, self.config)
+        if reason is None:
+            superblock = decode_superblock(found, SUPERBLOCK_MAGIC)
+            assert superblock is not None
+            self.identity = superblock.identity
+            self._areas = CheckpointAreas(device, geometry, self.identity)
+            checkpoint = self._areas.read_newest()
+            if checkpoint is None:
+                log.warning("raw_block: %s has no valid checkpoint; reading every slot header", device.path)
+            return True, checkpoint
+        # Formatting a blank device is routine; formatting over a cache drops its objects.
+        level = logging.WARNING if found.strip(b"\0") else logging.INFO
+        log.log(
+            level,
+            "raw_block: formatting %s (%s): %d slots of %d bytes",
+            device.path,
+            reason,
+            geometry.slot_count,
+            geometry.slot_bytes,
+        )
+        self.context.count("device_formats")
+        self.identity = new_identity()
+        self._areas = CheckpointAreas(device, geometry, self.identity)
+        self._areas.invalidate()
+        device.write_at(0, encode_superblock(SUPERBLOCK_MAGIC, self.identity, geometry.as_dict()))
+        device.sync()
+        return False, None
+
+    def _recover(self, checkpoint: Checkpoint | None) -> None:
+        result = recover(
+            self.geometry.slot_count,
+            self.identity,
+            checkpoint,
+            verify=self.config.meta_verify_on_load,
+            read_headers=self._read_headers,
+            context=self.context,
+        )
+        superseded = self.table.restore(result.entries, result.next_seq)
+        counts = {
+            "recovered_from_checkpoint": result.from_checkpoint,
+            "recovered_from_headers": result.from_headers,
+            "recovery_dropped_slots": result.dropped + len(superseded),
+            "corrupt_records_removed": result.corrupt,
+            "recovery_headers_read": result.headers_read,
+        }
+        for name, amount in counts.items():
+            self.context.count(name, amount)
+        log.info(
+            "raw_block: %s: %d objects recovered (%d from checkpoint %d, %d from slot headers), "
+            "%d slots dropped, %d slot headers read",
+            self._device.path,
+            len(result.entries) - len(superseded),
+            result.from_checkpoint,
+            checkpoint.seq if checkpoint is not None else 0,
+            result.from_headers,
+            result.dropped + len(superseded) + result.corrupt,
+            result.headers_read,
+        )
+
+    def _read_headers(self, slots: Sequence[int]) -> list[bytes | None]:
+        def read(slot: int) -> bytes | None:
+            try:
+                return self._io.read_header(slot)
+            except OSError as exc:
+                self.context.count("slot_read_errors")
+                self._burst.warn("read", "raw_block: cannot read the header of slot %d: %s", slot, exc)
+                return None
+
+        return self._readers.map(read, slots)
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def checkpoint(self, *, force: bool = False) -> bool:
+        """Write the index as the next checkpoint if it changed (or ``force``)."""
+        with self._checkpoint_lock:
+            snapshot = self.table.snapshot()
+            if not force and snapshot.version == self._checkpointed_version:
+                return False
+            try:
+                with self._device.in_flight.use() as usable:
+                    if not usable:
+                        return False
+                    self._areas.write(snapshot)
+            except CheckpointTooLarge as exc:
+                self.context.count("checkpoint_too_large")
+                self._burst.warn(
+                    "checkpoint_size",
+                    "raw_block: %s: checkpoint skipped: %s; raise meta_total_bytes "
+                    "(recovery after a crash reads more slot headers meanwhile)",
+                    self._device.path,
+                    exc,
+                )
+                return False
+            except OSError as exc:
+                self.context.count("checkpoint_failures")
+                self._burst.warn("checkpoint", "raw_block: %s: checkpoint failed: %s", self._device.path, exc)
+                return False
+            self._checkpointed_version = snapshot.version
+            self.context.count("checkpoints_written")
+            return True
+
+    def _checkpoint_loop(self) -> None:
+        while not self._stop.wait(self.config.meta_checkpoint_interval_sec):
+            self.checkpoint()
+
+    # -- moving one slot (the rest is SlotStoreBackend's) ---------------------------------
+
+    @property
+    def header_room(self) -> int:
+        return self.geometry.header_bytes
+
+    def _slot_place(self, slot: int) -> tuple[bytes, int]:
+        return self.identity, slot
+
+    def _write_slot(self, claim: Claim, header: bytes, payload: memoryview) -> None:
+        self._io.write(claim.slot, header, payload)
+
+    def _fetch(self, entry: SlotEntry, key: ObjectKey, target: memoryview) -> bytes | None:
+        # Header and payload in one read; the payload is verified once the header is.
+        block = self._io.read(entry.slot, target)
+        return record_of(block, self.identity, entry.slot, entry.seq, key)
+
+    def _fill(self, entry: SlotEntry, target: memoryview) -> None:
+        """Nothing to do: :meth:`_fetch` read the payload with the header."""
+
+    # -- the rest of the backend protocol --------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "slots_total": self.geometry.slot_count,
+            "slots_used": self.table.used_slots,
+            "slots_quarantined": self.table.quarantined_slots,
+            "checkpoint_seq": self._areas.seq,
+        }
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.checkpoint(force=True)
+        self._stop_workers()
+        if self._device.in_flight.drain(CLOSE_DRAIN_S):
+            self._io.close()
+        self._device.close(0.0)

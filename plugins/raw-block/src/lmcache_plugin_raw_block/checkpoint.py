@@ -1,0 +1,141 @@
+"""The two checkpoint areas of a ``raw_block`` device, written in turn.
+
+An area is a header block, then a msgpack body: the write sequence number the next
+store gets, every published object (slot, sequence number, sizes, key) and the
+*watched* slots (claimed, retired or quarantined when the snapshot was taken).  Header:
+magic "LMTRCKP1" | version u32 | device identity 16B | checkpoint seq u64 | body_len u64
+| body crc32 u32 | header crc32 u32.
+
+A checkpoint goes to the area not holding the newest one -- body first, then header, then
+``fsync`` -- so a crash at any point leaves the previous checkpoint intact in the other
+area; recovery takes the valid one with the highest sequence number.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Final
+
+import msgspec
+
+from lmcache_plugin_raw_block.aligned import round_up
+from lmcache_plugin_raw_block.device import BlockDevice
+from lmcache_plugin_raw_block.geometry import Geometry
+from lmcache_plugin_raw_block.slots import SlotEntry, Snapshot
+from lmcache_tiers.plugin import KeyValidationError, ObjectKey
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_MAGIC: Final = b"LMTRCKP1"
+CHECKPOINT_VERSION: Final = 1
+_HEADER = struct.Struct("<8sI16sQQI")
+_CRC = struct.Struct("<I")
+
+
+class _Body(msgspec.Struct, array_like=True, frozen=True):
+    next_seq: int
+    # (slot, seq, stored, l1, key)
+    entries: list[tuple[int, int, int, int, ObjectKey]]
+    # (slot, lowest sequence number of a write not accounted for)
+    watched: list[tuple[int, int]]
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(_Body)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    seq: int
+    next_seq: int
+    entries: list[tuple[ObjectKey, SlotEntry]]
+    watched: list[tuple[int, int]]
+
+
+class CheckpointTooLarge(Exception):
+    """The snapshot does not fit a checkpoint area."""
+
+
+class CheckpointAreas:
+    """Reads and writes the checkpoints of one device (one writer at a time)."""
+
+    def __init__(self, device: BlockDevice, geometry: Geometry, identity: bytes) -> None:
+        self._device = device
+        self._geometry = geometry
+        self._identity = identity
+        self.seq = 0  # of the newest checkpoint written or read
+        self._area = 1  # holding the newest, so the next write goes to the other
+
+    def _header(self, seq: int, body: bytes) -> bytes:
+        fields = _HEADER.pack(
+            CHECKPOINT_MAGIC, CHECKPOINT_VERSION, self._identity, seq, len(body), zlib.crc32(body)
+        )
+        return fields + _CRC.pack(zlib.crc32(fields))
+
+    def _read_header(self, area: int) -> tuple[int, int, int] | None:
+        """(seq, body_len, body_crc) of an intact header of this device, else None."""
+        data = self._device.read_at(self._geometry.area_offset(area), self._geometry.block_align)
+        if len(data) < _HEADER.size + _CRC.size:
+            return None
+        magic, version, identity, seq, length, body_crc = _HEADER.unpack_from(data)
+        (crc,) = _CRC.unpack_from(data, _HEADER.size)
+        if (
+            magic != CHECKPOINT_MAGIC
+            or version != CHECKPOINT_VERSION
+            or identity != self._identity
+            or zlib.crc32(data[: _HEADER.size]) != crc
+            or length > self._geometry.area_bytes - self._geometry.block_align
+        ):
+            return None
+        return seq, length, body_crc
+
+    def read_newest(self) -> Checkpoint | None:
+        """The valid checkpoint with the highest sequence number, or None."""
+        headers = [(area, found) for area in (0, 1) if (found := self._read_header(area)) is not None]
+        for area, (seq, length, body_crc) in sorted(headers, key=lambda item: -item[1][0]):
+            start = self._geometry.area_offset(area) + self._geometry.block_align
+            body = self._device.read_at(start, round_up(length, self._geometry.block_align))[:length]
+            if len(body) != length or zlib.crc32(body) != body_crc:
+                log.warning("raw_block: checkpoint %d in area %d is damaged; trying the other", seq, area)
+                continue
+            try:
+                decoded = _DECODER.decode(body)
+            except (msgspec.DecodeError, KeyValidationError) as exc:
+                log.warning("raw_block: checkpoint %d cannot be decoded (%s); trying the other", seq, exc)
+                continue
+            self.seq, self._area = seq, area
+            entries = [
+                (key, SlotEntry(slot, write_seq, stored, l1))
+                for slot, write_seq, stored, l1, key in decoded.entries
+            ]
+            return Checkpoint(seq, decoded.next_seq, entries, decoded.watched)
+        return None
+
+    def write(self, snapshot: Snapshot) -> int:
+        """Write ``snapshot`` as the next checkpoint; returns its body size."""
+        body = _ENCODER.encode(
+            _Body(
+                snapshot.next_seq,
+                [(e.slot, e.seq, e.stored, e.l1, key) for key, e in snapshot.entries],
+                snapshot.watched,
+            )
+        )
+        room = self._geometry.area_bytes - self._geometry.block_align
+        if len(body) > room:
+            raise CheckpointTooLarge(f"a checkpoint of {len(body)} bytes does not fit its area of {room}")
+        area, seq = 1 - self._area, self.seq + 1
+        start = self._geometry.area_offset(area)
+        self._device.write_at(start + self._geometry.block_align, body)
+        self._device.write_at(start, self._header(seq, body))
+        self._device.sync()
+        self.seq, self._area = seq, area
+        return len(body)
+
+    def invalidate(self) -> None:
+        """Blank both headers (formatting): no checkpoint of an earlier format survives."""
+        for area in (0, 1):
+            self._device.write_at(self._geometry.area_offset(area), b"")
+        self.seq, self._area = 0, 1

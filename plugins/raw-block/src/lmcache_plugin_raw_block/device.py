@@ -1,0 +1,186 @@
+"""Opening the device of a ``raw_block`` adapter, with a one-line error for each way that
+can fail, and aligned reads and writes of its metadata."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+import struct
+from dataclasses import dataclass
+
+from lmcache_plugin_raw_block.aligned import AlignedBlock, round_up
+from lmcache_plugin_raw_block.config import RawBlockConfig
+from lmcache_plugin_raw_block.guards import InFlight, lock_device
+from lmcache_tiers.plugin import ConfigError
+
+log = logging.getLogger(__name__)
+
+_BLKSSZGET = 0x1268  # ioctl: logical block size of a block device
+_NAME = "raw_block"
+
+
+@dataclass
+class BlockDevice:
+    fd: int
+    path: str
+    size: int
+    is_block_device: bool
+    direct: bool
+    align: int
+
+    def __post_init__(self) -> None:
+        self.in_flight = InFlight()
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset`` (both aligned), through an aligned buffer."""
+        block = AlignedBlock(round_up(length, self.align), self.align)
+        try:
+            got = os.preadv(self.fd, [block.view], offset)
+            return bytes(block.view[: min(got, length)])
+        finally:
+            block.close()
+
+    def write_at(self, offset: int, data: bytes | memoryview) -> None:
+        """``data`` at ``offset`` (aligned), zero-padded to a whole number of blocks."""
+        length = memoryview(data).nbytes
+        block = AlignedBlock(round_up(max(length, 1), self.align), self.align)
+        try:
+            block.view[:length] = data
+            block.view[length:] = bytes(block.size - length)
+            written = os.pwritev(self.fd, [block.view], offset)
+            if written != block.size:
+                raise OSError(errno.EIO, f"short write of {written} of {block.size} bytes at {offset}")
+        finally:
+            block.close()
+
+    def sync(self) -> None:
+        os.fsync(self.fd)
+
+    def close(self, timeout_s: float) -> None:
+        """Close the descriptor (and so drop the lock) once no call uses it any more."""
+        if self.in_flight.drain(timeout_s):
+            os.close(self.fd)
+        else:
+            log.error("%s: %s left open: device calls are still running", _NAME, self.path)
+
+
+def _missing(config: RawBlockConfig) -> None:
+    """Create the regular file ``device_path`` names, or say why it is not created."""
+    path = config.device_path
+    if config.capacity_bytes == 0:
+        raise ConfigError(
+            f"{_NAME}: device_path {path} does not exist; name a block device or a "
+            "preallocated file, or set capacity_bytes to have a file of that size created"
+        )
+    real = os.path.realpath(path)
+    parent = os.path.dirname(real) or "."
+    # A missing name under /dev is a mistyped device, not a file to create (/dev/shm aside).
+    if parent == "/dev" or (parent.startswith("/dev/") and not (parent + "/").startswith("/dev/shm/")):
+        raise ConfigError(f"{_NAME}: device_path {path} does not exist (no file is created under /dev)")
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{_NAME}: device_path {path}: directory {parent} does not exist")
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"{_NAME}: cannot create device_path {path}: {exc.strerror}") from None
+    log.info("%s: created %s (%d bytes, preallocated)", _NAME, path, config.capacity_bytes)
+
+
+def _open(config: RawBlockConfig, is_block_device: bool) -> int:
+    path = config.device_path
+    flags = os.O_RDWR | os.O_CLOEXEC
+    if config.use_odirect:
+        flags |= os.O_DIRECT
+    if is_block_device:
+        # A block device opened O_EXCL is refused while it is mounted or claimed by
+        # another exclusive opener (a filesystem, LVM, md): never write under them.
+        flags |= os.O_EXCL
+    try:
+        return os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.EBUSY:
+            reason = "it is in use (mounted, or held by another program)"
+        elif exc.errno == errno.EINVAL and config.use_odirect:
+            reason = "its filesystem does not support O_DIRECT; set use_odirect to false"
+        else:
+            reason = exc.strerror or str(exc)
+        raise ConfigError(f"{_NAME}: cannot open device_path {path}: {reason}") from None
+
+
+def _size(fd: int, config: RawBlockConfig, is_block_device: bool) -> int:
+    path = config.device_path
+    if is_block_device:
+        size = os.lseek(fd, 0, os.SEEK_END)
+        if config.capacity_bytes > size:
+            log.warning(
+                "%s: capacity_bytes %d exceeds %s (%d bytes); using the whole device",
+                _NAME,
+                config.capacity_bytes,
+                path,
+                size,
+            )
+        return size
+    size = os.fstat(fd).st_size
+    wanted = max(size, config.capacity_bytes)
+    if wanted == 0:
+        return 0
+    try:
+        # Allocates holes too: a write into a sparse file must never run out of space.
+        os.posix_fallocate(fd, 0, wanted)
+    except OSError as exc:
+        raise ConfigError(f"{_NAME}: cannot preallocate {wanted} bytes for {path}: {exc.strerror}") from None
+    return wanted
+
+
+def _check_alignment(fd: int, config: RawBlockConfig, is_block_device: bool) -> None:
+    path = config.device_path
+    if is_block_device:
+        logical = struct.unpack("I", fcntl.ioctl(fd, _BLKSSZGET, b"\0" * 4))[0]
+        if config.block_align < logical or config.block_align % logical:
+            raise ConfigError(
+                f"{_NAME}: block_align {config.block_align} is not a multiple of the logical "
+                f"block size of {path} ({logical})"
+            )
+    if not config.use_odirect:
+        return
+    probe = AlignedBlock(config.block_align, config.block_align)
+    try:
+        os.preadv(fd, [probe.view], 0)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise ConfigError(f"{_NAME}: cannot read {path}: {exc.strerror}") from None
+        raise ConfigError(
+            f"{_NAME}: {path} refuses O_DIRECT reads of block_align {config.block_align} bytes; "
+            "raise block_align to its logical block size or set use_odirect to false"
+        ) from None
+    finally:
+        probe.close()
+
+
+def open_device(config: RawBlockConfig) -> BlockDevice:
+    """Open, lock and size ``config.device_path`` (a block device or a regular file)."""
+    path = config.device_path
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        _missing(config)
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise ConfigError(f"{_NAME}: cannot use device_path {path}: {exc.strerror}") from None
+    if not (stat.S_ISBLK(mode) or stat.S_ISREG(mode)):
+        raise ConfigError(f"{_NAME}: device_path {path} is neither a block device nor a regular file")
+    is_block_device = stat.S_ISBLK(mode)
+    fd = _open(config, is_block_device)
+    try:
+        lock_device(fd, path, _NAME)
+        size = _size(fd, config, is_block_device)
+        _check_alignment(fd, config, is_block_device)
+    except BaseException:
+        os.close(fd)
+        raise
+    return BlockDevice(fd, path, size, is_block_device, config.use_odirect, config.block_align)

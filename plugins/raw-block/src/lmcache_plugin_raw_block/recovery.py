@@ -1,0 +1,162 @@
+"""Rebuilding the slot index of a ``raw_block`` device at start-up.
+
+Start from the newest valid checkpoint, then read slot headers to bring it up to date:
+
+* every checkpointed object's slot: kept when its header still names that key and write;
+  a slot rewritten after the checkpoint (the object was deleted or replaced and the slot
+  reused) holds a newer write, which is taken instead; anything else is dropped;
+* every *watched* slot (claimed, retired or quarantined at the checkpoint): taken when it
+  holds a write the checkpoint did not account for;
+* the slots free at the checkpoint, lowest first: new writes go to the lowest free slot,
+  so the ones written since form a prefix of that list, with gaps only where writes were
+  in flight -- at most :data:`CLAIM_GROUP` at a time.  The scan stops after
+  :data:`SCAN_WINDOW` slots in a row hold nothing newer than the checkpoint.
+
+A header counts only if it is intact (crc), of this device (identity), of this slot and
+its record header verifies; the payload itself is verified on every load.  Two writes
+of one key keep the newer.  Without any valid checkpoint every slot header is read.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from lmcache_plugin_raw_block.checkpoint import Checkpoint
+from lmcache_plugin_raw_block.slotheader import SlotHeader, decode_slot_header
+from lmcache_plugin_raw_block.slots import CLAIM_GROUP, SlotEntry
+from lmcache_tiers.plugin import BackendContext, ObjectKey, RecordError
+
+log = logging.getLogger(__name__)
+
+#: free slots in a row without a newer write that end the scan (twice the most that can
+#: be in flight at once, plus a margin)
+SCAN_WINDOW = 2 * CLAIM_GROUP + 64
+
+ReadHeaders = Callable[[Sequence[int]], list[bytes | None]]
+
+
+@dataclass
+class Recovered:
+    entries: list[tuple[ObjectKey, SlotEntry]] = field(default_factory=list)
+    next_seq: int = 1
+    from_checkpoint: int = 0
+    from_headers: int = 0
+    dropped: int = 0
+    corrupt: int = 0
+    headers_read: int = 0
+
+
+class _Recovery:
+    def __init__(self, identity: bytes, read_headers: ReadHeaders, context: BackendContext) -> None:
+        self.identity = identity
+        self.read_headers = read_headers
+        self.context = context
+        self.result = Recovered()
+
+    def headers(self, slots: Sequence[int]) -> list[SlotHeader | None]:
+        self.result.headers_read += len(slots)
+        return [
+            None if raw is None else decode_slot_header(raw, self.identity, slot)
+            for slot, raw in zip(slots, self.read_headers(slots), strict=True)
+        ]
+
+    def record_ok(self, header: SlotHeader) -> bool:
+        """Whether the record header in a slot header verifies for its key (a record of
+        another serde chain is intact: kept, and core answers it as a miss)."""
+        try:
+            self.context.read_record_header(header.record, header.key)
+        except RecordError as exc:
+            self.result.corrupt += 1
+            log.warning("raw_block: slot %d (%s) dropped: %s", header.slot, header.key.file_stem(), exc)
+            return False
+        return True
+
+    def take(self, header: SlotHeader) -> bool:
+        if not self.record_ok(header):
+            return False
+        self.result.entries.append((header.key, SlotEntry(header.slot, header.seq, header.stored, header.l1)))
+        self.result.from_headers += 1
+        return True
+
+    def checkpointed(self, checkpoint: Checkpoint, verify: bool) -> None:
+        if not verify:
+            self.result.entries += checkpoint.entries
+            self.result.from_checkpoint += len(checkpoint.entries)
+            return
+        slots = [entry.slot for _key, entry in checkpoint.entries]
+        for (key, entry), header in zip(checkpoint.entries, self.headers(slots), strict=True):
+            if header is not None and header.seq == entry.seq and header.key == key:
+                if self.record_ok(header):
+                    self.result.entries.append((key, entry))
+                    self.result.from_checkpoint += 1
+                continue
+            if header is not None and header.seq >= checkpoint.next_seq and self.take(header):
+                continue
+            self.result.dropped += 1
+
+    def watched(self, watched: Iterable[tuple[int, int]]) -> None:
+        pairs = list(watched)
+        for (_slot, lowest), header in zip(pairs, self.headers([s for s, _ in pairs]), strict=True):
+            if header is not None and header.seq >= lowest:
+                self.take(header)
+
+    def scan(self, free: Iterable[int], newer_than: int, window: int | None) -> None:
+        """Take writes newer than ``newer_than`` from ``free`` (ascending) until ``window``
+        slots in a row hold none (None: read every slot)."""
+        quiet = 0
+        batch: list[int] = []
+        chunk = SCAN_WINDOW
+
+        def flush() -> bool:
+            nonlocal quiet
+            for header in self.headers(batch):
+                if header is not None and header.seq >= newer_than and self.take(header):
+                    quiet = 0
+                else:
+                    quiet += 1
+                if window is not None and quiet >= window:
+                    return False
+            batch.clear()
+            return True
+
+        for slot in free:
+            batch.append(slot)
+            if len(batch) >= chunk and not flush():
+                return
+        if batch:
+            flush()
+
+
+def recover(
+    slot_count: int,
+    identity: bytes,
+    checkpoint: Checkpoint | None,
+    *,
+    verify: bool,
+    read_headers: ReadHeaders,
+    context: BackendContext,
+) -> Recovered:
+    """The objects on the device: see the module docstring."""
+    recovery = _Recovery(identity, read_headers, context)
+    if checkpoint is None:
+        recovery.scan(range(slot_count), 0, None)
+    else:
+        recovery.checkpointed(checkpoint, verify)
+        recovery.watched(checkpoint.watched)
+        busy = {entry.slot for _key, entry in checkpoint.entries} | {slot for slot, _ in checkpoint.watched}
+        free = (slot for slot in range(slot_count) if slot not in busy)
+        recovery.scan(free, checkpoint.next_seq, SCAN_WINDOW)
+    result = recovery.result
+    # A slot is read once, so it yields one object; keep the guard for a checkpoint
+    # whose body was written by a faulty build.
+    by_slot: dict[int, tuple[ObjectKey, SlotEntry]] = {}
+    for key, entry in result.entries:
+        kept = by_slot.get(entry.slot)
+        if kept is None or kept[1].seq < entry.seq:
+            by_slot[entry.slot] = (key, entry)
+    result.entries = list(by_slot.values())
+    newest = max((entry.seq for _key, entry in result.entries), default=0)
+    result.next_seq = max(newest + 1, checkpoint.next_seq if checkpoint is not None else 1)
+    return result

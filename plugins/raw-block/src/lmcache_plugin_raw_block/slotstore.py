@@ -1,0 +1,249 @@
+"""What ``raw_block`` and ``dax`` backends share: the backend protocol over a slot table.
+
+A subclass says how one slot's bytes move (``_write_slot``, ``_fetch``, ``_fill``) and
+where a slot's header lives (``_slot_place``, ``header_room``); this class does the rest
+the same way for both: refusing objects larger than a slot, claiming slots a group at a
+time, building each slot header from core's record header, publishing a key only after
+its slot was written, verifying every load (slot header, record header, payload
+checksum) and removing what fails.
+"""
+
+from __future__ import annotations
+
+import errno
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from lmcache_plugin_raw_block.parallel import Workers
+from lmcache_plugin_raw_block.slotheader import encode_slot_header
+from lmcache_plugin_raw_block.slots import CLAIM_GROUP, Claim, SlotEntry, SlotTable
+from lmcache_tiers.plugin import (
+    BackendContext,
+    BurstLog,
+    Capacity,
+    ObjectKey,
+    ObjectSize,
+    RecordCorruptError,
+    RecordError,
+    verify_payload,
+)
+
+__all__ = ["CLAIM_GROUP", "SlotStoreBackend", "as_bytes"]
+
+
+def as_bytes(buffer: memoryview) -> memoryview:
+    return buffer if buffer.format == "B" else buffer.cast("B")
+
+
+class SlotStoreBackend(ABC):
+    """The batch methods of a slot store; subclasses move the bytes of one slot."""
+
+    #: one store thread (raw_block's recovery relies on at most CLAIM_GROUP writes in
+    #: flight); loads and stores use worker pools of their own within a batch
+    concurrency = 1
+    type_name: str
+    #: what to raise for objects that do not fit, in the refusal's log line
+    too_large_hint: str
+    context: BackendContext
+    table: SlotTable
+
+    def _init_slot_store(
+        self, context: BackendContext, payload_limit: int, store_workers: int, load_workers: int
+    ) -> None:
+        self.context = context
+        self.payload_limit = payload_limit
+        self._burst = BurstLog()
+        self._readers = Workers(load_workers, f"{self.type_name}-load")
+        self._writers = Workers(store_workers, f"{self.type_name}-store")
+
+    def _stop_workers(self) -> None:
+        self._writers.shutdown()
+        self._readers.shutdown()
+
+    # -- what a subclass provides ----------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def header_room(self) -> int:
+        """Bytes a slot header may take."""
+
+    @abstractmethod
+    def _slot_place(self, slot: int) -> tuple[bytes, int]:
+        """(identity of the device holding ``slot``, the slot's number on that device)."""
+
+    @abstractmethod
+    def _write_slot(self, claim: Claim, header: bytes, payload: memoryview) -> None:
+        """Write the payload and header of a claimed slot; OSError when it failed."""
+
+    @abstractmethod
+    def _fetch(self, entry: SlotEntry, key: ObjectKey, target: memoryview) -> bytes | None:
+        """The record header of ``entry``'s slot if its slot header is that of write
+        ``entry.seq`` of ``key`` (None otherwise); may fill ``target`` on the way."""
+
+    @abstractmethod
+    def _fill(self, entry: SlotEntry, target: memoryview) -> None:
+        """Copy the payload into ``target`` unless :meth:`_fetch` did."""
+
+    def _still_current(self, entry: SlotEntry) -> bool:
+        """Whether the slot still holds ``entry``'s write after the copy."""
+        return True
+
+    def _quarantine_on(self, error: OSError) -> bool:
+        """Whether a slot whose write failed so is kept out of use: after a media error
+        (EIO) it is; after a full thin-provisioned device (ENOSPC) or anything else it
+        is offered again, so stores succeed again once the cause is gone."""
+        return error.errno == errno.EIO
+
+    # -- stores ----------------------------------------------------------------------------
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        results = [False] * len(keys)
+        fitting = []
+        for index, payload in enumerate(payloads):
+            if payload.nbytes <= self.payload_limit:
+                fitting.append(index)
+                continue
+            self.context.count("object_too_large")
+            self._burst.warn(
+                "too_large",
+                "%s: %s not stored: %d bytes exceed a slot's %d; %s",
+                self.type_name,
+                keys[index].file_stem(),
+                payload.nbytes,
+                self.payload_limit,
+                self.too_large_hint,
+            )
+        for start in range(0, len(fitting), CLAIM_GROUP):
+            group = fitting[start : start + CLAIM_GROUP]
+            claims = self.table.claim(len(group))
+            if len(claims) < len(group):
+                self.context.count("no_free_slot", len(group) - len(claims))
+                self._burst.warn(
+                    "no_slot",
+                    "%s: %d objects not stored: no free slot",
+                    self.type_name,
+                    len(group) - len(claims),
+                )
+            chosen = group[: len(claims)]
+            stored = self._store_group([keys[i] for i in chosen], [payloads[i] for i in chosen], claims)
+            for index, ok in zip(chosen, stored, strict=True):
+                results[index] = ok
+        return results
+
+    def _store_group(
+        self, keys: list[ObjectKey], payloads: list[memoryview], claims: list[Claim]
+    ) -> list[bool]:
+        return self._writers.map(self._store_one, keys, payloads, claims)
+
+    def _store_one(self, key: ObjectKey, payload: memoryview, claim: Claim) -> bool:
+        quarantine = False
+        try:
+            data = as_bytes(payload)
+            record = self.context.record_header(key, data)
+            l1 = self.context.l1_size_of(key) or data.nbytes
+            identity, local = self._slot_place(claim.slot)
+            header = encode_slot_header(identity, local, claim.seq, key, data.nbytes, l1, record)
+            if len(header) > self.header_room:
+                raise ValueError(
+                    f"its slot header needs {len(header)} bytes, a slot has room for {self.header_room}"
+                )
+            self._write_slot(claim, header, data)
+            self.table.publish(key, SlotEntry(claim.slot, claim.seq, data.nbytes, l1))
+            return True
+        except ValueError as exc:  # a header that cannot be encoded or does not fit
+            self.context.count("header_too_large")
+            self._burst.warn("header", "%s: %s not stored: %s", self.type_name, key.file_stem(), exc)
+        except OSError as exc:
+            quarantine = self._quarantine_on(exc)
+            self.context.count("slot_write_errors")
+            self._burst.warn("write", "%s: writing slot %d failed: %s", self.type_name, claim.slot, exc)
+        except BaseException:
+            self.table.abandon(claim)
+            raise
+        self.table.abandon(claim, quarantine=quarantine)
+        return False
+
+    # -- lookups and loads -----------------------------------------------------------------
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[ObjectSize | None]:
+        return [
+            None if entry is None else ObjectSize(entry.stored, entry.l1) for entry in self.table.lookup(keys)
+        ]
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        entries = self.table.acquire(keys)
+        try:
+            results = [False] * len(keys)
+            wanted = [
+                i
+                for i, entry in enumerate(entries)
+                if entry is not None and entry.stored == buffers[i].nbytes
+            ]
+            outcomes = self._load_group(
+                [keys[i] for i in wanted], [entries[i] for i in wanted], [buffers[i] for i in wanted]
+            )
+            for index, outcome in zip(wanted, outcomes, strict=True):
+                if isinstance(outcome, RecordError):
+                    self._remove_damaged(keys[index], entries[index], outcome)
+                else:
+                    results[index] = outcome
+            return results
+        finally:
+            self.table.release(entries)
+
+    def _load_group(
+        self, keys: list[ObjectKey], entries: list[SlotEntry | None], buffers: list[memoryview]
+    ) -> list[bool | RecordError]:
+        return self._readers.map(self._load_one, keys, entries, buffers)
+
+    def _load_one(self, key: ObjectKey, entry: SlotEntry, buffer: memoryview) -> bool | RecordError:
+        target = as_bytes(buffer)
+        try:
+            record_bytes = self._fetch(entry, key, target)
+            if record_bytes is None:
+                raise RecordCorruptError(
+                    f"the header of slot {entry.slot} is damaged or not that of write "
+                    f"{entry.seq} of {key.file_stem()}"
+                )
+            record = self.context.read_record_header(record_bytes, key)
+            if record is None:
+                return False  # written with another serde chain: kept, a miss
+            if record.payload_len != target.nbytes:
+                raise RecordCorruptError(
+                    f"the record says {record.payload_len} bytes, the index {target.nbytes}"
+                )
+            self._fill(entry, target)
+            verify_payload(record, target)
+        except OSError as exc:
+            self.context.count("slot_read_errors")
+            self._burst.warn("read", "%s: reading slot %d failed: %s", self.type_name, entry.slot, exc)
+            return False
+        except RecordError as exc:
+            # Without its traceback: its frames reference buffers (a mapping's) that must
+            # not outlive this call, and the error is kept and logged.
+            return exc.with_traceback(None)
+        return self._still_current(entry)
+
+    def _remove_damaged(self, key: ObjectKey, entry: SlotEntry | None, error: RecordError) -> None:
+        assert entry is not None
+        if self.table.discard(key, entry):
+            self.context.count("corrupt_records_removed")
+            self._burst.warn(
+                "corrupt",
+                "%s: %s in slot %d removed: %s",
+                self.type_name,
+                key.file_stem(),
+                entry.slot,
+                str(error),
+            )
+
+    # -- the rest of the backend protocol --------------------------------------------------
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        return self.table.delete(keys)
+
+    def list_keys(self) -> list[tuple[ObjectKey, ObjectSize]]:
+        return [(key, ObjectSize(entry.stored, entry.l1)) for key, entry in self.table.items()]
+
+    def capacity(self) -> Capacity:
+        return Capacity(objects=self.table.slot_count)

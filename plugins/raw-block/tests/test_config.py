@@ -1,0 +1,137 @@
+"""raw_block's configuration: LMCache's JSON accepted as is, one-line errors for the rest."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from lmcache_plugin_raw_block import RawBlockConfig
+from rb_helpers import config, open_raw
+from slot_helpers import plugins_show_rows
+
+from lmcache_tiers.config import decode_adapter
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.plugins import load_registry
+
+
+def decode(**fields: object) -> RawBlockConfig:
+    spec = decode_adapter(load_registry(), {"type": "raw_block", **fields}, 0)
+    assert isinstance(spec.config, RawBlockConfig)
+    return spec.config
+
+
+def test_an_lmcache_adapter_json_is_accepted_unchanged() -> None:
+    lmcache_json = {
+        "device_path": "/dev/nvme1n1",
+        "slot_bytes": 2101248,
+        "capacity_bytes": 0,
+        "use_odirect": True,
+        "block_align": 4096,
+        "header_bytes": 4096,
+        "meta_total_bytes": 268435456,
+        "meta_checkpoint_interval_sec": 30,
+        "meta_enable_periodic": True,
+        "load_checkpoint_on_init": True,
+        "meta_verify_on_load": True,
+        "num_store_workers": 2,
+        "num_lookup_workers": 1,
+        "num_load_workers": 4,
+    }
+    cfg = decode(**lmcache_json)
+    assert {name: getattr(cfg, name) for name in lmcache_json} == lmcache_json
+    assert cfg.payload_bytes == 2101248 - 4096
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"block_align": 3000}, "block_align must be a power of two"),
+        ({"block_align": 256}, "block_align"),
+        (
+            {"slot_bytes": 1 << 20, "block_align": 8192, "header_bytes": 4096},
+            "header_bytes .* multiple of block_align",
+        ),
+        ({"slot_bytes": 100_000}, "slot_bytes .* multiple of block_align"),
+        ({"slot_bytes": 4096}, "slot_bytes .* must exceed header_bytes"),
+        ({"meta_total_bytes": 5000}, "meta_total_bytes .* multiple of block_align"),
+        ({"meta_total_bytes": 8192}, "at least 3 blocks"),
+        ({"meta_total_bytes": 1 << 20, "capacity_bytes": 1 << 20}, "leaves no room for a slot"),
+        ({"capacity_bytes": 4096}, "cannot hold a slot"),
+        ({"slot_bytes": 0}, "slot_bytes"),
+        ({"num_load_workers": 0}, "num_load_workers"),
+        ({"io_engine": "io_uring"}, "unknown field"),
+    ],
+)
+def test_bad_values_get_one_line_naming_the_field(fields: dict[str, object], message: str) -> None:
+    raw = {"device_path": "/tmp/x.img", "slot_bytes": 1 << 20, **fields}
+    with pytest.raises(ConfigError, match=message) as caught:
+        decode(**raw)
+    assert "\n" not in str(caught.value)
+    assert "l2_adapters[0]" in str(caught.value)
+
+
+def test_a_missing_file_is_created_only_with_a_capacity(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist; name a block device or a preallocated file"):
+        open_raw(RawBlockConfig(device_path=str(tmp_path / "absent.img"), slot_bytes=1 << 20))
+    with pytest.raises(ConfigError, match=r"directory .* does not exist"):
+        open_raw(config(tmp_path / "no" / "dir.img"))
+    cfg = config(tmp_path / "new.img", slots=3)
+    adapter = open_raw(cfg)
+    try:
+        assert os.path.getsize(cfg.device_path) == cfg.capacity_bytes
+        assert adapter.stats()["slots_total"] == 3
+        # preallocated, not sparse: a store can never run out of space on the filesystem
+        assert os.stat(cfg.device_path).st_blocks * 512 >= cfg.capacity_bytes
+    finally:
+        adapter.close()
+
+
+def test_a_short_existing_file_is_extended_and_one_without_room_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "short.img"
+    path.write_bytes(b"\0" * 4096)
+    cfg = config(path, slots=2)
+    adapter = open_raw(cfg)
+    adapter.close()
+    assert path.stat().st_size == cfg.capacity_bytes
+    tiny = tmp_path / "tiny.img"
+    tiny.write_bytes(b"\0" * 8192)
+    with pytest.raises(ConfigError, match=r"too few for .* metadata and one slot"):
+        open_raw(RawBlockConfig(device_path=str(tiny), slot_bytes=1 << 20))
+
+
+@pytest.mark.parametrize("path", ["/dev/null", "/tmp"])
+def test_neither_a_block_device_nor_a_file_is_refused(path: str) -> None:
+    with pytest.raises(ConfigError, match="neither a block device nor a regular file"):
+        open_raw(RawBlockConfig(device_path=path, slot_bytes=1 << 20))
+
+
+def test_no_file_is_created_under_dev() -> None:
+    with pytest.raises(ConfigError, match="no file is created under /dev"):
+        open_raw(
+            RawBlockConfig(
+                device_path="/dev/lmcache-no-such-device", slot_bytes=1 << 20, capacity_bytes=1 << 30
+            )
+        )
+
+
+def test_two_adapters_on_one_device_are_refused(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "dev.img")
+    first = open_raw(cfg)
+    try:
+        with pytest.raises(ConfigError, match="in use by another raw_block adapter"):
+            open_raw(cfg)
+        # a symlink leads to the same file, and to the same lock
+        link = tmp_path / "link.img"
+        link.symlink_to(cfg.device_path)
+        with pytest.raises(ConfigError, match="in use"):
+            open_raw(config(link))
+    finally:
+        first.close()
+    open_raw(cfg).close()  # the lock went with the first adapter
+
+
+def test_plugins_show_marks_lmcache_fields() -> None:
+    rows = plugins_show_rows("raw-block")
+    for name in ("device_path", "slot_bytes", "capacity_bytes", "use_odirect", "block_align", "header_bytes"):
+        assert "LMCache field." in rows[name], f"{name} is not marked as LMCache's own field"

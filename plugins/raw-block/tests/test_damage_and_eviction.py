@@ -1,0 +1,134 @@
+"""raw_block under damage and pressure: flipped bytes, oversized objects, eviction with
+pinned keys, capacity held across restarts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from lmcache_plugin_raw_block.backend import SUPERBLOCK_MAGIC
+from rb_helpers import PAYLOAD, Arena, backend_of, client, config, flip_byte, load, open_raw, store
+from slot_helpers import lru_controller
+
+from lmcache_tiers.testing.l2 import make_keys, pattern
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_a_flipped_byte_is_a_miss_and_frees_the_slot(tmp_path: Path, where: str) -> None:
+    cfg = config(tmp_path / "dev.img")
+    keys = make_keys(2)
+    data = [pattern(1, PAYLOAD), pattern(2, 5000)]
+    arena = Arena()
+    adapter = open_raw(cfg)
+    try:
+        assert store(adapter, keys, data, arena) == [True, True]
+        backend = backend_of(adapter)
+        entry = backend.table.lookup(keys[:1])[0]
+        assert entry is not None
+        offset = backend.geometry.slot_offset(entry.slot) + (
+            backend.geometry.header_bytes + 777 if where == "payload" else 60
+        )
+        flip_byte(cfg.device_path, offset)
+        loaded, contents = load(adapter, keys, [len(d) for d in data], arena)
+        assert loaded == [False, True] and contents[1] == data[1]
+        stats = adapter.stats()
+        assert stats["corrupt_records_removed"] == 1
+        assert stats["slots_used"] == 1, "the damaged object's slot is free again"
+        assert client(adapter).lookup_and_lock(keys[:1]).found == [False]
+        assert adapter.used_bytes() == len(data[1])
+    finally:
+        adapter.close()
+
+
+def test_objects_larger_than_a_slot_are_refused_and_counted(tmp_path: Path) -> None:
+    adapter = open_raw(config(tmp_path / "dev.img"))
+    try:
+        keys = make_keys(3)
+        data = [b"a" * PAYLOAD, b"b" * (PAYLOAD + 1), b"c"]
+        assert store(adapter, keys, data) == [True, False, True]
+        assert adapter.stats()["object_too_large"] == 1
+        assert client(adapter).lookup_and_lock(keys).found == [True, False, True]
+        adapter.unlock([keys[0], keys[2]])
+    finally:
+        adapter.close()
+
+
+def test_eviction_frees_slots_and_skips_pinned_keys(tmp_path: Path) -> None:
+    adapter = open_raw(config(tmp_path / "dev.img", slots=4))
+    try:
+        controller = lru_controller(adapter, watermark=0.75, ratio=0.5)
+        keys = make_keys(4)
+        assert store(adapter, keys, [pattern(i, 1000) for i in range(4)]) == [True] * 4
+        assert adapter.usage() == 1.0
+        assert store(adapter, make_keys(1, start=99), [b"x" * 100]) == [False], "full: refused"
+        # LRU takes the tail of a prefix first: keys[3] is the first victim, pinned here by
+        # a prefetch between its lookup and its load.
+        assert client(adapter).lookup_and_lock(keys[3:]).found == [True]
+        controller.evict(2 * 1000)
+        remaining = set(adapter.iter_keys())
+        assert keys[3] in remaining and len(remaining) == 2, "the pinned key skipped, the next victims taken"
+        assert adapter.usage() == 0.5 and adapter.stats()["slots_used"] == 2
+        adapter.unlock(keys[3:])
+        controller.evict(1000)
+        assert keys[3] not in set(adapter.iter_keys()), "retried in the next cycle"
+        assert store(adapter, make_keys(2, start=50), [b"y" * 100, b"z" * 100]) == [True, True]
+    finally:
+        adapter.close()
+
+
+@pytest.mark.parametrize("evict", [False, True])
+def test_capacity_is_held_across_three_restarts(tmp_path: Path, evict: bool) -> None:
+    cfg = config(tmp_path / "dev.img", slots=8)
+    size_on_disk = None
+    for run in range(4):
+        adapter = open_raw(cfg)
+        try:
+            if run:
+                # Right after the restart, before any store: usage counts what is on the device.
+                assert adapter.usage() == 1.0 if not evict else adapter.usage() <= 0.75
+                assert adapter.stats()["slots_used"] == len(set(adapter.iter_keys()))
+            controller = lru_controller(adapter, watermark=0.75, ratio=0.25) if evict else None
+            keys = make_keys(8, start=run * 100)
+            for key in keys:
+                stored = store(adapter, [key], [pattern(run * 100, 3000)])
+                if controller is not None:
+                    controller.step(set())  # one cycle of the controller's thread
+                assert adapter.usage() <= 1.0
+                if not evict and run:
+                    assert stored == [False], "a full device refuses new objects after a restart"
+            objects = len(set(adapter.iter_keys()))
+            assert objects <= 8
+            assert adapter.stats()["slots_used"] == objects
+        finally:
+            adapter.close()
+        current = Path(cfg.device_path).stat().st_size
+        assert size_on_disk in (None, current), "the device file never grows"
+        size_on_disk = current
+
+
+def test_a_device_holding_a_filesystem_is_refused(tmp_path: Path) -> None:
+    from lmcache_tiers.errors import ConfigError
+
+    path = tmp_path / "dev.img"
+    cfg = config(path)
+    with open(path, "wb") as device:
+        device.truncate(cfg.capacity_bytes)
+        device.seek(1080)
+        device.write(b"\x53\xef")  # the ext2/3/4 superblock magic
+    with pytest.raises(ConfigError, match="ext2/3/4 filesystem; refusing to overwrite it"):
+        open_raw(cfg)
+    assert path.read_bytes()[1080:1082] == b"\x53\xef", "nothing was written"
+
+
+def test_a_damaged_superblock_of_ours_is_reformatted(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "dev.img")
+    adapter = open_raw(cfg)
+    assert store(adapter, make_keys(1), [b"abc"]) == [True]
+    adapter.close()
+    flip_byte(cfg.device_path, len(SUPERBLOCK_MAGIC) + 20)
+    reopened = open_raw(cfg)
+    try:
+        assert reopened.stats()["device_formats"] == 1
+        assert list(reopened.iter_keys()) == []
+    finally:
+        reopened.close()

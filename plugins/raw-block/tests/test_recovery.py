@@ -1,0 +1,219 @@
+"""Restart recovery of raw_block: checkpoints, slot headers, reformatting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lmcache_plugin_raw_block.geometry import plan_geometry
+from rb_helpers import PAYLOAD, Arena, backend_of, client, config, crash, flip_byte, load, open_raw, store
+from slot_helpers import ZlibSerde
+
+from lmcache_tiers.testing.l2 import make_keys, pattern
+
+
+def sizes(count: int) -> list[int]:
+    return [PAYLOAD - 4096 * (i % 3) - i for i in range(count)]
+
+
+def data_for(count: int, seed: int = 0) -> list[bytes]:
+    return [pattern(seed * 1000 + i, size) for i, size in enumerate(sizes(count))]
+
+
+def test_clean_restart_recovers_from_the_checkpoint_alone(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "dev.img")
+    keys, data = make_keys(6), data_for(6)
+    adapter = open_raw(cfg)
+    assert store(adapter, keys, data) == [True] * 6
+    adapter.close()
+    reopened = open_raw(cfg)
+    try:
+        stats = reopened.stats()
+        assert stats["recovered_from_checkpoint"] == 6
+        assert stats.get("recovered_from_headers", 0) == 0
+        assert stats["slots_used"] == 6
+        assert reopened.used_bytes() == sum(map(len, data))
+        assert load(reopened, keys, [len(d) for d in data]) == ([True] * 6, data)
+    finally:
+        reopened.close()
+
+
+def test_writes_after_the_last_checkpoint_are_recovered_from_their_headers(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "dev.img", meta_enable_periodic=False)
+    keys, data = make_keys(8), data_for(8)
+    arena = Arena()
+    adapter = open_raw(cfg)
+    assert store(adapter, keys[:3], data[:3], arena) == [True] * 3
+    assert backend_of(adapter).checkpoint()  # the last checkpoint knows of 3 objects
+    assert store(adapter, keys[3:], data[3:], arena) == [True] * 5
+    crash(adapter)
+    reopened = open_raw(cfg)
+    try:
+        stats = reopened.stats()
+        assert stats["recovered_from_checkpoint"] == 3
+        assert stats["recovered_from_headers"] == 5
+        assert load(reopened, keys, [len(d) for d in data], arena) == ([True] * 8, data)
+    finally:
+        reopened.close()
+
+
+def test_a_checkpointed_slot_reused_after_the_checkpoint_holds_the_newer_object(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "dev.img", slots=4, meta_enable_periodic=False)
+    old_keys, new_keys = make_keys(2), make_keys(2, start=10)
+    old, new = data_for(2), data_for(2, seed=1)
+    adapter = open_raw(cfg)
+    assert store(adapter, old_keys, old) == [True, True]
+    assert backend_of(adapter).checkpoint()
+    assert adapter.delete(old_keys[:1]) == [True]  # slot 0 is free again ...
+    assert store(adapter, new_keys[:1], new[:1]) == [True]  # ... and reused at once
+    slot_of_new = backend_of(adapter).table.lookup(new_keys[:1])[0]
+    assert slot_of_new is not None and slot_of_new.slot == 0
+    crash(adapter)
+    reopened = open_raw(cfg)
+    try:
+        found = client(reopened).lookup_and_lock(old_keys + new_keys[:1])
+        assert found.found == [False, True, True], (
+            "the checkpoint's entry lost to the newer write in its slot"
+        )
+        reopened.unlock(old_keys[1:] + new_keys[:1])
+        assert load(reopened, new_keys[:1], [len(new[0])]) == ([True], new[:1])
+    finally:
+        reopened.close()
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_other(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "dev.img", meta_enable_periodic=False)
+    keys, data = make_keys(5), data_for(5)
+    adapter = open_raw(cfg)
+    backend = backend_of(adapter)
+    assert store(adapter, keys[:2], data[:2]) == [True, True]
+    assert backend.checkpoint()
+    assert store(adapter, keys[2:], data[2:]) == [True] * 3
+    assert backend.checkpoint()
+    geometry = backend.geometry
+    newest = backend._areas._area
+    adapter.close()  # the final checkpoint goes to the other area: damage both that and the one before
+    closing_area = 1 - newest
+    flip_byte(cfg.device_path, geometry.area_offset(closing_area) + geometry.block_align + 3)
+    reopened = open_raw(cfg)
+    try:
+        stats = reopened.stats()
+        # The older checkpoint knew all five objects too (written after the last store).
+        assert stats["recovered_from_checkpoint"] == 5
+        assert load(reopened, keys, [len(d) for d in data]) == ([True] * 5, data)
+    finally:
+        reopened.close()
+
+
+def test_without_any_valid_checkpoint_every_slot_header_is_read(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "dev.img", slots=12)
+    keys, data = make_keys(4), data_for(4)
+    adapter = open_raw(cfg)
+    geometry = backend_of(adapter).geometry
+    assert store(adapter, keys, data) == [True] * 4
+    adapter.close()
+    for area in (0, 1):
+        flip_byte(cfg.device_path, geometry.area_offset(area) + 9)  # both headers damaged
+    reopened = open_raw(cfg)
+    try:
+        stats = reopened.stats()
+        assert stats["recovery_headers_read"] == 12
+        assert stats["recovered_from_headers"] == 4
+        assert load(reopened, keys, [len(d) for d in data]) == ([True] * 4, data)
+    finally:
+        reopened.close()
+
+
+def test_deletes_are_not_undone_by_a_clean_restart(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "dev.img")
+    keys, data = make_keys(3), data_for(3)
+    adapter = open_raw(cfg)
+    assert store(adapter, keys, data) == [True] * 3
+    assert adapter.delete(keys[1:2]) == [True]
+    adapter.close()
+    reopened = open_raw(cfg)
+    try:
+        assert client(reopened).lookup_and_lock(keys).found == [True, False, True]
+        reopened.unlock([keys[0], keys[2]])
+        assert reopened.stats().get("recovered_from_headers", 0) == 0, (
+            "the freed slot's old header is not brought back"
+        )
+    finally:
+        reopened.close()
+
+
+def test_a_changed_geometry_reformats_the_device(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "dev.img")
+    keys, data = make_keys(2), data_for(2)
+    adapter = open_raw(cfg)
+    assert store(adapter, keys, data) == [True, True]
+    adapter.close()
+    changed = config(tmp_path / "dev.img", slot_bytes=2 * cfg.slot_bytes, slots=8)
+    reopened = open_raw(changed)
+    try:
+        assert reopened.stats()["device_formats"] == 1
+        assert client(reopened).lookup_and_lock(keys).found == [False, False]
+        assert reopened.used_bytes() == 0
+    finally:
+        reopened.close()
+
+
+def test_load_checkpoint_on_init_false_starts_empty(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "dev.img")
+    adapter = open_raw(cfg)
+    assert store(adapter, make_keys(2), data_for(2)) == [True, True]
+    adapter.close()
+    fresh = open_raw(config(tmp_path / "dev.img", load_checkpoint_on_init=False))
+    try:
+        assert list(fresh.iter_keys()) == []
+        assert fresh.stats()["device_formats"] == 1
+    finally:
+        fresh.close()
+
+
+def test_trusting_the_checkpoint_still_verifies_every_load(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "dev.img", meta_verify_on_load=False)
+    keys, data = make_keys(2), data_for(2)
+    adapter = open_raw(cfg)
+    assert store(adapter, keys, data) == [True, True]
+    slot = backend_of(adapter).table.lookup(keys[:1])[0]
+    assert slot is not None
+    geometry = plan_geometry(cfg, backend_of(adapter)._device.size)
+    adapter.close()
+    flip_byte(cfg.device_path, geometry.slot_offset(slot.slot) + 20)  # inside its slot header
+    reopened = open_raw(cfg)
+    try:
+        stats = reopened.stats()
+        assert stats["recovered_from_checkpoint"] == 2 and stats.get("recovery_headers_read", 0) > 0
+        loaded, contents = load(reopened, keys, [len(d) for d in data])
+        assert loaded == [False, True] and contents[1] == data[1]
+        assert reopened.stats()["corrupt_records_removed"] == 1
+        assert client(reopened).lookup_and_lock(keys[:1]).found == [False]
+    finally:
+        reopened.close()
+
+
+def test_serde_records_keep_their_l1_size_and_other_chains_are_kept_as_misses(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "dev.img")
+    keys = make_keys(2)
+    data = [bytes(50_000), b"ab" * 20_000]
+    adapter = open_raw(cfg, serde=(ZlibSerde(),))
+    assert store(adapter, keys, data) == [True, True]
+    stored = adapter.used_bytes()
+    assert stored < sum(map(len, data))
+    adapter.close()
+    plain = open_raw(cfg)  # no serde chain: the records are intact but unreadable here
+    try:
+        assert client(plain).lookup_and_lock(keys).found == [False, False]
+        assert plain.stats()["serde_chain_mismatch"] >= 1
+        assert len(list(plain.iter_keys())) == 2, "kept, not deleted"
+    finally:
+        plain.close()
+    again = open_raw(cfg, serde=(ZlibSerde(),))
+    try:
+        result = client(again).lookup_and_lock(keys)
+        assert result.sizes == [len(d) for d in data], "L1 sizes from the slot headers"
+        again.unlock(keys)
+        assert load(again, keys, [len(d) for d in data]) == ([True, True], data)
+        assert again.used_bytes() == stored
+    finally:
+        again.close()

@@ -1,0 +1,133 @@
+"""redis-py's client for a :class:`RedisConfig`: standalone or cluster, writes without copies.
+
+redis-py packs commands with hiredis when hiredis is installed, and that packer turns every
+``memoryview`` argument into ``bytes`` and then joins the whole command into one more
+buffer: a 1 MiB payload is copied twice before it reaches the socket.  Its pure-Python
+packer sends a ``memoryview`` as a buffer of its own, untouched; the connections built
+here use it for every command (on 256 x 1 MiB stores it was ~1.5-2x faster on this
+project's 2-core machine).  Replies are still parsed by hiredis.
+
+Retries: a command is retried once at once on a connection error (a pooled connection
+that died with a restarted server), so a dead store fails a call within about twice the
+connect/request timeouts; the circuit breaker then stops calling it.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from typing import Any
+
+from redis import BlockingConnectionPool, Redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import Connection, PythonRespSerializer, SSLConnection, UnixDomainSocketConnection
+from redis.retry import Retry
+
+from lmcache_plugin_redis.config import RedisConfig
+
+#: arguments longer than this are sent as buffers of their own (redis-py's own cutoff)
+BUFFER_CUTOFF = 6000
+USERNAME_ENV = "LMCACHE_RESP_USERNAME"
+PASSWORD_ENV = "LMCACHE_RESP_PASSWORD"
+
+
+def encode_argument(value: Any) -> bytes | bytearray | memoryview:
+    """A command argument as bytes; buffers pass through (never copied)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return repr(value).encode()
+    raise TypeError(f"cannot send a {type(value).__name__} to Redis")
+
+
+class _SendsBuffers:
+    """Connections that pack commands with redis-py's buffer-keeping packer."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("command_packer", PythonRespSerializer(BUFFER_CUTOFF, encode_argument))
+        super().__init__(*args, **kwargs)
+
+
+class BufferConnection(_SendsBuffers, Connection):
+    pass
+
+
+class BufferSSLConnection(_SendsBuffers, SSLConnection):
+    pass
+
+
+class BufferUnixConnection(_SendsBuffers, UnixDomainSocketConnection):
+    pass
+
+
+def pool_size(config: RedisConfig) -> int:
+    """Connections per node: every worker of the three kinds, deletes, probes, listings."""
+    return config.pool_size or 3 * config.num_workers + 8
+
+
+def _credentials(config: RedisConfig) -> dict[str, str]:
+    found = {
+        "username": config.username or os.environ.get(USERNAME_ENV, ""),
+        "password": config.password or os.environ.get(PASSWORD_ENV, ""),
+    }
+    return {name: value for name, value in found.items() if value}
+
+
+def _uses_tls(config: RedisConfig) -> bool:
+    return config.tls_enable or (config.url or "").startswith("rediss:")
+
+
+def describe(config: RedisConfig) -> str:
+    """Where the adapter connects, for logs: never with credentials."""
+    if config.url is not None and config.url.startswith("unix:"):
+        return f"unix:{urllib.parse.urlsplit(config.url).path}"
+    nodes = ",".join(f"{host}:{port}" for host, port in config.seed_nodes())
+    scheme = "rediss" if _uses_tls(config) else "redis"
+    return f"{scheme}://{nodes}" + (" (cluster)" if config.cluster_mode else "")
+
+
+def build_client(config: RedisConfig) -> Redis | RedisCluster:
+    """A client for the store.  A standalone client connects on first use; a cluster
+    client asks the seed nodes for the slot map here, so it raises when none answers."""
+    common: dict[str, Any] = {
+        "socket_timeout": config.request_timeout,
+        "socket_connect_timeout": config.connection_timeout,
+        "retry": Retry(NoBackoff(), 1),
+        **_credentials(config),
+    }
+    tls = _uses_tls(config)
+    if config.cluster_mode:
+        # Only the url form lets redis-py's cluster client take a connection class.
+        seeds = config.seed_nodes()
+        host, port = seeds[0]
+        return RedisCluster.from_url(
+            f"{'rediss' if tls else 'redis'}://{host}:{port}",
+            startup_nodes=[ClusterNode(node, number) for node, number in seeds],
+            connection_class=BufferSSLConnection if tls else BufferConnection,
+            max_connections=pool_size(config),
+            **common,
+        )
+    pool_options = {"max_connections": pool_size(config), "timeout": config.connection_timeout, **common}
+    if config.database_id is not None:
+        pool_options["db"] = config.database_id
+    if config.url is not None:
+        scheme = urllib.parse.urlsplit(config.url).scheme
+        url = config.url
+        if scheme == "redis" and config.tls_enable:
+            url, scheme = "rediss" + url[len("redis") :], "rediss"
+        connection_class = {"rediss": BufferSSLConnection, "unix": BufferUnixConnection}.get(
+            scheme, BufferConnection
+        )
+        pool = BlockingConnectionPool.from_url(url, connection_class=connection_class, **pool_options)
+    else:
+        host, port = config.seed_nodes()[0]
+        pool = BlockingConnectionPool(
+            connection_class=BufferSSLConnection if tls else BufferConnection,
+            host=host,
+            port=port,
+            **pool_options,
+        )
+    return Redis(connection_pool=pool)

@@ -1,0 +1,161 @@
+"""Configuration of the ``redis`` adapter (also registered as LMCache's ``resp`` and
+``valkey`` type names, whose JSON it accepts).
+
+Imported whenever plugins are listed: it must not import redis-py.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from typing import Annotated
+
+import msgspec
+
+from lmcache_tiers.plugin import FieldError, L2AdapterConfig
+
+DEFAULT_PORT = 6379
+SCHEMES = ("redis", "rediss", "unix")
+#: LMCache's type names for the same store, registered as aliases of `redis`
+LMCACHE_ALIASES = ("resp", "valkey")
+
+
+def _doc(text: str, **constraints: object) -> msgspec.Meta:
+    return msgspec.Meta(description=text, **constraints)  # type: ignore[arg-type]
+
+
+Seconds = Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)]
+
+
+def parse_nodes(raw: str | tuple[str, ...]) -> list[tuple[str, int]]:
+    """``"h1:6379,h2:6379"`` (LMCache's form) or a list of ``"host:port"`` -> (host, port)s."""
+    items = raw.split(",") if isinstance(raw, str) else list(raw)
+    nodes: list[tuple[str, int]] = []
+    for item in (entry.strip() for entry in items):
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise FieldError("startup_nodes", f"startup_nodes entries are host:port, got {item!r}")
+        nodes.append((host, int(port)))
+    if not nodes:
+        raise FieldError("startup_nodes", "startup_nodes names no host:port")
+    return nodes
+
+
+class RedisConfig(L2AdapterConfig):
+    """Objects in Redis or Valkey (standalone, or a Redis Cluster), shared by every
+    lmcache-tiers server that points at the same store.
+
+    Each object is one hash: a checksummed record header and the payload, written by one
+    HSET (atomic: readers see the old object or the new one) and verified on every load;
+    a damaged record is a miss and is removed. Lookups ask the store each time, so a
+    chunk stored through one server is a hit through every other.
+
+    Where to connect, one of: ``url`` (``redis://[user:password@]host:port/db``,
+    ``rediss://`` for TLS, ``unix:///path/redis.sock?db=0``), ``host``/``port`` (LMCache's
+    ``resp`` fields) or ``startup_nodes`` (LMCache's ``valkey`` field). ``cluster_mode``
+    connects to a Redis Cluster, seeded from ``startup_nodes`` or ``url``.
+
+    Credentials come from ``url``, ``username``/``password``, or the environment
+    (``LMCACHE_RESP_USERNAME``, ``LMCACHE_RESP_PASSWORD``, read when the adapter starts);
+    they are never logged nor printed.
+
+    ``max_capacity_gb`` 0 leaves capacity to the store (``maxmemory`` and its policy;
+    usage is -1 and lmcache-tiers never evicts); > 0 counts the bytes this server stored
+    against it and, with an ``eviction`` block, evicts at the watermark. Each server
+    counts what it stored and what it found at start, not what other servers add.
+
+    A circuit breaker is on by default: while the store does not answer, lookups miss at
+    once and stores are skipped; it closes by itself when the store answers again.
+    """
+
+    url: Annotated[
+        str | None, _doc("redis://, rediss:// or unix:// URL of the store (may carry credentials).")
+    ] = None
+    host: Annotated[str | None, _doc("Host of the store (LMCache resp); with `port`.")] = None
+    port: Annotated[
+        Annotated[int, msgspec.Meta(gt=0, lt=65536)] | None,
+        _doc("Port of the store with `host`; default 6379."),
+    ] = None
+    startup_nodes: Annotated[
+        str | tuple[str, ...] | None,
+        _doc('Seed nodes, "host:port,host:port" or a list (LMCache valkey); standalone uses the first.'),
+    ] = None
+    cluster_mode: Annotated[bool, _doc("Connect to a Redis Cluster (seeded from startup_nodes or url).")] = (
+        False
+    )
+    username: Annotated[str | None, _doc("ACL user name; never printed.")] = None
+    password: Annotated[str | None, _doc("Password; never logged nor printed.")] = None
+    database_id: Annotated[
+        Annotated[int, msgspec.Meta(ge=0)] | None,
+        _doc("Logical database of a standalone store (the /db of the url)."),
+    ] = None
+    tls_enable: Annotated[bool, _doc("Connect with TLS (as rediss:// does).")] = False
+    key_prefix: Annotated[
+        str,
+        _doc("Prepended to every object name; servers sharing a cache use the same one.", max_length=128),
+    ] = "lmcache-tiers:"
+    request_timeout: Annotated[Seconds, _doc("Seconds a command may take before it fails.")] = 5.0
+    connection_timeout: Annotated[Seconds, _doc("Seconds to establish a connection.")] = 5.0
+    num_workers: Annotated[
+        int, _doc("Worker threads per operation kind (store, lookup, load).", ge=1, le=64)
+    ] = 2
+    pool_size: Annotated[
+        Annotated[int, msgspec.Meta(ge=1, le=1024)] | None,
+        _doc("Connections kept per store node; null: enough for every worker."),
+    ] = None
+    pipeline_max_bytes: Annotated[
+        int,
+        _doc("Payload bytes per pipelined round trip; bounds what one batch holds in memory.", ge=1 << 16),
+    ] = 8 << 20
+    max_capacity_gb: Annotated[
+        float, _doc("Bytes this server may store, in GiB; 0: no limit of lmcache-tiers' own.", ge=0.0)
+    ] = 0.0
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("url", "host", "startup_nodes") if getattr(self, name) is not None]
+        if not given:
+            raise FieldError("url", "set one of url (redis://host:port), host or startup_nodes")
+        if len(given) > 1:
+            raise FieldError(
+                given[1], f"set only one of url, host and startup_nodes (got {', '.join(given)})"
+            )
+        if self.port is not None and self.host is None:
+            raise FieldError("port", "port goes with host")
+        if self.url is not None:
+            self._check_url(self.url)
+        if self.startup_nodes is not None:
+            parse_nodes(self.startup_nodes)
+        if self.cluster_mode:
+            if self.url is not None and self.url.startswith("unix:"):
+                raise FieldError("url", "a Redis Cluster is reached over TCP, not a unix socket")
+            if self.database_id:
+                raise FieldError("database_id", "a Redis Cluster has database 0 only")
+            if "{" in self.key_prefix or "}" in self.key_prefix:
+                raise FieldError(
+                    "key_prefix",
+                    "a hash tag ({...}) in key_prefix would put every object in one cluster slot",
+                )
+        if any(not char.isprintable() or char.isspace() for char in self.key_prefix):
+            raise FieldError("key_prefix", "key_prefix must be printable, without spaces")
+
+    @staticmethod
+    def _check_url(url: str) -> None:
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme not in SCHEMES:
+            raise FieldError("url", f"url scheme must be one of {', '.join(s + '://' for s in SCHEMES)}")
+        if parsed.scheme == "unix" and not parsed.path:
+            raise FieldError("url", "a unix:// url needs the socket path: unix:///run/redis.sock")
+        if parsed.scheme != "unix" and not parsed.hostname:
+            raise FieldError("url", "the url names no host")
+
+    def seed_nodes(self) -> list[tuple[str, int]]:
+        """(host, port) of the store, or the cluster's seed nodes (not for unix:// urls)."""
+        if self.startup_nodes is not None:
+            return parse_nodes(self.startup_nodes)
+        if self.host is not None:
+            return [(self.host, self.port or DEFAULT_PORT)]
+        assert self.url is not None
+        parsed = urllib.parse.urlsplit(self.url)
+        return [(parsed.hostname or "", parsed.port or DEFAULT_PORT)]

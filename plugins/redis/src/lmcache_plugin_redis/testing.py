@@ -1,0 +1,186 @@
+"""Real ``redis-server`` processes on loopback, for tests and benchmarks.
+
+``redis-server`` comes from the Debian package of the same name (``apt-get install -y
+redis-server``); :func:`missing_reason` says why tests must skip when it is absent.
+Servers run without persistence (``--save '' --appendonly no``) on free ports, in a
+directory of their own, and are killed when stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+START_TIMEOUT_S = 30.0
+
+
+def missing_reason() -> str | None:
+    """Why a real Redis cannot be started here, or None when it can."""
+    for binary in ("redis-server", "redis-cli"):
+        if shutil.which(binary) is None:
+            return f"{binary} is not installed (apt-get install -y redis-server)"
+    return None
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(*, cluster: bool = False) -> int:
+    """A free loopback port; for a cluster node one whose bus port (+10000) is free too."""
+    for _ in range(1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+        if not cluster:
+            return port
+        if port <= 55535 and _bindable(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+class RedisServer:
+    """One ``redis-server`` on 127.0.0.1; ``stop`` and ``start`` again keep its port."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        port: int | None = None,
+        cluster: bool = False,
+        password: str | None = None,
+        extra: list[str] | None = None,
+    ) -> None:
+        self.directory = directory
+        self.port = port or free_port(cluster=cluster)
+        self.cluster = cluster
+        self.password = password
+        self.extra = list(extra or [])
+        self.proc: subprocess.Popen[bytes] | None = None
+        directory.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        args = [
+            "redis-server",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
+        args += ["--dir", str(self.directory), "--logfile", str(self.directory / "redis.log")]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", str(self.directory / "nodes.conf")]
+            args += ["--cluster-node-timeout", "2000"]
+        if self.password is not None:
+            args += ["--requirepass", self.password]
+        return args + self.extra
+
+    def start(self) -> RedisServer:
+        self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.answers():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {self.log()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"redis-server did not answer within {START_TIMEOUT_S} s: {self.log()}")
+            time.sleep(0.02)
+        return self
+
+    def answers(self) -> bool:
+        result = self.cli("PING", check=False, timeout=5.0)
+        return result.returncode == 0 and result.stdout.strip() == "PONG"
+
+    def cli(self, *args: str, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["redis-cli", "-h", "127.0.0.1", "-p", str(self.port), "--no-auth-warning", *args],
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=timeout,
+            # the password travels in the environment, never on a command line others can read
+            env={**os.environ, "REDISCLI_AUTH": self.password} if self.password else None,
+        )
+
+    def log(self) -> str:
+        path = self.directory / "redis.log"
+        return path.read_text(errors="replace")[-2000:] if path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        """Kill the server (SIGKILL by default: what a crash looks like to clients)."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)  # a paused server cannot act on SIGTERM
+            proc.send_signal(sig)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its sockets but answers nothing (a hung store)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+
+class RedisClusterNodes:
+    """A Redis Cluster of ``count`` primaries (no replicas) on loopback."""
+
+    def __init__(self, directory: Path, count: int = 3) -> None:
+        self.nodes = [RedisServer(directory / f"node-{index}", cluster=True) for index in range(count)]
+
+    @property
+    def startup_nodes(self) -> str:
+        return ",".join(node.address for node in self.nodes)
+
+    def start(self) -> RedisClusterNodes:
+        try:
+            for node in self.nodes:
+                node.start()
+            self.nodes[0].cli(
+                "--cluster", "create", *[node.address for node in self.nodes], "--cluster-yes", timeout=60.0
+            )
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not all("cluster_state:ok" in node.cli("CLUSTER", "INFO").stdout for node in self.nodes):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the cluster never reported cluster_state:ok")
+                time.sleep(0.05)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()

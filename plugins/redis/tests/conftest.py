@@ -1,0 +1,40 @@
+"""Real Redis servers for the tests: one standalone server and one 3-node cluster per session.
+
+Each test names its objects under a key prefix of its own, so tests sharing a server never
+see each other's objects.  Without redis-server (Debian package) the tests skip, saying so.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from lmcache_plugin_redis.testing import RedisClusterNodes, RedisServer, missing_reason
+
+
+def _require_redis() -> None:
+    reason = missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    _require_redis()
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterNodes]:
+    _require_redis()
+    cluster = RedisClusterNodes(tmp_path_factory.mktemp("redis-cluster")).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"test-{uuid.uuid4().hex[:12]}:"

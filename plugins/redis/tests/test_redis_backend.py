@@ -1,0 +1,426 @@
+"""What the redis adapter does beyond the conformance suite: records on a real server,
+sharing a store between adapters, damaged and foreign objects, an outage and its end,
+credentials, unix sockets and the configuration LMCache users write."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import redis
+from lmcache_plugin_redis import RedisConfig
+from lmcache_plugin_redis.backend import RedisBackend, glob_escape, trips
+from lmcache_plugin_redis.testing import RedisServer, missing_reason
+
+from lmcache_tiers.config import decode_adapter
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
+from lmcache_tiers.l2.circuit import CircuitBackend
+from lmcache_tiers.plugins import load_registry
+from lmcache_tiers.registry import Kind
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.l2 import make_keys, pattern
+
+WAIT_S = 30.0  # guards against hangs only
+
+
+@pytest.fixture
+def opened() -> Iterator[list[BackendAdapter]]:
+    adapters: list[BackendAdapter] = []
+    yield adapters
+    for adapter in adapters:
+        adapter.close()
+
+
+@pytest.fixture
+def open_adapter(opened: list[BackendAdapter]) -> Callable[..., BackendAdapter]:
+    def make(**fields: Any) -> BackendAdapter:
+        spec = decode_adapter(load_registry(), {"type": "redis", **fields}, 0)
+        facts = AdapterContext(index=0, name="0:redis", config=spec.config)
+        registry = load_registry()
+        component = registry.get(Kind.L2_ADAPTER, "redis")
+        adapter = create_adapter(component.load(), spec.config, facts, registry=registry, type_name="redis")
+        assert isinstance(adapter, BackendAdapter)
+        opened.append(adapter)
+        return adapter
+
+    return make
+
+
+def client_of(adapter: BackendAdapter) -> BlockingAdapterClient:
+    return BlockingAdapterClient(adapter, timeout=WAIT_S)
+
+
+def store(adapter: BackendAdapter, keys: list[ObjectKey], size: int = 4096, seed: int = 0) -> list[bytes]:
+    data = [pattern(seed * 1000 + index, size) for index in range(len(keys))]
+    assert client_of(adapter).store(keys, [memoryview(bytearray(d)) for d in data]) == [True] * len(keys)
+    return data
+
+
+def load(adapter: BackendAdapter, keys: list[ObjectKey], sizes: list[int]) -> tuple[list[bool], list[bytes]]:
+    buffers = [memoryview(bytearray(size)) for size in sizes]
+    ok = client_of(adapter).load(keys, buffers)
+    return ok, [bytes(buffer) for buffer in buffers]
+
+
+def backend_of(adapter: BackendAdapter) -> RedisBackend:
+    guard = adapter.backend
+    assert isinstance(guard, CircuitBackend), "the redis backend is remote: core guards it"
+    assert isinstance(guard.inner, RedisBackend)
+    return guard.inner
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+# -- two adapters, one store ------------------------------------------------------------------
+
+
+def test_an_object_stored_through_one_adapter_is_a_hit_through_another(
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    first = open_adapter(url=redis_server.url, key_prefix=prefix)
+    second = open_adapter(url=redis_server.url, key_prefix=prefix)
+    keys = make_keys(3)
+    data = store(first, keys)
+    found = client_of(second).lookup_and_lock(keys)
+    assert found.found == [True] * 3
+    assert load(second, keys, found.sizes) == ([True] * 3, data)
+    second.unlock(keys)
+    # A delete through one is a miss through the other: lookups ask the store each time.
+    assert first.delete(keys[:1]) == [True]
+    assert client_of(second).lookup_and_lock(keys).found == [False, True, True]
+    second.unlock(keys[1:])
+    # An object the other replaced (another size) is read as the other wrote it.
+    newer = store(second, keys[1:2], size=1000, seed=9)
+    found = client_of(first).lookup_and_lock(keys[1:2])
+    assert found.sizes == [1000]
+    assert load(first, keys[1:2], [1000]) == ([True], newer)
+    first.unlock(keys[1:2])
+
+
+def test_a_load_buffer_sized_for_an_object_another_adapter_replaced_is_a_miss(
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    first = open_adapter(url=redis_server.url, key_prefix=prefix)
+    second = open_adapter(url=redis_server.url, key_prefix=prefix)
+    keys = make_keys(1)
+    store(first, keys, size=4096)
+    found = client_of(first).lookup_and_lock(keys)
+    store(second, keys, size=2048, seed=3)
+    assert load(first, keys, found.sizes)[0] == [False]
+    first.unlock(keys)
+    assert first.stats().get("corrupt_records_removed", 0) == 0, "a replaced object is not damage"
+
+
+# -- damaged and foreign objects --------------------------------------------------------------
+
+
+def test_a_damaged_payload_is_a_miss_and_is_removed(
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    adapter = open_adapter(url=redis_server.url, key_prefix=prefix)
+    keys = make_keys(2)
+    data = store(adapter, keys)
+    raw = redis.Redis.from_url(redis_server.url)
+    name = backend_of(adapter).name_of(keys[0])
+    damaged = bytearray(data[0])
+    damaged[100] ^= 0xFF
+    raw.hset(name, "p", bytes(damaged))
+    found = client_of(adapter).lookup_and_lock(keys)
+    assert found.found == [True, True], "the header is intact: the lookup cannot tell"
+    assert load(adapter, keys, found.sizes) == ([False, True], [bytes(4096), data[1]])
+    adapter.unlock(keys)
+    assert raw.exists(name) == 0
+    assert adapter.stats()["corrupt_records_removed"] == 1
+    assert client_of(adapter).lookup_and_lock(keys[:1]).found == [False]
+
+
+def test_a_damaged_header_is_a_lookup_miss_and_is_removed(
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    adapter = open_adapter(url=redis_server.url, key_prefix=prefix)
+    keys = make_keys(1)
+    store(adapter, keys)
+    raw = redis.Redis.from_url(redis_server.url)
+    name = backend_of(adapter).name_of(keys[0])
+    header = bytearray(raw.hget(name, "h"))
+    header[-5] ^= 0x01
+    raw.hset(name, "h", bytes(header))
+    assert client_of(adapter).lookup_and_lock(keys).found == [False]
+    assert raw.exists(name) == 0
+    assert adapter.stats()["corrupt_records_removed"] == 1
+
+
+def test_a_record_of_another_key_is_damage(
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    adapter = open_adapter(url=redis_server.url, key_prefix=prefix)
+    mine, other = make_keys(2)
+    store(adapter, [other])
+    raw = redis.Redis.from_url(redis_server.url)
+    backend = backend_of(adapter)
+    raw.copy(backend.name_of(other), backend.name_of(mine))
+    assert client_of(adapter).lookup_and_lock([mine, other]).found == [False, True]
+    adapter.unlock([other])
+    assert raw.exists(backend.name_of(mine)) == 0
+
+
+def test_a_key_holding_something_else_is_a_counted_miss_and_left_alone(
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    adapter = open_adapter(url=redis_server.url, key_prefix=prefix)
+    (key,) = make_keys(1)
+    raw = redis.Redis.from_url(redis_server.url)
+    name = backend_of(adapter).name_of(key)
+    raw.set(name, b"somebody else's string")
+    raw.set(prefix + "not-an-object-name", b"x")
+    assert client_of(adapter).lookup_and_lock([key]).found == [False]
+    assert client_of(adapter).store([key], [memoryview(bytearray(10))]) == [False]
+    assert raw.get(name) == b"somebody else's string"
+    stats = adapter.stats()
+    assert stats["foreign_objects"] == 2
+    assert list(adapter.iter_keys()) == []
+    assert adapter.stats()["listing_foreign_names"] >= 1
+
+
+def test_batches_larger_than_a_pipeline_trip_round_trip(
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    adapter = open_adapter(url=redis_server.url, key_prefix=prefix, pipeline_max_bytes=1 << 20)
+    keys = make_keys(7)
+    data = store(adapter, keys, size=(1 << 20) // 2 + 1)
+    found = client_of(adapter).lookup_and_lock(keys)
+    assert load(adapter, keys, found.sizes) == ([True] * 7, data)
+    adapter.unlock(keys)
+
+
+def test_trips_bound_bytes_and_keys() -> None:
+    assert [list(r) for r in trips([4, 4, 4, 10, 1], 8)] == [[0, 1], [2], [3], [4]]
+    assert [len(r) for r in trips([0] * 1100, 1)] == [512, 512, 76]
+    assert list(trips([], 8)) == []
+
+
+def test_glob_characters_of_the_prefix_are_literal() -> None:
+    assert glob_escape("a*b?[c]\\") == "a\\*b\\?\\[c\\]\\\\"
+
+
+# -- the store going away and coming back -----------------------------------------------------
+
+
+def test_a_hung_store_opens_the_circuit_and_it_closes_when_the_store_answers(
+    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        adapter = open_adapter(
+            url=server.url,
+            key_prefix=prefix,
+            request_timeout=0.3,
+            connection_timeout=0.3,
+            circuit={"failure_threshold": 2, "probe_interval_s": 0.05},
+        )
+        keys = make_keys(2)
+        data = store(adapter, keys)
+        server.pause()
+        for _ in range(2):
+            started = time.monotonic()
+            assert client_of(adapter).lookup_and_lock(keys).found == [False, False]
+            assert time.monotonic() - started < WAIT_S
+        stats = adapter.stats()
+        assert stats["circuit_open"] == 1 and stats["backend_errors"] == 2
+        assert client_of(adapter).store(make_keys(1, start=9), [memoryview(bytearray(8))]) == [False]
+        assert adapter.stats()["circuit_skipped_store_keys"] == 1
+        server.resume()
+        wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close")
+        found = client_of(adapter).lookup_and_lock(keys)
+        assert found.found == [True, True], "the paused store kept its objects"
+        assert load(adapter, keys, found.sizes) == ([True, True], data)
+        adapter.unlock(keys)
+    finally:
+        server.stop()
+
+
+def test_an_adapter_opened_while_the_store_is_down_heals_when_it_starts(
+    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    if missing_reason():
+        pytest.skip(missing_reason())
+    server = RedisServer(tmp_path / "redis")
+    adapter = open_adapter(
+        url=server.url, key_prefix=prefix, circuit={"failure_threshold": 1, "probe_interval_s": 0.05}
+    )
+    keys = make_keys(1)
+    assert client_of(adapter).lookup_and_lock(keys).found == [False]
+    assert adapter.stats()["circuit_open"] == 1
+    server.start()
+    try:
+        wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close")
+        store(adapter, keys)
+        assert client_of(adapter).lookup_and_lock(keys).found == [True]
+        adapter.unlock(keys)
+    finally:
+        server.stop()
+
+
+# -- credentials, transports, configuration ---------------------------------------------------
+
+
+SECRET = "s3cr3t-" + uuid.uuid4().hex[:8]
+
+
+@pytest.fixture
+def protected_server(tmp_path: Path) -> Iterator[RedisServer]:
+    if missing_reason():
+        pytest.skip(missing_reason())
+    server = RedisServer(
+        tmp_path / "redis", password=SECRET, extra=["--unixsocket", str(tmp_path / "r.sock")]
+    ).start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("how", ["field", "url", "environment"])
+def test_credentials_reach_the_store_and_never_the_log(
+    protected_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    how: str,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    fields: dict[str, Any] = {"key_prefix": prefix, "url": protected_server.url}
+    if how == "field":
+        fields["password"] = SECRET
+    elif how == "url":
+        fields["url"] = f"redis://:{SECRET}@127.0.0.1:{protected_server.port}/0"
+    else:
+        monkeypatch.setenv("LMCACHE_RESP_PASSWORD", SECRET)
+    adapter = open_adapter(**fields)
+    keys = make_keys(1)
+    store(adapter, keys)
+    assert client_of(adapter).lookup_and_lock(keys).found == [True]
+    adapter.unlock(keys)
+    assert SECRET not in caplog.text
+
+
+def test_a_wrong_password_fails_calls_and_is_not_logged(
+    protected_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    adapter = open_adapter(url=protected_server.url, key_prefix=prefix, password="wrong-" + SECRET)
+    assert client_of(adapter).lookup_and_lock(make_keys(1)).found == [False]
+    assert adapter.stats()["backend_errors"] >= 1
+    assert SECRET not in caplog.text
+
+
+def test_a_unix_socket_url(
+    protected_server: RedisServer, tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    adapter = open_adapter(url=f"unix://{tmp_path / 'r.sock'}?db=0", password=SECRET, key_prefix=prefix)
+    keys = make_keys(2)
+    data = store(adapter, keys)
+    found = client_of(adapter).lookup_and_lock(keys)
+    assert load(adapter, keys, found.sizes) == ([True, True], data)
+    adapter.unlock(keys)
+
+
+def test_print_config_and_plugins_show_never_print_credentials(tmp_path: Path) -> None:
+    adapter = {"type": "redis", "url": f"redis://user:{SECRET}@127.0.0.1:1/0", "password": SECRET}
+    printed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lmcache_tiers.cli.main",
+            "serve",
+            "--print-config",
+            "--l2-adapter",
+            json.dumps(adapter),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "LMCACHE_TIERS_DISABLE_PLUGINS": ""},
+    )
+    assert printed.returncode == 0, printed.stderr
+    shown = json.loads(printed.stdout)["l2_adapters"][0]
+    assert shown["password"] == "***" and shown["url"] == "redis://user:***@127.0.0.1:1/0"
+    assert SECRET not in printed.stdout + printed.stderr
+    listed = subprocess.run(
+        [sys.executable, "-m", "lmcache_tiers.cli.main", "plugins", "show", "redis"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert listed.returncode == 0 and "password" in listed.stdout
+
+
+def test_lmcache_resp_and_valkey_json_is_accepted() -> None:
+    registry = load_registry()
+    resp = decode_adapter(registry, {"type": "resp", "host": "10.0.0.5", "port": 6380, "num_workers": 4}, 0)
+    assert resp.config.seed_nodes() == [("10.0.0.5", 6380)] and resp.config.num_workers == 4
+    valkey = decode_adapter(
+        registry,
+        {
+            "type": "valkey",
+            "startup_nodes": "h1:7000,h2:7001",
+            "cluster_mode": True,
+            "key_prefix": "team-a",
+            "request_timeout": 2.0,
+            "connection_timeout": 3.0,
+            "max_capacity_gb": 10,
+            "tls_enable": False,
+        },
+        1,
+    )
+    assert valkey.config.seed_nodes() == [("h1", 7000), ("h2", 7001)]
+    with pytest.raises(ConfigError, match=r"ttl_seconds.*\$\.l2_adapters\[0\]"):
+        decode_adapter(registry, {"type": "valkey", "startup_nodes": "h:1", "ttl_seconds": 60}, 0)
+
+
+@pytest.mark.parametrize(
+    ("fields", "path", "message"),
+    [
+        ({}, "url", "set one of url"),
+        ({"url": "http://h:1"}, "url", "scheme"),
+        ({"url": "unix://"}, "url", "socket path"),
+        ({"url": "redis://h:1", "host": "h"}, "host", "only one"),
+        ({"host": "h", "port": 0}, "port", ""),
+        ({"startup_nodes": "h1:x"}, "startup_nodes", "host:port"),
+        ({"url": "unix:///s.sock", "cluster_mode": True}, "url", "TCP"),
+        ({"startup_nodes": "h:1", "cluster_mode": True, "key_prefix": "{a}"}, "key_prefix", "hash tag"),
+        ({"url": "redis://h:1", "key_prefix": "a b"}, "key_prefix", "spaces"),
+        ({"url": "redis://h:1", "request_timeout": 0}, "request_timeout", ""),
+    ],
+)
+def test_bad_config_is_refused_naming_the_field(fields: dict[str, Any], path: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=rf"{message}.*\$\.l2_adapters\[2\]\.{path}") as refused:
+        decode_adapter(load_registry(), {"type": "redis", **fields}, 2)
+    assert "Traceback" not in str(refused.value)
+
+
+def test_config_is_frozen_and_strict() -> None:
+    config = msgspec.convert({"url": "redis://h:1"}, RedisConfig)
+    with pytest.raises(AttributeError):
+        config.url = "redis://x"  # type: ignore[misc]
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"url": "redis://h:1", "nonsense": 1}, RedisConfig)

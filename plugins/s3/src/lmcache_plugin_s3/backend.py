@@ -1,0 +1,396 @@
+"""The ``s3`` backend: the batch methods core's adapter calls, as coroutines on the
+adapter's event loop.
+
+Each key of a batch is its own request, all of a batch in flight together (at most
+``max_inflight`` per adapter).  Results are per key; a key whose request failed is a
+failure (False, or None for a lookup), counted and logged once a minute.  When every
+request of a batch failed, the batch raises: core counts a backend error, and its circuit
+breaker (this backend declares itself ``remote``) stops calling a store that keeps
+failing until ``ping`` finds it answering.  Lookups and loads always ask the bucket, so a
+chunk another server stored is found and one it deleted is a miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import TypeVar
+
+from lmcache_plugin_s3.client import (
+    S3Client,
+    S3RequestError,
+    check_bucket,
+    describe,
+    error_code,
+    is_missing_object,
+)
+from lmcache_plugin_s3.config import S3Config
+from lmcache_plugin_s3.records import (
+    HEADER_BYTES,
+    MAX_PUT_BYTES,
+    ObjectNames,
+    ShortBody,
+    read_exactly,
+    total_size,
+)
+from lmcache_tiers.plugin import (
+    PREFIX_SIZE,
+    BackendContext,
+    ObjectKey,
+    ObjectSize,
+    RecordError,
+    RecordHeader,
+    RecordVersionError,
+    copy_into,
+    header_length,
+    record_key,
+    verify_payload,
+)
+
+log = logging.getLogger("lmcache_plugin_s3")
+T = TypeVar("T")
+#: keys per DeleteObjects request (the S3 API's limit)
+_DELETE_BATCH = 1000
+#: objects per listing page (the S3 API's limit)
+_LIST_PAGE = 1000
+_PROGRESS_EVERY_S = 10.0
+
+
+class _Damaged(Exception):
+    """The object under a key's name is not a readable record of it: remove it."""
+
+
+def _check_size(total: int, header: RecordHeader) -> None:
+    """A record is exactly its header and payload: a longer or shorter object is damaged."""
+    expected = header.header_len + header.payload_len
+    if total != expected:
+        raise _Damaged(f"the object is {total} bytes, its header says {expected}")
+
+
+class S3Backend:
+    """Records in ``s3://<bucket>/<prefix>/``, one object per key."""
+
+    #: behind core's circuit breaker: an unreachable store is asked only by its probe
+    remote = True
+
+    def __init__(self, config: S3Config, context: BackendContext) -> None:
+        self.config = config
+        self.context = context
+        self.name = context.name
+        #: batch calls in flight; their requests share the client's max_inflight slots
+        self.concurrency = config.max_inflight
+        self.names = ObjectNames(config.prefix)
+        self.client = S3Client(config, context.name)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._answered_at_start = check_bucket(config, context.name)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self.client.open()
+
+    def interrupt(self) -> None:
+        if self._loop is not None:
+            self.client.interrupt(self._loop)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def ping(self) -> None:
+        """The circuit breaker's probe: the bucket answers (raises otherwise)."""
+        await self.client.call("head_bucket")
+
+    def capacity(self) -> int | None:
+        return int(self.config.max_capacity_gb * (1 << 30)) or None
+
+    def stats(self) -> dict[str, int]:
+        return {"inflight_requests": self.client.inflight, "max_inflight": self.config.max_inflight}
+
+    # -- the batch methods -----------------------------------------------------------------
+
+    async def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        results = await self._each(
+            "store", [self._put(key, data) for key, data in zip(keys, payloads, strict=True)]
+        )
+        return [bool(result) for result in results]
+
+    async def contains_many(self, keys: Sequence[ObjectKey]) -> list[ObjectSize | None]:
+        return await self._each("lookup", [self._lookup(key) for key in keys])
+
+    async def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        results = await self._each(
+            "load", [self._load(key, buffer) for key, buffer in zip(keys, buffers, strict=True)]
+        )
+        return [bool(result) for result in results]
+
+    async def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        names = [self.names.of(key) for key in keys]
+        present = await self._each("delete", [self._exists(name) for name in names])
+        doomed = [name for name, there in zip(names, present, strict=True) if there]
+        refused: set[str] = set()
+        for start in range(0, len(doomed), _DELETE_BATCH):
+            batch = doomed[start : start + _DELETE_BATCH]
+            try:
+                answer = await self.client.call(
+                    "delete_objects", Delete={"Objects": [{"Key": name} for name in batch], "Quiet": True}
+                )
+            except Exception as exc:
+                if len(batch) == len(names):
+                    raise S3RequestError(f"delete of {len(batch)} objects failed: {describe(exc)}") from exc
+                self._failed("delete", len(batch), exc)
+                refused.update(batch)
+                continue
+            errors = answer.get("Errors") or []
+            refused.update(str(error.get("Key")) for error in errors)
+            if errors:
+                self._failed(
+                    "delete",
+                    len(errors),
+                    S3RequestError(f"{errors[0].get('Code')}: {errors[0].get('Message')}"),
+                )
+        return [bool(there) and name not in refused for name, there in zip(names, present, strict=True)]
+
+    async def list_keys(self) -> AsyncIterator[tuple[ObjectKey, int]]:
+        """Every record under the prefix with its payload size, one listing page at a time."""
+        if not self._answered_at_start:
+            # Waiting for a silent store here would hold up the server's start; what the
+            # bucket holds is accounted as lookups find it instead.
+            raise S3RequestError(f"{self.client.endpoint} did not answer at start-up; no listing")
+        token: str | None = None
+        listed = foreign = 0
+        started = last_progress = time.monotonic()
+        while True:
+            page = await self.client.call(
+                "list_objects_v2",
+                Prefix=self.names.folder,
+                Delimiter="/",
+                MaxKeys=_LIST_PAGE,
+                **({"ContinuationToken": token} if token else {}),
+            )
+            for item in page.get("Contents") or []:
+                entry = await self._listed(str(item["Key"]), int(item["Size"]))
+                if entry is None:
+                    foreign += 1
+                    continue
+                listed += 1
+                yield entry
+            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
+            if token is None:
+                break
+            if time.monotonic() - last_progress >= _PROGRESS_EVERY_S:
+                last_progress = time.monotonic()
+                log.info(
+                    "%s: listing s3://%s/%s: %d records so far",
+                    self.name,
+                    self.config.bucket,
+                    self.names.folder,
+                    listed,
+                )
+        if foreign:
+            self.context.count("listing_foreign_objects", foreign)
+            log.warning(
+                "%s: %d objects under s3://%s/%s are not records of this cache; ignored",
+                self.name,
+                foreign,
+                self.config.bucket,
+                self.names.folder,
+            )
+        log.info("%s: listed %d records in %.1f s", self.name, listed, time.monotonic() - started)
+
+    # -- one key ---------------------------------------------------------------------------
+
+    async def _put(self, key: ObjectKey, payload: memoryview) -> bool:
+        header = self.context.record_header(key, payload, align=HEADER_BYTES)
+        if len(header) != HEADER_BYTES:
+            self.context.count("store_header_too_large")
+            self.context.warn(
+                "header",
+                "record header of %s is %d bytes, over %d; not stored",
+                key.file_stem(),
+                len(header),
+                HEADER_BYTES,
+            )
+            return False
+        if HEADER_BYTES + payload.nbytes > MAX_PUT_BYTES:
+            self.context.count("store_object_too_large")
+            self.context.warn(
+                "too_large",
+                "%s is %d bytes, over one PUT's 5 GiB; not stored",
+                key.file_stem(),
+                payload.nbytes,
+            )
+            return False
+        name = self.names.of(key)
+
+        async def put() -> None:
+            # Joined inside the request slot, so at most max_inflight bodies exist at once.
+            await self.client.request("put_object", Key=name, Body=b"".join((header, payload)))
+
+        await self.client.bounded(put)
+        return True
+
+    async def _lookup(self, key: ObjectKey) -> ObjectSize | None:
+        name = self.names.of(key)
+
+        try:
+            data, total = await self.client.bounded(lambda: self._first_bytes(name))
+        except Exception as exc:
+            if is_missing_object(exc):
+                return None
+            if error_code(exc) == "InvalidRange":  # an empty object: no header at all
+                await self._remove_damaged(key, name, "the object is empty")
+                return None
+            raise
+        try:
+            header = self._header(key, data)
+            if header is None:
+                return None
+            _check_size(total, header)
+        except _Damaged as exc:
+            await self._remove_damaged(key, name, str(exc))
+            return None
+        return ObjectSize(header.payload_len, header.l1_size)
+
+    async def _load(self, key: ObjectKey, buffer: memoryview) -> bool:
+        name = self.names.of(key)
+
+        async def into_buffer() -> bool:
+            answer = await self.client.request("get_object", Key=name)
+            body = answer["Body"]
+            length = int(answer["ContentLength"])
+            try:
+                if length < PREFIX_SIZE:
+                    raise _Damaged(f"the object is {length} bytes, shorter than a record header")
+                prefix = await read_exactly(body, PREFIX_SIZE)
+                try:
+                    header_len = header_length(prefix)
+                except RecordVersionError as exc:
+                    self._unknown_version(key, exc)
+                    return False
+                except RecordError as exc:
+                    raise _Damaged(str(exc)) from exc
+                if header_len > length:
+                    raise _Damaged(f"the object is {length} bytes, its header alone {header_len}")
+                header = self._header(key, prefix + await read_exactly(body, header_len - PREFIX_SIZE))
+                if header is None:
+                    return False
+                if header.payload_len != buffer.nbytes:
+                    # Replaced by another writer since the lookup: not these bytes, no copy.
+                    self.context.count("load_size_changed")
+                    return False
+                _check_size(length, header)
+                # The rest is exactly the payload now (the length was checked): one read.
+                payload = await body.read()
+                if len(payload) != buffer.nbytes:
+                    raise ShortBody(f"the body ended after {len(payload)} of {buffer.nbytes} payload bytes")
+                copy_into(buffer, payload)
+            finally:
+                body.close()
+            try:
+                verify_payload(header, buffer)
+            except RecordError as exc:
+                raise _Damaged(str(exc)) from exc
+            return True
+
+        try:
+            return await self.client.bounded(into_buffer)
+        except _Damaged as exc:
+            await self._remove_damaged(key, name, str(exc))
+            return False
+        except ShortBody as exc:
+            raise S3RequestError(f"load of {key.file_stem()}: {exc}") from exc
+        except Exception as exc:
+            if is_missing_object(exc):  # deleted since the lookup, e.g. by another server
+                return False
+            raise
+
+    async def _exists(self, name: str) -> bool:
+        try:
+            await self.client.call("head_object", Key=name)
+        except Exception as exc:
+            if is_missing_object(exc):
+                return False
+            raise
+        return True
+
+    async def _listed(self, name: str, size: int) -> tuple[ObjectKey, int] | None:
+        if size < HEADER_BYTES:
+            return None
+        key = self.names.key_of(name)
+        if key is None and self.names.is_digest(name):
+            key = await self._key_in_header(name)
+        return None if key is None else (key, size - HEADER_BYTES)
+
+    async def _key_in_header(self, name: str) -> ObjectKey | None:
+        """The key of a digest-named object, from its header (checked against the name)."""
+
+        try:
+            data, _total = await self.client.bounded(lambda: self._first_bytes(name))
+            key = record_key(data)
+        except Exception as exc:
+            self.context.warn("digest", "reading the header of listed %s failed: %s", name, describe(exc))
+            return None
+        return key if self.names.of(key) == name else None
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    async def _first_bytes(self, name: str) -> tuple[bytes, int]:
+        """The header slot of an object and the object's whole size (one ranged GET)."""
+        answer = await self.client.request("get_object", Key=name, Range=f"bytes=0-{HEADER_BYTES - 1}")
+        body = answer["Body"]
+        # A store that ignored the range sends the whole object: read the slot only.
+        slot = min(HEADER_BYTES, int(answer["ContentLength"]))
+        try:
+            return await read_exactly(body, slot), total_size(answer)
+        finally:
+            body.close()
+
+    def _header(self, key: ObjectKey, data: bytes) -> RecordHeader | None:
+        """The verified header of ``key``'s record; None for a miss that is kept (a record
+        of another serde chain, or of a format version this code does not read, e.g.
+        written by a newer server sharing the bucket); :class:`_Damaged` for the rest."""
+        try:
+            return self.context.read_record_header(data, key)
+        except RecordVersionError as exc:
+            self._unknown_version(key, exc)
+            return None
+        except RecordError as exc:
+            raise _Damaged(str(exc)) from exc
+
+    def _unknown_version(self, key: ObjectKey, exc: RecordVersionError) -> None:
+        self.context.count("record_version_unknown")
+        self.context.warn("version", "%s: %s; a miss, kept", key.file_stem(), exc)
+
+    async def _remove_damaged(self, key: ObjectKey, name: str, why: str) -> None:
+        self.context.count("corrupt_records_removed")
+        self.context.warn(
+            "damaged", "s3://%s/%s is damaged (%s); a miss, removed", self.config.bucket, name, why
+        )
+        try:
+            await self.client.call("delete_object", Key=name)
+        except Exception as exc:
+            self.context.count("corrupt_remove_failures")
+            self.context.warn("remove", "removing damaged %s failed: %s", name, describe(exc))
+
+    async def _each(self, op: str, calls: Sequence[Awaitable[T]]) -> list[T | None]:
+        """Await one coroutine per key; a failed key is None (the caller's failure value),
+        and a batch whose every key failed raises."""
+        if not calls:
+            return []
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        for outcome in failures:
+            if not isinstance(outcome, Exception):
+                raise outcome
+        if failures and len(failures) == len(outcomes):
+            raise S3RequestError(f"{op}: all {len(outcomes)} requests failed: {describe(failures[0])}")
+        if failures:
+            self._failed(op, len(failures), failures[0])
+        return [None if isinstance(outcome, BaseException) else outcome for outcome in outcomes]
+
+    def _failed(self, op: str, count: int, example: BaseException) -> None:
+        self.context.count(f"{op}_request_failures", count)
+        self.context.warn(op, "%d %s requests failed, e.g. %s", count, op, describe(example))

@@ -1,0 +1,255 @@
+"""The s3fs client of one ``s3`` adapter, and the rules every request follows.
+
+* Built on the adapter's own event loop (``open``), never shared with another adapter:
+  s3fs caches instances per argument set, and a cached instance is bound to the loop
+  that made it, so ``skip_instance_cache`` is always set.
+* Every request is bounded: botocore's connect and read timeouts per attempt, botocore's
+  standard retry mode for transient errors (``retries``), and ``request_timeout_s`` over
+  the whole of it; s3fs's own retry loop is turned off so retries are not multiplied.
+* The region is given to the botocore session as its default region -- what
+  ``AWS_DEFAULT_REGION`` sets -- rather than as ``region_name`` in the client arguments:
+  s3fs reads the latter as a bucket location constraint too, which ``us-east-1`` refuses.
+  Setting it on this adapter's session leaves the process environment alone.
+* Our records carry their own checksum, so botocore's optional CRC checksums of request
+  and response bodies are computed only where the S3 API requires them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import aiobotocore.session
+import msgspec
+import s3fs
+
+from lmcache_plugin_s3.config import S3Config
+from lmcache_tiers.plugin import ConfigError
+
+log = logging.getLogger("lmcache_plugin_s3")
+T = TypeVar("T")
+
+
+class S3RequestError(Exception):
+    """A request failed or ran out of time; the key it was for is a failure, not a miss."""
+
+
+def error_code(exc: BaseException) -> str | None:
+    """The S3 error code behind an s3fs exception (s3fs keeps botocore's as the cause)."""
+    for candidate in (exc, exc.__cause__):
+        response = getattr(candidate, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            return str(code) if code is not None else None
+    return None
+
+
+def is_missing_object(exc: BaseException) -> bool:
+    """True for "no such key" (a miss); a missing bucket is a failure, never a miss."""
+    return isinstance(exc, FileNotFoundError) and error_code(exc) in (None, "NoSuchKey", "404")
+
+
+def describe(exc: BaseException) -> str:
+    code = error_code(exc)
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}{f' {code}' if code else ''}{f': {text}' if text else ''}"
+
+
+def _endpoint_label(config: S3Config) -> str:
+    return config.endpoint_url or f"AWS S3 ({config.region or 'default region'})"
+
+
+def open_filesystem(config: S3Config) -> s3fs.S3FileSystem:
+    """The s3fs filesystem of ``config``, bound to the running event loop (the benchmark
+    uses it too, as the direct client the adapter is compared with)."""
+    session = aiobotocore.session.AioSession(profile=config.profile)
+    if config.region is not None:
+        session.set_config_variable("region", config.region)
+    fs = s3fs.S3FileSystem(
+        asynchronous=True,
+        loop=asyncio.get_running_loop(),
+        skip_instance_cache=True,
+        session=session,
+        endpoint_url=config.endpoint_url,
+        key=config.aws_access_key_id,
+        secret=config.aws_secret_access_key,
+        use_ssl=config.use_tls,
+        config_kwargs={
+            "connect_timeout": config.connect_timeout_s,
+            "read_timeout": config.read_timeout_s,
+            "max_pool_connections": config.max_inflight,
+            "retries": {"mode": "standard", "total_max_attempts": 1 + config.retries},
+            "s3": {"addressing_style": config.addressing_style},
+            "request_checksum_calculation": "when_required",
+            "response_checksum_validation": "when_required",
+        },
+    )
+    fs.retries = 1  # one attempt per s3fs call: botocore does the retrying
+    return fs
+
+
+class S3Client:
+    """One adapter's connection to its bucket: bounded, counted requests."""
+
+    def __init__(self, config: S3Config, name: str) -> None:
+        self.config = config
+        self.name = name
+        self.bucket: str = config.bucket or ""
+        self.fs: s3fs.S3FileSystem | None = None
+        self._slots = asyncio.Semaphore(config.max_inflight)
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self._closing = False
+        self.inflight = 0
+
+    @property
+    def endpoint(self) -> str:
+        return _endpoint_label(self.config)
+
+    async def open(self) -> None:
+        config = self.config
+        fs = open_filesystem(config)
+        await fs.set_session()
+        self.fs = fs
+        session = fs.session
+        log.info(
+            "%s: s3://%s/%s at %s, credentials from %s",
+            self.name,
+            self.bucket,
+            config.prefix,
+            self.endpoint,
+            await self.credential_source(session),
+        )
+
+    async def credential_source(self, session: aiobotocore.session.AioSession) -> str:
+        """Where the credentials come from (never what they are)."""
+        if self.config.aws_access_key_id is not None:
+            return "the static keys in the adapter config"
+        try:
+            credentials = await session.get_credentials()
+        except Exception as exc:  # a broken profile: requests will say so, counted
+            return f"nowhere ({describe(exc)})"
+        if credentials is None:
+            return "nowhere: no AWS credentials found, requests go unsigned"
+        method = getattr(credentials, "method", None) or "the AWS chain"
+        return f"{method}{f' (profile {self.config.profile})' if self.config.profile else ''}"
+
+    async def call(self, method: str, **kwargs: Any) -> Any:
+        """One S3 API call on the bucket, bounded; raises what s3fs raises or S3RequestError."""
+        return await self.bounded(lambda: self.request(method, **kwargs))
+
+    async def request(self, method: str, **kwargs: Any) -> Any:
+        """One S3 API call on the bucket, unbounded: for use inside :meth:`bounded`."""
+        fs = self.fs
+        if fs is None:
+            raise S3RequestError("the S3 client is not open")
+        return await fs._call_s3(method, Bucket=self.bucket, **kwargs)
+
+    async def bounded(self, make: Callable[[], Awaitable[T]]) -> T:
+        """Run one request (``make()`` and whatever it reads) within ``request_timeout_s``,
+        at most ``max_inflight`` at once; ``interrupt`` fails it at once."""
+        if self._closing:
+            raise S3RequestError("the adapter is closing")
+        timeout = self.config.request_timeout_s
+        async with self._slots:
+            task = asyncio.ensure_future(asyncio.wait_for(make(), timeout))
+            self._tasks.add(task)
+            self.inflight += 1
+            try:
+                await asyncio.wait({task})
+            except asyncio.CancelledError:
+                task.cancel()
+                raise
+            finally:
+                self.inflight -= 1
+                self._tasks.discard(task)
+        if task.cancelled():
+            raise S3RequestError("the adapter is closing")
+        try:
+            return task.result()
+        except asyncio.TimeoutError:
+            raise S3RequestError(f"no complete answer within request_timeout_s={timeout:g}") from None
+
+    def interrupt(self, loop: asyncio.AbstractEventLoop) -> None:
+        """From any thread: fail requests in flight and refuse new ones (closing)."""
+        self._closing = True
+
+        def cancel_all() -> None:
+            for task in list(self._tasks):
+                task.cancel()
+
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(cancel_all)
+
+    async def close(self) -> None:
+        fs, self.fs = self.fs, None
+        if fs is not None and fs._s3 is not None:
+            try:
+                await fs._s3creator.__aexit__(None, None, None)
+            except Exception as exc:
+                log.debug("%s: closing the S3 client: %s", self.name, describe(exc))
+
+
+#: S3 error codes that mean the credentials themselves are wrong, not a missing permission
+_PROBE_READ_S = 5.0
+_BAD_CREDENTIALS = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"})
+
+
+def check_bucket(config: S3Config, name: str) -> bool:
+    """Ask the bucket for one listed object before the adapter is built; False if the
+    store did not answer.
+
+    A bucket that does not exist or credentials the store rejects are configuration
+    mistakes: a ``ConfigError``, so the server stops with one line.  A store that does not
+    answer is not: the adapter starts, its requests fail (counted) until the store is
+    back, and the server serves from L1 meanwhile.
+    """
+    # One attempt, briefly: a store too slow to answer this is reported, not waited for.
+    patience = config.connect_timeout_s + min(config.read_timeout_s, _PROBE_READ_S)
+    quick = msgspec.structs.replace(
+        config, retries=0, request_timeout_s=min(config.request_timeout_s, patience)
+    )
+
+    async def probe() -> None:
+        client = S3Client(quick, name)
+        try:
+            await client.open()
+            prefix = f"{config.prefix}/" if config.prefix else ""
+            await client.call("list_objects_v2", Prefix=prefix, Delimiter="/", MaxKeys=1)
+        finally:
+            await client.close()
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-probe") as pool:
+        try:
+            pool.submit(asyncio.run, probe()).result()
+        except FileNotFoundError as exc:
+            if error_code(exc) == "NoSuchBucket":
+                raise ConfigError(
+                    f"{name}: bucket {config.bucket!r} does not exist at {_endpoint_label(config)}"
+                ) from exc
+            raise ConfigError(
+                f"{name}: cannot list s3://{config.bucket}/{config.prefix}: {describe(exc)}"
+            ) from exc
+        except PermissionError as exc:
+            if error_code(exc) in _BAD_CREDENTIALS:
+                raise ConfigError(
+                    f"{name}: {_endpoint_label(config)} refused the credentials ({describe(exc)})"
+                ) from exc
+            log.warning(
+                "%s: listing s3://%s/%s is not allowed (%s): usage after a restart is learned on lookup",
+                name,
+                config.bucket,
+                config.prefix,
+                describe(exc),
+            )
+        except Exception as exc:
+            log.warning(
+                "%s: %s did not answer at start-up (%s); requests fail, counted, until it does",
+                name,
+                _endpoint_label(config),
+                describe(exc),
+            )
+            return False
+    return True

@@ -1,0 +1,68 @@
+"""How records sit in the bucket: object names, the fixed header slot, bounded reads.
+
+An object is ``<prefix>/<key_to_name(key)>`` and holds one record: the core record header
+padded to :data:`HEADER_BYTES` (core's ``RECORD_ALIGN``, 4 KiB), then the payload.  The
+fixed header size is what lets a bucket listing, which reports object sizes only, tell
+each payload's size without reading a byte of it -- and so rebuild usage after a restart
+at one request per 1000 objects.  Every header fits: a key is at most ~1.6 KiB, a layout
+256 bytes.
+
+Reads never trust a length they have not checked: a header is read piece by piece as far
+as its own length field says, and a payload is copied into the caller's buffer only once
+the header's length equals the buffer's and the object's size equals header + payload.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from lmcache_tiers.plugin import RECORD_ALIGN, ObjectKey, is_digest_name, key_to_name, name_to_key
+
+#: every record header is padded to this size (core's, as the file stores pad theirs); a
+#: listed object of N bytes holds a payload of N - HEADER_BYTES
+HEADER_BYTES: int = RECORD_ALIGN
+#: the largest object one PUT may create
+MAX_PUT_BYTES = 5 << 30
+_CONTENT_RANGE = re.compile(r"^bytes \d+-\d+/(\d+)$")
+
+
+class ShortBody(Exception):
+    """The response body ended before the bytes its length announced."""
+
+
+class ObjectNames:
+    """Object names of keys under one prefix, and keys of listed names."""
+
+    def __init__(self, prefix: str) -> None:
+        #: what a listing asks for: the prefix as a folder ("" = the top level)
+        self.folder = f"{prefix}/" if prefix else ""
+
+    def of(self, key: ObjectKey) -> str:
+        return self.folder + key_to_name(key)
+
+    def key_of(self, object_name: str) -> ObjectKey | None:
+        """The key a listed name encodes; None for digest names and foreign objects."""
+        return name_to_key(object_name[len(self.folder) :])
+
+    def is_digest(self, object_name: str) -> bool:
+        return is_digest_name(object_name[len(self.folder) :])
+
+
+def total_size(response: dict[str, Any]) -> int:
+    """The whole object's size from a (ranged) GET response."""
+    match = _CONTENT_RANGE.match(str(response.get("ContentRange") or ""))
+    return int(match.group(1)) if match else int(response["ContentLength"])
+
+
+async def read_exactly(body: Any, size: int) -> bytes:
+    """The next ``size`` bytes of a streaming body; :class:`ShortBody` if it ends first."""
+    parts: list[bytes] = []
+    filled = 0
+    while filled < size:
+        chunk = await body.read(size - filled)
+        if not chunk:
+            raise ShortBody(f"the body ended after {filled} of {size} bytes")
+        parts.append(chunk)
+        filled += len(chunk)
+    return b"".join(parts)

@@ -1,0 +1,22 @@
+"""The S3 server every test of this plugin talks to: SeaweedFS on loopback, one per session."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lmcache_tiers.testing.seaweedfs import SeaweedS3, serving
+
+# Helper modules of these tests (imported by name under pytest's importlib mode).
+sys.path.insert(0, str(Path(__file__).parent))
+
+from s3_helpers import BUCKET
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    with serving(tmp_path_factory.mktemp("seaweedfs"), buckets=[BUCKET]) as server:
+        yield server

@@ -1,0 +1,219 @@
+"""The bucket as a shared, listed, sometimes absent store: the start-up listing, names the
+codec cannot read back, two adapters on one prefix, and what start-up refuses."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import lmcache_plugin_s3.backend as backend_module
+import pytest
+from s3_helpers import BUCKET, Raw, blocking, fresh_prefix, open_adapter, s3_config
+
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import L2Adapter
+from lmcache_tiers.testing.l2 import make_keys, pattern
+from lmcache_tiers.testing.seaweedfs import SeaweedS3, free_port
+
+SIZE = 32 << 10
+
+
+@pytest.fixture
+def l1() -> memoryview:
+    return memoryview(bytearray(16 << 20))
+
+
+@pytest.fixture
+def opened() -> Iterator[list[L2Adapter]]:
+    adapters: list[L2Adapter] = []
+    yield adapters
+    for adapter in adapters:
+        adapter.close()
+
+
+def store(adapter: L2Adapter, l1: memoryview, keys: list[ObjectKey], seed: int = 0) -> list[bytes]:
+    data = [pattern(seed * 1000 + index, SIZE) for index in range(len(keys))]
+    buffers = [l1[index * SIZE : (index + 1) * SIZE] for index in range(len(keys))]
+    for buffer, payload in zip(buffers, data, strict=True):
+        buffer[:] = payload
+    assert blocking(adapter).store(keys, buffers) == [True] * len(keys)
+    return data
+
+
+def load(adapter: L2Adapter, l1: memoryview, keys: list[ObjectKey]) -> list[bytes | None]:
+    client = blocking(adapter)
+    found = client.lookup_and_lock(keys)
+    hits = [key for key, hit in zip(keys, found.found, strict=True) if hit]
+    base = 8 << 20
+    buffers = [l1[base + index * SIZE : base + (index + 1) * SIZE] for index in range(len(hits))]
+    loaded = dict(zip(hits, client.load(hits, buffers), strict=True))
+    adapter.unlock(hits)
+    contents = dict(zip(hits, (bytes(b) for b in buffers), strict=True))
+    return [contents[key] if loaded.get(key) else None for key in keys]
+
+
+def wait_scanned(adapter: L2Adapter) -> None:
+    deadline = time.monotonic() + 60
+    while adapter.stats().get("scan_running"):
+        assert time.monotonic() < deadline, "the start-up scan never finished"
+        time.sleep(0.02)
+
+
+def test_the_listing_pages_through_the_prefix_and_skips_foreign_objects(
+    seaweed: SeaweedS3,
+    l1: memoryview,
+    opened: list[L2Adapter],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    prefix = fresh_prefix("listing")
+    config = s3_config(seaweed, prefix)
+    first = open_adapter(config, l1)
+    keys = make_keys(10) + make_keys(2, salt="tenant-a")
+    store(first, l1, keys)
+    first.close()
+    raw = Raw(seaweed, prefix)
+    raw.write("README.txt", b"not a chunk")
+    raw.write(raw.names.of(make_keys(1, start=99)[0]), b"short")  # a valid name, too small for a record
+    raw.write("nested/" + raw.names.of(keys[0]).rsplit("/", 1)[1], b"x" * 5000)  # below the prefix
+    monkeypatch.setattr(backend_module, "_LIST_PAGE", 3)  # four pages and a bit
+    monkeypatch.setattr(backend_module, "_PROGRESS_EVERY_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="lmcache_plugin_s3"):
+        reopened = open_adapter(config, l1)
+        opened.append(reopened)
+        wait_scanned(reopened)
+    assert set(reopened.iter_keys()) == set(keys)
+    assert reopened.used_bytes() == SIZE * len(keys)
+    assert reopened.used_bytes_by_salt().get("tenant-a") == 2 * SIZE
+    stats = reopened.stats()
+    assert stats["scan_keys"] == len(keys) and stats["listing_foreign_objects"] == 2
+    assert any("records so far" in record.getMessage() for record in caplog.records), "no progress line"
+
+
+def test_a_key_with_a_digest_name_round_trips_and_is_listed(
+    seaweed: SeaweedS3, l1: memoryview, opened: list[L2Adapter]
+) -> None:
+    prefix = fresh_prefix("digest")
+    long_model = "模型" * 100  # 600 bytes of UTF-8: too long for a readable object name
+    keys = [ObjectKey(long_model, 0, b"\x01" * 32), ObjectKey(long_model, 1, b"\x02" * 32, 0, "tenant")]
+    config = s3_config(seaweed, prefix)
+    first = open_adapter(config, l1)
+    data = store(first, l1, keys)
+    assert all(Raw(seaweed, prefix).names.is_digest(Raw(seaweed, prefix).names.of(key)) for key in keys)
+    first.close()
+    reopened = open_adapter(config, l1)
+    opened.append(reopened)
+    wait_scanned(reopened)
+    assert set(reopened.iter_keys()) == set(keys), "the listing read each digest name's key from its header"
+    assert load(reopened, l1, keys) == data
+
+
+def test_two_adapters_on_one_prefix_see_each_others_stores_and_deletes(
+    seaweed: SeaweedS3, l1: memoryview, opened: list[L2Adapter]
+) -> None:
+    config = s3_config(seaweed, fresh_prefix("shared"))
+    one, two = open_adapter(config, l1, 0), open_adapter(config, l1, 1)
+    opened += [one, two]
+    keys = make_keys(4)
+    data = store(one, l1, keys)
+    assert load(two, l1, keys) == data, "stored through one, a hit through the other"
+    assert two.used_bytes() == 4 * SIZE, "the hits were accounted"
+    assert one.delete(keys[:2]) == [True, True]
+    assert load(two, l1, keys) == [None, None, *data[2:]], "deleted through one, a miss through the other"
+    assert two.used_bytes() == 2 * SIZE, "the misses released the bytes"
+    assert two.delete(keys) == [False, False, True, True]
+
+
+def test_a_missing_bucket_stops_start_up_with_one_line(seaweed: SeaweedS3, l1: memoryview) -> None:
+    config = s3_config(seaweed, "p", bucket="no-such-bucket-here")
+    with pytest.raises(
+        ConfigError, match=r"bucket 'no-such-bucket-here' does not exist at http://127\.0\.0\.1:"
+    ):
+        open_adapter(config, l1)
+
+
+def test_rejected_credentials_stop_start_up(seaweed: SeaweedS3, l1: memoryview) -> None:
+    config = s3_config(seaweed, "p", aws_secret_access_key="wrong-secret")
+    with pytest.raises(ConfigError, match="refused the credentials") as raised:
+        open_adapter(config, l1)
+    assert "wrong-secret" not in str(raised.value)
+
+
+def test_credentials_come_from_the_environment_and_are_never_logged(
+    seaweed: SeaweedS3,
+    l1: memoryview,
+    opened: list[L2Adapter],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    for name, value in seaweed.env.items():
+        monkeypatch.setenv(name, value)
+    config = s3_config(seaweed, fresh_prefix("env"), aws_access_key_id=None, aws_secret_access_key=None)
+    with caplog.at_level(logging.DEBUG):
+        adapter = open_adapter(config, l1)
+        opened.append(adapter)
+        keys = make_keys(2)
+        assert load(adapter, l1, keys) == [None, None]
+        data = store(adapter, l1, keys)
+        assert load(adapter, l1, keys) == data
+    text = "\n".join(record.getMessage() for record in caplog.records)
+    assert "credentials from env" in text
+    assert seaweed.secret_key not in text and seaweed.secret_key not in repr(config)
+
+
+def test_an_endpoint_that_refuses_connections_fails_calls_at_once(
+    l1: memoryview, opened: list[L2Adapter], caplog: pytest.LogCaptureFixture
+) -> None:
+    from lmcache_plugin_s3 import S3Config
+
+    config = S3Config(
+        bucket=BUCKET,
+        endpoint_url=f"http://127.0.0.1:{free_port()}",  # nothing listens there
+        aws_access_key_id="k",
+        aws_secret_access_key="s",
+        connect_timeout_s=1.0,
+        request_timeout_s=5.0,
+        retries=1,
+    )
+    with caplog.at_level(logging.WARNING, logger="lmcache_plugin_s3"):
+        adapter = open_adapter(config, l1)  # not a configuration error: the store may come back
+        opened.append(adapter)
+    assert any("did not answer at start-up" in record.getMessage() for record in caplog.records)
+    keys = make_keys(3)
+    started = time.monotonic()
+    client = blocking(adapter, timeout=30)  # far above request_timeout_s: guards against a hang
+    assert client.lookup_and_lock(keys).found == [False] * 3
+    assert client.store(keys, [l1[:SIZE]] * 3) == [False] * 3
+    assert adapter.delete(keys) == [False] * 3
+    assert time.monotonic() - started < 30
+    assert adapter.stats()["backend_errors"] >= 3
+
+
+def test_close_ends_requests_stuck_on_a_silent_peer(l1: memoryview) -> None:
+    import socket
+
+    from lmcache_plugin_s3 import S3Config
+
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        config = S3Config(
+            bucket=BUCKET,
+            endpoint_url=f"http://127.0.0.1:{silent.getsockname()[1]}",
+            aws_access_key_id="k",
+            aws_secret_access_key="s",
+            connect_timeout_s=1.0,
+            read_timeout_s=300.0,
+            request_timeout_s=300.0,
+            retries=0,
+        )
+        adapter = open_adapter(config, l1)
+        task = adapter.submit_lookup_and_lock(make_keys(2))
+        time.sleep(0.5)  # the requests are waiting for an answer now
+        started = time.monotonic()
+        adapter.close()
+        assert time.monotonic() - started < 60, "close() waited for the silent peer"
+        results = adapter.pop_completed_lookups()
+        assert results[task].found == [False, False]

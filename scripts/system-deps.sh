@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Debian packages the test suite starts as real servers or loads as libraries:
+# redis-server (the redis adapter's tests), libibverbs1/librdmacm1/libnuma1 (Mooncake's
+# transfer engine). Installed only when missing and only as root; otherwise the tests
+# that need them skip with a printed reason.
+set -euo pipefail
+packages=()
+command -v redis-server >/dev/null 2>&1 || packages+=(redis-server)
+for lib in libibverbs.so.1 librdmacm.so.1 libnuma.so.1; do
+    ldconfig -p 2>/dev/null | grep -q "$lib" || packages+=("${lib%%.so.1}1")
+done
+[ ${#packages[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "system-deps: not root or no apt-get; missing: ${packages[*]} (their tests will skip)" >&2
+    exit 0
+fi
+echo "system-deps: installing ${packages[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq >/dev/null || true
+apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null

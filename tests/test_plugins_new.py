@@ -1,0 +1,99 @@
+"""``lmcache-tiers plugins new``: a package of each kind installs quietly, is listed, and
+passes the suite it was generated with."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from plugin_packages import run_tests
+from thirdparty import pip_install_to, run_cli
+
+KINDS = {
+    "l2": "l2_adapter",
+    "store": "store_policy",
+    "prefetch": "prefetch_policy",
+    "eviction": "eviction_policy",
+    "serde": "serde",
+    "frontend": "frontend",
+}
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """One package of every kind, written by the CLI and installed into a site directory."""
+    root = tmp_path_factory.mktemp("generated")
+    site = root / "site"
+    for kind in KINDS:
+        result = run_cli(["plugins", "new", f"gen-{kind}", "--kind", kind, "--dir", str(root)])
+        assert result.returncode == 0, result.stderr
+        assert f"wrote {root / f'gen-{kind}'}" in result.stdout
+        pip_install_to(site, root / f"gen-{kind}")
+    return root, site
+
+
+def test_every_generated_package_is_listed_with_its_component(generated: tuple[Path, Path]) -> None:
+    _root, site = generated
+    listed = run_cli(["plugins", "list", "--json"], site)
+    assert listed.returncode == 0, listed.stderr
+    rows = {row["plugin"]: row for row in json.loads(listed.stdout)}
+    for kind, label in KINDS.items():
+        row = rows[f"gen-{kind}"]
+        assert row["status"] == "ok", row
+        assert row["components"] == [f"{label}:gen_{kind}"]
+        assert row["distribution"] == f"lmcache-plugin-gen-{kind}"
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_generated_package_passes_its_own_tests(generated: tuple[Path, Path], kind: str) -> None:
+    root, site = generated
+    result = run_tests(root / f"gen-{kind}", site)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+def test_generated_code_imports_only_the_public_plugin_api(generated: tuple[Path, Path]) -> None:
+    root, _site = generated
+    for source in root.glob("gen-*/src/**/*.py"):
+        for line in source.read_text().splitlines():
+            if line.startswith(("from lmcache_tiers", "import lmcache_tiers")):
+                assert line.startswith("from lmcache_tiers.plugin import "), f"{source}: {line}"
+
+
+def test_a_generated_package_installs_without_warnings(tmp_path: Path) -> None:
+    assert run_cli(["plugins", "new", "quiet-one", "--kind", "l2", "--dir", str(tmp_path)]).returncode == 0
+    pip = [sys.executable, "-m", "pip", "install", "-v", "--no-deps", "--no-build-isolation"]
+    build = subprocess.run(
+        [*pip, "--target", str(tmp_path / "site"), str(tmp_path / "quiet-one")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert build.returncode == 0, build.stderr[-2000:]
+    output = build.stdout + build.stderr
+    assert "Warning" not in output and "deprecated" not in output.lower(), output[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["Bad_Name", "--kind", "l2"], "lowercase letters and digits"),
+        (["ok-name", "--kind", "cache"], "Invalid value for '--kind'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    result = run_cli(["plugins", "new", *args, "--dir", str(tmp_path)])
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_existing_directory_is_never_overwritten(tmp_path: Path) -> None:
+    (tmp_path / "taken").mkdir()
+    result = run_cli(["plugins", "new", "taken", "--kind", "store", "--dir", str(tmp_path)])
+    assert result.returncode == 2
+    assert "already exists" in result.stderr
+    assert list((tmp_path / "taken").iterdir()) == []
