@@ -153,9 +153,10 @@ def lossy(smallest_normal: float) -> Callable[[Row, list[bytes], list[bytes]], N
 
 def end_to_end(objects: list[bytes], layout: str, chain: list[dict[str, Any]], root: str, repeat: int) -> Row:
     from lmcache_plugin_nixl.config import NixlStoreDynamicConfig
-    from lmcache_plugin_nixl.dynamic import NixlDynamicAdapter
+    from lmcache_plugin_nixl.dynamic import NixlDynamicBackend
 
-    from lmcache_tiers.l2 import AdapterContext, BlockingAdapterClient
+    from lmcache_tiers.l2 import AdapterContext, create_adapter
+    from lmcache_tiers.testing.blocking import BlockingAdapterClient
 
     total = sum(map(len, objects))
     arena = mmap.mmap(-1, 2 * total)
@@ -179,8 +180,10 @@ def end_to_end(objects: list[bytes], layout: str, chain: list[dict[str, Any]], r
         NixlStoreDynamicConfig,
     )
     name = "nixl_store_dynamic" + (" + [" + ", ".join(s["type"] for s in chain) + "]" if chain else "")
-    adapter = NixlDynamicAdapter(
-        config, AdapterContext(0, "0:nixl_store_dynamic", config, serde=build_chain(chain), l1_buffer=view)
+    adapter = create_adapter(
+        NixlDynamicBackend,
+        config,
+        AdapterContext(0, "0:nixl_store_dynamic", config, serde=build_chain(chain), l1_buffer=view),
     )
     client = BlockingAdapterClient(adapter, timeout=600)
     keys = [ObjectKey("bench", 0, i.to_bytes(8, "big")) for i in range(len(objects))]
