@@ -195,7 +195,7 @@ class L1Arena:
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:
                     free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
-                    raise TiersError(
+                    raise ConfigError(
                         f"cannot place a {size_bytes / 2**30:.2f} GiB L1 arena in {SHM_DIR} "
                         f"({free / 2**30:.2f} GiB free): lower --l1-size-gb or enlarge {SHM_DIR}"
                     ) from None
