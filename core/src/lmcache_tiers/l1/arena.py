@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import gc
 import logging
 import mmap
 import os
 import re
 import secrets
+import sys
+import types
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -120,6 +123,58 @@ def _unpin(address: int) -> None:
         logger.warning("cudaHostUnregister of the L1 arena failed (%s)", status)
 
 
+def _views_into(segment: mmap.mmap, value: object) -> bool:
+    if not isinstance(value, memoryview):
+        return False
+    try:
+        return value.obj is segment
+    except ValueError:  # released
+        return False
+
+
+def _view_holders(segment: mmap.mmap) -> str:
+    """Who holds the views still open into ``segment``: functions (file and line) whose
+    locals hold one, on any thread, and the types of objects that refer to one; for the
+    warning that says the arena could not be unmapped."""
+    holders: set[str] = set()
+    for top in sys._current_frames().values():
+        frame: types.FrameType | None = top
+        while frame is not None:
+            if frame.f_code.co_name != "_view_holders" and any(
+                _views_into(segment, value) for value in frame.f_locals.values()
+            ):
+                code = frame.f_code
+                holders.add(f"{code.co_name} ({code.co_filename}:{frame.f_lineno})")
+            frame = frame.f_back
+    tracked = gc.get_objects()
+    for candidate in tracked:
+        if _views_into(segment, candidate):
+            holders.update(
+                type(referrer).__name__
+                for referrer in gc.get_referrers(candidate)
+                if referrer is not tracked and not isinstance(referrer, types.FrameType)
+            )
+    return ", ".join(sorted(holders)[:6]) or "objects the garbage collector does not track"
+
+
+def _close_segment(segment: mmap.mmap) -> None:
+    """Unmap ``segment``.  Views held only by garbage cycles (an exception kept with its
+    traceback, whose frames hold buffers) go with one collection; views still referenced
+    keep the mapping until they go, which is said once with who holds them."""
+    for attempt in range(2):
+        try:
+            segment.close()
+            return
+        except BufferError:
+            if attempt == 0:
+                gc.collect()
+    logger.warning(
+        "L1 arena closed while memory views into it are still alive (held by %s); "
+        "it stays mapped until they are released",
+        _view_holders(segment),
+    )
+
+
 def _release(segment: mmap.mmap, path: str | None, owner_pid: int, pinned_at: int | None) -> None:
     """Finalizer: unpin, unmap and (for the creating process only) unlink the segment.
 
@@ -131,11 +186,7 @@ def _release(segment: mmap.mmap, path: str | None, owner_pid: int, pinned_at: in
             _unpin(pinned_at)
         except Exception:  # unpinning is best effort during teardown
             logger.exception("unpinning the L1 arena failed")
-    try:
-        segment.close()
-    except BufferError:
-        # Someone still holds a view into the arena; the mapping goes away with the last view.
-        logger.warning("L1 arena closed while memory views into it are still alive")
+    _close_segment(segment)
     if path is not None and os.getpid() == owner_pid:
         try:
             os.unlink(path)

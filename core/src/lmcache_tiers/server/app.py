@@ -277,7 +277,9 @@ class TiersServer:
         failures = self.storage.stats.failures()
         abandoned = sum(failures.get(name, 0) for name in ABANDONED_FAILURES)
         if abandoned:
-            logger.warning("%d objects acknowledged to clients were not stored in L2 before the stop", abandoned)
+            logger.warning(
+                "%d objects acknowledged to clients were not stored in L2 before the stop", abandoned
+            )
         summary = {
             "uptime_s": time.time() - self.started,
             "requests": sum(stats.requests.values()),

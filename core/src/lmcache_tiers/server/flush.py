@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 if TYPE_CHECKING:
     from lmcache_tiers.storage import StorageManager
 
-__all__ = ["ABANDONED_FAILURES", "flush_message", "flush_l2", "pending_l2_stores"]
+__all__ = ["ABANDONED_FAILURES", "flush_l2", "flush_message", "pending_l2_stores"]
 
 logger = logging.getLogger("lmcache_tiers.server.app")
 
