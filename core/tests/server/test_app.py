@@ -20,8 +20,9 @@ from lmcache_tiers.config import ServerConfig
 from lmcache_tiers.endpoints import is_loopback, rpc_endpoint
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.server.app import TiersServer, configure_logging, run_server
+from lmcache_tiers.server.app import TiersServer, run_server
 from lmcache_tiers.server.benchmark import run_bench
+from lmcache_tiers.server.logs import configure_logging
 
 Factory = Callable[..., TiersServer]
 

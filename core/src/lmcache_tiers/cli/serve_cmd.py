@@ -374,7 +374,8 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
         _DEFAULT_L2_CLAIMS.append(claim_default_l2())
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "INFO")
     try:
-        from lmcache_tiers.server.app import check_serving, configure_logging, run_server
+        from lmcache_tiers.server.app import check_serving, run_server
+        from lmcache_tiers.server.logs import configure_logging
     except ImportError as exc:
         fail(f"the server is not available in this installation ({exc})", 1)
     # Refused before anything is printed or allocated (--print-config checks it too).

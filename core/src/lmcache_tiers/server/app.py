@@ -5,11 +5,15 @@ runs its own threads over the one StorageManager.  Start-up checks everything it
 L1 exists (front-end configs, addresses that would clash, the HTTP host), then builds the
 storage (which pre-faults L1), the front ends (which bind) and the HTTP endpoint.
 
+Before the storage exists, the machine is checked too (:mod:`~lmcache_tiers.server.preflight`:
+adapter paths, ports, the L1 size): pre-faulting a large L1 takes seconds.
+
 Shutdown on SIGINT/SIGTERM, in order: every front end stops taking new work and lets
 in-flight requests finish (or cancels them at the drain deadline), then gives back every
-lock and reservation its clients still hold; pending L2 stores are flushed, the storage is
-closed (which unlinks the L1 segment), HTTP stops and a summary is printed.  A second
-signal cuts the drain short.
+lock and reservation its clients still hold; pending L2 stores are flushed up to the same
+deadline (:mod:`~lmcache_tiers.server.flush`), the storage is closed (abandoning, and
+counting, what the flush did not store; this unlinks the L1 segment), HTTP stops and a
+summary is printed.  A second signal cuts the drain and the flush short.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from lmcache_tiers.registry import ComponentRegistry, Kind
 from lmcache_tiers.server.banner import start_banner, stop_summary
 from lmcache_tiers.server.flush import ABANDONED_FAILURES, flush_l2, pending_l2_stores
 from lmcache_tiers.server.http import HttpEndpoint
+from lmcache_tiers.server.logs import configure_logging
 from lmcache_tiers.server.metrics import build_registry, render
 from lmcache_tiers.server.preflight import listen_error, preflight
 from lmcache_tiers.wire import protocol as p
@@ -46,41 +51,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-LOG_LEVEL_ENV = "LMCACHE_LOG_LEVEL"
 AUTH_TOKEN_ENV = "LMCACHE_TIERS_AUTH_TOKEN"
-_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
 #: how long a front end that does not finish its drain is waited for beyond the deadline
 _JOIN_GRACE_S = 5.0
-
-
-def configure_logging() -> None:
-    """One log format for every Python logger of the server process, on stderr.
-
-    The handler sits on the root logger, so plugin loggers (``lmcache_plugin_nixl.*``, a
-    third-party plugin's package) and libraries print with the same timestamp, level and
-    logger name as core.  ``LMCACHE_LOG_LEVEL`` (INFO when unset) applies to
-    ``lmcache_tiers`` and to the package of every plugin entry point; other libraries keep
-    Python's WARNING.  A process that configured logging itself (root already has a
-    handler) keeps its handlers.  Log lines are plain, one per event: they end up in files
-    and journals that people grep, unlike the banner and summary, which are for a terminal.
-    """
-    from importlib.metadata import entry_points
-
-    from lmcache_tiers.plugins import ENTRY_POINT_GROUP
-
-    raw = os.environ.get(LOG_LEVEL_ENV, "INFO").strip().upper()
-    level = _LEVELS.get(raw)
-    root = logging.getLogger()
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        root.addHandler(handler)
-    packages = {"lmcache_tiers"}
-    packages.update(ep.value.split(":")[0].split(".")[0] for ep in entry_points(group=ENTRY_POINT_GROUP))
-    for name in sorted(packages):
-        logging.getLogger(name).setLevel(level if level is not None else logging.INFO)
-    if level is None:
-        logger.warning("%s=%r is not one of %s; using INFO", LOG_LEVEL_ENV, raw, ", ".join(_LEVELS))
 
 
 def check_metrics_host(config: ServerConfig, token: str | None) -> None:
