@@ -176,3 +176,10 @@ def test_a_second_default_server_gets_the_hint_on_one_line(
     assert "already uses the default L2 cache" in line, line
     assert f"{defaults.CACHE_DIR_ENV}=<dir>" in line and "--no-default-l2" in line, line
     assert ".lock" not in line, line
+
+
+def test_an_unusable_default_l2_directory_points_at_the_cache_dir_variable(a_file: Path) -> None:
+    line = _serve_refused(["--port", str(free_port())], LMCACHE_TIERS_CACHE_DIR=str(a_file))
+    assert line.startswith(f"error: the embedded default L2 in {a_file}/l2 cannot be used ("), line
+    assert "is a file, not a directory" in line and "$.l2_adapters" not in line, line
+    assert "LMCACHE_TIERS_CACHE_DIR" in line and "--no-default-l2" in line, line
