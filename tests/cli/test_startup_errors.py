@@ -100,6 +100,12 @@ def test_an_unusable_adapter_path_names_the_field(case: int, a_file: Path) -> No
     assert "File exists" not in line, line
 
 
+def test_the_adapter_a_wrapper_wraps_is_checked_too(a_file: Path) -> None:
+    wrapped = {"type": "fault_inject", "inner": {"type": "fs", "path": str(a_file)}}
+    line = _serve_refused(["--l2-adapter", json.dumps(wrapped)])
+    assert "fs: " in line and "`$.l2_adapters[0].inner.path`" in line, line
+
+
 def test_a_second_adapter_is_checked_too(a_file: Path, tmp_path: Path) -> None:
     good = {"type": "fs", "path": str(tmp_path / "good")}
     bad = {"type": "fs", "path": str(a_file)}

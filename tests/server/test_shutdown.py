@@ -75,6 +75,14 @@ def _slow_l2_server(tmp_path: Path) -> ServerProcess:
     return server
 
 
+def _exited_cleanly(server: ServerProcess, guard_s: float) -> str:
+    """Wait (up to the guard) for the server to exit 0; returns its output."""
+    code = server.proc.wait(guard_s)
+    output = server.output()
+    assert code == 0, output
+    return output
+
+
 def _flush_logged(server: ServerProcess) -> bool:
     return "flushing 3 L2 stores (up to 10s; Ctrl-C again to abandon)" in server.output()
 
@@ -90,11 +98,9 @@ def test_a_second_signal_abandons_the_flush_of_a_slow_l2(tmp_path: Path) -> None
         server.proc.send_signal(signal.SIGINT)
         # Well under the 30 s an L2 call takes, or the 10 s flush deadline: the second
         # signal ends the wait (a generous guard, not a measured time).
-        code = server.proc.wait(8)
+        output = _exited_cleanly(server, 8)
     finally:
         server.stop(signal.SIGKILL)
-    output = server.output()
-    assert code == 0, output
     assert "flush abandoned on a second signal: 3 L2 stores not waited for" in output
     assert "12 objects acknowledged to clients were not stored in L2 before the stop" in output
     summary = " ".join(output.split())
@@ -107,11 +113,9 @@ def test_one_signal_flushes_up_to_the_deadline_and_says_so(tmp_path: Path) -> No
     server = _slow_l2_server(tmp_path)
     try:
         server.proc.send_signal(signal.SIGTERM)
-        code = server.proc.wait(45)
+        output = _exited_cleanly(server, 45)
     finally:
         server.stop(signal.SIGKILL)
-    output = server.output()
-    assert code == 0, output
     assert _flush_logged(server), output
     assert "flush timed out after 10s: 3 L2 stores not waited for" in output
     assert "flush timed out, 12 objects not stored in L2" in " ".join(output.split())

@@ -19,9 +19,10 @@ import contextlib
 import errno
 import os
 import stat
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from lmcache_tiers.config import FieldError
+from lmcache_tiers.config import FieldError, decode_adapter
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.registry import Kind
 
@@ -113,20 +114,27 @@ def _check_file_creatable(path: str, field: str) -> None:
     _probe_create(parent, field, path)
 
 
+def _absolute_stat(path: str, field: str, what: str) -> tuple[str, os.stat_result | None]:
+    """The absolute path and its stat, None when nothing is there yet."""
+    if not path:
+        raise FieldError(field, f"the {what} must not be empty")
+    path = os.path.abspath(path)
+    try:
+        return path, os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return path, None
+    except OSError as exc:
+        raise FieldError(field, f"cannot use {path}: {exc.strerror}") from None
+
+
 def check_directory(path: str, field: str) -> None:
     """Refuse a directory path a store cannot use: a file where the directory should be, a
     path under a file, under /proc or /sys, or where this user cannot create it.  A
     directory that exists must be writable and searchable."""
-    if not path:
-        raise FieldError(field, "the directory must not be empty")
-    path = os.path.abspath(path)
-    try:
-        info = os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
+    path, info = _absolute_stat(path, field, "directory")
+    if info is None:
         _check_creatable(path, field)
         return
-    except OSError as exc:
-        raise FieldError(field, f"cannot use {path}: {exc.strerror}") from None
     if not stat.S_ISDIR(info.st_mode):
         raise FieldError(field, f"{path} is a file, not a directory; give a directory (or remove the file)")
     _refuse_virtual(path, field)
@@ -137,18 +145,12 @@ def check_file(path: str, field: str, *, devices: str = "", create: bool = True)
     """Refuse a file path a store cannot open: a directory, a path under a file, a file
     that does not exist and cannot be created (``create``).  ``devices`` names the device
     nodes also accepted ("block", "char"); an existing one is left to the store to open."""
-    if not path:
-        raise FieldError(field, "the path must not be empty")
-    path = os.path.abspath(path)
-    try:
-        info = os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
+    path, info = _absolute_stat(path, field, "path")
+    if info is None:
         if not create:
-            raise FieldError(field, f"{path} does not exist") from None
+            raise FieldError(field, f"{path} does not exist")
         _check_file_creatable(path, field)
         return
-    except OSError as exc:
-        raise FieldError(field, f"cannot use {path}: {exc.strerror}") from None
     mode = info.st_mode
     if stat.S_ISREG(mode):
         if not os.access(path, os.R_OK | os.W_OK):
@@ -162,21 +164,27 @@ def check_file(path: str, field: str, *, devices: str = "", create: bool = True)
     raise FieldError(field, f"{path} is {kind}; give {wanted}")
 
 
-def _preflight_one(registry: ComponentRegistry, index: int, spec: AdapterSpec) -> None:
-    where = f"$.l2_adapters[{index}]"
+def _preflight_one(registry: ComponentRegistry, index: int, spec: AdapterSpec, where: str) -> None:
     factory: Any = registry.get(Kind.L2_ADAPTER, spec.type).load()
     preflight = getattr(factory, "preflight", None)
-    if not callable(preflight):
-        return
-    try:
-        preflight(spec.config)
-    except FieldError as exc:
-        raise ConfigError(f"{spec.type}: {exc} - at `{where}.{exc.field}`") from None
-    except ConfigError as exc:
-        raise ConfigError(f"{spec.type}: {exc} - at `{where}`") from None
+    if callable(preflight):
+        try:
+            preflight(spec.config)
+        except FieldError as exc:
+            raise ConfigError(f"{spec.type}: {exc} - at `{where}.{exc.field}`") from None
+        except ConfigError as exc:
+            raise ConfigError(f"{spec.type}: {exc} - at `{where}`") from None
+    # A wrapper's backend (fault_inject ...) is built from its `inner` spec: check it too.
+    inner = getattr(spec.config, "inner", None)
+    if isinstance(inner, Mapping) and "type" in inner:
+        try:
+            inner_spec = decode_adapter(registry, dict(inner), index)
+        except ConfigError:
+            return  # building the wrapper reports a bad inner spec, with its path
+        _preflight_one(registry, index, inner_spec, f"{where}.inner")
 
 
 def preflight_adapters(registry: ComponentRegistry, config: ServerConfig) -> None:
     """Run every configured adapter's ``preflight``; raises ConfigError naming the field."""
     for index, spec in enumerate(config.l2_adapters):
-        _preflight_one(registry, index, spec)
+        _preflight_one(registry, index, spec, f"$.l2_adapters[{index}]")

@@ -50,11 +50,11 @@ def flush_l2(
     """Wait up to ``timeout_s`` for every pending L2 store; False when the time ran out or
     ``abandon()`` turned true first."""
     pending = pending_l2_stores(storage)
-    if pending == 0 and storage.flush(timeout=0.0):
-        return True
-    logger.info("%s", flush_message(pending, timeout_s))
+    if pending:
+        logger.info("%s", flush_message(pending, timeout_s))
+    # With no store pending only evictions catching up are waited for: nothing to show.
     deadline = time.monotonic() + timeout_s
-    live = console is not None and console.is_terminal
+    live = pending > 0 and console is not None and console.is_terminal
     progress = Progress(
         TextColumn("flushing L2 stores (Ctrl-C again to abandon)"),
         BarColumn(),
