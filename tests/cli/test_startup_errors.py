@@ -189,3 +189,15 @@ def test_an_unusable_default_l2_directory_points_at_the_cache_dir_variable(a_fil
     assert line.startswith(f"error: the embedded default L2 in {a_file}/l2 cannot be used ("), line
     assert "is a file, not a directory" in line and "$.l2_adapters" not in line, line
     assert "LMCACHE_TIERS_CACHE_DIR" in line and "--no-default-l2" in line, line
+
+
+def test_an_ipc_socket_in_a_missing_or_wrong_directory_names_host(a_file: Path, tmp_path: Path) -> None:
+    missing = _serve_refused(["--no-default-l2", "--host", f"ipc://{tmp_path}/nowhere/tiers.sock"])
+    assert missing == (
+        f"error: --host ipc://{tmp_path}/nowhere/tiers.sock: {tmp_path}/nowhere does not exist; "
+        "give a socket path in an existing directory"
+    )
+    under_file = _serve_refused(["--no-default-l2", "--host", f"ipc://{a_file}/tiers.sock"])
+    assert f"{a_file} is a file, not a directory" in under_file, under_file
+    a_directory = _serve_refused(["--no-default-l2", "--host", f"ipc://{tmp_path}"])
+    assert f"{tmp_path} is a directory; give the path of a socket file" in a_directory, a_directory

@@ -84,8 +84,11 @@ def listener_flag(config: ServerConfig, index: int | None, field: str = "port") 
 def listen_error(config: ServerConfig, index: int | None, host: str, port: int, exc: OSError) -> ConfigError:
     """One line for listener ``index`` (None: the HTTP endpoint) that cannot bind
     ``host``:``port``, naming the flag to change."""
-    where = f"{host}:{port}"
     number = exc.errno
+    if host.startswith("ipc://"):
+        reason = os.strerror(number) if number else str(exc)
+        return ConfigError(f"{listener_flag(config, index, 'host')} {host}: cannot listen there: {reason}")
+    where = f"{host}:{port}"
     if number == errno.EADDRNOTAVAIL:
         flag = listener_flag(config, index, "host")
         return ConfigError(f"{flag} {host}: not an address of this machine; give one of its addresses")
@@ -114,6 +117,21 @@ def _probe_bind(host: str, port: int) -> None:
         probe.bind(address)
 
 
+def _check_ipc_path(config: ServerConfig, index: int | None, host: str) -> None:
+    """ZeroMQ creates the socket file, not its directory (``@name``: an abstract socket)."""
+    path = host[len("ipc://") :]
+    if path.startswith("@"):
+        return
+    flag = listener_flag(config, index, "host")
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        what = "is a file, not a directory" if os.path.exists(parent) else "does not exist"
+        raise ConfigError(f"{flag} {host}: {parent} {what}; give a socket path in an existing directory")
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {host}: {path} is a directory; give the path of a socket file")
+
+
 def check_listeners(config: ServerConfig) -> None:
     """Every TCP listener (front ends, the HTTP endpoint) can bind its address now."""
     listeners: list[tuple[int | None, str, int]] = []
@@ -123,8 +141,11 @@ def check_listeners(config: ServerConfig) -> None:
     if config.metrics_port:
         listeners.append((None, config.metrics_host, config.metrics_port))
     for index, host, port in listeners:
-        if host.startswith("ipc://") or not port:
-            continue  # ipc paths are the front end's to check; port 0 always binds
+        if host.startswith("ipc://"):
+            _check_ipc_path(config, index, host)
+            continue
+        if not port:
+            continue  # port 0 always binds
         try:
             _probe_bind(host, port)
         except OSError as exc:
