@@ -357,6 +357,12 @@ class L1Arena:
         return f"L1Arena(name={self.name!r}, size={self.size}, {state})"
 
 
+def segment_bytes(size: int, generation_block: int) -> int:
+    """The size of the segment an arena of ``size`` bytes maps (its generation table
+    included): what /dev/shm must have room for."""
+    return _layout(size, generation_block)[1]
+
+
 def _layout(size: int, generation_block: int) -> tuple[int, int]:
     """(offset of the generation table, segment size): the table starts at the first
     8-byte boundary after the object bytes and has one entry per started block."""

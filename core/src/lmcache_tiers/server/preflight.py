@@ -16,7 +16,7 @@ import socket
 from typing import TYPE_CHECKING
 
 from lmcache_tiers.errors import ConfigError
-from lmcache_tiers.l1.arena import SHM_DIR
+from lmcache_tiers.l1.arena import SHM_DIR, segment_bytes
 from lmcache_tiers.l2.preflight import preflight_adapters
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["check_l1_room", "check_listeners", "listen_error", "listener_flag", "preflight"]
 
 _GIB = float(1 << 30)
-#: beyond the arena itself: its generation table and the process's own memory
+#: beyond the segment: the process's own memory
 _L1_HEADROOM_BYTES = 64 << 20
 
 
@@ -55,7 +55,7 @@ def check_l1_room(config: ServerConfig) -> None:
     the segment is a tmpfs file whose every page is pre-faulted at start-up."""
     if config.gds_l1_path is not None:
         return  # an NVMe L1 takes disk space, preallocated without touching memory
-    need = config.l1_size_bytes + _L1_HEADROOM_BYTES
+    need = segment_bytes(config.l1_size_bytes, config.l1_align_bytes) + _L1_HEADROOM_BYTES
     shown = f"--l1-size-gb {config.l1_size_gb:g}"
     shm = _shm_free()
     if shm is not None and need > shm:
