@@ -15,6 +15,7 @@ so a reader can tell, after copying out of an extent, whether it changed hands m
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import gc
@@ -25,6 +26,7 @@ import re
 import secrets
 import sys
 import types
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -137,10 +139,17 @@ def _view_holders(segment: mmap.mmap) -> str:
     locals hold one, on any thread, and the types of objects that refer to one; for the
     warning that says the arena could not be unmapped."""
     holders: set[str] = set()
+    with warnings.catch_warnings():  # looking at arbitrary objects may touch deprecated ones
+        warnings.simplefilter("ignore")
+        _find_holders(segment, holders)
+    return ", ".join(sorted(holders)[:6]) or "objects the garbage collector does not track"
+
+
+def _find_holders(segment: mmap.mmap, holders: set[str]) -> None:
     for top in sys._current_frames().values():
         frame: types.FrameType | None = top
         while frame is not None:
-            if frame.f_code.co_name != "_view_holders" and any(
+            if frame.f_code.co_name not in ("_view_holders", "_find_holders") and any(
                 _views_into(segment, value) for value in frame.f_locals.values()
             ):
                 code = frame.f_code
@@ -154,7 +163,6 @@ def _view_holders(segment: mmap.mmap) -> str:
                 for referrer in gc.get_referrers(candidate)
                 if referrer is not tracked and not isinstance(referrer, types.FrameType)
             )
-    return ", ".join(sorted(holders)[:6]) or "objects the garbage collector does not track"
 
 
 def _close_segment(segment: mmap.mmap) -> None:
@@ -175,12 +183,23 @@ def _close_segment(segment: mmap.mmap) -> None:
     )
 
 
-def _release(segment: mmap.mmap, path: str | None, owner_pid: int, pinned_at: int | None) -> None:
+def _release(
+    segment: mmap.mmap,
+    path: str | None,
+    owner_pid: int,
+    pinned_at: int | None,
+    own_views: tuple[memoryview, ...] = (),
+) -> None:
     """Finalizer: unpin, unmap and (for the creating process only) unlink the segment.
 
-    Must not reference the arena object, or the arena could never be collected. A forked
-    child inherits the finalizer; the pid check keeps it from unlinking its parent's segment.
+    Must not reference the arena object, or the arena could never be collected; it holds
+    the arena's own views (``own_views``) instead, released first, so an arena collected
+    without ``close`` unmaps cleanly.  A forked child inherits the finalizer; the pid
+    check keeps it from unlinking its parent's segment.
     """
+    for view in own_views:
+        with contextlib.suppress(BufferError):
+            view.release()
     if pinned_at is not None and os.getpid() == owner_pid:
         try:
             _unpin(pinned_at)
@@ -313,7 +332,9 @@ class L1Arena:
         whole.release()
         # weakref.finalize also runs at interpreter exit, which covers servers that exit
         # through an exception without calling close().
-        self._finalizer = weakref.finalize(self, _release, segment, path, os.getpid(), pinned_at)
+        self._finalizer = weakref.finalize(
+            self, _release, segment, path, os.getpid(), pinned_at, (self.buffer, self.generations)
+        )
 
     @property
     def path(self) -> str:
