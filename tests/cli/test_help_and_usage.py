@@ -57,6 +57,17 @@ def test_switches_show_no_value_placeholder(capsys: pytest.CaptureFixture[str]) 
     assert re.search(r"--version\s+Print the version", root)
 
 
+def test_no_help_text_loses_a_bracketed_default_to_markup(capsys: pytest.CaptureFixture[str]) -> None:
+    # rich reads "[default: ...]" in a help string as a markup tag and drops it, leaving
+    # "text ." behind; written escaped, it shows.
+    for path in _commands():
+        text = _help(capsys, *path, "-h")
+        assert not re.search(r"\w \.(\s|$)", text), (path, text)
+    replay = " ".join(_help(capsys, "replay", "-h").split())
+    assert "Eviction policies to simulate; repeat for several. [default: every installed one]" in replay
+    assert "[default: the likeliest]" in replay
+
+
 def test_serve_help_shows_defaults_and_installed_components(capsys: pytest.CaptureFixture[str]) -> None:
     text = " ".join(_help(capsys, "serve", "-h").split())
     defaults = ServerConfig()

@@ -11,7 +11,7 @@ LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ER
 
 EMIT = """
 import logging
-from lmcache_tiers.server.app import configure_logging
+from lmcache_tiers.server.logs import configure_logging
 configure_logging()
 logging.getLogger("lmcache_plugin_nixl.dynamic").warning("record 1 failed its checksum; deleted")
 logging.getLogger("lmcache_plugin_mock.adapter").info("plugin info line")

@@ -9,7 +9,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from tiers_e2e import job_store_storm, start_server
+from tiers_e2e import ServerProcess, job_store_storm, make_keys, make_payloads, start_server
 
 from lmcache_tiers.client import Client
 
@@ -56,4 +56,99 @@ def test_second_signal_stops_at_once(tmp_path: Path) -> None:
     server.proc.send_signal(signal.SIGINT)
     server.proc.send_signal(signal.SIGINT)
     assert server.proc.wait(60) == 0, server.output()
+    assert not server.shm_path.exists()
+
+
+def _slow_l2_server(tmp_path: Path) -> ServerProcess:
+    """A server whose only L2 takes 30 s for every call, holding three pending stores."""
+    server = start_server(
+        tmp_path / "server", adapters=[{"type": "mock", "max_size_gb": 0.1, "latency_s": 30}], metrics=False
+    )
+    with Client(server.url) as client:
+        for batch in range(3):
+            tag = f"slow-l2/{batch}"
+            assert client.store(make_keys(tag, 4), make_payloads(tag, 4, 64 << 10)) == 4
+        deadline = time.monotonic() + 30
+        while client.status()["store"]["in_flight_tasks"] < 3:
+            assert time.monotonic() < deadline, "the stores never reached the slow L2"
+            time.sleep(0.05)
+    return server
+
+
+def _exited_cleanly(server: ServerProcess, guard_s: float) -> str:
+    """Wait (up to the guard) for the server to exit 0; returns its output."""
+    code = server.proc.wait(guard_s)
+    output = server.output()
+    assert code == 0, output
+    return output
+
+
+def _flush_logged(server: ServerProcess) -> bool:
+    return "flushing 3 L2 stores (up to 10s; Ctrl-C again to abandon)" in server.output()
+
+
+def test_a_second_signal_abandons_the_flush_of_a_slow_l2(tmp_path: Path) -> None:
+    server = _slow_l2_server(tmp_path)
+    try:
+        server.proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while not _flush_logged(server):
+            assert time.monotonic() < deadline, server.output()
+            time.sleep(0.05)
+        server.proc.send_signal(signal.SIGINT)
+        # Well under the 30 s an L2 call takes, or the 10 s flush deadline: the second
+        # signal ends the wait (a generous guard, not a measured time).
+        output = _exited_cleanly(server, 8)
+    finally:
+        server.stop(signal.SIGKILL)
+    assert "flush abandoned on a second signal: 3 L2 stores not waited for" in output
+    assert "12 objects acknowledged to clients were not stored in L2 before the stop" in output
+    summary = " ".join(output.split())
+    assert "3 pending at stop, abandoned on a second signal, 12 objects not stored in L2" in summary
+    assert "still alive" not in output
+    assert not server.shm_path.exists()
+
+
+def test_one_signal_flushes_up_to_the_deadline_and_says_so(tmp_path: Path) -> None:
+    server = _slow_l2_server(tmp_path)
+    try:
+        server.proc.send_signal(signal.SIGTERM)
+        output = _exited_cleanly(server, 45)
+    finally:
+        server.stop(signal.SIGKILL)
+    assert _flush_logged(server), output
+    assert "flush timed out after 10s: 3 L2 stores not waited for" in output
+    assert "flush timed out, 12 objects not stored in L2" in " ".join(output.split())
+
+
+def test_no_live_views_at_the_stop_after_corrupt_records_were_removed(tmp_path: Path) -> None:
+    from lmcache_tiers.plugin import FileLayout
+
+    root = tmp_path / "l2"
+    server = start_server(tmp_path / "server", adapters=[{"type": "fs", "path": str(root)}], metrics=False)
+    keys = make_keys("corrupt-then-stop", 4)
+    try:
+        with Client(server.url) as client:
+            assert client.store(keys, make_payloads("corrupt-then-stop", 4, 64 << 10)) == 4
+            deadline = time.monotonic() + 30
+            while client.status()["adapters"][0]["keys_stored"] < 4:
+                assert time.monotonic() < deadline, server.output()
+                time.sleep(0.05)
+            client.clear(force=True)
+            layout = FileLayout(str(root), shard_dirs=False)
+            for key, offset in ((keys[0], -100), (keys[1], 20)):  # a payload byte, a header byte
+                path = Path(layout.path_for(key))
+                damaged = bytearray(path.read_bytes())
+                damaged[offset] ^= 0x01
+                path.write_bytes(bytes(damaged))
+                assert client.lookup([key]) == 0
+            assert client.status()["adapters"][0]["backend"]["corrupt_records_removed"] == 2
+            assert client.lookup(keys[2:]) == 2
+            with client.retrieve(keys[2:]) as views:
+                assert len(views) == 2
+    finally:
+        code = server.stop(signal.SIGINT)
+    output = server.output()
+    assert code == 0, output
+    assert "removed" in output and "still alive" not in output and "still exported" not in output
     assert not server.shm_path.exists()

@@ -53,6 +53,10 @@ class BurstLog:
                 return
             self._next[kind] = now + self.window_s
             suppressed = self._suppressed.pop(kind, 0)
+        # An exception goes into the record as its text: handlers that keep records (test
+        # capture, memory handlers) would otherwise keep its traceback, whose frames hold
+        # the batch's buffers -- views into L1 that then outlive the arena.
+        args = tuple(str(arg) if isinstance(arg, BaseException) else arg for arg in args)
         if suppressed:
             message += " (and %d more like it in the last %.0f s)"
             args = (*args, suppressed, self.window_s)

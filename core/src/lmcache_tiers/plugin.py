@@ -29,7 +29,8 @@ What each kind of plugin needs:
   ``PathLock``, ``DirectoryInUseError``), ``HeaderSizes``, ``WriteFailures``,
   ``RECORD_ALIGN``, ``RECORD_SUFFIX``, name helpers (``record_name``, ``classify_name``,
   ``EntryKind``, ``is_temp_name``, ``check_relative_dir``, ``record_key``), ``identity_of``, ``FileIdentity``,
-  ``is_out_of_space``;
+  ``is_out_of_space``; stores with paths or devices, for their ``preflight``:
+  ``check_directory``, ``check_file``;
 * tests: ``L2AdapterSuite`` (``PERSISTENCE``, ``CAPACITY``, ``EVICTION``), ``SerdeSuite``
   (``LOSSLESS``, ``DETECTS_CORRUPTION``, ``BINDS_KEY``),
   ``StorePolicySuite``, ``PrefetchPolicySuite``, ``EvictionPolicySuite`` (``EVICTS``,
@@ -107,6 +108,7 @@ if TYPE_CHECKING:
         record_name,
     )
     from lmcache_tiers.l2.interface import L2Adapter, L2Listener, L2Op, LookupResult
+    from lmcache_tiers.l2.preflight import check_directory, check_file
     from lmcache_tiers.l2.record import (
         PREFIX_SIZE,
         RecordChecksumError,
@@ -174,6 +176,8 @@ _LAZY = {
     "is_temp_name": _FILES,
     "record_key": _FILES,
     "record_name": _FILES,
+    "check_directory": "lmcache_tiers.l2.preflight",
+    "check_file": "lmcache_tiers.l2.preflight",
     "L2Adapter": _L2,
     "L2Listener": _L2,
     "L2Op": _L2,
@@ -296,6 +300,8 @@ __all__ = [
     "TiersError",
     "WriteFailures",
     "__version__",
+    "check_directory",
+    "check_file",
     "check_relative_dir",
     "chunk_hashes",
     "classify_name",

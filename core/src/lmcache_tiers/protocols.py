@@ -81,6 +81,11 @@ class L2Backend(Protocol):
 
     Optional members, found by name when present:
 
+    * ``preflight(config)`` -- a staticmethod or classmethod of the backend class (or an
+      attribute of a factory function): cheap checks of what the config names (paths,
+      devices), run for every configured adapter before the L1 arena exists; raises
+      :class:`~lmcache_tiers.config.FieldError` naming the field, and builds nothing
+      (``check_directory`` and ``check_file`` of the plugin API do the usual ones);
     * ``open()`` -- runs once before any other call;
     * ``close()`` -- runs once when the adapter closes, after the calls still running
       finished (or ``close_timeout_s`` passed);

@@ -96,8 +96,42 @@ def test_close_with_live_views_still_unlinks(caplog: pytest.LogCaptureFixture) -
         arena.close()
     assert not path.exists()
     assert "still alive" in caplog.text
+    assert "test_close_with_live_views_still_unlinks" in caplog.text  # who holds the view is named
     assert bytes(view[0:3]) == b"abc"  # the mapping outlives the name while views exist
     view.release()
+
+
+class _Cycle:
+    """An object in a reference cycle, as an exception kept with its traceback is."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.me = self
+
+
+def _fail_holding(view: memoryview) -> None:
+    raise ValueError(f"damaged record in {len(view)} bytes")
+
+
+def test_views_held_only_by_garbage_cycles_do_not_keep_the_arena(caplog: pytest.LogCaptureFixture) -> None:
+    arena = L1Arena(MIB, prefault=False)
+    was_enabled = gc.isenabled()
+    gc.disable()  # nothing collects the cycles but the close itself
+    try:
+        _Cycle(arena.buffer[0:4096])
+        try:
+            _fail_holding(arena.buffer[4096:8192])
+        except ValueError as exc:
+            cycle = _Cycle(arena.buffer[0:1])
+            cycle.error = exc  # type: ignore[attr-defined]  # traceback -> frame -> view
+            del cycle
+        with caplog.at_level(logging.WARNING):
+            arena.close()
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert "still alive" not in caplog.text
+    assert not Path(arena.path).exists()
 
 
 def test_prefault_backs_every_page() -> None:

@@ -20,8 +20,9 @@ from lmcache_tiers.config import ServerConfig
 from lmcache_tiers.endpoints import is_loopback, rpc_endpoint
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.server.app import TiersServer, configure_logging, run_server
+from lmcache_tiers.server.app import TiersServer, run_server
 from lmcache_tiers.server.benchmark import run_bench
+from lmcache_tiers.server.logs import configure_logging
 
 Factory = Callable[..., TiersServer]
 
@@ -65,8 +66,8 @@ def test_a_busy_port_is_a_start_up_error(capsys: pytest.CaptureFixture[str]) -> 
         taken.listen()
         port = taken.getsockname()[1]
         config = ServerConfig(port=port, metrics_port=0, l1_size_gb=0.0625, l1_shm_name="tiers_unit_busy")
-        assert run_server(config, banner=False) == 1
-    assert "cannot listen" in capsys.readouterr().err
+        assert run_server(config, banner=False) == 2
+    assert f"--port {port}: 127.0.0.1:{port} is already in use" in capsys.readouterr().err
     assert not os.path.exists("/dev/shm/tiers_unit_busy")
 
 

@@ -57,7 +57,10 @@ def replay(
         typer.Option(help="Simulated L2 capacity, one per --capacity (a two-tier point each)."),
     ] = None,
     policy: Annotated[
-        Optional[list[str]], typer.Option(help="Eviction policies to simulate [default: all installed].")
+        Optional[list[str]],
+        typer.Option(
+            help="Eviction policies to simulate; repeat for several. \\[default: every installed one]"
+        ),
     ] = None,
     l2_policy: Annotated[str, typer.Option(help="Eviction policy of the simulated L2.")] = "LRU",
     reads_per_hit: Annotated[
@@ -83,7 +86,7 @@ def replay(
     ] = None,
     retime_bandwidth: Annotated[
         Optional[int],
-        typer.Option(min=1, help="Rate smoothing of --retime, in requests [default: the likeliest]."),
+        typer.Option(min=1, help="Rate smoothing of --retime, in requests. \\[default: the likeliest]"),
     ] = None,
     # -- real bytes -------------------------------------------------------------------
     time_scale: Annotated[

@@ -22,8 +22,9 @@ from rich.markup import escape
 from lmcache_tiers.cli import lmcache_flags as compat
 from lmcache_tiers.cli.output import fail
 from lmcache_tiers.config import ServerConfig, build_config, config_to_builtins, load_toml, redact_secrets
-from lmcache_tiers.defaults import CACHE_DIR_ENV, claim_default_l2, default_l2_adapters
+from lmcache_tiers.defaults import CACHE_DIR_ENV, claim_default_l2, default_l2_adapters, default_l2_dir
 from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.l2.preflight import preflight_adapters
 from lmcache_tiers.plugins import PluginSet
 from lmcache_tiers.registry import ComponentRegistry, Kind
 
@@ -341,6 +342,7 @@ def flag_overrides(params: dict[str, Any], given: set[str]) -> tuple[dict[str, A
 
 
 _AT_FIELD = re.compile(r" - at `\$\.(\w+)`$")
+_AT_ANY_FIELD = re.compile(r" - at `\$[^`]*`$")
 
 
 def _name_flag(exc: ConfigError, given: set[str]) -> ConfigError:
@@ -352,6 +354,16 @@ def _name_flag(exc: ConfigError, given: set[str]) -> ConfigError:
             if field == found.group(1):
                 return ConfigError(f"{flag}: {exc}")
     return exc
+
+
+def _default_l2_error(exc: ConfigError) -> ConfigError:
+    """An error about the embedded default L2, which the user did not write: say where it
+    lives and the two ways out."""
+    reason = _AT_ANY_FIELD.sub("", str(exc))
+    return ConfigError(
+        f"the embedded default L2 in {default_l2_dir()} cannot be used ({reason}); point "
+        f"{CACHE_DIR_ENV} at a writable directory on a disk, or run without L2 (--no-default-l2)"
+    )
 
 
 def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) -> None:
@@ -367,14 +379,19 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
         file_values["l2_adapters"] = default_l2_adapters(plugin_set.registry)
     try:
         resolved = build_config(plugin_set.registry, file_values, overrides, adapters, params["frontend"])
+        if uses_default_l2 and not params["print_config"]:
+            preflight_adapters(plugin_set.registry, resolved)
     except ConfigError as exc:
+        if uses_default_l2 and "`$.l2_adapters[0]" in str(exc):
+            raise _default_l2_error(exc) from None
         raise _name_flag(exc, given) from exc
     if uses_default_l2 and file_values["l2_adapters"] and not params["print_config"]:
         # A second default server gets a hint, not the adapter's directory-lock error.
         _DEFAULT_L2_CLAIMS.append(claim_default_l2())
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "INFO")
     try:
-        from lmcache_tiers.server.app import check_serving, configure_logging, run_server
+        from lmcache_tiers.server.app import check_serving, run_server
+        from lmcache_tiers.server.logs import configure_logging
     except ImportError as exc:
         fail(f"the server is not available in this installation ({exc})", 1)
     # Refused before anything is printed or allocated (--print-config checks it too).

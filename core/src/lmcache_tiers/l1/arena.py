@@ -15,13 +15,18 @@ so a reader can tell, after copying out of an extent, whether it changed hands m
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import gc
 import logging
 import mmap
 import os
 import re
 import secrets
+import sys
+import types
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -120,22 +125,87 @@ def _unpin(address: int) -> None:
         logger.warning("cudaHostUnregister of the L1 arena failed (%s)", status)
 
 
-def _release(segment: mmap.mmap, path: str | None, owner_pid: int, pinned_at: int | None) -> None:
+def _views_into(segment: mmap.mmap, value: object) -> bool:
+    if not isinstance(value, memoryview):
+        return False
+    try:
+        return value.obj is segment
+    except ValueError:  # released
+        return False
+
+
+def _view_holders(segment: mmap.mmap) -> str:
+    """Who holds the views still open into ``segment``: functions (file and line) whose
+    locals hold one, on any thread, and the types of objects that refer to one; for the
+    warning that says the arena could not be unmapped."""
+    holders: set[str] = set()
+    with warnings.catch_warnings():  # looking at arbitrary objects may touch deprecated ones
+        warnings.simplefilter("ignore")
+        _find_holders(segment, holders)
+    return ", ".join(sorted(holders)[:6]) or "objects the garbage collector does not track"
+
+
+def _find_holders(segment: mmap.mmap, holders: set[str]) -> None:
+    for top in sys._current_frames().values():
+        frame: types.FrameType | None = top
+        while frame is not None:
+            if frame.f_code.co_name not in ("_view_holders", "_find_holders") and any(
+                _views_into(segment, value) for value in frame.f_locals.values()
+            ):
+                code = frame.f_code
+                holders.add(f"{code.co_name} ({code.co_filename}:{frame.f_lineno})")
+            frame = frame.f_back
+    tracked = gc.get_objects()
+    for candidate in tracked:
+        if _views_into(segment, candidate):
+            holders.update(
+                type(referrer).__name__
+                for referrer in gc.get_referrers(candidate)
+                if referrer is not tracked and not isinstance(referrer, types.FrameType)
+            )
+
+
+def _close_segment(segment: mmap.mmap) -> None:
+    """Unmap ``segment``.  Views held only by garbage cycles (an exception kept with its
+    traceback, whose frames hold buffers) go with one collection; views still referenced
+    keep the mapping until they go, which is said once with who holds them."""
+    for attempt in range(2):
+        try:
+            segment.close()
+            return
+        except BufferError:
+            if attempt == 0:
+                gc.collect()
+    logger.warning(
+        "L1 arena closed while memory views into it are still alive (held by %s); "
+        "it stays mapped until they are released",
+        _view_holders(segment),
+    )
+
+
+def _release(
+    segment: mmap.mmap,
+    path: str | None,
+    owner_pid: int,
+    pinned_at: int | None,
+    own_views: tuple[memoryview, ...] = (),
+) -> None:
     """Finalizer: unpin, unmap and (for the creating process only) unlink the segment.
 
-    Must not reference the arena object, or the arena could never be collected. A forked
-    child inherits the finalizer; the pid check keeps it from unlinking its parent's segment.
+    Must not reference the arena object, or the arena could never be collected; it holds
+    the arena's own views (``own_views``) instead, released first, so an arena collected
+    without ``close`` unmaps cleanly.  A forked child inherits the finalizer; the pid
+    check keeps it from unlinking its parent's segment.
     """
+    for view in own_views:
+        with contextlib.suppress(BufferError):
+            view.release()
     if pinned_at is not None and os.getpid() == owner_pid:
         try:
             _unpin(pinned_at)
         except Exception:  # unpinning is best effort during teardown
             logger.exception("unpinning the L1 arena failed")
-    try:
-        segment.close()
-    except BufferError:
-        # Someone still holds a view into the arena; the mapping goes away with the last view.
-        logger.warning("L1 arena closed while memory views into it are still alive")
+    _close_segment(segment)
     if path is not None and os.getpid() == owner_pid:
         try:
             os.unlink(path)
@@ -195,7 +265,7 @@ class L1Arena:
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:
                     free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
-                    raise TiersError(
+                    raise ConfigError(
                         f"cannot place a {size_bytes / 2**30:.2f} GiB L1 arena in {SHM_DIR} "
                         f"({free / 2**30:.2f} GiB free): lower --l1-size-gb or enlarge {SHM_DIR}"
                     ) from None
@@ -262,7 +332,9 @@ class L1Arena:
         whole.release()
         # weakref.finalize also runs at interpreter exit, which covers servers that exit
         # through an exception without calling close().
-        self._finalizer = weakref.finalize(self, _release, segment, path, os.getpid(), pinned_at)
+        self._finalizer = weakref.finalize(
+            self, _release, segment, path, os.getpid(), pinned_at, (self.buffer, self.generations)
+        )
 
     @property
     def path(self) -> str:
@@ -304,6 +376,12 @@ class L1Arena:
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("owner" if self.owner else "attached")
         return f"L1Arena(name={self.name!r}, size={self.size}, {state})"
+
+
+def segment_bytes(size: int, generation_block: int) -> int:
+    """The size of the segment an arena of ``size`` bytes maps (its generation table
+    included): what /dev/shm must have room for."""
+    return _layout(size, generation_block)[1]
 
 
 def _layout(size: int, generation_block: int) -> tuple[int, int]:

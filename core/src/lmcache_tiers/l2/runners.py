@@ -230,7 +230,7 @@ class LoopRunner(Runner):
                 "%s: the backend failed to open, every operation fails: %s: %s",
                 self.state.name,
                 type(exc).__name__,
-                exc,
+                str(exc),  # not the exception: a kept record would keep its frames
             )
 
     def opened(self, timeout: float) -> bool | None:

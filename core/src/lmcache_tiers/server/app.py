@@ -5,11 +5,15 @@ runs its own threads over the one StorageManager.  Start-up checks everything it
 L1 exists (front-end configs, addresses that would clash, the HTTP host), then builds the
 storage (which pre-faults L1), the front ends (which bind) and the HTTP endpoint.
 
+Before the storage exists, the machine is checked too (:mod:`~lmcache_tiers.server.preflight`:
+adapter paths, ports, the L1 size): pre-faulting a large L1 takes seconds.
+
 Shutdown on SIGINT/SIGTERM, in order: every front end stops taking new work and lets
 in-flight requests finish (or cancels them at the drain deadline), then gives back every
-lock and reservation its clients still hold; pending L2 stores are flushed, the storage is
-closed (which unlinks the L1 segment), HTTP stops and a summary is printed.  A second
-signal cuts the drain short.
+lock and reservation its clients still hold; pending L2 stores are flushed up to the same
+deadline (:mod:`~lmcache_tiers.server.flush`), the storage is closed (abandoning, and
+counting, what the flush did not store; this unlinks the L1 segment), HTTP stops and a
+summary is printed.  A second signal cuts the drain and the flush short.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from lmcache_tiers import __version__
 from lmcache_tiers.config import ServerConfig, default_frontends
@@ -34,8 +39,11 @@ from lmcache_tiers.frontend import Frontend, FrontendStats, check_frontends, cre
 from lmcache_tiers.l2.scan_progress import watch_scans
 from lmcache_tiers.registry import ComponentRegistry, Kind
 from lmcache_tiers.server.banner import start_banner, stop_summary
+from lmcache_tiers.server.flush import ABANDONED_FAILURES, flush_l2, pending_l2_stores
 from lmcache_tiers.server.http import HttpEndpoint
+from lmcache_tiers.server.logs import configure_logging
 from lmcache_tiers.server.metrics import build_registry, render
+from lmcache_tiers.server.preflight import listen_error, preflight
 from lmcache_tiers.wire import protocol as p
 
 if TYPE_CHECKING:
@@ -43,41 +51,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-LOG_LEVEL_ENV = "LMCACHE_LOG_LEVEL"
 AUTH_TOKEN_ENV = "LMCACHE_TIERS_AUTH_TOKEN"
-_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
 #: how long a front end that does not finish its drain is waited for beyond the deadline
 _JOIN_GRACE_S = 5.0
-
-
-def configure_logging() -> None:
-    """One log format for every Python logger of the server process, on stderr.
-
-    The handler sits on the root logger, so plugin loggers (``lmcache_plugin_nixl.*``, a
-    third-party plugin's package) and libraries print with the same timestamp, level and
-    logger name as core.  ``LMCACHE_LOG_LEVEL`` (INFO when unset) applies to
-    ``lmcache_tiers`` and to the package of every plugin entry point; other libraries keep
-    Python's WARNING.  A process that configured logging itself (root already has a
-    handler) keeps its handlers.  Log lines are plain, one per event: they end up in files
-    and journals that people grep, unlike the banner and summary, which are for a terminal.
-    """
-    from importlib.metadata import entry_points
-
-    from lmcache_tiers.plugins import ENTRY_POINT_GROUP
-
-    raw = os.environ.get(LOG_LEVEL_ENV, "INFO").strip().upper()
-    level = _LEVELS.get(raw)
-    root = logging.getLogger()
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        root.addHandler(handler)
-    packages = {"lmcache_tiers"}
-    packages.update(ep.value.split(":")[0].split(".")[0] for ep in entry_points(group=ENTRY_POINT_GROUP))
-    for name in sorted(packages):
-        logging.getLogger(name).setLevel(level if level is not None else logging.INFO)
-    if level is None:
-        logger.warning("%s=%r is not one of %s; using INFO", LOG_LEVEL_ENV, raw, ", ".join(_LEVELS))
 
 
 def check_metrics_host(config: ServerConfig, token: str | None) -> None:
@@ -122,6 +98,8 @@ class TiersServer:
         # Imported before L1 is allocated: a front end whose code cannot load costs no start-up.
         for spec in config.frontends:
             registry.get(Kind.FRONTEND, spec.type).load()
+        # Paths, ports and the L1 size against the machine, before pre-faulting takes seconds.
+        preflight(config, registry)
         self.config = config
         self.drain_timeout_s = drain_timeout_s
         self.auth_required = bool(auth_token)
@@ -136,17 +114,21 @@ class TiersServer:
         self.frontends: list[Frontend] = []
         try:
             for index, spec in enumerate(config.frontends):
-                frontend = create_frontend(
-                    registry,
-                    index,
-                    spec,
-                    self.storage,
-                    config,
-                    auth_token=auth_token,
-                    drain_timeout_s=drain_timeout_s,
-                    status=self.status,
-                    fatal=self._on_fatal,
-                )
+                try:
+                    frontend = create_frontend(
+                        registry,
+                        index,
+                        spec,
+                        self.storage,
+                        config,
+                        auth_token=auth_token,
+                        drain_timeout_s=drain_timeout_s,
+                        status=self.status,
+                        fatal=self._on_fatal,
+                    )
+                except OSError as exc:  # taken since the pre-flight probe
+                    host, port = spec.config.address(config)
+                    raise listen_error(config, index, host, port, exc) from None
                 self.frontends.append(frontend)
             if config.metrics_port:
                 metrics = build_registry(self.frontend_stats, self.storage_status)
@@ -161,9 +143,7 @@ class TiersServer:
                         status_token=None if is_loopback(http_host) else auth_token,
                     )
                 except OSError as exc:
-                    raise OSError(
-                        exc.errno, f"cannot serve HTTP on {http_host}:{config.metrics_port}: {exc.strerror}"
-                    ) from None
+                    raise listen_error(config, None, http_host, config.metrics_port, exc) from None
         except BaseException:
             self._close_frontends()
             self.storage.close(drain_timeout_s=0.0)
@@ -257,13 +237,22 @@ class TiersServer:
         self._fatal = exc
         self.request_stop()
 
-    def close(self) -> dict[str, Any]:
-        """After ``serve`` returned: flush L2, release everything; returns a summary."""
+    def close(self, console: Console | None = None) -> dict[str, Any]:
+        """After ``serve`` returned: flush L2 (progress on ``console``; a second signal
+        abandons it), release everything; returns a summary."""
         self._close_frontends()
         stats = merged_stats(frontend.stats() for frontend in self.frontends)
         before = self.storage.status()
-        pending = before["store"]["in_flight_tasks"] + before["store"]["pending_batches"]
-        flushed = self.storage.flush(timeout=self.drain_timeout_s)
+        pending = pending_l2_stores(self.storage)
+        flushed = flush_l2(self.storage, self.drain_timeout_s, lambda: self._force, console)
+        # The flush was the drain: what is still pending is abandoned now, and counted.
+        self.storage.close(drain_timeout_s=0.0)
+        failures = self.storage.stats.failures()
+        abandoned = sum(failures.get(name, 0) for name in ABANDONED_FAILURES)
+        if abandoned:
+            logger.warning(
+                "%d objects acknowledged to clients were not stored in L2 before the stop", abandoned
+            )
         summary = {
             "uptime_s": time.time() - self.started,
             "requests": sum(stats.requests.values()),
@@ -274,14 +263,15 @@ class TiersServer:
             "lookups": before["requests"]["lookups"],
             "l1_hit_chunks": before["requests"]["l1_hit_chunks"],
             "l2_hit_chunks": before["requests"]["l2_hit_chunks"],
-            "failures": sum(stats.failures.values()) + sum(before["failures"].values()),
+            "failures": sum(stats.failures.values()) + sum(failures.values()),
             "client_locks_released": stats.released_at_stop_locks,
             "client_reservations_aborted": stats.released_at_stop_reservations,
             "l2_stores_pending": pending,
             "l2_flushed": flushed,
+            "l2_flush_abandoned": not flushed and self._force,
+            "l2_objects_abandoned": abandoned,
             "l1_objects": before["l1"]["objects"],
         }
-        self.storage.close(drain_timeout_s=self.drain_timeout_s)
         if self.http is not None:
             self.http.stop()
         self._close_pipe()
@@ -333,10 +323,10 @@ def run_server(
     try:
         server = TiersServer(config, registry=registry, auth_token=token)
     except ConfigError as exc:
-        errors.print(f"[bold red]error:[/] {exc}")
+        _print_error(errors, str(exc))
         return 2
     except (TiersError, OSError) as exc:
-        errors.print(f"[bold red]error:[/] cannot start the server: {exc}")
+        _print_error(errors, f"cannot start the server: {exc}")
         return 1
 
     restore = _install_signal_handlers(server)
@@ -357,12 +347,18 @@ def run_server(
             logger.exception("serving failed; shutting down")
             code = 1
         _call_hook(hooks, "tiers_server_stopping", config=config, storage=server.storage)
-        summary = server.close()
+        summary = server.close(console if banner else None)
     finally:
         restore()
     if banner:
         console.print(stop_summary(summary))
     return code
+
+
+def _print_error(errors: Console, message: str) -> None:
+    """``error: message`` on one line: the message is text (``[0]`` in a config path is not
+    markup), its line breaks are folded."""
+    errors.print(f"[bold red]error:[/] {escape(' '.join(message.split()))}")
 
 
 def _plugin_hooks() -> Any:

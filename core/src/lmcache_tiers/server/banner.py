@@ -84,6 +84,10 @@ def stop_summary(summary: dict[str, Any]) -> Panel:
         f"{summary['client_locks_released']} client locks, "
         f"{summary['client_reservations_aborted']} unfinished stores aborted",
     )
-    flushed = "all flushed" if summary["l2_flushed"] else "flush timed out"
+    if summary["l2_flushed"]:
+        flushed = "all flushed"
+    else:
+        why = "abandoned on a second signal" if summary["l2_flush_abandoned"] else "flush timed out"
+        flushed = f"{why}, {summary['l2_objects_abandoned']} objects not stored in L2"
     grid.add_row("L2 stores", f"{summary['l2_stores_pending']} pending at stop, {flushed}")
     return Panel(grid, title="lmcache-tiers stopped", expand=False)

@@ -50,6 +50,16 @@ class DaxBackend(SlotStoreBackend):
     type_name = "dax"
     too_large_hint = "raise slot_bytes"
 
+    @staticmethod
+    def preflight(config: DaxConfig) -> None:
+        """Before L1 exists: every mapping is a character device or a file this user can
+        create or open."""
+        from lmcache_tiers.plugin import check_file
+
+        for index, device in enumerate(config.mappings()):
+            field = f"devices[{index}].device_path" if config.devices else "device_path"
+            check_file(device.device_path, field, devices="char")
+
     def __init__(self, config: DaxConfig, context: BackendContext) -> None:
         self.config = config
         self._init_slot_store(context, config.slot_bytes, config.num_store_workers, config.load_workers)

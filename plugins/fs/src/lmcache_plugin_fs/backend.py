@@ -27,6 +27,7 @@ from lmcache_tiers.plugin import (
     ObjectSize,
     ProcessClaim,
     WriteFailures,
+    check_directory,
     printable,
 )
 
@@ -35,6 +36,12 @@ log = logging.getLogger(__name__)
 
 class FsBackend:
     """One record file per object under ``config.root``."""
+
+    @staticmethod
+    def preflight(config: FsConfig) -> None:
+        """Before L1 exists: a local root must be a directory this user can create or use."""
+        if config.is_local:
+            check_directory(config.local_root, "path" if config.path is not None else "base_path")
 
     def __init__(self, config: FsConfig, context: BackendContext) -> None:
         self.config = config

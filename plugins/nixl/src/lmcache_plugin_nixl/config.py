@@ -129,6 +129,13 @@ class _NixlBase(L2AdapterConfig):
         """Directory of the cache files (file backends only)."""
         return self.backend_params.get("file_path", "").strip()
 
+    def preflight(self) -> None:
+        """Before L1 exists: a file backend's directory must be one this user can use."""
+        if self.is_file_backend:
+            from lmcache_tiers.plugin import check_directory
+
+            check_directory(self.file_path, "backend_params.file_path")
+
     @property
     def use_direct_io(self) -> bool:
         return self.is_file_backend and _parse_bool(self.backend_params, "use_direct_io", default=_FALSE)

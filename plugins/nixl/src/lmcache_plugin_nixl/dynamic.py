@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 class NixlDynamicBackend:
     """Backend writing one NIXL-transferred record file per object."""
 
+    @staticmethod
+    def preflight(config: NixlStoreDynamicConfig) -> None:
+        config.preflight()
+
     def __init__(self, config: NixlStoreDynamicConfig, context: BackendContext) -> None:
         self.config = config
         self.context = context

@@ -25,6 +25,10 @@ from lmcache_tiers.plugin import BackendContext, Capacity, ObjectKey
 class NixlStoreBackend:
     """Backend over ``pool_size`` preallocated NIXL storage slots."""
 
+    @staticmethod
+    def preflight(config: NixlStoreConfig) -> None:
+        config.preflight()
+
     def __init__(self, config: NixlStoreConfig, context: BackendContext) -> None:
         self.config = config
         self.context = context

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from lmcache_plugin_raw_block.checkpoint import Checkpoint, CheckpointAreas, CheckpointTooLarge
 from lmcache_plugin_raw_block.config import RawBlockConfig
-from lmcache_plugin_raw_block.device import BlockDevice, open_device
+from lmcache_plugin_raw_block.device import BlockDevice, open_device, preflight_device
 from lmcache_plugin_raw_block.geometry import Geometry, plan_geometry
 from lmcache_plugin_raw_block.recovery import recover
 from lmcache_plugin_raw_block.slotheader import record_of
@@ -74,6 +74,10 @@ class RawBlockBackend(SlotStoreBackend):
 
     type_name = "raw_block"
     too_large_hint = "raise slot_bytes (a slot's payload is slot_bytes - header_bytes)"
+
+    @staticmethod
+    def preflight(config: RawBlockConfig) -> None:
+        preflight_device(config)
 
     def __init__(self, config: RawBlockConfig, context: BackendContext) -> None:
         self.config = config

@@ -67,6 +67,29 @@ class BlockDevice:
             log.error("%s: %s left open: device calls are still running", _NAME, self.path)
 
 
+def _under_dev(real: str) -> bool:
+    """A missing name under /dev is a mistyped device, not a file to create (/dev/shm aside)."""
+    parent = os.path.dirname(real) or "."
+    return parent == "/dev" or (parent.startswith("/dev/") and not (parent + "/").startswith("/dev/shm/"))
+
+
+def preflight_device(config: RawBlockConfig) -> None:
+    """Before L1 exists: ``device_path`` is a block device or a regular file, or a file
+    this user can create (with ``capacity_bytes``)."""
+    from lmcache_tiers.plugin import FieldError, check_file
+
+    path = config.device_path
+    if not os.path.exists(path) and _under_dev(os.path.realpath(path)):
+        raise FieldError("device_path", f"{path} does not exist (no file is created under /dev)")
+    if not os.path.exists(path) and config.capacity_bytes == 0:
+        raise FieldError(
+            "device_path",
+            f"{path} does not exist; name a block device or a preallocated file, "
+            "or set capacity_bytes to have a file of that size created",
+        )
+    check_file(path, "device_path", devices="block")
+
+
 def _missing(config: RawBlockConfig) -> None:
     """Create the regular file ``device_path`` names, or say why it is not created."""
     path = config.device_path
@@ -77,8 +100,7 @@ def _missing(config: RawBlockConfig) -> None:
         )
     real = os.path.realpath(path)
     parent = os.path.dirname(real) or "."
-    # A missing name under /dev is a mistyped device, not a file to create (/dev/shm aside).
-    if parent == "/dev" or (parent.startswith("/dev/") and not (parent + "/").startswith("/dev/shm/")):
+    if _under_dev(real):
         raise ConfigError(f"{_NAME}: device_path {path} does not exist (no file is created under /dev)")
     if not os.path.isdir(parent):
         raise ConfigError(f"{_NAME}: device_path {path}: directory {parent} does not exist")

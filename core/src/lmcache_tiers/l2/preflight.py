@@ -1,0 +1,190 @@
+"""Pre-flight checks of L2 adapter configs: cheap, run for every adapter before L1 exists.
+
+A backend class (or factory function) may carry ``preflight(config) -> None``, a
+classmethod or staticmethod found by name.  It looks at the environment the config
+names -- paths, devices -- without building anything, and raises
+:class:`~lmcache_tiers.config.FieldError` naming the field at fault.  The server runs it
+for every configured adapter before the L1 arena is pre-faulted, so a typo in a path
+costs no start-up time, and the error names ``$.l2_adapters[i].<field>``.
+
+The two helpers here are what file, slot and device stores need: a directory the store
+may create, and a file (or device node) it may create or open.  They create nothing,
+except one probe directory, removed at once, where only trying tells whether this user
+may create entries (permissions, read-only or virtual filesystems).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from lmcache_tiers.config import FieldError, decode_adapter
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.registry import Kind
+
+if TYPE_CHECKING:
+    from lmcache_tiers.config import AdapterSpec, ServerConfig
+    from lmcache_tiers.registry import ComponentRegistry
+
+__all__ = ["check_directory", "check_file", "preflight_adapters"]
+
+#: filesystems that hold no files of ours, whatever the permissions say
+_VIRTUAL_ROOTS = ("/proc", "/sys")
+
+
+def _existing_ancestor(path: str) -> tuple[str, os.stat_result]:
+    """The nearest ancestor of ``path`` (itself included) that exists, and its stat."""
+    probe = path
+    while True:
+        try:
+            return probe, os.stat(probe)
+        except FileNotFoundError:
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                raise
+            probe = parent
+        except NotADirectoryError:
+            # some component on the way is a file: find it by walking up further
+            probe = os.path.dirname(probe)
+
+
+def _under_virtual_fs(path: str) -> str | None:
+    real = os.path.realpath(path)
+    for root in _VIRTUAL_ROOTS:
+        if real == root or real.startswith(root + "/"):
+            return root
+    return None
+
+
+def _probe_create(directory: str, field: str, target: str) -> None:
+    """Create and remove one entry in ``directory``: the only sure test of whether this
+    user can create ``target`` there."""
+    probe = os.path.join(directory, f".lmcache-tiers-preflight-{os.getpid()}")
+    try:
+        os.mkdir(probe, 0o700)
+    except FileExistsError:
+        return  # a probe left by a killed process of the same pid: creating works
+    except OSError as exc:
+        reasons = {
+            errno.EACCES: f"this user may not create entries in {directory}",
+            errno.EPERM: f"this user may not create entries in {directory}",
+            errno.EROFS: f"{directory} is on a read-only filesystem",
+            errno.ENOSPC: f"the filesystem of {directory} is full",
+            errno.EDQUOT: f"this user's disk quota on {directory} is used up",
+        }
+        reason = reasons.get(exc.errno or 0, f"creating an entry in {directory} fails ({exc.strerror})")
+        raise FieldError(field, f"{target} cannot be created: {reason}; give a writable path") from None
+    with contextlib.suppress(OSError):
+        os.rmdir(probe)
+
+
+def _refuse_virtual(path: str, field: str) -> None:
+    virtual = _under_virtual_fs(path)
+    if virtual is not None:
+        raise FieldError(
+            field,
+            f"{path} is under {virtual}, a virtual filesystem that cannot hold a store; give a disk path",
+        )
+
+
+def _check_creatable(path: str, field: str) -> None:
+    """``path`` does not exist: its nearest existing ancestor must be a writable directory."""
+    _refuse_virtual(path, field)
+    ancestor, info = _existing_ancestor(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise FieldError(
+            field, f"{path} cannot be created: {ancestor} is a file, not a directory; give another path"
+        )
+    _probe_create(ancestor, field, path)
+
+
+def _check_file_creatable(path: str, field: str) -> None:
+    """A file is created in a directory that exists (its directories are not made)."""
+    _refuse_virtual(path, field)
+    parent = os.path.dirname(path)
+    ancestor, info = _existing_ancestor(parent)
+    if not stat.S_ISDIR(info.st_mode):
+        raise FieldError(field, f"{path} cannot be created: {ancestor} is a file, not a directory")
+    if ancestor != parent:
+        raise FieldError(field, f"{path} cannot be created: directory {parent} does not exist")
+    _probe_create(parent, field, path)
+
+
+def _absolute_stat(path: str, field: str, what: str) -> tuple[str, os.stat_result | None]:
+    """The absolute path and its stat, None when nothing is there yet."""
+    if not path:
+        raise FieldError(field, f"the {what} must not be empty")
+    path = os.path.abspath(path)
+    try:
+        return path, os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return path, None
+    except OSError as exc:
+        raise FieldError(field, f"cannot use {path}: {exc.strerror}") from None
+
+
+def check_directory(path: str, field: str) -> None:
+    """Refuse a directory path a store cannot use: a file where the directory should be, a
+    path under a file, under /proc or /sys, or where this user cannot create it.  A
+    directory that exists must be writable and searchable."""
+    path, info = _absolute_stat(path, field, "directory")
+    if info is None:
+        _check_creatable(path, field)
+        return
+    if not stat.S_ISDIR(info.st_mode):
+        raise FieldError(field, f"{path} is a file, not a directory; give a directory (or remove the file)")
+    _refuse_virtual(path, field)
+    _probe_create(path, field, path)
+
+
+def check_file(path: str, field: str, *, devices: str = "", create: bool = True) -> None:
+    """Refuse a file path a store cannot open: a directory, a path under a file, a file
+    that does not exist and cannot be created (``create``).  ``devices`` names the device
+    nodes also accepted ("block", "char"); an existing one is left to the store to open."""
+    path, info = _absolute_stat(path, field, "path")
+    if info is None:
+        if not create:
+            raise FieldError(field, f"{path} does not exist")
+        _check_file_creatable(path, field)
+        return
+    mode = info.st_mode
+    if stat.S_ISREG(mode):
+        if not os.access(path, os.R_OK | os.W_OK):
+            raise FieldError(field, f"this user may not read and write {path}")
+        return
+    if (stat.S_ISBLK(mode) and "block" in devices) or (stat.S_ISCHR(mode) and "char" in devices):
+        return
+    kind = "a directory" if stat.S_ISDIR(mode) else "neither a regular file nor an accepted device"
+    accepted = {"block": "block device", "char": "character device"}
+    wanted = " or ".join(["a regular file"] + [f"a {accepted[kind]}" for kind in accepted if kind in devices])
+    raise FieldError(field, f"{path} is {kind}; give {wanted}")
+
+
+def _preflight_one(registry: ComponentRegistry, index: int, spec: AdapterSpec, where: str) -> None:
+    factory: Any = registry.get(Kind.L2_ADAPTER, spec.type).load()
+    preflight = getattr(factory, "preflight", None)
+    if callable(preflight):
+        try:
+            preflight(spec.config)
+        except FieldError as exc:
+            raise ConfigError(f"{spec.type}: {exc} - at `{where}.{exc.field}`") from None
+        except ConfigError as exc:
+            raise ConfigError(f"{spec.type}: {exc} - at `{where}`") from None
+    # A wrapper's backend (fault_inject ...) is built from its `inner` spec: check it too.
+    inner = getattr(spec.config, "inner", None)
+    if isinstance(inner, Mapping) and "type" in inner:
+        try:
+            inner_spec = decode_adapter(registry, dict(inner), index)
+        except ConfigError:
+            return  # building the wrapper reports a bad inner spec, with its path
+        _preflight_one(registry, index, inner_spec, f"{where}.inner")
+
+
+def preflight_adapters(registry: ComponentRegistry, config: ServerConfig) -> None:
+    """Run every configured adapter's ``preflight``; raises ConfigError naming the field."""
+    for index, spec in enumerate(config.l2_adapters):
+        _preflight_one(registry, index, spec, f"$.l2_adapters[{index}]")

@@ -1,0 +1,159 @@
+"""Start-up checks that look at the machine, run before the L1 arena is pre-faulted.
+
+Pre-faulting a large L1 takes seconds; a port in use, a mistyped adapter path or an L1
+larger than the machine can hold should cost none of them.  Each check raises
+:class:`~lmcache_tiers.errors.ConfigError` with one line naming the flag (or the config
+path) and what to do; ``serve`` prints it and exits 2.  The later, real bind or mapping can
+still fail (something took the port in between): :func:`listen_error` words that failure
+the same way.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from typing import TYPE_CHECKING
+
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.l1.arena import SHM_DIR, segment_bytes
+from lmcache_tiers.l2.preflight import preflight_adapters
+
+if TYPE_CHECKING:
+    from lmcache_tiers.config import ServerConfig
+    from lmcache_tiers.registry import ComponentRegistry
+
+__all__ = ["check_l1_room", "check_listeners", "listen_error", "listener_flag", "preflight"]
+
+_GIB = float(1 << 30)
+#: beyond the segment: the process's own memory
+_L1_HEADROOM_BYTES = 64 << 20
+
+
+def _mem_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _shm_free() -> int | None:
+    try:
+        info = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return info.f_bavail * info.f_frsize
+
+
+def check_l1_room(config: ServerConfig) -> None:
+    """A memory L1 must fit both in /dev/shm's free space and in the memory available:
+    the segment is a tmpfs file whose every page is pre-faulted at start-up."""
+    if config.gds_l1_path is not None:
+        return  # an NVMe L1 takes disk space, preallocated without touching memory
+    need = segment_bytes(config.l1_size_bytes, config.l1_align_bytes) + _L1_HEADROOM_BYTES
+    shown = f"--l1-size-gb {config.l1_size_gb:g}"
+    shm = _shm_free()
+    if shm is not None and need > shm:
+        raise ConfigError(
+            f"{shown}: {SHM_DIR} has {shm / _GIB:.2f} GiB free; lower --l1-size-gb "
+            f"or enlarge {SHM_DIR} (mount -o remount,size=...)"
+        )
+    available = _mem_available()
+    if available is not None and need > available:
+        raise ConfigError(
+            f"{shown}: this machine has {available / _GIB:.2f} GiB of memory available "
+            "(MemAvailable); lower --l1-size-gb or free memory"
+        )
+
+
+def listener_flag(config: ServerConfig, index: int | None, field: str = "port") -> str:
+    """The flag or config path that set a listener's ``field`` ("port" or "host"): front
+    end ``index``, or the HTTP endpoint (None)."""
+    if index is None:
+        return f"--metrics-{field}"
+    if getattr(config.frontends[index].config, field) is None:
+        return f"--{field}"
+    return f"$.frontends[{index}].{field}"
+
+
+def listen_error(config: ServerConfig, index: int | None, host: str, port: int, exc: OSError) -> ConfigError:
+    """One line for listener ``index`` (None: the HTTP endpoint) that cannot bind
+    ``host``:``port``, naming the flag to change."""
+    number = exc.errno
+    if host.startswith("ipc://"):
+        reason = os.strerror(number) if number else str(exc)
+        return ConfigError(f"{listener_flag(config, index, 'host')} {host}: cannot listen there: {reason}")
+    where = f"{host}:{port}"
+    if number == errno.EADDRNOTAVAIL:
+        flag = listener_flag(config, index, "host")
+        return ConfigError(f"{flag} {host}: not an address of this machine; give one of its addresses")
+    if number == errno.EADDRINUSE:
+        reason = f"{where} is already in use (another server?); stop it or give another port"
+    elif number == errno.EACCES:
+        reason = f"port {port} is privileged on this machine; give a port above 1023"
+    else:
+        reason = f"cannot listen on {where}: {exc.strerror or exc}"
+    return ConfigError(f"{listener_flag(config, index)} {port}: {reason}")
+
+
+def _probe_bind(host: str, port: int) -> None:
+    """Bind (and close at once) what the listener will bind, with the options servers
+    use (SO_REUSEADDR: a port in TIME_WAIT is free, one being listened on is not)."""
+    bind_host = "0.0.0.0" if host in ("", "*") else host.strip("[]")
+    if bind_host == "localhost":
+        bind_host = "127.0.0.1"
+    try:
+        infos = socket.getaddrinfo(bind_host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise OSError(errno.EADDRNOTAVAIL, str(exc)) from None
+    family, kind, proto, _name, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(address)
+
+
+def _check_ipc_path(config: ServerConfig, index: int | None, host: str) -> None:
+    """ZeroMQ creates the socket file, not its directory (``@name``: an abstract socket)."""
+    path = host[len("ipc://") :]
+    if path.startswith("@"):
+        return
+    flag = listener_flag(config, index, "host")
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        what = "is a file, not a directory" if os.path.exists(parent) else "does not exist"
+        raise ConfigError(f"{flag} {host}: {parent} {what}; give a socket path in an existing directory")
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {host}: {path} is a directory; give the path of a socket file")
+
+
+def check_listeners(config: ServerConfig) -> None:
+    """Every TCP listener (front ends, the HTTP endpoint) can bind its address now."""
+    listeners: list[tuple[int | None, str, int]] = []
+    for position, spec in enumerate(config.frontends):
+        host, port = spec.config.address(config)
+        listeners.append((position, host, port))
+    if config.metrics_port:
+        listeners.append((None, config.metrics_host, config.metrics_port))
+    for index, host, port in listeners:
+        if host.startswith("ipc://"):
+            _check_ipc_path(config, index, host)
+            continue
+        if not port:
+            continue  # port 0 always binds
+        try:
+            _probe_bind(host, port)
+        except OSError as exc:
+            raise listen_error(config, index, host, port, exc) from None
+
+
+def preflight(config: ServerConfig, registry: ComponentRegistry) -> None:
+    """Every check of the machine that is cheap, in the order a user fixes things."""
+    preflight_adapters(registry, config)
+    check_listeners(config)
+    check_l1_room(config)

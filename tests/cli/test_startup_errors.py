@@ -1,0 +1,203 @@
+"""Start-up problems of the machine (paths, ports, L1 size, the default L2 taken): one
+line naming the flag or config path, exit 2, on a narrow terminal too, and found before
+the L1 segment exists."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from thirdparty import free_port, run_cli
+
+from lmcache_tiers.config import build_config
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.plugins import load_registry
+from lmcache_tiers.registry import Kind
+from lmcache_tiers.server import preflight
+
+#: a terminal narrower than every message: nothing may wrap
+NARROW = {"COLUMNS": "40"}
+
+
+def _serve_refused(args: list[str], **env: str) -> str:
+    """Run ``serve ARGS`` with a segment name of its own; return its one error line,
+    having checked the exit code and that no L1 segment was created."""
+    shm = f"tiers_preflight_{uuid.uuid4().hex[:10]}"
+    result = run_cli(
+        ["serve", "--l1-size-gb", "0.25", "--shm-name", shm, "--metrics-port", "0", *args], **NARROW, **env
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: "), result.stderr
+    assert "Errno" not in lines[0] and "Traceback" not in result.stderr, result.stderr
+    assert not os.path.exists(f"/dev/shm/{shm}")
+    return lines[0]
+
+
+@pytest.fixture
+def a_file(tmp_path: Path) -> Path:
+    path = tmp_path / "regular-file"
+    path.write_bytes(b"not a directory")
+    return path
+
+
+def _adapter_cases(a_file: Path) -> list[tuple[dict[str, object], str, str]]:
+    """(adapter spec, the field path named, words the message holds)."""
+    nixl_params = {"use_direct_io": "false", "max_capacity_gb": "1"}
+    return [
+        ({"type": "fs", "path": "/proc/lmcache-tiers-l2"}, "$.l2_adapters[0].path", "under /proc"),
+        ({"type": "fs", "path": str(a_file / "l2")}, "$.l2_adapters[0].path", "is a file, not a directory"),
+        (
+            {"type": "fs", "base_path": str(a_file)},
+            "$.l2_adapters[0].base_path",
+            "is a file, not a directory",
+        ),
+        (
+            {
+                "type": "nixl_store_dynamic",
+                "backend": "POSIX",
+                "backend_params": {"file_path": "/sys/x", **nixl_params},
+            },
+            "$.l2_adapters[0].backend_params.file_path",
+            "under /sys",
+        ),
+        (
+            {
+                "type": "raw_block",
+                "device_path": str(a_file / "dev"),
+                "capacity_bytes": 1 << 26,
+                "slot_bytes": 1 << 20,
+            },
+            "$.l2_adapters[0].device_path",
+            "is a file, not a directory",
+        ),
+        (
+            {
+                "type": "dax",
+                "device_path": str(a_file.parent),
+                "max_dax_size_gb": 0.25,
+                "slot_bytes": 1 << 20,
+            },
+            "$.l2_adapters[0].device_path",
+            "is a directory",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_an_unusable_adapter_path_names_the_field(case: int, a_file: Path) -> None:
+    adapter, field, words = _adapter_cases(a_file)[case]
+    if adapter["type"] not in load_registry().names(Kind.L2_ADAPTER):
+        pytest.skip(f"the {adapter['type']} adapter plugin is not installed")
+    line = _serve_refused(["--l2-adapter", json.dumps(adapter)])
+    assert f"`{field}`" in line and words in line, line
+    assert "File exists" not in line, line
+
+
+def test_the_adapter_a_wrapper_wraps_is_checked_too(a_file: Path) -> None:
+    wrapped = {"type": "fault_inject", "inner": {"type": "fs", "path": str(a_file)}}
+    line = _serve_refused(["--l2-adapter", json.dumps(wrapped)])
+    assert "fs: " in line and "`$.l2_adapters[0].inner.path`" in line, line
+
+
+def test_a_second_adapter_is_checked_too(a_file: Path, tmp_path: Path) -> None:
+    good = {"type": "fs", "path": str(tmp_path / "good")}
+    bad = {"type": "fs", "path": str(a_file)}
+    line = _serve_refused(["--l2-adapter", json.dumps(good), "--l2-adapter", json.dumps(bad)])
+    assert "`$.l2_adapters[1].path`" in line, line
+    assert not (tmp_path / "good").exists()  # the pre-flight creates nothing
+
+
+def test_an_l1_larger_than_dev_shm_is_refused_before_mapping() -> None:
+    line = _serve_refused(["--no-default-l2", "--l1-size-gb", "100000"])
+    assert line.startswith("error: --l1-size-gb 100000: /dev/shm has"), line
+    assert "GiB free" in line, line
+
+
+def test_an_l1_larger_than_the_available_memory_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # /dev/shm is often larger than the memory left: the second limit has its own line.
+    monkeypatch.setattr(preflight, "_shm_free", lambda: 1 << 50)
+    monkeypatch.setattr(preflight, "_mem_available", lambda: 3 << 30)
+    config = build_config(load_registry(), overrides={"l1_size_gb": 4.0})
+    with pytest.raises(ConfigError, match=r"^--l1-size-gb 4: this machine has 3.00 GiB of memory available"):
+        preflight.check_l1_room(config)
+    preflight.check_l1_room(build_config(load_registry(), overrides={"l1_size_gb": 2.0}))
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield int(holder.getsockname()[1])
+
+
+def test_the_rpc_port_in_use_names_port(taken_port: int) -> None:
+    line = _serve_refused(["--no-default-l2", "--port", str(taken_port)])
+    assert line == (
+        f"error: --port {taken_port}: 127.0.0.1:{taken_port} is already in use (another server?); "
+        "stop it or give another port"
+    )
+
+
+def test_the_metrics_port_in_use_names_metrics_port(taken_port: int) -> None:
+    line = _serve_refused(["--no-default-l2", "--port", str(free_port()), "--metrics-port", str(taken_port)])
+    assert line.startswith(f"error: --metrics-port {taken_port}: 127.0.0.1:{taken_port} is already in use"), (
+        line
+    )
+
+
+def test_a_front_end_port_in_use_names_its_config_path(taken_port: int) -> None:
+    frontends = [{"type": "native", "port": free_port()}, {"type": "lmcache_mp", "port": taken_port}]
+    args = [arg for spec in frontends for arg in ("--frontend", json.dumps(spec))]
+    line = _serve_refused(["--no-default-l2", *args])
+    assert line.startswith(f"error: $.frontends[1].port {taken_port}: "), line
+
+
+def test_a_host_that_is_not_ours_names_host() -> None:
+    line = _serve_refused(
+        ["--no-default-l2", "--host", "192.0.2.1", "--auth-token", "t", "--port", str(free_port())]
+    )
+    assert line == "error: --host 192.0.2.1: not an address of this machine; give one of its addresses"
+
+
+def test_a_second_default_server_gets_the_hint_on_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lmcache_tiers import defaults
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(defaults.CACHE_DIR_ENV, str(cache))
+    held = defaults.claim_default_l2()  # what the first default server holds while it runs
+    try:
+        line = _serve_refused(["--port", str(free_port())], LMCACHE_TIERS_CACHE_DIR=str(cache))
+    finally:
+        held.release()  # type: ignore[attr-defined]
+    assert "already uses the default L2 cache" in line, line
+    assert f"{defaults.CACHE_DIR_ENV}=<dir>" in line and "--no-default-l2" in line, line
+    assert ".lock" not in line, line
+
+
+def test_an_unusable_default_l2_directory_points_at_the_cache_dir_variable(a_file: Path) -> None:
+    line = _serve_refused(["--port", str(free_port())], LMCACHE_TIERS_CACHE_DIR=str(a_file))
+    assert line.startswith(f"error: the embedded default L2 in {a_file}/l2 cannot be used ("), line
+    assert "is a file, not a directory" in line and "$.l2_adapters" not in line, line
+    assert "LMCACHE_TIERS_CACHE_DIR" in line and "--no-default-l2" in line, line
+
+
+def test_an_ipc_socket_in_a_missing_or_wrong_directory_names_host(a_file: Path, tmp_path: Path) -> None:
+    missing = _serve_refused(["--no-default-l2", "--host", f"ipc://{tmp_path}/nowhere/tiers.sock"])
+    assert missing == (
+        f"error: --host ipc://{tmp_path}/nowhere/tiers.sock: {tmp_path}/nowhere does not exist; "
+        "give a socket path in an existing directory"
+    )
+    under_file = _serve_refused(["--no-default-l2", "--host", f"ipc://{a_file}/tiers.sock"])
+    assert f"{a_file} is a file, not a directory" in under_file, under_file
+    a_directory = _serve_refused(["--no-default-l2", "--host", f"ipc://{tmp_path}"])
+    assert f"{tmp_path} is a directory; give the path of a socket file" in a_directory, a_directory
