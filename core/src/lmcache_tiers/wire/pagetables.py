@@ -1,0 +1,201 @@
+"""Page tables of a client's mapping of the arena, filled before its copies need them.
+
+A fresh mapping has no page-table entries: the first copy into each 4 KiB page takes a
+page fault (about 1 us with the copy, so a 32 MiB store from a client that just connected
+costs several times its memcpy).  ``madvise(MADV_POPULATE_WRITE)`` (Linux >= 5.14) maps
+the pages in one call at about a third of that, without touching a byte (the server's
+pages already exist; only this process's entries are missing), and it runs without the
+GIL through ctypes.  :class:`PageTables` uses it twice:
+
+* a background pass over the whole mapping, started at connect, at the lowest CPU
+  priority (nice 19) and paused while a copy runs, so it takes only CPU nobody else
+  wants and never contends with a copy for the same page-table locks; in steps short
+  enough that ``close`` never waits long for it;
+* for a copy into (or out of) a range the background pass has not reached yet, a helper
+  thread populates the range a piece ahead of the copy, so the copy of piece *n* overlaps
+  the population of piece *n + 1* instead of faulting page by page.
+
+Population never changes a byte: if the kernel lacks it (or anything fails) the copies
+fault pages in as they always did, and one log line says so.  Huge pages would avoid most
+of this, but tmpfs only gives them where ``shmem_enabled`` allows, which cannot be
+assumed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import logging
+import mmap
+import os
+import sys
+import threading
+from queue import SimpleQueue
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+#: madvise(2) advice that maps pages writable without touching their bytes
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+#: bytes the background pass populates per call (~5 ms): what ``close`` may wait for
+BACKGROUND_STEP = 16 << 20
+#: bytes a copy waits for before copying them: small, so the first piece starts early
+COPY_PIECE = 1 << 20
+#: how long a copy waits for a piece before faulting it in itself (a stalled helper)
+PIECE_WAIT_S = 1.0
+_PAGE = mmap.PAGESIZE
+
+
+def _load_madvise() -> Any:
+    # Through ctypes rather than mmap.madvise: ctypes releases the GIL for the call, so
+    # populating gigabytes in the background never stalls the caller's requests.
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_madvise = _load_madvise()
+
+
+class _Range:
+    """A range being populated for a copy: ``ready`` is how far it is done."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start = start
+        self.end = end
+        self.ready = start
+        self.cond = threading.Condition()
+
+    def advance(self, to: int) -> None:
+        with self.cond:
+            self.ready = to
+            self.cond.notify_all()
+
+    def wait_for(self, end: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.ready >= end, PIECE_WAIT_S)
+
+
+class PageTables:
+    """Fills the page tables of ``size`` mapped bytes at ``address`` (see the module)."""
+
+    def __init__(self, address: int, size: int) -> None:
+        self._address = address
+        self._size = size
+        self._done_below = 0  # the background pass has populated [0, _done_below)
+        self._stop = threading.Event()
+        self._failed = _madvise is None
+        self._background: threading.Thread | None = None
+        self._helper: threading.Thread | None = None
+        self._requests: SimpleQueue[_Range | None] = SimpleQueue()
+        self._copies = 0  # copies in progress (the background pass waits for none)
+        self._idle = threading.Condition()
+
+    @property
+    def complete(self) -> bool:
+        """True once the whole mapping is populated, or when nothing will be."""
+        return self._failed or self._done_below >= self._size
+
+    def start(self) -> None:
+        """Start the background pass over the whole mapping."""
+        if self.complete or self._background is not None:
+            return
+        self._background = threading.Thread(target=self._run_background, name="shm-populate", daemon=True)
+        self._background.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the background pass; True once it has covered the whole mapping."""
+        if self._background is not None:
+            self._background.join(timeout)
+        return self.complete
+
+    def copy(self, target: np.ndarray[Any, Any], source: np.ndarray[Any, Any], offset: int) -> None:
+        """``target[:] = source`` where ``target`` is the mapping's ``[offset, offset + n)``
+        (either side may be the mapping), populated a piece ahead of the copy."""
+        size = target.nbytes
+        if self._failed or self._stop.is_set() or offset + size <= self._done_below or size <= COPY_PIECE:
+            if not (self._failed or self._stop.is_set()) and offset + size > self._done_below:
+                self._advise(offset // _PAGE * _PAGE, offset + size - offset // _PAGE * _PAGE)
+            target[:] = source
+            return
+        span = _Range(offset // _PAGE * _PAGE, offset + size)
+        with self._idle:
+            self._copies += 1
+        try:
+            self._populate_for(span)
+            for start in range(0, size, COPY_PIECE):
+                end = min(size, start + COPY_PIECE)
+                span.wait_for(offset + end)
+                target[start:end] = source[start:end]
+        finally:
+            with self._idle:
+                self._copies -= 1
+                self._idle.notify_all()
+
+    def stop(self) -> None:
+        """Stop populating and wait for the calls in progress (before unmapping)."""
+        self._stop.set()
+        with self._idle:
+            self._idle.notify_all()
+        self._requests.put(None)
+        for thread in (self._background, self._helper):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join()
+
+    # -- threads ---------------------------------------------------------------------------
+
+    def _populate_for(self, span: _Range) -> None:
+        if self._helper is None:
+            self._helper = threading.Thread(target=self._run_helper, name="shm-populate-copy", daemon=True)
+            self._helper.start()
+        self._requests.put(span)
+
+    def _run_helper(self) -> None:
+        while (span := self._requests.get()) is not None:
+            position = span.start
+            while position < span.end:
+                end = min(span.end, position + COPY_PIECE)
+                if self._stop.is_set() or not self._advise(position, end - position):
+                    end = span.end  # the copy faults the rest in itself
+                span.advance(end)
+                position = end
+
+    def _run_background(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            # Linux applies a nice value to the one thread whose id is given.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        offset = 0
+        while offset < self._size and not self._stop.is_set():
+            with self._idle:
+                self._idle.wait_for(lambda: self._copies == 0 or self._stop.is_set())
+            length = min(BACKGROUND_STEP, self._size - offset)
+            if not self._advise(offset, length):
+                return
+            offset += length
+            self._done_below = offset
+
+    def _advise(self, offset: int, length: int) -> bool:
+        if self._failed:
+            return False
+        if _madvise(self._address + offset, length, MADV_POPULATE_WRITE) == 0:
+            return True
+        code = ctypes.get_errno()
+        self._failed = True
+        reason = (
+            "the kernel cannot (it is older than 5.14)"
+            if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
+            else os.strerror(code)
+        )
+        log.info("not populating the shared-memory mapping ahead (%s): first copies fault pages in", reason)
+        return False
