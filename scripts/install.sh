@@ -9,7 +9,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip setuptools
-packages=(-e "core[test]")
+packages=(-e "core[test,plot]")  # plot: the replay --plot test runs too
 for dir in plugins/*/; do
     [ -f "$dir/pyproject.toml" ] || continue
     case "$(basename "$dir")" in _*) continue ;; esac

@@ -46,7 +46,7 @@ def test_a_bad_capacity_is_one_line_and_exit_2(tmp_path: Path, capacity: str) ->
         (["--simulate", "--policy", "LRUU"], "did you mean 'LRU'"),
         (["--simulate", "--capacity", "10,20", "--l2-capacity", "5"], "one --l2-capacity per --capacity"),
         (["--in-process", "--l1-blocks", "10", "--l1-size-gb", "1"], "not both"),
-        (["--in-process", "--model", "a/b"], "model_name"),
+        (["--in-process", "--model", "a@b"], "model_name"),
         (["--simulate", "--capacity", "100B"], "holds nothing"),
         (["--simulate", "--foresight", "soon"], "foresight horizon"),
         (["--simulate", "--retime-bandwidth", "5"], "needs --retime"),

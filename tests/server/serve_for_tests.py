@@ -1,7 +1,8 @@
 """Run one lmcache-tiers server for the end-to-end tests, the way ``serve`` does.
 
 Usage: ``python serve_for_tests.py '<json>' READY_FILE`` where the JSON holds ``config``
-(ServerConfig fields) and ``adapters`` (``--l2-adapter`` objects).  READY_FILE appears once
+(ServerConfig fields), ``adapters`` (``--l2-adapter`` objects) and ``frontends``
+(``--frontend`` objects).  READY_FILE appears once
 the server is listening; the process exits with run_server's exit code.
 """
 
@@ -25,6 +26,7 @@ def main() -> int:
         registry,
         overrides=spec.get("config", {}),
         adapter_json=[json.dumps(adapter) for adapter in spec.get("adapters", [])],
+        frontend_json=[json.dumps(frontend) for frontend in spec.get("frontends", [])],
     )
     ready = threading.Event()
 

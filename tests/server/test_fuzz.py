@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from fuzz_kit import connected_dealer, msgpack_values, mutate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiers_e2e import ServerProcess, start_server
@@ -37,13 +38,8 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
 
 @pytest.fixture(scope="module")
 def dealer(fuzz_server: ServerProcess) -> Iterator[zmq.Socket[bytes]]:
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(fuzz_server.url)
-    yield sock
-    sock.close(0)
-    context.term()
+    with connected_dealer(fuzz_server.url) as sock:
+        yield sock
 
 
 def exchange(sock: zmq.Socket[bytes], frames: list[bytes]) -> list[bytes]:
@@ -96,34 +92,12 @@ valid_requests = st.one_of(
     st.builds(p.Status, st.integers(0, 99), st.just("")),
 )
 
-msgpack_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**63), 2**64 - 1)
-    | st.floats()
-    | st.text(max_size=20)
-    | st.binary(max_size=40),
-    lambda children: (
-        st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=8), children, max_size=4)
-    ),
-    max_leaves=20,
-)
-
 
 @st.composite
 def mutated(draw: st.DrawFn) -> list[bytes]:
     header = bytearray(p.encode(draw(valid_requests)))
     for _ in range(draw(st.integers(1, 4))):
-        action = draw(st.sampled_from(["truncate", "flip", "insert", "delete"]))
-        position = draw(st.integers(0, max(0, len(header) - 1)))
-        if action == "truncate":
-            del header[position:]
-        elif action == "flip" and header:
-            header[position] ^= draw(st.integers(1, 255))
-        elif action == "insert":
-            header[position:position] = draw(st.binary(min_size=1, max_size=8))
-        elif header:
-            del header[position]
+        mutate(draw, header)
     payloads = draw(st.lists(st.binary(max_size=64), max_size=3))
     return [bytes(header), *payloads]
 

@@ -44,7 +44,7 @@ def test_metrics_status_and_health(tmp_path: Path) -> None:
         assert metric(text, "lmcache_tiers_bytes_total", 'direction="retrieve"') == 4 << 20
         assert metric(text, "lmcache_tiers_bytes_total", 'direction="store"') == (4 << 20) + 40 * (4 << 20)
         assert metric(text, "lmcache_tiers_failures_total", 'reason="not_found"') == 1
-        assert metric(text, "lmcache_tiers_requests_total", 'op="Lookup"') == 1
+        assert metric(text, "lmcache_tiers_requests_total", 'frontend="0:native",op="Lookup"') == 1
         assert 0.0 < metric(text, "lmcache_tiers_l1_usage_ratio") <= 1.0
         assert metric(text, "lmcache_tiers_adapter_usage_ratio", 'adapter="0:mock"') >= 0.0
         assert metric(text, "lmcache_tiers_in_flight", 'kind="l2_prefetches"') == 0

@@ -82,11 +82,13 @@ def start_server(
     log_dir: Path,
     *,
     adapters: list[dict[str, Any]] | None = None,
+    frontends: list[dict[str, Any]] | None = None,
     metrics: bool = True,
     env: dict[str, str] | None = None,
     **config: Any,
 ) -> ServerProcess:
-    """Start a server subprocess on free loopback ports and wait until it listens."""
+    """Start a server subprocess on free loopback ports and wait until it listens; ``url``
+    is the address of the front ends that give no port of their own (``--port``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     shm_name = f"tiers_test_{uuid.uuid4().hex[:12]}"
     settings: dict[str, Any] = {
@@ -100,7 +102,7 @@ def start_server(
     url = host if str(host).startswith("ipc://") else f"tcp://{host}:{settings['port']}"
     http_url = f"http://127.0.0.1:{settings['metrics_port']}" if settings["metrics_port"] else None
     ready = log_dir / f"ready-{shm_name}"
-    spec = json.dumps({"config": settings, "adapters": adapters or []})
+    spec = json.dumps({"config": settings, "adapters": adapters or [], "frontends": frontends or []})
     proc = subprocess.Popen(
         [sys.executable, str(LAUNCHER), spec, str(ready)],
         stdout=(log_dir / "stdout.txt").open("wb"),

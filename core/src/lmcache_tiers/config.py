@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from lmcache_tiers.endpoints import rpc_endpoint
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.registry import ComponentRegistry, Kind
 
@@ -139,6 +140,38 @@ class AdapterSpec(ComponentConfig):
     serde: tuple[SerdeSpec, ...] = ()
 
 
+class FrontendConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Options every front end accepts; front-end plugins subclass this Struct."""
+
+    host: Annotated[
+        str | None, Meta(description="Address to listen on (or an ipc:// endpoint); null: --host.")
+    ] = None
+    port: Annotated[
+        Annotated[int, Meta(ge=0, le=65535)] | None, Meta(description="Port to listen on; null: --port.")
+    ] = None
+
+    def address(self, server: ServerConfig) -> tuple[str, int]:
+        """The host and port this front end listens on, the server's where not given."""
+        host = self.host if self.host is not None else server.host
+        return host, self.port if self.port is not None else server.port
+
+    def endpoint(self, server: ServerConfig) -> str:
+        """The endpoint to bind, e.g. ``tcp://127.0.0.1:5555`` (``*`` for port 0)."""
+        return rpc_endpoint(*self.address(server))
+
+    def check(self, server: ServerConfig, auth_token: str | None) -> None:
+        """Raise ConfigError for a configuration this front end cannot serve; runs before
+        L1 exists.  The default checks that the address is one ZeroMQ can bind."""
+        self.endpoint(server)
+
+
+class FrontendSpec(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A resolved ``--frontend``: the front-end type and its decoded config."""
+
+    type: str
+    config: FrontendConfig
+
+
 def _doc(text: str, **constraints: Any) -> Meta:
     return Meta(description=text, **constraints)
 
@@ -167,6 +200,10 @@ class ServerConfig(ComponentConfig):
     ] = 0.2
     l2_adapters: Annotated[
         tuple[AdapterSpec, ...], _doc("L2 adapters in cascade order (lower index is preferred).")
+    ] = ()
+    frontends: Annotated[
+        tuple[FrontendSpec, ...],
+        _doc("Wire protocols served, each on its own address; empty: the native one on host:port."),
     ] = ()
     l2_store_policy: Annotated[str, _doc("Which adapters new L1 objects are stored to.")] = "default"
     l2_prefetch_policy: Annotated[str, _doc("Which adapter each L2 hit is loaded from.")] = "default"
@@ -197,7 +234,7 @@ class ServerConfig(ComponentConfig):
 
 
 # Fields a user may set; AdapterSpec and serde specs go through their own decoding.
-_SCALAR_FIELDS = frozenset(ServerConfig.__struct_fields__) - {"l2_adapters"}
+_SCALAR_FIELDS = frozenset(ServerConfig.__struct_fields__) - {"l2_adapters", "frontends"}
 
 
 class FieldError(ValueError):
@@ -356,13 +393,36 @@ def decode_adapter(registry: ComponentRegistry, raw: Any, index: int) -> Adapter
 
 def parse_adapter_json(registry: ComponentRegistry, text: str, index: int) -> AdapterSpec:
     """Parse the JSON of one ``--l2-adapter`` flag."""
+    return decode_adapter(registry, _json_flag("--l2-adapter", index, text), index)
+
+
+#: the front end that runs when none is configured
+DEFAULT_FRONTEND = "native"
+
+
+def decode_frontend(registry: ComponentRegistry, raw: Any, index: int) -> FrontendSpec:
+    """Resolve one front-end spec (already parsed from JSON or TOML)."""
+    name, config = decode_component(registry, Kind.FRONTEND, raw, f"$.frontends[{index}]")
+    if not isinstance(config, FrontendConfig):
+        raise ConfigError(f"{name}: its config Struct does not subclass FrontendConfig")
+    return FrontendSpec(type=name, config=config)
+
+
+def default_frontends(registry: ComponentRegistry) -> tuple[FrontendSpec, ...]:
+    """The native front end on ``host``:``port``, when no front end is configured (none when
+    its plugin is not installed: the server then refuses to start, an in-process replay
+    needs no front end)."""
+    if DEFAULT_FRONTEND not in registry.names(Kind.FRONTEND):
+        return ()
+    return (decode_frontend(registry, {"type": DEFAULT_FRONTEND}, 0),)
+
+
+def _json_flag(flag: str, index: int, text: str) -> Any:
+    """The value of the ``index``-th (from 0) repeat of a JSON flag."""
     try:
-        raw = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f"--l2-adapter #{index + 1} is not valid JSON: {exc.msg} at column {exc.colno}"
-        ) from exc
-    return decode_adapter(registry, raw, index)
+        raise ConfigError(f"{flag} #{index + 1} is not valid JSON: {exc.msg} at column {exc.colno}") from exc
 
 
 def load_toml(path: str) -> dict[str, Any]:
@@ -381,20 +441,23 @@ def build_config(
     file_values: Mapping[str, Any] | None = None,
     overrides: Mapping[str, Any] | None = None,
     adapter_json: list[str] | None = None,
+    frontend_json: list[str] | None = None,
 ) -> ServerConfig:
     """Merge defaults < config file < command-line flags and validate everything.
 
     ``adapter_json`` (the repeated ``--l2-adapter`` flags) replaces the file's
-    ``l2_adapters`` list when given, since adapter order is the cascade order.
+    ``l2_adapters`` list when given, since adapter order is the cascade order;
+    ``frontend_json`` (``--frontend``) replaces its ``frontends`` the same way.  With no
+    front end anywhere, the native one serves on ``host``:``port``.
     """
     values: dict[str, Any] = {}
-    raw_adapters: list[Any] = []
+    raw_lists: dict[str, list[Any]] = {"l2_adapters": [], "frontends": []}
     for key, value in (file_values or {}).items():
         norm = key.replace("-", "_")
-        if norm == "l2_adapters":
+        if norm in raw_lists:
             if not isinstance(value, list):
-                raise ConfigError("`$.l2_adapters` must be a list of adapter tables")
-            raw_adapters = list(value)
+                raise ConfigError(f"`$.{norm}` must be a list of tables")
+            raw_lists[norm] = list(value)
         elif norm in _SCALAR_FIELDS:
             values[norm] = value
         else:
@@ -408,23 +471,26 @@ def build_config(
     if adapter_json:
         adapters = tuple(parse_adapter_json(registry, text, i) for i, text in enumerate(adapter_json))
     else:
-        adapters = tuple(decode_adapter(registry, raw, i) for i, raw in enumerate(raw_adapters))
+        adapters = tuple(decode_adapter(registry, raw, i) for i, raw in enumerate(raw_lists["l2_adapters"]))
+    raw_frontends = (
+        [_json_flag("--frontend", i, text) for i, text in enumerate(frontend_json)]
+        if frontend_json
+        else raw_lists["frontends"]
+    )
+    frontends = tuple(decode_frontend(registry, raw, i) for i, raw in enumerate(raw_frontends))
     registry.get(Kind.EVICTION_POLICY, config.eviction_policy)
     registry.get(Kind.STORE_POLICY, config.l2_store_policy)
     registry.get(Kind.PREFETCH_POLICY, config.l2_prefetch_policy)
-    return msgspec.structs.replace(config, l2_adapters=adapters)
+    return msgspec.structs.replace(
+        config, l2_adapters=adapters, frontends=frontends or default_frontends(registry)
+    )
 
 
 def config_to_builtins(config: ServerConfig) -> dict[str, Any]:
-    """The resolved config as plain data, with each adapter's ``type`` put back."""
+    """The resolved config as plain data, with each adapter's and front end's ``type`` put back."""
     data: dict[str, Any] = msgspec.to_builtins(config)
-    data["l2_adapters"] = [
-        {
-            "type": spec.type,
-            **msgspec.to_builtins(spec.config),
-        }
-        for spec in config.l2_adapters
-    ]
+    for name, specs in (("l2_adapters", config.l2_adapters), ("frontends", config.frontends)):
+        data[name] = [{"type": spec.type, **msgspec.to_builtins(spec.config)} for spec in specs]
     return data
 
 

@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
-from lmcache_tiers.config import CircuitConfig, L2AdapterConfig, L2EvictionConfig, ServerConfig
+from lmcache_tiers.config import (
+    CircuitConfig,
+    FrontendConfig,
+    L2AdapterConfig,
+    L2EvictionConfig,
+    ServerConfig,
+)
 from lmcache_tiers.registry import Component, Kind
 
 if TYPE_CHECKING:
@@ -133,8 +139,9 @@ def render_config_reference(plugin_set: PluginSet) -> str:
         "## Server (`lmcache-tiers serve` flags and `--config` TOML keys)",
         "",
         "TOML keys are the field names (`l1_size_gb`); the flags are LMCache's server flags",
-        "(`--l1-size-gb`, `--l1-read-ttl-seconds`). `l2_adapters` is a list of adapter objects,",
-        "each with a `type` (below). Values have the field's type in TOML and JSON alike",
+        "(`--l1-size-gb`, `--l1-read-ttl-seconds`). `l2_adapters` is a list of adapter objects and",
+        "`frontends` a list of front-end objects (`[[frontends]]` tables), each with a `type`",
+        "(below). Values have the field's type in TOML and JSON alike",
         '(`l1_size_gb = 2`, not `"2"`); errors name the path (`$.l2_adapters[0].pool_size`).',
         "LMCache flags without a field here: [lmcache-compat.md](lmcache-compat.md).",
         "",
@@ -151,6 +158,10 @@ def render_config_reference(plugin_set: PluginSet) -> str:
         "`circuit` object:",
         "",
         *_markdown_table(CircuitConfig),
+        "",
+        "## Options common to every front end",
+        "",
+        *_markdown_table(FrontendConfig),
         "",
     ]
     for kind in Kind:

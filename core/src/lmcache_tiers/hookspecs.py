@@ -79,11 +79,15 @@ def tiers_register_serdes(registry: KindRegistry) -> None:
 
 @hookspec
 def tiers_register_frontends(registry: KindRegistry) -> None:
-    """Add wire protocols the server can speak besides the native one.
+    """Add front ends: wire protocols the server speaks (the native one is registered
+    this way too, by ``lmcache-plugin-frontend-native``).
 
-    Runs once per process when the registry is built.  The factory is called as
-    ``factory(config, storage)`` with the running StorageManager and returns a front end
-    object with ``start()`` and ``stop()``.  Return value is ignored.
+    Runs once per process when the registry is built.  The config Struct subclasses
+    :class:`~lmcache_tiers.frontend.FrontendConfig` (``host``, ``port`` and a ``check``
+    run before L1 exists).  The factory is called as ``factory(config, context)`` with a
+    :class:`~lmcache_tiers.frontend.FrontendContext` (the running StorageManager, the
+    resolved address ...); it binds its sockets and returns a
+    :class:`~lmcache_tiers.frontend.Frontend`.  Return value is ignored.
     """
 
 

@@ -22,7 +22,11 @@ NONE_HASH: bytes = blake3.blake3(bytes(12)).digest()
 MAX_MODEL_NAME_LEN = 256
 MAX_CACHE_SALT_LEN = 128
 MAX_CHUNK_HASH_LEN = 64
-_UNSAFE = re.compile(r"[/\\@\x00]")
+#: ``@`` separates the parts of a key's name; NUL ends C strings.  A model name may hold
+#: ``/`` (``meta-llama/Llama-3.1-8B``): names of files and objects escape it
+#: (:mod:`lmcache_tiers.keycodec`).  A cache salt may not, as in LMCache.
+_UNSAFE_MODEL = re.compile(r"[@\x00]")
+_UNSAFE_SALT = re.compile(r"[/\\@\x00]")
 #: Names that passed _check_name, per field.  A server decodes every key of every request,
 #: and nearly all of them share a handful of names: re-running the checks for each key
 #: was most of the cost of decoding a LOOKUP.  Only exact ``str`` values are remembered,
@@ -41,20 +45,21 @@ def kv_rank_of(world_size: int, worker_id: int) -> int:
     return world_size << 24 | worker_id << 16 | world_size << 8 | worker_id
 
 
-def _check_name(field: str, value: str, limit: int, *, allow_empty: bool) -> None:
+def _check_name(field: str, value: str, limit: int, unsafe: re.Pattern[str], *, allow_empty: bool) -> None:
     if not isinstance(value, str):
         raise KeyValidationError(f"{field} must be a string, got {type(value).__name__}")
     if not value and not allow_empty:
         raise KeyValidationError(f"{field} must not be empty")
     if len(value) > limit:
         raise KeyValidationError(f"{field} is {len(value)} characters long; at most {limit}")
-    if _UNSAFE.search(value) or value in (".", ".."):
-        raise KeyValidationError(f"{field} {value!r} contains '/', '\\', '@' or NUL, or is a dot name")
+    if unsafe.search(value) or value in (".", ".."):
+        characters = "'@' or NUL" if unsafe is _UNSAFE_MODEL else "'/', '\\', '@' or NUL"
+        raise KeyValidationError(f"{field} {value!r} contains {characters}, or is a dot name")
 
 
 def _check_names(model_name: str, cache_salt: str) -> None:
-    _check_name("model_name", model_name, MAX_MODEL_NAME_LEN, allow_empty=False)
-    _check_name("cache_salt", cache_salt, MAX_CACHE_SALT_LEN, allow_empty=True)
+    _check_name("model_name", model_name, MAX_MODEL_NAME_LEN, _UNSAFE_MODEL, allow_empty=False)
+    _check_name("cache_salt", cache_salt, MAX_CACHE_SALT_LEN, _UNSAFE_SALT, allow_empty=True)
     for checked, value in ((_CHECKED_MODEL_NAMES, model_name), (_CHECKED_SALTS, cache_salt)):
         if type(value) is str:
             if len(checked) >= _MAX_CHECKED_NAMES:

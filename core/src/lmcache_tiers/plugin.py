@@ -21,7 +21,11 @@ What each kind of plugin needs:
 * policies: ``StorePolicy``, ``PrefetchPolicy``, ``EvictionPolicy``, ``AdapterInfo``,
   ``LowestIndexPrefetchPolicy``, ``plan_from_lowest_index``;
 * a serde: ``Serde``, ``SerdeContext``, ``TensorLayout``;
-* a front end: ``Frontend``;
+* a front end: ``Frontend``, ``FrontendConfig``, ``FrontendContext``, ``FrontendStats``,
+  ``ServerConfig``, ``StorageManager`` (what it serves), ``RouterLoop`` (a ZeroMQ ROUTER
+  loop), ``L1Loan``, ``is_loopback``, the key helpers ``NONE_HASH``, ``chunk_hashes``,
+  ``kv_rank_of``, ``L1OutOfMemoryError``; the native protocol's Structs
+  ``wire_protocol`` and ``segment_identity`` (shared with the Python client);
 * file-per-object stores: ``FileLayout``, ``LocalFiles``, ``DirectoryLock`` (and
   ``PathLock``, ``DirectoryInUseError``), ``HeaderSizes``, ``WriteFailures``,
   ``RECORD_ALIGN``, ``RECORD_SUFFIX``, name helpers (``record_name``, ``classify_name``,
@@ -31,7 +35,7 @@ What each kind of plugin needs:
   (``LOSSLESS``, ``DETECTS_CORRUPTION``, ``BINDS_KEY``),
   ``StorePolicySuite``, ``PrefetchPolicySuite``, ``EvictionPolicySuite`` (``EVICTS``,
   ``RECENCY``, ``LOADS_EVERY_HIT``, ``STORES_EVERYWHERE``), ``ComponentSuite``,
-  ``BlockingAdapterClient``.
+  ``FrontendSuite``, ``BlockingAdapterClient``.
 """
 
 from __future__ import annotations
@@ -39,18 +43,34 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lmcache_tiers.config import CircuitConfig, ComponentConfig, FieldError, L2AdapterConfig, L2EvictionConfig
-from lmcache_tiers.errors import BackendUnavailableError, ConfigError, KeyValidationError, TiersError
+from lmcache_tiers import __version__
+from lmcache_tiers.config import (
+    CircuitConfig,
+    ComponentConfig,
+    FieldError,
+    FrontendConfig,
+    L2AdapterConfig,
+    L2EvictionConfig,
+    ServerConfig,
+)
+from lmcache_tiers.endpoints import is_loopback
+from lmcache_tiers.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    KeyValidationError,
+    L1OutOfMemoryError,
+    TiersError,
+)
+from lmcache_tiers.frontend import Frontend, FrontendContext, FrontendStats
 from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keycodec import is_digest_name, key_to_name, name_to_key, printable
-from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.keys import NONE_HASH, ObjectKey, chunk_hashes, kv_rank_of
 from lmcache_tiers.policies import LowestIndexPrefetchPolicy, plan_from_lowest_index
 from lmcache_tiers.protocols import (
     AdapterInfo,
     AsyncL2Backend,
     Capacity,
     EvictionPolicy,
-    Frontend,
     L2Backend,
     ObjectSize,
     PrefetchPolicy,
@@ -60,7 +80,9 @@ from lmcache_tiers.protocols import (
 from lmcache_tiers.registry import EmptyConfig, Kind, KindRegistry
 
 if TYPE_CHECKING:
+    from lmcache_tiers.burst import BurstLog
     from lmcache_tiers.l1.allocator import ExtentAllocator
+    from lmcache_tiers.l1.loan import L1Loan
     from lmcache_tiers.l2.buffers import GIL_FREE_COPY_BYTES, copy_into
     from lmcache_tiers.l2.circuit import PROBE_KEY
     from lmcache_tiers.l2.context import BackendContext
@@ -99,11 +121,13 @@ if TYPE_CHECKING:
         header_length,
         verify_payload,
     )
-    from lmcache_tiers.l2.state import BurstLog
     from lmcache_tiers.layout import TensorLayout
+    from lmcache_tiers.router import RouterLoop
     from lmcache_tiers.serde import SerdeContext
+    from lmcache_tiers.storage import StorageManager
     from lmcache_tiers.testing.base import ComponentSuite
     from lmcache_tiers.testing.blocking import BlockingAdapterClient
+    from lmcache_tiers.testing.frontend import FrontendSuite
     from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite
     from lmcache_tiers.testing.policies import (
         EVICTS,
@@ -115,14 +139,18 @@ if TYPE_CHECKING:
         StorePolicySuite,
     )
     from lmcache_tiers.testing.serde import BINDS_KEY, DETECTS_CORRUPTION, LOSSLESS, SerdeSuite
+    from lmcache_tiers.wire import protocol as wire_protocol
+    from lmcache_tiers.wire.shm import segment_identity
 
+#: modules exported whole (the native protocol's Structs, shared with the client)
+_LAZY_MODULES = {"wire_protocol": "lmcache_tiers.wire.protocol"}
 _RECORD = "lmcache_tiers.l2.record"
 _FILES = "lmcache_tiers.l2.files"
 _L2 = "lmcache_tiers.l2.interface"
 _POLICY_SUITES = "lmcache_tiers.testing.policies"
 _LAZY = {
     "BackendContext": "lmcache_tiers.l2.context",
-    "BurstLog": "lmcache_tiers.l2.state",
+    "BurstLog": "lmcache_tiers.burst",
     "copy_into": "lmcache_tiers.l2.buffers",
     "PROBE_KEY": "lmcache_tiers.l2.circuit",
     "GIL_FREE_COPY_BYTES": "lmcache_tiers.l2.buffers",
@@ -164,6 +192,11 @@ _LAZY = {
     "header_length": _RECORD,
     "verify_payload": _RECORD,
     "BlockingAdapterClient": "lmcache_tiers.testing.blocking",
+    "FrontendSuite": "lmcache_tiers.testing.frontend",
+    "L1Loan": "lmcache_tiers.l1.loan",
+    "RouterLoop": "lmcache_tiers.router",
+    "StorageManager": "lmcache_tiers.storage",
+    "segment_identity": "lmcache_tiers.wire.shm",
     "ComponentSuite": "lmcache_tiers.testing.base",
     "L2AdapterSuite": "lmcache_tiers.testing.l2",
     "PERSISTENCE": "lmcache_tiers.testing.l2",
@@ -191,6 +224,7 @@ __all__ = [
     "GIL_FREE_COPY_BYTES",
     "LOADS_EVERY_HIT",
     "LOSSLESS",
+    "NONE_HASH",
     "PERSISTENCE",
     "PREFIX_SIZE",
     "PROBE_KEY",
@@ -220,10 +254,16 @@ __all__ = [
     "FileIdentity",
     "FileLayout",
     "Frontend",
+    "FrontendConfig",
+    "FrontendContext",
+    "FrontendStats",
+    "FrontendSuite",
     "HeaderSizes",
     "KeyValidationError",
     "Kind",
     "KindRegistry",
+    "L1Loan",
+    "L1OutOfMemoryError",
     "L2Adapter",
     "L2AdapterConfig",
     "L2AdapterSuite",
@@ -248,34 +288,46 @@ __all__ = [
     "RecordMismatchError",
     "RecordSerdeMismatchError",
     "RecordVersionError",
+    "RouterLoop",
     "Serde",
     "SerdeContext",
     "SerdeSuite",
+    "ServerConfig",
+    "StorageManager",
     "StorePolicy",
     "StorePolicySuite",
     "TensorLayout",
     "TiersError",
     "WriteFailures",
+    "__version__",
     "check_relative_dir",
+    "chunk_hashes",
     "classify_name",
     "copy_into",
     "header_length",
     "hookimpl",
     "identity_of",
     "is_digest_name",
+    "is_loopback",
     "is_out_of_space",
     "is_temp_name",
     "key_to_name",
+    "kv_rank_of",
     "name_to_key",
     "plan_from_lowest_index",
     "printable",
     "record_key",
     "record_name",
+    "segment_identity",
     "verify_payload",
+    "wire_protocol",
 ]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _LAZY_MODULES:
+        globals()[name] = importlib.import_module(_LAZY_MODULES[name])
+        return globals()[name]
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

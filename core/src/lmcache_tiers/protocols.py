@@ -4,8 +4,10 @@
   core wraps it into the adapter the controllers use (see :mod:`lmcache_tiers.l2`);
 * :class:`StorePolicy`, :class:`PrefetchPolicy`, :class:`EvictionPolicy` -- small pure
   objects the controllers consult;
-* :class:`Serde` -- one reversible byte transform of an adapter's serde chain;
-* :class:`Frontend` -- a wire protocol the server speaks.
+* :class:`Serde` -- one reversible byte transform of an adapter's serde chain.
+
+The front-end contract (a wire protocol the server speaks) is in
+:mod:`lmcache_tiers.frontend`, next to the code that checks and builds front ends.
 
 Plugins reach these names through :mod:`lmcache_tiers.plugin`.  This module imports
 nothing heavy: manifests that name a protocol stay cheap to import.
@@ -26,7 +28,6 @@ __all__ = [
     "AsyncL2Backend",
     "Capacity",
     "EvictionPolicy",
-    "Frontend",
     "L2Backend",
     "ObjectSize",
     "PrefetchPolicy",
@@ -272,19 +273,6 @@ class Serde(Protocol):
     def encode(self, data: memoryview, context: SerdeContext) -> bytes | memoryview: ...
 
     def decode(self, data: memoryview, context: SerdeContext) -> bytes | memoryview: ...
-
-
-@runtime_checkable
-class Frontend(Protocol):
-    """A wire protocol served next to the native one (built as ``factory(config, storage)``).
-
-    ``start`` begins serving (in its own threads) and returns; ``stop`` ends it and
-    returns once no request of it is running any more.
-    """
-
-    def start(self) -> None: ...
-
-    def stop(self) -> None: ...
 
 
 #: what ``L2Backend.stats`` returns

@@ -100,4 +100,4 @@ def test_unsafe_key_names_are_refused() -> None:
     from lmcache_tiers.errors import KeyValidationError
 
     with pytest.raises(KeyValidationError):
-        KeySpace(model="a/b")
+        KeySpace(model="a@b")

@@ -110,11 +110,11 @@ def test_http_routes_and_per_server_metrics(make_server: Factory) -> None:
     assert code == 200 and json.loads(body)["l1"]["objects"] == 1
     assert fetch(f"{first.http_url}/healthz") == (200, "ok\n")
     assert fetch(f"{first.http_url}/metrics/../status")[0] == 404
-    first.rpc.draining = True  # what /healthz reports once a shutdown has begun
+    first.frontends[0].rpc.draining = True  # a front end draining: /healthz names it
     try:
-        assert fetch(f"{first.http_url}/healthz") == (503, "shutting down\n")
+        assert fetch(f"{first.http_url}/healthz") == (503, "0:native: shutting down\n")
     finally:
-        first.rpc.draining = False
+        first.frontends[0].rpc.draining = False
 
 
 def test_status_command_and_tables(server: TiersServer) -> None:

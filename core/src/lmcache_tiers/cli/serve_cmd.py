@@ -23,11 +23,9 @@ from lmcache_tiers.cli import lmcache_flags as compat
 from lmcache_tiers.cli.output import fail
 from lmcache_tiers.config import ServerConfig, build_config, config_to_builtins, load_toml, redact_secrets
 from lmcache_tiers.defaults import CACHE_DIR_ENV, claim_default_l2, default_l2_adapters
-from lmcache_tiers.endpoints import is_loopback
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.plugins import PluginSet
 from lmcache_tiers.registry import ComponentRegistry, Kind
-from lmcache_tiers.wire.protocol import MAX_TOKEN_LEN
 
 logger = logging.getLogger("lmcache_tiers.cli.serve")
 
@@ -71,6 +69,7 @@ def config_flags() -> dict[str, list[str]]:
     flags["no_shm"] = ["--no-shm", '--shm-name ""']
     flags["l1_shm_name"] = ["--shm-name"]
     flags["l2_adapters"] = ["--l2-adapter"]
+    flags["frontends"] = ["--frontend"]
     flags["metrics_host"].append("--http-host")
     flags["metrics_port"] += ["--http-port", "--prometheus-port", "--disable-metrics"]
     return flags
@@ -107,6 +106,7 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
     registry = plugin_set.registry
     eviction = f"L1 eviction policy; installed: {_installed(registry, Kind.EVICTION_POLICY)}."
     adapter_types = _installed(registry, Kind.L2_ADAPTER)
+    frontend_types = _installed(registry, Kind.FRONTEND)
     store = f"Which adapters new L1 objects go to; installed: {_installed(registry, Kind.STORE_POLICY)}."
     prefetch = (
         f"Which adapter each L2 hit loads from; installed: {_installed(registry, Kind.PREFETCH_POLICY)}."
@@ -187,10 +187,21 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
             help="Run L1 only when no adapter is configured.",
             rich_help_panel=L2_PANEL,
         ),
-        host: str = typer.Option(
-            _D.host, help="Address to bind, or an ipc:// endpoint.", rich_help_panel=RPC_PANEL
+        frontend: Optional[list[str]] = typer.Option(  # noqa: B008 - typer declares options so
+            None,
+            metavar="JSON",
+            help=f'Front end as JSON with a "type" (installed: {frontend_types}); repeat to serve several '
+            "protocols at once. Without it the native one serves on --host/--port.",
+            rich_help_panel=RPC_PANEL,
         ),
-        port: int = typer.Option(_D.port, help="RPC port.", rich_help_panel=RPC_PANEL),
+        host: str = typer.Option(
+            _D.host,
+            help="Address to bind, or an ipc:// endpoint (front ends that give no host).",
+            rich_help_panel=RPC_PANEL,
+        ),
+        port: int = typer.Option(
+            _D.port, help="RPC port (front ends that give no port).", rich_help_panel=RPC_PANEL
+        ),
         chunk_size: int = typer.Option(_D.chunk_size, help="Tokens per chunk.", rich_help_panel=RPC_PANEL),
         auth_token: Optional[str] = typer.Option(
             None,
@@ -355,21 +366,19 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
     if uses_default_l2:
         file_values["l2_adapters"] = default_l2_adapters(plugin_set.registry)
     try:
-        resolved = build_config(plugin_set.registry, file_values, overrides, adapters)
+        resolved = build_config(plugin_set.registry, file_values, overrides, adapters, params["frontend"])
     except ConfigError as exc:
         raise _name_flag(exc, given) from exc
-    if not is_loopback(resolved.host) and not resolved.auth_token:
-        fail(f"binding to {resolved.host} (not loopback) requires --auth-token or LMCACHE_TIERS_AUTH_TOKEN")
-    if resolved.auth_token and len(resolved.auth_token) > MAX_TOKEN_LEN:
-        fail(f"--auth-token is longer than the {MAX_TOKEN_LEN} characters the protocol carries")
     if uses_default_l2 and file_values["l2_adapters"] and not params["print_config"]:
         # A second default server gets a hint, not the adapter's directory-lock error.
         _DEFAULT_L2_CLAIMS.append(claim_default_l2())
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "INFO")
     try:
-        from lmcache_tiers.server.app import configure_logging, run_server
+        from lmcache_tiers.server.app import check_serving, configure_logging, run_server
     except ImportError as exc:
         fail(f"the server is not available in this installation ({exc})", 1)
+    # Refused before anything is printed or allocated (--print-config checks it too).
+    check_serving(resolved, resolved.auth_token)
     configure_logging()
     for note in notes:
         logger.info("%s", note)

@@ -6,7 +6,6 @@ own; the StorageManager builds, starts and stops them.
 
 from lmcache_tiers.controllers.base import (
     AdapterSlot,
-    BurstLog,
     ControllerThread,
     TaskTracker,
     Waker,
@@ -21,7 +20,6 @@ from lmcache_tiers.controllers.store import StoreController
 
 __all__ = [
     "AdapterSlot",
-    "BurstLog",
     "ControllerThread",
     "EngineStats",
     "L1EvictionController",

@@ -10,7 +10,6 @@ pairs the results an adapter reports with whatever submitted the tasks.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import select
 import threading
@@ -95,40 +94,6 @@ class AdapterSlot:
 
 def adapter_infos(slots: Sequence[AdapterSlot]) -> list[AdapterInfo]:
     return [slot.info() for slot in slots]
-
-
-class BurstLog:
-    """One log line per burst of like events (drops, refusals): the first event of a burst
-    is logged at once; events less than ``quiet_s`` after the previous one only add to a
-    tally, which the next burst's line reports.  The exact figures are in the counters."""
-
-    def __init__(self, log: logging.Logger, reason: str, *, quiet_s: float = 10.0) -> None:
-        self._log = log
-        self.reason = reason
-        self.quiet_s = quiet_s
-        self._lock = threading.Lock()
-        self._last = -math.inf
-        self._untold = 0
-
-    def event(self, count: int, what: str) -> None:
-        """``count`` events, described by ``what`` (e.g. "objects evicted before ...")."""
-        now = time.monotonic()
-        with self._lock:
-            quiet = now - self._last > self.quiet_s
-            self._last = now
-            if not quiet:
-                self._untold += count
-                return
-            untold, self._untold = self._untold, 0
-        earlier = f"; {untold} more in the previous burst" if untold else ""
-        self._log.warning(
-            "%d %s (failure reason %s; more within %gs are only counted%s)",
-            count,
-            what,
-            self.reason,
-            self.quiet_s,
-            earlier,
-        )
 
 
 OwnerT = TypeVar("OwnerT")

@@ -16,7 +16,8 @@ import logging
 import time
 from collections.abc import Sequence
 
-from lmcache_tiers.controllers.base import BurstLog, ControllerThread
+from lmcache_tiers.burst import BurstLog
+from lmcache_tiers.controllers.base import ControllerThread
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager

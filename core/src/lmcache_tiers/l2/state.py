@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.accounting import UNKNOWN_L1, ByteAccounting
 from lmcache_tiers.l2.codec import SerdeChain
@@ -26,32 +26,6 @@ if TYPE_CHECKING:
     from lmcache_tiers.registry import ComponentRegistry
 
 log = logging.getLogger("lmcache_tiers.l2")
-
-#: a repeated warning is logged once per this many seconds, with the count of the others
-BURST_WINDOW_S = 60.0
-
-
-class BurstLog:
-    """Logs the first warning of a kind, then at most one per window with a count."""
-
-    def __init__(self, window_s: float = BURST_WINDOW_S) -> None:
-        self.window_s = window_s
-        self._lock = threading.Lock()
-        self._next: dict[str, float] = {}
-        self._suppressed: Counter[str] = Counter()
-
-    def warn(self, kind: str, message: str, *args: Any) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now < self._next.get(kind, 0.0):
-                self._suppressed[kind] += 1
-                return
-            self._next[kind] = now + self.window_s
-            suppressed = self._suppressed.pop(kind, 0)
-        if suppressed:
-            message += " (and %d more like it in the last %.0f s)"
-            args = (*args, suppressed, self.window_s)
-        log.warning(message, *args)
 
 
 class Counters:

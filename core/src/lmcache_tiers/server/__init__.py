@@ -1,5 +1,6 @@
-"""The native RPC server: protocol, request loop, shared-memory data plane and HTTP endpoint.
+"""The serving process: start-up and shutdown of the storage, the front ends and HTTP.
 
 Start a server with :func:`lmcache_tiers.server.app.run_server` (what ``lmcache-tiers
-serve`` calls) and talk to it with :class:`lmcache_tiers.client.Client`.
+serve`` calls).  The wire protocols themselves are front-end plugins
+(:mod:`lmcache_tiers.frontend`); the native one is ``lmcache-plugin-frontend-native``.
 """

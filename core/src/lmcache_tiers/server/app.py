@@ -1,16 +1,23 @@
-"""The serving process: StorageManager + RPC loop + HTTP endpoint, start-up and shutdown.
+"""The serving process: StorageManager + front ends + HTTP endpoint, start-up and shutdown.
 
-Shutdown on SIGINT/SIGTERM, in order: stop taking new work (new requests get
-SHUTTING_DOWN), let in-flight requests finish or cancel them at the drain deadline, give
-back every lock and reservation clients still hold, flush pending L2 stores, close the
-storage (which unlinks the L1 segment), stop HTTP and print a summary.  A second signal
-cuts the drain short.
+Front ends are plugins (``tiers_register_frontends``); each listens on its own address and
+runs its own threads over the one StorageManager.  Start-up checks everything it can before
+L1 exists (front-end configs, addresses that would clash, the HTTP host), then builds the
+storage (which pre-faults L1), the front ends (which bind) and the HTTP endpoint.
+
+Shutdown on SIGINT/SIGTERM, in order: every front end stops taking new work and lets
+in-flight requests finish (or cancels them at the drain deadline), then gives back every
+lock and reservation its clients still hold; pending L2 stores are flushed, the storage is
+closed (which unlinks the L1 segment), HTTP stops and a summary is printed.  A second
+signal cuts the drain short.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -18,23 +25,18 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.panel import Panel
-from rich.table import Table
 
 from lmcache_tiers import __version__
-from lmcache_tiers.config import ServerConfig, config_to_builtins, redact_secrets
-from lmcache_tiers.defaults import describe_default
-from lmcache_tiers.endpoints import is_loopback, rpc_endpoint
+from lmcache_tiers.config import ServerConfig, default_frontends
+from lmcache_tiers.endpoints import is_loopback
 from lmcache_tiers.errors import ConfigError, TiersError
+from lmcache_tiers.frontend import Frontend, FrontendStats, check_frontends, create_frontend, merged_stats
 from lmcache_tiers.l2.scan_progress import watch_scans
-from lmcache_tiers.registry import ComponentRegistry
-from lmcache_tiers.server.handlers import DataPlane, Handlers
+from lmcache_tiers.registry import ComponentRegistry, Kind
+from lmcache_tiers.server.banner import start_banner, stop_summary
 from lmcache_tiers.server.http import HttpEndpoint
 from lmcache_tiers.server.metrics import build_registry, render
-from lmcache_tiers.server.rpc import RpcServer
-from lmcache_tiers.server.stats import ServerStats
 from lmcache_tiers.wire import protocol as p
-from lmcache_tiers.wire.shm import segment_identity
 
 if TYPE_CHECKING:
     from lmcache_tiers.storage import StorageManager
@@ -44,9 +46,8 @@ logger = logging.getLogger(__name__)
 LOG_LEVEL_ENV = "LMCACHE_LOG_LEVEL"
 AUTH_TOKEN_ENV = "LMCACHE_TIERS_AUTH_TOKEN"
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
-#: adapter options never printed in the banner (credentials of remote stores)
-#: the RPC loop must have turned within this long for /healthz to answer ok
-_HEARTBEAT_LIMIT_S = 5.0
+#: how long a front end that does not finish its drain is waited for beyond the deadline
+_JOIN_GRACE_S = 5.0
 
 
 def configure_logging() -> None:
@@ -79,14 +80,6 @@ def configure_logging() -> None:
         logger.warning("%s=%r is not one of %s; using INFO", LOG_LEVEL_ENV, raw, ", ".join(_LEVELS))
 
 
-def check_auth_token(token: str | None) -> None:
-    """Refuse a token no request could carry: every request would be refused as MALFORMED."""
-    if token is not None and len(token) > p.MAX_TOKEN_LEN:
-        raise ConfigError(
-            f"the auth token is {len(token)} characters long; the protocol carries at most {p.MAX_TOKEN_LEN}"
-        )
-
-
 def check_metrics_host(config: ServerConfig, token: str | None) -> None:
     """The HTTP endpoint binds an address of its own; beyond loopback, /status (pid, segment
     name, paths) is served only against the auth token, so one must exist."""
@@ -102,8 +95,14 @@ def check_metrics_host(config: ServerConfig, token: str | None) -> None:
         )
 
 
+def check_serving(config: ServerConfig, token: str | None) -> None:
+    """Every check that needs neither L1 nor a socket (``serve --print-config`` runs them too)."""
+    check_frontends(config, token)
+    check_metrics_host(config, token)
+
+
 class TiersServer:
-    """One server: storage, RPC front end and HTTP endpoint. ``serve`` blocks."""
+    """One server: storage, front ends and HTTP endpoint. ``serve`` blocks."""
 
     def __init__(
         self,
@@ -112,46 +111,45 @@ class TiersServer:
         registry: ComponentRegistry | None = None,
         auth_token: str | None = None,
         drain_timeout_s: float = 10.0,
-        max_inline_bytes: int = 256 << 20,
-        max_request_bytes: int = 1 << 30,
     ) -> None:
+        from lmcache_tiers.plugins import load_registry
         from lmcache_tiers.storage import StorageManager
 
-        if not is_loopback(config.host) and not auth_token:
-            raise ConfigError(
-                f"binding to {config.host} (not loopback) requires --auth-token or {AUTH_TOKEN_ENV}"
-            )
-        check_auth_token(auth_token)
-        check_metrics_host(config, auth_token)
-        endpoint = rpc_endpoint(config.host, config.port)
+        registry = registry if registry is not None else load_registry()
+        if not config.frontends:
+            config = _with_default_frontends(config, registry)
+        check_serving(config, auth_token)
+        # Imported before L1 is allocated: a front end whose code cannot load costs no start-up.
+        for spec in config.frontends:
+            registry.get(Kind.FRONTEND, spec.type).load()
         self.config = config
         self.drain_timeout_s = drain_timeout_s
         self.auth_required = bool(auth_token)
         self.started = time.time()
+        self._stopping = False
+        self._force = False
+        self._fatal: BaseException | None = None
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_write, False)
         self.storage: StorageManager = StorageManager(config, registry)
         self.http: HttpEndpoint | None = None
+        self.frontends: list[Frontend] = []
         try:
-            self.data_plane = self._data_plane()
-            self.stats = ServerStats()
-            self.handlers = Handlers(
-                self.storage,
-                chunk_size=config.chunk_size,
-                data_plane=self.data_plane,
-                stats=self.stats,
-                status_provider=self.status,
-                max_inline_bytes=max_inline_bytes,
-            )
-            self.rpc = RpcServer(
-                self.handlers,
-                endpoint,
-                auth_token=auth_token,
-                drain_timeout_s=drain_timeout_s,
-                max_request_bytes=max(max_request_bytes, max_inline_bytes),
-                # one inline chunk up to the advertised limit must fit in one frame
-                max_frame_bytes=max_inline_bytes + p.MAX_HEADER_BYTES,
-            )
+            for index, spec in enumerate(config.frontends):
+                frontend = create_frontend(
+                    registry,
+                    index,
+                    spec,
+                    self.storage,
+                    config,
+                    auth_token=auth_token,
+                    drain_timeout_s=drain_timeout_s,
+                    status=self.status,
+                    fatal=self._on_fatal,
+                )
+                self.frontends.append(frontend)
             if config.metrics_port:
-                metrics = build_registry(self.stats, self.storage_status)
+                metrics = build_registry(self.frontend_stats, self.storage_status)
                 http_host = config.metrics_host
                 try:
                     self.http = HttpEndpoint(
@@ -163,46 +161,46 @@ class TiersServer:
                         status_token=None if is_loopback(http_host) else auth_token,
                     )
                 except OSError as exc:
-                    self.rpc.close()
                     raise OSError(
                         exc.errno, f"cannot serve HTTP on {http_host}:{config.metrics_port}: {exc.strerror}"
                     ) from None
         except BaseException:
+            self._close_frontends()
             self.storage.close(drain_timeout_s=0.0)
+            self._close_pipe()
             raise
-
-    def _data_plane(self) -> DataPlane:
-        if self.config.no_shm or not self.storage.l1.is_memory:
-            return DataPlane()
-        arena = self.storage.l1.arena
-        device, inode = segment_identity(arena.name)
-        return DataPlane(
-            arena.name, arena.segment_size, device, inode, arena.generation_offset, arena.generation_block
-        )
 
     @property
     def endpoint(self) -> str:
-        return self.rpc.endpoint
+        """The first front end's address (the native one unless configured otherwise)."""
+        return self.frontends[0].address
 
     @property
     def http_url(self) -> str | None:
         return self.http.url if self.http is not None else None
 
+    def frontend_stats(self) -> list[tuple[str, FrontendStats]]:
+        return [(frontend.name, frontend.stats()) for frontend in self.frontends]
+
     def status(self) -> dict[str, Any]:
-        """The ``/status`` document (also the STATUS reply)."""
+        """The ``/status`` document (also the native STATUS reply)."""
+        l1 = self.storage.l1
+        shm = l1.arena.name if l1.is_memory and not self.config.no_shm else None
         server = {
             "version": __version__,
             "protocol_version": p.PROTOCOL_VERSION,
             "pid": os.getpid(),
             "endpoint": self.endpoint,
+            "endpoints": [frontend.address for frontend in self.frontends],
             "http": self.http_url,
             "uptime_s": round(time.time() - self.started, 3),
-            "shm_segment": self.data_plane.shm_name or None,
+            "shm_segment": shm,
             "auth_required": self.auth_required,
-            "draining": self.rpc.draining,
-            **self.stats.snapshot(),
+            "draining": self._stopping,
+            **merged_stats(frontend.stats() for frontend in self.frontends).snapshot(),
         }
-        return {"server": server, **self.storage_status()}
+        frontends = [frontend.status() for frontend in self.frontends]
+        return {"server": server, "frontends": frontends, **self.storage_status()}
 
     def storage_status(self) -> dict[str, Any]:
         """The storage's status, with what L1 holds back for readers whose lease ended."""
@@ -211,39 +209,74 @@ class TiersServer:
         return document
 
     def health(self) -> tuple[bool, str]:
-        if self.rpc.draining:
+        if self._stopping:
             return False, "shutting down"
-        stalled = time.monotonic() - self.rpc.heartbeat
-        if stalled > _HEARTBEAT_LIMIT_S:
-            return False, f"rpc loop has not turned for {stalled:.1f}s"
+        for frontend in self.frontends:
+            healthy, reason = frontend.health()
+            if not healthy:
+                return False, f"{frontend.name}: {reason}"
         return True, "ok"
 
     def serve(self) -> None:
+        """Serve until :meth:`request_stop`, then stop every front end; raises when a front
+        end reported that it can no longer serve."""
         if self.http is not None:
             self.http.start()
-        self.rpc.serve()
+        for frontend in self.frontends:
+            frontend.start()
+        while not self._stopping:
+            # Woken by request_stop (a signal handler may call it) or a failing front end.
+            readable, _, _ = select.select([self._wake_read], [], [], 1.0)
+            if readable:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_read, 64)
+        self._stop_frontends()
+        if self._fatal is not None:
+            raise TiersError(f"a front end failed: {self._fatal}") from self._fatal
+
+    def _stop_frontends(self) -> None:
+        for frontend in self.frontends:
+            frontend.stop(force=self._force)
+        deadline = time.monotonic() + self.drain_timeout_s + _JOIN_GRACE_S
+        for frontend in self.frontends:
+            if not frontend.join(max(0.0, deadline - time.monotonic())):
+                logger.warning("%s did not stop within the drain deadline", frontend.name)
 
     def request_stop(self, *, force: bool = False) -> None:
-        self.rpc.request_stop(force=force)
+        """Begin a graceful stop (``force``: stop waiting for in-flight work).  Safe from a
+        signal handler: flags, the front ends' own stop, and a pipe write."""
+        self._stopping = True
+        if force:
+            self._force = True
+            for frontend in self.frontends:
+                frontend.stop(force=True)
+        with contextlib.suppress(OSError):
+            os.write(self._wake_write, b"x")
+
+    def _on_fatal(self, exc: BaseException) -> None:
+        self._fatal = exc
+        self.request_stop()
 
     def close(self) -> dict[str, Any]:
         """After ``serve`` returned: flush L2, release everything; returns a summary."""
+        self._close_frontends()
+        stats = merged_stats(frontend.stats() for frontend in self.frontends)
         before = self.storage.status()
         pending = before["store"]["in_flight_tasks"] + before["store"]["pending_batches"]
         flushed = self.storage.flush(timeout=self.drain_timeout_s)
         summary = {
             "uptime_s": time.time() - self.started,
-            "requests": sum(self.stats.requests.values()),
-            "stored_chunks": self.stats.store_chunks,
-            "stored_bytes": self.stats.store_bytes,
-            "retrieved_chunks": self.stats.retrieve_chunks,
-            "retrieved_bytes": self.stats.retrieve_bytes,
+            "requests": sum(stats.requests.values()),
+            "stored_chunks": stats.store_chunks,
+            "stored_bytes": stats.store_bytes,
+            "retrieved_chunks": stats.retrieve_chunks,
+            "retrieved_bytes": stats.retrieve_bytes,
             "lookups": before["requests"]["lookups"],
             "l1_hit_chunks": before["requests"]["l1_hit_chunks"],
             "l2_hit_chunks": before["requests"]["l2_hit_chunks"],
-            "failures": sum(self.stats.failures.values()) + sum(before["failures"].values()),
-            "client_locks_released": self.handlers.released_at_shutdown[0],
-            "client_reservations_aborted": self.handlers.released_at_shutdown[1],
+            "failures": sum(stats.failures.values()) + sum(before["failures"].values()),
+            "client_locks_released": stats.released_at_stop_locks,
+            "client_reservations_aborted": stats.released_at_stop_reservations,
             "l2_stores_pending": pending,
             "l2_flushed": flushed,
             "l1_objects": before["l1"]["objects"],
@@ -251,7 +284,30 @@ class TiersServer:
         self.storage.close(drain_timeout_s=self.drain_timeout_s)
         if self.http is not None:
             self.http.stop()
+        self._close_pipe()
         return summary
+
+    def _close_frontends(self) -> None:
+        """Stop and close front ends (those that never started, or after ``serve``)."""
+        for frontend in self.frontends:
+            frontend.stop(force=True)
+        for frontend in self.frontends:
+            try:
+                frontend.join(_JOIN_GRACE_S)
+            except Exception:
+                logger.exception("closing front end %s failed", frontend.name)
+
+    def _close_pipe(self) -> None:
+        for fd in (self._wake_read, self._wake_write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_read = self._wake_write = -1
+
+
+def _with_default_frontends(config: ServerConfig, registry: ComponentRegistry) -> ServerConfig:
+    import msgspec
+
+    return msgspec.structs.replace(config, frontends=default_frontends(registry))
 
 
 # -- run_server: the `serve` command's body ------------------------------------------------
@@ -287,24 +343,25 @@ def run_server(
     code = 0
     try:
         if banner:
-            console.print(_banner(server, token is not None))
+            console.print(start_banner(server))
             watch_scans(server.storage.adapters, console)
         _call_hook(hooks, "tiers_server_started", config=config, storage=server.storage)
         if ready is not None:
             ready.set()
-        logger.info("serving on %s", server.endpoint)
+        for frontend in server.frontends:
+            logger.info("serving %s on %s", frontend.name, frontend.address)
         try:
             server.serve()
         except Exception:
-            # A bug in the loop: still give everything back and unlink the segment.
-            logger.exception("the RPC loop failed; shutting down")
+            # A bug in a front end: still give everything back and unlink the segment.
+            logger.exception("serving failed; shutting down")
             code = 1
         _call_hook(hooks, "tiers_server_stopping", config=config, storage=server.storage)
         summary = server.close()
     finally:
         restore()
     if banner:
-        console.print(_summary(summary))
+        console.print(stop_summary(summary))
     return code
 
 
@@ -347,75 +404,3 @@ def _install_signal_handlers(server: TiersServer) -> Any:
             signal.signal(sig, handler)
 
     return restore
-
-
-def _gib(size: float) -> str:
-    return f"{size / 2**30:.2f} GiB"
-
-
-def _banner(server: TiersServer, auth: bool) -> Panel:
-    config = server.config
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold cyan", no_wrap=True)
-    grid.add_column()
-    grid.add_row("RPC", f"{server.endpoint}  ({'auth token required' if auth else 'no auth, loopback only'})")
-    plane, l1 = server.data_plane, server.storage.l1
-    if plane.shm_name:
-        data_plane = f"shared memory /dev/shm/{plane.shm_name} ({_gib(plane.shm_size)})"
-    elif not l1.is_memory:
-        data_plane = f"inline bytes only (L1 is the file {l1.nvme_file_path})"
-    else:
-        data_plane = "inline bytes only (--no-shm)"
-    grid.add_row("data plane", data_plane)
-    http = server.http_url
-    grid.add_row("HTTP", f"{http}/metrics  /healthz  /status" if http else "disabled (--metrics-port 0)")
-    grid.add_row(
-        "L1",
-        f"{_gib(config.l1_size_bytes)}, eviction {config.eviction_policy} at "
-        f"{config.eviction_trigger_watermark:.0%} frees {config.eviction_ratio:.0%}, "
-        f"lock TTL {config.l1_lock_ttl_s:g}s",
-    )
-    adapters = redact_secrets(config_to_builtins(config)["l2_adapters"])
-    if adapters:
-        for index, adapter in enumerate(adapters):
-            fields = ", ".join(
-                f"{k}={v}"
-                for k, v in adapter.items()
-                if k != "type" and v is not None and v not in ([], (), {})
-            )
-            grid.add_row("L2" if index == 0 else "", f"{index}: {adapter['type']}  {fields}")
-            default_note = describe_default(adapter)
-            if default_note is not None:
-                grid.add_row("", f"   {default_note}")
-    else:
-        grid.add_row("L2", "none (L1 only)")
-    grid.add_row(
-        "policies",
-        f"store {config.l2_store_policy}, prefetch {config.l2_prefetch_policy} "
-        f"(at most {config.l2_prefetch_max_in_flight} in flight)",
-    )
-    grid.add_row("chunk size", f"{config.chunk_size} tokens")
-    grid.add_row("log level", logging.getLevelName(logging.getLogger("lmcache_tiers").getEffectiveLevel()))
-    return Panel(grid, title=f"lmcache-tiers {__version__}  (pid {os.getpid()})", expand=False)
-
-
-def _summary(summary: dict[str, Any]) -> Panel:
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold cyan", no_wrap=True)
-    grid.add_column()
-    grid.add_row("uptime", f"{summary['uptime_s']:.1f} s, {summary['requests']} requests")
-    grid.add_row("stored", f"{summary['stored_chunks']} chunks, {_gib(summary['stored_bytes'])}")
-    grid.add_row("retrieved", f"{summary['retrieved_chunks']} chunks, {_gib(summary['retrieved_bytes'])}")
-    grid.add_row(
-        "lookups",
-        f"{summary['lookups']}, hit chunks L1 {summary['l1_hit_chunks']} / L2 {summary['l2_hit_chunks']}",
-    )
-    grid.add_row("failures", str(summary["failures"]))
-    grid.add_row(
-        "released",
-        f"{summary['client_locks_released']} client locks, "
-        f"{summary['client_reservations_aborted']} unfinished stores aborted",
-    )
-    flushed = "all flushed" if summary["l2_flushed"] else "flush timed out"
-    grid.add_row("L2 stores", f"{summary['l2_stores_pending']} pending at stop, {flushed}")
-    return Panel(grid, title="lmcache-tiers stopped", expand=False)

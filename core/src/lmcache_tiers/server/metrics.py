@@ -1,4 +1,4 @@
-"""Prometheus metrics, built at scrape time from the server's and the storage's counters.
+"""Prometheus metrics, built at scrape time from the front ends' and the storage's counters.
 
 A custom collector on a per-server ``CollectorRegistry`` (never the process-global one, so
 two servers in one process -- as in tests -- do not collide) reads plain counters when
@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from lmcache_tiers import __version__
-from lmcache_tiers.server.stats import ServerStats
+from lmcache_tiers.frontend import FrontendStats, merged_stats
 
 PREFIX = "lmcache_tiers"
 
@@ -28,13 +28,20 @@ def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricF
     return GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
 
 
+#: each front end's name and counters
+FrontendStatsProvider = Callable[[], list[tuple[str, FrontendStats]]]
+
+
 class TiersCollector(Collector):
-    def __init__(self, stats: ServerStats, storage_status: Callable[[], dict[str, Any]]) -> None:
-        self.stats = stats
+    def __init__(
+        self, frontends: FrontendStatsProvider, storage_status: Callable[[], dict[str, Any]]
+    ) -> None:
+        self.frontends = frontends
         self.storage_status = storage_status
 
     def collect(self) -> Iterator[Any]:
-        stats = self.stats
+        per_frontend = self.frontends()
+        stats = merged_stats(part for _, part in per_frontend)
         storage = self.storage_status()
         requests = storage.get("requests", {})
         l1 = storage.get("l1", {})
@@ -43,9 +50,10 @@ class TiersCollector(Collector):
         info.add_metric([], {"version": __version__})
         yield info
 
-        by_op = _counter("requests", "RPC requests served, by operation", ["op"])
-        for op, count in sorted(dict(stats.requests).items()):
-            by_op.add_metric([op], count)
+        by_op = _counter("requests", "Requests served, by front end and operation", ["frontend", "op"])
+        for name, part in per_frontend:
+            for op, count in sorted(dict(part.requests).items()):
+                by_op.add_metric([name, op], count)
         yield by_op
 
         yield from self._single("lookups", requests.get("lookups", 0), "LOOKUP requests")
@@ -183,9 +191,11 @@ class TiersCollector(Collector):
         yield family
 
 
-def build_registry(stats: ServerStats, storage_status: Callable[[], dict[str, Any]]) -> CollectorRegistry:
+def build_registry(
+    frontends: FrontendStatsProvider, storage_status: Callable[[], dict[str, Any]]
+) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(TiersCollector(stats, storage_status))
+    registry.register(TiersCollector(frontends, storage_status))
     return registry
 
 

@@ -1,10 +1,11 @@
 """Conformance kit: test suites every plugin of a kind subclasses.
 
 A plugin's tests subclass the suite for its kind (``L2AdapterSuite``,
-``StorePolicySuite``, ``EvictionPolicySuite``, ``SerdeSuite`` ...) and provide the fixture the suite
-names; capabilities that do not apply are declared on the subclass and their tests are
-skipped with the reason printed, never faked.  ``ComponentSuite`` is the base of them
-all: it checks that the component is discoverable through its installed entry point.
+``StorePolicySuite``, ``EvictionPolicySuite``, ``SerdeSuite``, ``FrontendSuite`` in
+:mod:`lmcache_tiers.testing.frontend` ...) and provide the fixture the suite names;
+capabilities that do not apply are declared on the subclass and their tests are skipped
+with the reason printed, never faked.  ``ComponentSuite`` is the base of them all: it
+checks that the component is discoverable through its installed entry point.
 
 Names are imported on first use: :mod:`lmcache_tiers.testing.blocking` (blocking calls
 over an adapter, for tests and tools) works without pytest installed.

@@ -13,10 +13,10 @@ from __future__ import annotations
 import errno
 from collections.abc import Callable
 
+from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.keycodec import printable
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.record import MAX_HEADER_LEN, decode_header
-from lmcache_tiers.l2.state import BurstLog
 
 __all__ = ["MAX_HEADER_LEN", "RECORD_ALIGN", "HeaderSizes", "WriteFailures", "is_out_of_space", "record_key"]
 

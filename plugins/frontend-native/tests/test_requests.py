@@ -105,7 +105,7 @@ def test_retrieve_into_numpy_and_torch(server: TiersServer) -> None:
 
 
 def test_inline_transfers_are_split_at_the_size_limit(make_server: Factory) -> None:
-    server = make_server(server_options={"max_inline_bytes": 25_000})
+    server = make_server(frontends=[{"type": "native", "max_inline_bytes": 25_000}])
     keys, data = keys_of(7), blobs(7, 10_000)
     with Client(server.endpoint, shm=False) as client:
         assert client.store(keys, data) == 7  # four requests of at most two chunks
@@ -113,8 +113,8 @@ def test_inline_transfers_are_split_at_the_size_limit(make_server: Factory) -> N
             assert [bytes(view) for view in views] == data
         with pytest.raises(ClientError, match="over the server's inline limit"):
             client.store(keys_of(1), [bytes(30_000)])
-    assert server.stats.requests["StoreInline"] == 4
-    assert server.stats.requests["Retrieve"] == 4
+    assert server.frontends[0].stats().requests["StoreInline"] == 4
+    assert server.frontends[0].stats().requests["Retrieve"] == 4
 
 
 def test_a_store_larger_than_l1_is_refused_whole(server: TiersServer) -> None:
@@ -207,10 +207,11 @@ def test_shutdown_gives_back_what_clients_hold(make_server: Factory) -> None:
         assert (l1(server)["read_locks"], l1(server)["write_locked"]) == (3, 2)
         server.request_stop()
         deadline = time.monotonic() + 10
-        while server.handlers.released_at_shutdown == (0, 0):
+        stats = server.frontends[0].stats()
+        while (stats.released_at_stop_locks, stats.released_at_stop_reservations) == (0, 0):
             assert time.monotonic() < deadline, "the server did not stop"
             time.sleep(0.01)
-    assert server.handlers.released_at_shutdown == (3, 2)
+    assert (stats.released_at_stop_locks, stats.released_at_stop_reservations) == (3, 2)
     assert (l1(server)["read_locks"], l1(server)["write_locked"]) == (0, 0)
 
 
@@ -314,12 +315,12 @@ def test_a_later_part_is_asked_only_after_a_full_hit(server: TiersServer) -> Non
     with Client(server.endpoint) as client:
         client.max_keys = 4  # as if the server took four keys per request
         client.store(keys[:6], blobs(6, 100))
-        before = server.stats.requests["Lookup"]
+        before = server.frontends[0].stats().requests["Lookup"]
         assert client.lookup(keys) == 6  # [0:4] full, [4:8] two hits: [8:10] is never asked
-        assert server.stats.requests["Lookup"] - before == 2
+        assert server.frontends[0].stats().requests["Lookup"] - before == 2
         assert client.release(keys) == 6
         assert client.lookup(keys[6:]) == 0
-        assert server.stats.requests["Lookup"] - before == 3
+        assert server.frontends[0].stats().requests["Lookup"] - before == 3
 
 
 def test_tokens_longer_than_the_protocol_carries_are_refused_by_the_client(server: TiersServer) -> None:

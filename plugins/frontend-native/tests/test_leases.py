@@ -139,7 +139,8 @@ def test_retrieve_into_checks_every_copy(
             # the copy that read the intruders' bytes is noticed; what is returned is exact
             assert reader.retrieve_into(keys, out) == copied
             assert [bytes(buffer) for buffer in out[:copied]] == data[:copied]
-        assert server.stats.requests["Retrieve"] == min(interruptions + 1, 1 + Client.STALE_RETRIES)
+        retrieves = server.frontends[0].stats().requests["Retrieve"]
+        assert retrieves == min(interruptions + 1, 1 + Client.STALE_RETRIES)
 
 
 def test_lease_counters_reach_metrics(server: TiersServer) -> None:
@@ -148,9 +149,9 @@ def test_lease_counters_reach_metrics(server: TiersServer) -> None:
         reader.store(keys, blobs(2, 1))
         with reader.retrieve(keys):
             other.clear(force=True)
-            text = render(build_registry(server.stats, server.storage_status)).decode()
+            text = render(build_registry(server.frontend_stats, server.storage_status)).decode()
             assert "lmcache_tiers_l1_quarantined_extents 2.0" in text
             assert 'lmcache_tiers_l1_quarantined_total{reason="forced"} 2.0' in text
-    text = render(build_registry(server.stats, server.storage_status)).decode()
+    text = render(build_registry(server.frontend_stats, server.storage_status)).decode()
     assert 'lmcache_tiers_l1_quarantine_reclaimed_total{how="released"} 2.0' in text
     assert f"lmcache_tiers_l1_quarantine_reclaimed_bytes_total {2 * CHUNK}.0" in text

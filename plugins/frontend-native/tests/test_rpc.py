@@ -58,13 +58,14 @@ def test_shapes_that_cannot_be_served(raw: Callable[..., p.Reply]) -> None:
 
 
 def test_requests_over_the_size_limit(make_server: Factory) -> None:
-    server = make_server(server_options={"max_request_bytes": 64 << 10, "max_inline_bytes": 32 << 10})
+    limits = {"max_request_bytes": 64 << 10, "max_inline_bytes": 32 << 10}
+    server = make_server(frontends=[{"type": "native", **limits}])
     with Client(server.endpoint, shm=False) as client:
         with pytest.raises(ServerError) as refused:
             client._call(p.StoreInline(0, "", [KEY]), p.StoreReply, payloads=[bytes(100 << 10)])
         assert refused.value.code is p.ErrorCode.TOO_LARGE
         assert client.ping() > 0
-    assert server.stats.failures["too_large"] == 1
+    assert server.frontends[0].stats().failures["too_large"] == 1
 
 
 def test_every_request_is_checked_against_the_token(make_server: Factory) -> None:

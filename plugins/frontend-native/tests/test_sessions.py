@@ -1,7 +1,8 @@
 from __future__ import annotations
 
+from lmcache_plugin_frontend_native.sessions import PendingPrefetch, SessionTable
+
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.server.sessions import PendingPrefetch, SessionTable
 
 A, B, C = (ObjectKey("m", 0, bytes([i]) * 8) for i in (1, 2, 3))
 

@@ -17,15 +17,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from lmcache_tiers import __version__
-from lmcache_tiers.controllers import BurstLog
-from lmcache_tiers.errors import KeyValidationError, L1OutOfMemoryError
-from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l1 import L1Loan
-from lmcache_tiers.l2.buffers import copy_into
-from lmcache_tiers.server.sessions import PendingPrefetch, Session, SessionTable
-from lmcache_tiers.server.stats import ServerStats
-from lmcache_tiers.wire import protocol as p
+from lmcache_plugin_frontend_native.sessions import PendingPrefetch, Session, SessionTable
+from lmcache_tiers.plugin import (
+    BurstLog,
+    FrontendStats,
+    KeyValidationError,
+    L1Loan,
+    L1OutOfMemoryError,
+    ObjectKey,
+    __version__,
+    copy_into,
+)
+from lmcache_tiers.plugin import wire_protocol as p
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +124,7 @@ class Handlers:
         *,
         chunk_size: int,
         data_plane: DataPlane,
-        stats: ServerStats,
+        stats: FrontendStats,
         status_provider: Callable[[], dict[str, Any]],
         max_inline_bytes: int,
     ) -> None:
@@ -137,8 +140,6 @@ class Handlers:
         # prefetch handles a pool thread is blocked on; the sweep leaves them alone
         self._waited: set[int] = set()
         self._expired_results = BurstLog(logger, "prefetch_result_expired")
-        #: (read-locked keys, reservations) clients still held when the server stopped
-        self.released_at_shutdown = (0, 0)
         self._table: dict[type[p._Request], Callable[[Any, bytes, Frames], Response | Deferred]] = {
             p.Hello: self.hello,
             p.Ping: self.ping,
@@ -552,7 +553,8 @@ class Handlers:
                 locks += self._give_back(handle, pending)
             session.writes.clear()
             session.prefetches.clear()
-        self.released_at_shutdown = (locks, writes)
+        self.stats.released_at_stop_locks = locks
+        self.stats.released_at_stop_reservations = writes
 
 
 def _layouts(layouts: list[str], count: int) -> list[str] | None:

@@ -1,0 +1,64 @@
+"""One log line per burst of like warnings, so a storm of drops never floods the log.
+
+The exact figures are always in the counters (``/metrics``); the log says that something
+happens and how often, once per window.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+__all__ = ["BURST_WINDOW_S", "BurstLog"]
+
+#: a repeated warning is logged once per this many seconds, with the count of the others
+BURST_WINDOW_S = 60.0
+
+_L2_LOG = logging.getLogger("lmcache_tiers.l2")
+
+
+class BurstLog:
+    """Logs the first warning of a kind at once, then at most one per ``window_s`` for that
+    kind, telling how many like it were only counted meanwhile.
+
+    ``warn(kind, message, *args)`` for free-form warnings of several kinds; a log made for
+    one failure ``reason`` also takes ``event(count, what)``: "``count`` ``what`` (failure
+    reason ...)".
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger | None = None,
+        reason: str | None = None,
+        *,
+        window_s: float = BURST_WINDOW_S,
+    ) -> None:
+        self._log = logger if logger is not None else _L2_LOG
+        self.reason = reason
+        self.window_s = window_s
+        self._lock = threading.Lock()
+        self._next: dict[str, float] = {}
+        self._suppressed: Counter[str] = Counter()
+
+    def warn(self, kind: str, message: str, *args: Any, count: int = 1) -> None:
+        """Log ``message % args`` unless a warning of ``kind`` was logged within the window;
+        then only add ``count`` to the tally the next line of that kind reports."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next.get(kind, 0.0):
+                self._suppressed[kind] += count
+                return
+            self._next[kind] = now + self.window_s
+            suppressed = self._suppressed.pop(kind, 0)
+        if suppressed:
+            message += " (and %d more like it in the last %.0f s)"
+            args = (*args, suppressed, self.window_s)
+        self._log.warning(message, *args)
+
+    def event(self, count: int, what: str) -> None:
+        """``count`` events of this log's failure reason, described by ``what``."""
+        reason = self.reason or "unspecified"
+        self.warn(reason, "%d %s (failure reason %s)", count, what, reason, count=count)

@@ -1,0 +1,209 @@
+"""The native RPC loop: decode each request, dispatch it, encode the reply.
+
+The socket, the loop thread, the pool and the wake-ups are core's
+:class:`~lmcache_tiers.router.RouterLoop`; this module receives the native protocol's
+frames.  Every input is bounded before it is trusted -- frame size (ZMQ_MAXMSGSIZE drops
+the peer), header size, frame count, total request size -- and every failure to decode
+or serve a request becomes an error reply, or a log line when the reply cannot be routed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from lmcache_plugin_frontend_native.handlers import Deferred, Frames, Handlers, Response, error_for
+from lmcache_tiers.plugin import RouterLoop
+from lmcache_tiers.plugin import wire_protocol as p
+
+logger = logging.getLogger(__name__)
+
+
+class RpcServer:
+    """Serves :class:`Handlers` on a ROUTER socket until :meth:`request_stop`."""
+
+    #: housekeeping period, and the longest a stop request waits to be noticed
+    SWEEP_INTERVAL_S = 0.2
+
+    def __init__(
+        self,
+        handlers: Handlers,
+        endpoint: str,
+        *,
+        name: str = "native",
+        auth_token: str | None = None,
+        pool_workers: int = 8,
+        max_frame_bytes: int = 256 << 20,
+        max_request_bytes: int = 1 << 30,
+        drain_timeout_s: float = 10.0,
+    ) -> None:
+        self.handlers = handlers
+        self.stats = handlers.stats
+        self._token = auth_token.encode() if auth_token else None
+        self.max_request_bytes = max_request_bytes
+        self.max_frames = p.MAX_KEYS_PER_REQUEST
+        self.router = RouterLoop(
+            endpoint,
+            name=name,
+            stats=self.stats,
+            pool_workers=pool_workers,
+            max_frame_bytes=max_frame_bytes,
+            sweep_interval_s=self.SWEEP_INTERVAL_S,
+            drain_timeout_s=drain_timeout_s,
+        )
+        self.socket = self.router.socket
+        self.endpoint = self.router.endpoint
+
+    @property
+    def draining(self) -> bool:
+        return self.router.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.router.draining = value
+
+    @property
+    def heartbeat(self) -> float:
+        return self.router.heartbeat
+
+    def request_stop(self, *, force: bool = False) -> None:
+        """Begin a graceful stop; safe from a signal handler (see RouterLoop)."""
+        self.router.request_stop(force=force)
+
+    def close(self) -> None:
+        """Release the socket of a server that will not serve (start-up failed later on)."""
+        self.router.close()
+
+    def start(self, on_failure: Callable[[BaseException], None]) -> None:
+        """Serve on the loop's thread until a stop is requested and in-flight work is
+        finished or abandoned."""
+        self.router.start(
+            self._receive_one,
+            sweep=self._sweep,
+            on_drain=self.handlers.stopping.set,  # cancels prefetch waits in the pool
+            on_shutdown=self.handlers.release_everything,
+            on_failure=on_failure,
+        )
+
+    def _sweep(self, now: float) -> None:
+        self.handlers.collect_prefetches(now)
+        self.handlers.sessions.sweep(now)
+        self.handlers.refresh_gauges()
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def _receive_one(self) -> None:
+        """Receive and handle one message, or return at the receive timeout."""
+        sock = self.socket
+        # Frames rather than bytes: a frame carries its "more" flag, where getsockopt
+        # (RCVMORE) would run pyzmq's Python-level option lookup for every part.
+        try:
+            part = sock.recv(copy=False)
+        except zmq.Again:
+            return  # receive timeout: time for housekeeping
+        except zmq.ZMQError as exc:
+            logger.warning("receive failed: %s", exc)
+            return
+        identity: bytes = part.bytes
+        if not part.more:
+            logger.warning("dropped a request from %s with no header frame", identity.hex())
+            self.stats.failure("dropped")
+            return
+        # Parts of a multipart message arrive together, so these receives cannot block.
+        part = sock.recv(copy=False)
+        header: bytes = part.bytes
+        more = part.more
+        frames: list[Any] = []
+        total = len(header)
+        too_large = total > p.MAX_HEADER_BYTES
+        while more:
+            frame = sock.recv(copy=False)
+            more = frame.more
+            total += len(frame)
+            if too_large:
+                continue  # keep draining the message, holding nothing
+            if len(frames) >= self.max_frames or total > self.max_request_bytes:
+                too_large = True
+                frames.clear()
+                continue
+            frames.append(frame)
+        if self.router.is_waker(identity):
+            return  # a pool thread finished something; the loop collects it next
+        self._handle(identity, header, frames, too_large, total)
+
+    def _handle(self, identity: bytes, header: bytes, frames: Frames, too_large: bool, total: int) -> None:
+        if too_large and len(header) > p.MAX_HEADER_BYTES:
+            # Not decoded, but its id is readable: the caller learns at once, not at its timeout.
+            message = f"request header of {len(header)} bytes is over the {p.MAX_HEADER_BYTES}-byte limit"
+            self._fail(identity, p.peek_request_id(header), p.ErrorCode.TOO_LARGE, message)
+            return
+        try:
+            request = p.request_decoder.decode(header)
+        except Exception as exc:  # any undecodable input: msgspec errors, recursion limits
+            req_id, code = p.diagnose_undecodable(header)
+            self._fail(identity, req_id, code, f"cannot decode request: {str(exc)[:200]}")
+            return
+        if self._token is not None and not hmac.compare_digest(request.token.encode(), self._token):
+            self._fail(identity, request.req_id, p.ErrorCode.UNAUTHORIZED, "missing or wrong auth token")
+            return
+        if too_large:
+            self._fail(
+                identity,
+                request.req_id,
+                p.ErrorCode.TOO_LARGE,
+                f"request of {total} bytes / {len(frames)} frames is over the limit "
+                f"({self.max_request_bytes} bytes, {self.max_frames} frames)",
+            )
+            return
+        if self.draining:
+            self._fail(identity, request.req_id, p.ErrorCode.SHUTTING_DOWN, "server is shutting down")
+            return
+        self.stats.requests[type(request).__name__] += 1
+        try:
+            result = self.handlers.dispatch(request, identity, frames)
+        except Exception as exc:
+            self._fail_with(identity, request.req_id, exc)
+            return
+        if isinstance(result, Deferred):
+            self._submit(identity, request.req_id, result)
+        else:
+            self._send(identity, *result)
+
+    # -- pool hand-off ---------------------------------------------------------------------
+
+    def _submit(self, identity: bytes, req_id: int, deferred: Deferred) -> None:
+        def done(finish: Callable[[], Response] | None, error: BaseException | None) -> None:
+            if deferred.cleanup is not None:
+                deferred.cleanup()
+            if finish is not None:
+                try:
+                    reply, payloads = finish()
+                except Exception as exc:
+                    error = exc
+                else:
+                    self._send(identity, reply, payloads)
+                    return
+            assert error is not None
+            self._fail_with(identity, req_id, error)
+
+        self.router.submit(deferred.work, done)
+
+    # -- replying --------------------------------------------------------------------------
+
+    def _fail_with(self, identity: bytes, req_id: int, exc: BaseException) -> None:
+        code, message = error_for(exc)
+        if code is p.ErrorCode.INTERNAL:
+            logger.error("request %d from %s failed", req_id, identity.hex(), exc_info=exc)
+        self._fail(identity, req_id, code, message)
+
+    def _fail(self, identity: bytes, req_id: int, code: p.ErrorCode, message: str) -> None:
+        self.stats.failure(code.name.lower())
+        logger.debug("error reply to %s (request %d): %s %s", identity.hex(), req_id, code.name, message)
+        self._send(identity, p.ErrorReply(req_id, code.value, message), ())
+
+    def _send(self, identity: bytes, reply: p._Reply, payloads: Frames) -> None:
+        self.router.send([identity, p.encoder.encode(reply), *payloads])

@@ -1,0 +1,100 @@
+"""Front end ``lmcache_mp``: LMCache's multi-process server protocol (``lmcache server``).
+
+LMCache clients -- ``lmcache bench server``, vLLM's LMCache MP connector in engine-driven
+mode -- talk to lmcache-tiers as they talk to LMCache's own server: ZeroMQ, LMCache's frames,
+operation ids and payload maps, the same keys for the same tokens, and the L1 arena as the
+shared-memory segment they copy KV chunks into and out of.  docs/frontends/lmcache-mp.md
+says how to point a client here and what is supported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING, Annotated, Any
+
+import msgspec
+
+from lmcache_tiers.plugin import ConfigError, FrontendConfig, KindRegistry, hookimpl, is_loopback
+
+if TYPE_CHECKING:
+    from lmcache_tiers.plugin import ServerConfig
+
+
+def _doc(text: str, **constraints: Any) -> Any:
+    return msgspec.Meta(description=text, **constraints)
+
+
+class LMCacheMPConfig(FrontendConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """LMCache's multi-process protocol, for LMCache clients and vLLM's LMCache MP connector."""
+
+    allow_remote: Annotated[
+        bool,
+        _doc("Listen beyond loopback. The protocol carries no credentials: a trusted network only."),
+    ] = False
+    shm: Annotated[
+        bool,
+        _doc(
+            "Offer the L1 shared-memory segment at registration: clients copy chunks into and "
+            "out of it. false: chunks travel pickled (needs allow_pickle)."
+        ),
+    ] = True
+    allow_pickle: Annotated[
+        bool,
+        _doc(
+            "Accept chunks as pickled torch tensors (clients that cannot map the segment). Only "
+            "tensors are unpickled, yet torch's loader runs on client bytes: trusted clients "
+            "only. Needs torch on the server."
+        ),
+    ] = False
+    workers: Annotated[
+        int,
+        _doc("Threads for requests that wait or copy (prefetch waits, clear, pickled chunks).", ge=1, le=64),
+    ] = 4
+    lookup_wait_ms: Annotated[
+        float,
+        _doc(
+            "How long a lookup that goes to L2 waits for its prefetch before it answers, so the "
+            "client's first status query has the result (LMCache clients poll every 50 ms).",
+            ge=0.0,
+            le=10_000.0,
+        ),
+    ] = 20.0
+    session_ttl_s: Annotated[
+        float, _doc("Seconds an idle request (its hashes, its lookup) is kept.", gt=0.0)
+    ] = 600.0
+    max_requests: Annotated[int, _doc("Requests remembered at once; the least recent go first.", ge=1)] = (
+        65536
+    )
+    worker_reap_timeout_s: Annotated[
+        float, _doc("Seconds a worker that pinged may stay silent before it is unregistered.", gt=0.0)
+    ] = 120.0
+    worker_registration_grace_s: Annotated[
+        float, _doc("Seconds a worker that never pinged stays registered.", gt=0.0)
+    ] = 3600.0
+    max_message_mb: Annotated[
+        int, _doc("Largest request frame in MiB (pickled chunks); a larger one disconnects its client.", ge=1)
+    ] = 1024
+
+    def check(self, server: ServerConfig, auth_token: str | None) -> None:
+        self.endpoint(server)
+        host, _ = self.address(server)
+        if not is_loopback(host) and not self.allow_remote:
+            raise ConfigError(
+                f'listening on {host} (not loopback) needs "allow_remote": true; LMCache\'s protocol '
+                "carries no credentials, so only on a trusted network"
+            )
+        no_segment = server.no_shm or server.gds_l1_path is not None
+        if (not self.shm or no_segment) and not self.allow_pickle:
+            reason = (
+                '"shm" is false'
+                if not self.shm
+                else "L1 has no shared-memory segment (--no-shm or --gds-l1-path)"
+            )
+            raise ConfigError(f'{reason}, so chunks can only travel pickled: set "allow_pickle": true')
+        if self.allow_pickle and importlib.util.find_spec("torch") is None:
+            raise ConfigError('"allow_pickle" needs torch installed on the server (pip install torch)')
+
+
+@hookimpl
+def tiers_register_frontends(registry: KindRegistry) -> None:
+    registry.add("lmcache_mp", "lmcache_plugin_lmcache_mp.frontend:LMCacheMPFrontend", LMCacheMPConfig)

@@ -1,0 +1,215 @@
+"""The operations of LMCache's MP protocol, by name, and what this front end answers.
+
+Served: everything ``lmcache bench server --mode cpu`` and vLLM's LMCache MP connector use
+in engine-driven mode (see :data:`SERVED`).  Answered without effect where LMCache's
+server answers too: ``unregister_kv_cache`` and ``report_block_allocation`` (void).  Not
+served, and not answered (as LMCache's server does not answer what it cannot serve):
+LMCache-driven transfers (``register_kv_cache``, ``store``, ``retrieve``: the server would
+have to map the engine's KV memory, CUDA IPC or per-layer segments), the Q ring, CacheBlend,
+P2P and the KV-event stream; each is logged with its ids and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused, Shared
+from lmcache_plugin_lmcache_mp.lookups import Lookups
+from lmcache_plugin_lmcache_mp.state import Instance
+from lmcache_plugin_lmcache_mp.transfers import Transfers
+from lmcache_plugin_lmcache_mp.wire import RegisterPayload, RegisterReply
+from lmcache_tiers.plugin import KeyValidationError, ObjectKey, TensorLayout, printable
+
+logger = logging.getLogger(__name__)
+
+_Q_RING = "the experimental Q ring is not supported"
+_BLEND = "CacheBlend is not supported"
+_P2P = "P2P transfers between servers are not supported"
+
+#: operations of LMCache's protocol this server does not serve, with what the log line says
+NOT_SERVED: dict[str, str] = {
+    "register_kv_cache": "LMCache-driven transfers need the server to map the engine's KV memory "
+    "(CUDA IPC needs an accelerator; per-layer CPU segments are not supported): use engine-driven "
+    "transfers (lmcache bench server --transfer-mode engine_driven; vLLM's LMCache MP connector in "
+    "engine-driven mode)",
+    "store": "LMCache-driven store (after register_kv_cache) is not supported",
+    "retrieve": "LMCache-driven retrieve (after register_kv_cache) is not supported",
+    "register_q_cache": _Q_RING,
+    "unregister_q_cache": _Q_RING,
+    "store_q": _Q_RING,
+    "cb_register_rope": _BLEND,
+    "cb_unregister_rope": _BLEND,
+    "cb_retrieve_pre_computed": _BLEND,
+    "cb_unified_lookup": _BLEND,
+    "cb_protocol_handshake": _BLEND,
+    "cb_reorder_plan": _BLEND,
+    "p2p_lookup_and_lock": _P2P,
+    "p2p_query_lookup_results": _P2P,
+    "p2p_unlock_objects": _P2P,
+    "subscribe_kv_events": "the KV-event stream is not supported (get_experimental lists no feature)",
+    "server_module_call": "server modules are not supported",
+}
+
+
+class Handlers:
+    """Operation name -> handler, over the state in :class:`Shared`."""
+
+    def __init__(self, shared: Shared) -> None:
+        self.shared = shared
+        self.lookups = Lookups(shared)
+        self.transfers = Transfers(shared, self.lookups)
+        self.table: dict[str, Callable[..., Any]] = {
+            "get_chunk_size": lambda: shared.chunk_size,
+            "noop": lambda: "OK",
+            "get_experimental": lambda: [],
+            "ping": self.ping,
+            "register_kv_cache_engine_driven_context": self.register,
+            "unregister_kv_cache_engine_driven_context": self.unregister,
+            "unregister_kv_cache": lambda instance_id: None,  # nothing is ever registered so
+            "report_block_allocation": lambda instance_id, model_name, records: None,
+            "lookup": self.lookups.lookup,
+            "query_prefetch_status": self.lookups.query_prefetch_status,
+            "wait_prefetch_status": self.lookups.wait_prefetch_status,
+            "free_lookup_locks": self.lookups.free_lookup_locks,
+            "end_session": self.lookups.end_session,
+            "prepare_store": self.transfers.prepare_store,
+            "commit_store": self.transfers.commit_store,
+            "prepare_retrieve": self.transfers.prepare_retrieve,
+            "commit_retrieve": self.transfers.commit_retrieve,
+            "clear": self.clear,
+        }
+
+    def dispatch(self, name: str, args: list[Any]) -> Any:
+        return self.table[name](*args)
+
+    # -- liveness and registration ---------------------------------------------------------
+
+    def ping(self, instance_id: int | None) -> Any:
+        instance = None if instance_id is None else self.shared.instances.get(instance_id)
+        if instance is not None:
+            instance.last_seen = time.monotonic()
+            instance.pinged = True
+        return True
+
+    def register(self, payload: RegisterPayload) -> Any:
+        shared = self.shared
+        now = time.monotonic()
+        existing = shared.instances.get(payload.instance_id)
+        if existing is not None:
+            existing.last_seen = now  # a repeat only refreshes liveness, as in LMCache
+            return self._register_reply()
+        layout = _layout_of(payload, shared.chunk_size)
+        capacity = shared.storage.l1.capacity_bytes
+        if layout.nbytes > capacity:
+            raise RequestRefused(
+                "mp_bad_request",
+                f"one chunk of layout {layout.format()} ({layout.nbytes} bytes) exceeds L1 ({capacity})",
+            )
+        shared.instances[payload.instance_id] = Instance(
+            payload.instance_id, payload.model_name, payload.world_size, layout, now, now
+        )
+        logger.info(
+            "registered instance %d: model %s, world size %d, chunks of %s (%d bytes), %s",
+            payload.instance_id,
+            printable(payload.model_name),
+            payload.world_size,
+            layout.format(),
+            layout.nbytes,
+            "shared memory" if shared.shm is not None else "pickled chunks",
+        )
+        return self._register_reply()
+
+    def _register_reply(self) -> RegisterReply:
+        name, size = self.shared.shm if self.shared.shm is not None else ("", 0)
+        return RegisterReply(shm_name=name, pool_size=size)
+
+    def unregister(self, instance_id: int) -> Any:
+        instance = self.shared.instances.pop(instance_id, None)
+        if instance is None:
+            logger.warning("unregister of instance %d, which is not registered", instance_id)
+            return None
+        locks, reservations = self.transfers.drop_instance(instance_id)
+        logger.info(
+            "unregistered instance %d (%d read locks released, %d unfinished stores aborted)",
+            instance_id,
+            locks,
+            reservations,
+        )
+        return None
+
+    def reap(self, now: float) -> None:
+        """Unregister instances silent for longer than LMCache's reaper allows."""
+        config = self.shared.config
+        for instance in list(self.shared.instances.values()):
+            limit = config.worker_reap_timeout_s if instance.pinged else config.worker_registration_grace_s
+            if now - instance.last_seen > limit:
+                logger.warning(
+                    "instance %d silent for %.0fs (limit %gs): unregistering it",
+                    instance.instance_id,
+                    now - instance.last_seen,
+                    limit,
+                )
+                self.shared.stats.failure("mp_instance_reaped")
+                self.unregister(instance.instance_id)
+
+    # -- maintenance -------------------------------------------------------------------------
+
+    def clear(self, force: bool) -> Any:
+        storage = self.shared.storage
+
+        def work() -> Callable[[], Any]:
+            cleared = storage.clear(force=force)
+            logger.info("clear (force=%s): %d objects removed from L1", force, cleared)
+            return lambda: None
+
+        return Deferred(work)
+
+    def sweep(self, now: float) -> None:
+        self.lookups.sweep(now)
+        self.transfers.sweep(now)
+        self.reap(now)
+        self.refresh_gauges()
+
+    def refresh_gauges(self) -> None:
+        stats = self.shared.stats
+        held, pending = self.lookups.gauges()
+        stats.locked_keys = held + self.transfers.reads.keys_count()
+        stats.pending_prefetches = pending
+        stats.reserved_stores = self.transfers.writes.keys_count()
+        stats.sessions = len(self.shared.instances)
+
+    def release_everything(self) -> None:
+        """Shutdown: give back every lock and reservation the clients still hold."""
+        locks = self.lookups.release_everything()
+        transfer_locks, reservations = self.transfers.release_everything()
+        self.shared.stats.released_at_stop_locks = locks + transfer_locks
+        self.shared.stats.released_at_stop_reservations = reservations
+
+
+def _layout_of(payload: RegisterPayload, chunk_size: int) -> TensorLayout:
+    """The tensor one chunk object is: ``[2, layers, slots, hidden]`` (K and V planes), or
+    ``[layers, slots, hidden]`` for single-plane formats (MLA), of ``dtype_str``."""
+    slots = payload.num_physical_slots if payload.num_physical_slots is not None else chunk_size
+    dims = {
+        "num_layers": payload.num_layers,
+        "hidden_dim_size": payload.hidden_dim_size,
+        "num_physical_slots": slots,
+        "block_size": payload.block_size,
+    }
+    for name, value in dims.items():
+        if value <= 0:
+            raise RequestRefused("mp_bad_request", f"{name} must be positive, got {value}")
+    if not 0 < payload.world_size < 256:
+        raise RequestRefused("mp_bad_request", f"world_size {payload.world_size} is outside 1..255")
+    try:
+        ObjectKey(payload.model_name, 0, b"\0")  # the name must make valid keys
+    except KeyValidationError as exc:
+        raise RequestRefused("mp_bad_request", str(exc)) from None
+    planes = [] if payload.use_mla else [2]
+    try:
+        return TensorLayout(payload.dtype_str, (*planes, payload.num_layers, slots, payload.hidden_dim_size))
+    except ValueError as exc:  # not a dtype name torch has
+        raise RequestRefused("mp_bad_request", f"dtype_str: {exc}") from None

@@ -1,0 +1,276 @@
+"""lookup, query/wait_prefetch_status, free_lookup_locks, end_session.
+
+A lookup hashes the request's full chunks, expands each to every worker's object and starts
+a prefetch that read-locks the leading objects found (L1, then L2) ``num_kv_readers``
+times.  When everything is in L1 the result is known at once; otherwise the lookup waits up
+to ``lookup_wait_ms`` on the pool for it, so that the client's first status query (LMCache's
+clients poll every 50 ms) already has the answer.  The hit count is delivered once, as in
+LMCache; the locks stay with the request until its retrieves consume them, or
+``free_lookup_locks`` / ``end_session`` / a newer lookup of the same request gives them back,
+or they have been held for half the L1 lock TTL (counted, then released).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused, Shared
+from lmcache_plugin_lmcache_mp.chunks import chunk_range, keys_for_all_ranks
+from lmcache_plugin_lmcache_mp.state import LookupJob
+from lmcache_plugin_lmcache_mp.wire import CacheKey
+from lmcache_tiers.plugin import BurstLog, printable
+
+logger = logging.getLogger(__name__)
+
+#: how long one blocking wait in the pool lasts before it re-checks for shutdown
+WAIT_SLICE_S = 0.2
+
+
+class Lookups:
+    def __init__(self, shared: Shared) -> None:
+        self.shared = shared
+        self.storage = shared.storage
+        self._expired = BurstLog(logger, "mp_lookup_locks_expired")
+
+    # -- handlers ------------------------------------------------------------------------
+
+    def lookup(self, key: CacheKey, tp_size: int) -> Any:
+        readers = _readers(key, "lookup")
+        shared = self.shared
+        now = time.monotonic()
+        state = shared.requests.get(key.request_id, now)
+        if state.job is not None:
+            self.give_back(state.job)  # a newer lookup replaces it, as in LMCache
+            state.job = None
+        if shared.layout_for(key.model_name, key.world_size) is None:
+            logger.debug(
+                "lookup of request %s: no instance registered for model %s, world size %d: 0 hits",
+                printable(key.request_id),
+                printable(key.model_name),
+                key.world_size,
+            )
+            state.job = _settled_empty(key.world_size, readers, now)
+            return None
+        keys = keys_for_all_ranks(key, chunk_range(key, shared.chunk_size, state.hashes, from_zero=True))
+        if not keys:
+            state.job = _settled_empty(key.world_size, readers, now)
+            return None
+        handle, locked = self.storage.start_prefetch(keys, readers=readers)
+        job = state.job = LookupJob(handle, keys, key.world_size, readers, now)
+        if locked is not None:
+            self._settle(job, len(locked))
+            return None
+        wait_s = shared.config.lookup_wait_ms / 1000.0
+        if wait_s <= 0:
+            return None
+        return self._wait(job, now + wait_s, lambda: None)
+
+    def query_prefetch_status(self, request_id: str) -> Any:
+        job = self._job(request_id)
+        if job is None or job.delivered:
+            return 0
+        self.absorb(job)
+        if job.hits is None:
+            return None
+        job.delivered = True
+        return job.hits
+
+    def wait_prefetch_status(self, request_id: str, timeout: float) -> Any:
+        job = self._job(request_id)
+        if job is None or job.delivered:
+            return 0
+        self.absorb(job)
+        if job.hits is not None:
+            job.delivered = True
+            return job.hits
+
+        def deliver() -> Any:
+            state = self.shared.requests.peek(request_id)
+            if state is None or state.job is not job or job.delivered or job.retired:
+                return 0  # ended, replaced or collected while we waited
+            if job.hits is None:
+                return None  # timed out
+            job.delivered = True
+            return job.hits
+
+        return self._wait(job, time.monotonic() + max(0.0, timeout), deliver)
+
+    def free_lookup_locks(self, key: CacheKey, tp_size: int) -> Any:
+        _readers(key, "free_lookup_locks")
+        job = self._job(key.request_id)
+        if job is None:
+            logger.debug(
+                "free_lookup_locks of request %s without a lookup: nothing held", printable(key.request_id)
+            )
+            return None
+        chunk_size = self.shared.chunk_size
+        first = -(-key.start // chunk_size)
+        last = min(key.end, len(key.token_ids)) // chunk_size
+        if first >= last:
+            return None
+        self.absorb(job)
+        if job.hits is None:
+            job.early_frees.append((first, last))  # released once the prefetch reports
+            return None
+        self._release(job.take(job.keys_of_chunks(first, min(last, job.hits))))
+        return None
+
+    def end_session(self, request_id: str) -> Any:
+        state = self.shared.requests.pop(request_id)
+        if state is not None and state.job is not None:
+            self.give_back(state.job)
+        return None
+
+    # -- jobs ----------------------------------------------------------------------------
+
+    def _job(self, request_id: str) -> LookupJob | None:
+        state = self.shared.requests.peek(request_id)
+        return None if state is None else state.job
+
+    def _wait(self, job: LookupJob, deadline: float, answer: Callable[[], Any]) -> Deferred:
+        """Wait on the pool until ``job`` has its result or ``deadline``; then ``answer``.
+
+        The first waiter asks the storage (the result is handed out once); later ones, and
+        queries meanwhile, only watch the job's event."""
+        owner = not job.waited
+        job.waited = True
+        storage, stopping = self.storage, self.shared.stopping
+
+        def work() -> Callable[[], Any]:
+            while job.arrived_hits is None:
+                remaining = deadline - time.monotonic()
+                step = max(0.0, min(remaining, WAIT_SLICE_S))
+                if owner:
+                    hits = storage.wait_prefetch(job.handle, step)
+                    if hits is not None:
+                        job.arrived_hits = hits
+                        job.arrived.set()
+                else:
+                    job.arrived.wait(step)
+                if remaining <= WAIT_SLICE_S or stopping.is_set():
+                    break
+
+            def finish() -> Any:
+                if owner:
+                    job.waited = False
+                if job.retired:
+                    self.give_back(job)  # replaced or ended meanwhile: nobody will collect it
+                else:
+                    self.absorb(job)
+                return answer()
+
+            return finish
+
+        return Deferred(work)
+
+    def absorb(self, job: LookupJob) -> None:
+        """Settle ``job`` if its prefetch has finished (asking the storage unless a pool
+        thread is waiting for it)."""
+        if job.hits is not None:
+            return
+        hits = job.arrived_hits
+        if hits is None:
+            if job.waited or job.handle < 0:
+                return
+            hits = self.storage.query_prefetch(job.handle)
+            if hits is None:
+                return
+        self._settle(job, hits)
+
+    def _settle(self, job: LookupJob, locked_keys: int) -> None:
+        partial = job.settle(locked_keys)
+        if partial:
+            self.storage.release(partial, job.readers)
+        if job.retired:
+            self._release(job.take(list(job.held)))
+            return
+        for first, last in job.early_frees:
+            self._release(job.take(job.keys_of_chunks(first, min(last, job.hits or 0))))
+        job.early_frees.clear()
+
+    def give_back(self, job: LookupJob) -> int:
+        """Release whatever ``job`` holds or will hold; returns the locks released now."""
+        job.retired = True
+        if job.hits is None:
+            self.absorb(job)
+        if job.hits is None:
+            if not job.waited and job.handle >= 0:
+                self.storage.discard_prefetch(job.handle)  # its locks go when it finishes
+            return 0  # a waiting pool thread settles it, and a retired job gives all back
+        return self._release(job.take(list(job.held)))
+
+    def consume(self, request_id: str, keys: list[Any]) -> None:
+        """A retrieve of ``keys`` is done: one of the lookup's locks on each goes."""
+        job = self._job(request_id)
+        if job is not None and job.held:
+            self._release(job.take(keys, 1))
+
+    def _release(self, groups: dict[int, list[Any]]) -> int:
+        released = 0
+        for count, keys in groups.items():
+            self.storage.release(keys, count)
+            released += count * len(keys)
+        return released
+
+    def sweep(self, now: float) -> None:
+        """Settle finished prefetches, give back locks held for half the lock TTL, forget
+        idle requests."""
+        shared = self.shared
+        limit = shared.lock_ttl_s / 2
+        expired = 0
+        for state in shared.requests:
+            job = state.job
+            if job is None:
+                continue
+            self.absorb(job)
+            if now - job.started > limit and (job.held or job.hits is None) and not job.waited:
+                expired += self.give_back(job)
+                state.job = None
+        for state in shared.requests.idle(now - shared.config.session_ttl_s) + shared.requests.overflow():
+            if state.job is not None:
+                expired += self.give_back(state.job)
+        if expired:
+            shared.stats.failure("mp_lookup_locks_expired", expired)
+            self._expired.event(
+                expired,
+                f"read locks of lookups not retrieved or freed within {limit:g}s (or of requests "
+                "idle too long) were released",
+            )
+
+    def release_everything(self) -> int:
+        released = 0
+        for state in self.shared.requests:
+            if state.job is not None:
+                if state.job.arrived_hits is not None:
+                    state.job.waited = False  # its waiter will not finish: settle here
+                released += self.give_back(state.job)
+                state.job = None
+        return released
+
+    def gauges(self) -> tuple[int, int]:
+        """(read-locked keys held for lookups, lookups whose result was not delivered)."""
+        held = pending = 0
+        for state in self.shared.requests:
+            if state.job is not None:
+                held += len(state.job.held)
+                pending += not state.job.delivered
+        return held, pending
+
+
+def _readers(key: CacheKey, operation: str) -> int:
+    if key.num_kv_readers < 1:
+        raise RequestRefused(
+            "mp_bad_request",
+            f"{operation} needs num_kv_readers >= 1 (got {key.num_kv_readers}); "
+            "LMCache's server refuses it too",
+        )
+    return key.num_kv_readers
+
+
+def _settled_empty(world_size: int, readers: int, now: float) -> LookupJob:
+    job = LookupJob(-1, [], max(1, world_size), readers, now)
+    job.settle(0)
+    return job

@@ -1,0 +1,240 @@
+"""The request loop: LMCache's frames on core's RouterLoop (one ROUTER, one loop thread).
+
+As in LMCache's server, the ROUTER is bound with ``ROUTER_MANDATORY`` and only the loop
+thread touches it; requests are answered in the loop unless their handler returns a
+:class:`~lmcache_plugin_lmcache_mp.base.Deferred`, whose work runs on the pool and whose
+finisher (and reply) comes back to the loop.
+
+Nothing a client sends can stop the loop: frames are bounded (``ZMQ_MAXMSGSIZE``
+disconnects a peer sending a larger one; at most :data:`MAX_FRAMES` frames are kept), and a
+request that cannot be decoded or served is logged with its operation and request ids,
+counted, and -- like LMCache's server -- not answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused
+from lmcache_plugin_lmcache_mp.handlers import NOT_SERVED, Handlers
+from lmcache_plugin_lmcache_mp.wire import CacheKey, decode_arguments, encode_reply, operation_name, peek_uid
+from lmcache_tiers.plugin import FrontendStats, KeyValidationError, RouterLoop, printable
+
+logger = logging.getLogger(__name__)
+
+#: frames kept of one message: identity, uid, op and up to 13 arguments (LMCache's widest
+#: operation takes 7)
+MAX_FRAMES = 16
+#: unanswered requests logged per second; the rest are counted, then summed up in one line
+LOG_LINES_PER_SECOND = 20
+
+
+class _LineBudget:
+    """At most ``per_second`` log lines a second; reports how many it held back."""
+
+    def __init__(self, per_second: int) -> None:
+        self.per_second = per_second
+        self._window = 0.0
+        self._used = 0
+        self._held = 0
+
+    def take(self) -> tuple[bool, int]:
+        """(may log now, lines held back since the last one logged)."""
+        now = time.monotonic()
+        if now - self._window >= 1.0:
+            self._window, self._used = now, 0
+        if self._used >= self.per_second:
+            self._held += 1
+            return False, 0
+        self._used += 1
+        held, self._held = self._held, 0
+        return True, held
+
+
+class MPServer:
+    """LMCache's protocol on one ROUTER socket (core's RouterLoop), until :meth:`request_stop`."""
+
+    SWEEP_INTERVAL_S = 0.5
+
+    def __init__(
+        self,
+        handlers: Handlers,
+        endpoint: str,
+        *,
+        name: str,
+        workers: int,
+        max_frame_bytes: int,
+        drain_timeout_s: float,
+    ) -> None:
+        self.handlers = handlers
+        self.stats: FrontendStats = handlers.shared.stats
+        self.name = name
+        self.router = RouterLoop(
+            endpoint,
+            name=name,
+            stats=self.stats,
+            pool_workers=workers,
+            max_frame_bytes=max_frame_bytes,
+            sweep_interval_s=self.SWEEP_INTERVAL_S,
+            drain_timeout_s=drain_timeout_s,
+        )
+        self.socket = self.router.socket
+        self._budget = _LineBudget(LOG_LINES_PER_SECOND)
+
+    def request_stop(self, *, force: bool = False) -> None:
+        """Begin a stop; safe from a signal handler (a flag, and a non-blocking wake-up)."""
+        self.router.request_stop(force=force)
+
+    def start(self, on_failure: Callable[[BaseException], None]) -> None:
+        """Serve on the loop's thread until a stop, then give back what clients hold."""
+        self.router.start(
+            self._receive_one,
+            sweep=self.handlers.sweep,
+            on_drain=self.handlers.shared.stopping.set,  # waits in the pool end early
+            on_shutdown=self.handlers.release_everything,
+            on_failure=on_failure,
+        )
+
+    def _receive_one(self) -> None:
+        sock = self.socket
+        try:
+            part = sock.recv(copy=False)
+        except zmq.Again:
+            return  # receive timeout: time for housekeeping
+        except zmq.ZMQError as exc:
+            logger.warning("%s: receive failed: %s", self.name, exc)
+            return
+        frames = [part.bytes]
+        more = part.more
+        while more:  # parts of one message arrive together: these receives do not block
+            part = sock.recv(copy=False)
+            more = part.more
+            if len(frames) < MAX_FRAMES:
+                frames.append(part.bytes)
+            elif len(frames) == MAX_FRAMES:
+                frames.append(b"")  # marks the message as over the frame limit
+        if self.router.is_waker(frames[0]):
+            return
+        if len(frames) < 3:
+            self._unanswered(
+                "?",
+                peek_uid(frames[1]) if len(frames) > 1 else "?",
+                "",
+                "mp_bad_request",
+                f"{len(frames)} frames: no uid or no op frame",
+            )
+            return
+        if len(frames) > MAX_FRAMES:
+            self._unanswered("?", peek_uid(frames[1]), "", "mp_bad_request", f"more than {MAX_FRAMES} frames")
+            return
+        try:
+            self._handle(frames[0], frames[1], frames[2], frames[3:])
+        except Exception as exc:  # a bug must cost one request, never the loop
+            self._failed("?", frames[1], [], exc)
+
+    def _handle(self, identity: bytes, uid: bytes, op: bytes, arg_frames: list[bytes]) -> None:
+        try:
+            name = operation_name(op)
+        except ValueError as exc:
+            self.stats.requests["unknown"] += 1
+            self._unanswered("?", peek_uid(uid), "", "mp_unknown_op", str(exc))
+            return
+        if name not in self.handlers.table:
+            if name in NOT_SERVED:
+                self.stats.requests[name] += 1
+                self._unanswered(name, peek_uid(uid), "", "mp_not_served", NOT_SERVED[name])
+            else:  # one label for all: a client must not grow /metrics with made-up names
+                self.stats.requests["unknown"] += 1
+                message = "not an operation of LMCache's protocol"
+                self._unanswered(name[:64], peek_uid(uid), "", "mp_unknown_op", message)
+            return
+        self.stats.requests[name] += 1
+        if self.router.draining:
+            self._unanswered(name, peek_uid(uid), "", "mp_shutting_down", "the server is shutting down")
+            return
+        try:
+            args = decode_arguments(name, arg_frames)
+            result = self.handlers.dispatch(name, args)
+        except Exception as exc:
+            self._failed(name, uid, arg_frames, exc)
+            return
+        if isinstance(result, Deferred):
+            self._submit(identity, uid, op, name, arg_frames, result)
+        else:
+            self._send(identity, uid, op, result)
+
+    # -- pool hand-off ---------------------------------------------------------------------
+
+    def _submit(
+        self, identity: bytes, uid: bytes, op: bytes, name: str, arg_frames: list[bytes], deferred: Deferred
+    ) -> None:
+        def done(finish: Callable[[], Any] | None, error: BaseException | None) -> None:
+            if finish is not None:
+                try:
+                    self._send(identity, uid, op, finish())
+                    return
+                except Exception as exc:
+                    error = exc
+            assert error is not None
+            self._failed(name, uid, arg_frames, error)
+
+        self.router.submit(deferred.work, done)
+
+    # -- replying --------------------------------------------------------------------------
+
+    def _failed(self, name: str, uid: bytes, arg_frames: list[bytes], exc: BaseException) -> None:
+        if isinstance(exc, RequestRefused):
+            reason = exc.reason
+        elif isinstance(exc, KeyValidationError | ValueError):
+            reason = "mp_bad_request"
+        else:
+            reason = "mp_handler_error"
+            logger.error("%s: %s (uid %s) raised", self.name, name, peek_uid(uid), exc_info=exc)
+        self._unanswered(
+            name, peek_uid(uid), _request_id(name, arg_frames), reason, str(exc) or type(exc).__name__
+        )
+
+    def _unanswered(self, name: str, uid: str, request_id: str, reason: str, message: str) -> None:
+        self.stats.failure(reason)
+        log, held = self._budget.take()
+        if not log:
+            return
+        earlier = f" ({held} more not logged)" if held else ""
+        # Names and ids come from clients: escaped, so they cannot forge log lines.
+        ids = f"uid {printable(uid)}" + (f", request_id {printable(request_id)}" if request_id else "")
+        logger.warning(
+            "%s: %s (%s) not answered, as LMCache's server would not: %s [%s]%s",
+            self.name,
+            printable(name, 64),
+            ids,
+            printable(message, 300),
+            reason,
+            earlier,
+        )
+
+    def _send(self, identity: bytes, uid: bytes, op: bytes, result: Any) -> None:
+        # None (LMCache's "void") goes as no payload frame
+        frames = [identity, uid, op] if result is None else [identity, uid, op, encode_reply(result)]
+        self.router.send(frames)
+
+
+def _request_id(name: str, arg_frames: list[bytes]) -> str:
+    """The request id of a request, for log lines (best effort: the frames may be junk)."""
+    if not arg_frames:
+        return ""
+    try:
+        if name in ("query_prefetch_status", "wait_prefetch_status", "end_session"):
+            return _TEXT.decode(arg_frames[0])[:80]
+        return _KEY.decode(arg_frames[0]).request_id[:80]
+    except (msgspec.DecodeError, RecursionError):
+        return ""
+
+
+_TEXT = msgspec.msgpack.Decoder(str)
+_KEY = msgspec.msgpack.Decoder(CacheKey)

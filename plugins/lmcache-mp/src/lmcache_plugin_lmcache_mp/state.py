@@ -1,0 +1,217 @@
+"""What the LMCache front end remembers between requests.
+
+* **Instances**: worker processes that registered their KV layout
+  (``register_kv_cache_engine_driven_context``); a lookup needs one for its (model, world
+  size), a transfer its own.  Silent instances are reaped as in LMCache.
+* **Requests**: per ``request_id``, the chunk hashes computed so far and the latest
+  lookup's job: its prefetch handle, then the hit count (delivered to the client once) and
+  the read locks the prefetch took, which the request's retrieves consume one per key and
+  ``free_lookup_locks`` / ``end_session`` give back.
+* **Pending transfers**: SHM reservations between ``prepare_store`` and ``commit_store``,
+  read locks between ``prepare_retrieve`` and ``commit_retrieve``, per (instance, keys).
+
+Only the front end's loop thread touches these objects, except :class:`LookupJob`'s
+``arrived`` event and ``arrived_hits``, which the one pool thread waiting for a prefetch
+sets (hits first, then the event).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from lmcache_plugin_lmcache_mp.chunks import HashCache
+from lmcache_tiers.plugin import ObjectKey, TensorLayout
+
+__all__ = ["Instance", "LookupJob", "PendingTransfers", "RequestTable", "Transfer"]
+
+
+@dataclass
+class Instance:
+    """A registered worker: its layout and when it was last heard of."""
+
+    instance_id: int
+    model_name: str
+    world_size: int
+    layout: TensorLayout
+    registered: float
+    last_seen: float
+    pinged: bool = False
+
+    @property
+    def object_bytes(self) -> int:
+        return self.layout.nbytes
+
+    @property
+    def layout_text(self) -> str:
+        return self.layout.format()
+
+
+@dataclass
+class LookupJob:
+    """One lookup of a request.
+
+    ``hits`` (chunks) is None while the prefetch runs.  Once known, ``held`` counts the
+    lookup's read locks still held per key: ``readers`` per key of the hit prefix, less one
+    for each retrieve that consumed it.
+    """
+
+    handle: int
+    keys: list[ObjectKey]  # chunk-major, every rank of every chunk
+    world_size: int
+    readers: int
+    started: float
+    hits: int | None = None
+    held: dict[ObjectKey, int] = field(default_factory=dict)
+    delivered: bool = False  # the hit count went to a query or wait (exactly once)
+    waited: bool = False  # a pool thread is waiting for the prefetch: only it asks the storage
+    retired: bool = False  # replaced or ended while a pool thread waited: give back on arrival
+    arrived: threading.Event = field(default_factory=threading.Event)
+    arrived_hits: int | None = None
+    #: chunk ranges freed (free_lookup_locks) before the hit count was known
+    early_frees: list[tuple[int, int]] = field(default_factory=list)
+
+    def settle(self, locked_keys: int) -> list[ObjectKey]:
+        """Record the prefetch's result (the count of leading keys it read-locked); returns
+        the keys whose locks cover no whole chunk, to be released now."""
+        locked_keys = max(0, min(locked_keys, len(self.keys)))
+        self.hits = locked_keys // self.world_size
+        whole = self.hits * self.world_size
+        self.held = dict.fromkeys(self.keys[:whole], self.readers)
+        return self.keys[whole:locked_keys]
+
+    def take(self, keys: list[ObjectKey], count: int | None = None) -> dict[int, list[ObjectKey]]:
+        """Forget ``count`` (all when None) of the locks held on each of ``keys``; the
+        forgotten ones grouped by how many, for ``StorageManager.release(keys, n)``."""
+        groups: dict[int, list[ObjectKey]] = {}
+        held = self.held
+        for key in keys:
+            have = held.get(key, 0)
+            if not have:
+                continue
+            taken = have if count is None else min(count, have)
+            if taken == have:
+                del held[key]
+            else:
+                held[key] = have - taken
+            groups.setdefault(taken, []).append(key)
+        return groups
+
+    def keys_of_chunks(self, first: int, last: int) -> list[ObjectKey]:
+        return self.keys[first * self.world_size : last * self.world_size]
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    last_seen: float
+    hashes: HashCache = field(default_factory=HashCache)
+    job: LookupJob | None = None
+
+
+class RequestTable:
+    """Requests by id, least recently seen first; bounded."""
+
+    def __init__(self, max_requests: int) -> None:
+        self.max_requests = max_requests
+        self._requests: OrderedDict[str, RequestState] = OrderedDict()
+
+    def get(self, request_id: str, now: float) -> RequestState:
+        state = self._requests.get(request_id)
+        if state is None:
+            state = self._requests[request_id] = RequestState(request_id, now)
+        else:
+            state.last_seen = now
+            self._requests.move_to_end(request_id)
+        return state
+
+    def peek(self, request_id: str) -> RequestState | None:
+        return self._requests.get(request_id)
+
+    def pop(self, request_id: str) -> RequestState | None:
+        return self._requests.pop(request_id, None)
+
+    def overflow(self) -> list[RequestState]:
+        """The least recently seen requests beyond the bound, removed."""
+        dropped = []
+        while len(self._requests) > self.max_requests:
+            dropped.append(self._requests.popitem(last=False)[1])
+        return dropped
+
+    def idle(self, since: float) -> list[RequestState]:
+        """Requests not seen since ``since``, removed."""
+        dropped = []
+        for request_id, state in list(self._requests.items()):
+            if state.last_seen >= since:
+                break  # ordered by last_seen
+            dropped.append(self._requests.pop(request_id))
+        return dropped
+
+    def __iter__(self) -> Iterator[RequestState]:
+        return iter(list(self._requests.values()))
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+
+@dataclass
+class Transfer:
+    """Reserved or read-locked objects of one prepare, until its commit."""
+
+    keys: list[ObjectKey]
+    deadline: float  # the L1 write or lock TTL: after it L1 has reaped them, forget silently
+    request_id: str
+    bytes: int = 0
+
+
+class PendingTransfers:
+    """Prepared transfers by (instance id, keys); a repeat of the same prepare queues."""
+
+    def __init__(self) -> None:
+        self._pending: dict[tuple[int, tuple[ObjectKey, ...]], deque[Transfer]] = {}
+
+    def add(self, instance_id: int, keys: list[ObjectKey], transfer: Transfer) -> None:
+        self._pending.setdefault((instance_id, tuple(keys)), deque()).append(transfer)
+
+    def pop(self, instance_id: int, keys: list[ObjectKey], now: float) -> Transfer | None:
+        """The oldest live transfer of these keys by this instance (expired ones are
+        dropped: L1 has reaped their locks, which may belong to someone else by now)."""
+        ident = (instance_id, tuple(keys))
+        queue = self._pending.get(ident)
+        found = None
+        while queue and found is None:
+            transfer = queue.popleft()
+            if transfer.deadline > now:
+                found = transfer
+        if queue is not None and not queue:
+            del self._pending[ident]
+        return found
+
+    def pop_instance(self, instance_id: int) -> list[Transfer]:
+        mine = [ident for ident in self._pending if ident[0] == instance_id]
+        return [transfer for ident in mine for transfer in self._pending.pop(ident)]
+
+    def pop_all(self) -> list[Transfer]:
+        everything = [transfer for queue in self._pending.values() for transfer in queue]
+        self._pending.clear()
+        return everything
+
+    def expire(self, now: float) -> int:
+        """Forget transfers past their deadline (L1 reaped them); returns how many."""
+        expired = 0
+        for ident, queue in list(self._pending.items()):
+            live = deque(t for t in queue if t.deadline > now)
+            expired += len(queue) - len(live)
+            if live:
+                self._pending[ident] = live
+            else:
+                del self._pending[ident]
+        return expired
+
+    def count(self) -> int:
+        return sum(len(queue) for queue in self._pending.values())
+
+    def keys_count(self) -> int:
+        return sum(len(t.keys) for queue in self._pending.values() for t in queue)

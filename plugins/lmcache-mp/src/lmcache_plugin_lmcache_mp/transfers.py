@@ -1,0 +1,284 @@
+"""prepare/commit_store and prepare/commit_retrieve: moving chunks through L1.
+
+Shared memory (the default): ``prepare_store`` reserves L1 extents for the chunks not
+there yet, with the instance's tensor layout, and answers their absolute offsets in the
+segment; the client gathers straight into them and ``commit_store`` makes them visible
+(and queues them for L2).  ``prepare_retrieve`` read-locks every chunk of the range and
+answers their offsets; the client scatters from them and ``commit_retrieve`` releases the
+locks, and one of the request's lookup locks on each key.
+
+Pickled (``allow_pickle``): ``commit_store`` carries the chunks as pickled tensors and
+``prepare_retrieve`` answers them so; see :mod:`lmcache_plugin_lmcache_mp.pickled`.
+
+A chunk already in L1 (stored by anyone, or being stored) is not stored again; a retrieve
+answers only when every chunk of its range is in L1 with this instance's layout, and a
+miss otherwise (the engine recomputes).  A store L1 cannot make room for is refused at
+``prepare_store`` and fails at ``commit_store`` (counted); the client never waits for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lmcache_plugin_lmcache_mp.base import Deferred, Shared
+from lmcache_plugin_lmcache_mp.chunks import chunk_range, keys_for_rank
+from lmcache_plugin_lmcache_mp.lookups import Lookups
+from lmcache_plugin_lmcache_mp.state import Instance, PendingTransfers, Transfer
+from lmcache_plugin_lmcache_mp.wire import CacheKey, PrepareRetrieveReply, PrepareStoreReply
+from lmcache_tiers.plugin import BurstLog, L1OutOfMemoryError, ObjectKey, printable
+
+logger = logging.getLogger(__name__)
+
+_MISS = PrepareRetrieveReply(success=False, data=b"", context={})
+_ALL_PRESENT: dict[str, Any] = {"slots": [], "chunk_indices": []}
+
+
+class Transfers:
+    def __init__(self, shared: Shared, lookups: Lookups) -> None:
+        self.shared = shared
+        self.lookups = lookups
+        self.storage = shared.storage
+        self.writes = PendingTransfers()
+        self.reads = PendingTransfers()
+        #: stores refused at prepare_store: their commit_store fails without a second count
+        self._refused: set[tuple[int, tuple[ObjectKey, ...]]] = set()
+        self._refusals = BurstLog(logger, "mp_store_refused_l1_full")
+        self._mismatches = BurstLog(logger, "mp_retrieve_layout_mismatch")
+        self._pickle_refusals = BurstLog(logger, "mp_pickle_refused")
+        self._pickle_rejections = BurstLog(logger, "mp_pickle_rejected")
+
+    def _resolve(self, key: CacheKey, instance_id: int) -> tuple[Instance, list[ObjectKey]]:
+        instance = self.shared.instance(instance_id)
+        hashes = self.shared.requests.get(key.request_id, time.monotonic()).hashes
+        return instance, keys_for_rank(key, chunk_range(key, self.shared.chunk_size, hashes))
+
+    # -- store ---------------------------------------------------------------------------
+
+    def prepare_store(self, key: CacheKey, instance_id: int) -> Any:
+        instance, keys = self._resolve(key, instance_id)
+        if not keys:
+            return PrepareStoreReply(context=_ALL_PRESENT)  # no full chunk: nothing to store
+        if self.shared.shm is None:
+            return PrepareStoreReply(context={})  # pickled: the chunks come with commit_store
+        repeated = self.writes.pop(instance_id, keys, time.monotonic())
+        if repeated is not None:
+            # The same prepare again (the client timed out on the first): its slots were
+            # never committed; without this they would stay write-locked for the write TTL.
+            self.storage.abort_write(repeated.keys)
+        size = instance.object_bytes
+        try:
+            reserved = self.storage.reserve_write(
+                keys, [size] * len(keys), [instance.layout_text] * len(keys)
+            )
+        except L1OutOfMemoryError as exc:
+            self._refused.add((instance_id, tuple(keys)))
+            self.shared.stats.failure("mp_store_refused_l1_full")
+            self._refusals.event(1, f"stores refused: L1 cannot make room ({exc})")
+            # No slots: the client gathers into buffers of its own and its commit fails.
+            return PrepareStoreReply(context={})
+        if not reserved:
+            return PrepareStoreReply(context=_ALL_PRESENT)
+        layout = instance.layout
+        slots, indices = [], []
+        for index, object_key in enumerate(keys):
+            obj = reserved.get(object_key)
+            if obj is not None:
+                slots.append(
+                    {
+                        "offset": obj.offset,
+                        "length": obj.size,
+                        "shape": list(layout.shape),
+                        "dtype": layout.dtype,
+                    }
+                )
+                indices.append(index)
+        deadline = time.monotonic() + self.shared.write_ttl_s
+        self.writes.add(
+            instance_id, keys, Transfer(list(reserved), deadline, key.request_id, size * len(reserved))
+        )
+        return PrepareStoreReply(context={"slots": slots, "chunk_indices": indices})
+
+    def commit_store(self, key: CacheKey, instance_id: int, data: bytes) -> Any:
+        instance, keys = self._resolve(key, instance_id)
+        pending = self.writes.pop(instance_id, keys, time.monotonic())
+        if data:
+            codec = self.shared.pickle
+            if codec is None:
+                if pending is not None:
+                    self.storage.abort_write(pending.keys)
+                self.shared.stats.failure("mp_pickle_refused")
+                self._pickle_refusals.event(
+                    1, 'pickled chunks refused: this front end takes them only with "allow_pickle": true'
+                )
+                return False
+            return self._store_pickled(instance, keys, data, pending)
+        if pending is None:
+            ident = (instance_id, tuple(keys))
+            if ident in self._refused:
+                self._refused.discard(ident)  # counted when prepare_store refused it
+            else:
+                self.shared.stats.failure("mp_commit_without_reservation")
+                logger.debug(
+                    "commit_store of request %s: no reservation of instance %d",
+                    printable(key.request_id),
+                    instance_id,
+                )
+            return False
+        done = self.storage.commit_write(pending.keys)
+        stored = sum(done)
+        self._count_store(stored, stored * instance.object_bytes)
+        if stored < len(done):
+            self.shared.stats.failure("mp_commit_lost", len(done) - stored)  # past the write TTL
+        return stored == len(done)
+
+    def _store_pickled(
+        self, instance: Instance, keys: list[ObjectKey], data: bytes, pending: Transfer | None
+    ) -> Deferred:
+        codec, storage = self.shared.pickle, self.storage
+        assert codec is not None
+        size, layout = instance.object_bytes, instance.layout_text
+
+        def work() -> Callable[[], Any]:
+            if pending is not None:
+                storage.abort_write(pending.keys)  # a client that fell back from shared memory
+            try:
+                chunks = codec.load(data, len(keys), instance.layout)
+            except ValueError as exc:
+                message = str(exc)
+
+                def rejected() -> Any:
+                    self.shared.stats.failure("mp_pickle_rejected")
+                    self._pickle_rejections.event(1, f"pickled stores rejected: {message}")
+                    return False
+
+                return rejected
+            fresh = storage.reserve_write(keys, [size] * len(keys), [layout] * len(keys))
+            try:
+                for object_key, chunk in zip(keys, chunks, strict=True):
+                    obj = fresh.get(object_key)
+                    if obj is not None:
+                        loan = storage.lend(obj, fill=True)
+                        loan.buffer[:] = chunk
+                        loan.commit()
+            except BaseException:
+                storage.abort_write(list(fresh))
+                raise
+            done = storage.commit_write(list(fresh)) if fresh else []
+
+            def finish() -> Any:
+                stored = sum(done)
+                self._count_store(stored, stored * size)
+                return stored == len(done)
+
+            return finish
+
+        return Deferred(work)
+
+    def _count_store(self, chunks: int, nbytes: int) -> None:
+        if chunks:
+            stats = self.shared.stats
+            stats.stores += 1
+            stats.store_chunks += chunks
+            stats.store_bytes += nbytes
+
+    # -- retrieve ------------------------------------------------------------------------
+
+    def prepare_retrieve(self, key: CacheKey, instance_id: int) -> Any:
+        instance, keys = self._resolve(key, instance_id)
+        if not keys:
+            return _MISS
+        objects = self.storage.read(keys)
+        size, layout_text = instance.object_bytes, instance.layout_text
+        if len(objects) < len(keys) or any(
+            obj.size != size or (obj.layout and obj.layout != layout_text) for obj in objects
+        ):
+            self.storage.release(keys[: len(objects)])
+            if len(objects) == len(keys):
+                self.shared.stats.failure("mp_retrieve_layout_mismatch")
+                self._mismatches.event(
+                    1, f"retrieves missed: L1 holds the chunks with another layout than {layout_text}"
+                )
+            return _MISS
+        total = size * len(objects)
+        if self.shared.shm is None:
+            return self._retrieve_pickled(key, instance, keys, objects)
+        deadline = time.monotonic() + self.shared.lock_ttl_s
+        self.reads.add(instance_id, keys, Transfer(keys, deadline, key.request_id, total))
+        self._count_retrieve(len(objects), total)
+        layout = instance.layout
+        slots = [
+            {"offset": obj.offset, "length": obj.size, "shape": list(layout.shape), "dtype": layout.dtype}
+            for obj in objects
+        ]
+        return PrepareRetrieveReply(success=True, data=b"", context={"slots": slots})
+
+    def _retrieve_pickled(
+        self, key: CacheKey, instance: Instance, keys: list[ObjectKey], objects: list[Any]
+    ) -> Deferred:
+        codec, storage = self.shared.pickle, self.storage
+        assert codec is not None
+
+        def work() -> Callable[[], Any]:
+            try:
+                data = codec.dump([storage.lend(obj).detach() for obj in objects], instance.layout)
+            finally:
+                storage.release(keys)
+
+            def finish() -> Any:
+                self.lookups.consume(key.request_id, keys)
+                self._count_retrieve(len(keys), instance.object_bytes * len(keys))
+                return PrepareRetrieveReply(success=True, data=data, context={})
+
+            return finish
+
+        return Deferred(work)
+
+    def commit_retrieve(self, key: CacheKey, instance_id: int) -> Any:
+        _, keys = self._resolve(key, instance_id)
+        pending = self.reads.pop(instance_id, keys, time.monotonic())
+        if pending is not None:
+            self.storage.release(pending.keys)
+            self.lookups.consume(key.request_id, keys)
+        return True
+
+    def _count_retrieve(self, chunks: int, nbytes: int) -> None:
+        stats = self.shared.stats
+        stats.retrieves += 1
+        stats.retrieve_chunks += chunks
+        stats.retrieve_bytes += nbytes
+
+    # -- instances and maintenance ---------------------------------------------------------
+
+    def drop_instance(self, instance_id: int) -> tuple[int, int]:
+        """Give back an instance's unfinished transfers: reservations aborted (never made
+        visible half-written), read locks released.  Returns (locks, reservations)."""
+        return self._give_back(self.writes.pop_instance(instance_id), self.reads.pop_instance(instance_id))
+
+    def _give_back(self, writes: list[Transfer], reads: list[Transfer]) -> tuple[int, int]:
+        # Expired ones are L1's already (it reaped them), maybe someone else's by now.
+        now = time.monotonic()
+        writes = [t for t in writes if t.deadline > now]
+        reads = [t for t in reads if t.deadline > now]
+        for transfer in writes:
+            self.storage.abort_write(transfer.keys)
+        for transfer in reads:
+            self.storage.release(transfer.keys)
+        return sum(len(t.keys) for t in reads), sum(len(t.keys) for t in writes)
+
+    def sweep(self, now: float) -> None:
+        expired = self.writes.expire(now) + self.reads.expire(now)
+        if expired:
+            self.shared.stats.failure("mp_transfer_expired", expired)
+            logger.warning(
+                "%d prepared transfers were never committed within the L1 TTLs; L1 has taken "
+                "their locks back (failure reason mp_transfer_expired)",
+                expired,
+            )
+        if len(self._refused) > 65536:
+            self._refused.clear()
+
+    def release_everything(self) -> tuple[int, int]:
+        return self._give_back(self.writes.pop_all(), self.reads.pop_all())

@@ -1,0 +1,194 @@
+"""A small client of LMCache's MP protocol for the tests, written from the protocol notes.
+
+It sends what LMCache's client sends (one DEALER, ``[uid, op, arg...]`` frames with
+msgpack maps for keys and payloads) and maps the L1 segment the way LMCache's SHM
+transfer context does, so the front end is exercised without LMCache installed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+from lmcache_plugin_lmcache_mp.wire import OPERATION_IDS
+
+MODEL = "test-model"
+HELLO_TOKEN = 9906
+_NO_REPLY = object()
+
+
+def mp_address(server: Any) -> str:
+    """The address of a TiersServer's LMCache front end."""
+    return str(next(f.address for f in server.frontends if f.name.endswith(":lmcache_mp")))
+
+
+def tokens_of(sequence: int, count: int = 1024) -> list[int]:
+    """``(seq, 9906, 9906, ...)``: the token ids ``lmcache bench server`` sends."""
+    return [sequence] + [HELLO_TOKEN] * count
+
+
+@dataclass
+class Key:
+    """IPCCacheServerKey as LMCache's client encodes it (a map, every field)."""
+
+    token_ids: list[int]
+    request_id: str
+    start: int = 0
+    end: int = 0
+    worker_id: int | None = None
+    world_size: int = 1
+    model_name: str = MODEL
+    cache_salt: str = ""
+    num_kv_readers: int = 1
+    request_configs: dict[str, Any] | None = None
+
+    def encode(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "world_size": self.world_size,
+            "worker_id": self.worker_id,
+            "token_ids": self.token_ids,
+            "start": self.start,
+            "end": self.end or len(self.token_ids),
+            "request_id": self.request_id,
+            "cache_salt": self.cache_salt,
+            "request_configs": self.request_configs,
+            "num_kv_readers": self.num_kv_readers,
+        }
+
+
+@dataclass
+class Registration:
+    instance_id: int = 1000
+    model_name: str = MODEL
+    world_size: int = 1
+    block_size: int = 16
+    num_layers: int = 2
+    hidden_dim_size: int = 64
+    dtype_str: str = "bfloat16"
+    use_mla: bool = False
+    num_physical_slots: int | None = 256
+
+    def encode(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @property
+    def object_bytes(self) -> int:
+        planes = 1 if self.use_mla else 2
+        slots = self.num_physical_slots or 256
+        return planes * self.num_layers * slots * self.hidden_dim_size * 2
+
+
+@dataclass
+class MPClient:
+    url: str
+    timeout_ms: int = 10_000
+    _uids: itertools.count[int] = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(self.url)
+        self._segment: mmap.mmap | None = None
+
+    def close(self) -> None:
+        if self._segment is not None:
+            self._segment.close()
+        self.socket.close(0)
+        self.context.term()
+
+    def __enter__(self) -> MPClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- raw calls ---------------------------------------------------------------------------
+
+    def send(self, op: str | int, *args: Any) -> bytes:
+        uid = msgspec.msgpack.encode(next(self._uids))
+        wire_op = OPERATION_IDS.get(op, op) if isinstance(op, str) else op
+        frames = [uid, msgspec.msgpack.encode(wire_op), *(msgspec.msgpack.encode(arg) for arg in args)]
+        self.socket.send_multipart(frames)
+        return uid
+
+    def receive(self, uid: bytes, timeout_ms: int | None = None) -> Any:
+        """The reply to ``uid`` (None for void), or _NO_REPLY when none comes in time."""
+        wait = self.timeout_ms if timeout_ms is None else timeout_ms
+        while self.socket.poll(wait):
+            frames = self.socket.recv_multipart()
+            if frames[0] != uid:
+                continue  # a late reply to an earlier request
+            return msgspec.msgpack.decode(frames[2]) if len(frames) > 2 else None
+        return _NO_REPLY
+
+    def call(self, op: str | int, *args: Any, timeout_ms: int | None = None) -> Any:
+        reply = self.receive(self.send(op, *args), timeout_ms)
+        if reply is _NO_REPLY:
+            raise TimeoutError(f"no reply to {op}")
+        return reply
+
+    def unanswered(self, op: str | int, *args: Any, wait_ms: int = 300) -> bool:
+        """True when ``op`` gets no reply within ``wait_ms`` (what LMCache's server does on errors)."""
+        return self.receive(self.send(op, *args), wait_ms) is _NO_REPLY
+
+    # -- the calls LMCache's bench makes -----------------------------------------------------
+
+    def register(self, registration: Registration) -> dict[str, Any]:
+        reply: dict[str, Any] = self.call("register_kv_cache_engine_driven_context", registration.encode())
+        return reply
+
+    def lookup(self, key: Key) -> int | None:
+        self.call("lookup", key.encode(), 1)
+        hits: int | None = self.call("query_prefetch_status", key.request_id)
+        return hits
+
+    def segment(self, name: str) -> mmap.mmap:
+        if self._segment is None:
+            fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+            try:
+                self._segment = mmap.mmap(fd, 0)
+            finally:
+                os.close(fd)
+        return self._segment
+
+    def store(self, key: Key, instance_id: int, chunks: list[bytes], shm_name: str) -> bool:
+        """prepare_store, copy each reserved chunk into its slot, commit_store."""
+        prepared = self.call("prepare_store", key.encode(), instance_id)
+        context = prepared["context"]
+        if "slots" not in context:
+            return bool(self.call("commit_store", key.encode(), instance_id, b""))
+        if not context["slots"]:
+            return True  # everything present: LMCache's client skips the commit
+        segment = self.segment(shm_name)
+        for slot, index in zip(context["slots"], context["chunk_indices"], strict=True):
+            assert slot["length"] == len(chunks[index])
+            segment[slot["offset"] : slot["offset"] + slot["length"]] = chunks[index]
+        return bool(self.call("commit_store", key.encode(), instance_id, b""))
+
+    def retrieve(self, key: Key, instance_id: int, shm_name: str) -> list[bytes] | None:
+        """prepare_retrieve, copy each chunk out of its slot, commit_retrieve."""
+        prepared = self.call("prepare_retrieve", key.encode(), instance_id)
+        chunks = None
+        if prepared["success"]:
+            segment = self.segment(shm_name)
+            chunks = [
+                bytes(segment[s["offset"] : s["offset"] + s["length"]]) for s in prepared["context"]["slots"]
+            ]
+        assert self.call("commit_retrieve", key.encode(), instance_id) is True
+        return chunks
+
+
+def chunk_payloads(sequence: int, count: int, size: int) -> list[bytes]:
+    """Deterministic, distinct bytes for chunk ``i`` of request ``sequence``."""
+    return [
+        bytes([(sequence * 31 + index * 7 + offset) % 251 for offset in range(251)]) * (size // 251)
+        + bytes(size % 251)
+        for index in range(count)
+    ]

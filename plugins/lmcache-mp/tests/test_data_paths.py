@@ -1,0 +1,143 @@
+"""Where chunks come from and go to: L2, the native front end, the pickle data path."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from typing import Any
+
+import pytest
+import torch
+from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, tokens_of
+
+from lmcache_tiers.client import Client
+from lmcache_tiers.keys import prefix_keys
+from lmcache_tiers.plugin import kv_rank_of
+
+REG = Registration()
+CHUNK = REG.object_bytes
+MOCK_L2 = [json.dumps({"type": "mock", "max_size_gb": 0.1})]
+
+
+def test_warm_lookup_from_l2_answers_on_the_first_query(make_mp_server: Any) -> None:
+    server = make_mp_server(adapters=MOCK_L2)
+    with MPClient(mp_address(server)) as client:
+        shm = client.register(REG)["shm_name"]
+        payloads = chunk_payloads(1, 4, CHUNK)
+        assert client.store(Key(tokens_of(1), "s", worker_id=0), REG.instance_id, payloads, shm)
+        assert server.storage.flush(timeout=30)
+        assert client.call("clear", True) is None
+        assert server.storage.status()["l1"]["objects"] == 0
+        # lookup waits (lookup_wait_ms) for the prefetch, so one query has the hits
+        assert client.lookup(Key(tokens_of(1), "w")) == 4
+        assert server.storage.status()["requests"]["l2_hit_chunks"] == 4
+        assert client.retrieve(Key(tokens_of(1), "w", worker_id=0), REG.instance_id, shm) == payloads
+        client.call("end_session", "w")
+        assert server.storage.status()["l1"]["read_locks"] == 0
+
+
+def test_without_the_lookup_wait_clients_poll(make_mp_server: Any) -> None:
+    server = make_mp_server(adapters=MOCK_L2, lookup_wait_ms=0)
+    with MPClient(mp_address(server)) as client:
+        client.register(REG)
+        answers = [client.lookup(Key(tokens_of(2), "r"))]
+        while answers[-1] is None:
+            answers.append(client.call("query_prefetch_status", "r"))
+        assert answers[-1] == 0
+        assert client.call("wait_prefetch_status", "r", 1.0) == 0  # delivered already
+
+
+def test_wait_prefetch_status_waits_for_l2(make_mp_server: Any) -> None:
+    server = make_mp_server(adapters=MOCK_L2, lookup_wait_ms=0)
+    with MPClient(mp_address(server)) as client:
+        shm = client.register(REG)["shm_name"]
+        client.store(Key(tokens_of(3), "s", worker_id=0), REG.instance_id, chunk_payloads(3, 4, CHUNK), shm)
+        assert server.storage.flush(timeout=30)
+        client.call("clear", True)
+        client.call("lookup", Key(tokens_of(3), "w").encode(), 1)
+        assert client.call("wait_prefetch_status", "w", 10.0) == 4
+        client.call("end_session", "w")
+        assert server.storage.status()["l1"]["read_locks"] == 0
+
+
+@pytest.mark.parametrize("model", ["test-model", "meta-llama/Llama-3.1-8B"])
+def test_a_chunk_stored_through_lmcache_is_read_by_the_native_client(make_mp_server: Any, model: str) -> None:
+    server = make_mp_server()
+    native = next(f.address for f in server.frontends if f.name.endswith(":native"))
+    registration = Registration(model_name=model)
+    tokens = tokens_of(4)
+    with MPClient(mp_address(server)) as client:
+        shm = client.register(registration)["shm_name"]
+        payloads = chunk_payloads(4, 4, CHUNK)
+        assert client.store(Key(tokens, "s", worker_id=0, model_name=model), REG.instance_id, payloads, shm)
+    keys = prefix_keys(tokens, 256, model_name=model, kv_rank=kv_rank_of(1, 0))
+    with Client(native) as reader:
+        assert reader.lookup(keys) == 4
+        with reader.retrieve(keys) as views:
+            assert [bytes(view) for view in views] == payloads
+        reader.release(keys)
+
+
+def test_a_chunk_stored_through_the_native_client_hits_through_lmcache(make_mp_server: Any) -> None:
+    server = make_mp_server()
+    native = next(f.address for f in server.frontends if f.name.endswith(":native"))
+    tokens = tokens_of(5)
+    payloads = chunk_payloads(5, 4, CHUNK)
+    with Client(native) as writer:
+        writer.store(prefix_keys(tokens, 256, model_name="test-model", kv_rank=0x01000100), payloads)
+    with MPClient(mp_address(server)) as client:
+        shm = client.register(REG)["shm_name"]
+        assert client.lookup(Key(tokens, "r")) == 4
+        assert client.retrieve(Key(tokens, "r", worker_id=0), REG.instance_id, shm) == payloads
+
+
+def _pickled(payloads: list[bytes]) -> bytes:
+    shape = (2, REG.num_layers, 256, REG.hidden_dim_size)
+    return pickle.dumps([torch.frombuffer(bytearray(p), dtype=torch.bfloat16).view(shape) for p in payloads])
+
+
+def test_the_pickle_data_path(make_mp_server: Any) -> None:
+    server = make_mp_server(shm=False, allow_pickle=True)
+    with MPClient(mp_address(server)) as client:
+        assert client.register(REG) == {"shm_name": "", "pool_size": 0}
+        key = Key(tokens_of(6), "s", worker_id=0)
+        assert client.call("prepare_store", key.encode(), REG.instance_id) == {"context": {}}
+        payloads = chunk_payloads(6, 4, CHUNK)
+        assert client.call("commit_store", key.encode(), REG.instance_id, _pickled(payloads)) is True
+        assert client.lookup(Key(tokens_of(6), "r")) == 4
+        reply = client.call("prepare_retrieve", Key(tokens_of(6), "r", worker_id=0).encode(), REG.instance_id)
+        assert reply["success"] is True and reply["context"] == {}
+        tensors = pickle.loads(reply["data"])
+        assert [t.view(torch.uint8).numpy().tobytes() for t in tensors] == payloads
+        assert client.call("commit_retrieve", Key(tokens_of(6), "r", worker_id=0).encode(), REG.instance_id)
+        assert server.storage.status()["l1"]["read_locks"] == 0
+
+
+class _Exploit:
+    def __reduce__(self) -> tuple[Any, ...]:
+        import os
+
+        return (os.system, ("touch /tmp/lmcache-mp-pickle-exploit",))
+
+
+def test_pickled_chunks_are_refused_unless_allowed_and_never_run_code(make_mp_server: Any) -> None:
+    import os
+
+    refusing = make_mp_server()
+    with MPClient(mp_address(refusing)) as client:
+        client.register(REG)
+        key = Key(tokens_of(7), "s", worker_id=0)
+        payloads = chunk_payloads(7, 4, CHUNK)
+        assert client.call("commit_store", key.encode(), REG.instance_id, _pickled(payloads)) is False
+        assert refusing.frontends[0].stats().failures["mp_pickle_refused"] == 1
+    allowing = make_mp_server(allow_pickle=True)
+    with MPClient(mp_address(allowing)) as client:
+        client.register(REG)
+        key = Key(tokens_of(8), "s", worker_id=0)
+        evil = pickle.dumps([_Exploit()])
+        assert client.call("commit_store", key.encode(), REG.instance_id, evil) is False
+        assert not os.path.exists("/tmp/lmcache-mp-pickle-exploit")
+        wrong_layout = pickle.dumps([torch.zeros(3)] * 4)
+        assert client.call("commit_store", key.encode(), REG.instance_id, wrong_layout) is False
+        assert allowing.frontends[0].stats().failures["mp_pickle_rejected"] == 2
+        assert allowing.storage.status()["l1"]["objects"] == 0

@@ -1,0 +1,251 @@
+"""The operations of LMCache's MP protocol against a live front end (real StorageManager)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, tokens_of
+
+from lmcache_tiers.server.app import TiersServer
+
+REG = Registration()
+CHUNK = REG.object_bytes
+
+
+def l1(server: TiersServer) -> dict[str, Any]:
+    status: dict[str, Any] = server.storage.status()["l1"]
+    return status
+
+
+def mp_stats(server: TiersServer) -> Any:
+    return server.frontends[0].stats()
+
+
+def stored(client: MPClient, sequence: int, shm: str, chunks: int = 4) -> list[bytes]:
+    payloads = chunk_payloads(sequence, chunks, CHUNK)
+    key = Key(tokens_of(sequence, chunks * 256), f"store-{sequence}", worker_id=0)
+    assert client.store(key, REG.instance_id, payloads, shm) is True
+    return payloads
+
+
+def test_trivia_answer_as_lmcache(client: MPClient) -> None:
+    assert client.call("get_chunk_size") == 256
+    assert client.call("noop") == "OK"
+    assert client.call("ping", None) is True
+    assert client.call("get_experimental") == []
+    assert client.call("report_block_allocation", 1, "m", []) is None
+    assert client.call("unregister_kv_cache", 7) is None
+    # operations are also accepted by name
+    assert client.call(OPERATION := "get_chunk_size".upper().lower()) == 256, OPERATION
+
+
+def test_registration_advertises_the_l1_segment(client: MPClient, mp_server: TiersServer) -> None:
+    reply = client.register(REG)
+    arena = mp_server.storage.l1.arena
+    assert reply == {"shm_name": arena.name, "pool_size": arena.size}
+    assert client.register(REG) == reply  # a repeat only refreshes liveness
+    status = mp_server.frontends[0].status()
+    assert status["instances"][0]["layout"] == "bfloat16[2,2,256,64]"
+
+
+def test_store_lookup_retrieve_round_trip(client: MPClient, mp_server: TiersServer) -> None:
+    shm = client.register(REG)["shm_name"]
+    assert client.lookup(Key(tokens_of(1), "cold")) == 0
+    payloads = stored(client, 1, shm)
+    lookup = Key(tokens_of(1), "warm")
+    assert client.lookup(lookup) == 4
+    assert client.call("query_prefetch_status", "warm") == 0  # delivered once
+    assert l1(mp_server)["read_locks"] == 4  # the lookup's locks
+    assert client.retrieve(Key(tokens_of(1), "warm", worker_id=0), REG.instance_id, shm) == payloads
+    assert l1(mp_server)["read_locks"] == 0  # the retrieve consumed them
+    assert client.call("end_session", "warm") is None
+    layout = next(iter(mp_server.storage.l1._table.objects.values())).layout
+    assert layout == "bfloat16[2,2,256,64]"
+    stats = mp_stats(mp_server)
+    assert (stats.store_chunks, stats.retrieve_chunks, stats.store_bytes) == (4, 4, 4 * CHUNK)
+
+
+def test_a_store_of_chunks_present_reserves_only_the_new_ones(client: MPClient) -> None:
+    shm = client.register(REG)["shm_name"]
+    tokens = tokens_of(2)
+    first_half = Key(tokens, "r", start=0, end=512, worker_id=0)
+    assert client.store(first_half, REG.instance_id, chunk_payloads(2, 2, CHUNK), shm)
+    whole = Key(tokens, "r", worker_id=0)
+    prepared = client.call("prepare_store", whole.encode(), REG.instance_id)["context"]
+    assert prepared["chunk_indices"] == [2, 3]
+    assert [slot["shape"] for slot in prepared["slots"]] == [[2, 2, 256, 64]] * 2
+    assert {slot["dtype"] for slot in prepared["slots"]} == {"bfloat16"}
+    assert client.call("commit_store", whole.encode(), REG.instance_id, b"") is True
+    again = client.call("prepare_store", whole.encode(), REG.instance_id)
+    assert again == {"context": {"slots": [], "chunk_indices": []}}
+
+
+def test_a_repeated_prepare_store_replaces_the_first(client: MPClient, mp_server: TiersServer) -> None:
+    shm = client.register(REG)["shm_name"]
+    key = Key(tokens_of(30), "r", worker_id=0)
+    first = client.call("prepare_store", key.encode(), REG.instance_id)["context"]
+    again = client.call("prepare_store", key.encode(), REG.instance_id)["context"]  # a client retry
+    assert len(first["slots"]) == len(again["slots"]) == 4
+    assert l1(mp_server)["write_locked"] == 4
+    segment = client.segment(shm)
+    payloads = chunk_payloads(30, 4, CHUNK)
+    for slot, payload in zip(again["slots"], payloads, strict=True):
+        segment[slot["offset"] : slot["offset"] + slot["length"]] = payload
+    assert client.call("commit_store", key.encode(), REG.instance_id, b"") is True
+    assert client.retrieve(key, REG.instance_id, shm) == payloads
+
+
+def test_commit_without_prepare_is_false(client: MPClient, mp_server: TiersServer) -> None:
+    client.register(REG)
+    key = Key(tokens_of(3), "r", worker_id=0)
+    assert client.call("commit_store", key.encode(), REG.instance_id, b"") is False
+    assert mp_stats(mp_server).failures["mp_commit_without_reservation"] == 1
+
+
+def test_retrieve_of_a_missing_chunk_is_a_miss_holding_nothing(
+    client: MPClient, mp_server: TiersServer
+) -> None:
+    shm = client.register(REG)["shm_name"]
+    stored(client, 4, shm, chunks=2)
+    key = Key(tokens_of(4), "r", worker_id=0)  # four chunks asked, two there
+    reply = client.call("prepare_retrieve", key.encode(), REG.instance_id)
+    assert reply == {"success": False, "data": b"", "context": {}}
+    assert client.call("commit_retrieve", key.encode(), REG.instance_id) is True
+    assert l1(mp_server)["read_locks"] == 0
+
+
+def test_free_lookup_locks_and_end_session_give_locks_back(client: MPClient, mp_server: TiersServer) -> None:
+    shm = client.register(REG)["shm_name"]
+    stored(client, 5, shm)
+    lookup = Key(tokens_of(5), "req")
+    assert client.lookup(lookup) == 4
+    freed = Key(tokens_of(5), "req", start=0, end=512)
+    assert client.call("free_lookup_locks", freed.encode(), 1) is None
+    assert l1(mp_server)["read_locks"] == 2
+    assert client.call("end_session", "req") is None
+    assert l1(mp_server)["read_locks"] == 0
+    assert client.call("query_prefetch_status", "req") == 0  # unknown now
+
+
+def test_a_second_lookup_of_a_request_replaces_the_first(client: MPClient, mp_server: TiersServer) -> None:
+    shm = client.register(REG)["shm_name"]
+    stored(client, 6, shm)
+    assert client.lookup(Key(tokens_of(6), "same")) == 4
+    assert client.lookup(Key(tokens_of(6), "same")) == 4
+    assert l1(mp_server)["read_locks"] == 4  # the first lookup's locks were given back
+    client.call("end_session", "same")
+    assert l1(mp_server)["read_locks"] == 0
+
+
+def test_a_chunk_counts_only_when_every_rank_has_it(make_mp_server: Any) -> None:
+    server = make_mp_server()
+    ranks = [Registration(instance_id=2000 + worker, world_size=2) for worker in range(2)]
+    with MPClient(mp_address(server)) as client:
+        shm = client.register(ranks[0])["shm_name"]
+        client.register(ranks[1])
+        tokens = tokens_of(7)
+        payloads = chunk_payloads(7, 4, CHUNK)
+        key0 = Key(tokens, "s", worker_id=0, world_size=2)
+        assert client.store(key0, ranks[0].instance_id, payloads, shm)
+        key1 = Key(tokens, "s", start=0, end=512, worker_id=1, world_size=2)
+        assert client.store(key1, ranks[1].instance_id, payloads[:2], shm)
+        assert client.lookup(Key(tokens, "l", world_size=2)) == 2
+        assert l1(server)["read_locks"] == 4  # two chunks x two ranks; rank 0 of chunk 2 released
+        client.call("end_session", "l")
+        assert l1(server)["read_locks"] == 0
+
+
+def test_refusals_get_no_reply_and_are_counted(client: MPClient, mp_server: TiersServer) -> None:
+    key = Key(tokens_of(8), "r", worker_id=0)
+    assert client.unanswered("prepare_store", key.encode(), 4242)  # unregistered instance
+    assert client.unanswered("lookup", Key(tokens_of(8), "r", num_kv_readers=0).encode(), 1)
+    assert client.unanswered("register_kv_cache", 1, [], "m", 1, "vllm", {}, [])
+    assert client.unanswered(99)  # unknown operation id
+    assert client.unanswered("no_such_operation")
+    assert client.unanswered("get_chunk_size", 1)  # payload count mismatch
+    assert client.unanswered("lookup", {"model_name": "m"}, 1)  # a key missing fields
+    bad_dtype = Registration(instance_id=5, dtype_str="float42").encode()
+    assert client.unanswered("register_kv_cache_engine_driven_context", bad_dtype)
+    assert client.call("ping", None) is True
+    failures = mp_stats(mp_server).failures
+    assert failures["mp_unregistered_instance"] == 1
+    assert failures["mp_not_served"] == 1
+    assert failures["mp_unknown_op"] == 2
+    assert failures["mp_bad_request"] == 4
+
+
+def test_a_store_l1_cannot_hold_fails_at_commit(make_mp_server: Any) -> None:
+    server = make_mp_server(l1_size_gb=0.0007)  # room for five chunks
+    with MPClient(mp_address(server)) as client:
+        shm = client.register(REG)["shm_name"]
+        stored(client, 9, shm)
+        assert client.lookup(Key(tokens_of(9), "holding")) == 4  # locked: eviction cannot take them
+        key = Key(tokens_of(90), "r", worker_id=0)
+        assert client.call("prepare_store", key.encode(), REG.instance_id) == {"context": {}}
+        assert client.call("commit_store", key.encode(), REG.instance_id, b"") is False
+        stats = mp_stats(server)
+        assert stats.failures["mp_store_refused_l1_full"] == 1
+        assert stats.failures["mp_commit_without_reservation"] == 0
+        assert client.lookup(Key(tokens_of(9), "again")) == 4  # nothing was evicted for it
+
+
+def test_unregister_aborts_unfinished_stores(client: MPClient, mp_server: TiersServer) -> None:
+    client.register(REG)
+    key = Key(tokens_of(10), "r", worker_id=0)
+    assert len(client.call("prepare_store", key.encode(), REG.instance_id)["context"]["slots"]) == 4
+    assert l1(mp_server)["write_locked"] == 4
+    assert client.call("unregister_kv_cache_engine_driven_context", REG.instance_id) is None
+    assert l1(mp_server)["write_locked"] == 0 and l1(mp_server)["objects"] == 0
+    assert client.unanswered("commit_store", key.encode(), REG.instance_id, b"")  # no registration
+
+
+def test_silent_instances_are_reaped(make_mp_server: Any) -> None:
+    server = make_mp_server(worker_registration_grace_s=0.3)
+    with MPClient(mp_address(server)) as client:
+        client.register(REG)
+        key = Key(tokens_of(11), "r", worker_id=0)
+        client.call("prepare_store", key.encode(), REG.instance_id)
+        deadline = time.monotonic() + 10
+        while server.frontends[0].status()["instances"]:
+            assert time.monotonic() < deadline, "the instance was never reaped"
+            time.sleep(0.1)
+        assert l1(server)["write_locked"] == 0
+        assert mp_stats(server).failures["mp_instance_reaped"] == 1
+
+
+def test_lookup_of_an_unregistered_model_is_zero(client: MPClient) -> None:
+    assert client.lookup(Key(tokens_of(12), "x", model_name="other")) == 0
+
+
+def test_clear_empties_l1(client: MPClient, mp_server: TiersServer) -> None:
+    shm = client.register(REG)["shm_name"]
+    stored(client, 13, shm)
+    assert client.call("clear", False) is None
+    assert l1(mp_server)["objects"] == 0
+
+
+def test_shutdown_gives_back_what_clients_hold(make_mp_server: Any) -> None:
+    server = make_mp_server()
+    with MPClient(mp_address(server)) as client:
+        shm = client.register(REG)["shm_name"]
+        stored(client, 14, shm)
+        assert client.lookup(Key(tokens_of(14), "held")) == 4
+        client.call("prepare_store", Key(tokens_of(15), "w", worker_id=0).encode(), REG.instance_id)
+        assert (l1(server)["read_locks"], l1(server)["write_locked"]) == (4, 4)
+        server.request_stop()
+        frontend = server.frontends[0]
+        assert frontend.join(30)
+        stats = frontend.stats()
+        assert (stats.released_at_stop_locks, stats.released_at_stop_reservations) == (4, 4)
+        assert (l1(server)["read_locks"], l1(server)["write_locked"]) == (0, 0)
+
+
+def test_requests_are_counted_by_operation(client: MPClient, mp_server: TiersServer) -> None:
+    client.call("noop")
+    client.call("noop")
+    client.call("get_chunk_size")
+    assert dict(mp_stats(mp_server).requests) == {"noop": 2, "get_chunk_size": 1}
+    assert msgspec.json.encode(mp_server.status())  # JSON-able, with both front ends
+    assert [entry["type"] for entry in mp_server.status()["frontends"]] == ["lmcache_mp", "native"]

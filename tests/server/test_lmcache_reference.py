@@ -1,0 +1,140 @@
+"""LMCache's own client against ``lmcache-tiers serve --frontend lmcache_mp``.
+
+The reference package lives in a venv of its own (``LMCACHE_REF_VENV``; scripts/test.sh
+installs ``lmcache==0.5.6`` into the default location before the suite runs).  Its
+``lmcache bench server --mode cpu`` stores 8 requests of 1024 tokens, looks them up again,
+retrieves them and compares checksums of the KV bytes; LMCache's shared-memory transfer
+code stores chunks that the native client then reads back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tiers_e2e import HERE, ServerProcess, fetch, free_port, start_server
+
+from lmcache_tiers.client import Client
+from lmcache_tiers.keys import prefix_keys
+from lmcache_tiers.plugin import kv_rank_of
+
+CACHE_HOME = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+REF_VENV = Path(os.environ.get("LMCACHE_REF_VENV", CACHE_HOME / "lmcache-tiers" / "lmcache-0.5.6"))
+REF_ENV = {"DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"}
+SHAPE_SPEC = "(2,256,16,8,128):bfloat16:8"  # 8 MiB chunks, 32 MiB per request
+
+ROOT = HERE.parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def reference_installed() -> None:
+    """scripts/test.sh installs the reference before the suite; a run without it installs
+    it here (the same script), and skips only when that cannot be done."""
+    if not (REF_VENV / "bin" / "lmcache").exists():
+        subprocess.run(
+            ["bash", str(ROOT / "scripts" / "install_reference_lmcache.sh")],
+            env={**os.environ, "LMCACHE_REF_VENV": str(REF_VENV)},
+            capture_output=True,
+            timeout=1800,
+        )
+    if not (REF_VENV / "bin" / "lmcache").exists():
+        pytest.skip(
+            f"the reference LMCache cannot be installed into {REF_VENV} "
+            "(scripts/install_reference_lmcache.sh needs the package index; LMCACHE_REF_VENV moves it)"
+        )
+
+
+def run_bench(url: str, output: Path, interval: float = 0.0) -> dict[str, Any]:
+    command = [
+        str(REF_VENV / "bin" / "lmcache"),
+        *("bench", "server", "--rpc-url", url, "--mode", "cpu", "--interval", str(interval)),
+        *("--start", "0", "--end", "8", "--num-tokens", "1024", "--kvcache-shape-spec", SHAPE_SPEC),
+        *("--format", "json", "--output", str(output)),
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=900, env={**os.environ, **REF_ENV}, cwd=output.parent
+    )
+    assert done.returncode == 0 and output.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    metrics: dict[str, Any] = json.loads(output.read_text())["metrics"]
+    return metrics
+
+
+def serve(tmp_path: Path, **options: Any) -> tuple[ServerProcess, str]:
+    """A server with the LMCache front end on --port and the native one beside it."""
+    native_port = free_port()
+    server = start_server(
+        tmp_path / "server",
+        l1_size_gb=0.5,
+        frontends=[{"type": "lmcache_mp"}, {"type": "native", "port": native_port}],
+        **options,
+    )
+    return server, f"tcp://127.0.0.1:{native_port}"
+
+
+def stop(server: ServerProcess) -> None:
+    assert server.stop() == 0, server.output()
+    assert not server.shm_path.exists()
+
+
+def assert_every_checksum_passed(metrics: dict[str, Any]) -> None:
+    results = metrics["results"]
+    assert (results["total_requests"], results["checksum_ok"], results["checksum_fail"]) == (8, 8, 0), metrics
+
+
+def test_reference_bench_passes_every_checksum(tmp_path: Path) -> None:
+    server, _ = serve(tmp_path)
+    try:
+        metrics = run_bench(server.url, tmp_path / "l1.json")
+        assert_every_checksum_passed(metrics)
+        status = json.loads(fetch(f"{server.http_url}/status")[2])
+        mp = next(entry for entry in status["frontends"] if entry["type"] == "lmcache_mp")
+        assert (mp["store_chunks"], mp["retrieve_chunks"]) == (32, 32)
+        assert status["failures"] == {} and mp["failures"] == {}
+    finally:
+        stop(server)
+
+
+def test_reference_bench_with_the_warm_pass_served_from_l2(tmp_path: Path) -> None:
+    """skip_l1 takes every chunk out of L1 once it is in L2, so with a pause between the
+    cold and the warm pass of a request, every warm chunk is loaded from the NIXL files."""
+    params = {"file_path": str(tmp_path / "l2"), "use_direct_io": "false", "max_capacity_gb": "1"}
+    adapter = {"type": "nixl_store_dynamic", "backend": "POSIX", "backend_params": params}
+    server, _ = serve(tmp_path, adapters=[adapter], l2_store_policy="skip_l1")
+    try:
+        metrics = run_bench(server.url, tmp_path / "l2.json", interval=1.0)
+        assert_every_checksum_passed(metrics)
+        status = json.loads(fetch(f"{server.http_url}/status")[2])
+        assert status["requests"]["l2_hit_chunks"] == 32, status["requests"]
+        assert status["adapters"][0]["keys_stored"] == 32
+        assert status["failures"] == {}
+    finally:
+        stop(server)
+
+
+def test_chunks_stored_by_lmcache_code_are_read_by_the_native_client(tmp_path: Path) -> None:
+    model = "meta-llama/Llama-3.1-8B"
+    server, native = serve(tmp_path, metrics=False)
+    try:
+        done = subprocess.run(
+            [str(REF_VENV / "bin" / "python"), str(HERE / "lmcache_ref_store.py"), server.url, model],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, **REF_ENV},
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        written = json.loads(done.stdout.strip().splitlines()[-1])
+        assert written["stored"] is True
+        keys = prefix_keys([7] + [9906] * 512, 256, model_name=model, kv_rank=kv_rank_of(1, 0))
+        with Client(native) as reader:
+            assert reader.lookup(keys) == 2
+            with reader.retrieve(keys) as views:
+                assert [hashlib.sha256(view).hexdigest() for view in views] == written["digests"]
+            reader.release(keys)
+    finally:
+        stop(server)
