@@ -169,10 +169,11 @@ class Client(Connection):
             check_layout(layout, array.nbytes)
         stored = 0
         if self._segment is not None:
-            for part in self._batches(len(keys)):
-                stored += self._store_shm(
-                    list(keys[part]), arrays[part], _sent_layouts(layouts[part]), self._segment, l1_only
-                )
+            with self._segment.pages.in_use():
+                for part in self._batches(len(keys)):
+                    stored += self._store_shm(
+                        list(keys[part]), arrays[part], _sent_layouts(layouts[part]), self._segment, l1_only
+                    )
         else:
             for batch_keys, batch_arrays, batch_layouts in self._inline_batches(
                 list(keys), arrays, list(layouts)
@@ -422,7 +423,12 @@ class Client(Connection):
                 for view, target in zip(views, targets, strict=False):
                     _copy_into(target, np.frombuffer(view, dtype=np.uint8))
                 return len(views)
-        keys = list(keys)
+        with segment.pages.in_use():
+            return self._retrieve_shm_into(list(keys), targets, segment)
+
+    def _retrieve_shm_into(
+        self, keys: list[ObjectKey], targets: list[np.ndarray[Any, Any]], segment: MappedSegment
+    ) -> int:
         done = 0
         for _ in range(self.STALE_RETRIES + 1):
             rest = keys[done:]

@@ -8,9 +8,10 @@ pages already exist; only this process's entries are missing), and it runs witho
 GIL through ctypes.  :class:`PageTables` uses it twice:
 
 * a background pass over the whole mapping, started at connect, at the lowest CPU
-  priority (nice 19) and paused while a copy runs, so it takes only CPU nobody else
-  wants and never contends with a copy for the same page-table locks; in steps short
-  enough that ``close`` never waits long for it;
+  priority (nice 19), that runs only while the client is idle (no store or retrieve in
+  progress, none for ``IDLE_S``), so it takes only CPU nobody else wants and never
+  contends with a copy for the page-table locks; in steps short enough that a request
+  or ``close`` never waits long for it;
 * for a copy into (or out of) a range the background pass has not reached yet, a helper
   thread populates the range a piece ahead of the copy, so the copy of piece *n* overlaps
   the population of piece *n + 1* instead of faulting page by page.
@@ -32,6 +33,8 @@ import mmap
 import os
 import sys
 import threading
+import time
+from collections.abc import Iterator
 from queue import SimpleQueue
 from typing import Any
 
@@ -41,10 +44,15 @@ log = logging.getLogger(__name__)
 
 #: madvise(2) advice that maps pages writable without touching their bytes
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-#: bytes the background pass populates per call (~5 ms): what ``close`` may wait for
-BACKGROUND_STEP = 16 << 20
+#: bytes the background pass populates per call (~0.6 ms): how long a copy that starts
+#: meanwhile, or ``close``, may wait for it
+BACKGROUND_STEP = 2 << 20
 #: bytes a copy waits for before copying them: small, so the first piece starts early
 COPY_PIECE = 1 << 20
+#: the background pass runs only once the client has been idle this long (no request and
+#: no copy): a client that connects and stores at once is served by the copy's own
+#: population, and the background pass never competes with a burst of requests
+IDLE_S = 0.02
 #: how long a copy waits for a piece before faulting it in itself (a stalled helper)
 PIECE_WAIT_S = 1.0
 _PAGE = mmap.PAGESIZE
@@ -99,7 +107,8 @@ class PageTables:
         self._background: threading.Thread | None = None
         self._helper: threading.Thread | None = None
         self._requests: SimpleQueue[_Range | None] = SimpleQueue()
-        self._copies = 0  # copies in progress (the background pass waits for none)
+        self._busy = 0  # requests and copies in progress (the background pass waits for none)
+        self._last_active = time.monotonic()
         self._idle = threading.Condition()
 
     @property
@@ -130,17 +139,25 @@ class PageTables:
             target[:] = source
             return
         span = _Range(offset // _PAGE * _PAGE, offset + size)
-        with self._idle:
-            self._copies += 1
-        try:
+        with self.in_use():
             self._populate_for(span)
             for start in range(0, size, COPY_PIECE):
                 end = min(size, start + COPY_PIECE)
                 span.wait_for(offset + end)
                 target[start:end] = source[start:end]
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Pause the background pass while the block runs (a request and its copies), so it
+        never takes a core, or the page-table locks, from the work it exists to speed up."""
+        with self._idle:
+            self._busy += 1
+        try:
+            yield
         finally:
             with self._idle:
-                self._copies -= 1
+                self._busy -= 1
+                self._last_active = time.monotonic()
                 self._idle.notify_all()
 
     def stop(self) -> None:
@@ -177,13 +194,20 @@ class PageTables:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         offset = 0
         while offset < self._size and not self._stop.is_set():
-            with self._idle:
-                self._idle.wait_for(lambda: self._copies == 0 or self._stop.is_set())
+            self._wait_until_idle()
             length = min(BACKGROUND_STEP, self._size - offset)
             if not self._advise(offset, length):
                 return
             offset += length
             self._done_below = offset
+
+    def _wait_until_idle(self) -> None:
+        with self._idle:
+            while not self._stop.is_set():
+                quiet = time.monotonic() - self._last_active
+                if self._busy == 0 and quiet >= IDLE_S:
+                    return
+                self._idle.wait(IDLE_S - quiet if self._busy == 0 else None)
 
     def _advise(self, offset: int, length: int) -> bool:
         if self._failed:
