@@ -12,9 +12,13 @@ GIL through ctypes.  :class:`PageTables` uses it twice:
   progress, none for ``IDLE_S``), so it takes only CPU nobody else wants and never
   contends with a copy for the page-table locks; in steps short enough that a request
   or ``close`` never waits long for it;
-* for a copy into (or out of) a range the background pass has not reached yet, a helper
-  thread populates the range a piece ahead of the copy, so the copy of piece *n* overlaps
-  the population of piece *n + 1* instead of faulting page by page.
+* for a store's copy into a range the background pass has not reached yet, the copying
+  thread populates the range a piece at a time right before copying that piece: cheaper
+  than faulting page by page, and, unlike handing the population to another thread, it
+  costs no wake-up per piece, which on a busy machine can take longer than the copy.
+
+Reads are left alone: a read fault maps a whole fault-around window (64 KiB) at once,
+so a copy out of a fresh mapping is already near memcpy speed.
 
 Population never changes a byte: if the kernel lacks it (or anything fails) the copies
 fault pages in as they always did, and one log line says so.  Huge pages would avoid most
@@ -35,7 +39,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from queue import SimpleQueue
 from typing import Any
 
 import numpy as np
@@ -47,14 +50,12 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 #: bytes the background pass populates per call (~0.6 ms): how long a copy that starts
 #: meanwhile, or ``close``, may wait for it
 BACKGROUND_STEP = 2 << 20
-#: bytes a copy waits for before copying them: small, so the first piece starts early
+#: bytes a store's copy populates, then copies, at a time
 COPY_PIECE = 1 << 20
 #: the background pass runs only once the client has been idle this long (no request and
 #: no copy): a client that connects and stores at once is served by the copy's own
 #: population, and the background pass never competes with a burst of requests
 IDLE_S = 0.02
-#: how long a copy waits for a piece before faulting it in itself (a stalled helper)
-PIECE_WAIT_S = 1.0
 _PAGE = mmap.PAGESIZE
 
 
@@ -76,25 +77,6 @@ def _load_madvise() -> Any:
 _madvise = _load_madvise()
 
 
-class _Range:
-    """A range being populated for a copy: ``ready`` is how far it is done."""
-
-    def __init__(self, start: int, end: int) -> None:
-        self.start = start
-        self.end = end
-        self.ready = start
-        self.cond = threading.Condition()
-
-    def advance(self, to: int) -> None:
-        with self.cond:
-            self.ready = to
-            self.cond.notify_all()
-
-    def wait_for(self, end: int) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: self.ready >= end, PIECE_WAIT_S)
-
-
 class PageTables:
     """Fills the page tables of ``size`` mapped bytes at ``address`` (see the module)."""
 
@@ -105,8 +87,6 @@ class PageTables:
         self._stop = threading.Event()
         self._failed = _madvise is None
         self._background: threading.Thread | None = None
-        self._helper: threading.Thread | None = None
-        self._requests: SimpleQueue[_Range | None] = SimpleQueue()
         self._busy = 0  # requests and copies in progress (the background pass waits for none)
         self._last_active = time.monotonic()
         self._idle = threading.Condition()
@@ -129,21 +109,19 @@ class PageTables:
             self._background.join(timeout)
         return self.complete
 
-    def copy(self, target: np.ndarray[Any, Any], source: np.ndarray[Any, Any], offset: int) -> None:
-        """``target[:] = source`` where ``target`` is the mapping's ``[offset, offset + n)``
-        (either side may be the mapping), populated a piece ahead of the copy."""
+    def write(self, target: np.ndarray[Any, Any], source: np.ndarray[Any, Any], offset: int) -> None:
+        """``target[:] = source`` where ``target`` is the mapping's ``[offset, offset + n)``,
+        each piece populated right before it is copied unless the background pass has."""
         size = target.nbytes
-        if self._failed or self._stop.is_set() or offset + size <= self._done_below or size <= COPY_PIECE:
-            if not (self._failed or self._stop.is_set()) and offset + size > self._done_below:
-                self._advise(offset // _PAGE * _PAGE, offset + size - offset // _PAGE * _PAGE)
+        if self._failed or self._stop.is_set() or offset + size <= self._done_below:
             target[:] = source
             return
-        span = _Range(offset // _PAGE * _PAGE, offset + size)
         with self.in_use():
-            self._populate_for(span)
             for start in range(0, size, COPY_PIECE):
                 end = min(size, start + COPY_PIECE)
-                span.wait_for(offset + end)
+                first = (offset + start) // _PAGE * _PAGE
+                if offset + end > self._done_below:
+                    self._advise(first, offset + end - first)
                 target[start:end] = source[start:end]
 
     @contextlib.contextmanager
@@ -165,28 +143,11 @@ class PageTables:
         self._stop.set()
         with self._idle:
             self._idle.notify_all()
-        self._requests.put(None)
-        for thread in (self._background, self._helper):
-            if thread is not None and thread is not threading.current_thread():
-                thread.join()
+        thread = self._background
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
     # -- threads ---------------------------------------------------------------------------
-
-    def _populate_for(self, span: _Range) -> None:
-        if self._helper is None:
-            self._helper = threading.Thread(target=self._run_helper, name="shm-populate-copy", daemon=True)
-            self._helper.start()
-        self._requests.put(span)
-
-    def _run_helper(self) -> None:
-        while (span := self._requests.get()) is not None:
-            position = span.start
-            while position < span.end:
-                end = min(span.end, position + COPY_PIECE)
-                if self._stop.is_set() or not self._advise(position, end - position):
-                    end = span.end  # the copy faults the rest in itself
-                span.advance(end)
-                position = end
 
     def _run_background(self) -> None:
         with contextlib.suppress(OSError, AttributeError):

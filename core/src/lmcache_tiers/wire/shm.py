@@ -8,8 +8,8 @@ another host, or in a container with its own ``/dev/shm``, never writes into an 
 segment that merely has the same name.  The client only ever unmaps; unlinking is the
 server's job (no resource tracker is involved, so a client exiting cannot remove it).
 
-A fresh mapping's page tables are filled in the background from connect on, and a copy
-that comes first populates its extent a piece ahead of itself
+A fresh mapping's page tables are filled in the background while the client is idle,
+and a store's copy that comes first populates its extent piece by piece as it goes
 (:mod:`lmcache_tiers.wire.pagetables`), so even a client's first store runs near memcpy.
 
 Behind the object bytes the segment carries the server's generation table (one uint64
@@ -138,11 +138,11 @@ class MappedSegment:
 
     def write(self, offset: int, source: np.ndarray[Any, Any]) -> None:
         """Copy ``source`` into the arena at ``offset`` (a slot checked with ``check_slot``)."""
-        self.pages.copy(self.array[offset : offset + source.nbytes], source, offset)
+        self.pages.write(self.array[offset : offset + source.nbytes], source, offset)
 
     def read_into(self, offset: int, size: int, target: np.ndarray[Any, Any]) -> None:
         """Copy the arena's ``[offset, offset + size)`` into the start of ``target``."""
-        self.pages.copy(target[:size], self.array[offset : offset + size], offset)
+        target[:size] = self.array[offset : offset + size]
 
     def close(self) -> None:
         """Unmap; if views handed to the caller are still alive the mapping stays until they go."""
