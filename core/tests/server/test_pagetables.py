@@ -137,3 +137,26 @@ def test_the_background_pass_waits_while_the_client_is_busy(mapping: np.ndarray[
         assert not pages.wait(3 * pagetables.IDLE_S)  # paused for as long as the block runs
     assert pages.wait(30)
     pages.stop()
+
+
+def test_each_block_is_populated_once(mapping: np.ndarray[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    real = pagetables._madvise
+    if real is None:
+        pytest.skip("no madvise through ctypes on this platform")
+    calls: list[int] = []
+
+    def counting(address: int, length: int, advice: int) -> int:
+        calls.append(length)
+        return int(real(address, length, advice))
+
+    monkeypatch.setattr(pagetables, "_madvise", counting)
+    array = mapping
+    pages = PageTables(array.ctypes.data, SIZE)
+    source = np.full(2 * COPY_PIECE + 10, 7, dtype=np.uint8)
+    offset = COPY_PIECE // 2
+    pages.write(array[offset : offset + source.nbytes], source, offset)
+    assert len(calls) == 3  # the three blocks the write touches
+    pages.write(array[offset : offset + source.nbytes], source, offset)
+    assert len(calls) == 3  # already populated: copied straight away
+    assert np.array_equal(array[offset : offset + source.nbytes], source)
+    pages.stop()

@@ -50,7 +50,8 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 #: bytes the background pass populates per call (~0.6 ms): how long a copy that starts
 #: meanwhile, or ``close``, may wait for it
 BACKGROUND_STEP = 2 << 20
-#: bytes a store's copy populates, then copies, at a time
+#: bytes a store's copy populates, then copies, at a time: the mapping is tracked in
+#: blocks of this size, each populated once
 COPY_PIECE = 1 << 20
 #: the background pass runs only once the client has been idle this long (no request and
 #: no copy): a client that connects and stores at once is served by the copy's own
@@ -89,6 +90,8 @@ class PageTables:
         self._background: threading.Thread | None = None
         self._busy = 0  # requests and copies in progress (the background pass waits for none)
         self._last_active = time.monotonic()
+        # which COPY_PIECE blocks are populated (either way), so no block is asked twice
+        self._populated = bytearray(-(-size // COPY_PIECE))
         self._idle = threading.Condition()
 
     @property
@@ -110,19 +113,22 @@ class PageTables:
         return self.complete
 
     def write(self, target: np.ndarray[Any, Any], source: np.ndarray[Any, Any], offset: int) -> None:
-        """``target[:] = source`` where ``target`` is the mapping's ``[offset, offset + n)``,
-        each piece populated right before it is copied unless the background pass has."""
+        """``target[:] = source`` where ``target`` is the mapping's ``[offset, offset + n)``;
+        each ``COPY_PIECE`` block of the mapping it touches is populated (once for the
+        mapping's lifetime) right before its part is copied."""
         size = target.nbytes
-        if self._failed or self._stop.is_set() or offset + size <= self._done_below:
+        end = offset + size
+        if self._failed or self._stop.is_set() or end <= self._done_below:
             target[:] = source
             return
+        populated = self._populated
         with self.in_use():
-            for start in range(0, size, COPY_PIECE):
-                end = min(size, start + COPY_PIECE)
-                first = (offset + start) // _PAGE * _PAGE
-                if offset + end > self._done_below:
-                    self._advise(first, offset + end - first)
-                target[start:end] = source[start:end]
+            for block in range(offset // COPY_PIECE, -(-end // COPY_PIECE)):
+                start = block * COPY_PIECE
+                if not populated[block] and self._advise(start, min(COPY_PIECE, self._size - start)):
+                    populated[block] = 1
+                low, high = max(start, offset) - offset, min(start + COPY_PIECE, end) - offset
+                target[low:high] = source[low:high]
 
     @contextlib.contextmanager
     def in_use(self) -> Iterator[None]:
@@ -153,14 +159,19 @@ class PageTables:
         with contextlib.suppress(OSError, AttributeError):
             # Linux applies a nice value to the one thread whose id is given.
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        offset = 0
-        while offset < self._size and not self._stop.is_set():
-            self._wait_until_idle()
-            length = min(BACKGROUND_STEP, self._size - offset)
-            if not self._advise(offset, length):
+        populated = self._populated
+        step = BACKGROUND_STEP // COPY_PIECE
+        for first in range(0, len(populated), step):
+            if self._stop.is_set():
                 return
-            offset += length
-            self._done_below = offset
+            blocks = range(first, min(len(populated), first + step))
+            if not all(populated[block] for block in blocks):
+                self._wait_until_idle()
+                start = first * COPY_PIECE
+                if self._stop.is_set() or not self._advise(start, min(step * COPY_PIECE, self._size - start)):
+                    return
+                populated[first : blocks.stop] = b"\x01" * len(blocks)
+            self._done_below = min(self._size, blocks.stop * COPY_PIECE)
 
     def _wait_until_idle(self) -> None:
         with self._idle:
