@@ -160,3 +160,11 @@ def test_each_block_is_populated_once(mapping: np.ndarray[Any, Any], monkeypatch
     assert len(calls) == 3  # already populated: copied straight away
     assert np.array_equal(array[offset : offset + source.nbytes], source)
     pages.stop()
+
+
+def test_a_write_into_a_range_of_another_size_raises(mapping: np.ndarray[Any, Any]) -> None:
+    array = mapping
+    pages = PageTables(array.ctypes.data, SIZE)
+    with pytest.raises(ValueError, match="cannot copy"):
+        pages.write(array[:0], np.ones(3 * COPY_PIECE, dtype=np.uint8), 0)
+    pages.stop()

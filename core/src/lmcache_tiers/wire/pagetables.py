@@ -116,7 +116,9 @@ class PageTables:
         """``target[:] = source`` where ``target`` is the mapping's ``[offset, offset + n)``;
         each ``COPY_PIECE`` block of the mapping it touches is populated (once for the
         mapping's lifetime) right before its part is copied."""
-        size = target.nbytes
+        size = source.nbytes
+        if target.nbytes != size:
+            raise ValueError(f"cannot copy {size} bytes into a {target.nbytes}-byte range")
         end = offset + size
         if self._failed or self._stop.is_set() or end <= self._done_below:
             target[:] = source
