@@ -6,8 +6,8 @@ object mid-copy; the lock is dropped when the task's result is popped (or, at sh
 when draining gives up).  Once every task of a batch is done, the policy may drop the
 stored keys from L1 (``skip_l1``).
 
-Write-back must not starve the data plane: the adapters' store threads run at the lowest
-CPU priority (:mod:`lmcache_tiers.l2.runners`), and while this controller runs the
+Write-back must not starve the data plane: the adapters' store threads run at a low
+CPU priority (nice 10) (:mod:`lmcache_tiers.l2.runners`), and while this controller runs the
 interpreter hands the GIL over every ``GIL_SWITCH_S`` (CPython's default is 5 ms), so a
 request arriving while a store thread runs Python waits for the GIL a fraction of a
 millisecond rather than up to 5 ms, which is what the p99 of lookups and stores under

@@ -33,8 +33,10 @@ from lmcache_tiers.l2.state import AdapterState
 
 log = logging.getLogger("lmcache_tiers.l2")
 
-#: nice value of the threads that run stores (write-back) of thread-run backends
-WRITE_BACK_NICE = 19
+#: nice value of the threads that run stores (write-back) of thread-run backends: about a
+#: tenth of a core's share when every core is busy, so write-back yields to requests but
+#: is never starved (at 19, ~1.5 %, a busy process could hold it back indefinitely)
+WRITE_BACK_NICE = 10
 
 T = TypeVar("T")
 Publish = Callable[[int, BatchOp, Any], None]
@@ -127,7 +129,7 @@ class ThreadRunner(Runner):
 
     def _work(self, jobs: queue.SimpleQueue[tuple[int, BatchOp] | None], background: bool = False) -> None:
         if background:
-            # Write-back is background work: at the lowest CPU priority it runs on cores
+            # Write-back is background work: at a low CPU priority it runs mostly on cores
             # the data plane leaves idle (e.g. while a client copies) instead of taking
             # one from a request.  Linux applies a nice value to the one thread named.
             with contextlib.suppress(OSError, AttributeError):
