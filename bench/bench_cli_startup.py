@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -15,6 +16,7 @@ HEAVY = ("torch", "nixl", "s3fs", "redis", "zstandard")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON instead")
     args = parser.parse_args()
     command = [sys.executable, "-m", "lmcache_tiers.cli.main", "plugins", "list", "--json"]
     times = []
@@ -30,6 +32,11 @@ def main() -> None:
     out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout
     heavy = out.rsplit("HEAVY=", 1)[-1].strip()
     median = statistics.median(times)
+    if args.json:
+        print(
+            json.dumps({"median_s": median, "max_s": max(times), "limit_s": LIMIT_S, "heavy_modules": heavy})
+        )
+        return
     print(
         f"plugins list start-up: median {median:.3f} s, max {max(times):.3f} s (limit {LIMIT_S:.1f} s) "
         f"-> {'OK' if median < LIMIT_S else 'OVER LIMIT'}"

@@ -105,6 +105,7 @@ def main() -> None:
         default=json.dumps(DEFAULT_MOCK),
         help="mock adapter options besides max_size_gb, as JSON (replaces the default)",
     )
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON instead")
     args = parser.parse_args()
 
     size = int(args.chunk_mb * MIB)
@@ -165,6 +166,15 @@ def main() -> None:
         lookup_s = time.perf_counter() - start
         failures = storage.status()["failures"]
 
+    if args.json:
+        figures = {
+            "memcpy_gbps": limit, "store_limit_gbps": store_limit,
+            "store_gbps": statistics.median(store_runs),
+            "prefetch_gbps": statistics.median(prefetch_runs), "lookups_per_s": lookups / lookup_s,
+            "failures": failures,
+        }  # fmt: skip
+        print(json.dumps(figures))
+        return
     extra = {key: value for key, value in mock.items() if key not in ("type", "max_size_gb")}
     print(f"objects {size / MIB:.2f} MiB x {args.chunks} chunks x {args.prompts} prompts")
     print(f"adapters: {args.adapters} mock {json.dumps(extra)}, prefetches in flight: {args.concurrency}")

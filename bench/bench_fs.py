@@ -24,6 +24,7 @@ Three parts, each printing its figure next to the limit measured in the same run
 from __future__ import annotations
 
 import argparse
+import json
 import mmap
 import os
 import re
@@ -106,6 +107,10 @@ def adapter_round(
     return elapsed
 
 
+#: every figure this run printed, for ``--json`` and bench/run_all.py
+FIGURES: list[dict[str, object]] = []
+
+
 def throughput(root: str, case: str, repeat: int, direct: bool) -> None:
     count, size_mib = (int(part) for part in case.split("x"))
     size = size_mib * MIB
@@ -150,6 +155,13 @@ def throughput(root: str, case: str, repeat: int, direct: bool) -> None:
     for op in ("store", "load"):
         raw, ours = rows[f"raw {op}"], rows[f"fs {op}"]
         ratio = statistics.median(o / r for o, r in zip(ours, raw, strict=True))
+        FIGURES.append(
+            {
+                "part": "throughput", "case": case, "op": op, "mode": mode,
+                "fs_gbps": statistics.median(ours),
+                "raw_gbps": statistics.median(raw), "ratio": ratio,
+            }
+        )  # fmt: skip
         print(
             f"{case.replace('x', ' x ')} MiB {op:5}  fs {statistics.median(ours):6.2f} GB/s   "
             f"raw {'pwrite' if op == 'store' else 'preadv'} {statistics.median(raw):6.2f} GB/s   "
@@ -205,6 +217,12 @@ def scan(root: str, count: int) -> None:
         adapter.close()
         if scanned != count or listed != count:
             raise SystemExit(f"scan accounted {scanned}, listing saw {listed}, of {count}")
+        FIGURES.append(
+            {
+                "part": "scan", "sharded": sharded, "objects": count, "fs_per_s": count / elapsed,
+                "bare_per_s": count / bare, "ratio": bare / elapsed,
+            }
+        )  # fmt: skip
         print(
             f"scan {count:,} objects {'sharded' if sharded else 'flat   '}  "
             f"fs {count / elapsed:9,.0f} objects/s   bare scandir+stat {count / bare:9,.0f} objects/s   "
@@ -227,6 +245,7 @@ def reference(root: str, venv: Path, keys: int, repeat: int) -> None:
     cli = venv / "bin" / "lmcache"
     if not cli.exists():
         print(f"reference: skipped, {cli} is not installed")
+        FIGURES.append({"part": "reference", "skipped": f"{cli} is not installed"})
         return
     ref_dir = os.path.join(root, "reference")
     os.makedirs(ref_dir)
@@ -270,6 +289,12 @@ def reference(root: str, venv: Path, keys: int, repeat: int) -> None:
         ("store", statistics.mean(stores), ref_store),
         ("load", statistics.mean(loads), ref_load),
     ):
+        FIGURES.append(
+            {
+                "part": "reference", "case": f"{keys}x1", "op": op, "fs_gbps": total / ours / GB,
+                "reference_gbps": total / theirs / GB, "ratio": theirs / ours,
+            }
+        )  # fmt: skip
         print(
             f"vs reference, {keys} x 1 MiB {op:5}  fs {total / ours / GB:6.2f} GB/s   "
             f"lmcache 0.5.6 fs {total / theirs / GB:6.2f} GB/s   "
@@ -294,6 +319,9 @@ def main() -> None:
     parser.add_argument("--scan-objects", type=int, default=100_000)
     parser.add_argument("--ref-keys", type=int, default=64)
     parser.add_argument("--reference-venv", type=Path, default=Path("/work/ref/.venv-lmcache"))
+    parser.add_argument(
+        "--json", action="store_true", help="also print the figures as one JSON line at the end"
+    )
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="bench-fs-", dir=args.dir)
     parts: dict[str, Callable[[], None]] = {
@@ -308,6 +336,8 @@ def main() -> None:
             parts[part]()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        print(json.dumps(FIGURES))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ objects out of the arena into pre-faulted buffers (what ``retrieve_into`` does a
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -84,10 +85,15 @@ def main() -> None:
         help="COUNTxKIB: objects per retrieve and their size in KiB",
     )
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON instead")
     args = parser.parse_args()
+    results = []
     for shape in args.shapes:
         count, kib = (int(part) for part in shape.split("x"))
         figures = measure(count, kib * KIB, args.repeats)
+        results.append({"shape": shape, **figures})
+        if args.json:
+            continue
         copy_us = figures["copy_s"] * 1e6
         print(
             f"{count} x {kib} KiB: client check {figures['client_check_s'] * 1e6:.1f} us + server read "
@@ -95,6 +101,8 @@ def main() -> None:
             f"{copy_us:.0f} us ({count * kib * KIB / figures['copy_s'] / 1e9:.2f} GB/s): "
             f"{(figures['client_check_s'] + figures['server_read_s']) / figures['copy_s']:.2%} of it"
         )
+    if args.json:
+        print(json.dumps(results))
 
 
 if __name__ == "__main__":

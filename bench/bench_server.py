@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 import zmq
 
@@ -58,12 +59,16 @@ def endpoint(transport: str, name: str) -> tuple[str, str]:
     return "127.0.0.1", f"tcp://127.0.0.1:{free_port()}"
 
 
-def start_server(l1_size_gb: float, transport: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(
+    l1_size_gb: float, transport: str, l2_adapters: Sequence[str] = ()
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``lmcache-tiers serve`` (L1 only unless ``l2_adapters`` gives --l2-adapter JSON)."""
     host, url = endpoint(transport, "server")
     port = url.rsplit(":", 1)[1] if transport == "tcp" else "0"
+    l2 = [arg for adapter in l2_adapters for arg in ("--l2-adapter", adapter)] or ["--no-default-l2"]
     command = [
         sys.executable, "-m", "lmcache_tiers.cli.main", "serve",
-        "--l1-size-gb", str(l1_size_gb), "--no-default-l2", "--host", host, "--port", port,
+        "--l1-size-gb", str(l1_size_gb), *l2, "--host", host, "--port", port,
         "--metrics-port", "0",
     ]  # fmt: skip
     env = {**os.environ, "LMCACHE_LOG_LEVEL": "WARNING"}

@@ -14,7 +14,8 @@ What each kind of plugin needs:
 * an L2 backend: ``L2Backend`` / ``AsyncL2Backend`` (protocols), ``L2AdapterConfig``,
   ``BackendContext``, ``ObjectKey``, ``ObjectSize``, ``Capacity``; remote ones
   ``CircuitConfig`` (the ``circuit`` option) and ``PROBE_KEY`` (what a probe asks about); persistent ones also
-  ``RecordError`` (and subclasses), ``RecordHeader``, ``verify_payload``,
+  ``RecordError`` (and subclasses), ``RecordHeader``, ``verify_payload`` (``PayloadVerifier``
+  for payloads read in pieces),
   ``header_length``, ``PREFIX_SIZE``; backends copying bytes ``copy_into``; slot and
   extent stores ``ExtentAllocator``; a warning logged once per burst ``BurstLog``;
 * policies: ``StorePolicy``, ``PrefetchPolicy``, ``EvictionPolicy``, ``AdapterInfo``,
@@ -111,6 +112,7 @@ if TYPE_CHECKING:
     from lmcache_tiers.l2.preflight import check_directory, check_file
     from lmcache_tiers.l2.record import (
         PREFIX_SIZE,
+        PayloadVerifier,
         RecordChecksumError,
         RecordCorruptError,
         RecordError,
@@ -183,6 +185,7 @@ _LAZY = {
     "L2Op": _L2,
     "LookupResult": _L2,
     "PREFIX_SIZE": _RECORD,
+    "PayloadVerifier": _RECORD,
     "RecordChecksumError": _RECORD,
     "RecordCorruptError": _RECORD,
     "RecordError": _RECORD,
@@ -278,6 +281,7 @@ __all__ = [
     "ObjectKey",
     "ObjectSize",
     "PathLock",
+    "PayloadVerifier",
     "PrefetchPolicy",
     "PrefetchPolicySuite",
     "ProcessClaim",

@@ -158,3 +158,33 @@ def test_records_written_with_blake3_still_verify() -> None:
     record.verify_payload(decoded, payload)
     with pytest.raises(record.RecordChecksumError):
         record.verify_payload(decoded, b"kV" * 1000)
+
+
+@pytest.mark.parametrize("algo", ["xxh3", "blake3"])
+@pytest.mark.parametrize("piece", [1, 7, 4096, len(PAYLOAD)])
+def test_payload_verifier_agrees_with_verify_payload_piece_by_piece(algo: str, piece: int) -> None:
+    import dataclasses
+
+    from lmcache_tiers.l2 import record
+
+    header = decode_header(record.encode_header(KEY, PAYLOAD))
+    if algo == "blake3":
+        header = dataclasses.replace(
+            header,
+            checksum_algo=record.CHECKSUM_BLAKE3_128,
+            checksum=checksum(PAYLOAD, record.CHECKSUM_BLAKE3_128),
+        )
+
+    def verify(payload: bytes) -> None:
+        verifier = record.PayloadVerifier(header)
+        for start in range(0, len(payload), piece):
+            verifier.update(memoryview(payload)[start : start + piece])
+        verifier.verify()
+
+    verify(PAYLOAD)
+    record.verify_payload(header, PAYLOAD)
+    flipped = bytearray(PAYLOAD)
+    flipped[len(PAYLOAD) // 2] ^= 1
+    for damaged in (bytes(flipped), PAYLOAD[:-1], PAYLOAD + b"\0"):
+        with pytest.raises(RecordChecksumError):
+            verify(damaged)

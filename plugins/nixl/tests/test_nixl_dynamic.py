@@ -7,7 +7,7 @@ import os
 import zlib
 
 import pytest
-from lmcache_plugin_nixl import recordio
+from lmcache_plugin_nixl import plainreads, recordio
 from nixl_helpers import Arena, client, dynamic_config, lru_eviction_controller, open_dynamic, scratch_dir
 
 from lmcache_tiers.keys import ObjectKey
@@ -387,3 +387,26 @@ def test_intact_record_of_another_size_fails_the_load_but_is_kept() -> None:
             assert load(restarted, arena, [key], [SIZE]) == ([True], [data])
         finally:
             restarted.close()
+
+
+@pytest.mark.parametrize("where", [0, 4096 + 5, 4096 + SIZE - 1])
+def test_loads_read_in_pieces_verify_every_piece(monkeypatch: pytest.MonkeyPatch, where: int) -> None:
+    """Buffered POSIX loads are read and checksummed piece by piece: damage in the header,
+    the first piece or the last one fails exactly that record."""
+    monkeypatch.setattr(plainreads, "READ_PIECE", 16 << 10)  # four pieces per object
+    arena = Arena()
+    keys = make_keys(3)
+    data = [pattern(20 + index, SIZE) for index in range(3)]
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root), arena.view)
+        try:
+            assert store(adapter, arena, keys, data) == [True, True, True]
+            flip_byte(os.path.join(root, f"{keys[1].file_stem()}.bin"), where)
+            result = client(adapter).lookup_and_lock(keys)
+            ok, contents = load(adapter, arena, keys, result.sizes)
+            assert ok == [True, False, True]
+            assert contents[0] == data[0] and contents[2] == data[2]
+            adapter.unlock(keys)
+            assert adapter.stats()["corrupt_records_removed"] == 1
+        finally:
+            adapter.close()

@@ -169,10 +169,11 @@ class Client(Connection):
             check_layout(layout, array.nbytes)
         stored = 0
         if self._segment is not None:
-            for part in self._batches(len(keys)):
-                stored += self._store_shm(
-                    list(keys[part]), arrays[part], _sent_layouts(layouts[part]), self._segment, l1_only
-                )
+            with self._segment.pages.in_use():
+                for part in self._batches(len(keys)):
+                    stored += self._store_shm(
+                        list(keys[part]), arrays[part], _sent_layouts(layouts[part]), self._segment, l1_only
+                    )
         else:
             for batch_keys, batch_arrays, batch_layouts in self._inline_batches(
                 list(keys), arrays, list(layouts)
@@ -225,14 +226,13 @@ class Client(Connection):
             # TTL and its grace period) is not written into: that extent is someone else's
             # now.  Its commit is refused by the server, which expired it.
             lost = {reply.slots[index].offset for index in segment.changed(reply.slots)}
-            target = segment.array
             for array, slot in zip(arrays, reply.slots, strict=True):
                 if slot.offset == p.NO_SLOT or slot.offset in lost:
                     continue
                 if slot.size != array.nbytes:
                     raise ProtocolError(f"reserved {slot.size} bytes for a {array.nbytes}-byte buffer")
                 segment.check_slot(slot.offset, slot.size)
-                target[slot.offset : slot.offset + slot.size] = array
+                segment.write(slot.offset, array)
         except BaseException:
             with contextlib.suppress(ClientError):
                 self._call(p.StoreAbort(0, "", reserved), p.StoreReply)
@@ -423,14 +423,20 @@ class Client(Connection):
                 for view, target in zip(views, targets, strict=False):
                     _copy_into(target, np.frombuffer(view, dtype=np.uint8))
                 return len(views)
-        keys = list(keys)
+        with segment.pages.in_use():
+            return self._retrieve_shm_into(list(keys), targets, segment)
+
+    def _retrieve_shm_into(
+        self, keys: list[ObjectKey], targets: list[np.ndarray[Any, Any]], segment: MappedSegment
+    ) -> int:
         done = 0
         for _ in range(self.STALE_RETRIES + 1):
             rest = keys[done:]
             with self._lease(rest, segment) as slots:
-                source = segment.array
                 for slot, target in zip(slots, targets[done:], strict=False):
-                    _copy_into(target, source[slot.offset : slot.offset + slot.size])
+                    if target.nbytes < slot.size:
+                        raise ValueError(f"buffer of {target.nbytes} bytes is too small for {slot.size}")
+                    segment.read_into(slot.offset, slot.size, target)
                 stale = segment.changed(slots)
             if not stale:
                 return done + len(slots)

@@ -6,6 +6,13 @@ object mid-copy; the lock is dropped when the task's result is popped (or, at sh
 when draining gives up).  Once every task of a batch is done, the policy may drop the
 stored keys from L1 (``skip_l1``).
 
+Write-back must not starve the data plane: the adapters' store threads run at a low
+CPU priority (nice 10) (:mod:`lmcache_tiers.l2.runners`), and while this controller runs the
+interpreter hands the GIL over every ``GIL_SWITCH_S`` (CPython's default is 5 ms), so a
+request arriving while a store thread runs Python waits for the GIL a fraction of a
+millisecond rather than up to 5 ms, which is what the p99 of lookups and stores under
+write-back used to be made of.
+
 Committed objects are flagged *unstored* in L1 from their commit until their stores are
 settled (stored in one adapter, or every task done), so L1 eviction takes them only as a
 last resort, and counts them when it does.
@@ -14,6 +21,7 @@ last resort, and counts them when it does.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -27,6 +35,9 @@ from lmcache_tiers.l2.interface import L2Op
 from lmcache_tiers.policies import StorePolicy
 
 logger = logging.getLogger(__name__)
+
+#: longest a thread keeps the GIL while another waits for it, while write-back runs
+GIL_SWITCH_S = 0.0005
 
 
 @dataclass(eq=False)
@@ -67,6 +78,12 @@ class StoreController(ControllerThread):
             L2Op.STORE, lambda adapter: adapter.pop_completed_stores(), stats
         )
         self._fd_slot = {slot.adapter.event_fd(L2Op.STORE): slot for slot in self.slots}
+
+    def start(self) -> None:
+        if self.slots and sys.getswitchinterval() > GIL_SWITCH_S:
+            # Process-wide, and left so: other controllers and adapters' threads gain too.
+            sys.setswitchinterval(GIL_SWITCH_S)
+        super().start()
 
     # -- called from other threads -----------------------------------------------------
 

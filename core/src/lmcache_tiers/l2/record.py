@@ -30,7 +30,7 @@ import struct
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import blake3
 import xxhash
@@ -230,6 +230,39 @@ def verify_payload(header: RecordHeader, payload: bytes | memoryview) -> None:
         raise RecordChecksumError(f"payload is {length} bytes, header says {header.payload_len}")
     if checksum(payload, header.checksum_algo) != header.checksum:
         raise RecordChecksumError(f"payload checksum mismatch for {header.key.file_stem()}")
+
+
+_STREAMS: dict[int, Callable[[], Any]] = {
+    CHECKSUM_BLAKE3_128: blake3.blake3,
+    CHECKSUM_XXH3_128: xxhash.xxh3_128,
+}
+
+
+class PayloadVerifier:
+    """:func:`verify_payload` for a payload read in pieces: ``update`` each piece in order
+    (each while it is still in the CPU's cache), then ``verify``."""
+
+    def __init__(self, header: RecordHeader) -> None:
+        self._header = header
+        self._hash = _STREAMS[header.checksum_algo]()
+        self._length = 0
+
+    def update(self, piece: bytes | memoryview) -> None:
+        self._hash.update(piece)
+        self._length += memoryview(piece).nbytes
+
+    def verify(self) -> None:
+        """Raise :class:`RecordChecksumError` unless the pieces are what the header describes."""
+        header = self._header
+        if self._length != header.payload_len:
+            raise RecordChecksumError(f"payload is {self._length} bytes, header says {header.payload_len}")
+        digest = (
+            self._hash.digest(CHECKSUM_SIZE)
+            if header.checksum_algo == CHECKSUM_BLAKE3_128
+            else self._hash.digest()
+        )
+        if bytes(digest) != header.checksum:
+            raise RecordChecksumError(f"payload checksum mismatch for {header.key.file_stem()}")
 
 
 def decode_record(

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import inspect
 import logging
+import os
 import queue
 import threading
 import time
@@ -30,6 +32,11 @@ from lmcache_tiers.l2.ops import BatchOp
 from lmcache_tiers.l2.state import AdapterState
 
 log = logging.getLogger("lmcache_tiers.l2")
+
+#: nice value of the threads that run stores (write-back) of thread-run backends: about a
+#: tenth of a core's share when every core is busy, so write-back yields to requests but
+#: is never starved (at 19, ~1.5 %, a busy process could hold it back indefinitely)
+WRITE_BACK_NICE = 10
 
 T = TypeVar("T")
 Publish = Callable[[int, BatchOp, Any], None]
@@ -109,7 +116,7 @@ class ThreadRunner(Runner):
             for number in range(self.workers):
                 thread = threading.Thread(
                     target=self._work,
-                    args=(jobs,),
+                    args=(jobs, op is L2Op.STORE),
                     name=f"l2-{self.state.name}-{op.name.lower()}-{number}",
                     daemon=True,
                 )
@@ -120,7 +127,13 @@ class ThreadRunner(Runner):
         args = op.prepare()
         return op.finish(call(self.state, self.backend, op.method, *args))
 
-    def _work(self, jobs: queue.SimpleQueue[tuple[int, BatchOp] | None]) -> None:
+    def _work(self, jobs: queue.SimpleQueue[tuple[int, BatchOp] | None], background: bool = False) -> None:
+        if background:
+            # Write-back is background work: at a low CPU priority it runs mostly on cores
+            # the data plane leaves idle (e.g. while a client copies) instead of taking
+            # one from a request.  Linux applies a nice value to the one thread named.
+            with contextlib.suppress(OSError, AttributeError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITE_BACK_NICE)
         while (item := jobs.get()) is not None:
             task_id, op = item
             try:

@@ -8,6 +8,10 @@ another host, or in a container with its own ``/dev/shm``, never writes into an 
 segment that merely has the same name.  The client only ever unmaps; unlinking is the
 server's job (no resource tracker is involved, so a client exiting cannot remove it).
 
+A fresh mapping's page tables are filled in the background while the client is idle,
+and a store's copy that comes first populates its extent piece by piece as it goes
+(:mod:`lmcache_tiers.wire.pagetables`), so even a client's first store runs near memcpy.
+
 Behind the object bytes the segment carries the server's generation table (one uint64
 per allocation unit, bumped whenever an extent goes back to the server's allocator):
 :meth:`MappedSegment.changed` tells which slots a reader was handed have changed hands
@@ -24,6 +28,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
+
+from lmcache_tiers.wire.pagetables import PageTables
 
 SHM_DIR = "/dev/shm"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
@@ -65,7 +71,8 @@ class MappedSegment:
 
     ``size`` is the segment file's size; ``generation_offset`` (0: none) where the
     generation table starts, which is also where the object bytes end, and
-    ``generation_block`` the arena bytes per table entry.
+    ``generation_block`` the arena bytes per table entry.  ``populate``: fill the page
+    tables in the background from now on (see the module's docstring).
     """
 
     def __init__(
@@ -77,6 +84,7 @@ class MappedSegment:
         *,
         generation_offset: int = 0,
         generation_block: int = 0,
+        populate: bool = True,
     ) -> None:
         path = os.path.join(SHM_DIR, _checked(name))
         try:
@@ -102,6 +110,9 @@ class MappedSegment:
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.generation_block = generation_block if tracked else 0
         self.generations = self.buffer[generation_offset if tracked else size :].cast("Q")
+        self.pages = PageTables(self.array.ctypes.data, size)
+        if populate:
+            self.pages.start()
 
     @property
     def tracks_generations(self) -> bool:
@@ -125,8 +136,17 @@ class MappedSegment:
             if slot.offset >= 0 and table[slot.offset // block] != slot.generation
         ]
 
+    def write(self, offset: int, source: np.ndarray[Any, Any]) -> None:
+        """Copy ``source`` into the arena at ``offset`` (a slot checked with ``check_slot``)."""
+        self.pages.write(self.array[offset : offset + source.nbytes], source, offset)
+
+    def read_into(self, offset: int, size: int, target: np.ndarray[Any, Any]) -> None:
+        """Copy the arena's ``[offset, offset + size)`` into the start of ``target``."""
+        target[:size] = self.array[offset : offset + size]
+
     def close(self) -> None:
         """Unmap; if views handed to the caller are still alive the mapping stays until they go."""
+        self.pages.stop()
         self.array = np.empty(0, dtype=np.uint8)
         try:
             self.generations.release()

@@ -76,7 +76,16 @@ class NixlDynamicBackend:
             self._dir_lock.release()
             raise
         transfer = BatchTransfer(runtime, config.backend, self._host, "FILE")
-        self._records = RecordFiles(runtime, transfer, self.files, context, direct_io=config.use_direct_io)
+        self._records = RecordFiles(
+            runtime,
+            transfer,
+            self.files,
+            context,
+            direct_io=config.use_direct_io,
+            # NIXL's POSIX backend reading into host memory is a copy out of the page cache:
+            # preadv does the same copy without the request set-up (plainreads.py).
+            plain_reads=config.backend == "POSIX" and not config.use_direct_io,
+        )
 
     def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
         return self._records.write(keys, payloads)

@@ -15,7 +15,9 @@ NIXL writes the payloads, the headers being written last; on load NIXL reads the
 groups of about 16 MiB and the helper thread verifies each group while the following ones
 are read.  NIXL (during its transfer call) and xxhash both release the GIL, so the two
 overlap whenever a second core is free; when none is, a verified load costs the read
-plus the checksum.
+plus the checksum.  Buffered loads on the POSIX backend skip NIXL altogether
+(:mod:`lmcache_plugin_nixl.plainreads`: ``preadv`` checksummed piece by piece while the
+bytes are still in cache).
 
 Writes go to a temporary file renamed over the final name only after header and payload
 are complete (core's :class:`~lmcache_tiers.l2.files.LocalFiles`), so a crash leaves
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 from queue import SimpleQueue
 
 from lmcache_plugin_nixl.memory import DIRECT_IO_ALIGN, HostMemory, buffer_address, direct_io_ok
+from lmcache_plugin_nixl.plainreads import PlainReads
 from lmcache_plugin_nixl.runtime import NixlRuntime, Registration
 from lmcache_plugin_nixl.transfers import BatchTransfer, Locator, StorageRow
 from lmcache_tiers.plugin import (
@@ -200,6 +203,7 @@ class RecordFiles:
         context: BackendContext,
         *,
         direct_io: bool,
+        plain_reads: bool = False,
     ) -> None:
         self._runtime = runtime
         self._transfer = transfer
@@ -217,9 +221,13 @@ class RecordFiles:
         # Two threads so that a load's verifier, which lives as long as its batch, never
         # makes a concurrent store (or load) wait for its own checksum thread.
         self._helper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nixl-checksum")
+        # Buffered loads on the POSIX backend: preadv, checksummed piece by piece.
+        self._plain = PlainReads(context, files) if plain_reads else None
 
     def close(self) -> None:
         self._helper.shutdown(wait=True)
+        if self._plain is not None:
+            self._plain.close()
 
     def header_length(self, key: ObjectKey) -> int:
         """Header size of ``key``'s record: its key, layout and serde chain padded to 4096.
@@ -371,6 +379,9 @@ class RecordFiles:
                 if isinstance(outcome, _Pending):
                     pending.append(outcome)
             if not pending:
+                return results
+            if self._plain is not None:
+                self._plain.read(keys, pending, buffers, results)
                 return results
             with self._staging.lease([item.offset for item in pending]) as views:
                 for item, view in zip(pending, views, strict=True):

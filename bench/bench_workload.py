@@ -1,0 +1,244 @@
+"""The reference's workload shape through our client: per-operation p50/p99 next to memcpy.
+
+Requests of ``--tokens`` tokens in chunks of ``--chunk-tokens`` (one object each,
+``--bytes-per-token`` KV bytes per token with the bfloat16 layout
+``[2, layers, chunk_tokens, heads, head_dim]``), by default LMCache's ``lmcache bench
+server --mode cpu`` sizes: 8 requests of 512 tokens, 32 MiB each in 4 chunks of 8 MiB.
+Each request is stored, looked up and retrieved (into pre-faulted buffers), one after the
+other, ``--rounds`` times with new keys; the p50/p99 of each operation are over every
+request, next to a memcpy of one request's bytes between pre-faulted buffers measured in
+the same run.  Scenarios (``--scenarios``):
+
+* ``warm``   -- one client for every request, L1 only;
+* ``fresh``  -- a new client per request (connect, store, lookup, retrieve, close), L1
+                only: the first copies of a client that just connected;
+* ``l2``     -- one client, with an L2 adapter (``--l2``: ``nixl`` = nixl_store_dynamic on
+                NIXL's POSIX backend, ``fs``) so every store is written back while the next
+                requests run: what write-back costs the data plane;
+* ``l2-fresh`` -- both.
+
+L1 keeps every round's objects until the next round starts, then they are evicted (EVICT:
+L2 copies stay), so L1 never fills.  The reference server's own numbers on the same sizes
+come from ``bench/bench_lmcache_mp.py`` (its client against both servers), which
+``bench/run_all.py`` runs next to this one when the reference venv exists.
+
+    python bench/bench_workload.py                        # every scenario, nixl L2
+    python bench/bench_workload.py --scenarios fresh --rounds 5 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_server import start_server
+
+from lmcache_tiers.client import Client
+from lmcache_tiers.keys import ObjectKey
+
+SCENARIOS = ("warm", "fresh", "l2", "l2-fresh")
+OPERATIONS = ("connect", "store", "lookup", "retrieve")
+
+
+@dataclass
+class Shape:
+    requests: int = 8
+    tokens: int = 512
+    chunk_tokens: int = 128
+    bytes_per_token: int = 65536  # 2 (K, V) x 16 layers x 8 heads x 128 x 2 bytes
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.tokens // self.chunk_tokens)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.chunk_tokens * self.bytes_per_token
+
+    @property
+    def request_bytes(self) -> int:
+        return self.chunks * self.chunk_bytes
+
+    @property
+    def layout(self) -> str:
+        per_head_layer = self.bytes_per_token // (2 * 2)  # K and V, 2-byte elements
+        layers, heads = 16, max(1, per_head_layer // (16 * 128))
+        if 16 * heads * 128 != per_head_layer:
+            return ""  # not a whole number of 128-wide heads over 16 layers: plain bytes
+        return f"bfloat16[2,{layers},{self.chunk_tokens},{heads},128]"
+
+
+@dataclass
+class ScenarioResult:
+    scenario: str
+    l2: str
+    requests: int
+    request_bytes: int
+    memcpy_ms: float
+    p50_ms: dict[str, float] = field(default_factory=dict)
+    p99_ms: dict[str, float] = field(default_factory=dict)
+    samples: dict[str, list[float]] = field(default_factory=dict)
+
+    def ratio(self, operation: str) -> float:
+        """memcpy time over the operation's p50: 1.0 is memcpy speed."""
+        p50 = self.p50_ms.get(operation, 0.0)
+        return self.memcpy_ms / p50 if p50 else 0.0
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(fraction * (len(ordered) - 1))))]
+
+
+def memcpy_ms(sources: list[np.ndarray[Any, Any]], repeats: int = 9) -> float:
+    targets = [np.ones_like(source) for source in sources]  # pre-faulted
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for source, target in zip(sources, targets, strict=True):
+            np.copyto(target, source)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def l2_adapter_json(kind: str, root: str, capacity_gb: float) -> str:
+    if kind == "nixl":
+        params = {"file_path": root, "use_direct_io": "false", "max_capacity_gb": str(capacity_gb)}
+        return json.dumps({"type": "nixl_store_dynamic", "backend": "POSIX", "backend_params": params})
+    if kind == "fs":
+        return json.dumps({"type": "fs", "path": root, "max_capacity_gb": capacity_gb})
+    raise SystemExit(f"--l2 must be nixl or fs, got {kind!r}")
+
+
+def run_scenario(scenario: str, shape: Shape, rounds: int, l2: str, transport: str) -> ScenarioResult:
+    with_l2 = scenario.startswith("l2")
+    fresh = scenario.endswith("fresh")
+    rng = np.random.default_rng(7)
+    sources = [rng.integers(0, 256, shape.chunk_bytes, dtype=np.uint8) for _ in range(shape.chunks)]
+    targets = [np.ones(shape.chunk_bytes, dtype=np.uint8) for _ in range(shape.chunks)]
+    layouts = [shape.layout] * shape.chunks
+    round_bytes = shape.requests * shape.request_bytes
+    l2_root = tempfile.mkdtemp(prefix="lmcache-tiers-bench-l2-") if with_l2 else ""
+    adapters = [l2_adapter_json(l2, l2_root, 4 * rounds * round_bytes / 2**30 + 1)] if with_l2 else []
+    proc, url = start_server(max(1.0, 3 * round_bytes / 2**30), transport, adapters)
+    result = ScenarioResult(
+        scenario, l2 if with_l2 else "", shape.requests * rounds, shape.request_bytes, memcpy_ms(sources)
+    )
+    samples: dict[str, list[float]] = {name: [] for name in OPERATIONS}
+    salt = f"workload-{os.getpid()}-{scenario}"
+    keeper = Client(url, timeout=60, name="bench-workload")
+    try:
+        for round_index in range(rounds):
+            stored: list[ObjectKey] = []
+            for request in range(shape.requests):
+                keys = [
+                    ObjectKey("bench-workload", 0, f"{round_index}-{request}-{chunk}".encode(), 0, salt)
+                    for chunk in range(shape.chunks)
+                ]
+                began = time.perf_counter()
+                client = Client(url, timeout=60, name="bench-fresh") if fresh else keeper
+                connected = time.perf_counter()
+                try:
+                    if client.store(keys, sources, layouts) != len(keys):
+                        raise SystemExit(f"{scenario}: a request was not stored in full (L1 too small?)")
+                    stored_at = time.perf_counter()
+                    if client.lookup(keys) != len(keys):
+                        raise SystemExit(f"{scenario}: a stored request was not found")
+                    looked_up = time.perf_counter()
+                    if client.retrieve_into(keys, targets) != len(keys):
+                        raise SystemExit(f"{scenario}: a stored request was not retrieved in full")
+                    retrieved = time.perf_counter()
+                finally:
+                    if fresh:
+                        client.close()
+                if fresh:
+                    samples["connect"].append((connected - began) * 1e3)
+                samples["store"].append((stored_at - connected) * 1e3)
+                samples["lookup"].append((looked_up - stored_at) * 1e3)
+                samples["retrieve"].append((retrieved - looked_up) * 1e3)
+                if any(not np.array_equal(s, t) for s, t in zip(sources, targets, strict=True)):
+                    raise SystemExit(f"{scenario}: retrieved bytes differ from the stored ones")
+                stored.extend(keys)
+            keeper.evict(stored)  # L1 room for the next round; L2 copies stay
+    finally:
+        keeper.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+        if l2_root:
+            shutil.rmtree(l2_root, ignore_errors=True)
+    for name, values in samples.items():
+        if values:
+            result.samples[name] = values
+            result.p50_ms[name] = statistics.median(values)
+            result.p99_ms[name] = percentile(values, 0.99)
+    return result
+
+
+def run(
+    scenarios: list[str], shape: Shape, rounds: int = 3, l2: str = "nixl", transport: str = "tcp"
+) -> list[ScenarioResult]:
+    """Every scenario in turn (each with a server of its own); the figures, for run_all."""
+    return [run_scenario(name, shape, rounds, l2, transport) for name in scenarios]
+
+
+def print_table(results: list[ScenarioResult]) -> None:
+    print(
+        f"{'scenario':<10} {'operation':<9} {'p50 ms':>8} {'p99 ms':>8} {'p99/p50':>8} "
+        f"{'memcpy ms':>10} {'memcpy/p50':>10}"
+    )
+    for result in results:
+        for name in OPERATIONS:
+            if name not in result.p50_ms:
+                continue
+            p50, p99 = result.p50_ms[name], result.p99_ms[name]
+            copy = (
+                f"{result.memcpy_ms:10.2f} {result.ratio(name):10.2f}"
+                if name in ("store", "retrieve")
+                else ""
+            )
+            label = result.scenario + (f" ({result.l2})" if result.l2 else "")
+            print(f"{label:<10} {name:<9} {p50:8.2f} {p99:8.2f} {p99 / p50:8.2f} {copy}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--scenarios", default=",".join(SCENARIOS), help=f"comma-separated of {', '.join(SCENARIOS)}"
+    )
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--chunk-tokens", type=int, default=128)
+    parser.add_argument("--bytes-per-token", type=int, default=65536)
+    parser.add_argument("--rounds", type=int, default=3, help="passes over the requests, new keys each")
+    parser.add_argument("--l2", default="nixl", choices=("nixl", "fs"))
+    parser.add_argument("--transport", default="tcp", choices=("tcp", "ipc"))
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    scenarios = [name for name in args.scenarios.split(",") if name]
+    unknown = [name for name in scenarios if name not in SCENARIOS]
+    if unknown:
+        parser.error(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
+    shape = Shape(args.requests, args.tokens, args.chunk_tokens, args.bytes_per_token)
+    results = run(scenarios, shape, args.rounds, args.l2, args.transport)
+    if args.json:
+        print(json.dumps([asdict(result) for result in results], indent=2))
+    else:
+        print_table(results)
+
+
+if __name__ == "__main__":
+    main()

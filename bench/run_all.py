@@ -1,0 +1,298 @@
+"""Every benchmark of the project in one run, written as one report (markdown + JSON).
+
+Each benchmark runs in its own process with ``--json`` (no text is scraped) and quick but
+meaningful sizes (``--full``: each benchmark's own defaults); every figure in the report
+is one that benchmark measured next to its limit in the same run:
+
+* the server's data plane next to memcpy, and lookups/s next to a bare ZeroMQ round trip
+  (``bench_server``); the reference's workload shape through our client, warm, with fresh
+  clients and with L2 write-back (``bench_workload``);
+* each L2 adapter next to raw I/O of the same bytes (``bench_nixl``, ``bench_fs``,
+  ``bench_block``, ``bench_redis``, ``bench_mooncake``, ``bench_s3``), serdes
+  (``bench_serde``), the engine with mock adapters, leases, CLI start-up;
+* replay hit rates next to the LRU simulation and Belady's optimum (``bench_replay``);
+* when the reference venv exists (``--reference-venv``, LMCache 0.5.6), the reference's
+  own server benchmark against both servers on the same sizes (``bench_lmcache_mp``) and
+  its L2 benchmark next to our ``fs`` adapter (``bench_fs``'s reference part).
+
+A benchmark that cannot run here (a missing server binary, no reference venv) is listed
+with the reason instead of its figures; the others still run.  ``uptime``'s load average
+is recorded before and after, since the machine may be shared.
+
+    python bench/run_all.py                         # writes bench-report.md and bench-report.json
+    python bench/run_all.py --only server,workload --out /tmp/report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+DEFAULT_REFERENCE = Path("/work/ref/.venv-lmcache")
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    script: str
+    quick: tuple[str, ...] = ()
+    needs_reference: bool = False
+    timeout_s: float = 1800.0
+
+
+BENCHES = (
+    Bench("server", "bench_server.py", ("--chunks", "32", "--lookup-requests", "5000")),
+    Bench("workload", "bench_workload.py", ("--rounds", "3")),
+    Bench("nixl", "bench_nixl.py", ("--cases", "64x1,16x16", "--repeat", "5")),
+    Bench(
+        "fs",
+        "bench_fs.py",
+        ("--parts", "throughput,scan", "--cases", "64x1,16x16", "--scan-objects", "20000"),
+    ),
+    Bench("block", "bench_block.py", ("--repeat", "3")),
+    Bench("redis", "bench_redis.py", ("--repeat", "3")),
+    Bench("mooncake", "bench_mooncake.py", ("--repeat", "3")),
+    Bench("s3", "bench_s3.py", ("--repeat", "3")),
+    Bench("serde", "bench_serde.py", ("--repeat", "3")),
+    Bench("engine", "bench_engine.py", ("--prompts", "16")),
+    Bench("leases", "bench_leases.py", ("--repeats", "10")),
+    Bench("cli_startup", "bench_cli_startup.py", ("--runs", "3")),
+    Bench("replay", "bench_replay.py", ("--capacities", "1000,4000", "--seeds", "1")),
+    Bench("reference_server", "bench_lmcache_mp.py", ("--slices", "4"), needs_reference=True),
+    Bench(
+        "reference_l2",
+        "bench_fs.py",
+        ("--parts", "reference", "--ref-keys", "64", "--repeat", "3"),
+        needs_reference=True,
+    ),
+)
+
+
+@dataclass
+class Outcome:
+    name: str
+    command: list[str]
+    seconds: float = 0.0
+    figures: Any = None
+    skipped: str = ""
+    error: str = ""
+    stderr_tail: str = field(default="", repr=False)
+
+
+def load_average() -> list[float]:
+    return [round(value, 2) for value in os.getloadavg()]
+
+
+def last_json(stdout: str) -> Any:
+    """The JSON document a benchmark printed last (some print progress lines before it)."""
+    text = stdout.strip()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    for start in (
+        index for index, char in enumerate(text) if char in "[{" and (index == 0 or text[index - 1] == "\n")
+    ):
+        try:
+            return json.loads(text[start:])
+        except json.JSONDecodeError:
+            continue
+    raise ValueError("no JSON document in the benchmark's output")
+
+
+def run_bench(bench: Bench, full: bool, reference: Path) -> Outcome:
+    command = [sys.executable, str(BENCH_DIR / bench.script), *(() if full else bench.quick), "--json"]
+    if bench.script == "bench_fs.py":
+        command += ["--reference-venv", str(reference)]
+    outcome = Outcome(bench.name, command)
+    if bench.needs_reference and not (reference / "bin" / "lmcache").exists():
+        outcome.skipped = (
+            f"the reference venv {reference} has no lmcache (scripts/install_reference_lmcache.sh)"
+        )
+        return outcome
+    env = {**os.environ, "DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false"}
+    began = time.perf_counter()
+    try:
+        result = subprocess.run(
+            command, capture_output=True, text=True, timeout=bench.timeout_s, env=env, cwd=BENCH_DIR.parent
+        )
+    except subprocess.TimeoutExpired:
+        outcome.error = f"did not finish within {bench.timeout_s:.0f} s"
+        return outcome
+    outcome.seconds = time.perf_counter() - began
+    outcome.stderr_tail = result.stderr[-2000:]
+    if result.returncode != 0:
+        last = (result.stderr.strip() or result.stdout.strip()).splitlines()[-1:] or [""]
+        outcome.error = f"exit {result.returncode}: {last[0][:300]}"
+        return outcome
+    try:
+        outcome.figures = last_json(result.stdout)
+    except ValueError as exc:
+        outcome.error = str(exc)
+    return outcome
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, (int, float, str, bool)) or value is None
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return "" if value is None else str(value)
+
+
+def rows_of(figures: Any) -> list[dict[str, Any]]:
+    """Table rows: a list of records as is, a record as one row, nested records flattened
+    one level (``a.b``); long lists (raw samples) are left to the JSON report."""
+    items = figures if isinstance(figures, list) else [figures]
+    rows = []
+    for item in items:
+        if not isinstance(item, dict):
+            rows.append({"value": item})
+            continue
+        row: dict[str, Any] = {}
+        for key, value in item.items():
+            if _scalar(value):
+                row[key] = value
+            elif isinstance(value, dict):
+                row.update({f"{key}.{inner}": v for inner, v in value.items() if _scalar(v)})
+            elif isinstance(value, list) and len(value) <= 4 and all(_scalar(v) for v in value):
+                row[key] = " / ".join(_cell(v) for v in value)
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row.get(column)) for column in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def headline(outcomes: dict[str, Outcome]) -> list[str]:
+    """The figures the project's targets are stated in, next to their limits."""
+    lines = ["| figure | measured | limit (same run) |", "|---|---|---|"]
+    server = outcomes.get("server")
+    if server is not None and isinstance(server.figures, dict):
+        data = server.figures
+        echo = max(data.get("zmq_echo_per_s") or [0.0])
+        lines.append(f"| STORE, shared memory | {_cell(data.get('store_vs_memcpy'))} x memcpy | memcpy |")
+        lines.append(
+            f"| RETRIEVE, shared memory | {_cell(data.get('retrieve_vs_memcpy'))} x memcpy | memcpy |"
+        )
+        lookups = data.get("lookup_per_s") or 0.0
+        lines.append(
+            f"| LOOKUP {data.get('lookup_keys')} keys, sequential | {lookups:,.0f}/s "
+            f"({lookups / echo if echo else 0:.2f} x) | bare ZeroMQ round trip {echo:,.0f}/s |"
+        )
+    workload = outcomes.get("workload")
+    if workload is not None and isinstance(workload.figures, list):
+        for scenario in workload.figures:
+            label = scenario["scenario"] + (f" ({scenario['l2']})" if scenario.get("l2") else "")
+            for op in ("store", "lookup", "retrieve"):
+                p50, p99 = scenario["p50_ms"].get(op), scenario["p99_ms"].get(op)
+                if p50 is None:
+                    continue
+                limit = f"memcpy {scenario['memcpy_ms']:.2f} ms" if op != "lookup" else "p50"
+                lines.append(f"| workload {label} {op} p50 / p99 | {p50:.2f} / {p99:.2f} ms | {limit} |")
+    nixl = outcomes.get("nixl")
+    if nixl is not None and isinstance(nixl.figures, list):
+        for row in nixl.figures:
+            if row.get("method") in ("nixl_store_dynamic", "nixl_store"):
+                lines.append(
+                    f"| {row['method']} {row['case']} load / store | {_cell(row.get('load_ratio'))} / "
+                    f"{_cell(row.get('store_ratio'))} x | {row.get('baseline')} |"
+                )
+    return lines
+
+
+def write_report(outcomes: list[Outcome], load: dict[str, list[float]], out: Path) -> tuple[Path, Path]:
+    by_name = {outcome.name: outcome for outcome in outcomes}
+    parts = [
+        "# lmcache-tiers benchmark report",
+        "",
+        f"Load average (1, 5, 15 min) before: {load['before']}, after: {load['after']}; "
+        f"{os.cpu_count()} CPUs.",
+        "",
+        "## Headline figures",
+        "",
+        *headline(by_name),
+    ]
+    for outcome in outcomes:
+        parts += [
+            "",
+            f"## {outcome.name}",
+            "",
+            f"`{' '.join(Path(c).name if '/' in c else c for c in outcome.command)}`",
+        ]
+        if outcome.skipped:
+            parts += ["", f"Skipped: {outcome.skipped}."]
+        elif outcome.error:
+            parts += ["", f"Failed: {outcome.error}"]
+        else:
+            parts += ["", f"{outcome.seconds:.0f} s", "", markdown_table(rows_of(outcome.figures))]
+    markdown = out.with_suffix(".md")
+    markdown.write_text("\n".join(parts) + "\n")
+    document = {
+        "load_average": load,
+        "benchmarks": {
+            outcome.name: {
+                "command": outcome.command,
+                "seconds": outcome.seconds,
+                "figures": outcome.figures,
+                "skipped": outcome.skipped,
+                "error": outcome.error,
+            }
+            for outcome in outcomes
+        },
+    }
+    data = out.with_suffix(".json")
+    data.write_text(json.dumps(document, indent=2))
+    return markdown, data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    names = [bench.name for bench in BENCHES]
+    parser.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(names)}")
+    parser.add_argument("--skip", default="", help="comma-separated benchmarks not to run")
+    parser.add_argument("--full", action="store_true", help="each benchmark's own default sizes")
+    parser.add_argument("--reference-venv", type=Path, default=DEFAULT_REFERENCE)
+    parser.add_argument("--out", type=Path, default=Path("bench-report"), help="report path without suffix")
+    args = parser.parse_args()
+    chosen = [name for name in args.only.split(",") if name] or names
+    skipped = {name for name in args.skip.split(",") if name}
+    unknown = sorted((set(chosen) | skipped) - set(names))
+    if unknown:
+        parser.error(f"unknown benchmarks {unknown}; choose from {', '.join(names)}")
+    load = {"before": load_average()}
+    outcomes = []
+    for bench in BENCHES:
+        if bench.name not in chosen or bench.name in skipped:
+            continue
+        print(f"running {bench.name} ...", flush=True)
+        outcome = run_bench(bench, args.full, args.reference_venv)
+        status = outcome.skipped or outcome.error or f"done in {outcome.seconds:.0f} s"
+        print(f"  {bench.name}: {status}", flush=True)
+        outcomes.append(outcome)
+    load["after"] = load_average()
+    markdown, data = write_report(outcomes, load, args.out)
+    print(f"report: {markdown} and {data}")
+
+
+if __name__ == "__main__":
+    main()

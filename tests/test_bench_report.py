@@ -1,0 +1,63 @@
+"""bench/run_all.py: every benchmark's JSON read as printed, tables built from it, and a
+benchmark that fails or cannot run reported as such without stopping the others."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def load_runner() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("run_all", BENCH / "run_all.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["run_all"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+run_all = load_runner()
+
+
+def test_the_last_json_document_is_read_after_progress_lines() -> None:
+    assert run_all.last_json('{"a": 1}') == {"a": 1}
+    assert run_all.last_json('progress 1/3\nprogress {2}\n[{"x": 2.5}]\n') == [{"x": 2.5}]
+    with pytest.raises(ValueError):
+        run_all.last_json("no figures here")
+
+
+def test_rows_flatten_one_level_and_leave_samples_to_the_json() -> None:
+    figures = [{"case": "64x1", "ratio": 0.8, "p50": {"store": 1.5}, "runs": list(range(50)), "pair": [1, 2]}]
+    rows = run_all.rows_of(figures)
+    assert rows == [{"case": "64x1", "ratio": 0.8, "p50.store": 1.5, "pair": "1 / 2"}]
+    table = run_all.markdown_table(rows)
+    assert table.splitlines()[0] == "| case | ratio | p50.store | pair |"
+    assert "| 64x1 | 0.8 | 1.5 | 1 / 2 |" in table
+
+
+def test_failures_and_skips_are_reported_and_the_rest_still_runs(tmp_path: Path) -> None:
+    ok = tmp_path / "bench_ok.py"
+    ok.write_text("import json\nprint('warming up')\nprint(json.dumps({'figure': 1.25}))\n")
+    bad = tmp_path / "bench_bad.py"
+    bad.write_text("import sys\nsys.exit('cannot reach the redis server')\n")
+    run_all.BENCH_DIR = tmp_path
+    outcomes = [
+        run_all.run_bench(run_all.Bench("bad", "bench_bad.py"), False, tmp_path),
+        run_all.run_bench(run_all.Bench("ref", "bench_ok.py", needs_reference=True), False, tmp_path),
+        run_all.run_bench(run_all.Bench("ok", "bench_ok.py"), False, tmp_path),
+    ]
+    assert outcomes[0].error.startswith("exit 1: cannot reach the redis server")
+    assert "has no lmcache" in outcomes[1].skipped
+    assert outcomes[2].figures == {"figure": 1.25} and not outcomes[2].error
+    markdown, data = run_all.write_report(outcomes, {"before": [0.1], "after": [0.2]}, tmp_path / "report")
+    text = markdown.read_text()
+    assert "Failed: exit 1: cannot reach the redis server" in text and "Skipped:" in text
+    assert "| 1.25 |" in text
+    assert json.loads(data.read_text())["benchmarks"]["ok"]["figures"] == {"figure": 1.25}
