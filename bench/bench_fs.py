@@ -50,6 +50,10 @@ GB = 1e9
 HEADER = 4096
 _DIRECT = getattr(os, "O_DIRECT", 0)
 
+#: where scripts/install_reference_lmcache.sh installs LMCache 0.5.6 (LMCACHE_REF_VENV moves it)
+_CACHE_HOME = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+REFERENCE_VENV = Path(os.environ.get("LMCACHE_REF_VENV", _CACHE_HOME / "lmcache-tiers" / "lmcache-0.5.6"))
+
 
 def keys_for(tag: str, count: int) -> list[ObjectKey]:
     return [ObjectKey("bench-model", 0, f"{tag}-{i}".encode().ljust(32, b"\0")[:32]) for i in range(count)]
@@ -318,7 +322,7 @@ def main() -> None:
     parser.add_argument("--direct-io", action="store_true")
     parser.add_argument("--scan-objects", type=int, default=100_000)
     parser.add_argument("--ref-keys", type=int, default=64)
-    parser.add_argument("--reference-venv", type=Path, default=Path("/work/ref/.venv-lmcache"))
+    parser.add_argument("--reference-venv", type=Path, default=REFERENCE_VENV)
     parser.add_argument(
         "--json", action="store_true", help="also print the figures as one JSON line at the end"
     )

@@ -36,7 +36,13 @@ from pathlib import Path
 from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
-DEFAULT_REFERENCE = Path("/work/ref/.venv-lmcache")
+#: where scripts/install_reference_lmcache.sh installs LMCache 0.5.6 (LMCACHE_REF_VENV moves it)
+DEFAULT_REFERENCE = Path(
+    os.environ.get(
+        "LMCACHE_REF_VENV",
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lmcache-tiers" / "lmcache-0.5.6",
+    )
+)
 
 
 @dataclass(frozen=True)
