@@ -6,8 +6,9 @@ scripts/install_reference_lmcache.sh fills) runs against
 * LMCache's ``lmcache server`` in SHM mode (``--supported-transfer-mode auto``), and
 * ``lmcache-tiers serve --frontend '{"type": "lmcache_mp"}'``,
 
-first with L1 only, then with a file L2 (LMCache's ``fs`` adapter; lmcache-tiers'
-``nixl_store_dynamic`` on NIXL's POSIX backend), in the same directory tree, same L1 size,
+first with L1 only, then with a file L2 (LMCache's ``fs`` adapter; lmcache-tiers' ``fs``,
+or ``nixl_store_dynamic`` on NIXL's POSIX backend with ``--tiers-l2 nixl``), in the same
+directory tree, same L1 size,
 same KV layout (``--shape-spec``), requests of ``--tokens`` tokens.  Both servers of a
 configuration run side by side (idle, each costs nothing) and the client runs against them
 in turn, ``--requests-per-slice`` requests at a time, ``--slices`` times each, so a burst
@@ -28,6 +29,7 @@ under 3 ms p99 with the L2 configured.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -103,15 +105,19 @@ def start_reference(port: int, l2_dir: Path | None, l1_gb: int, logs: Path) -> s
     )
 
 
-def start_tiers(port: int, l2_dir: Path | None, l1_gb: int, logs: Path) -> subprocess.Popen[bytes]:
+def start_tiers(
+    port: int, l2_dir: Path | None, l1_gb: int, logs: Path, l2_type: str = "fs"
+) -> subprocess.Popen[bytes]:
     command = [
         sys.executable,
         *("-m", "lmcache_tiers.cli.main", "serve", "--no-default-l2", "--l1-size-gb", str(l1_gb)),
         *("--port", str(port), "--metrics-port", "0", "--frontend", '{"type": "lmcache_mp"}'),
     ]
     if l2_dir is not None:
-        params = {"file_path": str(l2_dir), "use_direct_io": "false", "max_capacity_gb": "8"}
-        adapter = {"type": "nixl_store_dynamic", "backend": "POSIX", "backend_params": params}
+        adapter: dict[str, Any] = {"type": "fs", "path": str(l2_dir), "max_capacity_gb": 8}
+        if l2_type == "nixl":
+            params = {"file_path": str(l2_dir), "use_direct_io": "false", "max_capacity_gb": "8"}
+            adapter = {"type": "nixl_store_dynamic", "backend": "POSIX", "backend_params": params}
         command += ["--l2-adapter", json.dumps(adapter)]
     return subprocess.Popen(command, stdout=(logs / "tiers.log").open("ab"), stderr=subprocess.STDOUT)
 
@@ -173,7 +179,8 @@ def start_both(
     """Both servers of one configuration, listening: system -> (process, URL)."""
     running: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
     try:
-        for system, start in (("reference", start_reference), ("tiers", start_tiers)):
+        tiers = functools.partial(start_tiers, l2_type=args.tiers_l2)
+        for system, start in (("reference", start_reference), ("tiers", tiers)):
             l2_dir = work / f"l2-{system}" if with_l2 else None
             if l2_dir is not None:
                 shutil.rmtree(l2_dir, ignore_errors=True)
@@ -238,6 +245,9 @@ def main() -> None:
     parser.add_argument("--shape-spec", default="(2,256,16,8,128):bfloat16:8")
     parser.add_argument(
         "--l1-size-gb", type=int, default=2, help="L1 of both servers (LMCache takes whole GB)"
+    )
+    parser.add_argument(
+        "--tiers-l2", choices=("fs", "nixl"), default="fs", help="lmcache-tiers' file L2 adapter (default fs)"
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
