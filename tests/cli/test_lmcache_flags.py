@@ -20,7 +20,10 @@ from lmcache_tiers.cli.main import build_app, command_tree, main
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPAT = ROOT / "docs" / "lmcache-compat.md"
-REFERENCE_LMCACHE = Path(os.environ.get("LMCACHE_REFERENCE_BIN", "/work/ref/.venv-lmcache/bin/lmcache"))
+#: the reference venv scripts/install_reference_lmcache.sh fills (LMCACHE_REF_VENV moves it)
+_CACHE_HOME = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+_REF_VENV = Path(os.environ.get("LMCACHE_REF_VENV", _CACHE_HOME / "lmcache-tiers" / "lmcache-0.5.6"))
+REFERENCE_LMCACHE = Path(os.environ.get("LMCACHE_REFERENCE_BIN", _REF_VENV / "bin" / "lmcache"))
 
 
 def print_config(*flags: str) -> dict[str, object]:
@@ -196,7 +199,10 @@ def test_compat_table_matches_the_code() -> None:
 
 def test_compat_table_lists_every_flag_of_the_reference() -> None:
     if not REFERENCE_LMCACHE.exists():
-        pytest.skip(f"LMCache is not installed at {REFERENCE_LMCACHE} (set LMCACHE_REFERENCE_BIN)")
+        pytest.skip(
+            f"LMCache is not installed at {REFERENCE_LMCACHE} "
+            "(scripts/install_reference_lmcache.sh installs it; LMCACHE_REF_VENV moves it)"
+        )
     done = subprocess.run(
         [str(REFERENCE_LMCACHE), "server", "--help"],
         capture_output=True,
