@@ -22,6 +22,9 @@ from lmcache_tiers.wire.shm import (
     as_writable_byte_array,
 )
 
+#: the longest wait a LOOKUP or WAIT_PREFETCH_STATUS may ask the server for
+_MAX_WAIT_S = 3600.0
+
 
 def _sent_layouts(layouts: Sequence[str]) -> list[str]:
     """What goes on the wire: nothing at all when no object has a known layout."""
@@ -57,6 +60,8 @@ class Client(Connection):
     ) -> None:
         self._segment: MappedSegment | None = None
         super().__init__(url, timeout=timeout, auth_token=auth_token, name=name)
+        # Asked on every lookup: decided once (older servers would ignore the wait).
+        self._lookup_waits = "lookup_wait" in self.server.features
         try:
             self._segment = self._map_segment(shm)
         except BaseException:
@@ -261,7 +266,14 @@ class Client(Connection):
 
     def _lookup_part(self, keys: list[ObjectKey], deadline: float, limit: float) -> int:
         remaining = max(0.0, deadline - time.monotonic())
-        reply = self._call(p.Lookup(0, "", keys), p.LookupReply, timeout=remaining)
+        if self._lookup_waits:
+            # One round trip when the prefix is in L2: the server waits for the prefetch
+            # before answering (and answers at its deadline at the latest).
+            wait = min(remaining, _MAX_WAIT_S)
+            request = p.Lookup(0, "", keys, wait)
+            reply = self._call(request, p.LookupReply, timeout=wait + max(1.0, self.timeout))
+        else:
+            reply = self._call(p.Lookup(0, "", keys), p.LookupReply, timeout=remaining)
         if reply.hits is not None:
             return reply.hits
         hits = self.wait_prefetch(reply.handle, max(0.0, deadline - time.monotonic()))
@@ -335,7 +347,7 @@ class Client(Connection):
 
     def wait_prefetch(self, handle: int, timeout: float) -> int | None:
         """Wait up to ``timeout`` seconds for a started lookup; None if still running."""
-        request = p.WaitPrefetchStatus(0, "", handle, min(max(timeout, 0.0), 3600.0))
+        request = p.WaitPrefetchStatus(0, "", handle, min(max(timeout, 0.0), _MAX_WAIT_S))
         # The server answers at its deadline; allow for the round trip on top.
         return self._call(request, p.PrefetchStatusReply, timeout=timeout + max(1.0, self.timeout)).hits
 
