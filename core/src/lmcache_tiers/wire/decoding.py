@@ -107,6 +107,6 @@ def decode_request(header: bytes, cache: KeyCache) -> p._Request:
     except Exception:  # the full decoder says what is wrong, in its own words
         return p.request_decoder.decode(header)
     kind, position = twin_of
-    values = [getattr(request, name) for name in request.__struct_fields__]
+    values = list(msgspec.structs.astuple(request))
     values[position] = keys
     return kind(*values)
