@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import msgspec
 import pytest
@@ -37,10 +38,19 @@ def only_in_l2(server: TiersServer, client: Client, count: int) -> tuple[list[Ob
     return keys, data
 
 
+class RawPeer(NamedTuple):
+    """A server with a slow L2, keys only in that L2, and a DEALER without the client's help."""
+
+    server: TiersServer
+    keys: list[ObjectKey]
+    exchange: Callable[[bytes], p.Reply]
+
+
 @pytest.fixture
-def raw(make_server: Factory) -> Iterator[tuple[TiersServer, Callable[[bytes], p.Reply]]]:
-    """A server with a slow L2, and a DEALER speaking to it without the client's help."""
+def raw(make_server: Factory) -> Iterator[RawPeer]:
     server = make_server(adapters=[SLOW_MOCK])
+    with Client(server.endpoint) as client:
+        keys, _ = only_in_l2(server, client, 2)
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -51,7 +61,7 @@ def raw(make_server: Factory) -> Iterator[tuple[TiersServer, Callable[[bytes], p
         assert sock.poll(30_000), "no reply"
         return p.reply_decoder.decode(sock.recv_multipart()[0])
 
-    yield server, exchange
+    yield RawPeer(server, keys, exchange)
     sock.close(0)
     context.term()
 
@@ -85,47 +95,33 @@ def test_a_client_of_an_older_server_looks_up_then_waits(
         assert client.release(keys) == 3
 
 
-def test_a_wait_that_runs_out_leaves_the_handle_to_ask_about(
-    raw: tuple[TiersServer, Callable[[bytes], p.Reply]],
-) -> None:
-    server, exchange = raw
-    with Client(server.endpoint) as client:
-        keys, _ = only_in_l2(server, client, 2)
-    reply = exchange(p.encode(p.Lookup(7, "", keys, 0.01)))
+def test_a_wait_that_runs_out_leaves_the_handle_to_ask_about(raw: RawPeer) -> None:
+    reply = raw.exchange(p.encode(p.Lookup(7, "", raw.keys, 0.01)))
     assert isinstance(reply, p.LookupReply) and reply.req_id == 7
     assert reply.hits is None and reply.handle > 0
-    waited = exchange(p.encode(p.WaitPrefetchStatus(8, "", reply.handle, 30.0)))
+    waited = raw.exchange(p.encode(p.WaitPrefetchStatus(8, "", reply.handle, 30.0)))
     assert isinstance(waited, p.PrefetchStatusReply) and waited.hits == 2
-    assert isinstance(exchange(p.encode(p.Release(9, "", keys))), p.ReleaseReply)
-    assert server.storage.status()["l1"]["read_locks"] == 0
+    assert isinstance(raw.exchange(p.encode(p.Release(9, "", raw.keys))), p.ReleaseReply)
+    assert raw.server.storage.status()["l1"]["read_locks"] == 0
 
 
-def test_a_wait_long_enough_answers_with_the_hits(
-    raw: tuple[TiersServer, Callable[[bytes], p.Reply]],
-) -> None:
-    server, exchange = raw
-    with Client(server.endpoint) as client:
-        keys, _ = only_in_l2(server, client, 2)
-    reply = exchange(p.encode(p.Lookup(3, "", keys, 30.0)))
+def test_a_wait_long_enough_answers_with_the_hits(raw: RawPeer) -> None:
+    reply = raw.exchange(p.encode(p.Lookup(3, "", raw.keys, 30.0)))
     assert isinstance(reply, p.LookupReply) and reply.hits == 2
-    gone = exchange(p.encode(p.QueryPrefetchStatus(4, "", reply.handle)))
+    gone = raw.exchange(p.encode(p.QueryPrefetchStatus(4, "", reply.handle)))
     assert gone.code == p.ErrorCode.NOT_FOUND  # collected by the LOOKUP itself
-    released = exchange(p.encode(p.Release(5, "", keys)))
+    released = raw.exchange(p.encode(p.Release(5, "", raw.keys)))
     assert isinstance(released, p.ReleaseReply) and released.released == 2
 
 
-def test_a_header_from_an_older_client_waits_for_nothing(
-    raw: tuple[TiersServer, Callable[[bytes], p.Reply]],
-) -> None:
-    server, exchange = raw
-    with Client(server.endpoint) as client:
-        keys, _ = only_in_l2(server, client, 2)
-    old_header = msgspec.msgpack.encode([p.Op.LOOKUP.value, 1, "", keys])  # no wait_s field
-    reply = exchange(old_header)
+def test_a_header_from_an_older_client_waits_for_nothing(raw: RawPeer) -> None:
+    old_header = msgspec.msgpack.encode([p.Op.LOOKUP.value, 1, "", raw.keys])  # no wait_s field
+    reply = raw.exchange(old_header)
     assert isinstance(reply, p.LookupReply) and reply.hits is None
-    waited = exchange(p.encode(p.WaitPrefetchStatus(2, "", reply.handle, 30.0)))
+    waited = raw.exchange(p.encode(p.WaitPrefetchStatus(2, "", reply.handle, 30.0)))
     assert isinstance(waited, p.PrefetchStatusReply) and waited.hits == 2
-    exchange(p.encode(p.Release(3, "", keys)))
+    released = raw.exchange(p.encode(p.Release(3, "", raw.keys)))
+    assert isinstance(released, p.ReleaseReply) and released.released == 2
 
 
 class _LookupBeforeWait(msgspec.Struct, array_like=True, tag=p.Op.LOOKUP.value, tag_field="op"):
