@@ -2,7 +2,8 @@
 
 Cheap requests (everything that only takes the L1 lock briefly) are answered on the
 server's loop thread, which is what keeps LOOKUP round trips short.  Requests that may
-block or copy a lot -- waiting for a prefetch, inline stores and retrieves, CLEAR -- return
+block or copy a lot -- waiting for a prefetch (WAIT_PREFETCH_STATUS, or a LOOKUP with
+``wait_s`` that has to go to L2), inline stores and retrieves, CLEAR -- return
 a :class:`Deferred`: its ``work`` runs on a small thread pool and returns a ``finish``
 callable that the loop thread runs to update per-client state and build the reply, so
 every mutation of sessions and stats stays on one thread.
