@@ -21,7 +21,6 @@ from lmcache_tiers.l1.objects import L1Object, ObjectState
 from lmcache_tiers.l1.table import ObjectTable, check_lock_count
 
 _READY = ObjectState.READY
-_STATE_OF = attrgetter("state")
 _KEY_OF = attrgetter("key")
 
 
@@ -76,15 +75,12 @@ class ReadLocks:
         with self._lock:
             # No open check: a closed manager holds no objects, so nothing is locked.
             table = self._table
-            # The prefix is found with C-level passes (one dict probe per key, then the
-            # first absent or not READY object), which is most of the cost of a lookup.
-            found: list[L1Object | None] = list(map(table.objects.get, keys))
+            # The prefix is found with C-level passes (one probe of the READY objects per
+            # key, then the first miss), which is most of the cost of a lookup.
+            found: list[L1Object | None] = list(map(table.ready.get, keys))
             if not all(found):  # objects are never false, None is
                 del found[found.index(None) :]
             prefix = cast("list[L1Object]", found)
-            states = list(map(_STATE_OF, prefix))
-            if states.count(_READY) != len(states):
-                del prefix[next(i for i, state in enumerate(states) if state is not _READY) :]
             if not prefix:
                 return prefix
             # Deduplicated by object identity (a cheap hash, in C) rather than by key.
