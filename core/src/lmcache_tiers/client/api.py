@@ -22,9 +22,6 @@ from lmcache_tiers.wire.shm import (
     as_writable_byte_array,
 )
 
-#: the longest wait a LOOKUP or WAIT_PREFETCH_STATUS may ask the server for
-_MAX_WAIT_S = 3600.0
-
 
 def _sent_layouts(layouts: Sequence[str]) -> list[str]:
     """What goes on the wire: nothing at all when no object has a known layout."""
@@ -269,7 +266,7 @@ class Client(Connection):
         if self._lookup_waits:
             # One round trip when the prefix is in L2: the server waits for the prefetch
             # before answering (and answers at its deadline at the latest).
-            wait = min(remaining, _MAX_WAIT_S)
+            wait = min(remaining, p.MAX_WAIT_S)
             request = p.Lookup(0, "", keys, wait)
             reply = self._call(request, p.LookupReply, timeout=wait + max(1.0, self.timeout))
         else:
@@ -347,7 +344,7 @@ class Client(Connection):
 
     def wait_prefetch(self, handle: int, timeout: float) -> int | None:
         """Wait up to ``timeout`` seconds for a started lookup; None if still running."""
-        request = p.WaitPrefetchStatus(0, "", handle, min(max(timeout, 0.0), _MAX_WAIT_S))
+        request = p.WaitPrefetchStatus(0, "", handle, min(max(timeout, 0.0), p.MAX_WAIT_S))
         # The server answers at its deadline; allow for the round trip on top.
         return self._call(request, p.PrefetchStatusReply, timeout=timeout + max(1.0, self.timeout)).hits
 

@@ -54,6 +54,8 @@ MAX_HEADER_BYTES = 4 << 20
 MAX_OBJECT_BYTES = 1 << 40
 #: Longest auth token (and client name) a request may carry.
 MAX_TOKEN_LEN = 256
+#: Longest wait a request may ask for (WAIT_PREFETCH_STATUS, LOOKUP's ``wait_s``).
+MAX_WAIT_S = 3600.0
 
 
 class Op(enum.IntEnum):
@@ -94,7 +96,7 @@ _U63 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 _Keys = Annotated[list[ObjectKey], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
 _Size = Annotated[int, msgspec.Meta(ge=1, le=MAX_OBJECT_BYTES)]
 _Sizes = Annotated[list[_Size], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
-_Timeout = Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)]
+_Timeout = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_WAIT_S)]
 _Text = Annotated[str, msgspec.Meta(max_length=MAX_TOKEN_LEN)]
 #: per-key tensor layouts ("" = unknown); an empty list means none were given
 _Layouts = Annotated[
