@@ -42,6 +42,8 @@ from lmcache_tiers.wire import protocol as p
 
 STORE_TARGET = 0.5  # of memcpy
 LOOKUP_TARGET_PER_S = 10_000
+LOOKUP_FLOOR_TARGET = 0.8  # of the bare round trip, 16-key LOOKUP (issue 16)
+PER_KEY_TARGET_US = 0.3  # extra cost per key of a long LOOKUP over a short one (issue 16)
 ECHO_REQUESTS = 20_000
 
 
@@ -163,6 +165,35 @@ def measure_floor(transport: str, lookup_keys: int) -> tuple[float, float]:
                 os.unlink(url[len("ipc://") :])
 
 
+# -- cost per key -----------------------------------------------------------------------------
+
+
+def lookup_p50s(url: str, short: int, long: int, requests: int) -> tuple[float, float]:
+    """p50 in microseconds of sequential LOOKUPs of ``short`` and of ``long`` keys, all in L1,
+    measured in alternating rounds so that both see the same machine."""
+    salt = f"bench-slope-{os.getpid()}"
+    keys = [ObjectKey("bench-slope", 0, index.to_bytes(4, "big") * 8, 0, salt) for index in range(long)]
+    samples: dict[int, list[float]] = {short: [], long: []}
+    with Client(url) as client:
+        client.store(keys, [bytes(4096)] * long, l1_only=True)
+        try:
+            rounds = 10
+            for _ in range(rounds):
+                for count in (short, long):
+                    wanted = keys[:count]
+                    per_round = max(1, requests * short // (count * rounds))
+                    for _ in range(per_round):
+                        start = time.perf_counter_ns()
+                        hits = client.lookup(wanted)
+                        samples[count].append((time.perf_counter_ns() - start) / 1e3)
+                        if hits != count:
+                            raise SystemExit(f"LOOKUP found {hits} of {count} keys stored in L1")
+        finally:
+            client.release(keys)
+            client.evict(keys)
+    return statistics.median(samples[short]), statistics.median(samples[long])
+
+
 # -- main ------------------------------------------------------------------------------------
 
 
@@ -184,6 +215,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--lookup-keys", type=int, default=16)
     parser.add_argument("--lookup-requests", type=int, default=20_000)
+    parser.add_argument(
+        "--long-lookup-keys",
+        type=int,
+        default=512,
+        help="keys of the long LOOKUP whose p50 next to the short one's gives the cost per key (0: skip)",
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--echo-server", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -211,6 +248,12 @@ def main() -> None:
             lookup_requests=args.lookup_requests,
         )
         floor_after = measure_floor(transport, args.lookup_keys)
+        slope = None
+        if args.long_lookup_keys > args.lookup_keys:
+            long_keys = args.long_lookup_keys
+            short_p50, long_p50 = lookup_p50s(url, args.lookup_keys, long_keys, args.lookup_requests)
+            echo_long = measure_floor(transport, args.long_lookup_keys)
+            slope = (short_p50, long_p50, min(floor_before[1], floor_after[1]), echo_long[1])
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -221,6 +264,14 @@ def main() -> None:
         data["transport"] = transport
         data["zmq_echo_per_s"] = [floor_before[0], floor_after[0]]
         data["zmq_echo_p50_us"] = [floor_before[1], floor_after[1]]
+        data["lookup_vs_zmq_echo"] = result.lookup_per_s / floor_per_s
+        if slope is not None:
+            extra = args.long_lookup_keys - args.lookup_keys
+            data["long_lookup_keys"] = args.long_lookup_keys
+            data["lookup_short_long_p50_us"] = [slope[0], slope[1]]
+            data["zmq_echo_short_long_p50_us"] = [slope[2], slope[3]]
+            data["lookup_us_per_extra_key"] = (slope[1] - slope[0]) / extra
+            data["zmq_echo_us_per_extra_key"] = (slope[3] - slope[2]) / extra
         print(json.dumps(data, indent=2))
         return
     stdout.print(bench_table(result))
@@ -241,8 +292,17 @@ def main() -> None:
         f"(target >= {LOOKUP_TARGET_PER_S:,})",
         f"bare ZeroMQ round trip over {transport}, before / after: "
         f"{floor_before[0]:,.0f} / {floor_after[0]:,.0f} req/s "
-        f"(LOOKUP reaches {result.lookup_per_s / floor_per_s:.0%} of the better one)",
+        f"(LOOKUP reaches {result.lookup_per_s / floor_per_s:.2f}x of the better one; "
+        f"target >= {LOOKUP_FLOOR_TARGET}x)",
     ]
+    if slope is not None:
+        extra = args.long_lookup_keys - args.lookup_keys
+        lines.append(
+            f"LOOKUP cost per extra key ({args.long_lookup_keys} vs {args.lookup_keys} keys, p50 "
+            f"{slope[1]:.0f} vs {slope[0]:.0f} us): {(slope[1] - slope[0]) / extra:.3f} us "
+            f"(target <= {PER_KEY_TARGET_US}; the bare round trip's own per key this run "
+            f"{(slope[3] - slope[2]) / extra:.3f} us)"
+        )
     print("\n".join(lines))
 
 

@@ -25,7 +25,8 @@ What each kind of plugin needs:
   ``ServerConfig``, ``StorageManager`` (what it serves), ``RouterLoop`` (a ZeroMQ ROUTER
   loop), ``L1Loan``, ``is_loopback``, the key helpers ``NONE_HASH``, ``chunk_hashes``,
   ``kv_rank_of``, ``L1OutOfMemoryError``; the native protocol's Structs
-  ``wire_protocol`` and ``segment_identity`` (shared with the Python client);
+  ``wire_protocol`` and ``segment_identity`` (shared with the Python client), and
+  ``decode_request`` with its ``KeyCache`` (a server's decoding of request headers);
 * file-per-object stores: ``FileLayout``, ``LocalFiles``, ``DirectoryLock`` (and
   ``PathLock``, ``DirectoryInUseError``), ``HeaderSizes``, ``WriteFailures``,
   ``RECORD_ALIGN``, ``RECORD_SUFFIX``, name helpers (``record_name``, ``classify_name``,
@@ -142,6 +143,7 @@ if TYPE_CHECKING:
     )
     from lmcache_tiers.testing.serde import BINDS_KEY, DETECTS_CORRUPTION, LOSSLESS, SerdeSuite
     from lmcache_tiers.wire import protocol as wire_protocol
+    from lmcache_tiers.wire.decoding import KeyCache, decode_request
     from lmcache_tiers.wire.shm import segment_identity
 
 #: modules exported whole (the native protocol's Structs, shared with the client)
@@ -201,6 +203,8 @@ _LAZY = {
     "RouterLoop": "lmcache_tiers.router",
     "StorageManager": "lmcache_tiers.storage",
     "segment_identity": "lmcache_tiers.wire.shm",
+    "KeyCache": "lmcache_tiers.wire.decoding",
+    "decode_request": "lmcache_tiers.wire.decoding",
     "ComponentSuite": "lmcache_tiers.testing.base",
     "L2AdapterSuite": "lmcache_tiers.testing.l2",
     "PERSISTENCE": "lmcache_tiers.testing.l2",
@@ -263,6 +267,7 @@ __all__ = [
     "FrontendStats",
     "FrontendSuite",
     "HeaderSizes",
+    "KeyCache",
     "KeyValidationError",
     "Kind",
     "KindRegistry",
@@ -310,6 +315,7 @@ __all__ = [
     "chunk_hashes",
     "classify_name",
     "copy_into",
+    "decode_request",
     "header_length",
     "hookimpl",
     "identity_of",

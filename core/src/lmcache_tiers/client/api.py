@@ -57,6 +57,8 @@ class Client(Connection):
     ) -> None:
         self._segment: MappedSegment | None = None
         super().__init__(url, timeout=timeout, auth_token=auth_token, name=name)
+        # Asked on every lookup: decided once (older servers would ignore the wait).
+        self._lookup_waits = "lookup_wait" in self.server.features
         try:
             self._segment = self._map_segment(shm)
         except BaseException:
@@ -261,7 +263,14 @@ class Client(Connection):
 
     def _lookup_part(self, keys: list[ObjectKey], deadline: float, limit: float) -> int:
         remaining = max(0.0, deadline - time.monotonic())
-        reply = self._call(p.Lookup(0, "", keys), p.LookupReply, timeout=remaining)
+        if self._lookup_waits:
+            # One round trip when the prefix is in L2: the server waits for the prefetch
+            # before answering (and answers at its deadline at the latest).
+            wait = min(remaining, p.MAX_WAIT_S)
+            request = p.Lookup(0, "", keys, wait)
+            reply = self._call(request, p.LookupReply, timeout=wait + max(1.0, self.timeout))
+        else:
+            reply = self._call(p.Lookup(0, "", keys), p.LookupReply, timeout=remaining)
         if reply.hits is not None:
             return reply.hits
         hits = self.wait_prefetch(reply.handle, max(0.0, deadline - time.monotonic()))
@@ -335,7 +344,7 @@ class Client(Connection):
 
     def wait_prefetch(self, handle: int, timeout: float) -> int | None:
         """Wait up to ``timeout`` seconds for a started lookup; None if still running."""
-        request = p.WaitPrefetchStatus(0, "", handle, min(max(timeout, 0.0), 3600.0))
+        request = p.WaitPrefetchStatus(0, "", handle, min(max(timeout, 0.0), p.MAX_WAIT_S))
         # The server answers at its deadline; allow for the round trip on top.
         return self._call(request, p.PrefetchStatusReply, timeout=timeout + max(1.0, self.timeout)).hits
 

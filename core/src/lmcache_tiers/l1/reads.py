@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from operator import attrgetter
+from typing import cast
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1.leases import ExtentLeases
@@ -19,6 +21,7 @@ from lmcache_tiers.l1.objects import L1Object, ObjectState
 from lmcache_tiers.l1.table import ObjectTable, check_lock_count
 
 _READY = ObjectState.READY
+_KEY_OF = attrgetter("key")
 
 
 class ReadLocks:
@@ -72,29 +75,27 @@ class ReadLocks:
         with self._lock:
             # No open check: a closed manager holds no objects, so nothing is locked.
             table = self._table
-            objects = table.objects
-            prefix: list[L1Object] = []
-            for key in keys:
-                obj = objects.get(key)
-                if obj is None or obj.state is not _READY:
-                    break
-                prefix.append(obj)
+            # The prefix is found with C-level passes (one probe of the READY objects per
+            # key, then the first miss), which is most of the cost of a lookup.
+            found: list[L1Object | None] = list(map(table.ready.get, keys))
+            if not all(found):  # objects are never false, None is
+                del found[found.index(None) :]
+            prefix = cast("list[L1Object]", found)
             if not prefix:
                 return prefix
             # Deduplicated by object identity (a cheap hash, in C) rather than by key.
-            unique = list(dict.fromkeys(prefix))
+            unique = prefix if len(set(prefix)) == len(prefix) else list(dict.fromkeys(prefix))
             locked = table.locked
             deadline = time.monotonic() + self.lock_ttl_s
             for obj in unique:
-                # A READY object is in ``locked`` exactly when it has read locks.
-                if obj.read_locks:
-                    if obj.lock_deadline < deadline:
-                        obj.lock_deadline = deadline
-                else:
+                # A READY object is in ``locked`` exactly when it has read locks.  Every
+                # read-lock deadline is the monotonic clock plus the lock TTL, read under
+                # this lock, so this one is never earlier than the object's current one.
+                if not obj.read_locks:
                     locked[obj.key] = obj
-                    obj.lock_deadline = deadline
                 obj.read_locks += count
-            table.listeners.notify("read", [obj.key for obj in unique])
+                obj.lock_deadline = deadline
+            table.listeners.notify("read", list(map(_KEY_OF, unique)))
             return prefix
 
     def release(self, keys: Sequence[ObjectKey], count: int) -> None:

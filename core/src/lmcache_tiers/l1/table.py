@@ -1,9 +1,10 @@
 """The object table of one L1: every object by key, the indexes kept beside it, and the
 one way objects leave.
 
-``objects`` holds every object in any state.  ``locked`` holds the ones under a write
-lock or read locks, and ``temporary`` the keys freed after their last read, so TTL reaping
-and stats cost O(locked) rather than O(objects).
+``objects`` holds every object in any state.  ``ready`` holds the READY ones (a lookup
+finds its prefix with one probe per key and no state test), ``locked`` the ones under a
+write lock or read locks, and ``temporary`` the keys freed after their last read, so TTL
+reaping and stats cost O(locked) rather than O(objects).
 
 An object leaves by being detached from the table and having its extent released: back
 to the allocator through the leases (which may quarantine it, see ``l1/leases.py``), or
@@ -71,6 +72,7 @@ class ObjectTable:
 
     def __init__(self, leases: ExtentLeases, listeners: L1Listeners) -> None:
         self.objects: dict[ObjectKey, L1Object] = {}
+        self.ready: dict[ObjectKey, L1Object] = {}  # READY objects of ``objects``
         self.locked: dict[ObjectKey, L1Object] = {}
         self.temporary: set[ObjectKey] = set()
         self.listeners = listeners
@@ -97,9 +99,15 @@ class ObjectTable:
         if obj.temporary:
             self.temporary.add(obj.key)
 
+    def mark_ready(self, obj: L1Object) -> None:
+        """A WRITING object of the table becomes READY (readable)."""
+        obj.state = ObjectState.READY
+        self.ready[obj.key] = obj
+
     def detach(self, obj: L1Object) -> None:
         """Take ``obj`` out of the table; its extent is still to be released."""
         del self.objects[obj.key]
+        self.ready.pop(obj.key, None)
         self.locked.pop(obj.key, None)
         self.temporary.discard(obj.key)
 
@@ -148,6 +156,7 @@ class ObjectTable:
         """Forget every object, without notifying listeners (and forget the listeners)."""
         self.closed = True
         self.objects.clear()
+        self.ready.clear()
         self.locked.clear()
         self.temporary.clear()
         self.listeners.clear()

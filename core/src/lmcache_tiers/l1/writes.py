@@ -19,7 +19,6 @@ from lmcache_tiers.l1.leases import ExtentLeases
 from lmcache_tiers.l1.objects import L1Object, ObjectState
 from lmcache_tiers.l1.table import ObjectTable
 
-_READY = ObjectState.READY
 _WRITING = ObjectState.WRITING
 
 
@@ -110,7 +109,7 @@ class WriteReservations:
                 done.append(False)
                 continue
             obj.loading = False
-            obj.state = _READY
+            self._table.mark_ready(obj)
             obj.read_locks = read_count
             if read_count:
                 obj.lock_deadline = deadline

@@ -42,8 +42,9 @@ DEFAULT_URL = "tcp://127.0.0.1:5555"
 
 #: What this server does beyond the first version-1 servers, announced in HELLO:
 #: ``l1_only_store`` -- STORE_COMMIT/STORE_INLINE honour ``l1_only``;
-#: ``evict`` -- the EVICT request exists.
-FEATURES = ("l1_only_store", "evict")
+#: ``evict`` -- the EVICT request exists;
+#: ``lookup_wait`` -- LOOKUP honours ``wait_s``.
+FEATURES = ("l1_only_store", "evict", "lookup_wait")
 
 #: Keys one request may name; clients split larger batches.
 MAX_KEYS_PER_REQUEST = 8192
@@ -53,6 +54,8 @@ MAX_HEADER_BYTES = 4 << 20
 MAX_OBJECT_BYTES = 1 << 40
 #: Longest auth token (and client name) a request may carry.
 MAX_TOKEN_LEN = 256
+#: Longest wait a request may ask for (WAIT_PREFETCH_STATUS, LOOKUP's ``wait_s``).
+MAX_WAIT_S = 3600.0
 
 
 class Op(enum.IntEnum):
@@ -93,7 +96,7 @@ _U63 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 _Keys = Annotated[list[ObjectKey], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
 _Size = Annotated[int, msgspec.Meta(ge=1, le=MAX_OBJECT_BYTES)]
 _Sizes = Annotated[list[_Size], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
-_Timeout = Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)]
+_Timeout = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_WAIT_S)]
 _Text = Annotated[str, msgspec.Meta(max_length=MAX_TOKEN_LEN)]
 #: per-key tensor layouts ("" = unknown); an empty list means none were given
 _Layouts = Annotated[
@@ -126,9 +129,16 @@ class Ping(_Request, tag=Op.PING.value):
 
 class Lookup(_Request, tag=Op.LOOKUP.value):
     """Start an L1+L2 prefix lookup with prefetch; the hit prefix is read-locked for the
-    client until RETRIEVE/RELEASE (or the lock TTL)."""
+    client until RETRIEVE/RELEASE (or the lock TTL).
+
+    ``wait_s``: when the prefetch has to go to L2, wait up to that long for it before
+    answering, as a WAIT_PREFETCH_STATUS would (feature ``lookup_wait``; 0: answer at once
+    with the handle).  Whatever the reply, the hit count is in it once known; a handle
+    whose count is not is asked about as usual.
+    """
 
     keys: _Keys
+    wait_s: _Timeout = 0.0
 
 
 class QueryPrefetchStatus(_Request, tag=Op.QUERY_PREFETCH_STATUS.value):

@@ -2,7 +2,8 @@
 
 Cheap requests (everything that only takes the L1 lock briefly) are answered on the
 server's loop thread, which is what keeps LOOKUP round trips short.  Requests that may
-block or copy a lot -- waiting for a prefetch, inline stores and retrieves, CLEAR -- return
+block or copy a lot -- waiting for a prefetch (WAIT_PREFETCH_STATUS, or a LOOKUP with
+``wait_s`` that has to go to L2), inline stores and retrieves, CLEAR -- return
 a :class:`Deferred`: its ``work`` runs on a small thread pool and returns a ``finish``
 callable that the loop thread runs to update per-client state and build the reply, so
 every mutation of sessions and stats stays on one thread.
@@ -202,13 +203,20 @@ class Handlers:
     # the read locks taken for the client; they become the client's when it collects the
     # result, and are given back if it does not within the result TTL.
 
-    def lookup(self, req: p.Lookup, identity: bytes, frames: Frames) -> Response:
+    def lookup(self, req: p.Lookup, identity: bytes, frames: Frames) -> Response | Deferred:
         keys = req.keys
         now = time.monotonic()
         session = self.sessions.get(identity, now)
         handle, locked = self.storage.start_prefetch(keys, readers=1)
         if locked is None:
             session.prefetches[handle] = PendingPrefetch(keys, now, now + self.sessions.result_ttl_s)
+            if req.wait_s > 0:  # the client would WAIT next: do it now, saving a round trip
+                req_id = req.req_id
+
+                def reply(hits: int | None) -> Response:
+                    return p.LookupReply(req_id, handle=handle, hits=hits), ()
+
+                return self._wait(identity, handle, now + req.wait_s, reply, "lookup_wait")
             return p.LookupReply(req.req_id, handle=handle), ()
         # Done at once (the usual all-in-L1 case): the prefix is this client's now.  The
         # keys L1 returned are its own objects, which the session's dicts match by identity.
@@ -258,7 +266,22 @@ class Handlers:
             )
         if self._settled(req.handle, pending):
             return p.PrefetchStatusReply(req.req_id, hits=self._collect(session, req.handle, pending)), ()
-        handle, deadline = req.handle, time.monotonic() + req.timeout_s
+
+        def reply(hits: int | None) -> Response:
+            return p.PrefetchStatusReply(req.req_id, hits=hits), ()
+
+        return self._wait(identity, req.handle, time.monotonic() + req.timeout_s, reply, "prefetch_wait")
+
+    def _wait(
+        self,
+        identity: bytes,
+        handle: int,
+        deadline: float,
+        reply: Callable[[int | None], Response],
+        kind: str,
+    ) -> Deferred:
+        """Wait on the pool for a pending prefetch of this client until ``deadline``; the
+        reply carries its hit count (collected, with its locks) or None if still running."""
 
         def work() -> Callable[[], Response]:
             hits = self._wait_until(handle, deadline)
@@ -269,17 +292,17 @@ class Handlers:
                 if live is None or record is None:
                     # Queries and the sweep leave a waited-for record alone: only a shutdown
                     # (release_everything) removed it, and the storage is closing.
-                    return p.PrefetchStatusReply(req.req_id, hits=hits), ()
+                    return reply(hits)
                 if hits is not None and record.hits is None:
                     record.settle(hits)
                 if record.hits is None:
-                    return p.PrefetchStatusReply(req.req_id, hits=None), ()  # timed out: stays pending
-                return p.PrefetchStatusReply(req.req_id, hits=self._collect(live, handle, record)), ()
+                    return reply(None)  # timed out: stays pending
+                return reply(self._collect(live, handle, record))
 
             return finish
 
         self._waited.add(handle)
-        return Deferred(work, "prefetch_wait", cleanup=lambda: self._waited.discard(handle))
+        return Deferred(work, kind, cleanup=lambda: self._waited.discard(handle))
 
     def _wait_until(self, handle: int, deadline: float) -> int | None:
         # Sliced so a shutdown cancels waiting clients promptly instead of after their

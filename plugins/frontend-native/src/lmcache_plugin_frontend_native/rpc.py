@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 
 from lmcache_plugin_frontend_native.handlers import Deferred, Frames, Handlers, Response, error_for
-from lmcache_tiers.plugin import RouterLoop
+from lmcache_tiers.plugin import KeyCache, RouterLoop, decode_request
 from lmcache_tiers.plugin import wire_protocol as p
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class RpcServer:
         self._token = auth_token.encode() if auth_token else None
         self.max_request_bytes = max_request_bytes
         self.max_frames = p.MAX_KEYS_PER_REQUEST
+        self._keys = KeyCache()  # the loop thread's: every request is decoded there
         self.router = RouterLoop(
             endpoint,
             name=name,
@@ -142,7 +143,7 @@ class RpcServer:
             self._fail(identity, p.peek_request_id(header), p.ErrorCode.TOO_LARGE, message)
             return
         try:
-            request = p.request_decoder.decode(header)
+            request = decode_request(header, self._keys)
         except Exception as exc:  # any undecodable input: msgspec errors, recursion limits
             req_id, code = p.diagnose_undecodable(header)
             self._fail(identity, req_id, code, f"cannot decode request: {str(exc)[:200]}")

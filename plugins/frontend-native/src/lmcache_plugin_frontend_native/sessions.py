@@ -22,6 +22,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from lmcache_tiers.plugin import ObjectKey
 
@@ -64,9 +65,10 @@ class Session:
     prefetches: dict[int, PendingPrefetch] = field(default_factory=dict)
 
     def add_read_locks(self, keys: Sequence[ObjectKey], deadline: float) -> None:
-        # Both updates run in C: this is on the path of every LOOKUP and RETRIEVE.
+        # Both updates run in C: this is on the path of every LOOKUP and RETRIEVE (pairs
+        # from zip and repeat cost less than building a dict to merge).
         self.read_locks.update(keys)
-        self.lock_deadlines.update(dict.fromkeys(keys, deadline))
+        self.lock_deadlines.update(zip(keys, repeat(deadline)))
 
     def take_read_locks(self, keys: Iterable[ObjectKey], now: float) -> dict[int, list[ObjectKey]]:
         """Forget the locks held on ``keys``; returns the live ones grouped by lock count,

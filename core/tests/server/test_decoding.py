@@ -1,0 +1,167 @@
+"""decode_request: the same requests and the same refusals as protocol.request_decoder,
+with keys recognised by their bytes."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import msgpack
+import msgspec
+import pytest
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.wire import protocol as p
+from lmcache_tiers.wire.decoding import KeyCache, decode_request
+
+KEY = ObjectKey("meta-llama/Llama-3.1-8B", 7, b"\x01" * 32, 2, "tenant")
+OTHER = ObjectKey("model", 0, b"\x02" * 16)
+
+REQUESTS: list[p._Request] = [
+    p.Hello(1, "tok", p.PROTOCOL_VERSION, "engine", 42),
+    p.Ping(2, ""),
+    p.Lookup(3, "tok", [KEY, OTHER]),
+    p.QueryPrefetchStatus(4, "", 9),
+    p.WaitPrefetchStatus(5, "", 9, 1.5),
+    p.StoreReserve(6, "", [KEY, OTHER], [4096, 8192]),
+    p.StoreReserve(6, "", [KEY], [4096], ["uint8[4096]"]),
+    p.StoreCommit(7, "", [KEY], True),
+    p.StoreAbort(8, "", [OTHER]),
+    p.StoreInline(9, "", [KEY], ["uint8[4096]"], True),
+    p.Retrieve(10, "", [KEY, OTHER], True),
+    p.Release(11, "", [OTHER, KEY]),
+    p.Clear(12, "", True),
+    p.Status(13, ""),
+    p.Evict(14, "", [KEY]),
+    p.Lookup(15, "", []),
+]
+
+
+def outcome(decode: Any, header: bytes) -> tuple[str, Any]:
+    """What a decoder makes of ``header``: ("ok", request) or (error type, message)."""
+    try:
+        return "ok", decode(header)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+
+
+@pytest.mark.parametrize("request_", REQUESTS, ids=lambda r: type(r).__name__)
+def test_every_request_decodes_as_with_the_full_decoder(request_: p._Request) -> None:
+    cache = KeyCache()
+    header = p.encode(request_)
+    first = decode_request(header, cache)
+    assert type(first) is type(request_)
+    assert first == request_ == p.request_decoder.decode(header)
+    again = decode_request(header, cache)
+    assert again == request_
+    for before, after in zip(getattr(first, "keys", []), getattr(again, "keys", []), strict=True):
+        assert after is before  # the remembered key itself, not an equal copy
+
+
+def test_a_key_is_the_same_object_whatever_request_names_it() -> None:
+    cache = KeyCache()
+    stored = decode_request(p.encode(p.StoreReserve(1, "", [KEY], [4096])), cache)
+    looked_up = decode_request(p.encode(p.Lookup(2, "", [OTHER, KEY])), cache)
+    assert isinstance(stored, p.StoreReserve) and isinstance(looked_up, p.Lookup)
+    assert looked_up.keys[1] is stored.keys[0]
+    assert len(cache) == 2
+
+
+MALFORMED_KEYS: list[Any] = [
+    ["", 0, b"\x01"],  # empty model name
+    ["a@b", 0, b"\x01"],  # separator in the model name
+    ["m" * 257, 0, b"\x01"],  # model name too long
+    ["model", -1, b"\x01"],  # negative kv_rank
+    ["model", 1 << 32, b"\x01"],  # kv_rank over 32 bits
+    ["model", 0, b""],  # empty chunk hash
+    ["model", 0, b"\x01" * 65],  # chunk hash too long
+    ["model", 0, b"\x01", 1 << 16],  # object_group out of range
+    ["model", 0, b"\x01", 0, "a/b"],  # path separator in the salt
+    ["model", 0, b"\x01", 0, "s" * 129],  # salt too long
+    ["model", 0, "not bytes"],  # wrong type
+    ["model", 0],  # too short
+    "not an array",
+]
+
+
+@pytest.mark.parametrize("bad", MALFORMED_KEYS, ids=repr)
+@pytest.mark.parametrize("op", [p.Op.LOOKUP, p.Op.STORE_RESERVE, p.Op.RETRIEVE, p.Op.RELEASE])
+def test_a_malformed_key_is_refused_with_the_full_decoders_error(bad: Any, op: p.Op) -> None:
+    cache = KeyCache()
+    good = list(msgspec.msgpack.decode(KEY.to_bytes()))
+    decode_request(p.encode(p.Lookup(1, "", [KEY])), cache)  # KEY is remembered
+    tail = {p.Op.STORE_RESERVE: [[4096, 4096, 4096]], p.Op.RETRIEVE: [False]}.get(op, [])
+    header = msgpack.packb([op.value, 5, "", [good, bad, good], *tail], use_bin_type=True)
+    expected = outcome(p.request_decoder.decode, header)
+    assert expected[0] == "ValidationError"
+    assert outcome(lambda data: decode_request(data, cache), header) == expected
+    assert len(cache) == 1  # nothing of the refused request was remembered but KEY
+
+
+def test_keys_encoded_another_way_decode_to_the_same_keys() -> None:
+    """Another client library may send trailing defaults left out, or wider integers; a
+    newer one a trailing field this version does not know (msgspec ignores it)."""
+    cache = KeyCache()
+    short = msgpack.packb([p.Op.LOOKUP.value, 1, "", [["model", 0, b"\x02" * 16]]], use_bin_type=True)
+    longer = msgpack.packb([p.Op.LOOKUP.value, 1, "", [["model", 0, b"\x02" * 16, 0, "", "new"]]])
+    wide = b"".join(
+        [
+            b"\x94\x03\x02\xa0\x91\x95",
+            b"\xd9\x05model",  # str8 where fixstr would do
+            b"\xce\x00\x00\x00\x00",  # uint32 zero
+            b"\xc4\x10" + b"\x02" * 16,
+            b"\xcd\x00\x00",  # uint16 zero
+            b"\xa0",
+        ]
+    )
+    for header in (short, longer, wide, p.encode(p.Lookup(1, "", [OTHER]))):
+        decoded = decode_request(header, cache)
+        assert decoded == p.request_decoder.decode(header)
+        assert isinstance(decoded, p.Lookup) and decoded.keys == [OTHER]
+
+
+def test_the_other_fields_keep_their_limits() -> None:
+    cache = KeyCache()
+    headers = [
+        msgpack.packb([p.Op.LOOKUP.value, -1, "", []]),  # negative req_id
+        msgpack.packb([p.Op.LOOKUP.value, 1, "t" * 257, []]),  # token too long
+        msgpack.packb([p.Op.STORE_RESERVE.value, 1, "", [], [0]]),  # size 0
+        msgpack.packb([p.Op.STORE_RESERVE.value, 1, "", [], [], ["x" * 300]]),  # layout too long
+        msgpack.packb([p.Op.RETRIEVE.value, 1, "", [], "yes"]),  # inline not a bool
+        msgpack.packb([p.Op.LOOKUP.value, 1, "", [None] * (p.MAX_KEYS_PER_REQUEST + 1)]),
+        msgpack.packb([99, 1, ""]),  # unknown op
+        b"\x93\x02",  # truncated
+    ]
+    for header in headers:
+        expected = outcome(p.request_decoder.decode, header)
+        assert expected[0] != "ok"
+        assert outcome(lambda data: decode_request(data, cache), header) == expected
+    assert len(cache) == 0
+
+
+def test_mutated_headers_get_the_full_decoders_verdict() -> None:
+    """Random byte flips of real headers: same request or same error, every time."""
+    rng = random.Random(16)
+    cache = KeyCache()
+    seeds = [p.encode(request) for request in REQUESTS if hasattr(request, "keys")]
+    for _ in range(3000):
+        header = bytearray(rng.choice(seeds))
+        for _ in range(rng.randint(1, 3)):
+            header[rng.randrange(len(header))] = rng.randrange(256)
+        data = bytes(header)
+        expected = outcome(p.request_decoder.decode, data)
+        assert outcome(lambda raw: decode_request(raw, cache), data) == expected
+
+
+def test_the_cache_is_bounded() -> None:
+    cache = KeyCache(entries=8)
+    for round_ in range(20):
+        keys = [ObjectKey("model", 0, bytes([round_, index]) * 8) for index in range(3)]
+        decoded = decode_request(p.encode(p.Lookup(round_, "", keys)), cache)
+        assert isinstance(decoded, p.Lookup) and decoded.keys == keys
+        assert len(cache) <= 8
+    # A batch larger than the bound is still decoded whole (and remembered until the next).
+    many = [ObjectKey("model", 0, index.to_bytes(4, "big")) for index in range(20)]
+    decoded = decode_request(p.encode(p.Release(1, "", many)), cache)
+    assert isinstance(decoded, p.Release) and decoded.keys == many
+    assert len(cache) == 20
