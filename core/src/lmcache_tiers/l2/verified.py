@@ -27,6 +27,7 @@ import os
 from collections.abc import Callable
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from lmcache_tiers.l2.buffers import copy_into
@@ -111,7 +112,9 @@ def read_record_file(
     return True
 
 
-def _arrays(target: memoryview, source: bytes | bytearray | memoryview) -> tuple[np.ndarray, np.ndarray]:
+def _arrays(
+    target: memoryview, source: bytes | bytearray | memoryview
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]:
     out = memoryview(target).cast("B")
     data = memoryview(source).cast("B")
     if out.readonly:
@@ -129,14 +132,14 @@ def copy_verified(target: memoryview, source: bytes | bytearray | memoryview, re
     verifier = PayloadVerifier(record)
     if out.size <= VERIFY_PIECE:
         copy_into(target, source)
-        verifier.hash_update(out)
+        verifier.hash_update(out.data)
     else:
         update = verifier.hash_update
         for start in range(0, out.size, VERIFY_PIECE):
             end = start + VERIFY_PIECE
             piece = out[start:end]
             np.copyto(piece, data[start:end])
-            update(piece)
+            update(piece.data)
     verifier.verify(out.size)
 
 
@@ -146,12 +149,12 @@ def copy_and_checksum(target: memoryview, source: bytes | bytearray | memoryview
     out, data = _arrays(target, source)
     if out.size <= VERIFY_PIECE:
         copy_into(target, source)
-        return bytes(xxhash.xxh3_128_digest(out))
+        return bytes(xxhash.xxh3_128_digest(out.data))
     hasher = xxhash.xxh3_128()
     update = hasher.update
     for start in range(0, out.size, VERIFY_PIECE):
         end = start + VERIFY_PIECE
         piece = out[start:end]
         np.copyto(piece, data[start:end])
-        update(piece)
+        update(piece.data)
     return bytes(hasher.digest())
