@@ -21,7 +21,8 @@ def workers():
 
 def test_results_come_back_in_row_order(workers: BatchWorkers) -> None:
     rows = list(range(20))
-    assert workers.map(lambda a, b: a * 10 + b, rows, rows[::-1]) == [a * 10 + b for a, b in zip(rows, rows[::-1])]
+    expected = [a * 10 + b for a, b in zip(rows, rows[::-1], strict=True)]
+    assert workers.map(lambda a, b: a * 10 + b, rows, rows[::-1]) == expected
     assert workers.map(lambda a: a, []) == []
 
 

@@ -114,7 +114,8 @@ def test_a_header_the_decoder_declines_is_a_miss_and_nothing_more_is_read(tmp_pa
     buffer = bytearray(len(data))
     fd = os.open(tmp_path / "r.bin", os.O_RDONLY)
     try:
-        assert not read_record_file(fd, memoryview(bytearray(header_len)), memoryview(buffer), lambda _v: None)
+        header = memoryview(bytearray(header_len))
+        assert not read_record_file(fd, header, memoryview(buffer), lambda _v: None)
     finally:
         os.close(fd)
     assert buffer[PIECE:] == bytes(len(data) - PIECE)  # only the first piece was read

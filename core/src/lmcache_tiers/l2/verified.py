@@ -27,10 +27,9 @@ import os
 from collections.abc import Callable
 
 import numpy as np
-import numpy.typing as npt
 import xxhash
 
-from lmcache_tiers.l2.buffers import copy_into
+from lmcache_tiers.l2.buffers import copy_into, copy_views
 from lmcache_tiers.l2.record import PayloadVerifier, RecordCorruptError, RecordHeader
 
 __all__ = ["VERIFY_PIECE", "copy_and_checksum", "copy_verified", "read_record_file"]
@@ -112,49 +111,35 @@ def read_record_file(
     return True
 
 
-def _arrays(
-    target: memoryview, source: bytes | bytearray | memoryview
-) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]:
-    out = memoryview(target).cast("B")
-    data = memoryview(source).cast("B")
-    if out.readonly:
-        raise TypeError("cannot copy into a read-only buffer")
-    if out.nbytes != data.nbytes:
-        raise ValueError(f"cannot copy {data.nbytes} bytes into a buffer of {out.nbytes}")
-    return np.frombuffer(out, dtype=np.uint8), np.frombuffer(data, dtype=np.uint8)
+def _copy_hashing(
+    target: memoryview, source: bytes | bytearray | memoryview, update: Callable[[memoryview], object]
+) -> int:
+    """Copy ``source`` into ``target`` piece by piece, ``update(piece)`` with each piece of
+    ``target`` right after it was copied; the bytes copied."""
+    out, data = copy_views(target, source)
+    if out.nbytes <= VERIFY_PIECE:
+        copy_into(out, data)
+        update(out)
+        return out.nbytes
+    into, origin = np.frombuffer(out, dtype=np.uint8), np.frombuffer(data, dtype=np.uint8)
+    for start in range(0, out.nbytes, VERIFY_PIECE):
+        end = start + VERIFY_PIECE
+        np.copyto(into[start:end], origin[start:end])
+        update(out[start:end])
+    return out.nbytes
 
 
 def copy_verified(target: memoryview, source: bytes | bytearray | memoryview, record: RecordHeader) -> None:
     """Copy ``source`` into ``target`` (same length) and verify the copy against
     ``record``'s payload checksum; raises ``RecordChecksumError`` when it does not match
     (``target`` then holds bytes nobody may hand out)."""
-    out, data = _arrays(target, source)
     verifier = PayloadVerifier(record)
-    if out.size <= VERIFY_PIECE:
-        copy_into(target, source)
-        verifier.hash_update(out.data)
-    else:
-        update = verifier.hash_update
-        for start in range(0, out.size, VERIFY_PIECE):
-            end = start + VERIFY_PIECE
-            piece = out[start:end]
-            np.copyto(piece, data[start:end])
-            update(piece.data)
-    verifier.verify(out.size)
+    verifier.verify(_copy_hashing(target, source, verifier.hash_update))
 
 
 def copy_and_checksum(target: memoryview, source: bytes | bytearray | memoryview) -> bytes:
     """Copy ``source`` into ``target`` (same length); the XXH3-128 checksum of the copy,
     as :func:`~lmcache_tiers.l2.record.checksum` gives it, for the record header."""
-    out, data = _arrays(target, source)
-    if out.size <= VERIFY_PIECE:
-        copy_into(target, source)
-        return bytes(xxhash.xxh3_128_digest(out.data))
     hasher = xxhash.xxh3_128()
-    update = hasher.update
-    for start in range(0, out.size, VERIFY_PIECE):
-        end = start + VERIFY_PIECE
-        piece = out[start:end]
-        np.copyto(piece, data[start:end])
-        update(piece.data)
+    _copy_hashing(target, source, hasher.update)
     return bytes(hasher.digest())
