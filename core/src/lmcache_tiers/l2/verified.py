@@ -35,8 +35,9 @@ from lmcache_tiers.l2.record import PayloadVerifier, RecordCorruptError, RecordH
 __all__ = ["VERIFY_PIECE", "copy_and_checksum", "copy_verified", "read_record_file"]
 
 #: bytes moved and hashed at a time: well inside a core's L2 cache, and large enough that
-#: the calls per piece cost little (128 KiB measured best for preadv and memcpy here)
-VERIFY_PIECE = 128 << 10
+#: the calls per piece cost little (128 and 256 KiB measured best for preadv and memcpy
+#: here; 256 KiB halves the system calls of large objects)
+VERIFY_PIECE = 256 << 10
 
 
 def _read_rest(fd: int, pieces: list[memoryview], offset: int, got: int) -> int:
