@@ -27,21 +27,41 @@ def test_results_come_back_in_row_order(workers: BatchWorkers) -> None:
 
 
 def test_rows_are_shared_out_over_the_threads_the_caller_included(workers: BatchWorkers) -> None:
-    seen: dict[int, set[str]] = {}
-    lock = threading.Lock()
+    seen: dict[int, str] = {}
     barrier = threading.Barrier(3, timeout=10)
+    in_barrier = threading.local()
 
     def work(row: int) -> int:
-        if row < 3:
-            barrier.wait()  # the first row of each share runs at the same time
-        with lock:
-            seen.setdefault(row % 3, set()).add(threading.current_thread().name)
+        if not getattr(in_barrier, "done", False):
+            in_barrier.done = True
+            barrier.wait()  # each of the three threads takes a row before any takes two
+        seen[row] = threading.current_thread().name
         return row
 
     assert workers.map(work, range(9)) == list(range(9))
-    assert len({name for names in seen.values() for name in names}) == 3
-    assert seen[0] == {threading.current_thread().name}
-    assert all(len(names) == 1 for names in seen.values())  # one thread per share
+    assert sorted(seen) == list(range(9))  # every row once
+    assert len(set(seen.values())) == 3
+    assert threading.current_thread().name in seen.values()
+
+
+def test_a_slow_thread_takes_fewer_rows(workers: BatchWorkers) -> None:
+    """Rows are taken one at a time: a thread held up does fewer, the batch is not held up
+    by a fixed share."""
+    me = threading.current_thread().name
+    by_thread: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def work(row: int) -> int:
+        name = threading.current_thread().name
+        with lock:
+            by_thread[name] = by_thread.get(name, 0) + 1
+        if name == me:
+            time.sleep(0.2)  # the caller is slow
+        return row
+
+    assert workers.map(work, range(30)) == list(range(30))
+    assert sum(by_thread.values()) == 30
+    assert by_thread.get(me, 0) < 10  # fewer than a fixed third: the others took the rest
 
 
 def test_parallel_false_and_single_rows_run_on_the_caller(workers: BatchWorkers) -> None:

@@ -1,14 +1,18 @@
-"""Spreading the objects of one batch over a few threads, a share of objects per thread.
+"""Spreading the objects of one batch over a few threads.
 
 Backends that move bytes with calls releasing the GIL (system calls, numpy copies,
 xxhash) move a batch's objects on several threads at once.  One task per thread, each
-taking every n-th object, rather than one task per object: handing a future to a pool
-and collecting it costs tens of microseconds, a noticeable share of a 1 MiB copy.  The
-calling thread works one share itself, so a batch costs one hand-off per extra thread.
+taking the next object not yet taken until none is left, rather than one task per
+object: handing a future to a pool and collecting it costs tens of microseconds, a
+noticeable share of a 1 MiB copy.  The calling thread works too, so a batch costs one
+hand-off per extra thread; and as objects are taken one at a time, a thread that gets
+less CPU (write-back runs at a low priority on a busy machine) does fewer of them
+instead of holding the batch up with a fixed share.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -34,20 +38,22 @@ class BatchWorkers:
         """
         rows = list(zip(*columns, strict=True))
         pool = self._pool
-        stride = max(1, min(self.count, len(rows))) if parallel and pool is not None else 1
+        helpers = min(self.count, len(rows)) - 1 if parallel and pool is not None else 0
         results: list[R] = [None] * len(rows)  # type: ignore[list-item]
         errors: list[BaseException] = []
+        # next() of an itertools.count is atomic under the GIL: each row is taken once.
+        taken = itertools.count()
 
-        def share(first: int) -> None:
-            for index in range(first, len(rows), stride):
+        def drain() -> None:
+            while (index := next(taken)) < len(rows):
                 try:
                     results[index] = work(*rows[index])
                 except BaseException as exc:
                     errors.append(exc)
 
-        others: list[Future[None]] = [pool.submit(share, first) for first in range(1, stride)] if pool else []
+        others: list[Future[None]] = [pool.submit(drain) for _ in range(helpers)] if pool else []
         try:
-            share(0)
+            drain()
         finally:
             for other in others:
                 other.result()
