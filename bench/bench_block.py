@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from cases import Case, parse_cases
 from lmcache_plugin_dax import DaxConfig
 from lmcache_plugin_dax.backend import DaxBackend
 from lmcache_plugin_raw_block import RawBlockConfig
@@ -55,20 +56,6 @@ from lmcache_tiers.testing.blocking import BlockingAdapterClient
 MIB = 1 << 20
 GB = 1e9
 HEADER = 4096
-
-
-@dataclass
-class Case:
-    count: int
-    size: int
-
-    @property
-    def total(self) -> int:
-        return self.count * self.size
-
-    @property
-    def label(self) -> str:
-        return f"{self.count} x {self.size // MIB} MiB"
 
 
 @dataclass
@@ -292,14 +279,6 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{row['adapter']:10} {row['case']:13} {row['method']:34} {row['store_gbps']:10.2f} "
             f"{row['load_gbps']:10.2f} {ratios}"
         )
-
-
-def parse_cases(text: str) -> list[Case]:
-    cases = []
-    for item in text.split(","):
-        count, size = item.lower().split("x")
-        cases.append(Case(int(count), int(size) * MIB))
-    return cases
 
 
 def main() -> None:

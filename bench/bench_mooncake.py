@@ -9,7 +9,8 @@ pre-faulted buffers, are moved by:
   whole batch from and into registered memory (its zero-copy path), and ``put_from`` /
   ``get_into`` of one object for the latencies;
 * ``adapter`` -- the adapter through the non-blocking interface the controllers use (one
-  submitted batch; one key per task for the latencies): record header and checksum,
+  submitted batch; one key per task for the latencies), given the buffers' arena as its
+  L1 (which it registers with its client, as a server does): record header and checksum,
   the existence check before a put, a verified scatter read (header and payload).
 
 Throughput is one batch of ``--objects`` x ``--size`` (default 256 x 1 MiB); latency is
@@ -113,13 +114,13 @@ class Direct:
 class Through:
     """The adapter, through the non-blocking interface."""
 
-    def __init__(self, cluster: LocalCluster) -> None:
+    def __init__(self, cluster: LocalCluster, arena: memoryview) -> None:
         settings = cluster.adapter(key_prefix=f"bench-{uuid.uuid4().hex[:8]}/")
         settings.pop("type")
         config = MooncakeStoreConfig(**settings)
-        self.adapter: L2Adapter = create_adapter(
-            MooncakeStoreBackend, config, AdapterContext(index=0, name="0:mooncake_store", config=config)
-        )
+        # The buffers are slices of one arena, as L1 extents are of L1's.
+        facts = AdapterContext(index=0, name="0:mooncake_store", config=config, l1_buffer=arena)
+        self.adapter: L2Adapter = create_adapter(MooncakeStoreBackend, config, facts)
         self.client = BlockingAdapterClient(self.adapter, timeout=120)
 
     def store(self, keys: list[ObjectKey], views: list[memoryview]) -> None:
@@ -213,7 +214,8 @@ def one_round(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     size, count = args.size_mib * MIB, args.objects
     loads_before = os.getloadavg()
-    src, dst = region(size * count), region(size * count)
+    arena = region(2 * size * count)
+    src, dst = arena[: size * count], arena[size * count :]
     dst[:] = bytes(dst.nbytes)
     with tempfile.TemporaryDirectory(prefix="bench-mooncake-") as logs:
         cluster = LocalCluster(Path(logs)).start()
@@ -222,7 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cluster.add_segment_host(f"{segment // MIB}MB")
             direct = Direct(cluster, src, dst)
             direct.warm_up(segment, size)
-            through = Through(cluster)
+            through = Through(cluster, arena)
             rounds = [
                 one_round(f"r{number}", direct, through, src, dst, size, count)
                 for number in range(args.repeat)

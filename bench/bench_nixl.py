@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
+from cases import Case, parse_cases
 from lmcache_plugin_nixl.config import NixlStoreConfig, NixlStoreDynamicConfig
 from lmcache_plugin_nixl.dynamic import NixlDynamicBackend
 from lmcache_plugin_nixl.store import NixlStoreBackend
@@ -57,20 +58,6 @@ GB = 1e9
 
 
 @dataclass
-class Case:
-    count: int
-    size: int
-
-    @property
-    def total(self) -> int:
-        return self.count * self.size
-
-    @property
-    def label(self) -> str:
-        return f"{self.count} x {self.size // MIB} MiB"
-
-
-@dataclass
 class Result:
     case: str
     method: str
@@ -82,14 +69,6 @@ class Result:
     base_store_gbps: float | None = None
     base_load_gbps: float | None = None
     runs: dict[str, list[float]] = field(default_factory=dict)
-
-
-def parse_cases(text: str) -> list[Case]:
-    cases = []
-    for item in text.split(","):
-        count, size_mib = item.lower().split("x")
-        cases.append(Case(int(count), int(size_mib) * MIB))
-    return cases
 
 
 def drop_caches() -> None:

@@ -46,6 +46,10 @@ _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01234567
 _DIGEST = re.compile(r"^~[0-9a-f]{32}$")
 
 
+# Every load and lookup of a file store names its key's file, and nearly all keys share a
+# handful of model names and salts: escaping them byte by byte in Python on each call took
+# a few microseconds per key (more right after a large copy left the caches cold).
+@functools.lru_cache(maxsize=4096)
 def _escape(text: str) -> str:
     """Percent-escape every byte outside the safe set, and a leading dot."""
     data = text.encode("utf-8", "surrogatepass")

@@ -15,9 +15,12 @@ What each kind of plugin needs:
   ``BackendContext``, ``ObjectKey``, ``ObjectSize``, ``Capacity``; remote ones
   ``CircuitConfig`` (the ``circuit`` option) and ``PROBE_KEY`` (what a probe asks about); persistent ones also
   ``RecordError`` (and subclasses), ``RecordHeader``, ``verify_payload`` (``PayloadVerifier``
-  for payloads read in pieces),
-  ``header_length``, ``PREFIX_SIZE``; backends copying bytes ``copy_into``; slot and
-  extent stores ``ExtentAllocator``; a warning logged once per burst ``BurstLog``;
+  for payloads read in pieces), loads verified as the bytes move ``read_record_file``,
+  ``copy_verified`` (and ``copy_and_checksum`` for stores, ``VERIFY_PIECE``),
+  ``header_length``, ``PREFIX_SIZE``; backends copying bytes ``copy_into``, and moving a
+  batch's objects on a few threads ``BatchWorkers``; slot and extent stores
+  ``ExtentAllocator``, and reader counts per slot ``SlotReaders``; a warning logged once
+  per burst ``BurstLog``;
 * policies: ``StorePolicy``, ``PrefetchPolicy``, ``EvictionPolicy``, ``AdapterInfo``,
   ``LowestIndexPrefetchPolicy``, ``plan_from_lowest_index``;
 * a serde: ``Serde``, ``SerdeContext``, ``TensorLayout``;
@@ -111,6 +114,7 @@ if TYPE_CHECKING:
     )
     from lmcache_tiers.l2.interface import L2Adapter, L2Listener, L2Op, LookupResult
     from lmcache_tiers.l2.preflight import check_directory, check_file
+    from lmcache_tiers.l2.readers import SlotReaders
     from lmcache_tiers.l2.record import (
         PREFIX_SIZE,
         PayloadVerifier,
@@ -124,6 +128,8 @@ if TYPE_CHECKING:
         header_length,
         verify_payload,
     )
+    from lmcache_tiers.l2.verified import VERIFY_PIECE, copy_and_checksum, copy_verified, read_record_file
+    from lmcache_tiers.l2.workers import BatchWorkers
     from lmcache_tiers.layout import TensorLayout
     from lmcache_tiers.router import RouterLoop
     from lmcache_tiers.serde import SerdeContext
@@ -149,11 +155,14 @@ if TYPE_CHECKING:
 #: modules exported whole (the native protocol's Structs, shared with the client)
 _LAZY_MODULES = {"wire_protocol": "lmcache_tiers.wire.protocol"}
 _RECORD = "lmcache_tiers.l2.record"
+_VERIFIED = "lmcache_tiers.l2.verified"
 _FILES = "lmcache_tiers.l2.files"
 _L2 = "lmcache_tiers.l2.interface"
 _POLICY_SUITES = "lmcache_tiers.testing.policies"
 _LAZY = {
     "BackendContext": "lmcache_tiers.l2.context",
+    "SlotReaders": "lmcache_tiers.l2.readers",
+    "BatchWorkers": "lmcache_tiers.l2.workers",
     "BurstLog": "lmcache_tiers.burst",
     "copy_into": "lmcache_tiers.l2.buffers",
     "PROBE_KEY": "lmcache_tiers.l2.circuit",
@@ -197,6 +206,10 @@ _LAZY = {
     "RecordVersionError": _RECORD,
     "header_length": _RECORD,
     "verify_payload": _RECORD,
+    "VERIFY_PIECE": _VERIFIED,
+    "copy_and_checksum": _VERIFIED,
+    "copy_verified": _VERIFIED,
+    "read_record_file": _VERIFIED,
     "BlockingAdapterClient": "lmcache_tiers.testing.blocking",
     "FrontendSuite": "lmcache_tiers.testing.frontend",
     "L1Loan": "lmcache_tiers.l1.loan",
@@ -240,10 +253,12 @@ __all__ = [
     "RECORD_ALIGN",
     "RECORD_SUFFIX",
     "STORES_EVERYWHERE",
+    "VERIFY_PIECE",
     "AdapterInfo",
     "AsyncL2Backend",
     "BackendContext",
     "BackendUnavailableError",
+    "BatchWorkers",
     "BlockingAdapterClient",
     "BurstLog",
     "Capacity",
@@ -302,6 +317,7 @@ __all__ = [
     "SerdeContext",
     "SerdeSuite",
     "ServerConfig",
+    "SlotReaders",
     "StorageManager",
     "StorePolicy",
     "StorePolicySuite",
@@ -314,7 +330,9 @@ __all__ = [
     "check_relative_dir",
     "chunk_hashes",
     "classify_name",
+    "copy_and_checksum",
     "copy_into",
+    "copy_verified",
     "decode_request",
     "header_length",
     "hookimpl",
@@ -328,6 +346,7 @@ __all__ = [
     "name_to_key",
     "plan_from_lowest_index",
     "printable",
+    "read_record_file",
     "record_key",
     "record_name",
     "segment_identity",

@@ -163,14 +163,11 @@ def test_records_written_with_blake3_still_verify() -> None:
 @pytest.mark.parametrize("algo", ["xxh3", "blake3"])
 @pytest.mark.parametrize("piece", [1, 7, 4096, len(PAYLOAD)])
 def test_payload_verifier_agrees_with_verify_payload_piece_by_piece(algo: str, piece: int) -> None:
-    import dataclasses
-
     from lmcache_tiers.l2 import record
 
     header = decode_header(record.encode_header(KEY, PAYLOAD))
     if algo == "blake3":
-        header = dataclasses.replace(
-            header,
+        header = header._replace(
             checksum_algo=record.CHECKSUM_BLAKE3_128,
             checksum=checksum(PAYLOAD, record.CHECKSUM_BLAKE3_128),
         )

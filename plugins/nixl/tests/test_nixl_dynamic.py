@@ -7,10 +7,11 @@ import os
 import zlib
 
 import pytest
-from lmcache_plugin_nixl import plainreads, recordio
+from lmcache_plugin_nixl import recordio
 from nixl_helpers import Arena, client, dynamic_config, lru_eviction_controller, open_dynamic, scratch_dir
 
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import verified
 from lmcache_tiers.l2.files.layout import TEMP_PREFIX, TEMP_SUFFIX
 from lmcache_tiers.l2.record import RECORD_MAGIC
 from lmcache_tiers.serde import SerdeContext
@@ -393,7 +394,7 @@ def test_intact_record_of_another_size_fails_the_load_but_is_kept() -> None:
 def test_loads_read_in_pieces_verify_every_piece(monkeypatch: pytest.MonkeyPatch, where: int) -> None:
     """Buffered POSIX loads are read and checksummed piece by piece: damage in the header,
     the first piece or the last one fails exactly that record."""
-    monkeypatch.setattr(plainreads, "READ_PIECE", 16 << 10)  # four pieces per object
+    monkeypatch.setattr(verified, "VERIFY_PIECE", 16 << 10)  # four pieces per object
     arena = Arena()
     keys = make_keys(3)
     data = [pattern(20 + index, SIZE) for index in range(3)]

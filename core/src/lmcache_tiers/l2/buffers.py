@@ -11,10 +11,22 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["GIL_FREE_COPY_BYTES", "copy_into"]
+__all__ = ["GIL_FREE_COPY_BYTES", "copy_into", "copy_views"]
 
 #: copies of at least this many bytes release the GIL
 GIL_FREE_COPY_BYTES = 64 << 10
+
+
+def copy_views(target: memoryview, source: bytes | bytearray | memoryview) -> tuple[memoryview, memoryview]:
+    """Byte views of a copy's two sides, once checked: ``ValueError`` when their lengths
+    differ, ``TypeError`` for a read-only target."""
+    out = memoryview(target).cast("B")
+    data = memoryview(source).cast("B")
+    if out.readonly:
+        raise TypeError("cannot copy into a read-only buffer")
+    if out.nbytes != data.nbytes:
+        raise ValueError(f"cannot copy {data.nbytes} bytes into a buffer of {out.nbytes}")
+    return out, data
 
 
 def copy_into(target: memoryview, source: bytes | bytearray | memoryview) -> None:
@@ -24,12 +36,7 @@ def copy_into(target: memoryview, source: bytes | bytearray | memoryview) -> Non
     ``ValueError`` when the lengths differ (never a partial or broadcast copy) and
     ``TypeError`` for a read-only target, whichever path the copy takes.
     """
-    out = memoryview(target).cast("B")
-    data = memoryview(source).cast("B")
-    if out.readonly:
-        raise TypeError("cannot copy into a read-only buffer")
-    if out.nbytes != data.nbytes:
-        raise ValueError(f"cannot copy {data.nbytes} bytes into a buffer of {out.nbytes}")
+    out, data = copy_views(target, source)
     if out.nbytes < GIL_FREE_COPY_BYTES:
         out[:] = data
         return

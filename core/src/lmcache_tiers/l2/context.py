@@ -125,9 +125,13 @@ class BackendContext:
         """
         return self._state.l1_size_of(key)
 
-    def record_header(self, key: ObjectKey, payload: memoryview, *, align: int = 1) -> bytes:
+    def record_header(
+        self, key: ObjectKey, payload: memoryview, *, align: int = 1, digest: bytes | None = None
+    ) -> bytes:
         """The record header of a payload ``put_many`` got: L1 size, layout and serde
-        chain of the key being stored are filled in; ``align`` pads it to a multiple."""
+        chain of the key being stored are filled in; ``align`` pads it to a multiple;
+        ``digest`` is the payload's checksum when the backend took it already (while
+        copying it: :func:`~lmcache_tiers.l2.verified.copy_and_checksum`)."""
         storing = self._state.storing(key)
         l1_size, layout = storing if storing is not None else (self._state.l1_size_of(key), "")
         return encode_header(
@@ -137,6 +141,7 @@ class BackendContext:
             serde=self._state.chain.names,
             layout=layout,
             align=align,
+            digest=digest,
         )
 
     def read_record_header(self, data: bytes | memoryview, key: ObjectKey) -> RecordHeader | None:

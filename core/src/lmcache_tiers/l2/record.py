@@ -29,8 +29,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import blake3
 import xxhash
@@ -80,9 +79,9 @@ class RecordSerdeMismatchError(RecordMismatchError):
     """
 
 
-@dataclass(frozen=True)
-class RecordHeader:
-    """A decoded header."""
+class RecordHeader(NamedTuple):
+    """A decoded header (a named tuple: loads decode one per object, and building a
+    frozen dataclass cost a third of a header's decoding)."""
 
     key: ObjectKey
     payload_len: int
@@ -122,12 +121,17 @@ def encode_header(
     serde: Sequence[str] = (),
     layout: str = "",
     align: int = 1,
+    digest: bytes | None = None,
 ) -> bytes:
     """Header for ``payload`` stored under ``key``; the payload follows it.
 
     ``l1_size`` defaults to the payload length (no size-changing serde).  ``align`` pads
     the header to a multiple of it so the payload can start on a block boundary.
+    ``digest`` is the payload's XXH3-128 checksum when the caller already took it (while
+    copying the payload, see :func:`lmcache_tiers.l2.verified.copy_and_checksum`).
     """
+    if digest is not None and len(digest) != CHECKSUM_SIZE:
+        raise ValueError(f"a payload digest is {CHECKSUM_SIZE} bytes, not {len(digest)}")
     if align < 1:
         raise ValueError("align must be >= 1")
     if any("," in name or not name for name in serde):
@@ -144,7 +148,7 @@ def encode_header(
         payload_len,
         payload_len if l1_size is None else l1_size,
         CHECKSUM_XXH3_128,
-        checksum(payload),
+        checksum(payload) if digest is None else digest,
         len(key_bytes),
         len(layout_bytes),
         len(serde_bytes),
@@ -195,22 +199,28 @@ def decode_header(
     end = start + key_len + layout_len + serde_len
     if end > header_len - _CRC.size:
         raise RecordCorruptError("record header fields overrun the header")
+    key_bytes = view[start : start + key_len]
     try:
-        key = ObjectKey.from_bytes(bytes(view[start : start + key_len]))
-        layout = bytes(view[start + key_len : start + key_len + layout_len]).decode()
-        serde_text = bytes(view[start + key_len + layout_len : end]).decode()
+        # A load knows the key it expects: equal encoded bytes are that key, without
+        # building it again (another encoding of the same key still decodes below).
+        if expected_key is not None and key_bytes == expected_key.to_bytes():
+            key = expected_key
+        else:
+            key = ObjectKey.from_bytes(bytes(key_bytes))
+        layout = str(view[start + key_len : start + key_len + layout_len], "utf-8") if layout_len else ""
+        serde_text = str(view[start + key_len + layout_len : end], "utf-8") if serde_len else ""
     except (KeyValidationError, UnicodeDecodeError) as exc:
         raise RecordCorruptError(f"record header fields are invalid: {exc}") from exc
     header = RecordHeader(
-        key=key,
-        payload_len=payload_len,
-        l1_size=l1_size,
-        serde=tuple(serde_text.split(",")) if serde_text else (),
-        checksum=bytes(digest),
-        layout=layout,
-        header_len=header_len,
-        version=version,
-        checksum_algo=algo,
+        key,
+        payload_len,
+        l1_size,
+        tuple(serde_text.split(",")) if serde_text else (),
+        bytes(digest),
+        layout,
+        header_len,
+        version,
+        algo,
     )
     if expected_key is not None and header.key != expected_key:
         raise RecordMismatchError(
@@ -240,22 +250,32 @@ _STREAMS: dict[int, Callable[[], Any]] = {
 
 class PayloadVerifier:
     """:func:`verify_payload` for a payload read in pieces: ``update`` each piece in order
-    (each while it is still in the CPU's cache), then ``verify``."""
+    (each while it is still in the CPU's cache), then ``verify``.
+
+    Loops that move a payload in pieces and know how many bytes they fed may call
+    ``hash_update`` (the hash's own ``update``, without the length bookkeeping) and pass
+    the total to ``verify``.
+    """
+
+    __slots__ = ("_hash", "_header", "_length", "hash_update")
 
     def __init__(self, header: RecordHeader) -> None:
         self._header = header
         self._hash = _STREAMS[header.checksum_algo]()
         self._length = 0
+        self.hash_update: Callable[[Any], None] = self._hash.update
 
     def update(self, piece: bytes | memoryview) -> None:
         self._hash.update(piece)
         self._length += memoryview(piece).nbytes
 
-    def verify(self) -> None:
-        """Raise :class:`RecordChecksumError` unless the pieces are what the header describes."""
+    def verify(self, length: int | None = None) -> None:
+        """Raise :class:`RecordChecksumError` unless the pieces are what the header
+        describes; ``length``: the bytes fed through ``hash_update``."""
         header = self._header
-        if self._length != header.payload_len:
-            raise RecordChecksumError(f"payload is {self._length} bytes, header says {header.payload_len}")
+        fed = self._length if length is None else length
+        if fed != header.payload_len:
+            raise RecordChecksumError(f"payload is {fed} bytes, header says {header.payload_len}")
         digest = (
             self._hash.digest(CHECKSUM_SIZE)
             if header.checksum_algo == CHECKSUM_BLAKE3_128

@@ -9,7 +9,9 @@ only then is the key published.  A load checks the entry, copies the slot out, v
 the copy against the payload checksum and hands it back only if the commit word still
 holds the same write (the slot's generation) after the copy.  Freeing a slot clears its
 commit word, so a restart brings back exactly the committed objects; a slot being read
-is reused only once its readers are done.  Copies release the GIL (``copy_into``).
+is reused only once its readers are done.  Copies release the GIL, and a payload is
+checksummed piece by piece as it is copied (core's ``copy_and_checksum`` /
+``copy_verified``), so each byte crosses memory once.
 """
 
 from __future__ import annotations
@@ -27,7 +29,15 @@ from lmcache_plugin_raw_block.slotstore import SlotStoreBackend
 from lmcache_plugin_dax.config import DaxConfig
 from lmcache_plugin_dax.layout import COMMIT_BYTES, ENTRY_BYTES
 from lmcache_plugin_dax.mapping import DaxRegion
-from lmcache_tiers.plugin import BackendContext, ObjectKey, RecordError, copy_into
+from lmcache_tiers.plugin import (
+    BackendContext,
+    ObjectKey,
+    RecordError,
+    RecordHeader,
+    copy_and_checksum,
+    copy_into,
+    copy_verified,
+)
 
 log = logging.getLogger(__name__)
 
@@ -153,11 +163,16 @@ class DaxBackend(SlotStoreBackend):
             self.table.abandon(claim)
         return [False] * len(claims)
 
-    def _write_slot(self, claim: Claim, header: bytes, payload: memoryview) -> None:
-        # The record header was computed first: its checksum pass left the payload in
-        # cache for this copy.  The commit word goes last.
+    def _copy_payload(self, claim: Claim, payload: memoryview) -> bytes:
+        # Copied and checksummed piece by piece, each piece hashed in the slot while it is
+        # still in cache: one pass over the bytes instead of two, and the checksum is that
+        # of the bytes the slot holds.
         region, local = self._place(claim.slot)
-        copy_into(region.slot(local, payload.nbytes), payload)
+        return copy_and_checksum(region.slot(local, payload.nbytes), payload)
+
+    def _write_slot(self, claim: Claim, header: bytes, payload: memoryview) -> None:
+        # The payload is in the slot already (_copy_payload); the commit word goes last.
+        region, local = self._place(claim.slot)
         region.write_entry(local, header, claim.seq)
 
     def _load_group(
@@ -175,6 +190,11 @@ class DaxBackend(SlotStoreBackend):
     def _fill(self, entry: SlotEntry, target: memoryview) -> None:
         region, local = self._place(entry.slot)
         copy_into(target, region.slot(local, target.nbytes))
+
+    def _fill_verified(self, entry: SlotEntry, target: memoryview, record: RecordHeader) -> None:
+        # Each piece is hashed in the caller's buffer right after it was copied there.
+        region, local = self._place(entry.slot)
+        copy_verified(target, region.slot(local, target.nbytes), record)
 
     def _still_current(self, entry: SlotEntry) -> bool:
         region, local = self._place(entry.slot)

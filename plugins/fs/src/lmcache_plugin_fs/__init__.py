@@ -53,8 +53,9 @@ class FsConfig(L2AdapterConfig):
     read_ahead_size: Annotated[
         Annotated[int, msgspec.Meta(gt=0)] | None,
         msgspec.Meta(
-            description="LMCache fs field: read this many payload bytes first, to start the "
-            "filesystem's read-ahead, then the rest (buffered reads; the read block size for fsspec).",
+            description="LMCache fs field: read this many payload bytes first (with the header), to "
+            "start the filesystem's read-ahead, then the rest in 256 KiB pieces (buffered reads; the "
+            "read block size for fsspec).",
         ),
     ] = None
     max_capacity_gb: Annotated[

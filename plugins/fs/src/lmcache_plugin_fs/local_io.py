@@ -2,7 +2,9 @@
 
 A store encodes the header (with the payload's checksum), writes payload and header to a
 new temporary file and renames it over the record (:meth:`LocalFiles.publish`).  A load
-reads header and payload with one ``preadv`` and verifies them.  Nothing is handed back
+reads the header together with the first piece of the payload, then the rest piece by
+piece, each piece checksummed as soon as it landed, while it is still in the CPU's cache
+(core's :func:`~lmcache_tiers.l2.verified.read_record_file`).  Nothing is handed back
 that did not verify.  A batch of large objects is spread over a few I/O threads, each
 handling whole records: the copies to and from the page cache, the checksums and the
 system calls all release the GIL, so records move in parallel on as many cores (handing
@@ -24,13 +26,13 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from lmcache_tiers.plugin import (
     RECORD_ALIGN,
     BackendContext,
+    BatchWorkers,
     FileIdentity,
     HeaderSizes,
     LocalFiles,
@@ -42,6 +44,7 @@ from lmcache_tiers.plugin import (
     identity_of,
     is_out_of_space,
     printable,
+    read_record_file,
     record_name,
     verify_payload,
 )
@@ -125,30 +128,30 @@ class LocalRecords:
         self.failures = failures
         self.sizes = HeaderSizes(self._encode_header)
         self._scratch = _Scratch()
-        self._pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix=f"fs-{context.name}-io")
+        # Loads and stores have threads of their own: a thread inherits the CPU priority
+        # of the one that started it, and stores run at write-back priority (nice 10).
+        self._readers = BatchWorkers(IO_THREADS, f"fs-{context.name}-read")
+        self._writers = BatchWorkers(IO_THREADS, f"fs-{context.name}-write")
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._readers.shutdown()
+        self._writers.shutdown()
 
     def _encode_header(self, key: ObjectKey, payload: memoryview) -> bytes:
         return self.context.record_header(key, payload, align=RECORD_ALIGN)
 
+    @staticmethod
     def _each(
-        self,
+        workers: BatchWorkers,
         work: Callable[[int, ObjectKey, memoryview], bool],
         keys: Sequence[ObjectKey],
         views: Sequence[memoryview],
     ) -> list[bool]:
-        """``work(index, key, view)`` per record, on the I/O threads for a large batch.  Every
-        record fails or succeeds alone; all are finished before this returns (the views are
-        the caller's)."""
-        items = list(enumerate(zip(keys, views, strict=True)))
-        if len(items) < 2 or sum(view.nbytes for view in views) < PARALLEL_BYTES:
-            return [work(index, key, view) for index, (key, view) in items]
-        futures: list[Future[bool]] = [
-            self._pool.submit(work, index, key, view) for index, (key, view) in items
-        ]
-        return [future.result() for future in futures]
+        """``work(index, key, view)`` per record, a share of the records per I/O thread for
+        a large batch.  Every record fails or succeeds alone; all are finished before this
+        returns (the views are the caller's)."""
+        large = len(keys) > 1 and sum(view.nbytes for view in views) >= PARALLEL_BYTES
+        return workers.map(work, range(len(keys)), keys, views, parallel=large)
 
     # -- stores -------------------------------------------------------------------------------
 
@@ -162,7 +165,7 @@ class LocalRecords:
         def attempt(index: int, key: ObjectKey, payload: memoryview) -> bool:
             return self._write(key, payload, on_full=lambda: full.add(index))
 
-        results = self._each(attempt, keys, payloads)
+        results = self._each(self._writers, attempt, keys, payloads)
         for index in sorted(full):
             results[index] = self._write(keys[index], payloads[index])
         return results
@@ -254,14 +257,10 @@ class LocalRecords:
     # -- loads --------------------------------------------------------------------------------
 
     def read_many(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
-        return self._each(self._load, keys, buffers)
+        return self._each(self._readers, self._load, keys, buffers)
 
     def _load(self, _index: int, key: ObjectKey, buffer: memoryview) -> bool:
-        read = self._read(key, buffer)
-        return read is not None and self._verify(key, buffer, *read)
-
-    def _read(self, key: ObjectKey, buffer: memoryview) -> tuple[bytes, FileIdentity] | None:
-        """Header bytes and file identity of a record read into ``buffer``; None if not."""
+        """Read and verify one record into ``buffer``; True only once all of it matched."""
         path = self.files.layout.path_for(key)
         header_len = self.sizes.length(key)
         direct = self.direct and _aligned(buffer)
@@ -270,35 +269,58 @@ class LocalRecords:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (_DIRECT if direct else 0))
         except FileNotFoundError:
-            return None
+            return False
         except OSError as exc:
             log.warning("%s: cannot open %s: %s", self.context.name, printable(path, 300), exc)
-            return None
+            return False
+        identity: FileIdentity | None = None
         try:
             stat = os.fstat(fd)
             identity = identity_of(stat)
             if stat.st_size != header_len + buffer.nbytes:
                 self._explain_size(key, fd, identity, stat.st_size, buffer.nbytes)
-                return None
+                return False
             header = self._scratch.view[:header_len]
             if direct:
-                whole = buffer.nbytes - buffer.nbytes % RECORD_ALIGN
-                got = _pread_all(fd, [header, buffer[:whole]], 0)
-                _set_direct(fd, False)
-                got += _pread_all(fd, [buffer[whole:]], header_len + whole)
-            elif self.read_ahead and buffer.nbytes > self.read_ahead:
-                got = _pread_all(fd, [header, buffer[: self.read_ahead]], 0)
-                got += _pread_all(fd, [buffer[self.read_ahead :]], header_len + self.read_ahead)
-            else:
-                got = _pread_all(fd, [header, buffer], 0)
-            if got != header_len + buffer.nbytes:
-                return None  # shrunk under us: not a record anyone may trust now
-            return bytes(header), identity
+                return self._read_direct(fd, key, header, buffer)
+            # Buffered: each piece is checksummed as it lands, while still in cache.
+            return read_record_file(
+                fd,
+                header,
+                buffer,
+                lambda view: self.context.read_record_header(view, key),
+                first_piece=self.read_ahead,
+            )
+        except RecordError as exc:
+            assert identity is not None
+            self.files.discard(key, identity, "corrupt_records_removed", str(exc))
+            return False
         except OSError as exc:
             log.warning("%s: cannot read %s: %s", self.context.name, printable(path, 300), exc)
-            return None
+            return False
         finally:
             os.close(fd)
+
+    def _read_direct(self, fd: int, key: ObjectKey, header: memoryview, buffer: memoryview) -> bool:
+        """An ``O_DIRECT`` read: the device fills the buffer, nothing of it is in cache to
+        checksum piece by piece, and a read per piece would wait for the device each time."""
+        header_len = header.nbytes
+        whole = buffer.nbytes - buffer.nbytes % RECORD_ALIGN
+        got = _pread_all(fd, [header, buffer[:whole]], 0)
+        _set_direct(fd, False)
+        got += _pread_all(fd, [buffer[whole:]], header_len + whole)
+        if got != header_len + buffer.nbytes:
+            return False  # shrunk under us: not a record anyone may trust now
+        record = self.context.read_record_header(header, key)
+        if record is None:
+            return False  # intact, of another serde chain: a miss that is kept
+        if record.header_len != header_len or record.payload_len != buffer.nbytes:
+            raise RecordError(
+                f"record header says {record.header_len}+{record.payload_len} bytes, "
+                f"file holds {header_len}+{buffer.nbytes}"
+            )
+        verify_payload(record, buffer)
+        return True
 
     def _explain_size(
         self, key: ObjectKey, fd: int, identity: FileIdentity, size: int, expected: int
@@ -323,21 +345,3 @@ class LocalRecords:
             self.files.discard(key, identity, "corrupt_records_removed", str(exc))
         except OSError:
             pass
-
-    def _verify(
-        self, key: ObjectKey, buffer: memoryview, header_bytes: bytes, identity: FileIdentity
-    ) -> bool:
-        try:
-            header = self.context.read_record_header(header_bytes, key)
-            if header is None:
-                return False  # intact, of another serde chain: a miss that is kept
-            if header.header_len != len(header_bytes) or header.payload_len != buffer.nbytes:
-                raise RecordError(
-                    f"record header says {header.header_len}+{header.payload_len} bytes, "
-                    f"file holds {len(header_bytes)}+{buffer.nbytes}"
-                )
-            verify_payload(header, buffer)
-            return True
-        except RecordError as exc:
-            self.files.discard(key, identity, "corrupt_records_removed", str(exc))
-            return False

@@ -11,8 +11,10 @@ serde chain, XXH3-128 checksum of the payload) followed by the payload.
   size minus the header), in two batched RPCs; only when core cannot tell the L1 size
   (a size-changing serde chain, a key another server stored) is the header read too.
 * Load: one scatter read per key -- header into a registered lane, payload straight into
-  the L1 buffer, exactly the sizes the lookup reported -- then the header and the payload
-  checksum are verified; anything that does not verify is a miss, and damage is removed.
+  the L1 buffer (registered with the client), exactly the sizes the lookup reported --
+  then the header and the payload checksum are verified, a chunk of keys on a helper
+  thread while the next chunk is read; anything that does not verify is a miss, and
+  damage is removed.
 * Objects vanish on their own (Mooncake evicts, a client lending memory stops): a
   vanished object is a miss; deleting one core still accounts reports True (counted as
   ``objects_vanished``) so that its bytes are released.
@@ -30,6 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from lmcache_plugin_mooncake.calls import CallPool
@@ -128,8 +131,12 @@ class MooncakeStoreBackend:
         self.names = ObjectNames(config.key_prefix)
         # Loads and lookups of every worker at once, and spares for calls given up.
         self.lanes = HeaderLanes(2 * config.num_workers + 4)
-        self.connection = Connection(config, context.name, self.lanes)
+        self.connection = Connection(config, context.name, self.lanes, context.l1_buffer)
         self.calls = CallPool(context.name, 2 * config.num_workers + 2)
+        # Verifies a load's chunks while the next ones are read (one per load thread).
+        self._verifier = ThreadPoolExecutor(
+            config.num_workers, thread_name_prefix=f"mooncake-{context.name}-verify"
+        )
         self._throttle = _Throttle()
 
     # -- life cycle ------------------------------------------------------------------------
@@ -151,6 +158,7 @@ class MooncakeStoreBackend:
     def close(self) -> None:
         self.connection.close(self.timeout)
         self.calls.close()
+        self._verifier.shutdown(wait=True)
 
     def ping(self) -> None:
         """Raise unless the master answers an existence query within the timeout."""
@@ -166,6 +174,7 @@ class MooncakeStoreBackend:
         return {
             "connected": int(self.connection.connected),
             "connect_failures": self.connection.failures,
+            "l1_registered": int(self.connection.l1_registered),
             "calls_in_mooncake": self.calls.busy,
             "header_lanes_free": self.lanes.free,
         }
@@ -333,22 +342,35 @@ class MooncakeStoreBackend:
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         store = self.connection.store()
         ok = [False] * len(keys)
-        for chunk in chunks(len(keys)):
-            with self.lanes.lane(self.timeout) as lane:
-                self._load_chunk(
-                    store, lane, [keys[i] for i in chunk], [buffers[i] for i in chunk], ok, chunk.start
+        # Chunk k is verified on a helper thread while chunk k+1 is read: the Mooncake
+        # call releases the GIL, so with a free core the checksums cost (nearly) only the
+        # last chunk's.  A chunk keeps its header lane until it is verified.
+        verifying: Future[None] | None = None
+        try:
+            for chunk in chunks(len(keys)):
+                lane = self.lanes.take(self.timeout)
+                try:
+                    chunk_keys, chunk_buffers = [keys[i] for i in chunk], [buffers[i] for i in chunk]
+                    names, codes = self._get_chunk(store, lane, chunk_keys, chunk_buffers)
+                except BaseException:
+                    self.lanes.give_back(lane)
+                    raise
+                verified = self._verifier.submit(
+                    self._check_chunk, store, lane, chunk_keys, names, chunk_buffers, codes, ok, chunk.start
                 )
+                previous, verifying = verifying, verified
+                if previous is not None:
+                    previous.result()
+        finally:
+            if verifying is not None:
+                verifying.result()
         return ok
 
-    def _load_chunk(
-        self,
-        store: Any,
-        lane: Lane,
-        keys: list[ObjectKey],
-        buffers: list[memoryview],
-        ok: list[bool],
-        offset: int,
-    ) -> None:
+    def _get_chunk(
+        self, store: Any, lane: Lane, keys: list[ObjectKey], buffers: list[memoryview]
+    ) -> tuple[list[str], list[int]]:
+        """One scatter read of the chunk's records: headers into the lane, payloads into
+        their buffers; the names and Mooncake's code per key."""
         names = [self.names.of(key) for key in keys]
         pointers = [
             [lane.address(slot), address_of(buffer)] if buffer.nbytes else [lane.address(slot)]
@@ -357,17 +379,34 @@ class MooncakeStoreBackend:
         sizes = [[HEADER_BYTES, buffer.nbytes] if buffer.nbytes else [HEADER_BYTES] for buffer in buffers]
         codes = store.batch_get_into_multi_buffers(names, pointers, sizes)
         _check("get", codes)
-        for slot, (key, name, buffer, code) in enumerate(zip(keys, names, buffers, codes, strict=True)):
-            if code == HEADER_BYTES + buffer.nbytes:
-                ok[offset + slot] = self._verified(store, key, name, lane.slot(slot), buffer)
-            elif code == NOT_FOUND:
-                self.context.count("load_vanished")
-            else:
-                # -600: the object is not the size the lookup reported (replaced since)
-                self.context.count("load_failures")
-                self._throttle.warn(
-                    "get", "%s: get of %s returned %s", self.context.name, name, describe(code)
-                )
+        return names, codes
+
+    def _check_chunk(
+        self,
+        store: Any,
+        lane: Lane,
+        keys: list[ObjectKey],
+        names: list[str],
+        buffers: list[memoryview],
+        codes: list[int],
+        ok: list[bool],
+        offset: int,
+    ) -> None:
+        """Verify every record a chunk read (on the helper thread), then give its lane back."""
+        try:
+            for slot, (key, name, buffer, code) in enumerate(zip(keys, names, buffers, codes, strict=True)):
+                if code == HEADER_BYTES + buffer.nbytes:
+                    ok[offset + slot] = self._verified(store, key, name, lane.slot(slot), buffer)
+                elif code == NOT_FOUND:
+                    self.context.count("load_vanished")
+                else:
+                    # -600: the object is not the size the lookup reported (replaced since)
+                    self.context.count("load_failures")
+                    self._throttle.warn(
+                        "get", "%s: get of %s returned %s", self.context.name, name, describe(code)
+                    )
+        finally:
+            self.lanes.give_back(lane)
 
     def _verified(self, store: Any, key: ObjectKey, name: str, slot: memoryview, payload: memoryview) -> bool:
         header = self._header(store, key, name, slot)

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from lmcache_plugin_mooncake.config import MooncakeStoreConfig
-from lmcache_plugin_mooncake.headers import HeaderLanes
+from lmcache_plugin_mooncake.headers import HeaderLanes, address_of
 from lmcache_tiers.plugin import BackendUnavailableError, TiersError
 
 logger = logging.getLogger(__name__)
@@ -109,10 +109,18 @@ def import_store_module() -> Any:
 class Connection:
     """One ``MooncakeDistributedStore``, set up in the background and replaced on failure."""
 
-    def __init__(self, config: MooncakeStoreConfig, name: str, lanes: HeaderLanes) -> None:
+    def __init__(
+        self, config: MooncakeStoreConfig, name: str, lanes: HeaderLanes, l1: memoryview | None = None
+    ) -> None:
         self.config = config
         self.name = name
         self.lanes = lanes
+        #: the L1 arena, registered with each client so that payloads move straight
+        #: between it and the pool (unregistered memory goes through Mooncake's own
+        #: staging copy); None without an L1 (tests, tools)
+        self.l1 = l1
+        #: whether the last client set up has the L1 arena registered
+        self.l1_registered = False
         self._module: Any = None
         self._store: Any = None
         self._lock = threading.Lock()
@@ -209,6 +217,19 @@ class Connection:
         if code != 0:
             _close_quietly(store)
             raise MooncakeError(f"registering the header buffer returned {describe(code)}")
+        self.l1_registered = False
+        if self.l1 is not None and self.l1.nbytes:
+            code = store.register_buffer(address_of(self.l1), self.l1.nbytes)
+            self.l1_registered = code == 0
+            if code != 0:
+                # Still correct, only slower: Mooncake stages unregistered memory itself.
+                logger.warning(
+                    "%s: registering the L1 arena (%d bytes) with Mooncake returned %s; "
+                    "payloads go through Mooncake's staging copy",
+                    self.name,
+                    self.l1.nbytes,
+                    describe(code),
+                )
         return store
 
     def close(self, timeout_s: float) -> None:

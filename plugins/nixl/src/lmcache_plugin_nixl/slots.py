@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from lmcache_tiers.plugin import ObjectKey
+from lmcache_tiers.plugin import ObjectKey, SlotReaders
 
 
 class Claim(Enum):
@@ -39,9 +39,8 @@ class SlotTable:
         self._free = list(range(pool_size - 1, -1, -1))
         self._stored: dict[ObjectKey, StoredSlot] = {}
         self._writing: set[ObjectKey] = set()
-        self._readers: dict[int, int] = {}
-        # Slots replaced by a newer write of their key while a load was reading them.
-        self._retired: set[int] = set()
+        # Retired: slots replaced by a newer write of their key while a load read them.
+        self._readers = SlotReaders()
         self._lock = threading.Lock()
 
     def claim(self, keys: Sequence[ObjectKey]) -> list[int | Claim]:
@@ -67,9 +66,7 @@ class SlotTable:
                 self._free_or_retire(previous.slot)
 
     def _free_or_retire(self, slot: int) -> None:
-        if self._readers.get(slot):
-            self._retired.add(slot)
-        else:
+        if self._readers.retire(slot):
             self._free.append(slot)
 
     def abandon(self, key: ObjectKey, slot: int) -> None:
@@ -89,20 +86,14 @@ class SlotTable:
             for key in keys:
                 entry = self._stored.get(key)
                 if entry is not None:
-                    self._readers[entry.slot] = self._readers.get(entry.slot, 0) + 1
+                    self._readers.acquire(entry.slot)
                 result.append(entry)
         return result
 
     def release_reads(self, slots: Sequence[int]) -> None:
         with self._lock:
             for slot in slots:
-                remaining = self._readers[slot] - 1
-                if remaining:
-                    self._readers[slot] = remaining
-                    continue
-                del self._readers[slot]
-                if slot in self._retired:
-                    self._retired.remove(slot)
+                if self._readers.release(slot):
                     self._free.append(slot)
 
     def delete(self, keys: Sequence[ObjectKey]) -> list[bool]:
@@ -111,7 +102,7 @@ class SlotTable:
         with self._lock:
             for key in keys:
                 entry = self._stored.get(key)
-                if entry is None or self._readers.get(entry.slot):
+                if entry is None or self._readers.reading(entry.slot):
                     result.append(False)
                     continue
                 del self._stored[key]

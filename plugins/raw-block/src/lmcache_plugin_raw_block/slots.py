@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from lmcache_tiers.plugin import ObjectKey
+from lmcache_tiers.plugin import ObjectKey, SlotReaders
 
 #: slots a store claims and writes per round of a batch; with one store thread, the most
 #: writes in flight at once (raw_block's recovery relies on it)
@@ -80,8 +80,7 @@ class SlotTable:
         self._free = list(range(slot_count))  # sorted, hence already a heap
         self._stored: dict[ObjectKey, SlotEntry] = {}
         self._claimed: dict[int, int] = {}  # slot -> seq of the write in flight
-        self._readers: dict[int, int] = {}
-        self._retired: set[int] = set()  # no longer published, still being read
+        self._readers = SlotReaders()  # retired: no longer published, still being read
         self._quarantined: set[int] = set()  # failed a write; left alone until restart
         self._next_seq = next_seq
         #: grows with every change a checkpoint would record
@@ -156,9 +155,11 @@ class SlotTable:
 
     def _release_slot(self, slot: int) -> None:
         """A slot that held a published object: free now, or once its readers are gone."""
-        if self._readers.get(slot):
-            self._retired.add(slot)
+        if not self._readers.retire(slot):
             return
+        self._free_slot(slot)
+
+    def _free_slot(self, slot: int) -> None:
         if self._on_free is not None:
             self._on_free(slot)
         heapq.heappush(self._free, slot)
@@ -176,23 +177,15 @@ class SlotTable:
             for key in keys:
                 entry = self._stored.get(key)
                 if entry is not None:
-                    self._readers[entry.slot] = self._readers.get(entry.slot, 0) + 1
+                    self._readers.acquire(entry.slot)
                 result.append(entry)
         return result
 
     def release(self, entries: Iterable[SlotEntry | None]) -> None:
         with self._lock:
             for entry in entries:
-                if entry is None:
-                    continue
-                remaining = self._readers[entry.slot] - 1
-                if remaining:
-                    self._readers[entry.slot] = remaining
-                    continue
-                del self._readers[entry.slot]
-                if entry.slot in self._retired:
-                    self._retired.remove(entry.slot)
-                    self._release_slot(entry.slot)
+                if entry is not None and self._readers.release(entry.slot):
+                    self._free_slot(entry.slot)
 
     def is_current(self, key: ObjectKey, entry: SlotEntry) -> bool:
         """Whether ``entry`` is still the key's published object."""
@@ -218,7 +211,7 @@ class SlotTable:
         with self._lock:
             for key in keys:
                 entry = self._stored.get(key)
-                if entry is None or self._readers.get(entry.slot):
+                if entry is None or self._readers.reading(entry.slot):
                     result.append(False)
                     continue
                 del self._stored[key]
@@ -236,7 +229,7 @@ class SlotTable:
     def snapshot(self) -> Snapshot:
         with self._lock:
             watched = list(self._claimed.items())
-            watched += [(slot, self._next_seq) for slot in self._retired | self._quarantined]
+            watched += [(slot, self._next_seq) for slot in self._readers.retired | self._quarantined]
             return Snapshot(list(self._stored.items()), sorted(watched), self._next_seq, self.version)
 
     @property

@@ -14,17 +14,18 @@ import errno
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from lmcache_plugin_raw_block.parallel import Workers
 from lmcache_plugin_raw_block.slotheader import encode_slot_header
 from lmcache_plugin_raw_block.slots import CLAIM_GROUP, Claim, SlotEntry, SlotTable
 from lmcache_tiers.plugin import (
     BackendContext,
+    BatchWorkers,
     BurstLog,
     Capacity,
     ObjectKey,
     ObjectSize,
     RecordCorruptError,
     RecordError,
+    RecordHeader,
     verify_payload,
 )
 
@@ -53,12 +54,12 @@ class SlotStoreBackend(ABC):
         self.context = context
         self.payload_limit = payload_limit
         self._burst = BurstLog()
-        self._readers = Workers(load_workers, f"{self.type_name}-load")
-        self._writers = Workers(store_workers, f"{self.type_name}-store")
+        self._readers = BatchWorkers(load_workers, f"{self.type_name}-load")
+        self._writers = BatchWorkers(store_workers, f"{self.type_name}-store")
 
     def _stop_workers(self) -> None:
-        self._writers.shutdown()
-        self._readers.shutdown()
+        self._writers.shutdown(wait=False)
+        self._readers.shutdown(wait=False)
 
     # -- what a subclass provides ----------------------------------------------------------
 
@@ -83,6 +84,18 @@ class SlotStoreBackend(ABC):
     @abstractmethod
     def _fill(self, entry: SlotEntry, target: memoryview) -> None:
         """Copy the payload into ``target`` unless :meth:`_fetch` did."""
+
+    def _fill_verified(self, entry: SlotEntry, target: memoryview, record: RecordHeader) -> None:
+        """:meth:`_fill`, then raise ``RecordChecksumError`` unless ``target`` matches
+        ``record``; slots in memory (``dax``) do both in one pass."""
+        self._fill(entry, target)
+        verify_payload(record, target)
+
+    def _copy_payload(self, claim: Claim, payload: memoryview) -> bytes | None:
+        """Copy ``payload`` into the claimed slot before its header exists and return the
+        checksum of the copy, or None when :meth:`_write_slot` writes the payload.  Slots
+        in memory (``dax``) checksum the bytes as they copy them, in one pass."""
+        return None
 
     def _still_current(self, entry: SlotEntry) -> bool:
         """Whether the slot still holds ``entry``'s write after the copy."""
@@ -139,7 +152,8 @@ class SlotStoreBackend(ABC):
         quarantine = False
         try:
             data = as_bytes(payload)
-            record = self.context.record_header(key, data)
+            digest = self._copy_payload(claim, data)
+            record = self.context.record_header(key, data, digest=digest)
             l1 = self.context.l1_size_of(key) or data.nbytes
             identity, local = self._slot_place(claim.slot)
             header = encode_slot_header(identity, local, claim.seq, key, data.nbytes, l1, record)
@@ -212,8 +226,7 @@ class SlotStoreBackend(ABC):
                 raise RecordCorruptError(
                     f"the record says {record.payload_len} bytes, the index {target.nbytes}"
                 )
-            self._fill(entry, target)
-            verify_payload(record, target)
+            self._fill_verified(entry, target, record)
         except OSError as exc:
             self.context.count("slot_read_errors")
             self._burst.warn("read", "%s: reading slot %d failed: %s", self.type_name, entry.slot, exc)
