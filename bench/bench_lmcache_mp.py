@@ -295,7 +295,9 @@ def main() -> None:
             for system in ("reference", "tiers"):
                 values = samples[(with_l2, system)][name]
                 row[f"{system}_p50_ms"] = statistics.median(values)
+                row[f"{system}_p90_ms"] = percentile(values, 0.9)
                 row[f"{system}_p99_ms"] = percentile(values, 0.99)
+                row[f"{system}_samples_ms"] = values  # request order: where the slow ones fall
                 row["samples"] = len(values)
             row["faster"] = (
                 row["tiers_p50_ms"] < row["reference_p50_ms"]

@@ -163,7 +163,8 @@ class StoreController(ControllerThread):
             try:
                 self._start_batch(objects, committed)
             finally:
-                with self._queue_lock:
+                with self._queue_lock:  # never seen as idle between the two counts
+                    self._waiting_slices = len(self._pacer)
                     self._starting = 0
         self._submit_slices()
 
