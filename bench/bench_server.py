@@ -222,8 +222,12 @@ def main() -> None:
         l1_gb = max(0.5, (3 + (args.repeats if args.l2 else 0)) * batch_gb)
         if args.clients:
             l1_gb = max(l1_gb, 3 * args.clients * args.client_mib / 1024)
-        adapters = [l2_adapter_json(args.l2, l2_root, 4 * args.repeats * batch_gb + 1, direct=args.direct)]
-        proc, url = start_server(l1_gb, transport, adapters if args.l2 else ())
+        adapters = (
+            [l2_adapter_json(args.l2, l2_root, 4 * args.repeats * batch_gb + 1, direct=args.direct)]
+            if args.l2
+            else []
+        )
+        proc, url = start_server(l1_gb, transport, adapters)
     extra = StoreFigures()
     try:
         floor_before = measure_floor(transport, args.lookup_keys)
