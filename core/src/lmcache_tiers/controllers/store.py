@@ -14,7 +14,7 @@ millisecond rather than up to 5 ms, which is what the p99 of lookups and stores 
 write-back used to be made of.
 
 Write-back is also paced (:mod:`lmcache_tiers.controllers.store_pacing`): batches are cut
-into slices of a few MiB, a few of them in flight per adapter, submitted while no client
+into slices of at most 32 MiB, two of them in flight per adapter, submitted while no client
 work is in progress -- each within a deadline of its commit, and at once when the waiting
 slices hold much of L1, at shutdown and while a flush waits.
 

@@ -38,15 +38,15 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Object
 
 #: most bytes of one store task (a slice holds one object at least, whatever its size)
-SLICE_BYTES = 8 << 20
+SLICE_BYTES = 32 << 20
 #: most write-back bytes handed to one adapter and not yet reported (one slice at least)
-INFLIGHT_BYTES = 32 << 20
+INFLIGHT_BYTES = 64 << 20
 #: longest a committed object waits for a quiet data plane before it is written back anyway
-MAX_DEFER_S = 0.1
+MAX_DEFER_S = 0.5
 #: no deferral for this long after L1 evicted an object before its L2 store
 LOSS_COOLDOWN_S = 1.0
 #: slices not yet submitted holding more than this share of L1 are written back at once
-PRESSURE_FRACTION = 0.25
+PRESSURE_FRACTION = 0.5
 #: how often a deferring controller looks again while client work is in progress
 RECHECK_S = 0.002
 
