@@ -61,7 +61,7 @@ FIGURES = {
     "lookup (miss)": ("cold", "LOOKUP"),  # lookup, then status queries until the answer
     "lookup (hit)": ("warm", "LOOKUP"),
 }
-_LINE = re.compile(r"\[seq \d+/(cold|warm)\] (LOOKUP|STORE|RETRIEVE): .*?([\d.]+) ms")
+_LINE = re.compile(r"\[seq (\d+)/(cold|warm)\] (LOOKUP|STORE|RETRIEVE): .*?([\d.]+) ms")
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 180.0) -> None:
@@ -157,14 +157,16 @@ def run_client(
     return metrics, done.stdout
 
 
-def samples_of(log: str) -> dict[str, list[float]]:
-    """Every operation's latency in ms, by figure."""
+def samples_of(log: str, skip_seq: int | None = None) -> dict[str, list[float]]:
+    """Every operation's latency in ms, by figure (but request ``skip_seq``'s)."""
     found: dict[str, list[float]] = {name: [] for name in FIGURES}
     wanted = {where: name for name, where in FIGURES.items()}
     for match in _LINE.finditer(log):
-        name = wanted.get((match.group(1), match.group(2)))
+        if skip_seq is not None and int(match.group(1)) == skip_seq:
+            continue
+        name = wanted.get((match.group(2), match.group(3)))
         if name is not None:
-            found[name].append(float(match.group(3)))
+            found[name].append(float(match.group(4)))
     return found
 
 
@@ -204,11 +206,17 @@ def run_slice(
     system: str, url: str, first: int, args: argparse.Namespace, work: Path
 ) -> dict[str, list[float]]:
     count = args.requests_per_slice
-    metrics, log = run_client(url, args, first, count, work / f"{system}.json")
+    # A client process's first request pays for its own start-up (torch's first operations,
+    # the first touch of its buffers): hundreds of ms against either server, so it is run
+    # but not counted, and the figures are the servers'.
+    warmup = 1 if args.warmup else 0
+    metrics, log = run_client(url, args, first, count + warmup, work / f"{system}.json")
     results = metrics["results"]
-    if results["checksum_fail"] or results["checksum_ok"] != count:
-        raise SystemExit(f"{system}: checksums failed for requests {first}..{first + count - 1}: {results}")
-    found = samples_of(log)
+    if results["checksum_fail"] or results["checksum_ok"] != count + warmup:
+        raise SystemExit(
+            f"{system}: checksums failed for requests {first}..{first + count + warmup - 1}: {results}"
+        )
+    found = samples_of(log, first if warmup else None)
     if any(len(values) != count for values in found.values()):
         raise SystemExit(
             f"{system}: the client's log lacks some operations: { {k: len(v) for k, v in found.items()} }"
@@ -249,6 +257,12 @@ def main() -> None:
     parser.add_argument(
         "--tiers-l2", choices=("fs", "nixl"), default="fs", help="lmcache-tiers' file L2 adapter (default fs)"
     )
+    parser.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="count each client process's first request too (its start-up, not the server's)",
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
     if not (REF_VENV / "bin" / "lmcache").exists():
@@ -263,7 +277,7 @@ def main() -> None:
             try:
                 for index in range(args.slices):
                     order = ["reference", "tiers"] if index % 2 == 0 else ["tiers", "reference"]
-                    first = index * args.requests_per_slice
+                    first = index * (args.requests_per_slice + (1 if args.warmup else 0))
                     for system in order:
                         print(
                             f"L2 {'on' if with_l2 else 'off'}, slice {index + 1}/{args.slices}: {system}",
@@ -295,7 +309,9 @@ def main() -> None:
             for system in ("reference", "tiers"):
                 values = samples[(with_l2, system)][name]
                 row[f"{system}_p50_ms"] = statistics.median(values)
+                row[f"{system}_p90_ms"] = percentile(values, 0.9)
                 row[f"{system}_p99_ms"] = percentile(values, 0.99)
+                row[f"{system}_samples_ms"] = values  # request order: where the slow ones fall
                 row["samples"] = len(values)
             row["faster"] = (
                 row["tiers_p50_ms"] < row["reference_p50_ms"]
@@ -309,6 +325,7 @@ def main() -> None:
         "shape_spec": args.shape_spec,
         "request_mib": request_bytes(args.shape_spec, args.tokens) / 2**20,
         "slices": args.slices,
+        "warmup_requests_per_slice": 1 if args.warmup else 0,
         "rows": table,
         "faster_on_every_figure": all(row["faster"] for row in table),
         "tiers_lookup_p99_with_l2_ms": lookup_p99,

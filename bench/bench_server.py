@@ -15,6 +15,12 @@ it; the ratio to it does not.
     python bench/bench_server.py                       # 64 x 2 MiB, 16-key lookups, tcp://
     python bench/bench_server.py --transport ipc       # the same over ipc://
     python bench/bench_server.py --chunks 128 --chunk-mib 1 --json
+    python bench/bench_server.py --l2 nixl              # + STORE while L2 write-back runs
+    python bench/bench_server.py --clients 4            # + STORE from 4 processes at once
+
+``--l2`` starts the server with a file L2 adapter (``--direct``: O_DIRECT writes) and adds
+STORE under write-back, ``--clients`` adds STORE from several processes at once, each next
+to its limit (``bench/server_store.py`` says how they are measured).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -33,6 +40,9 @@ import time
 from collections.abc import Sequence
 
 import zmq
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from server_store import StoreFigures, l2_adapter_json, store_many_clients, store_under_write_back
 
 from lmcache_tiers.cli.commands_server import bench_table, run_with_progress
 from lmcache_tiers.cli.output import stdout
@@ -222,6 +232,15 @@ def main() -> None:
         help="keys of the long LOOKUP whose p50 next to the short one's gives the cost per key (0: skip)",
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--l2", choices=("nixl", "fs"), help="L2 adapter of the server started here")
+    parser.add_argument("--direct", action="store_true", help="the L2 writes with O_DIRECT")
+    parser.add_argument("--clients", type=int, default=0, help="processes of the multi-client STORE")
+    parser.add_argument(
+        "--client-chunk-kib",
+        default="256,1024,4096,16384",
+        help="chunk sizes of the multi-client STORE, KiB, comma-separated",
+    )
+    parser.add_argument("--client-mib", type=int, default=64, help="MiB each client stores per repeat")
     parser.add_argument("--echo-server", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.echo_server:
@@ -232,10 +251,21 @@ def main() -> None:
     proc = None
     url = args.url
     transport = "ipc" if url is not None and url.startswith("ipc://") else args.transport
+    l2_root = tempfile.mkdtemp(prefix="lmcache-tiers-bench-l2-", dir=os.getcwd()) if args.l2 else ""
     if url is None:
-        # room for one batch plus slack, since eviction is what frees space between repeats
-        l1_gb = max(0.5, 3 * args.chunks * chunk_bytes / 2**30)
-        proc, url = start_server(l1_gb, transport)
+        # room for one batch plus slack, since eviction is what frees space between repeats;
+        # with L2, for every write-back batch too (unstored objects are never evicted)
+        batch_gb = args.chunks * chunk_bytes / 2**30
+        l1_gb = max(0.5, (3 + (args.repeats if args.l2 else 0)) * batch_gb)
+        if args.clients:
+            l1_gb = max(l1_gb, 3 * args.clients * args.client_mib / 1024)
+        adapters = (
+            [l2_adapter_json(args.l2, l2_root, 4 * args.repeats * batch_gb + 1, direct=args.direct)]
+            if args.l2
+            else []
+        )
+        proc, url = start_server(l1_gb, transport, adapters)
+    extra = StoreFigures()
     try:
         floor_before = measure_floor(transport, args.lookup_keys)
         result = run_with_progress(
@@ -254,10 +284,17 @@ def main() -> None:
             short_p50, long_p50 = lookup_p50s(url, args.lookup_keys, long_keys, args.lookup_requests)
             echo_long = measure_floor(transport, args.long_lookup_keys)
             slope = (short_p50, long_p50, min(floor_before[1], floor_after[1]), echo_long[1])
+        if args.l2:
+            extra.write_back = store_under_write_back(url, args.chunks, chunk_bytes, args.repeats)
+        if args.clients:
+            sizes = [int(kib) << 10 for kib in args.client_chunk_kib.split(",") if kib]
+            extra.clients = store_many_clients(url, args.clients, sizes, args.client_mib << 20, args.repeats)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
+        if l2_root:
+            shutil.rmtree(l2_root, ignore_errors=True)
     floor_per_s = max(floor_before[0], floor_after[0])
     if args.json:
         data = result.to_dict()
@@ -266,12 +303,13 @@ def main() -> None:
         data["zmq_echo_p50_us"] = [floor_before[1], floor_after[1]]
         data["lookup_vs_zmq_echo"] = result.lookup_per_s / floor_per_s
         if slope is not None:
-            extra = args.long_lookup_keys - args.lookup_keys
+            added = args.long_lookup_keys - args.lookup_keys
             data["long_lookup_keys"] = args.long_lookup_keys
             data["lookup_short_long_p50_us"] = [slope[0], slope[1]]
             data["zmq_echo_short_long_p50_us"] = [slope[2], slope[3]]
-            data["lookup_us_per_extra_key"] = (slope[1] - slope[0]) / extra
-            data["zmq_echo_us_per_extra_key"] = (slope[3] - slope[2]) / extra
+            data["lookup_us_per_extra_key"] = (slope[1] - slope[0]) / added
+            data["zmq_echo_us_per_extra_key"] = (slope[3] - slope[2]) / added
+        data.update(extra.to_dict(args.l2, args.direct))
         print(json.dumps(data, indent=2))
         return
     stdout.print(bench_table(result))
@@ -296,14 +334,14 @@ def main() -> None:
         f"target >= {LOOKUP_FLOOR_TARGET}x)",
     ]
     if slope is not None:
-        extra = args.long_lookup_keys - args.lookup_keys
+        added = args.long_lookup_keys - args.lookup_keys
         lines.append(
             f"LOOKUP cost per extra key ({args.long_lookup_keys} vs {args.lookup_keys} keys, p50 "
-            f"{slope[1]:.0f} vs {slope[0]:.0f} us): {(slope[1] - slope[0]) / extra:.3f} us "
+            f"{slope[1]:.0f} vs {slope[0]:.0f} us): {(slope[1] - slope[0]) / added:.3f} us "
             f"(target <= {PER_KEY_TARGET_US}; the bare round trip's own per key this run "
-            f"{(slope[3] - slope[2]) / extra:.3f} us)"
+            f"{(slope[3] - slope[2]) / added:.3f} us)"
         )
-    print("\n".join(lines))
+    print("\n".join(lines + extra.lines(args.l2, args.direct)))
 
 
 if __name__ == "__main__":

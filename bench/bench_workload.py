@@ -13,14 +13,17 @@ the same run.  Scenarios (``--scenarios``):
 * ``fresh``  -- a new client per request (connect, store, lookup, retrieve, close), L1
                 only: the first copies of a client that just connected;
 * ``l2``     -- one client, with an L2 adapter (``--l2``: ``nixl`` = nixl_store_dynamic on
-                NIXL's POSIX backend, ``fs``) so every store is written back while the next
-                requests run: what write-back costs the data plane;
+                NIXL's POSIX backend, ``fs``; ``--direct``: with O_DIRECT writes) so every
+                store is written back while the next requests run: what write-back costs
+                the data plane;
 * ``l2-fresh`` -- both.
 
 L1 keeps every round's objects until the next round starts, then they are evicted (EVICT:
-L2 copies stay), so L1 never fills.  The reference server's own numbers on the same sizes
-come from ``bench/bench_lmcache_mp.py`` (its client against both servers), which
-``bench/run_all.py`` runs next to this one when the reference venv exists.
+L2 copies stay, objects not yet in L2 stay too), so L1 never fills: with an L2 it has room
+for every round, since write-back may lag behind back-to-back requests.  The reference
+server's own numbers on the same sizes come from ``bench/bench_lmcache_mp.py`` (its client
+against both servers), which ``bench/run_all.py`` runs next to this one when the reference
+venv exists.
 
     python bench/bench_workload.py                        # every scenario, nixl L2
     python bench/bench_workload.py --scenarios fresh --rounds 5 --json
@@ -44,6 +47,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_server import start_server
+from server_store import l2_adapter_json, wait_populated
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import ObjectKey
@@ -113,16 +117,9 @@ def memcpy_ms(sources: list[np.ndarray[Any, Any]], repeats: int = 9) -> float:
     return statistics.median(times) * 1e3
 
 
-def l2_adapter_json(kind: str, root: str, capacity_gb: float) -> str:
-    if kind == "nixl":
-        params = {"file_path": root, "use_direct_io": "false", "max_capacity_gb": str(capacity_gb)}
-        return json.dumps({"type": "nixl_store_dynamic", "backend": "POSIX", "backend_params": params})
-    if kind == "fs":
-        return json.dumps({"type": "fs", "path": root, "max_capacity_gb": capacity_gb})
-    raise SystemExit(f"--l2 must be nixl or fs, got {kind!r}")
-
-
-def run_scenario(scenario: str, shape: Shape, rounds: int, l2: str, transport: str) -> ScenarioResult:
+def run_scenario(
+    scenario: str, shape: Shape, rounds: int, l2: str, transport: str, direct: bool = False
+) -> ScenarioResult:
     with_l2 = scenario.startswith("l2")
     fresh = scenario.endswith("fresh")
     rng = np.random.default_rng(7)
@@ -131,14 +128,26 @@ def run_scenario(scenario: str, shape: Shape, rounds: int, l2: str, transport: s
     layouts = [shape.layout] * shape.chunks
     round_bytes = shape.requests * shape.request_bytes
     l2_root = tempfile.mkdtemp(prefix="lmcache-tiers-bench-l2-") if with_l2 else ""
-    adapters = [l2_adapter_json(l2, l2_root, 4 * rounds * round_bytes / 2**30 + 1)] if with_l2 else []
-    proc, url = start_server(max(1.0, 3 * round_bytes / 2**30), transport, adapters)
+    capacity_gb = 4 * rounds * round_bytes / 2**30 + 1
+    adapters = [l2_adapter_json(l2, l2_root, capacity_gb, direct=direct)] if with_l2 else []
+    # Objects not yet in L2 are never evicted: with L2, room for every round
+    l1_rounds = rounds + 1 if with_l2 else 3
+    proc, url = start_server(max(1.0, l1_rounds * round_bytes / 2**30), transport, adapters)
     result = ScenarioResult(
-        scenario, l2 if with_l2 else "", shape.requests * rounds, shape.request_bytes, memcpy_ms(sources)
+        scenario,
+        (l2 + (" O_DIRECT" if direct else "")) if with_l2 else "",
+        shape.requests * rounds,
+        shape.request_bytes,
+        memcpy_ms(sources),
     )
     samples: dict[str, list[float]] = {name: [] for name in OPERATIONS}
     salt = f"workload-{os.getpid()}-{scenario}"
     keeper = Client(url, timeout=60, name="bench-workload")
+    if not fresh:
+        # Rounds with an L2 take fresh L1 extents (the earlier ones wait for write-back),
+        # the others reuse evicted ones: without this, l2 vs warm would compare first
+        # touches of the segment, not write-back.
+        wait_populated(keeper)
     try:
         for round_index in range(rounds):
             stored: list[ObjectKey] = []
@@ -187,10 +196,15 @@ def run_scenario(scenario: str, shape: Shape, rounds: int, l2: str, transport: s
 
 
 def run(
-    scenarios: list[str], shape: Shape, rounds: int = 3, l2: str = "nixl", transport: str = "tcp"
+    scenarios: list[str],
+    shape: Shape,
+    rounds: int = 3,
+    l2: str = "nixl",
+    transport: str = "tcp",
+    direct: bool = False,
 ) -> list[ScenarioResult]:
     """Every scenario in turn (each with a server of its own); the figures, for run_all."""
-    return [run_scenario(name, shape, rounds, l2, transport) for name in scenarios]
+    return [run_scenario(name, shape, rounds, l2, transport, direct) for name in scenarios]
 
 
 def print_table(results: list[ScenarioResult]) -> None:
@@ -226,6 +240,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="passes over the requests, new keys each")
     parser.add_argument("--l2", default="nixl", choices=("nixl", "fs"))
     parser.add_argument("--transport", default="tcp", choices=("tcp", "ipc"))
+    parser.add_argument(
+        "--direct", action="store_true", help="the L2 writes with O_DIRECT (use_direct_io / use_odirect)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     scenarios = [name for name in args.scenarios.split(",") if name]
@@ -233,7 +250,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
     shape = Shape(args.requests, args.tokens, args.chunk_tokens, args.bytes_per_token)
-    results = run(scenarios, shape, args.rounds, args.l2, args.transport)
+    results = run(scenarios, shape, args.rounds, args.l2, args.transport, args.direct)
     if args.json:
         print(json.dumps([asdict(result) for result in results], indent=2))
     else:

@@ -10,6 +10,9 @@ ROUTER, whose identity the loop recognises (:meth:`RouterLoop.is_waker`).
 A front end owns a :class:`RouterLoop`, receives with its ``socket`` in the
 ``receive_one`` it passes to :meth:`RouterLoop.run`, hands blocking work to
 :meth:`RouterLoop.submit` and replies with :meth:`RouterLoop.send`.
+
+Both report to :data:`~lmcache_tiers.activity.DATA_PLANE` (work in the pool is a span, a
+reply a touch), which is how write-back knows to stay out of the way of requests.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 
 import zmq
 
+from lmcache_tiers.activity import DATA_PLANE
 from lmcache_tiers.frontend import FrontendStats
 
 __all__ = ["RouterLoop"]
@@ -99,7 +103,9 @@ class RouterLoop:
         raw = self.socket.getsockopt(zmq.LAST_ENDPOINT)
         self.endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
         self._pool = ThreadPoolExecutor(max_workers=pool_workers, thread_name_prefix=f"tiers-{name}")
-        self._completions: collections.deque[tuple[Done, Any, BaseException | None]] = collections.deque()
+        self._completions: collections.deque[tuple[Done, Any, BaseException | None, object]] = (
+            collections.deque()
+        )
         self.in_pool = 0
         self._stop_requested = False
         self._force_stop = False
@@ -256,21 +262,25 @@ class RouterLoop:
         """Run ``work`` on the pool; then, on the loop thread, ``done(result, None)`` or
         ``done(None, exception)``."""
 
+        token = object()  # this request's span in DATA_PLANE
+
         def run() -> None:
             try:
-                item: tuple[Done, Any, BaseException | None] = (done, work(), None)
+                item: tuple[Done, Any, BaseException | None, object] = (done, work(), None, token)
             except BaseException as exc:
-                item = (done, None, exc)
+                item = (done, None, exc, token)
             self._completions.append(item)
             self._wake()
 
         self.in_pool += 1
+        DATA_PLANE.begin(token)
         self._pool.submit(run)
 
     def _finish_completions(self) -> None:
         while self._completions:
-            done, result, error = self._completions.popleft()
+            done, result, error, token = self._completions.popleft()
             self.in_pool -= 1
+            DATA_PLANE.end(token)
             try:
                 done(result, error)
             except Exception:
@@ -281,6 +291,7 @@ class RouterLoop:
     def send(self, frames: Sequence[Any]) -> bool:
         """Send ``[identity, ...]`` as one message without blocking; a reply that cannot go
         (the client is gone, or not reading) is counted as ``reply_dropped`` and logged."""
+        DATA_PLANE.touch()
         sock = self.socket
         identity = frames[0]
         last = len(frames) - 1

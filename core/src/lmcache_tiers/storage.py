@@ -15,6 +15,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from lmcache_tiers.activity import DATA_PLANE
 from lmcache_tiers.config import ServerConfig
 from lmcache_tiers.controllers import aligned_total
 from lmcache_tiers.errors import L1OutOfMemoryError, TiersError
@@ -86,6 +87,8 @@ class StorageManager:
                 raise
         if self.l1_eviction.above_watermark():
             self.l1_eviction.wake()
+        # The client copies into the reservation until it commits: write-back waits.
+        DATA_PLANE.begin_many(reserved)
         return reserved
 
     def commit_write(self, keys: Sequence[ObjectKey], *, to_l2: bool = True) -> list[bool]:
@@ -102,11 +105,13 @@ class StorageManager:
             committed = [key for key, ok in zip(keys, done, strict=True) if ok]
             if to_l2:
                 self.store.submit(committed)
+        DATA_PLANE.end_many(keys)
         self.stats.add("keys_written", len(committed))
         return done
 
     def abort_write(self, keys: Sequence[ObjectKey]) -> None:
         self.l1.abort_write(keys)
+        DATA_PLANE.end_many(keys)
 
     def _refuse_if_it_cannot_fit(self, keys: Sequence[ObjectKey], sizes: Sequence[int]) -> None:
         """Evicting for a batch that cannot fit anyway would only empty L1 for nothing."""

@@ -217,6 +217,11 @@ class ControllerThread(ABC):
         """Release what is still held; runs once, in the thread, as it ends."""
         return None  # optional hook: nothing held by default
 
+    def next_step_in(self) -> float | None:
+        """Seconds after which the loop should step again even if nothing wakes it
+        (work held back for later); None: the regular interval."""
+        return None
+
     @property
     def stopping(self) -> bool:
         return self._stopping
@@ -285,6 +290,11 @@ class ControllerThread(ABC):
                     # everyone's locks; it is logged and counted, and the loop goes on.
                     self.step_errors += 1
                     logger.exception("%s: step failed", self.name)
+                again = self.next_step_in()
+                if again is not None:
+                    timeout_ms = min(timeout_ms, again * 1000.0)
+                if self._stopping:  # the drain deadline is kept even if nothing reports
+                    timeout_ms = min(timeout_ms, max(0.0, self._drain_deadline - time.monotonic()) * 1000.0)
                 with self._cond:
                     self._served = max(self._served, generation)
                     self._cond.notify_all()

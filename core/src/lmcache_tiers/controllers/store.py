@@ -13,6 +13,11 @@ request arriving while a store thread runs Python waits for the GIL a fraction o
 millisecond rather than up to 5 ms, which is what the p99 of lookups and stores under
 write-back used to be made of.
 
+Write-back is also paced (:mod:`lmcache_tiers.controllers.store_pacing`): batches are cut
+into slices of at most 32 MiB, two of them in flight per adapter, submitted while no client
+work is in progress -- each within a deadline of its commit, and at once when the waiting
+slices hold much of L1, at shutdown and while a flush waits.
+
 Committed objects are flagged *unstored* in L1 from their commit until their stores are
 settled (stored in one adapter, or every task done), so L1 eviction takes them only as a
 last resort, and counts them when it does.
@@ -23,12 +28,15 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from lmcache_tiers.activity import DATA_PLANE, DataPlaneActivity
 from lmcache_tiers.controllers.base import AdapterSlot, ControllerThread, TaskTracker, adapter_infos
 from lmcache_tiers.controllers.stats import EngineStats
+from lmcache_tiers.controllers.store_pacing import Slice, WriteBackPacer, slices_of
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager, L1Object
 from lmcache_tiers.l2.interface import L2Op
@@ -53,6 +61,7 @@ class _Task:
     task_id: int
     keys: list[ObjectKey]  # read-locked once each until the result is popped
     batch: _Batch
+    nbytes: int  # of the slice, as the pacer counted it in flight
 
 
 class StoreController(ControllerThread):
@@ -64,6 +73,7 @@ class StoreController(ControllerThread):
         slots: Sequence[AdapterSlot],
         policy: StorePolicy,
         stats: EngineStats,
+        activity: DataPlaneActivity = DATA_PLANE,
     ) -> None:
         super().__init__("l2-store")
         self.l1 = l1
@@ -71,8 +81,14 @@ class StoreController(ControllerThread):
         self.policy = policy
         self.stats = stats
         self._queue_lock = threading.Lock()
-        self._queue: deque[list[L1Object]] = deque()
-        self._starting = 0  # batches taken off the queue whose tasks are not tracked yet
+        self._queue: deque[tuple[list[L1Object], float]] = deque()  # (objects, commit time)
+        self._starting = 0  # batches taken off the queue whose slices are not queued yet
+        self._urgent = 0  # flushes waiting: write-back defers to nobody meanwhile
+        self._pacer = WriteBackPacer(
+            activity, l1.capacity_bytes, lambda: stats.failures().get("evicted_before_l2_store", 0)
+        )
+        self._waiting_slices = 0  # len(self._pacer), readable from any thread
+        self._step_in: float | None = None
         # touched by the controller thread only
         self._tasks = TaskTracker[_Task, list[bool]](
             L2Op.STORE, lambda adapter: adapter.pop_completed_stores(), stats
@@ -99,19 +115,34 @@ class StoreController(ControllerThread):
         if not objects:
             return
         with self._queue_lock:
-            self._queue.append(objects)
+            self._queue.append((objects, time.monotonic()))
         self.wake()
 
     def pending_batches(self) -> int:
-        """Batches not yet handed to the adapters (one being started counts)."""
+        """Work not yet handed to the adapters: queued batches (one being started counts)
+        and slices waiting for their turn."""
         with self._queue_lock:
-            return len(self._queue) + self._starting
+            return len(self._queue) + self._starting + self._waiting_slices
 
     def in_flight(self) -> int:
         return len(self._tasks)
 
+    def deferrals(self) -> int:
+        """Times a slice was held back because client work was in progress."""
+        return self._pacer.deferrals
+
     def busy(self) -> bool:
         return bool(self._tasks) or self.pending_batches() > 0
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        # Whoever waits for L2 wants it done: nothing is held back for client work meanwhile.
+        with self._queue_lock:
+            self._urgent += 1
+        try:
+            return super().wait_idle(timeout)
+        finally:
+            with self._queue_lock:
+                self._urgent -= 1
 
     # -- the thread --------------------------------------------------------------------
 
@@ -127,15 +158,26 @@ class StoreController(ControllerThread):
             with self._queue_lock:
                 if not self._queue:
                     break
-                objects = self._queue.popleft()
+                objects, committed = self._queue.popleft()
                 self._starting = 1
             try:
-                self._start_batch(objects)
+                self._start_batch(objects, committed)
             finally:
-                with self._queue_lock:
+                with self._queue_lock:  # never seen as idle between the two counts
+                    self._waiting_slices = len(self._pacer)
                     self._starting = 0
+        self._submit_slices()
 
-    def _start_batch(self, objects: list[L1Object]) -> None:
+    def next_step_in(self) -> float | None:
+        return self._step_in
+
+    def _submit_slices(self) -> None:
+        pieces, self._step_in = self._pacer.take(urgent=self.stopping or self._urgent > 0)
+        for piece in pieces:
+            self._submit(piece)
+        self._waiting_slices = len(self._pacer)
+
+    def _start_batch(self, objects: list[L1Object], committed: float) -> None:
         batch = _Batch({obj.key: obj for obj in objects})
         keys = list(batch.objects)
         try:
@@ -154,17 +196,23 @@ class StoreController(ControllerThread):
             chosen = [key for key in dict.fromkeys(target_keys) if key in wanted]
             if chosen:
                 targeted.update(chosen)
-                self._submit(self.slots[index], chosen, batch)
+                slot = self.slots[index]
+                for run in slices_of([wanted[key] for key in chosen]):
+                    nbytes = sum(obj.size for obj in run)
+                    self._pacer.add(Slice(slot, [obj.key for obj in run], nbytes, batch, committed))
+                    batch.tasks_left += 1  # a slice counts as a task from now on
         # Keys the policy sends nowhere are not meant for L2: nothing to wait for.
         self.l1.settle_unstored([obj for key, obj in wanted.items() if key not in targeted])
         if batch.tasks_left == 0:
             self._finish_batch(batch)
 
-    def _submit(self, slot: AdapterSlot, keys: list[ObjectKey], batch: _Batch) -> None:
+    def _submit(self, piece: Slice) -> None:
+        slot, batch = piece.slot, piece.batch
         # Keys deleted or evicted since their commit are simply not stored.
-        locked = self.l1.reserve_read(keys)
-        keys = [key for key in keys if key in locked]
+        locked = self.l1.reserve_read(piece.keys)
+        keys = [key for key in piece.keys if key in locked]
         if not keys:
+            self._slice_ended(piece)
             return
         try:
             # The loans live as long as the task: the read locks keep their bytes in place.
@@ -177,11 +225,19 @@ class StoreController(ControllerThread):
             self.stats.add_adapter(slot.index, "keys_store_failed", len(keys))
             self.stats.fail("l2_store_submit_error")
             logger.warning("store of %d keys to %s could not be submitted: %s", len(keys), slot.name, exc)
+            self._slice_ended(piece)
             return
-        self._tasks.track(slot, task_id, _Task(slot, task_id, keys, batch))
-        batch.tasks_left += 1
+        self._tasks.track(slot, task_id, _Task(slot, task_id, keys, batch, piece.nbytes))
         self.stats.add_adapter(slot.index, "store_tasks_submitted")
         logger.debug("Submitted store task %d to %s: %d keys", task_id, slot.name, len(keys))
+
+    def _slice_ended(self, piece: Slice) -> None:
+        """A slice that never became a task: its batch stops waiting for it."""
+        self._pacer.reported(piece.slot.index, piece.nbytes)
+        batch = piece.batch
+        batch.tasks_left -= 1
+        if batch.tasks_left == 0:
+            self._finish_batch(batch)
 
     def _reap(self, slot: AdapterSlot) -> None:
         for task, results in self._tasks.reap(slot):
@@ -189,6 +245,7 @@ class StoreController(ControllerThread):
 
     def _complete(self, task: _Task, results: Sequence[bool]) -> None:
         self.l1.finish_read(task.keys)
+        self._pacer.reported(task.slot.index, task.nbytes)
         stored = [key for key, ok in zip(task.keys, results, strict=False) if ok]
         failed = len(task.keys) - len(stored)
         index = task.slot.index
@@ -247,9 +304,18 @@ class StoreController(ControllerThread):
             self.stats.add_adapter(task.slot.index, "store_tasks_failed")
             self.stats.fail("l2_store_abandoned", len(task.keys))
         self._tasks.clear()
+        # Slices never submitted: counted once per object not stored in any adapter.
+        unsent = {
+            key: piece.batch.objects[key]
+            for piece in self._pacer.drop_all()
+            for key in piece.keys
+            if key not in piece.batch.stored
+        }
+        self._waiting_slices = 0
         with self._queue_lock:
-            queued = [obj for objects in self._queue for obj in objects]
+            queued = [obj for objects, _ in self._queue for obj in objects]
             self._queue.clear()
+        queued += unsent.values()
         self.l1.settle_unstored(queued)
         if queued:
             self.stats.fail("l2_store_dropped_at_shutdown", len(queued))

@@ -40,6 +40,7 @@ from lmcache_tiers.l2.scan_progress import watch_scans
 from lmcache_tiers.registry import ComponentRegistry, Kind
 from lmcache_tiers.server.banner import start_banner, stop_summary
 from lmcache_tiers.server.flush import ABANDONED_FAILURES, flush_l2, pending_l2_stores
+from lmcache_tiers.server.heap import start_up_heap_frozen
 from lmcache_tiers.server.http import HttpEndpoint
 from lmcache_tiers.server.logs import configure_logging
 from lmcache_tiers.server.metrics import build_registry, render
@@ -341,7 +342,8 @@ def run_server(
         for frontend in server.frontends:
             logger.info("serving %s on %s", frontend.name, frontend.address)
         try:
-            server.serve()
+            with start_up_heap_frozen():
+                server.serve()
         except Exception:
             # A bug in a front end: still give everything back and unlink the segment.
             logger.exception("serving failed; shutting down")

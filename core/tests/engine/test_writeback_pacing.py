@@ -1,0 +1,193 @@
+"""Write-back paced behind client work: slices, a bound in flight, deferral with its limits.
+
+Every test reaches its state through conditions it waits for (counters, keys in the
+adapter), never through sleeps; deferral is made long (a minute) where a test needs it to
+hold, so no assertion depends on how fast the machine is.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from engine_support import GatedConfig, gated_backend, keys_of, store
+
+from lmcache_tiers.activity import DATA_PLANE
+from lmcache_tiers.config import AdapterSpec
+from lmcache_tiers.controllers import store_pacing
+from lmcache_tiers.storage import StorageManager
+
+SIZE = 32 * 1024
+
+
+def gated() -> AdapterSpec:
+    return AdapterSpec(type="gated", config=GatedConfig())
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def stored_keys(storage: StorageManager) -> set[object]:
+    return set(storage.adapters[0].iter_keys())
+
+
+@pytest.fixture
+def client_busy() -> Iterator[None]:
+    """A client copy in progress for as long as the test runs."""
+    token = object()
+    DATA_PLANE.begin(token)
+    try:
+        yield
+    finally:
+        DATA_PLANE.end(token)
+
+
+@pytest.fixture
+def long_deferral(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store_pacing, "MAX_DEFER_S", 60.0)
+    monkeypatch.setattr(DATA_PLANE, "stale_s", 120.0)
+
+
+def test_write_back_waits_while_a_client_is_busy(engine, long_deferral, client_busy) -> None:
+    storage = engine([gated()])
+    keys = keys_of(1, 4)
+    store(storage, keys, SIZE)
+    assert wait_for(lambda: storage.store.deferrals() > 0), "the controller never looked at the batch"
+    assert stored_keys(storage) == set()
+    assert storage.store.pending_batches() == 1, "one slice waits"
+    assert all(storage.l1.get(key).unstored for key in keys), "waiting objects stay protected"
+
+
+def test_write_back_goes_once_the_data_plane_is_quiet(engine, long_deferral) -> None:
+    storage = engine([gated()])
+    token = object()
+    DATA_PLANE.begin(token)
+    keys = keys_of(2, 4)
+    try:
+        store(storage, keys, SIZE)
+        assert wait_for(lambda: storage.store.deferrals() > 0)
+        assert stored_keys(storage) == set()
+    finally:
+        DATA_PLANE.end(token)
+    assert wait_for(lambda: stored_keys(storage) == set(keys)), "write-back never resumed"
+    assert storage.flush(10)
+
+
+def test_a_flush_does_not_wait_for_quiet(engine, long_deferral, client_busy) -> None:
+    storage = engine([gated()])
+    keys = keys_of(3, 4)
+    store(storage, keys, SIZE)
+    assert storage.flush(10)
+    assert stored_keys(storage) == set(keys)
+
+
+def test_deferral_ends_at_its_deadline(engine, monkeypatch, client_busy) -> None:
+    monkeypatch.setattr(store_pacing, "MAX_DEFER_S", 0.05)
+    monkeypatch.setattr(DATA_PLANE, "stale_s", 120.0)
+    storage = engine([gated()])
+    keys = keys_of(4, 4)
+    store(storage, keys, SIZE)
+    # Nobody flushes and the client never stops: the deadline alone gets them to L2.
+    assert wait_for(lambda: stored_keys(storage) == set(keys))
+
+
+def test_a_lost_end_stops_holding_write_back_back(engine, long_deferral, monkeypatch) -> None:
+    monkeypatch.setattr(DATA_PLANE, "stale_s", 0.05)
+    DATA_PLANE.begin(object())  # never ended: a client that died between reserve and commit
+    storage = engine([gated()])
+    keys = keys_of(5, 4)
+    store(storage, keys, SIZE)
+    assert wait_for(lambda: stored_keys(storage) == set(keys))
+
+
+def test_pressure_on_l1_ends_deferral(engine, long_deferral, monkeypatch, client_busy) -> None:
+    # Waiting slices holding more than this share of L1 go at once.
+    monkeypatch.setattr(store_pacing, "PRESSURE_FRACTION", 3 * SIZE / (64 << 20))
+    storage = engine([gated()])
+    few = keys_of(6, 2)
+    store(storage, few, SIZE)
+    assert wait_for(lambda: storage.store.deferrals() > 0)
+    assert stored_keys(storage) == set()
+    more = keys_of(7, 2)
+    store(storage, more, SIZE)  # 4 objects waiting: over the threshold
+    # The oldest slice goes, which brings what waits back under the threshold.
+    assert wait_for(lambda: stored_keys(storage) == set(few))
+    assert storage.store.pending_batches() == 1
+    assert stored_keys(storage) == set(few)
+
+
+def test_batches_are_cut_into_slices_and_few_are_in_flight(engine, monkeypatch) -> None:
+    monkeypatch.setattr(store_pacing, "SLICE_BYTES", 2 * SIZE)
+    monkeypatch.setattr(store_pacing, "INFLIGHT_BYTES", 4 * SIZE)
+    storage = engine([gated()])
+    backend = gated_backend(storage)
+    backend.store_gate.clear()
+    keys = keys_of(8, 10)  # 5 slices of 2 objects
+    store(storage, keys, SIZE)
+    adapter_status: Callable[[], dict[str, int]] = lambda: storage.status()["adapters"][0]  # noqa: E731
+    # Two slices fill the bound in flight; the other three wait in the controller.
+    assert wait_for(lambda: adapter_status()["store_tasks_submitted"] == 2)
+    assert storage.store.in_flight() == 2
+    assert storage.store.pending_batches() == 3
+    assert storage.l1.stats().read_locks == 4, "only the objects handed to the adapter are read-locked"
+    backend.store_gate.set()
+    assert storage.flush(10)
+    status = adapter_status()
+    counts = status["store_tasks_submitted"], status["store_tasks_completed"], status["keys_stored"]
+    assert counts == (5, 5, 10)
+    assert stored_keys(storage) == set(keys)
+    assert all(not obj.unstored for obj in (storage.l1.get(key) for key in keys) if obj is not None)
+    assert storage.l1.stats().read_locks == 0
+
+
+def test_one_object_larger_than_a_slice_is_a_slice_of_its_own(engine, monkeypatch) -> None:
+    monkeypatch.setattr(store_pacing, "SLICE_BYTES", SIZE // 2)
+    monkeypatch.setattr(store_pacing, "INFLIGHT_BYTES", SIZE // 2)
+    storage = engine([gated()])
+    keys = keys_of(9, 3)
+    store(storage, keys, SIZE)
+    assert storage.flush(10)
+    status = storage.status()["adapters"][0]
+    assert (status["store_tasks_submitted"], status["keys_stored"]) == (3, 3)
+
+
+def test_slices_never_submitted_are_counted_as_dropped_at_shutdown(engine, monkeypatch) -> None:
+    monkeypatch.setattr(store_pacing, "SLICE_BYTES", SIZE)
+    monkeypatch.setattr(store_pacing, "INFLIGHT_BYTES", SIZE)
+    storage = engine([gated()])
+    backend = gated_backend(storage)
+    backend.store_gate.clear()
+    keys = keys_of(10, 3)
+    store(storage, keys, SIZE)
+    assert wait_for(lambda: storage.store.in_flight() == 1 and storage.store.pending_batches() == 2)
+    # The controller gives up after the drain timeout; the adapter's close then waits for
+    # the parked call, which the timer lets go.
+    opener = threading.Timer(0.5, backend.store_gate.set)
+    opener.start()
+    storage.close(drain_timeout_s=0.05)
+    opener.join()
+    failures = storage.stats.failures()
+    assert failures.get("l2_store_abandoned") == 1
+    assert failures.get("l2_store_dropped_at_shutdown") == 2
+
+
+def test_no_deferral_after_l1_lost_an_object_before_its_store(engine, long_deferral, client_busy) -> None:
+    storage = engine([gated()])
+    early = keys_of(11, 2)
+    store(storage, early, SIZE)
+    assert wait_for(lambda: storage.store.deferrals() > 0)
+    assert stored_keys(storage) == set()
+    # L1 had to take an object before its L2 store: it is short of room, so nothing more
+    # waits for quiet (the waiting slice goes at the controller's next look).
+    storage.stats.fail("evicted_before_l2_store")
+    later = keys_of(12, 2)
+    store(storage, later, SIZE)
+    assert wait_for(lambda: stored_keys(storage) == set(early + later))
