@@ -311,22 +311,36 @@ def _each_case(root: str, args: argparse.Namespace) -> None:
         throughput(root, case, args.repeat, args.direct_io)
 
 
+PARTS = ("throughput", "scan", "reference")
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--dir", default=None, help="filesystem to measure (default: the temp directory)")
-    parser.add_argument("--parts", default="throughput,scan,reference")
+    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated parts to run")
     parser.add_argument("--cases", default="256x1,64x16")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=_at_least_one, default=5)
     parser.add_argument("--direct-io", action="store_true")
-    parser.add_argument("--scan-objects", type=int, default=100_000)
-    parser.add_argument("--ref-keys", type=int, default=64)
+    parser.add_argument("--scan-objects", type=_at_least_one, default=100_000)
+    parser.add_argument("--ref-keys", type=_at_least_one, default=64)
     parser.add_argument("--reference-venv", type=Path, default=REFERENCE_VENV)
     parser.add_argument(
         "--json", action="store_true", help="also print the figures as one JSON line at the end"
     )
     args = parser.parse_args()
+    chosen = args.parts.split(",")
+    unknown = [part for part in chosen if part not in PARTS]
+    if unknown:
+        parser.error(f"--parts: unknown part {unknown[0]!r}; choose from {', '.join(PARTS)}")
     root = tempfile.mkdtemp(prefix="bench-fs-", dir=args.dir)
     parts: dict[str, Callable[[], None]] = {
         "throughput": lambda: (
@@ -336,7 +350,7 @@ def main() -> None:
         "reference": lambda: reference(root, args.reference_venv, args.ref_keys, args.repeat),
     }
     try:
-        for part in args.parts.split(","):
+        for part in chosen:
             parts[part]()
     finally:
         shutil.rmtree(root, ignore_errors=True)
