@@ -258,7 +258,6 @@ class PrefetchController(ControllerThread):
         """Keep one adapter's answer for ``request.remaining``, and the pins it took."""
         count = len(request.remaining)
         if len(result.found) != count or len(result.sizes) != count:
-            # The pins of a malformed answer cannot be told apart: the adapter keeps them.
             self.stats.fail("l2_lookup_bad_result")
             result = LookupResult([False] * count, [0] * count)
         request.found[slot.index] = result
