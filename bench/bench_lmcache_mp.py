@@ -19,7 +19,10 @@ all the requests of all slices (the client prints one line per operation).
 Next to the figures, the limits measured in the same run: a memcpy of one request's KV
 bytes (a store or a retrieve copies them once between the engine's blocks and the L1
 segment, on the client), and two bare ZeroMQ round trips (a lookup is the LOOKUP request
-and its first status query).  Target: lmcache-tiers faster on every figure, and lookups
+and its first status query).  A third process only sleeps 2 ms at a time during the run
+and reports how late it woke up: on a shared machine the longest of those delays is a
+floor under every p99 (a request that arrives while its server is off the CPU waits as
+long), whatever the server does.  Target: lmcache-tiers faster on every figure, and lookups
 under 3 ms p99 with the L2 configured.
 
     python bench/bench_lmcache_mp.py                   # 8 slices of 4 requests x 1024 tokens each
@@ -226,6 +229,40 @@ def run_slice(
     return found
 
 
+#: how long the stall probe sleeps between looks at the clock
+PROBE_SLEEP_S = 0.002
+#: a wake-up later than this counts as a stall
+STALL_MS = 3.0
+
+
+def stall_probe(output: str) -> None:
+    """Sleep ``PROBE_SLEEP_S`` at a time until SIGTERM, then write how late each wake-up
+    was (ms, those over 0.5 ms) to ``output``: the scheduling delays any process on this
+    machine suffered during the run, whatever the servers do."""
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    late: list[float] = []
+    while not stop:
+        began = time.perf_counter()
+        time.sleep(PROBE_SLEEP_S)
+        delay = (time.perf_counter() - began - PROBE_SLEEP_S) * 1e3
+        if delay > 0.5:
+            late.append(round(delay, 3))
+    Path(output).write_text(json.dumps(late))
+
+
+def start_stall_probe(work: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    output = work / "stalls.json"
+    command = [sys.executable, __file__, "--stall-probe", str(output)]
+    return subprocess.Popen(command), output
+
+
+def stop_stall_probe(probe: subprocess.Popen[bytes], output: Path) -> list[float]:
+    probe.send_signal(signal.SIGTERM)
+    probe.wait(30)
+    return list(json.loads(output.read_text())) if output.exists() else []
+
+
 def memcpy_ms(nbytes: int) -> float:
     """Best of several copies of ``nbytes`` between two pre-faulted buffers."""
     source = np.ones(nbytes, dtype=np.uint8)
@@ -278,7 +315,11 @@ def main() -> None:
         help="l1: L1 only; l2: with the file L2 only (default both)",
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--stall-probe", metavar="PATH", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.stall_probe:
+        stall_probe(args.stall_probe)
+        return
     if not (REF_VENV / "bin" / "lmcache").exists():
         raise SystemExit(f"no reference LMCache in {REF_VENV}: run scripts/install_reference_lmcache.sh")
 
@@ -287,6 +328,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-lmcache-mp-", dir=os.environ.get("BENCH_DIR")))
     samples: dict[tuple[bool, str], dict[str, list[float]]] = {}
     floors_us: list[float] = []
+    probe, probe_output = start_stall_probe(work)
+    stalls: list[float] = []
     try:
         for with_l2 in configs:
             running = start_both(with_l2, args, work, systems)
@@ -308,6 +351,7 @@ def main() -> None:
                 for proc, _ in running.values():
                     stop(proc)
     finally:
+        stalls = stop_stall_probe(probe, probe_output)
         shutil.rmtree(work, ignore_errors=True)
 
     copy_ms = memcpy_ms(request_bytes(args.shape_spec, args.tokens))
@@ -343,6 +387,9 @@ def main() -> None:
         "slices": args.slices,
         "warmup_requests_per_slice": 1 if args.warmup else 0,
         "rows": table,
+        # a process that only sleeps, next to the servers: how late the machine woke it
+        "idle_process_longest_wakeup_delay_ms": max(stalls, default=0.0),
+        "idle_process_stalls_over_3ms": sum(1 for delay in stalls if delay > STALL_MS),
     }
     if "reference" in systems:
         summary["faster_on_every_figure"] = all(row["faster"] for row in table)
@@ -377,6 +424,12 @@ def main() -> None:
     print(
         f"limits: memcpy of one request's KV bytes {copy_ms:.2f} ms; two bare ZeroMQ round trips "
         f"{round_trip_ms:.3f} ms"
+    )
+    print(
+        f"scheduling during the run: a process that only sleeps woke up to "
+        f"{summary['idle_process_longest_wakeup_delay_ms']:.1f} ms late "
+        f"({summary['idle_process_stalls_over_3ms']} wake-ups over {STALL_MS:g} ms late); "
+        "a request caught in such a stall waits as long"
     )
     if lookup_p99 is not None:
         verdict = "met" if summary["lookup_p99_target_met"] else "NOT met"
