@@ -36,7 +36,8 @@ What each kind of plugin needs:
   ``EntryKind``, ``is_temp_name``, ``check_relative_dir``, ``record_key``), ``identity_of``, ``FileIdentity``,
   ``is_out_of_space``; stores with paths or devices, for their ``preflight``:
   ``check_directory``, ``check_file``;
-* tests: ``L2AdapterSuite`` (``PERSISTENCE``, ``CAPACITY``, ``EVICTION``), ``SerdeSuite``
+* tests: ``L2AdapterSuite`` (``PERSISTENCE``, ``CAPACITY``, ``EVICTION``, ``IMMEDIATE_MISSES``,
+  ``IMMEDIATE_HITS``), ``SerdeSuite``
   (``LOSSLESS``, ``DETECTS_CORRUPTION``, ``BINDS_KEY``),
   ``StorePolicySuite``, ``PrefetchPolicySuite``, ``EvictionPolicySuite`` (``EVICTS``,
   ``RECENCY``, ``LOADS_EVERY_HIT``, ``STORES_EVERYWHERE``), ``ComponentSuite``,
@@ -76,6 +77,7 @@ from lmcache_tiers.protocols import (
     AsyncL2Backend,
     Capacity,
     EvictionPolicy,
+    ImmediateLookups,
     L2Backend,
     ObjectSize,
     PrefetchPolicy,
@@ -137,7 +139,14 @@ if TYPE_CHECKING:
     from lmcache_tiers.testing.base import ComponentSuite
     from lmcache_tiers.testing.blocking import BlockingAdapterClient
     from lmcache_tiers.testing.frontend import FrontendSuite
-    from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite
+    from lmcache_tiers.testing.l2 import (
+        CAPACITY,
+        EVICTION,
+        IMMEDIATE_HITS,
+        IMMEDIATE_MISSES,
+        PERSISTENCE,
+        L2AdapterSuite,
+    )
     from lmcache_tiers.testing.policies import (
         EVICTS,
         LOADS_EVERY_HIT,
@@ -222,6 +231,8 @@ _LAZY = {
     "L2AdapterSuite": "lmcache_tiers.testing.l2",
     "PERSISTENCE": "lmcache_tiers.testing.l2",
     "CAPACITY": "lmcache_tiers.testing.l2",
+    "IMMEDIATE_HITS": "lmcache_tiers.testing.l2",
+    "IMMEDIATE_MISSES": "lmcache_tiers.testing.l2",
     "EVICTION": "lmcache_tiers.testing.l2",
     "StorePolicySuite": _POLICY_SUITES,
     "PrefetchPolicySuite": _POLICY_SUITES,
@@ -243,6 +254,8 @@ __all__ = [
     "EVICTION",
     "EVICTS",
     "GIL_FREE_COPY_BYTES",
+    "IMMEDIATE_HITS",
+    "IMMEDIATE_MISSES",
     "LOADS_EVERY_HIT",
     "LOSSLESS",
     "NONE_HASH",
@@ -282,6 +295,7 @@ __all__ = [
     "FrontendStats",
     "FrontendSuite",
     "HeaderSizes",
+    "ImmediateLookups",
     "KeyCache",
     "KeyValidationError",
     "Kind",

@@ -28,6 +28,7 @@ __all__ = [
     "AsyncL2Backend",
     "Capacity",
     "EvictionPolicy",
+    "ImmediateLookups",
     "L2Backend",
     "ObjectSize",
     "PrefetchPolicy",
@@ -101,7 +102,10 @@ class L2Backend(Protocol):
       ``circuit.enabled`` says otherwise (see :mod:`lmcache_tiers.l2.circuit`);
     * ``ping()`` -- a cheap call that raises when the store does not answer; the
       breaker's probe (``contains_many`` of ``PROBE_KEY`` without it).  A coroutine for
-      coroutine backends.
+      coroutine backends;
+    * ``contains_many_now(keys)`` -- :class:`ImmediateLookups`: ``contains_many``
+      answered from memory on the caller's thread, so that a lookup needs no hop to a
+      worker thread (a plain method for coroutine backends too).
     """
 
     def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> Sequence[bool]:
@@ -172,6 +176,30 @@ class AsyncL2Backend(Protocol):
     ) -> AsyncIterable[tuple[ObjectKey, int | ObjectSize]] | Iterable[tuple[ObjectKey, int | ObjectSize]]: ...
 
     def capacity(self) -> int | Capacity | None: ...
+
+
+@runtime_checkable
+class ImmediateLookups(Protocol):
+    """Optional backend capability: answer a lookup from memory, now, without blocking.
+
+    Core calls ``contains_many_now`` on the thread serving the request (a front end's),
+    with the keys already pinned as for ``contains_many``, and uses the answer exactly as
+    that of ``contains_many`` (same per-key results, same checks; hits stay pinned).  A
+    backend whose index lives in memory (a slot table, a dict) answers it in
+    microseconds, and a lookup it answers needs no hand-off to the adapter's worker
+    thread and back: a miss is known at once, and a hit goes straight to the load.
+
+    The method must not do I/O, sleep, or wait for a lock another thread may hold for
+    longer than a dict access (take it with ``acquire(blocking=False)``); it must be
+    thread-safe against the backend's worker threads.  Returning None means "not now"
+    (the index is not loaded yet, a lock is busy, a key needs its record read): core then
+    asks ``contains_many`` on the worker thread as before.  An exception or a malformed
+    answer is counted (``backend_errors``) and also falls back.  Backends without the
+    method, and backends behind a wrapper (circuit breaker, fault injection), are always
+    asked on their worker threads.
+    """
+
+    def contains_many_now(self, keys: Sequence[ObjectKey]) -> Sequence[Found] | None: ...
 
 
 # -- policies ----------------------------------------------------------------------------------

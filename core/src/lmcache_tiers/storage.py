@@ -148,7 +148,9 @@ class StorageManager:
     ) -> tuple[int, list[ObjectKey] | None]:
         """``submit_prefetch`` for a caller about to ask for the result anyway (a front end
         answering a lookup): ``(handle, locked)`` when the prefetch finished at once, which
-        is the case whenever nothing is left for L2; ``locked`` is the read-locked prefix
+        is the case whenever nothing is left for L2 -- every key in L1, or every adapter
+        answered from memory (``lookup_and_lock_now``) that it holds none of the rest --;
+        ``locked`` is the read-locked prefix
         (its length is the hit count; release it like any prefetched prefix).  Otherwise
         ``(handle, None)``, and the result comes from ``query_prefetch``/``wait_prefetch``.
         """

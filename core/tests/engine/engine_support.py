@@ -88,6 +88,13 @@ class GatedBackend:
         return None if self.capacity_mb is None else int(self.capacity_mb * MiB)
 
 
+class GatedNowBackend(GatedBackend):
+    """``gated`` whose index also answers on the caller's thread (``contains_many_now``)."""
+
+    def contains_many_now(self, keys: Sequence[ObjectKey]) -> list[Any]:
+        return self.contains_many(keys)
+
+
 def gated_backend(storage: StorageManager, index: int = 0) -> GatedBackend:
     """The ``gated`` backend behind adapter ``index`` of a storage manager."""
     adapter = storage.adapters[index]
@@ -98,6 +105,7 @@ def gated_backend(storage: StorageManager, index: int = 0) -> GatedBackend:
 @hookimpl
 def tiers_register_l2_adapters(registry: KindRegistry) -> None:
     registry.add("gated", GatedBackend, GatedConfig)
+    registry.add("gated_now", GatedNowBackend, GatedConfig)
 
 
 class RecordingSerde:

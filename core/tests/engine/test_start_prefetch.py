@@ -5,7 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from engine_support import keys_of, mock, store
+from engine_support import (
+    gated_backend,
+    keys_of,
+    mock,
+    parked_prefetch,
+    payload,
+    spec,
+    store,
+    store_in_l2_only,
+)
 
 from lmcache_tiers.storage import StorageManager
 
@@ -56,4 +65,77 @@ def test_l2_work_is_left_to_the_controller(engine: Engine) -> None:
     assert storage.wait_prefetch(handle, 10) == 3
     assert [obj.key for obj in storage.read(keys)] == keys
     storage.release(keys, 2)  # the read above and the prefetch's own lock
+    assert_no_read_locks(storage)
+
+
+# -- adapters answering from memory (ImmediateLookups) ------------------------------------
+
+
+def test_an_l2_miss_answered_from_memory_is_settled_on_the_callers_thread(engine: Engine) -> None:
+    storage = engine([mock()])
+    keys = keys_of(40, 4)
+    store(storage, keys[:2], SIZE)
+    assert storage.flush(10)
+    handle, locked = storage.start_prefetch(keys)
+    assert locked == keys[:2]  # L1 prefix, and the adapter knew at once it has nothing more
+    assert storage.query_prefetch(handle) == 0
+    stats = storage.adapters[0].stats()
+    assert stats["lookups_answered_now"] == 1 and stats.get("lookup_tasks", 0) == 0
+    assert storage.adapters[0].pinned_keys() == {}
+    storage.release(locked)
+    assert_no_read_locks(storage)
+
+
+def test_an_l2_hit_answered_from_memory_is_loaded_without_a_lookup_task(engine: Engine) -> None:
+    storage = engine([mock()])
+    keys = keys_of(41, 3)
+    store_in_l2_only(storage, keys, SIZE)
+    handle, locked = storage.start_prefetch(keys)
+    assert locked is None
+    assert storage.wait_prefetch(handle, 10) == 3
+    stats = storage.adapters[0].stats()
+    assert stats["lookups_answered_now"] == 1 and stats.get("lookup_tasks", 0) == 0
+    assert [bytes(storage.view(obj)) for obj in storage.read(keys)] == [payload(key, SIZE) for key in keys]
+    storage.release(keys, 2)
+    assert storage.adapters[0].pinned_keys() == {}
+    assert_no_read_locks(storage)
+
+
+def test_adapters_that_cannot_answer_at_once_are_asked_by_the_controller(engine: Engine) -> None:
+    # A simulated latency makes the mock answer on its worker thread only.
+    storage = engine([mock(), mock(latency_s=0.001, namespace="slow-index")])
+    keys = keys_of(42, 3)
+    handle, locked = storage.start_prefetch(keys)
+    assert locked is None  # the second adapter still has to be asked
+    assert storage.wait_prefetch(handle, 10) == 0
+    fast, slow = (adapter.stats() for adapter in storage.adapters)
+    assert fast["lookups_answered_now"] == 1 and fast.get("lookup_tasks", 0) == 0
+    assert slow.get("lookups_answered_now", 0) == 0 and slow["lookup_tasks"] == 1
+    assert all(adapter.pinned_keys() == {} for adapter in storage.adapters)
+    assert_no_read_locks(storage)
+
+
+def test_answers_taken_at_submission_shrink_when_l1_got_the_keys_meanwhile(engine: Engine) -> None:
+    storage = engine([spec({"type": "gated_now"})], l2_prefetch_max_in_flight=1)
+    backend = gated_backend(storage)
+    adapter = storage.adapters[0]
+    waiting = keys_of(43, 4)
+    store_in_l2_only(storage, waiting[1:], SIZE)  # L2 misses the first key: [miss, hit, hit, hit]
+    parked = parked_prefetch(storage, keys_of(44, 2), SIZE)  # holds the only prefetch slot
+    handle, locked = storage.start_prefetch(waiting)
+    assert locked is None
+    pins = adapter.pinned_keys()
+    assert waiting[0] not in pins and all(pins.get(key) == 1 for key in waiting[1:])  # pinned at once
+    # The first two become READY in L1 before the queued request starts: the answers for
+    # the other two (hits) must be the ones it goes by, not the first two (a miss, a hit).
+    store(storage, waiting[:2], SIZE)
+    backend.gate.set()
+    assert storage.wait_prefetch(parked, 10) == 2
+    assert storage.wait_prefetch(handle, 10) == 4
+    objects = storage.read(waiting)
+    assert [bytes(storage.view(obj)) for obj in objects] == [payload(key, SIZE) for key in waiting]
+    storage.release(waiting, 2)
+    storage.release(keys_of(44, 2))
+    assert storage.flush(10)
+    assert adapter.pinned_keys() == {}
     assert_no_read_locks(storage)

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 from lmcache_plugin_dax import DaxConfig, DaxDevice
 
-from lmcache_tiers.plugin import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite
+from lmcache_tiers.plugin import (
+    CAPACITY,
+    EVICTION,
+    IMMEDIATE_HITS,
+    IMMEDIATE_MISSES,
+    PERSISTENCE,
+    L2AdapterSuite,
+)
 
 SLOT = 16 << 10  # the suite's objects
 #: a superblock, 64 index entries and 64 slots
@@ -20,7 +27,7 @@ SIZE_GB = (4096 + 64 * (4096 + SLOT)) / (1 << 30)
 class TestDaxFile(L2AdapterSuite):
     component_name = "dax"
     # Usage is the fraction of slots taken; deletes free slots; the index survives restarts.
-    capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION})
+    capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION, IMMEDIATE_MISSES, IMMEDIATE_HITS})
 
     @pytest.fixture(autouse=True)
     def _mapped_files(self) -> Iterator[None]:

@@ -10,7 +10,7 @@ import pytest
 from lmcache_plugin_fs import FsConfig
 
 from lmcache_tiers.testing.files import ScratchDirectory
-from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite
+from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, IMMEDIATE_MISSES, PERSISTENCE, L2AdapterSuite
 
 #: 2 MiB: 128 objects of the suite's 16 KiB before stores are refused
 SUITE_CAPACITY_GB = 2 / 1024
@@ -18,7 +18,8 @@ SUITE_CAPACITY_GB = 2 / 1024
 
 class TestFsLocal(ScratchDirectory, L2AdapterSuite):
     component_name = "fs"
-    capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION})
+    # misses are told from memory; a hit is confirmed by its record file
+    capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION, IMMEDIATE_MISSES})
 
     def make_config(self) -> FsConfig:
         return FsConfig(path=self.storage_dir, max_capacity_gb=SUITE_CAPACITY_GB)
@@ -38,7 +39,7 @@ class TestFsLocalDirect(TestFsLocal):
 
 class TestFsUnbounded(ScratchDirectory, L2AdapterSuite):
     component_name = "fs"
-    capabilities = frozenset({PERSISTENCE})
+    capabilities = frozenset({PERSISTENCE, IMMEDIATE_MISSES})
 
     def make_config(self) -> FsConfig:
         return FsConfig(path=f"file://{self.storage_dir}")

@@ -19,12 +19,21 @@ from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
 from lmcache_tiers.l2.buffers import copy_into
 from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
-from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite, make_keys, pattern
+from lmcache_tiers.testing.l2 import (
+    CAPACITY,
+    EVICTION,
+    IMMEDIATE_HITS,
+    IMMEDIATE_MISSES,
+    PERSISTENCE,
+    L2AdapterSuite,
+    make_keys,
+    pattern,
+)
 
 
 class TestMockAdapter(L2AdapterSuite):
     component_name = "mock"
-    capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION})
+    capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION, IMMEDIATE_MISSES, IMMEDIATE_HITS})
 
     def make_config(self) -> MockConfig:
         # 256 KiB: the capacity tests fill it with 16 objects of 16 KiB

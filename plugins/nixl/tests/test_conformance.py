@@ -6,14 +6,21 @@ from lmcache_plugin_nixl.config import NixlStoreConfig, NixlStoreDynamicConfig
 from nixl_helpers import dynamic_config, pool_config
 
 from lmcache_tiers.testing.files import ScratchDirectory
-from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite
+from lmcache_tiers.testing.l2 import (
+    CAPACITY,
+    EVICTION,
+    IMMEDIATE_HITS,
+    IMMEDIATE_MISSES,
+    PERSISTENCE,
+    L2AdapterSuite,
+)
 
 
 class TestNixlStoreConformance(ScratchDirectory, L2AdapterSuite):
     component_name = "nixl_store"
     # The pool is the capacity (usage = slots in use); deletes return slots. Nothing
     # survives a restart, so no PERSISTENCE.
-    capabilities = frozenset({CAPACITY, EVICTION})
+    capabilities = frozenset({CAPACITY, EVICTION, IMMEDIATE_MISSES, IMMEDIATE_HITS})
 
     def make_config(self) -> NixlStoreConfig:
         # 64 slots: room for the suite's largest batch (32 keys) and small enough that the
@@ -23,7 +30,8 @@ class TestNixlStoreConformance(ScratchDirectory, L2AdapterSuite):
 
 class TestNixlStoreDynamicConformance(ScratchDirectory, L2AdapterSuite):
     component_name = "nixl_store_dynamic"
-    capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION})
+    # misses are told from memory; a hit is confirmed by its record file
+    capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION, IMMEDIATE_MISSES})
 
     def make_config(self) -> NixlStoreDynamicConfig:
         # 2 MiB: 128 objects of the suite's 16 KiB before stores are refused.

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 from lmcache_plugin_raw_block import RawBlockConfig
 
-from lmcache_tiers.plugin import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite
+from lmcache_tiers.plugin import (
+    CAPACITY,
+    EVICTION,
+    IMMEDIATE_HITS,
+    IMMEDIATE_MISSES,
+    PERSISTENCE,
+    L2AdapterSuite,
+)
 
 #: 16 KiB payloads (the suite's objects) in 20 KiB slots
 SLOT = 20 << 10
@@ -22,7 +29,7 @@ META = 4096 + 2 * (64 << 10)
 class TestRawBlockFile(L2AdapterSuite):
     component_name = "raw_block"
     # Usage is the fraction of slots taken; deletes free slots; objects survive restarts.
-    capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION})
+    capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION, IMMEDIATE_MISSES, IMMEDIATE_HITS})
     use_odirect = True
 
     @pytest.fixture(autouse=True)

@@ -126,10 +126,38 @@ class PrefetchController(ControllerThread):
         request = PrefetchRequest(
             handle, keys, readers, l1_hits, time.monotonic() + self._handles.result_ttl_s
         )
+        if self._look_up_now(request) and not any(request.pinned.values()):
+            return handle, locked  # every adapter answered at once, and nothing was found
         if not self._handles.enqueue(request):  # shutting down
+            self._locks.release_pins(request)
             return handle, locked
         self.wake()
         return handle, None
+
+    def _look_up_now(self, request: PrefetchRequest) -> bool:
+        """Ask every adapter that can answer from memory (``lookup_and_lock_now``) on this
+        thread, recording their answers in ``request`` as the controller would; True
+        when every adapter answered.
+
+        Only a request whose answer is a miss everywhere is settled here; one with hits
+        still goes to the controller thread, which plans and loads them without asking
+        those adapters again.
+        """
+        request.remaining = request.keys[request.l1_hits :]
+        answered = 0
+        for slot in self.slots:
+            try:
+                result = slot.adapter.lookup_and_lock_now(request.remaining)
+            except Exception as exc:
+                self.stats.fail("l2_lookup_now_error")
+                logger.warning("lookup on %s could not be answered at once: %s", slot.name, exc)
+                continue
+            if result is None:
+                continue
+            answered += 1
+            self.stats.add_adapter(slot.index, "lookups")
+            self._record_lookup(slot, request, result)
+        return answered == len(self.slots)
 
     def query(self, handle: int) -> int | None:
         """Prefix hit count once done (delivered once), None while running, 0 if unknown."""
@@ -189,12 +217,15 @@ class PrefetchController(ControllerThread):
         if extra:
             request.l1_hits += extra
             self.stats.add("l1_hit_chunks", extra)
+            self._locks.drop_leading_answers(request, extra)
         request.remaining = request.keys[request.l1_hits :]
         if not request.remaining:
             self._finish(request, 0)
             return
         self._claimed.update(request.remaining)
         for slot in self.slots:
+            if slot.index in request.found:
+                continue  # answered at once when the request was submitted
             try:
                 task_id = slot.adapter.submit_lookup_and_lock(request.remaining)
             except Exception as exc:
@@ -205,7 +236,10 @@ class PrefetchController(ControllerThread):
             self._lookups.track(slot, task_id, request)
             self.stats.add_adapter(slot.index, "lookups")
         if not request.lookups:
-            self._finish(request, 0)
+            if request.found:
+                self._plan_and_load(request)
+            else:
+                self._finish(request, 0)
 
     def _reap_lookups(self, slot: AdapterSlot) -> None:
         for request, result in self._lookups.reap(slot):
@@ -215,6 +249,13 @@ class PrefetchController(ControllerThread):
                 self._abandon(request, "prefetch_internal_error")
 
     def _lookup_done(self, slot: AdapterSlot, request: PrefetchRequest, result: LookupResult) -> None:
+        self._record_lookup(slot, request, result)
+        del request.lookups[slot.index]
+        if not request.lookups:
+            self._plan_and_load(request)
+
+    def _record_lookup(self, slot: AdapterSlot, request: PrefetchRequest, result: LookupResult) -> None:
+        """Keep one adapter's answer for ``request.remaining``, and the pins it took."""
         count = len(request.remaining)
         if len(result.found) != count or len(result.sizes) != count:
             self.stats.fail("l2_lookup_bad_result")
@@ -223,9 +264,6 @@ class PrefetchController(ControllerThread):
         hits = [key for key, hit in zip(request.remaining, result.found, strict=True) if hit]
         request.pinned[slot.index] = hits
         self.stats.add_adapter(slot.index, "keys_found", len(hits))
-        del request.lookups[slot.index]
-        if not request.lookups:
-            self._plan_and_load(request)
 
     def _plan_and_load(self, request: PrefetchRequest) -> None:
         keys = request.remaining
@@ -347,6 +385,7 @@ class PrefetchController(ControllerThread):
     def _cancel_queued(self) -> None:
         for request in self._handles.take_queued():
             self._locks.release_read(request.keys[: request.l1_hits], request.readers)
+            self._locks.release_pins(request)
             self._handles.publish(request.handle, HeldResult(0, [], request.readers, request.result_deadline))
 
     def finish(self) -> None:

@@ -17,6 +17,7 @@ from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.errors import L1OutOfMemoryError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager, L1Object
+from lmcache_tiers.l2.interface import LookupResult
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,20 @@ class PrefetchLocks:
         except Exception as exc:
             self.stats.fail("l2_unlock_error")
             logger.warning("unlock of %d keys on %s failed: %s", len(keys), slot.name, exc)
+
+    def drop_leading_answers(self, request: PrefetchRequest, count: int) -> None:
+        """The first ``count`` keys of ``request.remaining`` turned out READY in L1 after
+        adapters answered for them at submission: their pins go and the answers shrink to
+        the keys still left for L2 (``request.remaining`` is not cut yet)."""
+        leading = request.remaining[:count]
+        for index, result in list(request.found.items()):
+            self.unpin(request, index, [key for key, hit in zip(leading, result.found, strict=False) if hit])
+            request.found[index] = LookupResult(result.found[count:], result.sizes[count:])
+
+    def release_pins(self, request: PrefetchRequest) -> None:
+        """Drop every pin ``request``'s lookups hold (a queued request given up)."""
+        for index in list(request.pinned):
+            self.unpin(request, index, list(request.pinned[index]))
 
     # -- giving up -----------------------------------------------------------------------
 

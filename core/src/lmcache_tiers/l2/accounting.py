@@ -53,6 +53,9 @@ class ByteAccounting:
         self._reserved_bytes = 0
         self._reserved_objects = 0
         self._scanning = False
+        #: True once a start-up scan listed the whole store: from then on every object the
+        #: backend holds is accounted, unless it was put there behind the adapter's back
+        self.complete = False
         # Keys a live operation recorded or forgot while the scan ran: the listing may be
         # older than what the operation did, so the scan leaves them alone.
         self._touched: set[ObjectKey] = set()
@@ -134,6 +137,7 @@ class ByteAccounting:
     def begin_scan(self) -> None:
         with self._lock:
             self._scanning = True
+            self.complete = False
             self._touched.clear()
 
     def add_scanned(self, items: Iterable[tuple[ObjectKey, ObjectSize]]) -> tuple[int, int]:
@@ -149,9 +153,11 @@ class ByteAccounting:
                 added_bytes += size.stored
         return added, added_bytes
 
-    def end_scan(self) -> None:
+    def end_scan(self, *, complete: bool = False) -> None:
+        """The scan is over; ``complete``: it listed every stored object."""
         with self._lock:
             self._scanning = False
+            self.complete = complete
             self._touched.clear()
 
     # -- capacity ---------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2.calls import is_async_backend
+from lmcache_tiers.l2.calls import checked, is_async_backend, optional_method
 from lmcache_tiers.l2.context import BackendContext
 from lmcache_tiers.l2.interface import L2Adapter, L2Listener, L2Op, LookupResult
 from lmcache_tiers.l2.ops import BatchOp, DeleteOp, LoadOp, LookupOp, StoreOp
@@ -62,6 +62,8 @@ class BackendAdapter(L2Adapter):
         self._lock = threading.Lock()
         state.adapter = self
         concurrency = getattr(backend, "concurrency", None)
+        #: the backend's ImmediateLookups method, when it has one
+        self._contains_now = optional_method(backend, "contains_many_now")
         self.runner: Runner
         if is_async_backend(backend):
             self.runner = LoopRunner(
@@ -143,6 +145,34 @@ class BackendAdapter(L2Adapter):
 
     def pop_completed_lookups(self) -> dict[int, LookupResult]:
         return self.state.board.pop(L2Op.LOOKUP)
+
+    def lookup_and_lock_now(self, keys: Sequence[ObjectKey]) -> LookupResult | None:
+        """The lookup run here, on the caller's thread, when the backend answers it from
+        memory (``contains_many_now``); None otherwise, with nothing held or counted.
+
+        The same operation as a submitted lookup -- pins taken first, so a key being
+        deleted is a miss, then the backend's answer checked and accounted by the same
+        code -- only without the worker thread in between.
+        """
+        contains_now = self._contains_now
+        if contains_now is None or self._closed or self.runner.opened(0.0) is not True:
+            return None
+        op = LookupOp(self.state, keys)
+        (io_keys,) = op.prepare()
+        answer: list[Any] | None = []
+        if io_keys:
+            try:
+                reported = contains_now(io_keys)
+                answer = None if reported is None else checked("contains_many", reported, len(io_keys))
+            except Exception as exc:
+                self.state.backend_failed("contains_many_now", exc)
+                answer = None
+        if answer is None or self._closed:
+            self.state.pins.unpin(io_keys)  # what prepare pinned; the worker asks again
+            return None
+        self.state.count("lookups_answered_now")
+        result: LookupResult = op.finish(answer)
+        return result
 
     def submit_load(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> int:
         self._check_lengths(keys, buffers)

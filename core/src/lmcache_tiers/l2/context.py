@@ -117,6 +117,20 @@ class BackendContext:
 
     # -- for persistent backends ---------------------------------------------------------------
 
+    def accounted(self, keys: Sequence[ObjectKey]) -> list[bool] | None:
+        """Which ``keys`` core accounts for this adapter (stored through it, or listed by
+        its start-up scan); None until the scan has listed the whole store (it runs, or
+        stopped early).
+
+        For a backend whose store nobody else writes (a directory under
+        ``DirectoryLock``): a key not accounted then is not stored, which is how such a
+        backend answers misses from memory (``contains_many_now``).  Memory only.
+        """
+        accounting = self._state.accounting
+        if not accounting.complete:
+            return None
+        return [size is not None for size in accounting.get_many(keys)]
+
     def l1_size_of(self, key: ObjectKey) -> int | None:
         """The L1 size of ``key`` (being stored now, or known to core); None if unknown.
 

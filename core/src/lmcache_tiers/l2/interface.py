@@ -98,6 +98,17 @@ class L2Adapter(ABC):
         caller must unlock every key reported found, whether it loads it or not.
         """
 
+    def lookup_and_lock_now(self, keys: Sequence[ObjectKey]) -> LookupResult | None:
+        """``submit_lookup_and_lock`` answered on the calling thread, or None.
+
+        For an adapter that can tell from memory, without blocking, which keys it holds:
+        the result is what the submitted lookup would report, its hits pinned once each
+        the same way (unlock them as usual), and no task, eventfd signal or result to
+        pop.  None means it cannot answer now (the default, and whatever needs I/O): the
+        caller submits the lookup instead.  Safe to call from any thread.
+        """
+        return None
+
     @abstractmethod
     def pop_completed_lookups(self) -> dict[int, LookupResult]:
         """Results of finished lookup tasks: task id -> found and sizes per key."""

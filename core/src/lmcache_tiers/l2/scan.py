@@ -117,7 +117,7 @@ class KeyScan:
             if not self.running:
                 return
             self.running = False
-            self.state.accounting.end_scan()
+            self.state.accounting.end_scan(complete=problem is None and not self.invalid)
         if self.invalid:
             self.state.count("scan_invalid_entries", self.invalid)
             log.warning(

@@ -5,7 +5,7 @@ declare what it supports::
 
     class TestMock(L2AdapterSuite):
         component_name = "mock"
-        capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION})
+        capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION, IMMEDIATE_MISSES, IMMEDIATE_HITS})
 
         def make_config(self) -> MockConfig:
             return MockConfig(max_size_gb=1 / 4096, namespace=uuid.uuid4().hex)
@@ -34,9 +34,12 @@ import pytest
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import L2Adapter, L2Op
 from lmcache_tiers.testing.l2_capabilities import L2CapabilityTests
+from lmcache_tiers.testing.l2_immediate import ImmediateLookupTests
 from lmcache_tiers.testing.l2_support import (
     CAPACITY,
     EVICTION,
+    IMMEDIATE_HITS,
+    IMMEDIATE_MISSES,
     PERSISTENCE,
     BufferPool,
     RecordingListener,
@@ -49,6 +52,8 @@ from lmcache_tiers.testing.l2_support import (
 __all__ = [
     "CAPACITY",
     "EVICTION",
+    "IMMEDIATE_HITS",
+    "IMMEDIATE_MISSES",
     "PERSISTENCE",
     "BufferPool",
     "L2AdapterSuite",
@@ -59,7 +64,7 @@ __all__ = [
 ]
 
 
-class L2AdapterSuite(L2CapabilityTests):
+class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests):
     """Behaviour every L2 adapter must show through the non-blocking interface."""
 
     # -- the round trip --------------------------------------------------------------------

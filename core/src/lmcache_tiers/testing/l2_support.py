@@ -24,6 +24,10 @@ PERSISTENCE = capability("persistence")
 CAPACITY = capability("capacity")
 #: deleting objects frees capacity, so stores that failed for lack of room succeed again
 EVICTION = capability("eviction")
+#: ``lookup_and_lock_now`` answers a lookup of keys never stored (``contains_many_now``)
+IMMEDIATE_MISSES = capability("immediate_misses")
+#: ``lookup_and_lock_now`` answers hits too (the whole index is in memory)
+IMMEDIATE_HITS = capability("immediate_hits")
 
 Reopen = Callable[[L2Adapter], L2Adapter]
 

@@ -131,6 +131,19 @@ class FsBackend:
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | ObjectSize | None]:
         return [self._records.stored_size(key) for key in keys]
 
+    def contains_many_now(self, keys: Sequence[ObjectKey]) -> list[int | ObjectSize | None] | None:
+        """Misses told from memory: the local directory is this process's alone (its
+        ``DirectoryLock``), so once core's start-up scan listed it, a key core does not
+        account is not on disk.  A batch with any accounted key -- or a remote root,
+        which other writers may share -- goes to ``contains_many``: the record file is
+        what says whether a hit is still there."""
+        if not self.config.is_local:
+            return None
+        accounted = self.context.accounted(keys)
+        if accounted is None or any(accounted):
+            return None
+        return [None] * len(keys)
+
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         return self._records.read_many(keys, buffers)
 

@@ -203,6 +203,18 @@ class MockBackend:
             found = [self._objects.data.get(key) for key in keys]
         return [None if obj is None else obj.size for obj in found]
 
+    def contains_many_now(self, keys: Sequence[ObjectKey]) -> list[int | None] | None:
+        """The namespace is in memory: answered on the caller's thread -- unless a
+        simulated latency makes lookups slow on purpose, or another thread holds the
+        namespace lock right now."""
+        if self.config.latency_s or not self._objects.lock.acquire(blocking=False):
+            return None
+        try:
+            found = [self._objects.data.get(key) for key in keys]
+        finally:
+            self._objects.lock.release()
+        return [None if obj is None else obj.size for obj in found]
+
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         objects = self._objects
         with objects.lock:

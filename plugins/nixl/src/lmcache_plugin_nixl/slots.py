@@ -79,6 +79,15 @@ class SlotTable:
         with self._lock:
             return [entry.size if (entry := self._stored.get(key)) else None for key in keys]
 
+    def sizes_now(self, keys: Sequence[ObjectKey]) -> list[int | None] | None:
+        """``sizes`` without waiting: None when another thread holds the lock."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return [entry.size if (entry := self._stored.get(key)) else None for key in keys]
+        finally:
+            self._lock.release()
+
     def acquire_for_read(self, keys: Sequence[ObjectKey]) -> list[StoredSlot | None]:
         """The slot of each stored key, counted as read until :meth:`release_reads`."""
         result: list[StoredSlot | None] = []

@@ -82,6 +82,11 @@ class NixlStoreBackend:
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | None]:
         return self._slots.sizes(keys)
 
+    def contains_many_now(self, keys: Sequence[ObjectKey]) -> list[int | None] | None:
+        """The slot table is in memory: answered on the caller's thread unless a worker
+        holds its lock right now."""
+        return self._slots.sizes_now(keys)
+
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         entries = self._slots.acquire_for_read(keys)
         held = [entry.slot for entry in entries if entry is not None]

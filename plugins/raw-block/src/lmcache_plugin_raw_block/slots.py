@@ -170,6 +170,15 @@ class SlotTable:
         with self._lock:
             return [self._stored.get(key) for key in keys]
 
+    def lookup_now(self, keys: Sequence[ObjectKey]) -> list[SlotEntry | None] | None:
+        """``lookup`` without waiting: None when another thread holds the lock."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return [self._stored.get(key) for key in keys]
+        finally:
+            self._lock.release()
+
     def acquire(self, keys: Sequence[ObjectKey]) -> list[SlotEntry | None]:
         """Each key's entry, its slot counted as read until :meth:`release`."""
         result: list[SlotEntry | None] = []

@@ -184,6 +184,14 @@ class SlotStoreBackend(ABC):
             None if entry is None else ObjectSize(entry.stored, entry.l1) for entry in self.table.lookup(keys)
         ]
 
+    def contains_many_now(self, keys: Sequence[ObjectKey]) -> list[ObjectSize | None] | None:
+        """The slot table is in memory: answered on the caller's thread unless a worker
+        holds its lock right now."""
+        entries = self.table.lookup_now(keys)
+        if entries is None:
+            return None
+        return [None if entry is None else ObjectSize(entry.stored, entry.l1) for entry in entries]
+
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         entries = self.table.acquire(keys)
         try:
