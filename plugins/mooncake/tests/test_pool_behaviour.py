@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from lmcache_plugin_mooncake.backend import PARALLEL_MIN_BYTES
 from lmcache_plugin_mooncake.cluster import LocalCluster
 from lmcache_plugin_mooncake.headers import HEADER_BYTES, KEYS_PER_LANE
 from mooncake_helpers import backend_of, config_for, eventually, open_adapter, raw_client
@@ -215,6 +216,34 @@ def test_a_record_that_does_not_verify_is_a_miss_and_is_removed(
     assert ok == [False]
     assert adapter.stats()["corrupt_records_removed"] == 1
     assert raw.is_exist(name) == 0, "the damaged object was removed from the pool"
+
+
+def test_damage_in_a_batch_verified_on_several_threads_is_a_miss_and_is_removed(
+    mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter]
+) -> None:
+    """A batch large enough has its headers computed and its records verified on the
+    calling thread and helper threads, each taking every other key: records damaged in
+    either part are misses and removed, every other key loads its own bytes."""
+    adapter = open_adapter(config_for(mooncake_pool))
+    adapters.append(adapter)
+    size = PARALLEL_MIN_BYTES // 4
+    keys = make_keys(8)  # twice PARALLEL_MIN_BYTES: split whatever the number of cores
+    data = store(adapter, keys, size=size)
+    damaged = [2, 5]
+    for index in damaged:
+        name = name_of(adapter, keys[index])
+        record = bytearray(_record(keys[index], data[index]))
+        record[HEADER_BYTES + size // 2] ^= 0x10
+        assert raw.remove(name, True) == 0 and raw.put(name, bytes(record)) == 0
+
+    result = BlockingAdapterClient(adapter).lookup_and_lock(keys)
+    assert result.found == [True] * len(keys)
+    ok, contents = load(adapter, keys, result.sizes)
+    adapter.unlock(keys)
+    assert ok == [index not in damaged for index in range(len(keys))]
+    assert [contents[i] for i in range(len(keys)) if ok[i]] == [data[i] for i in range(len(keys)) if ok[i]]
+    assert adapter.stats()["corrupt_records_removed"] == len(damaged)
+    assert [raw.is_exist(name_of(adapter, keys[i])) for i in damaged] == [0] * len(damaged)
 
 
 def test_an_object_shorter_than_a_header_is_a_miss_and_is_removed(

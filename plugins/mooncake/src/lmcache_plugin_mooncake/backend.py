@@ -6,15 +6,23 @@ serde chain, XXH3-128 checksum of the payload) followed by the payload.
 
 * Store: Mooncake's put keeps an object that already exists (and says it succeeded), so
   names the pool already holds are removed first and put again; each put gathers the
-  header and the payload (an L1 slice) without copying them together.
+  header and the payload (an L1 slice) without copying them together, the whole batch
+  in one call.
 * Lookup: existence, then the replicas' sizes from the master (a record's payload is its
   size minus the header), in two batched RPCs; only when core cannot tell the L1 size
   (a size-changing serde chain, a key another server stored) is the header read too.
 * Load: one scatter read per key -- header into a registered lane, payload straight into
   the L1 buffer (registered with the client), exactly the sizes the lookup reported --
-  then the header and the payload checksum are verified, a chunk of keys on a helper
-  thread while the next chunk is read; anything that does not verify is a miss, and
-  damage is removed.
+  for the whole batch (up to ``KEYS_PER_LANE`` keys) in one call, then the headers and
+  payload checksums are verified; anything that does not verify is a miss, and damage is
+  removed.
+* CPU work on payloads (checksums of a store's headers, a load's verification) of
+  batches large enough is split between the calling thread and helper threads (xxhash
+  releases the GIL).  It runs between Mooncake calls, not during them: a Mooncake call
+  keeps its own thread busy polling for the transfer's completion, so on a small machine
+  checksums taken during a transfer only compete with it for the cores (measured with
+  ``bench/bench_mooncake.py``: verifying a chunk while the next was read was 8 % slower
+  than reading the whole batch, then verifying on both cores).
 * Objects vanish on their own (Mooncake evicts, a client lending memory stops): a
   vanished object is a miss; deleting one core still accounts reports True (counted as
   ``objects_vanished``) so that its bytes are released.
@@ -29,10 +37,11 @@ repeated ones and ``ping`` closes it when the master answers again.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from lmcache_plugin_mooncake.calls import CallPool
@@ -66,6 +75,9 @@ MAX_NAME_BYTES = 255
 _LIST_BATCH = 512
 #: a repeated warning is logged at most once per this many seconds
 _WARN_EVERY_S = 60.0
+#: payload bytes below which checksums are taken on the calling thread alone (handing
+#: work to a helper thread costs more than it saves for a few objects)
+PARALLEL_MIN_BYTES = 4 << 20
 
 
 class _Throttle:
@@ -133,9 +145,10 @@ class MooncakeStoreBackend:
         self.lanes = HeaderLanes(2 * config.num_workers + 4)
         self.connection = Connection(config, context.name, self.lanes, context.l1_buffer)
         self.calls = CallPool(context.name, 2 * config.num_workers + 2)
-        # Verifies a load's chunks while the next ones are read (one per load thread).
-        self._verifier = ThreadPoolExecutor(
-            config.num_workers, thread_name_prefix=f"mooncake-{context.name}-verify"
+        # Take checksums next to the calling thread: as many threads in all as cores.
+        self._parts = max(1, min(os.cpu_count() or 1, config.num_workers + 1))
+        self._helpers = ThreadPoolExecutor(
+            config.num_workers * (self._parts - 1) or 1, thread_name_prefix=f"mooncake-{context.name}-sum"
         )
         self._throttle = _Throttle()
 
@@ -158,7 +171,7 @@ class MooncakeStoreBackend:
     def close(self) -> None:
         self.connection.close(self.timeout)
         self.calls.close()
-        self._verifier.shutdown(wait=True)
+        self._helpers.shutdown(wait=True)
 
     def ping(self) -> None:
         """Raise unless the master answers an existence query within the timeout."""
@@ -179,13 +192,36 @@ class MooncakeStoreBackend:
             "header_lanes_free": self.lanes.free,
         }
 
+    def _in_parallel(self, work: Callable[[Sequence[int]], None], count: int, nbytes: int) -> None:
+        """``work`` over ``range(count)``, split between this thread and helper threads
+        when the items hold at least ``PARALLEL_MIN_BYTES``; the first exception raised
+        is raised here once every part ended (parts write disjoint items only)."""
+        parts = min(self._parts, count) if nbytes >= PARALLEL_MIN_BYTES else 1
+        if parts <= 1:
+            work(range(count))
+            return
+        # Interleaved parts: payloads of one batch are mostly of one size.
+        helping = [self._helpers.submit(work, range(part, count, parts)) for part in range(1, parts)]
+        try:
+            work(range(0, count, parts))
+        finally:
+            wait(helping)
+        for future in helping:
+            future.result()
+
     # -- store -----------------------------------------------------------------------------
 
     def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
         ok = [False] * len(keys)
+        headers: list[bytes] = [b""] * len(keys)
+
+        def encode(indexes: Sequence[int]) -> None:
+            for index in indexes:
+                headers[index] = self.context.record_header(keys[index], payloads[index], align=HEADER_BYTES)
+
+        self._in_parallel(encode, len(keys), sum(payload.nbytes for payload in payloads))
         records: list[tuple[int, str, bytes]] = []
-        for index, (key, payload) in enumerate(zip(keys, payloads, strict=True)):
-            header = self.context.record_header(key, payload, align=HEADER_BYTES)
+        for index, (key, header) in enumerate(zip(keys, headers, strict=True)):
             if len(header) != HEADER_BYTES:
                 self.context.count("record_header_too_long")
                 self._throttle.warn(
@@ -342,28 +378,13 @@ class MooncakeStoreBackend:
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         store = self.connection.store()
         ok = [False] * len(keys)
-        # Chunk k is verified on a helper thread while chunk k+1 is read: the Mooncake
-        # call releases the GIL, so with a free core the checksums cost (nearly) only the
-        # last chunk's.  A chunk keeps its header lane until it is verified.
-        verifying: Future[None] | None = None
-        try:
-            for chunk in chunks(len(keys)):
-                lane = self.lanes.take(self.timeout)
-                try:
-                    chunk_keys, chunk_buffers = [keys[i] for i in chunk], [buffers[i] for i in chunk]
-                    names, codes = self._get_chunk(store, lane, chunk_keys, chunk_buffers)
-                except BaseException:
-                    self.lanes.give_back(lane)
-                    raise
-                verified = self._verifier.submit(
-                    self._check_chunk, store, lane, chunk_keys, names, chunk_buffers, codes, ok, chunk.start
-                )
-                previous, verifying = verifying, verified
-                if previous is not None:
-                    previous.result()
-        finally:
-            if verifying is not None:
-                verifying.result()
+        # A chunk is read, then verified (see the module docstring for why not both at
+        # once); its header lane is given back once its headers are verified.
+        for chunk in chunks(len(keys)):
+            chunk_keys, chunk_buffers = [keys[i] for i in chunk], [buffers[i] for i in chunk]
+            with self.lanes.lane(self.timeout) as lane:
+                names, codes = self._get_chunk(store, lane, chunk_keys, chunk_buffers)
+                self._check_chunk(store, lane, chunk_keys, names, chunk_buffers, codes, ok, chunk.start)
         return ok
 
     def _get_chunk(
@@ -392,11 +413,13 @@ class MooncakeStoreBackend:
         ok: list[bool],
         offset: int,
     ) -> None:
-        """Verify every record a chunk read (on the helper thread), then give its lane back."""
-        try:
-            for slot, (key, name, buffer, code) in enumerate(zip(keys, names, buffers, codes, strict=True)):
+        """Verify every record a chunk read; ``ok[offset + slot]`` for the ones that do."""
+
+        def check(slots: Sequence[int]) -> None:
+            for slot in slots:
+                name, buffer, code = names[slot], buffers[slot], codes[slot]
                 if code == HEADER_BYTES + buffer.nbytes:
-                    ok[offset + slot] = self._verified(store, key, name, lane.slot(slot), buffer)
+                    ok[offset + slot] = self._verified(store, keys[slot], name, lane.slot(slot), buffer)
                 elif code == NOT_FOUND:
                     self.context.count("load_vanished")
                 else:
@@ -405,8 +428,8 @@ class MooncakeStoreBackend:
                     self._throttle.warn(
                         "get", "%s: get of %s returned %s", self.context.name, name, describe(code)
                     )
-        finally:
-            self.lanes.give_back(lane)
+
+        self._in_parallel(check, len(keys), sum(buffer.nbytes for buffer in buffers))
 
     def _verified(self, store: Any, key: ObjectKey, name: str, slot: memoryview, payload: memoryview) -> bool:
         header = self._header(store, key, name, slot)
