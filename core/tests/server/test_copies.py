@@ -98,3 +98,26 @@ def test_after_stop_copies_run_in_the_caller() -> None:
     assert np.array_equal(source, target)
     assert names == {threading.current_thread().name}
     assert helpers() == []
+
+
+def test_a_forked_child_copies_with_a_helper_of_its_own() -> None:
+    import os
+
+    copier = SplitCopier()
+    source = np.full(SPLIT_MIN_BYTES * 2, 3, dtype=np.uint8)
+    target = np.zeros_like(source)
+    copier.run(pieces_of(source, target, blocks=False), lambda block: None)  # helper started
+    child = os.fork()
+    if child == 0:  # the helper thread did not survive the fork
+        code = 1
+        try:
+            names: set[str] = set()
+            again = np.zeros_like(source)
+            copier.run(pieces_of(source, again), lambda block: names.add(threading.current_thread().name))
+            code = 0 if np.array_equal(source, again) and not copier._jobs else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert not copier._jobs  # no copy left queued for a helper
+    copier.stop()

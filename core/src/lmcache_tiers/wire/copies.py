@@ -20,6 +20,7 @@ bytes, so the two copies really run in parallel.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -102,13 +103,19 @@ class SplitCopier:
         if len(pieces) > 1 and total >= SPLIT_MIN_BYTES:
             with self._wake:
                 if not self._stopped:
-                    if self._helper is None:
+                    if self._helper is None or not self._helper.is_alive():  # first, or forked
                         self._helper = threading.Thread(target=self._run_helper, name=self._name, daemon=True)
                         self._helper.start()
                     self._jobs.append(job)
                     self._wake.notify()
-        job.work()
-        job.wait()
+        try:
+            job.work()
+            job.wait()
+        finally:
+            # Not taken up by the helper (busy with another copy): it would keep this
+            # copy's buffers alive until it is.
+            with self._wake, contextlib.suppress(ValueError):
+                self._jobs.remove(job)
 
     def stop(self) -> None:
         """Stop the helper (after the piece it is copying); later copies run in the caller."""
