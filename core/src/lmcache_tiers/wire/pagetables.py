@@ -6,7 +6,7 @@ costs several times its memcpy).  ``madvise(MADV_POPULATE_READ)`` (Linux >= 5.14
 pages without touching a byte (the server's pages already exist; only this process's
 entries are missing), and it runs without the GIL through ctypes.  It is the read variant
 because a read fault maps a whole fault-around window (64 KiB) at once where a write fault
-maps one page: about 40% cheaper than ``MADV_POPULATE_WRITE`` in the measurements, and on
+maps one page: about a third cheaper than ``MADV_POPULATE_WRITE`` in the measurements, and on
 a shared tmpfs mapping (which needs no write notification) the entries it makes are
 writable, so the copies that follow run as fast as into a mapping populated for writing.
 :class:`PageTables` uses it twice:
