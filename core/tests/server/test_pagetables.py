@@ -61,7 +61,7 @@ def test_the_background_pass_maps_every_page(mapping: np.ndarray[Any, Any]) -> N
     pages.start()
     assert pages.wait(30)
     if resident_kib(address) == 0:
-        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+        pytest.skip("this kernel has no MADV_POPULATE_READ (Linux < 5.14)")
     assert resident_kib(address) == SIZE // 1024
     pages.stop()
     assert populate_threads() == []
@@ -168,3 +168,34 @@ def test_a_write_into_a_range_of_another_size_raises(mapping: np.ndarray[Any, An
     with pytest.raises(ValueError, match="cannot copy"):
         pages.write(array[:0], np.ones(3 * COPY_PIECE, dtype=np.uint8), 0)
     pages.stop()
+
+
+def test_several_copies_at_once_are_exact_both_ways(mapping: np.ndarray[Any, Any]) -> None:
+    array = mapping
+    pages = PageTables(array.ctypes.data, SIZE)  # no background pass: the copies populate
+    rng = np.random.default_rng(11)
+    # slots of a request: unaligned to the 1 MiB blocks, two of them sharing a block
+    layout = [(4096, 3 * COPY_PIECE + 4096), (3 * COPY_PIECE + 12288, 5 * COPY_PIECE), (9 * COPY_PIECE, 777)]
+    sources = [rng.integers(0, 256, size, dtype=np.uint8) for _, size in layout]
+    pages.write_many(
+        [
+            (array[offset : offset + size], source, offset)
+            for (offset, size), source in zip(layout, sources, strict=True)
+        ]
+    )
+    if pagetables._madvise is not None:
+        written = sum(size for _, size in layout)
+        assert resident_kib(array.ctypes.data) >= written // 1024
+    targets = [np.zeros(size, dtype=np.uint8) for _, size in layout]
+    pages.read_many(
+        [
+            (target, array[offset : offset + size])
+            for (offset, size), target in zip(layout, targets, strict=True)
+        ]
+    )
+    for source, target in zip(sources, targets, strict=True):
+        assert np.array_equal(source, target)
+    with pytest.raises(ValueError, match="cannot copy"):
+        pages.read_many([(np.zeros(10, dtype=np.uint8), array[:11])])
+    pages.stop()
+    assert populate_threads() == [] and not [t for t in threading.enumerate() if t.name == "shm-copy"]

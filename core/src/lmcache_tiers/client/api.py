@@ -228,13 +228,15 @@ class Client(Connection):
             # TTL and its grace period) is not written into: that extent is someone else's
             # now.  Its commit is refused by the server, which expired it.
             lost = {reply.slots[index].offset for index in segment.changed(reply.slots)}
+            copies: list[tuple[int, np.ndarray[Any, Any]]] = []
             for array, slot in zip(arrays, reply.slots, strict=True):
                 if slot.offset == p.NO_SLOT or slot.offset in lost:
                     continue
                 if slot.size != array.nbytes:
                     raise ProtocolError(f"reserved {slot.size} bytes for a {array.nbytes}-byte buffer")
                 segment.check_slot(slot.offset, slot.size)
-                segment.write(slot.offset, array)
+                copies.append((slot.offset, array))
+            segment.write_many(copies)
         except BaseException:
             with contextlib.suppress(ClientError):
                 self._call(p.StoreAbort(0, "", reserved), p.StoreReply)
@@ -442,10 +444,11 @@ class Client(Connection):
         for _ in range(self.STALE_RETRIES + 1):
             rest = keys[done:]
             with self._lease(rest, segment) as slots:
-                for slot, target in zip(slots, targets[done:], strict=False):
+                copies = list(zip(slots, targets[done:], strict=False))
+                for slot, target in copies:
                     if target.nbytes < slot.size:
                         raise ValueError(f"buffer of {target.nbytes} bytes is too small for {slot.size}")
-                    segment.read_into(slot.offset, slot.size, target)
+                segment.read_many([(slot.offset, slot.size, target) for slot, target in copies])
                 stale = segment.changed(slots)
             if not stale:
                 return done + len(slots)

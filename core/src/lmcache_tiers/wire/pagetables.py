@@ -2,23 +2,28 @@
 
 A fresh mapping has no page-table entries: the first copy into each 4 KiB page takes a
 page fault (about 1 us with the copy, so a 32 MiB store from a client that just connected
-costs several times its memcpy).  ``madvise(MADV_POPULATE_WRITE)`` (Linux >= 5.14) maps
-the pages in one call at about a third of that, without touching a byte (the server's
-pages already exist; only this process's entries are missing), and it runs without the
-GIL through ctypes.  :class:`PageTables` uses it twice:
+costs several times its memcpy).  ``madvise(MADV_POPULATE_READ)`` (Linux >= 5.14) maps the
+pages without touching a byte (the server's pages already exist; only this process's
+entries are missing), and it runs without the GIL through ctypes.  It is the read variant
+because a read fault maps a whole fault-around window (64 KiB) at once where a write fault
+maps one page: about a third cheaper than ``MADV_POPULATE_WRITE`` in the measurements, and on
+a shared tmpfs mapping (which needs no write notification) the entries it makes are
+writable, so the copies that follow run as fast as into a mapping populated for writing.
+:class:`PageTables` uses it twice:
 
 * a background pass over the whole mapping, started at connect, at the lowest CPU
   priority (nice 19), that runs only while the client is idle (no store or retrieve in
   progress, none for ``IDLE_S``), so it takes only CPU nobody else wants and never
   contends with a copy for the page-table locks; in steps short enough that a request
   or ``close`` never waits long for it;
-* for a store's copy into a range the background pass has not reached yet, the copying
-  thread populates the range a piece at a time right before copying that piece: cheaper
-  than faulting page by page, and, unlike handing the population to another thread, it
-  costs no wake-up per piece, which on a busy machine can take longer than the copy.
+* for a store's copy into a range the background pass has not reached yet, each
+  ``COPY_PIECE`` block is populated right before its part is copied, by whichever thread
+  copies that part: a large copy is split between the calling thread and a helper thread
+  (:mod:`lmcache_tiers.wire.copies`), so population and copying run on two cores, and
+  nobody waits for the other to wake up.
 
-Reads are left alone: a read fault maps a whole fault-around window (64 KiB) at once,
-so a copy out of a fresh mapping is already near memcpy speed.
+Reads are not populated ahead (a read fault already maps a fault-around window), but
+large ones are split between the two threads the same way.
 
 Population never changes a byte: if the kernel lacks it (or anything fails) the copies
 fault pages in as they always did, and one log line says so.  Huge pages would avoid most
@@ -38,20 +43,23 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
+from lmcache_tiers.wire.copies import Piece, SplitCopier
+
 log = logging.getLogger(__name__)
 
-#: madvise(2) advice that maps pages writable without touching their bytes
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+#: madvise(2) advice that maps pages (a fault-around window per fault) without touching
+#: their bytes
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 #: bytes the background pass populates per call (~0.6 ms): how long a copy that starts
 #: meanwhile, or ``close``, may wait for it
 BACKGROUND_STEP = 2 << 20
-#: bytes a store's copy populates, then copies, at a time: the mapping is tracked in
-#: blocks of this size, each populated once
+#: bytes a copy populates, then copies, at a time (one piece of a split copy): the
+#: mapping is tracked in blocks of this size, each populated once
 COPY_PIECE = 1 << 20
 #: the background pass runs only once the client has been idle this long (no request and
 #: no copy): a client that connects and stores at once is served by the copy's own
@@ -93,6 +101,7 @@ class PageTables:
         # which COPY_PIECE blocks are populated (either way), so no block is asked twice
         self._populated = bytearray(-(-size // COPY_PIECE))
         self._idle = threading.Condition()
+        self._copier = SplitCopier()
 
     @property
     def complete(self) -> bool:
@@ -113,24 +122,50 @@ class PageTables:
         return self.complete
 
     def write(self, target: np.ndarray[Any, Any], source: np.ndarray[Any, Any], offset: int) -> None:
-        """``target[:] = source`` where ``target`` is the mapping's ``[offset, offset + n)``;
-        each ``COPY_PIECE`` block of the mapping it touches is populated (once for the
-        mapping's lifetime) right before its part is copied."""
-        size = source.nbytes
-        if target.nbytes != size:
-            raise ValueError(f"cannot copy {size} bytes into a {target.nbytes}-byte range")
-        end = offset + size
-        if self._failed or self._stop.is_set() or end <= self._done_below:
-            target[:] = source
-            return
+        """``target[:] = source`` where ``target`` is the mapping's ``[offset, offset + n)``
+        (see ``write_many``)."""
+        self.write_many([(target, source, offset)])
+
+    def write_many(self, copies: Sequence[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], int]]) -> None:
+        """``target[:] = source`` for each ``(target, source, offset)``, ``target`` being the
+        mapping's ``[offset, offset + n)``.  Each ``COPY_PIECE`` block of the mapping they
+        touch is populated (once for the mapping's lifetime) right before its part is
+        copied; large copies run on two threads (:mod:`lmcache_tiers.wire.copies`)."""
+        for target, source, _ in copies:
+            if target.nbytes != source.nbytes:
+                raise ValueError(f"cannot copy {source.nbytes} bytes into a {target.nbytes}-byte range")
+        ahead = not (self._failed or self._stop.is_set())
         populated = self._populated
-        with self.in_use():
+        pieces: list[Piece] = []
+        for target, source, offset in copies:
+            end = offset + source.nbytes
             for block in range(offset // COPY_PIECE, -(-end // COPY_PIECE)):
                 start = block * COPY_PIECE
-                if not populated[block] and self._advise(start, min(COPY_PIECE, self._size - start)):
-                    populated[block] = 1
                 low, high = max(start, offset) - offset, min(start + COPY_PIECE, end) - offset
-                target[low:high] = source[low:high]
+                wanted = ahead and not populated[block]
+                pieces.append((target[low:high], source[low:high], block if wanted else -1))
+        with self.in_use():
+            self._copier.run(pieces, self._populate_block)
+
+    def read_many(self, copies: Sequence[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]) -> None:
+        """``target[:] = source`` for each ``(target, source)``, ``source`` being a range of
+        the mapping: not populated ahead (a read fault maps a fault-around window), but
+        large copies run on two threads too."""
+        pieces: list[Piece] = []
+        for target, source in copies:
+            if target.nbytes != source.nbytes:
+                raise ValueError(f"cannot copy {source.nbytes} bytes into a {target.nbytes}-byte buffer")
+            for low in range(0, source.nbytes, COPY_PIECE):
+                pieces.append((target[low : low + COPY_PIECE], source[low : low + COPY_PIECE], -1))
+        self._copier.run(pieces, self._populate_block)
+
+    def _populate_block(self, block: int) -> None:
+        # Either copying thread: two populating the same block (two slots sharing it) only
+        # repeat a call that changes nothing.
+        if not self._populated[block]:
+            start = block * COPY_PIECE
+            if self._advise(start, min(COPY_PIECE, self._size - start)):
+                self._populated[block] = 1
 
     @contextlib.contextmanager
     def in_use(self) -> Iterator[None]:
@@ -149,6 +184,7 @@ class PageTables:
     def stop(self) -> None:
         """Stop populating and wait for the calls in progress (before unmapping)."""
         self._stop.set()
+        self._copier.stop()
         with self._idle:
             self._idle.notify_all()
         thread = self._background
@@ -186,7 +222,7 @@ class PageTables:
     def _advise(self, offset: int, length: int) -> bool:
         if self._failed:
             return False
-        if _madvise(self._address + offset, length, MADV_POPULATE_WRITE) == 0:
+        if _madvise(self._address + offset, length, MADV_POPULATE_READ) == 0:
             return True
         code = ctypes.get_errno()
         self._failed = True

@@ -9,8 +9,9 @@ segment that merely has the same name.  The client only ever unmaps; unlinking i
 server's job (no resource tracker is involved, so a client exiting cannot remove it).
 
 A fresh mapping's page tables are filled in the background while the client is idle,
-and a store's copy that comes first populates its extent piece by piece as it goes
-(:mod:`lmcache_tiers.wire.pagetables`), so even a client's first store runs near memcpy.
+and a store's copy that comes first populates its extent piece by piece as it goes, on
+two threads for a large request (:mod:`lmcache_tiers.wire.pagetables`), so even a
+client's first store runs near memcpy.
 
 Behind the object bytes the segment carries the server's generation table (one uint64
 per allocation unit, bumped whenever an extent goes back to the server's allocator):
@@ -138,11 +139,27 @@ class MappedSegment:
 
     def write(self, offset: int, source: np.ndarray[Any, Any]) -> None:
         """Copy ``source`` into the arena at ``offset`` (a slot checked with ``check_slot``)."""
-        self.pages.write(self.array[offset : offset + source.nbytes], source, offset)
+        self.write_many([(offset, source)])
+
+    def write_many(self, copies: Sequence[tuple[int, np.ndarray[Any, Any]]]) -> None:
+        """Copy each ``source`` into the arena at its ``offset`` (slots checked with
+        ``check_slot``): one request's copies together, so that a large one is split
+        between two threads as a whole."""
+        array = self.array
+        self.pages.write_many(
+            [(array[offset : offset + source.nbytes], source, offset) for offset, source in copies]
+        )
 
     def read_into(self, offset: int, size: int, target: np.ndarray[Any, Any]) -> None:
         """Copy the arena's ``[offset, offset + size)`` into the start of ``target``."""
-        target[:size] = self.array[offset : offset + size]
+        self.read_many([(offset, size, target)])
+
+    def read_many(self, copies: Sequence[tuple[int, int, np.ndarray[Any, Any]]]) -> None:
+        """``read_into`` for each ``(offset, size, target)``, together (see ``write_many``)."""
+        array = self.array
+        self.pages.read_many(
+            [(target[:size], array[offset : offset + size]) for offset, size, target in copies]
+        )
 
     def close(self) -> None:
         """Unmap; if views handed to the caller are still alive the mapping stays until they go."""

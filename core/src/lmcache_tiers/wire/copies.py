@@ -1,0 +1,138 @@
+"""Large copies into and out of the client's mapping of the arena, on two cores at once.
+
+One thread copying into the mapping does not reach memcpy speed of two pre-faulted
+process buffers: the mapping's 4 KiB pages cost a TLB miss each (the process's own large
+buffers get transparent huge pages, tmpfs segments usually do not), and a range of the
+mapping this process never touched needs its page tables populated first, about half a
+copy's time again.  A store or retrieve of a request (tens of MiB) is therefore cut into
+pieces that the calling thread and one helper thread copy side by side, each taking the
+next piece nobody has taken yet (and populating it first when asked):
+
+* nobody waits for the helper to wake up: the calling thread starts on the first piece at
+  once, and on a machine too busy to run the helper soon it simply copies every piece
+  itself; it waits at most for the one piece the helper is copying when the rest are done;
+* copies under ``SPLIT_MIN_BYTES`` stay in the calling thread (a hand-off costs more than
+  it saves there), and so does everything once the copier is stopped.
+
+Both threads copy through numpy and populate through ctypes, which release the GIL for the
+bytes, so the two copies really run in parallel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+#: copies of fewer bytes run in the calling thread alone
+SPLIT_MIN_BYTES = 4 << 20
+
+#: one piece: copy ``source`` into ``target`` (same size), after ``prepare(block)`` unless
+#: ``block`` is negative
+Piece = tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], int]
+
+
+class _Job:
+    """Pieces of one copy and who has taken which; its condition guards every field."""
+
+    __slots__ = ("error", "next", "pieces", "prepare", "running", "settled")
+
+    def __init__(self, pieces: Sequence[Piece], prepare: Callable[[int], object]) -> None:
+        self.pieces = pieces
+        self.prepare = prepare
+        self.next = 0  # the first piece nobody has taken (all are taken once one failed)
+        self.running = 0  # pieces taken and not yet done with
+        self.error: BaseException | None = None
+        self.settled = threading.Condition()
+
+    def work(self) -> None:
+        """Copy pieces until none is left to take."""
+        pieces = self.pieces
+        while True:
+            with self.settled:
+                index = self.next
+                if index >= len(pieces):
+                    return
+                self.next = index + 1
+                self.running += 1
+            target, source, block = pieces[index]
+            failed: BaseException | None = None
+            try:
+                if block >= 0:
+                    self.prepare(block)
+                target[...] = source
+            except BaseException as exc:  # re-raised in the calling thread
+                failed = exc
+            with self.settled:
+                self.running -= 1
+                if failed is not None and self.error is None:
+                    self.error = failed
+                    self.next = len(pieces)  # nobody starts another piece
+                self.settled.notify_all()
+
+    def wait(self) -> None:
+        """Until every piece taken is done with (call after ``work``, which leaves none to
+        take); then raise the first error, if any."""
+        with self.settled:
+            while self.running:
+                self.settled.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class SplitCopier:
+    """The calling thread plus one helper thread (started on the first large copy) copying
+    pieces side by side; see the module's docstring."""
+
+    def __init__(self, name: str = "shm-copy") -> None:
+        self._name = name
+        self._jobs: deque[_Job] = deque()
+        self._wake = threading.Condition()
+        self._helper: threading.Thread | None = None
+        self._stopped = False
+
+    def run(self, pieces: Sequence[Piece], prepare: Callable[[int], object]) -> None:
+        """Copy every piece; returns once all are copied, raising the first error (the
+        pieces not started yet are left alone then)."""
+        job = _Job(pieces, prepare)
+        total = sum(source.nbytes for _, source, _ in pieces)
+        if len(pieces) > 1 and total >= SPLIT_MIN_BYTES:
+            with self._wake:
+                if not self._stopped:
+                    if self._helper is None or not self._helper.is_alive():  # first, or forked
+                        self._helper = threading.Thread(target=self._run_helper, name=self._name, daemon=True)
+                        self._helper.start()
+                    self._jobs.append(job)
+                    self._wake.notify()
+        try:
+            job.work()
+            job.wait()
+        finally:
+            # Not taken up by the helper (busy with another copy): it would keep this
+            # copy's buffers alive until it is.
+            with self._wake, contextlib.suppress(ValueError):
+                self._jobs.remove(job)
+
+    def stop(self) -> None:
+        """Stop the helper (after the piece it is copying); later copies run in the caller."""
+        with self._wake:
+            self._stopped = True
+            self._jobs.clear()
+            self._wake.notify_all()
+        helper = self._helper
+        if helper is not None and helper is not threading.current_thread():
+            helper.join()
+
+    def _run_helper(self) -> None:
+        while True:
+            with self._wake:
+                while not self._jobs and not self._stopped:
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                job = self._jobs.popleft()
+            job.work()  # a job the caller already finished has nothing left to take

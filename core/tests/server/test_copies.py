@@ -1,0 +1,123 @@
+"""Large copies split between the calling thread and a helper: exact, errors reach the
+caller, small copies and a stopped copier stay in the calling thread."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lmcache_tiers.wire.copies import SPLIT_MIN_BYTES, Piece, SplitCopier
+
+PIECE = 1 << 20
+
+
+def pieces_of(source: np.ndarray[Any, Any], target: np.ndarray[Any, Any], blocks: bool = True) -> list[Piece]:
+    return [
+        (target[low : low + PIECE], source[low : low + PIECE], low // PIECE if blocks else -1)
+        for low in range(0, source.nbytes, PIECE)
+    ]
+
+
+def helpers() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == "shm-copy"]
+
+
+def test_both_threads_copy_and_every_byte_arrives() -> None:
+    source = np.random.default_rng(3).integers(0, 256, 9 * PIECE + 123, dtype=np.uint8)
+    target = np.zeros_like(source)
+    seen: dict[int, str] = {}
+    helper_started = threading.Event()
+
+    def prepare(block: int) -> None:
+        seen[block] = threading.current_thread().name
+        if threading.current_thread().name == "shm-copy":
+            helper_started.set()
+        else:
+            # The calling thread holds back until the helper has taken a piece too.
+            assert helper_started.wait(30)
+
+    copier = SplitCopier()
+    copier.run(pieces_of(source, target), prepare)
+    assert np.array_equal(source, target)
+    assert sorted(seen) == list(range(10))  # every piece prepared, once
+    assert {"shm-copy", threading.current_thread().name} == set(seen.values())
+    copier.stop()
+    assert helpers() == []
+
+
+def test_a_failing_piece_raises_in_the_caller_and_stops_the_rest() -> None:
+    source = np.ones(8 * PIECE, dtype=np.uint8)
+    target = np.zeros_like(source)
+    prepared: list[int] = []
+    lock = threading.Lock()
+
+    def prepare(block: int) -> None:
+        with lock:
+            prepared.append(block)
+        if block == 1:
+            raise OSError("population failed")
+
+    copier = SplitCopier()
+    with pytest.raises(OSError, match="population failed"):
+        copier.run(pieces_of(source, target), prepare)
+    # at most one piece per thread was started after the failing one was taken
+    assert len(prepared) <= 4
+    assert not target[PIECE : 2 * PIECE].any()  # the failed piece was not copied
+    # the helper is still there for the next copy
+    copier.run(pieces_of(source, target), lambda block: None)
+    assert np.array_equal(source, target)
+    copier.stop()
+
+
+def test_small_copies_never_start_the_helper() -> None:
+    size = SPLIT_MIN_BYTES - PIECE
+    source = np.full(size, 5, dtype=np.uint8)
+    target = np.zeros_like(source)
+    names: set[str] = set()
+    copier = SplitCopier()
+    copier.run(pieces_of(source, target), lambda block: names.add(threading.current_thread().name))
+    assert np.array_equal(source, target)
+    assert names == {threading.current_thread().name}
+    assert helpers() == []
+    copier.stop()
+
+
+def test_after_stop_copies_run_in_the_caller() -> None:
+    source = np.full(SPLIT_MIN_BYTES * 2, 9, dtype=np.uint8)
+    target = np.zeros_like(source)
+    copier = SplitCopier()
+    copier.run(pieces_of(source, target, blocks=False), lambda block: None)
+    copier.stop()
+    assert helpers() == []
+    target[:] = 0
+    names: set[str] = set()
+    copier.run(pieces_of(source, target), lambda block: names.add(threading.current_thread().name))
+    assert np.array_equal(source, target)
+    assert names == {threading.current_thread().name}
+    assert helpers() == []
+
+
+def test_a_forked_child_copies_with_a_helper_of_its_own() -> None:
+    import os
+
+    copier = SplitCopier()
+    source = np.full(SPLIT_MIN_BYTES * 2, 3, dtype=np.uint8)
+    target = np.zeros_like(source)
+    copier.run(pieces_of(source, target, blocks=False), lambda block: None)  # helper started
+    child = os.fork()
+    if child == 0:  # the helper thread did not survive the fork
+        code = 1
+        try:
+            names: set[str] = set()
+            again = np.zeros_like(source)
+            copier.run(pieces_of(source, again), lambda block: names.add(threading.current_thread().name))
+            code = 0 if np.array_equal(source, again) and not copier._jobs else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert not copier._jobs  # no copy left queued for a helper
+    copier.stop()
