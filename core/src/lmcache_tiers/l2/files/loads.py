@@ -78,7 +78,7 @@ class RecordLoads:
         (``O_DIRECT``); ``read`` replaces the piecewise buffered read (a direct read)."""
         context = self._context
         path = self._layout.path_for(key)
-        header_len = self._header_length(key)
+        header = self._scratch.view[: self._header_length(key)]
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
         except FileNotFoundError:
@@ -86,29 +86,48 @@ class RecordLoads:
         except OSError as exc:
             log.warning("%s: cannot open %s: %s", context.name, printable(path, 300), exc)
             return False
-        identity: FileIdentity | None = None
+
+        def decode(view: memoryview) -> RecordHeader | None:
+            return context.read_record_header(view, key)
+
         try:
-            stat = os.fstat(fd)
-            identity = identity_of(stat)
-            if stat.st_size != header_len + buffer.nbytes:
-                self._explain_size(key, fd, self._scratch.view[:header_len], stat.st_size, buffer.nbytes)
-                return False
-
-            def decode(header: memoryview) -> RecordHeader | None:
-                return context.read_record_header(header, key)
-
-            header = self._scratch.view[:header_len]
-            if read is not None:
-                return read(fd, header, buffer, decode)
-            return read_record_file(fd, header, buffer, decode, first_piece=self._first_piece)
-        except RecordError as exc:
-            self._files.discard(key, identity, "corrupt_records_removed", str(exc))
-            return False
+            # The file is read before it is sized: a file of another size fails the read
+            # (it ends early, or its header names other lengths) and is sized then.  Every
+            # system call releases the GIL, and with several threads loading, each release
+            # can wait for another thread's Python work: one call fewer per object shows.
+            failure: RecordError | None = None
+            try:
+                if read is not None:
+                    loaded = read(fd, header, buffer, decode)
+                else:
+                    loaded = read_record_file(fd, header, buffer, decode, first_piece=self._first_piece)
+                if loaded:
+                    return True
+            except RecordError as exc:
+                failure = exc
+            return self._failed(key, fd, header, buffer.nbytes, failure)
         except OSError as exc:
             log.warning("%s: cannot read %s: %s", context.name, printable(path, 300), exc)
             return False
         finally:
             os.close(fd)
+
+    def _failed(
+        self, key: ObjectKey, fd: int, scratch: memoryview, expected: int, failure: RecordError | None
+    ) -> bool:
+        """After a read that did not verify: a file of another size is explained (another
+        intact object is kept, damage removed), a damaged record of the expected size is
+        removed; False, always."""
+        stat = os.fstat(fd)
+        identity: FileIdentity = identity_of(stat)
+        try:
+            if stat.st_size != scratch.nbytes + expected:
+                self._explain_size(key, fd, scratch, stat.st_size, expected)
+            elif failure is not None:
+                raise failure
+        except RecordError as exc:
+            self._files.discard(key, identity, "corrupt_records_removed", str(exc))
+        return False
 
     def _explain_size(self, key: ObjectKey, fd: int, scratch: memoryview, size: int, expected: int) -> None:
         """A file of an unexpected size: another intact object (kept, a miss) or damage
