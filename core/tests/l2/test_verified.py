@@ -28,6 +28,7 @@ PIECE = 4096  # small pieces: every payload below is several
 @pytest.fixture(autouse=True)
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(verified, "VERIFY_PIECE", PIECE)
+    monkeypatch.setattr(verified, "STORE_PIECE", PIECE)
 
 
 def payload_of(size: int, seed: int = 1) -> bytes:
