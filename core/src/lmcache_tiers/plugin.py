@@ -32,7 +32,8 @@ What each kind of plugin needs:
   ``decode_request`` with its ``KeyCache`` (a server's decoding of request headers);
 * file-per-object stores: ``FileLayout``, ``LocalFiles``, ``DirectoryLock`` (and
   ``PathLock``, ``DirectoryInUseError``), ``HeaderSizes``, ``WriteFailures``,
-  ``RECORD_ALIGN``, ``RECORD_SUFFIX``, name helpers (``record_name``, ``classify_name``,
+  ``RECORD_ALIGN``, ``RECORD_SUFFIX``, whole verified loads of record files
+  ``RecordLoads``, name helpers (``record_name``, ``classify_name``,
   ``EntryKind``, ``is_temp_name``, ``check_relative_dir``, ``record_key``), ``identity_of``, ``FileIdentity``,
   ``is_out_of_space``; stores with paths or devices, for their ``preflight``:
   ``check_directory``, ``check_file``;
@@ -114,6 +115,7 @@ if TYPE_CHECKING:
         record_key,
         record_name,
     )
+    from lmcache_tiers.l2.files.loads import RecordLoads
     from lmcache_tiers.l2.interface import L2Adapter, L2Listener, L2Op, LookupResult
     from lmcache_tiers.l2.preflight import check_directory, check_file
     from lmcache_tiers.l2.readers import SlotReaders
@@ -198,6 +200,7 @@ _LAZY = {
     "is_temp_name": _FILES,
     "record_key": _FILES,
     "record_name": _FILES,
+    "RecordLoads": "lmcache_tiers.l2.files.loads",
     "check_directory": "lmcache_tiers.l2.preflight",
     "check_file": "lmcache_tiers.l2.preflight",
     "L2Adapter": _L2,
@@ -323,6 +326,7 @@ __all__ = [
     "RecordCorruptError",
     "RecordError",
     "RecordHeader",
+    "RecordLoads",
     "RecordMismatchError",
     "RecordSerdeMismatchError",
     "RecordVersionError",

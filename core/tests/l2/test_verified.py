@@ -28,6 +28,7 @@ PIECE = 4096  # small pieces: every payload below is several
 @pytest.fixture(autouse=True)
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(verified, "VERIFY_PIECE", PIECE)
+    monkeypatch.setattr(verified, "STORE_PIECE", PIECE)
 
 
 def payload_of(size: int, seed: int = 1) -> bytes:
@@ -68,10 +69,11 @@ def test_the_first_read_may_take_any_amount_of_payload(tmp_path: Path, first_pie
     assert read(tmp_path / "r.bin", header_len, len(data), first_piece=first_piece) == (True, data)
 
 
-@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("where", ["first", "middle", "last", "only"])
 def test_damage_in_any_piece_is_a_checksum_error(tmp_path: Path, where: str) -> None:
-    data = payload_of(4 * PIECE)
-    offset = {"first": 3, "middle": 2 * PIECE + 9, "last": 4 * PIECE - 1}[where]
+    # "only": a payload of one piece, verified with the one-shot hash
+    data = payload_of(PIECE if where == "only" else 4 * PIECE)
+    offset = {"first": 3, "middle": 2 * PIECE + 9, "last": 4 * PIECE - 1, "only": PIECE // 2}[where]
     damaged = bytearray(data)
     damaged[offset] ^= 0x40
     header = encode_header(KEY, data, align=512)
@@ -156,9 +158,12 @@ def test_copy_verified_copies_and_accepts_an_intact_payload(size: int, algo: int
     assert bytes(target) == data
 
 
-@pytest.mark.parametrize("offset", [0, PIECE + 1, 5 * PIECE + 2])
-def test_copy_verified_refuses_a_damaged_payload(offset: int) -> None:
-    data = payload_of(5 * PIECE + 3)
+@pytest.mark.parametrize(
+    ("size", "offset"),
+    [(5 * PIECE + 3, 0), (5 * PIECE + 3, PIECE + 1), (5 * PIECE + 3, 5 * PIECE + 2), (PIECE, 7)],
+)
+def test_copy_verified_refuses_a_damaged_payload(size: int, offset: int) -> None:
+    data = payload_of(size)
     damaged = bytearray(data)
     damaged[offset] ^= 0x80
     with pytest.raises(RecordChecksumError):

@@ -54,7 +54,7 @@ class FsConfig(L2AdapterConfig):
         Annotated[int, msgspec.Meta(gt=0)] | None,
         msgspec.Meta(
             description="LMCache fs field: read this many payload bytes first (with the header), to "
-            "start the filesystem's read-ahead, then the rest in 256 KiB pieces (buffered reads; the "
+            "start the filesystem's read-ahead, then the rest in 1 MiB pieces (buffered reads; the "
             "read block size for fsspec).",
         ),
     ] = None

@@ -4,7 +4,8 @@ A store encodes the header (with the payload's checksum), writes payload and hea
 new temporary file and renames it over the record (:meth:`LocalFiles.publish`).  A load
 reads the header together with the first piece of the payload, then the rest piece by
 piece, each piece checksummed as soon as it landed, while it is still in the CPU's cache
-(core's :func:`~lmcache_tiers.l2.verified.read_record_file`).  Nothing is handed back
+(core's :class:`~lmcache_tiers.l2.files.loads.RecordLoads`, each object's whole load
+on the I/O thread that took it).  Nothing is handed back
 that did not verify.  A batch of large objects is spread over a few I/O threads, each
 handling whole records: the copies to and from the page cache, the checksums and the
 system calls all release the GIL, so records move in parallel on as many cores (handing
@@ -22,9 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import mmap
 import os
-import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -40,11 +39,11 @@ from lmcache_tiers.plugin import (
     ObjectSize,
     RecordError,
     RecordHeader,
+    RecordLoads,
     WriteFailures,
     identity_of,
     is_out_of_space,
     printable,
-    read_record_file,
     record_name,
     verify_payload,
 )
@@ -57,8 +56,6 @@ PARALLEL_BYTES = 512 << 10
 #: I/O threads per adapter (records of one batch in flight at once)
 IO_THREADS = max(2, min(4, os.cpu_count() or 2))
 _DIRECT = getattr(os, "O_DIRECT", 0)
-#: the record format's bound on a header (lmcache_tiers.l2.record.MAX_HEADER_LEN)
-MAX_HEADER_BYTES = 1 << 16
 
 
 def _address(view: memoryview) -> int:
@@ -100,15 +97,6 @@ def _pread_all(fd: int, buffers: list[memoryview], offset: int) -> int:
     return total
 
 
-class _Scratch(threading.local):
-    """A page-aligned header block per thread (O_DIRECT needs aligned memory), as large as
-    the longest header a record may have."""
-
-    def __init__(self) -> None:
-        self.block = mmap.mmap(-1, MAX_HEADER_BYTES)
-        self.view = memoryview(self.block)
-
-
 class LocalRecords:
     """Reads and writes the record files of one ``fs`` adapter on a local root."""
 
@@ -127,7 +115,7 @@ class LocalRecords:
         self.read_ahead = read_ahead
         self.failures = failures
         self.sizes = HeaderSizes(self._encode_header)
-        self._scratch = _Scratch()
+        self._loads = RecordLoads(files, context, self.sizes.length, first_piece=read_ahead)
         # Loads and stores have threads of their own: a thread inherits the CPU priority
         # of the one that started it, and stores run at write-back priority (nice 10).
         self._readers = BatchWorkers(IO_THREADS, f"fs-{context.name}-read")
@@ -261,47 +249,18 @@ class LocalRecords:
 
     def _load(self, _index: int, key: ObjectKey, buffer: memoryview) -> bool:
         """Read and verify one record into ``buffer``; True only once all of it matched."""
-        path = self.files.layout.path_for(key)
-        header_len = self.sizes.length(key)
         direct = self.direct and _aligned(buffer)
         if self.direct and not direct:
             self.context.count("direct_io_fallbacks")
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (_DIRECT if direct else 0))
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            log.warning("%s: cannot open %s: %s", self.context.name, printable(path, 300), exc)
-            return False
-        identity: FileIdentity | None = None
-        try:
-            stat = os.fstat(fd)
-            identity = identity_of(stat)
-            if stat.st_size != header_len + buffer.nbytes:
-                self._explain_size(key, fd, identity, stat.st_size, buffer.nbytes)
-                return False
-            header = self._scratch.view[:header_len]
-            if direct:
-                return self._read_direct(fd, key, header, buffer)
-            # Buffered: each piece is checksummed as it lands, while still in cache.
-            return read_record_file(
-                fd,
-                header,
-                buffer,
-                lambda view: self.context.read_record_header(view, key),
-                first_piece=self.read_ahead,
-            )
-        except RecordError as exc:
-            assert identity is not None
-            self.files.discard(key, identity, "corrupt_records_removed", str(exc))
-            return False
-        except OSError as exc:
-            log.warning("%s: cannot read %s: %s", self.context.name, printable(path, 300), exc)
-            return False
-        finally:
-            os.close(fd)
+        if direct:
+            return self._loads.load(key, buffer, _DIRECT, self._read_direct)
+        # Buffered: each piece is checksummed as it lands, while still in cache.
+        return self._loads.load(key, buffer)
 
-    def _read_direct(self, fd: int, key: ObjectKey, header: memoryview, buffer: memoryview) -> bool:
+    @staticmethod
+    def _read_direct(
+        fd: int, header: memoryview, buffer: memoryview, decode: Callable[[memoryview], RecordHeader | None]
+    ) -> bool:
         """An ``O_DIRECT`` read: the device fills the buffer, nothing of it is in cache to
         checksum piece by piece, and a read per piece would wait for the device each time."""
         header_len = header.nbytes
@@ -311,7 +270,7 @@ class LocalRecords:
         got += _pread_all(fd, [buffer[whole:]], header_len + whole)
         if got != header_len + buffer.nbytes:
             return False  # shrunk under us: not a record anyone may trust now
-        record = self.context.read_record_header(header, key)
+        record = decode(header)
         if record is None:
             return False  # intact, of another serde chain: a miss that is kept
         if record.header_len != header_len or record.payload_len != buffer.nbytes:
@@ -321,27 +280,3 @@ class LocalRecords:
             )
         verify_payload(record, buffer)
         return True
-
-    def _explain_size(
-        self, key: ObjectKey, fd: int, identity: FileIdentity, size: int, expected: int
-    ) -> None:
-        """A file of an unexpected size: another intact object (kept) or damage (removed)."""
-        try:
-            header = self.context.read_record_header(os.pread(fd, self.sizes.length(key), 0), key)
-            if header is None:
-                return  # another serde chain: kept
-            if header.header_len + header.payload_len != size:
-                raise RecordError(
-                    f"file is {size} bytes, its header says {header.header_len + header.payload_len}"
-                )
-            log.info(
-                "%s: %s holds %d bytes, a load expected %d",
-                self.context.name,
-                printable(record_name(key)),
-                header.payload_len,
-                expected,
-            )
-        except RecordError as exc:
-            self.files.discard(key, identity, "corrupt_records_removed", str(exc))
-        except OSError:
-            pass

@@ -222,7 +222,7 @@ class RecordFiles:
         # makes a concurrent store (or load) wait for its own checksum thread.
         self._helper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nixl-checksum")
         # Buffered loads on the POSIX backend: preadv, checksummed piece by piece.
-        self._plain = PlainReads(context, files) if plain_reads else None
+        self._plain = PlainReads(context, files, self.header_length) if plain_reads else None
 
     def close(self) -> None:
         self._helper.shutdown(wait=True)
@@ -363,6 +363,8 @@ class RecordFiles:
         A record that does not verify is removed (``corrupt_records_removed``); one of
         another size or written with another serde chain is a miss that is kept.
         """
+        if self._plain is not None:
+            return self._plain.read(keys, buffers)  # one file open per read thread
         results: list[bool] = []
         for start in range(0, len(keys), MAX_OPEN_FILES):
             results += self._read_slice(
@@ -379,9 +381,6 @@ class RecordFiles:
                 if isinstance(outcome, _Pending):
                     pending.append(outcome)
             if not pending:
-                return results
-            if self._plain is not None:
-                self._plain.read(keys, pending, buffers, results)
                 return results
             with self._staging.lease([item.offset for item in pending]) as views:
                 for item, view in zip(pending, views, strict=True):

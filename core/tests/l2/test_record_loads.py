@@ -1,0 +1,151 @@
+"""Whole loads of record files (l2/files/loads.py): a buffer is reported loaded only once
+all of it verified; every other file is a miss, kept when it is another intact object and
+removed (and counted) when it is damaged."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from lmcache_tiers.config import L2AdapterConfig
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2.context import AdapterContext, BackendContext
+from lmcache_tiers.l2.files import RECORD_ALIGN, FileLayout, HeaderSizes, LocalFiles
+from lmcache_tiers.l2.files.loads import RecordLoads
+from lmcache_tiers.l2.record import encode_header
+from lmcache_tiers.l2.state import AdapterState
+from lmcache_tiers.l2.workers import BatchWorkers
+
+KEY = ObjectKey("llama", 0, b"\x05" * 32)
+
+
+class Store:
+    """A local record store as fs and nixl_store_dynamic keep it, with RecordLoads."""
+
+    def __init__(self, root: Path) -> None:
+        self.state = AdapterState(AdapterContext(index=0, name="0:test", config=L2AdapterConfig()))
+        self.context = BackendContext(self.state)
+        self.files = LocalFiles(
+            FileLayout(str(root), shard_dirs=True), name="0:test", count=self.context.count
+        )
+        self.sizes = HeaderSizes(
+            lambda key, payload: self.context.record_header(key, payload, align=RECORD_ALIGN)
+        )
+        self.loads = RecordLoads(self.files, self.context, self.sizes.length)
+
+    def write(self, key: ObjectKey, payload: bytes, *, tail: bytes = b"") -> str:
+        path = self.files.layout.path_for(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        header = self.context.record_header(key, memoryview(payload), align=RECORD_ALIGN)
+        with open(path, "wb") as handle:
+            handle.write(header + payload + tail)
+        return path
+
+    def load(self, key: ObjectKey, length: int) -> tuple[bool, bytes]:
+        buffer = bytearray(length)
+        return self.loads.load(key, memoryview(buffer)), bytes(buffer)
+
+    def counter(self, name: str) -> int:
+        return self.state.counters.snapshot().get(name, 0)
+
+
+def payload_of(size: int, seed: int = 3) -> bytes:
+    return bytes((seed * 17 + i * 13) % 251 for i in range(size))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return Store(tmp_path / "root")
+
+
+@pytest.mark.parametrize("size", [0, 1, 4096, (1 << 20) + 3, (3 << 20) + 5])
+def test_a_stored_record_loads_verified(store: Store, size: int) -> None:
+    data = payload_of(size)
+    store.write(KEY, data)
+    assert store.load(KEY, size) == (True, data)
+
+
+def test_a_missing_file_is_a_quiet_miss(store: Store) -> None:
+    assert store.load(KEY, 100) == (False, bytes(100))
+    assert store.counter("corrupt_records_removed") == 0
+
+
+@pytest.mark.parametrize("where", [0, 4095, (1 << 20) + 100, (2 << 20) - 1])
+def test_a_flipped_payload_byte_is_a_miss_and_the_file_goes(store: Store, where: int) -> None:
+    data = payload_of(2 << 20)
+    path = store.write(KEY, data)
+    with open(path, "r+b") as handle:
+        handle.seek(store.sizes.length(KEY) + where)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0x01]))
+    assert store.load(KEY, len(data))[0] is False
+    assert not os.path.exists(path)
+    assert store.counter("corrupt_records_removed") == 1
+
+
+def test_a_truncated_record_is_removed(store: Store) -> None:
+    data = payload_of(10_000)
+    path = store.write(KEY, data)
+    os.truncate(path, store.sizes.length(KEY) + 5_000)
+    assert store.load(KEY, len(data))[0] is False
+    assert not os.path.exists(path)
+    assert store.counter("corrupt_records_removed") == 1
+
+
+def test_an_intact_record_of_another_size_is_a_miss_that_is_kept(store: Store) -> None:
+    path = store.write(KEY, payload_of(8_000))
+    assert store.load(KEY, 5_000)[0] is False  # the file is longer than this load expects
+    assert store.load(KEY, 9_000)[0] is False  # ... and shorter
+    assert os.path.exists(path)
+    assert store.counter("corrupt_records_removed") == 0
+    assert store.load(KEY, 8_000) == (True, payload_of(8_000))
+
+
+def test_bytes_past_a_records_payload_never_reach_a_buffer(store: Store) -> None:
+    data = payload_of(4_000)
+    path = store.write(KEY, data, tail=b"junk")
+    # A load of the header's length gets the verified payload and nothing after it ...
+    assert store.load(KEY, len(data)) == (True, data)
+    # ... one of the file's length finds a header naming other lengths: damage, removed.
+    assert store.load(KEY, len(data) + 4)[0] is False
+    assert not os.path.exists(path)
+    assert store.counter("corrupt_records_removed") == 1
+
+
+def test_another_keys_record_under_this_name_is_removed(store: Store) -> None:
+    other = ObjectKey("llama", 0, b"\x06" * 32)
+    data = payload_of(3_000)
+    path = store.files.layout.path_for(KEY)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as handle:
+        handle.write(encode_header(other, data, align=RECORD_ALIGN) + data)
+    assert store.load(KEY, len(data))[0] is False
+    assert not os.path.exists(path)
+
+
+def test_an_unreadable_file_is_a_logged_miss(store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    path = store.write(KEY, payload_of(100))
+    os.unlink(path)
+    os.mkdir(path)  # opening a directory for reading works; reading it fails (EISDIR)
+    assert store.load(KEY, 100)[0] is False
+    assert "cannot read" in caplog.text
+    assert os.path.isdir(path)
+
+
+def test_a_batch_loads_on_two_threads(store: Store) -> None:
+    keys = [ObjectKey("llama", 0, bytes([i]) * 32) for i in range(16)]
+    payloads = [payload_of(70_000 + i, seed=i) for i in range(16)]
+    for key, data in zip(keys, payloads, strict=True):
+        store.write(key, data)
+    os.truncate(store.files.layout.path_for(keys[5]), 100)  # one damaged object fails alone
+    buffers = [memoryview(bytearray(len(data))) for data in payloads]
+    workers = BatchWorkers(2, "test-loads")
+    try:
+        assert workers.map(store.loads.load, keys, buffers) == [i != 5 for i in range(16)]
+    finally:
+        workers.shutdown()
+    assert [bytes(b) for i, b in enumerate(buffers) if i != 5] == payloads[:5] + payloads[6:]
+    assert store.counter("corrupt_records_removed") == 1
