@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import threading
@@ -332,8 +333,10 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     args = parser.parse_args()
     server: SeaweedS3 | None = None
+    data_dir: str | None = None
     if args.endpoint is None:
-        server = SeaweedS3(tempfile.mkdtemp(prefix="bench-s3-"), buckets=[args.bucket])
+        data_dir = tempfile.mkdtemp(prefix="bench-s3-")
+        server = SeaweedS3(data_dir, buckets=[args.bucket])
         server.start()
         os.environ.update(server.env)
         endpoint, where = server.endpoint, "SeaweedFS weed mini on loopback"
@@ -357,6 +360,8 @@ def main() -> None:
     finally:
         if server is not None:
             server.close()
+        if data_dir is not None:
+            shutil.rmtree(data_dir, ignore_errors=True)  # a run leaves gigabytes of volumes
     if args.json:
         print(json.dumps(report, indent=2))
 
