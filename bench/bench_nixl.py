@@ -10,6 +10,10 @@ page-aligned buffers, are written and read back by:
 * ``+ checksum thread`` -- the same checksums on a second thread, overlapping the
                       writes and reads (xxhash releases the GIL): the best a verified
                       load can do here, and only when a second core is free;
+* ``preadv 2 threads`` -- plain I/O with the loads spread over two threads, no checksum:
+                      a probe of how much of a second core this run had (about 1.0x of
+                      ``pwrite new files`` means the other core was taken by other jobs, so
+                      the limit of a verified load is then ``+ record checksum``, one core);
 * ``nixl_store_dynamic`` -- through the adapter's non-blocking interface, one batch;
 * ``pwrite reuse`` -- ``os.pwrite`` into files opened once (what nixl_store's slots are);
 * ``nixl_store``   -- through the adapter, one batch, into its preallocated slots;
@@ -21,7 +25,11 @@ ratios, which cancels most of a shared machine's drift.  Loads are served from t
 cache unless ``--drop-caches`` (root only) empties it before every read phase, for the
 baselines and adapters alike.
 Stores write new files each round (objects deleted in between) but are not fsynced,
-so they too measure the kernel's write path rather than the device.
+so they too measure the kernel's write path rather than the device.  Every method's files
+are in the same state when loaded (written, then ``os.sync``, all in the page cache): who
+wrote them (NIXL or ``os.pwrite``) and whether they were synced made no measurable
+difference to ``preadv`` of them.  The load average is printed with each case, since the
+1 MiB verified load depends on a second core being free.
 
     python bench/bench_nixl.py [--dir /mnt/nvme/bench] [--cases 256x1,64x16] [--repeat 5]
         [--direct-io] [--drop-caches] [--json]
@@ -51,6 +59,7 @@ from lmcache_plugin_nixl.store import NixlStoreBackend
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, L2Adapter, create_adapter
 from lmcache_tiers.l2.record import checksum
+from lmcache_tiers.l2.workers import BatchWorkers
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 
 MIB = 1 << 20
@@ -69,6 +78,7 @@ class Result:
     base_store_gbps: float | None = None
     base_load_gbps: float | None = None
     runs: dict[str, list[float]] = field(default_factory=dict)
+    load_average: tuple[float, float] = (0.0, 0.0)  # 1-minute load average: before, after
 
 
 def drop_caches() -> None:
@@ -113,9 +123,11 @@ def pwrite_new_files(
     with_checksum: bool = False,
     helper: ThreadPoolExecutor | None = None,
     extra_flags: int = 0,
+    readers: BatchWorkers | None = None,
 ) -> tuple[Callable[[], None], Callable[[], None]]:
     """One new file per object; ``with_checksum`` adds core's record checksum each way,
-    inline or, given a ``helper``, on that thread while the objects are moved."""
+    inline or, given a ``helper``, on that thread while the objects are moved.  Given
+    ``readers``, the loads (no checksum) are spread over those threads."""
     paths = [os.path.join(directory, f"{prefix}-{i}.bin") for i in range(len(buffers.sources))]
     overlapped = helper is not None
 
@@ -130,7 +142,15 @@ def pwrite_new_files(
         if sums is not None:
             list(sums)
 
+    def read_one(path: str, target: memoryview) -> None:
+        fd = os.open(path, os.O_RDONLY | extra_flags)
+        os.preadv(fd, [target], 0)
+        os.close(fd)
+
     def load() -> None:
+        if readers is not None:
+            readers.map(read_one, paths, buffers.targets)
+            return
         pending = []
         for path, target in zip(paths, buffers.targets, strict=True):
             fd = os.open(path, os.O_RDONLY | extra_flags)
@@ -226,6 +246,7 @@ def run_case(case: Case, root: str, args: argparse.Namespace) -> list[Result]:
     # With --direct-io the baselines use O_DIRECT too (the buffers are page-aligned).
     flags = os.O_DIRECT if args.direct_io else 0
     helper = ThreadPoolExecutor(max_workers=1)
+    readers = BatchWorkers(2, "bench-read")
     store_new, load_new = pwrite_new_files(plain_dir, buffers, extra_flags=flags)
     store_summed, load_summed = pwrite_new_files(
         plain_dir, buffers, prefix="summed", with_checksum=True, extra_flags=flags
@@ -242,6 +263,9 @@ def run_case(case: Case, root: str, args: argparse.Namespace) -> list[Result]:
 
         return unlink
 
+    store_pair, load_pair = pwrite_new_files(
+        plain_dir, buffers, prefix="pair", readers=readers, extra_flags=flags
+    )
     reused = ReusedFiles(plain_dir, buffers, flags)
     dynamic_config = msgspec.convert(
         {
@@ -279,12 +303,14 @@ def run_case(case: Case, root: str, args: argparse.Namespace) -> list[Result]:
                 unlinker("threaded-"),
                 "pwrite new files",
             ),
+            Method("  preadv 2 threads", store_pair, load_pair, unlinker("pair-"), "pwrite new files"),
             Method("nixl_store_dynamic", *adapter_actions(dynamic, keys, buffers), "pwrite new files"),
             Method("pwrite reused files", reused.store, reused.load),
             Method("nixl_store", *adapter_actions(pool, keys, buffers), "pwrite reused files"),
         ]
         # Rounds interleave the methods so that a machine getting slower or faster during
         # the run shifts every figure alike instead of favouring whichever ran first.
+        load_before = os.getloadavg()[0]
         for _ in range(args.repeat):
             for method in methods:
                 run_round(method, buffers, args.drop_caches)
@@ -293,6 +319,8 @@ def run_case(case: Case, root: str, args: argparse.Namespace) -> list[Result]:
         pool.close()
         reused.close()
         helper.shutdown()
+        readers.shutdown()
+    load_average = (load_before, os.getloadavg()[0])
 
     by_name: dict[str, Result] = {}
     for method in methods:
@@ -302,6 +330,7 @@ def run_case(case: Case, root: str, args: argparse.Namespace) -> list[Result]:
             case.total / statistics.median(method.store_times) / GB,
             case.total / statistics.median(method.load_times) / GB,
             runs={"store_s": method.store_times, "load_s": method.load_times},
+            load_average=load_average,
         )
         if method.baseline:
             # Ratios are taken round by round (baseline and adapter ran back to back) and
@@ -333,7 +362,12 @@ def print_table(results: list[Result]) -> None:
         ratio_text = f"{ratio:.2f}" if ratio is not None else "-"
         return f"{gbps:>10.2f} {base_text:>7} {ratio_text:>6}"
 
+    case = ""
     for r in results:
+        if r.case != case:
+            case = r.case
+            before, after = r.load_average
+            print(f"{case}: 1-minute load average {before:.2f} before, {after:.2f} after")
         store = figures(r.store_gbps, r.base_store_gbps, r.store_ratio)
         load = figures(r.load_gbps, r.base_load_gbps, r.load_ratio)
         print(f"{r.case:<14} {r.method:<20} {store} {load}  {r.baseline}")
