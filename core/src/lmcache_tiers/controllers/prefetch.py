@@ -114,20 +114,19 @@ class PrefetchController(ControllerThread):
         # L1's prefix are deduplicated only when some are left for L2 (rarely, on a hit).
         l1_hits = len(self.l1.reserve_read_prefix(keys, readers, until_repeat=True))
         locked = list(keys[:l1_hits])
-        if l1_hits < len(keys):
-            keys = unique_prefix(keys)
-        remaining = len(keys) - l1_hits
-        self.stats.add_many(lookups=1, lookup_keys=len(keys), l1_hit_chunks=l1_hits)
+        unique = unique_prefix(keys) if l1_hits < len(keys) else locked
+        remaining = len(unique) - l1_hits
+        self.stats.add_many(lookups=1, lookup_keys=len(unique), l1_hit_chunks=l1_hits)
         logger.debug(
             "Prefetch request submitted: %d total keys, %d L1 prefix hits, %d remaining for L2",
-            len(keys),
+            len(unique),
             l1_hits,
             remaining,
         )
         if remaining == 0 or not self.slots:
             return handle, locked
         request = PrefetchRequest(
-            handle, keys, readers, l1_hits, time.monotonic() + self._handles.result_ttl_s
+            handle, unique, readers, l1_hits, time.monotonic() + self._handles.result_ttl_s
         )
         if self._look_up_now(request) and not any(request.pinned.values()):
             return handle, locked  # every adapter answered at once, and nothing was found

@@ -68,7 +68,9 @@ class ReadLocks:
             table.listeners.notify("read", list(hits))
             return hits
 
-    def lock_prefix(self, keys: Sequence[ObjectKey], count: int, *, until_repeat: bool = False) -> list[L1Object]:
+    def lock_prefix(
+        self, keys: Sequence[ObjectKey], count: int, *, until_repeat: bool = False
+    ) -> list[L1Object]:
         """``L1Manager.reserve_read_prefix``: the leading READY keys, in one pass."""
         if count < 1:
             check_lock_count(count)  # raises
