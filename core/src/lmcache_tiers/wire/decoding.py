@@ -51,17 +51,23 @@ _raw_keys_decoder: msgspec.msgpack.Decoder[list[msgspec.Raw]] = msgspec.msgpack.
 _SPLITTERS_MAX = 256
 
 
-def _array_header(region: memoryview) -> tuple[int, int] | None:
-    """(elements, header length) of a msgpack array at the start of ``region``, or None."""
-    if not region:
+_BYTE = struct.Struct(">B")
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+
+
+def _array_header(region: msgspec.Raw, size: int) -> tuple[int, int] | None:
+    """(elements, header length) of a msgpack array at the start of the ``size`` bytes of
+    ``region``, or None (read with ``struct``: cheaper than slicing a memoryview)."""
+    if not size:
         return None
-    first = region[0]
+    (first,) = _BYTE.unpack_from(region)
     if 0x90 <= first <= 0x9F:  # fixarray
         return first & 0x0F, 1
-    if first == 0xDC and len(region) >= 3:  # array 16
-        return int.from_bytes(region[1:3], "big"), 3
-    if first == 0xDD and len(region) >= 5:  # array 32
-        return int.from_bytes(region[1:5], "big"), 5
+    if first == 0xDC and size >= 3:  # array 16
+        return _U16.unpack_from(region, 1)[0], 3
+    if first == 0xDD and size >= 5:  # array 32
+        return _U32.unpack_from(region, 1)[0], 5
     return None
 
 
@@ -87,20 +93,20 @@ class KeyCache:
 
     def _known_equal_pieces(self, raw: msgspec.Raw) -> list[ObjectKey] | None:
         """The keys of ``raw`` cut into equal pieces, when every piece is a known key."""
-        region = memoryview(raw)
-        shape = _array_header(region)
+        total = len(raw)
+        shape = _array_header(raw, total)
         if shape is None:
             return None
         count, start = shape
-        if count == 0 or count > p.MAX_KEYS_PER_REQUEST or (len(region) - start) % count:
+        if count == 0 or count > p.MAX_KEYS_PER_REQUEST or (total - start) % count:
             return None
-        size = (len(region) - start) // count
+        size = (total - start) // count
         splitter = self._splitters.get((size, count))
         if splitter is None:
             if len(self._splitters) >= _SPLITTERS_MAX:
                 self._splitters.clear()
             splitter = self._splitters[(size, count)] = struct.Struct(f"{size}s" * count)
-        keys: list[Any] = list(map(self._keys.get, splitter.unpack_from(region, start)))
+        keys: list[Any] = list(map(self._keys.get, splitter.unpack_from(raw, start)))
         return keys if all(keys) else None  # keys are never false, None is
 
     def keys_of(self, raws: list[msgspec.Raw]) -> list[ObjectKey]:
