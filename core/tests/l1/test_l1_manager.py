@@ -288,6 +288,23 @@ def test_reserve_read_prefix_locks_the_leading_ready_keys(l1: L1Manager, recorde
     assert l1.stats().read_locks == 0
 
 
+def test_reserve_read_prefix_until_repeat_ends_before_the_first_repeat(
+    l1: L1Manager, recorder: Recorder
+) -> None:
+    write(l1, [1, 2, 3])
+    prefix = l1.reserve_read_prefix(keys(1, 2, 1, 3), until_repeat=True)
+    assert [obj.key for obj in prefix] == keys(1, 2)
+    assert [obj.read_locks for obj in (l1.get(k) for k in keys(1, 2, 3)) if obj] == [1, 1, 0]
+    assert recorder.events[-1] == ("read", keys(1, 2))
+    # Without a repeat, the whole READY prefix, reported with the caller's keys.
+    prefix = l1.reserve_read_prefix(keys(3, 2, 4), until_repeat=True)
+    assert [obj.key for obj in prefix] == keys(3, 2)
+    assert recorder.events[-1] == ("read", keys(3, 2))
+    l1.finish_read(keys(1, 3))
+    l1.finish_read(keys(2), count=2)
+    assert l1.stats().read_locks == 0
+
+
 # -- removal -------------------------------------------------------------------------------
 
 

@@ -141,9 +141,13 @@ def test_the_other_fields_keep_their_limits() -> None:
 
 def test_mutated_headers_get_the_full_decoders_verdict() -> None:
     """Random byte flips of real headers: same request or same error, every time."""
-    rng = random.Random(16)
-    cache = KeyCache()
     seeds = [p.encode(request) for request in REQUESTS if hasattr(request, "keys")]
+    check_mutations(random.Random(16), KeyCache(), seeds)
+
+
+def check_mutations(rng: random.Random, cache: KeyCache, seeds: list[bytes]) -> None:
+    """Flip 1-3 random bytes of a seed header, 3000 times: decode_request must give the
+    full decoder's request or its error each time."""
     for _ in range(3000):
         header = bytearray(rng.choice(seeds))
         for _ in range(rng.randint(1, 3)):
@@ -165,3 +169,44 @@ def test_the_cache_is_bounded() -> None:
     decoded = decode_request(p.encode(p.Release(1, "", many)), cache)
     assert isinstance(decoded, p.Release) and decoded.keys == many
     assert len(cache) == 20
+
+
+SAME_SIZE = [ObjectKey("model", 0, index.to_bytes(2, "big") * 8, 0, "salt") for index in range(300)]
+
+
+def test_keys_of_one_size_decode_to_the_remembered_keys() -> None:
+    """Keys that all encode to the same length are cut from the key list in one pass once
+    known: the same keys, the same objects, at every length of the array header."""
+    cache = KeyCache()
+    for count in (1, 15, 16, 300):  # fixarray, and array 16
+        header = p.encode(p.Lookup(count, "", SAME_SIZE[:count]))
+        first = decode_request(header, cache)
+        again = decode_request(header, cache)
+        assert first == again == p.request_decoder.decode(header)
+        assert isinstance(again, p.Lookup) and isinstance(first, p.Lookup)
+        assert all(a is b for a, b in zip(again.keys, first.keys, strict=True))
+    array32 = b"\xdd" + (3).to_bytes(4, "big") + b"".join(key.to_bytes() for key in SAME_SIZE[:3])
+    header = b"\x94\x03\x01\xa0" + array32
+    assert decode_request(header, cache) == p.request_decoder.decode(header)
+
+
+def test_keys_of_other_sizes_cut_at_the_wrong_places_still_decode() -> None:
+    """Known keys of two sizes whose list divides evenly: equal pieces would straddle key
+    boundaries, are not known, and the list is split key by key instead."""
+    short = ObjectKey("model", 0, b"\x03" * 10)
+    long = ObjectKey("model", 0, b"\x04" * 12)
+    assert len(long.to_bytes()) - len(short.to_bytes()) == 2
+    cache = KeyCache()
+    decode_request(p.encode(p.Lookup(1, "", [short, long])), cache)
+    header = p.encode(p.Lookup(2, "", [short, long, long, short]))
+    decoded = decode_request(header, cache)
+    assert decoded == p.request_decoder.decode(header)
+    assert isinstance(decoded, p.Lookup) and decoded.keys == [short, long, long, short]
+
+
+def test_mutated_headers_of_same_size_keys_get_the_full_decoders_verdict() -> None:
+    cache = KeyCache()
+    seeds = [p.encode(kind(1, "", SAME_SIZE[:count])) for kind in (p.Lookup, p.Release) for count in (3, 20)]
+    for seed in seeds:
+        decode_request(seed, cache)  # every key known: the equal-piece path is taken
+    check_mutations(random.Random(17), cache, seeds)

@@ -18,3 +18,13 @@ class TestLRUEvictionPolicy(EvictionPolicySuite):
         policy.on_keys_written(second)
         policy.on_keys_read(first[:1])
         assert list(policy.victims()) == [first[2], first[1], second[1], second[0], first[0]]
+
+    def test_a_read_batch_with_a_key_not_held_moves_the_others_in_order(self) -> None:
+        policy = self.make_policy()
+        keys, gone = make_keys(4), make_keys(1, start=50)
+        policy.on_keys_written(keys)
+        # The unknown key sits mid-batch: the keys before and after it are moved as if
+        # it were not there, and it is not added.
+        policy.on_keys_read([keys[3], gone[0], keys[2]])
+        assert list(policy.victims()) == [keys[1], keys[0], keys[2], keys[3]]
+        assert len(policy) == 4

@@ -101,7 +101,7 @@ class PrefetchController(ControllerThread):
     def begin(self, keys: Sequence[ObjectKey], readers: int = 1) -> tuple[int, list[ObjectKey] | None]:
         """Like ``submit``, but a prefetch with nothing to do in L2 (every key hit L1, no
         adapter, or shutting down) is answered at once: ``(handle, locked)``, ``locked``
-        being the read-locked prefix (L1's own key objects, equal to the caller's), and
+        being the read-locked prefix (the caller's own keys, in order), and
         the handle then answers 0 like a collected one.  Otherwise ``(handle, None)``.
 
         The common lookup (everything in L1) thus costs one pass over L1 and no request
@@ -109,22 +109,24 @@ class PrefetchController(ControllerThread):
         """
         if readers < 1:
             raise ValueError(f"readers must be at least 1, got {readers}")
-        keys = unique_prefix(keys)
         handle = self._handles.new_handle()
-        locked = [obj.key for obj in self.l1.reserve_read_prefix(keys, readers)]
-        l1_hits = len(locked)
-        remaining = len(keys) - l1_hits
-        self.stats.add_many(lookups=1, lookup_keys=len(keys), l1_hit_chunks=l1_hits)
+        # The L1 prefix ends at the first repeat, as the unique prefix does: the keys past
+        # L1's prefix are deduplicated only when some are left for L2 (rarely, on a hit).
+        l1_hits = len(self.l1.reserve_read_prefix(keys, readers, until_repeat=True))
+        locked = list(keys[:l1_hits])
+        unique = unique_prefix(keys) if l1_hits < len(keys) else locked
+        remaining = len(unique) - l1_hits
+        self.stats.add_many(lookups=1, lookup_keys=len(unique), l1_hit_chunks=l1_hits)
         logger.debug(
             "Prefetch request submitted: %d total keys, %d L1 prefix hits, %d remaining for L2",
-            len(keys),
+            len(unique),
             l1_hits,
             remaining,
         )
         if remaining == 0 or not self.slots:
             return handle, locked
         request = PrefetchRequest(
-            handle, keys, readers, l1_hits, time.monotonic() + self._handles.result_ttl_s
+            handle, unique, readers, l1_hits, time.monotonic() + self._handles.result_ttl_s
         )
         if self._look_up_now(request) and not any(request.pinned.values()):
             return handle, locked  # every adapter answered at once, and nothing was found

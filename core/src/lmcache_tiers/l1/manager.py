@@ -266,14 +266,17 @@ class L1Manager:
         """
         return self._reads.lock_present(keys, count)
 
-    def reserve_read_prefix(self, keys: Sequence[ObjectKey], count: int = 1) -> list[L1Object]:
+    def reserve_read_prefix(
+        self, keys: Sequence[ObjectKey], count: int = 1, *, until_repeat: bool = False
+    ) -> list[L1Object]:
         """Read-lock ``count`` times the leading READY keys; returns their objects in order.
 
         The same as ``reserve_read(keys[:prefix_hits(keys)], count)`` under one lock, in
         one pass: every LOOKUP and RETRIEVE does this, so it is worth a method. A key
-        repeated in the prefix is locked once and listed at each of its positions.
+        repeated in the prefix is locked once and listed at each of its positions; with
+        ``until_repeat`` the prefix ends before its first repeated key instead.
         """
-        return self._reads.lock_prefix(keys, count)
+        return self._reads.lock_prefix(keys, count, until_repeat=until_repeat)
 
     def finish_read(self, keys: Sequence[ObjectKey], count: int = 1) -> None:
         """Drop ``count`` read locks per key; a temporary object left unlocked is freed.

@@ -68,7 +68,9 @@ class ReadLocks:
             table.listeners.notify("read", list(hits))
             return hits
 
-    def lock_prefix(self, keys: Sequence[ObjectKey], count: int) -> list[L1Object]:
+    def lock_prefix(
+        self, keys: Sequence[ObjectKey], count: int, *, until_repeat: bool = False
+    ) -> list[L1Object]:
         """``L1Manager.reserve_read_prefix``: the leading READY keys, in one pass."""
         if count < 1:
             check_lock_count(count)  # raises
@@ -83,8 +85,19 @@ class ReadLocks:
             prefix = cast("list[L1Object]", found)
             if not prefix:
                 return prefix
-            # Deduplicated by object identity (a cheap hash, in C) rather than by key.
-            unique = prefix if len(set(prefix)) == len(prefix) else list(dict.fromkeys(prefix))
+            # Deduplicated by object identity (a cheap hash, in C) rather than by key: one
+            # READY object per key, so equal objects are exactly equal keys.
+            if len(set(prefix)) == len(prefix):
+                unique = prefix
+                # The caller's keys equal the objects' own: no pass to fetch those.
+                read = list(keys[: len(prefix)])
+            else:
+                if until_repeat:
+                    del prefix[_first_repeat(prefix) :]
+                    unique = prefix
+                else:
+                    unique = list(dict.fromkeys(prefix))
+                read = list(map(_KEY_OF, unique))
             locked = table.locked
             deadline = time.monotonic() + self.lock_ttl_s
             for obj in unique:
@@ -95,7 +108,7 @@ class ReadLocks:
                     locked[obj.key] = obj
                 obj.read_locks += count
                 obj.lock_deadline = deadline
-            table.listeners.notify("read", list(map(_KEY_OF, unique)))
+            table.listeners.notify("read", read)
             return prefix
 
     def release(self, keys: Sequence[ObjectKey], count: int) -> None:
@@ -130,3 +143,13 @@ class ReadLocks:
                     table.temporary.add(key)
                 else:
                     table.temporary.discard(key)
+
+
+def _first_repeat(objects: list[L1Object]) -> int:
+    """Position of the first object that already came before (the list holds a repeat)."""
+    seen: set[L1Object] = set()
+    for position, obj in enumerate(objects):
+        if obj in seen:
+            return position
+        seen.add(obj)
+    return len(objects)

@@ -16,6 +16,15 @@ with its very error: whatever the fast path does not accept -- a malformed key, 
 of range -- is decoded again by that decoder, which raises.  Equal bytes decode to equal
 keys, so a remembered key is one that passed validation when its bytes were first seen.
 
+The key list is taken as one raw msgpack region.  When its keys all encode to the same
+length -- the usual case: one model, one rank, one salt, hashes of one size -- the region
+is cut into equal pieces by one ``struct`` unpack in C, with no per-key Python object but
+the piece itself.  The cut is trusted only when every piece is the exact bytes of a key
+validated before: a valid msgpack value is never a prefix of another, so pieces that are
+each one whole value, laid end to end over the region, are exactly its elements.  Any
+piece not known sends the whole list down the per-element path (one ``msgspec.Raw`` per
+key, split by msgspec itself).
+
 The cache holds at most :data:`KEY_CACHE_ENTRIES` keys and is emptied when full, so a
 client sending ever new keys cannot grow it; past that it costs one decode per key, as
 before.
@@ -23,6 +32,7 @@ before.
 
 from __future__ import annotations
 
+import struct
 from typing import Annotated, Any, Union, get_args
 
 import msgspec
@@ -36,6 +46,29 @@ __all__ = ["KEY_CACHE_ENTRIES", "KeyCache", "decode_request"]
 KEY_CACHE_ENTRIES = 1 << 16
 
 _RawKeys = Annotated[list[msgspec.Raw], msgspec.Meta(max_length=p.MAX_KEYS_PER_REQUEST)]
+_raw_keys_decoder: msgspec.msgpack.Decoder[list[msgspec.Raw]] = msgspec.msgpack.Decoder(_RawKeys)
+#: compiled equal-piece layouts by (piece length, pieces); a few per client in practice
+_SPLITTERS_MAX = 256
+
+
+_BYTE = struct.Struct(">B")
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+
+
+def _array_header(region: msgspec.Raw, size: int) -> tuple[int, int] | None:
+    """(elements, header length) of a msgpack array at the start of the ``size`` bytes of
+    ``region``, or None (read with ``struct``: cheaper than slicing a memoryview)."""
+    if not size:
+        return None
+    (first,) = _BYTE.unpack_from(region)
+    if 0x90 <= first <= 0x9F:  # fixarray
+        return first & 0x0F, 1
+    if first == 0xDC and size >= 3:  # array 16
+        return _U16.unpack_from(region, 1)[0], 3
+    if first == 0xDD and size >= 5:  # array 32
+        return _U32.unpack_from(region, 1)[0], 5
+    return None
 
 
 class KeyCache:
@@ -45,9 +78,36 @@ class KeyCache:
         self.entries = entries
         self._keys: dict[bytes, ObjectKey] = {}
         self._decode = msgspec.msgpack.Decoder(ObjectKey).decode
+        self._splitters: dict[tuple[int, int], struct.Struct] = {}
 
     def __len__(self) -> int:
         return len(self._keys)
+
+    def keys_in(self, raw: msgspec.Raw) -> list[ObjectKey]:
+        """The keys of the msgpack array ``raw``; raises whatever decoding it as a list of
+        keys raises."""
+        keys = self._known_equal_pieces(raw)
+        if keys is not None:
+            return keys
+        return self.keys_of(_raw_keys_decoder.decode(raw))
+
+    def _known_equal_pieces(self, raw: msgspec.Raw) -> list[ObjectKey] | None:
+        """The keys of ``raw`` cut into equal pieces, when every piece is a known key."""
+        total = len(raw)
+        shape = _array_header(raw, total)
+        if shape is None:
+            return None
+        count, start = shape
+        if count == 0 or count > p.MAX_KEYS_PER_REQUEST or (total - start) % count:
+            return None
+        size = (total - start) // count
+        splitter = self._splitters.get((size, count))
+        if splitter is None:
+            if len(self._splitters) >= _SPLITTERS_MAX:
+                self._splitters.clear()
+            splitter = self._splitters[(size, count)] = struct.Struct(f"{size}s" * count)
+        keys: list[Any] = list(map(self._keys.get, splitter.unpack_from(raw, start)))
+        return keys if all(keys) else None  # keys are never false, None is
 
     def keys_of(self, raws: list[msgspec.Raw]) -> list[ObjectKey]:
         """The keys encoded in ``raws``; raises whatever decoding one of them raises."""
@@ -68,11 +128,12 @@ class KeyCache:
 
 
 def _twin(kind: type[p._Request]) -> type[p._Request]:
-    """``kind`` with its ``keys`` left as the raw msgpack of each key; every other field is
-    declared exactly as in protocol.py, so the twin accepts what ``kind`` accepts."""
+    """``kind`` with its ``keys`` left as the raw msgpack of the key list; every other field
+    is declared exactly as in protocol.py, so the twin accepts what ``kind`` accepts (the
+    key list itself is checked by ``KeyCache.keys_in``)."""
     fields: list[tuple[str, Any, Any]] = []
     for field in msgspec.structs.fields(kind)[2:]:  # req_id and token come from _Request
-        annotation = _RawKeys if field.name == "keys" else field.type
+        annotation = msgspec.Raw if field.name == "keys" else field.type
         if field.default_factory is not msgspec.NODEFAULT:
             fields.append((field.name, annotation, msgspec.field(default_factory=field.default_factory)))
         elif field.default is not msgspec.NODEFAULT:
@@ -103,7 +164,7 @@ def decode_request(header: bytes, cache: KeyCache) -> p._Request:
         twin_of = _REAL.get(type(request))
         if twin_of is None:
             return request  # type: ignore[no-any-return]
-        keys = cache.keys_of(request.keys)
+        keys = cache.keys_in(request.keys)
     except Exception:  # the full decoder says what is wrong, in its own words
         return p.request_decoder.decode(header)
     kind, position = twin_of

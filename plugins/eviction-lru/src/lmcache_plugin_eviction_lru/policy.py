@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 
 from lmcache_plugin_eviction_lru import LRUConfig
@@ -28,9 +28,15 @@ class LRUEvictionPolicy:
 
     def on_keys_read(self, keys: Sequence[ObjectKey]) -> None:
         # A read of a key this policy does not hold (already removed) must not revive it.
-        # Every LOOKUP lands here: one dict probe per key (move_to_end raises for a key it
-        # does not hold) instead of a membership test and then the move.
+        # Every LOOKUP lands here, with keys L1 holds: all of them are moved in one C-level
+        # pass; move_to_end raises for a key not held, and then the batch is moved again
+        # key by key, skipping those (the same moves in the same order: the same order).
         move_to_end = self._order.move_to_end
+        try:
+            deque(map(move_to_end, reversed(keys)), 0)
+            return
+        except KeyError:
+            pass
         for key in reversed(keys):
             try:
                 move_to_end(key)

@@ -219,7 +219,8 @@ class Handlers:
                 return self._wait(identity, handle, now + req.wait_s, reply, "lookup_wait")
             return p.LookupReply(req.req_id, handle=handle), ()
         # Done at once (the usual all-in-L1 case): the prefix is this client's now.  The
-        # keys L1 returned are its own objects, which the session's dicts match by identity.
+        # keys are the decoder's remembered objects, which the session's dicts match by
+        # identity.
         session.add_read_locks(locked, self.sessions.read_lock_deadline(now))
         return p.LookupReply(req.req_id, handle=handle, hits=len(locked)), ()
 

@@ -22,6 +22,10 @@ from lmcache_tiers.plugin import wire_protocol as p
 
 logger = logging.getLogger(__name__)
 
+_RCVMORE = int(zmq.RCVMORE)
+_raw_recv = zmq.backend.Socket.recv
+_raw_get = zmq.backend.Socket.get
+
 
 class RpcServer:
     """Serves :class:`Handlers` on a ROUTER socket until :meth:`request_stop`."""
@@ -100,24 +104,23 @@ class RpcServer:
     def _receive_one(self) -> None:
         """Receive and handle one message, or return at the receive timeout."""
         sock = self.socket
-        # Frames rather than bytes: a frame carries its "more" flag, where getsockopt
-        # (RCVMORE) would run pyzmq's Python-level option lookup for every part.
+        # Identity and header as bytes, with the "more" flag from the backend's getsockopt
+        # (pyzmq's sugar would look the option up in Python): cheaper than Frames and
+        # their properties.  Payload frames stay Frames, not copied.
         try:
-            part = sock.recv(copy=False)
+            identity: bytes = _raw_recv(sock)
         except zmq.Again:
             return  # receive timeout: time for housekeeping
         except zmq.ZMQError as exc:
             logger.warning("receive failed: %s", exc)
             return
-        identity: bytes = part.bytes
-        if not part.more:
+        if not _raw_get(sock, _RCVMORE):
             logger.warning("dropped a request from %s with no header frame", identity.hex())
             self.stats.failure("dropped")
             return
         # Parts of a multipart message arrive together, so these receives cannot block.
-        part = sock.recv(copy=False)
-        header: bytes = part.bytes
-        more = part.more
+        header: bytes = _raw_recv(sock)
+        more = _raw_get(sock, _RCVMORE)
         frames: list[Any] = []
         total = len(header)
         too_large = total > p.MAX_HEADER_BYTES
