@@ -9,8 +9,8 @@ stored keys from L1 (``skip_l1``).
 Write-back must not starve the data plane: the adapters' store threads run at the idle
 CPU and I/O priority while write-back keeps up, at nice 10 while this controller finds it
 behind -- a flush waits, the controller stops, L1 is short of room, or the store threads
-wait for a core most of the time (:mod:`lmcache_tiers.l2.background`) -- and while this controller runs the
-interpreter hands the GIL over every ``GIL_SWITCH_S`` (CPython's default is 5 ms), so a
+wait for a core most of the time (:mod:`lmcache_tiers.l2.background`) -- and while this
+controller runs the interpreter hands the GIL over every ``GIL_SWITCH_S`` (CPython's default is 5 ms), so a
 request arriving while a store thread runs Python waits for the GIL a fraction of a
 millisecond rather than up to 5 ms, which is what the p99 of lookups and stores under
 write-back used to be made of.

@@ -10,14 +10,16 @@ same reason.
 
 An idle thread can starve while every core is busy.  The store controller reports when
 write-back falls behind (:meth:`BackgroundThreads.hurry`: a flush waits, the server
-stops, L1 is short of room, or a slice has waited too long) and the threads run at nice 10
-(and best-effort I/O) until it catches up: slowed, never starved, as before.
+stops, L1 is short of room, or the threads spent most of a window runnable but not running,
+as :meth:`BackgroundThreads.runqueue_wait_s` tells) and the threads run at nice 10 (and
+best-effort I/O) until it catches up: slowed, never starved, as before.
 
 Each step is a request to the OS that may be refused (containers, unprivileged users,
 other kernels); a refusal is logged once per process and the threads stay at nice 10,
 which needs no privilege.  Idle is only used where the process may return from it
 (``SCHED_IDLE`` -> ``SCHED_OTHER`` at nice 10 needs ``CAP_SYS_NICE`` or an
-``RLIMIT_NICE`` of at least 10): a thread stuck idle could starve for good.
+``RLIMIT_NICE`` of at least 10; checked as root or that limit): a thread stuck idle could
+starve for good.
 """
 
 from __future__ import annotations
