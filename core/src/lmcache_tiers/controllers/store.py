@@ -201,7 +201,7 @@ class StoreController(ControllerThread):
             self._starved, self._window = False, None
         elif not self._starved:
             self._starved = self._starving(time.monotonic())
-        self._threads.hurry(behind or self._starved)
+        self._threads.hurry(behind or self._starved, self)
 
     def _starving(self, now: float) -> bool:
         window = self._window
@@ -343,7 +343,7 @@ class StoreController(ControllerThread):
         self.stats.add("l1_deleted_after_store", sum(deleted))
 
     def finish(self) -> None:
-        self._threads.hurry(False)  # another controller of the process may start idle
+        self._threads.hurry(False, self)  # a stopped controller hurries nobody
         # Draining gave up (stalled adapter) or finished: release every lock still held.
         for task in self._tasks.owners():
             self.l1.finish_read(task.keys)

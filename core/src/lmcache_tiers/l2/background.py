@@ -95,6 +95,7 @@ class BackgroundThreads:
         self._lock = threading.Lock()
         self._tids: set[int] = set()
         self._hurried = False
+        self._behind: set[int] = set()  # ids of the reporters that find write-back behind
         self._refused: set[str] = set()  # what the OS refused once: logged, not retried
 
     @property
@@ -134,15 +135,21 @@ class BackgroundThreads:
                 return None
         return total / 1e9
 
-    def hurry(self, behind: bool) -> None:
-        """Write-back is behind (True: every thread at nice 10 now) or caught up again."""
-        if behind == self._hurried:
-            return
+    def hurry(self, behind: bool, reporter: object = None) -> None:
+        """``reporter`` (a store controller) finds write-back behind (True: every thread at
+        nice 10 while any reporter does) or caught up again."""
         with self._lock:
-            self._hurried = behind
+            if behind:
+                self._behind.add(id(reporter))
+            else:
+                self._behind.discard(id(reporter))
+            hurried = bool(self._behind)
+            if hurried == self._hurried:
+                return
+            self._hurried = hurried
             for tid in list(self._tids):
-                self._apply(tid, idle=not behind)
-        log.debug("write-back threads %s", f"behind: nice {WRITE_BACK_NICE}" if behind else "caught up: idle")
+                self._apply(tid, idle=not hurried)
+        log.debug("write-back threads %s", f"behind: at nice {WRITE_BACK_NICE}" if hurried else "idle")
 
     # -- the OS requests ----------------------------------------------------------------
 
