@@ -7,6 +7,7 @@ hold, so no assertion depends on how fast the machine is.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ from engine_support import GatedConfig, gated_backend, keys_of, store
 from lmcache_tiers.activity import DATA_PLANE
 from lmcache_tiers.config import AdapterSpec
 from lmcache_tiers.controllers import store_pacing
+from lmcache_tiers.l2.background import WRITE_BACK
 from lmcache_tiers.storage import StorageManager
 
 SIZE = 32 * 1024
@@ -191,3 +193,32 @@ def test_no_deferral_after_l1_lost_an_object_before_its_store(engine, long_defer
     later = keys_of(12, 2)
     store(storage, later, SIZE)
     assert wait_for(lambda: stored_keys(storage) == set(early + later))
+
+
+@pytest.mark.skipif(
+    not WRITE_BACK.uses_idle, reason="this process may not leave SCHED_IDLE (needs CAP_SYS_NICE)"
+)
+def test_a_flush_hurries_idle_write_back_threads_until_they_are_done(engine) -> None:
+    storage = engine([gated()])
+    backend = gated_backend(storage)
+    backend.store_gate.clear()
+    store(storage, keys_of(9, 2), SIZE)
+    assert wait_for(lambda: storage.store.in_flight() == 1)
+    stores = [t.native_id for t in threading.enumerate() if "-store-" in t.name and t.name.startswith("l2-")]
+    assert stores
+    # A store task waiting on I/O (here: the gate) for two starvation windows is not
+    # starved -- its thread waits asleep, not for a core: still idle.
+    time.sleep(2 * store_pacing.STARVE_WINDOW_S + 0.05)
+    assert not WRITE_BACK.hurried
+    assert os.SCHED_IDLE in {os.sched_getscheduler(tid) for tid in stores}
+    flushed: list[bool] = []
+    flusher = threading.Thread(target=lambda: flushed.append(storage.flush(10)))
+    flusher.start()
+    try:
+        assert wait_for(lambda: WRITE_BACK.hurried)
+        assert os.SCHED_IDLE not in {os.sched_getscheduler(tid) for tid in stores}
+    finally:
+        backend.store_gate.set()
+        flusher.join(20)
+    assert flushed == [True]
+    assert wait_for(lambda: not WRITE_BACK.hurried)

@@ -4,8 +4,10 @@ GIL handed over quickly while the store controller runs."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +17,7 @@ from lmcache_tiers.controllers.base import AdapterSlot
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.controllers.store import GIL_SWITCH_S, StoreController
 from lmcache_tiers.l1 import L1Manager
+from lmcache_tiers.l2.background import WRITE_BACK, get_ioprio, ioprio_value
 from lmcache_tiers.l2.runners import WRITE_BACK_NICE
 from lmcache_tiers.policies import StorePolicy
 
@@ -75,3 +78,94 @@ def test_the_store_controller_shortens_the_gil_switch_interval_only_with_adapter
             adapter.close()
     finally:
         l1.close()
+
+
+# -- idle while write-back keeps up (l2/background.py) ----------------------------------
+
+
+def policy_of(tid: int) -> int:
+    return os.sched_getscheduler(tid)
+
+
+needs_idle = pytest.mark.skipif(
+    not (hasattr(os, "SCHED_IDLE") and WRITE_BACK.uses_idle),
+    reason="this process may not leave SCHED_IDLE again (needs CAP_SYS_NICE or RLIMIT_NICE >= 10)",
+)
+
+
+@needs_idle
+def test_store_threads_are_idle_class_until_write_back_is_hurried() -> None:
+    adapter = open_dict()
+    try:
+        workers = [t for t in threading.enumerate() if t.name.startswith("l2-0:t-")]
+        stores = [t.native_id for t in workers if "-store-" in t.name]
+        others = [t.native_id for t in workers if "-store-" not in t.name]
+        assert stores and others
+        # the threads set their own priority once started: wait until the last step is done
+        idle_io = {ioprio_value(idle=True)}
+        deadline = time.monotonic() + 10
+        while {get_ioprio(tid) for tid in stores} != idle_io and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert {policy_of(tid) for tid in stores} == {os.SCHED_IDLE}
+        assert {get_ioprio(tid) for tid in stores} == idle_io
+        assert os.SCHED_IDLE not in {policy_of(tid) for tid in others}
+        WRITE_BACK.hurry(True)
+        try:
+            assert {policy_of(tid) for tid in stores} == {os.SCHED_OTHER}
+            assert {get_ioprio(tid) for tid in stores} == {ioprio_value(idle=False)}
+            assert {nice_of_tid(tid) for tid in stores} == {max(os.nice(0), WRITE_BACK_NICE)}
+        finally:
+            WRITE_BACK.hurry(False)
+        assert {policy_of(tid) for tid in stores} == {os.SCHED_IDLE}
+        assert WRITE_BACK.runqueue_wait_s() is not None
+    finally:
+        adapter.close()
+
+
+def nice_of_tid(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[16])
+
+
+# An unprivileged process: it may enter SCHED_IDLE but never leave it, so the threads stay
+# at nice 10 -- and a table forced to use idle logs the refusal once, then stops trying.
+_UNPRIVILEGED = r"""
+import logging, os, resource, sys, threading
+from lmcache_tiers.l2.background import BackgroundThreads, may_leave_idle
+resource.setrlimit(resource.RLIMIT_NICE, (0, 0))
+os.setgroups([]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+assert not may_leave_idle()
+def run(table, report):
+    ready, done = threading.Event(), threading.Event()
+    def work():
+        table.enter(); ready.set(); done.wait(); table.leave()
+    thread = threading.Thread(target=work); thread.start(); ready.wait()
+    report(thread.native_id)
+    done.set(); thread.join()
+def policy(tid):
+    print("policy", os.sched_getscheduler(tid) == os.SCHED_IDLE, flush=True)
+run(BackgroundThreads(), policy)
+forced = BackgroundThreads(use_idle=True)
+def cycle(tid):
+    policy(tid)
+    for _ in range(3):
+        forced.hurry(True); forced.hurry(False)
+    policy(tid)
+run(forced, cycle)
+"""
+
+
+@needs_idle
+def test_an_unprivileged_process_keeps_nice_10_and_logs_a_refusal_once() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to start an unprivileged child")
+    done = subprocess.run([sys.executable, "-c", _UNPRIVILEGED], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    # default table: never idle; forced: idle, and still idle after the refused hurry
+    assert lines[0] == "policy False"
+    assert lines[1] == "policy True"
+    refusals = [line for line in lines if "refused leaving SCHED_IDLE" in line]
+    assert len(refusals) == 1, lines
+    assert lines[-1] == "policy True"

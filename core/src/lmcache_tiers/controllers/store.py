@@ -6,9 +6,11 @@ object mid-copy; the lock is dropped when the task's result is popped (or, at sh
 when draining gives up).  Once every task of a batch is done, the policy may drop the
 stored keys from L1 (``skip_l1``).
 
-Write-back must not starve the data plane: the adapters' store threads run at a low
-CPU priority (nice 10) (:mod:`lmcache_tiers.l2.runners`), and while this controller runs the
-interpreter hands the GIL over every ``GIL_SWITCH_S`` (CPython's default is 5 ms), so a
+Write-back must not starve the data plane: the adapters' store threads run at the idle
+CPU and I/O priority while write-back keeps up, at nice 10 while this controller finds it
+behind -- a flush waits, the controller stops, L1 is short of room, or the store threads
+wait for a core most of the time (:mod:`lmcache_tiers.l2.background`) -- and while this
+controller runs the interpreter hands the GIL over every ``GIL_SWITCH_S`` (CPython's default is 5 ms), so a
 request arriving while a store thread runs Python waits for the GIL a fraction of a
 millisecond rather than up to 5 ms, which is what the p99 of lookups and stores under
 write-back used to be made of.
@@ -36,9 +38,17 @@ from dataclasses import dataclass, field
 from lmcache_tiers.activity import DATA_PLANE, DataPlaneActivity
 from lmcache_tiers.controllers.base import AdapterSlot, ControllerThread, TaskTracker, adapter_infos
 from lmcache_tiers.controllers.stats import EngineStats
-from lmcache_tiers.controllers.store_pacing import Slice, WriteBackPacer, slices_of
+from lmcache_tiers.controllers.store_pacing import (
+    STALLED_S,
+    STARVE_WINDOW_S,
+    STARVED_SHARE,
+    Slice,
+    WriteBackPacer,
+    slices_of,
+)
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager, L1Object
+from lmcache_tiers.l2.background import WRITE_BACK, BackgroundThreads
 from lmcache_tiers.l2.interface import L2Op
 from lmcache_tiers.policies import StorePolicy
 
@@ -62,6 +72,7 @@ class _Task:
     keys: list[ObjectKey]  # read-locked once each until the result is popped
     batch: _Batch
     nbytes: int  # of the slice, as the pacer counted it in flight
+    submitted: float  # monotonic time it was handed to the adapter
 
 
 class StoreController(ControllerThread):
@@ -74,6 +85,7 @@ class StoreController(ControllerThread):
         policy: StorePolicy,
         stats: EngineStats,
         activity: DataPlaneActivity = DATA_PLANE,
+        threads: BackgroundThreads = WRITE_BACK,
     ) -> None:
         super().__init__("l2-store")
         self.l1 = l1
@@ -89,6 +101,9 @@ class StoreController(ControllerThread):
         )
         self._waiting_slices = 0  # len(self._pacer), readable from any thread
         self._step_in: float | None = None
+        self._threads = threads  # the write-back threads' priority, raised while behind
+        self._starved = False  # the threads were short of CPU; until no task is left
+        self._window: tuple[float, float | None] | None = None  # (start, run-queue wait then)
         # touched by the controller thread only
         self._tasks = TaskTracker[_Task, list[bool]](
             L2Op.STORE, lambda adapter: adapter.pop_completed_stores(), stats
@@ -172,10 +187,41 @@ class StoreController(ControllerThread):
         return self._step_in
 
     def _submit_slices(self) -> None:
-        pieces, self._step_in = self._pacer.take(urgent=self.stopping or self._urgent > 0)
+        urgent = self.stopping or self._urgent > 0
+        pieces, self._step_in = self._pacer.take(urgent=urgent)
         for piece in pieces:
             self._submit(piece)
         self._waiting_slices = len(self._pacer)
+        self._pace_threads(urgent or self._pacer.pressed)
+
+    def _pace_threads(self, behind: bool) -> None:
+        """Idle write-back threads while write-back keeps up; nice 10 while it is behind,
+        or once the threads turn out starved of CPU, until their tasks are done."""
+        if not self._tasks:
+            self._starved, self._window = False, None
+        elif not self._starved:
+            self._starved = self._starving(time.monotonic())
+        self._threads.hurry(behind or self._starved, self)
+
+    def _starving(self, now: float) -> bool:
+        window = self._window
+        if window is None:
+            self._window = (now, self._threads.runqueue_wait_s())
+            self._look_again(STARVE_WINDOW_S)
+            return False
+        began, waited = window
+        if now - began < STARVE_WINDOW_S:
+            self._look_again(began + STARVE_WINDOW_S - now)
+            return False
+        waiting = self._threads.runqueue_wait_s()
+        self._window = (now, waiting)
+        self._look_again(STARVE_WINDOW_S)
+        if waited is None or waiting is None:  # no run-queue figures: a task's age decides
+            return min(task.submitted for task in self._tasks.owners()) + STALLED_S <= now
+        return waiting - waited > STARVED_SHARE * (now - began)
+
+    def _look_again(self, seconds: float) -> None:
+        self._step_in = seconds if self._step_in is None else min(self._step_in, seconds)
 
     def _start_batch(self, objects: list[L1Object], committed: float) -> None:
         batch = _Batch({obj.key: obj for obj in objects})
@@ -227,7 +273,7 @@ class StoreController(ControllerThread):
             logger.warning("store of %d keys to %s could not be submitted: %s", len(keys), slot.name, exc)
             self._slice_ended(piece)
             return
-        self._tasks.track(slot, task_id, _Task(slot, task_id, keys, batch, piece.nbytes))
+        self._tasks.track(slot, task_id, _Task(slot, task_id, keys, batch, piece.nbytes, time.monotonic()))
         self.stats.add_adapter(slot.index, "store_tasks_submitted")
         logger.debug("Submitted store task %d to %s: %d keys", task_id, slot.name, len(keys))
 
@@ -297,6 +343,7 @@ class StoreController(ControllerThread):
         self.stats.add("l1_deleted_after_store", sum(deleted))
 
     def finish(self) -> None:
+        self._threads.hurry(False, self)  # a stopped controller hurries nobody
         # Draining gave up (stalled adapter) or finished: release every lock still held.
         for task in self._tasks.owners():
             self.l1.finish_read(task.keys)

@@ -49,6 +49,13 @@ LOSS_COOLDOWN_S = 1.0
 PRESSURE_FRACTION = 0.5
 #: how often a deferring controller looks again while client work is in progress
 RECHECK_S = 0.002
+#: write-back threads waiting for a core more than this share of a ``STARVE_WINDOW_S`` are
+#: starved: they leave their idle priority until no store task is left (l2/background.py)
+STARVED_SHARE = 0.5
+STARVE_WINDOW_S = 0.25
+#: where the kernel does not report run-queue waits: a store task running this long counts
+#: as starved
+STALLED_S = 2.0
 
 
 @dataclass(eq=False)
@@ -93,6 +100,7 @@ class WriteBackPacer:
         self._inflight: dict[int, int] = {}  # adapter index -> bytes submitted, not reported
         self.waiting_bytes = 0
         self.deferrals = 0  # times a slice was held back for client work (a gauge's source)
+        self.pressed = False  # at the last take: L1 short of room (pressure or a recent loss)
 
     def __len__(self) -> int:
         return sum(len(queue) for queue in self._waiting.values())
@@ -113,7 +121,8 @@ class WriteBackPacer:
             losses = self._losses()
             if losses != self._losses_seen:
                 self._losses_seen, self._lost_at = losses, now
-            urgent = urgent or now - self._lost_at < LOSS_COOLDOWN_S
+        self.pressed = now - self._lost_at < LOSS_COOLDOWN_S or self.waiting_bytes >= self.pressure_bytes
+        urgent = urgent or (bool(self._waiting) and now - self._lost_at < LOSS_COOLDOWN_S)
         chosen: list[Slice] = []
         wake: float | None = None
         quiet: float | None = None

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import inspect
 import logging
-import os
 import queue
 import threading
 import time
@@ -26,6 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+from lmcache_tiers.l2.background import WRITE_BACK, WRITE_BACK_NICE
 from lmcache_tiers.l2.calls import call, call_async, optional_method
 from lmcache_tiers.l2.interface import L2Op
 from lmcache_tiers.l2.ops import BatchOp
@@ -33,10 +32,7 @@ from lmcache_tiers.l2.state import AdapterState
 
 log = logging.getLogger("lmcache_tiers.l2")
 
-#: nice value of the threads that run stores (write-back) of thread-run backends: about a
-#: tenth of a core's share when every core is busy, so write-back yields to requests but
-#: is never starved (at 19, ~1.5 %, a busy process could hold it back indefinitely)
-WRITE_BACK_NICE = 10
+__all__ = ["WRITE_BACK_NICE", "LoopRunner", "Runner", "ThreadRunner", "chunks"]
 
 T = TypeVar("T")
 Publish = Callable[[int, BatchOp, Any], None]
@@ -129,18 +125,21 @@ class ThreadRunner(Runner):
 
     def _work(self, jobs: queue.SimpleQueue[tuple[int, BatchOp] | None], background: bool = False) -> None:
         if background:
-            # Write-back is background work: at a low CPU priority it runs mostly on cores
-            # the data plane leaves idle (e.g. while a client copies) instead of taking
-            # one from a request.  Linux applies a nice value to the one thread named.
-            with contextlib.suppress(OSError, AttributeError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITE_BACK_NICE)
-        while (item := jobs.get()) is not None:
-            task_id, op = item
-            try:
-                self.publish(task_id, op, self._execute(op))
-            except BaseException:  # never let one task kill the worker
-                log.exception("%s: task %d crashed", self.state.name, task_id)
-                self.state.board.fail(task_id)
+            # Write-back is background work: idle while it keeps up, nice 10 when the store
+            # controller reports it behind (l2/background.py).  Linux applies both to the
+            # one thread named.
+            WRITE_BACK.enter()
+        try:
+            while (item := jobs.get()) is not None:
+                task_id, op = item
+                try:
+                    self.publish(task_id, op, self._execute(op))
+                except BaseException:  # never let one task kill the worker
+                    log.exception("%s: task %d crashed", self.state.name, task_id)
+                    self.state.board.fail(task_id)
+        finally:
+            if background:
+                WRITE_BACK.leave()
 
     def run(self, task_id: int, op: BatchOp) -> None:
         assert op.kind is not None

@@ -45,6 +45,7 @@ from lmcache_tiers.server.http import HttpEndpoint
 from lmcache_tiers.server.logs import configure_logging
 from lmcache_tiers.server.metrics import build_registry, render
 from lmcache_tiers.server.preflight import listen_error, preflight
+from lmcache_tiers.server.priority import request_threads_favoured
 from lmcache_tiers.wire import protocol as p
 
 if TYPE_CHECKING:
@@ -342,7 +343,7 @@ def run_server(
         for frontend in server.frontends:
             logger.info("serving %s on %s", frontend.name, frontend.address)
         try:
-            with start_up_heap_frozen():
+            with start_up_heap_frozen(), request_threads_favoured():
                 server.serve()
         except Exception:
             # A bug in a front end: still give everything back and unlink the segment.
