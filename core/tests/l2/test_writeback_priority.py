@@ -19,6 +19,7 @@ from lmcache_tiers.controllers.store import GIL_SWITCH_S, StoreController
 from lmcache_tiers.l1 import L1Manager
 from lmcache_tiers.l2.background import WRITE_BACK, get_ioprio, ioprio_value
 from lmcache_tiers.l2.runners import WRITE_BACK_NICE
+from lmcache_tiers.l2.workers import BatchWorkers
 from lmcache_tiers.policies import StorePolicy
 
 
@@ -169,3 +170,30 @@ def test_an_unprivileged_process_keeps_nice_10_and_logs_a_refusal_once() -> None
     refusals = [line for line in lines if "refused leaving SCHED_IDLE" in line]
     assert len(refusals) == 1, lines
     assert lines[-1] == "policy True"
+
+
+def _helper_nice(background: bool) -> tuple[int, int]:
+    """(nice of the helper thread that took a row, nice of the caller) for one two-row map."""
+    workers = BatchWorkers(2, "test-batch", background=background)
+    both = threading.Barrier(2, timeout=10)  # each thread must take one row
+
+    def work(_row: int) -> tuple[int, int]:
+        both.wait()
+        return threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    try:
+        caller = threading.get_native_id()
+        rows = workers.map(work, [0, 1])
+        helper = next(nice for tid, nice in rows if tid != caller)
+        return helper, os.getpriority(os.PRIO_PROCESS, caller)
+    finally:
+        workers.shutdown()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc for thread priorities")
+def test_the_helpers_of_a_store_batch_take_the_write_back_priority_and_load_helpers_do_not() -> None:
+    helper, caller = _helper_nice(background=True)
+    assert helper == max(os.nice(0), WRITE_BACK_NICE)
+    assert caller == os.nice(0)  # the calling thread is left as it was
+    helper, _caller = _helper_nice(background=False)
+    assert helper == os.nice(0)

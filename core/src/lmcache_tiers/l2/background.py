@@ -29,6 +29,7 @@ import logging
 import os
 import resource
 import threading
+from collections.abc import Iterable
 
 __all__ = ["WRITE_BACK", "WRITE_BACK_NICE", "BackgroundThreads"]
 
@@ -116,8 +117,13 @@ class BackgroundThreads:
 
     def leave(self) -> None:
         """The calling thread ends: forget it (its priority dies with it)."""
+        self.forget((threading.get_native_id(),))
+
+    def forget(self, tids: Iterable[int]) -> None:
+        """Threads that ended or are ending (a pool shut down): never touched again, as their
+        ids may be given to new threads."""
         with self._lock:
-            self._tids.discard(threading.get_native_id())
+            self._tids.difference_update(tids)
 
     def runqueue_wait_s(self) -> float | None:
         """Seconds the write-back threads have spent runnable but not running, summed over

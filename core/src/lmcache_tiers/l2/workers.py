@@ -13,9 +13,12 @@ instead of holding the batch up with a fixed share.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
+
+from lmcache_tiers.l2.background import WRITE_BACK
 
 __all__ = ["BatchWorkers"]
 
@@ -25,9 +28,14 @@ R = TypeVar("R")
 class BatchWorkers:
     """``count`` threads for the objects of a batch: the caller's and ``count - 1`` more."""
 
-    def __init__(self, count: int, name: str) -> None:
+    def __init__(self, count: int, name: str, *, background: bool = False) -> None:
         self.count = max(1, count)
         self._pool = ThreadPoolExecutor(self.count - 1, thread_name_prefix=name) if self.count > 1 else None
+        # A store batch's helpers do write-back work like the thread that calls them, so
+        # they take the write-back threads' priority (l2/background.py); otherwise half
+        # of a batch would run at full priority beside the requests it should yield to.
+        self._background = background
+        self._members: set[int] = set()
 
     def map(self, work: Callable[..., R], *columns: Sequence[Any], parallel: bool = True) -> list[R]:
         """``work(a, b, ...)`` for every row of the columns, results in order, like ``map``.
@@ -51,7 +59,12 @@ class BatchWorkers:
                 except BaseException as exc:
                     errors.append(exc)
 
-        others: list[Future[None]] = [pool.submit(drain) for _ in range(helpers)] if pool else []
+        def helper() -> None:
+            if self._background:
+                self._join_write_back()
+            drain()
+
+        others: list[Future[None]] = [pool.submit(helper) for _ in range(helpers)] if pool else []
         try:
             drain()
         finally:
@@ -61,6 +74,15 @@ class BatchWorkers:
             raise errors[0]
         return results
 
+    def _join_write_back(self) -> None:
+        tid = threading.get_native_id()
+        if tid not in self._members:  # once per pool thread: its priority stays set
+            self._members.add(tid)
+            WRITE_BACK.enter()
+
     def shutdown(self, *, wait: bool = True) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=wait)
+        if self._members:
+            WRITE_BACK.forget(self._members)
+            self._members = set()

@@ -119,7 +119,7 @@ class LocalRecords:
         # Loads and stores have threads of their own: a thread inherits the CPU priority
         # of the one that started it, and stores run at write-back priority (nice 10).
         self._readers = BatchWorkers(IO_THREADS, f"fs-{context.name}-read")
-        self._writers = BatchWorkers(IO_THREADS, f"fs-{context.name}-write")
+        self._writers = BatchWorkers(IO_THREADS, f"fs-{context.name}-write", background=True)
 
     def close(self) -> None:
         self._readers.shutdown()

@@ -55,7 +55,7 @@ class SlotStoreBackend(ABC):
         self.payload_limit = payload_limit
         self._burst = BurstLog()
         self._readers = BatchWorkers(load_workers, f"{self.type_name}-load")
-        self._writers = BatchWorkers(store_workers, f"{self.type_name}-store")
+        self._writers = BatchWorkers(store_workers, f"{self.type_name}-store", background=True)
 
     def _stop_workers(self) -> None:
         self._writers.shutdown(wait=False)
