@@ -117,19 +117,20 @@ class BackendContext:
 
     # -- for persistent backends ---------------------------------------------------------------
 
-    def accounted(self, keys: Sequence[ObjectKey]) -> list[bool] | None:
-        """Which ``keys`` core accounts for this adapter (stored through it, or listed by
-        its start-up scan); None until the scan has listed the whole store (it runs, or
-        stopped early).
+    def misses_now(self, keys: Sequence[ObjectKey]) -> list[None] | None:
+        """A ``contains_many_now`` answer of all misses when core accounts none of ``keys``
+        for this adapter (neither stored through it nor listed by its start-up scan) and
+        the scan has listed the whole store; None otherwise (a key is accounted, the scan
+        runs, or it stopped early).
 
         For a backend whose store nobody else writes (a directory under
-        ``DirectoryLock``): a key not accounted then is not stored, which is how such a
-        backend answers misses from memory (``contains_many_now``).  Memory only.
+        ``DirectoryLock``): a key not accounted then is not stored.  A hit is left to
+        ``contains_many``, where the record says whether it is still there.  Memory only.
         """
         accounting = self._state.accounting
-        if not accounting.complete:
+        if not accounting.complete or any(size is not None for size in accounting.get_many(keys)):
             return None
-        return [size is not None for size in accounting.get_many(keys)]
+        return [None] * len(keys)
 
     def l1_size_of(self, key: ObjectKey) -> int | None:
         """The L1 size of ``key`` (being stored now, or known to core); None if unknown.

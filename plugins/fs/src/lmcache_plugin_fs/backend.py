@@ -137,12 +137,7 @@ class FsBackend:
         account is not on disk.  A batch with any accounted key -- or a remote root,
         which other writers may share -- goes to ``contains_many``: the record file is
         what says whether a hit is still there."""
-        if not self.config.is_local:
-            return None
-        accounted = self.context.accounted(keys)
-        if accounted is None or any(accounted):
-            return None
-        return [None] * len(keys)
+        return self.context.misses_now(keys) if self.config.is_local else None
 
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         return self._records.read_many(keys, buffers)

@@ -98,10 +98,7 @@ class NixlDynamicBackend:
         ``DirectoryLock``), so once core's start-up scan listed it, a key core does not
         account has no record file.  A batch with any accounted key goes to
         ``contains_many``, which looks at the file."""
-        accounted = self.context.accounted(keys)
-        if accounted is None or any(accounted):
-            return None
-        return [None] * len(keys)
+        return self.context.misses_now(keys)
 
     def _stored_size(self, key: ObjectKey) -> int | ObjectSize | None:
         try:

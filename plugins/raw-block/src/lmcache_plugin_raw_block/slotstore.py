@@ -180,17 +180,13 @@ class SlotStoreBackend(ABC):
     # -- lookups and loads -----------------------------------------------------------------
 
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[ObjectSize | None]:
-        return [
-            None if entry is None else ObjectSize(entry.stored, entry.l1) for entry in self.table.lookup(keys)
-        ]
+        return _sizes(self.table.lookup(keys))
 
     def contains_many_now(self, keys: Sequence[ObjectKey]) -> list[ObjectSize | None] | None:
         """The slot table is in memory: answered on the caller's thread unless a worker
         holds its lock right now."""
         entries = self.table.lookup_now(keys)
-        if entries is None:
-            return None
-        return [None if entry is None else ObjectSize(entry.stored, entry.l1) for entry in entries]
+        return None if entries is None else _sizes(entries)
 
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         entries = self.table.acquire(keys)
@@ -268,3 +264,8 @@ class SlotStoreBackend(ABC):
 
     def capacity(self) -> Capacity:
         return Capacity(objects=self.table.slot_count)
+
+
+def _sizes(entries: Sequence[SlotEntry | None]) -> list[ObjectSize | None]:
+    """A lookup's answer: the stored and L1 size of each entry found."""
+    return [None if entry is None else ObjectSize(entry.stored, entry.l1) for entry in entries]
