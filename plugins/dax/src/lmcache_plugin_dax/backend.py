@@ -45,9 +45,10 @@ log = logging.getLogger(__name__)
 CLOSE_DRAIN_S = 10.0
 #: bytes copied and hashed at a time when a batch's objects are stored on several threads
 #: (one thread: core's STORE_PIECE, 256 KiB).  Each piece costs a thread two GIL
-#: hand-backs, which cost more while the other thread wants the GIL: on two threads, 1 MiB
-#: stores ran at 0.86x of a one-thread memcpy in 256 KiB pieces and 0.97x in 512 KiB,
-#: 16 MiB stores at 1.38x and 1.42x (1 MiB pieces: 0.98x and 1.29x).
+#: hand-backs, which cost more while the other thread wants the GIL: copying and hashing
+#: on two threads, 1 MiB objects ran at 0.86-0.90x of a one-thread memcpy in 256 KiB
+#: pieces and 0.97-1.04x in 512 KiB, 16 MiB objects at 1.38x and 1.42x (1 MiB pieces:
+#: 0.98-1.04x and 1.29x).
 PARALLEL_STORE_PIECE = 512 << 10
 #: a store group of at least this many bytes (and two objects) is copied on all the store
 #: workers; a smaller one on the calling thread, where handing it over would cost more
@@ -173,7 +174,7 @@ class DaxBackend(SlotStoreBackend):
         # thread).  The copies then run back to back, each worker holding the GIL only to
         # take the next object, and the headers are encoded in one tight loop whose code
         # and data stay in cache, rather than after each copy evicted them: 1 MiB stores
-        # ran 7-10 % faster so.  A slot's bytes still precede its header, and its header
+        # ran about 10 % faster so.  A slot's bytes still precede its header, and its header
         # its commit word, so a crash between the rounds leaves uncommitted slots only.
         with self._in_flight.use() as usable:
             if usable:

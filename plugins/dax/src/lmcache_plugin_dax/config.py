@@ -125,7 +125,7 @@ class DaxConfig(L2AdapterConfig):
 
     @property
     def store_workers(self) -> int:
-        # Two: one thread copying and hashing reached 0.8x of a one-thread memcpy at best,
+        # Two: one thread copying and hashing reached 0.74-0.81x of a one-thread memcpy,
         # two overlap one's hashing with the other's copy (bench/bench_block.py).
         return self.num_store_workers or min(2, os.cpu_count() or 1)
 
