@@ -18,11 +18,13 @@ and write a header per slot; the plain baselines move bytes only, so one more ba
 adds core's record checksum of every object to the moves (by the adapter's worker
 counts): the figure a verified store or load could reach here.  Methods run
 interleaved, round by round; each figure is the median of ``--repeat`` rounds, and each
-ratio is the median of per-round ratios to the fastest plain baseline (``/raw``, the
-target is >= 0.8) and to the checksumming one (``/+xxh3``).
+ratio is the median of per-round ratios to the fastest plain baseline (``/raw``), to the
+one-thread plain baseline (``/x1``; the target is >= 0.8) and to the checksumming one
+(``/+xxh3``).  ``--store-workers`` / ``--load-workers`` replace the adapters' own worker
+counts (the baselines follow them).
 
     python bench/bench_block.py [--dir /mnt/nvme] [--cases 256x1,64x16] [--repeat 5]
-        [--buffered] [--json]
+        [--store-workers N] [--load-workers N] [--buffered] [--json]
 """
 
 from __future__ import annotations
@@ -147,6 +149,12 @@ def adapter_round(
     return store_s, load_s
 
 
+def worker_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """The adapter config fields ``--store-workers`` / ``--load-workers`` set."""
+    fields = {"num_store_workers": args.store_workers, "num_load_workers": args.load_workers}
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 def run_case(case: Case, kind: str, args: argparse.Namespace, root: str) -> list[dict[str, Any]]:
     source_map, target_map = populated(case.total), populated(case.total)
     rng = np.random.default_rng(case.count)
@@ -160,6 +168,7 @@ def run_case(case: Case, kind: str, args: argparse.Namespace, root: str) -> list
             slot_bytes=case.size + HEADER,
             capacity_bytes=(case.count + 8) * (case.size + HEADER) + (8 << 20),
             use_odirect=not args.buffered,
+            **worker_overrides(args),
         )
         adapter = open_adapter(RawBlockBackend, config)
         workers = (config.num_store_workers, config.num_load_workers)
@@ -173,9 +182,10 @@ def run_case(case: Case, kind: str, args: argparse.Namespace, root: str) -> list
             device_path=str(Path(root) / "dax.img"),
             max_dax_size_gb=((case.count + 8) * (case.size + HEADER) + (8 << 20)) / (1 << 30),
             slot_bytes=case.size,
+            **worker_overrides(args),
         )
         adapter = open_adapter(DaxBackend, config)
-        workers = (config.num_store_workers, config.load_workers)
+        workers = (config.store_workers, config.load_workers)
         # The mapping stays until the copy functions are collected with this frame.
         fd, write, read = mapping_baseline(str(Path(root) / "baseline.img"), case, sources, targets)
         cleanup.append(lambda: os.close(fd))
@@ -219,7 +229,8 @@ def measure(
     repeat: int,
 ) -> list[dict[str, Any]]:
     """Median GB/s of every method, and the adapter's median per-round ratios to the
-    fastest plain baseline and to the fastest baseline that also checksums."""
+    fastest plain baseline, to the one-thread plain baseline and to the fastest baseline
+    that also checksums."""
     methods: dict[str, tuple[Callable[[], Any], Callable[[], Any], bool]] = {}
     for threads in sorted({1, *workers}):
         methods[f"{what} x{threads}"] = (
@@ -239,7 +250,9 @@ def measure(
     for store, _load, _checked in methods.values():
         store()
     figures: dict[str, Figures] = {}
-    ratios: dict[str, list[float]] = {"store": [], "load": [], "store_ck": [], "load_ck": []}
+    ratios: dict[str, list[float]] = {
+        name: [] for name in ("store", "load", "store_1t", "load_1t", "store_ck", "load_ck")
+    }
     for _ in range(repeat):
         seconds = {name: (timed(store), timed(load)) for name, (store, load, _c) in methods.items()}
         seconds[kind] = adapter_round(adapter, keys, sources, targets)
@@ -251,6 +264,9 @@ def measure(
             chosen = [seconds[name] for name, (_s, _l, c) in methods.items() if c == checked]
             ratios["store" + suffix].append(min(s for s, _ in chosen) / seconds[kind][0])
             ratios["load" + suffix].append(min(lo for _, lo in chosen) / seconds[kind][1])
+        one_store, one_load = seconds[f"{what} x1"]
+        ratios["store_1t"].append(one_store / seconds[kind][0])
+        ratios["load_1t"].append(one_load / seconds[kind][1])
     rows = []
     for name, entry in figures.items():
         row: dict[str, Any] = {
@@ -267,8 +283,8 @@ def measure(
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    names = ("store", "load", "store_ck", "load_ck")
-    heads = ("store/raw", "load/raw", "store/+xxh3", "load/+xxh3")
+    names = ("store", "load", "store_1t", "load_1t", "store_ck", "load_ck")
+    heads = ("store/raw", "load/raw", "store/x1", "load/x1", "store/+xxh3", "load/+xxh3")
     print(
         f"{'adapter':10} {'case':13} {'method':34} {'store GB/s':>10} {'load GB/s':>10} "
         + " ".join(f"{h:>11}" for h in heads)
@@ -289,6 +305,8 @@ def main() -> None:
     parser.add_argument("--cases", default="256x1,64x16", help="COUNTxMIB,... (default 256x1,64x16)")
     parser.add_argument("--adapters", default="raw_block,dax", help="raw_block,dax (default both)")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--store-workers", type=int, help="num_store_workers of the adapters")
+    parser.add_argument("--load-workers", type=int, help="num_load_workers of the adapters")
     parser.add_argument("--buffered", action="store_true", help="raw_block and its baseline without O_DIRECT")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     args = parser.parse_args()

@@ -190,6 +190,14 @@ def test_copy_and_checksum_gives_the_record_checksum_of_the_copy(size: int) -> N
     assert encode_header(KEY, data, digest=digest) == encode_header(KEY, data)
 
 
+@pytest.mark.parametrize("piece", [PIECE // 2, 3 * PIECE, 64 * PIECE])
+def test_copy_and_checksum_in_pieces_of_another_size_gives_the_same_checksum(piece: int) -> None:
+    data = payload_of(7 * PIECE + 1, seed=4)
+    target = bytearray(len(data))
+    assert copy_and_checksum(memoryview(target), data, piece=piece) == checksum(data)
+    assert bytes(target) == data
+
+
 def test_encode_header_refuses_a_digest_of_another_length() -> None:
     with pytest.raises(ValueError, match="digest"):
         encode_header(KEY, b"abc", digest=b"short")

@@ -21,6 +21,12 @@ def decode(**fields: object) -> DaxConfig:
     return spec.config
 
 
+def test_unset_worker_counts_follow_the_cpus() -> None:
+    unset = decode(device_path="/dev/dax0.0", max_dax_size_gb=4, slot_bytes=2 << 20)
+    cpus = os.cpu_count() or 1
+    assert (unset.store_workers, unset.load_workers) == (min(2, cpus), min(4, cpus))
+
+
 def test_both_lmcache_forms_are_accepted_unchanged() -> None:
     single = decode(
         device_path="/dev/dax0.0",
@@ -31,6 +37,7 @@ def test_both_lmcache_forms_are_accepted_unchanged() -> None:
         num_load_workers=4,
     )
     assert single.mappings() == (DaxDevice(device_path="/dev/dax0.0", max_dax_size_gb=4.0),)
+    assert (single.store_workers, single.load_workers) == (1, 4)
     several = decode(
         slot_bytes=2 << 20,
         devices=[

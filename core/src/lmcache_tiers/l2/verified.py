@@ -155,13 +155,20 @@ def copy_verified(target: memoryview, source: bytes | bytearray | memoryview, re
     verifier.verify(_copy_hashing(out, data, verifier.hash_update, VERIFY_PIECE))
 
 
-def copy_and_checksum(target: memoryview, source: bytes | bytearray | memoryview) -> bytes:
+def copy_and_checksum(
+    target: memoryview, source: bytes | bytearray | memoryview, *, piece: int | None = None
+) -> bytes:
     """Copy ``source`` into ``target`` (same length); the XXH3-128 checksum of the copy,
-    as :func:`~lmcache_tiers.l2.record.checksum` gives it, for the record header."""
+    as :func:`~lmcache_tiers.l2.record.checksum` gives it, for the record header.
+
+    ``piece``: bytes copied and hashed at a time, :data:`STORE_PIECE` by default (one
+    store thread; where several threads copy at once, larger pieces win: fewer GIL
+    hand-backs, each of which costs more when another thread wants the GIL)."""
     out, data = copy_views(target, source)
-    if out.nbytes <= STORE_PIECE:
+    step = piece or STORE_PIECE
+    if out.nbytes <= step:
         copy_into(out, data)
         return checksum(out)
     hasher = xxhash.xxh3_128()
-    _copy_hashing(out, data, hasher.update, STORE_PIECE)
+    _copy_hashing(out, data, hasher.update, step)
     return bytes(hasher.digest())

@@ -148,11 +148,19 @@ class SlotStoreBackend(ABC):
     ) -> list[bool]:
         return self._writers.map(self._store_one, keys, payloads, claims)
 
-    def _store_one(self, key: ObjectKey, payload: memoryview, claim: Claim) -> bool:
+    def _store_one(
+        self, key: ObjectKey, payload: memoryview, claim: Claim, copied: bytes | BaseException | None = None
+    ) -> bool:
+        """Write one object into its claimed slot and publish it; False when it failed
+        (counted, logged, the claim given back).  ``copied``: what :meth:`_copy_payload`
+        returned or raised when the caller ran it already (``dax`` copies a whole group
+        before writing any header)."""
         quarantine = False
         try:
             data = as_bytes(payload)
-            digest = self._copy_payload(claim, data)
+            if isinstance(copied, BaseException):
+                raise copied
+            digest = self._copy_payload(claim, data) if copied is None else copied
             record = self.context.record_header(key, data, digest=digest)
             l1 = self.context.l1_size_of(key) or data.nbytes
             identity, local = self._slot_place(claim.slot)
