@@ -169,6 +169,13 @@ def test_timed_out_reservations_are_given_back_when_their_reply_turns_up(server:
     assert (l1(server)["objects"], l1(server)["write_locked"]) == (0, 0)
 
 
+def test_an_empty_lookup_is_answered_without_a_request(server: TiersServer) -> None:
+    with Client(server.endpoint) as client:
+        assert client.lookup([]) == 0
+        assert client.lookup(keys_of(1)) == 0
+    assert server.frontends[0].stats().requests["Lookup"] == 1
+
+
 def test_a_lookup_that_times_out_has_its_locks_given_back_when_the_reply_turns_up(
     make_server: Factory,
 ) -> None:
