@@ -7,7 +7,9 @@ GB/s and as a ratio of a plain memcpy of the same bytes; LOOKUP p50/p99 and requ
 
 LOOKUP is also put next to the floor of its transport: a bare ZeroMQ DEALER/ROUTER round
 trip (a Python echo process answering each LOOKUP-sized request with a reply-sized
-message), measured in this run right before and right after the server's figures.  How
+message), measured in this run right before and right after the server's figures; and
+PING and LOOKUP are sent to the server through a bare DEALER socket too, which splits a
+round trip into the server's share and the client library's.  How
 fast a sequential round trip can be depends on where the scheduler puts the two processes
 (sharing a core, or each on its own), so the floor moves with the machine and the load on
 it; the ratio to it does not.
@@ -175,6 +177,37 @@ def measure_floor(transport: str, lookup_keys: int) -> tuple[float, float]:
                 os.unlink(url[len("ipc://") :])
 
 
+def bare_requests(url: str, lookup_keys: int, requests: int) -> tuple[float, float]:
+    """p50 in microseconds of a PING and of a ``lookup_keys``-key LOOKUP (keys in L1) sent to
+    the server through a bare DEALER socket, in alternating rounds: the server's share of a
+    round trip, without the client library's."""
+    salt = f"bench-bare-{os.getpid()}"
+    keys = [ObjectKey("bench-bare", 0, index.to_bytes(4, "big") * 8, 0, salt) for index in range(lookup_keys)]
+    ping, lookup = p.encode(p.Ping(1, "")), p.encode(p.Lookup(2, "", keys))
+    samples: dict[bytes, list[float]] = {ping: [], lookup: []}
+    with Client(url) as client:
+        client.store(keys, [bytes(4096)] * lookup_keys, l1_only=True)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)
+        sock.connect(url)
+        try:
+            rounds = 10
+            for _ in range(rounds):
+                for request in (ping, lookup):
+                    for _ in range(max(1, requests // (2 * rounds))):
+                        start = time.perf_counter_ns()
+                        sock.send(request)
+                        sock.recv()
+                        samples[request].append((time.perf_counter_ns() - start) / 1e3)
+                sock.send(p.encode(p.Release(3, "", keys)))  # this socket's lookups locked them
+                sock.recv()
+        finally:
+            sock.close(0)
+            client.evict(keys)
+    return statistics.median(samples[ping]), statistics.median(samples[lookup])
+
+
 # -- cost per key -----------------------------------------------------------------------------
 
 
@@ -278,6 +311,7 @@ def main() -> None:
             lookup_requests=args.lookup_requests,
         )
         floor_after = measure_floor(transport, args.lookup_keys)
+        bare_ping, bare_lookup = bare_requests(url, args.lookup_keys, args.lookup_requests // 2)
         slope = None
         if args.long_lookup_keys > args.lookup_keys:
             long_keys = args.long_lookup_keys
@@ -302,6 +336,7 @@ def main() -> None:
         data["zmq_echo_per_s"] = [floor_before[0], floor_after[0]]
         data["zmq_echo_p50_us"] = [floor_before[1], floor_after[1]]
         data["lookup_vs_zmq_echo"] = result.lookup_per_s / floor_per_s
+        data["bare_socket_ping_lookup_p50_us"] = [bare_ping, bare_lookup]
         if slope is not None:
             added = args.long_lookup_keys - args.lookup_keys
             data["long_lookup_keys"] = args.long_lookup_keys
@@ -332,6 +367,8 @@ def main() -> None:
         f"{floor_before[0]:,.0f} / {floor_after[0]:,.0f} req/s "
         f"(LOOKUP reaches {result.lookup_per_s / floor_per_s:.2f}x of the better one; "
         f"target >= {LOOKUP_FLOOR_TARGET}x)",
+        f"the same through a bare DEALER socket, no client library: PING p50 {bare_ping:.0f} us, "
+        f"LOOKUP {keys} p50 {bare_lookup:.0f} us (the client's PING p50 {result.ping_p50_us:.0f} us)",
     ]
     if slope is not None:
         added = args.long_lookup_keys - args.lookup_keys

@@ -296,6 +296,11 @@ class RouterLoop:
         identity = frames[0]
         last = len(frames) - 1
         try:
+            if last == 1 and type(frames[1]) is bytes and len(frames[1]) < _ZERO_COPY_BYTES:
+                # The usual reply, a header alone: no per-frame tests.
+                _raw_send(sock, identity, _SNDMORE_NOBLOCK)
+                _raw_send(sock, frames[1], _NOBLOCK)
+                return True
             for index, frame in enumerate(frames):
                 flags = _SNDMORE_NOBLOCK if index < last else _NOBLOCK
                 if isinstance(frame, bytes) and len(frame) < _ZERO_COPY_BYTES:

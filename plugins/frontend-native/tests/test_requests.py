@@ -169,6 +169,38 @@ def test_timed_out_reservations_are_given_back_when_their_reply_turns_up(server:
     assert (l1(server)["objects"], l1(server)["write_locked"]) == (0, 0)
 
 
+def test_an_empty_lookup_is_answered_without_a_request(server: TiersServer) -> None:
+    with Client(server.endpoint) as client:
+        assert client.lookup([]) == 0
+        assert client.lookup(keys_of(1)) == 0
+    assert server.frontends[0].stats().requests["Lookup"] == 1
+
+
+def test_a_lookup_that_times_out_has_its_locks_given_back_when_the_reply_turns_up(
+    make_server: Factory,
+) -> None:
+    server = make_server(adapters=['{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.3}'])
+    keys = keys_of(3)
+    with Client(server.endpoint) as client:
+        client.store(keys, blobs(3))
+        assert server.storage.flush(timeout=30)
+        assert client.clear() == 3
+        # the server waits for the prefetch from L2 before answering, longer than the
+        # client waits for the reply
+        with pytest.raises(RequestTimeoutError):
+            client._call(p.Lookup(0, "", keys, 5.0), p.LookupReply, timeout=0.05)
+        deadline = time.monotonic() + 10
+        while l1(server)["read_locks"] != 3:  # the late reply's prefix is locked for us
+            assert time.monotonic() < deadline, "the prefetch never finished"
+            time.sleep(0.02)
+        deadline = time.monotonic() + 10
+        while l1(server)["read_locks"]:  # a ping reads the late reply and sends the release
+            assert time.monotonic() < deadline, "the late reply's locks were never given back"
+            client.ping()
+        assert client.lookup(keys) == 3  # the connection still pairs replies with requests
+        assert client.release(keys) == 3
+
+
 def test_prefetch_from_l2_runs_off_the_loop(make_server: Factory) -> None:
     server = make_server(adapters=['{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.5}'])
     keys, data = keys_of(3), blobs(3)

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
-from lmcache_plugin_frontend_native.sessions import PendingPrefetch, SessionTable
+import random
+from collections import Counter
+
+from lmcache_plugin_frontend_native.sessions import INDEX_BACKLOG_KEYS, PendingPrefetch, SessionTable
 
 from lmcache_tiers.keys import ObjectKey
 
@@ -47,3 +50,77 @@ def test_sweep_drops_idle_empty_sessions_and_expired_records() -> None:
     busy.prefetches.clear()
     table.sweep(now=61.0)
     assert len(table) == 0
+
+
+class _EagerLocks:
+    """The per-key bookkeeping updated on every call: what a session must be equivalent to."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[ObjectKey] = Counter()
+        self.deadlines: dict[ObjectKey, float] = {}
+
+    def add(self, keys: list[ObjectKey], deadline: float) -> None:
+        self.counts.update(keys)
+        self.deadlines.update(dict.fromkeys(keys, deadline))
+
+    def take(self, keys: list[ObjectKey], now: float) -> dict[int, list[ObjectKey]]:
+        groups: dict[int, list[ObjectKey]] = {}
+        for key in keys:
+            count = self.counts.pop(key, 0)
+            if count and self.deadlines.pop(key) > now:
+                groups.setdefault(count, []).append(key)
+        return groups
+
+    def expire(self, now: float) -> None:
+        for key in [key for key, deadline in self.deadlines.items() if deadline <= now]:
+            del self.deadlines[key], self.counts[key]
+
+
+def test_lock_records_match_per_key_bookkeeping_under_any_sequence() -> None:
+    rng = random.Random(16)
+    pool = [ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(40)]
+    for _ in range(30):
+        session = SessionTable(lock_ttl_s=10, write_ttl_s=20).get(b"client", now=0.0)
+        model = _EagerLocks()
+        now, previous = 0.0, pool[:4]
+        for _ in range(300):
+            now += rng.random()
+            action = rng.random()
+            if action < 0.6:
+                if rng.random() < 0.4:
+                    keys = list(previous)  # equal keys again (a repeated lookup), not the same list
+                else:
+                    start = rng.randrange(len(pool))
+                    keys = pool[start : start + rng.randrange(1, 12)]
+                    if rng.random() < 0.2:
+                        keys = keys + keys[:2]  # a retrieve may list a key twice
+                # a collected prefetch's deadline can be earlier than the last lock's
+                deadline = now + (10 if rng.random() < 0.8 else rng.uniform(-2, 10))
+                session.add_read_locks(keys, deadline)
+                model.add(keys, deadline)
+                previous = keys
+            elif action < 0.85:
+                wanted = rng.sample(pool, rng.randrange(1, 10))
+                assert dict(session.take_read_locks(wanted, now)) == model.take(wanted, now)
+            else:
+                session.expire(now)
+                model.expire(now)
+                assert session.empty == (not model.counts)
+        assert session.read_locks == model.counts
+        assert session.lock_deadlines == model.deadlines
+
+
+def test_repeated_lookups_of_one_prefix_keep_one_record_and_count_every_lock() -> None:
+    session = SessionTable(lock_ttl_s=10, write_ttl_s=20).get(b"client", now=0.0)
+    for step in range(1000):
+        session.add_read_locks([A, B], deadline=10.0 + step)
+    assert session.take_read_locks([A, B], now=5.0) == {1000: [A, B]}
+
+
+def test_unindexed_lock_records_stay_bounded() -> None:
+    session = SessionTable(lock_ttl_s=10, write_ttl_s=20).get(b"client", now=0.0)
+    keys = [ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(3 * INDEX_BACKLOG_KEYS)]
+    for start in range(0, len(keys), 16):
+        session.add_read_locks(keys[start : start + 16], deadline=10.0)
+        assert session._backlog <= INDEX_BACKLOG_KEYS
+    assert len(session.read_locks) == len(keys)

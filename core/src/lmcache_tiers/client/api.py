@@ -255,6 +255,8 @@ class Client(Connection):
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         keys = list(keys)
+        if 0 < len(keys) <= self.max_keys:  # one request, the usual case
+            return self._lookup_part(keys, deadline, limit)
         hits = 0
         for part in self._batches(len(keys)):
             found = self._lookup_part(keys[part], deadline, limit)

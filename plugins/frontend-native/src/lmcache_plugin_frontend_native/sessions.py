@@ -23,6 +23,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import Any
 
 from lmcache_tiers.plugin import ObjectKey
 
@@ -48,6 +49,11 @@ class PendingPrefetch:
         self.locked = self.keys[: self.hits]
 
 
+#: unindexed lock records a session keeps before indexing them per key: bounds both the
+#: memory they take and the one indexing pass a request may have to make first
+INDEX_BACKLOG_KEYS = 4096
+
+
 @dataclass
 class Session:
     """What one client currently holds.
@@ -55,20 +61,73 @@ class Session:
     Read locks are counted per key (a key locked by a LOOKUP and then by a RETRIEVE holds
     two), with one deadline per key, the latest lock's: L1 also keeps one deadline per
     object and extends it with each new lock.
+
+    Taking locks is on the path of every LOOKUP and RETRIEVE, reading them back only on
+    RELEASE, the sweep and shutdown; so each call of :meth:`add_read_locks` leaves one
+    record (the keys, the deadline, how many times in a row those very keys were locked),
+    and the per-key counts and deadlines (``read_locks``, ``lock_deadlines``) are brought
+    up to date from the records, in the order they were taken, whenever they are read.
+    The result is exactly what updating them on every call would give; a client that
+    locks the same prefix again and again (an engine asking about a waiting prompt every
+    step) costs one list comparison per lookup instead of two dict updates per key.
     """
 
     identity: bytes
     last_seen: float
-    read_locks: Counter[ObjectKey] = field(default_factory=Counter)
-    lock_deadlines: dict[ObjectKey, float] = field(default_factory=dict)
+    _counts: Counter[ObjectKey] = field(default_factory=Counter, repr=False)
+    _deadlines: dict[ObjectKey, float] = field(default_factory=dict, repr=False)
+    # [keys, deadline, times] per call not yet indexed, oldest first
+    _records: list[list[Any]] = field(default_factory=list, repr=False)
+    _backlog: int = field(default=0, repr=False)  # keys in ``_records``
     writes: dict[ObjectKey, tuple[float, int]] = field(default_factory=dict)  # key -> (deadline, size)
     prefetches: dict[int, PendingPrefetch] = field(default_factory=dict)
 
-    def add_read_locks(self, keys: Sequence[ObjectKey], deadline: float) -> None:
-        # Both updates run in C: this is on the path of every LOOKUP and RETRIEVE (pairs
-        # from zip and repeat cost less than building a dict to merge).
-        self.read_locks.update(keys)
-        self.lock_deadlines.update(zip(keys, repeat(deadline)))
+    @property
+    def read_locks(self) -> Counter[ObjectKey]:
+        """Locks held per key (do not change it: use the methods)."""
+        if self._records:
+            self._index()
+        return self._counts
+
+    @property
+    def lock_deadlines(self) -> dict[ObjectKey, float]:
+        """Each held key's deadline, its latest lock's (do not change it)."""
+        if self._records:
+            self._index()
+        return self._deadlines
+
+    def add_read_locks(self, keys: list[ObjectKey], deadline: float) -> None:
+        """One more read lock on each of ``keys`` (a key listed twice: two), all expiring at
+        ``deadline``.  ``keys`` is kept as it is: the caller must not change it afterwards."""
+        if not keys:
+            return
+        records = self._records
+        if records:
+            last = records[-1]
+            # The same keys as the call before (compared by identity first, in C): the
+            # same update again, so one more time of that record, with the new deadline.
+            if last[0] == keys:
+                last[1] = deadline
+                last[2] += 1
+                return
+        records.append([keys, deadline, 1])
+        self._backlog += len(keys)
+        if self._backlog > INDEX_BACKLOG_KEYS:
+            self._index()
+
+    def _index(self) -> None:
+        """Apply the records to the per-key counts and deadlines, oldest first."""
+        counts, deadlines = self._counts, self._deadlines
+        for keys, deadline, times in self._records:
+            # Both updates run in C (pairs from zip and repeat cost less than building a
+            # dict to merge).
+            if times == 1:
+                counts.update(keys)
+            else:
+                counts.update({key: held * times for key, held in Counter(keys).items()})
+            deadlines.update(zip(keys, repeat(deadline)))
+        self._records.clear()
+        self._backlog = 0
 
     def take_read_locks(self, keys: Iterable[ObjectKey], now: float) -> dict[int, list[ObjectKey]]:
         """Forget the locks held on ``keys``; returns the live ones grouped by lock count,
@@ -115,12 +174,13 @@ class Session:
 
     @property
     def empty(self) -> bool:
-        return not (self.read_locks or self.writes or self.prefetches)
+        return not (self._records or self._counts or self.writes or self.prefetches)
 
     def expire(self, now: float) -> None:
-        for key in [key for key, deadline in self.lock_deadlines.items() if deadline <= now]:
-            del self.lock_deadlines[key]
-            del self.read_locks[key]
+        locks, deadlines = self.read_locks, self.lock_deadlines
+        for key in [key for key, deadline in deadlines.items() if deadline <= now]:
+            del deadlines[key]
+            del locks[key]
         self.writes = {key: held for key, held in self.writes.items() if held[0] > now}
 
 
