@@ -53,6 +53,9 @@ _ZERO_COPY_BYTES = 64 << 10
 Done = Callable[[Any, "BaseException | None"], None]
 #: the loop must have turned within this long for its front end to count as healthy
 HEARTBEAT_LIMIT_S = 5.0
+#: after a graceful drain the socket stays open (refusing requests) this long before it
+#: closes, so clients read the drain's last replies before the connection drops
+REPLY_SETTLE_S = 0.05
 
 
 class RouterLoop:
@@ -254,7 +257,26 @@ class RouterLoop:
                 on_shutdown()
             except Exception:
                 logger.exception("%s: releasing client locks at shutdown failed", self.name)
+            if self.draining and not self._force_stop:
+                self._let_replies_land(receive_one)
             self._close_sockets()
+
+    def _let_replies_land(self, receive_one: Callable[[], None]) -> None:
+        """Keep refusing requests for a moment before the socket closes.
+
+        A client whose socket sets ``IMMEDIATE`` (ours does) discards what it has received
+        but not yet read when its connection drops, so a reply sent just before the close
+        (the answer to the drain's last in-flight request) could be lost although it left
+        the server.  The drain's last replies get ``REPLY_SETTLE_S`` to be read first."""
+        try:
+            self.socket.setsockopt(zmq.RCVTIMEO, 10)
+            end = time.monotonic() + REPLY_SETTLE_S
+            while time.monotonic() < end:
+                receive_one()
+                if self._completions:  # abandoned work finishing late: answered too
+                    self._finish_completions()
+        except Exception:
+            logger.exception("%s: refusing requests while the last replies land failed", self.name)
 
     # -- pool hand-off ---------------------------------------------------------------------
 
