@@ -40,4 +40,4 @@ class PlainReads:
 
     def read(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         """Load every key's record into its buffer; True where it verified."""
-        return self._workers.map(self._loads.load, keys, buffers)
+        return self._loads.load_many(keys, buffers, self._workers)
