@@ -1,13 +1,14 @@
-"""Verified loads of record files: each object's whole load on the thread that took it.
+"""Verified loads of record files: each object's system calls and hash on the thread that took it.
 
 A load of one record file is: open it, check its size against the header length (known
 from the key) plus the payload length (known from the lookup), read the header and the
 payload -- the payload in pieces, each hashed as it lands (:func:`read_record_file`) --
 and close it.  Backends spread a batch's objects over a few threads
 (:class:`~lmcache_tiers.l2.workers.BatchWorkers`) and call :meth:`RecordLoads.load` on
-each: all of an object's work runs on the thread that took it, so nothing of it is done
-serially by the calling thread before or after the workers (opening 64 files one after
-the other there cost about a tenth of a 64 x 1 MiB load).
+each, or call :meth:`RecordLoads.load_many` for the batch: an object's system calls and
+its hash run on the thread that took it, never serially on the calling thread before or
+after the workers (opening 64 files one after the other there cost about a tenth of a
+64 x 1 MiB load).
 
 Outcomes, one per object, never an exception: True once every payload byte matched the
 header's checksum; False for a miss -- no file, a file of another size (another intact
