@@ -168,13 +168,18 @@ def header_length(prefix: bytes | memoryview) -> int:
     if len(prefix) < PREFIX_SIZE:
         raise RecordCorruptError(f"record is {len(prefix)} bytes long, shorter than a header")
     magic, version, _flags, header_len = struct.unpack_from("<4sHHI", prefix)
+    _check_start(magic, version, header_len)
+    return int(header_len)
+
+
+def _check_start(magic: bytes, version: int, header_len: int) -> None:
+    """Raise unless a header's first fields are of a record this code reads."""
     if magic != RECORD_MAGIC:
         raise RecordCorruptError(f"bad record magic {bytes(magic)!r}")
     if version != RECORD_VERSION:
         raise RecordVersionError(f"record format version {version} is not {RECORD_VERSION}")
     if not PREFIX_SIZE + _CRC.size <= header_len <= MAX_HEADER_LEN:
         raise RecordCorruptError(f"implausible record header length {header_len}")
-    return int(header_len)
 
 
 def _encoded_serde(names: Sequence[str]) -> bytes:
@@ -217,12 +222,7 @@ def decode_header(
     (magic, version, _f, header_len, payload_len, l1_size, algo, digest, key_len, layout_len, serde_len) = (
         _FIXED.unpack_from(view)
     )
-    if magic != RECORD_MAGIC:
-        raise RecordCorruptError(f"bad record magic {bytes(magic)!r}")
-    if version != RECORD_VERSION:
-        raise RecordVersionError(f"record format version {version} is not {RECORD_VERSION}")
-    if not PREFIX_SIZE + _CRC.size <= header_len <= MAX_HEADER_LEN:
-        raise RecordCorruptError(f"implausible record header length {header_len}")
+    _check_start(magic, version, header_len)
     if size < header_len:
         raise RecordCorruptError(f"record header is truncated ({size} of {header_len} bytes)")
     crc_at = header_len - _CRC.size

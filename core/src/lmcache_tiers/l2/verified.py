@@ -118,20 +118,31 @@ def read_record_file(
         verify_payload(record, payload)  # one piece: the one-shot hash outruns a stream
         return True
     # Each piece is hashed right after it landed; the system calls and xxhash release
-    # the GIL.  The pieces are cut from the payload as they are read (no list of views).
+    # the GIL.
     verifier = PayloadVerifier(record)
-    update = verifier.hash_update
-    update(piece)
-    position = piece.nbytes
+    verifier.hash_update(piece)
+    if not _read_hashing(fd, payload, header_len, piece.nbytes, verifier.hash_update):
+        return False
+    verifier.verify(length)
+    return True
+
+
+def _read_hashing(
+    fd: int, payload: memoryview, offset: int, position: int, update: Callable[[memoryview], object]
+) -> bool:
+    """Read ``payload[position:]`` from ``fd`` at ``offset + position`` in pieces of
+    :data:`VERIFY_PIECE`, ``update(piece)`` with each right after it landed; False when
+    the file ended early.  The pieces are cut from the payload as they are read (no list
+    of views)."""
+    length = payload.nbytes
     while position < length:
         piece = payload[position : position + VERIFY_PIECE]
         want = piece.nbytes
-        got = os.preadv(fd, [piece], header_len + position)
-        if got != want and _read_rest(fd, [piece], header_len + position, got) != want:
+        got = os.preadv(fd, [piece], offset + position)
+        if got != want and _read_rest(fd, [piece], offset + position, got) != want:
             return False
         update(piece)
         position += want
-    verifier.verify(position)
     return True
 
 
@@ -160,17 +171,9 @@ def read_and_digest(
         if piece.nbytes == length:
             return xxhash.xxh3_128_digest(payload)  # one piece: the one-shot hash outruns a stream
         hasher = xxhash.xxh3_128()
-        update = hasher.update
-        update(piece)
-        offset, position = header.nbytes, piece.nbytes
-        while position < length:
-            piece = payload[position : position + VERIFY_PIECE]
-            want = piece.nbytes
-            got = os.preadv(fd, [piece], offset + position)
-            if got != want and _read_rest(fd, [piece], offset + position, got) != want:
-                return None
-            update(piece)
-            position += want
+        hasher.update(piece)
+        if not _read_hashing(fd, payload, header.nbytes, piece.nbytes, hasher.update):
+            return None
         return hasher.digest()
     except OSError:
         return None
