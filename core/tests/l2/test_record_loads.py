@@ -231,3 +231,24 @@ def test_a_batch_judges_each_object_alone(tmp_path: Path) -> None:
     assert [os.path.exists(path) for path in paths] == [True, False, True, True, True]
     assert store.counter("corrupt_records_removed") == 1
     assert store.counter("serde_chain_mismatch") == 1
+
+
+def test_batches_larger_and_smaller_than_the_kept_header_block_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lmcache_tiers.l2.files import loads
+
+    monkeypatch.setattr(loads, "_KEPT_BATCH_BYTES", 3 * RECORD_ALIGN)
+    store = Store(tmp_path / "root", "load_many")
+    keys = [ObjectKey("llama", 0, bytes([i + 1]) * 32) for i in range(5)]
+    payloads = [payload_of(1_000 + i, seed=i) for i in range(5)]
+    for key, data in zip(keys, payloads, strict=True):
+        store.write(key, data)
+    workers = BatchWorkers(2, "test-blocks")
+    try:
+        for count in (5, 2, 5, 3):  # a block of its own, the kept one, again, reused
+            buffers = [memoryview(bytearray(len(data))) for data in payloads[:count]]
+            assert store.loads.load_many(keys[:count], buffers, workers) == [True] * count
+            assert [bytes(b) for b in buffers] == payloads[:count]
+    finally:
+        workers.shutdown()

@@ -69,6 +69,10 @@ __all__ = ["ReadRecord", "RecordLoads"]
 ReadRecord = Callable[[int, memoryview, memoryview, Callable[[memoryview], RecordHeader | None]], bool]
 
 
+#: headers of a batch kept for the next one per loading thread (1024 of 4096 bytes)
+_KEPT_BATCH_BYTES = 4 << 20
+
+
 class _HeaderScratch(threading.local):
     """A page-aligned block per thread for headers (``O_DIRECT`` needs aligned memory),
     as large as the longest header a record may have."""
@@ -79,11 +83,16 @@ class _HeaderScratch(threading.local):
         self.batch = bytearray()
 
     def batch_views(self, lengths: list[int]) -> list[memoryview]:
-        """One view per length, cut from this thread's batch block (grown when short)."""
+        """One view per length, cut from this thread's batch block (grown when short; a
+        batch of more than ``_KEPT_BATCH_BYTES`` of headers gets a block of its own)."""
         total = sum(lengths)
-        if len(self.batch) < total:
-            self.batch = bytearray(total)  # zero-filled now: no page faults in the reads
-        block = memoryview(self.batch)
+        if total > _KEPT_BATCH_BYTES:
+            batch = bytearray(total)
+        else:
+            if len(self.batch) < total:
+                self.batch = bytearray(total)  # zero-filled now: no page faults in the reads
+            batch = self.batch
+        block = memoryview(batch)
         views = []
         offset = 0
         for length in lengths:
