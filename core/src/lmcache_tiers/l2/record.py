@@ -182,15 +182,14 @@ def _check_start(magic: bytes, version: int, header_len: int) -> None:
         raise RecordCorruptError(f"implausible record header length {header_len}")
 
 
-def _encoded_serde(names: Sequence[str]) -> bytes:
+def _encoded_serde(names: tuple[str, ...]) -> bytes:
     """The serde field a record written with the chain ``names`` holds."""
-    encoded = _SERDE_FIELDS.get(names) if type(names) is tuple else None
+    encoded = _SERDE_FIELDS.get(names)
     if encoded is None:
         encoded = ",".join(names).encode()
-        if type(names) is tuple:
-            if len(_SERDE_FIELDS) >= 64:  # chains are few; never let odd callers grow it
-                _SERDE_FIELDS.clear()
-            _SERDE_FIELDS[names] = encoded
+        if len(_SERDE_FIELDS) >= 64:  # chains are few; never let odd callers grow it
+            _SERDE_FIELDS.clear()
+        _SERDE_FIELDS[names] = encoded
     return encoded
 
 
