@@ -179,7 +179,7 @@ class RecordLoads:
                 continue
             try:
                 record = read_header(header, key)
-            except RecordError:  # damaged, or another key's: judged (and removed) below
+            except RecordError:  # damaged, or another key's: load judges (and removes) it
                 results.append(self.load(key, buffer))
                 continue
             if record is None:  # intact but of another serde chain: a miss that is kept
