@@ -185,3 +185,101 @@ def test_payload_verifier_agrees_with_verify_payload_piece_by_piece(algo: str, p
     for damaged in (bytes(flipped), PAYLOAD[:-1], PAYLOAD + b"\0"):
         with pytest.raises(RecordChecksumError):
             verify(damaged)
+
+
+def _spec_header(key: ObjectKey, payload: bytes, serde: tuple[str, ...], layout: str, align: int) -> bytes:
+    """A header packed field by field as the format (record.py's docstring) lays it out,
+    independently of encode_header: what files written by earlier versions hold."""
+    import struct
+    import zlib
+
+    key_bytes, layout_bytes, serde_bytes = key.to_bytes(), layout.encode(), ",".join(serde).encode()
+    fields_len = struct.calcsize("<4sHHIQQB3x16sHHH") + len(key_bytes) + len(layout_bytes) + len(serde_bytes)
+    header_len = -(-(fields_len + 4) // align) * align
+    body = struct.pack(
+        "<4sHHIQQB3x16sHHH",
+        b"LMTR",
+        1,
+        0,
+        header_len,
+        len(payload),
+        3 * len(payload),
+        2,
+        checksum(payload),
+        len(key_bytes),
+        len(layout_bytes),
+        len(serde_bytes),
+    )
+    body += key_bytes + layout_bytes + serde_bytes
+    body += bytes(header_len - 4 - len(body))
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+@pytest.mark.parametrize("align", [1, 512, 4096])
+def test_headers_of_the_documented_format_decode_and_encode_byte_for_byte(align: int) -> None:
+    serde, layout = ("fp8", "zstd"), "bf16[2,256,8,128]"
+    spec = _spec_header(KEY, PAYLOAD, serde, layout, align)
+    assert (
+        encode_header(KEY, PAYLOAD, l1_size=3 * len(PAYLOAD), serde=serde, layout=layout, align=align) == spec
+    )
+    for expected_serde in (serde, list(serde), None):
+        header = decode_header(spec, expected_key=KEY, expected_serde=expected_serde)
+        assert (header.key, header.serde, header.layout) == (KEY, serde, layout)
+        assert (header.payload_len, header.l1_size, header.header_len) == (
+            len(PAYLOAD),
+            3 * len(PAYLOAD),
+            len(spec),
+        )
+        assert header.checksum == checksum(PAYLOAD)
+
+
+def test_every_byte_of_an_aligned_header_is_covered_by_its_crc() -> None:
+    data = record(align=4096, serde=("zstd",))
+    for offset in [0, 12, 40, PREFIX_SIZE, PREFIX_SIZE + 5, 300, 2048, 4090, 4093]:
+        damaged = bytearray(data)
+        damaged[offset] ^= 0x08
+        with pytest.raises(RecordError):
+            decode_header(damaged, expected_key=KEY, expected_serde=("zstd",))
+
+
+def test_padding_that_is_not_zero_is_judged_by_the_crc_alone() -> None:
+    """Encoders write zero padding; a header whose padding is not zero but whose crc
+    covers it is accepted, as it always was (the crc is what defines an intact header)."""
+    import struct
+    import zlib
+
+    data = bytearray(encode_header(KEY, PAYLOAD, align=4096))
+    data[3000] = 0x5A
+    data[-4:] = struct.pack("<I", zlib.crc32(bytes(data[:-4])))
+    assert decode_header(data, expected_key=KEY, expected_serde=()).header_len == 4096
+
+
+def test_a_key_or_chain_of_the_same_encoded_length_is_still_a_mismatch() -> None:
+    data = record(align=4096, serde=("zstd",))
+    same_length = ObjectKey("llama", 7, b"\x01" * 31 + b"\x02", 2, "tenant")
+    assert len(same_length.to_bytes()) == len(KEY.to_bytes())
+    with pytest.raises(RecordMismatchError, match="holds key"):
+        decode_header(data, expected_key=same_length, expected_serde=("zstd",))
+    from lmcache_tiers.l2.record import RecordSerdeMismatchError
+
+    for chain in (("lz4x",), ["lz4x"], ()):
+        with pytest.raises(RecordSerdeMismatchError):
+            decode_header(data, expected_key=KEY, expected_serde=chain)
+
+
+@settings(deadline=None)
+@given(
+    body=st.binary(max_size=600),
+    padding=st.integers(min_value=0, max_value=5000),
+    flip=st.one_of(st.none(), st.integers(min_value=0)),
+)
+def test_crc_of_a_zero_padded_range_is_zlibs(body: bytes, padding: int, flip: int | None) -> None:
+    import zlib
+
+    from lmcache_tiers.l2.headercrc import crc32_zero_padded
+
+    data = bytearray(body + bytes(padding) + b"tail")
+    if flip is not None and padding:
+        data[len(body) + flip % padding] = 0x80  # padding that is not all zeros
+    end = len(body) + padding
+    assert crc32_zero_padded(memoryview(data), len(body), end) == zlib.crc32(data[:end])

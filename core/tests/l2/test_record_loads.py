@@ -1,10 +1,13 @@
 """Whole loads of record files (l2/files/loads.py): a buffer is reported loaded only once
 all of it verified; every other file is a miss, kept when it is another intact object and
-removed (and counted) when it is damaged."""
+removed (and counted) when it is damaged.  Every case runs through both ways of loading:
+one object at a time (``load``) and a batch (``load_many``), which must judge alike."""
 
 from __future__ import annotations
 
 import os
+import struct
+import zlib
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.context import AdapterContext, BackendContext
 from lmcache_tiers.l2.files import RECORD_ALIGN, FileLayout, HeaderSizes, LocalFiles
 from lmcache_tiers.l2.files.loads import RecordLoads
-from lmcache_tiers.l2.record import encode_header
+from lmcache_tiers.l2.record import CHECKSUM_BLAKE3_128, checksum, encode_header
 from lmcache_tiers.l2.state import AdapterState
 from lmcache_tiers.l2.workers import BatchWorkers
 
@@ -24,7 +27,8 @@ KEY = ObjectKey("llama", 0, b"\x05" * 32)
 class Store:
     """A local record store as fs and nixl_store_dynamic keep it, with RecordLoads."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, mode: str = "load") -> None:
+        self.mode = mode
         self.state = AdapterState(AdapterContext(index=0, name="0:test", config=L2AdapterConfig()))
         self.context = BackendContext(self.state)
         self.files = LocalFiles(
@@ -45,7 +49,10 @@ class Store:
 
     def load(self, key: ObjectKey, length: int) -> tuple[bool, bytes]:
         buffer = bytearray(length)
-        return self.loads.load(key, memoryview(buffer)), bytes(buffer)
+        if self.mode == "load":
+            return self.loads.load(key, memoryview(buffer)), bytes(buffer)
+        (loaded,) = self.loads.load_many([key], [memoryview(buffer)], BatchWorkers(1, "test-one"))
+        return loaded, bytes(buffer)
 
     def counter(self, name: str) -> int:
         return self.state.counters.snapshot().get(name, 0)
@@ -55,9 +62,9 @@ def payload_of(size: int, seed: int = 3) -> bytes:
     return bytes((seed * 17 + i * 13) % 251 for i in range(size))
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Store:
-    return Store(tmp_path / "root")
+@pytest.fixture(params=["load", "load_many"])
+def store(tmp_path: Path, request: pytest.FixtureRequest) -> Store:
+    return Store(tmp_path / "root", request.param)
 
 
 @pytest.mark.parametrize("size", [0, 1, 4096, (1 << 20) + 3, (3 << 20) + 5])
@@ -144,8 +151,104 @@ def test_a_batch_loads_on_two_threads(store: Store) -> None:
     buffers = [memoryview(bytearray(len(data))) for data in payloads]
     workers = BatchWorkers(2, "test-loads")
     try:
-        assert workers.map(store.loads.load, keys, buffers) == [i != 5 for i in range(16)]
+        if store.mode == "load":
+            loaded = workers.map(store.loads.load, keys, buffers)
+        else:
+            loaded = store.loads.load_many(keys, buffers, workers)
+        assert loaded == [i != 5 for i in range(16)]
     finally:
         workers.shutdown()
     assert [bytes(b) for i, b in enumerate(buffers) if i != 5] == payloads[:5] + payloads[6:]
     assert store.counter("corrupt_records_removed") == 1
+
+
+def write_raw(store: Store, key: ObjectKey, record: bytes) -> str:
+    path = store.files.layout.path_for(key)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as handle:
+        handle.write(record)
+    return path
+
+
+def test_a_record_of_another_serde_chain_is_a_counted_miss_that_is_kept(store: Store) -> None:
+    data = payload_of(5_000)
+    path = write_raw(store, KEY, encode_header(KEY, data, serde=("zstd",), align=RECORD_ALIGN) + data)
+    assert store.load(KEY, len(data))[0] is False
+    assert os.path.exists(path)
+    assert store.counter("serde_chain_mismatch") == 1
+    assert store.counter("corrupt_records_removed") == 0
+
+
+@pytest.mark.parametrize("size", [3_000, (2 << 20) + 7])
+def test_a_record_with_the_first_blake3_checksum_still_loads(store: Store, size: int) -> None:
+    data = payload_of(size)
+    header = bytearray(encode_header(KEY, data, align=RECORD_ALIGN))
+    algo_at = struct.calcsize("<4sHHIQQ")
+    header[algo_at] = CHECKSUM_BLAKE3_128
+    header[algo_at + 4 : algo_at + 20] = checksum(data, CHECKSUM_BLAKE3_128)
+    header[-4:] = struct.pack("<I", zlib.crc32(bytes(header[:-4])))
+    path = write_raw(store, KEY, bytes(header) + data)
+    assert store.load(KEY, size) == (True, data)
+    flipped = bytearray(data)
+    flipped[size // 2] ^= 0x10
+    write_raw(store, KEY, bytes(header) + bytes(flipped))
+    assert store.load(KEY, size)[0] is False
+    assert not os.path.exists(path)
+    assert store.counter("corrupt_records_removed") == 1
+
+
+def test_a_flipped_header_padding_byte_is_damage(store: Store) -> None:
+    data = payload_of(4_000)
+    path = store.write(KEY, data)
+    with open(path, "r+b") as handle:
+        handle.seek(RECORD_ALIGN - 100)  # in the zero padding before the header crc
+        handle.write(b"\x01")
+    assert store.load(KEY, len(data))[0] is False
+    assert not os.path.exists(path)
+    assert store.counter("corrupt_records_removed") == 1
+
+
+def test_a_batch_judges_each_object_alone(tmp_path: Path) -> None:
+    """Hits, a missing key, damage, another chain and another size in one batch."""
+    store = Store(tmp_path / "root", "load_many")
+    keys = [ObjectKey("llama", 0, bytes([i + 1]) * 32) for i in range(6)]
+    payloads = [payload_of(20_000 + i, seed=i) for i in range(6)]
+    paths = [store.write(key, data) for key, data in zip(keys, payloads[:5], strict=False)]
+    with open(paths[1], "r+b") as handle:  # 1: a flipped payload byte
+        handle.seek(RECORD_ALIGN + 10)
+        handle.write(b"\xff")
+    data = payloads[2]  # 2: intact, another serde chain
+    write_raw(store, keys[2], encode_header(keys[2], data, serde=("zstd",), align=RECORD_ALIGN) + data)
+    store.write(keys[3], payloads[3] + b"more")  # 3: intact, another size
+    # 5: never stored
+    buffers = [memoryview(bytearray(len(data))) for data in payloads]
+    workers = BatchWorkers(2, "test-batch")
+    try:
+        assert store.loads.load_many(keys, buffers, workers) == [True, False, False, False, True, False]
+    finally:
+        workers.shutdown()
+    assert bytes(buffers[0]) == payloads[0] and bytes(buffers[4]) == payloads[4]
+    assert [os.path.exists(path) for path in paths] == [True, False, True, True, True]
+    assert store.counter("corrupt_records_removed") == 1
+    assert store.counter("serde_chain_mismatch") == 1
+
+
+def test_batches_larger_and_smaller_than_the_kept_header_block_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lmcache_tiers.l2.files import loads
+
+    monkeypatch.setattr(loads, "_KEPT_BATCH_BYTES", 3 * RECORD_ALIGN)
+    store = Store(tmp_path / "root", "load_many")
+    keys = [ObjectKey("llama", 0, bytes([i + 1]) * 32) for i in range(5)]
+    payloads = [payload_of(1_000 + i, seed=i) for i in range(5)]
+    for key, data in zip(keys, payloads, strict=True):
+        store.write(key, data)
+    workers = BatchWorkers(2, "test-blocks")
+    try:
+        for count in (5, 2, 5, 3):  # a block of its own, the kept one, again, reused
+            buffers = [memoryview(bytearray(len(data))) for data in payloads[:count]]
+            assert store.loads.load_many(keys[:count], buffers, workers) == [True] * count
+            assert [bytes(b) for b in buffers] == payloads[:count]
+    finally:
+        workers.shutdown()

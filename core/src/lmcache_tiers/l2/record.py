@@ -36,6 +36,7 @@ import xxhash
 
 from lmcache_tiers.errors import KeyValidationError, TiersError
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2.headercrc import crc32_zero_padded
 
 RECORD_MAGIC: Final = b"LMTR"
 RECORD_VERSION: Final = 1
@@ -167,13 +168,33 @@ def header_length(prefix: bytes | memoryview) -> int:
     if len(prefix) < PREFIX_SIZE:
         raise RecordCorruptError(f"record is {len(prefix)} bytes long, shorter than a header")
     magic, version, _flags, header_len = struct.unpack_from("<4sHHI", prefix)
+    _check_start(magic, version, header_len)
+    return int(header_len)
+
+
+def _check_start(magic: bytes, version: int, header_len: int) -> None:
+    """Raise unless a header's first fields are of a record this code reads."""
     if magic != RECORD_MAGIC:
         raise RecordCorruptError(f"bad record magic {bytes(magic)!r}")
     if version != RECORD_VERSION:
         raise RecordVersionError(f"record format version {version} is not {RECORD_VERSION}")
     if not PREFIX_SIZE + _CRC.size <= header_len <= MAX_HEADER_LEN:
         raise RecordCorruptError(f"implausible record header length {header_len}")
-    return int(header_len)
+
+
+def _encoded_serde(names: tuple[str, ...]) -> bytes:
+    """The serde field a record written with the chain ``names`` holds."""
+    encoded = _SERDE_FIELDS.get(names)
+    if encoded is None:
+        encoded = ",".join(names).encode()
+        if len(_SERDE_FIELDS) >= 64:  # chains are few; never let odd callers grow it
+            _SERDE_FIELDS.clear()
+        _SERDE_FIELDS[names] = encoded
+    return encoded
+
+
+#: encoded serde field per expected chain (a tuple of names): one per adapter in practice
+_SERDE_FIELDS: dict[tuple[str, ...], bytes] = {}
 
 
 def decode_header(
@@ -182,53 +203,65 @@ def decode_header(
     expected_key: ObjectKey | None = None,
     expected_serde: Sequence[str] | None = None,
 ) -> RecordHeader:
-    """Parse and verify a header; ``data`` may extend past it (e.g. the whole record)."""
-    view = memoryview(data).cast("B")
-    header_len = header_length(view)
-    if len(view) < header_len:
-        raise RecordCorruptError(f"record header is truncated ({len(view)} of {header_len} bytes)")
-    (stored_crc,) = _CRC.unpack_from(view, header_len - _CRC.size)
-    if zlib.crc32(view[: header_len - _CRC.size]) != stored_crc:
-        raise RecordCorruptError("record header crc mismatch")
-    (_m, version, _f, _h, payload_len, l1_size, algo, digest, key_len, layout_len, serde_len) = (
+    """Parse and verify a header; ``data`` may extend past it (e.g. the whole record).
+
+    Every load decodes one header per object, so the usual case -- a record of the
+    expected key and serde chain -- is kept to one ``struct`` unpack of the fixed part,
+    the header crc (:func:`~lmcache_tiers.l2.headercrc.crc32_zero_padded`: no crc32 run
+    over the zero padding) and two byte comparisons against the expected encodings: no
+    key, serde tuple or padding copy is built.  Anything else takes the full decoding,
+    which explains what differs.
+    """
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    size = view.nbytes
+    if size < PREFIX_SIZE:
+        raise RecordCorruptError(f"record is {size} bytes long, shorter than a header")
+    (magic, version, _f, header_len, payload_len, l1_size, algo, digest, key_len, layout_len, serde_len) = (
         _FIXED.unpack_from(view)
     )
+    _check_start(magic, version, header_len)
+    if size < header_len:
+        raise RecordCorruptError(f"record header is truncated ({size} of {header_len} bytes)")
+    crc_at = header_len - _CRC.size
+    layout_at = PREFIX_SIZE + key_len
+    serde_at = layout_at + layout_len
+    end = serde_at + serde_len
+    # The field lengths are not trusted yet: they only say where the zero padding should
+    # start, and a wrong guess just takes zlib over the whole range.
+    (stored_crc,) = _CRC.unpack_from(view, crc_at)
+    if crc32_zero_padded(view, min(end, crc_at), crc_at) != stored_crc:
+        raise RecordCorruptError("record header crc mismatch")
     if algo not in _CHECKSUMS:
         raise RecordVersionError(f"unknown record checksum algorithm {algo}")
-    start = PREFIX_SIZE
-    end = start + key_len + layout_len + serde_len
-    if end > header_len - _CRC.size:
+    if end > crc_at:
         raise RecordCorruptError("record header fields overrun the header")
-    key_bytes = view[start : start + key_len]
+    key: ObjectKey | None = None
+    serde: tuple[str, ...] | None = None
+    if expected_key is not None:
+        expected = expected_key.to_bytes()
+        if key_len == len(expected) and expected.startswith(view[PREFIX_SIZE:layout_at]):
+            key = expected_key  # the same encoded bytes: that key, not built again
+    if expected_serde is not None and type(expected_serde) is tuple:
+        expected = _encoded_serde(expected_serde)
+        if serde_len == len(expected) and (not serde_len or expected.startswith(view[serde_at:end])):
+            serde = expected_serde
     try:
-        # A load knows the key it expects: equal encoded bytes are that key, without
-        # building it again (another encoding of the same key still decodes below).
-        if expected_key is not None and key_bytes == expected_key.to_bytes():
-            key = expected_key
-        else:
-            key = ObjectKey.from_bytes(bytes(key_bytes))
-        layout = str(view[start + key_len : start + key_len + layout_len], "utf-8") if layout_len else ""
-        serde_text = str(view[start + key_len + layout_len : end], "utf-8") if serde_len else ""
+        if key is None:
+            key = ObjectKey.from_bytes(bytes(view[PREFIX_SIZE:layout_at]))
+        layout = str(view[layout_at:serde_at], "utf-8") if layout_len else ""
+        if serde is None:
+            serde_text = str(view[serde_at:end], "utf-8") if serde_len else ""
+            serde = tuple(serde_text.split(",")) if serde_text else ()
     except (KeyValidationError, UnicodeDecodeError) as exc:
         raise RecordCorruptError(f"record header fields are invalid: {exc}") from exc
-    header = RecordHeader(
-        key,
-        payload_len,
-        l1_size,
-        tuple(serde_text.split(",")) if serde_text else (),
-        bytes(digest),
-        layout,
-        header_len,
-        version,
-        algo,
-    )
-    if expected_key is not None and header.key != expected_key:
-        raise RecordMismatchError(
-            f"record holds key {header.key.file_stem()}, not {expected_key.file_stem()}"
-        )
-    if expected_serde is not None and header.serde != tuple(expected_serde):
+    header = RecordHeader(key, payload_len, l1_size, serde, digest, layout, header_len, version, algo)
+    if expected_key is not None and key is not expected_key and key != expected_key:
+        raise RecordMismatchError(f"record holds key {key.file_stem()}, not {expected_key.file_stem()}")
+    if expected_serde is not None and serde is not expected_serde and serde != tuple(expected_serde):
         raise RecordSerdeMismatchError(
-            f"record was written with serde chain {list(header.serde)}, configured is {list(expected_serde)}"
+            f"record was written with serde chain {list(serde)}, configured is {list(expected_serde)}"
         )
     return header
 

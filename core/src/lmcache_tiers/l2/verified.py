@@ -38,7 +38,14 @@ from lmcache_tiers.l2.record import (
     verify_payload,
 )
 
-__all__ = ["STORE_PIECE", "VERIFY_PIECE", "copy_and_checksum", "copy_verified", "read_record_file"]
+__all__ = [
+    "STORE_PIECE",
+    "VERIFY_PIECE",
+    "copy_and_checksum",
+    "copy_verified",
+    "read_and_digest",
+    "read_record_file",
+]
 
 #: bytes moved and hashed at a time.  A piece must stay in the core's cache from its copy to
 #: its hash (a core's L2 here is 2 MiB), and every piece costs each thread two hand-backs
@@ -111,21 +118,67 @@ def read_record_file(
         verify_payload(record, payload)  # one piece: the one-shot hash outruns a stream
         return True
     # Each piece is hashed right after it landed; the system calls and xxhash release
-    # the GIL.  The pieces are cut from the payload as they are read (no list of views).
+    # the GIL.
     verifier = PayloadVerifier(record)
-    update = verifier.hash_update
-    update(piece)
-    position = piece.nbytes
+    verifier.hash_update(piece)
+    if not _read_hashing(fd, payload, header_len, piece.nbytes, verifier.hash_update):
+        return False
+    verifier.verify(length)
+    return True
+
+
+def _read_hashing(
+    fd: int, payload: memoryview, offset: int, position: int, update: Callable[[memoryview], object]
+) -> bool:
+    """Read ``payload[position:]`` from ``fd`` at ``offset + position`` in pieces of
+    :data:`VERIFY_PIECE`, ``update(piece)`` with each right after it landed; False when
+    the file ended early.  The pieces are cut from the payload as they are read (no list
+    of views)."""
+    length = payload.nbytes
     while position < length:
         piece = payload[position : position + VERIFY_PIECE]
         want = piece.nbytes
-        got = os.preadv(fd, [piece], header_len + position)
-        if got != want and _read_rest(fd, [piece], header_len + position, got) != want:
+        got = os.preadv(fd, [piece], offset + position)
+        if got != want and _read_rest(fd, [piece], offset + position, got) != want:
             return False
         update(piece)
         position += want
-    verifier.verify(position)
     return True
+
+
+def read_and_digest(
+    path: str, header: memoryview, payload: memoryview, *, first_piece: int = VERIFY_PIECE
+) -> bytes | None:
+    """Open ``path``, read the record's header into ``header`` and its payload into
+    ``payload`` (both of their exact lengths) and return the payload's XXH3-128 digest,
+    each piece hashed right after it landed; close the file.
+
+    Nothing is checked here: the caller decodes ``header`` and compares the digest with
+    its checksum before it trusts a byte (:meth:`~lmcache_tiers.l2.files.RecordLoads.load_many`).
+    None: no such file, a file shorter than expected, or a failed read.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        length = payload.nbytes
+        piece = payload[: max(1, first_piece)]
+        want = header.nbytes + piece.nbytes
+        got = os.preadv(fd, [header, piece], 0)
+        if got != want and _read_rest(fd, [header, piece], 0, got) != want:
+            return None
+        if piece.nbytes == length:
+            return xxhash.xxh3_128_digest(payload)  # one piece: the one-shot hash outruns a stream
+        hasher = xxhash.xxh3_128()
+        hasher.update(piece)
+        if not _read_hashing(fd, payload, header.nbytes, piece.nbytes, hasher.update):
+            return None
+        return hasher.digest()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _copy_hashing(

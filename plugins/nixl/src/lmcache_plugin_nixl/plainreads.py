@@ -3,12 +3,14 @@
 On NIXL's POSIX backend with buffered I/O a load is a copy out of the page cache, and a
 NIXL request adds its own set-up and threads around that copy; the checksum, taken after
 a whole group has landed, then reads bytes that have already left the CPU's caches.  Here
-each object is loaded by core's :class:`~lmcache_tiers.l2.files.loads.RecordLoads`: the
-file opened and its size checked, the header read together with the first piece of the
-payload, the rest in pieces, each piece fed to the record's checksum right after it is
-read, while it is still in cache, and the file closed -- all on the thread that took the
-object.  A batch's objects are shared out over ``READ_THREADS`` threads (the calling one
-included), so while one thread hashes a piece the other is reading.
+a batch is loaded by core's :meth:`~lmcache_tiers.l2.files.loads.RecordLoads.load_many`:
+each file opened, its header read together with the first piece of the payload, the rest
+in pieces, each piece fed to XXH3-128 right after it is read, while it is still in cache,
+and the file closed, on the thread that took the object; the objects are shared out over
+``READ_THREADS`` threads (the calling one included), so while one thread hashes a piece
+the other is reading.  The Python work of each object (its path before, the header's
+decoding and checks after) runs in loops around those copies rather than between them,
+where a 1 MiB copy had left it out of cache and it cost ~10x as much.
 
 A buffer is reported loaded only after its whole payload matched the header's checksum;
 a record that does not verify is removed (``corrupt_records_removed``), one whose file
@@ -40,4 +42,4 @@ class PlainReads:
 
     def read(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         """Load every key's record into its buffer; True where it verified."""
-        return self._workers.map(self._loads.load, keys, buffers)
+        return self._loads.load_many(keys, buffers, self._workers)
