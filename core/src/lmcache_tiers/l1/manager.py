@@ -38,7 +38,7 @@ from lmcache_tiers.errors import ConfigError, TiersError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1.access import ObjectBytes
 from lmcache_tiers.l1.allocator import ExtentAllocator
-from lmcache_tiers.l1.arena import L1Arena
+from lmcache_tiers.l1.arena import SHM_DIR, L1Arena
 from lmcache_tiers.l1.backing import open_backing
 from lmcache_tiers.l1.handoffs import L2Handoffs
 from lmcache_tiers.l1.leases import ExtentLeases, LeaseStats
@@ -60,7 +60,7 @@ class L1Manager:
     """Objects in one backing (a shared-memory arena, or an NVMe file when ``nvme_path`` is
     set), with write locks, counted read locks and TTLs.
 
-    ``shm_name``, ``prefault`` and ``pin`` concern the memory arena; ``direct_io`` the NVMe
+    ``shm_name``, ``shm_dir``, ``prefault`` and ``pin`` concern the memory arena; ``direct_io`` the NVMe
     file. Objects of an NVMe L1 have no memory view: copy with :meth:`read_object` and
     :meth:`write_object`, which work for both backings.
 
@@ -77,6 +77,7 @@ class L1Manager:
         lock_ttl_s: float = 300.0,
         write_ttl_s: float = 600.0,
         shm_name: str | None = None,
+        shm_dir: str = SHM_DIR,
         prefault: bool = True,
         pin: bool = False,
         nvme_path: str | None = None,
@@ -96,6 +97,7 @@ class L1Manager:
             allocator.capacity,
             align,
             shm_name=shm_name,
+            shm_dir=shm_dir,
             prefault=prefault,
             pin=pin,
             nvme_path=nvme_path,
