@@ -2,7 +2,7 @@
 
 One thread copying into the mapping does not reach memcpy speed of two pre-faulted
 process buffers: the mapping's 4 KiB pages cost a TLB miss each (the process's own large
-buffers get transparent huge pages, tmpfs segments usually do not), and a range of the
+buffers get transparent huge pages, tmpfs segments only on a mount with ``huge=``), and a range of the
 mapping this process never touched needs its page tables populated first, about half a
 copy's time again.  A store or retrieve of a request (tens of MiB) is therefore cut into
 pieces that the calling thread and one helper thread copy side by side, each taking the
