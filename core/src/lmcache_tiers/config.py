@@ -195,7 +195,7 @@ class ServerConfig(ComponentConfig):
         str,
         _doc(
             "Directory (on a tmpfs) holding the L1 shared-memory segment. A tmpfs mounted with "
-            "huge=always puts the arena on huge pages, so a fresh client's first store runs at "
+            "huge=always puts the arena on huge pages, so a fresh client's first store runs near "
             "memcpy speed; LMCache clients of the lmcache_mp front end need /dev/shm."
         ),
     ] = "/dev/shm"

@@ -3,8 +3,8 @@ tmpfs holding it offers them, and pre-faulted.
 
 A client's first copy into a fresh mapping of the arena pays one page fault per page it
 touches.  With 4 KiB pages that is ~2 ms of CPU per 32 MiB (several times the memcpy);
-with 2 MiB pages it is 512 times fewer faults, and a fresh client's first store runs at
-memcpy speed.  tmpfs hands out huge pages per mount (``huge=always|within_size|advise``,
+with 2 MiB pages it is 512 times fewer faults, and a fresh client's first store runs near
+memcpy speed (``bench/bench_workload.py --huge-tmpfs``).  tmpfs hands out huge pages per mount (``huge=always|within_size|advise``,
 ``advise`` only to mappings that ask with ``madvise(MADV_HUGEPAGE)``) unless the system
 setting ``shmem_enabled`` says ``deny`` (none) or ``force`` (all).  The arena takes them
 wherever they are offered: on such a mount the segment is rounded up to whole huge pages,
@@ -80,7 +80,7 @@ class ArenaPages:
                 "ones (memory too fragmented?); restarting once memory is free may help"
             )
         return (
-            f"for huge pages (a fresh client's first store at memcpy speed) mount a tmpfs with "
+            f"for huge pages (a fresh client's first store near memcpy speed) mount a tmpfs with "
             f"huge=always (mount -t tmpfs -o huge=always,size=<L1 size + 1G> tmpfs DIR) and pass "
             f"--shm-dir DIR, or remount {self.directory} with huge=always"
         )
