@@ -88,25 +88,19 @@ def test_a_client_in_another_process_maps_huge_pages_and_moves_exact_bytes(
     assert "huge pages (tmpfs huge=always)" in huge_server.output()
 
 
-class _HelloBeforeShmDir(msgspec.Struct, array_like=True, gc=False, tag_field="op", tag=p.Op.HELLO.value):
-    """HelloReply as clients older than ``shm_dir`` decode it."""
-
-    req_id: int
-    code: int = 0
-    message: str = ""
-    version: int = p.PROTOCOL_VERSION
-    server_version: str = ""
-    chunk_size: int = 0
-    shm_name: str = ""
-    shm_size: int = 0
-    shm_device: int = 0
-    shm_inode: int = 0
-    lock_ttl_s: float = 0.0
-    max_keys: int = p.MAX_KEYS_PER_REQUEST
-    max_inline_bytes: int = 0
-    generation_offset: int = 0
-    generation_block: int = 0
-    features: list[str] = []
+#: HelloReply as clients older than ``shm_dir`` decode it: every field before that one
+_HelloBeforeShmDir = msgspec.defstruct(
+    "HelloBeforeShmDir",
+    [
+        (info.name, info.type, info.default)
+        for info in msgspec.structs.fields(p.HelloReply)
+        if info.name != "shm_dir"
+    ],
+    array_like=True,
+    gc=False,
+    tag_field="op",
+    tag=p.Op.HELLO.value,
+)
 
 
 def job_old_client(url: str, tag: str) -> tuple[bool, bool, bool]:

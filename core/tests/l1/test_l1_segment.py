@@ -33,20 +33,21 @@ def _mounted(tmp_path: Path, options: str) -> Iterator[str]:
         yield str(tmp_path / "tmpfs")
 
 
-@pytest.fixture
-def huge_dir(tmp_path: Path) -> Iterator[str]:
+def _huge(tmp_path: Path, mode: str) -> Iterator[str]:
     if shmem_override() == "deny":
         pytest.skip("shmem_enabled=deny: this system gives no tmpfs huge pages")
-    with _mounted(tmp_path, "size=64m,huge=always") as directory:
+    with _mounted(tmp_path, f"size=64m,huge={mode}") as directory:
         yield directory
+
+
+@pytest.fixture
+def huge_dir(tmp_path: Path) -> Iterator[str]:
+    yield from _huge(tmp_path, "always")
 
 
 @pytest.fixture
 def advise_dir(tmp_path: Path) -> Iterator[str]:
-    if shmem_override() == "deny":
-        pytest.skip("shmem_enabled=deny: this system gives no tmpfs huge pages")
-    with _mounted(tmp_path, "size=64m,huge=advise") as directory:
-        yield directory
+    yield from _huge(tmp_path, "advise")
 
 
 def _address(arena: L1Arena) -> int:

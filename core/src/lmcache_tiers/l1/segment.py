@@ -4,9 +4,10 @@ tmpfs holding it offers them, and pre-faulted.
 A client's first copy into a fresh mapping of the arena pays one page fault per page it
 touches.  With 4 KiB pages that is ~2 ms of CPU per 32 MiB (several times the memcpy);
 with 2 MiB pages it is 512 times fewer faults, and a fresh client's first store runs near
-memcpy speed (``bench/bench_workload.py --huge-tmpfs``).  tmpfs hands out huge pages per mount (``huge=always|within_size|advise``,
-``advise`` only to mappings that ask with ``madvise(MADV_HUGEPAGE)``) unless the system
-setting ``shmem_enabled`` says ``deny`` (none) or ``force`` (all).  The arena takes them
+memcpy speed (``bench/bench_workload.py --huge-tmpfs``).  tmpfs hands out huge pages per
+mount (``huge=always|within_size|advise``, ``advise`` only to mappings that ask with
+``madvise(MADV_HUGEPAGE)``) unless the system setting ``shmem_enabled`` says ``deny``
+(none) or ``force`` (all).  The arena takes them
 wherever they are offered: on such a mount the segment is rounded up to whole huge pages,
 and after pre-faulting the server reads its own ``/proc/self/smaps`` to say whether the
 kernel really mapped it with them (it falls back to 4 KiB pages when memory is too
