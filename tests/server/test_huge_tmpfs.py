@@ -92,7 +92,13 @@ def test_a_client_in_another_process_maps_huge_pages_and_moves_exact_bytes(
 _HelloBeforeShmDir = msgspec.defstruct(
     "HelloBeforeShmDir",
     [
-        (info.name, info.type, info.default)
+        (
+            info.name,
+            info.type,
+            info.default
+            if info.default is not msgspec.NODEFAULT
+            else msgspec.field(default_factory=info.default_factory),
+        )
         for info in msgspec.structs.fields(p.HelloReply)
         if info.name != "shm_dir"
     ],
