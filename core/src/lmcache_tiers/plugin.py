@@ -159,9 +159,10 @@ if TYPE_CHECKING:
         StorePolicySuite,
     )
     from lmcache_tiers.testing.serde import BINDS_KEY, DETECTS_CORRUPTION, LOSSLESS, SerdeSuite
+    from lmcache_tiers.tmpfs import SHM_DIR
     from lmcache_tiers.wire import protocol as wire_protocol
     from lmcache_tiers.wire.decoding import KeyCache, decode_request
-    from lmcache_tiers.wire.shm import SHM_DIR, segment_identity
+    from lmcache_tiers.wire.shm import segment_identity
 
 #: modules exported whole (the native protocol's Structs, shared with the client)
 _LAZY_MODULES = {"wire_protocol": "lmcache_tiers.wire.protocol"}
@@ -228,7 +229,7 @@ _LAZY = {
     "RouterLoop": "lmcache_tiers.router",
     "StorageManager": "lmcache_tiers.storage",
     "segment_identity": "lmcache_tiers.wire.shm",
-    "SHM_DIR": "lmcache_tiers.wire.shm",
+    "SHM_DIR": "lmcache_tiers.tmpfs",
     "KeyCache": "lmcache_tiers.wire.decoding",
     "decode_request": "lmcache_tiers.wire.decoding",
     "ComponentSuite": "lmcache_tiers.testing.base",

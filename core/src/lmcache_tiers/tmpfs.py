@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+#: where POSIX shared memory lives, and the L1 segment unless ``--shm-dir`` says otherwise
+SHM_DIR = "/dev/shm"
 #: ``f_type`` of a tmpfs (and of /dev/shm) in statfs(2)
 TMPFS_MAGIC = 0x01021994
 #: the ``huge=`` values of a tmpfs mount that give huge pages (``advise`` only to

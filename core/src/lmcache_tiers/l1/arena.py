@@ -36,10 +36,10 @@ if TYPE_CHECKING:
 from lmcache_tiers.errors import ConfigError, TiersError
 from lmcache_tiers.l1.segment import ArenaPages, address_of, create_segment
 from lmcache_tiers.l1.stale import remove_files_of_dead_processes
+from lmcache_tiers.tmpfs import SHM_DIR
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "lmcache_tiers_"
 _DEFAULT_NAME = re.compile(rf"^{SEGMENT_PREFIX}(\d+)_[0-9a-f]+$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")

@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Protocol
 
 from lmcache_tiers.errors import ConfigError
-from lmcache_tiers.l1.arena import SHM_DIR, L1Arena
+from lmcache_tiers.l1.arena import L1Arena
 from lmcache_tiers.l1.nvme import DIRECT_IO_ALIGN, NvmeL1File
+from lmcache_tiers.tmpfs import SHM_DIR
 
 
 class L1Backing(Protocol):

@@ -38,7 +38,7 @@ from lmcache_tiers.errors import ConfigError, TiersError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1.access import ObjectBytes
 from lmcache_tiers.l1.allocator import ExtentAllocator
-from lmcache_tiers.l1.arena import SHM_DIR, L1Arena
+from lmcache_tiers.l1.arena import L1Arena
 from lmcache_tiers.l1.backing import open_backing
 from lmcache_tiers.l1.handoffs import L2Handoffs
 from lmcache_tiers.l1.leases import ExtentLeases, LeaseStats
@@ -49,6 +49,7 @@ from lmcache_tiers.l1.reads import ReadLocks
 from lmcache_tiers.l1.removal import Removal
 from lmcache_tiers.l1.table import L1Listeners, ObjectTable, check_lock_count
 from lmcache_tiers.l1.writes import WriteReservations
+from lmcache_tiers.tmpfs import SHM_DIR
 
 if TYPE_CHECKING:
     from typing import Self  # annotations only: Python 3.10 has no typing.Self

@@ -36,10 +36,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from lmcache_tiers.tmpfs import TMPFS_MAGIC, fs_magic
+from lmcache_tiers.tmpfs import SHM_DIR, TMPFS_MAGIC, fs_magic
 from lmcache_tiers.wire.pagetables import PageTables
 
-SHM_DIR = "/dev/shm"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 #: Anything ``store`` accepts: bytes-likes, numpy arrays, torch CPU tensors.
