@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lmcache_tiers.errors import ConfigError
@@ -21,6 +22,7 @@ from lmcache_tiers.l1 import L1Arena
 from lmcache_tiers.l1.segment import check_directory, offered_huge
 from lmcache_tiers.testing.mounts import tmpfs_at
 from lmcache_tiers.tmpfs import huge_page_size, is_tmpfs, mount_of, pmd_mapped_bytes, shmem_override
+from lmcache_tiers.wire.shm import MappedSegment, segment_identity
 
 MIB = 1 << 20
 
@@ -153,3 +155,23 @@ def test_mount_lookup_and_smaps_on_this_machine(huge_dir: str) -> None:
     finally:
         anonymous.close()
     assert pmd_mapped_bytes(0, MIB, smaps="/proc/no-such-process/smaps") is None
+
+
+def test_a_clients_background_population_maps_huge_pages(huge_dir: str) -> None:
+    with L1Arena(8 * MIB, directory=huge_dir) as arena:
+        device, inode = segment_identity(arena.name, huge_dir)
+        segment = MappedSegment(arena.name, arena.segment_size, device, inode, directory=huge_dir)
+        try:
+            assert segment.pages.wait(30)
+            address = segment.array.ctypes.data
+            assert address % huge_page_size() == 0
+            assert pmd_mapped_bytes(address, segment.size) == segment.size
+            # a split copy over the populated huge pages still moves exact bytes
+            payload = np.random.default_rng(3).integers(0, 256, 6 * MIB, dtype=np.uint8)
+            segment.write(MIB, payload)
+            assert bytes(arena.buffer[MIB : 7 * MIB]) == payload.tobytes()
+            back = np.zeros(6 * MIB, dtype=np.uint8)
+            segment.read_into(MIB, 6 * MIB, back)
+            assert np.array_equal(back, payload)
+        finally:
+            segment.close()
