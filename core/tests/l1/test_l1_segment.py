@@ -35,6 +35,7 @@ def _mounted(tmp_path: Path, options: str) -> Iterator[str]:
         yield str(tmp_path / "tmpfs")
 
 
+@contextlib.contextmanager
 def _huge(tmp_path: Path, mode: str) -> Iterator[str]:
     if shmem_override() == "deny":
         pytest.skip("shmem_enabled=deny: this system gives no tmpfs huge pages")
@@ -44,12 +45,14 @@ def _huge(tmp_path: Path, mode: str) -> Iterator[str]:
 
 @pytest.fixture
 def huge_dir(tmp_path: Path) -> Iterator[str]:
-    yield from _huge(tmp_path, "always")
+    with _huge(tmp_path, "always") as directory:
+        yield directory
 
 
 @pytest.fixture
 def advise_dir(tmp_path: Path) -> Iterator[str]:
-    yield from _huge(tmp_path, "advise")
+    with _huge(tmp_path, "advise") as directory:
+        yield directory
 
 
 def _address(arena: L1Arena) -> int:
@@ -84,6 +87,12 @@ def test_an_advise_mount_gets_huge_pages_through_madvise(advise_dir: str) -> Non
         assert arena.pages is not None and arena.pages.huge
         # reserved whole, not only faulted in
         assert os.stat(arena.path).st_blocks * 512 >= 4 * MIB
+
+
+def test_a_within_size_mount_gets_huge_pages_for_the_rounded_file(tmp_path: Path) -> None:
+    with _huge(tmp_path, "within_size") as directory, L1Arena(3 * MIB, directory=directory) as arena:
+        assert arena.segment_size == 4 * MIB
+        assert arena.pages is not None and arena.pages.huge and arena.pages.offered == "within_size"
 
 
 def test_dev_shm_without_huge_pages_says_how_to_get_them() -> None:
