@@ -28,20 +28,22 @@ _THP = "/sys/kernel/mm/transparent_hugepage"
 _VMA_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) ")
 
 
-def _load_fstatfs() -> Any:
+def libc_function(name: str, argtypes: tuple[Any, ...]) -> Any:
+    """The C library's ``name`` (returning int, errno kept for ``ctypes.get_errno``) through
+    ctypes, which releases the GIL for the call; None off Linux or where it is missing."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fstatfs = libc.fstatfs
+        function = getattr(libc, name)
     except (OSError, AttributeError):
         return None
-    fstatfs.argtypes = (ctypes.c_int, ctypes.c_void_p)
-    fstatfs.restype = ctypes.c_int
-    return fstatfs
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function
 
 
-_fstatfs = _load_fstatfs()
+_fstatfs = libc_function("fstatfs", (ctypes.c_int, ctypes.c_void_p))
 
 
 def fs_magic(fd: int) -> int | None:
