@@ -74,16 +74,17 @@ def endpoint(transport: str, name: str) -> tuple[str, str]:
 
 
 def start_server(
-    l1_size_gb: float, transport: str, l2_adapters: Sequence[str] = ()
+    l1_size_gb: float, transport: str, l2_adapters: Sequence[str] = (), extra_args: Sequence[str] = ()
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``lmcache-tiers serve`` (L1 only unless ``l2_adapters`` gives --l2-adapter JSON)."""
+    """Start ``lmcache-tiers serve`` (L1 only unless ``l2_adapters`` gives --l2-adapter JSON;
+    ``extra_args``: more ``serve`` flags)."""
     host, url = endpoint(transport, "server")
     port = url.rsplit(":", 1)[1] if transport == "tcp" else "0"
     l2 = [arg for adapter in l2_adapters for arg in ("--l2-adapter", adapter)] or ["--no-default-l2"]
     command = [
         sys.executable, "-m", "lmcache_tiers.cli.main", "serve",
         "--l1-size-gb", str(l1_size_gb), *l2, "--host", host, "--port", port,
-        "--metrics-port", "0",
+        "--metrics-port", "0", *extra_args,
     ]  # fmt: skip
     env = {**os.environ, "LMCACHE_LOG_LEVEL": "WARNING"}
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)

@@ -18,6 +18,13 @@ the same run.  Scenarios (``--scenarios``):
                 the data plane;
 * ``l2-fresh`` -- both.
 
+Where the arena lives decides what a fresh client's first copies cost: on /dev/shm without
+huge pages every 4 KiB page of its mapping takes a fault, on a tmpfs mounted ``huge=always``
+every 2 MiB does.  ``--shm-dir DIR`` runs every scenario with the arena in DIR;
+``--huge-tmpfs`` (root) mounts a huge-page tmpfs for the run, runs every scenario twice,
+on /dev/shm and on it, and removes it after.  Each row says which pages the server got
+(its own /status), next to the memcpy measured in the same run.
+
 L1 keeps every round's objects until the next round starts, then they are evicted (EVICT:
 L2 copies stay, objects not yet in L2 stay too), so L1 never fills: with an L2 it has room
 for every round, since write-back may lag behind back-to-back requests.  The reference
@@ -27,11 +34,13 @@ venv exists.
 
     python bench/bench_workload.py                        # every scenario, nixl L2
     python bench/bench_workload.py --scenarios fresh --rounds 5 --json
+    python bench/bench_workload.py --scenarios fresh,warm --huge-tmpfs   # 4 KiB vs 2 MiB pages
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -40,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -51,6 +61,7 @@ from server_store import l2_adapter_json, wait_populated
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.testing.mounts import tmpfs_at
 
 SCENARIOS = ("warm", "fresh", "l2", "l2-fresh")
 OPERATIONS = ("connect", "store", "lookup", "retrieve")
@@ -91,6 +102,9 @@ class ScenarioResult:
     requests: int
     request_bytes: int
     memcpy_ms: float
+    #: the arena's directory and whether the server reports it on huge pages
+    shm_dir: str = "/dev/shm"
+    huge_pages: bool = False
     p50_ms: dict[str, float] = field(default_factory=dict)
     p99_ms: dict[str, float] = field(default_factory=dict)
     samples: dict[str, list[float]] = field(default_factory=dict)
@@ -118,7 +132,13 @@ def memcpy_ms(sources: list[np.ndarray[Any, Any]], repeats: int = 9) -> float:
 
 
 def run_scenario(
-    scenario: str, shape: Shape, rounds: int, l2: str, transport: str, direct: bool = False
+    scenario: str,
+    shape: Shape,
+    rounds: int,
+    l2: str,
+    transport: str,
+    direct: bool = False,
+    shm_dir: str | None = None,
 ) -> ScenarioResult:
     with_l2 = scenario.startswith("l2")
     fresh = scenario.endswith("fresh")
@@ -132,7 +152,8 @@ def run_scenario(
     adapters = [l2_adapter_json(l2, l2_root, capacity_gb, direct=direct)] if with_l2 else []
     # Objects not yet in L2 are never evicted: with L2, room for every round
     l1_rounds = rounds + 1 if with_l2 else 3
-    proc, url = start_server(max(1.0, l1_rounds * round_bytes / 2**30), transport, adapters)
+    l1_gb = l1_size_gb(l1_rounds * round_bytes, shm_dir)
+    proc, url = start_server(l1_gb, transport, adapters, ["--shm-dir", shm_dir] if shm_dir else [])
     result = ScenarioResult(
         scenario,
         (l2 + (" O_DIRECT" if direct else "")) if with_l2 else "",
@@ -143,6 +164,8 @@ def run_scenario(
     samples: dict[str, list[float]] = {name: [] for name in OPERATIONS}
     salt = f"workload-{os.getpid()}-{scenario}"
     keeper = Client(url, timeout=60, name="bench-workload")
+    pages = keeper.status()["server"].get("l1_pages") or {}
+    result.shm_dir, result.huge_pages = pages.get("directory", "/dev/shm"), bool(pages.get("huge_pages"))
     if not fresh:
         # Rounds with an L2 take fresh L1 extents (the earlier ones wait for write-back),
         # the others reuse evicted ones: without this, l2 vs warm would compare first
@@ -195,6 +218,26 @@ def run_scenario(
     return result
 
 
+def l1_size_gb(need: int, shm_dir: str | None) -> float:
+    """The L1 for ``need`` bytes: at least 1 GiB, but within a smaller tmpfs (--shm-dir)."""
+    wanted = max(1.0, need / 2**30)
+    if shm_dir is None:
+        return wanted
+    info = os.statvfs(shm_dir)
+    room = (info.f_bavail * info.f_frsize - (64 << 20)) / 2**30  # the generation table, rounding
+    return max(need / 2**30, min(wanted, room))
+
+
+@contextlib.contextmanager
+def huge_tmpfs(size_gb: float) -> Iterator[str]:
+    """A tmpfs mounted huge=always for the run (needs root), removed after."""
+    directory = tempfile.mkdtemp(prefix="lmcache-tiers-bench-huge-")
+    with tmpfs_at(directory, f"size={int(size_gb * 1024)}m,huge=always") as refused:
+        if refused is not None:
+            raise SystemExit(f"--huge-tmpfs: {refused}")
+        yield directory
+
+
 def run(
     scenarios: list[str],
     shape: Shape,
@@ -202,14 +245,20 @@ def run(
     l2: str = "nixl",
     transport: str = "tcp",
     direct: bool = False,
+    shm_dirs: tuple[str | None, ...] = (None,),
 ) -> list[ScenarioResult]:
-    """Every scenario in turn (each with a server of its own); the figures, for run_all."""
-    return [run_scenario(name, shape, rounds, l2, transport, direct) for name in scenarios]
+    """Every scenario in turn (each with a server of its own), once per arena directory
+    (None: the default, /dev/shm); the figures, for run_all."""
+    return [
+        run_scenario(name, shape, rounds, l2, transport, direct, shm_dir)
+        for name in scenarios
+        for shm_dir in shm_dirs
+    ]
 
 
 def print_table(results: list[ScenarioResult]) -> None:
     print(
-        f"{'scenario':<10} {'operation':<9} {'p50 ms':>8} {'p99 ms':>8} {'p99/p50':>8} "
+        f"{'scenario':<10} {'pages':<6} {'operation':<9} {'p50 ms':>8} {'p99 ms':>8} {'p99/p50':>8} "
         f"{'memcpy ms':>10} {'memcpy/p50':>10}"
     )
     for result in results:
@@ -223,7 +272,8 @@ def print_table(results: list[ScenarioResult]) -> None:
                 else ""
             )
             label = result.scenario + (f" ({result.l2})" if result.l2 else "")
-            print(f"{label:<10} {name:<9} {p50:8.2f} {p99:8.2f} {p99 / p50:8.2f} {copy}")
+            pages = "2M" if result.huge_pages else "4K"
+            print(f"{label:<10} {pages:<6} {name:<9} {p50:8.2f} {p99:8.2f} {p99 / p50:8.2f} {copy}")
 
 
 def main() -> None:
@@ -243,6 +293,13 @@ def main() -> None:
     parser.add_argument(
         "--direct", action="store_true", help="the L2 writes with O_DIRECT (use_direct_io / use_odirect)"
     )
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--shm-dir", help="put the arena in this tmpfs directory (serve --shm-dir)")
+    where.add_argument(
+        "--huge-tmpfs",
+        action="store_true",
+        help="mount a huge=always tmpfs for the run (root) and run each scenario on /dev/shm and on it",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     scenarios = [name for name in args.scenarios.split(",") if name]
@@ -250,7 +307,13 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
     shape = Shape(args.requests, args.tokens, args.chunk_tokens, args.bytes_per_token)
-    results = run(scenarios, shape, args.rounds, args.l2, args.transport, args.direct)
+    with contextlib.ExitStack() as stack:
+        shm_dirs: tuple[str | None, ...] = (args.shm_dir,)
+        if args.huge_tmpfs:
+            # room for the largest L1 a scenario asks for (L2 runs keep every round)
+            need = (args.rounds + 1) * shape.requests * shape.request_bytes / 2**30
+            shm_dirs = (None, stack.enter_context(huge_tmpfs(max(1.0, need) + 0.25)))
+        results = run(scenarios, shape, args.rounds, args.l2, args.transport, args.direct, shm_dirs)
     if args.json:
         print(json.dumps([asdict(result) for result in results], indent=2))
     else:

@@ -156,9 +156,17 @@ def test_new_fields_and_ops_are_compatible_with_older_version_1_peers() -> None:
     assert p.request_decoder.decode(old_commit) == p.StoreCommit(1, "", [key], False)
     old_inline = msgspec.msgpack.encode([p.Op.STORE_INLINE, 1, "", [key]])
     assert p.request_decoder.decode(old_inline) == p.StoreInline(1, "", [key], [], False)
-    # A HELLO reply from an older server has no feature list.
-    new_hello = msgspec.msgpack.decode(p.encode(p.HelloReply(1, features=list(p.FEATURES))))
-    assert p.reply_decoder.decode(msgspec.msgpack.encode(new_hello[:-1])).features == []
+    # A HELLO reply from an older server has no feature list (nor what came after it), and
+    # one from a server without shm_dir means the segment is in /dev/shm.
+    new_hello = msgspec.msgpack.decode(
+        p.encode(p.HelloReply(1, features=list(p.FEATURES), shm_dir="/mnt/huge"))
+    )
+    fields = ("op", *p.HelloReply.__struct_fields__)
+    before_features = msgspec.msgpack.encode(new_hello[: fields.index("features")])
+    assert p.reply_decoder.decode(before_features).features == []
+    before_shm_dir = p.reply_decoder.decode(msgspec.msgpack.encode(new_hello[: fields.index("shm_dir")]))
+    assert isinstance(before_shm_dir, p.HelloReply)
+    assert before_shm_dir.features == list(p.FEATURES) and before_shm_dir.shm_dir == ""
 
     # An older server reading a new request ignores the trailing field (hence the features)...
     class OlderStoreCommit(msgspec.Struct, array_like=True, tag_field="op", tag=p.Op.STORE_COMMIT.value):

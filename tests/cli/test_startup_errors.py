@@ -19,6 +19,8 @@ from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.registry import Kind
 from lmcache_tiers.server import preflight
+from lmcache_tiers.testing.mounts import tmpfs_at
+from lmcache_tiers.tmpfs import is_tmpfs
 
 #: a terminal narrower than every message: nothing may wrap
 NARROW = {"COLUMNS": "40"}
@@ -122,7 +124,7 @@ def test_an_l1_larger_than_dev_shm_is_refused_before_mapping() -> None:
 
 def test_an_l1_larger_than_the_available_memory_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     # /dev/shm is often larger than the memory left: the second limit has its own line.
-    monkeypatch.setattr(preflight, "_shm_free", lambda: 1 << 50)
+    monkeypatch.setattr(preflight, "_shm_free", lambda directory: 1 << 50)
     monkeypatch.setattr(preflight, "_mem_available", lambda: 3 << 30)
     config = build_config(load_registry(), overrides={"l1_size_gb": 4.0})
     with pytest.raises(ConfigError, match=r"^--l1-size-gb 4: this machine has 3.00 GiB of memory available"):
@@ -201,3 +203,51 @@ def test_an_ipc_socket_in_a_missing_or_wrong_directory_names_host(a_file: Path, 
     assert f"{a_file} is a file, not a directory" in under_file, under_file
     a_directory = _serve_refused(["--no-default-l2", "--host", f"ipc://{tmp_path}"])
     assert f"{tmp_path} is a directory; give the path of a socket file" in a_directory, a_directory
+
+
+def _tmpfs_or_skip(directory: Path, options: str) -> Iterator[str]:
+    with tmpfs_at(str(directory), options) as refused:
+        if refused is not None:
+            pytest.skip(refused)
+        yield str(directory)
+
+
+@pytest.fixture
+def read_only_tmpfs(tmp_path: Path) -> Iterator[str]:
+    yield from _tmpfs_or_skip(tmp_path / "ro", "size=4m,ro")
+
+
+@pytest.fixture
+def huge_tmpfs(tmp_path: Path) -> Iterator[str]:
+    yield from _tmpfs_or_skip(tmp_path / "huge", "size=8m,huge=always")
+
+
+def test_an_shm_dir_that_cannot_hold_the_arena_is_one_line(
+    tmp_path: Path, a_file: Path, read_only_tmpfs: str
+) -> None:
+    on_disk = tmp_path / "on-disk"
+    on_disk.mkdir()
+    cases = [
+        (str(tmp_path / "missing"), "does not exist"),
+        (str(a_file), "is a file, not a directory"),
+        (read_only_tmpfs, "not writable"),
+        ("relative", "give an absolute path"),
+    ]
+    if not is_tmpfs(str(on_disk)):
+        cases.append((str(on_disk), "not on a tmpfs"))
+    for directory, words in cases:
+        line = _serve_refused(["--no-default-l2", "--shm-dir", directory])
+        assert line.startswith(f"error: --shm-dir {directory}: "), line
+        assert words in line, line
+
+
+def test_a_huge_tmpfs_too_small_for_the_arena_is_refused_before_it_is_made(huge_tmpfs: str) -> None:
+    line = _serve_refused(["--no-default-l2", "--shm-dir", huge_tmpfs])
+    assert f"{huge_tmpfs} has 0.01 GiB free" in line and "lower --l1-size-gb" in line, line
+    assert not os.listdir(huge_tmpfs)
+
+
+def test_lmcache_mp_refuses_an_arena_outside_dev_shm(huge_tmpfs: str) -> None:
+    spec = {"type": "lmcache_mp", "port": free_port()}
+    line = _serve_refused(["--no-default-l2", "--shm-dir", huge_tmpfs, "--frontend", json.dumps(spec)])
+    assert "LMCache clients open in /dev/shm" in line and f"--shm-dir {huge_tmpfs}" in line, line

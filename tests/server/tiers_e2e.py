@@ -48,10 +48,11 @@ class ServerProcess:
     proc: subprocess.Popen[bytes]
     log_dir: Path
     returncode: int | None = field(default=None)
+    shm_dir: str = "/dev/shm"
 
     @property
     def shm_path(self) -> Path:
-        return Path("/dev/shm") / self.shm_name
+        return Path(self.shm_dir) / self.shm_name
 
     def output(self) -> str:
         out = (self.log_dir / "stdout.txt").read_text(errors="replace")
@@ -109,7 +110,9 @@ def start_server(
         stderr=(log_dir / "stderr.txt").open("wb"),
         env={**os.environ, "LMCACHE_LOG_LEVEL": "INFO", "COLUMNS": "200", **(env or {})},
     )
-    server = ServerProcess(url, http_url, shm_name, proc, log_dir)
+    server = ServerProcess(
+        url, http_url, shm_name, proc, log_dir, shm_dir=settings.get("l1_shm_dir", "/dev/shm")
+    )
     deadline = time.monotonic() + START_TIMEOUT_S
     while not ready.exists():
         if proc.poll() is not None:

@@ -191,6 +191,14 @@ class ServerConfig(ComponentConfig):
     l1_shm_name: Annotated[
         str | None, _doc("Name of the L1 shared-memory segment; null picks a unique one.")
     ] = None
+    l1_shm_dir: Annotated[
+        str,
+        _doc(
+            "Directory (on a tmpfs) holding the L1 shared-memory segment. A tmpfs mounted with "
+            "huge=always puts the arena on huge pages, so a fresh client's first store runs near "
+            "memcpy speed; LMCache clients of the lmcache_mp front end need /dev/shm."
+        ),
+    ] = "/dev/shm"
     eviction_policy: Annotated[str, _doc("L1 eviction policy (LRU, noop, ...).")] = "LRU"
     eviction_trigger_watermark: Annotated[
         float, _doc("L1 usage fraction at which eviction starts.", gt=0.0, le=1.0)

@@ -28,7 +28,7 @@ What each kind of plugin needs:
   ``ServerConfig``, ``StorageManager`` (what it serves), ``RouterLoop`` (a ZeroMQ ROUTER
   loop), ``L1Loan``, ``is_loopback``, the key helpers ``NONE_HASH``, ``chunk_hashes``,
   ``kv_rank_of``, ``L1OutOfMemoryError``; the native protocol's Structs
-  ``wire_protocol`` and ``segment_identity`` (shared with the Python client), and
+  ``wire_protocol``, ``segment_identity`` and ``SHM_DIR`` (shared with the Python client), and
   ``decode_request`` with its ``KeyCache`` (a server's decoding of request headers);
 * file-per-object stores: ``FileLayout``, ``LocalFiles``, ``DirectoryLock`` (and
   ``PathLock``, ``DirectoryInUseError``), ``HeaderSizes``, ``WriteFailures``,
@@ -159,6 +159,7 @@ if TYPE_CHECKING:
         StorePolicySuite,
     )
     from lmcache_tiers.testing.serde import BINDS_KEY, DETECTS_CORRUPTION, LOSSLESS, SerdeSuite
+    from lmcache_tiers.tmpfs import SHM_DIR
     from lmcache_tiers.wire import protocol as wire_protocol
     from lmcache_tiers.wire.decoding import KeyCache, decode_request
     from lmcache_tiers.wire.shm import segment_identity
@@ -228,6 +229,7 @@ _LAZY = {
     "RouterLoop": "lmcache_tiers.router",
     "StorageManager": "lmcache_tiers.storage",
     "segment_identity": "lmcache_tiers.wire.shm",
+    "SHM_DIR": "lmcache_tiers.tmpfs",
     "KeyCache": "lmcache_tiers.wire.decoding",
     "decode_request": "lmcache_tiers.wire.decoding",
     "ComponentSuite": "lmcache_tiers.testing.base",
@@ -268,6 +270,7 @@ __all__ = [
     "RECENCY",
     "RECORD_ALIGN",
     "RECORD_SUFFIX",
+    "SHM_DIR",
     "STORES_EVERYWHERE",
     "VERIFY_PIECE",
     "AdapterInfo",

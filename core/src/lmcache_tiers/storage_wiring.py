@@ -87,6 +87,7 @@ class StorageParts:
             lock_ttl_s=config.l1_lock_ttl_s,
             write_ttl_s=config.l1_write_ttl_s,
             shm_name=config.l1_shm_name,
+            shm_dir=config.l1_shm_dir,
             nvme_path=config.gds_l1_path,
             direct_io=config.gds_l1_use_direct_io,
         )

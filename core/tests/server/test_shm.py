@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from lmcache_tiers.l1 import L1Arena
+from lmcache_tiers.tmpfs import is_tmpfs
 from lmcache_tiers.wire import protocol as p
 from lmcache_tiers.wire.shm import (
     MappedSegment,
@@ -107,6 +109,34 @@ def test_a_segment_with_another_identity_is_refused(arena: L1Arena) -> None:
 def test_names_that_could_leave_dev_shm_are_refused(name: str) -> None:
     with pytest.raises(SegmentMismatch, match="refusing"):
         MappedSegment(name, 4096, 0, 0)
+
+
+@pytest.mark.parametrize("directory", ["relative/dir", "/dev/shm/../etc", "/dev/shm/", "/dev//shm", "/a\0b"])
+def test_directories_from_the_wire_must_be_absolute_and_normalized(directory: str) -> None:
+    with pytest.raises(SegmentMismatch, match="refusing shared-memory directory"):
+        MappedSegment("tiers_unit_x", 4096, 0, 0, directory=directory)
+
+
+def test_an_empty_directory_means_dev_shm(arena: L1Arena) -> None:
+    device, inode = segment_identity(arena.name)
+    segment = MappedSegment(arena.name, arena.size, device, inode, directory="", populate=False)
+    segment.close()
+
+
+def test_only_a_regular_file_on_a_tmpfs_is_mapped(arena: L1Arena, tmp_path: Path) -> None:
+    on_disk = tmp_path / "tiers_unit_disk"
+    on_disk.write_bytes(bytes(4096))
+    if is_tmpfs(str(on_disk)):
+        pytest.skip("the test directory is itself on a tmpfs")
+    st = os.stat(on_disk)
+    with pytest.raises(SegmentMismatch, match="not a file on a tmpfs"):
+        MappedSegment(on_disk.name, 4096, st.st_dev, st.st_ino, directory=str(tmp_path))
+    # a link in a directory the server names, even to the real segment, is not followed
+    link = tmp_path / "tiers_unit_link"
+    link.symlink_to(arena.path)
+    device, inode = segment_identity(arena.name)
+    with pytest.raises(SegmentMismatch, match="cannot open"):
+        MappedSegment(link.name, arena.size, device, inode, directory=str(tmp_path))
 
 
 def test_generations_tell_which_slots_changed_hands() -> None:

@@ -43,6 +43,7 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "l1_read_ttl_seconds": ("l1_lock_ttl_s", "--l1-read-ttl-seconds"),
     "l1_write_ttl_seconds": ("l1_write_ttl_s", "--l1-write-ttl-seconds"),
     "no_shm": ("no_shm", "--no-shm"),
+    "shm_dir": ("l1_shm_dir", "--shm-dir"),
     "gds_l1_path": ("gds_l1_path", "--gds-l1-path"),
     "gds_l1_use_direct_io": ("gds_l1_use_direct_io", "--gds-l1-use-direct-io"),
     "eviction_policy": ("eviction_policy", "--eviction-policy"),
@@ -132,6 +133,11 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
         shm_name: Optional[str] = typer.Option(
             None,
             help='Name of the L1 shared-memory segment (default: a unique name); "" turns shared memory off.',
+            rich_help_panel=L1_PANEL,
+        ),
+        shm_dir: str = typer.Option(
+            _D.l1_shm_dir,
+            help="Directory (a tmpfs) for the L1 segment; one mounted with huge=always gives huge pages.",
             rich_help_panel=L1_PANEL,
         ),
         no_shm: bool = typer.Option(

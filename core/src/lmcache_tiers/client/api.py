@@ -75,6 +75,7 @@ class Client(Connection):
                 server.shm_size,
                 server.shm_device,
                 server.shm_inode,
+                directory=server.shm_dir,
                 generation_offset=server.generation_offset,
                 generation_block=server.generation_block,
             )

@@ -1,10 +1,12 @@
 """The L1 arena: one named POSIX shared-memory segment, mapped once for the server's lifetime.
 
-The segment lives in ``/dev/shm`` under a name local clients can open, so an engine on the
-same host copies KV bytes straight into and out of the arena (one copy each way, nothing
-through the socket). The file is created with ``O_EXCL`` and unlinked by its creator on
-``close()``, at garbage collection or at interpreter exit, whichever comes first; names carry
-the creator's pid so :func:`remove_stale_segments` can reap what a killed server left behind.
+The segment lives in ``/dev/shm`` (or the tmpfs directory ``--shm-dir`` names) under a name
+local clients can open, so an engine on the same host copies KV bytes straight into and out
+of the arena (one copy each way, nothing through the socket); on a tmpfs that offers huge
+pages it is on them (:mod:`lmcache_tiers.l1.segment`).  The file is created with
+``O_EXCL`` and unlinked by its creator on ``close()``, at garbage collection or at
+interpreter exit, whichever comes first; names carry the creator's pid so
+:func:`remove_stale_segments` can reap what a killed server left behind.
 
 Behind the object bytes the segment may carry a **generation table**: one native-endian
 uint64 per ``generation_block`` bytes of arena, bumped by the L1 manager each time an
@@ -16,8 +18,6 @@ so a reader can tell, after copying out of an extent, whether it changed hands m
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import gc
 import logging
 import mmap
@@ -34,19 +34,15 @@ if TYPE_CHECKING:
     from typing import Self  # annotations only: Python 3.10 has no typing.Self
 
 from lmcache_tiers.errors import ConfigError, TiersError
+from lmcache_tiers.l1.segment import ArenaPages, address_of, create_segment
 from lmcache_tiers.l1.stale import remove_files_of_dead_processes
+from lmcache_tiers.tmpfs import SHM_DIR
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "lmcache_tiers_"
 _DEFAULT_NAME = re.compile(rf"^{SEGMENT_PREFIX}(\d+)_[0-9a-f]+$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
-
-# Not exported by the mmap module before Python 3.13; the value is fixed by the Linux ABI.
-# Populating page tables in one madvise call is the cheapest way to pre-fault (kernel >= 5.14).
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-_PAGE = mmap.PAGESIZE
 
 
 def default_segment_name() -> str:
@@ -54,41 +50,12 @@ def default_segment_name() -> str:
     return f"{SEGMENT_PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
 
 
-def _segment_path(name: str) -> str:
+def _segment_path(name: str, directory: str = SHM_DIR) -> str:
     if not _SAFE_NAME.match(name) or name in (".", ".."):
         raise ConfigError(
             f"shared-memory name {name!r} is not allowed: use 1-200 characters from [A-Za-z0-9._-]"
         )
-    return os.path.join(SHM_DIR, name)
-
-
-def _prefault(segment: mmap.mmap, size: int) -> None:
-    """Touch every page once so the first client write does not pay for page faults.
-
-    First touch costs roughly a second per GB on small VMs; paying it at start-up keeps it
-    out of request latency. MADV_POPULATE_WRITE faults the whole range in-kernel; older
-    kernels fall back to writing one byte per page.
-    """
-    try:
-        segment.madvise(_MADV_POPULATE_WRITE)
-        return
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise
-    view = memoryview(segment)
-    try:
-        for offset in range(0, size, _PAGE):
-            view[offset] = 0
-    finally:
-        view.release()
-
-
-def _address_of(segment: mmap.mmap) -> int:
-    anchor = ctypes.c_char.from_buffer(segment)
-    try:
-        return ctypes.addressof(anchor)
-    finally:
-        del anchor  # the ctypes object holds a buffer export that would block mmap.close()
+    return os.path.join(directory, name)
 
 
 def _pin(segment: mmap.mmap, size: int) -> int | None:
@@ -104,7 +71,7 @@ def _pin(segment: mmap.mmap, size: int) -> int | None:
     if not torch.cuda.is_available():
         logger.info("L1 pinning unavailable (no CUDA device); continuing unpinned")
         return None
-    address = _address_of(segment)
+    address = address_of(segment)
     status = _cudart(torch).cudaHostRegister(address, size, 0)
     if int(status) != 0:
         logger.warning("cudaHostRegister of the L1 arena failed (%s); continuing unpinned", status)
@@ -233,6 +200,10 @@ class L1Arena:
     generation_block: int
     #: the table as uint64 entries (an empty view when there is none)
     generations: memoryview
+    #: the directory (a tmpfs) holding the segment file
+    directory: str
+    #: how the creator's mapping is paged (None in a process that only attached)
+    pages: ArenaPages | None
 
     def __init__(
         self,
@@ -242,6 +213,7 @@ class L1Arena:
         prefault: bool = True,
         pin: bool = False,
         generation_block: int = 0,
+        directory: str = SHM_DIR,
     ) -> None:
         if size_bytes <= 0:
             raise ConfigError(f"L1 arena size must be positive, got {size_bytes} bytes")
@@ -249,53 +221,34 @@ class L1Arena:
             raise ConfigError(f"generation block must not be negative, got {generation_block}")
         table_offset, segment_size = _layout(size_bytes, generation_block)
         name = default_segment_name() if name is None else name
-        path = _segment_path(name)
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        except FileExistsError:
-            raise ConfigError(
-                f"shared-memory segment {path} already exists: another server uses this name, "
-                "or a crashed one left it behind (remove the file or pick another name)"
-            ) from None
-        try:
-            try:
-                # Reserving the pages now turns a too-small /dev/shm into a clear error here
-                # instead of a SIGBUS on some later write.
-                os.posix_fallocate(fd, 0, segment_size)
-            except OSError as exc:
-                if exc.errno == errno.ENOSPC:
-                    free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
-                    raise ConfigError(
-                        f"cannot place a {size_bytes / 2**30:.2f} GiB L1 arena in {SHM_DIR} "
-                        f"({free / 2**30:.2f} GiB free): lower --l1-size-gb or enlarge {SHM_DIR}"
-                    ) from None
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                os.ftruncate(fd, segment_size)
-            segment = mmap.mmap(fd, segment_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
-        os.close(fd)  # the mapping keeps the memory; the name is what clients open
+        path = _segment_path(name, directory)
+        segment, pages = create_segment(path, segment_size, directory, prefault=prefault)
         pinned_at: int | None = None
         try:
-            if prefault:
-                _prefault(segment, segment_size)
             if pin:
                 pinned_at = _pin(segment, size_bytes)
         except BaseException:
             _release(segment, path, os.getpid(), None)
             raise
+        self.directory = directory
+        self.pages = pages
         self._setup(name, segment, path, pinned_at, size_bytes, table_offset, generation_block)
         logger.info(
-            "L1 arena %s: %.2f GiB, prefault=%s, pinned=%s", path, size_bytes / 2**30, prefault, self.pinned
+            "L1 arena %s: %.2f GiB on %s, prefault=%s, pinned=%s",
+            path,
+            size_bytes / 2**30,
+            pages.describe(),
+            prefault,
+            self.pinned,
         )
+        hint = pages.hint()
+        if hint is not None:
+            logger.info("L1 arena on 4 KiB pages: %s", hint)
 
     @classmethod
-    def attach(cls, name: str) -> L1Arena:
+    def attach(cls, name: str, directory: str = SHM_DIR) -> L1Arena:
         """Map an existing segment by name (a client's view); ``close`` unmaps, never unlinks."""
-        path = _segment_path(name)
+        path = _segment_path(name, directory)
         fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
@@ -305,6 +258,8 @@ class L1Arena:
         finally:
             os.close(fd)
         arena = cls.__new__(cls)
+        arena.directory = directory
+        arena.pages = None
         arena._setup(name, segment, None, None, size, 0, 0)
         return arena
 
@@ -338,7 +293,7 @@ class L1Arena:
 
     @property
     def path(self) -> str:
-        return os.path.join(SHM_DIR, self.name)
+        return os.path.join(self.directory, self.name)
 
     def read_into(self, offset: int, size: int, out: memoryview) -> None:
         """Copy ``size`` bytes at ``offset`` into the byte view ``out[:size]``."""
@@ -394,10 +349,11 @@ def _layout(size: int, generation_block: int) -> tuple[int, int]:
     return table_offset, table_offset + 8 * entries
 
 
-def remove_stale_segments() -> list[str]:
-    """Unlink default-named segments whose creating process no longer exists.
+def remove_stale_segments(directory: str = SHM_DIR) -> list[str]:
+    """Unlink default-named segments in ``directory`` whose creating process no longer
+    exists.
 
     Call at start-up to reclaim the memory of a server killed with SIGKILL.  Only names of
     the form ``lmcache_tiers_<pid>_<hex>`` are considered, never a custom name.
     """
-    return remove_files_of_dead_processes(SHM_DIR, _DEFAULT_NAME, "L1 segment")
+    return remove_files_of_dead_processes(directory, _DEFAULT_NAME, "L1 segment")

@@ -12,6 +12,7 @@ from typing import Protocol
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.l1.arena import L1Arena
 from lmcache_tiers.l1.nvme import DIRECT_IO_ALIGN, NvmeL1File
+from lmcache_tiers.tmpfs import SHM_DIR
 
 
 class L1Backing(Protocol):
@@ -32,16 +33,19 @@ def open_backing(
     align: int,
     *,
     shm_name: str | None,
+    shm_dir: str = SHM_DIR,
     prefault: bool,
     pin: bool,
     nvme_path: str | None,
     direct_io: bool,
 ) -> tuple[L1Backing, L1Arena | None]:
     """The backing of an L1 of ``capacity`` bytes in extents of ``align``: a shared-memory
-    arena (returned twice: it is also the arena), or the NVMe file under ``nvme_path``."""
+    arena in ``shm_dir`` (returned twice: it is also the arena), or the NVMe file under ``nvme_path``."""
     if nvme_path is None:
         # One generation per allocation unit: every extent starts on a unit boundary.
-        arena = L1Arena(capacity, name=shm_name, prefault=prefault, pin=pin, generation_block=align)
+        arena = L1Arena(
+            capacity, name=shm_name, prefault=prefault, pin=pin, generation_block=align, directory=shm_dir
+        )
         return arena, arena
     if align % DIRECT_IO_ALIGN:
         raise ConfigError(

@@ -49,6 +49,7 @@ from lmcache_tiers.l1.reads import ReadLocks
 from lmcache_tiers.l1.removal import Removal
 from lmcache_tiers.l1.table import L1Listeners, ObjectTable, check_lock_count
 from lmcache_tiers.l1.writes import WriteReservations
+from lmcache_tiers.tmpfs import SHM_DIR
 
 if TYPE_CHECKING:
     from typing import Self  # annotations only: Python 3.10 has no typing.Self
@@ -60,7 +61,7 @@ class L1Manager:
     """Objects in one backing (a shared-memory arena, or an NVMe file when ``nvme_path`` is
     set), with write locks, counted read locks and TTLs.
 
-    ``shm_name``, ``prefault`` and ``pin`` concern the memory arena; ``direct_io`` the NVMe
+    ``shm_name``, ``shm_dir``, ``prefault`` and ``pin`` concern the memory arena; ``direct_io`` the NVMe
     file. Objects of an NVMe L1 have no memory view: copy with :meth:`read_object` and
     :meth:`write_object`, which work for both backings.
 
@@ -77,6 +78,7 @@ class L1Manager:
         lock_ttl_s: float = 300.0,
         write_ttl_s: float = 600.0,
         shm_name: str | None = None,
+        shm_dir: str = SHM_DIR,
         prefault: bool = True,
         pin: bool = False,
         nvme_path: str | None = None,
@@ -96,6 +98,7 @@ class L1Manager:
             allocator.capacity,
             align,
             shm_name=shm_name,
+            shm_dir=shm_dir,
             prefault=prefault,
             pin=pin,
             nvme_path=nvme_path,

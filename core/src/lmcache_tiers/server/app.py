@@ -168,6 +168,7 @@ class TiersServer:
         """The ``/status`` document (also the native STATUS reply)."""
         l1 = self.storage.l1
         shm = l1.arena.name if l1.is_memory and not self.config.no_shm else None
+        pages = l1.arena.pages if l1.is_memory else None
         server = {
             "version": __version__,
             "protocol_version": p.PROTOCOL_VERSION,
@@ -177,6 +178,7 @@ class TiersServer:
             "http": self.http_url,
             "uptime_s": round(time.time() - self.started, 3),
             "shm_segment": shm,
+            "l1_pages": pages.status() if pages is not None else None,
             "auth_required": self.auth_required,
             "draining": self._stopping,
             **merged_stats(frontend.stats() for frontend in self.frontends).snapshot(),
@@ -321,7 +323,8 @@ def run_server(
     hooks = _plugin_hooks()
     from lmcache_tiers.l1 import remove_stale_segments
 
-    remove_stale_segments()
+    if os.path.isdir(config.l1_shm_dir):
+        remove_stale_segments(config.l1_shm_dir)
     try:
         server = TiersServer(config, registry=registry, auth_token=token)
     except ConfigError as exc:

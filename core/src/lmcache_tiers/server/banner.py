@@ -36,12 +36,19 @@ def start_banner(server: TiersServer) -> Panel:
         grid.add_row("front ends" if index == 0 else "", f"{frontend.address}  {frontend.describe()}")
     http = server.http_url
     grid.add_row("HTTP", f"{http}/metrics  /healthz  /status" if http else "disabled (--metrics-port 0)")
+    l1 = server.storage.l1
+    pages = l1.arena.pages if l1.is_memory else None
     grid.add_row(
         "L1",
         f"{_gib(config.l1_size_bytes)}, eviction {config.eviction_policy} at "
         f"{config.eviction_trigger_watermark:.0%} frees {config.eviction_ratio:.0%}, "
         f"lock TTL {config.l1_lock_ttl_s:g}s",
     )
+    if pages is not None:
+        grid.add_row("", f"{l1.arena.path} on {pages.describe()}")
+        hint = pages.hint()
+        if hint is not None:
+            grid.add_row("", hint)
     adapters = redact_secrets(config_to_builtins(config)["l2_adapters"])
     if adapters:
         for index, adapter in enumerate(adapters):

@@ -16,7 +16,8 @@ import socket
 from typing import TYPE_CHECKING
 
 from lmcache_tiers.errors import ConfigError
-from lmcache_tiers.l1.arena import SHM_DIR, segment_bytes
+from lmcache_tiers.l1.arena import segment_bytes
+from lmcache_tiers.l1.segment import check_directory, file_bytes
 from lmcache_tiers.l2.preflight import preflight_adapters
 
 if TYPE_CHECKING:
@@ -42,26 +43,30 @@ def _mem_available() -> int | None:
     return None
 
 
-def _shm_free() -> int | None:
+def _shm_free(directory: str) -> int | None:
     try:
-        info = os.statvfs(SHM_DIR)
+        info = os.statvfs(directory)
     except OSError:
         return None
     return info.f_bavail * info.f_frsize
 
 
 def check_l1_room(config: ServerConfig) -> None:
-    """A memory L1 must fit both in /dev/shm's free space and in the memory available:
-    the segment is a tmpfs file whose every page is pre-faulted at start-up."""
+    """A memory L1 must fit both in its tmpfs directory's free space (/dev/shm unless
+    --shm-dir) and in the memory available: the segment is a tmpfs file whose every page
+    is pre-faulted at start-up."""
     if config.gds_l1_path is not None:
         return  # an NVMe L1 takes disk space, preallocated without touching memory
-    need = segment_bytes(config.l1_size_bytes, config.l1_align_bytes) + _L1_HEADROOM_BYTES
+    directory = config.l1_shm_dir
+    check_directory(directory)
+    segment = file_bytes(segment_bytes(config.l1_size_bytes, config.l1_align_bytes), directory)
+    need = segment + _L1_HEADROOM_BYTES
     shown = f"--l1-size-gb {config.l1_size_gb:g}"
-    shm = _shm_free()
-    if shm is not None and need > shm:
+    shm = _shm_free(directory)
+    if shm is not None and segment > shm:
         raise ConfigError(
-            f"{shown}: {SHM_DIR} has {shm / _GIB:.2f} GiB free; lower --l1-size-gb "
-            f"or enlarge {SHM_DIR} (mount -o remount,size=...)"
+            f"{shown}: {directory} has {shm / _GIB:.2f} GiB free; lower --l1-size-gb "
+            f"or enlarge {directory} (mount -o remount,size=...)"
         )
     available = _mem_available()
     if available is not None and need > available:

@@ -2,7 +2,7 @@
 
 One thread copying into the mapping does not reach memcpy speed of two pre-faulted
 process buffers: the mapping's 4 KiB pages cost a TLB miss each (the process's own large
-buffers get transparent huge pages, tmpfs segments usually do not), and a range of the
+buffers get transparent huge pages, tmpfs segments only on a mount with ``huge=``), and a range of the
 mapping this process never touched needs its page tables populated first, about half a
 copy's time again.  A store or retrieve of a request (tens of MiB) is therefore cut into
 pieces that the calling thread and one helper thread copy side by side, each taking the
@@ -21,7 +21,9 @@ bytes, so the two copies really run in parallel.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -94,6 +96,14 @@ class SplitCopier:
         self._wake = threading.Condition()
         self._helper: threading.Thread | None = None
         self._stopped = False
+        _COPIERS.add(self)
+
+    def _after_fork(self) -> None:
+        # In a forked child the helper is gone, and it may have held the lock when the
+        # parent forked: a child that took it would wait forever.
+        self._wake = threading.Condition()
+        self._jobs = deque()
+        self._helper = None
 
     def run(self, pieces: Sequence[Piece], prepare: Callable[[int], object]) -> None:
         """Copy every piece; returns once all are copied, raising the first error (the
@@ -136,3 +146,16 @@ class SplitCopier:
                     return
                 job = self._jobs.popleft()
             job.work()  # a job the caller already finished has nothing left to take
+
+
+#: every copier of this process, so a forked child can give each fresh locks
+_COPIERS: weakref.WeakSet[SplitCopier] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    for copier in list(_COPIERS):
+        copier._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)

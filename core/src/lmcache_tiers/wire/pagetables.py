@@ -26,21 +26,21 @@ Reads are not populated ahead (a read fault already maps a fault-around window),
 large ones are split between the two threads the same way.
 
 Population never changes a byte: if the kernel lacks it (or anything fails) the copies
-fault pages in as they always did, and one log line says so.  Huge pages would avoid most
-of this, but tmpfs only gives them where ``shmem_enabled`` allows, which cannot be
-assumed.
+fault pages in as they always did, and one log line says so.  On an arena the server put
+on huge pages (a tmpfs mounted ``huge=``, see ``lmcache_tiers.l1.segment``) the same calls
+map 2 MiB per entry: the mapping is 2 MiB-aligned, every step here is a multiple of 1 MiB,
+so a populated block at worst maps the huge page it lies in, and the background pass and
+a copy's own population finish hundreds of times sooner; nothing else changes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import logging
 import mmap
 import os
-import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from lmcache_tiers.tmpfs import libc_function
 from lmcache_tiers.wire.copies import Piece, SplitCopier
 
 log = logging.getLogger(__name__)
@@ -68,22 +69,9 @@ IDLE_S = 0.02
 _PAGE = mmap.PAGESIZE
 
 
-def _load_madvise() -> Any:
-    # Through ctypes rather than mmap.madvise: ctypes releases the GIL for the call, so
-    # populating gigabytes in the background never stalls the caller's requests.
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    madvise.restype = ctypes.c_int
-    return madvise
-
-
-_madvise = _load_madvise()
+# Through ctypes rather than mmap.madvise: ctypes releases the GIL for the call, so
+# populating gigabytes in the background never stalls the caller's requests.
+_madvise = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
 
 
 class PageTables:

@@ -286,6 +286,9 @@ class HelloReply(_Reply, tag=Op.HELLO.value):
     generation_block: int = 0
     #: :data:`FEATURES` of this server; empty from servers older than the list
     features: list[str] = []
+    #: the directory holding the segment file; "" means /dev/shm (and is what servers
+    #: older than the field send, while clients older than it only look in /dev/shm)
+    shm_dir: str = ""
 
 
 class PingReply(_Reply, tag=Op.PING.value):

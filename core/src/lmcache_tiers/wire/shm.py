@@ -3,12 +3,17 @@
 A local client maps the server's arena segment read-write and copies its bytes straight
 into the extents STORE_RESERVE hands out, and out of the extents RETRIEVE names: one
 memcpy each way, nothing through the socket.  The mapping is opened by name from
-``/dev/shm`` and checked against the device and inode the server reported, so a client on
-another host, or in a container with its own ``/dev/shm``, never writes into an unrelated
-segment that merely has the same name.  The client only ever unmaps; unlinking is the
-server's job (no resource tracker is involved, so a client exiting cannot remove it).
+``/dev/shm``, or from the directory the server reports in HELLO (``--shm-dir``, an
+absolute path; the name is one path component, so nothing outside that directory is ever
+opened), and only a regular file on a tmpfs whose device and inode are the ones the server
+reported is mapped: a client on another host, or in a container with its own
+``/dev/shm``, never writes into an unrelated file that merely has the same name.  The
+client only ever unmaps; unlinking is the server's job (no resource tracker is involved, so
+a client exiting cannot remove it).
 
-A fresh mapping's page tables are filled in the background while the client is idle,
+On a tmpfs that gives huge pages (see ``lmcache_tiers.l1.segment``) a fresh mapping
+faults 2 MiB at a time and is ready almost at once; otherwise its page tables are filled
+in the background while the client is idle,
 and a store's copy that comes first populates its extent piece by piece as it goes, on
 two threads for a large request (:mod:`lmcache_tiers.wire.pagetables`), so even a
 client's first store runs near memcpy.
@@ -24,15 +29,16 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import stat
 import sys
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
+from lmcache_tiers.tmpfs import SHM_DIR, TMPFS_MAGIC, fs_magic
 from lmcache_tiers.wire.pagetables import PageTables
 
-SHM_DIR = "/dev/shm"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 #: Anything ``store`` accepts: bytes-likes, numpy arrays, torch CPU tensors.
@@ -54,23 +60,33 @@ class SlotLike(Protocol):
     def generation(self) -> int: ...
 
 
-def segment_identity(name: str) -> tuple[int, int]:
-    """(st_dev, st_ino) of ``/dev/shm/<name>``, reported to clients in the handshake."""
-    st = os.stat(os.path.join(SHM_DIR, _checked(name)))
+def segment_identity(name: str, directory: str = SHM_DIR) -> tuple[int, int]:
+    """(st_dev, st_ino) of ``<directory>/<name>``, reported to clients in the handshake."""
+    st = os.stat(os.path.join(directory, _checked(name)))
     return st.st_dev, st.st_ino
 
 
 def _checked(name: str) -> str:
-    # The name comes from the server over the wire: never let it escape /dev/shm.
+    # The name comes from the server over the wire: never let it escape its directory.
     if not _SAFE_NAME.match(name) or name in (".", ".."):
         raise SegmentMismatch(f"refusing shared-memory name {name!r}")
     return name
 
 
+def _checked_directory(directory: str) -> str:
+    # Also from the wire: an absolute, normalized path, or the client refuses to look.
+    if not directory:
+        return SHM_DIR
+    if "\0" in directory or not os.path.isabs(directory) or os.path.normpath(directory) != directory:
+        raise SegmentMismatch(f"refusing shared-memory directory {directory!r}")
+    return directory
+
+
 class MappedSegment:
     """A client's read-write mapping of the server's arena.
 
-    ``size`` is the segment file's size; ``generation_offset`` (0: none) where the
+    ``size`` is the segment file's size, ``directory`` where it is ("": /dev/shm);
+    ``generation_offset`` (0: none) where the
     generation table starts, which is also where the object bytes end, and
     ``generation_block`` the arena bytes per table entry.  ``populate``: fill the page
     tables in the background from now on (see the module's docstring).
@@ -86,14 +102,17 @@ class MappedSegment:
         generation_offset: int = 0,
         generation_block: int = 0,
         populate: bool = True,
+        directory: str = SHM_DIR,
     ) -> None:
-        path = os.path.join(SHM_DIR, _checked(name))
+        path = os.path.join(_checked_directory(directory), _checked(name))
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             raise SegmentMismatch(f"cannot open {path}: {exc.strerror}") from None
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or fs_magic(fd) != TMPFS_MAGIC:
+                raise SegmentMismatch(f"{path} is not a file on a tmpfs: not mapping it")
             if (st.st_dev, st.st_ino) != (device, inode) or st.st_size != size:
                 raise SegmentMismatch(f"{path} is not the server's segment (another host or namespace)")
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

@@ -7,12 +7,13 @@ server's start-up before anything is served.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from lmcache_plugin_frontend_native import NativeConfig
 from lmcache_plugin_frontend_native.handlers import DataPlane, Handlers
 from lmcache_plugin_frontend_native.rpc import RpcServer
-from lmcache_tiers.plugin import FrontendContext, FrontendStats, segment_identity
+from lmcache_tiers.plugin import SHM_DIR, FrontendContext, FrontendStats, segment_identity
 from lmcache_tiers.plugin import wire_protocol as p
 
 
@@ -22,9 +23,16 @@ def data_plane_of(context: FrontendContext) -> DataPlane:
     if context.server.no_shm or not l1.is_memory:
         return DataPlane()
     arena = l1.arena
-    device, inode = segment_identity(arena.name)
+    device, inode = segment_identity(arena.name, arena.directory)
     return DataPlane(
-        arena.name, arena.segment_size, device, inode, arena.generation_offset, arena.generation_block
+        arena.name,
+        arena.segment_size,
+        device,
+        inode,
+        arena.generation_offset,
+        arena.generation_block,
+        # the default stays "", which every client reads as /dev/shm
+        "" if arena.directory == SHM_DIR else arena.directory,
     )
 
 
@@ -81,6 +89,7 @@ class NativeFrontend:
             "address": self.address,
             "protocol_version": p.PROTOCOL_VERSION,
             "shm_segment": self.data_plane.shm_name or None,
+            "shm_dir": (self.data_plane.shm_dir or SHM_DIR) if self.data_plane.shm_name else None,
             "auth_required": self._context.auth_token is not None,
             "draining": self.rpc.draining,
             **self._stats.snapshot(),
@@ -93,7 +102,7 @@ class NativeFrontend:
         auth = "auth token required" if self._context.auth_token else "no auth, loopback only"
         plane = self.data_plane
         if plane.shm_name:
-            data = f"shared memory /dev/shm/{plane.shm_name}"
+            data = f"shared memory {os.path.join(plane.shm_dir or SHM_DIR, plane.shm_name)}"
         elif not self._context.storage.l1.is_memory:
             data = "inline bytes (L1 is a file)"
         else:

@@ -111,6 +111,8 @@ class DataPlane:
     shm_inode: int = 0
     generation_offset: int = 0
     generation_block: int = 0
+    #: where the segment file is ("": /dev/shm)
+    shm_dir: str = ""
 
 
 class Handlers:
@@ -185,6 +187,7 @@ class Handlers:
             generation_offset=plane.generation_offset,
             generation_block=plane.generation_block,
             features=list(p.FEATURES),
+            shm_dir=plane.shm_dir,
         )
         logger.debug("client %s (pid %d) connected as %s", req.client_name or "?", req.pid, identity.hex())
         return reply, ()

@@ -10,11 +10,12 @@ says how to point a client here and what is supported.
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
-from lmcache_tiers.plugin import ConfigError, FrontendConfig, KindRegistry, hookimpl, is_loopback
+from lmcache_tiers.plugin import SHM_DIR, ConfigError, FrontendConfig, KindRegistry, hookimpl, is_loopback
 
 if TYPE_CHECKING:
     from lmcache_tiers.plugin import ServerConfig
@@ -91,8 +92,21 @@ class LMCacheMPConfig(FrontendConfig, kw_only=True, frozen=True, forbid_unknown_
                 else "L1 has no shared-memory segment (--no-shm or --gds-l1-path)"
             )
             raise ConfigError(f'{reason}, so chunks can only travel pickled: set "allow_pickle": true')
+        if self.shm and not no_segment and not _is_dev_shm(server.l1_shm_dir):
+            # Registration names the segment as a POSIX shared-memory name, which LMCache
+            # clients open with shm_open, i.e. in /dev/shm: elsewhere they cannot find it.
+            raise ConfigError(
+                f"the lmcache_mp front end offers the L1 segment by its POSIX shared-memory name, "
+                f"which LMCache clients open in /dev/shm, not in --shm-dir {server.l1_shm_dir}: "
+                'drop --shm-dir (remount /dev/shm with huge=always for huge pages), or set "shm": '
+                'false with "allow_pickle": true'
+            )
         if self.allow_pickle and importlib.util.find_spec("torch") is None:
             raise ConfigError('"allow_pickle" needs torch installed on the server (pip install torch)')
+
+
+def _is_dev_shm(directory: str) -> bool:
+    return os.path.realpath(directory) == os.path.realpath(SHM_DIR)
 
 
 @hookimpl

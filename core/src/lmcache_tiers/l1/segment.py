@@ -1,0 +1,250 @@
+"""The arena's segment file: its directory checked, created whole, on huge pages where the
+tmpfs holding it offers them, and pre-faulted.
+
+A client's first copy into a fresh mapping of the arena pays one page fault per page it
+touches.  With 4 KiB pages that is ~2 ms of CPU per 32 MiB (several times the memcpy);
+with 2 MiB pages it is 512 times fewer faults, and a fresh client's first store runs near
+memcpy speed (``bench/bench_workload.py --huge-tmpfs``).  tmpfs hands out huge pages per
+mount (``huge=always|within_size|advise``, ``advise`` only to mappings that ask with
+``madvise(MADV_HUGEPAGE)``) unless the system setting ``shmem_enabled`` says ``deny``
+(none) or ``force`` (all).  The arena takes them
+wherever they are offered: on such a mount the segment is rounded up to whole huge pages,
+and after pre-faulting the server reads its own ``/proc/self/smaps`` to say whether the
+kernel really mapped it with them (it falls back to 4 KiB pages when memory is too
+fragmented).  Nothing else changes with the page size: bytes, offsets, clients and
+their population of the mapping all work the same on either.
+
+The whole segment is reserved at start-up (``posix_fallocate``, or pre-faulting on an
+``advise`` mount, whose huge pages only a mapping can ask for), so a tmpfs too small for
+it is a one-line error here instead of a SIGBUS on some later write.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.tmpfs import (
+    HUGE_MODES,
+    huge_page_size,
+    is_tmpfs,
+    mount_of,
+    pmd_mapped_bytes,
+    shmem_override,
+)
+
+# Not exported by the mmap module before Python 3.13; the values are fixed by the Linux ABI.
+# Populating page tables in one madvise call is the cheapest way to pre-fault (kernel >= 5.14).
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+_PAGE = mmap.PAGESIZE
+
+
+@dataclass(frozen=True)
+class ArenaPages:
+    """How the arena's memory is paged: what the tmpfs offers and what the kernel gave."""
+
+    directory: str
+    #: ``huge=`` of the tmpfs holding the directory ("never" when none), or the system's
+    #: ``deny``/``force`` when it overrides every mount
+    offered: str
+    #: bytes of the server's mapping PMD-mapped after pre-faulting; None: not checked
+    #: (no pre-fault, or smaps unreadable)
+    huge_bytes: int | None
+    size: int
+    huge_page: int
+
+    @property
+    def huge(self) -> bool:
+        """True when (nearly) the whole arena is mapped with huge pages."""
+        return self.huge_bytes is not None and self.huge_bytes * 2 >= self.size
+
+    def hint(self) -> str | None:
+        """One line on how to get huge pages, when the arena is not on them."""
+        if self.huge:
+            return None
+        if self.offered == "deny":
+            return (
+                "huge pages are off for every tmpfs (shmem_enabled=deny); "
+                "set it to advise or never to let mounts choose"
+            )
+        if self.offered in HUGE_MODES or self.offered == "force":
+            if self.huge_bytes is None:
+                return "huge pages are offered but the mapping was not checked (no pre-fault)"
+            return (
+                f"the tmpfs offers huge pages (huge={self.offered}) but the kernel mapped 4 KiB "
+                "ones (memory too fragmented?); restarting once memory is free may help"
+            )
+        return (
+            f"for huge pages (a fresh client's first store near memcpy speed) mount a tmpfs with "
+            f"huge=always (mount -t tmpfs -o huge=always,size=<L1 size + 1G> tmpfs DIR) and pass "
+            f"--shm-dir DIR, or remount {self.directory} with huge=always"
+        )
+
+    def describe(self) -> str:
+        if self.huge:
+            return f"{self.huge_page >> 20} MiB huge pages (tmpfs huge={self.offered})"
+        return "4 KiB pages"
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "directory": self.directory,
+            "huge_pages": self.huge,
+            "tmpfs_huge": self.offered,
+            "huge_page_mapped_bytes": self.huge_bytes,
+            "hint": self.hint(),
+        }
+
+
+def check_directory(directory: str, flag: str = "--shm-dir") -> None:
+    """Raise ConfigError (one line) unless ``directory`` is an existing, writable
+    directory on a tmpfs given by an absolute path."""
+    if not os.path.isabs(directory):
+        raise ConfigError(f"{flag} {directory}: give an absolute path")
+    if not os.path.exists(directory):
+        raise ConfigError(f"{flag} {directory}: does not exist; create it (a tmpfs mount) first")
+    if not os.path.isdir(directory):
+        raise ConfigError(f"{flag} {directory}: is a file, not a directory")
+    try:
+        on_tmpfs = is_tmpfs(directory)
+    except OSError as exc:
+        raise ConfigError(f"{flag} {directory}: cannot open it: {exc.strerror}") from None
+    if not on_tmpfs:
+        raise ConfigError(
+            f"{flag} {directory}: not on a tmpfs; the L1 arena must be shared memory "
+            f"(mount -t tmpfs -o huge=always,size=... tmpfs {directory})"
+        )
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {directory}: not writable by this user (or mounted read-only)")
+
+
+def offered_huge(directory: str) -> str:
+    """What the tmpfs holding ``directory`` offers (see :attr:`ArenaPages.offered`)."""
+    override = shmem_override()
+    if override:
+        return override
+    mount = mount_of(directory)
+    return mount.huge if mount is not None and mount.fstype == "tmpfs" else "never"
+
+
+def file_bytes(size: int, directory: str) -> int:
+    """The size of the file a segment of ``size`` bytes takes in ``directory``: rounded up
+    to whole huge pages where the tmpfs offers them (a partial one would be 4 KiB pages)."""
+    offered = offered_huge(directory)
+    if offered in HUGE_MODES or offered == "force":
+        page = huge_page_size()
+        return -(-size // page) * page
+    return size
+
+
+def create_segment(path: str, size: int, directory: str, *, prefault: bool) -> tuple[mmap.mmap, ArenaPages]:
+    """Create the segment file ``path`` (``O_EXCL``) of at least ``size`` bytes, reserve
+    and map it, pre-fault it if asked; the caller unlinks ``path`` on failure only after
+    this returned.  The mapping's length is the file's (rounded up to whole huge pages on
+    a mount that offers them)."""
+    offered = offered_huge(directory)
+    size = file_bytes(size, directory)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except FileExistsError:
+        raise ConfigError(
+            f"shared-memory segment {path} already exists: another server uses this name, "
+            "or a crashed one left it behind (remove the file or pick another name)"
+        ) from None
+    try:
+        try:
+            segment = _reserve_and_map(fd, size, directory, advise=offered == "advise", prefault=prefault)
+        finally:
+            os.close(fd)  # the mapping keeps the memory; the name is what clients open
+    except BaseException:
+        os.unlink(path)
+        raise
+    huge_bytes = pmd_mapped_bytes(address_of(segment), size) if prefault else None
+    return segment, ArenaPages(directory, offered, huge_bytes, size, huge_page_size())
+
+
+def _reserve_and_map(fd: int, size: int, directory: str, *, advise: bool, prefault: bool) -> mmap.mmap:
+    if not advise:
+        # huge=always/within_size give huge pages to fallocate itself; the whole file is
+        # reserved before anything is mapped.
+        _fallocate(fd, size, directory)
+        segment = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        if prefault:
+            _prefault(segment, size, directory)
+        return segment
+    # huge=advise gives huge pages only to faults through a mapping that asked for them:
+    # map, ask, fault everything in, then reserve whatever pre-faulting did not.
+    _check_free(size, directory)
+    os.ftruncate(fd, size)
+    segment = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        segment.madvise(_MADV_HUGEPAGE)
+        if prefault:
+            _prefault(segment, size, directory)
+        _fallocate(fd, size, directory)
+    except BaseException:
+        segment.close()
+        raise
+    return segment
+
+
+def _no_room(size: int, directory: str) -> ConfigError:
+    info = os.statvfs(directory)
+    free = info.f_bavail * info.f_frsize
+    return ConfigError(
+        f"cannot place a {size / 2**30:.2f} GiB L1 segment in {directory} ({free / 2**30:.2f} GiB "
+        f"free): lower --l1-size-gb or enlarge {directory} (mount -o remount,size=...)"
+    )
+
+
+def _check_free(size: int, directory: str) -> None:
+    info = os.statvfs(directory)
+    if info.f_bavail * info.f_frsize < size:
+        raise _no_room(size, directory)
+
+
+def _fallocate(fd: int, size: int, directory: str) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise _no_room(size, directory) from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)
+
+
+def _prefault(segment: mmap.mmap, size: int, directory: str) -> None:
+    """Touch every page once so the first client write does not pay for page faults.
+
+    First touch costs roughly a second per GB on small VMs; paying it at start-up keeps it
+    out of request latency. MADV_POPULATE_WRITE faults the whole range in-kernel (EFAULT:
+    the tmpfs ran out of room); older kernels fall back to writing one byte per page.
+    """
+    try:
+        segment.madvise(_MADV_POPULATE_WRITE)
+        return
+    except OSError as exc:
+        if exc.errno == errno.EFAULT:
+            raise _no_room(size, directory) from None
+        if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise
+    view = memoryview(segment)
+    try:
+        for offset in range(0, size, _PAGE):
+            view[offset] = 0
+    finally:
+        view.release()
+
+
+def address_of(segment: mmap.mmap) -> int:
+    anchor = ctypes.c_char.from_buffer(segment)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor  # the ctypes object holds a buffer export that would block mmap.close()
