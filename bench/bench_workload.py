@@ -118,7 +118,13 @@ def memcpy_ms(sources: list[np.ndarray[Any, Any]], repeats: int = 9) -> float:
 
 
 def run_scenario(
-    scenario: str, shape: Shape, rounds: int, l2: str, transport: str, direct: bool = False
+    scenario: str,
+    shape: Shape,
+    rounds: int,
+    l2: str,
+    transport: str,
+    direct: bool = False,
+    timeline: list[dict[str, Any]] | None = None,
 ) -> ScenarioResult:
     with_l2 = scenario.startswith("l2")
     fresh = scenario.endswith("fresh")
@@ -172,6 +178,13 @@ def run_scenario(
                 finally:
                     if fresh:
                         client.close()
+                if timeline is not None:
+                    # CLOCK_MONOTONIC, as `perf record -k CLOCK_MONOTONIC` stamps its events
+                    marks = (began, connected, stored_at, looked_up, retrieved)
+                    timeline.append(
+                        {"scenario": scenario, "server_pid": proc.pid, "request": f"{round_index}-{request}"}
+                        | {name: (end, (end - start) * 1e3) for name, start, end in zip(OPERATIONS, marks, marks[1:])}
+                    )
                 if fresh:
                     samples["connect"].append((connected - began) * 1e3)
                 samples["store"].append((stored_at - connected) * 1e3)
@@ -202,9 +215,12 @@ def run(
     l2: str = "nixl",
     transport: str = "tcp",
     direct: bool = False,
+    timeline: list[dict[str, Any]] | None = None,
 ) -> list[ScenarioResult]:
-    """Every scenario in turn (each with a server of its own); the figures, for run_all."""
-    return [run_scenario(name, shape, rounds, l2, transport, direct) for name in scenarios]
+    """Every scenario in turn (each with a server of its own); the figures, for run_all.
+    ``timeline`` (when given) gets one entry per request: each operation's end on the
+    monotonic clock and its duration, to line slow requests up with a trace."""
+    return [run_scenario(name, shape, rounds, l2, transport, direct, timeline) for name in scenarios]
 
 
 def print_table(results: list[ScenarioResult]) -> None:
@@ -244,13 +260,22 @@ def main() -> None:
         "--direct", action="store_true", help="the L2 writes with O_DIRECT (use_direct_io / use_odirect)"
     )
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--timeline",
+        metavar="FILE",
+        help="write each request's operation end times (CLOCK_MONOTONIC) and durations as JSON lines",
+    )
     args = parser.parse_args()
     scenarios = [name for name in args.scenarios.split(",") if name]
     unknown = [name for name in scenarios if name not in SCENARIOS]
     if unknown:
         parser.error(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
     shape = Shape(args.requests, args.tokens, args.chunk_tokens, args.bytes_per_token)
-    results = run(scenarios, shape, args.rounds, args.l2, args.transport, args.direct)
+    timeline: list[dict[str, Any]] | None = [] if args.timeline else None
+    results = run(scenarios, shape, args.rounds, args.l2, args.transport, args.direct, timeline)
+    if args.timeline and timeline is not None:
+        with open(args.timeline, "w") as out:
+            out.writelines(json.dumps(entry) + "\n" for entry in timeline)
     if args.json:
         print(json.dumps([asdict(result) for result in results], indent=2))
     else:
