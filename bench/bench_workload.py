@@ -181,9 +181,10 @@ def run_scenario(
                 if timeline is not None:
                     # CLOCK_MONOTONIC, as `perf record -k CLOCK_MONOTONIC` stamps its events
                     marks = (began, connected, stored_at, looked_up, retrieved)
+                    spans = zip(OPERATIONS, marks, marks[1:], strict=False)
                     timeline.append(
                         {"scenario": scenario, "server_pid": proc.pid, "request": f"{round_index}-{request}"}
-                        | {name: (end, (end - start) * 1e3) for name, start, end in zip(OPERATIONS, marks, marks[1:])}
+                        | {name: (end, (end - start) * 1e3) for name, start, end in spans}
                     )
                 if fresh:
                     samples["connect"].append((connected - began) * 1e3)
