@@ -263,6 +263,25 @@ def stop_stall_probe(probe: subprocess.Popen[bytes], output: Path) -> list[float
     return list(json.loads(output.read_text())) if output.exists() else []
 
 
+def cpu_ticks() -> list[int]:
+    """The machine's CPU time so far by kind (user, nice, system, idle, iowait, irq, softirq,
+    steal, ...), in clock ticks: /proc/stat's first line; empty where there is none."""
+    try:
+        with open("/proc/stat") as stat:
+            return [int(field) for field in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return []
+
+
+def steal_share(before: list[int], after: list[int]) -> float | None:
+    """Share of the machine's CPU time the hypervisor gave to others (steal) between two
+    ``cpu_ticks``: a stall the VM causes shows up here, one we cause does not."""
+    if len(before) < 8 or len(after) < 8:
+        return None
+    total = sum(after[:8]) - sum(before[:8])
+    return (after[7] - before[7]) / total if total > 0 else 0.0
+
+
 def memcpy_ms(nbytes: int) -> float:
     """Best of several copies of ``nbytes`` between two pre-faulted buffers."""
     source = np.ones(nbytes, dtype=np.uint8)
@@ -329,6 +348,7 @@ def main() -> None:
     samples: dict[tuple[bool, str], dict[str, list[float]]] = {}
     floors_us: list[float] = []
     probe, probe_output = start_stall_probe(work)
+    ticks_before = cpu_ticks()
     stalls: list[float] = []
     try:
         for with_l2 in configs:
@@ -352,6 +372,7 @@ def main() -> None:
                     stop(proc)
     finally:
         stalls = stop_stall_probe(probe, probe_output)
+        steal = steal_share(ticks_before, cpu_ticks())
         shutil.rmtree(work, ignore_errors=True)
 
     copy_ms = memcpy_ms(request_bytes(args.shape_spec, args.tokens))
@@ -390,6 +411,8 @@ def main() -> None:
         # a process that only sleeps, next to the servers: how late the machine woke it
         "idle_process_longest_wakeup_delay_ms": max(stalls, default=0.0),
         "idle_process_stalls_over_3ms": sum(1 for delay in stalls if delay > STALL_MS),
+        # the hypervisor's share of the run (/proc/stat steal): stalls the VM causes
+        "steal_share": steal,
     }
     if "reference" in systems:
         summary["faster_on_every_figure"] = all(row["faster"] for row in table)
@@ -431,6 +454,11 @@ def main() -> None:
         f"({summary['idle_process_stalls_over_3ms']} wake-ups over {STALL_MS:g} ms late); "
         "a request caught in such a stall waits as long"
     )
+    if steal is not None:
+        print(
+            f"steal time during the run (CPU the hypervisor gave to other guests): {steal:.2%}"
+            " -- a stall the VM causes shows here, one this machine's own work causes does not"
+        )
     if lookup_p99 is not None:
         verdict = "met" if summary["lookup_p99_target_met"] else "NOT met"
         print(

@@ -139,6 +139,7 @@ def run_scenario(
     transport: str,
     direct: bool = False,
     shm_dir: str | None = None,
+    timeline: list[dict[str, Any]] | None = None,
 ) -> ScenarioResult:
     with_l2 = scenario.startswith("l2")
     fresh = scenario.endswith("fresh")
@@ -195,6 +196,14 @@ def run_scenario(
                 finally:
                     if fresh:
                         client.close()
+                if timeline is not None:
+                    # CLOCK_MONOTONIC, as `perf record -k CLOCK_MONOTONIC` stamps its events
+                    marks = (began, connected, stored_at, looked_up, retrieved)
+                    spans = zip(OPERATIONS, marks, marks[1:], strict=False)
+                    timeline.append(
+                        {"scenario": scenario, "server_pid": proc.pid, "request": f"{round_index}-{request}"}
+                        | {name: (end, (end - start) * 1e3) for name, start, end in spans}
+                    )
                 if fresh:
                     samples["connect"].append((connected - began) * 1e3)
                 samples["store"].append((stored_at - connected) * 1e3)
@@ -246,11 +255,14 @@ def run(
     transport: str = "tcp",
     direct: bool = False,
     shm_dirs: tuple[str | None, ...] = (None,),
+    timeline: list[dict[str, Any]] | None = None,
 ) -> list[ScenarioResult]:
     """Every scenario in turn (each with a server of its own), once per arena directory
-    (None: the default, /dev/shm); the figures, for run_all."""
+    (None: the default, /dev/shm); the figures, for run_all.  ``timeline`` (when given)
+    gets one entry per request: each operation's end on the monotonic clock and its
+    duration, to line slow requests up with a trace."""
     return [
-        run_scenario(name, shape, rounds, l2, transport, direct, shm_dir)
+        run_scenario(name, shape, rounds, l2, transport, direct, shm_dir, timeline)
         for name in scenarios
         for shm_dir in shm_dirs
     ]
@@ -301,19 +313,28 @@ def main() -> None:
         help="mount a huge=always tmpfs for the run (root) and run each scenario on /dev/shm and on it",
     )
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--timeline",
+        metavar="FILE",
+        help="write each request's operation end times (CLOCK_MONOTONIC) and durations as JSON lines",
+    )
     args = parser.parse_args()
     scenarios = [name for name in args.scenarios.split(",") if name]
     unknown = [name for name in scenarios if name not in SCENARIOS]
     if unknown:
         parser.error(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
     shape = Shape(args.requests, args.tokens, args.chunk_tokens, args.bytes_per_token)
+    timeline: list[dict[str, Any]] | None = [] if args.timeline else None
     with contextlib.ExitStack() as stack:
         shm_dirs: tuple[str | None, ...] = (args.shm_dir,)
         if args.huge_tmpfs:
             # room for the largest L1 a scenario asks for (L2 runs keep every round)
             need = (args.rounds + 1) * shape.requests * shape.request_bytes / 2**30
             shm_dirs = (None, stack.enter_context(huge_tmpfs(max(1.0, need) + 0.25)))
-        results = run(scenarios, shape, args.rounds, args.l2, args.transport, args.direct, shm_dirs)
+        results = run(scenarios, shape, args.rounds, args.l2, args.transport, args.direct, shm_dirs, timeline)
+    if args.timeline and timeline is not None:
+        with open(args.timeline, "w") as out:
+            out.writelines(json.dumps(entry) + "\n" for entry in timeline)
     if args.json:
         print(json.dumps([asdict(result) for result in results], indent=2))
     else:

@@ -18,7 +18,10 @@ What each kind of plugin needs:
   for payloads read in pieces), loads verified as the bytes move ``read_record_file``,
   ``copy_verified`` (and ``copy_and_checksum`` for stores, ``VERIFY_PIECE``),
   ``header_length``, ``PREFIX_SIZE``; backends copying bytes ``copy_into``, and moving a
-  batch's objects on a few threads ``BatchWorkers``; slot and extent stores
+  batch's objects on a few threads ``BatchWorkers``; store work: a long copy or checksum
+  that releases the GIL inside ``with WRITE_BACK.copying():`` (idle-class while write-back
+  keeps up), a thread of the backend's own joining the write-back threads with
+  ``WRITE_BACK.enter()``; slot and extent stores
   ``ExtentAllocator``, and reader counts per slot ``SlotReaders``; a warning logged once
   per burst ``BurstLog``;
 * policies: ``StorePolicy``, ``PrefetchPolicy``, ``EvictionPolicy``, ``AdapterInfo``,
@@ -91,6 +94,7 @@ if TYPE_CHECKING:
     from lmcache_tiers.burst import BurstLog
     from lmcache_tiers.l1.allocator import ExtentAllocator
     from lmcache_tiers.l1.loan import L1Loan
+    from lmcache_tiers.l2.background import WRITE_BACK
     from lmcache_tiers.l2.buffers import GIL_FREE_COPY_BYTES, copy_into
     from lmcache_tiers.l2.circuit import PROBE_KEY
     from lmcache_tiers.l2.context import BackendContext
@@ -175,6 +179,7 @@ _LAZY = {
     "BackendContext": "lmcache_tiers.l2.context",
     "SlotReaders": "lmcache_tiers.l2.readers",
     "BatchWorkers": "lmcache_tiers.l2.workers",
+    "WRITE_BACK": "lmcache_tiers.l2.background",
     "BurstLog": "lmcache_tiers.burst",
     "copy_into": "lmcache_tiers.l2.buffers",
     "PROBE_KEY": "lmcache_tiers.l2.circuit",
@@ -273,6 +278,7 @@ __all__ = [
     "SHM_DIR",
     "STORES_EVERYWHERE",
     "VERIFY_PIECE",
+    "WRITE_BACK",
     "AdapterInfo",
     "AsyncL2Backend",
     "BackendContext",

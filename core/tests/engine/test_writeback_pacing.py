@@ -18,7 +18,7 @@ from engine_support import GatedConfig, gated_backend, keys_of, store
 from lmcache_tiers.activity import DATA_PLANE
 from lmcache_tiers.config import AdapterSpec
 from lmcache_tiers.controllers import store_pacing
-from lmcache_tiers.l2.background import WRITE_BACK
+from lmcache_tiers.l2.background import WRITE_BACK, get_ioprio, ioprio_value
 from lmcache_tiers.storage import StorageManager
 
 SIZE = 32 * 1024
@@ -210,15 +210,31 @@ def test_a_flush_hurries_idle_write_back_threads_until_they_are_done(engine) -> 
     # starved -- its thread waits asleep, not for a core: still idle.
     time.sleep(2 * store_pacing.STARVE_WINDOW_S + 0.05)
     assert not WRITE_BACK.hurried
-    assert os.SCHED_IDLE in {os.sched_getscheduler(tid) for tid in stores}
+    assert {get_ioprio(tid) for tid in stores} == {ioprio_value(idle=True)}
     flushed: list[bool] = []
     flusher = threading.Thread(target=lambda: flushed.append(storage.flush(10)))
     flusher.start()
     try:
         assert wait_for(lambda: WRITE_BACK.hurried)
+        assert {get_ioprio(tid) for tid in stores} == {ioprio_value(idle=False)}
         assert os.SCHED_IDLE not in {os.sched_getscheduler(tid) for tid in stores}
     finally:
         backend.store_gate.set()
         flusher.join(20)
     assert flushed == [True]
     assert wait_for(lambda: not WRITE_BACK.hurried)
+
+
+@pytest.mark.parametrize(
+    ("ran", "waited", "starved"),
+    [
+        (0.165, 0.087, False),  # idle beside requests: waits a third, runs two thirds of a core
+        (0.060, 0.190, False),  # waits most of the window, still more than nice 10's share
+        (0.005, 0.240, True),  # every core busy elsewhere: next to nothing
+        (0.001, 0.010, False),  # asleep on I/O: neither runs nor waits for a core
+    ],
+)
+def test_write_back_threads_are_starved_only_when_idle_gives_less_than_nice_10(
+    ran: float, waited: float, starved: bool
+) -> None:
+    assert store_pacing.starved(ran, waited, store_pacing.STARVE_WINDOW_S) is starved

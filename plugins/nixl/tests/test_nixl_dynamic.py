@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import zlib
 
 import pytest
@@ -12,6 +13,7 @@ from nixl_helpers import Arena, client, dynamic_config, lru_eviction_controller,
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import verified
+from lmcache_tiers.l2.background import WRITE_BACK, WRITE_BACK_NICE, get_ioprio, ioprio_value
 from lmcache_tiers.l2.files.layout import TEMP_PREFIX, TEMP_SUFFIX
 from lmcache_tiers.l2.record import RECORD_MAGIC
 from lmcache_tiers.serde import SerdeContext
@@ -409,5 +411,27 @@ def test_loads_read_in_pieces_verify_every_piece(monkeypatch: pytest.MonkeyPatch
             assert contents[0] == data[0] and contents[2] == data[2]
             adapter.unlock(keys)
             assert adapter.stats()["corrupt_records_removed"] == 1
+        finally:
+            adapter.close()
+
+
+def test_store_checksums_run_at_the_write_back_threads_priority() -> None:
+    """The checksum thread of stores is write-back work: it runs at the write-back threads'
+    priority (nice 10, idle I/O class while write-back keeps up), whichever thread started it."""
+    arena = Arena()
+    keys = make_keys(2)
+    data = [pattern(1, SIZE), pattern(2, SIZE)]
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root), arena.view)
+        try:
+            assert store(adapter, arena, keys, data) == [True, True]
+            helpers = [t.native_id for t in threading.enumerate() if t.name.startswith("nixl-store-checksum")]
+            assert helpers
+            for tid in helpers:
+                assert tid is not None
+                if WRITE_BACK.uses_idle and not WRITE_BACK.hurried:
+                    assert get_ioprio(tid) == ioprio_value(idle=True)
+                assert os.sched_getscheduler(tid) == os.SCHED_OTHER  # idle-class only inside copies
+                assert os.getpriority(os.PRIO_PROCESS, tid) == max(os.nice(0), WRITE_BACK_NICE)
         finally:
             adapter.close()

@@ -9,7 +9,8 @@ stored keys from L1 (``skip_l1``).
 Write-back must not starve the data plane: the adapters' store threads run at the idle
 CPU and I/O priority while write-back keeps up, at nice 10 while this controller finds it
 behind -- a flush waits, the controller stops, L1 is short of room, or the store threads
-wait for a core most of the time (:mod:`lmcache_tiers.l2.background`) -- and while this
+wait for a core most of the time and get less of one than nice 10 would give them
+(:mod:`lmcache_tiers.l2.background`) -- and while this
 controller runs the interpreter hands the GIL over every ``GIL_SWITCH_S`` (CPython's default is 5 ms), so a
 request arriving while a store thread runs Python waits for the GIL a fraction of a
 millisecond rather than up to 5 ms, which is what the p99 of lookups and stores under
@@ -41,10 +42,10 @@ from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.controllers.store_pacing import (
     STALLED_S,
     STARVE_WINDOW_S,
-    STARVED_SHARE,
     Slice,
     WriteBackPacer,
     slices_of,
+    starved,
 )
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager, L1Object
@@ -103,7 +104,7 @@ class StoreController(ControllerThread):
         self._step_in: float | None = None
         self._threads = threads  # the write-back threads' priority, raised while behind
         self._starved = False  # the threads were short of CPU; until no task is left
-        self._window: tuple[float, float | None] | None = None  # (start, run-queue wait then)
+        self._window: tuple[float, tuple[float, float] | None] | None = None  # (start, cpu_s then)
         # touched by the controller thread only
         self._tasks = TaskTracker[_Task, list[bool]](
             L2Op.STORE, lambda adapter: adapter.pop_completed_stores(), stats
@@ -206,19 +207,19 @@ class StoreController(ControllerThread):
     def _starving(self, now: float) -> bool:
         window = self._window
         if window is None:
-            self._window = (now, self._threads.runqueue_wait_s())
+            self._window = (now, self._threads.cpu_s())
             self._look_again(STARVE_WINDOW_S)
             return False
-        began, waited = window
+        began, before = window
         if now - began < STARVE_WINDOW_S:
             self._look_again(began + STARVE_WINDOW_S - now)
             return False
-        waiting = self._threads.runqueue_wait_s()
-        self._window = (now, waiting)
+        after = self._threads.cpu_s()
+        self._window = (now, after)
         self._look_again(STARVE_WINDOW_S)
-        if waited is None or waiting is None:  # no run-queue figures: a task's age decides
+        if before is None or after is None:  # no run-queue figures: a task's age decides
             return min(task.submitted for task in self._tasks.owners()) + STALLED_S <= now
-        return waiting - waited > STARVED_SHARE * (now - began)
+        return starved(after[0] - before[0], after[1] - before[1], now - began)
 
     def _look_again(self, seconds: float) -> None:
         self._step_in = seconds if self._step_in is None else min(self._step_in, seconds)

@@ -49,13 +49,23 @@ LOSS_COOLDOWN_S = 1.0
 PRESSURE_FRACTION = 0.5
 #: how often a deferring controller looks again while client work is in progress
 RECHECK_S = 0.002
-#: write-back threads waiting for a core more than this share of a ``STARVE_WINDOW_S`` are
-#: starved: they leave their idle priority until no store task is left (l2/background.py)
+#: write-back threads that waited for a core more than ``STARVED_SHARE`` of a
+#: ``STARVE_WINDOW_S`` and ran less than ``STARVED_RUN_SHARE`` of it are starved: they leave
+#: their idle priority until no store task is left (l2/background.py).  Less than a tenth of
+#: a core is less than nice 10 gets while every core is busy; an idle-class thread that gets
+#: more is better off idle (waiting for a core is what idle threads do beside requests).
 STARVED_SHARE = 0.5
+STARVED_RUN_SHARE = 0.1
 STARVE_WINDOW_S = 0.25
 #: where the kernel does not report run-queue waits: a store task running this long counts
 #: as starved
 STALLED_S = 2.0
+
+
+def starved(ran_s: float, waited_s: float, window_s: float) -> bool:
+    """Whether write-back threads that ran ``ran_s`` and waited for a core ``waited_s`` (summed
+    over the threads) in a window of ``window_s`` seconds were short of CPU."""
+    return waited_s > STARVED_SHARE * window_s and ran_s < STARVED_RUN_SHARE * window_s
 
 
 @dataclass(eq=False)

@@ -4,15 +4,28 @@ when it falls behind.
 Write-back competes with client requests for the same cores.  At nice 10 a store thread
 still ran 5 ms stretches on a core while a request thread that had just woken up waited
 for it (``perf sched``), which was most of the p99 of stores and lookups under write-back.
-A thread under ``SCHED_IDLE`` is preempted at once when a normal thread wakes on its core,
-so it only runs on cores nothing else wants; its I/O goes in the idle I/O class for the
-same reason.
+Under ``SCHED_OTHER`` a woken thread preempts the running one only once that one used up
+its slice, which the kernel notices at the next tick (4 ms at ``HZ=250``): a request thread
+or a client woken on the store thread's core waited that long while the other core sat
+idle.  A thread under ``SCHED_IDLE`` is preempted at once when a normal thread wakes on
+its core, so it only runs on cores nothing else wants; its I/O goes in the idle I/O class
+for the same reason.
+
+But an idle-class thread that holds the GIL is preempted just as readily, and then the
+request threads wait for the GIL until nothing else wants its core (``perf sched``: a
+server request thread woke every 0.5 ms to ask for the GIL, with its own core idle, for
+3 ms while another process ran on the store thread's).  So a write-back thread is idle-class
+only inside :meth:`BackgroundThreads.copying` -- around the long calls that release the GIL
+(the copies into files, checksums) -- and runs its Python between them at nice 10, where it
+keeps its core for the little while it holds the GIL and gives the GIL up within the switch
+interval.
 
 An idle thread can starve while every core is busy.  The store controller reports when
 write-back falls behind (:meth:`BackgroundThreads.hurry`: a flush waits, the server
-stops, L1 is short of room, or the threads spent most of a window runnable but not running,
-as :meth:`BackgroundThreads.runqueue_wait_s` tells) and the threads run at nice 10 (and
-best-effort I/O) until it catches up: slowed, never starved, as before.
+stops, L1 is short of room, or the threads spent most of a window runnable but got less
+of a core than nice 10 would give them, as :meth:`BackgroundThreads.cpu_s` tells) and the
+threads run at nice 10 (and best-effort I/O), copies included, until it catches up: slowed,
+never starved.  Nice 10 costs the requests more than idle does, so it is kept for real need.
 
 Each step is a request to the OS that may be refused (containers, unprivileged users,
 other kernels); a refusal is logged once per process and the threads stay at nice 10,
@@ -29,7 +42,8 @@ import logging
 import os
 import resource
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 __all__ = ["WRITE_BACK", "WRITE_BACK_NICE", "BackgroundThreads"]
 
@@ -95,13 +109,14 @@ class BackgroundThreads:
         self._use_idle = (supported and may_leave_idle()) if use_idle is None else use_idle
         self._lock = threading.Lock()
         self._tids: set[int] = set()
+        self._copying: set[int] = set()  # threads inside ``copying``: idle-class unless hurried
         self._hurried = False
         self._behind: set[int] = set()  # ids of the reporters that find write-back behind
         self._refused: set[str] = set()  # what the OS refused once: logged, not retried
 
     @property
     def uses_idle(self) -> bool:
-        """Whether the threads go idle-class while write-back keeps up."""
+        """Whether the threads' copies run idle-class while write-back keeps up."""
         return self._use_idle and "idle" not in self._refused
 
     @property
@@ -113,7 +128,30 @@ class BackgroundThreads:
         tid = threading.get_native_id()
         with self._lock:
             self._tids.add(tid)
-            self._apply(tid, idle=not self._hurried)
+            self._apply(tid, calm=not self._hurried)
+
+    @contextmanager
+    def copying(self) -> Iterator[None]:
+        """The calling write-back thread runs idle-class inside the block while write-back
+        keeps up: wrap calls that release the GIL for long (a copy, a checksum), not Python
+        work.  A no-op on other threads, while hurried and where idle is not used."""
+        tid = threading.get_native_id()
+        with self._lock:
+            idle = tid in self._tids and tid not in self._copying and not self._hurried and self.uses_idle
+            if idle:
+                self._copying.add(tid)
+                self._set_cpu(tid, idle=True)
+        if idle:
+            # Going idle-class does not by itself hand the core to a thread that woke while
+            # this one ran at nice 10 (it would wait for the next tick): yield it.
+            os.sched_yield()
+        try:
+            yield
+        finally:
+            if idle:
+                with self._lock:
+                    self._copying.discard(tid)
+                    self._set_cpu(tid, idle=False)
 
     def leave(self) -> None:
         """The calling thread ends: forget it (its priority dies with it)."""
@@ -125,21 +163,23 @@ class BackgroundThreads:
         with self._lock:
             self._tids.difference_update(tids)
 
-    def runqueue_wait_s(self) -> float | None:
-        """Seconds the write-back threads have spent runnable but not running, summed over
-        their lives (``schedstat``); None where the kernel does not say."""
+    def cpu_s(self) -> tuple[float, float] | None:
+        """(seconds run on a core, seconds runnable but not running) of the write-back
+        threads, summed over their lives (``schedstat``); None where the kernel does not say."""
         with self._lock:
             tids = list(self._tids)
-        total = 0
+        ran = waited = 0
         for tid in tids:
             try:
                 with open(f"/proc/self/task/{tid}/schedstat") as stat:
-                    total += int(stat.read().split()[1])
+                    fields = stat.read().split()
+                ran += int(fields[0])
+                waited += int(fields[1])
             except FileNotFoundError:
                 continue  # the thread just ended
             except (OSError, ValueError, IndexError):
                 return None
-        return total / 1e9
+        return ran / 1e9, waited / 1e9
 
     def hurry(self, behind: bool, reporter: object = None) -> None:
         """``reporter`` (a store controller) finds write-back behind (True: every thread at
@@ -154,21 +194,32 @@ class BackgroundThreads:
                 return
             self._hurried = hurried
             for tid in list(self._tids):
-                self._apply(tid, idle=not hurried)
-        log.debug("write-back threads %s", f"behind: at nice {WRITE_BACK_NICE}" if hurried else "idle")
+                self._apply(tid, calm=not hurried)
+        log.debug(
+            "write-back threads %s", f"behind: at nice {WRITE_BACK_NICE}" if hurried else "idle while copying"
+        )
 
     # -- the OS requests ----------------------------------------------------------------
 
-    def _apply(self, tid: int, *, idle: bool) -> None:
+    def _apply(self, tid: int, *, calm: bool) -> None:
+        """``calm``: write-back keeps up (idle I/O class, idle CPU class inside copies)."""
+        self._set_cpu(tid, idle=calm and tid in self._copying)
         try:
-            if idle and self._use_idle and "idle" not in self._refused:
-                self._request("idle", lambda: os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0)))
-            elif self._use_idle and "idle" not in self._refused:
-                self._request("other", lambda: os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0)))
             self._request("nice", lambda: os.setpriority(os.PRIO_PROCESS, tid, WRITE_BACK_NICE))
-            self._request("ioprio", lambda: _set_ioprio(tid, idle and self._use_idle))
+            self._request("ioprio", lambda: _set_ioprio(tid, calm and self._use_idle))
         except ProcessLookupError:
             self._tids.discard(tid)  # the thread ended without leaving
+
+    def _set_cpu(self, tid: int, *, idle: bool) -> None:
+        if not self._use_idle or "idle" in self._refused:
+            return
+        try:
+            if idle:
+                self._request("idle", lambda: os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0)))
+            else:
+                self._request("other", lambda: os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0)))
+        except ProcessLookupError:
+            self._tids.discard(tid)
 
     def _request(self, what: str, request: object) -> None:
         if what in self._refused:

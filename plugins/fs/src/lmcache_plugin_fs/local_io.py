@@ -30,6 +30,7 @@ import numpy as np
 
 from lmcache_tiers.plugin import (
     RECORD_ALIGN,
+    WRITE_BACK,
     BackendContext,
     BatchWorkers,
     FileIdentity,
@@ -168,11 +169,13 @@ class LocalRecords:
         try:
             fd, path = self.files.create_temp(key, _DIRECT if direct else 0)
             whole = payload.nbytes - payload.nbytes % RECORD_ALIGN if direct else payload.nbytes
-            _pwrite_all(fd, payload[:whole], header_len)
-            if direct:
-                _set_direct(fd, False)  # the tail and the header go through the page cache
-                _pwrite_all(fd, payload[whole:], header_len + whole)
-            encoded = self._encode_header(key, payload)
+            # The copy and the checksum release the GIL: idle-class (l2/background.py)
+            with WRITE_BACK.copying():
+                _pwrite_all(fd, payload[:whole], header_len)
+                if direct:
+                    _set_direct(fd, False)  # the tail and the header go through the page cache
+                    _pwrite_all(fd, payload[whole:], header_len + whole)
+                encoded = self._encode_header(key, payload)
             if len(encoded) != header_len:
                 self.context.count("record_header_too_long")
                 log.warning(

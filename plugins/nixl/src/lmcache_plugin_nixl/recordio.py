@@ -47,6 +47,7 @@ from lmcache_plugin_nixl.plainreads import PlainReads
 from lmcache_plugin_nixl.runtime import NixlRuntime, Registration
 from lmcache_plugin_nixl.transfers import BatchTransfer, Locator, StorageRow
 from lmcache_tiers.plugin import (
+    WRITE_BACK,
     BackendContext,
     FileIdentity,
     HeaderSizes,
@@ -219,13 +220,28 @@ class RecordFiles:
         self._can_reserve = True
         # Checksums of one batch run on one helper thread, overlapping that batch's I/O.
         # Two threads so that a load's verifier, which lives as long as its batch, never
-        # makes a concurrent store (or load) wait for its own checksum thread.
+        # makes a concurrent load wait for its own checksum thread.
         self._helper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nixl-checksum")
+        # A store's checksums are write-back work and take the write-back threads' priority
+        # (l2/background.py).  They get a thread of their own: a pool thread inherits the
+        # priority of the thread that started it, so a shared one started by an idle-class
+        # store thread stayed idle-class for good -- for the loads it verified later too,
+        # and while write-back was hurried the store waited on a checksum thread still idle.
+        self._store_helper = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="nixl-store-checksum", initializer=self._join_write_back
+        )
+        self._store_helper_tids: list[int] = []
         # Buffered loads on the POSIX backend: preadv, checksummed piece by piece.
         self._plain = PlainReads(context, files, self.header_length) if plain_reads else None
 
+    def _join_write_back(self) -> None:
+        self._store_helper_tids.append(threading.get_native_id())
+        WRITE_BACK.enter()
+
     def close(self) -> None:
         self._helper.shutdown(wait=True)
+        self._store_helper.shutdown(wait=True)
+        WRITE_BACK.forget(self._store_helper_tids)
         if self._plain is not None:
             self._plain.close()
 
@@ -271,13 +287,13 @@ class RecordFiles:
             # The header needs the payload's checksum, the payload's place does not (the
             # header's length is fixed by key and serde chain): checksums are computed on
             # the helper thread while NIXL moves the payloads, and headers go last.
-            headers = self._helper.submit(
-                lambda: [self._encode(keys[item.index], payloads[item.index]) for item in pending]
-            )
+            headers = self._store_helper.submit(self._encode_all, keys, payloads, pending)
             try:
-                moved = self._transfer.run(
-                    "WRITE", [payloads[item.index] for item in pending], _places(pending), self._register
-                )
+                # NIXL's copy into the files releases the GIL: idle-class (l2/background.py)
+                with WRITE_BACK.copying():
+                    moved = self._transfer.run(
+                        "WRITE", [payloads[item.index] for item in pending], _places(pending), self._register
+                    )
             finally:
                 encoded = headers.result()
             complete = [
@@ -308,6 +324,12 @@ class RecordFiles:
                 view[:] = header
             items = [item for item, _header in complete]
             return self._transfer.run("WRITE", views, _header_places(items), self._register)
+
+    def _encode_all(
+        self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview], pending: list[_Pending]
+    ) -> list[bytes | None]:
+        with WRITE_BACK.copying():  # mostly checksums, which release the GIL
+            return [self._encode(keys[item.index], payloads[item.index]) for item in pending]
 
     def _encode(self, key: ObjectKey, payload: memoryview) -> bytes | None:
         try:
