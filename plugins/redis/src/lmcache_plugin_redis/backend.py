@@ -4,8 +4,12 @@ Why a hash: one ``HSET key h <header> p <payload>`` writes header and payload as
 separate buffers in one atomic command -- nothing is concatenated in memory, and a reader
 (another server too) sees the old object or the new one, never half of either.  ``HGET h``
 answers a lookup from the header alone (sizes, key, serde chain, all verified by its crc);
-``HMGET h p`` loads, and the payload is checked against the header's checksum before a
-byte reaches the caller's buffer, whose size is checked first.
+``HMGET h p`` loads: the header is checked, and the payload's length against the caller's
+buffer, before the payload is read; the object is reported loaded only once every byte
+matched the header's checksum.  On a standalone store lookups and loads read their replies
+themselves (direct.py, replies.py): the payload goes from the socket into the caller's
+buffer, hashed piece by piece as it lands.  In cluster mode they go through redis-py's
+cluster pipeline, which follows slot moves, and a load copies the verified reply.
 
 Why plain methods on worker threads (not ``redis.asyncio``): on 256 x 1 MiB the sync client
 with pipelines stored and loaded ~1.5-2x faster than the asyncio client on this project's
@@ -13,7 +17,8 @@ with pipelines stored and loaded ~1.5-2x faster than the asyncio client on this 
 competes with the server for the cores); see docs/adapters/redis.md.
 
 Batches go out as pipelines of at most ``pipeline_max_bytes`` of payload, so a large load
-holds a bounded number of reply buffers at once.  A connection error or timeout fails the
+holds a bounded number of replies at once (in the store's output buffer, or in reply
+buffers here in cluster mode).  A connection error or timeout fails the
 whole call (an exception: core counts it and the circuit breaker sees it); a per-object
 error reply (WRONGTYPE for a foreign key, OOM from a full store) fails that object only,
 counted and logged.
