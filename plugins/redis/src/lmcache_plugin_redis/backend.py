@@ -30,7 +30,7 @@ import functools
 import logging
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from redis import Redis, RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -294,7 +294,9 @@ class RedisBackend:
                     problems.append((keys[index], outcome))
         return loaded, problems
 
-    def _receive(self, reader: ReplyReader, key: ObjectKey, buffer: memoryview) -> Problem | bool | None:
+    def _receive(
+        self, reader: ReplyReader, key: ObjectKey, buffer: memoryview
+    ) -> Problem | Literal[True] | None:
         """One HMGET reply: True when ``buffer`` holds the verified payload, None for a
         plain miss, else what is wrong with the object (acted on by the caller)."""
         fields = reader.array_length()

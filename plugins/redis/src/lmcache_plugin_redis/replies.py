@@ -124,7 +124,7 @@ class ReplyReader:
     def _crlf(self) -> None:
         while self._end - self._start < 2:
             self._fill()
-        if self._view[self._start : self._start + 2] != b"\r\n":
+        if not self._scratch.startswith(b"\r\n", self._start):
             raise InvalidResponse("a bulk string does not end with CRLF")
         self._start += 2
 
