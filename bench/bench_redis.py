@@ -19,7 +19,8 @@ task -- ``load`` after an untimed lookup (an engine looks a chunk up when it sch
 request and loads it later), ``lookup+load`` both timed (what fetching one chunk costs
 end to end; redis-py's single ``GET`` needs no lookup, the adapter's contract pins and
 sizes a chunk first, so this row is the adapter's worst case).  Rounds interleave the two
-methods; throughput is the median of ``--repeat`` rounds, latency percentiles are over
+methods, and latencies interleave them object by object (a busy machine's drift hits both
+alike); throughput is the median of ``--repeat`` rounds, latency percentiles are over
 every object of every round, each printed next to redis-py's and with the ratio of
 redis-py's latency to the adapter's (>= 0.8 is the target; throughput ratios are medians
 of per-round ratios, which cancels most of a shared machine's drift).
@@ -151,24 +152,31 @@ def timed(step: Callable[[range], None], count: int, batch: int) -> float:
     return time.perf_counter() - started
 
 
-def latencies(step: Callable[[int], None], count: int) -> list[float]:
-    out = []
-    for index in range(count):
-        started = time.perf_counter()
-        step(index)
-        out.append(time.perf_counter() - started)
-    return out
+def elapsed(step: Callable[..., object], *args: object) -> float:
+    started = time.perf_counter()
+    step(*args)
+    return time.perf_counter() - started
 
 
-def load_latencies(method: ThroughAdapter, count: int) -> list[float]:
-    """Loads of objects already looked up (the lookups untimed)."""
-    out = []
+def one_at_a_time(
+    direct: Direct, through: ThroughAdapter, count: int, rounds: dict[str, dict[str, list[float]]]
+) -> None:
+    """Per-object latencies, the two methods interleaved object by object (who goes first
+    alternates) so that a shared machine's drift hits both alike."""
     for index in range(count):
-        load = method.load_one_looked_up(index)
-        started = time.perf_counter()
-        load()
-        out.append(time.perf_counter() - started)
-    return out
+        stores = [("redis-py", direct.store_one), ("adapter", through.store_one)]
+        for name, store in stores if index % 2 else stores[::-1]:
+            rounds[name]["store_lat"].append(elapsed(store, index))
+    ours, theirs = rounds["adapter"], rounds["redis-py"]
+    for index in range(count):
+        if index % 2:
+            get = elapsed(direct.load_one, index)
+        ours["fetch_lat"].append(elapsed(through.load_one, index))
+        ours["load_lat"].append(elapsed(through.load_one_looked_up(index)))
+        if not index % 2:
+            get = elapsed(direct.load_one, index)
+        theirs["fetch_lat"].append(get)
+        theirs["load_lat"].append(get)  # a GET is redis-py's load and its whole fetch
 
 
 def run(objects: int, size: int, batch: int, repeat: int) -> dict[str, dict[str, float]]:
@@ -196,19 +204,20 @@ def run(objects: int, size: int, batch: int, repeat: int) -> dict[str, dict[str,
                 name: {"store": [], "load": [], "store_lat": [], "load_lat": [], "fetch_lat": []}
                 for name in methods
             }
+            direct, through = methods["redis-py"], methods["adapter"]
+            assert isinstance(direct, Direct) and isinstance(through, ThroughAdapter)
             for _ in range(repeat):
                 for name, method in methods.items():
                     rounds[name]["store"].append(objects * size / timed(method.store, objects, batch) / 1e9)
                     np.frombuffer(dest, dtype=np.uint8)[:] = 0  # a load must write every byte
                     rounds[name]["load"].append(objects * size / timed(method.load, objects, batch) / 1e9)
                     assert bytes(dest) == bytes(source), f"{name} loaded other bytes"
-                    rounds[name]["store_lat"].extend(latencies(method.store_one, objects))
-                    rounds[name]["fetch_lat"].extend(latencies(method.load_one, objects))
-                    if isinstance(method, ThroughAdapter):
-                        rounds[name]["load_lat"].extend(load_latencies(method, objects))
-                    else:  # a GET is redis-py's load and its whole fetch
-                        rounds[name]["load_lat"] = rounds[name]["fetch_lat"]
-                    assert bytes(dest) == bytes(source), f"{name} loaded other bytes one at a time"
+                one_at_a_time(direct, through, objects, rounds)
+                np.frombuffer(dest, dtype=np.uint8)[:] = 0
+                for index in range(objects):  # the last object-at-a-time pass was the adapter's
+                    through.load_one_looked_up(index)()
+                assert bytes(dest) == bytes(source), "the adapter loaded other bytes one at a time"
+                for method in methods.values():
                     method.clear()
             adapter.close()
         finally:

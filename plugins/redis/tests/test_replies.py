@@ -12,8 +12,8 @@ import pytest
 import xxhash
 from lmcache_plugin_redis.direct import pack_command
 from lmcache_plugin_redis.replies import MAX_LINE, SCRATCH_SIZE, ReplyReader
+from redis.exceptions import BusyLoadingError, InvalidResponse, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import InvalidResponse, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 PAYLOAD = bytes(range(256)) * ((3 * SCRATCH_SIZE) // 256 + 7)  # spans several scratch fills
@@ -174,3 +174,14 @@ def test_a_detached_reader_fails_as_a_closed_connection() -> None:
 def test_commands_are_packed_as_arrays_of_bulk_strings() -> None:
     assert pack_command(b"HGET", b"name", b"h") == b"*3\r\n$4\r\nHGET\r\n$4\r\nname\r\n$1\r\nh\r\n"
     assert pack_command(b"X", b"") == b"*2\r\n$1\r\nX\r\n$0\r\n\r\n"
+
+
+def test_a_store_still_loading_its_data_fails_the_call_not_one_object(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    reader = ReplyReader()
+    reader.attach(ours)
+    theirs.sendall(b"-LOADING Redis is loading the dataset in memory\r\n")
+    with pytest.raises(BusyLoadingError):
+        reader.array_length()

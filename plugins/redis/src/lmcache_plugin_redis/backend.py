@@ -254,6 +254,8 @@ class RedisBackend:
         on once every reply was read (a retry after a dropped connection reads again).
         """
         windows = list(trips([buffer.nbytes for buffer in buffers], self.config.pipeline_max_bytes))
+        if not windows:
+            return []
         loaded, problems = direct.call(
             lambda send, reader: self._read_loads(send, reader, keys, buffers, windows)
         )

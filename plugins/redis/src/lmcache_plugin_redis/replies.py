@@ -15,7 +15,8 @@ Only what a lookup's ``HGET`` and a load's ``HMGET`` can answer is understood: a
 string, an array of bulk strings (or nils), or an error reply (RESP2, which the
 connections speak).  Anything else is a protocol error, and every socket failure or
 timeout raises redis-py's own ``ConnectionError`` / ``TimeoutError``, so the connection is
-dropped, retried and counted exactly as for redis-py's commands.
+dropped, retried and counted exactly as for redis-py's commands (so is a ``LOADING`` error:
+a server still loading its data set fails the call, not one object).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from redis.exceptions import BusyLoadingError, InvalidResponse, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import InvalidResponse, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = ["ReplyReader"]
@@ -134,7 +135,7 @@ class ReplyReader:
         """The length of the next reply, an array (-1 for a nil array), or its error."""
         line = self._line()
         if line[:1] == b"-":
-            return ResponseError(line[1:].decode("utf-8", "replace"))
+            return _error(line)
         if line[:1] != b"*":
             raise InvalidResponse(f"expected an array reply, got {line[:32]!r}")
         return _number(line)
@@ -143,7 +144,7 @@ class ReplyReader:
         """The next reply, a bulk string (None for nil), or its error."""
         line = self._line()
         if line[:1] == b"-":
-            return ResponseError(line[1:].decode("utf-8", "replace"))
+            return _error(line)
         if line[:1] != b"$":
             raise InvalidResponse(f"expected a bulk string reply, got {line[:32]!r}")
         length = _number(line)
@@ -179,6 +180,15 @@ class ReplyReader:
         """Read past the rest of an array of ``length`` bulk strings."""
         for _ in range(max(0, length)):
             self.skip_bulk(self.bulk_length())
+
+
+def _error(line: bytes) -> ResponseError:
+    """An error reply about one command; raises when it says the store cannot serve any
+    (a server still loading its data set: a failed call, as redis-py treats it)."""
+    text = line[1:].decode("utf-8", "replace")
+    if text.startswith("LOADING "):
+        raise BusyLoadingError(text)
+    return ResponseError(text)
 
 
 def _number(line: bytes) -> int:
