@@ -262,51 +262,56 @@ def test_a_load_on_a_connection_the_store_dropped_reconnects(
     assert adapter.stats().get("backend_errors", 0) == 0
 
 
-def test_a_load_from_a_hung_store_fails_in_time_and_the_next_one_after_it_answers_works(
-    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
-) -> None:
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A server of the test's own, which it may pause or kill."""
     server = RedisServer(tmp_path / "redis").start()
-    try:
-        adapter = open_adapter(
-            url=server.url,
-            key_prefix=prefix,
-            request_timeout=0.3,
-            connection_timeout=0.3,
-            circuit={"failure_threshold": 5, "probe_interval_s": 0.05},
-        )
-        keys = make_keys(1)
-        data = store(adapter, keys, size=1 << 20)
-        found = client_of(adapter).lookup_and_lock(keys)
-        server.pause()
-        started = time.monotonic()
-        assert load(adapter, keys, found.sizes)[0] == [False]
-        assert time.monotonic() - started < 5.0, "a request timeout (and one retry) ends the load"
-        assert adapter.stats()["backend_errors"] == 1
-        server.resume()
-        assert load(adapter, keys, found.sizes) == ([True], data)
-        adapter.unlock(keys)
-    finally:
-        server.stop()
+    yield server
+    server.stop()
+
+
+def quick_failing(server: RedisServer, prefix: str, failure_threshold: int) -> dict[str, Any]:
+    """Adapter fields that fail calls to a hung ``server`` fast and heal fast."""
+    return {
+        "url": server.url,
+        "key_prefix": prefix,
+        "request_timeout": 0.3,
+        "connection_timeout": 0.3,
+        "circuit": {"failure_threshold": failure_threshold, "probe_interval_s": 0.05},
+    }
+
+
+def test_a_load_from_a_hung_store_fails_in_time_and_the_next_one_after_it_answers_works(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    adapter = open_adapter(**quick_failing(own_server, prefix, failure_threshold=5))
+    keys = make_keys(1)
+    data = store(adapter, keys, size=1 << 20)
+    found = client_of(adapter).lookup_and_lock(keys)
+    own_server.pause()
+    started = time.monotonic()
+    assert load(adapter, keys, found.sizes)[0] == [False]
+    assert time.monotonic() - started < 5.0, "a request timeout (and one retry) ends the load"
+    assert adapter.stats()["backend_errors"] == 1
+    own_server.resume()
+    assert load(adapter, keys, found.sizes) == ([True], data)
+    adapter.unlock(keys)
 
 
 def test_closing_ends_a_load_waiting_on_a_hung_store(
-    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
-    server = RedisServer(tmp_path / "redis").start()
-    try:
-        adapter = open_adapter(url=server.url, key_prefix=prefix, request_timeout=60.0)
-        keys = make_keys(1)
-        store(adapter, keys)
-        found = client_of(adapter).lookup_and_lock(keys)
-        server.pause()
-        task = adapter.submit_load(keys, [memoryview(bytearray(found.sizes[0]))])
-        time.sleep(0.2)  # the load is waiting for its reply
-        started = time.monotonic()
-        adapter.close()
-        assert time.monotonic() - started < 10.0, "close interrupts the waiting load"
-        assert adapter.pop_completed_loads() == {task: [False]}
-    finally:
-        server.stop()
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix, request_timeout=60.0)
+    keys = make_keys(1)
+    store(adapter, keys)
+    found = client_of(adapter).lookup_and_lock(keys)
+    own_server.pause()
+    task = adapter.submit_load(keys, [memoryview(bytearray(found.sizes[0]))])
+    time.sleep(0.2)  # the load is waiting for its reply
+    started = time.monotonic()
+    adapter.close()
+    assert time.monotonic() - started < 10.0, "close interrupts the waiting load"
+    assert adapter.pop_completed_loads() == {task: [False]}
 
 
 def test_trips_bound_bytes_and_keys() -> None:
@@ -327,13 +332,7 @@ def test_a_hung_store_opens_the_circuit_and_it_closes_when_the_store_answers(
 ) -> None:
     server = RedisServer(tmp_path / "redis").start()
     try:
-        adapter = open_adapter(
-            url=server.url,
-            key_prefix=prefix,
-            request_timeout=0.3,
-            connection_timeout=0.3,
-            circuit={"failure_threshold": 2, "probe_interval_s": 0.05},
-        )
+        adapter = open_adapter(**quick_failing(server, prefix, failure_threshold=2))
         keys = make_keys(2)
         data = store(adapter, keys)
         server.pause()

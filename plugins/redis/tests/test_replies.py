@@ -28,6 +28,14 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
     theirs.close()
 
 
+@pytest.fixture
+def peer(pair: tuple[socket.socket, socket.socket]) -> tuple[ReplyReader, socket.socket]:
+    """A reader of our end of the pair, and the other end, which plays the store."""
+    reader = ReplyReader()
+    reader.attach(pair[0])
+    return reader, pair[1]
+
+
 def feed(sock: socket.socket, data: bytes, *, piece: int) -> threading.Thread:
     """Write ``data`` in pieces of ``piece`` bytes from another thread."""
 
@@ -60,11 +68,9 @@ LOAD_REPLIES = (
 
 @pytest.mark.parametrize("piece", [5, 1000, 65537, len(LOAD_REPLIES)])
 def test_replies_are_read_in_order_however_they_arrive(
-    pair: tuple[socket.socket, socket.socket], piece: int
+    peer: tuple[ReplyReader, socket.socket], piece: int
 ) -> None:
-    ours, theirs = pair
-    reader = ReplyReader()
-    reader.attach(ours)
+    reader, theirs = peer
     writer = feed(theirs, LOAD_REPLIES, piece=piece)
     assert reader.array_length() == 2
     assert reader.bulk(reader.bulk_length()) == b"header"
@@ -94,10 +100,8 @@ def test_replies_are_read_in_order_however_they_arrive(
     writer.join()
 
 
-def test_skip_reply_reads_past_a_whole_array(pair: tuple[socket.socket, socket.socket]) -> None:
-    ours, theirs = pair
-    reader = ReplyReader()
-    reader.attach(ours)
+def test_skip_reply_reads_past_a_whole_array(peer: tuple[ReplyReader, socket.socket]) -> None:
+    reader, theirs = peer
     theirs.sendall(b"*3\r\n" + bulk(b"a") + b"$-1\r\n" + bulk(PAYLOAD) + bulk(b"next"))
     count = reader.array_length()
     assert count == 3
@@ -117,11 +121,9 @@ def test_skip_reply_reads_past_a_whole_array(pair: tuple[socket.socket, socket.s
     ],
 )
 def test_replies_a_load_never_asks_for_are_protocol_errors(
-    pair: tuple[socket.socket, socket.socket], stream: bytes, message: str
+    peer: tuple[ReplyReader, socket.socket], stream: bytes, message: str
 ) -> None:
-    ours, theirs = pair
-    reader = ReplyReader()
-    reader.attach(ours)
+    reader, theirs = peer
     feed(theirs, stream, piece=4096)
     with pytest.raises(InvalidResponse, match=message):
         assert reader.array_length() == 2
@@ -129,22 +131,18 @@ def test_replies_a_load_never_asks_for_are_protocol_errors(
 
 
 def test_a_lookup_reply_of_another_type_is_a_protocol_error(
-    pair: tuple[socket.socket, socket.socket],
+    peer: tuple[ReplyReader, socket.socket],
 ) -> None:
-    ours, theirs = pair
-    reader = ReplyReader()
-    reader.attach(ours)
+    reader, theirs = peer
     theirs.sendall(b"*1\r\n")
     with pytest.raises(InvalidResponse, match="expected a bulk string reply"):
         reader.bulk_reply()
 
 
 def test_a_peer_hanging_up_inside_a_reply_is_a_connection_error(
-    pair: tuple[socket.socket, socket.socket],
+    peer: tuple[ReplyReader, socket.socket],
 ) -> None:
-    ours, theirs = pair
-    reader = ReplyReader()
-    reader.attach(ours)
+    reader, theirs = peer
     theirs.sendall(b"*2\r\n$6\r\nhea")
     theirs.close()
     assert reader.array_length() == 2
@@ -152,11 +150,11 @@ def test_a_peer_hanging_up_inside_a_reply_is_a_connection_error(
         reader.bulk(reader.bulk_length())
 
 
-def test_a_silent_peer_is_a_timeout(pair: tuple[socket.socket, socket.socket]) -> None:
-    ours, theirs = pair
-    ours.settimeout(0.1)
-    reader = ReplyReader()
-    reader.attach(ours)
+def test_a_silent_peer_is_a_timeout(
+    pair: tuple[socket.socket, socket.socket], peer: tuple[ReplyReader, socket.socket]
+) -> None:
+    pair[0].settimeout(0.1)
+    reader, theirs = peer
     theirs.sendall(b"*2\r\n")
     started = time.monotonic()
     assert reader.array_length() == 2
@@ -177,11 +175,9 @@ def test_commands_are_packed_as_arrays_of_bulk_strings() -> None:
 
 
 def test_a_store_still_loading_its_data_fails_the_call_not_one_object(
-    pair: tuple[socket.socket, socket.socket],
+    peer: tuple[ReplyReader, socket.socket],
 ) -> None:
-    ours, theirs = pair
-    reader = ReplyReader()
-    reader.attach(ours)
+    reader, theirs = peer
     theirs.sendall(b"-LOADING Redis is loading the dataset in memory\r\n")
     with pytest.raises(BusyLoadingError):
         reader.array_length()
