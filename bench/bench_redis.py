@@ -12,10 +12,18 @@ in for L1, are written and read back by:
   controllers use (core's task board, pins, accounting and circuit breaker included),
   batches of ``--batch`` keys: records with a checksum written, every load verified.
 
-Per-object latency is measured with batches of one, for both.  Rounds interleave the two
-methods; every figure is the median of ``--repeat`` rounds, printed with its ratio to
-redis-py's (the target is >= 0.8; the ratio is the median of per-round ratios, which
-cancels most of a shared machine's drift).
+Per-object latency is one object at a time, timed from the call to its bytes in the
+arena, as each side's user would write it: redis-py ``SET`` / ``GET`` (plain commands, no
+pipeline of one) plus the copy into the arena; the adapter's store task, and its load
+task -- ``load`` after an untimed lookup (an engine looks a chunk up when it schedules the
+request and loads it later), ``lookup+load`` both timed (what fetching one chunk costs
+end to end; redis-py's single ``GET`` needs no lookup, the adapter's contract pins and
+sizes a chunk first, so this row is the adapter's worst case).  Rounds interleave the two
+methods, and latencies interleave them object by object (a busy machine's drift hits both
+alike); throughput is the median of ``--repeat`` rounds, latency percentiles are over
+every object of every round, each printed next to redis-py's and with the ratio of
+redis-py's latency to the adapter's (>= 0.8 is the target; throughput ratios are medians
+of per-round ratios, which cancels most of a shared machine's drift).
 
     python bench/bench_redis.py [--objects 256] [--size-mib 1] [--batch 32] [--repeat 5] [--json]
 """
@@ -80,6 +88,14 @@ class Direct:
             for index, value in zip(trip, pipe.execute(), strict=True):
                 self.targets[index][:] = value
 
+    def store_one(self, index: int) -> None:
+        self.client.set(self.names[index], self.views[index])
+
+    def load_one(self, index: int) -> None:
+        value = self.client.get(self.names[index])
+        assert value is not None, "a GET missed"
+        self.targets[index][:] = value
+
     def clear(self) -> None:
         self.client.delete(*self.names)
 
@@ -99,11 +115,31 @@ class ThroughAdapter:
 
     def load(self, indices: range) -> None:
         keys = [self.keys[i] for i in indices]
+        self.lookup(keys)
+        self.load_locked(keys, [self.targets[i] for i in indices])
+
+    def lookup(self, keys: list[ObjectKey]) -> None:
         found = self.client.lookup_and_lock(keys)
         assert all(found.found), "a lookup missed"
-        ok = self.client.load(keys, [self.targets[i] for i in indices])
-        self.adapter.unlock(keys)
+
+    def load_locked(self, keys: list[ObjectKey], targets: list[memoryview]) -> None:
+        try:
+            ok = self.client.load(keys, targets)
+        finally:
+            self.adapter.unlock(keys)
         assert all(ok), "a load failed"
+
+    def store_one(self, index: int) -> None:
+        self.store(range(index, index + 1))
+
+    def load_one(self, index: int) -> None:
+        self.load(range(index, index + 1))
+
+    def load_one_looked_up(self, index: int) -> Callable[[], None]:
+        """The lookup of object ``index`` done; the load left to time."""
+        keys = [self.keys[index]]
+        self.lookup(keys)
+        return lambda: self.load_locked(keys, [self.targets[index]])
 
     def clear(self) -> None:
         self.adapter.delete(self.keys)
@@ -116,13 +152,34 @@ def timed(step: Callable[[range], None], count: int, batch: int) -> float:
     return time.perf_counter() - started
 
 
-def latencies(step: Callable[[range], None], count: int) -> list[float]:
-    out = []
+def elapsed(step: Callable[..., object], *args: object) -> float:
+    started = time.perf_counter()
+    step(*args)
+    return time.perf_counter() - started
+
+
+def one_at_a_time(
+    direct: Direct, through: ThroughAdapter, count: int, rounds: dict[str, dict[str, list[float]]]
+) -> None:
+    """Per-object latencies, the two methods interleaved object by object (who goes first
+    alternates) so that a shared machine's drift hits both alike."""
     for index in range(count):
-        started = time.perf_counter()
-        step(range(index, index + 1))
-        out.append(time.perf_counter() - started)
-    return out
+        stores = [("redis-py", direct.store_one), ("adapter", through.store_one)]
+        for name, store in stores if index % 2 else stores[::-1]:
+            rounds[name]["store_lat"].append(elapsed(store, index))
+    # Each of the three timed loads writes another object's buffer (a third of the objects
+    # apart), so none lands in a buffer the one before just left in the CPU's cache.
+    ours, theirs = rounds["adapter"], rounds["redis-py"]
+    for step in range(count):
+        got, fetched, loaded = step, (step + count // 3) % count, (step + 2 * count // 3) % count
+        if step % 2:
+            get = elapsed(direct.load_one, got)
+        ours["fetch_lat"].append(elapsed(through.load_one, fetched))
+        ours["load_lat"].append(elapsed(through.load_one_looked_up(loaded)))
+        if not step % 2:
+            get = elapsed(direct.load_one, got)
+        theirs["fetch_lat"].append(get)
+        theirs["load_lat"].append(get)  # a GET is redis-py's load and its whole fetch
 
 
 def run(objects: int, size: int, batch: int, repeat: int) -> dict[str, dict[str, float]]:
@@ -142,21 +199,28 @@ def run(objects: int, size: int, batch: int, repeat: int) -> dict[str, dict[str,
                 registry=registry,
                 type_name="redis",
             )
-            methods = {
+            methods: dict[str, Direct | ThroughAdapter] = {
                 "redis-py": Direct(server.url, views, targets, batch),
                 "adapter": ThroughAdapter(adapter, views, targets),
             }
             rounds: dict[str, dict[str, list[float]]] = {
-                name: {"store": [], "load": [], "store_lat": [], "load_lat": []} for name in methods
+                name: {"store": [], "load": [], "store_lat": [], "load_lat": [], "fetch_lat": []}
+                for name in methods
             }
+            direct, through = methods["redis-py"], methods["adapter"]
+            assert isinstance(direct, Direct) and isinstance(through, ThroughAdapter)
             for _ in range(repeat):
                 for name, method in methods.items():
                     rounds[name]["store"].append(objects * size / timed(method.store, objects, batch) / 1e9)
                     np.frombuffer(dest, dtype=np.uint8)[:] = 0  # a load must write every byte
                     rounds[name]["load"].append(objects * size / timed(method.load, objects, batch) / 1e9)
                     assert bytes(dest) == bytes(source), f"{name} loaded other bytes"
-                    rounds[name]["store_lat"].extend(latencies(method.store, objects))
-                    rounds[name]["load_lat"].extend(latencies(method.load, objects))
+                one_at_a_time(direct, through, objects, rounds)
+                np.frombuffer(dest, dtype=np.uint8)[:] = 0
+                for index in range(objects):  # the last object-at-a-time pass was the adapter's
+                    through.load_one_looked_up(index)()
+                assert bytes(dest) == bytes(source), "the adapter loaded other bytes one at a time"
+                for method in methods.values():
                     method.clear()
             adapter.close()
         finally:
@@ -170,10 +234,17 @@ def run(objects: int, size: int, batch: int, repeat: int) -> dict[str, dict[str,
             "store_p99_ms": percentile(data["store_lat"], 0.99) * 1e3,
             "load_p50_ms": percentile(data["load_lat"], 0.5) * 1e3,
             "load_p99_ms": percentile(data["load_lat"], 0.99) * 1e3,
+            "fetch_p50_ms": percentile(data["fetch_lat"], 0.5) * 1e3,
+            "fetch_p99_ms": percentile(data["fetch_lat"], 0.99) * 1e3,
         }
+    ours, theirs = results["adapter"], results["redis-py"]
     for kind in ("store", "load"):
         ratios = [a / d for a, d in zip(rounds["adapter"][kind], rounds["redis-py"][kind], strict=True)]
-        results["adapter"][f"{kind}_ratio"] = statistics.median(ratios)
+        ours[f"{kind}_ratio"] = statistics.median(ratios)
+    # Latency ratios: redis-py's latency over the adapter's, so >= 0.8 means "at most 1.25x".
+    for row in ("store", "load", "fetch"):
+        for cut in ("p50", "p99"):
+            ours[f"{row}_{cut}_ratio"] = theirs[f"{row}_{cut}_ms"] / ours[f"{row}_{cut}_ms"]
     return results
 
 
@@ -197,21 +268,29 @@ def main() -> None:
         f"{args.objects} x {args.size_mib:g} MiB, batches of {args.batch}, median of {args.repeat} rounds"
     )
     print(heading)
-    print(
-        f"{'method':<10} {'store GB/s':>10} {'load GB/s':>10} "
-        f"{'store p50/p99 ms':>18} {'load p50/p99 ms':>18}"
-    )
+    print(f"{'method':<10} {'store GB/s':>10} {'load GB/s':>10}")
     for name, row in results.items():
-        print(
-            f"{name:<10} {row['store_gbps']:>10.2f} {row['load_gbps']:>10.2f} "
-            f"{row['store_p50_ms']:>8.2f}/{row['store_p99_ms']:<8.2f} "
-            f"{row['load_p50_ms']:>8.2f}/{row['load_p99_ms']:<8.2f}"
-        )
-    adapter = results["adapter"]
+        print(f"{name:<10} {row['store_gbps']:>10.2f} {row['load_gbps']:>10.2f}")
+    ours, theirs = results["adapter"], results["redis-py"]
     print(
-        f"adapter / redis-py: store {adapter['store_ratio']:.2f}x, load {adapter['load_ratio']:.2f}x "
-        "(target >= 0.8x)"
+        f"adapter / redis-py throughput: store {ours['store_ratio']:.2f}x, "
+        f"load {ours['load_ratio']:.2f}x (target >= 0.8x)"
     )
+    print("per-object latency, one object at a time, ms (redis-py: SET / GET + copy into the arena)")
+    print(f"{'':<28} {'redis-py p50/p99':>17} {'adapter p50/p99':>17} {'ratio p50/p99':>15}")
+    rows = (
+        ("store", "store (SET | store task)"),
+        ("load", "load (GET | load task)"),
+        ("fetch", "fetch (GET | lookup+load)"),
+    )
+    for row, label in rows:
+        print(
+            f"{label:<28}"
+            f" {theirs[f'{row}_p50_ms']:>8.2f}/{theirs[f'{row}_p99_ms']:<8.2f}"
+            f" {ours[f'{row}_p50_ms']:>8.2f}/{ours[f'{row}_p99_ms']:<8.2f}"
+            f" {ours[f'{row}_p50_ratio']:>6.2f}x/{ours[f'{row}_p99_ratio']:.2f}x"
+        )
+    print("latency ratio = redis-py's / the adapter's (target >= 0.8x: at most 1.25x redis-py's)")
 
 
 if __name__ == "__main__":

@@ -144,7 +144,10 @@ def test_a_damaged_payload_is_a_miss_and_is_removed(
     raw.hset(name, "p", bytes(damaged))
     found = client_of(adapter).lookup_and_lock(keys)
     assert found.found == [True, True], "the header is intact: the lookup cannot tell"
-    assert load(adapter, keys, found.sizes) == ([False, True], [bytes(4096), data[1]])
+    loaded, contents = load(adapter, keys, found.sizes)
+    # The damaged payload was received into its buffer and failed its checksum there: the
+    # buffer holds bytes nobody may read, and the load says so.
+    assert (loaded, contents[1]) == ([False, True], data[1])
     adapter.unlock(keys)
     assert raw.exists(name) == 0
     assert adapter.stats()["corrupt_records_removed"] == 1
@@ -210,6 +213,107 @@ def test_batches_larger_than_a_pipeline_trip_round_trip(
     adapter.unlock(keys)
 
 
+def test_objects_that_fail_a_load_leave_the_rest_of_the_batch_loaded(
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # Every kind of bad reply, between good objects, in trips of two objects: the replies
+    # after each one are still read from where they start.
+    adapter = open_adapter(url=redis_server.url, key_prefix=prefix, pipeline_max_bytes=1 << 16)
+    keys = make_keys(8)
+    size = 40_000
+    data = store(adapter, keys, size=size)
+    found = client_of(adapter).lookup_and_lock(keys)
+    assert found.found == [True] * 8
+    raw = redis.Redis.from_url(redis_server.url)
+    name = [backend_of(adapter).name_of(key) for key in keys]
+    raw.hset(name[1], "p", data[1][:-1])  # payload shorter than its header says: damage
+    damaged = bytearray(data[3])
+    damaged[size // 2] ^= 0x10
+    raw.hset(name[3], "p", bytes(damaged))  # payload of the right length, wrong bytes
+    raw.hdel(name[4], "p")  # a header without its payload: a miss
+    raw.delete(name[5])
+    raw.set(name[5], b"somebody else's string")  # WRONGTYPE
+    raw.delete(name[6])  # gone since the lookup
+    loaded, contents = load(adapter, keys, found.sizes)
+    adapter.unlock(keys)
+    assert loaded == [True, False, True, False, False, False, False, True]
+    assert [contents[i] for i in (0, 2, 7)] == [data[i] for i in (0, 2, 7)]
+    stats = adapter.stats()
+    assert stats["corrupt_records_removed"] == 2
+    assert stats["foreign_objects"] == 1
+    assert stats.get("backend_errors", 0) == 0, "bad objects fail alone, never the call"
+    assert [raw.exists(n) for n in name] == [1, 0, 1, 0, 1, 1, 0, 1]
+
+
+def test_a_load_on_a_connection_the_store_dropped_reconnects(
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    adapter = open_adapter(url=redis_server.url, key_prefix=prefix)
+    keys = make_keys(2)
+    data = store(adapter, keys)
+    found = client_of(adapter).lookup_and_lock(keys)
+    assert load(adapter, keys, found.sizes) == ([True, True], data)
+    # The store drops every client connection (as a restarted server would have).
+    redis_server.cli("CLIENT", "KILL", "TYPE", "normal")
+    assert load(adapter, keys, found.sizes) == ([True, True], data)
+    adapter.unlock(keys)
+    assert client_of(adapter).lookup_and_lock(keys).found == [True, True]
+    adapter.unlock(keys)
+    assert adapter.stats().get("backend_errors", 0) == 0
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A server of the test's own, which it may pause or kill."""
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+def quick_failing(server: RedisServer, prefix: str, failure_threshold: int) -> dict[str, Any]:
+    """Adapter fields that fail calls to a hung ``server`` fast and heal fast."""
+    return {
+        "url": server.url,
+        "key_prefix": prefix,
+        "request_timeout": 0.3,
+        "connection_timeout": 0.3,
+        "circuit": {"failure_threshold": failure_threshold, "probe_interval_s": 0.05},
+    }
+
+
+def test_a_load_from_a_hung_store_fails_in_time_and_the_next_one_after_it_answers_works(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    adapter = open_adapter(**quick_failing(own_server, prefix, failure_threshold=5))
+    keys = make_keys(1)
+    data = store(adapter, keys, size=1 << 20)
+    found = client_of(adapter).lookup_and_lock(keys)
+    own_server.pause()
+    started = time.monotonic()
+    assert load(adapter, keys, found.sizes)[0] == [False]
+    assert time.monotonic() - started < 5.0, "a request timeout (and one retry) ends the load"
+    assert adapter.stats()["backend_errors"] == 1
+    own_server.resume()
+    assert load(adapter, keys, found.sizes) == ([True], data)
+    adapter.unlock(keys)
+
+
+def test_closing_ends_a_load_waiting_on_a_hung_store(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix, request_timeout=60.0)
+    keys = make_keys(1)
+    store(adapter, keys)
+    found = client_of(adapter).lookup_and_lock(keys)
+    own_server.pause()
+    task = adapter.submit_load(keys, [memoryview(bytearray(found.sizes[0]))])
+    time.sleep(0.2)  # the load is waiting for its reply
+    started = time.monotonic()
+    adapter.close()
+    assert time.monotonic() - started < 10.0, "close interrupts the waiting load"
+    assert adapter.pop_completed_loads() == {task: [False]}
+
+
 def test_trips_bound_bytes_and_keys() -> None:
     assert [list(r) for r in trips([4, 4, 4, 10, 1], 8)] == [[0, 1], [2], [3], [4]]
     assert [len(r) for r in trips([0] * 1100, 1)] == [512, 512, 76]
@@ -228,13 +332,7 @@ def test_a_hung_store_opens_the_circuit_and_it_closes_when_the_store_answers(
 ) -> None:
     server = RedisServer(tmp_path / "redis").start()
     try:
-        adapter = open_adapter(
-            url=server.url,
-            key_prefix=prefix,
-            request_timeout=0.3,
-            connection_timeout=0.3,
-            circuit={"failure_threshold": 2, "probe_interval_s": 0.05},
-        )
+        adapter = open_adapter(**quick_failing(server, prefix, failure_threshold=2))
         keys = make_keys(2)
         data = store(adapter, keys)
         server.pause()

@@ -4,8 +4,12 @@ Why a hash: one ``HSET key h <header> p <payload>`` writes header and payload as
 separate buffers in one atomic command -- nothing is concatenated in memory, and a reader
 (another server too) sees the old object or the new one, never half of either.  ``HGET h``
 answers a lookup from the header alone (sizes, key, serde chain, all verified by its crc);
-``HMGET h p`` loads, and the payload is checked against the header's checksum before a
-byte reaches the caller's buffer, whose size is checked first.
+``HMGET h p`` loads: the header is checked, and the payload's length against the caller's
+buffer, before the payload is read; the object is reported loaded only once every byte
+matched the header's checksum.  On a standalone store lookups and loads read their replies
+themselves (direct.py, replies.py): the payload goes from the socket into the caller's
+buffer, hashed piece by piece as it lands.  In cluster mode they go through redis-py's
+cluster pipeline, which follows slot moves, and a load copies the verified reply.
 
 Why plain methods on worker threads (not ``redis.asyncio``): on 256 x 1 MiB the sync client
 with pipelines stored and loaded ~1.5-2x faster than the asyncio client on this project's
@@ -13,7 +17,8 @@ with pipelines stored and loaded ~1.5-2x faster than the asyncio client on this 
 competes with the server for the cores); see docs/adapters/redis.md.
 
 Batches go out as pipelines of at most ``pipeline_max_bytes`` of payload, so a large load
-holds a bounded number of reply buffers at once.  A connection error or timeout fails the
+holds a bounded number of replies at once (in the store's output buffer, or in reply
+buffers here in cluster mode).  A connection error or timeout fails the
 whole call (an exception: core counts it and the circuit breaker sees it); a per-object
 error reply (WRONGTYPE for a foreign key, OOM from a full store) fails that object only,
 counted and logged.
@@ -21,22 +26,26 @@ counted and logged.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from redis import Redis, RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import InvalidResponse, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lmcache_plugin_redis.client import build_client, describe
 from lmcache_plugin_redis.config import RedisConfig
+from lmcache_plugin_redis.direct import DirectConnections, Send, pack_command
+from lmcache_plugin_redis.replies import ReplyReader
 from lmcache_tiers.plugin import (
     BackendContext,
     ObjectKey,
     ObjectSize,
+    PayloadVerifier,
     RecordError,
     RecordHeader,
     copy_into,
@@ -61,6 +70,8 @@ return 0
 _GIB = 1 << 30
 #: reply errors that mean the store (or the way to it) failed, not one object
 _CALL_FAILURES = (RedisConnectionError, RedisTimeoutError)
+#: what is wrong with one loaded object: its error reply, or its header and why it is damaged
+Problem = ResponseError | tuple[bytes, RecordError]
 
 
 def glob_escape(text: str) -> str:
@@ -97,6 +108,8 @@ class RedisBackend:
         # call tries again (and fails, which the circuit breaker counts).
         self._lock = threading.Lock()
         self._client: Redis | RedisCluster | None = None
+        #: lookups and loads of a standalone store read their replies themselves (direct.py)
+        self._direct: DirectConnections | None = None
         self._remove_if_unchanged: Any = None
         if not config.cluster_mode:
             self._connect()
@@ -110,6 +123,8 @@ class RedisBackend:
             if self._client is None:
                 client = build_client(self.config)
                 self._remove_if_unchanged = client.register_script(_REMOVE_IF_UNCHANGED)
+                if isinstance(client, Redis):
+                    self._direct = DirectConnections(client)
                 self._client = client
             return self._client
 
@@ -163,10 +178,11 @@ class RedisBackend:
 
     def interrupt(self) -> None:
         # Closing sockets ends calls waiting on a store that stopped answering.
-        if self._client is not None:
-            self._client.close()
+        self.close()
 
     def close(self) -> None:
+        if self._direct is not None:
+            self._direct.shutdown()
         if self._client is not None:
             self._client.close()
 
@@ -192,16 +208,32 @@ class RedisBackend:
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[ObjectSize | None]:
         found: list[ObjectSize | None] = [None] * len(keys)
         for trip in trips([0] * len(keys), 1):
-            pipe = self._pipeline()
-            for index in trip:
-                pipe.hget(self.name_of(keys[index]), HEADER)
-            for index, reply in zip(trip, self._execute(pipe), strict=True):
+            names = [self.name_of(keys[index]) for index in trip]
+            if self._direct is not None:
+                replies = self._direct.call(functools.partial(self._read_headers, names=names))
+            else:
+                pipe = self._pipeline()
+                for name in names:
+                    pipe.hget(name, HEADER)
+                replies = self._execute(pipe)
+            for index, reply in zip(trip, replies, strict=True):
                 header = self._header(keys[index], reply, "lookup")
                 if header is not None:
                     found[index] = ObjectSize(header.payload_len, header.l1_size)
         return found
 
+    @staticmethod
+    def _read_headers(send: Send, reader: ReplyReader, names: list[str]) -> list[Any]:
+        send(b"".join(pack_command(b"HGET", name.encode(), HEADER) for name in names))
+        return [reader.bulk_reply() for _ in names]
+
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        if self._direct is None:
+            return self._load_pipelined(keys, buffers)
+        return self._load_direct(self._direct, keys, buffers)
+
+    def _load_pipelined(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        """Loads through redis-py's cluster pipeline (it follows slot moves and redirects)."""
         loaded = [False] * len(keys)
         for trip in trips([buffer.nbytes for buffer in buffers], self.config.pipeline_max_bytes):
             pipe = self._pipeline()
@@ -210,6 +242,95 @@ class RedisBackend:
             for index, reply in zip(trip, self._execute(pipe), strict=True):
                 loaded[index] = self._fill(keys[index], reply, buffers[index])
         return loaded
+
+    def _load_direct(
+        self, direct: DirectConnections, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]
+    ) -> list[bool]:
+        """Loads on this thread's own connection, each payload received into its buffer.
+
+        The HMGETs of the next trip are sent before the replies of the current one are
+        read, so the store is never idle between trips while at most two trips of
+        replies wait in its output buffer.  Reply errors and damaged records are acted
+        on once every reply was read (a retry after a dropped connection reads again).
+        """
+        windows = list(trips([buffer.nbytes for buffer in buffers], self.config.pipeline_max_bytes))
+        if not windows:
+            return []
+        loaded, problems = direct.call(
+            lambda send, reader: self._read_loads(send, reader, keys, buffers, windows)
+        )
+        for key, problem in problems:
+            if isinstance(problem, ResponseError):
+                self._reply_error("load", key, problem)
+            else:
+                self._discard(key, *problem)
+        return loaded
+
+    def _read_loads(
+        self,
+        send: Send,
+        reader: ReplyReader,
+        keys: Sequence[ObjectKey],
+        buffers: Sequence[memoryview],
+        windows: list[range],
+    ) -> tuple[list[bool], list[tuple[ObjectKey, Problem]]]:
+        loaded = [False] * len(keys)
+        problems: list[tuple[ObjectKey, Problem]] = []
+
+        def request(trip: range) -> None:
+            send(
+                b"".join(
+                    pack_command(b"HMGET", self.name_of(keys[i]).encode(), HEADER, PAYLOAD) for i in trip
+                )
+            )
+
+        request(windows[0])
+        for number, trip in enumerate(windows):
+            if number + 1 < len(windows):
+                request(windows[number + 1])
+            for index in trip:
+                outcome = self._receive(reader, keys[index], buffers[index])
+                if outcome is True:
+                    loaded[index] = True
+                elif outcome is not None:
+                    problems.append((keys[index], outcome))
+        return loaded, problems
+
+    def _receive(
+        self, reader: ReplyReader, key: ObjectKey, buffer: memoryview
+    ) -> Problem | Literal[True] | None:
+        """One HMGET reply: True when ``buffer`` holds the verified payload, None for a
+        plain miss, else what is wrong with the object (acted on by the caller)."""
+        fields = reader.array_length()
+        if isinstance(fields, ResponseError):
+            return fields
+        if fields != 2:
+            reader.skip_reply(fields)
+            raise InvalidResponse(f"HMGET answered {fields} fields for 2")
+        header_len = reader.bulk_length()
+        header_bytes = reader.bulk(header_len) if header_len >= 0 else None
+        payload_len = reader.bulk_length()
+        if header_bytes is None:
+            reader.skip_bulk(payload_len)
+            return None
+        try:
+            header = self.context.read_record_header(header_bytes, key)
+        except RecordError as exc:
+            reader.skip_bulk(payload_len)
+            return header_bytes, exc
+        if header is None or payload_len != buffer.nbytes:
+            reader.skip_bulk(payload_len)
+            if header is not None and payload_len >= 0 and payload_len != header.payload_len:
+                return header_bytes, RecordError("payload length differs from its header")
+            # else no payload, or another server replaced the object with one of another size
+            return None
+        verifier = PayloadVerifier(header)
+        reader.bulk_into(buffer, verifier.update)
+        try:
+            verifier.verify()
+        except RecordError as exc:
+            return header_bytes, exc
+        return True
 
     def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         deleted = [False] * len(keys)

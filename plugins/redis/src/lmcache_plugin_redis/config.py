@@ -107,7 +107,7 @@ class RedisConfig(L2AdapterConfig):
     ] = None
     pipeline_max_bytes: Annotated[
         int,
-        _doc("Payload bytes per pipelined round trip; bounds what one batch holds in memory.", ge=1 << 16),
+        _doc("Payload bytes per pipelined round trip; bounds the replies a batch has waiting.", ge=1 << 16),
     ] = 8 << 20
     max_capacity_gb: Annotated[
         float, _doc("Bytes this server may store, in GiB; 0: no limit of lmcache-tiers' own.", ge=0.0)

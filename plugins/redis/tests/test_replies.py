@@ -1,0 +1,183 @@
+"""The reply reader on real sockets: replies arriving whole or a byte at a time, replies
+that are not what a lookup or load asks for, and a peer that hangs up or goes silent."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import xxhash
+from lmcache_plugin_redis.direct import pack_command
+from lmcache_plugin_redis.replies import MAX_LINE, SCRATCH_SIZE, ReplyReader
+from redis.exceptions import BusyLoadingError, InvalidResponse, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+PAYLOAD = bytes(range(256)) * ((3 * SCRATCH_SIZE) // 256 + 7)  # spans several scratch fills
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    ours, theirs = socket.socketpair()
+    ours.settimeout(5.0)
+    yield ours, theirs
+    ours.close()
+    theirs.close()
+
+
+@pytest.fixture
+def peer(pair: tuple[socket.socket, socket.socket]) -> tuple[ReplyReader, socket.socket]:
+    """A reader of our end of the pair, and the other end, which plays the store."""
+    reader = ReplyReader()
+    reader.attach(pair[0])
+    return reader, pair[1]
+
+
+def feed(sock: socket.socket, data: bytes, *, piece: int) -> threading.Thread:
+    """Write ``data`` in pieces of ``piece`` bytes from another thread."""
+
+    def write() -> None:
+        for start in range(0, len(data), piece):
+            sock.sendall(data[start : start + piece])
+
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+    return thread
+
+
+def bulk(data: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+LOAD_REPLIES = (
+    b"*2\r\n"
+    + bulk(b"header")
+    + bulk(PAYLOAD)  # an object
+    + b"*2\r\n$-1\r\n$-1\r\n"  # an absent key
+    + b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n"
+    + b"*2\r\n"
+    + bulk(b"other")
+    + bulk(b"skipped payload")
+    + bulk(b"a lookup's header")
+    + b"$-1\r\n"
+)
+
+
+@pytest.mark.parametrize("piece", [5, 1000, 65537, len(LOAD_REPLIES)])
+def test_replies_are_read_in_order_however_they_arrive(
+    peer: tuple[ReplyReader, socket.socket], piece: int
+) -> None:
+    reader, theirs = peer
+    writer = feed(theirs, LOAD_REPLIES, piece=piece)
+    assert reader.array_length() == 2
+    assert reader.bulk(reader.bulk_length()) == b"header"
+    target = memoryview(bytearray(len(PAYLOAD)))
+    pieces: list[int] = []
+    hasher = xxhash.xxh3_128()
+
+    def update(view: memoryview) -> None:
+        pieces.append(view.nbytes)
+        hasher.update(view)
+
+    assert reader.bulk_length() == len(PAYLOAD)
+    reader.bulk_into(target, update)
+    assert bytes(target) == PAYLOAD
+    assert sum(pieces) == len(PAYLOAD), "every byte was hashed once, in order"
+    assert hasher.digest() == xxhash.xxh3_128(PAYLOAD).digest()
+    assert reader.array_length() == 2
+    assert reader.bulk_length() == -1
+    assert reader.bulk_length() == -1
+    error = reader.array_length()
+    assert isinstance(error, ResponseError) and str(error).startswith("WRONGTYPE")
+    assert reader.array_length() == 2
+    assert reader.bulk(reader.bulk_length()) == b"other"
+    reader.skip_bulk(reader.bulk_length())
+    assert reader.bulk_reply() == b"a lookup's header"
+    assert reader.bulk_reply() is None
+    writer.join()
+
+
+def test_skip_reply_reads_past_a_whole_array(peer: tuple[ReplyReader, socket.socket]) -> None:
+    reader, theirs = peer
+    theirs.sendall(b"*3\r\n" + bulk(b"a") + b"$-1\r\n" + bulk(PAYLOAD) + bulk(b"next"))
+    count = reader.array_length()
+    assert count == 3
+    reader.skip_reply(count)
+    assert reader.bulk_reply() == b"next"
+
+
+@pytest.mark.parametrize(
+    ("stream", "message"),
+    [
+        (b"+OK\r\n", "expected an array reply"),
+        (b"*2\r\n:1\r\n", "expected a bulk string"),
+        (b"*x\r\n", "bad length"),
+        (b"*-5\r\n", "bad length"),
+        (b"*2\r\n$3\r\nabcXY", "does not end with CRLF"),
+        (b"*" + b"9" * (MAX_LINE + 10), "longer than"),
+    ],
+)
+def test_replies_a_load_never_asks_for_are_protocol_errors(
+    peer: tuple[ReplyReader, socket.socket], stream: bytes, message: str
+) -> None:
+    reader, theirs = peer
+    feed(theirs, stream, piece=4096)
+    with pytest.raises(InvalidResponse, match=message):
+        assert reader.array_length() == 2
+        reader.bulk(reader.bulk_length())
+
+
+def test_a_lookup_reply_of_another_type_is_a_protocol_error(
+    peer: tuple[ReplyReader, socket.socket],
+) -> None:
+    reader, theirs = peer
+    theirs.sendall(b"*1\r\n")
+    with pytest.raises(InvalidResponse, match="expected a bulk string reply"):
+        reader.bulk_reply()
+
+
+def test_a_peer_hanging_up_inside_a_reply_is_a_connection_error(
+    peer: tuple[ReplyReader, socket.socket],
+) -> None:
+    reader, theirs = peer
+    theirs.sendall(b"*2\r\n$6\r\nhea")
+    theirs.close()
+    assert reader.array_length() == 2
+    with pytest.raises(RedisConnectionError, match="closed"):
+        reader.bulk(reader.bulk_length())
+
+
+def test_a_silent_peer_is_a_timeout(
+    pair: tuple[socket.socket, socket.socket], peer: tuple[ReplyReader, socket.socket]
+) -> None:
+    pair[0].settimeout(0.1)
+    reader, theirs = peer
+    theirs.sendall(b"*2\r\n")
+    started = time.monotonic()
+    assert reader.array_length() == 2
+    with pytest.raises(RedisTimeoutError):
+        reader.bulk_length()
+    assert time.monotonic() - started < 5.0
+
+
+def test_a_detached_reader_fails_as_a_closed_connection() -> None:
+    reader = ReplyReader()
+    with pytest.raises(RedisConnectionError):
+        reader.bulk_reply()
+
+
+def test_commands_are_packed_as_arrays_of_bulk_strings() -> None:
+    assert pack_command(b"HGET", b"name", b"h") == b"*3\r\n$4\r\nHGET\r\n$4\r\nname\r\n$1\r\nh\r\n"
+    assert pack_command(b"X", b"") == b"*2\r\n$1\r\nX\r\n$0\r\n\r\n"
+
+
+def test_a_store_still_loading_its_data_fails_the_call_not_one_object(
+    peer: tuple[ReplyReader, socket.socket],
+) -> None:
+    reader, theirs = peer
+    theirs.sendall(b"-LOADING Redis is loading the dataset in memory\r\n")
+    with pytest.raises(BusyLoadingError):
+        reader.array_length()
