@@ -241,7 +241,16 @@ def latency_round(
     """``count`` single-object stores, lookups, then loads, by each method: p50 and p99 in ms."""
     names = [f"direct-{tag}-single-{i}" for i in range(count)]
     keys = [ObjectKey("bench", 0, f"{tag}-s-{i}".encode().ljust(16, b"."), 0) for i in range(count)]
-    samples: dict[str, list[float]] = {f"{who}_{op}": [] for op in OPS for who in ("direct", "adapter")}
+    samples: dict[str, list[float]] = {
+        f"{who}_{op}": [] for op in OPS for who in ("direct", "adapter", "handoff")
+    }
+    # An empty task of the same kind: core's hand-off alone (a worker thread picks it up,
+    # an eventfd wakes the waiter), which every adapter call pays and the client does not.
+    empty = {
+        "store": partial(through.client.store, [], []),
+        "lookup": partial(through.client.lookup_and_lock, []),
+        "load": partial(through.client.load, [], []),
+    }
 
     def both(op: str, i: int, direct_action: Callable[[], None], adapter_action: Callable[[], None]) -> None:
         # Who goes first alternates from object to object: the second runs on a pool,
@@ -249,6 +258,7 @@ def latency_round(
         pair = (("direct", direct_action), ("adapter", adapter_action))
         for who, action in pair if i % 2 == 0 else pair[::-1]:
             samples[f"{who}_{op}"].append(timed(action))
+        samples[f"handoff_{op}"].append(timed(empty[op]))
 
     for i in range(count):
         source = src[i * size : (i + 1) * size]
@@ -337,6 +347,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result[f"{op}_{q}_ratio"] = statistics.median(
                 r[f"direct_{op}_{q}_ms"] / r[f"adapter_{op}_{q}_ms"] for r in rounds
             )
+        result[f"handoff_{op}_p50_ms"] = statistics.median(r[f"handoff_{op}_p50_ms"] for r in rounds)
+        # the best ratio an adapter doing nothing but core's hand-off could reach
+        result[f"{op}_p50_limit"] = statistics.median(
+            r[f"direct_{op}_p50_ms"] / (r[f"direct_{op}_p50_ms"] + r[f"handoff_{op}_p50_ms"]) for r in rounds
+        )
     return result
 
 
@@ -372,6 +387,12 @@ def report(result: dict[str, Any]) -> None:
                 f"{op + ' ' + q + ' ms/object':<22}{result[f'direct_{op}_{q}_ms']:>12.3f}"
                 f"{result[f'adapter_{op}_{q}_ms']:>12.3f}{result[f'{op}_{q}_ratio']:>8.2f}"
             )
+    print("core's task hand-off alone (an empty task of the kind), and the p50 ratio it leaves at best:")
+    for op in OPS:
+        print(
+            f"{op + ' hand-off p50 ms':<22}{'':>12}{result[f'handoff_{op}_p50_ms']:>12.3f}"
+            f"{result[f'{op}_p50_limit']:>8.2f}"
+        )
     print("the record layout alone (the client moving header + payload, no checks; ratio to direct):")
     for op in ("store", "load"):
         records, ratio = result[f"records_{op}_gbps"], result[f"records_{op}_gbps_ratio"]
