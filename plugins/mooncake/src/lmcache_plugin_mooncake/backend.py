@@ -24,9 +24,9 @@ serde chain, XXH3-128 checksum of the payload) followed by the payload.
   removed.
 * CPU work on payloads (checksums of a store's headers, a load's verification) of
   batches large enough is split between threads, one per core (xxhash releases the
-  GIL).  It runs between Mooncake calls, not during them: a Mooncake transfer keeps its calling thread
-  busy polling for completion, so on a small machine checksums taken during one only
-  compete with it for the cores (measured with ``bench/bench_mooncake.py``: verifying a
+  GIL).  It runs between Mooncake calls, not during them: a Mooncake transfer keeps its
+  calling thread busy polling for completion, so on a small machine checksums taken
+  during one only compete with it for the cores (measured with ``bench/bench_mooncake.py``: verifying a
   chunk while the next was read was 8 % slower than reading the whole batch, then
   verifying on both cores).
 * Objects vanish on their own (Mooncake evicts, a client lending memory stops): a
@@ -315,10 +315,9 @@ class MooncakeStoreBackend:
                     self.context.name, printable(keys[index].file_stem()), len(header), HEADER_BYTES,
                 )  # fmt: skip
         if writable:
-            codes = store.batch_put_session_start(
-                [batch.names[i] for i in writable], [batch.sizes[i] for i in writable]
-            )
-            _check("put", codes)
+            names = [batch.names[i] for i in writable]
+            codes = store.batch_put_session_start(names, [batch.sizes[i] for i in writable])
+            self._check_reservation(store, names, codes)
             for index, code in zip(writable, codes, strict=True):
                 reserved[index] = code
         return reserved
@@ -337,7 +336,7 @@ class MooncakeStoreBackend:
         sizes = [batch.sizes[i] for i in indexes]
         if reserved is None:
             reserved = list(store.batch_put_session_start(names, sizes))
-            _check("put", reserved)
+            self._check_reservation(store, names, reserved)
         codes = list(reserved)
         started = [position for position, code in enumerate(codes) if code == 0]
         if not started:
@@ -362,7 +361,17 @@ class MooncakeStoreBackend:
             _check("put", ended)
             for position, code in zip(done, ended, strict=True):
                 codes[position] = code
+            self._revoke(store, [names[p] for p in done if codes[p] != 0])
         return codes
+
+    def _check_reservation(self, store: Any, names: list[str], codes: list[int]) -> None:
+        """``_check`` of a reservation: when the master did not answer for some names, the
+        ones it did reserve are given back before the batch fails."""
+        try:
+            _check("put", codes)
+        except MooncakeError:
+            self._revoke(store, [name for name, code in zip(names, codes, strict=True) if code == 0])
+            raise
 
     def _revoke(self, store: Any, names: list[str]) -> None:
         """Give up reserved names whose data did not arrive (the master would discard
