@@ -161,6 +161,53 @@ def test_a_store_replaces_what_another_client_put_under_the_name(
     assert ok == [True] and contents == data
 
 
+def test_a_store_over_an_object_being_written_fails_that_key_only(
+    mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter]
+) -> None:
+    """Another client reserved the name and has not finished its put: the store neither
+    waits for it nor takes the name from it."""
+    adapter = open_adapter(config_for(mooncake_pool))
+    adapters.append(adapter)
+    busy, free = make_keys(2)
+    assert raw.batch_put_session_start([name_of(adapter, busy)], [HEADER_BYTES + SIZE]) == [0]
+    try:
+        data = [pattern(i, SIZE) for i in range(2)]
+        ok = BlockingAdapterClient(adapter).store([busy, free], [memoryview(d) for d in data])
+        assert ok == [False, True]
+        assert adapter.stats()["store_failures"] == 1
+        ok, contents = load(adapter, [free], [SIZE])
+        assert ok == [True] and contents == [data[1]]
+    finally:
+        raw.batch_put_session_revoke([name_of(adapter, busy)])
+
+
+def test_an_object_another_writer_replaced_with_another_size_is_sized_again(
+    mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter]
+) -> None:
+    """A lookup of a key core accounts asks the master about existence only and takes
+    the size from core; when another writer replaced the object with one of another
+    size, the load is a miss (never other bytes) and the next lookup sizes it again."""
+    adapter = open_adapter(config_for(mooncake_pool))
+    adapters.append(adapter)
+    (key,) = make_keys(1)
+    store(adapter, [key])
+    bigger = pattern(9, 2 * SIZE)
+    name = name_of(adapter, key)
+    assert raw.remove(name, True) == 0 and raw.put(name, _record(key, bigger)) == 0
+    client = BlockingAdapterClient(adapter)
+
+    assert client.lookup_and_lock([key]).sizes == [SIZE], "core's size, no replica query"
+    ok, _ = load(adapter, [key], [SIZE])
+    adapter.unlock([key])
+    assert ok == [False] and adapter.stats()["load_failures"] == 1
+
+    assert client.lookup_and_lock([key]).sizes == [2 * SIZE], "sized by the master this time"
+    ok, contents = load(adapter, [key], [2 * SIZE])
+    adapter.unlock([key])
+    assert ok == [True] and contents == [bigger]
+    assert adapter.used_bytes() == 2 * SIZE
+
+
 def test_batches_larger_than_a_lane_round_trip(
     mooncake_pool: LocalCluster, adapters: list[BackendAdapter]
 ) -> None:

@@ -4,32 +4,40 @@ Object ``key`` is named ``key_prefix + key_to_name(key)`` in the pool, the same 
 every server, and holds a record: a header padded to ``HEADER_BYTES`` (key, lengths,
 serde chain, XXH3-128 checksum of the payload) followed by the payload.
 
-* Store: Mooncake's put keeps an object that already exists (and says it succeeded), so
-  names the pool already holds are removed first and put again; each put gathers the
-  header and the payload (an L1 slice) without copying them together, the whole batch
-  in one call.
-* Lookup: existence, then the replicas' sizes from the master (a record's payload is its
-  size minus the header), in two batched RPCs; only when core cannot tell the L1 size
-  (a size-changing serde chain, a key another server stored) is the header read too.
+* Store: one put session per batch -- reserve the names (a master RPC), write each record
+  by a scatter of the header and the payload (an L1 slice, not copied together), publish
+  them (a master RPC): the plain put's own two RPCs.  The reservation refuses a name the
+  pool already holds, where a plain put keeps the old object and reports success; only
+  those names are removed and put again (``store_replaced``), so no existence query
+  precedes a put.
+* Lookup: existence in one batched RPC; the size of a key core already accounts (stored
+  through this adapter or listed at start) is core's when no serde chain is configured.
+  Only the other hits ask the master for their replicas' sizes (a record's payload is
+  its size minus the header), and only when core cannot tell the L1 size (a
+  size-changing serde chain, a key another server stored) is the header read too.  A
+  load that finds an object of another size (replaced by another writer) is a miss, and
+  that key's next lookup asks the master for its size again.
 * Load: one scatter read per key -- header into a registered lane, payload straight into
   the L1 buffer (registered with the client), exactly the sizes the lookup reported --
   for the whole batch (up to ``KEYS_PER_LANE`` keys) in one call, then the headers and
   payload checksums are verified; anything that does not verify is a miss, and damage is
   removed.
 * CPU work on payloads (checksums of a store's headers, a load's verification) of
-  batches large enough is split between the calling thread and helper threads (xxhash
-  releases the GIL).  It runs between Mooncake calls, not during them: a Mooncake call
-  keeps its own thread busy polling for the transfer's completion, so on a small machine
-  checksums taken during a transfer only compete with it for the cores (measured with
-  ``bench/bench_mooncake.py``: verifying a chunk while the next was read was 8 % slower
-  than reading the whole batch, then verifying on both cores).
+  batches large enough is split between threads, one per core (xxhash releases the
+  GIL).  It runs between Mooncake calls, not during them: a Mooncake transfer keeps its
+  calling thread busy polling for completion, so on a small machine checksums taken
+  during one only compete with it for the cores (measured with ``bench/bench_mooncake.py``: verifying a
+  chunk while the next was read was 8 % slower than reading the whole batch, then
+  verifying on both cores).
 * Objects vanish on their own (Mooncake evicts, a client lending memory stops): a
   vanished object is a miss; deleting one core still accounts reports True (counted as
   ``objects_vanished``) so that its bytes are released.
 
-Lookups and deletes wait at most ``operation_timeout_s`` (see :mod:`.calls`); stores and
-loads run on the adapter's threads and are bounded by Mooncake's own timeouts, set from
-the same value, because they read or write memory core may reuse once they return.  Every
+Deletes and probes wait at most ``operation_timeout_s`` (see :mod:`.calls`); lookups,
+stores and loads run on the adapter's threads and are bounded by Mooncake's own timeouts,
+set from the same value (stores and loads read or write memory core may reuse once they
+return; lookups are on the request path, where a hop to another thread and back costs
+more than the RPC).  Every
 failure of the pool raises, so core's circuit breaker (``remote = True``) opens after
 repeated ones and ``ping`` closes it when the master answers again.
 """
@@ -42,10 +50,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any
 
 from lmcache_plugin_mooncake.calls import CallPool
 from lmcache_plugin_mooncake.client import (
+    EXISTS,
     NO_ROOM,
     NOT_FOUND,
     UNREACHABLE,
@@ -73,6 +83,8 @@ logger = logging.getLogger(__name__)
 MAX_NAME_BYTES = 255
 #: names sized per replica query of the start-up listing
 _LIST_BATCH = 512
+#: names remembered for a fresh size query at most (see ``_size_changed``)
+_RESIZED_MAX = 1 << 16
 #: a repeated warning is logged at most once per this many seconds
 _WARN_EVERY_S = 60.0
 #: payload bytes below which checksums are taken on the calling thread alone (handing
@@ -124,6 +136,37 @@ def _check(what: str, codes: Sequence[int]) -> None:
         raise MooncakeError(f"{what}: {describe(unreachable[0])} for {len(unreachable)} of {len(codes)} keys")
 
 
+#: where a record's parts go in its object: the header, then the payload
+_RECORD_OFFSETS = [0, HEADER_BYTES]
+_HEADER_OFFSET = [0]
+#: a transfer that wrote fewer bytes than the record holds
+_TRANSFER_FAILED = -800
+#: a record not put because removing the old object failed, or because its header
+#: does not fit (each counted where it happens)
+_GIVEN_UP = 1
+_HEADER_TOO_LONG = 2
+
+
+@dataclass
+class _StoreBatch:
+    """The records of one ``put_many``, by key: object name, header, record size, payload."""
+
+    names: list[str]
+    headers: list[bytes]
+    sizes: list[int]
+    payloads: list[memoryview]
+
+    def pointers(self, index: int) -> list[int]:
+        """Where record ``index``'s parts are (see ``_record_parts``)."""
+        header, payload = self.headers[index], self.payloads[index]
+        return [address_of(header), address_of(payload)] if payload.nbytes else [address_of(header)]
+
+
+def _record_parts(payload_bytes: int) -> list[int]:
+    """Sizes of a record's parts as they are put and read."""
+    return [HEADER_BYTES, payload_bytes] if payload_bytes else [HEADER_BYTES]
+
+
 #: the name the circuit breaker's probe asks about (no key is named like it)
 PROBE_NAME = "lmcache-tiers-probe"
 
@@ -151,6 +194,9 @@ class MooncakeStoreBackend:
             config.num_workers * (self._parts - 1) or 1, thread_name_prefix=f"mooncake-{context.name}-sum"
         )
         self._throttle = _Throttle()
+        #: names whose next lookup must ask the master for their size (see _known_size)
+        self._resized: set[str] = set()
+        self._resized_lock = threading.Lock()
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -212,87 +258,164 @@ class MooncakeStoreBackend:
     # -- store -----------------------------------------------------------------------------
 
     def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        store = self.connection.store()
+        batch = _StoreBatch(
+            [self.names.of(key) for key in keys],
+            [b""] * len(keys),
+            [HEADER_BYTES + payload.nbytes for payload in payloads],
+            list(payloads),
+        )
+        reserved = self._reserve_and_encode(store, batch, keys)
+        codes = self._put(store, batch, list(range(len(keys))), reserved)
+        existing = [index for index, code in enumerate(codes) if code == EXISTS]
+        if existing:
+            # The pool holds these names already: the reservation refused them (a plain
+            # put would keep the old object and still report success), so replace them.
+            again = self._remove_existing(store, batch.names, codes, existing)
+            for index, code in zip(again, self._put(store, batch, again), strict=True):
+                codes[index] = code
         ok = [False] * len(keys)
-        headers: list[bytes] = [b""] * len(keys)
+        for index, (name, code) in enumerate(zip(batch.names, codes, strict=True)):
+            if code == 0:
+                ok[index] = True
+            elif code == NO_ROOM:
+                self.context.count("store_no_room")
+                self._throttle.warn(
+                    "room", "%s: the Mooncake pool has no room for %s", self.context.name, name
+                )
+            elif code not in (_GIVEN_UP, _HEADER_TOO_LONG):
+                self.context.count("store_failures")
+                self._throttle.warn(
+                    "put", "%s: put of %s returned %s", self.context.name, name, describe(code)
+                )
+        return ok
+
+    def _reserve_and_encode(self, store: Any, batch: _StoreBatch, keys: Sequence[ObjectKey]) -> list[int]:
+        """Compute the record headers (the payloads' checksums), then reserve the names in
+        the pool; the reservation's code per key.
+
+        Not overlapped: handing the checksum of one object to another thread while this
+        one waits for the reservation cost more than it hid (the hand-off and the other
+        thread's wake-up, at write-back priority, against a 0.1 ms RPC)."""
 
         def encode(indexes: Sequence[int]) -> None:
             for index in indexes:
-                headers[index] = self.context.record_header(keys[index], payloads[index], align=HEADER_BYTES)
+                batch.headers[index] = self.context.record_header(
+                    keys[index], batch.payloads[index], align=HEADER_BYTES
+                )
 
-        self._in_parallel(encode, len(keys), sum(payload.nbytes for payload in payloads))
-        records: list[tuple[int, str, bytes]] = []
-        for index, (key, header) in enumerate(zip(keys, headers, strict=True)):
+        self._in_parallel(encode, len(keys), sum(batch.sizes))
+        writable = [index for index, header in enumerate(batch.headers) if len(header) == HEADER_BYTES]
+        reserved = [_HEADER_TOO_LONG] * len(keys)
+        for index, header in enumerate(batch.headers):
             if len(header) != HEADER_BYTES:
                 self.context.count("record_header_too_long")
                 self._throttle.warn(
                     "header", "%s: %s not stored: its record header needs %d bytes, more than %d",
-                    self.context.name, printable(key.file_stem()), len(header), HEADER_BYTES,
+                    self.context.name, printable(keys[index].file_stem()), len(header), HEADER_BYTES,
                 )  # fmt: skip
-                continue
-            records.append((index, self.names.of(key), header))
-        if not records:
-            return ok
-        store = self.connection.store()
-        names = [name for _, name, _ in records]
-        writable = self._make_room(store, names)
-        parts = [
-            ([address_of(header), address_of(payloads[index])], [HEADER_BYTES, payloads[index].nbytes])
-            if payloads[index].nbytes
-            else ([address_of(header)], [HEADER_BYTES])
-            for index, _, header in records
-        ]
-        todo = [position for position, free in enumerate(writable) if free]
-        codes = store.batch_put_from_multi_buffers(
-            [names[p] for p in todo], [parts[p][0] for p in todo], [parts[p][1] for p in todo]
-        )
-        _check("put", codes)
-        for position, code in zip(todo, codes, strict=True):
-            if code == 0:
-                ok[records[position][0]] = True
-            elif code == NO_ROOM:
-                self.context.count("store_no_room")
-                self._throttle.warn(
-                    "room", "%s: the Mooncake pool has no room for %s", self.context.name, names[position]
-                )
-            else:
-                self.context.count("store_failures")
-                self._throttle.warn(
-                    "put", "%s: put of %s returned %s", self.context.name, names[position], describe(code)
-                )
-        return ok
+        if writable:
+            names = [batch.names[i] for i in writable]
+            codes = store.batch_put_session_start(names, [batch.sizes[i] for i in writable])
+            self._check_reservation(store, names, codes)
+            for index, code in zip(writable, codes, strict=True):
+                reserved[index] = code
+        return reserved
 
-    def _make_room(self, store: Any, names: list[str]) -> list[bool]:
-        """Remove the names the pool holds already (a put would keep them); True where a
-        put may follow."""
-        present = store.batch_is_exist(names)
-        _check("existence query", present)
-        if any(code < 0 for code in present):
-            raise MooncakeError(f"existence query returned {describe(min(present))}")
-        existing = [name for name, code in zip(names, present, strict=True) if code == 1]
-        if not existing:
-            return [True] * len(names)
-        codes = dict(zip(existing, store.batch_remove(existing, True), strict=True))
-        _check("remove", list(codes.values()))
-        self.context.count("store_replaced", sum(1 for code in codes.values() if code in (0, NOT_FOUND)))
-        free = [codes.get(name, 0) in (0, NOT_FOUND) for name in names]
-        for name, code in codes.items():
-            if code not in (0, NOT_FOUND):
-                self.context.count("store_failures")
-                self._throttle.warn(
-                    "replace",
-                    "%s: %s not replaced: remove returned %s",
-                    self.context.name,
-                    name,
-                    describe(code),
-                )
-        return free
+    def _put(
+        self, store: Any, batch: _StoreBatch, indexes: list[int], reserved: list[int] | None = None
+    ) -> list[int]:
+        """Put the records ``indexes`` of ``batch`` in one put session (reserved first
+        unless ``reserved`` says how that went): Mooncake's code per record (0: stored,
+        ``EXISTS``: the pool holds the name, nothing written).
+
+        A session is the plain put's own two master RPCs (reserve, then publish), called
+        one by one: its reservation refuses names the pool holds, where a plain put
+        keeps the old object and reports success, so no existence query is needed."""
+        names = [batch.names[i] for i in indexes]
+        sizes = [batch.sizes[i] for i in indexes]
+        if reserved is None:
+            reserved = list(store.batch_put_session_start(names, sizes))
+            self._check_reservation(store, names, reserved)
+        codes = list(reserved)
+        started = [position for position, code in enumerate(codes) if code == 0]
+        if not started:
+            return codes
+        try:
+            written = store.batch_put_from_multi_buffer_ranges(
+                [names[p] for p in started],
+                [batch.pointers(indexes[p]) for p in started],
+                [_record_parts(sizes[p] - HEADER_BYTES) for p in started],
+                [_RECORD_OFFSETS if sizes[p] > HEADER_BYTES else _HEADER_OFFSET for p in started],
+            )
+            _check("put", written)
+        except BaseException:
+            self._revoke(store, [names[p] for p in started])
+            raise
+        for position, got in zip(started, written, strict=True):
+            codes[position] = 0 if got == sizes[position] else (got if got < 0 else _TRANSFER_FAILED)
+        self._revoke(store, [names[p] for p in started if codes[p] != 0])
+        done = [p for p in started if codes[p] == 0]
+        if done:
+            ended = store.batch_put_session_end([names[p] for p in done])
+            _check("put", ended)
+            for position, code in zip(done, ended, strict=True):
+                codes[position] = code
+            self._revoke(store, [names[p] for p in done if codes[p] != 0])
+        return codes
+
+    def _check_reservation(self, store: Any, names: list[str], codes: list[int]) -> None:
+        """``_check`` of a reservation: when the master did not answer for some names, the
+        ones it did reserve are given back before the batch fails."""
+        try:
+            _check("put", codes)
+        except MooncakeError:
+            self._revoke(store, [name for name, code in zip(names, codes, strict=True) if code == 0])
+            raise
+
+    def _revoke(self, store: Any, names: list[str]) -> None:
+        """Give up reserved names whose data did not arrive (the master would discard
+        them only after its own timeout, keeping them from other writers until then)."""
+        if not names:
+            return
+        try:
+            codes = store.batch_put_session_revoke(names)
+        except Exception as exc:  # the put already failed; its failure is what is raised
+            logger.debug("%s: revoking %d put sessions failed: %s", self.context.name, len(names), exc)
+            return
+        if any(code not in (0, NOT_FOUND) for code in codes):
+            self._throttle.warn(
+                "revoke", "%s: revoking a failed put returned %s", self.context.name, describe(min(codes))
+            )
+
+    def _remove_existing(
+        self, store: Any, names: list[str], codes: list[int], indexes: list[int]
+    ) -> list[int]:
+        """Remove the objects the pool held under ``names[i]`` for ``i`` in ``indexes``;
+        the indexes that may be put again (the others are marked given up in ``codes``)."""
+        removed = store.batch_remove([names[i] for i in indexes], True)
+        _check("remove", removed)
+        again: list[int] = []
+        for position, code in zip(indexes, removed, strict=True):
+            name = names[position]
+            if code in (0, NOT_FOUND):
+                again.append(position)
+                continue
+            codes[position] = _GIVEN_UP
+            self.context.count("store_failures")
+            self._throttle.warn(
+                "replace", "%s: %s not replaced: remove returned %s", self.context.name, name, describe(code)
+            )
+        self.context.count("store_replaced", len(again))
+        return again
 
     # -- lookup ----------------------------------------------------------------------------
 
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | ObjectSize | None]:
-        names = [self.names.of(key) for key in keys]
-        store = self.connection.store()
-        return self.calls.run("lookup", self.timeout, self._contains, store, list(keys), names)
+        # On the calling thread: a lookup is master RPCs (and, rarely, a header read),
+        # each ended by Mooncake's own timeouts, and a hop to a deadline pool and back
+        # cost two thread wake-ups on every lookup (the request path).
+        return self._contains(self.connection.store(), list(keys), [self.names.of(key) for key in keys])
 
     def _contains(self, store: Any, keys: list[ObjectKey], names: list[str]) -> list[int | ObjectSize | None]:
         found: list[int | ObjectSize | None] = [None] * len(keys)
@@ -300,10 +423,18 @@ class MooncakeStoreBackend:
         _check("existence query", present)
         if any(code < 0 for code in present):
             raise MooncakeError(f"existence query returned {describe(min(present))}")
-        hits = [index for index, code in enumerate(present) if code == 1]
-        sizes = self._record_sizes(store, [names[i] for i in hits])
+        unsized: list[int] = []
+        for index, code in enumerate(present):
+            if code != 1:
+                continue
+            known = self._known_size(keys[index], names[index])
+            if known is None:
+                unsized.append(index)
+            else:
+                found[index] = known
+        sizes = self._record_sizes(store, [names[i] for i in unsized])
         need_header: list[int] = []
-        for index in hits:
+        for index in unsized:
             size = sizes.get(names[index])
             if size is None:
                 continue  # gone since the existence query, or still being written
@@ -318,6 +449,27 @@ class MooncakeStoreBackend:
         for chunk in chunks(len(need_header)):
             self._sizes_from_headers(store, keys, names, [need_header[i] for i in chunk], found)
         return found
+
+    def _known_size(self, key: ObjectKey, name: str) -> int | None:
+        """The payload size of an existing object when core already knows it: without a
+        serde chain the stored size is the L1 size core accounts (a store's or the
+        listing's).  None where the master must be asked: a chain is configured, core
+        does not know the key, or a load found the object of another size."""
+        if self.context.serde:
+            return None
+        if self._resized:  # rare: not worth the lock on every hit otherwise
+            with self._resized_lock:
+                if name in self._resized:
+                    self._resized.discard(name)
+                    return None
+        return self.context.l1_size_of(key)
+
+    def _size_changed(self, name: str) -> None:
+        """A load found ``name`` not of the size reported: its next lookup asks the master."""
+        with self._resized_lock:
+            if len(self._resized) >= _RESIZED_MAX:
+                self._resized.clear()  # the names then get one needless replica query each
+            self._resized.add(name)
 
     def _record_sizes(self, store: Any, names: list[str]) -> dict[str, int]:
         """Size of each name's complete replica (names without one are left out)."""
@@ -423,7 +575,9 @@ class MooncakeStoreBackend:
                 elif code == NOT_FOUND:
                     self.context.count("load_vanished")
                 else:
-                    # -600: the object is not the size the lookup reported (replaced since)
+                    # -600, -800: the object is not the size the lookup reported (replaced
+                    # since by another writer): a miss, and the next lookup sizes it again
+                    self._size_changed(name)
                     self.context.count("load_failures")
                     self._throttle.warn(
                         "get", "%s: get of %s returned %s", self.context.name, name, describe(code)

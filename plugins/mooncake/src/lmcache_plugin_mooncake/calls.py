@@ -2,9 +2,11 @@
 
 The Mooncake client blocks in C++ (with the GIL released) and cannot be cancelled; its
 own timeouts (set from ``operation_timeout_s``) end master RPCs and stalled transfers, but
-a call stuck anywhere else must not hold an adapter thread -- a lookup that never
-returns would stall the prefetches queued behind it.  Calls therefore run on daemon
-threads of this pool and the caller stops waiting at the deadline (``CallTimeout``).  A
+a call stuck anywhere else must not hold the thread that made it -- a delete runs on the
+thread of the controller evicting, a probe on the circuit breaker's.  Those calls
+therefore run on daemon threads of this pool and the caller stops waiting at the
+deadline (``CallTimeout``).  Lookups do not: they are on the request path, where the hop
+to a pool thread and back cost more than the RPC, and Mooncake's timeouts end them.  A
 call given up this way may still finish later: what it touches must stay valid, so the
 caller passes ``on_late`` to release its resources only then.  Calls that write into
 memory the caller gives back on failure (loads into L1) must not use the pool.

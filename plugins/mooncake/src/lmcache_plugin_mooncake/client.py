@@ -33,12 +33,14 @@ ERROR_NAMES = {
     -200: "no room in the pool",
     -600: "invalid parameters",
     -704: "object not found",
+    -705: "object already exists",
     -706: "object has a lease",
     -800: "transfer failed",
     -900: "master RPC failed",
     -901: "master RPC timed out",
 }
 NOT_FOUND = -704
+EXISTS = -705
 NO_ROOM = -200
 #: codes that say the master did not answer: the whole batch fails (counted as a
 #: backend error), not a key at a time

@@ -147,7 +147,7 @@ class MooncakeStoreConfig(L2AdapterConfig):
             le=600.0,
             description=(
                 "Longest a call to Mooncake may take: master RPCs and stalled transfers fail "
-                "after it (Mooncake's own timeouts), and lookups and deletes are given up."
+                "after it (Mooncake's own timeouts), and deletes and probes are given up."
             ),
         ),
     ] = 5.0
