@@ -1,11 +1,11 @@
 """Record files in a local directory with plain ``os`` calls: pwrite/preadv, O_DIRECT.
 
 A store encodes the header (with the payload's checksum), writes payload and header to a
-new temporary file and renames it over the record (:meth:`LocalFiles.publish`).  A load
-reads the header together with the first piece of the payload, then the rest piece by
-piece, each piece checksummed as soon as it landed, while it is still in the CPU's cache
-(core's :class:`~lmcache_tiers.l2.files.loads.RecordLoads`, each object's whole load
-on the I/O thread that took it).  Nothing is handed back
+new temporary file and renames it over the record (:meth:`LocalFiles.publish`).  A
+buffered load reads the header together with the first piece of the payload, then the
+rest piece by piece, each piece hashed as soon as it landed, while it is still in the
+CPU's cache; the headers of a batch are judged after its reads, in one pass (core's
+:meth:`~lmcache_tiers.l2.files.loads.RecordLoads.load_many`).  Nothing is handed back
 that did not verify.  A batch of large objects is spread over a few I/O threads, each
 handling whole records: the copies to and from the page cache, the checksums and the
 system calls all release the GIL, so records move in parallel on as many cores (handing
@@ -248,6 +248,10 @@ class LocalRecords:
     # -- loads --------------------------------------------------------------------------------
 
     def read_many(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        if not self.direct:
+            # Buffered: the read threads only read and hash; headers are judged after,
+            # in one pass (core's RecordLoads.load_many, as nixl_store_dynamic does).
+            return self._loads.load_many(keys, buffers, self._readers)
         return self._each(self._readers, self._load, keys, buffers)
 
     def _load(self, _index: int, key: ObjectKey, buffer: memoryview) -> bool:
