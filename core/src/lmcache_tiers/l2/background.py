@@ -45,6 +45,8 @@ import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
+from lmcache_tiers.tmpfs import libc_function
+
 __all__ = ["WRITE_BACK", "WRITE_BACK_NICE", "BackgroundThreads"]
 
 log = logging.getLogger("lmcache_tiers.l2")
@@ -73,22 +75,25 @@ def ioprio_value(idle: bool) -> int:
     return (_IOPRIO_CLASS_BE << _IOPRIO_CLASS_SHIFT) | _IOPRIO_BE_NORMAL
 
 
+# syscall(2) is variadic: one typed binding per argument count
+_syscall2 = libc_function("syscall", (ctypes.c_long, ctypes.c_int, ctypes.c_int))
+_syscall3 = libc_function("syscall", (ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int))
+
+
 def get_ioprio(tid: int) -> int | None:
     """The I/O priority of thread ``tid`` as ``ioprio_get`` returns it; None where unknown."""
     numbers = _syscalls()
-    if numbers is None:
+    if numbers is None or _syscall2 is None:
         return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    value = int(libc.syscall(numbers[1], _IOPRIO_WHO_PROCESS, tid))
+    value = int(_syscall2(numbers[1], _IOPRIO_WHO_PROCESS, tid))
     return None if value < 0 else value
 
 
 def _set_ioprio(tid: int, idle: bool) -> None:
     numbers = _syscalls()
-    if numbers is None:
+    if numbers is None or _syscall3 is None:
         raise OSError(f"ioprio_set is not known on {os.uname().machine}")
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(numbers[0], _IOPRIO_WHO_PROCESS, tid, ioprio_value(idle)) != 0:
+    if _syscall3(numbers[0], _IOPRIO_WHO_PROCESS, tid, ioprio_value(idle)) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, os.strerror(errno))
 
