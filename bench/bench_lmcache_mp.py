@@ -110,7 +110,7 @@ def start_reference(port: int, l2_dir: Path | None, l1_gb: int, logs: Path) -> s
 
 
 def start_tiers(
-    port: int, l2_dir: Path | None, l1_gb: int, logs: Path, l2_type: str = "fs"
+    port: int, l2_dir: Path | None, l1_gb: int, logs: Path, l2_type: str = "fs", direct: bool = False
 ) -> subprocess.Popen[bytes]:
     command = [
         sys.executable,
@@ -118,9 +118,9 @@ def start_tiers(
         *("--port", str(port), "--metrics-port", "0", "--frontend", '{"type": "lmcache_mp"}'),
     ]
     if l2_dir is not None:
-        adapter: dict[str, Any] = {"type": "fs", "path": str(l2_dir), "max_capacity_gb": 8}
+        adapter: dict[str, Any] = {"type": "fs", "path": str(l2_dir), "max_capacity_gb": 8, "use_odirect": direct}
         if l2_type == "nixl":
-            params = {"file_path": str(l2_dir), "use_direct_io": "false", "max_capacity_gb": "8"}
+            params = {"file_path": str(l2_dir), "use_direct_io": str(direct).lower(), "max_capacity_gb": "8"}
             adapter = {"type": "nixl_store_dynamic", "backend": "POSIX", "backend_params": params}
         command += ["--l2-adapter", json.dumps(adapter)]
     return subprocess.Popen(command, stdout=(logs / "tiers.log").open("ab"), stderr=subprocess.STDOUT)
@@ -184,7 +184,7 @@ def start_both(
 ) -> dict[str, tuple[subprocess.Popen[bytes], str]]:
     """The servers of one configuration, listening: system -> (process, URL)."""
     running: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
-    starters = {"reference": start_reference, "tiers": functools.partial(start_tiers, l2_type=args.tiers_l2)}
+    starters = {"reference": start_reference, "tiers": functools.partial(start_tiers, l2_type=args.tiers_l2, direct=args.direct)}
     try:
         for system in systems:
             start = starters[system]
@@ -314,6 +314,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--tiers-l2", choices=("fs", "nixl"), default="fs", help="lmcache-tiers' file L2 adapter (default fs)"
+    )
+    parser.add_argument(
+        "--direct",
+        action="store_true",
+        help="lmcache-tiers' L2 reads and writes with O_DIRECT (fs use_odirect, nixl use_direct_io)",
     )
     parser.add_argument(
         "--no-warmup",
