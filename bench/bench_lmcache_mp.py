@@ -118,7 +118,12 @@ def start_tiers(
         *("--port", str(port), "--metrics-port", "0", "--frontend", '{"type": "lmcache_mp"}'),
     ]
     if l2_dir is not None:
-        adapter: dict[str, Any] = {"type": "fs", "path": str(l2_dir), "max_capacity_gb": 8, "use_odirect": direct}
+        adapter: dict[str, Any] = {
+            "type": "fs",
+            "path": str(l2_dir),
+            "max_capacity_gb": 8,
+            "use_odirect": direct,
+        }
         if l2_type == "nixl":
             params = {"file_path": str(l2_dir), "use_direct_io": str(direct).lower(), "max_capacity_gb": "8"}
             adapter = {"type": "nixl_store_dynamic", "backend": "POSIX", "backend_params": params}
@@ -184,7 +189,10 @@ def start_both(
 ) -> dict[str, tuple[subprocess.Popen[bytes], str]]:
     """The servers of one configuration, listening: system -> (process, URL)."""
     running: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
-    starters = {"reference": start_reference, "tiers": functools.partial(start_tiers, l2_type=args.tiers_l2, direct=args.direct)}
+    starters = {
+        "reference": start_reference,
+        "tiers": functools.partial(start_tiers, l2_type=args.tiers_l2, direct=args.direct),
+    }
     try:
         for system in systems:
             start = starters[system]
