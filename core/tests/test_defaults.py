@@ -32,6 +32,7 @@ def test_default_is_a_capped_fs_with_lru_eviction(cache: Path) -> None:
     assert adapter["type"] == "fs" and adapter["path"] == str(cache / "l2")
     assert 0 < adapter["max_capacity_gb"] <= defaults.DEFAULT_L2_CAPACITY_GB
     assert adapter["eviction"] == {"eviction_policy": "LRU", "trigger_watermark": 0.8, "eviction_ratio": 0.2}
+    assert adapter["use_odirect"] == "auto", "O_DIRECT where the filesystem takes it"
     note = defaults.describe_default(adapter)
     assert note is not None and "LRU eviction at 80% frees 20%" in note
     assert defaults.CACHE_DIR_ENV in note and "--no-default-l2" in note

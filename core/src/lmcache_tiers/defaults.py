@@ -3,9 +3,14 @@
 An ``fs`` adapter in ``<user cache dir>/lmcache-tiers/l2`` (``LMCACHE_TIERS_CACHE_DIR``
 moves the whole cache directory), sharded, with a capacity of 10 GiB or 10% of the size
 of the filesystem holding it, whichever is smaller (``LMCACHE_TIERS_CACHE_GB`` sets it),
-and LRU eviction at 80% usage freeing 20%.  The capacity depends on the filesystem's size,
-not on its free space, so it is the same at every start while the cache fills.  The start-up
-scan counts what earlier runs left, so the cache stays under its capacity across restarts.
+and LRU eviction at 80% usage freeing 20%.  Records move with ``O_DIRECT`` where the
+filesystem takes it (``use_odirect: "auto"``): buffered writes copy every stored byte into
+the page cache inside the kernel, and on kernels without preemption of kernel code
+(``PREEMPT_NONE``) those copies, and the flushing after them, keep request threads and the
+engine off the CPU for tens of milliseconds (docs/adapters/fs.md).  The capacity depends
+on the filesystem's size, not on its free space, so it is the same at every start while the
+cache fills.  The start-up scan counts what earlier runs left, so the cache stays under its
+capacity across restarts.
 
 One default server per user and cache directory: a second one is refused with a hint
 (:func:`claim_default_l2`), not left to fail on the adapter's directory lock.
@@ -95,6 +100,7 @@ def default_l2_adapters(registry: ComponentRegistry) -> list[dict[str, Any]]:
                 "path": str(directory),
                 "max_capacity_gb": capacity,
                 "shard_dirs": True,
+                "use_odirect": "auto",
                 "eviction": dict(DEFAULT_L2_EVICTION),
             }
         ]

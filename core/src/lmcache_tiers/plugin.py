@@ -39,7 +39,8 @@ What each kind of plugin needs:
   ``RecordLoads``, name helpers (``record_name``, ``classify_name``,
   ``EntryKind``, ``is_temp_name``, ``check_relative_dir``, ``record_key``), ``identity_of``, ``FileIdentity``,
   ``is_out_of_space``; stores with paths or devices, for their ``preflight``:
-  ``check_directory``, ``check_file``;
+  ``check_directory``, ``check_file``; whether a directory takes ``O_DIRECT``:
+  ``direct_io_refusal``;
 * tests: ``L2AdapterSuite`` (``PERSISTENCE``, ``CAPACITY``, ``EVICTION``, ``IMMEDIATE_MISSES``,
   ``IMMEDIATE_HITS``), ``SerdeSuite``
   (``LOSSLESS``, ``DETECTS_CORRUPTION``, ``BINDS_KEY``),
@@ -121,7 +122,7 @@ if TYPE_CHECKING:
     )
     from lmcache_tiers.l2.files.loads import RecordLoads
     from lmcache_tiers.l2.interface import L2Adapter, L2Listener, L2Op, LookupResult
-    from lmcache_tiers.l2.preflight import check_directory, check_file
+    from lmcache_tiers.l2.preflight import check_directory, check_file, direct_io_refusal
     from lmcache_tiers.l2.readers import SlotReaders
     from lmcache_tiers.l2.record import (
         PREFIX_SIZE,
@@ -209,6 +210,7 @@ _LAZY = {
     "RecordLoads": "lmcache_tiers.l2.files.loads",
     "check_directory": "lmcache_tiers.l2.preflight",
     "check_file": "lmcache_tiers.l2.preflight",
+    "direct_io_refusal": "lmcache_tiers.l2.preflight",
     "L2Adapter": _L2,
     "L2Listener": _L2,
     "L2Op": _L2,
@@ -361,6 +363,7 @@ __all__ = [
     "copy_into",
     "copy_verified",
     "decode_request",
+    "direct_io_refusal",
     "header_length",
     "hookimpl",
     "identity_of",

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import test_obj_backend
@@ -17,6 +18,7 @@ from lmcache_plugin_nixl.availability import azure_blob_endpoint, check_remote_e
 from test_obj_backend import HERE, s3_endpoint  # noqa: F401 - the S3 server fixture
 
 from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.l2.preflight import direct_io_refusal
 
 CLI = [sys.executable, "-m", "lmcache_tiers.cli.main"]
 
@@ -125,3 +127,18 @@ def test_serve_with_an_unreachable_azure_blob_endpoint_exits_2_in_one_line() -> 
         f"AZURE_BLOB endpoint http://127.0.0.1:{closed}/acct (127.0.0.1:{closed}) cannot be reached"
         in errors[0]
     )
+
+
+def test_direct_io_is_refused_where_the_filesystem_does_not_take_it(tmp_path: Path) -> None:
+    from lmcache_plugin_nixl.availability import check_direct_io
+
+    from lmcache_tiers.testing.mounts import tmpfs_at
+
+    if direct_io_refusal(str(tmp_path)) is None:
+        check_direct_io(str(tmp_path))  # a filesystem that takes O_DIRECT passes
+    with tmpfs_at(str(tmp_path / "ramfs"), "mode=0700", fstype="ramfs") as refused:
+        if refused is not None:
+            pytest.skip(refused)
+        with pytest.raises(ConfigError, match=r'use_direct_io is "true" but .* does not support O_DIRECT'):
+            check_direct_io(str(tmp_path / "ramfs"))
+        assert os.listdir(tmp_path / "ramfs") == [], "the probe leaves nothing behind"

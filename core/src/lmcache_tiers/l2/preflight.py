@@ -11,12 +11,15 @@ The two helpers here are what file, slot and device stores need: a directory the
 may create, and a file (or device node) it may create or open.  They create nothing,
 except one probe directory, removed at once, where only trying tells whether this user
 may create entries (permissions, read-only or virtual filesystems).
+:func:`direct_io_refusal` tells a store, once its directory exists, whether the
+filesystem there takes ``O_DIRECT`` transfers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import stat
 from collections.abc import Mapping
@@ -30,7 +33,7 @@ if TYPE_CHECKING:
     from lmcache_tiers.config import AdapterSpec, ServerConfig
     from lmcache_tiers.registry import ComponentRegistry
 
-__all__ = ["check_directory", "check_file", "preflight_adapters"]
+__all__ = ["check_directory", "check_file", "direct_io_refusal", "preflight_adapters"]
 
 #: filesystems that hold no files of ours, whatever the permissions say
 _VIRTUAL_ROOTS = ("/proc", "/sys")
@@ -162,6 +165,49 @@ def check_file(path: str, field: str, *, devices: str = "", create: bool = True)
     accepted = {"block": "block device", "char": "character device"}
     wanted = " or ".join(["a regular file"] + [f"a {accepted[kind]}" for kind in accepted if kind in devices])
     raise FieldError(field, f"{path} is {kind}; give {wanted}")
+
+
+#: the transfer unit of the direct I/O probe (the page size every filesystem aligns to)
+_DIRECT_PROBE_BYTES = 4096
+
+
+def direct_io_refusal(directory: str) -> str | None:
+    """Why the filesystem of ``directory`` (which exists) refuses ``O_DIRECT``, or None
+    when it takes it.
+
+    One aligned block is written and read back through a probe file: some filesystems
+    (ramfs, tmpfs before Linux 6.6) refuse the flag at open, others (FUSE, network
+    filesystems) only on the first transfer, which must show here, not as EINVAL on every
+    store.  The probe has a
+    temporary-file name (``.tmp-*.part``), so one a crash leaves behind is swept like the
+    others.  Errors other than a refusal of direct I/O (permissions, a full disk) raise.
+    """
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return "this platform has no O_DIRECT"
+    probe = os.path.join(directory, f".tmp-directio-{os.getpid()}-{id(directory):x}.part")
+    block = mmap.mmap(-1, _DIRECT_PROBE_BYTES)  # page-aligned, as O_DIRECT wants
+    try:
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | flag, 0o600)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return exc.strerror or "EINVAL"
+            raise
+        try:
+            os.pwrite(fd, block, 0)
+            os.preadv(fd, [block], 0)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return exc.strerror or "EINVAL"
+            raise
+        finally:
+            os.close(fd)
+    finally:
+        block.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(probe)
+    return None
 
 
 def _preflight_one(registry: ComponentRegistry, index: int, spec: AdapterSpec, where: str) -> None:

@@ -1,4 +1,5 @@
-"""Mounting a private tmpfs (huge pages, a small size, read-only) for tests and benchmarks.
+"""Mounting a private tmpfs (huge pages, a small size, read-only) -- or another in-memory
+filesystem such as ramfs -- for tests and benchmarks.
 
 Mounting needs root (or CAP_SYS_ADMIN); where the system refuses, :func:`mount_tmpfs`
 says why in one line instead of raising, so a test can skip with that reason and a
@@ -13,12 +14,12 @@ import subprocess
 from collections.abc import Iterator
 
 
-def mount_tmpfs(directory: str, options: str) -> str | None:
-    """Mount a fresh tmpfs on the existing ``directory`` with ``options`` (``mount -o``);
-    None once mounted, else the reason the system refused."""
+def mount_tmpfs(directory: str, options: str, fstype: str = "tmpfs") -> str | None:
+    """Mount a fresh tmpfs (or ``fstype``) on the existing ``directory`` with ``options``
+    (``mount -o``); None once mounted, else the reason the system refused."""
     try:
         result = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", directory],
+            ["mount", "-t", fstype, "-o", options, fstype, directory],
             capture_output=True,
             text=True,
             timeout=30,
@@ -27,7 +28,7 @@ def mount_tmpfs(directory: str, options: str) -> str | None:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"cannot run mount: {exc}"
     if result.returncode != 0:
-        return f"mount -t tmpfs -o {options} refused: {(result.stderr or result.stdout).strip()}"
+        return f"mount -t {fstype} -o {options} refused: {(result.stderr or result.stdout).strip()}"
     return None
 
 
@@ -39,11 +40,11 @@ def unmount(directory: str) -> None:
 
 
 @contextlib.contextmanager
-def tmpfs_at(directory: str, options: str) -> Iterator[str | None]:
-    """Create ``directory``, mount a tmpfs there for the block and remove both after;
-    yields None when mounted, else the reason (then nothing is mounted)."""
+def tmpfs_at(directory: str, options: str, fstype: str = "tmpfs") -> Iterator[str | None]:
+    """Create ``directory``, mount a tmpfs (or ``fstype``) there for the block and remove
+    both after; yields None when mounted, else the reason (then nothing is mounted)."""
     os.makedirs(directory, exist_ok=True)
-    refused = mount_tmpfs(directory, options)
+    refused = mount_tmpfs(directory, options, fstype)
     try:
         yield refused
     finally:

@@ -3,7 +3,7 @@ filesystem.  This manifest stays light: the implementation is imported when conf
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -44,10 +44,12 @@ class FsConfig(L2AdapterConfig):
         ),
     ] = None
     use_odirect: Annotated[
-        bool,
+        bool | Literal["auto"],
         msgspec.Meta(
             description="LMCache fs field: O_DIRECT reads and writes, bypassing the page cache "
-            "(local paths only; buffers are page-aligned)."
+            '(local paths only; buffers are page-aligned). "auto": O_DIRECT where the '
+            "directory's filesystem takes it, the page cache elsewhere (tmpfs, fsspec URLs); "
+            'the embedded default L2 uses "auto".'
         ),
     ] = False
     read_ahead_size: Annotated[
@@ -112,7 +114,7 @@ class FsConfig(L2AdapterConfig):
                 check_relative_dir(self.relative_tmp_dir)
             except ValueError as exc:
                 raise FieldError("relative_tmp_dir", f"relative_tmp_dir {exc}") from None
-        if self.use_odirect and not self.is_local:
+        if self.use_odirect is True and not self.is_local:
             raise FieldError(
                 "use_odirect", f"use_odirect applies to local directories only, not {self.root!r}"
             )

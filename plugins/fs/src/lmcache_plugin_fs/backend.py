@@ -28,6 +28,7 @@ from lmcache_tiers.plugin import (
     ProcessClaim,
     WriteFailures,
     check_directory,
+    direct_io_refusal,
     printable,
 )
 
@@ -60,6 +61,12 @@ class FsBackend:
             self._release()
             raise
 
+    @property
+    def direct_io(self) -> bool:
+        """Whether records move with O_DIRECT (``use_odirect`` true, or "auto" where the
+        filesystem takes it)."""
+        return isinstance(self._records, LocalRecords) and self._records.direct
+
     def _open_local(self, config: FsConfig, context: BackendContext) -> None:
         root = config.local_root
         try:
@@ -76,8 +83,7 @@ class FsBackend:
                 fsync=config.fsync,
                 on_root_recreated=lock.root_recreated,
             )
-            if config.use_odirect:
-                _probe_direct_io(layout.root)
+            direct = _direct_io(config, layout.root, context.name)
         except BaseException:
             lock.release()
             raise
@@ -86,7 +92,7 @@ class FsBackend:
         self._records = LocalRecords(
             files,
             context,
-            direct=config.use_odirect,
+            direct=direct,
             read_ahead=config.read_ahead_size,
             failures=failures,
         )
@@ -164,21 +170,24 @@ class FsBackend:
         self._lock.release()
 
 
-def _probe_direct_io(directory: str) -> None:
-    """Refuse use_odirect at start-up on a filesystem that refuses O_DIRECT (tmpfs)."""
-    import os
-    import tempfile
-
-    flag = getattr(os, "O_DIRECT", 0)
-    fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", suffix=".part", dir=directory)
-    os.close(fd)
-    try:
-        fd = os.open(probe, os.O_RDWR | flag)
-        os.close(fd)
-    except OSError as exc:
+def _direct_io(config: FsConfig, directory: str, name: str) -> bool:
+    """Whether records in ``directory`` move with O_DIRECT: ``use_odirect`` true refuses at
+    start-up a filesystem that does not take it (ramfs, tmpfs before Linux 6.6); "auto" uses
+    the page cache there."""
+    if config.use_odirect is False:
+        return False
+    refusal = direct_io_refusal(directory)
+    if refusal is None:
+        return True
+    if config.use_odirect is True:
         raise ConfigError(
-            f"fs: use_odirect is true but the filesystem of {directory} refuses O_DIRECT ({exc.strerror}); "
-            "set use_odirect to false"
-        ) from None
-    finally:
-        os.unlink(probe)
+            f"fs: use_odirect is true but the filesystem of {directory} refuses O_DIRECT ({refusal}); "
+            'set use_odirect to false or "auto"'
+        )
+    log.info(
+        "%s: the filesystem of %s refuses O_DIRECT (%s): records go through the page cache",
+        name,
+        directory,
+        refusal,
+    )
+    return False

@@ -11,14 +11,12 @@ plugin parameters, which only ``dlopen`` the plugin and return an error when tha
 from __future__ import annotations
 
 import ctypes.util
-import errno
 import glob
-import os
 import socket
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from lmcache_tiers.plugin import BackendUnavailableError, ConfigError
+from lmcache_tiers.plugin import BackendUnavailableError, ConfigError, direct_io_refusal
 
 #: Backends that go through NVIDIA GPUDirect Storage and so need cuFile and a GPU.
 CUFILE_BACKENDS: frozenset[str] = frozenset({"GDS", "GDS_MT"})
@@ -114,20 +112,11 @@ def describe_missing_plugin(backend: str, available: list[str], nixl_module: str
 
 
 def check_direct_io(directory: str) -> None:
-    """Refuse ``use_direct_io`` on a filesystem that cannot open files with O_DIRECT.
-
-    Found at start-up with a probe file, rather than as EINVAL on every store later.  The
-    probe's name is a temporary-file name, so one left by a crash is swept like the others.
-    """
-    probe = os.path.join(directory, f".tmp-directio-{os.getpid()}.part")
-    try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            raise ConfigError(
-                f'use_direct_io is "true" but the filesystem of {directory} does not support '
-                'O_DIRECT; set it to "false"'
-            ) from None
-        raise
-    os.close(fd)
-    os.unlink(probe)
+    """Refuse ``use_direct_io`` on a filesystem that cannot move files with O_DIRECT: found
+    at start-up with a probe file, rather than as EINVAL on every store later."""
+    refusal = direct_io_refusal(directory)
+    if refusal is not None:
+        raise ConfigError(
+            f'use_direct_io is "true" but the filesystem of {directory} does not support '
+            f'O_DIRECT ({refusal}); set it to "false"'
+        )
