@@ -7,8 +7,8 @@ scripts/install_reference_lmcache.sh fills) runs against
 * ``lmcache-tiers serve --frontend '{"type": "lmcache_mp"}'``,
 
 first with L1 only, then with a file L2 (LMCache's ``fs`` adapter; lmcache-tiers' ``fs``,
-or ``nixl_store_dynamic`` on NIXL's POSIX backend with ``--tiers-l2 nixl``), in the same
-directory tree, same L1 size,
+or ``nixl_store_dynamic`` on NIXL's POSIX backend with ``--tiers-l2 nixl``; with
+``--direct`` both servers' file L2s use O_DIRECT), in the same directory tree, same L1 size,
 same KV layout (``--shape-spec``), requests of ``--tokens`` tokens.  Both servers of a
 configuration run side by side (idle, each costs nothing) and the client runs against them
 in turn, ``--requests-per-slice`` requests at a time, ``--slices`` times each, so a burst
@@ -91,7 +91,9 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 180.0) 
         context.term()
 
 
-def start_reference(port: int, l2_dir: Path | None, l1_gb: int, logs: Path) -> subprocess.Popen[bytes]:
+def start_reference(
+    port: int, l2_dir: Path | None, l1_gb: int, logs: Path, direct: bool = False
+) -> subprocess.Popen[bytes]:
     command = [
         str(REF_VENV / "bin" / "lmcache"),
         *("server", "--host", "127.0.0.1", "--port", str(port)),
@@ -100,7 +102,8 @@ def start_reference(port: int, l2_dir: Path | None, l1_gb: int, logs: Path) -> s
         *("--supported-transfer-mode", "auto", "--shm-name", f"bench{os.getpid()}", "--disable-metrics"),
     ]
     if l2_dir is not None:
-        command += ["--l2-adapter", json.dumps({"type": "fs", "base_path": str(l2_dir)})]
+        adapter = {"type": "fs", "base_path": str(l2_dir), **({"use_odirect": True} if direct else {})}
+        command += ["--l2-adapter", json.dumps(adapter)]
     return subprocess.Popen(
         command,
         stdout=(logs / "reference.log").open("ab"),
@@ -190,7 +193,7 @@ def start_both(
     """The servers of one configuration, listening: system -> (process, URL)."""
     running: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
     starters = {
-        "reference": start_reference,
+        "reference": functools.partial(start_reference, direct=args.direct),
         "tiers": functools.partial(start_tiers, l2_type=args.tiers_l2, direct=args.direct),
     }
     try:
@@ -326,7 +329,7 @@ def main() -> None:
     parser.add_argument(
         "--direct",
         action="store_true",
-        help="lmcache-tiers' L2 reads and writes with O_DIRECT (fs use_odirect, nixl use_direct_io)",
+        help="the file L2s with O_DIRECT (LMCache's fs and ours: use_odirect; nixl: use_direct_io)",
     )
     parser.add_argument(
         "--no-warmup",
