@@ -28,6 +28,11 @@ key, split by msgspec itself).
 The cache holds at most :data:`KEY_CACHE_ENTRIES` keys and is emptied when full, so a
 client sending ever new keys cannot grow it; past that it costs one decode per key, as
 before.
+
+Whole key lists are remembered as well: an engine asks about a waiting prompt at every
+scheduler step, and retrieves what it found.  A list is found by its length and last bytes
+and then compared whole (one ``memcmp``): equal bytes decode to equal keys, so the keys it
+gave before are handed out again, in a list of the caller's own.
 """
 
 from __future__ import annotations
