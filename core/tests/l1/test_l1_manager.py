@@ -305,6 +305,38 @@ def test_reserve_read_prefix_until_repeat_ends_before_the_first_repeat(
     assert l1.stats().read_locks == 0
 
 
+def test_reserve_read_prefix_of_the_same_keys_again_sees_every_change_between(
+    l1: L1Manager, recorder: Recorder
+) -> None:
+    """The keys of the last full hit are remembered with their objects while no READY
+    object comes or goes: each call still locks and reports, and whatever changed in
+    between (the caller's list, L1's objects, the list handed out) is seen."""
+    write(l1, [1, 2, 3])
+    wanted = keys(1, 2, 3)
+    for times in (1, 2):
+        prefix = l1.reserve_read_prefix(wanted)
+        assert [obj.key for obj in prefix] == wanted
+        assert [l1.get(k).read_locks for k in wanted] == [times] * 3  # type: ignore[union-attr]
+        assert recorder.events[-1] == ("read", wanted)
+    prefix.clear()  # the caller's to keep: the next call is not affected
+    assert len(l1.reserve_read_prefix(wanted)) == 3
+    wanted[1] = key(9)  # changed in place by the caller
+    assert [obj.key for obj in l1.reserve_read_prefix(wanted)] == keys(1)
+    wanted[1] = key(2)
+    assert l1.delete(keys(2), force=True) == [True]  # a READY object goes
+    assert [obj.key for obj in l1.reserve_read_prefix(wanted)] == keys(1)
+    write(l1, [2])  # and a new object of the same key comes
+    prefix = l1.reserve_read_prefix(wanted)
+    assert prefix[1] is l1.get(key(2)) and prefix[1].read_locks == 1
+    assert [l1.get(k).read_locks for k in keys(1, 3)] == [6, 4]  # type: ignore[union-attr]
+    l1.finish_read(keys(1), count=6)
+    l1.finish_read(keys(3), count=4)
+    l1.finish_read(keys(2), count=3)  # the deleted object's locks, on its held extent
+    assert prefix[1].read_locks == 1
+    l1.finish_read(keys(2))
+    assert l1.stats().read_locks == 0
+
+
 # -- removal -------------------------------------------------------------------------------
 
 

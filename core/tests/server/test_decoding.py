@@ -210,3 +210,49 @@ def test_mutated_headers_of_same_size_keys_get_the_full_decoders_verdict() -> No
     for seed in seeds:
         decode_request(seed, cache)  # every key known: the equal-piece path is taken
     check_mutations(random.Random(17), cache, seeds)
+
+
+def test_a_key_list_seen_before_is_handed_out_again_as_a_list_of_its_own() -> None:
+    """A repeated key list (one memcmp instead of a probe per key) gives the same keys,
+    the same objects, in a new list each time: a caller changing one changes no other."""
+    cache = KeyCache()
+    header = p.encode(p.Lookup(1, "", SAME_SIZE[:64]))
+    first = decode_request(header, cache)
+    assert isinstance(first, p.Lookup)
+    first.keys.reverse()
+    again = decode_request(p.encode(p.Retrieve(2, "", SAME_SIZE[:64], True)), cache)
+    assert isinstance(again, p.Retrieve) and again.keys == SAME_SIZE[:64]
+    assert again.keys is not first.keys
+    assert all(a is b for a, b in zip(again.keys, reversed(first.keys), strict=True))
+
+
+def test_key_lists_alike_at_their_end_are_told_apart() -> None:
+    """Lists are found by their length and last bytes, then compared whole: lists of one
+    length ending with the same key, taken in turns, each decode to their own keys."""
+    cache = KeyCache()
+    tail = SAME_SIZE[299]
+    lists = [[SAME_SIZE[index], SAME_SIZE[index + 1], tail] for index in range(0, 12, 2)]
+    for round_ in range(3):
+        for number, keys in enumerate(lists):
+            header = p.encode(p.Lookup(round_ * 100 + number, "", keys))
+            decoded = decode_request(header, cache)
+            assert decoded == p.request_decoder.decode(header)
+
+
+def test_remembered_key_lists_are_bounded_and_follow_the_key_cache() -> None:
+    cache = KeyCache(entries=64)
+    for round_ in range(300):
+        keys = [ObjectKey("model", 0, bytes([round_ % 256, round_ // 256, index]) * 8) for index in range(2)]
+        decoded = decode_request(p.encode(p.Lookup(round_, "", keys)), cache)
+        assert isinstance(decoded, p.Lookup) and decoded.keys == keys
+        assert len(cache._lists) <= 256
+    # The key cache was emptied on the way: a list remembered before that would hand out
+    # keys the cache no longer holds, so none is kept across it.
+    keys = [ObjectKey("model", 0, bytes([7, index]) * 8) for index in range(40)]
+    header = p.encode(p.Lookup(1, "", keys))
+    decode_request(header, cache)
+    fresh = [ObjectKey("model", 0, bytes([8, index]) * 8) for index in range(40)]
+    decode_request(p.encode(p.Lookup(2, "", fresh)), cache)  # 80 keys: over 64, emptied
+    decoded = decode_request(header, cache)
+    assert isinstance(decoded, p.Lookup)
+    assert all(cache._keys[key.to_bytes()] is key for key in decoded.keys)

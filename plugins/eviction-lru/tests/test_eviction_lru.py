@@ -1,3 +1,7 @@
+import random
+from collections import OrderedDict
+from typing import Any
+
 from lmcache_tiers.testing.policies import EVICTS, RECENCY, EvictionPolicySuite, make_keys
 
 
@@ -28,3 +32,37 @@ class TestLRUEvictionPolicy(EvictionPolicySuite):
         policy.on_keys_read([keys[3], gone[0], keys[2]])
         assert list(policy.victims()) == [keys[1], keys[0], keys[2], keys[3]]
         assert len(policy) == 4
+
+    def test_repeated_reads_leave_the_order_every_read_would_give(self) -> None:
+        # The policy skips a read of the very keys it read last, when nothing changed the
+        # order since; a reference moving every key of every read must agree throughout.
+        rng = random.Random(16)
+        keys = make_keys(12)
+        policy = self.make_policy()
+        reference: OrderedDict[Any, None] = OrderedDict()
+        batch = keys[:4]
+        for _ in range(400):
+            action = rng.random()
+            if action < 0.15:
+                written = rng.sample(keys, rng.randint(1, 3))
+                policy.on_keys_written(written)
+                for key in reversed(written):
+                    reference[key] = None
+                    reference.move_to_end(key)
+            elif action < 0.25:
+                removed = rng.sample(keys, rng.randint(1, 2))
+                policy.on_keys_removed(removed)
+                for key in removed:
+                    reference.pop(key, None)
+            else:
+                if action < 0.45:
+                    batch = rng.sample(keys, rng.randint(1, 5))
+                # the same list again, an equal copy, or the list changed in place
+                read = batch if action < 0.8 else list(batch)
+                policy.on_keys_read(read)
+                for key in reversed(read):
+                    if key in reference:
+                        reference.move_to_end(key)
+                if action > 0.95:
+                    batch.reverse()
+            assert list(policy.victims()) == list(reference)

@@ -141,3 +141,22 @@ def test_the_client_refuses_to_send_an_oversized_header(server: TiersServer) -> 
             client._call(p.Lookup(0, "", keys), p.LookupReply)
         assert not isinstance(refused.value, RequestTimeoutError)
         assert client.ping() > 0  # nothing is left waiting
+
+
+def test_a_key_list_sent_again_goes_out_as_the_bytes_encoding_it_gives(server: TiersServer) -> None:
+    """The client keeps the msgpack of the last key list it sent: every header is still
+    byte for byte what encoding the request gives, also once the list changed in place."""
+    keys = [ObjectKey("unit", 0, bytes([index]) * 16) for index in range(20)]
+    with Client(server.endpoint, timeout=5) as client:
+        requests = [p.Lookup(0, "", keys), p.Lookup(0, "", keys, 1.5), p.Release(0, "", keys)]
+        requests += [p.Retrieve(0, "", list(keys), True), p.Lookup(0, "", keys[:3]), p.Ping(0, "")]
+        for request in requests + requests:
+            assert client._header(request) == p.encode(request)
+        keys.reverse()
+        request = p.Lookup(0, "", keys)
+        assert client._header(request) == p.encode(request)
+        client.store(keys[:4], [b"x" * 64] * 4)
+        assert [client.lookup(keys) for _ in range(3)] == [4, 4, 4]
+        keys[2] = KEY  # not stored
+        assert client.lookup(keys) == 2
+        client.release(keys[:4])

@@ -69,6 +69,8 @@ class Connection:
         # ids of requests sent and not yet answered, and answers that came in early
         self._outstanding: set[int] = set()
         self._early: dict[int, tuple[p.Reply, list[Any]]] = {}
+        # the last key list encoded, and its msgpack (see _header)
+        self._last_keys: tuple[list[Any], msgspec.Raw] | None = None
         self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         # Fail fast instead of queueing requests forever for a peer that never appears.
@@ -193,7 +195,14 @@ class Connection:
             raise ClientError("a Client cannot be used in a forked child; create a new one there")
         request.req_id = next(self._ids)
         request.token = self._token
-        header = p.encode(request)
+        keys = getattr(request, "keys", None)
+        if type(keys) is list and keys:
+            # An engine asks about the same prompt again and again (each scheduler step
+            # while it waits), then retrieves it: the key list's msgpack is kept and put in
+            # the header as it is, the very bytes encoding the keys would give.
+            header = p.encode(msgspec.structs.replace(request, keys=self._encoded_keys(keys)))
+        else:
+            header = p.encode(request)
         if len(header) > p.MAX_HEADER_BYTES:
             # The server would refuse it anyway; say so now rather than after a round trip.
             raise ClientError(
@@ -201,6 +210,16 @@ class Connection:
                 f"{p.MAX_HEADER_BYTES}-byte header limit"
             )
         return header
+
+    def _encoded_keys(self, keys: list[Any]) -> msgspec.Raw:
+        """The msgpack of ``keys``; the same list as the last one (compared key by key, by
+        identity first) is not encoded again."""
+        last = self._last_keys
+        if last is not None and last[0] == keys:
+            return last[1]
+        encoded = msgspec.Raw(p.encoder.encode(keys))
+        self._last_keys = (list(keys), encoded)  # a copy: the caller may change its list
+        return encoded
 
     def _await(self, request: p._Request, expect: type[_R], deadline: float) -> tuple[_R, list[Any]]:
         """Receive until the reply to ``request`` arrives; replies to other outstanding

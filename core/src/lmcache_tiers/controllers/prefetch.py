@@ -113,7 +113,8 @@ class PrefetchController(ControllerThread):
         # The L1 prefix ends at the first repeat, as the unique prefix does: the keys past
         # L1's prefix are deduplicated only when some are left for L2 (rarely, on a hit).
         l1_hits = len(self.l1.reserve_read_prefix(keys, readers, until_repeat=True))
-        locked = list(keys[:l1_hits])
+        # (A list's slice is a new list already: no second copy on the usual path.)
+        locked = keys[:l1_hits] if type(keys) is list else list(keys[:l1_hits])
         unique = unique_prefix(keys) if l1_hits < len(keys) else locked
         remaining = len(unique) - l1_hits
         self.stats.add_many(lookups=1, lookup_keys=len(unique), l1_hit_chunks=l1_hits)

@@ -34,6 +34,10 @@ class ReadLocks:
         self._table = table
         self._leases = leases
         self.lock_ttl_s = lock_ttl_s
+        # (table.ready_version, keys, their objects) of the last lock_prefix that found
+        # every key it was given, each once: engines ask about one waiting prompt again and
+        # again, and the probe per key is most of what such a lookup costs
+        self._last_hit: tuple[int, list[ObjectKey], list[L1Object]] | None = None
 
     def prefix_hits(self, keys: Sequence[ObjectKey]) -> int:
         with self._lock:
@@ -77,27 +81,17 @@ class ReadLocks:
         with self._lock:
             # No open check: a closed manager holds no objects, so nothing is locked.
             table = self._table
-            # The prefix is found with C-level passes (one probe of the READY objects per
-            # key, then the first miss), which is most of the cost of a lookup.
-            found: list[L1Object | None] = list(map(table.ready.get, keys))
-            if not all(found):  # objects are never false, None is
-                del found[found.index(None) :]
-            prefix = cast("list[L1Object]", found)
-            if not prefix:
-                return prefix
-            # Deduplicated by object identity (a cheap hash, in C) rather than by key: one
-            # READY object per key, so equal objects are exactly equal keys.
-            if len(set(prefix)) == len(prefix):
-                unique = prefix
-                # The caller's keys equal the objects' own: no pass to fetch those.
-                read = list(keys[: len(prefix)])
+            last = self._last_hit
+            if last is not None and last[0] == table.ready_version and last[1] == keys:
+                # The very keys of the last call that found all of them, distinct, and no
+                # READY object came or went since: the same objects, still distinct (a
+                # list comparison, by identity first, instead of a probe per key).
+                unique = prefix = list(last[2])
+                read = last[1]  # listeners only read the keys they are told about
             else:
-                if until_repeat:
-                    del prefix[_first_repeat(prefix) :]
-                    unique = prefix
-                else:
-                    unique = list(dict.fromkeys(prefix))
-                read = list(map(_KEY_OF, unique))
+                prefix, unique, read = self._find_prefix(keys, until_repeat)
+                if not prefix:
+                    return prefix
             locked = table.locked
             deadline = time.monotonic() + self.lock_ttl_s
             for obj in unique:
@@ -110,6 +104,37 @@ class ReadLocks:
                 obj.lock_deadline = deadline
             table.listeners.notify("read", read)
             return prefix
+
+    def _find_prefix(
+        self, keys: Sequence[ObjectKey], until_repeat: bool
+    ) -> tuple[list[L1Object], list[L1Object], list[ObjectKey]]:
+        """(prefix objects, the distinct ones among them, their keys) of ``lock_prefix``;
+        a prefix that is every key, each once, is remembered for the next call."""
+        table = self._table
+        # The prefix is found with C-level passes (one probe of the READY objects per key,
+        # then the first miss), which is most of the cost of a lookup.
+        found: list[L1Object | None] = list(map(table.ready.get, keys))
+        if not all(found):  # objects are never false, None is
+            del found[found.index(None) :]
+        prefix = cast("list[L1Object]", found)
+        if not prefix:
+            return prefix, prefix, []
+        # Deduplicated by object identity (a cheap hash, in C) rather than by key: one
+        # READY object per key, so equal objects are exactly equal keys.
+        if len(set(prefix)) == len(prefix):
+            # The caller's keys equal the objects' own: no pass to fetch those.
+            read = keys[: len(prefix)] if type(keys) is list else list(keys[: len(prefix)])
+            if len(prefix) == len(keys):
+                # ``read`` is a copy nobody changes (the caller may change its list), and
+                # the caller keeps ``prefix``: the next hit hands out a copy of it.
+                self._last_hit = (table.ready_version, read, list(prefix))
+            return prefix, prefix, read
+        if until_repeat:
+            del prefix[_first_repeat(prefix) :]
+            unique = prefix
+        else:
+            unique = list(dict.fromkeys(prefix))
+        return prefix, unique, list(map(_KEY_OF, unique))
 
     def release(self, keys: Sequence[ObjectKey], count: int) -> None:
         """``L1Manager.finish_read``: drop ``count`` locks per key, quarantined extents first."""

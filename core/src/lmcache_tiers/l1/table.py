@@ -75,6 +75,9 @@ class ObjectTable:
         self.ready: dict[ObjectKey, L1Object] = {}  # READY objects of ``objects``
         self.locked: dict[ObjectKey, L1Object] = {}
         self.temporary: set[ObjectKey] = set()
+        #: bumped whenever ``ready`` changes, so a caller can tell that a probe it made
+        #: of READY objects would find the same objects again
+        self.ready_version = 0
         self.listeners = listeners
         self.closed = False
         self._leases = leases
@@ -103,11 +106,13 @@ class ObjectTable:
         """A WRITING object of the table becomes READY (readable)."""
         obj.state = ObjectState.READY
         self.ready[obj.key] = obj
+        self.ready_version += 1
 
     def detach(self, obj: L1Object) -> None:
         """Take ``obj`` out of the table; its extent is still to be released."""
         del self.objects[obj.key]
-        self.ready.pop(obj.key, None)
+        if self.ready.pop(obj.key, None) is not None:
+            self.ready_version += 1
         self.locked.pop(obj.key, None)
         self.temporary.discard(obj.key)
 
@@ -157,6 +162,7 @@ class ObjectTable:
         self.closed = True
         self.objects.clear()
         self.ready.clear()
+        self.ready_version += 1
         self.locked.clear()
         self.temporary.clear()
         self.listeners.clear()

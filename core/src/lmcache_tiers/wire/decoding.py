@@ -28,6 +28,11 @@ key, split by msgspec itself).
 The cache holds at most :data:`KEY_CACHE_ENTRIES` keys and is emptied when full, so a
 client sending ever new keys cannot grow it; past that it costs one decode per key, as
 before.
+
+Whole key lists are remembered as well: an engine asks about a waiting prompt at every
+scheduler step, and retrieves what it found.  A list is found by its length and last bytes
+and then compared whole (one ``memcmp``): equal bytes decode to equal keys, so the keys it
+gave before are handed out again, in a list of the caller's own.
 """
 
 from __future__ import annotations
@@ -50,6 +55,14 @@ _raw_keys_decoder: msgspec.msgpack.Decoder[list[msgspec.Raw]] = msgspec.msgpack.
 #: compiled equal-piece layouts by (piece length, pieces); a few per client in practice
 _SPLITTERS_MAX = 256
 
+
+#: whole key lists remembered (a lookup of a waiting prompt repeats every scheduler step),
+#: and the bytes of msgpack they may hold in all
+_LISTS_MAX = 256
+_LIST_BYTES_MAX = 8 << 20
+#: a list is found by its length and its last bytes (its last key), then compared whole
+_TAIL_BYTES = 48
+_TAIL = struct.Struct(f"{_TAIL_BYTES}s")
 
 _BYTE = struct.Struct(">B")
 _U16 = struct.Struct(">H")
@@ -79,6 +92,9 @@ class KeyCache:
         self._keys: dict[bytes, ObjectKey] = {}
         self._decode = msgspec.msgpack.Decoder(ObjectKey).decode
         self._splitters: dict[tuple[int, int], struct.Struct] = {}
+        # whole key lists seen before, by (length, last bytes): (their raw msgpack, keys)
+        self._lists: dict[tuple[int, bytes], tuple[msgspec.Raw, list[ObjectKey]]] = {}
+        self._list_bytes = 0
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -86,10 +102,29 @@ class KeyCache:
     def keys_in(self, raw: msgspec.Raw) -> list[ObjectKey]:
         """The keys of the msgpack array ``raw``; raises whatever decoding it as a list of
         keys raises."""
+        total = len(raw)
+        tag = (total, _TAIL.unpack_from(raw, total - _TAIL_BYTES)[0]) if total >= _TAIL_BYTES else None
+        seen = self._lists.get(tag) if tag is not None else None
+        if seen is not None and seen[0] == raw:  # one memcmp
+            return list(seen[1])
         keys = self._known_equal_pieces(raw)
-        if keys is not None:
-            return keys
-        return self.keys_of(_raw_keys_decoder.decode(raw))
+        if keys is None:
+            keys = self.keys_of(_raw_keys_decoder.decode(raw))
+        if tag is not None and total <= _LIST_BYTES_MAX // 4:
+            self._remember_list(tag, raw, keys)
+        return keys
+
+    def _remember_list(self, tag: tuple[int, bytes], raw: msgspec.Raw, keys: list[ObjectKey]) -> None:
+        lists = self._lists
+        if self._list_bytes + len(raw) > _LIST_BYTES_MAX or len(lists) >= _LISTS_MAX:
+            lists.clear()
+            self._list_bytes = 0
+        previous = lists.get(tag)
+        if previous is not None:
+            self._list_bytes -= len(previous[0])
+        # Copies: ``raw`` holds the whole request header, and the caller keeps ``keys``.
+        lists[tag] = (msgspec.Raw(bytes(raw)), list(keys))
+        self._list_bytes += len(raw)
 
     def _known_equal_pieces(self, raw: msgspec.Raw) -> list[ObjectKey] | None:
         """The keys of ``raw`` cut into equal pieces, when every piece is a known key."""
@@ -118,6 +153,10 @@ class KeyCache:
             return keys
         if len(cache) + len(encoded) > self.entries:
             cache.clear()
+            # Remembered lists hold keys of the old cache: equal, but no longer the very
+            # objects the rest of the server holds.
+            self._lists.clear()
+            self._list_bytes = 0
         decode = self._decode
         for position, key in enumerate(keys):
             if key is None:
