@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -212,21 +213,33 @@ def bare_requests(url: str, lookup_keys: int, requests: int) -> tuple[float, flo
 # -- cost per key -----------------------------------------------------------------------------
 
 
-def lookup_p50s(url: str, short: int, long: int, requests: int) -> tuple[float, float]:
+#: ``lookup_p50s(distinct=True)``: key lists start at this many different keys in turn, more
+#: lists than the client's and the server's caches of repeated key lists keep
+DISTINCT_STARTS = 1024
+
+
+def lookup_p50s(
+    url: str, short: int, long: int, requests: int, distinct: bool = False
+) -> tuple[float, float]:
     """p50 in microseconds of sequential LOOKUPs of ``short`` and of ``long`` keys, all in L1,
-    measured in alternating rounds so that both see the same machine."""
+    measured in alternating rounds so that both see the same machine.  The same key list
+    every time (an engine asking again for a waiting request's prefix), or with
+    ``distinct`` a list that starts one key further each time (a new prefix each time)."""
     salt = f"bench-slope-{os.getpid()}"
-    keys = [ObjectKey("bench-slope", 0, index.to_bytes(4, "big") * 8, 0, salt) for index in range(long)]
+    total = long + (DISTINCT_STARTS if distinct else 0)
+    keys = [ObjectKey("bench-slope", 0, index.to_bytes(4, "big") * 8, 0, salt) for index in range(total)]
     samples: dict[int, list[float]] = {short: [], long: []}
+    starts = itertools.cycle(range(DISTINCT_STARTS if distinct else 1))
     with Client(url) as client:
-        client.store(keys, [bytes(4096)] * long, l1_only=True)
+        client.store(keys, [bytes(4096)] * total, l1_only=True)
         try:
             rounds = 10
             for _ in range(rounds):
                 for count in (short, long):
-                    wanted = keys[:count]
                     per_round = max(1, requests * short // (count * rounds))
                     for _ in range(per_round):
+                        first = next(starts)
+                        wanted = keys[first : first + count]
                         start = time.perf_counter_ns()
                         hits = client.lookup(wanted)
                         samples[count].append((time.perf_counter_ns() - start) / 1e3)
@@ -314,11 +327,15 @@ def main() -> None:
         floor_after = measure_floor(transport, args.lookup_keys)
         bare_ping, bare_lookup = bare_requests(url, args.lookup_keys, args.lookup_requests // 2)
         slope = None
+        distinct_slope = (0.0, 0.0)
         if args.long_lookup_keys > args.lookup_keys:
             long_keys = args.long_lookup_keys
             short_p50, long_p50 = lookup_p50s(url, args.lookup_keys, long_keys, args.lookup_requests)
             echo_long = measure_floor(transport, args.long_lookup_keys)
             slope = (short_p50, long_p50, min(floor_before[1], floor_after[1]), echo_long[1])
+            distinct_slope = lookup_p50s(
+                url, args.lookup_keys, long_keys, args.lookup_requests, distinct=True
+            )
         if args.l2:
             extra.write_back = store_under_write_back(url, args.chunks, chunk_bytes, args.repeats)
         if args.clients:
@@ -345,6 +362,8 @@ def main() -> None:
             data["zmq_echo_short_long_p50_us"] = [slope[2], slope[3]]
             data["lookup_us_per_extra_key"] = (slope[1] - slope[0]) / added
             data["zmq_echo_us_per_extra_key"] = (slope[3] - slope[2]) / added
+            data["lookup_distinct_short_long_p50_us"] = list(distinct_slope)
+            data["lookup_distinct_us_per_extra_key"] = (distinct_slope[1] - distinct_slope[0]) / added
         data.update(extra.to_dict(args.l2, args.direct))
         print(json.dumps(data, indent=2))
         return
@@ -377,7 +396,11 @@ def main() -> None:
             f"LOOKUP cost per extra key ({args.long_lookup_keys} vs {args.lookup_keys} keys, p50 "
             f"{slope[1]:.0f} vs {slope[0]:.0f} us): {(slope[1] - slope[0]) / added:.3f} us "
             f"(target <= {PER_KEY_TARGET_US}; the bare round trip's own per key this run "
-            f"{(slope[3] - slope[2]) / added:.3f} us)"
+            f"{(slope[3] - slope[2]) / added:.3f} us)",
+        )
+        lines.append(
+            f"the same with a different key list each time (p50 {distinct_slope[1]:.0f} vs "
+            f"{distinct_slope[0]:.0f} us): {(distinct_slope[1] - distinct_slope[0]) / added:.3f} us"
         )
     print("\n".join(lines + extra.lines(args.l2, args.direct)))
 

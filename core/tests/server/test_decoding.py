@@ -256,3 +256,26 @@ def test_remembered_key_lists_are_bounded_and_follow_the_key_cache() -> None:
     decoded = decode_request(header, cache)
     assert isinstance(decoded, p.Lookup)
     assert all(cache._keys[key.to_bytes()] is key for key in decoded.keys)
+
+
+def test_a_key_list_is_kept_when_it_comes_again_soon_and_never_copied_otherwise() -> None:
+    """The first sighting notes a list's length and last bytes only; coming again before
+    `_SIGHTED_MAX` other new lists keeps it; lists that each return only after more new
+    lists than that are never kept (copying each would cost every new prefix)."""
+    from lmcache_tiers.wire import decoding
+
+    cache = KeyCache()
+    header = p.encode(p.Lookup(1, "", SAME_SIZE[:64]))
+    decode_request(header, cache)
+    assert cache._lists == {}, "seen once: only noted"
+    decode_request(header, cache)
+    assert len(cache._lists) == 1, "seen again soon: kept"
+    cycle = decoding._SIGHTED_MAX + 8
+    others = [
+        [ObjectKey("cycle", 0, bytes([n % 256, n // 256, i]) * 8) for i in range(8)] for n in range(cycle)
+    ]
+    for round_ in range(3):
+        for number, keys in enumerate(others):
+            decoded = decode_request(p.encode(p.Lookup(round_ * cycle + number, "", keys)), cache)
+            assert isinstance(decoded, p.Lookup) and decoded.keys == keys
+    assert len(cache._lists) == 1, "lists returning after more new lists than noted are not copied"

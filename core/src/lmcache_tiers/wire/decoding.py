@@ -32,7 +32,9 @@ before.
 Whole key lists are remembered as well: an engine asks about a waiting prompt at every
 scheduler step, and retrieves what it found.  A list is found by its length and last bytes
 and then compared whole (one ``memcmp``): equal bytes decode to equal keys, so the keys it
-gave before are handed out again, in a list of the caller's own.
+gave before are handed out again, in a list of the caller's own.  A list is kept only the
+second time it is seen (the first time only its length and last bytes are noted): keeping
+a copy of every list costs a lookup of a new prefix more than the repeats save.
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ _LIST_BYTES_MAX = 8 << 20
 #: a list is found by its length and its last bytes (its last key), then compared whole
 _TAIL_BYTES = 48
 _TAIL = struct.Struct(f"{_TAIL_BYTES}s")
+#: lists seen once, noted by length and last bytes only: a list is kept when it comes again
+#: before this many other new lists (so lists that return only after many others are never
+#: copied just to be dropped before they come again)
+_SIGHTED_MAX = _LISTS_MAX
 
 _BYTE = struct.Struct(">B")
 _U16 = struct.Struct(">H")
@@ -95,6 +101,7 @@ class KeyCache:
         # whole key lists seen before, by (length, last bytes): (their raw msgpack, keys)
         self._lists: dict[tuple[int, bytes], tuple[msgspec.Raw, list[ObjectKey]]] = {}
         self._list_bytes = 0
+        self._sighted: dict[tuple[int, bytes], None] = {}
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -111,7 +118,14 @@ class KeyCache:
         if keys is None:
             keys = self.keys_of(_raw_keys_decoder.decode(raw))
         if tag is not None and total <= _LIST_BYTES_MAX // 4:
-            self._remember_list(tag, raw, keys)
+            sighted = self._sighted
+            if tag in sighted:
+                del sighted[tag]
+                self._remember_list(tag, raw, keys)
+            else:
+                if len(sighted) >= _SIGHTED_MAX:
+                    sighted.clear()
+                sighted[tag] = None
         return keys
 
     def _remember_list(self, tag: tuple[int, bytes], raw: msgspec.Raw, keys: list[ObjectKey]) -> None:
@@ -157,6 +171,7 @@ class KeyCache:
             # objects the rest of the server holds.
             self._lists.clear()
             self._list_bytes = 0
+            self._sighted.clear()
         decode = self._decode
         for position, key in enumerate(keys):
             if key is None:
