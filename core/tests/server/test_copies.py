@@ -48,6 +48,46 @@ def test_both_threads_copy_and_every_byte_arrives() -> None:
     assert helpers() == []
 
 
+def test_the_caller_copies_from_the_front_and_the_helper_from_the_back() -> None:
+    # Each thread works through a range of its own: two threads populating neighbouring
+    # pieces would share page-table pages (and their lock) all the way through.
+    source = np.random.default_rng(5).integers(0, 256, 12 * PIECE, dtype=np.uint8)
+    target = np.zeros_like(source)
+    taken: dict[str, list[int]] = {}
+    lock = threading.Lock()
+    helper_started = threading.Event()
+
+    def prepare(block: int) -> None:
+        name = threading.current_thread().name
+        with lock:
+            taken.setdefault(name, []).append(block)
+        if name == "shm-copy":
+            helper_started.set()
+        else:
+            assert helper_started.wait(30)
+
+    copier = SplitCopier()
+    copier.run(pieces_of(source, target), prepare)
+    assert np.array_equal(source, target)
+    mine, helpers_blocks = taken[threading.current_thread().name], taken["shm-copy"]
+    assert mine == list(range(len(mine)))  # a prefix, in order
+    assert helpers_blocks == list(range(11, 11 - len(helpers_blocks), -1))  # a suffix, backwards
+    assert len(mine) + len(helpers_blocks) == 12
+    copier.stop()
+
+
+def test_start_runs_the_helper_before_the_first_copy_and_not_after_stop() -> None:
+    copier = SplitCopier()
+    copier.start()
+    assert len(helpers()) == 1
+    copier.start()  # already running: still one
+    assert len(helpers()) == 1
+    copier.stop()
+    assert helpers() == []
+    copier.start()
+    assert helpers() == []
+
+
 def test_a_failing_piece_raises_in_the_caller_and_stops_the_rest() -> None:
     source = np.ones(8 * PIECE, dtype=np.uint8)
     target = np.zeros_like(source)
