@@ -25,26 +25,64 @@ def helpers() -> list[threading.Thread]:
     return [thread for thread in threading.enumerate() if thread.name == "shm-copy"]
 
 
-def test_both_threads_copy_and_every_byte_arrives() -> None:
-    source = np.random.default_rng(3).integers(0, 256, 9 * PIECE + 123, dtype=np.uint8)
-    target = np.zeros_like(source)
-    seen: dict[int, str] = {}
+def copy_on_both_threads(
+    copier: SplitCopier, source: np.ndarray[Any, Any], target: np.ndarray[Any, Any]
+) -> dict[str, list[int]]:
+    """Run one split copy; the blocks each thread prepared, in the order it took them.  The
+    calling thread holds back until the helper has taken a piece too."""
+    taken: dict[str, list[int]] = {}
+    lock = threading.Lock()
     helper_started = threading.Event()
 
     def prepare(block: int) -> None:
-        seen[block] = threading.current_thread().name
-        if threading.current_thread().name == "shm-copy":
+        name = threading.current_thread().name
+        with lock:
+            taken.setdefault(name, []).append(block)
+        if name == "shm-copy":
             helper_started.set()
         else:
-            # The calling thread holds back until the helper has taken a piece too.
             assert helper_started.wait(30)
 
-    copier = SplitCopier()
     copier.run(pieces_of(source, target), prepare)
+    return taken
+
+
+def test_both_threads_copy_and_every_byte_arrives() -> None:
+    source = np.random.default_rng(3).integers(0, 256, 9 * PIECE + 123, dtype=np.uint8)
+    target = np.zeros_like(source)
+    copier = SplitCopier()
+    taken = copy_on_both_threads(copier, source, target)
     assert np.array_equal(source, target)
-    assert sorted(seen) == list(range(10))  # every piece prepared, once
-    assert {"shm-copy", threading.current_thread().name} == set(seen.values())
+    assert sorted(block for blocks in taken.values() for block in blocks) == list(range(10))  # each once
+    assert {"shm-copy", threading.current_thread().name} == set(taken)
     copier.stop()
+    assert helpers() == []
+
+
+def test_the_caller_copies_from_the_front_and_the_helper_from_the_back() -> None:
+    # Each thread works through a range of its own: two threads populating neighbouring
+    # pieces would share page-table pages (and their lock) all the way through.
+    source = np.random.default_rng(5).integers(0, 256, 12 * PIECE, dtype=np.uint8)
+    target = np.zeros_like(source)
+    copier = SplitCopier()
+    taken = copy_on_both_threads(copier, source, target)
+    assert np.array_equal(source, target)
+    mine, helpers_blocks = taken[threading.current_thread().name], taken["shm-copy"]
+    assert mine == list(range(len(mine)))  # a prefix, in order
+    assert helpers_blocks == list(range(11, 11 - len(helpers_blocks), -1))  # a suffix, backwards
+    assert len(mine) + len(helpers_blocks) == 12
+    copier.stop()
+
+
+def test_start_runs_the_helper_before_the_first_copy_and_not_after_stop() -> None:
+    copier = SplitCopier()
+    copier.start()
+    assert len(helpers()) == 1
+    copier.start()  # already running: still one
+    assert len(helpers()) == 1
+    copier.stop()
+    assert helpers() == []
+    copier.start()
     assert helpers() == []
 
 

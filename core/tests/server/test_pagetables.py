@@ -67,6 +67,24 @@ def test_the_background_pass_maps_every_page(mapping: np.ndarray[Any, Any]) -> N
     assert populate_threads() == []
 
 
+def test_start_has_the_copy_helper_waiting_and_stop_ends_it(mapping: np.ndarray[Any, Any]) -> None:
+    # A fresh client's first large copy finds the helper already running (started at
+    # connect) instead of creating a thread in the middle of its store.
+    def copy_helpers() -> list[threading.Thread]:
+        return [thread for thread in threading.enumerate() if thread.name == "shm-copy"]
+
+    pages = PageTables(mapping.ctypes.data, SIZE)
+    assert copy_helpers() == []
+    pages.start()
+    assert len(copy_helpers()) == 1
+    source = np.random.default_rng(11).integers(0, 256, 8 * COPY_PIECE, dtype=np.uint8)
+    pages.write(mapping[COPY_PIECE : 9 * COPY_PIECE], source, COPY_PIECE)
+    assert np.array_equal(mapping[COPY_PIECE : 9 * COPY_PIECE], source)
+    assert len(copy_helpers()) == 1
+    pages.stop()
+    assert copy_helpers() == [] and populate_threads() == []
+
+
 @pytest.mark.parametrize(("offset", "size"), [(0, COPY_PIECE), (4095, 3 * COPY_PIECE + 17), (12345, 100)])
 def test_writes_are_exact_and_populate_their_range(
     mapping: np.ndarray[Any, Any], offset: int, size: int

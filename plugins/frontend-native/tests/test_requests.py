@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -153,6 +158,89 @@ def test_a_failed_copy_aborts_the_reservation(server: TiersServer) -> None:
         finally:
             segment.array = original
     assert (l1(server)["objects"], l1(server)["write_locked"]) == (1, 0)
+
+
+def test_a_large_store_whose_helper_copy_fails_is_aborted_and_can_be_stored_again(
+    make_server: Factory,
+) -> None:
+    # 4 x 8 MiB: split between the calling thread (pieces from the front) and the helper
+    # (from the back); the helper's first piece fails.
+    server = make_server(l1_size_gb=0.125)
+    keys = keys_of(4)
+    chunks = [np.random.default_rng(seed).integers(0, 256, 8 << 20, dtype=np.uint8) for seed in range(4)]
+    with Client(server.endpoint) as client:
+        pages = client._segment.pages if client._segment is not None else None
+        assert pages is not None
+        copier = pages._copier
+        original_run = copier.run
+        helper_took_one = threading.Event()
+
+        def failing_run(pieces: list[Any], prepare: Callable[[int], object]) -> None:
+            def prepare_or_fail(block: int) -> None:
+                if threading.current_thread().name == "shm-copy":
+                    helper_took_one.set()
+                    raise OSError("the helper's piece failed")
+                assert helper_took_one.wait(30)  # the caller does not copy everything first
+
+            original_run(
+                [(target, source, index) for index, (target, source, _) in enumerate(pieces)], prepare_or_fail
+            )
+
+        copier.run = failing_run  # type: ignore[method-assign]
+        try:
+            with pytest.raises(OSError, match="helper's piece failed"):
+                client.store(keys, chunks)
+        finally:
+            copier.run = original_run  # type: ignore[method-assign]
+        assert (l1(server)["objects"], l1(server)["write_locked"]) == (0, 0)
+        assert client.lookup(keys) == 0
+        assert client.store(keys, chunks) == 4
+        targets = [np.zeros_like(chunk) for chunk in chunks]
+        assert client.retrieve_into(keys, targets) == 4
+        assert all(np.array_equal(chunk, target) for chunk, target in zip(chunks, targets, strict=True))
+
+
+_DIES_MID_COPY = """
+import os, signal, sys, threading
+import numpy as np
+from lmcache_tiers.client import Client
+from lmcache_tiers.keys import ObjectKey
+client = Client(sys.argv[1])
+copier = client._segment.pages._copier
+original_run = copier.run
+def run(pieces, prepare):
+    # the process dies before the last pieces are copied: a store half written
+    def prepare_or_die(block):
+        if block == len(pieces) - 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+    original_run([(t, s, i) for i, (t, s, _) in enumerate(pieces)], prepare_or_die)
+copier.run = run
+keys = [ObjectKey("unit", 0, bytes.fromhex(sys.argv[2]) + bytes([i])) for i in range(4)]
+client.store(keys, [np.full(8 << 20, 7, dtype=np.uint8)] * 4)
+"""
+
+
+def test_a_client_that_dies_mid_copy_leaves_nothing_readable_and_the_keys_storable(
+    make_server: Factory,
+) -> None:
+    server = make_server(l1_size_gb=0.125, l1_write_ttl_s=0.5)
+    prefix = os.urandom(8)
+    keys = [ObjectKey("unit", 0, prefix + bytes([index])) for index in range(4)]
+    child = subprocess.run(
+        [sys.executable, "-c", _DIES_MID_COPY, server.endpoint, prefix.hex()], timeout=60, check=False
+    )
+    assert child.returncode == -signal.SIGKILL
+    with Client(server.endpoint) as client:
+        assert client.lookup(keys) == 0  # reserved, half written, never committed
+        deadline = time.monotonic() + 30
+        while l1(server)["write_locked"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert l1(server)["write_locked"] == 0  # the reservations expired
+        chunks = [np.random.default_rng(seed).integers(0, 256, 8 << 20, dtype=np.uint8) for seed in range(4)]
+        assert client.store(keys, chunks) == 4
+        targets = [np.zeros_like(chunk) for chunk in chunks]
+        assert client.retrieve_into(keys, targets) == 4
+        assert all(np.array_equal(chunk, target) for chunk, target in zip(chunks, targets, strict=True))
 
 
 def test_timed_out_reservations_are_given_back_when_their_reply_turns_up(server: TiersServer) -> None:

@@ -97,7 +97,9 @@ class PageTables:
         return self._failed or self._done_below >= self._size
 
     def start(self) -> None:
-        """Start the background pass over the whole mapping."""
+        """Start the background pass over the whole mapping, and the copy helper, so the
+        first large copy finds it waiting instead of creating it."""
+        self._copier.start()
         if self.complete or self._background is not None:
             return
         self._background = threading.Thread(target=self._run_background, name="shm-populate", daemon=True)
