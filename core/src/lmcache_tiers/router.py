@@ -33,6 +33,7 @@ import zmq
 
 from lmcache_tiers.activity import DATA_PLANE
 from lmcache_tiers.frontend import FrontendStats
+from lmcache_tiers.server.priority import share_priority, thread_ids, threads_named
 
 __all__ = ["RouterLoop"]
 
@@ -76,8 +77,13 @@ class RouterLoop:
         self.stats = stats
         self.sweep_interval_s = sweep_interval_s
         self.drain_timeout_s = drain_timeout_s
+        before = thread_ids()
         self._context = zmq.Context()
-        self.socket = self._context.socket(zmq.ROUTER)
+        self.socket = self._context.socket(zmq.ROUTER)  # starts the context's I/O thread
+        # Every request and reply passes through libzmq's I/O thread: it gets the priority
+        # of the thread that starts the loop, as the loop thread and the pool do.  Told
+        # apart by name at start: a new thread names itself a moment after it starts.
+        self._started_threads = thread_ids() - before
         # Unroutable replies raise instead of vanishing, so a vanished client is logged.
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # A peer sending a frame over the limit is disconnected by libzmq before the
@@ -186,6 +192,7 @@ class RouterLoop:
                 logger.exception("%s: the request loop failed", self.name)
                 on_failure(exc)
 
+        share_priority(threads_named(self._started_threads, "ZMQbg/IO"))
         self._thread = threading.Thread(target=serve, name=f"tiers-{self.name}", daemon=True)
         self._thread.start()
 

@@ -8,6 +8,11 @@ background work and over other processes of the same user -- by weight, never so
 a busy server could starve them.  The write-back threads lower their own priority further
 (:mod:`lmcache_tiers.l2.background`).
 
+Threads a front end's libraries start before that (ZeroMQ's I/O thread starts with the
+front end's socket, when the front end is built) do not inherit it, yet every request and
+reply passes through them: a front end hands them the priority of the thread that starts
+it (:func:`share_priority`).
+
 Raising a priority needs ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` that allows it: where the
 OS refuses, the server logs one line and serves at the priority it was started with.
 """
@@ -20,12 +25,55 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["REQUEST_NICE", "request_threads_favoured"]
+__all__ = ["REQUEST_NICE", "request_threads_favoured", "share_priority", "threads_named"]
 
 logger = logging.getLogger(__name__)
 
 #: nice value of the request path: weight ~3x a nice-0 thread's when they compete for a core
 REQUEST_NICE = -5
+
+_refused_sharing: set[int] = set()  # nice values the OS refused to hand on: logged once
+
+
+def thread_ids() -> set[int]:
+    """Ids of this process's threads (empty where /proc does not list them)."""
+    try:
+        return {int(name) for name in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+def threads_named(tids: set[int], prefix: str) -> list[int]:
+    """Those of ``tids`` whose kernel thread name begins with ``prefix``."""
+    found = []
+    for tid in sorted(tids):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                if comm.read().startswith(prefix):
+                    found.append(tid)
+        except OSError:
+            continue  # ended meanwhile
+    return found
+
+
+def share_priority(tids: list[int]) -> None:
+    """Give threads ``tids`` of this process the nice value of the calling thread, where
+    theirs is worse (threads of a front end's libraries that were started before the
+    serving thread raised its own).  A refusal is logged once per nice value."""
+    if not tids or not hasattr(os, "setpriority"):
+        return
+    wanted = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) > wanted:
+                os.setpriority(os.PRIO_PROCESS, tid, wanted)
+        except ProcessLookupError:
+            continue  # ended meanwhile
+        except OSError as exc:
+            if wanted not in _refused_sharing:
+                _refused_sharing.add(wanted)
+                logger.info("front-end I/O threads keep their nice: the OS refused nice %d (%s)", wanted, exc)
+            return
 
 
 @contextmanager

@@ -292,7 +292,11 @@ class RecordFiles:
                 # NIXL's copy into the files releases the GIL: idle-class (l2/background.py)
                 with WRITE_BACK.copying():
                     moved = self._transfer.run(
-                        "WRITE", [payloads[item.index] for item in pending], _places(pending), self._register
+                        "WRITE",
+                        [payloads[item.index] for item in pending],
+                        _places(pending),
+                        self._register,
+                        background=True,
                     )
             finally:
                 encoded = headers.result()
@@ -323,7 +327,7 @@ class RecordFiles:
             for view, (_item, header) in zip(views, complete, strict=True):
                 view[:] = header
             items = [item for item, _header in complete]
-            return self._transfer.run("WRITE", views, _header_places(items), self._register)
+            return self._transfer.run("WRITE", views, _header_places(items), self._register, background=True)
 
     def _encode_all(
         self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview], pending: list[_Pending]

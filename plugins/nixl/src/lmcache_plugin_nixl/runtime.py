@@ -47,6 +47,12 @@ TRANSFER_TIMEOUT_S = 300.0
 # large ones would otherwise burn a core while the disk works.
 _SPIN_POLLS = 200
 _MAX_SLEEP_S = 0.0005
+# Write-back waits neither spin nor poll that often: each poll takes the GIL from whatever
+# request thread holds it (a 32 MiB O_DIRECT write lasts tens of ms: 200 spins and a poll
+# every 0.5 ms were a few hundred GIL hand-offs per write), and a store finishing a
+# millisecond or two later costs no client anything.
+_BACKGROUND_FIRST_SLEEP_S = 0.0001
+_BACKGROUND_MAX_SLEEP_S = 0.002
 
 Descriptors = npt.NDArray[np.uint64]
 
@@ -236,8 +242,11 @@ class NixlRuntime:
         dram: Descriptors,
         storage: Descriptors,
         storage_mem: str,
+        *,
+        background: bool = False,
     ) -> None:
-        """Run one batched READ (storage -> DRAM) or WRITE (DRAM -> storage) to completion."""
+        """Run one batched READ (storage -> DRAM) or WRITE (DRAM -> storage) to completion
+        (``background``: write-back, which waits for it with fewer polls)."""
         agent = self.agent
         try:
             local = agent.get_xfer_descs(dram, "DRAM")
@@ -246,7 +255,7 @@ class NixlRuntime:
         except Exception as exc:
             raise NixlTransferError(f"NIXL {operation} on {backend} could not be prepared: {exc}") from exc
         try:
-            self._wait(handle, agent.transfer(handle), operation, backend)
+            self._wait(handle, agent.transfer(handle), operation, backend, background)
         except NixlTransferError:
             raise
         except Exception as exc:
@@ -257,19 +266,21 @@ class NixlRuntime:
             except Exception as exc:
                 log.warning("NIXL could not release a %s handle on %s: %s", operation, backend, exc)
 
-    def _wait(self, handle: Any, state: str, operation: str, backend: str) -> None:
+    def _wait(self, handle: Any, state: str, operation: str, backend: str, background: bool = False) -> None:
         deadline = time.monotonic() + TRANSFER_TIMEOUT_S
+        spins, sleep, longest = _SPIN_POLLS, 0.00001, _MAX_SLEEP_S
+        if background:
+            spins, sleep, longest = 0, _BACKGROUND_FIRST_SLEEP_S, _BACKGROUND_MAX_SLEEP_S
         polls = 0
-        sleep = 0.00001
         while state == "PROC":
             polls += 1
-            if polls > _SPIN_POLLS:
+            if polls > spins:
                 if time.monotonic() > deadline:
                     raise NixlTransferError(
                         f"NIXL {operation} on {backend} did not finish within {TRANSFER_TIMEOUT_S:.0f} s"
                     )
                 time.sleep(sleep)
-                sleep = min(sleep * 2, _MAX_SLEEP_S)
+                sleep = min(sleep * 2, longest)
             state = self.agent.check_xfer_state(handle)
         if state != "DONE":
             raise NixlTransferError(f"NIXL {operation} on {backend} ended in state {state}")

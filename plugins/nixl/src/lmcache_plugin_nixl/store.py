@@ -65,7 +65,7 @@ class NixlStoreBackend:
             return 0, length, self._storage.device(slot, address, length)
 
         try:
-            written = self._transfer.run("WRITE", buffers, locate)
+            written = self._transfer.run("WRITE", buffers, locate, background=True)  # write-back
         except BaseException:
             for i, slot in writes:
                 self._slots.abandon(keys[i], slot)

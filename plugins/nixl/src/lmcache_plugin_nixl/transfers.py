@@ -40,8 +40,11 @@ class BatchTransfer:
         buffers: Sequence[memoryview],
         locate: Locator,
         register_storage: StorageRegistrar | None = None,
+        *,
+        background: bool = False,
     ) -> list[bool]:
-        """Move every buffer to (WRITE) or from (READ) the place ``locate`` gives for it."""
+        """Move every buffer to (WRITE) or from (READ) the place ``locate`` gives for it
+        (``background``: for write-back, see :meth:`NixlRuntime.transfer`)."""
         if not buffers:
             return []
         addresses, strays = self.host.prepare(buffers)
@@ -55,12 +58,13 @@ class BatchTransfer:
             if register_storage is not None:
                 storage = register_storage([rows[i] for i in moving])
             results = [True] * len(buffers)
-            if not self._try(operation, [addresses[i] for i in moving], [rows[i] for i in moving]):
+            batch = [addresses[i] for i in moving], [rows[i] for i in moving]
+            if not self._try(operation, *batch, background):
                 if len(moving) == 1:
                     results[moving[0]] = False
                 else:
                     for i in moving:
-                        results[i] = self._try(operation, [addresses[i]], [rows[i]])
+                        results[i] = self._try(operation, [addresses[i]], [rows[i]], background)
             return results
         finally:
             if storage is not None:
@@ -68,11 +72,13 @@ class BatchTransfer:
             if strays is not None:
                 strays.release()
 
-    def _try(self, operation: str, addresses: list[int], rows: list[StorageRow]) -> bool:
+    def _try(self, operation: str, addresses: list[int], rows: list[StorageRow], background: bool) -> bool:
         dram = descriptors([(address, row[1], 0) for address, row in zip(addresses, rows, strict=True)])
         storage = descriptors(rows)
         try:
-            self.runtime.transfer(self.backend, operation, dram, storage, self.storage_mem)
+            self.runtime.transfer(
+                self.backend, operation, dram, storage, self.storage_mem, background=background
+            )
         except NixlTransferError as exc:
             log.debug("%s of %d item(s) failed: %s", operation, len(rows), exc)
             return False
