@@ -291,9 +291,14 @@ class StoreController(ControllerThread):
             self._complete(task, results)
 
     def _complete(self, task: _Task, results: Sequence[bool]) -> None:
+        stored = [key for key, ok in zip(task.keys, results, strict=False) if ok]
+        batch = task.batch
+        # In L2 now: evictable like any object, whatever other adapters still do.  Settled
+        # before the read locks go: in between, a write needing room could evict them and
+        # count acknowledged writes that L2 holds as lost.
+        self.l1.settle_unstored([batch.objects[key] for key in stored if key in batch.objects])
         self.l1.finish_read(task.keys)
         self._pacer.reported(task.slot.index, task.nbytes)
-        stored = [key for key, ok in zip(task.keys, results, strict=False) if ok]
         failed = len(task.keys) - len(stored)
         index = task.slot.index
         self.stats.add_adapter(index, "store_tasks_completed")
@@ -309,10 +314,7 @@ class StoreController(ControllerThread):
             len(stored),
             len(task.keys),
         )
-        batch = task.batch
         batch.stored.update(stored)
-        # In L2 now: evictable like any object, whatever other adapters still do.
-        self.l1.settle_unstored([batch.objects[key] for key in stored if key in batch.objects])
         batch.tasks_left -= 1
         if batch.tasks_left == 0:
             self._finish_batch(batch)
