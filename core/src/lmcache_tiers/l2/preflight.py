@@ -22,6 +22,7 @@ import errno
 import mmap
 import os
 import stat
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -185,7 +186,8 @@ def direct_io_refusal(directory: str) -> str | None:
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return "this platform has no O_DIRECT"
-    probe = os.path.join(directory, f".tmp-directio-{os.getpid()}-{id(directory):x}.part")
+    # one name per thread: two adapters may probe the same directory at once
+    probe = os.path.join(directory, f".tmp-directio-{os.getpid()}-{threading.get_native_id()}.part")
     block = mmap.mmap(-1, _DIRECT_PROBE_BYTES)  # page-aligned, as O_DIRECT wants
     try:
         try:
