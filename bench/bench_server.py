@@ -219,12 +219,14 @@ DISTINCT_STARTS = 1024
 
 
 def lookup_p50s(
-    url: str, short: int, long: int, requests: int, distinct: bool = False
+    url: str, short: int, long: int, requests: int, distinct: bool = False, release: bool = False
 ) -> tuple[float, float]:
     """p50 in microseconds of sequential LOOKUPs of ``short`` and of ``long`` keys, all in L1,
     measured in alternating rounds so that both see the same machine.  The same key list
     every time (an engine asking again for a waiting request's prefix), or with
-    ``distinct`` a list that starts one key further each time (a new prefix each time)."""
+    ``distinct`` a list that starts one key further each time (a new prefix each time).
+    With ``release``, the RELEASE of the keys each LOOKUP locked is timed instead (an
+    engine done with a prompt: every lock a lookup takes is given back this way)."""
     salt = f"bench-slope-{os.getpid()}"
     total = long + (DISTINCT_STARTS if distinct else 0)
     keys = [ObjectKey("bench-slope", 0, index.to_bytes(4, "big") * 8, 0, salt) for index in range(total)]
@@ -242,6 +244,9 @@ def lookup_p50s(
                         wanted = keys[first : first + count]
                         start = time.perf_counter_ns()
                         hits = client.lookup(wanted)
+                        if release:
+                            start = time.perf_counter_ns()
+                            client.release(wanted)
                         samples[count].append((time.perf_counter_ns() - start) / 1e3)
                         if hits != count:
                             raise SystemExit(f"LOOKUP found {hits} of {count} keys stored in L1")
@@ -327,7 +332,7 @@ def main() -> None:
         floor_after = measure_floor(transport, args.lookup_keys)
         bare_ping, bare_lookup = bare_requests(url, args.lookup_keys, args.lookup_requests // 2)
         slope = None
-        distinct_slope = (0.0, 0.0)
+        distinct_slope = release_slope = (0.0, 0.0)
         if args.long_lookup_keys > args.lookup_keys:
             long_keys = args.long_lookup_keys
             short_p50, long_p50 = lookup_p50s(url, args.lookup_keys, long_keys, args.lookup_requests)
@@ -335,6 +340,9 @@ def main() -> None:
             slope = (short_p50, long_p50, min(floor_before[1], floor_after[1]), echo_long[1])
             distinct_slope = lookup_p50s(
                 url, args.lookup_keys, long_keys, args.lookup_requests, distinct=True
+            )
+            release_slope = lookup_p50s(
+                url, args.lookup_keys, long_keys, args.lookup_requests, distinct=True, release=True
             )
         if args.l2:
             extra.write_back = store_under_write_back(url, args.chunks, chunk_bytes, args.repeats)
@@ -364,6 +372,8 @@ def main() -> None:
             data["zmq_echo_us_per_extra_key"] = (slope[3] - slope[2]) / added
             data["lookup_distinct_short_long_p50_us"] = list(distinct_slope)
             data["lookup_distinct_us_per_extra_key"] = (distinct_slope[1] - distinct_slope[0]) / added
+            data["release_short_long_p50_us"] = list(release_slope)
+            data["release_us_per_extra_key"] = (release_slope[1] - release_slope[0]) / added
         data.update(extra.to_dict(args.l2, args.direct))
         print(json.dumps(data, indent=2))
         return
@@ -401,6 +411,10 @@ def main() -> None:
         lines.append(
             f"the same with a different key list each time (p50 {distinct_slope[1]:.0f} vs "
             f"{distinct_slope[0]:.0f} us): {(distinct_slope[1] - distinct_slope[0]) / added:.3f} us"
+        )
+        lines.append(
+            f"RELEASE of what such a LOOKUP locked, cost per extra key (p50 {release_slope[1]:.0f} vs "
+            f"{release_slope[0]:.0f} us): {(release_slope[1] - release_slope[0]) / added:.3f} us"
         )
     print("\n".join(lines + extra.lines(args.l2, args.direct)))
 

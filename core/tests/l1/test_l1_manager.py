@@ -203,6 +203,9 @@ def test_read_locks_are_counted_per_ready_key(l1: L1Manager, recorder: Recorder)
 
     l1.finish_read(keys(1, 3))
     assert (hits[key(1)].read_locks, hits[key(3)].read_locks) == (2, 1)
+    l1.finish_read(keys(1, 1, 1))  # a key listed again is released once
+    assert hits[key(1)].read_locks == 1
+    l1.reserve_read(keys(1))
     l1.finish_read(keys(1, 3), count=5)  # never below zero
     assert (hits[key(1)].read_locks, hits[key(3)].read_locks) == (0, 0)
     assert l1.contains(key(1)) and l1.contains(key(3))  # not temporary: stays

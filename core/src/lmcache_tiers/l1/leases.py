@@ -130,6 +130,12 @@ class ExtentLeases:
     def has_holders(self, key: ObjectKey) -> bool:
         return key in self._held
 
+    @property
+    def any_holders(self) -> bool:
+        """Whether any quarantined extent still has readers (rarely: only after a forced
+        delete of read-locked objects)."""
+        return bool(self._held)
+
     def holds(self, obj: L1Object) -> bool:
         entry = self._by_offset.get(obj.offset)
         return entry is not None and entry.obj is obj

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import repeat
 from operator import attrgetter
 from typing import cast
 
@@ -144,14 +145,28 @@ class ReadLocks:
             objects, locked = table.objects, table.locked
             freed: list[L1Object] = []
             leases = self._leases
-            for key in dict.fromkeys(keys):
-                left = leases.credit(key, count) if leases.has_holders(key) else count
-                obj = objects.get(key)
-                if obj is None or obj.read_locks == 0 or not left:
+            # Each key once (a set only checks: cheaper than building the deduplicated list
+            # when, as nearly always, there is nothing to remove).
+            distinct = keys if len(set(keys)) == len(keys) else list(dict.fromkeys(keys))
+            if leases.any_holders:
+                # Locks on quarantined extents are credited first: per key, what is left
+                # over goes to the live object.
+                lefts: Iterable[int] = [
+                    leases.credit(key, count) if leases.has_holders(key) else count for key in distinct
+                ]
+            else:  # the usual case: every lock released is the live object's
+                lefts = repeat(count)
+            # The objects are found in one C-level pass; what is left per object is plain
+            # arithmetic (this runs for every key of every RELEASE).
+            for obj, left in zip(map(objects.get, distinct), lefts, strict=False):  # lefts may repeat
+                if obj is None or not left:
                     continue
-                obj.read_locks = max(0, obj.read_locks - left)
-                if obj.read_locks == 0:
-                    del locked[key]
+                remaining = obj.read_locks - left
+                if remaining > 0:
+                    obj.read_locks = remaining
+                elif obj.read_locks:  # its last locks: unlocked now
+                    obj.read_locks = 0
+                    del locked[obj.key]
                     if obj.temporary:
                         freed.append(obj)
             table.free(freed)

@@ -69,7 +69,9 @@ class Session:
     up to date from the records, in the order they were taken, whenever they are read.
     The result is exactly what updating them on every call would give; a client that
     locks the same prefix again and again (an engine asking about a waiting prompt every
-    step) costs one list comparison per lookup instead of two dict updates per key.
+    step) costs one list comparison per lookup instead of two dict updates per key.  A
+    RELEASE of exactly the keys of the one record there is (lookup, retrieve, release)
+    takes that record back whole, indexing nothing.
     """
 
     identity: bytes
@@ -132,11 +134,29 @@ class Session:
     def take_read_locks(self, keys: Iterable[ObjectKey], now: float) -> dict[int, list[ObjectKey]]:
         """Forget the locks held on ``keys``; returns the live ones grouped by lock count,
         ready for ``StorageManager.release(keys, count)``."""
-        by_count: dict[int, list[ObjectKey]] = defaultdict(list)
+        wanted = keys if isinstance(keys, list) else list(keys)
+        records = self._records
+        if len(records) == 1 and not self._counts:
+            held, deadline, times = records[0]
+            # The usual release: the very keys of the one lock record (a LOOKUP, maybe a
+            # RETRIEVE of the same keys after it), each once -- what indexing the record
+            # and taking it back key by key would give, without either.
+            if held == wanted and len(set(wanted)) == len(wanted):
+                records.clear()
+                self._backlog = 0
+                return {times: wanted} if deadline > now else {}
         locks, deadlines = self.read_locks, self.lock_deadlines
-        for key in keys:
-            count = locks.pop(key, 0)
-            if count and deadlines.pop(key) > now:
+        # Both dicts hold exactly the same keys, so popping each key from both (in C, a
+        # second mention of a key getting 0 and no deadline) forgets what the loop below
+        # would, whatever it finds.
+        counts = list(map(locks.pop, wanted, repeat(0)))
+        ends = list(map(deadlines.pop, wanted, repeat(0.0)))
+        if wanted and min(ends) > now and counts.count(counts[0]) == len(counts):
+            # Every key held, none expired, each locked as often: one group.
+            return {counts[0]: wanted}
+        by_count: dict[int, list[ObjectKey]] = defaultdict(list)
+        for key, count, end in zip(wanted, counts, ends, strict=True):
+            if count and end > now:
                 by_count[count].append(key)
         return by_count
 
