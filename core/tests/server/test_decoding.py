@@ -279,3 +279,80 @@ def test_a_key_list_is_kept_when_it_comes_again_soon_and_never_copied_otherwise(
             decoded = decode_request(p.encode(p.Lookup(round_ * cycle + number, "", keys)), cache)
             assert isinstance(decoded, p.Lookup) and decoded.keys == keys
     assert len(cache._lists) == 1, "lists returning after more new lists than noted are not copied"
+
+
+def decoded_keys(cache: KeyCache, keys: list[ObjectKey], req_id: int = 1) -> list[ObjectKey]:
+    header = p.encode(p.Lookup(req_id, "", keys))
+    decoded = decode_request(header, cache)
+    assert decoded == p.request_decoder.decode(header)
+    assert isinstance(decoded, p.Lookup)
+    return decoded.keys
+
+
+def test_runs_of_a_stored_list_decode_from_it_in_one_comparison(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys first decoded in one list (a STORE of a prompt): later lists that are runs of it
+    -- its prefixes, windows, a run across two such lists -- are its keys, the very objects,
+    taken by the run path without cutting the list into pieces."""
+    cache = KeyCache()
+    stored = decode_request(p.encode(p.StoreReserve(1, "", SAME_SIZE[:200], [4096] * 200)), cache)
+    more = decode_request(p.encode(p.StoreReserve(2, "", SAME_SIZE[200:], [4096] * 100)), cache)
+    assert isinstance(stored, p.StoreReserve) and isinstance(more, p.StoreReserve)
+    known = stored.keys + more.keys
+    found: list[bool] = []
+    runs = KeyCache._runs_of_seen_lists
+
+    def recorded(self: KeyCache, *args: Any) -> list[ObjectKey] | None:
+        keys = runs(self, *args)
+        found.append(keys is not None)
+        return keys
+
+    monkeypatch.setattr(KeyCache, "_runs_of_seen_lists", recorded)
+    cases = ((0, 200), (0, 16), (37, 150), (150, 120), (190, 8), (0, 300))
+    for first, count in cases:
+        keys = decoded_keys(cache, SAME_SIZE[first : first + count], first * 1000 + count)
+        assert keys == SAME_SIZE[first : first + count]
+        assert all(a is b for a, b in zip(keys, known[first : first + count], strict=True))
+    assert found == [True] * len(cases)
+
+
+def test_lists_that_are_not_runs_decode_as_before() -> None:
+    """A list starting like a stored one and going on differently, keys of another size in
+    between, a run longer than what is left of the stored list followed by unknown keys:
+    each gives the full decoder's keys."""
+    cache = KeyCache()
+    decoded_keys(cache, SAME_SIZE[:100])
+    other_size = ObjectKey("model", 0, b"\x05" * 20, 0, "salt")
+    unknown = [ObjectKey("model", 0, index.to_bytes(2, "big") * 8, 0, "tlas") for index in range(5)]
+    for keys in (
+        SAME_SIZE[:10] + SAME_SIZE[50:60],  # same first key, another continuation
+        [*SAME_SIZE[:10], other_size, *SAME_SIZE[10:20]],
+        SAME_SIZE[90:100] + unknown,  # past the end of the stored list, then new keys
+        SAME_SIZE[90:100] + SAME_SIZE[200:210],  # past its end, then keys never seen
+        list(reversed(SAME_SIZE[:40])),
+        [SAME_SIZE[3]] * 12,  # one key repeated
+    ):
+        assert decoded_keys(cache, keys) == keys
+    # more pieces than _RUNS_MAX: still decoded, by cutting the list
+    hops = [key for start in range(0, 60, 10) for key in SAME_SIZE[start : start + 2]]
+    assert decoded_keys(cache, hops) == hops
+
+
+def test_mutated_headers_of_runs_get_the_full_decoders_verdict() -> None:
+    cache = KeyCache()
+    decode_request(p.encode(p.StoreReserve(1, "", SAME_SIZE[:64], [10] * 64)), cache)
+    seeds = [
+        p.encode(kind(1, "", SAME_SIZE[start : start + 20]))
+        for kind in (p.Lookup, p.Release)
+        for start in (0, 7)
+    ]
+    check_mutations(random.Random(18), cache, seeds)
+
+
+def test_origins_are_forgotten_with_the_key_cache() -> None:
+    cache = KeyCache(entries=64)
+    decoded_keys(cache, SAME_SIZE[:40])
+    assert cache._origins
+    decoded_keys(cache, SAME_SIZE[100:140])  # 80 keys: over 64, emptied first
+    assert all(seen.keys[position] is cache._keys[data] for data, (seen, position) in cache._origins.items())
+    keys = decoded_keys(cache, SAME_SIZE[:40])
+    assert all(cache._keys[key.to_bytes()] is key for key in keys)

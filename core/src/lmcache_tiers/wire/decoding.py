@@ -25,6 +25,16 @@ each one whole value, laid end to end over the region, are exactly its elements.
 piece not known sends the whole list down the per-element path (one ``msgspec.Raw`` per
 key, split by msgspec itself).
 
+Keys also remember where they were first seen: the key list they were decoded from (when
+its keys all encode to one length), with their position in it.  An engine looks up again
+the prompts it stored, and a prompt's chunks are stored in order, so a new key list is
+most often a run of a list seen before -- the keys a STORE named, from some position on.
+Its first key names that list and position; one comparison of the bytes that follow with
+the remembered list's (a ``memcmp``) then gives the whole run, sliced from that list's
+keys, with no piece, hash or probe per key.  Equal bytes at equal piece boundaries are
+equal keys, for the reason above; a list that is not such a run (or a few such runs) is
+cut into pieces as before.
+
 The cache holds at most :data:`KEY_CACHE_ENTRIES` keys and is emptied when full, so a
 client sending ever new keys cannot grow it; past that it costs one decode per key, as
 before.
@@ -40,7 +50,7 @@ a copy of every list costs a lookup of a new prefix more than the repeats save.
 from __future__ import annotations
 
 import struct
-from typing import Annotated, Any, Union, get_args
+from typing import Annotated, Any, NamedTuple, Union, get_args
 
 import msgspec
 
@@ -49,7 +59,8 @@ from lmcache_tiers.wire import protocol as p
 
 __all__ = ["KEY_CACHE_ENTRIES", "KeyCache", "decode_request"]
 
-#: ~300 bytes each (key, its bytes, the dict entry): ~20 MiB when full.
+#: ~420 bytes each (key, its bytes, the dict entries, its share of the list it came in):
+#: ~28 MiB when full.
 KEY_CACHE_ENTRIES = 1 << 16
 
 _RawKeys = Annotated[list[msgspec.Raw], msgspec.Meta(max_length=p.MAX_KEYS_PER_REQUEST)]
@@ -69,6 +80,11 @@ _TAIL = struct.Struct(f"{_TAIL_BYTES}s")
 #: before this many other new lists (so lists that return only after many others are never
 #: copied just to be dropped before they come again)
 _SIGHTED_MAX = _LISTS_MAX
+
+#: key lists shorter than this are not remembered as places where keys were first seen
+_RUN_MIN_KEYS = 8
+#: a key list is taken as runs of remembered lists in at most this many pieces, or not at all
+_RUNS_MAX = 4
 
 _BYTE = struct.Struct(">B")
 _U16 = struct.Struct(">H")
@@ -90,6 +106,14 @@ def _array_header(region: msgspec.Raw, size: int) -> tuple[int, int] | None:
     return None
 
 
+class _SeenList(NamedTuple):
+    """A key list whose keys all encode to one length, where some of them were decoded
+    first: its msgpack elements (no array header) and its keys, in order."""
+
+    elements: bytes
+    keys: list[ObjectKey]
+
+
 class KeyCache:
     """Validated keys by the bytes they were decoded from; one per decoding thread."""
 
@@ -102,6 +126,8 @@ class KeyCache:
         self._lists: dict[tuple[int, bytes], tuple[msgspec.Raw, list[ObjectKey]]] = {}
         self._list_bytes = 0
         self._sighted: dict[tuple[int, bytes], None] = {}
+        # where a key was decoded first: its list and its position there
+        self._origins: dict[bytes, tuple[_SeenList, int]] = {}
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -116,7 +142,7 @@ class KeyCache:
             return list(seen[1])
         keys = self._known_equal_pieces(raw)
         if keys is None:
-            keys = self.keys_of(_raw_keys_decoder.decode(raw))
+            keys = self.keys_of(_raw_keys_decoder.decode(raw), raw)
         if tag is not None and total <= _LIST_BYTES_MAX // 4:
             sighted = self._sighted
             if tag in sighted:
@@ -150,6 +176,10 @@ class KeyCache:
         if count == 0 or count > p.MAX_KEYS_PER_REQUEST or (total - start) % count:
             return None
         size = (total - start) // count
+        if self._origins and count >= _RUN_MIN_KEYS:
+            runs = self._runs_of_seen_lists(bytes(raw), start, size, count)
+            if runs is not None:
+                return runs
         splitter = self._splitters.get((size, count))
         if splitter is None:
             if len(self._splitters) >= _SPLITTERS_MAX:
@@ -158,8 +188,39 @@ class KeyCache:
         keys: list[Any] = list(map(self._keys.get, splitter.unpack_from(raw, start)))
         return keys if all(keys) else None  # keys are never false, None is
 
-    def keys_of(self, raws: list[msgspec.Raw]) -> list[ObjectKey]:
-        """The keys encoded in ``raws``; raises whatever decoding one of them raises."""
+    def _runs_of_seen_lists(
+        self, elements: bytes, start: int, size: int, count: int
+    ) -> list[ObjectKey] | None:
+        """The ``count`` keys of ``size`` bytes each from ``start`` in ``elements``, when
+        they are at most ``_RUNS_MAX`` runs of lists whose keys were first decoded there."""
+        origins = self._origins
+        keys: list[ObjectKey] = []
+        done = 0
+        for _ in range(_RUNS_MAX):
+            at = start + done * size
+            origin = origins.get(elements[at : at + size])
+            if origin is None:
+                return None
+            # The key found encodes to exactly these ``size`` bytes, so its list's keys do too.
+            seen, position = origin
+            run = min(count - done, len(seen.keys) - position)
+            begin, end = position * size, (position + run) * size
+            # The run's last key first (a list going on differently mostly differs there),
+            # then one memcmp: equal bytes, cut at equal boundaries, are the same keys.
+            last = at + run * size
+            if elements[last - size : last] != seen.elements[end - size : end] or (
+                elements[at:last] != seen.elements[begin:end]
+            ):
+                return None
+            keys += seen.keys[position : position + run]
+            done += run
+            if done == count:
+                return keys
+        return None
+
+    def keys_of(self, raws: list[msgspec.Raw], raw: msgspec.Raw | None = None) -> list[ObjectKey]:
+        """The keys encoded in ``raws`` (the elements of the msgpack array ``raw``, when
+        given); raises whatever decoding one of them raises."""
         cache = self._keys
         encoded = list(map(bytes, raws))
         keys: list[Any] = list(map(cache.get, encoded))
@@ -172,13 +233,34 @@ class KeyCache:
             self._lists.clear()
             self._list_bytes = 0
             self._sighted.clear()
+            self._origins.clear()
         decode = self._decode
+        new: list[int] = []
         for position, key in enumerate(keys):
             if key is None:
                 data = encoded[position]
                 key = keys[position] = decode(data)
                 cache[data] = key
+                new.append(position)
+        self._remember_origins(raw, encoded, keys, new)
         return keys
+
+    def _remember_origins(
+        self, raw: msgspec.Raw | None, encoded: list[bytes], keys: list[ObjectKey], new: list[int]
+    ) -> None:
+        """Note the list the keys at ``new`` were first decoded from, when its keys all
+        encode to one length (positions are then offsets)."""
+        if raw is None or len(encoded) < _RUN_MIN_KEYS:
+            return
+        size = len(encoded[0])
+        total = len(raw)
+        shape = _array_header(raw, total)
+        if shape is None or total - shape[1] != size * len(encoded) or len(set(map(len, encoded))) != 1:
+            return
+        seen = _SeenList(bytes(raw)[shape[1] :], list(keys))  # the caller keeps ``keys``
+        origins = self._origins
+        for position in new:
+            origins[encoded[position]] = (seen, position)
 
 
 def _twin(kind: type[p._Request]) -> type[p._Request]:
