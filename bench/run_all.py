@@ -6,13 +6,14 @@ is one that benchmark measured next to its limit in the same run:
 
 * the server's data plane next to memcpy, and lookups/s next to a bare ZeroMQ round trip
   (``bench_server``); the reference's workload shape through our client, warm, with fresh
-  clients and with L2 write-back (``bench_workload``);
+  clients and with L2 write-back (``bench_workload``, the L2 with O_DIRECT as the docs advise);
 * each L2 adapter next to raw I/O of the same bytes (``bench_nixl``, ``bench_fs``,
   ``bench_block``, ``bench_redis``, ``bench_mooncake``, ``bench_s3``), serdes
   (``bench_serde``), the engine with mock adapters, leases, CLI start-up;
 * replay hit rates next to the LRU simulation and Belady's optimum (``bench_replay``);
 * when the reference venv exists (``--reference-venv``, LMCache 0.5.6), the reference's
-  own server benchmark against both servers on the same sizes (``bench_lmcache_mp``) and
+  own server benchmark against both servers on the same sizes, both file L2s with O_DIRECT
+  (``bench_lmcache_mp``), and
   its L2 benchmark next to our ``fs`` adapter (``bench_fs``'s reference part).
 
 A benchmark that cannot run here (a missing server binary, no reference venv) is listed
@@ -56,7 +57,7 @@ class Bench:
 
 BENCHES = (
     Bench("server", "bench_server.py", ("--chunks", "32", "--lookup-requests", "5000")),
-    Bench("workload", "bench_workload.py", ("--rounds", "3")),
+    Bench("workload", "bench_workload.py", ("--rounds", "3", "--direct")),
     Bench("nixl", "bench_nixl.py", ("--cases", "64x1,16x16", "--repeat", "5")),
     Bench(
         "fs",
@@ -72,7 +73,8 @@ BENCHES = (
     Bench("leases", "bench_leases.py", ("--repeats", "10")),
     Bench("cli_startup", "bench_cli_startup.py", ("--runs", "3")),
     Bench("replay", "bench_replay.py", ("--capacities", "1000,4000", "--seeds", "1")),
-    Bench("reference_server", "bench_lmcache_mp.py", ("--slices", "4"), needs_reference=True),
+    # File L2s with O_DIRECT on both servers: the configuration the docs give operators
+    Bench("reference_server", "bench_lmcache_mp.py", ("--slices", "4", "--direct"), needs_reference=True),
     Bench(
         "reference_l2",
         "bench_fs.py",
@@ -159,25 +161,47 @@ def _cell(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def rows_of(figures: Any) -> list[dict[str, Any]]:
-    """Table rows: a list of records as is, a record as one row, nested records flattened
-    one level (``a.b``); long lists (raw samples) are left to the JSON report."""
+def _records(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(item, dict) for item in value)
+
+
+def tables_of(figures: Any, title: str = "") -> list[tuple[str, list[dict[str, Any]]]]:
+    """Every table in ``figures`` as (title, rows): a list of records as is, a record as one
+    row, nested records flattened one level (``a.b``); a list of records inside a record
+    (a benchmark's cases, a comparison's rows) is a table of its own, titled by its path,
+    each row led by the fields naming its parent when there are several parents; long lists
+    (raw samples) are left to the JSON report."""
     items = figures if isinstance(figures, list) else [figures]
-    rows = []
+    rows: list[dict[str, Any]] = []
+    nested: dict[str, list[dict[str, Any]]] = {}  # by title: the rows of every parent, in order
     for item in items:
         if not isinstance(item, dict):
             rows.append({"value": item})
             continue
         row: dict[str, Any] = {}
+        inner: list[tuple[str, Any]] = []
         for key, value in item.items():
             if _scalar(value):
                 row[key] = value
+            elif _records(value):
+                inner.append((key, value))
             elif isinstance(value, dict):
-                row.update({f"{key}.{inner}": v for inner, v in value.items() if _scalar(v)})
+                for name, part in value.items():
+                    if _scalar(part):
+                        row[f"{key}.{name}"] = part
+                    elif _records(part) or isinstance(part, dict):
+                        inner.append((f"{key}.{name}", part))
             elif isinstance(value, list) and len(value) <= 4 and all(_scalar(v) for v in value):
                 row[key] = " / ".join(_cell(v) for v in value)
         rows.append(row)
-    return rows
+        for key, value in inner:
+            path = f"{title}.{key}" if title else key
+            for name, table in tables_of(value, path):
+                if len(items) > 1:  # say which parent these rows belong to
+                    table = [{**row, **child} for child in table]
+                nested.setdefault(name, []).extend(table)
+    tables = [(title, rows)] if any(rows) else []
+    return tables + list(nested.items())
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
@@ -203,6 +227,17 @@ def headline(outcomes: dict[str, Outcome]) -> list[str]:
             f"| LOOKUP {data.get('lookup_keys')} keys, sequential | {lookups:,.0f}/s "
             f"({lookups / echo if echo else 0:.2f} x) | bare ZeroMQ round trip {echo:,.0f}/s |"
         )
+        long_keys = data.get("long_lookup_keys")
+        for label, figure in (
+            ("LOOKUP, the same key list", "lookup_us_per_extra_key"),
+            ("LOOKUP, a different key list each time", "lookup_distinct_us_per_extra_key"),
+            ("RELEASE of what such a LOOKUP locked", "release_us_per_extra_key"),
+        ):
+            if data.get(figure) is not None:
+                lines.append(
+                    f"| {label}, per extra key ({long_keys} vs {data.get('lookup_keys')} keys) | "
+                    f"{data[figure]:.3f} us | target 0.3 us |"
+                )
     workload = outcomes.get("workload")
     if workload is not None and isinstance(workload.figures, list):
         for scenario in workload.figures:
@@ -213,6 +248,18 @@ def headline(outcomes: dict[str, Outcome]) -> list[str]:
                     continue
                 limit = f"memcpy {scenario['memcpy_ms']:.2f} ms" if op != "lookup" else "p50"
                 lines.append(f"| workload {label} {op} p50 / p99 | {p50:.2f} / {p99:.2f} ms | {limit} |")
+    reference = outcomes.get("reference_server")
+    if reference is not None and isinstance(reference.figures, dict):
+        data = reference.figures
+        lines.append(
+            f"| LMCache's bench server, lmcache-tiers faster on every figure | "
+            f"{'yes' if data.get('faster_on_every_figure') else 'no'} | LMCache 0.5.6's server, same run |"
+        )
+        direct = " (O_DIRECT)" if "--direct" in reference.command else ""
+        lines.append(
+            f"| the same, lookup p99 with a file L2{direct} | "
+            f"{_cell(data.get('tiers_lookup_p99_with_l2_ms'))} ms | target 3 ms |"
+        )
     nixl = outcomes.get("nixl")
     if nixl is not None and isinstance(nixl.figures, list):
         for row in nixl.figures:
@@ -248,7 +295,10 @@ def write_report(outcomes: list[Outcome], load: dict[str, list[float]], out: Pat
         elif outcome.error:
             parts += ["", f"Failed: {outcome.error}"]
         else:
-            parts += ["", f"{outcome.seconds:.0f} s", "", markdown_table(rows_of(outcome.figures))]
+            parts += ["", f"{outcome.seconds:.0f} s"]
+            for title, rows in tables_of(outcome.figures):
+                parts += ["", f"### {outcome.name}: {title}"] if title else []
+                parts += ["", markdown_table(rows)]
     markdown = out.with_suffix(".md")
     markdown.write_text("\n".join(parts) + "\n")
     document = {

@@ -35,11 +35,50 @@ def test_the_last_json_document_is_read_after_progress_lines() -> None:
 
 def test_rows_flatten_one_level_and_leave_samples_to_the_json() -> None:
     figures = [{"case": "64x1", "ratio": 0.8, "p50": {"store": 1.5}, "runs": list(range(50)), "pair": [1, 2]}]
-    rows = run_all.rows_of(figures)
+    [(title, rows)] = run_all.tables_of(figures)
+    assert title == ""
     assert rows == [{"case": "64x1", "ratio": 0.8, "p50.store": 1.5, "pair": "1 / 2"}]
     table = run_all.markdown_table(rows)
     assert table.splitlines()[0] == "| case | ratio | p50.store | pair |"
     assert "| 64x1 | 0.8 | 1.5 | 1 / 2 |" in table
+
+
+def test_lists_of_records_inside_a_record_are_tables_of_their_own() -> None:
+    """A comparison's rows, a benchmark's cases with their results, records in a record's
+    dict: each a table titled by its path; rows of several parents say which parent."""
+    figures = {
+        "trace": "t.jsonl",
+        "rows": [{"figure": "store", "p99": 2.5, "samples": list(range(16))}],
+        "study": {
+            "whole": [{"capacity": 1000, "miss": {"LRU": 0.9}}],
+            "halves": {"first": [{"capacity": 5}]},
+        },
+    }
+    tables = run_all.tables_of(figures)
+    assert tables == [
+        ("", [{"trace": "t.jsonl"}]),
+        ("rows", [{"figure": "store", "p99": 2.5}]),
+        ("study.whole", [{"capacity": 1000, "miss.LRU": 0.9}]),
+        ("study.halves.first", [{"capacity": 5}]),
+    ]
+    cases = [
+        {
+            "case": "256 x 1 MiB",
+            "results": [{"method": "direct", "gbps": 1.0}, {"method": "adapter", "gbps": 0.9}],
+        },
+        {"case": "64 x 16 MiB", "results": [{"method": "direct", "gbps": 2.0}]},
+    ]
+    assert run_all.tables_of(cases) == [
+        ("", [{"case": "256 x 1 MiB"}, {"case": "64 x 16 MiB"}]),
+        (
+            "results",
+            [
+                {"case": "256 x 1 MiB", "method": "direct", "gbps": 1.0},
+                {"case": "256 x 1 MiB", "method": "adapter", "gbps": 0.9},
+                {"case": "64 x 16 MiB", "method": "direct", "gbps": 2.0},
+            ],
+        ),
+    ]
 
 
 def test_failures_and_skips_are_reported_and_the_rest_still_runs(tmp_path: Path) -> None:
