@@ -356,3 +356,20 @@ def test_origins_are_forgotten_with_the_key_cache() -> None:
     assert all(seen.keys[position] is cache._keys[data] for data, (seen, position) in cache._origins.items())
     keys = decoded_keys(cache, SAME_SIZE[:40])
     assert all(cache._keys[key.to_bytes()] is key for key in keys)
+
+
+def test_remembered_origins_are_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client bringing one new key in each long list: the lists kept as origins stay
+    within their byte budget, and keys still decode right after origins are forgotten."""
+    from lmcache_tiers.wire import decoding
+
+    monkeypatch.setattr(decoding, "_ORIGIN_BYTES_MAX", 64 << 10)
+    cache = KeyCache()
+    base = SAME_SIZE[:200]
+    for round_ in range(40):
+        fresh = ObjectKey("model", 0, round_.to_bytes(2, "big") * 8, 0, "tlas")
+        assert decoded_keys(cache, [*base, fresh], round_) == [*base, fresh]
+        assert cache._origin_bytes <= 64 << 10
+        kept = {id(seen): seen for seen, _ in cache._origins.values()}
+        assert sum(len(seen.elements) + 8 * len(seen.keys) for seen in kept.values()) <= 64 << 10
+    assert decoded_keys(cache, base[50:150]) == base[50:150]

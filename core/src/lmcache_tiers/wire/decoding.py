@@ -33,7 +33,9 @@ Its first key names that list and position; one comparison of the bytes that fol
 the remembered list's (a ``memcmp``) then gives the whole run, sliced from that list's
 keys, with no piece, hash or probe per key.  Equal bytes at equal piece boundaries are
 equal keys, for the reason above; a list that is not such a run (or a few such runs) is
-cut into pieces as before.
+cut into pieces as before.  The lists kept for this hold at most
+:data:`_ORIGIN_BYTES_MAX` bytes in all; past that they are forgotten, and the keys first
+seen in them are cut into pieces from then on.
 
 The cache holds at most :data:`KEY_CACHE_ENTRIES` keys and is emptied when full, so a
 client sending ever new keys cannot grow it; past that it costs one decode per key, as
@@ -59,8 +61,7 @@ from lmcache_tiers.wire import protocol as p
 
 __all__ = ["KEY_CACHE_ENTRIES", "KeyCache", "decode_request"]
 
-#: ~420 bytes each (key, its bytes, the dict entries, its share of the list it came in):
-#: ~28 MiB when full.
+#: ~300 bytes each (key, its bytes, the dict entry): ~20 MiB when full.
 KEY_CACHE_ENTRIES = 1 << 16
 
 _RawKeys = Annotated[list[msgspec.Raw], msgspec.Meta(max_length=p.MAX_KEYS_PER_REQUEST)]
@@ -83,6 +84,10 @@ _SIGHTED_MAX = _LISTS_MAX
 
 #: key lists shorter than this are not remembered as places where keys were first seen
 _RUN_MIN_KEYS = 8
+#: bytes the remembered lists may hold in all (their msgpack and key lists); past that they
+#: are forgotten.  A list stays while any key first seen in it is remembered, so a client
+#: bringing one new key in each long list would otherwise keep every such list.
+_ORIGIN_BYTES_MAX = 16 << 20
 #: a key list is taken as runs of remembered lists in at most this many pieces, or not at all
 _RUNS_MAX = 4
 
@@ -128,6 +133,7 @@ class KeyCache:
         self._sighted: dict[tuple[int, bytes], None] = {}
         # where a key was decoded first: its list and its position there
         self._origins: dict[bytes, tuple[_SeenList, int]] = {}
+        self._origin_bytes = 0
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -234,6 +240,7 @@ class KeyCache:
             self._list_bytes = 0
             self._sighted.clear()
             self._origins.clear()
+            self._origin_bytes = 0
         decode = self._decode
         new: list[int] = []
         for position, key in enumerate(keys):
@@ -258,6 +265,11 @@ class KeyCache:
         if shape is None or total - shape[1] != size * len(encoded) or len(set(map(len, encoded))) != 1:
             return
         seen = _SeenList(bytes(raw)[shape[1] :], list(keys))  # the caller keeps ``keys``
+        held = len(seen.elements) + 8 * len(keys)
+        if self._origin_bytes + held > _ORIGIN_BYTES_MAX:
+            self._origins.clear()  # keys seen before then are cut into pieces, as before
+            self._origin_bytes = 0
+        self._origin_bytes += held
         origins = self._origins
         for position in new:
             origins[encoded[position]] = (seen, position)
