@@ -352,8 +352,12 @@ def test_origins_are_forgotten_with_the_key_cache() -> None:
     cache = KeyCache(entries=64)
     decoded_keys(cache, SAME_SIZE[:40])
     assert cache._origins
-    decoded_keys(cache, SAME_SIZE[100:140])  # 80 keys: over 64, emptied first
+    # 40 known and 30 new keys: over 64 in all, so the cache is emptied before the new ones
+    decoded_keys(cache, [*SAME_SIZE[:40], *SAME_SIZE[100:130]])
     assert all(seen.keys[position] is cache._keys[data] for data, (seen, position) in cache._origins.items())
+    # every key a remembered list would hand out is the cache's own object
+    kept = {id(seen): seen for seen, _ in cache._origins.values()}
+    assert all(cache._keys[key.to_bytes()] is key for seen in kept.values() for key in seen.keys)
     keys = decoded_keys(cache, SAME_SIZE[:40])
     assert all(cache._keys[key.to_bytes()] is key for key in keys)
 

@@ -241,6 +241,8 @@ class KeyCache:
             self._sighted.clear()
             self._origins.clear()
             self._origin_bytes = 0
+            # This list's known keys stay known, as the objects handed out with it.
+            cache.update((data, key) for data, key in zip(encoded, keys, strict=True) if key is not None)
         decode = self._decode
         new: list[int] = []
         for position, key in enumerate(keys):
