@@ -148,7 +148,7 @@ class KeyCache:
             return list(seen[1])
         keys = self._known_equal_pieces(raw)
         if keys is None:
-            keys = self.keys_of(_raw_keys_decoder.decode(raw), raw)
+            keys = self.keys_of(_raw_keys_decoder.decode(raw))
         if tag is not None and total <= _LIST_BYTES_MAX // 4:
             sighted = self._sighted
             if tag in sighted:
@@ -224,9 +224,8 @@ class KeyCache:
                 return keys
         return None
 
-    def keys_of(self, raws: list[msgspec.Raw], raw: msgspec.Raw | None = None) -> list[ObjectKey]:
-        """The keys encoded in ``raws`` (the elements of the msgpack array ``raw``, when
-        given); raises whatever decoding one of them raises."""
+    def keys_of(self, raws: list[msgspec.Raw]) -> list[ObjectKey]:
+        """The keys encoded in ``raws``; raises whatever decoding one of them raises."""
         cache = self._keys
         encoded = list(map(bytes, raws))
         keys: list[Any] = list(map(cache.get, encoded))
@@ -251,22 +250,15 @@ class KeyCache:
                 key = keys[position] = decode(data)
                 cache[data] = key
                 new.append(position)
-        self._remember_origins(raw, encoded, keys, new)
+        self._remember_origins(encoded, keys, new)
         return keys
 
-    def _remember_origins(
-        self, raw: msgspec.Raw | None, encoded: list[bytes], keys: list[ObjectKey], new: list[int]
-    ) -> None:
-        """Note the list the keys at ``new`` were first decoded from, when its keys all
-        encode to one length (positions are then offsets)."""
-        if raw is None or len(encoded) < _RUN_MIN_KEYS:
+    def _remember_origins(self, encoded: list[bytes], keys: list[ObjectKey], new: list[int]) -> None:
+        """Note the list the keys at ``new`` were first decoded from (``encoded``: its
+        elements), when its keys all encode to one length (positions are then offsets)."""
+        if len(encoded) < _RUN_MIN_KEYS or len(set(map(len, encoded))) != 1:
             return
-        size = len(encoded[0])
-        total = len(raw)
-        shape = _array_header(raw, total)
-        if shape is None or total - shape[1] != size * len(encoded) or len(set(map(len, encoded))) != 1:
-            return
-        seen = _SeenList(bytes(raw)[shape[1] :], list(keys))  # the caller keeps ``keys``
+        seen = _SeenList(b"".join(encoded), list(keys))  # the caller keeps ``keys``
         held = len(seen.elements) + 8 * len(keys)
         if self._origin_bytes + held > _ORIGIN_BYTES_MAX:
             self._origins.clear()  # keys seen before then are cut into pieces, as before
