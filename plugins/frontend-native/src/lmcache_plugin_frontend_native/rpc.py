@@ -114,11 +114,10 @@ class RpcServer:
         except zmq.ZMQError as exc:
             logger.warning("receive failed: %s", exc)
             return
-        if not _raw_get(sock, _RCVMORE):
-            logger.warning("dropped a request from %s with no header frame", identity.hex())
-            self.stats.failure("dropped")
-            return
-        # Parts of a multipart message arrive together, so these receives cannot block.
+        # A ROUTER hands every message over behind its sender's identity, and a message has
+        # at least one frame: a header follows (no RCVMORE asked, a getsockopt costs more
+        # than the receive).  Parts of a multipart message arrive together, so these
+        # receives cannot block.
         header: bytes = _raw_recv(sock)
         more = _raw_get(sock, _RCVMORE)
         frames: list[Any] = []
