@@ -7,8 +7,11 @@ simulator's server model.  ``PREFIX_LFU`` (the installed plugin, default config)
 Belady's optimum are printed beside them.  Two more studies:
 
 * retention in hindsight: keep times per class (use count x last-gap bucket) fitted to the
-  whole trace with the capacity met on average over time, and the same keep times in a
-  plain cache of exactly C blocks that evicts the earliest expiry first;
+  whole trace with the capacity met on average over time, the same keep times in a plain
+  cache of exactly C blocks that evicts the earliest expiry first, and how many blocks
+  they hold with no size limit (on average, and in the trace's busy stretches);
+* frequency in hindsight: the C blocks the whole trace uses most, held from their first
+  use on;
 * admission: ``PREFIX_LFU`` with chunks put first in line for eviction when an oracle says
   their prompt tree never comes back, or when the length of the tree's first request
   falls in a bucket where fewer than 35 % of trees came back (rates from the whole trace).
@@ -189,6 +192,14 @@ def hindsight_keep_times(trace: Trace, capacity: int) -> tuple[float, dict[Any, 
     return 1 - best_hits / trace.block_references, best_keep
 
 
+def _use(block: int, tick: int, last: dict[int, int], uses: Counter[int]) -> Any:
+    """Count a use of ``block`` at ``tick``; the class of the interval it begins."""
+    gap = tick - last[block] if block in last else None
+    uses[block] += 1
+    last[block] = tick
+    return chunk_class(uses[block], gap, 0, use_cap=6, use_gap=True, use_length=False)
+
+
 def expiry_cache(trace: Trace, capacity: int, keep: dict[Any, int]) -> float:
     """Miss ratio of exactly ``capacity`` blocks under those keep times, earliest expiry out first."""
     tick, last, uses = 0, {}, Counter[int]()
@@ -200,11 +211,7 @@ def expiry_cache(trace: Trace, capacity: int, keep: dict[Any, int]) -> float:
         for depth, block in enumerate(request.hash_ids):
             in_prefix = in_prefix and block in expiry
             hits += in_prefix
-            gap = tick - last[block] if block in last else None
-            uses[block] += 1
-            last[block] = tick
-            cls = chunk_class(uses[block], gap, 0, use_cap=6, use_gap=True, use_length=False)
-            expiry[block] = tick + keep.get(cls, 0)
+            expiry[block] = tick + keep.get(_use(block, tick, last, uses), 0)
             heapq.heappush(heap, (expiry[block], -depth, block))
             while len(expiry) > capacity:
                 when, _, victim = heapq.heappop(heap)
@@ -319,6 +326,51 @@ def admission(
     }
 
 
+def keep_time_occupancy(trace: Trace, keep: dict[Any, int]) -> dict[str, float]:
+    """What those keep times hold with no size limit: blocks held at the start of each request
+    (each block for its class's keep time after every use), weighted by the request's
+    length as the fit's budget is: mean, 90th percentile, most."""
+    tick, last, uses = 0, {}, Counter[int]()
+    expiry: dict[int, int] = {}
+    heap: list[tuple[int, int]] = []
+    held: list[tuple[int, int]] = []  # (blocks held, ticks they are held for)
+    for request in trace.requests:
+        while heap and heap[0][0] <= tick:  # a block is held for ticks [use, use + keep)
+            when, block = heapq.heappop(heap)
+            if expiry.get(block) == when:
+                del expiry[block]
+        held.append((len(expiry), len(request.hash_ids)))
+        for block in request.hash_ids:
+            expiry[block] = tick + keep.get(_use(block, tick, last, uses), 0)
+            heapq.heappush(heap, (expiry[block], block))
+        tick += len(request.hash_ids)
+    held.sort()
+    total = sum(weight for _, weight in held)
+    p90, running = held[-1][0], 0
+    for blocks, weight in held:
+        running += weight
+        if running >= 0.9 * total:
+            p90 = blocks
+            break
+    return {"mean": sum(b * w for b, w in held) / total, "p90": p90, "max": held[-1][0]}
+
+
+def most_used_held(trace: Trace, capacity: int) -> float:
+    """Miss ratio of holding the ``capacity`` blocks the whole trace uses most, each from its
+    first use on (a static choice made with the whole trace in hand)."""
+    counts = Counter(block for request in trace.requests for block in request.hash_ids)
+    chosen = {block for block, _ in counts.most_common(capacity)}
+    seen: set[int] = set()
+    hits = 0
+    for request in trace.requests:
+        for block in request.hash_ids:
+            if block not in chosen or block not in seen:
+                break
+            hits += 1
+        seen.update(request.hash_ids)
+    return 1 - hits / trace.block_references
+
+
 def show(report: dict[str, Any], capacities: Sequence[int], extra: Sequence[int]) -> None:
     print(f"trace {report['trace']}; shares of each part's own exact-LRU -> Belady gap")
     for part in ("first half", "second half", "whole"):
@@ -340,8 +392,12 @@ def show(report: dict[str, Any], capacities: Sequence[int], extra: Sequence[int]
         print(
             f"retention in hindsight at {capacity}: {figures['averaged']:.4f} "
             "with the capacity met on average, "
-            f"{figures['hard']:.4f} in a cache of exactly {capacity} blocks"
+            f"{figures['hard']:.4f} in a cache of exactly {capacity} blocks; with no size limit "
+            f"they hold {figures['held']['mean']:,.0f} blocks on average, "
+            f"{figures['held']['p90']:,} at the 90th percentile, {figures['held']['max']:,} at most"
         )
+    for capacity, miss in report["most_used"].items():
+        print(f"the {capacity} most used blocks, held from their first use: miss ratio {miss:.4f}")
     for capacity, figures in report["optgen"].items():
         shares = "  ".join(f"{uses}: {share:.2f}" for uses, share in figures["kept_share_by_uses"].items())
         print(
@@ -376,6 +432,7 @@ def main() -> None:
         hindsight[capacity] = {
             "averaged": averaged,
             "hard": expiry_cache(study.parts["whole"], capacity, keep),
+            "held": keep_time_occupancy(study.parts["whole"], keep),
         }
     report = {
         "trace": args.trace,
@@ -385,6 +442,7 @@ def main() -> None:
         },
         "designs": rows,
         "hindsight": hindsight,
+        "most_used": {c: most_used_held(study.parts["whole"], c) for c in [*capacities, *extra]},
         "admission": admission(study, capacities),
         "optgen": {capacity: optgen_calibration(study, capacity) for capacity in capacities},
     }

@@ -139,3 +139,41 @@ def test_hindsight_keep_times_with_room_for_everything_reach_the_infinite_cache(
     tight, tight_keep = experiments.hindsight_keep_times(trace, 10)
     assert tight > unbounded  # ten blocks cannot hold every reuse
     assert experiments.expiry_cache(trace, 10, tight_keep) > unbounded
+
+
+class _KeepAll(dict[Any, int]):
+    """Keep times: every class kept for ``ticks`` after each use."""
+
+    def __init__(self, ticks: int) -> None:
+        super().__init__()
+        self.ticks = ticks
+
+    def get(self, key: Any, default: Any = None) -> int:
+        return self.ticks
+
+
+def _trace(*requests: tuple[int, ...]) -> Trace:
+    return Trace("hand", tuple(TraceRequest(float(i), len(r) * 512, 1, r) for i, r in enumerate(requests)))
+
+
+def test_keep_time_occupancy_counts_what_is_held_at_each_request() -> None:
+    trace = _trace((1, 2), (1,), (3,))
+    # Held at the three requests' starts: nothing, then blocks 1 and 2 twice; weighted by
+    # the requests' lengths (2, 1, 1 ticks).
+    assert experiments.keep_time_occupancy(trace, _KeepAll(100)) == {"mean": 1.0, "p90": 2, "max": 2}
+    # Kept for one tick after a use: gone by the next request, which starts two ticks later.
+    assert experiments.keep_time_occupancy(trace, _KeepAll(1)) == {"mean": 0.0, "p90": 0, "max": 0}
+    # Kept for two ticks: held over ticks [use, use + 2), so gone when the second request
+    # starts at tick 2, while block 1, used again then, is still held at tick 3.
+    assert experiments.keep_time_occupancy(trace, _KeepAll(2)) == {"mean": 0.25, "p90": 1, "max": 1}
+    assert experiments.keep_time_occupancy(small_trace(), {})["max"] == 0
+
+
+def test_most_used_blocks_held_from_their_first_use() -> None:
+    trace = _trace((1, 2), (1, 2), (1, 3), (4,))
+    assert experiments.most_used_held(trace, 1) == pytest.approx(5 / 7)  # block 1 hit twice
+    assert experiments.most_used_held(trace, 2) == pytest.approx(4 / 7)  # and block 2 once
+    generated = small_trace()
+    everything = experiments.most_used_held(generated, generated.unique_blocks())
+    assert everything == pytest.approx(infinite_run(generated).miss_ratio)
+    assert experiments.most_used_held(generated, 10) > everything
