@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 
 import pytest
 from lmcache_plugin_nixl import recordio
+from lmcache_plugin_nixl.transfers import WRITE_BACK_PIECE_BYTES
 from nixl_helpers import Arena, client, dynamic_config, lru_eviction_controller, open_dynamic, scratch_dir
 
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2 import verified
+from lmcache_tiers.l2 import L2Adapter, verified
 from lmcache_tiers.l2.background import WRITE_BACK, WRITE_BACK_NICE, get_ioprio, ioprio_value
 from lmcache_tiers.l2.files.layout import TEMP_PREFIX, TEMP_SUFFIX
 from lmcache_tiers.l2.record import RECORD_MAGIC
@@ -439,43 +442,82 @@ def test_store_checksums_run_at_the_write_back_threads_priority() -> None:
 
 
 class _CountingAgent:
-    """The real NIXL agent, counting how often transfers are polled."""
+    """The real NIXL agent, counting how often transfers are polled, and the bytes of host
+    memory each request moves."""
 
     def __init__(self, agent: object) -> None:
         self.agent = agent
         self.polls = 0
+        self.request_bytes: list[int] = []
 
     def check_xfer_state(self, handle: object) -> str:
         self.polls += 1
         state: str = self.agent.check_xfer_state(handle)  # type: ignore[attr-defined]
         return state
 
+    def get_xfer_descs(self, rows: object, memory: str) -> object:
+        if memory == "DRAM":
+            self.request_bytes.append(int(rows[:, 1].sum()))  # type: ignore[index]
+        return self.agent.get_xfer_descs(rows, memory)  # type: ignore[attr-defined]
+
     def __getattr__(self, name: str) -> object:
         return getattr(self.agent, name)
 
 
-def test_write_back_waits_for_its_transfers_without_spinning() -> None:
-    """Each poll takes the GIL from the request threads: a store's transfers are polled at
-    growing intervals (0.1 ms doubling to 2 ms), not spun on 200 times first."""
+@contextlib.contextmanager
+def _counted_adapter(arena: Arena) -> Iterator[tuple[L2Adapter, _CountingAgent]]:
+    """A direct-I/O nixl_store_dynamic adapter whose NIXL calls are counted meanwhile."""
     from lmcache_plugin_nixl.runtime import NixlRuntime
 
-    size = 8 << 20
-    arena = Arena(5 * size)
-    views = [arena.take(size) for _ in range(4)]
-    for index, view in enumerate(views):
-        view[:] = bytes([index + 1]) * size
     runtime = NixlRuntime.shared()
     with scratch_dir() as root:
         adapter = open_dynamic(dynamic_config(root, direct_io=True, capacity_gb=1.0), arena.view)
         counting = _CountingAgent(runtime.agent)
         runtime.agent = counting  # type: ignore[assignment]
         try:
-            began = time.perf_counter()
-            assert client(adapter).store(make_keys(4), views) == [True] * 4
-            elapsed_ms = (time.perf_counter() - began) * 1e3
+            yield adapter, counting
         finally:
             runtime.agent = counting.agent  # type: ignore[assignment]
             adapter.close()
-    # two transfers (payloads, then headers): at most ~5 polls each in the first 3 ms, then
-    # one per 2 ms; spinning first polled 200 times at once
-    assert counting.polls <= 2 * 6 + elapsed_ms, (counting.polls, elapsed_ms)
+
+
+def test_write_back_waits_for_its_transfers_without_spinning() -> None:
+    """Each poll takes the GIL from the request threads: a store's transfers are polled at
+    growing intervals (0.1 ms doubling to 2 ms), not spun on 200 times first."""
+    size = 8 << 20
+    arena = Arena(5 * size)
+    views = [arena.take(size) for _ in range(4)]
+    for index, view in enumerate(views):
+        view[:] = bytes([index + 1]) * size
+    with _counted_adapter(arena) as (adapter, counting):
+        began = time.perf_counter()
+        assert client(adapter).store(make_keys(4), views) == [True] * 4
+        elapsed_ms = (time.perf_counter() - began) * 1e3
+    # Payloads in 2 MiB requests, then the headers in one: each request is polled once when
+    # it is done, and the polls of a round stop at the first still running, at most ~5
+    # rounds in the first 3 ms and one per 2 ms after; spinning first polled 200 times at once.
+    requests = len(counting.request_bytes)
+    assert requests == 4 * size // WRITE_BACK_PIECE_BYTES + 1, counting.request_bytes
+    assert counting.polls <= requests + 2 * 6 + elapsed_ms, (counting.polls, requests, elapsed_ms)
+
+
+def test_write_back_goes_down_in_pieces_and_loads_in_one_request() -> None:
+    """A write-back request moves at most WRITE_BACK_PIECE_BYTES (an O_DIRECT submission is
+    one stretch of kernel code that no woken thread preempts); a load is one request."""
+    sizes = [5 * WRITE_BACK_PIECE_BYTES + 4096, WRITE_BACK_PIECE_BYTES // 4, WRITE_BACK_PIECE_BYTES // 2]
+    arena = Arena(2 * sum(sizes) + (1 << 20))  # sources, then load targets
+    keys = make_keys(len(sizes))
+    data = [pattern(40 + index, size) for index, size in enumerate(sizes)]
+    with _counted_adapter(arena) as (adapter, counting):
+        assert store(adapter, arena, keys, data) == [True] * len(sizes)
+        written = list(counting.request_bytes)
+        counting.request_bytes.clear()
+        assert load(adapter, arena, keys, sizes) == ([True] * len(sizes), data)
+        read = list(counting.request_bytes)
+    payloads, headers = written[:-1], written[-1]
+    assert max(payloads) <= WRITE_BACK_PIECE_BYTES
+    assert sum(payloads) == sum(sizes)
+    # five full pieces of the long object, then its last 4 KiB and both short objects together
+    assert payloads == [WRITE_BACK_PIECE_BYTES] * 5 + [4096 + sizes[1] + sizes[2]], payloads
+    assert headers == 3 * 4096
+    assert len(read) <= 2 and sum(read) >= sum(sizes), read  # payloads (and headers) at once

@@ -247,40 +247,91 @@ class NixlRuntime:
     ) -> None:
         """Run one batched READ (storage -> DRAM) or WRITE (DRAM -> storage) to completion
         (``background``: write-back, which waits for it with fewer polls)."""
-        agent = self.agent
-        try:
-            local = agent.get_xfer_descs(dram, "DRAM")
-            remote = agent.get_xfer_descs(storage, storage_mem)
-            handle = agent.initialize_xfer(operation, local, remote, agent.name, backends=[backend])
-        except Exception as exc:
-            raise NixlTransferError(f"NIXL {operation} on {backend} could not be prepared: {exc}") from exc
-        try:
-            self._wait(handle, agent.transfer(handle), operation, backend, background)
-        except NixlTransferError:
-            raise
-        except Exception as exc:
-            raise NixlTransferError(f"NIXL {operation} on {backend} failed: {exc}") from exc
-        finally:
-            try:
-                handle.release()
-            except Exception as exc:
-                log.warning("NIXL could not release a %s handle on %s: %s", operation, backend, exc)
+        self.transfer_many(backend, operation, [(dram, storage)], storage_mem, background=background)
 
-    def _wait(self, handle: Any, state: str, operation: str, backend: str, background: bool = False) -> None:
+    def transfer_many(
+        self,
+        backend: str,
+        operation: str,
+        requests: Sequence[tuple[Descriptors, Descriptors]],
+        storage_mem: str,
+        *,
+        background: bool = False,
+    ) -> None:
+        """Post every (DRAM, storage) pair as a NIXL request of its own, then wait until
+        all of them ended; a failure of any fails the call, once none is still running."""
+        agent = self.agent
+        posted: list[Any] = []
+        running: list[Any] = []
+        failure: NixlTransferError | None = None
+        try:
+            for dram, storage in requests:
+                try:
+                    local = agent.get_xfer_descs(dram, "DRAM")
+                    remote = agent.get_xfer_descs(storage, storage_mem)
+                    handle = agent.initialize_xfer(operation, local, remote, agent.name, backends=[backend])
+                except Exception as exc:
+                    failure = NixlTransferError(f"NIXL {operation} on {backend} could not be prepared: {exc}")
+                    break
+                posted.append(handle)
+                try:
+                    state = agent.transfer(handle)
+                except Exception as exc:
+                    failure = NixlTransferError(f"NIXL {operation} on {backend} failed: {exc}")
+                    break
+                if state == "PROC":
+                    running.append(handle)
+                elif state != "DONE":
+                    failure = NixlTransferError(f"NIXL {operation} on {backend} ended in state {state}")
+                    break
+            # Requests already posted are waited for even after a failure: their buffers
+            # must not be given back while NIXL may still move them.
+            try:
+                self._wait(running, operation, backend, background)
+            except NixlTransferError as exc:
+                failure = failure or exc
+            except Exception as exc:
+                failure = failure or NixlTransferError(f"NIXL {operation} on {backend} failed: {exc}")
+        finally:
+            for handle in posted:
+                self._release(handle, operation, backend)
+        if failure is not None:
+            raise failure
+
+    @staticmethod
+    def _release(handle: Any, operation: str, backend: str) -> None:
+        try:
+            handle.release()
+        except Exception as exc:
+            log.warning("NIXL could not release a %s handle on %s: %s", operation, backend, exc)
+
+    def _wait(self, handles: Sequence[Any], operation: str, backend: str, background: bool = False) -> None:
+        """Poll ``handles`` (posted, still running when posted) until every one ended.  A
+        round polls them in posting order and stops at the first still running (requests
+        posted together finish about in order): one poll per round and one per request,
+        not one per request per round."""
         deadline = time.monotonic() + TRANSFER_TIMEOUT_S
         spins, sleep, longest = _SPIN_POLLS, 0.00001, _MAX_SLEEP_S
         if background:
             spins, sleep, longest = 0, _BACKGROUND_FIRST_SLEEP_S, _BACKGROUND_MAX_SLEEP_S
-        polls = 0
-        while state == "PROC":
-            polls += 1
-            if polls > spins:
+        pending = list(handles)
+        failed: str | None = None
+        rounds = 0
+        while pending:
+            rounds += 1
+            if rounds > spins:
                 if time.monotonic() > deadline:
                     raise NixlTransferError(
                         f"NIXL {operation} on {backend} did not finish within {TRANSFER_TIMEOUT_S:.0f} s"
                     )
                 time.sleep(sleep)
                 sleep = min(sleep * 2, longest)
-            state = self.agent.check_xfer_state(handle)
-        if state != "DONE":
-            raise NixlTransferError(f"NIXL {operation} on {backend} ended in state {state}")
+            while pending:
+                state = self.agent.check_xfer_state(pending[0])
+                if state == "PROC":
+                    break
+                pending.pop(0)
+                if state != "DONE" and failed is None:
+                    failed = state
+        if failed is not None:
+            raise NixlTransferError(f"NIXL {operation} on {backend} ended in state {failed}")

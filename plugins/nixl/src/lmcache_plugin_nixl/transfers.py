@@ -4,6 +4,15 @@ A batch becomes a single NIXL request (one descriptor per object), which is what
 NIXL fast.  NIXL reports success or failure for the request as a whole, so when a batch
 fails it is retried item by item: callers get an exact answer per key, and one bad file
 costs only its own key.
+
+Write-back is the exception: it goes down in requests of at most ``WRITE_BACK_PIECE_BYTES``,
+all posted before any is waited for.  NIXL submits a request's descriptors in one
+system call, and an O_DIRECT write's submission (pinning its pages, building its bios)
+runs without a preemption point on kernels built without preemption (PREEMPT_NONE, as on
+many VMs): 8 MiB took 0.22 ms of CPU at the median, so a request of four 8 MiB objects
+is about 0.9 ms of it, and a client's or a request thread's wake-up queues behind it (the
+tail of lookups under write-back).  A 2 MiB piece takes about 0.1 ms, and the thread
+returns to user space between pieces, where the scheduler can hand its core over.
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ log = logging.getLogger(__name__)
 StorageRow = tuple[int, int, int]
 #: Given an item's index and its host address, where it lives in storage.
 Locator = Callable[[int, int], StorageRow]
+#: Most bytes one write-back NIXL request moves (see the module docstring)
+WRITE_BACK_PIECE_BYTES = 2 << 20
 #: Registers the storage side of a batch (files opened for it), or None when the storage
 #: was registered once up front.
 StorageRegistrar = Callable[[list[StorageRow]], "Registration | None"]
@@ -73,13 +84,46 @@ class BatchTransfer:
                 strays.release()
 
     def _try(self, operation: str, addresses: list[int], rows: list[StorageRow], background: bool) -> bool:
-        dram = descriptors([(address, row[1], 0) for address, row in zip(addresses, rows, strict=True)])
-        storage = descriptors(rows)
+        if background and operation == "WRITE":
+            requests = pieces(addresses, rows, WRITE_BACK_PIECE_BYTES)
+        else:
+            dram = [(address, row[1], 0) for address, row in zip(addresses, rows, strict=True)]
+            requests = [(dram, list(rows))]
         try:
-            self.runtime.transfer(
-                self.backend, operation, dram, storage, self.storage_mem, background=background
+            self.runtime.transfer_many(
+                self.backend,
+                operation,
+                [(descriptors(dram), descriptors(storage)) for dram, storage in requests],
+                self.storage_mem,
+                background=background,
             )
         except NixlTransferError as exc:
             log.debug("%s of %d item(s) failed: %s", operation, len(rows), exc)
             return False
         return True
+
+
+Rows = list[tuple[int, int, int]]
+
+
+def pieces(addresses: Sequence[int], rows: Sequence[StorageRow], limit: int) -> list[tuple[Rows, Rows]]:
+    """(DRAM rows, storage rows) of requests moving at most ``limit`` bytes each, together
+    covering every item once, in order.  An item longer than ``limit`` is cut at multiples
+    of ``limit`` from its own start (an O_DIRECT item keeps its alignment); shorter pieces
+    share a request while they fit."""
+    requests: list[tuple[Rows, Rows]] = []
+    dram: Rows = []
+    storage: Rows = []
+    size = 0
+    for address, (offset, length, device) in zip(addresses, rows, strict=True):
+        for start in range(0, length, limit):
+            take = min(limit, length - start)
+            if dram and size + take > limit:
+                requests.append((dram, storage))
+                dram, storage, size = [], [], 0
+            dram.append((address + start, take, 0))
+            storage.append((offset + start, take, device))
+            size += take
+    if dram:
+        requests.append((dram, storage))
+    return requests

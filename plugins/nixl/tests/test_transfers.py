@@ -1,0 +1,81 @@
+"""Batched NIXL transfers: write-back cut into pieces, and a request that fails."""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+from lmcache_plugin_nixl.memory import buffer_address
+from lmcache_plugin_nixl.runtime import NixlRuntime, NixlTransferError, descriptors
+from lmcache_plugin_nixl.transfers import pieces
+
+MIB = 1 << 20
+
+
+def test_pieces_cut_long_items_from_their_own_start_and_pack_short_ones() -> None:
+    addresses = [1000 * MIB, 2000 * MIB, 3000 * MIB, 4000 * MIB]
+    rows = [(0, 5 * MIB + 4096, 7), (8192, MIB // 2, 8), (0, MIB // 2, 9), (4096, 2 * MIB, 10)]
+    got = pieces(addresses, rows, 2 * MIB)
+    assert got == [
+        ([(1000 * MIB, 2 * MIB, 0)], [(0, 2 * MIB, 7)]),
+        ([(1000 * MIB + 2 * MIB, 2 * MIB, 0)], [(2 * MIB, 2 * MIB, 7)]),
+        # the long item's last 1 MiB + 4 KiB, and the next item with it while they fit
+        (
+            [(1000 * MIB + 4 * MIB, MIB + 4096, 0), (2000 * MIB, MIB // 2, 0)],
+            [(4 * MIB, MIB + 4096, 7), (8192, MIB // 2, 8)],
+        ),
+        ([(3000 * MIB, MIB // 2, 0)], [(0, MIB // 2, 9)]),
+        ([(4000 * MIB, 2 * MIB, 0)], [(4096, 2 * MIB, 10)]),
+    ]
+
+
+def test_pieces_cover_every_byte_once_and_never_pass_the_limit() -> None:
+    lengths = [1, 4096, 3 * MIB - 1, 2 * MIB, 2 * MIB + 1, 7 * MIB]
+    addresses = [index * 64 * MIB for index in range(len(lengths))]
+    rows = [(index * 4096, length, index) for index, length in enumerate(lengths)]
+    for limit in (4096, MIB, 2 * MIB, 64 * MIB):
+        got = pieces(addresses, rows, limit)
+        covered: dict[int, list[tuple[int, int]]] = {}
+        for dram, storage in got:
+            assert sum(length for _, length, _ in dram) <= limit or len(dram) == 1
+            for (address, length, zero), (offset, same, device) in zip(dram, storage, strict=True):
+                assert zero == 0 and same == length <= limit
+                assert address - addresses[device] == offset - rows[device][0]  # same place in the item
+                covered.setdefault(device, []).append((offset - rows[device][0], length))
+        for device, length in enumerate(lengths):
+            spans = covered[device]
+            assert spans[0][0] == 0 and sum(size for _, size in spans) == length
+            assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(spans))
+
+
+def test_a_failed_request_fails_the_call_after_the_posted_ones_ended(tmp_path: Path) -> None:
+    runtime = NixlRuntime.shared()
+    runtime.ensure_backend("POSIX", {})
+    memory = mmap.mmap(-1, 2 * MIB)
+    memory[:] = bytes(range(256)) * (2 * MIB // 256)
+    view = memoryview(memory)
+    address = buffer_address(view)
+    path = tmp_path / "target"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, MIB)
+    dram = runtime.register_dram("POSIX", [(address, 2 * MIB)])
+    files = runtime.register_files("POSIX", [fd])
+    closed = os.open(tmp_path / "closed", os.O_CREAT | os.O_RDWR, 0o600)
+    os.close(closed)  # a descriptor nothing is open under: its request cannot succeed
+    try:
+        good = (descriptors([(address, MIB, 0)]), descriptors([(0, MIB, fd)]))
+        bad = (descriptors([(address + MIB, MIB, 0)]), descriptors([(0, MIB, closed)]))
+        with pytest.raises(NixlTransferError):
+            runtime.transfer_many("POSIX", "WRITE", [good, bad], "FILE", background=True)
+        # The request that was posted ended before the call returned: its bytes are there.
+        assert os.pread(fd, MIB, 0) == bytes(view[:MIB])
+        runtime.transfer_many("POSIX", "WRITE", [good], "FILE", background=True)  # handles were given back
+    finally:
+        files.release()
+        dram.release()
+        os.close(fd)
+        view.release()
+        memory.close()
