@@ -465,13 +465,13 @@ class _CountingAgent:
 
 
 @contextlib.contextmanager
-def _counted_adapter(arena: Arena) -> Iterator[tuple[L2Adapter, _CountingAgent]]:
-    """A direct-I/O nixl_store_dynamic adapter whose NIXL calls are counted meanwhile."""
+def _counted_adapter(arena: Arena, direct_io: bool = True) -> Iterator[tuple[L2Adapter, _CountingAgent]]:
+    """A nixl_store_dynamic adapter whose NIXL calls are counted meanwhile."""
     from lmcache_plugin_nixl.runtime import NixlRuntime
 
     runtime = NixlRuntime.shared()
     with scratch_dir() as root:
-        adapter = open_dynamic(dynamic_config(root, direct_io=True, capacity_gb=1.0), arena.view)
+        adapter = open_dynamic(dynamic_config(root, direct_io=direct_io, capacity_gb=1.0), arena.view)
         counting = _CountingAgent(runtime.agent)
         runtime.agent = counting  # type: ignore[assignment]
         try:
@@ -501,23 +501,29 @@ def test_write_back_waits_for_its_transfers_without_spinning() -> None:
     assert counting.polls <= requests + 2 * 6 + elapsed_ms, (counting.polls, requests, elapsed_ms)
 
 
-def test_write_back_goes_down_in_pieces_and_loads_in_one_request() -> None:
-    """A write-back request moves at most WRITE_BACK_PIECE_BYTES (an O_DIRECT submission is
-    one stretch of kernel code that no woken thread preempts); a load is one request."""
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_direct_write_back_goes_down_in_pieces_and_loads_in_one_request(direct_io: bool) -> None:
+    """A direct-I/O write-back request moves at most WRITE_BACK_PIECE_BYTES (an O_DIRECT
+    submission is one stretch of kernel code that no woken thread preempts); buffered
+    write-back is one request, and so is a direct-I/O load."""
     sizes = [5 * WRITE_BACK_PIECE_BYTES + 4096, WRITE_BACK_PIECE_BYTES // 4, WRITE_BACK_PIECE_BYTES // 2]
     arena = Arena(2 * sum(sizes) + (1 << 20))  # sources, then load targets
     keys = make_keys(len(sizes))
     data = [pattern(40 + index, size) for index, size in enumerate(sizes)]
-    with _counted_adapter(arena) as (adapter, counting):
+    with _counted_adapter(arena, direct_io) as (adapter, counting):
         assert store(adapter, arena, keys, data) == [True] * len(sizes)
         written = list(counting.request_bytes)
         counting.request_bytes.clear()
         assert load(adapter, arena, keys, sizes) == ([True] * len(sizes), data)
         read = list(counting.request_bytes)
     payloads, headers = written[:-1], written[-1]
-    assert max(payloads) <= WRITE_BACK_PIECE_BYTES
-    assert sum(payloads) == sum(sizes)
-    # five full pieces of the long object, then its last 4 KiB and both short objects together
-    assert payloads == [WRITE_BACK_PIECE_BYTES] * 5 + [4096 + sizes[1] + sizes[2]], payloads
+    if direct_io:
+        # five full pieces of the long object, then its last 4 KiB and both short ones together
+        assert payloads == [WRITE_BACK_PIECE_BYTES] * 5 + [4096 + sizes[1] + sizes[2]], payloads
+    else:
+        assert payloads == [sum(sizes)], payloads
     assert headers == 3 * 4096
-    assert len(read) <= 2 and sum(read) >= sum(sizes), read  # payloads (and headers) at once
+    if direct_io:
+        assert len(read) <= 2 and sum(read) >= sum(sizes), read  # payloads (and headers) at once
+    else:
+        assert read == [], read  # buffered POSIX loads are plain preadv calls

@@ -75,7 +75,7 @@ class NixlDynamicBackend:
         except BaseException:
             self._dir_lock.release()
             raise
-        transfer = BatchTransfer(runtime, config.backend, self._host, "FILE")
+        transfer = BatchTransfer(runtime, config.backend, self._host, "FILE", direct_io=config.use_direct_io)
         self._records = RecordFiles(
             runtime,
             transfer,

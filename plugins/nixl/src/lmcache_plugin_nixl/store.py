@@ -47,7 +47,9 @@ class NixlStoreBackend:
             self._host.close()
             raise
         self._slots = SlotTable(config.pool_size)
-        self._transfer = BatchTransfer(runtime, config.backend, self._host, self._storage.storage_mem)
+        self._transfer = BatchTransfer(
+            runtime, config.backend, self._host, self._storage.storage_mem, direct_io=config.use_direct_io
+        )
 
     def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
         claims = self._slots.claim(keys)

@@ -5,14 +5,18 @@ NIXL fast.  NIXL reports success or failure for the request as a whole, so when 
 fails it is retried item by item: callers get an exact answer per key, and one bad file
 costs only its own key.
 
-Write-back is the exception: it goes down in requests of at most ``WRITE_BACK_PIECE_BYTES``,
-all posted before any is waited for.  NIXL submits a request's descriptors in one
-system call, and an O_DIRECT write's submission (pinning its pages, building its bios)
-runs without a preemption point on kernels built without preemption (PREEMPT_NONE, as on
-many VMs): 8 MiB took 0.22 ms of CPU at the median, so a request of four 8 MiB objects
-is about 0.9 ms of it, and a client's or a request thread's wake-up queues behind it (the
-tail of lookups under write-back).  A 2 MiB piece takes about 0.1 ms, and the thread
-returns to user space between pieces, where the scheduler can hand its core over.
+Direct-I/O write-back is the exception: it goes down in requests of at most
+``WRITE_BACK_PIECE_BYTES``, all posted before any is waited for.  NIXL submits a
+request's descriptors in one system call, and an O_DIRECT write's submission (pinning its
+pages, building its bios) runs without a preemption point on kernels built without
+preemption (PREEMPT_NONE, as on many VMs): 8 MiB took 0.22 ms of CPU at the median, so a
+request of four 8 MiB objects is about 0.9 ms of it, and a client's or a request
+thread's wake-up queues behind it (the tail of lookups under write-back).  A 2 MiB piece
+takes about 0.1 ms, and the thread returns to user space between pieces, where the
+scheduler can hand its core over.  Buffered write-back stays one request: there NIXL
+copies into the page cache in the posting call, so the thread takes the GIL back after
+every piece, which cost 5-20 % of its throughput, and direct I/O is the configuration
+that keeps tails short anyway (docs/adapters/nixl.md).
 """
 
 from __future__ import annotations
@@ -39,11 +43,21 @@ StorageRegistrar = Callable[[list[StorageRow]], "Registration | None"]
 class BatchTransfer:
     """Runs READ or WRITE batches for one adapter."""
 
-    def __init__(self, runtime: NixlRuntime, backend: str, host: HostMemory, storage_mem: str) -> None:
+    def __init__(
+        self,
+        runtime: NixlRuntime,
+        backend: str,
+        host: HostMemory,
+        storage_mem: str,
+        *,
+        direct_io: bool = False,
+    ) -> None:
         self.runtime = runtime
         self.backend = backend
         self.host = host
         self.storage_mem = storage_mem
+        #: most bytes per write-back request; None: a batch is one request
+        self.write_back_piece = WRITE_BACK_PIECE_BYTES if direct_io else None
 
     def run(
         self,
@@ -84,8 +98,8 @@ class BatchTransfer:
                 strays.release()
 
     def _try(self, operation: str, addresses: list[int], rows: list[StorageRow], background: bool) -> bool:
-        if background and operation == "WRITE":
-            requests = pieces(addresses, rows, WRITE_BACK_PIECE_BYTES)
+        if background and operation == "WRITE" and self.write_back_piece is not None:
+            requests = pieces(addresses, rows, self.write_back_piece)
         else:
             dram = [(address, row[1], 0) for address, row in zip(addresses, rows, strict=True)]
             requests = [(dram, list(rows))]
