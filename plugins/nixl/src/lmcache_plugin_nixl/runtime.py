@@ -235,20 +235,6 @@ class NixlRuntime:
         rows = [(0, 0, device_id, name) for device_id, name in objects]
         return self._register(backend, self.agent.get_reg_descs(rows, "OBJ"))
 
-    def transfer(
-        self,
-        backend: str,
-        operation: str,
-        dram: Descriptors,
-        storage: Descriptors,
-        storage_mem: str,
-        *,
-        background: bool = False,
-    ) -> None:
-        """Run one batched READ (storage -> DRAM) or WRITE (DRAM -> storage) to completion
-        (``background``: write-back, which waits for it with fewer polls)."""
-        self.transfer_many(backend, operation, [(dram, storage)], storage_mem, background=background)
-
     def transfer_many(
         self,
         backend: str,
@@ -258,8 +244,10 @@ class NixlRuntime:
         *,
         background: bool = False,
     ) -> None:
-        """Post every (DRAM, storage) pair as a NIXL request of its own, then wait until
-        all of them ended; a failure of any fails the call, once none is still running."""
+        """Run READs (storage -> DRAM) or WRITEs (DRAM -> storage) to completion: every
+        (DRAM, storage) pair is posted as a NIXL request of its own, then all are waited
+        for; a failure of any fails the call, once none is still running.  ``background``:
+        write-back, which waits with fewer polls."""
         agent = self.agent
         posted: list[Any] = []
         running: list[Any] = []

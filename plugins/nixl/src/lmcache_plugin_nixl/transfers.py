@@ -69,7 +69,7 @@ class BatchTransfer:
         background: bool = False,
     ) -> list[bool]:
         """Move every buffer to (WRITE) or from (READ) the place ``locate`` gives for it
-        (``background``: for write-back, see :meth:`NixlRuntime.transfer`)."""
+        (``background``: for write-back, see :meth:`NixlRuntime.transfer_many`)."""
         if not buffers:
             return []
         addresses, strays = self.host.prepare(buffers)
