@@ -11,7 +11,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,17 +26,13 @@ import numpy as np
 
 from lmcache_tiers.client import Client, ClientError, RequestTimeoutError, ServerError
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.testing.ports import free_port as free_port  # re-exported for the tests
+from lmcache_tiers.testing.ports import free_ports
 from lmcache_tiers.wire.protocol import StoreReserve, StoreReserveReply
 
 HERE = Path(__file__).parent
 LAUNCHER = HERE / "serve_for_tests.py"
 START_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @dataclass
@@ -92,10 +87,11 @@ def start_server(
     is the address of the front ends that give no port of their own (``--port``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     shm_name = f"tiers_test_{uuid.uuid4().hex[:12]}"
+    port, metrics_port = free_ports(2)
     settings: dict[str, Any] = {
         "l1_size_gb": 0.25,
-        "port": free_port(),
-        "metrics_port": free_port() if metrics else 0,
+        "port": port,
+        "metrics_port": metrics_port if metrics else 0,
         "l1_shm_name": shm_name,
         **config,
     }

@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from lmcache_tiers.testing.ports import free_port, free_ports
 
 __all__ = ["NOT_INSTALLED", "SeaweedS3", "free_port", "serving", "weed_binary"]
 
@@ -56,13 +57,6 @@ def weed_binary() -> str | None:
     """The ``weed`` executable: on PATH or next to this interpreter (a venv's bin)."""
     found = shutil.which("weed") or str(Path(sys.executable).with_name("weed"))
     return found if os.access(found, os.X_OK) else None
-
-
-def free_port() -> int:
-    """A loopback TCP port nothing listens on right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _answers(
@@ -125,7 +119,8 @@ class SeaweedS3:
         self._pick_ports()
 
     def _pick_ports(self) -> None:
-        self.ports = {f"{name}.{kind}": free_port() for name in _COMPONENTS for kind in ("port", "port.grpc")}
+        names = [f"{name}.{kind}" for name in _COMPONENTS for kind in ("port", "port.grpc")]
+        self.ports = dict(zip(names, free_ports(len(names)), strict=True))
 
     # -- what tests use -----------------------------------------------------------------------
 

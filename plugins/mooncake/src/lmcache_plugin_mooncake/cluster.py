@@ -24,16 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LocalCluster", "free_port", "unavailable_reason"]
+from lmcache_tiers.testing.ports import free_port, free_ports
+
+__all__ = ["LocalCluster", "free_port", "free_ports", "unavailable_reason"]
 
 #: how long the master and a segment host get to start listening
 START_TIMEOUT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _package_dir() -> Path | None:
@@ -86,13 +82,20 @@ class LocalCluster:
     """A master (and segment hosts) on loopback; ``start()`` first, ``stop()`` at the end."""
 
     log_dir: Path
-    rpc_port: int = field(default_factory=free_port)
-    metadata_port: int = field(default_factory=free_port)
-    metrics_port: int = field(default_factory=free_port)
+    #: 0: a free port, different from the other two
+    rpc_port: int = 0
+    metadata_port: int = 0
+    metrics_port: int = 0
     #: extra ``mooncake_master`` flags, e.g. ``["--default_kv_lease_ttl=100"]``
     master_flags: list[str] = field(default_factory=list)
     master: subprocess.Popen[bytes] | None = None
     segment_hosts: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        ports = iter(free_ports(3))
+        self.rpc_port = self.rpc_port or next(ports)
+        self.metadata_port = self.metadata_port or next(ports)
+        self.metrics_port = self.metrics_port or next(ports)
 
     @property
     def master_server_address(self) -> str:
