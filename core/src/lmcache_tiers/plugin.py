@@ -163,6 +163,7 @@ if TYPE_CHECKING:
         PrefetchPolicySuite,
         StorePolicySuite,
     )
+    from lmcache_tiers.testing.ports import free_port, free_ports
     from lmcache_tiers.testing.serde import BINDS_KEY, DETECTS_CORRUPTION, LOSSLESS, SerdeSuite
     from lmcache_tiers.tmpfs import SHM_DIR
     from lmcache_tiers.wire import protocol as wire_protocol
@@ -257,6 +258,8 @@ _LAZY = {
     "LOSSLESS": "lmcache_tiers.testing.serde",
     "DETECTS_CORRUPTION": "lmcache_tiers.testing.serde",
     "BINDS_KEY": "lmcache_tiers.testing.serde",
+    "free_port": "lmcache_tiers.testing.ports",
+    "free_ports": "lmcache_tiers.testing.ports",
 }
 
 __all__ = [
@@ -364,6 +367,8 @@ __all__ = [
     "copy_verified",
     "decode_request",
     "direct_io_refusal",
+    "free_port",
+    "free_ports",
     "header_length",
     "hookimpl",
     "identity_of",

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmcache_tiers.testing.ports import free_port, free_ports
+from lmcache_tiers.plugin import free_port, free_ports
 
 __all__ = ["LocalCluster", "free_port", "free_ports", "unavailable_reason"]
 
