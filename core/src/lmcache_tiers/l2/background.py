@@ -197,9 +197,11 @@ class BackgroundThreads:
             hurried = bool(self._behind)
             if hurried == self._hurried:
                 return
-            self._hurried = hurried
             for tid in list(self._tids):
                 self._apply(tid, calm=not hurried)
+            # Set last: whoever reads ``hurried`` without the lock finds every thread
+            # already at the priority it says.
+            self._hurried = hurried
         log.debug(
             "write-back threads %s", f"behind: at nice {WRITE_BACK_NICE}" if hurried else "idle while copying"
         )
