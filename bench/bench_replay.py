@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -61,6 +60,7 @@ from lmcache_tiers.replay.simulate import (
     simulate_policy,
 )
 from lmcache_tiers.replay.trace import KeySpace, Trace, read_trace
+from lmcache_tiers.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = os.environ.get(
@@ -68,18 +68,12 @@ DEFAULT_TRACE = os.environ.get(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 class BlockServer:
     """``lmcache-tiers serve`` with an L1 of exactly ``blocks`` blocks, L1 only, LRU."""
 
     def __init__(self, blocks: int, block_bytes: int, workdir: Path) -> None:
         size_gb, align = l1_size_for_blocks(blocks, block_bytes)
-        port = _free_port()
+        port = free_port()
         self.url = f"tcp://127.0.0.1:{port}"
         config = workdir / f"l1-{blocks}.toml"
         config.write_text(

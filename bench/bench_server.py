@@ -34,7 +34,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,7 @@ from lmcache_tiers.cli.commands_server import bench_table, run_with_progress
 from lmcache_tiers.cli.output import stdout
 from lmcache_tiers.client import Client, ClientError
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.testing.ports import free_port
 from lmcache_tiers.wire import protocol as p
 
 STORE_TARGET = 0.5  # of memcpy
@@ -58,12 +58,6 @@ LOOKUP_TARGET_PER_S = 10_000
 LOOKUP_FLOOR_TARGET = 0.8  # of the bare round trip, 16-key LOOKUP (issue 16)
 PER_KEY_TARGET_US = 0.3  # extra cost per key of a long LOOKUP over a short one (issue 16)
 ECHO_REQUESTS = 20_000
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def endpoint(transport: str, name: str) -> tuple[str, str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from thirdparty import run_cli
 from lmcache_tiers.config import build_config
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.plugins import load_registry
+from lmcache_tiers.testing.ports import free_port
 
 KEY = bytes(range(7, 39))
 KEY_FORMS = (KEY.hex(), KEY.hex().upper(), base64.b64encode(KEY).decode(), repr(KEY))
@@ -27,12 +27,6 @@ def _no_key_in(*texts: str) -> None:
 
 def _adapter(*serdes: dict[str, object]) -> str:
     return json.dumps({"type": "mock", "max_size_gb": 0.01, "serde": list(serdes)})
-
-
-def _free_port() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
 
 
 @pytest.fixture
@@ -125,7 +119,7 @@ def test_a_bad_key_stops_serve_with_one_line(tmp_path: Path, key_setup: str, mes
     if key_setup == "short":
         path.write_bytes(KEY[:20])
     source = {"key_env": "TIERS_KEY_ABSENT"} if key_setup == "env-unset" else {"key_file": str(path)}
-    args = ["serve", "--l1-size-gb", "0.01", "--port", _free_port(), "--metrics-port", "0", "--no-shm"]
+    args = ["serve", "--l1-size-gb", "0.01", "--port", str(free_port()), "--metrics-port", "0", "--no-shm"]
     result = run_cli([*args, "--l2-adapter", _adapter({"type": "aesgcm", **source})], COLUMNS="400")
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = [line for line in result.stderr.splitlines() if line.strip()]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent / "server"))
 
 from tiers_e2e import ServerProcess
+
+from lmcache_tiers.testing.ports import free_port as free_port  # re-exported for the tests
 
 CLI = [sys.executable, "-m", "lmcache_tiers.cli.main"]
 START_TIMEOUT_S = 60.0
@@ -85,12 +86,6 @@ def run_cli(args: list[str], site: Path | None = None, **env: str) -> subprocess
     return subprocess.run(
         CLI + args, capture_output=True, text=True, env=_environment(site, env), timeout=120
     )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def wait_for(server: ServerProcess, condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:

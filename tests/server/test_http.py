@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiers_e2e import LAUNCHER, ServerProcess, fetch, free_port, make_keys, make_payloads, start_server
+from tiers_e2e import LAUNCHER, ServerProcess, fetch, make_keys, make_payloads, start_server
 
 from lmcache_tiers.client import Client
+from lmcache_tiers.testing.ports import free_ports
 
 TOKEN = "http-test-token"
 _SIOCGIFADDR = 0x8915
@@ -111,7 +112,8 @@ def test_metrics_and_health_expose_no_process_or_file_names(public_http: ServerP
 
 
 def test_off_loopback_http_without_a_token_is_refused(tmp_path: Path) -> None:
-    config = {"port": free_port(), "metrics_port": free_port(), "metrics_host": "0.0.0.0", "l1_size_gb": 0.01}
+    port, metrics_port = free_ports(2)
+    config = {"port": port, "metrics_port": metrics_port, "metrics_host": "0.0.0.0", "l1_size_gb": 0.01}
     env = {k: v for k, v in os.environ.items() if k != "LMCACHE_TIERS_AUTH_TOKEN"}
     result = subprocess.run(
         [sys.executable, str(LAUNCHER), json.dumps({"config": config}), str(tmp_path / "ready")],

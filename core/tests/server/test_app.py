@@ -23,14 +23,9 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.server.app import TiersServer, run_server
 from lmcache_tiers.server.benchmark import run_bench
 from lmcache_tiers.server.logs import configure_logging
+from lmcache_tiers.testing.ports import free_port, free_ports
 
 Factory = Callable[..., TiersServer]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.mark.parametrize(
@@ -94,8 +89,9 @@ def fetch(url: str) -> tuple[int, str]:
 
 
 def test_http_routes_and_per_server_metrics(make_server: Factory) -> None:
-    first = make_server(metrics_port=free_port())
-    second = make_server(metrics_port=free_port())  # a second registry in one process must not collide
+    first_port, second_port = free_ports(2)
+    first = make_server(metrics_port=first_port)
+    second = make_server(metrics_port=second_port)  # a second registry in one process must not collide
     assert first.http_url and second.http_url
     key = ObjectKey("unit", 0, b"metrics")
     with Client(first.endpoint) as client:

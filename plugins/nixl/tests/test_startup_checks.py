@@ -19,6 +19,7 @@ from test_obj_backend import HERE, s3_endpoint  # noqa: F401 - the S3 server fix
 
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.l2.preflight import direct_io_refusal
+from lmcache_tiers.testing.ports import free_port
 
 CLI = [sys.executable, "-m", "lmcache_tiers.cli.main"]
 
@@ -72,19 +73,13 @@ def test_azure_blob_endpoint_comes_from_account_url_or_connection_string() -> No
     )
 
 
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def test_remote_endpoint_probe() -> None:
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
         port = listening.getsockname()[1]
         check_remote_endpoint("AZURE_BLOB", {"account_url": f"http://127.0.0.1:{port}/acct"})
-    closed = _closed_port()
+    closed = free_port()
     with pytest.raises(
         ConfigError, match=rf"127\.0\.0\.1:{closed}\) cannot be reached: .*backend_params\.account_url"
     ):
@@ -95,7 +90,7 @@ def test_remote_endpoint_probe() -> None:
 
 
 def test_serve_with_an_unreachable_azure_blob_endpoint_exits_2_in_one_line() -> None:
-    closed = _closed_port()
+    closed = free_port()
     adapter = {
         "type": "nixl_store",
         "backend": "AZURE_BLOB",

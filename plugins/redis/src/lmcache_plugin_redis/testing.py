@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from lmcache_tiers.plugin import free_port as any_free_port
+
 START_TIMEOUT_S = 30.0
 
 
@@ -39,9 +41,7 @@ def _bindable(port: int) -> bool:
 def free_port(*, cluster: bool = False) -> int:
     """A free loopback port; for a cluster node one whose bus port (+10000) is free too."""
     for _ in range(1000):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = int(probe.getsockname()[1])
+        port = any_free_port()
         if not cluster:
             return port
         if port <= 55535 and _bindable(port + 10000):
