@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from lmcache_tiers.plugin import free_port as any_free_port
+from lmcache_tiers.plugin import free_ports as any_free_ports
 
 START_TIMEOUT_S = 30.0
 
@@ -38,15 +39,24 @@ def _bindable(port: int) -> bool:
     return True
 
 
+#: a cluster node also listens on its port + this, for the cluster bus
+BUS_PORT_OFFSET = 10000
+
+
 def free_port(*, cluster: bool = False) -> int:
-    """A free loopback port; for a cluster node one whose bus port (+10000) is free too."""
+    """A free loopback port; for a cluster node one whose bus port is free too."""
+    return cluster_ports(1)[0] if cluster else any_free_port()
+
+
+def cluster_ports(count: int) -> list[int]:
+    """``count`` different free ports for cluster nodes: their bus ports are free too and
+    none is another node's port (taken together, so no two nodes get the same one)."""
     for _ in range(1000):
-        port = any_free_port()
-        if not cluster:
-            return port
-        if port <= 55535 and _bindable(port + 10000):
-            return port
-    raise RuntimeError("no free port pair for a cluster node")
+        ports = any_free_ports(count)
+        buses = {port + BUS_PORT_OFFSET for port in ports}
+        if max(buses) <= 65535 and not buses & set(ports) and all(_bindable(bus) for bus in buses):
+            return ports
+    raise RuntimeError(f"no {count} free port pairs for cluster nodes")
 
 
 class RedisServer:
@@ -158,7 +168,10 @@ class RedisClusterNodes:
     """A Redis Cluster of ``count`` primaries (no replicas) on loopback."""
 
     def __init__(self, directory: Path, count: int = 3) -> None:
-        self.nodes = [RedisServer(directory / f"node-{index}", cluster=True) for index in range(count)]
+        self.nodes = [
+            RedisServer(directory / f"node-{index}", port=port, cluster=True)
+            for index, port in enumerate(cluster_ports(count))
+        ]
 
     @property
     def startup_nodes(self) -> str:
