@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tiers_e2e import HERE, ServerProcess, fetch, free_port, start_server
+from tiers_e2e import HERE, ServerProcess, fetch, start_server
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import prefix_keys
 from lmcache_tiers.plugin import kv_rank_of
+from lmcache_tiers.testing.ports import free_ports
 
 CACHE_HOME = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
 REF_VENV = Path(os.environ.get("LMCACHE_REF_VENV", CACHE_HOME / "lmcache-tiers" / "lmcache-0.5.6"))
@@ -66,9 +67,11 @@ def run_bench(url: str, output: Path, interval: float = 0.0) -> dict[str, Any]:
 
 def serve(tmp_path: Path, **options: Any) -> tuple[ServerProcess, str]:
     """A server with the LMCache front end on --port and the native one beside it."""
-    native_port = free_port()
+    port, metrics_port, native_port = free_ports(3)  # together: never one port twice
     server = start_server(
         tmp_path / "server",
+        port=port,
+        metrics_port=metrics_port,
         l1_size_gb=0.5,
         frontends=[{"type": "lmcache_mp"}, {"type": "native", "port": native_port}],
         **options,
