@@ -204,9 +204,24 @@ class StorageManager:
             self.l1.finish_read(keys, count)
 
     def clear(self, *, force: bool = False) -> int:
-        """Delete L1 objects (unlocked ones unless ``force``); returns how many."""
+        """Delete L1 objects (unlocked ones unless ``force``); returns how many.
+
+        Objects whose L2 store has not happened yet go too -- a clear empties L1 -- but
+        not silently: they are counted (``l1_cleared_before_l2_store``) and logged.
+        """
         self._check_open()
-        return self.l1.clear(force=force)
+        with self.l1.lock:
+            pending = self.l1.unstored()
+            cleared = self.l1.clear(force=force)
+            dropped = sum(1 for obj in pending if self.l1.get(obj.key) is not obj)
+        if dropped:
+            self.stats.fail("l1_cleared_before_l2_store", dropped)
+            logger.warning(
+                "clear removed %d objects from L1 before their L2 store: those acknowledged "
+                "writes are in no tier now",
+                dropped,
+            )
+        return cleared
 
     def evict(self, keys: Sequence[ObjectKey]) -> int:
         """Delete ``keys`` from L1 now; L2 copies stay. Returns how many.

@@ -69,6 +69,8 @@ def storage_status(parts: StorageParts) -> dict[str, Any]:
             "in_flight_tasks": parts.store.in_flight(),
             "pending_batches": parts.store.pending_batches(),
             "l1_deleted_after_store": counters.get("l1_deleted_after_store", 0),
+            # committed keys that left L1 before their store began (the cause is a failure)
+            "skipped_gone": counters.get("l2_store_skipped_gone", 0),
         },
         "eviction": {
             "l1": {

@@ -139,17 +139,15 @@ def test_a_stored_object_is_settled_before_its_store_task_lets_go_of_it(engine, 
     acknowledged writes that L2 holds (a store storm counted 60 lost with 56 missing)."""
     storage = engine([mock()])
     l1 = storage.l1
-    release = l1.finish_read
+    release = l1.finish_store
     flags_at_release: list[bool] = []
 
-    def finish_read(keys, count=1):  # type: ignore[no-untyped-def]
-        for key in keys:
-            obj = l1.get(key)
-            if obj is not None:
-                flags_at_release.append(obj.unstored)
-        release(keys, count)
+    def finish_store(objs):  # type: ignore[no-untyped-def]
+        objs = list(objs)
+        flags_at_release.extend(obj.unstored for obj in objs)
+        release(objs)
 
-    monkeypatch.setattr(l1, "finish_read", finish_read)
+    monkeypatch.setattr(l1, "finish_store", finish_store)
     keys = keys_of(5, 6)
     store(storage, keys, MiB)
     assert storage.flush(10)

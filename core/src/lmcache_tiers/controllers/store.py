@@ -37,6 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from lmcache_tiers.activity import DATA_PLANE, DataPlaneActivity
+from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.controllers.base import AdapterSlot, ControllerThread, TaskTracker, adapter_infos
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.controllers.store_pacing import (
@@ -70,7 +71,8 @@ class _Batch:
 class _Task:
     slot: AdapterSlot
     task_id: int
-    keys: list[ObjectKey]  # read-locked once each until the result is popped
+    keys: list[ObjectKey]
+    objects: list[L1Object]  # of ``keys``: locked for the store (``reserve_store``) until it reports
     batch: _Batch
     nbytes: int  # of the slice, as the pacer counted it in flight
     submitted: float  # monotonic time it was handed to the adapter
@@ -93,6 +95,7 @@ class StoreController(ControllerThread):
         self.slots = list(slots)
         self.policy = policy
         self.stats = stats
+        self._burst = BurstLog(logger)  # failed stores: one line per adapter per minute
         self._queue_lock = threading.Lock()
         self._queue: deque[tuple[list[L1Object], float]] = deque()  # (objects, commit time)
         self._starting = 0  # batches taken off the queue whose slices are not queued yet
@@ -238,7 +241,14 @@ class StoreController(ControllerThread):
         targeted: set[ObjectKey] = set()
         for index, target_keys in targets.items():
             if not 0 <= index < len(self.slots):
-                self.stats.fail("store_policy_bad_adapter")
+                self.stats.fail("store_policy_bad_adapter", len(target_keys))
+                self._burst.warn(
+                    "store_policy_bad_adapter",
+                    "store policy sent %d keys to adapter %r, and there are %d adapters: not stored there",
+                    len(target_keys),
+                    index,
+                    len(self.slots),
+                )
                 continue
             chosen = [key for key in dict.fromkeys(target_keys) if key in wanted]
             if chosen:
@@ -256,25 +266,31 @@ class StoreController(ControllerThread):
     def _submit(self, piece: Slice) -> None:
         slot, batch = piece.slot, piece.batch
         # Keys deleted or evicted since their commit are simply not stored.
-        locked = self.l1.reserve_read(piece.keys)
+        locked = self.l1.reserve_store(piece.keys)
         keys = [key for key in piece.keys if key in locked]
+        if len(keys) < len(piece.keys):
+            # Why they left (evicted before their store, cleared) was counted there.
+            self.stats.add("l2_store_skipped_gone", len(piece.keys) - len(keys))
         if not keys:
             self._slice_ended(piece)
             return
+        objects = [locked[key] for key in keys]
         try:
-            # The loans live as long as the task: the read locks keep their bytes in place.
-            buffers = [self.l1.lend(locked[key]).buffer for key in keys]
-            layouts = [locked[key].layout for key in keys]
+            # The loans live as long as the task: the store's locks keep their bytes in place.
+            buffers = [self.l1.lend(obj).buffer for obj in objects]
+            layouts = [obj.layout for obj in objects]
             task_id = slot.adapter.submit_store(keys, buffers, layouts if any(layouts) else None)
         except Exception as exc:
-            self.l1.finish_read(keys)
+            self.l1.finish_store(objects)
             self.stats.add_adapter(slot.index, "store_tasks_failed")
             self.stats.add_adapter(slot.index, "keys_store_failed", len(keys))
             self.stats.fail("l2_store_submit_error")
             logger.warning("store of %d keys to %s could not be submitted: %s", len(keys), slot.name, exc)
             self._slice_ended(piece)
             return
-        self._tasks.track(slot, task_id, _Task(slot, task_id, keys, batch, piece.nbytes, time.monotonic()))
+        self._tasks.track(
+            slot, task_id, _Task(slot, task_id, keys, objects, batch, piece.nbytes, time.monotonic())
+        )
         self.stats.add_adapter(slot.index, "store_tasks_submitted")
         logger.debug("Submitted store task %d to %s: %d keys", task_id, slot.name, len(keys))
 
@@ -297,7 +313,7 @@ class StoreController(ControllerThread):
         # before the read locks go: in between, a write needing room could evict them and
         # count acknowledged writes that L2 holds as lost.
         self.l1.settle_unstored([batch.objects[key] for key in stored if key in batch.objects])
-        self.l1.finish_read(task.keys)
+        self.l1.finish_store(task.objects)
         self._pacer.reported(task.slot.index, task.nbytes)
         failed = len(task.keys) - len(stored)
         index = task.slot.index
@@ -307,6 +323,14 @@ class StoreController(ControllerThread):
             self.stats.add_adapter(index, "store_tasks_failed")
             self.stats.add_adapter(index, "keys_store_failed", failed)
             self.stats.fail("l2_store_failed", failed)
+            self._burst.warn(
+                f"l2_store_failed:{index}",
+                "%d of %d keys were not stored in %s (the adapter's own counters and log say why)",
+                failed,
+                len(task.keys),
+                task.slot.name,
+                count=failed,
+            )
         logger.debug(
             "L2 store task %d completed on %s: %d/%d keys stored",
             task.task_id,
@@ -348,12 +372,16 @@ class StoreController(ControllerThread):
     def finish(self) -> None:
         self._threads.hurry(False, self)  # a stopped controller hurries nobody
         # Draining gave up (stalled adapter) or finished: release every lock still held.
+        abandoned = 0
         for task in self._tasks.owners():
-            self.l1.finish_read(task.keys)
+            self.l1.finish_store(task.objects)
             self.l1.settle_unstored(task.batch.objects.values())
             self.stats.add_adapter(task.slot.index, "store_tasks_failed")
             self.stats.fail("l2_store_abandoned", len(task.keys))
+            abandoned += len(task.keys)
         self._tasks.clear()
+        if abandoned:
+            logger.warning("%d keys' L2 stores were still running when the drain gave up on them", abandoned)
         # Slices never submitted: counted once per object not stored in any adapter.
         unsent = {
             key: piece.batch.objects[key]
@@ -369,3 +397,6 @@ class StoreController(ControllerThread):
         self.l1.settle_unstored(queued)
         if queued:
             self.stats.fail("l2_store_dropped_at_shutdown", len(queued))
+            logger.warning(
+                "%d committed keys were never stored in L2: the controller stopped first", len(queued)
+            )

@@ -75,7 +75,7 @@ class L2Handoffs:
             present: list[L1Object] = []
             held: list[L1Object] = []
             for obj in dict.fromkeys(objs):
-                if table.release_held_load(obj):
+                if table.release_held(obj):
                     held.append(obj)
                 elif objects.get(obj.key) is obj and obj.state is _WRITING and obj.loading:
                     present.append(obj)

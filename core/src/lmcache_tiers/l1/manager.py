@@ -183,6 +183,11 @@ class L1Manager:
         with self.lock:
             return self._table.objects.get(key)
 
+    def unstored(self) -> list[L1Object]:
+        """Objects whose L2 stores are not settled yet: L1 holds their only copy."""
+        with self.lock:
+            return [obj for obj in self._table.ready.values() if obj.unstored]
+
     def contains(self, key: ObjectKey) -> bool:
         """True if the key is in L1 in any state (being written or ready)."""
         with self.lock:
@@ -280,6 +285,22 @@ class L1Manager:
         ``until_repeat`` the prefix ends before its first repeated key instead.
         """
         return self._reads.lock_prefix(keys, count, until_repeat=until_repeat)
+
+    def reserve_store(self, keys: Sequence[ObjectKey]) -> dict[ObjectKey, L1Object]:
+        """Read-lock once every READY key present for an L2 store task, which reads the
+        objects' extents until it reports.
+
+        Unlike a reader's, these locks are not reaped at the lock TTL (an adapter stalled
+        that long still copies from the extent when it wakes), and an object deleted by
+        force meanwhile keeps its extent until :meth:`finish_store`: the extent never holds
+        another object's bytes while a store may write them to L2 under this key.
+        """
+        return self._reads.lock_for_store(keys)
+
+    def finish_store(self, objs: Iterable[L1Object]) -> None:
+        """The store task that ``reserve_store`` locked ``objs`` for has reported (or was
+        given up): drop its lock on each, and free extents held for it."""
+        self._reads.release_store(objs)
 
     def finish_read(self, keys: Sequence[ObjectKey], count: int = 1) -> None:
         """Drop ``count`` read locks per key; a temporary object left unlocked is freed.

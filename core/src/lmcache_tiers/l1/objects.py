@@ -36,6 +36,9 @@ class L1Object:
     unstored: bool = field(default=False, repr=False)
     #: reserved by a prefetch that fills it from L2: only that prefetch may finish or abort it
     loading: bool = field(default=False, repr=False)
+    #: L2 store tasks reading its extent now: their locks are not reaped at the lock TTL, and
+    #: if the object leaves L1 meanwhile its extent is kept until the last of them reports
+    storing: int = field(default=0, repr=False)
 
     @property
     def locked(self) -> bool:

@@ -171,6 +171,42 @@ class ReadLocks:
                         freed.append(obj)
             table.free(freed)
 
+    def lock_for_store(self, keys: Sequence[ObjectKey]) -> dict[ObjectKey, L1Object]:
+        """``L1Manager.reserve_store``: ``lock_present`` once, each object pinned for a store."""
+        with self._lock:
+            hits = self.lock_present(keys, 1)
+            for obj in hits.values():
+                obj.storing += 1
+            return hits
+
+    def release_store(self, objs: Iterable[L1Object]) -> None:
+        """``L1Manager.finish_store``: drop the store's lock and pin on each object -- the
+        object itself, never a later one of its key."""
+        with self._lock:
+            table = self._table
+            objects, locked = table.objects, table.locked
+            freed: list[L1Object] = []
+            held: list[L1Object] = []
+            for obj in objs:
+                obj.storing -= 1
+                if objects.get(obj.key) is obj:
+                    if obj.read_locks > 1:
+                        obj.read_locks -= 1
+                    elif obj.read_locks:
+                        obj.read_locks = 0
+                        del locked[obj.key]
+                        if obj.temporary:
+                            freed.append(obj)
+                    continue
+                # Deleted by force while stored: its extent was held for the store.  Readers
+                # that were still holding it keep it quarantined for their lease.
+                obj.read_locks = max(0, obj.read_locks - 1)
+                if not obj.storing and table.release_held(obj):
+                    held.append(obj)
+            table.free(freed)
+            if held:
+                self._leases.release_extents(held, time.monotonic())
+
     def set_temporary(self, keys: Sequence[ObjectKey], temporary: bool) -> None:
         with self._lock:
             table = self._table

@@ -108,7 +108,9 @@ class Removal:
             freed: list[L1Object] = []
             expired_reads = 0
             for key, obj in list(table.locked.items()):
-                if obj.lock_deadline > now:
+                if obj.lock_deadline > now or obj.storing:
+                    # An L2 store reading the extent is not a client that may have died:
+                    # its locks go when it reports (``finish_store``); the others' then.
                     continue
                 leases.lapse(obj, now)
                 if obj.state is _WRITING:

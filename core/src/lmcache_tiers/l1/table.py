@@ -81,9 +81,11 @@ class ObjectTable:
         self.listeners = listeners
         self.closed = False
         self._leases = leases
-        # Load reservations freed (forced clear, write TTL) while their load may still be
-        # writing into them: their extents stay allocated until the prefetch lets go.
-        self._held_loads: set[L1Object] = set()
+        # Objects that left L1 while an adapter may still use their extent -- load
+        # reservations freed (forced clear, write TTL) while their load may still be
+        # writing into them, objects deleted by force while an L2 store reads them: their
+        # extents stay allocated until the prefetch or the store lets go.
+        self._held: set[L1Object] = set()
 
     def check_open(self) -> None:
         if self.closed:
@@ -117,23 +119,25 @@ class ObjectTable:
         self.temporary.discard(obj.key)
 
     def release_extents(self, objs: list[L1Object]) -> None:
-        """Give back the extents of detached objects, except those a load is still filling."""
+        """Give back the extents of detached objects, except those an adapter is still
+        filling (a load) or reading (an L2 store)."""
         if not objs:
             return
-        # An adapter may still be filling a load reservation: handing its extent to another
-        # object would let the load overwrite that object's bytes.  abort_load frees it.
-        free = [obj for obj in objs if not obj.loading]
+        # Handing such an extent to another object would let the load overwrite that
+        # object's bytes, or the store write that object's bytes to L2 under this key.
+        # abort_load and finish_store free it.
+        free = [obj for obj in objs if not (obj.loading or obj.storing)]
         if len(free) < len(objs):
-            self._held_loads.update(obj for obj in objs if obj.loading)
+            self._held.update(obj for obj in objs if obj.loading or obj.storing)
         if free:
             self._leases.release_extents(free, time.monotonic())
 
-    def release_held_load(self, obj: L1Object) -> bool:
-        """True if ``obj`` left L1 while loading and its extent was held for the load: the
-        caller (the load's end) then releases the extent."""
-        if obj not in self._held_loads:
+    def release_held(self, obj: L1Object) -> bool:
+        """True if ``obj`` left L1 while a load or store used it and its extent was held
+        for that: the caller (the load's or store's end) then releases the extent."""
+        if obj not in self._held:
             return False
-        self._held_loads.discard(obj)
+        self._held.discard(obj)
         return True
 
     def free(self, objs: list[L1Object]) -> None:

@@ -1,0 +1,126 @@
+"""An L2 store reads its objects' extents for as long as it runs: those extents never hold
+another object's bytes meanwhile, however long the adapter stalls, so no key is ever
+written to L2 with bytes that are not its own."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from engine_support import GatedConfig, GatedStorePolicy, gated_backend, keys_of, mock, payload, store
+
+from lmcache_tiers.config import AdapterSpec
+from lmcache_tiers.storage import StorageManager
+
+SIZE = 64 << 10
+
+
+def gated() -> AdapterSpec:
+    return AdapterSpec(type="gated", config=GatedConfig())
+
+
+def wait_for(condition, what: str, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def store_task_running(storage: StorageManager, index: int) -> bool:
+    return storage.status()["adapters"][index]["store_tasks_submitted"] >= 1
+
+
+def test_a_stalled_store_keeps_its_lock_past_the_lock_ttl(engine) -> None:
+    storage = engine([mock(), gated()])
+    stalled = gated_backend(storage, 1)
+    stalled.store_gate.clear()
+    (a,) = keys_of(1, 1)
+    (b,) = keys_of(2, 1)
+    store(storage, [a], SIZE)
+    # Stored in the mock adapter: settled, so evictable but for the stalled store's lock.
+    wait_for(lambda: storage.status()["adapters"][0]["keys_stored"] >= 1, "the first adapter's store")
+    wait_for(lambda: store_task_running(storage, 1), "the stalled store task")
+
+    far = time.monotonic() + storage.l1.lock_ttl_s + storage.l1.lease_grace_s + 3600
+    storage.l1.expire_locks(now=far)
+    obj = storage.l1.get(a)
+    assert obj is not None and obj.read_locks == 1, "the store's lock was reaped"
+    assert storage.evict([a]) == 0
+    store(storage, [b], SIZE)
+
+    stalled.store_gate.set()
+    assert storage.flush(10)
+    assert stalled._data[a] == payload(a, SIZE)
+    assert storage.l1.get(a) is obj and obj.read_locks == 0 and obj.storing == 0
+
+
+def test_an_object_cleared_by_force_during_its_store_keeps_its_extent_until_the_store_ends(
+    engine, caplog
+) -> None:
+    storage = engine([gated()])
+    stalled = gated_backend(storage)
+    stalled.store_gate.clear()
+    (a,) = keys_of(1, 1)
+    store(storage, [a], SIZE)
+    wait_for(lambda: store_task_running(storage, 0), "the stalled store task")
+    obj = storage.l1.get(a)
+    assert obj is not None
+
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers.storage"):
+        assert storage.clear(force=True) == 1
+    # An acknowledged write left L1 before its store finished: counted and explained.
+    assert storage.status()["failures"].get("l1_cleared_before_l2_store") == 1
+    assert "before their L2 store" in caplog.text
+    # The lease ends, and new objects fill L1: none of them gets the store's extent.
+    storage.l1.expire_locks(now=time.monotonic() + storage.l1.lock_ttl_s + storage.l1.lease_grace_s + 3600)
+    others = keys_of(2, 200)
+    for key in others:
+        store(storage, [key], SIZE)
+        new = storage.l1.get(key)
+        assert new is not None and new.offset != obj.offset, "the stored object's extent was reused"
+        storage.view(new)  # still readable: written and committed
+    used_with_held = storage.l1.used_bytes
+
+    stalled.store_gate.set()
+    assert storage.flush(10)
+    assert stalled._data[a] == payload(a, SIZE)
+    assert obj.storing == 0 and obj.read_locks == 0
+    # The store has let go: its extent is back in the allocator.
+    assert storage.l1.used_bytes < used_with_held
+
+
+def test_a_clear_counts_the_acknowledged_writes_it_takes_before_their_store(engine) -> None:
+    storage = engine([gated()])
+    stalled = gated_backend(storage)
+    stalled.store_gate.clear()
+    stored_first = keys_of(1, 3)
+    stalled.store_gate.set()
+    store(storage, stored_first, SIZE)
+    assert storage.flush(10)
+    stalled.store_gate.clear()
+    pending = keys_of(2, 5)
+    store(storage, pending, SIZE)
+    wait_for(lambda: storage.status()["adapters"][0]["store_tasks_submitted"] >= 2, "the stalled store task")
+
+    # Not forced: the stalled store's locks keep its objects; the rest go.
+    assert storage.clear() == len(stored_first)
+    assert "l1_cleared_before_l2_store" not in storage.status()["failures"]
+    stalled.store_gate.set()
+    assert storage.flush(10)
+    assert set(stalled._data) == set(stored_first + pending)
+
+
+def test_a_clear_counts_queued_writes_it_takes_and_the_store_skips_them(engine, caplog) -> None:
+    storage = engine([mock()], l2_store_policy="gated")
+    GatedStorePolicy.gate.clear()  # committed objects stay queued: unlocked and unstored
+    queued = keys_of(1, 4)
+    store(storage, queued, SIZE)
+    assert GatedStorePolicy.entered.acquire(timeout=10)
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers.storage"):
+        assert storage.clear() == len(queued)
+    assert storage.status()["failures"]["l1_cleared_before_l2_store"] == len(queued)
+    assert caplog.text.count("before their L2 store") == 1
+    GatedStorePolicy.gate.set()
+    assert storage.flush(10)
+    assert list(storage.adapters[0].iter_keys()) == []
+    assert storage.status()["store"]["skipped_gone"] == len(queued)
