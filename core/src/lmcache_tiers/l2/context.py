@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lmcache_tiers.config import L2AdapterConfig
+from lmcache_tiers.keycodec import printable
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2.files.layout import record_name
 from lmcache_tiers.l2.record import RecordHeader, RecordSerdeMismatchError, decode_header, encode_header
 from lmcache_tiers.protocols import Serde
 
@@ -157,6 +159,19 @@ class BackendContext:
             layout=layout,
             align=align,
             digest=digest,
+        )
+
+    def header_too_long(self, key: ObjectKey, length: int, reserved: int) -> None:
+        """The record header of ``key`` came out ``length`` bytes where the backend reserved
+        ``reserved`` for it: counted (``record_header_too_long``) and logged; the backend
+        then reports that store failed."""
+        self.count("record_header_too_long")
+        self.warn(
+            "record_header_too_long",
+            "the record header of %s came out %d bytes, not the %d reserved: not stored",
+            printable(record_name(key)),
+            length,
+            reserved,
         )
 
     def read_record_header(self, data: bytes | memoryview, key: ObjectKey) -> RecordHeader | None:

@@ -177,14 +177,7 @@ class LocalRecords:
                     _pwrite_all(fd, payload[whole:], header_len + whole)
                 encoded = self._encode_header(key, payload)
             if len(encoded) != header_len:
-                self.context.count("record_header_too_long")
-                log.warning(
-                    "%s: the record header of %s is %d bytes, not %d: not stored",
-                    self.context.name,
-                    printable(record_name(key)),
-                    len(encoded),
-                    header_len,
-                )
+                self.context.header_too_long(key, len(encoded), header_len)
                 return False
             _pwrite_all(fd, memoryview(encoded), 0)
             self.files.publish(key, path, fd)

@@ -80,7 +80,7 @@ class RemoteRecords:
         try:
             header = self.context.record_header(key, payload, align=RECORD_ALIGN)
             if len(header) != header_len:
-                self.context.count("record_header_too_long")
+                self.context.header_too_long(key, len(header), header_len)
                 return False
             self.fs.makedirs(posixpath.dirname(temp), exist_ok=True)
             self.fs.makedirs(self.layout.directory_for(key), exist_ok=True)

@@ -300,11 +300,14 @@ class RecordFiles:
                     )
             finally:
                 encoded = headers.result()
-            complete = [
-                (item, header)
-                for item, ok, header in zip(pending, moved, encoded, strict=True)
-                if ok and header is not None and len(header) == item.offset
-            ]
+            complete: list[tuple[_Pending, bytes]] = []
+            for item, ok, header in zip(pending, moved, encoded, strict=True):
+                if not ok or header is None:
+                    continue  # explained where it failed
+                if len(header) != item.offset:
+                    self._context.header_too_long(keys[item.index], len(header), item.offset)
+                    continue
+                complete.append((item, header))
             for (item, _header), ok in zip(complete, self._write_headers(complete), strict=True):
                 results[item.index] = ok and self._publish(item, keys[item.index])
         finally:

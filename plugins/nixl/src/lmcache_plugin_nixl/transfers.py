@@ -26,8 +26,11 @@ from collections.abc import Callable, Sequence
 
 from lmcache_plugin_nixl.memory import HostMemory
 from lmcache_plugin_nixl.runtime import NixlRuntime, NixlTransferError, Registration, descriptors
+from lmcache_tiers.plugin import BurstLog
 
 log = logging.getLogger(__name__)
+#: one warning per minute per operation: a failing device must not flood the log
+_FAILURES = BurstLog(log)
 
 #: Where an item lives in storage: (file offset or 0, length, fd or object device id).
 StorageRow = tuple[int, int, int]
@@ -112,7 +115,10 @@ class BatchTransfer:
                 background=background,
             )
         except NixlTransferError as exc:
-            log.debug("%s of %d item(s) failed: %s", operation, len(rows), exc)
+            if len(rows) == 1:  # the item's verdict: a batch that fails is tried item by item
+                _FAILURES.warn(operation, "NIXL %s of an object failed: %s", operation, exc)
+            else:
+                log.debug("%s of %d items failed, trying each alone: %s", operation, len(rows), exc)
             return False
         return True
 
