@@ -1,3 +1,4 @@
+import pathlib
 import subprocess
 import sys
 
@@ -67,7 +68,6 @@ def test_salt_changes_identity() -> None:
         {"model_name": "a@b"},
         {"model_name": "a\x00b"},
         {"model_name": ""},
-        {"model_name": ".."},
         {"model_name": "x" * 300},
         {"cache_salt": "a\\b"},
         {"cache_salt": "a/b"},
@@ -96,6 +96,27 @@ def test_model_names_may_hold_path_separators_never_written_as_paths(model_name:
     assert "/" not in stem and "\\" not in stem and not stem.startswith(".")
     assert name_to_key(stem) == key
     assert ObjectKey.from_bytes(key.to_bytes()) == key
+
+
+@pytest.mark.parametrize("model_name", ["m", ".", ".."])
+@pytest.mark.parametrize("cache_salt", [".", ".."])
+def test_dot_names_are_keys_whose_names_stay_inside_the_root(
+    model_name: str, cache_salt: str, tmp_path: pathlib.Path
+) -> None:
+    """As in LMCache, a salt (or model name) may be ``.`` or ``..``: every name made from
+    a key escapes a leading dot, and the salt is never a path part of its own."""
+    from lmcache_tiers.keycodec import key_to_name, name_to_key
+    from lmcache_tiers.l2.files.layout import FileLayout, record_name
+
+    key = ObjectKey(model_name, 0x01000100, bytes(range(32)), 0, cache_salt)
+    assert ObjectKey.from_bytes(key.to_bytes()) == key
+    name = key_to_name(key)
+    assert name == key.file_stem() and name_to_key(name) == key
+    assert "/" not in name and not name.startswith(".") and name.endswith("@%2E" + cache_salt[1:])
+    for shard_dirs in (False, True):
+        path = pathlib.Path(FileLayout(str(tmp_path), shard_dirs=shard_dirs).path_for(key))
+        assert path.name == record_name(key) and path.parent.is_relative_to(tmp_path)
+        assert ".." not in path.relative_to(tmp_path).parts and path.resolve().parent.is_relative_to(tmp_path)
 
 
 def test_decoding_validates_too() -> None:

@@ -24,7 +24,9 @@ MAX_CACHE_SALT_LEN = 128
 MAX_CHUNK_HASH_LEN = 64
 #: ``@`` separates the parts of a key's name; NUL ends C strings.  A model name may hold
 #: ``/`` (``meta-llama/Llama-3.1-8B``): names of files and objects escape it
-#: (:mod:`lmcache_tiers.keycodec`).  A cache salt may not, as in LMCache.
+#: (:mod:`lmcache_tiers.keycodec`).  A cache salt may not, as in LMCache.  Either may be
+#: ``.`` or ``..``, as in LMCache: a name is never a path part of its own, and the codec
+#: escapes a leading dot.
 _UNSAFE_MODEL = re.compile(r"[@\x00]")
 _UNSAFE_SALT = re.compile(r"[/\\@\x00]")
 #: Names that passed _check_name, per field.  A server decodes every key of every request,
@@ -52,9 +54,9 @@ def _check_name(field: str, value: str, limit: int, unsafe: re.Pattern[str], *, 
         raise KeyValidationError(f"{field} must not be empty")
     if len(value) > limit:
         raise KeyValidationError(f"{field} is {len(value)} characters long; at most {limit}")
-    if unsafe.search(value) or value in (".", ".."):
+    if unsafe.search(value):
         characters = "'@' or NUL" if unsafe is _UNSAFE_MODEL else "'/', '\\', '@' or NUL"
-        raise KeyValidationError(f"{field} {value!r} contains {characters}, or is a dot name")
+        raise KeyValidationError(f"{field} {value!r} contains {characters}")
 
 
 def _check_names(model_name: str, cache_salt: str) -> None:

@@ -113,6 +113,25 @@ def test_the_pickle_data_path(make_mp_server: Any) -> None:
         assert server.storage.status()["l1"]["read_locks"] == 0
 
 
+def test_a_pickled_store_l1_cannot_hold_answers_false(make_mp_server: Any) -> None:
+    server = make_mp_server(shm=False, allow_pickle=True, l1_size_gb=0.0007)  # room for five chunks
+    with MPClient(mp_address(server)) as client:
+        client.register(REG)
+        held = Key(tokens_of(9), "s", worker_id=0)
+        assert client.call(
+            "commit_store", held.encode(), REG.instance_id, _pickled(chunk_payloads(9, 4, CHUNK))
+        )
+        assert client.lookup(Key(tokens_of(9), "holding")) == 4  # locked: eviction cannot take them
+        key = Key(tokens_of(90), "r", worker_id=0)
+        assert client.call("prepare_store", key.encode(), REG.instance_id) == {"context": {}}
+        refused = _pickled(chunk_payloads(90, 4, CHUNK))
+        assert client.call("commit_store", key.encode(), REG.instance_id, refused) is False
+        stats = server.frontends[0].stats()
+        assert stats.failures["mp_store_refused_l1_full"] == 1
+        assert stats.failures["mp_handler_error"] == 0
+        assert client.lookup(Key(tokens_of(9), "again")) == 4  # nothing was evicted for it
+
+
 class _Exploit:
     def __reduce__(self) -> tuple[Any, ...]:
         import os

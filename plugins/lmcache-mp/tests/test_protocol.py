@@ -97,6 +97,33 @@ def test_a_repeated_prepare_store_replaces_the_first(client: MPClient, mp_server
     assert client.retrieve(key, REG.instance_id, shm) == payloads
 
 
+def test_a_second_request_never_takes_a_reservation_being_written(
+    client: MPClient, mp_server: TiersServer
+) -> None:
+    shm = client.register(REG)["shm_name"]
+    tokens = tokens_of(31)
+    writer = Key(tokens, "writer", worker_id=0)
+    other = Key(tokens, "other", worker_id=0)
+    first = client.call("prepare_store", writer.encode(), REG.instance_id)["context"]
+    assert first["chunk_indices"] == [0, 1, 2, 3]
+    # the chunks are being written: nothing to offer, as from LMCache's server
+    again = client.call("prepare_store", other.encode(), REG.instance_id)
+    assert again == {"context": {"slots": [], "chunk_indices": []}}
+    assert l1(mp_server)["write_locked"] == 4
+    assert client.call("commit_store", other.encode(), REG.instance_id, b"") is False  # not its own
+    assert client.lookup(Key(tokens, "early")) == 0  # nothing visible before its writer commits
+    client.call("end_session", "early")
+    segment = client.segment(shm)
+    payloads = chunk_payloads(31, 4, CHUNK)
+    for slot, payload in zip(first["slots"], payloads, strict=True):
+        segment[slot["offset"] : slot["offset"] + slot["length"]] = payload
+    assert client.call("commit_store", writer.encode(), REG.instance_id, b"") is True
+    assert client.lookup(Key(tokens, "late")) == 4
+    assert client.retrieve(Key(tokens, "late", worker_id=0), REG.instance_id, shm) == payloads
+    stats = mp_stats(mp_server)
+    assert (stats.store_chunks, stats.failures["mp_commit_without_reservation"]) == (4, 1)
+
+
 def test_commit_without_prepare_is_false(client: MPClient, mp_server: TiersServer) -> None:
     client.register(REG)
     key = Key(tokens_of(3), "r", worker_id=0)
@@ -158,6 +185,7 @@ def test_a_chunk_counts_only_when_every_rank_has_it(make_mp_server: Any) -> None
 
 
 def test_refusals_get_no_reply_and_are_counted(client: MPClient, mp_server: TiersServer) -> None:
+    client.register(REG)
     key = Key(tokens_of(8), "r", worker_id=0)
     assert client.unanswered("prepare_store", key.encode(), 4242)  # unregistered instance
     assert client.unanswered("lookup", Key(tokens_of(8), "r", num_kv_readers=0).encode(), 1)
@@ -176,18 +204,18 @@ def test_refusals_get_no_reply_and_are_counted(client: MPClient, mp_server: Tier
     assert failures["mp_bad_request"] == 4
 
 
-def test_a_store_l1_cannot_hold_fails_at_commit(make_mp_server: Any) -> None:
+def test_a_store_l1_cannot_hold_gets_no_slots(make_mp_server: Any) -> None:
     server = make_mp_server(l1_size_gb=0.0007)  # room for five chunks
     with MPClient(mp_address(server)) as client:
         shm = client.register(REG)["shm_name"]
         stored(client, 9, shm)
         assert client.lookup(Key(tokens_of(9), "holding")) == 4  # locked: eviction cannot take them
         key = Key(tokens_of(90), "r", worker_id=0)
-        assert client.call("prepare_store", key.encode(), REG.instance_id) == {"context": {}}
-        assert client.call("commit_store", key.encode(), REG.instance_id, b"") is False
-        stats = mp_stats(server)
-        assert stats.failures["mp_store_refused_l1_full"] == 1
-        assert stats.failures["mp_commit_without_reservation"] == 0
+        # as from LMCache's server: no slots, so the client neither gathers nor commits
+        refused = client.call("prepare_store", key.encode(), REG.instance_id)
+        assert refused == {"context": {"slots": [], "chunk_indices": []}}
+        assert l1(server)["write_locked"] == 0
+        assert mp_stats(server).failures["mp_store_refused_l1_full"] == 1
         assert client.lookup(Key(tokens_of(9), "again")) == 4  # nothing was evicted for it
 
 
@@ -217,6 +245,67 @@ def test_silent_instances_are_reaped(make_mp_server: Any) -> None:
 
 def test_lookup_of_an_unregistered_model_is_zero(client: MPClient) -> None:
     assert client.lookup(Key(tokens_of(12), "x", model_name="other")) == 0
+    # LMCache records the 0-hit lookup before it looks at num_kv_readers
+    assert client.lookup(Key(tokens_of(12), "y", model_name="other", num_kv_readers=0)) == 0
+
+
+def test_free_lookup_locks_with_nothing_to_free_is_void_whatever_its_readers(
+    client: MPClient, mp_server: TiersServer
+) -> None:
+    shm = client.register(REG)["shm_name"]
+    stored(client, 16, shm)
+    tokens = tokens_of(16)
+
+    def unread(**fields: Any) -> dict[str, Any]:
+        return Key(tokens, "q", num_kv_readers=0, **fields).encode()
+
+    # an empty range (LMCache checks it first), then a request without a lookup
+    assert client.call("free_lookup_locks", unread(start=512, end=512), 1) is None
+    assert client.call("free_lookup_locks", unread(), 1) is None
+    assert client.lookup(Key(tokens, "q")) == 4
+    assert client.call("free_lookup_locks", unread(start=768, end=768), 1) is None
+    assert client.unanswered("free_lookup_locks", unread(), 1)  # locks to free: refused
+    assert l1(mp_server)["read_locks"] == 4
+    assert mp_stats(mp_server).failures["mp_bad_request"] == 1
+    client.call("end_session", "q")
+    assert l1(mp_server)["read_locks"] == 0
+
+
+def test_transfers_keep_an_instance_that_never_pings_alive(make_mp_server: Any) -> None:
+    grace_s = 1.0
+    server = make_mp_server(worker_registration_grace_s=grace_s)
+    instances = server.frontends[0].shared.instances
+    with MPClient(mp_address(server)) as client:
+        shm = client.register(REG)["shm_name"]
+        registered_at = instances[REG.instance_id].last_seen
+        stored(client, 17, shm)
+        assert instances[REG.instance_id].last_seen > registered_at  # LMCache refreshes it so too
+        # stores for several times the grace, never a ping: the instance stays
+        until = time.monotonic() + 3 * grace_s
+        while time.monotonic() < until:
+            assert client.retrieve(Key(tokens_of(17), "r", worker_id=0), REG.instance_id, shm) is not None
+            assert client.store(Key(tokens_of(17), "r", worker_id=0), REG.instance_id, [], shm) is True
+            time.sleep(0.05)
+        assert [entry["pinged"] for entry in server.frontends[0].status()["instances"]] == [False]
+        assert mp_stats(server).failures["mp_instance_reaped"] == 0
+
+
+def test_dot_salts_are_answered_and_kept_apart(client: MPClient, mp_server: TiersServer) -> None:
+    """LMCache accepts any salt without '@', '/', '\\' or NUL, "." and ".." too."""
+    shm = client.register(REG)["shm_name"]
+    tokens = tokens_of(18)
+    payloads = {salt: chunk_payloads(180 + len(salt), 4, CHUNK) for salt in (".", "..")}
+    for salt, chunks in payloads.items():
+        assert client.lookup(Key(tokens, f"cold{salt}", cache_salt=salt)) == 0
+        assert client.store(
+            Key(tokens, f"s{salt}", worker_id=0, cache_salt=salt), REG.instance_id, chunks, shm
+        )
+    assert client.lookup(Key(tokens, "unsalted")) == 0
+    for salt, chunks in payloads.items():
+        assert client.lookup(Key(tokens, f"warm{salt}", cache_salt=salt)) == 4
+        key = Key(tokens, f"warm{salt}", worker_id=0, cache_salt=salt)
+        assert client.retrieve(key, REG.instance_id, shm) == chunks
+    assert mp_stats(mp_server).failures["mp_bad_request"] == 0
 
 
 def test_clear_empties_l1(client: MPClient, mp_server: TiersServer) -> None:

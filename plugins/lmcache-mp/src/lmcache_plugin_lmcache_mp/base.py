@@ -10,6 +10,7 @@ request ids and counts it; the client waits for its own timeout.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,8 @@ class Shared:
     stopping: threading.Event = field(default_factory=threading.Event)
 
     def instance(self, instance_id: int) -> Instance:
+        """The registered instance a transfer is for.  The transfer refreshes its liveness,
+        as in LMCache, but is no ping: a worker that never pinged keeps the longer grace."""
         found = self.instances.get(instance_id)
         if found is None:
             raise RequestRefused(
@@ -65,6 +68,7 @@ class Shared:
                 f"instance {instance_id} has no registered KV layout "
                 "(register_kv_cache_engine_driven_context first, or it was reaped after going silent)",
             )
+        found.last_seen = time.monotonic()
         return found
 
     def layout_for(self, model_name: str, world_size: int) -> Instance | None:

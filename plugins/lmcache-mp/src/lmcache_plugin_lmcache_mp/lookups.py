@@ -38,14 +38,17 @@ class Lookups:
     # -- handlers ------------------------------------------------------------------------
 
     def lookup(self, key: CacheKey, tp_size: int) -> Any:
-        readers = _readers(key, "lookup")
         shared = self.shared
         now = time.monotonic()
+        # As in LMCache, a lookup of a model nobody registered is 0 hits whatever its
+        # num_kv_readers; otherwise fewer than 1 is refused before it replaces anything.
+        registered = shared.layout_for(key.model_name, key.world_size) is not None
+        readers = _readers(key, "lookup") if registered else max(1, key.num_kv_readers)
         state = shared.requests.get(key.request_id, now)
         if state.job is not None:
             self.give_back(state.job)  # a newer lookup replaces it, as in LMCache
             state.job = None
-        if shared.layout_for(key.model_name, key.world_size) is None:
+        if not registered:
             logger.debug(
                 "lookup of request %s: no instance registered for model %s, world size %d: 0 hits",
                 printable(key.request_id),
@@ -99,23 +102,30 @@ class Lookups:
         return self._wait(job, time.monotonic() + max(0.0, timeout), deliver)
 
     def free_lookup_locks(self, key: CacheKey, tp_size: int) -> Any:
-        _readers(key, "free_lookup_locks")
+        # As in LMCache, num_kv_readers is checked only when there is something to free:
+        # an empty range, a request without a lookup or a range past its hits is void.
+        chunk_size = self.shared.chunk_size
+        first = -(-key.start // chunk_size)
+        last = min(key.end, len(key.token_ids)) // chunk_size
+        if first >= last:
+            return None
         job = self._job(key.request_id)
         if job is None:
             logger.debug(
                 "free_lookup_locks of request %s without a lookup: nothing held", printable(key.request_id)
             )
             return None
-        chunk_size = self.shared.chunk_size
-        first = -(-key.start // chunk_size)
-        last = min(key.end, len(key.token_ids)) // chunk_size
-        if first >= last:
-            return None
         self.absorb(job)
         if job.hits is None:
-            job.early_frees.append((first, last))  # released once the prefetch reports
+            # Released once the prefetch reports.  LMCache answers void here too (it frees
+            # nothing while the prefetch runs), also for a key it would refuse to free with.
+            if key.num_kv_readers >= 1:
+                job.early_frees.append((first, last))
             return None
-        self._release(job.take(job.keys_of_chunks(first, min(last, job.hits))))
+        keys = job.keys_of_chunks(first, min(last, job.hits))
+        if keys:
+            _readers(key, "free_lookup_locks")
+            self._release(job.take(keys))
         return None
 
     def end_session(self, request_id: str) -> Any:

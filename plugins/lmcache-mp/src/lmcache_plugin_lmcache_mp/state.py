@@ -8,7 +8,8 @@
   the read locks the prefetch took, which the request's retrieves consume one per key and
   ``free_lookup_locks`` / ``end_session`` give back.
 * **Pending transfers**: SHM reservations between ``prepare_store`` and ``commit_store``,
-  read locks between ``prepare_retrieve`` and ``commit_retrieve``, per (instance, keys).
+  read locks between ``prepare_retrieve`` and ``commit_retrieve``, per (instance, request,
+  keys): a commit finishes only what its own request prepared.
 
 Only the front end's loop thread touches these objects, except :class:`LookupJob`'s
 ``arrived`` event and ``arrived_hits``, which the one pool thread waiting for a prefetch
@@ -166,19 +167,24 @@ class Transfer:
     bytes: int = 0
 
 
+_Ident = tuple[int, str, tuple[ObjectKey, ...]]
+
+
 class PendingTransfers:
-    """Prepared transfers by (instance id, keys); a repeat of the same prepare queues."""
+    """Prepared transfers by (instance id, request id, keys); a repeat of the same prepare
+    queues."""
 
     def __init__(self) -> None:
-        self._pending: dict[tuple[int, tuple[ObjectKey, ...]], deque[Transfer]] = {}
+        self._pending: dict[_Ident, deque[Transfer]] = {}
 
     def add(self, instance_id: int, keys: list[ObjectKey], transfer: Transfer) -> None:
-        self._pending.setdefault((instance_id, tuple(keys)), deque()).append(transfer)
+        ident = (instance_id, transfer.request_id, tuple(keys))
+        self._pending.setdefault(ident, deque()).append(transfer)
 
-    def pop(self, instance_id: int, keys: list[ObjectKey], now: float) -> Transfer | None:
-        """The oldest live transfer of these keys by this instance (expired ones are
-        dropped: L1 has reaped their locks, which may belong to someone else by now)."""
-        ident = (instance_id, tuple(keys))
+    def pop(self, instance_id: int, request_id: str, keys: list[ObjectKey], now: float) -> Transfer | None:
+        """The oldest live transfer of these keys by this instance for this request (expired
+        ones are dropped: L1 has reaped their locks, which may belong to someone else by now)."""
+        ident = (instance_id, request_id, tuple(keys))
         queue = self._pending.get(ident)
         found = None
         while queue and found is None:

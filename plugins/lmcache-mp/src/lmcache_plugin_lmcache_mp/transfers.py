@@ -10,10 +10,14 @@ locks, and one of the request's lookup locks on each key.
 Pickled (``allow_pickle``): ``commit_store`` carries the chunks as pickled tensors and
 ``prepare_retrieve`` answers them so; see :mod:`lmcache_plugin_lmcache_mp.pickled`.
 
-A chunk already in L1 (stored by anyone, or being stored) is not stored again; a retrieve
-answers only when every chunk of its range is in L1 with this instance's layout, and a
-miss otherwise (the engine recomputes).  A store L1 cannot make room for is refused at
-``prepare_store`` and fails at ``commit_store`` (counted); the client never waits for it.
+A chunk already in L1 (stored by anyone, or being stored) is not stored again: a second
+``prepare_store`` of chunks another request is still writing gets no slots for them, and
+the first writer's reservation is left alone.  Only the same request preparing the same
+range again (a client that timed out on its first prepare) replaces its own reservation.
+A retrieve answers only when every chunk of its range is in L1 with this instance's
+layout, and a miss otherwise (the engine recomputes).  A store L1 cannot make room for is
+refused (counted): ``prepare_store`` answers no slots, so the client skips its gather and
+commit, and a pickled ``commit_store`` answers false; the client never waits for it.
 """
 
 from __future__ import annotations
@@ -43,10 +47,9 @@ class Transfers:
         self.storage = shared.storage
         self.writes = PendingTransfers()
         self.reads = PendingTransfers()
-        #: stores refused at prepare_store: their commit_store fails without a second count
-        self._refused: set[tuple[int, tuple[ObjectKey, ...]]] = set()
         self._refusals = BurstLog(logger, "mp_store_refused_l1_full")
         self._mismatches = BurstLog(logger, "mp_retrieve_layout_mismatch")
+        self._orphan_commits = BurstLog(logger, "mp_commit_without_reservation")
         self._pickle_refusals = BurstLog(logger, "mp_pickle_refused")
         self._pickle_rejections = BurstLog(logger, "mp_pickle_rejected")
 
@@ -63,10 +66,12 @@ class Transfers:
             return PrepareStoreReply(context=_ALL_PRESENT)  # no full chunk: nothing to store
         if self.shared.shm is None:
             return PrepareStoreReply(context={})  # pickled: the chunks come with commit_store
-        repeated = self.writes.pop(instance_id, keys, time.monotonic())
+        repeated = self.writes.pop(instance_id, key.request_id, keys, time.monotonic())
         if repeated is not None:
-            # The same prepare again (the client timed out on the first): its slots were
-            # never committed; without this they would stay write-locked for the write TTL.
+            # The same request prepares the same range again (it timed out on the first):
+            # it never got those slots, so nobody writes into them; without this they would
+            # stay write-locked for the write TTL.  Another request's reservation is never
+            # touched: its client may be copying into it right now.
             self.storage.abort_write(repeated.keys)
         size = instance.object_bytes
         try:
@@ -74,12 +79,11 @@ class Transfers:
                 keys, [size] * len(keys), [instance.layout_text] * len(keys)
             )
         except L1OutOfMemoryError as exc:
-            self._refused.add((instance_id, tuple(keys)))
-            self.shared.stats.failure("mp_store_refused_l1_full")
-            self._refusals.event(1, f"stores refused: L1 cannot make room ({exc})")
-            # No slots: the client gathers into buffers of its own and its commit fails.
-            return PrepareStoreReply(context={})
+            self._refuse_l1_full(exc)
+            # No slots, as from LMCache's server: the client skips its gather and commit.
+            return PrepareStoreReply(context=_ALL_PRESENT)
         if not reserved:
+            # Every chunk is stored or being stored (by another request): nothing to do.
             return PrepareStoreReply(context=_ALL_PRESENT)
         layout = instance.layout
         slots, indices = [], []
@@ -103,7 +107,7 @@ class Transfers:
 
     def commit_store(self, key: CacheKey, instance_id: int, data: bytes) -> Any:
         instance, keys = self._resolve(key, instance_id)
-        pending = self.writes.pop(instance_id, keys, time.monotonic())
+        pending = self.writes.pop(instance_id, key.request_id, keys, time.monotonic())
         if data:
             codec = self.shared.pickle
             if codec is None:
@@ -116,16 +120,15 @@ class Transfers:
                 return False
             return self._store_pickled(instance, keys, data, pending)
         if pending is None:
-            ident = (instance_id, tuple(keys))
-            if ident in self._refused:
-                self._refused.discard(ident)  # counted when prepare_store refused it
-            else:
-                self.shared.stats.failure("mp_commit_without_reservation")
-                logger.debug(
-                    "commit_store of request %s: no reservation of instance %d",
-                    printable(key.request_id),
-                    instance_id,
-                )
+            self.shared.stats.failure("mp_commit_without_reservation")
+            self._orphan_commits.event(
+                1, "commit_store calls answered false: no reservation of their request (expired or none)"
+            )
+            logger.debug(
+                "commit_store of request %s: no reservation of instance %d",
+                printable(key.request_id),
+                instance_id,
+            )
             return False
         done = self.storage.commit_write(pending.keys)
         stored = sum(done)
@@ -155,7 +158,16 @@ class Transfers:
                     return False
 
                 return rejected
-            fresh = storage.reserve_write(keys, [size] * len(keys), [layout] * len(keys))
+            try:
+                fresh = storage.reserve_write(keys, [size] * len(keys), [layout] * len(keys))
+            except L1OutOfMemoryError as exc:
+                reason = exc
+
+                def refused() -> Any:
+                    self._refuse_l1_full(reason)
+                    return False
+
+                return refused
             try:
                 for object_key, chunk in zip(keys, chunks, strict=True):
                     obj = fresh.get(object_key)
@@ -176,6 +188,10 @@ class Transfers:
             return finish
 
         return Deferred(work)
+
+    def _refuse_l1_full(self, exc: L1OutOfMemoryError) -> None:
+        self.shared.stats.failure("mp_store_refused_l1_full")
+        self._refusals.event(1, f"stores refused: L1 cannot make room ({exc})")
 
     def _count_store(self, chunks: int, nbytes: int) -> None:
         if chunks:
@@ -238,7 +254,7 @@ class Transfers:
 
     def commit_retrieve(self, key: CacheKey, instance_id: int) -> Any:
         _, keys = self._resolve(key, instance_id)
-        pending = self.reads.pop(instance_id, keys, time.monotonic())
+        pending = self.reads.pop(instance_id, key.request_id, keys, time.monotonic())
         if pending is not None:
             self.storage.release(pending.keys)
             self.lookups.consume(key.request_id, keys)
@@ -277,8 +293,6 @@ class Transfers:
                 "their locks back (failure reason mp_transfer_expired)",
                 expired,
             )
-        if len(self._refused) > 65536:
-            self._refused.clear()
 
     def release_everything(self) -> tuple[int, int]:
         return self._give_back(self.writes.pop_all(), self.reads.pop_all())
