@@ -95,6 +95,51 @@ class GatedNowBackend(GatedBackend):
         return self.contains_many(keys)
 
 
+class RecordsBackend(GatedBackend):
+    """``gated`` holding core's records (header, then payload) as persistent backends do:
+    loads read the header back through ``read_record_header``."""
+
+    def __init__(self, config: GatedConfig, context: BackendContext) -> None:
+        super().__init__(config, context)
+        self.context = context
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        records = [
+            self.context.record_header(key, payload) + bytes(payload)
+            for key, payload in zip(keys, payloads, strict=True)
+        ]
+        return super().put_many(keys, [memoryview(record) for record in records])
+
+    def _payload(self, key: ObjectKey) -> memoryview | None:
+        data = self._data.get(key)
+        if data is None:
+            return None
+        header = self.context.read_record_header(data, key)
+        return None if header is None else memoryview(data)[header.header_len :]
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[Any]:
+        with self._lock:
+            payloads = [self._payload(key) for key in keys]
+        return [None if payload is None else payload.nbytes for payload in payloads]
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        done = []
+        with self._lock:
+            for key, buffer in zip(keys, buffers, strict=True):
+                payload = self._payload(key)
+                if payload is None or payload.nbytes != buffer.nbytes:
+                    done.append(False)
+                    continue
+                buffer[:] = payload
+                done.append(True)
+        return done
+
+    def list_keys(self) -> list[tuple[ObjectKey, int]]:
+        with self._lock:
+            found = [(key, self._payload(key)) for key in list(self._data)]
+        return [(key, payload.nbytes) for key, payload in found if payload is not None]
+
+
 def gated_backend(storage: StorageManager, index: int = 0) -> GatedBackend:
     """The ``gated`` backend behind adapter ``index`` of a storage manager."""
     adapter = storage.adapters[index]
@@ -106,6 +151,7 @@ def gated_backend(storage: StorageManager, index: int = 0) -> GatedBackend:
 def tiers_register_l2_adapters(registry: KindRegistry) -> None:
     registry.add("gated", GatedBackend, GatedConfig)
     registry.add("gated_now", GatedNowBackend, GatedConfig)
+    registry.add("records", RecordsBackend, GatedConfig)
 
 
 class RecordingSerde:

@@ -318,6 +318,11 @@ class PrefetchController(ControllerThread):
         self._locks.unpin(request, slot.index, keys)
         loaded = [key for key, ok in zip(keys, results, strict=False) if ok]
         request.loaded.update(loaded)
+        if loaded:
+            # As their records give them: L1 objects filled from L2 keep the layout their
+            # writer declared, so a front end's layout check still applies to them.
+            layouts = zip(loaded, slot.adapter.take_layouts(loaded), strict=True)
+            request.layouts.update((key, layout) for key, layout in layouts if layout)
         self.stats.add_adapter(slot.index, "keys_loaded", len(loaded))
         if len(loaded) < len(keys):
             self.stats.add_adapter(slot.index, "keys_load_failed", len(keys) - len(loaded))

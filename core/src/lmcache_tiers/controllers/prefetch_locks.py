@@ -101,7 +101,8 @@ class PrefetchLocks:
         returns how many keys of ``request.remaining`` the prefix reaches."""
         cut, loaded = request.loaded_prefix()
         objects = [request.reserved[key] for key in loaded]
-        handed = self.l1.finish_load(objects, request.readers) if objects else []
+        layouts = [request.layouts.get(key, "") for key in loaded]
+        handed = self.l1.finish_load(objects, request.readers, layouts) if objects else []
         # An object that vanished before the hand-off (TTL expiry, forced clear) ends the
         # prefix there too.
         if not all(handed):

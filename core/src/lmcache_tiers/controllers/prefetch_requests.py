@@ -37,6 +37,7 @@ class PrefetchRequest:
     reserved: dict[ObjectKey, L1Object] = field(default_factory=dict)  # write-locked
     loads: dict[int, int] = field(default_factory=dict)  # adapter index -> task id
     loaded: set[ObjectKey] = field(default_factory=set)
+    layouts: dict[ObjectKey, str] = field(default_factory=dict)  # loaded keys' stored layouts
 
     def forget_pins(self, index: int, keys: list[ObjectKey]) -> None:
         """``keys``' pins on adapter ``index`` are being dropped."""

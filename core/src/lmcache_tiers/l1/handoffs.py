@@ -59,13 +59,17 @@ class L2Handoffs:
                 obj.loading = True
             return reserved
 
-    def finish_load(self, objs: Sequence[L1Object], count: int) -> list[bool]:
+    def finish_load(self, objs: Sequence[L1Object], count: int, layouts: Sequence[str] | None) -> list[bool]:
         check_lock_count(count)
         with self._lock:
             table = self._table
             table.check_open()
             objects = table.objects
             current = [obj if objects.get(obj.key) is obj else None for obj in objs]
+            if layouts is not None:
+                for obj, layout in zip(current, layouts, strict=True):
+                    if obj is not None and layout:
+                        obj.layout = layout
             return self._writes.make_ready(current, count, loads=True)
 
     def abort_load(self, objs: Iterable[L1Object]) -> None:

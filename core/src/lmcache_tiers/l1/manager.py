@@ -344,11 +344,14 @@ class L1Manager:
         """
         return self._handoffs.reserve_load(keys, sizes, temporary=temporary)
 
-    def finish_load(self, objs: Sequence[L1Object], count: int = 1) -> list[bool]:
+    def finish_load(
+        self, objs: Sequence[L1Object], count: int = 1, layouts: Sequence[str] | None = None
+    ) -> list[bool]:
         """Loaded objects of ``reserve_load``: READY and read-locked ``count`` times in one
         step, so nothing can evict them before the reader gets them.  False for an object
-        that is no longer this reservation (freed by a forced clear or its TTL)."""
-        return self._handoffs.finish_load(objs, count)
+        that is no longer this reservation (freed by a forced clear or its TTL).
+        ``layouts``: each object's tensor layout as its stored record gave it ("" unknown)."""
+        return self._handoffs.finish_load(objs, count, layouts)
 
     def abort_load(self, objs: Iterable[L1Object]) -> None:
         """Free ``reserve_load`` objects that will not be finished (failed, or not needed),

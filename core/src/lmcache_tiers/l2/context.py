@@ -184,11 +184,14 @@ class BackendContext:
         ``count("corrupt_records_removed")``.
         """
         try:
-            return decode_header(data, expected_key=key, expected_serde=self._state.chain.names)
+            header = decode_header(data, expected_key=key, expected_serde=self._state.chain.names)
         except RecordSerdeMismatchError:
             written = decode_header(data, expected_key=key).serde
             self._state.mark_unreadable(key, written)
             return None
+        # A load of the key hands the layout to the L1 object it fills (take_layouts).
+        self._state.note_layout(key, header.layout)
+        return header
 
     # -- for wrappers -----------------------------------------------------------------------------
 

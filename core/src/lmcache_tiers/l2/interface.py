@@ -164,3 +164,9 @@ class L2Adapter(ABC):
     def stats(self) -> dict[str, int]:
         """Counters (monotonic) and gauges for metrics; names are adapter-defined."""
         return {}
+
+    def take_layouts(self, keys: Sequence[ObjectKey]) -> list[str]:
+        """The tensor layout each of ``keys`` was stored with, as read from its record by
+        the load that just completed (``""``: unknown), handed over once: the prefetch
+        that loaded the keys gives them back to the L1 objects it fills."""
+        return [""] * len(keys)

@@ -320,7 +320,9 @@ class LoadOp(BatchOp):
             self.io_index.append(index)
             self.targets.append(target)
             self.staged.append(staged)
-        return self.io_keys(), self.targets
+        io_keys = self.io_keys()
+        state.loading_begin(io_keys)  # the records' layouts are noted as they are read
+        return io_keys, self.targets
 
     def finish(self, io_result: Sequence[Any] | None, *, call_returned: bool = True) -> list[bool]:
         state = self.state
@@ -337,6 +339,7 @@ class LoadOp(BatchOp):
         finally:
             _release(self.staged, call_returned)
             state.pins.unpin(self.pinned)
+            state.loading_end(self.io_keys(), loaded)
         state.count("load_keys_ok", len(loaded))
         state.count("load_keys_failed", len(self.keys) - len(loaded))
         state.notify("on_l2_keys_loaded", loaded)

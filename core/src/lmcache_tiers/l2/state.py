@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lmcache_tiers.l2")
 
+#: layouts of loaded keys kept for the prefetches that loaded them; past that (loads with
+#: no prefetch behind them, such as a benchmark's) they are forgotten
+_LOADED_LAYOUTS_MAX = 1 << 16
+
 
 class Counters:
     """Monotonic counters of one adapter, thread-safe."""
@@ -66,6 +70,10 @@ class AdapterState:
         self._storing: dict[ObjectKey, tuple[int, str]] = {}
         #: keys whose record was written with another serde chain (misses until replaced)
         self._unreadable: set[ObjectKey] = set()
+        #: layouts read from the records of keys in a backend load call right now ("" until
+        #: read), then of keys loaded, until the prefetch that loaded them takes them
+        self._loading: dict[ObjectKey, str] = {}
+        self._loaded_layouts: dict[ObjectKey, str] = {}
 
     def count(self, name: str, amount: int = 1) -> None:
         self.counters.add(name, amount)
@@ -94,6 +102,35 @@ class AdapterState:
             return storing[0]
         size = self.accounting.get(key)
         return None if size is None or size.l1 == UNKNOWN_L1 else size.l1
+
+    # -- layouts of keys loaded ----------------------------------------------------------------
+
+    def loading_begin(self, keys: Sequence[ObjectKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._loading[key] = ""
+
+    def note_layout(self, key: ObjectKey, layout: str) -> None:
+        """A record of ``key`` was read, with ``layout``: kept if a load of it is running."""
+        if layout:
+            with self._lock:
+                if key in self._loading:
+                    self._loading[key] = layout
+
+    def loading_end(self, keys: Sequence[ObjectKey], loaded: Sequence[ObjectKey]) -> None:
+        with self._lock:
+            layouts = {key: self._loading.pop(key, "") for key in keys}
+            kept = self._loaded_layouts
+            if len(kept) + len(loaded) > _LOADED_LAYOUTS_MAX:
+                kept.clear()  # loads nobody collected (no prefetch behind them)
+            for key in loaded:
+                if layouts.get(key):
+                    kept[key] = layouts[key]
+
+    def take_layouts(self, keys: Sequence[ObjectKey]) -> list[str]:
+        with self._lock:
+            kept = self._loaded_layouts
+            return [kept.pop(key, "") for key in keys] if kept else [""] * len(keys)
 
     # -- records of another serde chain -----------------------------------------------------------
 
