@@ -76,6 +76,8 @@ class _Task:
     batch: _Batch
     nbytes: int  # of the slice, as the pacer counted it in flight
     submitted: float  # monotonic time it was handed to the adapter
+    released: bool = False  # ``objects`` given back (``finish_store``)
+    paced: bool = False  # ``nbytes`` reported to the pacer as no longer in flight
 
 
 class StoreController(ControllerThread):
@@ -304,7 +306,19 @@ class StoreController(ControllerThread):
 
     def _reap(self, slot: AdapterSlot) -> None:
         for task, results in self._tasks.reap(slot):
-            self._complete(task, results)
+            try:
+                self._complete(task, results)
+            except Exception:
+                # One task's failure must not strand the others' results, nor this task's
+                # store locks, which no TTL reaps.
+                logger.exception("%s: finishing store task %d failed", slot.name, task.task_id)
+                self.stats.fail("l2_store_complete_error")
+                if not task.released:
+                    task.released = True
+                    self.l1.finish_store(task.objects)
+                if not task.paced:
+                    task.paced = True
+                    self._pacer.reported(task.slot.index, task.nbytes)
 
     def _complete(self, task: _Task, results: Sequence[bool]) -> None:
         stored = [key for key, ok in zip(task.keys, results, strict=False) if ok]
@@ -313,7 +327,9 @@ class StoreController(ControllerThread):
         # before the read locks go: in between, a write needing room could evict them and
         # count acknowledged writes that L2 holds as lost.
         self.l1.settle_unstored([batch.objects[key] for key in stored if key in batch.objects])
+        task.released = True
         self.l1.finish_store(task.objects)
+        task.paced = True
         self._pacer.reported(task.slot.index, task.nbytes)
         failed = len(task.keys) - len(stored)
         index = task.slot.index
@@ -374,7 +390,9 @@ class StoreController(ControllerThread):
         # Draining gave up (stalled adapter) or finished: release every lock still held.
         abandoned = 0
         for task in self._tasks.owners():
-            self.l1.finish_store(task.objects)
+            if not task.released:
+                task.released = True
+                self.l1.finish_store(task.objects)
             self.l1.settle_unstored(task.batch.objects.values())
             self.stats.add_adapter(task.slot.index, "store_tasks_failed")
             self.stats.fail("l2_store_abandoned", len(task.keys))
