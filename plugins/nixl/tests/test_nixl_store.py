@@ -150,6 +150,36 @@ def test_a_smaller_object_does_not_leave_the_old_tail_on_disk() -> None:
             adapter.close()
 
 
+def test_a_slot_that_cannot_be_finished_is_given_back_and_counted(monkeypatch) -> None:
+    """A failure finishing one slot (its file's truncation) fails that key alone: every
+    other key of the batch is stored, and the key can be stored again later."""
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=4))
+        try:
+            keys = make_keys(3)
+            data = [pattern(20 + i, SIZE) for i in range(3)]
+            storage = adapter.backend._storage
+            finish = storage.written
+            failing = iter([False, True])
+
+            def written(slot: int, length: int) -> None:
+                if next(failing, False):
+                    raise OSError(28, "No space left on device")
+                finish(slot, length)
+
+            monkeypatch.setattr(storage, "written", written)
+            assert client(adapter).store(keys, [memoryview(d) for d in data]) == [True, False, True]
+            assert adapter.stats()["slot_finish_failures"] == 1
+            assert client(adapter).store(keys[1:2], [memoryview(data[1])]) == [True]
+            buffers = [bytearray(SIZE) for _ in keys]
+            assert client(adapter).lookup_and_lock(keys).found == [True] * 3
+            assert client(adapter).load(keys, [memoryview(b) for b in buffers]) == [True] * 3
+            assert [bytes(b) for b in buffers] == data
+            adapter.unlock(keys)
+        finally:
+            adapter.close()
+
+
 # -- slot bookkeeping ------------------------------------------------------------------------
 
 

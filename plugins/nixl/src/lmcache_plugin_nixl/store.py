@@ -73,9 +73,18 @@ class NixlStoreBackend:
                 self._slots.abandon(keys[i], slot)
             raise
         for position, ((i, slot), ok) in enumerate(zip(writes, written, strict=True)):
+            length = buffers[position].nbytes
             if ok:
-                self._storage.written(slot, buffers[position].nbytes)
-                self._slots.publish(keys[i], slot, buffers[position].nbytes)
+                try:
+                    self._storage.written(slot, length)
+                except OSError as exc:
+                    # Every claimed slot is published or abandoned, whatever one of them
+                    # does: a slot left claimed would refuse its key's stores for good.
+                    self.context.count("slot_finish_failures")
+                    self.context.warn("slot_finish", "finishing slot %d failed, not stored: %s", slot, exc)
+                    ok = False
+            if ok:
+                self._slots.publish(keys[i], slot, length)
                 results[i] = True
             else:
                 self._slots.abandon(keys[i], slot)
