@@ -154,6 +154,24 @@ def test_a_damaged_payload_is_a_miss_and_is_removed(
     assert client_of(adapter).lookup_and_lock(keys[:1]).found == [False]
 
 
+def test_a_record_without_its_payload_is_a_miss_and_is_removed(
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    adapter = open_adapter(url=redis_server.url, key_prefix=prefix)
+    keys = make_keys(2)
+    data = store(adapter, keys)
+    raw = redis.Redis.from_url(redis_server.url)
+    name = backend_of(adapter).name_of(keys[0])
+    raw.hdel(name, "p")
+    found = client_of(adapter).lookup_and_lock(keys)
+    assert found.found == [True, True], "the header is intact: the lookup cannot tell"
+    loaded, contents = load(adapter, keys, found.sizes)
+    assert (loaded, contents[1]) == ([False, True], data[1])
+    adapter.unlock(keys)
+    assert raw.exists(name) == 0, "a header alone would answer every lookup as a hit"
+    assert adapter.stats()["corrupt_records_removed"] == 1
+
+
 def test_a_damaged_header_is_a_lookup_miss_and_is_removed(
     redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
@@ -230,7 +248,7 @@ def test_objects_that_fail_a_load_leave_the_rest_of_the_batch_loaded(
     damaged = bytearray(data[3])
     damaged[size // 2] ^= 0x10
     raw.hset(name[3], "p", bytes(damaged))  # payload of the right length, wrong bytes
-    raw.hdel(name[4], "p")  # a header without its payload: a miss
+    raw.hdel(name[4], "p")  # a header without its payload (one HSET writes both): damage
     raw.delete(name[5])
     raw.set(name[5], b"somebody else's string")  # WRONGTYPE
     raw.delete(name[6])  # gone since the lookup
@@ -239,10 +257,10 @@ def test_objects_that_fail_a_load_leave_the_rest_of_the_batch_loaded(
     assert loaded == [True, False, True, False, False, False, False, True]
     assert [contents[i] for i in (0, 2, 7)] == [data[i] for i in (0, 2, 7)]
     stats = adapter.stats()
-    assert stats["corrupt_records_removed"] == 2
+    assert stats["corrupt_records_removed"] == 3
     assert stats["foreign_objects"] == 1
     assert stats.get("backend_errors", 0) == 0, "bad objects fail alone, never the call"
-    assert [raw.exists(n) for n in name] == [1, 0, 1, 0, 1, 1, 0, 1]
+    assert [raw.exists(n) for n in name] == [1, 0, 1, 0, 0, 1, 0, 1]
 
 
 def test_a_load_on_a_connection_the_store_dropped_reconnects(

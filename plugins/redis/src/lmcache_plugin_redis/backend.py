@@ -320,9 +320,13 @@ class RedisBackend:
             return header_bytes, exc
         if header is None or payload_len != buffer.nbytes:
             reader.skip_bulk(payload_len)
-            if header is not None and payload_len >= 0 and payload_len != header.payload_len:
+            if header is not None and payload_len < 0:
+                # One HSET writes both fields: a header alone was left by something else,
+                # and would answer lookups as a hit that no load can serve.
+                return header_bytes, RecordError("the record has a header but no payload")
+            if header is not None and payload_len != header.payload_len:
                 return header_bytes, RecordError("payload length differs from its header")
-            # else no payload, or another server replaced the object with one of another size
+            # else another server replaced the object with one of another size
             return None
         verifier = PayloadVerifier(header)
         reader.bulk_into(buffer, verifier.update)
@@ -387,7 +391,10 @@ class RedisBackend:
             return False
         header_bytes, payload = reply
         header = self._header(key, header_bytes, "load")
-        if header is None or payload is None:
+        if header is None:
+            return False
+        if payload is None:
+            self._discard(key, header_bytes, RecordError("the record has a header but no payload"))
             return False
         if len(payload) != buffer.nbytes:
             if len(payload) != header.payload_len:
