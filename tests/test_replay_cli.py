@@ -32,7 +32,7 @@ def test_a_malformed_line_is_named(tmp_path: Path) -> None:
     assert "line 5" in _error_line(result)
 
 
-@pytest.mark.parametrize("capacity", ["-3", "zero", "12 parsecs", "0"])
+@pytest.mark.parametrize("capacity", ["-3", "zero", "12 parsecs", "0", "1.5", "1.2345k"])
 def test_a_bad_capacity_is_one_line_and_exit_2(tmp_path: Path, capacity: str) -> None:
     result = run_cli(["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate", "--capacity", capacity])
     assert result.returncode == 2
@@ -56,6 +56,109 @@ def test_bad_combinations_are_one_line_and_exit_2(tmp_path: Path, args: list[str
     result = run_cli(["replay", str(small_trace(tmp_path / "t.jsonl")), *args])
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in _error_line(result)
+
+
+def test_a_fractional_block_count_is_refused_and_a_whole_one_is_not(tmp_path: Path) -> None:
+    trace = str(small_trace(tmp_path / "t.jsonl"))
+    result = run_cli(["replay", trace, "--simulate", "--capacity", "1.5"])
+    assert result.returncode == 2
+    assert "1.5 blocks is not a whole number of blocks" in _error_line(result)
+    result = run_cli(["replay", trace, "--simulate", "--capacity", "0.02k", "--policy", "LRU", "--json"])
+    assert result.returncode == 0, result.stderr
+    assert [point["capacity_blocks"] for point in json.loads(result.stdout)["points"]] == [20]
+
+
+SERVER = "a replay through a server (--url)"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--simulate", "--config", "tiers.toml"],
+            "--config applies only to --in-process, not to --simulate",
+        ),
+        (
+            ["--simulate", "--l2-adapter", '{"type": "mock"}'],
+            "--l2-adapter applies only to --in-process, not to --simulate",
+        ),
+        (
+            ["--simulate", "--eviction-policy", "LRU"],
+            "--eviction-policy applies only to --in-process, not to --simulate",
+        ),
+        (
+            ["--simulate", "--salt", "s"],
+            f"--salt applies only to --in-process and {SERVER}, not to --simulate",
+        ),
+        (["--in-process", "--clients", "3"], f"--clients applies only to {SERVER}, not to --in-process"),
+        (
+            ["--in-process", "--auth-token", "t"],
+            f"--auth-token applies only to {SERVER}, not to --in-process",
+        ),
+        (["--in-process", "--plot", "c.png"], "--plot applies only to --simulate, not to --in-process"),
+        (["--l1-blocks", "5"], f"--l1-blocks applies only to --in-process, not to {SERVER}"),
+        (
+            ["--eviction-ratio", "0.5"],
+            f"--eviction-ratio applies only to --simulate and --in-process, not to {SERVER}",
+        ),
+        (["--capacity", "8"], f"--capacity applies only to --simulate, not to {SERVER}"),
+    ],
+)
+def test_an_option_of_another_mode_is_refused_naming_where_it_applies(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    result = run_cli(["replay", str(small_trace(tmp_path / "t.jsonl")), *args])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert _error_line(result) == f"error: {message}"
+
+
+def test_an_auth_token_from_the_environment_is_no_option_given(tmp_path: Path) -> None:
+    trace = str(small_trace(tmp_path / "t.jsonl"))
+    result = run_cli(["replay", trace, "--simulate", "--capacity", "8"], LMCACHE_TIERS_AUTH_TOKEN="t")
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("url", ["garbage", "tcp://127.0.0.1:99999", "tcp://::1:5555", "http://h:1"])
+def test_a_url_no_client_can_connect_to_is_a_usage_error(tmp_path: Path, url: str) -> None:
+    result = run_cli(["replay", str(small_trace(tmp_path / "t.jsonl")), "--url", url])
+    assert result.returncode == 2
+    assert _error_line(result).startswith("error: Invalid value for '--url': ")
+
+
+def test_in_process_config_file_that_is_a_directory_is_one_line(tmp_path: Path) -> None:
+    trace = str(small_trace(tmp_path / "t.jsonl"))
+    result = run_cli(["replay", trace, "--in-process", "--config", str(tmp_path)])
+    assert result.returncode == 2
+    assert (
+        _error_line(result) == f"error: config file '{tmp_path}' is a directory; give the path of a TOML file"
+    )
+    result = run_cli(["replay", trace, "--in-process", "--l1-size-gb", "inf"])
+    assert result.returncode == 2
+    assert _error_line(result) == "error: --l1-size-gb: Expected a finite number, got inf - at `$.l1_size_gb`"
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        ("curve.txt", "give a file name ending in .png, .svg or .pdf"),
+        ("curve", "give a file name ending in .png, .svg or .pdf"),
+        ("missing/curve.png", "does not exist"),
+        ("a-directory.png", "is a directory; give a file name"),
+    ],
+)
+def test_a_plot_file_that_cannot_be_written_is_refused_before_the_simulation(
+    tmp_path: Path, name: str, words: str
+) -> None:
+    (tmp_path / "a-directory.png").mkdir()
+    plot = tmp_path / name
+    # --policy LRUU would fail the simulation: the plot is refused before it starts
+    args = ["--simulate", "--capacity", "8", "--policy", "LRUU", "--plot", str(plot)]
+    result = run_cli(["replay", str(small_trace(tmp_path / "t.jsonl")), *args])
+    assert result.returncode == 2
+    line = _error_line(result)
+    assert line.startswith(f"error: --plot {plot}: ") and words in line, line
+    assert result.stdout == ""
+    assert not any(path.suffix == ".png" and path.is_file() for path in tmp_path.rglob("*"))
 
 
 def test_an_unreachable_server_is_exit_1(tmp_path: Path) -> None:
@@ -125,6 +228,11 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["plot"] == str(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = tmp_path / "curve.SVG"  # the format follows the extension, whatever its case
+    result = run_cli(["replay", trace, "--simulate", "--capacity", "4,8", "--plot", str(svg)])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.rstrip().endswith(f"plot written to {svg}")
+    assert b"<svg" in svg.read_bytes()[:400]
 
 
 def test_in_process_replay_reports_json(tmp_path: Path) -> None:

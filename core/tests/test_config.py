@@ -1,3 +1,6 @@
+import builtins
+from pathlib import Path
+
 import msgspec
 import pytest
 from fakeplugins import make_module
@@ -6,6 +9,7 @@ from lmcache_tiers.config import (
     ServerConfig,
     build_config,
     config_to_builtins,
+    file_fields,
     load_toml,
     parse_adapter_json,
     redact_secrets,
@@ -154,3 +158,99 @@ def test_secret_named_values_are_redacted_at_any_depth() -> None:
         ],
     }
     assert data["auth_token"] == "t0ken", "the input is left alone"
+
+
+@pytest.mark.parametrize(
+    ("file_text", "overrides", "adapter", "message"),
+    [
+        (
+            "",
+            {"l1_size_gb": float("inf")},
+            None,
+            r"^Expected a finite number, got inf - at `\$\.l1_size_gb`$",
+        ),
+        ("l1_lock_ttl_s = inf\n", {}, None, r"got inf - at `\$\.l1_lock_ttl_s`$"),
+        ("l1_write_ttl_s = nan\n", {}, None, r"got nan - at `\$\.l1_write_ttl_s`$"),
+        (
+            "",
+            {},
+            '{"type": "demo", "size_gb": 1e400}',
+            r"^demo: Expected a finite number, got inf - at `\$\.l2_adapters\[0\]\.size_gb`$",
+        ),
+        (
+            "",
+            {},
+            '{"type": "demo", "serde": [{"type": "zdemo", "level": -Infinity}]}',
+            r"^zdemo: Expected a finite number, got -inf - at `\$\.l2_adapters\[0\]\.serde\[0\]\.level`$",
+        ),
+        (
+            '[[l2_adapters]]\ntype = "demo"\ncircuit = {call_timeout_s = inf}\n',
+            {},
+            None,
+            r"^demo: .* - at `\$\.l2_adapters\[0\]\.circuit\.call_timeout_s`$",
+        ),
+    ],
+)
+def test_infinity_and_nan_are_refused_wherever_they_are_written(
+    registry: ComponentRegistry,
+    tmp_path: Path,
+    file_text: str,
+    overrides: dict[str, object],
+    adapter: str | None,
+    message: str,
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(file_text)
+    with pytest.raises(ConfigError, match=message):
+        build_config(registry, load_toml(str(path)), overrides, [adapter] if adapter else None)
+
+
+def test_sizes_in_gib_have_a_ceiling_that_still_converts_to_bytes(registry: ComponentRegistry) -> None:
+    with pytest.raises(ConfigError, match=r"Expected `float` <= 1073741824.0 - at `\$\.l1_size_gb`"):
+        build_config(registry, overrides={"l1_size_gb": 1e308})
+    assert build_config(registry, overrides={"l1_size_gb": 2.0**30}).l1_size_bytes == 1 << 60
+    with pytest.raises(ConfigError, match=r"call_timeout_s"):
+        build_config(registry, adapter_json=['{"type": "demo", "circuit": {"call_timeout_s": 1e10}}'])
+
+
+def test_dashed_keys_of_a_config_file_are_its_fields(registry: ComponentRegistry, tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('l1-size-gb = 2.0\n[[l2-adapters]]\ntype = "demo"\npath = "/dashed"\n')
+    assert file_fields(load_toml(str(path))) == {
+        "l1_size_gb": 2.0,
+        "l2_adapters": [{"type": "demo", "path": "/dashed"}],
+    }
+    config = build_config(registry, load_toml(str(path)))
+    assert config.l1_size_gb == 2.0 and config.l2_adapters[0].config.path == "/dashed"  # type: ignore[attr-defined]
+    path.write_text("l1_size_gb = 1.0\nl1-size-gb = 2.0\n")
+    with pytest.raises(
+        ConfigError, match=r"`\$\.l1_size_gb` is given twice \(as `l1_size_gb` and `l1-size-gb`\)"
+    ):
+        file_fields(load_toml(str(path)))
+
+
+def test_a_config_file_that_cannot_be_read_is_one_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ConfigError, match=r"^config file '.*' is a directory; give the path of a TOML file$"):
+        load_toml(str(tmp_path))
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes('name = "caf\u00e9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"is not valid TOML: it is not UTF-8 text \(byte 12\)$"):
+        load_toml(str(latin1))
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(builtins, "open", refused)
+    with pytest.raises(ConfigError, match=r"cannot be read: this user may not read it$"):
+        load_toml(str(latin1))
+
+
+@pytest.mark.parametrize("name", ["a/b", "..", ".", "x" * 201, "sp ace", ""])
+def test_a_shared_memory_name_the_arena_refuses_is_a_config_error(
+    registry: ComponentRegistry, name: str
+) -> None:
+    with pytest.raises(ConfigError, match=r" - at `\$\.l1_shm_name`$"):
+        build_config(registry, overrides={"l1_shm_name": name})
+    assert build_config(registry, overrides={"l1_shm_name": "tiers_a.b-1"}).l1_shm_name == "tiers_a.b-1"

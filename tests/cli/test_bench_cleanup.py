@@ -178,3 +178,29 @@ def test_new_fields_and_ops_are_compatible_with_older_version_1_peers() -> None:
     assert older == OlderStoreCommit(1, "", [key])
     # ...and answers EVICT, an op it does not know, with UNKNOWN_OP.
     assert p.diagnose_undecodable(msgspec.msgpack.encode([99, 5, "", []])) == (5, p.ErrorCode.UNKNOWN_OP)
+
+
+def test_a_batch_larger_than_the_servers_l1_is_refused_before_anything_is_allocated(
+    in_process_server: TiersServer,
+) -> None:
+    # 64 x 2 MiB = 0.125 GiB against an L1 of 0.0625 GiB
+    result = run_cli(["bench", "--url", in_process_server.endpoint, "--chunks", "64", "--chunk-mib", "2"])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip() == (
+        "error: --chunks 64 x --chunk-mib 2: one batch of 64 chunks of 2 MiB (0.12 GiB) does not fit "
+        "the server's L1 (0.06 GiB); lower --chunks or --chunk-mib"
+    )
+    assert in_process_server.storage.status()["l1"]["objects"] == 0
+
+
+def test_a_batch_this_machine_cannot_hold_twice_is_refused(
+    in_process_server: TiersServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lmcache_tiers.server import benchmark
+
+    monkeypatch.setattr(benchmark, "mem_available", lambda: 12 << 10)  # one batch of 8 KiB fits, two do not
+    with pytest.raises(
+        benchmark.BenchSizeError, match=r"is held twice in this process, and this machine has"
+    ):
+        run_bench(in_process_server.endpoint, chunks=2, chunk_bytes=4096, repeats=1, lookup_requests=10)
+    assert in_process_server.storage.status()["l1"]["objects"] == 0

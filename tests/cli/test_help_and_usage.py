@@ -89,6 +89,26 @@ def test_serve_help_shows_defaults_and_installed_components(capsys: pytest.Captu
     assert f"installed here: {', '.join(registry.names(Kind.L2_ADAPTER))}" in root
 
 
+def test_replay_help_shows_the_default_of_every_option_that_has_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    text = " ".join(_help(capsys, "replay", "-h").split())
+    defaults = ServerConfig()
+    for flag, value in [
+        ("--model", "lmcache-tiers-replay"),
+        ("--salt", "replay"),
+        ("--capacity", "powers of two from 256 blocks up to the trace's working set"),
+        ("--l1-size-gb", defaults.l1_size_gb),
+        ("--eviction-policy", defaults.eviction_policy),
+        ("--eviction-trigger-watermark", f"{defaults.eviction_trigger_watermark} in-process"),
+        ("--eviction-ratio", defaults.eviction_ratio),
+        ("--l2-store-policy", defaults.l2_store_policy),
+        ("--l2-prefetch-policy", defaults.l2_prefetch_policy),
+        ("--l2-prefetch-max-in-flight", defaults.l2_prefetch_max_in_flight),
+    ]:
+        assert re.search(rf"{re.escape(flag)} .*?\[default: {re.escape(str(value))}", text), flag
+
+
 def test_plugins_show_of_an_unknown_name_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as stopped:
         main(["plugins", "show", "no-such-plugin"])

@@ -121,6 +121,25 @@ def test_flags_of_missing_features_are_refused_in_one_line(
 
 
 @pytest.mark.parametrize(
+    ("flag", "field"),
+    [
+        ("--session-ttl-seconds", "session_ttl_s"),
+        ("--worker-reap-timeout-seconds", "worker_reap_timeout_s"),
+        ("--worker-registration-grace-seconds", "worker_registration_grace_s"),
+    ],
+)
+def test_session_flags_point_to_the_option_of_the_lmcache_mp_front_end(
+    capsys: pytest.CaptureFixture[str], flag: str, field: str
+) -> None:
+    line = usage_error(capsys, "serve", flag, "30")
+    spec = f'{{"type": "lmcache_mp", "{field}": SECONDS}}'
+    assert f"for LMCache's clients it is an option of the lmcache_mp front end: --frontend '{spec}'" in line
+    # the option it names is one the front end takes
+    filled = print_config("--frontend", spec.replace("SECONDS", "30"))
+    assert filled["frontends"][0][field] == 30  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
     ("args", "message"),
     [
         (

@@ -125,7 +125,7 @@ def test_an_l1_larger_than_dev_shm_is_refused_before_mapping() -> None:
 def test_an_l1_larger_than_the_available_memory_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     # /dev/shm is often larger than the memory left: the second limit has its own line.
     monkeypatch.setattr(preflight, "_shm_free", lambda directory: 1 << 50)
-    monkeypatch.setattr(preflight, "_mem_available", lambda: 3 << 30)
+    monkeypatch.setattr(preflight, "mem_available", lambda: 3 << 30)
     config = build_config(load_registry(), overrides={"l1_size_gb": 4.0})
     with pytest.raises(ConfigError, match=r"^--l1-size-gb 4: this machine has 3.00 GiB of memory available"):
         preflight.check_l1_room(config)
@@ -251,3 +251,78 @@ def test_lmcache_mp_refuses_an_arena_outside_dev_shm(huge_tmpfs: str) -> None:
     spec = {"type": "lmcache_mp", "port": free_port()}
     line = _serve_refused(["--no-default-l2", "--shm-dir", huge_tmpfs, "--frontend", json.dumps(spec)])
     assert "LMCache clients open in /dev/shm" in line and f"--shm-dir {huge_tmpfs}" in line, line
+
+
+def _config_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
+    """(serve arguments, the start of its one error line): mistakes in the configuration
+    itself, which ``--print-config`` finds as ``serve`` does."""
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes('host = "caf\u00e9"\n'.encode("latin-1"))
+    inner_typo = {"type": "fault_inject", "inner": {"type": "nosuch"}}
+    return [
+        (
+            ["--l1-size-gb", "inf"],
+            "error: --l1-size-gb: Expected a finite number, got inf - at `$.l1_size_gb`",
+        ),
+        (["--l1-size-gb", "1e308"], "error: --l1-size-gb: Expected `float` <= 1073741824.0"),
+        (
+            ["--l2-adapter", '{"type": "fs", "path": "/tmp/x", "max_capacity_gb": 1e400}'],
+            "error: fs: Expected a finite number, got inf - at `$.l2_adapters[0].max_capacity_gb`",
+        ),
+        (
+            ["--l2-adapter", '{"type": "mock", "max_size_gb": 1e400}'],
+            "error: mock: Expected a finite number, got inf - at `$.l2_adapters[0].max_size_gb`",
+        ),
+        (
+            ["--l2-adapter", '{"type": "mock", "max_size_gb": 1e300}'],
+            "error: mock: Expected `float` <= 1073741824.0 - at `$.l2_adapters[0].max_size_gb`",
+        ),
+        (
+            ["--l2-adapter", '{"type": "redis", "url": "redis://:secret@h:99999/0"}'],
+            "error: redis: the url's port must be a number from 1 to 65535 - at `$.l2_adapters[0].url`",
+        ),
+        (["--l2-adapter", json.dumps(inner_typo)], "error: unknown l2 adapter 'nosuch'"),
+        (
+            [
+                "--l2-adapter",
+                json.dumps({"type": "fault_inject", "inner": {"type": "mock", "max_size_gb": -1}}),
+            ],
+            "error: mock: Expected `float` > 0.0 - at `$.l2_adapters[0].inner.max_size_gb`",
+        ),
+        (["--shm-name", "a/b"], "error: --shm-name: shared-memory name 'a/b' is not allowed"),
+        (["--l1-size-gb", "1e-9"], "error: --l1-size-gb 1e-09: smaller than one L1 extent of 4096 bytes"),
+        (["--shm-dir", "relative"], "error: --shm-dir relative: give an absolute path"),
+        (["--config", str(tmp_path)], f"error: config file '{tmp_path}' is a directory"),
+        (["--config", str(latin1)], f"error: config file '{latin1}' is not valid TOML: it is not UTF-8 text"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(13))
+def test_configuration_mistakes_are_found_by_print_config_as_by_serve(case: int, tmp_path: Path) -> None:
+    args, start = _config_cases(tmp_path)[case]
+    line = _serve_refused(["--no-default-l2", "--port", str(free_port()), *args])
+    assert line.startswith(start), line
+    assert "secret" not in line
+    printed = run_cli(["serve", "--print-config", "--no-default-l2", *args], **NARROW)
+    assert printed.returncode == 2 and printed.stdout == "", printed.stdout
+    assert printed.stderr.strip() == line
+
+
+def test_the_inner_spec_of_a_wrapper_is_named_by_its_path() -> None:
+    wrapped = {"type": "fault_inject", "inner": {"type": "nosuch"}}
+    line = _serve_refused(["--no-default-l2", "--l2-adapter", json.dumps(wrapped)])
+    assert line.endswith("- at `$.l2_adapters[0].inner.type`"), line
+    assert "installed: " in line and "fault_inject `inner`" not in line, line
+
+
+def test_dashed_l2_adapters_in_a_config_file_are_not_replaced_by_the_default_l2(tmp_path: Path) -> None:
+    config = tmp_path / "tiers.toml"
+    config.write_text('[[l2-adapters]]\ntype = "mock"\nmax_size_gb = 0.5\n\n[[frontends]]\ntype = "native"\n')
+    printed = run_cli(["serve", "--print-config", "--config", str(config)])
+    assert printed.returncode == 0, printed.stderr
+    resolved = json.loads(printed.stdout)
+    assert [(a["type"], a["max_size_gb"]) for a in resolved["l2_adapters"]] == [("mock", 0.5)]
+    assert [f["type"] for f in resolved["frontends"]] == ["native"]
+    config.write_text('[[l2-adapters]]\ntype = "mock"\n\n[[l2_adapters]]\ntype = "mock"\n')
+    line = _serve_refused(["--config", str(config)])
+    assert line == "error: config field `$.l2_adapters` is given twice (as `l2-adapters` and `l2_adapters`)"

@@ -17,6 +17,7 @@ the wrong quoting, how to write it.
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import typing
@@ -68,6 +69,13 @@ else:
         """
 
 
+#: the most GiB a size in a config may be (an exbibyte): every real size fits, and its bytes
+#: stay a 64-bit number
+MAX_GIB = float(1 << 30)
+#: a size in GiB; a field adds its own lower bound: ``Annotated[SizeGiB, Meta(gt=0.0, ...)]``
+SizeGiB = Annotated[float, Meta(le=MAX_GIB)]
+
+
 class L2EvictionConfig(ComponentConfig):
     """Per-adapter L2 eviction: evict when usage reaches the watermark."""
 
@@ -96,7 +104,7 @@ class CircuitConfig(ComponentConfig):
         float, Meta(gt=0.0, le=3600.0, description="Seconds between probes of the backend while open.")
     ] = 1.0
     call_timeout_s: Annotated[
-        Annotated[float, Meta(gt=0.0)] | None,
+        Annotated[float, Meta(gt=0.0, le=3600.0)] | None,
         Meta(
             description="Longest a lookup or probe waits for the backend before it counts as a failed "
             "call (a lookup is then all misses); null: only the backend's own timeouts. Stores and "
@@ -184,7 +192,7 @@ class ServerConfig(ComponentConfig):
     )
     port: Annotated[int, _doc("RPC port (ZeroMQ ROUTER).", ge=0, le=65535)] = 5555
     chunk_size: Annotated[int, _doc("Tokens per KV chunk; keys hash full chunks only.", gt=0)] = 256
-    l1_size_gb: Annotated[float, _doc("Size of the L1 CPU-memory arena in GiB.", gt=0.0)] = 1.0
+    l1_size_gb: Annotated[SizeGiB, _doc("Size of the L1 CPU-memory arena in GiB.", gt=0.0)] = 1.0
     l1_align_bytes: Annotated[int, _doc("Alignment of L1 extents in bytes.", ge=64, le=1 << 21)] = 4096
     l1_lock_ttl_s: Annotated[float, _doc("Seconds before an unreleased read lock expires.", gt=0.0)] = 300.0
     l1_write_ttl_s: Annotated[float, _doc("Seconds before an uncommitted write is dropped.", gt=0.0)] = 600.0
@@ -236,13 +244,25 @@ class ServerConfig(ComponentConfig):
         bool, _doc("Open the NVMe L1 file with O_DIRECT (bypass the page cache).")
     ] = True
 
+    def __post_init__(self) -> None:
+        name = self.l1_shm_name
+        if name == "":
+            raise FieldError(
+                "l1_shm_name", "an empty l1_shm_name names no segment; no_shm = true turns shared memory off"
+            )
+        if name is not None and (not _SEGMENT_NAME.match(name) or name in (".", "..")):
+            raise FieldError(
+                "l1_shm_name",
+                f"shared-memory name {name!r} is not allowed: use 1-200 characters from [A-Za-z0-9._-]",
+            )
+
     @property
     def l1_size_bytes(self) -> int:
         return int(self.l1_size_gb * (1 << 30))
 
 
-# Fields a user may set; AdapterSpec and serde specs go through their own decoding.
-_SCALAR_FIELDS = frozenset(ServerConfig.__struct_fields__) - {"l2_adapters", "frontends"}
+#: the name of a segment file in its directory (the L1 arena creates nothing else there)
+_SEGMENT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 
 class FieldError(ValueError):
@@ -261,6 +281,34 @@ _PATH_STEP = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
 def _path_step(key: object) -> str:
     text = str(key)
     return f".{text}" if re.fullmatch(r"[A-Za-z_][\w-]*", text) else f"[{json.dumps(text)}]"
+
+
+def _first_non_finite(value: Any, path: str) -> tuple[str, float] | None:
+    """The path and value of the first infinity or NaN in plain config data."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (path, value)
+    if isinstance(value, Mapping):
+        items: Any = ((path + _path_step(key), item) for key, item in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{index}]", item) for index, item in enumerate(value))
+    else:
+        return None
+    for where, item in items:
+        found = _first_non_finite(item, where)
+        if found is not None:
+            return found
+    return None
+
+
+def refuse_non_finite(raw: Any, where: str, prefix: str = "") -> None:
+    """Raise ConfigError naming the first infinite or NaN number in ``raw`` (rooted at
+    ``where``).  No config value is one: JSON has neither (what ``json`` reads as
+    ``1e400`` or ``Infinity`` and TOML's ``inf`` and ``nan`` are refused), sizes and
+    durations must convert to bytes and timeouts, and a printed config stays JSON."""
+    found = _first_non_finite(raw, where)
+    if found is not None:
+        path, value = found
+        raise ConfigError(f"{prefix}Expected a finite number, got {value} - at `{path}`")
 
 
 def _declared_child(declared: Any, step: str | int) -> Any:
@@ -352,6 +400,10 @@ def validation_message(exc: msgspec.ValidationError, where: str, declared: Any, 
     return f"{message}{_quoting_hint(message, value)} - at `{where}{below}`"
 
 
+#: fields of an adapter spec that hold specs of other components
+_NESTED_SPECS = ("serde", "inner")
+
+
 def decode_component(
     registry: ComponentRegistry, kind: Kind, raw: Mapping[str, Any], where: str
 ) -> tuple[str, msgspec.Struct]:
@@ -360,8 +412,15 @@ def decode_component(
         raise ConfigError(f"{where}: expected a JSON object, got {type(raw).__name__}")
     if "type" not in raw:
         raise ConfigError(f"{where}: missing required field `type`")
-    component = registry.get(kind, str(raw["type"]))
+    try:
+        component = registry.get(kind, str(raw["type"]))
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} - at `{where}.type`") from None
     fields = {k: v for k, v in raw.items() if k != "type"}
+    # An adapter's serde chain and a wrapper's inner spec are decoded on their own, and
+    # checked there under their own component's name.
+    nested = _NESTED_SPECS if kind is Kind.L2_ADAPTER else ()
+    refuse_non_finite({k: v for k, v in fields.items() if k not in nested}, where, f"{component.name}: ")
     try:
         config = msgspec.convert(fields, component.config)
     except msgspec.ValidationError as exc:
@@ -377,7 +436,12 @@ def decode_component(
 
 def decode_adapter(registry: ComponentRegistry, raw: Any, index: int) -> AdapterSpec:
     """Resolve one adapter spec (already parsed from JSON or TOML)."""
-    where = f"$.l2_adapters[{index}]"
+    return decode_adapter_at(registry, raw, f"$.l2_adapters[{index}]")
+
+
+def decode_adapter_at(registry: ComponentRegistry, raw: Any, where: str) -> AdapterSpec:
+    """Resolve the adapter spec found at config path ``where`` (``$.l2_adapters[0]``, or
+    ``$.l2_adapters[0].inner`` for the adapter a wrapper wraps)."""
     if isinstance(raw, Mapping) and isinstance(raw.get("serde"), Mapping):
         # LMCache writes one serde as an object; a chain of one is the same thing.
         raw = {**raw, "serde": [raw["serde"]]}
@@ -393,6 +457,11 @@ def decode_adapter(registry: ComponentRegistry, raw: Any, index: int) -> Adapter
             for i, item in enumerate(config.serde)
         )
     )
+    inner = getattr(config, "inner", None)
+    if isinstance(inner, Mapping):
+        # A wrapper (fault_inject) builds the adapter it wraps from this spec when it starts:
+        # its mistakes are found now, before anything is built, and named by their own path.
+        decode_adapter_at(registry, inner, f"{where}.inner")
     # Keep the expanded serde specs (defaults filled in) so a printed config reads back equal.
     expanded = tuple({"type": s.type, **msgspec.to_builtins(s.config)} for s in serdes)
     config = msgspec.structs.replace(config, serde=expanded)
@@ -438,10 +507,36 @@ def load_toml(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as handle:
             return tomllib.load(handle)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"config file {path!r} does not exist") from exc
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path!r} is a directory; give the path of a TOML file") from None
+    except PermissionError:
+        raise ConfigError(f"config file {path!r} cannot be read: this user may not read it") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path!r} cannot be read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {path!r} is not valid TOML: it is not UTF-8 text (byte {exc.start + 1})"
+        ) from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from exc
+        raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
+
+
+def file_fields(file_values: Mapping[str, Any]) -> dict[str, Any]:
+    """A config file's top-level keys as ServerConfig field names (``l2-adapters`` is
+    ``l2_adapters``); ConfigError for an unknown key or one written both ways."""
+    fields: dict[str, Any] = {}
+    written: dict[str, str] = {}
+    for key, value in file_values.items():
+        norm = key.replace("-", "_")
+        if norm not in ServerConfig.__struct_fields__:
+            raise ConfigError(f"unknown config field `$.{key}`")
+        if norm in fields:
+            raise ConfigError(f"config field `$.{norm}` is given twice (as `{written[norm]}` and `{key}`)")
+        fields[norm] = value
+        written[norm] = key
+    return fields
 
 
 def build_config(
@@ -460,17 +555,15 @@ def build_config(
     """
     values: dict[str, Any] = {}
     raw_lists: dict[str, list[Any]] = {"l2_adapters": [], "frontends": []}
-    for key, value in (file_values or {}).items():
-        norm = key.replace("-", "_")
-        if norm in raw_lists:
+    for key, value in file_fields(file_values or {}).items():
+        if key in raw_lists:
             if not isinstance(value, list):
-                raise ConfigError(f"`$.{norm}` must be a list of tables")
-            raw_lists[norm] = list(value)
-        elif norm in _SCALAR_FIELDS:
-            values[norm] = value
+                raise ConfigError(f"`$.{key}` must be a list of tables")
+            raw_lists[key] = list(value)
         else:
-            raise ConfigError(f"unknown config field `$.{key}`")
+            values[key] = value
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    refuse_non_finite(values, "$")
     try:
         config = msgspec.convert(values, ServerConfig)
     except msgspec.ValidationError as exc:

@@ -10,7 +10,8 @@ What each kind of plugin needs:
 
 * every plugin: ``hookimpl``, ``KindRegistry``, ``ComponentConfig`` (config base Struct,
   keyword-only, frozen and strict for every subclass), ``EmptyConfig``, the errors,
-  ``FieldError`` (a ``__post_init__`` error naming the field at fault);
+  ``FieldError`` (a ``__post_init__`` error naming the field at fault), ``SizeGiB`` (a
+  size in GiB, at most ``MAX_GIB``: ``Annotated[SizeGiB, msgspec.Meta(gt=0.0)]``);
 * an L2 backend: ``L2Backend`` / ``AsyncL2Backend`` (protocols), ``L2AdapterConfig``,
   ``BackendContext``, ``ObjectKey``, ``ObjectSize``, ``Capacity``; remote ones
   ``CircuitConfig`` (the ``circuit`` option) and ``PROBE_KEY`` (what a probe asks about); persistent ones also
@@ -56,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmcache_tiers import __version__
 from lmcache_tiers.config import (
+    MAX_GIB,
     CircuitConfig,
     ComponentConfig,
     FieldError,
@@ -63,6 +65,7 @@ from lmcache_tiers.config import (
     L2AdapterConfig,
     L2EvictionConfig,
     ServerConfig,
+    SizeGiB,
 )
 from lmcache_tiers.endpoints import is_loopback
 from lmcache_tiers.errors import (
@@ -273,6 +276,7 @@ __all__ = [
     "IMMEDIATE_MISSES",
     "LOADS_EVERY_HIT",
     "LOSSLESS",
+    "MAX_GIB",
     "NONE_HASH",
     "PERSISTENCE",
     "PREFIX_SIZE",
@@ -349,6 +353,7 @@ __all__ = [
     "SerdeContext",
     "SerdeSuite",
     "ServerConfig",
+    "SizeGiB",
     "SlotReaders",
     "StorageManager",
     "StorePolicy",

@@ -301,6 +301,35 @@ def test_bad_config_is_refused(raw: dict[str, Any], message: str) -> None:
 
 @pytest.mark.parametrize(
     ("inner", "message"),
+    [
+        (
+            {"type": "mokc"},
+            r"^unknown l2 adapter 'mokc': did you mean 'mock'\?.* - at `\$\.l2_adapters\[3\]\.inner\.type`$",
+        ),
+        ({"type": "mock", "max_size_gb": -1}, r"^mock: .* - at `\$\.l2_adapters\[3\]\.inner\.max_size_gb`$"),
+        (
+            {"type": "mock", "max_size_gb": float("inf")},
+            r"^mock: Expected a finite number, got inf - at `\$\.l2_adapters\[3\]\.inner\.max_size_gb`$",
+        ),
+        (
+            {"type": "fault_inject", "inner": {"type": "mock", "bandwidth_bytes_per_s": -1}},
+            r"^mock: .* - at `\$\.l2_adapters\[3\]\.inner\.inner\.bandwidth_bytes_per_s`$",
+        ),
+        (
+            {"max_size_gb": 1},
+            r"^fault_inject: `inner` must be an adapter spec .* - at `\$\.l2_adapters\[3\]\.inner`$",
+        ),
+    ],
+)
+def test_a_bad_inner_spec_is_refused_with_the_config_naming_its_path(
+    inner: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        decode_adapter(load_registry(), {"type": "fault_inject", "inner": inner}, 3)
+
+
+@pytest.mark.parametrize(
+    ("inner", "message"),
     [({"type": "mokc"}, "did you mean 'mock'"), ({"type": "mock", "max_size_gb": -1}, "max_size_gb")],
 )
 def test_bad_inner_spec_is_a_config_error_naming_inner(inner: dict[str, Any], message: str) -> None:

@@ -522,6 +522,10 @@ def test_lmcache_resp_and_valkey_json_is_accepted() -> None:
         ({"url": "redis://h:1", "host": "h"}, "host", "only one"),
         ({"host": "h", "port": 0}, "port", ""),
         ({"startup_nodes": "h1:x"}, "startup_nodes", "host:port"),
+        ({"startup_nodes": "h1:6379,h2:70000", "cluster_mode": True}, "startup_nodes", "1 to 65535"),
+        ({"url": "redis://:secret@h:99999/0"}, "url", "port must be a number from 1 to 65535"),
+        ({"url": "rediss://h:0"}, "url", "port must be a number from 1 to 65535"),
+        ({"url": "redis://u:secret@h:port/0", "cluster_mode": True}, "url", "port must be"),
         ({"url": "unix:///s.sock", "cluster_mode": True}, "url", "TCP"),
         ({"startup_nodes": "h:1", "cluster_mode": True, "key_prefix": "{a}"}, "key_prefix", "hash tag"),
         ({"url": "redis://h:1", "key_prefix": "a b"}, "key_prefix", "spaces"),
@@ -531,7 +535,7 @@ def test_lmcache_resp_and_valkey_json_is_accepted() -> None:
 def test_bad_config_is_refused_naming_the_field(fields: dict[str, Any], path: str, message: str) -> None:
     with pytest.raises(ConfigError, match=rf"{message}.*\$\.l2_adapters\[2\]\.{path}") as refused:
         decode_adapter(load_registry(), {"type": "redis", **fields}, 2)
-    assert "Traceback" not in str(refused.value)
+    assert "Traceback" not in str(refused.value) and "secret" not in str(refused.value)
 
 
 def test_config_is_frozen_and_strict() -> None:

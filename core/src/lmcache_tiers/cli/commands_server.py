@@ -12,21 +12,44 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from lmcache_tiers.cli.output import fail, stdout
+from lmcache_tiers.cli.output import EXIT_USAGE, fail, stdout
+from lmcache_tiers.endpoints import check_server_url
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.wire.protocol import MAX_OBJECT_BYTES
 
 if TYPE_CHECKING:
     from lmcache_tiers.server.benchmark import BenchResult
 
 DEFAULT_URL = "tcp://127.0.0.1:5555"
+#: the longest wait for one reply a command takes (ZeroMQ's receive timeout is an int of ms)
+MAX_TIMEOUT_S = 86400.0
+#: the largest object the protocol carries, in MiB
+MAX_CHUNK_MIB = float(MAX_OBJECT_BYTES >> 20)
 
-UrlOption = Annotated[str, typer.Option("--url", help="Server endpoint (tcp://host:port or ipc://path).")]
+
+def server_url(value: str | None) -> str | None:
+    """``--url`` callback: an endpoint a client cannot connect to is a usage error."""
+    if value is None:
+        return None
+    try:
+        return check_server_url(value)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+UrlOption = Annotated[
+    str,
+    typer.Option("--url", callback=server_url, help="Server endpoint (tcp://host:port or ipc://path)."),
+]
 TokenOption = Annotated[
     Optional[str],
     typer.Option(
         "--auth-token", envvar="LMCACHE_TIERS_AUTH_TOKEN", help="Token, if the server requires one."
     ),
 ]
-TimeoutOption = Annotated[float, typer.Option("--timeout", min=0.01, help="Seconds to wait for each reply.")]
+TimeoutOption = Annotated[
+    float, typer.Option("--timeout", min=0.01, max=MAX_TIMEOUT_S, help="Seconds to wait for each reply.")
+]
 
 
 def status(
@@ -128,7 +151,9 @@ def status_tables(document: dict[str, Any]) -> list[Table]:
 def bench(
     url: UrlOption = DEFAULT_URL,
     chunks: Annotated[int, typer.Option(min=1, help="Chunks per STORE/RETRIEVE batch.")] = 64,
-    chunk_mib: Annotated[float, typer.Option(min=0.001, help="Size of each chunk in MiB.")] = 2.0,
+    chunk_mib: Annotated[
+        float, typer.Option(min=0.001, max=MAX_CHUNK_MIB, help="Size of each chunk in MiB.")
+    ] = 2.0,
     repeats: Annotated[int, typer.Option(min=1, help="Timed repetitions (the median is reported).")] = 5,
     lookup_keys: Annotated[int, typer.Option(min=1, help="Keys per LOOKUP request.")] = 16,
     lookup_requests: Annotated[int, typer.Option(min=1, help="LOOKUP requests to time.")] = 20_000,
@@ -141,9 +166,12 @@ def bench(
 
     Safe on a server in production: the chunks use a cache salt of their own, are kept in
     L1 only (never written to L2) and are deleted when the run ends.  L1 needs room for
-    one batch (chunks x chunk-mib); engines' L1 objects may be evicted to make it.
+    one batch (chunks x chunk-mib); engines' L1 objects may be evicted to make it.  This
+    process holds the batch twice (the chunks, and the buffers they are retrieved into); a
+    batch larger than the server's L1 or than the memory available here is refused first.
     """
     from lmcache_tiers.client import ClientError
+    from lmcache_tiers.server.benchmark import BenchSizeError
 
     try:
         result = run_with_progress(
@@ -157,6 +185,10 @@ def bench(
             auth_token=auth_token,
             timeout=timeout,
             show=not as_json,
+        )
+    except BenchSizeError as exc:
+        fail(
+            f"--chunks {chunks} x --chunk-mib {chunk_mib:g}: {exc}; lower --chunks or --chunk-mib", EXIT_USAGE
         )
     except (ClientError, RuntimeError) as exc:
         fail(f"benchmark of {url} failed: {exc}", 1)

@@ -24,10 +24,17 @@ _NO_BLEND = "CacheBlend is not part of lmcache-tiers"
 _PLUGINS = (
     "extensions are pip-installed plugins (entry-point group lmcache_tiers; `lmcache-tiers plugins list`)"
 )
-_NO_SESSIONS = (
-    "engines do not register workers or sessions here; a client that disappears has its "
-    "read locks expire after --l1-read-ttl-seconds"
-)
+
+
+def _lmcache_mp_option(field: str) -> str:
+    """Why a session flag is refused: the setting exists, on the front end of LMCache's clients."""
+    return (
+        "the native protocol registers no workers or sessions (a client that disappears has its "
+        "read locks expire after --l1-read-ttl-seconds); for LMCache's clients it is an option of "
+        f'the lmcache_mp front end: --frontend \'{{"type": "lmcache_mp", "{field}": SECONDS}}\''
+    )
+
+
 _OBSERVABILITY = (
     "observability is the Prometheus /metrics endpoint (--metrics-port) and plain log lines; "
     "there is no event bus or OpenTelemetry export"
@@ -47,9 +54,9 @@ REFUSED: dict[str, str] = {
     "--runtime-plugin-config": _PLUGINS,
     "--server-module": _PLUGINS,
     "--script-allowed-imports": "there is no /run_script endpoint",
-    "--worker-reap-timeout-seconds": _NO_SESSIONS,
-    "--session-ttl-seconds": _NO_SESSIONS,
-    "--worker-registration-grace-seconds": _NO_SESSIONS,
+    "--worker-reap-timeout-seconds": _lmcache_mp_option("worker_reap_timeout_s"),
+    "--session-ttl-seconds": _lmcache_mp_option("session_ttl_s"),
+    "--worker-registration-grace-seconds": _lmcache_mp_option("worker_registration_grace_s"),
     "--enable-segmented-prefix": _NO_BLEND,
     "--enable-dedup-content": _NO_BLEND,
     "--enable-blend-reorder": _NO_BLEND,

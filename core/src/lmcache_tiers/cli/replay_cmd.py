@@ -7,11 +7,15 @@ A plain function with typer-annotated parameters; heavy imports happen inside it
 from __future__ import annotations
 
 import json
+import math
 from typing import Annotated, Any, Optional
 
 import typer
 
+from lmcache_tiers.cli.commands_server import MAX_TIMEOUT_S, server_url
 from lmcache_tiers.cli.output import fail, stderr, stdout
+from lmcache_tiers.config import ServerConfig
+from lmcache_tiers.replay.trace import REPLAY_MODEL, REPLAY_SALT
 
 REPLAY_HELP = (
     "Replay a Mooncake trace (one JSON object per line: timestamp in ms, input_length, "
@@ -26,19 +30,80 @@ REPLAY_HELP = (
 
 DEFAULT_URL = "tcp://127.0.0.1:5555"
 
+_D = ServerConfig()
+
+#: the modes of a replay, as an error names them
+SIMULATE, IN_PROCESS, SERVER = "--simulate", "--in-process", "a replay through a server (--url)"
+#: replay parameter -> the modes it does something in (the rest apply to every mode)
+_MODES_OF: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(
+        (
+            "capacity",
+            "l2_capacity",
+            "policy",
+            "l2_policy",
+            "reads_per_hit",
+            "plot",
+            "foresight",
+            "retime",
+            "retime_bandwidth",
+        ),
+        (SIMULATE,),
+    ),
+    **dict.fromkeys(("time_scale", "timeout", "model", "salt"), (IN_PROCESS, SERVER)),
+    **dict.fromkeys(("clients", "auth_token"), (SERVER,)),
+    **dict.fromkeys(
+        (
+            "l1_blocks",
+            "l1_size_gb",
+            "eviction_policy",
+            "l2_adapter",
+            "l2_store_policy",
+            "l2_prefetch_policy",
+            "l2_prefetch_max_in_flight",
+            "gds_l1_path",
+            "config",
+        ),
+        (IN_PROCESS,),
+    ),
+    **dict.fromkeys(("eviction_trigger_watermark", "eviction_ratio"), (SIMULATE, IN_PROCESS)),
+}
+
+
+def _refuse_other_modes(ctx: typer.Context, mode: str) -> None:
+    """An option given on the command line that does nothing in ``mode`` is an error, not
+    silently ignored (one from the environment, such as the auth token, is not)."""
+    for param in ctx.command.params:
+        modes = _MODES_OF.get(param.name or "")
+        if modes is None or mode in modes:
+            continue
+        source = ctx.get_parameter_source(param.name or "")
+        if source is not None and source.name == "COMMANDLINE":
+            where = " and ".join(modes)
+            fail(f"{param.opts[0]} applies only to {where}, not to {mode}")
+
+
+def _finite(value: float | None) -> float | None:
+    """Callback of float options that must be finite."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
 
 def _split(values: list[str] | None) -> list[str]:
     return [part.strip() for value in values or [] for part in value.split(",") if part.strip()]
 
 
 def replay(
+    ctx: typer.Context,
     trace_file: Annotated[str, typer.Argument(metavar="TRACE", help="Mooncake trace file (JSON lines).")],
     simulate: Annotated[bool, typer.Option("--simulate", help="No server: simulate every policy.")] = False,
     in_process: Annotated[
         bool, typer.Option("--in-process", help="Replay against a StorageManager in this process.")
     ] = False,
     url: Annotated[
-        Optional[str], typer.Option("--url", help=f"Server to replay through (default {DEFAULT_URL}).")
+        Optional[str],
+        typer.Option("--url", callback=server_url, help=f"Server to replay through (default {DEFAULT_URL})."),
     ] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="Replay only the first N requests.")] = None,
     block_bytes: Annotated[
@@ -49,7 +114,8 @@ def replay(
     capacity: Annotated[
         Optional[list[str]],
         typer.Option(
-            help="Simulated L1 capacity: blocks (1000, 4k) or bytes (512MiB); repeat or comma-separate."
+            help="Simulated L1 capacity: whole blocks (1000, 4k) or bytes (512MiB); repeat or "
+            "comma-separate. \\[default: powers of two from 256 blocks up to the trace's working set]"
         ),
     ] = None,
     l2_capacity: Annotated[
@@ -67,7 +133,11 @@ def replay(
         int, typer.Option(min=1, help="Reads of each hit prefix per request (LOOKUP + RETRIEVE = 2).")
     ] = 2,
     plot: Annotated[
-        Optional[str], typer.Option(help="Also draw the miss-ratio curve into this PNG file.")
+        Optional[str],
+        typer.Option(
+            help="Also draw the miss-ratio curve into this file; its extension (.png, .svg or .pdf) "
+            "is the format, nothing is appended.",
+        ),
     ] = None,
     foresight: Annotated[
         Optional[list[str]],
@@ -90,42 +160,61 @@ def replay(
     ] = None,
     # -- real bytes -------------------------------------------------------------------
     time_scale: Annotated[
-        float, typer.Option(min=0.0, help="Replay seconds per trace second; 0 sends as fast as possible.")
+        float,
+        typer.Option(
+            min=0.0, callback=_finite, help="Replay seconds per trace second; 0 sends as fast as possible."
+        ),
     ] = 0.0,
     clients: Annotated[
         int, typer.Option(min=1, help="Client processes sharing the requests (server mode).")
     ] = 1,
-    timeout: Annotated[float, typer.Option(min=0.01, help="Seconds to wait for each reply.")] = 60.0,
+    timeout: Annotated[
+        float, typer.Option(min=0.01, max=MAX_TIMEOUT_S, help="Seconds to wait for each reply.")
+    ] = 60.0,
     auth_token: Annotated[
         Optional[str],
         typer.Option(envvar="LMCACHE_TIERS_AUTH_TOKEN", help="Token, if the server requires one."),
     ] = None,
-    model: Annotated[Optional[str], typer.Option(help="Model name of replay keys.")] = None,
-    salt: Annotated[Optional[str], typer.Option(help="Cache salt of replay keys.")] = None,
+    model: Annotated[str, typer.Option(help="Model name of replay keys.")] = REPLAY_MODEL,
+    salt: Annotated[str, typer.Option(help="Cache salt of replay keys.")] = REPLAY_SALT,
     # -- in-process: serve's flags ------------------------------------------------------
     l1_blocks: Annotated[
         Optional[int],
         typer.Option(min=1, help="In-process L1 of exactly N blocks that never starts background eviction."),
     ] = None,
-    l1_size_gb: Annotated[Optional[float], typer.Option(help="In-process L1 arena size in GiB.")] = None,
-    eviction_policy: Annotated[Optional[str], typer.Option(help="In-process L1 eviction policy.")] = None,
+    l1_size_gb: Annotated[
+        Optional[float],
+        typer.Option(help=f"In-process L1 arena size in GiB. \\[default: {_D.l1_size_gb}]"),
+    ] = None,
+    eviction_policy: Annotated[
+        Optional[str], typer.Option(help=f"In-process L1 eviction policy. \\[default: {_D.eviction_policy}]")
+    ] = None,
     eviction_trigger_watermark: Annotated[
         Optional[float],
         typer.Option(
-            help="L1 usage that starts background eviction (in-process; in --simulate: off unless set)."
+            help="L1 usage that starts background eviction (in-process; in --simulate: off unless set). "
+            f"\\[default: {_D.eviction_trigger_watermark} in-process, 1.0 with --l1-blocks]"
         ),
     ] = None,
     eviction_ratio: Annotated[
-        Optional[float], typer.Option(help="Fraction of allocated L1 freed per background round.")
+        Optional[float],
+        typer.Option(
+            help=f"Fraction of allocated L1 freed per background round. \\[default: {_D.eviction_ratio}]"
+        ),
     ] = None,
     l2_adapter: Annotated[
         Optional[list[str]],
         typer.Option(help='In-process L2 adapter as JSON with a "type"; repeat for a cascade.'),
     ] = None,
-    l2_store_policy: Annotated[Optional[str], typer.Option(help="In-process store policy.")] = None,
-    l2_prefetch_policy: Annotated[Optional[str], typer.Option(help="In-process prefetch policy.")] = None,
+    l2_store_policy: Annotated[
+        Optional[str], typer.Option(help=f"In-process store policy. \\[default: {_D.l2_store_policy}]")
+    ] = None,
+    l2_prefetch_policy: Annotated[
+        Optional[str], typer.Option(help=f"In-process prefetch policy. \\[default: {_D.l2_prefetch_policy}]")
+    ] = None,
     l2_prefetch_max_in_flight: Annotated[
-        Optional[int], typer.Option(help="In-process prefetches in flight.")
+        Optional[int],
+        typer.Option(help=f"In-process prefetches in flight. \\[default: {_D.l2_prefetch_max_in_flight}]"),
     ] = None,
     gds_l1_path: Annotated[Optional[str], typer.Option(help="In-process NVMe L1 directory.")] = None,
     config: Annotated[
@@ -142,6 +231,7 @@ def replay(
     ]
     if len(modes) > 1:
         fail(f"choose one of --simulate, --in-process and --url, not {' and '.join(modes)}")
+    _refuse_other_modes(ctx, SIMULATE if simulate else IN_PROCESS if in_process else SERVER)
     try:
         trace = read_trace(trace_file, limit)
         if simulate:
@@ -193,16 +283,12 @@ def _analysis_options(foresight: list[str] | None, seed: int | None, bandwidth: 
     return AnalysisOptions(foresight=horizons, retime_seed=seed, retime_bandwidth=bandwidth)
 
 
-def _options(block_bytes: int, time_scale: float, timeout: float, model: str | None, salt: str | None) -> Any:
+def _options(block_bytes: int, time_scale: float, timeout: float, model: str, salt: str) -> Any:
     from lmcache_tiers.replay.run import ReplayOptions
-    from lmcache_tiers.replay.trace import REPLAY_MODEL, REPLAY_SALT, KeySpace
+    from lmcache_tiers.replay.trace import KeySpace
 
     options = ReplayOptions(
-        block_bytes=block_bytes,
-        time_scale=time_scale,
-        timeout_s=timeout,
-        model=model if model is not None else REPLAY_MODEL,
-        salt=salt if salt is not None else REPLAY_SALT,
+        block_bytes=block_bytes, time_scale=time_scale, timeout_s=timeout, model=model, salt=salt
     )
     KeySpace(options.model, options.salt)  # a bad model name or salt fails here, as one line
     return options
@@ -257,6 +343,10 @@ def _simulate(
         simulate_curve,
     )
 
+    if plot:
+        from lmcache_tiers.replay.plot import check_plot_path
+
+        check_plot_path(plot)  # before the simulation, which may take minutes
     registry = load_registry()
     extent = extent_bytes(block_bytes, 4096)
     l1_specs, l2_specs = _split(capacity), _split(l2_capacity)
@@ -343,14 +433,16 @@ def _in_process(
     l1_blocks: int | None,
     as_json: bool,
 ) -> None:
-    from lmcache_tiers.config import build_config, load_toml
+    from lmcache_tiers.cli.serve_cmd import name_flag
+    from lmcache_tiers.config import build_config, file_fields, load_toml
     from lmcache_tiers.errors import ConfigError
     from lmcache_tiers.plugins import load_registry
     from lmcache_tiers.replay.capacity import l1_size_for_blocks
     from lmcache_tiers.replay.inprocess import replay_in_process
 
     registry = load_registry()
-    file_values: dict[str, Any] = load_toml(config_file) if config_file else {}
+    file_values = file_fields(load_toml(config_file)) if config_file else {}
+    given = {name for name, value in overrides.items() if value is not None}  # serve's flag names
     if l1_blocks is not None:
         if overrides.get("l1_size_gb") is not None or "l1_size_gb" in file_values:
             raise ConfigError("give --l1-blocks or --l1-size-gb, not both")
@@ -361,7 +453,10 @@ def _in_process(
             overrides["eviction_trigger_watermark"] = 1.0
     # Never the embedded default L2 (it lives in the user's cache directory): replay data
     # goes only where the flags or the config file say.
-    config = build_config(registry, file_values, overrides, l2_adapter)
+    try:
+        config = build_config(registry, file_values, overrides, l2_adapter)
+    except ConfigError as exc:
+        raise name_flag(exc, given) from None
     progress = _progress(not as_json)
     with progress:
         task = progress.add_task("replaying (in-process)", total=len(trace.requests))

@@ -21,7 +21,14 @@ from rich.markup import escape
 
 from lmcache_tiers.cli import lmcache_flags as compat
 from lmcache_tiers.cli.output import fail
-from lmcache_tiers.config import ServerConfig, build_config, config_to_builtins, load_toml, redact_secrets
+from lmcache_tiers.config import (
+    ServerConfig,
+    build_config,
+    config_to_builtins,
+    file_fields,
+    load_toml,
+    redact_secrets,
+)
 from lmcache_tiers.defaults import CACHE_DIR_ENV, claim_default_l2, default_l2_adapters, default_l2_dir
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.l2.preflight import preflight_adapters
@@ -59,6 +66,10 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "metrics_host": ("metrics_host", "--metrics-host"),
     "metrics_port": ("metrics_port", "--metrics-port"),
 }
+
+#: serve parameter -> (ServerConfig field, flag) of the options errors may name, FLAG_FIELDS and
+#: those whose value is translated first
+_ERROR_FLAGS = {**FLAG_FIELDS, "shm_name": ("l1_shm_name", "--shm-name")}
 
 _D = ServerConfig()
 #: the default L2's claim, held for the life of the serving process
@@ -351,12 +362,12 @@ _AT_FIELD = re.compile(r" - at `\$\.(\w+)`$")
 _AT_ANY_FIELD = re.compile(r" - at `\$[^`]*`$")
 
 
-def _name_flag(exc: ConfigError, given: set[str]) -> ConfigError:
+def name_flag(exc: ConfigError, given: set[str]) -> ConfigError:
     """Prefix an error about a top-level field with the flag that set it, if one did."""
     found = _AT_FIELD.search(str(exc))
     if found is not None:
         for name in given:
-            field, flag = FLAG_FIELDS.get(name, ("", ""))
+            field, flag = _ERROR_FLAGS.get(name, ("", ""))
             if field == found.group(1):
                 return ConfigError(f"{flag}: {exc}")
     return exc
@@ -378,7 +389,9 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
         broken = "; ".join(f"{p.name}: {p.error}" for p in plugin_set.errors)
         fail(f"--strict: plugins failed to load: {broken}")
     overrides, notes = flag_overrides(params, given)
-    file_values: dict[str, Any] = load_toml(params["config"]) if params["config"] else {}
+    # Keys as field names first (a file may write `[[l2-adapters]]`), so that the default L2
+    # is added only where the file has no adapters of its own.
+    file_values = file_fields(load_toml(params["config"])) if params["config"] else {}
     adapters = params["l2_adapter"]
     uses_default_l2 = not adapters and "l2_adapters" not in file_values and not params["no_default_l2"]
     if uses_default_l2:
@@ -390,7 +403,7 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
     except ConfigError as exc:
         if uses_default_l2 and "`$.l2_adapters[0]" in str(exc):
             raise _default_l2_error(exc) from None
-        raise _name_flag(exc, given) from exc
+        raise name_flag(exc, given) from exc
     if uses_default_l2 and file_values["l2_adapters"] and not params["print_config"]:
         # A second default server gets a hint, not the adapter's directory-lock error.
         _DEFAULT_L2_CLAIMS.append(claim_default_l2())

@@ -26,6 +26,8 @@ from lmcache_tiers.client.errors import (
     ServerError,
     error_code,
 )
+from lmcache_tiers.endpoints import check_server_url
+from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.wire import protocol as p
 
 AUTH_TOKEN_ENV = "LMCACHE_TIERS_AUTH_TOKEN"
@@ -75,9 +77,14 @@ class Connection:
         self._socket.setsockopt(zmq.LINGER, 0)
         # Fail fast instead of queueing requests forever for a peer that never appears.
         self._socket.setsockopt(zmq.IMMEDIATE, 1)
+        # Bracketed IPv6 addresses (tcp://[::1]:5555) connect only with IPV6 on; IPv4 still does.
+        self._socket.setsockopt(zmq.IPV6, 1)
         try:
             try:
+                check_server_url(url)
                 self._socket.connect(url)
+            except ConfigError as exc:
+                raise ClientError(str(exc)) from None
             except zmq.ZMQError as exc:
                 raise ClientError(f"invalid server URL {url!r}: {exc}") from None
             self.server = self._call(

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from lmcache_tiers.config import AdapterSpec, L2AdapterConfig, decode_adapter
+from lmcache_tiers.config import AdapterSpec, L2AdapterConfig, decode_adapter_at
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.l2.adapter import BackendAdapter
 from lmcache_tiers.l2.calls import missing_methods
@@ -84,8 +84,12 @@ def open_inner_backend(state: AdapterState, outer: str, raw: Mapping[str, Any], 
 
         state.registry = load_registry()
     registry = state.registry
+    # A config decoded by build_config had its inner specs checked already; this is for
+    # adapters built directly (tests, the conformance suite).  Each wrapper level adds one
+    # ">" to the name (below) and one ".inner" to the path.
+    where = f"$.l2_adapters[{state.facts.index}]" + ".inner" * (outer.count(">") + 1)
     try:
-        spec = decode_adapter(registry, dict(raw), state.facts.index)
+        spec = decode_adapter_at(registry, dict(raw), where)
     except ConfigError as exc:
         raise ConfigError(f"{outer} `inner`: {exc}") from exc
     if spec.config.eviction is not None:

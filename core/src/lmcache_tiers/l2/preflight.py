@@ -26,7 +26,7 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from lmcache_tiers.config import FieldError, decode_adapter
+from lmcache_tiers.config import FieldError, decode_adapter_at
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.registry import Kind
 
@@ -212,7 +212,7 @@ def direct_io_refusal(directory: str) -> str | None:
     return None
 
 
-def _preflight_one(registry: ComponentRegistry, index: int, spec: AdapterSpec, where: str) -> None:
+def _preflight_one(registry: ComponentRegistry, spec: AdapterSpec, where: str) -> None:
     factory: Any = registry.get(Kind.L2_ADAPTER, spec.type).load()
     preflight = getattr(factory, "preflight", None)
     if callable(preflight):
@@ -224,15 +224,12 @@ def _preflight_one(registry: ComponentRegistry, index: int, spec: AdapterSpec, w
             raise ConfigError(f"{spec.type}: {exc} - at `{where}`") from None
     # A wrapper's backend (fault_inject ...) is built from its `inner` spec: check it too.
     inner = getattr(spec.config, "inner", None)
-    if isinstance(inner, Mapping) and "type" in inner:
-        try:
-            inner_spec = decode_adapter(registry, dict(inner), index)
-        except ConfigError:
-            return  # building the wrapper reports a bad inner spec, with its path
-        _preflight_one(registry, index, inner_spec, f"{where}.inner")
+    if isinstance(inner, Mapping):
+        # decoded with the wrapper's config already: a bad inner spec never gets here
+        _preflight_one(registry, decode_adapter_at(registry, inner, f"{where}.inner"), f"{where}.inner")
 
 
 def preflight_adapters(registry: ComponentRegistry, config: ServerConfig) -> None:
     """Run every configured adapter's ``preflight``; raises ConfigError naming the field."""
     for index, spec in enumerate(config.l2_adapters):
-        _preflight_one(registry, index, spec, f"$.l2_adapters[{index}]")
+        _preflight_one(registry, spec, f"$.l2_adapters[{index}]")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 from lmcache_tiers.errors import ConfigError
 
@@ -45,9 +46,15 @@ def parse_capacity(text: str) -> Capacity:
     match = _SPEC.match(text)
     if match is None:
         raise ConfigError(f"bad capacity {text!r}: give a block count (1000, 4k) or a size (512MiB, 2GB)")
-    number, suffix = float(match.group(1)), match.group(2).lower()
+    number, suffix = Fraction(match.group(1)), match.group(2).lower()
     if suffix in _COUNT_SUFFIXES:
-        blocks = int(number * _COUNT_SUFFIXES[suffix])
+        count = number * _COUNT_SUFFIXES[suffix]
+        if count.denominator != 1:
+            raise ConfigError(
+                f"bad capacity {text!r}: {float(count):g} blocks is not a whole number of blocks; "
+                "give a whole count or a size (512MiB)"
+            )
+        blocks = int(count)
         if blocks < 1:
             raise ConfigError(f"bad capacity {text!r}: at least one block is needed")
         return Capacity(text.strip(), blocks=blocks)

@@ -1,13 +1,40 @@
-"""``--plot FILE.png``: the miss-ratio curve drawn with matplotlib (extra ``plot``)."""
+"""``--plot FILE``: the miss-ratio curve drawn with matplotlib (extra ``plot``), as PNG, SVG
+or PDF by the file's extension."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.replay.report import policy_names
 from lmcache_tiers.replay.simulate import BELADY, INFINITE, CapacityPoint
+
+#: the formats --plot writes, by file extension (matplotlib draws them without extra tools)
+PLOT_FORMATS = ("png", "svg", "pdf")
+_NO_MATPLOTLIB = "--plot needs matplotlib, which is not installed: pip install 'lmcache-tiers[plot]'"
+
+
+def check_plot_path(path: str) -> None:
+    """Refuse, before any simulation runs, a ``--plot`` file that cannot be written: one
+    without a supported extension (nothing is appended to a name), a directory, one in a
+    directory that does not exist; and matplotlib not installed."""
+    extension = os.path.splitext(path)[1].lower().lstrip(".")
+    if extension not in PLOT_FORMATS:
+        *others, last = (f".{name}" for name in PLOT_FORMATS)
+        raise ConfigError(
+            f"--plot {path}: give a file name ending in {', '.join(others)} or {last} (the format follows it)"
+        )
+    if os.path.isdir(path):
+        raise ConfigError(f"--plot {path}: is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"--plot {path}: directory {parent} does not exist")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError(_NO_MATPLOTLIB) from None
 
 
 def plot_curve(points: Sequence[CapacityPoint], path: str | Path, *, title: str) -> None:
@@ -18,9 +45,7 @@ def plot_curve(points: Sequence[CapacityPoint], path: str | Path, *, title: str)
         matplotlib.use("Agg")  # files only: no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ConfigError(
-            "--plot needs matplotlib, which is not installed: pip install 'lmcache-tiers[plot]'"
-        ) from None
+        raise ConfigError(_NO_MATPLOTLIB) from None
     capacities = [point.capacity_blocks + (point.l2_capacity_blocks or 0) for point in points]
     figure, axes = plt.subplots(figsize=(8, 5))
     for name in policy_names(points):

@@ -73,8 +73,29 @@ def check_metrics_host(config: ServerConfig, token: str | None) -> None:
         )
 
 
+def check_l1_geometry(config: ServerConfig) -> None:
+    """What the L1 asks for that no machine gives: room for one extent, a segment directory
+    given by an absolute path, and for an NVMe L1 an alignment ``O_DIRECT`` transfers take."""
+    from lmcache_tiers.l1.nvme import DIRECT_IO_ALIGN
+
+    align = config.l1_align_bytes
+    if config.l1_size_bytes < align:
+        raise ConfigError(
+            f"--l1-size-gb {config.l1_size_gb:g}: smaller than one L1 extent of {align} bytes "
+            "(--l1-align-bytes); give a larger size"
+        )
+    if config.gds_l1_path is None:
+        if not os.path.isabs(config.l1_shm_dir):
+            raise ConfigError(f"--shm-dir {config.l1_shm_dir}: give an absolute path")
+    elif align % DIRECT_IO_ALIGN:
+        raise ConfigError(
+            f"--l1-align-bytes {align}: an NVMe L1 (--gds-l1-path) needs a multiple of {DIRECT_IO_ALIGN}"
+        )
+
+
 def check_serving(config: ServerConfig, token: str | None) -> None:
     """Every check that needs neither L1 nor a socket (``serve --print-config`` runs them too)."""
+    check_l1_geometry(config)
     check_frontends(config, token)
     check_metrics_host(config, token)
 

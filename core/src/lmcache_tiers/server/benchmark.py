@@ -14,7 +14,9 @@ them), they are stored L1-only (nothing is written to, or evicted from, any L2 a
 and every key it stored is deleted from L1 (EVICT) when it is done, also after a failure.
 It only needs L1 room for one batch; an engine's L1 objects may be evicted to make that
 room, exactly as a burst of stores would.  A server without these protocol features is
-refused rather than measured.
+refused rather than measured, and so is a batch larger than the server's L1 or than this
+machine's memory can hold twice (the chunks and the buffers they are retrieved into),
+before anything is allocated.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 
 from lmcache_tiers.client import Client, ClientError
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.server.preflight import mem_available
 
 #: model name of every benchmark key; the cache salt is new per run
 BENCH_MODEL = "lmcache-tiers-bench"
@@ -75,6 +78,28 @@ class BenchResult:
 
 
 Step = Callable[[str], None]
+
+_GIB = float(1 << 30)
+
+
+class BenchSizeError(ValueError):
+    """A batch that does not fit the server's L1 or this machine's memory."""
+
+
+def check_batch_room(client: Client, chunks: int, chunk_bytes: int) -> None:
+    """Raise BenchSizeError unless one batch fits the server's L1 and two fit in the memory
+    this machine has available (the chunks stored, and the buffers retrieved into)."""
+    batch = chunks * chunk_bytes
+    shown = f"one batch of {chunks} chunks of {chunk_bytes / (1 << 20):g} MiB ({batch / _GIB:.2f} GiB)"
+    capacity = int(client.status().get("l1", {}).get("capacity_bytes") or 0)
+    if capacity and batch > capacity:
+        raise BenchSizeError(f"{shown} does not fit the server's L1 ({capacity / _GIB:.2f} GiB)")
+    available = mem_available()
+    if available is not None and 2 * batch > available:
+        raise BenchSizeError(
+            f"{shown} is held twice in this process, and this machine has {available / _GIB:.2f} GiB "
+            "of memory available (MemAvailable)"
+        )
 
 
 class BenchKeys:
@@ -136,10 +161,6 @@ def run_bench(
 ) -> BenchResult:
     """Measure one server; ``step(label)`` is called after each unit of work (progress)."""
     tick: Step = step or (lambda label: None)
-    rng = np.random.default_rng(1234)
-    sources = [rng.integers(0, 256, chunk_bytes, dtype=np.uint8) for _ in range(chunks)]
-    targets = [np.ones(chunk_bytes, dtype=np.uint8) for _ in range(chunks)]  # pre-faulted
-
     with Client(url, auth_token=auth_token, timeout=timeout, name="bench") as client:
         missing = [name for name in REQUIRED_FEATURES if name not in client.server_features]
         if missing:
@@ -147,6 +168,10 @@ def run_bench(
                 f"the server lacks {', '.join(missing)} (it is older than this client), so the "
                 "benchmark could not keep its objects out of L2 and delete them afterwards"
             )
+        check_batch_room(client, chunks, chunk_bytes)
+        rng = np.random.default_rng(1234)
+        sources = [rng.integers(0, 256, chunk_bytes, dtype=np.uint8) for _ in range(chunks)]
+        targets = [np.ones(chunk_bytes, dtype=np.uint8) for _ in range(chunks)]  # pre-faulted
         bench_keys = BenchKeys()
         result = BenchResult(url, chunks, chunk_bytes, repeats, client.uses_shm, cache_salt=bench_keys.salt)
         if not client.uses_shm:

@@ -24,14 +24,14 @@ if TYPE_CHECKING:
     from lmcache_tiers.config import ServerConfig
     from lmcache_tiers.registry import ComponentRegistry
 
-__all__ = ["check_l1_room", "check_listeners", "listen_error", "listener_flag", "preflight"]
+__all__ = ["check_l1_room", "check_listeners", "listen_error", "listener_flag", "mem_available", "preflight"]
 
 _GIB = float(1 << 30)
 #: beyond the segment: the process's own memory
 _L1_HEADROOM_BYTES = 64 << 20
 
 
-def _mem_available() -> int | None:
+def mem_available() -> int | None:
     """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
     try:
         with open("/proc/meminfo", encoding="ascii") as handle:
@@ -68,7 +68,7 @@ def check_l1_room(config: ServerConfig) -> None:
             f"{shown}: {directory} has {shm / _GIB:.2f} GiB free; lower --l1-size-gb "
             f"or enlarge {directory} (mount -o remount,size=...)"
         )
-    available = _mem_available()
+    available = mem_available()
     if available is not None and need > available:
         raise ConfigError(
             f"{shown}: this machine has {available / _GIB:.2f} GiB of memory available "

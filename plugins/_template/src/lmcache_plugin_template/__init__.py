@@ -11,14 +11,14 @@ from typing import Annotated
 
 import msgspec
 
-from lmcache_tiers.plugin import KindRegistry, L2AdapterConfig, hookimpl
+from lmcache_tiers.plugin import KindRegistry, L2AdapterConfig, SizeGiB, hookimpl
 
 
 class TemplateConfig(L2AdapterConfig):
     """Objects kept in a dict of this process (a starting point for a real backend)."""
 
     max_size_gb: Annotated[
-        float, msgspec.Meta(gt=0.0, description="Capacity in GiB; stores that do not fit are refused.")
+        SizeGiB, msgspec.Meta(gt=0.0, description="Capacity in GiB; stores that do not fit are refused.")
     ] = 1.0
 
 

@@ -13,7 +13,7 @@ import msgspec
 from lmcache_plugin_raw_block.config import LookupWorkers, lmcache_field
 
 from lmcache_plugin_dax.layout import mapped_bytes, plan_layout
-from lmcache_tiers.plugin import ComponentConfig, FieldError, L2AdapterConfig
+from lmcache_tiers.plugin import ComponentConfig, FieldError, L2AdapterConfig, SizeGiB
 
 
 class DaxDevice(ComponentConfig):
@@ -30,7 +30,7 @@ class DaxDevice(ComponentConfig):
         ),
     ]
     max_dax_size_gb: Annotated[
-        float,
+        SizeGiB,
         msgspec.Meta(gt=0.0, description=lmcache_field("GiB of it to map (index and slots together).")),
     ]
 
@@ -58,7 +58,7 @@ class DaxConfig(L2AdapterConfig):
         msgspec.Meta(description=lmcache_field("The one mapping, with max_dax_size_gb (or use devices).")),
     ] = None
     max_dax_size_gb: Annotated[
-        Annotated[float, msgspec.Meta(gt=0.0)] | None,
+        Annotated[SizeGiB, msgspec.Meta(gt=0.0)] | None,
         msgspec.Meta(description=lmcache_field("GiB of device_path to map.")),
     ] = None
     devices: Annotated[

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from lmcache_tiers.plugin import KindRegistry, L2AdapterConfig, hookimpl
+from lmcache_tiers.plugin import FieldError, KindRegistry, L2AdapterConfig, hookimpl
 
 Rate = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Op = Literal["store", "lookup", "load", "delete"]
@@ -99,6 +99,7 @@ class FaultInjectConfig(L2AdapterConfig):
         float,
         msgspec.Meta(
             gt=0.0,
+            le=3600.0,
             description="How long a lookup waits for the inner adapter before it counts as a miss "
             "(stores and loads always wait: the inner adapter may still use their buffers).",
         ),
@@ -106,7 +107,7 @@ class FaultInjectConfig(L2AdapterConfig):
 
     def __post_init__(self) -> None:
         if not isinstance(self.inner.get("type"), str):
-            raise ValueError('`inner` must be an adapter spec with a string "type"')
+            raise FieldError("inner", '`inner` must be an adapter spec with a string "type"')
 
 
 @hookimpl

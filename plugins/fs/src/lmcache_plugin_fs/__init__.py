@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from lmcache_tiers.plugin import FieldError, KindRegistry, L2AdapterConfig, hookimpl
+from lmcache_tiers.plugin import FieldError, KindRegistry, L2AdapterConfig, SizeGiB, hookimpl
 
 _GIB = 1 << 30
 #: URL prefixes served by plain ``os`` calls rather than fsspec's file objects
@@ -61,7 +61,7 @@ class FsConfig(L2AdapterConfig):
         ),
     ] = None
     max_capacity_gb: Annotated[
-        float,
+        SizeGiB,
         msgspec.Meta(
             ge=0.0,
             description="LMCache fs_native field: most GiB of payload held; 0 = unbounded (usage -1.0). "

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import msgspec
 
-from lmcache_tiers.plugin import KindRegistry, L2AdapterConfig, hookimpl
+from lmcache_tiers.plugin import KindRegistry, L2AdapterConfig, SizeGiB, hookimpl
 
 
 class MockConfig(L2AdapterConfig):
@@ -24,7 +24,7 @@ class MockConfig(L2AdapterConfig):
     """
 
     max_size_gb: Annotated[
-        float,
+        SizeGiB,
         msgspec.Meta(gt=0.0, description="Capacity in GiB; a store that does not fit fails for that key."),
     ] = 1.0
     bandwidth_bytes_per_s: Annotated[

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from lmcache_tiers.plugin import FieldError, L2AdapterConfig
+from lmcache_tiers.plugin import FieldError, L2AdapterConfig, SizeGiB
 
 #: LMCache's defaults for the two sizes (its ``mooncake_store`` connector)
 DEFAULT_SEGMENT_BYTES = 3355443200
@@ -131,7 +131,7 @@ class MooncakeStoreConfig(L2AdapterConfig):
         ),
     ] = "lmcache_tiers/"
     max_capacity_gb: Annotated[
-        float,
+        SizeGiB,
         msgspec.Meta(
             ge=0.0,
             description=(

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import msgspec
 
-from lmcache_tiers.plugin import FieldError, L2AdapterConfig
+from lmcache_tiers.plugin import FieldError, L2AdapterConfig, SizeGiB
 
 DEFAULT_PORT = 6379
 SCHEMES = ("redis", "rediss", "unix")
@@ -36,7 +36,10 @@ def parse_nodes(raw: str | tuple[str, ...]) -> list[tuple[str, int]]:
         host, sep, port = item.rpartition(":")
         host = host.strip("[]")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise FieldError("startup_nodes", f"startup_nodes entries are host:port, got {item!r}")
+            raise FieldError(
+                "startup_nodes",
+                f"startup_nodes entries are host:port with a port from 1 to 65535, got {item!r}",
+            )
         nodes.append((host, int(port)))
     if not nodes:
         raise FieldError("startup_nodes", "startup_nodes names no host:port")
@@ -110,7 +113,7 @@ class RedisConfig(L2AdapterConfig):
         _doc("Payload bytes per pipelined round trip; bounds the replies a batch has waiting.", ge=1 << 16),
     ] = 8 << 20
     max_capacity_gb: Annotated[
-        float, _doc("Bytes this server may store, in GiB; 0: no limit of lmcache-tiers' own.", ge=0.0)
+        SizeGiB, _doc("Bytes this server may store, in GiB; 0: no limit of lmcache-tiers' own.", ge=0.0)
     ] = 0.0
 
     def __post_init__(self) -> None:
@@ -149,6 +152,15 @@ class RedisConfig(L2AdapterConfig):
             raise FieldError("url", "a unix:// url needs the socket path: unix:///run/redis.sock")
         if parsed.scheme != "unix" and not parsed.hostname:
             raise FieldError("url", "the url names no host")
+        try:
+            port = parsed.port  # ValueError when it is not a number from 0 to 65535
+        except ValueError:
+            port = 0
+        else:
+            port = DEFAULT_PORT if port is None else port
+        if parsed.scheme != "unix" and not 0 < port < 65536:
+            # the url itself is not shown: it may carry a password
+            raise FieldError("url", "the url's port must be a number from 1 to 65535")
 
     def seed_nodes(self) -> list[tuple[str, int]]:
         """(host, port) of the store, or the cluster's seed nodes (not for unix:// urls)."""

@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from lmcache_tiers.plugin import FieldError, L2AdapterConfig
+from lmcache_tiers.plugin import FieldError, L2AdapterConfig, SizeGiB
 
 #: the secret-bearing fields: never logged, printed or shown by ``repr``
 SECRET_FIELDS = ("aws_access_key_id", "aws_secret_access_key")
@@ -90,7 +90,7 @@ class S3Config(L2AdapterConfig):
         ),
     ] = "auto"
     max_capacity_gb: Annotated[
-        float,
+        SizeGiB,
         msgspec.Meta(
             ge=0.0,
             description=(
