@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,11 +18,10 @@ import pytest
 from thirdparty import run_cli, serve_cli, wait_for
 
 from lmcache_tiers.client import Client, ClientError
-from lmcache_tiers.config import build_config
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.server.benchmark import run_bench
+from lmcache_tiers.testing.server import ServerHarness
 from lmcache_tiers.wire import protocol as p
 
 
@@ -86,26 +83,11 @@ def test_bench_against_a_server_with_persistent_l2_leaves_nothing(tmp_path: Path
 
 @pytest.fixture
 def in_process_server() -> Iterator[TiersServer]:
-    registry = load_registry()
-    config = build_config(
-        registry,
-        overrides={
-            "l1_size_gb": 0.0625,
-            "port": 0,
-            "metrics_port": 0,
-            "l1_shm_name": f"tiers_bench_{uuid.uuid4().hex[:12]}",
-        },
-        adapter_json=['{"type": "mock", "max_size_gb": 0.0625}'],
-    )
-    server = TiersServer(config, registry=registry)
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
+    harness = ServerHarness()
     try:
-        yield server
+        yield harness.make(adapters=['{"type": "mock", "max_size_gb": 0.0625}'])
     finally:
-        server.request_stop()
-        thread.join(30)
-        server.close()
+        harness.close()
 
 
 def test_l1_only_stores_never_reach_l2_and_evict_leaves_l2_copies(in_process_server: TiersServer) -> None:

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-import uuid
 from collections.abc import Iterator
 
 import pytest
 from thirdparty import run_cli
 
 from lmcache_tiers.client import Client, ClientError
-from lmcache_tiers.config import build_config
-from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.testing.server import ServerHarness
 
 
 @pytest.mark.parametrize(
@@ -79,26 +76,11 @@ def ipv6_server() -> Iterator[TiersServer]:
     if reason is not None:
         print(f"SKIP: {reason}")
         pytest.skip(reason)
-    registry = load_registry()
-    config = build_config(
-        registry,
-        overrides={
-            "host": "::1",
-            "port": 0,
-            "metrics_port": 0,
-            "l1_size_gb": 0.0625,
-            "l1_shm_name": f"tiers_ipv6_{uuid.uuid4().hex[:12]}",
-        },
-    )
-    server = TiersServer(config, registry=registry)
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
+    harness = ServerHarness()
     try:
-        yield server
+        yield harness.make(host="::1")
     finally:
-        server.request_stop()
-        thread.join(30)
-        server.close()
+        harness.close()
 
 
 def test_status_reaches_a_server_on_ipv6_loopback(ipv6_server: TiersServer) -> None:

@@ -131,45 +131,39 @@ def test_a_load_buffer_sized_for_an_object_another_adapter_replaced_is_a_miss(
 # -- damaged and foreign objects --------------------------------------------------------------
 
 
+def _flip_a_payload_byte(raw: redis.Redis, name: str, payload: bytes) -> None:
+    damaged = bytearray(payload)
+    damaged[100] ^= 0xFF
+    raw.hset(name, "p", bytes(damaged))
+
+
+def _drop_the_payload(raw: redis.Redis, name: str, payload: bytes) -> None:
+    raw.hdel(name, "p")  # one HSET writes both fields: a header alone is damage
+
+
+@pytest.mark.parametrize("damage", [_flip_a_payload_byte, _drop_the_payload])
 def test_a_damaged_payload_is_a_miss_and_is_removed(
-    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+    redis_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    damage: Callable[[redis.Redis, str, bytes], None],
 ) -> None:
     adapter = open_adapter(url=redis_server.url, key_prefix=prefix)
     keys = make_keys(2)
     data = store(adapter, keys)
     raw = redis.Redis.from_url(redis_server.url)
     name = backend_of(adapter).name_of(keys[0])
-    damaged = bytearray(data[0])
-    damaged[100] ^= 0xFF
-    raw.hset(name, "p", bytes(damaged))
+    damage(raw, name, data[0])
     found = client_of(adapter).lookup_and_lock(keys)
     assert found.found == [True, True], "the header is intact: the lookup cannot tell"
     loaded, contents = load(adapter, keys, found.sizes)
-    # The damaged payload was received into its buffer and failed its checksum there: the
+    # A damaged payload is received into its buffer and fails its checksum there: the
     # buffer holds bytes nobody may read, and the load says so.
     assert (loaded, contents[1]) == ([False, True], data[1])
     adapter.unlock(keys)
     assert raw.exists(name) == 0
     assert adapter.stats()["corrupt_records_removed"] == 1
     assert client_of(adapter).lookup_and_lock(keys[:1]).found == [False]
-
-
-def test_a_record_without_its_payload_is_a_miss_and_is_removed(
-    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
-) -> None:
-    adapter = open_adapter(url=redis_server.url, key_prefix=prefix)
-    keys = make_keys(2)
-    data = store(adapter, keys)
-    raw = redis.Redis.from_url(redis_server.url)
-    name = backend_of(adapter).name_of(keys[0])
-    raw.hdel(name, "p")
-    found = client_of(adapter).lookup_and_lock(keys)
-    assert found.found == [True, True], "the header is intact: the lookup cannot tell"
-    loaded, contents = load(adapter, keys, found.sizes)
-    assert (loaded, contents[1]) == ([False, True], data[1])
-    adapter.unlock(keys)
-    assert raw.exists(name) == 0, "a header alone would answer every lookup as a hit"
-    assert adapter.stats()["corrupt_records_removed"] == 1
 
 
 def test_a_damaged_header_is_a_lookup_miss_and_is_removed(
