@@ -118,6 +118,16 @@ def test_plugins_show_of_an_unknown_name_is_a_usage_error(capsys: pytest.Capture
     assert len(err.splitlines()) == 1
 
 
+def test_plugins_show_of_a_misspelled_name_suggests_the_installed_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main(["plugins", "show", "fss"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: no plugin or component named 'fss'; did you mean 'fs'? installed plugins: ")
+
+
 def test_plugins_show_says_no_options_and_dedents_docs(capsys: pytest.CaptureFixture[str]) -> None:
     text = _help(capsys, "plugins", "show", "store-skip-l1")
     assert text.startswith("store_policy:skip_l1  (plugin lmcache-plugin-store-skip-l1)\nno options\n")

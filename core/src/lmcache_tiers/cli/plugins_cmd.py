@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 
 import typer
@@ -75,7 +76,11 @@ def show(name: str = typer.Argument(..., help="A plugin name, or a component as 
     components = _matching_components(name)
     if not components:
         known = ", ".join(p.name for p in plugin_set.plugins) or "none"
-        fail(f"no plugin or component named {name!r}; installed plugins: {known}", EXIT_USAGE)
+        names = {p.name.lower() for p in plugin_set.plugins}
+        names.update(c.name.lower() for c in plugin_set.registry.components())
+        close = difflib.get_close_matches(name.lower(), sorted(names), n=1, cutoff=0.6)
+        suggestion = f"did you mean {close[0]!r}? " if close else ""
+        fail(f"no plugin or component named {name!r}; {suggestion}installed plugins: {known}", EXIT_USAGE)
     for component in components:
         title = f"{component.qualified_name}  (plugin {component.plugin})"
         fields = component_fields(component.config)
