@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,8 @@ import torch
 from lmcache_tiers.client import Client, ClientError, ProtocolError, RequestTimeoutError, ServerError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.testing.ports import free_port
+from lmcache_tiers.testing.server import ServerHarness
 from lmcache_tiers.wire import protocol as p
 
 Factory = Callable[..., TiersServer]
@@ -446,3 +448,137 @@ def test_a_later_part_is_asked_only_after_a_full_hit(server: TiersServer) -> Non
 def test_tokens_longer_than_the_protocol_carries_are_refused_by_the_client(server: TiersServer) -> None:
     with pytest.raises(ClientError, match="limited to 256"):
         Client(server.endpoint, auth_token="t" * (p.MAX_TOKEN_LEN + 1))
+
+
+def _until_reachable(client: Client) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.ping(timeout=0.5)
+            return
+        except RequestTimeoutError:
+            assert time.monotonic() < deadline, "the client never reconnected"
+
+
+def test_a_client_follows_a_restarted_server_to_its_new_segment() -> None:
+    """The socket reconnects by itself to a server restarted on the same port; the client
+    must not read or write the new server's offsets in the old server's segment."""
+    port = free_port()
+    first, second = ServerHarness(), ServerHarness()
+    try:
+        old = first.make(port=port)
+        keys, data = keys_of(3), [bytes([0x11]) * 5000] * 3
+        client = Client(old.endpoint, timeout=5)
+        assert client.store(keys, data) == 3 and client.uses_shm
+        first.close()
+        new = second.make(port=port)
+        _until_reachable(client)
+        with Client(new.endpoint) as other:
+            fresh = [bytes([0xAA]) * 5000] * 3
+            assert other.store(keys, fresh) == 3
+            with client.retrieve(keys) as views:  # the old segment still says 0x11
+                assert [bytes(view) for view in views] == fresh
+            more = keys_of(2)
+            assert client.store(more, [bytes([0x77]) * 5000] * 2) == 2  # not into the old segment
+            with other.retrieve(more) as views:
+                assert [bytes(view) for view in views] == [bytes([0x77]) * 5000] * 2
+            out = [np.zeros(5000, dtype=np.uint8) for _ in keys]
+            assert client.retrieve_into(keys, out) == 3
+            assert [bytes(buffer) for buffer in out] == fresh
+        assert client.uses_shm
+        client.close()
+        assert (l1(new)["read_locks"], l1(new)["write_locked"]) == (0, 0)
+    finally:
+        first.close()
+        second.close()
+
+
+class _DropNoticedClient(Client):
+    """Notices a dropped connection right after the next STORE_RESERVE or RETRIEVE reply,
+    as when the server restarted while the request was on its way."""
+
+    drop_after: tuple[type[Any], ...] = ()
+
+    def _call(
+        self, request: Any, expect: Any, payloads: Sequence[Any] = (), timeout: float | None = None
+    ) -> Any:
+        reply = super()._call(request, expect, payloads, timeout)
+        if isinstance(request, self.drop_after):
+            self.drop_after = ()
+            self._dropped = True
+        return reply
+
+
+def test_a_reply_that_may_come_from_another_server_is_not_trusted(server: TiersServer) -> None:
+    keys, data = keys_of(3), blobs(3)
+    with _DropNoticedClient(server.endpoint) as client:
+        client.drop_after = (p.StoreReserve,)
+        assert client.store(keys, data) == 3  # reservation aborted, greeted again, stored
+        assert not client._dropped
+        client.drop_after = (p.Retrieve,)
+        with client.retrieve(keys) as views:
+            assert [bytes(view) for view in views] == data
+        client.drop_after = (p.Retrieve,)
+        out = [bytearray(10_000) for _ in keys]
+        assert client.retrieve_into(keys, out) == 3
+        assert [bytes(buffer) for buffer in out] == data
+    stats = server.frontends[0].stats()
+    assert (stats.requests["StoreAbort"], stats.requests["Hello"]) == (1, 4)
+    assert (l1(server)["objects"], l1(server)["read_locks"], l1(server)["write_locked"]) == (3, 0, 0)
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_lookup_locks_are_released_when_a_forced_clear_leaves_nothing_to_retrieve(
+    server: TiersServer, shm: bool
+) -> None:
+    keys = keys_of(3)
+    with Client(server.endpoint, shm=shm) as client, Client(server.endpoint) as other:
+        client.store(keys, blobs(3))
+        assert client.lookup(keys) == 3
+        assert other.clear(force=True) == 3
+        with client.retrieve(keys) as views:
+            assert views == []
+        # the LOOKUP's locks are gone, and with them the extents the clear held back
+        assert l1(server)["read_locks"] == 0
+        assert server.storage_status()["l1"]["leases"]["quarantined_extents"] == 0
+
+
+def test_a_failed_lookup_gives_back_the_locks_of_the_parts_before(server: TiersServer) -> None:
+    keys = keys_of(6)
+
+    class FailingSecondPart(Client):
+        def _lookup_part(self, part: list[ObjectKey], deadline: float, limit: float) -> int:
+            if part[0] == keys[4]:
+                raise RequestTimeoutError("the second part's prefetch did not finish")
+            return super()._lookup_part(part, deadline, limit)
+
+    with FailingSecondPart(server.endpoint) as client:
+        client.max_keys = 4
+        client.store(keys, blobs(6, 100))
+        with pytest.raises(RequestTimeoutError):
+            client.lookup(keys)
+        client.ping()  # the release went out without waiting; it is handled before this
+        assert l1(server)["read_locks"] == 0
+        with pytest.raises(RequestTimeoutError):
+            client.lookup_many([keys[:2], keys])
+        client.ping()
+        assert l1(server)["read_locks"] == 0
+
+
+def test_a_slot_outside_the_arena_is_a_protocol_error_and_releases(server: TiersServer) -> None:
+    keys = keys_of(2)
+
+    class LyingServer(Client):
+        def _call(
+            self, request: Any, expect: Any, payloads: Sequence[Any] = (), timeout: float | None = None
+        ) -> Any:
+            reply = super()._call(request, expect, payloads, timeout)
+            if isinstance(reply, p.RetrieveReply) and reply.slots:
+                reply.slots[0] = p.Slot(1 << 40, reply.slots[0].size, reply.slots[0].generation)
+            return reply
+
+    with LyingServer(server.endpoint) as client:
+        client.store(keys, blobs(2))
+        with pytest.raises(ProtocolError, match="outside"), client.retrieve(keys):
+            pass
+    assert l1(server)["read_locks"] == 0

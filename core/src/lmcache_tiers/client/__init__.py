@@ -28,6 +28,12 @@ generation table shows the extent changed hands, and ``retrieve`` raises
 :class:`StaleReadError` at the end of its block (``retrieve_into`` retries first)
 instead of letting wrong bytes pass as the object's.
 
+A server that restarts at the same address is followed: the socket reconnects by
+itself, and before the next store or retrieve the client greets the server again and maps
+the segment it offers now, so offsets of the new server are never read from, or written
+into, the old one's memory (a request answered across the restart is given back and sent
+again once).
+
 One Client is one ZeroMQ socket: calls are serialized with a lock, so sharing a client
 between threads is safe but not parallel; use one client per thread for parallelism.
 """

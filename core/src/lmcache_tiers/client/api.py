@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -26,6 +26,42 @@ from lmcache_tiers.wire.shm import (
 def _sent_layouts(layouts: Sequence[str]) -> list[str]:
     """What goes on the wire: nothing at all when no object has a known layout."""
     return list(layouts) if any(layouts) else []
+
+
+_T = TypeVar("_T")
+
+
+class _ServerChanged(ClientError):
+    """The connection dropped while a request that names arena offsets was answered: the
+    reply may come from a restarted server, whose offsets are not in the mapped segment.
+    What it took has been given back; the client greets the server and tries once more."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(
+            f"the connection to {url} dropped while the request was answered (a server restart?), "
+            "twice in a row; nothing was kept from it: call again"
+        )
+
+
+def _segment_identity(hello: p.HelloReply) -> tuple[Any, ...]:
+    return (
+        hello.shm_name,
+        hello.shm_size,
+        hello.shm_device,
+        hello.shm_inode,
+        hello.shm_dir,
+        hello.generation_offset,
+        hello.generation_block,
+    )
+
+
+def _check_slot(segment: MappedSegment, slot: p.Slot) -> None:
+    """A slot the server named must lie in the mapped arena: else the server and this
+    mapping disagree, which is the server's answer at fault, not the caller's."""
+    try:
+        segment.check_slot(slot.offset, slot.size)
+    except ValueError as exc:
+        raise ProtocolError(f"the server named {exc}") from None
 
 
 def _copy_into(target: np.ndarray[Any, Any], source: np.ndarray[Any, Any]) -> None:
@@ -56,6 +92,9 @@ class Client(Connection):
         name: str = "",
     ) -> None:
         self._segment: MappedSegment | None = None
+        self._shm = shm
+        # the HELLO whose segment is mapped (a server that restarted offers another one)
+        self._mapped_from: p.HelloReply | None = None
         super().__init__(url, timeout=timeout, auth_token=auth_token, name=name)
         # Asked on every lookup: decided once (older servers would ignore the wait).
         self._lookup_waits = "lookup_wait" in self.server.features
@@ -69,6 +108,7 @@ class Client(Connection):
         server = self.server
         if not shm or not server.shm_name:
             return None  # inline: asked for, or no segment offered (--no-shm, NVMe L1)
+        self._mapped_from = server
         try:
             return MappedSegment(
                 server.shm_name,
@@ -82,9 +122,47 @@ class Client(Connection):
         except SegmentMismatch:
             return None  # another host or /dev/shm namespace: inline
 
+    def _follow_server(self) -> None:
+        """Before a request that names arena offsets: if the connection dropped since the
+        last HELLO, greet the server again and, when it offers another segment than the
+        mapped one (it restarted), map that one instead (or go inline).  Without this,
+        offsets from a restarted server would be read from, and written into, the old
+        server's memory: wrong bytes out, and stores acknowledged whose bytes never
+        arrived."""
+        if not self._connection_dropped():
+            return
+        with self._lock:
+            self._dropped = False
+            try:
+                hello = self._greet()
+            except BaseException:
+                self._dropped = True
+                raise
+            self.server = hello
+            self.max_keys = max(1, hello.max_keys)
+            self._lookup_waits = "lookup_wait" in hello.features
+            mapped = self._mapped_from
+            if mapped is not None and _segment_identity(mapped) == _segment_identity(hello):
+                return  # the same server: the mapping stays right
+            old, self._segment, self._mapped_from = self._segment, None, None
+            if old is not None:
+                old.close()
+            self._segment = self._map_segment(self._shm)
+
+    def _on_current_server(self, operation: Callable[[], _T]) -> _T:
+        """Run ``operation`` after ``_follow_server``; once more if the connection dropped
+        while it ran (it raised ``_ServerChanged`` after giving back what it took)."""
+        self._follow_server()
+        try:
+            return operation()
+        except _ServerChanged:
+            self._follow_server()
+            return operation()
+
     @property
     def uses_shm(self) -> bool:
-        """True when bytes move through the mapped segment, False when they travel inline."""
+        """True when bytes move through the mapped segment, False when they travel inline
+        (it may change when the server restarts with another data plane)."""
         return self._segment is not None
 
     def close(self) -> None:
@@ -170,17 +248,22 @@ class Client(Connection):
             raise ValueError("cannot store an empty buffer")
         for layout, array in zip(layouts, arrays, strict=True):
             check_layout(layout, array.nbytes)
+        chosen = list(layouts)
+        return self._on_current_server(lambda: self._store_now(keys, arrays, chosen, l1_only))
+
+    def _store_now(
+        self, keys: Sequence[ObjectKey], arrays: list[np.ndarray[Any, Any]], layouts: list[str], l1_only: bool
+    ) -> int:
         stored = 0
-        if self._segment is not None:
-            with self._segment.pages.in_use():
+        segment = self._segment
+        if segment is not None:
+            with segment.pages.in_use():
                 for part in self._batches(len(keys)):
                     stored += self._store_shm(
-                        list(keys[part]), arrays[part], _sent_layouts(layouts[part]), self._segment, l1_only
+                        list(keys[part]), arrays[part], _sent_layouts(layouts[part]), segment, l1_only
                     )
         else:
-            for batch_keys, batch_arrays, batch_layouts in self._inline_batches(
-                list(keys), arrays, list(layouts)
-            ):
+            for batch_keys, batch_arrays, batch_layouts in self._inline_batches(list(keys), arrays, layouts):
                 request = p.StoreInline(0, "", batch_keys, _sent_layouts(batch_layouts), l1_only)
                 reply = self._call(request, p.StoreReply, payloads=batch_arrays)
                 stored += sum(reply.done)
@@ -225,19 +308,29 @@ class Client(Connection):
         if not reserved:
             return 0
         try:
-            # A reservation that already changed hands (this process stalled past the write
-            # TTL and its grace period) is not written into: that extent is someone else's
-            # now.  Its commit is refused by the server, which expired it.
-            lost = {reply.slots[index].offset for index in segment.changed(reply.slots)}
-            copies: list[tuple[int, np.ndarray[Any, Any]]] = []
+            if self._connection_dropped():
+                raise _ServerChanged(self.url)  # the slots may be another segment's
+            slots: list[p.Slot] = []
+            sources: list[np.ndarray[Any, Any]] = []
             for array, slot in zip(arrays, reply.slots, strict=True):
-                if slot.offset == p.NO_SLOT or slot.offset in lost:
+                if slot.offset == p.NO_SLOT:
                     continue
                 if slot.size != array.nbytes:
                     raise ProtocolError(f"reserved {slot.size} bytes for a {array.nbytes}-byte buffer")
-                segment.check_slot(slot.offset, slot.size)
-                copies.append((slot.offset, array))
-            segment.write_many(copies)
+                _check_slot(segment, slot)
+                slots.append(slot)
+                sources.append(array)
+            # A reservation that already changed hands (this process stalled past the write
+            # TTL and its grace period) is not written into: that extent is someone else's
+            # now.  Its commit is refused by the server, which expired it.
+            lost = set(segment.changed(slots))
+            segment.write_many(
+                [
+                    (slot.offset, source)
+                    for index, (slot, source) in enumerate(zip(slots, sources, strict=True))
+                    if index not in lost
+                ]
+            )
         except BaseException:
             with contextlib.suppress(ClientError):
                 self._call(p.StoreAbort(0, "", reserved), p.StoreReply)
@@ -259,11 +352,19 @@ class Client(Connection):
         if 0 < len(keys) <= self.max_keys:  # one request, the usual case
             return self._lookup_part(keys, deadline, limit)
         hits = 0
-        for part in self._batches(len(keys)):
-            found = self._lookup_part(keys[part], deadline, limit)
-            hits += found
-            if found < part.stop - part.start:
-                break
+        asked = 0
+        try:
+            for part in self._batches(len(keys)):
+                asked = part.stop
+                found = self._lookup_part(keys[part], deadline, limit)
+                hits += found
+                if found < part.stop - part.start:
+                    break
+        except BaseException as exc:
+            # The parts before hold locks the caller cannot know about: give them back.
+            if hits:
+                self._give_back(keys[:asked], exc)
+            raise
         return hits
 
     def _lookup_part(self, keys: list[ObjectKey], deadline: float, limit: float) -> int:
@@ -291,6 +392,27 @@ class Client(Connection):
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         results: list[int | None] = [None] * len(key_lists)
+        try:
+            return self._lookup_many(key_lists, results, deadline, limit, window)
+        except BaseException as exc:
+            # Prompts answered before the failure hold locks the caller cannot know about.
+            held = list(
+                dict.fromkeys(
+                    key for position, hits in enumerate(results) if hits for key in key_lists[position]
+                )
+            )
+            if held:
+                self._give_back(held, exc)
+            raise
+
+    def _lookup_many(
+        self,
+        key_lists: Sequence[Sequence[ObjectKey]],
+        results: list[int | None],
+        deadline: float,
+        limit: float,
+        window: int,
+    ) -> list[int]:
         waiting: list[tuple[int, int]] = []  # (position, prefetch handle)
         with self._lock:
             for begin in range(0, len(key_lists), max(1, window)):
@@ -365,11 +487,11 @@ class Client(Connection):
         :class:`StaleReadError` naming them: whatever was read from those views is void.
         """
         keys = list(keys)
-        segment = self._segment
+        segment, slots = self._on_current_server(lambda: self._acquire_mapped(keys))
         if segment is None:
             yield self._retrieve_inline(keys)
             return
-        with self._lease(keys, segment) as slots:
+        with self._leased(keys):
             views = [segment.buffer[slot.offset : slot.offset + slot.size].toreadonly() for slot in slots]
             try:
                 yield views
@@ -383,41 +505,83 @@ class Client(Connection):
         if stale:
             raise StaleReadError([keys[index] for index in stale])
 
-    @contextlib.contextmanager
-    def _lease(self, keys: list[ObjectKey], segment: MappedSegment) -> Iterator[list[p.Slot]]:
-        """Read-lock the hit prefix of ``keys`` (RETRIEVE, part by part) and yield its arena
-        slots; on exit release every lock this client holds on ``keys``."""
+    def _acquire_mapped(self, keys: list[ObjectKey]) -> tuple[MappedSegment | None, list[p.Slot]]:
+        """``_acquire`` in the mapped segment: (segment, slots), or (None, []) when bytes
+        travel inline."""
+        segment = self._segment
+        return (None, []) if segment is None else (segment, self._acquire(keys, segment))
+
+    def _acquire(self, keys: list[ObjectKey], segment: MappedSegment) -> list[p.Slot]:
+        """Read-lock the hit prefix of ``keys`` (RETRIEVE, part by part) and return its
+        slots in ``segment``.  On failure every lock this client holds on ``keys`` is
+        given back (its LOOKUP's too)."""
         slots: list[p.Slot] = []
         try:
             for part in self._batches(len(keys)):
                 batch = keys[part]
                 reply = self._call(p.Retrieve(0, "", batch), p.RetrieveReply)
+                if self._connection_dropped():
+                    raise _ServerChanged(self.url)  # the slots may be another segment's
                 if len(reply.slots) > len(batch):
                     raise ProtocolError(f"RETRIEVE answered {len(reply.slots)} slots for {len(batch)} keys")
                 for slot in reply.slots:
-                    segment.check_slot(slot.offset, slot.size)
+                    _check_slot(segment, slot)
                 slots.extend(reply.slots)
                 if len(reply.slots) < len(batch):
                     break
-            yield slots
-        finally:
-            if slots and not self._closed:
-                self.release(keys)
+        except BaseException as exc:
+            self._give_back(keys, exc)
+            raise
+        return slots
+
+    @contextlib.contextmanager
+    def _leased(self, keys: list[ObjectKey]) -> Iterator[None]:
+        """On exit release every lock this client holds on ``keys`` -- the LOOKUP's too,
+        also when RETRIEVE found none of them (a forced clear in between) -- so that the
+        extents a forced clear holds back are not held until the lock TTL."""
+        try:
+            yield
+        except BaseException as exc:
+            self._give_back(keys, exc)
+            raise
+        if keys and not self._closed:
+            self.release(keys)
+
+    def _give_back(self, keys: Sequence[ObjectKey], failure: BaseException) -> None:
+        """After ``failure``: drop this client's locks on ``keys`` without hiding the
+        failure, and without waiting another timeout for a server that did not answer."""
+        if self._closed or not keys:
+            return
+        keys = list(keys)
+        if isinstance(failure, RequestTimeoutError):
+            for part in self._batches(len(keys)):
+                self._send_and_forget(p.Release(0, "", keys[part]))
+            return
+        with contextlib.suppress(ClientError):
+            self.release(keys)
 
     def _retrieve_inline(self, keys: list[ObjectKey]) -> list[memoryview]:
         views: list[memoryview] = []
         position = 0
-        while position < len(keys):
-            batch = keys[position : position + self.max_keys]
-            reply, frames = self._exchange(p.Retrieve(0, "", batch, inline=True), p.RetrieveReply)
-            if len(frames) != len(reply.slots):
-                raise ProtocolError(f"{len(reply.slots)} slots but {len(frames)} payload frames")
-            views.extend(frame.buffer.toreadonly() for frame in frames)
-            position += len(frames)
-            if len(frames) < len(batch) and not reply.truncated:
-                break
-            if not frames:
-                break
+        try:
+            while position < len(keys):
+                batch = keys[position : position + self.max_keys]
+                reply, frames = self._exchange(p.Retrieve(0, "", batch, inline=True), p.RetrieveReply)
+                if len(frames) != len(reply.slots):
+                    raise ProtocolError(f"{len(reply.slots)} slots but {len(frames)} payload frames")
+                views.extend(frame.buffer.toreadonly() for frame in frames)
+                position += len(frames)
+                if len(frames) < len(batch) and not reply.truncated:
+                    break
+                if not frames:
+                    break
+        except BaseException as exc:
+            self._give_back(keys[position:], exc)
+            raise
+        if position < len(keys):
+            # The server dropped the locks on the keys it returned; the rest may still be
+            # locked by this client's LOOKUP (a forced clear in between, say).
+            self.release(keys[position:])
         return views
 
     def retrieve_into(self, keys: Sequence[ObjectKey], buffers: Sequence[BufferLike]) -> int:
@@ -431,14 +595,18 @@ class Client(Connection):
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         targets = [as_writable_byte_array(buffer) for buffer in buffers]
+        keys = list(keys)
+        return self._on_current_server(lambda: self._retrieve_into_now(keys, targets))
+
+    def _retrieve_into_now(self, keys: list[ObjectKey], targets: list[np.ndarray[Any, Any]]) -> int:
         segment = self._segment
         if segment is None:
-            with self.retrieve(keys) as views:
-                for view, target in zip(views, targets, strict=False):
-                    _copy_into(target, np.frombuffer(view, dtype=np.uint8))
-                return len(views)
+            views = self._retrieve_inline(keys)
+            for view, target in zip(views, targets, strict=False):
+                _copy_into(target, np.frombuffer(view, dtype=np.uint8))
+            return len(views)
         with segment.pages.in_use():
-            return self._retrieve_shm_into(list(keys), targets, segment)
+            return self._retrieve_shm_into(keys, targets, segment)
 
     def _retrieve_shm_into(
         self, keys: list[ObjectKey], targets: list[np.ndarray[Any, Any]], segment: MappedSegment
@@ -446,7 +614,8 @@ class Client(Connection):
         done = 0
         for _ in range(self.STALE_RETRIES + 1):
             rest = keys[done:]
-            with self._lease(rest, segment) as slots:
+            slots = self._acquire(rest, segment)
+            with self._leased(rest):
                 copies = list(zip(slots, targets[done:], strict=False))
                 for slot, target in copies:
                     if target.nbytes < slot.size:

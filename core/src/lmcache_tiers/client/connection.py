@@ -4,6 +4,11 @@ Several requests may be in flight (``lookup_many`` pipelines them); a reply that
 for another outstanding request is kept for it, and one for a request that already timed
 out settles what that request took on the client's behalf (reservations, read locks),
 which nobody would otherwise give back before the server's TTL.
+
+ZeroMQ reconnects a dropped connection by itself, to whatever server listens at the URL
+then, without telling the socket's user.  A monitor on the socket notes every drop, so
+the client can greet the server again (``_connection_dropped``) before it trusts arena
+offsets that may name another server's segment.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ _SNDMORE = int(zmq.SNDMORE)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _OK = p.ErrorCode.OK.value
 _RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 # The backend's methods, without the sugar wrappers (routing_id/group support for socket
 # types a client does not use): a few hundred nanoseconds per request.  A header received
 # as bytes and its "more" flag read from the backend cost less than a Frame and its
@@ -48,6 +55,8 @@ _RCVMORE = int(zmq.RCVMORE)
 _raw_send = zmq.backend.Socket.send
 _raw_recv = zmq.backend.Socket.recv
 _raw_get = zmq.backend.Socket.get
+# Monitor endpoints are named uniquely: a closed client's name may stay bound for a while.
+_MONITORS = itertools.count()
 
 
 class Connection:
@@ -64,7 +73,11 @@ class Connection:
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._pid = os.getpid()
+        self._name = name
         self._closed = False
+        # set once the connection to the server dropped since the last HELLO (see the module)
+        self._dropped = False
+        self._monitor: zmq.Socket[bytes] | None = None
         # requests that timed out, by id, in case their replies still arrive
         self._orphans: dict[int, p._Request] = {}
         self._receive_timeout_ms = -1
@@ -80,6 +93,11 @@ class Connection:
         # Bracketed IPv6 addresses (tcp://[::1]:5555) connect only with IPV6 on; IPv4 still does.
         self._socket.setsockopt(zmq.IPV6, 1)
         try:
+            # Before connecting, so that no drop goes unseen.
+            self._monitor = self._socket.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED,
+                f"inproc://lmcache-tiers-client-monitor-{os.getpid()}-{next(_MONITORS)}",
+            )
             try:
                 check_server_url(url)
                 self._socket.connect(url)
@@ -87,9 +105,7 @@ class Connection:
                 raise ClientError(str(exc)) from None
             except zmq.ZMQError as exc:
                 raise ClientError(f"invalid server URL {url!r}: {exc}") from None
-            self.server = self._call(
-                p.Hello(0, self._token, p.PROTOCOL_VERSION, name, os.getpid()), p.HelloReply
-            )
+            self.server = self._greet()
         except BaseException:
             self.close()
             raise
@@ -100,7 +116,40 @@ class Connection:
         if self._closed:
             return
         self._closed = True
+        if self._monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.disable_monitor()
+            self._monitor.close(0)
         self._socket.close(0)
+
+    def _greet(self) -> p.HelloReply:
+        """HELLO: the server's data-plane parameters (segment, limits, features)."""
+        return self._call(p.Hello(0, self._token, p.PROTOCOL_VERSION, self._name, os.getpid()), p.HelloReply)
+
+    def _connection_dropped(self) -> bool:
+        """Whether the connection to the server dropped since the last HELLO: the socket
+        has reconnected (or will) to whatever server listens at the URL now, possibly a
+        restarted one with another segment; ``_dropped`` stays set until a HELLO clears it.
+
+        A drop is reported by the socket's I/O thread before it reconnects, so once a reply
+        came over a new connection, this sees the drop."""
+        monitor = self._monitor
+        if not self._dropped and monitor is not None and not self._closed and os.getpid() == self._pid:
+            with self._lock:
+                try:
+                    while int(_raw_get(monitor, _EVENTS)) & _POLLIN:
+                        monitor.recv_multipart(_NOBLOCK)
+                        self._dropped = True
+                except zmq.ZMQError:
+                    pass
+        return self._dropped
+
+    def _send_and_forget(self, request: p._Request) -> None:
+        """Send ``request`` without waiting for its reply (dropped when it comes): what a
+        failed call gives back must not wait another timeout for a server that did not
+        answer.  Nothing happens when the server cannot be reached at once."""
+        with self._lock, contextlib.suppress(ClientError, zmq.ZMQError):
+            _raw_send(self._socket, self._header(request), _NOBLOCK)
 
     # -- request/reply -----------------------------------------------------------------------
 
