@@ -1,10 +1,30 @@
+from __future__ import annotations
+
+import contextlib
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
-from lmcache_tiers.replay.run import Payloads, ReplayTotals, paced, percentile, status_delta
+from lmcache_tiers.client import StaleReadError
+from lmcache_tiers.config import ServerConfig, decode_adapter
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.plugins import load_registry
+from lmcache_tiers.replay import inprocess, run
+from lmcache_tiers.replay import server as server_replay
+from lmcache_tiers.replay.run import (
+    ClientState,
+    Payloads,
+    ReplayOptions,
+    ReplayTotals,
+    paced,
+    percentile,
+    status_delta,
+)
 from lmcache_tiers.replay.trace import TraceRequest
+from lmcache_tiers.storage import StorageManager
 
 
 def _requests(*stamps: float) -> list[tuple[int, TraceRequest]]:
@@ -73,3 +93,110 @@ def test_status_delta_counts_only_what_changed() -> None:
         "l2_evicted_blocks": 1,
         "failures": {"l1_write_oom": 2},
     }
+
+
+class _FakeClock:
+    """time.monotonic/perf_counter/sleep of a clock that moves only when told."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+
+
+class _FakeClient:
+    """Enough of a Client for replay_share: every LOOKUP misses and takes one second."""
+
+    def __init__(self, clock: _FakeClock) -> None:
+        self.clock = clock
+
+    def __enter__(self) -> _FakeClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+    def lookup(self, keys: list[ObjectKey]) -> int:
+        self.clock.sleep(1.0)
+        return 0
+
+    def store(self, keys: list[ObjectKey], buffers: list[Any]) -> int:
+        return len(keys)
+
+
+def test_time_scale_zero_still_starts_at_the_shared_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _FakeClock(100.0)
+    monkeypatch.setattr(run, "time", clock)
+    requests = _requests(0, 10_000)
+    assert list(paced(requests, 0.0, origin_ms=0, start=105.0)) == requests
+    assert clock.now == 105.0  # clients spawned one after the other begin together
+
+
+def test_a_clients_seconds_run_from_the_shared_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _FakeClock(100.0)
+    monkeypatch.setattr(run, "time", clock)
+    monkeypatch.setattr(server_replay, "time", clock)
+    monkeypatch.setattr(server_replay, "Client", lambda *args, **kwargs: _FakeClient(clock))
+    # started 5 s ahead of the shared start (as a spawned client is): the wait is not replay time
+    totals = server_replay.replay_share(
+        "tcp://127.0.0.1:1",
+        _requests(0, 0, 0),
+        ReplayOptions(block_bytes=64, time_scale=1.0),
+        origin_ms=0,
+        start=105.0,
+    )
+    assert (totals.requests, totals.seconds) == (3, 3.0)
+
+
+class _StaleClient:
+    """Looks every block up as a hit, hands out bytes that are not the blocks', and says on
+    leaving the retrieve that they changed under the reader (as Client does)."""
+
+    def __init__(self, stale: bool) -> None:
+        self.stale = stale
+
+    def lookup(self, keys: list[ObjectKey]) -> int:
+        return len(keys)
+
+    @contextlib.contextmanager
+    def retrieve(self, keys: list[ObjectKey]) -> Iterator[list[memoryview]]:
+        yield [memoryview(bytes(64)) for _ in keys]
+        if self.stale:
+            raise StaleReadError(keys)
+
+
+def test_a_stale_retrieve_is_a_failed_request_not_corruption() -> None:
+    request = TraceRequest(0, 1500, 1, (1, 2, 3))
+    state = ClientState.for_options(ReplayOptions(block_bytes=64))
+    with pytest.raises(StaleReadError):
+        server_replay._replay_one(_StaleClient(stale=True), request, state)  # type: ignore[arg-type]
+    assert (state.totals.corrupt_blocks, state.totals.retrieved_blocks) == (0, 0)
+    server_replay._replay_one(_StaleClient(stale=False), request, state)  # type: ignore[arg-type]
+    assert (state.totals.corrupt_blocks, state.totals.retrieved_blocks) == (3, 3)
+
+
+def test_an_in_process_lookup_given_up_on_leaves_no_locks_behind() -> None:
+    registry = load_registry()
+    slow = decode_adapter(registry, {"type": "mock", "max_size_gb": 0.01, "latency_s": 0.3}, 0)
+    options = ReplayOptions(block_bytes=4096)
+    state = ClientState.for_options(options)
+    request = TraceRequest(0, 1500, 1, (1, 2, 3))
+    scratch = np.zeros(options.block_bytes, dtype=np.uint8).data
+    with StorageManager(ServerConfig(l1_size_gb=1 / 64, l2_adapters=(slow,)), registry) as storage:
+        inprocess._replay_one(storage, request, state, scratch, 30.0)  # stores the three blocks
+        assert state.totals.stored_blocks == 3
+        assert storage.flush(timeout=30)
+        assert storage.clear() == 3
+        inprocess._replay_one(storage, request, state, scratch, 0.001)  # L2 is slower than that
+        assert state.totals.failed_requests == 1
+        deadline = time.monotonic() + 30
+        while storage.status()["prefetch"]["in_flight"] or storage.status()["prefetch"]["queued"]:
+            assert time.monotonic() < deadline, "the prefetch never finished"
+            time.sleep(0.02)
+        assert storage.l1.stats().read_locks == 0

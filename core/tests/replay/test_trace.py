@@ -101,3 +101,12 @@ def test_unsafe_key_names_are_refused() -> None:
 
     with pytest.raises(KeyValidationError):
         KeySpace(model="a@b")
+
+
+def test_a_limit_does_not_read_past_the_head(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.jsonl", synthetic_lines(3, requests=4))
+    with path.open("a") as handle:
+        handle.write("not json\n")  # line 5: beyond --limit 4, so never an error
+    assert len(read_trace(path, limit=4).requests) == 4
+    with pytest.raises(TraceError, match="line 5"):
+        read_trace(path, limit=5)

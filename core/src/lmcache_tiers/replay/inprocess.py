@@ -40,7 +40,10 @@ def _replay_one(
     else:
         waited = storage.wait_prefetch(handle, timeout_s)
         if waited is None:
-            totals.failed_requests += 1  # its locks expire with the lock TTL
+            # Given up on: its read locks are released when it finishes, instead of pinning
+            # the prefix (and skewing what is evicted) until the result expires.
+            storage.discard_prefetch(handle)
+            totals.failed_requests += 1
             totals.count_request(request, 0)
             return
         hits = waited

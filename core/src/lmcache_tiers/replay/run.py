@@ -124,9 +124,14 @@ def paced(
     A request is due ``(timestamp - origin_ms) * time_scale`` ms after ``start`` (a
     ``time.monotonic()`` value); every client of one replay uses the same origin (the
     trace's first timestamp) and start, so together they keep the trace's arrivals.
-    A client that falls behind sends at once.
+    A client that falls behind sends at once.  With ``time_scale`` 0 the first request
+    still waits for ``start``, so that clients started one after the other run together.
     """
     if time_scale <= 0:
+        if requests:
+            delay = start - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
         yield from requests
         return
     began = start

@@ -137,10 +137,11 @@ def iter_trace(path: str | Path) -> Iterator[TraceRequest]:
 def read_trace(path: str | Path, limit: int | None = None) -> Trace:
     """The whole trace (or its first ``limit`` requests); an empty trace is an error."""
     requests: list[TraceRequest] = []
-    for request in iter_trace(path):
-        if limit is not None and len(requests) >= limit:
-            break
-        requests.append(request)
+    if limit is None or limit > 0:
+        for request in iter_trace(path):
+            requests.append(request)
+            if limit is not None and len(requests) >= limit:
+                break  # before the next line is read: what follows the head is not parsed
     if not requests:
         raise TraceError(f"trace file {path} holds no requests")
     return Trace(str(path), tuple(requests))
