@@ -38,8 +38,9 @@ class SerdeContext:
     object copied under another key fails to decrypt); ``size`` is the object's L1
     (decoded) size, the size the whole chain decodes back to; ``layout`` is the object's
     tensor layout when its writer gave one ("" otherwise, see :mod:`lmcache_tiers.layout`).
-    The layout is known when an object is encoded; a serde that needs it to decode must
-    carry it in its own encoding.
+    The layout is known when an object is encoded, and only by the first serde of a chain
+    (the one that receives the object's own bytes; later ones get ""); a serde that needs
+    it to decode must carry it in its own encoding.
     """
 
     key: ObjectKey
@@ -74,6 +75,14 @@ def build_serde_chain(specs: Sequence[SerdeSpec], registry: ComponentRegistry) -
                 f"serde[{position}] {spec.type!r} built {type(serde).__name__}, which lacks "
                 "name/encode/decode"
             )
+        name = serde.name
+        if not isinstance(name, str) or not name or "," in name:
+            # Record headers join the chain's names with ',': a name holding one would make
+            # two different chains look alike, and records of one decode with the other.
+            raise ConfigError(
+                f"serde[{position}] {spec.type!r} is named {name!r}; a serde name must be a "
+                "non-empty string without ','"
+            )
         chain.append(serde)
     return chain
 
@@ -84,8 +93,10 @@ def serde_names(chain: Sequence[Serde]) -> tuple[str, ...]:
 
 
 def encode_chain(chain: Sequence[Serde], data: memoryview, context: SerdeContext) -> memoryview:
-    """Run every encoder, first to last."""
-    for serde in chain:
+    """Run every encoder, first to last; only the first sees ``context.layout``."""
+    for position, serde in enumerate(chain):
+        if position == 1:
+            context = SerdeContext(context.key, context.size)
         data = memoryview(serde.encode(data, context)).cast("B")
     return data
 

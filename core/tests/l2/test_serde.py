@@ -85,6 +85,34 @@ def test_build_chain_in_order_and_round_trip() -> None:
     assert bytes(decode_chain(chain, encoded, context)) == bytes(original)
 
 
+class SeesLayout:
+    """Records the layout each encode was given."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.layouts: list[str] = []
+
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
+        self.layouts.append(context.layout)
+        return b"+" + bytes(data)  # changes the bytes: no layout describes them any more
+
+    def decode(self, data: memoryview, context: SerdeContext) -> memoryview:
+        return data[1:]
+
+
+def test_only_the_first_stage_is_given_the_layout() -> None:
+    from lmcache_tiers.l2.codec import SerdeChain
+
+    layout = "uint8[4,4]"
+    data = memoryview(bytes(range(16)))
+    first, second = SeesLayout("first"), SeesLayout("second")
+    encode_chain([first, second], data, SerdeContext(KEY, data.nbytes, layout))
+    staged = SerdeChain([first, second]).encode(KEY, data, layout)
+    staged.release()
+    assert first.layouts == [layout, layout]
+    assert second.layouts == ["", ""]
+
+
 def test_empty_chain_is_identity() -> None:
     assert build_serde_chain([], registry()) == []
     data = memoryview(b"xyz")
@@ -97,3 +125,16 @@ def test_unknown_and_broken_serdes_are_config_errors() -> None:
         build_serde_chain([SerdeSpec(type="zlip", config=EmptyConfig())], registry())
     with pytest.raises(ConfigError, match="lacks name/encode/decode"):
         build_serde_chain([SerdeSpec(type="broken", config=EmptyConfig())], registry())
+
+
+def test_serde_names_that_records_cannot_tell_apart_are_config_errors() -> None:
+    """Record headers join chain names with ','; ["prefix-a,zlib"] must not pass for
+    ["prefix-a", "zlib"]."""
+    with pytest.raises(ConfigError, match="without ','"):
+        build_serde_chain([SerdeSpec(type="prefix", config=TagConfig(tag="a,zlib"))], registry())
+    unnamed = Zlib()
+    unnamed.name = ""
+    reg = registry()
+    reg.for_plugin(Kind.SERDE, "test").add("unnamed", lambda config: unnamed)
+    with pytest.raises(ConfigError, match="non-empty"):
+        build_serde_chain([SerdeSpec(type="unnamed", config=EmptyConfig())], reg)

@@ -188,6 +188,9 @@ def test_key_file_encodings(tmp_path: Path, content: bytes) -> None:
         (b"zz" * 32, "found 64 bytes"),
         (bytes(32), "all-zero"),
         (b"k" * 5000, "larger than 4096"),
+        # 32 characters of text are not 32 random bytes: hex of a 128-bit key, a passphrase
+        (KEY[:16].hex().encode(), "32 characters of text"),
+        (b"correct horse battery staple 123", "32 characters of text"),
     ],
 )
 def test_bad_key_files_are_one_line_config_errors(tmp_path: Path, content: bytes, message: str) -> None:

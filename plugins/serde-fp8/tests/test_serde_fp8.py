@@ -224,3 +224,33 @@ def test_forged_frames_are_refused_before_allocation() -> None:
     with pytest.raises(Fp8FrameError, match="disagrees"):
         serde.decode(memoryview(head + struct.pack("<Q", digest) + body), SerdeContext(suite_key(), 32))
     assert serde.stats()["corrupt_frames"] == 1
+
+
+def test_a_frame_that_decodes_to_another_size_than_the_object_is_refused_before_allocation() -> None:
+    """A checksummed frame whose layout is larger than the object (float64 values for a bf16
+    object: 4x the bytes) is refused before its output is allocated, and counted."""
+    import xxhash
+
+    serde = Fp8Serde()
+    layout = b"float64[4096]"
+    body = layout + struct.pack("<f", 1.0) + bytes(4096)
+    head = struct.pack("<4sBBBBHHIQ", b"LTF8", 1, 1, 1, 0, len(layout), 0, 1, 4096)
+    frame = head + struct.pack("<Q", xxhash.xxh3_64(head + body).intdigest()) + body
+    with pytest.raises(Fp8FrameError, match="the object holds 8192"):
+        serde.decode(memoryview(frame), SerdeContext(suite_key(), 8192))
+    assert serde.stats()["corrupt_frames"] == 1
+    # The same frame decodes for an object of its size.
+    assert len(_decode(serde, frame, 8 * 4096)) == 8 * 4096
+
+
+def test_bytes_of_another_size_than_the_object_are_never_quantized() -> None:
+    """A layout only describes the object's L1 bytes: input of its layout's size that is not
+    the object (an earlier serde's output, here 60 bytes longer than the object) is stored
+    unquantized, so the frame decodes bit for bit."""
+    data = kv_like_bf16(seed=23)
+    serde = Fp8Serde()
+    context = SerdeContext(suite_key(), len(data) - 60, kv_layout(KV_SHAPE))
+    frame = bytes(serde.encode(memoryview(data), context))
+    assert len(frame) == HEADER_SIZE + len(data)
+    assert serde.stats()["passthrough_layout_mismatch"] == 1 and serde.stats()["quantized_objects"] == 0
+    assert _decode(serde, frame, len(data) - 60) == data

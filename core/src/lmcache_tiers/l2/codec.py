@@ -164,10 +164,15 @@ class SerdeChain:
         Raises whatever a serde raises, or :class:`SerdeBoundError`.
         """
         context = SerdeContext(key, data.nbytes, layout)
+        # The layout describes the object's bytes, which only the first stage receives:
+        # later stages get the previous stage's output, which no layout describes.
+        later = SerdeContext(key, data.nbytes)
         bound = self.bound(data.nbytes)
         staged = self.pool.take(bound) if bound is not None else None
         try:
-            for serde in self._serdes:
+            for position, serde in enumerate(self._serdes):
+                if position == 1:
+                    context = later
                 stage_bound = _bound_of(serde)
                 limit = int(stage_bound(data.nbytes)) if stage_bound is not None else None
                 data = memoryview(serde.encode(data, context)).cast("B")

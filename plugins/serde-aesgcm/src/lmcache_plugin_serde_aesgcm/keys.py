@@ -64,8 +64,17 @@ def read_key_file(path: str) -> bytes:
         )
     if len(content) > _MAX_KEY_FILE:
         raise ConfigError(f"aesgcm: {where} is larger than {_MAX_KEY_FILE} bytes; it is not a key file")
+    if len(content) == KEY_SIZE and _is_text(content):
+        # 32 characters of text are no encoding of a 256-bit key (hex is 64, base64 44):
+        # a passphrase, or hex of a 128-bit key, would make a weak key used as raw bytes.
+        # 32 random bytes are all printable with probability (95/256)^32, about 1e-14.
+        return _checked(None, where, "32 characters of text, not 32 random bytes")
     key = content if len(content) == KEY_SIZE else _from_text(content)
     return _checked(key, where, f"{len(content)} bytes")
+
+
+def _is_text(content: bytes) -> bool:
+    return all(0x20 <= byte < 0x7F for byte in content)
 
 
 def read_key_env(name: str) -> bytes:

@@ -139,7 +139,10 @@ class Fp8Serde:
         layout = context.tensor_layout
         if layout is None:
             return self._passthrough(view, "passthrough_no_layout", context)
-        if layout.nbytes != view.nbytes:
+        if layout.nbytes != view.nbytes or view.nbytes != context.size:
+            # The layout describes the object's L1 bytes; bytes of another size (the output
+            # of an earlier serde) are not that tensor, and a quantized frame must decode
+            # to exactly the object's size (the decoder refuses any other).
             return self._passthrough(view, "passthrough_layout_mismatch", context)
         dtype = QUANTIZABLE.get(layout.dtype)
         if dtype is None:
@@ -171,7 +174,7 @@ class Fp8Serde:
     def decode(self, data: memoryview, context: SerdeContext) -> memoryview:
         view = memoryview(data).cast("B")
         try:
-            return self._decode(view)
+            return self._decode(view, context.size)
         except Fp8FrameError as exc:
             self._count("corrupt_frames")
             log.debug("fp8: refused the frame of %s: %s", context.key, exc)
@@ -231,7 +234,7 @@ class Fp8Serde:
 
     # -- decoding ---------------------------------------------------------------------------
 
-    def _decode(self, view: memoryview) -> memoryview:
+    def _decode(self, view: memoryview, size: int) -> memoryview:
         if view.nbytes < HEADER_SIZE:
             _refuse(f"{view.nbytes} bytes is shorter than an fp8 frame header")
         magic, version, fmt, granularity, _r1, layout_len, _r2, scale_count, payload_len, checksum = (
@@ -251,6 +254,10 @@ class Fp8Serde:
             self._count("decoded_objects")
             return payload
         layout, dtype = self._frame_layout(view, fmt, granularity, layout_len, scale_count, payload_len)
+        if layout.nbytes != size:
+            # Only the object's own L1 bytes are ever quantized, so a quantized frame decodes
+            # to exactly its size: anything else is refused before the output is allocated.
+            _refuse(f"frame layout {layout.format()} is {layout.nbytes} bytes, the object holds {size}")
         rows, channels = _rows(layout.shape)
         scales = torch.frombuffer(
             _writable(view[HEADER_SIZE + layout_len : start]), dtype=torch.float32, count=scale_count
