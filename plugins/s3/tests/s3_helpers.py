@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
 import uuid
 from typing import Any
 
@@ -81,3 +83,50 @@ class Raw:
     def exists(self, key: ObjectKey | str) -> bool:
         self.fs.invalidate_cache()
         return bool(self.fs.exists(self.path(key)))
+
+
+def scoped_identity(server: SeaweedS3, access_key: str, secret_key: str, folder: str) -> None:
+    """Give ``server`` an identity allowed to read and write objects under ``folder/`` of
+    the test bucket and nothing else -- no HeadBucket, no listing: least privilege for a
+    server that owns one prefix.  Returns once the S3 gateway accepts the identity."""
+    actions = f"Read:{BUCKET}/{folder}/*,Write:{BUCKET}/{folder}/*"
+    weed_shell(
+        server,
+        f"s3.configure -user={access_key} -access_key={access_key} -secret_key={secret_key} "
+        f"-actions={actions} -apply",
+    )
+    fs = s3fs.S3FileSystem(
+        key=access_key, secret=secret_key, endpoint_url=server.endpoint, skip_instance_cache=True
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            fs.pipe_file(f"{BUCKET}/{folder}/identity-ready", b"")
+            return
+        except PermissionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def remove_identity(server: SeaweedS3, access_key: str) -> None:
+    """Delete an identity ``scoped_identity`` made: its requests are then rejected
+    (InvalidAccessKeyId), as credentials revoked mid-run are.  Returns once they are."""
+    weed_shell(server, f"s3.configure -user={access_key} -delete -apply")
+
+
+def weed_shell(server: SeaweedS3, command: str) -> None:
+    ports = server.ports
+    subprocess.run(
+        [
+            server.binary,
+            "shell",
+            f"-master=127.0.0.1:{ports['master.port']}.{ports['master.port.grpc']}",
+            f"-filer=127.0.0.1:{ports['filer.port']}.{ports['filer.port.grpc']}",
+        ],
+        input=f"{command}\nexit\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )

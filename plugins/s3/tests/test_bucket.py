@@ -13,7 +13,7 @@ from s3_helpers import BUCKET, Raw, blocking, fresh_prefix, open_adapter, s3_con
 
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2 import L2Adapter
+from lmcache_tiers.l2 import BackendAdapter, L2Adapter
 from lmcache_tiers.testing.l2 import make_keys, pattern
 from lmcache_tiers.testing.seaweedfs import SeaweedS3, free_port
 
@@ -90,6 +90,40 @@ def test_the_listing_pages_through_the_prefix_and_skips_foreign_objects(
     stats = reopened.stats()
     assert stats["scan_keys"] == len(keys) and stats["listing_foreign_objects"] == 2
     assert any("records so far" in record.getMessage() for record in caplog.records), "no progress line"
+
+
+def test_a_listing_page_truncated_without_a_continuation_token_fails_the_scan(
+    seaweed: SeaweedS3,
+    l1: memoryview,
+    opened: list[L2Adapter],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A service that says "more follows" but not where from: the listing cannot go on,
+    # and what it listed is not the whole bucket -- the scan must not end as complete.
+    prefix = fresh_prefix("truncated")
+    config = s3_config(seaweed, prefix)
+    first = open_adapter(config, l1)
+    store(first, l1, make_keys(5))
+    first.close()
+    call = backend_module.S3Client.call
+
+    async def without_token(self: backend_module.S3Client, method: str, **kwargs: object) -> object:
+        answer = await call(self, method, **kwargs)
+        if method == "list_objects_v2":
+            answer.pop("NextContinuationToken", None)
+        return answer
+
+    monkeypatch.setattr(backend_module.S3Client, "call", without_token)
+    monkeypatch.setattr(backend_module, "_LIST_PAGE", 2)
+    with caplog.at_level(logging.WARNING):
+        reopened = open_adapter(config, l1)
+        opened.append(reopened)
+        wait_scanned(reopened)
+    assert reopened.stats()["scan_keys"] < 5, "the listing went past the truncated page"
+    assert any("without a continuation token" in record.getMessage() for record in caplog.records)
+    assert isinstance(reopened, BackendAdapter)
+    assert not reopened.state.accounting.complete, "a partial listing taken for the whole bucket"
 
 
 def test_a_key_with_a_digest_name_round_trips_and_is_listed(
@@ -217,3 +251,51 @@ def test_close_ends_requests_stuck_on_a_silent_peer(l1: memoryview) -> None:
         assert time.monotonic() - started < 60, "close() waited for the silent peer"
         results = adapter.pop_completed_lookups()
         assert results[task].found == [False, False]
+
+
+def test_close_starts_none_of_the_requests_waiting_for_a_slot(l1: memoryview) -> None:
+    import socket
+    import threading
+
+    from lmcache_plugin_s3 import S3Config
+
+    accepted: list[socket.socket] = []
+    with socket.socket() as silent:  # accepts connections, counts them, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        silent.settimeout(0.2)
+
+        def accept() -> None:
+            while silent.fileno() >= 0:
+                try:
+                    accepted.append(silent.accept()[0])
+                except OSError:
+                    if silent.fileno() < 0:
+                        return
+
+        threading.Thread(target=accept, daemon=True).start()
+        config = S3Config(
+            bucket=BUCKET,
+            endpoint_url=f"http://127.0.0.1:{silent.getsockname()[1]}",
+            aws_access_key_id="k",
+            aws_secret_access_key="s",
+            connect_timeout_s=1.0,
+            read_timeout_s=300.0,
+            request_timeout_s=300.0,
+            retries=0,
+            max_inflight=1,  # one request on the wire, the others wait for its slot
+        )
+        adapter = open_adapter(config, l1)
+        try:
+            before = len(accepted)  # the start-up probe's
+            task = adapter.submit_lookup_and_lock(make_keys(3))
+            deadline = time.monotonic() + 60
+            while len(accepted) == before:  # the first request is waiting for an answer
+                assert time.monotonic() < deadline, "the first request never connected"
+                time.sleep(0.02)
+        finally:
+            adapter.close()
+        assert adapter.pop_completed_lookups()[task].found == [False] * 3
+        assert len(accepted) == before + 1, "a request that waited for a slot went out after close"
+        for connection in accepted:
+            connection.close()

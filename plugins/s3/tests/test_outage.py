@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from s3_helpers import BUCKET, blocking, open_adapter, s3_config
+from s3_helpers import BUCKET, blocking, open_adapter, remove_identity, s3_config, scoped_identity
 
 from lmcache_tiers.plugin import CircuitConfig
 from lmcache_tiers.testing.l2 import make_keys, pattern
@@ -105,5 +105,48 @@ def test_without_the_breaker_every_call_fails_within_its_bounds_and_heals(server
         server.start()
         wait_for(lambda: client.lookup_and_lock(keys).found == [True, True], "hits after the restart")
         adapter.unlock(keys)
+    finally:
+        adapter.close()
+
+
+def test_an_identity_scoped_to_its_prefix_heals_after_an_outage(server: SeaweedS3) -> None:
+    # Object permissions under the prefix only, as a least-privilege policy grants one
+    # server: HeadBucket and listing are refused.  The probe must still find the
+    # service answering, so the circuit closes once the server is back.
+    scoped_identity(server, "scoped-key", "scoped-secret", "scoped")
+    l1 = memoryview(bytearray(4 << 20))
+    config = s3_config(
+        server,
+        "scoped",
+        aws_access_key_id="scoped-key",
+        aws_secret_access_key="scoped-secret",
+        connect_timeout_s=1.0,
+        request_timeout_s=REQUEST_TIMEOUT_S,
+        retries=0,
+        circuit=CircuitConfig(failure_threshold=1, probe_interval_s=0.2),
+    )
+    adapter = open_adapter(config, l1)  # a listing it may not make does not stop it
+    try:
+        client = blocking(adapter, timeout=HANG_GUARD_S)
+        keys = make_keys(2)
+        l1[: 2 * SIZE] = pattern(3, 2 * SIZE)
+        assert client.store(keys, [l1[:SIZE], l1[SIZE : 2 * SIZE]]) == [True, True]
+        server.kill()
+        assert client.lookup_and_lock(keys).found == [False, False]
+        assert adapter.stats()["circuit_open"] == 1
+        server.start()
+        wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the probe closed the circuit")
+        assert client.lookup_and_lock(keys).found == [True, True]
+        adapter.unlock(keys)
+        # Credentials revoked mid-run are not an answer: the circuit stays open.
+        remove_identity(server, "scoped-key")
+        wait_for(
+            lambda: client.lookup_and_lock(keys).found == [False, False] and adapter.stats()["circuit_open"],
+            "the revoked identity's calls failing",
+        )
+        probes = adapter.stats()["circuit_probes"]
+        wait_for(lambda: adapter.stats()["circuit_probes"] >= probes + 3, "three more probes")
+        stats = adapter.stats()
+        assert stats["circuit_open"] == 1 and stats["circuit_closed"] == 1, "a rejected probe closed it"
     finally:
         adapter.close()

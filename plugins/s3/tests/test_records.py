@@ -181,3 +181,37 @@ def test_an_object_too_short_for_a_record_fails_a_load_and_is_removed(
     assert canaries_intact(region, SIZE)
     assert not raw.exists(key)
     assert adapter.stats()["corrupt_records_removed"] == 1
+
+
+def test_a_damaged_record_replaced_before_its_removal_is_kept(
+    adapter: L2Adapter, raw: Raw, l1: memoryview, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lmcache_plugin_s3.backend import S3Backend
+
+    (key,) = make_keys(1)
+    data = store(adapter, l1, [key])
+    good = raw.read(key)
+    damaged = bytearray(good)
+    damaged[-1] ^= 0xFF
+    raw.write(key, bytes(damaged))
+    backend = adapter.backend.inner  # type: ignore[attr-defined]  # behind core's circuit breaker
+    assert isinstance(backend, S3Backend)
+    call = backend.client.call
+
+    async def another_server_stores_first(method: str, **kwargs: object) -> object:
+        if method == "delete_object":
+            raw.write(key, good)  # the good record again, between the read and the removal
+        return await call(method, **kwargs)
+
+    monkeypatch.setattr(backend.client, "call", another_server_stores_first)
+    result = blocking(adapter).lookup_and_lock([key])
+    buffer, _region = fenced(l1, result.sizes[0])
+    assert blocking(adapter).load([key], [buffer]) == [False]  # the damaged one was read
+    adapter.unlock([key])
+    assert raw.exists(key) and raw.read(key) == good, "the record stored since was removed"
+    stats = adapter.stats()
+    assert stats["corrupt_records_removed"] == 1 and stats["corrupt_replaced_before_removal"] == 1
+    monkeypatch.undo()
+    result = blocking(adapter).lookup_and_lock([key])
+    assert blocking(adapter).load([key], [buffer]) == [True] and bytes(buffer) == data[0]
+    adapter.unlock([key])

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TypeVar
 
 from lmcache_plugin_s3.client import (
+    BAD_CREDENTIALS,
     S3Client,
     S3RequestError,
     check_bucket,
@@ -56,6 +57,8 @@ _DELETE_BATCH = 1000
 #: objects per listing page (the S3 API's limit)
 _LIST_PAGE = 1000
 _PROGRESS_EVERY_S = 10.0
+#: what the circuit breaker's probe asks for (never stored: not a key codec name)
+_PROBE_NAME = "lmcache-tiers-probe"
 
 
 class _Damaged(Exception):
@@ -100,8 +103,26 @@ class S3Backend:
         await self.client.close()
 
     async def ping(self) -> None:
-        """The circuit breaker's probe: the bucket answers (raises otherwise)."""
-        await self.client.call("head_bucket")
+        """The circuit breaker's probe: the bucket answers (raises otherwise).
+
+        It asks for a name under the prefix that is never stored: "no such key" is the
+        answer.  So is a refusal (AccessDenied), which an identity without ``ListBucket``
+        gets for a missing key: an identity scoped to its prefix (object permissions
+        only) may neither ``HeadBucket`` nor list, and its probe must still find the
+        service back, or the circuit would never close again.  Rejected credentials, a
+        missing bucket, a 5xx or no answer fail the probe.
+        """
+        try:
+            answer = await self.client.call(
+                "get_object", Key=self.names.folder + _PROBE_NAME, Range="bytes=0-0"
+            )
+        except Exception as exc:
+            refused = isinstance(exc, PermissionError) and error_code(exc) not in BAD_CREDENTIALS
+            empty = error_code(exc) == "InvalidRange"  # something stored an empty object there
+            if not (is_missing_object(exc) or refused or empty):
+                raise
+            return
+        answer["Body"].close()
 
     def capacity(self) -> int | None:
         return int(self.config.max_capacity_gb * (1 << 30)) or None
@@ -177,9 +198,16 @@ class S3Backend:
                     continue
                 listed += 1
                 yield entry
-            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
-            if token is None:
+            if not page.get("IsTruncated"):
                 break
+            token = page.get("NextContinuationToken")
+            if not token:
+                # Ending here would take a partial listing for the whole: core would
+                # account part of the bucket as all of it.  A failed listing says so.
+                raise S3RequestError(
+                    f"listing s3://{self.config.bucket}/{self.names.folder}: a truncated page "
+                    f"without a continuation token after {listed} records"
+                )
             if time.monotonic() - last_progress >= _PROGRESS_EVERY_S:
                 last_progress = time.monotonic()
                 log.info(
@@ -236,12 +264,12 @@ class S3Backend:
         name = self.names.of(key)
 
         try:
-            data, total = await self.client.bounded(lambda: self._first_bytes(name))
+            data, total, etag = await self.client.bounded(lambda: self._first_bytes(name))
         except Exception as exc:
             if is_missing_object(exc):
                 return None
             if error_code(exc) == "InvalidRange":  # an empty object: no header at all
-                await self._remove_damaged(key, name, "the object is empty")
+                await self._remove_damaged(key, name, "the object is empty", None)
                 return None
             raise
         try:
@@ -250,15 +278,18 @@ class S3Backend:
                 return None
             _check_size(total, header)
         except _Damaged as exc:
-            await self._remove_damaged(key, name, str(exc))
+            await self._remove_damaged(key, name, str(exc), etag)
             return None
         return ObjectSize(header.payload_len, header.l1_size)
 
     async def _load(self, key: ObjectKey, buffer: memoryview) -> bool:
         name = self.names.of(key)
+        #: the ETag of the object read: a damaged one is removed only if it is still that one
+        read: dict[str, str | None] = {}
 
         async def into_buffer() -> bool:
             answer = await self.client.request("get_object", Key=name)
+            read["etag"] = answer.get("ETag")
             body = answer["Body"]
             length = int(answer["ContentLength"])
             try:
@@ -280,6 +311,14 @@ class S3Backend:
                 if header.payload_len != buffer.nbytes:
                     # Replaced by another writer since the lookup: not these bytes, no copy.
                     self.context.count("load_size_changed")
+                    self.context.warn(
+                        "size_changed",
+                        "%s holds %d payload bytes now, the load buffer %d (replaced since the "
+                        "lookup); a miss",
+                        key.file_stem(),
+                        header.payload_len,
+                        buffer.nbytes,
+                    )
                     return False
                 _check_size(length, header)
                 # The rest is exactly the payload now (the length was checked): one read.
@@ -298,7 +337,7 @@ class S3Backend:
         try:
             return await self.client.bounded(into_buffer)
         except _Damaged as exc:
-            await self._remove_damaged(key, name, str(exc))
+            await self._remove_damaged(key, name, str(exc), read.get("etag"))
             return False
         except ShortBody as exc:
             raise S3RequestError(f"load of {key.file_stem()}: {exc}") from exc
@@ -328,7 +367,7 @@ class S3Backend:
         """The key of a digest-named object, from its header (checked against the name)."""
 
         try:
-            data, _total = await self.client.bounded(lambda: self._first_bytes(name))
+            data, _total, _etag = await self.client.bounded(lambda: self._first_bytes(name))
             key = record_key(data)
         except Exception as exc:
             self.context.warn("digest", "reading the header of listed %s failed: %s", name, describe(exc))
@@ -337,14 +376,14 @@ class S3Backend:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    async def _first_bytes(self, name: str) -> tuple[bytes, int]:
-        """The header slot of an object and the object's whole size (one ranged GET)."""
+    async def _first_bytes(self, name: str) -> tuple[bytes, int, str | None]:
+        """The header slot of an object, the object's whole size and its ETag (one ranged GET)."""
         answer = await self.client.request("get_object", Key=name, Range=f"bytes=0-{HEADER_BYTES - 1}")
         body = answer["Body"]
         # A store that ignored the range sends the whole object: read the slot only.
         slot = min(HEADER_BYTES, int(answer["ContentLength"]))
         try:
-            return await read_exactly(body, slot), total_size(answer)
+            return await read_exactly(body, slot), total_size(answer), answer.get("ETag")
         finally:
             body.close()
 
@@ -364,14 +403,25 @@ class S3Backend:
         self.context.count("record_version_unknown")
         self.context.warn("version", "%s: %s; a miss, kept", key.file_stem(), exc)
 
-    async def _remove_damaged(self, key: ObjectKey, name: str, why: str) -> None:
+    async def _remove_damaged(self, key: ObjectKey, name: str, why: str, etag: str | None) -> None:
+        """Remove the damaged object read as ``etag`` -- only if it is still that one: a
+        record another server stored there since is kept (a conditional delete; a store
+        that ignores the condition removes whatever is there, as a plain delete)."""
         self.context.count("corrupt_records_removed")
         self.context.warn(
             "damaged", "s3://%s/%s is damaged (%s); a miss, removed", self.config.bucket, name, why
         )
         try:
-            await self.client.call("delete_object", Key=name)
+            await self.client.call("delete_object", Key=name, **({"IfMatch": etag} if etag else {}))
         except Exception as exc:
+            if is_missing_object(exc):
+                return  # removed meanwhile (by another server)
+            if error_code(exc) == "PreconditionFailed":
+                self.context.count("corrupt_replaced_before_removal")
+                self.context.warn(
+                    "replaced", "damaged %s was replaced before its removal; the new object is kept", name
+                )
+                return
             self.context.count("corrupt_remove_failures")
             self.context.warn("remove", "removing damaged %s failed: %s", name, describe(exc))
 

@@ -154,6 +154,8 @@ class S3Client:
             raise S3RequestError("the adapter is closing")
         timeout = self.config.request_timeout_s
         async with self._slots:
+            if self._closing:  # interrupted while waiting for a slot: never start it
+                raise S3RequestError("the adapter is closing")
             task = asyncio.ensure_future(asyncio.wait_for(make(), timeout))
             self._tasks.add(task)
             self.inflight += 1
@@ -194,7 +196,7 @@ class S3Client:
 
 #: S3 error codes that mean the credentials themselves are wrong, not a missing permission
 _PROBE_READ_S = 5.0
-_BAD_CREDENTIALS = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"})
+BAD_CREDENTIALS = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"})
 
 
 def check_bucket(config: S3Config, name: str) -> bool:
@@ -233,7 +235,7 @@ def check_bucket(config: S3Config, name: str) -> bool:
                 f"{name}: cannot list s3://{config.bucket}/{config.prefix}: {describe(exc)}"
             ) from exc
         except PermissionError as exc:
-            if error_code(exc) in _BAD_CREDENTIALS:
+            if error_code(exc) in BAD_CREDENTIALS:
                 raise ConfigError(
                     f"{name}: {_endpoint_label(config)} refused the credentials ({describe(exc)})"
                 ) from exc
