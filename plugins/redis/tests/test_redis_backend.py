@@ -20,7 +20,7 @@ import pytest
 import redis
 from lmcache_plugin_redis import RedisConfig
 from lmcache_plugin_redis.backend import RedisBackend, glob_escape, trips
-from lmcache_plugin_redis.testing import RedisServer, missing_reason
+from lmcache_plugin_redis.testing import RedisClusterNodes, RedisServer, missing_reason
 
 from lmcache_tiers.config import decode_adapter
 from lmcache_tiers.errors import ConfigError
@@ -126,6 +126,7 @@ def test_a_load_buffer_sized_for_an_object_another_adapter_replaced_is_a_miss(
     assert load(first, keys, found.sizes)[0] == [False]
     first.unlock(keys)
     assert first.stats().get("corrupt_records_removed", 0) == 0, "a replaced object is not damage"
+    assert first.stats()["load_size_changed"] == 1, "the refused load is counted"
 
 
 # -- damaged and foreign objects --------------------------------------------------------------
@@ -196,8 +197,48 @@ def test_a_record_of_another_key_is_damage(
     assert raw.exists(backend.name_of(mine)) == 0
 
 
-def test_a_key_holding_something_else_is_a_counted_miss_and_left_alone(
+def test_a_record_of_an_unknown_format_version_is_a_miss_that_is_kept(
     redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # A newer server sharing the store may write a format this one does not read: its
+    # records are misses here, never removed as damage (the newer server reads them).
+    adapter = open_adapter(url=redis_server.url, key_prefix=prefix)
+    keys = make_keys(2)
+    data = store(adapter, keys)
+    raw = redis.Redis.from_url(redis_server.url)
+    name = backend_of(adapter).name_of(keys[0])
+    header = bytearray(raw.hget(name, "h"))
+    header[4:6] = (99).to_bytes(2, "little")
+    raw.hset(name, "h", bytes(header))
+    assert client_of(adapter).lookup_and_lock(keys).found == [False, True]
+    adapter.unlock(keys[1:])
+    # A load without a lookup reads the header too.
+    assert load(adapter, keys, [4096, 4096]) == ([False, True], [bytes(4096), data[1]])
+    assert raw.exists(name) == 1 and raw.hget(name, "h") == bytes(header)
+    stats = adapter.stats()
+    assert stats["record_version_unknown"] == 2 and stats.get("corrupt_records_removed", 0) == 0
+
+
+def test_a_damaged_record_the_store_refuses_to_remove_is_counted(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # A user allowed to read and write objects but not to run scripts: the removal fails.
+    own_server.cli("ACL", "SETUSER", "tiers", "on", ">tiers-pw", "~*", "+@all", "-@scripting")
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix, username="tiers", password="tiers-pw")
+    keys = make_keys(1)
+    data = store(adapter, keys)
+    raw = redis.Redis.from_url(own_server.url)
+    _flip_a_payload_byte(raw, backend_of(adapter).name_of(keys[0]), data[0])
+    assert load(adapter, keys, [4096])[0] == [False]
+    stats = adapter.stats()
+    assert stats["corrupt_records_removed"] == 1 and stats["corrupt_remove_failures"] == 1
+
+
+def test_a_key_holding_something_else_is_a_counted_miss_and_left_alone(
+    redis_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     adapter = open_adapter(url=redis_server.url, key_prefix=prefix)
     (key,) = make_keys(1)
@@ -210,8 +251,10 @@ def test_a_key_holding_something_else_is_a_counted_miss_and_left_alone(
     assert raw.get(name) == b"somebody else's string"
     stats = adapter.stats()
     assert stats["foreign_objects"] == 2
-    assert list(adapter.iter_keys()) == []
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l2.redis"):
+        assert list(adapter.iter_keys()) == []
     assert adapter.stats()["listing_foreign_names"] >= 1
+    assert any("not object names of this cache" in r.getMessage() for r in caplog.records), "not logged"
 
 
 def test_batches_larger_than_a_pipeline_trip_round_trip(
@@ -326,6 +369,48 @@ def test_closing_ends_a_load_waiting_on_a_hung_store(
     assert adapter.pop_completed_loads() == {task: [False]}
 
 
+def test_closing_closes_every_connection_to_the_store(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    def adapter_connections() -> int:
+        # every client but the one asking (redis-cli)
+        return len(own_server.cli("CLIENT", "LIST").stdout.strip().splitlines()) - 1
+
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix, num_workers=2)
+    keys = make_keys(4)
+    data = store(adapter, keys)  # through the pool
+    found = client_of(adapter).lookup_and_lock(keys)  # on the workers' own connections
+    assert load(adapter, keys, found.sizes) == ([True] * 4, data)
+    adapter.unlock(keys)
+    assert adapter_connections() > 0
+    adapter.close()
+    wait_for(lambda: adapter_connections() == 0, "the store to see every connection closed")
+
+
+def test_closing_closes_every_connection_to_every_cluster_node(
+    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    if missing_reason():
+        pytest.skip(missing_reason())
+    cluster = RedisClusterNodes(tmp_path / "cluster").start()
+    try:
+
+        def adapter_connections() -> list[int]:
+            return [len(node.cli("CLIENT", "LIST").stdout.strip().splitlines()) - 1 for node in cluster.nodes]
+
+        adapter = open_adapter(startup_nodes=cluster.startup_nodes, cluster_mode=True, key_prefix=prefix)
+        keys = make_keys(6)
+        data = store(adapter, keys)
+        found = client_of(adapter).lookup_and_lock(keys)
+        assert load(adapter, keys, found.sizes) == ([True] * 6, data)
+        adapter.unlock(keys)
+        assert sum(adapter_connections()) > 0
+        adapter.close()
+        wait_for(lambda: adapter_connections() == [0, 0, 0], "every node to see its connections closed")
+    finally:
+        cluster.stop()
+
+
 def test_trips_bound_bytes_and_keys() -> None:
     assert [list(r) for r in trips([4, 4, 4, 10, 1], 8)] == [[0, 1], [2], [3], [4]]
     assert [len(r) for r in trips([0] * 1100, 1)] == [512, 512, 76]
@@ -389,6 +474,32 @@ def test_an_adapter_opened_while_the_store_is_down_heals_when_it_starts(
 
 
 # -- credentials, transports, configuration ---------------------------------------------------
+
+
+def test_a_cluster_url_with_credentials_reaches_every_node(
+    tmp_path: Path,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    if missing_reason():
+        pytest.skip(missing_reason())
+    password = "cluster-" + SECRET
+    cluster = RedisClusterNodes(tmp_path / "cluster", password=password).start()
+    try:
+        caplog.set_level(logging.DEBUG)
+        node = cluster.nodes[0]
+        adapter = open_adapter(
+            url=f"redis://:{password}@{node.address}/0", cluster_mode=True, key_prefix=prefix
+        )
+        keys = make_keys(6)  # over several slots, so over several nodes
+        data = store(adapter, keys)
+        found = client_of(adapter).lookup_and_lock(keys)
+        assert load(adapter, keys, found.sizes) == ([True] * 6, data)
+        adapter.unlock(keys)
+        assert password not in caplog.text
+    finally:
+        cluster.stop()
 
 
 SECRET = "s3cr3t-" + uuid.uuid4().hex[:8]
@@ -524,12 +635,31 @@ def test_lmcache_resp_and_valkey_json_is_accepted() -> None:
         ({"startup_nodes": "h:1", "cluster_mode": True, "key_prefix": "{a}"}, "key_prefix", "hash tag"),
         ({"url": "redis://h:1", "key_prefix": "a b"}, "key_prefix", "spaces"),
         ({"url": "redis://h:1", "request_timeout": 0}, "request_timeout", ""),
+        ({"url": "redis://h:1/2", "database_id": 3}, "database_id", "contradicts database 2 of the url"),
+        ({"url": "unix:///s.sock?db=2", "database_id": 0}, "database_id", "contradicts database 2"),
+        ({"url": "redis://h:1/1", "cluster_mode": True}, "url", "database 0 only"),
+        ({"url": "redis://:secret@h:1/0", "password": "other"}, "password", "contradicts the password"),
+        ({"url": "redis://u:secret@h:1/0", "username": "v"}, "username", "contradicts the username"),
+        ({"url": "unix:///s.sock", "tls_enable": True}, "tls_enable", "unix"),
     ],
 )
 def test_bad_config_is_refused_naming_the_field(fields: dict[str, Any], path: str, message: str) -> None:
     with pytest.raises(ConfigError, match=rf"{message}.*\$\.l2_adapters\[2\]\.{path}") as refused:
         decode_adapter(load_registry(), {"type": "redis", **fields}, 2)
     assert "Traceback" not in str(refused.value) and "secret" not in str(refused.value)
+
+
+def test_fields_that_agree_with_the_url_are_accepted() -> None:
+    config = msgspec.convert(
+        {"url": "redis://u:pw@h:1/2", "username": "u", "password": "pw", "database_id": 2}, RedisConfig
+    )
+    assert config.database_id == 2
+
+
+def test_the_repr_of_a_config_never_shows_a_password() -> None:
+    config = RedisConfig(url=f"redis://user:{SECRET}@h:1/0", password=SECRET)
+    assert SECRET not in repr(config) and SECRET not in str(config)
+    assert "redis://user:***@h:1/0" in repr(config)
 
 
 def test_config_is_frozen_and_strict() -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 from redis import Redis, RedisCluster
@@ -48,6 +48,7 @@ from lmcache_tiers.plugin import (
     PayloadVerifier,
     RecordError,
     RecordHeader,
+    RecordVersionError,
     copy_into,
     key_to_name,
     name_to_key,
@@ -70,8 +71,9 @@ return 0
 _GIB = 1 << 30
 #: reply errors that mean the store (or the way to it) failed, not one object
 _CALL_FAILURES = (RedisConnectionError, RedisTimeoutError)
-#: what is wrong with one loaded object: its error reply, or its header and why it is damaged
-Problem = ResponseError | tuple[bytes, RecordError]
+#: what is wrong with one loaded object: its error reply, its header and why it is damaged,
+#: or (a miss that is kept) how to count and log it
+Problem = ResponseError | tuple[bytes, RecordError] | Callable[[], None]
 
 
 def glob_escape(text: str) -> str:
@@ -90,6 +92,17 @@ def trips(sizes: Sequence[int], max_bytes: int) -> Iterator[range]:
         total += size
     if start < len(sizes):
         yield range(start, len(sizes))
+
+
+def _pools_of(client: Redis | RedisCluster) -> list[Any]:
+    """The connection pools behind a client: its own, or each known cluster node's."""
+    if isinstance(client, Redis):
+        return [client.connection_pool]
+    manager = client.nodes_manager
+    nodes = {id(node): node for node in (*manager.nodes_cache.values(), *manager.startup_nodes.values())}
+    return [
+        node.redis_connection.connection_pool for node in nodes.values() if node.redis_connection is not None
+    ]
 
 
 class RedisBackend:
@@ -183,8 +196,15 @@ class RedisBackend:
     def close(self) -> None:
         if self._direct is not None:
             self._direct.shutdown()
-        if self._client is not None:
-            self._client.close()
+        client = self._client
+        if client is None:
+            return
+        # A Redis built on a pool it was given leaves that pool open on close() -- the
+        # client here, and every node's client of a cluster built from a url: their
+        # connections (in use ones too, which ends a call waiting on them) close here.
+        for pool in _pools_of(client):
+            pool.disconnect()
+        client.close()
 
     def capacity(self) -> int | None:
         return self._capacity
@@ -262,6 +282,8 @@ class RedisBackend:
         for key, problem in problems:
             if isinstance(problem, ResponseError):
                 self._reply_error("load", key, problem)
+            elif callable(problem):
+                problem()  # a miss that is kept: counted and logged
             else:
                 self._discard(key, *problem)
         return loaded
@@ -300,7 +322,8 @@ class RedisBackend:
         self, reader: ReplyReader, key: ObjectKey, buffer: memoryview
     ) -> Problem | Literal[True] | None:
         """One HMGET reply: True when ``buffer`` holds the verified payload, None for a
-        plain miss, else what is wrong with the object (acted on by the caller)."""
+        plain miss, else what is wrong with the object (acted on by the caller once every
+        reply was read, so a retried call counts nothing twice)."""
         fields = reader.array_length()
         if isinstance(fields, ResponseError):
             return fields
@@ -315,6 +338,9 @@ class RedisBackend:
             return None
         try:
             header = self.context.read_record_header(header_bytes, key)
+        except RecordVersionError as exc:
+            reader.skip_bulk(payload_len)
+            return functools.partial(self._unknown_version, key, exc)
         except RecordError as exc:
             reader.skip_bulk(payload_len)
             return header_bytes, exc
@@ -326,7 +352,8 @@ class RedisBackend:
                 return header_bytes, RecordError("the record has a header but no payload")
             if header is not None and payload_len != header.payload_len:
                 return header_bytes, RecordError("payload length differs from its header")
-            # else another server replaced the object with one of another size
+            if header is not None:
+                return functools.partial(self._size_changed, key, payload_len, buffer.nbytes)
             return None
         verifier = PayloadVerifier(header)
         reader.bulk_into(buffer, verifier.update)
@@ -349,17 +376,26 @@ class RedisBackend:
     def list_keys(self) -> Iterator[tuple[ObjectKey, ObjectSize]]:
         pattern = glob_escape(self.prefix) + "*"
         batch: list[tuple[ObjectKey, bytes]] = []
+        foreign = 0
         for raw in self.client.scan_iter(match=pattern, count=1000):
             name = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
             key = name_to_key(name[len(self.prefix) :]) if name.startswith(self.prefix) else None
             if key is None:
                 self.context.count("listing_foreign_names")
+                foreign += 1
                 continue
             batch.append((key, raw))
             if len(batch) >= KEYS_PER_TRIP:
                 yield from self._sizes(batch)
                 batch = []
         yield from self._sizes(batch)
+        if foreign:
+            log.warning(
+                "%s: %d keys under %r are not object names of this cache; ignored",
+                self.context.name,
+                foreign,
+                self.prefix,
+            )
 
     # -- records --------------------------------------------------------------------------------
 
@@ -380,10 +416,36 @@ class RedisBackend:
             self._reply_error(what, key, reply)
             return None
         try:
-            return self.context.read_record_header(reply, key)
+            return self._read_header(reply, key)
         except RecordError as exc:
             self._discard(key, reply, exc)
             return None
+
+    def _read_header(self, data: bytes, key: ObjectKey) -> RecordHeader | None:
+        """The verified header of ``key``'s record; None for a miss that is kept (another
+        serde chain, or a format version this code does not read -- written by a newer
+        server sharing the store, which reads it); RecordError for damage."""
+        try:
+            return self.context.read_record_header(data, key)
+        except RecordVersionError as exc:
+            self._unknown_version(key, exc)
+            return None
+
+    def _unknown_version(self, key: ObjectKey, exc: RecordVersionError) -> None:
+        self.context.count("record_version_unknown")
+        self.context.warn("version", "%s: %s; a miss, kept", key.file_stem(), exc)
+
+    def _size_changed(self, key: ObjectKey, stored: int, wanted: int) -> None:
+        """Replaced (e.g. by another server) since the lookup by an object of another size:
+        a miss, nothing copied, the object kept."""
+        self.context.count("load_size_changed")
+        self.context.warn(
+            "size_changed",
+            "%s is %d bytes now, the load buffer %d (replaced since the lookup); a miss",
+            key.file_stem(),
+            stored,
+            wanted,
+        )
 
     def _fill(self, key: ObjectKey, reply: Any, buffer: memoryview) -> bool:
         if isinstance(reply, ResponseError):
@@ -399,7 +461,8 @@ class RedisBackend:
         if len(payload) != buffer.nbytes:
             if len(payload) != header.payload_len:
                 self._discard(key, header_bytes, RecordError("payload length differs from its header"))
-            # else another server replaced the object with one of another size: a miss
+            else:
+                self._size_changed(key, len(payload), buffer.nbytes)
             return False
         try:
             verify_payload(header, payload)
@@ -416,4 +479,5 @@ class RedisBackend:
         try:
             self._remove_if_unchanged(keys=[self.name_of(key)], args=[header_bytes], client=self.client)
         except RedisError as exc:
+            self.context.count("corrupt_remove_failures")
             self.context.warn("corrupt_remove", "could not remove %s: %s", key.file_stem(), exc)

@@ -91,6 +91,14 @@ def describe(config: RedisConfig) -> str:
     return f"{scheme}://{nodes}" + (" (cluster)" if config.cluster_mode else "")
 
 
+def _url(config: RedisConfig) -> str:
+    """The configured url, ``rediss://`` when ``tls_enable`` asks for TLS."""
+    url = config.url or ""
+    if urllib.parse.urlsplit(url).scheme == "redis" and config.tls_enable:
+        return "rediss" + url[len("redis") :]
+    return url
+
+
 def build_client(config: RedisConfig) -> Redis | RedisCluster:
     """A client for the store.  A standalone client connects on first use; a cluster
     client asks the seed nodes for the slot map here, so it raises when none answers."""
@@ -105,11 +113,13 @@ def build_client(config: RedisConfig) -> Redis | RedisCluster:
     }
     tls = _uses_tls(config)
     if config.cluster_mode:
-        # Only the url form lets redis-py's cluster client take a connection class.
+        # Only the url form lets redis-py's cluster client take a connection class.  A
+        # configured url is passed as it is: its credentials and options (ssl_ca_certs, ...)
+        # reach every node's connections.
         seeds = config.seed_nodes()
         host, port = seeds[0]
         return RedisCluster.from_url(
-            f"{'rediss' if tls else 'redis'}://{host}:{port}",
+            _url(config) if config.url is not None else f"{'rediss' if tls else 'redis'}://{host}:{port}",
             startup_nodes=[ClusterNode(node, number) for node, number in seeds],
             connection_class=BufferSSLConnection if tls else BufferConnection,
             max_connections=pool_size(config),
@@ -119,10 +129,8 @@ def build_client(config: RedisConfig) -> Redis | RedisCluster:
     if config.database_id is not None:
         pool_options["db"] = config.database_id
     if config.url is not None:
-        scheme = urllib.parse.urlsplit(config.url).scheme
-        url = config.url
-        if scheme == "redis" and config.tls_enable:
-            url, scheme = "rediss" + url[len("redis") :], "rediss"
+        url = _url(config)
+        scheme = urllib.parse.urlsplit(url).scheme
         connection_class = {"rediss": BufferSSLConnection, "unix": BufferUnixConnection}.get(
             scheme, BufferConnection
         )

@@ -17,6 +17,7 @@ DEFAULT_PORT = 6379
 SCHEMES = ("redis", "rediss", "unix")
 #: LMCache's type names for the same store, registered as aliases of `redis`
 LMCACHE_ALIASES = ("resp", "valkey")
+REDACTED = "***"
 
 
 def _doc(text: str, **constraints: object) -> msgspec.Meta:
@@ -44,6 +45,23 @@ def parse_nodes(raw: str | tuple[str, ...]) -> list[tuple[str, int]]:
     if not nodes:
         raise FieldError("startup_nodes", "startup_nodes names no host:port")
     return nodes
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password inside it (if any) replaced by ``***``."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.password is None:
+        return url
+    user, _, host = parsed.netloc.rpartition("@")
+    name = user.partition(":")[0]
+    return parsed._replace(netloc=f"{name}:{REDACTED}@{host}").geturl()
+
+
+def url_database(parsed: urllib.parse.SplitResult) -> int | None:
+    """The database a url names (``/3`` or ``?db=3``, as redis-py reads it); None if none."""
+    query = urllib.parse.parse_qs(parsed.query).get("db")
+    text = query[0] if query else parsed.path.lstrip("/") if parsed.scheme != "unix" else ""
+    return int(text) if text.isdigit() else None
 
 
 class RedisConfig(L2AdapterConfig):
@@ -142,6 +160,37 @@ class RedisConfig(L2AdapterConfig):
                 )
         if any(not char.isprintable() or char.isspace() for char in self.key_prefix):
             raise FieldError("key_prefix", "key_prefix must be printable, without spaces")
+        if self.url is not None:
+            self._check_url_agrees(self.url)
+            if self.tls_enable and self.url.startswith("unix:"):
+                raise FieldError("tls_enable", "TLS is not spoken over a unix:// socket; drop tls_enable")
+
+    def __repr__(self) -> str:
+        # Never the password, nor the one inside the url (a repr may reach a log line).
+        shown = []
+        for name, value in msgspec.structs.asdict(self).items():
+            if name == "password" and value is not None:
+                value = REDACTED
+            elif name == "url" and value is not None:
+                value = redact_url(value)
+            shown.append(f"{name}={value!r}")
+        return f"RedisConfig({', '.join(shown)})"
+
+    def _check_url_agrees(self, url: str) -> None:
+        """A field that says again what the url says must say the same: redis-py would
+        silently take the url's (the values are not shown: they may be secrets)."""
+        parsed = urllib.parse.urlsplit(url)
+        for name, in_url in (("username", parsed.username), ("password", parsed.password)):
+            given = getattr(self, name)
+            if given and in_url and urllib.parse.unquote(in_url) != given:
+                raise FieldError(name, f"{name} contradicts the {name} inside url; give it once")
+        db = url_database(parsed)
+        if self.cluster_mode and db:
+            raise FieldError("url", f"the url names database {db}; a Redis Cluster has database 0 only")
+        if self.database_id is not None and db is not None and db != self.database_id:
+            raise FieldError(
+                "database_id", f"database_id {self.database_id} contradicts database {db} of the url"
+            )
 
     @staticmethod
     def _check_url(url: str) -> None:

@@ -167,9 +167,9 @@ class RedisServer:
 class RedisClusterNodes:
     """A Redis Cluster of ``count`` primaries (no replicas) on loopback."""
 
-    def __init__(self, directory: Path, count: int = 3) -> None:
+    def __init__(self, directory: Path, count: int = 3, *, password: str | None = None) -> None:
         self.nodes = [
-            RedisServer(directory / f"node-{index}", port=port, cluster=True)
+            RedisServer(directory / f"node-{index}", port=port, cluster=True, password=password)
             for index, port in enumerate(cluster_ports(count))
         ]
 
