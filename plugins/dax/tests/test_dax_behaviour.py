@@ -46,6 +46,29 @@ def test_persist_enabled_false_starts_empty_as_lmcache_does() -> None:
             fresh.close()
 
 
+def test_a_mapping_reformatted_for_another_geometry_is_counted() -> None:
+    """A changed geometry drops every object of the mapping: logged and counted, as
+    raw_block counts its formats."""
+    with shm_dir() as directory:
+        adapter = open_dax(config(directory / "dax.img"))
+        try:
+            assert adapter.stats()["device_formats"] == 1, "a blank file is formatted"
+            assert store(adapter, make_keys(2), data_for(2)) == [True, True]
+        finally:
+            adapter.close()
+        same = open_dax(config(directory / "dax.img"))
+        try:
+            assert same.stats().get("device_formats", 0) == 0
+        finally:
+            same.close()
+        smaller = open_dax(config(directory / "dax.img", slots=8))
+        try:
+            assert smaller.stats()["device_formats"] == 1
+            assert list(smaller.iter_keys()) == []
+        finally:
+            smaller.close()
+
+
 @pytest.mark.parametrize("where", ["slot", "index entry"])
 def test_a_flipped_byte_is_a_miss_removed_for_good(where: str) -> None:
     with shm_dir() as directory:

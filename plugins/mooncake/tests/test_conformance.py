@@ -8,15 +8,13 @@ accounting.  A second run has a serde chain, so that lookups of keys the adapter
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from lmcache_plugin_mooncake import MooncakeStoreConfig
 from lmcache_plugin_mooncake.cluster import LocalCluster
-from mooncake_helpers import config_for
+from mooncake_helpers import Xor, config_for
 
 from lmcache_tiers.l2 import AdapterContext
 from lmcache_tiers.plugin import CAPACITY, EVICTION, PERSISTENCE, L2AdapterConfig, L2AdapterSuite
-from lmcache_tiers.serde import SerdeContext
 
 
 class TestMooncakeStore(L2AdapterSuite):
@@ -30,19 +28,6 @@ class TestMooncakeStore(L2AdapterSuite):
     def make_config(self) -> MooncakeStoreConfig:
         # 256 KiB: the capacity tests fill it with 16 objects of 16 KiB
         return config_for(self.cluster, max_capacity_gb=1 / 4096)
-
-
-class Xor:
-    """A size-preserving serde: with any chain configured, a lookup of a key the adapter
-    does not know (after reopening) reads the record header for the L1 size."""
-
-    name = "test-xor"
-
-    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
-        return (np.frombuffer(data, dtype=np.uint8) ^ 0x5A).tobytes()
-
-    def decode(self, data: memoryview, context: SerdeContext) -> bytes:
-        return (np.frombuffer(data, dtype=np.uint8) ^ 0x5A).tobytes()
 
 
 class TestMooncakeStoreWithSerde(TestMooncakeStore):

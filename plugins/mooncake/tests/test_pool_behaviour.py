@@ -10,8 +10,7 @@ import pytest
 from lmcache_plugin_mooncake.backend import PARALLEL_MIN_BYTES
 from lmcache_plugin_mooncake.cluster import LocalCluster
 from lmcache_plugin_mooncake.headers import HEADER_BYTES, KEYS_PER_LANE
-from mooncake_helpers import backend_of, config_for, eventually, open_adapter, raw_client
-from test_conformance import Xor
+from mooncake_helpers import Xor, backend_of, config_for, eventually, open_adapter, raw_client
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter
@@ -99,6 +98,48 @@ def test_an_object_removed_by_another_client_is_a_miss_and_its_bytes_are_release
     assert adapter.stats()["objects_vanished"] == 1
     assert adapter.used_bytes() == SIZE
     assert adapter.delete([keys[1]]) == [False], "a key nobody accounts is simply absent"
+
+
+class _VanishingAfterExistenceQuery:
+    """The adapter's client, except that the first existence query of ``name`` is
+    followed by its removal (another client or the pool's eviction, between two RPCs)."""
+
+    def __init__(self, store: Any, remover: Any, name: str) -> None:
+        self._store, self._remover, self._name = store, remover, name
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._store, attribute)
+
+    def batch_is_exist(self, names: list[str]) -> list[int]:
+        codes = self._store.batch_is_exist(names)
+        if self._name in names and self._remover is not None:
+            assert self._remover.remove(self._name, True) == 0
+            self._remover = None
+        return list(codes)
+
+
+def test_an_object_gone_between_the_existence_and_replica_queries_is_a_miss_not_a_failure(
+    mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter]
+) -> None:
+    """Mooncake's replica query answers {} when none of its names is there any more, as
+    when the master does not answer: the vanished key is a miss, the batch's other keys
+    hits, and nothing counts as a failure of the pool (the circuit breaker's input)."""
+    adapter = open_adapter(config_for(mooncake_pool))
+    adapters.append(adapter)
+    eventually(lambda: not adapter.stats()["scan_running"], what="the start-up scan")
+    mine, foreign = make_keys(2)
+    store(adapter, [mine])
+    foreign_name = name_of(adapter, foreign)
+    assert raw.put(foreign_name, _record(foreign, pattern(3, SIZE))) == 0  # unknown to the adapter
+    backend = backend_of(adapter)
+    real = backend.connection.store()
+    backend.connection.store = lambda: _VanishingAfterExistenceQuery(real, raw, foreign_name)  # type: ignore[method-assign]
+
+    result = BlockingAdapterClient(adapter).lookup_and_lock([mine, foreign])
+    assert result.found == [True, False]
+    assert adapter.stats().get("backend_errors", 0) == 0
+    assert adapter.stats()["circuit_consecutive_failures"] == 0
+    adapter.unlock([mine])
 
 
 def test_objects_the_pool_evicts_are_misses_and_the_rest_load_intact(own_cluster: LocalCluster) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from lmcache_plugin_raw_block import RawBlockConfig
 from lmcache_plugin_raw_block.backend import SUPERBLOCK_MAGIC
 from rb_helpers import PAYLOAD, Arena, backend_of, client, config, flip_byte, load, open_raw, store
 from slot_helpers import lru_controller
@@ -118,6 +119,28 @@ def test_a_device_holding_a_filesystem_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="ext2/3/4 filesystem; refusing to overwrite it"):
         open_raw(cfg)
     assert path.read_bytes()[1080:1082] == b"\x53\xef", "nothing was written"
+
+
+@pytest.mark.parametrize(
+    ("offset", "magic", "what"),
+    [(65600, b"_BHRfS_M", "a btrfs filesystem"), (32769, b"CD001", "an ISO 9660 image")],
+)
+def test_a_filesystem_signature_past_a_small_metadata_region_is_refused(
+    tmp_path: Path, offset: int, magic: bytes, what: str
+) -> None:
+    """A metadata region smaller than the signature probe (here 3 blocks): the probe
+    still covers the first 68 KiB, where slots would overwrite the filesystem."""
+    from lmcache_tiers.errors import ConfigError
+
+    path = tmp_path / "dev.img"
+    cfg = RawBlockConfig(device_path=str(path), slot_bytes=64 << 10, meta_total_bytes=3 * 4096)
+    with open(path, "wb") as device:
+        device.truncate(2 << 20)
+        device.seek(offset)
+        device.write(magic)
+    with pytest.raises(ConfigError, match=f"holds {what}; refusing to overwrite it"):
+        open_raw(cfg)
+    assert path.read_bytes()[offset : offset + len(magic)] == magic, "nothing was written"
 
 
 def test_a_damaged_superblock_of_ours_is_reformatted(tmp_path: Path) -> None:

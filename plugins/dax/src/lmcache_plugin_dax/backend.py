@@ -101,6 +101,8 @@ class DaxBackend(SlotStoreBackend):
                 self._global_of.append(global_of)
             self.table = SlotTable(sum(counts), on_free=self._clear)
             reopened = [region.mount(keep=config.persist_enabled) for region in self.regions]
+            # A mapping formatted drops whatever it held (logged by mount): counted too.
+            self.context.count("device_formats", reopened.count(False))
             self._recover([index for index, kept in enumerate(reopened) if kept])
         except BaseException:
             self._stop_workers()

@@ -477,7 +477,14 @@ class MooncakeStoreBackend:
             return {}
         replicas = store.batch_get_replica_desc(names)
         if not replicas:
-            raise MooncakeError(f"replica query answered nothing for {len(names)} existing keys")
+            # Mooncake answers {} both when the master did not answer and when none of the
+            # names has a complete replica any more (removed or evicted since they were
+            # listed or found): ask again whether they exist, which says which it was.
+            present = store.batch_is_exist(names)
+            _check("replica query", present)
+            if any(code != 0 for code in present):
+                raise MooncakeError(f"replica query answered nothing for {len(names)} existing keys")
+            return {}
         complete = self.connection.module.ReplicaStatus.COMPLETE
         sizes: dict[str, int] = {}
         for name, descriptors in replicas.items():

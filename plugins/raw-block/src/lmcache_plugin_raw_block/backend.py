@@ -112,7 +112,9 @@ class RawBlockBackend(SlotStoreBackend):
     def _mount(self) -> tuple[bool, Checkpoint | None]:
         """Reopen the device's layout, or format it: (reopened, checkpoint to recover from)."""
         device, geometry = self._device, self.geometry
-        found = device.read_at(0, min(SIGNATURE_PROBE_BYTES, geometry.meta_total_bytes))
+        # The whole probe, whatever meta_total_bytes is: signatures lie up to 64 KiB + 64
+        # in (btrfs), which slots overwrite when the metadata region is smaller than that.
+        found = device.read_at(0, min(SIGNATURE_PROBE_BYTES, device.size))
         reason = _reformat_reason(found, has_magic(found, SUPERBLOCK_MAGIC), geometry, self.config)
         if reason is None:
             superblock = decode_superblock(found, SUPERBLOCK_MAGIC)
