@@ -4,13 +4,18 @@ passes the suite it was generated with."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
-from plugin_packages import run_tests
-from thirdparty import pip_install_to, run_cli
+import zmq
+from plugin_packages import environment, run_tests
+from thirdparty import CLI, ServerProcess, free_port, pip_install_to, run_cli
 
 KINDS = {
     "l2": "l2_adapter",
@@ -53,6 +58,67 @@ def test_every_generated_package_passes_its_own_tests(generated: tuple[Path, Pat
     result = run_tests(root / f"gen-{kind}", site)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+class ProtocolClient:
+    """The generated front end's protocol: ``[op, JSON args, chunk...]`` on a DEALER."""
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+        self.socket.connect(address)
+
+    def call(self, op: str, args: dict[str, Any], chunks: tuple[bytes, ...] = ()) -> tuple[Any, list[bytes]]:
+        """The reply's body and chunks; zmq.Again when no reply came in time."""
+        self.socket.send_multipart([op.encode(), json.dumps(args).encode(), *chunks])
+        status, body, *frames = self.socket.recv_multipart()
+        assert status == b"ok", body
+        return json.loads(body), frames
+
+    def close(self) -> None:
+        self.socket.close()
+        self.context.term()
+
+
+def test_serve_runs_the_generated_front_end(generated: tuple[Path, Path], tmp_path: Path) -> None:
+    """``serve`` accepts the generated front end as its only one, stores and reads back a
+    chunk through it, and stops cleanly on SIGINT."""
+    _root, site = generated
+    port, shm_name = free_port(), f"tiers_gen_{uuid.uuid4().hex[:12]}"
+    frontend = json.dumps({"type": "gen_frontend", "port": port})
+    command = [*CLI, "serve", "--frontend", frontend, "--no-default-l2", "--l1-size-gb", "0.0625"]
+    command += ["--metrics-port", "0", "--shm-name", shm_name]
+    log_dir = tmp_path / "serve"
+    log_dir.mkdir()
+    with (log_dir / "stdout.txt").open("wb") as out, (log_dir / "stderr.txt").open("wb") as err:
+        proc = subprocess.Popen(command, stdout=out, stderr=err, env=environment(site))
+    server = ServerProcess(f"tcp://127.0.0.1:{port}", None, shm_name, proc, log_dir)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until it serves: a ping answered
+            client = ProtocolClient(server.url, timeout_s=0.5)
+            try:
+                chunk_size = client.call("ping", {})[0]["chunk_size"]
+                break
+            except zmq.Again:
+                client.close()
+                assert proc.poll() is None, f"serve exited with {proc.returncode}\n{server.output()}"
+                assert time.monotonic() < deadline, f"serve did not answer a ping\n{server.output()}"
+        try:
+            args = {"model": "m", "tokens": [7] * chunk_size}
+            assert client.call("reserve", {**args, "size": 4096})[0] == {"missing": [0]}
+            assert client.call("commit", args, (b"z" * 4096,))[0] == {"stored": 1}
+            assert client.call("lookup", args)[0] == {"hits": 1}
+            assert client.call("retrieve", args) == ({"hits": 1}, [b"z" * 4096])
+        finally:
+            client.close()
+    except BaseException:
+        server.stop(signal.SIGKILL)
+        raise
+    assert server.stop(signal.SIGINT) == 0, server.output()
+    assert "gen_frontend protocol" in server.output()  # its describe() in the banner
 
 
 def test_generated_code_imports_only_the_public_plugin_api(generated: tuple[Path, Path]) -> None:

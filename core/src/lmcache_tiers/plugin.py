@@ -47,7 +47,8 @@ What each kind of plugin needs:
   (``LOSSLESS``, ``DETECTS_CORRUPTION``, ``BINDS_KEY``),
   ``StorePolicySuite``, ``PrefetchPolicySuite``, ``EvictionPolicySuite`` (``EVICTS``,
   ``RECENCY``, ``LOADS_EVERY_HIT``, ``STORES_EVERYWHERE``), ``ComponentSuite``,
-  ``FrontendSuite``, ``BlockingAdapterClient``.
+  ``FrontendSuite`` (with a ``FrontendDriver`` speaking the front end's protocol),
+  ``BlockingAdapterClient``.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ if TYPE_CHECKING:
     from lmcache_tiers.storage import StorageManager
     from lmcache_tiers.testing.base import ComponentSuite
     from lmcache_tiers.testing.blocking import BlockingAdapterClient
-    from lmcache_tiers.testing.frontend import FrontendSuite
+    from lmcache_tiers.testing.frontend import FrontendDriver, FrontendSuite
     from lmcache_tiers.testing.l2 import (
         CAPACITY,
         EVICTION,
@@ -235,6 +236,7 @@ _LAZY = {
     "copy_verified": _VERIFIED,
     "read_record_file": _VERIFIED,
     "BlockingAdapterClient": "lmcache_tiers.testing.blocking",
+    "FrontendDriver": "lmcache_tiers.testing.frontend",
     "FrontendSuite": "lmcache_tiers.testing.frontend",
     "L1Loan": "lmcache_tiers.l1.loan",
     "RouterLoop": "lmcache_tiers.router",
@@ -313,6 +315,7 @@ __all__ = [
     "Frontend",
     "FrontendConfig",
     "FrontendContext",
+    "FrontendDriver",
     "FrontendStats",
     "FrontendSuite",
     "HeaderSizes",

@@ -2,10 +2,10 @@
 
 Each kind's skeleton (``cli/skeletons/<kind>/``) is a working component -- an in-memory
 L2 backend, an every-key store policy, a lowest-index prefetch policy, a FIFO eviction
-policy, a framing serde, a TCP front end -- with the manifest, a test that subclasses the
-conformance suite of its kind (front ends and serdes: a discoverability test and a round
-trip, until they get suites of their own), a README and a pyproject whose entry point is
-all core needs to find it.
+policy, a framing serde, a front end speaking a small JSON protocol over ZeroMQ -- with
+the manifest, a test that subclasses the conformance suite of its kind (serdes: a
+discoverability test and a round trip), a README and a pyproject whose entry point is all
+core needs to find it.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ class _Skeleton:
     description: str
     test_role: str
     usage: str
+    #: what the implementation imports besides lmcache-tiers and msgspec
+    dependencies: tuple[str, ...] = ()
 
 
 _SKELETONS = {
@@ -85,10 +87,12 @@ _SKELETONS = {
     SkeletonKind.FRONTEND: _Skeleton(
         "frontend",
         "frontend",
-        "the front end `{component}` (answers `status` and `ping` lines over TCP)",
-        "checks discoverability (`ComponentSuite`; front ends have no conformance suite yet) "
-        "and one request over loopback",
-        "A front end is built as `factory(config, storage)` and started next to the native protocol.",
+        "the front end `{component}` (lookups, stores and retrieves of token chunks, JSON over ZeroMQ)",
+        "subclasses `FrontendSuite`, the conformance suite every front end passes, with a "
+        "`FrontendDriver` speaking its protocol",
+        'Serve it next to the native protocol: `lmcache-tiers serve --frontend \'{{"type": "native"}}\' '
+        '--frontend \'{{"type": "{component}", "port": 5556}}\'`.',
+        ("pyzmq>=25",),
     ),
 }
 
@@ -112,6 +116,9 @@ def plugin_values(name: str, kind: SkeletonKind) -> dict[str, str]:
         "implementation": skeleton.implementation,
         "kind_label": skeleton.kind_label,
         "test_role": skeleton.test_role,
+        "dependencies": ", ".join(
+            f'"{dependency}"' for dependency in ("lmcache-tiers", "msgspec>=0.18", *skeleton.dependencies)
+        ),
     }
     values["description"] = skeleton.description.format(component=component)
     values["usage"] = skeleton.usage.format(component=component)
