@@ -183,6 +183,31 @@ def test_failures_open_the_circuit_and_a_probe_closes_it(
 
 
 @pytest.mark.parametrize("backend", [RemoteDict, AsyncRemoteDict], ids=["plain", "coroutines"])
+def test_refused_calls_release_nothing_the_adapter_accounts(
+    adapters: list[BackendAdapter], outage: Outage, backend: type[DictBackend]
+) -> None:
+    """A refused lookup is a miss, not "absent": the keys are still accounted, and a
+    refused delete does not ask whether they are gone."""
+    adapter = opened(adapters, backend)
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    keys = make_keys(2)
+    assert store(client, keys) == [True, True]
+    used = adapter.used_bytes()
+    outage.down = True
+    fail_lookups(client, keys, 3)
+    assert adapter.stats()["circuit_open"] == 1
+    assert adapter.used_bytes() == used, "a failed lookup says nothing about the keys"
+
+    assert client.lookup_and_lock(keys).found == [False, False]
+    assert adapter.delete(keys) == [False, False]
+    assert adapter.used_bytes() == used
+    stats = adapter.stats()
+    assert stats["circuit_missed_lookup_keys"] == 2 and stats["circuit_failed_delete_keys"] == 2
+    assert "objects_vanished" not in stats and "delete_keys_checked" not in stats
+    assert stats["backend_errors"] == 3, "refusals are not backend calls"
+
+
+@pytest.mark.parametrize("backend", [RemoteDict, AsyncRemoteDict], ids=["plain", "coroutines"])
 def test_the_circuit_opens_again_after_it_closed(
     adapters: list[BackendAdapter], outage: Outage, backend: type[DictBackend]
 ) -> None:

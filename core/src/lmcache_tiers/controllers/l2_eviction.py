@@ -31,7 +31,10 @@ class L2EvictionController(ControllerThread):
     """Keeps one adapter below its trigger watermark.
 
     Pinned keys (between a prefetch's lookup and load) are refused by ``delete``; they are
-    skipped for the rest of the cycle and offered again in the next one.
+    skipped for the rest of the cycle and offered again in the next one.  A victim already
+    removed behind the adapter's back (another server sharing the store, the store's own
+    eviction) is found gone by the adapter, which releases its bytes and reports it
+    deleted, so it leaves the policy like an evicted key.
     """
 
     def __init__(
@@ -52,6 +55,11 @@ class L2EvictionController(ControllerThread):
         # in the thread: a scan can be slow), listener events wait here in order.
         self._seeded = False
         self._early_events: list[tuple[str, list[ObjectKey]]] = []
+        # The batch ``evict`` is deleting, and how many of its keys the adapter reported
+        # deleted: evicted, or found gone from the store, which frees accounted bytes too.
+        self._batch: frozenset[ObjectKey] = frozenset()
+        self._batch_released = 0
+        self._evict_lock = threading.Lock()
         slot.adapter.add_listener(self)
 
     # -- L2 listener (adapter threads) ---------------------------------------------------
@@ -71,6 +79,9 @@ class L2EvictionController(ControllerThread):
         self._feed("on_keys_read", keys)
 
     def on_l2_keys_deleted(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
+        with self._policy_lock:
+            if self._batch:
+                self._batch_released += sum(1 for key in keys if key in self._batch)
         self._feed("on_keys_removed", keys)
 
     def _seed(self) -> None:
@@ -108,21 +119,28 @@ class L2EvictionController(ControllerThread):
 
     def evict(self, bytes_to_free: int) -> int:
         """Delete victims until ``bytes_to_free`` are freed or none is left; returns freed."""
+        with self._evict_lock:  # one at a time: the batch being deleted is shared state
+            return self._evict(bytes_to_free)
+
+    def _evict(self, bytes_to_free: int) -> int:
         if not self._seeded:
             self._seed()
         adapter = self.slot.adapter
         start = adapter.used_bytes()
         refused: set[ObjectKey] = set()
         evicted = 0
+        released = 0  # keys whose bytes the adapter released: evicted, or found gone
         batch_size = 1  # the interface gives no per-key sizes: learn them from the first delete
         fruitless = 0  # deletes in a row that freed no accounted bytes
         while (freed := start - adapter.used_bytes()) < bytes_to_free and fruitless < DELETE_BATCH:
-            if evicted and freed > 0:
-                per_key = freed / evicted
+            # (an adapter that does not report its deletes counts its evictions only)
+            if (freeing := max(released, evicted)) and freed > 0:
+                per_key = freed / freeing
                 batch_size = max(1, min(DELETE_BATCH, math.ceil((bytes_to_free - freed) / per_key)))
             with self._policy_lock:
                 victims = (key for key in self.policy.victims() if key not in refused)
                 batch = list(islice(victims, batch_size))
+                self._batch, self._batch_released = frozenset(batch), 0
             if not batch:
                 break
             before = adapter.used_bytes()
@@ -132,8 +150,13 @@ class L2EvictionController(ControllerThread):
                 self.stats.fail("l2_eviction_delete_error")
                 logger.warning("%s: eviction delete failed: %s", self.slot.name, exc)
                 break
-            # Deleted keys leave the policy through the listener; refused ones (pinned, or
-            # already gone) are not offered again in this cycle.
+            finally:
+                with self._policy_lock:
+                    released += self._batch_released
+                    self._batch = frozenset()
+            # Deleted keys leave the policy through the listener, and so do keys the
+            # adapter found gone from the store; refused ones (pinned, or whose delete
+            # failed) are not offered again in this cycle.
             for key, ok in zip(batch, deleted, strict=False):
                 if ok:
                     evicted += 1
@@ -145,5 +168,12 @@ class L2EvictionController(ControllerThread):
         freed = start - adapter.used_bytes()
         if evicted:
             self.stats.add_adapter(self.slot.index, "keys_evicted", evicted)
-            logger.debug("L2 eviction on %s: %d keys, %d bytes freed", self.slot.name, evicted, freed)
+        if evicted or released:
+            logger.debug(
+                "L2 eviction on %s: %d keys evicted, %d found gone already, %d bytes freed",
+                self.slot.name,
+                evicted,
+                max(0, released - evicted),
+                freed,
+            )
         return freed

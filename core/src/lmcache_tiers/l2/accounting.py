@@ -1,10 +1,12 @@
 """Byte accounting of an adapter: per key, in total and per ``cache_salt``; capacity checks.
 
 Keys enter on a successful store, from the start-up scan of the backend's listing, or
-lazily when a lookup finds a key this process does not know; they leave on delete or when
-a lookup finds them gone.  Stores are admitted against the capacity *before* they reach
-the backend and reserve what they may add, so concurrent stores can never push usage over
-the capacity together.
+lazily when a lookup finds a key this process does not know; they leave on delete, or when
+the backend reports them gone: to a lookup, or to the check that follows a delete the
+backend did not do (removed behind this adapter's back, e.g. by another server sharing
+the store).  Stores are admitted against the capacity *before* they reach the backend and
+reserve what they may add, so concurrent stores can never push usage over the capacity
+together.
 """
 
 from __future__ import annotations
@@ -105,6 +107,19 @@ class ByteAccounting:
             if self._scanning:
                 self._touched.add(key)
             return previous
+
+    def forget_if(self, key: ObjectKey, known: ObjectSize) -> bool:
+        """Forget ``key`` if its entry is still ``known`` (the very object a caller read
+        before asking the backend); False when a store or lookup replaced or removed it
+        meanwhile, and the backend's answer may predate that."""
+        with self._lock:
+            if self._sizes.get(key) is not known:
+                return False
+            del self._sizes[key]
+            self._add(key.cache_salt, -known.stored)
+            if self._scanning:
+                self._touched.add(key)
+            return True
 
     def get(self, key: ObjectKey) -> ObjectSize | None:
         with self._lock:

@@ -19,7 +19,7 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.calls import checked, is_async_backend, optional_method
 from lmcache_tiers.l2.context import BackendContext
 from lmcache_tiers.l2.interface import L2Adapter, L2Listener, L2Op, LookupResult
-from lmcache_tiers.l2.ops import BatchOp, DeleteOp, LoadOp, LookupOp, StoreOp
+from lmcache_tiers.l2.ops import AbsenceCheckOp, BatchOp, DeleteOp, LoadOp, LookupOp, StoreOp
 from lmcache_tiers.l2.runners import LoopRunner, Runner, ThreadRunner
 from lmcache_tiers.l2.scan import KeyScan
 from lmcache_tiers.l2.state import AdapterState
@@ -190,7 +190,14 @@ class BackendAdapter(L2Adapter):
     def delete(self, keys: Sequence[ObjectKey]) -> list[bool]:
         if self._closed:
             return [False] * len(keys)
-        result: list[bool] = self.runner.call_now(DeleteOp(self.state, keys))
+        op = DeleteOp(self.state, keys)
+        result: list[bool] = self.runner.call_now(op)
+        if op.unconfirmed and not self._closed:
+            # ``delete_many`` answers False for "absent" and for "could not remove" alike.
+            # An accounted key that is absent was removed behind this adapter's back; asked
+            # nothing, it would overstate the usage and stay an eviction victim for good.
+            # It stays False here: this call did not delete it.
+            self.runner.call_now(AbsenceCheckOp(self.state, op.unconfirmed))
         return result
 
     def usage(self) -> float:

@@ -16,6 +16,15 @@ REQUIRED_METHODS = ("put_many", "contains_many", "get_many_into", "delete_many",
 BATCH_METHODS = ("put_many", "contains_many", "get_many_into", "delete_many")
 
 
+class NotCalled(Exception):
+    """Raised in place of a backend call that was not made (the open circuit breaker): the
+    batch fails as if the call had, but it is neither counted nor logged as a failure.
+
+    A refused lookup must not answer "absent": core would take every accounted key it
+    asked about for removed behind its back and release it.
+    """
+
+
 def optional_method(backend: object, name: str) -> Callable[..., Any] | None:
     """A backend's optional member ``name`` when it is callable (``open``, ``ping`` ...)."""
     method = getattr(backend, name, None)
@@ -56,11 +65,14 @@ def checked(method: str, result: Any, expected: int) -> list[Any]:
 def call(
     state: AdapterState, backend: object, method: str, keys: list[ObjectKey], *args: Sequence[memoryview]
 ) -> list[Any] | None:
-    """Run one synchronous backend method; None when it raised or answered wrongly."""
+    """Run one synchronous backend method; None when it raised, answered wrongly or was
+    not called (:class:`NotCalled`)."""
     if not keys:
         return []
     try:
         return checked(method, getattr(backend, method)(keys, *args), len(keys))
+    except NotCalled:
+        return None
     except Exception as exc:
         state.backend_failed(method, exc)
         return None
@@ -74,6 +86,8 @@ async def call_async(
         return []
     try:
         return checked(method, await getattr(backend, method)(keys, *args), len(keys))
+    except NotCalled:
+        return None
     except Exception as exc:
         state.backend_failed(method, exc)
         return None

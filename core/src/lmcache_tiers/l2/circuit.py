@@ -17,6 +17,11 @@ unchanged.  A failed call is one that raised (the adapter counts it as a
 holds no buffer, so it can be abandoned; stores and loads hold buffers the backend may
 still use, so only the backend's own timeouts end them.
 
+A refused call raises :class:`~lmcache_tiers.l2.calls.NotCalled`, which the adapter takes
+for a failed batch without counting it as a backend error, rather than answering misses
+or False: a lookup's None says "absent", and the adapter would release the accounted
+keys it asked about (or, after a refused delete, ask whether they are gone).
+
 It is on by default for backends that declare ``remote = True`` (``circuit.enabled``
 turns it on or off for any backend).  State and counters are in the adapter's
 ``stats()``: ``circuit_open`` (0/1), ``circuit_consecutive_failures``, and the counters
@@ -39,7 +44,7 @@ from typing import Any
 from lmcache_tiers.config import CircuitConfig, L2AdapterConfig
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.breaker import CallTimeout, CircuitBreaker
-from lmcache_tiers.l2.calls import is_async_backend, optional_method
+from lmcache_tiers.l2.calls import NotCalled, is_async_backend, optional_method
 from lmcache_tiers.l2.context import BackendContext
 
 log = logging.getLogger("lmcache_tiers.l2")
@@ -79,12 +84,14 @@ class _Guard:
         if concurrency is not None:
             self.concurrency = concurrency
 
-    def refused(self, method: str, keys: Sequence[ObjectKey]) -> bool:
-        """True (and counted) when the circuit is open and ``method`` must not run."""
-        if not self.breaker.is_open:
-            return False
-        self.context.count(_REFUSED[method], len(keys))
-        return True
+    def refuse_if_open(self, method: str, keys: Sequence[ObjectKey]) -> None:
+        """Raise :class:`NotCalled` (counted) when the circuit is open and ``method`` must
+        not run.  Not a list of misses or False: a lookup's None means "absent", and the
+        adapter would forget the accounted keys it asked about, or check again after a
+        delete whether they are gone."""
+        if self.breaker.is_open:
+            self.context.count(_REFUSED[method], len(keys))
+            raise NotCalled("the circuit is open")
 
     def failed(self, method: str, exc: BaseException) -> None:
         if isinstance(exc, CallTimeout):
@@ -156,23 +163,19 @@ class CircuitBackend(_Guard):
         return result
 
     def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> Any:
-        if self.refused("put_many", keys):
-            return [False] * len(keys)
+        self.refuse_if_open("put_many", keys)
         return self._call("put_many", keys, payloads)
 
     def contains_many(self, keys: Sequence[ObjectKey]) -> Any:
-        if self.refused("contains_many", keys):
-            return [None] * len(keys)
+        self.refuse_if_open("contains_many", keys)
         return self._call("contains_many", keys)
 
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> Any:
-        if self.refused("get_many_into", keys):
-            return [False] * len(keys)
+        self.refuse_if_open("get_many_into", keys)
         return self._call("get_many_into", keys, buffers)
 
     def delete_many(self, keys: Sequence[ObjectKey]) -> Any:
-        if self.refused("delete_many", keys):
-            return [False] * len(keys)
+        self.refuse_if_open("delete_many", keys)
         return self._call("delete_many", keys)
 
     # -- probing --------------------------------------------------------------------------
@@ -268,23 +271,19 @@ class AsyncCircuitBackend(_Guard):
         return result
 
     async def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> Any:
-        if self.refused("put_many", keys):
-            return [False] * len(keys)
+        self.refuse_if_open("put_many", keys)
         return await self._call("put_many", keys, payloads)
 
     async def contains_many(self, keys: Sequence[ObjectKey]) -> Any:
-        if self.refused("contains_many", keys):
-            return [None] * len(keys)
+        self.refuse_if_open("contains_many", keys)
         return await self._call("contains_many", keys)
 
     async def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> Any:
-        if self.refused("get_many_into", keys):
-            return [False] * len(keys)
+        self.refuse_if_open("get_many_into", keys)
         return await self._call("get_many_into", keys, buffers)
 
     async def delete_many(self, keys: Sequence[ObjectKey]) -> Any:
-        if self.refused("delete_many", keys):
-            return [False] * len(keys)
+        self.refuse_if_open("delete_many", keys)
         return await self._call("delete_many", keys)
 
     # -- probing --------------------------------------------------------------------------

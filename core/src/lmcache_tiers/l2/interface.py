@@ -40,8 +40,12 @@ class LookupResult(NamedTuple):
 class L2Listener(Protocol):
     """Observer of an adapter (e.g. the per-adapter L2 eviction policy).
 
-    Called from the adapter's own threads (or the thread calling ``delete``) after the
-    operation took effect and before its result is published; must not block.
+    Called from the adapter's own threads (or the thread calling ``delete`` or
+    ``lookup_and_lock_now``) after the operation took effect and before its result is
+    published; must not block.  ``on_l2_keys_deleted`` also reports accounted keys the
+    backend answered absent (removed behind the adapter's back, e.g. by another server
+    sharing the store), found by a lookup or by the check after a delete that did not
+    remove them: a listener may be told of keys it never saw stored, or saw deleted.
     """
 
     def on_l2_keys_stored(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None: ...

@@ -11,7 +11,10 @@ The rules every adapter follows live here, once:
 * a lookup pins each hit; a load holds its own pin while it runs; a delete skips pinned
   keys, and a key being deleted is never reported found;
 * bytes are accounted on a successful store, from the start-up scan, on the first lookup
-  hit of a key not known yet, and are released on delete or when a lookup finds a key gone;
+  hit of a key not known yet, and are released on delete or when the backend reports an
+  accounted key gone -- to a lookup, or to the check after a delete it did not do
+  (``AbsenceCheckOp``): removed behind the adapter's back, counted as ``objects_vanished``
+  and announced to listeners as deleted;
 * serde and capacity refusals fail one object, backend exceptions the whole batch.
 """
 
@@ -218,6 +221,47 @@ def resolve_size(
     return size
 
 
+def vanished(state: AdapterState, keys: Sequence[ObjectKey], how: str) -> None:
+    """Accounted objects the backend reported gone, their bytes released already: counted,
+    logged once per burst, and announced as deleted -- an eviction policy would otherwise
+    offer them for good, and no delete of this adapter will ever remove them from it."""
+    if not keys:
+        return
+    state.count("objects_vanished", len(keys))
+    state.burst.warn(
+        "objects_vanished",
+        "%s: %d accounted objects were gone from the store (%s): removed behind this adapter's "
+        "back, e.g. by another server sharing the store, the store's own eviction or expiry, "
+        "or an operator; their bytes are released",
+        state.name,
+        len(keys),
+        how,
+        count=len(keys),
+    )
+    state.notify("on_l2_keys_deleted", keys)
+
+
+def forget_gone(
+    state: AdapterState, candidates: Sequence[tuple[ObjectKey, ObjectSize]], how: str
+) -> list[ObjectKey]:
+    """Release accounted keys the backend answered absent; returns the keys released.
+
+    Each comes with the entry read *before* the backend was asked: a store (or lookup)
+    that replaced it since may postdate the answer, and is kept.  A key whose record
+    turned out to be of another serde chain is reported absent but is there: kept too.
+    """
+    if not candidates:
+        return []
+    unreadable = state.unreadable([key for key, _ in candidates])
+    gone = [
+        key
+        for (key, known), kept in zip(candidates, unreadable, strict=True)
+        if not kept and state.accounting.forget_if(key, known)
+    ]
+    vanished(state, gone, how)
+    return gone
+
+
 class LookupOp(BatchOp):
     method = "contains_many"
     kind = L2Op.LOOKUP
@@ -248,6 +292,7 @@ class LookupOp(BatchOp):
         found = [False] * len(self.keys)
         sizes = [0] * len(self.keys)
         misses: list[ObjectKey] = []
+        absent: list[tuple[ObjectKey, ObjectSize]] = []  # accounted, and answered absent
         for position, index in enumerate(self.io_index):
             key = self.keys[index]
             reported = io_result[position] if io_result is not None else None
@@ -255,13 +300,13 @@ class LookupOp(BatchOp):
             if size is None:
                 misses.append(key)
                 known = self.known[position]
-                gone = io_result is not None and reported is None and known is not None
-                if gone and state.accounting.get(key) is known:
-                    state.accounting.forget(key)
+                if io_result is not None and reported is None and known is not None:
+                    absent.append((key, known))
                 continue
             found[index] = True
             sizes[index] = size.l1
             self.hits.append(key)
+        forget_gone(state, absent, "found by a lookup")
         state.pins.unpin(misses)
         state.count("lookup_hits", len(self.hits))
         state.count("lookup_misses", len(self.keys) - len(self.hits))
@@ -360,13 +405,26 @@ class LoadOp(BatchOp):
 
 
 class DeleteOp(BatchOp):
+    """Deletes the keys no reader pinned.  Accounted keys the backend did not delete are
+    left in ``unconfirmed``: absent or not removable, ``delete_many`` cannot tell, and the
+    adapter asks the backend about them next (``AbsenceCheckOp``)."""
+
     method = "delete_many"
+
+    def __init__(self, state: AdapterState, keys: Sequence[ObjectKey]) -> None:
+        super().__init__(state, keys)
+        self.known: list[ObjectSize | None] = []
+        self.unconfirmed: list[tuple[ObjectKey, ObjectSize]] = []
 
     def prepare(self) -> tuple[list[ObjectKey]]:
         claimed = self.state.pins.begin_delete(self.keys)
         self.io_index = [i for i, ok in enumerate(claimed) if ok]
         self.state.count("delete_keys_skipped", len(self.keys) - len(self.io_index))
-        return (self.io_keys(),)
+        io_keys = self.io_keys()
+        # Snapshot the accounting: a key the backend did not delete is released later only
+        # if no store replaced its entry in between.
+        self.known = self.state.accounting.get_many(io_keys)
+        return (io_keys,)
 
     def finish(self, io_result: Sequence[Any] | None, *, call_returned: bool = True) -> list[bool]:
         state = self.state
@@ -374,14 +432,54 @@ class DeleteOp(BatchOp):
         deleted: list[ObjectKey] = []
         try:
             for position, index in enumerate(self.io_index):
-                if io_result is not None and io_result[position]:
+                if io_result is None:
+                    break  # the call failed: nothing is known about any key
+                key = self.keys[index]
+                if io_result[position]:
                     ok[index] = True
-                    key = self.keys[index]
                     state.accounting.forget(key)
                     deleted.append(key)
+                elif (known := self.known[position]) is not None:
+                    self.unconfirmed.append((key, known))
             state.forget_unreadable(deleted)
         finally:
             state.pins.end_delete(self.io_keys())
         state.count("delete_keys_ok", len(deleted))
         state.notify("on_l2_keys_deleted", deleted)
         return ok
+
+
+class AbsenceCheckOp(BatchOp):
+    """``contains_many`` for the accounted keys a delete did not remove: those the backend
+    answers absent were removed behind this adapter's back (another server sharing the
+    store, the store's own eviction or expiry, an operator) and are released, counted and
+    announced as deleted.  Those still there stay accounted: their delete failed.
+
+    A separate operation, run by the same runner as every call (circuit breaker, call
+    timeouts and event loops apply); the keys are claimed as for a delete again, so a key
+    a reader pinned since is left alone -- its lookup asks the backend itself.
+    """
+
+    method = "contains_many"
+
+    def __init__(self, state: AdapterState, unconfirmed: Sequence[tuple[ObjectKey, ObjectSize]]) -> None:
+        super().__init__(state, [key for key, _ in unconfirmed])
+        self.known = [size for _, size in unconfirmed]
+
+    def prepare(self) -> tuple[list[ObjectKey]]:
+        claimed = self.state.pins.begin_delete(self.keys)
+        self.io_index = [i for i, ok in enumerate(claimed) if ok]
+        self.state.count("delete_keys_checked", len(self.io_index))
+        return (self.io_keys(),)
+
+    def finish(self, io_result: Sequence[Any] | None, *, call_returned: bool = True) -> list[ObjectKey]:
+        state = self.state
+        try:
+            absent = [
+                (self.keys[index], self.known[index])
+                for position, index in enumerate(self.io_index)
+                if io_result is not None and io_result[position] is None
+            ]
+            return forget_gone(state, absent, "found after a delete")
+        finally:
+            state.pins.end_delete(self.io_keys())

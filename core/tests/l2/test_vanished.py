@@ -1,0 +1,236 @@
+"""Objects removed behind the adapter's back (another server sharing the store, the store's
+own eviction or expiry, an operator): found gone by a lookup or by the check after a delete
+that did not remove them, they leave the accounting and the eviction policy."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+from l2_backends import AsyncDictBackend, DictBackend, Xor, open_dict
+
+from lmcache_tiers.config import L2EvictionConfig
+from lmcache_tiers.controllers.base import AdapterSlot
+from lmcache_tiers.controllers.l2_eviction import L2EvictionController
+from lmcache_tiers.controllers.stats import EngineStats
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import BackendAdapter, ObjectSize
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.l2 import make_keys
+from lmcache_tiers.testing.l2_support import RecordingListener
+
+SIZE = 1000
+WATERMARK = 0.8
+
+BACKENDS = pytest.mark.parametrize("backend", [DictBackend, AsyncDictBackend], ids=["plain", "coroutines"])
+
+
+class Fifo:
+    """Eviction policy: oldest write first."""
+
+    def __init__(self) -> None:
+        self.order: dict[ObjectKey, None] = {}
+
+    def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
+        for key in keys:
+            self.order.pop(key, None)
+            self.order[key] = None
+
+    def on_keys_read(self, keys: Sequence[ObjectKey]) -> None:
+        return None
+
+    def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
+        for key in keys:
+            self.order.pop(key, None)
+
+    def victims(self) -> Iterator[ObjectKey]:
+        return iter(list(self.order))
+
+
+def opened(adapters: list[BackendAdapter], backend: type[DictBackend], objects: int) -> BackendAdapter:
+    adapter = open_dict(backend, capacity=objects * SIZE)
+    adapters.append(adapter)
+    return adapter
+
+
+def evicting(adapter: BackendAdapter) -> tuple[L2EvictionController, Fifo]:
+    policy = Fifo()
+    config = L2EvictionConfig(trigger_watermark=WATERMARK, eviction_ratio=0.2)
+    controller = L2EvictionController(AdapterSlot(0, "dict", adapter), policy, config, EngineStats(1))
+    controller.evict(0)  # seeds the policy (nothing stored yet): events from now on go in
+    return controller, policy
+
+
+def store(adapter: BackendAdapter, keys: list[ObjectKey]) -> None:
+    assert BlockingAdapterClient(adapter).store(keys, [memoryview(bytearray(SIZE)) for _ in keys]) == [
+        True
+    ] * len(keys)
+
+
+def dict_of(adapter: BackendAdapter) -> DictBackend:
+    backend = adapter.backend
+    assert isinstance(backend, DictBackend)
+    return backend
+
+
+def remove_behind_its_back(adapter: BackendAdapter, keys: list[ObjectKey]) -> None:
+    """What another server sharing the store does: the object goes, this adapter is not told."""
+    backend = dict_of(adapter)
+    with backend.lock:
+        for key in keys:
+            del backend.objects[key]
+
+
+@BACKENDS
+def test_an_eviction_victim_removed_behind_the_adapters_back_is_released(
+    adapters: list[BackendAdapter], backend: type[DictBackend]
+) -> None:
+    adapter = opened(adapters, backend, 8)
+    controller, policy = evicting(adapter)
+    keys = make_keys(4)
+    store(adapter, keys)
+    remove_behind_its_back(adapter, keys[:2])
+
+    freed = controller.evict(2 * SIZE)
+
+    assert freed == 2 * SIZE
+    assert adapter.used_bytes() == 2 * SIZE, "the bytes of the vanished objects are released"
+    assert list(policy.victims()) == keys[2:], "they are no longer offered"
+    assert set(dict_of(adapter).objects) == set(keys[2:]), "no live object was evicted in their place"
+    stats = adapter.stats()
+    assert stats["objects_vanished"] == 2
+    assert stats["delete_keys_checked"] == 2
+    assert stats.get("delete_keys_ok", 0) == 0
+    assert controller.stats.adapter(0)["keys_evicted"] == 0, "found gone is not evicted"
+
+
+@BACKENDS
+def test_a_lookup_that_finds_an_accounted_key_gone_reports_it_deleted(
+    adapters: list[BackendAdapter], backend: type[DictBackend]
+) -> None:
+    adapter = opened(adapters, backend, 8)
+    _controller, policy = evicting(adapter)
+    listener = RecordingListener()
+    adapter.add_listener(listener)
+    keys = make_keys(2)
+    store(adapter, keys)
+    remove_behind_its_back(adapter, keys[:1])
+
+    assert BlockingAdapterClient(adapter).lookup_and_lock(keys).found == [False, True]
+    adapter.unlock(keys[1:])
+
+    assert adapter.used_bytes() == SIZE
+    assert listener.keys("deleted") == keys[:1]
+    assert list(policy.victims()) == keys[1:]
+    assert adapter.stats()["objects_vanished"] == 1
+
+
+def test_eviction_over_many_vanished_objects_gets_usage_under_the_watermark(
+    adapters: list[BackendAdapter],
+) -> None:
+    adapter = opened(adapters, DictBackend, 64)
+    controller, policy = evicting(adapter)
+    keys = make_keys(60)
+    store(adapter, keys)
+    phantoms, live = keys[:55], keys[55:]
+    remove_behind_its_back(adapter, phantoms)  # 55 of 64 objects: over the watermark alone
+    assert adapter.usage() > WATERMARK
+    checks = dict_of(adapter).calls.get("contains_many", 0)
+
+    controller.step(set())
+
+    assert adapter.usage() < WATERMARK
+    assert set(dict_of(adapter).objects) == set(live), "the live objects are all kept"
+    assert set(policy.victims()) == set(keys[12:]), "the 12 oldest were found gone and left"
+    assert adapter.stats()["objects_vanished"] == 12
+    # The batch grows once the bytes a released key frees are known, as with evictions.
+    assert dict_of(adapter).calls["contains_many"] - checks <= 3
+
+
+class StaleAnswers(DictBackend):
+    """A dict whose ``contains_many`` answers as it was before a store it lets run first:
+    the store of a key racing the check after its delete."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.adapter: BackendAdapter | None = None
+        self.restore: list[ObjectKey] = []
+        self.refuse: set[ObjectKey] = set()
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | ObjectSize | None]:
+        answer = super().contains_many(keys)
+        restore, self.restore = self.restore, []
+        if restore:
+            assert self.adapter is not None
+            store(self.adapter, restore)
+        return answer
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        kept = [key for key in keys if key in self.refuse]  # cannot be removed (e.g. denied)
+        deleted = super().delete_many([key for key in keys if key not in self.refuse])
+        outcome = iter(deleted)
+        return [False if key in kept else next(outcome) for key in keys]
+
+
+def test_a_key_stored_again_while_its_absence_is_checked_stays_accounted(
+    adapters: list[BackendAdapter],
+) -> None:
+    adapter = opened(adapters, StaleAnswers, 8)
+    backend = dict_of(adapter)
+    assert isinstance(backend, StaleAnswers)
+    backend.adapter = adapter
+    _controller, policy = evicting(adapter)
+    phantom, restored = make_keys(2)
+    store(adapter, [phantom, restored])
+    remove_behind_its_back(adapter, [phantom, restored])
+    backend.restore = [restored]  # stored again between the delete and the answer
+
+    assert adapter.delete([phantom, restored]) == [False, False]
+
+    assert adapter.used_bytes() == SIZE
+    assert adapter.l1_size_of(restored) == SIZE, "the new store's entry is kept"
+    assert adapter.l1_size_of(phantom) is None
+    assert list(policy.victims()) == [restored]
+    assert adapter.stats()["objects_vanished"] == 1
+
+
+def test_a_key_whose_delete_fails_but_that_exists_stays_accounted(adapters: list[BackendAdapter]) -> None:
+    adapter = opened(adapters, StaleAnswers, 8)
+    backend = dict_of(adapter)
+    assert isinstance(backend, StaleAnswers)
+    controller, policy = evicting(adapter)
+    stuck, phantom, live = make_keys(3)
+    store(adapter, [stuck, phantom, live])
+    backend.refuse = {stuck}
+    remove_behind_its_back(adapter, [phantom])
+
+    assert controller.evict(2 * SIZE) == 2 * SIZE
+
+    assert adapter.l1_size_of(stuck) == SIZE, "still there: still accounted"
+    assert list(policy.victims()) == [stuck], "and offered again next cycle"
+    assert set(backend.objects) == {stuck}
+    stats = adapter.stats()
+    assert stats["objects_vanished"] == 1 and stats["delete_keys_checked"] == 2
+    assert stats["delete_keys_ok"] == 1
+
+
+def test_a_record_of_another_serde_chain_is_not_taken_for_gone(adapters: list[BackendAdapter]) -> None:
+    namespace = uuid.uuid4().hex
+    first = open_dict(serde=[Xor()], namespace=namespace, records=True)
+    keys = make_keys(2)
+    BlockingAdapterClient(first).store(keys, [memoryview(b"abc")] * 2)
+    first.close()
+    second = open_dict(namespace=namespace, records=True)
+    adapters.append(second)
+    listener = RecordingListener()
+    second.add_listener(listener)
+    used = second.used_bytes()
+    assert used > 0, "listed by the start-up scan"
+
+    assert BlockingAdapterClient(second).lookup_and_lock(keys).found == [False, False]
+
+    assert second.used_bytes() == used, "kept, so accounted (and evictable)"
+    assert listener.keys("deleted") == []
+    assert "objects_vanished" not in second.stats()
