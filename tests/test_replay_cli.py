@@ -32,6 +32,27 @@ def test_a_malformed_line_is_named(tmp_path: Path) -> None:
     assert "line 5" in _error_line(result)
 
 
+def test_times_no_clock_can_wait_for_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    trace = small_trace(tmp_path / "t.jsonl", requests=4)
+    huge = tmp_path / "huge.jsonl"
+    huge.write_text(
+        trace.read_text() + '{"timestamp": 1e300, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
+    )
+    server = start_block_server(tmp_path / "server", 50)
+    try:
+        for args, message in [
+            ([str(huge), "--simulate"], "huge.jsonl line 5: timestamp 1e+300 is outside"),
+            ([str(huge), "--url", server.url, "--time-scale", "1"], "huge.jsonl line 5: timestamp"),
+            ([str(trace), "--url", server.url, "--time-scale", "1e300"], "a paced replay must fit"),
+            ([str(trace), "--in-process", "--l1-blocks", "20", "--time-scale", "1e300"], "must fit"),
+        ]:
+            result = run_cli(["replay", *args])
+            assert result.returncode == 2, result.stderr
+            assert message in _error_line(result)
+    finally:
+        assert server.stop() == 0, server.output()
+
+
 @pytest.mark.parametrize("capacity", ["-3", "zero", "12 parsecs", "0", "1.5", "1.2345k"])
 def test_a_bad_capacity_is_one_line_and_exit_2(tmp_path: Path, capacity: str) -> None:
     result = run_cli(["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate", "--capacity", capacity])

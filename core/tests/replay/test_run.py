@@ -10,6 +10,7 @@ import pytest
 
 from lmcache_tiers.client import StaleReadError
 from lmcache_tiers.config import ServerConfig, decode_adapter
+from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.replay import inprocess, run
@@ -19,11 +20,12 @@ from lmcache_tiers.replay.run import (
     Payloads,
     ReplayOptions,
     ReplayTotals,
+    check_pacing,
     paced,
     percentile,
     status_delta,
 )
-from lmcache_tiers.replay.trace import TraceRequest
+from lmcache_tiers.replay.trace import Trace, TraceRequest
 from lmcache_tiers.storage import StorageManager
 
 
@@ -136,6 +138,40 @@ def test_time_scale_zero_still_starts_at_the_shared_start(monkeypatch: pytest.Mo
     requests = _requests(0, 10_000)
     assert list(paced(requests, 0.0, origin_ms=0, start=105.0)) == requests
     assert clock.now == 105.0  # clients spawned one after the other begin together
+
+
+def test_a_request_stamped_before_the_one_ahead_is_sent_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _FakeClock(100.0)
+    monkeypatch.setattr(run, "time", clock)
+    sent = []
+    for index, _ in paced(_requests(0, 5000, 1000, -7000, 6000), 1.0, origin_ms=0, start=100.0):
+        sent.append((index, clock.now))
+    # in the trace's order; the early-stamped ones go right after the one ahead of them
+    assert sent == [(0, 100.0), (1, 105.0), (2, 105.0), (3, 105.0), (4, 106.0)]
+
+
+def _trace(*stamps: float) -> Trace:
+    return Trace("t.jsonl", tuple(request for _, request in _requests(*stamps)))
+
+
+@pytest.mark.parametrize("time_scale", [1e300, 1e10, float("inf"), float("nan")])
+def test_a_schedule_no_clock_can_wait_for_is_refused(time_scale: float) -> None:
+    with pytest.raises(ConfigError, match="a paced replay must fit in 365 days"):
+        check_pacing(_trace(0, 1000), time_scale)
+
+
+def test_schedules_that_fit_are_accepted() -> None:
+    check_pacing(_trace(0, 1000), 1e6)  # a million seconds: long, but a plan
+    check_pacing(_trace(0, 2**53), 1e-6)  # the widest timestamps, squeezed
+    check_pacing(_trace(5000, 0, -(2**53)), 1e300)  # every later request is already due
+    check_pacing(_trace(0, 2**53), 0.0)  # as fast as possible: no schedule at all
+
+
+def test_an_in_process_replay_refuses_an_absurd_time_scale_before_it_starts() -> None:
+    with pytest.raises(ConfigError, match="time scale"):
+        inprocess.replay_in_process(
+            ServerConfig(l1_size_gb=1 / 64), _trace(0, 1000), ReplayOptions(time_scale=1e300)
+        )
 
 
 def test_a_clients_seconds_run_from_the_shared_start(monkeypatch: pytest.MonkeyPatch) -> None:

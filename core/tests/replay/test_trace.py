@@ -54,6 +54,19 @@ def test_prefix_tokens_count_a_partial_last_block() -> None:
         ),
         ('{"timestamp": 0, "input_length": -5, "output_length": 1, "hash_ids": [1]}', "line 2: input_length"),
         ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [-1]}', "line 2: hash id -1"),
+        # timestamps no clock can wait for: refused here, not an OverflowError while pacing
+        (
+            '{"timestamp": 1e300, "input_length": 5, "output_length": 1, "hash_ids": [1]}',
+            r"line 2: timestamp 1e\+300 is outside",
+        ),
+        (
+            '{"timestamp": -1e300, "input_length": 5, "output_length": 1, "hash_ids": [1]}',
+            r"line 2: timestamp -1e\+300 is outside",
+        ),
+        (
+            '{"timestamp": 1' + "0" * 400 + ', "input_length": 5, "output_length": 1, "hash_ids": [1]}',
+            "line 2: Number out of range",
+        ),
     ],
 )
 def test_a_bad_line_is_named(tmp_path: Path, content: str, message: str) -> None:
@@ -63,6 +76,15 @@ def test_a_bad_line_is_named(tmp_path: Path, content: str, message: str) -> None
     )
     with pytest.raises(TraceError, match=message):
         read_trace(path)
+
+
+def test_negative_and_out_of_order_timestamps_are_read(tmp_path: Path) -> None:
+    lines = [
+        {"timestamp": stamp, "input_length": 5, "output_length": 1, "hash_ids": [index]}
+        for index, stamp in enumerate([-5.0, -(2**53), 2**53, 0.0])
+    ]
+    trace = read_trace(write_trace(tmp_path / "t.jsonl", lines))
+    assert [request.timestamp_ms for request in trace.requests] == [-5.0, -(2**53), 2**53, 0.0]
 
 
 def test_missing_empty_and_directory_traces(tmp_path: Path) -> None:

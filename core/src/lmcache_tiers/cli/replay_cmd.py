@@ -222,6 +222,7 @@ def replay(
     ] = None,
 ) -> None:
     from lmcache_tiers.errors import TiersError
+    from lmcache_tiers.replay.run import check_pacing
     from lmcache_tiers.replay.trace import read_trace
 
     modes = [
@@ -251,6 +252,8 @@ def replay(
             )
             return
         options = _options(block_bytes, time_scale, timeout, model, salt)
+        # Here, not only in the replay: the server replay runs outside this try.
+        check_pacing(trace, options.time_scale)
         if in_process:
             overrides = {
                 "l1_size_gb": l1_size_gb,

@@ -20,6 +20,7 @@ from lmcache_tiers.replay.run import (
     ProgressHook,
     ReplayOptions,
     ReplayReport,
+    check_pacing,
     paced,
     status_delta,
 )
@@ -94,6 +95,7 @@ def replay_in_process(
     progress: ProgressHook | None = None,
 ) -> ReplayReport:
     """Build a StorageManager from ``config``, replay ``trace`` through it, close it."""
+    check_pacing(trace, options.time_scale)
     state = ClientState.for_options(options)
     totals = state.totals
     scratch = np.zeros(options.block_bytes, dtype=np.uint8).data

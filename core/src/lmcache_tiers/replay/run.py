@@ -10,11 +10,15 @@ from typing import Any
 
 import numpy as np
 
-from lmcache_tiers.replay.trace import REPLAY_MODEL, REPLAY_SALT, KeySpace, TraceRequest
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.replay.trace import REPLAY_MODEL, REPLAY_SALT, KeySpace, Trace, TraceRequest
 
 logger = logging.getLogger(__name__)
 
 _ID_BYTES = 8
+#: the longest paced replay accepted: a longer schedule is a mistaken time scale (or
+#: timestamps in another unit than ms), and past ~292 years time.sleep overflows
+MAX_PACED_S = 365 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,24 @@ class ClientState:
         return cls(ReplayTotals(), keyspace, Payloads(options.block_bytes))
 
 
+def check_pacing(trace: Trace, time_scale: float) -> None:
+    """ConfigError when pacing ``trace`` at ``time_scale`` would last longer than MAX_PACED_S.
+
+    Called before a replay starts, so an absurd schedule is one clear error, not an
+    OverflowError from ``time.sleep`` in the middle of the replay.
+    """
+    if time_scale <= 0:
+        return  # as fast as possible: no schedule
+    origin = trace.requests[0].timestamp_ms
+    span_s = (max(request.timestamp_ms for request in trace.requests) - origin) / 1000.0
+    seconds = span_s * time_scale  # inf (not an exception) when the product overflows
+    if not seconds <= MAX_PACED_S:  # also catches a NaN time scale
+        raise ConfigError(
+            f"a time scale of {time_scale:g} spreads the trace's {span_s:g} s of arrivals over "
+            f"{seconds:g} s; a paced replay must fit in {MAX_PACED_S / 86400:g} days"
+        )
+
+
 def paced(
     requests: Sequence[tuple[int, TraceRequest]],
     time_scale: float,
@@ -124,8 +146,10 @@ def paced(
     A request is due ``(timestamp - origin_ms) * time_scale`` ms after ``start`` (a
     ``time.monotonic()`` value); every client of one replay uses the same origin (the
     trace's first timestamp) and start, so together they keep the trace's arrivals.
-    A client that falls behind sends at once.  With ``time_scale`` 0 the first request
-    still waits for ``start``, so that clients started one after the other run together.
+    A client that falls behind sends at once, and so does a request stamped before the
+    one ahead of it (requests keep the trace's order; they are never re-sorted).  With
+    ``time_scale`` 0 the first request still waits for ``start``, so that clients started
+    one after the other run together.
     """
     if time_scale <= 0:
         if requests:

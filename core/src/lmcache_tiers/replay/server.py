@@ -22,6 +22,7 @@ from lmcache_tiers.replay.run import (
     ReplayOptions,
     ReplayReport,
     ReplayTotals,
+    check_pacing,
     paced,
     status_delta,
 )
@@ -130,6 +131,7 @@ def replay_server(
     """Replay ``trace`` against the server at ``url``; ClientError if it cannot be reached."""
     if clients < 1:
         raise ValueError("clients must be at least 1")
+    check_pacing(trace, options.time_scale)
     with Client(url, timeout=options.timeout_s, auth_token=auth_token, name="replay-status") as probe:
         before = probe.status()
     indexed = list(enumerate(trace.requests))

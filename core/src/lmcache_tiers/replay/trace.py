@@ -16,6 +16,9 @@ BLOCK_TOKENS = 512
 #: model name and cache salt of replayed keys: never those of an engine's real data
 REPLAY_MODEL = "lmcache-tiers-replay"
 REPLAY_SALT = "replay"
+#: the largest timestamp magnitude (ms) a trace may hold: past 2**53 a float no longer
+#: tells whole milliseconds apart, and pacing's arithmetic on such values overflows
+MAX_TIMESTAMP_MS = float(2**53)
 
 
 class TraceError(TiersError):
@@ -111,6 +114,10 @@ def _parse_line(raw: bytes, where: str) -> TraceRequest:
         raise TraceError(f"{where}: not a JSON object ({exc})") from None
     if line.input_length < 0 or line.output_length < 0:
         raise TraceError(f"{where}: input_length and output_length must not be negative")
+    # Negative and out-of-order timestamps are fine (pacing sends a request that is
+    # already due at once); only magnitudes no clock can wait for are refused.
+    if not -MAX_TIMESTAMP_MS <= line.timestamp <= MAX_TIMESTAMP_MS:
+        raise TraceError(f"{where}: timestamp {line.timestamp:g} is outside -2**53..2**53 ms")
     for block in line.hash_ids:
         if not 0 <= block < 1 << 64:
             raise TraceError(f"{where}: hash id {block} is outside 0..2**64-1")
