@@ -493,6 +493,97 @@ def test_a_client_follows_a_restarted_server_to_its_new_segment() -> None:
         second.close()
 
 
+def test_views_outlive_a_close_of_their_client(server: TiersServer) -> None:
+    keys, data = keys_of(3), blobs(3)
+    client = Client(server.endpoint)
+    assert client.store(keys, data) == 3 and client.uses_shm
+    segment = client._segment
+    assert segment is not None
+    with client.retrieve(keys) as views:
+        kept = np.frombuffer(views[0], dtype=np.uint8)  # a view the caller keeps past the block
+        client.close()
+        assert segment.closed and not client.uses_shm
+        assert [bytes(view) for view in views] == data  # mapped until the block ends
+    # the block ended as usual (no error from a generation table already unmapped)
+    assert bytes(kept) == data[0]  # the mapping goes with the last view the caller kept
+    with pytest.raises(ClientError, match="closed"):
+        client.store(keys_of(1), blobs(1))
+    with pytest.raises(Exception, match="closed"), segment.in_use():  # a closed mapping is never used again
+        pass
+
+
+def test_views_outlive_following_a_restarted_server() -> None:
+    port = free_port()
+    first, second = ServerHarness(), ServerHarness()
+    try:
+        old = first.make(port=port)
+        keys, data = keys_of(3), [bytes([0x11]) * 5000] * 3
+        client = Client(old.endpoint, timeout=5)
+        assert client.store(keys, data) == 3
+        old_segment = client._segment
+        with client.retrieve(keys) as views:
+            first.close()
+            second.make(port=port)
+            _until_reachable(client)
+            more = keys_of(2)
+            # follows the server: the old segment is closed while these views read it
+            assert client.store(more, [bytes([0x77]) * 5000] * 2) == 2
+            assert client._segment is not old_segment and old_segment is not None and old_segment.closed
+            assert [bytes(view) for view in views] == data
+        with client.retrieve(more) as views:  # the client goes on, on the new segment
+            assert [bytes(view) for view in views] == [bytes([0x77]) * 5000] * 2
+        client.close()
+    finally:
+        first.close()
+        second.close()
+
+
+_CLOSED_UNDER_THREADS = """
+import os, sys, threading, time
+import numpy as np
+from lmcache_tiers.client import Client, ClientError
+from lmcache_tiers.keys import ObjectKey
+client = Client(sys.argv[1], timeout=5)
+unexpected = []
+def work():
+    while True:
+        keys = [ObjectKey("unit", 0, os.urandom(8)) for _ in range(4)]
+        try:
+            client.store(keys, [np.ones(1 << 20, dtype=np.uint8)] * 4)
+            client.retrieve_into(keys, [np.zeros(1 << 20, dtype=np.uint8) for _ in keys])
+            with client.retrieve(keys) as views:
+                sum(view[0] for view in views)
+        except ClientError as exc:
+            if "closed" in str(exc):
+                return
+        except BaseException as exc:
+            unexpected.append(repr(exc))
+            return
+threads = [threading.Thread(target=work) for _ in range(2)]
+for thread in threads:
+    thread.start()
+time.sleep(0.3)
+client.close()
+for thread in threads:
+    thread.join(30)
+print("unexpected:", unexpected)
+sys.exit(1 if unexpected or any(thread.is_alive() for thread in threads) else 0)
+"""
+
+
+def test_closing_a_client_other_threads_use_neither_crashes_nor_confuses_them(server: TiersServer) -> None:
+    # In a child: a socket closed under a thread using it used to abort the whole process.
+    for _ in range(3):
+        child = subprocess.run(
+            [sys.executable, "-c", _CLOSED_UNDER_THREADS, server.endpoint],
+            timeout=120,
+            check=False,
+            capture_output=True,
+            text=True,
+        )
+        assert child.returncode == 0, child.stdout + child.stderr
+
+
 class _DropNoticedClient(Client):
     """Notices a dropped connection right after the next STORE_RESERVE or RETRIEVE reply,
     as when the server restarted while the request was on its way."""

@@ -146,8 +146,20 @@ class Client(Connection):
                 return  # the same server: the mapping stays right
             old, self._segment, self._mapped_from = self._segment, None, None
             if old is not None:
-                old.close()
+                old.close()  # unmapped once the retrieve blocks still reading it end
             self._segment = self._map_segment(self._shm)
+
+    @contextlib.contextmanager
+    def _mapped(self) -> Iterator[MappedSegment | None]:
+        """The mapped segment (None: bytes travel inline), kept mapped until the block
+        ends even if ``close`` or ``_follow_server`` (on any thread) closes it meanwhile.
+        Taken under the lock they close it under, so it is never one already closed."""
+        with contextlib.ExitStack() as stack:
+            with self._lock:
+                segment = self._segment
+                if segment is not None:
+                    stack.enter_context(segment.in_use())
+            yield segment
 
     def _on_current_server(self, operation: Callable[[], _T]) -> _T:
         """Run ``operation`` after ``_follow_server``; once more if the connection dropped
@@ -166,11 +178,16 @@ class Client(Connection):
         return self._segment is not None
 
     def close(self) -> None:
-        """Close the socket and unmap the segment. Locks still held expire on the server."""
-        if self._segment is not None:
-            self._segment.close()
-            self._segment = None
-        super().close()
+        """Close the socket and unmap the segment. Locks still held expire on the server.
+
+        A call in progress on another thread is waited for (see ``Connection.close``); a
+        ``retrieve`` block still open keeps the segment mapped until it ends, and its views
+        stay readable until then."""
+        with self._lock:
+            segment, self._segment = self._segment, None
+            if segment is not None:
+                segment.close()
+            super().close()
 
     def __enter__(self) -> Client:
         return self
@@ -255,18 +272,17 @@ class Client(Connection):
         self, keys: Sequence[ObjectKey], arrays: list[np.ndarray[Any, Any]], layouts: list[str], l1_only: bool
     ) -> int:
         stored = 0
-        segment = self._segment
-        if segment is not None:
-            with segment.pages.in_use():
+        with self._mapped() as segment:
+            if segment is not None:
                 for part in self._batches(len(keys)):
                     stored += self._store_shm(
                         list(keys[part]), arrays[part], _sent_layouts(layouts[part]), segment, l1_only
                     )
-        else:
-            for batch_keys, batch_arrays, batch_layouts in self._inline_batches(list(keys), arrays, layouts):
-                request = p.StoreInline(0, "", batch_keys, _sent_layouts(batch_layouts), l1_only)
-                reply = self._call(request, p.StoreReply, payloads=batch_arrays)
-                stored += sum(reply.done)
+                return stored
+        for batch_keys, batch_arrays, batch_layouts in self._inline_batches(list(keys), arrays, layouts):
+            request = p.StoreInline(0, "", batch_keys, _sent_layouts(batch_layouts), l1_only)
+            reply = self._call(request, p.StoreReply, payloads=batch_arrays)
+            stored += sum(reply.done)
         return stored
 
     def _inline_batches(
@@ -487,29 +503,37 @@ class Client(Connection):
         :class:`StaleReadError` naming them: whatever was read from those views is void.
         """
         keys = list(keys)
-        segment, slots = self._on_current_server(lambda: self._acquire_mapped(keys))
-        if segment is None:
-            yield self._retrieve_inline(keys)
-            return
-        with self._leased(keys):
-            views = [segment.buffer[slot.offset : slot.offset + slot.size].toreadonly() for slot in slots]
-            try:
-                yield views
-                # Checked while the locks still hold: after RELEASE the extents may be
-                # reused legitimately.
-                stale = segment.changed(slots)
-            finally:
-                for view in views:
-                    with contextlib.suppress(BufferError):
-                        view.release()  # any later use raises instead of reading reused memory
+        with contextlib.ExitStack() as held:  # the segment stays mapped until the views go
+            segment, slots = self._on_current_server(lambda: self._acquire_mapped(keys, held))
+            if segment is None:
+                yield self._retrieve_inline(keys)
+                return
+            with self._leased(keys):
+                views = [segment.buffer[slot.offset : slot.offset + slot.size].toreadonly() for slot in slots]
+                try:
+                    yield views
+                    # Checked while the locks still hold: after RELEASE the extents may be
+                    # reused legitimately.
+                    stale = segment.changed(slots)
+                finally:
+                    for view in views:
+                        with contextlib.suppress(BufferError):
+                            view.release()  # any later use raises instead of reading reused memory
         if stale:
             raise StaleReadError([keys[index] for index in stale])
 
-    def _acquire_mapped(self, keys: list[ObjectKey]) -> tuple[MappedSegment | None, list[p.Slot]]:
+    def _acquire_mapped(
+        self, keys: list[ObjectKey], held: contextlib.ExitStack
+    ) -> tuple[MappedSegment | None, list[p.Slot]]:
         """``_acquire`` in the mapped segment: (segment, slots), or (None, []) when bytes
-        travel inline."""
-        segment = self._segment
-        return (None, []) if segment is None else (segment, self._acquire(keys, segment))
+        travel inline.  On success ``held`` keeps the segment mapped (see ``_mapped``)."""
+        with contextlib.ExitStack() as attempt:
+            segment = attempt.enter_context(self._mapped())
+            if segment is None:
+                return None, []
+            slots = self._acquire(keys, segment)
+            held.enter_context(attempt.pop_all())
+            return segment, slots
 
     def _acquire(self, keys: list[ObjectKey], segment: MappedSegment) -> list[p.Slot]:
         """Read-lock the hit prefix of ``keys`` (RETRIEVE, part by part) and return its
@@ -599,14 +623,13 @@ class Client(Connection):
         return self._on_current_server(lambda: self._retrieve_into_now(keys, targets))
 
     def _retrieve_into_now(self, keys: list[ObjectKey], targets: list[np.ndarray[Any, Any]]) -> int:
-        segment = self._segment
-        if segment is None:
-            views = self._retrieve_inline(keys)
-            for view, target in zip(views, targets, strict=False):
-                _copy_into(target, np.frombuffer(view, dtype=np.uint8))
-            return len(views)
-        with segment.pages.in_use():
-            return self._retrieve_shm_into(keys, targets, segment)
+        with self._mapped() as segment:
+            if segment is not None:
+                return self._retrieve_shm_into(keys, targets, segment)
+        views = self._retrieve_inline(keys)
+        for view, target in zip(views, targets, strict=False):
+            _copy_into(target, np.frombuffer(view, dtype=np.uint8))
+        return len(views)
 
     def _retrieve_shm_into(
         self, keys: list[ObjectKey], targets: list[np.ndarray[Any, Any]], segment: MappedSegment

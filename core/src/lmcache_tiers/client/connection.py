@@ -112,15 +112,20 @@ class Connection:
         self.max_keys = max(1, self.server.max_keys)
 
     def close(self) -> None:
-        """Close the socket. Locks still held expire on the server."""
+        """Close the socket. Locks still held expire on the server.
+
+        A call in progress on another thread is waited for (at most its timeout): a ZeroMQ
+        socket closed under a thread that uses it aborts the whole process.  Calls that
+        start afterwards raise ClientError."""
         if self._closed:
             return
-        self._closed = True
-        if self._monitor is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._socket.disable_monitor()
-            self._monitor.close(0)
-        self._socket.close(0)
+        self._closed = True  # before the lock: calls waiting for it find the client closed
+        with self._lock:
+            if self._monitor is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._socket.disable_monitor()
+                self._monitor.close(0)
+            self._socket.close(0)
 
     def _greet(self) -> p.HelloReply:
         """HELLO: the server's data-plane parameters (segment, limits, features)."""
@@ -136,6 +141,8 @@ class Connection:
         monitor = self._monitor
         if not self._dropped and monitor is not None and not self._closed and os.getpid() == self._pid:
             with self._lock:
+                if self._closed:  # closed while this waited for the lock
+                    return self._dropped
                 try:
                     while int(_raw_get(monitor, _EVENTS)) & _POLLIN:
                         monitor.recv_multipart(_NOBLOCK)

@@ -26,12 +26,14 @@ since, i.e. whose bytes it may not have read as they were.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
 import stat
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -47,6 +49,10 @@ BufferLike = Any
 
 class SegmentMismatch(Exception):
     """The named segment is missing here or is not the one the server created."""
+
+
+class SegmentClosed(Exception):
+    """The mapping was closed: nothing may start using it any more."""
 
 
 class SlotLike(Protocol):
@@ -90,6 +96,10 @@ class MappedSegment:
     generation table starts, which is also where the object bytes end, and
     ``generation_block`` the arena bytes per table entry.  ``populate``: fill the page
     tables in the background from now on (see the module's docstring).
+
+    Whoever copies or hands out views does it inside :meth:`in_use`; :meth:`close`
+    unmaps once the last such block ends, so a close never pulls the mapping (or its
+    generation table) from under a copy or a retrieve in progress.
     """
 
     def __init__(
@@ -123,6 +133,10 @@ class MappedSegment:
             raise SegmentMismatch(f"{path}: the generation table the server describes does not fit")
         self.name = name
         self.size = size
+        # in_use blocks running, and whether close was called (both under _state)
+        self._users = 0
+        self._closing = False
+        self._state = threading.Lock()
         #: where object bytes may be: everything before the generation table
         self.data_size = generation_offset if tracked else size
         self.buffer = memoryview(self._mmap)
@@ -180,16 +194,51 @@ class MappedSegment:
             [(target[:size], array[offset : offset + size]) for offset, size, target in copies]
         )
 
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Keep the mapping while the block runs (a request's copies, a retrieve's views;
+        the background population pauses meanwhile): a ``close`` in the meantime, from
+        this thread or another, unmaps when the last such block ends.  SegmentClosed once
+        closed."""
+        with self._state:
+            if self._closing:
+                raise SegmentClosed(f"the mapping of {self.name} is closed")
+            self._users += 1
+        try:
+            with self.pages.in_use():
+                yield
+        finally:
+            with self._state:
+                self._users -= 1
+                last = self._closing and self._users == 0
+            if last:
+                self._unmap()
+
     def close(self) -> None:
-        """Unmap; if views handed to the caller are still alive the mapping stays until they go."""
+        """Unmap now, or when the last ``in_use`` block ends; views handed to the caller
+        that outlive even that keep the mapping until they go."""
+        with self._state:
+            if self._closing:
+                return
+            self._closing = True
+            idle = self._users == 0
         self.pages.stop()
+        if idle:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        # Once, by close or by the last in_use block (never both: decided under _state).
         self.array = np.empty(0, dtype=np.uint8)
         try:
             self.generations.release()
             self.buffer.release()
             self._mmap.close()
         except BufferError:
-            pass
+            pass  # a view the caller kept (np.frombuffer of one) holds the mapping: GC unmaps it
 
 
 def as_byte_array(buffer: BufferLike) -> np.ndarray[Any, np.dtype[np.uint8]]:
