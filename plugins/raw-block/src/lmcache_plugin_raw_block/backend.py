@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 from lmcache_plugin_raw_block.checkpoint import Checkpoint, CheckpointAreas, CheckpointTooLarge
@@ -40,8 +41,14 @@ from lmcache_tiers.plugin import BackendContext, ConfigError, ObjectKey
 log = logging.getLogger(__name__)
 
 SUPERBLOCK_MAGIC = b"LMTRBLK1"
-#: how long close() waits for device calls that outlived the adapter's own wait
+#: how long close() waits, all told, for its last checkpoint (writes and fsync) and the
+#: device calls still running: a device that stopped answering must not hold up the
+#: server's shutdown, so what is still stuck then is left behind, logged and counted
 CLOSE_DRAIN_S = 10.0
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
 
 
 def _reformat_reason(found: bytes, magic_ok: bool, geometry: Geometry, config: RawBlockConfig) -> str | None:
@@ -251,11 +258,42 @@ class RawBlockBackend(SlotStoreBackend):
         }
 
     def close(self) -> None:
+        deadline = time.monotonic() + CLOSE_DRAIN_S
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
-        self.checkpoint(force=True)
-        self._stop_workers()
-        if self._device.in_flight.drain(CLOSE_DRAIN_S):
-            self._io.close()
-        self._device.close(0.0)
+            self._thread.join(_left(deadline))  # its checkpoint may be stuck in the device
+        try:
+            self._final_checkpoint(deadline)
+        finally:
+            self._stop_workers()
+            # A call still stuck keeps the descriptor (and the staging blocks it may use).
+            if self._device.in_flight.drain(_left(deadline)):
+                self._io.close()
+            self._device.close(0.0)
+
+    def _final_checkpoint(self, deadline: float) -> None:
+        """The checkpoint at close, on a thread of its own so that close returns by
+        ``deadline`` even when its writes or fsync never finish (a stalled device); a
+        checkpoint left behind may still land, and if it does not, the next start reads
+        slot headers for what the older checkpoint misses."""
+        failures: list[BaseException] = []
+
+        def write() -> None:
+            try:
+                self.checkpoint(force=True)
+            except BaseException as exc:  # raised in close, as if close had written it
+                failures.append(exc)
+
+        writer = threading.Thread(target=write, name=f"raw-block-close-{self.context.name}", daemon=True)
+        writer.start()
+        writer.join(_left(deadline))
+        if writer.is_alive():
+            self.context.count("close_checkpoint_timeouts")
+            log.error(
+                "raw_block: %s: the checkpoint at close did not finish within %.0f s (the device "
+                "stopped answering?); closing without waiting for it",
+                self._device.path,
+                CLOSE_DRAIN_S,
+            )
+        elif failures:
+            raise failures[0]

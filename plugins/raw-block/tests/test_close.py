@@ -1,0 +1,167 @@
+"""close() is bounded: a device whose writes or fsync never finish does not hold up the
+server's shutdown.  What is stuck is left behind (its descriptor too), counted and logged.
+
+Two stalls: a sync that blocks, injected in the device object (everywhere), and a real
+one (root only): a loop device over a file on an ext4 filesystem frozen with
+``fsfreeze``, where the checkpoint's writes land in the page cache and its fsync waits
+for the thaw.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import lmcache_plugin_raw_block.backend as raw_backend
+import pytest
+from lmcache_plugin_raw_block import RawBlockConfig
+from rb_helpers import backend_of, config, load, open_raw, store
+
+from lmcache_tiers.testing.l2 import make_keys, pattern
+
+#: the close budget in these tests (the adapter's is CLOSE_DRAIN_S, 10 s)
+BUDGET_S = 1.0
+
+
+@pytest.fixture(autouse=True)
+def _short_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(raw_backend, "CLOSE_DRAIN_S", BUDGET_S)
+
+
+def _close_within(adapter: object, seconds: float) -> float:
+    """Close ``adapter`` on a thread; fails if that takes longer than ``seconds``."""
+    closer = threading.Thread(target=adapter.close, daemon=True)  # type: ignore[attr-defined]
+    started = time.monotonic()
+    closer.start()
+    closer.join(seconds)
+    assert not closer.is_alive(), f"close did not return within {seconds} s"
+    return time.monotonic() - started
+
+
+def _wait_for_calls(adapter: object) -> None:
+    """Until the device calls close left behind have finished."""
+    in_flight = backend_of(adapter)._device.in_flight  # type: ignore[arg-type]
+    deadline = time.monotonic() + 60
+    while in_flight._count:
+        assert time.monotonic() < deadline, "the stalled device call never finished"
+        time.sleep(0.02)
+
+
+def test_a_close_whose_fsync_never_returns_is_bounded(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "device.img", meta_enable_periodic=False)
+    adapter = open_raw(cfg)
+    backend = backend_of(adapter)
+    keys = make_keys(2)
+    assert store(adapter, keys, [pattern(0, 9000), pattern(1, 9000)]) == [True, True]
+    release = threading.Event()
+    synced = backend._device.sync
+
+    def stalled_sync() -> None:
+        release.wait(60)
+        synced()
+
+    backend._device.sync = stalled_sync  # type: ignore[method-assign]
+    try:
+        assert _close_within(adapter, BUDGET_S + 5) >= BUDGET_S
+        assert adapter.stats()["close_checkpoint_timeouts"] == 1
+    finally:
+        release.set()
+    _wait_for_calls(adapter)
+    # The descriptor was left open for the stuck call (its number is never reused under
+    # it); it still holds the device's lock, so give it back by hand to reopen.
+    os.close(backend._device.fd)
+    reopened = open_raw(cfg)
+    try:
+        assert load(reopened, keys, [9000, 9000]) == ([True, True], [pattern(0, 9000), pattern(1, 9000)])
+    finally:
+        reopened.close()
+    assert "close_checkpoint_timeouts" not in reopened.stats()  # a close that syncs is not counted
+
+
+def test_an_error_of_the_checkpoint_at_close_still_closes_the_device(tmp_path: Path) -> None:
+    adapter = open_raw(config(tmp_path / "device.img", meta_enable_periodic=False))
+    backend = backend_of(adapter)
+
+    def broken(*, force: bool = False) -> bool:
+        raise RuntimeError("checkpoint bug")
+
+    backend.checkpoint = broken  # type: ignore[method-assign]
+    adapter.close()  # core logs the backend's error
+    with pytest.raises(OSError):
+        os.fstat(backend._device.fd)  # closed all the same
+
+
+def _root_tools() -> str | None:
+    if os.geteuid() != 0:
+        return "freezing a filesystem needs root"
+    for tool in ("mkfs.ext4", "fsfreeze", "losetup", "mount"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    return None
+
+
+@contextmanager
+def _freezable_loop_device() -> Iterator[tuple[str, str]]:
+    """(loop device, mount point of the ext4 filesystem holding its backing file)."""
+    reason = _root_tools()
+    if reason is not None:
+        pytest.skip(reason)
+    directory = Path(tempfile.mkdtemp(prefix="lmcache-raw-block-freeze-"))
+    image, mount = directory / "fs.img", directory / "mnt"
+    mount.mkdir()
+    with open(image, "wb") as handle:
+        handle.truncate(64 << 20)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, text=True)
+    mounted = made.returncode == 0 and (
+        subprocess.run(["mount", "-o", "loop", str(image), str(mount)], capture_output=True).returncode == 0
+    )
+    if not mounted:
+        shutil.rmtree(directory, ignore_errors=True)
+        pytest.skip("cannot mount an ext4 image through a loop device here")
+    device = ""
+    try:
+        with open(mount / "backing.img", "wb") as handle:
+            handle.truncate(8 << 20)
+        attached = subprocess.run(
+            ["losetup", "--find", "--show", str(mount / "backing.img")], capture_output=True, text=True
+        )
+        if attached.returncode != 0:
+            pytest.skip(f"losetup could not attach a loop device: {attached.stderr.strip()}")
+        device = attached.stdout.strip()
+        yield device, str(mount)
+    finally:
+        subprocess.run(["fsfreeze", "--unfreeze", str(mount)], capture_output=True, check=False)
+        if device:
+            subprocess.run(["losetup", "--detach", device], check=False)
+        subprocess.run(["umount", str(mount)], check=False)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_close_whose_fsync_stalls_on_a_frozen_filesystem_is_bounded() -> None:
+    with _freezable_loop_device() as (device, mount):
+        # Buffered: the checkpoint's writes go to the page cache, its fsync to the frozen file.
+        cfg = RawBlockConfig(device_path=device, slot_bytes=64 << 10, use_odirect=False)
+        adapter = open_raw(cfg)
+        backend = backend_of(adapter)
+        keys = make_keys(2)
+        assert store(adapter, keys, [pattern(0, 9000), pattern(1, 9000)]) == [True, True]
+        subprocess.run(["fsfreeze", "--freeze", mount], check=True)
+        try:
+            assert _close_within(adapter, BUDGET_S + 5) >= BUDGET_S
+            assert adapter.stats()["close_checkpoint_timeouts"] == 1
+        finally:
+            subprocess.run(["fsfreeze", "--unfreeze", mount], check=True)
+        _wait_for_calls(adapter)  # the fsync returns once the filesystem thaws
+        os.close(backend._device.fd)  # left open for it: give the device back by hand
+        reopened = open_raw(cfg)
+        try:
+            assert load(reopened, keys, [9000, 9000]) == ([True, True], [pattern(0, 9000), pattern(1, 9000)])
+        finally:
+            reopened.close()
