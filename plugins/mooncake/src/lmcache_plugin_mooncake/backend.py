@@ -9,7 +9,8 @@ serde chain, XXH3-128 checksum of the payload) followed by the payload.
   them (a master RPC): the plain put's own two RPCs.  The reservation refuses a name the
   pool already holds, where a plain put keeps the old object and reports success; only
   those names are removed and put again (``store_replaced``), so no existence query
-  precedes a put.
+  precedes a put.  A batch that fails after its reservation leaves no session open and
+  no object published (``_withdraw``): core accounts none of it.
 * Lookup: existence in one batched RPC; the size of a key core already accounts (stored
   through this adapter or listed at start) is core's when no serde chain is configured.
   Only the other hits ask the master for their replicas' sizes (a record's payload is
@@ -30,8 +31,9 @@ serde chain, XXH3-128 checksum of the payload) followed by the payload.
   chunk while the next was read was 8 % slower than reading the whole batch, then
   verifying on both cores).
 * Objects vanish on their own (Mooncake evicts, a client lending memory stops): a
-  vanished object is a miss; deleting one core still accounts reports True (counted as
-  ``objects_vanished``) so that its bytes are released.
+  vanished object is a miss; core releases the bytes of one it still accounts when a
+  lookup, or the check after a delete that found nothing, sees it gone
+  (``objects_vanished``).
 
 Deletes and probes wait at most ``operation_timeout_s`` (see :mod:`.calls`); lookups,
 stores and loads run on the adapter's threads and are bounded by Mooncake's own timeouts,
@@ -271,9 +273,17 @@ class MooncakeStoreBackend:
         if existing:
             # The pool holds these names already: the reservation refused them (a plain
             # put would keep the old object and still report success), so replace them.
-            again = self._remove_existing(store, batch.names, codes, existing)
-            for index, code in zip(again, self._put(store, batch, again), strict=True):
-                codes[index] = code
+            try:
+                again = self._remove_existing(store, batch.names, codes, existing)
+                for index, code in zip(again, self._put(store, batch, again), strict=True):
+                    codes[index] = code
+            except BaseException:
+                # The batch fails whole, so core accounts none of it: what the first put
+                # published must not stay behind for a later lookup to find.
+                self._withdraw(
+                    store, [name for name, code in zip(batch.names, codes, strict=True) if code == 0]
+                )
+                raise
         ok = [False] * len(keys)
         for index, (name, code) in enumerate(zip(batch.names, codes, strict=True)):
             if code == 0:
@@ -357,8 +367,16 @@ class MooncakeStoreBackend:
         self._revoke(store, [names[p] for p in started if codes[p] != 0])
         done = [p for p in started if codes[p] == 0]
         if done:
-            ended = store.batch_put_session_end([names[p] for p in done])
-            _check("put", ended)
+            ending = [names[p] for p in done]
+            try:
+                ended = store.batch_put_session_end(ending)
+                _check("put", ended)
+            except BaseException:
+                # Some may be published, the rest still reserved (a session never ended
+                # holds its pool memory and refuses the name to every writer): the batch
+                # fails, so none of them may stay.
+                self._withdraw(store, ending)
+                raise
             for position, code in zip(done, ended, strict=True):
                 codes[position] = code
             self._revoke(store, [names[p] for p in done if codes[p] != 0])
@@ -387,6 +405,32 @@ class MooncakeStoreBackend:
             self._throttle.warn(
                 "revoke", "%s: revoking a failed put returned %s", self.context.name, describe(min(codes))
             )
+
+    def _withdraw(self, store: Any, names: list[str]) -> None:
+        """Leave none of ``names`` reserved or visible after their batch failed: each is
+        revoked (a session not ended) and, where there was no session to revoke (its end
+        got through), removed.  What cannot be withdrawn is counted and logged: a session
+        left runs out with the master's timeout, a published record is complete and
+        verified, and a later lookup accounts it."""
+        if not names:
+            return
+        try:
+            revoked = store.batch_put_session_revoke(names)
+            published = [name for name, code in zip(names, revoked, strict=True) if code != 0]
+            removed = store.batch_remove(published, True) if published else []
+            left = sum(code not in (0, NOT_FOUND) for code in removed)
+            outcome = f"{left} could not be removed" if left else "none left"
+        except Exception as exc:  # the batch's own failure is what is raised
+            left, outcome = len(names), f"withdrawing failed: {exc}"
+        self.context.count("store_withdrawn", len(names) - left)
+        self.context.count("withdraw_failures", left)
+        self._throttle.warn(
+            "withdraw",
+            "%s: a failed put batch: %d reserved or published objects withdrawn (%s)",
+            self.context.name,
+            len(names),
+            outcome,
+        )
 
     def _remove_existing(
         self, store: Any, names: list[str], codes: list[int], indexes: list[int]
@@ -635,21 +679,15 @@ class MooncakeStoreBackend:
         codes = self.calls.run("delete", self.timeout, store.batch_remove, names, True)
         _check("remove", codes)
         removed: list[bool] = []
-        for key, name, code in zip(keys, names, codes, strict=True):
-            if code == 0:
-                removed.append(True)
-            elif code == NOT_FOUND and self.context.l1_size_of(key) is not None:
-                # Gone already (Mooncake evicted it, its segment left, another server
-                # deleted it) while core still accounts it: True releases its bytes.
-                self.context.count("objects_vanished")
-                removed.append(True)
-            else:
-                if code != NOT_FOUND:
-                    self.context.count("delete_failures")
-                    self._throttle.warn(
-                        "remove", "%s: remove of %s returned %s", self.context.name, name, describe(code)
-                    )
-                removed.append(False)
+        for name, code in zip(names, codes, strict=True):
+            # NOT_FOUND is False too: gone already (Mooncake evicted it, its segment left,
+            # another server deleted it); core asks again and releases what it accounts.
+            removed.append(code == 0)
+            if code not in (0, NOT_FOUND):
+                self.context.count("delete_failures")
+                self._throttle.warn(
+                    "remove", "%s: remove of %s returned %s", self.context.name, name, describe(code)
+                )
         return removed
 
     # -- listing ---------------------------------------------------------------------------
