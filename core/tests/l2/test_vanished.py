@@ -234,3 +234,35 @@ def test_a_record_of_another_serde_chain_is_not_taken_for_gone(adapters: list[Ba
     assert second.used_bytes() == used, "kept, so accounted (and evictable)"
     assert listener.keys("deleted") == []
     assert "objects_vanished" not in second.stats()
+
+
+@BACKENDS
+def test_objects_another_server_stored_are_evictable_once_a_lookup_finds_them(
+    adapters: list[BackendAdapter], backend: type[DictBackend]
+) -> None:
+    # Two servers sharing one store: what the other one stores after this adapter's start
+    # is accounted here when a lookup finds it, and must then be evictable here too, or
+    # its bytes would count towards this adapter's usage for good.
+    namespace = uuid.uuid4().hex
+    here = open_dict(backend, capacity=4 * SIZE, namespace=namespace)
+    there = open_dict(backend, capacity=4 * SIZE, namespace=namespace)
+    adapters.extend([here, there])
+    controller, policy = evicting(here)
+    listener = RecordingListener()
+    here.add_listener(listener)
+    keys = make_keys(4)
+    store(there, keys)
+
+    assert BlockingAdapterClient(here).lookup_and_lock(keys).found == [True] * 4
+    here.unlock(keys)
+    assert here.used_bytes() == 4 * SIZE
+    assert listener.keys("stored") == keys
+    assert list(policy.victims()) == keys
+    assert here.stats()["lookup_adopted"] == 4
+
+    assert controller.evict(2 * SIZE) == 2 * SIZE
+    assert here.used_bytes() == 2 * SIZE
+    # found again: known now, not adopted twice
+    assert BlockingAdapterClient(here).lookup_and_lock(keys[2:]).found == [True, True]
+    here.unlock(keys[2:])
+    assert here.stats()["lookup_adopted"] == 4

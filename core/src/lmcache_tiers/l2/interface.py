@@ -46,6 +46,8 @@ class L2Listener(Protocol):
     backend answered absent (removed behind the adapter's back, e.g. by another server
     sharing the store), found by a lookup or by the check after a delete that did not
     remove them: a listener may be told of keys it never saw stored, or saw deleted.
+    ``on_l2_keys_stored`` likewise also reports keys a lookup found that the adapter did
+    not account (stored by another server sharing the store): accounted from then on.
     """
 
     def on_l2_keys_stored(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None: ...

@@ -11,7 +11,8 @@ The rules every adapter follows live here, once:
 * a lookup pins each hit; a load holds its own pin while it runs; a delete skips pinned
   keys, and a key being deleted is never reported found;
 * bytes are accounted on a successful store, from the start-up scan, on the first lookup
-  hit of a key not known yet, and are released on delete or when the backend reports an
+  hit of a key not known yet (announced to listeners as stored, ``lookup_adopted``), and
+  are released on delete or when the backend reports an
   accounted key gone -- to a lookup, or to the check after a delete it did not do
   (``AbsenceCheckOp``): removed behind the adapter's back, counted as ``objects_vanished``
   and announced to listeners as deleted;
@@ -293,20 +294,30 @@ class LookupOp(BatchOp):
         sizes = [0] * len(self.keys)
         misses: list[ObjectKey] = []
         absent: list[tuple[ObjectKey, ObjectSize]] = []  # accounted, and answered absent
+        adopted: list[ObjectKey] = []  # found, and not accounted before the lookup
         for position, index in enumerate(self.io_index):
             key = self.keys[index]
             reported = io_result[position] if io_result is not None else None
-            size = resolve_size(state, key, reported, self.known[position])
+            known = self.known[position]
+            size = resolve_size(state, key, reported, known)
             if size is None:
                 misses.append(key)
-                known = self.known[position]
                 if io_result is not None and reported is None and known is not None:
                     absent.append((key, known))
                 continue
             found[index] = True
             sizes[index] = size.l1
             self.hits.append(key)
+            if known is None:
+                adopted.append(key)
         forget_gone(state, absent, "found by a lookup")
+        if adopted:
+            # Stored by someone else (another server sharing the store, an earlier process
+            # the scan has not reached yet) and accounted from now on: listeners hear of
+            # them as stored, so the eviction policy can evict the bytes they add to the
+            # usage.  Without this, their bytes would count and never be evictable here.
+            state.count("lookup_adopted", len(adopted))
+            state.notify("on_l2_keys_stored", adopted)
         state.pins.unpin(misses)
         state.count("lookup_hits", len(self.hits))
         state.count("lookup_misses", len(self.keys) - len(self.hits))
