@@ -215,3 +215,33 @@ def test_a_damaged_record_replaced_before_its_removal_is_kept(
     result = blocking(adapter).lookup_and_lock([key])
     assert blocking(adapter).load([key], [buffer]) == [True] and bytes(buffer) == data[0]
     adapter.unlock([key])
+
+
+def test_a_lookup_request_that_fails_is_never_taken_for_an_absent_object(
+    adapter: L2Adapter, l1: memoryview, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Core releases the accounted bytes of a key a lookup answers absent (removed behind
+    # the adapter's back); a request that failed says nothing about the object.
+    from lmcache_plugin_s3.backend import S3Backend
+
+    keys = make_keys(3)
+    store(adapter, l1, keys)
+    used = adapter.used_bytes()
+    backend = adapter.backend.inner  # type: ignore[attr-defined]  # behind core's circuit breaker
+    assert isinstance(backend, S3Backend)
+    lookup = backend._lookup
+    failing = backend.names.of(keys[1])
+
+    async def one_request_fails(key: ObjectKey) -> object:
+        if backend.names.of(key) == failing:
+            raise ConnectionError("connection reset by peer")
+        return await lookup(key)
+
+    monkeypatch.setattr(backend, "_lookup", one_request_fails)
+    assert blocking(adapter).lookup_and_lock(keys).found == [False] * 3  # a failed batch: misses
+    stats = adapter.stats()
+    assert adapter.used_bytes() == used, "a failed request released an object's bytes"
+    assert stats["lookup_request_failures"] == 1 and stats.get("objects_vanished", 0) == 0
+    monkeypatch.undo()
+    assert blocking(adapter).lookup_and_lock(keys).found == [True] * 3
+    adapter.unlock(keys)

@@ -139,7 +139,10 @@ class S3Backend:
         return [bool(result) for result in results]
 
     async def contains_many(self, keys: Sequence[ObjectKey]) -> list[ObjectSize | None]:
-        return await self._each("lookup", [self._lookup(key) for key in keys])
+        # A lookup answers None for "absent", and core releases the accounted bytes of an
+        # absent key: a request that failed must not read as one, so it fails the batch
+        # (every key a miss, nothing released).
+        return await self._each("lookup", [self._lookup(key) for key in keys], whole=True)
 
     async def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         results = await self._each(
@@ -425,9 +428,9 @@ class S3Backend:
             self.context.count("corrupt_remove_failures")
             self.context.warn("remove", "removing damaged %s failed: %s", name, describe(exc))
 
-    async def _each(self, op: str, calls: Sequence[Awaitable[T]]) -> list[T | None]:
+    async def _each(self, op: str, calls: Sequence[Awaitable[T]], *, whole: bool = False) -> list[T | None]:
         """Await one coroutine per key; a failed key is None (the caller's failure value),
-        and a batch whose every key failed raises."""
+        and a batch whose every key failed (``whole``: any key) raises."""
         if not calls:
             return []
         outcomes = await asyncio.gather(*calls, return_exceptions=True)
@@ -439,6 +442,10 @@ class S3Backend:
             raise S3RequestError(f"{op}: all {len(outcomes)} requests failed: {describe(failures[0])}")
         if failures:
             self._failed(op, len(failures), failures[0])
+            if whole:
+                raise S3RequestError(
+                    f"{op}: {len(failures)} of {len(outcomes)} requests failed: {describe(failures[0])}"
+                )
         return [None if isinstance(outcome, BaseException) else outcome for outcome in outcomes]
 
     def _failed(self, op: str, count: int, example: BaseException) -> None:
