@@ -68,3 +68,20 @@ class TestARCEvictionPolicy(EvictionPolicySuite):
         offered = list(policy.victims())
         assert offered[:3] == list(reversed(frequent))
         assert offered[3:] == list(reversed(recent))
+
+    def test_a_victim_passed_over_and_deleted_later_leaves_no_ghost(self) -> None:
+        policy = self.make_policy()
+        keys = make_keys(10)
+        policy.on_keys_written(keys)
+        policy.on_keys_read(keys[:5])  # `frequent` holds half, so `recent` may keep ghosts
+        walked = list(policy.victims())
+        evicted, passed_over = walked[0], walked[1]  # the second one was locked
+        assert {evicted, passed_over} <= set(keys[5:])
+        policy.on_keys_removed([evicted])  # the eviction's report
+        assert evicted in policy._recent_ghosts
+        # Later freed for another reason (a temporary prefetch after its read): it was not
+        # evicted, so its return says nothing about the split.
+        policy.on_keys_removed([passed_over])
+        assert passed_over not in policy._recent_ghosts
+        policy.on_keys_written([passed_over])
+        assert passed_over in policy._recent and policy._target == 0.0

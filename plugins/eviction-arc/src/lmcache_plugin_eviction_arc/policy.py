@@ -15,7 +15,11 @@ Departures forced by the policy interface:
   from it and grows it by one when a victim comes from ``frequent``.
 * Only keys this policy offered as victims and that were then removed become ghosts; a
   key deleted for another reason (a temporary prefetch freed after its read, a store
-  policy dropping L1 copies) says nothing about the split.
+  policy dropping L1 copies) says nothing about the split.  The removals a walk of
+  ``victims()`` causes come in the first removal report after it, so that report ends
+  the walk: a key the walk passed over (locked, or not yet stored in L2) and removed
+  later was not evicted.  A walk that evicts nothing sends no report; its keys count as
+  offered until the next removal or walk.
 """
 
 from __future__ import annotations
@@ -86,7 +90,6 @@ class ARCEvictionPolicy:
         offered = self._offered
         for key in keys:
             evicted = key in offered
-            offered.discard(key)
             if key in self._recent:
                 del self._recent[key]
                 if evicted:
@@ -95,6 +98,7 @@ class ARCEvictionPolicy:
                 del self._frequent[key]
                 if evicted:
                     self._frequent_ghosts[key] = None
+        offered.clear()  # the walk's evictions are reported: the keys left were passed over
         self._trim_ghosts()
 
     def _trim_ghosts(self) -> None:

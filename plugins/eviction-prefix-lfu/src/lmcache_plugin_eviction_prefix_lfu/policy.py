@@ -20,7 +20,7 @@ cache turnover; ``uses`` counts the batches that wrote or read a chunk, and is r
 for evicted chunks, so a prompt sent again after being evicted comes back with its
 standing.  Plain LRU is ``credit = penalty = 0``.  The history holds the counts of the
 ``max(history_min, history_factor * live)`` chunks evicted last, keyed by the key's hash
-(an int, about 100 bytes an entry): a small cache needs a history far longer than itself,
+(an int, about 180 bytes an entry): a small cache needs a history far longer than itself,
 because prompts return after many of its turnovers.
 
 Batches arrive in prefix order.  They are handled back to front, and a chunk's priority is
