@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -222,6 +223,49 @@ def test_temp_files_go_to_relative_tmp_dir_and_are_swept(tmp_path: Path) -> None
         adapter.close()
 
 
+@pytest.mark.parametrize("temp_dir", [None, "staging"])
+@pytest.mark.parametrize("vanished", ["shard", "root"])
+def test_stores_go_on_after_the_tree_vanished(tmp_path: Path, temp_dir: str | None, vanished: str) -> None:
+    arena = Arena()
+    keys = make_keys(2)  # both in shard 00/00
+    root = tmp_path / "l2"
+    adapter = open_fs(fs_config(str(root), shard_dirs=True, relative_tmp_dir=temp_dir), arena.view)
+    try:
+        assert store(adapter, arena, keys[:1], [pattern(1, SIZE)]) == [True]
+        shutil.rmtree(root / "00" if vanished == "shard" else root)
+        # With relative_tmp_dir the temporary file is created outside the vanished shard
+        # directory, so only the rename finds it missing.
+        assert store(adapter, arena, keys[1:], [pattern(2, SIZE)]) == [True]
+        assert load(adapter, arena, keys[1:], [SIZE]) == ([True], [pattern(2, SIZE)])
+        assert adapter.stats().get("store_io_errors", 0) == 0
+        assert adapter.stats().get("root_recreated", 0) == (vanished == "root")
+    finally:
+        adapter.close()
+
+
+@pytest.mark.parametrize("url", [False, True])
+def test_temp_files_of_a_killed_run_are_swept_counted_and_logged(
+    tmp_path: Path, url: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    import fsspec
+
+    root = f"memory://sweep-{uuid.uuid4().hex}" if url else str(tmp_path)
+    files = fsspec.filesystem("memory") if url else fsspec.filesystem("file")
+    for name in (".tmp-1-1.part", "staging/.tmp-1-2.part"):
+        files.makedirs(os.path.dirname(f"{root}/{name}"), exist_ok=True)
+        files.pipe_file(f"{root}/{name}", b"half")
+    with caplog.at_level(logging.INFO):
+        adapter = open_fs(fs_config(root, relative_tmp_dir="staging"))
+    try:
+        assert adapter.stats()["orphan_temp_files_removed"] == 2
+        assert any("removed 2 temporary files" in record.getMessage() for record in caplog.records)
+        assert not [path for path in files.find(root) if path.endswith(".part")]
+    finally:
+        adapter.close()
+        if url:
+            files.rm(root, recursive=True)
+
+
 def test_two_adapters_on_one_directory_are_refused(tmp_path: Path) -> None:
     first = open_fs(fs_config(str(tmp_path)))
     try:
@@ -307,3 +351,36 @@ def test_plugins_show_names_the_lmcache_aliases() -> None:
 def test_config_round_trips_through_builtins() -> None:
     config = fs_config("/d", shard_dirs=True, eviction={"eviction_policy": "LRU"}, max_capacity_gb=1)
     assert msgspec.convert(msgspec.to_builtins(config), type(config)) == config
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "fsspec"])
+def test_a_record_that_cannot_be_asked_about_is_a_miss_that_stays_accounted(
+    tmp_path: Path, remote: bool
+) -> None:
+    """An error other than "no such file" (here ELOOP; EIO or a network error alike) is not
+    an answer: the lookup misses, and the record stays in the accounting -- answering
+    "absent" would have core forget a record that is still on disk."""
+    arena = Arena()
+    keys = make_keys(2)
+    root = f"dir::file://{tmp_path}" if remote else str(tmp_path)
+    adapter = open_fs(fs_config(root, max_capacity_gb=1), arena.view)
+    try:
+        assert store(adapter, arena, keys, [pattern(1, SIZE), pattern(2, SIZE)]) == [True, True]
+        used = adapter.used_bytes()
+        name = keys[0].file_stem() + ".bin"
+        [record] = [found for found in record_files(str(tmp_path)) if found.endswith(name)]
+        path = tmp_path / record
+        saved = path.read_bytes()
+        path.unlink()
+        path.symlink_to(path)  # stat and open fail with ELOOP
+        assert client(adapter).lookup_and_lock(keys).found == [False, False]
+        assert adapter.used_bytes() == used
+        assert "objects_vanished" not in adapter.stats()
+        path.unlink()
+        path.write_bytes(saved)
+        result = client(adapter).lookup_and_lock(keys)
+        assert result.found == [True, True]
+        adapter.unlock(keys)
+        assert load(adapter, arena, keys[:1], [SIZE]) == ([True], [pattern(1, SIZE)])
+    finally:
+        adapter.close()

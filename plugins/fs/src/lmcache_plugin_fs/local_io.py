@@ -180,7 +180,7 @@ class LocalRecords:
                 self.context.header_too_long(key, len(encoded), header_len)
                 return False
             _pwrite_all(fd, memoryview(encoded), 0)
-            self.files.publish(key, path, fd)
+            self._publish(key, path, fd)
             path = None
             return True
         except OSError as exc:
@@ -198,14 +198,45 @@ class LocalRecords:
             if path is not None:
                 self.files.remove_quietly(path)
 
+    def _publish(self, key: ObjectKey, path: str, fd: int) -> None:
+        """Rename the complete temporary file over ``key``'s record.
+
+        With ``relative_tmp_dir`` the temporary file is created outside the record's
+        directory, so creating it does not notice that a shard directory vanished (removed
+        by an operator or a clean-up job) while the cache of known directories still lists
+        it: the rename is what finds it missing.  The directory is created again and the
+        rename tried once more, instead of failing every store into that shard until a
+        restart.  A temporary file that is gone itself (the whole root vanished) is left
+        to fail: the next store re-creates the root.
+        """
+        try:
+            self.files.publish(key, path, fd)
+        except FileNotFoundError:
+            if not os.path.exists(path):
+                raise
+            layout = self.files.layout
+            directory = layout.directory_for(key)
+            layout.forget_directories()  # the others may be gone too: each is checked again
+            os.makedirs(directory, exist_ok=True)
+            layout.remember(directory)
+            log.info(
+                "%s: %s vanished while in use; created it again",
+                self.context.name,
+                printable(directory, 300),
+            )
+            self.files.publish(key, path, fd)
+
     # -- lookups ------------------------------------------------------------------------------
 
     def stored_size(self, key: ObjectKey) -> int | ObjectSize | None:
         path = self.files.layout.path_for(key)
         try:
             stat = os.stat(path)
-        except OSError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
+        # Any other error (EIO, EACCES, ELOOP, EMFILE) says nothing about whether the record
+        # is there: it fails the lookup batch (every key a miss) instead of answering
+        # "absent", which core takes for a record removed behind its back and forgets.
         header_len = self.sizes.length(key)
         stored = stat.st_size - header_len
         if stored < 0:
@@ -225,16 +256,14 @@ class LocalRecords:
     ) -> RecordHeader | tuple[RecordError, FileIdentity] | None:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return None
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # removed since the stat: absent (other errors fail the batch)
         try:
             identity = identity_of(os.fstat(fd))
             data = os.pread(fd, self.sizes.length(key), 0)
             return self.context.read_record_header(data, key)
         except RecordError as exc:
             return exc, identity
-        except OSError:
-            return None
         finally:
             os.close(fd)
 

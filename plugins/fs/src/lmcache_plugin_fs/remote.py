@@ -97,24 +97,37 @@ class RemoteRecords:
         self._remove_quietly(temp)
         return False
 
-    def _remove_quietly(self, path: str) -> None:
+    def _remove_quietly(self, path: str) -> bool:
+        """Remove ``path`` if it can be; whether it was removed."""
         try:
             self.fs.rm_file(path)
         except (OSError, ValueError):
-            pass
+            return False
+        return True
 
     # -- lookups and loads ----------------------------------------------------------------------
 
     def _size(self, path: str) -> int | None:
+        """The size of ``path``; None if it is absent or cannot be asked about."""
+        try:
+            return self._size_or_raise(path)
+        except OSError:
+            return None
+
+    def _size_or_raise(self, path: str) -> int | None:
+        """The size of ``path``, None if it is absent; other errors raise."""
         try:
             size = self.fs.info(path).get("size")
-        except (FileNotFoundError, OSError):
+        except FileNotFoundError:
             return None
         return int(size) if size is not None else None
 
     def stored_size(self, key: ObjectKey) -> int | ObjectSize | None:
         path = self.layout.path_for(key)
-        size = self._size(path)
+        # A store that cannot be asked (a network error, EIO) fails the lookup batch, every
+        # key a miss, instead of answering "absent": core takes that for a record removed
+        # behind its back and forgets it.
+        size = self._size_or_raise(path)
         if size is None:
             return None
         stored = size - self.sizes.length(key)
@@ -130,8 +143,8 @@ class RemoteRecords:
         except RecordError as exc:
             self.discard(key, size, prefix, "corrupt_records_removed", str(exc))
             return None
-        except OSError:
-            return None
+        except FileNotFoundError:
+            return None  # removed since the size was read (other errors fail the batch)
         return None if header is None else ObjectSize(header.payload_len, header.l1_size)
 
     def read_many(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
@@ -185,7 +198,13 @@ class RemoteRecords:
                             return False
                 except OSError:
                     return False
-            self._remove_quietly(path)
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                return False
+            except (OSError, ValueError) as exc:
+                log.warning("%s: cannot remove %s: %s", self.context.name, printable(path, 300), exc)
+                return False
         self.context.count(counter)
         log.warning("%s: removed %s: %s", self.context.name, printable(path, 300), printable(reason, 300))
         return True
@@ -242,11 +261,14 @@ class RemoteRecords:
             return None  # a damaged one is removed by the first load that finds it
 
     def remove_temp_files(self) -> int:
-        removed = 0
-        for directory, name, _size in self._entries():
-            if is_temp_name(name):
-                self._remove_quietly(posixpath.join(directory, name))
-                removed += 1
+        """Delete temporary files a killed writer left behind; returns how many."""
+        removed = sum(
+            self._remove_quietly(posixpath.join(directory, name))
+            for directory, name, _size in self._entries()
+            if is_temp_name(name)
+        )
+        if removed:
+            log.info("%s: removed %d temporary files left by an interrupted run", self.context.name, removed)
         self.context.count("orphan_temp_files_removed", removed)
         return removed
 
@@ -254,6 +276,5 @@ class RemoteRecords:
         removed = 0
         for directory, name, _size in self._entries():
             if classify_name(name).kind is not EntryKind.FOREIGN:
-                self._remove_quietly(posixpath.join(directory, name))
-                removed += 1
+                removed += self._remove_quietly(posixpath.join(directory, name))
         return removed
