@@ -38,10 +38,10 @@ What each kind of plugin needs:
   ``PathLock``, ``DirectoryInUseError``), ``HeaderSizes``, ``WriteFailures``,
   ``RECORD_ALIGN``, ``RECORD_SUFFIX``, whole verified loads of record files
   ``RecordLoads``, name helpers (``record_name``, ``classify_name``,
-  ``EntryKind``, ``is_temp_name``, ``check_relative_dir``, ``record_key``), ``identity_of``, ``FileIdentity``,
-  ``is_out_of_space``; stores with paths or devices, for their ``preflight``:
-  ``check_directory``, ``check_file``; whether a directory takes ``O_DIRECT``:
-  ``direct_io_refusal``;
+  ``EntryKind``, ``is_temp_name``, ``check_relative_dir``, ``record_key``), ``identity_of``,
+  ``FileIdentity``, ``is_out_of_space``, ``ABSENT_FILE_ERRORS`` (the errors that mean "no
+  such record"); stores with paths or devices, for their ``preflight``: ``check_directory``,
+  ``check_file``; whether a directory takes ``O_DIRECT``: ``direct_io_refusal``;
 * tests: ``L2AdapterSuite`` (``PERSISTENCE``, ``CAPACITY``, ``EVICTION``, ``IMMEDIATE_MISSES``,
   ``IMMEDIATE_HITS``), ``SerdeSuite``
   (``LOSSLESS``, ``DETECTS_CORRUPTION``, ``BINDS_KEY``),
@@ -104,6 +104,7 @@ if TYPE_CHECKING:
     from lmcache_tiers.l2.circuit import PROBE_KEY
     from lmcache_tiers.l2.context import BackendContext
     from lmcache_tiers.l2.files import (
+        ABSENT_FILE_ERRORS,
         RECORD_ALIGN,
         RECORD_SUFFIX,
         DirectoryInUseError,
@@ -193,6 +194,7 @@ _LAZY = {
     "ExtentAllocator": "lmcache_tiers.l1.allocator",
     "SerdeContext": "lmcache_tiers.serde",
     "TensorLayout": "lmcache_tiers.layout",
+    "ABSENT_FILE_ERRORS": _FILES,
     "RECORD_ALIGN": _FILES,
     "RECORD_SUFFIX": _FILES,
     "DirectoryInUseError": _FILES,
@@ -268,6 +270,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "ABSENT_FILE_ERRORS",
     "BINDS_KEY",
     "CAPACITY",
     "DETECTS_CORRUPTION",

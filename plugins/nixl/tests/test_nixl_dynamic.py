@@ -188,6 +188,33 @@ def test_stores_beyond_max_capacity_are_refused() -> None:
             adapter.close()
 
 
+def test_a_record_that_cannot_be_asked_about_is_a_miss_that_stays_accounted() -> None:
+    """ELOOP (as EIO or EACCES would) is not "absent": the lookup batch misses and the record
+    stays accounted, where "absent" would have core forget a record still on disk."""
+    arena = Arena()
+    keys = make_keys(2)
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root), arena.view)
+        try:
+            assert store(adapter, arena, keys, [pattern(1, SIZE), pattern(2, SIZE)]) == [True, True]
+            used = adapter.used_bytes()
+            path = os.path.join(root, record_files(root)[0])
+            with open(path, "rb") as record:
+                saved = record.read()
+            os.unlink(path)
+            os.symlink(path, path)  # stat and open fail with ELOOP
+            assert client(adapter).lookup_and_lock(keys).found == [False, False]
+            assert adapter.used_bytes() == used
+            assert "objects_vanished" not in adapter.stats()
+            os.unlink(path)
+            with open(path, "wb") as restored:
+                restored.write(saved)
+            assert client(adapter).lookup_and_lock(keys).found == [True, True]
+            adapter.unlock(keys)
+        finally:
+            adapter.close()
+
+
 def test_orphaned_temp_files_are_removed_at_start_up() -> None:
     with scratch_dir() as root:
         shard = os.path.join(root, "ab", "cd")

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from lmcache_tiers.plugin import (
+    ABSENT_FILE_ERRORS,
     RECORD_ALIGN,
     WRITE_BACK,
     BackendContext,
@@ -232,11 +233,8 @@ class LocalRecords:
         path = self.files.layout.path_for(key)
         try:
             stat = os.stat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        # Any other error (EIO, EACCES, ELOOP, EMFILE) says nothing about whether the record
-        # is there: it fails the lookup batch (every key a miss) instead of answering
-        # "absent", which core takes for a record removed behind its back and forgets.
+        except ABSENT_FILE_ERRORS:
+            return None  # other errors fail the lookup batch
         header_len = self.sizes.length(key)
         stored = stat.st_size - header_len
         if stored < 0:
@@ -256,8 +254,8 @@ class LocalRecords:
     ) -> RecordHeader | tuple[RecordError, FileIdentity] | None:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError):
-            return None  # removed since the stat: absent (other errors fail the batch)
+        except ABSENT_FILE_ERRORS:
+            return None  # removed since the stat (other errors fail the batch)
         try:
             identity = identity_of(os.fstat(fd))
             data = os.pread(fd, self.sizes.length(key), 0)

@@ -26,6 +26,7 @@ from lmcache_plugin_nixl.recordio import RecordFiles
 from lmcache_plugin_nixl.runtime import NixlRuntime
 from lmcache_plugin_nixl.transfers import BatchTransfer
 from lmcache_tiers.plugin import (
+    ABSENT_FILE_ERRORS,
     BackendContext,
     ConfigError,
     DirectoryLock,
@@ -103,8 +104,8 @@ class NixlDynamicBackend:
     def _stored_size(self, key: ObjectKey) -> int | ObjectSize | None:
         try:
             stat = os.stat(self.layout.path_for(key))
-        except OSError:
-            return None
+        except ABSENT_FILE_ERRORS:
+            return None  # other errors fail the lookup batch
         stored = stat.st_size - self._records.header_length(key)
         if stored < 0:
             self.files.discard(key, identity_of(stat), "truncated_records_removed", "shorter than its header")

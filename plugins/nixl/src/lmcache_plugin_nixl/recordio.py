@@ -47,6 +47,7 @@ from lmcache_plugin_nixl.plainreads import PlainReads
 from lmcache_plugin_nixl.runtime import NixlRuntime, Registration
 from lmcache_plugin_nixl.transfers import BatchTransfer, Locator, StorageRow
 from lmcache_tiers.plugin import (
+    ABSENT_FILE_ERRORS,
     WRITE_BACK,
     BackendContext,
     FileIdentity,
@@ -532,20 +533,18 @@ class RecordFiles:
 
     def size_from_header(self, key: ObjectKey) -> ObjectSize | None:
         """Stored and L1 size from ``key``'s verified header; None when there is no
-        readable file, the record was written with another serde chain, or it is damaged
+        file, the record was written with another serde chain, or it is damaged
         (then it is removed)."""
         try:
             fd = os.open(self._layout.path_for(key), os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return None
+        except ABSENT_FILE_ERRORS:
+            return None  # removed since its stat (other errors fail the lookup batch)
         identity = None
         try:
             identity = identity_of(os.fstat(fd))
             header = self._read_header(fd, key, self.header_length(key))
         except RecordError as exc:
             self._files.discard(key, identity, "corrupt_records_removed", str(exc))
-            return None
-        except OSError:
             return None
         finally:
             os.close(fd)

@@ -19,7 +19,7 @@ from lmcache_tiers.l2.files.layout import (
     is_temp_name,
     record_name,
 )
-from lmcache_tiers.l2.files.local import FileIdentity, LocalFiles, identity_of
+from lmcache_tiers.l2.files.local import ABSENT_FILE_ERRORS, FileIdentity, LocalFiles, identity_of
 from lmcache_tiers.l2.files.records import (
     RECORD_ALIGN,
     HeaderSizes,
@@ -29,6 +29,7 @@ from lmcache_tiers.l2.files.records import (
 )
 
 __all__ = [
+    "ABSENT_FILE_ERRORS",
     "RECORD_ALIGN",
     "RECORD_SUFFIX",
     "DirectoryInUseError",

@@ -46,6 +46,13 @@ def _shard_directories(directory: str) -> list[str]:
         return [e.path for e in entries if is_shard_name(e.name) and e.is_dir(follow_symlinks=False)]
 
 
+#: the errors that mean a record's file is not there.  Any other error of a stat or open
+#: (EIO, EACCES, ELOOP, EMFILE) says nothing about it: a lookup that meets one fails its
+#: batch -- every key a miss -- rather than answering "absent", which core takes for a
+#: record removed behind its back and forgets while the file may still be on disk.
+ABSENT_FILE_ERRORS = (FileNotFoundError, NotADirectoryError)
+
+
 class FileIdentity(NamedTuple):
     device: int
     inode: int
