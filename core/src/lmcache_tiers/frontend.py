@@ -96,13 +96,19 @@ class FrontendStats:
 
 
 def merged_stats(parts: Iterable[FrontendStats]) -> FrontendStats:
-    """The sum of several front ends' counters and gauges."""
+    """The sum of several front ends' counters and gauges.
+
+    Safe while the front ends keep counting: each by-name counter is copied in one step
+    (``dict()``, which their request loops cannot interleave) before it is added up --
+    iterating a live one would raise "dictionary changed size" whenever a loop meets a new
+    operation or failure reason meanwhile.
+    """
     total = FrontendStats()
     for part in parts:
         for name in FrontendStats.__dataclass_fields__:
             mine, theirs = getattr(total, name), getattr(part, name)
             if isinstance(mine, Counter):
-                mine.update(theirs)
+                mine.update(dict(theirs))
             else:
                 setattr(total, name, mine + theirs)
     return total

@@ -2,32 +2,32 @@
 and failures, for ``/status``, ``/metrics`` and ``lmcache-tiers status``.
 
 Adapters are asked one at a time; one whose backend raises still gets its entry, with the
-error instead of its usage.
+error instead of its usage, and the failed read is counted (``l2_status_error``) and logged
+once per burst: every scrape would otherwise repeat it.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from lmcache_tiers.burst import BurstLog
+from lmcache_tiers.controllers import AdapterSlot
 from lmcache_tiers.storage_wiring import StorageParts
+
+#: failure reason of an adapter whose usage or stats() could not be read for a status
+STATUS_ERROR = "l2_status_error"
+
+_status_errors = BurstLog(logging.getLogger(__name__), STATUS_ERROR)
 
 
 def storage_status(parts: StorageParts) -> dict[str, Any]:
     """See :meth:`lmcache_tiers.storage.StorageManager.status`."""
-    counters, per_adapter, failures = parts.stats.snapshot()
-    step_errors = sum(controller.step_errors for controller in parts.controllers())
-    if step_errors:
-        failures["controller_step_error"] = step_errors
+    counters, per_adapter, _ = parts.stats.snapshot()
     l1_stats = parts.l1.stats()
     adapters = []
     for slot, counts in zip(parts.slots, per_adapter, strict=True):
-        entry: dict[str, Any] = {"index": slot.index, "name": slot.name, "type": slot.type}
-        try:
-            entry["usage"] = slot.adapter.usage()
-            entry["used_bytes"] = slot.adapter.used_bytes()
-            entry["backend"] = slot.adapter.stats()
-        except Exception as exc:  # a dead backend still gets a status line
-            entry["error"] = f"{type(exc).__name__}: {exc}"
+        entry = _adapter_entry(parts, slot)
         entry.update(counts)
         eviction = parts.l2_evictions.get(slot.index)
         entry["eviction"] = (
@@ -39,6 +39,11 @@ def storage_status(parts: StorageParts) -> dict[str, Any]:
             }
         )
         adapters.append(entry)
+    # read after the adapters, so that a status read failing now is counted in this status
+    failures = parts.stats.failures()
+    step_errors = sum(controller.step_errors for controller in parts.controllers())
+    if step_errors:
+        failures["controller_step_error"] = step_errors
     return {
         "l1": {
             "capacity_bytes": parts.l1.capacity_bytes,
@@ -86,3 +91,19 @@ def storage_status(parts: StorageParts) -> dict[str, Any]:
         "adapters": adapters,
         "failures": failures,
     }
+
+
+def _adapter_entry(parts: StorageParts, slot: AdapterSlot) -> dict[str, Any]:
+    """The adapter's usage and backend stats, or the error that kept them from being read."""
+    entry: dict[str, Any] = {"index": slot.index, "name": slot.name, "type": slot.type}
+    try:
+        entry["usage"] = slot.adapter.usage()
+        entry["used_bytes"] = slot.adapter.used_bytes()
+        entry["backend"] = slot.adapter.stats()
+    except Exception as exc:  # a dead backend still gets a status line
+        entry["error"] = f"{type(exc).__name__}: {exc}"
+        parts.stats.fail(STATUS_ERROR)
+        _status_errors.warn(
+            slot.name, "%s: its usage or stats could not be read: %s", slot.name, entry["error"]
+        )
+    return entry

@@ -2,7 +2,8 @@
 
 It runs on its own threads so a slow scraper never delays an RPC, and it only reads:
 nothing here changes server state, and nothing takes a path from the request beyond
-matching these three routes.  ``/metrics`` and ``/healthz`` carry counters and a health
+matching these three routes (``GET`` or ``HEAD``; any other method is answered 405).
+``/metrics`` and ``/healthz`` carry counters and a health
 word only, never a process id, segment name or path; ``/status`` carries all of those,
 so when the endpoint listens beyond loopback it answers only requests that present the
 server's auth token (``Authorization: Bearer <token>``).
@@ -14,6 +15,7 @@ import hmac
 import json
 import logging
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,9 +26,25 @@ from prometheus_client import CONTENT_TYPE_LATEST
 logger = logging.getLogger(__name__)
 
 
+#: how long a connection may wait to send its request: an idle one would hold its thread
+REQUEST_TIMEOUT_S = 30.0
+
+_ALLOWED = "GET, HEAD"
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A scraper that hung up (its scrape timeout) is one debug line; anything else is
+        logged with its traceback -- never printed to stderr beside the log, as the
+        standard library does."""
+        error = sys.exc_info()[1]
+        if isinstance(error, ConnectionError):
+            logger.debug("HTTP client %s went away: %s", client_address, error)
+        else:
+            logger.exception("HTTP request from %s failed", client_address)
 
 
 class _Server6(_Server):
@@ -56,14 +74,37 @@ class HttpEndpoint:
 
         class Handler(BaseHTTPRequestHandler):
             server_version = "lmcache-tiers"
+            timeout = REQUEST_TIMEOUT_S
+
+            def do_HEAD(self) -> None:
+                self._serve(send_body=False)
 
             def do_GET(self) -> None:
+                self._serve(send_body=True)
+
+            def _refuse_method(self) -> None:
+                """Every route only reads: other methods get 405 (404 off the routes)."""
+                if self.path.split("?", 1)[0] not in routes:
+                    self._not_found(send_body=True)
+                    return
+                self._reply(
+                    405,
+                    "text/plain; charset=utf-8",
+                    f"{self.command} not allowed: the routes answer {_ALLOWED}\n".encode(),
+                    {"Allow": _ALLOWED},
+                )
+
+            do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse_method
+
+            def _not_found(self, *, send_body: bool) -> None:
+                body = b"not found: try /metrics, /status, /healthz\n"
+                self._reply(404, "text/plain; charset=utf-8", body, send_body=send_body)
+
+            def _serve(self, *, send_body: bool) -> None:
                 path = self.path.split("?", 1)[0]
                 route = routes.get(path)
                 if route is None:
-                    self._reply(
-                        404, "text/plain; charset=utf-8", b"not found: try /metrics, /status, /healthz\n"
-                    )
+                    self._not_found(send_body=send_body)
                     return
                 if path == "/status" and expected is not None:
                     offered = self.headers.get("Authorization", "").encode()
@@ -76,6 +117,7 @@ class HttpEndpoint:
                             "text/plain; charset=utf-8",
                             b"/status needs the server's auth token: Authorization: Bearer <token>\n",
                             {"WWW-Authenticate": 'Bearer realm="lmcache-tiers"'},
+                            send_body=send_body,
                         )
                         return
                 try:
@@ -83,18 +125,26 @@ class HttpEndpoint:
                 except Exception:
                     logger.exception("HTTP %s failed", self.path)
                     code, content_type, body = 500, "text/plain; charset=utf-8", b"internal error\n"
-                self._reply(code, content_type, body)
+                self._reply(code, content_type, body, send_body=send_body)
 
             def _reply(
-                self, code: int, content_type: str, body: bytes, extra: dict[str, str] | None = None
+                self,
+                code: int,
+                content_type: str,
+                body: bytes,
+                extra: dict[str, str] | None = None,
+                *,
+                send_body: bool = True,
             ) -> None:
+                """``send_body`` False answers a HEAD: the same headers, no body."""
                 self.send_response(code)
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
                 for name, value in (extra or {}).items():
                     self.send_header(name, value)
                 self.end_headers()
-                self.wfile.write(body)
+                if send_body:
+                    self.wfile.write(body)
 
             def log_message(self, format: str, *args: Any) -> None:
                 logger.debug("http %s - %s", self.address_string(), format % args)

@@ -7,6 +7,9 @@ scraped; the request path never touches a prometheus_client object or its locks.
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,9 +18,31 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from lmcache_tiers import __version__
+from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.frontend import FrontendStats, merged_stats
 
 PREFIX = "lmcache_tiers"
+
+#: failure reason of an adapter stat that is not a number, so not exported
+UNEXPORTED_STAT = "metrics_stat_not_a_number"
+
+_unexported_stats = BurstLog(logging.getLogger(__name__), UNEXPORTED_STAT)
+
+#: the storage engine's counters of each adapter (``keys_evicted`` is in ``evictions``)
+_ENGINE_COUNTERS = {
+    "store_tasks_submitted": "Store tasks handed to each L2 adapter",
+    "store_tasks_completed": "Store tasks each L2 adapter finished",
+    "store_tasks_failed": (
+        "Store tasks of each L2 adapter that left a key unstored (failed, refused or abandoned)"
+    ),
+    "keys_stored": "Keys stored into each L2 adapter",
+    "keys_store_failed": "Keys each L2 adapter failed to store",
+    "lookups": "Lookups asked of each L2 adapter",
+    "keys_found": "Keys each L2 adapter's lookups found",
+    "load_tasks_submitted": "Load tasks handed to each L2 adapter",
+    "keys_loaded": "Keys loaded from each L2 adapter",
+    "keys_load_failed": "Keys each L2 adapter failed to load",
+}
 
 
 def _counter(name: str, doc: str, labels: list[str] | None = None) -> CounterMetricFamily:
@@ -38,6 +63,9 @@ class TiersCollector(Collector):
     ) -> None:
         self.frontends = frontends
         self.storage_status = storage_status
+        self._lock = threading.Lock()  # scrapes run on several HTTP threads at once
+        # failures of the scrape itself, by reason: kept here, for as long as the server
+        self._own_failures: Counter[str] = Counter()
 
     def collect(self) -> Iterator[Any]:
         per_frontend = self.frontends()
@@ -90,39 +118,7 @@ class TiersCollector(Collector):
 
         yield from self._leases(l1.get("leases", {}))
 
-        adapter_usage = _gauge(
-            "adapter_usage_ratio", "Used fraction of each L2 adapter (-1: no capacity)", ["adapter"]
-        )
-        adapter_bytes = _gauge("adapter_used_bytes", "Bytes held by each L2 adapter", ["adapter"])
-        adapter_stored = _counter("adapter_keys_stored", "Keys stored into each L2 adapter", ["adapter"])
-        adapter_loaded = _counter("adapter_keys_loaded", "Keys loaded from each L2 adapter", ["adapter"])
-        circuit_open = _gauge(
-            "adapter_circuit_open",
-            "1 while an adapter's circuit breaker is open (its backend not called)",
-            ["adapter"],
-        )
-        backend_errors = _counter(
-            "adapter_backend_errors", "Failed backend calls of each L2 adapter", ["adapter"]
-        )
-        adapter_stat = _gauge(
-            "adapter_stat",
-            "Every counter and gauge of each L2 adapter's stats(), as in /status",
-            ["adapter", "stat"],
-        )
-        for adapter in storage.get("adapters", []):
-            name = str(adapter.get("name", adapter.get("index", "?")))
-            adapter_usage.add_metric([name], float(adapter.get("usage", -1.0)))
-            adapter_bytes.add_metric([name], float(adapter.get("used_bytes", 0)))
-            adapter_stored.add_metric([name], adapter.get("keys_stored", 0))
-            adapter_loaded.add_metric([name], adapter.get("keys_loaded", 0))
-            backend = adapter.get("backend", {})
-            if "circuit_open" in backend:
-                circuit_open.add_metric([name], float(backend["circuit_open"]))
-            backend_errors.add_metric([name], backend.get("backend_errors", 0))
-            for stat, value in sorted(backend.items()):
-                adapter_stat.add_metric([name, str(stat)], float(value))
-        yield from (adapter_usage, adapter_bytes, adapter_stored, adapter_loaded)
-        yield from (circuit_open, backend_errors, adapter_stat)
+        yield from self._adapters(storage.get("adapters", []))
 
         prefetch = storage.get("prefetch", {})
         store = storage.get("store", {})
@@ -136,7 +132,9 @@ class TiersCollector(Collector):
 
         failures = _counter("failures", "Failures, by reason", ["reason"])
         merged: dict[str, int] = dict(storage.get("failures", {}))
-        for reason, count in dict(stats.failures).items():
+        with self._lock:
+            own = dict(self._own_failures)
+        for reason, count in (*dict(stats.failures).items(), *own.items()):
             merged[reason] = merged.get(reason, 0) + count
         for reason, count in sorted(merged.items()):
             failures.add_metric([reason], count)
@@ -148,6 +146,7 @@ class TiersCollector(Collector):
         for name, count in sorted(eviction.get("l2", {}).items()):
             evictions.add_metric([str(name)], count)
         yield evictions
+        yield from self._storage_counters(storage)
 
         clients = _gauge("clients", "Clients holding locks or seen recently")
         clients.add_metric([], stats.sessions)
@@ -155,6 +154,97 @@ class TiersCollector(Collector):
         locked = _gauge("client_locked_keys", "Keys read-locked on behalf of clients")
         locked.add_metric([], stats.locked_keys)
         yield locked
+
+    def _adapters(self, adapters: list[dict[str, Any]]) -> Iterator[Any]:
+        """Per-adapter families.  An adapter whose usage or stats could not be read has
+        those samples left out rather than zeroed: a zero would read as an empty adapter
+        and as a counter reset (its ``rate()`` jumping when the backend answers again)."""
+        unreadable = _gauge(
+            "adapter_status_error",
+            "1 while an L2 adapter's usage or stats cannot be read (those samples are then left out)",
+            ["adapter"],
+        )
+        usage = _gauge(
+            "adapter_usage_ratio", "Used fraction of each L2 adapter (-1: no capacity)", ["adapter"]
+        )
+        used = _gauge("adapter_used_bytes", "Bytes held by each L2 adapter", ["adapter"])
+        engine = {
+            name: _counter(f"adapter_{name}", doc, ["adapter"]) for name, doc in _ENGINE_COUNTERS.items()
+        }
+        circuit_open = _gauge(
+            "adapter_circuit_open",
+            "1 while an adapter's circuit breaker is open (its backend not called)",
+            ["adapter"],
+        )
+        backend_errors = _counter(
+            "adapter_backend_errors", "Failed backend calls of each L2 adapter", ["adapter"]
+        )
+        backend_stat = _gauge(
+            "adapter_stat",
+            "Every counter and gauge of each L2 adapter's stats(), as in /status",
+            ["adapter", "stat"],
+        )
+        for adapter in adapters:
+            name = str(adapter.get("name", adapter.get("index", "?")))
+            unreadable.add_metric([name], 1.0 if "error" in adapter else 0.0)
+            if "usage" in adapter:
+                usage.add_metric([name], float(adapter["usage"]))
+            if "used_bytes" in adapter:
+                used.add_metric([name], float(adapter["used_bytes"]))
+            for counter, family in engine.items():
+                family.add_metric([name], adapter.get(counter, 0))
+            if "backend" not in adapter:
+                continue
+            backend = self._numeric_stats(name, adapter["backend"])
+            if "circuit_open" in backend:
+                circuit_open.add_metric([name], backend["circuit_open"])
+            backend_errors.add_metric([name], backend.get("backend_errors", 0))
+            for stat, value in sorted(backend.items()):
+                backend_stat.add_metric([name, stat], value)
+        yield from (unreadable, usage, used, *engine.values(), circuit_open, backend_errors, backend_stat)
+
+    def _numeric_stats(self, adapter: str, stats: dict[str, Any]) -> dict[str, float]:
+        """The adapter's stats that are numbers.  ``stats()`` promises ints, but one broken
+        value must not turn the whole scrape into an error; it is counted and logged."""
+        numeric: dict[str, float] = {}
+        for stat, value in stats.items():
+            if isinstance(value, int | float):
+                numeric[str(stat)] = float(value)
+                continue
+            with self._lock:
+                self._own_failures[UNEXPORTED_STAT] += 1
+            _unexported_stats.warn(
+                f"{adapter}:{stat}",
+                "%s: stat %r is not a number (%r); left out of /metrics",
+                adapter,
+                stat,
+                value,
+            )
+        return numeric
+
+    @staticmethod
+    def _storage_counters(storage: dict[str, Any]) -> Iterator[Any]:
+        """The storage's counters that /status has and no family above carries."""
+        requests = storage.get("requests", {})
+        store = storage.get("store", {})
+        l1_eviction = storage.get("eviction", {}).get("l1", {})
+        for name, value, doc in (
+            ("keys_written", requests.get("keys_written", 0), "Keys written into L1 and committed"),
+            ("keys_read", requests.get("keys_read", 0), "Keys read-locked out of L1 for clients"),
+            ("l1_evicted_bytes", l1_eviction.get("evicted_bytes", 0), "Bytes evicted from L1"),
+            ("l1_eviction_runs", l1_eviction.get("runs", 0), "L1 eviction runs that evicted something"),
+            (
+                "l1_deleted_after_store",
+                store.get("l1_deleted_after_store", 0),
+                "L1 objects the store policy deleted once they were stored in L2",
+            ),
+            (
+                "l2_store_skipped_gone",
+                store.get("skipped_gone", 0),
+                "Committed keys not stored in L2 because they left L1 first (the cause is under failures)",
+            ),
+        ):
+            yield from TiersCollector._single(name, value, doc)
 
     @staticmethod
     def _leases(leases: dict[str, int]) -> Iterator[Any]:
@@ -164,6 +254,11 @@ class TiersCollector(Collector):
         extents = _gauge("l1_quarantined_extents", "L1 extents held back for readers whose lease was broken")
         extents.add_metric([], float(leases.get("quarantined_extents", 0)))
         yield extents
+        lapsed = _gauge(
+            "l1_lapsed_objects", "L1 objects whose read locks expired (their extent is held if they leave)"
+        )
+        lapsed.add_metric([], float(leases.get("lapsed_objects", 0)))
+        yield lapsed
         taken = _counter(
             "l1_quarantined", "L1 extents held back after a forced delete or a lock expiry", ["reason"]
         )

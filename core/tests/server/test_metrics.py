@@ -1,0 +1,222 @@
+"""/metrics and the HTTP endpoint: a valid exposition, every counter exported, and a
+broken adapter, method or client costing one sample or one answer, never the scrape."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import math
+import re
+import socket
+import struct
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from lmcache_tiers.client import Client
+from lmcache_tiers.controllers.stats import ADAPTER_COUNTERS
+from lmcache_tiers.frontend import FrontendStats
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.server.http import HttpEndpoint
+from lmcache_tiers.server.metrics import build_registry, render
+from lmcache_tiers.testing.ports import free_port
+
+Factory = Callable[..., TiersServer]
+
+MOCK_ADAPTER = json.dumps({"type": "mock", "max_size_gb": 0.1})
+METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+def scrape(server: TiersServer) -> str:
+    with urllib.request.urlopen(f"{server.http_url}/metrics", timeout=10) as response:
+        assert response.status == 200
+        return str(response.read().decode())
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of an exposition, by name and labels; the exposition checked strictly
+    on the way: one family per name, valid names, counters and gauges finite."""
+    found: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    families: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        assert family.name not in families, f"{family.name} emitted twice"
+        families.add(family.name)
+        assert METRIC_NAME.fullmatch(family.name), family.name
+        for sample in family.samples:
+            assert math.isfinite(sample.value), sample
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            assert key not in found, f"{key} emitted twice"
+            found[key] = sample.value
+    return found
+
+
+@pytest.fixture
+def with_adapter(make_server: Factory) -> TiersServer:
+    server = make_server(adapters=[MOCK_ADAPTER], metrics_port=free_port())
+    key = ObjectKey("unit", 0, b"metrics")
+    with Client(server.endpoint) as client:
+        client.store([key], [b"x" * 5000])
+        assert client.lookup([key]) == 1
+        client.release([key])
+    return server
+
+
+def test_the_exposition_is_valid(with_adapter: TiersServer) -> None:
+    found = samples(scrape(with_adapter))
+    assert found[("lmcache_tiers_adapter_status_error", (("adapter", "0:mock"),))] == 0.0
+    assert found[("lmcache_tiers_keys_written_total", ())] == 1.0
+
+
+def test_an_adapter_whose_stats_raise_is_counted_and_left_out_not_zeroed(
+    with_adapter: TiersServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    adapter = with_adapter.storage._parts.slots[0].adapter
+
+    def unreachable() -> float:
+        raise ConnectionError("backend unreachable")
+
+    monkeypatch.setattr(adapter, "usage", unreachable)
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+        found = samples(scrape(with_adapter))
+    mock = (("adapter", "0:mock"),)
+    # A zero would be a counter reset, and -1 would say "no capacity": neither is true.
+    assert ("lmcache_tiers_adapter_backend_errors_total", mock) not in found
+    assert ("lmcache_tiers_adapter_usage_ratio", mock) not in found
+    assert found[("lmcache_tiers_adapter_status_error", mock)] == 1.0
+    assert found[("lmcache_tiers_failures_total", (("reason", "l2_status_error"),))] >= 1.0
+    assert ("lmcache_tiers_adapter_store_tasks_submitted_total", mock) in found  # the engine still counts
+    assert "0:mock: its usage or stats could not be read: ConnectionError" in caplog.text
+
+
+def test_every_counter_of_the_status_reaches_metrics(with_adapter: TiersServer) -> None:
+    """Each counter the storage keeps, set to a value of its own, is found in /metrics."""
+    document = with_adapter.storage_status()
+    values = iter(range(1001, 10_000))
+    counters = {
+        "requests": list(document["requests"]),
+        "store": ["l1_deleted_after_store", "skipped_gone"],
+    }
+    expected: dict[str, int] = {}
+    for section, names in counters.items():
+        for name in names:
+            document[section][name] = expected[f"{section}.{name}"] = next(values)
+    for name in ("evicted_keys", "evicted_bytes", "runs"):
+        document["eviction"]["l1"][name] = expected[f"eviction.l1.{name}"] = next(values)
+    for name in ADAPTER_COUNTERS:
+        document["adapters"][0][name] = expected[f"adapter.{name}"] = next(values)
+    document["eviction"]["l2"]["0:mock"] = document["adapters"][0]["keys_evicted"]
+    for name in document["l1"]["leases"]:
+        document["l1"]["leases"][name] = expected[f"leases.{name}"] = next(values)
+
+    text = render(build_registry(lambda: [], lambda: document)).decode()
+    exported = set(samples(text).values())
+    missing = sorted(name for name, value in expected.items() if value not in exported)
+    assert not missing, f"counted but not in /metrics: {missing}"
+
+
+def collector_text(adapter: dict[str, Any]) -> str:
+    storage = {"adapters": [adapter], "failures": {}}
+    return render(build_registry(lambda: [("0:native", FrontendStats())], lambda: storage)).decode()
+
+
+def test_a_stat_that_is_not_a_number_costs_that_stat_only(caplog: pytest.LogCaptureFixture) -> None:
+    adapter = {"index": 0, "name": "0:custom", "type": "custom", "usage": 0.5, "used_bytes": 10}
+    adapter["backend"] = {"objects": 3, "mode": "read-write", "backend_errors": 2}
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+        found = samples(collector_text(adapter))
+    custom = (("adapter", "0:custom"),)
+    assert found[("lmcache_tiers_adapter_stat", (("adapter", "0:custom"), ("stat", "objects")))] == 3.0
+    assert found[("lmcache_tiers_adapter_backend_errors_total", custom)] == 2.0
+    assert found[("lmcache_tiers_failures_total", (("reason", "metrics_stat_not_a_number"),))] == 1.0
+    assert "0:custom: stat 'mode' is not a number" in caplog.text
+
+
+def test_label_values_from_configuration_are_escaped() -> None:
+    name = 'odd "name"\\with\na newline'
+    text = collector_text({"index": 0, "name": name, "backend": {"objects": 1}})
+    found = samples(text)
+    assert found[("lmcache_tiers_adapter_stat", (("adapter", name), ("stat", "objects")))] == 1.0
+
+
+@pytest.fixture
+def endpoint() -> Iterator[HttpEndpoint]:
+    big = b"x" * (16 << 20)  # more than a socket buffer: the write meets a closed peer
+    served = HttpEndpoint("127.0.0.1", 0, metrics=lambda: big, status=lambda: {}, health=lambda: (True, "ok"))
+    served.start()
+    yield served
+    served.stop()
+
+
+def request(endpoint: HttpEndpoint, method: str, path: str) -> tuple[int, dict[str, str], bytes]:
+    port = int(endpoint.url.rsplit(":", 1)[1])
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request(method, path)
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        connection.close()
+
+
+def test_head_answers_like_get_without_a_body(endpoint: HttpEndpoint) -> None:
+    code, headers, body = request(endpoint, "HEAD", "/healthz")
+    assert (code, headers["Content-Length"], body) == (200, "3", b"")
+    assert request(endpoint, "HEAD", "/nowhere")[0] == 404
+
+
+def test_methods_that_would_change_something_are_not_allowed(endpoint: HttpEndpoint) -> None:
+    for method in ("POST", "PUT", "DELETE", "PATCH", "OPTIONS"):
+        code, headers, body = request(endpoint, method, "/metrics")
+        assert (code, headers["Allow"]) == (405, "GET, HEAD"), method
+        assert body == f"{method} not allowed: the routes answer GET, HEAD\n".encode()
+    assert request(endpoint, "POST", "/nowhere")[0] == 404
+
+
+def test_a_scraper_that_hangs_up_prints_no_traceback(
+    endpoint: HttpEndpoint, capfd: pytest.CaptureFixture[str]
+) -> None:
+    port = int(endpoint.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        client.sendall(b"GET /metrics HTTP/1.1\r\nHost: tiers\r\n\r\n")
+        # a reset, as a scraper at its timeout does: the server's write then fails
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    time.sleep(0.5)
+    assert request(endpoint, "GET", "/healthz")[0] == 200  # still serving
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_connection_that_sends_nothing_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle connection would otherwise hold one of the endpoint's threads for good."""
+    monkeypatch.setattr("lmcache_tiers.server.http.REQUEST_TIMEOUT_S", 0.2, raising=False)
+    served = HttpEndpoint("127.0.0.1", 0, metrics=bytes, status=dict, health=lambda: (True, "ok"))
+    served.start()
+    try:
+        port = int(served.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as idle:
+            assert idle.recv(1) == b""  # closed by the server, long before our own timeout
+    finally:
+        served.stop()
+
+
+class _GrowingWhileIterated(Counter[str]):
+    """Failure reasons that gain a new one while being iterated, as when a front end's loop
+    meets a new reason in the middle of a scrape."""
+
+    def items(self) -> Any:
+        for reason, count in super().items():  # a live view, as the merge iterates
+            yield reason, count
+            self[f"{reason}_again"] += 1
+
+
+def test_a_scrape_while_a_front_end_counts_a_new_reason() -> None:
+    busy = FrontendStats(failures=_GrowingWhileIterated(timeout=1))
+    fronts = [("0:native", FrontendStats(failures=Counter(timeout=1))), ("1:lmcache_mp", busy)]
+    text = render(build_registry(lambda: fronts, lambda: {"failures": {}})).decode()
+    assert samples(text)[("lmcache_tiers_failures_total", (("reason", "timeout"),))] == 2.0
