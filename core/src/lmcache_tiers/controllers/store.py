@@ -33,8 +33,9 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmcache_tiers.activity import DATA_PLANE, DataPlaneActivity
 from lmcache_tiers.burst import BurstLog
@@ -233,7 +234,10 @@ class StoreController(ControllerThread):
         batch = _Batch({obj.key: obj for obj in objects})
         keys = list(batch.objects)
         try:
-            targets = self.policy.select_store_targets(keys, adapter_infos(self.slots))
+            # A third-party policy's malformed answer (not a mapping, an index that is not an
+            # int, keys that cannot be hashed) is its failure too: caught here, not as a
+            # failed controller step that would leave the objects waiting for ever.
+            plan = _store_plan(self.policy.select_store_targets(keys, adapter_infos(self.slots)))
         except Exception:
             logger.exception("store policy failed on %d keys; they stay in L1 only", len(keys))
             self.stats.fail("store_policy_error")
@@ -241,7 +245,7 @@ class StoreController(ControllerThread):
             return
         wanted = batch.objects
         targeted: set[ObjectKey] = set()
-        for index, target_keys in targets.items():
+        for index, target_keys in plan:
             if not 0 <= index < len(self.slots):
                 self.stats.fail("store_policy_bad_adapter", len(target_keys))
                 self._burst.warn(
@@ -252,7 +256,7 @@ class StoreController(ControllerThread):
                     len(self.slots),
                 )
                 continue
-            chosen = [key for key in dict.fromkeys(target_keys) if key in wanted]
+            chosen = [key for key in target_keys if key in wanted]
             if chosen:
                 targeted.update(chosen)
                 slot = self.slots[index]
@@ -368,15 +372,18 @@ class StoreController(ControllerThread):
         if not stored:
             return
         try:
-            doomed = self.policy.select_l1_deletions(stored)
-        except Exception:
+            doomed = list(dict.fromkeys(self.policy.select_l1_deletions(stored)))
+        except Exception:  # raised, or an answer that is not an iterable of keys
             logger.exception("store policy failed to select L1 deletions")
             self.stats.fail("store_policy_error")
             return
-        doomed = [key for key in doomed if key in batch.stored]
-        if not doomed:
-            return
         with self.l1.lock:
+            # This batch's objects only: a key written again since (evicted, then re-written
+            # with new bytes) is another object, whose own store may not have run -- deleting
+            # it would lose an acknowledged write and leave L2's older bytes to be served.
+            doomed = [key for key in doomed if key in batch.stored and self.l1.get(key) is batch.objects[key]]
+            if not doomed:
+                return
             deleted = self.l1.delete(doomed)
             # Objects someone is reading right now cannot go yet; marking them temporary
             # frees them when their last reader releases them.
@@ -418,3 +425,16 @@ class StoreController(ControllerThread):
             logger.warning(
                 "%d committed keys were never stored in L2: the controller stopped first", len(queued)
             )
+
+
+def _store_plan(targets: Any) -> list[tuple[int, list[ObjectKey]]]:
+    """A store policy's answer as (adapter index, distinct keys) pairs; raises TypeError for
+    an answer of the wrong shape."""
+    if not isinstance(targets, Mapping):
+        raise TypeError(f"select_store_targets returned {type(targets).__name__}, not a mapping")
+    plan = []
+    for index, keys in targets.items():
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise TypeError(f"select_store_targets named adapter {index!r}, not an int index")
+        plan.append((index, list(dict.fromkeys(keys))))
+    return plan

@@ -6,7 +6,12 @@ from lmcache_tiers.plugin import ComponentConfig, KindRegistry, hookimpl
 
 
 class RetainPrefetchConfig(ComponentConfig):
-    """Load each hit from the lowest-index adapter holding it; keep it in L1 for later hits."""
+    """Load each hit from the lowest-index adapter holding it; keep it in L1 for later hits.
+
+    A loaded object stays after its last reader is done and leaves only when L1 eviction
+    takes it, like any written object: with eviction policy ``noop`` it never does, and
+    loaded objects fill L1 until writes are refused (``l1_write_oom``).
+    """
 
 
 @hookimpl

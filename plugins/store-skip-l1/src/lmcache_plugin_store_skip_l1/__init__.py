@@ -8,8 +8,14 @@ from lmcache_tiers.plugin import ComponentConfig, KindRegistry, hookimpl
 class SkipL1StoreConfig(ComponentConfig):
     """Store every written object in every L2 adapter, then drop it from L1.
 
-    With eviction policy ``noop`` this is the buffer-only mode: L1 holds an object only
-    until L2 has it (and while a prefetch has it loaded).
+    An object leaves L1 once all its stores are done and at least one adapter holds it
+    (one being read leaves after its last reader); one no adapter stored stays in L1, and
+    its failed stores are counted.
+
+    With eviction policy ``noop`` and prefetch policy ``default`` this is the buffer-only
+    mode: L1 holds an object only until L2 has it, and while a prefetch has it loaded.
+    Prefetch policy ``retain`` does not fit that mode: nothing deletes the objects it
+    loads, so L1 fills up with them and refuses writes.
     """
 
 
