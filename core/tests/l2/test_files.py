@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
+import resource
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -139,6 +143,42 @@ def test_discard_spares_a_record_published_after_the_judgement(tmp_path: Path) -
     assert files.discard(
         key, identity_of(os.stat(files.layout.path_for(key))), "corrupt_records_removed", "x"
     )
+
+
+@contextmanager
+def _no_free_descriptors() -> Iterator[None]:
+    """Every new file descriptor fails with EMFILE: a real failure of the directory fsync
+    (which opens the directory) while the rename before it, needing none, goes through."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.open(os.devnull, os.O_RDONLY)
+    os.close(lowest_free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_store_whose_directory_cannot_be_fsynced_fails_and_leaves_no_record(
+    tmp_path: Path, sharded: bool
+) -> None:
+    files = LocalFiles(
+        FileLayout(str(tmp_path), shard_dirs=sharded), name="t", count=lambda *_: None, fsync=True
+    )
+    key = ObjectKey("m", 0, b"\x04" * 32)
+    fd, temp = files.create_temp(key)
+    os.write(fd, encode_header(key, b"bytes", align=HEADER) + b"bytes")
+    try:
+        with _no_free_descriptors(), pytest.raises(OSError) as failure:
+            files.publish(key, temp, fd)
+    finally:
+        os.close(fd)
+    assert failure.value.errno == errno.EMFILE
+    assert not os.path.exists(files.layout.path_for(key)) and not os.path.exists(temp)
+    assert list(files.iter_records(lambda _key: HEADER)) == []
+    _store(files, key, b"again")  # the next store of the key is not hindered
+    assert dict(files.iter_records(lambda _key: HEADER)) == {key: 5}
 
 
 def test_temp_files_are_swept_and_foreign_files_kept(tmp_path: Path) -> None:

@@ -384,3 +384,73 @@ def test_a_record_that_cannot_be_asked_about_is_a_miss_that_stays_accounted(
         assert load(adapter, arena, keys[:1], [SIZE]) == ([True], [pattern(1, SIZE)])
     finally:
         adapter.close()
+
+
+def _digest_named_keys(count: int) -> list[ObjectKey]:
+    """Keys whose readable names do not fit in a file name: their records get digest names."""
+    return [ObjectKey("m" * 250, 0, bytes([n + 1]) * 32, 0, "s" * 100) for n in range(count)]
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "fsspec"])
+def test_digest_records_whose_header_cannot_be_read_are_removed_at_start(
+    tmp_path: Path, remote: bool
+) -> None:
+    import fsspec
+
+    from lmcache_tiers.l2.files import record_name
+
+    root = f"memory://digest-{uuid.uuid4().hex}" if remote else str(tmp_path)
+    files = fsspec.filesystem("memory") if remote else fsspec.filesystem("file")
+    arena = Arena()
+    keys = _digest_named_keys(4)
+    adapter = open_fs(fs_config(root), arena.view)
+    assert store(adapter, arena, keys, [pattern(n, SIZE) for n in range(4)]) == [True] * 4
+    adapter.close()
+    paths = [f"{root}/{record_name(key)}" for key in keys]
+    files.pipe_file(paths[1], b"")  # zero-length
+    files.pipe_file(paths[2], b"\xff" * (HEADER + SIZE))  # garbage
+    files.pipe_file(paths[3], files.cat_file(paths[0]))  # another key's record
+    restarted = open_fs(fs_config(root), arena.view)
+    try:
+        stats = restarted.stats()
+        assert stats["truncated_records_removed"] == 1 and stats["corrupt_records_removed"] == 2
+        assert stats["scan_keys"] == 1 and restarted.used_bytes() == SIZE
+        assert [files.exists(path) for path in paths] == [True, False, False, False]
+    finally:
+        restarted.close()
+        if remote:
+            files.rm(root, recursive=True)
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "fsspec"])
+def test_records_of_the_other_layout_are_counted_reported_and_kept(
+    tmp_path: Path, remote: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    import fsspec
+
+    root = f"memory://layout-{uuid.uuid4().hex}" if remote else str(tmp_path)
+    arena = Arena()
+    keys = make_keys(2) + _digest_named_keys(1)
+    adapter = open_fs(fs_config(root, shard_dirs=True), arena.view)
+    assert store(adapter, arena, keys, [pattern(n, SIZE) for n in range(3)]) == [True] * 3
+    adapter.close()
+    try:
+        with caplog.at_level(logging.WARNING):
+            flat = open_fs(fs_config(root, shard_dirs=False), arena.view)
+        try:
+            assert flat.stats()["records_other_layout"] == 3 and flat.used_bytes() == 0
+            assert any(
+                "3 records" in r.getMessage() and "set shard_dirs back to true" in r.getMessage()
+                for r in caplog.records
+            )
+        finally:
+            flat.close()
+        sharded = open_fs(fs_config(root, shard_dirs=True), arena.view)
+        try:
+            assert sharded.stats()["scan_keys"] == 3 and sharded.used_bytes() == 3 * SIZE
+            assert "records_other_layout" not in sharded.stats()
+        finally:
+            sharded.close()
+    finally:
+        if remote:
+            fsspec.filesystem("memory").rm(root, recursive=True)

@@ -5,7 +5,9 @@ A record is written to a temporary name and moved over its final name (object st
 write an object whole when its file closes, so a reader never sees part of one either
 way).  A listing is one ``find`` with sizes: no record is opened.  Removing a record that
 failed verification re-reads its header first and keeps it when a store replaced it
-meanwhile.
+meanwhile.  As for a local directory, digest-named records whose header cannot be read
+are removed when listed, and records where the layout does not put their key (another
+``shard_dirs`` setting) are kept, counted and reported.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import posixpath
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 from lmcache_tiers.plugin import (
@@ -68,6 +71,16 @@ class RemoteRecords:
 
     def _stripe(self, key: ObjectKey) -> threading.Lock:
         return self._stripes[hash(key) % _STRIPES]
+
+    @contextmanager
+    def _all_stripes(self) -> Iterator[None]:
+        """Every stripe: held to remove a file whose key is not known (a digest-named file
+        with an unreadable header), so no store of whichever key it is can move a record
+        over it meanwhile.  Taken in order; nothing else holds two stripes at once."""
+        with ExitStack() as stack:
+            for lock in self._stripes:
+                stack.enter_context(lock)
+            yield
 
     # -- stores -------------------------------------------------------------------------------
 
@@ -187,8 +200,19 @@ class RemoteRecords:
 
     def discard(self, key: ObjectKey, size: int, prefix: bytes | None, counter: str, reason: str) -> bool:
         """Remove a record judged bad, unless a store replaced it since (other size or header)."""
-        path = self.layout.path_for(key)
-        with self._stripe(key):
+        return self._discard_path(self.layout.path_for(key), self._stripe(key), size, prefix, counter, reason)
+
+    def _discard_path(
+        self,
+        path: str,
+        lock: AbstractContextManager[Any],
+        size: int,
+        prefix: bytes | None,
+        counter: str,
+        reason: str,
+    ) -> bool:
+        """:meth:`discard` of ``path``; ``lock`` keeps the stores that could replace it out."""
+        with lock:
             if self._size(path) != size:
                 return False
             if prefix is not None:
@@ -237,13 +261,19 @@ class RemoteRecords:
             yield directory, name, int(info.get("size") or 0)
 
     def iter_records(self, header_length: Callable[[ObjectKey], int]) -> Iterator[tuple[ObjectKey, int]]:
+        """``(key, payload bytes)`` of every record in this layout (see the local
+        directory's listing, which this one follows)."""
+        misplaced = self.layout.misplaced_records(self.context.name, self.context.count)
         for directory, name, size in self._entries():
             kind, key = classify_name(name)
             if kind is EntryKind.DIGEST:
-                key = self._key_from_header(posixpath.join(directory, name))
+                key = self._digest_record_key(directory, name, size)
             elif kind is not EntryKind.RECORD:
                 continue
-            if key is None or not self.layout.owns(directory, key):
+            if key is None:
+                continue  # a digest record judged above
+            if not self.layout.owns(directory, key):
+                misplaced.found(directory, key)
                 continue
             stored = size - self.sizes.length(key)
             if stored < 0:
@@ -252,13 +282,45 @@ class RemoteRecords:
                 )
                 continue
             yield key, stored
+        misplaced.report()
 
-    def _key_from_header(self, path: str) -> ObjectKey | None:
+    def _digest_record_key(self, directory: str, name: str, size: int) -> ObjectKey | None:
+        """The key of a digest-named record, from its header; None if it has none.
+
+        No lookup can reach a file whose header does not tell its key, so one whose header
+        cannot be read is removed: ``truncated_records_removed`` when shorter than any
+        header (every header is padded to ``RECORD_ALIGN``), ``corrupt_records_removed``
+        otherwise.  So is one whose header names a key whose record has another name (a
+        load of this name's key removes it too; two keys of one digest name share a file
+        whose header names one of them, under that key's own name: kept).  A read error
+        says nothing about the file: it is counted and left.
+        """
+        path = posixpath.join(directory, name)
         try:
             with self.fs.open(path, "rb") as handle:
-                return record_key(handle.read(MAX_HEADER_BYTES))
-        except (OSError, RecordError):
-            return None  # a damaged one is removed by the first load that finds it
+                prefix = handle.read(MAX_HEADER_BYTES)
+        except FileNotFoundError:
+            return None  # deleted since the tree was listed
+        except OSError as exc:
+            self.context.count("listing_read_errors")
+            log.warning(
+                "%s: cannot read the header of %s: %s; it is not listed (kept: a read error is not damage)",
+                self.context.name,
+                printable(path, 300),
+                exc,
+            )
+            return None
+        try:
+            key = record_key(prefix)
+        except RecordError as exc:
+            counter = "truncated_records_removed" if size < RECORD_ALIGN else "corrupt_records_removed"
+            self._discard_path(path, self._all_stripes(), size, prefix, counter, str(exc))
+            return None
+        if record_name(key) != name:
+            reason = f"its header names {key.file_stem()}, whose record is {record_name(key)}"
+            self._discard_path(path, self._all_stripes(), size, prefix, "corrupt_records_removed", reason)
+            return None
+        return key
 
     def remove_temp_files(self) -> int:
         """Delete temporary files a killed writer left behind; returns how many."""

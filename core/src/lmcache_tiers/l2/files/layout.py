@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import os
 import posixpath
 import threading
+from collections.abc import Callable
 from typing import NamedTuple
 
-from lmcache_tiers.keycodec import NAME_MAX, is_digest_name, key_to_name, name_to_key
+from lmcache_tiers.keycodec import NAME_MAX, is_digest_name, key_to_name, name_to_key, printable
 from lmcache_tiers.keys import ObjectKey
+
+log = logging.getLogger("lmcache_tiers.l2.files")
 
 __all__ = [
     "RECORD_SUFFIX",
@@ -34,6 +38,7 @@ __all__ = [
     "TEMP_SUFFIX",
     "EntryKind",
     "FileLayout",
+    "MisplacedRecords",
     "NamedEntry",
     "check_relative_dir",
     "classify_name",
@@ -102,6 +107,12 @@ def check_relative_dir(value: str) -> str:
     return normal
 
 
+def _shard(key: ObjectKey) -> str:
+    """Relative shard directory of ``key`` in the sharded layout."""
+    digest = key.chunk_hash.hex().ljust(4, "0")  # a 1-byte hash still gets two levels
+    return f"{digest[0:2]}/{digest[2:4]}"
+
+
 class FileLayout:
     """Maps keys to POSIX paths under ``root``."""
 
@@ -116,10 +127,7 @@ class FileLayout:
 
     def shard_of(self, key: ObjectKey) -> str:
         """Relative shard directory of ``key`` ("" when flat)."""
-        if not self.shard_dirs:
-            return ""
-        digest = key.chunk_hash.hex().ljust(4, "0")  # a 1-byte hash still gets two levels
-        return f"{digest[0:2]}/{digest[2:4]}"
+        return _shard(key) if self.shard_dirs else ""
 
     def directory_for(self, key: ObjectKey) -> str:
         shard = self.shard_of(key)
@@ -142,6 +150,16 @@ class FileLayout:
         """Whether a record of ``key`` found in ``directory`` is where this layout puts it."""
         return directory.rstrip("/") == self.directory_for(key)
 
+    def in_other_layout(self, directory: str, key: ObjectKey) -> bool:
+        """Whether ``directory`` is where the other ``shard_dirs`` setting puts ``key``'s
+        record (a record left by a run with the other setting)."""
+        other = self.root if self.shard_dirs else posixpath.join(self.root, _shard(key))
+        return directory.rstrip("/") == other
+
+    def misplaced_records(self, name: str, count: Callable[[str, int], None]) -> MisplacedRecords:
+        """A tally for one listing of the records it finds outside this layout."""
+        return MisplacedRecords(self, name, count)
+
     # -- directories a local store has created (a cache, so a store costs no mkdir) -----------
 
     def is_known(self, directory: str) -> bool:
@@ -155,3 +173,54 @@ class FileLayout:
         """Called when a directory vanished (someone removed the tree): create them again."""
         with self._lock:
             self._known_dirs.clear()
+
+
+class MisplacedRecords:
+    """Records a listing found where this layout does not put their key.
+
+    Either in the other ``shard_dirs`` layout's place -- the setting changed between runs
+    -- or anywhere else (moved by hand).  Lookups only look where this layout puts a key,
+    so such records are never served and their bytes are not counted in the capacity.
+    They are left alone (switching ``shard_dirs`` back serves them again), counted as
+    they are found (``records_other_layout``, ``records_misplaced``), and one line per
+    kind tells the operator at the end of the listing.
+    """
+
+    def __init__(self, layout: FileLayout, name: str, count: Callable[[str, int], None]) -> None:
+        self._layout = layout
+        self._name = name
+        self._count = count
+        self.other_layout = 0
+        self.elsewhere = 0
+
+    def found(self, directory: str, key: ObjectKey) -> None:
+        if self._layout.in_other_layout(directory, key):
+            self.other_layout += 1
+            self._count("records_other_layout", 1)
+        else:
+            self.elsewhere += 1
+            self._count("records_misplaced", 1)
+
+    def report(self) -> None:
+        layout = self._layout
+        if self.other_layout:
+            log.warning(
+                "%s: %d records under %s are in the %s layout (left by a run with shard_dirs: %s): "
+                "they are not served and not counted in the capacity; set shard_dirs back to %s "
+                "to serve them, or remove them",
+                self._name,
+                self.other_layout,
+                printable(layout.root, 300),
+                "flat" if layout.shard_dirs else "sharded",
+                str(not layout.shard_dirs).lower(),
+                str(not layout.shard_dirs).lower(),
+            )
+        if self.elsewhere:
+            log.warning(
+                "%s: %d record files under %s are not where either layout puts their key "
+                "(moved by hand?): they are not served and not counted in the capacity; "
+                "move them back or remove them",
+                self._name,
+                self.elsewhere,
+                printable(layout.root, 300),
+            )

@@ -9,7 +9,13 @@ Fsync policy: with ``fsync=False`` (the default) nothing is fsynced.  A killed p
 loses nothing the kernel already has; after a power loss or kernel crash a record may be
 lost or torn, and a torn record fails its checksum on load and is a miss, never wrong
 bytes.  With ``fsync=True`` each record is fsynced before it is renamed and its directory
-after, so a store acknowledged to the controller survives a power loss too.
+after, so a store acknowledged to the controller survives a power loss too; a store whose
+directory cannot be fsynced fails, and the record it published is removed again.
+
+The listing serves the records of this layout only.  Records it cannot serve are never
+skipped unseen: a digest-named record whose header cannot be read is removed and counted
+like a damaged named one, and records left where the other ``shard_dirs`` setting (or a
+hand) put them are counted and reported, and kept.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any, NamedTuple
 
 from lmcache_tiers.keycodec import is_digest_name, name_to_key, printable
 from lmcache_tiers.keys import ObjectKey
@@ -29,8 +36,9 @@ from lmcache_tiers.l2.files.layout import (
     classify_name,
     is_shard_name,
     is_temp_name,
+    record_name,
 )
-from lmcache_tiers.l2.files.records import record_key
+from lmcache_tiers.l2.files.records import record_key, unreadable_header_counter
 from lmcache_tiers.l2.record import MAX_HEADER_LEN, RecordError
 
 log = logging.getLogger("lmcache_tiers.l2.files")
@@ -89,6 +97,16 @@ class LocalFiles:
     def stripe(self, key: ObjectKey) -> threading.Lock:
         return self._stripes[hash(key) % _STRIPES]
 
+    @contextmanager
+    def _all_stripes(self) -> Iterator[None]:
+        """Every stripe: held to remove a file whose key is not known (a digest-named file
+        with an unreadable header), so no store of whichever key it is can publish over
+        it meanwhile.  Taken in order; nothing else holds two stripes at once."""
+        with ExitStack() as stack:
+            for lock in self._stripes:
+                stack.enter_context(lock)
+            yield
+
     # -- writing ------------------------------------------------------------------------------
 
     def _ensure(self, directory: str) -> None:
@@ -132,15 +150,44 @@ class LocalFiles:
     def publish(self, key: ObjectKey, temp_path: str, fd: int | None = None) -> None:
         """Rename a complete temporary file over ``key``'s record (fsync first when asked).
 
-        Raises OSError; the caller removes the temporary file then.
+        Raises OSError; the caller removes the temporary file then.  With ``fsync``, a
+        directory that cannot be fsynced after the rename fails the store, and the record
+        just published is removed again: a store reported failed leaves no record behind
+        (one that would be live on disk yet not accounted until a restart listed it).
         """
         final = self.layout.path_for(key)
-        if self.fsync and fd is not None:
+        if not self.fsync:
+            with self.stripe(key):
+                os.rename(temp_path, final)
+            return
+        if fd is not None:
             os.fsync(fd)
+        published = identity_of(os.lstat(temp_path))  # the inode keeps it through the rename
         with self.stripe(key):
             os.rename(temp_path, final)
-        if self.fsync:
+        try:
             self._fsync_directory(os.path.dirname(final))
+        except OSError:
+            self._withdraw(key, published)
+            raise
+
+    def _withdraw(self, key: ObjectKey, published: FileIdentity) -> None:
+        """Remove the record a failing store published (not one a later store replaced it
+        with).  The store's failure is counted and logged by its caller."""
+        path = self.layout.path_for(key)
+        if self._remove_judged(path, published, self.stripe(key)):
+            return
+        try:
+            left = identity_of(os.lstat(path)) == published
+        except OSError:
+            return
+        if left:
+            log.warning(
+                "%s: %s stays on disk although its store failed: it is accounted once a lookup "
+                "or the next start-up finds it",
+                self.name,
+                printable(path, 300),
+            )
 
     def _fsync_directory(self, directory: str) -> None:
         dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -154,8 +201,28 @@ class LocalFiles:
     def discard(self, key: ObjectKey, identity: FileIdentity | None, counter: str, reason: str) -> bool:
         """Remove ``key``'s record because it cannot be trusted, if it is still the file
         that was judged (``identity``; None: whatever is there).  Counted and logged."""
-        path = self.layout.path_for(key)
-        with self.stripe(key):
+        return self._discard_path(self.layout.path_for(key), identity, self.stripe(key), counter, reason)
+
+    def _discard_path(
+        self,
+        path: str,
+        identity: FileIdentity | None,
+        lock: AbstractContextManager[Any],
+        counter: str,
+        reason: str,
+    ) -> bool:
+        if not self._remove_judged(path, identity, lock):
+            return False
+        self._count(counter, 1)
+        log.warning("%s: removed %s: %s", self.name, printable(path, 300), printable(reason, 300))
+        return True
+
+    def _remove_judged(
+        self, path: str, identity: FileIdentity | None, lock: AbstractContextManager[Any]
+    ) -> bool:
+        """Unlink ``path`` if it is still the file that was judged; whether it was removed.
+        ``lock`` keeps stores of its key from publishing between the check and the unlink."""
+        with lock:
             try:
                 if identity is not None and identity_of(os.lstat(path)) != identity:
                     return False  # replaced by a store since: that record is not the bad one
@@ -165,8 +232,6 @@ class LocalFiles:
             except OSError as exc:
                 log.warning("%s: cannot remove %s: %s", self.name, printable(path, 300), exc)
                 return False
-        self._count(counter, 1)
-        log.warning("%s: removed %s: %s", self.name, printable(path, 300), printable(reason, 300))
         return True
 
     def delete(self, key: ObjectKey) -> bool:
@@ -227,10 +292,16 @@ class LocalFiles:
         ``stat`` each; records shorter than their header (zero-length, torn) are removed
         and counted (``truncated_records_removed``) the first time they are listed.
 
+        Digest-named records are the exception that is opened: only their header names
+        their key (:meth:`_digest_record_key`).  Records where this layout does not put
+        their key -- left by a run with the other ``shard_dirs`` setting, or moved by hand
+        -- are kept, counted and reported (:class:`~.layout.MisplacedRecords`).
+
         The start-up scan runs this over every file of a cache, so it is one plain loop:
         each call or generator level per entry costs about as much as the ``stat``.
         """
         layout = self.layout
+        misplaced = layout.misplaced_records(self.name, self._count)
         suffix, cut = RECORD_SUFFIX, -len(RECORD_SUFFIX)
         for directory in self.directories():
             try:
@@ -244,10 +315,13 @@ class LocalFiles:
             for entry in entries:
                 stem = entry.name[:cut]
                 if stem.startswith("~") and is_digest_name(stem):
-                    key = self._key_from_header(entry.path)
+                    key = self._digest_record_key(entry)
                 else:
                     key = name_to_key(stem)
-                if key is None or not (here if here is not None else layout.owns(directory, key)):
+                if key is None:
+                    continue  # a name that is not ours, or a digest record judged above
+                if not (here if here is not None else layout.owns(directory, key)):
+                    misplaced.found(directory, key)
                     continue
                 try:
                     stat = entry.stat(follow_symlinks=False)
@@ -263,19 +337,65 @@ class LocalFiles:
                     )
                     continue
                 yield key, stored
+        misplaced.report()
 
-    def _key_from_header(self, path: str) -> ObjectKey | None:
-        """The key of a digest-named record, from its header (None if it has none)."""
+    def _digest_record_key(self, entry: os.DirEntry[str]) -> ObjectKey | None:
+        """The key of a digest-named record, from its header; None if it has none.
+
+        No lookup can reach a file whose header does not tell its key, so one whose header
+        cannot be read (zero-length, torn, garbage) is removed and counted as a named
+        record would be: ``truncated_records_removed`` when shorter than any header,
+        ``corrupt_records_removed`` otherwise.  So is one whose header names a key whose
+        record has another name: a load of this name's key removes it too, as another
+        key's record.  (Two keys of one digest name -- a hash collision -- share one file
+        whose header names one of them, and that key's record name is this one: kept.)
+        A read error says nothing about the file: it is counted and left.
+        """
+        header = self._read_header(entry.path)
+        if header is None:
+            return None
+        data, identity, size = header
+        try:
+            key = record_key(data)
+        except RecordError as exc:
+            self._discard_unkeyed(entry.path, identity, unreadable_header_counter(size), str(exc))
+            return None
+        if record_name(key) != entry.name:
+            reason = f"its header names {key.file_stem()}, whose record is {record_name(key)}"
+            self._discard_unkeyed(entry.path, identity, "corrupt_records_removed", reason)
+            return None
+        return key
+
+    def _read_header(self, path: str) -> tuple[bytes, FileIdentity, int] | None:
+        """(the first bytes, identity, size) of a record file; None if it cannot be read."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
+        except FileNotFoundError:
+            return None  # deleted since the directory was read
+        except OSError as exc:
+            self._unreadable(path, exc)
             return None
         try:
-            return record_key(os.pread(fd, MAX_HEADER_LEN, 0))
-        except (OSError, RecordError):
-            return None  # a damaged one is removed by the first load that finds it
+            stat = os.fstat(fd)
+            return os.pread(fd, MAX_HEADER_LEN, 0), identity_of(stat), stat.st_size
+        except OSError as exc:
+            self._unreadable(path, exc)
+            return None
         finally:
             os.close(fd)
+
+    def _unreadable(self, path: str, exc: OSError) -> None:
+        self._count("listing_read_errors", 1)
+        log.warning(
+            "%s: cannot read the header of %s: %s; it is not listed (kept: a read error is not damage)",
+            self.name,
+            printable(path, 300),
+            exc,
+        )
+
+    def _discard_unkeyed(self, path: str, identity: FileIdentity, counter: str, reason: str) -> bool:
+        """:meth:`discard` of a file whose key is not known: every stripe is held."""
+        return self._discard_path(path, identity, self._all_stripes(), counter, reason)
 
     def remove_temp_files(self) -> int:
         """Delete temporary files a killed writer left behind; returns how many.

@@ -18,7 +18,15 @@ from lmcache_tiers.keycodec import printable
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.record import MAX_HEADER_LEN, decode_header
 
-__all__ = ["MAX_HEADER_LEN", "RECORD_ALIGN", "HeaderSizes", "WriteFailures", "is_out_of_space", "record_key"]
+__all__ = [
+    "MAX_HEADER_LEN",
+    "RECORD_ALIGN",
+    "HeaderSizes",
+    "WriteFailures",
+    "is_out_of_space",
+    "record_key",
+    "unreadable_header_counter",
+]
 
 #: headers are padded to this, the payload starts on a block boundary
 RECORD_ALIGN = 4096
@@ -44,6 +52,14 @@ def record_key(data: bytes | memoryview) -> ObjectKey:
     """The key a record header names (for digest-named files, whose name does not tell);
     raises a :class:`~lmcache_tiers.l2.record.RecordError` for a damaged header."""
     return decode_header(data).key
+
+
+def unreadable_header_counter(file_size: int) -> str:
+    """The counter of a removed record whose header cannot be read (a digest-named one,
+    whose key only the header tells): like a named record, one shorter than its header is
+    truncated -- every header is at least ``RECORD_ALIGN`` bytes, being padded to it --
+    and a longer one with a header that does not decode is corrupt."""
+    return "truncated_records_removed" if file_size < RECORD_ALIGN else "corrupt_records_removed"
 
 
 def is_out_of_space(exc: BaseException) -> bool:
