@@ -54,6 +54,16 @@ def test_store_skips_present_and_repeated_keys(server: TiersServer, shm: bool) -
 
 
 @pytest.mark.parametrize("shm", [True, False])
+def test_a_store_counts_only_what_it_stored(server: TiersServer, shm: bool) -> None:
+    keys, data = keys_of(2), blobs(2)
+    with Client(server.endpoint, shm=shm) as client:
+        assert client.store(keys, data) == 2
+        assert client.store(keys, data) == 0  # all present: nothing stored, nothing counted
+    ((_, stats),) = server.frontend_stats()
+    assert (stats.stores, stats.store_chunks, stats.store_bytes) == (1, 2, 2 * 10_000)
+
+
+@pytest.mark.parametrize("shm", [True, False])
 def test_retrieve_returns_the_prefix_and_releases_on_exit(server: TiersServer, shm: bool) -> None:
     keys, data = keys_of(4), blobs(4)
     with Client(server.endpoint, shm=shm) as client:
@@ -329,10 +339,11 @@ def test_shutdown_gives_back_what_clients_hold(make_server: Factory) -> None:
         assert (l1(server)["read_locks"], l1(server)["write_locked"]) == (3, 2)
         server.request_stop()
         deadline = time.monotonic() + 10
-        stats = server.frontends[0].stats()
+        stats = server.frontends[0].stats()  # a reading, taken again until the stop shows
         while (stats.released_at_stop_locks, stats.released_at_stop_reservations) == (0, 0):
             assert time.monotonic() < deadline, "the server did not stop"
             time.sleep(0.01)
+            stats = server.frontends[0].stats()
     assert (stats.released_at_stop_locks, stats.released_at_stop_reservations) == (3, 2)
     assert (l1(server)["read_locks"], l1(server)["write_locked"]) == (0, 0)
 

@@ -160,3 +160,31 @@ def test_a_key_list_sent_again_goes_out_as_the_bytes_encoding_it_gives(server: T
         keys[2] = KEY  # not stored
         assert client.lookup(keys) == 2
         client.release(keys[:4])
+
+
+def test_asking_about_what_one_does_not_hold_costs_no_session(server: TiersServer) -> None:
+    # Each peer picks its identity; only taking a lock, a reservation or a prefetch may make
+    # the server remember one.
+    context = zmq.Context()
+    try:
+        for index, request in enumerate(
+            [
+                p.QueryPrefetchStatus(1, "", 7),
+                p.WaitPrefetchStatus(2, "", 7, 0.0),
+                p.StoreCommit(3, "", [KEY]),
+                p.StoreAbort(4, "", [KEY]),
+                p.Release(5, "", [KEY]),
+            ]
+        ):
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTING_ID, b"peer-%d" % index)
+            sock.connect(server.endpoint)
+            sock.send(p.encode(request))
+            assert sock.poll(10_000), "no reply"
+            reply = p.reply_decoder.decode(sock.recv_multipart()[0])
+            assert reply.req_id == request.req_id
+            sock.close(0)
+    finally:
+        context.term()
+    assert len(server.frontends[0].handlers.sessions) == 0

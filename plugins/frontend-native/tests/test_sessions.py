@@ -3,6 +3,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
+from lmcache_plugin_frontend_native import sessions
 from lmcache_plugin_frontend_native.sessions import INDEX_BACKLOG_KEYS, PendingPrefetch, SessionTable
 
 from lmcache_tiers.keys import ObjectKey
@@ -46,7 +48,7 @@ def test_sweep_drops_idle_empty_sessions_and_expired_records() -> None:
     table.get(b"idle", 0.0)
     table.sweep(now=11.0)
     assert table.peek(b"idle") is not None and not busy.read_locks
-    assert table.totals() == (0, 0, 1)
+    assert table.gauges(now=11.0) == (2, 0, 0, 1)
     busy.prefetches.clear()
     table.sweep(now=61.0)
     assert len(table) == 0
@@ -132,3 +134,19 @@ def test_unindexed_lock_records_stay_bounded() -> None:
         session.add_read_locks(keys[start : start + 16], deadline=10.0)
         assert session._backlog <= INDEX_BACKLOG_KEYS
     assert len(session.read_locks) == len(keys)
+
+
+def test_sessions_holding_nothing_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Identities are the peers' choice: one that keeps coming back under new ones must not
+    # make the table (and every sweep) grow for the whole idle time.
+    monkeypatch.setattr(sessions, "MAX_EMPTY_SESSIONS", 4, raising=False)
+    table = SessionTable(lock_ttl_s=10, write_ttl_s=20, idle_s=60)
+    busy = table.get(b"busy", 0.0)
+    busy.add_read_locks([A], deadline=100.0)
+    for index in range(10):
+        table.get(b"peer-%d" % index, now=1.0 + index)
+    table.sweep(now=11.0)
+    assert table.peek(b"busy") is busy  # holds something: kept, however old
+    assert sorted(session.identity for session in table if session is not busy) == [
+        b"peer-%d" % index for index in range(6, 10)
+    ]

@@ -7,7 +7,9 @@ server's start-up before anything is served.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import time
 from typing import Any
 
 from lmcache_plugin_frontend_native import NativeConfig
@@ -79,10 +81,21 @@ class NativeFrontend:
         return self.rpc.router.join(timeout)
 
     def stats(self) -> FrontendStats:
-        return self._stats
+        """The counters, with the client gauges counted now.
+
+        Scrapes call this from their own threads: the gauges are read from the sessions
+        (which only the loop thread changes) into a copy, so they are current without a
+        sweep having run and nothing here writes what the loop thread writes."""
+        gauges = self.handlers.sessions.gauges(time.monotonic())
+        return dataclasses.replace(
+            self._stats,
+            sessions=gauges.clients,
+            locked_keys=gauges.locked_keys,
+            reserved_stores=gauges.reserved_stores,
+            pending_prefetches=gauges.pending_prefetches,
+        )
 
     def status(self) -> dict[str, Any]:
-        self.handlers.refresh_gauges()
         return {
             "name": self.name,
             "type": "native",
@@ -92,7 +105,7 @@ class NativeFrontend:
             "shm_dir": (self.data_plane.shm_dir or SHM_DIR) if self.data_plane.shm_name else None,
             "auth_required": self._context.auth_token is not None,
             "draining": self.rpc.draining,
-            **self._stats.snapshot(),
+            **self.stats().snapshot(),
         }
 
     def health(self) -> tuple[bool, str]:

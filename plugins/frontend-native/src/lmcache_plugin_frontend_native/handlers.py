@@ -196,7 +196,6 @@ class Handlers:
         return p.PingReply(req.req_id), ()
 
     def status(self, req: p.Status, identity: bytes, frames: Frames) -> Response:
-        self.refresh_gauges()
         return p.StatusReply(req.req_id, status=self.status_provider()), ()
 
     # -- lookup and prefetch ----------------------------------------------------------------
@@ -243,27 +242,27 @@ class Handlers:
         session.add_read_locks(pending.locked, pending.started + self.sessions.lock_ttl_s)
         return pending.hits or 0
 
-    def _pending(self, session: Session, handle: int) -> PendingPrefetch:
-        pending = session.prefetches.get(handle)
-        if pending is None:
+    def _pending(self, identity: bytes, handle: int) -> tuple[Session, PendingPrefetch]:
+        # A client that started no prefetch gets no session for asking about one.
+        session = self.sessions.existing(identity)
+        pending = None if session is None else session.prefetches.get(handle)
+        if session is None or pending is None:
             raise HandlerError(
                 p.ErrorCode.NOT_FOUND,
                 f"no pending prefetch {handle} for this client (already collected, or not "
                 f"collected within {self.sessions.result_ttl_s:g}s)",
             )
-        return pending
+        return session, pending
 
     def query_prefetch(self, req: p.QueryPrefetchStatus, identity: bytes, frames: Frames) -> Response:
-        session = self.sessions.get(identity)
-        pending = self._pending(session, req.handle)
+        session, pending = self._pending(identity, req.handle)
         hits = self._collect(session, req.handle, pending) if self._settled(req.handle, pending) else None
         return p.PrefetchStatusReply(req.req_id, hits=hits), ()
 
     def wait_prefetch(
         self, req: p.WaitPrefetchStatus, identity: bytes, frames: Frames
     ) -> Response | Deferred:
-        session = self.sessions.get(identity)
-        pending = self._pending(session, req.handle)
+        session, pending = self._pending(identity, req.handle)
         if req.handle in self._waited:
             raise HandlerError(
                 p.ErrorCode.INVALID_ARGUMENT, f"prefetch {req.handle} is already being waited for"
@@ -384,8 +383,7 @@ class Handlers:
             )
 
     def store_commit(self, req: p.StoreCommit, identity: bytes, frames: Frames) -> Response:
-        session = self.sessions.get(identity)
-        mine, flags = session.take_writes(req.keys, time.monotonic())
+        mine, flags = self._take_writes(identity, req.keys)
         committed = self.storage.commit_write(list(mine), to_l2=not req.l1_only) if mine else []
         done_by_key = dict(zip(mine, committed, strict=True))
         done = [flag and done_by_key.get(key, False) for key, flag in zip(req.keys, flags, strict=True)]
@@ -396,9 +394,18 @@ class Handlers:
             self.stats.store_bytes += sum(mine[key] for key in stored)
         return p.StoreReply(req.req_id, done=done), ()
 
+    def _take_writes(
+        self, identity: bytes, keys: Sequence[ObjectKey]
+    ) -> tuple[dict[ObjectKey, int], list[bool]]:
+        """The caller's live reservations among ``keys`` (see Session.take_writes); a
+        client that reserved nothing gets no session for asking."""
+        session = self.sessions.existing(identity)
+        if session is None:
+            return {}, [False] * len(keys)
+        return session.take_writes(keys, time.monotonic())
+
     def store_abort(self, req: p.StoreAbort, identity: bytes, frames: Frames) -> Response:
-        session = self.sessions.get(identity)
-        mine, flags = session.take_writes(req.keys, time.monotonic())
+        mine, flags = self._take_writes(identity, req.keys)
         if mine:
             self.storage.abort_write(list(mine))
         return p.StoreReply(req.req_id, done=flags), ()
@@ -418,16 +425,14 @@ class Handlers:
         def work() -> Callable[[], Response]:
             reserved = storage.reserve_write(keys, [view.nbytes for view in views], layouts)
             copy_in = self._copier_in()
-            fresh: dict[ObjectKey, None] = {}
-            written = 0
+            fresh: dict[ObjectKey, int] = {}  # key -> bytes written
             try:
                 for key, view in zip(keys, views, strict=True):
                     obj = reserved.get(key)
                     if obj is None or key in fresh:
                         continue  # already stored, or a repeat of a key in this batch
                     copy_in(obj, view)
-                    fresh[key] = None
-                    written += obj.size
+                    fresh[key] = obj.size
             except BaseException:
                 storage.abort_write(list(reserved))
                 raise
@@ -435,9 +440,11 @@ class Handlers:
             stored = {key for key, ok in zip(fresh, committed, strict=True) if ok}
 
             def finish() -> Response:
-                self.stats.stores += 1
-                self.stats.store_chunks += len(stored)
-                self.stats.store_bytes += written
+                # Counted as a shared-memory STORE_COMMIT counts: what was stored, if anything.
+                if stored:
+                    self.stats.stores += 1
+                    self.stats.store_chunks += len(stored)
+                    self.stats.store_bytes += sum(fresh[key] for key in stored)
                 done = []
                 for key in keys:  # a key repeated in the batch was stored once, at its first position
                     done.append(key in stored)
@@ -556,13 +563,6 @@ class Handlers:
 
     def evict(self, req: p.Evict, identity: bytes, frames: Frames) -> Response:
         return p.EvictReply(req.req_id, evicted=self.storage.evict(req.keys)), ()
-
-    def refresh_gauges(self) -> None:
-        locks, writes, prefetches = self.sessions.totals()
-        self.stats.locked_keys = locks
-        self.stats.reserved_stores = writes
-        self.stats.pending_prefetches = prefetches
-        self.stats.sessions = len(self.sessions)
 
     def release_everything(self) -> None:
         """Shutdown: give back every lock and reservation any client still holds."""

@@ -97,7 +97,6 @@ class RpcServer:
     def _sweep(self, now: float) -> None:
         self.handlers.collect_prefetches(now)
         self.handlers.sessions.sweep(now)
-        self.handlers.refresh_gauges()
 
     # -- receiving -------------------------------------------------------------------------
 

@@ -13,7 +13,9 @@ its memory; records here carry the same deadlines, and an expired record is forg
 without being released, because L1 has already reaped (or will reap) that lock and a late
 release could otherwise drop a lock someone else took since.
 
-Only the server's loop thread touches these objects.
+Only the server's loop thread changes these objects.  Other threads (``/metrics`` and
+``/status`` scrapes) read the gauges through :meth:`SessionTable.gauges`, which changes
+nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 from lmcache_tiers.plugin import ObjectKey
 
@@ -192,6 +194,24 @@ class Session:
                 mine[key] = size
         return mine, flags
 
+    def live_locked_keys(self, now: float) -> set[ObjectKey]:
+        """The keys holding an unexpired lock; changes nothing, so any thread may ask.
+
+        Each copy is one C call, which the loop thread cannot interleave.  The records are
+        copied before the per-key deadlines: a record the loop indexes in between then shows
+        up in both copies rather than in neither."""
+        records = list(self._records)
+        deadlines = dict(self._deadlines)
+        live = {key for key, deadline in deadlines.items() if deadline > now}
+        for keys, deadline, _times in records:
+            if deadline > now:
+                live.update(keys)
+        return live
+
+    def live_writes(self, now: float) -> int:
+        """How many reservations are unexpired; changes nothing, so any thread may ask."""
+        return sum(1 for deadline, _size in list(self.writes.values()) if deadline > now)
+
     @property
     def empty(self) -> bool:
         return not (self._records or self._counts or self.writes or self.prefetches)
@@ -202,6 +222,21 @@ class Session:
             del deadlines[key]
             del locks[key]
         self.writes = {key: held for key, held in self.writes.items() if held[0] > now}
+
+
+#: sessions holding nothing kept for the ``clients`` gauge ("seen recently"); beyond it the
+#: least recently seen are forgotten at once, which bounds what peers that keep coming
+#: back under new identities can make the server remember
+MAX_EMPTY_SESSIONS = 1024
+
+
+class Gauges(NamedTuple):
+    """What the clients hold right now, for ``/metrics`` and ``/status``."""
+
+    clients: int  # sessions: clients holding something or seen recently
+    locked_keys: int
+    reserved_stores: int
+    pending_prefetches: int
 
 
 class SessionTable:
@@ -225,6 +260,14 @@ class SessionTable:
     def peek(self, identity: bytes) -> Session | None:
         return self._sessions.get(identity)
 
+    def existing(self, identity: bytes, now: float | None = None) -> Session | None:
+        """The client's session if it has one, marked as seen; none is made: identities
+        are the peers' choice, so only taking something may cost the server a session."""
+        session = self._sessions.get(identity)
+        if session is not None:
+            session.last_seen = time.monotonic() if now is None else now
+        return session
+
     def __iter__(self) -> Iterator[Session]:
         return iter(list(self._sessions.values()))
 
@@ -244,15 +287,35 @@ class SessionTable:
         return now + self.write_ttl_s
 
     def sweep(self, now: float) -> None:
-        """Forget expired records and idle sessions holding nothing."""
+        """Forget expired records, idle sessions holding nothing, and the least recently
+        seen of those holding nothing beyond :data:`MAX_EMPTY_SESSIONS`."""
+        empty: list[Session] = []
         for identity, session in list(self._sessions.items()):
             session.expire(now)
-            if session.empty and now - session.last_seen > self.idle_s:
+            if not session.empty:
+                continue
+            if now - session.last_seen > self.idle_s:
                 del self._sessions[identity]
+            else:
+                empty.append(session)
+        self._forget_beyond(empty, MAX_EMPTY_SESSIONS)
 
-    def totals(self) -> tuple[int, int, int]:
-        """(read-locked keys, reserved keys, pending prefetches) over all clients."""
-        locks = sum(len(s.read_locks) for s in self._sessions.values())
-        writes = sum(len(s.writes) for s in self._sessions.values())
-        prefetches = sum(len(s.prefetches) for s in self._sessions.values())
-        return locks, writes, prefetches
+    def _forget_beyond(self, empty: list[Session], keep: int) -> None:
+        # A peer picks its identity (one per connection): without a bound, one that keeps
+        # reconnecting under new ones would grow the table, and every sweep, for idle_s.
+        if len(empty) <= keep:
+            return
+        empty.sort(key=lambda session: session.last_seen)
+        for session in empty[: len(empty) - keep]:
+            del self._sessions[session.identity]
+
+    def gauges(self, now: float) -> Gauges:
+        """Count what the clients hold; changes nothing, so a scrape may ask from its own
+        thread while the loop thread serves (``list()`` of the table is one C call)."""
+        sessions = list(self._sessions.values())
+        return Gauges(
+            clients=len(sessions),
+            locked_keys=sum(len(session.live_locked_keys(now)) for session in sessions),
+            reserved_stores=sum(session.live_writes(now) for session in sessions),
+            pending_prefetches=sum(len(session.prefetches) for session in sessions),
+        )
