@@ -19,7 +19,7 @@ from lmcache_tiers.config import L2AdapterConfig, decode_adapter
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2 import AdapterContext, BackendAdapter, L2Adapter, create_adapter
+from lmcache_tiers.l2 import AdapterContext, BackendAdapter, L2Adapter, L2Op, create_adapter
 from lmcache_tiers.plugins import discover, load_registry
 from lmcache_tiers.registry import KindRegistry
 from lmcache_tiers.serde import Serde, SerdeContext
@@ -418,3 +418,47 @@ def test_a_coroutine_backend_is_wrapped_in_coroutines(opened: list[BackendAdapte
     stats = adapter.stats()
     assert (stats["injected_load_failures"], stats["inner_lookup_timeouts"]) == (2, 1)
     assert adapter.delete(keys) == [True, True]
+
+
+def open_async_fault(**settings: Any) -> BackendAdapter:
+    """fault_inject around the coroutine backend above."""
+    module = types.ModuleType("fault_inject_async_test")
+    module.tiers_register_l2_adapters = tiers_register_l2_adapters  # type: ignore[attr-defined]
+    registry = discover(extra_plugins={"fault-inject-async-test": module}).registry
+    config = FaultInjectConfig(inner={"type": "async_memory"}, **settings)
+    context = AdapterContext(index=0, name="0:fault_inject", config=config)
+    adapter = create_adapter(open_fault_inject, config, context, registry=registry)
+    assert isinstance(adapter, BackendAdapter)
+    return adapter
+
+
+def store_outcomes(*, overlapping: bool) -> list[list[bool]]:
+    """Outcomes of 12 one-key stores, some delayed, submitted at once or one at a time."""
+    adapter = open_async_fault(seed=5, store_fail_rate=0.5, delay_s=0.1, delay_rate=0.5, delay_ops=("store",))
+    try:
+        client = BlockingAdapterClient(adapter)
+        calls = [(make_keys(1, start=i), [memoryview(b"o")]) for i in range(12)]
+        if not overlapping:
+            return [client.store(keys, payloads) for keys, payloads in calls]
+        task_ids = [adapter.submit_store(keys, payloads) for keys, payloads in calls]
+        return [client.wait(L2Op.STORE, task_id) for task_id in task_ids]
+    finally:
+        adapter.close()
+
+
+def test_faults_follow_the_order_of_calls_not_the_end_of_their_delays() -> None:
+    # Overlapping calls on the event loop: an undelayed call finishes before delayed ones
+    # started earlier, and must still get the faults of its place in the sequence.
+    one_at_a_time = store_outcomes(overlapping=False)
+    assert [True] in one_at_a_time and [False] in one_at_a_time
+    assert store_outcomes(overlapping=True) == one_at_a_time
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.75])
+def test_the_failure_rate_is_the_fraction_of_keys_that_fail(rate: float) -> None:
+    adapter = open_fault(seed=11, store_fail_rate=rate)
+    try:
+        outcomes = BlockingAdapterClient(adapter).store(make_keys(2000), [memoryview(b"p")] * 2000)
+    finally:
+        adapter.close()
+    assert abs(outcomes.count(False) / 2000 - rate) < 0.04

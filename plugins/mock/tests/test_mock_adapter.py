@@ -55,12 +55,17 @@ def test_config_is_decoded_from_an_adapter_spec() -> None:
         ("bandwidth_bytes_per_s", -1),
         ("latency_s", -0.5),
         ("namespace", ""),
-        ("nonsense", 1),
+        ("namespace", "n" * 129),
     ],
 )
 def test_bad_config_is_refused_with_its_path(field: str, value: object) -> None:
-    with pytest.raises(ConfigError, match=field if field != "nonsense" else "unknown field"):
+    with pytest.raises(ConfigError, match=rf" - at `\$\.l2_adapters\[3\]\.{field}`$"):
         decode_adapter(load_registry(), {"type": "mock", field: value}, 3)
+
+
+def test_unknown_field_is_refused() -> None:
+    with pytest.raises(ConfigError, match="unknown field `nonsense`"):
+        decode_adapter(load_registry(), {"type": "mock", "nonsense": 1}, 3)
 
 
 def test_config_is_frozen() -> None:

@@ -35,6 +35,7 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import L2Adapter, L2Op
 from lmcache_tiers.testing.l2_capabilities import L2CapabilityTests
 from lmcache_tiers.testing.l2_immediate import ImmediateLookupTests
+from lmcache_tiers.testing.l2_integrity import IntegrityTests
 from lmcache_tiers.testing.l2_support import (
     CAPACITY,
     EVICTION,
@@ -64,7 +65,7 @@ __all__ = [
 ]
 
 
-class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests):
+class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests, IntegrityTests):
     """Behaviour every L2 adapter must show through the non-blocking interface."""
 
     # -- the round trip --------------------------------------------------------------------
@@ -177,10 +178,13 @@ class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests):
 
     def test_delete_reports_per_key(self, adapter: L2Adapter, pool: BufferPool) -> None:
         keys = make_keys(3)
-        self.store(adapter, pool, [keys[0], keys[2]])
+        self.store(adapter, pool, [keys[0], keys[2]], [self.object_size] * 2)
         assert adapter.delete(keys) == [True, False, True]
         assert adapter.delete(keys) == [False, False, False]
         assert self.client(adapter).lookup_and_lock(keys).found == [False] * 3
+        # Buffers of the deleted objects' size: only the delete can make these loads fail.
+        loaded, _ = self.load(adapter, pool, keys, [self.object_size] * 3)
+        assert loaded == [False] * 3, "a deleted object was still loaded"
 
     # -- accounting, salts, keys -----------------------------------------------------------
 
@@ -305,6 +309,9 @@ class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests):
                     if any(size != chunk for size in sizes):
                         errors.append(f"lookup sizes {sizes}, every object stored was {chunk} bytes")
                     buffers = [scratch[i * chunk : (i + 1) * chunk] for i in range(len(sizes))]
+                    # Cleared, or a load that reported success without copying would leave
+                    # the previous round's bytes of the same key there and pass the check.
+                    scratch[: len(sizes) * chunk] = bytes(len(sizes) * chunk)
                     loaded = client.load(hits, buffers)
                     adapter.unlock(hits)
                     with stored_lock:

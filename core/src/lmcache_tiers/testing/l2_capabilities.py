@@ -12,6 +12,7 @@ from lmcache_tiers.testing.l2_support import (
     BufferPool,
     L2SuiteBase,
     Reopen,
+    keys_differing_in_one_field,
     make_keys,
     nonzero,
     pattern,
@@ -63,6 +64,22 @@ class L2CapabilityTests(L2SuiteBase):
         assert reopened.used_bytes() == sum(len(d) for d in data[1:])
 
     @requires(PERSISTENCE)
+    def test_every_key_field_survives_reopening(
+        self, adapter: L2Adapter, pool: BufferPool, reopen_adapter: Reopen
+    ) -> None:
+        # What a backend lists at start is decoded from its names of objects: each field
+        # of a key must come back as it was stored.
+        keys = keys_differing_in_one_field()
+        ok, data = self.store(adapter, pool, keys)
+        assert ok == [True] * len(keys)
+        reopened = reopen_adapter(adapter)
+        self.wait_scanned(reopened)
+        assert set(reopened.iter_keys()) == set(keys)
+        loaded, contents = self.lookup_and_load(reopened, pool, keys)
+        assert loaded == [True] * len(keys)
+        assert contents == data
+
+    @requires(PERSISTENCE)
     def test_deletes_survive_reopening(
         self, adapter: L2Adapter, pool: BufferPool, reopen_adapter: Reopen
     ) -> None:
@@ -80,6 +97,11 @@ class L2CapabilityTests(L2SuiteBase):
         assert 0.0 < adapter.usage() <= 1.0
         assert adapter.used_bytes() == self.object_size * len(stored)
         assert self.client(adapter).lookup_and_lock([refused]).found == [False]
+        # A backend with less room than it declares would make room by dropping objects
+        # core admitted; what was stored before the refusal must all still be there.
+        loaded, contents = self.lookup_and_load(adapter, pool, stored)
+        assert loaded == [True] * len(stored), "objects stored before the adapter filled up were lost"
+        assert contents == [pattern(index, self.object_size) for index in range(len(stored))]
 
     @requires(CAPACITY, EVICTION)
     def test_deleting_frees_capacity(self, adapter: L2Adapter, pool: BufferPool) -> None:

@@ -37,6 +37,23 @@ def make_keys(count: int, *, start: int = 0, salt: str = "", model: str = "suite
     return [ObjectKey(model, 0, index.to_bytes(8, "big"), 0, salt) for index in range(start, start + count)]
 
 
+def keys_differing_in_one_field() -> list[ObjectKey]:
+    """A key, then one key per field that differs from it in that field only.
+
+    The model name holds a ``/`` (as Hugging Face names do), which names of files and
+    objects must escape; the longer chunk hash starts with the first key's hash.
+    """
+    base = ObjectKey("suite-model", 0, b"\x01" * 8, 0, "")
+    return [
+        base,
+        ObjectKey("suite-org/suite-model", 0, base.chunk_hash, 0, ""),
+        ObjectKey("suite-model", 1, base.chunk_hash, 0, ""),
+        ObjectKey("suite-model", 0, base.chunk_hash + b"\x00", 0, ""),
+        ObjectKey("suite-model", 0, base.chunk_hash, 1, ""),
+        ObjectKey("suite-model", 0, base.chunk_hash, 0, "tenant-a"),
+    ]
+
+
 def pattern(seed: int, size: int) -> bytes:
     """Deterministic pseudo-random bytes, different for every seed."""
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
@@ -148,14 +165,15 @@ class L2SuiteBase(ComponentSuite):
 
     @pytest.fixture
     def reopen_adapter(self, l1_buffer: memoryview, opened: list[L2Adapter]) -> Reopen:
-        def reopen(previous: L2Adapter) -> L2Adapter:
-            config = getattr(previous, "config", None) or self.make_config()
-            previous.close()
-            adapter = self.open_adapter(config, l1_buffer)
-            opened.append(adapter)
-            return adapter
+        return lambda previous: self.reopen(previous, l1_buffer, opened)
 
-        return reopen
+    def reopen(self, previous: L2Adapter, l1_buffer: memoryview, opened: list[L2Adapter]) -> L2Adapter:
+        """Close ``previous`` and open an adapter over the same storage (same config)."""
+        config = getattr(previous, "config", None) or self.make_config()
+        previous.close()
+        adapter = self.open_adapter(config, l1_buffer)
+        opened.append(adapter)
+        return adapter
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -186,6 +204,15 @@ class L2SuiteBase(ComponentSuite):
         buffers = [pool.take(size) for size in sizes]
         ok = self.client(adapter).load(keys, buffers)
         return ok, [bytes(b) for b in buffers]
+
+    def lookup_and_load(
+        self, adapter: L2Adapter, pool: BufferPool, keys: Sequence[ObjectKey]
+    ) -> tuple[list[bool], list[bytes]]:
+        """Look ``keys`` up, load the hits into fresh buffers of the sizes found, unlock."""
+        result = self.client(adapter).lookup_and_lock(keys)
+        loaded, contents = self.load(adapter, pool, keys, [size or self.object_size for size in result.sizes])
+        adapter.unlock([key for key, hit in zip(keys, result.found, strict=True) if hit])
+        return loaded, contents
 
     def assert_no_pins(self, adapter: L2Adapter) -> None:
         pinned = getattr(adapter, "pinned_keys", None)

@@ -67,7 +67,15 @@ class _FaultInjector:
             "delete": config.delete_fail_rate,
         }
 
-    def delay_of(self, op: str) -> float:
+    def decide(self, op: str, count: int) -> tuple[float, list[bool]]:
+        """The delay (seconds, 0: none) and the failed keys of one call of ``op``.
+
+        Both are drawn when the call starts: drawn after its delay, the failures of
+        calls running at once would depend on which delay ends first.
+        """
+        return self._delay_of(op), self._failures(op, count)
+
+    def _delay_of(self, op: str) -> float:
         """Seconds this call of ``op`` sleeps first (0: none); counted when chosen."""
         config = self.config
         if op in config.delay_ops and config.delay_s > 0 and self._random[op].random() < config.delay_rate:
@@ -75,17 +83,18 @@ class _FaultInjector:
             return config.delay_s
         return 0.0
 
-    def failures(self, op: str, count: int) -> list[bool]:
-        """Which of ``count`` keys fail (True = fail); raises in ``raise`` mode."""
+    def _failures(self, op: str, count: int) -> list[bool]:
+        """Which of ``count`` keys fail (True = fail)."""
         rng, rate = self._random[op], self._fail_rates[op]
         if self.config.fail_mode == "keys":
-            failed = [rng.random() < rate for _ in range(count)]
-        else:
-            failed = [rng.random() < rate] * count
-            if failed and failed[0] and self.config.fail_mode == "raise":
-                self.context.count(f"injected_{op}_failures", count)
-                raise InjectedFault(f"injected {op} failure")
+            return [rng.random() < rate for _ in range(count)]
+        return [rng.random() < rate] * count
+
+    def inject(self, op: str, failed: list[bool]) -> list[bool]:
+        """Count the failures a call goes on with; raises them in ``raise`` mode."""
         self.context.count(f"injected_{op}_failures", sum(failed))
+        if self.config.fail_mode == "raise" and any(failed):
+            raise InjectedFault(f"injected {op} failure")
         return failed
 
     def load_plan(self, keys: Sequence[ObjectKey], failed: list[bool]) -> list[int]:
@@ -139,10 +148,10 @@ class FaultInjectBackend(_FaultInjector):
         self._lookups = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{context.name}-lookup")
 
     def _before(self, op: str, count: int) -> list[bool]:
-        delay = self.delay_of(op)
+        delay, failed = self.decide(op, count)
         if delay and not self.context.sleep(delay):
             return [True] * count
-        return self.failures(op, count)
+        return self.inject(op, failed)
 
     def open(self) -> None:
         opener = _optional(self.inner, "open")
@@ -197,13 +206,13 @@ class AsyncFaultInjectBackend(_FaultInjector):
     """Wraps a backend of coroutines, as coroutines on the same event loop."""
 
     async def _before(self, op: str, count: int) -> list[bool]:
-        delay = self.delay_of(op)
+        delay, failed = self.decide(op, count)
         end = time.monotonic() + delay
         while delay and (left := end - time.monotonic()) > 0:
             if self.context.closing:
                 return [True] * count
             await asyncio.sleep(min(_DELAY_POLL_S, left))
-        return self.failures(op, count)
+        return self.inject(op, failed)
 
     async def open(self) -> None:
         await _maybe_await(_optional(self.inner, "open"))

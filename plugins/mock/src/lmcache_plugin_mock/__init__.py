@@ -6,7 +6,7 @@ from typing import Annotated
 
 import msgspec
 
-from lmcache_tiers.plugin import KindRegistry, L2AdapterConfig, SizeGiB, hookimpl
+from lmcache_tiers.plugin import FieldError, KindRegistry, L2AdapterConfig, SizeGiB, hookimpl
 
 
 class MockConfig(L2AdapterConfig):
@@ -54,7 +54,7 @@ class MockConfig(L2AdapterConfig):
 
     def __post_init__(self) -> None:
         if self.namespace is not None and not 0 < len(self.namespace) <= 128:
-            raise ValueError("namespace must be 1..128 characters long")
+            raise FieldError("namespace", "namespace must be 1..128 characters long")
 
 
 @hookimpl

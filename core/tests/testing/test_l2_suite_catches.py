@@ -1,0 +1,238 @@
+"""The L2 conformance suite itself: each test must fail for a backend broken the way it
+checks, and pass for a sound one -- a suite test that cannot fail proves nothing.
+
+Each broken backend below is the dict backend the core tests use with one defect; the
+suite test named next to it runs against it outside pytest's collection (with the
+suite's own fixture code) and must raise ``AssertionError``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import uuid
+from collections.abc import Sequence
+
+import pytest
+from l2_backends import DictBackend, DictConfig
+
+from lmcache_tiers.config import L2AdapterConfig
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import BackendContext, L2Adapter, create_adapter
+from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, BufferPool, L2AdapterSuite
+
+#: the capacity every backend here declares: the suite's capacity tests fill it with 16 objects
+CAPACITY_BYTES = 256 << 10
+
+
+class _SuiteOn(L2AdapterSuite):
+    """The suite on one backend class, built directly (not through the plugin registry)."""
+
+    component_name = "test_dict"
+    capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION})
+
+    def __init__(self, backend: type[DictBackend]) -> None:
+        self.backend = backend
+
+    def make_config(self) -> DictConfig:
+        return DictConfig(namespace=uuid.uuid4().hex, capacity=CAPACITY_BYTES)
+
+    def open_adapter(self, config: L2AdapterConfig, l1_buffer: memoryview) -> L2Adapter:
+        return create_adapter(self.backend, config, self.make_context(config, l1_buffer))
+
+
+def run_suite_test(backend: type[DictBackend], name: str) -> None:
+    """Run the suite test ``name`` against ``backend``; its assertion errors propagate."""
+    suite = _SuiteOn(backend)
+    l1_buffer = memoryview(bytearray(suite.l1_buffer_size))
+    opened: list[L2Adapter] = [suite.open_adapter(suite.make_config(), l1_buffer)]
+    fixtures = {
+        "adapter": opened[0],
+        "pool": BufferPool(l1_buffer),
+        "reopen_adapter": lambda previous: suite.reopen(previous, l1_buffer, opened),
+    }
+    test = getattr(suite, name)
+    try:
+        test(**{parameter: fixtures[parameter] for parameter in inspect.signature(test).parameters})
+    finally:
+        for adapter in opened:
+            adapter.close()
+
+
+# -- backends with one defect each --------------------------------------------------------------
+
+
+class WrongBytesOnLoad(DictBackend):
+    """Loads report success with the first byte of every object flipped."""
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        ok = super().get_many_into(keys, buffers)
+        for loaded, buffer in zip(ok, buffers, strict=True):
+            if loaded:
+                buffer[0] ^= 0xFF
+        return ok
+
+
+class DropsWrites(DictBackend):
+    """Stores report success and keep nothing."""
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        return [True] * len(keys)
+
+
+class DeleteKeepsObjects(DictBackend):
+    """Deletes report what was there and remove nothing."""
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        with self.lock:
+            return [key in self.objects for key in keys]
+
+
+class DeclaresNoCapacity(DictBackend):
+    """Accepts whatever is stored: no capacity reaches core."""
+
+    def capacity(self) -> None:
+        return None
+
+
+class KeepsTheCallersBuffer(DictBackend):
+    """Keeps a view of the caller's buffer instead of copying it (zero-copy gone wrong):
+    whatever the caller writes there after the store completes is what a load returns."""
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        with self.lock:
+            self.objects.update(zip(keys, payloads, strict=True))  # type: ignore[arg-type]
+        return [True] * len(keys)
+
+
+def _collapsed(key: ObjectKey) -> ObjectKey:
+    """The key with the fields a sloppy name encoding drops set to their defaults."""
+    return ObjectKey("suite-model", 0, key.chunk_hash, 0, key.cache_salt)
+
+
+class IgnoresModelRankAndGroup(DictBackend):
+    """Names objects by chunk hash and salt only: keys of other models, ranks or groups
+    overwrite each other."""
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        return super().put_many([_collapsed(key) for key in keys], payloads)
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | None]:  # type: ignore[override]
+        return super().contains_many([_collapsed(key) for key in keys])  # type: ignore[return-value]
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        return super().get_many_into([_collapsed(key) for key in keys], buffers)
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        return super().delete_many([_collapsed(key) for key in keys])
+
+
+class SmallerThanItsCapacity(DictBackend):
+    """Holds 3/4 of the capacity it declares and makes room by dropping its oldest objects
+    behind core's back, so stores core admitted silently push earlier ones out."""
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        ok = super().put_many(keys, payloads)
+        with self.lock:
+            while sum(map(len, self.objects.values())) > CAPACITY_BYTES * 3 // 4:
+                del self.objects[next(iter(self.objects))]
+        return ok
+
+
+class StaleReadCache(DictBackend):
+    """Serves repeated loads of a key from a cache that stores do not invalidate."""
+
+    def __init__(self, config: DictConfig, context: BackendContext) -> None:
+        super().__init__(config, context)
+        self.cache: dict[ObjectKey, bytes] = {}
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        ok = super().get_many_into(keys, buffers)
+        for index, (key, buffer) in enumerate(zip(keys, buffers, strict=True)):
+            cached = self.cache.get(key)
+            if ok[index] and cached is not None and len(cached) == buffer.nbytes:
+                buffer[:] = cached
+            elif ok[index]:
+                self.cache[key] = bytes(buffer)
+        return ok
+
+
+class SkipsRepeatedLoads(DictBackend):
+    """Reports a key it loaded before as loaded without copying it again."""
+
+    def __init__(self, config: DictConfig, context: BackendContext) -> None:
+        super().__init__(config, context)
+        self.loaded: set[ObjectKey] = set()
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        fresh = [index for index, key in enumerate(keys) if key not in self.loaded]
+        copied = super().get_many_into([keys[i] for i in fresh], [buffers[i] for i in fresh])
+        ok = [key in self.loaded for key in keys]
+        for index, done in zip(fresh, copied, strict=True):
+            ok[index] = done
+            if done:
+                self.loaded.add(keys[index])
+        return ok
+
+
+class LoadsDeletedObjects(DictBackend):
+    """Deletes hide objects from lookups and listings, but loads still find them."""
+
+    def __init__(self, config: DictConfig, context: BackendContext) -> None:
+        super().__init__(config, context)
+        self.trash: dict[ObjectKey, bytes] = {}
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        with self.lock:
+            for key in keys:
+                if key in self.objects:
+                    self.trash[key] = self.objects[key]
+        return super().delete_many(keys)
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        ok = super().get_many_into(keys, buffers)
+        for index, (key, buffer) in enumerate(zip(keys, buffers, strict=True)):
+            kept = self.trash.get(key)
+            if not ok[index] and kept is not None and len(kept) == buffer.nbytes:
+                buffer[:] = kept
+                ok[index] = True
+        return ok
+
+
+class ForgetsOnClose(DictBackend):
+    """Keeps objects only as long as one adapter is open."""
+
+    def close(self) -> None:
+        with self.lock:
+            self.objects.clear()
+
+
+# -- what the suite must catch -------------------------------------------------------------------
+
+CAUGHT: list[tuple[type[DictBackend], str]] = [
+    (WrongBytesOnLoad, "test_store_lookup_load_round_trip"),
+    (DropsWrites, "test_store_lookup_load_round_trip"),
+    (DeleteKeepsObjects, "test_delete_reports_per_key"),
+    (DeclaresNoCapacity, "test_store_beyond_capacity_fails"),
+    (ForgetsOnClose, "test_objects_survive_reopening"),
+    (KeepsTheCallersBuffer, "test_store_copies_the_payload_before_completing"),
+    (IgnoresModelRankAndGroup, "test_keys_differing_in_one_field_are_distinct_objects"),
+    (IgnoresModelRankAndGroup, "test_every_key_field_survives_reopening"),
+    (SmallerThanItsCapacity, "test_store_beyond_capacity_fails"),
+    (StaleReadCache, "test_a_load_after_an_overwrite_returns_the_new_bytes"),
+    (SkipsRepeatedLoads, "test_a_load_after_an_overwrite_returns_the_new_bytes"),
+    (SkipsRepeatedLoads, "test_concurrent_submits_from_two_threads"),
+    (LoadsDeletedObjects, "test_delete_reports_per_key"),
+]
+
+
+@pytest.mark.parametrize(
+    ("backend", "name"), CAUGHT, ids=[f"{backend.__name__}-{name}" for backend, name in CAUGHT]
+)
+def test_the_suite_fails_a_broken_backend(backend: type[DictBackend], name: str) -> None:
+    with pytest.raises(AssertionError):
+        run_suite_test(backend, name)
+
+
+@pytest.mark.parametrize("name", sorted({name for _, name in CAUGHT}))
+def test_the_same_suite_tests_pass_on_a_sound_backend(name: str) -> None:
+    run_suite_test(DictBackend, name)
