@@ -18,7 +18,9 @@ from l2_backends import DictBackend, DictConfig
 from lmcache_tiers.config import L2AdapterConfig
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendContext, L2Adapter, create_adapter
-from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, BufferPool, L2AdapterSuite
+from lmcache_tiers.l2.context import buffer_address
+from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, BufferPool, L2AdapterSuite, make_keys
+from lmcache_tiers.testing.l2_support import page_aligned_buffer
 
 #: the capacity every backend here declares: the suite's capacity tests fill it with 16 objects
 CAPACITY_BYTES = 256 << 10
@@ -43,7 +45,7 @@ class _SuiteOn(L2AdapterSuite):
 def run_suite_test(backend: type[DictBackend], name: str) -> None:
     """Run the suite test ``name`` against ``backend``; its assertion errors propagate."""
     suite = _SuiteOn(backend)
-    l1_buffer = memoryview(bytearray(suite.l1_buffer_size))
+    l1_buffer = page_aligned_buffer(suite.l1_buffer_size)
     opened: list[L2Adapter] = [suite.open_adapter(suite.make_config(), l1_buffer)]
     fixtures = {
         "adapter": opened[0],
@@ -198,6 +200,22 @@ class LoadsDeletedObjects(DictBackend):
         return ok
 
 
+class WritesPastTheLoadBuffer(DictBackend):
+    """Every load writes one byte more than the buffer holds, through the L1 arena the
+    buffer is a slice of -- as a native backend does through the arena's registered base
+    address when it rounds a transfer up -- onto the next object's first byte in the server."""
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        ok = super().get_many_into(keys, buffers)
+        arena = self.context.l1_buffer
+        assert arena is not None, "the suite hands every adapter its L1 buffer"
+        for buffer in buffers:
+            offset = self.context.l1_offset(buffer)
+            assert offset is not None, "the suite loads into slices of the L1 buffer"
+            arena[offset + buffer.nbytes] ^= 0xFF
+        return ok
+
+
 class ForgetsOnClose(DictBackend):
     """Keeps objects only as long as one adapter is open."""
 
@@ -222,6 +240,9 @@ CAUGHT: list[tuple[type[DictBackend], str]] = [
     (SkipsRepeatedLoads, "test_a_load_after_an_overwrite_returns_the_new_bytes"),
     (SkipsRepeatedLoads, "test_concurrent_submits_from_two_threads"),
     (LoadsDeletedObjects, "test_delete_reports_per_key"),
+    (WritesPastTheLoadBuffer, "test_store_lookup_load_round_trip"),
+    (WritesPastTheLoadBuffer, "test_lookup_of_absent_keys_misses"),
+    (WritesPastTheLoadBuffer, "test_concurrent_submits_from_two_threads"),
 ]
 
 
@@ -231,6 +252,28 @@ CAUGHT: list[tuple[type[DictBackend], str]] = [
 def test_the_suite_fails_a_broken_backend(backend: type[DictBackend], name: str) -> None:
     with pytest.raises(AssertionError):
         run_suite_test(backend, name)
+
+
+def test_a_load_writing_past_its_buffer_is_named() -> None:
+    with pytest.raises(AssertionError, match=r"load of ObjectKey\(.*\) wrote 1 bytes past its buffer"):
+        run_suite_test(WritesPastTheLoadBuffer, "test_store_lookup_load_round_trip")
+
+
+def test_guards_tell_how_far_a_load_wrote_before_or_past_its_buffer() -> None:
+    arena = page_aligned_buffer(1 << 20)
+    pool = BufferPool(arena)
+    (key,) = make_keys(1)
+    first, second = pool.take(1000), pool.take(5000)
+    assert pool.guard_damage(key, first) is None and pool.guard_damage(key, second) is None
+    start = buffer_address(second) - buffer_address(arena)
+    assert buffer_address(second) % 4096 == 0, "buffers start on a page, guards or not"
+    arena[start - 3] ^= 0xFF
+    assert pool.guard_damage(key, second) == f"load of {key} wrote 3 bytes before its buffer"
+    arena[start + 5000 + 99] ^= 0xFF
+    assert pool.guard_damage(key, second) == f"load of {key} wrote 100 bytes past its buffer"
+    assert pool.guard_damage(key, first) is None, "a neighbour's guards are its own"
+    with pytest.raises(ValueError, match="not a buffer handed out by this pool"):
+        pool.guard_damage(key, second[1:])
 
 
 @pytest.mark.parametrize("name", sorted({name for _, name in CAUGHT}))

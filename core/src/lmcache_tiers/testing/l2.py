@@ -14,8 +14,10 @@ The default ``adapter`` fixture builds the component through the installed regis
 ``make_config()`` and an :class:`~lmcache_tiers.l2.AdapterContext` whose ``l1_buffer`` is
 the suite's ``l1_buffer`` fixture, the way the StorageManager does (the factory's backend
 wrapped in core's adapter); every buffer the suite stores from or loads into is a slice
-of it, so backends that need L1 buffers (NIXL) run the same tests.  Override the
-``adapter`` fixture (fresh and empty storage per test) when construction needs more, and
+of it, so backends that need L1 buffers (NIXL) run the same tests.  Each starts on a page
+(as L1 extents do) between guard pages of the same memory, checked after every load: a
+load, even one that fails, must not write outside its buffer.  Override the ``adapter``
+fixture (fresh and empty storage per test) when construction needs more, and
 ``reopen_adapter`` (a callable: close the given adapter, open a new one over the same
 storage) when the default -- the same config again -- does not reach the same storage.
 
@@ -258,16 +260,18 @@ class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests, IntegrityTests):
 
     def test_task_ids_are_unique(self, adapter: L2Adapter, pool: BufferPool) -> None:
         keys = make_keys(1)
+        load_buffers = [pool.take(10)]
         ids = [
             adapter.submit_store(keys, [pool.filled(b"a" * 10)]),
             adapter.submit_lookup_and_lock(keys),
-            adapter.submit_load(keys, [pool.take(10)]),
+            adapter.submit_load(keys, load_buffers),
             adapter.submit_store(keys, [pool.filled(b"b" * 10)]),
         ]
         assert len(set(ids)) == len(ids)
         client = self.client(adapter)
         for op, task_id in zip([L2Op.STORE, L2Op.LOOKUP, L2Op.LOAD, L2Op.STORE], ids, strict=True):
             client.wait(op, task_id)
+        pool.assert_guards_intact(keys, load_buffers)
         adapter.unlock(keys * 2)
 
     def test_concurrent_submits_from_two_threads(self, adapter: L2Adapter, pool: BufferPool) -> None:
@@ -292,10 +296,11 @@ class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests, IntegrityTests):
             finally:
                 done.set()
 
-        # The prefetch thread may run many rounds while the stores go on; it reuses one
-        # region for its buffers so a fast loop cannot exhaust the suite's L1 buffer.
+        # The prefetch thread may run many rounds while the stores go on; it reuses the
+        # same buffers so a fast loop cannot exhaust the suite's L1 buffer.
         chunk = self.object_size // 4
-        scratch = pool.take(32 * chunk)
+        scratch = [pool.take(chunk) for _ in range(32)]
+        zeros = bytes(chunk)
 
         def prefetch_controller() -> None:
             try:
@@ -308,12 +313,14 @@ class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests, IntegrityTests):
                     sizes = [s for s in result.sizes if s]
                     if any(size != chunk for size in sizes):
                         errors.append(f"lookup sizes {sizes}, every object stored was {chunk} bytes")
-                    buffers = [scratch[i * chunk : (i + 1) * chunk] for i in range(len(sizes))]
+                    buffers = scratch[: len(sizes)]
                     # Cleared, or a load that reported success without copying would leave
                     # the previous round's bytes of the same key there and pass the check.
-                    scratch[: len(sizes) * chunk] = bytes(len(sizes) * chunk)
+                    for buffer in buffers:
+                        buffer[:] = zeros
                     loaded = client.load(hits, buffers)
                     adapter.unlock(hits)
+                    errors.extend(pool.guard_damages(hits, buffers))
                     with stored_lock:
                         expected = [stored.get(k) for k in hits]
                     for key, ok, buffer, want in zip(hits, loaded, buffers, expected, strict=True):
@@ -328,7 +335,7 @@ class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests, IntegrityTests):
         for thread in threads:
             thread.join(self.wait_timeout_s * 4)
         assert not any(thread.is_alive() for thread in threads), "controller threads hung"
-        assert errors == []
+        assert errors == [], errors
         assert self.client(adapter).lookup_and_lock(make_keys(32)).found == [True] * 32
         adapter.unlock(make_keys(32))
         self.assert_no_pins(adapter)

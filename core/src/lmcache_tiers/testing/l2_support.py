@@ -3,6 +3,7 @@ the base class holding the suite's fixtures and helpers (see :mod:`lmcache_tiers
 
 from __future__ import annotations
 
+import mmap
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -14,6 +15,7 @@ import pytest
 from lmcache_tiers.config import L2AdapterConfig
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, L2Adapter, create_adapter
+from lmcache_tiers.l2.context import buffer_address
 from lmcache_tiers.registry import Kind
 from lmcache_tiers.testing.base import ComponentSuite, capability
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
@@ -59,28 +61,94 @@ def pattern(seed: int, size: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
+#: bytes of the guard region on each side of every buffer a :class:`BufferPool` hands out:
+#: a whole page, so a native read rounded up to a page (O_DIRECT) ends inside the guard,
+#: and a multiple of the pool's alignment, so the buffers between guards stay aligned
+GUARD_BYTES = 4096
+#: what a guard holds: neither zeros (padding) nor a byte run a payload is likely to end in
+GUARD_FILL = bytes([0xA5, 0x5A, 0xC3, 0x3C]) * (GUARD_BYTES // 4)
+_GUARD_ARRAY = np.frombuffer(GUARD_FILL, dtype=np.uint8)
+
+
+def _changed(guard: memoryview) -> np.ndarray:
+    """Indexes of the bytes of ``guard`` that no longer hold the guard fill."""
+    return np.flatnonzero(np.frombuffer(guard, dtype=np.uint8) != _GUARD_ARRAY)
+
+
+def page_aligned_buffer(size: int) -> memoryview:
+    """Anonymous memory starting on a page, as the server's L1 arena does."""
+    return memoryview(mmap.mmap(-1, size))
+
+
 class BufferPool:
-    """Bump allocator over the suite's L1 buffer: every test buffer is a slice of it."""
+    """Bump allocator over the suite's L1 buffer: every test buffer is a slice of it.
+
+    Each buffer sits between two guard regions of :data:`GUARD_FILL` in the same memory,
+    as an extent of the server's L1 arena sits between its neighbours: an adapter that
+    writes outside a load buffer (through registered memory, a mapping, O_DIRECT) changes
+    a guard instead of another object's bytes, and :meth:`guard_damage` tells.
+    """
+
+    #: buffers start on a page, as the server's L1 extents do, so adapters that move aligned
+    #: buffers in place (O_DIRECT) take that path here too rather than a bounce buffer
+    alignment = 4096
 
     def __init__(self, arena: memoryview) -> None:
         self.arena = arena
         self.offset = 0
         self._lock = threading.Lock()
+        self._sizes: dict[int, int] = {}  # offset in the arena -> size, of every buffer handed out
 
     def take(self, size: int) -> memoryview:
         with self._lock:
-            start = -(-self.offset // 64) * 64
-            if start + size > self.arena.nbytes:
+            guard_start = -(-self.offset // self.alignment) * self.alignment
+            start = guard_start + GUARD_BYTES
+            end = start + size
+            if end + GUARD_BYTES > self.arena.nbytes:
                 raise MemoryError(
                     f"suite L1 buffer exhausted ({self.arena.nbytes} bytes); raise l1_buffer_size"
                 )
-            self.offset = start + size
-            return self.arena[start : start + size]
+            self.offset = end + GUARD_BYTES
+            self.arena[guard_start:start] = GUARD_FILL
+            self.arena[end : end + GUARD_BYTES] = GUARD_FILL
+            self._sizes[start] = size
+            return self.arena[start:end]
 
     def filled(self, data: bytes) -> memoryview:
         view = self.take(len(data))
         view[:] = data
         return view
+
+    def _start_of(self, buffer: memoryview) -> int:
+        start = buffer_address(buffer) - buffer_address(self.arena) if buffer.nbytes else -1
+        if self._sizes.get(start) != buffer.nbytes:
+            raise ValueError("not a buffer handed out by this pool (guards are around whole buffers only)")
+        return start
+
+    def guard_damage(self, key: ObjectKey, buffer: memoryview) -> str | None:
+        """What a load of ``key`` into ``buffer`` wrote outside it, or None if nothing."""
+        if buffer.nbytes == 0:
+            return None
+        start = self._start_of(buffer)
+        end = start + buffer.nbytes
+        before = self.arena[start - GUARD_BYTES : start]
+        after = self.arena[end : end + GUARD_BYTES]
+        if before.tobytes() == GUARD_FILL and after.tobytes() == GUARD_FILL:  # the common case
+            return None
+        past, ahead = _changed(after), _changed(before)
+        if past.size:
+            return f"load of {key} wrote {int(past[-1]) + 1} bytes past its buffer"
+        return f"load of {key} wrote {GUARD_BYTES - int(ahead[0])} bytes before its buffer"
+
+    def guard_damages(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[str]:
+        """What a load of ``keys`` into ``buffers`` wrote outside them, one line per buffer."""
+        damage = (self.guard_damage(key, buffer) for key, buffer in zip(keys, buffers, strict=True))
+        return [message for message in damage if message is not None]
+
+    def assert_guards_intact(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> None:
+        """Fail if a load of ``keys`` into ``buffers`` (hit, miss or failure) wrote outside them."""
+        damages = self.guard_damages(keys, buffers)
+        assert not damages, "; ".join(damages)
 
 
 class RecordingListener:
@@ -143,7 +211,7 @@ class L2SuiteBase(ComponentSuite):
 
     @pytest.fixture
     def l1_buffer(self) -> memoryview:
-        return memoryview(bytearray(self.l1_buffer_size))
+        return page_aligned_buffer(self.l1_buffer_size)
 
     @pytest.fixture
     def pool(self, l1_buffer: memoryview) -> BufferPool:
@@ -203,6 +271,7 @@ class L2SuiteBase(ComponentSuite):
     ) -> tuple[list[bool], list[bytes]]:
         buffers = [pool.take(size) for size in sizes]
         ok = self.client(adapter).load(keys, buffers)
+        pool.assert_guards_intact(keys, buffers)
         return ok, [bytes(b) for b in buffers]
 
     def lookup_and_load(
