@@ -14,6 +14,7 @@ import threading
 from collections.abc import Sequence
 from itertools import islice
 
+from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.config import L2EvictionConfig
 from lmcache_tiers.controllers.base import AdapterSlot, ControllerThread
 from lmcache_tiers.controllers.stats import EngineStats
@@ -31,10 +32,13 @@ class L2EvictionController(ControllerThread):
     """Keeps one adapter below its trigger watermark.
 
     Pinned keys (between a prefetch's lookup and load) are refused by ``delete``; they are
-    skipped for the rest of the cycle and offered again in the next one.  A victim already
-    removed behind the adapter's back (another server sharing the store, the store's own
-    eviction) is found gone by the adapter, which releases its bytes and reports it
-    deleted, so it leaves the policy like an evicted key.
+    skipped for the rest of the cycle and offered again in the next one.  So are keys the
+    backend failed to delete, counted as ``l2_eviction_delete_failed``; after
+    ``DELETE_BATCH`` of those in a row the cycle ends (a backend that is down deletes
+    nothing, and would otherwise be asked about every stored key, one by one, each cycle).
+    A victim already removed behind the adapter's back (another server sharing the store,
+    the store's own eviction) is found gone by the adapter, which releases its bytes and
+    reports it deleted, so it leaves the policy like an evicted key.
     """
 
     def __init__(
@@ -58,7 +62,8 @@ class L2EvictionController(ControllerThread):
         # The batch ``evict`` is deleting, and how many of its keys the adapter reported
         # deleted: evicted, or found gone from the store, which frees accounted bytes too.
         self._batch: frozenset[ObjectKey] = frozenset()
-        self._batch_released = 0
+        self._batch_released: set[ObjectKey] = set()
+        self._failed_log = BurstLog(logger, "l2_eviction_delete_failed")
         self._evict_lock = threading.Lock()
         slot.adapter.add_listener(self)
 
@@ -81,7 +86,7 @@ class L2EvictionController(ControllerThread):
     def on_l2_keys_deleted(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
         with self._policy_lock:
             if self._batch:
-                self._batch_released += sum(1 for key in keys if key in self._batch)
+                self._batch_released.update(key for key in keys if key in self._batch)
         self._feed("on_keys_removed", keys)
 
     def _seed(self) -> None:
@@ -132,7 +137,12 @@ class L2EvictionController(ControllerThread):
         released = 0  # keys whose bytes the adapter released: evicted, or found gone
         batch_size = 1  # the interface gives no per-key sizes: learn them from the first delete
         fruitless = 0  # deletes in a row that freed no accounted bytes
-        while (freed := start - adapter.used_bytes()) < bytes_to_free and fruitless < DELETE_BATCH:
+        failing = 0  # keys in a row the backend did not delete (refused, not pinned)
+        while (
+            (freed := start - adapter.used_bytes()) < bytes_to_free
+            and fruitless < DELETE_BATCH
+            and failing < DELETE_BATCH
+        ):
             # (an adapter that does not report its deletes counts its evictions only)
             if (freeing := max(released, evicted)) and freed > 0:
                 per_key = freed / freeing
@@ -140,7 +150,7 @@ class L2EvictionController(ControllerThread):
             with self._policy_lock:
                 victims = (key for key in self.policy.victims() if key not in refused)
                 batch = list(islice(victims, batch_size))
-                self._batch, self._batch_released = frozenset(batch), 0
+                self._batch, self._batch_released = frozenset(batch), set()
             if not batch:
                 break
             before = adapter.used_bytes()
@@ -152,7 +162,8 @@ class L2EvictionController(ControllerThread):
                 break
             finally:
                 with self._policy_lock:
-                    released += self._batch_released
+                    gone = self._batch_released
+                    released += len(gone)
                     self._batch = frozenset()
             # Deleted keys leave the policy through the listener, and so do keys the
             # adapter found gone from the store; refused ones (pinned, or whose delete
@@ -162,6 +173,8 @@ class L2EvictionController(ControllerThread):
                     evicted += 1
                 else:
                     refused.add(key)
+            failed = self._failed_deletes(batch, deleted, gone)
+            failing = 0 if any(deleted) or gone else failing + failed
             # Objects the adapter never accounted (left by an earlier process and not yet
             # looked up) free nothing it can measure; bound how many go for nothing.
             fruitless = fruitless + sum(deleted) if adapter.used_bytes() >= before else 0
@@ -176,4 +189,24 @@ class L2EvictionController(ControllerThread):
                 max(0, released - evicted),
                 freed,
             )
+        if failing >= DELETE_BATCH:
+            logger.debug("L2 eviction on %s stopped: the backend deletes nothing", self.slot.name)
         return freed
+
+    def _failed_deletes(self, batch: list[ObjectKey], deleted: list[bool], gone: set[ObjectKey]) -> int:
+        """How many keys of ``batch`` the backend failed to delete (counted and logged):
+        refused by ``delete``, yet neither pinned nor found gone from the store."""
+        refused = [key for key, ok in zip(batch, deleted, strict=False) if not ok and key not in gone]
+        if not refused:
+            return 0
+        try:
+            pinned = self.slot.adapter.pinned(refused)
+        except Exception:  # cannot tell: every refusal counts as a failure
+            pinned = [False] * len(refused)
+        failed = len(refused) - sum(1 for is_pinned in pinned if is_pinned)
+        if failed:
+            self.stats.fail("l2_eviction_delete_failed", failed)
+            self._failed_log.event(
+                failed, f"eviction victims on {self.slot.name} that the backend did not delete"
+            )
+        return failed

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.controllers.base import AdapterSlot, aligned_total
 from lmcache_tiers.controllers.prefetch_requests import PrefetchRequest
 from lmcache_tiers.controllers.stats import EngineStats
@@ -40,6 +41,8 @@ class PrefetchLocks:
         self.stats = stats
         self._evict = evict
         self._align = align
+        self._lost_log = BurstLog(logger, "prefetch_loaded_object_lost")
+        self._full_log = BurstLog(logger, "prefetch_l1_full")
 
     # -- L1 read locks -------------------------------------------------------------------
 
@@ -89,6 +92,7 @@ class PrefetchLocks:
                 count //= 2
         if keys:
             self.stats.fail("prefetch_l1_full")
+            self._full_log.event(1, "prefetches found L1 too full to load any of their L2 hits into")
         return {}
 
     def abort(self, request: PrefetchRequest, keys: list[ObjectKey]) -> None:
@@ -108,6 +112,12 @@ class PrefetchLocks:
         if not all(handed):
             first_lost = loaded[handed.index(False)]
             cut = request.remaining.index(first_lost)
+            # Loaded from L2 and then lost: a miss the owner sees, so counted like one.
+            lost = handed.count(False)
+            self.stats.fail("prefetch_loaded_object_lost", lost)
+            self._lost_log.event(
+                lost, "objects loaded from L2 left L1 before their hand-off (write TTL, forced clear)"
+            )
         handed_keys = {key for key, ok in zip(loaded, handed, strict=True) if ok}
         for key in request.remaining[:cut]:
             request.reserved.pop(key, None)

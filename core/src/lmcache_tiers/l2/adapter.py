@@ -200,6 +200,9 @@ class BackendAdapter(L2Adapter):
             self.runner.call_now(AbsenceCheckOp(self.state, op.unconfirmed))
         return result
 
+    def pinned(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        return self.state.pins.pinned(keys)
+
     def usage(self) -> float:
         return self.state.accounting.usage(self.capacity())
 

@@ -139,6 +139,11 @@ class L2Adapter(ABC):
     def delete(self, keys: Sequence[ObjectKey]) -> list[bool]:
         """Delete now (synchronously); pinned or absent keys are not deleted (False)."""
 
+    def pinned(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Whether each key is pinned now, so that ``delete`` refuses it for that reason
+        rather than because the backend failed to remove it (all False: cannot tell)."""
+        return [False] * len(keys)
+
     @abstractmethod
     def usage(self) -> float:
         """Used bytes / capacity, or -1.0 when the backend has no capacity."""

@@ -69,6 +69,10 @@ class PinTable:
         with self._lock:
             return self._pins.get(key, 0)
 
+    def pinned(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        with self._lock:
+            return [self._pins.get(key, 0) > 0 for key in keys]
+
     def snapshot(self) -> dict[ObjectKey, int]:
         with self._lock:
             return dict(self._pins)

@@ -1,0 +1,49 @@
+"""What a prefetch drops without an adapter failing is counted and logged too."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from engine_support import GatedConfig, MiB, gated_backend, keys_of, mock, parked_prefetch, store
+
+from lmcache_tiers.config import AdapterSpec
+
+SIZE = 32 * 1024
+
+
+def test_an_object_loaded_then_lost_before_its_hand_off_is_counted(engine, caplog) -> None:
+    storage = engine([AdapterSpec(type="gated", config=GatedConfig())])
+    keys = keys_of(1, 2)
+    handle = parked_prefetch(storage, keys, SIZE)
+    # The load reservations expire while the load runs: the load succeeds, its objects
+    # are gone from L1 by the time they would be handed over.
+    assert storage.l1.expire_locks(now=time.monotonic() + storage.l1.write_ttl_s + 1) == 2
+
+    with caplog.at_level(logging.WARNING):
+        gated_backend(storage).gate.set()
+        assert storage.wait_prefetch(handle, 10) == 0
+
+    failures = storage.status()["failures"]
+    assert failures.get("prefetch_loaded_object_lost") == 2
+    assert "l2_load_failed" not in failures, "the loads themselves succeeded"
+    assert "prefetch_loaded_object_lost" in caplog.text
+
+
+def test_a_prefetch_l1_has_no_room_for_is_logged(engine, caplog) -> None:
+    storage = engine([mock()])  # 64 MiB of L1
+    wanted = keys_of(2, 1)
+    store(storage, wanted, 20 * MiB)
+    assert storage.flush(10)
+    storage.clear()
+    pinned = keys_of(3, 6)
+    store(storage, pinned, 8 * MiB)
+    assert storage.flush(10)
+    assert len(storage.read(pinned)) == 6  # 48 MiB read-locked: no room for 20 more
+
+    with caplog.at_level(logging.WARNING):
+        assert storage.wait_prefetch(storage.submit_prefetch(wanted), 10) == 0
+
+    assert storage.status()["failures"].get("prefetch_l1_full") == 1
+    assert "prefetch_l1_full" in caplog.text
+    storage.release(pinned)

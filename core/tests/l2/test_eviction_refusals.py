@@ -1,0 +1,123 @@
+"""L2 eviction over victims ``delete`` refuses: pinned ones are skipped at no cost, and a
+backend that deletes nothing ends the cycle early instead of being asked about every key."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import pytest
+from l2_backends import DictBackend, open_dict
+
+from lmcache_tiers.config import L2EvictionConfig
+from lmcache_tiers.controllers.base import AdapterSlot
+from lmcache_tiers.controllers.l2_eviction import DELETE_BATCH, L2EvictionController
+from lmcache_tiers.controllers.stats import EngineStats
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import BackendAdapter
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.l2 import make_keys
+
+SIZE = 1000
+OBJECTS = 1000
+
+
+class Fifo:
+    """Eviction policy: oldest write first."""
+
+    def __init__(self) -> None:
+        self.order: dict[ObjectKey, None] = {}
+
+    def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
+        for key in keys:
+            self.order.pop(key, None)
+            self.order[key] = None
+
+    def on_keys_read(self, keys: Sequence[ObjectKey]) -> None:
+        return None
+
+    def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
+        for key in keys:
+            self.order.pop(key, None)
+
+    def victims(self) -> Iterator[ObjectKey]:
+        return iter(list(self.order))
+
+
+class Undeletable(DictBackend):
+    """A store whose deletes all fail (down, or denied), while its objects stay there."""
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        self._called("delete_many")
+        return [False] * len(keys)
+
+
+@pytest.fixture
+def adapters() -> Iterator[list[BackendAdapter]]:
+    opened: list[BackendAdapter] = []
+    yield opened
+    for adapter in opened:
+        adapter.close()
+
+
+def full_adapter(adapters: list[BackendAdapter], backend: type[DictBackend]) -> BackendAdapter:
+    adapter = open_dict(backend, capacity=OBJECTS * SIZE)
+    adapters.append(adapter)
+    return adapter
+
+
+def evicting(adapter: BackendAdapter) -> L2EvictionController:
+    config = L2EvictionConfig(trigger_watermark=0.8, eviction_ratio=0.2)
+    controller = L2EvictionController(AdapterSlot(0, "dict", adapter), Fifo(), config, EngineStats(1))
+    controller.evict(0)  # seeds the policy (nothing stored yet): events from now on go in
+    return controller
+
+
+def fill(adapter: BackendAdapter) -> list[ObjectKey]:
+    keys = make_keys(OBJECTS)
+    client = BlockingAdapterClient(adapter)
+    for start in range(0, OBJECTS, 250):
+        batch = keys[start : start + 250]
+        assert client.store(batch, [memoryview(bytearray(SIZE)) for _ in batch]) == [True] * len(batch)
+    return keys
+
+
+def test_a_backend_that_deletes_nothing_ends_the_cycle_early(adapters: list[BackendAdapter]) -> None:
+    adapter = full_adapter(adapters, Undeletable)
+    controller = evicting(adapter)
+    fill(adapter)
+    backend = adapter.backend
+    assert isinstance(backend, Undeletable)
+
+    controller.step(set())
+
+    # One delete (and one check of the key's absence) per stored key, each cycle, would
+    # hammer a store that is down; the cycle ends after a run of failed deletes instead.
+    assert backend.calls["delete_many"] <= DELETE_BATCH
+    assert adapter.used_bytes() == OBJECTS * SIZE, "nothing was deleted: all of it is still accounted"
+    failures = controller.stats.failures()
+    assert failures["l2_eviction_delete_failed"] == backend.calls["delete_many"], (
+        "every failed delete counted"
+    )
+
+
+def test_a_long_run_of_pinned_victims_is_skipped_and_eviction_goes_on(adapters: list[BackendAdapter]) -> None:
+    adapter = full_adapter(adapters, DictBackend)
+    controller = evicting(adapter)
+    keys = fill(adapter)
+    pinned = keys[: 3 * DELETE_BATCH]  # the oldest: the first victims, pinned by a prefetch
+    assert BlockingAdapterClient(adapter).lookup_and_lock(pinned).found == [True] * len(pinned)
+
+    controller.step(set())
+
+    assert adapter.used_bytes() <= 0.8 * OBJECTS * SIZE, "eviction went past the pinned victims"
+    stored = set(backend_keys(adapter))
+    assert set(pinned) <= stored, "a pinned key was deleted"
+    assert "l2_eviction_delete_failed" not in controller.stats.failures(), "a pin is not a failure"
+    adapter.unlock(pinned)
+
+
+def backend_keys(adapter: BackendAdapter) -> list[ObjectKey]:
+    backend = adapter.backend
+    assert isinstance(backend, DictBackend)
+    with backend.lock:
+        return list(backend.objects)
