@@ -170,3 +170,13 @@ def test_a_load_reservation_taken_away_keeps_its_extent_until_the_load_lets_go(l
     assert l1.used_bytes == ALIGN
     l1.abort_load([forced])  # given back once only
     assert l1.used_bytes == ALIGN
+
+
+def test_an_extent_held_for_a_load_is_not_reclaimable(l1: L1Manager) -> None:
+    (loading,) = l1.reserve_load(keys(1), [4 * ALIGN], temporary=False).values()
+    assert l1.expire_locks(now=float("inf")) == 1
+    assert not l1.contains(key(1)) and l1.used_bytes == 4 * ALIGN
+    # neither free nor in an object that eviction could take
+    assert l1.reclaimable_bytes() == CAPACITY - 4 * ALIGN
+    l1.abort_load([loading])
+    assert l1.reclaimable_bytes() == CAPACITY

@@ -138,6 +138,58 @@ def test_a_forced_extent_goes_back_at_the_end_of_its_readers_lease(l1: L1Manager
     l1.finish_read(keys(1))  # the reader that never came back is harmless now
 
 
+def test_a_reader_of_an_extent_pinned_by_a_store_never_releases_a_later_object_of_its_key(
+    l1: L1Manager,
+) -> None:
+    store(l1, [1], fill=0x01)
+    stored = list(l1.reserve_store(keys(1)).values())  # an L2 store copies the object out
+    l1.reserve_read(keys(1))  # and a reader holds it
+    assert l1.clear(force=True) == 1
+    (new,) = store(l1, [1], fill=0x02)
+    l1.reserve_read(keys(1))  # a reader of the new object
+    l1.finish_read(keys(1))  # the old object's reader is done: credited to its extent
+    assert new.read_locks == 1, "the old reader's release unlocked the new object"
+    assert l1.evict(ALIGN, keys(1)) == [], "a read-locked object was evicted"
+    assert read(l1, new) == bytes([0x02]) * ALIGN
+    assert l1.used_bytes == 2 * ALIGN  # the old extent is pinned for the store
+    l1.finish_store(stored)
+    assert l1.used_bytes == ALIGN and l1.lease_stats().quarantined_extents == 0
+    l1.finish_read(keys(1))
+    assert new.read_locks == 0
+
+
+def test_an_extent_pinned_by_a_store_outlasts_its_readers_lease(
+    l1: L1Manager,
+) -> None:
+    old, other = store(l1, [1, 2], fill=0x0A)
+    stored = list(l1.reserve_store(keys(1, 2)).values())
+    l1.reserve_read(keys(1))
+    generations = l1.generations([old, other])
+    l1.clear(force=True)
+    assert l1.used_bytes == 2 * ALIGN and l1.reclaimable_bytes() == CAPACITY - 2 * ALIGN
+    assert read(l1, old) == bytes([0x0A]) * ALIGN  # the store still reads its bytes
+    # 1's reader never comes back: its lease ends, the store's pin does not
+    l1.expire_locks(float("inf"))
+    assert l1.used_bytes == 2 * ALIGN
+    if l1.is_memory:
+        assert l1.generations([old, other]) == generations
+    l1.finish_store(stored)
+    assert l1.used_bytes == 0 and l1.lease_stats().quarantined_bytes == 0
+
+
+def test_readers_of_an_extent_pinned_by_a_store_keep_it_after_the_store_reports(l1: L1Manager) -> None:
+    store(l1, [1])
+    stored = list(l1.reserve_store(keys(1)).values())
+    l1.reserve_read(keys(1), count=2)
+    l1.clear(force=True)
+    l1.finish_store(stored)
+    assert l1.used_bytes == ALIGN, "the store let go, its readers did not"
+    l1.finish_read(keys(1))
+    assert l1.used_bytes == ALIGN
+    l1.finish_read(keys(1))
+    assert l1.used_bytes == 0
+
+
 def test_expired_read_locks_keep_their_extent_for_the_grace_period(l1: L1Manager) -> None:
     (obj,) = store(l1, [1], fill=0x11)
     l1.reserve_read(keys(1))

@@ -11,6 +11,10 @@ things take an object out from under a holder that has not finished with it:
 Either way the extent is **quarantined** instead of freed.  A forced extent stays until
 every lock held on it at the time is released, or its lease ends (the locks' deadline, at
 least the grace period); an expired one for the grace period.  Only then is it reused.
+An object taken away while an L2 store task reads it (``reserve_store``) is quarantined
+too, and its extent is also *pinned* until the last such store reports: those locks are
+released by identity (``finish_store``) and never reaped, so neither its readers' releases
+nor the end of their lease give it back while a store still copies out of it.
 
 Every extent that goes back to the allocator first bumps its **generation**: one counter
 per allocation unit, in the table the arena keeps behind the object bytes (clients map it
@@ -89,15 +93,21 @@ class ExtentLeases:
         forced = 0
         for obj in objs:
             lapsed_until = self._lapsed.pop(obj.offset, 0.0) if self._lapsed else 0.0
-            if obj.read_locks:
+            # A store's locks are not a reader's: they go by identity (``store_done``).
+            # Counting them as holders would let a reader's release of the key be credited
+            # to a later object of the key instead of this extent.
+            readers = obj.read_locks - obj.storing
+            if readers > 0:
                 # Only a forced delete takes a read-locked object away: its readers keep
                 # the extent for the rest of their lease, and at least the grace period.
-                self._hold(obj, obj.read_locks, max(obj.lock_deadline, lapsed_until, now + self.grace_s))
+                self._hold(obj, readers, max(obj.lock_deadline, lapsed_until, now + self.grace_s))
                 self._counts["forced"] += 1
                 forced += 1
             elif lapsed_until > now:
                 self._hold(obj, 0, lapsed_until)
                 self._counts["expired"] += 1
+            elif obj.storing:
+                self._hold(obj, 0, now)  # pinned only: goes back when its store reports
             else:
                 free.append(obj.offset)
         if forced:
@@ -152,6 +162,9 @@ class ExtentLeases:
             count -= taken
             if entry.holders == 0:
                 entries.pop(0)
+                if entry.obj.storing:
+                    entry.until = 0.0  # its readers are done: it goes back when the store reports
+                    continue
                 self._forget(entry, "released")
                 freed.append(entry.obj.offset)
         if not entries:
@@ -159,17 +172,34 @@ class ExtentLeases:
         self._give_back(freed)
         return count
 
+    def store_done(self, obj: L1Object, now: float) -> None:
+        """The last L2 store reading ``obj``, which left L1 meanwhile, has reported: its
+        extent goes back unless readers or a grace period still hold it."""
+        entry = self._by_offset.get(obj.offset)
+        if entry is None or entry.obj is not obj or entry.holders or entry.until > now:
+            return
+        self._forget(entry, "released")
+        self._give_back([obj.offset])
+
     def reclaim(self, now: float) -> int:
         """Free quarantined extents whose lease has ended; returns how many."""
         if self._lapsed:
             self._lapsed = {offset: until for offset, until in self._lapsed.items() if until > now}
-        due = [entry for entry in self._by_offset.values() if entry.until <= now]
-        for entry in due:
+        due: list[_Held] = []
+        for entry in self._by_offset.values():
+            if entry.until > now:
+                continue
             if entry.holders:
                 entries = self._held[entry.obj.key]
                 entries.remove(entry)
                 if not entries:
                     del self._held[entry.obj.key]
+                entry.holders = 0
+            if entry.obj.storing:
+                entry.until = 0.0  # its lease is over: it goes back when its store reports
+            else:
+                due.append(entry)
+        for entry in due:
             self._forget(entry, "lease_end")
         if due:
             logger.warning(

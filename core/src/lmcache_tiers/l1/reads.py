@@ -186,7 +186,6 @@ class ReadLocks:
             table = self._table
             objects, locked = table.objects, table.locked
             freed: list[L1Object] = []
-            held: list[L1Object] = []
             for obj in objs:
                 obj.storing -= 1
                 if objects.get(obj.key) is obj:
@@ -198,14 +197,12 @@ class ReadLocks:
                         if obj.temporary:
                             freed.append(obj)
                     continue
-                # Deleted by force while stored: its extent was held for the store.  Readers
-                # that were still holding it keep it quarantined for their lease.
+                # Deleted by force while stored: the leases pinned its extent for the store.
+                # Readers that were still holding it keep it quarantined for their lease.
                 obj.read_locks = max(0, obj.read_locks - 1)
-                if not obj.storing and table.release_held(obj):
-                    held.append(obj)
+                if not obj.storing:
+                    self._leases.store_done(obj, time.monotonic())
             table.free(freed)
-            if held:
-                self._leases.release_extents(held, time.monotonic())
 
     def set_temporary(self, keys: Sequence[ObjectKey], temporary: bool) -> None:
         with self._lock:

@@ -7,9 +7,10 @@ write lock or read locks, and ``temporary`` the keys freed after their last read
 reaping and stats cost O(locked) rather than O(objects).
 
 An object leaves by being detached from the table and having its extent released: back
-to the allocator through the leases (which may quarantine it, see ``l1/leases.py``), or
-held while a prefetch's load may still be writing into it.  Listeners hear about it once,
-after the call's state change is complete (see ``l1/manager.py``).
+to the allocator through the leases (which may quarantine it, or pin it for an L2 store
+still reading it, see ``l1/leases.py``), or held while a prefetch's load may still be
+writing into it.  Listeners hear about it once, after the call's state change is complete
+(see ``l1/manager.py``).
 
 Not thread-safe: every caller holds the L1 manager's lock.
 """
@@ -81,10 +82,10 @@ class ObjectTable:
         self.listeners = listeners
         self.closed = False
         self._leases = leases
-        # Objects that left L1 while an adapter may still use their extent -- load
-        # reservations freed (forced clear, write TTL) while their load may still be
-        # writing into them, objects deleted by force while an L2 store reads them: their
-        # extents stay allocated until the prefetch or the store lets go.
+        # Load reservations that left L1 (write TTL) while their load may still be writing
+        # into them: their extents stay allocated until the prefetch lets go (abort_load).
+        # Extents an L2 store still reads are pinned by the leases instead, which also
+        # credit the releases of the object's readers to them.
         self._held: set[L1Object] = set()
 
     def check_open(self) -> None:
@@ -119,22 +120,21 @@ class ObjectTable:
         self.temporary.discard(obj.key)
 
     def release_extents(self, objs: list[L1Object]) -> None:
-        """Give back the extents of detached objects, except those an adapter is still
-        filling (a load) or reading (an L2 store)."""
+        """Give back the extents of detached objects, except those a load is still filling
+        (the leases keep those an L2 store still reads)."""
         if not objs:
             return
         # Handing such an extent to another object would let the load overwrite that
-        # object's bytes, or the store write that object's bytes to L2 under this key.
-        # abort_load and finish_store free it.
-        free = [obj for obj in objs if not (obj.loading or obj.storing)]
+        # object's bytes.  abort_load frees it.
+        free = [obj for obj in objs if not obj.loading]
         if len(free) < len(objs):
-            self._held.update(obj for obj in objs if obj.loading or obj.storing)
+            self._held.update(obj for obj in objs if obj.loading)
         if free:
             self._leases.release_extents(free, time.monotonic())
 
     def release_held(self, obj: L1Object) -> bool:
-        """True if ``obj`` left L1 while a load or store used it and its extent was held
-        for that: the caller (the load's or store's end) then releases the extent."""
+        """True if ``obj`` left L1 while a load filled it and its extent was held for
+        that: the caller (the load's end) then releases the extent."""
         if obj not in self._held:
             return False
         self._held.discard(obj)
@@ -148,7 +148,10 @@ class ObjectTable:
         self.listeners.notify("deleted", [obj.key for obj in objs])
 
     def locked_bytes(self, extent_size_at: Callable[[int], int]) -> int:
-        return sum(extent_size_at(obj.offset) for obj in self.locked.values())
+        """Bytes that no eviction can free: extents of locked objects, and those held for
+        loads whose reservation left L1 (allocated, but in no object to evict)."""
+        locked = sum(extent_size_at(obj.offset) for obj in self.locked.values())
+        return locked + sum(extent_size_at(obj.offset) for obj in self._held)
 
     def stats(self, used_bytes: int) -> L1Stats:
         write_locked = sum(1 for obj in self.locked.values() if obj.state is ObjectState.WRITING)
