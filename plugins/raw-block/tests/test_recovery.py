@@ -192,6 +192,28 @@ def test_trusting_the_checkpoint_still_verifies_every_load(tmp_path: Path) -> No
         reopened.close()
 
 
+def test_trusting_the_checkpoint_after_a_crash_keeps_a_store_into_a_reused_slot(tmp_path: Path) -> None:
+    # meta_verify_on_load false trusts a checkpoint written at shutdown; after a crash a
+    # checkpointed slot may hold an acknowledged store of another key, which only its
+    # header tells.
+    cfg = config(tmp_path / "dev.img", slots=4, meta_enable_periodic=False, meta_verify_on_load=False)
+    old_keys, new_keys = make_keys(1), make_keys(1, start=10)
+    old, new = data_for(1), data_for(1, seed=1)
+    adapter = open_raw(cfg)
+    assert store(adapter, old_keys, old) == [True]
+    assert backend_of(adapter).checkpoint()
+    assert adapter.delete(old_keys) == [True]  # slot 0 is free again ...
+    assert store(adapter, new_keys, new) == [True]  # ... and holds the new key, acknowledged
+    crash(adapter)
+    reopened = open_raw(cfg)
+    try:
+        assert client(reopened).lookup_and_lock(old_keys + new_keys).found == [False, True]
+        reopened.unlock(new_keys)
+        assert load(reopened, new_keys, [len(new[0])]) == ([True], new)
+    finally:
+        reopened.close()
+
+
 def test_serde_records_keep_their_l1_size_and_other_chains_are_kept_as_misses(tmp_path: Path) -> None:
     cfg = config(tmp_path / "dev.img")
     keys = make_keys(2)

@@ -150,12 +150,30 @@ class RawBlockBackend(SlotStoreBackend):
         device.sync()
         return False, None
 
+    def _verify_checkpoint(self, checkpoint: Checkpoint | None) -> bool:
+        """Whether recovery reads the slot headers of the checkpoint's objects.
+
+        ``meta_verify_on_load`` false trusts a checkpoint written at shutdown only.  After a
+        crash a checkpointed slot may have been freed and rewritten with another key's
+        acknowledged store, which only its header tells: trusting the checkpoint there
+        would lose that store silently.
+        """
+        if self.config.meta_verify_on_load or checkpoint is None or checkpoint.clean:
+            return self.config.meta_verify_on_load
+        log.info(
+            "raw_block: %s: checkpoint %d is not from a clean shutdown; checking its slot "
+            "headers although meta_verify_on_load is false",
+            self._device.path,
+            checkpoint.seq,
+        )
+        return True
+
     def _recover(self, checkpoint: Checkpoint | None) -> None:
         result = recover(
             self.geometry.slot_count,
             self.identity,
             checkpoint,
-            verify=self.config.meta_verify_on_load,
+            verify=self._verify_checkpoint(checkpoint),
             read_headers=self._read_headers,
             context=self.context,
         )
@@ -197,6 +215,9 @@ class RawBlockBackend(SlotStoreBackend):
     def checkpoint(self, *, force: bool = False) -> bool:
         """Write the index as the next checkpoint if it changed (or ``force``)."""
         with self._checkpoint_lock:
+            # Once close began no store or delete starts any more: a checkpoint taken now
+            # is the device's final state, which a restart may trust without reading slots.
+            clean = self._stop.is_set()
             snapshot = self.table.snapshot()
             if not force and snapshot.version == self._checkpointed_version:
                 return False
@@ -204,7 +225,7 @@ class RawBlockBackend(SlotStoreBackend):
                 with self._device.in_flight.use() as usable:
                     if not usable:
                         return False
-                    self._areas.write(snapshot)
+                    self._areas.write(snapshot, clean=clean)
             except CheckpointTooLarge as exc:
                 self.context.count("checkpoint_too_large")
                 self._burst.warn(

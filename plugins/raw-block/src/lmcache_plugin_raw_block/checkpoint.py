@@ -2,7 +2,8 @@
 
 An area is a header block, then a msgpack body: the write sequence number the next
 store gets, every published object (slot, sequence number, sizes, key) and the
-*watched* slots (claimed, retired or quarantined when the snapshot was taken).  Header:
+*watched* slots (claimed, retired or quarantined when the snapshot was taken), and
+whether it was written at shutdown (*clean*: nothing changed after it).  Header:
 magic "LMTRCKP1" | version u32 | device identity 16B | checkpoint seq u64 | body_len u64
 | body crc32 u32 | header crc32 u32.
 
@@ -41,6 +42,9 @@ class _Body(msgspec.Struct, array_like=True, frozen=True):
     entries: list[tuple[int, int, int, int, ObjectKey]]
     # (slot, lowest sequence number of a write not accounted for)
     watched: list[tuple[int, int]]
+    # written by a closing adapter: nothing changed on the device after it.  Last, with a
+    # default, so bodies written before it existed still decode (as not clean).
+    clean: bool = False
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -53,6 +57,8 @@ class Checkpoint:
     next_seq: int
     entries: list[tuple[ObjectKey, SlotEntry]]
     watched: list[tuple[int, int]]
+    #: written at shutdown: its entries are what the slots hold, without reading them
+    clean: bool = False
 
 
 class CheckpointTooLarge(Exception):
@@ -111,16 +117,18 @@ class CheckpointAreas:
                 (key, SlotEntry(slot, write_seq, stored, l1))
                 for slot, write_seq, stored, l1, key in decoded.entries
             ]
-            return Checkpoint(seq, decoded.next_seq, entries, decoded.watched)
+            return Checkpoint(seq, decoded.next_seq, entries, decoded.watched, decoded.clean)
         return None
 
-    def write(self, snapshot: Snapshot) -> int:
-        """Write ``snapshot`` as the next checkpoint; returns its body size."""
+    def write(self, snapshot: Snapshot, *, clean: bool = False) -> int:
+        """Write ``snapshot`` as the next checkpoint (``clean``: the adapter is closing);
+        returns its body size."""
         body = _ENCODER.encode(
             _Body(
                 snapshot.next_seq,
                 [(e.slot, e.seq, e.stored, e.l1, key) for key, e in snapshot.entries],
                 snapshot.watched,
+                clean,
             )
         )
         room = self._geometry.area_bytes - self._geometry.block_align
