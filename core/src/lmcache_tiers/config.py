@@ -140,6 +140,54 @@ class L2AdapterConfig(ComponentConfig):
     ] = None
 
 
+#: fields LMCache's server reads from every ``--l2-adapter`` JSON object that have no
+#: equivalent here -> why (an adapter's own are in its Struct's ``lmcache_unsupported``)
+LMCACHE_COMMON_UNSUPPORTED: dict[str, str] = {
+    "shared": "it labels cache events for LMCache's coordinator, and servers here report to none",
+    "per_op_workers": "worker threads are set per adapter (num_workers, where the adapter has it)",
+    "affinity_tag": 'there is one L1, so the only tag is "_default"',
+}
+
+#: LMCache fields accepted when they hold the value that asks for what is done here anyway
+#: (an adapter adds its own in its Struct's ``lmcache_neutral_values``)
+LMCACHE_NEUTRAL_VALUES: dict[str, object] = {"affinity_tag": "_default"}
+
+
+def lmcache_unsupported(config_type: type) -> dict[str, str]:
+    """LMCache adapter fields the adapter whose Struct is ``config_type`` does not take -> why."""
+    own: Mapping[str, str] = getattr(config_type, "lmcache_unsupported", {})
+    return {**LMCACHE_COMMON_UNSUPPORTED, **own}
+
+
+def _without_neutral_lmcache_fields(config_type: type, fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` without the LMCache fields that hold their no-op value (``affinity_tag:
+    "_default"``): LMCache's configs keep working and mean the same here."""
+    neutral = {**LMCACHE_NEUTRAL_VALUES, **getattr(config_type, "lmcache_neutral_values", {})}
+    return {key: value for key, value in fields.items() if key not in neutral or value != neutral[key]}
+
+
+_UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `(?P<field>[^`]*)`$")
+
+
+def unknown_field_message(message: str, component: str, unsupported: Mapping[str, str]) -> str:
+    """msgspec's "unknown field" message saying the field is not supported, and why when it is
+    one of LMCache's (``unsupported``); any other message unchanged."""
+    found = _UNKNOWN_FIELD.match(message)
+    if found is None:
+        return message
+    field = found.group("field")
+    reason = unsupported.get(field)
+    if reason is not None:
+        return (
+            f"unknown field `{field}`: this LMCache field is not supported by {component}: "
+            f"{reason}; remove it"
+        )
+    return (
+        f"unknown field `{field}`: not supported by {component} "
+        "(`lmcache-tiers plugins reference` lists its fields)"
+    )
+
+
 class AdapterSpec(ComponentConfig):
     """A resolved ``--l2-adapter``: the plugin type and its decoded config."""
 
@@ -421,12 +469,18 @@ def decode_component(
     # checked there under their own component's name.
     nested = _NESTED_SPECS if kind is Kind.L2_ADAPTER else ()
     refuse_non_finite({k: v for k, v in fields.items() if k not in nested}, where, f"{component.name}: ")
+    unsupported: Mapping[str, str] = {}
+    if kind is Kind.L2_ADAPTER:
+        fields = _without_neutral_lmcache_fields(component.config, fields)
+        unsupported = lmcache_unsupported(component.config)
     try:
         config = msgspec.convert(fields, component.config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(
-            f"{component.name}: {validation_message(exc, where, component.config, fields)}"
-        ) from exc
+        text, _, at = validation_message(exc, where, component.config, fields).partition(" - at `")
+        # Only a field of the adapter's own object (not of its eviction, ...) is one of LMCache's.
+        known = unsupported if at == f"{where}`" else {}
+        message = f"{unknown_field_message(text, component.name, known)} - at `{at}"
+        raise ConfigError(f"{component.name}: {message}") from exc
     except FieldError as exc:  # raised from a Struct's __post_init__ outside msgspec
         raise ConfigError(f"{component.name}: {exc} - at `{where}.{exc.field}`") from exc
     except (TypeError, ValueError) as exc:  # raised from a Struct's __post_init__

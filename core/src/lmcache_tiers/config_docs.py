@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgspec
 
 from lmcache_tiers.config import (
+    LMCACHE_COMMON_UNSUPPORTED,
     CircuitConfig,
     FrontendConfig,
     L2AdapterConfig,
@@ -160,6 +161,12 @@ def render_config_reference(plugin_set: PluginSet) -> str:
         "`circuit` object:",
         "",
         *_markdown_table(CircuitConfig),
+        "",
+        "Fields LMCache's server reads from every adapter object: `affinity_tag` is accepted "
+        'when it is `"_default"` (there is one L1); '
+        + ", ".join(f"`{name}`" for name in sorted(LMCACHE_COMMON_UNSUPPORTED) if name != "affinity_tag")
+        + " are refused with one line saying why. An adapter's own LMCache fields without an "
+        "equivalent are refused the same way.",
         "",
         "## Options common to every front end",
         "",

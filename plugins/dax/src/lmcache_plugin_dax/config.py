@@ -7,7 +7,7 @@ can be opened and mapped is checked when the adapter starts, with a one-line err
 from __future__ import annotations
 
 import os
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import msgspec
 from lmcache_plugin_raw_block.config import LookupWorkers, lmcache_field
@@ -48,6 +48,11 @@ class DaxConfig(L2AdapterConfig):
     and counted (object_too_large). Give one mapping as device_path and max_dax_size_gb,
     or several as devices; slots are spread over them in turn.
     """
+
+    #: LMCache's dax fields without an equivalent here -> why
+    lmcache_unsupported: ClassVar[dict[str, str]] = {
+        "hotplug_enabled": "devices are fixed at start-up; there is no API adding or removing them",
+    }
 
     slot_bytes: Annotated[
         int,

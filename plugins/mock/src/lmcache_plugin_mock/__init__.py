@@ -45,6 +45,13 @@ class MockConfig(L2AdapterConfig):
             )
         ),
     ] = False
+    mock_bandwidth_gb: Annotated[
+        Annotated[SizeGiB, msgspec.Meta(gt=0.0)] | None,
+        msgspec.Meta(
+            description="LMCache's mock field: the simulated rate in GiB per second (1 = 2**30 "
+            "bytes/s, as LMCache counts it); sets bandwidth_bytes_per_s. null: that field alone."
+        ),
+    ] = None
     namespace: Annotated[
         str | None,
         msgspec.Meta(
@@ -53,8 +60,23 @@ class MockConfig(L2AdapterConfig):
     ] = None
 
     def __post_init__(self) -> None:
+        self._fold_lmcache_bandwidth()
         if self.namespace is not None and not 0 < len(self.namespace) <= 128:
             raise FieldError("namespace", "namespace must be 1..128 characters long")
+
+    def _fold_lmcache_bandwidth(self) -> None:
+        """Set bandwidth_bytes_per_s from LMCache's mock_bandwidth_gb (GiB/s), so the backend
+        reads one field; both given must agree (a printed config gives both)."""
+        if self.mock_bandwidth_gb is None:
+            return
+        rate = int(self.mock_bandwidth_gb * (1 << 30))
+        if self.bandwidth_bytes_per_s not in (0, rate):
+            raise FieldError(
+                "mock_bandwidth_gb",
+                f"mock_bandwidth_gb {self.mock_bandwidth_gb:g} GiB/s is {rate} bytes/s, but "
+                f"bandwidth_bytes_per_s is {self.bandwidth_bytes_per_s}; give one of the two",
+            )
+        msgspec.structs.force_setattr(self, "bandwidth_bytes_per_s", rate)
 
 
 @hookimpl

@@ -7,7 +7,7 @@ made when the adapter opens it, each with a one-line error as well.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import msgspec
 
@@ -53,6 +53,34 @@ class RawBlockConfig(L2AdapterConfig):
     is a miss, never wrong bytes. A device that holds a filesystem or a partition table is
     refused rather than formatted.
     """
+
+    #: LMCache's raw_block fields without an equivalent here -> why
+    lmcache_unsupported: ClassVar[dict[str, str]] = {
+        **dict.fromkeys(
+            ("io_engine", "use_iouring", "use_uring", "use_uring_cmd", "iouring_queue_depth"),
+            "slots are read and written with positioned POSIX I/O; there is no io_uring engine",
+        ),
+        **dict.fromkeys(
+            (
+                "fdp_enabled",
+                "fdp_placement_ids",
+                "fdp_data_placement_policy",
+                "fdp_slot_reuse_policy",
+                "meta_checkpoint_placement_id",
+            ),
+            "there are no NVMe flexible data placement hints",
+        ),
+        "max_data_transfer_size": "each slot is one I/O of at most slot_bytes",
+        "enable_zero_copy": "buffers are aligned whenever use_odirect needs it; there is nothing to switch",
+        "meta_magic": "the superblock format is this adapter's own, with a fixed magic",
+        "meta_version": "the superblock format is this adapter's own, with a fixed version",
+        "meta_idle_quiet_ms": "checkpoints follow meta_checkpoint_interval_sec only",
+        "per_tp_device_paths": "one server holds all ranks' objects on device_path",
+        "persist_enabled": "objects on the device are always kept (true is accepted); "
+        "load_checkpoint_on_init false starts empty",
+    }
+    #: LMCache's raw_block requires persist_enabled true: what this adapter always does
+    lmcache_neutral_values: ClassVar[dict[str, object]] = {"persist_enabled": True}
 
     device_path: Annotated[
         str,

@@ -7,7 +7,7 @@ Imported whenever plugins are listed: it must not import redis-py.
 from __future__ import annotations
 
 import urllib.parse
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import msgspec
 
@@ -91,6 +91,12 @@ class RedisConfig(L2AdapterConfig):
     once and stores are skipped; it closes by itself when the store answers again.
     """
 
+    #: LMCache's resp and valkey fields without an equivalent here -> why
+    lmcache_unsupported: ClassVar[dict[str, str]] = {
+        "ttl_seconds": "objects carry no expiry; max_capacity_gb with eviction, or the store's "
+        "maxmemory policy, bounds them",
+    }
+
     url: Annotated[
         str | None, _doc("redis://, rediss:// or unix:// URL of the store (may carry credentials).")
     ] = None
@@ -115,12 +121,24 @@ class RedisConfig(L2AdapterConfig):
     tls_enable: Annotated[bool, _doc("Connect with TLS (as rediss:// does).")] = False
     key_prefix: Annotated[
         str,
-        _doc("Prepended to every object name; servers sharing a cache use the same one.", max_length=128),
+        _doc(
+            "Prepended to every object name; servers sharing a cache use the same one. LMCache's "
+            'valkey default is "" (its records are not readable here either way).',
+            max_length=128,
+        ),
     ] = "lmcache-tiers:"
     request_timeout: Annotated[Seconds, _doc("Seconds a command may take before it fails.")] = 5.0
-    connection_timeout: Annotated[Seconds, _doc("Seconds to establish a connection.")] = 5.0
+    connection_timeout: Annotated[
+        Seconds, _doc("Seconds to establish a connection (LMCache valkey's default, 10).")
+    ] = 10.0
     num_workers: Annotated[
-        int, _doc("Worker threads per operation kind (store, lookup, load).", ge=1, le=64)
+        int,
+        _doc(
+            "Worker threads per operation kind (store, lookup, load); LMCache's resp and valkey "
+            "default to 8.",
+            ge=1,
+            le=64,
+        ),
     ] = 2
     pool_size: Annotated[
         Annotated[int, msgspec.Meta(ge=1, le=1024)] | None,

@@ -14,7 +14,7 @@ API only.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
@@ -46,6 +46,13 @@ class S3Config(L2AdapterConfig):
     they are never logged nor printed.  Every request is bounded by `request_timeout_s`
     (retries included), so an unreachable store makes calls fail, never hang.
     """
+
+    #: LMCache's S3 adapter fields without an equivalent here -> why (config errors say it)
+    lmcache_unsupported: ClassVar[dict[str, str]] = {
+        "s3_num_io_threads": "requests go through s3fs, not the AWS CRT; max_inflight bounds them",
+        "s3_prefer_http2": "requests go through s3fs over HTTP/1.1; there is no HTTP/2 to prefer",
+        "s3_enable_s3express": "S3 Express One Zone signing is not available",
+    }
 
     bucket: Annotated[
         str | None,

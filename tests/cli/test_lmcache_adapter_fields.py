@@ -1,0 +1,94 @@
+"""LMCache's ``--l2-adapter`` JSON fields: each is taken with its meaning or refused in one
+line naming it and saying it is not supported (never ignored, never a different unit)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from lmcache_tiers.config import decode_adapter
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.plugins import load_registry
+
+FS = {"type": "fs", "path": "/tmp/lmcache-tiers-unused"}
+RAW_BLOCK = {"type": "raw_block", "device_path": "/tmp/rb", "slot_bytes": 1 << 20, "capacity_bytes": 1 << 30}
+DAX = {"type": "dax", "slot_bytes": 4096, "device_path": "/tmp/dax", "max_dax_size_gb": 1}
+
+
+def decode(spec: dict[str, Any]) -> Any:
+    return decode_adapter(load_registry(), spec, 0).config
+
+
+def refusal(spec: dict[str, Any]) -> str:
+    with pytest.raises(ConfigError) as caught:
+        decode(spec)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("spec", "field", "reason"),
+    [
+        ({**FS, "shared": True}, "shared", "coordinator"),
+        ({**FS, "per_op_workers": {"store": 2}}, "per_op_workers", "num_workers"),
+        ({**FS, "affinity_tag": "gpu0"}, "affinity_tag", "one L1"),
+        ({"type": "s3", "bucket": "b", "s3_prefer_http2": True}, "s3_prefer_http2", "HTTP/2"),
+        ({"type": "s3", "bucket": "b", "s3_num_io_threads": 64}, "s3_num_io_threads", "max_inflight"),
+        ({"type": "s3", "bucket": "b", "s3_enable_s3express": True}, "s3_enable_s3express", "Express"),
+        ({"type": "valkey", "startup_nodes": "h:1", "ttl_seconds": 60}, "ttl_seconds", "expiry"),
+        ({**RAW_BLOCK, "io_engine": "io_uring"}, "io_engine", "io_uring"),
+        ({**RAW_BLOCK, "fdp_enabled": True}, "fdp_enabled", "placement"),
+        ({**RAW_BLOCK, "persist_enabled": False}, "persist_enabled", "always kept"),
+        ({**DAX, "hotplug_enabled": True}, "hotplug_enabled", "fixed at start-up"),
+    ],
+)
+def test_an_lmcache_field_without_equivalent_is_refused_naming_it_and_why(
+    spec: dict[str, Any], field: str, reason: str
+) -> None:
+    message = refusal(spec)
+    assert f"unknown field `{field}`: this LMCache field is not supported by {spec['type']}" in message
+    assert reason in message
+    assert message.endswith("- at `$.l2_adapters[0]`")
+    assert "\n" not in message
+
+
+def test_a_field_nobody_knows_is_refused_as_not_supported() -> None:
+    message = refusal({**FS, "bogus": 1})
+    assert "unknown field `bogus`: not supported by fs" in message
+    assert "plugins reference" in message
+
+
+def test_an_unknown_field_inside_a_nested_object_is_not_taken_for_an_lmcache_one() -> None:
+    message = refusal({**FS, "eviction": {"shared": True}})
+    assert "unknown field `shared`: not supported by fs" in message
+    assert message.endswith("- at `$.l2_adapters[0].eviction`")
+
+
+@pytest.mark.parametrize("spec", [{**FS, "affinity_tag": "_default"}, {**RAW_BLOCK, "persist_enabled": True}])
+def test_lmcache_fields_holding_what_is_done_here_anyway_are_accepted(spec: dict[str, Any]) -> None:
+    without = {key: value for key, value in spec.items() if key not in ("affinity_tag", "persist_enabled")}
+    assert decode(spec) == decode(without)
+
+
+def test_lmcache_mock_bandwidth_is_gib_per_second() -> None:
+    config = decode({"type": "mock", "max_size_gb": 1, "mock_bandwidth_gb": 2})
+    assert config.bandwidth_bytes_per_s == 2 << 30
+
+
+def test_mock_bandwidth_given_both_ways_must_agree() -> None:
+    agreeing = {"type": "mock", "mock_bandwidth_gb": 0.5, "bandwidth_bytes_per_s": 1 << 29}
+    assert decode(agreeing).bandwidth_bytes_per_s == 1 << 29
+    message = refusal({"type": "mock", "mock_bandwidth_gb": 2, "bandwidth_bytes_per_s": 5})
+    assert "give one of the two" in message
+    assert message.endswith("- at `$.l2_adapters[0].mock_bandwidth_gb`")
+
+
+def test_a_printed_mock_config_with_lmcache_bandwidth_reads_back_equal() -> None:
+    config = decode({"type": "mock", "mock_bandwidth_gb": 1.5})
+    assert decode({"type": "mock", **msgspec.to_builtins(config)}) == config
+
+
+@pytest.mark.parametrize("type_name", ["resp", "valkey", "redis"])
+def test_redis_connection_timeout_defaults_to_lmcache_valkeys(type_name: str) -> None:
+    assert decode({"type": type_name, "host": "h", "port": 6379}).connection_timeout == 10.0
