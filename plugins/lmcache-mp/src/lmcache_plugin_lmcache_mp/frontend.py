@@ -80,6 +80,10 @@ class LMCacheMPFrontend:
 
     def status(self) -> dict[str, Any]:
         shared = self.shared
+        # Called from HTTP threads while the loop thread registers and reaps instances:
+        # the table is copied in one step (list() of a dict view, which the loop cannot
+        # interleave) rather than iterated live, which raises once it changes size.
+        instances = list(shared.instances.values())
         return {
             "name": self.name,
             "type": "lmcache_mp",
@@ -93,7 +97,7 @@ class LMCacheMPFrontend:
                     "layout": instance.layout_text,
                     "pinged": instance.pinged,
                 }
-                for instance in shared.instances.values()
+                for instance in instances
             ],
             "requests": len(shared.requests),
             "draining": self.loop.router.draining,

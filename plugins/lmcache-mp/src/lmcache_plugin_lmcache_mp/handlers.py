@@ -21,9 +21,14 @@ from lmcache_plugin_lmcache_mp.lookups import Lookups
 from lmcache_plugin_lmcache_mp.state import Instance
 from lmcache_plugin_lmcache_mp.transfers import Transfers
 from lmcache_plugin_lmcache_mp.wire import RegisterPayload, RegisterReply
-from lmcache_tiers.plugin import KeyValidationError, ObjectKey, TensorLayout, printable
+from lmcache_tiers.plugin import BurstLog, KeyValidationError, ObjectKey, TensorLayout, printable
 
 logger = logging.getLogger(__name__)
+
+#: workers registered at once.  Instance ids are the clients' choice and one that never
+#: pings stays for worker_registration_grace_s: without a bound, registrations could grow
+#: the table (and every lookup's search of it) at will.  A registration beyond it is refused.
+MAX_INSTANCES = 1024
 
 _Q_RING = "the experimental Q ring is not supported"
 _BLEND = "CacheBlend is not supported"
@@ -61,6 +66,9 @@ class Handlers:
         self.shared = shared
         self.lookups = Lookups(shared)
         self.transfers = Transfers(shared, self.lookups)
+        # Instance ids are the clients' choice: lines about them are burst-limited.
+        self._unknown_unregisters = BurstLog(logger)
+        self._reaped = BurstLog(logger, "mp_instance_reaped")
         self.table: dict[str, Callable[..., Any]] = {
             "get_chunk_size": lambda: shared.chunk_size,
             "noop": lambda: "OK",
@@ -101,6 +109,12 @@ class Handlers:
         if existing is not None:
             existing.last_seen = now  # a repeat only refreshes liveness, as in LMCache
             return self._register_reply()
+        if len(shared.instances) >= MAX_INSTANCES:
+            raise RequestRefused(
+                "mp_too_many_instances",
+                f"{len(shared.instances)} instances registered, the most this server keeps; "
+                f"instance {payload.instance_id} is not (unregister or let silent ones be reaped)",
+            )
         layout = _layout_of(payload, shared.chunk_size)
         capacity = shared.storage.l1.capacity_bytes
         if layout.nbytes > capacity:
@@ -129,7 +143,9 @@ class Handlers:
     def unregister(self, instance_id: int) -> Any:
         instance = self.shared.instances.pop(instance_id, None)
         if instance is None:
-            logger.warning("unregister of instance %d, which is not registered", instance_id)
+            self._unknown_unregisters.warn(
+                "unregister", "unregister of instance %d, which is not registered", instance_id
+            )
             return None
         locks, reservations = self.transfers.drop_instance(instance_id)
         logger.info(
@@ -146,13 +162,10 @@ class Handlers:
         for instance in list(self.shared.instances.values()):
             limit = config.worker_reap_timeout_s if instance.pinged else config.worker_registration_grace_s
             if now - instance.last_seen > limit:
-                logger.warning(
-                    "instance %d silent for %.0fs (limit %gs): unregistering it",
-                    instance.instance_id,
-                    now - instance.last_seen,
-                    limit,
-                )
                 self.shared.stats.failure("mp_instance_reaped")
+                self._reaped.event(
+                    1, f"silent instances unregistered (instance {instance.instance_id}, limit {limit:g}s)"
+                )
                 self.unregister(instance.instance_id)
 
     # -- maintenance -------------------------------------------------------------------------

@@ -34,6 +34,7 @@ class Lookups:
         self.shared = shared
         self.storage = shared.storage
         self._expired = BurstLog(logger, "mp_lookup_locks_expired")
+        self._dropped = BurstLog(logger, "mp_request_dropped")
 
     # -- handlers ------------------------------------------------------------------------
 
@@ -239,9 +240,18 @@ class Lookups:
             if now - job.started > limit and (job.held or job.hits is None) and not job.waited:
                 expired += self.give_back(job)
                 state.job = None
-        for state in shared.requests.idle(now - shared.config.session_ttl_s) + shared.requests.overflow():
+        idle = shared.requests.idle(now - shared.config.session_ttl_s)
+        overflow = shared.requests.overflow()  # after the idle ones: only live requests count
+        for state in idle + overflow:
             if state.job is not None:
                 expired += self.give_back(state.job)
+        if overflow:
+            # Forgotten while maybe still in use (request ids are the clients' choice, the
+            # table is bounded): their next lookup starts from scratch.
+            shared.stats.failure("mp_request_dropped", len(overflow))
+            self._dropped.event(
+                len(overflow), f"requests forgotten beyond max_requests ({shared.requests.max_requests})"
+            )
         if expired:
             shared.stats.failure("mp_lookup_locks_expired", expired)
             self._expired.event(

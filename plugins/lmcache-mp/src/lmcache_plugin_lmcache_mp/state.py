@@ -176,6 +176,8 @@ class PendingTransfers:
 
     def __init__(self) -> None:
         self._pending: dict[_Ident, deque[Transfer]] = {}
+        #: expired transfers a pop found (and dropped) before a sweep did: the sweep counts them
+        self._expired_since_sweep = 0
 
     def add(self, instance_id: int, keys: list[ObjectKey], transfer: Transfer) -> None:
         ident = (instance_id, transfer.request_id, tuple(keys))
@@ -191,6 +193,8 @@ class PendingTransfers:
             transfer = queue.popleft()
             if transfer.deadline > now:
                 found = transfer
+            else:
+                self._expired_since_sweep += 1
         if queue is not None and not queue:
             del self._pending[ident]
         return found
@@ -205,8 +209,10 @@ class PendingTransfers:
         return everything
 
     def expire(self, now: float) -> int:
-        """Forget transfers past their deadline (L1 reaped them); returns how many."""
-        expired = 0
+        """Forget transfers past their deadline (L1 reaped them); returns how many, with
+        those a pop dropped since the last call (else a commit that came just after the
+        deadline, before the sweep, would hide its transfer's expiry from the counters)."""
+        expired, self._expired_since_sweep = self._expired_since_sweep, 0
         for ident, queue in list(self._pending.items()):
             live = deque(t for t in queue if t.deadline > now)
             expired += len(queue) - len(live)

@@ -52,6 +52,8 @@ class Transfers:
         self._orphan_commits = BurstLog(logger, "mp_commit_without_reservation")
         self._pickle_refusals = BurstLog(logger, "mp_pickle_refused")
         self._pickle_rejections = BurstLog(logger, "mp_pickle_rejected")
+        self._lost_commits = BurstLog(logger, "mp_commit_lost")
+        self._expiries = BurstLog(logger, "mp_transfer_expired")
 
     def _resolve(self, key: CacheKey, instance_id: int) -> tuple[Instance, list[ObjectKey]]:
         instance = self.shared.instance(instance_id)
@@ -133,8 +135,7 @@ class Transfers:
         done = self.storage.commit_write(pending.keys)
         stored = sum(done)
         self._count_store(stored, stored * instance.object_bytes)
-        if stored < len(done):
-            self.shared.stats.failure("mp_commit_lost", len(done) - stored)  # past the write TTL
+        self._count_lost(len(done) - stored)
         return stored == len(done)
 
     def _store_pickled(
@@ -183,6 +184,7 @@ class Transfers:
             def finish() -> Any:
                 stored = sum(done)
                 self._count_store(stored, stored * size)
+                self._count_lost(len(done) - stored)  # as the shared-memory commit counts them
                 return stored == len(done)
 
             return finish
@@ -192,6 +194,12 @@ class Transfers:
     def _refuse_l1_full(self, exc: L1OutOfMemoryError) -> None:
         self.shared.stats.failure("mp_store_refused_l1_full")
         self._refusals.event(1, f"stores refused: L1 cannot make room ({exc})")
+
+    def _count_lost(self, lost: int) -> None:
+        """Reserved chunks L1 no longer held at commit (reaped past the write TTL)."""
+        if lost:
+            self.shared.stats.failure("mp_commit_lost", lost)
+            self._lost_commits.event(lost, "committed chunks were lost: L1 reaped their reservations first")
 
     def _count_store(self, chunks: int, nbytes: int) -> None:
         if chunks:
@@ -274,10 +282,13 @@ class Transfers:
         return self._give_back(self.writes.pop_instance(instance_id), self.reads.pop_instance(instance_id))
 
     def _give_back(self, writes: list[Transfer], reads: list[Transfer]) -> tuple[int, int]:
-        # Expired ones are L1's already (it reaped them), maybe someone else's by now.
+        # Expired ones are L1's already (it reaped them), maybe someone else's by now;
+        # they were never committed, so they count as the sweep would have counted them.
         now = time.monotonic()
+        held = len(writes) + len(reads)
         writes = [t for t in writes if t.deadline > now]
         reads = [t for t in reads if t.deadline > now]
+        self._count_expired(held - len(writes) - len(reads))
         for transfer in writes:
             self.storage.abort_write(transfer.keys)
         for transfer in reads:
@@ -285,13 +296,14 @@ class Transfers:
         return sum(len(t.keys) for t in reads), sum(len(t.keys) for t in writes)
 
     def sweep(self, now: float) -> None:
-        expired = self.writes.expire(now) + self.reads.expire(now)
+        self._count_expired(self.writes.expire(now) + self.reads.expire(now))
+
+    def _count_expired(self, expired: int) -> None:
         if expired:
             self.shared.stats.failure("mp_transfer_expired", expired)
-            logger.warning(
-                "%d prepared transfers were never committed within the L1 TTLs; L1 has taken "
-                "their locks back (failure reason mp_transfer_expired)",
+            self._expiries.event(
                 expired,
+                "prepared transfers were never committed within the L1 TTLs; L1 has taken their locks back",
             )
 
     def release_everything(self) -> tuple[int, int]:
