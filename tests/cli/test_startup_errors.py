@@ -326,3 +326,40 @@ def test_dashed_l2_adapters_in_a_config_file_are_not_replaced_by_the_default_l2(
     config.write_text('[[l2-adapters]]\ntype = "mock"\n\n[[l2_adapters]]\ntype = "mock"\n')
     line = _serve_refused(["--config", str(config)])
     assert line == "error: config field `$.l2_adapters` is given twice (as `l2-adapters` and `l2_adapters`)"
+
+
+def test_an_ipc_path_that_is_a_file_is_refused_and_left_alone(a_file: Path) -> None:
+    # ZeroMQ unlinks whatever is at an ipc:// path before binding.
+    line = _serve_refused(["--no-default-l2", "--host", f"ipc://{a_file}"])
+    assert line == (
+        f"error: --host ipc://{a_file}: {a_file} exists and is not a socket; give a path that does not exist"
+    )
+    assert a_file.read_bytes() == b"not a directory"
+
+
+@pytest.fixture
+def listening_socket(tmp_path: Path) -> Iterator[Path]:
+    """A Unix socket another server listens on."""
+    path = tmp_path / "tiers.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as holder:
+        holder.bind(str(path))
+        holder.listen()
+        yield path
+
+
+def test_an_ipc_socket_another_server_listens_on_is_refused(listening_socket: Path) -> None:
+    line = _serve_refused(["--no-default-l2", "--host", f"ipc://{listening_socket}"])
+    assert line == (
+        f"error: --host ipc://{listening_socket}: {listening_socket} is already in use (another server?); "
+        "stop it or give another path"
+    )
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+        client.connect(str(listening_socket))  # the first server's socket is still its own
+
+
+def test_a_stale_ipc_socket_of_a_killed_server_is_taken_over(tmp_path: Path) -> None:
+    path = tmp_path / "tiers.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gone:
+        gone.bind(str(path))  # closed without unlinking, as a killed server leaves it
+    config = build_config(load_registry(), overrides={"host": f"ipc://{path}", "metrics_port": 0})
+    preflight.check_listeners(config)

@@ -13,7 +13,9 @@ in-flight requests finish (or cancels them at the drain deadline), then gives ba
 lock and reservation its clients still hold; pending L2 stores are flushed up to the same
 deadline (:mod:`~lmcache_tiers.server.flush`), the storage is closed (abandoning, and
 counting, what the flush did not store; this unlinks the L1 segment), HTTP stops and a
-summary is printed.  A second signal cuts the drain and the flush short.
+summary is printed.  A second signal cuts the drain and the flush short.  A signal during
+start-up (building L1 and the adapters) interrupts it: what was built is closed, the L1
+segment unlinked, and the exit code is 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -130,12 +132,16 @@ class TiersServer:
         self._stopping = False
         self._force = False
         self._fatal: BaseException | None = None
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_write, False)
         self.storage: StorageManager = StorageManager(config, registry)
         self.http: HttpEndpoint | None = None
         self.frontends: list[Frontend] = []
+        self._wake_read = self._wake_write = -1
         try:
+            # Made after the storage, inside the cleanup: a storage that cannot be built
+            # (a taken segment name, a failing adapter) leaks no descriptors into a process
+            # that goes on, such as one that retries start-up.
+            self._wake_read, self._wake_write = os.pipe()
+            os.set_blocking(self._wake_write, False)
             for index, spec in enumerate(config.frontends):
                 try:
                     frontend = create_frontend(
@@ -314,6 +320,8 @@ class TiersServer:
 
     def _close_pipe(self) -> None:
         for fd in (self._wake_read, self._wake_write):
+            if fd < 0:
+                continue  # never made, or closed already
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._wake_read = self._wake_write = -1
@@ -336,7 +344,8 @@ def run_server(
     banner: bool = True,
 ) -> int:
     """Serve until SIGINT/SIGTERM; returns the process exit code (0 after a clean stop,
-    2 for a configuration mistake, 1 when the server cannot start for another reason)."""
+    2 for a configuration mistake, 1 when the server cannot start for another reason,
+    128 + the signal's number when a signal interrupted start-up)."""
     configure_logging()
     console = Console(highlight=False)
     errors = Console(stderr=True, highlight=False, soft_wrap=True)  # one line, whatever the width
@@ -346,40 +355,76 @@ def run_server(
 
     if os.path.isdir(config.l1_shm_dir):
         remove_stale_segments(config.l1_shm_dir)
+    # Installed before the L1 segment exists: under Python's default action a SIGTERM
+    # while start-up pre-faults L1 (seconds per GiB) ended the process at once, leaving
+    # the whole segment in /dev/shm (a named one is never reaped, and refuses the next
+    # start).
+    signals = _StopSignals()
+    signals.install()
     try:
-        server = TiersServer(config, registry=registry, auth_token=token)
-    except ConfigError as exc:
-        _print_error(errors, str(exc))
-        return 2
-    except (TiersError, OSError) as exc:
-        _print_error(errors, f"cannot start the server: {exc}")
-        return 1
-
-    restore = _install_signal_handlers(server)
-    code = 0
-    try:
-        if banner:
-            console.print(start_banner(server))
-            watch_scans(server.storage.adapters, console)
-        _call_hook(hooks, "tiers_server_started", config=config, storage=server.storage)
-        if ready is not None:
-            ready.set()
-        for frontend in server.frontends:
-            logger.info("serving %s on %s", frontend.name, frontend.address)
         try:
-            with start_up_heap_frozen(), request_threads_favoured():
-                server.serve()
-        except Exception:
-            # A bug in a front end: still give everything back and unlink the segment.
-            logger.exception("serving failed; shutting down")
-            code = 1
-        _call_hook(hooks, "tiers_server_stopping", config=config, storage=server.storage)
-        summary = server.close(console if banner else None)
+            server = _build_server(config, registry, token, signals)
+        except StartUpInterrupted as interrupted:
+            logger.warning("start-up interrupted by %s: stopped before serving", interrupted.name)
+            return 128 + interrupted.signum
+        except ConfigError as exc:
+            _print_error(errors, str(exc))
+            return 2
+        except (TiersError, OSError) as exc:
+            _print_error(errors, f"cannot start the server: {exc}")
+            return 1
+        summary, code = _serve_until_stopped(server, config, hooks, console, ready, banner)
     finally:
-        restore()
+        signals.restore()
     if banner:
         console.print(stop_summary(summary))
     return code
+
+
+def _build_server(
+    config: ServerConfig,
+    registry: ComponentRegistry | None,
+    token: str | None,
+    signals: _StopSignals,
+) -> TiersServer:
+    """The server, with the stop signals handed over to it."""
+    server = TiersServer(config, registry=registry, auth_token=token)
+    try:
+        signals.attach(server)
+    except StartUpInterrupted:
+        # The signal came just before the hand-over: the server exists, close it.
+        server.close()
+        raise
+    return server
+
+
+def _serve_until_stopped(
+    server: TiersServer,
+    config: ServerConfig,
+    hooks: Any,
+    console: Console,
+    ready: threading.Event | None,
+    banner: bool,
+) -> tuple[dict[str, Any], int]:
+    """Serve until a stop, then close the server: (its summary, the exit code)."""
+    code = 0
+    if banner:
+        console.print(start_banner(server))
+        watch_scans(server.storage.adapters, console)
+    _call_hook(hooks, "tiers_server_started", config=config, storage=server.storage)
+    if ready is not None:
+        ready.set()
+    for frontend in server.frontends:
+        logger.info("serving %s on %s", frontend.name, frontend.address)
+    try:
+        with start_up_heap_frozen(), request_threads_favoured():
+            server.serve()
+    except Exception:
+        # A bug in a front end: still give everything back and unlink the segment.
+        logger.exception("serving failed; shutting down")
+        code = 1
+    _call_hook(hooks, "tiers_server_stopping", config=config, storage=server.storage)
+    return server.close(console if banner else None), code
 
 
 def _print_error(errors: Console, message: str) -> None:
@@ -407,23 +452,54 @@ def _call_hook(hooks: Any, name: str, **kwargs: Any) -> None:
         logger.exception("plugin hook %s failed", name)
 
 
-def _install_signal_handlers(server: TiersServer) -> Any:
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    signals = [signal.SIGINT, signal.SIGTERM]
-    previous = {sig: signal.getsignal(sig) for sig in signals}
-    received: list[int] = []
+class StartUpInterrupted(BaseException):
+    """SIGINT/SIGTERM while the server was being built, raised where start-up was.
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        received.append(signum)
-        # Only the flag and an eventfd write happen here: both are async-signal-safe.
-        server.request_stop(force=len(received) > 1)
+    Start-up unwinds through its cleanup (the L1 segment is unlinked, adapters closed, the
+    ports given back) as it does for KeyboardInterrupt, which it is a sibling of: an
+    ``except Exception`` in a plugin does not swallow it.
+    """
 
-    for sig in signals:
-        signal.signal(sig, on_signal)
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
 
-    def restore() -> None:
-        for sig, handler in previous.items():
+
+class _StopSignals:
+    """SIGINT/SIGTERM for the whole of ``run_server``, start-up included.
+
+    Until :meth:`attach` the first signal interrupts start-up (:class:`StartUpInterrupted`)
+    and later ones are ignored, so that they cannot cut the cleanup it unwinds through.
+    Once attached, the first asks the server for a graceful stop and any later one forces
+    it.  Only the main thread can have handlers: elsewhere (a server run inside a test)
+    signals are left as they are.
+    """
+
+    def __init__(self) -> None:
+        self._server: TiersServer | None = None
+        self._received = 0
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._on_signal)
+
+    def attach(self, server: TiersServer) -> None:
+        self._server = server
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous.clear()
 
-    return restore
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._received += 1
+        if self._server is not None:
+            # Only flags and pipe writes happen here: safe whatever the main thread was doing.
+            self._server.request_stop(force=self._received > 1)
+        elif self._received == 1:
+            raise StartUpInterrupted(signum)

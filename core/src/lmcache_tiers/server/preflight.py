@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import stat
 from typing import TYPE_CHECKING
 
 from lmcache_tiers.errors import ConfigError
@@ -135,6 +136,33 @@ def _check_ipc_path(config: ServerConfig, index: int | None, host: str) -> None:
         raise ConfigError(f"{flag} {host}: {parent} {what}; give a socket path in an existing directory")
     if os.path.isdir(path):
         raise ConfigError(f"{flag} {host}: {path} is a directory; give the path of a socket file")
+    _check_ipc_path_free(flag, host, path)
+
+
+def _check_ipc_path_free(flag: str, host: str, path: str) -> None:
+    """ZeroMQ unlinks whatever is at the path before it binds: a file there would be
+    deleted, and a live server's socket taken over (its clients could no longer reach it,
+    and nobody could once this server stops and removes the socket).  Only a socket that
+    nothing listens on any more (left by a server that was killed) may be replaced."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ConfigError(
+            f"{flag} {host}: {path} exists and is not a socket; give a path that does not exist"
+        )
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):  # a stale socket file, or gone
+            return
+        except OSError as exc:
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise ConfigError(f"{flag} {host}: cannot check whether {path} is in use: {reason}") from None
+    raise ConfigError(
+        f"{flag} {host}: {path} is already in use (another server?); stop it or give another path"
+    )
 
 
 def check_listeners(config: ServerConfig) -> None:
