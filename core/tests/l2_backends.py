@@ -6,7 +6,7 @@ import asyncio
 import threading
 import uuid
 import zlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from lmcache_tiers.config import L2AdapterConfig
@@ -178,3 +178,25 @@ def open_dict(
     adapter = create_adapter(backend, settings, facts)
     assert isinstance(adapter, BackendAdapter)
     return adapter
+
+
+class Fifo:
+    """Eviction policy: oldest write first."""
+
+    def __init__(self) -> None:
+        self.order: dict[ObjectKey, None] = {}
+
+    def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
+        for key in keys:
+            self.order.pop(key, None)
+            self.order[key] = None
+
+    def on_keys_read(self, keys: Sequence[ObjectKey]) -> None:
+        return None
+
+    def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
+        for key in keys:
+            self.order.pop(key, None)
+
+    def victims(self) -> Iterator[ObjectKey]:
+        return iter(list(self.order))

@@ -3,10 +3,9 @@ backend that deletes nothing ends the cycle early instead of being asked about e
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
-import pytest
-from l2_backends import DictBackend, open_dict
+from l2_backends import DictBackend, Fifo, open_dict
 
 from lmcache_tiers.config import L2EvictionConfig
 from lmcache_tiers.controllers.base import AdapterSlot
@@ -21,42 +20,12 @@ SIZE = 1000
 OBJECTS = 1000
 
 
-class Fifo:
-    """Eviction policy: oldest write first."""
-
-    def __init__(self) -> None:
-        self.order: dict[ObjectKey, None] = {}
-
-    def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
-        for key in keys:
-            self.order.pop(key, None)
-            self.order[key] = None
-
-    def on_keys_read(self, keys: Sequence[ObjectKey]) -> None:
-        return None
-
-    def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
-        for key in keys:
-            self.order.pop(key, None)
-
-    def victims(self) -> Iterator[ObjectKey]:
-        return iter(list(self.order))
-
-
 class Undeletable(DictBackend):
     """A store whose deletes all fail (down, or denied), while its objects stay there."""
 
     def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         self._called("delete_many")
         return [False] * len(keys)
-
-
-@pytest.fixture
-def adapters() -> Iterator[list[BackendAdapter]]:
-    opened: list[BackendAdapter] = []
-    yield opened
-    for adapter in opened:
-        adapter.close()
 
 
 def full_adapter(adapters: list[BackendAdapter], backend: type[DictBackend]) -> BackendAdapter:

@@ -5,11 +5,11 @@ that did not remove them, they leave the accounting and the eviction policy."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from l2_backends import AsyncDictBackend, DictBackend, Xor, open_dict
+from l2_backends import AsyncDictBackend, DictBackend, Fifo, Xor, open_dict
 
 from lmcache_tiers.config import L2EvictionConfig
 from lmcache_tiers.controllers.base import AdapterSlot
@@ -25,28 +25,6 @@ SIZE = 1000
 WATERMARK = 0.8
 
 BACKENDS = pytest.mark.parametrize("backend", [DictBackend, AsyncDictBackend], ids=["plain", "coroutines"])
-
-
-class Fifo:
-    """Eviction policy: oldest write first."""
-
-    def __init__(self) -> None:
-        self.order: dict[ObjectKey, None] = {}
-
-    def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
-        for key in keys:
-            self.order.pop(key, None)
-            self.order[key] = None
-
-    def on_keys_read(self, keys: Sequence[ObjectKey]) -> None:
-        return None
-
-    def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
-        for key in keys:
-            self.order.pop(key, None)
-
-    def victims(self) -> Iterator[ObjectKey]:
-        return iter(list(self.order))
 
 
 def opened(adapters: list[BackendAdapter], backend: type[DictBackend], objects: int) -> BackendAdapter:

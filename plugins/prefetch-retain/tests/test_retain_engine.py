@@ -75,12 +75,17 @@ def test_loaded_objects_outlive_their_reader_and_stay_evictable(engine: Build) -
     assert storage.evict(keys) == len(keys), "a retained object is an ordinary, evictable one"
 
 
+def write_all_to_l2(storage: StorageManager, keys: list[ObjectKey]) -> None:
+    """Write ``keys`` a few at a time (L1 holds only so many) and wait for their L2 stores."""
+    for start in range(0, len(keys), 4):
+        write(storage, keys[start : start + 4])
+    assert storage.flush(10)
+
+
 def test_loaded_objects_make_room_for_writes_under_lru(engine: Build) -> None:
     storage = engine(eviction_policy="LRU", l2_store_policy="skip_l1")
     loaded = keys_of(L1_OBJECTS)
-    for start in range(0, L1_OBJECTS, 4):
-        write(storage, loaded[start : start + 4])
-    assert storage.flush(10)
+    write_all_to_l2(storage, loaded)
     load_back(storage, loaded)
     write(storage, keys_of(4, start=100))  # L1 is full of loaded objects: eviction frees them
 
@@ -89,9 +94,7 @@ def test_with_noop_eviction_loaded_objects_fill_l1(engine: Build) -> None:
     """Documented: nothing deletes what ``retain`` loads when L1 never evicts."""
     storage = engine(eviction_policy="noop", l2_store_policy="skip_l1")
     loaded = keys_of(L1_OBJECTS)
-    for start in range(0, L1_OBJECTS, 4):
-        write(storage, loaded[start : start + 4])
-    assert storage.flush(10)
+    write_all_to_l2(storage, loaded)
     assert len(storage.l1) == 0, "skip_l1 emptied L1"
     load_back(storage, loaded)
     with pytest.raises(L1OutOfMemoryError):
