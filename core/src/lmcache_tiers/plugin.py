@@ -40,8 +40,10 @@ What each kind of plugin needs:
   ``RecordLoads``, name helpers (``record_name``, ``classify_name``,
   ``EntryKind``, ``is_temp_name``, ``check_relative_dir``, ``record_key``), ``identity_of``,
   ``FileIdentity``, ``is_out_of_space``, ``ABSENT_FILE_ERRORS`` (the errors that mean "no
-  such record"); stores with paths or devices, for their ``preflight``: ``check_directory``,
-  ``check_file``; whether a directory takes ``O_DIRECT``: ``direct_io_refusal``;
+  such record"), ``KeyStripes`` (per-key locks), ``judge_digest_record`` and
+  ``log_unreadable_header`` (listing digest-named records); stores with paths or devices,
+  for their ``preflight``: ``check_directory``, ``check_file``; whether a directory takes
+  ``O_DIRECT``: ``direct_io_refusal``;
 * tests: ``L2AdapterSuite`` (``PERSISTENCE``, ``CAPACITY``, ``EVICTION``, ``IMMEDIATE_MISSES``,
   ``IMMEDIATE_HITS``), ``SerdeSuite``
   (``LOSSLESS``, ``DETECTS_CORRUPTION``, ``BINDS_KEY``),
@@ -113,6 +115,7 @@ if TYPE_CHECKING:
         FileIdentity,
         FileLayout,
         HeaderSizes,
+        KeyStripes,
         LocalFiles,
         PathLock,
         ProcessClaim,
@@ -122,6 +125,8 @@ if TYPE_CHECKING:
         identity_of,
         is_out_of_space,
         is_temp_name,
+        judge_digest_record,
+        log_unreadable_header,
         record_key,
         record_name,
     )
@@ -203,6 +208,7 @@ _LAZY = {
     "FileIdentity": _FILES,
     "FileLayout": _FILES,
     "HeaderSizes": _FILES,
+    "KeyStripes": _FILES,
     "LocalFiles": _FILES,
     "PathLock": _FILES,
     "ProcessClaim": _FILES,
@@ -212,6 +218,8 @@ _LAZY = {
     "identity_of": _FILES,
     "is_out_of_space": _FILES,
     "is_temp_name": _FILES,
+    "judge_digest_record": _FILES,
+    "log_unreadable_header": _FILES,
     "record_key": _FILES,
     "record_name": _FILES,
     "RecordLoads": "lmcache_tiers.l2.files.loads",
@@ -324,6 +332,7 @@ __all__ = [
     "HeaderSizes",
     "ImmediateLookups",
     "KeyCache",
+    "KeyStripes",
     "KeyValidationError",
     "Kind",
     "KindRegistry",
@@ -387,8 +396,10 @@ __all__ = [
     "is_loopback",
     "is_out_of_space",
     "is_temp_name",
+    "judge_digest_record",
     "key_to_name",
     "kv_rank_of",
+    "log_unreadable_header",
     "name_to_key",
     "plan_from_lowest_index",
     "printable",

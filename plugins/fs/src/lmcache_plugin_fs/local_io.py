@@ -181,7 +181,7 @@ class LocalRecords:
                 self.context.header_too_long(key, len(encoded), header_len)
                 return False
             _pwrite_all(fd, memoryview(encoded), 0)
-            self._publish(key, path, fd)
+            self.files.publish(key, path, fd)
             path = None
             return True
         except OSError as exc:
@@ -198,34 +198,6 @@ class LocalRecords:
                 os.close(fd)
             if path is not None:
                 self.files.remove_quietly(path)
-
-    def _publish(self, key: ObjectKey, path: str, fd: int) -> None:
-        """Rename the complete temporary file over ``key``'s record.
-
-        With ``relative_tmp_dir`` the temporary file is created outside the record's
-        directory, so creating it does not notice that a shard directory vanished (removed
-        by an operator or a clean-up job) while the cache of known directories still lists
-        it: the rename is what finds it missing.  The directory is created again and the
-        rename tried once more, instead of failing every store into that shard until a
-        restart.  A temporary file that is gone itself (the whole root vanished) is left
-        to fail: the next store re-creates the root.
-        """
-        try:
-            self.files.publish(key, path, fd)
-        except FileNotFoundError:
-            if not os.path.exists(path):
-                raise
-            layout = self.files.layout
-            directory = layout.directory_for(key)
-            layout.forget_directories()  # the others may be gone too: each is checked again
-            os.makedirs(directory, exist_ok=True)
-            layout.remember(directory)
-            log.info(
-                "%s: %s vanished while in use; created it again",
-                self.context.name,
-                printable(directory, 300),
-            )
-            self.files.publish(key, path, fd)
 
     # -- lookups ------------------------------------------------------------------------------
 

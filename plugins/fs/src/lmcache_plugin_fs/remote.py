@@ -16,7 +16,7 @@ import logging
 import posixpath
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 from lmcache_tiers.plugin import (
@@ -25,6 +25,7 @@ from lmcache_tiers.plugin import (
     EntryKind,
     FileLayout,
     HeaderSizes,
+    KeyStripes,
     ObjectKey,
     ObjectSize,
     RecordError,
@@ -32,15 +33,15 @@ from lmcache_tiers.plugin import (
     classify_name,
     copy_into,
     is_temp_name,
+    judge_digest_record,
+    log_unreadable_header,
     printable,
-    record_key,
     record_name,
     verify_payload,
 )
 
 log = logging.getLogger(__name__)
 
-_STRIPES = 64
 #: the record format's bound on a header
 MAX_HEADER_BYTES = 1 << 16
 
@@ -63,24 +64,14 @@ class RemoteRecords:
         self.read_ahead = read_ahead
         self.failures = failures
         self.sizes = HeaderSizes(lambda key, payload: context.record_header(key, payload, align=RECORD_ALIGN))
-        self._stripes = [threading.Lock() for _ in range(_STRIPES)]
+        self._stripes = KeyStripes()
         fs.makedirs(layout.root, exist_ok=True)
 
     def close(self) -> None:
         pass
 
     def _stripe(self, key: ObjectKey) -> threading.Lock:
-        return self._stripes[hash(key) % _STRIPES]
-
-    @contextmanager
-    def _all_stripes(self) -> Iterator[None]:
-        """Every stripe: held to remove a file whose key is not known (a digest-named file
-        with an unreadable header), so no store of whichever key it is can move a record
-        over it meanwhile.  Taken in order; nothing else holds two stripes at once."""
-        with ExitStack() as stack:
-            for lock in self._stripes:
-                stack.enter_context(lock)
-            yield
+        return self._stripes.of(key)
 
     # -- stores -------------------------------------------------------------------------------
 
@@ -285,16 +276,10 @@ class RemoteRecords:
         misplaced.report()
 
     def _digest_record_key(self, directory: str, name: str, size: int) -> ObjectKey | None:
-        """The key of a digest-named record, from its header; None if it has none.
-
-        No lookup can reach a file whose header does not tell its key, so one whose header
-        cannot be read is removed: ``truncated_records_removed`` when shorter than any
-        header (every header is padded to ``RECORD_ALIGN``), ``corrupt_records_removed``
-        otherwise.  So is one whose header names a key whose record has another name (a
-        load of this name's key removes it too; two keys of one digest name share a file
-        whose header names one of them, under that key's own name: kept).  A read error
-        says nothing about the file: it is counted and left.
-        """
+        """The key of a digest-named record, from its header; None if it has none (one
+        judged damaged is removed and counted, as in a local directory:
+        ``judge_digest_record``).  A read error says nothing about the file: it is counted
+        and left."""
         path = posixpath.join(directory, name)
         try:
             with self.fs.open(path, "rb") as handle:
@@ -303,24 +288,13 @@ class RemoteRecords:
             return None  # deleted since the tree was listed
         except OSError as exc:
             self.context.count("listing_read_errors")
-            log.warning(
-                "%s: cannot read the header of %s: %s; it is not listed (kept: a read error is not damage)",
-                self.context.name,
-                printable(path, 300),
-                exc,
-            )
+            log_unreadable_header(self.context.name, path, exc)
             return None
-        try:
-            key = record_key(prefix)
-        except RecordError as exc:
-            counter = "truncated_records_removed" if size < RECORD_ALIGN else "corrupt_records_removed"
-            self._discard_path(path, self._all_stripes(), size, prefix, counter, str(exc))
+        judged = judge_digest_record(prefix, name, size)
+        if isinstance(judged, tuple):
+            self._discard_path(path, self._stripes.every(), size, prefix, *judged)
             return None
-        if record_name(key) != name:
-            reason = f"its header names {key.file_stem()}, whose record is {record_name(key)}"
-            self._discard_path(path, self._all_stripes(), size, prefix, "corrupt_records_removed", reason)
-            return None
-        return key
+        return judged
 
     def remove_temp_files(self) -> int:
         """Delete temporary files a killed writer left behind; returns how many."""

@@ -19,12 +19,14 @@ from lmcache_tiers.l2.files.layout import (
     is_temp_name,
     record_name,
 )
-from lmcache_tiers.l2.files.local import ABSENT_FILE_ERRORS, FileIdentity, LocalFiles, identity_of
+from lmcache_tiers.l2.files.local import ABSENT_FILE_ERRORS, FileIdentity, KeyStripes, LocalFiles, identity_of
 from lmcache_tiers.l2.files.records import (
     RECORD_ALIGN,
     HeaderSizes,
     WriteFailures,
     is_out_of_space,
+    judge_digest_record,
+    log_unreadable_header,
     record_key,
 )
 
@@ -38,6 +40,7 @@ __all__ = [
     "FileIdentity",
     "FileLayout",
     "HeaderSizes",
+    "KeyStripes",
     "LocalFiles",
     "PathLock",
     "ProcessClaim",
@@ -47,6 +50,8 @@ __all__ = [
     "identity_of",
     "is_out_of_space",
     "is_temp_name",
+    "judge_digest_record",
+    "log_unreadable_header",
     "record_key",
     "record_name",
 ]

@@ -36,10 +36,9 @@ from lmcache_tiers.l2.files.layout import (
     classify_name,
     is_shard_name,
     is_temp_name,
-    record_name,
 )
-from lmcache_tiers.l2.files.records import record_key, unreadable_header_counter
-from lmcache_tiers.l2.record import MAX_HEADER_LEN, RecordError
+from lmcache_tiers.l2.files.records import judge_digest_record, log_unreadable_header
+from lmcache_tiers.l2.record import MAX_HEADER_LEN
 
 log = logging.getLogger("lmcache_tiers.l2.files")
 
@@ -59,6 +58,27 @@ def _shard_directories(directory: str) -> list[str]:
 #: batch -- every key a miss -- rather than answering "absent", which core takes for a
 #: record removed behind its back and forgets while the file may still be on disk.
 ABSENT_FILE_ERRORS = (FileNotFoundError, NotADirectoryError)
+
+
+class KeyStripes:
+    """Per-key locks, striped by the key's hash (collisions only serialise), that keep a
+    store from publishing a key's record while it is being judged or removed."""
+
+    def __init__(self, count: int = _STRIPES) -> None:
+        self._locks = [threading.Lock() for _ in range(count)]
+
+    def of(self, key: ObjectKey) -> threading.Lock:
+        return self._locks[hash(key) % len(self._locks)]
+
+    @contextmanager
+    def every(self) -> Iterator[None]:
+        """Every stripe: held to remove a file whose key is not known (a digest-named file
+        with an unreadable header), so no store of whichever key it is can publish over
+        it meanwhile.  Taken in order; nothing else holds two stripes at once."""
+        with ExitStack() as stack:
+            for lock in self._locks:
+                stack.enter_context(lock)
+            yield
 
 
 class FileIdentity(NamedTuple):
@@ -87,7 +107,7 @@ class LocalFiles:
         self._count = count
         self.fsync = fsync
         self._on_root_recreated = on_root_recreated
-        self._stripes = [threading.Lock() for _ in range(_STRIPES)]
+        self._stripes = KeyStripes()
         os.makedirs(layout.root, exist_ok=True)
         layout.remember(layout.root)
         if layout.temp_dir:
@@ -95,17 +115,7 @@ class LocalFiles:
             layout.remember(layout.temp_dir)
 
     def stripe(self, key: ObjectKey) -> threading.Lock:
-        return self._stripes[hash(key) % _STRIPES]
-
-    @contextmanager
-    def _all_stripes(self) -> Iterator[None]:
-        """Every stripe: held to remove a file whose key is not known (a digest-named file
-        with an unreadable header), so no store of whichever key it is can publish over
-        it meanwhile.  Taken in order; nothing else holds two stripes at once."""
-        with ExitStack() as stack:
-            for lock in self._stripes:
-                stack.enter_context(lock)
-            yield
+        return self._stripes.of(key)
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -157,19 +167,41 @@ class LocalFiles:
         """
         final = self.layout.path_for(key)
         if not self.fsync:
-            with self.stripe(key):
-                os.rename(temp_path, final)
+            self._rename(key, temp_path, final)
             return
         if fd is not None:
             os.fsync(fd)
         published = identity_of(os.lstat(temp_path))  # the inode keeps it through the rename
-        with self.stripe(key):
-            os.rename(temp_path, final)
+        self._rename(key, temp_path, final)
         try:
             self._fsync_directory(os.path.dirname(final))
         except OSError:
             self._withdraw(key, published)
             raise
+
+    def _rename(self, key: ObjectKey, temp_path: str, final: str) -> None:
+        """Move the temporary file over ``key``'s record.
+
+        With a temporary directory apart from the records (``temp_dir``), creating the
+        temporary file does not notice that the record's directory vanished (removed by an
+        operator or a clean-up job) while the cache of known directories still lists it:
+        the rename is what finds it missing.  The tree is created again and the rename tried
+        once more, instead of failing every store into that directory until a restart.  A
+        temporary file that is gone itself fails: the next store re-creates the root.
+        """
+        try:
+            with self.stripe(key):
+                os.rename(temp_path, final)
+            return
+        except FileNotFoundError:
+            if not os.path.exists(temp_path):
+                raise
+        self._recreate()
+        directory = os.path.dirname(final)
+        self._ensure(directory)
+        log.info("%s: %s vanished while in use; created it again", self.name, printable(directory, 300))
+        with self.stripe(key):
+            os.rename(temp_path, final)
 
     def _withdraw(self, key: ObjectKey, published: FileIdentity) -> None:
         """Remove the record a failing store published (not one a later store replaced it
@@ -340,31 +372,18 @@ class LocalFiles:
         misplaced.report()
 
     def _digest_record_key(self, entry: os.DirEntry[str]) -> ObjectKey | None:
-        """The key of a digest-named record, from its header; None if it has none.
-
-        No lookup can reach a file whose header does not tell its key, so one whose header
-        cannot be read (zero-length, torn, garbage) is removed and counted as a named
-        record would be: ``truncated_records_removed`` when shorter than any header,
-        ``corrupt_records_removed`` otherwise.  So is one whose header names a key whose
-        record has another name: a load of this name's key removes it too, as another
-        key's record.  (Two keys of one digest name -- a hash collision -- share one file
-        whose header names one of them, and that key's record name is this one: kept.)
-        A read error says nothing about the file: it is counted and left.
-        """
+        """The key of a digest-named record, from its header; None if it has none (one
+        judged damaged is removed and counted, :func:`~.records.judge_digest_record`).  A
+        read error says nothing about the file: it is counted and left."""
         header = self._read_header(entry.path)
         if header is None:
             return None
         data, identity, size = header
-        try:
-            key = record_key(data)
-        except RecordError as exc:
-            self._discard_unkeyed(entry.path, identity, unreadable_header_counter(size), str(exc))
+        judged = judge_digest_record(data, entry.name, size)
+        if isinstance(judged, tuple):
+            self._discard_unkeyed(entry.path, identity, *judged)
             return None
-        if record_name(key) != entry.name:
-            reason = f"its header names {key.file_stem()}, whose record is {record_name(key)}"
-            self._discard_unkeyed(entry.path, identity, "corrupt_records_removed", reason)
-            return None
-        return key
+        return judged
 
     def _read_header(self, path: str) -> tuple[bytes, FileIdentity, int] | None:
         """(the first bytes, identity, size) of a record file; None if it cannot be read."""
@@ -384,18 +403,13 @@ class LocalFiles:
         finally:
             os.close(fd)
 
-    def _unreadable(self, path: str, exc: OSError) -> None:
-        self._count("listing_read_errors", 1)
-        log.warning(
-            "%s: cannot read the header of %s: %s; it is not listed (kept: a read error is not damage)",
-            self.name,
-            printable(path, 300),
-            exc,
-        )
-
     def _discard_unkeyed(self, path: str, identity: FileIdentity, counter: str, reason: str) -> bool:
         """:meth:`discard` of a file whose key is not known: every stripe is held."""
-        return self._discard_path(path, identity, self._all_stripes(), counter, reason)
+        return self._discard_path(path, identity, self._stripes.every(), counter, reason)
+
+    def _unreadable(self, path: str, exc: OSError) -> None:
+        self._count("listing_read_errors", 1)
+        log_unreadable_header(self.name, path, exc)
 
     def remove_temp_files(self) -> int:
         """Delete temporary files a killed writer left behind; returns how many.

@@ -11,12 +11,16 @@ refused when it is written, never read at the wrong offset.
 from __future__ import annotations
 
 import errno
+import logging
 from collections.abc import Callable
 
 from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.keycodec import printable
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2.record import MAX_HEADER_LEN, decode_header
+from lmcache_tiers.l2.files.layout import record_name
+from lmcache_tiers.l2.record import MAX_HEADER_LEN, RecordError, decode_header
+
+_log = logging.getLogger("lmcache_tiers.l2.files")
 
 __all__ = [
     "MAX_HEADER_LEN",
@@ -24,8 +28,9 @@ __all__ = [
     "HeaderSizes",
     "WriteFailures",
     "is_out_of_space",
+    "judge_digest_record",
+    "log_unreadable_header",
     "record_key",
-    "unreadable_header_counter",
 ]
 
 #: headers are padded to this, the payload starts on a block boundary
@@ -54,12 +59,39 @@ def record_key(data: bytes | memoryview) -> ObjectKey:
     return decode_header(data).key
 
 
-def unreadable_header_counter(file_size: int) -> str:
-    """The counter of a removed record whose header cannot be read (a digest-named one,
-    whose key only the header tells): like a named record, one shorter than its header is
-    truncated -- every header is at least ``RECORD_ALIGN`` bytes, being padded to it --
-    and a longer one with a header that does not decode is corrupt."""
-    return "truncated_records_removed" if file_size < RECORD_ALIGN else "corrupt_records_removed"
+def judge_digest_record(data: bytes | memoryview, name: str, file_size: int) -> ObjectKey | tuple[str, str]:
+    """The key a digest-named record file ``name`` holds, from its header ``data``; or,
+    for a file to be removed, (the counter, the reason).
+
+    No lookup can reach a file whose header does not tell its key, so one whose header
+    cannot be read (zero-length, torn, garbage) goes as a named record would:
+    ``truncated_records_removed`` when shorter than any header (every header is padded to
+    ``RECORD_ALIGN``), ``corrupt_records_removed`` otherwise.  So does one whose header
+    names a key whose record has another name: a load of this name's key removes it too,
+    as another key's record.  (Two keys of one digest name -- a hash collision -- share one
+    file whose header names one of them, and that key's record name is this one: kept.)
+    """
+    try:
+        key = record_key(data)
+    except RecordError as exc:
+        counter = "truncated_records_removed" if file_size < RECORD_ALIGN else "corrupt_records_removed"
+        return counter, str(exc)
+    if record_name(key) != name:
+        return "corrupt_records_removed", (
+            f"its header names {key.file_stem()}, whose record is {record_name(key)}"
+        )
+    return key
+
+
+def log_unreadable_header(store: str, path: str, exc: OSError) -> None:
+    """The line for a record file whose header a listing could not read (counted as
+    ``listing_read_errors`` by the caller): a read error is not damage, the file stays."""
+    _log.warning(
+        "%s: cannot read the header of %s: %s; it is not listed (kept: a read error is not damage)",
+        store,
+        printable(path, 300),
+        exc,
+    )
 
 
 def is_out_of_space(exc: BaseException) -> bool:
