@@ -247,7 +247,10 @@ class PrefetchPolicy(Protocol):
 
         ``found[i][k]`` tells whether adapter ``adapters[i]`` holds ``keys[k]``.  A key
         should be planned from at most one adapter that found it; the controller trims
-        the plan to its contiguous prefix.
+        the plan to its contiguous prefix.  Each bitmap is ``len(keys)`` booleans (a list,
+        a tuple or a numpy bool array); any other answer is the policy's failure, counted
+        as ``prefetch_policy_error`` (the request is an L2 miss), and keys planned from an
+        adapter not among ``adapters`` end the prefix (``prefetch_policy_bad_adapter``).
         """
         ...
 

@@ -31,6 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
+from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.controllers.base import AdapterSlot, ControllerThread, TaskTracker
 from lmcache_tiers.controllers.prefetch_handles import PrefetchHandles
 from lmcache_tiers.controllers.prefetch_locks import PrefetchLocks
@@ -38,6 +39,7 @@ from lmcache_tiers.controllers.prefetch_requests import (
     PrefetchLoad,
     PrefetchRequest,
     contiguous_sources,
+    load_plan,
     unique_prefix,
 )
 from lmcache_tiers.controllers.prefetch_results import HeldResult
@@ -75,6 +77,7 @@ class PrefetchController(ControllerThread):
         self.max_in_flight = max_in_flight
         self._locks = PrefetchLocks(l1, self.slots, stats, evict=evict, align=align)
         self._handles = PrefetchHandles(self._locks.release_read, stats, result_ttl_s=result_ttl_s)
+        self._burst = BurstLog(logger)  # a policy's bad plans: one line per minute
         # controller thread only:
         self._claimed: Counter[ObjectKey] = Counter()  # keys an active request may load
         self._lookups = TaskTracker[PrefetchRequest, LookupResult](
@@ -273,11 +276,14 @@ class PrefetchController(ControllerThread):
         positions = sorted(request.found)
         found = [request.found[index].found for index in positions]
         try:
-            plan = self.policy.select_load_plan(keys, found, [self.slots[i].info() for i in positions])
+            # A third-party policy's malformed answer is its failure too (see ``load_plan``).
+            answer = self.policy.select_load_plan(keys, found, [self.slots[i].info() for i in positions])
+            plan = load_plan(answer, len(keys))
         except Exception:
             logger.exception("prefetch policy failed; treating request %d as an L2 miss", request.handle)
             self.stats.fail("prefetch_policy_error")
             plan = {}
+        self._drop_unasked(request, plan)
         sources = contiguous_sources(keys, plan, request.found)
         self._locks.reserve_planned(request, sources, temporary=not self.policy.retain_loaded)
         # Phase 1: drop pins of everything that will not be loaded from that adapter.
@@ -289,6 +295,26 @@ class PrefetchController(ControllerThread):
             self._submit_load(request, self.slots[index], load_keys)
         if not request.loads:
             self._hand_off(request)
+
+    def _drop_unasked(self, request: PrefetchRequest, plan: dict[int, list[bool]]) -> None:
+        """Remove from ``plan`` the adapters this request did not ask (an index no adapter
+        has, or one whose lookup did not answer): nothing can be loaded from them, and the
+        keys planned there end the prefix -- counted and logged, not passed over unseen."""
+        for index in [index for index in plan if index not in request.found]:
+            planned = sum(plan.pop(index))
+            if not planned:
+                continue
+            self.stats.fail("prefetch_policy_bad_adapter", planned)
+            self._burst.warn(
+                "prefetch_policy_bad_adapter",
+                "prefetch policy planned %d keys of request %d from adapter %r, which %s: not loaded",
+                planned,
+                request.handle,
+                index,
+                "this request did not ask"
+                if 0 <= index < len(self.slots)
+                else f"does not exist ({len(self.slots)} adapters)",
+            )
 
     def _submit_load(self, request: PrefetchRequest, slot: AdapterSlot, keys: list[ObjectKey]) -> None:
         objects = [request.reserved[key] for key in keys]

@@ -10,8 +10,11 @@ reaches once the loads are in.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Loan, L1Object
@@ -93,6 +96,27 @@ class PrefetchLoad:
                     ok = False
             committed.append(ok)
         return committed
+
+
+def load_plan(answer: Any, count: int) -> dict[int, list[bool]]:
+    """A prefetch policy's answer as {adapter index: bitmap over the ``count`` keys};
+    raises TypeError or ValueError for an answer of the wrong shape (not a mapping, an
+    index that is not an int, a bitmap that is not ``count`` booleans)."""
+    if not isinstance(answer, Mapping):
+        raise TypeError(f"select_load_plan returned {type(answer).__name__}, not a mapping")
+    plan: dict[int, list[bool]] = {}
+    for index, bitmap in answer.items():
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise TypeError(f"select_load_plan named adapter {index!r}, not an int index")
+        flags = bitmap.tolist() if isinstance(bitmap, np.ndarray) else bitmap
+        if not isinstance(flags, (list, tuple)):
+            raise TypeError(f"select_load_plan gave adapter {index} a {type(bitmap).__name__}, not a bitmap")
+        if len(flags) != count:
+            raise ValueError(f"select_load_plan gave adapter {index} {len(flags)} flags for {count} keys")
+        if not all(type(flag) is bool for flag in flags):
+            raise TypeError(f"select_load_plan gave adapter {index} flags that are not booleans")
+        plan[index] = list(flags)
+    return plan
 
 
 def contiguous_sources(
