@@ -45,18 +45,29 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _OK = p.ErrorCode.OK.value
-_RCVMORE = int(zmq.RCVMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 # The backend's methods, without the sugar wrappers (routing_id/group support for socket
-# types a client does not use): a few hundred nanoseconds per request.  A header received
-# as bytes and its "more" flag read from the backend cost less than a Frame and its
-# properties.
+# types a client does not use): a few hundred nanoseconds per request.  A reply's first
+# frame is received as a Frame, whose ``more`` reads the message's own flag: a
+# getsockopt(RCVMORE) costs more than the receive, since pyzmq turns the option into an
+# enum member in Python on every call.
 _raw_send = zmq.backend.Socket.send
 _raw_recv = zmq.backend.Socket.recv
 _raw_get = zmq.backend.Socket.get
 # Monitor endpoints are named uniquely: a closed client's name may stay bound for a while.
 _MONITORS = itertools.count()
+
+
+def _rest_of_message(sock: zmq.Socket[bytes]) -> list[bytes]:
+    """The frames after a message's first, received as bytes (they arrive together with
+    it, so these receives do not block)."""
+    frames: list[bytes] = []
+    while True:
+        frame = _raw_recv(sock, 0, False)
+        frames.append(frame.bytes)
+        if not frame.more:
+            return frames
 
 
 class Connection:
@@ -196,13 +207,12 @@ class Connection:
             self._send(header, (), deadline)  # waits for the server to be reachable
         self._outstanding.add(req_id)
         try:
-            data = _raw_recv(sock)
+            first = _raw_recv(sock, 0, False)
         except zmq.Again:
             return self._await(request, expect, deadline)[0]  # no reply yet: times out there
-        if _raw_get(sock, _RCVMORE):
-            frames = [data]
-            while _raw_get(sock, _RCVMORE):
-                frames.append(_raw_recv(sock))
+        data: bytes = first.bytes
+        if first.more:
+            frames = [data, *_rest_of_message(sock)]
             self._early_or_settle(frames)
             return self._await(request, expect, deadline)[0]
         try:
@@ -329,12 +339,12 @@ class Connection:
                     part = sock.recv(copy=False)
                     frames.append(part)
                 return frames
-            frames = [_raw_recv(sock)]
-            while _raw_get(sock, _RCVMORE):
-                frames.append(_raw_recv(sock))
+            first = _raw_recv(sock, 0, False)
         except zmq.Again:
             return None
-        return frames
+        if not first.more:
+            return [first.bytes]
+        return [first.bytes, *_rest_of_message(sock)]
 
     def _send(self, header: bytes, payloads: Sequence[Any], deadline: float) -> None:
         sock = self._socket

@@ -22,9 +22,7 @@ from lmcache_tiers.plugin import wire_protocol as p
 
 logger = logging.getLogger(__name__)
 
-_RCVMORE = int(zmq.RCVMORE)
 _raw_recv = zmq.backend.Socket.recv
-_raw_get = zmq.backend.Socket.get
 
 
 class RpcServer:
@@ -103,9 +101,10 @@ class RpcServer:
     def _receive_one(self) -> None:
         """Receive and handle one message, or return at the receive timeout."""
         sock = self.socket
-        # Identity and header as bytes, with the "more" flag from the backend's getsockopt
-        # (pyzmq's sugar would look the option up in Python): cheaper than Frames and
-        # their properties.  Payload frames stay Frames, not copied.
+        # The identity as bytes, the header as a Frame whose ``more`` reads the message's
+        # own flag: a getsockopt(RCVMORE) costs more than the receive, since pyzmq turns
+        # the option into an enum member in Python on every call.  Payload frames stay
+        # Frames, not copied.
         try:
             identity: bytes = _raw_recv(sock)
         except zmq.Again:
@@ -114,11 +113,11 @@ class RpcServer:
             logger.warning("receive failed: %s", exc)
             return
         # A ROUTER hands every message over behind its sender's identity, and a message has
-        # at least one frame: a header follows (no RCVMORE asked, a getsockopt costs more
-        # than the receive).  Parts of a multipart message arrive together, so these
-        # receives cannot block.
-        header: bytes = _raw_recv(sock)
-        more = _raw_get(sock, _RCVMORE)
+        # at least one frame: a header follows.  Parts of a multipart message arrive
+        # together, so these receives cannot block.
+        first = _raw_recv(sock, 0, False)
+        header: bytes = first.bytes
+        more = first.more
         frames: list[Any] = []
         total = len(header)
         too_large = total > p.MAX_HEADER_BYTES
