@@ -38,11 +38,11 @@ GIB = 1 << 30
 class FirstFitAllocator(ExtentAllocator):
     """Baseline: the lowest-addressed free extent that fits (a linear scan by address)."""
 
-    def _take(self, need: int) -> int | None:
+    def _fit(self, need: int) -> tuple[int, int] | None:
         for offset, length in self.free_extents():
             if length >= need:
                 del self._by_size[bisect_left(self._by_size, self._pack(offset, length))]
-                return self._claim(offset, length, need)
+                return offset, length
         return None
 
 

@@ -186,3 +186,85 @@ def test_a_single_fit_is_never_refused_when_a_hole_is_big_enough() -> None:
     offsets = allocator.allocate_many([A] * 16) or []
     allocator.free_many(offsets[3:7])
     assert allocator.allocate_many([4 * A]) == [offsets[3]]
+
+
+class BatchesMatchSingles(RuleBasedStateMachine):
+    """A batch is placed and freed exactly as its extents one by one would be: the same
+    offsets and the same free list (runs of equal sizes are carved in one step, and
+    extents freed side by side coalesce in one step)."""
+
+    @initialize(units=st.integers(1, 96), align=st.sampled_from([1, 64, 4096]))
+    def setup(self, units: int, align: int) -> None:
+        self.batched = ExtentAllocator(units * align, align)
+        self.single = ExtentAllocator(units * align, align)
+        self.live: list[int] = []
+
+    @rule(
+        sizes=st.lists(
+            st.one_of(st.sampled_from([1, 2, 3]).map(lambda units: units * 4096), st.integers(0, 9000)),
+            max_size=12,
+        ),
+        repeat=st.integers(1, 8),
+    )
+    def allocate(self, sizes: list[int], repeat: int) -> None:
+        sizes = [size for size in sizes for _ in range(repeat)]  # runs of equal sizes
+        got = self.batched.allocate_many(sizes)
+        expected: list[int] | None = []
+        for size in sizes:
+            one = self.single.allocate_many([size])
+            if one is None:
+                for done in reversed(expected or []):
+                    self.single.free_many([done])
+                expected = None
+                break
+            assert expected is not None
+            expected.extend(one)
+        assert got == expected
+        self.live.extend(got or [])
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        chosen = data.draw(st.lists(st.sampled_from(self.live), unique=True, min_size=1))
+        self.batched.free_many(chosen)
+        for offset in chosen:
+            self.single.free_many([offset])
+            self.live.remove(offset)
+
+    @invariant()
+    def same_state(self) -> None:
+        assert self.batched.free_extents() == self.single.free_extents()
+        assert self.batched._by_size == self.single._by_size
+        assert self.batched._used == self.single._used
+        assert self.batched.allocated_bytes == self.single.allocated_bytes
+
+
+TestBatchesMatchSingles = BatchesMatchSingles.TestCase
+TestBatchesMatchSingles.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_a_run_of_equal_sizes_is_carved_from_the_best_fit_then_the_next() -> None:
+    allocator = ExtentAllocator(32 * A, A)
+    offsets = allocator.allocate_many([A] * 32) or []
+    # holes of 3, 5 and 2 units
+    allocator.free_many(offsets[1:4] + offsets[10:15] + offsets[20:22])
+    # best fit for 1 unit: the 2-unit hole, then the 3-unit one, then the 5-unit one
+    assert allocator.allocate_many([A] * 6) == [
+        offsets[20],
+        offsets[21],
+        offsets[1],
+        offsets[2],
+        offsets[3],
+        offsets[10],
+    ]
+    assert allocator.free_extents() == [(offsets[11], 4 * A)]
+
+
+def test_freeing_side_by_side_extents_with_one_unknown_frees_nothing() -> None:
+    allocator = ExtentAllocator(8 * A, A)
+    offsets = allocator.allocate_many([A] * 4) or []
+    with pytest.raises(ValueError):
+        allocator.free_many([*offsets[:3], 5 * A])
+    assert allocator.allocated_bytes == 4 * A
+    allocator.free_many(offsets[:3])
+    assert allocator.free_extents() == [(0, 3 * A), (4 * A, 4 * A)]
