@@ -50,6 +50,14 @@ TokenOption = Annotated[
 TimeoutOption = Annotated[
     float, typer.Option("--timeout", min=0.01, max=MAX_TIMEOUT_S, help="Seconds to wait for each reply.")
 ]
+#: the help of --timeout where a command waits for a server that does not answer yet
+WAIT_TIMEOUT_HELP = (
+    "Seconds to wait for each reply, and for a server that is not up yet to answer "
+    "(a note on stderr says so meanwhile)."
+)
+WaitTimeoutOption = Annotated[
+    float, typer.Option("--timeout", min=0.01, max=MAX_TIMEOUT_S, help=WAIT_TIMEOUT_HELP)
+]
 
 
 def status(
@@ -160,7 +168,7 @@ def bench(
     inline: Annotated[bool, typer.Option(help="Also measure inline (socket) transfers.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
     auth_token: TokenOption = None,
-    timeout: TimeoutOption = 60.0,
+    timeout: WaitTimeoutOption = 60.0,
 ) -> None:
     """Store and retrieve chunks through a running server and time it against memcpy.
 
@@ -170,10 +178,12 @@ def bench(
     process holds the batch twice (the chunks, and the buffers they are retrieved into); a
     batch larger than the server's L1 or than the memory available here is refused first.
     """
+    from lmcache_tiers.cli.connect import wait_for_server
     from lmcache_tiers.client import ClientError
     from lmcache_tiers.server.benchmark import BenchSizeError
 
     try:
+        wait_for_server(url, timeout=timeout, auth_token=auth_token)
         result = run_with_progress(
             url,
             chunks=chunks,

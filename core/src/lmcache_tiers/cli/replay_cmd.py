@@ -12,7 +12,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from lmcache_tiers.cli.commands_server import MAX_TIMEOUT_S, server_url
+from lmcache_tiers.cli.commands_server import MAX_TIMEOUT_S, WAIT_TIMEOUT_HELP, server_url
 from lmcache_tiers.cli.output import fail, stderr, stdout
 from lmcache_tiers.config import ServerConfig
 from lmcache_tiers.replay.trace import REPLAY_MODEL, REPLAY_SALT
@@ -168,9 +168,7 @@ def replay(
     clients: Annotated[
         int, typer.Option(min=1, help="Client processes sharing the requests (server mode).")
     ] = 1,
-    timeout: Annotated[
-        float, typer.Option(min=0.01, max=MAX_TIMEOUT_S, help="Seconds to wait for each reply.")
-    ] = 60.0,
+    timeout: Annotated[float, typer.Option(min=0.01, max=MAX_TIMEOUT_S, help=WAIT_TIMEOUT_HELP)] = 60.0,
     auth_token: Annotated[
         Optional[str],
         typer.Option(envvar="LMCACHE_TIERS_AUTH_TOKEN", help="Token, if the server requires one."),
@@ -470,11 +468,13 @@ def _in_process(
 
 
 def _server(trace: Any, options: Any, url: str, clients: int, auth_token: str | None, as_json: bool) -> None:
+    from lmcache_tiers.cli.connect import wait_for_server
     from lmcache_tiers.client import ClientError
     from lmcache_tiers.replay.server import replay_server
 
     progress = _progress(not as_json)
     try:
+        wait_for_server(url, timeout=options.timeout_s, auth_token=auth_token)
         with progress:
             task = progress.add_task(f"replaying via {url}", total=len(trace.requests))
             report = replay_server(
