@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from thirdparty import free_port, run_cli
+from thirdparty import free_port, run_cli, serve_cli
 
 from lmcache_tiers.config import build_config
 from lmcache_tiers.errors import ConfigError
@@ -114,6 +114,60 @@ def test_a_second_adapter_is_checked_too(a_file: Path, tmp_path: Path) -> None:
     line = _serve_refused(["--l2-adapter", json.dumps(good), "--l2-adapter", json.dumps(bad)])
     assert "`$.l2_adapters[1].path`" in line, line
     assert not (tmp_path / "good").exists()  # the pre-flight creates nothing
+
+
+def test_a_second_server_on_a_directory_a_running_server_holds_is_refused_before_l1(tmp_path: Path) -> None:
+    if "fs" not in load_registry().names(Kind.L2_ADAPTER):
+        pytest.skip("the fs adapter plugin is not installed")
+    locks = {"LMCACHE_TIERS_LOCK_DIR": str(tmp_path / "locks")}
+    root = tmp_path / "l2"
+    adapter = json.dumps({"type": "fs", "path": str(root)})
+    first = serve_cli(["--l2-adapter", adapter, "--l1-size-gb", "0.25"], None, tmp_path / "first", **locks)
+    try:
+        # L1 is pre-faulted only after the pre-flight: a larger one changes nothing here
+        result = run_cli(
+            [
+                "serve",
+                "--l2-adapter",
+                adapter,
+                "--l1-size-gb",
+                "2",
+                "--shm-name",
+                f"tiers_preflight_{uuid.uuid4().hex[:10]}",
+                "--port",
+                str(free_port()),
+                "--metrics-port",
+                "0",
+            ],
+            LMCACHE_LOG_LEVEL="DEBUG",
+            **NARROW,
+            **locks,
+        )
+        assert first.proc.poll() is None, first.output()
+    finally:
+        first.stop()
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [
+        f"error: fs: the fs directory {root} is in use by another lmcache-tiers server "
+        f"(pid {first.proc.pid}); give each server its own directory - at `$.l2_adapters[0].path`"
+    ], result.stderr
+    assert "L1 arena" not in result.stderr + result.stdout  # what building L1 logs
+
+
+def test_two_adapters_of_one_config_on_one_directory_are_refused_before_l1(tmp_path: Path) -> None:
+    if "fs" not in load_registry().names(Kind.L2_ADAPTER):
+        pytest.skip("the fs adapter plugin is not installed")
+    one = {"type": "fs", "path": str(tmp_path / "l2")}
+    two = {"type": "fs", "base_path": f"file://{tmp_path}/l2/../l2"}
+    line = _serve_refused(
+        ["--l2-adapter", json.dumps(one), "--l2-adapter", json.dumps(two)],
+        LMCACHE_TIERS_LOCK_DIR=str(tmp_path / "locks"),
+    )
+    assert line == (
+        f"error: fs: the fs directory {tmp_path}/l2/../l2 is already used by another adapter of this "
+        "server; give each adapter its own directory - at `$.l2_adapters[1].base_path`"
+    )
+    assert os.listdir(tmp_path) == []  # neither the directory nor a lock file
 
 
 def test_an_l1_larger_than_dev_shm_is_refused_before_mapping() -> None:

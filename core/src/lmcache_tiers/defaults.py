@@ -13,7 +13,8 @@ cache fills.  The start-up scan counts what earlier runs left, so the cache stay
 capacity across restarts.
 
 One default server per user and cache directory: a second one is refused with a hint
-(:func:`claim_default_l2`), not left to fail on the adapter's directory lock.
+(:func:`claim_default_l2`, taken before the pre-flight), not left to fail on the
+adapter's directory lock or its pre-flight probe.
 """
 
 from __future__ import annotations

@@ -42,7 +42,9 @@ What each kind of plugin needs:
   ``FileIdentity``, ``is_out_of_space``, ``ABSENT_FILE_ERRORS`` (the errors that mean "no
   such record"), ``KeyStripes`` (per-key locks), ``judge_digest_record`` and
   ``log_unreadable_header`` (listing digest-named records); stores with paths or devices,
-  for their ``preflight``: ``check_directory``, ``check_file``; whether a directory takes
+  for their ``preflight``: ``check_directory``, ``check_file``, a directory another server
+  holds ``check_directory_free``, a device named by two adapters ``check_claimed_once``;
+  whether a directory takes
   ``O_DIRECT``: ``direct_io_refusal``;
 * tests: ``L2AdapterSuite`` (``PERSISTENCE``, ``CAPACITY``, ``EVICTION``, ``IMMEDIATE_MISSES``,
   ``IMMEDIATE_HITS``), ``SerdeSuite``
@@ -132,7 +134,13 @@ if TYPE_CHECKING:
     )
     from lmcache_tiers.l2.files.loads import RecordLoads
     from lmcache_tiers.l2.interface import L2Adapter, L2Listener, L2Op, LookupResult
-    from lmcache_tiers.l2.preflight import check_directory, check_file, direct_io_refusal
+    from lmcache_tiers.l2.preflight import (
+        check_claimed_once,
+        check_directory,
+        check_directory_free,
+        check_file,
+        direct_io_refusal,
+    )
     from lmcache_tiers.l2.readers import SlotReaders
     from lmcache_tiers.l2.record import (
         PREFIX_SIZE,
@@ -223,7 +231,9 @@ _LAZY = {
     "record_key": _FILES,
     "record_name": _FILES,
     "RecordLoads": "lmcache_tiers.l2.files.loads",
+    "check_claimed_once": "lmcache_tiers.l2.preflight",
     "check_directory": "lmcache_tiers.l2.preflight",
+    "check_directory_free": "lmcache_tiers.l2.preflight",
     "check_file": "lmcache_tiers.l2.preflight",
     "direct_io_refusal": "lmcache_tiers.l2.preflight",
     "L2Adapter": _L2,
@@ -377,7 +387,9 @@ __all__ = [
     "TiersError",
     "WriteFailures",
     "__version__",
+    "check_claimed_once",
     "check_directory",
+    "check_directory_free",
     "check_file",
     "check_relative_dir",
     "chunk_hashes",

@@ -6,13 +6,15 @@ import os
 from pathlib import Path
 
 import pytest
-from dax_helpers import config, open_dax, shm_dir
+from dax_helpers import SLOT, config, open_dax, shm_dir, size_gb
 from lmcache_plugin_dax import DaxConfig, DaxDevice
+from lmcache_plugin_dax.backend import DaxBackend
 from slot_helpers import plugins_show_rows, small_tmpfs
 
-from lmcache_tiers.config import decode_adapter
+from lmcache_tiers.config import FieldError, decode_adapter
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.plugins import load_registry
+from lmcache_tiers.testing.files import held_by_another_process
 
 
 def decode(**fields: object) -> DaxConfig:
@@ -119,6 +121,30 @@ def test_two_adapters_on_one_mapping_are_refused() -> None:
         finally:
             first.close()
         open_dax(cfg).close()
+
+
+def test_the_preflight_refuses_a_mapping_another_process_holds() -> None:
+    with shm_dir() as directory:
+        first, second = directory / "a.img", directory / "b.img"
+        cfg = DaxConfig(
+            devices=[
+                DaxDevice(device_path=str(first), max_dax_size_gb=size_gb(16)),
+                DaxDevice(device_path=str(second), max_dax_size_gb=size_gb(16)),
+            ],
+            slot_bytes=SLOT,
+        )
+        second.write_bytes(b"")
+        with held_by_another_process(str(second), device=True):
+            with pytest.raises(FieldError) as caught:
+                DaxBackend.preflight(cfg)
+            assert caught.value.field == "devices[1].device_path"
+            assert str(caught.value) == (
+                f"{second} is in use by another dax adapter (this server or another one holds its "
+                "lock); give each adapter a device of its own"
+            )
+        DaxBackend.preflight(cfg)
+        assert sorted(os.listdir(directory)) == ["b.img"]  # nothing created, nothing written
+        assert second.stat().st_size == 0
 
 
 def test_a_file_holding_a_filesystem_is_refused(tmp_path: Path) -> None:

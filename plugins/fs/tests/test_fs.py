@@ -23,11 +23,15 @@ from fs_helpers import (
     record_files,
     store,
 )
+from lmcache_plugin_fs import FsConfig
+from lmcache_plugin_fs.backend import FsBackend
 
-from lmcache_tiers.config import L2EvictionConfig, decode_adapter
+from lmcache_tiers.config import FieldError, L2EvictionConfig, decode_adapter
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2.files.dirlock import LOCK_DIR_ENV
 from lmcache_tiers.plugins import load_registry
+from lmcache_tiers.testing.files import held_by_another_process
 from lmcache_tiers.testing.l2 import make_keys, pattern
 from lmcache_tiers.testing.l2_restarts import fill_across_restarts
 
@@ -276,6 +280,40 @@ def test_two_adapters_on_one_directory_are_refused(tmp_path: Path) -> None:
     finally:
         first.close()
     open_fs(fs_config(str(tmp_path))).close()
+
+
+def test_the_preflight_refuses_a_directory_another_server_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path / "locks"))
+    root = tmp_path / "cache"
+    with held_by_another_process(str(root)) as holder:
+        for cfg, field in (
+            (fs_config(str(root)), "path"),
+            (FsConfig(base_path=f"file://{root}"), "base_path"),
+        ):
+            with pytest.raises(FieldError) as caught:
+                FsBackend.preflight(cfg)
+            assert caught.value.field == field
+            assert str(caught.value) == (
+                f"the fs directory {root} is in use by another lmcache-tiers server (pid {holder.pid}); "
+                "give each server its own directory"
+            )
+        # the same words as the open, which stays the authority
+        with pytest.raises(
+            ConfigError, match=f"the fs directory {root} is in use by .* \\(pid {holder.pid}\\)"
+        ):
+            open_fs(fs_config(str(root)))
+    FsBackend.preflight(fs_config(str(root)))  # its lock file is left, held by nobody
+    assert os.listdir(tmp_path / "locks")
+    FsBackend.preflight(fs_config(str(tmp_path / "new")))
+    assert not (tmp_path / "new").exists()  # the pre-flight creates nothing
+    adapter = open_fs(fs_config(str(root)))
+    try:
+        with pytest.raises(FieldError, match="already used by another adapter of this server"):
+            FsBackend.preflight(fs_config(str(root)))
+    finally:
+        adapter.close()
 
 
 def test_control_characters_in_names_are_escaped_in_log_lines(

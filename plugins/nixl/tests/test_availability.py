@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import ctypes.util
-from typing import TypeVar
+import os
+from typing import Any, TypeVar
 
 import msgspec
 import pytest
 from lmcache_plugin_nixl.availability import check_native_prerequisites
 from lmcache_plugin_nixl.config import NixlStoreConfig, NixlStoreDynamicConfig
+from lmcache_plugin_nixl.dynamic import NixlDynamicBackend
 from lmcache_plugin_nixl.runtime import NixlRuntime
+from lmcache_plugin_nixl.store import NixlStoreBackend
 from nixl_helpers import dynamic_config, open_dynamic, open_pool, pool_config, scratch_dir
 
+from lmcache_tiers.config import FieldError
 from lmcache_tiers.errors import BackendUnavailableError, ConfigError
+from lmcache_tiers.testing.files import held_by_another_process
 
 CUFILE_MISSING = ctypes.util.find_library("cufile") is None
 
@@ -105,3 +110,31 @@ def test_two_adapters_on_one_directory_are_refused() -> None:
         finally:
             first.close()
         open_dynamic(dynamic_config(directory)).close()
+
+
+@pytest.mark.parametrize("kind", ["nixl_store", "nixl_store_dynamic"])
+def test_the_preflight_refuses_a_directory_another_server_holds(kind: str) -> None:
+    backend, make_config, opener = {
+        "nixl_store": (NixlStoreBackend, pool_config, open_pool),
+        "nixl_store_dynamic": (NixlDynamicBackend, dynamic_config, open_dynamic),
+    }[kind]
+    with scratch_dir() as directory:
+        root = f"{directory}/cache"
+        cfg: Any = make_config(root)
+        with held_by_another_process(root) as holder:
+            with pytest.raises(FieldError) as caught:
+                backend.preflight(cfg)
+            assert caught.value.field == "backend_params.file_path"
+            assert str(caught.value) == (
+                f"the {kind} directory {root} is in use by another lmcache-tiers server "
+                f"(pid {holder.pid}); give each server its own directory"
+            )
+        backend.preflight(cfg)  # the holder is gone
+        adapter = opener(cfg)
+        try:
+            with pytest.raises(FieldError, match="is already used by another adapter of this server"):
+                backend.preflight(cfg)
+        finally:
+            adapter.close()
+        backend.preflight(make_config(f"{directory}/new"))
+        assert sorted(os.listdir(directory)) == ["cache"]  # the pre-flight created nothing

@@ -7,12 +7,15 @@ from pathlib import Path
 
 import pytest
 from lmcache_plugin_raw_block import RawBlockConfig
+from lmcache_plugin_raw_block.backend import RawBlockBackend
 from rb_helpers import config, open_raw
 from slot_helpers import plugins_show_rows
 
-from lmcache_tiers.config import decode_adapter
+from lmcache_tiers.config import FieldError, build_config, decode_adapter
 from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.l2.preflight import preflight_adapters
 from lmcache_tiers.plugins import load_registry
+from lmcache_tiers.testing.files import held_by_another_process
 
 
 def decode(**fields: object) -> RawBlockConfig:
@@ -113,6 +116,48 @@ def test_no_file_is_created_under_dev() -> None:
                 device_path="/dev/lmcache-no-such-device", slot_bytes=1 << 20, capacity_bytes=1 << 30
             )
         )
+
+
+def test_the_preflight_refuses_a_device_another_process_holds(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "dev.img")
+    open_raw(cfg).close()  # the file exists, as a device would
+    with held_by_another_process(cfg.device_path, device=True):
+        with pytest.raises(FieldError) as caught:
+            RawBlockBackend.preflight(cfg)
+        assert caught.value.field == "device_path"
+        assert str(caught.value) == (
+            f"{cfg.device_path} is in use by another raw_block adapter (this server or another one "
+            "holds its lock); give each adapter a device of its own"
+        )
+        with pytest.raises(ConfigError, match=f"raw_block: {cfg.device_path} is in use by another"):
+            open_raw(cfg)  # the open words it the same
+    before = os.stat(cfg.device_path)
+    RawBlockBackend.preflight(cfg)  # nobody holds it: free, and left as it was
+    after = os.stat(cfg.device_path)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    RawBlockBackend.preflight(config(tmp_path / "new.img"))
+    assert not (tmp_path / "new.img").exists()  # created by the open, not the pre-flight
+
+
+def test_the_preflight_refuses_two_adapters_of_one_config_on_one_device(tmp_path: Path) -> None:
+    (tmp_path / "link.img").symlink_to(tmp_path / "dev.img")
+    specs = [
+        {
+            "type": "raw_block",
+            "device_path": str(tmp_path / name),
+            "slot_bytes": 1 << 20,
+            "capacity_bytes": 1 << 26,
+        }
+        for name in ("dev.img", "other.img", "link.img")
+    ]
+    registry = load_registry()
+    (tmp_path / "dev.img").write_bytes(b"")
+    server = build_config(registry, {"l2_adapters": specs})
+    with pytest.raises(
+        ConfigError, match=r"in use by another raw_block adapter .* - at `\$\.l2_adapters\[2\]\.device_path`$"
+    ):
+        preflight_adapters(registry, server)
+    preflight_adapters(registry, build_config(registry, {"l2_adapters": specs[:2]}))
 
 
 def test_two_adapters_on_one_device_are_refused(tmp_path: Path) -> None:

@@ -399,14 +399,15 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
     try:
         resolved = build_config(plugin_set.registry, file_values, overrides, adapters, params["frontend"])
         if uses_default_l2 and not params["print_config"]:
+            if file_values["l2_adapters"]:
+                # A second default server gets a hint, not the directory-lock refusal the
+                # pre-flight (or, later, the adapter) would give: claimed before either.
+                _DEFAULT_L2_CLAIMS.append(claim_default_l2())
             preflight_adapters(plugin_set.registry, resolved)
     except ConfigError as exc:
         if uses_default_l2 and "`$.l2_adapters[0]" in str(exc):
             raise _default_l2_error(exc) from None
         raise name_flag(exc, given) from exc
-    if uses_default_l2 and file_values["l2_adapters"] and not params["print_config"]:
-        # A second default server gets a hint, not the adapter's directory-lock error.
-        _DEFAULT_L2_CLAIMS.append(claim_default_l2())
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "INFO")
     try:
         from lmcache_tiers.server.app import check_serving, run_server

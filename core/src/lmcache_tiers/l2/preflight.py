@@ -13,6 +13,13 @@ except one probe directory, removed at once, where only trying tells whether thi
 may create entries (permissions, read-only or virtual filesystems).
 :func:`direct_io_refusal` tells a store, once its directory exists, whether the
 filesystem there takes ``O_DIRECT`` transfers.
+
+Stores that lock what they use refuse, here already, what the lock would refuse at open:
+:func:`check_directory_free` a directory another live server (or an adapter of this one)
+holds -- the probe of :class:`~lmcache_tiers.l2.files.DirectoryLock`, which tries its
+locks and lets go at once -- and :func:`check_claimed_once` anything else (a device)
+that an earlier adapter of the same config names.  The open stays the authority: a
+holder may appear between the two.
 """
 
 from __future__ import annotations
@@ -28,13 +35,26 @@ from typing import TYPE_CHECKING, Any
 
 from lmcache_tiers.config import FieldError, decode_adapter_at
 from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.l2.files.dirlock import (
+    DirectoryInUseError,
+    claim_in_preflight,
+    preflight_claims,
+    probe_directory,
+)
 from lmcache_tiers.registry import Kind
 
 if TYPE_CHECKING:
     from lmcache_tiers.config import AdapterSpec, ServerConfig
     from lmcache_tiers.registry import ComponentRegistry
 
-__all__ = ["check_directory", "check_file", "direct_io_refusal", "preflight_adapters"]
+__all__ = [
+    "check_claimed_once",
+    "check_directory",
+    "check_directory_free",
+    "check_file",
+    "direct_io_refusal",
+    "preflight_adapters",
+]
 
 #: filesystems that hold no files of ours, whatever the permissions say
 _VIRTUAL_ROOTS = ("/proc", "/sys")
@@ -168,6 +188,27 @@ def check_file(path: str, field: str, *, devices: str = "", create: bool = True)
     raise FieldError(field, f"{path} is {kind}; give {wanted}")
 
 
+def check_directory_free(path: str, field: str, *, what: str) -> None:
+    """Refuse a directory ``DirectoryLock(path, what=what)`` would refuse now -- another
+    live server holds it (named by pid when known), an adapter of this process does, or
+    an earlier adapter of the config being checked names it -- with the lock's own words.
+    Best effort and side-effect free: the locks are tried and let go at once, nothing is
+    created (a missing directory or lock file is free)."""
+    try:
+        probe_directory(path, what=what)
+    except DirectoryInUseError as exc:
+        raise FieldError(field, str(exc)) from None
+
+
+def check_claimed_once(identity: str, field: str, message: str) -> None:
+    """Refuse ``identity`` (a device, a file: whatever one adapter may hold alone) with
+    ``message`` when an earlier adapter of the config being checked claimed it."""
+    try:
+        claim_in_preflight(identity, message)
+    except DirectoryInUseError as exc:
+        raise FieldError(field, str(exc)) from None
+
+
 #: the transfer unit of the direct I/O probe (the page size every filesystem aligns to)
 _DIRECT_PROBE_BYTES = 4096
 
@@ -230,6 +271,8 @@ def _preflight_one(registry: ComponentRegistry, spec: AdapterSpec, where: str) -
 
 
 def preflight_adapters(registry: ComponentRegistry, config: ServerConfig) -> None:
-    """Run every configured adapter's ``preflight``; raises ConfigError naming the field."""
-    for index, spec in enumerate(config.l2_adapters):
-        _preflight_one(registry, spec, f"$.l2_adapters[{index}]")
+    """Run every configured adapter's ``preflight``; raises ConfigError naming the field.
+    What one adapter claims (a directory, a device) is refused to the adapters after it."""
+    with preflight_claims():
+        for index, spec in enumerate(config.l2_adapters):
+            _preflight_one(registry, spec, f"$.l2_adapters[{index}]")

@@ -1,5 +1,6 @@
 """Test helpers for file-backed adapters: a page-aligned arena, store/load helpers, a
-scratch-directory fixture, a small filesystem and the full-disk check they all pass.
+scratch-directory fixture, a small filesystem and the full-disk check they all pass, and
+another process holding a directory's (or device's) lock as a running server does.
 
 ``small_tmpfs`` mounts a tmpfs of a few MiB so tests can fill a filesystem for real
 (ENOSPC, not a mock); it needs root and skips, with the reason printed, otherwise.
@@ -7,11 +8,13 @@ scratch-directory fixture, a small filesystem and the full-disk check they all p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -29,6 +32,7 @@ __all__ = [
     "ScratchDirectory",
     "check_full_disk_batch",
     "flip_byte",
+    "held_by_another_process",
     "load_data",
     "small_tmpfs",
     "store_data",
@@ -75,6 +79,54 @@ def small_tmpfs(size_bytes: int) -> Iterator[str]:
     finally:
         subprocess.run(["umount", "-l", directory], check=False)
         os.rmdir(directory)
+
+
+_HOLDER = """
+import fcntl, os, sys
+path, kind = sys.argv[1:3]
+if kind == "directory":
+    from lmcache_tiers.l2.files import DirectoryLock
+    lock = DirectoryLock(path)
+else:
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextmanager
+def held_by_another_process(path: str, *, device: bool = False) -> Iterator[subprocess.Popen[str]]:
+    """A child process holding ``path`` as a running server does -- ``DirectoryLock(path)``
+    (which creates the directory), or with ``device`` the ``flock`` a slot store takes on
+    its device or file -- until the block ends; yields the child (``.pid``, and
+    ``.kill()`` to leave a killed server's lock file behind).  The lock directory is the
+    environment's (``LMCACHE_TIERS_LOCK_DIR``) at the time of the call."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, path, "device" if device else "directory"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        if line.strip() != "held":
+            child.kill()
+            _out, err = child.communicate(timeout=30)
+            raise AssertionError(f"the holder of {path} did not take its lock: {err}")
+        yield child
+    finally:
+        for stream in (child.stdin, child.stdout, child.stderr):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        try:
+            child.wait(30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
 
 
 def flip_byte(path: str, offset: int) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
-from lmcache_plugin_raw_block.guards import InFlight
+from lmcache_plugin_raw_block.guards import InFlight, probe_device
 from lmcache_plugin_raw_block.slotheader import decode_slot_header, record_of
 from lmcache_plugin_raw_block.slots import Claim, SlotEntry, SlotTable
 from lmcache_plugin_raw_block.slotstore import SlotStoreBackend, as_bytes
@@ -75,12 +75,13 @@ class DaxBackend(SlotStoreBackend):
     @staticmethod
     def preflight(config: DaxConfig) -> None:
         """Before L1 exists: every mapping is a character device or a file this user can
-        create or open."""
+        create or open, and no other adapter holds it."""
         from lmcache_tiers.plugin import check_file
 
         for index, device in enumerate(config.mappings()):
             field = f"devices[{index}].device_path" if config.devices else "device_path"
             check_file(device.device_path, field, devices="char")
+            probe_device(device.device_path, field, "dax")
 
     def __init__(self, config: DaxConfig, context: BackendContext) -> None:
         self.config = config

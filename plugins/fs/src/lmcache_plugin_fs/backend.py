@@ -28,6 +28,7 @@ from lmcache_tiers.plugin import (
     ProcessClaim,
     WriteFailures,
     check_directory,
+    check_directory_free,
     direct_io_refusal,
     printable,
 )
@@ -35,14 +36,22 @@ from lmcache_tiers.plugin import (
 log = logging.getLogger(__name__)
 
 
+def _lock_what(root: str) -> str:
+    """How the directory lock and its pre-flight probe name a local root."""
+    return f"the fs directory {root}"
+
+
 class FsBackend:
     """One record file per object under ``config.root``."""
 
     @staticmethod
     def preflight(config: FsConfig) -> None:
-        """Before L1 exists: a local root must be a directory this user can create or use."""
+        """Before L1 exists: a local root must be a directory this user can create or use,
+        and that no other server (or adapter) holds."""
         if config.is_local:
-            check_directory(config.local_root, "path" if config.path is not None else "base_path")
+            field = "path" if config.path is not None else "base_path"
+            check_directory(config.local_root, field)
+            check_directory_free(config.local_root, field, what=_lock_what(config.local_root))
 
     def __init__(self, config: FsConfig, context: BackendContext) -> None:
         self.config = config
@@ -70,7 +79,7 @@ class FsBackend:
     def _open_local(self, config: FsConfig, context: BackendContext) -> None:
         root = config.local_root
         try:
-            lock = DirectoryLock(root, what=f"the fs directory {root}")
+            lock = DirectoryLock(root, what=_lock_what(root))
         except OSError as exc:
             raise ConfigError(f"fs: cannot use {root}: {exc.strerror or exc}") from exc
         self._lock: DirectoryLock | ProcessClaim = lock

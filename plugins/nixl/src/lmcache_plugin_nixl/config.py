@@ -34,6 +34,8 @@ _FALSE = "false"
 # backend_params keys consumed by the adapters themselves (never passed to NIXL).
 _FILE_KEYS = ("file_path", "use_direct_io")
 _DYNAMIC_KEYS = ("max_capacity_gb", "shard_dirs")
+#: the field a file backend's directory is named by in errors
+FILE_PATH_FIELD = "backend_params.file_path"
 
 
 def _parse_bool(params: dict[str, str], key: str, *, default: str | None) -> bool:
@@ -134,7 +136,7 @@ class _NixlBase(L2AdapterConfig):
         if self.is_file_backend:
             from lmcache_tiers.plugin import check_directory
 
-            check_directory(self.file_path, "backend_params.file_path")
+            check_directory(self.file_path, FILE_PATH_FIELD)
 
     @property
     def use_direct_io(self) -> bool:

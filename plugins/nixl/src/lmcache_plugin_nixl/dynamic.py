@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterator, Sequence
 
 from lmcache_plugin_nixl.availability import check_direct_io
-from lmcache_plugin_nixl.config import NixlStoreDynamicConfig
+from lmcache_plugin_nixl.config import FILE_PATH_FIELD, NixlStoreDynamicConfig
 from lmcache_plugin_nixl.memory import HostMemory
 from lmcache_plugin_nixl.recordio import RecordFiles
 from lmcache_plugin_nixl.runtime import NixlRuntime
@@ -34,10 +34,16 @@ from lmcache_tiers.plugin import (
     LocalFiles,
     ObjectKey,
     ObjectSize,
+    check_directory_free,
     identity_of,
 )
 
 log = logging.getLogger(__name__)
+
+
+def _lock_what(directory: str) -> str:
+    """How the directory lock and its pre-flight probe name the directory."""
+    return f"the nixl_store_dynamic directory {directory}"
 
 
 class NixlDynamicBackend:
@@ -45,7 +51,10 @@ class NixlDynamicBackend:
 
     @staticmethod
     def preflight(config: NixlStoreDynamicConfig) -> None:
+        """Before L1 exists: the directory is usable and no other server (or adapter)
+        holds it."""
         config.preflight()
+        check_directory_free(config.file_path, FILE_PATH_FIELD, what=_lock_what(config.file_path))
 
     def __init__(self, config: NixlStoreDynamicConfig, context: BackendContext) -> None:
         self.config = config
@@ -54,9 +63,7 @@ class NixlDynamicBackend:
         runtime = NixlRuntime.shared()
         runtime.ensure_backend(config.backend, config.nixl_init_params())
         try:
-            self._dir_lock = DirectoryLock(
-                config.file_path, what=f"the nixl_store_dynamic directory {config.file_path}"
-            )
+            self._dir_lock = DirectoryLock(config.file_path, what=_lock_what(config.file_path))
         except OSError as exc:
             raise ConfigError(
                 f"nixl_store_dynamic: cannot use {config.file_path}: {exc.strerror or exc}"

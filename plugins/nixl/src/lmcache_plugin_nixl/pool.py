@@ -26,6 +26,11 @@ from lmcache_tiers.plugin import ConfigError, DirectoryLock
 _OBJECT_PREFIX = "lmcache-tiers-nixl-pool"
 
 
+def lock_what(directory: str) -> str:
+    """How the directory lock and its pre-flight probe name the pool's directory."""
+    return f"the nixl_store directory {os.path.abspath(directory)}"
+
+
 def slot_file_name(slot: int) -> str:
     return f"nixl-pool-{slot:06d}.bin"
 
@@ -70,7 +75,7 @@ class FileSlots:
     ) -> None:
         self.directory = os.path.abspath(directory)
         os.makedirs(self.directory, exist_ok=True)
-        self._lock = DirectoryLock(self.directory, what=f"the nixl_store directory {self.directory}")
+        self._lock = DirectoryLock(self.directory, what=lock_what(self.directory))
         self._buffered: list[int] = []
         self._direct: list[int] = []
         self._lengths = [0] * pool_size

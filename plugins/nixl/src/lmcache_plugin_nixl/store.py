@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lmcache_plugin_nixl.config import NixlStoreConfig
+from lmcache_plugin_nixl.config import FILE_PATH_FIELD, NixlStoreConfig
 from lmcache_plugin_nixl.memory import HostMemory
-from lmcache_plugin_nixl.pool import FileSlots, ObjectSlots, SlotStorage
+from lmcache_plugin_nixl.pool import FileSlots, ObjectSlots, SlotStorage, lock_what
 from lmcache_plugin_nixl.runtime import NixlRuntime
 from lmcache_plugin_nixl.slots import Claim, SlotTable
 from lmcache_plugin_nixl.transfers import BatchTransfer
-from lmcache_tiers.plugin import BackendContext, Capacity, ObjectKey
+from lmcache_tiers.plugin import BackendContext, Capacity, ObjectKey, check_directory_free
 
 
 class NixlStoreBackend:
@@ -27,7 +27,11 @@ class NixlStoreBackend:
 
     @staticmethod
     def preflight(config: NixlStoreConfig) -> None:
+        """Before L1 exists: a file backend's directory is usable and no other server (or
+        adapter) holds it."""
         config.preflight()
+        if config.is_file_backend:
+            check_directory_free(config.file_path, FILE_PATH_FIELD, what=lock_what(config.file_path))
 
     def __init__(self, config: NixlStoreConfig, context: BackendContext) -> None:
         self.config = config

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from lmcache_plugin_raw_block.aligned import AlignedBlock, round_up
 from lmcache_plugin_raw_block.config import RawBlockConfig
-from lmcache_plugin_raw_block.guards import InFlight, lock_device
+from lmcache_plugin_raw_block.guards import InFlight, lock_device, probe_device
 from lmcache_tiers.plugin import ConfigError
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def _under_dev(real: str) -> bool:
 
 def preflight_device(config: RawBlockConfig) -> None:
     """Before L1 exists: ``device_path`` is a block device or a regular file, or a file
-    this user can create (with ``capacity_bytes``)."""
+    this user can create (with ``capacity_bytes``), and no other adapter holds it."""
     from lmcache_tiers.plugin import FieldError, check_file
 
     path = config.device_path
@@ -88,6 +88,7 @@ def preflight_device(config: RawBlockConfig) -> None:
             "or set capacity_bytes to have a file of that size created",
         )
     check_file(path, "device_path", devices="block")
+    probe_device(path, "device_path", _NAME)
 
 
 def _missing(config: RawBlockConfig) -> None:

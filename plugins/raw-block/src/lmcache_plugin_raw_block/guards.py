@@ -1,18 +1,28 @@
-"""What keeps a slot device safe from its neighbours: one server per device, and no
-descriptor closed or mapping unmapped under a call still using it."""
+"""What keeps a slot device safe from its neighbours: one server per device (checked early
+by the pre-flight's probe too), and no descriptor closed or mapping unmapped under a call
+still using it."""
 
 from __future__ import annotations
 
 import fcntl
 import logging
+import os
+import stat
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from lmcache_tiers.plugin import ConfigError
+from lmcache_tiers.plugin import ConfigError, FieldError, check_claimed_once
 
 log = logging.getLogger(__name__)
+
+
+def _in_use(path: str, type_name: str) -> str:
+    return (
+        f"{path} is in use by another {type_name} adapter (this server or another one holds "
+        "its lock); give each adapter a device of its own"
+    )
 
 
 def lock_device(fd: int, path: str, type_name: str) -> None:
@@ -25,10 +35,44 @@ def lock_device(fd: int, path: str, type_name: str) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise ConfigError(
-            f"{type_name}: {path} is in use by another {type_name} adapter (this server or "
-            "another one holds its lock); give each adapter a device of its own"
-        ) from None
+        raise ConfigError(f"{type_name}: {_in_use(path, type_name)}") from None
+
+
+def _identity(path: str) -> str:
+    """What two paths to one device (or file) share: the device number of a device node,
+    the inode of a file, the real path of what does not exist yet."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return f"path:{os.path.realpath(path)}"
+    if stat.S_ISBLK(info.st_mode) or stat.S_ISCHR(info.st_mode):
+        return f"device:{info.st_rdev}"
+    return f"inode:{info.st_dev}:{info.st_ino}"
+
+
+def probe_device(path: str, field: str, type_name: str) -> None:
+    """Pre-flight of :func:`lock_device`: refuse ``path`` (with its words) when an earlier
+    adapter of the config names the same device, or another process holds its lock now.
+
+    The device is opened read-only and its lock tried and let go at once; nothing is
+    written, kept or created (a missing file is free).  Best effort: the open, which takes
+    the lock for good, stays the authority.
+    """
+    check_claimed_once(_identity(path), field, _in_use(path, type_name))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:  # missing, or not readable: the open says what it says
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FieldError(field, _in_use(path, type_name)) from None
+        except OSError:
+            return
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 class InFlight:

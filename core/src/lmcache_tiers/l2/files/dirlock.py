@@ -12,10 +12,19 @@ process dies (even by SIGKILL), so a restart after a crash is never blocked:
   catches another user's server, or another path (a bind mount) to the same directory.
 
 The lock file records the holder's pid, so the refusal can name it.
+
+:func:`probe_directory` asks, before the server builds anything (its pre-flight, before L1
+is pre-faulted), whether :class:`DirectoryLock` would be refused now: it tries both locks
+and lets go at once, keeping nothing and creating nothing.  The open stays the authority
+(a holder may appear in between); the probe only makes the usual refusal early and cheap.
+Within :func:`preflight_claims` (one pre-flight of a whole config), a directory -- or any
+identity passed to :func:`claim_in_preflight`, such as a device -- named by two adapters
+is refused at the second, as the open would refuse it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -23,6 +32,8 @@ import logging
 import os
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 from lmcache_tiers.errors import ConfigError
 
@@ -34,7 +45,11 @@ __all__ = [
     "DirectoryLock",
     "PathLock",
     "ProcessClaim",
+    "claim_in_preflight",
     "lock_directory",
+    "preflight_claims",
+    "probe_directory",
+    "probe_path_lock",
 ]
 
 #: overrides where lock files go (tests; hosts whose runtime directory is not writable)
@@ -44,6 +59,28 @@ LOCK_DIR_ENV = "LMCACHE_TIERS_LOCK_DIR"
 # on one directory) is refused like another process, before flock is even tried.
 _held: set[str] = set()
 _held_lock = threading.Lock()
+
+#: identities claimed so far by the adapters of one pre-flight (None: not in one)
+_preflight_claims: ContextVar[set[str] | None] = ContextVar("lmcache_tiers_preflight_claims", default=None)
+
+
+# -- the refusals, worded once for the locks and their probes ----------------------------------
+
+
+def _used_in_process(what: str) -> str:
+    return f"{what} is already used by another adapter of this server; give each adapter its own directory"
+
+
+def _used_by_server(what: str, pid: int | None) -> str:
+    holder = f" (pid {pid})" if pid else ""
+    return f"{what} is in use by another lmcache-tiers server{holder}; give each server its own directory"
+
+
+def _used_elsewhere(what: str) -> str:
+    return (
+        f"{what} is in use by another lmcache-tiers server (another user's, or "
+        "through another path); give each server its own directory"
+    )
 
 
 class DirectoryInUseError(ConfigError):
@@ -67,6 +104,11 @@ def lock_directory() -> str:
     return os.path.join(tempfile.gettempdir(), f"lmcache-tiers-{os.getuid()}")
 
 
+def _lock_file(identity: str) -> str:
+    digest = hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return os.path.join(lock_directory(), f"{digest}.lock")
+
+
 def _read_pid(fd: int) -> int | None:
     try:
         text = os.pread(fd, 64, 0).decode("ascii", "replace").split()
@@ -83,12 +125,7 @@ class ProcessClaim:
         self.identity = identity
         with _held_lock:
             if identity in _held:
-                raise DirectoryInUseError(
-                    f"{what} is already used by another adapter of this server; "
-                    "give each adapter its own directory",
-                    holder_pid=os.getpid(),
-                    directory=identity,
-                )
+                raise DirectoryInUseError(_used_in_process(what), holder_pid=os.getpid(), directory=identity)
             _held.add(identity)
         self._held = True
 
@@ -103,10 +140,8 @@ class PathLock:
     """An exclusive ``flock`` on the lock file of ``identity`` (any string, e.g. a path)."""
 
     def __init__(self, identity: str, *, what: str) -> None:
-        directory = lock_directory()
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        digest = hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-        self.path = os.path.join(directory, f"{digest}.lock")
+        os.makedirs(lock_directory(), mode=0o700, exist_ok=True)
+        self.path = _lock_file(identity)
         self.identity = identity
         self._claim = ProcessClaim(identity, what=what)
         try:
@@ -123,12 +158,8 @@ class PathLock:
             except BlockingIOError:
                 pid = _read_pid(fd)
                 os.close(fd)
-                holder = f" (pid {pid})" if pid else ""
                 raise DirectoryInUseError(
-                    f"{what} is in use by another lmcache-tiers server{holder}; "
-                    "give each server its own directory",
-                    holder_pid=pid,
-                    directory=self.identity,
+                    _used_by_server(what, pid), holder_pid=pid, directory=self.identity
                 ) from None
             # The previous holder may have unlinked the file between our open and flock:
             # then we hold a lock nobody else can find; start over on the current file.
@@ -178,10 +209,7 @@ class DirectoryLock:
         except BlockingIOError:
             os.close(fd)
             raise DirectoryInUseError(
-                f"{self.what} is in use by another lmcache-tiers server (another user's, or "
-                "through another path); give each server its own directory",
-                holder_pid=None,
-                directory=self.root,
+                _used_elsewhere(self.what), holder_pid=None, directory=self.root
             ) from None
         except OSError as exc:  # a filesystem without flock on directories: the file lock stands
             os.close(fd)
@@ -206,3 +234,84 @@ class DirectoryLock:
             os.close(self._dir_fd)
             self._dir_fd = -1
         self._path_lock.release()
+
+
+# -- probes: would the locks be refused now? (pre-flight; nothing kept, nothing created) -------
+
+
+@contextlib.contextmanager
+def preflight_claims() -> Iterator[None]:
+    """One pre-flight of a config: within it, :func:`probe_directory` and
+    :func:`claim_in_preflight` refuse an identity an earlier adapter claimed."""
+    token = _preflight_claims.set(set())
+    try:
+        yield
+    finally:
+        _preflight_claims.reset(token)
+
+
+def claim_in_preflight(identity: str, message: str) -> None:
+    """Within :func:`preflight_claims`: raise :class:`DirectoryInUseError` with ``message``
+    if an earlier adapter of the config claimed ``identity``, else claim it.  Outside one,
+    nothing is checked."""
+    claimed = _preflight_claims.get()
+    if claimed is None:
+        return
+    if identity in claimed:
+        raise DirectoryInUseError(message, holder_pid=os.getpid(), directory=identity)
+    claimed.add(identity)
+
+
+def _probe_flock(fd: int) -> bool:
+    """True when ``fd``'s file is locked by someone else; our try is let go at once."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # a filesystem without flock: the open will say what it says
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def probe_path_lock(identity: str, *, what: str) -> None:
+    """Raise :class:`DirectoryInUseError` when ``PathLock(identity)`` would be refused now:
+    an adapter of this process holds it, or a live process holds its lock file (the
+    refusal names its pid).  The lock file is opened read-only if it exists -- a missing
+    one is a free lock -- and neither created nor written."""
+    with _held_lock:
+        if identity in _held:
+            raise DirectoryInUseError(_used_in_process(what), holder_pid=os.getpid(), directory=identity)
+    try:
+        fd = os.open(_lock_file(identity), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # missing (free), or unreadable: the open is the authority
+        return
+    try:
+        if _probe_flock(fd):
+            pid = _read_pid(fd)
+            raise DirectoryInUseError(_used_by_server(what, pid), holder_pid=pid, directory=identity)
+    finally:
+        os.close(fd)
+
+
+def probe_directory(root: str, *, what: str | None = None) -> None:
+    """Raise :class:`DirectoryInUseError`, worded as :class:`DirectoryLock` words it, when
+    ``DirectoryLock(root, what=what)`` would be refused now: by an earlier adapter of the
+    same pre-flight (:func:`preflight_claims`), an adapter of this process, another live
+    process holding the lock file, or one holding the directory itself (another user's, a
+    second path).  Both locks are tried and let go at once; nothing is created, so a
+    directory that does not exist yet is free unless its lock file is held (a directory
+    removed under a running server)."""
+    real = os.path.realpath(root)
+    what = what or real
+    claim_in_preflight(f"directory:{real}", _used_in_process(what))
+    probe_path_lock(real, what=what)
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:  # missing, or not a directory: the pre-flight's path checks say what
+        return
+    try:
+        if _probe_flock(fd):
+            raise DirectoryInUseError(_used_elsewhere(what), holder_pid=None, directory=real)
+    finally:
+        os.close(fd)
