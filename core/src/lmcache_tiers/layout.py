@@ -10,10 +10,12 @@ short string, ``"bfloat16[2,32,256,1024]"``; the empty string means "unknown".
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["DTYPE_SIZES", "FLOAT_DTYPES", "MAX_LAYOUT_LEN", "TensorLayout", "check_layout", "layout_of"]
 
@@ -101,13 +103,37 @@ class TensorLayout:
             return None
 
 
+# A request's chunks share one layout, and a client stores the same few shapes again and
+# again: parsing and formatting each chunk's layout anew cost more per chunk of a large
+# STORE than the rest of the client's bookkeeping.  Only valid layouts are remembered
+# (lru_cache keeps no exceptions).
+_LAYOUTS_REMEMBERED = 1024
+
+
+@functools.lru_cache(maxsize=_LAYOUTS_REMEMBERED)
+def _layout_bytes(text: str) -> int:
+    return TensorLayout.parse(text).nbytes
+
+
+@functools.lru_cache(maxsize=_LAYOUTS_REMEMBERED)
+def _layout_text(dtype: str, shape: tuple[int, ...]) -> str:
+    if dtype not in DTYPE_SIZES or len(shape) > _MAX_DIMS:
+        return ""
+    return TensorLayout(dtype, shape).format()
+
+
+@functools.lru_cache(maxsize=64)
+def _numpy_dtype_name(dtype: Any) -> str:
+    return str(dtype.name)  # numpy computes the name in Python on every access
+
+
 def check_layout(text: str, size: int) -> None:
     """Raise ValueError unless ``text`` is "" or a layout of exactly ``size`` bytes."""
     if not text:
         return
-    layout = TensorLayout.parse(text)
-    if layout.nbytes != size:
-        raise ValueError(f"layout {text} describes {layout.nbytes} bytes, the object has {size}")
+    nbytes = _layout_bytes(text)
+    if nbytes != size:
+        raise ValueError(f"layout {text} describes {nbytes} bytes, the object has {size}")
 
 
 def layout_of(buffer: object) -> str:
@@ -125,10 +151,8 @@ def layout_of(buffer: object) -> str:
         dtype = str(buffer.dtype).removeprefix("torch.")
         shape = tuple(int(dim) for dim in buffer.shape)
     elif numpy is not None and isinstance(buffer, numpy.ndarray):
-        dtype = buffer.dtype.name
-        shape = tuple(int(dim) for dim in buffer.shape)
+        dtype = _numpy_dtype_name(buffer.dtype)
+        shape = buffer.shape  # a tuple of ints already
     else:
         return ""
-    if dtype not in DTYPE_SIZES or len(shape) > _MAX_DIMS:
-        return ""
-    return TensorLayout(dtype, shape).format()
+    return _layout_text(dtype, shape)
