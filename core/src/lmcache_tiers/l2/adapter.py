@@ -188,6 +188,10 @@ class BackendAdapter(L2Adapter):
         self.state.pins.unpin(keys)
 
     def delete(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Delete now, on the caller's thread.  False for keys not deleted: absent, not
+        removed by the backend, pinned (between lookup and load), or being stored -- a
+        store of the same key in its backend call is never raced (``DeleteOp``,
+        ``delete_skipped_storing``), so accounting and listeners follow the backend."""
         if self._closed:
             return [False] * len(keys)
         op = DeleteOp(self.state, keys)
@@ -201,7 +205,9 @@ class BackendAdapter(L2Adapter):
         return result
 
     def pinned(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        return self.state.pins.pinned(keys)
+        """Whether ``delete`` refuses each key now for core's own reasons: pinned, or a
+        store of it in flight -- not because the backend failed to remove it."""
+        return self.state.pins.busy(keys)
 
     def usage(self) -> float:
         return self.state.accounting.usage(self.capacity())

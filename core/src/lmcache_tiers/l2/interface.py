@@ -137,11 +137,13 @@ class L2Adapter(ABC):
 
     @abstractmethod
     def delete(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        """Delete now (synchronously); pinned or absent keys are not deleted (False)."""
+        """Delete now (synchronously); pinned keys, keys a store is writing and absent
+        keys are not deleted (False)."""
 
     def pinned(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        """Whether each key is pinned now, so that ``delete`` refuses it for that reason
-        rather than because the backend failed to remove it (all False: cannot tell)."""
+        """Whether ``delete`` would refuse each key now for the adapter's own reasons
+        (pinned by a lookup or load, or a store of it in flight) rather than because the
+        backend failed to remove it (all False: cannot tell)."""
         return [False] * len(keys)
 
     @abstractmethod

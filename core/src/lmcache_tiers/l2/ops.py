@@ -10,6 +10,10 @@ The rules every adapter follows live here, once:
 
 * a lookup pins each hit; a load holds its own pin while it runs; a delete skips pinned
   keys, and a key being deleted is never reported found;
+* a store and a delete of the same key never overlap (``PinTable``): a delete skips a key
+  a store is writing (``delete_skipped_storing``), a store skips a key being deleted
+  (``store_skipped_deleting``); a store keeps its claim until it has accounted the key
+  and told listeners, a delete until it has forgotten it and told them;
 * bytes are accounted on a successful store, from the start-up scan, on the first lookup
   hit of a key not known yet (announced to listeners as stored, ``lookup_adopted``), and
   are released on delete or when the backend reports an
@@ -30,6 +34,7 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.accounting import UNKNOWN_L1, Admission, Verdict
 from lmcache_tiers.l2.codec import SerdeBoundError, Staged
 from lmcache_tiers.l2.interface import L2Op, LookupResult
+from lmcache_tiers.l2.pins import Claim
 from lmcache_tiers.l2.state import AdapterState
 from lmcache_tiers.protocols import Capacity, ObjectSize
 
@@ -101,6 +106,9 @@ class StoreOp(BatchOp):
         self.payloads: list[memoryview] = []
         self.staged: list[Staged | None] = []
         self.admission = Admission([])
+        #: keys this store holds a write claim on (``PinTable.begin_write``), one entry per
+        #: claim: from ``prepare`` until ``finish`` has accounted them and told listeners
+        self.writing: list[ObjectKey] = []
 
     def _encode(self, index: int) -> tuple[memoryview, Staged | None] | None:
         state, key = self.state, self.keys[index]
@@ -127,26 +135,74 @@ class StoreOp(BatchOp):
             outcome = self._encode(index)
             if outcome is not None:
                 encoded.append((index, *outcome))
+        encoded = self._claim(encoded)
         try:
-            limit = self.limit()
-        except Exception as exc:  # no capacity known: nothing can be shown to fit
-            state.backend_failed("capacity", exc)
-            _release([staged for _, _, staged in encoded], True)
-            return [], []
-        self.admission = state.accounting.admit([(self.keys[i], p.nbytes) for i, p, _ in encoded], limit)
-        storing: list[tuple[ObjectKey, int, str]] = []
-        for (index, payload, staged), verdict in zip(encoded, self.admission.verdicts, strict=True):
-            if verdict is not Verdict.ADMITTED:
-                if staged is not None:
-                    staged.release()
-                self._refused(index, verdict)
-                continue
-            self.io_index.append(index)
-            self.payloads.append(payload)
-            self.staged.append(staged)
-            storing.append((self.keys[index], self.buffers[index].nbytes, self.layouts[index]))
-        state.storing_begin(storing)
+            try:
+                limit = self.limit()
+            except Exception as exc:  # no capacity known: nothing can be shown to fit
+                state.backend_failed("capacity", exc)
+                _release([staged for _, _, staged in encoded], True)
+                self._end_write()
+                return [], []
+            self.admission = state.accounting.admit([(self.keys[i], p.nbytes) for i, p, _ in encoded], limit)
+            storing: list[tuple[ObjectKey, int, str]] = []
+            refused: list[ObjectKey] = []
+            for (index, payload, staged), verdict in zip(encoded, self.admission.verdicts, strict=True):
+                if verdict is not Verdict.ADMITTED:
+                    if staged is not None:
+                        staged.release()
+                    refused.append(self.keys[index])
+                    self._refused(index, verdict)
+                    continue
+                self.io_index.append(index)
+                self.payloads.append(payload)
+                self.staged.append(staged)
+                storing.append((self.keys[index], self.buffers[index].nbytes, self.layouts[index]))
+            # Refused keys do not reach the backend: their claims go now, the others' in finish.
+            self.writing = self.io_keys()
+            state.pins.end_write(refused)
+            state.storing_begin(storing)
+        except BaseException:  # finish will not run: no claim may outlive this store
+            self._end_write()
+            raise
         return self.io_keys(), self.payloads
+
+    def _claim(
+        self, encoded: list[tuple[int, memoryview, Staged | None]]
+    ) -> list[tuple[int, memoryview, Staged | None]]:
+        """Claim the encoded keys for writing (``PinTable.begin_write``), under the lock
+        that claims keys for deletes: a key a delete is working on is not stored, before
+        it is admitted against the capacity; returns the claimed ones."""
+        keys = [self.keys[index] for index, _, _ in encoded]
+        claimed = self.state.pins.begin_write(keys)
+        self.writing = [key for key, ok in zip(keys, claimed, strict=True) if ok]
+        kept: list[tuple[int, memoryview, Staged | None]] = []
+        for item, ok in zip(encoded, claimed, strict=True):
+            if ok:
+                kept.append(item)
+                continue
+            index, _, staged = item
+            if staged is not None:
+                staged.release()
+            self._skipped_deleting(index)
+        return kept
+
+    def _end_write(self) -> None:
+        """Drop the write claims this store holds (once, whichever path gets here first)."""
+        writing, self.writing = self.writing, []
+        self.state.pins.end_write(writing)
+
+    def _skipped_deleting(self, index: int) -> None:
+        state = self.state
+        state.count("store_skipped_deleting")
+        state.burst.warn(
+            "store_skipped_deleting",
+            "%s: %s not stored: a delete of it is in flight, and a store racing it could leave "
+            "this adapter's accounting and listeners disagreeing with the store; it fails "
+            "like a store refused for capacity",
+            state.name,
+            self.keys[index].file_stem(),
+        )
 
     def _refused(self, index: int, verdict: Verdict) -> None:
         state = self.state
@@ -168,20 +224,29 @@ class StoreOp(BatchOp):
         state = self.state
         ok = [False] * len(self.keys)
         stored: list[tuple[ObjectKey, ObjectSize]] = []
-        state.storing_end(self.io_keys())
-        for position, index in enumerate(self.io_index):
-            if io_result is not None and io_result[position]:
-                ok[index] = True
-                stored.append(
-                    (self.keys[index], ObjectSize(self.payloads[position].nbytes, self.buffers[index].nbytes))
-                )
-        _release(self.staged, call_returned)
-        state.accounting.settle(self.admission, stored)
-        keys = [key for key, _ in stored]
-        state.count("store_keys_ok", len(keys))
-        state.count("store_keys_failed", len(self.keys) - len(keys))
-        state.notify("on_l2_keys_stored", keys)
-        log.debug("%s: stored %d/%d keys", state.name, len(keys), len(self.keys))
+        try:
+            state.storing_end(self.io_keys())
+            for position, index in enumerate(self.io_index):
+                if io_result is not None and io_result[position]:
+                    ok[index] = True
+                    stored.append(
+                        (
+                            self.keys[index],
+                            ObjectSize(self.payloads[position].nbytes, self.buffers[index].nbytes),
+                        )
+                    )
+            _release(self.staged, call_returned)
+            state.accounting.settle(self.admission, stored)
+            keys = [key for key, _ in stored]
+            state.count("store_keys_ok", len(keys))
+            state.count("store_keys_failed", len(self.keys) - len(keys))
+            state.notify("on_l2_keys_stored", keys)
+            log.debug("%s: stored %d/%d keys", state.name, len(keys), len(self.keys))
+        finally:
+            # Only now may a delete claim these keys: what it forgets and announces comes
+            # after this store's accounting and announcement, never before.  Once, on
+            # every path: failed or abandoned calls (``io_result`` None) end here too.
+            self._end_write()
         return ok
 
 
@@ -416,9 +481,16 @@ class LoadOp(BatchOp):
 
 
 class DeleteOp(BatchOp):
-    """Deletes the keys no reader pinned.  Accounted keys the backend did not delete are
-    left in ``unconfirmed``: absent or not removable, ``delete_many`` cannot tell, and the
-    adapter asks the backend about them next (``AbsenceCheckOp``)."""
+    """Deletes the keys no reader pinned and no store is writing.  Accounted keys the
+    backend did not delete are left in ``unconfirmed``: absent or not removable,
+    ``delete_many`` cannot tell, and the adapter asks the backend about them next
+    (``AbsenceCheckOp``).
+
+    Every key not claimed is counted in ``delete_keys_skipped`` (pinned, being deleted
+    already, repeated in the batch, or being stored); those refused because a store of
+    them is in flight are also counted in ``delete_skipped_storing`` and logged once per
+    burst: they stay stored, and a later delete can remove them.
+    """
 
     method = "delete_many"
 
@@ -426,15 +498,32 @@ class DeleteOp(BatchOp):
         super().__init__(state, keys)
         self.known: list[ObjectSize | None] = []
         self.unconfirmed: list[tuple[ObjectKey, ObjectSize]] = []
+        #: keys this delete claimed, until ``finish`` has forgotten them and told listeners
+        self.claimed: list[ObjectKey] = []
 
     def prepare(self) -> tuple[list[ObjectKey]]:
-        claimed = self.state.pins.begin_delete(self.keys)
-        self.io_index = [i for i, ok in enumerate(claimed) if ok]
-        self.state.count("delete_keys_skipped", len(self.keys) - len(self.io_index))
+        state = self.state
+        claims = state.pins.claim_delete(self.keys)
+        self.io_index = [i for i, claim in enumerate(claims) if claim is Claim.CLAIMED]
         io_keys = self.io_keys()
+        self.claimed = list(io_keys)
+        state.count("delete_keys_skipped", len(self.keys) - len(self.io_index))
+        storing = [key for key, claim in zip(self.keys, claims, strict=True) if claim is Claim.STORING]
+        if storing:
+            state.count("delete_skipped_storing", len(storing))
+            state.burst.warn(
+                "delete_skipped_storing",
+                "%s: %d keys not deleted (%s first): a store of each is in flight, and a "
+                "delete racing it could leave the store and this adapter's accounting "
+                "disagreeing; they stay stored, a later delete can remove them",
+                state.name,
+                len(storing),
+                storing[0].file_stem(),
+                count=len(storing),
+            )
         # Snapshot the accounting: a key the backend did not delete is released later only
         # if no store replaced its entry in between.
-        self.known = self.state.accounting.get_many(io_keys)
+        self.known = state.accounting.get_many(io_keys)
         return (io_keys,)
 
     def finish(self, io_result: Sequence[Any] | None, *, call_returned: bool = True) -> list[bool]:
@@ -453,10 +542,14 @@ class DeleteOp(BatchOp):
                 elif (known := self.known[position]) is not None:
                     self.unconfirmed.append((key, known))
             state.forget_unreadable(deleted)
+            state.count("delete_keys_ok", len(deleted))
+            state.notify("on_l2_keys_deleted", deleted)
         finally:
-            state.pins.end_delete(self.io_keys())
-        state.count("delete_keys_ok", len(deleted))
-        state.notify("on_l2_keys_deleted", deleted)
+            # Only now may a store (or a lookup) claim these keys: its accounting and
+            # announcement come after this delete's.  Once, if finish runs twice (a
+            # cancelled call on an event loop).
+            claimed, self.claimed = self.claimed, []
+            state.pins.end_delete(claimed)
         return ok
 
 
@@ -468,7 +561,10 @@ class AbsenceCheckOp(BatchOp):
 
     A separate operation, run by the same runner as every call (circuit breaker, call
     timeouts and event loops apply); the keys are claimed as for a delete again, so a key
-    a reader pinned since is left alone -- its lookup asks the backend itself.
+    a reader pinned since is left alone -- its lookup asks the backend itself.  Stores of
+    the keys may run meanwhile (``PinTable.begin_check``): a key is released only if its
+    entry is still the one read before the delete (``forget_if``), so one a store
+    replaced is kept, and one released before a store settles is recorded again by it.
     """
 
     method = "contains_many"
@@ -476,10 +572,12 @@ class AbsenceCheckOp(BatchOp):
     def __init__(self, state: AdapterState, unconfirmed: Sequence[tuple[ObjectKey, ObjectSize]]) -> None:
         super().__init__(state, [key for key, _ in unconfirmed])
         self.known = [size for _, size in unconfirmed]
+        self.claimed: list[ObjectKey] = []
 
     def prepare(self) -> tuple[list[ObjectKey]]:
-        claimed = self.state.pins.begin_delete(self.keys)
+        claimed = self.state.pins.begin_check(self.keys)
         self.io_index = [i for i, ok in enumerate(claimed) if ok]
+        self.claimed = self.io_keys()
         self.state.count("delete_keys_checked", len(self.io_index))
         return (self.io_keys(),)
 
@@ -493,4 +591,5 @@ class AbsenceCheckOp(BatchOp):
             ]
             return forget_gone(state, absent, "found after a delete")
         finally:
-            state.pins.end_delete(self.io_keys())
+            claimed, self.claimed = self.claimed, []  # once, if finish runs twice
+            state.pins.end_delete(claimed)

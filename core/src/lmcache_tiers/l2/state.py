@@ -66,7 +66,9 @@ class AdapterState:
         self.adapter: L2Adapter | None = None  # the adapter listeners are told about
         self._listeners: list[L2Listener] = []
         self._lock = threading.Lock()
-        #: (L1 size, layout) of keys whose store is in the backend call right now
+        #: (L1 size, layout) of keys whose store is in the backend call right now (the
+        #: claim keeping deletes off them is the store's ``pins.begin_write``, taken before
+        #: ``storing_begin`` and dropped after ``storing_end``, on every path)
         self._storing: dict[ObjectKey, tuple[int, str]] = {}
         #: keys whose record was written with another serde chain (misses until replaced)
         self._unreadable: set[ObjectKey] = set()
