@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import types
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -11,10 +10,10 @@ from lmcache_tiers.config import AdapterSpec, L2AdapterConfig, ServerConfig, dec
 from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter, BackendContext
-from lmcache_tiers.plugins import discover
 from lmcache_tiers.registry import ComponentRegistry, KindRegistry
 from lmcache_tiers.serde import SerdeContext
 from lmcache_tiers.storage import StorageManager
+from lmcache_tiers.testing.registries import plugins_with
 
 MiB = 1 << 20
 L1_GB = 64 / 1024  # 64 MiB: small enough for many engines per test run
@@ -228,20 +227,15 @@ def tiers_register_store_policies(registry: KindRegistry) -> None:
     registry.add("gated", GatedStorePolicy)
 
 
-_registry: ComponentRegistry | None = None
-
-
 def registry() -> ComponentRegistry:
     """The installed plugins plus the ``gated`` test adapter."""
-    global _registry
-    if _registry is None:
-        module = types.ModuleType("engine_test_adapters")
-        module.tiers_register_l2_adapters = tiers_register_l2_adapters  # type: ignore[attr-defined]
-        module.tiers_register_prefetch_policies = tiers_register_prefetch_policies  # type: ignore[attr-defined]
-        module.tiers_register_serdes = tiers_register_serdes  # type: ignore[attr-defined]
-        module.tiers_register_store_policies = tiers_register_store_policies  # type: ignore[attr-defined]
-        _registry = discover(extra_plugins={"engine-test-adapters": module}).registry
-    return _registry
+    return plugins_with(
+        "engine-test-adapters",
+        tiers_register_l2_adapters=tiers_register_l2_adapters,
+        tiers_register_prefetch_policies=tiers_register_prefetch_policies,
+        tiers_register_serdes=tiers_register_serdes,
+        tiers_register_store_policies=tiers_register_store_policies,
+    ).registry
 
 
 def spec(raw: dict[str, Any], index: int = 0) -> AdapterSpec:

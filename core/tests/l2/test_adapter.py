@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import types
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -20,11 +19,12 @@ from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, BackendContext, L2Op, ObjectSize
 from lmcache_tiers.l2.record import decode_record
-from lmcache_tiers.plugins import PluginSet, discover
+from lmcache_tiers.plugins import PluginSet
 from lmcache_tiers.registry import KindRegistry
 from lmcache_tiers.serde import Serde
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite, make_keys
+from lmcache_tiers.testing.registries import plugins_with
 
 
 @hookimpl
@@ -33,17 +33,9 @@ def tiers_register_l2_adapters(registry: KindRegistry) -> None:
     registry.add("test_async_dict", AsyncDictBackend, DictConfig)
 
 
-_plugin_set: PluginSet | None = None
-
-
 def plugins_with_test_backends() -> PluginSet:
     """The installed plugins plus this module's test backends, discovered once."""
-    global _plugin_set
-    if _plugin_set is None:
-        module = types.ModuleType("lmcache_tiers_test_dict_backends")
-        module.tiers_register_l2_adapters = tiers_register_l2_adapters  # type: ignore[attr-defined]
-        _plugin_set = discover(extra_plugins={"test-dict-backends": module})
-    return _plugin_set
+    return plugins_with("test-dict-backends", tiers_register_l2_adapters=tiers_register_l2_adapters)
 
 
 # -- the conformance suite on every flavour ----------------------------------------------------

@@ -5,7 +5,6 @@ leaves locks, pins or reservations behind."""
 
 from __future__ import annotations
 
-import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -15,10 +14,10 @@ import pytest
 from lmcache_tiers.config import ServerConfig, decode_adapter
 from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.plugins import discover
 from lmcache_tiers.policies import plan_from_lowest_index
 from lmcache_tiers.registry import ComponentRegistry, KindRegistry
 from lmcache_tiers.storage import StorageManager
+from lmcache_tiers.testing.registries import plugins_with
 
 SIZE = 64 * 1024
 
@@ -41,16 +40,10 @@ def tiers_register_prefetch_policies(registry: KindRegistry) -> None:
     registry.add("buggy", BuggyPrefetchPolicy)
 
 
-_registry: ComponentRegistry | None = None
-
-
 def buggy_registry() -> ComponentRegistry:
-    global _registry
-    if _registry is None:
-        module = types.ModuleType("prefetch_policy_bug_tests")
-        module.tiers_register_prefetch_policies = tiers_register_prefetch_policies  # type: ignore[attr-defined]
-        _registry = discover(extra_plugins={"prefetch-policy-bug-tests": module}).registry
-    return _registry
+    return plugins_with(
+        "prefetch-policy-bug-tests", tiers_register_prefetch_policies=tiers_register_prefetch_policies
+    ).registry
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ and must not leave objects flagged as waiting for a store that will never come."
 
 from __future__ import annotations
 
-import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -13,9 +12,9 @@ import pytest
 from lmcache_tiers.config import ServerConfig, decode_adapter
 from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.plugins import discover
 from lmcache_tiers.registry import ComponentRegistry, KindRegistry
 from lmcache_tiers.storage import StorageManager
+from lmcache_tiers.testing.registries import plugins_with
 
 SIZE = 64 * 1024
 
@@ -41,16 +40,10 @@ def tiers_register_store_policies(registry: KindRegistry) -> None:
     registry.add("buggy", BuggyStorePolicy)
 
 
-_registry: ComponentRegistry | None = None
-
-
 def buggy_registry() -> ComponentRegistry:
-    global _registry
-    if _registry is None:
-        module = types.ModuleType("store_policy_bug_tests")
-        module.tiers_register_store_policies = tiers_register_store_policies  # type: ignore[attr-defined]
-        _registry = discover(extra_plugins={"store-policy-bug-tests": module}).registry
-    return _registry
+    return plugins_with(
+        "store-policy-bug-tests", tiers_register_store_policies=tiers_register_store_policies
+    ).registry
 
 
 @pytest.fixture
