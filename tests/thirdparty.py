@@ -97,13 +97,13 @@ def wait_for(server: ServerProcess, condition: Callable[[], bool], what: str, ti
         time.sleep(0.05)
 
 
-def serve_cli(args: list[str], site: Path | None, log_dir: Path, **env: str) -> ServerProcess:
-    """Start ``lmcache-tiers serve ARGS`` on a free loopback port (no HTTP endpoint, a
-    segment of its own) and wait until it answers PING."""
-    from lmcache_tiers.client import Client, ClientError
-
+def launch_serve(
+    args: list[str], site: Path | None, log_dir: Path, *, port: int | None = None, **env: str
+) -> ServerProcess:
+    """Start ``lmcache-tiers serve ARGS`` on loopback ``port`` (a free one by default), no
+    HTTP endpoint, a segment of its own; not waited for."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = free_port() if port is None else port
     shm_name = f"tiers_cli_{uuid.uuid4().hex[:12]}"
     command = [
         *CLI,
@@ -122,7 +122,15 @@ def serve_cli(args: list[str], site: Path | None, log_dir: Path, **env: str) -> 
         stderr=(log_dir / "stderr.txt").open("wb"),
         env=_environment(site, {"COLUMNS": "200", **env}),
     )
-    served = ServerProcess(f"tcp://127.0.0.1:{port}", None, shm_name, proc, log_dir)
+    return ServerProcess(f"tcp://127.0.0.1:{port}", None, shm_name, proc, log_dir)
+
+
+def serve_cli(args: list[str], site: Path | None, log_dir: Path, **env: str) -> ServerProcess:
+    """``launch_serve``, then wait until the server answers PING."""
+    from lmcache_tiers.client import Client, ClientError
+
+    served = launch_serve(args, site, log_dir, **env)
+    proc = served.proc
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         if proc.poll() is not None:

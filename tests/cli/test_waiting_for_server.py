@@ -12,13 +12,12 @@ import signal
 import subprocess
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from replay_helpers import small_trace
-from thirdparty import CLI, ServerProcess, free_port
+from thirdparty import CLI, ServerProcess, free_port, launch_serve
 
 #: generous: a loaded machine may take a while to import the CLI and start a server
 DEADLINE_S = 90.0
@@ -121,25 +120,7 @@ def _commands(url: str, trace: Path, timeout: float) -> dict[str, list[str]]:
 def _serve(port: int, log_dir: Path) -> ServerProcess:
     """``lmcache-tiers serve`` on ``port`` with a small L1 only; not waited for: the
     commands under test do the waiting."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    shm_name = f"tiers_wait_{uuid.uuid4().hex[:12]}"
-    command = [
-        *CLI,
-        "serve",
-        "--port",
-        str(port),
-        "--metrics-port",
-        "0",
-        "--shm-name",
-        shm_name,
-        "--l1-size-gb",
-        "0.125",
-        "--no-default-l2",
-    ]
-    proc = subprocess.Popen(
-        command, stdout=(log_dir / "stdout.txt").open("wb"), stderr=(log_dir / "stderr.txt").open("wb")
-    )
-    return ServerProcess(f"tcp://127.0.0.1:{port}", None, shm_name, proc, log_dir)
+    return launch_serve(["--l1-size-gb", "0.125", "--no-default-l2"], None, log_dir, port=port)
 
 
 def test_no_server_is_a_note_then_one_error_line_at_the_timeout(tmp_path: Path, launch: Launch) -> None:
