@@ -161,6 +161,14 @@ def backend_of(adapter: BackendAdapter) -> GatedBackend:
     return backend
 
 
+def started(
+    adapters: list[BackendAdapter], backend: type[GatedBackend]
+) -> tuple[BackendAdapter, GatedBackend, BlockingAdapterClient]:
+    """A new adapter over ``backend``, the backend itself, and a blocking client of it."""
+    adapter = opened(adapters, backend)
+    return adapter, backend_of(adapter), BlockingAdapterClient(adapter, timeout=TIMEOUT)
+
+
 def held(backend: GatedBackend) -> set[ObjectKey]:
     with backend.lock:
         return set(backend.objects)
@@ -277,9 +285,7 @@ def test_a_delete_during_the_store_of_the_key_is_refused_and_the_store_stays_acc
 def test_two_stores_of_one_key_in_flight_keep_deletes_off_until_both_end(
     adapters: list[BackendAdapter], backend: type[GatedBackend]
 ) -> None:
-    adapter = opened(adapters, backend)
-    store = backend_of(adapter)
-    client = BlockingAdapterClient(adapter, timeout=TIMEOUT)
+    adapter, store, client = started(adapters, backend)
     (key,) = make_keys(1)
     gate = store.gate("put_many")
     first = adapter.submit_store([key], buffers(1))
@@ -302,9 +308,7 @@ def test_two_stores_of_one_key_in_flight_keep_deletes_off_until_both_end(
 def test_a_store_whose_put_many_raises_leaves_no_claim_and_deletes_work_again(
     adapters: list[BackendAdapter], backend: type[GatedBackend]
 ) -> None:
-    adapter = opened(adapters, backend)
-    store = backend_of(adapter)
-    client = BlockingAdapterClient(adapter, timeout=TIMEOUT)
+    adapter, store, client = started(adapters, backend)
     (key,) = make_keys(1)
     store.put_raises = True
     gate = store.gate("put_many")
@@ -382,9 +386,7 @@ def test_a_store_during_the_delete_of_the_key_fails_that_key_only(
 def test_a_store_during_a_failing_delete_of_the_key_is_skipped_and_later_stores_work(
     adapters: list[BackendAdapter], backend: type[GatedBackend]
 ) -> None:
-    adapter = opened(adapters, backend)
-    store = backend_of(adapter)
-    client = BlockingAdapterClient(adapter, timeout=TIMEOUT)
+    adapter, store, client = started(adapters, backend)
     (key,) = make_keys(1)
     assert client.store([key], buffers(1)) == [True]
     store.delete_raises = True
