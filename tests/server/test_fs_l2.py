@@ -48,7 +48,7 @@ def test_sigkill_during_a_store_storm_then_restart(tmp_path: Path) -> None:
     stop = threading.Event()
 
     def storm() -> None:
-        with Client(server.url, timeout=30) as client:
+        with Client(server.url, timeout=5) as client:
             batch = 0
             while not stop.is_set():
                 try:
