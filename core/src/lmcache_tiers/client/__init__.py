@@ -42,6 +42,7 @@ from lmcache_tiers.client.api import Client
 from lmcache_tiers.client.connection import AUTH_TOKEN_ENV
 from lmcache_tiers.client.errors import (
     ClientError,
+    ConnectionLostError,
     ProtocolError,
     RequestTimeoutError,
     ServerError,
@@ -52,6 +53,7 @@ __all__ = [
     "AUTH_TOKEN_ENV",
     "Client",
     "ClientError",
+    "ConnectionLostError",
     "ProtocolError",
     "RequestTimeoutError",
     "ServerError",

@@ -8,7 +8,11 @@ which nobody would otherwise give back before the server's TTL.
 ZeroMQ reconnects a dropped connection by itself, to whatever server listens at the URL
 then, without telling the socket's user.  A monitor on the socket notes every drop, so
 the client can greet the server again (``_connection_dropped``) before it trusts arena
-offsets that may name another server's segment.
+offsets that may name another server's segment.  The same monitor ends the wait of a
+request whose connection is gone (the server stopped or died): its reply cannot come, so
+the request fails within ``LINK_CHECK_S`` instead of waiting out its whole timeout; a
+server that falls silent (its host down, the network cut) is taken as gone once it has not
+answered heartbeats for ``HEARTBEAT_TIMEOUT_MS``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import zmq
 
 from lmcache_tiers.client.errors import (
     ClientError,
+    ConnectionLostError,
     ProtocolError,
     RequestTimeoutError,
     ServerError,
@@ -47,6 +52,8 @@ _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _OK = p.ErrorCode.OK.value
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+_HANDSHAKE_SUCCEEDED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
 # The backend's methods, without the sugar wrappers (routing_id/group support for socket
 # types a client does not use): a few hundred nanoseconds per request.  A reply's first
 # frame is received as a Frame, whose ``more`` reads the message's own flag: a
@@ -55,6 +62,11 @@ _POLLIN = int(zmq.POLLIN)
 _raw_send = zmq.backend.Socket.send
 _raw_recv = zmq.backend.Socket.recv
 _raw_get = zmq.backend.Socket.get
+#: how long a request waits for its reply between looks at whether its connection is gone
+LINK_CHECK_S = 0.25
+#: a connection over which nothing arrived this long after a heartbeat is taken as gone
+HEARTBEAT_INTERVAL_MS = 2_000
+HEARTBEAT_TIMEOUT_MS = 10_000
 # Monitor endpoints are named uniquely: a closed client's name may stay bound for a while.
 _MONITORS = itertools.count()
 
@@ -88,6 +100,8 @@ class Connection:
         self._closed = False
         # set once the connection to the server dropped since the last HELLO (see the module)
         self._dropped = False
+        # set while the last connection event seen is a drop: no connection to the server now
+        self._unlinked = False
         self._monitor: zmq.Socket[bytes] | None = None
         # requests that timed out, by id, in case their replies still arrive
         self._orphans: dict[int, p._Request] = {}
@@ -103,10 +117,15 @@ class Connection:
         self._socket.setsockopt(zmq.IMMEDIATE, 1)
         # Bracketed IPv6 addresses (tcp://[::1]:5555) connect only with IPV6 on; IPv4 still does.
         self._socket.setsockopt(zmq.IPV6, 1)
+        # A server whose host went down or was cut off closes no connection: heartbeats
+        # (answered by the server's ZeroMQ I/O thread, busy or not) notice the silence and
+        # drop the connection, which ends the requests waiting on it (see _await).
+        self._socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_INTERVAL_MS)
+        self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         try:
             # Before connecting, so that no drop goes unseen.
             self._monitor = self._socket.get_monitor_socket(
-                zmq.EVENT_DISCONNECTED,
+                _DISCONNECTED | _HANDSHAKE_SUCCEEDED,
                 f"inproc://lmcache-tiers-client-monitor-{os.getpid()}-{next(_MONITORS)}",
             )
             try:
@@ -149,18 +168,38 @@ class Connection:
 
         A drop is reported by the socket's I/O thread before it reconnects, so once a reply
         came over a new connection, this sees the drop."""
-        monitor = self._monitor
-        if not self._dropped and monitor is not None and not self._closed and os.getpid() == self._pid:
+        if not self._dropped and self._monitor is not None and not self._closed and os.getpid() == self._pid:
             with self._lock:
-                if self._closed:  # closed while this waited for the lock
-                    return self._dropped
-                try:
-                    while int(_raw_get(monitor, _EVENTS)) & _POLLIN:
-                        monitor.recv_multipart(_NOBLOCK)
-                        self._dropped = True
-                except zmq.ZMQError:
-                    pass
+                if not self._closed:  # closed while this waited for the lock
+                    self._read_link_events()
         return self._dropped
+
+    def _read_link_events(self) -> None:
+        """Apply the connection events the monitor has queued, in order (caller holds the
+        lock): a drop sets ``_dropped`` and ``_unlinked``, a completed handshake (a new
+        connection) clears ``_unlinked``."""
+        monitor = self._monitor
+        if monitor is None:
+            return
+        try:
+            while int(_raw_get(monitor, _EVENTS)) & _POLLIN:
+                event = int.from_bytes(monitor.recv_multipart(_NOBLOCK)[0][:2], "little")
+                if event == _DISCONNECTED:
+                    self._dropped = self._unlinked = True
+                elif event == _HANDSHAKE_SUCCEEDED:
+                    self._unlinked = False
+        except zmq.ZMQError:
+            pass
+
+    def _link_lost(self) -> bool:
+        """Whether the socket has no connection to the server now (caller holds the lock):
+        a request sent before that cannot be answered any more.  A connection that dropped
+        and came back (a restarted server) does not count: the request may have gone over
+        the new one."""
+        if os.getpid() != self._pid:
+            return False
+        self._read_link_events()
+        return self._unlinked
 
     def _send_and_forget(self, request: p._Request) -> None:
         """Send ``request`` without waiting for its reply (dropped when it comes): what a
@@ -196,7 +235,8 @@ class Connection:
         header = self._header(request)
         deadline = time.monotonic() + seconds
         sock = self._socket
-        timeout_ms = max(1, int(seconds * 1000))
+        # in slices: between them, _await looks whether the connection is gone
+        timeout_ms = max(1, int(min(seconds, LINK_CHECK_S) * 1000))
         if timeout_ms != self._receive_timeout_ms:
             sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._receive_timeout_ms = timeout_ms
@@ -303,7 +343,19 @@ class Connection:
         arrived = self._early.pop(req_id, None)
         while arrived is None:
             remaining = deadline - time.monotonic()
-            frames = self._receive(remaining, zero_copy) if remaining > 0 else None
+            frames = self._receive(min(remaining, LINK_CHECK_S), zero_copy) if remaining > 0 else None
+            if frames is None and remaining > LINK_CHECK_S:
+                if not self._link_lost():
+                    continue
+                # A reply that arrived before the drop is still readable; nothing comes after it.
+                frames = self._receive(0.001, zero_copy)
+                if frames is None:
+                    self._outstanding.discard(req_id)
+                    self._remember_orphan(request)
+                    raise ConnectionLostError(
+                        f"the connection to {self.url} was lost while waiting for the reply to "
+                        f"{type(request).__name__} (the server stopped or died)"
+                    )
             if frames is None:
                 self._outstanding.discard(req_id)
                 self._remember_orphan(request)

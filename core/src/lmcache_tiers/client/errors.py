@@ -17,6 +17,12 @@ class RequestTimeoutError(ClientError, TimeoutError):
     """The server did not answer in time (not running, overloaded, or unreachable)."""
 
 
+class ConnectionLostError(RequestTimeoutError):
+    """The connection to the server dropped while a request waited for its reply (the
+    server stopped or died): no reply can come.  A kind of timeout, raised early, so a
+    caller that handles timeouts handles this too."""
+
+
 class ProtocolError(ClientError):
     """The server answered something this client cannot understand."""
 

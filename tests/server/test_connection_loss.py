@@ -1,0 +1,129 @@
+"""A request whose server dies while it waits fails at once, not at its timeout; a
+server that is only slow still answers it; the client goes on with a restarted server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tiers_e2e import ServerProcess, make_keys, make_payloads, start_server
+
+from lmcache_tiers.client import Client, ConnectionLostError, RequestTimeoutError
+from lmcache_tiers.client.connection import HEARTBEAT_TIMEOUT_MS
+
+#: far beyond anything these tests wait for: a call that reaches it was not ended early
+CLIENT_TIMEOUT_S = 120.0
+CHUNK = 64 << 10
+
+
+def _lookup_in_thread(client: Client, keys: list[Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        started = time.monotonic()
+        try:
+            outcome["hits"] = client.lookup(keys)
+        except BaseException as exc:
+            outcome["error"] = exc
+        outcome["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def _stored(server: ServerProcess, tag: str, count: int) -> tuple[Client, list[Any]]:
+    client = Client(server.url, timeout=CLIENT_TIMEOUT_S)
+    keys = make_keys(tag, count)
+    assert client.store(keys, make_payloads(tag, count, CHUNK)) == count
+    client.release(keys)  # nothing of this client's is held when the server goes away
+    return client, keys
+
+
+def test_a_request_whose_server_dies_fails_at_once_as_a_lost_connection(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "server")
+    client, keys = _stored(server, "dies", 4)
+    try:
+        os.kill(server.proc.pid, signal.SIGSTOP)  # the LOOKUP is sent and never answered
+        thread, outcome = _lookup_in_thread(client, keys)
+        time.sleep(1.0)  # several looks at the connection, all finding it up
+        assert thread.is_alive(), outcome
+        server.stop(signal.SIGKILL)
+        thread.join(CLIENT_TIMEOUT_S)
+        error = outcome.get("error")
+        assert isinstance(error, ConnectionLostError), outcome
+        assert isinstance(error, RequestTimeoutError)  # handled wherever a timeout is
+        assert "connection to" in str(error) and "Lookup" in str(error)
+        assert outcome["seconds"] < CLIENT_TIMEOUT_S / 2, outcome
+    finally:
+        server.stop(signal.SIGKILL)
+        client.close()
+
+
+def test_a_server_that_is_only_slow_still_answers(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "server")
+    client, keys = _stored(server, "slow", 4)
+    try:
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        thread, outcome = _lookup_in_thread(client, keys)
+        time.sleep(1.5)  # six times the client's look at its connection
+        os.kill(server.proc.pid, signal.SIGCONT)
+        thread.join(CLIENT_TIMEOUT_S)
+        assert outcome.get("hits") == 4, outcome
+        client.release(keys)
+    finally:
+        client.close()
+        assert server.stop() == 0, server.output()
+
+
+def test_the_client_goes_on_with_a_server_restarted_at_its_address(tmp_path: Path) -> None:
+    first = start_server(tmp_path / "first")
+    client, keys = _stored(first, "restart", 2)
+    port = int(first.url.rsplit(":", 1)[1])
+    try:
+        os.kill(first.proc.pid, signal.SIGSTOP)
+        thread, outcome = _lookup_in_thread(client, keys)
+        time.sleep(0.5)
+        first.stop(signal.SIGKILL)
+        thread.join(CLIENT_TIMEOUT_S)
+        assert isinstance(outcome.get("error"), ConnectionLostError), outcome
+        second = start_server(tmp_path / "second", port=port)
+        try:
+            deadline = time.monotonic() + 60
+            while True:  # the socket reconnects by itself, within its reconnect interval
+                try:
+                    assert client.lookup(keys, timeout=2) == 0  # a new, empty server
+                    break
+                except RequestTimeoutError:
+                    assert time.monotonic() < deadline, "the client never reached the restarted server"
+            fresh = make_payloads("restart-again", 2, CHUNK)
+            assert client.store(keys, fresh) == 2
+            with client.retrieve(keys) as views:
+                assert [bytes(view) for view in views] == [bytes(payload) for payload in fresh]
+        finally:
+            client.close()
+            assert second.stop() == 0, second.output()
+    finally:
+        first.stop(signal.SIGKILL)
+        client.close()
+
+
+def test_a_server_silent_past_the_heartbeat_timeout_is_taken_as_gone(tmp_path: Path) -> None:
+    """A stopped process answers no heartbeat, like a host that is down or cut off: its
+    connection stays open in the kernel, and only the silence tells."""
+    server = start_server(tmp_path / "server")
+    client, keys = _stored(server, "silent", 2)
+    try:
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        thread, outcome = _lookup_in_thread(client, keys)
+        thread.join(CLIENT_TIMEOUT_S)
+        assert isinstance(outcome.get("error"), ConnectionLostError), outcome
+        assert outcome["seconds"] >= HEARTBEAT_TIMEOUT_MS / 1000 / 2, outcome
+        assert outcome["seconds"] < CLIENT_TIMEOUT_S / 2, outcome
+    finally:
+        server.stop(signal.SIGKILL)
+        client.close()
