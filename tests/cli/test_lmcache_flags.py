@@ -72,10 +72,20 @@ def test_aliases_set_the_fields_they_name() -> None:
 
 def test_flags_override_the_config_file_even_at_their_default(tmp_path: Path) -> None:
     config_file = tmp_path / "tiers.toml"
-    config_file.write_text("l1_lock_ttl_s = 60.0\nport = 6000\n")
-    config = print_config("--config", str(config_file), "--l1-read-ttl-seconds", "300", "--port", "6001")
-    assert config["l1_lock_ttl_s"] == 300.0 and config["port"] == 6001
-    assert print_config("--config", str(config_file))["l1_lock_ttl_s"] == 60.0
+    config_file.write_text("l1_lock_ttl_s = 60.0\nport = 6000\nshutdown_timeout_s = 30.0\n")
+    config = print_config(
+        "--config",
+        str(config_file),
+        "--l1-read-ttl-seconds",
+        "300",
+        "--port",
+        "6001",
+        "--shutdown-timeout",
+        "2.5",
+    )
+    assert config["l1_lock_ttl_s"] == 300.0 and config["port"] == 6001 and config["shutdown_timeout_s"] == 2.5
+    from_file = print_config("--config", str(config_file))
+    assert from_file["l1_lock_ttl_s"] == 60.0 and from_file["shutdown_timeout_s"] == 30.0
 
 
 def test_accepted_no_op_flags_say_so_in_a_log_line() -> None:

@@ -274,6 +274,14 @@ class ServerConfig(ComponentConfig):
     l2_prefetch_max_in_flight: Annotated[
         int, _doc("Prefetch requests running at once; the rest queue.", ge=1)
     ] = 8
+    shutdown_timeout_s: Annotated[
+        float,
+        _doc(
+            "Seconds a stop waits for in-flight requests, then again for pending L2 stores, before "
+            "abandoning what is left (counted and logged); a second signal stops at once.",
+            ge=0.0,
+        ),
+    ] = 10.0
     metrics_host: Annotated[
         str, _doc("Address the HTTP endpoint (/metrics, /healthz, /status) binds to.")
     ] = "127.0.0.1"

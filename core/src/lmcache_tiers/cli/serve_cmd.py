@@ -65,6 +65,7 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "auth_token": ("auth_token", "--auth-token"),
     "metrics_host": ("metrics_host", "--metrics-host"),
     "metrics_port": ("metrics_port", "--metrics-port"),
+    "shutdown_timeout": ("shutdown_timeout_s", "--shutdown-timeout"),
 }
 
 #: serve parameter -> (ServerConfig field, flag) of the options errors may name, FLAG_FIELDS and
@@ -221,6 +222,13 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
             _D.port, help="RPC port (front ends that give no port).", rich_help_panel=RPC_PANEL
         ),
         chunk_size: int = typer.Option(_D.chunk_size, help="Tokens per chunk.", rich_help_panel=RPC_PANEL),
+        shutdown_timeout: float = typer.Option(
+            _D.shutdown_timeout_s,
+            metavar="SECONDS",
+            help="On SIGINT/SIGTERM: how long in-flight requests are waited for, then again pending "
+            "L2 stores, before what is left is abandoned (counted); a second signal stops at once.",
+            rich_help_panel=RPC_PANEL,
+        ),
         auth_token: Optional[str] = typer.Option(
             None,
             envvar="LMCACHE_TIERS_AUTH_TOKEN",

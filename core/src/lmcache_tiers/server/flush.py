@@ -38,7 +38,7 @@ def pending_l2_stores(storage: StorageManager) -> int:
 
 
 def flush_message(pending: int, timeout_s: float) -> str:
-    return f"flushing {pending} L2 stores (up to {timeout_s:.0f}s; Ctrl-C again to abandon)"
+    return f"flushing {pending} L2 stores (up to {timeout_s:g}s; Ctrl-C again to abandon)"
 
 
 def flush_l2(
@@ -76,5 +76,5 @@ def flush_l2(
                 logger.warning("flush abandoned on a second signal: %d L2 stores not waited for", left)
                 return False
             if time.monotonic() >= deadline:
-                logger.warning("flush timed out after %.0fs: %d L2 stores not waited for", timeout_s, left)
+                logger.warning("flush timed out after %gs: %d L2 stores not waited for", timeout_s, left)
                 return False
