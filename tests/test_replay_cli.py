@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import signal
+import time
 from pathlib import Path
 
 import pytest
 from replay_helpers import BLOCK_BYTES, small_trace, start_block_server
-from thirdparty import run_cli
+from thirdparty import launch_cli, run_cli
 
 
 def _error_line(result) -> str:  # type: ignore[no-untyped-def]
@@ -293,3 +295,34 @@ def test_several_client_processes_share_the_requests(tmp_path: Path) -> None:
         assert document["stored_blocks"] + document["hit_blocks"] <= document["blocks"]
     finally:
         assert server.stop() == 0, server.output()
+
+
+def test_a_server_that_dies_mid_replay_ends_it_in_one_line(tmp_path: Path) -> None:
+    """Without a server, every request left would wait out its --timeout."""
+    server = start_block_server(tmp_path / "server", 500)
+    trace = str(small_trace(tmp_path / "t.jsonl", requests=2000))  # 10 s of arrivals
+    args = [
+        "replay",
+        trace,
+        "--url",
+        server.url,
+        "--block-bytes",
+        str(BLOCK_BYTES),
+        "--timeout",
+        "2",
+        "--json",
+    ]
+    replay = launch_cli(args)
+    try:
+        time.sleep(2.0)
+        assert replay.poll() is None, "the replay ended before the server was killed"
+        server.stop(signal.SIGKILL)
+        out, err = replay.communicate(timeout=120)
+    finally:
+        replay.kill()
+        server.stop(signal.SIGKILL)
+    assert replay.returncode == 1, err
+    assert out == ""
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"error: replay through {server.url} failed: the server stopped answering: "), err
+    assert "3 requests in a row got no reply" in line

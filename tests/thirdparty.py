@@ -88,6 +88,13 @@ def run_cli(args: list[str], site: Path | None = None, **env: str) -> subprocess
     )
 
 
+def launch_cli(args: list[str], site: Path | None = None, **env: str) -> subprocess.Popen[str]:
+    """``run_cli`` without waiting: stdout and stderr are pipes for ``communicate``."""
+    return subprocess.Popen(
+        CLI + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_environment(site, env)
+    )
+
+
 def wait_for(server: ServerProcess, condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
     """Poll ``condition`` until it holds; fail with the server's output after ``timeout``."""
     deadline = time.monotonic() + timeout

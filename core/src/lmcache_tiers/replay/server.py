@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from lmcache_tiers.client import Client, ClientError, ServerError
+from lmcache_tiers.client import Client, ClientError, RequestTimeoutError, ServerError
 from lmcache_tiers.replay.run import (
     ClientState,
     ProgressHook,
@@ -30,6 +30,10 @@ from lmcache_tiers.replay.trace import Trace, TraceRequest
 from lmcache_tiers.wire import protocol as p
 
 logger = logging.getLogger(__name__)
+
+#: requests in a row without a reply after which a replay takes its server for gone: each
+#: would otherwise wait its whole timeout, for every request left in the trace
+UNANSWERED_LIMIT = 3
 
 
 def _replay_one(client: Client, request: TraceRequest, state: ClientState) -> None:
@@ -81,13 +85,21 @@ def replay_share(
     """One client's share of the trace; ``progress(n)`` after every n requests."""
     state = ClientState.for_options(options)
     totals = state.totals
+    unanswered = 0
     with Client(url, timeout=options.timeout_s, auth_token=auth_token, name="replay") as client:
         for _, request in paced(requests, options.time_scale, origin_ms=origin_ms, start=start):
             try:
                 _replay_one(client, request, state)
+                unanswered = 0
             except ClientError as exc:
                 totals.failed_requests += 1
                 logger.warning("replay: request failed: %s", exc)
+                unanswered = unanswered + 1 if isinstance(exc, RequestTimeoutError) else 0
+                if unanswered >= UNANSWERED_LIMIT:
+                    raise ClientError(
+                        f"the server stopped answering: {unanswered} requests in a row got no reply "
+                        f"(last: {exc})"
+                    ) from None
             if progress is not None:
                 progress(1)
     # From the start all clients share (the first request is due then), so that the
