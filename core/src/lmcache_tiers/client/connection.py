@@ -344,22 +344,23 @@ class Connection:
         while arrived is None:
             remaining = deadline - time.monotonic()
             frames = self._receive(min(remaining, LINK_CHECK_S), zero_copy) if remaining > 0 else None
+            lost = False
             if frames is None and remaining > LINK_CHECK_S:
                 if not self._link_lost():
                     continue
                 # A reply that arrived before the drop is still readable; nothing comes after it.
                 frames = self._receive(0.001, zero_copy)
-                if frames is None:
-                    self._outstanding.discard(req_id)
-                    self._remember_orphan(request)
-                    raise ConnectionLostError(
-                        f"the connection to {self.url} was lost while waiting for the reply to "
-                        f"{type(request).__name__} (the server stopped or died)"
-                    )
+                lost = True
             if frames is None:
                 self._outstanding.discard(req_id)
                 self._remember_orphan(request)
-                raise RequestTimeoutError(f"no reply from {self.url} to {type(request).__name__} in time")
+                what = type(request).__name__
+                if lost:
+                    raise ConnectionLostError(
+                        f"the connection to {self.url} was lost while waiting for the reply to "
+                        f"{what} (the server stopped or died)"
+                    )
+                raise RequestTimeoutError(f"no reply from {self.url} to {what} in time")
             try:
                 reply = p.reply_decoder.decode(frames[0])
             except msgspec.DecodeError as exc:

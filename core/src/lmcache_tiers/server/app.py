@@ -111,7 +111,6 @@ class TiersServer:
         *,
         registry: ComponentRegistry | None = None,
         auth_token: str | None = None,
-        drain_timeout_s: float | None = None,
     ) -> None:
         from lmcache_tiers.plugins import load_registry
         from lmcache_tiers.storage import StorageManager
@@ -126,9 +125,7 @@ class TiersServer:
         # Paths, ports and the L1 size against the machine, before pre-faulting takes seconds.
         preflight(config, registry)
         self.config = config
-        if drain_timeout_s is None:
-            drain_timeout_s = config.shutdown_timeout_s
-        self.drain_timeout_s = drain_timeout_s
+        self.drain_timeout_s = drain_timeout_s = config.shutdown_timeout_s
         self.auth_required = bool(auth_token)
         self.started = time.time()
         self._stopping = False
