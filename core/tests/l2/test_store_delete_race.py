@@ -26,7 +26,8 @@ from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter, BackendContext, L2Op, ObjectSize
 from lmcache_tiers.l2.pins import Claim, PinTable
-from lmcache_tiers.l2.runners import ThreadRunner
+from lmcache_tiers.l2.runners import LoopRunner, ThreadRunner
+from lmcache_tiers.serde import SerdeContext
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys
 from lmcache_tiers.testing.l2_support import RecordingListener
@@ -458,6 +459,41 @@ def test_closing_with_a_store_stuck_in_put_many_leaves_no_write_claim(
         for worker in adapter.runner.threads():
             worker.join(TIMEOUT)
     no_claims_left(adapter)
+
+
+class GatedXor(Xor):
+    """A serde whose encode waits at a gate: a store is provably inside ``prepare``."""
+
+    def __init__(self) -> None:
+        self.gate = Gate()
+
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
+        self.gate.pass_()
+        return super().encode(data, context)
+
+
+def test_closing_while_a_store_is_still_encoding_leaves_nothing_held(adapters: list[BackendAdapter]) -> None:
+    """On an event loop a serde chain's encode runs in the executor, and cancelling the
+    store's task (close) does not stop it: the encode finishes later and goes on to claim
+    the key and reserve capacity for a call never made.  That is undone when it ends."""
+    serde = GatedXor()
+    adapter = open_dict(AsyncGatedBackend, serde=[serde], capacity=CAPACITY_OBJECTS * SIZE)
+    adapter.close_timeout_s = 0.2
+    task_id = adapter.submit_store(make_keys(1), buffers(1))
+    assert serde.gate.arrived()
+    adapter.close()  # cancels the task awaiting the encode
+    assert adapter.pop_completed_stores() == {task_id: [False]}
+    serde.gate.open()
+    # The loop's thread ends once its executor has shut down, after the encode returned.
+    runner = adapter.runner
+    assert isinstance(runner, LoopRunner)
+    runner._thread.join(TIMEOUT)
+    assert not runner._thread.is_alive()
+    state = adapter.state
+    no_claims_left(adapter)
+    assert state.accounting._reserved_bytes == 0, "the abandoned store's capacity is given back"
+    assert state.storing(make_keys(1)[0]) is None
+    assert held(backend_of(adapter)) == set(), "the backend was never called"
 
 
 def test_an_eviction_victim_being_stored_is_skipped_not_counted_as_failed(

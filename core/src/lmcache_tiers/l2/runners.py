@@ -180,6 +180,37 @@ class ThreadRunner(Runner):
         return list(self._threads)
 
 
+class _Handoff:
+    """Who undoes a prepared operation whose task was cancelled (by close).
+
+    A heavy ``prepare`` runs in the loop's executor, and cancelling the task that awaits
+    it does not stop it: it goes on to claim keys and reserve capacity for a call that
+    will never be made.  Whichever side comes second -- the cancelled task or the
+    executor thread finishing ``prepare`` -- undoes it, exactly once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state = "pending"  # -> "preparing" -> "prepared"; or -> "abandoned"
+
+    def prepare(self, op: BatchOp) -> tuple[Any, ...]:
+        with self._lock:
+            if self._state == "abandoned":  # cancelled before this started: nothing held
+                raise asyncio.CancelledError
+            self._state = "preparing"
+        args = op.prepare()  # raising, it releases what it took (StoreOp.prepare)
+        with self._lock:
+            abandoned, self._state = self._state == "abandoned", "prepared"
+        if abandoned:
+            op.finish(None, call_returned=False)
+        return args
+
+    def abandon(self) -> bool:
+        """Mark the task cancelled; True if the caller must finish (undo) ``op`` itself."""
+        with self._lock:
+            state, self._state = self._state, "abandoned"
+        return state == "prepared"
+
+
 class LoopRunner(Runner):
     def __init__(self, state: AdapterState, backend: object, publish: Publish, concurrency: int) -> None:
         super().__init__(state, backend, publish)
@@ -269,16 +300,18 @@ class LoopRunner(Runner):
     # -- operations ---------------------------------------------------------------------------
 
     async def _run(self, task_id: int, op: BatchOp) -> None:
-        prepared = False
+        handoff = _Handoff()
         result: list[Any] | None = None
         try:
             if await self._backend_ready():
                 async with self._semaphore:
-                    args = await self._offload(op.prepare) if op.heavy_prepare else op.prepare()
-                    prepared = True
+                    if op.heavy_prepare:
+                        args = await self._offload(lambda: handoff.prepare(op))
+                    else:
+                        args = handoff.prepare(op)
                     result = await call_async(self.state, self.backend, op.method, *args)
         except asyncio.CancelledError:
-            if prepared:
+            if handoff.abandon():  # prepared: undo it here (still preparing: the executor does)
                 self.publish(task_id, op, op.finish(None, call_returned=False))
             else:
                 self.state.board.fail(task_id)
