@@ -79,13 +79,21 @@ def test_hf3fs_missing_from_the_wheel_is_named() -> None:
     assert "HF3FS" in message and "no HF3FS plugin" in message and "POSIX" in message
 
 
-def test_unknown_nixl_parameter_lists_what_the_plugin_accepts() -> None:
+@pytest.mark.parametrize("backend_up", [False, True], ids=["first", "backend-already-up"])
+def test_unknown_nixl_parameter_lists_what_the_plugin_accepts(backend_up: bool) -> None:
+    """Named as a misspelling even where an adapter of this process created the backend
+    already (not as a clash with that adapter's parameters)."""
     with scratch_dir() as directory:
-        raw = msgspec.to_builtins(pool_config(directory))
-        raw["backend_params"]["use_urin"] = "true"
-        config = msgspec.convert(raw, NixlStoreConfig)
-        with pytest.raises(ConfigError) as caught:
-            open_pool(config)
+        first = open_pool(pool_config(directory + "/a")) if backend_up else None
+        try:
+            raw = msgspec.to_builtins(pool_config(directory + "/b"))
+            raw["backend_params"]["use_urin"] = "true"
+            config = msgspec.convert(raw, NixlStoreConfig)
+            with pytest.raises(ConfigError) as caught:
+                open_pool(config)
+        finally:
+            if first is not None:
+                first.close()
     assert "use_urin" in str(caught.value) and "use_uring" in str(caught.value)
 
 

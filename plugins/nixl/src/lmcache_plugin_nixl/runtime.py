@@ -138,6 +138,7 @@ class NixlRuntime:
         except Exception as exc:
             raise BackendUnavailableError(f"NIXL agent could not start ({module_name}): {exc}") from exc
         self._backend_params: dict[str, dict[str, str]] = {}
+        self._options: dict[str, list[str]] = {}  # each plugin's parameters, once loaded
         self._lock = threading.Lock()
 
     @classmethod
@@ -178,6 +179,14 @@ class NixlRuntime:
         check_native_prerequisites(backend)
         check_remote_endpoint(backend, init_params)
         with self._lock:
+            # A misspelt parameter is named as such, whether or not the backend is up.
+            options = self._plugin_options(backend)
+            unknown = sorted(set(init_params) - set(options))
+            if options and unknown:
+                raise ConfigError(
+                    f"backend_params {', '.join(unknown)} not understood by NIXL's {backend} "
+                    f"plugin; it accepts: {', '.join(sorted(options))}"
+                )
             existing = self._backend_params.get(backend)
             if existing is not None:
                 if existing != init_params:
@@ -187,31 +196,33 @@ class NixlRuntime:
                         f"same NIXL parameters, got {init_params}"
                     )
                 return
-            available = self.plugins()
-            if backend not in available:
-                raise BackendUnavailableError(describe_missing_plugin(backend, available, self.module_name))
-            try:
-                # Loading the plugin's parameters dlopens it: a plugin whose own libraries
-                # are missing fails here, quickly, instead of in create_backend.
-                options, _mem_types = self.agent.agent.getPluginParams(backend)
-            except Exception as exc:
-                raise BackendUnavailableError(
-                    f"NIXL backend {backend} is not available: {self.module_name}'s {backend} "
-                    f"plugin cannot load its libraries ({exc}); for OBJ try "
-                    f"{NIXL_MODULE_ENV}=nixl_cu12._api"
-                ) from exc
-            unknown = sorted(set(init_params) - set(options))
-            if options and unknown:
-                raise ConfigError(
-                    f"backend_params {', '.join(unknown)} not understood by NIXL's {backend} "
-                    f"plugin; it accepts: {', '.join(sorted(options))}"
-                )
             try:
                 self.agent.create_backend(backend, dict(init_params))
             except Exception as exc:
                 raise BackendUnavailableError(f"NIXL could not create the {backend} backend: {exc}") from exc
             self._backend_params[backend] = dict(init_params)
             log.info("NIXL backend %s created (%s)", backend, self.module_name)
+
+    def _plugin_options(self, backend: str) -> list[str]:
+        """The parameters ``backend``'s plugin accepts (call with the lock held)."""
+        known = self._options.get(backend)
+        if known is not None:
+            return known
+        available = self.plugins()
+        if backend not in available:
+            raise BackendUnavailableError(describe_missing_plugin(backend, available, self.module_name))
+        try:
+            # Loading the plugin's parameters dlopens it: a plugin whose own libraries
+            # are missing fails here, quickly, instead of in create_backend.
+            options, _mem_types = self.agent.agent.getPluginParams(backend)
+        except Exception as exc:
+            raise BackendUnavailableError(
+                f"NIXL backend {backend} is not available: {self.module_name}'s {backend} "
+                f"plugin cannot load its libraries ({exc}); for OBJ try "
+                f"{NIXL_MODULE_ENV}=nixl_cu12._api"
+            ) from exc
+        self._options[backend] = known = list(options)
+        return known
 
     def _register(self, backend: str, descs: Any) -> Registration:
         try:
