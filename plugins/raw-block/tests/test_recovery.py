@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import errno
+import logging
 from pathlib import Path
 
+import pytest
+from lmcache_plugin_raw_block import RawBlockConfig
+from lmcache_plugin_raw_block.backend import RawBlockBackend
+from lmcache_plugin_raw_block.checkpoint import CheckpointAreas
 from lmcache_plugin_raw_block.geometry import plan_geometry
+from lmcache_plugin_raw_block.recovery import SCAN_WINDOW, UNSAVED_QUARANTINE_MAX
+from lmcache_plugin_raw_block.slots import Claim
 from rb_helpers import PAYLOAD, Arena, backend_of, client, config, crash, flip_byte, load, open_raw, store
 from slot_helpers import ZlibSerde
 
@@ -239,3 +247,90 @@ def test_serde_records_keep_their_l1_size_and_other_chains_are_kept_as_misses(tm
         assert again.used_bytes() == stored
     finally:
         again.close()
+
+
+# -- slots that failed with I/O errors --------------------------------------------------------
+
+
+def failing_device_config(path: Path) -> RawBlockConfig:
+    """A few hundred small slots and no periodic checkpoint: only the backend's own
+    checkpoints happen."""
+    return RawBlockConfig(
+        device_path=str(path),
+        slot_bytes=8192,
+        capacity_bytes=300 * 8192 + (1 << 20),
+        meta_enable_periodic=False,
+    )
+
+
+def fail_writes(monkeypatch: pytest.MonkeyPatch, count: int) -> list[int]:
+    """Make the next ``count`` slot writes fail with EIO (each quarantines its slot);
+    returns the list the failed slots are appended to."""
+    write = RawBlockBackend._write_slot
+    failed: list[int] = []
+
+    def failing(self: RawBlockBackend, claim: Claim, header: bytes, payload: memoryview) -> None:
+        if len(failed) < count:
+            failed.append(claim.slot)
+            raise OSError(errno.EIO, "injected media error")
+        write(self, claim, header, payload)
+
+    monkeypatch.setattr(RawBlockBackend, "_write_slot", failing)
+    return failed
+
+
+def test_a_write_after_hundreds_of_failed_ones_is_recovered_after_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recovery scans the slots free at the last checkpoint and stops at a long run of
+    empty ones; slots quarantined since are empty.  The backend checkpoints them before
+    the run gets that long, so the write after them is still found."""
+    cfg = failing_device_config(tmp_path / "dev.img")
+    adapter = open_raw(cfg)
+    failed = fail_writes(monkeypatch, SCAN_WINDOW + 8)
+    doomed = make_keys(SCAN_WINDOW + 8)
+    for start in range(0, len(doomed), 16):
+        batch = doomed[start : start + 16]
+        assert store(adapter, batch, [b"x" * 100] * len(batch)) == [False] * len(batch)
+    assert sorted(failed) == list(range(SCAN_WINDOW + 8)), "the lowest free slots, each once"
+    stats = adapter.stats()
+    assert stats["slots_quarantined"] == SCAN_WINDOW + 8
+    assert stats["checkpoints_written"] >= (SCAN_WINDOW + 8) // UNSAVED_QUARANTINE_MAX
+    assert stats.get("stores_paused", 0) == 0
+    keys = make_keys(2, start=1000)
+    small = [pattern(7, 4000), pattern(8, 3000)]  # fit a slot's payload room
+    assert store(adapter, keys, small) == [True, True]
+    crash(adapter)
+    reopened = open_raw(cfg)
+    try:
+        assert load(reopened, keys, [len(d) for d in small]) == ([True, True], small)
+    finally:
+        reopened.close()
+
+
+def test_stores_pause_while_failed_slots_cannot_be_checkpointed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = failing_device_config(tmp_path / "dev.img")
+    adapter = open_raw(cfg)
+    try:
+        fail_writes(monkeypatch, UNSAVED_QUARANTINE_MAX)
+        write_checkpoint = CheckpointAreas.write
+
+        def broken(self: CheckpointAreas, *args: object, **kwargs: object) -> None:
+            raise OSError(errno.EIO, "injected checkpoint failure")
+
+        monkeypatch.setattr(CheckpointAreas, "write", broken)
+        keys = make_keys(UNSAVED_QUARANTINE_MAX)
+        assert store(adapter, keys, [b"x" * 100] * len(keys)) == [False] * len(keys)
+        with caplog.at_level(logging.WARNING, logger="lmcache_plugin_raw_block"):
+            assert store(adapter, make_keys(3, start=1000), [b"y" * 100] * 3) == [False] * 3
+        stats = adapter.stats()
+        assert stats["stores_paused"] == 3
+        assert stats["checkpoint_failures"] >= 1
+        assert any("stores are paused until a checkpoint succeeds" in r.getMessage() for r in caplog.records)
+        monkeypatch.setattr(CheckpointAreas, "write", write_checkpoint)
+        assert store(adapter, make_keys(3, start=1000), [b"y" * 100] * 3) == [True] * 3, "resumed"
+        assert adapter.stats()["stores_paused"] == 3
+    finally:
+        adapter.close()

@@ -23,7 +23,7 @@ from lmcache_plugin_raw_block.checkpoint import Checkpoint, CheckpointAreas, Che
 from lmcache_plugin_raw_block.config import RawBlockConfig
 from lmcache_plugin_raw_block.device import BlockDevice, open_device, preflight_device
 from lmcache_plugin_raw_block.geometry import Geometry, plan_geometry
-from lmcache_plugin_raw_block.recovery import recover
+from lmcache_plugin_raw_block.recovery import UNSAVED_QUARANTINE_MAX, recover
 from lmcache_plugin_raw_block.slotheader import record_of
 from lmcache_plugin_raw_block.slotio import SlotIO
 from lmcache_plugin_raw_block.slots import Claim, SlotEntry, SlotTable
@@ -241,8 +241,26 @@ class RawBlockBackend(SlotStoreBackend):
                 self._burst.warn("checkpoint", "raw_block: %s: checkpoint failed: %s", self._device.path, exc)
                 return False
             self._checkpointed_version = snapshot.version
+            self.table.saved(snapshot)
             self.context.count("checkpoints_written")
             return True
+
+    def _stores_paused(self) -> str | None:
+        # Recovery finds the writes made after the last checkpoint among the slots free
+        # at it and stops at a run of empty ones (recovery.SCAN_WINDOW); a slot
+        # quarantined since then is empty, so enough of them in a row would hide every
+        # later write after a crash.  A checkpoint lists them as watched instead.
+        if self.table.unsaved_quarantines < UNSAVED_QUARANTINE_MAX:
+            return None
+        self.checkpoint()
+        backlog = self.table.unsaved_quarantines
+        if backlog < UNSAVED_QUARANTINE_MAX:
+            return None
+        return (
+            f"{backlog} slots failed with I/O errors since the last checkpoint and no "
+            "checkpoint could be written; a crash would hide any later write from recovery, "
+            "so stores are paused until a checkpoint succeeds"
+        )
 
     def _checkpoint_loop(self) -> None:
         while not self._stop.wait(self.config.meta_checkpoint_interval_sec):

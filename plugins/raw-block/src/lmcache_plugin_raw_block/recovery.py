@@ -9,8 +9,9 @@ Start from the newest valid checkpoint, then read slot headers to bring it up to
   holds a write the checkpoint did not account for;
 * the slots free at the checkpoint, lowest first: new writes go to the lowest free slot,
   so the ones written since form a prefix of that list, with gaps only where writes were
-  in flight -- at most :data:`CLAIM_GROUP` at a time.  The scan stops after
-  :data:`SCAN_WINDOW` slots in a row hold nothing newer than the checkpoint.
+  in flight -- at most :data:`CLAIM_GROUP` at a time -- or failed with EIO (the backend
+  checkpoints those before there are :data:`UNSAVED_QUARANTINE_MAX`).  The scan stops
+  after :data:`SCAN_WINDOW` slots in a row hold nothing newer than the checkpoint.
 
 A header counts only if it is intact (crc), of this device (identity), of this slot and
 its record header verifies; the payload itself is verified on every load.  Two writes
@@ -33,6 +34,11 @@ log = logging.getLogger(__name__)
 #: free slots in a row without a newer write that end the scan (twice the most that can
 #: be in flight at once, plus a margin)
 SCAN_WINDOW = 2 * CLAIM_GROUP + 64
+#: slots quarantined (a write failed with EIO) since the last checkpoint at which the
+#: backend writes a checkpoint before claiming more, pausing stores if it cannot: a run of
+#: empty slots is then at most this, one group failing after the check and one group in
+#: flight, which is less than the window
+UNSAVED_QUARANTINE_MAX = CLAIM_GROUP // 2
 
 ReadHeaders = Callable[[Sequence[int]], list[bytes | None]]
 

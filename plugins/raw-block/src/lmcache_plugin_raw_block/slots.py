@@ -59,6 +59,8 @@ class Snapshot:
     next_seq: int
     #: ``SlotTable.version`` when the snapshot was taken
     version: int
+    #: the quarantined slots among ``watched``
+    quarantined: frozenset[int] = frozenset()
 
 
 class SlotTable:
@@ -82,6 +84,7 @@ class SlotTable:
         self._claimed: dict[int, int] = {}  # slot -> seq of the write in flight
         self._readers = SlotReaders()  # retired: no longer published, still being read
         self._quarantined: set[int] = set()  # failed a write; left alone until restart
+        self._unsaved_quarantines: set[int] = set()  # ... and not yet in a saved snapshot
         self._next_seq = next_seq
         #: grows with every change a checkpoint would record
         self.version = 0
@@ -149,6 +152,7 @@ class SlotTable:
             self._claimed.pop(claim.slot, None)
             if quarantine:
                 self._quarantined.add(claim.slot)
+                self._unsaved_quarantines.add(claim.slot)
                 self.version += 1
             else:
                 heapq.heappush(self._free, claim.slot)
@@ -239,7 +243,25 @@ class SlotTable:
         with self._lock:
             watched = list(self._claimed.items())
             watched += [(slot, self._next_seq) for slot in self._readers.retired | self._quarantined]
-            return Snapshot(list(self._stored.items()), sorted(watched), self._next_seq, self.version)
+            return Snapshot(
+                list(self._stored.items()),
+                sorted(watched),
+                self._next_seq,
+                self.version,
+                frozenset(self._quarantined),
+            )
+
+    def saved(self, snapshot: Snapshot) -> None:
+        """``snapshot`` is on the device now (a checkpoint): its quarantined slots are
+        watched there, no longer among the slots it lists as free."""
+        with self._lock:
+            self._unsaved_quarantines -= snapshot.quarantined
+
+    @property
+    def unsaved_quarantines(self) -> int:
+        """Slots quarantined since the last saved snapshot."""
+        with self._lock:
+            return len(self._unsaved_quarantines)
 
     @property
     def used_slots(self) -> int:

@@ -101,6 +101,11 @@ class SlotStoreBackend(ABC):
         """Whether the slot still holds ``entry``'s write after the copy."""
         return True
 
+    def _stores_paused(self) -> str | None:
+        """Why no slot may be claimed now, or None (``raw_block``: slots quarantined since
+        its last checkpoint that a crash recovery would take for the end of the writes)."""
+        return None
+
     def _quarantine_on(self, error: OSError) -> bool:
         """Whether a slot whose write failed so is kept out of use: after a media error
         (EIO) it is; after a full thin-provisioned device (ENOSPC) or anything else it
@@ -128,6 +133,13 @@ class SlotStoreBackend(ABC):
             )
         for start in range(0, len(fitting), CLAIM_GROUP):
             group = fitting[start : start + CLAIM_GROUP]
+            paused = self._stores_paused()
+            if paused is not None:
+                self.context.count("stores_paused", len(group))
+                self._burst.warn(
+                    "paused", "%s: %d objects not stored: %s", self.type_name, len(group), paused
+                )
+                continue
             claims = self.table.claim(len(group))
             if len(claims) < len(group):
                 self.context.count("no_free_slot", len(group) - len(claims))
