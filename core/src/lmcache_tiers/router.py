@@ -57,6 +57,9 @@ HEARTBEAT_LIMIT_S = 5.0
 #: after a graceful drain the socket stays open (refusing requests) this long before it
 #: closes, so clients read the drain's last replies before the connection drops
 REPLY_SETTLE_S = 0.05
+#: how long ``start`` waits for ZeroMQ's I/O thread to have named itself (it is found by
+#: name); a moment, longer only on a machine too busy to run the new thread
+IO_THREAD_NAME_WAIT_S = 1.0
 
 
 class RouterLoop:
@@ -192,7 +195,7 @@ class RouterLoop:
                 logger.exception("%s: the request loop failed", self.name)
                 on_failure(exc)
 
-        share_priority(threads_named(self._started_threads, "ZMQbg/IO"))
+        share_priority(threads_named(self._started_threads, "ZMQbg/IO", wait_s=IO_THREAD_NAME_WAIT_S))
         self._thread = threading.Thread(target=serve, name=f"tiers-{self.name}", daemon=True)
         self._thread.start()
 

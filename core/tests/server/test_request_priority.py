@@ -63,7 +63,7 @@ def nice(tid):
     return os.getpriority(os.PRIO_PROCESS, tid)
 loop = RouterLoop("tcp://127.0.0.1:0", name="t", stats=FrontendStats(), pool_workers=1,
                   max_frame_bytes=1 << 20, sweep_interval_s=0.05, drain_timeout_s=1.0)
-io_threads = threads_named(thread_ids(), "ZMQbg/IO")
+io_threads = threads_named(thread_ids(), "ZMQbg/IO", wait_s=30)
 before = [nice(tid) for tid in io_threads]
 with request_threads_favoured():
     loop.start(lambda: loop.socket.poll(10) and None, sweep=lambda now: None, on_drain=lambda: None,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -43,17 +44,25 @@ def thread_ids() -> set[int]:
         return set()
 
 
-def threads_named(tids: set[int], prefix: str) -> list[int]:
-    """Those of ``tids`` whose kernel thread name begins with ``prefix``."""
-    found = []
-    for tid in sorted(tids):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as comm:
-                if comm.read().startswith(prefix):
-                    found.append(tid)
-        except OSError:
-            continue  # ended meanwhile
-    return found
+def threads_named(tids: set[int], prefix: str, *, wait_s: float = 0.0) -> list[int]:
+    """Those of ``tids`` whose kernel thread name begins with ``prefix``.
+
+    A new thread names itself a moment after it starts (until then it has its creator's
+    name), later still on a busy machine: with ``wait_s`` the call waits up to that long
+    for at least one such name to show."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for tid in sorted(tids):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as comm:
+                    if comm.read().startswith(prefix):
+                        found.append(tid)
+            except OSError:
+                continue  # ended meanwhile
+        if found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.001)
 
 
 def share_priority(tids: list[int]) -> None:
