@@ -4,6 +4,7 @@ caller, small copies and a stopped copier stay in the calling thread."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,10 +20,6 @@ def pieces_of(source: np.ndarray[Any, Any], target: np.ndarray[Any, Any], blocks
         (target[low : low + PIECE], source[low : low + PIECE], low // PIECE if blocks else -1)
         for low in range(0, source.nbytes, PIECE)
     ]
-
-
-def helpers() -> list[threading.Thread]:
-    return [thread for thread in threading.enumerate() if thread.name == "shm-copy"]
 
 
 def copy_on_both_threads(
@@ -47,7 +44,9 @@ def copy_on_both_threads(
     return taken
 
 
-def test_both_threads_copy_and_every_byte_arrives() -> None:
+def test_both_threads_copy_and_every_byte_arrives(
+    new_threads: Callable[[str], list[threading.Thread]],
+) -> None:
     source = np.random.default_rng(3).integers(0, 256, 9 * PIECE + 123, dtype=np.uint8)
     target = np.zeros_like(source)
     copier = SplitCopier()
@@ -56,7 +55,7 @@ def test_both_threads_copy_and_every_byte_arrives() -> None:
     assert sorted(block for blocks in taken.values() for block in blocks) == list(range(10))  # each once
     assert {"shm-copy", threading.current_thread().name} == set(taken)
     copier.stop()
-    assert helpers() == []
+    assert new_threads("shm-copy") == []
 
 
 def test_the_caller_copies_from_the_front_and_the_helper_from_the_back() -> None:
@@ -74,16 +73,18 @@ def test_the_caller_copies_from_the_front_and_the_helper_from_the_back() -> None
     copier.stop()
 
 
-def test_start_runs_the_helper_before_the_first_copy_and_not_after_stop() -> None:
+def test_start_runs_the_helper_before_the_first_copy_and_not_after_stop(
+    new_threads: Callable[[str], list[threading.Thread]],
+) -> None:
     copier = SplitCopier()
     copier.start()
-    assert len(helpers()) == 1
+    assert len(new_threads("shm-copy")) == 1
     copier.start()  # already running: still one
-    assert len(helpers()) == 1
+    assert len(new_threads("shm-copy")) == 1
     copier.stop()
-    assert helpers() == []
+    assert new_threads("shm-copy") == []
     copier.start()
-    assert helpers() == []
+    assert new_threads("shm-copy") == []
 
 
 def test_a_failing_piece_raises_in_the_caller_and_stops_the_rest() -> None:
@@ -101,8 +102,9 @@ def test_a_failing_piece_raises_in_the_caller_and_stops_the_rest() -> None:
     copier = SplitCopier()
     with pytest.raises(OSError, match="population failed"):
         copier.run(pieces_of(source, target), prepare)
-    # at most one piece per thread was started after the failing one was taken
-    assert len(prepared) <= 4
+    # at most one piece per thread was started after the failing one was taken (before it,
+    # the helper may have taken any number from the back while the caller was not running)
+    assert 1 in prepared and len(prepared[prepared.index(1) + 1 :]) <= 2
     assert not target[PIECE : 2 * PIECE].any()  # the failed piece was not copied
     # the helper is still there for the next copy
     copier.run(pieces_of(source, target), lambda block: None)
@@ -110,7 +112,7 @@ def test_a_failing_piece_raises_in_the_caller_and_stops_the_rest() -> None:
     copier.stop()
 
 
-def test_small_copies_never_start_the_helper() -> None:
+def test_small_copies_never_start_the_helper(new_threads: Callable[[str], list[threading.Thread]]) -> None:
     size = SPLIT_MIN_BYTES - PIECE
     source = np.full(size, 5, dtype=np.uint8)
     target = np.zeros_like(source)
@@ -119,23 +121,23 @@ def test_small_copies_never_start_the_helper() -> None:
     copier.run(pieces_of(source, target), lambda block: names.add(threading.current_thread().name))
     assert np.array_equal(source, target)
     assert names == {threading.current_thread().name}
-    assert helpers() == []
+    assert new_threads("shm-copy") == []
     copier.stop()
 
 
-def test_after_stop_copies_run_in_the_caller() -> None:
+def test_after_stop_copies_run_in_the_caller(new_threads: Callable[[str], list[threading.Thread]]) -> None:
     source = np.full(SPLIT_MIN_BYTES * 2, 9, dtype=np.uint8)
     target = np.zeros_like(source)
     copier = SplitCopier()
     copier.run(pieces_of(source, target, blocks=False), lambda block: None)
     copier.stop()
-    assert helpers() == []
+    assert new_threads("shm-copy") == []
     target[:] = 0
     names: set[str] = set()
     copier.run(pieces_of(source, target), lambda block: names.add(threading.current_thread().name))
     assert np.array_equal(source, target)
     assert names == {threading.current_thread().name}
-    assert helpers() == []
+    assert new_threads("shm-copy") == []
 
 
 def test_a_forked_child_copies_with_a_helper_of_its_own() -> None:

@@ -9,7 +9,7 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -47,11 +47,9 @@ def resident_kib(address: int) -> int:
     raise AssertionError("mapping not found in /proc/self/smaps")
 
 
-def populate_threads() -> list[threading.Thread]:
-    return [thread for thread in threading.enumerate() if thread.name.startswith("shm-populate")]
-
-
-def test_the_background_pass_maps_every_page(mapping: np.ndarray[Any, Any]) -> None:
+def test_the_background_pass_maps_every_page(
+    mapping: np.ndarray[Any, Any], new_threads: Callable[[str], list[threading.Thread]]
+) -> None:
     array = mapping
     address = array.ctypes.data
     if pagetables._madvise is None:
@@ -64,30 +62,32 @@ def test_the_background_pass_maps_every_page(mapping: np.ndarray[Any, Any]) -> N
         pytest.skip("this kernel has no MADV_POPULATE_READ (Linux < 5.14)")
     assert resident_kib(address) == SIZE // 1024
     pages.stop()
-    assert populate_threads() == []
+    assert new_threads("shm-populate") == []
 
 
-def test_start_has_the_copy_helper_waiting_and_stop_ends_it(mapping: np.ndarray[Any, Any]) -> None:
+def test_start_has_the_copy_helper_waiting_and_stop_ends_it(
+    mapping: np.ndarray[Any, Any], new_threads: Callable[[str], list[threading.Thread]]
+) -> None:
     # A fresh client's first large copy finds the helper already running (started at
     # connect) instead of creating a thread in the middle of its store.
-    def copy_helpers() -> list[threading.Thread]:
-        return [thread for thread in threading.enumerate() if thread.name == "shm-copy"]
-
     pages = PageTables(mapping.ctypes.data, SIZE)
-    assert copy_helpers() == []
+    assert new_threads("shm-copy") == []
     pages.start()
-    assert len(copy_helpers()) == 1
+    assert len(new_threads("shm-copy")) == 1
     source = np.random.default_rng(11).integers(0, 256, 8 * COPY_PIECE, dtype=np.uint8)
     pages.write(mapping[COPY_PIECE : 9 * COPY_PIECE], source, COPY_PIECE)
     assert np.array_equal(mapping[COPY_PIECE : 9 * COPY_PIECE], source)
-    assert len(copy_helpers()) == 1
+    assert len(new_threads("shm-copy")) == 1
     pages.stop()
-    assert copy_helpers() == [] and populate_threads() == []
+    assert new_threads("shm-copy") == [] and new_threads("shm-populate") == []
 
 
 @pytest.mark.parametrize(("offset", "size"), [(0, COPY_PIECE), (4095, 3 * COPY_PIECE + 17), (12345, 100)])
 def test_writes_are_exact_and_populate_their_range(
-    mapping: np.ndarray[Any, Any], offset: int, size: int
+    mapping: np.ndarray[Any, Any],
+    offset: int,
+    size: int,
+    new_threads: Callable[[str], list[threading.Thread]],
 ) -> None:
     array = mapping
     pages = PageTables(array.ctypes.data, SIZE)  # no background pass: every write populates
@@ -99,7 +99,7 @@ def test_writes_are_exact_and_populate_their_range(
     assert np.array_equal(array[offset : offset + size], source)
     assert not array[:offset].any() and not array[offset + size :].any()
     pages.stop()
-    assert populate_threads() == []
+    assert new_threads("shm-populate") == []
 
 
 def test_a_kernel_without_populate_still_copies_and_says_so_once(
@@ -131,18 +131,20 @@ def test_a_kernel_without_populate_still_copies_and_says_so_once(
     pages.stop()
 
 
-def test_stop_ends_the_background_pass_and_writes_go_on(mapping: np.ndarray[Any, Any]) -> None:
+def test_stop_ends_the_background_pass_and_writes_go_on(
+    mapping: np.ndarray[Any, Any], new_threads: Callable[[str], list[threading.Thread]]
+) -> None:
     array = mapping
     pages = PageTables(array.ctypes.data, SIZE)
     pages.start()
     source = np.ones(4 * COPY_PIECE, dtype=np.uint8)
     pages.write(array[: source.nbytes], source, 0)
     pages.stop()
-    assert populate_threads() == []
+    assert new_threads("shm-populate") == []
     # after stop a write copies without populating
     pages.write(array[SIZE - source.nbytes :], source, SIZE - source.nbytes)
     assert array[SIZE - source.nbytes :].all()
-    assert populate_threads() == []
+    assert new_threads("shm-populate") == []
 
 
 def test_the_background_pass_waits_while_the_client_is_busy(mapping: np.ndarray[Any, Any]) -> None:
@@ -188,7 +190,9 @@ def test_a_write_into_a_range_of_another_size_raises(mapping: np.ndarray[Any, An
     pages.stop()
 
 
-def test_several_copies_at_once_are_exact_both_ways(mapping: np.ndarray[Any, Any]) -> None:
+def test_several_copies_at_once_are_exact_both_ways(
+    mapping: np.ndarray[Any, Any], new_threads: Callable[[str], list[threading.Thread]]
+) -> None:
     array = mapping
     pages = PageTables(array.ctypes.data, SIZE)  # no background pass: the copies populate
     rng = np.random.default_rng(11)
@@ -216,4 +220,4 @@ def test_several_copies_at_once_are_exact_both_ways(mapping: np.ndarray[Any, Any
     with pytest.raises(ValueError, match="cannot copy"):
         pages.read_many([(np.zeros(10, dtype=np.uint8), array[:11])])
     pages.stop()
-    assert populate_threads() == [] and not [t for t in threading.enumerate() if t.name == "shm-copy"]
+    assert new_threads("shm-populate") == [] and new_threads("shm-copy") == []
