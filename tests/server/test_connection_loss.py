@@ -14,30 +14,11 @@ from tiers_e2e import ServerProcess, make_keys, make_payloads, start_server
 
 from lmcache_tiers.client import Client, ConnectionLostError, RequestTimeoutError
 from lmcache_tiers.client.connection import HEARTBEAT_TIMEOUT_MS
+from lmcache_tiers.testing.processes import freeze
 
 #: far beyond anything these tests wait for: a call that reaches it was not ended early
 CLIENT_TIMEOUT_S = 120.0
 CHUNK = 64 << 10
-
-
-def _freeze(pid: int) -> None:
-    """SIGSTOP ``pid`` and wait until every one of its threads is stopped: each stops
-    only when it next runs, and on a busy machine a request sent at once could still be
-    answered by a thread that has not yet."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as stat:
-                    states.append(stat.read().rsplit(")", 1)[1].split()[0])
-            except (OSError, IndexError):
-                continue  # ended meanwhile
-        if all(state in ("T", "t") for state in states):
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"process {pid} did not stop")
 
 
 def _lookup_in_thread(client: Client, keys: list[Any]) -> tuple[threading.Thread, dict[str, Any]]:
@@ -68,7 +49,7 @@ def test_a_request_whose_server_dies_fails_at_once_as_a_lost_connection(tmp_path
     server = start_server(tmp_path / "server")
     client, keys = _stored(server, "dies", 4)
     try:
-        _freeze(server.proc.pid)  # the LOOKUP is sent and never answered
+        freeze(server.proc.pid)  # the LOOKUP is sent and never answered
         thread, outcome = _lookup_in_thread(client, keys)
         time.sleep(1.0)  # several looks at the connection, all finding it up
         assert thread.is_alive(), outcome
@@ -88,7 +69,7 @@ def test_a_server_that_is_only_slow_still_answers(tmp_path: Path) -> None:
     server = start_server(tmp_path / "server")
     client, keys = _stored(server, "slow", 4)
     try:
-        _freeze(server.proc.pid)
+        freeze(server.proc.pid)
         thread, outcome = _lookup_in_thread(client, keys)
         time.sleep(1.5)  # six times the client's look at its connection
         os.kill(server.proc.pid, signal.SIGCONT)
@@ -105,7 +86,7 @@ def test_the_client_goes_on_with_a_server_restarted_at_its_address(tmp_path: Pat
     client, keys = _stored(first, "restart", 2)
     port = int(first.url.rsplit(":", 1)[1])
     try:
-        _freeze(first.proc.pid)
+        freeze(first.proc.pid)
         thread, outcome = _lookup_in_thread(client, keys)
         time.sleep(0.5)
         first.stop(signal.SIGKILL)
@@ -138,7 +119,7 @@ def test_a_server_silent_past_the_heartbeat_timeout_is_taken_as_gone(tmp_path: P
     server = start_server(tmp_path / "server")
     client, keys = _stored(server, "silent", 2)
     try:
-        _freeze(server.proc.pid)
+        freeze(server.proc.pid)
         thread, outcome = _lookup_in_thread(client, keys)
         thread.join(CLIENT_TIMEOUT_S)
         assert isinstance(outcome.get("error"), ConnectionLostError), outcome

@@ -7,7 +7,6 @@ import importlib
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from lmcache_plugin_mooncake import client as client_module
@@ -18,6 +17,7 @@ from mooncake_helpers import config_for, eventually, open_adapter
 from lmcache_tiers.errors import BackendUnavailableError
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys, pattern
+from lmcache_tiers.testing.processes import wait_stopped
 
 SIZE = 64 << 10
 #: generous bound on a call against a dead master with a 1 s timeout: a guard against
@@ -79,22 +79,6 @@ def test_master_killed_mid_run_then_restarted(own_cluster: LocalCluster) -> None
         adapter.close()
 
 
-def _wait_stopped(pid: int) -> None:
-    """Wait until every thread of ``pid`` is stopped: kill(2) only queues SIGSTOP, and a
-    master thread still running could answer the next call."""
-
-    def stopped() -> bool:
-        states = []
-        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-            try:
-                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
-            except (OSError, IndexError):
-                continue  # a thread that ended meanwhile
-        return bool(states) and all(state in ("T", "t") for state in states)
-
-    eventually(stopped, timeout=HANG_GUARD_S, what="the master stopping")
-
-
 def test_a_hung_master_fails_calls_after_the_timeout(own_cluster: LocalCluster) -> None:
     own_cluster.add_segment_host("64MB")
     adapter = open_adapter(config_for(own_cluster, operation_timeout_s=1.0))
@@ -104,7 +88,7 @@ def test_a_hung_master_fails_calls_after_the_timeout(own_cluster: LocalCluster) 
     try:
         assert _round_trip(client, 0)
         master.send_signal(signal.SIGSTOP)
-        _wait_stopped(master.pid)
+        wait_stopped(master.pid, HANG_GUARD_S)
         try:
             started = time.monotonic()
             assert client.lookup_and_lock(make_keys(2)).found == [False, False]
