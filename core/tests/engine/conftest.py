@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from lmcache_tiers.storage import StorageManager
+from lmcache_tiers.testing.threads import new_threads  # noqa: F401 (a fixture)
 
 # Helpers shared by the engine tests (imported by name under importlib mode).
 sys.path.insert(0, str(Path(__file__).parent))

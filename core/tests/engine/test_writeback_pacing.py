@@ -198,13 +198,13 @@ def test_no_deferral_after_l1_lost_an_object_before_its_store(engine, long_defer
 @pytest.mark.skipif(
     not WRITE_BACK.uses_idle, reason="this process may not leave SCHED_IDLE (needs CAP_SYS_NICE)"
 )
-def test_a_flush_hurries_idle_write_back_threads_until_they_are_done(engine) -> None:
+def test_a_flush_hurries_idle_write_back_threads_until_they_are_done(engine, new_threads) -> None:
     storage = engine([gated()])
     backend = gated_backend(storage)
     backend.store_gate.clear()
     store(storage, keys_of(9, 2), SIZE)
     assert wait_for(lambda: storage.store.in_flight() == 1)
-    stores = [t.native_id for t in threading.enumerate() if "-store-" in t.name and t.name.startswith("l2-")]
+    stores = [t.native_id for t in new_threads("l2-") if "-store-" in t.name]
     assert stores
     # A store task waiting on I/O (here: the gate) for two starvation windows is not
     # starved -- its thread waits asleep, not for a core: still idle.

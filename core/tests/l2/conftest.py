@@ -3,6 +3,9 @@ from collections.abc import Iterator
 import pytest
 
 from lmcache_tiers.l2 import L2Adapter
+from lmcache_tiers.testing.threads import new_threads
+
+__all__ = ["adapters", "new_threads"]
 
 
 @pytest.fixture

@@ -313,7 +313,10 @@ def test_a_lookup_not_answered_in_time_is_a_miss_and_a_failure(
 
 @pytest.mark.parametrize("backend", [RemoteDict, AsyncRemoteDict], ids=["plain", "coroutines"])
 def test_closing_an_open_circuit_ends_its_probing(
-    adapters: list[BackendAdapter], outage: Outage, backend: type[DictBackend]
+    adapters: list[BackendAdapter],
+    outage: Outage,
+    backend: type[DictBackend],
+    new_threads: Callable[[str], list[threading.Thread]],
 ) -> None:
     adapter = open_dict(backend, circuit=CircuitConfig(failure_threshold=1, probe_interval_s=0.01))
     client = BlockingAdapterClient(adapter, timeout=WAIT_S)
@@ -324,7 +327,7 @@ def test_closing_an_open_circuit_ends_its_probing(
     probes = adapter.stats().get("circuit_probes", 0)
     time.sleep(0.1)
     assert adapter.stats().get("circuit_probes", 0) == probes
-    assert not [t.name for t in threading.enumerate() if t.name.endswith("-probe") and "0:t" in t.name]
+    assert not [t.name for t in new_threads("") if t.name.endswith("-probe") and "0:t" in t.name]
 
 
 def test_circuit_options_are_validated_with_their_path() -> None:

@@ -38,10 +38,12 @@ def switch_interval() -> Iterator[float]:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc for thread priorities")
-def test_store_threads_run_at_the_lowest_priority_and_the_others_do_not() -> None:
+def test_store_threads_run_at_the_lowest_priority_and_the_others_do_not(
+    new_threads: Callable[[str], list[threading.Thread]],
+) -> None:
     adapter = open_dict()
     try:
-        workers = {t.name: t for t in threading.enumerate() if t.name.startswith("l2-0:t-")}
+        workers = {t.name: t for t in new_threads("l2-0:t-")}
         stores = [t for name, t in workers.items() if "-store-" in name]
         others = [t for name, t in workers.items() if "-store-" not in name]
         assert stores and others
@@ -95,10 +97,12 @@ needs_idle = pytest.mark.skipif(
 
 
 @needs_idle
-def test_store_threads_take_idle_io_and_nice_10_until_write_back_is_hurried() -> None:
+def test_store_threads_take_idle_io_and_nice_10_until_write_back_is_hurried(
+    new_threads: Callable[[str], list[threading.Thread]],
+) -> None:
     adapter = open_dict()
     try:
-        workers = [t for t in threading.enumerate() if t.name.startswith("l2-0:t-")]
+        workers = new_threads("l2-0:t-")
         stores = [t.native_id for t in workers if "-store-" in t.name]
         others = [t.native_id for t in workers if "-store-" not in t.name]
         assert stores and others

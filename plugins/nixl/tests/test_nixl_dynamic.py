@@ -8,7 +8,7 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from lmcache_plugin_nixl import recordio
@@ -446,7 +446,9 @@ def test_loads_read_in_pieces_verify_every_piece(monkeypatch: pytest.MonkeyPatch
             adapter.close()
 
 
-def test_store_checksums_run_at_the_write_back_threads_priority() -> None:
+def test_store_checksums_run_at_the_write_back_threads_priority(
+    new_threads: Callable[[str], list[threading.Thread]],
+) -> None:
     """The checksum thread of stores is write-back work: it runs at the write-back threads'
     priority (nice 10, idle I/O class while write-back keeps up), whichever thread started it."""
     arena = Arena()
@@ -456,7 +458,7 @@ def test_store_checksums_run_at_the_write_back_threads_priority() -> None:
         adapter = open_dynamic(dynamic_config(root), arena.view)
         try:
             assert store(adapter, arena, keys, data) == [True, True]
-            helpers = [t.native_id for t in threading.enumerate() if t.name.startswith("nixl-store-checksum")]
+            helpers = [t.native_id for t in new_threads("nixl-store-checksum")]
             assert helpers
             for tid in helpers:
                 assert tid is not None
