@@ -1,4 +1,4 @@
-"""``bench`` and ``replay --url`` against a server that does not answer (yet): a note on
+"""``status``, ``bench`` and ``replay --url`` against a server that does not answer (yet): a note on
 stderr within a couple of seconds, then either the run (the server came up) or one error
 line and exit code 1 when ``--timeout`` is over; Ctrl-C meanwhile exits with 130.
 
@@ -95,8 +95,9 @@ def launch(tmp_path: Path) -> Iterator[Launch]:
 
 
 def _commands(url: str, trace: Path, timeout: float) -> dict[str, list[str]]:
-    """Tiny runs of both commands."""
+    """Tiny runs of the commands."""
     return {
+        "status": ["status", "--url", url, "--timeout", f"{timeout:g}", "--json"],
         "bench": [
             "bench",
             "--url",
@@ -136,7 +137,11 @@ def test_no_server_is_a_note_then_one_error_line_at_the_timeout(tmp_path: Path, 
         note, error = lines
         assert note.startswith(f"note: no answer from {url} yet"), (name, note)
         assert "more (--timeout 4)" in note, (name, note)
-        failed = {"bench": f"benchmark of {url} failed", "replay": f"replay through {url} failed"}[name]
+        failed = {
+            "status": f"cannot get the status of {url}",
+            "bench": f"benchmark of {url} failed",
+            "replay": f"replay through {url} failed",
+        }[name]
         assert error == (
             f"error: {failed}: no answer within --timeout 4 s: is the server running and listening there?"
         ), (name, error)

@@ -47,9 +47,6 @@ TokenOption = Annotated[
         "--auth-token", envvar="LMCACHE_TIERS_AUTH_TOKEN", help="Token, if the server requires one."
     ),
 ]
-TimeoutOption = Annotated[
-    float, typer.Option("--timeout", min=0.01, max=MAX_TIMEOUT_S, help="Seconds to wait for each reply.")
-]
 #: the help of --timeout where a command waits for a server that does not answer yet
 WAIT_TIMEOUT_HELP = (
     "Seconds to wait for each reply, and for a server that is not up yet to answer "
@@ -64,12 +61,14 @@ def status(
     url: UrlOption = DEFAULT_URL,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw status document as JSON.")] = False,
     auth_token: TokenOption = None,
-    timeout: TimeoutOption = 5.0,
+    timeout: WaitTimeoutOption = 5.0,
 ) -> None:
     """Show a running server's state: L1, L2 adapters, requests, in-flight work, failures."""
+    from lmcache_tiers.cli.connect import wait_for_server
     from lmcache_tiers.client import Client, ClientError
 
     try:
+        wait_for_server(url, timeout=timeout, auth_token=auth_token)
         with Client(url, auth_token=auth_token, timeout=timeout, name="status") as client:
             document = client.status()
     except ClientError as exc:

@@ -1,4 +1,5 @@
-"""Waiting for a server that does not answer yet, out loud (``bench``, ``replay --url``).
+"""Waiting for a server that does not answer yet, out loud (``status``, ``bench``,
+``replay --url``).
 
 A client's first request waits its whole ``--timeout`` for a server that is not there
 (ZeroMQ queues nothing and keeps reconnecting), which looks like a hang.  Yet a server
