@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 from lmcache_plugin_raw_block import RawBlockConfig
+from lmcache_plugin_raw_block.backend import RawBlockBackend
 from rb_helpers import client, load, open_raw, store
 from rb_helpers import config as sized_config
 from slot_helpers import small_tmpfs
 
 from lmcache_tiers.errors import ConfigError
-from lmcache_tiers.plugin import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite
+from lmcache_tiers.plugin import CAPACITY, EVICTION, PERSISTENCE, FieldError, L2AdapterSuite
 from lmcache_tiers.testing.l2 import make_keys, pattern
 
 DEVICE_BYTES = 8 << 20
@@ -97,12 +98,21 @@ def test_the_whole_device_is_used_when_capacity_is_zero() -> None:
 
 def test_a_device_held_exclusively_by_another_opener_is_refused() -> None:
     with loop_device() as device:
+        cfg = RawBlockConfig(device_path=device, slot_bytes=1 << 20)
         holder = os.open(device, os.O_RDONLY | os.O_EXCL)  # as a mounted filesystem holds it
         try:
+            # by the pre-flight, before the server builds L1, and by the open itself
+            with pytest.raises(FieldError) as caught:
+                RawBlockBackend.preflight(cfg)
+            assert caught.value.field == "device_path"
+            held = "it is in use (mounted, or held by another program)"
+            assert str(caught.value) == f"cannot open {device}: {held}"
             with pytest.raises(ConfigError, match=r"in use \(mounted, or held by another program\)"):
-                open_raw(RawBlockConfig(device_path=device, slot_bytes=1 << 20))
+                open_raw(cfg)
         finally:
             os.close(holder)
+        RawBlockBackend.preflight(cfg)  # free again: the pre-flight let its own claim go
+        open_raw(cfg).close()
 
 
 def test_block_align_below_the_logical_block_size_is_refused() -> None:

@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 _BLKSSZGET = 0x1268  # ioctl: logical block size of a block device
 _NAME = "raw_block"
+#: why an exclusive open of a block device fails with EBUSY
+_HELD = "it is in use (mounted, or held by another program)"
 
 
 @dataclass
@@ -89,6 +91,23 @@ def preflight_device(config: RawBlockConfig) -> None:
         )
     check_file(path, "device_path", devices="block")
     probe_device(path, "device_path", _NAME)
+    if _held_exclusively(path):
+        raise FieldError("device_path", f"cannot open {path}: {_HELD}")
+
+
+def _held_exclusively(path: str) -> bool:
+    """Whether the open's exclusive claim of the block device ``path`` would be refused:
+    a filesystem mounted on it, or LVM, md or another exclusive opener holding it.  Tried
+    and let go at once, so that a server is refused before it builds L1 (which can take
+    many seconds); the open, which keeps the claim, stays the authority."""
+    try:
+        if not stat.S_ISBLK(os.stat(path).st_mode):
+            return False
+        fd = os.open(path, os.O_RDONLY | os.O_EXCL | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        return exc.errno == errno.EBUSY  # other failures: the open says what it says
+    os.close(fd)
+    return False
 
 
 def _missing(config: RawBlockConfig) -> None:
@@ -127,7 +146,7 @@ def _open(config: RawBlockConfig, is_block_device: bool) -> int:
         return os.open(path, flags)
     except OSError as exc:
         if exc.errno == errno.EBUSY:
-            reason = "it is in use (mounted, or held by another program)"
+            reason = _HELD
         elif exc.errno == errno.EINVAL and config.use_odirect:
             reason = "its filesystem does not support O_DIRECT; set use_odirect to false"
         else:
