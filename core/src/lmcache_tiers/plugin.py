@@ -43,7 +43,8 @@ What each kind of plugin needs:
   such record"), ``KeyStripes`` (per-key locks), ``judge_digest_record`` and
   ``log_unreadable_header`` (listing digest-named records); stores with paths or devices,
   for their ``preflight``: ``check_directory``, ``check_file``, a directory another server
-  holds ``check_directory_free``, a device named by two adapters ``check_claimed_once``;
+  holds ``check_directory_free``, a device named by two adapters ``check_claimed_once``,
+  a store living in the process (``memory://``) ``check_process_claim_free``;
   whether a directory takes
   ``O_DIRECT``: ``direct_io_refusal``;
 * tests: ``L2AdapterSuite`` (``PERSISTENCE``, ``CAPACITY``, ``EVICTION``, ``IMMEDIATE_MISSES``,
@@ -139,6 +140,7 @@ if TYPE_CHECKING:
         check_directory,
         check_directory_free,
         check_file,
+        check_process_claim_free,
         direct_io_refusal,
     )
     from lmcache_tiers.l2.readers import SlotReaders
@@ -234,6 +236,7 @@ _LAZY = {
     "check_claimed_once": "lmcache_tiers.l2.preflight",
     "check_directory": "lmcache_tiers.l2.preflight",
     "check_directory_free": "lmcache_tiers.l2.preflight",
+    "check_process_claim_free": "lmcache_tiers.l2.preflight",
     "check_file": "lmcache_tiers.l2.preflight",
     "direct_io_refusal": "lmcache_tiers.l2.preflight",
     "L2Adapter": _L2,
@@ -391,6 +394,7 @@ __all__ = [
     "check_directory",
     "check_directory_free",
     "check_file",
+    "check_process_claim_free",
     "check_relative_dir",
     "chunk_hashes",
     "classify_name",

@@ -26,10 +26,11 @@ from fs_helpers import (
 from lmcache_plugin_fs import FsConfig
 from lmcache_plugin_fs.backend import FsBackend
 
-from lmcache_tiers.config import FieldError, L2EvictionConfig, decode_adapter
+from lmcache_tiers.config import FieldError, L2EvictionConfig, build_config, decode_adapter
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.files.dirlock import LOCK_DIR_ENV
+from lmcache_tiers.l2.preflight import preflight_adapters
 from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.testing.files import held_by_another_process
 from lmcache_tiers.testing.l2 import make_keys, pattern
@@ -314,6 +315,31 @@ def test_the_preflight_refuses_a_directory_another_server_holds(
             FsBackend.preflight(fs_config(str(root)))
     finally:
         adapter.close()
+
+
+def test_the_preflight_refuses_a_memory_store_another_adapter_uses() -> None:
+    name = f"claim-{uuid.uuid4().hex}"
+    adapter = open_fs(fs_config(f"memory://{name}"))
+    try:
+        # another spelling of the same store: fsspec reduces both to one path
+        with pytest.raises(FieldError) as caught:
+            FsBackend.preflight(FsConfig(base_path=f"memory:///{name}/"))
+        assert caught.value.field == "base_path"
+        assert str(caught.value) == (
+            f"the fs store memory:///{name}/ is already used by another adapter of this server; "
+            "give each adapter its own directory"
+        )
+        FsBackend.preflight(fs_config(f"memory://{name}-other"))
+    finally:
+        adapter.close()
+    FsBackend.preflight(fs_config(f"memory://{name}"))  # free once closed
+    # two adapters of one config: the second is refused, where the open would refuse it
+    registry = load_registry()
+    specs = [{"type": "fs", "path": f"memory://{name}"}, {"type": "fs", "path": f"memory:///{name}"}]
+    at_second = r"already used by another adapter .* - at `\$\.l2_adapters\[1\]\.path`$"
+    with pytest.raises(ConfigError, match=at_second):
+        preflight_adapters(registry, build_config(registry, {"l2_adapters": specs}))
+    preflight_adapters(registry, build_config(registry, {"l2_adapters": specs[:1]}))
 
 
 def test_control_characters_in_names_are_escaped_in_log_lines(

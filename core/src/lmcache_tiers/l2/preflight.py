@@ -17,9 +17,10 @@ filesystem there takes ``O_DIRECT`` transfers.
 Stores that lock what they use refuse, here already, what the lock would refuse at open:
 :func:`check_directory_free` a directory another live server (or an adapter of this one)
 holds -- the probe of :class:`~lmcache_tiers.l2.files.DirectoryLock`, which tries its
-locks and lets go at once -- and :func:`check_claimed_once` anything else (a device)
-that an earlier adapter of the same config names.  The open stays the authority: a
-holder may appear between the two.
+locks and lets go at once -- :func:`check_process_claim_free` a store that lives in the
+process (fsspec's ``memory://``) and so is claimed per process, and
+:func:`check_claimed_once` anything else (a device) that an earlier adapter of the same
+config names.  The open stays the authority: a holder may appear between the two.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lmcache_tiers.config import FieldError, decode_adapter_at
@@ -40,6 +41,7 @@ from lmcache_tiers.l2.files.dirlock import (
     claim_in_preflight,
     preflight_claims,
     probe_directory,
+    probe_process_claim,
 )
 from lmcache_tiers.registry import Kind
 
@@ -52,6 +54,7 @@ __all__ = [
     "check_directory",
     "check_directory_free",
     "check_file",
+    "check_process_claim_free",
     "direct_io_refusal",
     "preflight_adapters",
 ]
@@ -194,17 +197,30 @@ def check_directory_free(path: str, field: str, *, what: str) -> None:
     an earlier adapter of the config being checked names it -- with the lock's own words.
     Best effort and side-effect free: the locks are tried and let go at once, nothing is
     created (a missing directory or lock file is free)."""
-    try:
+    with _refused_at(field):
         probe_directory(path, what=what)
-    except DirectoryInUseError as exc:
-        raise FieldError(field, str(exc)) from None
+
+
+def check_process_claim_free(identity: str, field: str, *, what: str) -> None:
+    """Refuse ``identity`` when ``ProcessClaim(identity, what=what)`` would refuse it now
+    (an adapter of this process holds it) or an earlier adapter of the config being
+    checked names it, with the claim's own words."""
+    with _refused_at(field):
+        probe_process_claim(identity, what=what)
 
 
 def check_claimed_once(identity: str, field: str, message: str) -> None:
     """Refuse ``identity`` (a device, a file: whatever one adapter may hold alone) with
     ``message`` when an earlier adapter of the config being checked claimed it."""
-    try:
+    with _refused_at(field):
         claim_in_preflight(identity, message)
+
+
+@contextlib.contextmanager
+def _refused_at(field: str) -> Iterator[None]:
+    """A refusal of a lock's probe, as the pre-flight's error naming ``field``."""
+    try:
+        yield
     except DirectoryInUseError as exc:
         raise FieldError(field, str(exc)) from None
 

@@ -29,6 +29,7 @@ from lmcache_tiers.plugin import (
     WriteFailures,
     check_directory,
     check_directory_free,
+    check_process_claim_free,
     direct_io_refusal,
     printable,
 )
@@ -41,17 +42,51 @@ def _lock_what(root: str) -> str:
     return f"the fs directory {root}"
 
 
+def _store_what(root: str) -> str:
+    """How the claim of a remote store and its pre-flight probe name it."""
+    return f"the fs store {root}"
+
+
+def _store_identity(protocol: str | Sequence[str], root: str) -> str:
+    """What an adapter of this process claims of an fsspec store: the protocol's first
+    name and the path fsspec reduces the URL to (so ``s3a://b/p`` and ``s3://b/p/`` are
+    one store)."""
+    name = protocol if isinstance(protocol, str) else protocol[0]
+    return f"{name}://{root}"
+
+
+def _remote_identity(url: str) -> str | None:
+    """``_store_identity`` of a remote root from its filesystem class, without building
+    the filesystem (which may connect somewhere); None for a URL only the open resolves
+    (chained, or a protocol not installed: the open says so)."""
+    import fsspec
+
+    if "::" in url:
+        return None
+    protocol, _ = fsspec.core.split_protocol(url)
+    try:
+        kind = fsspec.get_filesystem_class(protocol)
+        return _store_identity(kind.protocol, kind._strip_protocol(url))
+    except (ImportError, ValueError):
+        return None
+
+
 class FsBackend:
     """One record file per object under ``config.root``."""
 
     @staticmethod
     def preflight(config: FsConfig) -> None:
         """Before L1 exists: a local root must be a directory this user can create or use,
-        and that no other server (or adapter) holds."""
+        and that no other server (or adapter) holds; a remote one no other adapter of this
+        server may use."""
+        field = "path" if config.path is not None else "base_path"
         if config.is_local:
-            field = "path" if config.path is not None else "base_path"
             check_directory(config.local_root, field)
             check_directory_free(config.local_root, field, what=_lock_what(config.local_root))
+            return
+        identity = _remote_identity(config.root)
+        if identity is not None:
+            check_process_claim_free(identity, field, what=_store_what(config.root))
 
     def __init__(self, config: FsConfig, context: BackendContext) -> None:
         self.config = config
@@ -113,10 +148,9 @@ class FsBackend:
             fs, root = fsspec.core.url_to_fs(config.root, **config.storage_options)
         except (ImportError, ValueError) as exc:
             raise ConfigError(f"fs: cannot open {printable(config.root)}: {exc}") from exc
-        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         # memory:// lives in this process: one adapter per path is the whole rule. Other
         # remote stores cannot be locked from here; give each server its own path.
-        self._lock = ProcessClaim(f"{protocol}://{root}", what=f"the fs store {config.root}")
+        self._lock = ProcessClaim(_store_identity(fs.protocol, root), what=_store_what(config.root))
         layout = FileLayout(root, shard_dirs=config.shard_dirs, temp_dir=config.relative_tmp_dir)
         failures = WriteFailures(context.name, config.root, context.count)
         try:

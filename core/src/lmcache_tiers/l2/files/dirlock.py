@@ -50,6 +50,7 @@ __all__ = [
     "preflight_claims",
     "probe_directory",
     "probe_path_lock",
+    "probe_process_claim",
 ]
 
 #: overrides where lock files go (tests; hosts whose runtime directory is not writable)
@@ -274,14 +275,27 @@ def _probe_flock(fd: int) -> bool:
     return False
 
 
+def _check_unclaimed(identity: str, what: str) -> None:
+    """Raise :class:`DirectoryInUseError` when an adapter of this process holds ``identity``."""
+    with _held_lock:
+        if identity in _held:
+            raise DirectoryInUseError(_used_in_process(what), holder_pid=os.getpid(), directory=identity)
+
+
+def probe_process_claim(identity: str, *, what: str) -> None:
+    """Raise :class:`DirectoryInUseError`, worded as :class:`ProcessClaim` words it, when
+    ``ProcessClaim(identity, what=what)`` would be refused now (an adapter of this process
+    holds it) or an earlier adapter of the same pre-flight claimed it."""
+    claim_in_preflight(identity, _used_in_process(what))
+    _check_unclaimed(identity, what)
+
+
 def probe_path_lock(identity: str, *, what: str) -> None:
     """Raise :class:`DirectoryInUseError` when ``PathLock(identity)`` would be refused now:
     an adapter of this process holds it, or a live process holds its lock file (the
     refusal names its pid).  The lock file is opened read-only if it exists -- a missing
     one is a free lock -- and neither created nor written."""
-    with _held_lock:
-        if identity in _held:
-            raise DirectoryInUseError(_used_in_process(what), holder_pid=os.getpid(), directory=identity)
+    _check_unclaimed(identity, what)
     try:
         fd = os.open(_lock_file(identity), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:  # missing (free), or unreadable: the open is the authority
