@@ -340,6 +340,40 @@ def test_reserve_read_prefix_of_the_same_keys_again_sees_every_change_between(
     assert l1.stats().read_locks == 0
 
 
+def test_finish_read_of_the_last_full_hit_releases_its_objects_and_sees_every_change_between(
+    l1: L1Manager,
+) -> None:
+    """A release of the very keys the last full hit locked takes that hit's objects while
+    no READY object came or went; counts, forced deletes and temporaries work as ever."""
+    write(l1, [1, 2, 3])
+    wanted = keys(1, 2, 3)
+    l1.reserve_read_prefix(wanted)
+    l1.reserve_read_prefix(wanted)
+    l1.finish_read(keys(1, 2, 3))  # equal keys, another list
+    assert [l1.get(k).read_locks for k in wanted] == [1, 1, 1]  # type: ignore[union-attr]
+    assert l1.stats().read_locks == 3
+    l1.finish_read(wanted)
+    assert l1.stats().read_locks == 0
+    # a key deleted by force and written again in between: its release goes to the old
+    # object's held extent, not to the new object another reader holds
+    l1.reserve_read_prefix(wanted)
+    assert l1.delete(keys(2), force=True) == [True]
+    write(l1, [2])
+    l1.reserve_read(keys(2))
+    l1.finish_read(wanted)
+    assert l1.get(key(2)).read_locks == 1  # type: ignore[union-attr]
+    assert l1.stats().read_locks == 1
+    assert l1.lease_stats().quarantined_extents == 0
+    l1.finish_read(keys(2))
+    # a temporary object is freed with its last lock
+    write(l1, [4], temporary=True)
+    temporary = keys(4)
+    assert len(l1.reserve_read_prefix(temporary)) == 1
+    l1.finish_read(temporary)
+    assert l1.get(key(4)) is None
+    assert l1.stats().read_locks == 0
+
+
 # -- removal -------------------------------------------------------------------------------
 
 

@@ -145,9 +145,18 @@ class ReadLocks:
             objects, locked = table.objects, table.locked
             freed: list[L1Object] = []
             leases = self._leases
-            # Each key once (a set only checks: cheaper than building the deduplicated list
-            # when, as nearly always, there is nothing to remove).
-            distinct = keys if len(set(keys)) == len(keys) else list(dict.fromkeys(keys))
+            last = self._last_hit
+            if last is not None and last[0] == table.ready_version and last[1] == keys:
+                # The keys of the last lookup that found them all, each once, and no READY
+                # object came or went since (an engine releasing the prompt it just looked
+                # up): its objects are theirs, with no probe per key.
+                distinct = keys
+                found: Iterable[L1Object | None] = last[2]
+            else:
+                # Each key once (a set only checks: cheaper than building the deduplicated
+                # list when, as nearly always, there is nothing to remove).
+                distinct = keys if len(set(keys)) == len(keys) else list(dict.fromkeys(keys))
+                found = map(objects.get, distinct)
             if leases.any_holders:
                 # Locks on quarantined extents are credited first: per key, what is left
                 # over goes to the live object.
@@ -158,7 +167,7 @@ class ReadLocks:
                 lefts = repeat(count)
             # The objects are found in one C-level pass; what is left per object is plain
             # arithmetic (this runs for every key of every RELEASE).
-            for obj, left in zip(map(objects.get, distinct), lefts, strict=False):  # lefts may repeat
+            for obj, left in zip(found, lefts, strict=False):  # lefts may repeat
                 if obj is None or not left:
                     continue
                 remaining = obj.read_locks - left
