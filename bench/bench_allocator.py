@@ -19,7 +19,6 @@ with an address-ordered first-fit baseline unless ``--no-baseline``.
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import statistics
@@ -27,6 +26,8 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from bench_args import BenchParser
 
 from lmcache_tiers.l1.allocator import ExtentAllocator
 
@@ -188,9 +189,7 @@ def dict_ops_per_second(n: int = 200_000) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = BenchParser(__doc__)
     parser.add_argument("--capacity-gb", type=float, default=1.0)
     parser.add_argument("--align", type=int, default=4096)
     parser.add_argument("--min-size-kib", type=int, default=4)

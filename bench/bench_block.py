@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_args import BenchParser
 from cases import Case, parse_cases
 from lmcache_plugin_dax import DaxConfig
 from lmcache_plugin_dax.backend import DaxBackend
@@ -298,9 +299,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = BenchParser(__doc__)
     parser.add_argument("--dir", help="directory for raw_block's device file (default: a temp dir)")
     parser.add_argument("--cases", default="256x1,64x16", help="COUNTxMIB,... (default 256x1,64x16)")
     parser.add_argument("--adapters", default="raw_block,dax", help="raw_block,dax (default both)")

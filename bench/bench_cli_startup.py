@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
 import sys
 import time
 
+from bench_args import BenchParser
+
 LIMIT_S = 1.0
 HEAVY = ("torch", "nixl", "s3fs", "redis", "zstandard")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = BenchParser(__doc__)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead")
     args = parser.parse_args()

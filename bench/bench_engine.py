@@ -29,7 +29,6 @@ same bytes at once, which on a small VM is bounded by memory bandwidth, not by c
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import threading
@@ -38,6 +37,7 @@ from collections import deque
 from typing import Any
 
 import numpy as np
+from bench_args import BenchParser
 
 from lmcache_tiers.config import ServerConfig, decode_adapter
 from lmcache_tiers.keys import ObjectKey
@@ -90,9 +90,7 @@ def prompt_keys(prompt: int, chunks: int) -> list[ObjectKey]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = BenchParser(__doc__)
     parser.add_argument("--chunk-mb", type=float, default=1.0, help="object size in MiB")
     parser.add_argument("--chunks", type=int, default=8, help="chunks per prompt")
     parser.add_argument("--prompts", type=int, default=64)

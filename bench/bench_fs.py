@@ -37,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+from bench_args import BenchParser
 from lmcache_plugin_fs import FsConfig
 from lmcache_plugin_fs.backend import FsBackend
 
@@ -322,9 +323,7 @@ def _at_least_one(text: str) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = BenchParser(__doc__)
     parser.add_argument("--dir", default=None, help="filesystem to measure (default: the temp directory)")
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated parts to run")
     parser.add_argument("--cases", default="256x1,64x16")

@@ -12,13 +12,13 @@ objects out of the arena into pre-faulted buffers (what ``retrieve_into`` does a
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 from collections.abc import Callable
 
 import numpy as np
+from bench_args import BenchParser
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager
@@ -75,9 +75,7 @@ def measure(count: int, size: int, repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = BenchParser(__doc__)
     parser.add_argument(
         "--shapes",
         nargs="+",

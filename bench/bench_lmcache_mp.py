@@ -52,6 +52,7 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_args import BenchParser
 from bench_server import free_port, measure_floor
 
 CACHE_HOME = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
@@ -315,7 +316,7 @@ def request_bytes(shape_spec: str, tokens: int) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = BenchParser(__doc__.splitlines()[0])
     parser.add_argument("--slices", type=int, default=8, help="client runs per server and configuration")
     parser.add_argument("--requests-per-slice", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=1024)

@@ -59,6 +59,7 @@ import numpy as np
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
+from bench_args import BenchParser
 from lmcache_plugin_mooncake import MooncakeStoreConfig
 from lmcache_plugin_mooncake.backend import MooncakeStoreBackend
 from lmcache_plugin_mooncake.cluster import LocalCluster, unavailable_reason
@@ -400,9 +401,7 @@ def report(result: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = BenchParser(__doc__)
     parser.add_argument("--objects", type=int, default=256)
     parser.add_argument("--size-mib", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=5)

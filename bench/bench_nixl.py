@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
+from bench_args import BenchParser
 from cases import Case, parse_cases
 from lmcache_plugin_nixl.config import NixlStoreConfig, NixlStoreDynamicConfig
 from lmcache_plugin_nixl.dynamic import NixlDynamicBackend
@@ -374,9 +375,7 @@ def print_table(results: list[Result]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = BenchParser(__doc__)
     parser.add_argument("--dir", help="directory on the filesystem to measure (default: a temp dir)")
     parser.add_argument("--cases", default="256x1,64x16", help="COUNTxMIB,... (default 256x1,64x16)")
     parser.add_argument("--repeat", type=int, default=5)

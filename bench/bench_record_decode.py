@@ -30,7 +30,6 @@ load average with it):
 
 from __future__ import annotations
 
-import argparse
 import mmap
 import os
 import shutil
@@ -41,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from bench_args import BenchParser
 
 from lmcache_tiers.config import L2AdapterConfig
 from lmcache_tiers.keys import ObjectKey
@@ -174,9 +174,7 @@ def steps(store: Store, repeat: int) -> list[tuple[str, float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = BenchParser(__doc__)
     parser.add_argument("--dir", help="directory for the record files (default: a temp dir)")
     parser.add_argument("--count", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=7)

@@ -30,7 +30,6 @@ of per-round ratios, which cancels most of a shared machine's drift).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import redis
+from bench_args import BenchParser
 from lmcache_plugin_redis import RedisConfig
 from lmcache_plugin_redis.testing import RedisServer, missing_reason
 
@@ -249,7 +249,7 @@ def run(objects: int, size: int, batch: int, repeat: int) -> dict[str, dict[str,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = BenchParser(__doc__.split("\n\n")[0])
     parser.add_argument("--objects", type=int, default=256)
     parser.add_argument("--size-mib", type=float, default=1.0)
     parser.add_argument("--batch", type=int, default=32)

@@ -30,7 +30,6 @@ for each policy next to ``LRU``'s, measured in the same run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -40,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench_args import BenchParser
 
 from lmcache_tiers.client import Client, ClientError
 from lmcache_tiers.plugins import load_registry
@@ -398,9 +399,7 @@ def show(report: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = BenchParser(__doc__)
     parser.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake trace (default: the shared one)")
     parser.add_argument("--capacities", default="1000,4000,16000", help="server L1 capacities in blocks")
     parser.add_argument(

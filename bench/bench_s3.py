@@ -40,6 +40,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
+from bench_args import BenchParser
 from lmcache_plugin_s3 import S3Config
 from lmcache_plugin_s3.client import open_filesystem
 
@@ -315,9 +316,7 @@ def print_table(label: str, where: str, results: list[Figures]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = BenchParser(__doc__)
     parser.add_argument("--cases", default="256x1", help="COUNTxMIB[,COUNTxMIB...] (default 256x1)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds per case (default 3)")
     parser.add_argument(

@@ -17,7 +17,6 @@ with the chain; the serde work runs on the adapter's store and load threads.
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
@@ -31,6 +30,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+from bench_args import BenchParser
 
 from lmcache_tiers.config import SerdeSpec, decode_component
 from lmcache_tiers.keys import ObjectKey
@@ -219,9 +219,7 @@ def end_to_end(objects: list[bytes], layout: str, chain: list[dict[str, Any]], r
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = BenchParser(__doc__)
     parser.add_argument("--count", type=int, default=8, help="objects in the set (default 8)")
     parser.add_argument("--shape", default="2,8,256,1024", help="bf16 shape of each object")
     parser.add_argument("--repeat", type=int, default=5)

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_args import BenchParser
 from server_store import StoreFigures, l2_adapter_json, store_many_clients, store_under_write_back
 
 from lmcache_tiers.cli.commands_server import bench_table, run_with_progress
@@ -254,9 +255,7 @@ def lookup_p50s(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = BenchParser(__doc__)
     parser.add_argument(
         "--url", help="benchmark this running server instead of starting one (the floor is measured here)"
     )

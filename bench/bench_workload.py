@@ -41,7 +41,6 @@ venv exists.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -58,6 +57,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_args import BenchParser
 from bench_server import start_server
 from server_store import l2_adapter_json, wait_populated
 
@@ -303,9 +303,7 @@ def print_table(results: list[ScenarioResult]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = BenchParser(__doc__)
     parser.add_argument(
         "--scenarios", default=",".join(SCENARIOS), help=f"comma-separated of {', '.join(SCENARIOS)}"
     )

@@ -24,7 +24,6 @@ A study of rejected designs, run on demand (not part of ``run_all.py``); about a
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import heapq
 import json
@@ -46,6 +45,7 @@ from lmcache_tiers.storage import build_policy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_args import BenchParser
 from learned_eviction import HitDensityPolicy, KeepTimePolicy, OptGenPolicy, chunk_class
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -409,7 +409,7 @@ def show(report: dict[str, Any], capacities: Sequence[int], extra: Sequence[int]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = BenchParser(__doc__.splitlines()[0])
     parser.add_argument("--trace", default=DEFAULT_TRACE)
     parser.add_argument("--capacities", default="1000,4000", help="capacities tuned and tested (blocks)")
     parser.add_argument("--extra", default="16000", help="further capacities for the whole trace only")

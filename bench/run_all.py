@@ -26,7 +26,6 @@ is recorded before and after, since the machine may be shared.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -35,6 +34,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench_args import BenchParser
 
 BENCH_DIR = Path(__file__).resolve().parent
 #: where scripts/install_reference_lmcache.sh installs LMCache 0.5.6 (LMCACHE_REF_VENV moves it)
@@ -320,9 +321,7 @@ def write_report(outcomes: list[Outcome], load: dict[str, list[float]], out: Pat
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = BenchParser(__doc__)
     names = [bench.name for bench in BENCHES]
     parser.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(names)}")
     parser.add_argument("--skip", default="", help="comma-separated benchmarks not to run")

@@ -28,6 +28,7 @@ def load(name: str) -> ModuleType:
     return module
 
 
+load("bench_args")  # the command line every benchmark builds its own on
 learned = load("learned_eviction")
 experiments = load("eviction_experiments")
 

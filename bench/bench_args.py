@@ -1,0 +1,27 @@
+"""The command line of every benchmark: ``--help`` prints the module docstring as written and
+each option's default next to its help."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def _worth_showing(default: Any) -> bool:
+    # False, None and "" are what an unset flag or option means: nothing to add.  (Tested by
+    # identity: a default of 0 is a value worth showing, and 0 == False.)
+    return not (default is None or default is False or default == "" or default is argparse.SUPPRESS)
+
+
+class BenchParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose options say their defaults in ``--help``."""
+
+    def __init__(self, description: str | None) -> None:
+        super().__init__(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def add_argument(self, *names: Any, **kwargs: Any) -> argparse.Action:
+        text = kwargs.get("help") or ""
+        is_option = bool(names) and str(names[0]).startswith("-")
+        if is_option and _worth_showing(kwargs.get("default")) and "%(default)" not in text:
+            kwargs["help"] = f"{text} (default: %(default)s)".lstrip()
+        return super().add_argument(*names, **kwargs)
