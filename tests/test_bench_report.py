@@ -3,27 +3,13 @@ benchmark that fails or cannot run reported as such without stopping the others.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from bench_modules import load_bench
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-def load_runner() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("run_all", BENCH / "run_all.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["run_all"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-run_all = load_runner()
+run_all = load_bench("run_all")
 
 
 def test_the_last_json_document_is_read_after_progress_lines() -> None:

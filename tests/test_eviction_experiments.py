@@ -3,34 +3,18 @@ eviction protocol, never beat Belady, and their ordering rules do what the study
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from bench_modules import load_bench
 
 from lmcache_tiers.replay.simulate import belady_run, infinite_run, simulate_policy
 from lmcache_tiers.replay.trace import Trace, TraceRequest
 from lmcache_tiers.testing.policies import make_keys
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-load("bench_args")  # the command line every benchmark builds its own on
-learned = load("learned_eviction")
-experiments = load("eviction_experiments")
+learned = load_bench("learned_eviction")
+experiments = load_bench("eviction_experiments")
 
 DESIGNS = {
     "keep times": lambda: learned.KeepTimePolicy(refresh_min=16, half_life_min=64),
