@@ -239,7 +239,10 @@ class RemoteRecords:
     # -- the tree -------------------------------------------------------------------------------
 
     def _entries(self) -> Iterator[tuple[str, str, int]]:
-        """(directory, name, size) of every file under the root."""
+        """(directory, name, size) of every file in the directories of this store (the
+        root, shard directories, the temporary directory): ``find`` lists the whole tree,
+        and what lies deeper belongs to another store (one nested under this root), whose
+        records and in-flight temporary files the sweeps must not remove."""
         try:
             found = self.fs.find(self.layout.root, detail=True, withdirs=False)
         except FileNotFoundError:
@@ -249,7 +252,8 @@ class RemoteRecords:
             if not path.startswith("/") and self.layout.root.startswith("/"):
                 path = "/" + path
             directory, name = posixpath.split(path)
-            yield directory, name, int(info.get("size") or 0)
+            if self.layout.is_store_directory(directory):
+                yield directory, name, int(info.get("size") or 0)
 
     def iter_records(self, header_length: Callable[[ObjectKey], int]) -> Iterator[tuple[ObjectKey, int]]:
         """``(key, payload bytes)`` of every record in this layout (see the local

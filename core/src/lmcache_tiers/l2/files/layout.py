@@ -150,6 +150,20 @@ class FileLayout:
         """Whether a record of ``key`` found in ``directory`` is where this layout puts it."""
         return directory.rstrip("/") == self.directory_for(key)
 
+    def is_store_directory(self, directory: str) -> bool:
+        """Whether ``directory`` is one a store's files may be in: the root, a shard
+        directory of either layout, or the temporary directory.  Anything deeper (another
+        store nested under this root) is not this store's, as a local listing never
+        enters it either."""
+        directory = directory.rstrip("/") or "/"
+        if directory == self.root or directory == self.temp_dir:
+            return True
+        base = self.root.rstrip("/") + "/"
+        if not directory.startswith(base):
+            return False
+        parts = directory[len(base) :].split("/")
+        return len(parts) <= 2 and all(is_shard_name(part) for part in parts)
+
     def in_other_layout(self, directory: str, key: ObjectKey) -> bool:
         """Whether ``directory`` is where the other ``shard_dirs`` setting puts ``key``'s
         record (a record left by a run with the other setting)."""
