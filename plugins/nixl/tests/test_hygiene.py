@@ -1,5 +1,6 @@
-"""nixl_store_dynamic's directory hygiene on core's file-store code: a full filesystem,
-names that need escaping, a vanished root, capacity across restarts."""
+"""nixl_store_dynamic's directory hygiene on core's file-store code: a full filesystem, a
+write error reported only at a file's close, names that need escaping, a vanished root,
+capacity across restarts."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from nixl_helpers import Arena, client, dynamic_config, open_dynamic, scratch_di
 
 from lmcache_tiers.config import L2EvictionConfig
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.testing.files import check_full_disk_batch
+from lmcache_tiers.testing.files import check_close_error_fails_store, check_full_disk_batch
 from lmcache_tiers.testing.l2 import make_keys, pattern
 from lmcache_tiers.testing.l2_restarts import fill_across_restarts
 
@@ -24,6 +25,10 @@ def _store(adapter: object, arena: Arena, keys: list[ObjectKey], data: list[byte
 
 def test_a_batch_that_hits_enospc_stores_what_fits() -> None:
     check_full_disk_batch(lambda root, arena: open_dynamic(dynamic_config(root), arena))
+
+
+def test_a_write_error_reported_at_close_publishes_nothing() -> None:
+    check_close_error_fails_store(lambda root, arena: open_dynamic(dynamic_config(root), arena))
 
 
 def test_model_names_starting_with_a_dot_are_listed_and_removed() -> None:

@@ -1,6 +1,7 @@
 """Test helpers for file-backed adapters: a page-aligned arena, store/load helpers, a
-scratch-directory fixture, a small filesystem and the full-disk check they all pass, and
-another process holding a directory's (or device's) lock as a running server does.
+scratch-directory fixture, a small filesystem and the full-disk check they all pass, the
+check of a write error reported only at a file's close, and another process holding a
+directory's (or device's) lock as a running server does.
 
 ``small_tmpfs`` mounts a tmpfs of a few MiB so tests can fill a filesystem for real
 (ENOSPC, not a mock); it needs root and skips, with the reason printed, otherwise.
@@ -9,6 +10,7 @@ another process holding a directory's (or device's) lock as a running server doe
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -30,6 +32,7 @@ from lmcache_tiers.testing.l2_support import make_keys, pattern
 __all__ = [
     "AlignedArena",
     "ScratchDirectory",
+    "check_close_error_fails_store",
     "check_full_disk_batch",
     "flip_byte",
     "held_by_another_process",
@@ -217,4 +220,58 @@ def check_full_disk_batch(
             assert again == [True, True], "space returned"
         finally:
             logging.getLogger().removeHandler(lines)
+            adapter.close()
+
+
+@contextmanager
+def _file_closes_fail(root: str, error: int) -> Iterator[list[str]]:
+    """Every close of a file under ``root`` fails with ``error`` once the descriptor is
+    gone, as NFS reports a write-back error (ENOSPC, EIO) at the close; yields the names
+    whose close failed.  (No network filesystem runs here: ``os.close`` is wrapped.)"""
+    failed: list[str] = []
+    real_close = os.close
+
+    def close(fd: int) -> None:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        real_close(fd)
+        if target.startswith(root + "/") and not os.path.isdir(target):
+            failed.append(os.path.basename(target))
+            raise OSError(error, os.strerror(error))
+
+    os.close = close
+    try:
+        yield failed
+    finally:
+        os.close = real_close
+
+
+def check_close_error_fails_store(
+    open_adapter: Callable[[str, memoryview], L2Adapter], record_suffix: str = ".bin"
+) -> None:
+    """A write error that only the close of a record's temporary file reports fails the
+    store before the record is published: the stores report failure, counted
+    (``store_io_errors``); no record and no temporary file is left; the keys are misses;
+    the next stores of the same keys work and load."""
+    with tempfile.TemporaryDirectory(prefix="lmcache-close-") as root:
+        arena = AlignedArena()
+        keys = make_keys(3)
+        data = [pattern(i, 64 << 10) for i in range(3)]
+        adapter = open_adapter(root, arena.view)
+        try:
+            with _file_closes_fail(os.path.realpath(root), errno.EIO) as failed:
+                ok = store_data(adapter, arena, keys, data)
+            assert failed, "the stores closed no file"
+            assert ok == [False] * 3, "a store whose close failed is not acknowledged"
+            assert adapter.stats()["store_io_errors"] == 3
+            names = [name for _dir, _sub, files in os.walk(root) for name in files]
+            assert not [name for name in names if is_temp_name(name) or name.endswith(record_suffix)], names
+            assert _client(adapter).lookup_and_lock(keys).found == [False] * 3
+            assert store_data(adapter, arena, keys, data) == [True] * 3
+            assert _client(adapter).lookup_and_lock(keys).found == [True] * 3
+            assert load_data(adapter, arena, keys, [len(d) for d in data]) == ([True] * 3, data)
+            adapter.unlock(keys)
+        finally:
             adapter.close()

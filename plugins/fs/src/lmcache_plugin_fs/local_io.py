@@ -25,6 +25,7 @@ import fcntl
 import logging
 import os
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 
 import numpy as np
 
@@ -181,7 +182,8 @@ class LocalRecords:
                 self.context.header_too_long(key, len(encoded), header_len)
                 return False
             _pwrite_all(fd, memoryview(encoded), 0)
-            self.files.publish(key, path, fd)
+            written, fd = fd, -1
+            self.files.publish(key, path, written)  # closes it
             path = None
             return True
         except OSError as exc:
@@ -194,8 +196,9 @@ class LocalRecords:
             log.warning("%s: cannot store %s: %s", self.context.name, printable(record_name(key)), exc)
             return False
         finally:
-            if fd >= 0:
-                os.close(fd)
+            if fd >= 0:  # not published: its close cannot fail anything more
+                with suppress(OSError):
+                    os.close(fd)
             if path is not None:
                 self.files.remove_quietly(path)
 

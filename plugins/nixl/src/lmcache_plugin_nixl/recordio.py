@@ -38,7 +38,7 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from queue import SimpleQueue
 
@@ -310,13 +310,28 @@ class RecordFiles:
                     continue
                 complete.append((item, header))
             for (item, _header), ok in zip(complete, self._write_headers(complete), strict=True):
-                results[item.index] = ok and self._publish(item, keys[item.index])
+                key = keys[item.index]
+                results[item.index] = ok and self._close_written(item, key) and self._publish(item, key)
         finally:
             for item in pending:
-                os.close(item.fd)
+                if item.fd >= 0:  # not published: its close cannot fail anything more
+                    with suppress(OSError):
+                        os.close(item.fd)
                 if not results[item.index]:
                     self._files.remove_quietly(item.path)
         return results
+
+    def _close_written(self, item: _Pending, key: ObjectKey) -> bool:
+        """Close a complete temporary file before it is published: a network filesystem
+        (NFS) reports write-back errors such as ENOSPC at the close, and they must fail the
+        store while nothing is published yet."""
+        fd, item.fd = item.fd, -1  # on Linux the descriptor is gone even when close fails
+        try:
+            os.close(fd)
+        except OSError as exc:
+            self._failures.failed(record_name(key), exc)
+            return False
+        return True
 
     def _write_headers(self, complete: list[tuple[_Pending, bytes]]) -> list[bool]:
         """Every header into the first block of its file, as one more NIXL request.

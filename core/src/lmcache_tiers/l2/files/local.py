@@ -160,17 +160,26 @@ class LocalFiles:
     def publish(self, key: ObjectKey, temp_path: str, fd: int | None = None) -> None:
         """Rename a complete temporary file over ``key``'s record (fsync first when asked).
 
+        ``fd``, the temporary file's open descriptor, is closed here in every case (the
+        caller must not close it again), before the rename: a network filesystem (NFS)
+        reports write-back errors such as ENOSPC at the close, and they must fail the
+        store while nothing is published yet.
+
         Raises OSError; the caller removes the temporary file then.  With ``fsync``, a
         directory that cannot be fsynced after the rename fails the store, and the record
         just published is removed again: a store reported failed leaves no record behind
         (one that would be live on disk yet not accounted until a restart listed it).
         """
+        if fd is not None:
+            try:
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)  # on Linux the descriptor is gone even when close fails
         final = self.layout.path_for(key)
         if not self.fsync:
             self._rename(key, temp_path, final)
             return
-        if fd is not None:
-            os.fsync(fd)
         published = identity_of(os.lstat(temp_path))  # the inode keeps it through the rename
         self._rename(key, temp_path, final)
         try:
