@@ -334,3 +334,48 @@ def test_stores_pause_while_failed_slots_cannot_be_checkpointed(
         assert adapter.stats()["stores_paused"] == 3
     finally:
         adapter.close()
+
+
+def test_stores_after_a_clean_checkpoint_that_cannot_be_superseded_survive_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # meta_verify_on_load false trusts a checkpoint written at shutdown.  When no
+    # checkpoint can be written after it (its start-up checkpoint failed), it stays the
+    # newest, and a store into a slot it lists -- freed by a delete, then reused -- is
+    # seen by nobody after a crash: such a store is refused (counted) instead.
+    cfg = config(tmp_path / "dev.img", slots=4, meta_enable_periodic=False, meta_verify_on_load=False)
+    old_keys, new_keys = make_keys(1), make_keys(1, start=10)
+    old, new = data_for(1), data_for(1, seed=1)
+    adapter = open_raw(cfg)
+    assert store(adapter, old_keys, old) == [True]
+    adapter.close()  # the clean checkpoint lists the old key in slot 0
+    write_checkpoint = CheckpointAreas.write
+
+    def broken(self: CheckpointAreas, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.EIO, "injected checkpoint failure")
+
+    monkeypatch.setattr(CheckpointAreas, "write", broken)
+    adapter = open_raw(cfg)
+    assert adapter.stats()["checkpoint_failures"] == 1
+    assert adapter.delete(old_keys) == [True]  # slot 0 is free again ...
+    acknowledged = store(adapter, new_keys, new)  # ... and the lowest free slot
+    if acknowledged != [True]:
+        assert adapter.stats()["stores_paused"] == 1
+    crash(adapter)
+    monkeypatch.setattr(CheckpointAreas, "write", write_checkpoint)
+    reopened = open_raw(cfg)
+    try:
+        if acknowledged == [True]:
+            found = client(reopened).lookup_and_lock(new_keys).found
+            assert found == [True], "an acknowledged store was lost"
+            reopened.unlock(new_keys)
+            assert load(reopened, new_keys, [len(new[0])]) == ([True], new)
+        assert reopened.stats().get("corrupt_records_removed", 0) == 0
+    finally:
+        reopened.close()
+    # Once a checkpoint can be written again, stores resume.
+    again = open_raw(cfg)
+    try:
+        assert store(again, new_keys, new) == [True]
+    finally:
+        again.close()

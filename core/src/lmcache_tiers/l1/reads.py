@@ -150,7 +150,7 @@ class ReadLocks:
                 # The keys of the last lookup that found them all, each once, and no READY
                 # object came or went since (an engine releasing the prompt it just looked
                 # up): its objects are theirs, with no probe per key.
-                distinct = keys
+                distinct: Sequence[ObjectKey] = keys
                 found: Iterable[L1Object | None] = last[2]
             else:
                 # Each key once (a set only checks: cheaper than building the deduplicated

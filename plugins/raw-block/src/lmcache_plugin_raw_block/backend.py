@@ -95,6 +95,9 @@ class RawBlockBackend(SlotStoreBackend):
         self._stop = threading.Event()
         self._checkpoint_lock = threading.Lock()
         self._checkpointed_version = -1
+        #: the device's newest checkpoint is one written at a clean shutdown: until a
+        #: checkpoint of this run supersedes it, a restart may trust it (see _stores_paused)
+        self._clean_checkpoint_newest = False
         self._thread: threading.Thread | None = None
         try:
             self.geometry = plan_geometry(config, self._device.size)
@@ -129,6 +132,7 @@ class RawBlockBackend(SlotStoreBackend):
             self.identity = superblock.identity
             self._areas = CheckpointAreas(device, geometry, self.identity)
             checkpoint = self._areas.read_newest()
+            self._clean_checkpoint_newest = checkpoint is not None and checkpoint.clean
             if checkpoint is None:
                 log.warning("raw_block: %s has no valid checkpoint; reading every slot header", device.path)
             return True, checkpoint
@@ -241,11 +245,23 @@ class RawBlockBackend(SlotStoreBackend):
                 self._burst.warn("checkpoint", "raw_block: %s: checkpoint failed: %s", self._device.path, exc)
                 return False
             self._checkpointed_version = snapshot.version
+            self._clean_checkpoint_newest = False
             self.table.saved(snapshot)
             self.context.count("checkpoints_written")
             return True
 
     def _stores_paused(self) -> str | None:
+        if self._clean_checkpoint_newest:
+            # A restart after a crash trusts a clean checkpoint without reading the slots
+            # it lists (meta_verify_on_load false); a store into one of them, freed since,
+            # would be seen by nobody.  Normally the start-up checkpoint supersedes it.
+            self.checkpoint()
+            if self._clean_checkpoint_newest:
+                return (
+                    "no checkpoint could be written since the one of the last clean shutdown, "
+                    "which a restart after a crash would trust, missing any later write into a "
+                    "slot it lists; stores are paused until a checkpoint succeeds"
+                )
         # Recovery finds the writes made after the last checkpoint among the slots free
         # at it and stops at a run of empty ones (recovery.SCAN_WINDOW); a slot
         # quarantined since then is empty, so enough of them in a row would hide every
