@@ -353,6 +353,67 @@ def test_a_load_from_a_hung_store_fails_in_time_and_the_next_one_after_it_answer
     adapter.unlock(keys)
 
 
+def test_a_store_whose_later_trip_fails_reports_and_accounts_what_its_earlier_ones_stored(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # The store drops the connection on the second trip (its object is over the query
+    # buffer limit): the first trip's object is stored, and must be reported and
+    # accounted as stored -- else it sits in the store, counted against no capacity.
+    own_server.cli("CONFIG", "SET", "client-query-buffer-limit", "1mb")
+    adapter = open_adapter(
+        url=own_server.url, key_prefix=prefix, pipeline_max_bytes=1 << 20, max_capacity_gb=1.0
+    )
+    keys = make_keys(2)
+    sizes = [4096, 2 << 20]
+    buffers = [memoryview(bytearray(pattern(index, size))) for index, size in enumerate(sizes)]
+    assert client_of(adapter).store(keys, buffers) == [True, False]
+    raw = redis.Redis.from_url(own_server.url)
+    backend = backend_of(adapter)
+    assert [raw.exists(backend.name_of(key)) for key in keys] == [1, 0]
+    assert adapter.used_bytes() == 4096
+    stats = adapter.stats()
+    assert stats["store_request_failures"] == 1, "the key the failed trip held is counted"
+
+
+@pytest.mark.parametrize("cluster_path", [False, True], ids=["direct", "pipelined"])
+def test_a_store_that_answers_errors_never_has_its_objects_taken_for_gone(
+    own_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    cluster_path: bool,
+) -> None:
+    # A script running past busy-reply-threshold makes the store answer BUSY to every
+    # command: the objects are there, so a lookup (or the check after a refused delete)
+    # must fail rather than answer "absent" -- core would release their bytes and tell
+    # the eviction policy they were deleted.
+    own_server.cli("CONFIG", "SET", "busy-reply-threshold", "10")
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
+    if cluster_path:  # the replies redis-py parses, as in cluster mode
+        backend_of(adapter)._direct = None
+    keys = make_keys(2)
+    data = store(adapter, keys)
+    used = adapter.used_bytes()
+    script = subprocess.Popen(
+        ["redis-cli", "-p", str(own_server.port), "EVAL", "while true do end", "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: own_server.cli("PING").stdout.startswith("BUSY"), "the store to be busy")
+        assert client_of(adapter).lookup_and_lock(keys).found == [False, False]
+        assert adapter.delete(keys) == [False, False]
+        stats = adapter.stats()
+        assert stats.get("objects_vanished", 0) == 0, "objects the store still holds were taken for gone"
+        assert adapter.used_bytes() == used
+        assert stats["backend_errors"] >= 1, "an error answer fails the call, as the circuit must see"
+    finally:
+        own_server.cli("SCRIPT", "KILL", check=False)
+        script.wait(WAIT_S)
+    found = client_of(adapter).lookup_and_lock(keys)
+    assert load(adapter, keys, found.sizes) == ([True, True], data)
+    adapter.unlock(keys)
+
+
 def test_closing_ends_a_load_waiting_on_a_hung_store(
     own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
@@ -367,6 +428,23 @@ def test_closing_ends_a_load_waiting_on_a_hung_store(
     adapter.close()
     assert time.monotonic() - started < 10.0, "close interrupts the waiting load"
     assert adapter.pop_completed_loads() == {task: [False]}
+
+
+def test_closing_ends_a_store_waiting_on_a_hung_store(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # Stores go through redis-py's pool, whose retry would connect again after close()
+    # shut the connection, and wait on the hung store once more.
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix, request_timeout=60.0)
+    store(adapter, make_keys(1))  # a pooled connection exists
+    own_server.pause()
+    task = adapter.submit_store(make_keys(1, start=1), [memoryview(bytearray(4096))])
+    time.sleep(0.2)  # the store is waiting for its reply
+    started = time.monotonic()
+    adapter.close()
+    assert time.monotonic() - started < 10.0, "close interrupts the waiting store"
+    assert adapter.pop_completed_stores() == {task: [False]}
+    own_server.resume()
 
 
 def test_closing_closes_every_connection_to_the_store(

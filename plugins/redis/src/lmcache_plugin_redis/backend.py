@@ -19,9 +19,11 @@ competes with the server for the cores); see docs/adapters/redis.md.
 Batches go out as pipelines of at most ``pipeline_max_bytes`` of payload, so a large load
 holds a bounded number of replies at once (in the store's output buffer, or in reply
 buffers here in cluster mode).  A connection error or timeout fails the
-whole call (an exception: core counts it and the circuit breaker sees it); a per-object
+whole call (an exception: core counts it and the circuit breaker sees it) -- but a store
+whose earlier trips were done reports those keys stored and the rest failed; a per-object
 error reply (WRONGTYPE for a foreign key, OOM from a full store) fails that object only,
-counted and logged.
+counted and logged -- except in a lookup or listing, where any error reply but WRONGTYPE
+fails the call: "absent" would make core release the bytes of an object still there.
 """
 
 from __future__ import annotations
@@ -120,6 +122,8 @@ class RedisBackend:
         # A cluster client needs an answering node to be built: until one answers, each
         # call tries again (and fails, which the circuit breaker counts).
         self._lock = threading.Lock()
+        #: set by close: no connection of the client connects again (client.py)
+        self._closing = threading.Event()
         self._client: Redis | RedisCluster | None = None
         #: lookups and loads of a standalone store read their replies themselves (direct.py)
         self._direct: DirectConnections | None = None
@@ -134,7 +138,7 @@ class RedisBackend:
     def _connect(self) -> Redis | RedisCluster:
         with self._lock:
             if self._client is None:
-                client = build_client(self.config)
+                client = build_client(self.config, self._closing)
                 self._remove_if_unchanged = client.register_script(_REMOVE_IF_UNCHANGED)
                 if isinstance(client, Redis):
                     self._direct = DirectConnections(client)
@@ -158,6 +162,16 @@ class RedisBackend:
             if isinstance(reply, _CALL_FAILURES):
                 raise reply
         return replies
+
+    def _trip_failed(self, what: str, count: int, error: Exception) -> None:
+        self.context.count(f"{what}_request_failures", count)
+        self.context.warn(
+            f"trip:{what}",
+            "%s of %d keys failed (the batch's earlier ones were done): %s",
+            what,
+            count,
+            error,
+        )
 
     def _reply_error(self, what: str, key: ObjectKey, error: Exception) -> None:
         text = str(error)
@@ -194,6 +208,7 @@ class RedisBackend:
         self.close()
 
     def close(self) -> None:
+        self._closing.set()
         if self._direct is not None:
             self._direct.shutdown()
         client = self._client
@@ -213,12 +228,21 @@ class RedisBackend:
 
     def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
         stored = [False] * len(keys)
-        for trip in trips([payload.nbytes for payload in payloads], self.config.pipeline_max_bytes):
+        for number, trip in enumerate(trips([p.nbytes for p in payloads], self.config.pipeline_max_bytes)):
             pipe = self._pipeline()
             for index in trip:
                 header = self.context.record_header(keys[index], payloads[index])
                 pipe.hset(self.name_of(keys[index]), mapping={HEADER: header, PAYLOAD: payloads[index]})
-            for index, reply in zip(trip, self._execute(pipe), strict=True):
+            try:
+                replies = self._execute(pipe)
+            except RedisError as exc:
+                if number == 0:
+                    raise
+                # Earlier trips' objects are in the store: raising would report them not
+                # stored, and core would never account them.  The rest fail, counted.
+                self._trip_failed("store", len(keys) - trip.start, exc)
+                break
+            for index, reply in zip(trip, replies, strict=True):
                 if isinstance(reply, ResponseError):
                     self._reply_error("store", keys[index], reply)
                 else:
@@ -409,11 +433,16 @@ class RedisBackend:
                 yield key, ObjectSize(header.payload_len, header.l1_size)
 
     def _header(self, key: ObjectKey, reply: Any, what: str) -> RecordHeader | None:
-        """The verified header in a reply; None (a miss) for anything else."""
+        """The verified header in a reply; None (a miss) for anything else, except an
+        error reply about the store rather than the object, which fails the call."""
         if reply is None:
             return None
         if isinstance(reply, ResponseError):
             self._reply_error(what, key, reply)
+            if not str(reply).startswith("WRONGTYPE"):
+                # BUSY, NOPERM, MASTERDOWN ...: the object may well be there.  A miss would
+                # read as "absent", and core would release its bytes and announce it gone.
+                raise reply
             return None
         try:
             return self._read_header(reply, key)

@@ -17,13 +17,15 @@ connect/request timeouts; the circuit breaker then stops calling it.
 from __future__ import annotations
 
 import os
+import threading
 import urllib.parse
-from typing import Any
+from typing import Any, ClassVar
 
 from redis import BlockingConnectionPool, Redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import Connection, PythonRespSerializer, SSLConnection, UnixDomainSocketConnection
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
 from lmcache_plugin_redis.config import RedisConfig
@@ -46,11 +48,21 @@ def encode_argument(value: Any) -> bytes | bytearray | memoryview:
 
 
 class _SendsBuffers:
-    """Connections that pack commands with redis-py's buffer-keeping packer."""
+    """Connections that pack commands with redis-py's buffer-keeping packer, and connect
+    no more once their adapter set ``closing`` (see :func:`build_client`): redis-py
+    retries a command whose socket ``close`` shut by connecting again, and the call would
+    wait on a store that stopped answering for another ``request_timeout``."""
+
+    closing: ClassVar[threading.Event | None] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("command_packer", PythonRespSerializer(BUFFER_CUTOFF, encode_argument))
         super().__init__(*args, **kwargs)
+
+    def _connect(self) -> Any:
+        if self.closing is not None and self.closing.is_set():
+            raise RedisConnectionError("the adapter is closing")
+        return super()._connect()  # type: ignore[misc]
 
 
 class BufferConnection(_SendsBuffers, Connection):
@@ -99,9 +111,15 @@ def _url(config: RedisConfig) -> str:
     return url
 
 
-def build_client(config: RedisConfig) -> Redis | RedisCluster:
+def _closable(base: type[Any], closing: threading.Event | None) -> type[Any]:
+    """``base`` for one adapter: its connections refuse to connect once ``closing`` is set."""
+    return base if closing is None else type(base.__name__, (base,), {"closing": closing})
+
+
+def build_client(config: RedisConfig, closing: threading.Event | None = None) -> Redis | RedisCluster:
     """A client for the store.  A standalone client connects on first use; a cluster
-    client asks the seed nodes for the slot map here, so it raises when none answers."""
+    client asks the seed nodes for the slot map here, so it raises when none answers.
+    Once ``closing`` is set, no connection of it connects again."""
     common: dict[str, Any] = {
         "socket_timeout": config.request_timeout,
         "socket_connect_timeout": config.connection_timeout,
@@ -121,7 +139,7 @@ def build_client(config: RedisConfig) -> Redis | RedisCluster:
         return RedisCluster.from_url(
             _url(config) if config.url is not None else f"{'rediss' if tls else 'redis'}://{host}:{port}",
             startup_nodes=[ClusterNode(node, number) for node, number in seeds],
-            connection_class=BufferSSLConnection if tls else BufferConnection,
+            connection_class=_closable(BufferSSLConnection if tls else BufferConnection, closing),
             max_connections=pool_size(config),
             **common,
         )
@@ -134,11 +152,12 @@ def build_client(config: RedisConfig) -> Redis | RedisCluster:
         connection_class = {"rediss": BufferSSLConnection, "unix": BufferUnixConnection}.get(
             scheme, BufferConnection
         )
+        connection_class = _closable(connection_class, closing)
         pool = BlockingConnectionPool.from_url(url, connection_class=connection_class, **pool_options)
     else:
         host, port = config.seed_nodes()[0]
         pool = BlockingConnectionPool(
-            connection_class=BufferSSLConnection if tls else BufferConnection,
+            connection_class=_closable(BufferSSLConnection if tls else BufferConnection, closing),
             host=host,
             port=port,
             **pool_options,
