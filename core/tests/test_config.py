@@ -160,6 +160,16 @@ def test_secret_named_values_are_redacted_at_any_depth() -> None:
     assert data["auth_token"] == "t0ken", "the input is left alone"
 
 
+def test_passwords_inside_urls_are_redacted() -> None:
+    shown = redact_secrets(
+        {"url": "redis://u:pw1@h:1/0", "other": "rediss://h:2/0?db=1&password=pw2&ssl_auth_token=pw3#x"}
+    )
+    assert shown == {
+        "url": "redis://u:***@h:1/0",
+        "other": "rediss://h:2/0?db=1&password=***&ssl_auth_token=***#x",
+    }
+
+
 @pytest.mark.parametrize(
     ("file_text", "overrides", "adapter", "message"),
     [

@@ -661,7 +661,19 @@ def config_to_builtins(config: ServerConfig) -> dict[str, Any]:
 SECRET_FIELD = re.compile(r"secret|password|passwd|token|credential|access_key|api_key", re.IGNORECASE)
 #: the password of a URL's user information (``redis://user:password@host``)
 _URL_PASSWORD = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^:/@\s]*):[^@/\s]+@", re.IGNORECASE)
+#: a query parameter of a URL named like a credential (``redis://host/0?password=...``,
+#: which redis-py reads as the password)
+_URL_QUERY_SECRET = re.compile(
+    rf"(?P<head>[?&][^=&#\s]*(?:{SECRET_FIELD.pattern})[^=&#\s]*=)[^&#\s]*", re.IGNORECASE
+)
 REDACTED = "***"
+
+
+def redact_url_secrets(text: str) -> str:
+    """``text`` with the passwords of the URLs in it -- in their user information or in
+    query parameters named like credentials -- replaced by ``***``."""
+    text = _URL_PASSWORD.sub(rf"\g<head>:{REDACTED}@", text)
+    return _URL_QUERY_SECRET.sub(rf"\g<head>{REDACTED}", text)
 
 
 def redact_secrets(value: Any) -> Any:
@@ -677,5 +689,5 @@ def redact_secrets(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [redact_secrets(item) for item in value]
     if isinstance(value, str):
-        return _URL_PASSWORD.sub(rf"\g<head>:{REDACTED}@", value)
+        return redact_url_secrets(value)
     return value

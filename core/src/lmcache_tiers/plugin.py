@@ -72,6 +72,7 @@ from lmcache_tiers.config import (
     L2EvictionConfig,
     ServerConfig,
     SizeGiB,
+    redact_url_secrets,
 )
 from lmcache_tiers.endpoints import is_loopback
 from lmcache_tiers.errors import (
@@ -422,6 +423,7 @@ __all__ = [
     "read_record_file",
     "record_key",
     "record_name",
+    "redact_url_secrets",
     "segment_identity",
     "verify_payload",
     "wire_protocol",

@@ -738,6 +738,9 @@ def test_the_repr_of_a_config_never_shows_a_password() -> None:
     config = RedisConfig(url=f"redis://user:{SECRET}@h:1/0", password=SECRET)
     assert SECRET not in repr(config) and SECRET not in str(config)
     assert "redis://user:***@h:1/0" in repr(config)
+    # redis-py also reads the password from the query string
+    config = RedisConfig(url=f"redis://h:1/0?password={SECRET}&db=0")
+    assert SECRET not in repr(config) and "redis://h:1/0?password=***&db=0" in repr(config)
 
 
 def test_config_is_frozen_and_strict() -> None:

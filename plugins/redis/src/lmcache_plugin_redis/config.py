@@ -11,7 +11,7 @@ from typing import Annotated, ClassVar
 
 import msgspec
 
-from lmcache_tiers.plugin import FieldError, L2AdapterConfig, SizeGiB
+from lmcache_tiers.plugin import FieldError, L2AdapterConfig, SizeGiB, redact_url_secrets
 
 DEFAULT_PORT = 6379
 SCHEMES = ("redis", "rediss", "unix")
@@ -48,13 +48,14 @@ def parse_nodes(raw: str | tuple[str, ...]) -> list[tuple[str, int]]:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with the password inside it (if any) replaced by ``***``."""
+    """``url`` with the passwords inside it (if any: ``user:password@``, and
+    ``?password=``, which redis-py reads too) replaced by ``***``."""
     parsed = urllib.parse.urlsplit(url)
-    if parsed.password is None:
-        return url
-    user, _, host = parsed.netloc.rpartition("@")
-    name = user.partition(":")[0]
-    return parsed._replace(netloc=f"{name}:{REDACTED}@{host}").geturl()
+    if parsed.password is not None:
+        user, _, host = parsed.netloc.rpartition("@")
+        name = user.partition(":")[0]
+        url = parsed._replace(netloc=f"{name}:{REDACTED}@{host}").geturl()
+    return redact_url_secrets(url)
 
 
 def url_database(parsed: urllib.parse.SplitResult) -> int | None:
