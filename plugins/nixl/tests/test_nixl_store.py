@@ -180,6 +180,31 @@ def test_a_slot_that_cannot_be_finished_is_given_back_and_counted(monkeypatch) -
             adapter.close()
 
 
+def test_stores_given_no_slot_are_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """A key repeated in a batch (the first occurrence still writing) and a key whose
+    replacement finds every slot taken (its old slot held by a load) are reported not
+    stored: each counted, and each explained in the log."""
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=2))
+        try:
+            (key,) = make_keys(1)
+            assert client(adapter).store([key], [memoryview(pattern(1, SIZE))]) == [True]
+            slots = adapter.backend._slots
+            reading = slots.acquire_for_read([key])  # a load of the key, in flight
+            try:
+                again = memoryview(pattern(2, SIZE))
+                assert client(adapter).store([key, key], [again, again]) == [True, False]
+                assert client(adapter).store([key], [again]) == [False]
+            finally:
+                slots.release_reads([entry.slot for entry in reading if entry is not None])
+            stats = adapter.stats()
+            assert stats["store_busy_skips"] == 1 and stats["pool_full_rejections"] == 1
+            assert "another store of the same key is still writing it" in caplog.text
+            assert "no free slot" in caplog.text
+        finally:
+            adapter.close()
+
+
 # -- slot bookkeeping ------------------------------------------------------------------------
 
 

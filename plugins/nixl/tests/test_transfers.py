@@ -5,9 +5,12 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
+from lmcache_plugin_nixl import runtime as runtime_module
 from lmcache_plugin_nixl.memory import buffer_address
 from lmcache_plugin_nixl.runtime import NixlRuntime, NixlTransferError, descriptors
 from lmcache_plugin_nixl.transfers import pieces
@@ -74,6 +77,48 @@ def test_a_failed_request_fails_the_call_after_the_posted_ones_ended(tmp_path: P
         assert os.pread(fd, MIB, 0) == bytes(view[:MIB])
         runtime.transfer_many("POSIX", "WRITE", [good], "FILE", background=True)  # handles were given back
     finally:
+        files.release()
+        dram.release()
+        os.close(fd)
+        view.release()
+        memory.close()
+
+
+def test_a_transfer_past_its_deadline_is_waited_for_before_its_memory_is_given_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NIXL cannot cancel a request the kernel is still working on: releasing its handle
+    does not stop the I/O.  A READ from storage that stalls past the deadline (a hung
+    mount; here a FIFO nobody writes to yet, read through POSIX AIO, which completes
+    asynchronously) must not return while it may still land in memory the caller then
+    gives back (an L1 extent, a staging block) -- the late bytes would overwrite whatever
+    owns that memory next."""
+    monkeypatch.setattr(runtime_module, "TRANSFER_TIMEOUT_S", 0.3)
+    shared = NixlRuntime.shared()
+    runtime = NixlRuntime(shared.api, shared.module_name)  # an agent of its own: other POSIX params
+    runtime.ensure_backend("POSIX", {"use_posix_aio": "true"})
+    fifo = tmp_path / "stalled"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDWR)  # read-write: opening does not wait for a writer
+    memory = mmap.mmap(-1, 4096)
+    view = memoryview(memory)
+    dram = runtime.register_dram("POSIX", [(buffer_address(view), 4096)])
+    files = runtime.register_files("POSIX", [fd])
+    late = threading.Timer(1.5, os.write, (fd, b"late" * 1024))
+    late.start()
+    try:
+        request = (descriptors([(buffer_address(view), 4096, 0)]), descriptors([(0, 4096, fd)]))
+        try:
+            runtime.transfer_many("POSIX", "READ", [request], "FILE")
+        except NixlTransferError:
+            pass
+        at_return = bytes(view)
+        late.join()
+        time.sleep(0.5)
+        assert bytes(view) == at_return, "bytes landed in the memory after the transfer returned"
+        assert "NIXL READ on POSIX still running" in caplog.text, "a stalled transfer is reported"
+    finally:
+        late.cancel()
         files.release()
         dram.release()
         os.close(fd)

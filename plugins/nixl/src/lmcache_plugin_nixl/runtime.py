@@ -41,7 +41,10 @@ log = logging.getLogger(__name__)
 NIXL_MODULE_ENV = "LMCACHE_NIXL_MODULE"
 _DEFAULT_MODULE = "nixl._api"
 
-#: A transfer still running after this long is failed (and NIXL asked to cancel it).
+#: A transfer still running after this long is reported stuck (logged again after each
+#: further period) and still waited for: NIXL cannot cancel a request the kernel is working
+#: on (releasing its handle does not stop the I/O), so its memory is not given back before
+#: it ends -- late bytes would land in whatever owns that memory next.
 TRANSFER_TIMEOUT_S = 300.0
 # Polls spin this many times before sleeping: small transfers finish within microseconds,
 # large ones would otherwise burn a core while the disk works.
@@ -308,8 +311,10 @@ class NixlRuntime:
         """Poll ``handles`` (posted, still running when posted) until every one ended.  A
         round polls them in posting order and stops at the first still running (requests
         posted together finish about in order): one poll per round and one per request,
-        not one per request per round."""
-        deadline = time.monotonic() + TRANSFER_TIMEOUT_S
+        not one per request per round.  A request past ``TRANSFER_TIMEOUT_S`` is logged and
+        still waited for (see there)."""
+        started = time.monotonic()
+        deadline = started + TRANSFER_TIMEOUT_S
         spins, sleep, longest = _SPIN_POLLS, 0.00001, _MAX_SLEEP_S
         if background:
             spins, sleep, longest = 0, _BACKGROUND_FIRST_SLEEP_S, _BACKGROUND_MAX_SLEEP_S
@@ -320,9 +325,14 @@ class NixlRuntime:
             rounds += 1
             if rounds > spins:
                 if time.monotonic() > deadline:
-                    raise NixlTransferError(
-                        f"NIXL {operation} on {backend} did not finish within {TRANSFER_TIMEOUT_S:.0f} s"
+                    log.warning(
+                        "NIXL %s on %s still running after %.0f s (storage stalled?); waiting for "
+                        "it to end, as its memory cannot be given back while it may still move",
+                        operation,
+                        backend,
+                        time.monotonic() - started,
                     )
+                    deadline = time.monotonic() + TRANSFER_TIMEOUT_S
                 time.sleep(sleep)
                 sleep = min(sleep * 2, longest)
             while pending:

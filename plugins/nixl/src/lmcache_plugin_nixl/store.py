@@ -59,8 +59,8 @@ class NixlStoreBackend:
         claims = self._slots.claim(keys)
         results = [False] * len(keys)
         writes = [(i, claim) for i, claim in enumerate(claims) if isinstance(claim, int)]
-        self.context.count("pool_full_rejections", sum(1 for c in claims if c is Claim.FULL))
-        self.context.count("store_busy_skips", sum(1 for c in claims if c is Claim.BUSY))
+        if len(writes) < len(keys):
+            self._explain_unclaimed(claims)
         if not writes:
             return results
         buffers = [payloads[i] for i, _slot in writes]
@@ -93,6 +93,21 @@ class NixlStoreBackend:
             else:
                 self._slots.abandon(keys[i], slot)
         return results
+
+    def _explain_unclaimed(self, claims: Sequence[int | Claim]) -> None:
+        """Count and log the keys a store got no slot for (each reported not stored)."""
+        full = sum(1 for claim in claims if claim is Claim.FULL)
+        busy = sum(1 for claim in claims if claim is Claim.BUSY)
+        if full:
+            self.context.count("pool_full_rejections", full)
+            self.context.warn(
+                "pool_full", "%d keys not stored: no free slot (the rest are stored or still read)", full
+            )
+        if busy:
+            self.context.count("store_busy_skips", busy)
+            self.context.warn(
+                "store_busy", "%d keys not stored: another store of the same key is still writing it", busy
+            )
 
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | None]:
         return self._slots.sizes(keys)
