@@ -3,6 +3,7 @@ damaged records, and records of another serde chain -- all against a real master
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -359,6 +360,32 @@ def test_batches_larger_than_a_lane_round_trip(
     ok, contents = load(reopened, keys, result.sizes)
     assert ok == [True] * len(keys) and contents == data
     reopened.unlock(keys)
+
+
+def test_a_header_read_that_fails_is_a_counted_and_logged_miss(
+    own_cluster: LocalCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A key the adapter does not know, with a serde chain configured, is sized from its
+    record header; when that read fails (the segment host holding the object hangs), the
+    key is a miss, counted and explained in the log."""
+    host = own_cluster.add_segment_host("64MB")
+    config = config_for(own_cluster, operation_timeout_s=1.0, master_metrics_url=None)
+    writer = open_adapter(config, serde=(Xor(),))
+    keys = make_keys(1)
+    try:
+        store(writer, keys)
+    finally:
+        writer.close()
+    reader = open_adapter(config, serde=(Xor(),))
+    host.send_signal(signal.SIGSTOP)
+    try:
+        result = BlockingAdapterClient(reader, timeout=60).lookup_and_lock(keys)
+    finally:
+        host.send_signal(signal.SIGCONT)
+        reader.close()
+    assert result.found == [False]
+    assert reader.stats()["header_read_failures"] == 1
+    assert "reading the record header of" in caplog.text
 
 
 # -- damaged and foreign records ----------------------------------------------------------------

@@ -567,6 +567,10 @@ class MooncakeStoreBackend:
                 if code[0] != HEADER_BYTES:
                     if code[0] != NOT_FOUND:
                         self.context.count("header_read_failures")
+                        self._throttle.warn(
+                            "header_read", "%s: reading the record header of %s returned %s: a miss",
+                            self.context.name, names[index], describe(code[0]),
+                        )  # fmt: skip
                     continue
                 header = self._header(store, keys[index], names[index], lane.slot(slot))
                 if header is not None and header.payload_len != stored:
