@@ -684,3 +684,44 @@ def test_a_slot_outside_the_arena_is_a_protocol_error_and_releases(server: Tiers
         with pytest.raises(ProtocolError, match="outside"), client.retrieve(keys):
             pass
     assert l1(server)["read_locks"] == 0
+
+
+def test_a_key_retrieved_twice_in_one_request_cannot_release_another_clients_lock(
+    server: TiersServer,
+) -> None:
+    keys = keys_of(2)
+    with Client(server.endpoint) as owner, Client(server.endpoint) as other:
+        owner.store(keys, blobs(2))
+        assert owner.lookup(keys) == 2  # one lock on each key, the owner's
+        reply = other._call(p.Retrieve(0, "", [keys[0], keys[0], keys[1]]), p.RetrieveReply)
+        assert len(reply.slots) == 3
+        assert l1(server)["read_locks"] == 4  # L1 locks a key repeated in a prefix once
+        assert other.release(keys) == 2
+        # only the other client's own locks went: the owner's still hold its prefix
+        assert l1(server)["read_locks"] == 2
+        assert other.clear() == 0
+        assert owner.release(keys) == 2
+    assert l1(server)["read_locks"] == 0
+
+
+def test_a_late_lookup_reply_gives_back_its_own_locks_not_a_retrieves(make_server: Factory) -> None:
+    server = make_server(adapters=['{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.3}'])
+    keys, data = keys_of(3), blobs(3)
+    with Client(server.endpoint) as client, Client(server.endpoint) as other:
+        client.store(keys, data)
+        assert server.storage.flush(timeout=30)
+        assert client.clear() == 3
+        with pytest.raises(RequestTimeoutError):
+            client._call(p.Lookup(0, "", keys, 5.0), p.LookupReply, timeout=0.05)
+        deadline = time.monotonic() + 10
+        while l1(server)["read_locks"] != 3:  # the late reply is on its way
+            assert time.monotonic() < deadline, "the prefetch never finished"
+            time.sleep(0.02)
+        # The retrieve reads the late reply first; the release that settles it must take
+        # only the timed-out lookup's locks, not those the views below are read under.
+        with client.retrieve(keys) as views:
+            client.ping()  # the settling release has been handled before this reply
+            assert l1(server)["read_locks"] == 3
+            assert other.clear() == 0  # nobody can take the objects from under the views
+            assert [bytes(view) for view in views] == data
+        assert l1(server)["read_locks"] == 0

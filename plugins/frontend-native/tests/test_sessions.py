@@ -150,3 +150,14 @@ def test_sessions_holding_nothing_are_bounded(monkeypatch: pytest.MonkeyPatch) -
     assert sorted(session.identity for session in table if session is not busy) == [
         b"peer-%d" % index for index in range(6, 10)
     ]
+
+
+def test_releasing_once_drops_one_lock_per_key_and_forgets_expired_ones() -> None:
+    session = SessionTable(lock_ttl_s=10, write_ttl_s=20).get(b"client", now=0.0)
+    session.add_read_locks([A, B], deadline=10.0)  # a lookup
+    session.add_read_locks([A], deadline=12.0)  # a retrieve of the first key
+    session.add_read_locks([C], deadline=4.0)
+    # a key named twice goes once, as L1 locked it; C's lock was reaped, so only forgotten
+    assert session.take_one_read_lock([A, A, B, C], now=5.0) == [A, B]
+    assert session.read_locks == {A: 1}
+    assert session.take_read_locks([A, B, C], now=5.0) == {1: [A]}

@@ -424,7 +424,10 @@ class Connection:
     def _settle_orphan(self, reply: p._Reply) -> None:
         """A reply arrived after its request timed out: give back what it took on our
         behalf (reservations, read locks), which nobody will otherwise release before the
-        server's TTL.  The follow-up request's own reply is discarded like this one."""
+        server's TTL.  The follow-up request's own reply is discarded like this one.
+
+        Read locks go one per key (``once``): a RETRIEVE of the same keys may be in
+        flight or its views in use, under locks of their own."""
         request = self._orphans.pop(reply.req_id, None)
         if request is None or reply.code != p.ErrorCode.OK:
             return
@@ -433,9 +436,9 @@ class Connection:
             keys = [k for k, slot in zip(request.keys, reply.slots, strict=False) if slot.offset != p.NO_SLOT]
             follow_up = p.StoreAbort(next(self._ids), self._token, keys) if keys else None
         elif isinstance(request, p.Retrieve) and isinstance(reply, p.RetrieveReply) and not request.inline:
-            follow_up = p.Release(next(self._ids), self._token, request.keys[: len(reply.slots)])
+            follow_up = p.Release(next(self._ids), self._token, request.keys[: len(reply.slots)], once=True)
         elif isinstance(request, p.Lookup) and isinstance(reply, p.LookupReply) and reply.hits:
-            follow_up = p.Release(next(self._ids), self._token, request.keys[: reply.hits])
+            follow_up = p.Release(next(self._ids), self._token, request.keys[: reply.hits], once=True)
         if follow_up is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._socket.send(p.encode(follow_up), zmq.NOBLOCK)

@@ -43,8 +43,9 @@ DEFAULT_URL = "tcp://127.0.0.1:5555"
 #: What this server does beyond the first version-1 servers, announced in HELLO:
 #: ``l1_only_store`` -- STORE_COMMIT/STORE_INLINE honour ``l1_only``;
 #: ``evict`` -- the EVICT request exists;
-#: ``lookup_wait`` -- LOOKUP honours ``wait_s``.
-FEATURES = ("l1_only_store", "evict", "lookup_wait")
+#: ``lookup_wait`` -- LOOKUP honours ``wait_s``;
+#: ``release_once`` -- RELEASE honours ``once``.
+FEATURES = ("l1_only_store", "evict", "lookup_wait", "release_once")
 
 #: Keys one request may name; clients split larger batches.
 MAX_KEYS_PER_REQUEST = 8192
@@ -196,9 +197,15 @@ class Retrieve(_Request, tag=Op.RETRIEVE.value):
 
 
 class Release(_Request, tag=Op.RELEASE.value):
-    """Drop every read lock this client holds on ``keys`` (from LOOKUP or RETRIEVE)."""
+    """Drop every read lock this client holds on ``keys`` (from LOOKUP or RETRIEVE).
+
+    ``once``: drop one lock per key instead (feature ``release_once``) -- what one request
+    took, e.g. a LOOKUP whose reply came after its caller gave up, while the client may
+    hold other locks on the same keys (a RETRIEVE whose slots it is reading).
+    """
 
     keys: _Keys
+    once: bool = False
 
 
 class Clear(_Request, tag=Op.CLEAR.value):

@@ -464,7 +464,12 @@ class Handlers:
         now = time.monotonic()
         session = self.sessions.get(identity, now)
         objects = self.storage.read(req.keys)
-        session.add_read_locks(req.keys[: len(objects)], self.sessions.read_lock_deadline(now))
+        locked = req.keys[: len(objects)]
+        if len(set(objects)) < len(objects):
+            # L1 locks a key repeated in the prefix once: counted twice here, a RELEASE
+            # would drop another client's lock on it as well.
+            locked = list(dict.fromkeys(locked))
+        session.add_read_locks(locked, self.sessions.read_lock_deadline(now))
         self.stats.retrieves += 1
         self.stats.retrieve_chunks += len(objects)
         self.stats.retrieve_bytes += sum(obj.size for obj in objects)
@@ -529,7 +534,20 @@ class Handlers:
         return copy_out
 
     def release(self, req: p.Release, identity: bytes, frames: Frames) -> Response:
+        if req.once:
+            return p.ReleaseReply(req.req_id, released=self._release_once(identity, req.keys)), ()
         return p.ReleaseReply(req.req_id, released=self._release(identity, req.keys)), ()
+
+    def _release_once(self, identity: bytes, keys: Sequence[ObjectKey]) -> int:
+        # What one request took (its reply came after its caller gave up): the client's
+        # other locks on these keys may be under views it is reading right now.
+        session = self.sessions.peek(identity)
+        if session is None:
+            return 0
+        taken = session.take_one_read_lock(keys, time.monotonic())
+        if taken:
+            self.storage.release(taken)
+        return len(taken)
 
     def _release(self, identity: bytes, keys: Sequence[ObjectKey]) -> int:
         session = self.sessions.peek(identity)

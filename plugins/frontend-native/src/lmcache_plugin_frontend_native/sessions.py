@@ -162,6 +162,26 @@ class Session:
                 by_count[count].append(key)
         return by_count
 
+    def take_one_read_lock(self, keys: Iterable[ObjectKey], now: float) -> list[ObjectKey]:
+        """Forget one of the locks held on each of ``keys`` (each key once, as L1 locked
+        it); returns the keys whose lock was live, ready for ``StorageManager.release``."""
+        locks, deadlines = self.read_locks, self.lock_deadlines
+        taken: list[ObjectKey] = []
+        for key in dict.fromkeys(keys):
+            held = locks.get(key, 0)
+            if not held:
+                continue
+            if deadlines[key] <= now:
+                # Reaped by L1 (every lock of a key shares its deadline): forgotten only.
+                del locks[key], deadlines[key]
+                continue
+            if held == 1:
+                del locks[key], deadlines[key]
+            else:
+                locks[key] = held - 1
+            taken.append(key)
+        return taken
+
     def take_prefetch_locks(self, keys: Iterable[ObjectKey]) -> dict[int, list[ObjectKey]]:
         """Take the locks finished, uncollected prefetches hold on ``keys``, grouped by how
         many such prefetches held each key (for ``StorageManager.release(keys, count)``).
