@@ -160,3 +160,21 @@ def test_pickled_chunks_are_refused_unless_allowed_and_never_run_code(make_mp_se
         assert client.call("commit_store", key.encode(), REG.instance_id, wrong_layout) is False
         assert allowing.frontends[0].stats().failures["mp_pickle_rejected"] == 2
         assert allowing.storage.status()["l1"]["objects"] == 0
+
+
+def test_a_wait_that_began_during_the_lookups_wait_gets_the_hits_when_they_come(make_mp_server: Any) -> None:
+    slow_l2 = [json.dumps({"type": "mock", "max_size_gb": 0.1, "latency_s": 1.0})]
+    server = make_mp_server(adapters=slow_l2, lookup_wait_ms=200)
+    with MPClient(mp_address(server)) as client:
+        shm = client.register(REG)["shm_name"]
+        client.store(Key(tokens_of(5), "s", worker_id=0), REG.instance_id, chunk_payloads(5, 4, CHUNK), shm)
+        assert server.storage.flush(timeout=30)
+        client.call("clear", True)
+        # A client that does not wait for the lookup's void reply: its wait arrives while
+        # the lookup still waits for the prefetch, and outlasts that wait.
+        lookup = client.send("lookup", Key(tokens_of(5), "w").encode(), 1)
+        waited = client.send("wait_prefetch_status", "w", 120.0)
+        assert client.receive(lookup) is None
+        assert client.receive(waited, timeout_ms=20_000) == 4, "the wait missed the prefetch's end"
+        client.call("end_session", "w")
+        assert server.storage.status()["l1"]["read_locks"] == 0

@@ -145,13 +145,14 @@ class Lookups:
         """Wait on the pool until ``job`` has its result or ``deadline``; then ``answer``.
 
         The first waiter asks the storage (the result is handed out once); later ones, and
-        queries meanwhile, only watch the job's event."""
+        queries meanwhile, only watch the job's event -- which the loop thread sets too when
+        it settles the job, since a later waiter may outlast the first one's wait."""
         owner = not job.waited
         job.waited = True
         storage, stopping = self.storage, self.shared.stopping
 
         def work() -> Callable[[], Any]:
-            while job.arrived_hits is None:
+            while not job.arrived.is_set():
                 remaining = deadline - time.monotonic()
                 step = max(0.0, min(remaining, WAIT_SLICE_S))
                 if owner:
@@ -193,6 +194,9 @@ class Lookups:
 
     def _settle(self, job: LookupJob, locked_keys: int) -> None:
         partial = job.settle(locked_keys)
+        # Wakes waiters that are not asking the storage: once the first waiter gave up,
+        # the sweep's query is what finds the result for them.
+        job.arrived.set()
         if partial:
             self.storage.release(partial, job.readers)
         if job.retired:

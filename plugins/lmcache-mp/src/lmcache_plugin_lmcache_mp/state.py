@@ -13,7 +13,8 @@
 
 Only the front end's loop thread touches these objects, except :class:`LookupJob`'s
 ``arrived`` event and ``arrived_hits``, which the one pool thread waiting for a prefetch
-sets (hits first, then the event).
+sets (hits first, then the event); the loop thread sets the event too when it settles a
+job itself.
 """
 
 from __future__ import annotations
