@@ -5,6 +5,7 @@ written to L2 with bytes that are not its own."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from engine_support import GatedConfig, GatedStorePolicy, gated_backend, keys_of, mock, payload, store
@@ -154,3 +155,41 @@ def test_a_store_task_whose_completion_fails_still_gives_its_objects_back(
     store(storage, later, SIZE)
     assert storage.flush(10)
     assert set(later) <= set(storage.adapters[0].iter_keys())
+
+
+class ClearInStoreThread:
+    """L1 listener: the first time the store controller locks objects for a store, a CLEAR
+    by force lands (as one from another thread can, before the store copies them out)."""
+
+    def __init__(self, storage: StorageManager) -> None:
+        self.storage = storage
+        self.cleared = 0
+
+    def on_l1_keys_written(self, keys: object) -> None:
+        pass
+
+    def on_l1_keys_read(self, keys: object) -> None:
+        if not self.cleared and threading.current_thread().name == "l2-store":
+            self.cleared = self.storage.l1.clear(force=True)
+
+    def on_l1_keys_deleted(self, keys: object) -> None:
+        pass
+
+
+def test_a_clear_by_force_as_a_store_locks_its_objects_does_not_fail_the_store(engine) -> None:
+    storage = engine([mock()])
+    clearing = ClearInStoreThread(storage)
+    storage.l1.add_listener(clearing)
+    written = keys_of(1, 3)
+    store(storage, written, SIZE)
+    assert storage.flush(10)
+    assert clearing.cleared == len(written)
+    failures = storage.status()["failures"]
+    assert "l2_store_submit_error" not in failures, "the store of acknowledged writes failed"
+    # Their extents were held for the store: it wrote their own bytes to L2.
+    assert set(storage.adapters[0].iter_keys()) == set(written)
+    assert storage.wait_prefetch(storage.submit_prefetch(written), 10) == len(written)
+    for obj in storage.read(written):
+        assert bytes(storage.view(obj)) == payload(obj.key, SIZE)
+    storage.release(written, 2)
+    assert storage.l1.lease_stats().quarantined_extents == 0

@@ -248,3 +248,51 @@ def test_an_nvme_l1_reports_no_generations(nvme_dir: Path) -> None:
     with make(nvme_dir) as l1:
         objects = store(l1, [1, 2])
         assert l1.generations(objects) == [0, 0]
+
+
+def test_a_store_lends_an_object_deleted_by_force_after_it_locked_it(l1: L1Manager) -> None:
+    store(l1, [1], fill=0x01)
+    stored = list(l1.reserve_store(keys(1)).values())
+    l1.clear(force=True)  # before the store got to copying the object out
+    assert bytes(l1.lend(stored[0]).buffer) == bytes([0x01]) * ALIGN
+    l1.finish_store(stored)
+    assert l1.used_bytes == 0
+    with pytest.raises(KeyError):
+        l1.lend(stored[0])  # nobody holds the extent any more
+
+
+class ForceDeleteOnRead:
+    """A listener that deletes by force the objects it is told were read, once armed: what
+    a CLEAR from another thread does when it lands right after a store locked them."""
+
+    def __init__(self, l1: L1Manager) -> None:
+        self.l1 = l1
+        self.armed = False
+
+    def on_l1_keys_written(self, keys: object) -> None:
+        pass
+
+    def on_l1_keys_read(self, keys: list[ObjectKey]) -> None:
+        if self.armed:
+            self.armed = False
+            self.l1.delete(list(keys), force=True)
+
+    def on_l1_keys_deleted(self, keys: object) -> None:
+        pass
+
+
+def test_an_object_deleted_by_force_as_a_store_locks_it_is_pinned_for_the_store_only(l1: L1Manager) -> None:
+    store(l1, [1], fill=0x01)
+    deleter = ForceDeleteOnRead(l1)
+    l1.add_listener(deleter)
+    deleter.armed = True
+    stored = list(l1.reserve_store(keys(1)).values())
+    assert l1.get(key(1)) is None, "the listener's forced delete did not happen"
+    assert read(l1, stored[0]) == bytes([0x01]) * ALIGN  # the store still reads its bytes
+    (new,) = store(l1, [1], fill=0x02)
+    l1.reserve_read(keys(1))
+    l1.finish_read(keys(1))  # the new object's reader: nothing else holds the key
+    assert new.read_locks == 0, "a reader's release was credited to the store's extent"
+    l1.finish_store(stored)
+    assert l1.used_bytes == ALIGN, "the store let go: its extent goes back"
+    assert l1.lease_stats().quarantined_extents == 0

@@ -73,7 +73,9 @@ class ObjectBytes:
         with self._lock:
             if fill:
                 self._check_writing(obj)
-            else:
+            elif not self._leases.holds(obj):
+                # Deleted by force under its lock holder (an L2 store about to copy it out):
+                # its extent is held for the holder, its bytes are still the object's.
                 self._table.check_present(obj)
         if self._arena is not None:
             extent = self._arena.buffer[obj.offset : obj.offset + obj.size]

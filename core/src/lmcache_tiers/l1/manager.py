@@ -228,7 +228,8 @@ class L1Manager:
         arena (read-only), or a host copy staged from the NVMe file.  With ``fill`` the
         object must be WRITING: the caller writes ``buffer`` -- the extent itself, or a
         staging buffer -- and calls ``commit()`` to make those the object's bytes.  Raises
-        KeyError if the object has left L1.
+        KeyError if the object has left L1 (for reading: and its extent is not held for
+        its lock holders, as a forced delete holds it).
         """
         return self._bytes.lend(obj, fill=fill)
 

@@ -55,23 +55,28 @@ class ReadLocks:
         """``L1Manager.reserve_read``: every READY key present, each locked once."""
         check_lock_count(count)
         with self._lock:
-            table = self._table
-            table.check_open()
-            objects, locked = table.objects, table.locked
-            hits: dict[ObjectKey, L1Object] = {}
-            deadline = time.monotonic() + self.lock_ttl_s
-            for key in keys:
-                obj = objects.get(key)
-                if obj is None or obj.state is not _READY or key in hits:
-                    continue
-                obj.read_locks += count
-                # One deadline per object: a new reader extends it, and reaping drops all
-                # of the object's read locks at once.
-                obj.lock_deadline = max(obj.lock_deadline, deadline) if key in locked else deadline
-                locked[key] = obj
-                hits[key] = obj
-            table.listeners.notify("read", list(hits))
+            hits = self._lock_present(keys, count)
+            self._table.listeners.notify("read", list(hits))
             return hits
+
+    def _lock_present(self, keys: Sequence[ObjectKey], count: int) -> dict[ObjectKey, L1Object]:
+        """``lock_present`` without telling the listeners; the caller holds the lock."""
+        table = self._table
+        table.check_open()
+        objects, locked = table.objects, table.locked
+        hits: dict[ObjectKey, L1Object] = {}
+        deadline = time.monotonic() + self.lock_ttl_s
+        for key in keys:
+            obj = objects.get(key)
+            if obj is None or obj.state is not _READY or key in hits:
+                continue
+            obj.read_locks += count
+            # One deadline per object: a new reader extends it, and reaping drops all
+            # of the object's read locks at once.
+            obj.lock_deadline = max(obj.lock_deadline, deadline) if key in locked else deadline
+            locked[key] = obj
+            hits[key] = obj
+        return hits
 
     def lock_prefix(
         self, keys: Sequence[ObjectKey], count: int, *, until_repeat: bool = False
@@ -183,9 +188,12 @@ class ReadLocks:
     def lock_for_store(self, keys: Sequence[ObjectKey]) -> dict[ObjectKey, L1Object]:
         """``L1Manager.reserve_store``: ``lock_present`` once, each object pinned for a store."""
         with self._lock:
-            hits = self.lock_present(keys, 1)
+            hits = self._lock_present(keys, 1)
             for obj in hits.values():
                 obj.storing += 1
+            # Only now: a listener that deletes them by force must find the store's locks
+            # marked as such, or their extents would be held as if a reader had them.
+            self._table.listeners.notify("read", list(hits))
             return hits
 
     def release_store(self, objs: Iterable[L1Object]) -> None:
