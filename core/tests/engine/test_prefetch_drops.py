@@ -47,3 +47,23 @@ def test_a_prefetch_l1_has_no_room_for_is_logged(engine, caplog) -> None:
     assert storage.status()["failures"].get("prefetch_l1_full") == 1
     assert "prefetch_l1_full" in caplog.text
     storage.release(pinned)
+
+
+def test_a_prefetch_l1_has_room_for_only_part_of_is_counted(engine, caplog) -> None:
+    storage = engine([mock()])  # 64 MiB of L1
+    wanted = keys_of(2, 2)
+    store(storage, wanted, 20 * MiB)
+    assert storage.flush(10)
+    storage.clear()
+    pinned = keys_of(3, 6)
+    store(storage, pinned, 7 * MiB)
+    assert storage.flush(10)
+    assert len(storage.read(pinned)) == 6  # 42 MiB read-locked: room for one of the two
+
+    with caplog.at_level(logging.WARNING):
+        assert storage.wait_prefetch(storage.submit_prefetch(wanted), 10) == 1
+
+    assert storage.status()["failures"].get("prefetch_l1_full") == 1
+    assert "prefetch_l1_full" in caplog.text
+    storage.release(wanted[:1])
+    storage.release(pinned)

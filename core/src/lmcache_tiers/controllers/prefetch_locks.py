@@ -81,19 +81,22 @@ class PrefetchLocks:
         """Write-lock L1 extents for ``keys``; when L1 is full, evict once, then load fewer."""
         count = len(keys)
         evicted = False
+        reserved: dict[ObjectKey, L1Object] = {}
         while count > 0:
             try:
-                return self.l1.reserve_load(keys[:count], sizes[:count], temporary=temporary)
+                reserved = self.l1.reserve_load(keys[:count], sizes[:count], temporary=temporary)
+                break
             except L1OutOfMemoryError:
                 if not evicted:
                     evicted = True
                     self._evict(aligned_total(sizes[:count], self._align))
                     continue
                 count //= 2
-        if keys:
+        if count < len(keys):
+            # The hits left out end the prefix the reader gets: a miss it sees, so counted.
             self.stats.fail("prefetch_l1_full")
-            self._full_log.event(1, "prefetches found L1 too full to load any of their L2 hits into")
-        return {}
+            self._full_log.event(1, "prefetches found L1 too full to load all of their L2 hits into")
+        return reserved
 
     def abort(self, request: PrefetchRequest, keys: list[ObjectKey]) -> None:
         """Free the load reservations of ``keys`` (their loads are over, or never started)."""
