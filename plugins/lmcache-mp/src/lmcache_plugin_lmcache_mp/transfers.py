@@ -77,6 +77,9 @@ class Transfers:
             self.storage.abort_write(repeated.keys)
         size = instance.object_bytes
         try:
+            # Before L1 reserves: this deadline must not outlast L1's own (taken inside),
+            # or a commit in between would act by key on what L1 has already reaped.
+            deadline = time.monotonic() + self.shared.write_ttl_s
             reserved = self.storage.reserve_write(
                 keys, [size] * len(keys), [instance.layout_text] * len(keys)
             )
@@ -101,7 +104,6 @@ class Transfers:
                     }
                 )
                 indices.append(index)
-        deadline = time.monotonic() + self.shared.write_ttl_s
         self.writes.add(
             instance_id, keys, Transfer(list(reserved), deadline, key.request_id, size * len(reserved))
         )
@@ -214,6 +216,7 @@ class Transfers:
         instance, keys = self._resolve(key, instance_id)
         if not keys:
             return _MISS
+        deadline = time.monotonic() + self.shared.lock_ttl_s  # not after L1's own (see prepare_store)
         objects = self.storage.read(keys)
         size, layout_text = instance.object_bytes, instance.layout_text
         if len(objects) < len(keys) or any(
@@ -229,7 +232,6 @@ class Transfers:
         total = size * len(objects)
         if self.shared.shm is None:
             return self._retrieve_pickled(key, instance, keys, objects)
-        deadline = time.monotonic() + self.shared.lock_ttl_s
         self.reads.add(instance_id, keys, Transfer(keys, deadline, key.request_id, total))
         self._count_retrieve(len(objects), total)
         layout = instance.layout
