@@ -254,3 +254,18 @@ def test_bytes_of_another_size_than_the_object_are_never_quantized() -> None:
     assert len(frame) == HEADER_SIZE + len(data)
     assert serde.stats()["passthrough_layout_mismatch"] == 1 and serde.stats()["quantized_objects"] == 0
     assert _decode(serde, frame, len(data) - 60) == data
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_encoding_leaves_a_writable_object_unchanged(dtype: str, granularity: str) -> None:
+    """The adapter hands fp8 a writable view of the L1 object, which other readers are
+    served from: quantizing it must read those bytes, never scale them in place."""
+    values = torch.randn(64, 128, dtype=torch.float64).to(TORCH_DTYPES[dtype])
+    l1 = bytearray(values.view(torch.uint8).numpy().tobytes())
+    before = bytes(l1)
+    serde = Fp8Serde(Fp8Config(granularity=granularity))  # type: ignore[arg-type]
+    frame = bytes(serde.encode(memoryview(l1), SerdeContext(suite_key(), len(l1), f"{dtype}[64,128]")))
+    assert serde.stats()["quantized_objects"] == 1
+    assert bytes(l1) == before
+    check_bound(before, _decode(serde, frame, len(l1)), f"{dtype}[64,128]", "e4m3fn", granularity)

@@ -214,7 +214,13 @@ class Fp8Serde:
         inverse = scales.reciprocal()
         step = self._step(values.shape[1])
         for row in range(0, values.shape[0], step):
-            out[row : row + step].copy_(values[row : row + step].to(torch.float32).mul_(inverse))
+            chunk = values[row : row + step]
+            if chunk.dtype == torch.float32:
+                # ``to`` would return the caller's (L1) bytes themselves: never scale in place.
+                scaled = torch.mul(chunk, inverse)
+            else:
+                scaled = chunk.to(torch.float32).mul_(inverse)
+            out[row : row + step].copy_(scaled)
 
     def _passthrough(self, view: memoryview, reason: str, context: SerdeContext) -> memoryview:
         frame = bytearray(HEADER_SIZE + view.nbytes)
