@@ -238,3 +238,18 @@ def test_config_needs_exactly_one_key_source() -> None:
         msgspec.convert({"key_env": "A-B"}, AesGcmConfig)
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"key_env": ENV, "key": KEY.hex()}, AesGcmConfig)
+
+
+def test_hex_with_spaces_is_no_256_bit_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 characters of hex in groups ("0102 0304 ...") hold only 26 bytes: a short key is
+    refused with one line, never used as the master key (nor an assertion at start-up)."""
+    grouped = " ".join(KEY[:26].hex()[i : i + 4] for i in range(0, 52, 4))
+    assert len(grouped) == 64
+    path = tmp_path / "key"
+    path.write_bytes(grouped.encode())
+    path.chmod(0o600)
+    with pytest.raises(ConfigError, match="found 64 bytes"):
+        AesGcmSerde(AesGcmConfig(key_file=str(path)))
+    monkeypatch.setenv(ENV, grouped)
+    with pytest.raises(ConfigError, match="found 64 characters"):
+        _serde()

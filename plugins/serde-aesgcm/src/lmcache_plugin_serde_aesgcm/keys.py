@@ -27,9 +27,11 @@ def _from_text(text: bytes) -> bytes | None:
     stripped = text.strip()
     if len(stripped) == 2 * KEY_SIZE:
         try:
-            return bytes.fromhex(stripped.decode("ascii"))
+            decoded = bytes.fromhex(stripped.decode("ascii"))
         except (UnicodeDecodeError, ValueError):
             return None
+        # fromhex skips whitespace between digit pairs: 64 characters may hold fewer bytes.
+        return decoded if len(decoded) == KEY_SIZE else None
     try:
         decoded = base64.b64decode(stripped, validate=True)
     except (binascii.Error, ValueError):
