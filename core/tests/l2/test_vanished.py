@@ -244,3 +244,51 @@ def test_objects_another_server_stored_are_evictable_once_a_lookup_finds_them(
     assert BlockingAdapterClient(here).lookup_and_lock(keys[2:]).found == [True, True]
     here.unlock(keys[2:])
     assert here.stats()["lookup_adopted"] == 4
+
+
+def test_a_record_of_another_serde_chain_removed_behind_the_adapters_back_is_released(
+    adapters: list[BackendAdapter],
+) -> None:
+    # Two servers sharing a store with different serde chains: this one cannot read the
+    # other's record (a miss, kept), and the other one removes it.  The check after this
+    # adapter's delete must find it gone, or its bytes stay accounted and it stays the
+    # eviction victim for good.
+    namespace = uuid.uuid4().hex
+    other = open_dict(serde=[Xor()], namespace=namespace, records=True)
+    adapters.append(other)
+    key = make_keys(1)[0]
+    assert BlockingAdapterClient(other).store([key], [memoryview(b"abc")]) == [True]
+    here = open_dict(namespace=namespace, records=True)
+    adapters.append(here)
+    assert here.used_bytes() > 0, "listed by the start-up scan"
+    assert BlockingAdapterClient(here).lookup_and_lock([key]).found == [False]
+    assert here.stats()["serde_chain_mismatch"] == 1
+    remove_behind_its_back(here, [key])
+
+    assert here.delete([key]) == [False]
+
+    assert here.used_bytes() == 0
+    assert here.stats()["objects_vanished"] == 1
+
+
+def test_a_record_of_another_serde_chain_that_is_still_there_stays_accounted(
+    adapters: list[BackendAdapter],
+) -> None:
+    namespace = uuid.uuid4().hex
+    other = open_dict(serde=[Xor()], namespace=namespace, records=True)
+    adapters.append(other)
+    key = make_keys(1)[0]
+    assert BlockingAdapterClient(other).store([key], [memoryview(b"abc")]) == [True]
+    here = open_dict(StaleAnswers, namespace=namespace, records=True)
+    adapters.append(here)
+    backend = dict_of(here)
+    assert isinstance(backend, StaleAnswers)
+    backend.refuse = {key}  # its delete fails: the record stays
+    used = here.used_bytes()
+    assert BlockingAdapterClient(here).lookup_and_lock([key]).found == [False]
+
+    assert here.delete([key]) == [False]
+
+    assert here.used_bytes() == used
+    assert "objects_vanished" not in here.stats()
+    assert BlockingAdapterClient(here).lookup_and_lock([key]).found == [False], "still a miss"

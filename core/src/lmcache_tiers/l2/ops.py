@@ -436,7 +436,9 @@ class LoadOp(BatchOp):
             elif size is None:
                 continue  # the encoded size is unknown: the caller skipped the lookup
             else:
-                staged = state.chain.pool.take(size.stored)
+                staged = self._staging(index, size.stored)
+                if staged is None:
+                    continue
                 target = staged.view
             self.io_index.append(index)
             self.targets.append(target)
@@ -444,6 +446,25 @@ class LoadOp(BatchOp):
         io_keys = self.io_keys()
         state.loading_begin(io_keys)  # the records' layouts are noted as they are read
         return io_keys, self.targets
+
+    def _staging(self, index: int, size: int) -> Staged | None:
+        """A staging buffer for the encoded object, or None (counted, logged) when no memory
+        can be mapped for it: that key fails, not the batch -- raising here would leave
+        the batch's pins held and, on an event loop, its task never completed."""
+        state = self.state
+        try:
+            return state.chain.pool.take(size)
+        except (OSError, MemoryError, OverflowError) as exc:
+            state.count("load_staging_failures")
+            state.burst.warn(
+                "load_staging",
+                "%s: %s not loaded: no staging buffer of %d bytes: %s",
+                state.name,
+                self.keys[index].file_stem(),
+                size,
+                exc,
+            )
+            return None
 
     def finish(self, io_result: Sequence[Any] | None, *, call_returned: bool = True) -> list[bool]:
         state = self.state
@@ -578,6 +599,11 @@ class AbsenceCheckOp(BatchOp):
         claimed = self.state.pins.begin_check(self.keys)
         self.io_index = [i for i, ok in enumerate(claimed) if ok]
         self.claimed = self.io_keys()
+        # A record of another serde chain is answered absent too, and ``forget_gone``
+        # keeps keys marked so; marked before, such a key would be kept even when its
+        # record is gone (accounted, and an eviction victim, for good).  Unmarked, the
+        # backend's answer decides: reading the record marks it again if it is there.
+        self.state.forget_unreadable(self.claimed)
         self.state.count("delete_keys_checked", len(self.io_index))
         return (self.io_keys(),)
 

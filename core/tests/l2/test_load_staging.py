@@ -1,0 +1,62 @@
+"""A load whose staging buffer cannot be had (the serde chain decodes from one) fails that
+object, counted and logged, and holds nothing afterwards -- on worker threads and on an
+event loop alike."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from l2_backends import AsyncDictBackend, DictBackend, Xor, open_dict
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import BackendAdapter, ObjectSize
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.l2 import make_keys
+
+SIZE = 1000
+#: a stored size beyond any address space (even 57-bit): mmap fails with ENOMEM
+HUGE = 1 << 62
+
+
+def _huge_answer(backend: DictBackend, keys: Sequence[ObjectKey]) -> list[int | ObjectSize | None]:
+    """The dict's answer, with the stored size of ``backend.huge`` beyond any memory."""
+    found = DictBackend.contains_many(backend, keys)
+    huge = getattr(backend, "huge", None)
+    return [
+        ObjectSize(HUGE, SIZE) if key == huge and size else size
+        for key, size in zip(keys, found, strict=True)
+    ]
+
+
+class HugeStored(DictBackend):
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | ObjectSize | None]:
+        return _huge_answer(self, keys)
+
+
+class AsyncHugeStored(AsyncDictBackend):
+    async def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | ObjectSize | None]:  # type: ignore[override]
+        return _huge_answer(self, keys)
+
+
+@pytest.mark.parametrize("backend", [HugeStored, AsyncHugeStored], ids=["plain", "coroutines"])
+def test_a_load_whose_staging_buffer_cannot_be_mapped_fails_that_key_only(
+    adapters: list[BackendAdapter], backend: type[DictBackend]
+) -> None:
+    adapter = open_dict(backend, serde=[Xor()])
+    adapters.append(adapter)
+    huge, fine = make_keys(2)
+    adapter.backend.huge = huge  # type: ignore[attr-defined]
+    client = BlockingAdapterClient(adapter, timeout=10.0)
+    assert client.store([huge, fine], [memoryview(bytes([7]) * SIZE)] * 2) == [True, True]
+    assert client.lookup_and_lock([huge, fine]).found == [True, True]
+
+    buffers = [memoryview(bytearray(SIZE)), memoryview(bytearray(SIZE))]
+    assert client.load([huge, fine], buffers) == [False, True]
+
+    assert bytes(buffers[1]) == bytes([7]) * SIZE
+    adapter.unlock([huge, fine])
+    assert adapter.pinned_keys() == {}, "the load's own pins are gone"
+    stats = adapter.stats()
+    assert stats["load_staging_failures"] == 1
+    assert stats["pending_tasks"] == 0
