@@ -283,3 +283,19 @@ def test_crc_of_a_zero_padded_range_is_zlibs(body: bytes, padding: int, flip: in
         data[len(body) + flip % padding] = 0x80  # padding that is not all zeros
     end = len(body) + padding
     assert crc32_zero_padded(memoryview(data), len(body), end) == zlib.crc32(data[:end])
+
+
+@pytest.mark.parametrize("key_len", [0, 1, 5, len(KEY.to_bytes()) - 1])
+def test_a_key_field_that_is_no_key_is_corrupt_even_under_a_valid_crc(key_len: int) -> None:
+    """A header whose crc holds but whose key bytes do not decode (a foreign or buggy
+    writer) is a damaged record, never another exception: backends remove RecordErrors,
+    anything else fails every batch the key is in, for good."""
+    import struct
+    import zlib
+
+    data = bytearray(encode_header(KEY, PAYLOAD, align=4096))
+    struct.pack_into("<H", data, PREFIX_SIZE - 6, key_len)
+    data[-4:] = struct.pack("<I", zlib.crc32(bytes(data[:-4])))
+    for expected in (KEY, None):
+        with pytest.raises(RecordCorruptError, match="invalid"):
+            decode_header(data, expected_key=expected)

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple
 
 import blake3
+import msgspec
 import xxhash
 
 from lmcache_tiers.errors import KeyValidationError, TiersError
@@ -254,7 +255,9 @@ def decode_header(
         if serde is None:
             serde_text = str(view[serde_at:end], "utf-8") if serde_len else ""
             serde = tuple(serde_text.split(",")) if serde_text else ()
-    except (KeyValidationError, UnicodeDecodeError) as exc:
+    except (KeyValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
+        # DecodeError: key bytes that are no msgpack at all (ObjectKey.from_bytes turns
+        # only a failed validation into a KeyValidationError)
         raise RecordCorruptError(f"record header fields are invalid: {exc}") from exc
     header = RecordHeader(key, payload_len, l1_size, serde, digest, layout, header_len, version, algo)
     if expected_key is not None and key is not expected_key and key != expected_key:
