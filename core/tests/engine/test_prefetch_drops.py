@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+import pytest
 from engine_support import GatedConfig, MiB, gated_backend, keys_of, mock, parked_prefetch, store
 
 from lmcache_tiers.config import AdapterSpec
@@ -30,40 +31,31 @@ def test_an_object_loaded_then_lost_before_its_hand_off_is_counted(engine, caplo
     assert "prefetch_loaded_object_lost" in caplog.text
 
 
-def test_a_prefetch_l1_has_no_room_for_is_logged(engine, caplog) -> None:
-    storage = engine([mock()])  # 64 MiB of L1
-    wanted = keys_of(2, 1)
-    store(storage, wanted, 20 * MiB)
-    assert storage.flush(10)
-    storage.clear()
-    pinned = keys_of(3, 6)
-    store(storage, pinned, 8 * MiB)
-    assert storage.flush(10)
-    assert len(storage.read(pinned)) == 6  # 48 MiB read-locked: no room for 20 more
-
-    with caplog.at_level(logging.WARNING):
-        assert storage.wait_prefetch(storage.submit_prefetch(wanted), 10) == 0
-
-    assert storage.status()["failures"].get("prefetch_l1_full") == 1
-    assert "prefetch_l1_full" in caplog.text
-    storage.release(pinned)
-
-
-def test_a_prefetch_l1_has_room_for_only_part_of_is_counted(engine, caplog) -> None:
+def _in_l2_with_l1_pinned(engine, pinned_mib: int) -> tuple[object, list, list]:
+    """Two 20 MiB objects in L2 only, and six of ``pinned_mib`` read-locked in L1 (64 MiB)."""
     storage = engine([mock()])  # 64 MiB of L1
     wanted = keys_of(2, 2)
     store(storage, wanted, 20 * MiB)
     assert storage.flush(10)
     storage.clear()
     pinned = keys_of(3, 6)
-    store(storage, pinned, 7 * MiB)
+    store(storage, pinned, pinned_mib * MiB)
     assert storage.flush(10)
-    assert len(storage.read(pinned)) == 6  # 42 MiB read-locked: room for one of the two
+    assert len(storage.read(pinned)) == 6
+    return storage, wanted, pinned
+
+
+@pytest.mark.parametrize(("pinned_mib", "loaded"), [(8, 0), (7, 1)], ids=["no room", "room for one"])
+def test_a_prefetch_l1_has_too_little_room_for_is_counted_and_logged(
+    engine, caplog, pinned_mib: int, loaded: int
+) -> None:
+    # 48 MiB read-locked: no room for 20 more; 42 MiB: room for one of the two
+    storage, wanted, pinned = _in_l2_with_l1_pinned(engine, pinned_mib)
 
     with caplog.at_level(logging.WARNING):
-        assert storage.wait_prefetch(storage.submit_prefetch(wanted), 10) == 1
+        assert storage.wait_prefetch(storage.submit_prefetch(wanted), 10) == loaded
 
     assert storage.status()["failures"].get("prefetch_l1_full") == 1
     assert "prefetch_l1_full" in caplog.text
-    storage.release(wanted[:1])
+    storage.release(wanted[:loaded])
     storage.release(pinned)

@@ -246,6 +246,21 @@ def test_objects_another_server_stored_are_evictable_once_a_lookup_finds_them(
     assert here.stats()["lookup_adopted"] == 4
 
 
+def _record_of_another_chain(
+    adapters: list[BackendAdapter], backend: type[DictBackend] = DictBackend
+) -> tuple[ObjectKey, BackendAdapter]:
+    """A key stored by a server with a serde chain, and an adapter without it on the same
+    store (which lists the record at start-up but cannot read it)."""
+    namespace = uuid.uuid4().hex
+    other = open_dict(serde=[Xor()], namespace=namespace, records=True)
+    adapters.append(other)
+    key = make_keys(1)[0]
+    assert BlockingAdapterClient(other).store([key], [memoryview(b"abc")]) == [True]
+    here = open_dict(backend, namespace=namespace, records=True)
+    adapters.append(here)
+    return key, here
+
+
 def test_a_record_of_another_serde_chain_removed_behind_the_adapters_back_is_released(
     adapters: list[BackendAdapter],
 ) -> None:
@@ -253,13 +268,7 @@ def test_a_record_of_another_serde_chain_removed_behind_the_adapters_back_is_rel
     # other's record (a miss, kept), and the other one removes it.  The check after this
     # adapter's delete must find it gone, or its bytes stay accounted and it stays the
     # eviction victim for good.
-    namespace = uuid.uuid4().hex
-    other = open_dict(serde=[Xor()], namespace=namespace, records=True)
-    adapters.append(other)
-    key = make_keys(1)[0]
-    assert BlockingAdapterClient(other).store([key], [memoryview(b"abc")]) == [True]
-    here = open_dict(namespace=namespace, records=True)
-    adapters.append(here)
+    key, here = _record_of_another_chain(adapters)
     assert here.used_bytes() > 0, "listed by the start-up scan"
     assert BlockingAdapterClient(here).lookup_and_lock([key]).found == [False]
     assert here.stats()["serde_chain_mismatch"] == 1
@@ -274,13 +283,7 @@ def test_a_record_of_another_serde_chain_removed_behind_the_adapters_back_is_rel
 def test_a_record_of_another_serde_chain_that_is_still_there_stays_accounted(
     adapters: list[BackendAdapter],
 ) -> None:
-    namespace = uuid.uuid4().hex
-    other = open_dict(serde=[Xor()], namespace=namespace, records=True)
-    adapters.append(other)
-    key = make_keys(1)[0]
-    assert BlockingAdapterClient(other).store([key], [memoryview(b"abc")]) == [True]
-    here = open_dict(StaleAnswers, namespace=namespace, records=True)
-    adapters.append(here)
+    key, here = _record_of_another_chain(adapters, StaleAnswers)
     backend = dict_of(here)
     assert isinstance(backend, StaleAnswers)
     backend.refuse = {key}  # its delete fails: the record stays
