@@ -86,6 +86,12 @@ class Runner(ABC):
     def close_backend(self, deadline: float) -> None:
         """Run the backend's ``close`` (once) and end the runner's threads."""
 
+    def _crashed(self, task_id: int) -> None:
+        """A task's op raised (a bug): logged with its traceback, and the task failed, so
+        that nobody waits for its result for ever."""
+        log.exception("%s: task %d crashed", self.state.name, task_id)
+        self.state.board.fail(task_id)
+
     def _interrupt(self) -> None:
         interrupt = optional_method(self.backend, "interrupt")
         if interrupt is not None:
@@ -135,8 +141,7 @@ class ThreadRunner(Runner):
                 try:
                     self.publish(task_id, op, self._execute(op))
                 except BaseException:  # never let one task kill the worker
-                    log.exception("%s: task %d crashed", self.state.name, task_id)
-                    self.state.board.fail(task_id)
+                    self._crashed(task_id)
         finally:
             if background:
                 WRITE_BACK.leave()
@@ -316,16 +321,22 @@ class LoopRunner(Runner):
             else:
                 self.state.board.fail(task_id)
             raise
+        except Exception:  # a bug in an op: its task fails, as on worker threads, never hangs
+            self._crashed(task_id)
+            return
 
         def finish() -> None:
             self.publish(task_id, op, op.finish(result))
 
-        if op.heavy_finish:
-            # The executor finishes and publishes even if this task is cancelled while it
-            # waits, so pins are never left behind.
-            await self._offload(finish)
-        else:
-            finish()
+        try:
+            if op.heavy_finish:
+                # The executor finishes and publishes even if this task is cancelled while
+                # it waits, so pins are never left behind.
+                await self._offload(finish)
+            else:
+                finish()
+        except Exception:
+            self._crashed(task_id)
 
     def run(self, task_id: int, op: BatchOp) -> None:
         self._schedule(self._run(task_id, op))
