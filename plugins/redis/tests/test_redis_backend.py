@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import redis
 from lmcache_plugin_redis import RedisConfig
-from lmcache_plugin_redis.backend import RedisBackend, glob_escape, trips
+from lmcache_plugin_redis.backend import KEYS_PER_TRIP, RedisBackend, glob_escape, trips
 from lmcache_plugin_redis.testing import RedisClusterNodes, RedisServer, missing_reason
 
 from lmcache_tiers.config import decode_adapter
@@ -373,6 +373,29 @@ def test_a_store_whose_later_trip_fails_reports_and_accounts_what_its_earlier_on
     assert adapter.used_bytes() == 4096
     stats = adapter.stats()
     assert stats["store_request_failures"] == 1, "the key the failed trip held is counted"
+
+
+def test_a_delete_whose_later_trip_fails_reports_what_its_earlier_ones_deleted(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # The connection drops before the second trip (a store restarting, a network cut):
+    # the first trip's keys are gone and must be reported so, or core keeps their bytes.
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
+    keys = make_keys(KEYS_PER_TRIP + 2)
+    store(adapter, keys, size=16)
+    backend = backend_of(adapter)
+    execute, calls = backend._execute, []
+
+    def drops_on_the_second_trip(pipe: Any) -> list[Any]:
+        calls.append(pipe)
+        if len(calls) == 2:
+            raise redis.ConnectionError("Connection closed by server.")
+        return execute(pipe)
+
+    backend._execute = drops_on_the_second_trip  # type: ignore[method-assign]
+    assert adapter.delete(keys) == [True] * KEYS_PER_TRIP + [False, False]
+    assert adapter.stats()["delete_request_failures"] == 2
+    assert adapter.used_bytes() == 2 * 16
 
 
 @pytest.mark.parametrize("cluster_path", [False, True], ids=["direct", "pipelined"])

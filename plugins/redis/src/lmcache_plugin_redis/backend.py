@@ -389,11 +389,20 @@ class RedisBackend:
 
     def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         deleted = [False] * len(keys)
-        for trip in trips([0] * len(keys), 1):
+        for number, trip in enumerate(trips([0] * len(keys), 1)):
             pipe = self._pipeline()
             for index in trip:
                 pipe.unlink(self.name_of(keys[index]))
-            for index, reply in zip(trip, self._execute(pipe), strict=True):
+            try:
+                replies = self._execute(pipe)
+            except RedisError as exc:
+                if number == 0:
+                    raise
+                # As for a store: the earlier trips' keys are gone, and must be reported so
+                # (core releases their bytes); the rest failed, counted.
+                self._trip_failed("delete", len(keys) - trip.start, exc)
+                break
+            for index, reply in zip(trip, replies, strict=True):
                 deleted[index] = reply == 1
         return deleted
 
