@@ -83,6 +83,15 @@ def test_background_eviction_at_the_watermark() -> None:
     assert len(l1.present) == 6
 
 
+def test_background_eviction_goes_on_until_below_the_watermark() -> None:
+    # As the server's eviction thread: a round that leaves L1 above the watermark is
+    # followed by another (10 -> 9 -> 8 -> 7 blocks of 10, at a tenth of them a round).
+    l1 = L1Model(ExactLRU(), 10, trigger_watermark=0.8, eviction_ratio=0.1)
+    l1.store(keys(*range(10)))
+    assert len(l1.present) == 7
+    assert l1.evicted == 3
+
+
 def test_l2_hits_are_loaded_as_temporary_objects() -> None:
     policy = Recorder()
     l1, l2 = L1Model(policy, 2), CacheModel(ExactLRU(), 100)

@@ -46,7 +46,8 @@ class _PolicyFeed:
 
 
 class L1EvictionController(ControllerThread):
-    """When usage reaches the watermark, evict ``eviction_ratio`` of the allocated bytes.
+    """When usage reaches the watermark, evict ``eviction_ratio`` of the allocated bytes,
+    round after round until usage is below it.
 
     Locked objects (being written, read, or loaded by a prefetch) are never evicted: the
     L1 manager skips them and the policy's next victim is tried.  The thread also reaps
@@ -84,7 +85,7 @@ class L1EvictionController(ControllerThread):
         if bytes_to_free <= 0:
             return 0
         with self.l1.lock:
-            before = self.l1.used_bytes
+            before, objects = self.l1.used_bytes, len(self.l1)
             try:
                 # victims() is created inside the L1 lock: no listener can touch the
                 # policy while its iterator is alive.
@@ -92,16 +93,15 @@ class L1EvictionController(ControllerThread):
                     bytes_to_free, self.policy.victims(), spare_unstored=spare_unstored
                 )
             except Exception:
-                # A broken policy must not fail the write or prefetch that needed room.
+                # A broken policy must not fail the write or prefetch that needed room.  The
+                # victims it offered before failing are evicted all the same: count them.
                 logger.exception("L1 eviction policy failed")
                 self.stats.fail("l1_eviction_policy_error")
-                return 0
+                freed = before - self.l1.used_bytes
+                self._count_evicted(objects - len(self.l1), freed)
+                return freed
             freed = before - self.l1.used_bytes
-        if eviction.keys:
-            self.stats.add("l1_evicted_keys", len(eviction.keys))
-            self.stats.add("l1_evicted_bytes", freed)
-            self.stats.add("l1_eviction_runs")
-            logger.debug("L1 eviction: %d objects, %d bytes freed", len(eviction.keys), freed)
+        self._count_evicted(len(eviction.keys), freed)
         if eviction.unstored:
             self.stats.fail("evicted_before_l2_store", len(eviction.unstored))
             self._lost_writes.event(
@@ -111,16 +111,26 @@ class L1EvictionController(ControllerThread):
             )
         return freed
 
+    def _count_evicted(self, keys: int, freed: int) -> None:
+        if keys:
+            self.stats.add("l1_evicted_keys", keys)
+            self.stats.add("l1_evicted_bytes", freed)
+            self.stats.add("l1_eviction_runs")
+            logger.debug("L1 eviction: %d objects, %d bytes freed", keys, freed)
+
     def above_watermark(self) -> bool:
         return self.l1.usage() >= self.trigger_watermark
 
     def step(self, ready_fds: set[int]) -> None:
-        if self.above_watermark():
+        # A burst of writes can fill the arena far past the watermark before this thread
+        # runs, and one round of ``eviction_ratio`` may leave it above: rounds go on.
+        while self.above_watermark():
             freed = self.evict_now(int(self.l1.used_bytes * self.eviction_ratio), spare_unstored=True)
             if freed == 0:
                 # Everything left is locked or waiting for its L2 store (or the policy offers
                 # nothing, e.g. noop); the next write or the periodic tick tries again.
                 self.stats.fail("l1_nothing_evictable")
+                break
         now = time.monotonic()
         if now >= self._next_reap:
             self._next_reap = now + self.reap_interval_s

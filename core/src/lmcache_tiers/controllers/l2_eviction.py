@@ -117,10 +117,14 @@ class L2EvictionController(ControllerThread):
         if not self._seeded:
             self._seed()  # at start, before anything could need evicting
         adapter = self.slot.adapter
-        usage = adapter.usage()
-        if usage < 0 or usage < self.trigger_watermark:
-            return  # no capacity to measure against, or below the watermark
-        self.evict(int(adapter.used_bytes() * self.eviction_ratio))
+        # Stores can fill the adapter far past the watermark between two cycles, and one
+        # round of ``eviction_ratio`` may leave it above: rounds go on while they free bytes.
+        while not self.stopping:
+            usage = adapter.usage()
+            if usage < 0 or usage < self.trigger_watermark:
+                return  # no capacity to measure against, or below the watermark
+            if self.evict(int(adapter.used_bytes() * self.eviction_ratio)) <= 0:
+                return  # nothing left to evict now (pinned, failing): the next cycle retries
 
     def evict(self, bytes_to_free: int) -> int:
         """Delete victims until ``bytes_to_free`` are freed or none is left; returns freed."""
@@ -148,8 +152,14 @@ class L2EvictionController(ControllerThread):
                 per_key = freed / freeing
                 batch_size = max(1, min(DELETE_BATCH, math.ceil((bytes_to_free - freed) / per_key)))
             with self._policy_lock:
-                victims = (key for key in self.policy.victims() if key not in refused)
-                batch = list(islice(victims, batch_size))
+                try:
+                    victims = (key for key in self.policy.victims() if key not in refused)
+                    batch = list(islice(victims, batch_size))
+                except Exception:
+                    # A broken policy ends the cycle; what it already evicted is counted.
+                    logger.exception("%s: eviction policy failed", self.slot.name)
+                    self.stats.fail("l2_eviction_policy_error")
+                    batch = []
                 self._batch, self._batch_released = frozenset(batch), set()
             if not batch:
                 break

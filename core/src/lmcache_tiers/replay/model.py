@@ -14,7 +14,8 @@ a trace through a real server with an L1 of C blocks gives the simulated hit rat
 * committed blocks are announced in prefix order (``on_keys_written``), removals once
   per eviction, after the victims iterator is done with (``on_keys_removed``);
 * optionally, background eviction at a trigger watermark (``eviction_ratio`` of the used
-  bytes), run right after each store, where the server's thread runs it shortly after.
+  bytes, in rounds until usage is below the watermark), run right after each store, where
+  the server's thread runs it shortly after.
 
 All blocks have one size, so capacity is a number of blocks.  The L2 model is coarser:
 every block committed to L1 is stored (the ``default`` store policy), the adapter's own
@@ -148,9 +149,11 @@ class L1Model(CacheModel):
 
     def after_write(self) -> None:
         watermark = self.trigger_watermark
-        if watermark is not None and len(self.present) / self.capacity_units >= watermark:
-            # evict_now(int(used_bytes * ratio)) frees whole blocks until that much is gone
-            self.evict(math.ceil(len(self.present) * self.eviction_ratio))
+        while watermark is not None and len(self.present) / self.capacity_units >= watermark:
+            # evict_now(int(used_bytes * ratio)) frees whole blocks until that much is gone,
+            # round after round until below the watermark or a round frees nothing
+            if not self.evict(math.ceil(len(self.present) * self.eviction_ratio)):
+                break
 
     def reserve_prefetch(self, keys: Sequence[Key], locked: Sequence[Key]) -> list[Key]:
         """``PrefetchController._reserve``: evict once, then load fewer (halving)."""

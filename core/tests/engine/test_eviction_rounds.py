@@ -1,0 +1,137 @@
+"""An eviction round that leaves a tier above its trigger watermark is followed by another.
+
+A burst of writes can fill a tier far past its watermark before its eviction thread runs;
+freeing ``eviction_ratio`` of the used bytes once may then leave it still above.  The
+controllers are driven by hand here (no thread), so each step is exactly one cycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from l2_backends import DictBackend, Fifo, open_dict
+
+from lmcache_tiers.config import L2EvictionConfig
+from lmcache_tiers.controllers.base import AdapterSlot
+from lmcache_tiers.controllers.l1_eviction import L1EvictionController
+from lmcache_tiers.controllers.l2_eviction import L2EvictionController
+from lmcache_tiers.controllers.stats import EngineStats
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1 import L1Manager
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+
+ALIGN = 4096
+BLOCKS = 64
+WATERMARK = 0.8
+RATIO = 0.1  # from a full tier, one round only gets down to 0.9
+
+
+def make_keys(count: int) -> list[ObjectKey]:
+    return [ObjectKey("rounds-model", 0, index.to_bytes(8, "big")) for index in range(count)]
+
+
+@pytest.fixture
+def l1() -> Iterator[L1Manager]:
+    manager = L1Manager(BLOCKS * ALIGN, align=ALIGN, prefault=False)
+    yield manager
+    manager.close()
+
+
+def test_l1_eviction_goes_on_until_usage_is_below_the_watermark(l1: L1Manager) -> None:
+    controller = L1EvictionController(
+        l1, Fifo(), trigger_watermark=WATERMARK, eviction_ratio=RATIO, stats=EngineStats(0)
+    )
+    keys = make_keys(BLOCKS)
+    l1.reserve_write(keys, [ALIGN] * BLOCKS)
+    l1.finish_write(keys)
+    assert l1.usage() == 1.0
+
+    controller.step(set())
+
+    assert l1.usage() < WATERMARK
+    evicted = controller.stats.snapshot()[0]["l1_evicted_keys"]
+    assert evicted == BLOCKS - l1.stats().objects, "every eviction is counted"
+    assert "l1_nothing_evictable" not in controller.stats.failures()
+
+
+def test_l2_eviction_goes_on_until_usage_is_below_the_watermark() -> None:
+    size = 1000
+    adapter = open_dict(DictBackend, capacity=BLOCKS * size)
+    try:
+        config = L2EvictionConfig(trigger_watermark=WATERMARK, eviction_ratio=RATIO)
+        controller = L2EvictionController(AdapterSlot(0, "dict", adapter), Fifo(), config, EngineStats(1))
+        controller.evict(0)  # seeds the policy (nothing stored yet): events from now on go in
+        keys = make_keys(BLOCKS)
+        client = BlockingAdapterClient(adapter)
+        assert client.store(keys, [memoryview(bytearray(size)) for _ in keys]) == [True] * BLOCKS
+        assert adapter.usage() == 1.0
+
+        controller.step(set())
+
+        assert adapter.usage() < WATERMARK
+        evicted = controller.stats.adapter(0)["keys_evicted"]
+        assert evicted == BLOCKS - len(list(adapter.iter_keys())), "every eviction is counted"
+    finally:
+        adapter.close()
+
+
+class FailingMidWalk(Fifo):
+    """A policy that breaks after offering one victim (a third-party bug)."""
+
+    def victims(self) -> Iterator[ObjectKey]:
+        yield next(super().victims())
+        raise RuntimeError("policy bug")
+
+
+def test_evictions_before_a_policy_failure_are_counted(l1: L1Manager) -> None:
+    controller = L1EvictionController(
+        l1, FailingMidWalk(), trigger_watermark=WATERMARK, eviction_ratio=RATIO, stats=EngineStats(0)
+    )
+    keys = make_keys(4)
+    l1.reserve_write(keys, [ALIGN] * 4)
+    l1.finish_write(keys)
+
+    freed = controller.evict_now(2 * ALIGN)
+
+    assert not l1.contains(keys[0]), "the victim offered before the failure is evicted"
+    assert freed == ALIGN
+    counters, _, failures = controller.stats.snapshot()
+    assert failures["l1_eviction_policy_error"] == 1
+    assert (counters["l1_evicted_keys"], counters["l1_evicted_bytes"]) == (1, ALIGN)
+
+
+class FailingSecondWalk(Fifo):
+    """A policy whose every walk but the first breaks (a third-party bug)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.walks = 0
+
+    def victims(self) -> Iterator[ObjectKey]:
+        self.walks += 1
+        if self.walks > 1:
+            raise RuntimeError("policy bug")
+        return super().victims()
+
+
+def test_l2_evictions_before_a_policy_failure_are_counted() -> None:
+    size = 1000
+    adapter = open_dict(DictBackend, capacity=BLOCKS * size)
+    try:
+        config = L2EvictionConfig(trigger_watermark=WATERMARK, eviction_ratio=RATIO)
+        policy = FailingSecondWalk()
+        controller = L2EvictionController(AdapterSlot(0, "dict", adapter), policy, config, EngineStats(1))
+        controller.evict(0)  # seeds the policy (nothing stored yet): events from now on go in
+        keys = make_keys(BLOCKS)
+        client = BlockingAdapterClient(adapter)
+        assert client.store(keys, [memoryview(bytearray(size)) for _ in keys]) == [True] * BLOCKS
+
+        controller.evict(4 * size)  # the first walk deletes one key (sizes are learnt from it)
+
+        stored = len(list(adapter.iter_keys()))
+        assert stored < BLOCKS
+        assert controller.stats.adapter(0)["keys_evicted"] == BLOCKS - stored
+        assert controller.stats.failures()["l2_eviction_policy_error"] == 1
+    finally:
+        adapter.close()
