@@ -326,3 +326,42 @@ def test_a_server_that_dies_mid_replay_ends_it_in_one_line(tmp_path: Path) -> No
     line = err.strip().splitlines()[-1]
     assert line.startswith(f"error: replay through {server.url} failed: the server stopped answering: "), err
     assert "3 requests in a row got no reply" in line
+
+
+def test_an_empty_in_process_config_path_is_refused_not_ignored(tmp_path: Path) -> None:
+    trace = small_trace(tmp_path / "t.jsonl", requests=4)
+    result = run_cli(["replay", str(trace), "--in-process", "--l1-blocks", "20", "--config", ""])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert _error_line(result) == "error: config file '' does not exist"
+
+
+def test_in_process_blocks_larger_than_l1_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    # A block no L1 could hold: once a traceback from allocating its scratch buffer.
+    trace = small_trace(tmp_path / "t.jsonl", requests=4)
+    args = ["replay", str(trace), "--in-process", "--l1-size-gb", "0.0625", "--block-bytes", str(1 << 40)]
+    result = run_cli(args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert _error_line(result) == (
+        f"error: --block-bytes {1 << 40}: larger than the L1 (--l1-size-gb 0.0625), "
+        "which could hold no block; give smaller blocks or a larger L1"
+    )
+
+
+def test_blocks_larger_than_the_servers_l1_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    trace = small_trace(tmp_path / "t.jsonl", requests=4)
+    server = start_block_server(tmp_path / "server", 20)
+    try:
+        result = run_cli(["replay", str(trace), "--url", server.url, "--block-bytes", str(1 << 40)])
+        assert result.returncode == 2, result.stdout + result.stderr
+        line = _error_line(result)
+        assert line.startswith(f"error: --block-bytes {1 << 40}: larger than the L1 of {server.url} ("), line
+    finally:
+        assert server.stop() == 0, server.output()
+
+
+def test_an_in_process_l1_too_small_for_one_extent_names_the_flag(tmp_path: Path) -> None:
+    trace = small_trace(tmp_path / "t.jsonl", requests=4)
+    result = run_cli(["replay", str(trace), "--in-process", "--l1-size-gb", "1e-12"])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("error: "), result.stderr  # before any progress bar
+    assert _error_line(result).startswith("error: --l1-size-gb 1e-12: smaller than one L1 extent")

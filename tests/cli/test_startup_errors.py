@@ -421,3 +421,17 @@ def test_a_stale_ipc_socket_of_a_killed_server_is_taken_over(tmp_path: Path) -> 
         gone.bind(str(path))  # closed without unlinking, as a killed server leaves it
     config = build_config(load_registry(), overrides={"host": f"ipc://{path}", "metrics_port": 0})
     preflight.check_listeners(config)
+
+
+def test_a_shutdown_timeout_no_stop_can_wait_is_refused_before_start() -> None:
+    # A deadline beyond what a thread join takes made the stop itself fail (OverflowError
+    # joining the front ends): a traceback and exit 1 on SIGTERM instead of a drain.
+    line = _serve_refused(["--no-default-l2", "--port", str(free_port()), "--shutdown-timeout", "1e300"])
+    assert line == "error: --shutdown-timeout: Expected `float` <= 86400.0 - at `$.shutdown_timeout_s`"
+
+
+def test_an_empty_config_path_is_refused_not_ignored() -> None:
+    # `--config "$TIERS_CONFIG"` with the variable unset must not serve the defaults.
+    printed = run_cli(["serve", "--print-config", "--no-default-l2", "--config", ""], **NARROW)
+    assert printed.returncode == 2 and printed.stdout == "", printed.stdout
+    assert printed.stderr.strip() == "error: config file '' does not exist"

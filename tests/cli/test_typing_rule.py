@@ -160,3 +160,11 @@ def test_flag_errors_name_the_flag_and_the_key() -> None:
     result = run_cli(["serve", "--print-config", "--no-default-l2", "--l1-size-gb", "-1"])
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --l1-size-gb: Expected `float` > 0.0 - at `$.l1_size_gb`"
+
+
+def test_an_error_about_the_prometheus_port_names_that_flag() -> None:
+    result = run_cli(["serve", "--print-config", "--no-default-l2", "--prometheus-port", "70000"])
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: --prometheus-port: Expected `int` <= 65535 - at `$.metrics_port`"
+    )

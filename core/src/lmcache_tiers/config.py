@@ -280,6 +280,9 @@ class ServerConfig(ComponentConfig):
             "Seconds a stop waits for in-flight requests, then again for pending L2 stores, before "
             "abandoning what is left (counted and logged); a second signal stops at once.",
             ge=0.0,
+            # the stop joins threads until this deadline, and a join refuses one beyond the
+            # platform's time_t: a day is more than any drain needs
+            le=86400.0,
         ),
     ] = 10.0
     metrics_host: Annotated[

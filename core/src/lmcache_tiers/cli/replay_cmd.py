@@ -440,9 +440,11 @@ def _in_process(
     from lmcache_tiers.plugins import load_registry
     from lmcache_tiers.replay.capacity import l1_size_for_blocks
     from lmcache_tiers.replay.inprocess import replay_in_process
+    from lmcache_tiers.server.app import check_l1_geometry
 
     registry = load_registry()
-    file_values = file_fields(load_toml(config_file)) if config_file else {}
+    # An empty --config (an unset variable) is a missing file, not "no file".
+    file_values = file_fields(load_toml(config_file)) if config_file is not None else {}
     given = {name for name, value in overrides.items() if value is not None}  # serve's flag names
     if l1_blocks is not None:
         if overrides.get("l1_size_gb") is not None or "l1_size_gb" in file_values:
@@ -458,6 +460,14 @@ def _in_process(
         config = build_config(registry, file_values, overrides, l2_adapter)
     except ConfigError as exc:
         raise name_flag(exc, given) from None
+    # serve's checks of the L1 it cannot build, before the progress bar starts building it
+    check_l1_geometry(config)
+    if options.block_bytes > config.l1_size_bytes:
+        # Refused before the replay allocates a buffer of one block, which may not fit in memory.
+        raise ConfigError(
+            f"--block-bytes {options.block_bytes}: larger than the L1 (--l1-size-gb "
+            f"{config.l1_size_gb:g}), which could hold no block; give smaller blocks or a larger L1"
+        )
     progress = _progress(not as_json)
     with progress:
         task = progress.add_task("replaying (in-process)", total=len(trace.requests))
@@ -475,6 +485,7 @@ def _server(trace: Any, options: Any, url: str, clients: int, auth_token: str | 
     progress = _progress(not as_json)
     try:
         wait_for_server(url, timeout=options.timeout_s, auth_token=auth_token)
+        _check_block_fits(url, options, auth_token)
         with progress:
             task = progress.add_task(f"replaying via {url}", total=len(trace.requests))
             report = replay_server(
@@ -488,6 +499,20 @@ def _server(trace: Any, options: Any, url: str, clients: int, auth_token: str | 
     except ClientError as exc:
         fail(f"replay through {url} failed: {exc}", 1)
     _show(report.to_dict(), as_json)
+
+
+def _check_block_fits(url: str, options: Any, auth_token: str | None) -> None:
+    """Refuse blocks the server's L1 could never hold, before each client process allocates
+    buffers of several blocks (which may not fit in this machine's memory)."""
+    from lmcache_tiers.client import Client
+
+    with Client(url, auth_token=auth_token, timeout=options.timeout_s, shm=False, name="replay") as client:
+        capacity = int(client.status().get("l1", {}).get("capacity_bytes", 0))
+    if capacity and options.block_bytes > capacity:
+        fail(
+            f"--block-bytes {options.block_bytes}: larger than the L1 of {url} ({capacity} bytes), "
+            "which could hold no block; give smaller blocks"
+        )
 
 
 def _print_table(table: Any) -> None:

@@ -70,7 +70,11 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
 
 #: serve parameter -> (ServerConfig field, flag) of the options errors may name, FLAG_FIELDS and
 #: those whose value is translated first
-_ERROR_FLAGS = {**FLAG_FIELDS, "shm_name": ("l1_shm_name", "--shm-name")}
+_ERROR_FLAGS = {
+    **FLAG_FIELDS,
+    "shm_name": ("l1_shm_name", "--shm-name"),
+    "prometheus_port": ("metrics_port", "--prometheus-port"),
+}
 
 _D = ServerConfig()
 #: the default L2's claim, held for the life of the serving process
@@ -399,7 +403,8 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
     overrides, notes = flag_overrides(params, given)
     # Keys as field names first (a file may write `[[l2-adapters]]`), so that the default L2
     # is added only where the file has no adapters of its own.
-    file_values = file_fields(load_toml(params["config"])) if params["config"] else {}
+    # An empty --config (an unset variable) is a missing file, not "no file".
+    file_values = file_fields(load_toml(params["config"])) if params["config"] is not None else {}
     adapters = params["l2_adapter"]
     uses_default_l2 = not adapters and "l2_adapters" not in file_values and not params["no_default_l2"]
     if uses_default_l2:
