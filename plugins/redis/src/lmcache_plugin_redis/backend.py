@@ -163,15 +163,25 @@ class RedisBackend:
                 raise reply
         return replies
 
-    def _trip_failed(self, what: str, count: int, error: Exception) -> None:
-        self.context.count(f"{what}_request_failures", count)
-        self.context.warn(
-            f"trip:{what}",
-            "%s of %d keys failed (the batch's earlier ones were done): %s",
-            what,
-            count,
-            error,
-        )
+    def _trip(self, pipe: Any, number: int, what: str, left: int) -> list[Any] | None:
+        """Replies of trip ``number`` of a batch, ``left`` keys from its end; None when a
+        trip after the first failed (counted, logged): the earlier trips' keys are done
+        (stored, removed), and raising would report them not done -- core would then never
+        account them, or keep accounting keys already gone."""
+        try:
+            return self._execute(pipe)
+        except RedisError as exc:
+            if number == 0:
+                raise
+            self.context.count(f"{what}_request_failures", left)
+            self.context.warn(
+                f"trip:{what}",
+                "%s of %d keys failed (the batch's earlier ones were done): %s",
+                what,
+                left,
+                exc,
+            )
+            return None
 
     def _reply_error(self, what: str, key: ObjectKey, error: Exception) -> None:
         text = str(error)
@@ -233,14 +243,8 @@ class RedisBackend:
             for index in trip:
                 header = self.context.record_header(keys[index], payloads[index])
                 pipe.hset(self.name_of(keys[index]), mapping={HEADER: header, PAYLOAD: payloads[index]})
-            try:
-                replies = self._execute(pipe)
-            except RedisError as exc:
-                if number == 0:
-                    raise
-                # Earlier trips' objects are in the store: raising would report them not
-                # stored, and core would never account them.  The rest fail, counted.
-                self._trip_failed("store", len(keys) - trip.start, exc)
+            replies = self._trip(pipe, number, "store", len(keys) - trip.start)
+            if replies is None:
                 break
             for index, reply in zip(trip, replies, strict=True):
                 if isinstance(reply, ResponseError):
@@ -393,14 +397,8 @@ class RedisBackend:
             pipe = self._pipeline()
             for index in trip:
                 pipe.unlink(self.name_of(keys[index]))
-            try:
-                replies = self._execute(pipe)
-            except RedisError as exc:
-                if number == 0:
-                    raise
-                # As for a store: the earlier trips' keys are gone, and must be reported so
-                # (core releases their bytes); the rest failed, counted.
-                self._trip_failed("delete", len(keys) - trip.start, exc)
+            replies = self._trip(pipe, number, "delete", len(keys) - trip.start)
+            if replies is None:
                 break
             for index, reply in zip(trip, replies, strict=True):
                 deleted[index] = reply == 1
