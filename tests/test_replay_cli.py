@@ -34,6 +34,12 @@ def test_a_malformed_line_is_named(tmp_path: Path) -> None:
     assert "line 5" in _error_line(result)
 
 
+def test_a_file_without_line_ends_is_one_line_and_exit_2() -> None:
+    result = run_cli(["replay", "/dev/zero", "--simulate"])
+    assert result.returncode == 2
+    assert _error_line(result) == "error: /dev/zero line 1: longer than 16 MiB; not a request trace"
+
+
 def test_times_no_clock_can_wait_for_are_one_line_and_exit_2(tmp_path: Path) -> None:
     trace = small_trace(tmp_path / "t.jsonl", requests=4)
     huge = tmp_path / "huge.jsonl"

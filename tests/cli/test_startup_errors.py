@@ -348,6 +348,11 @@ def _config_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--shm-dir", "relative"], "error: --shm-dir relative: give an absolute path"),
         (["--config", str(tmp_path)], f"error: config file '{tmp_path}' is a directory"),
         (["--config", str(latin1)], f"error: config file '{latin1}' is not valid TOML: it is not UTF-8 text"),
+        # read up to a cap, not for ever
+        (
+            ["--config", "/dev/zero"],
+            "error: config file '/dev/zero' is larger than 1 MiB; it is not a config file",
+        ),
         (
             ["--shutdown-timeout", "-1"],
             "error: --shutdown-timeout: Expected `float` >= 0.0 - at `$.shutdown_timeout_s`",
@@ -355,7 +360,7 @@ def _config_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     ]
 
 
-@pytest.mark.parametrize("case", range(14))
+@pytest.mark.parametrize("case", range(15))
 def test_configuration_mistakes_are_found_by_print_config_as_by_serve(case: int, tmp_path: Path) -> None:
     args, start = _config_cases(tmp_path)[case]
     line = _serve_refused(["--no-default-l2", "--port", str(free_port()), *args])

@@ -567,11 +567,21 @@ def _json_flag(flag: str, index: int, text: str) -> Any:
         raise ConfigError(f"{flag} #{index + 1} is not valid JSON: {exc.msg} at column {exc.colno}") from exc
 
 
+#: the largest ``--config`` file read (a real one is a few KiB): a path such as /dev/zero or
+#: a runaway generator behind a pipe must end in an error, not in reading for ever
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def load_toml(path: str) -> dict[str, Any]:
     """Read a ``--config`` TOML file into a plain dict."""
     try:
         with open(path, "rb") as handle:
-            return tomllib.load(handle)
+            content = handle.read(MAX_CONFIG_BYTES + 1)
+        if len(content) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"config file {path!r} is larger than {MAX_CONFIG_BYTES >> 20} MiB; it is not a config file"
+            )
+        return tomllib.loads(content.decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path!r} does not exist") from None
     except IsADirectoryError:

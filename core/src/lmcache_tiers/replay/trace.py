@@ -19,6 +19,9 @@ REPLAY_SALT = "replay"
 #: the largest timestamp magnitude (ms) a trace may hold: past 2**53 a float no longer
 #: tells whole milliseconds apart, and pacing's arithmetic on such values overflows
 MAX_TIMESTAMP_MS = float(2**53)
+#: the longest trace line read (a request of a million tokens is some 20 KB): a file with no
+#: line ends, such as /dev/zero, must end in an error, not in reading for ever
+MAX_LINE_BYTES = 16 << 20
 
 
 class TraceError(TiersError):
@@ -136,7 +139,13 @@ def iter_trace(path: str | Path) -> Iterator[TraceRequest]:
     except OSError as exc:
         raise TraceError(f"cannot read trace file {name}: {exc.strerror or exc}") from None
     with handle:
-        for number, raw in enumerate(handle, start=1):
+        number = 0
+        while raw := handle.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise TraceError(
+                    f"{name} line {number}: longer than {MAX_LINE_BYTES >> 20} MiB; not a request trace"
+                )
             if raw.strip():
                 yield _parse_line(raw, f"{name} line {number}")
 
