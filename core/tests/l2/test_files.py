@@ -179,6 +179,33 @@ def test_a_store_whose_directory_cannot_be_fsynced_fails_and_leaves_no_record(
     assert dict(files.iter_records(lambda _key: HEADER)) == {key: 5}
 
 
+def test_with_fsync_every_new_directory_is_synced_into_its_parent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[str] = []
+    real = LocalFiles._fsync_directory
+
+    def recording(files: LocalFiles, directory: str) -> None:
+        synced.append(os.path.relpath(directory, tmp_path))
+        real(files, directory)
+
+    monkeypatch.setattr(LocalFiles, "_fsync_directory", recording)
+    files = LocalFiles(
+        FileLayout(str(tmp_path / "a" / "root"), shard_dirs=True), name="t", count=lambda *_: None, fsync=True
+    )
+    assert synced == [".", "a"]  # the entries naming a/ and a/root/
+    key = ObjectKey("m", 0, b"\x05" * 32)
+    synced.clear()
+    _store(files, key, b"bytes")
+    shard = os.path.relpath(os.path.dirname(files.layout.path_for(key)), tmp_path)
+    outer = os.path.dirname(shard)
+    # each new shard directory into its parent, then the record's directory after the rename
+    assert synced == ["a/root", outer, shard], synced
+    synced.clear()
+    _store(files, ObjectKey("m", 0, b"\x05" * 31 + b"\x06"), b"bytes")  # same shard: known
+    assert synced == [shard]
+
+
 def test_temp_files_are_swept_and_foreign_files_kept(tmp_path: Path) -> None:
     counts: dict[str, int] = {}
     (tmp_path / "ab" / "cd").mkdir(parents=True)

@@ -108,10 +108,11 @@ class LocalFiles:
         self.fsync = fsync
         self._on_root_recreated = on_root_recreated
         self._stripes = KeyStripes()
-        os.makedirs(layout.root, exist_ok=True)
+        self._making_directories = threading.Lock()
+        self._make_directory(layout.root)
         layout.remember(layout.root)
         if layout.temp_dir:
-            os.makedirs(layout.temp_dir, exist_ok=True)
+            self._make_directory(layout.temp_dir)
             layout.remember(layout.temp_dir)
 
     def stripe(self, key: ObjectKey) -> threading.Lock:
@@ -121,8 +122,33 @@ class LocalFiles:
 
     def _ensure(self, directory: str) -> None:
         if not self.layout.is_known(directory):
-            os.makedirs(directory, exist_ok=True)
+            self._make_directory(directory)
             self.layout.remember(directory)
+
+    def _make_directory(self, directory: str) -> None:
+        """Create ``directory`` and its missing parents.
+
+        With ``fsync`` each new directory is fsynced into its parent too: a record's own
+        fsync and its directory's do not commit the entry that names a new directory, and a
+        power loss could take the directory -- and every acknowledged record in it -- away.
+        The lock keeps a second store from finding the directory made but not yet synced
+        and publishing into it first.
+        """
+        if not self.fsync:
+            os.makedirs(directory, exist_ok=True)
+            return
+        with self._making_directories:
+            missing: list[str] = []
+            path = os.path.abspath(directory)
+            while not os.path.isdir(path) and os.path.dirname(path) != path:
+                missing.append(path)
+                path = os.path.dirname(path)
+            for path in reversed(missing):
+                try:
+                    os.mkdir(path)
+                except FileExistsError:
+                    pass  # made by another process meanwhile: synced here all the same
+                self._fsync_directory(os.path.dirname(path))
 
     def create_temp(self, key: ObjectKey, flags: int = 0) -> tuple[int, str]:
         """Open a new temporary file for ``key``'s record: (fd, path).
@@ -149,7 +175,7 @@ class LocalFiles:
     def _recreate(self) -> None:
         root_gone = not os.path.isdir(self.layout.root)
         self.layout.forget_directories()
-        os.makedirs(self.layout.root, exist_ok=True)
+        self._make_directory(self.layout.root)
         self.layout.remember(self.layout.root)
         if root_gone:
             self._count("root_recreated", 1)
