@@ -114,8 +114,8 @@ class AsyncRemoteDict(AsyncDictBackend):
 FAST = CircuitConfig(failure_threshold=3, probe_interval_s=0.02)
 
 
-def wait_for(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
+def wait_for(condition: Callable[[], bool], what: str, within: float = WAIT_S) -> None:
+    deadline = time.monotonic() + within
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.005)
@@ -307,6 +307,24 @@ def test_a_lookup_not_answered_in_time_is_a_miss_and_a_failure(
     outage.hang.clear()
     outage.released.set()
     wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close")
+    assert client.lookup_and_lock(keys).found == [True]
+    adapter.unlock(keys)
+
+
+@pytest.mark.parametrize("backend", [RemoteDict, AsyncRemoteDict], ids=["plain", "coroutines"])
+def test_calls_stuck_for_good_do_not_keep_the_circuit_open(
+    adapters: list[BackendAdapter], outage: Outage, backend: type[DictBackend]
+) -> None:
+    circuit = CircuitConfig(failure_threshold=4, probe_interval_s=0.02, call_timeout_s=0.05)
+    adapter = opened(adapters, backend, circuit=circuit)
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    keys = make_keys(1)
+    assert store(client, keys) == [True]
+    outage.hang.set()
+    fail_lookups(client, keys, 4)  # four calls left inside the backend, which never return
+    assert adapter.stats()["circuit_open"] == 1
+    outage.hang.clear()  # the backend answers new calls; the four stay stuck (for WAIT_S)
+    wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close", within=WAIT_S / 3)
     assert client.lookup_and_lock(keys).found == [True]
     adapter.unlock(keys)
 

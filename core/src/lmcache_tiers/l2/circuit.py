@@ -61,6 +61,11 @@ __all__ = [
 #: what a probe asks about when the backend has no ``ping``: a key no engine produces
 PROBE_KEY = ObjectKey("lmcache-tiers-circuit-probe", 0, b"\x00" * 16)
 
+#: threads that run timed calls (lookups, probes) of one guarded backend of plain methods:
+#: calls stuck for good in a backend -- past ``call_timeout_s``, until the backend's own
+#: timeouts end them -- keep the circuit from closing only once there are this many
+TIMED_HELPERS = 32
+
 #: counter of the keys each operation refused while the circuit was open
 _REFUSED = {
     "put_many": "circuit_skipped_store_keys",
@@ -125,10 +130,14 @@ class CircuitBackend(_Guard):
         self._probing = False
         self._probe_thread: threading.Thread | None = None
         # Timed calls run on helper threads so that one not answered in time can be left.
+        # A left call may stay stuck in the backend until its own timeout ends it, so the
+        # pool is large: a few stuck calls must not leave the probes, and the lookups after
+        # the backend answered again, queued behind them.  Threads are made only when no
+        # idle one is there, so a healthy backend uses one or two.
         self._helpers: concurrent.futures.ThreadPoolExecutor | None = None
         if self.call_timeout_s is not None:
             self._helpers = concurrent.futures.ThreadPoolExecutor(
-                max_workers=4, thread_name_prefix=f"l2-{context.name}-timed"
+                max_workers=TIMED_HELPERS, thread_name_prefix=f"l2-{context.name}-timed"
             )
         self.breaker.on_open = self._start_probing
 
