@@ -301,6 +301,32 @@ def test_a_lookup_that_times_out_has_its_locks_given_back_when_the_reply_turns_u
         assert client.release(keys) == 3
 
 
+def test_a_wait_that_times_out_has_its_locks_given_back_when_the_reply_turns_up(
+    make_server: Factory,
+) -> None:
+    server = make_server(adapters=['{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.3}'])
+    keys = keys_of(3)
+    with Client(server.endpoint) as client:
+        client.store(keys, blobs(3))
+        assert server.storage.flush(timeout=30)
+        assert client.clear() == 3
+        handle, hits = client.start_lookup(keys)
+        assert hits is None
+        # the server waits for the prefetch before answering, longer than the client waits
+        with pytest.raises(RequestTimeoutError):
+            client._call(p.WaitPrefetchStatus(0, "", handle, 5.0), p.PrefetchStatusReply, timeout=0.05)
+        deadline = time.monotonic() + 10
+        while l1(server)["read_locks"] != 3:  # the late reply collects the prefix for us
+            assert time.monotonic() < deadline, "the prefetch never finished"
+            time.sleep(0.02)
+        deadline = time.monotonic() + 10
+        while l1(server)["read_locks"]:  # a ping reads the late reply and sends the release
+            assert time.monotonic() < deadline, "the late reply's locks were never given back"
+            client.ping()
+        assert client.lookup(keys) == 3
+        assert client.release(keys) == 3
+
+
 def test_prefetch_from_l2_runs_off_the_loop(make_server: Factory) -> None:
     server = make_server(adapters=['{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.5}'])
     keys, data = keys_of(3), blobs(3)

@@ -395,8 +395,11 @@ class Client(Connection):
             reply = self._call(p.Lookup(0, "", keys), p.LookupReply, timeout=remaining)
         if reply.hits is not None:
             return reply.hits
+        self._running_prefetch(reply.handle, keys)
         hits = self.wait_prefetch(reply.handle, max(0.0, deadline - time.monotonic()))
         if hits is None:
+            # Given up on: the server gives its locks back when no one collects it.
+            self._prefetch_settled(reply.handle)
             raise RequestTimeoutError(f"prefetch of {len(keys)} keys did not finish within {limit:g}s")
         return hits
 
@@ -442,6 +445,7 @@ class Client(Connection):
                     for position, request in zip(batch, requests, strict=True):
                         reply, _ = self._await(request, p.LookupReply, deadline)
                         if reply.hits is None:
+                            self._running_prefetch(reply.handle, request.keys)
                             waiting.append((position, reply.handle))
                         else:
                             results[position] = reply.hits
@@ -478,18 +482,28 @@ class Client(Connection):
                 f"start_lookup takes at most {self.max_keys} keys (the server's limit per request), "
                 f"got {len(keys)}: use lookup(), which looks longer prompts up part by part"
             )
-        reply = self._call(p.Lookup(0, "", list(keys)), p.LookupReply)
+        request = p.Lookup(0, "", list(keys))
+        reply = self._call(request, p.LookupReply)
+        if reply.hits is None:
+            self._running_prefetch(reply.handle, request.keys)
         return reply.handle, reply.hits
 
     def query_prefetch(self, handle: int) -> int | None:
         """Non-blocking: the hit count of a started lookup, or None while it runs."""
-        return self._call(p.QueryPrefetchStatus(0, "", handle), p.PrefetchStatusReply).hits
+        hits = self._call(p.QueryPrefetchStatus(0, "", handle), p.PrefetchStatusReply).hits
+        if hits is not None:
+            self._prefetch_settled(handle)
+        return hits
 
     def wait_prefetch(self, handle: int, timeout: float) -> int | None:
         """Wait up to ``timeout`` seconds for a started lookup; None if still running."""
         request = p.WaitPrefetchStatus(0, "", handle, min(max(timeout, 0.0), p.MAX_WAIT_S))
-        # The server answers at its deadline; allow for the round trip on top.
-        return self._call(request, p.PrefetchStatusReply, timeout=timeout + max(1.0, self.timeout)).hits
+        # The server answers at its deadline; allow for the round trip on top.  A reply that
+        # comes later still hands over the prefetch's locks: they are released then.
+        hits = self._call(request, p.PrefetchStatusReply, timeout=timeout + max(1.0, self.timeout)).hits
+        if hits is not None:
+            self._prefetch_settled(handle)
+        return hits
 
     @contextlib.contextmanager
     def retrieve(self, keys: Sequence[ObjectKey]) -> Iterator[list[memoryview]]:

@@ -38,11 +38,14 @@ from lmcache_tiers.client.errors import (
 )
 from lmcache_tiers.endpoints import check_server_url
 from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.wire import protocol as p
 
 AUTH_TOKEN_ENV = "LMCACHE_TIERS_AUTH_TOKEN"
 
 _R = TypeVar("_R", bound=p._Reply)
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 # Plain ints: pyzmq's flags are Python enums, and combining them runs enum code on every
 # request, a noticeable share of a LOOKUP round trip.
@@ -69,6 +72,14 @@ HEARTBEAT_INTERVAL_MS = 2_000
 HEARTBEAT_TIMEOUT_MS = 10_000
 # Monitor endpoints are named uniquely: a closed client's name may stay bound for a while.
 _MONITORS = itertools.count()
+#: requests given up on, and running prefetches, remembered per client (oldest forgotten)
+_REMEMBERED = 1024
+
+
+def _remember(table: dict[_K, _V], key: _K, value: _V) -> None:
+    table[key] = value
+    while len(table) > _REMEMBERED:
+        table.pop(next(iter(table)))
 
 
 def _rest_of_message(sock: zmq.Socket[bytes]) -> list[bytes]:
@@ -104,7 +115,11 @@ class Connection:
         self._unlinked = False
         self._monitor: zmq.Socket[bytes] | None = None
         # requests that timed out, by id, in case their replies still arrive
-        self._orphans: dict[int, p._Request] = {}
+        # with the keys whose locks their replies would hand over
+        self._orphans: dict[int, tuple[p._Request, list[ObjectKey]]] = {}
+        # the keys of each prefetch still running on the server, by handle: a WAIT whose
+        # reply comes too late still hands their locks over (see _settle_orphan)
+        self._prefetch_keys: dict[int, list[ObjectKey]] = {}
         self._receive_timeout_ms = -1
         # ids of requests sent and not yet answered, and answers that came in early
         self._outstanding: set[int] = set()
@@ -417,9 +432,18 @@ class Connection:
 
     def _remember_orphan(self, request: p._Request) -> None:
         if isinstance(request, (p.StoreReserve, p.Retrieve, p.Lookup)):
-            self._orphans[request.req_id] = request
-            while len(self._orphans) > 1024:
-                self._orphans.pop(next(iter(self._orphans)))
+            _remember(self._orphans, request.req_id, (request, request.keys))
+        elif isinstance(request, p.WaitPrefetchStatus):
+            keys = self._prefetch_keys.pop(request.handle, None)
+            if keys is not None:
+                _remember(self._orphans, request.req_id, (request, keys))
+
+    def _running_prefetch(self, handle: int, keys: list[ObjectKey]) -> None:
+        """A LOOKUP was answered while its prefetch still runs: remember its keys."""
+        _remember(self._prefetch_keys, handle, keys)
+
+    def _prefetch_settled(self, handle: int) -> None:
+        self._prefetch_keys.pop(handle, None)
 
     def _settle_orphan(self, reply: p._Reply) -> None:
         """A reply arrived after its request timed out: give back what it took on our
@@ -428,17 +452,23 @@ class Connection:
 
         Read locks go one per key (``once``): a RETRIEVE of the same keys may be in
         flight or its views in use, under locks of their own."""
-        request = self._orphans.pop(reply.req_id, None)
-        if request is None or reply.code != p.ErrorCode.OK:
+        orphan = self._orphans.pop(reply.req_id, None)
+        if orphan is None or reply.code != p.ErrorCode.OK:
             return
+        request, keys = orphan
         follow_up: p._Request | None = None
         if isinstance(request, p.StoreReserve) and isinstance(reply, p.StoreReserveReply):
             keys = [k for k, slot in zip(request.keys, reply.slots, strict=False) if slot.offset != p.NO_SLOT]
             follow_up = p.StoreAbort(next(self._ids), self._token, keys) if keys else None
         elif isinstance(request, p.Retrieve) and isinstance(reply, p.RetrieveReply) and not request.inline:
-            follow_up = p.Release(next(self._ids), self._token, request.keys[: len(reply.slots)], once=True)
+            follow_up = p.Release(next(self._ids), self._token, keys[: len(reply.slots)], once=True)
         elif isinstance(request, p.Lookup) and isinstance(reply, p.LookupReply) and reply.hits:
-            follow_up = p.Release(next(self._ids), self._token, request.keys[: reply.hits], once=True)
+            follow_up = p.Release(next(self._ids), self._token, keys[: reply.hits], once=True)
+        elif isinstance(request, p.WaitPrefetchStatus) and isinstance(reply, p.PrefetchStatusReply):
+            if reply.hits:  # the prefetch finished, and this reply collected its locks
+                follow_up = p.Release(next(self._ids), self._token, keys[: reply.hits], once=True)
+            elif reply.hits is None:  # still running: a later WAIT or QUERY may collect it
+                self._running_prefetch(request.handle, keys)
         if follow_up is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._socket.send(p.encode(follow_up), zmq.NOBLOCK)
