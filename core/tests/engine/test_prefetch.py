@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 from engine_support import GatedBackend, GatedConfig, MiB, gated_backend, keys_of, mock, payload, store
@@ -231,6 +232,43 @@ def test_close_cancels_queued_requests_and_drains_running_ones(engine) -> None:
     closer.join(30)
     assert not closer.is_alive()
     assert storage.query_prefetch(first) == 2
+
+
+def test_a_prefetch_whose_load_never_reports_is_given_up_at_its_result_deadline(engine, caplog) -> None:
+    # Results are kept half the lock TTL: 2 s here.
+    storage = engine([gated()], l2_prefetch_max_in_flight=1, l1_lock_ttl_s=4.0)
+    stuck_keys, later_keys = keys_of(15, 2), keys_of(16, 2)
+    store(storage, stuck_keys + later_keys, SIZE)
+    assert storage.flush(10)
+    storage.clear()
+    backend = adapter(storage)
+    hung = backend.gate
+    hung.clear()
+    stuck = storage.submit_prefetch(stuck_keys)
+    assert backend.loads_started.acquire(timeout=10)
+    # The first load stays parked (an adapter hung with no timeout of its own); later
+    # loads go through.
+    backend.gate = threading.Event()
+    backend.gate.set()
+    time.sleep(1.0)
+    later = storage.submit_prefetch(later_keys)  # queued behind the only slot
+    assert storage.status()["prefetch"]["queued"] == 1
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers.controllers.prefetch"):
+        assert storage.wait_prefetch(stuck, 10) == 0, "given up at its deadline, not still running"
+        assert storage.wait_prefetch(later, 10) == 2, "the slot was freed for the queued request"
+    assert storage.status()["failures"]["prefetch_timed_out"] == 1
+    assert "still running at its result deadline" in caplog.text
+    read_back(storage, later_keys, 2)
+    storage.release(later_keys)  # the prefetch's own read locks
+    # The parked load still fills its L1 objects: they stay reserved until it reports.
+    assert storage.l1.stats().write_locked == 2
+    hung.set()
+    deadline = time.monotonic() + 10
+    while storage.l1.stats().write_locked or any(each.pinned_keys() for each in storage.adapters):
+        assert time.monotonic() < deadline, "the given-up load's objects and pins were never released"
+        time.sleep(0.01)
+    assert not any(storage.l1.contains(key) for key in stuck_keys)
+    assert_no_locks(storage)
 
 
 def test_submit_after_close_is_refused(engine) -> None:

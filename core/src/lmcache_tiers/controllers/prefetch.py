@@ -53,6 +53,11 @@ __all__ = ["PrefetchController", "unique_prefix"]
 
 logger = logging.getLogger(__name__)
 
+#: what an abandoned request's log line adds to its reason
+_ABANDONED_BECAUSE = {
+    "prefetch_timed_out": ": its L2 lookups or loads were still running at its result deadline",
+}
+
 
 class PrefetchController(ControllerThread):
     """Thread that runs prefetch requests, at most ``max_in_flight`` at a time."""
@@ -204,8 +209,28 @@ class PrefetchController(ControllerThread):
         if self.stopping:
             self._cancel_queued()
         else:
+            self._give_up_overdue(time.monotonic())
             self._start_queued()
         self._handles.expire(time.monotonic())
+
+    def _give_up_overdue(self, now: float) -> None:
+        """Give up requests still queued or running at their result deadline.
+
+        Their result would be given back unclaimed as soon as it was published, while a
+        lookup or load that never reports -- an adapter hung where no timeout of its own
+        ends the call -- kept one of the ``max_in_flight`` slots, and every queued request
+        sharing a key with it, for good.  Loads still running free the L1 extents they
+        fill only when they report (see ``_abandon``).
+        """
+        for request in self._handles.active():
+            if request.result_deadline <= now:
+                self._abandon(request, "prefetch_timed_out")
+        for request in self._handles.take_queued(overdue_at=now):
+            self.stats.fail("prefetch_timed_out")
+            logger.warning(
+                "prefetch request %d given up: still queued at its result deadline", request.handle
+            )
+            self._drop_queued(request)
 
     def _start_queued(self) -> None:
         while self._handles.in_flight() < self.max_in_flight:
@@ -384,9 +409,10 @@ class PrefetchController(ControllerThread):
         """
         logger.log(
             logging.ERROR if reason == "prefetch_internal_error" else logging.WARNING,
-            "prefetch request %d abandoned (%s)",
+            "prefetch request %d abandoned (%s)%s",
             request.handle,
             reason,
+            _ABANDONED_BECAUSE.get(reason, ""),
             exc_info=reason == "prefetch_internal_error",
         )
         self.stats.fail(reason)
@@ -418,9 +444,13 @@ class PrefetchController(ControllerThread):
 
     def _cancel_queued(self) -> None:
         for request in self._handles.take_queued():
-            self._locks.release_read(request.keys[: request.l1_hits], request.readers)
-            self._locks.release_pins(request)
-            self._handles.publish(request.handle, HeldResult(0, [], request.readers, request.result_deadline))
+            self._drop_queued(request)
+
+    def _drop_queued(self, request: PrefetchRequest) -> None:
+        """Release what a request that never started holds; its result is 0 hits."""
+        self._locks.release_read(request.keys[: request.l1_hits], request.readers)
+        self._locks.release_pins(request)
+        self._handles.publish(request.handle, HeldResult(0, [], request.readers, request.result_deadline))
 
     def finish(self) -> None:
         """Release what requests that did not drain in time still hold."""

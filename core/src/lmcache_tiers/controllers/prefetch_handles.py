@@ -119,12 +119,16 @@ class PrefetchHandles:
             self._active.pop(handle, None)
             self._publish(handle, result)
 
-    def take_queued(self) -> list[PrefetchRequest]:
-        """Every queued request, no longer queued (their results are the caller's to publish)."""
+    def take_queued(self, overdue_at: float | None = None) -> list[PrefetchRequest]:
+        """Every queued request (or those whose result deadline is ``overdue_at`` or
+        earlier), no longer queued: their results are the caller's to publish."""
+        taken: list[PrefetchRequest] = []
         with self._lock:
-            taken = list(self._queue)
-            self._queue.clear()
-            self._queued.clear()
+            # Queued in order of submission, so in order of deadline: the overdue ones lead.
+            while self._queue and (overdue_at is None or self._queue[0].result_deadline <= overdue_at):
+                request = self._queue.popleft()
+                self._queued.discard(request.handle)
+                taken.append(request)
         return taken
 
     def active(self) -> list[PrefetchRequest]:
