@@ -179,31 +179,68 @@ def test_a_store_whose_directory_cannot_be_fsynced_fails_and_leaves_no_record(
     assert dict(files.iter_records(lambda _key: HEADER)) == {key: 5}
 
 
-def test_with_fsync_every_new_directory_is_synced_into_its_parent(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    synced: list[str] = []
+@pytest.fixture
+def synced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The directories LocalFiles fsyncs, relative to tmp_path, in order."""
+    calls: list[str] = []
     real = LocalFiles._fsync_directory
 
     def recording(files: LocalFiles, directory: str) -> None:
-        synced.append(os.path.relpath(directory, tmp_path))
+        calls.append(os.path.relpath(directory, tmp_path))
         real(files, directory)
 
     monkeypatch.setattr(LocalFiles, "_fsync_directory", recording)
-    files = LocalFiles(
-        FileLayout(str(tmp_path / "a" / "root"), shard_dirs=True), name="t", count=lambda *_: None, fsync=True
-    )
-    assert synced == [".", "a"]  # the entries naming a/ and a/root/
+    return calls
+
+
+def _fsynced_files(root: Path) -> LocalFiles:
+    return LocalFiles(FileLayout(str(root), shard_dirs=True), name="t", count=lambda *_: None, fsync=True)
+
+
+def test_with_fsync_every_new_directory_is_synced_into_its_parent(tmp_path: Path, synced: list[str]) -> None:
+    files = _fsynced_files(tmp_path / "a" / "root")
+    assert synced == ["a", "."]  # the entries naming a/root/ and a/
     key = ObjectKey("m", 0, b"\x05" * 32)
     synced.clear()
     _store(files, key, b"bytes")
     shard = os.path.relpath(os.path.dirname(files.layout.path_for(key)), tmp_path)
     outer = os.path.dirname(shard)
     # each new shard directory into its parent, then the record's directory after the rename
-    assert synced == ["a/root", outer, shard], synced
+    assert synced == [outer, "a/root", shard], synced
     synced.clear()
     _store(files, ObjectKey("m", 0, b"\x05" * 31 + b"\x06"), b"bytes")  # same shard: known
     assert synced == [shard]
+
+
+def test_a_root_made_by_someone_else_is_synced_into_its_parent(tmp_path: Path, synced: list[str]) -> None:
+    (tmp_path / "root").mkdir()  # as the directory lock makes it
+    _fsynced_files(tmp_path / "root")
+    assert synced == ["."]
+
+
+def test_a_directory_whose_sync_failed_is_synced_again_before_it_is_used(
+    tmp_path: Path, synced: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = _fsynced_files(tmp_path / "root")
+    key = ObjectKey("m", 0, b"\x07" * 32)
+    shard = os.path.dirname(files.layout.path_for(key))
+    recording = LocalFiles._fsync_directory
+
+    def failing_at_the_root(self: LocalFiles, directory: str) -> None:
+        if directory == str(tmp_path / "root"):
+            raise OSError(errno.EIO, "injected")
+        recording(self, directory)
+
+    monkeypatch.setattr(LocalFiles, "_fsync_directory", failing_at_the_root)
+    with pytest.raises(OSError):
+        _store(files, key, b"bytes")  # the shard directories are made, the root's sync fails
+    assert os.path.isdir(shard)
+    monkeypatch.setattr(LocalFiles, "_fsync_directory", recording)
+    synced.clear()
+    _store(files, key, b"bytes")
+    outer = os.path.relpath(os.path.dirname(shard), tmp_path)
+    # both shard directories into their parents again, then the record's directory
+    assert synced == [outer, "root", os.path.relpath(shard, tmp_path)]
 
 
 def test_temp_files_are_swept_and_foreign_files_kept(tmp_path: Path) -> None:

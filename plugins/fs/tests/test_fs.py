@@ -228,6 +228,29 @@ def test_temp_files_go_to_relative_tmp_dir_and_are_swept(tmp_path: Path) -> None
         adapter.close()
 
 
+def test_with_fsync_the_directories_the_adapter_makes_are_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    root = tmp_path / "new" / "l2"
+    arena = Arena()
+    adapter = open_fs(fs_config(str(root), fsync=True, shard_dirs=True), arena.view)
+    try:
+        # the entries naming new/ and new/l2/ are synced before anything is stored
+        assert {str(tmp_path), str(tmp_path / "new")} <= set(synced)
+        assert store(adapter, arena, make_keys(1), [pattern(1, SIZE)]) == [True]
+        assert str(root) in synced  # the new shard directory's entry
+    finally:
+        adapter.close()
+
+
 @pytest.mark.parametrize("temp_dir", [None, "staging"])
 @pytest.mark.parametrize("vanished", ["shard", "root"])
 def test_stores_go_on_after_the_tree_vanished(tmp_path: Path, temp_dir: str | None, vanished: str) -> None:

@@ -114,7 +114,7 @@ class FsBackend:
     def _open_local(self, config: FsConfig, context: BackendContext) -> None:
         root = config.local_root
         try:
-            lock = DirectoryLock(root, what=_lock_what(root))
+            lock = DirectoryLock(root, what=_lock_what(root), durable=config.fsync)
         except OSError as exc:
             raise ConfigError(f"fs: cannot use {root}: {exc.strerror or exc}") from exc
         self._lock: DirectoryLock | ProcessClaim = lock

@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 
 from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.l2.files.durable import fsync_directory, make_directories
 
 log = logging.getLogger("lmcache_tiers.l2.files")
 
@@ -189,10 +190,11 @@ class PathLock:
 
 
 class DirectoryLock:
-    """The single-server lock of a local cache directory (created if missing)."""
+    """The single-server lock of a local cache directory (created if missing; with
+    ``durable``, each directory created is fsynced into its parent)."""
 
-    def __init__(self, root: str, *, what: str | None = None) -> None:
-        os.makedirs(root, exist_ok=True)
+    def __init__(self, root: str, *, what: str | None = None, durable: bool = False) -> None:
+        make_directories(root, fsync_directory if durable else None)
         self.root = os.path.realpath(root)
         self.what = what or self.root
         self._path_lock = PathLock(self.root, what=self.what)

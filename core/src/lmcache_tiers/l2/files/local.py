@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 from lmcache_tiers.keycodec import is_digest_name, name_to_key, printable
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2.files.durable import fsync_directory, make_directories
 from lmcache_tiers.l2.files.layout import (
     RECORD_SUFFIX,
     EntryKind,
@@ -109,7 +110,8 @@ class LocalFiles:
         self._on_root_recreated = on_root_recreated
         self._stripes = KeyStripes()
         self._making_directories = threading.Lock()
-        self._make_directory(layout.root)
+        # The root's own entry too: whoever made it (the directory lock) may not have synced it.
+        self._make_directory(layout.root, below=os.path.dirname(os.path.abspath(layout.root)))
         layout.remember(layout.root)
         if layout.temp_dir:
             self._make_directory(layout.temp_dir)
@@ -125,30 +127,22 @@ class LocalFiles:
             self._make_directory(directory)
             self.layout.remember(directory)
 
-    def _make_directory(self, directory: str) -> None:
-        """Create ``directory`` and its missing parents.
+    def _make_directory(self, directory: str, below: str | None = None) -> None:
+        """Create ``directory`` (under the root unless ``below`` says otherwise) and its
+        missing parents.
 
-        With ``fsync`` each new directory is fsynced into its parent too: a record's own
-        fsync and its directory's do not commit the entry that names a new directory, and a
-        power loss could take the directory -- and every acknowledged record in it -- away.
-        The lock keeps a second store from finding the directory made but not yet synced
-        and publishing into it first.
+        With ``fsync`` each directory from it up to the root is fsynced into its parent
+        too, once per run (callers remember the directories made): a record's own fsync
+        and its directory's do not commit the entry that names a new directory, and a
+        power loss could take the directory -- and every acknowledged record in it -- away
+        (see :mod:`~lmcache_tiers.l2.files.durable`).  The lock keeps a second store from
+        finding the directory made but not yet synced and publishing into it first.
         """
         if not self.fsync:
             os.makedirs(directory, exist_ok=True)
             return
         with self._making_directories:
-            missing: list[str] = []
-            path = os.path.abspath(directory)
-            while not os.path.isdir(path) and os.path.dirname(path) != path:
-                missing.append(path)
-                path = os.path.dirname(path)
-            for path in reversed(missing):
-                try:
-                    os.mkdir(path)
-                except FileExistsError:
-                    pass  # made by another process meanwhile: synced here all the same
-                self._fsync_directory(os.path.dirname(path))
+            make_directories(directory, self._fsync_directory, below=below or self.layout.root)
 
     def create_temp(self, key: ObjectKey, flags: int = 0) -> tuple[int, str]:
         """Open a new temporary file for ``key``'s record: (fd, path).
@@ -175,7 +169,7 @@ class LocalFiles:
     def _recreate(self) -> None:
         root_gone = not os.path.isdir(self.layout.root)
         self.layout.forget_directories()
-        self._make_directory(self.layout.root)
+        self._make_directory(self.layout.root, below=os.path.dirname(os.path.abspath(self.layout.root)))
         self.layout.remember(self.layout.root)
         if root_gone:
             self._count("root_recreated", 1)
@@ -257,11 +251,7 @@ class LocalFiles:
             )
 
     def _fsync_directory(self, directory: str) -> None:
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_directory(directory)
 
     # -- removing -----------------------------------------------------------------------------
 
