@@ -327,6 +327,40 @@ def test_a_wait_that_times_out_has_its_locks_given_back_when_the_reply_turns_up(
         assert client.release(keys) == 3
 
 
+def test_a_query_that_times_out_has_its_locks_given_back_when_the_reply_turns_up(
+    make_server: Factory,
+) -> None:
+    server = make_server(adapters=['{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.3}'])
+    keys = keys_of(3)
+    handlers = server.frontends[0].handlers
+    answer = handlers._table[p.QueryPrefetchStatus]
+
+    def slow_answer(req: p.QueryPrefetchStatus, identity: bytes, frames: Any) -> Any:
+        time.sleep(0.5)  # the server loop stalls: the reply comes after the client gave up
+        return answer(req, identity, frames)
+
+    with Client(server.endpoint) as client:
+        client.store(keys, blobs(3))
+        assert server.storage.flush(timeout=30)
+        assert client.clear() == 3
+        handle, hits = client.start_lookup(keys)
+        assert hits is None
+        deadline = time.monotonic() + 10
+        while l1(server)["read_locks"] != 3:  # the prefetch finished; its result waits
+            assert time.monotonic() < deadline, "the prefetch never finished"
+            time.sleep(0.02)
+        handlers._table[p.QueryPrefetchStatus] = slow_answer
+        with pytest.raises(RequestTimeoutError):
+            client._call(p.QueryPrefetchStatus(0, "", handle), p.PrefetchStatusReply, timeout=0.05)
+        handlers._table[p.QueryPrefetchStatus] = answer
+        deadline = time.monotonic() + 10
+        while l1(server)["read_locks"]:  # a ping reads the late reply and sends the release
+            assert time.monotonic() < deadline, "the late reply's locks were never given back"
+            client.ping()
+        assert client.lookup(keys) == 3
+        assert client.release(keys) == 3
+
+
 def test_prefetch_from_l2_runs_off_the_loop(make_server: Factory) -> None:
     server = make_server(adapters=['{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.5}'])
     keys, data = keys_of(3), blobs(3)

@@ -10,7 +10,13 @@ from typing import Any, TypeVar
 import numpy as np
 
 from lmcache_tiers.client.connection import Connection
-from lmcache_tiers.client.errors import ClientError, ProtocolError, RequestTimeoutError, StaleReadError
+from lmcache_tiers.client.errors import (
+    ClientError,
+    ProtocolError,
+    RequestTimeoutError,
+    ServerError,
+    StaleReadError,
+)
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.layout import check_layout, layout_of
 from lmcache_tiers.wire import protocol as p
@@ -462,6 +468,10 @@ class Client(Connection):
             for position, handle in waiting:
                 hits = self.wait_prefetch(handle, max(0.0, deadline - time.monotonic()))
                 if hits is None:
+                    # Given up on, with those not waited for yet: the server gives their
+                    # locks back when no one collects them.
+                    for _, running in waiting:
+                        self._prefetch_settled(running)
                     raise RequestTimeoutError(f"prefetch did not finish within {limit:g}s")
                 results[position] = hits
             for position, keys in enumerate(key_lists):
@@ -490,7 +500,8 @@ class Client(Connection):
 
     def query_prefetch(self, handle: int) -> int | None:
         """Non-blocking: the hit count of a started lookup, or None while it runs."""
-        hits = self._call(p.QueryPrefetchStatus(0, "", handle), p.PrefetchStatusReply).hits
+        with self._settling(handle):
+            hits = self._call(p.QueryPrefetchStatus(0, "", handle), p.PrefetchStatusReply).hits
         if hits is not None:
             self._prefetch_settled(handle)
         return hits
@@ -500,10 +511,21 @@ class Client(Connection):
         request = p.WaitPrefetchStatus(0, "", handle, min(max(timeout, 0.0), p.MAX_WAIT_S))
         # The server answers at its deadline; allow for the round trip on top.  A reply that
         # comes later still hands over the prefetch's locks: they are released then.
-        hits = self._call(request, p.PrefetchStatusReply, timeout=timeout + max(1.0, self.timeout)).hits
+        with self._settling(handle):
+            hits = self._call(request, p.PrefetchStatusReply, timeout=timeout + max(1.0, self.timeout)).hits
         if hits is not None:
             self._prefetch_settled(handle)
         return hits
+
+    @contextlib.contextmanager
+    def _settling(self, handle: int) -> Iterator[None]:
+        """Around a QUERY or WAIT of ``handle``: an error reply means the server holds no
+        such prefetch (any more), so its keys need not be remembered."""
+        try:
+            yield
+        except ServerError:
+            self._prefetch_settled(handle)
+            raise
 
     @contextlib.contextmanager
     def retrieve(self, keys: Sequence[ObjectKey]) -> Iterator[list[memoryview]]:

@@ -77,9 +77,10 @@ _REMEMBERED = 1024
 
 
 def _remember(table: dict[_K, _V], key: _K, value: _V) -> None:
+    """(Caller holds the client's lock.)"""
     table[key] = value
     while len(table) > _REMEMBERED:
-        table.pop(next(iter(table)))
+        table.pop(next(iter(table)), None)
 
 
 def _rest_of_message(sock: zmq.Socket[bytes]) -> list[bytes]:
@@ -433,17 +434,22 @@ class Connection:
     def _remember_orphan(self, request: p._Request) -> None:
         if isinstance(request, (p.StoreReserve, p.Retrieve, p.Lookup)):
             _remember(self._orphans, request.req_id, (request, request.keys))
-        elif isinstance(request, p.WaitPrefetchStatus):
-            keys = self._prefetch_keys.pop(request.handle, None)
-            if keys is not None:
-                _remember(self._orphans, request.req_id, (request, keys))
+        elif isinstance(request, (p.WaitPrefetchStatus, p.QueryPrefetchStatus)):
+            # Either collects a finished prefetch, locks and all, when its reply is sent.
+            with self._lock:
+                keys = self._prefetch_keys.pop(request.handle, None)
+                if keys is not None:
+                    _remember(self._orphans, request.req_id, (request, keys))
 
     def _running_prefetch(self, handle: int, keys: list[ObjectKey]) -> None:
         """A LOOKUP was answered while its prefetch still runs: remember its keys."""
-        _remember(self._prefetch_keys, handle, keys)
+        with self._lock:
+            _remember(self._prefetch_keys, handle, keys)
 
     def _prefetch_settled(self, handle: int) -> None:
-        self._prefetch_keys.pop(handle, None)
+        """The prefetch's result was collected, or the server knows no such prefetch."""
+        with self._lock:
+            self._prefetch_keys.pop(handle, None)
 
     def _settle_orphan(self, reply: p._Reply) -> None:
         """A reply arrived after its request timed out: give back what it took on our
@@ -464,7 +470,9 @@ class Connection:
             follow_up = p.Release(next(self._ids), self._token, keys[: len(reply.slots)], once=True)
         elif isinstance(request, p.Lookup) and isinstance(reply, p.LookupReply) and reply.hits:
             follow_up = p.Release(next(self._ids), self._token, keys[: reply.hits], once=True)
-        elif isinstance(request, p.WaitPrefetchStatus) and isinstance(reply, p.PrefetchStatusReply):
+        elif isinstance(request, (p.WaitPrefetchStatus, p.QueryPrefetchStatus)) and isinstance(
+            reply, p.PrefetchStatusReply
+        ):
             if reply.hits:  # the prefetch finished, and this reply collected its locks
                 follow_up = p.Release(next(self._ids), self._token, keys[: reply.hits], once=True)
             elif reply.hits is None:  # still running: a later WAIT or QUERY may collect it
