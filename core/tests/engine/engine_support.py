@@ -59,8 +59,9 @@ class GatedBackend:
             return [len(self._data[key]) if key in self._data else None for key in keys]
 
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        gate = self.gate  # the gate of the moment the load started, whatever a test swaps in later
         self.loads_started.release()
-        self.gate.wait()
+        gate.wait()
         done = []
         with self._lock:
             for key, buffer in zip(keys, buffers, strict=True):

@@ -235,8 +235,8 @@ def test_close_cancels_queued_requests_and_drains_running_ones(engine) -> None:
 
 
 def test_a_prefetch_whose_load_never_reports_is_given_up_at_its_result_deadline(engine, caplog) -> None:
-    # Results are kept half the lock TTL: 2 s here.
-    storage = engine([gated()], l2_prefetch_max_in_flight=1, l1_lock_ttl_s=4.0)
+    # Results are kept half the lock TTL: 4 s here.
+    storage = engine([gated()], l2_prefetch_max_in_flight=1, l1_lock_ttl_s=8.0)
     stuck_keys, later_keys = keys_of(15, 2), keys_of(16, 2)
     store(storage, stuck_keys + later_keys, SIZE)
     assert storage.flush(10)
@@ -250,18 +250,23 @@ def test_a_prefetch_whose_load_never_reports_is_given_up_at_its_result_deadline(
     # loads go through.
     backend.gate = threading.Event()
     backend.gate.set()
-    time.sleep(1.0)
-    later = storage.submit_prefetch(later_keys)  # queued behind the only slot
+    time.sleep(2.0)
+    later = storage.submit_prefetch(later_keys)  # queued behind the only slot, 2 s to spare
     assert storage.status()["prefetch"]["queued"] == 1
     with caplog.at_level(logging.WARNING, logger="lmcache_tiers.controllers.prefetch"):
         assert storage.wait_prefetch(stuck, 10) == 0, "given up at its deadline, not still running"
         assert storage.wait_prefetch(later, 10) == 2, "the slot was freed for the queued request"
-    assert storage.status()["failures"]["prefetch_timed_out"] == 1
-    assert "still running at its result deadline" in caplog.text
+    failures = storage.status()["failures"]
+    assert failures["prefetch_timed_out"] == 1
+    assert "prefetch_result_expired" not in failures, "counted once, as given up"
+    assert "still loading at their result deadline" in caplog.text
     read_back(storage, later_keys, 2)
     storage.release(later_keys)  # the prefetch's own read locks
-    # The parked load still fills its L1 objects: they stay reserved until it reports.
+    # The parked load still fills its L1 objects: they stay reserved until it reports, and
+    # a new prefetch of those keys gets none of them -- a miss, counted.
     assert storage.l1.stats().write_locked == 2
+    assert storage.wait_prefetch(storage.submit_prefetch(stuck_keys), 10) == 0
+    assert storage.status()["failures"]["prefetch_key_being_written"] == 1
     hung.set()
     deadline = time.monotonic() + 10
     while storage.l1.stats().write_locked or any(each.pinned_keys() for each in storage.adapters):

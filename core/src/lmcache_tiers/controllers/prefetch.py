@@ -53,11 +53,6 @@ __all__ = ["PrefetchController", "unique_prefix"]
 
 logger = logging.getLogger(__name__)
 
-#: what an abandoned request's log line adds to its reason
-_ABANDONED_BECAUSE = {
-    "prefetch_timed_out": ": its L2 lookups or loads were still running at its result deadline",
-}
-
 
 class PrefetchController(ControllerThread):
     """Thread that runs prefetch requests, at most ``max_in_flight`` at a time."""
@@ -83,6 +78,7 @@ class PrefetchController(ControllerThread):
         self._locks = PrefetchLocks(l1, self.slots, stats, evict=evict, align=align)
         self._handles = PrefetchHandles(self._locks.release_read, stats, result_ttl_s=result_ttl_s)
         self._burst = BurstLog(logger)  # a policy's bad plans: one line per minute
+        self._timed_out = BurstLog(logger, "prefetch_timed_out")
         # controller thread only:
         self._claimed: Counter[ObjectKey] = Counter()  # keys an active request may load
         self._lookups = TaskTracker[PrefetchRequest, LookupResult](
@@ -222,15 +218,17 @@ class PrefetchController(ControllerThread):
         sharing a key with it, for good.  Loads still running free the L1 extents they
         fill only when they report (see ``_abandon``).
         """
+        # No result is published for them: one already past its deadline would be given
+        # back (and counted as unclaimed) at once; their owners' queries answer 0.
         for request in self._handles.active():
             if request.result_deadline <= now:
-                self._abandon(request, "prefetch_timed_out")
+                self._abandon(request, "prefetch_timed_out", publish=False)
         for request in self._handles.take_queued(overdue_at=now):
             self.stats.fail("prefetch_timed_out")
-            logger.warning(
-                "prefetch request %d given up: still queued at its result deadline", request.handle
-            )
-            self._drop_queued(request)
+            self._timed_out.event(1, "prefetch requests given up: still queued at their result deadline")
+            self._locks.release_read(request.keys[: request.l1_hits], request.readers)
+            self._locks.release_pins(request)
+            self._handles.give_up(request.handle)
 
     def _start_queued(self) -> None:
         while self._handles.in_flight() < self.max_in_flight:
@@ -391,31 +389,37 @@ class PrefetchController(ControllerThread):
 
     def _finish(self, request: PrefetchRequest, l2_prefix: int) -> None:
         """Publish the result and forget the request (all its locks are settled)."""
+        self._unclaim(request)
+        hits = request.l1_hits + l2_prefix
+        result = HeldResult(hits, request.keys[:hits], request.readers, request.result_deadline)
+        self._handles.finish(request.handle, result)
+
+    def _unclaim(self, request: PrefetchRequest) -> None:
+        """The request loads none of its keys any more."""
         if request.remaining:
             self._claimed.subtract(request.remaining)
             for key in request.remaining:
                 if self._claimed[key] <= 0:
                     del self._claimed[key]
-        hits = request.l1_hits + l2_prefix
-        result = HeldResult(hits, request.keys[:hits], request.readers, request.result_deadline)
-        self._handles.finish(request.handle, result)
 
-    def _abandon(self, request: PrefetchRequest, reason: str) -> None:
+    def _abandon(self, request: PrefetchRequest, reason: str, *, publish: bool = True) -> None:
         """Give up on a request (shutdown, or an unexpected error) and release what it holds.
 
         Objects a running load is still filling are freed only when that load reports:
         freeing them now could hand their extents to new objects while the adapter still
         writes into them.  Lookups still running have their pins dropped when they report.
         """
-        logger.log(
-            logging.ERROR if reason == "prefetch_internal_error" else logging.WARNING,
-            "prefetch request %d abandoned (%s)%s",
-            request.handle,
-            reason,
-            _ABANDONED_BECAUSE.get(reason, ""),
-            exc_info=reason == "prefetch_internal_error",
-        )
         self.stats.fail(reason)
+        if reason == "prefetch_timed_out":  # many at once when an adapter hangs: one line a minute
+            self._timed_out.event(1, "prefetch requests given up: still loading at their result deadline")
+        else:
+            logger.log(
+                logging.ERROR if reason == "prefetch_internal_error" else logging.WARNING,
+                "prefetch request %d abandoned (%s)",
+                request.handle,
+                reason,
+                exc_info=reason == "prefetch_internal_error",
+            )
         for index, task_id in request.lookups.items():
             self._lookups.orphan(index, task_id, self._settle_orphan_lookup)
         loading: set[ObjectKey] = set()
@@ -426,7 +430,11 @@ class PrefetchController(ControllerThread):
         request.lookups.clear()
         request.loads.clear()
         self._locks.release_all(request, loading)
-        self._finish(request, 0)
+        if publish:
+            self._finish(request, 0)
+        else:
+            self._unclaim(request)
+            self._handles.give_up(request.handle)
 
     def _settle_orphan_lookup(
         self, slot: AdapterSlot, request: PrefetchRequest, result: LookupResult

@@ -119,6 +119,14 @@ class PrefetchHandles:
             self._active.pop(handle, None)
             self._publish(handle, result)
 
+    def give_up(self, handle: int) -> None:
+        """An active or queued (already taken) request ends without a result: its owner's
+        query or wait answers 0 at once, as for a result given back."""
+        with self._lock:
+            self._active.pop(handle, None)
+            self._results.forget(handle)
+            self._done.notify_all()
+
     def take_queued(self, overdue_at: float | None = None) -> list[PrefetchRequest]:
         """Every queued request (or those whose result deadline is ``overdue_at`` or
         earlier), no longer queued: their results are the caller's to publish."""

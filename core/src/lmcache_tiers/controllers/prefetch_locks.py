@@ -43,6 +43,7 @@ class PrefetchLocks:
         self._align = align
         self._lost_log = BurstLog(logger, "prefetch_loaded_object_lost")
         self._full_log = BurstLog(logger, "prefetch_l1_full")
+        self._busy_log = BurstLog(logger, "prefetch_key_being_written")
 
     # -- L1 read locks -------------------------------------------------------------------
 
@@ -73,6 +74,10 @@ class PrefetchLocks:
             elif self.l1.reserve_read([key], request.readers):
                 usable.append(None)
             else:
+                # Being written by someone else (a client's store, a given-up prefetch's
+                # load still running): the hits after it are not the reader's.
+                self.stats.fail("prefetch_key_being_written")
+                self._busy_log.event(1, "prefetches cut short at a key another writer was filling in L1")
                 break
         request.sources = usable
         self.abort(request, [key for key in keys[len(usable) : len(sources)] if key in reserved])

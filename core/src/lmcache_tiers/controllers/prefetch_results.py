@@ -80,6 +80,11 @@ class PrefetchResults:
         held = self._held.pop(handle, None)
         return None if held is None else held.hits
 
+    def forget(self, handle: int) -> None:
+        """A running prefetch ended without a result (given up): nothing will be
+        published for ``handle``, so an owner's earlier discard is done with."""
+        self._discarded.discard(handle)
+
     def discard(self, handle: int, *, running: bool) -> None:
         """The owner will never claim ``handle``: give its locks back now, or as soon as
         the prefetch finishes if it is still ``running``."""
