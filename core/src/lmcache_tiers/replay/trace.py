@@ -140,9 +140,10 @@ def iter_trace(path: str | Path) -> Iterator[TraceRequest]:
         raise TraceError(f"cannot read trace file {name}: {exc.strerror or exc}") from None
     with handle:
         number = 0
-        while raw := handle.readline(MAX_LINE_BYTES + 1):
+        # One byte past the limit and its line end: a line of exactly the limit is read whole.
+        while raw := handle.readline(MAX_LINE_BYTES + 2):
             number += 1
-            if len(raw) > MAX_LINE_BYTES:
+            if len(raw.rstrip(b"\r\n")) > MAX_LINE_BYTES:
                 raise TraceError(
                     f"{name} line {number}: longer than {MAX_LINE_BYTES >> 20} MiB; not a request trace"
                 )
