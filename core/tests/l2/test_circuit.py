@@ -4,9 +4,12 @@ open, probes, and closes by itself once the backend answers again."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -327,6 +330,35 @@ def test_calls_stuck_for_good_do_not_keep_the_circuit_open(
     wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close", within=WAIT_S / 3)
     assert client.lookup_and_lock(keys).found == [True]
     adapter.unlock(keys)
+
+
+_EXITS_WITH_A_CALL_STUCK = """
+import sys, threading
+sys.path.insert(0, sys.argv[1])
+from l2_backends import DictBackend, open_dict
+from lmcache_tiers.config import CircuitConfig
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.l2 import make_keys
+
+class Hung(DictBackend):
+    remote = True
+    def contains_many(self, keys):
+        threading.Event().wait()  # never returns
+
+adapter = open_dict(Hung, circuit=CircuitConfig(call_timeout_s=0.05))
+client = BlockingAdapterClient(adapter, timeout=30)
+assert client.lookup_and_lock(make_keys(1)).found == [False]
+adapter.close()
+print("closed", flush=True)
+"""
+
+
+def test_a_call_stuck_for_good_does_not_keep_the_process_from_exiting() -> None:
+    tests = str(Path(__file__).resolve().parent.parent)
+    done = subprocess.run(
+        [sys.executable, "-c", _EXITS_WITH_A_CALL_STUCK, tests], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout == "closed\n", done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("backend", [RemoteDict, AsyncRemoteDict], ids=["plain", "coroutines"])

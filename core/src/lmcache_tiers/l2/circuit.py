@@ -34,7 +34,6 @@ turns it on or off for any backend).  State and counters are in the adapter's
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import logging
 import threading
@@ -46,6 +45,7 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.breaker import CallTimeout, CircuitBreaker
 from lmcache_tiers.l2.calls import NotCalled, is_async_backend, optional_method
 from lmcache_tiers.l2.context import BackendContext
+from lmcache_tiers.l2.leftcalls import LeftCallThreads
 
 log = logging.getLogger("lmcache_tiers.l2")
 
@@ -130,15 +130,12 @@ class CircuitBackend(_Guard):
         self._probing = False
         self._probe_thread: threading.Thread | None = None
         # Timed calls run on helper threads so that one not answered in time can be left.
-        # A left call may stay stuck in the backend until its own timeout ends it, so the
-        # pool is large: a few stuck calls must not leave the probes, and the lookups after
-        # the backend answered again, queued behind them.  Threads are made only when no
-        # idle one is there, so a healthy backend uses one or two.
-        self._helpers: concurrent.futures.ThreadPoolExecutor | None = None
+        # A left call may stay stuck in the backend until its own timeout ends it, so there
+        # are many: a few stuck calls must not leave the probes, and the lookups after the
+        # backend answered again, queued behind them (see leftcalls.py).
+        self._helpers: LeftCallThreads | None = None
         if self.call_timeout_s is not None:
-            self._helpers = concurrent.futures.ThreadPoolExecutor(
-                max_workers=TIMED_HELPERS, thread_name_prefix=f"l2-{context.name}-timed"
-            )
+            self._helpers = LeftCallThreads(TIMED_HELPERS, f"l2-{context.name}-timed")
         self.breaker.on_open = self._start_probing
 
     def open(self) -> None:
@@ -229,7 +226,7 @@ class CircuitBackend(_Guard):
             if thread is not None:
                 thread.join(1.0)  # it sleeps through context.sleep, which closing ends
             if self._helpers is not None:
-                self._helpers.shutdown(wait=False, cancel_futures=True)
+                self._helpers.shutdown()
         finally:
             closer = optional_method(self.inner, "close")
             if closer is not None:
