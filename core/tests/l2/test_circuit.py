@@ -292,17 +292,31 @@ def test_the_circuit_is_on_for_remote_backends_unless_configured(
     assert adapter.stats()["backend_errors"] == (opens_after or 8)
 
 
-@pytest.mark.parametrize("backend", [RemoteDict, AsyncRemoteDict], ids=["plain", "coroutines"])
-def test_a_lookup_not_answered_in_time_is_a_miss_and_a_failure(
-    adapters: list[BackendAdapter], outage: Outage, backend: type[DictBackend]
-) -> None:
-    circuit = CircuitConfig(failure_threshold=2, probe_interval_s=0.02, call_timeout_s=0.05)
+def hung_after_a_store(
+    adapters: list[BackendAdapter], outage: Outage, backend: type[DictBackend], lookups: int
+) -> tuple[BackendAdapter, BlockingAdapterClient, list[ObjectKey]]:
+    """A key stored, then the backend hangs and ``lookups`` lookups of it time out: the
+    circuit (opening after that many failures, calls timed out after 50 ms) is open."""
+    circuit = CircuitConfig(failure_threshold=lookups, probe_interval_s=0.02, call_timeout_s=0.05)
     adapter = opened(adapters, backend, circuit=circuit)
     client = BlockingAdapterClient(adapter, timeout=WAIT_S)
     keys = make_keys(1)
     assert store(client, keys) == [True]
     outage.hang.set()
-    fail_lookups(client, keys, 2)
+    fail_lookups(client, keys, lookups)
+    return adapter, client, keys
+
+
+def found_again(adapter: BackendAdapter, client: BlockingAdapterClient, keys: list[ObjectKey]) -> None:
+    assert client.lookup_and_lock(keys).found == [True] * len(keys)
+    adapter.unlock(keys)
+
+
+@pytest.mark.parametrize("backend", [RemoteDict, AsyncRemoteDict], ids=["plain", "coroutines"])
+def test_a_lookup_not_answered_in_time_is_a_miss_and_a_failure(
+    adapters: list[BackendAdapter], outage: Outage, backend: type[DictBackend]
+) -> None:
+    adapter, client, keys = hung_after_a_store(adapters, outage, backend, 2)
     stats = adapter.stats()
     assert stats["circuit_call_timeouts"] == 2 and stats["circuit_open"] == 1
     # Probes time out too while the backend hangs; once it answers the circuit closes.
@@ -310,26 +324,19 @@ def test_a_lookup_not_answered_in_time_is_a_miss_and_a_failure(
     outage.hang.clear()
     outage.released.set()
     wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close")
-    assert client.lookup_and_lock(keys).found == [True]
-    adapter.unlock(keys)
+    found_again(adapter, client, keys)
 
 
 @pytest.mark.parametrize("backend", [RemoteDict, AsyncRemoteDict], ids=["plain", "coroutines"])
 def test_calls_stuck_for_good_do_not_keep_the_circuit_open(
     adapters: list[BackendAdapter], outage: Outage, backend: type[DictBackend]
 ) -> None:
-    circuit = CircuitConfig(failure_threshold=4, probe_interval_s=0.02, call_timeout_s=0.05)
-    adapter = opened(adapters, backend, circuit=circuit)
-    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
-    keys = make_keys(1)
-    assert store(client, keys) == [True]
-    outage.hang.set()
-    fail_lookups(client, keys, 4)  # four calls left inside the backend, which never return
+    # four calls left inside the backend, which never return
+    adapter, client, keys = hung_after_a_store(adapters, outage, backend, 4)
     assert adapter.stats()["circuit_open"] == 1
     outage.hang.clear()  # the backend answers new calls; the four stay stuck (for WAIT_S)
     wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close", within=WAIT_S / 3)
-    assert client.lookup_and_lock(keys).found == [True]
-    adapter.unlock(keys)
+    found_again(adapter, client, keys)
 
 
 _EXITS_WITH_A_CALL_STUCK = """

@@ -276,89 +276,65 @@ def test_an_empty_lookup_is_answered_without_a_request(server: TiersServer) -> N
     assert server.frontends[0].stats().requests["Lookup"] == 1
 
 
-def test_a_lookup_that_times_out_has_its_locks_given_back_when_the_reply_turns_up(
-    make_server: Factory,
-) -> None:
-    server = make_server(adapters=['{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.3}'])
-    keys = keys_of(3)
-    with Client(server.endpoint) as client:
-        client.store(keys, blobs(3))
-        assert server.storage.flush(timeout=30)
-        assert client.clear() == 3
-        # the server waits for the prefetch from L2 before answering, longer than the
-        # client waits for the reply
-        with pytest.raises(RequestTimeoutError):
-            client._call(p.Lookup(0, "", keys, 5.0), p.LookupReply, timeout=0.05)
-        deadline = time.monotonic() + 10
-        while l1(server)["read_locks"] != 3:  # the late reply's prefix is locked for us
-            assert time.monotonic() < deadline, "the prefetch never finished"
-            time.sleep(0.02)
-        deadline = time.monotonic() + 10
-        while l1(server)["read_locks"]:  # a ping reads the late reply and sends the release
-            assert time.monotonic() < deadline, "the late reply's locks were never given back"
-            client.ping()
-        assert client.lookup(keys) == 3  # the connection still pairs replies with requests
-        assert client.release(keys) == 3
+def _only_in_l2(server: TiersServer, client: Client, keys: list[ObjectKey]) -> None:
+    client.store(keys, blobs(len(keys)))
+    assert server.storage.flush(timeout=30)
+    assert client.clear() == len(keys)
 
 
-def test_a_wait_that_times_out_has_its_locks_given_back_when_the_reply_turns_up(
-    make_server: Factory,
-) -> None:
-    server = make_server(adapters=['{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.3}'])
-    keys = keys_of(3)
-    with Client(server.endpoint) as client:
-        client.store(keys, blobs(3))
-        assert server.storage.flush(timeout=30)
-        assert client.clear() == 3
-        handle, hits = client.start_lookup(keys)
-        assert hits is None
-        # the server waits for the prefetch before answering, longer than the client waits
-        with pytest.raises(RequestTimeoutError):
-            client._call(p.WaitPrefetchStatus(0, "", handle, 5.0), p.PrefetchStatusReply, timeout=0.05)
-        deadline = time.monotonic() + 10
-        while l1(server)["read_locks"] != 3:  # the late reply collects the prefix for us
-            assert time.monotonic() < deadline, "the prefetch never finished"
-            time.sleep(0.02)
-        deadline = time.monotonic() + 10
-        while l1(server)["read_locks"]:  # a ping reads the late reply and sends the release
-            assert time.monotonic() < deadline, "the late reply's locks were never given back"
-            client.ping()
-        assert client.lookup(keys) == 3
-        assert client.release(keys) == 3
+def _late_reply_gives_its_locks_back(server: TiersServer, client: Client, keys: list[ObjectKey]) -> None:
+    """After a call gave up: the late reply's prefix is locked for the client, and the
+    next call (a ping) reads that reply and releases what it took."""
+    deadline = time.monotonic() + 10
+    while l1(server)["read_locks"] != len(keys):
+        assert time.monotonic() < deadline, "the prefetch never finished"
+        time.sleep(0.02)
+    deadline = time.monotonic() + 10
+    while l1(server)["read_locks"]:
+        assert time.monotonic() < deadline, "the late reply's locks were never given back"
+        client.ping()
+    assert client.lookup(keys) == len(keys)  # the connection still pairs replies with requests
+    assert client.release(keys) == len(keys)
 
 
-def test_a_query_that_times_out_has_its_locks_given_back_when_the_reply_turns_up(
-    make_server: Factory,
-) -> None:
-    server = make_server(adapters=['{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.3}'])
-    keys = keys_of(3)
+def _give_up_on(call: str, server: TiersServer, client: Client, keys: list[ObjectKey]) -> None:
+    """Send ``call`` for ``keys`` (only in L2) and give up on it before its reply comes;
+    RequestTimeoutError."""
+    if call == "lookup":  # the server waits for the prefetch before answering
+        client._call(p.Lookup(0, "", keys, 5.0), p.LookupReply, timeout=0.05)
+    handle, hits = client.start_lookup(keys)
+    assert hits is None
+    if call == "wait":  # the server waits for the prefetch before answering
+        client._call(p.WaitPrefetchStatus(0, "", handle, 5.0), p.PrefetchStatusReply, timeout=0.05)
+    deadline = time.monotonic() + 10
+    while l1(server)["read_locks"] != len(keys):  # the prefetch finished; its result waits
+        assert time.monotonic() < deadline, "the prefetch never finished"
+        time.sleep(0.02)
     handlers = server.frontends[0].handlers
     answer = handlers._table[p.QueryPrefetchStatus]
 
-    def slow_answer(req: p.QueryPrefetchStatus, identity: bytes, frames: Any) -> Any:
+    def stalled(req: p.QueryPrefetchStatus, identity: bytes, frames: Any) -> Any:
         time.sleep(0.5)  # the server loop stalls: the reply comes after the client gave up
         return answer(req, identity, frames)
 
-    with Client(server.endpoint) as client:
-        client.store(keys, blobs(3))
-        assert server.storage.flush(timeout=30)
-        assert client.clear() == 3
-        handle, hits = client.start_lookup(keys)
-        assert hits is None
-        deadline = time.monotonic() + 10
-        while l1(server)["read_locks"] != 3:  # the prefetch finished; its result waits
-            assert time.monotonic() < deadline, "the prefetch never finished"
-            time.sleep(0.02)
-        handlers._table[p.QueryPrefetchStatus] = slow_answer
-        with pytest.raises(RequestTimeoutError):
-            client._call(p.QueryPrefetchStatus(0, "", handle), p.PrefetchStatusReply, timeout=0.05)
+    handlers._table[p.QueryPrefetchStatus] = stalled
+    try:
+        client._call(p.QueryPrefetchStatus(0, "", handle), p.PrefetchStatusReply, timeout=0.05)
+    finally:
         handlers._table[p.QueryPrefetchStatus] = answer
-        deadline = time.monotonic() + 10
-        while l1(server)["read_locks"]:  # a ping reads the late reply and sends the release
-            assert time.monotonic() < deadline, "the late reply's locks were never given back"
-            client.ping()
-        assert client.lookup(keys) == 3
-        assert client.release(keys) == 3
+
+
+@pytest.mark.parametrize("call", ["lookup", "wait", "query"])
+def test_a_call_that_times_out_has_its_locks_given_back_when_the_reply_turns_up(
+    make_server: Factory, call: str
+) -> None:
+    server = make_server(adapters=['{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.3}'])
+    keys = keys_of(3)
+    with Client(server.endpoint) as client:
+        _only_in_l2(server, client, keys)
+        with pytest.raises(RequestTimeoutError):
+            _give_up_on(call, server, client, keys)
+        _late_reply_gives_its_locks_back(server, client, keys)
 
 
 def test_prefetch_from_l2_runs_off_the_loop(make_server: Factory) -> None:
