@@ -226,9 +226,7 @@ class PrefetchController(ControllerThread):
         for request in self._handles.take_queued(overdue_at=now):
             self.stats.fail("prefetch_timed_out")
             self._timed_out.event(1, "prefetch requests given up: still queued at their result deadline")
-            self._locks.release_read(request.keys[: request.l1_hits], request.readers)
-            self._locks.release_pins(request)
-            self._handles.give_up(request.handle)
+            self._drop_queued(request, publish=False)
 
     def _start_queued(self) -> None:
         while self._handles.in_flight() < self.max_in_flight:
@@ -454,11 +452,15 @@ class PrefetchController(ControllerThread):
         for request in self._handles.take_queued():
             self._drop_queued(request)
 
-    def _drop_queued(self, request: PrefetchRequest) -> None:
-        """Release what a request that never started holds; its result is 0 hits."""
+    def _drop_queued(self, request: PrefetchRequest, *, publish: bool = True) -> None:
+        """Release what a request that never started holds; its result is 0 hits (or none:
+        its owner's query answers 0 all the same)."""
         self._locks.release_read(request.keys[: request.l1_hits], request.readers)
         self._locks.release_pins(request)
-        self._handles.publish(request.handle, HeldResult(0, [], request.readers, request.result_deadline))
+        if publish:
+            self._handles.publish(request.handle, HeldResult(0, [], request.readers, request.result_deadline))
+        else:
+            self._handles.give_up(request.handle)
 
     def finish(self) -> None:
         """Release what requests that did not drain in time still hold."""
