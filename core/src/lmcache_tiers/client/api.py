@@ -500,32 +500,26 @@ class Client(Connection):
 
     def query_prefetch(self, handle: int) -> int | None:
         """Non-blocking: the hit count of a started lookup, or None while it runs."""
-        with self._settling(handle):
-            hits = self._call(p.QueryPrefetchStatus(0, "", handle), p.PrefetchStatusReply).hits
-        if hits is not None:
-            self._prefetch_settled(handle)
-        return hits
+        return self._prefetch_status(p.QueryPrefetchStatus(0, "", handle), handle, None)
 
     def wait_prefetch(self, handle: int, timeout: float) -> int | None:
         """Wait up to ``timeout`` seconds for a started lookup; None if still running."""
         request = p.WaitPrefetchStatus(0, "", handle, min(max(timeout, 0.0), p.MAX_WAIT_S))
         # The server answers at its deadline; allow for the round trip on top.  A reply that
         # comes later still hands over the prefetch's locks: they are released then.
-        with self._settling(handle):
-            hits = self._call(request, p.PrefetchStatusReply, timeout=timeout + max(1.0, self.timeout)).hits
-        if hits is not None:
-            self._prefetch_settled(handle)
-        return hits
+        return self._prefetch_status(request, handle, timeout + max(1.0, self.timeout))
 
-    @contextlib.contextmanager
-    def _settling(self, handle: int) -> Iterator[None]:
-        """Around a QUERY or WAIT of ``handle``: an error reply means the server holds no
-        such prefetch (any more), so its keys need not be remembered."""
+    def _prefetch_status(self, request: p._Request, handle: int, timeout: float | None) -> int | None:
+        """A QUERY or WAIT of ``handle``; its keys are forgotten once its result is
+        collected, or when an error reply says the server holds no such prefetch (any more)."""
         try:
-            yield
+            hits = self._call(request, p.PrefetchStatusReply, timeout=timeout).hits
         except ServerError:
             self._prefetch_settled(handle)
             raise
+        if hits is not None:
+            self._prefetch_settled(handle)
+        return hits
 
     @contextlib.contextmanager
     def retrieve(self, keys: Sequence[ObjectKey]) -> Iterator[list[memoryview]]:
