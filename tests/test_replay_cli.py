@@ -316,6 +316,8 @@ def test_a_server_that_dies_mid_replay_ends_it_in_one_line(tmp_path: Path) -> No
         str(BLOCK_BYTES),
         "--timeout",
         "2",
+        "--time-scale",  # paced: the default sends the whole trace as fast as it can
+        "1",
         "--json",
     ]
     replay = launch_cli(args)
