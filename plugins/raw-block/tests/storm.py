@@ -69,6 +69,15 @@ def storm(adapter: Any, largest: int, take: Any = None) -> None:
         report("stored", index)
 
 
+def acknowledged_live(deleted: int, stored: int) -> range:
+    """The objects whose store was acknowledged and whose delete had not begun, given the
+    counts last reported: a delete is reported only once it returned, so the batch after
+    the last one reported may have been deleted already when the writer is storing at
+    :data:`LIVE` objects."""
+    first = deleted + BATCH if stored - deleted >= LIVE else deleted
+    return range(min(first, stored), stored)
+
+
 def run_and_kill(writer: Path, path: str, at_least: int, extra_delay_s: float) -> tuple[int, int]:
     """Run ``writer PATH``, SIGKILL it once it stored ``at_least`` objects (plus a delay,
     to land inside a later batch); (deleted below, stored below) as last reported."""

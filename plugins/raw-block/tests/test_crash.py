@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from rb_crash_writer import LARGEST, crash_config
 from rb_helpers import Arena, client, open_raw
-from storm import expected, object_size, run_and_kill
+from storm import acknowledged_live, expected, object_size, run_and_kill
 
 from lmcache_tiers.testing.l2 import make_keys
 
@@ -46,7 +46,8 @@ def test_sigkill_during_store_storm_then_reopen(tmp_path: Path, delay_s: float) 
                 assert ok, f"object {index} was found but did not load"
                 assert bytes(buffer) == expected(index, LARGEST), f"object {index} loaded wrong bytes"
             hits += len(found)
-        survivors = make_keys(stored - deleted, start=deleted)
+        live = acknowledged_live(deleted, stored)
+        survivors = make_keys(len(live), start=live.start)
         assert client(adapter).lookup_and_lock(survivors).found == [True] * len(survivors), (
             "every acknowledged store not deleted since must survive the kill"
         )
