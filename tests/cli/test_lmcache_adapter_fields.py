@@ -15,6 +15,7 @@ from lmcache_tiers.plugins import load_registry
 FS = {"type": "fs", "path": "/tmp/lmcache-tiers-unused"}
 RAW_BLOCK = {"type": "raw_block", "device_path": "/tmp/rb", "slot_bytes": 1 << 20, "capacity_bytes": 1 << 30}
 DAX = {"type": "dax", "slot_bytes": 4096, "device_path": "/tmp/dax", "max_dax_size_gb": 1}
+MOONCAKE = {"type": "mooncake_store", "metadata_server": "http://10.0.0.1:8080/metadata"}
 
 
 def decode(spec: dict[str, Any]) -> Any:
@@ -41,6 +42,11 @@ def refusal(spec: dict[str, Any]) -> str:
         ({**RAW_BLOCK, "fdp_enabled": True}, "fdp_enabled", "placement"),
         ({**RAW_BLOCK, "persist_enabled": False}, "persist_enabled", "always kept"),
         ({**DAX, "hotplug_enabled": True}, "hotplug_enabled", "fixed at start-up"),
+        # Mooncake's own set-up keys, which LMCache's adapter forwards to Mooncake
+        ({**MOONCAKE, "rdma_devices": "mlx5_0"}, "rdma_devices", "TCP"),
+        ({**MOONCAKE, "enable_ssd_offload": True}, "enable_ssd_offload", "SSD offload"),
+        ({**MOONCAKE, "tenant_id": "team-a"}, "tenant_id", "key_prefix"),
+        ({**MOONCAKE, "client_http_port": 9300}, "client_http_port", "/metrics"),
     ],
 )
 def test_an_lmcache_field_without_equivalent_is_refused_naming_it_and_why(
@@ -65,9 +71,21 @@ def test_an_unknown_field_inside_a_nested_object_is_not_taken_for_an_lmcache_one
     assert message.endswith("- at `$.l2_adapters[0].eviction`")
 
 
-@pytest.mark.parametrize("spec", [{**FS, "affinity_tag": "_default"}, {**RAW_BLOCK, "persist_enabled": True}])
-def test_lmcache_fields_holding_what_is_done_here_anyway_are_accepted(spec: dict[str, Any]) -> None:
-    without = {key: value for key, value in spec.items() if key not in ("affinity_tag", "persist_enabled")}
+@pytest.mark.parametrize(
+    ("spec", "neutral"),
+    [
+        ({**FS, "affinity_tag": "_default"}, ["affinity_tag"]),
+        ({**RAW_BLOCK, "persist_enabled": True}, ["persist_enabled"]),
+        (
+            {**MOONCAKE, "rdma_devices": "", "enable_ssd_offload": False, "tenant_id": "default"},
+            ["rdma_devices", "enable_ssd_offload", "tenant_id"],
+        ),
+    ],
+)
+def test_lmcache_fields_holding_what_is_done_here_anyway_are_accepted(
+    spec: dict[str, Any], neutral: list[str]
+) -> None:
+    without = {key: value for key, value in spec.items() if key not in neutral}
     assert decode(spec) == decode(without)
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import msgspec
 import pytest
 from lmcache_plugin_mooncake import MooncakeStoreConfig
 from lmcache_plugin_mooncake.config import parse_size
@@ -39,6 +40,16 @@ def test_lmcache_field_names_and_string_sizes_are_accepted() -> None:
     assert config.capacity_bytes is None, "max_capacity_gb 0: no limit of its own"
 
 
+def test_mooncakes_own_name_for_the_master_is_an_alias() -> None:
+    # LMCache's multi-process server forwards the adapter's keys to Mooncake's set-up as
+    # written, where the master is `master_server_addr`.
+    config = decode(master_server_addr="10.0.0.1:50051")
+    assert config.master_server_address == "10.0.0.1:50051"
+    assert decode(master_server_addr="10.0.0.1:50051", master_server_address="10.0.0.1:50051") == config
+    printed = msgspec.to_builtins(config)
+    assert decode(**printed) == config, "a printed config reads back"
+
+
 @pytest.mark.parametrize(
     ("text", "size"),
     [
@@ -65,6 +76,11 @@ def test_sizes(text: int | str, size: int) -> None:
         ({"operation_timeout_s": 0}, "operation_timeout_s"),
         ({"max_capacity_gb": -1}, "max_capacity_gb"),
         ({"master_server_address": "no-port"}, "master_server_address"),
+        ({"master_server_addr": "no-port"}, r"\.master_server_addr`"),
+        (
+            {"master_server_addr": "10.0.0.1:50051", "master_server_address": "10.0.0.2:50051"},
+            "master_server_addr '10.0.0.1:50051' contradicts",
+        ),
         ({"key_prefix": "has space"}, "key_prefix"),
         ({"key_prefix": ""}, "key_prefix"),
         ({"master_metrics_url": "ftp://x"}, "master_metrics_url"),
@@ -83,6 +99,7 @@ def test_bad_values_are_refused_with_their_path(fields: dict[str, object], match
         {"metadata_server": "http://admin:hunter2@10.0.0.1:8080/metadata"},
         {"metadata_server": "redis://:hunter2@10.0.0.1:6379"},
         {"master_server_address": "admin:hunter2@10.0.0.1:50051"},
+        {"master_server_addr": "admin:hunter2@10.0.0.1:50051"},
         {"master_metrics_url": "http://admin:hunter2@10.0.0.1:9003"},
     ],
 )

@@ -5,12 +5,18 @@ Field names are the ones LMCache's ``mooncake_store`` adapter passes to Mooncake
 ``global_segment_size``, ``local_buffer_size``) and its ``num_workers``; sizes are taken as
 LMCache and Mooncake users write them: a number of bytes, the same as a string
 (``"3355443200"``), or with a unit (``"4GB"``, ``"512 MiB"``).
+
+LMCache's multi-process server forwards every other key of the adapter's JSON to
+Mooncake's dictionary set-up, whose own name for the master is ``master_server_addr``:
+that name is accepted as an alias, and each other set-up key Mooncake takes is refused in
+one line saying why -- or accepted when it holds the value that asks for what is done
+here anyway (``rdma_devices: ""``, ``enable_ssd_offload: false``, ...).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 from urllib.parse import urlsplit
 
 import msgspec
@@ -69,6 +75,34 @@ class MooncakeStoreConfig(L2AdapterConfig):
     would show in ``--print-config``); Mooncake reads its own from its environment.
     """
 
+    #: Mooncake set-up keys LMCache's adapter forwards that have no equivalent here -> why
+    lmcache_unsupported: ClassVar[dict[str, str]] = {
+        **dict.fromkeys(
+            ("rdma_devices", "device_name"),
+            "objects move over TCP (protocol tcp); there are no RDMA devices to choose",
+        ),
+        "ipc_socket_path": "the server joins the pool as a Mooncake client of its own, not through "
+        "a local store service",
+        **dict.fromkeys(
+            ("enable_ssd_offload", "ssd_offload_path"),
+            "Mooncake's SSD offload is not enabled; give the server a persistent L2 adapter instead",
+        ),
+        "tenant_id": "every server uses Mooncake's default tenant; key_prefix keeps deployments apart",
+        **dict.fromkeys(
+            ("enable_client_http_server", "client_http_port"),
+            "the server's own /metrics and /status report this adapter",
+        ),
+    }
+    #: those keys when they hold Mooncake's default, which asks for what is done here anyway
+    lmcache_neutral_values: ClassVar[dict[str, object]] = {
+        "rdma_devices": "",
+        "device_name": "",
+        "ipc_socket_path": "",
+        "enable_ssd_offload": False,
+        "tenant_id": "default",
+        "enable_client_http_server": False,
+    }
+
     local_hostname: Annotated[
         str,
         msgspec.Meta(
@@ -95,6 +129,15 @@ class MooncakeStoreConfig(L2AdapterConfig):
         str,
         msgspec.Meta(description="host:port of mooncake_master's RPC service (--rpc_port)."),
     ] = "127.0.0.1:50051"
+    master_server_addr: Annotated[
+        str | None,
+        msgspec.Meta(
+            description=(
+                "Alias of `master_server_address`: Mooncake's own set-up key, which LMCache's "
+                "multi-process server forwards as written."
+            )
+        ),
+    ] = None
     protocol: Annotated[
         Literal["tcp"],
         msgspec.Meta(description="Mooncake transfer protocol; this adapter uses TCP (no RDMA)."),
@@ -165,7 +208,7 @@ class MooncakeStoreConfig(L2AdapterConfig):
     def __post_init__(self) -> None:
         for field in ("global_segment_size", "local_buffer_size"):
             parse_size(getattr(self, field), field)
-        for field in ("metadata_server", "master_server_address", "master_metrics_url"):
+        for field in ("metadata_server", "master_server_address", "master_server_addr", "master_metrics_url"):
             value = getattr(self, field)
             if value is not None and _has_credentials(value):
                 raise FieldError(
@@ -173,8 +216,10 @@ class MooncakeStoreConfig(L2AdapterConfig):
                     "credentials are not accepted here (they would show in --print-config and logs); "
                     "give them to Mooncake through its environment",
                 )
+        self._fold_master_alias()
         if not _HOST_PORT.match(self.master_server_address):
-            raise FieldError("master_server_address", f"{self.master_server_address!r} is not host:port")
+            given = "master_server_address" if self.master_server_addr is None else "master_server_addr"
+            raise FieldError(given, f"{self.master_server_address!r} is not host:port")
         if not _PREFIX.match(self.key_prefix):
             raise FieldError("key_prefix", f"{self.key_prefix!r}: 1..64 of letters, digits and . _ : / -")
         if self.master_metrics_url is not None and urlsplit(self.master_metrics_url).scheme not in (
@@ -184,6 +229,23 @@ class MooncakeStoreConfig(L2AdapterConfig):
             raise FieldError("master_metrics_url", f"{self.master_metrics_url!r} is not an http(s) URL")
         if self.eviction is not None and self.max_capacity_gb == 0:
             raise FieldError("eviction", "L2 eviction needs max_capacity_gb > 0 (0 means no limit)")
+
+    def _fold_master_alias(self) -> None:
+        alias = self.master_server_addr
+        if alias is None:
+            return
+        # Given explicitly with the default's value, master_server_address cannot be told
+        # from one left out: the alias wins then.
+        default = MooncakeStoreConfig.__struct_defaults__[
+            MooncakeStoreConfig.__struct_fields__.index("master_server_address")
+        ]
+        if self.master_server_address not in (default, alias):
+            raise FieldError(
+                "master_server_addr",
+                f"master_server_addr {alias!r} contradicts master_server_address "
+                f"{self.master_server_address!r}; give one of the two",
+            )
+        msgspec.structs.force_setattr(self, "master_server_address", alias)
 
     @property
     def segment_bytes(self) -> int:
