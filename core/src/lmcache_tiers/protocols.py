@@ -275,8 +275,10 @@ class EvictionPolicy(Protocol):
         """Keys in eviction order.
 
         The caller stops iterating once enough is freed.  It calls no other method of
-        the policy while the iterator is in use (removals it causes are reported
-        afterwards), so a lazy generator over internal state is fine.
+        the policy while the iterator is in use, so a lazy generator over internal state
+        is fine.  The removals a walk causes are reported afterwards, with an empty
+        ``on_keys_removed([])`` when it removed nothing, so the first removal report
+        after a walk always ends it.
         """
         ...
 

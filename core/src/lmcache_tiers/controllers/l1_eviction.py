@@ -92,6 +92,10 @@ class L1EvictionController(ControllerThread):
                 eviction = self.l1.make_room(
                     bytes_to_free, self.policy.victims(), spare_unstored=spare_unstored
                 )
+                if not eviction.keys:
+                    # No removal report ends a walk that evicted nothing: an empty one
+                    # does (see EvictionPolicy.victims).
+                    self.policy.on_keys_removed([])
             except Exception:
                 # A broken policy must not fail the write or prefetch that needed room.  The
                 # victims it offered before failing are evicted all the same: count them.

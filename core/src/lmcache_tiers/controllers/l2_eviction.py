@@ -161,6 +161,8 @@ class L2EvictionController(ControllerThread):
                     self.stats.fail("l2_eviction_policy_error")
                     batch = []
                 self._batch, self._batch_released = frozenset(batch), set()
+                if not batch:
+                    self._end_walk()  # it may have offered keys this cycle refused
             if not batch:
                 break
             before = adapter.used_bytes()
@@ -175,6 +177,8 @@ class L2EvictionController(ControllerThread):
                     gone = self._batch_released
                     released += len(gone)
                     self._batch = frozenset()
+                    if not gone:
+                        self._end_walk()
             # Deleted keys leave the policy through the listener, and so do keys the
             # adapter found gone from the store; refused ones (pinned, or whose delete
             # failed) are not offered again in this cycle.
@@ -202,6 +206,16 @@ class L2EvictionController(ControllerThread):
         if failing >= DELETE_BATCH:
             logger.debug("L2 eviction on %s stopped: the backend deletes nothing", self.slot.name)
         return freed
+
+    def _end_walk(self) -> None:
+        """Report that the last walk removed nothing (caller holds the policy lock): the
+        adapter reports removals on this thread before ``delete`` returns, so none came,
+        and the first removal report after a walk must end it (``EvictionPolicy.victims``)."""
+        try:
+            self.policy.on_keys_removed([])
+        except Exception:
+            logger.exception("%s: eviction policy failed", self.slot.name)
+            self.stats.fail("l2_eviction_policy_error")
 
     def _failed_deletes(self, batch: list[ObjectKey], deleted: list[bool], gone: set[ObjectKey]) -> int:
         """How many keys of ``batch`` the backend failed to delete (counted and logged):

@@ -76,9 +76,8 @@ class CacheModel:
             evicted.append(key)
             if len(evicted) >= blocks:
                 break
-        if evicted:
-            self.evicted += len(evicted)
-            self.policy.on_keys_removed(evicted)
+        self.evicted += len(evicted)
+        self.policy.on_keys_removed(evicted)  # empty after a walk that evicted nothing, too
         return evicted
 
     def remove(self, keys: Sequence[Key]) -> None:

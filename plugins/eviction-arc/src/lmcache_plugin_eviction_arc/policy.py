@@ -18,8 +18,7 @@ Departures forced by the policy interface:
   policy dropping L1 copies) says nothing about the split.  The removals a walk of
   ``victims()`` causes come in the first removal report after it, so that report ends
   the walk: a key the walk passed over (locked, or not yet stored in L2) and removed
-  later was not evicted.  A walk that evicts nothing sends no report; its keys count as
-  offered until the next removal or walk.
+  later was not evicted.  A walk that evicts nothing is ended by an empty report.
 """
 
 from __future__ import annotations
