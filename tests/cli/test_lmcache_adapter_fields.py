@@ -44,9 +44,17 @@ def refusal(spec: dict[str, Any]) -> str:
         ({**DAX, "hotplug_enabled": True}, "hotplug_enabled", "fixed at start-up"),
         # Mooncake's own set-up keys, which LMCache's adapter forwards to Mooncake
         ({**MOONCAKE, "rdma_devices": "mlx5_0"}, "rdma_devices", "TCP"),
+        ({**MOONCAKE, "device_name": "mlx5_0"}, "device_name", "TCP"),
+        ({**MOONCAKE, "ipc_socket_path": "/run/mc.sock"}, "ipc_socket_path", "client of its own"),
         ({**MOONCAKE, "enable_ssd_offload": True}, "enable_ssd_offload", "SSD offload"),
+        ({**MOONCAKE, "ssd_offload_path": "/ssd"}, "ssd_offload_path", "SSD offload"),
         ({**MOONCAKE, "tenant_id": "team-a"}, "tenant_id", "key_prefix"),
-        ({**MOONCAKE, "client_http_port": 9300}, "client_http_port", "/metrics"),
+        ({**MOONCAKE, "enable_client_http_server": True}, "enable_client_http_server", "/metrics"),
+        ({**MOONCAKE, "client_http_port": 9400}, "client_http_port", "/metrics"),
+        # values compare as JSON values: 0 and "false" are not false, 1 is not true
+        ({**MOONCAKE, "enable_ssd_offload": 0}, "enable_ssd_offload", "SSD offload"),
+        ({**MOONCAKE, "enable_ssd_offload": "false"}, "enable_ssd_offload", "SSD offload"),
+        ({**RAW_BLOCK, "persist_enabled": 1}, "persist_enabled", "always kept"),
     ],
 )
 def test_an_lmcache_field_without_equivalent_is_refused_naming_it_and_why(
@@ -77,9 +85,31 @@ def test_an_unknown_field_inside_a_nested_object_is_not_taken_for_an_lmcache_one
         ({**FS, "affinity_tag": "_default"}, ["affinity_tag"]),
         ({**RAW_BLOCK, "persist_enabled": True}, ["persist_enabled"]),
         (
-            {**MOONCAKE, "rdma_devices": "", "enable_ssd_offload": False, "tenant_id": "default"},
-            ["rdma_devices", "enable_ssd_offload", "tenant_id"],
+            {
+                **MOONCAKE,
+                "rdma_devices": "",
+                "device_name": "",
+                "ipc_socket_path": "",
+                "enable_ssd_offload": False,
+                "ssd_offload_path": "",
+                "tenant_id": "default",
+                "enable_client_http_server": False,
+                "client_http_port": 9300,
+            },
+            [
+                "rdma_devices",
+                "device_name",
+                "ipc_socket_path",
+                "enable_ssd_offload",
+                "ssd_offload_path",
+                "tenant_id",
+                "enable_client_http_server",
+                "client_http_port",
+            ],
         ),
+        # null is LMCache's "not set" (its mooncake adapter skips such keys)
+        ({**MOONCAKE, "rdma_devices": None, "tenant_id": None}, ["rdma_devices", "tenant_id"]),
+        ({**FS, "shared": None, "per_op_workers": None}, ["shared", "per_op_workers"]),
     ],
 )
 def test_lmcache_fields_holding_what_is_done_here_anyway_are_accepted(

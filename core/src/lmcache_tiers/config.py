@@ -161,9 +161,17 @@ def lmcache_unsupported(config_type: type) -> dict[str, str]:
 
 def _without_neutral_lmcache_fields(config_type: type, fields: dict[str, Any]) -> dict[str, Any]:
     """``fields`` without the LMCache fields that hold their no-op value (``affinity_tag:
-    "_default"``): LMCache's configs keep working and mean the same here."""
+    "_default"``), or null (LMCache's "not set"): LMCache's configs keep working and mean
+    the same here.  Values compare as JSON values: ``0`` is not ``false``."""
     neutral = {**LMCACHE_NEUTRAL_VALUES, **getattr(config_type, "lmcache_neutral_values", {})}
-    return {key: value for key, value in fields.items() if key not in neutral or value != neutral[key]}
+    unsupported = lmcache_unsupported(config_type)
+
+    def is_neutral(key: str, value: Any) -> bool:
+        if value is None:
+            return key in unsupported
+        return key in neutral and type(value) is type(neutral[key]) and value == neutral[key]
+
+    return {key: value for key, value in fields.items() if not is_neutral(key, value)}
 
 
 _UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `(?P<field>[^`]*)`$")

@@ -166,7 +166,8 @@ def render_config_reference(plugin_set: PluginSet) -> str:
         'when it is `"_default"` (there is one L1); '
         + ", ".join(f"`{name}`" for name in sorted(LMCACHE_COMMON_UNSUPPORTED) if name != "affinity_tag")
         + " are refused with one line saying why. An adapter's own LMCache fields without an "
-        "equivalent are refused the same way.",
+        'equivalent are refused the same way. Any of them set to null (LMCache\'s "not set") '
+        "is accepted and means nothing.",
         "",
         "## Options common to every front end",
         "",

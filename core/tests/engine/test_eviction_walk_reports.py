@@ -118,3 +118,44 @@ def test_arc_takes_no_later_removal_for_the_eviction_of_a_walk_that_evicted_noth
     assert keys[0] not in policy._recent_ghosts
     stored(l1, [keys[0]])
     assert keys[0] in policy._recent and policy._target == 0.0, "its return moves nothing"
+
+
+class BrokenWalk(Recording):
+    """A policy whose walk fails before offering anything (a third-party bug)."""
+
+    def victims(self) -> Iterator[ObjectKey]:
+        self.events.append("walk")
+        raise RuntimeError("policy bug")
+
+
+def test_a_walk_that_failed_before_evicting_is_ended_too_and_counted_once(l1: L1Manager) -> None:
+    policy = BrokenWalk()
+    controller = evicting(l1, policy)
+    stored(l1, make_keys(4))
+
+    assert controller.evict_now(ALIGN) == 0
+
+    assert policy.events == ["walk", []]
+    assert controller.stats.failures()["l1_eviction_policy_error"] == 1
+
+
+class RefusesEmptyReports(Recording):
+    """A policy that cannot take an empty removal report (a third-party bug)."""
+
+    def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
+        super().on_keys_removed(keys)
+        if not keys:
+            raise ValueError("empty report")
+
+
+def test_a_policy_failing_on_the_empty_report_is_counted(l1: L1Manager) -> None:
+    policy = RefusesEmptyReports()
+    controller = evicting(l1, policy)
+    keys = make_keys(4)
+    stored(l1, keys)
+    l1.reserve_read(keys)
+
+    assert controller.evict_now(ALIGN) == 0
+
+    assert policy.events == ["walk", []]
+    assert controller.stats.failures()["l1_eviction_policy_error"] == 1

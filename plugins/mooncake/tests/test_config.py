@@ -45,9 +45,14 @@ def test_mooncakes_own_name_for_the_master_is_an_alias() -> None:
     # written, where the master is `master_server_addr`.
     config = decode(master_server_addr="10.0.0.1:50051")
     assert config.master_server_address == "10.0.0.1:50051"
+    assert config == decode(master_server_address="10.0.0.1:50051"), "folded into the canonical field"
     assert decode(master_server_addr="10.0.0.1:50051", master_server_address="10.0.0.1:50051") == config
     printed = msgspec.to_builtins(config)
+    assert printed["master_server_addr"] is None, "a printed config names the master once"
     assert decode(**printed) == config, "a printed config reads back"
+    edited = decode(**{**printed, "master_server_address": "10.0.0.9:50051"})
+    assert edited.master_server_address == "10.0.0.9:50051", "and can be edited"
+    assert msgspec.structs.replace(config, num_workers=2).master_server_address == "10.0.0.1:50051"
 
 
 @pytest.mark.parametrize(
@@ -91,6 +96,14 @@ def test_sizes(text: int | str, size: int) -> None:
 def test_bad_values_are_refused_with_their_path(fields: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         decode(**fields)
+
+
+def test_an_address_that_is_not_host_port_is_echoed_only_when_it_holds_nothing_else() -> None:
+    with pytest.raises(ConfigError, match="'no-port' is not host:port"):
+        decode(master_server_addr="no-port")
+    with pytest.raises(ConfigError, match="the value given is not host:port") as caught:
+        decode(master_server_addr="10.0.0.1:50051?token=hunter2")
+    assert "hunter2" not in str(caught.value)
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.l2.interface import L2Adapter, L2Op
-from lmcache_tiers.policies import AdapterInfo
+from lmcache_tiers.policies import AdapterInfo, EvictionPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +171,18 @@ class TaskTracker(Generic[OwnerT, ResultT]):
                 logger.exception("%s: settling an abandoned %s task failed", slot.name, kind)
                 self._stats.fail(f"l2_{kind}_orphan_error")
         return owned
+
+
+def end_fruitless_walk(policy: EvictionPolicy, failed: Callable[[], None] | None) -> None:
+    """Tell ``policy`` that its last walk of ``victims()`` removed nothing: the first removal
+    report after a walk ends it (``EvictionPolicy.victims``), and no other would come.  The
+    caller holds the lock that guards the policy.  ``failed()`` counts and logs a policy that
+    raises here; None when the walk itself already failed and was counted."""
+    try:
+        policy.on_keys_removed([])
+    except Exception:
+        if failed is not None:
+            failed()
 
 
 def aligned_total(sizes: Iterable[int], align: int) -> int:

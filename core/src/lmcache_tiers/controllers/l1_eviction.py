@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 
 from lmcache_tiers.burst import BurstLog
-from lmcache_tiers.controllers.base import ControllerThread
+from lmcache_tiers.controllers.base import ControllerThread, end_fruitless_walk
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager
@@ -92,18 +92,18 @@ class L1EvictionController(ControllerThread):
                 eviction = self.l1.make_room(
                     bytes_to_free, self.policy.victims(), spare_unstored=spare_unstored
                 )
-                if not eviction.keys:
-                    # No removal report ends a walk that evicted nothing: an empty one
-                    # does (see EvictionPolicy.victims).
-                    self.policy.on_keys_removed([])
             except Exception:
                 # A broken policy must not fail the write or prefetch that needed room.  The
                 # victims it offered before failing are evicted all the same: count them.
-                logger.exception("L1 eviction policy failed")
-                self.stats.fail("l1_eviction_policy_error")
+                self._policy_failed()
                 freed = before - self.l1.used_bytes
-                self._count_evicted(objects - len(self.l1), freed)
+                evicted = objects - len(self.l1)
+                if not evicted:
+                    end_fruitless_walk(self.policy, None)
+                self._count_evicted(evicted, freed)
                 return freed
+            if not eviction.keys:
+                end_fruitless_walk(self.policy, self._policy_failed)
             freed = before - self.l1.used_bytes
         self._count_evicted(len(eviction.keys), freed)
         if eviction.unstored:
@@ -114,6 +114,10 @@ class L1EvictionController(ControllerThread):
                 "small to make room for a write (L2 stores are slower than the writes)",
             )
         return freed
+
+    def _policy_failed(self) -> None:
+        logger.exception("L1 eviction policy failed")
+        self.stats.fail("l1_eviction_policy_error")
 
     def _count_evicted(self, keys: int, freed: int) -> None:
         if keys:

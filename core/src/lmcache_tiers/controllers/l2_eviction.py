@@ -16,7 +16,7 @@ from itertools import islice
 
 from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.config import L2EvictionConfig
-from lmcache_tiers.controllers.base import AdapterSlot, ControllerThread
+from lmcache_tiers.controllers.base import AdapterSlot, ControllerThread, end_fruitless_walk
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.interface import L2Adapter
@@ -71,10 +71,13 @@ class L2EvictionController(ControllerThread):
 
     def _feed(self, method: str, keys: Sequence[ObjectKey]) -> None:
         with self._policy_lock:
-            if self._seeded:
-                getattr(self.policy, method)(keys)
-            else:
-                self._early_events.append((method, list(keys)))
+            self._feed_locked(method, keys)
+
+    def _feed_locked(self, method: str, keys: Sequence[ObjectKey]) -> None:
+        if self._seeded:
+            getattr(self.policy, method)(keys)
+        else:
+            self._early_events.append((method, list(keys)))
 
     def on_l2_keys_stored(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
         self._feed("on_keys_written", keys)
@@ -84,10 +87,12 @@ class L2EvictionController(ControllerThread):
         self._feed("on_keys_read", keys)
 
     def on_l2_keys_deleted(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
+        # One hold of the lock: a batch key another thread reports gone is the policy's
+        # news before the eviction thread sees it released (and starts its next walk).
         with self._policy_lock:
             if self._batch:
                 self._batch_released.update(key for key in keys if key in self._batch)
-        self._feed("on_keys_removed", keys)
+            self._feed_locked("on_keys_removed", keys)
 
     def _seed(self) -> None:
         """Tell the policy about objects stored before this process started."""
@@ -157,12 +162,13 @@ class L2EvictionController(ControllerThread):
                     batch = list(islice(victims, batch_size))
                 except Exception:
                     # A broken policy ends the cycle; what it already evicted is counted.
-                    logger.exception("%s: eviction policy failed", self.slot.name)
-                    self.stats.fail("l2_eviction_policy_error")
+                    self._policy_failed()
                     batch = []
+                    end_fruitless_walk(self.policy, None)
+                else:
+                    if not batch:  # the walk may have offered keys this cycle refused
+                        end_fruitless_walk(self.policy, self._policy_failed)
                 self._batch, self._batch_released = frozenset(batch), set()
-                if not batch:
-                    self._end_walk()  # it may have offered keys this cycle refused
             if not batch:
                 break
             before = adapter.used_bytes()
@@ -178,7 +184,9 @@ class L2EvictionController(ControllerThread):
                     released += len(gone)
                     self._batch = frozenset()
                     if not gone:
-                        self._end_walk()
+                        # The adapter reports removals on this thread before delete
+                        # returns: none of this batch came.
+                        end_fruitless_walk(self.policy, self._policy_failed)
             # Deleted keys leave the policy through the listener, and so do keys the
             # adapter found gone from the store; refused ones (pinned, or whose delete
             # failed) are not offered again in this cycle.
@@ -207,15 +215,9 @@ class L2EvictionController(ControllerThread):
             logger.debug("L2 eviction on %s stopped: the backend deletes nothing", self.slot.name)
         return freed
 
-    def _end_walk(self) -> None:
-        """Report that the last walk removed nothing (caller holds the policy lock): the
-        adapter reports removals on this thread before ``delete`` returns, so none came,
-        and the first removal report after a walk must end it (``EvictionPolicy.victims``)."""
-        try:
-            self.policy.on_keys_removed([])
-        except Exception:
-            logger.exception("%s: eviction policy failed", self.slot.name)
-            self.stats.fail("l2_eviction_policy_error")
+    def _policy_failed(self) -> None:
+        logger.exception("%s: eviction policy failed", self.slot.name)
+        self.stats.fail("l2_eviction_policy_error")
 
     def _failed_deletes(self, batch: list[ObjectKey], deleted: list[bool], gone: set[ObjectKey]) -> int:
         """How many keys of ``batch`` the backend failed to delete (counted and logged):

@@ -197,6 +197,14 @@ class EvictionPolicySuite(_PolicySuite):
         policy.on_keys_removed(make_keys(1, start=200))
         assert list(policy.victims()) == [], "a key that was never written is offered"
 
+    def test_an_empty_removal_report_after_a_walk_changes_nothing(self, policy: EvictionPolicy) -> None:
+        # Core ends a walk that removed nothing (every victim locked or pinned) this way.
+        keys = make_keys(6)
+        policy.on_keys_written(keys)
+        before = list(policy.victims())
+        policy.on_keys_removed([])
+        assert list(policy.victims()) == before
+
     def test_stopping_early_leaves_the_policy_usable(self, policy: EvictionPolicy) -> None:
         keys = make_keys(6)
         policy.on_keys_written(keys)

@@ -30,6 +30,7 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 _PREFIX = re.compile(r"^[A-Za-z0-9._:/-]{1,64}$")
 _HOST_PORT = re.compile(r"^[A-Za-z0-9._\[\]:-]+:\d{1,5}$")
+_SAFE_ADDRESS = re.compile(r"^[A-Za-z0-9._\[\]:-]{0,300}$")
 
 Size = Annotated[
     int | str,
@@ -51,6 +52,12 @@ def parse_size(value: int | str, field: str) -> int:
     if match is None:
         raise FieldError(field, f"{value!r} is not a size (bytes, or a number with KB, MB, GB or TB)")
     return int(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+def _shown(address: str) -> str:
+    """``address`` quoted for an error line when it holds only host:port characters; anything
+    else (a query string, a token) is not echoed."""
+    return repr(address) if _SAFE_ADDRESS.match(address) else "the value given"
 
 
 def _has_credentials(address: str) -> bool:
@@ -93,14 +100,17 @@ class MooncakeStoreConfig(L2AdapterConfig):
             "the server's own /metrics and /status report this adapter",
         ),
     }
-    #: those keys when they hold Mooncake's default, which asks for what is done here anyway
+    #: those keys when they hold the value that asks for what is done here anyway (Mooncake's
+    #: default for each; a path or port of a feature that is off does nothing either)
     lmcache_neutral_values: ClassVar[dict[str, object]] = {
         "rdma_devices": "",
         "device_name": "",
         "ipc_socket_path": "",
         "enable_ssd_offload": False,
+        "ssd_offload_path": "",
         "tenant_id": "default",
         "enable_client_http_server": False,
+        "client_http_port": 9300,
     }
 
     local_hostname: Annotated[
@@ -216,10 +226,10 @@ class MooncakeStoreConfig(L2AdapterConfig):
                     "credentials are not accepted here (they would show in --print-config and logs); "
                     "give them to Mooncake through its environment",
                 )
+        given = "master_server_address" if self.master_server_addr is None else "master_server_addr"
         self._fold_master_alias()
         if not _HOST_PORT.match(self.master_server_address):
-            given = "master_server_address" if self.master_server_addr is None else "master_server_addr"
-            raise FieldError(given, f"{self.master_server_address!r} is not host:port")
+            raise FieldError(given, f"{_shown(self.master_server_address)} is not host:port")
         if not _PREFIX.match(self.key_prefix):
             raise FieldError("key_prefix", f"{self.key_prefix!r}: 1..64 of letters, digits and . _ : / -")
         if self.master_metrics_url is not None and urlsplit(self.master_metrics_url).scheme not in (
@@ -242,10 +252,13 @@ class MooncakeStoreConfig(L2AdapterConfig):
         if self.master_server_address not in (default, alias):
             raise FieldError(
                 "master_server_addr",
-                f"master_server_addr {alias!r} contradicts master_server_address "
-                f"{self.master_server_address!r}; give one of the two",
+                f"master_server_addr {_shown(alias)} contradicts master_server_address "
+                f"{_shown(self.master_server_address)}; give one of the two",
             )
+        # Folded into the canonical field and cleared, so a printed config names the master
+        # once and reads back (and edits) as the canonical field alone.
         msgspec.structs.force_setattr(self, "master_server_address", alias)
+        msgspec.structs.force_setattr(self, "master_server_addr", None)
 
     @property
     def segment_bytes(self) -> int:
