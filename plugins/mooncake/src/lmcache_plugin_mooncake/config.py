@@ -26,6 +26,8 @@ from lmcache_tiers.plugin import FieldError, L2AdapterConfig, SizeGiB
 #: LMCache's defaults for the two sizes (its ``mooncake_store`` connector)
 DEFAULT_SEGMENT_BYTES = 3355443200
 DEFAULT_LOCAL_BUFFER_BYTES = 16 << 20
+#: mooncake_master's RPC service on this host (its default --rpc_port)
+DEFAULT_MASTER_ADDRESS = "127.0.0.1:50051"
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 _PREFIX = re.compile(r"^[A-Za-z0-9._:/-]{1,64}$")
@@ -138,7 +140,7 @@ class MooncakeStoreConfig(L2AdapterConfig):
     master_server_address: Annotated[
         str,
         msgspec.Meta(description="host:port of mooncake_master's RPC service (--rpc_port)."),
-    ] = "127.0.0.1:50051"
+    ] = DEFAULT_MASTER_ADDRESS
     master_server_addr: Annotated[
         str | None,
         msgspec.Meta(
@@ -246,10 +248,7 @@ class MooncakeStoreConfig(L2AdapterConfig):
             return
         # Given explicitly with the default's value, master_server_address cannot be told
         # from one left out: the alias wins then.
-        default = MooncakeStoreConfig.__struct_defaults__[
-            MooncakeStoreConfig.__struct_fields__.index("master_server_address")
-        ]
-        if self.master_server_address not in (default, alias):
+        if self.master_server_address not in (DEFAULT_MASTER_ADDRESS, alias):
             raise FieldError(
                 "master_server_addr",
                 f"master_server_addr {_shown(alias)} contradicts master_server_address "
