@@ -75,7 +75,7 @@ BENCHES = (
     Bench("cli_startup", "bench_cli_startup.py", ("--runs", "3")),
     Bench("replay", "bench_replay.py", ("--capacities", "1000,4000", "--seeds", "1")),
     # File L2s with O_DIRECT on both servers: the configuration the docs give operators
-    Bench("reference_server", "bench_lmcache_mp.py", ("--slices", "4", "--direct"), needs_reference=True),
+    Bench("reference_server", "bench_lmcache_mp.py", ("--slices", "8", "--direct"), needs_reference=True),
     Bench(
         "reference_l2",
         "bench_fs.py",
