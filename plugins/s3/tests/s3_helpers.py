@@ -77,8 +77,13 @@ class Raw:
     def read(self, key: ObjectKey | str) -> bytes:
         return bytes(self.fs.cat_file(self.path(key)))
 
-    def write(self, key: ObjectKey | str, data: bytes) -> None:
-        self.fs.pipe_file(self.path(key), data)
+    def write(self, key: ObjectKey | str, data: bytes, metadata: dict[str, str] | None = None) -> None:
+        """One PUT of ``data``: with no ``metadata``, the way a writer that knows nothing
+        of header copies (or an older lmcache-tiers) stores an object."""
+        self.fs.pipe_file(self.path(key), data, **({"Metadata": metadata} if metadata is not None else {}))
+
+    def metadata(self, key: ObjectKey | str) -> dict[str, str]:
+        return dict(self.fs.metadata(self.path(key), refresh=True))
 
     def exists(self, key: ObjectKey | str) -> bool:
         self.fs.invalidate_cache()

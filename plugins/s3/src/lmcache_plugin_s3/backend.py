@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from lmcache_plugin_s3.client import (
     BAD_CREDENTIALS,
@@ -33,6 +33,8 @@ from lmcache_plugin_s3.records import (
     MAX_PUT_BYTES,
     ObjectNames,
     ShortBody,
+    header_from_metadata,
+    header_metadata,
     read_exactly,
     total_size,
 )
@@ -59,6 +61,10 @@ _LIST_PAGE = 1000
 _PROGRESS_EVERY_S = 10.0
 #: what the circuit breaker's probe asks for (never stored: not a key codec name)
 _PROBE_NAME = "lmcache-tiers-probe"
+
+
+class _ReadTheRecord(Exception):
+    """A lookup's HEAD found no usable header copy: the record's own header decides."""
 
 
 class _Damaged(Exception):
@@ -258,14 +264,64 @@ class S3Backend:
 
         async def put() -> None:
             # Joined inside the request slot, so at most max_inflight bodies exist at once.
-            await self.client.request("put_object", Key=name, Body=b"".join((header, payload)))
+            copy = header_metadata(header)
+            await self.client.request(
+                "put_object",
+                Key=name,
+                Body=b"".join((header, payload)),
+                **({"Metadata": copy} if copy else {}),
+            )
 
         await self.client.bounded(put)
         return True
 
     async def _lookup(self, key: ObjectKey) -> ObjectSize | None:
         name = self.names.of(key)
+        try:
+            answer = await self.client.call("head_object", Key=name)
+        except Exception as exc:
+            if is_missing_object(exc):
+                return None
+            raise
+        try:
+            return self._size_in_copy(key, answer)
+        except _ReadTheRecord:
+            return await self._lookup_in_record(key, name)
 
+    def _size_in_copy(self, key: ObjectKey, answer: dict[str, Any]) -> ObjectSize | None:
+        """What the header copy in a HEAD's metadata says of ``key``: its size, or None for
+        a miss that is kept (another serde chain, a newer format).  :class:`_ReadTheRecord`
+        when there is no copy or it does not agree with the object."""
+        try:
+            slot = header_from_metadata(answer)
+            if slot is None:
+                raise _ReadTheRecord
+            header = self.context.read_record_header(slot, key)
+        except RecordVersionError as exc:
+            self._unknown_version(key, exc)
+            return None
+        except (ValueError, RecordError) as exc:
+            self._copy_unusable(key, str(exc))
+            raise _ReadTheRecord from exc
+        if header is None:
+            return None
+        size, expected = int(answer["ContentLength"]), header.header_len + header.payload_len
+        if size != expected:
+            self._copy_unusable(key, f"the object is {size} bytes, the copy says {expected}")
+            raise _ReadTheRecord
+        return ObjectSize(header.payload_len, header.l1_size)
+
+    def _copy_unusable(self, key: ObjectKey, why: str) -> None:
+        self.context.count("header_copy_unusable")
+        self.context.warn(
+            "header_copy",
+            "%s: the header copy in its metadata is unusable (%s); its record is read",
+            key.file_stem(),
+            why,
+        )
+
+    async def _lookup_in_record(self, key: ObjectKey, name: str) -> ObjectSize | None:
+        """A lookup by the record's own header (one ranged GET)."""
         try:
             data, total, etag = await self.client.bounded(lambda: self._first_bytes(name))
         except Exception as exc:

@@ -7,6 +7,15 @@ each payload's size without reading a byte of it -- and so rebuild usage after a
 at one request per 1000 objects.  Every header fits: a key is at most ~1.6 KiB, a layout
 256 bytes.
 
+Each object also carries a copy of its header in its user metadata (``x-amz-meta-`` +
+:data:`HEADER_METADATA`: the header without its zero padding, in base64), written by the
+same PUT as the record, so a lookup is one ``HEAD`` rather than a ranged ``GET`` (which
+reads the object from its volume: on SeaweedFS a third dearer).  When the copy is missing
+(a record written before copies existed, a store that drops metadata, a header too long
+for S3's 2 KiB of metadata) or does not agree with the object, the lookup reads the
+record's own header with a ranged ``GET``; only that header ever has an object removed
+as damaged.
+
 Reads never trust a length they have not checked: a header is read piece by piece as far
 as its own length field says, and a payload is copied into the caller's buffer only once
 the header's length equals the buffer's and the object's size equals header + payload.
@@ -14,6 +23,8 @@ the header's length equals the buffer's and the object's size equals header + pa
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from typing import Any
 
@@ -24,6 +35,12 @@ from lmcache_tiers.plugin import RECORD_ALIGN, ObjectKey, is_digest_name, key_to
 HEADER_BYTES: int = RECORD_ALIGN
 #: the largest object one PUT may create
 MAX_PUT_BYTES = 5 << 30
+#: the user-metadata name of an object's header copy (S3 lowercases metadata names)
+HEADER_METADATA = "lmcache-tiers-header"
+#: S3's limit on an object's user metadata: names and values, in bytes
+_METADATA_LIMIT = 2048
+#: the header crc that ends every header (core's record format)
+_CRC_BYTES = 4
 _CONTENT_RANGE = re.compile(r"^bytes \d+-\d+/(\d+)$")
 
 
@@ -66,3 +83,32 @@ async def read_exactly(body: Any, size: int) -> bytes:
         parts.append(chunk)
         filled += len(chunk)
     return b"".join(parts)
+
+
+def header_metadata(header: bytes) -> dict[str, str]:
+    """The user metadata that carries a copy of ``header`` (a whole :data:`HEADER_BYTES`
+    slot); empty when the copy would pass S3's metadata limit (a key near its maximum)."""
+    fields, crc = header[:-_CRC_BYTES], header[-_CRC_BYTES:]
+    # Zeros stripped here are put back by header_from_metadata: the slot is zero-padded,
+    # and a field that ends in zero bytes gets them back the same way.
+    text = base64.b64encode(fields.rstrip(b"\0") + crc).decode("ascii")
+    if len(HEADER_METADATA) + len(text) > _METADATA_LIMIT:
+        return {}
+    return {HEADER_METADATA: text}
+
+
+def header_from_metadata(response: dict[str, Any]) -> bytes | None:
+    """The header slot rebuilt from the copy in a HEAD response's metadata; None when the
+    object has none.  Raises ValueError for a copy that cannot be one; whether a rebuilt
+    slot is a header at all is for the record decoder (its crc) to say."""
+    text = (response.get("Metadata") or {}).get(HEADER_METADATA)
+    if text is None:
+        return None
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"the header copy is not base64: {exc}") from exc
+    if not _CRC_BYTES <= len(data) <= HEADER_BYTES:
+        raise ValueError(f"the header copy is {len(data)} bytes")
+    padding = bytes(HEADER_BYTES - len(data))
+    return data[:-_CRC_BYTES] + padding + data[-_CRC_BYTES:]
