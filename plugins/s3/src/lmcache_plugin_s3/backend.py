@@ -305,7 +305,7 @@ class S3Backend:
             raise _ReadTheRecord from exc
         if header is None:
             return None
-        size, expected = int(answer["ContentLength"]), header.header_len + header.payload_len
+        size, expected = int(answer.get("ContentLength", -1)), header.header_len + header.payload_len
         if size != expected:
             self._copy_unusable(key, f"the object is {size} bytes, the copy says {expected}")
             raise _ReadTheRecord
