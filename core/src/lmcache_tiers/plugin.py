@@ -18,10 +18,11 @@ What each kind of plugin needs:
   ``RecordError`` (and subclasses), ``RecordHeader``, ``verify_payload`` (``PayloadVerifier``
   for payloads read in pieces), loads verified as the bytes move ``read_record_file``,
   ``copy_verified`` (and ``copy_and_checksum`` for stores, ``VERIFY_PIECE``),
-  ``header_length``, ``PREFIX_SIZE``; backends copying bytes ``copy_into``, and moving a
-  batch's objects on a few threads ``BatchWorkers``; store work: a long copy or checksum
-  that releases the GIL inside ``with WRITE_BACK.copying():`` (idle-class while write-back
-  keeps up), a thread of the backend's own joining the write-back threads with
+  ``header_length``, ``PREFIX_SIZE``, ``HEADER_CRC_SIZE``; backends copying bytes
+  ``copy_into``, and moving a batch's objects on a few threads ``BatchWorkers``; store
+  work: a long copy or checksum that releases the GIL inside ``with
+  WRITE_BACK.copying():`` (idle-class while write-back keeps up), a thread of the
+  backend's own joining the write-back threads with
   ``WRITE_BACK.enter()``; slot and extent stores
   ``ExtentAllocator``, and reader counts per slot ``SlotReaders``; a warning logged once
   per burst ``BurstLog``;
@@ -146,6 +147,7 @@ if TYPE_CHECKING:
     )
     from lmcache_tiers.l2.readers import SlotReaders
     from lmcache_tiers.l2.record import (
+        HEADER_CRC_SIZE,
         PREFIX_SIZE,
         PayloadVerifier,
         RecordChecksumError,
@@ -245,6 +247,7 @@ _LAZY = {
     "L2Op": _L2,
     "LookupResult": _L2,
     "PREFIX_SIZE": _RECORD,
+    "HEADER_CRC_SIZE": _RECORD,
     "PayloadVerifier": _RECORD,
     "RecordChecksumError": _RECORD,
     "RecordCorruptError": _RECORD,
@@ -299,6 +302,7 @@ __all__ = [
     "EVICTION",
     "EVICTS",
     "GIL_FREE_COPY_BYTES",
+    "HEADER_CRC_SIZE",
     "IMMEDIATE_HITS",
     "IMMEDIATE_MISSES",
     "LOADS_EVERY_HIT",

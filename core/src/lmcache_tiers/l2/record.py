@@ -51,6 +51,8 @@ _FIXED = struct.Struct(f"<4sHHIQQB3x{CHECKSUM_SIZE}sHHH")
 _CRC = struct.Struct("<I")
 #: bytes a reader needs to learn ``header_len`` (see :func:`header_length`)
 PREFIX_SIZE: Final = _FIXED.size
+#: bytes of the header crc that ends every header (after its zero padding)
+HEADER_CRC_SIZE: Final = _CRC.size
 
 
 class RecordError(TiersError):

@@ -305,10 +305,11 @@ class S3Backend:
             raise _ReadTheRecord from exc
         if header is None:
             return None
-        size, expected = int(answer.get("ContentLength", -1)), header.header_len + header.payload_len
-        if size != expected:
-            self._copy_unusable(key, f"the object is {size} bytes, the copy says {expected}")
-            raise _ReadTheRecord
+        try:
+            _check_size(int(answer.get("ContentLength", -1)), header)
+        except _Damaged as exc:  # not said of the object: only its own header may say that
+            self._copy_unusable(key, str(exc))
+            raise _ReadTheRecord from exc
         return ObjectSize(header.payload_len, header.l1_size)
 
     def _copy_unusable(self, key: ObjectKey, why: str) -> None:

@@ -28,7 +28,14 @@ import binascii
 import re
 from typing import Any
 
-from lmcache_tiers.plugin import RECORD_ALIGN, ObjectKey, is_digest_name, key_to_name, name_to_key
+from lmcache_tiers.plugin import (
+    HEADER_CRC_SIZE,
+    RECORD_ALIGN,
+    ObjectKey,
+    is_digest_name,
+    key_to_name,
+    name_to_key,
+)
 
 #: every record header is padded to this size (core's, as the file stores pad theirs); a
 #: listed object of N bytes holds a payload of N - HEADER_BYTES
@@ -39,8 +46,6 @@ MAX_PUT_BYTES = 5 << 30
 HEADER_METADATA = "lmcache-tiers-header"
 #: S3's limit on an object's user metadata: names and values, in bytes
 _METADATA_LIMIT = 2048
-#: the header crc that ends every header (core's record format)
-_CRC_BYTES = 4
 _CONTENT_RANGE = re.compile(r"^bytes \d+-\d+/(\d+)$")
 
 
@@ -88,7 +93,7 @@ async def read_exactly(body: Any, size: int) -> bytes:
 def header_metadata(header: bytes) -> dict[str, str]:
     """The user metadata that carries a copy of ``header`` (a whole :data:`HEADER_BYTES`
     slot); empty when the copy would pass S3's metadata limit (a key near its maximum)."""
-    fields, crc = header[:-_CRC_BYTES], header[-_CRC_BYTES:]
+    fields, crc = header[:-HEADER_CRC_SIZE], header[-HEADER_CRC_SIZE:]
     # Zeros stripped here are put back by header_from_metadata: the slot is zero-padded,
     # and a field that ends in zero bytes gets them back the same way.
     text = base64.b64encode(fields.rstrip(b"\0") + crc).decode("ascii")
@@ -108,7 +113,7 @@ def header_from_metadata(response: dict[str, Any]) -> bytes | None:
         data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise ValueError(f"the header copy is not base64: {exc}") from exc
-    if not _CRC_BYTES <= len(data) <= HEADER_BYTES:
+    if not HEADER_CRC_SIZE <= len(data) <= HEADER_BYTES:
         raise ValueError(f"the header copy is {len(data)} bytes")
     padding = bytes(HEADER_BYTES - len(data))
-    return data[:-_CRC_BYTES] + padding + data[-_CRC_BYTES:]
+    return data[:-HEADER_CRC_SIZE] + padding + data[-HEADER_CRC_SIZE:]
