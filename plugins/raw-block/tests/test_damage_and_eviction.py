@@ -3,11 +3,13 @@ pinned keys, capacity held across restarts."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
 from lmcache_plugin_raw_block import RawBlockConfig
-from lmcache_plugin_raw_block.backend import SUPERBLOCK_MAGIC
+from lmcache_plugin_raw_block.backend import SUPERBLOCK_MAGIC, RawBlockBackend
+from lmcache_plugin_raw_block.slots import Claim
 from rb_helpers import PAYLOAD, Arena, backend_of, client, config, flip_byte, load, open_raw, store
 from slot_helpers import lru_controller
 
@@ -155,3 +157,34 @@ def test_a_damaged_superblock_of_ours_is_reformatted(tmp_path: Path) -> None:
         assert list(reopened.iter_keys()) == []
     finally:
         reopened.close()
+
+
+def test_slots_quarantined_after_a_media_error_leave_the_capacity(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slot whose write failed with EIO is out of use until the next start: counted in
+    the capacity, usage would never reach the watermark once the other slots are full,
+    eviction would never run and every new object would be refused until a restart."""
+    adapter = open_raw(config(tmp_path / "dev.img", slots=4))
+    try:
+        controller = lru_controller(adapter, watermark=0.9, ratio=0.25)
+        write = RawBlockBackend._write_slot
+        failed: list[int] = []
+
+        def failing(self: RawBlockBackend, claim: Claim, header: bytes, payload: memoryview) -> None:
+            if not failed:
+                failed.append(claim.slot)
+                raise OSError(errno.EIO, "injected media error")
+            write(self, claim, header, payload)
+
+        monkeypatch.setattr(RawBlockBackend, "_write_slot", failing)
+        assert store(adapter, make_keys(1, start=90), [b"q" * 100]) == [False]
+        assert adapter.stats()["slots_quarantined"] == 1
+        keys = make_keys(3)
+        assert store(adapter, keys, [pattern(i, 1000) for i in range(3)]) == [True] * 3
+        assert adapter.usage() == 1.0, "three objects fill the three usable slots"
+        controller.step(set())
+        assert store(adapter, make_keys(1, start=99), [b"x" * 100]) == [True], "eviction made room"
+        assert adapter.stats().get("no_free_slot", 0) == 0
+    finally:
+        adapter.close()

@@ -131,6 +131,40 @@ def test_without_any_valid_checkpoint_every_slot_header_is_read(tmp_path: Path) 
         reopened.close()
 
 
+def test_checking_a_checkpoint_holds_a_bounded_number_of_slot_headers(tmp_path: Path) -> None:
+    """Start-up reads the header of every checkpointed object; read all at once they
+    would take header_bytes of memory per object (4 GiB for a million slots)."""
+    import tracemalloc
+
+    header_bytes, count = 64 << 10, 768
+    cfg = RawBlockConfig(
+        device_path=str(tmp_path / "dev.img"),
+        slot_bytes=header_bytes + 4096,
+        header_bytes=header_bytes,
+        capacity_bytes=(1 << 20) + count * (header_bytes + 4096),
+        meta_total_bytes=1 << 20,
+        meta_enable_periodic=False,
+    )
+    keys = make_keys(count)
+    adapter = open_raw(cfg)
+    assert backend_of(adapter).geometry.slot_count == count
+    for start in range(0, count, 64):
+        batch = keys[start : start + 64]
+        assert store(adapter, batch, [b"x" * 100] * len(batch)) == [True] * len(batch)
+    adapter.close()
+    tracemalloc.start()
+    try:
+        reopened = open_raw(cfg)
+        _current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    try:
+        assert reopened.stats()["recovered_from_checkpoint"] == count
+        assert peak < count * header_bytes // 2, f"{peak >> 20} MiB held while checking the checkpoint"
+    finally:
+        reopened.close()
+
+
 def test_deletes_are_not_undone_by_a_clean_restart(tmp_path: Path) -> None:
     cfg = config(tmp_path / "dev.img")
     keys, data = make_keys(3), data_for(3)

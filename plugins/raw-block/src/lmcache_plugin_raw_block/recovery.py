@@ -21,7 +21,7 @@ of one key keep the newer.  Without any valid checkpoint every slot header is re
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from lmcache_plugin_raw_block.checkpoint import Checkpoint
@@ -61,12 +61,15 @@ class _Recovery:
         self.context = context
         self.result = Recovered()
 
-    def headers(self, slots: Sequence[int]) -> list[SlotHeader | None]:
-        self.result.headers_read += len(slots)
-        return [
-            None if raw is None else decode_slot_header(raw, self.identity, slot)
-            for slot, raw in zip(slots, self.read_headers(slots), strict=True)
-        ]
+    def headers(self, slots: Sequence[int]) -> Iterator[SlotHeader | None]:
+        """The decoded header of each of ``slots``, in order, read :data:`SCAN_WINDOW` at
+        a time: a checkpoint lists every object of the device, and reading all their
+        header blocks at once would hold ``header_bytes`` of memory per object."""
+        for start in range(0, len(slots), SCAN_WINDOW):
+            chunk = slots[start : start + SCAN_WINDOW]
+            self.result.headers_read += len(chunk)
+            for slot, raw in zip(chunk, self.read_headers(chunk), strict=True):
+                yield None if raw is None else decode_slot_header(raw, self.identity, slot)
 
     def record_ok(self, header: SlotHeader) -> bool:
         """Whether the record header in a slot header verifies for its key (a record of

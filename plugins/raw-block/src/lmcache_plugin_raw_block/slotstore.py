@@ -283,7 +283,10 @@ class SlotStoreBackend(ABC):
         return [(key, ObjectSize(entry.stored, entry.l1)) for key, entry in self.table.items()]
 
     def capacity(self) -> Capacity:
-        return Capacity(objects=self.table.slot_count)
+        # Quarantined slots hold nothing until the next start: counted here, usage would
+        # stay below the eviction watermark once every other slot is taken, and new
+        # objects would be refused (no_free_slot) until a restart.
+        return Capacity(objects=self.table.slot_count - self.table.quarantined_slots)
 
 
 def _sizes(entries: Sequence[SlotEntry | None]) -> list[ObjectSize | None]:
