@@ -4,6 +4,7 @@ need L1 memory are refused at start-up."""
 from __future__ import annotations
 
 import gc
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,3 +136,28 @@ def test_the_same_adapter_is_fine_with_a_memory_l1(test_registry: ComponentRegis
     with StorageManager(config, test_registry) as storage:
         assert storage.l1.is_memory
         assert storage.adapters[0].needs_l1_buffers
+
+
+def test_a_load_whose_object_left_the_nvme_l1_meanwhile_is_lost_not_failed(nvme_dir: Path) -> None:
+    with nvme_storage(nvme_dir, [AdapterSpec(type="gated", config=GatedConfig())]) as storage:
+        keys = keys_of(1, 2)
+        reserved = storage.reserve_write(keys, [4096] * len(keys))
+        for key, obj in reserved.items():
+            storage.write_object(obj, memoryview(payload(key, obj.size)))
+        storage.commit_write(keys)
+        assert storage.flush(10)
+        storage.clear()
+        backend = storage.adapters[0].backend
+        backend.gate.clear()
+        handle = storage.submit_prefetch(keys)
+        assert backend.loads_started.acquire(timeout=10)
+        # The load reservations expire while the load runs: the adapter's load succeeds,
+        # the objects it was loaded for are gone from L1 by the time it reports.
+        assert storage.l1.expire_locks(now=time.monotonic() + storage.l1.write_ttl_s + 1) == 2
+        backend.gate.set()
+        assert storage.wait_prefetch(handle, 10) == 0
+        failures = storage.status()["failures"]
+        assert failures.get("prefetch_loaded_object_lost") == 2
+        assert "l2_load_failed" not in failures, "the adapter's loads succeeded"
+        assert storage.status()["adapters"][0]["keys_load_failed"] == 0
+        assert storage.l1.stats().write_locked == 0

@@ -157,6 +157,30 @@ def test_a_store_task_whose_completion_fails_still_gives_its_objects_back(
     assert set(later) <= set(storage.adapters[0].iter_keys())
 
 
+def test_a_store_task_whose_completion_fails_does_not_leave_its_objects_unstored(engine, monkeypatch) -> None:
+    storage = engine([mock()])
+    settle = storage.l1.settle_unstored
+    failures = iter([True])
+
+    def settle_once_failing(objs):  # type: ignore[no-untyped-def]
+        objs = list(objs)
+        if objs and next(failures, False):  # the first store task's completion
+            raise RuntimeError("settling failed")
+        settle(objs)
+
+    monkeypatch.setattr(storage.l1, "settle_unstored", settle_once_failing)
+    keys = keys_of(1, 3)
+    store(storage, keys, SIZE)
+    wait_for(
+        lambda: storage.status()["failures"].get("l2_store_complete_error") == 1, "the failed completion"
+    )
+    assert storage.flush(10)
+    assert set(keys) <= set(storage.adapters[0].iter_keys())
+    # Stored in L2: as evictable as any object, not held back as L1's only copy for good.
+    assert [obj.unstored for obj in storage.l1.unstored()] == []
+    assert storage.evict(keys) == len(keys)
+
+
 class ClearInStoreThread:
     """L1 listener: the first time the store controller locks objects for a store, a CLEAR
     by force lands (as one from another thread can, before the store copies them out)."""

@@ -296,3 +296,43 @@ def test_an_object_deleted_by_force_as_a_store_locks_it_is_pinned_for_the_store_
     l1.finish_store(stored)
     assert l1.used_bytes == ALIGN, "the store let go: its extent goes back"
     assert l1.lease_stats().quarantined_extents == 0
+
+
+def reuse_under_reader(l1: L1Manager, obj: L1Object) -> L1Object:
+    """While a reader still holds ``obj`` (key 1), a forced clear, a new object of key 1
+    whose reader's release is credited to ``obj``'s extent, and a new object in that extent."""
+    l1.clear(force=True)
+    store(l1, [1], fill=0x02)
+    l1.reserve_read(keys(1))
+    l1.finish_read(keys(1))  # credited to the quarantined extent: it goes back
+    (intruder,) = store(l1, [2], fill=0x03)
+    assert intruder.offset == obj.offset, "the test needs the extent to be reused"
+    return intruder
+
+
+@pytest.mark.parametrize("copy", ["read_object", "lend"])
+def test_a_copy_whose_extent_changed_hands_meanwhile_is_refused(
+    l1: L1Manager, copy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (obj,) = store(l1, [1], fill=0x01)
+    l1.reserve_read(keys(1))
+    if copy == "lend" and l1.is_memory:
+        loan = l1.lend(obj)  # the extent itself: copied out by detach()
+        reuse_under_reader(l1, obj)
+        with pytest.raises(KeyError):
+            loan.detach()  # would hold another object's bytes as key 1's
+        return
+    backing = l1._backing
+    read_into = backing.read_into
+
+    def racing_read(offset: int, size: int, out: memoryview) -> None:
+        monkeypatch.setattr(backing, "read_into", read_into)
+        reuse_under_reader(l1, obj)  # lands while the bytes are being copied out
+        read_into(offset, size, out)
+
+    monkeypatch.setattr(backing, "read_into", racing_read)
+    with pytest.raises(KeyError):
+        if copy == "lend":
+            l1.lend(obj).detach()
+        else:
+            l1.read_object(obj, memoryview(bytearray(obj.size)))

@@ -761,3 +761,28 @@ def test_a_late_lookup_reply_gives_back_its_own_locks_not_a_retrieves(make_serve
             assert other.clear() == 0  # nobody can take the objects from under the views
             assert [bytes(view) for view in views] == data
         assert l1(server)["read_locks"] == 0
+
+
+def test_an_inline_copy_l1_cannot_vouch_for_ends_the_prefix(
+    server: TiersServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys, data = keys_of(3), blobs(3)
+    storage = server.storage
+    lend = storage.lend
+
+    class LostLoan:
+        def detach(self) -> bytes:
+            # what L1 says of a copy whose extent may have changed hands meanwhile
+            raise KeyError(f"{keys[1]} left L1 while it was being copied out")
+
+    def racing_lend(obj: Any, *, fill: bool = False) -> Any:
+        return LostLoan() if obj.key == keys[1] and not fill else lend(obj, fill=fill)
+
+    with Client(server.endpoint, shm=False) as client:
+        assert client.store(keys, data) == 3
+        monkeypatch.setattr(storage, "lend", racing_lend)
+        with client.retrieve(keys) as views:
+            assert [bytes(view) for view in views] == data[:1]
+    assert l1(server)["read_locks"] == 0
+    ((_, stats),) = server.frontend_stats()
+    assert stats.failures["retrieve_object_lost"] == 1

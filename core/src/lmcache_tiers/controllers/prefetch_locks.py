@@ -65,25 +65,30 @@ class PrefetchLocks:
         writer beat us to it; it is read-locked like a hit); the first other key ends it.
         """
         keys = request.remaining
-        reserved = self._reserve(keys[: len(sources)], request.load_sizes(sources), temporary)
+        reserved, attempted = self._reserve(keys[: len(sources)], request.load_sizes(sources), temporary)
         request.reserved = reserved
         usable: list[int | None] = []
-        for key, source in zip(keys, sources, strict=False):
+        for position, (key, source) in enumerate(zip(keys, sources, strict=False)):
             if key in reserved:
                 usable.append(source)
             elif self.l1.reserve_read([key], request.readers):
                 usable.append(None)
             else:
                 # Being written by someone else (a client's store, a given-up prefetch's
-                # load still running): the hits after it are not the reader's.
-                self.stats.fail("prefetch_key_being_written")
-                self._busy_log.event(1, "prefetches cut short at a key another writer was filling in L1")
+                # load still running): the hits after it are not the reader's.  A key past
+                # those L1 was asked to reserve is one it had no room for, counted as such.
+                if position < attempted:
+                    self.stats.fail("prefetch_key_being_written")
+                    self._busy_log.event(1, "prefetches cut short at a key another writer was filling in L1")
                 break
         request.sources = usable
         self.abort(request, [key for key in keys[len(usable) : len(sources)] if key in reserved])
 
-    def _reserve(self, keys: list[ObjectKey], sizes: list[int], temporary: bool) -> dict[ObjectKey, L1Object]:
-        """Write-lock L1 extents for ``keys``; when L1 is full, evict once, then load fewer."""
+    def _reserve(
+        self, keys: list[ObjectKey], sizes: list[int], temporary: bool
+    ) -> tuple[dict[ObjectKey, L1Object], int]:
+        """Write-lock L1 extents for ``keys``; when L1 is full, evict once, then load fewer.
+        Returns the reservations and how many leading keys L1 was asked to reserve."""
         count = len(keys)
         evicted = False
         reserved: dict[ObjectKey, L1Object] = {}
@@ -101,7 +106,7 @@ class PrefetchLocks:
             # The hits left out end the prefix the reader gets: a miss it sees, so counted.
             self.stats.fail("prefetch_l1_full")
             self._full_log.event(1, "prefetches found L1 too full to load all of their L2 hits into")
-        return reserved
+        return reserved, count
 
     def abort(self, request: PrefetchRequest, keys: list[ObjectKey]) -> None:
         """Free the load reservations of ``keys`` (their loads are over, or never started)."""

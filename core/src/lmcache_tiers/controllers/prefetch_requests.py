@@ -85,13 +85,19 @@ class PrefetchLoad:
     loans: list[L1Loan]  # what the adapter fills, one per key; committed on success
 
     def commit(self, results: list[bool]) -> list[bool]:
-        """Make the loaded bytes the objects' own; a commit that fails is a failed load."""
+        """Make the loaded bytes the objects' own; a commit that fails is a failed load (one
+        for an object that left L1 meanwhile is left to the hand-off)."""
         committed: list[bool] = []
         for key, ok, loan in zip(self.keys, results, self.loans, strict=False):
             if ok:
                 try:
                     loan.commit()
-                except (KeyError, ValueError, OSError, RuntimeError) as exc:
+                except KeyError:
+                    # The reservation left L1 (write TTL, forced clear) while the adapter
+                    # loaded it: not the load's failure.  The hand-off, which finds it gone
+                    # by identity, counts it as a loaded object lost.
+                    pass
+                except (ValueError, OSError, RuntimeError) as exc:
                     logger.warning("copying loaded %s into L1 failed: %s", key, exc)
                     ok = False
             committed.append(ok)

@@ -79,6 +79,7 @@ class _Task:
     submitted: float  # monotonic time it was handed to the adapter
     released: bool = False  # ``objects`` given back (``finish_store``)
     paced: bool = False  # ``nbytes`` reported to the pacer as no longer in flight
+    ended: bool = False  # no longer counted in ``batch.tasks_left``
 
 
 class StoreController(ControllerThread):
@@ -303,10 +304,7 @@ class StoreController(ControllerThread):
     def _slice_ended(self, piece: Slice) -> None:
         """A slice that never became a task: its batch stops waiting for it."""
         self._pacer.reported(piece.slot.index, piece.nbytes)
-        batch = piece.batch
-        batch.tasks_left -= 1
-        if batch.tasks_left == 0:
-            self._finish_batch(batch)
+        self._part_ended(piece.batch)
 
     def _reap(self, slot: AdapterSlot) -> None:
         for task, results in self._tasks.reap(slot):
@@ -323,6 +321,15 @@ class StoreController(ControllerThread):
                 if not task.paced:
                     task.paced = True
                     self._pacer.reported(task.slot.index, task.nbytes)
+                if not task.ended:
+                    # Nor its batch: until the batch ends, its objects stay flagged as L1's
+                    # only copy (evicted last, counted as lost writes when they go).
+                    try:
+                        self._task_ended(task)
+                    except Exception:
+                        logger.exception(
+                            "%s: finishing the batch of store task %d failed", slot.name, task.task_id
+                        )
 
     def _complete(self, task: _Task, results: Sequence[bool]) -> None:
         stored = [key for key, ok in zip(task.keys, results, strict=False) if ok]
@@ -359,6 +366,14 @@ class StoreController(ControllerThread):
             len(task.keys),
         )
         batch.stored.update(stored)
+        self._task_ended(task)
+
+    def _task_ended(self, task: _Task) -> None:
+        task.ended = True
+        self._part_ended(task.batch)
+
+    def _part_ended(self, batch: _Batch) -> None:
+        """One of ``batch``'s slices is over (stored, failed, or never submitted)."""
         batch.tasks_left -= 1
         if batch.tasks_left == 0:
             self._finish_batch(batch)

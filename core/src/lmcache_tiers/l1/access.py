@@ -60,6 +60,7 @@ class ObjectBytes:
             if not self._leases.holds(obj):
                 self._table.check_present(obj)
         self._backing.read_into(obj.offset, obj.size, out)
+        self._check_kept(obj)
 
     def write_object(self, obj: L1Object, data: memoryview) -> None:
         data = byte_view(data)
@@ -79,12 +80,29 @@ class ObjectBytes:
                 self._table.check_present(obj)
         if self._arena is not None:
             extent = self._arena.buffer[obj.offset : obj.offset + obj.size]
-            return L1Loan(extent if fill else extent.toreadonly(), staged=False)
+            if fill:
+                return L1Loan(extent, staged=False)
+            return L1Loan(extent.toreadonly(), staged=False, verify=lambda: self._check_kept(obj))
         staged = aligned_buffer(obj.size)  # page-aligned: O_DIRECT moves it without a bounce
         if fill:
             return L1Loan(staged, staged=True, commit=lambda: self.write_object(obj, staged))
         self._backing.read_into(obj.offset, obj.size, staged)
+        self._check_kept(obj)
         return L1Loan(staged, staged=True)
+
+    def _check_kept(self, obj: L1Object) -> None:
+        """Raise KeyError unless ``obj``'s extent is still its own after a copy out of it.
+
+        A reader's lock does not always outlast its copy: its lease can end, and after a
+        forced delete a release of the key by another reader is credited to the held
+        extent (``l1/leases.py``).  An extent goes back to the allocator before anyone
+        else can write it, and never comes back to the same object, so an object still
+        in L1, or still held for its readers, had its bytes in place during the copy.
+        """
+        with self._lock:
+            if self._leases.holds(obj) or self._table.objects.get(obj.key) is obj:
+                return
+        raise KeyError(f"{obj.key} left L1 while it was being copied out: its extent may hold other bytes")
 
     def _check_writing(self, obj: L1Object) -> None:
         self._table.check_present(obj)

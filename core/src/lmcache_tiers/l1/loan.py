@@ -19,12 +19,21 @@ class L1Loan:
     """``buffer`` holds the object's bytes for as long as the borrower keeps its lock on
     the object (a read lock, or the write lock of an object being filled)."""
 
-    __slots__ = ("_commit", "_staged", "buffer")
+    __slots__ = ("_commit", "_staged", "_verify", "buffer")
 
-    def __init__(self, buffer: memoryview, *, staged: bool, commit: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        buffer: memoryview,
+        *,
+        staged: bool,
+        commit: Callable[[], None] | None = None,
+        verify: Callable[[], None] | None = None,
+    ) -> None:
         self.buffer = buffer
         self._staged = staged
         self._commit = commit
+        # raises KeyError when a lent extent may have changed hands during a copy of it
+        self._verify = verify
 
     def commit(self) -> None:
         """Make what was written into ``buffer`` the object's bytes (a lent extent already
@@ -35,9 +44,13 @@ class L1Loan:
 
     def detach(self) -> memoryview | bytearray:
         """The bytes in a buffer the caller may keep after its lock is gone: the staged
-        copy itself, or a copy of the lent extent (numpy copies with the GIL released)."""
+        copy itself, or a copy of the lent extent (numpy copies with the GIL released).
+        Raises KeyError if the object left L1 and its extent may have been reused before
+        the copy ended."""
         if self._staged:
             return self.buffer
         out = bytearray(self.buffer.nbytes)
         np.copyto(np.frombuffer(out, dtype=np.uint8), np.frombuffer(self.buffer, dtype=np.uint8))
+        if self._verify is not None:
+            self._verify()
         return out

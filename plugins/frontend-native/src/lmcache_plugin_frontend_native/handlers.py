@@ -486,19 +486,30 @@ class Handlers:
             objects = storage.read(req.keys)
             payloads: list[Any] = []
             total = 0
+            lost = False
             try:
                 copy_out = self._copier_out()
                 for obj in objects:
                     if payloads and total + obj.size > limit:
                         break
-                    payloads.append(copy_out(obj))
+                    try:
+                        payloads.append(copy_out(obj))
+                    except KeyError as exc:
+                        # L1 could not vouch for the bytes copied (the object left L1 and
+                        # its extent may have changed hands meanwhile): the prefix ends
+                        # here, a miss rather than another object's bytes.
+                        logger.warning("inline retrieve cut short: %s", exc)
+                        lost = True
+                        break
                     total += obj.size
             finally:
                 storage.release(req.keys[: len(objects)])
-            truncated = len(payloads) < len(objects)
+            truncated = not lost and len(payloads) < len(objects)
             returned = req.keys[: len(payloads)]
 
             def finish() -> Response:
+                if lost:
+                    self.stats.failure("retrieve_object_lost")
                 # The client has its bytes: drop whatever it still held on them (its
                 # LOOKUP's locks), as a shared-memory client's RELEASE would.
                 self._release(identity, returned)
