@@ -4,13 +4,16 @@ event loop alike."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import threading
 from collections.abc import Sequence
 
 import pytest
-from l2_backends import AsyncDictBackend, DictBackend, Xor, open_dict
+from l2_backends import AsyncDictBackend, DictBackend, DictConfig, Xor, open_dict
 
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2 import BackendAdapter, ObjectSize
+from lmcache_tiers.l2 import BackendAdapter, BackendContext, ObjectSize
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys
 
@@ -60,3 +63,43 @@ def test_a_load_whose_staging_buffer_cannot_be_mapped_fails_that_key_only(
     stats = adapter.stats()
     assert stats["load_staging_failures"] == 1
     assert stats["pending_tasks"] == 0
+
+
+class StalledRead(AsyncDictBackend):
+    """Reads through an executor thread blocked on a device that does not answer (a pipe):
+    cancelling the coroutine leaves the thread holding the staging buffer."""
+
+    def __init__(self, config: DictConfig, context: BackendContext) -> None:
+        super().__init__(config, context)
+        self.pipe = -1
+        self.reading = threading.Event()
+
+    def _read(self, buffer: memoryview) -> int:
+        self.reading.set()
+        return os.readv(self.pipe, [buffer])
+
+    async def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:  # type: ignore[override]
+        await asyncio.get_running_loop().run_in_executor(None, self._read, buffers[0])
+        return [True] * len(keys)
+
+
+def test_a_load_abandoned_on_close_while_its_staging_buffer_is_still_read_into_holds_nothing() -> None:
+    adapter = open_dict(StalledRead, serde=[Xor()])
+    adapter.close_timeout_s = 0.2
+    backend: StalledRead = adapter.backend  # type: ignore[assignment]
+    reader, writer = os.pipe()
+    backend.pipe = reader
+    try:
+        (key,) = make_keys(1)
+        client = BlockingAdapterClient(adapter, timeout=10.0)
+        assert client.store([key], [memoryview(bytes([7]) * SIZE)]) == [True]
+        task_id = adapter.submit_load([key], [memoryview(bytearray(SIZE))])
+        assert backend.reading.wait(10)
+        adapter.close()
+        assert adapter.pop_completed_loads() == {task_id: [False]}
+        assert adapter.pinned_keys() == {}, "the abandoned load's pin is gone"
+        assert adapter.stats()["load_keys_failed"] == 1
+    finally:
+        os.write(writer, bytes(SIZE))  # the late reader ends, into memory still mapped
+        os.close(writer)
+        os.close(reader)

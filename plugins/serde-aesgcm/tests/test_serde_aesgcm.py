@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -208,6 +209,32 @@ def test_missing_and_unreadable_key_files(tmp_path: Path) -> None:
         AesGcmSerde(AesGcmConfig(key_file=str(tmp_path / "absent")))
     with pytest.raises(ConfigError, match="cannot be read: Is a directory"):
         AesGcmSerde(AesGcmConfig(key_file=str(tmp_path)))
+
+
+def test_a_key_file_that_is_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    """Opening a FIFO blocks until someone writes to it: start-up would hang, not stop with
+    one line."""
+    path = tmp_path / "key"
+    os.mkfifo(path, 0o600)
+    outcome: list[BaseException | None] = []
+
+    def build() -> None:
+        try:
+            AesGcmSerde(AesGcmConfig(key_file=str(path)))
+        except BaseException as exc:  # handed to the test thread
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=build, daemon=True)
+    thread.start()
+    thread.join(5)
+    waiting = thread.is_alive()
+    if waiting:  # blocked in open(): opening the writer end lets it go
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(10)
+    assert not waiting, "start-up waited for a writer to open the FIFO"
+    assert outcome and isinstance(outcome[0], ConfigError) and "not a regular file" in str(outcome[0])
 
 
 def test_loose_key_file_mode_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -62,9 +62,18 @@ class Staged:
         return self.view
 
     def release(self, *, reuse: bool = True) -> None:
-        """Give the buffer back; ``reuse=False`` when a backend call may still touch it."""
-        self.view.release()
-        self._whole.release()
+        """Give the buffer back; ``reuse=False`` when a backend call may still touch it.
+
+        Never raises: a late reader or writer holding the view itself (a call abandoned on
+        close, still blocked in ``readv`` on it in another thread) makes releasing it fail;
+        the view then stays, keeping the memory mapped for that user, and the buffer is
+        not lent out again.  Raising here would skip the caller's unpinning.
+        """
+        try:
+            self.view.release()
+            self._whole.release()
+        except BufferError:
+            reuse = False
         self._pool.give_back(self._block, reuse=reuse)
 
 

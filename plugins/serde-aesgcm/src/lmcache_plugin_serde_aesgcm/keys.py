@@ -51,7 +51,9 @@ def read_key_file(path: str) -> bytes:
     """The key stored in ``path``: exactly 32 raw bytes, or 64 hex digits / base64 text."""
     where = f"key_file {path!r}"
     try:
-        with open(os.path.expanduser(path), "rb") as handle:
+        # O_NONBLOCK: opening a FIFO would otherwise wait for a writer, and start-up with
+        # it; a regular file reads the same either way, anything else is refused below.
+        with open(os.path.expanduser(path), "rb", opener=_open_nonblocking) as handle:
             mode = os.fstat(handle.fileno()).st_mode
             if not stat.S_ISREG(mode):
                 raise ConfigError(f"aesgcm: {where} is not a regular file")
@@ -73,6 +75,10 @@ def read_key_file(path: str) -> bytes:
         return _checked(None, where, "32 characters of text, not 32 random bytes")
     key = content if len(content) == KEY_SIZE else _from_text(content)
     return _checked(key, where, f"{len(content)} bytes")
+
+
+def _open_nonblocking(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NONBLOCK)
 
 
 def _is_text(content: bytes) -> bool:
