@@ -193,6 +193,14 @@ def test_a_serde_refusing_to_decode_is_a_miss_not_garbage(adapters: list[Backend
     assert bytes(buffer) == bytes(len(COMPRESSIBLE)), "nothing half-decoded lands in L1"
     assert adapter.stats()["serde_decode_failures"] == 1
     assert adapter.pinned_keys() == {}
+    # Decoding it again would fail again: a miss until it is replaced, not a hit whose
+    # every load reads the object and fails.
+    assert client.lookup_and_lock(keys).found == [False]
+    client.store(keys, [memoryview(COMPRESSIBLE)])
+    assert client.lookup_and_lock(keys).found == [True], "a store replaces the record"
+    assert client.load(keys, [buffer]) == [True]
+    adapter.unlock(keys)
+    assert bytes(buffer) == COMPRESSIBLE
 
 
 def test_record_header_carries_the_l1_size_during_put(adapters: list[BackendAdapter]) -> None:

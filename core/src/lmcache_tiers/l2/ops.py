@@ -494,8 +494,13 @@ class LoadOp(BatchOp):
             state.chain.decode_into(key, self.targets[position], self.buffers[index])
         except Exception as exc:  # tampered or damaged payload: a miss, not garbage
             state.count("serde_decode_failures")
+            state.mark_undecodable(key)
             state.burst.warn(
-                "serde_decode", "%s: serde decode failed for %s: %s", state.name, key.file_stem(), exc
+                "serde_decode",
+                "%s: serde decode failed for %s: %s (a miss until it is replaced)",
+                state.name,
+                key.file_stem(),
+                exc,
             )
             return False
         return True

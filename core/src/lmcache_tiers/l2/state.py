@@ -70,7 +70,8 @@ class AdapterState:
         #: claim keeping deletes off them is the store's ``pins.begin_write``, taken before
         #: ``storing_begin`` and dropped after ``storing_end``, on every path)
         self._storing: dict[ObjectKey, tuple[int, str]] = {}
-        #: keys whose record was written with another serde chain (misses until replaced)
+        #: keys whose record was written with another serde chain, or that the configured
+        #: chain failed to decode (misses until replaced)
         self._unreadable: set[ObjectKey] = set()
         #: layouts read from the records of keys in a backend load call right now ("" until
         #: read), then of keys loaded, until the prefetch that loaded them takes them
@@ -148,6 +149,14 @@ class AdapterState:
             list(written),
             list(self.chain.names),
         )
+
+    def mark_undecodable(self, key: ObjectKey) -> None:
+        """The configured chain failed to decode ``key``'s verified record (a key rotated
+        away, a frame it cannot read): it would fail the same way at every load, so it is
+        a miss until replaced, like a record of another chain.  Counted and logged by the
+        caller."""
+        with self._lock:
+            self._unreadable.add(key)
 
     def unreadable(self, keys: Sequence[ObjectKey]) -> list[bool]:
         with self._lock:
