@@ -10,6 +10,7 @@ import pytest
 from lmcache_plugin_raw_block import RawBlockConfig
 from lmcache_plugin_raw_block.backend import RawBlockBackend
 from lmcache_plugin_raw_block.checkpoint import CheckpointAreas
+from lmcache_plugin_raw_block.device import BlockDevice
 from lmcache_plugin_raw_block.geometry import plan_geometry
 from lmcache_plugin_raw_block.recovery import SCAN_WINDOW, UNSAVED_QUARANTINE_MAX
 from lmcache_plugin_raw_block.slots import Claim
@@ -107,7 +108,39 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_other(tmp_path: Path) -> 
         stats = reopened.stats()
         # The older checkpoint knew all five objects too (written after the last store).
         assert stats["recovered_from_checkpoint"] == 5
+        assert stats["checkpoints_unusable"] == 1
         assert load(reopened, keys, [len(d) for d in data]) == ([True] * 5, data)
+    finally:
+        reopened.close()
+
+
+@pytest.mark.parametrize("part", ["header", "body"])
+def test_a_newest_checkpoint_that_cannot_be_read_falls_back_to_the_other(
+    tmp_path: Path, part: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = config(tmp_path / "dev.img", meta_enable_periodic=False)
+    keys, data = make_keys(3), data_for(3)
+    adapter = open_raw(cfg)
+    backend = backend_of(adapter)
+    assert store(adapter, keys, data) == [True] * 3
+    assert backend.checkpoint()
+    geometry = backend.geometry
+    adapter.close()
+    newest = backend._areas._area
+    unreadable = geometry.area_offset(newest) + (geometry.block_align if part == "body" else 0)
+    read_at = BlockDevice.read_at
+
+    def failing(self: BlockDevice, offset: int, length: int) -> bytes:
+        if offset == unreadable:
+            raise OSError(errno.EIO, "injected media error")
+        return read_at(self, offset, length)
+
+    monkeypatch.setattr(BlockDevice, "read_at", failing)
+    reopened = open_raw(cfg)  # raised EIO before: the adapter did not open
+    try:
+        assert reopened.stats()["recovered_from_checkpoint"] == 3
+        assert reopened.stats()["checkpoints_unusable"] == 1
+        assert load(reopened, keys, [len(d) for d in data]) == ([True] * 3, data)
     finally:
         reopened.close()
 

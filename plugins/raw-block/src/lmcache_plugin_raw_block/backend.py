@@ -132,6 +132,8 @@ class RawBlockBackend(SlotStoreBackend):
             self.identity = superblock.identity
             self._areas = CheckpointAreas(device, geometry, self.identity)
             checkpoint = self._areas.read_newest()
+            if self._areas.unusable:
+                self.context.count("checkpoints_unusable", self._areas.unusable)
             self._clean_checkpoint_newest = checkpoint is not None and checkpoint.clean
             if checkpoint is None:
                 log.warning("raw_block: %s has no valid checkpoint; reading every slot header", device.path)

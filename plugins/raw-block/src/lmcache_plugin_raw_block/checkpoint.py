@@ -74,12 +74,22 @@ class CheckpointAreas:
         self._identity = identity
         self.seq = 0  # of the newest checkpoint written or read
         self._area = 1  # holding the newest, so the next write goes to the other
+        #: checkpoints ``read_newest`` passed over: unreadable, damaged or undecodable
+        self.unusable = 0
 
     def _header(self, seq: int, body: bytes) -> bytes:
         fields = _HEADER.pack(
             CHECKPOINT_MAGIC, CHECKPOINT_VERSION, self._identity, seq, len(body), zlib.crc32(body)
         )
         return fields + _CRC.pack(zlib.crc32(fields))
+
+    def _readable_header(self, area: int) -> tuple[int, int, int] | None:
+        try:
+            return self._read_header(area)
+        except OSError as exc:
+            log.warning("raw_block: the checkpoint header of area %d cannot be read (%s)", area, exc)
+            self.unusable += 1
+            return None
 
     def _read_header(self, area: int) -> tuple[int, int, int] | None:
         """(seq, body_len, body_crc) of an intact header of this device, else None."""
@@ -99,18 +109,34 @@ class CheckpointAreas:
         return seq, length, body_crc
 
     def read_newest(self) -> Checkpoint | None:
-        """The valid checkpoint with the highest sequence number, or None."""
-        headers = [(area, found) for area in (0, 1) if (found := self._read_header(area)) is not None]
+        """The valid checkpoint with the highest sequence number, or None.
+
+        An area that cannot be read (a media error) is one more damaged area: the other
+        one, or a read of every slot header, recovers the device, where raising would
+        keep the adapter from opening at all."""
+        headers = [(area, found) for area in (0, 1) if (found := self._readable_header(area)) is not None]
         for area, (seq, length, body_crc) in sorted(headers, key=lambda item: -item[1][0]):
             start = self._geometry.area_offset(area) + self._geometry.block_align
-            body = self._device.read_at(start, round_up(length, self._geometry.block_align))[:length]
+            try:
+                body = self._device.read_at(start, round_up(length, self._geometry.block_align))[:length]
+            except OSError as exc:
+                log.warning(
+                    "raw_block: checkpoint %d in area %d cannot be read (%s); trying the other",
+                    seq,
+                    area,
+                    exc,
+                )
+                self.unusable += 1
+                continue
             if len(body) != length or zlib.crc32(body) != body_crc:
                 log.warning("raw_block: checkpoint %d in area %d is damaged; trying the other", seq, area)
+                self.unusable += 1
                 continue
             try:
                 decoded = _DECODER.decode(body)
             except (msgspec.DecodeError, KeyValidationError) as exc:
                 log.warning("raw_block: checkpoint %d cannot be decoded (%s); trying the other", seq, exc)
+                self.unusable += 1
                 continue
             self.seq, self._area = seq, area
             entries = [
