@@ -23,7 +23,11 @@ def make_mp_server(make_server: Callable[..., TiersServer]) -> Callable[..., Tie
     """A server whose front ends are lmcache_mp (options as given) and native."""
 
     def factory(*, adapters: list[str] | None = None, **options: object) -> TiersServer:
-        config = {key: options.pop(key) for key in list(options) if key in ("l1_size_gb", "chunk_size")}
+        config = {
+            key: options.pop(key)
+            for key in list(options)
+            if key in ("l1_size_gb", "chunk_size", "l1_lock_ttl_s")
+        }
         frontends = [{"type": "lmcache_mp", **options}, {"type": "native"}]
         return make_server(adapters=adapters, frontends=frontends, **config)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import time
 from typing import Any
 
 import pytest
@@ -113,6 +114,37 @@ def test_the_pickle_data_path(make_mp_server: Any) -> None:
         assert server.storage.status()["l1"]["read_locks"] == 0
 
 
+def test_a_pickled_retrieve_whose_copy_l1_cannot_vouch_for_is_a_miss(
+    make_mp_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = make_mp_server(shm=False, allow_pickle=True)
+    storage = server.storage
+    lend = storage.lend
+
+    class LostLoan:
+        def detach(self) -> bytes:
+            # what L1 says of a copy whose extent may have changed hands meanwhile
+            raise KeyError("the object left L1 while it was being copied out")
+
+    with MPClient(mp_address(server)) as client:
+        client.register(REG)
+        key = Key(tokens_of(7), "s", worker_id=0)
+        client.call("prepare_store", key.encode(), REG.instance_id)
+        assert client.call(
+            "commit_store", key.encode(), REG.instance_id, _pickled(chunk_payloads(7, 4, CHUNK))
+        )
+        assert client.lookup(Key(tokens_of(7), "r")) == 4
+        monkeypatch.setattr(
+            storage, "lend", lambda obj, *, fill=False: LostLoan() if not fill else lend(obj, fill=fill)
+        )
+        reply = client.call("prepare_retrieve", Key(tokens_of(7), "r", worker_id=0).encode(), REG.instance_id)
+        assert reply["success"] is False and reply["data"] == b""
+        stats = server.frontends[0].stats()
+        assert (stats.failures["mp_retrieve_object_lost"], stats.failures["mp_handler_error"]) == (1, 0)
+        client.call("end_session", "r")
+        assert storage.status()["l1"]["read_locks"] == 0
+
+
 def test_a_pickled_store_l1_cannot_hold_answers_false(make_mp_server: Any) -> None:
     server = make_mp_server(shm=False, allow_pickle=True, l1_size_gb=0.0007)  # room for five chunks
     with MPClient(mp_address(server)) as client:
@@ -178,3 +210,40 @@ def test_a_wait_that_began_during_the_lookups_wait_gets_the_hits_when_they_come(
         assert client.receive(waited, timeout_ms=20_000) == 4, "the wait missed the prefetch's end"
         client.call("end_session", "w")
         assert server.storage.status()["l1"]["read_locks"] == 0
+
+
+def test_a_wait_on_a_lookup_its_request_ended_answers_at_once(make_mp_server: Any) -> None:
+    slow_l2 = [json.dumps({"type": "mock", "max_size_gb": 0.1, "latency_s": 1.0})]
+    server = make_mp_server(adapters=slow_l2, lookup_wait_ms=100)
+    with MPClient(mp_address(server)) as client:
+        shm = client.register(REG)["shm_name"]
+        client.store(Key(tokens_of(6), "s", worker_id=0), REG.instance_id, chunk_payloads(6, 4, CHUNK), shm)
+        assert server.storage.flush(timeout=30)
+        client.call("clear", True)
+        # The wait arrives while the lookup still waits for the prefetch, then the request
+        # ends before the prefetch does: nothing will ever settle that lookup's job, so
+        # the wait must not sit out its whole timeout (a pool thread, for up to forever).
+        lookup = client.send("lookup", Key(tokens_of(6), "w").encode(), 1)
+        waited = client.send("wait_prefetch_status", "w", 60.0)
+        assert client.receive(lookup) is None
+        assert client.call("end_session", "w") is None
+        assert client.receive(waited, timeout_ms=5_000) == 0, "the wait outlived its ended request"
+        assert server.storage.flush(timeout=30)
+        deadline = time.monotonic() + 10
+        while server.storage.status()["l1"]["read_locks"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.storage.status()["l1"]["read_locks"] == 0
+
+
+def test_a_pickled_tensor_torch_cannot_view_as_bytes_is_rejected(make_mp_server: Any) -> None:
+    server = make_mp_server(shm=False, allow_pickle=True)
+    with MPClient(mp_address(server)) as client:
+        client.register(REG)
+        key = Key(tokens_of(10, 256), "s", worker_id=0)
+        shape = (2, REG.num_layers, 256, REG.hidden_dim_size)
+        # Right dtype and shape, but with the negative bit set: torch refuses its byte view.
+        negative = pickle.dumps([torch.zeros(shape, dtype=torch.bfloat16)._neg_view()])
+        assert client.call("commit_store", key.encode(), REG.instance_id, negative) is False
+        stats = server.frontends[0].stats()
+        assert (stats.failures["mp_pickle_rejected"], stats.failures["mp_handler_error"]) == (1, 0)
+        assert server.storage.status()["l1"]["objects"] == 0

@@ -338,3 +338,22 @@ def test_requests_are_counted_by_operation(client: MPClient, mp_server: TiersSer
     assert dict(mp_stats(mp_server).requests) == {"noop": 2, "get_chunk_size": 1}
     assert msgspec.json.encode(mp_server.status())  # JSON-able, with both front ends
     assert [entry["type"] for entry in mp_server.status()["frontends"]] == ["lmcache_mp", "native"]
+
+
+def test_a_retrieve_never_committed_gives_its_lock_back_while_others_read(make_mp_server: Any) -> None:
+    """Readers of a hot chunk keep extending its one lock deadline in L1, so L1 never reaps
+    the lock of a retrieve whose client died before commit_retrieve: the front end must
+    give it back itself, before its deadline (after it, it can no longer tell whose it is)."""
+    server = make_mp_server(l1_lock_ttl_s=2.0)
+    with MPClient(mp_address(server)) as client:
+        shm = client.register(REG)["shm_name"]
+        payloads = stored(client, 16, shm, chunks=1)
+        abandoned = Key(tokens_of(16, 256), "dead", worker_id=0)
+        assert client.call("prepare_retrieve", abandoned.encode(), REG.instance_id)["success"]
+        started = time.monotonic()
+        while time.monotonic() - started < 3.5:  # past the abandoned retrieve's deadline
+            reader = Key(tokens_of(16, 256), "hot", worker_id=0)
+            assert client.retrieve(reader, REG.instance_id, shm) == payloads
+            time.sleep(0.2)
+        assert l1(server)["read_locks"] == 0, "the abandoned retrieve's lock is still held"
+        assert mp_stats(server).failures["mp_transfer_expired"] == 1

@@ -212,6 +212,10 @@ class Lookups:
         if job.hits is None:
             self.absorb(job)
         if job.hits is None:
+            # Nobody settles a retired job any more (the sweep no longer sees it): waiters
+            # watching its event would sit out their whole timeout, which is the client's
+            # choice.  Woken, they answer 0, and a waiting owner's finish gives it back.
+            job.arrived.set()
             if not job.waited and job.handle >= 0:
                 self.storage.discard_prefetch(job.handle)  # its locks go when it finishes
             return 0  # a waiting pool thread settles it, and a retired job gives all back

@@ -67,7 +67,10 @@ class PickleCodec:
                     f"pickled chunk {dtype}{list(tensor.shape)} on {tensor.device} is not the registered "
                     f"layout {layout.format()} on cpu"
                 )
-            views.append(tensor.contiguous().view(torch.uint8).reshape(-1).numpy().data)
+            try:
+                views.append(tensor.contiguous().view(torch.uint8).reshape(-1).numpy().data)
+            except Exception as exc:  # e.g. a tensor with the negative or conjugate bit set
+                raise ValueError(f"pickled chunk cannot be read as bytes: {exc}") from None
         return views
 
     def dump(self, chunks: Sequence[bytes | bytearray | memoryview], layout: TensorLayout) -> bytes:

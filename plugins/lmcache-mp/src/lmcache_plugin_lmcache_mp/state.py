@@ -163,7 +163,7 @@ class Transfer:
     """Reserved or read-locked objects of one prepare, until its commit."""
 
     keys: list[ObjectKey]
-    deadline: float  # the L1 write or lock TTL: after it L1 has reaped them, forget silently
+    deadline: float  # no later than L1's own (write or lock TTL): after it, never act on the keys
     request_id: str
     bytes: int = 0
 
@@ -208,6 +208,21 @@ class PendingTransfers:
         everything = [transfer for queue in self._pending.values() for transfer in queue]
         self._pending.clear()
         return everything
+
+    def take_due(self, now: float, margin: float) -> list[Transfer]:
+        """Remove and return the transfers whose deadline comes within ``margin`` but has
+        not passed (those past it are left to :meth:`expire`)."""
+        due: list[Transfer] = []
+        for ident, queue in list(self._pending.items()):
+            keep = deque(t for t in queue if not now < t.deadline <= now + margin)
+            if len(keep) == len(queue):
+                continue
+            due.extend(t for t in queue if now < t.deadline <= now + margin)
+            if keep:
+                self._pending[ident] = keep
+            else:
+                del self._pending[ident]
+        return due
 
     def expire(self, now: float) -> int:
         """Forget transfers past their deadline (L1 reaped them); returns how many, with

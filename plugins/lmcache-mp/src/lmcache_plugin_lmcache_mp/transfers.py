@@ -36,6 +36,9 @@ from lmcache_tiers.plugin import BurstLog, L1OutOfMemoryError, ObjectKey, printa
 
 logger = logging.getLogger(__name__)
 
+#: how long before its deadline the sweep gives back a retrieve's read locks (see sweep)
+READ_RELEASE_MARGIN_S = 5.0
+
 _MISS = PrepareRetrieveReply(success=False, data=b"", context={})
 _ALL_PRESENT: dict[str, Any] = {"slots": [], "chunk_indices": []}
 
@@ -249,9 +252,15 @@ class Transfers:
 
         def work() -> Callable[[], Any]:
             try:
-                data = codec.dump([storage.lend(obj).detach() for obj in objects], instance.layout)
+                chunks = [storage.lend(obj).detach() for obj in objects]
+            except KeyError as exc:
+                # L1 could not vouch for a copy (the object left L1 and its extent may
+                # have changed hands meanwhile): a miss, never another chunk's bytes.
+                logger.warning("pickled retrieve of request %s answered a miss: %s", key.request_id, exc)
+                return self._lost_retrieve
             finally:
                 storage.release(keys)
+            data = codec.dump(chunks, instance.layout)
 
             def finish() -> Any:
                 self.lookups.consume(key.request_id, keys)
@@ -261,6 +270,10 @@ class Transfers:
             return finish
 
         return Deferred(work)
+
+    def _lost_retrieve(self) -> Any:
+        self.shared.stats.failure("mp_retrieve_object_lost")
+        return _MISS
 
     def commit_retrieve(self, key: CacheKey, instance_id: int) -> Any:
         _, keys = self._resolve(key, instance_id)
@@ -298,14 +311,23 @@ class Transfers:
         return sum(len(t.keys) for t in reads), sum(len(t.keys) for t in writes)
 
     def sweep(self, now: float) -> None:
-        self._count_expired(self.writes.expire(now) + self.reads.expire(now))
+        # L1 keeps one read-lock deadline per object and every new reader extends it, so
+        # on a chunk others keep reading it may never reap the lock of a retrieve whose
+        # client never commits.  Such a lock is given back here, just before the
+        # transfer's deadline (never later than L1's): after it, L1 may have reaped the
+        # lock and a release by key could take another reader's.
+        margin = min(READ_RELEASE_MARGIN_S, self.shared.lock_ttl_s / 2)
+        due = self.reads.take_due(now, margin)
+        for transfer in due:
+            self.storage.release(transfer.keys)
+        self._count_expired(self.writes.expire(now) + self.reads.expire(now) + len(due))
 
     def _count_expired(self, expired: int) -> None:
         if expired:
             self.shared.stats.failure("mp_transfer_expired", expired)
             self._expiries.event(
                 expired,
-                "prepared transfers were never committed within the L1 TTLs; L1 has taken their locks back",
+                "prepared transfers were never committed within the L1 TTLs; their locks were given back",
             )
 
     def release_everything(self) -> tuple[int, int]:
