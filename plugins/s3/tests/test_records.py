@@ -218,6 +218,36 @@ def test_a_damaged_record_replaced_before_its_removal_is_kept(
     adapter.unlock([key])
 
 
+def test_an_empty_object_replaced_before_its_removal_is_kept(
+    adapter: L2Adapter, raw: Raw, l1: memoryview, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An empty object has no header to read (the ranged GET is refused); its removal must
+    # still be conditional on the object that was judged, as every other removal is.
+    (key,) = make_keys(1)
+    data = store(adapter, l1, [key])
+    good = raw.read(key)
+    raw.write(key, b"")
+    backend = adapter.backend.inner  # type: ignore[attr-defined]  # behind core's circuit breaker
+    assert isinstance(backend, S3Backend)
+    call = backend.client.call
+
+    async def another_server_stores_first(method: str, **kwargs: object) -> object:
+        if method == "delete_object":
+            raw.write(key, good)  # the good record again, between the lookup and the removal
+        return await call(method, **kwargs)
+
+    monkeypatch.setattr(backend.client, "call", another_server_stores_first)
+    assert blocking(adapter).lookup_and_lock([key]).found == [False]  # the empty one was judged
+    assert raw.exists(key) and raw.read(key) == good, "the record stored since was removed"
+    stats = adapter.stats()
+    assert stats["corrupt_records_removed"] == 1 and stats["corrupt_replaced_before_removal"] == 1
+    monkeypatch.undo()
+    result = blocking(adapter).lookup_and_lock([key])
+    buffer, _region = fenced(l1, result.sizes[0])
+    assert blocking(adapter).load([key], [buffer]) == [True] and bytes(buffer) == data[0]
+    adapter.unlock([key])
+
+
 def test_a_lookup_request_that_fails_is_never_taken_for_an_absent_object(
     adapter: L2Adapter, l1: memoryview, monkeypatch: pytest.MonkeyPatch
 ) -> None:

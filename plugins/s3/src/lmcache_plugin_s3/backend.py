@@ -286,7 +286,7 @@ class S3Backend:
         try:
             return self._size_in_copy(key, answer)
         except _ReadTheRecord:
-            return await self._lookup_in_record(key, name)
+            return await self._lookup_in_record(key, name, answer.get("ETag"))
 
     def _size_in_copy(self, key: ObjectKey, answer: dict[str, Any]) -> ObjectSize | None:
         """What the header copy in a HEAD's metadata says of ``key``: its size, or None for
@@ -321,15 +321,18 @@ class S3Backend:
             why,
         )
 
-    async def _lookup_in_record(self, key: ObjectKey, name: str) -> ObjectSize | None:
-        """A lookup by the record's own header (one ranged GET)."""
+    async def _lookup_in_record(self, key: ObjectKey, name: str, head_etag: str | None) -> ObjectSize | None:
+        """A lookup by the record's own header (one ranged GET).  ``head_etag``: the ETag
+        the lookup's HEAD saw, what an empty object's removal is conditional on (the
+        refused ranged GET of an empty object names none)."""
         try:
             data, total, etag = await self.client.bounded(lambda: self._first_bytes(name))
         except Exception as exc:
             if is_missing_object(exc):
                 return None
             if error_code(exc) == "InvalidRange":  # an empty object: no header at all
-                await self._remove_damaged(key, name, "the object is empty", None)
+                # Conditional on the object the HEAD saw: a record stored there since is kept.
+                await self._remove_damaged(key, name, "the object is empty", head_etag)
                 return None
             raise
         try:
