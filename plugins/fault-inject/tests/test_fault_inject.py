@@ -267,6 +267,22 @@ def test_a_stalled_inner_lookup_times_out_as_a_miss(opened: list[BackendAdapter]
     assert adapter.stats()["inner_lookup_timeouts"] == 1
 
 
+def test_a_stalled_inner_lookup_does_not_forget_what_is_stored(opened: list[BackendAdapter]) -> None:
+    """A lookup the inner adapter did not answer in time says nothing about whether the
+    objects are there: they stay accounted (usage, eviction), not reported vanished."""
+    stalled_inner = {"type": "fault_inject", "inner": mock_spec(), "delay_s": 3600, "delay_ops": ["lookup"]}
+    adapter = open_fault(inner=stalled_inner, lookup_timeout_s=0.1)
+    opened.append(adapter)
+    client = BlockingAdapterClient(adapter)
+    keys = make_keys(2)
+    assert client.store(keys, [memoryview(b"s" * 100)] * 2) == [True, True]
+    assert client.lookup_and_lock(keys).found == [False, False]
+    assert adapter.stats()["inner_lookup_timeouts"] == 1
+    assert adapter.used_bytes() == 200
+    assert adapter.stats().get("objects_vanished", 0) == 0
+    assert [key for key, _size in inner_of(adapter).inner.list_keys()] == keys
+
+
 def test_one_accounting_with_the_inner_capacity(opened: list[BackendAdapter]) -> None:
     adapter = open_fault(inner=mock_spec(max_size_gb=1 / 1024))
     opened.append(adapter)
@@ -417,6 +433,8 @@ def test_a_coroutine_backend_is_wrapped_in_coroutines(opened: list[BackendAdapte
     assert client.lookup_and_lock(keys).found == [False, False]
     stats = adapter.stats()
     assert (stats["injected_load_failures"], stats["inner_lookup_timeouts"]) == (2, 1)
+    # A lookup that timed out says nothing about the objects: they stay accounted.
+    assert (adapter.used_bytes(), stats.get("objects_vanished", 0)) == (2, 0)
     assert adapter.delete(keys) == [True, True]
 
 

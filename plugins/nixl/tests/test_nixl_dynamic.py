@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from lmcache_plugin_nixl import recordio
+from lmcache_plugin_nixl.runtime import NixlTransferError
 from lmcache_plugin_nixl.transfers import WRITE_BACK_PIECE_BYTES
 from nixl_helpers import Arena, client, dynamic_config, lru_eviction_controller, open_dynamic, scratch_dir
 
@@ -398,6 +399,41 @@ def test_large_batches_open_files_in_slices_and_close_them_all(monkeypatch: pyte
             assert store(adapter, arena, keys, data) == [True] * 8
             assert load(adapter, arena, keys, [len(d) for d in data]) == ([True] * 8, data)
             assert len(os.listdir("/proc/self/fd")) == before, "every record file is closed again"
+        finally:
+            adapter.close()
+
+
+def test_a_slice_that_raises_leaves_no_record_live_yet_reported_unstored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch written in slices: once one slice has published its records, a later slice
+    raising must not turn the whole batch into "not stored" -- those records would stay
+    on disk, live after a restart yet never accounted (nor evicted) until then."""
+    monkeypatch.setattr(recordio, "MAX_OPEN_FILES", 2)
+    arena = Arena()
+    keys = make_keys(4)
+    data = [pattern(60 + i, 4096 + i) for i in range(4)]
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root), arena.view)
+        try:
+            records = adapter.backend._records  # type: ignore[attr-defined]
+            register = records._register
+            calls = 0
+
+            def failing(rows: list[tuple[int, int, int]]) -> object:
+                nonlocal calls
+                calls += 1
+                if calls == 3:  # the second slice's payloads (each slice registers twice)
+                    raise NixlTransferError("injected registration failure")
+                return register(rows)
+
+            monkeypatch.setattr(records, "_register", failing)
+            results = store(adapter, arena, keys, data)
+            on_disk = [os.path.exists(os.path.join(root, f"{key.file_stem()}.bin")) for key in keys]
+            assert on_disk == results, "a record is live on disk exactly when its store was reported"
+            assert results == [True, True, False, False]
+            assert adapter.stats()["write_slice_failures"] == 1
+            assert not any(TEMP_PREFIX in name for name in os.listdir(root))
         finally:
             adapter.close()
 

@@ -134,6 +134,24 @@ def test_slot_files_are_preallocated_truncated_and_removed() -> None:
         assert os.listdir(directory) == []
 
 
+def test_slot_files_beyond_the_pool_left_by_a_larger_crashed_pool_are_removed() -> None:
+    """A server killed with a larger pool leaves slot files this pool does not truncate
+    or remove at close: they would hold its old objects' bytes on disk for good."""
+    with scratch_dir() as directory:
+        for slot in (3, 7):
+            with open(os.path.join(directory, slot_file_name(slot)), "wb") as handle:
+                handle.write(b"left by a killed server with a larger pool")
+        with open(os.path.join(directory, "unrelated.bin"), "wb") as handle:
+            handle.write(b"not a slot file")
+        adapter = open_pool(pool_config(directory, pool_size=3))
+        try:
+            names = sorted(n for n in os.listdir(directory) if n.startswith("nixl-pool-"))
+            assert names == [slot_file_name(i) for i in range(3)]
+        finally:
+            adapter.close()
+        assert os.listdir(directory) == ["unrelated.bin"]
+
+
 def test_a_smaller_object_does_not_leave_the_old_tail_on_disk() -> None:
     with scratch_dir() as directory:
         adapter = open_pool(pool_config(directory, pool_size=1))

@@ -89,6 +89,34 @@ def test_remote_endpoint_probe() -> None:
     check_remote_endpoint("POSIX", {})  # only remote stores are probed
 
 
+def test_obj_needs_a_bucket_and_a_reachable_endpoint_override() -> None:
+    """NIXL creates an OBJ backend without contacting S3: an unreachable endpoint would
+    fail every store only after the SDK's retries (tens of seconds each), and a missing
+    bucket fails creation with a bare NIXL_ERR_BACKEND."""
+    with pytest.raises(ConfigError, match=r"backend_params\.bucket is required for the OBJ backend"):
+        check_remote_endpoint("OBJ", {"endpoint_override": "http://127.0.0.1:1"}, environ={})
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        check_remote_endpoint("OBJ", {"bucket": "b", "endpoint_override": f"http://127.0.0.1:{port}"})
+        # a bare host:port takes the scheme parameter
+        check_remote_endpoint(
+            "OBJ", {"bucket": "b", "endpoint_override": f"127.0.0.1:{port}", "scheme": "http"}
+        )
+        check_remote_endpoint(
+            "OBJ", {"endpoint_override": f"127.0.0.1:{port}"}, environ={"AWS_DEFAULT_BUCKET": "b"}
+        )
+    closed = free_port()
+    with pytest.raises(
+        ConfigError,
+        match=rf"OBJ endpoint http://127\.0\.0\.1:{closed} \(127\.0\.0\.1:{closed}\) cannot be reached: "
+        r".*backend_params\.endpoint_override",
+    ):
+        check_remote_endpoint("OBJ", {"bucket": "b", "endpoint_override": f"http://127.0.0.1:{closed}"})
+    check_remote_endpoint("OBJ", {"bucket": "b"})  # AWS's own endpoints: not probed
+
+
 def test_serve_with_an_unreachable_azure_blob_endpoint_exits_2_in_one_line() -> None:
     closed = free_port()
     adapter = {

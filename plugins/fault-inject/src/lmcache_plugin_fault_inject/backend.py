@@ -30,6 +30,16 @@ class InjectedFault(OSError):
     """The failure ``fail_mode = "raise"`` throws out of a backend call."""
 
 
+class InnerLookupTimeout(TimeoutError):
+    """The inner adapter did not answer a lookup within ``lookup_timeout_s``.
+
+    Raised rather than answered with misses: an answer of "absent" for keys this adapter
+    accounts would make core forget them as removed behind its back (their bytes released
+    from the usage, the eviction policy told they are gone) while the inner adapter still
+    holds them.  A lookup that raises is a failed batch: every key a miss, none forgotten.
+    """
+
+
 def gap_positions(count: int, indices: Sequence[int], tail_ratios: Sequence[float]) -> set[int]:
     """Positions of a ``count``-key load batch that the gap settings always drop."""
     if count == 0:
@@ -178,7 +188,9 @@ class FaultInjectBackend(_FaultInjector):
             except FutureTimeout:
                 if time.monotonic() >= deadline or self.context.closing:
                     self.context.count("inner_lookup_timeouts")
-                    return [None] * len(keys)
+                    raise InnerLookupTimeout(
+                        f"the inner adapter did not answer a lookup in {self.config.lookup_timeout_s:g} s"
+                    ) from None
         return self.spread(len(keys), chosen, found, None)
 
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
@@ -234,7 +246,9 @@ class AsyncFaultInjectBackend(_FaultInjector):
             )
         except asyncio.TimeoutError:
             self.context.count("inner_lookup_timeouts")
-            return [None] * len(keys)
+            raise InnerLookupTimeout(
+                f"the inner adapter did not answer a lookup in {self.config.lookup_timeout_s:g} s"
+            ) from None
         return self.spread(len(keys), chosen, found, None)
 
     async def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import ctypes.util
 import glob
+import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from urllib.parse import urlsplit
 
 from lmcache_tiers.plugin import BackendUnavailableError, ConfigError, direct_io_refusal
@@ -69,18 +70,46 @@ def azure_blob_endpoint(params: dict[str, str]) -> tuple[str, str]:
     return f"{protocol}://{fields.get('AccountName', '')}.blob.{suffix}", "connection_string"
 
 
+def obj_endpoint(params: dict[str, str]) -> tuple[str, str] | None:
+    """(URL of the S3 service, the backend_params key it came from) for OBJ, or None when
+    no ``endpoint_override`` is given (AWS's own endpoints, found by the SDK)."""
+    url = params.get("endpoint_override", "").strip()
+    if not url:
+        return None
+    if "://" not in url:  # a bare host[:port]: the SDK puts `scheme` (https by default) first
+        url = f"{params.get('scheme', '').strip() or 'https'}://{url}"
+    return url, "endpoint_override"
+
+
 def check_remote_endpoint(
-    backend: str, params: dict[str, str], timeout: float = ENDPOINT_PROBE_TIMEOUT_S
+    backend: str,
+    params: dict[str, str],
+    timeout: float = ENDPOINT_PROBE_TIMEOUT_S,
+    environ: Mapping[str, str] = os.environ,
 ) -> None:
-    """Refuse to start an AZURE_BLOB adapter whose service cannot be reached.
+    """Refuse to start an AZURE_BLOB or OBJ adapter whose service cannot be reached.
 
     NIXL creates the backend and registers objects without contacting the service, so an
-    unreachable endpoint would otherwise show up only as failed stores and misses.  A TCP
-    connection to the endpoint's host and port is the probe (no request is sent).
+    unreachable endpoint would otherwise show up only as failed stores and misses (for
+    OBJ, each after the SDK's retries, tens of seconds).  A TCP connection to the
+    endpoint's host and port is the probe (no request is sent).  OBJ without a bucket
+    (``bucket``, or ``AWS_DEFAULT_BUCKET``) is refused by name: NIXL would fail with a bare
+    NIXL_ERR_BACKEND.
     """
-    if backend != "AZURE_BLOB":
+    if backend == "OBJ":
+        if not params.get("bucket", "").strip() and not environ.get("AWS_DEFAULT_BUCKET"):
+            raise ConfigError(
+                "backend_params.bucket is required for the OBJ backend "
+                "(or the AWS_DEFAULT_BUCKET environment variable): the bucket holding the pool"
+            )
+        endpoint = obj_endpoint(params)
+        if endpoint is None:
+            return
+        url, key = endpoint
+    elif backend == "AZURE_BLOB":
+        url, key = azure_blob_endpoint(params)
+    else:
         return
-    url, key = azure_blob_endpoint(params)
     parts = urlsplit(url)
     host = parts.hostname or ""
     try:
@@ -88,13 +117,13 @@ def check_remote_endpoint(
     except ValueError:
         host = ""
     if not host:
-        raise ConfigError(f"backend_params.{key}: {url!r} is not a URL with a host name (AZURE_BLOB)")
+        raise ConfigError(f"backend_params.{key}: {url!r} is not a URL with a host name ({backend})")
     try:
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError as exc:
         reason = exc.strerror or str(exc) or type(exc).__name__
         raise ConfigError(
-            f"AZURE_BLOB endpoint {url} ({host}:{port}) cannot be reached: {reason}; check "
+            f"{backend} endpoint {url} ({host}:{port}) cannot be reached: {reason}; check "
             f"backend_params.{key} and that the service is up"
         ) from None
 

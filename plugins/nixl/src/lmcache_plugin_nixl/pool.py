@@ -14,7 +14,9 @@ with EINVAL.
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import resource
 from typing import Protocol
 
@@ -22,6 +24,8 @@ from lmcache_plugin_nixl.availability import check_direct_io
 from lmcache_plugin_nixl.memory import direct_io_ok
 from lmcache_plugin_nixl.runtime import NixlRuntime, Registration
 from lmcache_tiers.plugin import ConfigError, DirectoryLock
+
+log = logging.getLogger(__name__)
 
 _OBJECT_PREFIX = "lmcache-tiers-nixl-pool"
 
@@ -33,6 +37,24 @@ def lock_what(directory: str) -> str:
 
 def slot_file_name(slot: int) -> str:
     return f"nixl-pool-{slot:06d}.bin"
+
+
+_SLOT_FILE = re.compile(r"nixl-pool-(\d{6,})\.bin")
+
+
+def _remove_slots_beyond(directory: str, pool_size: int) -> None:
+    """Remove slot files a larger pool left here: a server killed before its close kept
+    them, and this pool neither truncates nor removes slots it does not have."""
+    for name in os.listdir(directory):
+        match = _SLOT_FILE.fullmatch(name)
+        if match is None or int(match.group(1)) < pool_size or name != slot_file_name(int(match.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # never served: not worth refusing to start over
+            log.warning("cannot remove %s, a slot file of an earlier, larger pool: %s", name, exc)
 
 
 class SlotStorage(Protocol):
@@ -84,6 +106,7 @@ class FileSlots:
             if direct_io:
                 check_direct_io(self.directory)
             _ensure_fd_budget(pool_size * (2 if direct_io else 1))
+            _remove_slots_beyond(self.directory, pool_size)
             flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
             for slot in range(pool_size):
                 path = os.path.join(self.directory, slot_file_name(slot))

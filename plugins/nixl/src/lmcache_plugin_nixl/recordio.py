@@ -272,7 +272,25 @@ class RecordFiles:
         results: list[bool] = []
         for start in range(0, len(keys), MAX_OPEN_FILES):
             end = start + MAX_OPEN_FILES
-            results += self._write_slice(keys[start:end], payloads[start:end])
+            try:
+                results += self._write_slice(keys[start:end], payloads[start:end])
+            except Exception as exc:
+                if not any(results):
+                    raise  # nothing published: the batch fails as a whole
+                # Earlier slices published their records: raising would report them not
+                # stored, leaving them live on disk yet unaccounted until a restart.  They
+                # are reported stored; this slice (which removed its temporary files) and
+                # the rest are not.
+                self._context.count("write_slice_failures")
+                self._context.warn(
+                    "write_slice",
+                    "%d of %d keys not stored: writing a slice failed: %s",
+                    len(keys) - len(results),
+                    len(keys),
+                    exc,
+                )
+                results += [False] * (len(keys) - len(results))
+                break
         return results
 
     def _write_slice(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
