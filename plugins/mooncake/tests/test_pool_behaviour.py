@@ -7,6 +7,7 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 from lmcache_plugin_mooncake.backend import PARALLEL_MIN_BYTES
 from lmcache_plugin_mooncake.cluster import LocalCluster
@@ -388,6 +389,50 @@ def test_a_header_read_that_fails_is_a_counted_and_logged_miss(
     assert "reading the record header of" in caplog.text
 
 
+def test_an_object_replaced_between_its_size_query_and_header_read_is_not_removed(
+    mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key sized from its header (a chain configured, the key unknown): when another
+    writer replaces the object with one of another size between the replica query and
+    the header read, the header disagrees with the size queried -- a replacement, not
+    damage: the other writer's valid object must stay in the pool."""
+    config = config_for(mooncake_pool)
+    writer = open_adapter(config, serde=(Xor(),))
+    (key,) = make_keys(1)
+    try:
+        store(writer, [key])
+    finally:
+        writer.close()
+    reader = open_adapter(config, serde=(Xor(),))
+    adapters.append(reader)
+    backend = backend_of(reader)
+    name = backend.names.of(key)
+    bigger = pattern(9, 2 * SIZE)
+    sized = backend._record_sizes
+    replaced: list[str] = []
+
+    def sized_then_replaced(store: Any, names: list[str]) -> dict[str, int]:
+        sizes = sized(store, names)
+        if name in names and not replaced:
+            replaced.append(name)
+            assert raw.remove(name, True) == 0
+            assert raw.put(name, _record(key, bigger, serde=("test-xor",))) == 0
+        return sizes
+
+    monkeypatch.setattr(backend, "_record_sizes", sized_then_replaced)
+    result = BlockingAdapterClient(reader).lookup_and_lock([key])
+    if result.found == [True]:
+        reader.unlock([key])
+    monkeypatch.setattr(backend, "_record_sizes", sized)
+    assert raw.is_exist(name) == 1, "the replacing writer's object was removed as damage"
+    assert reader.stats().get("corrupt_records_removed", 0) == 0
+    result = BlockingAdapterClient(reader).lookup_and_lock([key])
+    assert result.sizes == [2 * SIZE]
+    ok, contents = load(reader, [key], [2 * SIZE])
+    reader.unlock([key])
+    assert ok == [True] and contents == [bytes(byte ^ 0x5A for byte in bigger)], "as Xor decodes it"
+
+
 # -- damaged and foreign records ----------------------------------------------------------------
 
 
@@ -530,3 +575,21 @@ def test_keys_with_digest_names_are_skipped_by_the_listing_and_found_by_lookups(
     ok, contents = load(second, keys, result.sizes)
     assert ok == [True, True] and contents == data
     second.unlock(keys)
+
+
+def test_the_listing_leaves_out_the_objects_of_a_server_with_a_longer_prefix(
+    mooncake_pool: LocalCluster, adapters: list[BackendAdapter]
+) -> None:
+    """Another server's key_prefix may extend this one's ("cache" and "cache2"): its
+    names are this server's names of other keys.  Their records hold the other server's
+    keys: not this cache's objects, never accounted here (nor evicted from here)."""
+    config = config_for(mooncake_pool)
+    other = open_adapter(msgspec.structs.replace(config, key_prefix=config.key_prefix + "team."))
+    adapters.append(other)
+    keys = make_keys(2)
+    store(other, keys)
+    adapter = open_adapter(config)
+    adapters.append(adapter)
+    eventually(lambda: not adapter.stats()["scan_running"], what="the start-up scan")
+    assert adapter.used_bytes() == 0
+    assert list(backend_of(adapter).list_keys()) == []

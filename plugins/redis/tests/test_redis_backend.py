@@ -257,6 +257,24 @@ def test_a_key_holding_something_else_is_a_counted_miss_and_left_alone(
     assert any("not object names of this cache" in r.getMessage() for r in caplog.records), "not logged"
 
 
+def test_a_listing_leaves_alone_the_records_of_a_server_with_a_longer_prefix(
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # Another server's prefix may extend this one's ("cache" and "cache2", "" and
+    # "team."): its names are this server's names of other keys, whose records hold the
+    # other server's keys -- valid objects, not damage: never listed here nor removed.
+    other = open_adapter(url=redis_server.url, key_prefix=prefix + "team.")
+    keys = make_keys(2)
+    data = store(other, keys)
+    adapter = open_adapter(url=redis_server.url, key_prefix=prefix)
+    assert list(adapter.iter_keys()) == []
+    assert adapter.stats().get("corrupt_records_removed", 0) == 0
+    found = client_of(other).lookup_and_lock(keys)
+    assert found.found == [True, True]
+    assert load(other, keys, found.sizes) == ([True, True], data)
+    other.unlock(keys)
+
+
 def test_batches_larger_than_a_pipeline_trip_round_trip(
     redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
@@ -395,6 +413,27 @@ def test_a_delete_whose_later_trip_fails_reports_what_its_earlier_ones_deleted(
     backend._execute = drops_on_the_second_trip  # type: ignore[method-assign]
     assert adapter.delete(keys) == [True] * KEYS_PER_TRIP + [False, False]
     assert adapter.stats()["delete_request_failures"] == 2
+    assert adapter.used_bytes() == 2 * 16
+
+
+def test_a_delete_the_store_refuses_is_counted_and_logged(
+    own_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A user allowed to write objects but not to remove them: each refusal is an error
+    # reply, and the object stays (accounted) -- counted and explained, never silent.
+    own_server.cli("ACL", "SETUSER", "tiers", "on", ">tiers-pw", "~*", "+@all", "-unlink")
+    adapter = open_adapter(
+        url=own_server.url, key_prefix=prefix, username="tiers", password="tiers-pw", max_capacity_gb=1.0
+    )
+    keys = make_keys(2)
+    store(adapter, keys, size=16)
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+        assert adapter.delete(keys) == [False, False]
+    assert adapter.stats()["delete_reply_errors"] == 2
+    assert "no permissions" in caplog.text
     assert adapter.used_bytes() == 2 * 16
 
 

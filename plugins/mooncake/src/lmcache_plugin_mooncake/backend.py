@@ -73,6 +73,7 @@ from lmcache_tiers.plugin import (
     ObjectKey,
     ObjectSize,
     RecordError,
+    RecordMismatchError,
     key_to_name,
     name_to_key,
     printable,
@@ -552,6 +553,7 @@ class MooncakeStoreBackend:
         found: list[int | ObjectSize | None],
     ) -> None:
         """Replace ``found[i]`` by both sizes from the record header (None: a miss)."""
+        disagreeing: list[tuple[int, Any, Any]] = []  # index, payload size queried, header
         with self.lanes.lane(self.timeout) as lane:
             codes = store.get_into_ranges(
                 [lane.address(0)],
@@ -574,11 +576,24 @@ class MooncakeStoreBackend:
                     continue
                 header = self._header(store, keys[index], names[index], lane.slot(slot))
                 if header is not None and header.payload_len != stored:
-                    self._remove_damaged(
-                        store, keys[index], names[index], "payload length differs from its header"
-                    )
+                    disagreeing.append((index, stored, header))
                 elif header is not None:
                     found[index] = ObjectSize(header.payload_len, header.l1_size)
+        if not disagreeing:
+            return
+        # The size was queried before the header was read: another writer may have
+        # replaced the object in between.  Only a record still of the size queried is
+        # damage; one now of its header's size is the replacement (valid, kept).
+        sizes = self._record_sizes(store, [names[index] for index, _, _ in disagreeing])
+        for index, stored, header in disagreeing:
+            size = sizes.get(names[index])
+            if size == HEADER_BYTES + header.payload_len:
+                found[index] = ObjectSize(header.payload_len, header.l1_size)
+            elif size == HEADER_BYTES + stored:
+                self._remove_damaged(
+                    store, keys[index], names[index], "payload length differs from its header"
+                )
+            # else: replaced again or gone since -- a miss, left alone
 
     # -- load ------------------------------------------------------------------------------
 
@@ -722,7 +737,53 @@ class MooncakeStoreBackend:
         sizes = self.calls.run(
             "replica query", self.timeout, self._record_sizes, store, [n for _, n in batch]
         )
-        for key, name in batch:
-            size = sizes.get(name)
-            if size is not None and size >= HEADER_BYTES:
-                yield key, size - HEADER_BYTES
+        listed = [(key, name) for key, name in batch if sizes.get(name, 0) >= HEADER_BYTES]
+        foreign: set[str] = set()
+        for chunk in chunks(len(listed)):
+            part = [listed[i] for i in chunk]
+            try:
+                foreign |= self.calls.run("header read", self.timeout, self._foreign_records, store, part)
+            except Exception as exc:  # unverified, listed as before: a lookup sorts them out
+                self._throttle.warn(
+                    "list_headers", "%s: reading the record headers of %d listed objects failed: %s",
+                    self.context.name, len(part), exc,
+                )  # fmt: skip
+        if foreign:
+            self.context.count("listing_names_skipped", len(foreign))
+            self._throttle.warn(
+                "list_foreign", "%s: %d listed objects hold records of other keys (a server whose "
+                "key_prefix extends %r?): not listed, left alone",
+                self.context.name, len(foreign), self.config.key_prefix,
+            )  # fmt: skip
+        for key, name in listed:
+            if name not in foreign:
+                yield key, sizes[name] - HEADER_BYTES
+
+    def _foreign_records(self, store: Any, part: list[tuple[ObjectKey, str]]) -> set[str]:
+        """Names in ``part`` whose record holds another key than the name says.
+
+        A server whose ``key_prefix`` extends this one's ("cache" and "cache2") names its
+        objects exactly as this server names other keys: only their headers tell them
+        apart.  Such objects must not be accounted here, where eviction would remove
+        them.  (The lane is taken and given back on the call's own thread, so a call given
+        up at its deadline still holds it until Mooncake is done with it.)"""
+        foreign: set[str] = set()
+        with self.lanes.lane(self.timeout) as lane:
+            codes = store.get_into_ranges(
+                [lane.address(0)],
+                [[name for _, name in part]],
+                [[[slot * HEADER_BYTES] for slot in range(len(part))]],
+                [[[0] for _ in part]],
+                [[[HEADER_BYTES] for _ in part]],
+            )[0]
+            _check("header read", [code[0] for code in codes])
+            for slot, ((key, name), code) in enumerate(zip(part, codes, strict=True)):
+                if code[0] != HEADER_BYTES:
+                    continue  # gone, or unreadable now: a lookup sorts it out
+                try:
+                    self.context.read_record_header(lane.slot(slot), key)
+                except RecordMismatchError:
+                    foreign.add(name)
+                except RecordError:
+                    pass  # damage: the lookup or load that finds it removes it
+        return foreign

@@ -50,6 +50,7 @@ from lmcache_tiers.plugin import (
     PayloadVerifier,
     RecordError,
     RecordHeader,
+    RecordMismatchError,
     RecordVersionError,
     copy_into,
     key_to_name,
@@ -401,6 +402,8 @@ class RedisBackend:
             if replies is None:
                 break
             for index, reply in zip(trip, replies, strict=True):
+                if isinstance(reply, ResponseError):  # refused (NOPERM, READONLY ...): still there
+                    self._reply_error("delete", keys[index], reply)
                 deleted[index] = reply == 1
         return deleted
 
@@ -453,6 +456,16 @@ class RedisBackend:
             return None
         try:
             return self._read_header(reply, key)
+        except RecordMismatchError as exc:
+            if what == "listing":
+                # An intact record of another key under a listed name: a server whose
+                # key_prefix extends this one's ("cache" and "cache2") names its objects
+                # like this server's objects of other keys.  Not this cache's: left alone.
+                self.context.count("listing_foreign_names")
+                self.context.warn("listing_foreign", "%s: %s; not listed, left alone", key.file_stem(), exc)
+                return None
+            self._discard(key, reply, exc)
+            return None
         except RecordError as exc:
             self._discard(key, reply, exc)
             return None
