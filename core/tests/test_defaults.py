@@ -48,9 +48,10 @@ def test_capacity_is_ten_gib_or_a_tenth_of_the_filesystem(
     assert defaults.default_capacity_gb()[0] == 10.0
     monkeypatch.setenv(defaults.CACHE_GB_ENV, "0.5")
     assert defaults.default_capacity_gb() == (0.5, f"set by {defaults.CACHE_GB_ENV}")
-    monkeypatch.setenv(defaults.CACHE_GB_ENV, "lots")
-    with pytest.raises(ConfigError, match=defaults.CACHE_GB_ENV):
-        defaults.default_capacity_gb()
+    for wrong in ("lots", "nan", "inf", "-1", "1e300"):  # 1e300: beyond any size field
+        monkeypatch.setenv(defaults.CACHE_GB_ENV, wrong)
+        with pytest.raises(ConfigError, match=defaults.CACHE_GB_ENV):
+            defaults.default_capacity_gb()
 
 
 def test_a_second_default_claim_gets_a_hint(cache: Path) -> None:

@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lmcache_tiers.config import MAX_GIB
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.registry import ComponentRegistry, Kind
 
@@ -73,8 +74,12 @@ def default_capacity_gb(directory: Path | None = None) -> tuple[float, str]:
             value = float(raw)
         except ValueError:
             value = -1.0
-        if not value > 0 or value == float("inf"):
-            raise ConfigError(f"{CACHE_GB_ENV}={raw!r} must be a positive number of GiB")
+        # at most what any size field takes: a larger value would be refused later, as the
+        # default L2's fault (with a hint about its directory), not as this variable's
+        if not 0 < value <= MAX_GIB:
+            raise ConfigError(
+                f"{CACHE_GB_ENV}={raw!r} must be a positive number of GiB, at most {MAX_GIB:.0f}"
+            )
         return value, f"set by {CACHE_GB_ENV}"
     size = _filesystem_size(directory or default_l2_dir())
     cap = float(DEFAULT_L2_CAPACITY_GB)

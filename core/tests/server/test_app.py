@@ -6,21 +6,25 @@ import json
 import logging
 import os
 import socket
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import typer
+from rich.console import Console
 from typer.testing import CliRunner
 
 from lmcache_tiers.cli.commands_server import bench, bench_table, status, status_tables
-from lmcache_tiers.client import Client
+from lmcache_tiers.cli.output import fail
+from lmcache_tiers.client import Client, RequestTimeoutError
 from lmcache_tiers.config import ServerConfig
 from lmcache_tiers.endpoints import is_loopback, rpc_endpoint
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.server.app import TiersServer, run_server
+from lmcache_tiers.server.app import TiersServer, _print_error, run_server
 from lmcache_tiers.server.benchmark import run_bench
 from lmcache_tiers.server.logs import configure_logging
 from lmcache_tiers.testing.ports import free_port, free_ports
@@ -149,3 +153,68 @@ def test_bench_runs_and_checks_its_bytes(server: TiersServer) -> None:
     assert bench_table(result).row_count == 11
     stats = server.storage.status()["l1"]
     assert (stats["objects"], stats["read_locks"]) == (0, 0), "the benchmark left data or locks behind"
+
+
+def test_error_lines_leave_out_passwords_inside_urls(capsys: pytest.CaptureFixture[str]) -> None:
+    """A component's refusal may quote the URL it refused, password and all."""
+    refusal = "s3: endpoint_url must be an http:// or https:// URL, got 'ftp://u:pw1@h/?password=pw2'"
+    with pytest.raises(SystemExit) as exited:
+        fail(refusal)
+    assert exited.value.code == 2
+    _print_error(Console(stderr=True, highlight=False, soft_wrap=True), f"cannot start the server: {refusal}")
+    printed = capsys.readouterr().err
+    assert printed.count("ftp://u:***@h/?password=***") == 2, printed
+    assert "pw1" not in printed and "pw2" not in printed
+
+
+def test_a_client_with_a_timeout_too_long_for_one_poll_waits_for_its_server(make_server: Factory) -> None:
+    """A timeout of days (or an infinite one) is a wait of that long for a server not up
+    yet, not an overflow of the poll's milliseconds; NaN is no timeout at all."""
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        Client("tcp://127.0.0.1:9", timeout=float("nan"))
+    port = free_port()
+    outcome: dict[str, object] = {}
+
+    def connect() -> None:
+        try:
+            with Client(f"tcp://127.0.0.1:{port}", timeout=float("inf"), shm=False) as client:
+                outcome["ping"] = client.ping()
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(0.5)
+    assert thread.is_alive() and not outcome, outcome
+    make_server(port=port)
+    thread.join(30)
+    assert "ping" in outcome, outcome
+
+
+def test_lookups_sent_before_a_send_fails_give_their_locks_back(server: TiersServer) -> None:
+    """A window of pipelined lookups whose third cannot be sent: the two sent before lock
+    keys for this client, which it gives back when their replies land."""
+    keys = [ObjectKey("unit", 0, f"pipelined-{index}".encode()) for index in range(3)]
+
+    class ThirdSendFails(Client):
+        sends = 0
+        armed = False
+
+        def _send(self, header: bytes, payloads: Any, deadline: float) -> None:
+            if self.armed:
+                self.sends += 1
+                if self.sends == 3:
+                    raise RequestTimeoutError("cannot reach the server")
+            super()._send(header, payloads, deadline)
+
+    with ThirdSendFails(server.endpoint) as client:
+        assert client.store(keys, [b"x" * 4096] * 3) == 3
+        client.release(keys)
+        client.armed = True
+        with pytest.raises(RequestTimeoutError):
+            client.lookup_many([[key] for key in keys])
+        client.armed = False
+        client.ping()  # the late replies land (their releases go out) before this one's
+        client.ping()  # and those releases are handled before this one
+        assert not client._outstanding
+        assert server.storage.status()["l1"]["read_locks"] == 0

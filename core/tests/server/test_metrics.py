@@ -11,6 +11,7 @@ import re
 import socket
 import struct
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -220,3 +221,44 @@ def test_a_scrape_while_a_front_end_counts_a_new_reason() -> None:
     fronts = [("0:native", FrontendStats(failures=Counter(timeout=1))), ("1:lmcache_mp", busy)]
     text = render(build_registry(lambda: fronts, lambda: {"failures": {}})).decode()
     assert samples(text)[("lmcache_tiers_failures_total", (("reason", "timeout"),))] == 2.0
+
+
+def test_refused_and_failed_http_requests_are_counted(make_server: Factory) -> None:
+    """A /status refused for want of the token is a refusal like any other: counted, not
+    only logged; so is a route that failed."""
+    server = make_server(
+        metrics_port=free_port(), metrics_host="0.0.0.0", server_options={"auth_token": "t0k"}
+    )
+    assert server.http_url is not None
+    port = int(server.http_url.rsplit(":", 1)[1])
+    status_url = f"http://127.0.0.1:{port}/status"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(status_url, timeout=10)
+    assert refused.value.code == 401
+    metrics_url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    assert samples(text)[("lmcache_tiers_failures_total", (("reason", "http_status_refused"),))] == 1.0
+    with_token = urllib.request.Request(status_url, headers={"Authorization": "Bearer t0k"})
+    with urllib.request.urlopen(with_token, timeout=10) as response:
+        assert json.loads(response.read())["failures"]["http_status_refused"] == 1
+
+    counted: list[str] = []
+
+    def broken_status() -> dict[str, Any]:
+        raise RuntimeError("a bug")
+
+    served = HttpEndpoint(
+        "127.0.0.1",
+        0,
+        metrics=bytes,
+        status=broken_status,
+        health=lambda: (True, "ok"),
+        failed=counted.append,
+    )
+    served.start()
+    try:
+        assert request(served, "GET", "/status")[0] == 500
+    finally:
+        served.stop()
+    assert counted == ["http_route_failed"]

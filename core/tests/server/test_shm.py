@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from lmcache_tiers.client import Client, RequestTimeoutError
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Arena
+from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.tmpfs import is_tmpfs
 from lmcache_tiers.wire import protocol as p
 from lmcache_tiers.wire.shm import (
@@ -175,9 +182,88 @@ def test_a_generation_table_that_does_not_fit_is_refused(arena: L1Arena) -> None
         MappedSegment(
             arena.name, arena.size, device, inode, generation_offset=arena.size - 8, generation_block=64
         )
+    for offset, block in ((arena.size, 64), (arena.size - 4, 64), (0, 64), (arena.size // 2, 0), (-8, 64)):
+        # a table described but not usable is refused, never mapped without its checks
+        with pytest.raises(SegmentMismatch, match="generation table"):
+            MappedSegment(
+                arena.name, arena.size, device, inode, generation_offset=offset, generation_block=block
+            )
     untracked = MappedSegment(arena.name, arena.size, device, inode)
     try:
         assert not untracked.tracks_generations
         assert untracked.changed([p.Slot(0, 1, 99)]) == []  # an old server: nothing to compare
     finally:
         untracked.close()
+
+
+def _restart_at_the_same_port(first: TiersServer, make_server: Callable[..., TiersServer]) -> TiersServer:
+    port = int(first.endpoint.rsplit(":", 1)[1])
+    first.request_stop()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return make_server(port=port)
+        except ConfigError:
+            assert time.monotonic() < deadline, "the port of the stopped server never came free"
+            time.sleep(0.1)  # the first one's port is still being given back
+
+
+def _wait_until_reachable(client: Client) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.ping(timeout=1.0)
+            return
+        except RequestTimeoutError:
+            assert time.monotonic() < deadline, "the client never reached the restarted server"
+
+
+@pytest.mark.parametrize("operation", ["retrieve_into", "store"])
+def test_offsets_of_a_restarted_server_never_go_to_the_old_mapping_when_another_thread_greets_it(
+    make_server: Callable[..., TiersServer], operation: str
+) -> None:
+    """The server restarts after this thread took the mapping for a request, and another
+    thread of the same client greets the new server before this one looks at the reply:
+    the reply's offsets are the new segment's, never read from (or written into) the old
+    mapping."""
+    first = make_server()
+    client = Client(first.endpoint, timeout=5.0)
+    try:
+        assert client.uses_shm
+        old = [ObjectKey("unit", 0, f"old-{index}".encode()) for index in range(4)]
+        assert client.store(old, [bytes([0xAA]) * 8192] * 4) == 4
+        client.release(old)
+        key = ObjectKey("unit", 0, b"new-0")
+        fresh = bytes(range(256)) * 32
+        servers: list[TiersServer] = []
+        real_call = client._call
+
+        def restart_then_let_another_thread_greet(request: p._Request, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(request, (p.Retrieve, p.StoreReserve)) and not servers:
+                servers.append(_restart_at_the_same_port(first, make_server))
+                with Client(servers[0].endpoint, timeout=5.0, shm=False) as writer:
+                    if operation == "retrieve_into":
+                        assert writer.store([key], [fresh]) == 1
+                client._call = real_call  # type: ignore[method-assign]
+                _wait_until_reachable(client)
+                reply = real_call(request, *args, **kwargs)
+                other = threading.Thread(target=client._follow_server)
+                other.start()
+                other.join()
+                return reply
+            return real_call(request, *args, **kwargs)
+
+        client._call = restart_then_let_another_thread_greet  # type: ignore[method-assign]
+        if operation == "retrieve_into":
+            target = bytearray(len(fresh))
+            assert client.retrieve_into([key], [target]) == 1
+            assert bytes(target) == fresh
+        else:
+            assert client.store([key], [fresh]) == 1
+            with (
+                Client(servers[0].endpoint, timeout=5.0, shm=False) as reader,
+                reader.retrieve([key]) as views,
+            ):
+                assert [bytes(view) for view in views] == [fresh]
+    finally:
+        client.close()

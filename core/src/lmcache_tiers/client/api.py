@@ -155,6 +155,14 @@ class Client(Connection):
                 old.close()  # unmapped once the retrieve blocks still reading it end
             self._segment = self._map_segment(self._shm)
 
+    def _answered_elsewhere(self, segment: MappedSegment) -> bool:
+        """Whether the offsets of a reply just received may name another segment than
+        ``segment``: the connection dropped since the last HELLO, or another thread has
+        greeted the server since ``segment`` was taken and mapped another one (a restarted
+        server's) -- which clears the drop, so the drop alone would not tell."""
+        with self._lock:
+            return self._connection_dropped() or self._segment is not segment
+
     @contextlib.contextmanager
     def _mapped(self) -> Iterator[MappedSegment | None]:
         """The mapped segment (None: bytes travel inline), kept mapped until the block
@@ -330,7 +338,7 @@ class Client(Connection):
         if not reserved:
             return 0
         try:
-            if self._connection_dropped():
+            if self._answered_elsewhere(segment):
                 raise _ServerChanged(self.url)  # the slots may be another segment's
             slots: list[p.Slot] = []
             sources: list[np.ndarray[Any, Any]] = []
@@ -445,9 +453,10 @@ class Client(Connection):
                 # Prompts longer than one request start with their first part here and
                 # continue below, once that part is known to be a full hit.
                 requests = [p.Lookup(0, "", list(key_lists[i])[: self.max_keys]) for i in batch]
-                for request in requests:
-                    self._start(request, (), deadline)
                 try:
+                    # Inside: when a send fails, those sent before it lock keys all the same.
+                    for request in requests:
+                        self._start(request, (), deadline)
                     for position, request in zip(batch, requests, strict=True):
                         reply, _ = self._await(request, p.LookupReply, deadline)
                         if reply.hits is None:
@@ -574,7 +583,7 @@ class Client(Connection):
             for part in self._batches(len(keys)):
                 batch = keys[part]
                 reply = self._call(p.Retrieve(0, "", batch), p.RetrieveReply)
-                if self._connection_dropped():
+                if self._answered_elsewhere(segment):
                     raise _ServerChanged(self.url)  # the slots may be another segment's
                 if len(reply.slots) > len(batch):
                     raise ProtocolError(f"RETRIEVE answered {len(reply.slots)} slots for {len(batch)} keys")

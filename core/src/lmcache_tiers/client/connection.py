@@ -67,6 +67,8 @@ _raw_recv = zmq.backend.Socket.recv
 _raw_get = zmq.backend.Socket.get
 #: how long a request waits for its reply between looks at whether its connection is gone
 LINK_CHECK_S = 0.25
+#: the longest single wait for the server to become reachable (a request waits in slices)
+_MAX_POLL_S = 3600.0
 #: a connection over which nothing arrived this long after a heartbeat is taken as gone
 HEARTBEAT_INTERVAL_MS = 2_000
 HEARTBEAT_TIMEOUT_MS = 10_000
@@ -98,8 +100,8 @@ class Connection:
     """A connected, greeted DEALER socket; ``server`` is the HELLO reply."""
 
     def __init__(self, url: str, *, timeout: float, auth_token: str | None, name: str) -> None:
-        if timeout <= 0:
-            raise ValueError("timeout must be positive")
+        if not timeout > 0:  # NaN too
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.url = url
         self.timeout = timeout
         self._token = auth_token if auth_token is not None else os.environ.get(AUTH_TOKEN_ENV, "")
@@ -425,8 +427,11 @@ class Connection:
                 # IMMEDIATE: nothing is queued while the server is unreachable, so a request
                 # never reaches a server long after its caller gave up on it.
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000)), zmq.POLLOUT):
+                if not remaining > 0:
                     raise RequestTimeoutError(f"cannot reach the server at {self.url}") from None
+                # In slices: a poll takes an int of milliseconds, which a long (or infinite)
+                # timeout overflows.
+                sock.poll(max(1, int(min(remaining, _MAX_POLL_S) * 1000)), zmq.POLLOUT)
         last = len(payloads) - 1
         for index, payload in enumerate(payloads):
             sock.send(payload, _SNDMORE if index < last else 0, copy=False)

@@ -27,6 +27,7 @@ import select
 import signal
 import threading
 import time
+from collections import Counter
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from lmcache_tiers import __version__
-from lmcache_tiers.config import ServerConfig, default_frontends
+from lmcache_tiers.config import ServerConfig, default_frontends, redact_url_secrets
 from lmcache_tiers.endpoints import is_loopback
 from lmcache_tiers.errors import ConfigError, TiersError
 from lmcache_tiers.frontend import Frontend, FrontendStats, check_frontends, create_frontend, merged_stats
@@ -131,6 +132,9 @@ class TiersServer:
         self._stopping = False
         self._force = False
         self._fatal: BaseException | None = None
+        # refusals and failures of the HTTP endpoint, by reason (its threads count them)
+        self._http_failures: Counter[str] = Counter()
+        self._http_failures_lock = threading.Lock()
         self.storage: StorageManager = StorageManager(config, registry)
         self.http: HttpEndpoint | None = None
         self.frontends: list[Frontend] = []
@@ -169,6 +173,7 @@ class TiersServer:
                         status=self.status,
                         health=self.health,
                         status_token=None if is_loopback(http_host) else auth_token,
+                        failed=self._http_failed,
                     )
                 except OSError as exc:
                     raise listen_error(config, None, http_host, config.metrics_port, exc) from None
@@ -213,10 +218,22 @@ class TiersServer:
         return {"server": server, "frontends": frontends, **self.storage_status()}
 
     def storage_status(self) -> dict[str, Any]:
-        """The storage's status, with what L1 holds back for readers whose lease ended."""
+        """The storage's status, with what L1 holds back for readers whose lease ended, and
+        the HTTP endpoint's own refusals and failures among the failures."""
         document = self.storage.status()
         document["l1"]["leases"] = self.storage.l1.lease_stats()._asdict()
+        with self._http_failures_lock:
+            http = dict(self._http_failures)
+        if http:
+            failures = dict(document.get("failures", {}))
+            for reason, count in http.items():
+                failures[reason] = failures.get(reason, 0) + count
+            document["failures"] = failures
         return document
+
+    def _http_failed(self, reason: str) -> None:
+        with self._http_failures_lock:
+            self._http_failures[reason] += 1
 
     def health(self) -> tuple[bool, str]:
         if self._stopping:
@@ -428,8 +445,9 @@ def _serve_until_stopped(
 
 def _print_error(errors: Console, message: str) -> None:
     """``error: message`` on one line: the message is text (``[0]`` in a config path is not
-    markup), its line breaks are folded."""
-    errors.print(f"[bold red]error:[/] {escape(' '.join(message.split()))}")
+    markup), its line breaks are folded, and passwords inside URLs are left out (a
+    component's refusal may quote the URL it refused)."""
+    errors.print(f"[bold red]error:[/] {escape(redact_url_secrets(' '.join(message.split())))}")
 
 
 def _plugin_hooks() -> Any:

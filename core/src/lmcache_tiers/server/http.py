@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 #: how long a connection may wait to send its request: an idle one would hold its thread
 REQUEST_TIMEOUT_S = 30.0
+#: failure reasons of the endpoint itself (counted through ``failed``, shown under failures)
+REFUSED_STATUS = "http_status_refused"
+ROUTE_FAILED = "http_route_failed"
 
 _ALLOWED = "GET, HEAD"
 
@@ -63,8 +66,11 @@ class HttpEndpoint:
         status: Callable[[], dict[str, Any]],
         health: Callable[[], tuple[bool, str]],
         status_token: str | None = None,
+        failed: Callable[[str], object] | None = None,
     ) -> None:
-        """``status_token``: when set, ``/status`` needs ``Authorization: Bearer <it>``."""
+        """``status_token``: when set, ``/status`` needs ``Authorization: Bearer <it>``.
+        ``failed(reason)`` counts each refusal and each route that failed."""
+        count = failed if failed is not None else (lambda reason: None)
         routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
             "/metrics": lambda: (200, CONTENT_TYPE_LATEST, metrics()),
             "/status": lambda: (200, "application/json", json.dumps(status(), default=str).encode()),
@@ -109,6 +115,7 @@ class HttpEndpoint:
                 if path == "/status" and expected is not None:
                     offered = self.headers.get("Authorization", "").encode()
                     if not hmac.compare_digest(offered, expected):
+                        count(REFUSED_STATUS)
                         logger.info(
                             "HTTP /status refused to %s: missing or wrong token", self.address_string()
                         )
@@ -123,6 +130,7 @@ class HttpEndpoint:
                 try:
                     code, content_type, body = route()
                 except Exception:
+                    count(ROUTE_FAILED)
                     logger.exception("HTTP %s failed", self.path)
                     code, content_type, body = 500, "text/plain; charset=utf-8", b"internal error\n"
                 self._reply(code, content_type, body, send_body=send_body)

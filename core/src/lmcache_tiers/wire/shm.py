@@ -129,7 +129,15 @@ class MappedSegment:
         finally:
             os.close(fd)
         tracked = 0 < generation_offset < size and generation_offset % 8 == 0 and generation_block > 0
+        if (generation_offset or generation_block) and not tracked:
+            # A table described but unusable: mapped without it, no stale read would be seen.
+            self._mmap.close()
+            raise SegmentMismatch(
+                f"{path}: the generation table the server describes (at {generation_offset}, one "
+                f"entry per {generation_block} bytes) is not in the {size}-byte segment"
+            )
         if tracked and (size - generation_offset) // 8 < -(-generation_offset // generation_block):
+            self._mmap.close()
             raise SegmentMismatch(f"{path}: the generation table the server describes does not fit")
         self.name = name
         self.size = size
