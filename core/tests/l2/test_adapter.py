@@ -217,6 +217,47 @@ def test_record_header_carries_the_l1_size_during_put(adapters: list[BackendAdap
     assert adapter.l1_size_of(keys[0]) == len(COMPRESSIBLE)
 
 
+class HeldFirstStore(AsyncDictBackend):
+    """Holds the first ``put_many`` until ``release`` is set (before it writes anything)."""
+
+    def __init__(self, config: DictConfig, context: BackendContext) -> None:
+        super().__init__(config, context)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.held = False
+
+    async def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:  # type: ignore[override]
+        if not self.held:
+            self.held = True
+            self.entered.set()
+            while not self.release.is_set():
+                await asyncio.sleep(0.01)
+        return await super().put_many(keys, payloads)
+
+
+def test_overlapping_stores_of_one_key_each_write_their_own_header(adapters: list[BackendAdapter]) -> None:
+    namespace = uuid.uuid4().hex
+    adapter = open_dict(HeldFirstStore, serde=[Zlib()], namespace=namespace, records=True)
+    adapters.append(adapter)
+    backend: HeldFirstStore = adapter.backend  # type: ignore[assignment]
+    client = BlockingAdapterClient(adapter, timeout=30)
+    keys = make_keys(1)
+    first, second = COMPRESSIBLE, COMPRESSIBLE * 2
+    held = adapter.submit_store(keys, [memoryview(first)], layouts=["first"])
+    assert backend.entered.wait(30)
+    # A later store of the key lands first and ends while the held one is in its call.
+    assert client.store(keys, [memoryview(second)], layouts=["second"]) == [True]
+    backend.release.set()
+    assert client.wait(L2Op.STORE, held) == [True]
+    header, _ = decode_record(_SPACES[namespace][keys[0]], expected_serde=("zlib",))
+    assert (header.l1_size, header.layout) == (len(first), "first"), "the header describes its payload"
+    assert client.lookup_and_lock(keys).sizes == [len(first)]
+    buffer = memoryview(bytearray(len(first)))
+    assert client.load(keys, [buffer]) == [True]
+    adapter.unlock(keys)
+    assert bytes(buffer) == first
+
+
 # -- failure paths ---------------------------------------------------------------------------------
 
 
@@ -314,6 +355,34 @@ def test_a_lookup_result_of_the_wrong_kind_fails_the_batch(adapters: list[Backen
     assert client.store(keys, [memoryview(b"a"), memoryview(b"b")]) == [True, True]
     assert client.lookup_and_lock(keys).found == [False, False]
     assert adapter.stats()["backend_errors"] == 1
+    assert adapter.pinned_keys() == {}
+
+
+class ByteCounts(DictBackend):
+    """Answers loads and stores with byte counts, as ``readinto`` does, not booleans."""
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[Any]:
+        super().put_many(keys, payloads)
+        return [payload.nbytes for payload in payloads]
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[Any]:
+        for key, buffer in zip(keys, buffers, strict=True):  # a short read: half the bytes
+            half = buffer.nbytes // 2
+            buffer[:half] = self.objects[key][:half]
+        return [buffer.nbytes // 2 for buffer in buffers]
+
+
+def test_store_and_load_results_that_are_not_booleans_fail_the_batch(adapters: list[BackendAdapter]) -> None:
+    adapter = open_dict(ByteCounts)
+    adapters.append(adapter)
+    client = BlockingAdapterClient(adapter, timeout=30)
+    keys = make_keys(1)
+    assert client.store(keys, [memoryview(b"x" * 10)]) == [False], "a count is not an acknowledgement"
+    assert adapter.used_bytes() == 0
+    adapter.backend.objects[keys[0]] = b"x" * 10  # type: ignore[attr-defined]
+    buffer = memoryview(bytearray(10))
+    assert client.load(keys, [buffer]) == [False], "half the bytes are garbage, not a hit"
+    assert adapter.stats()["backend_errors"] == 2
     assert adapter.pinned_keys() == {}
 
 

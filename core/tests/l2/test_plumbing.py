@@ -16,6 +16,7 @@ from lmcache_tiers.l2.buffers import GIL_FREE_COPY_BYTES, copy_into
 from lmcache_tiers.l2.context import AdapterContext, buffer_address
 from lmcache_tiers.l2.interface import L2Op, LookupResult
 from lmcache_tiers.l2.pins import PinTable
+from lmcache_tiers.l2.state import AdapterState
 from lmcache_tiers.l2.tasks import TaskBoard
 
 A = ObjectKey("m", 0, b"a")
@@ -76,6 +77,30 @@ def test_pins_count_and_block_deletes() -> None:
     pins.end_delete([B])
     assert pins.pin([B]) == [True]
     assert pins.snapshot() == {A: 1, B: 1}
+
+
+def test_overlapping_loads_of_one_key_keep_the_layout_their_record_gave() -> None:
+    state = AdapterState(AdapterContext(index=0, name="0:t", config=L2AdapterConfig()))
+    state.loading_begin([A])
+    state.note_layout(A, "bf16[4]")  # the first load read its record
+    state.loading_begin([A])  # a second load of the key starts
+    state.loading_end([A], [A])  # the first one ends
+    state.note_layout(A, "bf16[4]")  # the second one reads its record
+    state.loading_end([A], [A])
+    assert state.take_layouts([A]) == ["bf16[4]"]
+
+
+def test_overlapping_stores_of_one_key_keep_each_ones_size_and_layout() -> None:
+    state = AdapterState(AdapterContext(index=0, name="0:t", config=L2AdapterConfig()))
+    first, second = (A, 100, "first", 40), (A, 200, "second", 80)
+    state.storing_begin([first])
+    state.storing_begin([second])
+    assert state.storing(A, 40) == (100, "first")
+    assert state.storing(A, 80) == (200, "second")
+    state.storing_end([second])
+    assert state.storing(A, 40) == (100, "first"), "the other store of the key is still in its call"
+    state.storing_end([first])
+    assert state.storing(A) is None
 
 
 def test_accounting_total_by_salt_overwrite_and_forget() -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.state import AdapterState
@@ -52,13 +55,25 @@ def _valid_found(item: Any) -> bool:
     return isinstance(item, int) and not isinstance(item, bool) and item >= 0
 
 
+def _valid_outcome(item: Any) -> bool:
+    # Only a boolean is an answer: a count of bytes read or written (a short read is
+    # still a positive number) or any other truthy object would pass for success.
+    return isinstance(item, (bool, np.bool_))
+
+
 def checked(method: str, result: Any, expected: int) -> list[Any]:
     """``result`` as a list, or ValueError when it cannot be trusted for ``expected`` keys."""
+    if isinstance(result, (Mapping, str, bytes, bytearray, memoryview)):
+        # Iterating these yields keys or characters, not one answer per key in order.
+        raise ValueError(f"{method} returned a {type(result).__name__}, not one result per key")
     items = list(result)
     if len(items) != expected:
         raise ValueError(f"{method} returned {len(items)} results for {expected} keys")
-    if method == "contains_many" and not all(_valid_found(item) for item in items):
-        raise ValueError(f"{method} returned something other than a size, ObjectSize or None")
+    if method == "contains_many":
+        if not all(_valid_found(item) for item in items):
+            raise ValueError(f"{method} returned something other than a size, ObjectSize or None")
+    elif not all(_valid_outcome(item) for item in items):
+        raise ValueError(f"{method} returned something other than True or False")
     return items
 
 
@@ -73,7 +88,9 @@ def call(
         return checked(method, getattr(backend, method)(keys, *args), len(keys))
     except NotCalled:
         return None
-    except Exception as exc:
+    except (Exception, asyncio.CancelledError) as exc:
+        # A plain method running coroutines of its own may raise CancelledError (no
+        # Exception): nothing here cancels it, so it is the backend's failure.
         state.backend_failed(method, exc)
         return None
 

@@ -149,7 +149,7 @@ class BackendContext:
         chain of the key being stored are filled in; ``align`` pads it to a multiple;
         ``digest`` is the payload's checksum when the backend took it already (while
         copying it: :func:`~lmcache_tiers.l2.verified.copy_and_checksum`)."""
-        storing = self._state.storing(key)
+        storing = self._state.storing(key, memoryview(payload).nbytes)
         l1_size, layout = storing if storing is not None else (self._state.l1_size_of(key), "")
         return encode_header(
             key,

@@ -106,6 +106,8 @@ class StoreOp(BatchOp):
         self.payloads: list[memoryview] = []
         self.staged: list[Staged | None] = []
         self.admission = Admission([])
+        #: what ``storing_begin`` noted for the keys in the backend call
+        self.storing: list[tuple[ObjectKey, int, str, int]] = []
         #: keys this store holds a write claim on (``PinTable.begin_write``), one entry per
         #: claim: from ``prepare`` until ``finish`` has accounted them and told listeners
         self.writing: list[ObjectKey] = []
@@ -145,7 +147,7 @@ class StoreOp(BatchOp):
                 self._end_write()
                 return [], []
             self.admission = state.accounting.admit([(self.keys[i], p.nbytes) for i, p, _ in encoded], limit)
-            storing: list[tuple[ObjectKey, int, str]] = []
+            storing: list[tuple[ObjectKey, int, str, int]] = []
             refused: list[ObjectKey] = []
             for (index, payload, staged), verdict in zip(encoded, self.admission.verdicts, strict=True):
                 if verdict is not Verdict.ADMITTED:
@@ -157,13 +159,21 @@ class StoreOp(BatchOp):
                 self.io_index.append(index)
                 self.payloads.append(payload)
                 self.staged.append(staged)
-                storing.append((self.keys[index], self.buffers[index].nbytes, self.layouts[index]))
+                storing.append(
+                    (self.keys[index], self.buffers[index].nbytes, self.layouts[index], payload.nbytes)
+                )
             # Refused keys do not reach the backend: their claims go now, the others' in finish.
             self.writing = self.io_keys()
             state.pins.end_write(refused)
+            self.storing = storing
             state.storing_begin(storing)
-        except BaseException:  # finish will not run: no claim may outlive this store
+        except BaseException:  # finish will not run: nothing it would give back may outlive this store
             self._end_write()
+            storing, self.storing = self.storing, []
+            self.state.storing_end(storing)
+            self.state.accounting.settle(self.admission, [])
+            held, self.staged = self.staged, []
+            _release(held, True)
             raise
         return self.io_keys(), self.payloads
 
@@ -225,7 +235,8 @@ class StoreOp(BatchOp):
         ok = [False] * len(self.keys)
         stored: list[tuple[ObjectKey, ObjectSize]] = []
         try:
-            state.storing_end(self.io_keys())
+            storing, self.storing = self.storing, []  # once, if finish runs twice
+            state.storing_end(storing)
             for position, index in enumerate(self.io_index):
                 if io_result is not None and io_result[position]:
                     ok[index] = True

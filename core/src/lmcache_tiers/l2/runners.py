@@ -127,7 +127,14 @@ class ThreadRunner(Runner):
 
     def _execute(self, op: BatchOp) -> Any:
         args = op.prepare()
-        return op.finish(call(self.state, self.backend, op.method, *args))
+        result: list[Any] | None = None
+        try:
+            result = call(self.state, self.backend, op.method, *args)
+        finally:
+            # Whatever escapes the call (a BaseException), what prepare took -- pins, write
+            # claims, reserved capacity -- is given back; the task then fails as crashed.
+            outcome = op.finish(result)
+        return outcome
 
     def _work(self, jobs: queue.SimpleQueue[tuple[int, BatchOp] | None], background: bool = False) -> None:
         if background:

@@ -10,7 +10,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.keys import ObjectKey
@@ -66,16 +66,19 @@ class AdapterState:
         self.adapter: L2Adapter | None = None  # the adapter listeners are told about
         self._listeners: list[L2Listener] = []
         self._lock = threading.Lock()
-        #: (L1 size, layout) of keys whose store is in the backend call right now (the
-        #: claim keeping deletes off them is the store's ``pins.begin_write``, taken before
-        #: ``storing_begin`` and dropped after ``storing_end``, on every path)
-        self._storing: dict[ObjectKey, tuple[int, str]] = {}
+        #: (L1 size, layout, stored size) of keys whose store is in the backend call right
+        #: now, one entry per store: stores of one key may overlap, and each record header
+        #: must describe its own payload (the claim keeping deletes off them is the store's
+        #: ``pins.begin_write``, taken before ``storing_begin`` and dropped after
+        #: ``storing_end``, on every path)
+        self._storing: dict[ObjectKey, list[tuple[int, str, int]]] = {}
         #: keys whose record was written with another serde chain, or that the configured
         #: chain failed to decode (misses until replaced)
         self._unreadable: set[ObjectKey] = set()
-        #: layouts read from the records of keys in a backend load call right now ("" until
-        #: read), then of keys loaded, until the prefetch that loaded them takes them
-        self._loading: dict[ObjectKey, str] = {}
+        #: [loads of the key in a backend call right now, layout read from its record ("" until
+        #: read)]: loads of one key may overlap, and one ending must not drop what the other
+        #: reads; then layouts of keys loaded, until the prefetch that loaded them takes them
+        self._loading: dict[ObjectKey, list[Any]] = {}
         self._loaded_layouts: dict[ObjectKey, str] = {}
 
     def count(self, name: str, amount: int = 1) -> None:
@@ -83,20 +86,41 @@ class AdapterState:
 
     # -- keys being stored -------------------------------------------------------------------
 
-    def storing_begin(self, items: Sequence[tuple[ObjectKey, int, str]]) -> None:
+    def storing_begin(self, items: Sequence[tuple[ObjectKey, int, str, int]]) -> None:
+        """Note (key, L1 size, layout, stored size) of each object a store hands the backend."""
         with self._lock:
-            for key, l1_size, layout in items:
-                self._storing[key] = (l1_size, layout)
+            for key, l1_size, layout, stored in items:
+                self._storing.setdefault(key, []).append((l1_size, layout, stored))
                 self._unreadable.discard(key)
 
-    def storing_end(self, keys: Sequence[ObjectKey]) -> None:
+    def storing_end(self, items: Sequence[tuple[ObjectKey, int, str, int]]) -> None:
+        """Drop what ``storing_begin`` noted for the same items (one entry each): another
+        store of a key still in its call keeps its own."""
         with self._lock:
-            for key in keys:
-                self._storing.pop(key, None)
+            for key, l1_size, layout, stored in items:
+                entries = self._storing.get(key)
+                if not entries:
+                    continue
+                try:
+                    entries.remove((l1_size, layout, stored))
+                except ValueError:
+                    pass
+                if not entries:
+                    del self._storing[key]
 
-    def storing(self, key: ObjectKey) -> tuple[int, str] | None:
+    def storing(self, key: ObjectKey, stored: int | None = None) -> tuple[int, str] | None:
+        """(L1 size, layout) of a store of ``key`` in its backend call: the latest one whose
+        payload is ``stored`` bytes when given (overlapping stores of a key), else the latest."""
         with self._lock:
-            return self._storing.get(key)
+            entries = self._storing.get(key)
+            if not entries:
+                return None
+            if stored is not None:
+                for l1_size, layout, size in reversed(entries):
+                    if size == stored:
+                        return l1_size, layout
+            l1_size, layout, _ = entries[-1]
+            return l1_size, layout
 
     def l1_size_of(self, key: ObjectKey) -> int | None:
         """L1 size of a key being stored now, else of an accounted key; None if unknown."""
@@ -111,18 +135,28 @@ class AdapterState:
     def loading_begin(self, keys: Sequence[ObjectKey]) -> None:
         with self._lock:
             for key in keys:
-                self._loading[key] = ""
+                entry = self._loading.setdefault(key, [0, ""])
+                entry[0] += 1
 
     def note_layout(self, key: ObjectKey, layout: str) -> None:
         """A record of ``key`` was read, with ``layout``: kept if a load of it is running."""
         if layout:
             with self._lock:
-                if key in self._loading:
-                    self._loading[key] = layout
+                entry = self._loading.get(key)
+                if entry is not None:
+                    entry[1] = layout
 
     def loading_end(self, keys: Sequence[ObjectKey], loaded: Sequence[ObjectKey]) -> None:
         with self._lock:
-            layouts = {key: self._loading.pop(key, "") for key in keys}
+            layouts: dict[ObjectKey, str] = {}
+            for key in keys:
+                entry = self._loading.get(key)
+                if entry is None:
+                    continue
+                layouts[key] = entry[1]
+                entry[0] -= 1
+                if entry[0] <= 0:
+                    del self._loading[key]
             kept = self._loaded_layouts
             if len(kept) + len(loaded) > _LOADED_LAYOUTS_MAX:
                 kept.clear()  # loads nobody collected (no prefetch behind them)
