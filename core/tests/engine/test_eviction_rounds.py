@@ -7,7 +7,7 @@ controllers are driven by hand here (no thread), so each step is exactly one cyc
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 from l2_backends import DictBackend, Fifo, open_dict
@@ -132,6 +132,61 @@ def test_l2_evictions_before_a_policy_failure_are_counted() -> None:
         stored = len(list(adapter.iter_keys()))
         assert stored < BLOCKS
         assert controller.stats.adapter(0)["keys_evicted"] == BLOCKS - stored
+        assert controller.stats.failures()["l2_eviction_policy_error"] == 1
+    finally:
+        adapter.close()
+
+
+class FailingOnOneKey(Fifo):
+    """A policy that breaks whenever it is told about one key (a third-party bug)."""
+
+    def __init__(self, poison: ObjectKey) -> None:
+        super().__init__()
+        self.poison = poison
+
+    def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
+        if self.poison in keys:
+            raise RuntimeError("policy bug")
+        super().on_keys_written(keys)
+
+
+def test_an_l1_policy_failing_on_a_write_is_counted(l1: L1Manager) -> None:
+    keys = make_keys(BLOCKS)
+    controller = L1EvictionController(
+        l1, FailingOnOneKey(keys[-1]), trigger_watermark=WATERMARK, eviction_ratio=RATIO, stats=EngineStats(0)
+    )
+    l1.reserve_write(keys[:-1], [ALIGN] * (BLOCKS - 1))
+    l1.finish_write(keys[:-1])
+    l1.reserve_write(keys[-1:], [ALIGN])
+    l1.finish_write(keys[-1:])
+
+    assert controller.stats.failures()["l1_eviction_policy_error"] == 1
+
+
+def test_l2_eviction_goes_on_after_the_policy_failed_on_the_stored_keys() -> None:
+    size = 1000
+    adapter = open_dict(DictBackend, capacity=BLOCKS * size)
+    try:
+        client = BlockingAdapterClient(adapter)
+        before = make_keys(BLOCKS // 2)  # stored before the controller started
+        assert client.store(before, [memoryview(bytearray(size)) for _ in before]) == [True] * len(before)
+        config = L2EvictionConfig(trigger_watermark=WATERMARK, eviction_ratio=RATIO)
+        policy = FailingOnOneKey(before[0])
+        controller = L2EvictionController(AdapterSlot(0, "dict", adapter), policy, config, EngineStats(1))
+
+        controller.step(set())  # below the watermark: seeds the policy, which fails on the listing
+        assert controller.stats.failures()["l2_eviction_policy_error"] == 1
+        controller.step(set())  # the failure is not met again each cycle
+        assert controller.stats.failures()["l2_eviction_policy_error"] == 1
+
+        after = make_keys(BLOCKS)[BLOCKS // 2 :]
+        assert client.store(after, [memoryview(bytearray(size)) for _ in after]) == [True] * len(after)
+        assert adapter.usage() == 1.0
+        controller.step(set())
+
+        # the keys stored since are the policy's all the same, and evicted
+        assert adapter.usage() < WATERMARK
+        assert controller.stats.adapter(0)["keys_evicted"] > 0
         assert controller.stats.failures()["l2_eviction_policy_error"] == 1
     finally:
         adapter.close()

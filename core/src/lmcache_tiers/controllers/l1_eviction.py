@@ -32,17 +32,29 @@ class _PolicyFeed:
     def __init__(self, controller: L1EvictionController) -> None:
         self._controller = controller
 
+    # A policy that raises is counted here: the L1 table would only log it, and a write
+    # that crossed the watermark would not wake the controller.
+
     def on_l1_keys_written(self, keys: Sequence[ObjectKey]) -> None:
         controller = self._controller
-        controller.policy.on_keys_written(keys)
+        try:
+            controller.policy.on_keys_written(keys)
+        except Exception:
+            controller._policy_failed()
         if controller.l1.usage() >= controller.trigger_watermark:
             controller.wake()
 
     def on_l1_keys_read(self, keys: Sequence[ObjectKey]) -> None:
-        self._controller.policy.on_keys_read(keys)
+        try:
+            self._controller.policy.on_keys_read(keys)
+        except Exception:
+            self._controller._policy_failed()
 
     def on_l1_keys_deleted(self, keys: Sequence[ObjectKey]) -> None:
-        self._controller.policy.on_keys_removed(keys)
+        try:
+            self._controller.policy.on_keys_removed(keys)
+        except Exception:
+            self._controller._policy_failed()
 
 
 class L1EvictionController(ControllerThread):

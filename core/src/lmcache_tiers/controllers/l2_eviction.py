@@ -75,9 +75,18 @@ class L2EvictionController(ControllerThread):
 
     def _feed_locked(self, method: str, keys: Sequence[ObjectKey]) -> None:
         if self._seeded:
-            getattr(self.policy, method)(keys)
+            self._tell_policy(method, keys)
         else:
             self._early_events.append((method, list(keys)))
+
+    def _tell_policy(self, method: str, keys: Sequence[ObjectKey]) -> None:
+        """One event to the policy (policy lock held).  A policy that raises is counted and
+        the event is lost to it: raised out of ``_seed`` it would leave the policy unseeded
+        for good (no eviction, and every event queued in ``_early_events`` forever)."""
+        try:
+            getattr(self.policy, method)(keys)
+        except Exception:
+            self._policy_failed()
 
     def on_l2_keys_stored(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
         self._feed("on_keys_written", keys)
@@ -106,9 +115,9 @@ class L2EvictionController(ControllerThread):
             if self._seeded:
                 return  # another thread (a direct evict() call) got here first
             if existing:
-                self.policy.on_keys_written(existing)
+                self._tell_policy("on_keys_written", existing)
             for method, keys in self._early_events:
-                getattr(self.policy, method)(keys)
+                self._tell_policy(method, keys)
             self._early_events.clear()
             self._seeded = True
         if existing:
