@@ -257,7 +257,7 @@ def test_a_config_file_that_cannot_be_read_is_one_config_error(
         load_toml(str(latin1))
 
 
-@pytest.mark.parametrize("name", ["a/b", "..", ".", "x" * 201, "sp ace", ""])
+@pytest.mark.parametrize("name", ["a/b", "..", ".", "x" * 201, "sp ace", "", "seg\n"])
 def test_a_shared_memory_name_the_arena_refuses_is_a_config_error(
     registry: ComponentRegistry, name: str
 ) -> None:

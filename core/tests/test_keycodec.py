@@ -90,6 +90,9 @@ def test_long_unicode_names_get_digest_names() -> None:
         "%6D@0x00000001@0@ab",  # escapes a safe byte: not canonical
         "m%2@0x00000001@0@ab",
         "notes.txt",
+        "m%ED%A0%80@0x00000001@0@ab",  # a lone surrogate: no key can hold it
+        "m@0x00000001@0@ab@%ED%BF%BF",
+        "m%C0%AE@0x00000001@0@ab",  # overlong UTF-8
     ],
 )
 def test_foreign_or_non_canonical_names_are_not_keys(name: str) -> None:
@@ -104,3 +107,12 @@ def test_printable_escapes_control_characters_for_log_lines() -> None:
     assert printable("model\n2026-12-01 INFO forged") == "model\\n2026-12-01 INFO forged"
     assert printable("plain") == "plain"
     assert len(printable("x" * 500)) == 120
+
+
+def test_only_whole_digest_names_are_digest_names() -> None:
+    digest = key_to_name(ObjectKey("模" * MAX_MODEL_NAME_LEN, 0, b"\x01"))
+    assert is_digest_name(digest)
+    # ``$`` also matches before a final newline: a foreign "~<hex>\n" is no name of ours
+    # (a file store judges digest-named files by their header, and removes mismatches).
+    for foreign in (digest + "\n", digest + "x", digest[:-1], digest.upper(), "x" + digest):
+        assert not is_digest_name(foreign)

@@ -73,6 +73,8 @@ def test_salt_changes_identity() -> None:
         {"cache_salt": "a/b"},
         {"cache_salt": "a\x00"},
         {"cache_salt": "s" * 129},
+        {"model_name": "a\ud800"},  # a lone surrogate: no UTF-8 form, so no record header
+        {"cache_salt": "\udfff"},
         {"chunk_hash": b""},
         {"kv_rank": -1},
         {"object_group": 1 << 16},

@@ -42,3 +42,22 @@ def test_layout_of_tensors_arrays_and_bytes() -> None:
     assert layout_of(np.zeros(3, dtype=np.complex64)) == ""  # no layout name for it
     assert layout_of(b"raw bytes") == ""
     assert layout_of(memoryview(bytearray(8))) == ""
+
+
+@pytest.mark.parametrize("text", ["float16[2]\n", "float16[\u0662]", "float16[\uff14]"])
+def test_only_the_canonical_ascii_form_is_read(text: str) -> None:
+    # ``$`` matches before a final newline and ``\d`` matches any Unicode digit: neither
+    # is the form a writer produces, so neither is a layout.
+    with pytest.raises(ValueError):
+        TensorLayout.parse(text)
+    with pytest.raises(ValueError):
+        check_layout(text, 4)
+
+
+def test_non_native_byte_order_arrays_have_no_layout() -> None:
+    # A quantizing serde reads the bytes as native numbers: big-endian float16 bytes
+    # described as "float16" would be quantized as garbage.
+    swapped = np.zeros((2, 3), dtype=np.float16).astype(np.dtype(np.float16).newbyteorder())
+    assert not swapped.dtype.isnative
+    assert layout_of(swapped) == ""
+    assert layout_of(np.zeros(3, dtype=np.dtype(np.int8).newbyteorder())) == "int8[3]"  # one byte: no order

@@ -329,7 +329,7 @@ class ServerConfig(ComponentConfig):
 
 
 #: the name of a segment file in its directory (the L1 arena creates nothing else there)
-_SEGMENT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+_SEGMENT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}\Z")  # \Z: $ also matches before a final newline
 
 
 class FieldError(ValueError):

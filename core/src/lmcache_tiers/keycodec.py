@@ -43,7 +43,7 @@ NAME_MAX = 255
 #: first character of a digest name (a character no readable name starts with)
 DIGEST_PREFIX = "~"
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
-_DIGEST = re.compile(r"^~[0-9a-f]{32}$")
+_DIGEST = re.compile(r"~[0-9a-f]{32}")  # fullmatch: ``$`` would allow a final newline
 
 
 # Every load and lookup of a file store names its key's file, and nearly all keys share a
@@ -84,7 +84,8 @@ def _unescape(text: str) -> str | None:
         data.append(code)
         position += 1
     try:
-        decoded = data.decode("utf-8", "surrogatepass")
+        # Strict: escaped lone surrogates would make a key no record header can encode.
+        decoded = data.decode("utf-8")
     except UnicodeDecodeError:
         return None
     # Canonical form only: one key, one name (a name escaping a safe byte is not ours).
@@ -112,7 +113,7 @@ def key_to_name(key: ObjectKey, max_len: int = NAME_MAX) -> str:
 
 def is_digest_name(name: str) -> bool:
     """True for a name whose key must be read from the object's record header."""
-    return _DIGEST.match(name) is not None
+    return _DIGEST.fullmatch(name) is not None
 
 
 def name_to_key(name: str) -> ObjectKey | None:

@@ -57,6 +57,13 @@ def _check_name(field: str, value: str, limit: int, unsafe: re.Pattern[str], *, 
     if unsafe.search(value):
         characters = "'@' or NUL" if unsafe is _UNSAFE_MODEL else "'/', '\\', '@' or NUL"
         raise KeyValidationError(f"{field} {value!r} contains {characters}")
+    if not value.isascii():
+        # A lone surrogate has no UTF-8 form: such a key could not be encoded (to_bytes,
+        # record headers, digest names).
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise KeyValidationError(f"{field} {value!r} holds a lone surrogate") from None
 
 
 def _check_names(model_name: str, cache_salt: str) -> None:

@@ -46,7 +46,9 @@ FLOAT_DTYPES = frozenset(name for name in DTYPE_SIZES if name.startswith(("float
 #: longest layout string accepted from a client or a record
 MAX_LAYOUT_LEN = 256
 _MAX_DIMS = 8
-_PATTERN = re.compile(r"^([a-z0-9_]+)\[(\d+(?:,\d+)*)?\]$")
+# ASCII digits only, matched whole (``$`` would also match before a final newline): the
+# one form ``format`` writes.
+_PATTERN = re.compile(r"([a-z0-9_]+)\[(\d+(?:,\d+)*)?\]", re.ASCII)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +88,7 @@ class TensorLayout:
         """Read ``"dtype[d0,d1,...]"``; raises ValueError for anything else."""
         if len(text) > MAX_LAYOUT_LEN:
             raise ValueError(f"layout is {len(text)} characters long; at most {MAX_LAYOUT_LEN}")
-        match = _PATTERN.match(text)
+        match = _PATTERN.fullmatch(text)
         if match is None:
             raise ValueError(f"layout {text!r} is not of the form dtype[d0,d1,...]")
         dims = match.group(2)
@@ -151,6 +153,8 @@ def layout_of(buffer: object) -> str:
         dtype = str(buffer.dtype).removeprefix("torch.")
         shape = tuple(int(dim) for dim in buffer.shape)
     elif numpy is not None and isinstance(buffer, numpy.ndarray):
+        if not buffer.dtype.isnative:
+            return ""  # serdes read numbers in native byte order: these bytes are not
         dtype = _numpy_dtype_name(buffer.dtype)
         shape = buffer.shape  # a tuple of ints already
     else:

@@ -226,6 +226,27 @@ def test_stale_segments_of_dead_processes_are_removed() -> None:
         custom.unlink()
 
 
+def test_names_whose_pid_no_process_can_have_are_left_alone(tmp_path: Path) -> None:
+    # Anyone may create files in /dev/shm: a name whose "pid" overflows kill(2)'s pid_t, or
+    # is written in other digits, must neither stop start-up nor be taken for ours.
+    names = [
+        f"{SEGMENT_PREFIX}{10**12}_deadbeef",
+        f"{SEGMENT_PREFIX}{2**31}_deadbeef",
+        f"{SEGMENT_PREFIX}\u0661_ab",
+        f"{SEGMENT_PREFIX}999999999_ab\n",  # a dead pid (above any pid_max), but not our name
+    ]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    assert remove_stale_segments(str(tmp_path)) == []
+    assert all((tmp_path / name).exists() for name in names)
+
+
+def test_a_segment_name_ending_in_a_newline_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not allowed"):
+        L1Arena(MIB, name="segment\n", prefault=False, directory=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_pinning_without_torch_logs_and_continues(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -163,6 +163,17 @@ def test_stale_files_of_dead_processes_are_removed_at_start_up(
         custom.unlink()
 
 
+def test_a_block_file_name_with_an_impossible_pid_does_not_stop_start_up(nvme_dir: Path) -> None:
+    huge = nvme_dir / f"{FILE_PREFIX}{10**12}_deadbeef{FILE_SUFFIX}"  # overflows kill(2)'s pid_t
+    huge.write_bytes(b"x")
+    try:
+        with NvmeL1File(str(nvme_dir), ALIGN) as file:
+            assert Path(file.path).exists()
+        assert huge.exists()  # not a name this code creates: left alone
+    finally:
+        huge.unlink()
+
+
 def test_a_filesystem_without_o_direct_is_a_clear_error(
     nvme_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

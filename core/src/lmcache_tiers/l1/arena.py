@@ -41,8 +41,12 @@ from lmcache_tiers.tmpfs import SHM_DIR
 logger = logging.getLogger(__name__)
 
 SEGMENT_PREFIX = "lmcache_tiers_"
-_DEFAULT_NAME = re.compile(rf"^{SEGMENT_PREFIX}(\d+)_[0-9a-f]+$")
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+# The pid as this code writes it: ASCII, no leading zero, and short enough for kill(2)'s
+# pid_t (Linux pids stay below 2**22); anyone can create a file in /dev/shm, and a longer
+# "pid" made the reaping at start-up fail with OverflowError.  Both patterns end in \Z:
+# $ also matches before a final newline.
+_DEFAULT_NAME = re.compile(rf"^{SEGMENT_PREFIX}([1-9][0-9]{{0,8}})_[0-9a-f]+\Z")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}\Z")
 
 
 def default_segment_name() -> str:

@@ -44,7 +44,10 @@ logger = logging.getLogger(__name__)
 DIRECT_IO_ALIGN = 4096
 FILE_PREFIX = "lmcache_tiers_l1_"
 FILE_SUFFIX = ".blocks"
-_FILE_NAME = re.compile(rf"^{FILE_PREFIX}(\d+)_[0-9a-f]+{re.escape(FILE_SUFFIX)}$")
+# The pid as default_block_file_name writes it (ASCII, short enough for kill(2)'s pid_t):
+# a stray longer "pid" made the reaping at start-up fail with OverflowError.  \Z, not $,
+# which also matches before a final newline.
+_FILE_NAME = re.compile(rf"^{FILE_PREFIX}([1-9][0-9]{{0,8}})_[0-9a-f]+{re.escape(FILE_SUFFIX)}\Z")
 # Unaligned caller buffers are copied through bounce buffers of at most this size, so a
 # large object costs a bounded amount of extra memory per concurrent transfer.
 BOUNCE_BYTES = 4 << 20

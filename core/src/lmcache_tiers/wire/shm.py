@@ -41,7 +41,7 @@ import numpy as np
 from lmcache_tiers.tmpfs import SHM_DIR, TMPFS_MAGIC, fs_magic
 from lmcache_tiers.wire.pagetables import PageTables
 
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}\Z")  # \Z: $ also matches before a final newline
 
 #: Anything ``store`` accepts: bytes-likes, numpy arrays, torch CPU tensors.
 BufferLike = Any
