@@ -86,6 +86,12 @@ def test_the_bound_grows_with_capacity_and_stays_a_hit_rate(synthetic_trace: Tra
     assert values == sorted(values) and values[0] > 0.0 and values[-1] < 1.0
 
 
+def test_a_trace_of_empty_prompts_has_a_bound_of_zero(tmp_path: Path) -> None:
+    trace = read_trace(write_trace(tmp_path / "t.jsonl", [_line(index, []) for index in range(3)]))
+    sample = retime(trace, float(best_bandwidth(trace)), seed=1)
+    assert rate_bound(sample, [1, 8], trace.block_references) == {1: 0.0, 8: 0.0}
+
+
 def test_no_policy_beats_the_bound_on_average(synthetic_trace: Trace) -> None:
     # The bound holds in expectation: the mean over samples of what the policy told the
     # rates gets stays under the mean bound (it is the best policy we have for the model).
@@ -107,6 +113,14 @@ def test_the_rate_oracle_evicts_blocks_nobody_needs_first(synthetic_trace: Trace
     space = KeySpace()
     oracle.on_keys_written([space.key(shared), space.key(10**9)])  # a block no model knows
     assert list(oracle.victims()) == [space.key(10**9), space.key(shared)]
+
+
+@pytest.mark.timeout(60)
+def test_a_bandwidth_far_wider_than_the_trace_still_samples(synthetic_trace: Trace) -> None:
+    # moments many spans out fold back at once (past float precision they never did)
+    sample = retime(synthetic_trace, 1e20, seed=1)
+    span = len(synthetic_trace.requests)
+    assert sample.moments and all(0.0 <= moment < span for moment in sample.moments)
 
 
 def test_a_bandwidth_must_be_positive(synthetic_trace: Trace) -> None:

@@ -174,6 +174,14 @@ def test_an_in_process_replay_refuses_an_absurd_time_scale_before_it_starts() ->
         )
 
 
+def test_an_in_process_block_too_large_for_memory_is_one_clear_error() -> None:
+    # an L1 of a few such blocks passes the size checks; the one-block buffer cannot be had
+    with pytest.raises(ConfigError, match=r"--block-bytes .*does not fit in memory"):
+        inprocess.replay_in_process(
+            ServerConfig(l1_size_gb=1 / 64), _trace(0, 1000), ReplayOptions(block_bytes=1 << 50)
+        )
+
+
 def test_a_clients_seconds_run_from_the_shared_start(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = _FakeClock(100.0)
     monkeypatch.setattr(run, "time", clock)

@@ -1,5 +1,9 @@
 from itertools import pairwise
 
+import pytest
+from typer.testing import CliRunner
+
+from lmcache_tiers.cli.main import build_app
 from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.replay.belady import infinite
 from lmcache_tiers.replay.simulate import (
@@ -59,3 +63,24 @@ def test_default_capacities_reach_the_working_set(synthetic_trace: Trace) -> Non
     assert capacities[0] == 256
     assert capacities[-1] >= synthetic_trace.unique_blocks()
     assert all(b == 2 * a for a, b in pairwise(capacities))
+
+
+@pytest.mark.parametrize(
+    "option", [["--capacity", ""], ["--capacity", ",,"], ["--l2-capacity", " "], ["--policy", ""]]
+)
+def test_an_empty_simulation_option_is_refused_not_read_as_the_default(
+    synthetic_trace: Trace, option: list[str]
+) -> None:
+    app = build_app(with_plugin_commands=False)
+    result = CliRunner().invoke(app, ["replay", synthetic_trace.path, "--simulate", "--json", *option])
+    assert result.exit_code == 2, result.output
+    assert f"{option[0]} {option[1]!r} names nothing" in result.output
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_reads_per_hit_is_refused_not_simulated_for_ever(synthetic_trace: Trace) -> None:
+    app = build_app(with_plugin_commands=False)
+    command = ["replay", synthetic_trace.path, "--simulate", "--json", "--capacity", "8"]
+    result = CliRunner().invoke(app, [*command, "--reads-per-hit", str(10**20)])
+    assert result.exit_code == 2, result.output
+    assert "--reads-per-hit" in result.output

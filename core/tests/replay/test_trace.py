@@ -67,6 +67,15 @@ def test_prefix_tokens_count_a_partial_last_block() -> None:
             '{"timestamp": 1' + "0" * 400 + ', "input_length": 5, "output_length": 1, "hash_ids": [1]}',
             "line 2: Number out of range",
         ),
+        # a length no request has: it would silently drown every token hit rate
+        (
+            '{"timestamp": 0, "input_length": 1' + "0" * 400 + ', "output_length": 1, "hash_ids": [1]}',
+            "line 2: input_length and output_length must not exceed",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 5, "output_length": 18446744073709551616, "hash_ids": [1]}',
+            "line 2: input_length and output_length must not exceed",
+        ),
     ],
 )
 def test_a_bad_line_is_named(tmp_path: Path, content: str, message: str) -> None:
@@ -95,6 +104,13 @@ def test_missing_empty_and_directory_traces(tmp_path: Path) -> None:
         read_trace(tmp_path / "empty.jsonl")
     with pytest.raises(TraceError, match="is a directory"):
         read_trace(tmp_path)
+
+
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux's /proc")
+def test_a_read_error_names_the_file_and_line() -> None:
+    # /proc/self/mem opens but fails to read (EIO), as a failing disk does
+    with pytest.raises(TraceError, match="/proc/self/mem line 1: cannot read"):
+        read_trace("/proc/self/mem")
 
 
 def test_limit_reads_only_the_head(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import typer
 from lmcache_tiers.cli.commands_server import MAX_TIMEOUT_S, WAIT_TIMEOUT_HELP, server_url
 from lmcache_tiers.cli.output import fail, stderr, stdout
 from lmcache_tiers.config import ServerConfig
+from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.replay.trace import REPLAY_MODEL, REPLAY_SALT
 
 REPLAY_HELP = (
@@ -29,6 +30,8 @@ REPLAY_HELP = (
 )
 
 DEFAULT_URL = "tcp://127.0.0.1:5555"
+#: the most reads of a hit prefix per request a simulation takes (an engine takes two or three)
+MAX_READS_PER_HIT = 64
 
 _D = ServerConfig()
 
@@ -90,8 +93,12 @@ def _finite(value: float | None) -> float | None:
     return value
 
 
-def _split(values: list[str] | None) -> list[str]:
-    return [part.strip() for value in values or [] for part in value.split(",") if part.strip()]
+def _split(values: list[str] | None, flag: str | None = None) -> list[str]:
+    parts = [part.strip() for value in values or [] for part in value.split(",") if part.strip()]
+    if flag is not None and values and not parts:
+        # An empty value (an unset variable) is a mistake, not a request for the defaults.
+        raise ConfigError(f"{flag} {values[0]!r} names nothing; leave it out for the default")
+    return parts
 
 
 def replay(
@@ -130,7 +137,11 @@ def replay(
     ] = None,
     l2_policy: Annotated[str, typer.Option(help="Eviction policy of the simulated L2.")] = "LRU",
     reads_per_hit: Annotated[
-        int, typer.Option(min=1, help="Reads of each hit prefix per request (LOOKUP + RETRIEVE = 2).")
+        int,
+        # bounded: the simulation repeats each read, so a huge count would run for ever
+        typer.Option(
+            min=1, max=MAX_READS_PER_HIT, help="Reads of each hit prefix per request (LOOKUP + RETRIEVE = 2)."
+        ),
     ] = 2,
     plot: Annotated[
         Optional[str],
@@ -271,12 +282,11 @@ def replay(
 
 
 def _analysis_options(foresight: list[str] | None, seed: int | None, bandwidth: int | None) -> Any:
-    from lmcache_tiers.errors import ConfigError
     from lmcache_tiers.replay.analysis import AnalysisOptions
     from lmcache_tiers.replay.foresight import parse_horizons
 
     try:
-        horizons = parse_horizons(_split(foresight))
+        horizons = parse_horizons(_split(foresight, "--foresight"))
     except ValueError as exc:
         raise ConfigError(f"--foresight: {exc}") from None
     if bandwidth is not None and seed is None:
@@ -325,7 +335,6 @@ def _simulate(
     as_json: bool,
     analysis_options: Any,
 ) -> None:
-    from lmcache_tiers.errors import ConfigError
     from lmcache_tiers.plugins import load_registry
     from lmcache_tiers.registry import Kind
     from lmcache_tiers.replay.analysis import prepare
@@ -350,7 +359,7 @@ def _simulate(
         check_plot_path(plot)  # before the simulation, which may take minutes
     registry = load_registry()
     extent = extent_bytes(block_bytes, 4096)
-    l1_specs, l2_specs = _split(capacity), _split(l2_capacity)
+    l1_specs, l2_specs = _split(capacity, "--capacity"), _split(l2_capacity, "--l2-capacity")
     capacities = [parse_capacity(spec).in_blocks(extent) for spec in l1_specs] or default_capacities(trace)
     l2_capacities: list[int | None] | None = None
     if l2_specs:
@@ -369,7 +378,7 @@ def _simulate(
         raise ConfigError(f"--eviction-ratio must be in (0, 1], got {ratio}")
     analysis = prepare(trace, analysis_options)
     trace = analysis.trace
-    factories = {**policy_factories(registry, _split(policy) or None), **analysis.factories}
+    factories = {**policy_factories(registry, _split(policy, "--policy") or None), **analysis.factories}
     l2_component = registry.get(Kind.EVICTION_POLICY, l2_policy)
     l2_factory = policy_factories(registry, [l2_component.name])[l2_component.name]
     settings = TierSettings(
@@ -436,7 +445,6 @@ def _in_process(
 ) -> None:
     from lmcache_tiers.cli.serve_cmd import name_flag
     from lmcache_tiers.config import build_config, file_fields, load_toml
-    from lmcache_tiers.errors import ConfigError
     from lmcache_tiers.plugins import load_registry
     from lmcache_tiers.replay.capacity import l1_size_for_blocks
     from lmcache_tiers.replay.inprocess import replay_in_process

@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from lmcache_tiers.config import ServerConfig
-from lmcache_tiers.errors import L1OutOfMemoryError
+from lmcache_tiers.errors import ConfigError, L1OutOfMemoryError
 from lmcache_tiers.registry import ComponentRegistry
 from lmcache_tiers.replay.run import (
     ClientState,
@@ -98,7 +98,15 @@ def replay_in_process(
     check_pacing(trace, options.time_scale)
     state = ClientState.for_options(options)
     totals = state.totals
-    scratch = np.zeros(options.block_bytes, dtype=np.uint8).data
+    try:
+        scratch = np.zeros(options.block_bytes, dtype=np.uint8).data
+    except MemoryError:
+        # An L1 of a few such blocks passes the size checks, yet one block may not fit in
+        # this machine's memory: one clear error, not a numpy traceback.
+        raise ConfigError(
+            f"--block-bytes {options.block_bytes}: a buffer of one block does not fit in memory; "
+            "give smaller blocks"
+        ) from None
     with StorageManager(config, registry) as storage:
         before = storage.status()
         began = time.perf_counter()

@@ -147,10 +147,17 @@ class Retimed:
 
 
 def _reflect(moment: float, span: float) -> float:
-    while not 0.0 <= moment < span:
-        moment = -moment if moment < 0.0 else 2.0 * span - moment
-        if moment == span:
-            moment = math.nextafter(span, 0.0)
+    # Folded in one step, not reflected once per span: with a bandwidth far wider than the
+    # trace, a moment many spans out would take that many steps (or, past float precision,
+    # never leave the loop).
+    period = 2.0 * span
+    moment = math.fmod(moment, period)
+    if moment < 0.0:
+        moment += period
+    if moment >= span:
+        moment = period - moment
+    if moment >= span:  # exactly on the far edge, which the span excludes
+        moment = math.nextafter(span, 0.0)
     return moment
 
 
@@ -236,6 +243,8 @@ def rate_bound(sample: Retimed, capacities: Sequence[int], expected_references: 
                 room = capacity - (held[whole - 1] if whole else 0.0)
                 value += float(rates[order[whole]]) * min(room, sizes[whole])
             totals[capacity] += value * model.cell
+    if not expected_references:
+        return dict.fromkeys(capacities, 0.0)  # a trace of empty prompts: nothing to hit
     return {capacity: total / expected_references for capacity, total in totals.items()}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 
@@ -19,6 +20,10 @@ REPLAY_SALT = "replay"
 #: the largest timestamp magnitude (ms) a trace may hold: past 2**53 a float no longer
 #: tells whole milliseconds apart, and pacing's arithmetic on such values overflows
 MAX_TIMESTAMP_MS = float(2**53)
+#: the largest input_length or output_length accepted: a prompt length past 2**53 tokens is
+#: no real request, and one such line would drown every token hit rate (and reach --json as
+#: an integer its readers cannot hold)
+MAX_LENGTH = 2**53
 #: the longest trace line read (a request of a million tokens is some 20 KB): a file with no
 #: line ends, such as /dev/zero, must end in an error, not in reading for ever
 MAX_LINE_BYTES = 16 << 20
@@ -117,6 +122,8 @@ def _parse_line(raw: bytes, where: str) -> TraceRequest:
         raise TraceError(f"{where}: not a JSON object ({exc})") from None
     if line.input_length < 0 or line.output_length < 0:
         raise TraceError(f"{where}: input_length and output_length must not be negative")
+    if line.input_length > MAX_LENGTH or line.output_length > MAX_LENGTH:
+        raise TraceError(f"{where}: input_length and output_length must not exceed 2**53")
     # Negative and out-of-order timestamps are fine (pacing sends a request that is
     # already due at once); only magnitudes no clock can wait for are refused.
     if not -MAX_TIMESTAMP_MS <= line.timestamp <= MAX_TIMESTAMP_MS:
@@ -125,6 +132,13 @@ def _parse_line(raw: bytes, where: str) -> TraceRequest:
         if not 0 <= block < 1 << 64:
             raise TraceError(f"{where}: hash id {block} is outside 0..2**64-1")
     return TraceRequest(line.timestamp, line.input_length, line.output_length, _unique_prefix(line.hash_ids))
+
+
+def _read_line(handle: BinaryIO, name: str, number: int) -> bytes:
+    try:
+        return handle.readline(MAX_LINE_BYTES + 2)
+    except OSError as exc:  # a failing disk or a file that cannot be read (EIO, EISDIR...)
+        raise TraceError(f"{name} line {number}: cannot read: {exc.strerror or exc}") from None
 
 
 def iter_trace(path: str | Path) -> Iterator[TraceRequest]:
@@ -141,7 +155,7 @@ def iter_trace(path: str | Path) -> Iterator[TraceRequest]:
     with handle:
         number = 0
         # One byte past the limit and its line end: a line of exactly the limit is read whole.
-        while raw := handle.readline(MAX_LINE_BYTES + 2):
+        while raw := _read_line(handle, name, number + 1):
             number += 1
             if len(raw.rstrip(b"\r\n")) > MAX_LINE_BYTES:
                 raise TraceError(
