@@ -100,3 +100,111 @@ def test_every_hookspec_is_documented() -> None:
     for name in specs:
         doc = getattr(hookspecs, name).__doc__ or ""
         assert len(doc.split()) > 10, f"{name} needs a docstring saying when it runs"
+
+
+def test_registry_rejects_a_factory_that_is_neither_callable_nor_a_string() -> None:
+    adder = ComponentRegistry().for_plugin(Kind.SERDE, "p")
+    with pytest.raises(PluginError, match=r"plugin 'p'.*serde:x.*'module:attr'"):
+        adder.add("x", None)  # type: ignore[arg-type]
+
+
+def test_factory_module_failing_on_import_is_a_load_error_naming_the_plugin(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "tiers_boom_on_import.py").write_text("raise RuntimeError('no GPU here')\n")  # type: ignore[operator]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    adder = ComponentRegistry().for_plugin(Kind.SERDE, "p")
+    adder.add("boom", "tiers_boom_on_import:make")
+    adder.add("nomodule", ":make")
+    registry = adder._owner
+    with pytest.raises(ComponentLoadError, match=r"serde:boom from plugin 'p'.*RuntimeError: no GPU here"):
+        registry.get(Kind.SERDE, "boom").load()
+    with pytest.raises(ComponentLoadError, match=r"serde:nomodule from plugin 'p'"):
+        registry.get(Kind.SERDE, "nomodule").load()
+
+
+def test_failing_entry_point_keeps_its_sibling_of_the_same_distribution(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lmcache_tiers import plugins
+    from lmcache_tiers.plugins import PluginInfo
+
+    broken = types.ModuleType("broken")
+
+    @hookimpl
+    def tiers_register_serdes(registry):  # type: ignore[no-untyped-def]
+        raise RuntimeError("boom")
+
+    broken.tiers_register_serdes = tiers_register_serdes  # type: ignore[attr-defined]
+    modules = {"a_good": make_module("a_good"), "b_broken": broken}
+    monkeypatch.setattr(
+        plugins,
+        "_entry_point_infos",
+        lambda: [(None, PluginInfo(name, "lmcache-plugin-pair", "1.0", name)) for name in modules],
+    )
+    monkeypatch.setattr(plugins, "_load_modules", lambda infos: dict(modules))
+    plugin_set = discover()
+    statuses = {p.name: p.status for p in plugin_set.plugins}
+    assert statuses == {"a_good": "ok", "b_broken": "error: RuntimeError: boom"}
+    # what the healthy entry point registered is still there
+    assert plugin_set.registry.get(Kind.L2_ADAPTER, "demo").plugin == "lmcache-plugin-pair"
+
+
+def test_policy_whose_config_fails_to_build_is_a_config_error_naming_it() -> None:
+    import msgspec
+
+    from lmcache_tiers.errors import ConfigError
+    from lmcache_tiers.storage_wiring import build_policy
+
+    class BrokenConfig(msgspec.Struct):
+        def __post_init__(self) -> None:
+            raise ValueError("bad default")
+
+    registry = ComponentRegistry()
+    registry.for_plugin(Kind.EVICTION_POLICY, "lmcache-plugin-odd").add("odd", "json:dumps", BrokenConfig)
+    with pytest.raises(ConfigError, match=r"eviction_policy:odd.*lmcache-plugin-odd.*bad default"):
+        build_policy(registry, Kind.EVICTION_POLICY, "odd")
+
+
+def test_entry_point_module_failing_an_assert_is_reported_not_raised(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # stevedore hands an Exception to the failure callback but re-raises AssertionError.
+    module = "tiers_asserting_plugin"
+    dist = tmp_path / f"{module}-1.0.dist-info"  # type: ignore[operator]
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[lmcache_tiers]\nasserting = {module}\n")
+    (tmp_path / f"{module}.py").write_text("assert False, 'needs a GPU'\n")  # type: ignore[operator]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from stevedore import ExtensionManager
+
+    monkeypatch.setattr(ExtensionManager, "ENTRY_POINT_CACHE", {})  # scanned once per process
+    plugin_set = discover()
+    statuses = {p.name: p.status for p in plugin_set.plugins}
+    assert statuses["asserting"] == "error: AssertionError: needs a GPU"
+    assert statuses["frontend-native"] == "ok"
+
+
+def test_two_distributions_naming_the_same_entry_point_are_both_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lmcache_tiers import plugins
+    from lmcache_tiers.plugins import PluginInfo
+
+    monkeypatch.setattr(
+        plugins,
+        "_entry_point_infos",
+        lambda: [
+            (None, PluginInfo("twin", "lmcache-plugin-one", "1.0", "one")),
+            (None, PluginInfo("twin", "lmcache-plugin-two", "1.0", "two")),
+        ],
+    )
+    monkeypatch.setattr(plugins, "_load_modules", lambda infos: {"twin": make_module("twin")})
+    plugin_set = discover()
+    twins = [p for p in plugin_set.plugins if p.name == "twin"]
+    assert len(twins) == 2
+    for twin in twins:
+        assert twin.error is not None
+        assert "lmcache-plugin-one" in twin.error and "lmcache-plugin-two" in twin.error
+    assert plugin_set.registry.names(Kind.L2_ADAPTER) == []

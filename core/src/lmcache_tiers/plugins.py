@@ -110,14 +110,26 @@ def _load_modules(infos: dict[str, PluginInfo]) -> dict[str, ModuleType]:
         log.debug("plugin %s failed to load: %s", entry_point.name, exc)
 
     # Named loading imports only the enabled entry points: a disabled plugin that would
-    # crash on import is never imported at all.
-    extensions = NamedExtensionManager(
-        namespace=ENTRY_POINT_GROUP,
-        names=[name for name, info in infos.items() if not info.disabled],
-        invoke_on_load=False,
-        on_load_failure_callback=on_failure,
-    )
-    return {ext.name: cast(ModuleType, ext.plugin) for ext in extensions.extensions}
+    # crash on import is never imported at all.  One manager per plugin: stevedore reports
+    # an ``Exception`` through the callback but re-raises ``AssertionError`` (and cannot
+    # catch ``SystemExit``), which would otherwise abort the loading of every plugin.
+    modules: dict[str, ModuleType] = {}
+    for name, info in infos.items():
+        if info.disabled:
+            continue
+        try:
+            extensions = NamedExtensionManager(
+                namespace=ENTRY_POINT_GROUP,
+                names=[name],
+                invoke_on_load=False,
+                on_load_failure_callback=on_failure,
+            )
+        except (AssertionError, SystemExit) as exc:
+            info.error = f"{type(exc).__name__}: {exc}"
+            log.debug("plugin %s failed to load: %s", name, exc)
+            continue
+        modules.update((ext.name, cast(ModuleType, ext.plugin)) for ext in extensions.extensions)
+    return modules
 
 
 def _drop_plugins_with_unknown_hooks(manager: pluggy.PluginManager, ordered: list[PluginInfo]) -> None:
@@ -138,6 +150,9 @@ def _drop_plugins_with_unknown_hooks(manager: pluggy.PluginManager, ordered: lis
 def _run_registration(manager: pluggy.PluginManager, registry: ComponentRegistry, info: PluginInfo) -> None:
     """Call one plugin's registration hooks; on failure undo what it registered."""
     plugin = manager.get_plugin(info.name)
+    # Components are owned by distribution, and one distribution may name several entry
+    # points: only what this entry point added is undone or listed as its own.
+    before = {id(c) for c in registry.components()}
     try:
         for hook_name, kind in REGISTRATION_HOOKS.items():
             function = getattr(plugin, hook_name, None)
@@ -145,11 +160,11 @@ def _run_registration(manager: pluggy.PluginManager, registry: ComponentRegistry
                 continue
             function(registry=registry.for_plugin(kind, info.distribution))
     except Exception as exc:  # a plugin bug must not take the others down
-        registry.remove_plugin(info.distribution)
+        registry.remove_plugin(info.distribution, keep=before)
         info.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, PluginError) else str(exc)
         manager.unregister(name=info.name)
         return
-    info.components = [c.qualified_name for c in registry.components() if c.plugin == info.distribution]
+    info.components = [c.qualified_name for c in registry.components() if id(c) not in before]
 
 
 def discover(extra_plugins: dict[str, ModuleType] | None = None) -> PluginSet:
@@ -158,17 +173,31 @@ def discover(extra_plugins: dict[str, ModuleType] | None = None) -> PluginSet:
     registry = ComponentRegistry()
     disabled = disabled_names()
     pairs = _entry_point_infos()
-    infos = {info.name: info for _, info in pairs}
-    for info in infos.values():
+    infos: dict[str, PluginInfo] = {}
+    # Two distributions using one entry-point name cannot be told apart when loading:
+    # both are refused and listed, rather than one of them silently shadowing the other.
+    clashing: list[PluginInfo] = []
+    for _, info in pairs:
         info.disabled = info.name.lower() in disabled or info.distribution.lower() in disabled
-    modules = _load_modules(infos)
+        first = infos.setdefault(info.name, info)
+        if first is not info:
+            clashing.append(info)
+            for each in (first, info):
+                each.error = (
+                    f"entry point {info.name!r} is provided by both {first.distribution!r} "
+                    f"and {info.distribution!r}; uninstall one of them"
+                )
+    modules = _load_modules({name: info for name, info in infos.items() if not info.error})
     for name, module in (extra_plugins or {}).items():
         infos[name] = PluginInfo(name, name, "", module.__name__)
         modules[name] = module
 
-    ordered = [infos[name] for name in sorted(infos)]
+    ordered = sorted([*infos.values(), *clashing], key=lambda info: info.name)
     for info in ordered:
         loaded = modules.get(info.name)
+        if loaded is None and not info.disabled and not info.error:
+            # Listed by the metadata but not loaded (a stale entry-point scan): never "ok".
+            info.error = "its entry point was not loaded; restart the process"
         if loaded is None or info.disabled or info.error:
             continue
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, cast
@@ -76,6 +76,13 @@ class Component:
                 f"{self.qualified_name} from plugin {self.plugin!r} points at "
                 f"{self.factory!r}, which does not exist: {exc}"
             ) from exc
+        except Exception as exc:
+            # A module that fails while importing (no GPU, a syntax error, an empty module
+            # name) is the plugin's fault: one line naming it, not a traceback.
+            raise ComponentLoadError(
+                f"{self.qualified_name} from plugin {self.plugin!r} failed to import "
+                f"{self.factory!r}: {type(exc).__name__}: {exc}"
+            ) from exc
         self._loaded = cast(Callable[..., Any], obj)
         return self._loaded
 
@@ -107,6 +114,11 @@ class KindRegistry:
             raise PluginError(
                 f"plugin {self.plugin!r}: config of {self.kind.value}:{name} must be a msgspec.Struct"
             )
+        if not isinstance(factory, str) and not callable(factory):
+            raise PluginError(
+                f"plugin {self.plugin!r}: factory of {self.kind.value}:{name} must be "
+                f"a callable or 'module:attr', got {type(factory).__name__}"
+            )
         if isinstance(factory, str) and ":" not in factory:
             raise PluginError(
                 f"plugin {self.plugin!r}: factory of {self.kind.value}:{name} must be "
@@ -135,10 +147,11 @@ class ComponentRegistry:
             )
         self._by_kind[component.kind][component.name.lower()] = component
 
-    def remove_plugin(self, plugin: str) -> None:
-        """Forget everything one plugin registered (used when its hooks fail midway)."""
+    def remove_plugin(self, plugin: str, keep: Collection[int] = ()) -> None:
+        """Forget everything one plugin registered (used when its hooks fail midway),
+        except the components whose ``id`` is in ``keep``."""
         for components in self._by_kind.values():
-            for key in [k for k, c in components.items() if c.plugin == plugin]:
+            for key in [k for k, c in components.items() if c.plugin == plugin and id(c) not in keep]:
                 del components[key]
 
     def names(self, kind: Kind) -> list[str]:

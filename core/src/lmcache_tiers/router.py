@@ -327,6 +327,7 @@ class RouterLoop:
         sock = self.socket
         identity = frames[0]
         last = len(frames) - 1
+        index = 0
         try:
             if last == 1 and type(frames[1]) is bytes and len(frames[1]) < _ZERO_COPY_BYTES:
                 # The usual reply, a header alone: no per-frame tests.
@@ -351,4 +352,15 @@ class RouterLoop:
                 logger.info("%s: dropped a reply to %s: the client is gone", self.name, identity.hex())
             else:
                 logger.warning("%s: dropped a reply to %s: %s", self.name, identity.hex(), exc)
+        except Exception:
+            # A frame libzmq cannot take (a bad type, a released buffer).  Frames already
+            # sent leave a message open: it is ended here, or the next reply's frames would
+            # join it and go to this client instead of their own.
+            if index > 0:
+                with contextlib.suppress(zmq.ZMQError):
+                    _raw_send(sock, b"", _NOBLOCK)
+            self.stats.failure("reply_dropped")
+            logger.exception(
+                "%s: dropped a reply to %s: a frame could not be sent", self.name, identity.hex()
+            )
         return False

@@ -45,6 +45,12 @@ def build_policy(registry: ComponentRegistry, kind: Kind, name: str) -> Any:
         raise ConfigError(
             f"{component.qualified_name} needs configuration it cannot get from a flag: {exc}"
         ) from exc
+    except Exception as exc:
+        # A config Struct that cannot even build its defaults is the plugin's bug.
+        raise ConfigError(
+            f"{component.qualified_name} from plugin {component.plugin!r} cannot build its "
+            f"default configuration: {type(exc).__name__}: {exc}"
+        ) from exc
     return component.create(config)
 
 

@@ -1,0 +1,55 @@
+"""RouterLoop's reply plumbing, driven directly over a real ROUTER socket."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from lmcache_tiers.frontend import FrontendStats
+from lmcache_tiers.router import RouterLoop
+
+
+@pytest.fixture
+def loop() -> Iterator[RouterLoop]:
+    router = RouterLoop(
+        "tcp://127.0.0.1:0",
+        name="t",
+        stats=FrontendStats(),
+        pool_workers=1,
+        max_frame_bytes=1 << 20,
+        sweep_interval_s=0.05,
+        drain_timeout_s=1.0,
+    )
+    yield router
+    router.close()
+
+
+def test_a_reply_failing_midway_never_reaches_another_client(loop: RouterLoop) -> None:
+    context = zmq.Context()
+    try:
+        clients = []
+        for _ in range(2):
+            client = context.socket(zmq.DEALER)
+            client.setsockopt(zmq.RCVTIMEO, 1000)
+            client.connect(loop.endpoint)
+            clients.append(client)
+        first, second = clients
+        first.send(b"one")
+        identity_first, _ = loop.socket.recv_multipart()
+        second.send(b"two")
+        identity_second, _ = loop.socket.recv_multipart()
+        # The third frame is not something libzmq can send: the identity and header are
+        # already queued when it fails.
+        assert loop.send([identity_first, b"header", "not bytes"]) is False
+        assert loop.stats.failures["reply_dropped"] == 1
+        assert loop.send([identity_second, b"for the second client"]) is True
+        assert second.recv_multipart() == [b"for the second client"]
+        # the first client gets at most its own truncated reply, never the other's frames
+        first.setsockopt(zmq.RCVTIMEO, 200)
+        with pytest.raises(zmq.Again):
+            while True:
+                assert b"for the second client" not in first.recv_multipart()
+    finally:
+        context.destroy(0)
