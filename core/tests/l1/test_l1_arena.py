@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import gc
 import logging
 import mmap
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -18,6 +21,7 @@ import pytest
 from lmcache_tiers.errors import ConfigError, TiersError
 from lmcache_tiers.l1 import L1Arena, default_segment_name, remove_stale_segments
 from lmcache_tiers.l1.arena import SEGMENT_PREFIX
+from lmcache_tiers.l1.stale import hold_as_creator
 
 MIB = 1 << 20
 
@@ -224,6 +228,103 @@ def test_stale_segments_of_dead_processes_are_removed() -> None:
     finally:
         stale.unlink(missing_ok=True)
         custom.unlink()
+
+
+def _dead_pid() -> int:
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
+    return int(dead.stdout)
+
+
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+def test_a_live_segment_whose_pid_another_namespace_cannot_see_is_left_alone(tmp_path: Path) -> None:
+    # Two servers in containers sharing /dev/shm but not a pid namespace: the one starting
+    # sees a segment whose pid does not exist for it.  Its creator's lock says it is alive.
+    if not _unshare_works():
+        pytest.skip("needs `unshare --pid` (root) to run the start-up reaping in another pid namespace")
+    with L1Arena(MIB, prefault=False, directory=str(tmp_path)) as live:
+        code = (
+            "import logging, sys; from lmcache_tiers.l1 import remove_stale_segments; "
+            "logging.basicConfig(level=logging.INFO); print(remove_stale_segments(sys.argv[1]))"
+        )
+        result = subprocess.run(
+            ["unshare", "--pid", "--fork", sys.executable, "-c", code, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert result.stdout.strip() == "[]", result.stderr
+        assert Path(live.path).exists()
+        assert "its creator still holds it" in result.stderr
+    assert list(tmp_path.iterdir()) == []  # and its creator still removes it
+
+
+def test_a_name_of_a_dead_pid_held_by_a_live_creator_is_left_alone(tmp_path: Path) -> None:
+    # The same file under a name whose pid is dead here (a hard link shares the lock).
+    with L1Arena(MIB, prefault=False, directory=str(tmp_path)) as live:
+        other = tmp_path / f"{SEGMENT_PREFIX}{_dead_pid()}_abcdef01"
+        os.link(live.path, other)
+        assert remove_stale_segments(str(tmp_path)) == []
+        assert other.exists()
+        other.unlink()
+
+
+def test_a_fifo_named_like_a_dead_segment_does_not_hang_start_up(tmp_path: Path) -> None:
+    fifo = tmp_path / f"{SEGMENT_PREFIX}{_dead_pid()}_abcdef01"
+    os.mkfifo(fifo)
+    assert remove_stale_segments(str(tmp_path)) == [fifo.name]
+    assert not fifo.exists()
+
+
+def test_another_users_stale_segment_is_left_with_a_line_not_a_crash() -> None:
+    # In the sticky /dev/shm a segment of another user can neither be opened nor unlinked:
+    # start-up goes on and says why the file stays.
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the start-up reaping as another user")
+    shared = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        shared.chmod(0o1777)
+        stale = shared / f"{SEGMENT_PREFIX}{_dead_pid()}_abcdef01"
+        stale.write_bytes(b"x")
+        stale.chmod(0o600)
+        code = (
+            "import logging, os, sys; from lmcache_tiers.l1 import remove_stale_segments; "
+            "logging.basicConfig(level=logging.INFO); os.setgid(65534); os.setuid(65534); "
+            "print(remove_stale_segments(sys.argv[1]))"
+        )
+        result = subprocess.run([sys.executable, "-c", code, str(shared)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == "[]"
+        assert "not removable by this process" in result.stderr
+        assert stale.exists()
+    finally:
+        shutil.rmtree(shared)
+
+
+def test_a_new_segment_taken_for_stale_before_its_lock_is_an_error(tmp_path: Path) -> None:
+    # The moment between the O_EXCL create and the creator's lock: a reaper holding the
+    # file's lock (or having unlinked it) makes the creation fail, never a segment no
+    # client can open by name.
+    path = tmp_path / "fresh"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    reaper = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(reaper, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(TiersError, match="removed as stale"):
+            hold_as_creator(fd, str(path))
+        path.unlink()
+        os.close(reaper)
+        with pytest.raises(TiersError, match="removed as stale"):
+            hold_as_creator(fd, str(path))
+    finally:
+        os.close(fd)
 
 
 def test_names_whose_pid_no_process_can_have_are_left_alone(tmp_path: Path) -> None:

@@ -163,6 +163,21 @@ def test_stale_files_of_dead_processes_are_removed_at_start_up(
         custom.unlink()
 
 
+def test_a_live_file_whose_pid_is_not_visible_here_is_left_alone(nvme_dir: Path) -> None:
+    # A server in another pid namespace sharing the directory: its pid means nothing here,
+    # the lock its file holds does (the file under a dead pid's name: a hard link).
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
+    with NvmeL1File(str(nvme_dir), ALIGN) as file:
+        other = nvme_dir / f"{FILE_PREFIX}{int(dead.stdout)}_deadbeef{FILE_SUFFIX}"
+        os.link(file.path, other)
+        assert remove_stale_block_files(str(nvme_dir)) == []
+        assert other.exists()
+        other.unlink()
+    assert block_files(nvme_dir) == []
+
+
 def test_a_block_file_name_with_an_impossible_pid_does_not_stop_start_up(nvme_dir: Path) -> None:
     huge = nvme_dir / f"{FILE_PREFIX}{10**12}_deadbeef{FILE_SUFFIX}"  # overflows kill(2)'s pid_t
     huge.write_bytes(b"x")

@@ -5,8 +5,9 @@ local clients can open, so an engine on the same host copies KV bytes straight i
 of the arena (one copy each way, nothing through the socket); on a tmpfs that offers huge
 pages it is on them (:mod:`lmcache_tiers.l1.segment`).  The file is created with
 ``O_EXCL`` and unlinked by its creator on ``close()``, at garbage collection or at
-interpreter exit, whichever comes first; names carry the creator's pid so
-:func:`remove_stale_segments` can reap what a killed server left behind.
+interpreter exit, whichever comes first; names carry the creator's pid, and the creator
+holds a lock on the file for its life, so :func:`remove_stale_segments` can reap what a
+killed server left behind and nothing else (:mod:`lmcache_tiers.l1.stale`).
 
 Behind the object bytes the segment may carry a **generation table**: one native-endian
 uint64 per ``generation_block`` bytes of arena, bumped by the L1 manager each time an
@@ -159,14 +160,18 @@ def _release(
     path: str | None,
     owner_pid: int,
     pinned_at: int | None,
+    lock_fd: int | None,
     own_views: tuple[memoryview, ...] = (),
 ) -> None:
-    """Finalizer: unpin, unmap and (for the creating process only) unlink the segment.
+    """Finalizer: unpin, unmap and (for the creating process only) unlink the segment,
+    then close the descriptor holding the creator's lock (after the unlink, so the name
+    never exists unlocked while its creator lives).
 
     Must not reference the arena object, or the arena could never be collected; it holds
     the arena's own views (``own_views``) instead, released first, so an arena collected
     without ``close`` unmaps cleanly.  A forked child inherits the finalizer; the pid
-    check keeps it from unlinking its parent's segment.
+    check keeps it from unlinking its parent's segment (closing its copy of the
+    descriptor leaves the parent's lock in place).
     """
     for view in own_views:
         with contextlib.suppress(BufferError):
@@ -182,6 +187,8 @@ def _release(
             os.unlink(path)
         except FileNotFoundError:
             pass
+    if lock_fd is not None:
+        os.close(lock_fd)
 
 
 class L1Arena:
@@ -226,17 +233,17 @@ class L1Arena:
         table_offset, segment_size = _layout(size_bytes, generation_block)
         name = default_segment_name() if name is None else name
         path = _segment_path(name, directory)
-        segment, pages = create_segment(path, segment_size, directory, prefault=prefault)
+        segment, pages, lock_fd = create_segment(path, segment_size, directory, prefault=prefault)
         pinned_at: int | None = None
         try:
             if pin:
                 pinned_at = _pin(segment, size_bytes)
         except BaseException:
-            _release(segment, path, os.getpid(), None)
+            _release(segment, path, os.getpid(), None, lock_fd)
             raise
         self.directory = directory
         self.pages = pages
-        self._setup(name, segment, path, pinned_at, size_bytes, table_offset, generation_block)
+        self._setup(name, segment, path, pinned_at, size_bytes, table_offset, generation_block, lock_fd)
         logger.info(
             "L1 arena %s: %.2f GiB on %s, prefault=%s, pinned=%s",
             path,
@@ -264,7 +271,7 @@ class L1Arena:
         arena = cls.__new__(cls)
         arena.directory = directory
         arena.pages = None
-        arena._setup(name, segment, None, None, size, 0, 0)
+        arena._setup(name, segment, None, None, size, 0, 0, None)
         return arena
 
     def _setup(
@@ -276,6 +283,7 @@ class L1Arena:
         size: int,
         table_offset: int,
         generation_block: int,
+        lock_fd: int | None,
     ) -> None:
         self.name = name
         self.size = size
@@ -292,7 +300,7 @@ class L1Arena:
         # weakref.finalize also runs at interpreter exit, which covers servers that exit
         # through an exception without calling close().
         self._finalizer = weakref.finalize(
-            self, _release, segment, path, os.getpid(), pinned_at, (self.buffer, self.generations)
+            self, _release, segment, path, os.getpid(), pinned_at, lock_fd, (self.buffer, self.generations)
         )
 
     @property

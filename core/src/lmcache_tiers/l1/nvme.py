@@ -18,6 +18,7 @@ or at interpreter exit; :func:`remove_stale_block_files` reaps files of killed s
 
 from __future__ import annotations
 
+import contextlib
 import ctypes.util
 import errno
 import logging
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from typing import Self  # annotations only: Python 3.10 has no typing.Self
 
 from lmcache_tiers.errors import ConfigError, TiersError
-from lmcache_tiers.l1.stale import remove_files_of_dead_processes
+from lmcache_tiers.l1.stale import hold_as_creator, remove_files_of_dead_processes
 
 logger = logging.getLogger(__name__)
 
@@ -97,17 +98,19 @@ def _no_direct_io(directory: str) -> ConfigError:
 
 
 def _release(fd: int, path: str, owner_pid: int) -> None:
-    """Finalizer: close the file and, in the creating process only, remove it.
+    """Finalizer: in the creating process only, remove the file; then close it (after the
+    unlink: the descriptor holds the creator's lock, and the name never exists unlocked
+    while its creator lives).
 
     Must not reference the NvmeL1File, or it could never be collected. A forked child
     inherits the finalizer; the pid check keeps it from removing its parent's file.
     """
-    os.close(fd)
     if os.getpid() == owner_pid:
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
+    os.close(fd)
 
 
 class NvmeL1File:
@@ -133,12 +136,14 @@ class NvmeL1File:
         path = os.path.join(directory, default_block_file_name())
         fd = _create(path, directory, direct_io)
         try:
+            hold_as_creator(fd, path)
             _preallocate(fd, path, directory, size_bytes)
             if direct_io:
                 _probe_direct_io(fd, directory)
         except BaseException:
             os.close(fd)
-            os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):  # gone if the lock was refused
+                os.unlink(path)
             raise
         self.path = path
         self.size = size_bytes

@@ -21,6 +21,7 @@ it is a one-line error here instead of a SIGBUS on some later write.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.l1.stale import hold_as_creator
 from lmcache_tiers.tmpfs import (
     HUGE_MODES,
     huge_page_size,
@@ -142,11 +144,15 @@ def file_bytes(size: int, directory: str) -> int:
     return size
 
 
-def create_segment(path: str, size: int, directory: str, *, prefault: bool) -> tuple[mmap.mmap, ArenaPages]:
+def create_segment(
+    path: str, size: int, directory: str, *, prefault: bool
+) -> tuple[mmap.mmap, ArenaPages, int]:
     """Create the segment file ``path`` (``O_EXCL``) of at least ``size`` bytes, reserve
     and map it, pre-fault it if asked; the caller unlinks ``path`` on failure only after
     this returned.  The mapping's length is the file's (rounded up to whole huge pages on
-    a mount that offers them)."""
+    a mount that offers them).  Also returns the file's descriptor, which holds the
+    creator's lock (:func:`~lmcache_tiers.l1.stale.hold_as_creator`): the caller keeps it
+    open until the name is unlinked."""
     offered = offered_huge(directory)
     size = file_bytes(size, directory)
     try:
@@ -157,15 +163,15 @@ def create_segment(path: str, size: int, directory: str, *, prefault: bool) -> t
             "or a crashed one left it behind (remove the file or pick another name)"
         ) from None
     try:
-        try:
-            segment = _reserve_and_map(fd, size, directory, advise=offered == "advise", prefault=prefault)
-        finally:
-            os.close(fd)  # the mapping keeps the memory; the name is what clients open
+        hold_as_creator(fd, path)
+        segment = _reserve_and_map(fd, size, directory, advise=offered == "advise", prefault=prefault)
     except BaseException:
-        os.unlink(path)
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):  # gone if the lock was refused
+            os.unlink(path)
         raise
     huge_bytes = pmd_mapped_bytes(address_of(segment), size) if prefault else None
-    return segment, ArenaPages(directory, offered, huge_bytes, size, huge_page_size())
+    return segment, ArenaPages(directory, offered, huge_bytes, size, huge_page_size()), fd
 
 
 def _reserve_and_map(fd: int, size: int, directory: str, *, advise: bool, prefault: bool) -> mmap.mmap:
