@@ -208,3 +208,34 @@ def test_two_distributions_naming_the_same_entry_point_are_both_reported(
         assert twin.error is not None
         assert "lmcache-plugin-one" in twin.error and "lmcache-plugin-two" in twin.error
     assert plugin_set.registry.names(Kind.L2_ADAPTER) == []
+
+
+def test_a_plugin_whose_command_hook_raises_loses_its_commands_not_the_cli(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import typer
+
+    from lmcache_tiers.cli.main import add_plugin_commands
+
+    broken = types.ModuleType("broken")
+    good = types.ModuleType("good")
+
+    @hookimpl
+    def tiers_register_commands(app):  # type: ignore[no-untyped-def]
+        raise RuntimeError("no such attribute")
+
+    @hookimpl(specname="tiers_register_commands")
+    def add_hello(app):  # type: ignore[no-untyped-def]
+        app.command("hello")(lambda: None)
+
+    broken.tiers_register_commands = tiers_register_commands  # type: ignore[attr-defined]
+    good.tiers_register_commands = add_hello  # type: ignore[attr-defined]
+    plugin_set = discover({"broken": broken, "good": good})
+    app = typer.Typer()
+    add_plugin_commands(app, plugin_set)
+    assert [command.name for command in app.registered_commands] == ["hello"]
+    statuses = {p.name: p.status for p in plugin_set.plugins}
+    assert statuses["broken"] == "error: its commands failed to register: RuntimeError: no such attribute"
+    assert statuses["good"] == "ok"
+    err = capsys.readouterr().err
+    assert "plugin broken: its commands failed to register" in err and len(err.strip().splitlines()) == 1

@@ -97,7 +97,9 @@ def tiers_register_commands(app: typer.Typer) -> None:
 
     Runs once when the CLI is built, before arguments are parsed.  Call
     ``app.command()(fn)`` or ``app.add_typer(sub_app, name=...)``; keep imports inside
-    the command functions so ``--help`` stays fast.  Return value is ignored.
+    the command functions so ``--help`` stays fast.  Return value is ignored.  An
+    implementation that raises loses its commands, not the CLI: one warning line names
+    the plugin, which ``plugins list`` shows with the error.
     """
 
 

@@ -8,15 +8,18 @@ command and group, plugin commands included.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from typer.exceptions import TyperException
 
 from lmcache_tiers import __version__
-from lmcache_tiers.cli.output import EXIT_USAGE, fail
+from lmcache_tiers.cli.output import EXIT_USAGE, fail, warn
 from lmcache_tiers.errors import TiersError
 from lmcache_tiers.registry import Kind
+
+if TYPE_CHECKING:
+    from lmcache_tiers.plugins import PluginSet
 
 HELP_OPTION_NAMES = ["-h", "--help"]
 
@@ -57,8 +60,28 @@ def build_app(with_plugin_commands: bool = True) -> typer.Typer:
     app.add_typer(plugins_cmd.app, name="plugins")
     _add_server_commands(app)
     if with_plugin_commands:
-        plugin_set.manager.hook.tiers_register_commands(app=app)
+        add_plugin_commands(app, plugin_set)
     return app
+
+
+def add_plugin_commands(app: typer.Typer, plugin_set: PluginSet) -> None:
+    """Call each plugin's ``tiers_register_commands`` on its own, in pluggy's order.
+
+    The hook runs before any argument is parsed, so one plugin raising there would end
+    every command, ``plugins list`` and ``--help`` included, with a traceback.  Its
+    commands are left out instead: one line on stderr says so, and the plugin is listed
+    with the error (``serve --strict`` refuses to start with it).
+    """
+    for hook in reversed(plugin_set.manager.hook.tiers_register_commands.get_hookimpls()):
+        arguments = {"app": app}
+        try:
+            hook.function(*[arguments[name] for name in hook.argnames])
+        except Exception as exc:
+            reason = f"its commands failed to register: {type(exc).__name__}: {exc}"
+            info = next((p for p in plugin_set.plugins if p.name == hook.plugin_name), None)
+            if info is not None and not info.error:
+                info.error = reason
+            warn(f"plugin {hook.plugin_name}: {reason}; they are left out")
 
 
 def _add_server_commands(app: typer.Typer) -> None:

@@ -17,10 +17,18 @@ stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 EXIT_USAGE = 2
 
 
+def _one_line(message: str) -> str:
+    """``message`` on one line, as text (not markup), passwords inside URLs left out: a
+    plugin's refusal may quote the URL it refused, an install hint may say "[plot]"."""
+    return escape(redact_url_secrets(" ".join(str(message).split())))
+
+
+def warn(message: str) -> None:
+    """Print ``warning: message`` as a single line on stderr (the command goes on)."""
+    stderr.print(f"[bold yellow]warning:[/] {_one_line(message)}", markup=True, highlight=False)
+
+
 def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
-    """Print ``error: message`` as a single line on stderr and exit.  Passwords inside
-    URLs are left out: a plugin's refusal may quote the URL it refused."""
-    one_line = redact_url_secrets(" ".join(str(message).split()))
-    # The message is text, not markup: "[plot]" in an install hint must survive.
-    stderr.print(f"[bold red]error:[/] {escape(one_line)}", markup=True, highlight=False)
+    """Print ``error: message`` as a single line on stderr and exit."""
+    stderr.print(f"[bold red]error:[/] {_one_line(message)}", markup=True, highlight=False)
     sys.exit(code)
