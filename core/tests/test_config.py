@@ -199,9 +199,22 @@ def test_passwords_inside_urls_are_redacted() -> None:
             None,
             r"^demo: .* - at `\$\.l2_adapters\[0\]\.circuit\.call_timeout_s`$",
         ),
+        # A NUL ends a path at the system call: Python's open() raises ValueError for it.
+        (
+            "",
+            {},
+            '{"type": "demo", "path": "/tmp/a\\u0000b"}',
+            r"^demo: Expected a string without NUL characters - at `\$\.l2_adapters\[0\]\.path`$",
+        ),
+        (
+            '[[l2_adapters]]\ntype = "demo"\nserde = [{type = "zdemo", note = "\\u0000"}]\n',
+            {},
+            None,
+            r"^zdemo: Expected a string without NUL .* `\$\.l2_adapters\[0\]\.serde\[0\]\.note`$",
+        ),
     ],
 )
-def test_infinity_and_nan_are_refused_wherever_they_are_written(
+def test_infinity_nan_and_nul_characters_are_refused_wherever_they_are_written(
     registry: ComponentRegistry,
     tmp_path: Path,
     file_text: str,

@@ -350,10 +350,13 @@ def _path_step(key: object) -> str:
     return f".{text}" if re.fullmatch(r"[A-Za-z_][\w-]*", text) else f"[{json.dumps(text)}]"
 
 
-def _first_non_finite(value: Any, path: str) -> tuple[str, float] | None:
-    """The path and value of the first infinity or NaN in plain config data."""
+def _first_unusable(value: Any, path: str) -> tuple[str, str] | None:
+    """The path of the first value no config field can take in plain config data, and
+    why: an infinity or NaN, or a string holding a NUL character."""
     if isinstance(value, float):
-        return None if math.isfinite(value) else (path, value)
+        return None if math.isfinite(value) else (path, f"Expected a finite number, got {value}")
+    if isinstance(value, str):
+        return (path, "Expected a string without NUL characters") if "\0" in value else None
     if isinstance(value, Mapping):
         items: Any = ((path + _path_step(key), item) for key, item in value.items())
     elif isinstance(value, (list, tuple)):
@@ -361,21 +364,24 @@ def _first_non_finite(value: Any, path: str) -> tuple[str, float] | None:
     else:
         return None
     for where, item in items:
-        found = _first_non_finite(item, where)
+        found = _first_unusable(item, where)
         if found is not None:
             return found
     return None
 
 
-def refuse_non_finite(raw: Any, where: str, prefix: str = "") -> None:
-    """Raise ConfigError naming the first infinite or NaN number in ``raw`` (rooted at
-    ``where``).  No config value is one: JSON has neither (what ``json`` reads as
-    ``1e400`` or ``Infinity`` and TOML's ``inf`` and ``nan`` are refused), sizes and
-    durations must convert to bytes and timeouts, and a printed config stays JSON."""
-    found = _first_non_finite(raw, where)
+def refuse_unusable_values(raw: Any, where: str, prefix: str = "") -> None:
+    """Raise ConfigError naming the first infinite or NaN number, or string holding a NUL
+    character, in ``raw`` (rooted at ``where``).  No config value is one: JSON has neither
+    number (what ``json`` reads as ``1e400`` or ``Infinity`` and TOML's ``inf`` and ``nan``
+    are refused), sizes and durations must convert to bytes and timeouts, and a printed
+    config stays JSON; JSON's and TOML's ``\\u0000`` ends every path, URL and name at the
+    system call or C library it reaches (Python refuses such a path with ValueError, which
+    would stop start-up with a traceback rather than this line)."""
+    found = _first_unusable(raw, where)
     if found is not None:
-        path, value = found
-        raise ConfigError(f"{prefix}Expected a finite number, got {value} - at `{path}`")
+        path, reason = found
+        raise ConfigError(f"{prefix}{reason} - at `{path}`")
 
 
 def _declared_child(declared: Any, step: str | int) -> Any:
@@ -487,7 +493,7 @@ def decode_component(
     # An adapter's serde chain and a wrapper's inner spec are decoded on their own, and
     # checked there under their own component's name.
     nested = _NESTED_SPECS if kind is Kind.L2_ADAPTER else ()
-    refuse_non_finite({k: v for k, v in fields.items() if k not in nested}, where, f"{component.name}: ")
+    refuse_unusable_values({k: v for k, v in fields.items() if k not in nested}, where, f"{component.name}: ")
     unsupported: Mapping[str, str] = {}
     if kind is Kind.L2_ADAPTER:
         fields = _without_neutral_lmcache_fields(component.config, fields)
@@ -646,7 +652,7 @@ def build_config(
         else:
             values[key] = value
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    refuse_non_finite(values, "$")
+    refuse_unusable_values(values, "$")
     try:
         config = msgspec.convert(values, ServerConfig)
     except msgspec.ValidationError as exc:
