@@ -181,6 +181,18 @@ def test_slices_never_submitted_are_counted_as_dropped_at_shutdown(engine, monke
     assert failures.get("l2_store_dropped_at_shutdown") == 2
 
 
+def test_writes_committed_after_the_store_controller_stopped_are_counted_as_dropped(engine) -> None:
+    # A commit that passed the open check while shutdown began reaches the controller
+    # after it drained and ended: nothing will store it, so it is counted, not queued.
+    storage = engine([gated()])
+    storage.store.stop()
+    keys = keys_of(13, 2)
+    store(storage, keys, SIZE)
+    assert storage.stats.failures().get("l2_store_dropped_at_shutdown") == 2
+    assert storage.store.pending_batches() == 0
+    assert not any(obj.unstored for obj in (storage.l1.get(key) for key in keys) if obj is not None)
+
+
 def test_no_deferral_after_l1_lost_an_object_before_its_store(engine, long_deferral, client_busy) -> None:
     storage = engine([gated()])
     early = keys_of(11, 2)

@@ -224,6 +224,22 @@ def test_listed_entries_that_are_not_key_size_pairs_are_counted_and_ignored(
     assert adapter.stats()["scan_invalid_entries"] == 2
 
 
+class BrokenEntryListing(DictBackend):
+    def list_keys(self) -> list[Any]:
+        first, second = make_keys(2)
+        return [(first, 10), None, "not an entry", (second, 10)]
+
+
+def test_listing_keys_skips_entries_that_are_not_key_size_pairs(adapters: list[L2Adapter]) -> None:
+    # What L2 eviction is seeded with at start: one odd entry must neither end the
+    # listing (losing every stored key, which would then never be evicted) nor put
+    # something that is not a key among the victims.
+    adapter = open_dict(BrokenEntryListing)
+    adapters.append(adapter)
+    assert list(adapter.iter_keys()) == make_keys(2)
+    assert adapter.stats()["scan_invalid_entries"] == 2
+
+
 # -- serde staging and bounds --------------------------------------------------------------------
 
 

@@ -3,11 +3,14 @@ backend that deletes nothing ends the cycle early instead of being asked about e
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
+import pytest
 from l2_backends import DictBackend, Fifo, open_dict
 
 from lmcache_tiers.config import L2EvictionConfig
+from lmcache_tiers.controllers import base
 from lmcache_tiers.controllers.base import AdapterSlot
 from lmcache_tiers.controllers.l2_eviction import DELETE_BATCH, L2EvictionController
 from lmcache_tiers.controllers.stats import EngineStats
@@ -83,6 +86,45 @@ def test_a_long_run_of_pinned_victims_is_skipped_and_eviction_goes_on(adapters: 
     assert set(pinned) <= stored, "a pinned key was deleted"
     assert "l2_eviction_delete_failed" not in controller.stats.failures(), "a pin is not a failure"
     adapter.unlock(pinned)
+
+
+class Hung(DictBackend):
+    """A store whose deletes hang (a remote store gone silent, no timeout of its own)
+    until the test lets them go."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        self.entered.set()
+        self.release.wait(30)
+        return super().delete_many(keys)
+
+
+def test_a_delete_that_never_returns_does_not_hang_stopping_the_controller(
+    adapters: list[BackendAdapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Shutdown stops L2 eviction before it closes the adapters, whose close interrupts
+    # stuck calls: a stop waiting for the stuck delete would wait for ever.
+    monkeypatch.setattr(base, "JOIN_GRACE_S", 0.2)
+    adapter = full_adapter(adapters, Hung)
+    backend = adapter.backend
+    assert isinstance(backend, Hung)
+    controller = evicting(adapter)
+    controller.start()
+    try:
+        fill(adapter)
+        assert backend.entered.wait(10)
+        stopper = threading.Thread(target=controller.stop, args=(0.0,), daemon=True)
+        stopper.start()
+        stopper.join(10)
+        assert not stopper.is_alive(), "stop waited for a delete that does not return"
+    finally:
+        backend.release.set()
+    # Let go, the thread ends on its own.
+    assert controller.join()
 
 
 def backend_keys(adapter: BackendAdapter) -> list[ObjectKey]:

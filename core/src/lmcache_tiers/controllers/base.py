@@ -27,6 +27,11 @@ logger = logging.getLogger(__name__)
 
 _ONE = (1).to_bytes(8, "little")  # an eventfd takes an 8-byte counter increment
 
+#: how long ``ControllerThread.join`` waits past the drain deadline for a step that does not
+#: return (a backend call stuck for good, e.g. an L2 eviction's delete): shutdown then goes
+#: on without the thread, and closing the adapters interrupts such calls
+JOIN_GRACE_S = 10.0
+
 
 class Waker:
     """A level-triggered wake-up fd: an eventfd on Linux, a non-blocking pipe elsewhere."""
@@ -212,6 +217,8 @@ class ControllerThread(ABC):
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.step_errors = 0
         self._finished = False
+        self._exited = False  # the loop and ``finish`` are over (under ``_cond``)
+        self._left = False  # ``join`` gave up on the thread: it closes the waker itself
 
     # -- for subclasses ----------------------------------------------------------------
 
@@ -266,18 +273,41 @@ class ControllerThread(ABC):
                 self._drain_deadline = time.monotonic() + drain_timeout_s
         self._waker.set()
 
-    def join(self) -> None:
-        """Wait for the thread (after ``request_stop``); releases what it still held."""
+    def join(self) -> bool:
+        """Wait for the thread (after ``request_stop``); releases what it still held.
+
+        After ``request_stop`` the wait ends ``JOIN_GRACE_S`` past the drain deadline: a
+        step stuck in a backend call that never returns must not hang the shutdown that
+        would interrupt that call (closing the adapters comes after).  The daemon thread
+        is then left behind, logged, and ends (running ``finish``) if the call ever
+        returns.  True once the thread has ended.
+        """
         if self._thread.is_alive():
-            self._thread.join()
+            timeout = None
+            if self._stopping:
+                timeout = max(0.0, self._drain_deadline - time.monotonic()) + JOIN_GRACE_S
+            self._thread.join(timeout)
+            with self._cond:
+                if not self._exited:
+                    # Its waker stays open: the thread still polls and drains it (a closed
+                    # fd number could be reused by an unrelated file); it closes it itself.
+                    self._left = True
+                    logger.warning(
+                        "%s: still in a step %.0f s past its drain deadline (a backend call that "
+                        "does not return?); shutdown goes on without it",
+                        self.name,
+                        JOIN_GRACE_S,
+                    )
+                    return False
         elif self._thread.ident is None and not self._finished:
             self._finished = True
             self.finish()  # never started: nothing is in flight, but locks may be held
         self._waker.close()
+        return True
 
-    def stop(self, drain_timeout_s: float = 10.0) -> None:
+    def stop(self, drain_timeout_s: float = 10.0) -> bool:
         self.request_stop(drain_timeout_s)
-        self.join()
+        return self.join()
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -317,4 +347,7 @@ class ControllerThread(ABC):
                 self.finish()
             finally:
                 with self._cond:
+                    self._exited = True
+                    if self._left:
+                        self._waker.close()
                     self._cond.notify_all()

@@ -103,6 +103,7 @@ class StoreController(ControllerThread):
         self._queue_lock = threading.Lock()
         self._queue: deque[tuple[list[L1Object], float]] = deque()  # (objects, commit time)
         self._starting = 0  # batches taken off the queue whose slices are not queued yet
+        self._ended = False  # ``finish`` emptied the queue: nothing queued now is ever stored
         self._urgent = 0  # flushes waiting: write-back defers to nobody meanwhile
         self._pacer = WriteBackPacer(
             activity, l1.capacity_bytes, lambda: stats.failures().get("evicted_before_l2_store", 0)
@@ -138,7 +139,21 @@ class StoreController(ControllerThread):
         if not objects:
             return
         with self._queue_lock:
-            self._queue.append((objects, time.monotonic()))
+            ended = self._ended
+            if not ended:
+                self._queue.append((objects, time.monotonic()))
+        if ended:
+            # A commit that passed the open check as shutdown began, arriving after the
+            # drain: queued, it would wait for a thread that is gone, uncounted.
+            self.l1.settle_unstored(objects)
+            self.stats.fail("l2_store_dropped_at_shutdown", len(objects))
+            self._burst.warn(
+                "l2_store_dropped_at_shutdown",
+                "%d committed keys were never stored in L2: the controller stopped first",
+                len(objects),
+                count=len(objects),
+            )
+            return
         self.wake()
 
     def pending_batches(self) -> int:
@@ -433,6 +448,7 @@ class StoreController(ControllerThread):
         with self._queue_lock:
             queued = [obj for objects, _ in self._queue for obj in objects]
             self._queue.clear()
+            self._ended = True
         queued += unsent.values()
         self.l1.settle_unstored(queued)
         if queued:

@@ -221,9 +221,14 @@ class BackendAdapter(L2Adapter):
     def iter_keys(self) -> Iterator[ObjectKey]:
         if self._closed:
             return
+        pair = self.scan.pair
         for batch in self.runner.listing(_ITER_BATCH):
             for entry in batch:
-                yield entry[0]
+                # Entries the start-up scan ignores (counted there as not (key, size)
+                # pairs) are skipped: one would end the listing, or list a non-key.
+                listed = pair(entry)
+                if listed is not None:
+                    yield listed[0]
 
     def add_listener(self, listener: L2Listener) -> None:
         self.state.add_listener(listener)

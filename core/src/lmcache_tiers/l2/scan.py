@@ -58,7 +58,8 @@ class KeyScan:
         )
         self._thread.start()
 
-    def _size(self, entry: Any) -> tuple[ObjectKey, ObjectSize] | None:
+    def pair(self, entry: Any) -> tuple[ObjectKey, ObjectSize] | None:
+        """A listed entry as (key, sizes); None for one that is not a (key, size) pair."""
         try:
             key, size = entry
         except (TypeError, ValueError):
@@ -86,7 +87,7 @@ class KeyScan:
                     self._finish(None)
                     return True
                 taken += len(batch)
-                sizes = [size for size in map(self._size, batch) if size is not None]
+                sizes = [size for size in map(self.pair, batch) if size is not None]
                 self.invalid += len(batch) - len(sizes)
                 with self._lock:
                     if not self.running:  # ended by close() while this batch was listed
