@@ -340,6 +340,26 @@ def test_reserve_read_prefix_of_the_same_keys_again_sees_every_change_between(
     assert l1.stats().read_locks == 0
 
 
+def test_a_listener_reordering_the_keys_it_is_told_never_changes_what_a_lookup_finds(
+    l1: L1Manager,
+) -> None:
+    """Listeners (an eviction policy plugin among them) are handed lists of keys; one that
+    reorders such a list in place must not make a later lookup hand out one key's object
+    at another key's position."""
+
+    class Reverser(Recorder):
+        def on_l1_keys_read(self, read: Sequence[ObjectKey]) -> None:
+            read.reverse()  # type: ignore[attr-defined]
+
+    write(l1, [1, 2, 3])
+    l1.add_listener(Reverser())
+    for wanted in (keys(1, 2, 3), keys(3, 2, 1), keys(1, 2, 3), keys(3, 2, 1)):
+        prefix = l1.reserve_read_prefix(list(wanted))
+        assert [obj.key for obj in prefix] == wanted
+        l1.finish_read(wanted)
+        assert l1.stats().read_locks == 0
+
+
 def test_finish_read_of_the_last_full_hit_releases_its_objects_and_sees_every_change_between(
     l1: L1Manager,
 ) -> None:

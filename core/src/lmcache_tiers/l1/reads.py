@@ -93,7 +93,10 @@ class ReadLocks:
                 # READY object came or went since: the same objects, still distinct (a
                 # list comparison, by identity first, instead of a probe per key).
                 unique = prefix = list(last[2])
-                read = last[1]  # listeners only read the keys they are told about
+                # A copy: a listener (an eviction policy plugin) that reorders the list it
+                # is told would otherwise reorder the remembered keys, and the next call
+                # with those keys would get their objects at the wrong positions.
+                read = list(last[1])
             else:
                 prefix, unique, read = self._find_prefix(keys, until_repeat)
                 if not prefix:
@@ -131,9 +134,9 @@ class ReadLocks:
             # The caller's keys equal the objects' own: no pass to fetch those.
             read = keys[: len(prefix)] if type(keys) is list else list(keys[: len(prefix)])
             if len(prefix) == len(keys):
-                # ``read`` is a copy nobody changes (the caller may change its list), and
-                # the caller keeps ``prefix``: the next hit hands out a copy of it.
-                self._last_hit = (table.ready_version, read, list(prefix))
+                # Copies of their own: the caller may change its list, the listeners the
+                # ``read`` they are told, and the caller keeps ``prefix``.
+                self._last_hit = (table.ready_version, list(read), list(prefix))
             return prefix, prefix, read
         if until_repeat:
             del prefix[_first_repeat(prefix) :]
