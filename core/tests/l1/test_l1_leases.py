@@ -244,6 +244,16 @@ def test_reclaimable_bytes_counts_free_and_unlocked(l1: L1Manager) -> None:
     assert l1.reclaimable_bytes() == CAPACITY - 3 * ALIGN
 
 
+def test_a_generation_entry_at_its_largest_value_wraps_and_the_extent_goes_back(memory_l1: L1Manager) -> None:
+    # Clients map the table writable: one holding 2**64 - 1 must not make a release raise.
+    l1 = memory_l1
+    (obj,) = store(l1, [1])
+    l1.arena.generations[obj.offset // ALIGN] = (1 << 64) - 1
+    assert l1.delete(keys(1)) == [True]
+    assert table_entry(l1, obj) == 0
+    assert len(store(l1, list(range(2, 18)))) == CAPACITY // ALIGN  # every extent free again
+
+
 def test_an_nvme_l1_reports_no_generations(nvme_dir: Path) -> None:
     with make(nvme_dir) as l1:
         objects = store(l1, [1, 2])

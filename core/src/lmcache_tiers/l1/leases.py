@@ -42,6 +42,9 @@ from lmcache_tiers.l1.objects import L1Object
 
 logger = logging.getLogger(__name__)
 
+#: generation table entries are uint64
+_GENERATION_MASK = (1 << 64) - 1
+
 
 @dataclass(slots=True, eq=False)
 class _Held:
@@ -132,7 +135,11 @@ class ExtentLeases:
         generations, block = self._generations, self._block
         if generations is not None:
             for offset in offsets:
-                generations[offset // block] += 1
+                # Wraps at 2**64: a client can write the shared table, and an entry it set
+                # to the largest value must not make this release raise (the extent would
+                # never go back); any change is what a reader compares.
+                index = offset // block
+                generations[index] = (generations[index] + 1) & _GENERATION_MASK
         self._allocator.free_many(offsets)
 
     # -- holders returning -----------------------------------------------------------------
