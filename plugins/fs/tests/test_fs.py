@@ -79,6 +79,39 @@ def test_damaged_record_is_a_miss_and_is_removed(tmp_path: Path, damage: str) ->
         adapter.close()
 
 
+def test_another_keys_intact_record_under_a_remote_name_is_a_miss_that_is_kept() -> None:
+    """An ``s3`` adapter sharing the folder of an fs root on s3:// names its object of a
+    key salted "tenant.bin" as fs names the key salted "tenant": an intact record of
+    another key is that writer's acknowledged object, never damage to remove."""
+    import fsspec
+
+    from lmcache_tiers.l2.files import record_name
+    from lmcache_tiers.l2.record import encode_header
+
+    files = fsspec.filesystem("memory")
+    root = f"memory://foreign-{uuid.uuid4().hex}"
+    (base,) = make_keys(1)
+    mine = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant")
+    theirs = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant.bin")
+    arena = Arena()
+    adapter = open_fs(fs_config(root), arena.view)
+    try:
+        payload = pattern(9, SIZE)
+        path = f"{root}/{record_name(mine)}"
+        files.pipe_file(path, encode_header(theirs, payload, align=HEADER) + payload)
+        result = client(adapter).lookup_and_lock([mine])
+        assert result.found == [True]  # the size fits; the load reads whose record it is
+        ok, _ = load(adapter, arena, [mine], result.sizes)
+        adapter.unlock([mine])
+        assert ok == [False]
+        assert files.exists(path), "another writer's record: kept"
+        stats = adapter.stats()
+        assert stats["foreign_records"] == 1 and stats.get("corrupt_records_removed", 0) == 0
+    finally:
+        adapter.close()
+        files.rm(root, recursive=True)
+
+
 def test_damaged_record_never_survives_a_restart(tmp_path: Path) -> None:
     arena = Arena()
     keys = make_keys(3)

@@ -183,18 +183,47 @@ def test_a_damaged_header_is_a_lookup_miss_and_is_removed(
     assert adapter.stats()["corrupt_records_removed"] == 1
 
 
-def test_a_record_of_another_key_is_damage(
-    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+@pytest.mark.parametrize("mode", ["standalone", "cluster"])
+def test_a_record_of_another_key_under_a_colliding_name_is_a_miss_that_is_kept(
+    request: pytest.FixtureRequest,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+    mode: str,
 ) -> None:
-    adapter = open_adapter(url=redis_server.url, key_prefix=prefix)
-    mine, other = make_keys(2)
-    store(adapter, [other])
-    raw = redis.Redis.from_url(redis_server.url)
-    backend = backend_of(adapter)
-    raw.copy(backend.name_of(other), backend.name_of(mine))
-    assert client_of(adapter).lookup_and_lock([mine, other]).found == [False, True]
-    adapter.unlock([other])
-    assert raw.exists(backend.name_of(mine)) == 0
+    # Two servers on one store, one prefix extending the other: the name of key "m..."
+    # under prefix + "x" is the name of key "xm..." under prefix.  The record there is
+    # the other server's valid object: a miss for this key, never removed as damage.
+    raw: Any
+    if mode == "standalone":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        where: dict[str, Any] = {"url": server.url}
+        raw = redis.Redis.from_url(server.url)
+    else:
+        cluster: RedisClusterNodes = request.getfixturevalue("redis_cluster")
+        where = {"startup_nodes": cluster.startup_nodes, "cluster_mode": True}
+        raw = redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    writer = open_adapter(**where, key_prefix=prefix)
+    reader = open_adapter(**where, key_prefix=prefix + "x")
+    theirs = ObjectKey("xmodel", 0, b"\x07" * 32)
+    mine = ObjectKey("model", 0, b"\x07" * 32)
+    name = backend_of(writer).name_of(theirs)
+    assert backend_of(reader).name_of(mine) == name, "the names collide"
+    data = store(writer, [theirs])
+    header = raw.hget(name, "h")
+    with caplog.at_level(logging.WARNING):
+        # A load without a lookup reads the header too.
+        assert load(reader, [mine], [4096])[0] == [False]
+        assert raw.exists(name) == 1 and raw.hget(name, "h") == header, "kept by a load"
+        assert client_of(reader).lookup_and_lock([mine]).found == [False]
+        assert raw.exists(name) == 1 and raw.hget(name, "h") == header, "kept by a lookup"
+    stats = reader.stats()
+    assert stats.get("corrupt_records_removed", 0) == 0
+    assert stats["foreign_records"] == 2
+    assert any("a miss, kept" in r.getMessage() for r in caplog.records), "not logged"
+    found = client_of(writer).lookup_and_lock([theirs])
+    assert load(writer, [theirs], found.sizes) == ([True], data)
+    writer.unlock([theirs])
 
 
 def test_a_record_of_an_unknown_format_version_is_a_miss_that_is_kept(

@@ -143,13 +143,38 @@ def test_a_header_that_lies_about_the_length_is_caught_before_copying(
     assert not raw.exists(key)
 
 
-def test_another_keys_record_under_this_name_is_removed(adapter: L2Adapter, raw: Raw, l1: memoryview) -> None:
+def test_another_keys_record_under_this_name_is_a_miss_that_is_kept(
+    adapter: L2Adapter, raw: Raw, l1: memoryview
+) -> None:
     mine, theirs = make_keys(2)
     store(adapter, l1, [theirs])
     raw.write(mine, raw.read(theirs))
     assert blocking(adapter).lookup_and_lock([mine, theirs]).found == [False, True]
     adapter.unlock([theirs])
-    assert not raw.exists(mine) and raw.exists(theirs)
+    buffer, region = fenced(l1, SIZE)
+    assert blocking(adapter).load([mine], [buffer]) == [False]  # a load with no lookup first
+    assert canaries_intact(region, SIZE)
+    assert raw.exists(mine) and raw.exists(theirs), "another writer's intact record: never deleted"
+    stats = adapter.stats()
+    assert stats["foreign_records"] == 2 and stats.get("corrupt_records_removed", 0) == 0
+
+
+def test_an_fs_record_in_the_folder_is_never_removed_by_a_lookup(adapter: L2Adapter, raw: Raw) -> None:
+    """An ``fs`` adapter on ``s3://<bucket>/<prefix>`` names its record of a salted key
+    ``<name>.bin``: this codec's name of the key whose salt has ".bin" added.  A lookup
+    of that key reads the fs record, intact, of another key: the fs server's object."""
+    from lmcache_tiers.l2.files import record_name
+
+    (base,) = make_keys(1)
+    fs_key = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant")
+    mine = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant.bin")
+    fs_name = raw.names.folder + record_name(fs_key)
+    assert raw.names.of(mine) == fs_name
+    payload = pattern(9, SIZE)
+    raw.write(fs_name, encode_header(fs_key, payload, align=4096) + payload)
+    assert blocking(adapter).lookup_and_lock([mine]).found == [False]
+    assert raw.exists(fs_name), "the fs server's acknowledged write is kept"
+    assert adapter.stats()["foreign_records"] == 1
 
 
 def test_a_record_of_another_serde_chain_is_a_miss_that_is_kept(adapter: L2Adapter, raw: Raw) -> None:

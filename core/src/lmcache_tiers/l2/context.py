@@ -107,6 +107,16 @@ class BackendContext:
         without flooding the log.  ``message`` is a %-format; the adapter name is added."""
         self._state.burst.warn(f"{self._prefix}{kind}", "%s: " + message, self.name, *args)
 
+    def foreign_record(self, key: ObjectKey, error: Exception) -> None:
+        """Count and explain an intact record of another key found under ``key``'s name.
+
+        No damage makes one (the header's crc covers the key): another writer does -- a
+        server whose key prefix extends this one's, another adapter type sharing the
+        folder, keys that differ only in case on a case-insensitive filesystem.  It is
+        that writer's acknowledged object: the caller reports a miss and keeps it."""
+        self.count("foreign_records")
+        self.warn("foreign_record", "%s: %s; a miss, kept", printable(key.file_stem()), error)
+
     @property
     def closing(self) -> bool:
         """True once the adapter started closing: long calls should return early."""
@@ -179,9 +189,11 @@ class BackendContext:
 
         None: the record is intact but written with another serde chain -- report a miss
         and keep it (it is counted as ``serde_chain_mismatch``; restoring that chain makes
-        it readable again).  Raises a :class:`~lmcache_tiers.l2.record.RecordError` for a
-        damaged record or another key's: report a miss, remove it and
-        ``count("corrupt_records_removed")``.
+        it readable again).  Raises :class:`~lmcache_tiers.l2.record.RecordMismatchError`
+        for another key's intact record: report a miss, keep it and call
+        :meth:`foreign_record`.  Raises another
+        :class:`~lmcache_tiers.l2.record.RecordError` for a damaged record: report a miss,
+        remove it and ``count("corrupt_records_removed")``.
         """
         try:
             header = decode_header(data, expected_key=key, expected_serde=self._state.chain.names)

@@ -29,6 +29,7 @@ from lmcache_tiers.plugin import (
     ObjectKey,
     ObjectSize,
     RecordError,
+    RecordMismatchError,
     WriteFailures,
     classify_name,
     copy_into,
@@ -144,6 +145,9 @@ class RemoteRecords:
             with self.fs.open(path, "rb") as handle:
                 prefix = handle.read(self.sizes.length(key))
             header = self.context.read_record_header(prefix, key)
+        except RecordMismatchError as exc:
+            self.context.foreign_record(key, exc)
+            return None
         except RecordError as exc:
             self.discard(key, size, prefix, "corrupt_records_removed", str(exc))
             return None
@@ -181,6 +185,8 @@ class RemoteRecords:
             return True
         except FileNotFoundError:
             return False
+        except RecordMismatchError as exc:
+            self.context.foreign_record(key, exc)
         except RecordError as exc:
             self.discard(key, size, prefix, "corrupt_records_removed", str(exc))
         except OSError as exc:

@@ -14,8 +14,9 @@ serde chain, XXH3-128 checksum of the payload) followed by the payload.
 * Lookup: existence in one batched RPC; the size of a key core already accounts (stored
   through this adapter or listed at start) is core's when no serde chain is configured.
   Only the other hits ask the master for their replicas' sizes (a record's payload is
-  its size minus the header), and only when core cannot tell the L1 size (a
-  size-changing serde chain, a key another server stored) is the header read too.  A
+  its size minus the header), and only for a key core does not know (another server
+  stored it) is the header read too: it tells the L1 size under a size-changing serde
+  chain, and whether the record is of this key at all (see ``_header``).  A
   load that finds an object of another size (replaced by another writer) is a miss, and
   that key's next lookup asks the master for its size again.
 * Load: one scatter read per key -- header into a registered lane, payload straight into
@@ -74,6 +75,7 @@ from lmcache_tiers.plugin import (
     ObjectSize,
     RecordError,
     RecordMismatchError,
+    RecordVersionError,
     key_to_name,
     name_to_key,
     printable,
@@ -489,7 +491,11 @@ class MooncakeStoreBackend:
                 )
                 continue
             found[index] = size - HEADER_BYTES
-            if self.context.serde and self.context.l1_size_of(keys[index]) is None:
+            if self.context.l1_size_of(keys[index]) is None:
+                # Not known here (another server stored it): its header tells the L1 size
+                # under a size-changing chain, and whether the record is of this key at all
+                # -- a server whose key_prefix extends this one's names its objects as
+                # this server names other keys, and a hit would account that object here.
                 need_header.append(index)
         for chunk in chunks(len(need_header)):
             self._sizes_from_headers(store, keys, names, [need_header[i] for i in chunk], found)
@@ -673,6 +679,15 @@ class MooncakeStoreBackend:
         """The verified header in ``slot``; None for a miss (damage is removed)."""
         try:
             header = self.context.read_record_header(slot, key)
+        except RecordMismatchError as exc:
+            # e.g. a server whose key_prefix extends (or is extended by) this one's
+            self.context.foreign_record(key, exc)
+            return None
+        except RecordVersionError as exc:
+            # Written by a newer server sharing the pool, which reads it: kept.
+            self.context.count("record_version_unknown")
+            self.context.warn("version", "%s: %s; a miss, kept", printable(key.file_stem()), exc)
+            return None
         except RecordError as exc:
             self._remove_damaged(store, key, name, str(exc))
             return None

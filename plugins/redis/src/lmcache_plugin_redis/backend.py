@@ -370,6 +370,9 @@ class RedisBackend:
         except RecordVersionError as exc:
             reader.skip_bulk(payload_len)
             return functools.partial(self._unknown_version, key, exc)
+        except RecordMismatchError as exc:
+            reader.skip_bulk(payload_len)
+            return functools.partial(self.context.foreign_record, key, exc)
         except RecordError as exc:
             reader.skip_bulk(payload_len)
             return header_bytes, exc
@@ -464,7 +467,7 @@ class RedisBackend:
                 self.context.count("listing_foreign_names")
                 self.context.warn("listing_foreign", "%s: %s; not listed, left alone", key.file_stem(), exc)
                 return None
-            self._discard(key, reply, exc)
+            self.context.foreign_record(key, exc)
             return None
         except RecordError as exc:
             self._discard(key, reply, exc)

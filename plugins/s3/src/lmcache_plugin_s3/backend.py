@@ -45,6 +45,7 @@ from lmcache_tiers.plugin import (
     ObjectSize,
     RecordError,
     RecordHeader,
+    RecordMismatchError,
     RecordVersionError,
     copy_into,
     header_length,
@@ -452,12 +453,18 @@ class S3Backend:
 
     def _header(self, key: ObjectKey, data: bytes) -> RecordHeader | None:
         """The verified header of ``key``'s record; None for a miss that is kept (a record
-        of another serde chain, or of a format version this code does not read, e.g.
-        written by a newer server sharing the bucket); :class:`_Damaged` for the rest."""
+        of another serde chain or of another key, or of a format version this code does
+        not read, e.g. written by a newer server sharing the bucket); :class:`_Damaged`
+        for the rest."""
         try:
             return self.context.read_record_header(data, key)
         except RecordVersionError as exc:
             self._unknown_version(key, exc)
+            return None
+        except RecordMismatchError as exc:
+            # e.g. an fs adapter on s3:// in this folder, whose "<name>.bin" is this
+            # codec's name of the key with ".bin" added to its salt
+            self.context.foreign_record(key, exc)
             return None
         except RecordError as exc:
             raise _Damaged(str(exc)) from exc

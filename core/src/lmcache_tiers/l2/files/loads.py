@@ -12,7 +12,8 @@ after the workers (opening 64 files one after the other there cost about a tenth
 
 Outcomes, one per object, never an exception: True once every payload byte matched the
 header's checksum; False for a miss -- no file, a file of another size (another intact
-object: kept; damage: removed), a record of another serde chain (kept), a file that
+object: kept; damage: removed), a record of another serde chain or another key (kept;
+the latter counted ``foreign_records``), a file that
 shrank under the read, an I/O error (logged); a damaged record is removed
 (``corrupt_records_removed``) only if it is still the file that was judged.
 
@@ -52,6 +53,7 @@ from lmcache_tiers.l2.record import (
     MAX_HEADER_LEN,
     RecordError,
     RecordHeader,
+    RecordMismatchError,
     verify_payload,
 )
 from lmcache_tiers.l2.verified import VERIFY_PIECE, read_and_digest, read_record_file
@@ -179,7 +181,7 @@ class RecordLoads:
                 continue
             try:
                 record = read_header(header, key)
-            except RecordError:  # damaged, or another key's: load judges (and removes) it
+            except RecordError:  # damaged, or another key's: load judges it
                 results.append(self.load(key, buffer))
                 continue
             if record is None:  # intact but of another serde chain: a miss that is kept
@@ -213,7 +215,8 @@ class RecordLoads:
     ) -> bool:
         """After a read that did not verify: a file of another size is explained (another
         intact object is kept, damage removed), a damaged record of the expected size is
-        removed; False, always."""
+        removed, an intact record of another key kept (keys that differ only in case
+        share a file on a case-insensitive filesystem); False, always."""
         stat = os.fstat(fd)
         identity: FileIdentity = identity_of(stat)
         try:
@@ -221,6 +224,8 @@ class RecordLoads:
                 self._explain_size(key, fd, scratch, stat.st_size, expected)
             elif failure is not None:
                 raise failure
+        except RecordMismatchError as exc:
+            self._context.foreign_record(key, exc)
         except RecordError as exc:
             self._files.discard(key, identity, "corrupt_records_removed", str(exc))
         return False
