@@ -134,6 +134,20 @@ def test_inline_transfers_are_split_at_the_size_limit(make_server: Factory) -> N
     assert server.frontends[0].stats().requests["Retrieve"] == 4
 
 
+def test_an_inline_batch_filled_to_the_limit_fits_in_a_request(make_server: Factory) -> None:
+    # max_request_bytes no larger than max_inline_bytes: a batch whose payloads reach the
+    # advertised inline limit still carries its header on top.
+    limits = {"max_request_bytes": 32 << 10, "max_inline_bytes": 32 << 10}
+    server = make_server(frontends=[{"type": "native", **limits}])
+    keys, data = keys_of(4), blobs(4, 8 << 10)
+    with Client(server.endpoint, shm=False) as client:
+        assert client.store(keys, data) == 4  # one request of exactly the inline limit
+        assert client.store(keys_of(1), [bytes(32 << 10)]) == 1
+        with client.retrieve(keys) as views:
+            assert [bytes(view) for view in views] == data
+    assert server.frontends[0].stats().failures["too_large"] == 0
+
+
 def test_a_store_larger_than_l1_is_refused_whole(server: TiersServer) -> None:
     big = np.zeros(40 << 20, dtype=np.uint8)
     with Client(server.endpoint) as client:
@@ -255,6 +269,50 @@ def test_a_client_that_dies_mid_copy_leaves_nothing_readable_and_the_keys_storab
         assert all(np.array_equal(chunk, target) for chunk, target in zip(chunks, targets, strict=True))
 
 
+@pytest.mark.parametrize("copy_fails", [False, True])
+def test_an_inline_store_outlived_by_its_reservation_leaves_the_next_writers_alone(
+    server: TiersServer, copy_fails: bool
+) -> None:
+    # The inline store's reservation expires while its bytes are copied in, and another
+    # client reserves the key: the late commit (or abort) must not touch that reservation.
+    key, theirs = keys_of(1)[0], os.urandom(10_000)
+    handlers = server.frontends[0].handlers
+    copier = handlers._copier_in
+    with Client(server.endpoint, shm=False) as inline, Client(server.endpoint) as other:
+        slots: list[p.Slot] = []
+
+        def copier_outlived() -> Callable[[Any, memoryview], None]:
+            copy_in = copier()
+
+            def copy(obj: Any, data: memoryview) -> None:
+                copy_in(obj, data)
+                server.storage.l1.expire_locks(time.monotonic() + 3600)  # the write TTL passed
+                slots.extend(other._call(p.StoreReserve(0, "", [key], [10_000]), p.StoreReserveReply).slots)
+                if copy_fails:
+                    raise KeyError("the reservation left L1")
+
+            return copy
+
+        handlers._copier_in = copier_outlived  # type: ignore[method-assign]
+        try:
+            if copy_fails:
+                with pytest.raises(ServerError):
+                    inline.store([key], [os.urandom(10_000)])
+            else:
+                assert inline.store([key], [os.urandom(10_000)]) == 0
+        finally:
+            handlers._copier_in = copier  # type: ignore[method-assign]
+        assert slots[0].offset != p.NO_SLOT
+        assert inline.lookup([key]) == 0  # the other client's reservation is not readable
+        assert l1(server)["write_locked"] == 1
+        segment = other._segment
+        assert segment is not None
+        segment.write(slots[0].offset, np.frombuffer(theirs, dtype=np.uint8))
+        assert other._call(p.StoreCommit(0, "", [key]), p.StoreReply).done == [True]
+        with inline.retrieve([key]) as views:
+            assert [bytes(view) for view in views] == [theirs]
+
+
 def test_timed_out_reservations_are_given_back_when_their_reply_turns_up(server: TiersServer) -> None:
     keys = keys_of(2)
     with Client(server.endpoint) as client:
@@ -274,6 +332,15 @@ def test_an_empty_lookup_is_answered_without_a_request(server: TiersServer) -> N
         assert client.lookup([]) == 0
         assert client.lookup(keys_of(1)) == 0
     assert server.frontends[0].stats().requests["Lookup"] == 1
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_an_empty_store_stores_nothing_whichever_the_data_plane(server: TiersServer, shm: bool) -> None:
+    # An engine with no full chunk to save (a prompt shorter than one chunk) stores nothing.
+    with Client(server.endpoint, shm=shm) as client:
+        assert client.uses_shm is shm
+        assert client.store([], []) == 0
+    assert l1(server)["objects"] == 0
 
 
 def _only_in_l2(server: TiersServer, client: Client, keys: list[ObjectKey]) -> None:

@@ -303,7 +303,7 @@ class Client(Connection):
         self, keys: list[ObjectKey], arrays: list[np.ndarray[Any, Any]], layouts: list[str]
     ) -> Iterator[tuple[list[ObjectKey], list[np.ndarray[Any, Any]], list[str]]]:
         limit = max(1, self.server.max_inline_bytes)
-        largest = max(array.nbytes for array in arrays)
+        largest = max((array.nbytes for array in arrays), default=0)  # no keys: no batch
         if largest > limit:
             raise ClientError(
                 f"a {largest}-byte chunk is over the server's inline limit of {limit} bytes: "

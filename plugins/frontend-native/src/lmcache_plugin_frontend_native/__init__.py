@@ -33,7 +33,14 @@ class NativeConfig(FrontendConfig, kw_only=True, frozen=True, forbid_unknown_fie
         int, msgspec.Meta(ge=1, description="Largest payload of an inline STORE/RETRIEVE, in bytes.")
     ] = 256 << 20
     max_request_bytes: Annotated[
-        int, msgspec.Meta(ge=1, description="Largest request (all its frames), in bytes.")
+        int,
+        msgspec.Meta(
+            ge=1,
+            description=(
+                "Largest total of a request's payload frames, in bytes "
+                "(its header, at most 4 MiB, is bounded on its own)."
+            ),
+        ),
     ] = 1 << 30
     pool_workers: Annotated[
         int, msgspec.Meta(ge=1, le=256, description="Threads for blocking requests (waits, inline copies).")

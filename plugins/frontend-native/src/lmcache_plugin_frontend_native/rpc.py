@@ -3,7 +3,7 @@
 The socket, the loop thread, the pool and the wake-ups are core's
 :class:`~lmcache_tiers.router.RouterLoop`; this module receives the native protocol's
 frames.  Every input is bounded before it is trusted -- frame size (ZMQ_MAXMSGSIZE drops
-the peer), header size, frame count, total request size -- and every failure to decode
+the peer), header size, frame count, total payload size -- and every failure to decode
 or serve a request becomes an error reply, or a log line when the reply cannot be routed.
 """
 
@@ -119,8 +119,11 @@ class RpcServer:
         header: bytes = first.bytes
         more = first.more
         frames: list[Any] = []
-        total = len(header)
-        too_large = total > p.MAX_HEADER_BYTES
+        # The header has a limit of its own; the request limit bounds the payload frames,
+        # so that a batch whose payloads reach the advertised inline limit is taken whatever
+        # its header adds.
+        total = 0
+        too_large = len(header) > p.MAX_HEADER_BYTES
         while more:
             frame = sock.recv(copy=False)
             more = frame.more
@@ -156,7 +159,7 @@ class RpcServer:
                 identity,
                 request.req_id,
                 p.ErrorCode.TOO_LARGE,
-                f"request of {total} bytes / {len(frames)} frames is over the limit "
+                f"request with {total} payload bytes is over the limit "
                 f"({self.max_request_bytes} bytes, {self.max_frames} frames)",
             )
             return
