@@ -130,12 +130,12 @@ def test_a_device_holding_a_filesystem_is_refused(tmp_path: Path) -> None:
 def test_a_filesystem_signature_past_a_small_metadata_region_is_refused(
     tmp_path: Path, offset: int, magic: bytes, what: str
 ) -> None:
-    """A metadata region smaller than the signature probe (here 3 blocks): the probe
+    """A metadata region smaller than the signature probe (here 5 blocks): the probe
     still covers the first 68 KiB, where slots would overwrite the filesystem."""
     from lmcache_tiers.errors import ConfigError
 
     path = tmp_path / "dev.img"
-    cfg = RawBlockConfig(device_path=str(path), slot_bytes=64 << 10, meta_total_bytes=3 * 4096)
+    cfg = RawBlockConfig(device_path=str(path), slot_bytes=64 << 10, meta_total_bytes=5 * 4096)
     with open(path, "wb") as device:
         device.truncate(2 << 20)
         device.seek(offset)

@@ -14,7 +14,19 @@ from lmcache_plugin_raw_block.device import BlockDevice
 from lmcache_plugin_raw_block.geometry import plan_geometry
 from lmcache_plugin_raw_block.recovery import SCAN_WINDOW, UNSAVED_QUARANTINE_MAX
 from lmcache_plugin_raw_block.slots import Claim
-from rb_helpers import PAYLOAD, Arena, backend_of, client, config, crash, flip_byte, load, open_raw, store
+from rb_helpers import (
+    PAYLOAD,
+    SLOT,
+    Arena,
+    backend_of,
+    client,
+    config,
+    crash,
+    flip_byte,
+    load,
+    open_raw,
+    store,
+)
 from slot_helpers import ZlibSerde
 
 from lmcache_tiers.testing.l2 import make_keys, pattern
@@ -446,3 +458,128 @@ def test_stores_after_a_clean_checkpoint_that_cannot_be_superseded_survive_a_cra
         assert store(again, new_keys, new) == [True]
     finally:
         again.close()
+
+
+def test_a_checkpoint_passed_over_at_start_up_never_outranks_the_later_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Both areas unusable at start-up (one damaged, the other's body unreadable for the
+    # moment): the run starts from the slot headers and checkpoints from scratch.  Its
+    # checkpoints must still outrank the one passed over, which may read again after a
+    # crash: a clean one there, trusted (meta_verify_on_load false), would list a slot
+    # this run freed and reused, losing the acknowledged store in it.
+    cfg = config(tmp_path / "dev.img", slots=4, meta_enable_periodic=False, meta_verify_on_load=False)
+    old_keys, new_keys = make_keys(1), make_keys(1, start=10)
+    old, new = data_for(1), data_for(1, seed=1)
+    adapter = open_raw(cfg)
+    geometry = backend_of(adapter).geometry
+    assert store(adapter, old_keys, old) == [True]
+    adapter.close()  # area 0: the start-up checkpoint; area 1: the clean one, newest
+    flip_byte(cfg.device_path, geometry.area_offset(0) + geometry.block_align + 3)
+    unreadable = geometry.area_offset(1) + geometry.block_align
+    read_at = BlockDevice.read_at
+
+    def failing(self: BlockDevice, offset: int, length: int) -> bytes:
+        if offset == unreadable:
+            raise OSError(errno.EIO, "injected media error")
+        return read_at(self, offset, length)
+
+    monkeypatch.setattr(BlockDevice, "read_at", failing)
+    adapter = open_raw(cfg)
+    assert adapter.stats()["checkpoints_unusable"] == 2
+    assert adapter.delete(old_keys) == [True]  # slot 0 is free again ...
+    assert store(adapter, new_keys, new) == [True]  # ... and holds the new key, acknowledged
+    crash(adapter)
+    monkeypatch.setattr(BlockDevice, "read_at", read_at)  # the media error was transient
+    reopened = open_raw(cfg)
+    try:
+        assert client(reopened).lookup_and_lock(new_keys).found == [True], "an acknowledged store was lost"
+        reopened.unlock(new_keys)
+        assert load(reopened, new_keys, [len(new[0])]) == ([True], new)
+    finally:
+        reopened.close()
+
+
+def test_the_smallest_metadata_region_accepted_holds_a_checkpoint(tmp_path: Path) -> None:
+    # A metadata region whose checkpoint areas have no room past their header block
+    # never holds a checkpoint: every restart, clean ones too, would read every slot
+    # header and bring back every deleted object.  Such a size is refused instead.
+    from lmcache_tiers.plugin import FieldError
+
+    accepted = []
+    for blocks in range(1, 7):
+        try:
+            cfg = RawBlockConfig(
+                device_path=str(tmp_path / f"dev{blocks}.img"),
+                slot_bytes=SLOT,
+                meta_total_bytes=blocks * 4096,
+                capacity_bytes=blocks * 4096 + 4 * SLOT,
+            )
+        except FieldError:
+            continue
+        accepted.append(blocks)
+        keys = make_keys(2)
+        adapter = open_raw(cfg)
+        try:
+            assert store(adapter, keys, [b"x" * 100] * 2) == [True, True]
+            assert adapter.delete(keys[:1]) == [True]
+        finally:
+            adapter.close()
+        reopened = open_raw(cfg)
+        try:
+            stats = reopened.stats()
+            assert stats.get("checkpoint_too_large", 0) == 0, f"{blocks} blocks hold no checkpoint"
+            assert client(reopened).lookup_and_lock(keys).found == [False, True], "a delete was undone"
+            reopened.unlock(keys[1:])
+        finally:
+            reopened.close()
+    assert accepted
+
+
+@pytest.mark.parametrize("part", ["header", "body"])
+def test_a_clean_checkpoint_passed_over_at_start_up_is_not_left_newest(
+    tmp_path: Path, part: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The newest checkpoint, the clean one of the last shutdown, cannot be read at
+    # start-up for the moment, and no checkpoint can be written to supersede it.  Once it
+    # reads again a restart after a crash trusts it (meta_verify_on_load false): a store
+    # into a slot it lists, freed by a delete, would be seen by nobody.  Such a store is
+    # refused (counted) until a checkpoint succeeds, as after a clean checkpoint read.
+    cfg = config(tmp_path / "dev.img", slots=4, meta_enable_periodic=False, meta_verify_on_load=False)
+    old_keys, new_keys = make_keys(1), make_keys(1, start=10)
+    old, new = data_for(1), data_for(1, seed=1)
+    adapter = open_raw(cfg)
+    geometry = backend_of(adapter).geometry
+    assert store(adapter, old_keys, old) == [True]
+    adapter.close()  # area 1: the clean checkpoint, newest, listing the old key in slot 0
+    unreadable = geometry.area_offset(1) + (geometry.block_align if part == "body" else 0)
+    read_at, write_checkpoint = BlockDevice.read_at, CheckpointAreas.write
+
+    def failing(self: BlockDevice, offset: int, length: int) -> bytes:
+        if offset == unreadable:
+            raise OSError(errno.EIO, "injected media error")
+        return read_at(self, offset, length)
+
+    def broken(self: CheckpointAreas, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.EIO, "injected checkpoint failure")
+
+    monkeypatch.setattr(BlockDevice, "read_at", failing)
+    monkeypatch.setattr(CheckpointAreas, "write", broken)
+    adapter = open_raw(cfg)
+    assert adapter.stats()["checkpoints_unusable"] == 1
+    assert adapter.delete(old_keys) == [True]  # slot 0 is free again ...
+    acknowledged = store(adapter, new_keys, new)  # ... and the lowest free slot
+    if acknowledged != [True]:
+        assert adapter.stats()["stores_paused"] == 1
+    crash(adapter)
+    monkeypatch.setattr(BlockDevice, "read_at", read_at)
+    monkeypatch.setattr(CheckpointAreas, "write", write_checkpoint)
+    reopened = open_raw(cfg)
+    try:
+        if acknowledged == [True]:
+            found = client(reopened).lookup_and_lock(new_keys).found
+            assert found == [True], "an acknowledged store was lost"
+            reopened.unlock(new_keys)
+            assert load(reopened, new_keys, [len(new[0])]) == ([True], new)
+    finally:
+        reopened.close()

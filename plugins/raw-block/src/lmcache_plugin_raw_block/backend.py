@@ -134,7 +134,11 @@ class RawBlockBackend(SlotStoreBackend):
             checkpoint = self._areas.read_newest()
             if self._areas.unusable:
                 self.context.count("checkpoints_unusable", self._areas.unusable)
-            self._clean_checkpoint_newest = checkpoint is not None and checkpoint.clean
+            # A newer checkpoint passed over (unreadable for the moment) may be a clean one,
+            # and trusted once it reads again: it counts as such until one supersedes it.
+            self._clean_checkpoint_newest = self._areas.newer_passed_over or (
+                checkpoint is not None and checkpoint.clean
+            )
             if checkpoint is None:
                 log.warning("raw_block: %s has no valid checkpoint; reading every slot header", device.path)
             return True, checkpoint

@@ -72,10 +72,13 @@ class CheckpointAreas:
         self._device = device
         self._geometry = geometry
         self._identity = identity
-        self.seq = 0  # of the newest checkpoint written or read
+        self.seq = 0  # the highest on the device: of the newest written, or any header read
         self._area = 1  # holding the newest, so the next write goes to the other
         #: checkpoints ``read_newest`` passed over: unreadable, damaged or undecodable
         self.unusable = 0
+        #: ``read_newest`` passed over a checkpoint that may be newer than the one it
+        #: returned (or than none): one that may read again later, until one supersedes it
+        self.newer_passed_over = False
 
     def _header(self, seq: int, body: bytes) -> bytes:
         fields = _HEADER.pack(
@@ -114,7 +117,21 @@ class CheckpointAreas:
         An area that cannot be read (a media error) is one more damaged area: the other
         one, or a read of every slot header, recovers the device, where raising would
         keep the adapter from opening at all."""
-        headers = [(area, found) for area in (0, 1) if (found := self._readable_header(area)) is not None]
+        headers: list[tuple[int, tuple[int, int, int]]] = []
+        unread: list[int] = []
+        for area in (0, 1):
+            before = self.unusable
+            found = self._readable_header(area)
+            if found is not None:
+                headers.append((area, found))
+            elif self.unusable > before:
+                unread.append(area)
+        # A checkpoint passed over now (its body unreadable for the moment) may read again
+        # after a crash: every later checkpoint must outrank it, or a restart would take it
+        # for the newest.  An area whose header could not be read is overwritten first.
+        self.seq = max((found[0] for _area, found in headers), default=0)
+        self._area = 1 - unread[0] if unread else 1
+        self.newer_passed_over = bool(unread) or bool(headers)
         for area, (seq, length, body_crc) in sorted(headers, key=lambda item: -item[1][0]):
             start = self._geometry.area_offset(area) + self._geometry.block_align
             try:
@@ -138,7 +155,8 @@ class CheckpointAreas:
                 log.warning("raw_block: checkpoint %d cannot be decoded (%s); trying the other", seq, exc)
                 self.unusable += 1
                 continue
-            self.seq, self._area = seq, area
+            self._area = area
+            self.newer_passed_over = bool(unread) or seq < self.seq
             entries = [
                 (key, SlotEntry(slot, write_seq, stored, l1))
                 for slot, write_seq, stored, l1, key in decoded.entries

@@ -217,11 +217,14 @@ class RawBlockConfig(L2AdapterConfig):
             )
         meta = self.meta_total_bytes
         if meta is not None:
-            if meta % align or meta < 3 * align:
+            # Each checkpoint area is a header block and at least one block of body: with
+            # less, no checkpoint ever fits and every restart reads every slot header.
+            if meta % align or meta < 5 * align:
                 raise FieldError(
                     "meta_total_bytes",
                     f"meta_total_bytes ({meta}) must be a multiple of block_align ({align}) "
-                    f"and at least 3 blocks ({3 * align}): a superblock and two checkpoint areas",
+                    f"and at least 5 blocks ({5 * align}): a superblock and two checkpoint areas "
+                    "of a header block and a body block each",
                 )
             if 0 < self.capacity_bytes < meta + self.slot_bytes:
                 raise FieldError(
