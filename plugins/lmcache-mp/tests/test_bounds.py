@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import logging
 import time
+import tracemalloc
 from typing import Any
 
 import msgspec
 import pytest
-from lmcache_plugin_lmcache_mp import LMCacheMPConfig, handlers
+from lmcache_plugin_lmcache_mp import LMCacheMPConfig, handlers, wire
 from lmcache_plugin_lmcache_mp.base import Shared
 from lmcache_plugin_lmcache_mp.lookups import Lookups
 from lmcache_plugin_lmcache_mp.state import Instance, PendingTransfers, Transfer
 from lmcache_plugin_lmcache_mp.transfers import Transfers
-from lmcache_plugin_lmcache_mp.wire import CacheKey
+from lmcache_plugin_lmcache_mp.wire import CacheKey, decode_arguments, operation_name, peek_uid
 from mpclient import Key, MPClient, Registration, mp_address, tokens_of
 
 from lmcache_tiers.plugin import FrontendStats, ObjectKey, TensorLayout
@@ -140,7 +141,8 @@ def _transfers() -> Transfers:
 
 def test_lost_commits_are_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     transfers = _transfers()
-    key = msgspec.convert(Key(tokens_of(2, 512), "r", worker_id=0).encode(), CacheKey)
+    wire_key = msgspec.msgpack.encode(Key(tokens_of(2, 512), "r", worker_id=0).encode())
+    key = msgspec.msgpack.decode(wire_key, type=CacheKey)
     _, keys = transfers._resolve(key, REG.instance_id)
     transfers.writes.add(REG.instance_id, keys, Transfer(keys, time.monotonic() + 60, "r"))
     with caplog.at_level(logging.WARNING):
@@ -156,3 +158,73 @@ def test_expired_transfers_of_an_unregistered_instance_are_counted() -> None:
     transfers.writes.add(REG.instance_id, keys, _transfer(deadline=time.monotonic() - 1))
     assert transfers.drop_instance(REG.instance_id) == (0, 0)
     assert transfers.shared.stats.failures["mp_transfer_expired"] == 1
+
+
+def test_a_frame_limit_zeromq_cannot_take_is_a_config_error(make_mp_server: Any) -> None:
+    """ZeroMQ takes the frame limit as an int64 of bytes: a larger one must be refused as
+    configuration, not crash the start-up in setsockopt."""
+    with pytest.raises(msgspec.ValidationError, match="max_message_mb"):
+        msgspec.convert({"max_message_mb": 1 << 43}, LMCacheMPConfig)
+    server = make_mp_server(max_message_mb=4096)  # the largest accepted limit starts
+    with MPClient(mp_address(server)) as client:
+        assert client.call("noop") == "OK"
+
+
+def _key_with_request_configs(body: bytes) -> bytes:
+    """A lookup key frame whose request_configs is ``body`` (msgpack bytes)."""
+    fields = Key(tokens_of(1, 256), "r").encode()
+    del fields["request_configs"]
+    head = msgspec.msgpack.encode(fields)  # a fixmap: one more entry follows
+    return bytes([head[0] + 1]) + head[1:] + msgspec.msgpack.encode("request_configs") + body
+
+
+def test_a_key_costs_about_its_size_in_memory_whatever_its_request_configs() -> None:
+    """request_configs is a map of anything, which the front end never reads: decoded, a
+    key of a few MiB of tiny maps would take 50-70 times that in Python objects, and a
+    frame of max_message_mb (1 GiB) would take the server's memory."""
+    count = 1 << 20
+    bomb = b"\x81\xa1x\xdd" + count.to_bytes(4, "big") + b"\x80" * count  # {"x": [{}, {}, ...]}
+    frame = _key_with_request_configs(bomb)
+    records = b"\xdd" + count.to_bytes(4, "big") + b"\x80" * count  # report_block_allocation's
+    tracemalloc.start()
+    try:
+        key, tp_size = decode_arguments("lookup", [frame, msgspec.msgpack.encode(1)])
+        decode_arguments("report_block_allocation", [b"\x01", b"\xa1m", records])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (key.request_id, key.end, tp_size) == ("r", 257, 1)
+    assert peak < 8 * len(frame), f"{peak} bytes of Python objects for a {len(frame)}-byte key"
+
+
+def test_op_and_uid_frames_are_not_decoded_whole() -> None:
+    """The op frame is decoded before anything else, the uid frame for log lines: neither
+    may turn a few MiB of tiny msgpack maps into 50-70 times that in Python objects."""
+    count = 1 << 20
+    bomb = b"\xdd" + count.to_bytes(4, "big") + b"\x80" * count  # [{}, {}, ...]
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError):
+            operation_name(bomb)
+        assert peek_uid(bomb).startswith("0x")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < len(bomb), f"{peak} bytes of Python objects for a {len(bomb)}-byte frame"
+    assert operation_name(msgspec.msgpack.encode("x" * 64)) == "x" * 64  # the longest name
+
+
+def test_argument_frames_beyond_the_bound_are_refused_but_chunks(
+    client: MPClient, mp_server: TiersServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """max_message_mb is sized for pickled chunks; a key that large would cost the server
+    8 times its size in Python objects and its loop thread seconds of hashing."""
+    monkeypatch.setattr(wire, "MAX_ARGUMENT_BYTES", 64 << 10)
+    client.register(REG)
+    huge = Key(tokens_of(1, 40_000), "r")  # 120 KB of tokens
+    assert client.unanswered("lookup", huge.encode(), 1)
+    assert mp_failures(mp_server)["mp_bad_request"] == 1
+    small = Key(tokens_of(1, 512), "r", worker_id=0)
+    # commit_store's chunks are bounded by max_message_mb only (refused here: no allow_pickle)
+    assert client.call("commit_store", small.encode(), REG.instance_id, bytes(100 << 10)) is False
+    assert mp_failures(mp_server)["mp_pickle_refused"] == 1

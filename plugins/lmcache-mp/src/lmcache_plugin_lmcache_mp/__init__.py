@@ -73,7 +73,14 @@ class LMCacheMPConfig(FrontendConfig, kw_only=True, frozen=True, forbid_unknown_
         float, _doc("Seconds a worker that never pinged stays registered.", gt=0.0)
     ] = 3600.0
     max_message_mb: Annotated[
-        int, _doc("Largest request frame in MiB (pickled chunks); a larger one disconnects its client.", ge=1)
+        int,
+        # ZeroMQ takes the limit as an int64 of bytes; a msgpack bin (the pickled chunks of
+        # one commit_store) holds at most 4 GiB anyway.
+        _doc(
+            "Largest request frame in MiB (pickled chunks); a larger one disconnects its client.",
+            ge=1,
+            le=4096,
+        ),
     ] = 1024
 
     def check(self, server: ServerConfig, auth_token: str | None) -> None:

@@ -23,7 +23,14 @@ import zmq
 
 from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused
 from lmcache_plugin_lmcache_mp.handlers import NOT_SERVED, Handlers
-from lmcache_plugin_lmcache_mp.wire import CacheKey, decode_arguments, encode_reply, operation_name, peek_uid
+from lmcache_plugin_lmcache_mp.wire import (
+    MAX_ARGUMENT_BYTES,
+    CacheKey,
+    decode_arguments,
+    encode_reply,
+    operation_name,
+    peek_uid,
+)
 from lmcache_tiers.plugin import FrontendStats, KeyValidationError, RouterLoop, printable
 
 logger = logging.getLogger(__name__)
@@ -226,8 +233,8 @@ class MPServer:
 
 def _request_id(name: str, arg_frames: list[bytes]) -> str:
     """The request id of a request, for log lines (best effort: the frames may be junk)."""
-    if not arg_frames:
-        return ""
+    if not arg_frames or len(arg_frames[0]) > MAX_ARGUMENT_BYTES:
+        return ""  # such a key is not decoded, not even for a log line
     try:
         if name in ("query_prefetch_status", "wait_prefetch_status", "end_session"):
             return _TEXT.decode(arg_frames[0])[:80]

@@ -60,8 +60,20 @@ OPERATION_IDS: dict[str, int] = {
 }
 _NAMES_BY_ID = {number: name for name, number in OPERATION_IDS.items()}
 _MAX_OP_NAME = 64
+#: the longest op frame worth decoding (a str of _MAX_OP_NAME bytes, or any int), and uid
+#: frame worth decoding for a log line: a longer one is not decoded at all (a frame of a few
+#: MiB of tiny msgpack maps or lists would become 50-70 times that in Python objects)
+_MAX_OP_FRAME = _MAX_OP_NAME + 2
+_MAX_UID_FRAME = 16
+#: the largest argument frame decoded, but commit_store's pickled chunks (max_message_mb
+#: bounds those): a key of up to 13 million tokens, each up to 5 bytes in msgpack.  The
+#: frame limit is sized for the chunks, and a key that large would cost the server 8
+#: times its size in Python objects, and its loop thread seconds of hashing per 100 MiB.
+MAX_ARGUMENT_BYTES = 64 << 20
+_BULK_ARGUMENTS = {("commit_store", 2)}
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]  # hashed as big-endian uint32
+_NIL = msgspec.Raw(b"\xc0")
 
 
 class CacheKey(msgspec.Struct, frozen=True, gc=False):
@@ -75,7 +87,9 @@ class CacheKey(msgspec.Struct, frozen=True, gc=False):
     end: Annotated[int, msgspec.Meta(ge=0)]
     request_id: str
     cache_salt: str = ""
-    request_configs: dict[str, Any] | None = None
+    #: never used here, so kept as its msgpack bytes: decoded, a map of a few MiB of tiny
+    #: maps or lists would take 50-70 times its size in Python objects
+    request_configs: msgspec.Raw = _NIL
     num_kv_readers: int = 0
 
 
@@ -129,7 +143,7 @@ SIGNATURES: dict[str, tuple[Any, ...]] = {
     "prepare_retrieve": (CacheKey, int),
     "commit_retrieve": (CacheKey, int),
     "clear": (bool,),
-    "report_block_allocation": (int, str, list[dict[str, Any]]),
+    "report_block_allocation": (int, str, msgspec.Raw),  # records: answered, never read (see CacheKey)
 }
 _DECODERS: dict[str, tuple[msgspec.msgpack.Decoder[Any], ...]] = {
     name: tuple(msgspec.msgpack.Decoder(kind) for kind in kinds) for name, kinds in SIGNATURES.items()
@@ -140,6 +154,8 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 def operation_name(frame: bytes) -> str:
     """The operation a request's op frame names; ValueError for anything else."""
+    if len(frame) > _MAX_OP_FRAME:
+        raise ValueError(f"op frame of {len(frame)} bytes names no operation")
     try:
         value = _ANY.decode(frame)
     except (msgspec.DecodeError, RecursionError) as exc:
@@ -162,6 +178,11 @@ def decode_arguments(name: str, frames: list[Any]) -> list[Any]:
     decoders = _DECODERS[name]
     if len(frames) != len(decoders):
         raise ValueError(f"{name} takes {len(decoders)} argument frames, got {len(frames)}")
+    for index, frame in enumerate(frames):
+        if len(frame) > MAX_ARGUMENT_BYTES and (name, index) not in _BULK_ARGUMENTS:
+            raise ValueError(
+                f"argument {index} of {name} is {len(frame)} bytes long; at most {MAX_ARGUMENT_BYTES}"
+            )
     try:
         return [decoder.decode(frame) for decoder, frame in zip(decoders, frames, strict=True)]
     except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
@@ -174,6 +195,8 @@ def encode_reply(value: Any) -> bytes:
 
 def peek_uid(frame: bytes) -> str:
     """A request number for log lines, whatever the frame holds."""
+    if len(frame) > _MAX_UID_FRAME:
+        return f"0x{bytes(frame[:16]).hex()}..."
     try:
         value = _ANY.decode(frame)
     except (msgspec.DecodeError, RecursionError):
