@@ -14,7 +14,7 @@ a non-default configuration.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import islice
 from typing import Any, ClassVar
 
@@ -42,6 +42,13 @@ def make_keys(count: int, *, start: int = 0, salt: str = "") -> list[ObjectKey]:
         ObjectKey("suite-model", 0, index.to_bytes(8, "big"), 0, salt)
         for index in range(start, start + count)
     ]
+
+
+def assert_offered_once(offered: Sequence[ObjectKey], expected: Iterable[ObjectKey], what: str) -> None:
+    """``offered`` (a walk of ``victims()``) holds each expected key exactly once."""
+    wanted = set(expected)
+    assert len(offered) == len(set(offered)), f"{what}: a key is offered twice"
+    assert set(offered) == wanted, f"{what}: offered {len(offered)} keys, expected {len(wanted)}"
 
 
 def make_adapters(count: int) -> list[AdapterInfo]:
@@ -178,6 +185,11 @@ class EvictionPolicySuite(_PolicySuite):
         assert isinstance(built, EvictionPolicy)
         return built
 
+    def evicts(self) -> bool:
+        """Whether the policy declares ``EVICTS``: then the checks that only bound what a
+        walk offers also require every live key in it (a policy ignoring events fails)."""
+        return EVICTS in self.capabilities
+
     def test_empty_policy_offers_no_victims(self, policy: EvictionPolicy) -> None:
         assert list(policy.victims()) == []
 
@@ -189,19 +201,43 @@ class EvictionPolicySuite(_PolicySuite):
         offered = list(policy.victims())
         assert set(offered) <= set(keys) - set(keys[2:5])
         assert len(offered) == len(set(offered)), "a key is offered twice"
+        if self.evicts():
+            assert_offered_once(offered, set(keys) - set(keys[2:5]), "live keys")
 
     def test_unknown_keys_are_ignored(self, policy: EvictionPolicy) -> None:
-        stranger = make_keys(1, start=100)
-        policy.on_keys_removed(stranger)
+        # Checked before anything removes the read key: a removal would hide a revival.
+        policy.on_keys_removed(make_keys(1, start=100))
         policy.on_keys_read(make_keys(1, start=200))
-        policy.on_keys_removed(make_keys(1, start=200))
         assert list(policy.victims()) == [], "a key that was never written is offered"
+        policy.on_keys_removed([])
+        keys = make_keys(3)
+        policy.on_keys_written(keys)
+        policy.on_keys_removed(make_keys(2, start=100))
+        policy.on_keys_read(make_keys(1, start=200))
+        offered = list(policy.victims())
+        assert set(offered) <= set(keys), "a key that was never written is offered"
+        if self.evicts():
+            assert_offered_once(offered, keys, "removing unknown keys dropped live ones")
+
+    def test_a_read_after_removal_does_not_revive_the_key(self, policy: EvictionPolicy) -> None:
+        # A reader that raced the removal reports its read afterwards.
+        keys = make_keys(4)
+        policy.on_keys_written(keys)
+        policy.on_keys_removed(keys[1:2])
+        policy.on_keys_read(keys)
+        policy.on_keys_read(keys[1:2])
+        offered = list(policy.victims())
+        assert keys[1] not in offered, "a removed key came back with a read"
+        if self.evicts():
+            assert_offered_once(offered, keys[:1] + keys[2:], "a read lost a live key")
 
     def test_an_empty_removal_report_after_a_walk_changes_nothing(self, policy: EvictionPolicy) -> None:
         # Core ends a walk that removed nothing (every victim locked or pinned) this way.
         keys = make_keys(6)
         policy.on_keys_written(keys)
         before = list(policy.victims())
+        if self.evicts():
+            assert_offered_once(before, keys, "a walk")
         policy.on_keys_removed([])
         assert list(policy.victims()) == before
 
@@ -210,7 +246,35 @@ class EvictionPolicySuite(_PolicySuite):
         policy.on_keys_written(keys)
         first = list(islice(policy.victims(), 2))
         policy.on_keys_removed(first)
-        assert not set(first) & set(policy.victims())
+        rest = list(policy.victims())
+        assert not set(first) & set(rest)
+        if self.evicts():
+            # the keys the abandoned walk did not reach are still there to evict
+            assert len(first) == 2
+            assert_offered_once(rest, set(keys) - set(first), "an abandoned walk lost keys")
+
+    @requires(EVICTS)
+    def test_keys_a_walk_passed_over_stay_offered(self, policy: EvictionPolicy) -> None:
+        # The caller skips locked victims and reports only what it removed.
+        keys = make_keys(6)
+        policy.on_keys_written(keys)
+        walked = list(policy.victims())
+        policy.on_keys_removed(walked[1:2])
+        offered = list(policy.victims())
+        assert_offered_once(offered, set(keys) - {walked[1]}, "a passed-over key is lost")
+        policy.on_keys_removed([])
+        policy.on_keys_removed(offered[-1:])  # removed for another reason, after the walk
+        assert_offered_once(list(policy.victims()), set(keys) - {walked[1], offered[-1]}, "after a walk")
+
+    @requires(EVICTS)
+    def test_a_key_repeated_in_one_event_is_offered_once(self, policy: EvictionPolicy) -> None:
+        a, b, c = make_keys(3)
+        policy.on_keys_written([a, b, a])
+        policy.on_keys_written([c, c])
+        policy.on_keys_read([b, b, c])
+        assert_offered_once(list(policy.victims()), {a, b, c}, "repeated keys")
+        policy.on_keys_removed([a, a])
+        assert_offered_once(list(policy.victims()), {b, c}, "a key removed twice in one report")
 
     @requires(EVICTS)
     def test_offers_every_live_key_once(self, policy: EvictionPolicy) -> None:
