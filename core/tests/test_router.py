@@ -53,3 +53,27 @@ def test_a_reply_failing_midway_never_reaches_another_client(loop: RouterLoop) -
                 assert b"for the second client" not in first.recv_multipart()
     finally:
         context.destroy(0)
+
+
+@pytest.mark.parametrize("frames_sent", [1, 2, 3])
+def test_a_reply_failing_midway_never_arrives_with_its_full_frame_count(
+    loop: RouterLoop, frames_sent: int
+) -> None:
+    """Whichever frame fails, what reaches the client cannot pass for the whole reply: a
+    reply of ``[header, payload, payload]`` whose last payload failed must not arrive as
+    three frames, or its receiver would take the filler for the last object's bytes."""
+    context = zmq.Context()
+    try:
+        client = context.socket(zmq.DEALER)
+        client.setsockopt(zmq.RCVTIMEO, 1000)
+        client.connect(loop.endpoint)
+        client.send(b"hello")
+        identity, _ = loop.socket.recv_multipart()
+        reply: list[object] = [identity, b"header", b"first", b"second"]
+        reply[frames_sent] = "not bytes"  # frames before it are queued when it fails
+        assert loop.send(reply) is False
+        received = client.recv_multipart()
+        assert len(received) != len(reply) - 1
+        assert received[: frames_sent - 1] == reply[1:frames_sent]
+    finally:
+        context.destroy(0)

@@ -355,9 +355,13 @@ class RouterLoop:
         except Exception:
             # A frame libzmq cannot take (a bad type, a released buffer).  Frames already
             # sent leave a message open: it is ended here, or the next reply's frames would
-            # join it and go to this client instead of their own.
+            # join it and go to this client instead of their own.  It must not arrive with
+            # the reply's own frame count: an empty frame in place of the last payload
+            # would pass for that object's bytes, so the last one failing ends with two.
             if index > 0:
                 with contextlib.suppress(zmq.ZMQError):
+                    if index == last:
+                        _raw_send(sock, b"", _SNDMORE_NOBLOCK)
                     _raw_send(sock, b"", _NOBLOCK)
             self.stats.failure("reply_dropped")
             logger.exception(

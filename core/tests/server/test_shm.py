@@ -172,6 +172,9 @@ def test_generations_tell_which_slots_changed_hands() -> None:
             assert segment.changed(slots) == [1]
             with pytest.raises(ValueError, match="outside"):
                 segment.check_slot(arena.size - 8, 16)  # the table is not object memory
+            # no object is empty: a slot of none at the arena's end has no table entry
+            with pytest.raises(ValueError, match="outside"):
+                segment.check_slot(arena.size, 0)
         finally:
             segment.close()
 
@@ -194,6 +197,68 @@ def test_a_generation_table_that_does_not_fit_is_refused(arena: L1Arena) -> None
         assert untracked.changed([p.Slot(0, 1, 99)]) == []  # an old server: nothing to compare
     finally:
         untracked.close()
+
+
+@pytest.mark.parametrize(("size", "offset", "block"), [(0, 0, 0), (1001, 8, 1), (4096 + 12, 4096, 4096)])
+def test_a_segment_unmappable_as_described_is_a_mismatch(size: int, offset: int, block: int) -> None:
+    """An empty segment file, or a table that does not end on a whole entry: refused as
+    not the server's segment (the client goes inline), never another error from the
+    middle of mapping it."""
+    path = Path("/dev/shm") / f"tiers_unit_{uuid.uuid4().hex[:10]}"
+    path.write_bytes(bytes(size))
+    try:
+        st = os.stat(path)
+        with pytest.raises(SegmentMismatch):
+            MappedSegment(
+                path.name, size, st.st_dev, st.st_ino, generation_offset=offset, generation_block=block
+            )
+    finally:
+        path.unlink()
+
+
+def test_the_population_pass_is_over_before_the_last_user_unmaps(
+    arena: L1Arena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``close`` from another thread while a copy runs; that copy ends, and so unmaps,
+    before the closing thread gets to stop the background pass: the pass must never go
+    on advising the address range, which by then may be another mapping's."""
+    from lmcache_tiers.wire import pagetables
+
+    if pagetables._madvise is None:
+        pytest.skip("no madvise through ctypes on this platform")
+    monkeypatch.setattr(pagetables, "IDLE_S", 0.1)
+    device, inode = segment_identity(arena.name)
+    segment = MappedSegment(arena.name, arena.size, device, inode)
+    real_madvise = pagetables._madvise
+    after_unmap: list[int] = []
+
+    def recording_madvise(address: int, length: int, advice: int) -> int:
+        if segment._mmap.closed:
+            after_unmap.append(address)
+        return int(real_madvise(address, length, advice))
+
+    monkeypatch.setattr(pagetables, "_madvise", recording_madvise)
+    stopping = threading.Event()
+    real_stop = segment.pages.stop
+
+    def late_stop() -> None:
+        if threading.current_thread().name == "closer":
+            stopping.wait(5)  # the closing thread is descheduled here
+        real_stop()
+
+    monkeypatch.setattr(segment.pages, "stop", late_stop)
+    closer = threading.Thread(target=segment.close, name="closer")
+    with segment.in_use():
+        closer.start()
+        deadline = time.monotonic() + 5
+        while not segment.closed:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+    assert segment._mmap.closed  # the last user unmapped
+    time.sleep(0.3)  # the client is idle: the pass would go on now
+    stopping.set()
+    closer.join(5)
+    assert after_unmap == []
 
 
 def _restart_at_the_same_port(first: TiersServer, make_server: Callable[..., TiersServer]) -> TiersServer:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from lmcache_tiers.client import Client, ClientError, ProtocolError, RequestTimeoutError, ServerError
 from lmcache_tiers.keys import ObjectKey
@@ -786,6 +787,32 @@ def test_a_slot_outside_the_arena_is_a_protocol_error_and_releases(server: Tiers
         client.store(keys, blobs(2))
         with pytest.raises(ProtocolError, match="outside"), client.retrieve(keys):
             pass
+    assert l1(server)["read_locks"] == 0
+
+
+def test_an_inline_payload_frame_not_of_its_slots_size_is_a_protocol_error_and_releases(
+    server: TiersServer,
+) -> None:
+    # A reply the server could not finish sending is closed with empty frames (the router):
+    # one that still has the slots' frame count must not pass an empty frame for an object.
+    keys = keys_of(2)
+
+    class CutShortServer(Client):
+        def _exchange(
+            self, request: Any, expect: Any, payloads: Sequence[Any] = (), timeout: float | None = None
+        ) -> Any:
+            reply, frames = super()._exchange(request, expect, payloads, timeout)
+            if isinstance(reply, p.RetrieveReply) and frames:
+                frames[-1] = zmq.Frame(b"")
+            return reply, frames
+
+    with CutShortServer(server.endpoint, shm=False) as client:
+        client.store(keys, blobs(2))
+        with pytest.raises(ProtocolError, match="0-byte payload frame"), client.retrieve(keys):
+            pass
+        buffers = [np.zeros(10_000, dtype=np.uint8) for _ in keys]
+        with pytest.raises(ProtocolError, match="0-byte payload frame"):
+            client.retrieve_into(keys, buffers)
     assert l1(server)["read_locks"] == 0
 
 

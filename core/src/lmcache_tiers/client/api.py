@@ -632,6 +632,11 @@ class Client(Connection):
                 reply, frames = self._exchange(p.Retrieve(0, "", batch, inline=True), p.RetrieveReply)
                 if len(frames) != len(reply.slots):
                     raise ProtocolError(f"{len(reply.slots)} slots but {len(frames)} payload frames")
+                # Each frame must be its slot's size: a reply the server could not finish
+                # sending is closed with empty frames, never taken for an object.
+                for slot, frame in zip(reply.slots, frames, strict=True):
+                    if len(frame) != slot.size:
+                        raise ProtocolError(f"a {len(frame)}-byte payload frame for a {slot.size}-byte slot")
                 views.extend(frame.buffer.toreadonly() for frame in frames)
                 position += len(frames)
                 if len(frames) < len(batch) and not reply.truncated:

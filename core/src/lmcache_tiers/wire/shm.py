@@ -125,6 +125,8 @@ class MappedSegment:
                 raise SegmentMismatch(f"{path} is not a file on a tmpfs: not mapping it")
             if (st.st_dev, st.st_ino) != (device, inode) or st.st_size != size:
                 raise SegmentMismatch(f"{path} is not the server's segment (another host or namespace)")
+            if size <= 0:
+                raise SegmentMismatch(f"{path} is empty: nothing to map")
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -136,7 +138,10 @@ class MappedSegment:
                 f"{path}: the generation table the server describes (at {generation_offset}, one "
                 f"entry per {generation_block} bytes) is not in the {size}-byte segment"
             )
-        if tracked and (size - generation_offset) // 8 < -(-generation_offset // generation_block):
+        if tracked and (
+            (size - generation_offset) % 8  # whole uint64 entries up to the end of the segment
+            or (size - generation_offset) // 8 < -(-generation_offset // generation_block)
+        ):
             self._mmap.close()
             raise SegmentMismatch(f"{path}: the generation table the server describes does not fit")
         self.name = name
@@ -161,7 +166,9 @@ class MappedSegment:
         return self.generation_block > 0
 
     def check_slot(self, offset: int, size: int) -> None:
-        if offset < 0 or size < 0 or offset + size > self.data_size:
+        # Objects have at least one byte: an empty slot at the arena's end would name a
+        # generation entry past the table's last one.
+        if offset < 0 or size < 1 or offset + size > self.data_size:
             raise ValueError(f"slot ({offset}, {size}) lies outside the {self.data_size}-byte arena")
 
     def changed(self, slots: Sequence[SlotLike]) -> list[int]:
@@ -240,6 +247,10 @@ class MappedSegment:
 
     def _unmap(self) -> None:
         # Once, by close or by the last in_use block (never both: decided under _state).
+        # The last block may end before ``close`` (on another thread) has stopped the
+        # background pass: stopped here too, or it would advise an address range that
+        # may be another mapping's by then.
+        self.pages.stop()
         self.array = np.empty(0, dtype=np.uint8)
         try:
             self.generations.release()
