@@ -4,6 +4,7 @@ that did not remove them, they leave the accounting and the eviction policy."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -295,3 +296,120 @@ def test_a_record_of_another_serde_chain_that_is_still_there_stays_accounted(
     assert here.used_bytes() == used
     assert "objects_vanished" not in here.stats()
     assert BlockingAdapterClient(here).lookup_and_lock([key]).found == [False], "still a miss"
+
+
+def wait_for_scan(adapter: BackendAdapter) -> None:
+    deadline = time.monotonic() + 10
+    while adapter.stats()["scan_running"]:
+        assert time.monotonic() < deadline, "the start-up scan never ended"
+        time.sleep(0.01)
+
+
+def put_behind_its_back(adapter: BackendAdapter, keys: list[ObjectKey]) -> None:
+    """What another server sharing the store does after this adapter's start-up scan."""
+    backend = dict_of(adapter)
+    with backend.lock:
+        for key in keys:
+            backend.objects[key] = bytes(SIZE)
+
+
+@BACKENDS
+def test_listed_objects_never_accounted_that_vanish_do_not_stall_eviction(
+    adapters: list[BackendAdapter], backend: type[DictBackend]
+) -> None:
+    # Keys the eviction policy was seeded with from the listing, that this adapter never
+    # accounted (stored by another server after its start-up scan), then removed by that
+    # server: their deletes answer False, and unless they leave the policy, a run of
+    # DELETE_BATCH of them at its head ends every cycle before anything is evicted.
+    adapter = opened(adapters, backend, 100)
+    wait_for_scan(adapter)
+    theirs = make_keys(100)
+    put_behind_its_back(adapter, theirs)
+    controller, policy = evicting(adapter)
+    assert list(policy.victims()) == theirs, "seeded from the listing"
+    remove_behind_its_back(adapter, theirs)
+    ours = make_keys(90, start=100)
+    store(adapter, ours)
+    assert adapter.usage() == pytest.approx(0.9)
+    checks = dict_of(adapter).calls.get("contains_many", 0)
+
+    controller.step(set())
+
+    assert adapter.usage() < WATERMARK
+    assert set(dict_of(adapter).objects) >= set(ours[-60:]), "live objects beyond the round are kept"
+    # Batches of victims found absent grow, as batches of evicted ones do.
+    assert dict_of(adapter).calls["contains_many"] - checks <= 8
+    assert not set(policy.victims()) & set(theirs), "the vanished keys left the policy"
+    assert "l2_eviction_delete_failed" not in controller.stats.failures()
+    assert adapter.stats()["delete_keys_absent"] == 100
+    assert "objects_vanished" not in adapter.stats(), "never accounted: nothing was released"
+
+
+class AbsentListener(RecordingListener):
+    def on_l2_keys_absent(self, adapter: BackendAdapter, keys: Sequence[ObjectKey]) -> None:
+        self._add("absent", adapter, keys)
+
+
+def test_a_delete_tells_listeners_of_unaccounted_keys_found_absent_apart_from_deletes(
+    adapters: list[BackendAdapter],
+) -> None:
+    adapter = opened(adapters, StaleAnswers, 8)
+    backend = dict_of(adapter)
+    assert isinstance(backend, StaleAnswers)
+    listener, plain = AbsentListener(), RecordingListener()  # one without the callback
+    adapter.add_listener(listener)
+    adapter.add_listener(plain)
+    ours, absent, stuck = make_keys(3)
+    store(adapter, [ours])
+    put_behind_its_back(adapter, [stuck])
+    backend.refuse = {stuck}  # there, and its delete fails
+    checks = backend.calls.get("contains_many", 0)
+
+    assert adapter.delete([ours]) == [True]
+    assert backend.calls.get("contains_many", 0) == checks, "no check when every delete succeeds"
+
+    assert adapter.delete([absent, stuck]) == [False, False]
+
+    assert listener.keys("absent") == [absent], "a key still there is not absent"
+    assert listener.keys("deleted") == plain.keys("deleted") == [ours], "never stored: not deleted"
+    stats = adapter.stats()
+    assert stats["delete_keys_absent"] == 1
+    assert stats["delete_keys_checked"] == 2
+    assert "objects_vanished" not in stats
+
+
+class ScannedDuringCheck(DictBackend):
+    """A dict whose ``contains_many`` lets the start-up scan account keys from a listing
+    older than its answer."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.adapter: BackendAdapter | None = None
+        self.listed: list[ObjectKey] = []
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | ObjectSize | None]:
+        answer = super().contains_many(keys)
+        listed, self.listed = self.listed, []
+        if listed:
+            assert self.adapter is not None
+            self.adapter.state.accounting.add_scanned([(key, ObjectSize(SIZE, SIZE)) for key in listed])
+        return answer
+
+
+def test_an_unaccounted_key_the_scan_accounts_during_the_check_is_released(
+    adapters: list[BackendAdapter],
+) -> None:
+    adapter = opened(adapters, ScannedDuringCheck, 8)
+    backend = dict_of(adapter)
+    assert isinstance(backend, ScannedDuringCheck)
+    backend.adapter = adapter
+    listener = AbsentListener()
+    adapter.add_listener(listener)
+    key = make_keys(1)[0]
+    backend.listed = [key]
+
+    assert adapter.delete([key]) == [False]
+
+    assert adapter.used_bytes() == 0, "its bytes are not accounted for good"
+    assert listener.keys("deleted") == [key] and listener.keys("absent") == []
+    assert adapter.stats()["objects_vanished"] == 1

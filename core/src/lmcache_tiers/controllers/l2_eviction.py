@@ -38,7 +38,10 @@ class L2EvictionController(ControllerThread):
     nothing, and would otherwise be asked about every stored key, one by one, each cycle).
     A victim already removed behind the adapter's back (another server sharing the store,
     the store's own eviction) is found gone by the adapter, which releases its bytes and
-    reports it deleted, so it leaves the policy like an evicted key.
+    reports it deleted, so it leaves the policy like an evicted key.  A victim the policy
+    knows from the listing only (stored by another server after the adapter's start-up
+    scan) and gone too is reported absent (``on_l2_keys_absent``): it leaves the policy
+    as well, freeing nothing, and is not a failed delete.
     """
 
     def __init__(
@@ -60,9 +63,11 @@ class L2EvictionController(ControllerThread):
         self._seeded = False
         self._early_events: list[tuple[str, list[ObjectKey]]] = []
         # The batch ``evict`` is deleting, and how many of its keys the adapter reported
-        # deleted: evicted, or found gone from the store, which frees accounted bytes too.
+        # deleted: evicted, or found gone from the store, which frees accounted bytes too;
+        # and those it reported absent (gone, never accounted: nothing freed).
         self._batch: frozenset[ObjectKey] = frozenset()
         self._batch_released: set[ObjectKey] = set()
+        self._batch_absent: set[ObjectKey] = set()
         self._failed_log = BurstLog(logger, "l2_eviction_delete_failed")
         self._evict_lock = threading.Lock()
         slot.adapter.add_listener(self)
@@ -101,6 +106,15 @@ class L2EvictionController(ControllerThread):
         with self._policy_lock:
             if self._batch:
                 self._batch_released.update(key for key in keys if key in self._batch)
+            self._feed_locked("on_keys_removed", keys)
+
+    def on_l2_keys_absent(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
+        # Listed at seeding, never accounted, and now gone from the store: no delete will
+        # ever remove them, and offered for good they would count as failed deletes
+        # every cycle (and a run of them would end every cycle before it evicts).
+        with self._policy_lock:
+            if self._batch:
+                self._batch_absent.update(key for key in keys if key in self._batch)
             self._feed_locked("on_keys_removed", keys)
 
     def _seed(self) -> None:
@@ -153,6 +167,7 @@ class L2EvictionController(ControllerThread):
         refused: set[ObjectKey] = set()
         evicted = 0
         released = 0  # keys whose bytes the adapter released: evicted, or found gone
+        absent = 0  # keys found gone that it never accounted (nothing to release)
         batch_size = 1  # the interface gives no per-key sizes: learn them from the first delete
         fruitless = 0  # deletes in a row that freed no accounted bytes
         failing = 0  # keys in a row the backend did not delete (refused, not pinned)
@@ -165,6 +180,8 @@ class L2EvictionController(ControllerThread):
             if (freeing := max(released, evicted)) and freed > 0:
                 per_key = freed / freeing
                 batch_size = max(1, min(DELETE_BATCH, math.ceil((bytes_to_free - freed) / per_key)))
+            elif absent:  # nothing freed yet, and victims that free nothing: go faster
+                batch_size = min(DELETE_BATCH, 2 * batch_size)
             with self._policy_lock:
                 try:
                     victims = (key for key in self.policy.victims() if key not in refused)
@@ -177,7 +194,7 @@ class L2EvictionController(ControllerThread):
                 else:
                     if not batch:  # the walk may have offered keys this cycle refused
                         end_fruitless_walk(self.policy, self._policy_failed)
-                self._batch, self._batch_released = frozenset(batch), set()
+                self._batch, self._batch_released, self._batch_absent = frozenset(batch), set(), set()
             if not batch:
                 break
             before = adapter.used_bytes()
@@ -189,10 +206,11 @@ class L2EvictionController(ControllerThread):
                 break
             finally:
                 with self._policy_lock:
-                    gone = self._batch_released
+                    gone, missing = self._batch_released, self._batch_absent
                     released += len(gone)
+                    absent += len(missing)
                     self._batch = frozenset()
-                    if not gone:
+                    if not gone and not missing:
                         # The adapter reports removals on this thread before delete
                         # returns: none of this batch came.
                         end_fruitless_walk(self.policy, self._policy_failed)
@@ -204,20 +222,22 @@ class L2EvictionController(ControllerThread):
                     evicted += 1
                 else:
                     refused.add(key)
-            failed = self._failed_deletes(batch, deleted, gone)
-            failing = 0 if any(deleted) or gone else failing + failed
+            failed = self._failed_deletes(batch, deleted, gone | missing)
+            failing = 0 if any(deleted) or gone or missing else failing + failed
             # Objects the adapter never accounted (left by an earlier process and not yet
             # looked up) free nothing it can measure; bound how many go for nothing.
             fruitless = fruitless + sum(deleted) if adapter.used_bytes() >= before else 0
         freed = start - adapter.used_bytes()
         if evicted:
             self.stats.add_adapter(self.slot.index, "keys_evicted", evicted)
-        if evicted or released:
+        if evicted or released or absent:
             logger.debug(
-                "L2 eviction on %s: %d keys evicted, %d found gone already, %d bytes freed",
+                "L2 eviction on %s: %d keys evicted, %d found gone already, %d gone and never "
+                "accounted, %d bytes freed",
                 self.slot.name,
                 evicted,
                 max(0, released - evicted),
+                absent,
                 freed,
             )
         if failing >= DELETE_BATCH:

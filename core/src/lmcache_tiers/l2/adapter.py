@@ -196,12 +196,14 @@ class BackendAdapter(L2Adapter):
             return [False] * len(keys)
         op = DeleteOp(self.state, keys)
         result: list[bool] = self.runner.call_now(op)
-        if op.unconfirmed and not self._closed:
+        if (op.unconfirmed or op.unaccounted) and not self._closed:
             # ``delete_many`` answers False for "absent" and for "could not remove" alike.
             # An accounted key that is absent was removed behind this adapter's back; asked
             # nothing, it would overstate the usage and stay an eviction victim for good.
-            # It stays False here: this call did not delete it.
-            self.runner.call_now(AbsenceCheckOp(self.state, op.unconfirmed))
+            # An unaccounted one may have been listed (the eviction policy is seeded from
+            # ``iter_keys``), and would stay a victim for good too.  Either stays False
+            # here: this call did not delete it.
+            self.runner.call_now(AbsenceCheckOp(self.state, op.unconfirmed, op.unaccounted))
         return result
 
     def pinned(self, keys: Sequence[ObjectKey]) -> list[bool]:

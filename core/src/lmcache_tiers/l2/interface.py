@@ -48,6 +48,13 @@ class L2Listener(Protocol):
     remove them: a listener may be told of keys it never saw stored, or saw deleted.
     ``on_l2_keys_stored`` likewise also reports keys a lookup found that the adapter did
     not account (stored by another server sharing the store): accounted from then on.
+
+    Optional: ``on_l2_keys_absent(adapter, keys)``, found by name (listeners without it
+    are not told).  Keys a ``delete`` did not remove that the adapter never accounted
+    and that the check after it found absent from the store: never stored through this
+    adapter, so not reported deleted, yet possibly known to the listener from the
+    listing (``iter_keys``) -- e.g. stored by another server after the start-up scan,
+    then removed.  A listener that seeded itself from the listing forgets them here.
     """
 
     def on_l2_keys_stored(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None: ...

@@ -20,6 +20,10 @@ The rules every adapter follows live here, once:
   accounted key gone -- to a lookup, or to the check after a delete it did not do
   (``AbsenceCheckOp``): removed behind the adapter's back, counted as ``objects_vanished``
   and announced to listeners as deleted;
+* a key a delete did not remove that the adapter never accounted (listed by the store,
+  e.g. stored by another server after the start-up scan) is checked too: found absent,
+  it is counted as ``delete_keys_absent`` and announced through the optional
+  ``on_l2_keys_absent`` -- not as deleted, since no store of it was ever announced;
 * serde and capacity refusals fail one object, backend exceptions the whole batch.
 """
 
@@ -318,6 +322,26 @@ def vanished(state: AdapterState, keys: Sequence[ObjectKey], how: str) -> None:
     state.notify("on_l2_keys_deleted", keys)
 
 
+def not_accounted(state: AdapterState, keys: Sequence[ObjectKey]) -> None:
+    """Keys a delete did not remove, never accounted here, and absent from the store:
+    counted, logged once per burst, and announced through ``on_l2_keys_absent`` -- an
+    eviction policy seeded from the listing would otherwise offer them for good."""
+    if not keys:
+        return
+    state.count("delete_keys_absent", len(keys))
+    state.burst.warn(
+        "delete_keys_absent",
+        "%s: %d keys to delete (%s first) were neither in the store nor accounted here: "
+        "listed earlier (e.g. stored by another server sharing the store after this "
+        "adapter's start-up scan) and removed since; listeners are told they are absent",
+        state.name,
+        len(keys),
+        keys[0].file_stem(),
+        count=len(keys),
+    )
+    state.notify("on_l2_keys_absent", keys)
+
+
 def forget_gone(
     state: AdapterState, candidates: Sequence[tuple[ObjectKey, ObjectSize]], how: str
 ) -> list[ObjectKey]:
@@ -519,9 +543,9 @@ class LoadOp(BatchOp):
 
 class DeleteOp(BatchOp):
     """Deletes the keys no reader pinned and no store is writing.  Accounted keys the
-    backend did not delete are left in ``unconfirmed``: absent or not removable,
-    ``delete_many`` cannot tell, and the adapter asks the backend about them next
-    (``AbsenceCheckOp``).
+    backend did not delete are left in ``unconfirmed``, keys it did not delete that were
+    not accounted in ``unaccounted``: absent or not removable, ``delete_many`` cannot
+    tell, and the adapter asks the backend about them next (``AbsenceCheckOp``).
 
     Every key not claimed is counted in ``delete_keys_skipped`` (pinned, being deleted
     already, repeated in the batch, or being stored); those refused because a store of
@@ -535,6 +559,7 @@ class DeleteOp(BatchOp):
         super().__init__(state, keys)
         self.known: list[ObjectSize | None] = []
         self.unconfirmed: list[tuple[ObjectKey, ObjectSize]] = []
+        self.unaccounted: list[ObjectKey] = []
         #: keys this delete claimed, until ``finish`` has forgotten them and told listeners
         self.claimed: list[ObjectKey] = []
 
@@ -578,6 +603,8 @@ class DeleteOp(BatchOp):
                     deleted.append(key)
                 elif (known := self.known[position]) is not None:
                     self.unconfirmed.append((key, known))
+                else:
+                    self.unaccounted.append(key)
             state.forget_unreadable(deleted)
             state.count("delete_keys_ok", len(deleted))
             state.notify("on_l2_keys_deleted", deleted)
@@ -591,10 +618,18 @@ class DeleteOp(BatchOp):
 
 
 class AbsenceCheckOp(BatchOp):
-    """``contains_many`` for the accounted keys a delete did not remove: those the backend
+    """``contains_many`` for the keys a delete did not remove.  Accounted ones the backend
     answers absent were removed behind this adapter's back (another server sharing the
     store, the store's own eviction or expiry, an operator) and are released, counted and
     announced as deleted.  Those still there stay accounted: their delete failed.
+
+    Unaccounted ones answered absent were never stored through this adapter nor found by
+    it, but may have been listed (``iter_keys`` seeds the eviction policy): stored by
+    another server after the start-up scan, then removed.  They are counted as
+    ``delete_keys_absent`` and announced through ``on_l2_keys_absent`` (a listener that
+    hears of deletes only of keys it heard stored would otherwise keep offering them).
+    They are claimed as for a delete, so no store or lookup of them overlaps the check:
+    a later store's ``on_l2_keys_stored`` comes after this announcement.
 
     A separate operation, run by the same runner as every call (circuit breaker, call
     timeouts and event loops apply); the keys are claimed as for a delete again, so a key
@@ -606,13 +641,21 @@ class AbsenceCheckOp(BatchOp):
 
     method = "contains_many"
 
-    def __init__(self, state: AdapterState, unconfirmed: Sequence[tuple[ObjectKey, ObjectSize]]) -> None:
-        super().__init__(state, [key for key, _ in unconfirmed])
-        self.known = [size for _, size in unconfirmed]
+    def __init__(
+        self,
+        state: AdapterState,
+        unconfirmed: Sequence[tuple[ObjectKey, ObjectSize]],
+        unaccounted: Sequence[ObjectKey] = (),
+    ) -> None:
+        super().__init__(state, [key for key, _ in unconfirmed] + list(unaccounted))
+        self.known: list[ObjectSize | None] = [size for _, size in unconfirmed]
+        self.known += [None] * len(unaccounted)
         self.claimed: list[ObjectKey] = []
 
     def prepare(self) -> tuple[list[ObjectKey]]:
-        claimed = self.state.pins.begin_check(self.keys)
+        pins, accounted = self.state.pins, len(self.keys) - self.known.count(None)
+        claimed = pins.begin_check(self.keys[:accounted])
+        claimed += [claim is Claim.CLAIMED for claim in pins.claim_delete(self.keys[accounted:])]
         self.io_index = [i for i, ok in enumerate(claimed) if ok]
         self.claimed = self.io_keys()
         # A record of another serde chain is answered absent too, and ``forget_gone``
@@ -631,7 +674,23 @@ class AbsenceCheckOp(BatchOp):
                 for position, index in enumerate(self.io_index)
                 if io_result is not None and io_result[position] is None
             ]
-            return forget_gone(state, absent, "found after a delete")
+            gone = forget_gone(
+                state, [(key, known) for key, known in absent if known is not None], "found after a delete"
+            )
+            loose = [key for key, known in absent if known is None]
+            if loose:
+                unreadable = state.unreadable(loose)  # of another serde chain: there
+                loose = [key for key, kept in zip(loose, unreadable, strict=True) if not kept]
+                # Claimed as for a delete, so no store or lookup accounted one since; the
+                # start-up scan may have, from a listing older than this answer: released
+                # as any accounted key found gone.  ``forget`` also keeps a scan still
+                # running from accounting them later.
+                scanned = [state.accounting.forget(key) is not None for key in loose]
+                listed = [key for key, was in zip(loose, scanned, strict=True) if was]
+                vanished(state, listed, "found after a delete")
+                gone += listed
+                not_accounted(state, [key for key, was in zip(loose, scanned, strict=True) if not was])
+            return gone
         finally:
             claimed, self.claimed = self.claimed, []  # once, if finish runs twice
             state.pins.end_delete(claimed)

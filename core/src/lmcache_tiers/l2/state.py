@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lmcache_tiers.l2")
 
+#: listener callbacks a listener may lack (it is then not told)
+OPTIONAL_CALLBACKS = frozenset({"on_l2_keys_absent"})
+
 #: layouts of loaded keys kept for the prefetches that loaded them; past that (loads with
 #: no prefetch behind them, such as a benchmark's) they are forgotten
 _LOADED_LAYOUTS_MAX = 1 << 16
@@ -212,7 +215,13 @@ class AdapterState:
             return
         for listener in list(self._listeners):
             try:
-                getattr(listener, method)(self.adapter, keys)
+                if method in OPTIONAL_CALLBACKS:
+                    callback = getattr(listener, method, None)
+                    if callback is None:
+                        continue  # a listener that does not take this news
+                else:
+                    callback = getattr(listener, method)
+                callback(self.adapter, keys)
             except Exception:  # a listener bug must not fail the adapter's operations
                 log.exception("%s: listener %r failed in %s", self.name, listener, method)
 
