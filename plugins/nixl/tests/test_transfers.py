@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import mmap
 import os
@@ -122,5 +123,81 @@ def test_a_transfer_past_its_deadline_is_waited_for_before_its_memory_is_given_b
         files.release()
         dram.release()
         os.close(fd)
+        view.release()
+        memory.close()
+
+
+def test_a_request_that_fails_while_another_runs_waits_for_the_other(tmp_path: Path) -> None:
+    """NIXL raises from its state check for a request that failed (on the POSIX backend's
+    default queue, only for that request: the others go on reporting their own state).
+    Requests posted with it (write-back pieces) may still be running: the call must not
+    return, and its memory be given back, before they end -- their late bytes would come
+    from whatever owns that memory next.  Here the second request writes to a FIFO whose
+    buffer is full (running until it is drained, through POSIX AIO), and the first
+    request's check fails as a failed request's does."""
+    shared = NixlRuntime.shared()
+    runtime = NixlRuntime(shared.api, shared.module_name)  # an agent of its own: other POSIX params
+    runtime.ensure_backend("POSIX", {"use_posix_aio": "true"})
+    memory = mmap.mmap(-1, 8192)
+    view = memoryview(memory)
+    view[:] = b"A" * 8192
+    address = buffer_address(view)
+    target = os.open(tmp_path / "target", os.O_CREAT | os.O_RDWR, 0o600)
+    fifo = tmp_path / "stalled"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+    queued = 0
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            queued += os.write(fd, b"q" * 4096)
+    os.set_blocking(fd, True)
+    dram = runtime.register_dram("POSIX", [(address, 8192)])
+    files = runtime.register_files("POSIX", [target, fd])
+    agent = runtime.agent
+    first: list[object] = []
+
+    class FirstRequestFails:
+        def __getattr__(self, name: str) -> object:
+            return getattr(agent, name)
+
+        def transfer(self, handle: object) -> str:
+            first.append(handle)
+            return agent.transfer(handle)
+
+        def check_xfer_state(self, handle: object) -> str:
+            if handle is first[0]:
+                raise RuntimeError("NIXL_ERR_BACKEND")
+            return agent.check_xfer_state(handle)
+
+    runtime.agent = FirstRequestFails()
+    drained = bytearray()
+
+    def drain() -> None:
+        time.sleep(1.0)
+        os.set_blocking(fd, False)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            try:
+                drained.extend(os.read(fd, 1 << 16))
+            except BlockingIOError:
+                time.sleep(0.01)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    try:
+        failing = (descriptors([(address, 4096, 0)]), descriptors([(0, 4096, target)]))
+        stalled = (descriptors([(address + 4096, 4096, 0)]), descriptors([(0, 4096, fd)]))
+        with pytest.raises(NixlTransferError):
+            runtime.transfer_many("POSIX", "WRITE", [failing, stalled], "FILE", background=True)
+        view[4096:] = b"X" * 4096  # the memory's next owner
+        reader.join()
+        assert bytes(drained[queued:]) == b"A" * 4096, "the write read memory given back"
+    finally:
+        reader.join()
+        runtime.agent = agent
+        files.release()
+        dram.release()
+        os.close(fd)
+        os.close(target)
         view.release()
         memory.close()

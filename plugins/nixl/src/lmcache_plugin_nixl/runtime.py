@@ -336,7 +336,12 @@ class NixlRuntime:
                 time.sleep(sleep)
                 sleep = min(sleep * 2, longest)
             while pending:
-                state = self.agent.check_xfer_state(pending[0])
+                try:
+                    state = self.agent.check_xfer_state(pending[0])
+                except Exception as exc:
+                    # NIXL raises for a request that failed; the requests posted with it
+                    # may still be running and are waited for all the same.
+                    state = f"ERR ({exc})"
                 if state == "PROC":
                     break
                 pending.pop(0)
