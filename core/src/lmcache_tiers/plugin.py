@@ -137,6 +137,7 @@ if TYPE_CHECKING:
     )
     from lmcache_tiers.l2.files.loads import RecordLoads
     from lmcache_tiers.l2.interface import L2Adapter, L2Listener, L2Op, LookupResult
+    from lmcache_tiers.l2.leftcalls import LeftCallThreads
     from lmcache_tiers.l2.preflight import (
         check_claimed_once,
         check_directory,
@@ -242,6 +243,7 @@ _LAZY = {
     "check_process_claim_free": "lmcache_tiers.l2.preflight",
     "check_file": "lmcache_tiers.l2.preflight",
     "direct_io_refusal": "lmcache_tiers.l2.preflight",
+    "LeftCallThreads": "lmcache_tiers.l2.leftcalls",
     "L2Adapter": _L2,
     "L2Listener": _L2,
     "L2Op": _L2,
@@ -363,6 +365,7 @@ __all__ = [
     "L2EvictionConfig",
     "L2Listener",
     "L2Op",
+    "LeftCallThreads",
     "LocalFiles",
     "LookupResult",
     "LowestIndexPrefetchPolicy",

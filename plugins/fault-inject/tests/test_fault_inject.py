@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
+import subprocess
+import sys
 import time
 import types
 import uuid
@@ -14,6 +17,8 @@ import blake3
 import pytest
 from lmcache_plugin_fault_inject import FaultInjectConfig
 from lmcache_plugin_fault_inject.backend import gap_positions, open_fault_inject
+from lmcache_plugin_mock import MockConfig
+from lmcache_plugin_mock.backend import MockBackend
 
 from lmcache_tiers.config import L2AdapterConfig, decode_adapter
 from lmcache_tiers.errors import ConfigError
@@ -107,6 +112,63 @@ def test_failed_lookups_are_misses_and_pin_nothing(opened: list[BackendAdapter])
     assert BlockingAdapterClient(adapter).lookup_and_lock(keys).found == [False, False]
     assert adapter.pinned_keys() == {}
     assert adapter.delete(keys) == [True, True]
+
+
+@pytest.mark.parametrize("fail_mode", ["keys", "batch"])
+def test_failed_lookups_do_not_forget_what_is_stored(opened: list[BackendAdapter], fail_mode: str) -> None:
+    """An injected lookup failure says nothing about whether the objects are there: they
+    stay accounted (usage, eviction), not reported vanished."""
+    adapter = open_fault(lookup_fail_rate=1.0, fail_mode=fail_mode)
+    opened.append(adapter)
+    client = BlockingAdapterClient(adapter)
+    keys = make_keys(2)
+    assert client.store(keys, [memoryview(b"s" * 100)] * 2) == [True, True]
+    assert client.lookup_and_lock(keys).found == [False, False]
+    assert adapter.pinned_keys() == {}
+    assert adapter.used_bytes() == 200
+    assert adapter.stats().get("objects_vanished", 0) == 0
+    assert [key for key, _size in inner_of(adapter).list_keys()] == keys
+
+
+def test_a_failed_delete_checked_by_a_failed_lookup_forgets_nothing(opened: list[BackendAdapter]) -> None:
+    """A delete that failed is followed by a lookup of its keys; failed too, it must not
+    release keys the inner adapter still holds."""
+    adapter = open_fault(rate=1.0, store_fail_rate=0.0, delete_fail_rate=1.0)
+    opened.append(adapter)
+    keys = make_keys(2)
+    assert BlockingAdapterClient(adapter).store(keys, [memoryview(b"d" * 100)] * 2) == [True, True]
+    assert adapter.delete(keys) == [False, False]
+    assert adapter.used_bytes() == 200
+    assert adapter.stats().get("objects_vanished", 0) == 0
+    assert len(list(inner_of(adapter).list_keys())) == 2
+
+
+def test_a_failed_delete_of_keys_stored_by_others_announces_none_absent(opened: list[BackendAdapter]) -> None:
+    """Keys stored behind the adapter (another server sharing the store) and listed for
+    eviction are still there after a failed delete: never announced absent."""
+    adapter = open_fault(rate=1.0, delete_fail_rate=1.0)
+    opened.append(adapter)
+    keys = make_keys(2)
+    fill(adapter, keys)
+    assert adapter.delete(keys) == [False, False]
+    stats = adapter.stats()
+    assert (stats.get("delete_keys_absent", 0), stats.get("objects_vanished", 0)) == (0, 0)
+    assert len(list(inner_of(adapter).list_keys())) == 2
+
+
+def test_injected_faults_are_logged(opened: list[BackendAdapter], caplog: pytest.LogCaptureFixture) -> None:
+    adapter = open_fault(store_fail_rate=1.0, corrupt_rate=1.0, corrupt_detected=False)
+    opened.append(adapter)
+    client = BlockingAdapterClient(adapter)
+    with caplog.at_level(logging.WARNING):
+        assert client.store(make_keys(1, start=9), [memoryview(b"f")]) == [False]
+        keys = make_keys(1)
+        fill(adapter, keys)
+        client.lookup_and_lock(keys)
+        assert client.load(keys, buffers(1)) == [True]
+        adapter.unlock(keys)
+    assert "injected store failure of 1/1 keys" in caplog.text
+    assert "injected corruption" in caplog.text
 
 
 def test_per_operation_rate_overrides_the_default(opened: list[BackendAdapter]) -> None:
@@ -283,6 +345,84 @@ def test_a_stalled_inner_lookup_does_not_forget_what_is_stored(opened: list[Back
     assert [key for key, _size in inner_of(adapter).inner.list_keys()] == keys
 
 
+STUCK_LOOKUP_SCRIPT = """
+import threading, types
+from lmcache_plugin_fault_inject import FaultInjectConfig
+from lmcache_plugin_fault_inject.backend import open_fault_inject
+from lmcache_tiers.hookspecs import hookimpl
+from lmcache_tiers.l2 import AdapterContext, create_adapter
+from lmcache_tiers.plugin import L2AdapterConfig
+from lmcache_tiers.plugins import discover
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.l2 import make_keys
+
+class Stuck:
+    def __init__(self, config, context):
+        self.never = threading.Event()
+    def put_many(self, keys, payloads):
+        return [True] * len(keys)
+    def contains_many(self, keys):
+        self.never.wait()
+    def get_many_into(self, keys, buffers):
+        return [False] * len(keys)
+    def delete_many(self, keys):
+        return [False] * len(keys)
+    def list_keys(self):
+        return []
+    def capacity(self):
+        return None
+
+class StuckConfig(L2AdapterConfig):
+    \"\"\"A backend whose lookups never return.\"\"\"
+
+@hookimpl
+def tiers_register_l2_adapters(registry):
+    registry.add("stuck", Stuck, StuckConfig)
+
+module = types.ModuleType("stuck_lookup_test")
+module.tiers_register_l2_adapters = tiers_register_l2_adapters
+registry = discover(extra_plugins={"stuck-lookup-test": module}).registry
+config = FaultInjectConfig(inner={"type": "stuck"}, lookup_timeout_s=0.1)
+context = AdapterContext(index=0, name="0:fault_inject", config=config)
+adapter = create_adapter(open_fault_inject, config, context, registry=registry)
+assert BlockingAdapterClient(adapter).lookup_and_lock(make_keys(1)).found == [False]
+adapter.close()
+"""
+
+
+def test_a_lookup_stuck_in_the_inner_adapter_does_not_keep_the_process_from_exiting() -> None:
+    """The thread of an abandoned inner lookup must not be joined at interpreter exit."""
+    done = subprocess.run([sys.executable, "-c", STUCK_LOOKUP_SCRIPT], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode()
+
+
+class RemoteMock(MockBackend):
+    """The mock, declared remote as a network store is."""
+
+    remote = True
+
+
+@hookimpl(specname="tiers_register_l2_adapters")
+def register_remote_mock(registry: KindRegistry) -> None:
+    registry.add("remote_mock", RemoteMock, MockConfig)
+
+
+def test_a_remote_inner_adapter_keeps_its_circuit_breaker(
+    opened: list[BackendAdapter], caplog: pytest.LogCaptureFixture
+) -> None:
+    module = types.ModuleType("fault_inject_remote_test")
+    module.tiers_register_l2_adapters = register_remote_mock  # type: ignore[attr-defined]
+    registry = discover(extra_plugins={"fault-inject-remote-test": module}).registry
+    inner = {"type": "remote_mock", "namespace": uuid.uuid4().hex, "circuit": {"call_timeout_s": 1.0}}
+    config = FaultInjectConfig(inner=inner)
+    context = AdapterContext(index=0, name="0:fault_inject", config=config)
+    with caplog.at_level(logging.WARNING):
+        adapter = create_adapter(open_fault_inject, config, context, registry=registry)
+    opened.append(adapter)
+    assert "circuit breaker of the inner adapter never runs" in caplog.text
+    assert "circuit_open" in adapter.stats(), "a remote store is guarded, wrapped or not"
+
+
 def test_one_accounting_with_the_inner_capacity(opened: list[BackendAdapter]) -> None:
     adapter = open_fault(inner=mock_spec(max_size_gb=1 / 1024))
     opened.append(adapter)
@@ -436,6 +576,17 @@ def test_a_coroutine_backend_is_wrapped_in_coroutines(opened: list[BackendAdapte
     # A lookup that timed out says nothing about the objects: they stay accounted.
     assert (adapter.used_bytes(), stats.get("objects_vanished", 0)) == (2, 0)
     assert adapter.delete(keys) == [True, True]
+
+
+def test_failed_coroutine_lookups_do_not_forget_what_is_stored(opened: list[BackendAdapter]) -> None:
+    adapter = open_async_fault(lookup_fail_rate=1.0)
+    opened.append(adapter)
+    client = BlockingAdapterClient(adapter)
+    keys = make_keys(2)
+    assert client.store(keys, [memoryview(b"a" * 10)] * 2) == [True, True]
+    assert client.lookup_and_lock(keys).found == [False, False]
+    assert (adapter.used_bytes(), adapter.stats().get("objects_vanished", 0)) == (20, 0)
+    assert list(inner_of(adapter).objects) == keys
 
 
 def open_async_fault(**settings: Any) -> BackendAdapter:

@@ -56,6 +56,7 @@ def test_config_is_decoded_from_an_adapter_spec() -> None:
         ("latency_s", -0.5),
         ("namespace", ""),
         ("namespace", "n" * 129),
+        ("mock_bandwidth_gb", 5e-10),
     ],
 )
 def test_bad_config_is_refused_with_its_path(field: str, value: object) -> None:

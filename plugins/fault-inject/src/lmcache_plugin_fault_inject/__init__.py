@@ -30,14 +30,19 @@ class FaultInjectConfig(L2AdapterConfig):
     Its purpose is to drive every failure path of the controllers.  All randomness comes
     from ``seed`` (one generator per operation kind), so a run with the same calls injects
     the same faults.  The wrapper's own ``serde`` chain wraps the inner one; ``eviction``
-    belongs on the wrapper (the inner adapter is not visible to the controllers).
+    and ``circuit`` belong on the wrapper (the inner adapter is not visible to the
+    controllers); a remote inner adapter puts the wrapper behind a circuit breaker by
+    default, as it would be itself.
 
     Failures: each operation kind fails with its ``*_fail_rate`` (``rate`` when unset).
     ``fail_mode`` says what failing means: ``keys`` -- each key fails independently with
     the rate (a failed store is not stored, a failed lookup is a miss, a failed load leaves
     its buffer untouched); ``batch`` -- the whole call fails with the rate; ``raise`` -- the
     backend call raises with the rate (the adapter turns that into a failed batch and
-    counts a backend error).
+    counts a backend error).  A lookup with a failed key the inner adapter holds raises
+    in every mode: answered absent, that key would be forgotten (usage, eviction) while
+    the inner adapter still holds it.  Injected failures and corruptions are counted
+    (``injected_*``) and logged.
 
     Gaps: ``gap_indices`` and ``gap_tail_ratios`` always fail given positions of every
     load batch (the keys the backend call receives, in prefix order), so the found prefix

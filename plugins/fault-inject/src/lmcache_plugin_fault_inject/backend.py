@@ -13,12 +13,11 @@ import inspect
 import random
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from lmcache_plugin_fault_inject import FaultInjectConfig
-from lmcache_tiers.plugin import BackendContext, Capacity, ObjectKey, ObjectSize
+from lmcache_tiers.plugin import BackendContext, Capacity, LeftCallThreads, ObjectKey, ObjectSize
 
 #: how often an asynchronous delay checks whether the adapter is closing
 _DELAY_POLL_S = 0.05
@@ -62,6 +61,9 @@ class _FaultInjector:
         self.context = context
         self.inner = inner
         self.needs_l1_buffers = bool(getattr(inner, "needs_l1_buffers", False))
+        # A remote inner store gets core's circuit breaker (and its ``call_timeout_s``) as
+        # it would unwrapped: only the outermost backend is guarded, so it must say so.
+        self.remote = bool(getattr(inner, "remote", False))
         inner_concurrency = getattr(inner, "concurrency", None)
         if inner_concurrency is not None:
             self.concurrency = inner_concurrency
@@ -101,11 +103,35 @@ class _FaultInjector:
         return [rng.random() < rate] * count
 
     def inject(self, op: str, failed: list[bool]) -> list[bool]:
-        """Count the failures a call goes on with; raises them in ``raise`` mode."""
-        self.context.count(f"injected_{op}_failures", sum(failed))
-        if self.config.fail_mode == "raise" and any(failed):
+        """Count (and log) the failures a call goes on with; raises them in ``raise`` mode."""
+        failures = sum(failed)
+        self.context.count(f"injected_{op}_failures", failures)
+        if failures:
+            self.context.warn(
+                f"injected_{op}_failures",
+                "injected %s failure of %d/%d keys (fail_mode %s)",
+                op,
+                failures,
+                len(failed),
+                self.config.fail_mode,
+            )
+        if self.config.fail_mode == "raise" and failures:
             raise InjectedFault(f"injected {op} failure")
         return failed
+
+    @staticmethod
+    def lookup_answer(failed: list[bool], found: Sequence[Found]) -> list[Found]:
+        """The inner backend's answer to a lookup of every key, with the failures applied.
+
+        A failed key is a miss.  The inner backend is asked about it all the same: "absent"
+        for a key it holds would make core forget it as removed behind its back (bytes
+        released from the usage, the eviction policy told it is gone) while it is still
+        stored.  So a failed key that is there fails the whole call instead -- every key
+        a miss, none forgotten; one that is not there is a miss either way.
+        """
+        if any(fail and hit is not None for fail, hit in zip(failed, found, strict=True)):
+            raise InjectedFault("injected lookup failure of a stored key")
+        return list(found)
 
     def load_plan(self, keys: Sequence[ObjectKey], failed: list[bool]) -> list[int]:
         gaps = gap_positions(len(keys), self.config.gap_indices, self.config.gap_tail_ratios)
@@ -119,6 +145,11 @@ class _FaultInjector:
             return False
         buffer[rng.randrange(buffer.nbytes)] ^= 0xFF
         self.context.count("injected_corruptions")
+        self.context.warn(
+            "injected_corruptions",
+            "injected corruption: one byte of a loaded object flipped, reported as %s",
+            "failed" if self.config.corrupt_detected else "loaded",
+        )
         return self.config.corrupt_detected
 
     @staticmethod
@@ -155,7 +186,7 @@ class FaultInjectBackend(_FaultInjector):
         super().__init__(config, context, inner)
         # Lookups run on helper threads so a stalled inner lookup can be abandoned as a
         # miss (a lookup holds no buffer the inner backend could still write to).
-        self._lookups = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{context.name}-lookup")
+        self._lookups = LeftCallThreads(4, f"{context.name}-lookup")
 
     def _before(self, op: str, count: int) -> list[bool]:
         delay, failed = self.decide(op, count)
@@ -176,10 +207,9 @@ class FaultInjectBackend(_FaultInjector):
         return self.spread(len(keys), chosen, stored, False)
 
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[Found]:
-        chosen = [i for i, fail in enumerate(self._before("lookup", len(keys))) if not fail]
-        if not chosen:
-            return [None] * len(keys)
-        call = self._lookups.submit(self.inner.contains_many, [keys[i] for i in chosen])
+        failed = self._before("lookup", len(keys))
+        asked = list(keys)
+        call = self._lookups.submit(lambda: self.inner.contains_many(asked))
         deadline = time.monotonic() + self.config.lookup_timeout_s
         while True:
             try:
@@ -191,7 +221,7 @@ class FaultInjectBackend(_FaultInjector):
                     raise InnerLookupTimeout(
                         f"the inner adapter did not answer a lookup in {self.config.lookup_timeout_s:g} s"
                     ) from None
-        return self.spread(len(keys), chosen, found, None)
+        return self.lookup_answer(failed, found)
 
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         chosen = self.load_plan(keys, self._before("load", len(keys)))
@@ -208,7 +238,7 @@ class FaultInjectBackend(_FaultInjector):
         return self.spread(len(keys), chosen, self.inner.delete_many([keys[i] for i in chosen]), False)
 
     def close(self) -> None:
-        self._lookups.shutdown(wait=False, cancel_futures=True)
+        self._lookups.shutdown()
         closer = _optional(self.inner, "close")
         if closer is not None:
             closer()
@@ -237,19 +267,15 @@ class AsyncFaultInjectBackend(_FaultInjector):
         return self.spread(len(keys), chosen, stored, False)
 
     async def contains_many(self, keys: Sequence[ObjectKey]) -> list[Found]:
-        chosen = [i for i, fail in enumerate(await self._before("lookup", len(keys))) if not fail]
-        if not chosen:
-            return [None] * len(keys)
+        failed = await self._before("lookup", len(keys))
         try:
-            found = await asyncio.wait_for(
-                self.inner.contains_many([keys[i] for i in chosen]), self.config.lookup_timeout_s
-            )
+            found = await asyncio.wait_for(self.inner.contains_many(list(keys)), self.config.lookup_timeout_s)
         except asyncio.TimeoutError:
             self.context.count("inner_lookup_timeouts")
             raise InnerLookupTimeout(
                 f"the inner adapter did not answer a lookup in {self.config.lookup_timeout_s:g} s"
             ) from None
-        return self.spread(len(keys), chosen, found, None)
+        return self.lookup_answer(failed, found)
 
     async def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         chosen = self.load_plan(keys, await self._before("load", len(keys)))
@@ -280,6 +306,11 @@ async def _maybe_await(method: Any) -> None:
 def open_fault_inject(config: FaultInjectConfig, context: BackendContext) -> _FaultInjector:
     """The factory: build the inner backend, wrap it in the flavour of its methods."""
     inner = context.open_inner(config.inner)
+    if config.inner.get("circuit") is not None:
+        context.warn(
+            "inner_circuit",
+            "the circuit breaker of the inner adapter never runs; set `circuit` on the wrapper",
+        )
     if inspect.iscoroutinefunction(inner.put_many):
         return AsyncFaultInjectBackend(config, context, inner)
     return FaultInjectBackend(config, context, inner)

@@ -70,6 +70,13 @@ class MockConfig(L2AdapterConfig):
         if self.mock_bandwidth_gb is None:
             return
         rate = int(self.mock_bandwidth_gb * (1 << 30))
+        if rate == 0:
+            # 0 bytes/s is "unlimited": the slowest rate asked for must not become the fastest.
+            raise FieldError(
+                "mock_bandwidth_gb",
+                f"mock_bandwidth_gb {self.mock_bandwidth_gb:g} GiB/s is under 1 byte/s; the least is "
+                f"{1 / (1 << 30):g} GiB/s",
+            )
         if self.bandwidth_bytes_per_s not in (0, rate):
             raise FieldError(
                 "mock_bandwidth_gb",
