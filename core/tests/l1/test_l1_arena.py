@@ -10,6 +10,7 @@ import mmap
 import multiprocessing
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -281,6 +282,53 @@ def test_a_fifo_named_like_a_dead_segment_does_not_hang_start_up(tmp_path: Path)
     os.mkfifo(fifo)
     assert remove_stale_segments(str(tmp_path)) == [fifo.name]
     assert not fifo.exists()
+
+
+def test_a_directory_or_socket_named_like_a_dead_segment_does_not_stop_start_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Anyone can create these in /dev/shm: unlink(2) of a directory is EISDIR, open(2) of
+    # a socket ENXIO.  Neither may end start-up; both stay, with a line saying why.
+    directory = tmp_path / f"{SEGMENT_PREFIX}{_dead_pid()}_abcdef01"
+    directory.mkdir()
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.bind(str(tmp_path / f"{SEGMENT_PREFIX}{_dead_pid()}_abcdef02"))
+        with caplog.at_level(logging.INFO):
+            assert remove_stale_segments(str(tmp_path)) == []
+        assert directory.exists()
+        assert caplog.text.count("not removable by this process") == 2
+    finally:
+        sock.close()
+
+
+def test_a_filesystem_refusing_the_lock_check_does_not_stop_start_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # NFS emulates flock with POSIX locks: an exclusive one on a read-only descriptor is
+    # EBADF (ENOLCK without a lock manager).  Without the lock there is no proof either way.
+    stale = tmp_path / f"{SEGMENT_PREFIX}{_dead_pid()}_abcdef01"
+    stale.write_bytes(b"x")
+
+    def no_flock(fd: int, operation: int) -> None:
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with caplog.at_level(logging.INFO):
+        assert remove_stale_segments(str(tmp_path)) == []
+    assert stale.exists()
+    assert "lock cannot be checked" in caplog.text
+
+
+def test_a_killed_predecessor_with_this_process_pid_has_its_segment_removed(tmp_path: Path) -> None:
+    # A server restarted in a fresh container often gets the pid its killed predecessor
+    # had; only the lock tells that segment from one of this process.
+    stale = tmp_path / f"{SEGMENT_PREFIX}{os.getpid()}_deadbeef"
+    stale.write_bytes(b"x")
+    with L1Arena(MIB, prefault=False, directory=str(tmp_path)) as live:
+        assert remove_stale_segments(str(tmp_path)) == [stale.name]
+        assert Path(live.path).exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_another_users_stale_segment_is_left_with_a_line_not_a_crash() -> None:

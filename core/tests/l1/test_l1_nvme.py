@@ -178,6 +178,20 @@ def test_a_live_file_whose_pid_is_not_visible_here_is_left_alone(nvme_dir: Path)
     assert block_files(nvme_dir) == []
 
 
+def test_a_killed_predecessor_with_this_process_pid_has_its_file_removed(nvme_dir: Path) -> None:
+    # A server restarted in a fresh container often gets the pid its killed predecessor
+    # had: the file under that name holds a whole L1 of disk, and no lock.
+    stale = nvme_dir / f"{FILE_PREFIX}{os.getpid()}_deadbeef{FILE_SUFFIX}"
+    stale.write_bytes(b"x")
+    try:
+        with NvmeL1File(str(nvme_dir), ALIGN) as first:
+            assert not stale.exists()
+            with NvmeL1File(str(nvme_dir), ALIGN) as second:  # this process's live file stays
+                assert Path(first.path).exists() and Path(second.path).exists()
+    finally:
+        stale.unlink(missing_ok=True)
+
+
 def test_a_block_file_name_with_an_impossible_pid_does_not_stop_start_up(nvme_dir: Path) -> None:
     huge = nvme_dir / f"{FILE_PREFIX}{10**12}_deadbeef{FILE_SUFFIX}"  # overflows kill(2)'s pid_t
     huge.write_bytes(b"x")

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 from lmcache_tiers.errors import ConfigError, TiersError
 from lmcache_tiers.l1.segment import ArenaPages, address_of, create_segment
-from lmcache_tiers.l1.stale import remove_files_of_dead_processes
+from lmcache_tiers.l1.stale import release_as_creator, remove_files_of_dead_processes
 from lmcache_tiers.tmpfs import SHM_DIR
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ def _release(
         except FileNotFoundError:
             pass
     if lock_fd is not None:
-        os.close(lock_fd)
+        release_as_creator(lock_fd)
 
 
 class L1Arena:

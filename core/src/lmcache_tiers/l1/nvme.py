@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from typing import Self  # annotations only: Python 3.10 has no typing.Self
 
 from lmcache_tiers.errors import ConfigError, TiersError
-from lmcache_tiers.l1.stale import hold_as_creator, remove_files_of_dead_processes
+from lmcache_tiers.l1.stale import create_as_creator, release_as_creator, remove_files_of_dead_processes
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def _release(fd: int, path: str, owner_pid: int) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
-    os.close(fd)
+    release_as_creator(fd)
 
 
 class NvmeL1File:
@@ -136,14 +136,13 @@ class NvmeL1File:
         path = os.path.join(directory, default_block_file_name())
         fd = _create(path, directory, direct_io)
         try:
-            hold_as_creator(fd, path)
             _preallocate(fd, path, directory, size_bytes)
             if direct_io:
                 _probe_direct_io(fd, directory)
         except BaseException:
-            os.close(fd)
-            with contextlib.suppress(FileNotFoundError):  # gone if the lock was refused
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+            release_as_creator(fd)
             raise
         self.path = path
         self.size = size_bytes
@@ -294,7 +293,7 @@ class NvmeL1File:
 def _create(path: str, directory: str, direct_io: bool) -> int:
     flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | (os.O_DIRECT if direct_io else 0)
     try:
-        return os.open(path, flags, 0o600)
+        return create_as_creator(path, flags)
     except OSError as exc:
         if exc.errno == errno.EINVAL and direct_io:
             # Linux creates the file before the filesystem gets to refuse O_DIRECT.

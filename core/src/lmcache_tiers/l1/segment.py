@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcache_tiers.errors import ConfigError
-from lmcache_tiers.l1.stale import hold_as_creator
+from lmcache_tiers.l1.stale import create_as_creator, release_as_creator
 from lmcache_tiers.tmpfs import (
     HUGE_MODES,
     huge_page_size,
@@ -152,23 +152,23 @@ def create_segment(
     this returned.  The mapping's length is the file's (rounded up to whole huge pages on
     a mount that offers them).  Also returns the file's descriptor, which holds the
     creator's lock (:func:`~lmcache_tiers.l1.stale.hold_as_creator`): the caller keeps it
-    open until the name is unlinked."""
+    open until the name is unlinked, then closes it with
+    :func:`~lmcache_tiers.l1.stale.release_as_creator`."""
     offered = offered_huge(directory)
     size = file_bytes(size, directory)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = create_as_creator(path, os.O_CREAT | os.O_EXCL | os.O_RDWR)
     except FileExistsError:
         raise ConfigError(
             f"shared-memory segment {path} already exists: another server uses this name, "
             "or a crashed one left it behind (remove the file or pick another name)"
         ) from None
     try:
-        hold_as_creator(fd, path)
         segment = _reserve_and_map(fd, size, directory, advise=offered == "advise", prefault=prefault)
     except BaseException:
-        os.close(fd)
-        with contextlib.suppress(FileNotFoundError):  # gone if the lock was refused
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+        release_as_creator(fd)
         raise
     huge_bytes = pmd_mapped_bytes(address_of(segment), size) if prefault else None
     return segment, ArenaPages(directory, offered, huge_bytes, size, huge_page_size()), fd

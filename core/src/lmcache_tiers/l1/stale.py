@@ -8,20 +8,41 @@ but not a pid namespace cannot see each other's processes, so each would take th
 live segment for a dead one.  The creator therefore holds a shared ``flock`` on its file
 for as long as it lives (:func:`hold_as_creator`; the kernel drops it when the process
 dies, in whatever namespace), and a file is removed only when its pid is not visible here
-*and* that lock is free.
+*and* that lock is free.  A file named with this process's own pid is not taken for live on
+that ground: a server restarted in a fresh container often gets the pid its killed
+predecessor had.
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import os
 import re
+import threading
 
 from lmcache_tiers.errors import TiersError
 
 logger = logging.getLogger(__name__)
+
+# Held from a create to its creator's lock (create_as_creator), and by this process's
+# reaping of files named with its own pid, which the pid check cannot protect.  Reentrant:
+# a garbage collection inside either can run a finalizer that releases another file.
+_own_creations = threading.RLock()
+# (st_dev, st_ino) of the files this process holds as creator: its reaping never opens
+# those (on filesystems that emulate flock with POSIX locks, closing any descriptor of a
+# file drops this process's lock on it, and its own LOCK_EX would not conflict with it).
+_own_files: set[tuple[int, int]] = set()
+
+
+def _after_fork_in_child() -> None:
+    # A lock another thread held at the fork stays held forever in the child, whose
+    # finalizers release the inherited descriptors through it.
+    global _own_creations
+    _own_creations = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def process_exists(pid: int) -> bool:
@@ -55,6 +76,35 @@ def hold_as_creator(fd: int, path: str) -> None:
         )
 
 
+def create_as_creator(path: str, flags: int) -> int:
+    """``os.open(path, flags, 0o600)`` (``flags`` include ``O_CREAT | O_EXCL``) followed by
+    :func:`hold_as_creator`; errors of the open propagate unchanged.  On any failure of the
+    lock the new file is closed and removed."""
+    with _own_creations:
+        fd = os.open(path, flags, 0o600)
+        try:
+            hold_as_creator(fd, path)
+            info = os.fstat(fd)
+            _own_files.add((info.st_dev, info.st_ino))
+        except BaseException:
+            os.close(fd)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:  # gone if the lock was refused
+                pass
+            raise
+    return fd
+
+
+def release_as_creator(fd: int) -> None:
+    """Close ``fd`` from :func:`create_as_creator` (after unlinking the name, so that the
+    name never exists unlocked while its creator lives); its inode may then be reused."""
+    with _own_creations:
+        info = os.fstat(fd)
+        _own_files.discard((info.st_dev, info.st_ino))
+        os.close(fd)
+
+
 def _remove_if_unlocked(path: str) -> str | None:
     """Unlink ``path`` unless a live creator holds its lock: ``""`` when this removed it,
     None when it was gone already, otherwise why it was left in place."""
@@ -66,14 +116,16 @@ def _remove_if_unlocked(path: str) -> str | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        if exc.errno in (errno.EACCES, errno.EPERM, errno.ELOOP):
-            return f"not removable by this process ({exc.strerror})"
-        raise
+        # EACCES/EPERM: another user's; ELOOP: a symlink; ENXIO: a socket, and so on.
+        # Anyone can create such a name: it must not stop start-up.
+        return f"not removable by this process ({exc.strerror})"
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return "its creator still holds it (a process this pid namespace does not show)"
+            return "its creator still holds it (a live process this start-up cannot see)"
+        except OSError as exc:  # no flock here (some network filesystems): no proof either way
+            return f"its creator's lock cannot be checked ({exc.strerror})"
         # Unlinked while the lock is held: no new file of this name can be created
         # meanwhile (O_EXCL), and a creator of this one that has yet to lock it finds the
         # name gone (hold_as_creator).
@@ -81,7 +133,7 @@ def _remove_if_unlocked(path: str) -> str | None:
             os.unlink(path)
         except FileNotFoundError:
             return None
-        except PermissionError as exc:  # a sticky /dev/shm: another user's file
+        except OSError as exc:  # a sticky /dev/shm: another user's file; EISDIR: a directory
             return f"not removable by this process ({exc.strerror})"
         return ""
     finally:
@@ -101,10 +153,23 @@ def remove_files_of_dead_processes(directory: str, pattern: re.Pattern[str], wha
         if match is None:
             continue
         pid = int(match.group(1))
-        if pid == os.getpid() or process_exists(pid):
-            continue
         path = os.path.join(directory, entry)
-        outcome = _remove_if_unlocked(path)
+        if pid == os.getpid():
+            # Not proof of life either: a predecessor killed in a container often had the
+            # pid this process has now.  This process's own files are known by inode, and
+            # none is being created meanwhile.
+            with _own_creations:
+                try:
+                    info = os.lstat(path)
+                except FileNotFoundError:
+                    continue
+                if (info.st_dev, info.st_ino) in _own_files:
+                    continue
+                outcome = _remove_if_unlocked(path)
+        elif process_exists(pid):
+            continue
+        else:
+            outcome = _remove_if_unlocked(path)
         if outcome is None:  # removed by someone else meanwhile
             continue
         if outcome:
