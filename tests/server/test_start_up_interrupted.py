@@ -6,6 +6,7 @@ a given name never reaped), bound ports, descriptors of a process that goes on.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -15,12 +16,14 @@ import time
 import uuid
 from pathlib import Path
 
+import msgspec
 import pytest
 from tiers_e2e import HERE, free_port
 
 from lmcache_tiers.config import build_config
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.plugins import load_registry
+from lmcache_tiers.registry import Kind
 from lmcache_tiers.server.app import TiersServer
 
 LAUNCHER = HERE / "start_blocked_for_tests.py"
@@ -85,3 +88,27 @@ def test_a_storage_that_cannot_be_built_leaks_no_descriptors(tmp_path: Path) -> 
         assert len(os.listdir("/proc/self/fd")) == before
     finally:
         taken.unlink()
+
+
+class _NeedsSettings(msgspec.Struct):
+    """A policy config with a field no flag can give."""
+
+    window: int
+
+
+def test_an_l2_eviction_policy_that_cannot_be_built_leaks_no_descriptors() -> None:
+    # Built after L1, the adapters and the engine's controllers: each of those is given back.
+    registry = load_registry()
+    registry.for_plugin(Kind.EVICTION_POLICY, "tests").add("needs_settings", object, _NeedsSettings)
+    adapter = {"type": "mock", "max_size_gb": 0.01, "eviction": {"eviction_policy": "needs_settings"}}
+    shm_name = f"tiers_test_{uuid.uuid4().hex[:12]}"
+    overrides = {"l1_size_gb": 0.01, "port": free_port(), "metrics_port": 0, "l1_shm_name": shm_name}
+    config = build_config(registry, overrides=overrides, adapter_json=[json.dumps(adapter)])
+    gc.collect()  # descriptors that only wait for a collection are not leaked
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(ConfigError, match="needs configuration it cannot get from a flag"):
+            TiersServer(config, registry=registry)
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert not (Path("/dev/shm") / shm_name).exists()

@@ -24,7 +24,7 @@ from lmcache_tiers.l1 import L1Loan, L1Object
 from lmcache_tiers.layout import check_layout
 from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.registry import ComponentRegistry
-from lmcache_tiers.storage_status import storage_status
+from lmcache_tiers.storage_status import failure_counts, storage_status
 from lmcache_tiers.storage_wiring import StorageParts, build_policy
 
 __all__ = ["StorageManager", "build_policy"]
@@ -48,7 +48,14 @@ class StorageManager:
         self._parts = parts
         self._closed = False
         self._close_lock = threading.Lock()
-        parts.start()
+        try:
+            parts.start()
+        except BaseException:
+            # A thread that cannot start, or a stop signal while they start: the threads
+            # already running would keep L1 (and its segment) and the adapters alive.
+            self._closed = True
+            parts.close(0.0)
+            raise
 
     def _check_open(self) -> None:
         if self._closed:
@@ -249,6 +256,11 @@ class StorageManager:
     def status(self) -> dict[str, Any]:
         """JSON-able snapshot: usage, counters, in-flight work and failures."""
         return storage_status(self._parts)
+
+    def failures(self) -> dict[str, int]:
+        """The failures of :meth:`status`, by reason, without asking the adapters (also
+        once closed)."""
+        return failure_counts(self._parts)
 
     def close(self, drain_timeout_s: float = 10.0) -> None:
         """Finish in-flight L2 work (up to ``drain_timeout_s``), stop every thread, close

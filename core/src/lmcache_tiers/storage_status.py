@@ -40,10 +40,7 @@ def storage_status(parts: StorageParts) -> dict[str, Any]:
         )
         adapters.append(entry)
     # read after the adapters, so that a status read failing now is counted in this status
-    failures = parts.stats.failures()
-    step_errors = sum(controller.step_errors for controller in parts.controllers())
-    if step_errors:
-        failures["controller_step_error"] = step_errors
+    failures = failure_counts(parts)
     return {
         "l1": {
             "capacity_bytes": parts.l1.capacity_bytes,
@@ -91,6 +88,16 @@ def storage_status(parts: StorageParts) -> dict[str, Any]:
         "adapters": adapters,
         "failures": failures,
     }
+
+
+def failure_counts(parts: StorageParts) -> dict[str, int]:
+    """Every failure counted so far, by reason: the engine's counters and the steps of its
+    controllers that raised."""
+    failures = parts.stats.failures()
+    step_errors = sum(controller.step_errors for controller in parts.controllers())
+    if step_errors:
+        failures["controller_step_error"] = step_errors
+    return failures
 
 
 def _adapter_entry(parts: StorageParts, slot: AdapterSlot) -> dict[str, Any]:

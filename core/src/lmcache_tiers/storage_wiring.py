@@ -134,9 +134,25 @@ class StorageParts:
                         slot, policy, spec.config.eviction, self.stats
                     )
         except BaseException:
+            self._discard_controllers()
             self._close_adapters()
             self.l1.close()
             raise
+
+    def _discard_controllers(self) -> None:
+        """Controllers built by a start-up that fails later: never started, they still hold
+        their wake-up descriptors (a process that retries start-up would collect them)."""
+        built: list[ControllerThread | None] = [
+            getattr(self, name, None) for name in ("l1_eviction", "store", "prefetch")
+        ]
+        built += getattr(self, "l2_evictions", {}).values()
+        for controller in built:
+            if controller is None:
+                continue
+            try:
+                controller.stop(0.0)
+            except Exception:
+                logger.exception("discarding controller %s failed", controller.name)
 
     def _build_adapter(self, registry: ComponentRegistry, index: int, spec: AdapterSpec) -> AdapterSlot:
         context = AdapterContext(

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +24,7 @@ from lmcache_tiers.cli.commands_server import bench, bench_table, status, status
 from lmcache_tiers.cli.output import fail
 from lmcache_tiers.client import Client, RequestTimeoutError
 from lmcache_tiers.config import ServerConfig
+from lmcache_tiers.controllers.base import ControllerThread
 from lmcache_tiers.endpoints import is_loopback, rpc_endpoint
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
@@ -68,6 +72,32 @@ def test_a_busy_port_is_a_start_up_error(capsys: pytest.CaptureFixture[str]) -> 
         assert run_server(config, banner=False) == 2
     assert f"--port {port}: 127.0.0.1:{port} is already in use" in capsys.readouterr().err
     assert not os.path.exists("/dev/shm/tiers_unit_busy")
+
+
+def test_a_signal_while_the_storage_starts_its_threads_unlinks_the_segment(
+    monkeypatch: pytest.MonkeyPatch, new_threads: Callable[[str], list[threading.Thread]]
+) -> None:
+    """SIGTERM once L1 and the adapters exist but while the controllers' threads start:
+    start-up stops, and neither the segment nor a running controller outlives it."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers need the main thread")
+    started = ControllerThread.start
+
+    def start_then_signal(self: ControllerThread) -> None:
+        started(self)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(ControllerThread, "start", start_then_signal)
+    name = f"tiers_unit_{uuid.uuid4().hex[:12]}"
+    config = ServerConfig(port=0, metrics_port=0, l1_size_gb=0.0625, l1_shm_name=name)
+    try:
+        assert run_server(config, banner=False) == 128 + signal.SIGTERM
+        assert not os.path.exists(f"/dev/shm/{name}"), "the L1 segment outlived the interrupted start-up"
+        controllers = ("l1-eviction", "l2-prefetch", "l2-store")
+        assert not [thread for thread in new_threads("l") if thread.name in controllers and thread.is_alive()]
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{name}")
 
 
 def test_log_level_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,6 +163,49 @@ def test_status_command_and_tables(server: TiersServer) -> None:
     assert titles == ["lmcache-tiers server", "L2 adapters", "failures"]
     unreachable = CliRunner().invoke(app, ["status", "--url", "tcp://127.0.0.1:9", "--timeout", "0.2"])
     assert unreachable.exit_code == 1
+
+
+def test_status_adds_a_reason_counted_by_the_storage_and_a_front_end() -> None:
+    """The storage and a front end may count the same reason (prefetch results expire in
+    both): the table shows their sum, as /metrics does, not one of them."""
+    document = {
+        "failures": {"prefetch_result_expired": 2, "l2_load_failed": 1},
+        "server": {"failures": {"prefetch_result_expired": 3, "reply_dropped": 4}},
+    }
+    failed = status_tables(document)[-1]
+    assert failed.title == "failures"
+    reasons, counts = (list(column.cells) for column in failed.columns)
+    assert dict(zip(reasons, counts, strict=True)) == {
+        "l2_load_failed": "1",
+        "prefetch_result_expired": "5",
+        "reply_dropped": "4",
+    }
+
+
+def test_the_stop_summary_counts_the_failures_metrics_counted() -> None:
+    """The summary's failures are those /metrics showed last: a refused /status and a
+    controller step that raised are failures there, and at the stop too."""
+    name = f"tiers_unit_{uuid.uuid4().hex[:12]}"
+    config = ServerConfig(
+        port=0, metrics_port=free_port(), metrics_host="0.0.0.0", l1_size_gb=0.0625, l1_shm_name=name
+    )
+    server = TiersServer(config, auth_token="t0k")
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        assert server.http_url is not None
+        port = int(server.http_url.rsplit(":", 1)[1])
+        assert fetch(f"http://127.0.0.1:{port}/status")[0] == 401
+        server.storage.l1_eviction.step_errors += 1  # as a step that raised counts itself
+        _, text = fetch(f"http://127.0.0.1:{port}/metrics")
+        failures = [line for line in text.splitlines() if line.startswith("lmcache_tiers_failures_total")]
+        scraped = sum(float(line.rsplit(" ", 1)[1]) for line in failures)
+    finally:
+        server.request_stop()
+        thread.join(30)
+        summary = server.close()
+    assert scraped == 2
+    assert summary["failures"] == scraped
 
 
 def test_bench_runs_and_checks_its_bytes(server: TiersServer) -> None:

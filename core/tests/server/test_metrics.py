@@ -139,6 +139,21 @@ def test_a_stat_that_is_not_a_number_costs_that_stat_only(caplog: pytest.LogCapt
     assert "0:custom: stat 'mode' is not a number" in caplog.text
 
 
+def test_a_stat_that_is_not_finite_costs_that_stat_only(caplog: pytest.LogCaptureFixture) -> None:
+    """NaN and infinities are numbers to Python but no value of a counter or gauge: a
+    backend answering one must not put it in the exposition, nor fail the scrape."""
+    adapter = {"index": 0, "name": "0:custom", "type": "custom", "usage": float("nan"), "used_bytes": None}
+    adapter["backend"] = {"objects": 3, "latency_ms": math.nan, "backend_errors": math.inf, "big": 10**400}
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+        found = samples(collector_text(adapter))
+    custom = (("adapter", "0:custom"),)
+    assert found[("lmcache_tiers_adapter_stat", (("adapter", "0:custom"), ("stat", "objects")))] == 3.0
+    assert ("lmcache_tiers_adapter_usage_ratio", custom) not in found
+    assert ("lmcache_tiers_adapter_used_bytes", custom) not in found
+    assert found[("lmcache_tiers_failures_total", (("reason", "metrics_stat_not_a_number"),))] == 5.0
+    assert "0:custom: stat 'latency_ms' is not a number (nan)" in caplog.text
+
+
 def test_label_values_from_configuration_are_escaped() -> None:
     name = 'odd "name"\\with\na newline'
     text = collector_text({"index": 0, "name": name, "backend": {"objects": 1}})
@@ -180,6 +195,25 @@ def test_methods_that_would_change_something_are_not_allowed(endpoint: HttpEndpo
     assert request(endpoint, "POST", "/nowhere")[0] == 404
 
 
+def _no_constant(name: str) -> Any:
+    raise AssertionError(f"{name} is not JSON")
+
+
+def test_status_is_json_even_when_a_backend_answers_nan() -> None:
+    """JSON has no NaN or Infinity: a document carrying one is refused by strict readers
+    (JavaScript, Go, jq), which would lose the whole /status for one backend's stat."""
+    document = {"adapters": [{"backend": {"latency_ms": float("nan"), "peak": float("-inf"), "ok": 1.5}}]}
+    served = HttpEndpoint("127.0.0.1", 0, metrics=bytes, status=lambda: document, health=lambda: (True, "ok"))
+    served.start()
+    try:
+        code, _headers, body = request(served, "GET", "/status")
+    finally:
+        served.stop()
+    assert code == 200
+    backend = json.loads(body, parse_constant=_no_constant)["adapters"][0]["backend"]
+    assert backend == {"latency_ms": None, "peak": None, "ok": 1.5}
+
+
 def test_a_scraper_that_hangs_up_prints_no_traceback(
     endpoint: HttpEndpoint, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -202,6 +236,47 @@ def test_a_connection_that_sends_nothing_is_closed(monkeypatch: pytest.MonkeyPat
         port = int(served.url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=5) as idle:
             assert idle.recv(1) == b""  # closed by the server, long before our own timeout
+    finally:
+        served.stop()
+
+
+def test_a_connection_that_trickles_its_request_is_cut_at_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A byte now and then, each within the idle timeout, would otherwise hold one of the
+    endpoint's threads for as long as the client likes (headers may run to megabytes)."""
+    monkeypatch.setattr("lmcache_tiers.server.http.REQUEST_TIMEOUT_S", 0.5, raising=False)
+    counted: list[str] = []
+    served = HttpEndpoint(
+        "127.0.0.1", 0, metrics=bytes, status=dict, health=lambda: (True, "ok"), failed=counted.append
+    )
+    served.start()
+    try:
+        port = int(served.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as slow:
+            slow.sendall(b"GET /metrics HTTP/1.1\r\n")
+            started = time.monotonic()
+            cut = False
+            while time.monotonic() - started < 4.0:
+                try:
+                    slow.sendall(b"X")
+                except OSError:
+                    cut = True
+                    break
+                time.sleep(0.2)
+                slow.setblocking(False)
+                try:
+                    cut = slow.recv(1 << 16) == b""
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    cut = True
+                slow.setblocking(True)
+                if cut:
+                    break
+        assert cut, "the trickling connection was still open after 4 s (deadline 0.5 s)"
+        assert counted == ["http_connection_timed_out"]
+        assert request(served, "GET", "/healthz")[0] == 200  # still serving
     finally:
         served.stop()
 

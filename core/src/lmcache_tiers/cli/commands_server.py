@@ -144,7 +144,10 @@ def status_tables(document: dict[str, Any]) -> list[Table]:
             )
         tables.append(l2)
 
-    failures = {**document.get("failures", {}), **server.get("failures", {})}
+    # The storage and the front ends may count the same reason: summed, as in /metrics.
+    failures: dict[str, Any] = dict(document.get("failures", {}))
+    for reason, count in server.get("failures", {}).items():
+        failures[reason] = failures.get(reason, 0) + count
     if failures:
         failed = Table(title="failures", title_justify="left")
         failed.add_column("reason")

@@ -135,10 +135,12 @@ class TiersServer:
         # refusals and failures of the HTTP endpoint, by reason (its threads count them)
         self._http_failures: Counter[str] = Counter()
         self._http_failures_lock = threading.Lock()
-        self.storage: StorageManager = StorageManager(config, registry)
         self.http: HttpEndpoint | None = None
         self.frontends: list[Frontend] = []
         self._wake_read = self._wake_write = -1
+        # Nothing between the storage and the cleanup below: a stop signal raises where
+        # start-up is, and one landing in between would leave the L1 segment behind.
+        self.storage: StorageManager = StorageManager(config, registry)
         try:
             # Made after the storage, inside the cleanup: a storage that cannot be built
             # (a taken segment name, a failing adapter) leaks no descriptors into a process
@@ -231,6 +233,10 @@ class TiersServer:
             document["failures"] = failures
         return document
 
+    def _http_failure_count(self) -> int:
+        with self._http_failures_lock:
+            return sum(self._http_failures.values())
+
     def _http_failed(self, reason: str) -> None:
         with self._http_failures_lock:
             self._http_failures[reason] += 1
@@ -294,7 +300,7 @@ class TiersServer:
         flushed = flush_l2(self.storage, self.drain_timeout_s, lambda: self._force, console)
         # The flush was the drain: what is still pending is abandoned now, and counted.
         self.storage.close(drain_timeout_s=0.0)
-        failures = self.storage.stats.failures()
+        failures = self.storage.failures()
         abandoned = sum(failures.get(name, 0) for name in ABANDONED_FAILURES)
         if abandoned:
             logger.warning(
@@ -310,7 +316,8 @@ class TiersServer:
             "lookups": before["requests"]["lookups"],
             "l1_hit_chunks": before["requests"]["l1_hit_chunks"],
             "l2_hit_chunks": before["requests"]["l2_hit_chunks"],
-            "failures": sum(stats.failures.values()) + sum(failures.values()),
+            # what /metrics counts: the front ends', the storage's and the HTTP endpoint's
+            "failures": sum(stats.failures.values()) + sum(failures.values()) + self._http_failure_count(),
             "client_locks_released": stats.released_at_stop_locks,
             "client_reservations_aborted": stats.released_at_stop_reservations,
             "l2_stores_pending": pending,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import socket
 import sys
 import threading
@@ -26,11 +27,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 logger = logging.getLogger(__name__)
 
 
-#: how long a connection may wait to send its request: an idle one would hold its thread
+#: how long a connection may wait to send its request: an idle one would hold its thread;
+#: also how long it may take to send it whole (and be answered), however it trickles in
 REQUEST_TIMEOUT_S = 30.0
 #: failure reasons of the endpoint itself (counted through ``failed``, shown under failures)
 REFUSED_STATUS = "http_status_refused"
 ROUTE_FAILED = "http_route_failed"
+TIMED_OUT = "http_connection_timed_out"
 
 _ALLOWED = "GET, HEAD"
 
@@ -73,7 +76,7 @@ class HttpEndpoint:
         count = failed if failed is not None else (lambda reason: None)
         routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
             "/metrics": lambda: (200, CONTENT_TYPE_LATEST, metrics()),
-            "/status": lambda: (200, "application/json", json.dumps(status(), default=str).encode()),
+            "/status": lambda: (200, "application/json", _json_document(status())),
             "/healthz": lambda: _health_response(health()),
         }
         expected = f"Bearer {status_token}".encode() if status_token else None
@@ -81,6 +84,39 @@ class HttpEndpoint:
         class Handler(BaseHTTPRequestHandler):
             server_version = "lmcache-tiers"
             timeout = REQUEST_TIMEOUT_S
+
+            def setup(self) -> None:
+                super().setup()
+                # The socket timeout bounds each wait, not the exchange: a client sending a
+                # byte now and then would keep this thread for good.  At the deadline the
+                # connection is shut down, which ends any read or write of it.
+                self._cut_lock = threading.Lock()
+                self._done = self._was_cut = False
+                self._cutoff = threading.Timer(REQUEST_TIMEOUT_S, self._cut)
+                self._cutoff.daemon = True
+                self._cutoff.start()
+
+            def _cut(self) -> None:
+                with self._cut_lock:  # the socket is open until finish() has run
+                    if self._done:
+                        return
+                    self._was_cut = True
+                    try:
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass  # the peer reset it already
+                count(TIMED_OUT)
+                logger.info(
+                    "HTTP connection from %s cut: not done within %gs",
+                    self.address_string(),
+                    REQUEST_TIMEOUT_S,
+                )
+
+            def finish(self) -> None:
+                with self._cut_lock:
+                    self._done = True
+                self._cutoff.cancel()
+                super().finish()
 
             def do_HEAD(self) -> None:
                 self._serve(send_body=False)
@@ -90,6 +126,8 @@ class HttpEndpoint:
 
             def _refuse_method(self) -> None:
                 """Every route only reads: other methods get 405 (404 off the routes)."""
+                if self._was_cut:
+                    return
                 if self.path.split("?", 1)[0] not in routes:
                     self._not_found(send_body=True)
                     return
@@ -107,6 +145,8 @@ class HttpEndpoint:
                 self._reply(404, "text/plain; charset=utf-8", body, send_body=send_body)
 
             def _serve(self, *, send_body: bool) -> None:
+                if self._was_cut:
+                    return  # what arrived was cut short at the deadline: nobody to answer
                 path = self.path.split("?", 1)[0]
                 route = routes.get(path)
                 if route is None:
@@ -177,6 +217,22 @@ class HttpEndpoint:
             self._server.shutdown()
             self._thread.join(timeout=5)
         self._server.server_close()
+
+
+def _json_document(document: Any) -> bytes:
+    """``document`` as strict JSON: a NaN or an infinity (a backend's stat may be one)
+    becomes null, where ``json.dumps`` would write ``NaN``, which JSON readers refuse."""
+    return json.dumps(_finite(document), default=str, allow_nan=False).encode()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
 
 
 def _health_response(state: tuple[bool, str]) -> tuple[int, str, bytes]:

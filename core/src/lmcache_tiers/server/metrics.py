@@ -8,6 +8,7 @@ scraped; the request path never touches a prometheus_client object or its locks.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -187,10 +188,14 @@ class TiersCollector(Collector):
         for adapter in adapters:
             name = str(adapter.get("name", adapter.get("index", "?")))
             unreadable.add_metric([name], 1.0 if "error" in adapter else 0.0)
-            if "usage" in adapter:
-                usage.add_metric([name], float(adapter["usage"]))
-            if "used_bytes" in adapter:
-                used.add_metric([name], float(adapter["used_bytes"]))
+            # usage() and used_bytes() of an adapter a plugin builds whole are its own answers
+            own = self._numeric_stats(
+                name, {stat: adapter[stat] for stat in ("usage", "used_bytes") if stat in adapter}
+            )
+            if "usage" in own:
+                usage.add_metric([name], own["usage"])
+            if "used_bytes" in own:
+                used.add_metric([name], own["used_bytes"])
             for counter, family in engine.items():
                 family.add_metric([name], adapter.get(counter, 0))
             if "backend" not in adapter:
@@ -204,11 +209,12 @@ class TiersCollector(Collector):
         yield from (unreadable, usage, used, *engine.values(), circuit_open, backend_errors, backend_stat)
 
     def _numeric_stats(self, adapter: str, stats: dict[str, Any]) -> dict[str, float]:
-        """The adapter's stats that are numbers.  ``stats()`` promises ints, but one broken
-        value must not turn the whole scrape into an error; it is counted and logged."""
+        """The adapter's stats that are finite numbers.  ``stats()`` promises ints, but one
+        broken value must not turn the whole scrape into an error, nor put a NaN or an
+        infinity in a counter; it is counted and logged."""
         numeric: dict[str, float] = {}
         for stat, value in stats.items():
-            if isinstance(value, int | float):
+            if isinstance(value, int | float) and _finite(value):
                 numeric[str(stat)] = float(value)
                 continue
             with self._lock:
@@ -284,6 +290,14 @@ class TiersCollector(Collector):
         family = _counter(name, doc)
         family.add_metric([], value)
         yield family
+
+
+def _finite(value: float) -> bool:
+    """True for a number a sample can carry (an int beyond a float's range cannot)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def build_registry(
