@@ -181,6 +181,32 @@ def test_slices_never_submitted_are_counted_as_dropped_at_shutdown(engine, monke
     assert failures.get("l2_store_dropped_at_shutdown") == 2
 
 
+@pytest.mark.parametrize("other_stored", [True, False], ids=["stored-elsewhere", "stored-nowhere"])
+def test_an_abandoned_object_is_counted_once_and_only_when_no_adapter_stored_it(
+    engine, other_stored: bool
+) -> None:
+    # Every key goes to both adapters: the stop summary says how many acknowledged objects
+    # are missing from L2, which is not one per adapter's task.
+    storage = engine([gated(), gated()])
+    first, second = gated_backend(storage, 0), gated_backend(storage, 1)
+    second.store_gate.clear()
+    if not other_stored:
+        first.store_gate.clear()
+    keys = keys_of(14, 2)
+    store(storage, keys, SIZE)
+    if other_stored:
+        assert wait_for(lambda: stored_keys(storage) == set(keys) and storage.store.in_flight() == 1)
+    else:
+        assert wait_for(lambda: storage.store.in_flight() == 2)
+    opener = threading.Timer(0.5, lambda: (first.store_gate.set(), second.store_gate.set()))
+    opener.start()
+    storage.close(drain_timeout_s=0.05)
+    opener.join()
+    failures = storage.stats.failures()
+    assert failures.get("l2_store_abandoned", 0) == (0 if other_stored else len(keys))
+    assert "l2_store_dropped_at_shutdown" not in failures
+
+
 def test_writes_committed_after_the_store_controller_stopped_are_counted_as_dropped(engine) -> None:
     # A commit that passed the open check while shutdown began reaches the controller
     # after it drained and ended: nothing will store it, so it is counted, not queued.

@@ -425,25 +425,35 @@ class StoreController(ControllerThread):
     def finish(self) -> None:
         self._threads.hurry(False, self)  # a stopped controller hurries nobody
         # Draining gave up (stalled adapter) or finished: release every lock still held.
-        abandoned = 0
+        # Both counters count objects stored in no adapter, each once: the default store
+        # policy sends every key to every adapter, and a key another adapter stored (or
+        # whose other task was abandoned too) is not one more object missing from L2.
+        abandoned: dict[int, L1Object] = {}
         for task in self._tasks.owners():
             if not task.released:
                 task.released = True
                 self.l1.finish_store(task.objects)
             self.l1.settle_unstored(task.batch.objects.values())
             self.stats.add_adapter(task.slot.index, "store_tasks_failed")
-            self.stats.fail("l2_store_abandoned", len(task.keys))
-            abandoned += len(task.keys)
+            for key in task.keys:
+                if key not in task.batch.stored and key in task.batch.objects:
+                    obj = task.batch.objects[key]
+                    abandoned[id(obj)] = obj
         self._tasks.clear()
         if abandoned:
-            logger.warning("%d keys' L2 stores were still running when the drain gave up on them", abandoned)
-        # Slices never submitted: counted once per object not stored in any adapter.
-        unsent = {
-            key: piece.batch.objects[key]
-            for piece in self._pacer.drop_all()
-            for key in piece.keys
-            if key not in piece.batch.stored
-        }
+            self.stats.fail("l2_store_abandoned", len(abandoned))
+            logger.warning(
+                "%d objects' L2 stores were still running when the drain gave up on them", len(abandoned)
+            )
+        # Slices never submitted: counted once per object not stored in any adapter (and
+        # not counted as abandoned above).
+        unsent: dict[int, L1Object] = {}
+        for piece in self._pacer.drop_all():
+            for key in piece.keys:
+                if key not in piece.batch.stored:
+                    obj = piece.batch.objects[key]
+                    if id(obj) not in abandoned:
+                        unsent[id(obj)] = obj
         self._waiting_slices = 0
         with self._queue_lock:
             queued = [obj for objects, _ in self._queue for obj in objects]
