@@ -29,6 +29,8 @@ from rb_helpers import (
 )
 from slot_helpers import ZlibSerde
 
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import BackendAdapter
 from lmcache_tiers.testing.l2 import make_keys, pattern
 
 
@@ -415,6 +417,36 @@ def test_stores_pause_while_failed_slots_cannot_be_checkpointed(
         adapter.close()
 
 
+def reuse_slot_crash_and_reopen(
+    adapter: BackendAdapter,
+    cfg: RawBlockConfig,
+    old_keys: list[ObjectKey],
+    new: tuple[list[ObjectKey], list[bytes]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> BackendAdapter:
+    """Delete ``old_keys`` (freeing slot 0), store the new keys (into the lowest free slot),
+    crash, undo the injected failures and reopen: an acknowledged store must be found with
+    its bytes, a refused one counted as paused.  Returns the reopened adapter."""
+    new_keys, data = new
+    assert adapter.delete(old_keys) == [True]
+    acknowledged = store(adapter, new_keys, data)
+    if acknowledged != [True]:
+        assert adapter.stats()["stores_paused"] == 1
+    crash(adapter)
+    monkeypatch.undo()
+    reopened = open_raw(cfg)
+    if acknowledged == [True]:
+        try:
+            found = client(reopened).lookup_and_lock(new_keys).found
+            assert found == [True], "an acknowledged store was lost"
+            reopened.unlock(new_keys)
+            assert load(reopened, new_keys, [len(data[0])]) == ([True], data)
+        except BaseException:
+            reopened.close()
+            raise
+    return reopened
+
+
 def test_stores_after_a_clean_checkpoint_that_cannot_be_superseded_survive_a_crash(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -428,7 +460,6 @@ def test_stores_after_a_clean_checkpoint_that_cannot_be_superseded_survive_a_cra
     adapter = open_raw(cfg)
     assert store(adapter, old_keys, old) == [True]
     adapter.close()  # the clean checkpoint lists the old key in slot 0
-    write_checkpoint = CheckpointAreas.write
 
     def broken(self: CheckpointAreas, *args: object, **kwargs: object) -> None:
         raise OSError(errno.EIO, "injected checkpoint failure")
@@ -436,19 +467,8 @@ def test_stores_after_a_clean_checkpoint_that_cannot_be_superseded_survive_a_cra
     monkeypatch.setattr(CheckpointAreas, "write", broken)
     adapter = open_raw(cfg)
     assert adapter.stats()["checkpoint_failures"] == 1
-    assert adapter.delete(old_keys) == [True]  # slot 0 is free again ...
-    acknowledged = store(adapter, new_keys, new)  # ... and the lowest free slot
-    if acknowledged != [True]:
-        assert adapter.stats()["stores_paused"] == 1
-    crash(adapter)
-    monkeypatch.setattr(CheckpointAreas, "write", write_checkpoint)
-    reopened = open_raw(cfg)
+    reopened = reuse_slot_crash_and_reopen(adapter, cfg, old_keys, (new_keys, new), monkeypatch)
     try:
-        if acknowledged == [True]:
-            found = client(reopened).lookup_and_lock(new_keys).found
-            assert found == [True], "an acknowledged store was lost"
-            reopened.unlock(new_keys)
-            assert load(reopened, new_keys, [len(new[0])]) == ([True], new)
         assert reopened.stats().get("corrupt_records_removed", 0) == 0
     finally:
         reopened.close()
@@ -553,7 +573,7 @@ def test_a_clean_checkpoint_passed_over_at_start_up_is_not_left_newest(
     assert store(adapter, old_keys, old) == [True]
     adapter.close()  # area 1: the clean checkpoint, newest, listing the old key in slot 0
     unreadable = geometry.area_offset(1) + (geometry.block_align if part == "body" else 0)
-    read_at, write_checkpoint = BlockDevice.read_at, CheckpointAreas.write
+    read_at = BlockDevice.read_at
 
     def failing(self: BlockDevice, offset: int, length: int) -> bytes:
         if offset == unreadable:
@@ -567,19 +587,4 @@ def test_a_clean_checkpoint_passed_over_at_start_up_is_not_left_newest(
     monkeypatch.setattr(CheckpointAreas, "write", broken)
     adapter = open_raw(cfg)
     assert adapter.stats()["checkpoints_unusable"] == 1
-    assert adapter.delete(old_keys) == [True]  # slot 0 is free again ...
-    acknowledged = store(adapter, new_keys, new)  # ... and the lowest free slot
-    if acknowledged != [True]:
-        assert adapter.stats()["stores_paused"] == 1
-    crash(adapter)
-    monkeypatch.setattr(BlockDevice, "read_at", read_at)
-    monkeypatch.setattr(CheckpointAreas, "write", write_checkpoint)
-    reopened = open_raw(cfg)
-    try:
-        if acknowledged == [True]:
-            found = client(reopened).lookup_and_lock(new_keys).found
-            assert found == [True], "an acknowledged store was lost"
-            reopened.unlock(new_keys)
-            assert load(reopened, new_keys, [len(new[0])]) == ([True], new)
-    finally:
-        reopened.close()
+    reuse_slot_crash_and_reopen(adapter, cfg, old_keys, (new_keys, new), monkeypatch).close()

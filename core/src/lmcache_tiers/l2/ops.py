@@ -302,44 +302,48 @@ def resolve_size(
     return size
 
 
+def _report_gone(
+    state: AdapterState, keys: Sequence[ObjectKey], counter: str, event: str, message: str, *args: object
+) -> None:
+    """Count ``keys`` under ``counter``, log ``message`` (after the adapter's name and the
+    count) once per burst, and tell listeners through ``event``."""
+    if not keys:
+        return
+    state.count(counter, len(keys))
+    state.burst.warn(counter, "%s: %d " + message, state.name, len(keys), *args, count=len(keys))
+    state.notify(event, keys)
+
+
 def vanished(state: AdapterState, keys: Sequence[ObjectKey], how: str) -> None:
     """Accounted objects the backend reported gone, their bytes released already: counted,
     logged once per burst, and announced as deleted -- an eviction policy would otherwise
     offer them for good, and no delete of this adapter will ever remove them from it."""
-    if not keys:
-        return
-    state.count("objects_vanished", len(keys))
-    state.burst.warn(
+    _report_gone(
+        state,
+        keys,
         "objects_vanished",
-        "%s: %d accounted objects were gone from the store (%s): removed behind this adapter's "
+        "on_l2_keys_deleted",
+        "accounted objects were gone from the store (%s): removed behind this adapter's "
         "back, e.g. by another server sharing the store, the store's own eviction or expiry, "
         "or an operator; their bytes are released",
-        state.name,
-        len(keys),
         how,
-        count=len(keys),
     )
-    state.notify("on_l2_keys_deleted", keys)
 
 
 def not_accounted(state: AdapterState, keys: Sequence[ObjectKey]) -> None:
     """Keys a delete did not remove, never accounted here, and absent from the store:
     counted, logged once per burst, and announced through ``on_l2_keys_absent`` -- an
     eviction policy seeded from the listing would otherwise offer them for good."""
-    if not keys:
-        return
-    state.count("delete_keys_absent", len(keys))
-    state.burst.warn(
+    _report_gone(
+        state,
+        keys,
         "delete_keys_absent",
-        "%s: %d keys to delete (%s first) were neither in the store nor accounted here: "
-        "listed earlier (e.g. stored by another server sharing the store after this "
-        "adapter's start-up scan) and removed since; listeners are told they are absent",
-        state.name,
-        len(keys),
-        keys[0].file_stem(),
-        count=len(keys),
+        "on_l2_keys_absent",
+        "keys to delete (%s first) were neither in the store nor accounted here: listed "
+        "earlier (e.g. stored by another server sharing the store after this adapter's "
+        "start-up scan) and removed since; listeners are told they are absent",
+        keys[0].file_stem() if keys else "",
     )
-    state.notify("on_l2_keys_absent", keys)
 
 
 def forget_gone(
