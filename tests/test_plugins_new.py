@@ -147,6 +147,12 @@ def test_a_generated_package_installs_without_warnings(tmp_path: Path) -> None:
     ("args", "message"),
     [
         (["Bad_Name", "--kind", "l2"], "lowercase letters and digits"),
+        # `$` would match before the newline: the package would be written to "trailing\n"
+        (["trailing\n", "--kind", "l2"], "lowercase letters and digits"),
+        # installing either would disable (or replace) what is installed under that name
+        (["fs", "--kind", "l2"], "lmcache-plugin-fs is installed"),
+        (["default", "--kind", "store"], "store_policy:default is installed"),
+        (["lru", "--kind", "eviction"], "eviction_policy:LRU is installed"),
         (["ok-name", "--kind", "cache"], "Invalid value for '--kind'"),
     ],
 )

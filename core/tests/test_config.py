@@ -92,6 +92,8 @@ def test_bad_adapter_json(registry: ComponentRegistry, text: str, message: str) 
         ({"eviction_policy": "lru2"}, r"unknown eviction policy 'lru2': did you mean 'LRU'\?"),
         ({"l2_store_policy": "nope"}, r"unknown store policy 'nope'"),
         ({"l2_prefetch_max_in_flight": 0}, r"at `\$\.l2_prefetch_max_in_flight`"),
+        # the wire protocols carry it as a 64-bit integer: a larger one fails every client's hello
+        ({"chunk_size": 1 << 64}, r"chunk_size .* 64-bit .* - at `\$\.chunk_size`"),
     ],
 )
 def test_bad_scalar_values(registry: ComponentRegistry, overrides: dict[str, object], message: str) -> None:

@@ -1,3 +1,4 @@
+import sys
 import types
 
 import pytest
@@ -59,6 +60,36 @@ def test_plugin_whose_hook_raises_is_isolated() -> None:
     assert statuses["broken"] == "error: RuntimeError: boom"
     assert statuses["demo"] == "ok"
     assert "half" not in plugin_set.registry.names(Kind.SERDE)
+
+
+def test_plugin_whose_hook_calls_sys_exit_is_isolated() -> None:
+    exiting = types.ModuleType("exiting")
+
+    @hookimpl
+    def tiers_register_serdes(registry):  # type: ignore[no-untyped-def]
+        registry.add("half", "json:dumps")
+        sys.exit("no GPU here")
+
+    exiting.tiers_register_serdes = tiers_register_serdes  # type: ignore[attr-defined]
+    plugin_set = discover({"exiting": exiting, "demo": make_module()})
+    statuses = {p.name: p.status for p in plugin_set.plugins}
+    assert statuses["exiting"] == "error: SystemExit: no GPU here"
+    assert statuses["demo"] == "ok"
+    assert "half" not in plugin_set.registry.names(Kind.SERDE)
+
+
+def test_a_registration_hook_implemented_under_another_name_registers() -> None:
+    # pluggy's specname: the function's own name need not be the hook's
+    named = types.ModuleType("named")
+
+    @hookimpl(specname="tiers_register_serdes")
+    def add_serdes(registry):  # type: ignore[no-untyped-def]
+        registry.add("renamed", "json:dumps")
+
+    named.add_serdes = add_serdes  # type: ignore[attr-defined]
+    plugin_set = discover({"named": named})
+    info = next(p for p in plugin_set.plugins if p.name == "named")
+    assert (info.status, info.components) == ("ok", ["serde:renamed"])
 
 
 def test_hook_with_wrong_signature_or_unknown_name_is_reported() -> None:
@@ -123,6 +154,17 @@ def test_factory_module_failing_on_import_is_a_load_error_naming_the_plugin(
         registry.get(Kind.SERDE, "nomodule").load()
 
 
+def test_factory_module_calling_sys_exit_on_import_is_a_load_error_naming_the_plugin(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "tiers_exit_on_import.py").write_text("import sys\nsys.exit('no GPU here')\n")  # type: ignore[operator]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry = ComponentRegistry()
+    registry.for_plugin(Kind.SERDE, "p").add("quits", "tiers_exit_on_import:make")
+    with pytest.raises(ComponentLoadError, match=r"serde:quits from plugin 'p'.*SystemExit: no GPU here"):
+        registry.get(Kind.SERDE, "quits").load()
+
+
 def test_failing_entry_point_keeps_its_sibling_of_the_same_distribution(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -184,6 +226,26 @@ def test_entry_point_module_failing_an_assert_is_reported_not_raised(
     statuses = {p.name: p.status for p in plugin_set.plugins}
     assert statuses["asserting"] == "error: AssertionError: needs a GPU"
     assert statuses["frontend-native"] == "ok"
+
+
+def test_an_entry_point_of_a_distribution_without_a_name_is_listed_not_fatal(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A METADATA without Name (a broken or half-written install) reads as a None name.
+    module = "tiers_nameless_plugin"
+    dist = tmp_path / f"{module}-1.0.dist-info"  # type: ignore[operator]
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\n")
+    (dist / "entry_points.txt").write_text(f"[lmcache_tiers]\nnameless = {module}\n")
+    (tmp_path / f"{module}.py").write_text("")  # type: ignore[operator]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from stevedore import ExtensionManager
+
+    monkeypatch.setattr(ExtensionManager, "ENTRY_POINT_CACHE", {})  # scanned once per process
+    plugin_set = discover()
+    nameless = next(p for p in plugin_set.plugins if p.name == "nameless")
+    assert (nameless.distribution, nameless.version, nameless.status) == ("?", "?", "ok")
+    assert next(p for p in plugin_set.plugins if p.name == "frontend-native").status == "ok"
 
 
 def test_two_distributions_naming_the_same_entry_point_are_both_reported(

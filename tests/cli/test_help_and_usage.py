@@ -4,14 +4,19 @@ switches, lists of installed components from the registry, usage errors exit 2 i
 from __future__ import annotations
 
 import re
+import threading
+import types
 from typing import Any
 
+import msgspec
 import pytest
 from thirdparty import run_cli
 
+from lmcache_tiers.cli import plugins_cmd
 from lmcache_tiers.cli.main import build_app, command_tree, main
-from lmcache_tiers.config import ServerConfig
-from lmcache_tiers.plugins import load_plugins
+from lmcache_tiers.config import L2AdapterConfig, ServerConfig
+from lmcache_tiers.hookspecs import hookimpl
+from lmcache_tiers.plugins import discover, load_plugins
 from lmcache_tiers.registry import Kind
 
 
@@ -134,6 +139,79 @@ def test_plugins_show_says_no_options_and_dedents_docs(capsys: pytest.CaptureFix
     assert "\nWith eviction policy ``noop``" in text  # a docstring's second paragraph, not indented
     mock = _help(capsys, "plugins", "show", "mock")
     assert "\nStores fail once ``max_size_gb`` is full" in mock and "\n    " not in mock
+
+
+def test_plugins_show_prints_types_with_their_parameters(capsys: pytest.CaptureFixture[str]) -> None:
+    # `[object]` is text, not a style tag for the table to swallow
+    assert "│ list[object] " in _help(capsys, "plugins", "show", "mock")
+
+
+def test_plugins_show_and_reference_survive_a_config_they_cannot_describe(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # msgspec has no schema for a field of an arbitrary class: the component cannot be
+    # configured (serve says so), and the commands describing plugins must still work.
+    class OddConfig(msgspec.Struct):
+        """An odd policy."""
+
+        event: threading.Event | None = None
+
+    @hookimpl
+    def tiers_register_store_policies(registry):  # type: ignore[no-untyped-def]
+        registry.add("odd", "json:dumps", OddConfig)
+
+    odd = types.ModuleType("odd")
+    odd.tiers_register_store_policies = tiers_register_store_policies  # type: ignore[attr-defined]
+    plugin_set = discover({"lmcache-plugin-odd": odd})
+    monkeypatch.setattr(plugins_cmd, "load_plugins", lambda: plugin_set)
+    shown = _help(capsys, "plugins", "show", "lmcache-plugin-odd")
+    assert shown.startswith("store_policy:odd  (plugin lmcache-plugin-odd)\n")
+    assert "options cannot be listed: type <class 'threading.Event'> is not supported" in shown
+    reference = _help(capsys, "plugins", "reference")
+    assert "### `odd` (lmcache-plugin-odd)" in reference
+    assert "Options cannot be listed: type <class 'threading.Event'> is not supported" in reference
+    assert "### `skip_l1` (lmcache-plugin-store-skip-l1)" in reference
+
+
+class CircuitConfig(L2AdapterConfig):
+    """An adapter whose config is named like the core Struct of its `circuit` field (what
+    `plugins new circuit --kind l2` writes)."""
+
+    size_gb: float = 1.0
+
+
+def test_plugins_show_lists_the_fields_of_a_config_named_like_a_core_struct(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @hookimpl
+    def tiers_register_l2_adapters(registry):  # type: ignore[no-untyped-def]
+        registry.add("circuit", "json:dumps", CircuitConfig)
+
+    plugin = types.ModuleType("circuit")
+    plugin.tiers_register_l2_adapters = tiers_register_l2_adapters  # type: ignore[attr-defined]
+    plugin_set = discover({"lmcache-plugin-circuit": plugin})
+    monkeypatch.setattr(plugins_cmd, "load_plugins", lambda: plugin_set)
+    shown = _help(capsys, "plugins", "show", "lmcache-plugin-circuit")
+    assert "no options" not in shown
+    assert "size_gb" in shown and "failure_threshold" not in shown
+
+
+def test_plugins_list_shows_an_error_with_brackets_as_written(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rich reads `[int]` as a style tag and `[/]` as a closing one (which has nothing to close).
+    @hookimpl
+    def tiers_register_serdes(registry):  # type: ignore[no-untyped-def]
+        raise TypeError("list[int] [/]")
+
+    broken = types.ModuleType("broken")
+    broken.tiers_register_serdes = tiers_register_serdes  # type: ignore[attr-defined]
+    plugin_set = discover({"broken": broken})
+    monkeypatch.setattr(plugins_cmd, "load_plugins", lambda: plugin_set)
+    # The table may wrap the cell (the console's width is fixed when it is first built):
+    # compare its text without the wrapping.
+    cells = re.sub(r"[\s│]", "", _help(capsys, "plugins", "list"))
+    assert "error:TypeError:list[int][/]" in cells
 
 
 def test_usage_errors_are_one_line_with_exit_code_2() -> None:

@@ -312,6 +312,14 @@ class ServerConfig(ComponentConfig):
     ] = True
 
     def __post_init__(self) -> None:
+        if self.chunk_size > _MAX_WIRE_INT:
+            # Hello replies and get_chunk_size carry it as a msgpack integer: a larger one
+            # cannot be encoded, and the first client's handshake would stop the server.
+            raise FieldError(
+                "chunk_size",
+                f"chunk_size {self.chunk_size} does not fit the 64-bit integer the protocols carry "
+                f"it in (at most {_MAX_WIRE_INT}); LMCache's default is 256",
+            )
         name = self.l1_shm_name
         if name == "":
             raise FieldError(
@@ -328,6 +336,8 @@ class ServerConfig(ComponentConfig):
         return int(self.l1_size_gb * (1 << 30))
 
 
+#: the largest integer every wire protocol carries (a signed 64-bit msgpack integer)
+_MAX_WIRE_INT = (1 << 63) - 1
 #: the name of a segment file in its directory (the L1 arena creates nothing else there)
 _SEGMENT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}\Z")  # \Z: $ also matches before a final newline
 

@@ -82,11 +82,28 @@ def _constraints(schema: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+class UndescribedConfigError(ValueError):
+    """A plugin's config Struct msgspec cannot describe (a field of a type it does not
+    support, a default it cannot encode): the component's options cannot be listed."""
+
+
 def component_fields(struct: type[msgspec.Struct]) -> list[FieldDoc]:
-    """One FieldDoc per field of ``struct``, in declaration order."""
-    schema = msgspec.json.schema(struct)
+    """One FieldDoc per field of ``struct``, in declaration order.
+
+    Raises UndescribedConfigError, one line saying why, for a Struct msgspec has no schema
+    of: a third-party plugin's mistake must not stop the listing of the others.
+    """
+    try:
+        schema = msgspec.json.schema(struct)
+    except (TypeError, ValueError) as exc:
+        # msgspec's reason is several lines; its last one names the type at fault
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        raise UndescribedConfigError(lines[-1] if lines else type(exc).__name__) from None
     defs = schema.get("$defs", {})
-    body = defs.get(struct.__name__, schema)
+    # The top-level reference names the Struct's own entry: msgspec qualifies the names of
+    # two Structs called alike (a plugin's CircuitConfig and core's, of its `circuit` field).
+    ref = str(schema.get("$ref", ""))
+    body = defs.get(ref.rsplit("/", 1)[-1], schema) if ref else schema
     required = set(body.get("required", []))
     rows = []
     for name, prop in body.get("properties", {}).items():
@@ -184,6 +201,9 @@ def render_config_reference(plugin_set: PluginSet) -> str:
             doc = component_doc(component)
             if doc:
                 out += [doc, ""]
-            fields = _markdown_table(component.config)
-            out += (fields if len(fields) > 2 else ["No options."]) + [""]
+            try:
+                fields = _markdown_table(component.config)
+            except UndescribedConfigError as exc:
+                fields = [f"Options cannot be listed: {exc}."]
+            out += (fields if len(fields) != 2 else ["No options."]) + [""]
     return "\n".join(out).rstrip() + "\n"

@@ -89,10 +89,12 @@ def _entry_point_infos() -> list[tuple[Any, PluginInfo]]:
     found = []
     for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         dist = getattr(ep, "dist", None)
+        # A METADATA without Name or Version (a broken install) reads as None: "?" like an
+        # entry point with no distribution at all, so that one plugin cannot stop every command.
         info = PluginInfo(
             name=ep.name,
-            distribution=dist.metadata["Name"] if dist is not None else "?",
-            version=dist.version if dist is not None else "?",
+            distribution=(dist.metadata["Name"] if dist is not None else None) or "?",
+            version=(dist.version if dist is not None else None) or "?",
             module=ep.value,
         )
         found.append((ep, info))
@@ -155,11 +157,17 @@ def _run_registration(manager: pluggy.PluginManager, registry: ComponentRegistry
     before = {id(c) for c in registry.components()}
     try:
         for hook_name, kind in REGISTRATION_HOOKS.items():
-            function = getattr(plugin, hook_name, None)
-            if function is None:
-                continue
-            function(registry=registry.for_plugin(kind, info.distribution))
-    except Exception as exc:  # a plugin bug must not take the others down
+            # The implementations pluggy found, which may be named otherwise (specname=...);
+            # the attribute of the hook's name when there is none, as before.
+            functions = [
+                i.function for i in getattr(manager.hook, hook_name).get_hookimpls() if i.plugin is plugin
+            ]
+            if not functions and callable(getattr(plugin, hook_name, None)):
+                functions = [getattr(plugin, hook_name)]
+            for function in functions:
+                function(registry=registry.for_plugin(kind, info.distribution))
+    # A plugin bug must not take the others down, nor a sys.exit() in it the whole process.
+    except (Exception, SystemExit) as exc:
         registry.remove_plugin(info.distribution, keep=before)
         info.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, PluginError) else str(exc)
         manager.unregister(name=info.name)

@@ -76,9 +76,10 @@ class Component:
                 f"{self.qualified_name} from plugin {self.plugin!r} points at "
                 f"{self.factory!r}, which does not exist: {exc}"
             ) from exc
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             # A module that fails while importing (no GPU, a syntax error, an empty module
-            # name) is the plugin's fault: one line naming it, not a traceback.
+            # name, a sys.exit()) is the plugin's fault: one line naming it, not a traceback
+            # nor a silent exit.
             raise ComponentLoadError(
                 f"{self.qualified_name} from plugin {self.plugin!r} failed to import "
                 f"{self.factory!r}: {type(exc).__name__}: {exc}"

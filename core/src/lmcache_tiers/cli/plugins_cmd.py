@@ -11,7 +11,13 @@ from rich.table import Table
 
 from lmcache_tiers.cli import plugins_new
 from lmcache_tiers.cli.output import EXIT_USAGE, fail, stdout
-from lmcache_tiers.config_docs import component_doc, component_fields, render_config_reference
+from lmcache_tiers.config_docs import (
+    FieldDoc,
+    UndescribedConfigError,
+    component_doc,
+    component_fields,
+    render_config_reference,
+)
 from lmcache_tiers.plugins import load_plugins
 from lmcache_tiers.registry import Component
 
@@ -48,8 +54,10 @@ def list_plugins(
     table.add_column("components")
     table.add_column("status")
     for p in plugin_set.plugins:
-        status = "[green]ok[/]" if p.status == "ok" else f"[red]{p.status}[/]"
-        table.add_row(p.name, p.version, "\n".join(p.components) or "-", status)
+        # Names and errors are text: `list[int]` in an error is not a style tag.
+        status = "[green]ok[/]" if p.status == "ok" else f"[red]{escape(p.status)}[/]"
+        components = escape("\n".join(p.components)) or "-"
+        table.add_row(escape(p.name), escape(p.version), components, status)
     stdout.print(table)
 
 
@@ -83,15 +91,21 @@ def show(name: str = typer.Argument(..., help="A plugin name, or a component as 
         fail(f"no plugin or component named {name!r}; {suggestion}installed plugins: {known}", EXIT_USAGE)
     for component in components:
         title = f"{component.qualified_name}  (plugin {component.plugin})"
-        fields = component_fields(component.config)
+        fields: list[FieldDoc] | None
+        try:
+            fields = component_fields(component.config)
+        except UndescribedConfigError as exc:
+            stdout.print(f"{title}\noptions cannot be listed: {exc}", markup=False)
+            fields = None
         if fields:
-            table = Table(title=title, title_justify="left")
+            table = Table(title=escape(title), title_justify="left")
             for column in ("field", "type", "default", "constraints", "doc"):
                 table.add_column(column)
             for field in fields:
-                table.add_row(field.name, field.type, field.default, field.constraints, field.doc)
+                # text, not markup: `list[object]` keeps its `[object]`
+                table.add_row(*(escape(cell) for cell in field))
             stdout.print(table)
-        else:
+        elif fields is not None:
             stdout.print(f"[italic]{escape(title)}[/]\nno options", markup=True)
         doc = component_doc(component)
         if doc:

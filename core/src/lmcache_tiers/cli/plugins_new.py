@@ -22,7 +22,7 @@ import typer
 from lmcache_tiers.cli.output import fail, stdout
 from lmcache_tiers.errors import ConfigError
 
-_NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
+_NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*\Z")  # \Z: $ also matches before a final newline
 _TOKEN = re.compile(r"\{\{(\w+)\}\}")
 _MAX_NAME = 40
 
@@ -125,6 +125,42 @@ def plugin_values(name: str, kind: SkeletonKind) -> dict[str, str]:
     return values
 
 
+def _normalized(distribution: str) -> str:
+    return re.sub(r"[-_.]+", "-", distribution).lower()
+
+
+def refuse_installed_names(name: str, kind: SkeletonKind) -> None:
+    """ConfigError when plugin ``name`` would collide with what is installed: its
+    distribution would replace the installed one, an entry point of the same name makes
+    both plugins refuse to load, and a component of the same name fails the registration
+    of one of them (the generated plugin, or the installed one it shadows)."""
+    from lmcache_tiers.plugins import load_plugins
+    from lmcache_tiers.registry import Kind
+
+    values = plugin_values(name, kind)
+    plugin_set = load_plugins()
+    hint = "; pick another name"
+    for info in plugin_set.plugins:
+        if _normalized(info.distribution) == _normalized(values["dist"]):
+            raise ConfigError(
+                f"{values['dist']} is installed: installing this one would replace it{hint} "
+                f"(or pip uninstall {values['dist']} first)"
+            )
+        if info.name.lower() == values["entry"]:
+            raise ConfigError(
+                f"the plugin {info.name!r} of {info.distribution} is installed: two entry points of "
+                f"one name stop both from loading{hint}"
+            )
+    component_kind = Kind(values["kind_label"])
+    taken = {c.lower(): c for c in plugin_set.registry.names(component_kind)}
+    if values["component"].lower() in taken:
+        owner = plugin_set.registry.get(component_kind, values["component"]).plugin
+        raise ConfigError(
+            f"{component_kind.value}:{taken[values['component'].lower()]} is installed (plugin "
+            f"{owner}); names are matched ignoring case, so one of the two would not load{hint}"
+        )
+
+
 def render(text: str, values: dict[str, str]) -> str:
     return _TOKEN.sub(lambda match: values[match.group(1)], text)
 
@@ -161,6 +197,7 @@ def new(
 ) -> None:
     """Write a ready plugin package: pyproject, manifest, working skeleton, test, README."""
     try:
+        refuse_installed_names(name, kind)
         target = write_plugin(name, kind, directory)
     except ConfigError as exc:
         fail(str(exc))
