@@ -301,3 +301,30 @@ def test_a_plugin_whose_command_hook_raises_loses_its_commands_not_the_cli(
     assert statuses["good"] == "ok"
     err = capsys.readouterr().err
     assert "plugin broken: its commands failed to register" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_server_hook_raising_in_one_plugin_still_runs_the_others(caplog: pytest.LogCaptureFixture) -> None:
+    # pluggy's own call stops at the first implementation that raises: a stopping hook
+    # that flushes would never run because another plugin's failed.
+    from lmcache_tiers.plugins import new_manager
+    from lmcache_tiers.server.app import _call_hook
+
+    called: list[str] = []
+    first, second = types.ModuleType("first"), types.ModuleType("second")
+
+    @hookimpl(specname="tiers_server_stopping")
+    def flush(config, storage):  # type: ignore[no-untyped-def]
+        called.append("flushed")
+
+    @hookimpl(specname="tiers_server_stopping")
+    def broken(config, storage):  # type: ignore[no-untyped-def]
+        raise RuntimeError("boom")
+
+    first.tiers_server_stopping = flush  # type: ignore[attr-defined]
+    second.tiers_server_stopping = broken  # type: ignore[attr-defined]
+    manager = new_manager()
+    manager.register(first, name="first")
+    manager.register(second, name="second")  # pluggy calls the last registered first
+    _call_hook(manager.hook, "tiers_server_stopping", config=None, storage=None)
+    assert called == ["flushed"]
+    assert "plugin second: hook tiers_server_stopping failed: RuntimeError: boom" in caplog.text

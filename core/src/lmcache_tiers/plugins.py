@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, cast
@@ -218,6 +219,20 @@ def discover(extra_plugins: dict[str, ModuleType] | None = None) -> PluginSet:
         if manager.get_plugin(info.name) is not None and not info.error:
             _run_registration(manager, registry, info)
     return PluginSet(manager, registry, ordered)
+
+
+def call_each(hook: Any, on_error: Callable[[str, Exception], None], **kwargs: Any) -> None:
+    """Call every implementation of ``hook`` (a pluggy hook caller), in pluggy's order, each
+    on its own: pluggy's own call stops at the first that raises, so one plugin's bug would
+    keep every later plugin's implementation from running (a stopping hook that flushes,
+    say).  A failure goes to ``on_error(plugin_name, exception)``."""
+    for impl in reversed(hook.get_hookimpls()):
+        try:
+            if getattr(impl, "hookwrapper", False) or getattr(impl, "wrapper", False):
+                raise PluginError(f"{hook.name} takes no hook wrappers")
+            impl.function(*[kwargs[name] for name in impl.argnames])
+        except Exception as exc:
+            on_error(impl.plugin_name, exc)
 
 
 _cache: PluginSet | None = None

@@ -65,23 +65,23 @@ def build_app(with_plugin_commands: bool = True) -> typer.Typer:
 
 
 def add_plugin_commands(app: typer.Typer, plugin_set: PluginSet) -> None:
-    """Call each plugin's ``tiers_register_commands`` on its own, in pluggy's order.
+    """Call each plugin's ``tiers_register_commands`` on its own.
 
     The hook runs before any argument is parsed, so one plugin raising there would end
     every command, ``plugins list`` and ``--help`` included, with a traceback.  Its
     commands are left out instead: one line on stderr says so, and the plugin is listed
     with the error (``serve --strict`` refuses to start with it).
     """
-    for hook in reversed(plugin_set.manager.hook.tiers_register_commands.get_hookimpls()):
-        arguments = {"app": app}
-        try:
-            hook.function(*[arguments[name] for name in hook.argnames])
-        except Exception as exc:
-            reason = f"its commands failed to register: {type(exc).__name__}: {exc}"
-            info = next((p for p in plugin_set.plugins if p.name == hook.plugin_name), None)
-            if info is not None and not info.error:
-                info.error = reason
-            warn(f"plugin {hook.plugin_name}: {reason}; they are left out")
+    from lmcache_tiers.plugins import call_each
+
+    def failed(plugin: str, exc: Exception) -> None:
+        reason = f"its commands failed to register: {type(exc).__name__}: {exc}"
+        info = next((p for p in plugin_set.plugins if p.name == plugin), None)
+        if info is not None and not info.error:
+            info.error = reason
+        warn(f"plugin {plugin}: {reason}; they are left out")
+
+    call_each(plugin_set.manager.hook.tiers_register_commands, failed, app=app)
 
 
 def _add_server_commands(app: typer.Typer) -> None:

@@ -468,12 +468,16 @@ def _plugin_hooks() -> Any:
 
 
 def _call_hook(hooks: Any, name: str, **kwargs: Any) -> None:
+    """One faulty plugin must neither stop the server starting or stopping nor keep the
+    other plugins' implementations from running."""
     if hooks is None:
         return
-    try:
-        getattr(hooks, name)(**kwargs)
-    except Exception:  # one faulty plugin must not stop the server starting or stopping
-        logger.exception("plugin hook %s failed", name)
+    from lmcache_tiers.plugins import call_each
+
+    def failed(plugin: str, exc: Exception) -> None:
+        logger.error("plugin %s: hook %s failed: %s: %s", plugin, name, type(exc).__name__, exc, exc_info=exc)
+
+    call_each(getattr(hooks, name), failed, **kwargs)
 
 
 class StartUpInterrupted(BaseException):
