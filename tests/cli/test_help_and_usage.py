@@ -237,3 +237,15 @@ def test_usage_errors_are_one_line_with_exit_code_2() -> None:
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], (args, result.stderr)
         assert "Traceback" not in result.stderr
+
+
+def test_a_bad_default_l2_variable_fails_serve_not_every_command() -> None:
+    # The serve help describes the default L2 and is built for every command.
+    env = {"LMCACHE_TIERS_CACHE_GB": "abc"}
+    listed = run_cli(["plugins", "list", "--json"], **env)
+    assert listed.returncode == 0, listed.stderr
+    served = run_cli(["serve", "--print-config"], **env)
+    assert served.returncode == 2
+    assert served.stderr.strip().endswith(
+        "LMCACHE_TIERS_CACHE_GB='abc' must be a positive number of GiB, at most 1073741824"
+    )

@@ -99,7 +99,12 @@ def _installed(registry: ComponentRegistry, kind: Kind) -> str:
 
 def serve_help(registry: ComponentRegistry) -> str:
     """The command's help: what runs with no flags, from the installed plugins."""
-    defaults = default_l2_adapters(registry)
+    try:
+        defaults = default_l2_adapters(registry)
+    except ConfigError as exc:
+        # Built for every command (the help is part of the CLI): a bad environment variable
+        # of the default L2 is an error where that L2 is used, not in `plugins list`.
+        return _help_text(f"the embedded default L2, which cannot be used as configured ({exc})")
     if defaults:
         spec = escape(" ".join(json.dumps(adapter) for adapter in defaults))
         default_l2 = (
@@ -109,6 +114,10 @@ def serve_help(registry: ComponentRegistry) -> str:
         )
     else:
         default_l2 = "no L2 (no installed adapter plugin provides the embedded default)"
+    return _help_text(default_l2)
+
+
+def _help_text(default_l2: str) -> str:
     return (
         "Run the KV-cache server.\n\n"
         f"With no --l2-adapter and no l2_adapters in --config it serves a {_D.l1_size_gb:g} GiB L1 "
