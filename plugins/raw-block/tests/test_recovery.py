@@ -11,7 +11,7 @@ from lmcache_plugin_raw_block import RawBlockConfig
 from lmcache_plugin_raw_block.backend import RawBlockBackend
 from lmcache_plugin_raw_block.checkpoint import CheckpointAreas
 from lmcache_plugin_raw_block.device import BlockDevice
-from lmcache_plugin_raw_block.geometry import plan_geometry
+from lmcache_plugin_raw_block.geometry import Geometry, plan_geometry
 from lmcache_plugin_raw_block.recovery import SCAN_WINDOW, UNSAVED_QUARANTINE_MAX
 from lmcache_plugin_raw_block.slots import Claim
 from rb_helpers import (
@@ -397,11 +397,7 @@ def test_stores_pause_while_failed_slots_cannot_be_checkpointed(
     try:
         fail_writes(monkeypatch, UNSAVED_QUARANTINE_MAX)
         write_checkpoint = CheckpointAreas.write
-
-        def broken(self: CheckpointAreas, *args: object, **kwargs: object) -> None:
-            raise OSError(errno.EIO, "injected checkpoint failure")
-
-        monkeypatch.setattr(CheckpointAreas, "write", broken)
+        monkeypatch.setattr(CheckpointAreas, "write", failing_checkpoint_write)
         keys = make_keys(UNSAVED_QUARANTINE_MAX)
         assert store(adapter, keys, [b"x" * 100] * len(keys)) == [False] * len(keys)
         with caplog.at_level(logging.WARNING, logger="lmcache_plugin_raw_block"):
@@ -415,6 +411,38 @@ def test_stores_pause_while_failed_slots_cannot_be_checkpointed(
         assert adapter.stats()["stores_paused"] == 3
     finally:
         adapter.close()
+
+
+def failing_checkpoint_write(self: CheckpointAreas, *args: object, **kwargs: object) -> None:
+    raise OSError(errno.EIO, "injected checkpoint failure")
+
+
+def fail_reads_at(monkeypatch: pytest.MonkeyPatch, unreadable: int) -> None:
+    """Reads of the device at offset ``unreadable`` fail with EIO (``monkeypatch.undo``
+    makes the media error a transient one)."""
+    read_at = BlockDevice.read_at
+
+    def failing(self: BlockDevice, offset: int, length: int) -> bytes:
+        if offset == unreadable:
+            raise OSError(errno.EIO, "injected media error")
+        return read_at(self, offset, length)
+
+    monkeypatch.setattr(BlockDevice, "read_at", failing)
+
+
+def one_key_behind_a_clean_checkpoint(
+    tmp_path: Path,
+) -> tuple[RawBlockConfig, Geometry, list[ObjectKey], tuple[list[ObjectKey], list[bytes]]]:
+    """A 4-slot device whose checkpoints are trusted at start-up (meta_verify_on_load
+    false), closed cleanly with one key stored (in slot 0, listed by the clean checkpoint,
+    the newest, in area 1); its geometry, that key, and a new key with its bytes."""
+    cfg = config(tmp_path / "dev.img", slots=4, meta_enable_periodic=False, meta_verify_on_load=False)
+    old_keys, new_keys = make_keys(1), make_keys(1, start=10)
+    adapter = open_raw(cfg)
+    geometry = backend_of(adapter).geometry
+    assert store(adapter, old_keys, data_for(1)) == [True]
+    adapter.close()
+    return cfg, geometry, old_keys, (new_keys, data_for(1, seed=1))
 
 
 def reuse_slot_crash_and_reopen(
@@ -454,17 +482,8 @@ def test_stores_after_a_clean_checkpoint_that_cannot_be_superseded_survive_a_cra
     # checkpoint can be written after it (its start-up checkpoint failed), it stays the
     # newest, and a store into a slot it lists -- freed by a delete, then reused -- is
     # seen by nobody after a crash: such a store is refused (counted) instead.
-    cfg = config(tmp_path / "dev.img", slots=4, meta_enable_periodic=False, meta_verify_on_load=False)
-    old_keys, new_keys = make_keys(1), make_keys(1, start=10)
-    old, new = data_for(1), data_for(1, seed=1)
-    adapter = open_raw(cfg)
-    assert store(adapter, old_keys, old) == [True]
-    adapter.close()  # the clean checkpoint lists the old key in slot 0
-
-    def broken(self: CheckpointAreas, *args: object, **kwargs: object) -> None:
-        raise OSError(errno.EIO, "injected checkpoint failure")
-
-    monkeypatch.setattr(CheckpointAreas, "write", broken)
+    cfg, _, old_keys, (new_keys, new) = one_key_behind_a_clean_checkpoint(tmp_path)
+    monkeypatch.setattr(CheckpointAreas, "write", failing_checkpoint_write)
     adapter = open_raw(cfg)
     assert adapter.stats()["checkpoint_failures"] == 1
     reopened = reuse_slot_crash_and_reopen(adapter, cfg, old_keys, (new_keys, new), monkeypatch)
@@ -488,29 +507,16 @@ def test_a_checkpoint_passed_over_at_start_up_never_outranks_the_later_ones(
     # checkpoints must still outrank the one passed over, which may read again after a
     # crash: a clean one there, trusted (meta_verify_on_load false), would list a slot
     # this run freed and reused, losing the acknowledged store in it.
-    cfg = config(tmp_path / "dev.img", slots=4, meta_enable_periodic=False, meta_verify_on_load=False)
-    old_keys, new_keys = make_keys(1), make_keys(1, start=10)
-    old, new = data_for(1), data_for(1, seed=1)
-    adapter = open_raw(cfg)
-    geometry = backend_of(adapter).geometry
-    assert store(adapter, old_keys, old) == [True]
-    adapter.close()  # area 0: the start-up checkpoint; area 1: the clean one, newest
+    cfg, geometry, old_keys, (new_keys, new) = one_key_behind_a_clean_checkpoint(tmp_path)
+    # area 0: the start-up checkpoint, damaged; area 1: the clean one, newest, unreadable
     flip_byte(cfg.device_path, geometry.area_offset(0) + geometry.block_align + 3)
-    unreadable = geometry.area_offset(1) + geometry.block_align
-    read_at = BlockDevice.read_at
-
-    def failing(self: BlockDevice, offset: int, length: int) -> bytes:
-        if offset == unreadable:
-            raise OSError(errno.EIO, "injected media error")
-        return read_at(self, offset, length)
-
-    monkeypatch.setattr(BlockDevice, "read_at", failing)
+    fail_reads_at(monkeypatch, geometry.area_offset(1) + geometry.block_align)
     adapter = open_raw(cfg)
     assert adapter.stats()["checkpoints_unusable"] == 2
     assert adapter.delete(old_keys) == [True]  # slot 0 is free again ...
     assert store(adapter, new_keys, new) == [True]  # ... and holds the new key, acknowledged
     crash(adapter)
-    monkeypatch.setattr(BlockDevice, "read_at", read_at)  # the media error was transient
+    monkeypatch.undo()  # the media error was transient
     reopened = open_raw(cfg)
     try:
         assert client(reopened).lookup_and_lock(new_keys).found == [True], "an acknowledged store was lost"
@@ -565,26 +571,10 @@ def test_a_clean_checkpoint_passed_over_at_start_up_is_not_left_newest(
     # reads again a restart after a crash trusts it (meta_verify_on_load false): a store
     # into a slot it lists, freed by a delete, would be seen by nobody.  Such a store is
     # refused (counted) until a checkpoint succeeds, as after a clean checkpoint read.
-    cfg = config(tmp_path / "dev.img", slots=4, meta_enable_periodic=False, meta_verify_on_load=False)
-    old_keys, new_keys = make_keys(1), make_keys(1, start=10)
-    old, new = data_for(1), data_for(1, seed=1)
-    adapter = open_raw(cfg)
-    geometry = backend_of(adapter).geometry
-    assert store(adapter, old_keys, old) == [True]
-    adapter.close()  # area 1: the clean checkpoint, newest, listing the old key in slot 0
-    unreadable = geometry.area_offset(1) + (geometry.block_align if part == "body" else 0)
-    read_at = BlockDevice.read_at
-
-    def failing(self: BlockDevice, offset: int, length: int) -> bytes:
-        if offset == unreadable:
-            raise OSError(errno.EIO, "injected media error")
-        return read_at(self, offset, length)
-
-    def broken(self: CheckpointAreas, *args: object, **kwargs: object) -> None:
-        raise OSError(errno.EIO, "injected checkpoint failure")
-
-    monkeypatch.setattr(BlockDevice, "read_at", failing)
-    monkeypatch.setattr(CheckpointAreas, "write", broken)
+    cfg, geometry, old_keys, (new_keys, new) = one_key_behind_a_clean_checkpoint(tmp_path)
+    # area 1: the clean checkpoint, newest, listing the old key in slot 0
+    fail_reads_at(monkeypatch, geometry.area_offset(1) + (geometry.block_align if part == "body" else 0))
+    monkeypatch.setattr(CheckpointAreas, "write", failing_checkpoint_write)
     adapter = open_raw(cfg)
     assert adapter.stats()["checkpoints_unusable"] == 1
     reuse_slot_crash_and_reopen(adapter, cfg, old_keys, (new_keys, new), monkeypatch).close()
