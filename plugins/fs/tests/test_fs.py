@@ -99,17 +99,64 @@ def test_another_keys_intact_record_under_a_remote_name_is_a_miss_that_is_kept()
         payload = pattern(9, SIZE)
         path = f"{root}/{record_name(mine)}"
         files.pipe_file(path, encode_header(theirs, payload, align=HEADER) + payload)
-        result = client(adapter).lookup_and_lock([mine])
-        assert result.found == [True]  # the size fits; the load reads whose record it is
-        ok, _ = load(adapter, arena, [mine], result.sizes)
-        adapter.unlock([mine])
+        # A hit would be adopted (accounted, later evicted: that writer's object deleted):
+        # the lookup reads whose record it is, as a load does.
+        assert client(adapter).lookup_and_lock([mine]).found == [False]
+        ok, _ = load(adapter, arena, [mine], [SIZE])
         assert ok == [False]
         assert files.exists(path), "another writer's record: kept"
         stats = adapter.stats()
-        assert stats["foreign_records"] == 1 and stats.get("corrupt_records_removed", 0) == 0
+        assert stats["foreign_records"] == 2 and stats.get("corrupt_records_removed", 0) == 0
+        assert stats.get("lookup_adopted", 0) == 0
     finally:
         adapter.close()
         files.rm(root, recursive=True)
+
+
+class _ZlibSerde:
+    """A size-changing serde: a lookup of a key core does not know reads the header."""
+
+    name = "test-zlib"
+
+    def encode(self, data: memoryview, context: object) -> bytes:
+        import zlib
+
+        return zlib.compress(data)
+
+    def decode(self, data: memoryview, context: object) -> bytes:
+        import zlib
+
+        return zlib.decompress(data)
+
+
+@pytest.mark.parametrize("serde", [(), (_ZlibSerde(),)], ids=["plain", "serde"])
+def test_another_keys_intact_record_under_a_local_name_is_a_miss_that_is_kept(
+    tmp_path: Path, serde: tuple[object, ...]
+) -> None:
+    """Keys that differ only in case share a file on a case-insensitive filesystem: a
+    lookup of one finding the other's intact record is a miss that keeps it -- neither
+    removed as damage nor adopted (accounted, then evicted) under the other key."""
+    from lmcache_tiers.l2.record import encode_header
+
+    arena = Arena()
+    known, base = make_keys(2)
+    mine = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant")
+    theirs = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "Tenant")
+    adapter = open_fs(fs_config(str(tmp_path)), arena.view, serde=serde)  # type: ignore[arg-type]
+    try:
+        assert store(adapter, arena, [known], [pattern(3, SIZE)]) == [True]
+        payload = pattern(9, SIZE)
+        path = tmp_path / f"{mine.file_stem()}.bin"
+        path.write_bytes(encode_header(theirs, payload, align=HEADER) + payload)
+        # With an accounted key in the batch the lookup asks the directory.
+        assert client(adapter).lookup_and_lock([known, mine]).found == [True, False]
+        adapter.unlock([known])
+        assert path.exists(), "another key's intact record: kept"
+        stats = adapter.stats()
+        assert stats["foreign_records"] == 1 and stats.get("corrupt_records_removed", 0) == 0
+        assert stats.get("lookup_adopted", 0) == 0
+    finally:
+        adapter.close()
 
 
 def test_damaged_record_never_survives_a_restart(tmp_path: Path) -> None:

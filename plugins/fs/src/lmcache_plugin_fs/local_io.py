@@ -43,6 +43,7 @@ from lmcache_tiers.plugin import (
     RecordError,
     RecordHeader,
     RecordLoads,
+    RecordMismatchError,
     WriteFailures,
     identity_of,
     is_out_of_space,
@@ -215,9 +216,11 @@ class LocalRecords:
         if stored < 0:
             self.files.discard(key, identity_of(stat), "truncated_records_removed", "shorter than its header")
             return None
-        if not self.context.serde or self.context.l1_size_of(key) is not None:
+        if self.context.l1_size_of(key) is not None:
             return stored
-        # A size-changing chain and a key core has no L1 size for: only the header knows.
+        # A key core has no L1 size for: only the header knows it under a size-changing
+        # chain, and whether the record is of this key at all (keys that differ only in
+        # case share a file on a case-insensitive filesystem; a hit would be adopted).
         header = self._peek_header(key, path)
         if isinstance(header, tuple):
             self.files.discard(key, header[1], "corrupt_records_removed", str(header[0]))
@@ -235,6 +238,9 @@ class LocalRecords:
             identity = identity_of(os.fstat(fd))
             data = os.pread(fd, self.sizes.length(key), 0)
             return self.context.read_record_header(data, key)
+        except RecordMismatchError as exc:
+            self.context.foreign_record(key, exc)  # another key's intact record: kept
+            return None
         except RecordError as exc:
             return exc, identity
         finally:

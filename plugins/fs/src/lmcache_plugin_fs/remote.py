@@ -139,8 +139,11 @@ class RemoteRecords:
         if stored < 0:
             self.discard(key, size, None, "truncated_records_removed", "shorter than its header")
             return None
-        if not self.context.serde or self.context.l1_size_of(key) is not None:
+        if self.context.l1_size_of(key) is not None:
             return stored
+        # A key core does not know: its header tells the L1 size under a size-changing
+        # chain, and whether the record is of this key at all (a hit is adopted, and
+        # evicting it would delete another writer's object).
         try:
             with self.fs.open(path, "rb") as handle:
                 prefix = handle.read(self.sizes.length(key))

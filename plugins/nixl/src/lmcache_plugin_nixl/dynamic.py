@@ -117,9 +117,11 @@ class NixlDynamicBackend:
         if stored < 0:
             self.files.discard(key, identity_of(stat), "truncated_records_removed", "shorter than its header")
             return None
-        if not self.context.serde or self.context.l1_size_of(key) is not None:
+        if self.context.l1_size_of(key) is not None:
             return stored
-        # A size-changing chain and a key core has no L1 size for: only the header knows.
+        # A key core has no L1 size for: only the header knows it under a size-changing
+        # chain, and whether the record is of this key at all (keys that differ only in
+        # case share a file on a case-insensitive filesystem; a hit would be adopted).
         return self._records.size_from_header(key)
 
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:

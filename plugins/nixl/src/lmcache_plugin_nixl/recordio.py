@@ -57,6 +57,7 @@ from lmcache_tiers.plugin import (
     ObjectSize,
     RecordError,
     RecordHeader,
+    RecordMismatchError,
     WriteFailures,
     identity_of,
     is_out_of_space,
@@ -522,6 +523,8 @@ class RecordFiles:
                     )
                 verify_payload(header, buffers[item.index])
                 results[item.index] = True
+            except RecordMismatchError as exc:
+                self._context.foreign_record(keys[item.index], exc)  # another key's: kept
             except RecordError as exc:
                 self._files.discard(keys[item.index], item.identity, "corrupt_records_removed", str(exc))
 
@@ -543,6 +546,8 @@ class RecordFiles:
             if stat.st_size == header_len + buffer.nbytes:
                 return _Pending(index, fd, path, header_len, buffer.nbytes, identity=identity)
             self._explain_size(fd, key, header_len, stat.st_size, buffer.nbytes)
+        except RecordMismatchError as exc:
+            self._context.foreign_record(key, exc)  # another key's intact record: kept
         except RecordError as exc:
             self._files.discard(key, identity, "corrupt_records_removed", str(exc))
         except OSError as exc:
@@ -576,6 +581,9 @@ class RecordFiles:
         try:
             identity = identity_of(os.fstat(fd))
             header = self._read_header(fd, key, self.header_length(key))
+        except RecordMismatchError as exc:
+            self._context.foreign_record(key, exc)  # another key's intact record: kept
+            return None
         except RecordError as exc:
             self._files.discard(key, identity, "corrupt_records_removed", str(exc))
             return None

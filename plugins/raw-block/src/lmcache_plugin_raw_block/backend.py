@@ -251,7 +251,9 @@ class RawBlockBackend(SlotStoreBackend):
                 self._burst.warn("checkpoint", "raw_block: %s: checkpoint failed: %s", self._device.path, exc)
                 return False
             self._checkpointed_version = snapshot.version
-            self._clean_checkpoint_newest = False
+            # Not yet superseded while an area whose header could not be read is not
+            # overwritten (both were unread at start-up: the next checkpoint does it).
+            self._clean_checkpoint_newest = self._areas.newer_passed_over
             self.table.saved(snapshot)
             self.context.count("checkpoints_written")
             return True
@@ -261,7 +263,8 @@ class RawBlockBackend(SlotStoreBackend):
             # A restart after a crash trusts a clean checkpoint without reading the slots
             # it lists (meta_verify_on_load false); a store into one of them, freed since,
             # would be seen by nobody.  Normally the start-up checkpoint supersedes it.
-            self.checkpoint()
+            # (Forced: an unchanged index still has an area left to overwrite.)
+            self.checkpoint(force=True)
             if self._clean_checkpoint_newest:
                 return (
                     "no checkpoint could be written since the one of the last clean shutdown, "

@@ -79,6 +79,8 @@ class CheckpointAreas:
         #: ``read_newest`` passed over a checkpoint that may be newer than the one it
         #: returned (or than none): one that may read again later, until one supersedes it
         self.newer_passed_over = False
+        #: areas whose header could not be read: of any number, until overwritten
+        self._unread: set[int] = set()
 
     def _header(self, seq: int, body: bytes) -> bytes:
         fields = _HEADER.pack(
@@ -131,6 +133,7 @@ class CheckpointAreas:
         # for the newest.  An area whose header could not be read is overwritten first.
         self.seq = max((found[0] for _area, found in headers), default=0)
         self._area = 1 - unread[0] if unread else 1
+        self._unread = set(unread)
         self.newer_passed_over = bool(unread) or bool(headers)
         for area, (seq, length, body_crc) in sorted(headers, key=lambda item: -item[1][0]):
             start = self._geometry.area_offset(area) + self._geometry.block_align
@@ -184,6 +187,10 @@ class CheckpointAreas:
         self._device.write_at(start, self._header(seq, body))
         self._device.sync()
         self.seq, self._area = seq, area
+        # It outranks every header read; an area whose header could not be read may hold
+        # any number until it is overwritten too (both unread: the second write).
+        self._unread.discard(area)
+        self.newer_passed_over = bool(self._unread)
         return len(body)
 
     def invalidate(self) -> None:
@@ -191,3 +198,5 @@ class CheckpointAreas:
         for area in (0, 1):
             self._device.write_at(self._geometry.area_offset(area), b"")
         self.seq, self._area = 0, 1
+        self._unread.clear()
+        self.newer_passed_over = False
