@@ -328,3 +328,74 @@ def test_a_server_hook_raising_in_one_plugin_still_runs_the_others(caplog: pytes
     _call_hook(manager.hook, "tiers_server_stopping", config=None, storage=None)
     assert called == ["flushed"]
     assert "plugin second: hook tiers_server_stopping failed: RuntimeError: boom" in caplog.text
+
+
+def test_a_command_hook_failing_half_way_or_calling_sys_exit_leaves_no_command_behind(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The warning says the plugin's commands are left out: those it added before it
+    # raised too, and a sys.exit() in it must not end every command (as in registration).
+    import typer
+
+    from lmcache_tiers.cli.main import add_plugin_commands
+
+    half, exiting, good = (types.ModuleType(name) for name in ("half", "exiting", "good"))
+
+    @hookimpl(specname="tiers_register_commands")
+    def add_one_then_raise(app):  # type: ignore[no-untyped-def]
+        app.command("half-first")(lambda: None)
+        app.add_typer(typer.Typer(), name="half-group")
+        raise RuntimeError("second command failed")
+
+    @hookimpl(specname="tiers_register_commands")
+    def add_one_then_exit(app):  # type: ignore[no-untyped-def]
+        app.command("exit-first")(lambda: None)
+        sys.exit("no GPU here")
+
+    @hookimpl(specname="tiers_register_commands")
+    def add_hello(app):  # type: ignore[no-untyped-def]
+        app.command("hello")(lambda: None)
+
+    half.tiers_register_commands = add_one_then_raise  # type: ignore[attr-defined]
+    exiting.tiers_register_commands = add_one_then_exit  # type: ignore[attr-defined]
+    good.tiers_register_commands = add_hello  # type: ignore[attr-defined]
+    plugin_set = discover({"half": half, "exiting": exiting, "good": good})
+    app = typer.Typer()
+    add_plugin_commands(app, plugin_set)
+    assert [command.name for command in app.registered_commands] == ["hello"]
+    assert app.registered_groups == []
+    statuses = {p.name: p.status for p in plugin_set.plugins}
+    assert statuses["exiting"] == "error: its commands failed to register: SystemExit: no GPU here"
+    assert statuses["half"] == "error: its commands failed to register: RuntimeError: second command failed"
+    assert statuses["good"] == "ok"
+    assert len(capsys.readouterr().err.strip().splitlines()) == 2
+
+
+def test_a_server_hook_calling_sys_exit_still_runs_the_others(caplog: pytest.LogCaptureFixture) -> None:
+    from lmcache_tiers.plugins import call_each, new_manager
+
+    called: list[str] = []
+    first, second = types.ModuleType("first"), types.ModuleType("second")
+
+    @hookimpl(specname="tiers_server_stopping")
+    def flush(config, storage):  # type: ignore[no-untyped-def]
+        called.append("flushed")
+
+    @hookimpl(specname="tiers_server_stopping")
+    def leave(config, storage):  # type: ignore[no-untyped-def]
+        sys.exit(3)
+
+    first.tiers_server_stopping = flush  # type: ignore[attr-defined]
+    second.tiers_server_stopping = leave  # type: ignore[attr-defined]
+    manager = new_manager()
+    manager.register(first, name="first")
+    manager.register(second, name="second")  # pluggy calls the last registered first
+    failures: list[tuple[str, str]] = []
+    call_each(
+        manager.hook.tiers_server_stopping,
+        lambda p, e: failures.append((p, str(e))),
+        config=None,
+        storage=None,
+    )
+    assert called == ["flushed"]
+    assert failures == [("second", "SystemExit: 3")]

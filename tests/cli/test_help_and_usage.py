@@ -249,3 +249,19 @@ def test_a_bad_default_l2_variable_fails_serve_not_every_command() -> None:
     assert served.stderr.strip().endswith(
         "LMCACHE_TIERS_CACHE_GB='abc' must be a positive number of GiB, at most 1073741824"
     )
+
+
+def test_a_default_l2_directory_that_cannot_be_probed_fails_no_other_command(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    # Sizing the default L2 stats its directory: a name too long for the filesystem is an
+    # OSError there, and the serve help describing that L2 is built for every command.
+    monkeypatch.setenv("LMCACHE_TIERS_CACHE_DIR", str(tmp_path / ("a" * 300) / "x"))
+    assert '"plugin": "fs"' in _help(capsys, "plugins", "list", "--json")
+    assert "cannot be used as configured (" in _help(capsys, "serve", "--help")
+    served = run_cli(["serve", "--print-config"], LMCACHE_TIERS_CACHE_DIR=str(tmp_path / ("a" * 300)))
+    assert served.returncode == 2 and "Traceback" not in served.stderr
+    assert re.match(
+        r"error: the embedded default L2 in .* cannot be used \(\[Errno 36\] File name too long",
+        served.stderr,
+    )

@@ -91,3 +91,35 @@ def test_status_reaches_a_server_on_ipv6_loopback(ipv6_server: TiersServer) -> N
     assert json.loads(result.stdout)["server"]["endpoint"] == url
     with Client(url, timeout=30) as client:
         assert client.ping() > 0
+
+
+def test_status_json_is_strict_json_when_a_stat_is_not_finite(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The native protocol carries a backend's NaN or infinite stat as it is; the printed
+    # document must stay JSON (null), as HTTP /status writes it, not `NaN`.
+    from lmcache_tiers.cli import connect
+    from lmcache_tiers.cli.main import main
+
+    class FakeClient:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def __enter__(self) -> FakeClient:
+            return self
+
+        def __exit__(self, *args: object) -> None:
+            pass
+
+        def status(self) -> dict[str, object]:
+            return {
+                "adapters": [{"name": "0:x", "usage": float("nan"), "backend": {"lag": [float("inf"), 1.5]}}]
+            }
+
+    monkeypatch.setattr(connect, "wait_for_server", lambda *args, **kwargs: None)
+    monkeypatch.setattr("lmcache_tiers.client.Client", FakeClient)
+    main(["status", "--json"])
+    printed = capsys.readouterr().out
+    document = json.loads(printed, parse_constant=lambda name: pytest.fail(f"{name} in {printed}"))
+    assert document["adapters"][0]["usage"] is None
+    assert document["adapters"][0]["backend"]["lag"] == [None, 1.5]

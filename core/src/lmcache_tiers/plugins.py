@@ -221,18 +221,29 @@ def discover(extra_plugins: dict[str, ModuleType] | None = None) -> PluginSet:
     return PluginSet(manager, registry, ordered)
 
 
-def call_each(hook: Any, on_error: Callable[[str, Exception], None], **kwargs: Any) -> None:
+def call_each(
+    hook: Any,
+    on_error: Callable[[str, Exception], None],
+    before_each: Callable[[str], None] | None = None,
+    **kwargs: Any,
+) -> None:
     """Call every implementation of ``hook`` (a pluggy hook caller), in pluggy's order, each
     on its own: pluggy's own call stops at the first that raises, so one plugin's bug would
     keep every later plugin's implementation from running (a stopping hook that flushes,
-    say).  A failure goes to ``on_error(plugin_name, exception)``."""
+    say).  A failure goes to ``on_error(plugin_name, exception)``, a ``sys.exit()`` as a
+    PluginError saying so; ``before_each(plugin_name)`` runs before each call
+    (to note what a failing one must undo)."""
     for impl in reversed(hook.get_hookimpls()):
         try:
+            if before_each is not None:
+                before_each(impl.plugin_name)
             if getattr(impl, "hookwrapper", False) or getattr(impl, "wrapper", False):
                 raise PluginError(f"{hook.name} takes no hook wrappers")
             impl.function(*[kwargs[name] for name in impl.argnames])
         except Exception as exc:
             on_error(impl.plugin_name, exc)
+        except SystemExit as exc:  # as in registration: a plugin's sys.exit() is its failure
+            on_error(impl.plugin_name, PluginError(f"SystemExit: {exc}"))
 
 
 _cache: PluginSet | None = None

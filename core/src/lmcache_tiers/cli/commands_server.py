@@ -7,6 +7,7 @@ imports (zmq, numpy) happen inside the functions so ``--help`` stays fast.
 from __future__ import annotations
 
 import json
+import math
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
@@ -74,10 +75,22 @@ def status(
     except ClientError as exc:
         fail(f"cannot get the status of {url}: {exc}", 1)
     if as_json:
-        typer.echo(json.dumps(document, indent=2, default=str))
+        # strict JSON, as HTTP /status writes it: a backend's NaN or infinite stat is null
+        typer.echo(json.dumps(_finite(document), indent=2, default=str, allow_nan=False))
         return
     for table in status_tables(document):
         stdout.print(table)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float, at any depth, replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
 
 
 def _gib(value: Any) -> str:

@@ -72,16 +72,27 @@ def add_plugin_commands(app: typer.Typer, plugin_set: PluginSet) -> None:
     commands are left out instead: one line on stderr says so, and the plugin is listed
     with the error (``serve --strict`` refuses to start with it).
     """
+    from lmcache_tiers.errors import PluginError
     from lmcache_tiers.plugins import call_each
 
+    # What the app held before each implementation ran: a failing one's commands and
+    # groups, those it added before it raised included, are taken out again.
+    held: dict[str, int] = {}
+
+    def before(_plugin: str) -> None:
+        held.update(commands=len(app.registered_commands), groups=len(app.registered_groups))
+
     def failed(plugin: str, exc: Exception) -> None:
-        reason = f"its commands failed to register: {type(exc).__name__}: {exc}"
+        del app.registered_commands[held["commands"] :]
+        del app.registered_groups[held["groups"] :]
+        why = str(exc) if isinstance(exc, PluginError) else f"{type(exc).__name__}: {exc}"
+        reason = f"its commands failed to register: {why}"
         info = next((p for p in plugin_set.plugins if p.name == plugin), None)
         if info is not None and not info.error:
             info.error = reason
         warn(f"plugin {plugin}: {reason}; they are left out")
 
-    call_each(plugin_set.manager.hook.tiers_register_commands, failed, app=app)
+    call_each(plugin_set.manager.hook.tiers_register_commands, failed, before, app=app)
 
 
 def _add_server_commands(app: typer.Typer) -> None:

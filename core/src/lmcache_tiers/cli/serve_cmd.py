@@ -101,9 +101,10 @@ def serve_help(registry: ComponentRegistry) -> str:
     """The command's help: what runs with no flags, from the installed plugins."""
     try:
         defaults = default_l2_adapters(registry)
-    except ConfigError as exc:
+    except (ConfigError, OSError) as exc:
         # Built for every command (the help is part of the CLI): a bad environment variable
-        # of the default L2 is an error where that L2 is used, not in `plugins list`.
+        # of the default L2, or a directory its sizing cannot stat (a name too long), is an
+        # error where that L2 is used, not in `plugins list`.
         return _help_text(f"the embedded default L2, which cannot be used as configured ({exc})")
     if defaults:
         spec = escape(" ".join(json.dumps(adapter) for adapter in defaults))
@@ -417,7 +418,10 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
     adapters = params["l2_adapter"]
     uses_default_l2 = not adapters and "l2_adapters" not in file_values and not params["no_default_l2"]
     if uses_default_l2:
-        file_values["l2_adapters"] = default_l2_adapters(plugin_set.registry)
+        try:
+            file_values["l2_adapters"] = default_l2_adapters(plugin_set.registry)
+        except OSError as exc:  # its directory cannot be sized (a name too long): one line
+            raise _default_l2_error(ConfigError(str(exc))) from None
     try:
         resolved = build_config(plugin_set.registry, file_values, overrides, adapters, params["frontend"])
         if uses_default_l2 and not params["print_config"]:
