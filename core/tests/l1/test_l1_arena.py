@@ -320,6 +320,27 @@ def test_a_filesystem_refusing_the_lock_check_does_not_stop_start_up(
     assert "lock cannot be checked" in caplog.text
 
 
+def test_a_filesystem_refusing_the_creators_lock_does_not_stop_start_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Where flock is refused (ENOLCK: NFS without a lock manager) the reaping cannot
+    # check any lock either and leaves every file in place: the creator's lock protects
+    # nothing there, and refusing it must not end start-up (it did not before the lock).
+    real = fcntl.flock
+
+    def no_flock(fd: int, operation: int) -> None:
+        if operation & fcntl.LOCK_SH:
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        real(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with caplog.at_level(logging.WARNING), L1Arena(MIB, prefault=False, directory=str(tmp_path)) as arena:
+        arena.buffer[0:2] = b"ok"
+        assert Path(arena.path).exists()
+    assert "lock" in caplog.text
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_killed_predecessor_with_this_process_pid_has_its_segment_removed(tmp_path: Path) -> None:
     # A server restarted in a fresh container often gets the pid its killed predecessor
     # had; only the lock tells that segment from one of this process.

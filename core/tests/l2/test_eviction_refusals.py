@@ -127,6 +127,29 @@ def test_a_delete_that_never_returns_does_not_hang_stopping_the_controller(
     assert controller.join()
 
 
+def test_a_cycle_left_behind_at_stop_counts_no_failed_deletes_once_the_adapter_closed(
+    adapters: list[BackendAdapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Shutdown goes on without a cycle stuck in a delete and closes the adapter; once the
+    # delete returns, the cycle must end there, not go on deleting through the closed
+    # adapter (which refuses every key): those are no failed deletes of the backend.
+    monkeypatch.setattr(base, "JOIN_GRACE_S", 0.2)
+    adapter = full_adapter(adapters, Hung)
+    backend = adapter.backend
+    assert isinstance(backend, Hung)
+    controller = evicting(adapter)
+    controller.start()
+    try:
+        fill(adapter)
+        assert backend.entered.wait(10)
+        assert controller.stop(0.0) is False, "left behind in the delete"
+        adapter.close()  # as StorageParts.close does next
+    finally:
+        backend.release.set()
+    assert controller.join()
+    assert "l2_eviction_delete_failed" not in controller.stats.failures()
+
+
 def backend_keys(adapter: BackendAdapter) -> list[ObjectKey]:
     backend = adapter.backend
     assert isinstance(backend, DictBackend)

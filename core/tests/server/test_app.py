@@ -208,6 +208,35 @@ def test_the_stop_summary_counts_the_failures_metrics_counted() -> None:
     assert summary["failures"] == scraped
 
 
+def test_the_stop_summary_counts_a_stat_the_scrape_left_out() -> None:
+    """A backend stat that is no finite number is a failure in /metrics (counted by the
+    scrape itself, metrics_stat_not_a_number): the summary's failures are /metrics'."""
+    name = f"tiers_unit_{uuid.uuid4().hex[:12]}"
+    config = ServerConfig(port=0, metrics_port=free_port(), l1_size_gb=0.0625, l1_shm_name=name)
+    server = TiersServer(config)
+    storage_status = server.storage.status
+
+    def with_a_nan_stat() -> dict[str, Any]:
+        document = storage_status()
+        document["adapters"] = [{"index": 0, "name": "0:odd", "type": "odd", "backend": {"x": float("nan")}}]
+        return document
+
+    server.storage.status = with_a_nan_stat  # type: ignore[method-assign]
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        assert server.http_url is not None
+        _, text = fetch(f"{server.http_url}/metrics")
+        failures = [line for line in text.splitlines() if line.startswith("lmcache_tiers_failures_total")]
+        scraped = sum(float(line.rsplit(" ", 1)[1]) for line in failures)
+    finally:
+        server.request_stop()
+        thread.join(30)
+        summary = server.close()
+    assert scraped == 1
+    assert summary["failures"] == scraped
+
+
 def test_bench_runs_and_checks_its_bytes(server: TiersServer) -> None:
     steps: list[str] = []
     result = run_bench(

@@ -175,6 +175,9 @@ class L2EvictionController(ControllerThread):
             (freed := start - adapter.used_bytes()) < bytes_to_free
             and fruitless < DELETE_BATCH
             and failing < DELETE_BATCH
+            # Stopping: a cycle that shutdown went on without (its delete stuck) must not
+            # go on through the adapter closed meanwhile, which refuses every key.
+            and not self.stopping
         ):
             # (an adapter that does not report its deletes counts its evictions only)
             if (freeing := max(released, evicted)) and freed > 0:

@@ -68,6 +68,17 @@ def hold_as_creator(fd: int, path: str) -> None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         removed = True
+    except OSError as exc:
+        # No flock on this filesystem (ENOLCK: NFS without a lock manager): the reaping
+        # cannot check any lock here either and leaves every file in place, so the file
+        # is safe without it; refusing would end a start-up that worked before the lock.
+        logger.warning(
+            "%s: the creator's lock cannot be taken (%s): start-up reaping will leave this "
+            "file in place if this server is killed",
+            path,
+            exc.strerror,
+        )
+        removed = os.fstat(fd).st_nlink == 0
     else:
         removed = os.fstat(fd).st_nlink == 0
     if removed:

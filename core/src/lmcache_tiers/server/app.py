@@ -46,7 +46,7 @@ from lmcache_tiers.server.flush import ABANDONED_FAILURES, flush_l2, pending_l2_
 from lmcache_tiers.server.heap import start_up_heap_frozen
 from lmcache_tiers.server.http import HttpEndpoint
 from lmcache_tiers.server.logs import configure_logging
-from lmcache_tiers.server.metrics import build_registry, render
+from lmcache_tiers.server.metrics import TiersCollector, build_registry, render
 from lmcache_tiers.server.preflight import listen_error, preflight
 from lmcache_tiers.server.priority import request_threads_favoured
 from lmcache_tiers.wire import protocol as p
@@ -136,6 +136,7 @@ class TiersServer:
         self._http_failures: Counter[str] = Counter()
         self._http_failures_lock = threading.Lock()
         self.http: HttpEndpoint | None = None
+        self._collector: TiersCollector | None = None  # what /metrics counts itself
         self.frontends: list[Frontend] = []
         self._wake_read = self._wake_write = -1
         # Nothing between the storage and the cleanup below: a stop signal raises where
@@ -165,7 +166,8 @@ class TiersServer:
                     raise listen_error(config, index, host, port, exc) from None
                 self.frontends.append(frontend)
             if config.metrics_port:
-                metrics = build_registry(self.frontend_stats, self.storage_status)
+                self._collector = TiersCollector(self.frontend_stats, self.storage_status)
+                metrics = build_registry(self.frontend_stats, self.storage_status, self._collector)
                 http_host = config.metrics_host
                 try:
                     self.http = HttpEndpoint(
@@ -234,8 +236,10 @@ class TiersServer:
         return document
 
     def _http_failure_count(self) -> int:
+        """The HTTP endpoint's failures and those of the scrapes themselves."""
+        scrapes = sum(self._collector.own_failures().values()) if self._collector is not None else 0
         with self._http_failures_lock:
-            return sum(self._http_failures.values())
+            return sum(self._http_failures.values()) + scrapes
 
     def _http_failed(self, reason: str) -> None:
         with self._http_failures_lock:
@@ -316,7 +320,8 @@ class TiersServer:
             "lookups": before["requests"]["lookups"],
             "l1_hit_chunks": before["requests"]["l1_hit_chunks"],
             "l2_hit_chunks": before["requests"]["l2_hit_chunks"],
-            # what /metrics counts: the front ends', the storage's and the HTTP endpoint's
+            # what /metrics counts: the front ends', the storage's, the HTTP endpoint's and
+            # the scrapes' own
             "failures": sum(stats.failures.values()) + sum(failures.values()) + self._http_failure_count(),
             "client_locks_released": stats.released_at_stop_locks,
             "client_reservations_aborted": stats.released_at_stop_reservations,

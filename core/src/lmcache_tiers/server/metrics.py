@@ -68,6 +68,11 @@ class TiersCollector(Collector):
         # failures of the scrape itself, by reason: kept here, for as long as the server
         self._own_failures: Counter[str] = Counter()
 
+    def own_failures(self) -> dict[str, int]:
+        """Failures of the scrapes themselves, by reason (also in ``failures_total``)."""
+        with self._lock:
+            return dict(self._own_failures)
+
     def collect(self) -> Iterator[Any]:
         per_frontend = self.frontends()
         stats = merged_stats(part for _, part in per_frontend)
@@ -301,10 +306,14 @@ def _finite(value: float) -> bool:
 
 
 def build_registry(
-    frontends: FrontendStatsProvider, storage_status: Callable[[], dict[str, Any]]
+    frontends: FrontendStatsProvider,
+    storage_status: Callable[[], dict[str, Any]],
+    collector: TiersCollector | None = None,
 ) -> CollectorRegistry:
+    """A registry of ``collector`` (by default one made of ``frontends`` and
+    ``storage_status``)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(TiersCollector(frontends, storage_status))
+    registry.register(collector if collector is not None else TiersCollector(frontends, storage_status))
     return registry
 
 
