@@ -7,7 +7,6 @@ imports (zmq, numpy) happen inside the functions so ``--help`` stays fast.
 from __future__ import annotations
 
 import json
-import math
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
@@ -16,6 +15,7 @@ from rich.table import Table
 from lmcache_tiers.cli.output import EXIT_USAGE, fail, stdout
 from lmcache_tiers.endpoints import check_server_url
 from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.strict_json import strict_json
 from lmcache_tiers.wire.protocol import MAX_OBJECT_BYTES
 
 if TYPE_CHECKING:
@@ -76,21 +76,10 @@ def status(
         fail(f"cannot get the status of {url}: {exc}", 1)
     if as_json:
         # strict JSON, as HTTP /status writes it: a backend's NaN or infinite stat is null
-        typer.echo(json.dumps(_finite(document), indent=2, default=str, allow_nan=False))
+        typer.echo(strict_json(document, indent=2))
         return
     for table in status_tables(document):
         stdout.print(table)
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with every NaN or infinite float, at any depth, replaced by None."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(item) for item in value]
-    return value
 
 
 def _gib(value: Any) -> str:

@@ -12,9 +12,7 @@ server's auth token (``Authorization: Bearer <token>``).
 from __future__ import annotations
 
 import hmac
-import json
 import logging
-import math
 import socket
 import sys
 import threading
@@ -23,6 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
+
+from lmcache_tiers.strict_json import strict_json
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class HttpEndpoint:
         count = failed if failed is not None else (lambda reason: None)
         routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
             "/metrics": lambda: (200, CONTENT_TYPE_LATEST, metrics()),
-            "/status": lambda: (200, "application/json", _json_document(status())),
+            "/status": lambda: (200, "application/json", strict_json(status()).encode()),
             "/healthz": lambda: _health_response(health()),
         }
         expected = f"Bearer {status_token}".encode() if status_token else None
@@ -217,22 +217,6 @@ class HttpEndpoint:
             self._server.shutdown()
             self._thread.join(timeout=5)
         self._server.server_close()
-
-
-def _json_document(document: Any) -> bytes:
-    """``document`` as strict JSON: a NaN or an infinity (a backend's stat may be one)
-    becomes null, where ``json.dumps`` would write ``NaN``, which JSON readers refuse."""
-    return json.dumps(_finite(document), default=str, allow_nan=False).encode()
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(item) for item in value]
-    return value
 
 
 def _health_response(state: tuple[bool, str]) -> tuple[int, str, bytes]:
