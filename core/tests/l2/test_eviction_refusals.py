@@ -4,7 +4,7 @@ backend that deletes nothing ends the cycle early instead of being asked about e
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 from l2_backends import DictBackend, Fifo, open_dict
@@ -103,11 +103,12 @@ class Hung(DictBackend):
         return super().delete_many(keys)
 
 
-def test_a_delete_that_never_returns_does_not_hang_stopping_the_controller(
+@pytest.fixture
+def stuck_in_a_delete(
     adapters: list[BackendAdapter], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Shutdown stops L2 eviction before it closes the adapters, whose close interrupts
-    # stuck calls: a stop waiting for the stuck delete would wait for ever.
+) -> Iterator[tuple[BackendAdapter, L2EvictionController, threading.Event]]:
+    """A running L2 eviction controller whose cycle is stuck in a delete, and the event
+    that lets the delete go (set at teardown too)."""
     monkeypatch.setattr(base, "JOIN_GRACE_S", 0.2)
     adapter = full_adapter(adapters, Hung)
     backend = adapter.backend
@@ -117,35 +118,35 @@ def test_a_delete_that_never_returns_does_not_hang_stopping_the_controller(
     try:
         fill(adapter)
         assert backend.entered.wait(10)
-        stopper = threading.Thread(target=controller.stop, args=(0.0,), daemon=True)
-        stopper.start()
-        stopper.join(10)
-        assert not stopper.is_alive(), "stop waited for a delete that does not return"
+        yield adapter, controller, backend.release
     finally:
         backend.release.set()
-    # Let go, the thread ends on its own.
-    assert controller.join()
+
+
+def test_a_delete_that_never_returns_does_not_hang_stopping_the_controller(
+    stuck_in_a_delete: tuple[BackendAdapter, L2EvictionController, threading.Event],
+) -> None:
+    # Shutdown stops L2 eviction before it closes the adapters, whose close interrupts
+    # stuck calls: a stop waiting for the stuck delete would wait for ever.
+    _, controller, release = stuck_in_a_delete
+    stopper = threading.Thread(target=controller.stop, args=(0.0,), daemon=True)
+    stopper.start()
+    stopper.join(10)
+    assert not stopper.is_alive(), "stop waited for a delete that does not return"
+    release.set()
+    assert controller.join()  # let go, the thread ends on its own
 
 
 def test_a_cycle_left_behind_at_stop_counts_no_failed_deletes_once_the_adapter_closed(
-    adapters: list[BackendAdapter], monkeypatch: pytest.MonkeyPatch
+    stuck_in_a_delete: tuple[BackendAdapter, L2EvictionController, threading.Event],
 ) -> None:
     # Shutdown goes on without a cycle stuck in a delete and closes the adapter; once the
     # delete returns, the cycle must end there, not go on deleting through the closed
     # adapter (which refuses every key): those are no failed deletes of the backend.
-    monkeypatch.setattr(base, "JOIN_GRACE_S", 0.2)
-    adapter = full_adapter(adapters, Hung)
-    backend = adapter.backend
-    assert isinstance(backend, Hung)
-    controller = evicting(adapter)
-    controller.start()
-    try:
-        fill(adapter)
-        assert backend.entered.wait(10)
-        assert controller.stop(0.0) is False, "left behind in the delete"
-        adapter.close()  # as StorageParts.close does next
-    finally:
-        backend.release.set()
+    adapter, controller, release = stuck_in_a_delete
+    assert controller.stop(0.0) is False, "left behind in the delete"
+    adapter.close()  # as StorageParts.close does next
+    release.set()
     assert controller.join()
     assert "l2_eviction_delete_failed" not in controller.stats.failures()
 

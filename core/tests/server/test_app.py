@@ -182,6 +182,27 @@ def test_status_adds_a_reason_counted_by_the_storage_and_a_front_end() -> None:
     }
 
 
+def scraped_failures_and_summary(
+    server: TiersServer, before_scrape: Callable[[str], None]
+) -> tuple[float, Any]:
+    """Serve, call ``before_scrape`` with the HTTP endpoint's URL, sum the failures one
+    /metrics scrape shows, stop: that sum and the stop summary."""
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        assert server.http_url is not None
+        url = f"http://127.0.0.1:{int(server.http_url.rsplit(':', 1)[1])}"  # also when bound to all
+        before_scrape(url)
+        _, text = fetch(f"{url}/metrics")
+        failures = [line for line in text.splitlines() if line.startswith("lmcache_tiers_failures_total")]
+        scraped = sum(float(line.rsplit(" ", 1)[1]) for line in failures)
+    finally:
+        server.request_stop()
+        thread.join(30)
+        summary = server.close()
+    return scraped, summary
+
+
 def test_the_stop_summary_counts_the_failures_metrics_counted() -> None:
     """The summary's failures are those /metrics showed last: a refused /status and a
     controller step that raised are failures there, and at the stop too."""
@@ -190,20 +211,12 @@ def test_the_stop_summary_counts_the_failures_metrics_counted() -> None:
         port=0, metrics_port=free_port(), metrics_host="0.0.0.0", l1_size_gb=0.0625, l1_shm_name=name
     )
     server = TiersServer(config, auth_token="t0k")
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
-    try:
-        assert server.http_url is not None
-        port = int(server.http_url.rsplit(":", 1)[1])
-        assert fetch(f"http://127.0.0.1:{port}/status")[0] == 401
+
+    def refused_status_and_a_step_error(url: str) -> None:
+        assert fetch(f"{url}/status")[0] == 401
         server.storage.l1_eviction.step_errors += 1  # as a step that raised counts itself
-        _, text = fetch(f"http://127.0.0.1:{port}/metrics")
-        failures = [line for line in text.splitlines() if line.startswith("lmcache_tiers_failures_total")]
-        scraped = sum(float(line.rsplit(" ", 1)[1]) for line in failures)
-    finally:
-        server.request_stop()
-        thread.join(30)
-        summary = server.close()
+
+    scraped, summary = scraped_failures_and_summary(server, refused_status_and_a_step_error)
     assert scraped == 2
     assert summary["failures"] == scraped
 
@@ -222,17 +235,7 @@ def test_the_stop_summary_counts_a_stat_the_scrape_left_out() -> None:
         return document
 
     server.storage.status = with_a_nan_stat  # type: ignore[method-assign]
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
-    try:
-        assert server.http_url is not None
-        _, text = fetch(f"{server.http_url}/metrics")
-        failures = [line for line in text.splitlines() if line.startswith("lmcache_tiers_failures_total")]
-        scraped = sum(float(line.rsplit(" ", 1)[1]) for line in failures)
-    finally:
-        server.request_stop()
-        thread.join(30)
-        summary = server.close()
+    scraped, summary = scraped_failures_and_summary(server, lambda url: None)
     assert scraped == 1
     assert summary["failures"] == scraped
 

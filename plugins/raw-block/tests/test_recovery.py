@@ -141,15 +141,7 @@ def test_a_newest_checkpoint_that_cannot_be_read_falls_back_to_the_other(
     geometry = backend.geometry
     adapter.close()
     newest = backend._areas._area
-    unreadable = geometry.area_offset(newest) + (geometry.block_align if part == "body" else 0)
-    read_at = BlockDevice.read_at
-
-    def failing(self: BlockDevice, offset: int, length: int) -> bytes:
-        if offset == unreadable:
-            raise OSError(errno.EIO, "injected media error")
-        return read_at(self, offset, length)
-
-    monkeypatch.setattr(BlockDevice, "read_at", failing)
+    fail_reads_at(monkeypatch, geometry.area_offset(newest) + (geometry.block_align if part == "body" else 0))
     reopened = open_raw(cfg)  # raised EIO before: the adapter did not open
     try:
         assert reopened.stats()["recovered_from_checkpoint"] == 3
