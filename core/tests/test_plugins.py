@@ -335,6 +335,8 @@ def test_a_server_hook_failing_in_one_plugin_still_runs_the_others(
     _call_hook(manager.hook, "tiers_server_stopping", config=None, storage=None)
     assert called == ["flushed"]
     assert f"plugin second: hook tiers_server_stopping failed: {line}" in caplog.text
+    # the log names where in the plugin it failed (a sys.exit() too: its traceback)
+    assert ", in broken\n" in caplog.text
 
 
 def test_a_command_hook_failing_half_way_or_calling_sys_exit_leaves_no_command_behind(

@@ -243,7 +243,9 @@ def call_each(
         except Exception as exc:
             on_error(impl.plugin_name, exc)
         except SystemExit as exc:  # as in registration: a plugin's sys.exit() is its failure
-            on_error(impl.plugin_name, PluginError(f"SystemExit: {exc}"))
+            failure = PluginError(f"SystemExit: {exc}")
+            failure.__cause__ = exc  # its traceback: where in the plugin it exited
+            on_error(impl.plugin_name, failure)
 
 
 _cache: PluginSet | None = None

@@ -320,12 +320,7 @@ def test_a_filesystem_refusing_the_lock_check_does_not_stop_start_up(
     assert "lock cannot be checked" in caplog.text
 
 
-def test_a_filesystem_refusing_the_creators_lock_does_not_stop_start_up(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    # Where flock is refused (ENOLCK: NFS without a lock manager) the reaping cannot
-    # check any lock either and leaves every file in place: the creator's lock protects
-    # nothing there, and refusing it must not end start-up (it did not before the lock).
+def _refuse_shared_flock(monkeypatch: pytest.MonkeyPatch) -> None:
     real = fcntl.flock
 
     def no_flock(fd: int, operation: int) -> None:
@@ -334,10 +329,31 @@ def test_a_filesystem_refusing_the_creators_lock_does_not_stop_start_up(
         real(fd, operation)
 
     monkeypatch.setattr(fcntl, "flock", no_flock)
-    with caplog.at_level(logging.WARNING), L1Arena(MIB, prefault=False, directory=str(tmp_path)) as arena:
-        arena.buffer[0:2] = b"ok"
-        assert Path(arena.path).exists()
-    assert "lock" in caplog.text
+
+
+def test_a_segment_whose_creators_lock_is_refused_is_not_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A tmpfs takes flock (this refusal is a passing ENOLCK): other servers' start-ups can
+    # check locks there, and would take a live segment without its lock for a dead one.
+    _refuse_shared_flock(monkeypatch)
+    with pytest.raises(TiersError, match="the creator's lock cannot be taken"):
+        L1Arena(MIB, prefault=False, directory=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_nvme_file_whose_creators_lock_is_refused_goes_on_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Where flock is refused (ENOLCK: NFS without a lock manager) the reaping cannot
+    # check any lock either and leaves every file in place: the creator's lock protects
+    # nothing there, and refusing it must not end start-up (it did not before the lock).
+    from lmcache_tiers.l1 import NvmeL1File
+
+    _refuse_shared_flock(monkeypatch)
+    with caplog.at_level(logging.WARNING), NvmeL1File(str(tmp_path), 1 << 20, direct_io=False) as file:
+        assert Path(file.path).exists()
+    assert "lock cannot be taken" in caplog.text
     assert list(tmp_path.iterdir()) == []
 
 
@@ -387,11 +403,11 @@ def test_a_new_segment_taken_for_stale_before_its_lock_is_an_error(tmp_path: Pat
     try:
         fcntl.flock(reaper, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(TiersError, match="removed as stale"):
-            hold_as_creator(fd, str(path))
+            hold_as_creator(fd, str(path), required=True)
         path.unlink()
         os.close(reaper)
         with pytest.raises(TiersError, match="removed as stale"):
-            hold_as_creator(fd, str(path))
+            hold_as_creator(fd, str(path), required=True)
     finally:
         os.close(fd)
 

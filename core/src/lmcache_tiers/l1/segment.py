@@ -157,7 +157,9 @@ def create_segment(
     offered = offered_huge(directory)
     size = file_bytes(size, directory)
     try:
-        fd = create_as_creator(path, os.O_CREAT | os.O_EXCL | os.O_RDWR)
+        # A tmpfs takes flock: without the lock (a passing ENOLCK) the live segment could
+        # be reaped by another server's start-up.
+        fd = create_as_creator(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, lock_required=True)
     except FileExistsError:
         raise ConfigError(
             f"shared-memory segment {path} already exists: another server uses this name, "

@@ -55,20 +55,27 @@ def process_exists(pid: int) -> bool:
     return True
 
 
-def hold_as_creator(fd: int, path: str) -> None:
+def hold_as_creator(fd: int, path: str, *, required: bool) -> None:
     """Take the creator's shared lock on the file just created at ``path`` and open as
     ``fd``; it lasts while any descriptor of this open file stays open.
 
     Between the ``O_EXCL`` create and this lock another server's start-up could take the
     new file for a dead one: its exclusive lock then refuses ours, or the name is already
     gone -- either way the file is not usable, and that is an error here rather than a
-    segment no client can open.
+    segment no client can open.  A lock the filesystem refuses otherwise is an error too
+    when ``required``: on a filesystem where other processes can take locks (a tmpfs),
+    a live file without its creator's lock is one another start-up may remove.
     """
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         removed = True
     except OSError as exc:
+        if required:
+            raise TiersError(
+                f"{path}: the creator's lock cannot be taken ({exc.strerror}); without it "
+                "another server's start-up could remove this live file: start again"
+            ) from None
         # No flock on this filesystem (ENOLCK: NFS without a lock manager): the reaping
         # cannot check any lock here either and leaves every file in place, so the file
         # is safe without it; refusing would end a start-up that worked before the lock.
@@ -87,14 +94,14 @@ def hold_as_creator(fd: int, path: str) -> None:
         )
 
 
-def create_as_creator(path: str, flags: int) -> int:
+def create_as_creator(path: str, flags: int, *, lock_required: bool) -> int:
     """``os.open(path, flags, 0o600)`` (``flags`` include ``O_CREAT | O_EXCL``) followed by
     :func:`hold_as_creator`; errors of the open propagate unchanged.  On any failure of the
     lock the new file is closed and removed."""
     with _own_creations:
         fd = os.open(path, flags, 0o600)
         try:
-            hold_as_creator(fd, path)
+            hold_as_creator(fd, path, required=lock_required)
             info = os.fstat(fd)
             _own_files.add((info.st_dev, info.st_ino))
         except BaseException:

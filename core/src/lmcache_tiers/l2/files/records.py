@@ -68,8 +68,9 @@ def judge_digest_record(data: bytes | memoryview, name: str, file_size: int) -> 
     ``truncated_records_removed`` when shorter than any header (every header is padded to
     ``RECORD_ALIGN``), ``corrupt_records_removed`` otherwise.  So does one whose header
     names a key whose record has another name: no writer puts a record there (a load of
-    this name's key would find it another key's, and keep it as a miss).  (Two keys of one digest name -- a hash collision -- share one
-    file whose header names one of them, and that key's record name is this one: kept.)
+    this name's key would find it another key's, and keep it as a miss).  (Two keys of
+    one digest name -- a hash collision -- share one file whose header names one of
+    them, and that key's record name is this one: kept.)
     """
     try:
         key = record_key(data)
