@@ -6,7 +6,6 @@ imports (zmq, numpy) happen inside the functions so ``--help`` stays fast.
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
@@ -207,7 +206,7 @@ def bench(
     except (ClientError, RuntimeError) as exc:
         fail(f"benchmark of {url} failed: {exc}", 1)
     if as_json:
-        typer.echo(json.dumps(result.to_dict(), indent=2))
+        typer.echo(strict_json(result.to_dict(), indent=2))
     else:
         stdout.print(bench_table(result))
 
