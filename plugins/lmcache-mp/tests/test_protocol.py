@@ -357,3 +357,49 @@ def test_a_retrieve_never_committed_gives_its_lock_back_while_others_read(make_m
             time.sleep(0.2)
         assert l1(server)["read_locks"] == 0, "the abandoned retrieve's lock is still held"
         assert mp_stats(server).failures["mp_transfer_expired"] == 1
+
+
+def test_a_transfer_whose_start_is_not_on_a_chunk_boundary_is_refused(
+    client: MPClient, mp_server: TiersServer
+) -> None:
+    """LMCache's client maps slot i to the chunk at ``start + i * chunk_size`` of its block
+    ids; a range starting mid-chunk has no such chunks, and rounding it to the next boundary
+    would store (or hand out) the bytes of one range under the key of another."""
+    shm = client.register(REG)["shm_name"]
+    tokens = tokens_of(19)
+    ragged = Key(tokens, "r", start=100, end=768, worker_id=0)
+    assert client.unanswered("prepare_store", ragged.encode(), REG.instance_id)
+    assert l1(mp_server)["write_locked"] == 0
+    stored(client, 19, shm)
+    assert client.unanswered("prepare_retrieve", ragged.encode(), REG.instance_id)
+    assert l1(mp_server)["read_locks"] == 0
+    assert mp_stats(mp_server).failures["mp_bad_request"] == 2
+    # a ragged end is the engine's partial last chunk: only the full chunks move
+    tail = Key(tokens, "r", start=256, end=700, worker_id=0)
+    assert client.retrieve(tail, REG.instance_id, shm) == chunk_payloads(19, 4, CHUNK)[1:2]
+
+
+def test_a_re_registration_with_another_layout_replaces_the_first(
+    client: MPClient, mp_server: TiersServer
+) -> None:
+    """``lmcache bench server`` registers fixed instance ids: a rerun with another model or
+    KV shape registers the same id while the first run's registration is still there."""
+    client.register(REG)
+    held = Key(tokens_of(20), "old", worker_id=0)
+    assert len(client.call("prepare_store", held.encode(), REG.instance_id)["context"]["slots"]) == 4
+    rerun = Registration(model_name="other-model", hidden_dim_size=32)
+    shm = client.register(rerun)["shm_name"]
+    assert l1(mp_server)["write_locked"] == 0  # the first run's unfinished store was aborted
+    key = Key(tokens_of(20), "new", worker_id=0, model_name=rerun.model_name)
+    prepared = client.call("prepare_store", key.encode(), rerun.instance_id)["context"]
+    assert [slot["shape"] for slot in prepared["slots"]] == [[2, 2, 256, 32]] * 4
+    assert {slot["length"] for slot in prepared["slots"]} == {rerun.object_bytes}
+    segment = client.segment(shm)
+    payloads = chunk_payloads(20, 4, rerun.object_bytes)
+    for slot, index in zip(prepared["slots"], prepared["chunk_indices"], strict=True):
+        segment[slot["offset"] : slot["offset"] + slot["length"]] = payloads[index]
+    assert client.call("commit_store", key.encode(), rerun.instance_id, b"") is True
+    assert client.lookup(Key(tokens_of(20), "look", model_name=rerun.model_name)) == 4
+    assert client.call("end_session", "look") is None
+    assert client.register(rerun) == {"shm_name": shm, "pool_size": mp_server.storage.l1.arena.size}
+    assert mp_server.frontends[0].status()["instances"][0]["layout"] == "bfloat16[2,2,256,32]"

@@ -106,10 +106,10 @@ class Handlers:
         shared = self.shared
         now = time.monotonic()
         existing = shared.instances.get(payload.instance_id)
-        if existing is not None:
+        if existing is not None and _same_registration(existing, payload, shared.chunk_size):
             existing.last_seen = now  # a repeat only refreshes liveness, as in LMCache
             return self._register_reply()
-        if len(shared.instances) >= MAX_INSTANCES:
+        if existing is None and len(shared.instances) >= MAX_INSTANCES:
             raise RequestRefused(
                 "mp_too_many_instances",
                 f"{len(shared.instances)} instances registered, the most this server keeps; "
@@ -122,6 +122,21 @@ class Handlers:
                 "mp_bad_request",
                 f"one chunk of layout {layout.format()} ({layout.nbytes} bytes) exceeds L1 ({capacity})",
             )
+        if existing is not None:
+            # Another model, world size or layout under a registered id: a restarted client
+            # (``lmcache bench server`` registers fixed ids).  Keeping the first registration
+            # would hand the new one slots of the old layout and hide its model from lookups.
+            logger.warning(
+                "instance %d registers again with another model, world size or layout (%s, %d, "
+                "was %s, %d, %s): its first registration is replaced",
+                payload.instance_id,
+                printable(payload.model_name),
+                payload.world_size,
+                printable(existing.model_name),
+                existing.world_size,
+                existing.layout_text,
+            )
+            self.unregister(payload.instance_id)
         shared.instances[payload.instance_id] = Instance(
             payload.instance_id, payload.model_name, payload.world_size, layout, now, now
         )
@@ -200,6 +215,15 @@ class Handlers:
         transfer_locks, reservations = self.transfers.release_everything()
         self.shared.stats.released_at_stop_locks = locks + transfer_locks
         self.shared.stats.released_at_stop_reservations = reservations
+
+
+def _same_registration(instance: Instance, payload: RegisterPayload, chunk_size: int) -> bool:
+    if (instance.model_name, instance.world_size) != (payload.model_name, payload.world_size):
+        return False
+    try:
+        return _layout_of(payload, chunk_size) == instance.layout
+    except RequestRefused:
+        return False
 
 
 def _layout_of(payload: RegisterPayload, chunk_size: int) -> TensorLayout:

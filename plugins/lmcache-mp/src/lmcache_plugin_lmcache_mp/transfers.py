@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lmcache_plugin_lmcache_mp.base import Deferred, Shared
+from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused, Shared
 from lmcache_plugin_lmcache_mp.chunks import chunk_range, keys_for_rank
 from lmcache_plugin_lmcache_mp.lookups import Lookups
 from lmcache_plugin_lmcache_mp.state import Instance, PendingTransfers, Transfer
@@ -60,8 +60,17 @@ class Transfers:
 
     def _resolve(self, key: CacheKey, instance_id: int) -> tuple[Instance, list[ObjectKey]]:
         instance = self.shared.instance(instance_id)
+        chunk_size = self.shared.chunk_size
+        if key.start % chunk_size:
+            # The client maps the i-th chunk to the one at start + i * chunk_size of its
+            # blocks: rounded to a boundary, the range would move another range's bytes.
+            raise RequestRefused(
+                "mp_bad_request",
+                f"a transfer's start ({key.start}) must be a multiple of the chunk size ({chunk_size}); "
+                "LMCache's server refuses it too",
+            )
         hashes = self.shared.requests.get(key.request_id, time.monotonic()).hashes
-        return instance, keys_for_rank(key, chunk_range(key, self.shared.chunk_size, hashes))
+        return instance, keys_for_rank(key, chunk_range(key, chunk_size, hashes))
 
     # -- store ---------------------------------------------------------------------------
 
