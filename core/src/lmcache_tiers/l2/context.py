@@ -114,8 +114,17 @@ class BackendContext:
         server whose key prefix extends this one's, another adapter type sharing the
         folder, keys that differ only in case on a case-insensitive filesystem.  It is
         that writer's acknowledged object: the caller reports a miss and keeps it."""
-        self.count("foreign_records")
-        self.warn("foreign_record", "%s: %s; a miss, kept", printable(key.file_stem()), error)
+        self._kept_miss("foreign_records", "foreign_record", key, error)
+
+    def unknown_version(self, key: ObjectKey, error: Exception) -> None:
+        """Count and explain a record of a format version this code does not read under
+        ``key``'s name: written by a newer server sharing the store, which reads it -- the
+        caller reports a miss and keeps it."""
+        self._kept_miss("record_version_unknown", "version", key, error)
+
+    def _kept_miss(self, counter: str, kind: str, key: ObjectKey, error: Exception) -> None:
+        self.count(counter)
+        self.warn(kind, "%s: %s; a miss, kept", printable(key.file_stem()), error)
 
     @property
     def closing(self) -> bool:

@@ -684,9 +684,7 @@ class MooncakeStoreBackend:
             self.context.foreign_record(key, exc)
             return None
         except RecordVersionError as exc:
-            # Written by a newer server sharing the pool, which reads it: kept.
-            self.context.count("record_version_unknown")
-            self.context.warn("version", "%s: %s; a miss, kept", printable(key.file_stem()), exc)
+            self.context.unknown_version(key, exc)
             return None
         except RecordError as exc:
             self._remove_damaged(store, key, name, str(exc))

@@ -369,7 +369,7 @@ class RedisBackend:
             header = self.context.read_record_header(header_bytes, key)
         except RecordVersionError as exc:
             reader.skip_bulk(payload_len)
-            return functools.partial(self._unknown_version, key, exc)
+            return functools.partial(self.context.unknown_version, key, exc)
         except RecordMismatchError as exc:
             reader.skip_bulk(payload_len)
             return functools.partial(self.context.foreign_record, key, exc)
@@ -480,12 +480,8 @@ class RedisBackend:
         try:
             return self.context.read_record_header(data, key)
         except RecordVersionError as exc:
-            self._unknown_version(key, exc)
+            self.context.unknown_version(key, exc)
             return None
-
-    def _unknown_version(self, key: ObjectKey, exc: RecordVersionError) -> None:
-        self.context.count("record_version_unknown")
-        self.context.warn("version", "%s: %s; a miss, kept", key.file_stem(), exc)
 
     def _size_changed(self, key: ObjectKey, stored: int, wanted: int) -> None:
         """Replaced (e.g. by another server) since the lookup by an object of another size:

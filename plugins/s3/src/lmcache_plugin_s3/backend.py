@@ -299,7 +299,7 @@ class S3Backend:
                 raise _ReadTheRecord
             header = self.context.read_record_header(slot, key)
         except RecordVersionError as exc:
-            self._unknown_version(key, exc)
+            self.context.unknown_version(key, exc)
             return None
         except (ValueError, RecordError) as exc:
             self._copy_unusable(key, str(exc))
@@ -363,7 +363,7 @@ class S3Backend:
                 try:
                     header_len = header_length(prefix)
                 except RecordVersionError as exc:
-                    self._unknown_version(key, exc)
+                    self.context.unknown_version(key, exc)
                     return False
                 except RecordError as exc:
                     raise _Damaged(str(exc)) from exc
@@ -459,7 +459,7 @@ class S3Backend:
         try:
             return self.context.read_record_header(data, key)
         except RecordVersionError as exc:
-            self._unknown_version(key, exc)
+            self.context.unknown_version(key, exc)
             return None
         except RecordMismatchError as exc:
             # e.g. an fs adapter on s3:// in this folder, whose "<name>.bin" is this
@@ -468,10 +468,6 @@ class S3Backend:
             return None
         except RecordError as exc:
             raise _Damaged(str(exc)) from exc
-
-    def _unknown_version(self, key: ObjectKey, exc: RecordVersionError) -> None:
-        self.context.count("record_version_unknown")
-        self.context.warn("version", "%s: %s; a miss, kept", key.file_stem(), exc)
 
     async def _remove_damaged(self, key: ObjectKey, name: str, why: str, etag: str | None) -> None:
         """Remove the damaged object read as ``etag`` -- only if it is still that one: a
