@@ -66,10 +66,11 @@ def hold_as_creator(fd: int, path: str, *, required: bool) -> None:
     when ``required``: on a filesystem where other processes can take locks (a tmpfs),
     a live file without its creator's lock is one another start-up may remove.
     """
+    taken_by_reaper = False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        removed = True
+        taken_by_reaper = True  # it holds its exclusive lock on the new file
     except OSError as exc:
         if required:
             raise TiersError(
@@ -85,10 +86,7 @@ def hold_as_creator(fd: int, path: str, *, required: bool) -> None:
             path,
             exc.strerror,
         )
-        removed = os.fstat(fd).st_nlink == 0
-    else:
-        removed = os.fstat(fd).st_nlink == 0
-    if removed:
+    if taken_by_reaper or os.fstat(fd).st_nlink == 0:
         raise TiersError(
             f"{path} was removed as stale by another server starting at the same moment; start again"
         )
