@@ -265,3 +265,35 @@ def test_a_default_l2_directory_that_cannot_be_probed_fails_no_other_command(
         r"error: the embedded default L2 in .* cannot be used \(\[Errno 36\] File name too long",
         served.stderr,
     )
+
+
+def test_plugins_show_lists_the_components_of_a_plugin_whose_only_failure_was_its_commands(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its components registered and serve can use them: "did not load" and exit 1 would
+    # say otherwise. A warning names the failure; the components are shown.
+    import typer
+
+    from lmcache_tiers.cli.main import add_plugin_commands
+
+    @hookimpl
+    def tiers_register_l2_adapters(registry):  # type: ignore[no-untyped-def]
+        registry.add("circuit", "json:dumps", CircuitConfig)
+
+    @hookimpl
+    def tiers_register_commands(app):  # type: ignore[no-untyped-def]
+        raise RuntimeError("no GPU here")
+
+    plugin = types.ModuleType("circuit")
+    plugin.tiers_register_l2_adapters = tiers_register_l2_adapters  # type: ignore[attr-defined]
+    plugin.tiers_register_commands = tiers_register_commands  # type: ignore[attr-defined]
+    plugin_set = discover({"lmcache-plugin-circuit": plugin})
+    add_plugin_commands(typer.Typer(), plugin_set)
+    capsys.readouterr()
+    monkeypatch.setattr(plugins_cmd, "load_plugins", lambda: plugin_set)
+    main(["plugins", "show", "lmcache-plugin-circuit"])
+    captured = capsys.readouterr()
+    assert "size_gb" in captured.out
+    assert captured.err.strip() == (
+        "warning: plugin 'lmcache-plugin-circuit': its commands failed to register: RuntimeError: no GPU here"
+    )

@@ -40,6 +40,10 @@ REGISTRATION_HOOKS: dict[str, Kind] = {
 }
 
 
+# How an error that only left a plugin's commands out begins (its components are usable).
+COMMANDS_FAILED = "its commands failed to register"
+
+
 @dataclass
 class PluginInfo:
     """What ``plugins list`` shows for one entry point."""

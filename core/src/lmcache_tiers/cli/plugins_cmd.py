@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from lmcache_tiers.cli import plugins_new
-from lmcache_tiers.cli.output import EXIT_USAGE, fail, stdout
+from lmcache_tiers.cli.output import EXIT_USAGE, fail, stdout, warn
 from lmcache_tiers.config_docs import (
     FieldDoc,
     UndescribedConfigError,
@@ -18,7 +18,7 @@ from lmcache_tiers.config_docs import (
     component_fields,
     render_config_reference,
 )
-from lmcache_tiers.plugins import load_plugins
+from lmcache_tiers.plugins import COMMANDS_FAILED, load_plugins
 from lmcache_tiers.registry import Component
 
 app = typer.Typer(
@@ -76,12 +76,17 @@ def _matching_components(name: str) -> list[Component]:
 def show(name: str = typer.Argument(..., help="A plugin name, or a component as NAME or KIND:NAME.")) -> None:
     """Show each component's config fields with types, defaults, constraints and docs."""
     plugin_set = load_plugins()
-    broken = [
-        p for p in plugin_set.plugins if name.lower() in (p.name.lower(), p.distribution.lower()) and p.error
-    ]
-    if broken:
-        fail(f"plugin {broken[0].name!r} did not load: {broken[0].error}", 1)
+    named = [p for p in plugin_set.plugins if name.lower() in (p.name.lower(), p.distribution.lower())]
+    for plugin in named:
+        if plugin.error and plugin.error.startswith(COMMANDS_FAILED):
+            # Its components registered and serve can use them: only its commands are out.
+            warn(f"plugin {plugin.name!r}: {plugin.error}")
+        elif plugin.error:
+            fail(f"plugin {plugin.name!r} did not load: {plugin.error}", 1)
     components = _matching_components(name)
+    if not components and named:
+        stdout.print(f"plugin {named[0].name!r} registers no components", markup=False)
+        return
     if not components:
         known = ", ".join(p.name for p in plugin_set.plugins) or "none"
         names = {p.name.lower() for p in plugin_set.plugins}
