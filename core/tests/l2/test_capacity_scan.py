@@ -396,6 +396,14 @@ def test_serde_counters_show_in_the_adapter_stats(adapters: list[L2Adapter]) -> 
     assert adapter.stats()["serde_counting_passed_through"] == 3
 
 
+def test_counters_of_two_serdes_of_one_name_in_a_chain_add_up(adapters: list[L2Adapter]) -> None:
+    # Two aesgcm stages (key_env and key_file) are a valid chain: the inner stage's
+    # refusals must not be hidden behind the outer stage's counts.
+    adapter = open_dict(serde=[Counting(), Counting()])
+    adapters.append(adapter)
+    assert adapter.stats()["serde_counting_passed_through"] == 6
+
+
 def test_the_context_offers_what_a_backend_needs() -> None:
     seen: dict[str, Any] = {}
 

@@ -258,7 +258,10 @@ class BackendAdapter(L2Adapter):
             serde_stats = getattr(serde, "stats", None)
             if callable(serde_stats):
                 try:
-                    counters.update({f"serde_{serde.name}_{k}": int(v) for k, v in serde_stats().items()})
+                    # Added up: a chain may hold two stages of one name (two aesgcm keys).
+                    for k, v in serde_stats().items():
+                        name = f"serde_{serde.name}_{k}"
+                        counters[name] = counters.get(name, 0) + int(v)
                 except Exception:
                     log.exception("%s: stats of serde %s failed", self.name, serde.name)
         return counters
