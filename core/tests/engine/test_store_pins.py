@@ -198,3 +198,24 @@ def test_a_clear_by_force_as_a_store_locks_its_objects_does_not_fail_the_store(e
         assert bytes(storage.view(obj)) == payload(obj.key, SIZE)
     storage.release(written, 2)
     assert storage.l1.lease_stats().quarantined_extents == 0
+
+
+def test_a_queued_store_never_writes_a_later_object_of_its_key(engine) -> None:
+    storage = engine([mock()], l2_store_policy="gated")
+    GatedStorePolicy.gate.clear()  # the first write's batch stays queued
+    (key,) = keys_of(1, 1)
+    store(storage, [key], SIZE)
+    assert GatedStorePolicy.entered.acquire(timeout=10)
+    assert storage.clear() == 1  # counted as an acknowledged write lost before its store
+    # The key written again, L1-only: never to be copied to L2.
+    reserved = storage.reserve_write([key], [SIZE])
+    storage.view(reserved[key])[:] = b"\x5a" * SIZE
+    storage.commit_write([key], to_l2=False)
+    later = storage.l1.get(key)
+    GatedStorePolicy.gate.set()
+    assert storage.flush(10)
+    # The first write's store had nothing left to store: its object is gone.
+    assert list(storage.adapters[0].iter_keys()) == []
+    assert storage.status()["store"]["skipped_gone"] == 1
+    assert storage.l1.get(key) is later and later.read_locks == 0 and not later.unstored
+    assert storage.evict([key]) == 1

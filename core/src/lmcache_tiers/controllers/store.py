@@ -289,7 +289,12 @@ class StoreController(ControllerThread):
         slot, batch = piece.slot, piece.batch
         # Keys deleted or evicted since their commit are simply not stored.
         locked = self.l1.reserve_store(piece.keys)
-        keys = [key for key in piece.keys if key in locked]
+        # Locked by key: a key whose object left L1 and was written again since is another
+        # object (an L1-only one, or one with its own batch), not this batch's to store.
+        others = [obj for key, obj in locked.items() if obj is not batch.objects.get(key)]
+        if others:
+            self.l1.finish_store(others)
+        keys = [key for key in piece.keys if key in locked and locked[key] is batch.objects.get(key)]
         if len(keys) < len(piece.keys):
             # Why they left (evicted before their store, cleared) was counted there.
             self.stats.add("l2_store_skipped_gone", len(piece.keys) - len(keys))
