@@ -205,6 +205,50 @@ def test_expired_read_locks_keep_their_extent_for_the_grace_period(l1: L1Manager
     assert l1.used_bytes == 0 and l1.lease_stats().lapsed_objects == 0
 
 
+def test_readers_releasing_a_forced_extent_do_not_cut_short_an_expired_lock_grace_period(
+    l1: L1Manager,
+) -> None:
+    (obj,) = store(l1, [1], fill=0x11)
+    l1.reserve_read(keys(1))  # a reader too slow for its lock TTL
+    expired_at = obj.lock_deadline + 1
+    assert l1.expire_locks(expired_at) == 1
+    l1.reserve_read(keys(1))  # another reader, in time
+    generations = l1.generations([obj])
+    assert l1.clear(force=True) == 1
+    l1.finish_read(keys(1))  # the reader in time lets go
+    # the slow reader's grace period has not ended: the extent is still out of reach
+    assert l1.lease_stats().quarantined_extents == 1 and l1.used_bytes == ALIGN
+    assert l1.generations([obj]) == generations
+    assert read(l1, obj) == bytes([0x11]) * ALIGN
+    l1.expire_locks(expired_at + GRACE + 1)
+    assert l1.used_bytes == 0 and l1.lease_stats().quarantined_extents == 0
+
+
+def test_making_room_does_not_count_extents_held_back_for_an_expired_lock_as_freed(
+    l1: L1Manager,
+) -> None:
+    objects = store(l1, list(range(CAPACITY // ALIGN)))  # L1 is full
+    l1.reserve_read(keys(0))
+    assert l1.expire_locks(objects[0].lock_deadline + 1) == 1
+    # evicting 0 frees nothing for the grace period: the next victim must go too
+    assert l1.make_room(ALIGN, keys(0, 1, 2)).keys == keys(0, 1)
+    assert l1.used_bytes == CAPACITY - ALIGN
+    assert list(l1.reserve_write(keys(100), [ALIGN])) == keys(100)
+
+
+def test_an_extent_held_back_for_a_moment_is_not_made_up_for_with_unstored_objects(
+    l1: L1Manager,
+) -> None:
+    # Each unstored object evicted loses an acknowledged write: the last resort is not
+    # taken for room that comes back at the end of the grace period.
+    objects = store(l1, list(range(CAPACITY // ALIGN)))
+    l1.mark_unstored(keys(1))
+    l1.reserve_read(keys(0))
+    assert l1.expire_locks(objects[0].lock_deadline + 1) == 1
+    eviction = l1.make_room(ALIGN, keys(0, 1))
+    assert eviction.keys == keys(0) and eviction.unstored == []
+
+
 def test_an_object_leaving_after_its_grace_period_is_freed_at_once(l1: L1Manager) -> None:
     (obj,) = store(l1, [1])
     l1.reserve_read(keys(1))

@@ -98,6 +98,28 @@ def test_bad_transfers_are_refused(blocks: NvmeL1File) -> None:
         blocks.read_into(0, 5, memoryview(bytes(5)))
 
 
+def test_a_write_the_file_does_not_take_is_an_error_not_a_hang(
+    blocks: NvmeL1File, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: 0)
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            blocks.write_from(0, memoryview(pattern(ALIGN, 1)))
+        except BaseException as exc:  # surfaced by the assertions below
+            errors.append(exc)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    writer.join(10.0)
+    hung = writer.is_alive()
+    monkeypatch.undo()  # lets a hung writer finish, and close() with it
+    writer.join()
+    assert not hung, "a write that makes no progress retried forever"
+    assert len(errors) == 1 and isinstance(errors[0], TiersError)
+
+
 def test_file_is_preallocated_and_removed_on_close(nvme_dir: Path) -> None:
     file = NvmeL1File(str(nvme_dir), CAPACITY)
     assert block_files(nvme_dir) == [Path(file.path)]

@@ -26,6 +26,7 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager, L1Object, ObjectState
 from lmcache_tiers.l1 import manager as manager_module
 from lmcache_tiers.l1 import reads as reads_module
+from lmcache_tiers.l1 import removal as removal_module
 from lmcache_tiers.l1 import table as table_module
 from lmcache_tiers.l1 import writes as writes_module
 
@@ -51,7 +52,7 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
-    for module in (manager_module, reads_module, table_module, writes_module):
+    for module in (manager_module, reads_module, removal_module, table_module, writes_module):
         monkeypatch.setattr(module, "time", fake)
     return fake
 

@@ -10,7 +10,8 @@ things take an object out from under a holder that has not finished with it:
 
 Either way the extent is **quarantined** instead of freed.  A forced extent stays until
 every lock held on it at the time is released, or its lease ends (the locks' deadline, at
-least the grace period); an expired one for the grace period.  Only then is it reused.
+least the grace period), and not before the grace period of locks that expired on it
+earlier ends; an expired one for the grace period.  Only then is it reused.
 An object taken away while an L2 store task reads it (``reserve_store``) is quarantined
 too, and its extent is also *pinned* until the last such store reports: those locks are
 released by identity (``finish_store``) and never reaped, so neither its readers' releases
@@ -52,6 +53,9 @@ class _Held:
     holders: int  # locks still held on the extent; 0 for an expired one
     until: float  # monotonic time at which it is reclaimed whatever its holders do
     extent_bytes: int
+    #: end of the grace period of locks on it that expired earlier: its holders' releases
+    #: do not give it back before then, a reaped reader may still be reading it
+    not_before: float = 0.0
 
 
 class LeaseStats(NamedTuple):
@@ -103,7 +107,8 @@ class ExtentLeases:
             if readers > 0:
                 # Only a forced delete takes a read-locked object away: its readers keep
                 # the extent for the rest of their lease, and at least the grace period.
-                self._hold(obj, readers, max(obj.lock_deadline, lapsed_until, now + self.grace_s))
+                until = max(obj.lock_deadline, lapsed_until, now + self.grace_s)
+                self._hold(obj, readers, until, not_before=lapsed_until)
                 self._counts["forced"] += 1
                 forced += 1
             elif lapsed_until > now:
@@ -121,8 +126,8 @@ class ExtentLeases:
             )
         self._give_back(free)
 
-    def _hold(self, obj: L1Object, holders: int, until: float) -> None:
-        entry = _Held(obj, holders, until, self._allocator.size_at(obj.offset))
+    def _hold(self, obj: L1Object, holders: int, until: float, *, not_before: float = 0.0) -> None:
+        entry = _Held(obj, holders, until, self._allocator.size_at(obj.offset), not_before)
         self._by_offset[obj.offset] = entry
         self.quarantined_bytes += entry.extent_bytes
         if holders:
@@ -153,11 +158,16 @@ class ExtentLeases:
         delete of read-locked objects)."""
         return bool(self._held)
 
+    def held_back(self, obj: L1Object, now: float) -> bool:
+        """Whether the extent of the unlocked ``obj`` would be quarantined rather than go
+        back if it left L1 now (an expired lock's grace period, an L2 store reading it)."""
+        return obj.storing > 0 or self._lapsed.get(obj.offset, 0.0) > now
+
     def holds(self, obj: L1Object) -> bool:
         entry = self._by_offset.get(obj.offset)
         return entry is not None and entry.obj is obj
 
-    def credit(self, key: ObjectKey, count: int) -> int:
+    def credit(self, key: ObjectKey, count: int, now: float) -> int:
         """``count`` locks on ``key`` were released: credit them to its quarantined extents,
         oldest first, freeing those left without holders; returns the locks left over."""
         entries = self._held.get(key)
@@ -169,8 +179,10 @@ class ExtentLeases:
             count -= taken
             if entry.holders == 0:
                 entries.pop(0)
-                if entry.obj.storing:
-                    entry.until = 0.0  # its readers are done: it goes back when the store reports
+                if entry.obj.storing or entry.not_before > now:
+                    # Its readers are done: it goes back when its store reports, and not
+                    # before the grace period of the locks that expired on it ends.
+                    entry.until = entry.not_before
                     continue
                 self._forget(entry, "released")
                 freed.append(entry.obj.offset)

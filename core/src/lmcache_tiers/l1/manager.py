@@ -377,7 +377,8 @@ class L1Manager:
         self, bytes_to_free: int, victims: Iterable[ObjectKey], *, spare_unstored: bool = False
     ) -> Eviction:
         """Delete unlocked READY victims, in the given order, until ``bytes_to_free`` aligned
-        bytes are freed or the victims run out.
+        bytes are freed or the victims run out (among stored victims, an extent held back
+        for the grace period of an expired lock frees nothing yet, so it does not count).
 
         Objects still waiting for their L2 store (``mark_unstored``) are passed over while
         the others can free the room: losing one loses an acknowledged write.  Only when

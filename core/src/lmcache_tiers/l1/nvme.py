@@ -230,7 +230,12 @@ class NvmeL1File:
     def _pwrite_all(self, buffer: memoryview, offset: int) -> None:
         done = 0
         while done < buffer.nbytes:
-            done += os.pwrite(self._fd, buffer[done:], offset + done)
+            count = os.pwrite(self._fd, buffer[done:], offset + done)
+            if count == 0:
+                # A write that takes no bytes would otherwise be retried forever, and
+                # close() waits for every transfer.
+                raise TiersError(f"NVMe L1 file {self.path} took no bytes at byte {offset + done}")
+            done += count
 
     @contextmanager
     def _transfer(self) -> Iterator[None]:

@@ -168,8 +168,9 @@ class ReadLocks:
             if leases.any_holders:
                 # Locks on quarantined extents are credited first: per key, what is left
                 # over goes to the live object.
+                now = time.monotonic()
                 lefts: Iterable[int] = [
-                    leases.credit(key, count) if leases.has_holders(key) else count for key in distinct
+                    leases.credit(key, count, now) if leases.has_holders(key) else count for key in distinct
                 ]
             else:  # the usual case: every lock released is the live object's
                 lefts = repeat(count)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Sequence
 
 from lmcache_tiers.keys import ObjectKey
@@ -68,7 +69,10 @@ class Removal:
         with self._lock:
             table = self._table
             size_at = self._allocator.size_at
-            freed = 0
+            # An extent held back for an expired lock's grace period frees nothing yet: the
+            # caller's reservation would fail while other victims could make the room.
+            held_back, now = self._leases.held_back, time.monotonic()
+            freed = soon = 0  # soon: held back, free once the grace period or store ends
             passed_over: dict[L1Object, None] = {}
             try:
                 for key in victims:
@@ -80,11 +84,17 @@ class Removal:
                         continue
                     table.detach(obj)
                     evicted.append(obj)
-                    freed += size_at(obj.offset)
+                    if held_back(obj, now):
+                        soon += size_at(obj.offset)
+                    else:
+                        freed += size_at(obj.offset)
                     if freed >= bytes_to_free:
                         break
+                # Every victim was seen and the room is still short, even counting what is
+                # held back for a moment: the last resort, where each one taken is an
+                # acknowledged write lost and a refused new write is the lesser harm.
+                freed += soon
                 if freed < bytes_to_free and not spare_unstored:
-                    # Every victim was seen and the room is still short: the last resort.
                     for obj in passed_over:
                         table.detach(obj)
                         evicted.append(obj)
