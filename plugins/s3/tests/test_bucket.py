@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import lmcache_plugin_s3.backend as backend_module
 import pytest
@@ -173,6 +174,50 @@ def test_rejected_credentials_stop_start_up(seaweed: SeaweedS3, l1: memoryview) 
     with pytest.raises(ConfigError, match="refused the credentials") as raised:
         open_adapter(config, l1)
     assert "wrong-secret" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("mistake", "message"),
+    [
+        ("profile", r"ProfileNotFound: The config profile \(no-such-profile\) could not be found"),
+        ("unparsable", r"ConfigParseError: Unable to parse config file"),
+        ("half_a_key_pair", r"PartialCredentialsError: .*missing: AWS_SECRET_ACCESS_KEY"),
+        ("no_credentials", r"NoCredentialsError: Unable to locate credentials"),
+    ],
+)
+def test_aws_settings_no_request_can_use_stop_start_up(
+    seaweed: SeaweedS3,
+    l1: memoryview,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    mistake: str,
+    message: str,
+) -> None:
+    # The store answers; every request would still fail until a restart, so these are
+    # configuration mistakes like a missing bucket, not a store that may come back.
+    for variable in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    ):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role asked off this machine
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    fields: dict[str, object] = {"aws_access_key_id": None, "aws_secret_access_key": None}
+    if mistake == "profile":
+        fields["profile"] = "no-such-profile"
+    elif mistake == "unparsable":
+        (tmp_path / "config").write_text("[default\nregion = us-east-1\n")
+    elif mistake == "half_a_key_pair":
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLE")
+    config = s3_config(seaweed, "p", **fields)
+    with pytest.raises(ConfigError, match=f"the AWS settings cannot be used: {message}"):
+        open_adapter(config, l1)
 
 
 def test_credentials_come_from_the_environment_and_are_never_logged(

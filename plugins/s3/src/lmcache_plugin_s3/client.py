@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import aiobotocore.session
+import botocore.exceptions
 import msgspec
 import s3fs
 
@@ -132,7 +133,7 @@ class S3Client:
         except Exception as exc:  # a broken profile: requests will say so, counted
             return f"nowhere ({describe(exc)})"
         if credentials is None:
-            return "nowhere: no AWS credentials found, requests go unsigned"
+            return "nowhere: no AWS credentials found"
         method = getattr(credentials, "method", None) or "the AWS chain"
         return f"{method}{f' (profile {self.config.profile})' if self.config.profile else ''}"
 
@@ -197,14 +198,26 @@ class S3Client:
 #: S3 error codes that mean the credentials themselves are wrong, not a missing permission
 _PROBE_READ_S = 5.0
 BAD_CREDENTIALS = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"})
+#: what botocore raises, before any request is sent, for AWS settings no request can work
+#: with: a profile that is not in the shared files, a config file it cannot parse, an
+#: access key id in the environment without its secret, no credentials anywhere in the
+#: chain (the client resolves them once, when it is made: they never turn up later)
+_BAD_AWS_SETTINGS = (
+    botocore.exceptions.ProfileNotFound,
+    botocore.exceptions.ConfigParseError,
+    botocore.exceptions.PartialCredentialsError,
+    botocore.exceptions.NoCredentialsError,
+)
 
 
 def check_bucket(config: S3Config, name: str) -> bool:
     """Ask the bucket for one listed object before the adapter is built; False if the
     store did not answer.
 
-    A bucket that does not exist or credentials the store rejects are configuration
-    mistakes: a ``ConfigError``, so the server stops with one line.  A store that does not
+    A bucket that does not exist, credentials the store rejects and AWS settings botocore
+    cannot use (a missing profile, an unparsable config file, half a static key pair in
+    the environment, no credentials at all) are configuration mistakes: a ``ConfigError``, so the server stops
+    with one line -- every request would fail until a restart.  A store that does not
     answer is not: the adapter starts, its requests fail (counted) until the store is
     back, and the server serves from L1 meanwhile.
     """
@@ -234,6 +247,8 @@ def check_bucket(config: S3Config, name: str) -> bool:
             raise ConfigError(
                 f"{name}: cannot list s3://{config.bucket}/{config.prefix}: {describe(exc)}"
             ) from exc
+        except _BAD_AWS_SETTINGS as exc:
+            raise ConfigError(f"{name}: the AWS settings cannot be used: {describe(exc)}") from exc
         except PermissionError as exc:
             if error_code(exc) in BAD_CREDENTIALS:
                 raise ConfigError(
