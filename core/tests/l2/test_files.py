@@ -146,13 +146,13 @@ def test_discard_spares_a_record_published_after_the_judgement(tmp_path: Path) -
 
 
 @contextmanager
-def _no_free_descriptors() -> Iterator[None]:
+def _no_free_descriptors(below: int) -> Iterator[None]:
     """Every new file descriptor fails with EMFILE: a real failure of the directory fsync
-    (which opens the directory) while the rename before it, needing none, goes through."""
+    (which opens the directory) while the rename before it, needing none, goes through.
+    ``below``: the lowest descriptor open (every lower one is in use), which may be
+    closed meanwhile without its number becoming free."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    lowest_free = os.open(os.devnull, os.O_RDONLY)
-    os.close(lowest_free)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (below, hard))
     try:
         yield
     finally:
@@ -169,14 +169,40 @@ def test_a_store_whose_directory_cannot_be_fsynced_fails_and_leaves_no_record(
     key = ObjectKey("m", 0, b"\x04" * 32)
     fd, temp = files.create_temp(key)
     os.write(fd, encode_header(key, b"bytes", align=HEADER) + b"bytes")
-    os.close(fd)  # publish would close it, freeing the descriptor the fsync is to miss
-    with _no_free_descriptors(), pytest.raises(OSError) as failure:
-        files.publish(key, temp)
+    # fd was the lowest free descriptor: with the limit at it, publish's close of it
+    # frees no number the directory's open may take
+    with _no_free_descriptors(below=fd), pytest.raises(OSError) as failure:
+        files.publish(key, temp, fd)
     assert failure.value.errno == errno.EMFILE
     assert not os.path.exists(files.layout.path_for(key)) and not os.path.exists(temp)
     assert list(files.iter_records(lambda _key: HEADER)) == []
     _store(files, key, b"again")  # the next store of the key is not hindered
     assert dict(files.iter_records(lambda _key: HEADER)) == {key: 5}
+
+
+def test_with_fsync_a_file_published_without_its_descriptor_is_fsynced_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = LocalFiles(
+        FileLayout(str(tmp_path), shard_dirs=False), name="t", count=lambda *_: None, fsync=True
+    )
+    key = ObjectKey("m", 0, b"\x08" * 32)
+    fd, temp = files.create_temp(key)
+    os.write(fd, encode_header(key, b"bytes", align=HEADER) + b"bytes")
+    os.close(fd)
+    inode = os.stat(temp).st_ino
+    synced: list[tuple[int, bool]] = []  # (inode, published yet) of each file fsync
+    real_fsync = os.fsync
+
+    def recording(descriptor: int) -> None:
+        stat = os.fstat(descriptor)
+        if stat.st_ino == inode:
+            synced.append((stat.st_ino, os.path.exists(files.layout.path_for(key))))
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    files.publish(key, temp)
+    assert synced == [(inode, False)], "the record's bytes are synced before it is renamed into place"
 
 
 @pytest.fixture

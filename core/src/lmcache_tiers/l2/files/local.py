@@ -82,6 +82,17 @@ class KeyStripes:
             yield
 
 
+def _fsync_file(path: str) -> None:
+    """fsync the file at ``path`` through a descriptor of its own: fsync flushes the
+    file whichever descriptor asks, and (Linux 4.16+) a write-back error that no
+    descriptor has reported yet is reported to this one."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class FileIdentity(NamedTuple):
     device: int
     inode: int
@@ -183,7 +194,9 @@ class LocalFiles:
         ``fd``, the temporary file's open descriptor, is closed here in every case (the
         caller must not close it again), before the rename: a network filesystem (NFS)
         reports write-back errors such as ENOSPC at the close, and they must fail the
-        store while nothing is published yet.
+        store while nothing is published yet.  Without ``fd`` (the caller closed it) the
+        file is opened again to be fsynced: a record renamed into place unsynced could be
+        lost or torn by a power loss although its store was acknowledged as durable.
 
         Raises OSError; the caller removes the temporary file then.  With ``fsync``, a
         directory that cannot be fsynced after the rename fails the store, and the record
@@ -196,6 +209,8 @@ class LocalFiles:
                     os.fsync(fd)
             finally:
                 os.close(fd)  # on Linux the descriptor is gone even when close fails
+        elif self.fsync:
+            _fsync_file(temp_path)
         final = self.layout.path_for(key)
         if not self.fsync:
             self._rename(key, temp_path, final)
