@@ -364,6 +364,22 @@ def test_a_load_on_a_connection_the_store_dropped_reconnects(
     assert adapter.stats().get("backend_errors", 0) == 0
 
 
+def test_a_url_asking_for_resp3_still_looks_up_and_loads(
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # redis-py takes `?protocol=3` from the url over the client's own protocol: the
+    # connections whose replies the adapter reads itself must speak RESP2 regardless, or
+    # every nil reply (an absent key) fails the whole lookup.
+    adapter = open_adapter(url=redis_server.url + "?protocol=3", key_prefix=prefix)
+    keys = make_keys(2)
+    data = store(adapter, keys[:1])
+    found = client_of(adapter).lookup_and_lock(keys)
+    assert found.found == [True, False]
+    assert load(adapter, keys[:1], found.sizes[:1]) == ([True], data)
+    adapter.unlock(keys[:1])
+    assert adapter.stats().get("backend_errors", 0) == 0
+
+
 @pytest.fixture
 def own_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A server of the test's own, which it may pause or kill."""
@@ -433,11 +449,11 @@ def test_a_delete_whose_later_trip_fails_reports_what_its_earlier_ones_deleted(
     backend = backend_of(adapter)
     execute, calls = backend._execute, []
 
-    def drops_on_the_second_trip(pipe: Any) -> list[Any]:
+    def drops_on_the_second_trip(pipe: Any, **options: Any) -> list[Any]:
         calls.append(pipe)
         if len(calls) == 2:
             raise redis.ConnectionError("Connection closed by server.")
-        return execute(pipe)
+        return execute(pipe, **options)
 
     backend._execute = drops_on_the_second_trip  # type: ignore[method-assign]
     assert adapter.delete(keys) == [True] * KEYS_PER_TRIP + [False, False]
@@ -576,6 +592,59 @@ def test_closing_closes_every_connection_to_every_cluster_node(
         assert sum(adapter_connections()) > 0
         adapter.close()
         wait_for(lambda: adapter_connections() == [0, 0, 0], "every node to see its connections closed")
+    finally:
+        cluster.stop()
+
+
+def test_a_cluster_batch_with_one_node_hung_reports_and_accounts_what_the_others_did(
+    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # One trip reaches every node: the nodes that answered stored (removed) their keys,
+    # which must be reported so -- else they sit in the store counted against no
+    # capacity (stay accounted though gone); only the hung node's keys fail, counted.
+    if missing_reason():
+        pytest.skip(missing_reason())
+    cluster = RedisClusterNodes(tmp_path / "cluster").start()
+    hung = cluster.nodes[1]
+    try:
+        adapter = open_adapter(
+            startup_nodes=cluster.startup_nodes,
+            cluster_mode=True,
+            key_prefix=prefix,
+            request_timeout=0.3,
+            connection_timeout=0.3,
+            max_capacity_gb=1.0,
+            circuit={"failure_threshold": 100},
+        )
+        backend = backend_of(adapter)
+        old, new = make_keys(16)[:8], make_keys(16)[8:]
+        store(adapter, old, size=16)
+        raw = redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+        on_hung = [raw.get_node_from_key(backend.name_of(key)).port == hung.port for key in old + new]
+        raw.close()
+        old_on_hung, new_on_hung = on_hung[:8], on_hung[8:]
+        assert any(old_on_hung) and not all(old_on_hung) and any(new_on_hung) and not all(new_on_hung)
+        hung.pause()
+        try:
+            buffers = [memoryview(bytearray(pattern(index, 16))) for index in range(len(new))]
+            stored = BlockingAdapterClient(adapter, timeout=120).store(new, buffers)
+        finally:
+            hung.resume()
+        # A timed-out connection is dropped, and a node that cannot be connected to fails
+        # the trip before anything is sent: reconnect before the node hangs again.
+        client_of(adapter).lookup_and_lock(old)
+        adapter.unlock(old)
+        hung.pause()
+        try:
+            deleted = adapter.delete(old)
+        finally:
+            hung.resume()
+        assert stored == [not on for on in new_on_hung]
+        assert deleted == [not on for on in old_on_hung]
+        assert adapter.used_bytes() == 16 * (stored.count(True) + deleted.count(False))
+        stats = adapter.stats()
+        assert stats["store_request_failures"] == new_on_hung.count(True)
+        assert stats["delete_request_failures"] == old_on_hung.count(True)
     finally:
         cluster.stop()
 
@@ -810,6 +879,7 @@ def test_lmcache_resp_and_valkey_json_is_accepted() -> None:
         ({"url": "redis://:secret@h:1/0", "password": "other"}, "password", "contradicts the password"),
         ({"url": "redis://u:secret@h:1/0", "username": "v"}, "username", "contradicts the username"),
         ({"url": "unix:///s.sock", "tls_enable": True}, "tls_enable", "unix"),
+        ({"url": "redis://:secret@h:1/0?decode_responses=false"}, "url", "decode_responses"),
     ],
 )
 def test_bad_config_is_refused_naming_the_field(fields: dict[str, Any], path: str, message: str) -> None:

@@ -20,7 +20,8 @@ Batches go out as pipelines of at most ``pipeline_max_bytes`` of payload, so a l
 holds a bounded number of replies at once (in the store's output buffer, or in reply
 buffers here in cluster mode).  A connection error or timeout fails the
 whole call (an exception: core counts it and the circuit breaker sees it) -- but a store
-whose earlier trips were done reports those keys stored and the rest failed; a per-object
+whose earlier trips were done reports those keys stored and the rest failed, and in a
+cluster a trip some nodes answered fails only the keys of the node that failed; a per-object
 error reply (WRONGTYPE for a foreign key, OOM from a full store) fails that object only,
 counted and logged -- except in a lookup or listing, where any error reply but WRONGTYPE
 fails the call: "absent" would make core release the bytes of an object still there.
@@ -156,21 +157,27 @@ class RedisBackend:
             return self.client.pipeline()
         return self.client.pipeline(transaction=False)
 
-    def _execute(self, pipe: Any) -> list[Any]:
-        """Replies of a pipeline; raises when the store, not one object, failed."""
+    def _execute(self, pipe: Any, *, per_key: bool = False) -> list[Any]:
+        """Replies of a pipeline; raises when the store, not one object, failed.
+
+        ``per_key``: a cluster pipeline answers each command of a node that failed
+        (dropped, timed out) with that error while the other nodes' commands were done;
+        those replies are returned for the caller to fail their keys alone, and only a
+        pipeline no command of which got through raises."""
         replies: list[Any] = pipe.execute(raise_on_error=False)
-        for reply in replies:
-            if isinstance(reply, _CALL_FAILURES):
-                raise reply
+        failures = [reply for reply in replies if isinstance(reply, _CALL_FAILURES)]
+        if failures and (not per_key or len(failures) == len(replies)):
+            raise failures[0]
         return replies
 
     def _trip(self, pipe: Any, number: int, what: str, left: int) -> list[Any] | None:
         """Replies of trip ``number`` of a batch, ``left`` keys from its end; None when a
         trip after the first failed (counted, logged): the earlier trips' keys are done
         (stored, removed), and raising would report them not done -- core would then never
-        account them, or keep accounting keys already gone."""
+        account them, or keep accounting keys already gone.  Replies of a failed cluster
+        node are left in the list (``_execute``): their keys fail alone."""
         try:
-            return self._execute(pipe)
+            return self._execute(pipe, per_key=True)
         except RedisError as exc:
             if number == 0:
                 raise
@@ -183,6 +190,18 @@ class RedisBackend:
                 exc,
             )
             return None
+
+    def _request_failed(self, what: str, key: ObjectKey, error: Exception) -> None:
+        """A key whose command a failed cluster node never answered, in a trip whose other
+        commands were done: that key fails (done or not, it cannot be told), counted."""
+        self.context.count(f"{what}_request_failures")
+        self.context.warn(
+            f"node:{what}",
+            "%s %s failed, the rest of its trip was done (a cluster node failed): %s",
+            what,
+            key.file_stem(),
+            error,
+        )
 
     def _reply_error(self, what: str, key: ObjectKey, error: Exception) -> None:
         text = str(error)
@@ -248,7 +267,9 @@ class RedisBackend:
             if replies is None:
                 break
             for index, reply in zip(trip, replies, strict=True):
-                if isinstance(reply, ResponseError):
+                if isinstance(reply, _CALL_FAILURES):
+                    self._request_failed("store", keys[index], reply)
+                elif isinstance(reply, ResponseError):
                     self._reply_error("store", keys[index], reply)
                 else:
                     stored[index] = True
@@ -405,7 +426,9 @@ class RedisBackend:
             if replies is None:
                 break
             for index, reply in zip(trip, replies, strict=True):
-                if isinstance(reply, ResponseError):  # refused (NOPERM, READONLY ...): still there
+                if isinstance(reply, _CALL_FAILURES):
+                    self._request_failed("delete", keys[index], reply)
+                elif isinstance(reply, ResponseError):  # refused (NOPERM, READONLY ...): still there
                     self._reply_error("delete", keys[index], reply)
                 deleted[index] = reply == 1
         return deleted

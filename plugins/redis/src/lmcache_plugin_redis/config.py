@@ -229,6 +229,10 @@ class RedisConfig(L2AdapterConfig):
         if parsed.scheme != "unix" and not 0 < port < 65536:
             # the url itself is not shown: it may carry a password
             raise FieldError("url", "the url's port must be a number from 1 to 65535")
+        if "decode_responses" in urllib.parse.parse_qs(parsed.query, keep_blank_values=True):
+            # redis-py would hand the records back as text (any value of it, "false" too,
+            # turns decoding on): headers and payloads are binary.
+            raise FieldError("url", "decode_responses is not accepted in the url: objects are binary")
 
     def seed_nodes(self) -> list[tuple[str, int]]:
         """(host, port) of the store, or the cluster's seed nodes (not for unix:// urls)."""

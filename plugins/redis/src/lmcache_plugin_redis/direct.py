@@ -75,7 +75,9 @@ class DirectConnections:
         pool = client.connection_pool
         # The connection itself never retries (redis-py's would connect and authenticate
         # a second time even after close() shut its socket): call() is the one retry.
-        options = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
+        # RESP2 whatever the url asks (redis-py takes `?protocol=3` from it): the reply
+        # reader parses RESP2 only.
+        options = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0), "protocol": 2}
         self._make: Callable[[], Any] = lambda: pool.connection_class(**options)
         self._local = threading.local()
         self._lock = threading.Lock()
