@@ -181,6 +181,29 @@ def test_slices_never_submitted_are_counted_as_dropped_at_shutdown(engine, monke
     assert failures.get("l2_store_dropped_at_shutdown") == 2
 
 
+def test_writes_counted_lost_when_l1_dropped_them_are_not_counted_again_at_shutdown(
+    engine, monkeypatch
+) -> None:
+    # A clear that removes objects before their store counts each acknowledged write lost
+    # once; the slices still queued for them at shutdown lose nothing more.
+    monkeypatch.setattr(store_pacing, "SLICE_BYTES", SIZE)
+    monkeypatch.setattr(store_pacing, "INFLIGHT_BYTES", SIZE)
+    storage = engine([gated()])
+    backend = gated_backend(storage)
+    backend.store_gate.clear()
+    store(storage, keys_of(15, 3), SIZE)
+    assert wait_for(lambda: storage.store.in_flight() == 1 and storage.store.pending_batches() == 2)
+    storage.clear()  # the two queued objects go; the one being stored is locked
+    opener = threading.Timer(0.5, backend.store_gate.set)
+    opener.start()
+    storage.close(drain_timeout_s=0.05)
+    opener.join()
+    failures = storage.stats.failures()
+    assert failures.get("l1_cleared_before_l2_store") == 2
+    assert failures.get("l2_store_abandoned") == 1
+    assert "l2_store_dropped_at_shutdown" not in failures
+
+
 @pytest.mark.parametrize("other_stored", [True, False], ids=["stored-elsewhere", "stored-nowhere"])
 def test_an_abandoned_object_is_counted_once_and_only_when_no_adapter_stored_it(
     engine, other_stored: bool

@@ -445,11 +445,6 @@ class StoreController(ControllerThread):
                     obj = task.batch.objects[key]
                     abandoned[id(obj)] = obj
         self._tasks.clear()
-        if abandoned:
-            self.stats.fail("l2_store_abandoned", len(abandoned))
-            logger.warning(
-                "%d objects' L2 stores were still running when the drain gave up on them", len(abandoned)
-            )
         # Slices never submitted: counted once per object not stored in any adapter (and
         # not counted as abandoned above).
         unsent: dict[int, L1Object] = {}
@@ -460,17 +455,36 @@ class StoreController(ControllerThread):
                     if id(obj) not in abandoned:
                         unsent[id(obj)] = obj
         self._waiting_slices = 0
+        abandoned = self._still_in_l1(abandoned)
+        if abandoned:
+            self.stats.fail("l2_store_abandoned", len(abandoned))
+            logger.warning(
+                "%d objects' L2 stores were still running when the drain gave up on them", len(abandoned)
+            )
         with self._queue_lock:
             queued = [obj for objects, _ in self._queue for obj in objects]
             self._queue.clear()
             self._ended = True
         queued += unsent.values()
         self.l1.settle_unstored(queued)
+        queued = list(self._still_in_l1({id(obj): obj for obj in queued}).values())
         if queued:
             self.stats.fail("l2_store_dropped_at_shutdown", len(queued))
             logger.warning(
                 "%d committed keys were never stored in L2: the controller stopped first", len(queued)
             )
+
+    def _still_in_l1(self, objects: dict[int, L1Object]) -> dict[int, L1Object]:
+        """Those of ``objects`` still in L1: one that left it (cleared, evicted, deleted,
+        written again) was counted then if its write was lost, and is skipped as gone, as
+        while running.  Once L1 is closed nothing tells them apart: all count."""
+        with self.l1.lock:
+            if self.l1.closed:
+                return objects
+            kept = {ident: obj for ident, obj in objects.items() if self.l1.get(obj.key) is obj}
+        if len(kept) < len(objects):
+            self.stats.add("l2_store_skipped_gone", len(objects) - len(kept))
+        return kept
 
 
 def _store_plan(targets: Any) -> list[tuple[int, list[ObjectKey]]]:

@@ -418,6 +418,11 @@ class L1Manager:
             locked = self._table.locked_bytes(self._allocator.size_at)
             return self._allocator.capacity - locked - self._leases.quarantined_bytes
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (every object was dropped then, none counted)."""
+        return self._table.closed
+
     def close(self) -> None:
         """Drop every object without notifying listeners and release the arena. Idempotent."""
         with self.lock:
