@@ -188,3 +188,31 @@ def test_asking_about_what_one_does_not_hold_costs_no_session(server: TiersServe
     finally:
         context.term()
     assert len(server.frontends[0].handlers.sessions) == 0
+
+
+def test_a_status_value_msgpack_lacks_neither_kills_the_loop_nor_goes_unanswered(server: TiersServer) -> None:
+    from pathlib import Path
+
+    import numpy as np
+
+    # A component's stat of a type msgpack has no encoding for (a numpy integer, a path):
+    # HTTP /status writes it as a string, and so does the native STATUS.
+    handlers = server.frontends[0].handlers
+    document = handlers.status_provider
+    handlers.status_provider = lambda: {**document(), "odd": {"count": np.int64(3), "dir": Path("/x")}}
+    ping = handlers._table[p.Ping]
+    with Client(server.endpoint, timeout=5) as client:
+        assert client.status()["odd"] == {"count": "3", "dir": "/x"}
+        assert client.ping() > 0
+        # a reply that cannot be encoded at all is refused as an internal error, not dropped
+        unencodable = {"x": object()}
+        handlers._table[p.Ping] = lambda req, identity, frames: (p.StatusReply(req.req_id, unencodable), ())
+        try:
+            with pytest.raises(ServerError) as refused:
+                client.ping()
+        finally:
+            handlers._table[p.Ping] = ping
+        assert refused.value.code is p.ErrorCode.INTERNAL
+        assert client.ping() > 0
+    assert server.frontends[0].health() == (True, "ok")
+    assert server.frontends[0].stats().failures["internal"] == 1

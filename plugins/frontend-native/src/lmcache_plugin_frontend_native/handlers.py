@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
+
 from lmcache_plugin_frontend_native.sessions import PendingPrefetch, Session, SessionTable
 from lmcache_tiers.plugin import (
     BurstLog,
@@ -196,7 +198,12 @@ class Handlers:
         return p.PingReply(req.req_id), ()
 
     def status(self, req: p.Status, identity: bytes, frames: Frames) -> Response:
-        return p.StatusReply(req.req_id, status=self.status_provider()), ()
+        # Values msgpack lacks (a component's numpy integer, a path) become strings, as
+        # HTTP /status writes them.
+        document = msgspec.to_builtins(
+            self.status_provider(), builtin_types=(bytes, bytearray, memoryview), enc_hook=str, str_keys=False
+        )
+        return p.StatusReply(req.req_id, status=document), ()
 
     # -- lookup and prefetch ----------------------------------------------------------------
     #

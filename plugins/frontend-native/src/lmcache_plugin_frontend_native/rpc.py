@@ -210,4 +210,14 @@ class RpcServer:
         self._send(identity, p.ErrorReply(req_id, code.value, message), ())
 
     def _send(self, identity: bytes, reply: p._Reply, payloads: Frames) -> None:
-        self.router.send([identity, p.encoder.encode(reply), *payloads])
+        try:
+            header = p.encoder.encode(reply)
+        except Exception as exc:
+            # A value msgpack has no encoding for: raised here it would end the loop (or,
+            # from the pool, leave the caller waiting); the caller is told instead.
+            logger.error("cannot encode the %s to %s", type(reply).__name__, identity.hex(), exc_info=exc)
+            self.stats.failure(p.ErrorCode.INTERNAL.name.lower())
+            message = f"the {type(reply).__name__} could not be encoded: {exc}"
+            header = p.encoder.encode(p.ErrorReply(reply.req_id, p.ErrorCode.INTERNAL.value, message))
+            payloads = ()
+        self.router.send([identity, header, *payloads])
