@@ -7,6 +7,7 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from replay_helpers import BLOCK_BYTES, small_trace, start_block_server
 from thirdparty import launch_cli, run_cli
@@ -79,6 +80,14 @@ def test_a_bad_capacity_is_one_line_and_exit_2(tmp_path: Path, capacity: str) ->
         (["--simulate", "--capacity", "100B"], "holds nothing"),
         (["--simulate", "--foresight", "soon"], "foresight horizon"),
         (["--simulate", "--retime-bandwidth", "5"], "needs --retime"),
+        # numbers no machine holds: once tracebacks (OverflowError, or Python's refusal to
+        # read an integer of more than 4300 digits)
+        (["--simulate", "--capacity", "9" * 400], "more than 64 digits"),
+        (["--simulate", "--capacity", "9" * 5000], "more than 64 digits"),
+        (["--simulate", "--capacity", "9" * 30], "more than 2**53 blocks"),
+        (["--simulate", "--retime", "0", "--retime-bandwidth", "1" + "0" * 400], "--retime-bandwidth"),
+        (["--in-process", "--l1-blocks", "1" + "0" * 400], "no machine holds"),
+        (["--in-process", "--l1-blocks", "2", "--block-bytes", "1" + "0" * 400], "no machine holds"),
     ],
 )
 def test_bad_combinations_are_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
@@ -303,6 +312,23 @@ def test_several_client_processes_share_the_requests(tmp_path: Path) -> None:
         assert server.stop() == 0, server.output()
 
 
+def test_l2_stores_still_in_flight_at_the_end_are_counted(tmp_path: Path) -> None:
+    # The store controller writes to L2 after the STORE is acknowledged; a report taken
+    # the moment the last request is answered left the last batches out.
+    server = start_block_server(
+        tmp_path / "server", 500, adapters=[{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.05}]
+    )
+    try:
+        trace = str(small_trace(tmp_path / "t.jsonl", requests=60))
+        result = run_cli(["replay", trace, "--url", server.url, "--block-bytes", str(BLOCK_BYTES), "--json"])
+        assert result.returncode == 0, result.stderr
+        document = json.loads(result.stdout)
+        assert document["stored_blocks"] > 0 and document["server_failures"] == {}
+        assert document["bytes"]["l2_stored"] == document["stored_blocks"] * BLOCK_BYTES
+    finally:
+        assert server.stop() == 0, server.output()
+
+
 def test_a_server_that_dies_mid_replay_ends_it_in_one_line(tmp_path: Path) -> None:
     """Without a server, every request left would wait out its --timeout."""
     server = start_block_server(tmp_path / "server", 500)
@@ -334,6 +360,71 @@ def test_a_server_that_dies_mid_replay_ends_it_in_one_line(tmp_path: Path) -> No
     line = err.strip().splitlines()[-1]
     assert line.startswith(f"error: replay through {server.url} failed: the server stopped answering: "), err
     assert "3 requests in a row got no reply" in line
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_client_processes_end_with_the_replay_that_started_them(tmp_path: Path, sig: int) -> None:
+    """A replay stopped by a signal to it alone (a supervisor, ``timeout``, ``kill``) ends
+    at once and takes its client processes with it; they once replayed on to the end of
+    their share (orphans, for SIGTERM) while it waited for them (10 s each, for SIGINT)."""
+    server = start_block_server(tmp_path / "server", 500)
+    trace = str(small_trace(tmp_path / "t.jsonl", requests=4000))  # 20 s of arrivals
+    args = ["replay", trace, "--url", server.url, "--block-bytes", str(BLOCK_BYTES)]
+    replay = launch_cli([*args, "--clients", "2", "--time-scale", "1", "--json"])
+    workers: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(workers) < 2:
+            assert time.monotonic() < deadline and replay.poll() is None, "no client processes"
+            children = psutil.Process(replay.pid).children()
+            workers = [child for child in children if "spawn_main" in " ".join(child.cmdline())]
+            time.sleep(0.1)
+        time.sleep(3.0)  # replaying by now
+        signalled = time.monotonic()
+        replay.send_signal(sig)
+        while any(_running(worker) for worker in [psutil.Process(replay.pid), *workers]):
+            assert time.monotonic() - signalled < 5.0, "the replay or its client processes went on"
+            time.sleep(0.1)
+        assert replay.wait() == (-signal.SIGTERM if sig == signal.SIGTERM else 130)
+    finally:
+        replay.kill()
+        for worker in workers:
+            if _running(worker):
+                worker.kill()
+        server.stop(signal.SIGKILL)
+
+
+def test_an_in_process_replay_stopped_by_sigterm_removes_its_l1_segment(tmp_path: Path) -> None:
+    """SIGTERM (a supervisor, ``timeout``) ended the process at once, leaving the L1 arena
+    in /dev/shm (one named in --config is never reaped, and refuses the next start)."""
+    trace = str(small_trace(tmp_path / "t.jsonl", requests=4000))  # 20 s of arrivals
+    name = f"replay_sigterm_{tmp_path.name[-12:]}"
+    config = tmp_path / "tiers.toml"
+    config.write_text(f'l1_shm_name = "{name}"\n')
+    segment = Path("/dev/shm") / name
+    args = ["replay", trace, "--in-process", "--l1-blocks", "50", "--block-bytes", str(BLOCK_BYTES)]
+    replay = launch_cli([*args, "--config", str(config), "--time-scale", "1", "--json"])
+    try:
+        deadline = time.monotonic() + 30
+        while not segment.exists():
+            assert time.monotonic() < deadline and replay.poll() is None, replay.communicate()
+            time.sleep(0.05)
+        time.sleep(1.0)  # replaying by now
+        replay.send_signal(signal.SIGTERM)
+        out, err = replay.communicate(timeout=30)
+        assert replay.returncode == 128 + signal.SIGTERM, err
+        assert "Traceback" not in err and out == ""
+        assert not segment.exists(), "the L1 segment outlived the replay"
+    finally:
+        replay.kill()
+        segment.unlink(missing_ok=True)
 
 
 def test_an_empty_in_process_config_path_is_refused_not_ignored(tmp_path: Path) -> None:

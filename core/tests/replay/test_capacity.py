@@ -29,6 +29,28 @@ def test_bad_capacities_are_one_clear_error(text: str) -> None:
         parse_capacity(text)
 
 
+@pytest.mark.parametrize(
+    "text",
+    ["9" * 400, "9" * 5000, "1." + "0" * 5000 + "1k", "10000000000000000000TiB"],
+    ids=["400 digits", "5000 digits", "5000 decimals", "10**19 TiB"],
+)
+def test_capacities_no_machine_holds_are_one_clear_error(text: str) -> None:
+    # Once an OverflowError from the simulator's float arithmetic, or a ValueError from
+    # reading a number of more than 4300 digits.
+    with pytest.raises(ConfigError, match="bad capacity"):
+        parse_capacity(text)
+
+
+@pytest.mark.parametrize(
+    ("blocks", "block_bytes"),
+    [(10**400, 8192), (2, 10**400), (1 << 60, 1 << 20)],
+    ids=["10**400 blocks", "10**400 bytes a block", "2**80 bytes"],
+)
+def test_l1_for_blocks_no_machine_holds_is_one_clear_error(blocks: int, block_bytes: int) -> None:
+    with pytest.raises(ConfigError, match="no machine"):
+        l1_size_for_blocks(blocks, block_bytes)
+
+
 def test_byte_capacities_count_aligned_extents() -> None:
     assert extent_bytes(5000, 4096) == 8192
     assert parse_capacity("1MiB").in_blocks(extent_bytes(5000, 4096)) == 128

@@ -1,4 +1,5 @@
 import random
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -6,6 +7,7 @@ from replay_support import write_trace
 
 from lmcache_tiers.replay.retime import (
     RateOracle,
+    bandwidth_log_likelihood,
     best_bandwidth,
     fit_rates,
     prompt_trees,
@@ -13,7 +15,7 @@ from lmcache_tiers.replay.retime import (
     retime,
 )
 from lmcache_tiers.replay.simulate import simulate_policy
-from lmcache_tiers.replay.trace import KeySpace, Trace, read_trace
+from lmcache_tiers.replay.trace import KeySpace, Trace, TraceRequest, read_trace
 
 
 def _line(index: int, blocks: list[int]) -> dict[str, object]:
@@ -77,6 +79,40 @@ def test_a_sample_keeps_prefixes_one_offs_and_fresh_tails(synthetic_trace: Trace
         kept = [block for block in request.hash_ids if block in original]
         assert any(kept == list(blocks[: len(kept)]) for blocks in recorded), "a shared prefix is copied"
         assert request.hash_ids[: len(kept)] == tuple(kept), "fresh ids only follow the shared prefix"
+
+
+def test_fresh_ids_stay_block_ids_when_the_trace_uses_the_top_of_the_range(tmp_path: Path) -> None:
+    # Hash ids may be any 64-bit value: fresh tails must not count past 2**64 - 1 (which no
+    # key can hold) nor reuse an id the trace has.
+    top = (1 << 64) - 1
+    lines = [_line(index, [top, top - 1 - index]) for index in range(6)]
+    trace = read_trace(write_trace(tmp_path / "top.jsonl", lines))
+    sample = retime(trace, 2.0, seed=1)
+    original = {block for request in trace.requests for block in request.hash_ids}
+    fresh = [
+        block for request in sample.trace.requests for block in request.hash_ids if block not in original
+    ]
+    assert fresh and all(0 <= block <= top for block in fresh)
+    assert len(set(fresh)) == len(fresh)
+    run = simulate_policy(sample.trace, "rate oracle", lambda: RateOracle(sample), 4)
+    assert run.total_blocks == sample.trace.block_references
+
+
+def test_a_prompt_every_request_shares_is_fitted_in_bounded_memory() -> None:
+    # One tree of n requests (a system prompt they all start with) once took matrices of
+    # 8 n**2 bytes: gigabytes at a few tens of thousands of requests, and a MemoryError.
+    requests = 3000
+    trace = Trace(
+        "shared-prompt", tuple(TraceRequest(float(i), 1024, 1, (0, 10 + i)) for i in range(requests))
+    )
+    tracemalloc.start()
+    try:
+        bandwidth_log_likelihood(trace, 16.0)
+        fit_rates(trace, 16.0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"{peak >> 20} MiB for {requests} requests"
 
 
 def test_the_bound_grows_with_capacity_and_stays_a_hit_rate(synthetic_trace: Trace) -> None:

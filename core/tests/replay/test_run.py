@@ -225,6 +225,57 @@ def test_a_stale_retrieve_is_a_failed_request_not_corruption() -> None:
     assert (state.totals.corrupt_blocks, state.totals.retrieved_blocks) == (3, 3)
 
 
+class _OtherSizeClient:
+    """Holds every block as a replay with another ``--block-bytes`` stored it: the block's
+    own id at both ends, in a block of another size (replay keys do not name the size)."""
+
+    def __init__(self, block_bytes: int) -> None:
+        self.payloads = Payloads(block_bytes)
+
+    def lookup(self, keys: list[ObjectKey]) -> int:
+        return len(keys)
+
+    @contextlib.contextmanager
+    def retrieve(self, keys: list[ObjectKey]) -> Iterator[list[memoryview]]:
+        blocks = [int.from_bytes(key.chunk_hash, "big") for key in keys]
+        yield [memoryview(row.copy()) for row in self.payloads.batch(blocks)]
+
+
+def test_a_block_stored_with_another_block_size_is_not_corruption() -> None:
+    request = TraceRequest(0, 1500, 1, (1, 2, 3))
+    state = ClientState.for_options(ReplayOptions(block_bytes=8192))
+    server_replay._replay_one(_OtherSizeClient(4096), request, state)  # type: ignore[arg-type]
+    assert (state.totals.corrupt_blocks, state.totals.retrieved_blocks) == (0, 3)
+    assert state.totals.retrieved_bytes == 3 * 4096  # what came back, not 3 of our blocks
+    # another block's bytes, whatever their size, still are corruption
+    assert not state.payloads.matches(4, Payloads(4096).batch([5])[0].data)
+    assert not state.payloads.matches(4, bytes(8))  # too short to carry an id at both ends
+
+
+def test_an_in_process_replay_reads_blocks_larger_than_its_own() -> None:
+    # A persistent L2 (an fs directory given again) holds the blocks of an earlier replay
+    # with a larger --block-bytes: once a ValueError (traceback) copying one into the
+    # scratch buffer of one block of this replay.
+    options = ReplayOptions(block_bytes=4096)
+    state = ClientState.for_options(options)
+    request = TraceRequest(0, 1500, 1, (1, 2, 3))
+    scratch = np.zeros(options.block_bytes, dtype=np.uint8).data
+    earlier = ClientState.for_options(ReplayOptions(block_bytes=8192))
+    with StorageManager(ServerConfig(l1_size_gb=1 / 64), load_registry()) as storage:
+        keys = earlier.keyspace.keys(request.hash_ids)
+        reserved = storage.reserve_write(keys, [8192] * len(keys))
+        for key, data in zip(keys, earlier.payloads.batch(request.hash_ids), strict=True):
+            storage.write_object(reserved[key], data.data)
+        storage.commit_write(keys)
+        inprocess._replay_one(storage, request, state, scratch, 30.0)
+        assert storage.l1.stats().read_locks == 0
+    assert (state.totals.hit_blocks, state.totals.corrupt_blocks, state.totals.retrieved_bytes) == (
+        3,
+        0,
+        3 * 8192,
+    )
+
+
 def test_an_in_process_lookup_given_up_on_leaves_no_locks_behind() -> None:
     registry = load_registry()
     slow = decode_adapter(registry, {"type": "mock", "max_size_gb": 0.01, "latency_s": 0.3}, 0)

@@ -126,6 +126,17 @@ def test_chain_conflicts_are_found(tmp_path: Path) -> None:
     assert read_trace(write_trace(tmp_path / "t.jsonl", lines)).chain_conflicts() == 1
 
 
+def test_chain_conflicts_count_blocks_not_references(tmp_path: Path) -> None:
+    # The report says "N blocks appear after two different parents": a block sent again
+    # and again after its second parent is still one block.
+    lines = [
+        {"timestamp": 0, "input_length": 9, "output_length": 1, "hash_ids": [1, 2]},
+        *({"timestamp": 1, "input_length": 9, "output_length": 1, "hash_ids": [3, 2]} for _ in range(4)),
+        {"timestamp": 2, "input_length": 9, "output_length": 1, "hash_ids": [4, 2]},
+    ]
+    assert read_trace(write_trace(tmp_path / "t.jsonl", lines)).chain_conflicts() == 1
+
+
 def test_keys_are_replay_keys_named_by_block_id() -> None:
     space = KeySpace()
     key = space.key(258)

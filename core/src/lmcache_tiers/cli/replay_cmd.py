@@ -6,8 +6,12 @@ A plain function with typer-annotated parameters; heavy imports happen inside it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import signal
+import threading
+from collections.abc import Iterator
 from typing import Annotated, Any, Optional
 
 import typer
@@ -32,6 +36,8 @@ REPLAY_HELP = (
 DEFAULT_URL = "tcp://127.0.0.1:5555"
 #: the most reads of a hit prefix per request a simulation takes (an engine takes two or three)
 MAX_READS_PER_HIT = 64
+#: the widest --retime-bandwidth, in requests: far wider than any trace, and still a float
+MAX_RETIME_BANDWIDTH = 1 << 53
 
 _D = ServerConfig()
 
@@ -167,7 +173,12 @@ def replay(
     ] = None,
     retime_bandwidth: Annotated[
         Optional[int],
-        typer.Option(min=1, help="Rate smoothing of --retime, in requests. \\[default: the likeliest]"),
+        # bounded: it is used as a float (and a bandwidth past the trace's length is flat)
+        typer.Option(
+            min=1,
+            max=MAX_RETIME_BANDWIDTH,
+            help="Rate smoothing of --retime, in requests. \\[default: the likeliest]",
+        ),
     ] = None,
     # -- real bytes -------------------------------------------------------------------
     time_scale: Annotated[
@@ -477,12 +488,35 @@ def _in_process(
             f"{config.l1_size_gb:g}), which could hold no block; give smaller blocks or a larger L1"
         )
     progress = _progress(not as_json)
-    with progress:
+    with progress, _sigterm_unwinds():
         task = progress.add_task("replaying (in-process)", total=len(trace.requests))
         report = replay_in_process(
             config, trace, options, registry=registry, progress=lambda n: progress.update(task, advance=n)
         )
     _show(report.to_dict(), as_json)
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM exits (128 + 15) through the StorageManager's cleanup, as Ctrl-C does.
+
+    Under Python's default action it ended the process at once, leaving the L1 arena in
+    /dev/shm, its memory held until a later start reaps it.  Later signals are ignored so
+    that they cannot cut the cleanup short.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _server(trace: Any, options: Any, url: str, clients: int, auth_token: str | None, as_json: bool) -> None:

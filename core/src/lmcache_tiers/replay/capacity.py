@@ -9,6 +9,12 @@ from fractions import Fraction
 from lmcache_tiers.errors import ConfigError
 
 _SPEC = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+#: the largest capacity accepted, in blocks and in bytes: beyond them no machine holds it,
+#: and the simulator's arithmetic (and a JSON reader) no longer counts blocks exactly
+MAX_BLOCKS = 2**53
+MAX_BYTES = 2**53
+#: digits a capacity may have: Python refuses to read integers of more than 4300
+_MAX_DIGITS = 64
 #: suffixes of a block count (decimal: 4k = 4000 blocks)
 _COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
 #: suffixes of a byte size
@@ -46,6 +52,8 @@ def parse_capacity(text: str) -> Capacity:
     match = _SPEC.match(text)
     if match is None:
         raise ConfigError(f"bad capacity {text!r}: give a block count (1000, 4k) or a size (512MiB, 2GB)")
+    if len(match.group(1)) > _MAX_DIGITS:
+        raise ConfigError(f"bad capacity {text.strip()[:40]!r}...: more than {_MAX_DIGITS} digits")
     number, suffix = Fraction(match.group(1)), match.group(2).lower()
     if suffix in _COUNT_SUFFIXES:
         count = number * _COUNT_SUFFIXES[suffix]
@@ -57,11 +65,15 @@ def parse_capacity(text: str) -> Capacity:
         blocks = int(count)
         if blocks < 1:
             raise ConfigError(f"bad capacity {text!r}: at least one block is needed")
+        if blocks > MAX_BLOCKS:
+            raise ConfigError(f"bad capacity {text!r}: more than 2**53 blocks, which no machine holds")
         return Capacity(text.strip(), blocks=blocks)
     if suffix in _BYTE_SUFFIXES:
         size = int(number * _BYTE_SUFFIXES[suffix])
         if size < 1:
             raise ConfigError(f"bad capacity {text!r}: the size must be positive")
+        if size > MAX_BYTES:
+            raise ConfigError(f"bad capacity {text!r}: more than 2**53 bytes (8 PiB), which no machine holds")
         return Capacity(text.strip(), bytes=size)
     raise ConfigError(
         f"bad capacity {text!r}: unknown unit {match.group(2)!r} "
@@ -89,4 +101,10 @@ def l1_size_for_blocks(blocks: int, block_bytes: int, align: int = 4096) -> tupl
     while extent_bytes(block_bytes, align) == align and align > 64:
         align //= 2
     size = blocks * extent_bytes(block_bytes, align) + align
+    if size > MAX_BYTES:
+        # Refused here, not by an OverflowError converting it to GiB below.
+        raise ConfigError(
+            f"an L1 of {blocks} blocks of {block_bytes} bytes would take more than 2**53 bytes "
+            "(8 PiB), which no machine holds"
+        )
     return size / (1 << 30), align

@@ -41,6 +41,8 @@ from lmcache_tiers.replay.trace import KeySpace, Trace, TraceRequest
 RATE_ORACLE = "rate oracle"
 _IMAGES = (-2, -1, 0, 1, 2)  # reflections of the kernel that matter for bandwidth <= span
 _MAX_CELLS = 4096
+_CHUNK_ELEMENTS = 1 << 20  # kernel values computed at once (8 MiB an array)
+_ID_MASK = (1 << 64) - 1  # block ids are 8 bytes (KeySpace)
 
 
 def prompt_trees(trace: Trace) -> list[list[int]]:
@@ -62,6 +64,24 @@ def _kernel(points: np.ndarray, centres: np.ndarray, bandwidth: float, span: flo
     return result
 
 
+def _kernel_sums(
+    points: np.ndarray, centres: np.ndarray, bandwidth: float, span: float, *, leave_one_out: bool = False
+) -> np.ndarray:
+    """``_kernel(points, centres, ...).sum(axis=1)``, a band of rows at a time: the whole
+    matrix of a prompt tree of n requests takes 8 n**2 bytes (tens of GB for a system
+    prompt every request of a large trace shares).  ``leave_one_out`` (points are the
+    centres) leaves each point's own term out."""
+    sums = np.empty(len(points))
+    rows = max(1, _CHUNK_ELEMENTS // max(1, len(centres)))
+    for first in range(0, len(points), rows):
+        band = _kernel(points[first : first + rows], centres, bandwidth, span)
+        if leave_one_out:
+            count = len(band)
+            band[np.arange(count), np.arange(first, first + count)] = 0.0
+        sums[first : first + rows] = band.sum(axis=1)
+    return sums
+
+
 def bandwidth_log_likelihood(trace: Trace, bandwidth: float) -> float:
     """Mean leave-one-out log density of the positions of repeated trees' requests."""
     span = float(len(trace.requests))
@@ -70,9 +90,7 @@ def bandwidth_log_likelihood(trace: Trace, bandwidth: float) -> float:
         if len(positions) < 2:
             continue
         points = np.asarray(positions, dtype=float) + 0.5
-        weights = _kernel(points, points, bandwidth, span)
-        np.fill_diagonal(weights, 0.0)
-        density = weights.sum(axis=1) / (len(points) - 1)
+        density = _kernel_sums(points, points, bandwidth, span, leave_one_out=True) / (len(points) - 1)
         total += float(np.log(np.maximum(density, 1e-300)).sum())
         count += len(points)
     return total / count if count else 0.0
@@ -117,7 +135,7 @@ def fit_rates(trace: Trace, bandwidth: float) -> RateModel:
             continue
         tree = len(densities)
         points = np.asarray(positions, dtype=float) + 0.5
-        densities.append(_kernel(centres, points, bandwidth, span).sum(axis=1) / len(points))
+        densities.append(_kernel_sums(centres, points, bandwidth, span) / len(points))
         counts: dict[int, int] = {}
         for index in positions:
             for block in trace.requests[index].hash_ids:
@@ -161,6 +179,21 @@ def _reflect(moment: float, span: float) -> float:
     return moment
 
 
+def _fresh_ids(trace: Trace) -> Iterator[int]:
+    """Block ids the trace does not use, counting up from its largest one.
+
+    Ids are 64-bit: past 2**64 - 1 the count wraps to 0 and skips the trace's own ids (a
+    trace of 64-bit hashes may use the top of the range).
+    """
+    used = {block for request in trace.requests for block in request.hash_ids}
+    candidate = max(used, default=-1) + 1
+    while True:
+        candidate &= _ID_MASK
+        if candidate not in used:
+            yield candidate
+        candidate += 1
+
+
 def retime(trace: Trace, bandwidth: float, seed: int, model: RateModel | None = None) -> Retimed:
     """A sample of the model: repeated trees re-timed as Poisson processes (see the module)."""
     if bandwidth <= 0:
@@ -168,7 +201,7 @@ def retime(trace: Trace, bandwidth: float, seed: int, model: RateModel | None = 
     model = model or fit_rates(trace, bandwidth)
     rng = np.random.default_rng(seed)
     span = float(len(trace.requests))
-    fresh = itertools.count(max((max(r.hash_ids) for r in trace.requests if r.hash_ids), default=-1) + 1)
+    fresh = _fresh_ids(trace)
     events: list[tuple[float, int, TraceRequest]] = []
     order = itertools.count()
     for positions in prompt_trees(trace):

@@ -44,6 +44,7 @@ class ReplayTotals:
     hit_blocks: int = 0
     hit_tokens: int = 0
     retrieved_blocks: int = 0
+    retrieved_bytes: int = 0  # as retrieved: blocks stored with another --block-bytes differ
     stored_blocks: int = 0
     refused_stores: int = 0  # L1 could not make room (OUT_OF_MEMORY)
     short_retrieves: int = 0  # fewer blocks retrievable than the lookup promised
@@ -96,7 +97,9 @@ class Payloads:
 
     def matches(self, block: int, data: memoryview | bytes) -> bool:
         view = memoryview(data).cast("B")
-        if view.nbytes != self.block_bytes:
+        # Any size: replay keys do not name the block size, so a replay with another
+        # --block-bytes finds the blocks an earlier one stored -- their own bytes.
+        if view.nbytes < 2 * _ID_BYTES:
             return False
         expected = block.to_bytes(_ID_BYTES, "big")
         return view[:_ID_BYTES] == expected and view[-_ID_BYTES:] == expected
@@ -254,7 +257,7 @@ class ReplayReport:
             "l2_hit_blocks": l2_hits,
             "bytes": {
                 "l1_stored": totals.stored_blocks * block,
-                "l1_retrieved": totals.retrieved_blocks * block,
+                "l1_retrieved": totals.retrieved_bytes,
                 "l2_stored": server.get("l2_stored_blocks", 0) * block,
                 "l2_loaded": server.get("l2_loaded_blocks", 0) * block,
             },

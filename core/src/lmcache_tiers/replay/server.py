@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +36,8 @@ logger = logging.getLogger(__name__)
 #: requests in a row without a reply after which a replay takes its server for gone: each
 #: would otherwise wait its whole timeout, for every request left in the trace
 UNANSWERED_LIMIT = 3
+#: how long client processes of a replay stopped early get to end on their own
+WORKER_GRACE_S = 1.0
 
 
 def _replay_one(client: Client, request: TraceRequest, state: ClientState) -> None:
@@ -51,12 +55,14 @@ def _replay_one(client: Client, request: TraceRequest, state: ClientState) -> No
     if hits:
         with client.retrieve(keys[:hits]) as views:  # also drops the LOOKUP's locks
             retrieved = len(views)
+            retrieved_bytes = sum(memoryview(view).nbytes for view in views)
             corrupt = [
                 block for block, view in zip(blocks, views, strict=False) if not payloads.matches(block, view)
             ]
         # Counted once the retrieve is over: a StaleReadError on leaving the block says
         # the views' bytes may have changed under them, which voids what was read there.
         totals.retrieved_blocks += retrieved
+        totals.retrieved_bytes += retrieved_bytes
         if retrieved < hits:
             totals.short_retrieves += 1
         totals.corrupt_blocks += len(corrupt)
@@ -122,6 +128,11 @@ def _worker(
         with counter.get_lock():
             counter.value += count
 
+    # A replay killed outright (SIGTERM, SIGKILL) runs no cleanup: its clients would replay
+    # on, orphans, to the end of their share.  They end with it instead.
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_with, args=(parent,), name="replay-parent", daemon=True).start()
     try:
         totals = replay_share(
             url, requests, options, origin_ms=origin_ms, start=start, auth_token=auth_token, progress=bump
@@ -129,6 +140,11 @@ def _worker(
         results.put(("ok", totals))
     except BaseException as exc:  # the parent reports it; a worker must always answer
         results.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _exit_with(parent: Any) -> None:
+    parent.join()  # returns once the parent process is gone
+    os._exit(1)
 
 
 def replay_server(
@@ -161,8 +177,29 @@ def replay_server(
     else:
         totals = _replay_in_processes(url, indexed, options, clients, origin, auth_token, progress)
     with Client(url, timeout=options.timeout_s, auth_token=auth_token, name="replay-status") as probe:
-        after = probe.status()
+        after = _settled_status(probe, options.timeout_s)
     return ReplayReport("server", url, options, clients, totals, status_delta(before, after))
+
+
+def _settled_status(probe: Client, timeout_s: float) -> dict[str, Any]:
+    """STATUS once the server's L2 stores have settled (or ``timeout_s`` has passed).
+
+    A STORE is acknowledged before its L2 store runs: taken at once, the counters would
+    leave out the last batches the replay stored (the in-process replay flushes instead).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = probe.status()
+        store = status.get("store", {})
+        if not store.get("in_flight_tasks") and not store.get("pending_batches"):
+            return status
+        if time.monotonic() >= deadline:
+            logger.warning(
+                "replay: the server's L2 stores did not settle within %g s; L2 counts may be short",
+                timeout_s,
+            )
+            return status
+        time.sleep(0.02)
 
 
 def _replay_in_processes(
@@ -214,6 +251,15 @@ def _replay_in_processes(
                 progress(done - reported)
                 reported = done
     finally:
+        if answers < clients:
+            # Stopped early (Ctrl-C, a signal, an error): what the clients still do is not
+            # wanted.  A moment to finish on their own (Ctrl-C reached them too), then ended.
+            grace = time.monotonic() + WORKER_GRACE_S
+            for worker in workers:
+                worker.join(timeout=max(0.0, grace - time.monotonic()))
+            for worker in workers:
+                if worker.is_alive():
+                    worker.terminate()
         for worker in workers:
             worker.join(timeout=10)
             if worker.is_alive():

@@ -91,15 +91,16 @@ class Trace:
         whenever eviction goes tail first; Belady's optimum relies on it.
         """
         parent: dict[int, int] = {}
-        conflicts = 0
+        # Blocks, not references: one sent again and again after a second parent is one.
+        conflicted: set[int] = set()
         for request in self.requests:
             previous = -1
             for block in request.hash_ids:
                 known = parent.setdefault(block, previous)
                 if known != previous:
-                    conflicts += 1
+                    conflicted.add(block)
                 previous = block
-        return conflicts
+        return len(conflicted)
 
 
 def _unique_prefix(hash_ids: list[int]) -> tuple[int, ...]:
