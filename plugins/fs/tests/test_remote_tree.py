@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 
 import fsspec
+import pytest
 from fs_helpers import Arena, client, fs_config, load, open_fs, store
 
 from lmcache_tiers.testing.l2 import make_keys, pattern
@@ -43,3 +44,78 @@ def test_a_store_nested_under_a_remote_root_is_left_alone() -> None:
         nested.unlock(keys)
     finally:
         nested.close()
+
+
+def _temp_objects(memory: fsspec.AbstractFileSystem, root: str) -> list[str]:
+    return [path for path in memory.find(root) if path.rsplit("/", 1)[-1].startswith(".tmp-")]
+
+
+def test_a_move_whose_delete_fails_after_the_copy_is_a_stored_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an object store ``mv`` copies, then deletes the temporary object: when only the
+    delete fails, the record is published under its name, so the store is acknowledged
+    and accounted -- a failed store that leaves its record behind would hold bytes no
+    capacity counts.  The temporary object left is removed at the next start."""
+    memory = fsspec.filesystem("memory")
+    root = f"memory://mv-{uuid.uuid4().hex}"
+    arena = Arena()
+    keys = make_keys(1)
+    config = fs_config(root, max_capacity_gb=1)
+    adapter = open_fs(config, arena.view)
+    try:
+        real_rm_file = memory.rm_file
+
+        def rm_file(path: str) -> None:
+            if path.rsplit("/", 1)[-1].startswith(".tmp-"):
+                raise PermissionError(13, "delete refused", path)
+            real_rm_file(path)
+
+        monkeypatch.setattr(memory, "rm_file", rm_file)
+        ok = store(adapter, arena, keys, [pattern(3, SIZE)])
+        published = memory.exists(f"{root}/{keys[0].file_stem()}.bin")
+        assert (ok, published) in (([True], True), ([False], False)), "a failed store left its record"
+        assert adapter.used_bytes() == (SIZE if published else 0)
+        monkeypatch.undo()
+        result = client(adapter).lookup_and_lock(keys)
+        assert result.found == [True]
+        assert load(adapter, arena, keys, result.sizes) == ([True], [pattern(3, SIZE)])
+        adapter.unlock(keys)
+    finally:
+        monkeypatch.undo()
+        adapter.close()
+    restarted = open_fs(config, arena.view)
+    try:
+        assert _temp_objects(memory, root) == []
+        assert restarted.used_bytes() == SIZE
+    finally:
+        restarted.close()
+        memory.rm(root, recursive=True)
+
+
+def test_an_unexpected_store_error_fails_its_record_alone_and_leaves_no_temp(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An fsspec filesystem may raise what is not an OSError (an s3 credential error, a
+    gcs HttpError): that record fails alone, counted, and its temporary object is removed;
+    the records of the batch already published stay acknowledged."""
+    memory = fsspec.filesystem("memory")
+    root = f"memory://raise-{uuid.uuid4().hex}"
+    arena = Arena()
+    keys = make_keys(2)
+    adapter = open_fs(fs_config(root, max_capacity_gb=1), arena.view)
+    try:
+        real_mv = memory.mv
+
+        def mv(source: str, target: str, *args: object, **kwargs: object) -> None:
+            if target.endswith(f"{keys[1].file_stem()}.bin"):
+                raise RuntimeError("no credentials")
+            real_mv(source, target, *args, **kwargs)
+
+        monkeypatch.setattr(memory, "mv", mv)
+        assert store(adapter, arena, keys, [pattern(1, SIZE), pattern(2, SIZE)]) == [True, False]
+        assert _temp_objects(memory, root) == []
+        assert adapter.used_bytes() == SIZE
+        assert adapter.stats()["store_io_errors"] == 1
+    finally:
+        monkeypatch.undo()
+        adapter.close()
+        memory.rm(root, recursive=True)

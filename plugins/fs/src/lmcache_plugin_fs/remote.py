@@ -93,20 +93,48 @@ class RemoteRecords:
                 handle.write(header)
                 handle.write(payload)
             with self._stripe(key):
-                self.fs.mv(temp, self.layout.path_for(key))
+                self._publish(temp, self.layout.path_for(key), header, header_len + payload.nbytes)
             return True
         except ValueError as exc:
             log.warning("%s: cannot store %s: %s", self.context.name, printable(record_name(key)), exc)
-        except OSError as exc:
+        except Exception as exc:  # OSError, or what an fsspec store raises of its own (botocore, gcs)
             self.failures.failed(record_name(key), exc)
         self._remove_quietly(temp)
         return False
+
+    def _publish(self, temp: str, path: str, header: bytes, size: int) -> None:
+        """Move ``temp`` over ``path``.  On an object store ``mv`` copies, then deletes the
+        temporary object: when only that delete failed, the record is published all the
+        same, and failing the store would leave a record no accounting counts."""
+        try:
+            self.fs.mv(temp, path)
+        except Exception:
+            if not self._holds(path, header, size):
+                raise
+            if not self._remove_quietly(temp):
+                log.warning(
+                    "%s: stored %s but cannot remove its temporary object %s (removed at the next start)",
+                    self.context.name,
+                    printable(path, 300),
+                    printable(temp, 300),
+                )
+
+    def _holds(self, path: str, header: bytes, size: int) -> bool:
+        """Whether ``path`` is the record of ``header`` (which carries the payload's
+        checksum) at its full size."""
+        try:
+            if self._size_or_raise(path) != size:
+                return False
+            with self.fs.open(path, "rb") as handle:
+                return bool(handle.read(len(header)) == header)
+        except Exception:
+            return False
 
     def _remove_quietly(self, path: str) -> bool:
         """Remove ``path`` if it can be; whether it was removed."""
         try:
             self.fs.rm_file(path)
-        except (OSError, ValueError):
+        except Exception:
             return False
         return True
 
