@@ -104,6 +104,15 @@ def test_a_short_existing_file_is_extended_and_one_without_room_is_refused(tmp_p
         open_raw(RawBlockConfig(device_path=str(tiny), slot_bytes=1 << 20))
 
 
+def test_a_capacity_no_file_can_have_is_one_line(tmp_path: Path) -> None:
+    """posix_fallocate takes a signed 64-bit length: a larger capacity_bytes must be
+    refused as a bad value, not fail the start-up with an OverflowError."""
+    path = tmp_path / "huge.img"
+    with pytest.raises(ConfigError, match="capacity_bytes") as caught:
+        open_raw(decode(device_path=str(path), slot_bytes=1 << 20, capacity_bytes=1 << 63))
+    assert "\n" not in str(caught.value)
+
+
 @pytest.mark.parametrize("path", ["/dev/null", "/tmp"])
 def test_neither_a_block_device_nor_a_file_is_refused(path: str) -> None:
     with pytest.raises(ConfigError, match="neither a block device nor a regular file"):

@@ -18,6 +18,9 @@ _MIB = 1 << 20
 META_BYTES_PER_SLOT = 512
 #: and a floor, so small devices still get room for a few long keys
 META_MIN_AREA_BYTES = 64 << 10
+#: the largest slot or capacity taken (1 EiB): past 2**63 the system calls cannot take
+#: the length (posix_fallocate raised OverflowError at start-up)
+MAX_BYTES = 1 << 60
 
 
 def lmcache_field(text: str) -> str:
@@ -96,6 +99,7 @@ class RawBlockConfig(L2AdapterConfig):
         int,
         msgspec.Meta(
             gt=0,
+            le=MAX_BYTES,
             description=lmcache_field("Size of one slot, header included; a multiple of block_align."),
         ),
     ]
@@ -103,6 +107,7 @@ class RawBlockConfig(L2AdapterConfig):
         int,
         msgspec.Meta(
             ge=0,
+            le=MAX_BYTES,
             description=lmcache_field(
                 "Bytes of the device to use, metadata included; 0 uses the whole device "
                 "(a block device smaller than this is used whole, with a warning)."
