@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 from pathlib import Path
 
@@ -110,6 +112,21 @@ def test_a_capacity_no_file_can_have_is_one_line(tmp_path: Path) -> None:
     path = tmp_path / "huge.img"
     with pytest.raises(ConfigError, match="capacity_bytes") as caught:
         open_raw(decode(device_path=str(path), slot_bytes=1 << 20, capacity_bytes=1 << 63))
+    assert "\n" not in str(caught.value)
+
+
+def test_a_device_that_cannot_be_locked_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # flock failing otherwise than "held" (ENOLCK on a filesystem without locks): without
+    # the lock a second server could share the device, so start-up is refused, not a traceback.
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    path = tmp_path / "dev.img"
+    with pytest.raises(ConfigError, match="cannot lock") as caught:
+        open_raw(RawBlockConfig(device_path=str(path), slot_bytes=1 << 20, capacity_bytes=16 << 20))
     assert "\n" not in str(caught.value)
 
 

@@ -36,6 +36,11 @@ def lock_device(fd: int, path: str, type_name: str) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise ConfigError(f"{type_name}: {_in_use(path, type_name)}") from None
+    except OSError as exc:
+        # Unlocked, a second server could share the device: refused, not run without it.
+        raise ConfigError(
+            f"{type_name}: cannot lock {path} against a second server: {exc.strerror}"
+        ) from None
 
 
 def _identity(path: str) -> str:
