@@ -128,3 +128,30 @@ def test_a_server_silent_past_the_heartbeat_timeout_is_taken_as_gone(tmp_path: P
     finally:
         server.stop(signal.SIGKILL)
         client.close()
+
+
+def test_an_inline_store_given_up_on_never_stores_the_bytes_its_buffers_hold_later(tmp_path: Path) -> None:
+    """A caller told its store timed out reuses its buffers: what the server eventually
+    reads of a request still queued must be the bytes the buffers held when it was made."""
+    server = start_server(tmp_path / "server")
+    client = Client(server.url, timeout=1.0, shm=False)
+    keys = make_keys("late-store", 4)
+    payloads = make_payloads("late-store", 4, 16 << 20)  # far beyond the socket buffers
+    original = [bytes(payload) for payload in payloads]
+    try:
+        freeze(server.proc.pid)
+        try:
+            client.store(keys, payloads)
+        except RequestTimeoutError:
+            pass
+        for payload in payloads:
+            payload[:] = 0xEE  # the caller's next use of its buffers
+        os.kill(server.proc.pid, signal.SIGCONT)
+        client.timeout = CLIENT_TIMEOUT_S
+        client.lookup(keys)
+        with client.retrieve(keys) as views:
+            for view, expected in zip(views, original, strict=False):
+                assert bytes(view) == expected
+    finally:
+        client.close()
+        server.stop(signal.SIGKILL)

@@ -465,6 +465,42 @@ def test_closed_client_refuses_calls(server: TiersServer) -> None:
         client.ping()
 
 
+def test_a_forked_child_is_refused_even_while_another_thread_was_in_a_call(server: TiersServer) -> None:
+    """The child inherits the client's lock as held by a thread it does not have: its
+    calls, and its close, are refused at once instead of waiting for it forever."""
+    with Client(server.endpoint) as client:
+        holding, done = threading.Event(), threading.Event()
+
+        def in_a_call() -> None:
+            with client._lock:  # what a request in progress holds
+                holding.set()
+                done.wait(60)
+
+        thread = threading.Thread(target=in_a_call, daemon=True)
+        thread.start()
+        assert holding.wait(10)
+        try:
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the child
+                code = 1
+                try:
+                    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                    signal.alarm(10)  # a hang ends the child with SIGALRM
+                    try:
+                        client.ping()
+                    except ClientError:
+                        code = 0
+                    client.close()
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+        finally:
+            done.set()
+            thread.join(10)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert client.ping() >= 0  # the parent's client is untouched
+
+
 def test_wrong_reply_type_is_a_protocol_error(server: TiersServer) -> None:
     with Client(server.endpoint) as client, pytest.raises(ProtocolError):
         client._call(p.Ping(0, ""), p.StatusReply)

@@ -22,6 +22,7 @@ import itertools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -78,6 +79,22 @@ _MONITORS = itertools.count()
 _REMEMBERED = 1024
 
 
+#: every connection of this process, so that a forked child can give each a lock of its own
+_CONNECTIONS: weakref.WeakSet[Connection] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    # A lock another thread held when the process forked stays held in the child, where
+    # that thread does not exist: a call there would wait forever for it instead of being
+    # refused (see ``_header``), and so would ``close``.
+    for connection in list(_CONNECTIONS):
+        connection._lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
 def _remember(table: dict[_K, _V], key: _K, value: _V) -> None:
     """(Caller holds the client's lock.)"""
     table[key] = value
@@ -110,6 +127,7 @@ class Connection:
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._pid = os.getpid()
+        _CONNECTIONS.add(self)
         self._name = name
         self._closed = False
         # set once the connection to the server dropped since the last HELLO (see the module)
@@ -434,7 +452,10 @@ class Connection:
                 sock.poll(max(1, int(min(remaining, _MAX_POLL_S) * 1000)), zmq.POLLOUT)
         last = len(payloads) - 1
         for index, payload in enumerate(payloads):
-            sock.send(payload, _SNDMORE if index < last else 0, copy=False)
+            # Copied, not referenced: a message may still be queued when its caller is told
+            # the request timed out, and the caller then reuses its buffers; ZeroMQ would
+            # send what they hold by then, stored under the keys of this request.
+            sock.send(payload, _SNDMORE if index < last else 0, copy=True)
 
     def _remember_orphan(self, request: p._Request) -> None:
         if isinstance(request, (p.StoreReserve, p.Retrieve, p.Lookup)):
