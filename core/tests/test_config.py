@@ -77,6 +77,15 @@ def test_serde_chain_is_resolved(registry: ComponentRegistry) -> None:
         ),
         ('{"type": "demo", "eviction": {"eviction_policy": "LFU"}}', r"unknown eviction policy 'LFU'"),
         ("[1, 2]", r"expected a JSON object"),
+        # JSON parsers keep the last of two equal keys: the first value would be dropped unsaid
+        (
+            '{"type": "demo", "path": "/a", "path": "/b"}',
+            r"^--l2-adapter #1 is not valid config JSON: key `path` is given twice in one object",
+        ),
+        (
+            '{"type": "demo", "eviction": {"eviction_ratio": 0.1, "eviction_ratio": 0.9}}',
+            r"key `eviction_ratio` is given twice",
+        ),
     ],
 )
 def test_bad_adapter_json(registry: ComponentRegistry, text: str, message: str) -> None:
@@ -94,6 +103,8 @@ def test_bad_adapter_json(registry: ComponentRegistry, text: str, message: str) 
         ({"l2_prefetch_max_in_flight": 0}, r"at `\$\.l2_prefetch_max_in_flight`"),
         # the wire protocols carry it as a 64-bit integer: a larger one fails every client's hello
         ({"chunk_size": 1 << 64}, r"chunk_size .* 64-bit .* - at `\$\.chunk_size`"),
+        # carried in /status and the STATUS reply: a larger one fails every status request
+        ({"l2_prefetch_max_in_flight": 1 << 64}, r"<= 922\d+ - at `\$\.l2_prefetch_max_in_flight`"),
     ],
 )
 def test_bad_scalar_values(registry: ComponentRegistry, overrides: dict[str, object], message: str) -> None:
@@ -170,6 +181,29 @@ def test_passwords_inside_urls_are_redacted() -> None:
         "url": "redis://u:***@h:1/0",
         "other": "rediss://h:2/0?db=1&password=***&ssl_auth_token=***#x",
     }
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        # the user information ends at the last "@" of the authority, as URL parsers (and
+        # redis-py) read it: a password holding "@" is hidden whole
+        ("redis://u:p@ss@h:1/0", "redis://u:***@h:1/0"),
+        ("redis://:p@ss@h", "redis://:***@h"),
+        # a user name holding "@" still has its password hidden
+        ("redis://u@corp:pw@h:1", "redis://u@corp:***@h:1"),
+        # nor one holding an unescaped "?" or "#"
+        ("redis://u:p?w#d@h/0", "redis://u:***@h/0"),
+        # an "@" past the authority is no user information
+        ("redis://h:1/0?x=a:b@c", "redis://h:1/0?x=a:b@c"),
+        ("see 'redis://u:p@w@h' and redis://v:q@h2", "see 'redis://u:***@h' and redis://v:***@h2"),
+        # URLs written one after another without a space (a list of nodes, compact JSON)
+        ("redis://u:p@h:1,redis://x:y@z:2/0", "redis://u:***@h:1,redis://x:***@z:2/0"),
+        ('{"a":"redis://u:p@h","b":"rediss://v:q@h2"}', '{"a":"redis://u:***@h","b":"rediss://v:***@h2"}'),
+    ],
+)
+def test_url_password_holding_at_signs_is_redacted_whole(url: str, shown: str) -> None:
+    assert redact_secrets({"url": url}) == {"url": shown}
 
 
 @pytest.mark.parametrize(

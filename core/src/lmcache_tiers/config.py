@@ -236,6 +236,10 @@ class FrontendSpec(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fi
     config: FrontendConfig
 
 
+#: the largest integer every wire protocol carries (a signed 64-bit msgpack integer)
+_MAX_WIRE_INT = (1 << 63) - 1
+
+
 def _doc(text: str, **constraints: Any) -> Meta:
     return Meta(description=text, **constraints)
 
@@ -280,7 +284,9 @@ class ServerConfig(ComponentConfig):
     l2_store_policy: Annotated[str, _doc("Which adapters new L1 objects are stored to.")] = "default"
     l2_prefetch_policy: Annotated[str, _doc("Which adapter each L2 hit is loaded from.")] = "default"
     l2_prefetch_max_in_flight: Annotated[
-        int, _doc("Prefetch requests running at once; the rest queue.", ge=1)
+        # /status and the native STATUS reply carry it as a msgpack integer
+        int,
+        _doc("Prefetch requests running at once; the rest queue.", ge=1, le=_MAX_WIRE_INT),
     ] = 8
     shutdown_timeout_s: Annotated[
         float,
@@ -336,8 +342,6 @@ class ServerConfig(ComponentConfig):
         return int(self.l1_size_gb * (1 << 30))
 
 
-#: the largest integer every wire protocol carries (a signed 64-bit msgpack integer)
-_MAX_WIRE_INT = (1 << 63) - 1
 #: the name of a segment file in its directory (the L1 arena creates nothing else there)
 _SEGMENT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}\Z")  # \Z: $ also matches before a final newline
 
@@ -586,9 +590,29 @@ def default_frontends(registry: ComponentRegistry) -> tuple[FrontendSpec, ...]:
 def _json_flag(flag: str, index: int, text: str) -> Any:
     """The value of the ``index``-th (from 0) repeat of a JSON flag."""
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{flag} #{index + 1} is not valid JSON: {exc.msg} at column {exc.colno}") from exc
+    except _DuplicateKey as exc:
+        raise ConfigError(
+            f"{flag} #{index + 1} is not valid config JSON: key `{exc}` is given twice in one object; "
+            "keep one"
+        ) from None
+
+
+class _DuplicateKey(ValueError):
+    """A JSON object writes one key twice (the message is the key)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict, refusing a key written twice: ``json`` keeps the last, so
+    the first value would be dropped without a word (a TOML file refuses it the same way)."""
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
 
 
 #: the largest ``--config`` file read (a real one is a few KiB): a path such as /dev/zero or
@@ -696,8 +720,13 @@ def config_to_builtins(config: ServerConfig) -> dict[str, Any]:
 
 #: field names whose values are credentials: never printed nor logged
 SECRET_FIELD = re.compile(r"secret|password|passwd|token|credential|access_key|api_key", re.IGNORECASE)
-#: the password of a URL's user information (``redis://user:password@host``)
-_URL_PASSWORD = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^:/@\s]*):[^@/\s]+@", re.IGNORECASE)
+#: a URL's scheme and authority (``redis://user:password@host:port``), up to the first ``/``
+#: or the next URL (``h1:1,redis://...`` in a list of nodes): a ``?`` or ``#`` written
+#: unescaped in a password is hidden with it (URL parsers end the authority there too, but
+#: a refusal may still quote the whole URL)
+_URL_AUTHORITY = re.compile(
+    r"(?P<head>\b[a-z][a-z0-9+.-]*://)(?P<authority>(?:(?![a-z][a-z0-9+.-]*://)[^/\s])*)", re.IGNORECASE
+)
 #: a query parameter of a URL named like a credential (``redis://host/0?password=...``,
 #: which redis-py reads as the password)
 _URL_QUERY_SECRET = re.compile(
@@ -709,8 +738,19 @@ REDACTED = "***"
 def redact_url_secrets(text: str) -> str:
     """``text`` with the passwords of the URLs in it -- in their user information or in
     query parameters named like credentials -- replaced by ``***``."""
-    text = _URL_PASSWORD.sub(rf"\g<head>:{REDACTED}@", text)
+    text = _URL_AUTHORITY.sub(_hide_url_password, text)
     return _URL_QUERY_SECRET.sub(rf"\g<head>{REDACTED}", text)
+
+
+def _hide_url_password(found: re.Match[str]) -> str:
+    """The URL head with its password hidden.  As URL parsers (and redis-py) read it, the
+    user information ends at the *last* ``@`` of the authority and the user name at its
+    first ``:``, so a password holding ``@`` or ``:`` is hidden whole."""
+    userinfo, at, host = found.group("authority").rpartition("@")
+    if not at or ":" not in userinfo:
+        return found.group(0)
+    user = userinfo.partition(":")[0]
+    return f"{found.group('head')}{user}:{REDACTED}@{host}"
 
 
 def redact_secrets(value: Any) -> Any:

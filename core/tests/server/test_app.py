@@ -8,7 +8,9 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
+import types
 import urllib.error
 import urllib.request
 import uuid
@@ -23,11 +25,14 @@ from typer.testing import CliRunner
 from lmcache_tiers.cli.commands_server import bench, bench_table, status, status_tables
 from lmcache_tiers.cli.output import fail
 from lmcache_tiers.client import Client, RequestTimeoutError
-from lmcache_tiers.config import ServerConfig
+from lmcache_tiers.config import L2AdapterConfig, ServerConfig, build_config
 from lmcache_tiers.controllers.base import ControllerThread
 from lmcache_tiers.endpoints import is_loopback, rpc_endpoint
 from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.plugins import discover
+from lmcache_tiers.registry import KindRegistry
 from lmcache_tiers.server.app import TiersServer, _print_error, run_server
 from lmcache_tiers.server.benchmark import run_bench
 from lmcache_tiers.server.logs import configure_logging
@@ -72,6 +77,46 @@ def test_a_busy_port_is_a_start_up_error(capsys: pytest.CaptureFixture[str]) -> 
         assert run_server(config, banner=False) == 2
     assert f"--port {port}: 127.0.0.1:{port} is already in use" in capsys.readouterr().err
     assert not os.path.exists("/dev/shm/tiers_unit_busy")
+
+
+class _BrokenAdapterConfig(L2AdapterConfig):
+    """An adapter whose backend cannot be reached when it is built."""
+
+
+def _unreachable_backend(config: _BrokenAdapterConfig, context: object) -> object:
+    raise RuntimeError("backend unreachable: connection refused")
+
+
+def test_a_plugin_that_fails_while_starting_is_one_line_and_exit_code_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plugin's own exception at start-up is not a configuration mistake: one line, exit
+    code 1, the segment unlinked -- not a traceback out of ``serve``."""
+    module = types.ModuleType("tiers_unit_broken_adapter")
+    module._unreachable_backend = _unreachable_backend  # type: ignore[attr-defined]
+
+    @hookimpl
+    def tiers_register_l2_adapters(registry: KindRegistry) -> None:
+        registry.add("broken", f"{module.__name__}:_unreachable_backend", _BrokenAdapterConfig)
+
+    module.tiers_register_l2_adapters = tiers_register_l2_adapters  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    registry = discover({module.__name__: module}).registry
+    name = f"tiers_unit_{uuid.uuid4().hex[:12]}"
+    config = build_config(
+        registry,
+        {"port": free_port(), "metrics_port": 0, "l1_size_gb": 0.0625, "l1_shm_name": name},
+        adapter_json=['{"type": "broken"}'],
+    )
+    try:
+        assert run_server(config, registry=registry, banner=False) == 1
+        err = capsys.readouterr().err
+        assert "error: cannot start the server: RuntimeError: backend unreachable: connection refused" in err
+        assert "Traceback" not in err, err
+        assert not os.path.exists(f"/dev/shm/{name}"), "the L1 segment outlived the failed start-up"
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{name}")
 
 
 def test_a_signal_while_the_storage_starts_its_threads_unlinks_the_segment(

@@ -298,6 +298,31 @@ def test_a_scrape_while_a_front_end_counts_a_new_reason() -> None:
     assert samples(text)[("lmcache_tiers_failures_total", (("reason", "timeout"),))] == 2.0
 
 
+def test_status_takes_a_token_beyond_ascii_as_clients_send_it() -> None:
+    """A header is bytes on the wire: a client (curl, Prometheus) sends the token's UTF-8,
+    which must match however the server's header parser decoded it."""
+    token = "pässwörd-€"
+    served = HttpEndpoint(
+        "127.0.0.1", 0, metrics=bytes, status=dict, health=lambda: (True, "ok"), status_token=token
+    )
+    served.start()
+    try:
+        port = int(served.url.rsplit(":", 1)[1])
+        codes = []
+        for offered in (f"Bearer {token}".encode(), b"Bearer wrong", f"Bearer {token}x".encode()):
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            try:
+                connection.putrequest("GET", "/status")
+                connection.putheader("Authorization", offered)
+                connection.endheaders()
+                codes.append(connection.getresponse().status)
+            finally:
+                connection.close()
+        assert codes == [200, 401, 401]
+    finally:
+        served.stop()
+
+
 def test_refused_and_failed_http_requests_are_counted(make_server: Factory) -> None:
     """A /status refused for want of the token is a refusal like any other: counted, not
     only logged; so is a route that failed."""

@@ -401,6 +401,13 @@ def run_server(
         except (TiersError, OSError) as exc:
             _print_error(errors, f"cannot start the server: {exc}")
             return 1
+        except Exception as exc:
+            # A plugin's own exception while it starts (a backend it cannot reach, a
+            # library it cannot load): what was built is closed already; one line, and
+            # the traceback for whoever debugs the plugin.
+            logger.debug("start-up failed", exc_info=True)
+            _print_error(errors, f"cannot start the server: {type(exc).__name__}: {exc}")
+            return 1
         summary, code = _serve_until_stopped(server, config, hooks, console, ready, banner)
     finally:
         signals.restore()

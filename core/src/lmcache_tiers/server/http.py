@@ -153,7 +153,9 @@ class HttpEndpoint:
                     self._not_found(send_body=send_body)
                     return
                 if path == "/status" and expected is not None:
-                    offered = self.headers.get("Authorization", "").encode()
+                    # The header parser decoded the header's bytes as latin-1: encoding it
+                    # back gives the bytes the client sent, a token's UTF-8 beyond ASCII.
+                    offered = self.headers.get("Authorization", "").encode("latin-1", "replace")
                     if not hmac.compare_digest(offered, expected):
                         count(REFUSED_STATUS)
                         logger.info(
