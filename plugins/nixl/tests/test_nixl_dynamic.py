@@ -629,3 +629,66 @@ def test_another_keys_intact_record_is_a_miss_that_is_kept(direct_io: bool, serd
             assert stats.get("lookup_adopted", 0) == 0
         finally:
             adapter.close()
+
+
+@pytest.mark.parametrize("direct_io", [False, True], ids=["plain", "direct"])
+def test_close_does_not_wait_for_a_load_stuck_in_storage(
+    monkeypatch: pytest.MonkeyPatch, direct_io: bool
+) -> None:
+    """A load stuck in storage (a hung mount) keeps its own call busy, never the close: core
+    closes the backend once its close deadline passed, and the server's shutdown must not
+    wait for that load."""
+    from lmcache_plugin_nixl.runtime import NixlRuntime
+
+    from lmcache_tiers.l2.files import loads
+
+    arena = Arena()
+    keys = make_keys(2)
+    data = [pattern(60 + index, SIZE) for index in range(2)]
+    entered = threading.Event()
+    gate = threading.Event()
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root, direct_io=direct_io), arena.view)
+        closer = threading.Thread(target=adapter.close, daemon=True)
+        try:
+            assert store(adapter, arena, keys, data) == [True, True]
+            if direct_io:
+                runtime = NixlRuntime.shared()
+                transfer_many = runtime.transfer_many
+
+                def stuck_transfer(backend: str, operation: str, *args: object, **kwargs: object) -> None:
+                    if operation == "READ":
+                        entered.set()
+                        gate.wait(60)
+                    transfer_many(backend, operation, *args, **kwargs)  # type: ignore[arg-type]
+
+                monkeypatch.setattr(runtime, "transfer_many", stuck_transfer)
+            else:
+                read_and_digest = loads.read_and_digest
+
+                def stuck_read(*args: object, **kwargs: object) -> object:
+                    entered.set()
+                    gate.wait(60)
+                    return read_and_digest(*args, **kwargs)  # type: ignore[arg-type]
+
+                monkeypatch.setattr(loads, "read_and_digest", stuck_read)
+            assert client(adapter).lookup_and_lock(keys).found == [True, True]
+            adapter.submit_load(keys, [arena.take(SIZE) for _ in keys])
+            assert entered.wait(10)
+            adapter.close_timeout_s = 0.2  # type: ignore[misc]
+            closer.start()
+            closer.join(10)
+            assert not closer.is_alive(), "the close waited for a load stuck in storage"
+            if direct_io:
+                # Its verifier is not left waiting for the stuck read: at exit the
+                # interpreter joins the helper threads, as this does.
+                helpers = adapter.backend._records._helper  # type: ignore[attr-defined]
+                joiner = threading.Thread(target=helpers.shutdown, daemon=True)
+                joiner.start()
+                joiner.join(10)
+                assert not joiner.is_alive(), "a checksum thread still waits for the stuck load"
+        finally:
+            gate.set()
+            if closer.ident is None:
+                adapter.close()
+            closer.join(30)

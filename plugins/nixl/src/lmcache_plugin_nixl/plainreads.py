@@ -38,7 +38,9 @@ class PlainReads:
         self._workers = BatchWorkers(READ_THREADS, "nixl-read")
 
     def close(self) -> None:
-        self._workers.shutdown()
+        # Never waits: core closes the backend once its deadline passed, even while a
+        # load is still stuck in a read (a hung mount).
+        self._workers.shutdown(wait=False)
 
     def read(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         """Load every key's record into its buffer; True where it verified."""

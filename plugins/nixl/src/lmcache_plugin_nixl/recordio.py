@@ -224,6 +224,10 @@ class RecordFiles:
         # Two threads so that a load's verifier, which lives as long as its batch, never
         # makes a concurrent load wait for its own checksum thread.
         self._helper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nixl-checksum")
+        # The inboxes of loads being verified: a close ends their verifiers (see close).
+        self._inboxes: set[SimpleQueue[tuple[list[_Pending], list[bool]] | None]] = set()
+        self._inboxes_lock = threading.Lock()
+        self._closing = False
         # A store's checksums are write-back work and take the write-back threads' priority
         # (l2/background.py).  They get a thread of their own: a pool thread inherits the
         # priority of the thread that started it, so a shared one started by an idle-class
@@ -241,6 +245,16 @@ class RecordFiles:
         WRITE_BACK.enter()
 
     def close(self) -> None:
+        # Core closes the backend once its close deadline passed, even while a call is
+        # still stuck in storage (a hung mount): nothing here may wait for that call.  A
+        # stuck load's verifier waits for groups that may never come: it is told to stop
+        # after the groups already read (the others are not loaded).  The helpers are
+        # still waited for -- checksums of bytes in L1, which must not be unmapped under
+        # them -- as that is bounded work, and none is left blocked at the process's exit.
+        with self._inboxes_lock:
+            self._closing = True
+            for inbox in self._inboxes:
+                inbox.put(None)
         self._helper.shutdown(wait=True)
         self._store_helper.shutdown(wait=True)
         WRITE_BACK.forget(self._store_helper_tids)
@@ -475,6 +489,10 @@ class RecordFiles:
         registration = self._runtime.register_files(self._transfer.backend, [item.fd for item in pending])
         inbox: SimpleQueue[tuple[list[_Pending], list[bool]] | None] = SimpleQueue()
         verifier = self._helper.submit(self._verify_stream, keys, inbox, buffers, results)
+        with self._inboxes_lock:
+            self._inboxes.add(inbox)
+            if self._closing:
+                inbox.put(None)
         try:
             for group in _groups(pending):
                 targets: list[memoryview] = []
@@ -487,6 +505,8 @@ class RecordFiles:
             try:
                 verifier.result()
             finally:
+                with self._inboxes_lock:
+                    self._inboxes.discard(inbox)
                 registration.release()
 
     def _verify_stream(
