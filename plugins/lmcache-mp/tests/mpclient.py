@@ -19,6 +19,7 @@ from lmcache_plugin_lmcache_mp.wire import OPERATION_IDS
 
 MODEL = "test-model"
 HELLO_TOKEN = 9906
+CHUNK_TOKENS = 256  # the server's chunk size in these tests
 _NO_REPLY = object()
 
 
@@ -54,7 +55,9 @@ class Key:
             "worker_id": self.worker_id,
             "token_ids": self.token_ids,
             "start": self.start,
-            "end": self.end or len(self.token_ids),
+            # LMCache's clients send chunk-aligned ranges: the bench ends a request's
+            # range at its last full chunk (``num_full_tokens``)
+            "end": self.end or len(self.token_ids) // CHUNK_TOKENS * CHUNK_TOKENS,
             "request_id": self.request_id,
             "cache_salt": self.cache_salt,
             "request_configs": self.request_configs,

@@ -152,6 +152,24 @@ def test_lost_commits_are_counted_and_logged(caplog: pytest.LogCaptureFixture) -
     assert any("mp_commit_lost" in record.getMessage() for record in caplog.records)
 
 
+def test_a_pickled_commit_gives_back_its_reservation_before_it_queues_for_the_pool() -> None:
+    """A commit_store carrying pickled chunks after a shared-memory prepare (a client that
+    fell back) finds its reservation alive, but runs on the pool later: by then the write
+    TTL may have passed, L1 reaped the reservation and another writer reserved the key,
+    whose reservation an abort by key would free while it is being filled."""
+    transfers = _transfers()
+    aborted: list[list[Any]] = []
+    transfers.storage.abort_write = aborted.append  # type: ignore[method-assign,assignment]
+    transfers.shared.pickle = object()  # type: ignore[assignment]  # never reached: the pool does not run
+    key = msgspec.msgpack.decode(
+        msgspec.msgpack.encode(Key(tokens_of(2, 512), "r", worker_id=0).encode()), type=CacheKey
+    )
+    _, keys = transfers._resolve(key, REG.instance_id)
+    transfers.writes.add(REG.instance_id, keys, Transfer(keys, time.monotonic() + 60, "r"))
+    transfers.commit_store(key, REG.instance_id, b"pickled chunks")
+    assert aborted == [keys]
+
+
 def test_expired_transfers_of_an_unregistered_instance_are_counted() -> None:
     transfers = _transfers()
     keys = _transfer(0).keys
@@ -193,7 +211,7 @@ def test_a_key_costs_about_its_size_in_memory_whatever_its_request_configs() -> 
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert (key.request_id, key.end, tp_size) == ("r", 257, 1)
+    assert (key.request_id, key.end, tp_size) == ("r", 256, 1)
     assert peak < 8 * len(frame), f"{peak} bytes of Python objects for a {len(frame)}-byte key"
 
 

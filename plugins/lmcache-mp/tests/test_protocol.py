@@ -374,9 +374,38 @@ def test_a_transfer_whose_start_is_not_on_a_chunk_boundary_is_refused(
     assert client.unanswered("prepare_retrieve", ragged.encode(), REG.instance_id)
     assert l1(mp_server)["read_locks"] == 0
     assert mp_stats(mp_server).failures["mp_bad_request"] == 2
-    # a ragged end is the engine's partial last chunk: only the full chunks move
-    tail = Key(tokens, "r", start=256, end=700, worker_id=0)
-    assert client.retrieve(tail, REG.instance_id, shm) == chunk_payloads(19, 4, CHUNK)[1:2]
+    tail = Key(tokens, "r", start=256, end=768, worker_id=0)
+    assert client.retrieve(tail, REG.instance_id, shm) == chunk_payloads(19, 4, CHUNK)[1:3]
+
+
+def test_a_transfer_whose_end_is_no_chunk_boundary_within_its_tokens_is_refused(
+    client: MPClient, mp_server: TiersServer
+) -> None:
+    """LMCache's client scatters the slots it gets into the blocks of ``[start, end)`` and
+    reports the whole range loaded (it checks only that the blocks cover the slots): a
+    range ending mid-chunk or past the tokens, answered with its full chunks only, would
+    leave the engine computing on the rest of its blocks as if they held that KV.
+    LMCache's server refuses such a key (an assertion, or "end exceeds the tokens")."""
+    shm = client.register(REG)["shm_name"]
+    stored(client, 21, shm, chunks=2)  # 513 tokens: two full chunks
+    tokens = tokens_of(21, 512)
+    for end in (700, 768, 1024):  # mid-chunk; a chunk boundary past the tokens
+        for op in ("prepare_retrieve", "prepare_store"):
+            assert client.unanswered(op, Key(tokens, "r", end=end, worker_id=0).encode(), REG.instance_id), (
+                op,
+                end,
+            )
+    assert (l1(mp_server)["read_locks"], l1(mp_server)["write_locked"]) == (0, 0)
+    assert mp_stats(mp_server).failures["mp_bad_request"] == 6
+    # LMCache's client commits a retrieve whose prepare got no answer; LMCache's server
+    # answers such commits (nothing is pending), so the client does not wait twice
+    for key in (Key(tokens, "r", end=700, worker_id=0), Key(tokens, "r", start=100, end=512, worker_id=0)):
+        assert client.call("commit_retrieve", key.encode(), REG.instance_id) is True
+        assert client.call("commit_store", key.encode(), REG.instance_id, b"") is False
+    assert mp_stats(mp_server).failures["mp_commit_without_reservation"] == 2
+    assert client.retrieve(Key(tokens, "r", end=512, worker_id=0), REG.instance_id, shm) == chunk_payloads(
+        21, 2, CHUNK
+    )
 
 
 def test_a_re_registration_with_another_layout_replaces_the_first(

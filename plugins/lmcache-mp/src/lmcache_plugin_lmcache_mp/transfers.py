@@ -32,7 +32,7 @@ from lmcache_plugin_lmcache_mp.chunks import chunk_range, keys_for_rank
 from lmcache_plugin_lmcache_mp.lookups import Lookups
 from lmcache_plugin_lmcache_mp.state import Instance, PendingTransfers, Transfer
 from lmcache_plugin_lmcache_mp.wire import CacheKey, PrepareRetrieveReply, PrepareStoreReply
-from lmcache_tiers.plugin import BurstLog, L1OutOfMemoryError, ObjectKey, printable
+from lmcache_tiers.plugin import BurstLog, KeyValidationError, L1OutOfMemoryError, ObjectKey, printable
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,15 @@ class Transfers:
                 "mp_bad_request",
                 f"a transfer's start ({key.start}) must be a multiple of the chunk size ({chunk_size}); "
                 "LMCache's server refuses it too",
+            )
+        if key.end % chunk_size or key.end > len(key.token_ids):
+            # LMCache's client scatters the slots it gets into the blocks of [start, end)
+            # and takes the whole range as loaded: answered with the full chunks within
+            # the tokens only, the engine would compute on the rest as if it held that KV.
+            raise RequestRefused(
+                "mp_bad_request",
+                f"a transfer's end ({key.end}) must be a multiple of the chunk size ({chunk_size}) "
+                f"within its {len(key.token_ids)} tokens; LMCache's server refuses it too",
             )
         hashes = self.shared.requests.get(key.request_id, time.monotonic()).hashes
         return instance, keys_for_rank(key, chunk_range(key, chunk_size, hashes))
@@ -121,20 +130,26 @@ class Transfers:
         )
         return PrepareStoreReply(context={"slots": slots, "chunk_indices": indices})
 
+    def _commit_keys(self, key: CacheKey, instance_id: int) -> tuple[Instance, list[ObjectKey] | None]:
+        """A shared-memory commit's instance and keys; None for keys no prepare accepts,
+        which therefore have nothing pending.  LMCache's server answers such a commit (it
+        looks the pending transfer up by the key as sent), and LMCache's client commits
+        even a retrieve whose prepare got no answer: refused, it would wait out its
+        timeout twice."""
+        instance = self.shared.instance(instance_id)  # an unregistered one is refused, as in LMCache
+        try:
+            return instance, self._resolve(key, instance_id)[1]
+        except (RequestRefused, KeyValidationError) as exc:
+            logger.debug("commit of request %s: %s", printable(key.request_id), exc)
+            return instance, None
+
     def commit_store(self, key: CacheKey, instance_id: int, data: bytes) -> Any:
-        instance, keys = self._resolve(key, instance_id)
-        pending = self.writes.pop(instance_id, key.request_id, keys, time.monotonic())
         if data:
-            codec = self.shared.pickle
-            if codec is None:
-                if pending is not None:
-                    self.storage.abort_write(pending.keys)
-                self.shared.stats.failure("mp_pickle_refused")
-                self._pickle_refusals.event(
-                    1, 'pickled chunks refused: this front end takes them only with "allow_pickle": true'
-                )
-                return False
-            return self._store_pickled(instance, keys, data, pending)
+            return self._commit_pickled(key, instance_id, data)
+        instance, keys = self._commit_keys(key, instance_id)
+        pending = (
+            None if keys is None else self.writes.pop(instance_id, key.request_id, keys, time.monotonic())
+        )
         if pending is None:
             self.shared.stats.failure("mp_commit_without_reservation")
             self._orphan_commits.event(
@@ -152,16 +167,29 @@ class Transfers:
         self._count_lost(len(done) - stored)
         return stored == len(done)
 
-    def _store_pickled(
-        self, instance: Instance, keys: list[ObjectKey], data: bytes, pending: Transfer | None
-    ) -> Deferred:
+    def _commit_pickled(self, key: CacheKey, instance_id: int, data: bytes) -> Any:
+        # LMCache's server reads the range of pickled chunks: a key it cannot read is refused
+        instance, keys = self._resolve(key, instance_id)
+        pending = self.writes.pop(instance_id, key.request_id, keys, time.monotonic())
+        if pending is not None:
+            # A client that fell back from shared memory: its reservation goes now, while
+            # it is known to be alive.  On the pool, later, the write TTL may have passed
+            # and the key be another writer's, freed under its copy.
+            self.storage.abort_write(pending.keys)
+        if self.shared.pickle is None:
+            self.shared.stats.failure("mp_pickle_refused")
+            self._pickle_refusals.event(
+                1, 'pickled chunks refused: this front end takes them only with "allow_pickle": true'
+            )
+            return False
+        return self._store_pickled(instance, keys, data)
+
+    def _store_pickled(self, instance: Instance, keys: list[ObjectKey], data: bytes) -> Deferred:
         codec, storage = self.shared.pickle, self.storage
         assert codec is not None
         size, layout = instance.object_bytes, instance.layout_text
 
         def work() -> Callable[[], Any]:
-            if pending is not None:
-                storage.abort_write(pending.keys)  # a client that fell back from shared memory
             try:
                 chunks = codec.load(data, len(keys), instance.layout)
             except ValueError as exc:
@@ -285,7 +313,9 @@ class Transfers:
         return _MISS
 
     def commit_retrieve(self, key: CacheKey, instance_id: int) -> Any:
-        _, keys = self._resolve(key, instance_id)
+        _, keys = self._commit_keys(key, instance_id)
+        if keys is None:
+            return True
         pending = self.reads.pop(instance_id, key.request_id, keys, time.monotonic())
         if pending is not None:
             self.storage.release(pending.keys)
