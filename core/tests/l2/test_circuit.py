@@ -396,3 +396,86 @@ def test_circuit_options_are_validated_with_their_path() -> None:
         with pytest.raises(ConfigError, match=r"\$\.l2_adapters\[1\]\.circuit"):
             decode_adapter(registry, {"type": "dict", "circuit": bad}, 1)
     assert msgspec.convert({}, CircuitConfig).enabled is None
+
+
+class SlowToCancel(AsyncRemoteDict):
+    """A store whose lookups, once cancelled, take long to clean up (a reconnect to a host
+    that no longer answers), until ``OUTAGE.released``."""
+
+    async def contains_many(self, keys: Sequence[ObjectKey]) -> list[Any]:  # type: ignore[override]
+        try:
+            return await super().contains_many(keys)
+        except asyncio.CancelledError:
+            while not OUTAGE.released.is_set():
+                await asyncio.sleep(0.01)
+            raise
+
+
+def test_a_lookup_given_up_at_its_timeout_does_not_wait_for_the_call_to_wind_down(
+    adapters: list[BackendAdapter], outage: Outage
+) -> None:
+    circuit = CircuitConfig(failure_threshold=100, call_timeout_s=0.05)
+    adapter = opened(adapters, SlowToCancel, circuit=circuit)
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    keys = make_keys(1)
+    assert store(client, keys) == [True]
+    outage.hang.set()
+    try:
+        started = time.monotonic()
+        assert client.lookup_and_lock(keys, timeout=5.0).found == [False]
+        assert time.monotonic() - started < 5.0
+        assert adapter.stats()["circuit_call_timeouts"] == 1
+    finally:
+        outage.released.set()
+
+
+class CancelledOnce:
+    """A ``ping`` whose first answer is a ``CancelledError`` of the client library's own (a
+    plain method running coroutines, or a coroutine whose request the library cancelled):
+    a failed probe, after which the backend answers."""
+
+    def __init__(self) -> None:
+        self.raised = False
+
+    def check(self) -> None:
+        OUTAGE.pings += 1
+        if not self.raised:
+            self.raised = True
+            raise asyncio.CancelledError
+        OUTAGE.check()
+
+
+CANCELLED_ONCE = CancelledOnce()
+
+
+class CancellingPingDict(RemoteDict):
+    def ping(self) -> None:
+        CANCELLED_ONCE.check()
+
+
+class AsyncCancellingPingDict(AsyncRemoteDict):
+    async def ping(self) -> None:
+        await asyncio.sleep(0)
+        CANCELLED_ONCE.check()
+
+
+@pytest.mark.parametrize(
+    "backend", [CancellingPingDict, AsyncCancellingPingDict], ids=["plain", "coroutines"]
+)
+def test_a_probe_raising_cancelled_error_is_a_failed_probe_and_probing_goes_on(
+    adapters: list[BackendAdapter], outage: Outage, backend: type[DictBackend]
+) -> None:
+    global CANCELLED_ONCE
+    CANCELLED_ONCE = CancelledOnce()
+    adapter = opened(adapters, backend)
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    keys = make_keys(1)
+    assert store(client, keys) == [True]
+    outage.down = True
+    fail_lookups(client, keys, 3)
+    assert adapter.stats()["circuit_open"] == 1
+    outage.down = False
+    wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close", within=5.0)
+    stats = adapter.stats()
+    assert stats["circuit_probe_failures"] >= 1 and outage.pings >= 2
+    found_again(adapter, client, keys)

@@ -75,6 +75,13 @@ _REFUSED = {
 }
 
 
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Take the outcome of a call given up at its timeout (nobody waits for it), so that
+    its error is not logged as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
 class _Guard:
     """What both flavours share: the breaker, the pass-through members, refusals."""
 
@@ -215,7 +222,10 @@ class CircuitBackend(_Guard):
 
         try:
             self._bounded(ask)
-        except Exception as exc:
+        except (Exception, asyncio.CancelledError) as exc:
+            # A plain method running coroutines of its own may raise CancelledError (no
+            # Exception), as ``calls.call`` notes: a failed probe.  Escaping, it would end
+            # the probing for good with the circuit open.
             self.breaker.probe_failed(exc)
             return False
         return True
@@ -261,8 +271,12 @@ class AsyncCircuitBackend(_Guard):
             task.cancel()
             raise
         if not done:
+            # Cancelled and left to wind down by itself, as a timed call of a plain
+            # backend is left on its thread: a call slow to honour the cancellation (a
+            # cleanup of its own, a reconnect to a host that does not answer) must not
+            # hold the lookup or the probe past the timeout.
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            task.add_done_callback(_retrieve)
             raise CallTimeout(self.call_timeout_s)
         return task.result()
 
@@ -320,6 +334,13 @@ class AsyncCircuitBackend(_Guard):
             if inspect.isawaitable(outcome):
                 await self._bounded(outcome)
         except Exception as exc:
+            self.breaker.probe_failed(exc)
+            return False
+        except asyncio.CancelledError as exc:
+            if self.context.closing:
+                raise  # close() cancels the probing
+            # The client library cancelled its own request: a failed probe.  Escaping, it
+            # would end the probing for good with the circuit open.
             self.breaker.probe_failed(exc)
             return False
         return True
