@@ -8,7 +8,6 @@ that goes back to the allocator bumps its entry in the arena's generation table 
 from __future__ import annotations
 
 import time
-import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +16,6 @@ import pytest
 from lmcache_tiers.errors import L1OutOfMemoryError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager, L1Object
-from lmcache_tiers.l1 import reads as reads_module
 
 ALIGN = 4096
 CAPACITY = 16 * ALIGN
@@ -205,27 +203,6 @@ def test_expired_read_locks_keep_their_extent_for_the_grace_period(l1: L1Manager
     assert read(l1, obj) == bytes([0x11]) * ALIGN  # the slow reader still reads its bytes
     l1.expire_locks(expired_at + GRACE + 1)
     assert l1.used_bytes == 0 and l1.lease_stats().lapsed_objects == 0
-
-
-@pytest.mark.parametrize("lock", ["reserve_read", "reserve_read_prefix", "reserve_store"])
-def test_a_new_lock_does_not_keep_an_expired_one_alive(
-    l1: L1Manager, lock: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Holders forget expired locks without releasing them: counted in with a new lock
-    # before the reaper ran, an expired one lived on under the new deadline, renewed by
-    # every later reader -- a key in steady use was never unlocked again.
-    (obj,) = store(l1, [1])
-    l1.reserve_read(keys(1))
-    later = obj.lock_deadline + 1
-    monkeypatch.setattr(reads_module, "time", types.SimpleNamespace(monotonic=lambda: later))
-    getattr(l1, lock)(keys(1))
-    if lock == "reserve_store":
-        l1.finish_store([obj])
-    else:
-        l1.finish_read(keys(1))
-    assert obj.read_locks == 0
-    assert l1.expire_locks(later) == 1  # counted as expired, as the reaper counts it
-    assert l1.lease_stats().lapsed_objects == 1  # its extent keeps the grace period
 
 
 def test_readers_releasing_a_forced_extent_do_not_cut_short_an_expired_lock_grace_period(

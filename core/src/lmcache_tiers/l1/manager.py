@@ -396,11 +396,7 @@ class L1Manager:
         ended are reclaimed. Returns the number of objects whose locks expired. ``now`` is
         a ``time.monotonic()`` value.
         """
-        expired = self._removal.expire_locks(time.monotonic() if now is None else now)
-        with self.lock:  # and those a new lock found expired first (``ReadLocks``)
-            expired += self._reads.expired_on_lock
-            self._reads.expired_on_lock = 0
-        return expired
+        return self._removal.expire_locks(time.monotonic() if now is None else now)
 
     def clear(self, *, force: bool = False) -> int:
         """Delete every object (unlocked ones only unless ``force``); returns how many."""

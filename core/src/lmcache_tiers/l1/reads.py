@@ -39,8 +39,6 @@ class ReadLocks:
         # every key it was given, each once: engines ask about one waiting prompt again and
         # again, and the probe per key is most of what such a lookup costs
         self._last_hit: tuple[int, list[ObjectKey], list[L1Object]] | None = None
-        #: objects whose expired read locks a new lock found before the reaper did
-        self.expired_on_lock = 0
 
     def prefix_hits(self, keys: Sequence[ObjectKey]) -> int:
         with self._lock:
@@ -67,14 +65,11 @@ class ReadLocks:
         table.check_open()
         objects, locked = table.objects, table.locked
         hits: dict[ObjectKey, L1Object] = {}
-        now = time.monotonic()
-        deadline = now + self.lock_ttl_s
+        deadline = time.monotonic() + self.lock_ttl_s
         for key in keys:
             obj = objects.get(key)
             if obj is None or obj.state is not _READY or key in hits:
                 continue
-            if key in locked and obj.lock_deadline <= now:
-                self._reap_expired(obj, now)
             obj.read_locks += count
             # One deadline per object: a new reader extends it, and reaping drops all
             # of the object's read locks at once.
@@ -107,33 +102,17 @@ class ReadLocks:
                 if not prefix:
                     return prefix
             locked = table.locked
-            now = time.monotonic()
-            deadline = now + self.lock_ttl_s
+            deadline = time.monotonic() + self.lock_ttl_s
             for obj in unique:
                 # A READY object is in ``locked`` exactly when it has read locks.  Every
                 # read-lock deadline is the monotonic clock plus the lock TTL, read under
                 # this lock, so this one is never earlier than the object's current one.
                 if not obj.read_locks:
                     locked[obj.key] = obj
-                elif obj.lock_deadline <= now:
-                    self._reap_expired(obj, now)
                 obj.read_locks += count
                 obj.lock_deadline = deadline
             table.listeners.notify("read", read)
             return prefix
-
-    def _reap_expired(self, obj: L1Object, now: float) -> None:
-        """Reap the read locks of ``obj`` that passed their deadline before a new one joins
-        them (the reaper runs only every few seconds).  Counted in with them, the new
-        reader's deadline would keep locks nobody will release alive for as long as the key
-        stays in use: holders forget expired locks rather than release them, as a later
-        release could drop a lock someone else took since.  An L2 store's locks are not
-        reaped (see ``Removal.expire_locks``)."""
-        if obj.storing:
-            return
-        self._leases.lapse(obj, now)
-        obj.read_locks = 0
-        self.expired_on_lock += 1
 
     def _find_prefix(
         self, keys: Sequence[ObjectKey], until_repeat: bool
