@@ -1,4 +1,5 @@
 import builtins
+import time
 from pathlib import Path
 
 import msgspec
@@ -13,6 +14,7 @@ from lmcache_tiers.config import (
     load_toml,
     parse_adapter_json,
     redact_secrets,
+    redact_url_secrets,
 )
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.plugins import discover
@@ -200,10 +202,32 @@ def test_passwords_inside_urls_are_redacted() -> None:
         # URLs written one after another without a space (a list of nodes, compact JSON)
         ("redis://u:p@h:1,redis://x:y@z:2/0", "redis://u:***@h:1,redis://x:***@z:2/0"),
         ('{"a":"redis://u:p@h","b":"rediss://v:q@h2"}', '{"a":"redis://u:***@h","b":"rediss://v:***@h2"}'),
+        # a URL right after a word character (a name joined to it with "_") is a URL all the same
+        ("node_redis://u:pw@h", "node_redis://u:***@h"),
+        # a credential parameter after another parameter's value holding a "?"
+        ("redis://h/0?db=a?password=pw", "redis://h/0?db=a?password=***"),
     ],
 )
 def test_url_password_holding_at_signs_is_redacted_whole(url: str, shown: str) -> None:
     assert redact_secrets({"url": url}) == {"url": shown}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "redis://" + "a" * 200_000,  # a long authority
+        "a." * 100_000,  # a long run of scheme characters
+        "?password" * 20_000,  # parameter names over and over, no "="
+        "?" * 200_000,
+    ],
+    ids=["authority", "scheme-run", "query-names", "question-marks"],
+)
+def test_redacting_a_long_text_takes_linear_time(text: str) -> None:
+    # Error lines quote what the user gave (a config value, a whole file's line): a
+    # redaction that backtracks turned one bad value into a hang instead of an error.
+    began = time.perf_counter()
+    assert redact_url_secrets(text) == text
+    assert time.perf_counter() - began < 2.0
 
 
 @pytest.mark.parametrize(

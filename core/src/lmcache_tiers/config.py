@@ -720,37 +720,62 @@ def config_to_builtins(config: ServerConfig) -> dict[str, Any]:
 
 #: field names whose values are credentials: never printed nor logged
 SECRET_FIELD = re.compile(r"secret|password|passwd|token|credential|access_key|api_key", re.IGNORECASE)
-#: a URL's scheme and authority (``redis://user:password@host:port``), up to the first ``/``
-#: or the next URL (``h1:1,redis://...`` in a list of nodes): a ``?`` or ``#`` written
-#: unescaped in a password is hidden with it (URL parsers end the authority there too, but
-#: a refusal may still quote the whole URL)
-_URL_AUTHORITY = re.compile(
-    r"(?P<head>\b[a-z][a-z0-9+.-]*://)(?P<authority>(?:(?![a-z][a-z0-9+.-]*://)[^/\s])*)", re.IGNORECASE
-)
+#: where a URL's authority (``redis://user:password@host:port``) ends at the latest: its
+#: first ``/`` or blank.  It also ends where the next URL's scheme begins (``h1:1,redis://...``
+#: in a list of nodes), and a ``?`` or ``#`` written unescaped in a password is hidden with
+#: it (URL parsers end the authority there too, but a refusal may still quote the whole URL)
+_AUTHORITY_END = re.compile(r"[/\s]")
+_SCHEME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+.-")
 #: a query parameter of a URL named like a credential (``redis://host/0?password=...``,
-#: which redis-py reads as the password)
+#: which redis-py reads as the password).  A name ends at any ``?``: with one inside, each
+#: ``?`` of a long text would start a scan to its end (quadratic time).
 _URL_QUERY_SECRET = re.compile(
-    rf"(?P<head>[?&][^=&#\s]*(?:{SECRET_FIELD.pattern})[^=&#\s]*=)[^&#\s]*", re.IGNORECASE
+    rf"(?P<head>[?&](?=[^=&#?\s]*(?:{SECRET_FIELD.pattern}))[^=&#?\s]*=)[^&#\s]*", re.IGNORECASE
 )
 REDACTED = "***"
 
 
 def redact_url_secrets(text: str) -> str:
     """``text`` with the passwords of the URLs in it -- in their user information or in
-    query parameters named like credentials -- replaced by ``***``."""
-    text = _URL_AUTHORITY.sub(_hide_url_password, text)
-    return _URL_QUERY_SECRET.sub(rf"\g<head>{REDACTED}", text)
+    query parameters named like credentials -- replaced by ``***``.  Linear in the length
+    of ``text``: it is applied to error lines that quote whatever the user gave."""
+    return _URL_QUERY_SECRET.sub(rf"\g<head>{REDACTED}", _hide_url_passwords(text))
 
 
-def _hide_url_password(found: re.Match[str]) -> str:
-    """The URL head with its password hidden.  As URL parsers (and redis-py) read it, the
-    user information ends at the *last* ``@`` of the authority and the user name at its
-    first ``:``, so a password holding ``@`` or ``:`` is hidden whole."""
-    userinfo, at, host = found.group("authority").rpartition("@")
-    if not at or ":" not in userinfo:
-        return found.group(0)
-    user = userinfo.partition(":")[0]
-    return f"{found.group('head')}{user}:{REDACTED}@{host}"
+def _hide_url_passwords(text: str) -> str:
+    """``text`` with the password of every URL's user information hidden.  As URL parsers
+    (and redis-py) read it, the user information ends at the *last* ``@`` of the authority
+    and the user name at its first ``:``, so a password holding ``@`` or ``:`` is hidden
+    whole.  Any ``://`` starts a URL (hiding too much is harmless); each character is looked
+    at a bounded number of times, unlike a regular expression looking ahead for the next
+    URL at every character (quadratic time)."""
+    parts: list[str] = []
+    done = 0  # text[:done] is in parts
+    separator = text.find("://")
+    while separator != -1:
+        start = separator + 3
+        stop = _AUTHORITY_END.search(text, start)
+        end = stop.start() if stop is not None else len(text)
+        following = text.find("://", start)
+        if following != -1 and following < end:
+            # The next URL begins inside: the authority ends where its scheme begins (its
+            # first letter in the run of scheme characters before that ``://``).
+            first = following
+            while first > start and text[first - 1] in _SCHEME_CHARS:
+                first -= 1
+            while first < following and not text[first].isalpha():
+                first += 1
+            if first < following:
+                end = first
+        userinfo, at, host = text[start:end].rpartition("@")
+        if at and ":" in userinfo:
+            user = userinfo.partition(":")[0]
+            parts.append(text[done:start])
+            parts.append(f"{user}:{REDACTED}@{host}")
+            done = end
+        separator = following
+    parts.append(text[done:])
+    return "".join(parts)
 
 
 def redact_secrets(value: Any) -> Any:
