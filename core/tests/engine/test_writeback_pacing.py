@@ -204,6 +204,35 @@ def test_writes_counted_lost_when_l1_dropped_them_are_not_counted_again_at_shutd
     assert "l2_store_dropped_at_shutdown" not in failures
 
 
+def test_a_write_evicted_as_the_drain_settles_it_is_still_counted_lost(engine, monkeypatch) -> None:
+    # The drain gives up on an object's store and clears its unstored flag: an eviction
+    # then (the eviction controller runs on) takes it as any stored object, uncounted, so
+    # the drain must not count it as gone -- the acknowledged write was lost right there.
+    monkeypatch.setattr(store_pacing, "SLICE_BYTES", SIZE)
+    monkeypatch.setattr(store_pacing, "INFLIGHT_BYTES", SIZE)
+    storage = engine([gated()])
+    backend = gated_backend(storage)
+    backend.store_gate.clear()
+    store(storage, keys_of(16, 3), SIZE)
+    assert wait_for(lambda: storage.store.in_flight() == 1 and storage.store.pending_batches() == 2)
+    l1 = storage.l1
+    settle = l1.settle_unstored
+
+    def settle_then_evict(objs) -> None:
+        objs = list(objs)
+        settle(objs)
+        l1.evict(l1.capacity_bytes, [obj.key for obj in objs])  # an eviction right after
+
+    monkeypatch.setattr(l1, "settle_unstored", settle_then_evict)
+    opener = threading.Timer(0.5, backend.store_gate.set)
+    opener.start()
+    storage.close(drain_timeout_s=0.05)
+    opener.join()
+    failures = storage.stats.failures()
+    assert failures.get("l2_store_abandoned") == 1
+    assert failures.get("l2_store_dropped_at_shutdown") == 2
+
+
 @pytest.mark.parametrize("other_stored", [True, False], ids=["stored-elsewhere", "stored-nowhere"])
 def test_an_abandoned_object_is_counted_once_and_only_when_no_adapter_stored_it(
     engine, other_stored: bool

@@ -434,11 +434,14 @@ class StoreController(ControllerThread):
         # policy sends every key to every adapter, and a key another adapter stored (or
         # whose other task was abandoned too) is not one more object missing from L2.
         abandoned: dict[int, L1Object] = {}
+        # Settled only once counted below: an object settled first could be evicted in
+        # between as if stored (uncounted), and would then be skipped as gone.
+        settle: list[L1Object] = []
         for task in self._tasks.owners():
             if not task.released:
                 task.released = True
                 self.l1.finish_store(task.objects)
-            self.l1.settle_unstored(task.batch.objects.values())
+            settle.extend(task.batch.objects.values())
             self.stats.add_adapter(task.slot.index, "store_tasks_failed")
             for key in task.keys:
                 if key not in task.batch.stored and key in task.batch.objects:
@@ -455,19 +458,22 @@ class StoreController(ControllerThread):
                     if id(obj) not in abandoned:
                         unsent[id(obj)] = obj
         self._waiting_slices = 0
-        abandoned = self._still_in_l1(abandoned)
-        if abandoned:
-            self.stats.fail("l2_store_abandoned", len(abandoned))
-            logger.warning(
-                "%d objects' L2 stores were still running when the drain gave up on them", len(abandoned)
-            )
         with self._queue_lock:
             queued = [obj for objects, _ in self._queue for obj in objects]
             self._queue.clear()
             self._ended = True
         queued += unsent.values()
-        self.l1.settle_unstored(queued)
-        queued = list(self._still_in_l1({id(obj): obj for obj in queued}).values())
+        with self.l1.lock:
+            # Which ones are still in L1 and their settling in one step: until settled an
+            # eviction of one counts it lost (``evicted_before_l2_store``), after it none.
+            abandoned = self._still_in_l1(abandoned)
+            queued = list(self._still_in_l1({id(obj): obj for obj in queued}).values())
+            self.l1.settle_unstored(settle + queued)
+        if abandoned:
+            self.stats.fail("l2_store_abandoned", len(abandoned))
+            logger.warning(
+                "%d objects' L2 stores were still running when the drain gave up on them", len(abandoned)
+            )
         if queued:
             self.stats.fail("l2_store_dropped_at_shutdown", len(queued))
             logger.warning(
