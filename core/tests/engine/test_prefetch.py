@@ -297,3 +297,34 @@ def test_a_misbehaving_policy_cannot_leak_locks(engine, policy: str, hits: int) 
     storage.release(keys[:hits])
     assert len(storage.l1) == 0
     assert_no_locks(storage)
+
+
+@pytest.mark.parametrize("answered_now", [False, True], ids=["task", "now"])
+@pytest.mark.parametrize("extra", [-1, 1], ids=["fewer", "more"])
+def test_a_lookup_answering_for_the_wrong_number_of_keys_leaves_no_pins(
+    engine, extra: int, answered_now: bool
+) -> None:
+    from lmcache_tiers.l2.interface import LookupResult
+
+    storage = engine([AdapterSpec(type="gated_now" if answered_now else "gated", config=GatedConfig())])
+    keys = keys_of(17, 4)
+    store(storage, keys[:3], SIZE)  # the last key is a miss: the adapter does not pin it
+    assert storage.flush(10)
+    storage.clear()
+    l2 = storage.adapters[0]
+
+    def resized(result: LookupResult) -> LookupResult:
+        # The adapter pinned the hits it reports, but reports one flag too few (the
+        # trailing miss left out) or one too many.
+        resize = (lambda flags: flags[:extra]) if extra < 0 else (lambda flags: flags + flags[:extra])
+        return LookupResult(resize(list(result.found)), resize(list(result.sizes)))
+
+    if answered_now:
+        look_up_now = l2.lookup_and_lock_now
+        l2.lookup_and_lock_now = lambda keys: resized(look_up_now(keys))
+    else:
+        pop = l2.pop_completed_lookups
+        l2.pop_completed_lookups = lambda: {task: resized(result) for task, result in pop().items()}
+    assert storage.wait_prefetch(storage.submit_prefetch(keys), 10) == 0
+    assert storage.status()["failures"]["l2_lookup_bad_result"] == 1
+    assert_no_locks(storage)

@@ -284,8 +284,27 @@ class PrefetchController(ControllerThread):
     def _record_lookup(self, slot: AdapterSlot, request: PrefetchRequest, result: LookupResult) -> None:
         """Keep one adapter's answer for ``request.remaining``, and the pins it took."""
         count = len(request.remaining)
-        if len(result.found) != count or len(result.sizes) != count:
+        try:
+            well_formed = len(result.found) == count and len(result.sizes) == count
+        except (AttributeError, TypeError):
+            well_formed = False
+        if not well_formed:
+            # Not an answer for these keys: an L2 miss.  The hits it reports were pinned
+            # all the same (the caller unlocks every key reported found), and nothing else
+            # would ever unlock them.
             self.stats.fail("l2_lookup_bad_result")
+            try:
+                reported = [key for key, hit in zip(request.remaining, result.found, strict=False) if hit]
+            except (AttributeError, TypeError):
+                reported = []
+            self._locks.unpin_slot(slot, reported)
+            self._burst.warn(
+                "l2_lookup_bad_result",
+                "lookup on %s did not answer for the %d keys asked (failure reason l2_lookup_bad_result): "
+                "treated as a miss",
+                slot.name,
+                count,
+            )
             result = LookupResult([False] * count, [0] * count)
         request.found[slot.index] = result
         hits = [key for key, hit in zip(request.remaining, result.found, strict=True) if hit]
