@@ -461,6 +461,54 @@ def test_a_delete_whose_later_trip_fails_reports_what_its_earlier_ones_deleted(
     assert adapter.used_bytes() == 2 * 16
 
 
+def test_a_store_whose_later_trip_finds_the_cluster_unreachable_reports_what_it_stored(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # A cluster pipeline whose retries found no node raises RedisClusterUnreachableError,
+    # which is no RedisError: a later trip failing so must report the earlier trips' keys
+    # stored (they are in Redis) like any other failed trip, not fail the whole batch.
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
+    keys = make_keys(KEYS_PER_TRIP + 2)
+    backend = backend_of(adapter)
+    execute, calls = backend._execute, []
+
+    def unreachable_on_the_second_trip(pipe: Any, **options: Any) -> list[Any]:
+        calls.append(pipe)
+        if len(calls) == 2:
+            raise redis.exceptions.RedisClusterUnreachableError("no node answered")
+        return execute(pipe, **options)
+
+    backend._execute = unreachable_on_the_second_trip  # type: ignore[method-assign]
+    buffers = [memoryview(bytearray(pattern(index, 16))) for index in range(len(keys))]
+    assert client_of(adapter).store(keys, buffers) == [True] * KEYS_PER_TRIP + [False, False]
+    assert adapter.stats()["store_request_failures"] == 2
+    assert adapter.used_bytes() == KEYS_PER_TRIP * 16
+
+
+def test_a_store_or_delete_reply_that_is_another_client_error_fails_its_key(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # A cluster pipeline leaves any RedisError of a command in its reply (a redirection
+    # loop's "TTL exhausted" ClusterError, an InvalidResponse): that command was not
+    # done, and its key must not be reported stored (accounted, never in Redis).
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
+    keys = make_keys(3)
+    backend = backend_of(adapter)
+    execute = backend._execute
+
+    def first_reply_failed(pipe: Any, **options: Any) -> list[Any]:
+        replies = execute(pipe, **options)
+        replies[0] = redis.exceptions.ClusterError("TTL exhausted.")
+        return replies
+
+    backend._execute = first_reply_failed  # type: ignore[method-assign]
+    buffers = [memoryview(bytearray(pattern(index, 16))) for index in range(len(keys))]
+    assert client_of(adapter).store(keys, buffers) == [False, True, True]
+    assert adapter.stats()["store_request_failures"] == 1
+    assert adapter.delete(keys[1:]) == [False, True]
+    assert adapter.stats()["delete_request_failures"] == 1
+
+
 def test_a_delete_the_store_refuses_is_counted_and_logged(
     own_server: RedisServer,
     prefix: str,

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from redis import Redis, RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import InvalidResponse, RedisError, ResponseError
+from redis.exceptions import InvalidResponse, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lmcache_plugin_redis.client import build_client, describe
@@ -178,7 +178,7 @@ class RedisBackend:
         node are left in the list (``_execute``): their keys fail alone."""
         try:
             return self._execute(pipe, per_key=True)
-        except RedisError as exc:
+        except (RedisError, RedisClusterException) as exc:  # the latter: no cluster node answered
             if number == 0:
                 raise
             self.context.count(f"{what}_request_failures", left)
@@ -192,8 +192,9 @@ class RedisBackend:
             return None
 
     def _request_failed(self, what: str, key: ObjectKey, error: Exception) -> None:
-        """A key whose command a failed cluster node never answered, in a trip whose other
-        commands were done: that key fails (done or not, it cannot be told), counted."""
+        """A key whose command a failed cluster node never answered (or redis-py left
+        another client error for, e.g. a redirection loop's ClusterError), in a trip whose
+        other commands were done: that key fails (done or not, it cannot be told), counted."""
         self.context.count(f"{what}_request_failures")
         self.context.warn(
             f"node:{what}",
@@ -267,10 +268,10 @@ class RedisBackend:
             if replies is None:
                 break
             for index, reply in zip(trip, replies, strict=True):
-                if isinstance(reply, _CALL_FAILURES):
-                    self._request_failed("store", keys[index], reply)
-                elif isinstance(reply, ResponseError):
+                if isinstance(reply, ResponseError):
                     self._reply_error("store", keys[index], reply)
+                elif isinstance(reply, Exception):  # a failed node, or another client error
+                    self._request_failed("store", keys[index], reply)
                 else:
                     stored[index] = True
         return stored
@@ -426,10 +427,10 @@ class RedisBackend:
             if replies is None:
                 break
             for index, reply in zip(trip, replies, strict=True):
-                if isinstance(reply, _CALL_FAILURES):
-                    self._request_failed("delete", keys[index], reply)
-                elif isinstance(reply, ResponseError):  # refused (NOPERM, READONLY ...): still there
+                if isinstance(reply, ResponseError):  # refused (NOPERM, READONLY ...): still there
                     self._reply_error("delete", keys[index], reply)
+                elif isinstance(reply, Exception):  # a failed node, or another client error
+                    self._request_failed("delete", keys[index], reply)
                 deleted[index] = reply == 1
         return deleted
 
