@@ -119,3 +119,30 @@ def test_an_unexpected_store_error_fails_its_record_alone_and_leaves_no_temp(
         monkeypatch.undo()
         adapter.close()
         memory.rm(root, recursive=True)
+
+
+def test_an_unexpected_delete_error_fails_that_key_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delete batch whose one key fails with an fsspec store's own error type (not an
+    OSError) reports the keys it did remove as removed: failing the whole batch would keep
+    them accounted though gone."""
+    memory = fsspec.filesystem("memory")
+    root = f"memory://delete-{uuid.uuid4().hex}"
+    arena = Arena()
+    keys = make_keys(3)
+    adapter = open_fs(fs_config(root, max_capacity_gb=1), arena.view)
+    try:
+        assert store(adapter, arena, keys, [pattern(index, SIZE) for index in range(3)]) == [True] * 3
+        real_rm_file = memory.rm_file
+
+        def rm_file(path: str) -> None:
+            if path.endswith(f"{keys[1].file_stem()}.bin"):
+                raise RuntimeError("no credentials")
+            real_rm_file(path)
+
+        monkeypatch.setattr(memory, "rm_file", rm_file)
+        assert adapter.delete(keys) == [True, False, True]
+        assert adapter.used_bytes() == SIZE
+    finally:
+        monkeypatch.undo()
+        adapter.close()
+        memory.rm(root, recursive=True)

@@ -269,7 +269,7 @@ class RemoteRecords:
                 return True
             except FileNotFoundError:
                 return False
-            except OSError as exc:
+            except Exception as exc:  # OSError, or an fsspec store's own error: this key alone
                 log.warning("%s: cannot delete %s: %s", self.context.name, printable(path, 300), exc)
                 return False
 
