@@ -692,3 +692,62 @@ def test_close_does_not_wait_for_a_load_stuck_in_storage(
             if closer.ident is None:
                 adapter.close()
             closer.join(30)
+
+
+def test_a_load_running_past_close_posts_no_more_reads_into_l1(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load still running when core closes the backend (its close deadline passed) must
+    not go on reading its later groups into L1 after close returned: the load is failed
+    and its buffers are no longer its own; only the group already in flight may land."""
+    from lmcache_plugin_nixl.runtime import NixlRuntime
+
+    monkeypatch.setattr(recordio, "PIPELINE_GROUP_BYTES", SIZE)  # one record per group
+    arena = Arena()
+    keys = make_keys(3)
+    data = [pattern(70 + index, SIZE) for index in range(3)]
+    entered, gate, finished = threading.Event(), threading.Event(), threading.Event()
+    closed = threading.Event()
+    reads_after_close: list[int] = []
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root, direct_io=True), arena.view)
+        try:
+            assert store(adapter, arena, keys, data) == [True] * 3
+            records = adapter.backend._records  # type: ignore[attr-defined]
+            read_pipelined = records._read_pipelined
+
+            def watched(*args: object, **kwargs: object) -> None:
+                try:
+                    read_pipelined(*args, **kwargs)
+                finally:
+                    finished.set()
+
+            monkeypatch.setattr(records, "_read_pipelined", watched)
+            run = records._transfer.run
+
+            def counted_run(operation: str, *args: object, **kwargs: object) -> object:
+                if operation == "READ" and closed.is_set():
+                    reads_after_close.append(1)  # a group posted after close returned
+                return run(operation, *args, **kwargs)
+
+            monkeypatch.setattr(records._transfer, "run", counted_run)
+            runtime = NixlRuntime.shared()
+            transfer_many = runtime.transfer_many
+
+            def slow_transfer(backend: str, operation: str, *args: object, **kwargs: object) -> object:
+                if operation == "READ" and not entered.is_set():
+                    entered.set()
+                    gate.wait(60)
+                return transfer_many(backend, operation, *args, **kwargs)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(runtime, "transfer_many", slow_transfer)
+            assert client(adapter).lookup_and_lock(keys).found == [True] * 3
+            adapter.submit_load(keys, [arena.take(SIZE) for _ in keys])
+            assert entered.wait(10)
+            adapter.close_timeout_s = 0.2  # type: ignore[misc]
+            adapter.close()
+            closed.set()
+            gate.set()
+            assert finished.wait(30)
+            assert reads_after_close == [], "later groups were read into L1 after close returned"
+        finally:
+            gate.set()
+            adapter.close()

@@ -495,6 +495,10 @@ class RecordFiles:
                 inbox.put(None)
         try:
             for group in _groups(pending):
+                if self._closing:
+                    # Closed while this load ran past core's close deadline: its buffers are
+                    # no longer its own, and no later group is read into them (not loaded).
+                    break
                 targets: list[memoryview] = []
                 for item in group:
                     assert item.header is not None
