@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from engine_support import GatedConfig, gated_backend, keys_of, store
@@ -161,22 +162,32 @@ def test_one_object_larger_than_a_slice_is_a_slice_of_its_own(engine, monkeypatc
     assert (status["store_tasks_submitted"], status["keys_stored"]) == (3, 3)
 
 
-def test_slices_never_submitted_are_counted_as_dropped_at_shutdown(engine, monkeypatch) -> None:
+def one_store_running_two_queued(engine, monkeypatch, first_key: int) -> tuple[StorageManager, Any]:
+    """Three one-slice writes behind a parked store: one running, two slices waiting."""
     monkeypatch.setattr(store_pacing, "SLICE_BYTES", SIZE)
     monkeypatch.setattr(store_pacing, "INFLIGHT_BYTES", SIZE)
     storage = engine([gated()])
     backend = gated_backend(storage)
     backend.store_gate.clear()
-    keys = keys_of(10, 3)
-    store(storage, keys, SIZE)
+    store(storage, keys_of(first_key, 3), SIZE)
     assert wait_for(lambda: storage.store.in_flight() == 1 and storage.store.pending_batches() == 2)
-    # The controller gives up after the drain timeout; the adapter's close then waits for
-    # the parked call, which the timer lets go.
+    return storage, backend
+
+
+def close_giving_up(storage: StorageManager, backend: Any) -> dict[str, int]:
+    """Close with a drain that gives up on the parked store; the failure counters then.
+
+    The adapter's close waits for the parked call, which a timer lets go."""
     opener = threading.Timer(0.5, backend.store_gate.set)
     opener.start()
     storage.close(drain_timeout_s=0.05)
     opener.join()
-    failures = storage.stats.failures()
+    return storage.stats.failures()
+
+
+def test_slices_never_submitted_are_counted_as_dropped_at_shutdown(engine, monkeypatch) -> None:
+    storage, backend = one_store_running_two_queued(engine, monkeypatch, 10)
+    failures = close_giving_up(storage, backend)
     assert failures.get("l2_store_abandoned") == 1
     assert failures.get("l2_store_dropped_at_shutdown") == 2
 
@@ -186,19 +197,9 @@ def test_writes_counted_lost_when_l1_dropped_them_are_not_counted_again_at_shutd
 ) -> None:
     # A clear that removes objects before their store counts each acknowledged write lost
     # once; the slices still queued for them at shutdown lose nothing more.
-    monkeypatch.setattr(store_pacing, "SLICE_BYTES", SIZE)
-    monkeypatch.setattr(store_pacing, "INFLIGHT_BYTES", SIZE)
-    storage = engine([gated()])
-    backend = gated_backend(storage)
-    backend.store_gate.clear()
-    store(storage, keys_of(15, 3), SIZE)
-    assert wait_for(lambda: storage.store.in_flight() == 1 and storage.store.pending_batches() == 2)
+    storage, backend = one_store_running_two_queued(engine, monkeypatch, 15)
     storage.clear()  # the two queued objects go; the one being stored is locked
-    opener = threading.Timer(0.5, backend.store_gate.set)
-    opener.start()
-    storage.close(drain_timeout_s=0.05)
-    opener.join()
-    failures = storage.stats.failures()
+    failures = close_giving_up(storage, backend)
     assert failures.get("l1_cleared_before_l2_store") == 2
     assert failures.get("l2_store_abandoned") == 1
     assert "l2_store_dropped_at_shutdown" not in failures
@@ -208,13 +209,7 @@ def test_a_write_evicted_as_the_drain_settles_it_is_still_counted_lost(engine, m
     # The drain gives up on an object's store and clears its unstored flag: an eviction
     # then (the eviction controller runs on) takes it as any stored object, uncounted, so
     # the drain must not count it as gone -- the acknowledged write was lost right there.
-    monkeypatch.setattr(store_pacing, "SLICE_BYTES", SIZE)
-    monkeypatch.setattr(store_pacing, "INFLIGHT_BYTES", SIZE)
-    storage = engine([gated()])
-    backend = gated_backend(storage)
-    backend.store_gate.clear()
-    store(storage, keys_of(16, 3), SIZE)
-    assert wait_for(lambda: storage.store.in_flight() == 1 and storage.store.pending_batches() == 2)
+    storage, backend = one_store_running_two_queued(engine, monkeypatch, 16)
     l1 = storage.l1
     settle = l1.settle_unstored
 
@@ -224,11 +219,7 @@ def test_a_write_evicted_as_the_drain_settles_it_is_still_counted_lost(engine, m
         l1.evict(l1.capacity_bytes, [obj.key for obj in objs])  # an eviction right after
 
     monkeypatch.setattr(l1, "settle_unstored", settle_then_evict)
-    opener = threading.Timer(0.5, backend.store_gate.set)
-    opener.start()
-    storage.close(drain_timeout_s=0.05)
-    opener.join()
-    failures = storage.stats.failures()
+    failures = close_giving_up(storage, backend)
     assert failures.get("l2_store_abandoned") == 1
     assert failures.get("l2_store_dropped_at_shutdown") == 2
 
