@@ -631,3 +631,42 @@ def test_the_failure_rate_is_the_fraction_of_keys_that_fail(rate: float) -> None
     finally:
         adapter.close()
     assert abs(outcomes.count(False) / 2000 - rate) < 0.04
+
+
+class CountingMock(MockBackend):
+    """The mock, answering a load with the count of bytes it read -- half the object, a
+    short read -- where the contract asks for a boolean."""
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[Any]:
+        halves = [buffer[: buffer.nbytes // 2] for buffer in buffers]
+        whole = [memoryview(bytearray(buffer.nbytes)) for buffer in buffers]
+        super().get_many_into(keys, whole)
+        for half, data in zip(halves, whole, strict=True):
+            half[:] = data[: half.nbytes]
+        return [half.nbytes for half in halves]
+
+
+@hookimpl(specname="tiers_register_l2_adapters")
+def register_counting_mock(registry: KindRegistry) -> None:
+    registry.add("counting_mock", CountingMock, MockConfig)
+
+
+def test_an_inner_load_answer_that_is_not_a_boolean_is_not_turned_into_success(
+    opened: list[BackendAdapter],
+) -> None:
+    """Core refuses a load answered with anything but booleans (a byte count passes for
+    success even when the read was short); wrapped, the inner answer must reach it as it is."""
+    module = types.ModuleType("fault_inject_counting_test")
+    module.tiers_register_l2_adapters = register_counting_mock  # type: ignore[attr-defined]
+    registry = discover(extra_plugins={"fault-inject-counting-test": module}).registry
+    config = FaultInjectConfig(inner={"type": "counting_mock", "namespace": uuid.uuid4().hex})
+    context = AdapterContext(index=0, name="0:fault_inject", config=config)
+    adapter = create_adapter(open_fault_inject, config, context, registry=registry)
+    assert isinstance(adapter, BackendAdapter)
+    opened.append(adapter)
+    keys = make_keys(2)
+    fill(adapter, keys)
+    client = BlockingAdapterClient(adapter)
+    assert client.lookup_and_lock(keys).found == [True, True]
+    assert client.load(keys, buffers(2)) == [False, False], "half-read objects handed out as loaded"
+    adapter.unlock(keys)

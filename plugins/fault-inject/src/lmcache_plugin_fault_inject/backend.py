@@ -152,6 +152,18 @@ class _FaultInjector:
         )
         return self.config.corrupt_detected
 
+    def loaded(self, chosen: list[int], answers: Iterable[Any], buffers: Sequence[memoryview]) -> list[Any]:
+        """The inner backend's load answers, with corruption applied to its successes.
+
+        An answer goes on as the inner backend gave it unless corruption makes it a
+        failure: core accepts only booleans, and turned into one here, a count of bytes
+        read (positive even for a short read) would pass for a whole object loaded.
+        """
+        return [
+            False if done and self.corrupted(buffers[i]) else done
+            for i, done in zip(chosen, answers, strict=True)
+        ]
+
     @staticmethod
     def spread(count: int, chosen: list[int], results: Iterable[Any], fill: Any) -> list[Any]:
         """Results of the chosen positions in place, ``fill`` elsewhere."""
@@ -228,8 +240,7 @@ class FaultInjectBackend(_FaultInjector):
         if not chosen:
             return [False] * len(keys)
         loaded = self.inner.get_many_into([keys[i] for i in chosen], [buffers[i] for i in chosen])
-        ok = [bool(done) and not self.corrupted(buffers[i]) for i, done in zip(chosen, loaded, strict=True)]
-        return self.spread(len(keys), chosen, ok, False)
+        return self.spread(len(keys), chosen, self.loaded(chosen, loaded, buffers), False)
 
     def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         chosen = [i for i, fail in enumerate(self._before("delete", len(keys))) if not fail]
@@ -282,8 +293,7 @@ class AsyncFaultInjectBackend(_FaultInjector):
         if not chosen:
             return [False] * len(keys)
         loaded = await self.inner.get_many_into([keys[i] for i in chosen], [buffers[i] for i in chosen])
-        ok = [bool(done) and not self.corrupted(buffers[i]) for i, done in zip(chosen, loaded, strict=True)]
-        return self.spread(len(keys), chosen, ok, False)
+        return self.spread(len(keys), chosen, self.loaded(chosen, loaded, buffers), False)
 
     async def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         chosen = [i for i, fail in enumerate(await self._before("delete", len(keys))) if not fail]
