@@ -190,3 +190,38 @@ def test_l2_eviction_goes_on_after_the_policy_failed_on_the_stored_keys() -> Non
         assert controller.stats.failures()["l2_eviction_policy_error"] == 1
     finally:
         adapter.close()
+
+
+def test_l2_eviction_frees_something_when_a_round_rounds_down_to_no_bytes() -> None:
+    # 10 one-byte objects at a ratio of 0.05: a round of int(10 * 0.05) = 0 bytes would
+    # free nothing, and a tier above its watermark would refuse every store for good.
+    adapter = open_dict(DictBackend, namespace="rounds-down", capacity=10)
+    try:
+        config = L2EvictionConfig(trigger_watermark=WATERMARK, eviction_ratio=0.05)
+        controller = L2EvictionController(AdapterSlot(0, "dict", adapter), Fifo(), config, EngineStats(1))
+        controller.evict(0)  # seeds the policy (nothing stored yet): events from now on go in
+        keys = make_keys(10)
+        client = BlockingAdapterClient(adapter)
+        assert client.store(keys, [memoryview(b"x") for _ in keys]) == [True] * 10
+        assert adapter.usage() == 1.0
+
+        controller.step(set())
+
+        assert adapter.usage() < WATERMARK
+    finally:
+        adapter.close()
+
+
+def test_l1_eviction_frees_something_when_a_round_rounds_down_to_no_bytes(l1: L1Manager) -> None:
+    ratio = 1 / (2 * BLOCKS * ALIGN)  # int(used * ratio) is 0 for any usage of this arena
+    controller = L1EvictionController(
+        l1, Fifo(), trigger_watermark=WATERMARK, eviction_ratio=ratio, stats=EngineStats(0)
+    )
+    keys = make_keys(BLOCKS)
+    l1.reserve_write(keys, [ALIGN] * BLOCKS)
+    l1.finish_write(keys)
+
+    controller.step(set())
+
+    assert l1.usage() < WATERMARK
+    assert "l1_nothing_evictable" not in controller.stats.failures()

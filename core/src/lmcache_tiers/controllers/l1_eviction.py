@@ -145,7 +145,10 @@ class L1EvictionController(ControllerThread):
         # A burst of writes can fill the arena far past the watermark before this thread
         # runs, and one round of ``eviction_ratio`` may leave it above: rounds go on.
         while self.above_watermark():
-            freed = self.evict_now(int(self.l1.used_bytes * self.eviction_ratio), spare_unstored=True)
+            # At least one byte: a round that rounds down to none would free nothing, and
+            # read as nothing evictable, while the arena stays above the watermark.
+            round_bytes = max(1, int(self.l1.used_bytes * self.eviction_ratio))
+            freed = self.evict_now(round_bytes, spare_unstored=True)
             if freed == 0:
                 # Everything left is locked or waiting for its L2 store (or the policy offers
                 # nothing, e.g. noop); the next write or the periodic tick tries again.

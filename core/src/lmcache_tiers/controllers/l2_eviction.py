@@ -151,7 +151,9 @@ class L2EvictionController(ControllerThread):
             usage = adapter.usage()
             if usage < 0 or usage < self.trigger_watermark:
                 return  # no capacity to measure against, or below the watermark
-            if self.evict(int(adapter.used_bytes() * self.eviction_ratio)) <= 0:
+            # At least one byte: a round of small objects that rounds down to none would
+            # free nothing, and the adapter would refuse stores above its watermark for good.
+            if self.evict(max(1, int(adapter.used_bytes() * self.eviction_ratio))) <= 0:
                 return  # nothing left to evict now (pinned, failing): the next cycle retries
 
     def evict(self, bytes_to_free: int) -> int:
