@@ -52,6 +52,7 @@ def test_config_is_decoded_from_an_adapter_spec() -> None:
     ("field", "value"),
     [
         ("max_size_gb", 0),
+        ("max_size_gb", 1e-12),  # under one byte: every store would be refused
         ("bandwidth_bytes_per_s", -1),
         ("latency_s", -0.5),
         ("namespace", ""),
