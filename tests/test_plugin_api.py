@@ -54,3 +54,11 @@ def test_config_structs_inherit_their_flags() -> None:
         Inherits(2)  # type: ignore[misc]  # keyword-only
     with pytest.raises(AttributeError):
         config.required = 3  # type: ignore[misc]  # frozen
+
+
+@pytest.mark.parametrize("host", ["a" * 64 + ".example", "bad..name", "nul\x00host"])
+def test_is_loopback_says_no_for_a_host_no_resolver_takes(host: str) -> None:
+    # Front ends check their configured host with it: a name the resolver cannot even
+    # encode must read as "not loopback" (a token is then required; binding it fails with
+    # a clear error), never escape as a UnicodeError or TypeError with a traceback.
+    assert plugin.is_loopback(host) is False

@@ -79,3 +79,17 @@ def test_a_span_begun_again_counts_from_its_new_start() -> None:
     clock.now += 2.0
     assert activity.quiet_in() == pytest.approx(4.0)  # y went stale; x's second start decides
     assert activity.spans() == 1
+
+
+def test_spans_whose_end_never_comes_do_not_pile_up_when_nobody_asks() -> None:
+    # A server without L2 adapters has no write-back to pace: nothing calls quiet_in, yet
+    # every reservation a client abandons (it died between reserve and commit) begins a
+    # span that no end ever comes for.
+    clock = Clock()
+    activity = DataPlaneActivity(linger_s=0.0, stale_s=1.0, clock=clock)
+    for round_index in range(100):
+        activity.begin_many([(round_index, index) for index in range(100)])
+        clock.now += 2.0
+    activity.begin("live")
+    assert activity.spans() <= 101, "stale spans are forgotten without a quiet_in"
+    assert activity.quiet_in() == pytest.approx(1.0)  # the live one still counts

@@ -67,6 +67,7 @@ class DataPlaneActivity:
         with self._lock:
             self._spans.pop(token, None)
             self._spans[token] = now
+            self._forget_stale(now)
         self._last = now
 
     def end(self, token: Hashable) -> None:
@@ -81,6 +82,7 @@ class DataPlaneActivity:
             for token in tokens:
                 spans.pop(token, None)
                 spans[token] = now
+            self._forget_stale(now)
         self._last = now
 
     def end_many(self, tokens: Iterable[Hashable]) -> None:
@@ -89,6 +91,17 @@ class DataPlaneActivity:
             for token in tokens:
                 spans.pop(token, None)
         self._last = self._clock()
+
+    def _forget_stale(self, now: float) -> None:
+        # ``quiet_in`` drops stale spans too, but nothing calls it where no write-back
+        # waits (a server without L2): the span of every reservation a client abandoned
+        # would stay for good.  Oldest first, each dropped once: O(1) amortized.
+        spans = self._spans
+        while spans:
+            token, began = next(iter(spans.items()))
+            if now - began < self.stale_s:
+                return
+            del spans[token]
 
     # -- for background work -------------------------------------------------------------
 
@@ -109,7 +122,7 @@ class DataPlaneActivity:
         return max(0.0, wait)
 
     def spans(self) -> int:
-        """Spans open now (stale ones included until the next ``quiet_in``)."""
+        """Spans open now (stale ones included until the next ``quiet_in`` or ``begin``)."""
         with self._lock:
             return len(self._spans)
 

@@ -19,7 +19,9 @@ def is_loopback(host: str) -> bool:
     except ValueError:
         try:
             return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-        except OSError:
+        # UnicodeError: a label the IDNA codec refuses (empty, over 63 characters);
+        # TypeError: a NUL.  Either way no address: not loopback.
+        except (OSError, UnicodeError, TypeError):
             return False
 
 
