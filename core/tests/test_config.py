@@ -206,6 +206,9 @@ def test_passwords_inside_urls_are_redacted() -> None:
         ("node_redis://u:pw@h", "node_redis://u:***@h"),
         # a credential parameter after another parameter's value holding a "?"
         ("redis://h/0?db=a?password=pw", "redis://h/0?db=a?password=***"),
+        # a credential parameter whose name holds a "?" after the credential word
+        ("redis://h/0?password?=pw", "redis://h/0?password?=***"),
+        ("redis://h/0?db=1&token?x=pw#f", "redis://h/0?db=1&token?x=***#f"),
     ],
 )
 def test_url_password_holding_at_signs_is_redacted_whole(url: str, shown: str) -> None:
@@ -219,8 +222,9 @@ def test_url_password_holding_at_signs_is_redacted_whole(url: str, shown: str) -
         "a." * 100_000,  # a long run of scheme characters
         "?password" * 20_000,  # parameter names over and over, no "="
         "?" * 200_000,
+        "&password?" * 20_000,  # a credential name holding "?", no "="
     ],
-    ids=["authority", "scheme-run", "query-names", "question-marks"],
+    ids=["authority", "scheme-run", "query-names", "question-marks", "query-names-with-question-marks"],
 )
 def test_redacting_a_long_text_takes_linear_time(text: str) -> None:
     # Error lines quote what the user gave (a config value, a whole file's line): a

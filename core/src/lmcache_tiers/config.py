@@ -727,10 +727,14 @@ SECRET_FIELD = re.compile(r"secret|password|passwd|token|credential|access_key|a
 _AUTHORITY_END = re.compile(r"[/\s]")
 _SCHEME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+.-")
 #: a query parameter of a URL named like a credential (``redis://host/0?password=...``,
-#: which redis-py reads as the password).  A name ends at any ``?``: with one inside, each
-#: ``?`` of a long text would start a scan to its end (quadratic time).
+#: which redis-py reads as the password).  A name runs from a ``&``, or from the first ``?``
+#: of a run of characters between ``=``, ``&``, ``#`` and blanks, to the ``=`` ending that
+#: run, so one holding ``?`` (``?password?=``) is hidden too.  The match starts only there
+#: (a run's later ``?`` starts none): each run is scanned a bounded number of times, where
+#: starting at every ``?`` scanned a long text to its end from each (quadratic time).
 _URL_QUERY_SECRET = re.compile(
-    rf"(?P<head>[?&](?=[^=&#?\s]*(?:{SECRET_FIELD.pattern}))[^=&#?\s]*=)[^&#\s]*", re.IGNORECASE
+    rf"(?P<head>(?:&|(?<![^=&#\s])[^=&#?\s]*\?)(?=[^=&#\s]*?(?:{SECRET_FIELD.pattern}))[^=&#\s]*=)[^&#\s]*",
+    re.IGNORECASE,
 )
 REDACTED = "***"
 
