@@ -4,10 +4,12 @@ open, probes, and closes by itself once the backend answers again."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -427,6 +429,60 @@ def test_a_lookup_given_up_at_its_timeout_does_not_wait_for_the_call_to_wind_dow
         assert adapter.stats()["circuit_call_timeouts"] == 1
     finally:
         outage.released.set()
+
+
+class LeftCall:
+    """What a call given up at its timeout is doing while it winds down."""
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.wake: weakref.ref[asyncio.Future[None]] | None = None
+        self.ended = threading.Event()
+
+
+LEFT = LeftCall()
+
+
+class WindsDownOnItsOwnFuture(AsyncRemoteDict):
+    """A store whose lookups, once cancelled, wait on a wake-up that only the call holds
+    (a client library's own future, woken by a callback of its connection)."""
+
+    async def contains_many(self, keys: Sequence[ObjectKey]) -> list[Any]:  # type: ignore[override]
+        try:
+            return await super().contains_many(keys)
+        except asyncio.CancelledError:
+            loop = asyncio.get_running_loop()
+            wake: asyncio.Future[None] = loop.create_future()
+            LEFT.loop, LEFT.wake = loop, weakref.ref(wake)
+            try:
+                await wake
+            finally:
+                LEFT.ended.set()
+            raise
+
+
+def test_a_lookup_given_up_at_its_timeout_is_not_destroyed_while_it_winds_down(
+    adapters: list[BackendAdapter], outage: Outage
+) -> None:
+    # The event loop holds its tasks weakly: a given-up call nobody kept could be garbage
+    # collected mid-flight, its cleanup cut short by a GeneratorExit.
+    global LEFT
+    LEFT = LeftCall()
+    circuit = CircuitConfig(failure_threshold=100, call_timeout_s=0.05)
+    adapter = opened(adapters, WindsDownOnItsOwnFuture, circuit=circuit)
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    keys = make_keys(1)
+    assert store(client, keys) == [True]
+    outage.hang.set()
+    assert client.lookup_and_lock(keys, timeout=5.0).found == [False]
+    wait_for(lambda: LEFT.wake is not None, "the left call to wait for its wake-up")
+    gc.collect()
+    assert not LEFT.ended.is_set(), "the left call was destroyed before it ended"
+    wake = LEFT.wake()
+    assert wake is not None and LEFT.loop is not None
+    LEFT.loop.call_soon_threadsafe(wake.set_result, None)
+    del wake
+    assert LEFT.ended.wait(WAIT_S)
 
 
 class CancelledOnce:

@@ -250,6 +250,10 @@ class AsyncCircuitBackend(_Guard):
         super().__init__(inner, config, context)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._probe_task: asyncio.Task[None] | None = None
+        # Calls given up at their timeout, until they end: the event loop keeps only weak
+        # references to tasks, so one nobody held could be destroyed mid-flight (its
+        # cleanup cut short, "Task was destroyed but it is pending!").
+        self._left: set[asyncio.Future[Any]] = set()
         self.breaker.on_open = self._start_probing
 
     async def open(self) -> None:
@@ -269,6 +273,7 @@ class AsyncCircuitBackend(_Guard):
             done, _ = await asyncio.wait({task}, timeout=self.call_timeout_s)
         except asyncio.CancelledError:
             task.cancel()
+            self._leave(task)
             raise
         if not done:
             # Cancelled and left to wind down by itself, as a timed call of a plain
@@ -276,9 +281,18 @@ class AsyncCircuitBackend(_Guard):
             # cleanup of its own, a reconnect to a host that does not answer) must not
             # hold the lookup or the probe past the timeout.
             task.cancel()
-            task.add_done_callback(_retrieve)
+            self._leave(task)
             raise CallTimeout(self.call_timeout_s)
         return task.result()
+
+    def _leave(self, task: asyncio.Future[Any]) -> None:
+        """Keep ``task``, cancelled and given up, until it ends; then take its outcome."""
+        self._left.add(task)
+        task.add_done_callback(self._left_ended)
+
+    def _left_ended(self, task: asyncio.Future[Any]) -> None:
+        self._left.discard(task)
+        _retrieve(task)
 
     async def _call(self, method: str, *args: Any) -> Any:
         call = getattr(self.inner, method)(*args)
