@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import numpy as np
 import pytest
 
 from lmcache_tiers.serde import IdentitySerde, SerdeContext
@@ -51,12 +53,30 @@ class _ModifiesItsInput(_LengthPrefixed):
         return out
 
 
+class _PadOfItsOwn(_LengthPrefixed):
+    """XORs objects with a pad each instance draws at random and keeps only in memory:
+    consistent within an instance, garbage after a restart."""
+
+    def __init__(self) -> None:
+        self.pad = os.urandom(256)
+
+    def _xor(self, data: bytes) -> bytes:
+        pad = np.frombuffer(self.pad * (len(data) // 256 + 1), dtype=np.uint8)[: len(data)]
+        return (np.frombuffer(data, dtype=np.uint8) ^ pad).tobytes()
+
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
+        return super().encode(memoryview(self._xor(bytes(data))), context)
+
+    def decode(self, data: memoryview, context: SerdeContext) -> bytes:
+        return self._xor(super().decode(data, context))
+
+
 def _suite_for(serde: Any) -> SerdeSuite:
     class Probe(SerdeSuite):
         component_name = "probe"
 
         def make_serde(self) -> Any:
-            return serde
+            return type(serde)()  # a new instance, as the registry builds one
 
     return Probe()
 
@@ -69,6 +89,7 @@ def test_a_correct_serde_passes() -> None:
     suite.test_inputs_are_left_untouched_and_may_be_read_only(serde)
     suite.test_works_at_every_chain_position(serde)
     suite.test_chain_decodes_last_to_first(serde)
+    suite.test_another_instance_decodes_what_one_encoded(serde)
 
 
 @pytest.mark.parametrize(
@@ -80,6 +101,7 @@ def test_a_correct_serde_passes() -> None:
         (_DropsTheLastByte(), "test_round_trip"),
         (_DropsTheLastByte(), "test_large_object"),
         (_ModifiesItsInput(), "test_inputs_are_left_untouched_and_may_be_read_only"),
+        (_PadOfItsOwn(), "test_another_instance_decodes_what_one_encoded"),
         (_LengthPrefixed(), "test_every_flipped_byte_is_detected"),
         (_LengthPrefixed(), "test_decodes_only_under_its_own_key"),
     ],

@@ -216,6 +216,100 @@ class WritesPastTheLoadBuffer(DictBackend):
         return ok
 
 
+class TransformsTheStoreBufferInPlace(DictBackend):
+    """Stores what it was given, then leaves the caller's buffer changed (an encoding done
+    in place): the L1 object the buffer is goes on being served with wrong bytes."""
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        ok = super().put_many(keys, payloads)
+        for payload in payloads:
+            if payload.nbytes:
+                payload[0] ^= 0xFF
+        return ok
+
+
+class PadsTheStoreBufferToAPage(DictBackend):
+    """Zero-pads each payload to a whole page in the caller's memory before writing it (as
+    an O_DIRECT write wants), through the L1 arena: the next object's first bytes are lost."""
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        arena = self.context.l1_buffer
+        assert arena is not None, "the suite hands every adapter its L1 buffer"
+        for payload in payloads:
+            offset = self.context.l1_offset(payload)
+            assert offset is not None, "the suite stores from slices of the L1 buffer"
+            end = offset + payload.nbytes
+            arena[end : -(-end // 4096) * 4096] = bytes(-end % 4096)
+        return super().put_many(keys, payloads)
+
+
+class CorruptsObjectsSmallerThanAPage(DictBackend):
+    """Objects under a page take a path of their own that loses their last byte."""
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        ok = super().get_many_into(keys, buffers)
+        for loaded, buffer in zip(ok, buffers, strict=True):
+            if loaded and 0 < buffer.nbytes < 4096:
+                buffer[-1] = 0
+        return ok
+
+
+#: namespace -> objects deleted from it whose entries the listing kept
+_LISTED_AFTER_DELETE: dict[str, dict[ObjectKey, int]] = {}
+
+
+class ListsDeletedObjects(DictBackend):
+    """Deletes remove objects but not their entries in the index read at start (kept in
+    memory meanwhile), so a reopened adapter lists what earlier runs deleted."""
+
+    def __init__(self, config: DictConfig, context: BackendContext) -> None:
+        super().__init__(config, context)
+        self.index_read_at_start = dict(_LISTED_AFTER_DELETE.get(config.namespace, {}))
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        kept = _LISTED_AFTER_DELETE.setdefault(self.config.namespace, {})
+        with self.lock:
+            for key in keys:
+                if key in self.objects:
+                    kept[key] = len(self.objects[key])
+        return super().delete_many(keys)
+
+    def list_keys(self) -> list[tuple[ObjectKey, int]]:
+        listed = dict(super().list_keys())
+        return [*listed.items(), *self.index_read_at_start.items()]
+
+
+#: namespace -> the first version stored of each key (what the index rebuilt at start reads)
+_FIRST_VERSIONS: dict[str, dict[ObjectKey, bytes]] = {}
+
+
+class RebuildsFromFirstVersions(DictBackend):
+    """Appends every version to a log and, when opened, rebuilds its index from the first
+    record of each key instead of the last: reopening brings overwritten bytes back."""
+
+    def __init__(self, config: DictConfig, context: BackendContext) -> None:
+        super().__init__(config, context)
+        first = _FIRST_VERSIONS.setdefault(config.namespace, {})
+        with self.lock:
+            for key in self.objects:
+                self.objects[key] = first.get(key, self.objects[key])
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        first = _FIRST_VERSIONS.setdefault(self.config.namespace, {})
+        for key, payload in zip(keys, payloads, strict=True):
+            first.setdefault(key, bytes(payload))
+        return super().put_many(keys, payloads)
+
+
+class KeepsSixteenKeysOfABatch(DictBackend):
+    """Writes batches in pipelines of 16 keys and sends only the first: every key past the
+    16th of a store reports success and is lost."""
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        super().put_many(keys[:16], payloads[:16])
+        return [True] * len(keys)
+
+
 class ForgetsOnClose(DictBackend):
     """Keeps objects only as long as one adapter is open."""
 
@@ -243,6 +337,12 @@ CAUGHT: list[tuple[type[DictBackend], str]] = [
     (WritesPastTheLoadBuffer, "test_store_lookup_load_round_trip"),
     (WritesPastTheLoadBuffer, "test_lookup_of_absent_keys_misses"),
     (WritesPastTheLoadBuffer, "test_concurrent_submits_from_two_threads"),
+    (TransformsTheStoreBufferInPlace, "test_store_lookup_load_round_trip"),
+    (PadsTheStoreBufferToAPage, "test_store_lookup_load_round_trip"),
+    (CorruptsObjectsSmallerThanAPage, "test_byte_accounting_total_and_by_salt"),
+    (ListsDeletedObjects, "test_deletes_survive_reopening"),
+    (RebuildsFromFirstVersions, "test_overwrites_survive_reopening"),
+    (KeepsSixteenKeysOfABatch, "test_large_batches_round_trip"),
 ]
 
 

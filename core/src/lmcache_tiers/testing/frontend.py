@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
+import numpy as np
 import pytest
 import zmq
 
@@ -83,8 +84,12 @@ class FrontendDriver(ABC):
 
 
 def payloads(request: int, count: int, size: int) -> list[bytes]:
-    """Distinct, deterministic bytes for the chunks of one request."""
-    return [bytes([(request * 37 + index * 11 + 1) % 256]) * size for index in range(count)]
+    """Distinct, deterministic bytes for the chunks of one request: pseudo-random, so a
+    front end that reorders, swaps or shifts bytes within a chunk does not read back equal."""
+    return [
+        np.random.default_rng([request, index]).integers(0, 256, size, dtype=np.uint8).tobytes()
+        for index in range(count)
+    ]
 
 
 class FrontendSuite(ComponentSuite):
@@ -161,16 +166,38 @@ class FrontendSuite(ComponentSuite):
     def test_stored_chunks_read_back_equal(self, storage: StorageManager, driver: FrontendDriver) -> None:
         chunks = payloads(1, 3, driver.chunk_bytes)
         assert driver.store(1, chunks)
-        assert storage.status()["l1"]["objects"] == 3
+        l1 = storage.status()["l1"]
+        assert l1["objects"] == 3
+        assert l1["write_locked"] == 0, "a completed store left chunks reserved"
         assert driver.lookup(1, 3) == 3
         assert driver.retrieve(1, 3) == chunks
         assert storage.status()["l1"]["read_locks"] == 0
+
+    def test_requests_read_back_their_own_chunks(
+        self, storage: StorageManager, driver: FrontendDriver
+    ) -> None:
+        # Two requests of the same length: a front end that derives keys from less than
+        # the request (its length, a chunk's position) serves one request's bytes for the
+        # other, or finds chunks of a request never stored.
+        first, second = payloads(5, 2, driver.chunk_bytes), payloads(6, 2, driver.chunk_bytes)
+        assert driver.store(5, first)
+        assert driver.lookup(6, 2) == 0, "a request never stored was found"
+        assert driver.retrieve(6, 2) is None
+        assert driver.store(6, second)
+        assert storage.status()["l1"]["objects"] == 4
+        assert driver.retrieve(5, 2) == first
+        assert driver.retrieve(6, 2) == second
+        l1 = storage.status()["l1"]
+        assert (l1["read_locks"], l1["write_locked"]) == (0, 0)
 
     def test_a_miss_is_a_miss(self, storage: StorageManager, driver: FrontendDriver) -> None:
         assert driver.lookup(99, 2) == 0
         assert driver.retrieve(99, 2) is None
         assert driver.store(2, payloads(2, 1, driver.chunk_bytes))
         assert driver.lookup(2, 2) == 1  # the prefix only
+        # Only the first chunk is there: the second must not be made up (nor the request
+        # answered with the one chunk, as if it were the two asked for).
+        assert driver.retrieve(2, 2) is None, "a retrieve of a partly stored request was answered"
         assert storage.status()["l1"]["read_locks"] == 0
 
     def test_stats_count_what_it_did(self, frontend: Frontend, driver: FrontendDriver) -> None:

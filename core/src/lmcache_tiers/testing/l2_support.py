@@ -125,8 +125,8 @@ class BufferPool:
             raise ValueError("not a buffer handed out by this pool (guards are around whole buffers only)")
         return start
 
-    def guard_damage(self, key: ObjectKey, buffer: memoryview) -> str | None:
-        """What a load of ``key`` into ``buffer`` wrote outside it, or None if nothing."""
+    def guard_damage(self, key: ObjectKey, buffer: memoryview, action: str = "load") -> str | None:
+        """What a load (or ``action``) of ``key`` into ``buffer`` wrote outside it, or None."""
         if buffer.nbytes == 0:
             return None
         start = self._start_of(buffer)
@@ -137,17 +137,21 @@ class BufferPool:
             return None
         past, ahead = _changed(after), _changed(before)
         if past.size:
-            return f"load of {key} wrote {int(past[-1]) + 1} bytes past its buffer"
-        return f"load of {key} wrote {GUARD_BYTES - int(ahead[0])} bytes before its buffer"
+            return f"{action} of {key} wrote {int(past[-1]) + 1} bytes past its buffer"
+        return f"{action} of {key} wrote {GUARD_BYTES - int(ahead[0])} bytes before its buffer"
 
-    def guard_damages(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[str]:
+    def guard_damages(
+        self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview], action: str = "load"
+    ) -> list[str]:
         """What a load of ``keys`` into ``buffers`` wrote outside them, one line per buffer."""
-        damage = (self.guard_damage(key, buffer) for key, buffer in zip(keys, buffers, strict=True))
+        damage = (self.guard_damage(key, buffer, action) for key, buffer in zip(keys, buffers, strict=True))
         return [message for message in damage if message is not None]
 
-    def assert_guards_intact(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> None:
+    def assert_guards_intact(
+        self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview], action: str = "load"
+    ) -> None:
         """Fail if a load of ``keys`` into ``buffers`` (hit, miss or failure) wrote outside them."""
-        damages = self.guard_damages(keys, buffers)
+        damages = self.guard_damages(keys, buffers, action)
         assert not damages, "; ".join(damages)
 
 
@@ -188,6 +192,8 @@ class L2SuiteBase(ComponentSuite):
     wait_timeout_s: ClassVar[float] = 60.0
     #: capacity tests give up (and fail) if this many objects all fit
     max_fill_objects: ClassVar[int] = 512
+    #: keys of the one large batch stored, loaded and deleted (objects of ~object_size/16)
+    large_batch: ClassVar[int] = 40
 
     # -- fixtures and hooks a plugin may override ---------------------------------------
 
@@ -263,7 +269,13 @@ class L2SuiteBase(ComponentSuite):
     ) -> tuple[list[bool], list[bytes]]:
         sizes = list(sizes) if sizes is not None else self.sizes(len(keys))
         data = [pattern(seed * 100_003 + index, size) for index, size in enumerate(sizes)]
-        ok = self.client(adapter).store(keys, [pool.filled(d) for d in data])
+        buffers = [pool.filled(d) for d in data]
+        ok = self.client(adapter).store(keys, buffers)
+        # The buffers are L1 objects that stay readable while and after they are stored:
+        # a backend that transforms or pads a payload in place corrupts what L1 serves.
+        pool.assert_guards_intact(keys, buffers, "store")
+        changed = [key for key, buffer, d in zip(keys, buffers, data, strict=True) if bytes(buffer) != d]
+        assert not changed, f"a store modified the buffers it stored from ({changed[0]} first)"
         return ok, data
 
     def load(

@@ -17,7 +17,8 @@ every serde.
 What every serde must do, capability or not: decode what it encoded back to exactly the
 L1 size at any position of a chain, with no layout on decode; leave its input buffers
 untouched; accept read-only and writable buffers; round-trip empty and large objects;
-work from several threads at once; keep every output within ``max_encoded_size`` when it
+work from several threads at once; decode what another instance of it (a restarted
+server's) encoded; keep every output within ``max_encoded_size`` when it
 declares one; and answer a truncated, extended or foreign input with an exception or an
 output of the wrong size (both of which the adapter turns into a counted miss), never a
 crash or an object of the right size made of wrong bytes.
@@ -259,6 +260,14 @@ class SerdeSuite(ComponentSuite):
         assert isinstance(decoded, bytes | memoryview)
         assert memoryview(decoded).c_contiguous
         assert memoryview(decoded).nbytes == len(data)
+
+    def test_another_instance_decodes_what_one_encoded(self, serde: Serde) -> None:
+        """A restarted server decodes what the one before it stored: everything decode
+        needs is in the encoding or the config, nothing in the encoding instance."""
+        encoded = [(self.encode(serde, data, layout), data, layout) for _, data, layout in sample_objects()]
+        restarted = self.make_serde()
+        for encoding, data, layout in reversed(encoded):
+            self.assert_round_trip(data, self.decode(restarted, encoding, len(data)), layout)
 
     def test_works_at_every_chain_position(self, serde: Serde) -> None:
         framing = _FramingSerde()
