@@ -284,32 +284,35 @@ class PrefetchController(ControllerThread):
     def _record_lookup(self, slot: AdapterSlot, request: PrefetchRequest, result: LookupResult) -> None:
         """Keep one adapter's answer for ``request.remaining``, and the pins it took."""
         count = len(request.remaining)
-        try:
-            well_formed = len(result.found) == count and len(result.sizes) == count
-        except (AttributeError, TypeError):
-            well_formed = False
-        if not well_formed:
-            # Not an answer for these keys: an L2 miss.  The hits it reports were pinned
-            # all the same (the caller unlocks every key reported found), and nothing else
-            # would ever unlock them.
-            self.stats.fail("l2_lookup_bad_result")
-            try:
-                reported = [key for key, hit in zip(request.remaining, result.found, strict=False) if hit]
-            except (AttributeError, TypeError):
-                reported = []
-            self._locks.unpin_slot(slot, reported)
-            self._burst.warn(
-                "l2_lookup_bad_result",
-                "lookup on %s did not answer for the %d keys asked (failure reason l2_lookup_bad_result): "
-                "treated as a miss",
-                slot.name,
-                count,
-            )
+        if not self._well_formed(slot, request, result):
             result = LookupResult([False] * count, [0] * count)
         request.found[slot.index] = result
         hits = [key for key, hit in zip(request.remaining, result.found, strict=True) if hit]
         request.pinned[slot.index] = hits
         self.stats.add_adapter(slot.index, "keys_found", len(hits))
+
+    def _well_formed(self, slot: AdapterSlot, request: PrefetchRequest, result: LookupResult) -> bool:
+        """Whether ``result`` answers for exactly ``request.remaining``.  One that does not
+        is an L2 miss; the hits it reports were pinned all the same (the caller unlocks
+        every key reported found), and nothing else would ever unlock them: unpinned here,
+        counted and logged."""
+        count = len(request.remaining)
+        try:
+            if len(result.found) == count and len(result.sizes) == count:
+                return True
+            reported = [key for key, hit in zip(request.remaining, result.found, strict=False) if hit]
+        except (AttributeError, TypeError):
+            reported = []
+        self.stats.fail("l2_lookup_bad_result")
+        self._locks.unpin_slot(slot, reported)
+        self._burst.warn(
+            "l2_lookup_bad_result",
+            "lookup on %s did not answer for the %d keys asked (failure reason l2_lookup_bad_result): "
+            "treated as a miss",
+            slot.name,
+            count,
+        )
+        return False
 
     def _plan_and_load(self, request: PrefetchRequest) -> None:
         keys = request.remaining
@@ -457,8 +460,9 @@ class PrefetchController(ControllerThread):
         self, slot: AdapterSlot, request: PrefetchRequest, result: LookupResult
     ) -> None:
         # The abandoned request will not load them: drop the pins the lookup took.
-        found = result.found
-        self._locks.unpin_slot(slot, [key for key, hit in zip(request.remaining, found, strict=False) if hit])
+        if self._well_formed(slot, request, result):
+            hits = [key for key, hit in zip(request.remaining, result.found, strict=True) if hit]
+            self._locks.unpin_slot(slot, hits)
 
     def _settle_orphan_load(self, slot: AdapterSlot, load: PrefetchLoad, results: list[bool]) -> None:
         # The adapter is done with the buffers: the objects can be freed, the pins dropped.
