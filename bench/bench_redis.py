@@ -42,6 +42,7 @@ import numpy as np
 import redis
 from bench_args import BenchParser
 from lmcache_plugin_redis import RedisConfig
+from lmcache_plugin_redis.backend import trips
 from lmcache_plugin_redis.testing import RedisServer, missing_reason
 
 from lmcache_tiers.keys import ObjectKey
@@ -63,15 +64,17 @@ def percentile(values: list[float], fraction: float) -> float:
 
 
 class Direct:
-    """redis-py used directly: SET and GET of whole values in pipelines."""
+    """redis-py used directly: SET and GET of whole values in pipelines of at most
+    ``max_bytes`` of values, split as the adapter splits its batches."""
 
-    def __init__(self, url: str, views: list[memoryview], targets: list[memoryview], batch: int) -> None:
+    def __init__(self, url: str, views: list[memoryview], targets: list[memoryview], max_bytes: int) -> None:
         self.client = redis.Redis.from_url(url)
         self.names = [f"direct:{index}" for index in range(len(views))]
-        self.views, self.targets, self.batch = views, targets, batch
+        self.views, self.targets, self.max_bytes = views, targets, max_bytes
 
     def _trips(self, indices: range) -> list[range]:
-        return [indices[i : i + self.batch] for i in range(0, len(indices), self.batch)]
+        sizes = [self.views[index].nbytes for index in indices]
+        return [indices[trip.start : trip.stop] for trip in trips(sizes, self.max_bytes)]
 
     def store(self, indices: range) -> None:
         for trip in self._trips(indices):
@@ -200,7 +203,7 @@ def run(objects: int, size: int, batch: int, repeat: int) -> dict[str, dict[str,
                 type_name="redis",
             )
             methods: dict[str, Direct | ThroughAdapter] = {
-                "redis-py": Direct(server.url, views, targets, batch),
+                "redis-py": Direct(server.url, views, targets, config.pipeline_max_bytes),
                 "adapter": ThroughAdapter(adapter, views, targets),
             }
             rounds: dict[str, dict[str, list[float]]] = {

@@ -309,7 +309,12 @@ def main() -> None:
             if args.l2
             else []
         )
-        proc, url = start_server(l1_gb, transport, adapters)
+        try:
+            proc, url = start_server(l1_gb, transport, adapters)
+        except BaseException:
+            if l2_root:
+                shutil.rmtree(l2_root, ignore_errors=True)
+            raise
     extra = StoreFigures()
     try:
         floor_before = measure_floor(transport, args.lookup_keys)

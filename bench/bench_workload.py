@@ -47,6 +47,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -167,26 +168,28 @@ def run_scenario(
     # Objects not yet in L2 are never evicted: with L2, room for every round
     l1_rounds = rounds + 1 if with_l2 else 3
     l1_gb = l1_size_gb(l1_rounds * round_bytes, shm_dir)
-    proc, url = start_server(l1_gb, transport, adapters, ["--shm-dir", shm_dir] if shm_dir else [])
-    result = ScenarioResult(
-        scenario,
-        (l2 + (" O_DIRECT" if direct else "")) if with_l2 else "",
-        shape.requests * rounds,
-        shape.request_bytes,
-        memcpy_ms(sources),
-        memcpy_ms(sources, spread=COLD_SPREAD),
-    )
-    samples: dict[str, list[float]] = {name: [] for name in OPERATIONS}
-    salt = f"workload-{os.getpid()}-{scenario}"
-    keeper = Client(url, timeout=60, name="bench-workload")
-    pages = keeper.status()["server"].get("l1_pages") or {}
-    result.shm_dir, result.huge_pages = pages.get("directory", "/dev/shm"), bool(pages.get("huge_pages"))
-    if not fresh:
-        # Rounds with an L2 take fresh L1 extents (the earlier ones wait for write-back),
-        # the others reuse evicted ones: without this, l2 vs warm would compare first
-        # touches of the segment, not write-back.
-        wait_populated(keeper)
+    keeper: Client | None = None
+    proc: subprocess.Popen[bytes] | None = None
     try:
+        proc, url = start_server(l1_gb, transport, adapters, ["--shm-dir", shm_dir] if shm_dir else [])
+        result = ScenarioResult(
+            scenario,
+            (l2 + (" O_DIRECT" if direct else "")) if with_l2 else "",
+            shape.requests * rounds,
+            shape.request_bytes,
+            memcpy_ms(sources),
+            memcpy_ms(sources, spread=COLD_SPREAD),
+        )
+        samples: dict[str, list[float]] = {name: [] for name in OPERATIONS}
+        salt = f"workload-{os.getpid()}-{scenario}"
+        keeper = Client(url, timeout=60, name="bench-workload")
+        pages = keeper.status()["server"].get("l1_pages") or {}
+        result.shm_dir, result.huge_pages = pages.get("directory", "/dev/shm"), bool(pages.get("huge_pages"))
+        if not fresh:
+            # Rounds with an L2 take fresh L1 extents (the earlier ones wait for write-back),
+            # the others reuse evicted ones: without this, l2 vs warm would compare first
+            # touches of the segment, not write-back.
+            wait_populated(keeper)
         for round_index in range(rounds):
             stored: list[ObjectKey] = []
             for request in range(shape.requests):
@@ -228,9 +231,11 @@ def run_scenario(
                 stored.extend(keys)
             keeper.evict(stored)  # L1 room for the next round; L2 copies stay
     finally:
-        keeper.close()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
+        if keeper is not None:
+            keeper.close()
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
         if l2_root:
             shutil.rmtree(l2_root, ignore_errors=True)
     for name, values in samples.items():

@@ -9,9 +9,10 @@ same run.
   memcpy of the same bytes measured by the same process right before; then the time L2
   took to take everything (write-back throughput, for the record).  The client's mapping
   of L1 is populated first, so neither phase pays first touches of the segment.
-* :func:`store_many_clients` -- ``clients`` processes, each with its own client: a memcpy
-  phase (all processes copy their chunks at once, after a barrier), then a STORE phase
-  (all store at once, after another barrier), per chunk size.  The limit is the memcpy
+* :func:`store_many_clients` -- ``clients`` processes, each with its own client (its
+  mapping of L1 populated, as above, before anything is timed): a memcpy phase (all
+  processes copy their chunks at once, after a barrier), then a STORE phase (all store
+  at once, after another barrier), per chunk size.  The limit is the memcpy
   phase's aggregate rate: what the memory system gives ``clients`` concurrent copies on
   this machine; each process's probe runs while the others copy too, never while they
   store.
@@ -167,6 +168,10 @@ def _client_process(
     targets = [np.ones_like(source) for source in sources]
     salt = f"store-clients-{os.getpid()}-{secrets.token_hex(4)}"
     with Client(url, timeout=120, name=f"bench-client-{index}") as client:
+        # Every process set up (its sources made, its mapping of L1 populated: that
+        # background pass would compete with the copies) before anything is timed.
+        wait_populated(client)
+        barrier.wait()
         single = 0.0
         if index == 0:  # alone: the others wait at the barrier
             single = min(_memcpy_s(sources, targets) for _ in range(5))
