@@ -328,3 +328,53 @@ def test_a_lookup_answering_for_the_wrong_number_of_keys_leaves_no_pins(
     assert storage.wait_prefetch(storage.submit_prefetch(keys), 10) == 0
     assert storage.status()["failures"]["l2_lookup_bad_result"] == 1
     assert_no_locks(storage)
+
+
+@pytest.mark.parametrize("answered_now", [False, True], ids=["task", "now"])
+def test_a_lookup_answering_without_sizes_leaves_no_pins(engine, answered_now: bool) -> None:
+    from lmcache_tiers.l2.interface import LookupResult
+
+    storage = engine([AdapterSpec(type="gated_now" if answered_now else "gated", config=GatedConfig())])
+    keys = keys_of(18, 4)
+    store(storage, keys[:3], SIZE)
+    assert storage.flush(10)
+    storage.clear()
+    l2 = storage.adapters[0]
+
+    def sizeless(result: LookupResult) -> LookupResult:
+        # The flags are right -- the adapter pinned the hits they report -- but the sizes
+        # are missing: not an answer, and the pins must go all the same.
+        return LookupResult(list(result.found), None)  # type: ignore[arg-type]
+
+    if answered_now:
+        look_up_now = l2.lookup_and_lock_now
+        l2.lookup_and_lock_now = lambda keys: sizeless(look_up_now(keys))
+    else:
+        pop = l2.pop_completed_lookups
+        l2.pop_completed_lookups = lambda: {task: sizeless(result) for task, result in pop().items()}
+    assert storage.wait_prefetch(storage.submit_prefetch(keys), 10) == 0
+    assert storage.status()["failures"]["l2_lookup_bad_result"] == 1
+    assert_no_locks(storage)
+
+
+@pytest.mark.parametrize("sizes", [None, [SIZE]], ids=["no-sizes", "too-few-sizes"])
+def test_a_malformed_answer_to_a_given_up_lookup_is_counted_and_its_pins_dropped(engine, sizes) -> None:
+    # A lookup still running when its request was given up settles as an orphan: its
+    # answer is checked like any other (counted when malformed), and the pins it took go.
+    from types import SimpleNamespace
+
+    from lmcache_tiers.l2.interface import LookupResult
+
+    # Pinned with an immediate lookup: a task's answer would go to the controller thread.
+    storage = engine([AdapterSpec(type="gated_now", config=GatedConfig())])
+    keys = keys_of(19, 2)
+    store(storage, keys, SIZE)
+    assert storage.flush(10)
+    storage.clear()
+    controller, slot = storage.prefetch, storage.prefetch.slots[0]
+    pinned = slot.adapter.lookup_and_lock_now(keys)
+    assert pinned is not None and pinned.found == [True, True]
+    given_up = SimpleNamespace(remaining=keys)  # what the orphan path reads of its request
+    controller._settle_orphan_lookup(slot, given_up, LookupResult([True, True], sizes))  # type: ignore[arg-type]
+    assert storage.status()["failures"]["l2_lookup_bad_result"] == 1
+    assert_no_locks(storage)

@@ -300,6 +300,11 @@ class PrefetchController(ControllerThread):
         try:
             if len(result.found) == count and len(result.sizes) == count:
                 return True
+        except (AttributeError, TypeError):
+            pass
+        try:
+            # Apart from the check: flags that are right beside sizes that are not (None,
+            # missing) still name the keys the adapter pinned.
             reported = [key for key, hit in zip(request.remaining, result.found, strict=False) if hit]
         except (AttributeError, TypeError):
             reported = []
