@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -110,3 +111,40 @@ def test_a_broken_serde_fails(serde: Any, test: str) -> None:
     suite = _suite_for(serde)
     with pytest.raises(AssertionError):
         getattr(suite, test)(serde)
+
+
+class _KeyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pad: bytes = b"\x5a" * 256
+
+
+class _PadFromItsConfig(_PadOfItsOwn):
+    """The pad comes from the config: every instance of one config decodes what another
+    encoded, as a restarted server reading the same config file does."""
+
+    def __init__(self, config: _KeyConfig) -> None:
+        self.pad = config.pad
+
+
+class _Registered:
+    config = _KeyConfig
+
+    def create(self, config: _KeyConfig) -> _PadFromItsConfig:
+        return _PadFromItsConfig(config)
+
+
+class _FreshKeyEachConfig(SerdeSuite):
+    """A suite whose config draws a new key each time it is made (a test with no key file
+    to share): every serde of one test must be built from the same config."""
+
+    component_name = "probe"
+
+    def registered_component(self) -> Any:
+        return _Registered()
+
+    def make_config(self) -> _KeyConfig:
+        return _KeyConfig(pad=os.urandom(256))
+
+
+def test_another_instance_is_built_from_the_same_config() -> None:
+    suite = _FreshKeyEachConfig()
+    suite.test_another_instance_decodes_what_one_encoded(suite.make_serde())

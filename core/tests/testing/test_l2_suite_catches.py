@@ -17,7 +17,7 @@ from l2_backends import DictBackend, DictConfig
 
 from lmcache_tiers.config import L2AdapterConfig
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2 import BackendContext, L2Adapter, create_adapter
+from lmcache_tiers.l2 import BackendContext, Capacity, L2Adapter, create_adapter
 from lmcache_tiers.l2.context import buffer_address
 from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, BufferPool, L2AdapterSuite, make_keys
 from lmcache_tiers.testing.l2_support import page_aligned_buffer
@@ -379,3 +379,17 @@ def test_guards_tell_how_far_a_load_wrote_before_or_past_its_buffer() -> None:
 @pytest.mark.parametrize("name", sorted({name for _, name in CAUGHT}))
 def test_the_same_suite_tests_pass_on_a_sound_backend(name: str) -> None:
     run_suite_test(DictBackend, name)
+
+
+class ThirtyTwoSlots(DictBackend):
+    """A sound slot store configured with 32 slots -- room for every other batch the suite
+    stores -- whose declared capacity core holds the 40-key batch to."""
+
+    def capacity(self) -> Capacity:
+        return Capacity(objects=32)
+
+
+def test_the_large_batch_fits_a_sound_backend_declaring_fewer_slots() -> None:
+    # Core refuses keys past the declared capacity: a batch larger than the slots a
+    # plugin's suite configured is the suite's demand, not the backend's defect.
+    run_suite_test(ThirtyTwoSlots, "test_large_batches_round_trip")

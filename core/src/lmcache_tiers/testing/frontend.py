@@ -66,8 +66,9 @@ class FrontendDriver(ABC):
 
     @abstractmethod
     def retrieve(self, request: int, count: int) -> list[bytes] | None:
-        """The bytes of the first ``count`` chunks of ``request``, None on a miss; holds
-        nothing afterwards."""
+        """The bytes of the first ``count`` chunks of ``request``, None on a miss -- of any
+        of them: a retrieve the front end answers with fewer chunks is one; holds nothing
+        afterwards."""
 
     @abstractmethod
     def hold(self, request: int, count: int) -> None:

@@ -88,8 +88,9 @@ class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests, IntegrityTests):
     def test_large_batches_round_trip(self, adapter: L2Adapter, pool: BufferPool) -> None:
         # A prompt's chunks come as one batch, larger than the other tests' batches: a
         # backend that pipelines, splits or caps batches must handle every key of one.
-        keys = make_keys(self.large_batch, start=1000)
-        sizes = [self.object_size // 16 + index for index in range(len(keys))]
+        sizes = [self.object_size // 16 + index for index in range(self.large_batch)]
+        keys = make_keys(self._room_for(adapter, sizes), start=1000)
+        sizes = sizes[: len(keys)]
         ok, data = self.store(adapter, pool, keys, sizes, seed=7)
         assert ok == [True] * len(keys)
         loaded, contents = self.lookup_and_load(adapter, pool, keys)
@@ -99,6 +100,22 @@ class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests, IntegrityTests):
         assert adapter.delete(keys) == [True] * len(keys)
         assert self.client(adapter).lookup_and_lock(keys).found == [False] * len(keys)
         assert adapter.used_bytes() == 0
+
+    @staticmethod
+    def _room_for(adapter: L2Adapter, sizes: list[int]) -> int:
+        """How many of ``sizes``, from the first, the capacity ``adapter`` declares holds
+        while empty: core refuses the keys past it, so a slot store configured with fewer
+        slots than the large batch (or bytes) is not failed for the suite's demand."""
+        declared = getattr(adapter, "capacity", None)
+        limit = declared() if callable(declared) else None
+        count = len(sizes)
+        objects, room = getattr(limit, "objects", None), getattr(limit, "bytes", None)
+        if objects is not None:
+            count = min(count, objects)
+        if room is not None:
+            while count and sum(sizes[:count]) > room:
+                count -= 1
+        return count
 
     def test_lookup_of_absent_keys_misses(self, adapter: L2Adapter, pool: BufferPool) -> None:
         keys = make_keys(3, start=100)

@@ -164,7 +164,13 @@ class SerdeSuite(ComponentSuite):
         return built
 
     def make_serde(self) -> Serde:
-        built = self.registered_component().create(self.make_config())
+        # Every serde of one test is built from one config, as a restarted server reads the
+        # same config file: a make_config() drawing a new key at each call must not fail a
+        # serde whose instances share their key through the config.
+        config = self.__dict__.get("_suite_config")
+        if config is None:
+            config = self._suite_config = self.make_config()
+        built = self.registered_component().create(config)
         assert isinstance(built, Serde), f"{type(built).__name__} lacks name/encode/decode"
         return built
 
