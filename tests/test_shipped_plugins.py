@@ -4,6 +4,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:
@@ -89,3 +91,27 @@ def test_a_plugin_env_installs_the_local_plugins_its_tests_need() -> None:
     assert f"-e {ROOT / 'plugins' / 'mock'} -e {ROOT / 'plugins' / 'fault-inject'}[test]" in install
     assert "-c " in install and "constraints.txt" in install
     assert run.endswith(f"-m pytest {ROOT / 'plugins' / 'fault-inject'}")
+
+
+@pytest.mark.parametrize(
+    ("adapter", "field", "others"),
+    [
+        ("fs", "max_capacity_gb", {"path": "/tmp/unused"}),
+        ("redis", "max_capacity_gb", {"url": "redis://127.0.0.1:1"}),
+        ("s3", "max_capacity_gb", {"bucket": "unused"}),
+        ("mooncake_store", "max_capacity_gb", {}),
+        ("mock", "max_size_gb", {}),
+    ],
+)
+def test_a_capacity_under_one_byte_is_refused(adapter: str, field: str, others: dict[str, object]) -> None:
+    # 0 bytes would refuse every store (fs, mock), or read as "no limit" (redis, s3,
+    # mooncake_store, where 0 means that): a setting silently turned into another.
+    from lmcache_tiers.config import decode_adapter
+    from lmcache_tiers.errors import ConfigError
+    from lmcache_tiers.plugins import load_registry
+
+    with pytest.raises(
+        ConfigError, match=rf"{field} 1e-12 is under one byte.* - at `\$\.l2_adapters\[0\]\.{field}`$"
+    ):
+        decode_adapter(load_registry(), {"type": adapter, field: 1e-12, **others}, 0)
+    decode_adapter(load_registry(), {"type": adapter, field: 1 / (1 << 30), **others}, 0)  # one byte is taken

@@ -356,6 +356,14 @@ class FieldError(ValueError):
         self.field = field
 
 
+def check_size_gib(field: str, gib: float) -> None:
+    """For a config's ``__post_init__``: a FieldError when ``gib`` is positive but under
+    one byte -- as a capacity it would be 0 bytes, which refuses every store (or reads as
+    "no limit" where 0 means that)."""
+    if gib > 0 and int(gib * (1 << 30)) < 1:
+        raise FieldError(field, f"{field} {gib:g} is under one byte; the least is {1 / (1 << 30):g}")
+
+
 _PATH_STEP = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
 
 

@@ -11,7 +11,8 @@ What each kind of plugin needs:
 * every plugin: ``hookimpl``, ``KindRegistry``, ``ComponentConfig`` (config base Struct,
   keyword-only, frozen and strict for every subclass), ``EmptyConfig``, the errors,
   ``FieldError`` (a ``__post_init__`` error naming the field at fault), ``SizeGiB`` (a
-  size in GiB, at most ``MAX_GIB``: ``Annotated[SizeGiB, msgspec.Meta(gt=0.0)]``);
+  size in GiB, at most ``MAX_GIB``: ``Annotated[SizeGiB, msgspec.Meta(gt=0.0)]``) and
+  ``check_size_gib`` (a positive size under one byte refused in ``__post_init__``);
 * an L2 backend: ``L2Backend`` / ``AsyncL2Backend`` (protocols), ``L2AdapterConfig``,
   ``BackendContext``, ``ObjectKey``, ``ObjectSize``, ``Capacity``; remote ones
   ``CircuitConfig`` (the ``circuit`` option) and ``PROBE_KEY`` (what a probe asks about); persistent ones also
@@ -73,6 +74,7 @@ from lmcache_tiers.config import (
     L2EvictionConfig,
     ServerConfig,
     SizeGiB,
+    check_size_gib,
     redact_url_secrets,
 )
 from lmcache_tiers.endpoints import is_loopback
@@ -404,6 +406,7 @@ __all__ = [
     "check_file",
     "check_process_claim_free",
     "check_relative_dir",
+    "check_size_gib",
     "chunk_hashes",
     "classify_name",
     "copy_and_checksum",

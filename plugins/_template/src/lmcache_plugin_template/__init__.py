@@ -11,7 +11,7 @@ from typing import Annotated
 
 import msgspec
 
-from lmcache_tiers.plugin import KindRegistry, L2AdapterConfig, SizeGiB, hookimpl
+from lmcache_tiers.plugin import KindRegistry, L2AdapterConfig, SizeGiB, check_size_gib, hookimpl
 
 
 class TemplateConfig(L2AdapterConfig):
@@ -20,6 +20,9 @@ class TemplateConfig(L2AdapterConfig):
     max_size_gb: Annotated[
         SizeGiB, msgspec.Meta(gt=0.0, description="Capacity in GiB; stores that do not fit are refused.")
     ] = 1.0
+
+    def __post_init__(self) -> None:
+        check_size_gib("max_size_gb", self.max_size_gb)  # under one byte would refuse every store
 
 
 @hookimpl

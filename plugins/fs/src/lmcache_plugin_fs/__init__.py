@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from lmcache_tiers.plugin import FieldError, KindRegistry, L2AdapterConfig, SizeGiB, hookimpl
+from lmcache_tiers.plugin import FieldError, KindRegistry, L2AdapterConfig, SizeGiB, check_size_gib, hookimpl
 
 _GIB = 1 << 30
 #: URL prefixes served by plain ``os`` calls rather than fsspec's file objects
@@ -98,6 +98,7 @@ class FsConfig(L2AdapterConfig):
     ] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_size_gib("max_capacity_gb", self.max_capacity_gb)
         if (self.path is None) == (self.base_path is None):
             field = "path" if self.path is not None else "base_path"
             raise FieldError(

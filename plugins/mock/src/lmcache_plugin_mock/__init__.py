@@ -6,7 +6,7 @@ from typing import Annotated
 
 import msgspec
 
-from lmcache_tiers.plugin import FieldError, KindRegistry, L2AdapterConfig, SizeGiB, hookimpl
+from lmcache_tiers.plugin import FieldError, KindRegistry, L2AdapterConfig, SizeGiB, check_size_gib, hookimpl
 
 
 class MockConfig(L2AdapterConfig):
@@ -61,11 +61,7 @@ class MockConfig(L2AdapterConfig):
 
     def __post_init__(self) -> None:
         self._fold_lmcache_bandwidth()
-        if int(self.max_size_gb * (1 << 30)) < 1:
-            # a capacity of 0 bytes would refuse every store, one by one
-            least = 1 / (1 << 30)
-            message = f"max_size_gb {self.max_size_gb:g} is under 1 byte; the least is {least:g}"
-            raise FieldError("max_size_gb", message)
+        check_size_gib("max_size_gb", self.max_size_gb)
         if self.namespace is not None and not 0 < len(self.namespace) <= 128:
             raise FieldError("namespace", "namespace must be 1..128 characters long")
 

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from lmcache_tiers.plugin import FieldError, L2AdapterConfig, SizeGiB
+from lmcache_tiers.plugin import FieldError, L2AdapterConfig, SizeGiB, check_size_gib
 
 #: LMCache's defaults for the two sizes (its ``mooncake_store`` connector)
 DEFAULT_SEGMENT_BYTES = 3355443200
@@ -218,6 +218,7 @@ class MooncakeStoreConfig(L2AdapterConfig):
     ] = None
 
     def __post_init__(self) -> None:
+        check_size_gib("max_capacity_gb", self.max_capacity_gb)
         for field in ("global_segment_size", "local_buffer_size"):
             parse_size(getattr(self, field), field)
         for field in ("metadata_server", "master_server_address", "master_server_addr", "master_metrics_url"):

@@ -11,7 +11,7 @@ from typing import Annotated, ClassVar
 
 import msgspec
 
-from lmcache_tiers.plugin import FieldError, L2AdapterConfig, SizeGiB, redact_url_secrets
+from lmcache_tiers.plugin import FieldError, L2AdapterConfig, SizeGiB, check_size_gib, redact_url_secrets
 
 DEFAULT_PORT = 6379
 SCHEMES = ("redis", "rediss", "unix")
@@ -154,6 +154,7 @@ class RedisConfig(L2AdapterConfig):
     ] = 0.0
 
     def __post_init__(self) -> None:
+        check_size_gib("max_capacity_gb", self.max_capacity_gb)
         given = [name for name in ("url", "host", "startup_nodes") if getattr(self, name) is not None]
         if not given:
             raise FieldError("url", "set one of url (redis://host:port), host or startup_nodes")

@@ -18,7 +18,7 @@ from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
-from lmcache_tiers.plugin import FieldError, L2AdapterConfig, SizeGiB
+from lmcache_tiers.plugin import FieldError, L2AdapterConfig, SizeGiB, check_size_gib
 
 #: the secret-bearing fields: never logged, printed or shown by ``repr``
 SECRET_FIELDS = ("aws_access_key_id", "aws_secret_access_key")
@@ -165,6 +165,7 @@ class S3Config(L2AdapterConfig):
 
     def __post_init__(self) -> None:
         self._fold_aliases()
+        check_size_gib("max_capacity_gb", self.max_capacity_gb)
         self._check_location()
         self._check_credentials()
         if self.eviction is not None and self.max_capacity_gb == 0:
