@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from engine_support import GatedBackend, GatedConfig, MiB, gated_backend, keys_of, mock, payload, store
 
 from lmcache_tiers.config import AdapterSpec
+from lmcache_tiers.l2.interface import LookupResult
 
 SIZE = 64 * 1024
 
@@ -299,59 +301,39 @@ def test_a_misbehaving_policy_cannot_leak_locks(engine, policy: str, hits: int) 
     assert_no_locks(storage)
 
 
-@pytest.mark.parametrize("answered_now", [False, True], ids=["task", "now"])
-@pytest.mark.parametrize("extra", [-1, 1], ids=["fewer", "more"])
-def test_a_lookup_answering_for_the_wrong_number_of_keys_leaves_no_pins(
-    engine, extra: int, answered_now: bool
-) -> None:
-    from lmcache_tiers.l2.interface import LookupResult
+def _one_flag_fewer(result: LookupResult) -> LookupResult:
+    # the adapter pinned the hits it reports, but leaves the trailing miss out
+    return LookupResult(list(result.found)[:-1], list(result.sizes)[:-1])
 
+
+def _one_flag_more(result: LookupResult) -> LookupResult:
+    return LookupResult([*result.found, result.found[0]], [*result.sizes, result.sizes[0]])
+
+
+def _no_sizes(result: LookupResult) -> LookupResult:
+    # the flags are right -- they name the pinned hits -- but the sizes are missing
+    return LookupResult(list(result.found), None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("answered_now", [False, True], ids=["task", "now"])
+@pytest.mark.parametrize(
+    "malformed", [_one_flag_fewer, _one_flag_more, _no_sizes], ids=["fewer", "more", "no-sizes"]
+)
+def test_a_malformed_lookup_answer_leaves_no_pins(
+    engine, malformed: Callable[[LookupResult], LookupResult], answered_now: bool
+) -> None:
     storage = engine([AdapterSpec(type="gated_now" if answered_now else "gated", config=GatedConfig())])
     keys = keys_of(17, 4)
     store(storage, keys[:3], SIZE)  # the last key is a miss: the adapter does not pin it
     assert storage.flush(10)
     storage.clear()
     l2 = storage.adapters[0]
-
-    def resized(result: LookupResult) -> LookupResult:
-        # The adapter pinned the hits it reports, but reports one flag too few (the
-        # trailing miss left out) or one too many.
-        resize = (lambda flags: flags[:extra]) if extra < 0 else (lambda flags: flags + flags[:extra])
-        return LookupResult(resize(list(result.found)), resize(list(result.sizes)))
-
     if answered_now:
         look_up_now = l2.lookup_and_lock_now
-        l2.lookup_and_lock_now = lambda keys: resized(look_up_now(keys))
+        l2.lookup_and_lock_now = lambda keys: malformed(look_up_now(keys))
     else:
         pop = l2.pop_completed_lookups
-        l2.pop_completed_lookups = lambda: {task: resized(result) for task, result in pop().items()}
-    assert storage.wait_prefetch(storage.submit_prefetch(keys), 10) == 0
-    assert storage.status()["failures"]["l2_lookup_bad_result"] == 1
-    assert_no_locks(storage)
-
-
-@pytest.mark.parametrize("answered_now", [False, True], ids=["task", "now"])
-def test_a_lookup_answering_without_sizes_leaves_no_pins(engine, answered_now: bool) -> None:
-    from lmcache_tiers.l2.interface import LookupResult
-
-    storage = engine([AdapterSpec(type="gated_now" if answered_now else "gated", config=GatedConfig())])
-    keys = keys_of(18, 4)
-    store(storage, keys[:3], SIZE)
-    assert storage.flush(10)
-    storage.clear()
-    l2 = storage.adapters[0]
-
-    def sizeless(result: LookupResult) -> LookupResult:
-        # The flags are right -- the adapter pinned the hits they report -- but the sizes
-        # are missing: not an answer, and the pins must go all the same.
-        return LookupResult(list(result.found), None)  # type: ignore[arg-type]
-
-    if answered_now:
-        look_up_now = l2.lookup_and_lock_now
-        l2.lookup_and_lock_now = lambda keys: sizeless(look_up_now(keys))
-    else:
-        pop = l2.pop_completed_lookups
-        l2.pop_completed_lookups = lambda: {task: sizeless(result) for task, result in pop().items()}
+        l2.pop_completed_lookups = lambda: {task: malformed(result) for task, result in pop().items()}
     assert storage.wait_prefetch(storage.submit_prefetch(keys), 10) == 0
     assert storage.status()["failures"]["l2_lookup_bad_result"] == 1
     assert_no_locks(storage)
@@ -362,8 +344,6 @@ def test_a_malformed_answer_to_a_given_up_lookup_is_counted_and_its_pins_dropped
     # A lookup still running when its request was given up settles as an orphan: its
     # answer is checked like any other (counted when malformed), and the pins it took go.
     from types import SimpleNamespace
-
-    from lmcache_tiers.l2.interface import LookupResult
 
     # Pinned with an immediate lookup: a task's answer would go to the controller thread.
     storage = engine([AdapterSpec(type="gated_now", config=GatedConfig())])
