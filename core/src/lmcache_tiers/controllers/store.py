@@ -294,7 +294,9 @@ class StoreController(ControllerThread):
         others = [obj for key, obj in locked.items() if obj is not batch.objects.get(key)]
         if others:
             self.l1.finish_store(others)
-        keys = [key for key in piece.keys if key in locked and locked[key] is batch.objects.get(key)]
+            for obj in others:
+                del locked[obj.key]
+        keys = [key for key in piece.keys if key in locked]
         if len(keys) < len(piece.keys):
             # Why they left (evicted before their store, cleared) was counted there.
             self.stats.add("l2_store_skipped_gone", len(piece.keys) - len(keys))
