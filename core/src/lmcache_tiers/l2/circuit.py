@@ -75,13 +75,6 @@ _REFUSED = {
 }
 
 
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    """Take the outcome of a call given up at its timeout (nobody waits for it), so that
-    its error is not logged as never retrieved."""
-    if not task.cancelled():
-        task.exception()
-
-
 class _Guard:
     """What both flavours share: the breaker, the pass-through members, refusals."""
 
@@ -292,7 +285,8 @@ class AsyncCircuitBackend(_Guard):
 
     def _left_ended(self, task: asyncio.Future[Any]) -> None:
         self._left.discard(task)
-        _retrieve(task)
+        if not task.cancelled():
+            task.exception()  # taken, so that its error is not logged as never retrieved
 
     async def _call(self, method: str, *args: Any) -> Any:
         call = getattr(self.inner, method)(*args)
