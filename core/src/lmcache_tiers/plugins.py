@@ -40,10 +40,6 @@ REGISTRATION_HOOKS: dict[str, Kind] = {
 }
 
 
-# How an error that only left a plugin's commands out begins (its components are usable).
-COMMANDS_FAILED = "its commands failed to register"
-
-
 @dataclass
 class PluginInfo:
     """What ``plugins list`` shows for one entry point."""
@@ -55,6 +51,8 @@ class PluginInfo:
     error: str | None = None
     disabled: bool = False
     components: list[str] = field(default_factory=list)
+    #: the error only left its commands out: its components registered and are usable
+    commands_only: bool = False
 
     @property
     def status(self) -> str:

@@ -73,7 +73,7 @@ def add_plugin_commands(app: typer.Typer, plugin_set: PluginSet) -> None:
     with the error (``serve --strict`` refuses to start with it).
     """
     from lmcache_tiers.errors import PluginError
-    from lmcache_tiers.plugins import COMMANDS_FAILED, call_each
+    from lmcache_tiers.plugins import call_each
 
     # What the app held before each implementation ran: a failing one's commands and
     # groups, those it added before it raised included, are taken out again.
@@ -86,10 +86,10 @@ def add_plugin_commands(app: typer.Typer, plugin_set: PluginSet) -> None:
         del app.registered_commands[held["commands"] :]
         del app.registered_groups[held["groups"] :]
         why = str(exc) if isinstance(exc, PluginError) else f"{type(exc).__name__}: {exc}"
-        reason = f"{COMMANDS_FAILED}: {why}"
+        reason = f"its commands failed to register: {why}"
         info = next((p for p in plugin_set.plugins if p.name == plugin), None)
         if info is not None and not info.error:
-            info.error = reason
+            info.error, info.commands_only = reason, True
         warn(f"plugin {plugin}: {reason}; they are left out")
 
     call_each(plugin_set.manager.hook.tiers_register_commands, failed, before, app=app)

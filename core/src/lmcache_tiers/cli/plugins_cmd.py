@@ -18,7 +18,7 @@ from lmcache_tiers.config_docs import (
     component_fields,
     render_config_reference,
 )
-from lmcache_tiers.plugins import COMMANDS_FAILED, load_plugins
+from lmcache_tiers.plugins import load_plugins
 from lmcache_tiers.registry import Component
 
 app = typer.Typer(
@@ -78,7 +78,7 @@ def show(name: str = typer.Argument(..., help="A plugin name, or a component as 
     plugin_set = load_plugins()
     named = [p for p in plugin_set.plugins if name.lower() in (p.name.lower(), p.distribution.lower())]
     for plugin in named:
-        if plugin.error and plugin.error.startswith(COMMANDS_FAILED):
+        if plugin.commands_only:
             # Its components registered and serve can use them: only its commands are out.
             warn(f"plugin {plugin.name!r}: {plugin.error}")
         elif plugin.error:
