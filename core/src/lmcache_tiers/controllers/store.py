@@ -436,14 +436,14 @@ class StoreController(ControllerThread):
         # policy sends every key to every adapter, and a key another adapter stored (or
         # whose other task was abandoned too) is not one more object missing from L2.
         abandoned: dict[int, L1Object] = {}
-        # Settled only once counted below: an object settled first could be evicted in
-        # between as if stored (uncounted), and would then be skipped as gone.
-        settle: list[L1Object] = []
+        # Their objects settled only once counted below: an object settled first could be
+        # evicted in between as if stored (uncounted), and would then be skipped as gone.
+        ended: dict[int, _Batch] = {}
         for task in self._tasks.owners():
             if not task.released:
                 task.released = True
                 self.l1.finish_store(task.objects)
-            settle.extend(task.batch.objects.values())
+            ended[id(task.batch)] = task.batch
             self.stats.add_adapter(task.slot.index, "store_tasks_failed")
             for key in task.keys:
                 if key not in task.batch.stored and key in task.batch.objects:
@@ -451,9 +451,12 @@ class StoreController(ControllerThread):
                     abandoned[id(obj)] = obj
         self._tasks.clear()
         # Slices never submitted: counted once per object not stored in any adapter (and
-        # not counted as abandoned above).
+        # not counted as abandoned above).  Their batches end here too: a key of one whose
+        # store already failed (counted then) is in no slice left, and would otherwise stay
+        # flagged as L1's only copy, counted lost again by an eviction before L1 closes.
         unsent: dict[int, L1Object] = {}
         for piece in self._pacer.drop_all():
+            ended[id(piece.batch)] = piece.batch
             for key in piece.keys:
                 if key not in piece.batch.stored:
                     obj = piece.batch.objects[key]
@@ -470,7 +473,8 @@ class StoreController(ControllerThread):
             # eviction of one counts it lost (``evicted_before_l2_store``), after it none.
             abandoned = self._still_in_l1(abandoned)
             queued = list(self._still_in_l1({id(obj): obj for obj in queued}).values())
-            self.l1.settle_unstored(settle + queued)
+            self.l1.settle_unstored([obj for batch in ended.values() for obj in batch.objects.values()])
+            self.l1.settle_unstored(queued)
         if abandoned:
             self.stats.fail("l2_store_abandoned", len(abandoned))
             logger.warning(
