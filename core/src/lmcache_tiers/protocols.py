@@ -249,8 +249,10 @@ class PrefetchPolicy(Protocol):
         should be planned from at most one adapter that found it; the controller trims
         the plan to its contiguous prefix.  Each bitmap is ``len(keys)`` booleans (a list,
         a tuple or a numpy bool array); any other answer is the policy's failure, counted
-        as ``prefetch_policy_error`` (the request is an L2 miss), and keys planned from an
-        adapter not among ``adapters`` end the prefix (``prefetch_policy_bad_adapter``).
+        as ``prefetch_policy_error`` (the request is an L2 miss); keys planned from an
+        adapter not among ``adapters`` end the prefix (``prefetch_policy_bad_adapter``), as
+        do keys planned only from adapters that did not find them
+        (``prefetch_policy_planned_miss``).
         """
         ...
 

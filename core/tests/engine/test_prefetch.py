@@ -301,6 +301,27 @@ def test_a_misbehaving_policy_cannot_leak_locks(engine, policy: str, hits: int) 
     assert_no_locks(storage)
 
 
+def test_keys_planned_only_from_adapters_that_missed_them_end_the_prefix_counted(engine, caplog) -> None:
+    # The lying policy plans every key from adapter 0, which lacks keys 2 and 3 (adapter 1
+    # has them), and from adapter 7, which does not exist: the prefix ends at key 2, a miss
+    # that fails closed, and both kinds of bad plan are counted and logged.
+    storage = engine([mock(), mock()], l2_prefetch_policy="lying")
+    keys = keys_of(40, 4)
+    store(storage, keys, SIZE)
+    assert storage.flush(10)
+    storage.clear()
+    assert storage.adapters[0].delete(keys[2:]) == [True, True]
+
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers.controllers.prefetch"):
+        assert storage.wait_prefetch(storage.submit_prefetch(keys), 10) == 2
+    storage.release(keys[:2])
+    failures = storage.stats.failures()
+    assert failures.get("prefetch_policy_bad_adapter") == 4
+    assert failures.get("prefetch_policy_planned_miss") == 2
+    assert "prefetch_policy_planned_miss" in caplog.text
+    assert_no_locks(storage)
+
+
 def _one_flag_fewer(result: LookupResult) -> LookupResult:
     # the adapter pinned the hits it reports, but leaves the trailing miss out
     return LookupResult(list(result.found)[:-1], list(result.sizes)[:-1])

@@ -333,6 +333,7 @@ class PrefetchController(ControllerThread):
             plan = {}
         self._drop_unasked(request, plan)
         sources = contiguous_sources(keys, plan, request.found)
+        self._count_planned_misses(request, plan, len(sources))
         self._locks.reserve_planned(request, sources, temporary=not self.policy.retain_loaded)
         # Phase 1: drop pins of everything that will not be loaded from that adapter.
         to_load = request.loads_by_adapter()
@@ -363,6 +364,41 @@ class PrefetchController(ControllerThread):
                 if 0 <= index < len(self.slots)
                 else f"does not exist ({len(self.slots)} adapters)",
             )
+
+    def _count_planned_misses(self, request: PrefetchRequest, plan: dict[int, list[bool]], cut: int) -> None:
+        """Count keys ``plan`` loads only from adapters whose lookup did not find them.
+        Nothing can be loaded for them, so they end the prefix as keys planned nowhere do
+        (a miss is safe); but the policy meant them loaded -- a bad plan, counted and
+        logged like one naming an adapter not asked, not a prefix cut short unseen.
+
+        ``cut`` is where the planned prefix ends: every key before it has a source, so
+        there is nothing to count unless the key at the cut was planned somewhere -- one
+        check per request on the usual path (a shipped policy plans found keys only)."""
+        found = request.found
+        planned = [(flags, found[index].found) for index, flags in plan.items() if index in found]
+
+        def planned_here(position: int) -> bool:
+            return any(position < len(flags) and flags[position] for flags, _ in planned)
+
+        def found_where_planned(position: int) -> bool:
+            return any(position < len(flags) and flags[position] and hit[position] for flags, hit in planned)
+
+        if cut >= len(request.remaining) or not planned_here(cut):
+            return
+        missed = sum(
+            1
+            for position in range(cut, len(request.remaining))
+            if planned_here(position) and not found_where_planned(position)
+        )
+        self.stats.fail("prefetch_policy_planned_miss", missed)
+        self._burst.warn(
+            "prefetch_policy_planned_miss",
+            "prefetch policy planned %d keys of request %d only from adapters whose lookup did not find "
+            "them (failure reason prefetch_policy_planned_miss): not loaded, the prefix ends at the first",
+            missed,
+            request.handle,
+            count=missed,
+        )
 
     def _submit_load(self, request: PrefetchRequest, slot: AdapterSlot, keys: list[ObjectKey]) -> None:
         objects = [request.reserved[key] for key in keys]
