@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 from pathlib import Path
 
@@ -158,6 +160,76 @@ def test_a_file_holding_a_filesystem_is_refused(tmp_path: Path) -> None:
     assert path.read_bytes()[:4] == b"XFSB"
 
 
+def test_a_raw_block_device_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    """A device_path naming a raw_block adapter's file: another store's superblock is as
+    foreign as a filesystem.  Not even extended to the mapped size: a raw_block using
+    the whole file would find another geometry and reformat it."""
+    import rb_helpers
+    from lmcache_plugin_raw_block import RawBlockConfig
+
+    from lmcache_tiers.testing.l2 import make_keys
+
+    path = tmp_path / "raw.img"
+    raw = rb_helpers.open_raw(rb_helpers.config(path, slots=4))
+    assert rb_helpers.store(raw, make_keys(1), [b"abc"]) == [True]
+    raw.close()
+    before = path.read_bytes()
+    cfg = config(path)
+    assert cfg.max_dax_size_gb is not None and cfg.max_dax_size_gb * (1 << 30) > len(before)
+    with pytest.raises(ConfigError, match="holds a raw_block slot store; refusing to overwrite it") as caught:
+        open_dax(cfg)
+    assert "\n" not in str(caught.value)
+    assert path.read_bytes() == before, "nothing was written"
+    whole_file = rb_helpers.open_raw(RawBlockConfig(device_path=str(path), slot_bytes=SLOT))
+    try:
+        assert whole_file.stats().get("device_formats", 0) == 0
+        assert rb_helpers.load(whole_file, make_keys(1), [3]) == ([True], [b"abc"])
+    finally:
+        whole_file.close()
+
+
+@pytest.mark.parametrize("persist_enabled", [True, False])
+def test_a_signature_written_over_our_superblock_page_is_refused(persist_enabled: bool) -> None:
+    """A filesystem made on the file after dax used it, leaving its first KiB alone (as
+    mke2fs does): dax wrote zeros there, so the file is someone else's now."""
+    with shm_dir() as directory:
+        cfg = config(directory / "dax.img", persist_enabled=persist_enabled)
+        open_dax(cfg).close()
+        with open(cfg.device_path or "", "r+b") as image:
+            image.seek(1080)
+            image.write(b"\x53\xef")
+        before = (directory / "dax.img").read_bytes()
+        with pytest.raises(ConfigError, match="ext2/3/4 filesystem; refusing to overwrite it"):
+            open_dax(cfg)
+        assert (directory / "dax.img").read_bytes() == before
+
+
+def test_a_refused_start_up_removes_only_the_files_it_created(monkeypatch: pytest.MonkeyPatch) -> None:
+    with shm_dir() as directory:
+        created, foreign = directory / "a.img", directory / "b.img"
+        foreign.write_bytes(b"XFSB" + bytes(8188))
+        both = DaxConfig(
+            devices=(
+                DaxDevice(device_path=str(created), max_dax_size_gb=size_gb(4)),
+                DaxDevice(device_path=str(foreign), max_dax_size_gb=size_gb(4)),
+            ),
+            slot_bytes=SLOT,
+        )
+        with pytest.raises(ConfigError, match="XFS filesystem; refusing to overwrite it"):
+            open_dax(both)
+        assert sorted(os.listdir(directory)) == ["b.img"]
+        assert foreign.read_bytes() == b"XFSB" + bytes(8188)
+
+        def no_locks(fd: int, operation: int) -> None:
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+        monkeypatch.setattr(fcntl, "flock", no_locks)
+        with pytest.raises(ConfigError, match="cannot lock") as caught:
+            open_dax(config(created))
+        assert "\n" not in str(caught.value)
+        assert sorted(os.listdir(directory)) == ["b.img"]
+
+
 def test_plugins_show_marks_lmcache_fields() -> None:
     rows = plugins_show_rows("dax")
     for name in ("device_path", "max_dax_size_gb", "devices", "slot_bytes"):
@@ -166,5 +238,7 @@ def test_plugins_show_marks_lmcache_fields() -> None:
 
 
 def test_a_file_that_cannot_be_preallocated_is_refused_at_start() -> None:
-    with small_tmpfs("1m") as mount, pytest.raises(ConfigError, match=r"cannot preallocate .* No space left"):
-        open_dax(config(Path(mount) / "dax.img", slots=64))
+    with small_tmpfs("1m") as mount:
+        with pytest.raises(ConfigError, match=r"cannot preallocate .* No space left"):
+            open_dax(config(Path(mount) / "dax.img", slots=64))
+        assert os.listdir(mount) == [], "the file it created is removed"

@@ -128,6 +128,35 @@ def test_a_device_that_cannot_be_locked_is_refused_in_one_line(
     with pytest.raises(ConfigError, match="cannot lock") as caught:
         open_raw(RawBlockConfig(device_path=str(path), slot_bytes=1 << 20, capacity_bytes=16 << 20))
     assert "\n" not in str(caught.value)
+    assert not path.exists(), "the file this start-up created is removed"
+    # A file that was there before is the operator's: refused, and left as it was.
+    path.write_bytes(b"kept")
+    with pytest.raises(ConfigError, match="cannot lock"):
+        open_raw(RawBlockConfig(device_path=str(path), slot_bytes=1 << 20, capacity_bytes=16 << 20))
+    assert path.read_bytes() == b"kept"
+
+
+def test_a_refused_start_up_removes_only_the_file_it_created(tmp_path: Path) -> None:
+    # capacity_bytes passes the field checks but leaves no slot next to the metadata the
+    # adapter sizes: refused once the file was created and preallocated.
+    path = tmp_path / "dev.img"
+    cfg = RawBlockConfig(device_path=str(path), slot_bytes=64 << 10, capacity_bytes=(64 << 10) + 3 * 4096)
+    with pytest.raises(ConfigError, match="too few for"):
+        open_raw(cfg)
+    assert not path.exists()
+    path.write_bytes(b"\0" * cfg.capacity_bytes)
+    with pytest.raises(ConfigError, match="too few for"):
+        open_raw(cfg)
+    assert path.read_bytes() == b"\0" * cfg.capacity_bytes
+
+
+def test_a_symlink_to_a_missing_file_is_refused_in_one_line(tmp_path: Path) -> None:
+    link = tmp_path / "link.img"
+    link.symlink_to(tmp_path / "missing.img")
+    with pytest.raises(ConfigError, match=r"is a symbolic link to .*missing\.img, which does not") as caught:
+        open_raw(RawBlockConfig(device_path=str(link), slot_bytes=1 << 20, capacity_bytes=16 << 20))
+    assert "\n" not in str(caught.value)
+    assert sorted(os.listdir(tmp_path)) == ["link.img"]
 
 
 @pytest.mark.parametrize("path", ["/dev/null", "/tmp"])

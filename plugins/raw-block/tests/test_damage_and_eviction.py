@@ -145,6 +145,78 @@ def test_a_filesystem_signature_past_a_small_metadata_region_is_refused(
     assert path.read_bytes()[offset : offset + len(magic)] == magic, "nothing was written"
 
 
+def test_a_dax_mapping_is_refused_not_reformatted(tmp_path: Path) -> None:
+    """A device_path naming a dax adapter's file: another store's superblock is as
+    foreign as a filesystem, so nothing of it is overwritten."""
+    from lmcache_plugin_raw_block.superblock import encode_superblock, new_identity
+
+    from lmcache_tiers.errors import ConfigError
+
+    path = tmp_path / "dax.img"
+    cfg = config(path)
+    with open(path, "wb") as device:
+        device.truncate(cfg.capacity_bytes)
+        device.write(encode_superblock(b"LMTRDAX1", new_identity(), {"slot_bytes": 65536}))
+    before = path.read_bytes()
+    with pytest.raises(ConfigError, match="holds a dax mapping; refusing to overwrite it") as caught:
+        open_raw(cfg)
+    assert "\n" not in str(caught.value)
+    assert path.read_bytes() == before, "nothing was written"
+
+
+@pytest.mark.parametrize(
+    ("offset", "magic", "what"),
+    [(1080, b"\x53\xef", "an ext2/3/4 filesystem"), (510, b"\x55\xaa", "a partition table or boot sector")],
+)
+@pytest.mark.parametrize("reformat", [False, True])
+def test_a_signature_written_over_our_superblock_block_is_refused(
+    tmp_path: Path, offset: int, magic: bytes, what: str, reformat: bool
+) -> None:
+    """A filesystem or partition table made on the device after raw_block used it, which
+    left the superblock's first bytes alone (mke2fs keeps the first KiB, a partition tool
+    may write only the table): raw_block wrote zeros there, so the signature is not ours
+    and the device is someone else's now, whether ours would be reopened or reformatted."""
+    from lmcache_tiers.errors import ConfigError
+
+    cfg = config(tmp_path / "dev.img")
+    adapter = open_raw(cfg)
+    assert store(adapter, make_keys(1), [b"abc"]) == [True]
+    adapter.close()
+    with open(cfg.device_path, "r+b") as device:
+        device.seek(offset)
+        device.write(magic)
+    before = Path(cfg.device_path).read_bytes()
+    again = config(cfg.device_path, load_checkpoint_on_init=not reformat)
+    with pytest.raises(ConfigError, match=f"holds {what}; refusing to overwrite it"):
+        open_raw(again)
+    assert Path(cfg.device_path).read_bytes() == before, "nothing was written"
+
+
+def test_signature_bytes_in_our_own_slots_do_not_refuse_the_device(tmp_path: Path) -> None:
+    """Past the superblock's block lie checkpoints and slots, whose bytes are anyone's:
+    a payload carrying a btrfs magic where btrfs keeps it is still ours."""
+    meta = 5 * 4096
+    cfg = RawBlockConfig(
+        device_path=str(tmp_path / "dev.img"),
+        slot_bytes=64 << 10,
+        meta_total_bytes=meta,
+        capacity_bytes=meta + 4 * (64 << 10),
+    )
+    payload_start = meta + cfg.header_bytes  # slot 0's payload
+    data = bytearray(pattern(0, 60_000))
+    data[65600 - payload_start : 65600 - payload_start + 8] = b"_BHRfS_M"
+    adapter = open_raw(cfg)
+    assert store(adapter, make_keys(1), [bytes(data)]) == [True]
+    adapter.close()
+    assert Path(cfg.device_path).read_bytes()[65600:65608] == b"_BHRfS_M"
+    reopened = open_raw(cfg)
+    try:
+        assert reopened.stats().get("device_formats", 0) == 0
+        assert load(reopened, make_keys(1), [len(data)]) == ([True], [bytes(data)])
+    finally:
+        reopened.close()
+
+
 def test_a_damaged_superblock_of_ours_is_reformatted(tmp_path: Path) -> None:
     cfg = config(tmp_path / "dev.img")
     adapter = open_raw(cfg)

@@ -108,7 +108,7 @@ class DaxBackend(SlotStoreBackend):
         except BaseException:
             self._stop_workers()
             for region in self.regions:
-                region.close()
+                region.discard()  # a refused start-up leaves no file it created behind
             raise
 
     def _place(self, slot: int) -> tuple[DaxRegion, int]:

@@ -17,8 +17,9 @@ import os
 import stat
 
 import numpy as np
-from lmcache_plugin_raw_block.guards import lock_device
+from lmcache_plugin_raw_block.guards import lock_device, remove_created
 from lmcache_plugin_raw_block.superblock import (
+    DAX_MAGIC,
     SIGNATURE_PROBE_BYTES,
     decode_superblock,
     encode_superblock,
@@ -39,13 +40,13 @@ from lmcache_tiers.plugin import ConfigError
 
 log = logging.getLogger(__name__)
 
-SUPERBLOCK_MAGIC = b"LMTRDAX1"
+SUPERBLOCK_MAGIC = DAX_MAGIC
 _NAME = "dax"
 
 
-def _open(path: str) -> tuple[int, bool]:
-    """A read-write descriptor of ``path`` (a regular file is created if missing) and
-    whether it is a character device."""
+def _open(path: str) -> tuple[int, bool, os.stat_result | None]:
+    """A read-write descriptor of ``path`` (a regular file is created if missing), whether
+    it is a character device, and the stat of the file if this call created it."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -55,9 +56,19 @@ def _open(path: str) -> tuple[int, bool]:
     is_device = stat.S_ISCHR(mode)
     if not (is_device or stat.S_ISREG(mode)):
         raise ConfigError(f"{_NAME}: device_path {path} is neither a DAX character device nor a regular file")
-    flags = os.O_RDWR | os.O_CLOEXEC | (0 if is_device else os.O_CREAT)
+    flags = os.O_RDWR | os.O_CLOEXEC
     try:
-        return os.open(path, flags, 0o600), is_device
+        if is_device:
+            return os.open(path, flags), True, None
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # there before (or a symbolic link): not ours to remove
+            return os.open(path, flags | os.O_CREAT, 0o600), False, None
+        try:
+            return fd, False, os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
     except OSError as exc:
         raise ConfigError(f"{_NAME}: cannot open device_path {path}: {exc.strerror}") from None
 
@@ -67,7 +78,7 @@ class DaxRegion:
 
     def __init__(self, path: str, max_dax_size_gb: float, slot_bytes: int) -> None:
         self.path = path
-        self.fd, self.is_device = _open(path)
+        self.fd, self.is_device, self.created = _open(path)
         self._map: mmap.mmap | None = None
         try:
             lock_device(self.fd, path, _NAME)
@@ -76,6 +87,9 @@ class DaxRegion:
             if self.layout.slot_count < 1:
                 raise ConfigError(f"{_NAME}: {path}: {size} bytes cannot hold the index and one slot")
             if not self.is_device:
+                # Before the file grows: another store (a raw_block using the whole file)
+                # would take a longer file for another geometry and reformat it.
+                self._refuse_foreign(os.pread(self.fd, SIGNATURE_PROBE_BYTES, 0))
                 self._preallocate(size)
             self._map = self._mmap(size)
             self.buffer = memoryview(self._map)
@@ -88,7 +102,7 @@ class DaxRegion:
             #: commit word of every slot: the sequence number of the write it holds, 0 if free
             self.commits = words[:: ENTRY_BYTES // 8]
         except BaseException:
-            self.close()
+            self.discard()
             raise
         self.identity = b""
 
@@ -118,9 +132,24 @@ class DaxRegion:
 
     # -- superblock ------------------------------------------------------------------------
 
+    def _refuse_foreign(self, head: bytes) -> None:
+        """Raise if ``head`` (the start of the mapping) says it holds something else."""
+        # The superblock's page holds the superblock and zeros: a signature in it was
+        # written since (a filesystem made over the file that left its first bytes alone).
+        # Past it lie the index and slots, whose bytes may match a signature by chance.
+        within = SUPERBLOCK_BYTES if has_magic(head, SUPERBLOCK_MAGIC) else None
+        foreign = foreign_signature(head, SUPERBLOCK_MAGIC, within=within)
+        if foreign is not None:
+            raise ConfigError(
+                f"{_NAME}: {self.path} holds {foreign}; refusing to overwrite it "
+                "(if it is meant for dax, erase its signatures first: wipefs, or zero its first 68 KiB)"
+            )
+
     def mount(self, *, keep: bool) -> bool:
-        """Reopen the contents when ``keep`` and the superblock matches (True), or format."""
+        """Reopen the contents when ``keep`` and the superblock matches (True), or format;
+        raise if the mapping holds something else."""
         head = bytes(self.buffer[: min(SIGNATURE_PROBE_BYTES, self.layout.mapped_bytes)])
+        self._refuse_foreign(head)
         superblock = decode_superblock(head, SUPERBLOCK_MAGIC)
         if superblock is not None and keep and superblock.geometry == self.layout.as_dict():
             self.identity = superblock.identity
@@ -130,12 +159,6 @@ class DaxRegion:
         elif has_magic(head, SUPERBLOCK_MAGIC):
             reason = "its superblock is damaged"
         else:
-            foreign = foreign_signature(head)
-            if foreign is not None:
-                raise ConfigError(
-                    f"{_NAME}: {self.path} holds {foreign}; refusing to overwrite it "
-                    "(erase its signatures first if it is meant for dax)"
-                )
             reason = "it holds no dax superblock"
         level = logging.WARNING if head.strip(b"\0") else logging.INFO
         log.log(level, "%s: formatting %s (%s): %d slots", _NAME, self.path, reason, self.layout.slot_count)
@@ -169,6 +192,12 @@ class DaxRegion:
         """(slot, seq) of every committed entry."""
         locals_ = np.flatnonzero(self.commits)
         return [(int(local), int(self.commits[local])) for local in locals_]
+
+    def discard(self) -> None:
+        """Close after a refused start-up, removing the file if this start-up created it."""
+        self.close()
+        if self.created is not None:
+            remove_created(self.path, self.created, _NAME)
 
     def close(self) -> None:
         """Unmap and close; a view a caller still holds keeps the mapping until collected."""

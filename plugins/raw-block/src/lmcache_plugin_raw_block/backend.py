@@ -29,6 +29,7 @@ from lmcache_plugin_raw_block.slotio import SlotIO
 from lmcache_plugin_raw_block.slots import Claim, SlotEntry, SlotTable
 from lmcache_plugin_raw_block.slotstore import SlotStoreBackend
 from lmcache_plugin_raw_block.superblock import (
+    RAW_BLOCK_MAGIC,
     SIGNATURE_PROBE_BYTES,
     decode_superblock,
     encode_superblock,
@@ -40,7 +41,7 @@ from lmcache_tiers.plugin import BackendContext, ConfigError, ObjectKey
 
 log = logging.getLogger(__name__)
 
-SUPERBLOCK_MAGIC = b"LMTRBLK1"
+SUPERBLOCK_MAGIC = RAW_BLOCK_MAGIC
 #: how long close() waits, all told, for its last checkpoint (writes and fsync) and the
 #: device calls still running: a device that stopped answering must not hold up the
 #: server's shutdown, so what is still stuck then is left behind, logged and counted
@@ -54,6 +55,20 @@ def _left(deadline: float) -> float:
 def _reformat_reason(found: bytes, magic_ok: bool, geometry: Geometry, config: RawBlockConfig) -> str | None:
     """Why the device must be formatted (None: reopen it), or raise if it must not be."""
     superblock = decode_superblock(found, SUPERBLOCK_MAGIC)
+    within = None
+    if magic_ok:
+        # Our superblock's block holds the superblock and zeros: a signature in it was
+        # written there since (a filesystem or partition table made over the device that
+        # left its first bytes alone), and the device is no longer ours to write.  The
+        # block is that of the format that wrote it, when it can be read.
+        written = superblock.geometry.get("block_align", 0) if superblock is not None else 0
+        within = min(geometry.block_align, written or geometry.block_align)
+    foreign = foreign_signature(found, SUPERBLOCK_MAGIC, within=within)
+    if foreign is not None:
+        raise ConfigError(
+            f"raw_block: {config.device_path} holds {foreign}; refusing to overwrite it "
+            "(if it is meant for raw_block, erase its signatures first: wipefs, or zero its first 68 KiB)"
+        )
     if superblock is not None:
         if not config.load_checkpoint_on_init:
             return "load_checkpoint_on_init is false"
@@ -67,12 +82,6 @@ def _reformat_reason(found: bytes, magic_ok: bool, geometry: Geometry, config: R
         return None
     if magic_ok:
         return "its superblock is damaged"
-    foreign = foreign_signature(found)
-    if foreign is not None:
-        raise ConfigError(
-            f"raw_block: {config.device_path} holds {foreign}; refusing to overwrite it "
-            "(erase its signatures first, e.g. with wipefs, if it is meant for raw_block)"
-        )
     return "it holds no raw_block superblock"
 
 
@@ -110,6 +119,7 @@ class RawBlockBackend(SlotStoreBackend):
         except BaseException:
             self._stop_workers()
             self._device.close(0.0)
+            self._device.remove_if_created()
             raise
         if config.meta_enable_periodic:
             self._thread = threading.Thread(

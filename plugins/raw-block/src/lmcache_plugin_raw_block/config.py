@@ -53,8 +53,8 @@ class RawBlockConfig(L2AdapterConfig):
     included, free slots. After a restart the newest valid checkpoint is read and checked
     against the slot headers, and slots written after it are recovered from their
     headers; every load verifies the header and the payload checksum, so a damaged slot
-    is a miss, never wrong bytes. A device that holds a filesystem or a partition table is
-    refused rather than formatted.
+    is a miss, never wrong bytes. A device that holds a filesystem, a partition table or a
+    dax mapping is refused rather than formatted.
     """
 
     #: LMCache's raw_block fields without an equivalent here -> why

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from lmcache_plugin_raw_block.aligned import AlignedBlock, round_up
 from lmcache_plugin_raw_block.config import RawBlockConfig
-from lmcache_plugin_raw_block.guards import InFlight, lock_device, probe_device
+from lmcache_plugin_raw_block.guards import InFlight, lock_device, probe_device, remove_created
 from lmcache_tiers.plugin import ConfigError
 
 log = logging.getLogger(__name__)
@@ -32,9 +32,16 @@ class BlockDevice:
     is_block_device: bool
     direct: bool
     align: int
+    #: the stat of the file this start-up created at ``path`` (None: it was there before)
+    created: os.stat_result | None = None
 
     def __post_init__(self) -> None:
         self.in_flight = InFlight()
+
+    def remove_if_created(self) -> None:
+        """After a refused start-up, once closed: remove the file it created, if it did."""
+        if self.created is not None:
+            remove_created(self.path, self.created, _NAME)
 
     def read_at(self, offset: int, length: int) -> bytes:
         """``length`` bytes at ``offset`` (both aligned), through an aligned buffer."""
@@ -110,8 +117,9 @@ def _held_exclusively(path: str) -> bool:
     return False
 
 
-def _missing(config: RawBlockConfig) -> None:
-    """Create the regular file ``device_path`` names, or say why it is not created."""
+def _missing(config: RawBlockConfig) -> os.stat_result | None:
+    """Create the regular file ``device_path`` names, or say why it is not created: its
+    stat, or None if another process created it meanwhile."""
     path = config.device_path
     if config.capacity_bytes == 0:
         raise ConfigError(
@@ -125,12 +133,22 @@ def _missing(config: RawBlockConfig) -> None:
     if not os.path.isdir(parent):
         raise ConfigError(f"{_NAME}: device_path {path}: directory {parent} does not exist")
     try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except FileExistsError:
-        pass
+        if os.path.islink(path) and not os.path.exists(path):
+            # O_EXCL creates nothing through a symbolic link: say so rather than fail later.
+            raise ConfigError(
+                f"{_NAME}: device_path {path} is a symbolic link to {real}, which does not exist"
+            ) from None
+        return None  # another process created it meanwhile
     except OSError as exc:
         raise ConfigError(f"{_NAME}: cannot create device_path {path}: {exc.strerror}") from None
-    log.info("%s: created %s (%d bytes, preallocated)", _NAME, path, config.capacity_bytes)
+    try:
+        created = os.fstat(fd)
+    finally:
+        os.close(fd)
+    log.info("%s: created %s (to be %d bytes, preallocated)", _NAME, path, config.capacity_bytes)
+    return created
 
 
 def _open(config: RawBlockConfig, is_block_device: bool) -> int:
@@ -207,22 +225,28 @@ def _check_alignment(fd: int, config: RawBlockConfig, is_block_device: bool) -> 
 def open_device(config: RawBlockConfig) -> BlockDevice:
     """Open, lock and size ``config.device_path`` (a block device or a regular file)."""
     path = config.device_path
+    created = None
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        _missing(config)
+        created = _missing(config)
         mode = os.stat(path).st_mode
     except OSError as exc:
         raise ConfigError(f"{_NAME}: cannot use device_path {path}: {exc.strerror}") from None
     if not (stat.S_ISBLK(mode) or stat.S_ISREG(mode)):
         raise ConfigError(f"{_NAME}: device_path {path} is neither a block device nor a regular file")
     is_block_device = stat.S_ISBLK(mode)
-    fd = _open(config, is_block_device)
+    fd = -1
     try:
+        fd = _open(config, is_block_device)
         lock_device(fd, path, _NAME)
         size = _size(fd, config, is_block_device)
         _check_alignment(fd, config, is_block_device)
     except BaseException:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
+        # A refused start-up leaves no file behind it: only the one it created goes.
+        if created is not None:
+            remove_created(path, created, _NAME)
         raise
-    return BlockDevice(fd, path, size, is_block_device, config.use_odirect, config.block_align)
+    return BlockDevice(fd, path, size, is_block_device, config.use_odirect, config.block_align, created)

@@ -43,6 +43,35 @@ def lock_device(fd: int, path: str, type_name: str) -> None:
         ) from None
 
 
+def remove_created(path: str, created: os.stat_result, type_name: str) -> None:
+    """Remove the file a refused start-up created at ``path`` (``created``: its stat), once
+    every descriptor of it this adapter opened is closed.
+
+    Left alone when ``path`` names another file now, or when another process holds its
+    lock: a second server that opened the new file meanwhile may be using it.  Where
+    ``flock`` is not supported no server runs on the file, so it goes.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return  # gone already, or replaced by a symlink: not the file created
+    try:
+        if not os.path.samestat(os.fstat(fd), created):
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        os.unlink(path)
+        log.info("%s: removed %s, created by this refused start-up", type_name, path)
+    except OSError as exc:
+        log.warning("%s: cannot remove %s, created by this refused start-up: %s", type_name, path, exc)
+    finally:
+        os.close(fd)
+
+
 def _identity(path: str) -> str:
     """What two paths to one device (or file) share: the device number of a device node,
     the inode of a file, the real path of what does not exist yet."""

@@ -5,9 +5,10 @@ msgpack body ``{"identity": 16 bytes, "geometry": {name: int}, "formatted_at": f
 
 A device whose superblock is intact and whose geometry is the configured one is reopened
 with its contents; any other of ours is reformatted (its objects dropped -- a miss is
-safe).  A device with no superblock of ours is formatted only when it does not look like
-something else: :func:`foreign_signature` recognises partition tables and the common
-filesystems, so a mistyped ``device_path`` never wipes a disk in use.
+safe).  A device is never formatted when it looks like something else:
+:func:`foreign_signature` recognises the other slot store's superblock, partition tables
+and the common filesystems, so a mistyped ``device_path`` never wipes a disk in use or
+another adapter's objects.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ import msgspec
 from lmcache_plugin_raw_block.slotheader import IDENTITY_BYTES
 
 SUPERBLOCK_VERSION: Final = 1
+#: superblock magics of the two slot stores
+RAW_BLOCK_MAGIC: Final = b"LMTRBLK1"
+DAX_MAGIC: Final = b"LMTRDAX1"
+#: what starts every lmcache-tiers format (superblocks, core's record files)
+_TIERS_PREFIX: Final = b"LMTR"
 _FIXED = struct.Struct("<8sIII")
 #: bytes read to look for foreign signatures (btrfs keeps its magic at 64 KiB + 64)
 SIGNATURE_PROBE_BYTES: Final = 68 << 10
@@ -77,6 +83,8 @@ def has_magic(data: bytes | memoryview, magic: bytes) -> bool:
 
 # (offset, bytes, what) of signatures that mean "this device is in use by something else"
 _SIGNATURES: tuple[tuple[int, bytes, str], ...] = (
+    (0, RAW_BLOCK_MAGIC, "a raw_block slot store"),
+    (0, DAX_MAGIC, "a dax mapping"),
     (512, b"EFI PART", "a GPT partition table"),
     (0, b"XFSB", "an XFS filesystem"),
     (1080, b"\x53\xef", "an ext2/3/4 filesystem"),
@@ -92,11 +100,23 @@ _SIGNATURES: tuple[tuple[int, bytes, str], ...] = (
 )
 
 
-def foreign_signature(data: bytes | memoryview) -> str | None:
+def foreign_signature(data: bytes | memoryview, own_magic: bytes, *, within: int | None = None) -> str | None:
     """What the first :data:`SIGNATURE_PROBE_BYTES` of a device say it holds, if they
-    carry a known filesystem or partition signature; None otherwise."""
+    carry a known filesystem or partition signature or lmcache-tiers data other than a
+    superblock with ``own_magic``; None otherwise.
+
+    ``within``: only the signatures lying wholly in the first ``within`` bytes -- for a
+    device with a superblock of ours, its block, which holds the superblock and zeros
+    (past it lie checkpoints, index and slots, whose bytes may match a signature by
+    chance).
+    """
     view = memoryview(data).cast("B")
+    end = len(view) if within is None else min(within, len(view))
     for offset, signature, what in _SIGNATURES:
-        if bytes(view[offset : offset + len(signature)]) == signature:
+        if signature != own_magic and bytes(view[offset : min(offset + len(signature), end)]) == signature:
             return what
+    head = bytes(view[: len(own_magic)])
+    if head.startswith(_TIERS_PREFIX) and head != own_magic:
+        # A format of this project that this adapter does not know: never ours to wipe.
+        return f"lmcache-tiers data of another kind (magic {head!r})"
     return None
