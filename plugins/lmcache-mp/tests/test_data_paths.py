@@ -247,3 +247,42 @@ def test_a_pickled_tensor_torch_cannot_view_as_bytes_is_rejected(make_mp_server:
         stats = server.frontends[0].stats()
         assert (stats.failures["mp_pickle_rejected"], stats.failures["mp_handler_error"]) == (1, 0)
         assert server.storage.status()["l1"]["objects"] == 0
+
+
+@pytest.mark.parametrize("stall_at", [1, 4])
+def test_a_pickled_store_never_commits_or_aborts_a_reservation_it_lost(
+    make_mp_server: Any, monkeypatch: pytest.MonkeyPatch, stall_at: int
+) -> None:
+    """Commits and aborts go by key: a reservation L1 reaped during the copy (the write
+    TTL passed) may be another writer's by now, whose bytes are not there yet."""
+    server = make_mp_server(shm=False, allow_pickle=True)
+    storage = server.storage
+    lend = storage.lend
+    tokens = tokens_of(11)
+    keys = prefix_keys(tokens, 256, model_name="test-model", kv_rank=kv_rank_of(1, 0))
+    other: dict[Any, Any] = {}
+    lent = [0]
+
+    def stalled(obj: Any, *, fill: bool = False) -> Any:
+        lent[0] += fill
+        loan = lend(obj, fill=fill)
+        if lent[0] == stall_at:
+            storage.l1.expire_locks(time.monotonic() + 10_000)  # this copy outlived the write TTL
+            other.update(storage.reserve_write(keys, [CHUNK] * len(keys)))  # another writer's now
+        return loan
+
+    monkeypatch.setattr(storage, "lend", stalled)
+    with MPClient(mp_address(server)) as client:
+        client.register(REG)
+        pickled = _pickled(chunk_payloads(11, 4, CHUNK))
+        assert (
+            client.call("commit_store", Key(tokens, "s", worker_id=0).encode(), REG.instance_id, pickled)
+            is False
+        )
+        assert len(other) == 4
+        # the other writer's reservations are neither made visible unwritten nor freed
+        assert storage.status()["l1"]["write_locked"] == 4
+        assert client.lookup(Key(tokens, "r")) == 0
+        stats = server.frontends[0].stats()
+        assert (stats.failures["mp_commit_lost"], stats.failures["mp_handler_error"]) == (4, 0)
+    storage.abort_write(list(other))

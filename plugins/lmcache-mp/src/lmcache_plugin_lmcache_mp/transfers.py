@@ -211,6 +211,14 @@ class Transfers:
                     return False
 
                 return refused
+            l1 = storage.l1
+
+            def still_reserved() -> list[ObjectKey]:
+                # (Caller holds the L1 lock.)  Commits and aborts go by key: a reservation
+                # L1 reaped during the copy (past the write TTL) may be another writer's by
+                # now, whose bytes are not there yet.  Only this store's own are acted on.
+                return [object_key for object_key, obj in fresh.items() if l1.get(object_key) is obj]
+
             try:
                 for object_key, chunk in zip(keys, chunks, strict=True):
                     obj = fresh.get(object_key)
@@ -218,10 +226,21 @@ class Transfers:
                         loan = storage.lend(obj, fill=True)
                         loan.buffer[:] = chunk
                         loan.commit()
+            except (KeyError, ValueError):
+                # An object left L1, or is no longer being written: its reservation was
+                # reaped during the copy.  Nothing of this store is made visible.
+                with l1.lock:
+                    storage.abort_write(still_reserved())
+                done = [False] * len(fresh)
             except BaseException:
-                storage.abort_write(list(fresh))
+                with l1.lock:
+                    storage.abort_write(still_reserved())
                 raise
-            done = storage.commit_write(list(fresh)) if fresh else []
+            else:
+                with l1.lock:
+                    own = still_reserved()
+                    committed = storage.commit_write(own) if own else []
+                done = committed + [False] * (len(fresh) - len(own))
 
             def finish() -> Any:
                 stored = sum(done)
