@@ -259,3 +259,32 @@ def test_batches_larger_and_smaller_than_the_kept_header_block_load(
             assert [bytes(b) for b in buffers] == payloads[:count]
     finally:
         workers.shutdown()
+
+
+def test_a_load_running_when_the_adapter_closes_reads_nothing_more_into_its_buffer(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Core closes a backend past its deadline even while a load still reads (a hung
+    mount); the load's buffers then belong to others: no later piece may land in them,
+    and the load is a miss.  Only the read already in flight may finish."""
+    size = (3 << 20) + 5  # a header read with the first piece, then three more pieces
+    data = payload_of(size)
+    path = store.write(KEY, data)
+    preadv = os.preadv
+    reads_after_close: list[int] = []
+
+    def closing_after_the_first_read(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if store.state.closing.is_set():
+            reads_after_close.append(offset)
+        got = preadv(fd, buffers, offset)
+        store.state.closing.set()  # close starts while this read was in flight
+        return got
+
+    monkeypatch.setattr(os, "preadv", closing_after_the_first_read)
+    assert store.load(KEY, size) == (False, data[: 1 << 20] + bytes(size - (1 << 20)))
+    assert reads_after_close == []
+    assert os.path.exists(path)
+    assert store.counter("corrupt_records_removed") == 0
+    # Closed, a load does not even open the record.
+    assert store.load(KEY, size) == (False, bytes(size))
+    assert reads_after_close == []

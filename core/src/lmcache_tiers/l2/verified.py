@@ -86,6 +86,7 @@ def read_record_file(
     decode: Callable[[memoryview], RecordHeader | None],
     *,
     first_piece: int | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> bool:
     """Read the record stored at the start of ``fd`` and verify it on the way.
 
@@ -96,8 +97,10 @@ def read_record_file(
 
     True: every payload byte is in ``payload`` and matched the header's checksum.  False:
     a miss to keep -- the file ended early (it changed since it was sized) or the record
-    is intact but of another serde chain.  Raises a ``RecordError`` for a damaged record
-    or one of other lengths (the caller removes it) and ``OSError`` for a failed read.
+    is intact but of another serde chain, or ``stop()`` said so before a piece was read
+    (the caller may no longer write to ``payload``).  Raises a ``RecordError`` for a
+    damaged record or one of other lengths (the caller removes it) and ``OSError`` for a
+    failed read.
     """
     header_len = header.nbytes
     length = payload.nbytes
@@ -121,21 +124,28 @@ def read_record_file(
     # the GIL.
     verifier = PayloadVerifier(record)
     verifier.hash_update(piece)
-    if not _read_hashing(fd, payload, header_len, piece.nbytes, verifier.hash_update):
+    if not _read_hashing(fd, payload, header_len, piece.nbytes, verifier.hash_update, stop):
         return False
     verifier.verify(length)
     return True
 
 
 def _read_hashing(
-    fd: int, payload: memoryview, offset: int, position: int, update: Callable[[memoryview], object]
+    fd: int,
+    payload: memoryview,
+    offset: int,
+    position: int,
+    update: Callable[[memoryview], object],
+    stop: Callable[[], bool] | None = None,
 ) -> bool:
     """Read ``payload[position:]`` from ``fd`` at ``offset + position`` in pieces of
     :data:`VERIFY_PIECE`, ``update(piece)`` with each right after it landed; False when
-    the file ended early.  The pieces are cut from the payload as they are read (no list
-    of views)."""
+    the file ended early or ``stop()`` said so before a piece.  The pieces are cut from
+    the payload as they are read (no list of views)."""
     length = payload.nbytes
     while position < length:
+        if stop is not None and stop():
+            return False  # the payload buffer may no longer be the caller's to fill
         piece = payload[position : position + VERIFY_PIECE]
         want = piece.nbytes
         got = os.preadv(fd, [piece], offset + position)
@@ -147,7 +157,12 @@ def _read_hashing(
 
 
 def read_and_digest(
-    path: str, header: memoryview, payload: memoryview, *, first_piece: int = VERIFY_PIECE
+    path: str,
+    header: memoryview,
+    payload: memoryview,
+    *,
+    first_piece: int = VERIFY_PIECE,
+    stop: Callable[[], bool] | None = None,
 ) -> bytes | None:
     """Open ``path``, read the record's header into ``header`` and its payload into
     ``payload`` (both of their exact lengths) and return the payload's XXH3-128 digest,
@@ -155,8 +170,11 @@ def read_and_digest(
 
     Nothing is checked here: the caller decodes ``header`` and compares the digest with
     its checksum before it trusts a byte (:meth:`~lmcache_tiers.l2.files.RecordLoads.load_many`).
-    None: no such file, a file shorter than expected, or a failed read.
+    None: no such file, a file shorter than expected, a failed read, or ``stop()`` said so
+    before a read (the buffers may no longer be the caller's to fill).
     """
+    if stop is not None and stop():
+        return None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -172,7 +190,7 @@ def read_and_digest(
             return xxhash.xxh3_128_digest(payload)  # one piece: the one-shot hash outruns a stream
         hasher = xxhash.xxh3_128()
         hasher.update(piece)
-        if not _read_hashing(fd, payload, header.nbytes, piece.nbytes, hasher.update):
+        if not _read_hashing(fd, payload, header.nbytes, piece.nbytes, hasher.update, stop):
             return None
         return hasher.digest()
     except OSError:

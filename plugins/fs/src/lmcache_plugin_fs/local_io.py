@@ -126,7 +126,10 @@ class LocalRecords:
         self._writers = BatchWorkers(IO_THREADS, f"fs-{context.name}-write", background=True)
 
     def close(self) -> None:
-        self._readers.shutdown()
+        # The readers are not waited for: core closes the backend once its deadline
+        # passed, even while a read is stuck (a hung mount); RecordLoads reads nothing
+        # more into a caller's buffer once the adapter is closing.
+        self._readers.shutdown(wait=False)
         self._writers.shutdown()
 
     def _encode_header(self, key: ObjectKey, payload: memoryview) -> bytes:

@@ -17,6 +17,12 @@ the latter counted ``foreign_records``), a file that
 shrank under the read, an I/O error (logged); a damaged record is removed
 (``corrupt_records_removed``) only if it is still the file that was judged.
 
+A load still running when the adapter starts closing (``BackendContext.closing``) is a
+miss: core fails its task and closes the backend once its deadline passed, even while a
+read is stuck (a hung mount), and the buffers then belong to other objects.  So no file
+is opened and no further piece read into a caller's buffer once closing began; only a
+read already in flight may still land.
+
 :meth:`RecordLoads.load_many` loads a whole batch of buffered reads in three passes.  A
 1 MiB copy out of the page cache, and the hash after it, leave little of the
 interpreter's own code and data in the core's caches, so every line of Python run
@@ -128,6 +134,8 @@ class RecordLoads:
         once all of it verified.  ``flags`` are added to the file's open flags
         (``O_DIRECT``); ``read`` replaces the piecewise buffered read (a direct read)."""
         context = self._context
+        if context.closing:
+            return False  # the buffer may belong to another object by now
         path = self._layout.path_for(key)
         header = self._scratch.view[: self._header_length(key)]
         try:
@@ -151,10 +159,16 @@ class RecordLoads:
                 if read is not None:
                     loaded = read(fd, header, buffer, decode)
                 else:
-                    loaded = read_record_file(fd, header, buffer, decode, first_piece=self._first_piece)
+                    loaded = read_record_file(
+                        fd, header, buffer, decode, first_piece=self._first_piece, stop=self._stopped
+                    )
+                if context.closing:
+                    return False  # closed under the read: not judged, not handed out
                 if loaded:
                     return True
             except RecordError as exc:
+                if context.closing:
+                    return False
                 failure = exc
             return self._failed(key, fd, header, buffer.nbytes, failure)
         except OSError as exc:
@@ -172,7 +186,10 @@ class RecordLoads:
         paths = [path_for(key) for key in keys]
         headers = self._scratch.batch_views([header_length(key) for key in keys])
         first_piece = self._first_piece or VERIFY_PIECE
-        digests = workers.map(partial(read_and_digest, first_piece=first_piece), paths, headers, buffers)
+        read = partial(read_and_digest, first_piece=first_piece, stop=self._stopped)
+        digests = workers.map(read, paths, headers, buffers)
+        if self._context.closing:
+            return [False] * len(keys)  # closed under the reads (see the module doc)
         read_header = self._context.read_record_header
         results: list[bool] = []
         for key, header, buffer, digest in zip(keys, headers, buffers, digests, strict=True):
@@ -200,6 +217,10 @@ class RecordLoads:
             else:  # other lengths or a checksum mismatch: judged again on its own
                 results.append(self.load(key, buffer))
         return results
+
+    def _stopped(self) -> bool:
+        """Whether the adapter started closing: no more reads into callers' buffers."""
+        return self._context.closing
 
     @staticmethod
     def _verified(record: RecordHeader, buffer: memoryview) -> bool:
