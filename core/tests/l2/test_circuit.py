@@ -22,7 +22,7 @@ from lmcache_tiers.config import CircuitConfig, decode_adapter
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter
-from lmcache_tiers.l2.circuit import PROBE_KEY, AsyncCircuitBackend, CircuitBackend
+from lmcache_tiers.l2.circuit import PROBE_KEY, TIMED_HELPERS, AsyncCircuitBackend, CircuitBackend
 from lmcache_tiers.registry import ComponentRegistry, Kind
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys
@@ -38,12 +38,16 @@ class Outage:
         self.hang = threading.Event()
         self.released = threading.Event()
         self.pings = 0
+        #: calls end in a CancelledError of the client library's own (nobody cancelled them)
+        self.cancelled = False
 
     def check(self) -> None:
         if self.hang.is_set():
             self.released.wait(WAIT_S)
         if self.down:
             raise ConnectionError("store unreachable")
+        if self.cancelled:
+            raise asyncio.CancelledError
 
 
 OUTAGE = Outage()
@@ -98,6 +102,8 @@ class AsyncRemoteDict(AsyncDictBackend):
             await asyncio.sleep(WAIT_S)
         if OUTAGE.down:
             raise ConnectionError("store unreachable")
+        if OUTAGE.cancelled:
+            raise asyncio.CancelledError
 
     async def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:  # type: ignore[override]
         await self._check()
@@ -534,4 +540,134 @@ def test_a_probe_raising_cancelled_error_is_a_failed_probe_and_probing_goes_on(
     wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close", within=5.0)
     stats = adapter.stats()
     assert stats["circuit_probe_failures"] >= 1 and outage.pings >= 2
+    found_again(adapter, client, keys)
+
+
+@pytest.mark.parametrize("operation", ["lookup", "store", "load"])
+@pytest.mark.parametrize("backend", [RemoteDict, AsyncRemoteDict], ids=["plain", "coroutines"])
+def test_a_backends_own_cancelled_error_is_a_failed_call(
+    adapters: list[BackendAdapter], outage: Outage, backend: type[DictBackend], operation: str
+) -> None:
+    """A client library that cancels its own request raises CancelledError (no Exception)
+    out of the call; nobody cancelled the adapter's task: a failed call, which counts
+    toward opening the circuit like any other."""
+    adapter = opened(adapters, backend)
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    keys = make_keys(1)
+    assert store(client, keys) == [True]
+    outage.cancelled = True
+    for _ in range(3):
+        if operation == "lookup":
+            assert client.lookup_and_lock(keys).found == [False]
+        elif operation == "store":
+            assert store(client, keys) == [False]
+        else:
+            assert client.load(keys, [memoryview(bytearray(100))]) == [False]
+    stats = adapter.stats()
+    assert stats["backend_errors"] == 3
+    assert stats["circuit_failures"] == 3 and stats["circuit_open"] == 1
+    outage.cancelled = False
+    wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close")
+    found_again(adapter, client, keys)
+
+
+class HungStore(AsyncRemoteDict):
+    """Stores that hang until ``OUTAGE.released``; ``OUTAGE.hang`` is set once one began."""
+
+    async def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:  # type: ignore[override]
+        OUTAGE.hang.set()
+        await asyncio.sleep(WAIT_S)
+        return await super().put_many(keys, payloads)
+
+
+def test_a_call_cancelled_by_close_is_not_a_failed_call(
+    adapters: list[BackendAdapter], outage: Outage
+) -> None:
+    adapter = opened(adapters, HungStore)
+    adapter.submit_store(make_keys(1), [memoryview(bytearray(100))])
+    wait_for(outage.hang.is_set, "the store to reach the backend")
+    adapter.close_timeout_s = 0.05  # type: ignore[misc]
+    adapter.close()
+    stats = adapter.stats()
+    assert stats.get("backend_errors", 0) == 0 and stats.get("circuit_failures", 0) == 0
+
+
+class StuckCalls:
+    """Lookups inside the backend: how many now, the most at once, how many began."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.most = 0
+        self.began = 0
+
+    def enter(self) -> None:
+        self.began += 1
+        self.now += 1
+        self.most = max(self.most, self.now)
+
+    def leave(self) -> None:
+        self.now -= 1
+
+
+STUCK = StuckCalls()
+
+
+class IgnoresCancellation(AsyncRemoteDict):
+    """Lookups that, while ``OUTAGE.hang`` is set, swallow every cancellation and end only
+    at ``OUTAGE.released`` (a client library that never honours it)."""
+
+    async def contains_many(self, keys: Sequence[ObjectKey]) -> list[Any]:  # type: ignore[override]
+        if not OUTAGE.hang.is_set():
+            return await super().contains_many(keys)
+        STUCK.enter()
+        try:
+            while not OUTAGE.released.is_set():
+                try:
+                    await asyncio.sleep(0.005)
+                except asyncio.CancelledError:
+                    pass
+        finally:
+            STUCK.leave()
+        return await super().contains_many(keys)
+
+
+class HangsOnItsThread(RemoteDict):
+    """Lookups that, while ``OUTAGE.hang`` is set, block their thread until ``OUTAGE.released``."""
+
+    lock = threading.Lock()
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[Any]:
+        if not OUTAGE.hang.is_set():
+            return super().contains_many(keys)
+        with self.lock:
+            STUCK.enter()
+        try:
+            OUTAGE.released.wait(WAIT_S)
+        finally:
+            with self.lock:
+                STUCK.leave()
+        return super().contains_many(keys)
+
+
+@pytest.mark.parametrize("backend", [HangsOnItsThread, IgnoresCancellation], ids=["plain", "coroutines"])
+def test_calls_left_at_their_timeout_are_capped(
+    adapters: list[BackendAdapter], outage: Outage, backend: type[DictBackend]
+) -> None:
+    """Calls given up at their timeout that never end hold at most ``TIMED_HELPERS`` slots;
+    a call past that never reaches the backend and fails at its timeout."""
+    global STUCK
+    STUCK = StuckCalls()
+    circuit = CircuitConfig(failure_threshold=1000, call_timeout_s=0.02)
+    adapter = opened(adapters, backend, circuit=circuit)
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    keys = make_keys(1)
+    assert store(client, keys) == [True]
+    outage.hang.set()
+    lookups = TIMED_HELPERS + 16  # some to spare: a call not started at its timeout never runs
+    fail_lookups(client, keys, lookups)
+    assert adapter.stats()["circuit_call_timeouts"] == lookups
+    assert STUCK.began == TIMED_HELPERS and STUCK.most == TIMED_HELPERS
+    outage.hang.clear()
+    outage.released.set()
+    wait_for(lambda: STUCK.now == 0, "the left calls to end")
     found_again(adapter, client, keys)

@@ -95,6 +95,19 @@ def call(
         return None
 
 
+def cancelled_from_outside(closing: bool) -> bool:
+    """Whether a ``CancelledError`` caught in the running task is a cancellation of that
+    task (the adapter closing), not one the backend raised of its own accord (a client
+    library that cancelled its own request).  ``closing``: whether the adapter is closing,
+    the only time core cancels a call, which decides where tasks do not count their
+    cancellations (before Python 3.11)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    if cancelling is not None:
+        return bool(cancelling())
+    return closing
+
+
 async def call_async(
     state: AdapterState, backend: object, method: str, keys: list[ObjectKey], *args: Sequence[memoryview]
 ) -> list[Any] | None:
@@ -106,5 +119,11 @@ async def call_async(
     except NotCalled:
         return None
     except Exception as exc:
+        state.backend_failed(method, exc)
+        return None
+    except asyncio.CancelledError as exc:
+        if cancelled_from_outside(state.closing.is_set()):
+            raise  # close cancels the task: the runner undoes what it holds
+        # The backend's own (nobody cancelled this task): a failed call, as in ``call``.
         state.backend_failed(method, exc)
         return None

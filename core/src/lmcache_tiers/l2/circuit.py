@@ -15,7 +15,15 @@ unchanged.  A failed call is one that raised (the adapter counts it as a
 ``backend_errors`` too); a per-key False or None is an answer, not a failure.  With
 ``call_timeout_s`` a lookup (or probe) not answered in time is a failed call too: it
 holds no buffer, so it can be abandoned; stores and loads hold buffers the backend may
-still use, so only the backend's own timeouts end them.
+still use, so only the backend's own timeouts end them.  A ``CancelledError`` the
+backend raises of its own accord (a client library that cancelled its own request) is a
+failed call as well; one that cancels the call because the adapter closes is not.
+
+Calls given up at their timeout are left to end by themselves.  At most
+:data:`TIMED_HELPERS` timed calls of one backend are in flight at once, running or left
+(threads for a backend of plain methods, tasks for one of coroutines): a call past that
+waits for one to end, and fails as not answered in time (``circuit_call_timeouts``),
+without reaching the backend, if none ends before its timeout.
 
 A refused call raises :class:`~lmcache_tiers.l2.calls.NotCalled`, which the adapter takes
 for a failed batch without counting it as a backend error, rather than answering misses
@@ -43,7 +51,7 @@ from typing import Any
 from lmcache_tiers.config import CircuitConfig, L2AdapterConfig
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.breaker import CallTimeout, CircuitBreaker
-from lmcache_tiers.l2.calls import NotCalled, is_async_backend, optional_method
+from lmcache_tiers.l2.calls import NotCalled, cancelled_from_outside, is_async_backend, optional_method
 from lmcache_tiers.l2.context import BackendContext
 from lmcache_tiers.l2.leftcalls import LeftCallThreads
 
@@ -61,9 +69,10 @@ __all__ = [
 #: what a probe asks about when the backend has no ``ping``: a key no engine produces
 PROBE_KEY = ObjectKey("lmcache-tiers-circuit-probe", 0, b"\x00" * 16)
 
-#: threads that run timed calls (lookups, probes) of one guarded backend of plain methods:
-#: calls stuck for good in a backend -- past ``call_timeout_s``, until the backend's own
-#: timeouts end them -- keep the circuit from closing only once there are this many
+#: timed calls (lookups, probes) of one guarded backend in flight at once, running or left
+#: at their timeout (threads for plain methods, tasks for coroutines): calls stuck for good
+#: in a backend -- past ``call_timeout_s``, until the backend's own timeouts end them --
+#: keep the circuit from closing only once there are this many
 TIMED_HELPERS = 32
 
 #: counter of the keys each operation refused while the circuit was open
@@ -162,7 +171,9 @@ class CircuitBackend(_Guard):
                 result = self._bounded(lambda: self.inner.contains_many(*args))
             else:
                 result = getattr(self.inner, method)(*args)
-        except Exception as exc:
+        except (Exception, asyncio.CancelledError) as exc:
+            # A plain method running coroutines of its own may raise CancelledError (no
+            # Exception): nothing here cancels it, so it is the backend's failure.
             self.failed(method, exc)
             raise
         self.breaker.succeeded()
@@ -243,10 +254,12 @@ class AsyncCircuitBackend(_Guard):
         super().__init__(inner, config, context)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._probe_task: asyncio.Task[None] | None = None
-        # Calls given up at their timeout, until they end: the event loop keeps only weak
-        # references to tasks, so one nobody held could be destroyed mid-flight (its
-        # cleanup cut short, "Task was destroyed but it is pending!").
-        self._left: set[asyncio.Future[Any]] = set()
+        # Timed calls, running or given up at their timeout, until they end: at most
+        # TIMED_HELPERS, as a plain backend's run on that many threads.  Held here because
+        # the event loop keeps only weak references to tasks, so a left one nobody held
+        # could be destroyed mid-flight (its cleanup cut short, "Task was destroyed but it
+        # is pending!").
+        self._timed: set[asyncio.Future[Any]] = set()
         self.breaker.on_open = self._start_probing
 
     async def open(self) -> None:
@@ -259,14 +272,28 @@ class AsyncCircuitBackend(_Guard):
 
     async def _bounded(self, call: Any) -> Any:
         """Await ``call``, cancelled after ``call_timeout_s`` when set."""
-        if self.call_timeout_s is None:
+        timeout = self.call_timeout_s
+        if timeout is None:
             return await call
-        task = asyncio.ensure_future(call)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         try:
-            done, _ = await asyncio.wait({task}, timeout=self.call_timeout_s)
+            free = await self._free_slot(deadline)
+        except asyncio.CancelledError:
+            _drop(call)
+            raise
+        if not free:
+            # As a call queued behind TIMED_HELPERS busy threads: never made, and failed
+            # at its timeout.
+            _drop(call)
+            raise CallTimeout(timeout)
+        task = asyncio.ensure_future(call)
+        self._timed.add(task)
+        task.add_done_callback(self._timed_ended)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=max(0.0, deadline - loop.time()))
         except asyncio.CancelledError:
             task.cancel()
-            self._leave(task)
             raise
         if not done:
             # Cancelled and left to wind down by itself, as a timed call of a plain
@@ -274,19 +301,27 @@ class AsyncCircuitBackend(_Guard):
             # cleanup of its own, a reconnect to a host that does not answer) must not
             # hold the lookup or the probe past the timeout.
             task.cancel()
-            self._leave(task)
-            raise CallTimeout(self.call_timeout_s)
+            raise CallTimeout(timeout)
         return task.result()
 
-    def _leave(self, task: asyncio.Future[Any]) -> None:
-        """Keep ``task``, cancelled and given up, until it ends; then take its outcome."""
-        self._left.add(task)
-        task.add_done_callback(self._left_ended)
+    async def _free_slot(self, deadline: float) -> bool:
+        """Wait, until ``deadline`` (loop time), for fewer than ``TIMED_HELPERS`` timed calls
+        in flight; whether there are.  The caller starts its call without awaiting in
+        between, so no other call takes the slot first."""
+        loop = asyncio.get_running_loop()
+        while len(self._timed) >= TIMED_HELPERS:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            # A task's done-callbacks run in the order they were added: _timed_ended
+            # has dropped an ended call before this wait returns.
+            await asyncio.wait(set(self._timed), timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+        return True
 
-    def _left_ended(self, task: asyncio.Future[Any]) -> None:
-        self._left.discard(task)
+    def _timed_ended(self, task: asyncio.Future[Any]) -> None:
+        self._timed.discard(task)
         if not task.cancelled():
-            task.exception()  # taken, so that its error is not logged as never retrieved
+            task.exception()  # taken, so that a left call's error is not logged as never retrieved
 
     async def _call(self, method: str, *args: Any) -> Any:
         call = getattr(self.inner, method)(*args)
@@ -294,6 +329,12 @@ class AsyncCircuitBackend(_Guard):
             result = await (self._bounded(call) if method == "contains_many" else call)
         except Exception as exc:
             self.failed(method, exc)
+            raise
+        except asyncio.CancelledError as exc:
+            if not cancelled_from_outside(self.context.closing):
+                # The backend's own (a client library that cancelled its own request):
+                # a failed call.  One cancelling this task (close) says nothing of it.
+                self.failed(method, exc)
             raise
         self.breaker.succeeded()
         return result
@@ -345,7 +386,7 @@ class AsyncCircuitBackend(_Guard):
             self.breaker.probe_failed(exc)
             return False
         except asyncio.CancelledError as exc:
-            if self.context.closing:
+            if cancelled_from_outside(self.context.closing):
                 raise  # close() cancels the probing
             # The client library cancelled its own request: a failed probe.  Escaping, it
             # would end the probing for good with the circuit open.
@@ -363,6 +404,15 @@ class AsyncCircuitBackend(_Guard):
             outcome = closer()
             if inspect.isawaitable(outcome):
                 await outcome
+
+
+def _drop(call: Any) -> None:
+    """Give up an awaitable never awaited: a coroutine is closed before it ran (no
+    "never awaited" warning), a future already running is cancelled."""
+    if inspect.iscoroutine(call):
+        call.close()
+    else:
+        asyncio.ensure_future(call).cancel()
 
 
 def circuit_enabled(backend: object, config: L2AdapterConfig) -> bool:
