@@ -258,6 +258,101 @@ def test_overlapping_stores_of_one_key_each_write_their_own_header(adapters: lis
     assert bytes(buffer) == first
 
 
+class HeldRead(DictBackend):
+    """Once ``hold`` is set, a lookup or load reads its records, then waits for ``release``
+    before judging them: a store of the key may replace the record in between."""
+
+    def __init__(self, config: DictConfig, context: BackendContext) -> None:
+        super().__init__(config, context)
+        self.hold = False
+        self.read = threading.Event()
+        self.release = threading.Event()
+
+    def _held(self, keys: Sequence[ObjectKey]) -> list[bytes | None]:
+        with self.lock:
+            values = [self.objects.get(key) for key in keys]
+        self.hold = False
+        self.read.set()
+        assert self.release.wait(30)
+        return values
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | ObjectSize | None]:
+        if not self.hold:
+            return super().contains_many(keys)
+        self._called("contains_many")
+        values = self._held(keys)
+        return [None if v is None else self._size(k, v) for k, v in zip(keys, values, strict=True)]
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        if not self.hold:
+            return super().get_many_into(keys, buffers)
+        self._called("get_many_into")
+        ok = []
+        for key, buffer, value in zip(keys, buffers, self._held(keys), strict=True):
+            payload = None if value is None else self._payload(key, value)
+            if payload is not None and len(payload) == buffer.nbytes:
+                buffer[:] = payload
+            ok.append(payload is not None and len(payload) == buffer.nbytes)
+        return ok
+
+
+def test_a_lookup_that_read_a_record_a_store_replaced_meanwhile_leaves_the_key_readable(
+    adapters: list[BackendAdapter],
+) -> None:
+    """The lookup read a record of another serde chain; a store with this chain replaced
+    it before the lookup judged it: the lookup is a miss, but the key is not marked a miss
+    until stored again -- the record there now is readable."""
+    namespace = uuid.uuid4().hex
+    first = open_dict(serde=[Xor()], namespace=namespace, records=True)
+    keys = make_keys(1)
+    BlockingAdapterClient(first).store(keys, [memoryview(b"old")])
+    first.close()
+    adapter = open_dict(HeldRead, namespace=namespace, records=True)
+    adapters.append(adapter)
+    backend: HeldRead = adapter.backend  # type: ignore[assignment]
+    client = BlockingAdapterClient(adapter, timeout=30)
+    backend.hold = True
+    lookup = adapter.submit_lookup_and_lock(keys)
+    assert backend.read.wait(30)
+    assert client.store(keys, [memoryview(b"new")]) == [True]
+    backend.release.set()
+    assert client.wait(L2Op.LOOKUP, lookup).found == [False], "it read the old record"
+    assert adapter.stats()["serde_chain_mismatch"] == 1
+    assert client.lookup_and_lock(keys).found == [True], "the record there now is readable"
+    buffer = memoryview(bytearray(3))
+    assert client.load(keys, [buffer]) == [True]
+    adapter.unlock(keys)
+    assert bytes(buffer) == b"new"
+
+
+def test_a_load_that_read_a_record_a_store_replaced_meanwhile_leaves_the_key_readable(
+    adapters: list[BackendAdapter],
+) -> None:
+    """The load read a payload its serde cannot decode; a store replaced the record before
+    the load decoded it: the load is a miss, but the key stays readable."""
+    namespace = uuid.uuid4().hex
+    adapter = open_dict(HeldRead, serde=[Zlib()], namespace=namespace)
+    adapters.append(adapter)
+    backend: HeldRead = adapter.backend  # type: ignore[assignment]
+    client = BlockingAdapterClient(adapter, timeout=30)
+    keys = make_keys(1)
+    client.store(keys, [memoryview(COMPRESSIBLE)])
+    stored = _SPACES[namespace][keys[0]]
+    _SPACES[namespace][keys[0]] = stored[:10] + bytes(len(stored) - 10)
+    buffer = memoryview(bytearray(len(COMPRESSIBLE)))
+    backend.hold = True
+    load = adapter.submit_load(keys, [buffer])
+    assert backend.read.wait(30)
+    assert client.store(keys, [memoryview(COMPRESSIBLE)]) == [True]
+    backend.release.set()
+    assert client.wait(L2Op.LOAD, load) == [False], "it read the old record"
+    assert adapter.stats()["serde_decode_failures"] == 1
+    assert client.lookup_and_lock(keys).found == [True], "the record there now is readable"
+    assert client.load(keys, [buffer]) == [True]
+    adapter.unlock(keys)
+    assert bytes(buffer) == COMPRESSIBLE
+
+
 # -- failure paths ---------------------------------------------------------------------------------
 
 

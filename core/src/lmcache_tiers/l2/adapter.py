@@ -169,6 +169,7 @@ class BackendAdapter(L2Adapter):
                 answer = None
         if answer is None or self._closed:
             self.state.pins.unpin(io_keys)  # what prepare pinned; the worker asks again
+            self.state.reading_end(io_keys)
             return None
         self.state.count("lookups_answered_now")
         result: LookupResult = op.finish(answer)

@@ -375,6 +375,8 @@ class LookupOp(BatchOp):
         super().__init__(state, keys)
         self.known: list[ObjectSize | None] = []
         self.hits: list[ObjectKey] = []
+        #: keys noted by ``reading_begin``, until ``finish``
+        self.reading: list[ObjectKey] = []
 
     def prepare(self) -> tuple[list[ObjectKey]]:
         state = self.state
@@ -390,10 +392,14 @@ class LookupOp(BatchOp):
         io_keys = self.io_keys()
         # Snapshot the accounting: a miss only forgets an entry no store replaced since.
         self.known = state.accounting.get_many(io_keys)
+        state.reading_begin(io_keys)  # a record judged unreadable is not marked if replaced
+        self.reading = io_keys
         return (io_keys,)
 
     def finish(self, io_result: Sequence[Any] | None, *, call_returned: bool = True) -> LookupResult:
         state = self.state
+        reading, self.reading = self.reading, []  # once, if finish runs twice
+        state.reading_end(reading)
         found = [False] * len(self.keys)
         sizes = [0] * len(self.keys)
         misses: list[ObjectKey] = []
@@ -443,6 +449,8 @@ class LoadOp(BatchOp):
         self.targets: list[memoryview] = []
         self.staged: list[Staged | None] = []
         self.pinned: list[ObjectKey] = []
+        #: keys noted by ``reading_begin``, until ``finish``
+        self.reading: list[ObjectKey] = []
 
     def prepare(self) -> tuple[list[ObjectKey], list[memoryview]]:
         state = self.state
@@ -484,6 +492,8 @@ class LoadOp(BatchOp):
             self.staged.append(staged)
         io_keys = self.io_keys()
         state.loading_begin(io_keys)  # the records' layouts are noted as they are read
+        state.reading_begin(io_keys)  # a record judged unreadable is not marked if replaced
+        self.reading = io_keys
         return io_keys, self.targets
 
     def _staging(self, index: int, size: int) -> Staged | None:
@@ -521,6 +531,8 @@ class LoadOp(BatchOp):
             _release(self.staged, call_returned)
             state.pins.unpin(self.pinned)
             state.loading_end(self.io_keys(), loaded)
+            reading, self.reading = self.reading, []  # once, if finish runs twice
+            state.reading_end(reading)
         state.count("load_keys_ok", len(loaded))
         state.count("load_keys_failed", len(self.keys) - len(loaded))
         state.notify("on_l2_keys_loaded", loaded)
@@ -533,13 +545,14 @@ class LoadOp(BatchOp):
             state.chain.decode_into(key, self.targets[position], self.buffers[index])
         except Exception as exc:  # tampered or damaged payload: a miss, not garbage
             state.count("serde_decode_failures")
-            state.mark_undecodable(key)
+            marked = state.mark_undecodable(key)
             state.burst.warn(
                 "serde_decode",
-                "%s: serde decode failed for %s: %s (a miss until it is replaced)",
+                "%s: serde decode failed for %s: %s (%s)",
                 state.name,
                 key.file_stem(),
                 exc,
+                "a miss until it is replaced" if marked else "a store of it replaced that record meanwhile",
             )
             return False
         return True
@@ -655,6 +668,8 @@ class AbsenceCheckOp(BatchOp):
         self.known: list[ObjectSize | None] = [size for _, size in unconfirmed]
         self.known += [None] * len(unaccounted)
         self.claimed: list[ObjectKey] = []
+        #: keys noted by ``reading_begin``, until ``finish``
+        self.reading: list[ObjectKey] = []
 
     def prepare(self) -> tuple[list[ObjectKey]]:
         pins, accounted = self.state.pins, len(self.keys) - self.known.count(None)
@@ -668,6 +683,10 @@ class AbsenceCheckOp(BatchOp):
         # backend's answer decides: reading the record marks it again if it is there.
         self.state.forget_unreadable(self.claimed)
         self.state.count("delete_keys_checked", len(self.io_index))
+        # Stores of accounted keys may run during the check: a record of another chain it
+        # reads may be one they replace, and is then not marked.
+        self.state.reading_begin(self.claimed)
+        self.reading = list(self.claimed)
         return (self.io_keys(),)
 
     def finish(self, io_result: Sequence[Any] | None, *, call_returned: bool = True) -> list[ObjectKey]:
@@ -698,3 +717,5 @@ class AbsenceCheckOp(BatchOp):
         finally:
             claimed, self.claimed = self.claimed, []  # once, if finish runs twice
             state.pins.end_delete(claimed)
+            reading, self.reading = self.reading, []
+            state.reading_end(reading)

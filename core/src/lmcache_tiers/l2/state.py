@@ -78,6 +78,10 @@ class AdapterState:
         #: keys whose record was written with another serde chain, or that the configured
         #: chain failed to decode (misses until replaced)
         self._unreadable: set[ObjectKey] = set()
+        #: [lookups and loads of the key in a backend call right now, whether a store of it
+        #: was in flight meanwhile]: a record they judge unreadable may be one such a store
+        #: replaced, and the key is then not marked
+        self._reading: dict[ObjectKey, list[Any]] = {}
         #: [loads of the key in a backend call right now, layout read from its record ("" until
         #: read)]: loads of one key may overlap, and one ending must not drop what the other
         #: reads; then layouts of keys loaded, until the prefetch that loaded them takes them
@@ -95,6 +99,9 @@ class AdapterState:
             for key, l1_size, layout, stored in items:
                 self._storing.setdefault(key, []).append((l1_size, layout, stored))
                 self._unreadable.discard(key)
+                reading = self._reading.get(key)
+                if reading is not None:
+                    reading[1] = True  # what they read may be replaced by this store
 
     def storing_end(self, items: Sequence[tuple[ObjectKey, int, str, int]]) -> None:
         """Drop what ``storing_begin`` noted for the same items (one entry each): another
@@ -174,26 +181,57 @@ class AdapterState:
 
     # -- records of another serde chain -----------------------------------------------------------
 
-    def mark_unreadable(self, key: ObjectKey, written: Sequence[str]) -> None:
+    def reading_begin(self, keys: Sequence[ObjectKey]) -> None:
+        """Lookups or loads of ``keys`` are about to read their records (``reading_end``
+        once each, after any mark)."""
         with self._lock:
+            for key in keys:
+                entry = self._reading.setdefault(key, [0, False])
+                entry[0] += 1
+                if key in self._storing:
+                    entry[1] = True
+
+    def reading_end(self, keys: Sequence[ObjectKey]) -> None:
+        with self._lock:
+            for key in keys:
+                entry = self._reading.get(key)
+                if entry is None:
+                    continue
+                entry[0] -= 1
+                if entry[0] <= 0:
+                    del self._reading[key]
+
+    def _mark(self, key: ObjectKey) -> bool:
+        """Mark ``key`` a miss until replaced, unless a store of it was in flight while a
+        lookup or load of it read its record: the record judged may be the one that store
+        replaced, and the new one is readable (it is judged when next read).  Whether it
+        was marked."""
+        with self._lock:
+            reading = self._reading.get(key)
+            if key in self._storing or (reading is not None and reading[1]):
+                return False
             self._unreadable.add(key)
+            return True
+
+    def mark_unreadable(self, key: ObjectKey, written: Sequence[str]) -> None:
+        marked = self._mark(key)
         self.count("serde_chain_mismatch")
         self.burst.warn(
             "serde_chain_mismatch",
-            "%s: %s was written with serde chain %s, configured is %s: a miss (the record is kept)",
+            "%s: %s was written with serde chain %s, configured is %s: a miss (the record is kept)%s",
             self.name,
             key.file_stem(),
             list(written),
             list(self.chain.names),
+            "" if marked else "; a store of it replaced that record meanwhile",
         )
 
-    def mark_undecodable(self, key: ObjectKey) -> None:
+    def mark_undecodable(self, key: ObjectKey) -> bool:
         """The configured chain failed to decode ``key``'s verified record (a key rotated
         away, a frame it cannot read): it would fail the same way at every load, so it is
-        a miss until replaced, like a record of another chain.  Counted and logged by the
-        caller."""
-        with self._lock:
-            self._unreadable.add(key)
+        a miss until replaced, like a record of another chain -- unless a store of it ran
+        meanwhile (False: not marked).  Counted and logged by the caller."""
+        return self._mark(key)
 
     def unreadable(self, keys: Sequence[ObjectKey]) -> list[bool]:
         with self._lock:
