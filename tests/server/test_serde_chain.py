@@ -95,10 +95,12 @@ def _backend(client: Client) -> dict[str, int]:
     return stats
 
 
-def _rewrite(path: str, key: ObjectKey, payload: bytes, l1_size: int, serde: tuple[str, ...]) -> None:
+def _rewrite(
+    path: str, key: ObjectKey, payload: bytes, l1_size: int, serde: tuple[str, ...], layout: str = ""
+) -> None:
     """A record with a valid header and checksum around ``payload`` (what an attacker with
     write access to the store can produce: the checksum is not a MAC)."""
-    header = encode_header(key, payload, l1_size=l1_size, serde=serde, align=HEADER_ALIGN)
+    header = encode_header(key, payload, l1_size=l1_size, serde=serde, layout=layout, align=HEADER_ALIGN)
     Path(path).write_bytes(header + payload)
 
 
@@ -189,9 +191,19 @@ def test_fp8_zstd_aesgcm_chain_through_a_real_server(tmp_path: Path, key_file: P
             client.release(keys[2:3])
             assert _backend(client)["serde_decode_failures"] >= failures_before + 2
 
+            # 4. The record's stated layout changed to another dtype of the same size (the
+            # object would reach L1 as float16, and a later fp8 stage quantize it so):
+            # aesgcm binds the layout its record states, a miss.
+            header, payload = _split(layout.path_for(keys[3]), keys[3])
+            assert header.layout.startswith("bfloat16[")
+            forged = header.layout.replace("bfloat16", "float16")
+            _rewrite(layout.path_for(keys[3]), keys[3], payload, header.l1_size, header.serde, forged)
+            assert client.lookup(keys[3:4]) == 0
+            assert _backend(client)["serde_aesgcm_layout_mismatch"] == 1
+
             # The untouched objects still load and decode.
-            assert client.lookup(keys[3:]) == COUNT - 3
-            client.release(keys[3:])
+            assert client.lookup(keys[4:]) == COUNT - 4
+            client.release(keys[4:])
             assert client.status()["l1"]["read_locks"] == 0
     finally:
         assert server.stop() == 0, server.output()

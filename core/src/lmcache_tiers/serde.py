@@ -41,11 +41,18 @@ class SerdeContext:
     The layout is known when an object is encoded, and only by the first serde of a chain
     (the one that receives the object's own bytes; later ones get ""); a serde that needs
     it to decode must carry it in its own encoding.
+
+    ``record_layout`` is the layout the object's record states beside its payload (given
+    to every stage, both ways; "" when unknown or not kept, as decoding in-memory stores):
+    a loaded object gets that layout in L1, so an authenticating serde binds it -- a record
+    whose stated layout was changed would otherwise make a later fp8 stage quantize its
+    bytes as another dtype.
     """
 
     key: ObjectKey
     size: int
     layout: str = ""
+    record_layout: str = ""
 
     @property
     def tensor_layout(self) -> TensorLayout | None:
@@ -96,7 +103,7 @@ def encode_chain(chain: Sequence[Serde], data: memoryview, context: SerdeContext
     """Run every encoder, first to last; only the first sees ``context.layout``."""
     for position, serde in enumerate(chain):
         if position == 1:
-            context = SerdeContext(context.key, context.size)
+            context = SerdeContext(context.key, context.size, record_layout=context.record_layout)
         data = memoryview(serde.encode(data, context)).cast("B")
     return data
 

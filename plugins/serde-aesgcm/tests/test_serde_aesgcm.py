@@ -15,6 +15,7 @@ from lmcache_plugin_serde_aesgcm import AesGcmConfig
 from lmcache_plugin_serde_aesgcm import cipher as cipher_module
 from lmcache_plugin_serde_aesgcm.cipher import HEADER_SIZE, TAG_SIZE, AesGcmDecodeError, AesGcmSerde
 
+from lmcache_tiers.layout import MAX_LAYOUT_LEN
 from lmcache_tiers.plugin import ConfigError, SerdeContext
 from lmcache_tiers.testing.serde import (
     BINDS_KEY,
@@ -72,9 +73,59 @@ def _round(serde: AesGcmSerde, data: bytes, key: object = None) -> tuple[bytes, 
 def test_frame_is_ciphertext_of_the_right_size() -> None:
     data = kv_like_bf16()
     frame, _ = _round(_serde(), data)
-    assert len(frame) == HEADER_SIZE + len(data) + TAG_SIZE == _serde().max_encoded_size(len(data))
+    assert len(frame) == HEADER_SIZE + len(data) + TAG_SIZE
+    assert len(frame) + MAX_LAYOUT_LEN == _serde().max_encoded_size(len(data))
     assert frame[:4] == b"LTAG"
     assert data[1000:1032] not in frame
+
+
+def _with_record_layout(serde: AesGcmSerde, data: bytes, layout: str) -> bytes:
+    context = SerdeContext(suite_key(), len(data), record_layout=layout)
+    return bytes(serde.encode(memoryview(data), context))
+
+
+def test_the_layout_a_record_states_is_bound() -> None:
+    # Core's record header states the layout a loaded object gets in L1 outside any serde:
+    # a frame carries its own authenticated copy, and a record stating another is refused.
+    serde, data = _serde(), kv_like_bf16(seed=6)
+    layout = kv_layout(KV_SHAPE)
+    frame = _with_record_layout(serde, data, layout)
+    assert len(frame) == HEADER_SIZE + len(layout) + len(data) + TAG_SIZE
+    for stated in (layout, ""):  # "": an adapter that keeps no layout states none
+        back = serde.decode(memoryview(frame), SerdeContext(suite_key(), len(data), record_layout=stated))
+        assert bytes(back) == data
+    forged = layout.replace("bfloat16", "float16")
+    with pytest.raises(AesGcmDecodeError, match="states layout"):
+        serde.decode(memoryview(frame), SerdeContext(suite_key(), len(data), record_layout=forged))
+    assert serde.stats()["layout_mismatch"] == 1
+    # The frame's own copy changed to match a forged record: authentication fails.
+    swapped = layout.replace("[2,4,", "[4,2,")
+    assert swapped != layout and len(swapped) == len(layout)
+    tampered = frame.replace(layout.encode(), swapped.encode())
+    with pytest.raises(AesGcmDecodeError, match="authentication failed"):
+        serde.decode(memoryview(tampered), SerdeContext(suite_key(), len(data), record_layout=swapped))
+    # A layout length past the frame is a corrupt frame, not a read past it.
+    short = bytearray(frame[: HEADER_SIZE + 8])
+    with pytest.raises(AesGcmDecodeError, match="layout of"):
+        serde.decode(memoryview(short + bytes(TAG_SIZE - 8)), SerdeContext(suite_key(), len(data)))
+
+
+def _v1_frame(serde: AesGcmSerde, data: bytes) -> bytes:
+    """A frame as version 1 wrote it: no layout, the u16 reserved."""
+    epoch, nonce = os.urandom(16), os.urandom(12)
+    header = cipher_module._HEADER.pack(b"LTAG", 1, 0, 0, serde._key_check, epoch, nonce)
+    associated = header + len(data).to_bytes(8, "little") + suite_key().to_bytes()
+    return header + serde._cipher(epoch, None).encrypt(nonce, data, associated)
+
+
+def test_version_1_frames_are_read_where_their_record_states_no_layout() -> None:
+    serde, data = _serde(per_salt_keys=False), kv_like_bf16(seed=7)
+    frame = _v1_frame(serde, data)
+    assert bytes(serde.decode(memoryview(frame), SerdeContext(suite_key(), len(data)))) == data
+    stated = SerdeContext(suite_key(), len(data), record_layout=kv_layout(KV_SHAPE))
+    with pytest.raises(AesGcmDecodeError, match="states layout"):
+        serde.decode(memoryview(frame), stated)  # v1 binds none: the stated one is unproven
+    assert serde.stats()["layout_mismatch"] == 1
 
 
 def test_every_encryption_uses_a_fresh_nonce() -> None:

@@ -172,10 +172,11 @@ class SerdeChain:
 
         Raises whatever a serde raises, or :class:`SerdeBoundError`.
         """
-        context = SerdeContext(key, data.nbytes, layout)
+        context = SerdeContext(key, data.nbytes, layout, layout)
         # The layout describes the object's bytes, which only the first stage receives:
-        # later stages get the previous stage's output, which no layout describes.
-        later = SerdeContext(key, data.nbytes)
+        # later stages get the previous stage's output, which no layout describes (they
+        # still learn what the record will state, see ``SerdeContext.record_layout``).
+        later = SerdeContext(key, data.nbytes, record_layout=layout)
         bound = self.bound(data.nbytes)
         staged = self.pool.take(bound) if bound is not None else None
         try:
@@ -198,9 +199,13 @@ class SerdeChain:
             raise
         return staged
 
-    def decode_into(self, key: ObjectKey, encoded: memoryview, target: memoryview) -> None:
-        """Decode ``encoded`` into ``target`` (the object's L1 buffer), or raise."""
-        decoded = decode_chain(self._serdes, encoded, SerdeContext(key, target.nbytes))
+    def decode_into(
+        self, key: ObjectKey, encoded: memoryview, target: memoryview, record_layout: str = ""
+    ) -> None:
+        """Decode ``encoded`` into ``target`` (the object's L1 buffer), or raise;
+        ``record_layout`` is the layout its record stated ("" if none was read)."""
+        context = SerdeContext(key, target.nbytes, record_layout=record_layout)
+        decoded = decode_chain(self._serdes, encoded, context)
         if decoded.nbytes != target.nbytes:
             raise ValueError(f"decoded {decoded.nbytes} bytes, the L1 object holds {target.nbytes}")
         copy_into(target, decoded)

@@ -542,7 +542,9 @@ class LoadOp(BatchOp):
     def _decode(self, position: int, index: int) -> bool:
         state, key = self.state, self.keys[index]
         try:
-            state.chain.decode_into(key, self.targets[position], self.buffers[index])
+            state.chain.decode_into(
+                key, self.targets[position], self.buffers[index], state.loading_layout(key)
+            )
         except Exception as exc:  # tampered or damaged payload: a miss, not garbage
             state.count("serde_decode_failures")
             marked = state.mark_undecodable(key)

@@ -156,6 +156,12 @@ class AdapterState:
                 if entry is not None:
                     entry[1] = layout
 
+    def loading_layout(self, key: ObjectKey) -> str:
+        """The layout read from ``key``'s record by a load running now ("" if none)."""
+        with self._lock:
+            entry = self._loading.get(key)
+            return entry[1] if entry is not None else ""
+
     def loading_end(self, keys: Sequence[ObjectKey], loaded: Sequence[ObjectKey]) -> None:
         with self._lock:
             layouts: dict[ObjectKey, str] = {}

@@ -1,9 +1,12 @@
 """The ``aesgcm`` serde: AES-256-GCM frames bound to the object key.
 
-Frame layout::
+Frame layout (version 2)::
 
-    magic "LTAG" | version u8 | flags u8 | reserved u16 | key check 8B | epoch 16B
-    | nonce 12B | ciphertext | tag 16B
+    magic "LTAG" | version u8 | flags u8 | layout length u16 | key check 8B | epoch 16B
+    | nonce 12B | layout (ASCII) | ciphertext | tag 16B
+
+Version 1 frames (no layout; the u16 was reserved, 0) are still read, as long as their
+record states no layout.
 
 Keys.  Nothing is encrypted under the configured master key itself.  Each frame is
 encrypted under ``HKDF-SHA256(master, salt=epoch, info=label [+ cache_salt])``: ``epoch``
@@ -14,10 +17,16 @@ one key far below the 2^32 that NIST SP 800-38D allows, however long a server ru
 derived from the master key alone, so a frame written under another master key is
 reported as such instead of as tampering.
 
-Associated data: the 44 header bytes, the plaintext length (u64) and the full object key
-(``ObjectKey.to_bytes()``).  A frame moved under another key, a changed flag or epoch, a
-truncated or extended frame and any flipped bit all fail authentication: decode raises,
-and the adapter counts the object as a miss.
+Associated data: the 44 header bytes, the layout, the plaintext length (u64) and the full
+object key (``ObjectKey.to_bytes()``).  A frame moved under another key, a changed flag or
+epoch, a truncated or extended frame and any flipped bit all fail authentication: decode
+raises, and the adapter counts the object as a miss.
+
+The layout is the one the object's record states (``SerdeContext.record_layout``): a loaded
+object gets it in L1, and a later fp8 stage quantizes by it.  Core's record header carries
+it outside any serde, so the frame carries its own authenticated copy, and decode refuses a
+frame whose record states another layout (``layout_mismatch``): someone who can write the
+store and recompute the record checksum cannot make an object's bytes read as another dtype.
 """
 
 from __future__ import annotations
@@ -36,12 +45,15 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from lmcache_plugin_serde_aesgcm import AesGcmConfig
 from lmcache_plugin_serde_aesgcm.keys import KEY_SIZE, read_key_env, read_key_file
+from lmcache_tiers.layout import MAX_LAYOUT_LEN
 from lmcache_tiers.plugin import ObjectKey, SerdeContext
 
 log = logging.getLogger("lmcache_tiers.serde.aesgcm")
 
 MAGIC: Final = b"LTAG"
-VERSION: Final = 1
+VERSION: Final = 2
+#: the frame version without a layout, still read
+VERSION_NO_LAYOUT: Final = 1
 FLAG_PER_SALT: Final = 0x01
 NONCE_SIZE: Final = 12
 TAG_SIZE: Final = 16
@@ -63,6 +75,7 @@ COUNTERS: Final = (
     "auth_failures",
     "wrong_key",
     "corrupt_frames",
+    "layout_mismatch",
     "key_epochs",
 )
 
@@ -75,8 +88,10 @@ def _hkdf(master: bytes, length: int, salt: bytes | None, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info).derive(master)
 
 
-def _associated_data(header: bytes | memoryview, length: int, key: ObjectKey) -> bytes:
-    return b"".join((header, length.to_bytes(8, "little"), key.to_bytes()))
+def _associated_data(
+    header: bytes | memoryview, layout: bytes | memoryview, length: int, key: ObjectKey
+) -> bytes:
+    return b"".join((header, layout, length.to_bytes(8, "little"), key.to_bytes()))
 
 
 class AesGcmSerde:
@@ -111,20 +126,24 @@ class AesGcmSerde:
     # -- Serde ------------------------------------------------------------------------------
 
     def max_encoded_size(self, size: int) -> int:
-        return HEADER_SIZE + size + TAG_SIZE
+        return HEADER_SIZE + MAX_LAYOUT_LEN + size + TAG_SIZE
 
     def encode(self, data: memoryview, context: SerdeContext) -> memoryview:
         view = memoryview(data).cast("B")
         flags = FLAG_PER_SALT if self.config.per_salt_keys else 0
         epoch = self._current_epoch()
+        layout = context.record_layout.encode("ascii")
+        if len(layout) > MAX_LAYOUT_LEN:
+            raise ValueError(f"layout is {len(layout)} bytes long; at most {MAX_LAYOUT_LEN}")
         nonce = os.urandom(NONCE_SIZE)
-        header = _HEADER.pack(MAGIC, VERSION, flags, 0, self._key_check, epoch, nonce)
+        header = _HEADER.pack(MAGIC, VERSION, flags, len(layout), self._key_check, epoch, nonce)
         cipher = self._cipher(epoch, context.key.cache_salt if flags & FLAG_PER_SALT else None)
-        frame = bytearray(HEADER_SIZE + view.nbytes + TAG_SIZE)
+        start = HEADER_SIZE + len(layout)
+        frame = bytearray(start + view.nbytes + TAG_SIZE)
         frame[:HEADER_SIZE] = header
-        cipher.encrypt_into(
-            nonce, view, _associated_data(header, view.nbytes, context.key), memoryview(frame)[HEADER_SIZE:]
-        )
+        frame[HEADER_SIZE:start] = layout
+        associated = _associated_data(header, layout, view.nbytes, context.key)
+        cipher.encrypt_into(nonce, view, associated, memoryview(frame)[start:])
         self._count("encrypted_objects")
         return memoryview(frame)
 
@@ -132,23 +151,39 @@ class AesGcmSerde:
         view = memoryview(data).cast("B")
         if view.nbytes < HEADER_SIZE + TAG_SIZE:
             self._refuse("corrupt_frames", context, f"{view.nbytes} bytes is shorter than an aesgcm frame")
-        magic, version, flags, reserved, key_check, epoch, nonce = _HEADER.unpack_from(view)
-        if magic != MAGIC or version != VERSION:
+        magic, version, flags, layout_length, key_check, epoch, nonce = _HEADER.unpack_from(view)
+        if magic != MAGIC or version not in (VERSION, VERSION_NO_LAYOUT):
             self._refuse(
-                "corrupt_frames", context, f"not an aesgcm v{VERSION} frame (magic {bytes(magic)!r})"
+                "corrupt_frames",
+                context,
+                f"not an aesgcm frame (magic {bytes(magic)!r}, version {version})",
             )
-        if flags & ~FLAG_PER_SALT or reserved:
-            self._refuse("corrupt_frames", context, f"unknown flags {flags:#x}/{reserved:#x}")
+        if flags & ~FLAG_PER_SALT or (version == VERSION_NO_LAYOUT and layout_length):
+            self._refuse("corrupt_frames", context, f"unknown flags {flags:#x}/{layout_length:#x}")
+        start = HEADER_SIZE + layout_length
+        if layout_length > MAX_LAYOUT_LEN or view.nbytes < start + TAG_SIZE:
+            self._refuse(
+                "corrupt_frames", context, f"a layout of {layout_length} bytes in a {view.nbytes}-byte frame"
+            )
+        layout = view[HEADER_SIZE:start]
+        if context.record_layout and layout != context.record_layout.encode("ascii", "replace"):
+            # Also a v1 frame, which binds no layout, when its record states one.
+            self._refuse(
+                "layout_mismatch",
+                context,
+                f"the record states layout {context.record_layout!r}, the frame was written with "
+                f"{bytes(layout).decode('ascii', 'replace')!r}",
+            )
         if key_check != self._key_check:
             self._refuse("wrong_key", context, "encrypted under another master key (key check differs)")
-        length = view.nbytes - HEADER_SIZE - TAG_SIZE
+        length = view.nbytes - start - TAG_SIZE
         cipher = self._cipher(epoch, context.key.cache_salt if flags & FLAG_PER_SALT else None)
         plaintext = bytearray(length)
         try:
             cipher.decrypt_into(
                 nonce,
-                view[HEADER_SIZE:],
-                _associated_data(view[:HEADER_SIZE], length, context.key),
+                view[start:],
+                _associated_data(view[:HEADER_SIZE], layout, length, context.key),
                 memoryview(plaintext),
             )
         except InvalidTag:
