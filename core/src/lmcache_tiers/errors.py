@@ -32,3 +32,19 @@ class KeyValidationError(TiersError, ValueError):
 
 class L1OutOfMemoryError(TiersError):
     """L1 cannot hold a whole batch right now; nothing of the batch was reserved."""
+
+
+class PartialFailure(TiersError):
+    """Raised by an L2 backend's batch method whose call failed part-way -- a cluster node
+    or host that did not answer while the others did their keys -- with ``results``, the
+    per-key answer the method would return (done keys True, the failed node's False).
+
+    Core takes ``results`` as the call's answer, so keys already stored or removed are
+    accounted as such, and counts the call as failed (``backend_errors``, the circuit
+    breaker's failures): a backend that answers "part failed" by returning alone is never
+    seen by the breaker, and every later call pays the failed node's timeout again.
+    """
+
+    def __init__(self, results: object, reason: str) -> None:
+        super().__init__(reason)
+        self.results = results

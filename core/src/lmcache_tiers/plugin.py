@@ -83,6 +83,7 @@ from lmcache_tiers.errors import (
     ConfigError,
     KeyValidationError,
     L1OutOfMemoryError,
+    PartialFailure,
     TiersError,
 )
 from lmcache_tiers.frontend import Frontend, FrontendContext, FrontendStats
@@ -373,6 +374,7 @@ __all__ = [
     "LowestIndexPrefetchPolicy",
     "ObjectKey",
     "ObjectSize",
+    "PartialFailure",
     "PathLock",
     "PayloadVerifier",
     "PrefetchPolicy",

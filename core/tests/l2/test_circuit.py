@@ -19,7 +19,7 @@ import pytest
 from l2_backends import AsyncDictBackend, DictBackend, DictConfig, open_dict
 
 from lmcache_tiers.config import CircuitConfig, decode_adapter
-from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.errors import ConfigError, PartialFailure
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter
 from lmcache_tiers.l2.circuit import PROBE_KEY, TIMED_HELPERS, AsyncCircuitBackend, CircuitBackend
@@ -671,3 +671,71 @@ def test_calls_left_at_their_timeout_are_capped(
     outage.released.set()
     wait_for(lambda: STUCK.now == 0, "the left calls to end")
     found_again(adapter, client, keys)
+
+
+class HalfDict(RemoteDict):
+    """A store of two nodes, one of which does not answer: stores and deletes do the first
+    half of their keys and raise ``PartialFailure`` for the rest."""
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        half = len(keys) // 2
+        done = super().put_many(keys[:half], payloads[:half])
+        raise PartialFailure([*done, *[False] * (len(keys) - half)], "node 2 did not answer")
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        half = len(keys) // 2
+        done = super().delete_many(keys[:half])
+        raise PartialFailure([*done, *[False] * (len(keys) - half)], "node 2 did not answer")
+
+
+class AsyncHalfDict(AsyncRemoteDict):
+    async def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:  # type: ignore[override]
+        half = len(keys) // 2
+        done = await super().put_many(keys[:half], payloads[:half])
+        raise PartialFailure([*done, *[False] * (len(keys) - half)], "node 2 did not answer")
+
+    async def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:  # type: ignore[override]
+        half = len(keys) // 2
+        done = await super().delete_many(keys[:half])
+        raise PartialFailure([*done, *[False] * (len(keys) - half)], "node 2 did not answer")
+
+
+@pytest.mark.parametrize("backend", [HalfDict, AsyncHalfDict], ids=["plain", "coroutines"])
+def test_a_call_that_failed_part_way_reports_its_keys_and_counts_as_failed(
+    adapters: list[BackendAdapter], backend: type[DictBackend]
+) -> None:
+    """``PartialFailure``: the keys done are accounted as done (stored, removed), and the
+    call is a failure the circuit breaker counts -- returning the same answer would leave
+    the breaker blind to a node that never answers."""
+    adapter = opened(adapters, backend, circuit=CircuitConfig(failure_threshold=3, probe_interval_s=60))
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    keys = make_keys(4)
+    assert store(client, keys) == [True, True, False, False]
+    assert adapter.used_bytes() == 200, "the two keys stored are accounted"
+    stats = adapter.stats()
+    assert stats["backend_errors"] == 1 and stats["circuit_failures"] == 1
+    assert adapter.delete(keys[:2]) == [True, False]
+    assert adapter.used_bytes() == 100
+    assert adapter.stats()["circuit_failures"] == 2
+    # (The delete's absence check of the key not removed answered: a success, which
+    # resets the count of consecutive failures.)
+    for start in (10, 20, 30):
+        assert store(client, make_keys(2, start=start)) == [True, False]
+    assert adapter.stats()["circuit_open"] == 1, "three calls in a row failed part-way: the circuit opens"
+    assert store(client, make_keys(2, start=40)) == [False, False]
+    assert adapter.stats()["circuit_skipped_store_keys"] == 2
+
+
+@pytest.mark.parametrize("results", [[True], "yes", None], ids=["short", "string", "none"])
+def test_a_partial_failure_whose_results_cannot_be_trusted_fails_the_batch(
+    adapters: list[BackendAdapter], results: Any
+) -> None:
+    class Lying(RemoteDict):
+        def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+            super().put_many(keys, payloads)
+            raise PartialFailure(results, "node 2 did not answer")
+
+    adapter = opened(adapters, Lying)
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    assert store(client, make_keys(2)) == [False, False]
+    assert adapter.stats()["backend_errors"] == 1

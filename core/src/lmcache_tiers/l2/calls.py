@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from lmcache_tiers.errors import PartialFailure
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.state import AdapterState
 from lmcache_tiers.protocols import ObjectSize
@@ -77,6 +78,18 @@ def checked(method: str, result: Any, expected: int) -> list[Any]:
     return items
 
 
+def partly_failed(state: AdapterState, method: str, exc: PartialFailure, expected: int) -> list[Any] | None:
+    """The answer a call that failed part-way carried (:class:`PartialFailure`): counted as
+    a failed call (the circuit breaker, wrapping the backend, has counted it already), its
+    per-key results taken like a returned answer -- or the whole batch failed when they
+    cannot be trusted."""
+    state.backend_failed(method, exc)
+    try:
+        return checked(method, exc.results, expected)
+    except (TypeError, ValueError):
+        return None
+
+
 def call(
     state: AdapterState, backend: object, method: str, keys: list[ObjectKey], *args: Sequence[memoryview]
 ) -> list[Any] | None:
@@ -88,6 +101,8 @@ def call(
         return checked(method, getattr(backend, method)(keys, *args), len(keys))
     except NotCalled:
         return None
+    except PartialFailure as exc:
+        return partly_failed(state, method, exc, len(keys))
     except (Exception, asyncio.CancelledError) as exc:
         # A plain method running coroutines of its own may raise CancelledError (no
         # Exception): nothing here cancels it, so it is the backend's failure.
@@ -118,6 +133,8 @@ async def call_async(
         return checked(method, await getattr(backend, method)(keys, *args), len(keys))
     except NotCalled:
         return None
+    except PartialFailure as exc:
+        return partly_failed(state, method, exc, len(keys))
     except Exception as exc:
         state.backend_failed(method, exc)
         return None
