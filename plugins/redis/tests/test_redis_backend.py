@@ -693,6 +693,109 @@ def test_a_cluster_batch_with_one_node_hung_reports_and_accounts_what_the_others
         stats = adapter.stats()
         assert stats["store_request_failures"] == new_on_hung.count(True)
         assert stats["delete_request_failures"] == old_on_hung.count(True)
+        # Each call failed part-way: reported with its answer, counted as failed.
+        assert stats["circuit_failures"] >= 2 and stats["backend_errors"] >= 2
+    finally:
+        cluster.stop()
+
+
+def on_and_off_node(
+    backend: RedisBackend, node: RedisServer, each: int, start: int = 0
+) -> tuple[list[ObjectKey], list[bool]]:
+    """``each`` keys served by ``node`` and ``each`` served by the other nodes, mixed, with
+    whether each is on ``node``."""
+    on: list[ObjectKey] = []
+    off: list[ObjectKey] = []
+    client = backend.client
+    assert isinstance(client, redis.RedisCluster)
+    for key in make_keys(64 * each, start=start):
+        served = client.get_node_from_key(backend.name_of(key)).port == node.port
+        (on if served else off).append(key)
+    keys = [key for pair in zip(on[:each], off[:each], strict=True) for key in pair]
+    return keys, [key in on for key in keys]
+
+
+def test_a_cluster_node_that_answers_no_write_opens_the_circuit_through_stores_alone(
+    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # A node that takes connections and reads but answers no write (paused, stuck,
+    # overloaded): each store batch it shares with the other nodes stores theirs and fails
+    # its own keys -- a call failed part-way, which the circuit breaker must see, or a
+    # store-only workload pays the timeout on every batch for good.
+    if missing_reason():
+        pytest.skip(missing_reason())
+    cluster = RedisClusterNodes(tmp_path / "cluster").start()
+    paused = cluster.nodes[1]
+    try:
+        adapter = open_adapter(
+            startup_nodes=cluster.startup_nodes,
+            cluster_mode=True,
+            key_prefix=prefix,
+            request_timeout=0.3,
+            connection_timeout=0.3,
+            max_capacity_gb=1.0,
+            circuit={"failure_threshold": 2, "probe_interval_s": 60},
+        )
+        backend = backend_of(adapter)
+        first, first_on = on_and_off_node(backend, paused, 2, start=10_000)
+        second, second_on = on_and_off_node(backend, paused, 2, start=20_000)
+        third, _ = on_and_off_node(backend, paused, 2, start=30_000)
+        buffers = [memoryview(bytearray(pattern(index, 16))) for index in range(len(first))]
+        client = BlockingAdapterClient(adapter, timeout=120)
+        paused.cli("CLIENT", "PAUSE", "60000", "WRITE")
+        try:
+            assert client.store(first, buffers) == [not on for on in first_on], "the other nodes' keys"
+            assert client.store(second, buffers) == [not on for on in second_on]
+            stats = adapter.stats()
+            assert stats["backend_errors"] == 2 and stats["circuit_failures"] == 2
+            assert stats["circuit_open"] == 1
+            assert client.store(third, buffers) == [False] * 4, "refused while open"
+            assert adapter.stats()["circuit_skipped_store_keys"] == 4
+        finally:
+            paused.cli("CLIENT", "UNPAUSE")
+        assert adapter.used_bytes() == 16 * (first_on.count(False) + second_on.count(False))
+    finally:
+        cluster.stop()
+
+
+def test_the_circuit_probe_of_a_cluster_asks_every_primary(
+    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # A cluster's PING goes to one node only: a probe asking it closes the circuit while
+    # another primary still answers nothing, and every lookup pays the timeout again.
+    if missing_reason():
+        pytest.skip(missing_reason())
+    cluster = RedisClusterNodes(tmp_path / "cluster").start()
+    try:
+        adapter = open_adapter(
+            startup_nodes=cluster.startup_nodes,
+            cluster_mode=True,
+            key_prefix=prefix,
+            request_timeout=0.3,
+            connection_timeout=0.3,
+            circuit={"failure_threshold": 1, "probe_interval_s": 0.05},
+        )
+        backend = backend_of(adapter)
+        client = backend.client
+        assert isinstance(client, redis.RedisCluster)
+        default = client.get_default_node().port
+        hung = next(node for node in cluster.nodes if node.port != default)
+        keys, _ = on_and_off_node(backend, hung, 2)
+        # Every command of every client waits, CLIENT UNPAUSE too, until the pause ends
+        # (the cluster bus does not: no failover).
+        hung.cli("CLIENT", "PAUSE", "6000", "ALL")
+        assert client_of(adapter).lookup_and_lock(keys).found == [False] * 4
+        assert adapter.stats()["circuit_open"] == 1
+        wait_for(
+            lambda: (
+                adapter.stats().get("circuit_probe_failures", 0) + adapter.stats().get("circuit_closed", 0)
+                > 0
+            ),
+            "a probe",
+        )
+        stats = adapter.stats()
+        assert stats["circuit_open"] == 1 and stats.get("circuit_closed", 0) == 0, "closed while a node hangs"
+        wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close once the node answers")
     finally:
         cluster.stop()
 

@@ -20,8 +20,12 @@ Batches go out as pipelines of at most ``pipeline_max_bytes`` of payload, so a l
 holds a bounded number of replies at once (in the store's output buffer, or in reply
 buffers here in cluster mode).  A connection error or timeout fails the
 whole call (an exception: core counts it and the circuit breaker sees it) -- but a store
-whose earlier trips were done reports those keys stored and the rest failed, and in a
-cluster a trip some nodes answered fails only the keys of the node that failed; a per-object
+or delete whose earlier trips were done reports those keys done and the rest failed, and
+in a cluster a trip some nodes answered fails only the keys of the node that failed: such
+a call raises ``PartialFailure`` with its per-key answer, so core accounts the keys done
+and the circuit breaker still sees the failure (a node that answers nothing would
+otherwise cost every later batch its timeout, unseen).  The probe (``ping``) asks every
+primary of a cluster.  A per-object
 error reply (WRONGTYPE for a foreign key, OOM from a full store) fails that object only,
 counted and logged -- except in a lookup or listing, where any error reply but WRONGTYPE
 fails the call: "absent" would make core release the bytes of an object still there.
@@ -48,6 +52,7 @@ from lmcache_tiers.plugin import (
     BackendContext,
     ObjectKey,
     ObjectSize,
+    PartialFailure,
     PayloadVerifier,
     RecordError,
     RecordHeader,
@@ -170,12 +175,12 @@ class RedisBackend:
             raise failures[0]
         return replies
 
-    def _trip(self, pipe: Any, number: int, what: str, left: int) -> list[Any] | None:
-        """Replies of trip ``number`` of a batch, ``left`` keys from its end; None when a
-        trip after the first failed (counted, logged): the earlier trips' keys are done
-        (stored, removed), and raising would report them not done -- core would then never
-        account them, or keep accounting keys already gone.  Replies of a failed cluster
-        node are left in the list (``_execute``): their keys fail alone."""
+    def _trip(self, pipe: Any, number: int, what: str, left: int) -> list[Any] | Exception:
+        """Replies of trip ``number`` of a batch, ``left`` keys from its end; the error when
+        a trip after the first failed (counted, logged): the earlier trips' keys are done
+        (stored, removed), and the call reports them so (``_partly_done``) -- core would
+        otherwise never account them, or keep accounting keys already gone.  Replies of a
+        failed cluster node are left in the list (``_execute``): their keys fail alone."""
         try:
             return self._execute(pipe, per_key=True)
         except (RedisError, RedisClusterException) as exc:  # the latter: no cluster node answered
@@ -189,7 +194,19 @@ class RedisBackend:
                 left,
                 exc,
             )
-            return None
+            return exc
+
+    @staticmethod
+    def _partly_done(what: str, done: list[bool], failure: Exception | None) -> list[bool]:
+        """``done``, or -- when part of the batch failed for the store's sake (a trip, a
+        cluster node) -- raised as the answer of a failed call, for the circuit breaker to
+        see (a returned answer would hide the failure)."""
+        if failure is None:
+            return done
+        raise PartialFailure(
+            done,
+            f"{what} of {done.count(False)} of {len(done)} keys failed ({type(failure).__name__}: {failure})",
+        ) from failure
 
     def _request_failed(self, what: str, key: ObjectKey, error: Exception) -> None:
         """A key whose command a failed cluster node never answered (or redis-py left
@@ -232,7 +249,13 @@ class RedisBackend:
         log.info("%s: connected to %s, objects named %r + key", self.context.name, self.target, self.prefix)
 
     def ping(self) -> None:
-        self.client.ping()
+        client = self.client
+        if isinstance(client, RedisCluster):
+            # A cluster's PING goes to one node: the probe would close the circuit while
+            # another primary, holding its share of the keys, answers nothing.
+            client.ping(target_nodes=RedisCluster.PRIMARIES)
+        else:
+            client.ping()
 
     def interrupt(self) -> None:
         # Closing sockets ends calls waiting on a store that stopped answering.
@@ -259,22 +282,25 @@ class RedisBackend:
 
     def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
         stored = [False] * len(keys)
+        failure: Exception | None = None
         for number, trip in enumerate(trips([p.nbytes for p in payloads], self.config.pipeline_max_bytes)):
             pipe = self._pipeline()
             for index in trip:
                 header = self.context.record_header(keys[index], payloads[index])
                 pipe.hset(self.name_of(keys[index]), mapping={HEADER: header, PAYLOAD: payloads[index]})
             replies = self._trip(pipe, number, "store", len(keys) - trip.start)
-            if replies is None:
+            if isinstance(replies, Exception):
+                failure = replies
                 break
             for index, reply in zip(trip, replies, strict=True):
                 if isinstance(reply, ResponseError):
                     self._reply_error("store", keys[index], reply)
                 elif isinstance(reply, Exception):  # a failed node, or another client error
                     self._request_failed("store", keys[index], reply)
+                    failure = failure or reply
                 else:
                     stored[index] = True
-        return stored
+        return self._partly_done("store", stored, failure)
 
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[ObjectSize | None]:
         found: list[ObjectSize | None] = [None] * len(keys)
@@ -419,20 +445,23 @@ class RedisBackend:
 
     def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         deleted = [False] * len(keys)
+        failure: Exception | None = None
         for number, trip in enumerate(trips([0] * len(keys), 1)):
             pipe = self._pipeline()
             for index in trip:
                 pipe.unlink(self.name_of(keys[index]))
             replies = self._trip(pipe, number, "delete", len(keys) - trip.start)
-            if replies is None:
+            if isinstance(replies, Exception):
+                failure = replies
                 break
             for index, reply in zip(trip, replies, strict=True):
                 if isinstance(reply, ResponseError):  # refused (NOPERM, READONLY ...): still there
                     self._reply_error("delete", keys[index], reply)
                 elif isinstance(reply, Exception):  # a failed node, or another client error
                     self._request_failed("delete", keys[index], reply)
+                    failure = failure or reply
                 deleted[index] = reply == 1
-        return deleted
+        return self._partly_done("delete", deleted, failure)
 
     def list_keys(self) -> Iterator[tuple[ObjectKey, ObjectSize]]:
         pattern = glob_escape(self.prefix) + "*"
