@@ -228,6 +228,15 @@ REFUSALS = [
         "max_capacity_gb must be a positive number",
     ),
     (
+        # positive, yet 0 bytes once converted: a cache that refuses every store
+        {
+            "type": "nixl_store_dynamic",
+            "backend": "POSIX",
+            "backend_params": {"file_path": "/x", "use_direct_io": "false", "max_capacity_gb": "1e-10"},
+        },
+        "max_capacity_gb 1e-10 is under one byte",
+    ),
+    (
         {
             "type": "nixl_store_dynamic",
             "backend": "POSIX",

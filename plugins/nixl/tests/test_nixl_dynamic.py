@@ -751,3 +751,177 @@ def test_a_load_running_past_close_posts_no_more_reads_into_l1(monkeypatch: pyte
         finally:
             gate.set()
             adapter.close()
+
+
+def test_a_load_verified_after_close_began_removes_no_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group whose checksum is taken only once the adapter started closing (its verifier
+    had no core, or was behind) is judged by nothing: the load is failed and its buffers may
+    hold another object's bytes by then, so a mismatch says nothing about the record on
+    disk, which must be kept."""
+    arena = Arena()
+    keys = make_keys(1)
+    data = [pattern(80, SIZE)]
+    entered, gate = threading.Event(), threading.Event()
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root, direct_io=True), arena.view)
+        closer = threading.Thread(target=adapter.close, daemon=True)
+        try:
+            assert store(adapter, arena, keys, data) == [True]
+            path = os.path.join(root, f"{keys[0].file_stem()}.bin")
+            check = recordio.verify_payload
+
+            def late_verify(*args: object, **kwargs: object) -> None:
+                entered.set()
+                gate.wait(60)
+                check(*args, **kwargs)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(recordio, "verify_payload", late_verify)
+            assert client(adapter).lookup_and_lock(keys).found == [True]
+            buffer = arena.take(SIZE)
+            adapter.submit_load(keys, [buffer])
+            assert entered.wait(10)
+            adapter.close_timeout_s = 0.2  # type: ignore[misc]
+            closer.start()
+            deadline = time.monotonic() + 10
+            while not adapter.state.closing.is_set() and time.monotonic() < deadline:  # type: ignore[attr-defined]
+                time.sleep(0.01)
+            time.sleep(0.3)  # past the close deadline: the load is failed, its buffer given back
+            buffer[:] = pattern(81, SIZE)  # another object's bytes
+            gate.set()
+            closer.join(30)
+            assert not closer.is_alive()
+            assert os.path.exists(path), "a stored record was removed by a load judged after close"
+            assert adapter.stats().get("corrupt_records_removed", 0) == 0
+        finally:
+            gate.set()
+            if closer.ident is None:
+                adapter.close()
+            closer.join(30)
+
+
+def test_a_load_reads_no_further_group_once_the_adapter_started_closing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Core starts closing, fails a load still running at its close deadline (its buffers
+    are given back) and only then closes the backend -- which, with persistence off, first
+    removes every record.  A load must stop posting reads into its buffers once closing
+    began, not once the backend's own close ran."""
+    from lmcache_plugin_nixl.runtime import NixlRuntime
+
+    monkeypatch.setattr(recordio, "PIPELINE_GROUP_BYTES", SIZE)  # one record per group
+    arena = Arena()
+    keys = make_keys(3)
+    data = [pattern(90 + index, SIZE) for index in range(3)]
+    entered, gate, finished = threading.Event(), threading.Event(), threading.Event()
+    reads_while_closing: list[int] = []
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root, direct_io=True), arena.view)
+        try:
+            assert store(adapter, arena, keys, data) == [True] * 3
+            backend = adapter.backend  # type: ignore[attr-defined]
+            records = backend._records
+            read_pipelined = records._read_pipelined
+
+            def watched(*args: object, **kwargs: object) -> None:
+                try:
+                    read_pipelined(*args, **kwargs)
+                finally:
+                    finished.set()
+
+            monkeypatch.setattr(records, "_read_pipelined", watched)
+            run = records._transfer.run
+
+            def counted_run(operation: str, *args: object, **kwargs: object) -> object:
+                if operation == "READ" and adapter.state.closing.is_set():  # type: ignore[attr-defined]
+                    reads_while_closing.append(1)
+                return run(operation, *args, **kwargs)
+
+            monkeypatch.setattr(records._transfer, "run", counted_run)
+            runtime = NixlRuntime.shared()
+            transfer_many = runtime.transfer_many
+
+            def slow_transfer(backend_name: str, operation: str, *args: object, **kwargs: object) -> object:
+                if operation == "READ" and not entered.is_set():
+                    entered.set()
+                    gate.wait(60)
+                return transfer_many(backend_name, operation, *args, **kwargs)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(runtime, "transfer_many", slow_transfer)
+            close = backend.close
+
+            def slow_close() -> None:
+                # The stuck read ends while the backend's close is still to come (a long
+                # removal of every record with persistence off).
+                gate.set()
+                assert finished.wait(30)
+                close()
+
+            monkeypatch.setattr(backend, "close", slow_close)
+            assert client(adapter).lookup_and_lock(keys).found == [True] * 3
+            adapter.submit_load(keys, [arena.take(SIZE) for _ in keys])
+            assert entered.wait(10)
+            adapter.close_timeout_s = 0.2  # type: ignore[misc]
+            adapter.close()
+            assert finished.is_set()
+            assert reads_while_closing == [], "later groups were read into L1 after closing began"
+        finally:
+            gate.set()
+            adapter.close()
+
+
+def test_a_load_running_past_close_leaves_no_file_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch loaded in slices that outlives the adapter's close: the slices after the close
+    register no file with the process's NIXL agent that nothing releases (the agent outlives
+    the adapter, and a later adapter registering a file of the same descriptor number would
+    collide with it)."""
+    from lmcache_plugin_nixl.runtime import NixlRuntime, Registration
+
+    monkeypatch.setattr(recordio, "MAX_OPEN_FILES", 1)
+    arena = Arena()
+    keys = make_keys(2)
+    data = [pattern(100 + index, SIZE) for index in range(2)]
+    entered, gate, finished = threading.Event(), threading.Event(), threading.Event()
+    registrations: list[Registration] = []
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root, direct_io=True), arena.view)
+        try:
+            assert store(adapter, arena, keys, data) == [True] * 2
+            records = adapter.backend._records  # type: ignore[attr-defined]
+            read = records.read
+
+            def watched(*args: object, **kwargs: object) -> object:
+                try:
+                    return read(*args, **kwargs)
+                finally:
+                    finished.set()
+
+            monkeypatch.setattr(records, "read", watched)
+            runtime = NixlRuntime.shared()
+            register_files = runtime.register_files
+
+            def tracked(backend: str, fds: object) -> Registration:
+                registration = register_files(backend, fds)  # type: ignore[arg-type]
+                registrations.append(registration)
+                return registration
+
+            monkeypatch.setattr(runtime, "register_files", tracked)
+            transfer_many = runtime.transfer_many
+
+            def slow_transfer(backend_name: str, operation: str, *args: object, **kwargs: object) -> object:
+                if operation == "READ" and not entered.is_set():
+                    entered.set()
+                    gate.wait(60)
+                return transfer_many(backend_name, operation, *args, **kwargs)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(runtime, "transfer_many", slow_transfer)
+            assert client(adapter).lookup_and_lock(keys).found == [True] * 2
+            adapter.submit_load(keys, [arena.take(SIZE) for _ in keys])
+            assert entered.wait(10)
+            adapter.close_timeout_s = 0.2  # type: ignore[misc]
+            adapter.close()
+            gate.set()
+            assert finished.wait(30)
+            assert registrations and all(r._released for r in registrations), "a file stays registered"
+        finally:
+            gate.set()
+            adapter.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 from lmcache_plugin_nixl.pool import slot_file_name
@@ -220,6 +221,68 @@ def test_stores_given_no_slot_are_counted_and_logged(caplog: pytest.LogCaptureFi
             assert "another store of the same key is still writing it" in caplog.text
             assert "no free slot" in caplog.text
         finally:
+            adapter.close()
+
+
+def test_a_failed_load_batch_is_not_retried_into_l1_once_closing_began(monkeypatch) -> None:
+    """A batch that fails is retried item by item -- but not once the adapter started
+    closing: core fails a load still running at its close deadline and gives its buffers
+    to other objects before it closes the backend, so a retry would read slot bytes into
+    another object's L1 memory."""
+    from lmcache_plugin_nixl.runtime import NixlRuntime, NixlTransferError
+
+    arena = Arena()
+    entered, gate, finished = threading.Event(), threading.Event(), threading.Event()
+    reads_while_closing: list[int] = []
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=4), arena.view)
+        try:
+            keys = make_keys(2)
+            data = [pattern(30 + i, SIZE) for i in range(2)]
+            assert client(adapter).store(keys, [arena.filled(d) for d in data]) == [True, True]
+            backend = adapter.backend
+            run = backend._transfer.run
+
+            def watched(*args: object, **kwargs: object) -> object:
+                try:
+                    return run(*args, **kwargs)
+                finally:
+                    finished.set()
+
+            monkeypatch.setattr(backend._transfer, "run", watched)
+            runtime = NixlRuntime.shared()
+            transfer_many = runtime.transfer_many
+
+            def failing_transfer(
+                backend_name: str, operation: str, *args: object, **kwargs: object
+            ) -> object:
+                if operation == "READ":
+                    if adapter.state.closing.is_set():
+                        reads_while_closing.append(1)
+                    if not entered.is_set():
+                        entered.set()
+                        gate.wait(60)
+                        raise NixlTransferError("injected: the batch failed after a long stall")
+                return transfer_many(backend_name, operation, *args, **kwargs)
+
+            monkeypatch.setattr(runtime, "transfer_many", failing_transfer)
+            close = backend.close
+
+            def slow_close() -> None:
+                gate.set()  # the stalled batch fails after the load was given up
+                assert finished.wait(30)
+                close()
+
+            monkeypatch.setattr(backend, "close", slow_close)
+            assert client(adapter).lookup_and_lock(keys).found == [True, True]
+            adapter.submit_load(keys, [arena.take(SIZE) for _ in keys])
+            assert entered.wait(10)
+            adapter.close_timeout_s = 0.2
+            adapter.close()
+            assert finished.is_set()
+            assert reads_while_closing == [], "items were read into L1 after closing began"
+        finally:
+            gate.set()
             adapter.close()
 
 

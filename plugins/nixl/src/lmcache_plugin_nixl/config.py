@@ -17,7 +17,7 @@ from typing import Annotated
 
 import msgspec
 
-from lmcache_tiers.plugin import FieldError, L2AdapterConfig
+from lmcache_tiers.plugin import FieldError, L2AdapterConfig, check_size_gib
 
 #: Every NIXL storage backend the adapters know, in the order the docs list them.
 BACKENDS: tuple[str, ...] = ("POSIX", "GDS", "GDS_MT", "HF3FS", "OBJ", "AZURE_BLOB")
@@ -231,6 +231,8 @@ class NixlStoreDynamicConfig(_NixlBase):
                 "backend_params.max_capacity_gb",
                 f"backend_params.max_capacity_gb must be a positive number, got {raw!r}",
             )
+        # A positive size under one byte would be a capacity of 0: every store refused.
+        check_size_gib("backend_params.max_capacity_gb", gigabytes)
         return int(gigabytes * _GIB)
 
     @property

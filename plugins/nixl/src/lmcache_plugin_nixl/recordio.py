@@ -445,6 +445,10 @@ class RecordFiles:
             return self._plain.read(keys, buffers)  # one file open per read thread
         results: list[bool] = []
         for start in range(0, len(keys), MAX_OPEN_FILES):
+            if self._stopped():
+                # No file is opened (nor registered) once closing began: not loaded.
+                results += [False] * (len(keys) - start)
+                break
             results += self._read_slice(
                 keys[start : start + MAX_OPEN_FILES], buffers[start : start + MAX_OPEN_FILES]
             )
@@ -488,22 +492,31 @@ class RecordFiles:
         # A file appears twice in the requests (header and payload); register it once.
         registration = self._runtime.register_files(self._transfer.backend, [item.fd for item in pending])
         inbox: SimpleQueue[tuple[list[_Pending], list[bool]] | None] = SimpleQueue()
-        verifier = self._helper.submit(self._verify_stream, keys, inbox, buffers, results)
+        try:
+            verifier = self._helper.submit(self._verify_stream, keys, inbox, buffers, results)
+        except BaseException:
+            # Closed meanwhile (no new helper work): the agent outlives the adapter, so the
+            # files are not left registered with it.
+            registration.release()
+            raise
         with self._inboxes_lock:
             self._inboxes.add(inbox)
             if self._closing:
                 inbox.put(None)
         try:
             for group in _groups(pending):
-                if self._closing:
-                    # Closed while this load ran past core's close deadline: its buffers are
+                if self._stopped():
+                    # Closing while this load ran past core's close deadline: its buffers are
                     # no longer its own, and no later group is read into them (not loaded).
                     break
                 targets: list[memoryview] = []
                 for item in group:
                     assert item.header is not None
                     targets += [item.header, buffers[item.index]]
-                inbox.put((group, self._transfer.run("READ", targets, _header_and_payload_places(group))))
+                moved = self._transfer.run(
+                    "READ", targets, _header_and_payload_places(group), stop=self._stopped
+                )
+                inbox.put((group, moved))
         finally:
             inbox.put(None)
             try:
@@ -535,6 +548,8 @@ class RecordFiles:
         for position, item in enumerate(group):
             if not (moved[2 * position] and moved[2 * position + 1]):
                 continue
+            if self._stopped():
+                return  # the buffers may hold other objects' bytes: judged by nothing
             assert item.header is not None
             try:
                 header = self._context.read_record_header(bytes(item.header), keys[item.index])
@@ -550,7 +565,16 @@ class RecordFiles:
             except RecordMismatchError as exc:
                 self._context.foreign_record(keys[item.index], exc)  # another key's: kept
             except RecordError as exc:
+                if self._stopped():
+                    return  # closing began under the check: the buffer proves nothing
                 self._files.discard(keys[item.index], item.identity, "corrupt_records_removed", str(exc))
+
+    def _stopped(self) -> bool:
+        """Whether the adapter started closing.  Core sets its closing flag first, fails
+        the loads still running at its deadline (their L1 buffers go to other objects) and
+        only then closes the backend: from the flag on, a load reads nothing more into its
+        buffers and judges no record by them."""
+        return self._closing or self._context.closing
 
     def _begin_read(self, index: int, key: ObjectKey, buffer: memoryview) -> _Pending | None:
         path = self._layout.path_for(key)

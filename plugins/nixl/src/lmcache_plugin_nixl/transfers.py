@@ -70,9 +70,12 @@ class BatchTransfer:
         register_storage: StorageRegistrar | None = None,
         *,
         background: bool = False,
+        stop: Callable[[], bool] | None = None,
     ) -> list[bool]:
         """Move every buffer to (WRITE) or from (READ) the place ``locate`` gives for it
-        (``background``: for write-back, see :meth:`NixlRuntime.transfer_many`)."""
+        (``background``: for write-back, see :meth:`NixlRuntime.transfer_many`).  Once
+        ``stop()`` is true no further request is posted and the items not moved yet fail: a
+        load's buffers are no longer its own once the adapter started closing."""
         if not buffers:
             return []
         addresses, strays = self.host.prepare(buffers)
@@ -87,12 +90,15 @@ class BatchTransfer:
                 storage = register_storage([rows[i] for i in moving])
             results = [True] * len(buffers)
             batch = [addresses[i] for i in moving], [rows[i] for i in moving]
-            if not self._try(operation, *batch, background):
+            if (stop is not None and stop()) or not self._try(operation, *batch, background):
                 if len(moving) == 1:
                     results[moving[0]] = False
                 else:
                     for i in moving:
-                        results[i] = self._try(operation, [addresses[i]], [rows[i]], background)
+                        stopped = stop is not None and stop()
+                        results[i] = not stopped and self._try(
+                            operation, [addresses[i]], [rows[i]], background
+                        )
             return results
         finally:
             if storage is not None:
