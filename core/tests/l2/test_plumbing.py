@@ -15,9 +15,11 @@ from lmcache_tiers.l2.accounting import ByteAccounting, ObjectSize
 from lmcache_tiers.l2.buffers import GIL_FREE_COPY_BYTES, copy_into
 from lmcache_tiers.l2.context import AdapterContext, buffer_address
 from lmcache_tiers.l2.interface import L2Op, LookupResult
+from lmcache_tiers.l2.ops import LoadOp
 from lmcache_tiers.l2.pins import PinTable
 from lmcache_tiers.l2.state import AdapterState
 from lmcache_tiers.l2.tasks import TaskBoard
+from lmcache_tiers.serde import SerdeContext
 
 A = ObjectKey("m", 0, b"a")
 B = ObjectKey("m", 0, b"b")
@@ -165,3 +167,41 @@ def test_context_offsets_inside_the_arena_only() -> None:
     assert bare.l1_offset(arena) is None
     readonly = memoryview(bytes(16))
     assert buffer_address(readonly) == np.frombuffer(readonly, dtype=np.uint8).ctypes.data
+
+
+class _NoteOnDecode:
+    """A serde that changes nothing; while decoding, another read of the key's record
+    (a lookup of a rewritten one) notes another layout."""
+
+    name = "note-on-decode"
+
+    def __init__(self, state: AdapterState, layout: str) -> None:
+        self.state, self.layout = state, layout
+        self.seen: list[str] = []
+
+    def encode(self, data: memoryview, context: SerdeContext) -> memoryview:
+        return data
+
+    def decode(self, data: memoryview, context: SerdeContext) -> memoryview:
+        self.seen.append(context.record_layout)
+        self.state.note_layout(context.key, self.layout)
+        return data
+
+
+def test_a_loaded_object_gets_the_layout_its_chain_checked_not_a_later_reads() -> None:
+    # An authenticating serde checks the layout the record states; if another read of the
+    # key's record noted another one before the load ended, the L1 object must still get
+    # the layout checked, not the later one (a record rewritten to another dtype).
+    state = AdapterState(AdapterContext(index=0, name="0:t", config=L2AdapterConfig()))
+    serde = _NoteOnDecode(state, "float16[4]")
+    state.chain.extend([serde])
+    state.accounting.add_scanned([(A, ObjectSize(8, 8))])
+    target = memoryview(bytearray(8))
+    op = LoadOp(state, [A], [target])
+    io_keys, buffers = op.prepare()
+    assert io_keys == [A]
+    buffers[0][:] = b"x" * 8  # the backend reads the record's payload ...
+    state.note_layout(A, "bfloat16[4]")  # ... and its header, stating this layout
+    assert op.finish([True]) == [True]
+    assert serde.seen == ["bfloat16[4]"]
+    assert state.take_layouts([A]) == ["bfloat16[4]"]

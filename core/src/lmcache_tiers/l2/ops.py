@@ -451,6 +451,8 @@ class LoadOp(BatchOp):
         self.pinned: list[ObjectKey] = []
         #: keys noted by ``reading_begin``, until ``finish``
         self.reading: list[ObjectKey] = []
+        #: the record layout each decoded key was checked against (see ``_decode``)
+        self.decoded_layouts: dict[ObjectKey, str] = {}
 
     def prepare(self) -> tuple[list[ObjectKey], list[memoryview]]:
         state = self.state
@@ -530,7 +532,7 @@ class LoadOp(BatchOp):
         finally:
             _release(self.staged, call_returned)
             state.pins.unpin(self.pinned)
-            state.loading_end(self.io_keys(), loaded)
+            state.loading_end(self.io_keys(), loaded, None if state.chain.identity else self.decoded_layouts)
             reading, self.reading = self.reading, []  # once, if finish runs twice
             state.reading_end(reading)
         state.count("load_keys_ok", len(loaded))
@@ -541,10 +543,11 @@ class LoadOp(BatchOp):
 
     def _decode(self, position: int, index: int) -> bool:
         state, key = self.state, self.keys[index]
+        # Read once: another read of the key's record (a lookup, a load) may note another
+        # layout before the load ends, and the L1 object must get the one the chain checked.
+        layout = state.loading_layout(key)
         try:
-            state.chain.decode_into(
-                key, self.targets[position], self.buffers[index], state.loading_layout(key)
-            )
+            state.chain.decode_into(key, self.targets[position], self.buffers[index], layout)
         except Exception as exc:  # tampered or damaged payload: a miss, not garbage
             state.count("serde_decode_failures")
             marked = state.mark_undecodable(key)
@@ -557,6 +560,7 @@ class LoadOp(BatchOp):
                 "a miss until it is replaced" if marked else "a store of it replaced that record meanwhile",
             )
             return False
+        self.decoded_layouts[key] = layout
         return True
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lmcache_tiers.burst import BurstLog
@@ -162,7 +162,15 @@ class AdapterState:
             entry = self._loading.get(key)
             return entry[1] if entry is not None else ""
 
-    def loading_end(self, keys: Sequence[ObjectKey], loaded: Sequence[ObjectKey]) -> None:
+    def loading_end(
+        self,
+        keys: Sequence[ObjectKey],
+        loaded: Sequence[ObjectKey],
+        checked: Mapping[ObjectKey, str] | None = None,
+    ) -> None:
+        """A load of ``keys`` ended, ``loaded`` loaded: their layouts are kept for the
+        prefetch that loaded them -- ``checked``'s, when given (the layouts the serde chain
+        decoded the objects against), not whatever a later read of their records noted."""
         with self._lock:
             layouts: dict[ObjectKey, str] = {}
             for key in keys:
@@ -176,6 +184,8 @@ class AdapterState:
             kept = self._loaded_layouts
             if len(kept) + len(loaded) > _LOADED_LAYOUTS_MAX:
                 kept.clear()  # loads nobody collected (no prefetch behind them)
+            if checked is not None:
+                layouts = dict(checked)
             for key in loaded:
                 if layouts.get(key):
                     kept[key] = layouts[key]
