@@ -7,6 +7,7 @@ import inspect
 import logging
 import subprocess
 import sys
+import threading
 import time
 import types
 import uuid
@@ -16,12 +17,12 @@ from typing import Any
 import blake3
 import pytest
 from lmcache_plugin_fault_inject import FaultInjectConfig
-from lmcache_plugin_fault_inject.backend import gap_positions, open_fault_inject
+from lmcache_plugin_fault_inject.backend import InnerLookupTimeout, gap_positions, open_fault_inject
 from lmcache_plugin_mock import MockConfig
 from lmcache_plugin_mock.backend import MockBackend
 
 from lmcache_tiers.config import L2AdapterConfig, decode_adapter
-from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.errors import ConfigError, PartialFailure
 from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, L2Adapter, L2Op, create_adapter
@@ -670,3 +671,105 @@ def test_an_inner_load_answer_that_is_not_a_boolean_is_not_turned_into_success(
     assert client.lookup_and_lock(keys).found == [True, True]
     assert client.load(keys, buffers(2)) == [False, False], "half-read objects handed out as loaded"
     adapter.unlock(keys)
+
+
+class HalfMock(MockBackend):
+    """The mock as a store of two nodes, one of which does not answer: stores and deletes
+    do the first half of the keys they get and raise ``PartialFailure`` for the rest."""
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        half = len(keys) // 2
+        done = super().put_many(keys[:half], payloads[:half])
+        raise PartialFailure([*done, *[False] * (len(keys) - half)], "node 2 did not answer")
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        half = len(keys) // 2
+        done = super().delete_many(keys[:half])
+        raise PartialFailure([*done, *[False] * (len(keys) - half)], "node 2 did not answer")
+
+
+@hookimpl(specname="tiers_register_l2_adapters")
+def register_half_mock(registry: KindRegistry) -> None:
+    registry.add("half_mock", HalfMock, MockConfig)
+
+
+def test_an_inner_call_that_failed_part_way_reports_the_keys_it_did(opened: list[BackendAdapter]) -> None:
+    """The inner backend gets only the keys no fault was injected into; the per-key answer
+    of its ``PartialFailure`` is about those keys, and must reach core for the whole batch:
+    misaligned, core fails every key -- objects the inner backend stored would be in no
+    accounting (usage, eviction), and objects it removed would be reported still there."""
+    module = types.ModuleType("fault_inject_half_test")
+    module.tiers_register_l2_adapters = register_half_mock  # type: ignore[attr-defined]
+    registry = discover(extra_plugins={"fault-inject-half-test": module}).registry
+    config = FaultInjectConfig(
+        inner={"type": "half_mock", "namespace": uuid.uuid4().hex}, seed=3, store_fail_rate=0.25
+    )
+    context = AdapterContext(index=0, name="0:fault_inject", config=config)
+    adapter = create_adapter(open_fault_inject, config, context, registry=registry)
+    assert isinstance(adapter, BackendAdapter)
+    opened.append(adapter)
+    keys = make_keys(8)
+    stored = BlockingAdapterClient(adapter).store(keys, [memoryview(b"x" * 100)] * 8)
+    held = dict(inner_of(adapter).list_keys())
+    assert held and adapter.stats()["injected_store_failures"] > 0
+    assert stored == [key in held for key in keys]
+    assert adapter.used_bytes() == sum(held.values()), "every stored object is accounted"
+
+    deleted = adapter.delete(keys)
+    assert any(deleted)
+    assert deleted == [key in held and key not in dict(inner_of(adapter).list_keys()) for key in keys]
+    assert adapter.used_bytes() == sum(dict(inner_of(adapter).list_keys()).values())
+
+
+class StalledLookupMock(MockBackend):
+    """The mock, whose lookups wait at ``gate`` (closed at first) and are counted."""
+
+    def __init__(self, config: MockConfig, context: Any) -> None:
+        super().__init__(config, context)
+        self.gate = threading.Event()
+        self.lookups = 0
+        self._count_lock = threading.Lock()
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | None]:
+        with self._count_lock:
+            self.lookups += 1
+        self.gate.wait()
+        return super().contains_many(keys)
+
+
+@hookimpl(specname="tiers_register_l2_adapters")
+def register_stalled_lookup_mock(registry: KindRegistry) -> None:
+    registry.add("stalled_lookup_mock", StalledLookupMock, MockConfig)
+
+
+def test_lookups_given_up_on_are_not_asked_of_the_inner_adapter_later(opened: list[BackendAdapter]) -> None:
+    """A lookup that timed out while waiting for a helper thread (all of them stuck in the
+    inner adapter) must not stay queued: abandoned lookups would pile up for as long as
+    the inner adapter is stuck, and once it answers again, every one of them would be
+    asked of it before any new lookup."""
+    module = types.ModuleType("fault_inject_stalled_lookup_test")
+    module.tiers_register_l2_adapters = register_stalled_lookup_mock  # type: ignore[attr-defined]
+    registry = discover(extra_plugins={"fault-inject-stalled-lookup-test": module}).registry
+    config = FaultInjectConfig(
+        inner={"type": "stalled_lookup_mock", "namespace": uuid.uuid4().hex}, lookup_timeout_s=0.05
+    )
+    context = AdapterContext(index=0, name="0:fault_inject", config=config)
+    adapter = create_adapter(open_fault_inject, config, context, registry=registry)
+    assert isinstance(adapter, BackendAdapter)
+    opened.append(adapter)
+    wrapper, inner = adapter.backend, inner_of(adapter)
+    helpers = wrapper._lookups  # type: ignore[attr-defined]
+    keys = make_keys(1)
+    try:
+        for _ in range(helpers.limit + 3):  # the first ones hold every helper thread
+            with pytest.raises(InnerLookupTimeout):
+                wrapper.contains_many(keys)  # type: ignore[attr-defined]
+    finally:
+        inner.gate.set()
+    # Once every helper thread reaches the barrier, everything queued before it has run.
+    barrier = threading.Barrier(helpers.limit + 1)
+    for _ in range(helpers.limit):
+        helpers.submit(lambda: barrier.wait(10))
+    barrier.wait(10)
+    # (At most one stuck lookup per helper thread; none of those queued behind them.)
+    assert inner.lookups <= helpers.limit, "lookups given up on were asked of the inner adapter"

@@ -17,7 +17,14 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from lmcache_plugin_fault_inject import FaultInjectConfig
-from lmcache_tiers.plugin import BackendContext, Capacity, LeftCallThreads, ObjectKey, ObjectSize
+from lmcache_tiers.plugin import (
+    BackendContext,
+    Capacity,
+    LeftCallThreads,
+    ObjectKey,
+    ObjectSize,
+    PartialFailure,
+)
 
 #: how often an asynchronous delay checks whether the adapter is closing
 _DELAY_POLL_S = 0.05
@@ -172,6 +179,25 @@ class _FaultInjector:
             out[index] = result
         return out
 
+    def partial(
+        self, count: int, chosen: list[int], exc: PartialFailure, buffers: Sequence[memoryview] | None = None
+    ) -> PartialFailure:
+        """The inner backend's ``PartialFailure`` of the chosen keys, as one of the whole batch.
+
+        Its per-key answer is about the keys the inner backend got; passed on as it is,
+        core would find it the wrong length and fail every key, so objects the inner
+        backend did store would be in no accounting, and those it did remove reported
+        still there.  Loads (``buffers``) get their corruption like a returned answer.
+        An answer that cannot be placed goes on unchanged: core fails the batch.
+        """
+        results: Any = exc.results
+        try:
+            if buffers is not None:
+                results = self.loaded(chosen, results, buffers)
+            return PartialFailure(self.spread(count, chosen, results, False), str(exc))
+        except (TypeError, ValueError):
+            return exc
+
     # -- what does not depend on the flavour --------------------------------------------------
 
     def list_keys(self) -> Any:
@@ -215,7 +241,10 @@ class FaultInjectBackend(_FaultInjector):
         chosen = [i for i, fail in enumerate(self._before("store", len(keys))) if not fail]
         if not chosen:
             return [False] * len(keys)
-        stored = self.inner.put_many([keys[i] for i in chosen], [payloads[i] for i in chosen])
+        try:
+            stored = self.inner.put_many([keys[i] for i in chosen], [payloads[i] for i in chosen])
+        except PartialFailure as exc:
+            raise self.partial(len(keys), chosen, exc) from exc
         return self.spread(len(keys), chosen, stored, False)
 
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[Found]:
@@ -229,6 +258,10 @@ class FaultInjectBackend(_FaultInjector):
                 break
             except FutureTimeout:
                 if time.monotonic() >= deadline or self.context.closing:
+                    # Still queued (every helper thread stuck in the inner backend), it
+                    # must not run later: abandoned lookups would pile up while the inner
+                    # backend is stuck, and all run before any new one once it answers.
+                    call.cancel()
                     self.context.count("inner_lookup_timeouts")
                     raise InnerLookupTimeout(
                         f"the inner adapter did not answer a lookup in {self.config.lookup_timeout_s:g} s"
@@ -239,14 +272,21 @@ class FaultInjectBackend(_FaultInjector):
         chosen = self.load_plan(keys, self._before("load", len(keys)))
         if not chosen:
             return [False] * len(keys)
-        loaded = self.inner.get_many_into([keys[i] for i in chosen], [buffers[i] for i in chosen])
+        try:
+            loaded = self.inner.get_many_into([keys[i] for i in chosen], [buffers[i] for i in chosen])
+        except PartialFailure as exc:
+            raise self.partial(len(keys), chosen, exc, buffers) from exc
         return self.spread(len(keys), chosen, self.loaded(chosen, loaded, buffers), False)
 
     def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         chosen = [i for i, fail in enumerate(self._before("delete", len(keys))) if not fail]
         if not chosen:
             return [False] * len(keys)
-        return self.spread(len(keys), chosen, self.inner.delete_many([keys[i] for i in chosen]), False)
+        try:
+            deleted = self.inner.delete_many([keys[i] for i in chosen])
+        except PartialFailure as exc:
+            raise self.partial(len(keys), chosen, exc) from exc
+        return self.spread(len(keys), chosen, deleted, False)
 
     def close(self) -> None:
         self._lookups.shutdown()
@@ -274,7 +314,10 @@ class AsyncFaultInjectBackend(_FaultInjector):
         chosen = [i for i, fail in enumerate(await self._before("store", len(keys))) if not fail]
         if not chosen:
             return [False] * len(keys)
-        stored = await self.inner.put_many([keys[i] for i in chosen], [payloads[i] for i in chosen])
+        try:
+            stored = await self.inner.put_many([keys[i] for i in chosen], [payloads[i] for i in chosen])
+        except PartialFailure as exc:
+            raise self.partial(len(keys), chosen, exc) from exc
         return self.spread(len(keys), chosen, stored, False)
 
     async def contains_many(self, keys: Sequence[ObjectKey]) -> list[Found]:
@@ -292,14 +335,20 @@ class AsyncFaultInjectBackend(_FaultInjector):
         chosen = self.load_plan(keys, await self._before("load", len(keys)))
         if not chosen:
             return [False] * len(keys)
-        loaded = await self.inner.get_many_into([keys[i] for i in chosen], [buffers[i] for i in chosen])
+        try:
+            loaded = await self.inner.get_many_into([keys[i] for i in chosen], [buffers[i] for i in chosen])
+        except PartialFailure as exc:
+            raise self.partial(len(keys), chosen, exc, buffers) from exc
         return self.spread(len(keys), chosen, self.loaded(chosen, loaded, buffers), False)
 
     async def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         chosen = [i for i, fail in enumerate(await self._before("delete", len(keys))) if not fail]
         if not chosen:
             return [False] * len(keys)
-        deleted = await self.inner.delete_many([keys[i] for i in chosen])
+        try:
+            deleted = await self.inner.delete_many([keys[i] for i in chosen])
+        except PartialFailure as exc:
+            raise self.partial(len(keys), chosen, exc) from exc
         return self.spread(len(keys), chosen, deleted, False)
 
     async def close(self) -> None:
