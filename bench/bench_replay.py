@@ -229,7 +229,9 @@ def policy_study(
         }
         for name, factory in foresight_factories(trace, horizons).items():
             hit = simulate_policy(trace, name, factory, capacity).hit_rate
-            row["oracles"][name] = {"hit_rate": hit, "gap_closed": (hit - lru) / (optimal - lru)}
+            # No gap (LRU already optimal at this capacity): no share of it, as gap_share says.
+            closed = (hit - lru) / (optimal - lru) if optimal - lru > 1e-12 else None
+            row["oracles"][name] = {"hit_rate": hit, "gap_closed": closed}
         ladder.append(row)
     study["foresight"] = ladder
     return study
@@ -319,6 +321,8 @@ def _miss_table(points: list[dict[str, Any]], title: str) -> None:
 
 
 def _gap_table(rows: list[tuple[str, dict[str, float | None]]], title: str) -> None:
+    if not rows:  # e.g. --seeds 0: no re-timed sample to show
+        return
     names = list(rows[0][1])
     width = max(10, *(len(name) for name in names))
     label = max(8, *(len(text) for text, _ in rows))

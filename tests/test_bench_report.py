@@ -293,3 +293,24 @@ def test_a_server_bench_whose_server_does_not_start_leaves_no_l2_directory(
     with pytest.raises(SystemExit):
         bench_server.main()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_foresight_ladder_of_a_capacity_where_lru_is_optimal_has_no_gap_to_share() -> None:
+    """bench_replay's policy study at a capacity that holds the whole trace: exact LRU gets
+    Belady's hits, there is no gap, and each oracle's share of it is "-", not a crash; a
+    study without re-timed samples (``--seeds 0``) prints without their table."""
+    from lmcache_tiers.replay.trace import Trace, TraceRequest
+
+    bench_replay = load_bench("bench_replay")
+    trace = Trace(
+        "small",
+        (
+            TraceRequest(0.0, 1024, 1, (1, 2)),
+            TraceRequest(1.0, 1536, 1, (1, 2, 3)),
+        ),
+    )
+    study = bench_replay.policy_study(trace, [1000], [1000], 0, [0, None])
+    [row] = study["foresight"]
+    assert row["exact_lru"] == row["belady"]
+    assert all(oracle["gap_closed"] is None for oracle in row["oracles"].values())
+    bench_replay.show_study(study)

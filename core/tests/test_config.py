@@ -88,6 +88,11 @@ def test_serde_chain_is_resolved(registry: ComponentRegistry) -> None:
             '{"type": "demo", "eviction": {"eviction_ratio": 0.1, "eviction_ratio": 0.9}}',
             r"key `eviction_ratio` is given twice",
         ),
+        # nested past the parser's recursion limit: one line, not a RecursionError
+        (
+            '{"type": "demo", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            r"^--l2-adapter #1 .*nested too deeply",
+        ),
     ],
 )
 def test_bad_adapter_json(registry: ComponentRegistry, text: str, message: str) -> None:
@@ -321,6 +326,10 @@ def test_a_config_file_that_cannot_be_read_is_one_config_error(
 ) -> None:
     with pytest.raises(ConfigError, match=r"^config file '.*' is a directory; give the path of a TOML file$"):
         load_toml(str(tmp_path))
+    deep = tmp_path / "deep.toml"  # nested past the parser's recursion limit, yet small
+    deep.write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match=r"^config file '.*' is not valid TOML: .*nested too deeply"):
+        load_toml(str(deep))
     latin1 = tmp_path / "latin1.toml"
     latin1.write_bytes('name = "caf\u00e9"\n'.encode("latin-1"))
     with pytest.raises(ConfigError, match=r"is not valid TOML: it is not UTF-8 text \(byte 12\)$"):

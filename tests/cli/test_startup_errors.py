@@ -313,6 +313,11 @@ def _config_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     latin1 = tmp_path / "latin1.toml"
     latin1.write_bytes('host = "caf\u00e9"\n'.encode("latin-1"))
     inner_typo = {"type": "fault_inject", "inner": {"type": "nosuch"}}
+    deep: list[object] = []
+    for _ in range(600):
+        deep = [deep]
+    deep_toml = tmp_path / "deep.toml"
+    deep_toml.write_text("host = " + "[" * 20_000 + "]" * 20_000 + "\n")
     return [
         (
             ["--l1-size-gb", "inf"],
@@ -357,10 +362,25 @@ def _config_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
             ["--shutdown-timeout", "-1"],
             "error: --shutdown-timeout: Expected `float` >= 0.0 - at `$.shutdown_timeout_s`",
         ),
+        # a field taking any data, nested deep enough to exhaust the stack of what walks it
+        (
+            [
+                "--l2-adapter",
+                json.dumps({"type": "fs", "path": "memory://x", "storage_options": {"a": deep}}),
+            ],
+            "error: fs: Expected lists and tables nested at most 32 levels deep - at "
+            "`$.l2_adapters[0].storage_options.a[0]",
+        ),
+        # nested past the parsers' own recursion limits
+        (["--config", str(deep_toml)], f"error: config file '{deep_toml}' is not valid TOML: its values are"),
+        (
+            ["--l2-adapter", '{"type": "mock", "x": ' + "[" * 20_000 + "]" * 20_000 + "}"],
+            "error: --l2-adapter #1 is not valid config JSON: it is nested too deeply",
+        ),
     ]
 
 
-@pytest.mark.parametrize("case", range(15))
+@pytest.mark.parametrize("case", range(18))
 def test_configuration_mistakes_are_found_by_print_config_as_by_serve(case: int, tmp_path: Path) -> None:
     args, start = _config_cases(tmp_path)[case]
     line = _serve_refused(["--no-default-l2", "--port", str(free_port()), *args])

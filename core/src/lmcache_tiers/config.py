@@ -372,9 +372,16 @@ def _path_step(key: object) -> str:
     return f".{text}" if re.fullmatch(r"[A-Za-z_][\w-]*", text) else f"[{json.dumps(text)}]"
 
 
-def _first_unusable(value: Any, path: str) -> tuple[str, str] | None:
+#: the most levels of lists and tables a config value may nest (real ones nest a few): a
+#: field that takes any data (an adapter's ``storage_options``) would otherwise keep a
+#: value that exhausts the stack of what walks it later (``--print-config``'s redaction)
+MAX_VALUE_DEPTH = 32
+
+
+def _first_unusable(value: Any, path: str, depth: int = 0) -> tuple[str, str] | None:
     """The path of the first value no config field can take in plain config data, and
-    why: an infinity or NaN, or a string holding a NUL character."""
+    why: an infinity or NaN, a string holding a NUL character, or lists and tables
+    nested more than MAX_VALUE_DEPTH levels deep."""
     if isinstance(value, float):
         return None if math.isfinite(value) else (path, f"Expected a finite number, got {value}")
     if isinstance(value, str):
@@ -385,21 +392,24 @@ def _first_unusable(value: Any, path: str) -> tuple[str, str] | None:
         items = ((f"{path}[{index}]", item) for index, item in enumerate(value))
     else:
         return None
+    if depth >= MAX_VALUE_DEPTH:
+        return (path, f"Expected lists and tables nested at most {MAX_VALUE_DEPTH} levels deep")
     for where, item in items:
-        found = _first_unusable(item, where)
+        found = _first_unusable(item, where, depth + 1)
         if found is not None:
             return found
     return None
 
 
 def refuse_unusable_values(raw: Any, where: str, prefix: str = "") -> None:
-    """Raise ConfigError naming the first infinite or NaN number, or string holding a NUL
-    character, in ``raw`` (rooted at ``where``).  No config value is one: JSON has neither
-    number (what ``json`` reads as ``1e400`` or ``Infinity`` and TOML's ``inf`` and ``nan``
-    are refused), sizes and durations must convert to bytes and timeouts, and a printed
-    config stays JSON; JSON's and TOML's ``\\u0000`` ends every path, URL and name at the
-    system call or C library it reaches (Python refuses such a path with ValueError, which
-    would stop start-up with a traceback rather than this line)."""
+    """Raise ConfigError naming the first infinite or NaN number, string holding a NUL
+    character, or value nested too deeply, in ``raw`` (rooted at ``where``).  No config
+    value is one: JSON has neither number (what ``json`` reads as ``1e400`` or
+    ``Infinity`` and TOML's ``inf`` and ``nan`` are refused), sizes and durations must
+    convert to bytes and timeouts, and a printed config stays JSON; JSON's and TOML's
+    ``\\u0000`` ends every path, URL and name at the system call or C library it reaches
+    (Python refuses such a path with ValueError, which would stop start-up with a
+    traceback rather than this line)."""
     found = _first_unusable(raw, where)
     if found is not None:
         path, reason = found
@@ -606,6 +616,8 @@ def _json_flag(flag: str, index: int, text: str) -> Any:
             f"{flag} #{index + 1} is not valid config JSON: key `{exc}` is given twice in one object; "
             "keep one"
         ) from None
+    except RecursionError:  # the parser recurses once per nested array or object
+        raise ConfigError(f"{flag} #{index + 1} is not valid config JSON: it is nested too deeply") from None
 
 
 class _DuplicateKey(ValueError):
@@ -652,6 +664,11 @@ def load_toml(path: str) -> dict[str, Any]:
         ) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
+    except RecursionError:
+        # tomllib recurses once per nested array or table: a small file can exhaust the stack
+        raise ConfigError(
+            f"config file {path!r} is not valid TOML: its values are nested too deeply"
+        ) from None
 
 
 def file_fields(file_values: Mapping[str, Any]) -> dict[str, Any]:

@@ -76,6 +76,14 @@ def test_prefix_tokens_count_a_partial_last_block() -> None:
             '{"timestamp": 0, "input_length": 5, "output_length": 18446744073709551616, "hash_ids": [1]}',
             "line 2: input_length and output_length must not exceed",
         ),
+        # an extra field nested past the decoder's recursion limit: one line, not a RecursionError
+        (
+            '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1], "x": '
+            + "[" * 100_000
+            + "]" * 100_000
+            + "}",
+            "line 2: nested too deeply",
+        ),
     ],
 )
 def test_a_bad_line_is_named(tmp_path: Path, content: str, message: str) -> None:

@@ -121,6 +121,8 @@ def _parse_line(raw: bytes, where: str) -> TraceRequest:
         raise TraceError(f"{where}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise TraceError(f"{where}: not a JSON object ({exc})") from None
+    except RecursionError:  # an (ignored) extra field nested past the decoder's stack
+        raise TraceError(f"{where}: nested too deeply; not a request trace line") from None
     if line.input_length < 0 or line.output_length < 0:
         raise TraceError(f"{where}: input_length and output_length must not be negative")
     if line.input_length > MAX_LENGTH or line.output_length > MAX_LENGTH:
