@@ -338,3 +338,87 @@ def test_keys_in_log_lines_have_control_characters_escaped() -> None:
     key = ObjectKey("model\n2024-01-01 INFO forged", 0, b"\x01" * 4, 0, "salt\x1b[31m\r")
     stem = key.file_stem()
     assert stem.isprintable() and "%0A" in stem and "%1B" in stem and "%0D" in stem
+
+
+def test_a_vanished_root_is_created_again_once_when_stores_find_it_gone_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stores on several threads find the vanished root at the same moment: it is created
+    again once, counted once, and the directory lock re-taken once (two re-takes at once
+    close one descriptor twice -- by then perhaps another store's file -- and the second
+    finds the directory locked by the first)."""
+    import threading
+
+    counts: dict[str, int] = {}
+    relocked: list[int] = []
+    root = tmp_path / "cache"
+
+    def count(name: str, amount: int) -> None:
+        counts[name] = counts.get(name, 0) + amount
+
+    files = LocalFiles(
+        FileLayout(str(root), shard_dirs=False),
+        name="t",
+        count=count,
+        on_root_recreated=lambda: relocked.append(1),
+    )
+    keys = [ObjectKey("m", 0, bytes([i]) * 32) for i in range(2)]
+    subprocess.run(["rm", "-rf", str(root)], check=True)
+    together = threading.Barrier(2)
+    isdir = os.path.isdir
+
+    def both_look_first(path: str) -> bool:
+        gone = not isdir(path)
+        if path == str(root):
+            try:
+                together.wait(1.0)  # both threads have looked before either creates it
+            except threading.BrokenBarrierError:
+                pass
+        return not gone
+
+    monkeypatch.setattr(os.path, "isdir", both_look_first)
+    errors: list[BaseException] = []
+
+    def store(key: ObjectKey) -> None:
+        try:
+            _store(files, key, b"payload")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=store, args=(key,)) for key in keys]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert errors == []
+    assert dict(files.iter_records(lambda _key: HEADER)) == {key: 7 for key in keys}
+    assert counts["root_recreated"] == 1
+    assert relocked == [1]
+
+
+def test_a_vanished_root_found_by_a_store_into_a_new_shard_is_counted_and_relocked(
+    tmp_path: Path,
+) -> None:
+    """The first store into a shard directory not made yet creates its parents too: when
+    the root vanished, that store re-creates it -- counted, and the directory lock taken
+    on the new inode -- like one whose directory was known."""
+    counts: dict[str, int] = {}
+    relocked: list[int] = []
+    root = tmp_path / "cache"
+
+    def count(name: str, amount: int) -> None:
+        counts[name] = counts.get(name, 0) + amount
+
+    files = LocalFiles(
+        FileLayout(str(root), shard_dirs=True),
+        name="t",
+        count=count,
+        on_root_recreated=lambda: relocked.append(1),
+    )
+    first, other = ObjectKey("m", 0, b"\x03" * 32), ObjectKey("m", 0, b"\x04" * 32)
+    _store(files, first, b"one")
+    subprocess.run(["rm", "-rf", str(root)], check=True)
+    _store(files, other, b"two")
+    assert dict(files.iter_records(lambda _key: HEADER)) == {other: 3}
+    assert counts.get("root_recreated") == 1
+    assert relocked == [1]

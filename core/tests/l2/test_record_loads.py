@@ -288,3 +288,30 @@ def test_a_load_running_when_the_adapter_closes_reads_nothing_more_into_its_buff
     # Closed, a load does not even open the record.
     assert store.load(KEY, size) == (False, bytes(size))
     assert reads_after_close == []
+
+
+def test_a_load_whose_open_was_stuck_when_the_adapter_closed_reads_nothing_into_its_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An open stuck in a hung mount returns after close began: the buffer may belong to
+    another object by then, so not even the header and first piece may be read into it."""
+    store = Store(tmp_path / "root")
+    size = (1 << 20) + 5
+    data = payload_of(size)
+    store.write(KEY, data)
+    real_open = os.open
+    reads: list[int] = []
+
+    def stuck_until_closing(path: str, flags: int, *args: int) -> int:
+        fd = real_open(path, flags, *args)
+        store.state.closing.set()  # close started while the open was in flight
+        return fd
+
+    def counted(fd: int, buffers: list[memoryview], offset: int) -> int:
+        reads.append(offset)
+        return 0
+
+    monkeypatch.setattr(os, "open", stuck_until_closing)
+    monkeypatch.setattr(os, "preadv", counted)
+    assert store.load(KEY, size) == (False, bytes(size))
+    assert reads == []

@@ -674,3 +674,176 @@ def test_close_does_not_wait_for_a_load_stuck_in_a_read_thread(
             adapter.close()
         closer.join(30)
     assert reads_after_close == [], "pieces were read into L1 after close returned"
+
+
+def test_a_direct_load_stuck_when_the_adapter_closes_reads_nothing_more_into_its_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With O_DIRECT the payload's last partial block is a read of its own after the
+    aligned part: once close returned (past its deadline, the read stuck in a hung mount)
+    that read must not land in the buffer, which may hold another object by then."""
+    import threading
+
+    arena = Arena()
+    keys = make_keys(2)
+    size = 2 * MIB + 5  # an aligned part and a partial last block
+    data = [pattern(95 + i, size) for i in range(2)]
+    entered, gate = threading.Event(), threading.Event()
+    reads_after_close: list[int] = []
+    closed = threading.Event()
+    preadv = os.preadv
+
+    def stuck_on_a_read_thread(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if closed.is_set():
+            reads_after_close.append(offset)
+        if threading.current_thread().name.startswith("fs-") and not entered.is_set():
+            entered.set()
+            gate.wait(60)
+        return preadv(fd, buffers, offset)
+
+    adapter = open_fs(fs_config(str(tmp_path), use_odirect=True), arena.view)
+
+    def close() -> None:
+        adapter.close()
+        closed.set()
+
+    closer = threading.Thread(target=close, daemon=True)
+    try:
+        assert store(adapter, arena, keys, data) == [True] * 2
+        assert client(adapter).lookup_and_lock(keys).found == [True] * 2
+        monkeypatch.setattr(os, "preadv", stuck_on_a_read_thread)
+        adapter.submit_load(keys, [arena.take(size) for _ in keys])
+        assert entered.wait(10)
+        adapter.close_timeout_s = 0.2  # type: ignore[misc]
+        closer.start()
+        closer.join(10)
+        assert closed.is_set(), "close waited for a read stuck in storage"
+        gate.set()
+        for thread in threading.enumerate():  # the load ends once its stuck read returns
+            if thread.name.startswith(("l2-0:fs-test-load", "fs-")):
+                thread.join(30)
+    finally:
+        gate.set()
+        if closer.ident is None:
+            adapter.close()
+        closer.join(30)
+    assert reads_after_close == [], "the last block was read into L1 after close returned"
+
+
+def test_a_remote_load_stuck_when_the_adapter_closes_copies_nothing_into_its_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A load from an fsspec store still running when close returned past its deadline (a
+    hung network store) must not copy the payload into its buffer, which may hold another
+    object by then."""
+    import threading
+
+    import fsspec
+    import lmcache_plugin_fs.remote as remote
+
+    root = f"memory://stuck-{uuid.uuid4().hex}"
+    arena = Arena()
+    keys = make_keys(1)
+    data = [pattern(97, SIZE)]
+    entered, gate = threading.Event(), threading.Event()
+    closed = threading.Event()
+    verify = remote.verify_payload
+
+    def stuck_in_the_read(header: object, payload: bytes) -> None:
+        entered.set()
+        gate.wait(60)
+        verify(header, payload)  # type: ignore[arg-type]
+
+    adapter = open_fs(fs_config(root), arena.view)
+
+    def close() -> None:
+        adapter.close()
+        closed.set()
+
+    closer = threading.Thread(target=close, daemon=True)
+    buffer = arena.take(SIZE)
+    try:
+        assert store(adapter, arena, keys, data) == [True]
+        assert client(adapter).lookup_and_lock(keys).found == [True]
+        monkeypatch.setattr(remote, "verify_payload", stuck_in_the_read)
+        adapter.submit_load(keys, [buffer])
+        assert entered.wait(10)
+        adapter.close_timeout_s = 0.2  # type: ignore[misc]
+        closer.start()
+        closer.join(10)
+        assert closed.is_set(), "close waited for a read stuck in storage"
+        buffer[:] = bytes(SIZE)  # the buffer is another object's now
+        gate.set()
+        for thread in threading.enumerate():  # the load ends once its stuck read returns
+            if thread.name.startswith("l2-0:fs-test-load"):
+                thread.join(30)
+    finally:
+        gate.set()
+        if closer.ident is None:
+            adapter.close()
+        closer.join(30)
+        fsspec.filesystem("memory").rm(root, recursive=True)
+    assert bytes(buffer) == bytes(SIZE), "the payload was copied into L1 after close returned"
+
+
+def test_a_delete_leaves_another_keys_record_the_listing_accounted_under_a_remote_name() -> None:
+    """The start-up listing reads names only, so it accounts the object an ``s3`` adapter
+    sharing the folder stored for a key salted "tenant.bin" as this adapter's key salted
+    "tenant"; deleting that key (the L2 eviction) must leave the other writer's
+    acknowledged object, as a lookup and a load do."""
+    import fsspec
+
+    from lmcache_tiers.l2.files import record_name
+    from lmcache_tiers.l2.record import encode_header
+
+    files = fsspec.filesystem("memory")
+    root = f"memory://foreign-delete-{uuid.uuid4().hex}"
+    (base,) = make_keys(1)
+    mine = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant")
+    theirs = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant.bin")
+    payload = pattern(9, SIZE)
+    path = f"{root}/{record_name(mine)}"
+    files.pipe_file(path, encode_header(theirs, payload, align=HEADER) + payload)
+    arena = Arena()
+    adapter = open_fs(fs_config(root), arena.view)
+    try:
+        assert adapter.used_bytes() == SIZE  # listed by name
+        assert adapter.delete([mine]) == [False]
+        assert files.exists(path), "another writer's record: kept"
+        assert adapter.stats()["foreign_records"] == 1
+    finally:
+        adapter.close()
+        files.rm(root, recursive=True)
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_records_stored_through_a_size_changing_chain_are_hits_after_a_restart(
+    tmp_path: Path, remote: bool
+) -> None:
+    """After a restart core knows no L1 size of a record written through a size-changing
+    serde chain: the lookup reads it from the header and reports a hit, which loads."""
+    import fsspec
+
+    root = f"memory://zlib-restart-{uuid.uuid4().hex}" if remote else str(tmp_path)
+    arena = Arena()
+    keys = make_keys(2)
+    data = [pattern(40 + i, SIZE) for i in range(2)]
+    serde = (_ZlibSerde(),)
+    try:
+        first = open_fs(fs_config(root), arena.view, serde=serde)  # type: ignore[arg-type]
+        try:
+            assert store(first, arena, keys, data) == [True, True]
+        finally:
+            first.close()
+        again = open_fs(fs_config(root), arena.view, serde=serde)  # type: ignore[arg-type]
+        try:
+            result = client(again).lookup_and_lock(keys)
+            assert result.found == [True, True]
+            assert load(again, arena, keys, result.sizes) == ([True, True], data)
+            again.unlock(keys)
+            assert again.stats().get("objects_vanished", 0) == 0
+        finally:
+            again.close()
+    finally:
+        if remote:
+            fsspec.filesystem("memory").rm(root, recursive=True)

@@ -4,7 +4,9 @@ its root is another store, whose files its sweeps, listing and removals leave al
 
 from __future__ import annotations
 
+import os
 import uuid
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -146,3 +148,48 @@ def test_an_unexpected_delete_error_fails_that_key_alone(monkeypatch: pytest.Mon
         monkeypatch.undo()
         adapter.close()
         memory.rm(root, recursive=True)
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_store_nested_at_a_shard_name_under_a_sharded_root_is_left_alone(
+    tmp_path: Path, remote: bool
+) -> None:
+    """A store whose root is a two-hex-digit directory of a sharded store's root: nothing
+    of the outer store's, in either layout, lies directly in a first-level shard
+    directory (its records are one level deeper, its temporary files next to them), so
+    what lies there is the nested store's -- its records and its writes in flight -- and
+    the outer store's sweeps, listing and removals leave it alone."""
+    memory = fsspec.filesystem("memory")
+    outer = f"memory://shardnest-{uuid.uuid4().hex}" if remote else str(tmp_path / "outer")
+    inner = f"{outer}/ab"
+    arena = Arena()
+    keys = make_keys(2)
+    data = [pattern(i, SIZE) for i in range(2)]
+    in_flight = f"{inner}/.tmp-1-1.part"
+    nested = open_fs(fs_config(inner), arena.view)
+    try:
+        assert store(nested, arena, keys, data) == [True, True]
+        if remote:
+            memory.pipe(in_flight, b"a write of the nested store in flight")
+        else:
+            Path(in_flight).write_bytes(b"a write of the nested store in flight")
+        config = fs_config(outer, recover_on_start=False, persist_enabled=False, shard_dirs=True)
+        adapter = open_fs(config, arena.view)
+        try:
+            assert store(adapter, arena, make_keys(1, start=5), [pattern(5, SIZE)]) == [True]
+            stats = adapter.stats()
+            assert stats.get("records_misplaced", 0) == 0, "the nested store's records are not ours"
+            assert stats.get("records_other_layout", 0) == 0
+            assert stats.get("orphan_temp_files_removed", 0) == 0
+            assert adapter.used_bytes() == SIZE
+        finally:
+            adapter.close()
+        assert memory.exists(in_flight) if remote else os.path.exists(in_flight)
+        result = client(nested).lookup_and_lock(keys)
+        assert result.found == [True, True]
+        assert load(nested, arena, keys, result.sizes) == ([True, True], data)
+        nested.unlock(keys)
+    finally:
+        nested.close()
+        if remote:
+            memory.rm(outer, recursive=True)

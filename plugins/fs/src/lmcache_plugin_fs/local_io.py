@@ -83,11 +83,14 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[written:], offset + written
 
 
-def _pread_all(fd: int, buffers: list[memoryview], offset: int) -> int:
-    """Fill ``buffers`` from ``offset``; returns the bytes read (short only at EOF)."""
+def _pread_all(fd: int, buffers: list[memoryview], offset: int, stop: Callable[[], bool]) -> int:
+    """Fill ``buffers`` from ``offset``; returns the bytes read (short at EOF, or once
+    ``stop()`` said so before a read: the buffers may no longer be the caller's)."""
     total = 0
     pending = [b for b in buffers if b.nbytes]
     while pending:
+        if stop():
+            break
         got = os.preadv(fd, pending, offset)
         if got <= 0:
             break
@@ -225,10 +228,11 @@ class LocalRecords:
         # chain, and whether the record is of this key at all (keys that differ only in
         # case share a file on a case-insensitive filesystem; a hit would be adopted).
         header = self._peek_header(key, path)
-        if isinstance(header, tuple):
-            self.files.discard(key, header[1], "corrupt_records_removed", str(header[0]))
-            return None
-        return None if header is None else ObjectSize(header.payload_len, header.l1_size)
+        if header is None or isinstance(header, RecordHeader):  # (a RecordHeader is a tuple too)
+            return None if header is None else ObjectSize(header.payload_len, header.l1_size)
+        error, identity = header  # a damaged record
+        self.files.discard(key, identity, "corrupt_records_removed", str(error))
+        return None
 
     def _peek_header(
         self, key: ObjectKey, path: str
@@ -258,6 +262,9 @@ class LocalRecords:
             return self._loads.load_many(keys, buffers, self._readers)
         return self._each(self._readers, self._load, keys, buffers)
 
+    def _closing(self) -> bool:
+        return self.context.closing
+
     def _load(self, _index: int, key: ObjectKey, buffer: memoryview) -> bool:
         """Read and verify one record into ``buffer``; True only once all of it matched."""
         direct = self.direct and _aligned(buffer)
@@ -268,17 +275,23 @@ class LocalRecords:
         # Buffered: each piece is checksummed as it lands, while still in cache.
         return self._loads.load(key, buffer)
 
-    @staticmethod
     def _read_direct(
-        fd: int, header: memoryview, buffer: memoryview, decode: Callable[[memoryview], RecordHeader | None]
+        self,
+        fd: int,
+        header: memoryview,
+        buffer: memoryview,
+        decode: Callable[[memoryview], RecordHeader | None],
     ) -> bool:
         """An ``O_DIRECT`` read: the device fills the buffer, nothing of it is in cache to
-        checksum piece by piece, and a read per piece would wait for the device each time."""
+        checksum piece by piece, and a read per piece would wait for the device each time.
+        Once the adapter is closing no further read starts (the buffer may hold another
+        object by then, core's RecordLoads)."""
         header_len = header.nbytes
         whole = buffer.nbytes - buffer.nbytes % RECORD_ALIGN
-        got = _pread_all(fd, [header, buffer[:whole]], 0)
+        stop = self._closing
+        got = _pread_all(fd, [header, buffer[:whole]], 0, stop)
         _set_direct(fd, False)
-        got += _pread_all(fd, [buffer[whole:]], header_len + whole)
+        got += _pread_all(fd, [buffer[whole:]], header_len + whole, stop)
         if got != header_len + buffer.nbytes:
             return False  # shrunk under us: not a record anyone may trust now
         record = decode(header)

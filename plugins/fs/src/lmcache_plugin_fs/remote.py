@@ -33,10 +33,12 @@ from lmcache_tiers.plugin import (
     WriteFailures,
     classify_name,
     copy_into,
+    header_length,
     is_temp_name,
     judge_digest_record,
     log_unreadable_header,
     printable,
+    record_key,
     record_name,
     verify_payload,
 )
@@ -190,6 +192,8 @@ class RemoteRecords:
         return [self._read(key, buffer) for key, buffer in zip(keys, buffers, strict=True)]
 
     def _read(self, key: ObjectKey, buffer: memoryview) -> bool:
+        if self.context.closing:
+            return False  # the buffer may belong to another object by now
         path = self.layout.path_for(key)
         header_len = self.sizes.length(key)
         options = {"block_size": self.read_ahead} if self.read_ahead else {}
@@ -212,6 +216,10 @@ class RemoteRecords:
             if len(data) != buffer.nbytes:
                 raise RecordError(f"payload is {len(data)} bytes, its header says {buffer.nbytes}")
             verify_payload(header, data)
+            if self.context.closing:
+                # Core closes the backend past its deadline even while a read is stuck (a
+                # hung store); the buffer may hold another object by then: a miss.
+                return False
             copy_into(buffer, data)
             return True
         except FileNotFoundError:
@@ -265,6 +273,8 @@ class RemoteRecords:
         path = self.layout.path_for(key)
         with self._stripe(key):
             try:
+                if self._of_another_key(key, path):
+                    return False
                 self.fs.rm_file(path)
                 return True
             except FileNotFoundError:
@@ -272,6 +282,31 @@ class RemoteRecords:
             except Exception as exc:  # OSError, or an fsspec store's own error: this key alone
                 log.warning("%s: cannot delete %s: %s", self.context.name, printable(path, 300), exc)
                 return False
+
+    def _of_another_key(self, key: ObjectKey, path: str) -> bool:
+        """Whether ``path`` holds an intact record of another key (counted and logged).
+        The listing reads names only, so it accounts, e.g., the object an ``s3`` adapter
+        sharing the folder stored for a key salted "t.bin" as the key salted "t" here; a
+        delete of that key (the L2 eviction's) must leave the other writer's object.  A
+        file that is no readable record is the key's to remove."""
+        # Ranged reads: a file opened for reading may fetch a whole block (megabytes).
+        prefix = bytes(self.fs.cat_file(path, start=0, end=self.sizes.length(key)))
+        try:
+            wanted = header_length(prefix)
+        except RecordError:
+            return False
+        if wanted > len(prefix):  # a longer header than this key's (another key's)
+            prefix += bytes(self.fs.cat_file(path, start=len(prefix), end=wanted))
+        try:
+            owner = record_key(prefix)
+        except RecordError:
+            return False
+        if owner == key:
+            return False
+        self.context.foreign_record(
+            key, RecordMismatchError(f"the record under its name is of {printable(owner.file_stem())}")
+        )
+        return True
 
     # -- the tree -------------------------------------------------------------------------------
 

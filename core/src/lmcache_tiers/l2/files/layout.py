@@ -152,9 +152,10 @@ class FileLayout:
 
     def is_store_directory(self, directory: str) -> bool:
         """Whether ``directory`` is one a store's files may be in: the root, a shard
-        directory of either layout, or the temporary directory.  Anything deeper (another
-        store nested under this root) is not this store's, as a local listing never
-        enters it either."""
+        directory of either layout (``ab/cd``), or the temporary directory.  Anything else
+        (another store nested under this root) is not this store's, as a local listing
+        never takes files from it either -- a first-level shard directory (``ab``)
+        included: no layout puts a file there, only shard directories."""
         directory = directory.rstrip("/") or "/"
         if directory == self.root or directory == self.temp_dir:
             return True
@@ -162,7 +163,7 @@ class FileLayout:
         if not directory.startswith(base):
             return False
         parts = directory[len(base) :].split("/")
-        return len(parts) <= 2 and all(is_shard_name(part) for part in parts)
+        return len(parts) == 2 and all(is_shard_name(part) for part in parts)
 
     def in_other_layout(self, directory: str, key: ObjectKey) -> bool:
         """Whether ``directory`` is where the other ``shard_dirs`` setting puts ``key``'s

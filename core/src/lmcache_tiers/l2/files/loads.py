@@ -145,6 +145,9 @@ class RecordLoads:
         except OSError as exc:
             log.warning("%s: cannot open %s: %s", context.name, printable(path, 300), exc)
             return False
+        if context.closing:  # closed while the open was stuck (a hung mount)
+            os.close(fd)
+            return False
 
         def decode(view: memoryview) -> RecordHeader | None:
             return context.read_record_header(view, key)

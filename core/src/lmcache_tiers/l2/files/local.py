@@ -121,6 +121,9 @@ class LocalFiles:
         self._on_root_recreated = on_root_recreated
         self._stripes = KeyStripes()
         self._making_directories = threading.Lock()
+        # Stores on several threads find a vanished root at once: one re-creates it (and
+        # counts it, and re-takes the directory lock), the others find it there.
+        self._recreating = threading.Lock()
         # The root's own entry too: whoever made it (the directory lock) may not have synced it.
         self._make_directory(layout.root, below=os.path.dirname(os.path.abspath(layout.root)))
         layout.remember(layout.root)
@@ -135,6 +138,10 @@ class LocalFiles:
 
     def _ensure(self, directory: str) -> None:
         if not self.layout.is_known(directory):
+            # Making a directory makes its missing parents too, the root included: a root
+            # that vanished is re-created through _recreate (counted, lock re-taken).
+            if directory != self.layout.root and not os.path.isdir(self.layout.root):
+                self._recreate()
             self._make_directory(directory)
             self.layout.remember(directory)
 
@@ -178,15 +185,16 @@ class LocalFiles:
         raise AssertionError("unreachable")
 
     def _recreate(self) -> None:
-        root_gone = not os.path.isdir(self.layout.root)
-        self.layout.forget_directories()
-        self._make_directory(self.layout.root, below=os.path.dirname(os.path.abspath(self.layout.root)))
-        self.layout.remember(self.layout.root)
-        if root_gone:
-            self._count("root_recreated", 1)
-            log.warning("%s: %s vanished while in use; created it again", self.name, self.layout.root)
-            if self._on_root_recreated is not None:
-                self._on_root_recreated()
+        with self._recreating:
+            root_gone = not os.path.isdir(self.layout.root)
+            self.layout.forget_directories()
+            self._make_directory(self.layout.root, below=os.path.dirname(os.path.abspath(self.layout.root)))
+            self.layout.remember(self.layout.root)
+            if root_gone:
+                self._count("root_recreated", 1)
+                log.warning("%s: %s vanished while in use; created it again", self.name, self.layout.root)
+                if self._on_root_recreated is not None:
+                    self._on_root_recreated()
 
     def publish(self, key: ObjectKey, temp_path: str, fd: int | None = None) -> None:
         """Rename a complete temporary file over ``key``'s record (fsync first when asked).
@@ -327,16 +335,20 @@ class LocalFiles:
 
     # -- the tree -----------------------------------------------------------------------------
 
-    def directories(self) -> Iterator[str]:
-        """The root, every shard directory of either layout, and the temp directory."""
+    def directories(self, *, first_level: bool = False) -> Iterator[str]:
+        """The root, every shard directory of either layout (``ab/cd``), and the temp
+        directory: where this store's files may be.  A first-level shard directory
+        (``ab``) holds none -- no layout puts a file there, so what lies there belongs to
+        another store whose root it is -- and is yielded only with ``first_level``."""
         root = self.layout.root
         yield root
         try:
-            first_level = _shard_directories(root)
+            first_levels = _shard_directories(root)
         except FileNotFoundError:
             return
-        for first in first_level:
-            yield first
+        for first in first_levels:
+            if first_level:
+                yield first
             try:
                 yield from _shard_directories(first)
             except FileNotFoundError:
@@ -481,7 +493,7 @@ class LocalFiles:
                     removed += 1
                 except FileNotFoundError:
                     pass
-        for directory in sorted(self.directories(), key=len, reverse=True):
+        for directory in sorted(self.directories(first_level=True), key=len, reverse=True):
             if directory != self.layout.root:
                 try:
                     os.rmdir(directory)
