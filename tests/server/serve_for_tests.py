@@ -16,6 +16,7 @@ import threading
 from lmcache_tiers.config import build_config
 from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.server.app import run_server
+from lmcache_tiers.server.leave import leave_past_stuck_threads
 
 
 def main() -> int:
@@ -38,7 +39,9 @@ def main() -> int:
         os.replace(partial, ready_file)
 
     threading.Thread(target=announce, daemon=True).start()
-    return run_server(config, registry=registry, ready=ready)
+    code = run_server(config, registry=registry, ready=ready)
+    leave_past_stuck_threads(code)  # as `serve` does
+    return code
 
 
 if __name__ == "__main__":

@@ -437,6 +437,7 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "INFO")
     try:
         from lmcache_tiers.server.app import check_serving, run_server
+        from lmcache_tiers.server.leave import leave_past_stuck_threads
         from lmcache_tiers.server.logs import configure_logging
     except ImportError as exc:
         fail(f"the server is not available in this installation ({exc})", 1)
@@ -449,4 +450,6 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
         shown = redact_secrets(config_to_builtins(resolved))
         typer.echo(json.dumps(shown, indent=2))
         return
-    raise typer.Exit(run_server(resolved, registry=plugin_set.registry))
+    code = run_server(resolved, registry=plugin_set.registry)
+    leave_past_stuck_threads(code)
+    raise typer.Exit(code)
