@@ -291,11 +291,10 @@ def test_a_load_running_when_the_adapter_closes_reads_nothing_more_into_its_buff
 
 
 def test_a_load_whose_open_was_stuck_when_the_adapter_closed_reads_nothing_into_its_buffer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An open stuck in a hung mount returns after close began: the buffer may belong to
     another object by then, so not even the header and first piece may be read into it."""
-    store = Store(tmp_path / "root")
     size = (1 << 20) + 5
     data = payload_of(size)
     store.write(KEY, data)

@@ -179,6 +179,9 @@ def read_and_digest(
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+    if stop is not None and stop():  # closed while the open was stuck (a hung mount)
+        os.close(fd)
+        return None
     try:
         length = payload.nbytes
         piece = payload[: max(1, first_piece)]
