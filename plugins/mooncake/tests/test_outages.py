@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import signal
+import socket
 import threading
 import time
 
@@ -12,6 +13,7 @@ import pytest
 from lmcache_plugin_mooncake import client as client_module
 from lmcache_plugin_mooncake.calls import CallPool, CallTimeout
 from lmcache_plugin_mooncake.cluster import LocalCluster
+from lmcache_plugin_mooncake.listing import iter_pool_names
 from mooncake_helpers import config_for, eventually, open_adapter
 
 from lmcache_tiers.errors import BackendUnavailableError
@@ -191,3 +193,46 @@ def test_a_call_answered_in_time_returns_or_raises_as_it_did() -> None:
         assert cleaned == [], "on_late is only for calls given up"
     finally:
         pool.close()
+
+
+# -- the master's key listing -------------------------------------------------------------------
+
+
+def _serve_once(body: bytes, length: int) -> tuple[str, threading.Thread]:
+    """An HTTP server on loopback that answers one request with ``body`` under a
+    ``Content-Length`` of ``length``, then closes the connection."""
+    reply = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n" % length + body
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(reply)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", thread
+
+
+def test_a_key_listing_cut_short_by_the_master_fails_instead_of_passing_for_the_whole() -> None:
+    """The master announces the listing's length; a connection that closes before it all
+    arrived (the master stopped mid-listing) must not read as the end of the pool's keys,
+    or the start-up scan would account part of the pool as all of it."""
+    body = b"p/a\np/b\np/c\n"
+    url, thread = _serve_once(body, len(body) + 100)
+    try:
+        with pytest.raises(OSError, match="cut short"):
+            list(iter_pool_names(url, "p/", 5.0))
+    finally:
+        thread.join(10)
+
+
+def test_a_whole_key_listing_is_read_to_its_end() -> None:
+    body = b"p/a\nq/b\np/c\n"
+    url, thread = _serve_once(body, len(body))
+    try:
+        assert list(iter_pool_names(url, "p/", 5.0)) == ["p/a", "p/c"]
+    finally:
+        thread.join(10)

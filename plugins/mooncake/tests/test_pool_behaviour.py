@@ -659,3 +659,68 @@ def test_the_listing_leaves_out_the_objects_of_a_server_with_a_longer_prefix(
     eventually(lambda: not adapter.stats()["scan_running"], what="the start-up scan")
     assert adapter.used_bytes() == 0
     assert list(backend_of(adapter).list_keys()) == []
+
+
+class _FailingHeaderReads:
+    """The adapter's client, except that every ranged read of record headers fails as a
+    transfer from a segment host that stopped answering does (-800)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._store, attribute)
+
+    def get_into_ranges(self, buffers: Any, names: list[list[str]], *rest: Any) -> list[list[list[int]]]:
+        return [[[-800] for _ in group] for group in names]
+
+
+def test_a_failed_header_read_of_an_accounted_key_releases_nothing(
+    mooncake_pool: LocalCluster, adapters: list[BackendAdapter]
+) -> None:
+    """Listed at start under a serde chain, a key's L1 size is read from its header by its
+    first lookup.  When that read fails (the object is still there), the key must not read
+    as absent: core would release its accounted bytes as an object removed behind its back."""
+    config = config_for(mooncake_pool)
+    first = open_adapter(config, serde=(Xor(),))
+    keys = make_keys(2)
+    store(first, keys)
+    first.close()
+    second = open_adapter(config, serde=(Xor(),))
+    adapters.append(second)
+    eventually(lambda: not second.stats()["scan_running"], what="the start-up scan")
+    assert second.used_bytes() == 2 * SIZE and second.l1_size_of(keys[0]) is None
+    backend = backend_of(second)
+    real = backend.connection.store()
+    backend.connection.store = lambda: _FailingHeaderReads(real)  # type: ignore[method-assign]
+    try:
+        result = BlockingAdapterClient(second).lookup_and_lock(keys)
+    finally:
+        del backend.connection.store
+    if any(result.found):
+        second.unlock([key for key, hit in zip(keys, result.found, strict=True) if hit])
+    assert result.found == [False, False]
+    assert second.stats()["header_read_failures"] == 2
+    assert second.stats().get("objects_vanished", 0) == 0, "a failed read taken for a removal"
+    assert second.used_bytes() == 2 * SIZE, "the bytes of objects still in the pool were released"
+    result = BlockingAdapterClient(second).lookup_and_lock(keys)
+    assert result.found == [True, True] and result.sizes == [SIZE, SIZE]
+    second.unlock(keys)
+
+
+def test_the_listing_counts_and_logs_objects_too_short_for_a_record(
+    mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter], caplog: pytest.LogCaptureFixture
+) -> None:
+    config = config_for(mooncake_pool)
+    first = open_adapter(config)
+    keys = make_keys(2)
+    store(first, keys)
+    first.close()
+    (short,) = make_keys(1, start=50)
+    assert raw.put(name_of(first, short), b"short") == 0
+    adapter = open_adapter(config)
+    adapters.append(adapter)
+    eventually(lambda: not adapter.stats()["scan_running"], what="the start-up scan")
+    assert adapter.used_bytes() == 2 * SIZE
+    assert adapter.stats().get("listing_names_skipped", 0) == 1, "a skipped object nobody counted"
+    assert "shorter than a record" in caplog.text

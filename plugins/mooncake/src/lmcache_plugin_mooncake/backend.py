@@ -560,6 +560,7 @@ class MooncakeStoreBackend:
     ) -> None:
         """Replace ``found[i]`` by both sizes from the record header (None: a miss)."""
         disagreeing: list[tuple[int, Any, Any]] = []  # index, payload size queried, header
+        unread = 0  # headers whose read failed while the object may still be there
         with self.lanes.lane(self.timeout) as lane:
             codes = store.get_into_ranges(
                 [lane.address(0)],
@@ -574,6 +575,7 @@ class MooncakeStoreBackend:
                 found[index] = None
                 if code[0] != HEADER_BYTES:
                     if code[0] != NOT_FOUND:
+                        unread += 1
                         self.context.count("header_read_failures")
                         self._throttle.warn(
                             "header_read", "%s: reading the record header of %s returned %s: a miss",
@@ -585,6 +587,11 @@ class MooncakeStoreBackend:
                     disagreeing.append((index, stored, header))
                 elif header is not None:
                     found[index] = ObjectSize(header.payload_len, header.l1_size)
+        if unread:
+            # Answered alone, such a key would read as absent, and core releases the bytes
+            # of an absent key it accounts (one listed at start under a serde chain, whose
+            # L1 size only its header tells): the batch fails instead, every key a miss.
+            raise MooncakeError(f"header read: {unread} of {len(indexes)} record headers could not be read")
         if not disagreeing:
             return
         # The size was queried before the header was read: another writer may have
@@ -751,6 +758,15 @@ class MooncakeStoreBackend:
             "replica query", self.timeout, self._record_sizes, store, [n for _, n in batch]
         )
         listed = [(key, name) for key, name in batch if sizes.get(name, 0) >= HEADER_BYTES]
+        # Names without a size vanished since the master listed them; the rest left out
+        # cannot be records (a lookup that finds one removes it as damage).
+        short = sum(name in sizes and sizes[name] < HEADER_BYTES for _, name in batch)
+        if short:
+            self.context.count("listing_names_skipped", short)
+            self._throttle.warn(
+                "list_short", "%s: %d listed objects are shorter than a record header: not listed",
+                self.context.name, short,
+            )  # fmt: skip
         foreign: set[str] = set()
         for chunk in chunks(len(listed)):
             part = [listed[i] for i in chunk]

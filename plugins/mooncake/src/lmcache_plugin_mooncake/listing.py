@@ -17,12 +17,26 @@ def iter_pool_names(metrics_url: str, prefix: str, timeout_s: float) -> Iterator
     """Every key of the pool that starts with ``prefix``, as the master lists it.
 
     Raises ``OSError`` (``urllib.error.URLError``) when the master does not answer in
-    ``timeout_s`` or answers with an error status.
+    ``timeout_s`` or answers with an error status, and (``ConnectionError``) when the
+    connection ends before the length the master announced.
     """
     url = metrics_url.rstrip("/") + "/get_all_keys"
     encoded = prefix.encode()
     with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        # the length the master announced (None: chunked, where http.client itself
+        # raises on a body cut short)
+        announced = response.length
+        received = 0
         for raw in response:
+            received += len(raw)
+            if not raw.endswith(b"\n") and announced is not None and received < announced:
+                break  # a name cut off by the end of the connection: not a name
             line = raw.rstrip(b"\r\n")
             if line.startswith(encoded):
                 yield line.decode("utf-8", "surrogateescape")
+        if announced is not None and received < announced:
+            # A connection closed early ends the iteration like the end of the body: taken
+            # for the whole, part of the pool would be accounted as all of it.
+            raise ConnectionError(
+                f"the key listing at {url} was cut short: {received} of {announced} bytes arrived"
+            )
