@@ -4,6 +4,7 @@ record -- and that none of it reaches a caller's buffer as garbage."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -175,6 +176,42 @@ def test_an_fs_record_in_the_folder_is_never_removed_by_a_lookup(adapter: L2Adap
     assert blocking(adapter).lookup_and_lock([mine]).found == [False]
     assert raw.exists(fs_name), "the fs server's acknowledged write is kept"
     assert adapter.stats()["foreign_records"] == 1
+
+
+def test_an_fs_record_the_listing_took_for_a_key_is_never_deleted(
+    seaweed: SeaweedS3, prefix: str, l1: memoryview, raw: Raw
+) -> None:
+    """The start-up listing reads names only, so it accounts an fs record of a salted key
+    as this codec's key with ".bin" added to its salt; deleting that key (as the L2
+    eviction does with what the listing found) must not remove the fs server's object."""
+    from lmcache_tiers.l2.files import record_name
+
+    (base,) = make_keys(1)
+    fs_key = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant")
+    mine = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant.bin")
+    own = make_keys(1, start=5)
+    payload = pattern(9, SIZE)
+    fs_name = raw.names.folder + record_name(fs_key)
+    raw.write(fs_name, encode_header(fs_key, payload, align=4096) + payload)
+    first = open_adapter(s3_config(seaweed, prefix), l1)
+    try:
+        store(first, l1, own)
+    finally:
+        first.close()
+    adapter = open_adapter(s3_config(seaweed, prefix), l1)
+    try:
+        deadline = time.monotonic() + 60
+        while adapter.stats().get("scan_running"):
+            assert time.monotonic() < deadline, "the start-up scan never finished"
+            time.sleep(0.02)
+        assert set(adapter.iter_keys()) == {mine, *own}
+        assert adapter.delete([mine, *own]) == [False, True]
+        assert raw.exists(fs_name), "the fs server's acknowledged write was deleted"
+        assert not raw.exists(own[0])
+        assert adapter.stats()["foreign_records"] >= 1
+        assert adapter.used_bytes() == 0, "the foreign record is no longer accounted"
+    finally:
+        adapter.close()
 
 
 def test_a_record_of_another_serde_chain_is_a_miss_that_is_kept(adapter: L2Adapter, raw: Raw) -> None:

@@ -49,6 +49,7 @@ from lmcache_tiers.plugin import (
     RecordVersionError,
     copy_into,
     header_length,
+    printable,
     record_key,
     verify_payload,
 )
@@ -159,7 +160,9 @@ class S3Backend:
 
     async def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         names = [self.names.of(key) for key in keys]
-        present = await self._each("delete", [self._exists(name) for name in names])
+        present = await self._each(
+            "delete", [self._deletable(key, name) for key, name in zip(keys, names, strict=True)]
+        )
         doomed = [name for name, there in zip(names, present, strict=True) if there]
         refused: set[str] = set()
         for start in range(0, len(doomed), _DELETE_BATCH):
@@ -410,13 +413,41 @@ class S3Backend:
                 return False
             raise
 
-    async def _exists(self, name: str) -> bool:
+    async def _deletable(self, key: ObjectKey, name: str) -> bool:
+        """Whether ``name`` holds an object a delete of ``key`` removes: there, and not an
+        intact record of another key.  The listing reads names only, so it accounts, e.g.,
+        an fs adapter's record of a salted key as this codec's key with ".bin" added to its
+        salt; the L2 eviction's delete of that key must leave the other writer's object.
+        The header copy of the HEAD tells; without one, the record's own header does."""
         try:
-            await self.client.call("head_object", Key=name)
+            answer = await self.client.call("head_object", Key=name)
         except Exception as exc:
             if is_missing_object(exc):
                 return False
             raise
+        try:
+            copy = header_from_metadata(answer)
+            owner = None if copy is None else record_key(copy)
+        except (ValueError, RecordError):
+            owner = None  # no usable copy: the record's own header tells
+        if owner is None:
+            try:
+                slot, _total, _etag = await self.client.bounded(lambda: self._first_bytes(name))
+            except Exception as exc:
+                if is_missing_object(exc):
+                    return False
+                if error_code(exc) == "InvalidRange":  # an empty object: no record to keep
+                    return True
+                raise
+            try:
+                owner = record_key(slot)
+            except RecordError:
+                return True  # not a readable record (or of a newer format): the key's to remove
+        if owner != key:
+            self.context.foreign_record(
+                key, RecordMismatchError(f"the record under its name is of {printable(owner.file_stem())}")
+            )
+            return False
         return True
 
     async def _listed(self, name: str, size: int) -> tuple[ObjectKey, int] | None:
