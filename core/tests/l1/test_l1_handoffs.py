@@ -3,6 +3,7 @@ their prefetch, and loans of object bytes that work on both backings."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -109,6 +110,19 @@ def test_a_writer_never_commits_or_aborts_a_prefetch_reservation(l1: L1Manager) 
     l1.abort_load([loads[key(1)], loads[key(2)]])  # READY ones are not aborted
     assert l1.contains(key(1)) and not l1.contains(key(2))
     assert l1.stats().write_locked == 0
+
+
+def test_a_finished_load_locks_on_the_lock_grid_as_every_read_lock(l1: L1Manager) -> None:
+    # A front end's session computes its deadline for a prefetch's locks from a time read
+    # before L1 takes them, on the same grid: one off the grid could be earlier than the
+    # session's, which would then release a lock L1 reaped (dropping another holder's).
+    before = time.monotonic()
+    loads = l1.reserve_load(keys(1), [ALIGN], temporary=True)
+    assert l1.finish_load([loads[key(1)]]) == [True]
+    after = time.monotonic()
+    obj = l1.get(key(1))
+    assert obj is not None and obj.read_locks == 1
+    assert obj.lock_deadline in (l1.lock_deadline(before), l1.lock_deadline(after))
 
 
 def test_load_hand_off_is_by_identity(l1: L1Manager) -> None:

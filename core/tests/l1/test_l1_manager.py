@@ -7,9 +7,11 @@ and on the NVMe file alike; only tests of memory views are memory-only.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
+import types
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -19,6 +21,7 @@ import pytest
 from lmcache_tiers.errors import L1OutOfMemoryError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager, L1Object, L1Stats, ObjectState
+from lmcache_tiers.l1 import reads as reads_module
 
 ALIGN = 4096
 CAPACITY = 64 * ALIGN
@@ -552,6 +555,127 @@ def test_a_new_reader_extends_the_read_lock_deadline(l1: L1Manager) -> None:
     assert obj.lock_deadline >= first_deadline
     assert l1.expire_locks(first_deadline - 1) == 0
     assert l1.expire_locks(obj.lock_deadline + 1) == 1
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The clock read locks take their deadlines from (and releases their now), set by the
+    test; it starts on the lock-deadline grid (a 64th of the TTL), so that a lock taken then
+    expires exactly its TTL later."""
+    step = LOCK_TTL / 64
+    now = [math.ceil(time.monotonic() / step) * step]
+    monkeypatch.setattr(reads_module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    return now
+
+
+def test_an_expired_read_lock_is_reaped_however_often_the_key_is_locked_again(
+    l1: L1Manager, clock: list[float]
+) -> None:
+    # Holders forget expired locks without releasing them.  A key locked again and again
+    # (a prefix an engine looks up every step) must not keep such a lock alive: the
+    # object would never be evictable or deletable again.
+    write(l1, [1])
+    obj = l1.get(key(1))
+    assert obj is not None
+    start = clock[0]
+    l1.reserve_read(keys(1))  # its holder dies with it
+    previous = 0.0
+    for step in range(1, 13):  # a reader every quarter of the TTL, each done a step later
+        clock[0] = start + step * LOCK_TTL / 4
+        l1.reserve_read_prefix(keys(1))
+        if step > 1:  # the reader before is done with the lock it took (and knows when)
+            l1.finish_read(keys(1), not_before=previous)
+        previous = clock[0] + LOCK_TTL
+        assert l1.expire_locks(clock[0]) == (1 if step == 4 else 0), step
+        assert obj.read_locks == (2 if step < 4 else 1)
+        if step == 4:  # the dead lock's extent keeps its grace period
+            assert l1.lease_stats().lapsed_objects == 1
+    l1.finish_read(keys(1), not_before=previous)
+    assert not obj.locked and l1.delete(keys(1)) == [True]
+
+
+def test_a_release_never_shortens_a_live_holders_lock(l1: L1Manager, clock: list[float]) -> None:
+    write(l1, [1])
+    obj = l1.get(key(1))
+    assert obj is not None
+    start = clock[0]
+    l1.reserve_read(keys(1))  # A, who dies holding it
+    clock[0] = start + LOCK_TTL / 2
+    l1.reserve_read(keys(1))  # B
+    clock[0] = start + 0.9 * LOCK_TTL
+    l1.reserve_read(keys(1), count=2)  # C, two locks
+    clock[0] = start + 1.2 * LOCK_TTL  # A's lock has expired; the reaper has not run yet
+    l1.finish_read(keys(1))  # B is done
+    # A's lock goes at its deadline; C's two last until theirs, whichever lock B's
+    # release took
+    assert l1.expire_locks(start + 1.6 * LOCK_TTL) == 1
+    assert obj.read_locks == 2
+    clock[0] = start + 1.7 * LOCK_TTL
+    l1.finish_read(keys(1))  # one of C's
+    assert l1.expire_locks(start + 1.85 * LOCK_TTL) == 0
+    assert obj.read_locks == 1
+    # C's deadline (taken at 0.9 TTL, rounded up to the lock grid)
+    assert l1.expire_locks(start + 1.95 * LOCK_TTL) == 1
+    assert not obj.locked
+
+
+def test_an_l2_stores_lock_never_takes_a_readers_deadline(l1: L1Manager, clock: list[float]) -> None:
+    # A store's lock has no deadline (it is never reaped): its report must not take the
+    # place of a reader's, nor a reader's release the store's.
+    write(l1, [1])
+    obj = l1.get(key(1))
+    assert obj is not None
+    start = clock[0]
+    l1.reserve_read(keys(1))
+    stored = list(l1.reserve_store(keys(1)).values())
+    l1.finish_read(keys(1), count=2)  # more than the reader holds: the store keeps its own
+    assert obj.read_locks == 1 and obj.locked
+    l1.reserve_read(keys(1))
+    l1.finish_store(stored)
+    assert obj.read_locks == 1
+    assert l1.expire_locks(start + LOCK_TTL - 1) == 0
+    assert l1.expire_locks(start + LOCK_TTL) == 1
+    assert not obj.locked
+
+
+def test_lock_deadlines_are_the_ttl_rounded_up_to_the_lock_grid(memory_l1: L1Manager) -> None:
+    step = memory_l1.lock_grid_s
+    assert step == LOCK_TTL / 64
+    start = time.monotonic()
+    times = sorted(start + offset * step / 7 for offset in range(-300, 300))
+    deadlines = [memory_l1.lock_deadline(now) for now in times]
+    assert deadlines == sorted(deadlines)  # an earlier time never gets a later deadline
+    for now, deadline in zip(times, deadlines, strict=True):
+        assert now + LOCK_TTL <= deadline < now + LOCK_TTL + step
+        assert deadline == round(deadline / step) * step  # on the grid: one float per cell
+    assert len(set(deadlines)) <= 600 // 7 + 2
+
+
+def test_locking_the_same_keys_again_and_again_keeps_a_count_per_deadline(clock: list[float]) -> None:
+    # A client that locks keys again and again without releasing them (buggy, or hostile)
+    # over a whole TTL: each object keeps a count per deadline of the lock grid, not an
+    # entry per lock.
+    many = keys(*range(512))
+    manager = L1Manager(
+        len(many) * ALIGN, align=ALIGN, lock_ttl_s=LOCK_TTL, write_ttl_s=WRITE_TTL, prefault=False
+    )
+    try:
+        write(manager, range(len(many)))
+        objs = [manager.get(each) for each in many]
+        start = clock[0]
+        for step in range(10_000):
+            clock[0] = start + step * LOCK_TTL / 10_000
+            assert len(manager.reserve_read_prefix(many)) == len(many)
+        for obj in objs:
+            assert obj is not None and obj.read_locks == 10_000
+            # deadlines rounded up to a 64th of the TTL: at most 65 within a TTL
+            assert len(obj.lock_groups or ()) <= 2 * 66
+        manager.finish_read(many, count=10_000)
+        assert not any(obj is not None and obj.locked for obj in objs)
+        assert manager.stats().read_locks == 0
+        assert manager.expire_locks(start + 3 * LOCK_TTL) == 0
+    finally:
+        manager.close()
 
 
 def test_hand_off_read_lock_uses_the_read_ttl(l1: L1Manager) -> None:

@@ -45,7 +45,8 @@ def outlive_lease(
     objects are cleared by someone else, the grace period passes, new objects move into
     the memory; with ``restore`` the same keys are then stored again (elsewhere)."""
     l1 = server.storage.l1
-    expiry = time.monotonic() + l1.lock_ttl_s + 1
+    # a lock's deadline is its TTL rounded up to the lock grid
+    expiry = time.monotonic() + l1.lock_ttl_s + l1.lock_grid_s + 1
     l1.expire_locks(expiry)
     assert other.clear() >= len(keys)  # unlocked now, so a plain clear removes them
     l1.expire_locks(expiry + l1.lease_grace_s + 1)
@@ -110,7 +111,7 @@ def test_a_reader_inside_the_grace_period_keeps_its_bytes(server: TiersServer) -
     with Client(server.endpoint) as reader, Client(server.endpoint) as other:
         reader.store(keys, data)
         with reader.retrieve(keys) as views:
-            l1.expire_locks(time.monotonic() + l1.lock_ttl_s + 1)
+            l1.expire_locks(time.monotonic() + l1.lock_ttl_s + l1.lock_grid_s + 1)
             assert other.clear() == 4
             assert other.store(keys_of(4), blobs(4, 0x44)) == 4
             assert [bytes(view) for view in views] == data

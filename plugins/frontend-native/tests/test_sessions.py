@@ -1,13 +1,23 @@
 from __future__ import annotations
 
+import math
 import random
+import time
+import types
 from collections import Counter
+from collections.abc import Iterator, Sequence
 
 import pytest
+from lmcache_plugin_frontend_native import handlers as handlers_module
 from lmcache_plugin_frontend_native import sessions
+from lmcache_plugin_frontend_native.handlers import DataPlane, Handlers
 from lmcache_plugin_frontend_native.sessions import INDEX_BACKLOG_KEYS, PendingPrefetch, SessionTable
 
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1 import L1Manager
+from lmcache_tiers.l1 import reads as l1_reads
+from lmcache_tiers.plugin import FrontendStats
+from lmcache_tiers.plugin import wire_protocol as p
 
 A, B, C = (ObjectKey("m", 0, bytes([i]) * 8) for i in (1, 2, 3))
 
@@ -17,8 +27,24 @@ def test_locks_are_counted_and_grouped_by_count() -> None:
     session = table.get(b"client", now=0.0)
     session.add_read_locks([A, B], deadline=10.0)  # a lookup
     session.add_read_locks([A], deadline=12.0)  # a retrieve of the first key
-    assert session.take_read_locks([A, B, C], now=5.0) == {2: [A], 1: [B]}
+    # grouped by count and the earliest deadline, which L1 is told of the locks it drops
+    assert session.take_read_locks([A, B, C], now=5.0) == {(2, 10.0): [A], (1, 10.0): [B]}
     assert session.take_read_locks([A, B], now=5.0) == {}  # nothing held twice
+
+
+def test_each_lock_expires_at_its_own_deadline() -> None:
+    # L1 reaps each lock at its own deadline: a count outliving one of them would make
+    # the release drop another client's lock.
+    table = SessionTable(lock_ttl_s=10, write_ttl_s=20)
+    session = table.get(b"client", now=0.0)
+    session.add_read_locks([A, B], deadline=10.0)
+    session.add_read_locks([A, B], deadline=12.0)  # folded into the same record
+    session.add_read_locks([A], deadline=13.0)
+    assert session.take_read_locks([A, B], now=11.0) == {(2, 12.0): [A], (1, 12.0): [B]}
+    session.add_read_locks([A], deadline=10.0)
+    session.add_read_locks([A], deadline=21.0)  # the same keys: one record, two deadlines
+    table.sweep(now=11.0)
+    assert session.lock_deadlines == {A: {21.0: 1}}
 
 
 def test_expired_locks_are_forgotten_not_released() -> None:
@@ -27,7 +53,7 @@ def test_expired_locks_are_forgotten_not_released() -> None:
     session.add_read_locks([A], deadline=10.0)
     session.add_read_locks([B], deadline=30.0)
     # L1 reaped A's lock at its TTL: releasing it now could drop somebody else's lock
-    assert session.take_read_locks([A, B], now=11.0) == {1: [B]}
+    assert session.take_read_locks([A, B], now=11.0) == {(1, 30.0): [B]}
 
 
 def test_writes_belong_to_the_session_that_reserved_them() -> None:
@@ -58,24 +84,30 @@ class _EagerLocks:
     """The per-key bookkeeping updated on every call: what a session must be equivalent to."""
 
     def __init__(self) -> None:
-        self.counts: Counter[ObjectKey] = Counter()
-        self.deadlines: dict[ObjectKey, float] = {}
+        self.deadlines: dict[ObjectKey, list[float]] = {}
+
+    @property
+    def counts(self) -> Counter[ObjectKey]:
+        return Counter({key: len(held) for key, held in self.deadlines.items()})
 
     def add(self, keys: list[ObjectKey], deadline: float) -> None:
-        self.counts.update(keys)
-        self.deadlines.update(dict.fromkeys(keys, deadline))
-
-    def take(self, keys: list[ObjectKey], now: float) -> dict[int, list[ObjectKey]]:
-        groups: dict[int, list[ObjectKey]] = {}
         for key in keys:
-            count = self.counts.pop(key, 0)
-            if count and self.deadlines.pop(key) > now:
-                groups.setdefault(count, []).append(key)
+            self.deadlines.setdefault(key, []).append(deadline)
+            self.deadlines[key].sort()
+
+    def take(self, keys: list[ObjectKey], now: float) -> dict[tuple[int, float], list[ObjectKey]]:
+        groups: dict[tuple[int, float], list[ObjectKey]] = {}
+        for key in keys:
+            live = [deadline for deadline in self.deadlines.pop(key, []) if deadline > now]
+            if live:
+                groups.setdefault((len(live), min(live)), []).append(key)
         return groups
 
     def expire(self, now: float) -> None:
-        for key in [key for key, deadline in self.deadlines.items() if deadline <= now]:
-            del self.deadlines[key], self.counts[key]
+        for key, held in list(self.deadlines.items()):
+            held[:] = [deadline for deadline in held if deadline > now]
+            if not held:
+                del self.deadlines[key]
 
 
 def test_lock_records_match_per_key_bookkeeping_under_any_sequence() -> None:
@@ -117,14 +149,14 @@ def test_lock_records_match_per_key_bookkeeping_under_any_sequence() -> None:
                 model.expire(now)
                 assert session.empty == (not model.counts)
         assert session.read_locks == model.counts
-        assert session.lock_deadlines == model.deadlines
+        assert session.lock_deadlines == {key: dict(Counter(held)) for key, held in model.deadlines.items()}
 
 
 def test_repeated_lookups_of_one_prefix_keep_one_record_and_count_every_lock() -> None:
     session = SessionTable(lock_ttl_s=10, write_ttl_s=20).get(b"client", now=0.0)
     for step in range(1000):
         session.add_read_locks([A, B], deadline=10.0 + step)
-    assert session.take_read_locks([A, B], now=5.0) == {1000: [A, B]}
+    assert session.take_read_locks([A, B], now=5.0) == {(1000, 10.0): [A, B]}
 
 
 def test_unindexed_lock_records_stay_bounded() -> None:
@@ -157,7 +189,167 @@ def test_releasing_once_drops_one_lock_per_key_and_forgets_expired_ones() -> Non
     session.add_read_locks([A, B], deadline=10.0)  # a lookup
     session.add_read_locks([A], deadline=12.0)  # a retrieve of the first key
     session.add_read_locks([C], deadline=4.0)
-    # a key named twice goes once, as L1 locked it; C's lock was reaped, so only forgotten
-    assert session.take_one_read_lock([A, A, B, C], now=5.0) == [A, B]
+    # a key named twice goes once, as L1 locked it; C's lock was reaped, so only forgotten;
+    # the lock forgotten is the one expiring first, as L1 drops it
+    assert session.take_one_read_lock([A, A, B, C], now=5.0) == {10.0: [A, B]}
     assert session.read_locks == {A: 1}
-    assert session.take_read_locks([A, B, C], now=5.0) == {1: [A]}
+    assert session.take_read_locks([A, B, C], now=5.0) == {(1, 12.0): [A]}
+
+
+# -- the sessions and L1 together: every client's locks counted alike by both --------------
+
+LOCK_TTL = 10.0
+
+
+class _L1Storage:
+    """What the handlers use of a StorageManager for LOOKUP and RELEASE, on a bare L1."""
+
+    def __init__(self, l1: L1Manager) -> None:
+        self.l1 = l1
+
+    def start_prefetch(self, keys: Sequence[ObjectKey], *, readers: int = 1) -> tuple[int, list[ObjectKey]]:
+        return 0, [obj.key for obj in self.l1.reserve_read_prefix(keys, readers, until_repeat=True)]
+
+    def release(self, keys: Sequence[ObjectKey], count: int = 1) -> None:
+        self.l1.finish_read(keys, count)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The monotonic clock of the handlers and of L1's read locks, set by the test; it starts
+    on the lock-deadline grid (a 64th of the TTL), so that a lock taken then expires exactly
+    its TTL later."""
+    step = LOCK_TTL / 64
+    now = [math.ceil(time.monotonic() / step) * step]
+    fake = types.SimpleNamespace(monotonic=lambda: now[0])
+    monkeypatch.setattr(handlers_module, "time", fake)
+    monkeypatch.setattr(l1_reads, "time", fake)
+    return now
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Handlers, L1Manager]]:
+    l1 = L1Manager(16 * 4096, lock_ttl_s=LOCK_TTL, write_ttl_s=2 * LOCK_TTL, prefault=False)
+    l1.reserve_write([A], [4096])
+    l1.finish_write([A])
+    handlers = Handlers(
+        _L1Storage(l1),  # type: ignore[arg-type]
+        chunk_size=256,
+        data_plane=DataPlane(),
+        stats=FrontendStats(),
+        status_provider=dict,
+        max_inline_bytes=1 << 20,
+    )
+    yield handlers, l1
+    l1.close()
+
+
+def _lookup(handlers: Handlers, client: bytes) -> None:
+    response = handlers.lookup(p.Lookup(1, "", [A]), client, ())
+    assert isinstance(response, tuple)  # answered at once: everything is in L1
+    reply, _ = response
+    assert isinstance(reply, p.LookupReply) and reply.hits == 1
+
+
+def _release(handlers: Handlers, client: bytes) -> int:
+    reply, _ = handlers.release(p.Release(2, "", [A]), client, ())
+    assert isinstance(reply, p.ReleaseReply)
+    return reply.released
+
+
+def test_a_vanished_clients_lock_is_reaped_while_others_keep_locking_the_key(
+    served: tuple[Handlers, L1Manager], clock: list[float]
+) -> None:
+    # A hot prefix: a client looks it up and releases it every step.  The lock of a
+    # client that vanished meanwhile must still go at its deadline, not live on in place
+    # of the locks the others release.
+    handlers, l1 = served
+    obj = l1.get(A)
+    assert obj is not None
+    start = clock[0]
+    _lookup(handlers, b"vanished")
+    for step in range(1, 41):
+        clock[0] = start + step * LOCK_TTL / 8
+        _lookup(handlers, b"engine")
+        assert _release(handlers, b"engine") == 1
+        handlers.sessions.sweep(clock[0])
+        l1.expire_locks(clock[0])
+        assert obj.read_locks == (1 if step < 8 else 0), step
+
+
+def test_a_relock_after_the_clients_own_lock_expired_counts_what_l1_holds(
+    served: tuple[Handlers, L1Manager], clock: list[float]
+) -> None:
+    # The client's first lock expired (L1 reaps it) but neither the sweep nor the reaper
+    # ran yet when it locks the key again: its session must count one live lock, as L1
+    # holds for it, or its release would drop another client's.
+    handlers, l1 = served
+    obj = l1.get(A)
+    assert obj is not None
+    start = clock[0]
+    _lookup(handlers, b"one")
+    clock[0] = start + LOCK_TTL + 1
+    _lookup(handlers, b"one")
+    _lookup(handlers, b"two")
+    assert _release(handlers, b"one") == 1
+    assert obj.read_locks == 2  # two's, and the expired one until the reaper runs
+    assert l1.expire_locks(clock[0]) == 1  # the expired one, at its deadline
+    assert obj.read_locks == 1  # two's, until its own deadline
+    assert l1.expire_locks(start + 2 * LOCK_TTL) == 0
+    assert _release(handlers, b"two") == 1
+    assert not obj.locked
+
+
+def test_a_sessions_deadlines_are_never_later_than_l1s(served: tuple[Handlers, L1Manager]) -> None:
+    # A session must not count on a lock L1 has reaped: its release would drop another's.
+    # Every read lock L1 takes (a prefetch's loaded from L2 too) is on the lock grid at a
+    # time after the one the session's deadline is computed from.
+    handlers, l1 = served
+    table = handlers.sessions
+    start = time.monotonic()
+    for offset in range(-200, 200):
+        now = start + offset * l1.lock_grid_s / 7
+        assert table.read_lock_deadline(now) == l1.lock_deadline(now)
+        assert table.prefetch_lock_deadline(now) == l1.lock_deadline(now)
+        assert table.read_lock_deadline(now) <= l1.lock_deadline(now + l1.lock_grid_s / 3)
+
+
+def test_locking_the_same_keys_again_and_again_keeps_a_count_per_deadline(clock: list[float]) -> None:
+    # A client that looks the same keys up again and again over a whole TTL without
+    # releasing them (buggy, or hostile): its session and L1 keep a count per deadline of
+    # the lock grid (a 64th of the TTL), not an entry per lock, and agree on the count.
+    many = [ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(512)]
+    l1 = L1Manager(len(many) * 4096, lock_ttl_s=LOCK_TTL, write_ttl_s=2 * LOCK_TTL, prefault=False)
+    try:
+        l1.reserve_write(many, [4096] * len(many))
+        assert all(l1.finish_write(many))
+        handlers = Handlers(
+            _L1Storage(l1),  # type: ignore[arg-type]
+            chunk_size=256,
+            data_plane=DataPlane(),
+            stats=FrontendStats(),
+            status_provider=dict,
+            max_inline_bytes=1 << 20,
+        )
+        start = clock[0]
+        for step in range(10_000):
+            clock[0] = start + step * LOCK_TTL / 10_000
+            response = handlers.lookup(p.Lookup(1, "", many), b"client", ())
+            assert isinstance(response, tuple)  # answered at once: everything is in L1
+            reply, _ = response
+            assert isinstance(reply, p.LookupReply) and reply.hits == len(many)
+        session = handlers.sessions.peek(b"client")
+        assert session is not None
+        assert [len(counts) <= 66 for _keys, counts in session._records] == [True]
+        assert session.read_locks == Counter(dict.fromkeys(many, 10_000))
+        assert max(len(held) for held in session.lock_deadlines.values()) <= 66
+        objs = [l1.get(key) for key in many]
+        for obj in objs:
+            assert obj is not None and obj.read_locks == 10_000
+            assert len(obj.lock_groups or ()) <= 2 * 66
+        reply, _ = handlers.release(p.Release(2, "", many), b"client", ())
+        assert isinstance(reply, p.ReleaseReply) and reply.released == len(many)
+        assert not any(obj is not None and obj.locked for obj in objs)
+        assert session.empty and l1.stats().read_locks == 0
+    finally:
+        l1.close()

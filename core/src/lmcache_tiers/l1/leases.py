@@ -9,9 +9,10 @@ things take an object out from under a holder that has not finished with it:
   if it had crashed, and a writer slower than ``write_ttl_s`` has its reservation freed.
 
 Either way the extent is **quarantined** instead of freed.  A forced extent stays until
-every lock held on it at the time is released, or its lease ends (the locks' deadline, at
-least the grace period), and not before the grace period of locks that expired on it
-earlier ends; an expired one for the grace period.  Only then is it reused.
+every lock held on it at the time is released, or its lease ends (the latest of the locks'
+deadlines, at least the grace period), and not before the grace period of locks that
+expired on it earlier ends; an expired one for the grace period (from the last time locks
+on it expired: each lock expires at its own deadline).  Only then is it reused.
 An object taken away while an L2 store task reads it (``reserve_store``) is quarantined
 too, and its extent is also *pinned* until the last such store reports: those locks are
 released by identity (``finish_store``) and never reaped, so neither its readers' releases
@@ -90,7 +91,8 @@ class ExtentLeases:
     # -- extents leaving -------------------------------------------------------------------
 
     def lapse(self, obj: L1Object, now: float) -> None:
-        """``obj``'s locks expired: if it leaves L1 within the grace period, hold its extent."""
+        """Locks on ``obj`` expired (all of them, or some while others are still held): if
+        it leaves L1 within the grace period, hold its extent."""
         self._lapsed[obj.offset] = now + self.grace_s
 
     def release_extents(self, objs: Sequence[L1Object], now: float) -> None:

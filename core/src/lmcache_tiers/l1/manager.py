@@ -15,6 +15,16 @@ ago), in which case it is quarantined until they are done; every extent that goe
 bumps its generation first, which is how a client holding views into it finds out
 (``l1/leases.py``).
 
+Every lock expires at its own deadline (its TTL from when it was taken), whatever locks
+are taken on the object since: a holder that forgets a lock at its TTL without releasing
+it (a crashed client, or one whose late release could drop a lock taken since) leaves
+nothing behind once ``expire_locks`` has run.  A release does not say which lock it drops:
+L1 drops the one expiring first after now (and not before the caller's ``not_before``),
+which never leaves a live holder without a lock lasting until its own deadline
+(``l1/reads.py``).  Deadlines are rounded up to a grid of a 64th of the lock TTL
+(``lock_deadline``), so however often an object is locked it keeps a count per deadline
+for at most 65 live ones, and a lock is reaped up to a 64th of its TTL late.
+
 One re-entrant lock guards everything, so each batched call is atomic, and listeners
 (running inside it) may call back into the manager. Object bytes are copied outside the
 lock (the object's own write or read lock protects its extent), so a slow NVMe transfer
@@ -45,7 +55,7 @@ from lmcache_tiers.l1.leases import ExtentLeases, LeaseStats
 from lmcache_tiers.l1.loan import L1Loan
 from lmcache_tiers.l1.nvme import NvmeL1File
 from lmcache_tiers.l1.objects import Eviction, L1Listener, L1Object, L1Stats, ObjectState
-from lmcache_tiers.l1.reads import ReadLocks
+from lmcache_tiers.l1.reads import LOCK_GRID_STEPS, ReadLocks, read_lock_deadline
 from lmcache_tiers.l1.removal import Removal
 from lmcache_tiers.l1.table import L1Listeners, ObjectTable, check_lock_count
 from lmcache_tiers.l1.writes import WriteReservations
@@ -121,6 +131,18 @@ class L1Manager:
     def lock_ttl_s(self) -> float:
         """How long read locks (and a read-locked hand-off) last unless released."""
         return self._reads.lock_ttl_s
+
+    @property
+    def lock_grid_s(self) -> float:
+        """The step read-lock deadlines are rounded up to (``lock_deadline``)."""
+        return self._reads.lock_ttl_s / LOCK_GRID_STEPS
+
+    def lock_deadline(self, now: float) -> float:
+        """When a read lock taken at ``now`` (a ``time.monotonic()`` value) expires: the lock
+        TTL later, rounded up to a multiple of ``lock_grid_s``.  Monotonic in ``now``: a
+        holder that reads the clock before taking its lock never thinks it lasts longer
+        than L1 keeps it."""
+        return read_lock_deadline(now, self._reads.lock_ttl_s)
 
     @property
     def write_ttl_s(self) -> float:
@@ -303,14 +325,22 @@ class L1Manager:
         given up): drop its lock on each, and free extents held for it."""
         self._reads.release_store(objs)
 
-    def finish_read(self, keys: Sequence[ObjectKey], count: int = 1) -> None:
+    def finish_read(
+        self, keys: Sequence[ObjectKey], count: int = 1, *, not_before: float | None = None
+    ) -> None:
         """Drop ``count`` read locks per key; a temporary object left unlocked is freed.
 
         Locks on an extent quarantined by a forced delete are credited first (see
         ``l1/leases.py``); keys not in L1 or not read-locked (e.g. their locks expired)
-        are ignored.
+        are ignored.  Each lock keeps its own deadline, but a release does not say which
+        lock it drops: the one dropped is the one expiring first after now and, given
+        ``not_before`` (a monotonic time no later than the released locks' deadlines:
+        ``lock_deadline`` of a time read before the caller took them), not before it.  So
+        no holder's lock is ever reaped before its deadline, and a caller that gives ``not_before`` never
+        takes the place of a lock whose holder forgot it (which then goes at its deadline,
+        however often the key is locked since).
         """
-        self._reads.release(keys, count)
+        self._reads.release(keys, count, not_before)
 
     def set_temporary(self, keys: Sequence[ObjectKey], temporary: bool) -> None:
         """Mark objects to be freed after their last read (or not).
@@ -390,11 +420,11 @@ class L1Manager:
     def expire_locks(self, now: float | None = None) -> int:
         """Reap locks past their TTL, as if their crashed holders had released them.
 
-        An expired write reservation is freed; expired read locks are dropped (and a
-        temporary object with them). Either way the extent is not reused for the lease
-        grace period, in case its holder is only slow; quarantined extents whose lease has
-        ended are reclaimed. Returns the number of objects whose locks expired. ``now`` is
-        a ``time.monotonic()`` value.
+        An expired write reservation is freed; expired read locks are dropped, each at its
+        own deadline (an object left with none, and temporary, is freed). Either way the
+        extent is not reused for the lease grace period, in case its holder is only slow;
+        quarantined extents whose lease has ended are reclaimed. Returns the number of
+        objects some of whose locks expired. ``now`` is a ``time.monotonic()`` value.
         """
         return self._removal.expire_locks(time.monotonic() if now is None else now)
 

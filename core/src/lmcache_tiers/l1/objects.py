@@ -19,8 +19,14 @@ class ObjectState(enum.Enum):
 class L1Object:
     """One object in the arena. Owned by the L1Manager: callers read it, never modify it.
 
-    ``lock_deadline`` is the monotonic time at which the current lock (the write lock while
-    WRITING, the read locks while READY and ``read_locks > 0``) expires.
+    ``lock_deadline`` is the monotonic time at which the write lock expires while WRITING;
+    while READY and read-locked by readers, the latest of their locks' deadlines.  Each
+    reader's lock keeps its own deadline: ``lock_groups`` is None while every reader lock
+    expires at ``lock_deadline`` (one holder, or locks taken within one step of the lock
+    grid: the usual case), else the locks per deadline as ``[deadline, count, deadline,
+    count, ...]``, earliest first -- a few dozen live deadlines at most, however many locks
+    (``l1/reads.py``).  An L2 store's locks (``storing``, also counted in ``read_locks``)
+    have none: they are never reaped.
     """
 
     key: ObjectKey
@@ -39,6 +45,8 @@ class L1Object:
     #: L2 store tasks reading its extent now: their locks are not reaped at the lock TTL, and
     #: if the object leaves L1 meanwhile its extent is kept until the last of them reports
     storing: int = field(default=0, repr=False)
+    #: the readers' locks per deadline when they do not all share ``lock_deadline``
+    lock_groups: list[float] | None = field(default=None, repr=False)
 
     @property
     def locked(self) -> bool:

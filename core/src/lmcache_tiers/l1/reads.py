@@ -1,5 +1,24 @@
-"""Read locks: counted, with one deadline per object, taken on READY objects and dropped
-by their readers (or reaped at their TTL, ``l1/removal.py``).
+"""Read locks: counted, each with its own deadline, taken on READY objects and dropped by
+their readers (or reaped at their TTL, ``l1/removal.py``).
+
+Holders forget a lock at its TTL without releasing it (a late release could drop a lock
+someone took since), so a lock must be reaped at its own deadline however often its key is
+locked again.  An object keeps its readers' locks per deadline (``L1Object.lock_groups``;
+one deadline and no list while they share one, the usual case).  A release does not say
+whose locks it drops: it drops those expiring first after now and, when the caller says
+its locks expire no earlier than ``not_before``, not before that.  Every holder still
+holding then keeps a lock lasting at least until its own deadline -- at worst a lock
+outlives its holder, never the other way round.  Without ``not_before`` a release may drop
+a forgotten lock in place of the caller's, which then lives on until its deadline: callers
+that know when they took their locks say so.
+
+A deadline is the lock TTL from when the lock was taken rounded up to a grid of
+``lock_ttl_s / LOCK_GRID_STEPS`` on the monotonic clock (``read_lock_deadline``), so an
+object's locks have at most ``LOCK_GRID_STEPS + 1`` distinct live deadlines however often it
+is locked (and the one of the locks it became READY with, ``l1/writes.py``, not rounded): a
+client locking keys again and again without releasing them costs a count per deadline, not
+an entry per lock.  A lock thus lasts up to one grid step longer than its TTL
+-- the safe way round.
 
 A temporary object is freed when its last read lock is dropped.  Locks on an extent that
 a forced delete quarantined are credited to it before the key's live object
@@ -9,6 +28,7 @@ make one pass over the keys, with the table's dicts in locals.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -23,6 +43,26 @@ from lmcache_tiers.l1.table import ObjectTable, check_lock_count
 
 _READY = ObjectState.READY
 _KEY_OF = attrgetter("key")
+
+#: read-lock deadlines are rounded up to multiples of the lock TTL divided by this
+LOCK_GRID_STEPS = 64
+
+
+def read_lock_deadline(now: float, lock_ttl_s: float) -> float:
+    """The deadline of a read lock taken at ``now`` (a ``time.monotonic()`` value): ``now``
+    plus ``lock_ttl_s``, rounded up to the next multiple of ``lock_ttl_s / LOCK_GRID_STEPS``.
+
+    Monotonic in ``now``, and one float per grid cell: a deadline computed from a time read
+    before a lock is taken is never later than the lock's own.
+    """
+    end = now + lock_ttl_s
+    step = lock_ttl_s / LOCK_GRID_STEPS
+    if not math.isfinite(step):  # an infinite TTL: nothing to round
+        return end
+    cell = math.ceil(end / step)
+    deadline = cell * step
+    # Never short of the TTL, even by a rounding error of the division.
+    return deadline if deadline >= end else (cell + 1) * step
 
 
 class ReadLocks:
@@ -65,16 +105,17 @@ class ReadLocks:
         table.check_open()
         objects, locked = table.objects, table.locked
         hits: dict[ObjectKey, L1Object] = {}
-        deadline = time.monotonic() + self.lock_ttl_s
+        deadline = read_lock_deadline(time.monotonic(), self.lock_ttl_s)
         for key in keys:
             obj = objects.get(key)
             if obj is None or obj.state is not _READY or key in hits:
                 continue
-            obj.read_locks += count
-            # One deadline per object: a new reader extends it, and reaping drops all
-            # of the object's read locks at once.
-            obj.lock_deadline = max(obj.lock_deadline, deadline) if key in locked else deadline
-            locked[key] = obj
+            if obj.read_locks:
+                add_read_locks(obj, count, deadline)
+            else:
+                locked[key] = obj
+                obj.read_locks = count
+                obj.lock_deadline = deadline
             hits[key] = obj
         return hits
 
@@ -102,15 +143,15 @@ class ReadLocks:
                 if not prefix:
                     return prefix
             locked = table.locked
-            deadline = time.monotonic() + self.lock_ttl_s
+            deadline = read_lock_deadline(time.monotonic(), self.lock_ttl_s)
             for obj in unique:
-                # A READY object is in ``locked`` exactly when it has read locks.  Every
-                # read-lock deadline is the monotonic clock plus the lock TTL, read under
-                # this lock, so this one is never earlier than the object's current one.
-                if not obj.read_locks:
+                # A READY object is in ``locked`` exactly when it has read locks.
+                if obj.read_locks:
+                    add_read_locks(obj, count, deadline)
+                else:
                     locked[obj.key] = obj
-                obj.read_locks += count
-                obj.lock_deadline = deadline
+                    obj.read_locks = count
+                    obj.lock_deadline = deadline
             table.listeners.notify("read", read)
             return prefix
 
@@ -145,7 +186,7 @@ class ReadLocks:
             unique = list(dict.fromkeys(prefix))
         return prefix, unique, list(map(_KEY_OF, unique))
 
-    def release(self, keys: Sequence[ObjectKey], count: int) -> None:
+    def release(self, keys: Sequence[ObjectKey], count: int, not_before: float | None = None) -> None:
         """``L1Manager.finish_read``: drop ``count`` locks per key, quarantined extents first."""
         check_lock_count(count)
         with self._lock:
@@ -165,6 +206,7 @@ class ReadLocks:
                 # list when, as nearly always, there is nothing to remove).
                 distinct = keys if len(set(keys)) == len(keys) else list(dict.fromkeys(keys))
                 found = map(objects.get, distinct)
+            now = 0.0  # read once, only if an object's locks have several deadlines
             if leases.any_holders:
                 # Locks on quarantined extents are credited first: per key, what is left
                 # over goes to the live object.
@@ -179,22 +221,41 @@ class ReadLocks:
             for obj, left in zip(found, lefts, strict=False):  # lefts may repeat
                 if obj is None or not left:
                     continue
-                remaining = obj.read_locks - left
-                if remaining > 0:
-                    obj.read_locks = remaining
-                elif obj.read_locks:  # its last locks: unlocked now
-                    obj.read_locks = 0
-                    del locked[obj.key]
-                    if obj.temporary:
-                        freed.append(obj)
+                # A reader's release never takes an L2 store's lock (``release_store``).
+                readers = obj.read_locks - obj.storing
+                if left < readers:
+                    obj.read_locks -= left
+                    if obj.lock_groups is not None:
+                        if not now:
+                            now = time.monotonic()
+                        _drop_read_locks(obj, left, now, not_before)
+                elif readers > 0:  # its readers' last locks
+                    obj.lock_groups = None
+                    obj.read_locks = obj.storing
+                    if not obj.storing:  # unlocked now
+                        del locked[obj.key]
+                        if obj.temporary:
+                            freed.append(obj)
             table.free(freed)
 
     def lock_for_store(self, keys: Sequence[ObjectKey]) -> dict[ObjectKey, L1Object]:
         """``L1Manager.reserve_store``: ``lock_present`` once, each object pinned for a store."""
         with self._lock:
-            hits = self._lock_present(keys, 1)
-            for obj in hits.values():
+            table = self._table
+            table.check_open()
+            objects, locked = table.objects, table.locked
+            hits: dict[ObjectKey, L1Object] = {}
+            for key in keys:
+                obj = objects.get(key)
+                if obj is None or obj.state is not _READY or key in hits:
+                    continue
+                # No deadline: a store's lock is not reaped, and its report drops exactly
+                # it (readers' locks are ``read_locks - storing``).
+                if not obj.read_locks:
+                    locked[key] = obj
+                obj.read_locks += 1
                 obj.storing += 1
+                hits[key] = obj
             # Only now: a listener that deletes them by force must find the store's locks
             # marked as such, or their extents would be held as if a reader had them.
             self._table.listeners.notify("read", list(hits))
@@ -237,6 +298,100 @@ class ReadLocks:
                     table.temporary.add(key)
                 else:
                     table.temporary.discard(key)
+
+
+def add_read_locks(obj: L1Object, count: int, deadline: float) -> None:
+    """``count`` more read locks on the read-locked ``obj``, expiring at ``deadline``.
+
+    Every read-lock deadline is ``read_lock_deadline`` of the monotonic clock, read under
+    the L1 lock, so ``deadline`` is never earlier than the object's others: it joins the
+    last group (equal deadlines are one group: the grid keeps them few) or starts a new one
+    at the end (an earlier one is still put in its place).
+    """
+    readers = obj.read_locks - obj.storing
+    obj.read_locks += count
+    groups = obj.lock_groups
+    if groups is None:
+        latest = obj.lock_deadline
+        if not readers or latest == deadline:
+            obj.lock_deadline = deadline
+        elif latest < deadline:
+            obj.lock_groups = [latest, readers, deadline, count]
+            obj.lock_deadline = deadline
+        else:
+            obj.lock_groups = [deadline, count, latest, readers]
+    elif groups[-2] == deadline:
+        groups[-1] += count
+    elif groups[-2] < deadline:
+        groups += (deadline, count)
+        obj.lock_deadline = deadline
+    else:
+        position = 0
+        while groups[position] < deadline:
+            position += 2
+        if groups[position] == deadline:
+            groups[position + 1] += count
+        else:
+            groups[position:position] = (deadline, count)
+
+
+def _drop_read_locks(obj: L1Object, count: int, now: float, not_before: float | None) -> None:
+    """Take ``count`` of ``obj``'s readers' locks (fewer than it holds, already taken off
+    ``read_locks``) out of its deadline groups: those with the earliest deadline after
+    ``now``, and not before ``not_before``, first; then (a holder released a lock it no
+    longer held) the latest of the others."""
+    groups = obj.lock_groups
+    assert groups is not None
+    # Locks expiring before ``not_before`` are not the caller's: maybe forgotten by theirs.
+    first = 0
+    while first < len(groups) and (
+        groups[first] <= now or (not_before is not None and groups[first] < not_before)
+    ):
+        first += 2
+    for position in [*range(first, len(groups), 2), *range(first - 2, -1, -2)]:
+        held = int(groups[position + 1])
+        taken = min(held, count)
+        groups[position + 1] = held - taken
+        count -= taken
+        if not count:
+            break
+    kept: list[float] = []
+    for position in range(0, len(groups), 2):
+        if groups[position + 1]:
+            kept += groups[position : position + 2]
+    _set_groups(obj, kept)
+
+
+def reap_read_locks(obj: L1Object, now: float) -> int:
+    """Drop the readers' locks on ``obj`` whose deadline is ``now`` or earlier (taken off
+    ``read_locks``); returns how many."""
+    groups = obj.lock_groups
+    if groups is None:
+        if obj.lock_deadline > now:
+            return 0
+        reaped = obj.read_locks - obj.storing
+        obj.read_locks = obj.storing
+        return reaped
+    if groups[0] > now:
+        return 0
+    first = 0
+    while first < len(groups) and groups[first] <= now:
+        first += 2
+    reaped = int(sum(groups[1:first:2]))
+    obj.read_locks -= reaped
+    _set_groups(obj, groups[first:])
+    return reaped
+
+
+def _set_groups(obj: L1Object, groups: list[float]) -> None:
+    """``obj``'s readers' locks per deadline are now ``groups`` (earliest first)."""
+    if len(groups) > 2:
+        obj.lock_groups = groups
+        obj.lock_deadline = groups[-2]
+    else:
+        obj.lock_groups = None
+        if groups:
+            obj.lock_deadline = groups[0]
 
 
 def _first_repeat(objects: list[L1Object]) -> int:

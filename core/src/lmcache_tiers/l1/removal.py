@@ -19,6 +19,7 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1.allocator import ExtentAllocator
 from lmcache_tiers.l1.leases import ExtentLeases
 from lmcache_tiers.l1.objects import Eviction, L1Object, ObjectState
+from lmcache_tiers.l1.reads import reap_read_locks
 from lmcache_tiers.l1.table import ObjectTable
 
 logger = logging.getLogger(__name__)
@@ -118,23 +119,31 @@ class Removal:
             freed: list[L1Object] = []
             expired_reads = 0
             for key, obj in list(table.locked.items()):
-                if obj.lock_deadline > now or obj.storing:
+                if obj.storing:
                     # An L2 store reading the extent is not a client that may have died:
                     # its locks go when it reports (``finish_store``); the others' then.
                     continue
-                leases.lapse(obj, now)
                 if obj.state is _WRITING:
+                    if obj.lock_deadline > now:
+                        continue
+                    leases.lapse(obj, now)
                     expired_writes.append(obj)
                     continue
+                # Each reader's lock goes at its own deadline, however many were taken
+                # since: the others' holders keep the object locked.
+                if not reap_read_locks(obj, now):
+                    continue
+                leases.lapse(obj, now)
                 expired_reads += 1
-                obj.read_locks = 0
+                if obj.read_locks:
+                    continue
                 del table.locked[key]
                 if obj.temporary:
                     freed.append(obj)
             if expired_writes or expired_reads:
                 logger.warning(
-                    "L1 lock TTL expired: %d write reservations freed, %d objects' read locks dropped; "
-                    "their extents are not reused for another %gs",
+                    "L1 lock TTL expired: %d write reservations freed, %d objects' expired read locks "
+                    "dropped; their extents are not reused for another %gs",
                     len(expired_writes),
                     expired_reads,
                     leases.grace_s,

@@ -17,6 +17,7 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1.allocator import ExtentAllocator
 from lmcache_tiers.l1.leases import ExtentLeases
 from lmcache_tiers.l1.objects import L1Object, ObjectState
+from lmcache_tiers.l1.reads import read_lock_deadline
 from lmcache_tiers.l1.table import ObjectTable
 
 _WRITING = ObjectState.WRITING
@@ -103,7 +104,7 @@ class WriteReservations:
         done: list[bool] = []
         written: list[ObjectKey] = []
         locked = self._table.locked
-        deadline = time.monotonic() + self.lock_ttl_s
+        deadline = read_lock_deadline(time.monotonic(), self.lock_ttl_s)  # on the grid, as every read lock's
         for obj in objs:
             if obj is None or obj.state is not _WRITING or obj.loading is not loads:
                 done.append(False)

@@ -140,7 +140,9 @@ class Handlers:
         self.status_provider = status_provider
         self.max_inline_bytes = max_inline_bytes
         l1 = storage.l1
-        self.sessions = SessionTable(float(l1.lock_ttl_s), float(l1.write_ttl_s))
+        self.sessions = SessionTable(
+            float(l1.lock_ttl_s), float(l1.write_ttl_s), lock_deadline=l1.lock_deadline
+        )
         self.stopping = threading.Event()
         # prefetch handles a pool thread is blocked on; the sweep leaves them alone
         self._waited: set[int] = set()
@@ -246,7 +248,7 @@ class Handlers:
         """Hand a finished prefetch to its client: the hit count, and the locks with it."""
         del session.prefetches[handle]
         # Deadline from the LOOKUP: L1 took the locks no earlier, so keeps them no shorter.
-        session.add_read_locks(pending.locked, pending.started + self.sessions.lock_ttl_s)
+        session.add_read_locks(pending.locked, self.sessions.prefetch_lock_deadline(pending.started))
         return pending.hits or 0
 
     def _pending(self, identity: bytes, handle: int) -> tuple[Session, PendingPrefetch]:
@@ -351,7 +353,8 @@ class Handlers:
             self.storage.discard_prefetch(handle)  # released when it finishes
             return 0
         if pending.locked:
-            self.storage.release(pending.locked)
+            # The prefetch took them after the LOOKUP arrived: they expire no earlier.
+            self._release_locks(pending.locked, 1, self.sessions.prefetch_lock_deadline(pending.started))
         return len(pending.locked)
 
     # -- store ------------------------------------------------------------------------------
@@ -502,6 +505,7 @@ class Handlers:
         storage, limit = self.storage, self.max_inline_bytes
 
         def work() -> Callable[[], Response]:
+            not_before = self.sessions.read_lock_deadline(time.monotonic())  # of the locks read takes
             objects = storage.read(req.keys)
             payloads: list[Any] = []
             total = 0
@@ -522,7 +526,7 @@ class Handlers:
                         break
                     total += obj.size
             finally:
-                storage.release(req.keys[: len(objects)])
+                self._release_locks(req.keys[: len(objects)], 1, not_before)
             truncated = not lost and len(payloads) < len(objects)
             returned = req.keys[: len(payloads)]
 
@@ -575,26 +579,32 @@ class Handlers:
         if session is None:
             return 0
         taken = session.take_one_read_lock(keys, time.monotonic())
-        if taken:
-            self.storage.release(taken)
-        return len(taken)
+        for not_before, group in taken.items():
+            self._release_locks(group, 1, not_before)
+        return sum(len(group) for group in taken.values())
 
     def _release(self, identity: bytes, keys: Sequence[ObjectKey]) -> int:
         session = self.sessions.peek(identity)
         if session is None:
             return 0
         groups = session.take_read_locks(keys, time.monotonic())
-        for count, group in groups.items():
-            self.storage.release(group, count)
+        for (count, not_before), group in groups.items():
+            self._release_locks(group, count, not_before)
         released = sum(len(group) for group in groups.values())
         if session.prefetches:
             # A finished prefetch the client never asked about holds locks for it too.
-            held = session.take_prefetch_locks(keys)
-            for count, group in held.items():
-                self.storage.release(group, count)
+            held = session.take_prefetch_locks(keys, self.sessions.prefetch_lock_deadline)
+            for (count, not_before), group in held.items():
+                self._release_locks(group, count, not_before)
             if held:
                 released = len({key for part in (groups, held) for group in part.values() for key in group})
         return released
+
+    def _release_locks(self, keys: Sequence[ObjectKey], count: int, not_before: float) -> None:
+        """Release a client's locks on ``keys``, the earliest expiring at ``not_before`` (the
+        session's deadline, never later than L1's): L1 then drops locks of this client's,
+        not one a vanished client left to expire, which would live on in their place."""
+        self.storage.l1.finish_read(keys, count, not_before=not_before)
 
     # -- maintenance ------------------------------------------------------------------------
 
@@ -621,8 +631,8 @@ class Handlers:
             if session.writes:
                 writes += len(session.writes)
                 self.storage.abort_write(list(session.writes))
-            for count, group in session.take_read_locks(list(session.read_locks), now).items():
-                self.storage.release(group, count)
+            for (count, not_before), group in session.take_read_locks(list(session.read_locks), now).items():
+                self._release_locks(group, count, not_before)
                 locks += len(group)
             for handle, pending in session.prefetches.items():
                 locks += self._give_back(handle, pending)

@@ -9,9 +9,16 @@ locks), lets COMMIT touch only the caller's reservations, and lets a shutdown gi
 everything still held.
 
 A client that vanishes is not detectable over ROUTER/DEALER, so L1's lock TTLs reclaim
-its memory; records here carry the same deadlines, and an expired record is forgotten
-without being released, because L1 has already reaped (or will reap) that lock and a late
-release could otherwise drop a lock someone else took since.
+its memory.  L1 keeps each lock's own deadline, and so does the session, never later than
+L1's (computed with L1's ``lock_deadline`` from a time read before L1 takes the lock): an
+expired lock is forgotten without being released, because L1 has already reaped (or will
+reap) it and a late release could otherwise drop a lock someone else took since.  A
+release tells L1 the earliest deadline of the locks it drops (``not_before``), so that L1
+drops locks of this client's and not one a vanished client left behind, which then goes at
+its own deadline.  Deadlines are on L1's grid (a 64th of the lock TTL), so locks are kept
+as counts per deadline: a client that locks the same keys again and again without
+releasing them costs at most one count per key and grid step still live, not an entry per
+lock.
 
 Only the server's loop thread changes these objects.  Other threads (``/metrics`` and
 ``/status`` scrapes) read the gauges through :meth:`SessionTable.gauges`, which changes
@@ -22,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, NamedTuple
@@ -51,6 +58,9 @@ class PendingPrefetch:
         self.locked = self.keys[: self.hits]
 
 
+#: what a key holding no lock gives up (never changed)
+_NOTHING: dict[float, int] = {}
+
 #: unindexed lock records a session keeps before indexing them per key: bounds both the
 #: memory they take and the one indexing pass a request may have to make first
 INDEX_BACKLOG_KEYS = 4096
@@ -60,27 +70,28 @@ INDEX_BACKLOG_KEYS = 4096
 class Session:
     """What one client currently holds.
 
-    Read locks are counted per key (a key locked by a LOOKUP and then by a RETRIEVE holds
-    two), with one deadline per key, the latest lock's: L1 also keeps one deadline per
-    object and extends it with each new lock.
+    Read locks are kept per key, each with its own deadline (a key locked by a LOOKUP and
+    then by a RETRIEVE holds two), as L1 keeps them: L1 reaps each at its deadline, so a
+    count that outlived one of them would make a later RELEASE drop someone else's lock.
+    They are counted per deadline (``{deadline: locks}``): deadlines are on L1's grid, so a
+    key keeps a few counts however many times it is locked.
 
     Taking locks is on the path of every LOOKUP and RETRIEVE, reading them back only on
     RELEASE, the sweep and shutdown; so each call of :meth:`add_read_locks` leaves one
-    record (the keys, the deadline, how many times in a row those very keys were locked),
-    and the per-key counts and deadlines (``read_locks``, ``lock_deadlines``) are brought
-    up to date from the records, in the order they were taken, whenever they are read.
-    The result is exactly what updating them on every call would give; a client that
-    locks the same prefix again and again (an engine asking about a waiting prompt every
-    step) costs one list comparison per lookup instead of two dict updates per key.  A
-    RELEASE of exactly the keys of the one record there is (lookup, retrieve, release)
-    takes that record back whole, indexing nothing.
+    record (the keys, and how many times those very keys were locked in a row per
+    deadline), and the per-key deadlines (``lock_deadlines``) are brought up to date from the
+    records whenever they are read.  The result is exactly what updating them on every
+    call would give; a client that locks the same prefix again and again (an engine
+    asking about a waiting prompt every step) costs one list comparison per lookup
+    instead of an update per key.  A RELEASE of exactly the keys of the one record there
+    is (lookup, retrieve, release) takes that record back whole, indexing nothing.
     """
 
     identity: bytes
     last_seen: float
-    _counts: Counter[ObjectKey] = field(default_factory=Counter, repr=False)
-    _deadlines: dict[ObjectKey, float] = field(default_factory=dict, repr=False)
-    # [keys, deadline, times] per call not yet indexed, oldest first
+    # key -> {deadline: locks expiring then}
+    _locks: dict[ObjectKey, dict[float, int]] = field(default_factory=dict, repr=False)
+    # [keys, {deadline: calls}] per run of calls with the same keys not yet indexed, oldest first
     _records: list[list[Any]] = field(default_factory=list, repr=False)
     _backlog: int = field(default=0, repr=False)  # keys in ``_records``
     writes: dict[ObjectKey, tuple[float, int]] = field(default_factory=dict)  # key -> (deadline, size)
@@ -88,17 +99,16 @@ class Session:
 
     @property
     def read_locks(self) -> Counter[ObjectKey]:
-        """Locks held per key (do not change it: use the methods)."""
-        if self._records:
-            self._index()
-        return self._counts
+        """Locks held per key, expired ones the sweep has not forgotten yet included (a
+        copy: use the methods to change them)."""
+        return Counter({key: sum(held.values()) for key, held in self.lock_deadlines.items()})
 
     @property
-    def lock_deadlines(self) -> dict[ObjectKey, float]:
-        """Each held key's deadline, its latest lock's (do not change it)."""
+    def lock_deadlines(self) -> dict[ObjectKey, dict[float, int]]:
+        """Each held key's locks per deadline (do not change them)."""
         if self._records:
             self._index()
-        return self._deadlines
+        return self._locks
 
     def add_read_locks(self, keys: list[ObjectKey], deadline: float) -> None:
         """One more read lock on each of ``keys`` (a key listed twice: two), all expiring at
@@ -108,94 +118,106 @@ class Session:
         records = self._records
         if records:
             last = records[-1]
-            # The same keys as the call before (compared by identity first, in C): the
-            # same update again, so one more time of that record, with the new deadline.
+            # The same keys as the call before (compared by identity first, in C): one more
+            # lock on each, with its own deadline -- an expired one stays expired.
             if last[0] == keys:
-                last[1] = deadline
-                last[2] += 1
+                counts = last[1]
+                counts[deadline] = counts.get(deadline, 0) + 1
                 return
-        records.append([keys, deadline, 1])
+        records.append([keys, {deadline: 1}])
         self._backlog += len(keys)
         if self._backlog > INDEX_BACKLOG_KEYS:
             self._index()
 
     def _index(self) -> None:
-        """Apply the records to the per-key counts and deadlines, oldest first."""
-        counts, deadlines = self._counts, self._deadlines
-        for keys, deadline, times in self._records:
-            # Both updates run in C (pairs from zip and repeat cost less than building a
-            # dict to merge).
-            if times == 1:
-                counts.update(keys)
-            else:
-                counts.update({key: held * times for key, held in Counter(keys).items()})
-            deadlines.update(zip(keys, repeat(deadline)))
+        """Apply the records to the per-key deadlines, oldest first."""
+        locks = self._locks
+        for keys, counts in self._records:
+            for key in keys:
+                held = locks.get(key)
+                if held is None:
+                    locks[key] = counts.copy()
+                else:
+                    for deadline, count in counts.items():
+                        held[deadline] = held.get(deadline, 0) + count
         self._records.clear()
         self._backlog = 0
 
-    def take_read_locks(self, keys: Iterable[ObjectKey], now: float) -> dict[int, list[ObjectKey]]:
-        """Forget the locks held on ``keys``; returns the live ones grouped by lock count,
-        ready for ``StorageManager.release(keys, count)``."""
+    def take_read_locks(
+        self, keys: Iterable[ObjectKey], now: float
+    ) -> dict[tuple[int, float], list[ObjectKey]]:
+        """Forget the locks held on ``keys``; returns the live ones grouped by how many each
+        key holds and the earliest of their deadlines, ready for
+        ``L1Manager.finish_read(keys, count, not_before=deadline)``."""
         wanted = keys if isinstance(keys, list) else list(keys)
         records = self._records
-        if len(records) == 1 and not self._counts:
-            held, deadline, times = records[0]
+        if len(records) == 1 and not self._locks:
+            held, counts = records[0]
             # The usual release: the very keys of the one lock record (a LOOKUP, maybe a
             # RETRIEVE of the same keys after it), each once -- what indexing the record
             # and taking it back key by key would give, without either.
             if held == wanted and len(set(wanted)) == len(wanted):
                 records.clear()
                 self._backlog = 0
-                return {times: wanted} if deadline > now else {}
-        locks, deadlines = self.read_locks, self.lock_deadlines
-        # Both dicts hold exactly the same keys, so popping each key from both (in C, a
-        # second mention of a key getting 0 and no deadline) forgets what the loop below
-        # would, whatever it finds.
-        counts = list(map(locks.pop, wanted, repeat(0)))
-        ends = list(map(deadlines.pop, wanted, repeat(0.0)))
-        if wanted and min(ends) > now and counts.count(counts[0]) == len(counts):
-            # Every key held, none expired, each locked as often: one group.
-            return {counts[0]: wanted}
-        by_count: dict[int, list[ObjectKey]] = defaultdict(list)
-        for key, count, end in zip(wanted, counts, ends, strict=True):
-            if count and end > now:
-                by_count[count].append(key)
-        return by_count
+                live = _live(counts, now)
+                return {live: wanted} if live[0] else {}
+        locks = self.lock_deadlines
+        groups: dict[tuple[int, float], list[ObjectKey]] = defaultdict(list)
+        # A second mention of a key finds nothing left: it is released once.
+        for key, held in zip(wanted, map(locks.pop, wanted, repeat(_NOTHING)), strict=True):
+            live = _live(held, now)
+            if live[0]:
+                groups[live].append(key)
+        return groups
 
-    def take_one_read_lock(self, keys: Iterable[ObjectKey], now: float) -> list[ObjectKey]:
+    def take_one_read_lock(self, keys: Iterable[ObjectKey], now: float) -> dict[float, list[ObjectKey]]:
         """Forget one of the locks held on each of ``keys`` (each key once, as L1 locked
-        it); returns the keys whose lock was live, ready for ``StorageManager.release``."""
-        locks, deadlines = self.read_locks, self.lock_deadlines
-        taken: list[ObjectKey] = []
+        it), the live one expiring first; returns the keys whose lock was live grouped by
+        that deadline, ready for ``L1Manager.finish_read(keys, not_before=deadline)``."""
+        locks = self.lock_deadlines
+        taken: dict[float, list[ObjectKey]] = defaultdict(list)
         for key in dict.fromkeys(keys):
-            held = locks.get(key, 0)
+            held = locks.get(key)
+            if held is None:
+                continue
+            _forget_expired(held, now)
             if not held:
+                del locks[key]  # every lock of it reaped by L1: forgotten only
                 continue
-            if deadlines[key] <= now:
-                # Reaped by L1 (every lock of a key shares its deadline): forgotten only.
-                del locks[key], deadlines[key]
-                continue
-            if held == 1:
-                del locks[key], deadlines[key]
+            first = min(held)
+            taken[first].append(key)
+            if held[first] > 1:
+                held[first] -= 1
             else:
-                locks[key] = held - 1
-            taken.append(key)
+                del held[first]
+                if not held:
+                    del locks[key]
         return taken
 
-    def take_prefetch_locks(self, keys: Iterable[ObjectKey]) -> dict[int, list[ObjectKey]]:
+    def take_prefetch_locks(
+        self, keys: Iterable[ObjectKey], deadline_of: Callable[[float], float]
+    ) -> dict[tuple[int, float], list[ObjectKey]]:
         """Take the locks finished, uncollected prefetches hold on ``keys``, grouped by how
-        many such prefetches held each key (for ``StorageManager.release(keys, count)``).
-        Their hit counts stay for the client to collect."""
+        many such prefetches held each key and the earliest of their deadlines (a
+        prefetch locks after its LOOKUP arrived: its locks expire no earlier than
+        ``deadline_of(started)``, ``SessionTable.prefetch_lock_deadline``), for
+        ``L1Manager.finish_read(keys, count, not_before=deadline)``.  Their hit counts stay
+        for the client to collect."""
         wanted = set(keys)
         held: Counter[ObjectKey] = Counter()
+        earliest: dict[ObjectKey, float] = {}
         for pending in self.prefetches.values():
             if pending.locked and not wanted.isdisjoint(pending.locked):
-                held.update(key for key in pending.locked if key in wanted)
+                deadline = deadline_of(pending.started)
+                for key in pending.locked:
+                    if key in wanted:
+                        held[key] += 1
+                        earliest[key] = min(earliest.get(key, deadline), deadline)
                 pending.locked = [key for key in pending.locked if key not in wanted]
-        by_count: dict[int, list[ObjectKey]] = defaultdict(list)
+        groups: dict[tuple[int, float], list[ObjectKey]] = defaultdict(list)
         for key, count in held.items():
-            by_count[count].append(key)
-        return by_count
+            groups[count, earliest[key]].append(key)
+        return groups
 
     def add_writes(self, sizes: dict[ObjectKey, int], deadline: float) -> None:
         for key, size in sizes.items():
@@ -217,14 +239,14 @@ class Session:
     def live_locked_keys(self, now: float) -> set[ObjectKey]:
         """The keys holding an unexpired lock; changes nothing, so any thread may ask.
 
-        Each copy is one C call, which the loop thread cannot interleave.  The records are
-        copied before the per-key deadlines: a record the loop indexes in between then shows
-        up in both copies rather than in neither."""
+        Each copy, and each ``max`` of a dict's deadlines, is one C call, which the loop thread cannot
+        interleave.  The records are copied before the per-key deadlines: a record the loop
+        indexes in between then shows up in both copies rather than in neither."""
         records = list(self._records)
-        deadlines = dict(self._deadlines)
-        live = {key for key, deadline in deadlines.items() if deadline > now}
-        for keys, deadline, _times in records:
-            if deadline > now:
+        locks = dict(self._locks)
+        live = {key for key, held in locks.items() if max(held, default=0.0) > now}
+        for keys, counts in records:
+            if max(counts, default=0.0) > now:
                 live.update(keys)
         return live
 
@@ -234,14 +256,31 @@ class Session:
 
     @property
     def empty(self) -> bool:
-        return not (self._records or self._counts or self.writes or self.prefetches)
+        return not (self._records or self._locks or self.writes or self.prefetches)
 
     def expire(self, now: float) -> None:
-        locks, deadlines = self.read_locks, self.lock_deadlines
-        for key in [key for key, deadline in deadlines.items() if deadline <= now]:
-            del deadlines[key]
-            del locks[key]
+        locks = self.lock_deadlines
+        for key, held in [(key, held) for key, held in locks.items() if min(held) <= now]:
+            _forget_expired(held, now)
+            if not held:
+                del locks[key]
         self.writes = {key: held for key, held in self.writes.items() if held[0] > now}
+
+
+def _live(held: dict[float, int], now: float) -> tuple[int, float]:
+    """(how many of the locks ``held`` per deadline are live at ``now``, the earliest live
+    deadline); (0, 0.0) if none is."""
+    if len(held) == 1:  # the usual case: one deadline
+        ((deadline, count),) = held.items()
+        return (count, deadline) if deadline > now else (0, 0.0)
+    live = [deadline for deadline in held if deadline > now]
+    return (sum(held[deadline] for deadline in live), min(live)) if live else (0, 0.0)
+
+
+def _forget_expired(held: dict[float, int], now: float) -> None:
+    """Drop the locks ``held`` per deadline whose deadline is ``now`` or earlier."""
+    for deadline in [deadline for deadline in held if deadline <= now]:
+        del held[deadline]
 
 
 #: sessions holding nothing kept for the ``clients`` gauge ("seen recently"); beyond it the
@@ -262,10 +301,20 @@ class Gauges(NamedTuple):
 class SessionTable:
     """Sessions by peer identity, with TTL-based forgetting."""
 
-    def __init__(self, lock_ttl_s: float, write_ttl_s: float, idle_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        lock_ttl_s: float,
+        write_ttl_s: float,
+        idle_s: float = 60.0,
+        *,
+        lock_deadline: Callable[[float], float] | None = None,
+    ) -> None:
+        """``lock_deadline`` is L1's (``L1Manager.lock_deadline``); without it a lock taken
+        at ``now`` expires at ``now`` plus ``lock_ttl_s``."""
         self.lock_ttl_s = lock_ttl_s
         self.write_ttl_s = write_ttl_s
         self.idle_s = idle_s
+        self._lock_deadline = lock_deadline
         self._sessions: dict[bytes, Session] = {}
 
     def get(self, identity: bytes, now: float | None = None) -> Session:
@@ -301,7 +350,17 @@ class SessionTable:
         return self.lock_ttl_s / 2
 
     def read_lock_deadline(self, now: float) -> float:
-        return now + self.lock_ttl_s
+        """The deadline of the read locks L1 takes after ``now`` (read before it takes them):
+        L1's own rounding, which never gives a later one for an earlier time."""
+        if self._lock_deadline is None:
+            return now + self.lock_ttl_s
+        return self._lock_deadline(now)
+
+    def prefetch_lock_deadline(self, started: float) -> float:
+        """A deadline no later than any of the locks a prefetch whose LOOKUP arrived at
+        ``started`` takes: it takes them after that, on L1's grid (those it loads from L2
+        too, when they become READY)."""
+        return self.read_lock_deadline(started)
 
     def write_deadline(self, now: float) -> float:
         return now + self.write_ttl_s
