@@ -43,6 +43,10 @@ class PartialFailure(TiersError):
     accounted as such, and counts the call as failed (``backend_errors``, the circuit
     breaker's failures): a backend that answers "part failed" by returning alone is never
     seen by the breaker, and every later call pays the failed node's timeout again.
+
+    For stores, loads and deletes only: a lookup (``contains_many``) raising it fails as
+    a whole (every key a miss), since its None would say "absent" of keys the failed part
+    never answered for, and core would release objects still stored.
     """
 
     def __init__(self, results: object, reason: str) -> None:

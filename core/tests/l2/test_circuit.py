@@ -739,3 +739,29 @@ def test_a_partial_failure_whose_results_cannot_be_trusted_fails_the_batch(
     client = BlockingAdapterClient(adapter, timeout=WAIT_S)
     assert store(client, make_keys(2)) == [False, False]
     assert adapter.stats()["backend_errors"] == 1
+
+
+class HalfLookups(RemoteDict):
+    """Lookups of a store of two nodes, one of which does not answer: the first half of the
+    keys is answered, the rest ``None`` -- not known absent, only not answered."""
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[Any]:
+        half = len(keys) // 2
+        found = super().contains_many(keys[:half])
+        raise PartialFailure([*found, *[None] * (len(keys) - half)], "node 2 did not answer")
+
+
+def test_a_lookup_that_failed_part_way_forgets_no_accounted_key(adapters: list[BackendAdapter]) -> None:
+    """A lookup's None says "absent": from a ``PartialFailure`` it may only be a key the
+    failed node never answered for, and taking it so would release the bytes of an object
+    still stored (usage too low, listeners told it is gone).  The lookup fails instead."""
+    adapter = opened(adapters, HalfLookups, circuit=CircuitConfig(failure_threshold=3, probe_interval_s=60))
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    keys = make_keys(2)
+    assert store(client, keys) == [True, True]
+    assert adapter.used_bytes() == 200
+    assert client.lookup_and_lock(keys).found == [False, False]
+    assert adapter.used_bytes() == 200, "the key the failed node did not answer for is still accounted"
+    stats = adapter.stats()
+    assert stats["backend_errors"] == 1 and stats["circuit_failures"] == 1
+    assert stats.get("objects_vanished", 0) == 0

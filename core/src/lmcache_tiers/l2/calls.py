@@ -82,8 +82,15 @@ def partly_failed(state: AdapterState, method: str, exc: PartialFailure, expecte
     """The answer a call that failed part-way carried (:class:`PartialFailure`): counted as
     a failed call (the circuit breaker, wrapping the backend, has counted it already), its
     per-key results taken like a returned answer -- or the whole batch failed when they
-    cannot be trusted."""
+    cannot be trusted.
+
+    A lookup's (``contains_many``) results are never taken: its None says "absent", and
+    for the keys of the part that failed it can only mean "not answered" -- taken, core
+    would release the bytes of accounted objects still stored and announce them gone.
+    The lookup fails instead (every key a miss, none forgotten), as a refused one does."""
     state.backend_failed(method, exc)
+    if method == "contains_many":
+        return None
     try:
         return checked(method, exc.results, expected)
     except (TypeError, ValueError):
