@@ -188,15 +188,17 @@ class _FaultInjector:
         core would find it the wrong length and fail every key, so objects the inner
         backend did store would be in no accounting, and those it did remove reported
         still there.  Loads (``buffers``) get their corruption like a returned answer.
-        An answer that cannot be placed goes on unchanged: core fails the batch.
+        An answer that cannot be placed goes on as it is (core then fails the batch).
         """
         results: Any = exc.results
         try:
             if buffers is not None:
                 results = self.loaded(chosen, results, buffers)
-            return PartialFailure(self.spread(count, chosen, results, False), str(exc))
+            results = self.spread(count, chosen, results, False)
         except (TypeError, ValueError):
-            return exc
+            pass
+        # A new exception either way: raised ``from exc``, the inner one is its cause.
+        return PartialFailure(results, str(exc))
 
     # -- what does not depend on the flavour --------------------------------------------------
 

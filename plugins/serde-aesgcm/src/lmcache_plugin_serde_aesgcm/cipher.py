@@ -165,6 +165,8 @@ class AesGcmSerde:
             self._refuse(
                 "corrupt_frames", context, f"a layout of {layout_length} bytes in a {view.nbytes}-byte frame"
             )
+        if key_check != self._key_check:
+            self._refuse("wrong_key", context, "encrypted under another master key (key check differs)")
         layout = view[HEADER_SIZE:start]
         if context.record_layout and layout != context.record_layout.encode("ascii", "replace"):
             # Also a v1 frame, which binds no layout, when its record states one.
@@ -174,8 +176,6 @@ class AesGcmSerde:
                 f"the record states layout {context.record_layout!r}, the frame was written with "
                 f"{bytes(layout).decode('ascii', 'replace')!r}",
             )
-        if key_check != self._key_check:
-            self._refuse("wrong_key", context, "encrypted under another master key (key check differs)")
         length = view.nbytes - start - TAG_SIZE
         cipher = self._cipher(epoch, context.key.cache_salt if flags & FLAG_PER_SALT else None)
         plaintext = bytearray(length)
