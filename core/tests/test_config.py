@@ -1,12 +1,16 @@
 import builtins
 import time
+import types
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 from fakeplugins import make_module
 
 from lmcache_tiers.config import (
+    MAX_VALUE_DEPTH,
+    L2AdapterConfig,
     ServerConfig,
     build_config,
     config_to_builtins,
@@ -17,8 +21,9 @@ from lmcache_tiers.config import (
     redact_url_secrets,
 )
 from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.plugins import discover
-from lmcache_tiers.registry import ComponentRegistry
+from lmcache_tiers.registry import ComponentRegistry, KindRegistry
 
 
 @pytest.fixture(scope="module")
@@ -350,3 +355,57 @@ def test_a_shared_memory_name_the_arena_refuses_is_a_config_error(
     with pytest.raises(ConfigError, match=r" - at `\$\.l1_shm_name`$"):
         build_config(registry, overrides={"l1_shm_name": name})
     assert build_config(registry, overrides={"l1_shm_name": "tiers_a.b-1"}).l1_shm_name == "tiers_a.b-1"
+
+
+class _WrapperConfig(L2AdapterConfig):
+    """A wrapper adapter, as fault_inject is: the spec of the adapter it wraps in ``inner``."""
+
+    inner: dict[str, Any]
+
+
+def _wrapper_module() -> types.ModuleType:
+    module = types.ModuleType("wrapper")
+
+    @hookimpl
+    def tiers_register_l2_adapters(registry: KindRegistry) -> None:
+        registry.add("wrap", "json:dumps", _WrapperConfig)
+
+    module.tiers_register_l2_adapters = tiers_register_l2_adapters  # type: ignore[attr-defined]
+    return module
+
+
+@pytest.mark.parametrize("source", ["flag", "file"])
+def test_wrappers_nested_too_deeply_are_one_config_error(source: str) -> None:
+    # Each wrapper's inner spec is decoded (and later built) on its own, outside the
+    # value-depth check: a few hundred levels, well within the JSON parser's limit, ended
+    # in a RecursionError naming nothing.
+    # Then --print-config's redaction (and the start-up building each wrapper) recursed past
+    # the stack.
+    registry = discover({"demo": make_module(), "wrapper": _wrapper_module()}).registry
+
+    def wrapped(depth: int) -> dict[str, Any]:
+        spec: dict[str, Any] = {"type": "demo"}
+        for _ in range(depth):
+            spec = {"type": "wrap", "inner": spec}
+        return spec
+
+    for depth in (700, MAX_VALUE_DEPTH + 1):
+        spec = wrapped(depth)
+        with pytest.raises(
+            ConfigError, match=r"wrappers nested more than 32 deep - at `\$\.l2_adapters\[0\]"
+        ) as caught:
+            config = build_config(
+                registry,
+                adapter_json=[_deep_json(depth)] if source == "flag" else None,
+                file_values=None if source == "flag" else {"l2_adapters": [spec]},
+            )
+            redact_secrets(config_to_builtins(config))
+        assert "\n" not in str(caught.value)
+    # MAX_VALUE_DEPTH wrappers: accepted, and printed
+    (adapter,) = build_config(registry, file_values={"l2_adapters": [wrapped(MAX_VALUE_DEPTH)]}).l2_adapters
+    assert adapter.type == "wrap"
+
+
+def _deep_json(depth: int) -> str:
+    # json.dumps recurses as well: written out
+    return '{"type": "wrap", "inner": ' * depth + '{"type": "demo"}' + "}" * depth

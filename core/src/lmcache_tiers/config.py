@@ -550,9 +550,16 @@ def decode_adapter(registry: ComponentRegistry, raw: Any, index: int) -> Adapter
     return decode_adapter_at(registry, raw, f"$.l2_adapters[{index}]")
 
 
-def decode_adapter_at(registry: ComponentRegistry, raw: Any, where: str) -> AdapterSpec:
+def decode_adapter_at(registry: ComponentRegistry, raw: Any, where: str, wrappers: int = 0) -> AdapterSpec:
     """Resolve the adapter spec found at config path ``where`` (``$.l2_adapters[0]``, or
-    ``$.l2_adapters[0].inner`` for the adapter a wrapper wraps)."""
+    ``$.l2_adapters[0].inner`` for the adapter a wrapper wraps; ``wrappers``: how many
+    wrap it)."""
+    if wrappers > MAX_VALUE_DEPTH:
+        # An inner spec is checked on its own, outside the value-depth check: a chain of
+        # wrappers would otherwise recurse past the stack here, in --print-config's
+        # redaction or when the wrappers are built.
+        top = where.split(".inner", 1)[0]
+        raise ConfigError(f"adapter wrappers nested more than {MAX_VALUE_DEPTH} deep - at `{top}`")
     if isinstance(raw, Mapping) and isinstance(raw.get("serde"), Mapping):
         # LMCache writes one serde as an object; a chain of one is the same thing.
         raw = {**raw, "serde": [raw["serde"]]}
@@ -572,7 +579,7 @@ def decode_adapter_at(registry: ComponentRegistry, raw: Any, where: str) -> Adap
     if isinstance(inner, Mapping):
         # A wrapper (fault_inject) builds the adapter it wraps from this spec when it starts:
         # its mistakes are found now, before anything is built, and named by their own path.
-        decode_adapter_at(registry, inner, f"{where}.inner")
+        decode_adapter_at(registry, inner, f"{where}.inner", wrappers + 1)
     # Keep the expanded serde specs (defaults filled in) so a printed config reads back equal.
     expanded = tuple({"type": s.type, **msgspec.to_builtins(s.config)} for s in serdes)
     config = msgspec.structs.replace(config, serde=expanded)
