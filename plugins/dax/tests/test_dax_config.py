@@ -230,6 +230,25 @@ def test_a_refused_start_up_removes_only_the_files_it_created(monkeypatch: pytes
         assert sorted(os.listdir(directory)) == ["b.img"]
 
 
+def test_a_file_created_through_a_symlink_is_removed_by_a_refused_start_up() -> None:
+    """A device_path that is a symbolic link to a missing file: the file dax creates is
+    the link's target, and a refused start-up removes it as any file it created."""
+    with shm_dir() as directory:
+        link, foreign = directory / "link.img", directory / "b.img"
+        link.symlink_to(directory / "target.img")
+        foreign.write_bytes(b"XFSB" + bytes(8188))
+        both = DaxConfig(
+            devices=(
+                DaxDevice(device_path=str(link), max_dax_size_gb=size_gb(4)),
+                DaxDevice(device_path=str(foreign), max_dax_size_gb=size_gb(4)),
+            ),
+            slot_bytes=SLOT,
+        )
+        with pytest.raises(ConfigError, match="XFS filesystem; refusing to overwrite it"):
+            open_dax(both)
+        assert sorted(os.listdir(directory)) == ["b.img", "link.img"], "the file it created is left"
+
+
 def test_plugins_show_marks_lmcache_fields() -> None:
     rows = plugins_show_rows("dax")
     for name in ("device_path", "max_dax_size_gb", "devices", "slot_bytes"):

@@ -165,6 +165,31 @@ def test_a_dax_mapping_is_refused_not_reformatted(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("head", "what"),
+    [(b"LMTRDAX1", "a dax mapping"), (b"XFSB", "an XFS filesystem")],
+    ids=["dax", "xfs"],
+)
+def test_a_foreign_file_smaller_than_capacity_is_refused_before_it_grows(
+    tmp_path: Path, head: bytes, what: str
+) -> None:
+    """A refused start-up leaves another store's file (or a filesystem image) as it was:
+    not even grown to capacity_bytes, which preallocates disk space the file never had
+    (and, for a dax file, the room its own adapter would map)."""
+    from lmcache_tiers.errors import ConfigError
+
+    path = tmp_path / "foreign.img"
+    cfg = config(path)
+    path.write_bytes(head + bytes(64 << 10))
+    before = path.read_bytes()
+    assert len(before) < cfg.capacity_bytes
+    with pytest.raises(ConfigError, match=f"holds {what}; refusing to overwrite it") as caught:
+        open_raw(cfg)
+    assert "\n" not in str(caught.value)
+    assert path.stat().st_size == len(before), "the foreign file was grown"
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize(
     ("offset", "magic", "what"),
     [(1080, b"\x53\xef", "an ext2/3/4 filesystem"), (510, b"\x55\xaa", "a partition table or boot sector")],
 )

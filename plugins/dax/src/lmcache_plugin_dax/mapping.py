@@ -44,9 +44,10 @@ SUPERBLOCK_MAGIC = DAX_MAGIC
 _NAME = "dax"
 
 
-def _open(path: str) -> tuple[int, bool, os.stat_result | None]:
+def _open(path: str) -> tuple[int, bool, tuple[str, os.stat_result] | None]:
     """A read-write descriptor of ``path`` (a regular file is created if missing), whether
-    it is a character device, and the stat of the file if this call created it."""
+    it is a character device, and the path and stat of the file if this call created it
+    (a symbolic link's target, for a link to a missing file)."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -60,12 +61,21 @@ def _open(path: str) -> tuple[int, bool, os.stat_result | None]:
     try:
         if is_device:
             return os.open(path, flags), True, None
+        made = path
         try:
             fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # there before (or a symbolic link): not ours to remove
-            return os.open(path, flags | os.O_CREAT, 0o600), False, None
+        except FileExistsError:
+            if not (os.path.islink(path) and not os.path.exists(path)):
+                return os.open(path, flags | os.O_CREAT, 0o600), False, None  # there before
+            # A symbolic link to a missing file (O_EXCL creates nothing through a link):
+            # the file made is its target, which a refused start-up removes.
+            made = os.path.realpath(path)
+            try:
+                fd = os.open(made, flags | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:  # made meanwhile by another: not ours to remove
+                return os.open(path, flags | os.O_CREAT, 0o600), False, None
         try:
-            return fd, False, os.fstat(fd)
+            return fd, False, (made, os.fstat(fd))
         except BaseException:
             os.close(fd)
             raise
@@ -197,7 +207,7 @@ class DaxRegion:
         """Close after a refused start-up, removing the file if this start-up created it."""
         self.close()
         if self.created is not None:
-            remove_created(self.path, self.created, _NAME)
+            remove_created(*self.created, _NAME)
 
     def close(self) -> None:
         """Unmap and close; a view a caller still holds keeps the mapping until collected."""

@@ -36,6 +36,7 @@ from lmcache_plugin_raw_block.superblock import (
     foreign_signature,
     has_magic,
     new_identity,
+    own_block,
 )
 from lmcache_tiers.plugin import BackendContext, ConfigError, ObjectKey
 
@@ -55,14 +56,10 @@ def _left(deadline: float) -> float:
 def _reformat_reason(found: bytes, magic_ok: bool, geometry: Geometry, config: RawBlockConfig) -> str | None:
     """Why the device must be formatted (None: reopen it), or raise if it must not be."""
     superblock = decode_superblock(found, SUPERBLOCK_MAGIC)
-    within = None
-    if magic_ok:
-        # Our superblock's block holds the superblock and zeros: a signature in it was
-        # written there since (a filesystem or partition table made over the device that
-        # left its first bytes alone), and the device is no longer ours to write.  The
-        # block is that of the format that wrote it, when it can be read.
-        written = superblock.geometry.get("block_align", 0) if superblock is not None else 0
-        within = min(geometry.block_align, written or geometry.block_align)
+    # Our superblock's block holds the superblock and zeros: a signature in it was written
+    # there since (a filesystem or partition table made over the device that left its
+    # first bytes alone), and the device is no longer ours to write.
+    within = own_block(found, SUPERBLOCK_MAGIC, geometry.block_align) if magic_ok else None
     foreign = foreign_signature(found, SUPERBLOCK_MAGIC, within=within)
     if foreign is not None:
         raise ConfigError(

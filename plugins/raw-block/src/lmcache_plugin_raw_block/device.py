@@ -14,6 +14,12 @@ from dataclasses import dataclass
 from lmcache_plugin_raw_block.aligned import AlignedBlock, round_up
 from lmcache_plugin_raw_block.config import RawBlockConfig
 from lmcache_plugin_raw_block.guards import InFlight, lock_device, probe_device, remove_created
+from lmcache_plugin_raw_block.superblock import (
+    RAW_BLOCK_MAGIC,
+    SIGNATURE_PROBE_BYTES,
+    foreign_signature,
+    own_block,
+)
 from lmcache_tiers.plugin import ConfigError
 
 log = logging.getLogger(__name__)
@@ -172,6 +178,31 @@ def _open(config: RawBlockConfig, is_block_device: bool) -> int:
         raise ConfigError(f"{_NAME}: cannot open device_path {path}: {reason}") from None
 
 
+def _refuse_foreign_file(fd: int, config: RawBlockConfig) -> None:
+    """Raise if the regular file holds something else, before :func:`_size` grows it: a
+    refused start-up leaves another store's file (a dax mapping) or a filesystem image as
+    it was, not preallocated to ``capacity_bytes``.  The mount checks again (devices)."""
+    if os.fstat(fd).st_size == 0:
+        return  # nothing in it yet
+    align = config.block_align
+    block = AlignedBlock(round_up(SIGNATURE_PROBE_BYTES, align), align)
+    try:
+        try:
+            got = os.preadv(fd, [block.view], 0)
+        except OSError:
+            return  # unreadable as configured: _check_alignment says why, the mount checks
+        head = bytes(block.view[: min(got, SIGNATURE_PROBE_BYTES)])
+    finally:
+        block.close()
+    within = own_block(head, RAW_BLOCK_MAGIC, align)
+    foreign = foreign_signature(head, RAW_BLOCK_MAGIC, within=within)
+    if foreign is not None:
+        raise ConfigError(
+            f"{_NAME}: {config.device_path} holds {foreign}; refusing to overwrite it "
+            "(if it is meant for raw_block, erase its signatures first: wipefs, or zero its first 68 KiB)"
+        )
+
+
 def _size(fd: int, config: RawBlockConfig, is_block_device: bool) -> int:
     path = config.device_path
     if is_block_device:
@@ -240,6 +271,8 @@ def open_device(config: RawBlockConfig) -> BlockDevice:
     try:
         fd = _open(config, is_block_device)
         lock_device(fd, path, _NAME)
+        if not is_block_device:
+            _refuse_foreign_file(fd, config)
         size = _size(fd, config, is_block_device)
         _check_alignment(fd, config, is_block_device)
     except BaseException:

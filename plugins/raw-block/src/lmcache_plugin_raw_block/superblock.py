@@ -100,6 +100,17 @@ _SIGNATURES: tuple[tuple[int, bytes, str], ...] = (
 )
 
 
+def own_block(data: bytes | memoryview, magic: bytes, block_align: int) -> int | None:
+    """``within`` for :func:`foreign_signature` of a device whose first bytes are ``data``:
+    with a superblock of ours (``magic``), the block that holds it and zeros -- that of the
+    format that wrote it when it can be read, else ``block_align``; None without one."""
+    if not has_magic(data, magic):
+        return None
+    superblock = decode_superblock(data, magic)
+    written = superblock.geometry.get("block_align", 0) if superblock is not None else 0
+    return min(block_align, written or block_align)
+
+
 def foreign_signature(data: bytes | memoryview, own_magic: bytes, *, within: int | None = None) -> str | None:
     """What the first :data:`SIGNATURE_PROBE_BYTES` of a device say it holds, if they
     carry a known filesystem or partition signature or lmcache-tiers data other than a
