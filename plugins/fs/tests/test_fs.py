@@ -816,6 +816,38 @@ def test_a_delete_leaves_another_keys_record_the_listing_accounted_under_a_remot
         files.rm(root, recursive=True)
 
 
+def test_a_foreign_record_a_delete_left_is_no_longer_accounted_nor_a_hit() -> None:
+    """The delete leaves the other writer's object, but it is not this adapter's record:
+    its bytes are released (not held against the capacity for good, nor offered to the
+    eviction and refused at every cycle), lookups miss it, and it is counted once."""
+    import fsspec
+
+    from lmcache_tiers.l2.files import record_name
+    from lmcache_tiers.l2.record import encode_header
+
+    files = fsspec.filesystem("memory")
+    root = f"memory://foreign-release-{uuid.uuid4().hex}"
+    (base,) = make_keys(1)
+    mine = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant")
+    theirs = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant.bin")
+    payload = pattern(9, SIZE)
+    path = f"{root}/{record_name(mine)}"
+    files.pipe_file(path, encode_header(theirs, payload, align=HEADER) + payload)
+    arena = Arena()
+    adapter = open_fs(fs_config(root), arena.view)
+    try:
+        assert adapter.used_bytes() == SIZE  # listed by name
+        assert adapter.delete([mine]) == [False]
+        assert files.exists(path), "another writer's record: kept"
+        assert adapter.used_bytes() == 0, "the other writer's object is still accounted as this key"
+        assert adapter.stats()["foreign_records"] == 1
+        assert client(adapter).lookup_and_lock([mine]).found == [False]
+        assert files.exists(path)
+    finally:
+        adapter.close()
+        files.rm(root, recursive=True)
+
+
 @pytest.mark.parametrize("remote", [False, True])
 def test_records_stored_through_a_size_changing_chain_are_hits_after_a_restart(
     tmp_path: Path, remote: bool

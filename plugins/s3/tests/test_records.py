@@ -214,6 +214,22 @@ def test_an_fs_record_the_listing_took_for_a_key_is_never_deleted(
         adapter.close()
 
 
+def test_a_foreign_record_a_delete_finds_is_counted_once(adapter: L2Adapter, raw: Raw) -> None:
+    """The delete that finds another key's record counts and logs it; the check core makes
+    next (is the key absent?) reads the same record and must not count it again."""
+    from lmcache_tiers.l2.files import record_name
+
+    (base,) = make_keys(1)
+    fs_key = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant")
+    mine = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant.bin")
+    payload = pattern(9, SIZE)
+    fs_name = raw.names.folder + record_name(fs_key)
+    raw.write(fs_name, encode_header(fs_key, payload, align=4096) + payload)
+    assert adapter.delete([mine]) == [False]
+    assert raw.exists(fs_name)
+    assert adapter.stats()["foreign_records"] == 1
+
+
 def test_a_record_of_another_serde_chain_is_a_miss_that_is_kept(adapter: L2Adapter, raw: Raw) -> None:
     (key,) = make_keys(1)
     payload = pattern(5, SIZE)

@@ -68,6 +68,10 @@ class RemoteRecords:
         self.failures = failures
         self.sizes = HeaderSizes(lambda key, payload: context.record_header(key, payload, align=RECORD_ALIGN))
         self._stripes = KeyStripes()
+        #: keys a delete found another key's record under (counted then): the lookup core
+        #: makes next reads the header, so their accounting goes -- they are no records
+        #: of this adapter -- without counting them again
+        self._foreign_found: set[ObjectKey] = set()
         fs.makedirs(layout.root, exist_ok=True)
 
     def close(self) -> None:
@@ -169,7 +173,11 @@ class RemoteRecords:
         if stored < 0:
             self.discard(key, size, None, "truncated_records_removed", "shorter than its header")
             return None
-        if self.context.l1_size_of(key) is not None:
+        # A key a delete found another key's record under is asked of the header too: a
+        # size core knows of it came from a listing that read the name only.
+        counted = key in self._foreign_found
+        self._foreign_found.discard(key)
+        if self.context.l1_size_of(key) is not None and not counted:
             return stored
         # A key core does not know: its header tells the L1 size under a size-changing
         # chain, and whether the record is of this key at all (a hit is adopted, and
@@ -179,7 +187,8 @@ class RemoteRecords:
                 prefix = handle.read(self.sizes.length(key))
             header = self.context.read_record_header(prefix, key)
         except RecordMismatchError as exc:
-            self.context.foreign_record(key, exc)
+            if not counted:  # else counted (and logged) by the delete that found it
+                self.context.foreign_record(key, exc)
             return None
         except RecordError as exc:
             self.discard(key, size, prefix, "corrupt_records_removed", str(exc))
@@ -306,6 +315,7 @@ class RemoteRecords:
         self.context.foreign_record(
             key, RecordMismatchError(f"the record under its name is of {printable(owner.file_stem())}")
         )
+        self._foreign_found.add(key)
         return True
 
     # -- the tree -------------------------------------------------------------------------------

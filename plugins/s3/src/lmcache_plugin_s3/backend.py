@@ -93,6 +93,9 @@ class S3Backend:
         #: batch calls in flight; their requests share the client's max_inflight slots
         self.concurrency = config.max_inflight
         self.names = ObjectNames(config.prefix)
+        #: keys a delete found another key's record under, counted and logged then: core
+        #: asks next whether the key is absent, and that lookup does not count it again
+        self._foreign_found: set[ObjectKey] = set()
         self.client = S3Client(config, context.name)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._answered_at_start = check_bucket(config, context.name)
@@ -447,6 +450,7 @@ class S3Backend:
             self.context.foreign_record(
                 key, RecordMismatchError(f"the record under its name is of {printable(owner.file_stem())}")
             )
+            self._foreign_found.add(key)
             return False
         return True
 
@@ -495,7 +499,10 @@ class S3Backend:
         except RecordMismatchError as exc:
             # e.g. an fs adapter on s3:// in this folder, whose "<name>.bin" is this
             # codec's name of the key with ".bin" added to its salt
-            self.context.foreign_record(key, exc)
+            if key in self._foreign_found:
+                self._foreign_found.discard(key)  # counted by the delete that found it
+            else:
+                self.context.foreign_record(key, exc)
             return None
         except RecordError as exc:
             raise _Damaged(str(exc)) from exc
