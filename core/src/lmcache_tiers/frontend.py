@@ -21,6 +21,7 @@ contract:
 from __future__ import annotations
 
 import ipaddress
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -44,6 +45,11 @@ __all__ = [
     "create_frontend",
     "merged_stats",
 ]
+
+logger = logging.getLogger(__name__)
+
+#: how long a front end refused after it was built is given to close its sockets
+_DISCARD_JOIN_S = 5.0
 
 
 @dataclass
@@ -209,9 +215,16 @@ def create_frontend(
     )
     frontend = registry.get(Kind.FRONTEND, spec.type).create(spec.config, context)
     if not isinstance(frontend, Frontend):
-        stop = getattr(frontend, "stop", None)
-        if callable(stop):
-            stop(force=True)
+        # It bound its sockets already: ``join`` is what closes them (a front end that
+        # never started), so a refused one does not keep its port for the process's life.
+        for method, args in (("stop", {"force": True}), ("join", {"timeout": _DISCARD_JOIN_S})):
+            call = getattr(frontend, method, None)
+            if not callable(call):
+                continue
+            try:
+                call(**args)
+            except Exception:
+                logger.exception("discarding front end %s: %s failed", context.name, method)
         raise ConfigError(f"front end {context.name} built {type(frontend).__name__}, not a Frontend")
     return frontend
 

@@ -119,6 +119,60 @@ def test_a_plugin_that_fails_while_starting_is_one_line_and_exit_code_1(
             os.unlink(f"/dev/shm/{name}")
 
 
+class _NoDescribe:
+    """A front end that binds its socket, then turns out not to be a Frontend (no
+    ``describe``)."""
+
+    built: list[Any] = []
+
+    def __init__(self, config: Any, context: Any) -> None:
+        from lmcache_plugin_frontend_native.frontend import NativeFrontend
+
+        self.inner = NativeFrontend(config, context)
+        self.name = context.name
+        _NoDescribe.built.append(self.inner)
+
+    def stop(self, *, force: bool = False) -> None:
+        self.inner.stop(force=force)
+
+    def join(self, timeout: float | None = None) -> bool:
+        return bool(self.inner.join(timeout))
+
+
+def test_a_front_end_that_is_not_a_frontend_leaves_no_socket_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused after it bound: its port is given back with everything else start-up built."""
+    from lmcache_plugin_frontend_native import NativeConfig
+
+    module = types.ModuleType("tiers_unit_no_describe_frontend")
+    module._NoDescribe = _NoDescribe  # type: ignore[attr-defined]
+
+    @hookimpl
+    def tiers_register_frontends(registry: KindRegistry) -> None:
+        registry.add("no_describe", f"{module.__name__}:_NoDescribe", NativeConfig)
+
+    module.tiers_register_frontends = tiers_register_frontends  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(_NoDescribe, "built", [])
+    registry = discover({module.__name__: module}).registry
+    port = free_port()
+    config = build_config(
+        registry,
+        {
+            "port": port,
+            "metrics_port": 0,
+            "l1_size_gb": 0.0625,
+            "l1_shm_name": f"tiers_unit_{uuid.uuid4().hex[:12]}",
+        },
+        frontend_json=['{"type": "no_describe"}'],
+    )
+    with pytest.raises(ConfigError, match="not a Frontend"):
+        TiersServer(config, registry=registry)
+    assert len(_NoDescribe.built) == 1
+    with socket.socket() as again:
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", port))  # EADDRINUSE while the refused front end still listens
+
+
 def test_a_signal_while_the_storage_starts_its_threads_unlinks_the_segment(
     monkeypatch: pytest.MonkeyPatch, new_threads: Callable[[str], list[threading.Thread]]
 ) -> None:
@@ -141,6 +195,80 @@ def test_a_signal_while_the_storage_starts_its_threads_unlinks_the_segment(
         controllers = ("l1-eviction", "l2-prefetch", "l2-store")
         assert not [thread for thread in new_threads("l") if thread.name in controllers and thread.is_alive()]
     finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_front_end_whose_banner_line_fails_still_serves_and_stops_cleanly(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The banner is for people: a front end's ``describe`` that raises (a plugin's bug)
+    costs its panel, not the server -- which serves, and on a stop closes everything."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers need the main thread")
+    from lmcache_plugin_frontend_native.frontend import NativeFrontend
+
+    def broken_describe(self: NativeFrontend) -> str:
+        raise RuntimeError("describe is broken")
+
+    monkeypatch.setattr(NativeFrontend, "describe", broken_describe)
+    name = f"tiers_unit_{uuid.uuid4().hex[:12]}"
+    config = ServerConfig(port=0, metrics_port=0, l1_size_gb=0.0625, l1_shm_name=name)
+    ready, returned = threading.Event(), threading.Event()
+
+    def stop_once_ready() -> None:
+        if ready.wait(30) and not returned.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    stopper = threading.Thread(target=stop_once_ready, daemon=True)
+    stopper.start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="lmcache_tiers"):
+            assert run_server(config, ready=ready, banner=True) == 0
+        assert ready.is_set()
+        assert "describe is broken" in caplog.text
+        assert not os.path.exists(f"/dev/shm/{name}"), "the L1 segment outlived the stop"
+    finally:
+        returned.set()
+        ready.set()
+        stopper.join(5)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_front_end_whose_stop_raises_still_lets_the_server_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A front end's ``stop`` that raises (a plugin's bug) must not cut the close short:
+    the L2 flush, the storage's close and the segment's unlink still happen."""
+    from lmcache_plugin_frontend_native.frontend import NativeFrontend
+
+    stop = NativeFrontend.stop
+
+    def stop_then_raise(self: NativeFrontend, *, force: bool = False) -> None:
+        stop(self, force=force)
+        raise RuntimeError("stop is broken")
+
+    name = f"tiers_unit_{uuid.uuid4().hex[:12]}"
+    server = TiersServer(ServerConfig(port=0, metrics_port=0, l1_size_gb=0.0625, l1_shm_name=name))
+    failed: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            server.serve()
+        except BaseException as exc:  # the serving thread's own stop meets the bug first
+            failed.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    monkeypatch.setattr(NativeFrontend, "stop", stop_then_raise)
+    try:
+        server.request_stop()
+        thread.join(30)
+        assert not thread.is_alive()
+        server.close()
+        assert not os.path.exists(f"/dev/shm/{name}"), "the L1 segment outlived the close"
+    finally:
+        monkeypatch.setattr(NativeFrontend, "stop", stop)
+        server.storage.close(drain_timeout_s=0.0)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(f"/dev/shm/{name}")
 

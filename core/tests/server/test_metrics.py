@@ -3,6 +3,7 @@ broken adapter, method or client costing one sample or one answer, never the scr
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -277,6 +278,39 @@ def test_a_connection_that_trickles_its_request_is_cut_at_the_deadline(
         assert cut, "the trickling connection was still open after 4 s (deadline 0.5 s)"
         assert counted == ["http_connection_timed_out"]
         assert request(served, "GET", "/healthz")[0] == 200  # still serving
+    finally:
+        served.stop()
+
+
+def test_connections_beyond_the_limit_are_closed_at_once_and_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each connection holds a thread (and a descriptor) until it is done or cut: a client
+    opening them without end would otherwise take threads and descriptors from the whole
+    server.  Those over the limit are closed at once, counted; a slot that frees up
+    serves again."""
+    monkeypatch.setattr("lmcache_tiers.server.http.MAX_CONNECTIONS", 2, raising=False)
+    counted: list[str] = []
+    served = HttpEndpoint(
+        "127.0.0.1", 0, metrics=bytes, status=dict, health=lambda: (True, "ok"), failed=counted.append
+    )
+    served.start()
+    try:
+        port = int(served.url.rsplit(":", 1)[1])
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+        try:
+            time.sleep(0.3)  # both accepted and holding their threads
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
+                assert extra.recv(1) == b""  # closed by the server, not left waiting
+            assert counted == ["http_connection_refused_busy"]
+        finally:
+            for connection in idle:
+                connection.close()
+        deadline = time.monotonic() + 5
+        while True:
+            with contextlib.suppress(http.client.HTTPException, OSError):
+                if request(served, "GET", "/healthz")[0] == 200:
+                    break
+            assert time.monotonic() < deadline, "the slots of closed connections were not given back"
+            time.sleep(0.05)
     finally:
         served.stop()
 

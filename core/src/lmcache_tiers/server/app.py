@@ -337,9 +337,16 @@ class TiersServer:
         return summary
 
     def _close_frontends(self) -> None:
-        """Stop and close front ends (those that never started, or after ``serve``)."""
+        """Stop and close front ends (those that never started, or after ``serve``).
+
+        A front end whose ``stop`` or ``join`` raises is logged and passed over: what
+        comes after (the others' close, the L2 flush, the storage's close and the L1
+        segment's unlink) must happen whatever one plugin does."""
         for frontend in self.frontends:
-            frontend.stop(force=True)
+            try:
+                frontend.stop(force=True)
+            except Exception:
+                logger.exception("stopping front end %s failed", frontend.name)
         for frontend in self.frontends:
             try:
                 frontend.join(_JOIN_GRACE_S)
@@ -444,8 +451,14 @@ def _serve_until_stopped(
     """Serve until a stop, then close the server: (its summary, the exit code)."""
     code = 0
     if banner:
-        console.print(start_banner(server))
-        watch_scans(server.storage.adapters, console)
+        # For people only: a failure here (a front end's ``describe`` raising, a closed
+        # stdout) must neither keep the server from serving nor skip its close below.
+        try:
+            console.print(start_banner(server))
+            watch_scans(server.storage.adapters, console)
+        except Exception as exc:
+            logger.error("the start-up banner could not be shown: %s: %s", type(exc).__name__, exc)
+            logger.debug("start-up banner failed", exc_info=True)
     _call_hook(hooks, "tiers_server_started", config=config, storage=server.storage)
     if ready is not None:
         ready.set()

@@ -22,6 +22,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.strict_json import strict_json
 
 logger = logging.getLogger(__name__)
@@ -34,13 +35,46 @@ REQUEST_TIMEOUT_S = 30.0
 REFUSED_STATUS = "http_status_refused"
 ROUTE_FAILED = "http_route_failed"
 TIMED_OUT = "http_connection_timed_out"
+REFUSED_BUSY = "http_connection_refused_busy"
+#: connections served at once: each holds a thread (and its deadline's timer) for up to
+#: REQUEST_TIMEOUT_S, so a client opening them without end would take threads and file
+#: descriptors from the whole server; those over the limit are closed at once, counted
+MAX_CONNECTIONS = 32
 
 _ALLOWED = "GET, HEAD"
+
+_refusals = BurstLog(logger, REFUSED_BUSY)
 
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    #: set by HttpEndpoint before it serves
+    slots: threading.BoundedSemaphore
+    refused: Callable[[], object]
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.refused()
+            _refusals.warn(
+                "busy",
+                "HTTP connection from %s closed: %d connections are being served already",
+                client_address[0],
+                MAX_CONNECTIONS,
+            )
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()  # no thread took the connection
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A scraper that hung up (its scrape timeout) is one debug line; anything else is
@@ -201,6 +235,8 @@ class HttpEndpoint:
 
         host = host.strip("[]")
         self._server = (_Server6 if ":" in host else _Server)((host, port), Handler)
+        self._server.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._server.refused = lambda: count(REFUSED_BUSY)
         self._thread = threading.Thread(target=self._server.serve_forever, name="tiers-http", daemon=True)
 
     @property
