@@ -29,7 +29,8 @@ What each kind of plugin needs:
   per burst ``BurstLog``;
 * policies: ``StorePolicy``, ``PrefetchPolicy``, ``EvictionPolicy``, ``AdapterInfo``,
   ``LowestIndexPrefetchPolicy``, ``plan_from_lowest_index``;
-* a serde: ``Serde``, ``SerdeContext``, ``TensorLayout``;
+* a serde: ``Serde``, ``SerdeContext``, ``TensorLayout`` (and ``MAX_LAYOUT_LEN``, the longest
+  layout a record states);
 * a front end: ``Frontend``, ``FrontendConfig``, ``FrontendContext``, ``FrontendStats``,
   ``ServerConfig``, ``StorageManager`` (what it serves), ``RouterLoop`` (a ZeroMQ ROUTER
   loop), ``L1Loan``, ``is_loopback``, the key helpers ``NONE_HASH``, ``chunk_hashes``,
@@ -166,7 +167,7 @@ if TYPE_CHECKING:
     )
     from lmcache_tiers.l2.verified import VERIFY_PIECE, copy_and_checksum, copy_verified, read_record_file
     from lmcache_tiers.l2.workers import BatchWorkers
-    from lmcache_tiers.layout import TensorLayout
+    from lmcache_tiers.layout import MAX_LAYOUT_LEN, TensorLayout
     from lmcache_tiers.router import RouterLoop
     from lmcache_tiers.serde import SerdeContext
     from lmcache_tiers.storage import StorageManager
@@ -216,6 +217,7 @@ _LAZY = {
     "ExtentAllocator": "lmcache_tiers.l1.allocator",
     "SerdeContext": "lmcache_tiers.serde",
     "TensorLayout": "lmcache_tiers.layout",
+    "MAX_LAYOUT_LEN": "lmcache_tiers.layout",
     "ABSENT_FILE_ERRORS": _FILES,
     "RECORD_ALIGN": _FILES,
     "RECORD_SUFFIX": _FILES,
@@ -313,6 +315,7 @@ __all__ = [
     "LOADS_EVERY_HIT",
     "LOSSLESS",
     "MAX_GIB",
+    "MAX_LAYOUT_LEN",
     "NONE_HASH",
     "PERSISTENCE",
     "PREFIX_SIZE",

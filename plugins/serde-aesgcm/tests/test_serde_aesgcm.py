@@ -15,8 +15,7 @@ from lmcache_plugin_serde_aesgcm import AesGcmConfig
 from lmcache_plugin_serde_aesgcm import cipher as cipher_module
 from lmcache_plugin_serde_aesgcm.cipher import HEADER_SIZE, TAG_SIZE, AesGcmDecodeError, AesGcmSerde
 
-from lmcache_tiers.layout import MAX_LAYOUT_LEN
-from lmcache_tiers.plugin import ConfigError, SerdeContext
+from lmcache_tiers.plugin import MAX_LAYOUT_LEN, ConfigError, SerdeContext
 from lmcache_tiers.testing.serde import (
     BINDS_KEY,
     DETECTS_CORRUPTION,

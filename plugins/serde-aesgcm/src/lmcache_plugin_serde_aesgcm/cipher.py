@@ -45,8 +45,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from lmcache_plugin_serde_aesgcm import AesGcmConfig
 from lmcache_plugin_serde_aesgcm.keys import KEY_SIZE, read_key_env, read_key_file
-from lmcache_tiers.layout import MAX_LAYOUT_LEN
-from lmcache_tiers.plugin import ObjectKey, SerdeContext
+from lmcache_tiers.plugin import MAX_LAYOUT_LEN, ObjectKey, SerdeContext
 
 log = logging.getLogger("lmcache_tiers.serde.aesgcm")
 
