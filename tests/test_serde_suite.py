@@ -72,6 +72,37 @@ class _PadOfItsOwn(_LengthPrefixed):
         return self._xor(super().decode(data, context))
 
 
+class _BindsTheStatedLayoutAsGiven(_LengthPrefixed):
+    """Binds ``record_layout`` into its frame and wants the same one back: right when the
+    record states a layout, a miss for every object of a store that keeps no record
+    (decoded with none)."""
+
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
+        stated = context.record_layout.encode()
+        return len(stated).to_bytes(2, "little") + stated + super().encode(data, context)
+
+    def decode(self, data: memoryview, context: SerdeContext) -> bytes:
+        length = int.from_bytes(data[:2], "little")
+        if bytes(data[2 : 2 + length]) != context.record_layout.encode():
+            raise ValueError("another layout")
+        return super().decode(data[2 + length :], context)
+
+
+class _ChecksItsOwnLayoutAgainstTheStated(_LengthPrefixed):
+    """Keeps ``context.layout`` (known to the first stage only) and compares it with the
+    layout a record states: a miss for every object when it is not the first stage."""
+
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
+        own = context.layout.encode()
+        return len(own).to_bytes(2, "little") + own + super().encode(data, context)
+
+    def decode(self, data: memoryview, context: SerdeContext) -> bytes:
+        length = int.from_bytes(data[:2], "little")
+        if context.record_layout and bytes(data[2 : 2 + length]) != context.record_layout.encode():
+            raise ValueError("another layout")
+        return super().decode(data[2 + length :], context)
+
+
 def _suite_for(serde: Any) -> SerdeSuite:
     class Probe(SerdeSuite):
         component_name = "probe"
@@ -91,6 +122,7 @@ def test_a_correct_serde_passes() -> None:
     suite.test_works_at_every_chain_position(serde)
     suite.test_chain_decodes_last_to_first(serde)
     suite.test_another_instance_decodes_what_one_encoded(serde)
+    suite.test_decodes_with_the_layout_its_record_states(serde)
 
 
 @pytest.mark.parametrize(
@@ -110,6 +142,20 @@ def test_a_correct_serde_passes() -> None:
 def test_a_broken_serde_fails(serde: Any, test: str) -> None:
     suite = _suite_for(serde)
     with pytest.raises(AssertionError):
+        getattr(suite, test)(serde)
+
+
+@pytest.mark.parametrize(
+    ("serde", "test"),
+    [
+        (_BindsTheStatedLayoutAsGiven(), "test_round_trip"),
+        (_ChecksItsOwnLayoutAgainstTheStated(), "test_decodes_with_the_layout_its_record_states"),
+    ],
+)
+def test_a_serde_refusing_what_an_adapter_decodes_fails(serde: Any, test: str) -> None:
+    # Refused by raising: the adapter makes that a miss, of every object it stored.
+    suite = _suite_for(serde)
+    with pytest.raises(ValueError, match="another layout"):
         getattr(suite, test)(serde)
 
 

@@ -250,6 +250,16 @@ def test_plugins_show_prints_fields(site: Path) -> None:
     assert missing.returncode == 2 and "no plugin or component named 'nothing-here'" in missing.stderr
 
 
+def test_plugins_show_of_a_disabled_plugin_says_it_is_disabled(site: Path) -> None:
+    result = run_cli(["plugins", "show", "acme-tiers"], site, LMCACHE_TIERS_DISABLE_PLUGINS="acme-tiers")
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "error: plugin 'acme-tiers' is disabled by LMCACHE_TIERS_DISABLE_PLUGINS: "
+        "its components are not loaded"
+    )
+    assert "registers no components" not in result.stdout
+
+
 def _status_adapter(client: Client) -> dict[str, object]:
     adapters = client.status()["adapters"]
     assert len(adapters) == 1 and adapters[0]["type"] == "acme_dir"

@@ -125,6 +125,23 @@ def test_registry_rejects_bad_registrations() -> None:
         adder.add("", "json:dumps")
 
 
+def test_a_registration_whose_doc_is_not_text_is_that_plugins_error() -> None:
+    # `plugins show` prints the doc: a list there would crash the command long after
+    # registration said "ok".
+    broken = types.ModuleType("broken_doc")
+
+    @hookimpl
+    def tiers_register_serdes(registry):  # type: ignore[no-untyped-def]
+        registry.add("listed_doc", "json:dumps", doc=["not", "text"])
+
+    broken.tiers_register_serdes = tiers_register_serdes  # type: ignore[attr-defined]
+    plugin_set = discover({"broken_doc": broken, "demo": make_module()})
+    statuses = {p.name: p.status for p in plugin_set.plugins}
+    assert statuses["broken_doc"].startswith("error:") and "serde:listed_doc" in statuses["broken_doc"]
+    assert "listed_doc" not in plugin_set.registry.names(Kind.SERDE)
+    assert statuses["demo"] == "ok"
+
+
 def test_every_hookspec_is_documented() -> None:
     specs = [name for name in dir(hookspecs) if name.startswith("tiers_")]
     assert len(specs) >= 9

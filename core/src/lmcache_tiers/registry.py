@@ -125,6 +125,13 @@ class KindRegistry:
                 f"plugin {self.plugin!r}: factory of {self.kind.value}:{name} must be "
                 f"a callable or 'module:attr', got {factory!r}"
             )
+        if not isinstance(doc, str):
+            # Printed by `plugins show`: refused here, as this plugin's error, rather than
+            # crashing that command later.
+            raise PluginError(
+                f"plugin {self.plugin!r}: doc of {self.kind.value}:{name} must be text, "
+                f"got {type(doc).__name__}"
+            )
         text = doc or (config.__doc__ or "").strip()
         self._owner._add(Component(self.kind, name, factory, config, text, self.plugin, install_hint))
 

@@ -78,6 +78,9 @@ def show(name: str = typer.Argument(..., help="A plugin name, or a component as 
     plugin_set = load_plugins()
     named = [p for p in plugin_set.plugins if name.lower() in (p.name.lower(), p.distribution.lower())]
     for plugin in named:
+        if plugin.disabled:
+            # Never loaded, so nothing it registers is known: not "registers no components".
+            fail(f"plugin {plugin.name!r} is {plugin.status}: its components are not loaded", 1)
         if plugin.commands_only:
             # Its components registered and serve can use them: only its commands are out.
             warn(f"plugin {plugin.name!r}: {plugin.error}")

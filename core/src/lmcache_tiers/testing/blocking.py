@@ -134,7 +134,9 @@ class BlockingAdapterClient:
                     abandoned_keys = state.abandoned.pop(popped_id, None)
                     if abandoned_keys is None:
                         state.results[popped_id] = result
-                    elif isinstance(result, LookupResult):
+                    elif isinstance(result, LookupResult) and len(abandoned_keys) == len(result.found):
+                        # A lookup given up without its keys (a bare wait()) cannot name its
+                        # pins; raising here would lose the other results of this pop.
                         hits = zip(abandoned_keys, result.found, strict=True)
                         self.adapter.unlock([key for key, hit in hits if hit])
                 if popped:

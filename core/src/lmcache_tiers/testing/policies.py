@@ -154,6 +154,18 @@ class PrefetchPolicySuite(_PolicySuite):
         ]
         self.check_plan(policy.select_load_plan(keys, found, adapters), found, adapters, len(keys))
 
+    def test_plan_names_adapters_by_index_not_position(self, policy: PrefetchPolicy) -> None:
+        # The controller passes only the adapters whose lookups answered: with adapters 0
+        # and 2 down, ``found[0]`` is adapter 1's and ``found[1]`` adapter 3's.
+        keys = make_keys(4)
+        adapters = [AdapterInfo(index, "mock", f"{index}:mock", 0.0) for index in (1, 3)]
+        found = [[True, False, False, True], [False, True, False, True]]
+        plan = policy.select_load_plan(keys, found, adapters)
+        self.check_plan(plan, found, adapters, len(keys))
+        if LOADS_EVERY_HIT in self.capabilities:
+            planned = [any(bitmap[k] for bitmap in plan.values()) for k in range(len(keys))]
+            assert planned == [True, True, False, True]
+
     def test_nothing_found_plans_nothing(self, policy: PrefetchPolicy) -> None:
         keys = make_keys(3)
         adapters = make_adapters(2)

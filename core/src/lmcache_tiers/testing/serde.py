@@ -8,11 +8,12 @@ its transform guarantees::
         capabilities = frozenset({LOSSLESS, DETECTS_CORRUPTION})
 
 The suite builds the serde through the installed registry with ``make_config()`` and
-drives it the way an adapter does: encode with the object's layout, decode with only the
-key and the L1 size (``SerdeContext(key, size)``), through :func:`encode_chain` /
-:func:`decode_chain` when it tests chain positions.  A lossy serde overrides
-:meth:`SerdeSuite.assert_round_trip` with its error bound; everything else is the same for
-every serde.
+drives it the way an adapter does: encode with the object's layout (which is also the
+layout its record will state, ``record_layout``), decode with only the key and the L1 size
+(``SerdeContext(key, size)``, as a store that keeps no record) and with the layout a record
+states, through :func:`encode_chain` / :func:`decode_chain` when it tests chain positions.
+A lossy serde overrides :meth:`SerdeSuite.assert_round_trip` with its error bound;
+everything else is the same for every serde.
 
 What every serde must do, capability or not: decode what it encoded back to exactly the
 L1 size at any position of a chain, with no layout on decode; leave its input buffers
@@ -190,7 +191,8 @@ class SerdeSuite(ComponentSuite):
         serde: Serde, data: bytes | bytearray | memoryview, layout: str = "", key: ObjectKey | None = None
     ) -> bytes:
         view = memoryview(data).cast("B")
-        out = serde.encode(view, SerdeContext(key or suite_key(), view.nbytes, layout))
+        # As the adapter encodes: the layout is also what the object's record will state.
+        out = serde.encode(view, SerdeContext(key or suite_key(), view.nbytes, layout, layout))
         return bytes(memoryview(out).cast("B"))
 
     @staticmethod
@@ -279,9 +281,25 @@ class SerdeSuite(ComponentSuite):
         framing = _FramingSerde()
         for chain in ([framing, serde], [serde, framing], [serde, self.make_serde()]):
             for name, data, layout in sample_objects():
-                context = SerdeContext(suite_key(), len(data), layout)
+                context = SerdeContext(suite_key(), len(data), layout, layout)
                 encoded = bytes(encode_chain(chain, memoryview(data), context))
                 decoded = decode_chain(chain, memoryview(encoded), SerdeContext(suite_key(), len(data)))
+                assert decoded.nbytes == len(data), f"{name} through {[s.name for s in chain]}"
+                self.assert_round_trip(data, bytes(decoded), layout)
+
+    def test_decodes_with_the_layout_its_record_states(self, serde: Serde) -> None:
+        """A persistent store's record states the object's layout and every stage decodes
+        with it (``record_layout``); only the first stage encoded with it as ``layout``."""
+        framing = _FramingSerde()
+        for chain in ([serde], [framing, serde], [serde, framing]):
+            for name, data, layout in sample_objects():
+                encoded = bytes(
+                    encode_chain(
+                        chain, memoryview(data), SerdeContext(suite_key(), len(data), layout, layout)
+                    )
+                )
+                stated = SerdeContext(suite_key(), len(data), record_layout=layout)
+                decoded = decode_chain(chain, memoryview(encoded), stated)
                 assert decoded.nbytes == len(data), f"{name} through {[s.name for s in chain]}"
                 self.assert_round_trip(data, bytes(decoded), layout)
 
