@@ -619,6 +619,27 @@ def test_a_release_never_shortens_a_live_holders_lock(l1: L1Manager, clock: list
     assert not obj.locked
 
 
+def test_a_release_of_a_lock_that_expired_a_moment_ago_never_drops_another_holders(
+    l1: L1Manager, clock: list[float]
+) -> None:
+    # A holder saw its lock live (its deadline, given as not_before, after the time it
+    # read), and the lock expired before its release reached L1, the reaper not run yet:
+    # the release must drop that lock, not another holder's live one in its place.
+    write(l1, [1])
+    obj = l1.get(key(1))
+    assert obj is not None
+    start = clock[0]
+    l1.reserve_read(keys(1))  # A
+    mine = start + LOCK_TTL  # A's deadline (the clock starts on the lock grid)
+    clock[0] = start + LOCK_TTL / 2
+    l1.reserve_read(keys(1))  # B, still holding it
+    clock[0] = mine + LOCK_TTL / 1000  # A's release arrives just after its deadline
+    l1.finish_read(keys(1), not_before=mine)
+    assert obj.read_locks == 1
+    assert l1.expire_locks(clock[0]) == 0  # B's lock is not due
+    assert obj.read_locks == 1 and obj.locked
+
+
 def test_an_l2_stores_lock_never_takes_a_readers_deadline(l1: L1Manager, clock: list[float]) -> None:
     # A store's lock has no deadline (it is never reaped): its report must not take the
     # place of a reader's, nor a reader's release the store's.

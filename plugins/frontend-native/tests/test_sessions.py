@@ -16,6 +16,7 @@ from lmcache_plugin_frontend_native.sessions import INDEX_BACKLOG_KEYS, PendingP
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager
 from lmcache_tiers.l1 import reads as l1_reads
+from lmcache_tiers.l1 import writes as l1_writes
 from lmcache_tiers.plugin import FrontendStats
 from lmcache_tiers.plugin import wire_protocol as p
 
@@ -351,5 +352,146 @@ def test_locking_the_same_keys_again_and_again_keeps_a_count_per_deadline(clock:
         assert isinstance(reply, p.ReleaseReply) and reply.released == len(many)
         assert not any(obj is not None and obj.locked for obj in objs)
         assert session.empty and l1.stats().read_locks == 0
+    finally:
+        l1.close()
+
+
+# -- a randomized model: L1 and the sessions of several clients, side by side ---------------
+
+
+class _ModelStorage(_L1Storage):
+    """``_L1Storage`` with RETRIEVE's read."""
+
+    def read(self, keys: Sequence[ObjectKey]) -> list[object]:
+        return list(self.l1.reserve_read_prefix(keys))
+
+
+def _check_l1_structure(l1: L1Manager) -> None:
+    """Every READY object's counts add up: readers per deadline, the store's, the total."""
+    table = l1._table  # the test checks the manager's own bookkeeping
+    for key, obj in table.objects.items():
+        assert obj.read_locks >= obj.storing >= 0, key
+        assert (key in table.locked) == obj.locked, key
+        groups = obj.lock_groups
+        if groups is None:
+            continue
+        deadlines, counts = groups[0::2], groups[1::2]
+        assert len(groups) > 2 and deadlines == sorted(set(deadlines)), groups
+        assert all(count > 0 for count in counts), groups
+        assert obj.lock_deadline == deadlines[-1], groups
+        assert obj.read_locks - obj.storing == sum(counts), (obj.read_locks, obj.storing, groups)
+
+
+def _l1_readers_from(obj: object, floor: float) -> int:
+    """How many readers' locks ``obj`` holds expiring at ``floor`` or later."""
+    groups = obj.lock_groups  # type: ignore[attr-defined]
+    readers = obj.read_locks - obj.storing  # type: ignore[attr-defined]
+    if groups is None:
+        return readers if obj.lock_deadline >= floor else 0  # type: ignore[attr-defined]
+    return sum(
+        int(count) for deadline, count in zip(groups[0::2], groups[1::2], strict=True) if deadline >= floor
+    )
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_l1_and_sessions_agree_on_every_lock_under_any_sequence(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Several native clients (some of which stop releasing: vanished), a holder that
+    # releases without telling L1 when its locks expire (another front end), and L2
+    # stores and forced deletes, on a few keys, with a clock that moves between the
+    # session's reading and L1's.  After every step: L1's counts add up, and for every
+    # live deadline T, L1 holds at least as many readers' locks expiring at T or later as
+    # every holder together counts on -- so no release ever drops a lock some holder
+    # still counts.
+    rng = random.Random(seed)
+    ttl = 10.0
+    step = ttl / 64
+    now = [1000.0]
+
+    def monotonic() -> float:
+        now[0] += rng.choice((0.0, 0.0, rng.uniform(0, step)))
+        return now[0]
+
+    fake = types.SimpleNamespace(monotonic=monotonic)
+    monkeypatch.setattr(handlers_module, "time", fake)
+    monkeypatch.setattr(l1_reads, "time", fake)
+    monkeypatch.setattr(l1_writes, "time", fake)
+    many = [ObjectKey("m", 0, bytes([index]) * 8) for index in range(6)]
+    l1 = L1Manager(256 * 4096, lock_ttl_s=ttl, write_ttl_s=2 * ttl, prefault=False)
+    try:
+        l1.reserve_write(many, [4096] * len(many))
+        l1.finish_write(many)
+        handlers = Handlers(
+            _ModelStorage(l1),  # type: ignore[arg-type]
+            chunk_size=256,
+            data_plane=DataPlane(shm_name="model"),
+            stats=FrontendStats(),
+            status_provider=dict,
+            max_inline_bytes=1 << 20,
+        )
+        clients = [b"c0", b"c1", b"c2", b"c3"]
+        vanished: set[bytes] = set()
+        other: list[tuple[ObjectKey, float]] = []  # the other front end's locks, its deadlines
+        stores: list[list[object]] = []
+        for _ in range(400):
+            action = rng.random()
+            client = rng.choice(clients)
+            keys = rng.sample(many, rng.randint(1, len(many)))
+            if action < 0.25:
+                handlers.lookup(p.Lookup(1, "", keys), client, ())
+            elif action < 0.4:
+                handlers.retrieve(p.Retrieve(1, "", keys), client, ())
+            elif action < 0.55 and client not in vanished:
+                handlers.release(p.Release(2, "", keys), client, ())
+            elif action < 0.62 and client not in vanished:
+                handlers.release(p.Release(2, "", keys, once=True), client, ())
+            elif action < 0.68:
+                deadline = l1.lock_deadline(now[0])
+                other += [(obj.key, deadline) for obj in l1.reserve_read_prefix(keys)]
+            elif action < 0.74 and other:
+                # given back with a margin before their deadline, as that front end does
+                key, deadline = other.pop(rng.randrange(len(other)))
+                if deadline > now[0] + step:
+                    l1.finish_read([key])
+            elif action < 0.78:
+                stores.append(list(l1.reserve_store(keys).values()))
+            elif action < 0.82 and stores:
+                l1.finish_store(stores.pop(rng.randrange(len(stores))))
+            elif action < 0.84:
+                vanished.add(client)
+            elif action < 0.86:  # deleted by force (its extent quarantined) and stored again
+                victim = rng.choice(many)
+                assert l1.delete([victim], force=True) == [True]
+                l1.reserve_write([victim], [4096])
+                assert l1.finish_write([victim]) == [True]
+            elif action < 0.9:
+                handlers.sessions.sweep(monotonic())
+            elif action < 0.95:
+                l1.expire_locks(monotonic())
+            else:
+                now[0] += rng.choice((step / 3, ttl / 4, ttl / 2, ttl))
+            _check_l1_structure(l1)
+            at = now[0]
+            other = [(key, deadline) for key, deadline in other if deadline > at]
+            for key in many:
+                obj = l1.get(key)
+                assert obj is not None
+                counted: list[float] = [deadline for held, deadline in other if held == key]
+                for session in handlers.sessions:
+                    for deadline, count in session.lock_deadlines.get(key, {}).items():
+                        if deadline > at:
+                            counted += [deadline] * count
+                # locks on an extent a forced delete quarantined are the key's too, until its lease ends
+                quarantined = [(held.until, held.holders) for held in l1._leases._held.get(key, [])]
+                for floor in sorted(set(counted)):
+                    kept = _l1_readers_from(obj, floor) + sum(n for until, n in quarantined if until >= floor)
+                    assert kept >= sum(1 for d in counted if d >= floor), (key, floor)
+        for store in stores:
+            l1.finish_store(store)
+        handlers.release_everything()
+        l1.expire_locks(now[0] + 3 * ttl)
+        _check_l1_structure(l1)
+        assert l1.stats().read_locks == 0
     finally:
         l1.close()

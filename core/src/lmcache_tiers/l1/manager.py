@@ -19,7 +19,7 @@ Every lock expires at its own deadline (its TTL from when it was taken), whateve
 are taken on the object since: a holder that forgets a lock at its TTL without releasing
 it (a crashed client, or one whose late release could drop a lock taken since) leaves
 nothing behind once ``expire_locks`` has run.  A release does not say which lock it drops:
-L1 drops the one expiring first after now (and not before the caller's ``not_before``),
+L1 drops the one expiring first from the caller's ``not_before`` on (without it: after now),
 which never leaves a live holder without a lock lasting until its own deadline
 (``l1/reads.py``).  Deadlines are rounded up to a grid of a 64th of the lock TTL
 (``lock_deadline``), so however often an object is locked it keeps a count per deadline
@@ -333,7 +333,7 @@ class L1Manager:
         Locks on an extent quarantined by a forced delete are credited first (see
         ``l1/leases.py``); keys not in L1 or not read-locked (e.g. their locks expired)
         are ignored.  Each lock keeps its own deadline, but a release does not say which
-        lock it drops: the one dropped is the one expiring first after now and, given
+        lock it drops: the one dropped is the one expiring first after now or, given
         ``not_before`` (a monotonic time no later than the released locks' deadlines:
         ``lock_deadline`` of a time read before the caller took them), not before it.  So
         no holder's lock is ever reaped before its deadline, and a caller that gives ``not_before`` never

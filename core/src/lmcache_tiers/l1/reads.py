@@ -5,17 +5,18 @@ Holders forget a lock at its TTL without releasing it (a late release could drop
 someone took since), so a lock must be reaped at its own deadline however often its key is
 locked again.  An object keeps its readers' locks per deadline (``L1Object.lock_groups``;
 one deadline and no list while they share one, the usual case).  A release does not say
-whose locks it drops: it drops those expiring first after now and, when the caller says
-its locks expire no earlier than ``not_before``, not before that.  Every holder still
-holding then keeps a lock lasting at least until its own deadline -- at worst a lock
-outlives its holder, never the other way round.  Without ``not_before`` a release may drop
-a forgotten lock in place of the caller's, which then lives on until its deadline: callers
-that know when they took their locks say so.
+whose locks it drops: when the caller says its locks expire no earlier than
+``not_before``, it drops those expiring first from then on (even one that expired a
+moment ago, unreaped: the caller saw it live); otherwise those expiring first after now.
+Every holder still holding then keeps a lock lasting at least until its own deadline -- at
+worst a lock outlives its holder, never the other way round.  Without ``not_before`` a
+release may drop a forgotten lock in place of the caller's, which then lives on until its
+deadline: callers that know when they took their locks say so.
 
 A deadline is the lock TTL from when the lock was taken rounded up to a grid of
 ``lock_ttl_s / LOCK_GRID_STEPS`` on the monotonic clock (``read_lock_deadline``), so an
 object's locks have at most ``LOCK_GRID_STEPS + 1`` distinct live deadlines however often it
-is locked (and the one of the locks it became READY with, ``l1/writes.py``, not rounded): a
+is locked (those it became READY with, ``l1/writes.py``, are on the grid too): a
 client locking keys again and again without releasing them costs a count per deadline, not
 an entry per lock.  A lock thus lasts up to one grid step longer than its TTL
 -- the safe way round.
@@ -110,12 +111,14 @@ class ReadLocks:
             obj = objects.get(key)
             if obj is None or obj.state is not _READY or key in hits:
                 continue
-            if obj.read_locks:
-                add_read_locks(obj, count, deadline)
-            else:
+            if not obj.read_locks:
                 locked[key] = obj
                 obj.read_locks = count
                 obj.lock_deadline = deadline
+            elif obj.lock_deadline == deadline and obj.lock_groups is None:
+                obj.read_locks += count  # its one deadline, this grid step's: the usual case
+            else:
+                add_read_locks(obj, count, deadline)
             hits[key] = obj
         return hits
 
@@ -146,12 +149,16 @@ class ReadLocks:
             deadline = read_lock_deadline(time.monotonic(), self.lock_ttl_s)
             for obj in unique:
                 # A READY object is in ``locked`` exactly when it has read locks.
-                if obj.read_locks:
-                    add_read_locks(obj, count, deadline)
-                else:
+                if not obj.read_locks:
                     locked[obj.key] = obj
                     obj.read_locks = count
                     obj.lock_deadline = deadline
+                elif obj.lock_deadline == deadline and obj.lock_groups is None:
+                    # Its locks' one deadline is this grid step's (a hot prefix locked by
+                    # several readers within a step): a count, without a call per object.
+                    obj.read_locks += count
+                else:
+                    add_read_locks(obj, count, deadline)
             table.listeners.notify("read", read)
             return prefix
 
@@ -222,14 +229,15 @@ class ReadLocks:
                 if obj is None or not left:
                     continue
                 # A reader's release never takes an L2 store's lock (``release_store``).
-                readers = obj.read_locks - obj.storing
-                if left < readers:
-                    obj.read_locks -= left
+                held = obj.read_locks
+                remaining = held - left
+                if remaining > obj.storing:
+                    obj.read_locks = remaining
                     if obj.lock_groups is not None:
                         if not now:
                             now = time.monotonic()
                         _drop_read_locks(obj, left, now, not_before)
-                elif readers > 0:  # its readers' last locks
+                elif held > obj.storing:  # its readers' last locks
                     obj.lock_groups = None
                     obj.read_locks = obj.storing
                     if not obj.storing:  # unlocked now
@@ -337,18 +345,22 @@ def add_read_locks(obj: L1Object, count: int, deadline: float) -> None:
 
 def _drop_read_locks(obj: L1Object, count: int, now: float, not_before: float | None) -> None:
     """Take ``count`` of ``obj``'s readers' locks (fewer than it holds, already taken off
-    ``read_locks``) out of its deadline groups: those with the earliest deadline after
-    ``now``, and not before ``not_before``, first; then (a holder released a lock it no
-    longer held) the latest of the others."""
+    ``read_locks``) out of its deadline groups: those with the earliest deadline from
+    ``not_before`` on (without it: after ``now``) first; then (a holder released a lock it
+    no longer held) the earliest of the others, expired ones before any still live."""
     groups = obj.lock_groups
     assert groups is not None
     # Locks expiring before ``not_before`` are not the caller's: maybe forgotten by theirs.
+    # Given ``not_before``, ``now`` skips nothing: the caller saw its locks live at a time
+    # read before this one, so one of them may have expired since (unreaped) -- skipping
+    # it would drop another holder's live lock in its place.
     first = 0
+    floor = now if not_before is None else -math.inf
     while first < len(groups) and (
-        groups[first] <= now or (not_before is not None and groups[first] < not_before)
+        groups[first] <= floor or (not_before is not None and groups[first] < not_before)
     ):
         first += 2
-    for position in [*range(first, len(groups), 2), *range(first - 2, -1, -2)]:
+    for position in [*range(first, len(groups), 2), *range(0, first, 2)]:
         held = int(groups[position + 1])
         taken = min(held, count)
         groups[position + 1] = held - taken

@@ -133,6 +133,10 @@ class Session:
         """Apply the records to the per-key deadlines, oldest first."""
         locks = self._locks
         for keys, counts in self._records:
+            if locks.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+                # New keys, each once (the usual record): a copy of its counts each, in C.
+                locks.update(zip(keys, map(dict.copy, repeat(counts)), strict=False))
+                continue
             for key in keys:
                 held = locks.get(key)
                 if held is None:
@@ -162,9 +166,15 @@ class Session:
                 live = _live(counts, now)
                 return {live: wanted} if live[0] else {}
         locks = self.lock_deadlines
-        groups: dict[tuple[int, float], list[ObjectKey]] = defaultdict(list)
         # A second mention of a key finds nothing left: it is released once.
-        for key, held in zip(wanted, map(locks.pop, wanted, repeat(_NOTHING)), strict=True):
+        helds = list(map(locks.pop, wanted, repeat(_NOTHING)))
+        if helds and len(helds[0]) == 1 and helds.count(helds[0]) == len(helds):
+            # Every key held alike, each named once (the usual case: what one LOOKUP took):
+            # one group, the per-key dicts compared in C.
+            live = _live(helds[0], now)
+            return {live: wanted} if live[0] else {}
+        groups: dict[tuple[int, float], list[ObjectKey]] = defaultdict(list)
+        for key, held in zip(wanted, helds, strict=True):
             live = _live(held, now)
             if live[0]:
                 groups[live].append(key)
