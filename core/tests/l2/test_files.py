@@ -205,6 +205,37 @@ def test_with_fsync_a_file_published_without_its_descriptor_is_fsynced_first(
     assert synced == [(inode, False)], "the record's bytes are synced before it is renamed into place"
 
 
+def test_a_publish_told_to_stop_during_its_fsync_renames_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``stop`` is asked after the record's fsync, right before the rename: a store that
+    returns from a stuck fsync once its adapter started closing publishes nothing (the
+    directory may be another server's by then), and the caller removes the temp file."""
+    files = LocalFiles(
+        FileLayout(str(tmp_path), shard_dirs=False), name="t", count=lambda *_: None, fsync=True
+    )
+    key = ObjectKey("m", 0, b"\x09" * 32)
+    fd, temp = files.create_temp(key)
+    os.write(fd, encode_header(key, b"bytes", align=HEADER) + b"bytes")
+    closing: list[bool] = []
+    real_fsync = os.fsync
+
+    def closing_meanwhile(descriptor: int) -> None:
+        real_fsync(descriptor)
+        closing.append(True)  # the adapter started closing while this fsync was stuck
+
+    monkeypatch.setattr(os, "fsync", closing_meanwhile)
+    assert files.publish(key, temp, fd, stop=lambda: bool(closing)) is False
+    assert closing == [True]
+    assert not os.path.exists(files.layout.path_for(key))
+    assert os.path.exists(temp)  # the caller's to remove
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    fd, temp = files.create_temp(key)
+    os.write(fd, encode_header(key, b"again", align=HEADER) + b"again")
+    assert files.publish(key, temp, fd, stop=lambda: False) is True
+    assert os.path.exists(files.layout.path_for(key))
+
+
 @pytest.fixture
 def synced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The directories LocalFiles fsyncs, relative to tmp_path, in order."""

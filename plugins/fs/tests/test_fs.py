@@ -681,6 +681,91 @@ def test_close_does_not_wait_for_a_load_stuck_in_a_read_thread(
     assert reads_after_close == [], "pieces were read into L1 after close returned"
 
 
+@pytest.mark.parametrize("stuck_in", ["pwrite", "fsync"])
+def test_close_does_not_wait_for_a_store_stuck_in_a_write_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stuck_in: str
+) -> None:
+    """A write stuck on one of the adapter's write threads (a hung mount) must not hold
+    close past its deadline; once it returns, after the adapter released its directory,
+    the store publishes nothing -- no record of its key appears -- and leaves no
+    temporary file.  Stuck in the payload's pwrite it writes nothing more; stuck in the
+    fsync before the rename (``fsync: true``) it does not rename."""
+    import threading
+
+    arena = Arena()
+    # a batch spread over the write threads: one of them surely takes a record, even when
+    # the calling thread is the first to start
+    keys = make_keys(8)
+    size = 2 * MIB
+    data = [pattern(110 + i, size) for i in range(len(keys))]
+    entered, gate = threading.Event(), threading.Event()
+    stuck: list[int] = []  # the index of the record whose write is stuck
+    closed = threading.Event()
+    pwrite, fsync = os.pwrite, os.fsync
+
+    def which(prefix: bytes) -> int:
+        (index,) = [i for i, payload in enumerate(data) if payload[:64] == prefix]
+        return index
+
+    def is_the_stuck_one() -> bool:
+        return threading.current_thread().name.startswith("fs-") and not entered.is_set()
+
+    def stuck_pwrite(fd: int, view: memoryview, offset: int) -> int:
+        if offset == HEADER and is_the_stuck_one():  # the payload, written first
+            stuck.append(which(bytes(view[:64])))
+            entered.set()
+            gate.wait(60)
+        return pwrite(fd, view, offset)
+
+    def stuck_fsync(fd: int) -> None:
+        if os.fstat(fd).st_size == HEADER + size and is_the_stuck_one():  # a record's file
+            with open(os.readlink(f"/proc/self/fd/{fd}"), "rb") as record:  # fd is write-only
+                record.seek(HEADER)
+                payload = record.read(64)
+            stuck.append(which(payload))
+            entered.set()
+            gate.wait(60)
+        fsync(fd)
+
+    fields = {"fsync": True} if stuck_in == "fsync" else {}
+    adapter = open_fs(fs_config(str(tmp_path), use_odirect=False, **fields), arena.view)
+
+    def close() -> None:
+        adapter.close()
+        closed.set()
+
+    closer = threading.Thread(target=close, daemon=True)
+    try:
+        if stuck_in == "pwrite":
+            monkeypatch.setattr(os, "pwrite", stuck_pwrite)
+        else:
+            monkeypatch.setattr(os, "fsync", stuck_fsync)
+        buffers = [arena.take(size) for _ in keys]
+        for buffer, payload in zip(buffers, data, strict=True):
+            buffer[:] = payload
+        adapter.submit_store(keys, buffers)
+        assert entered.wait(10)
+        adapter.close_timeout_s = 0.2  # type: ignore[misc]
+        closer.start()
+        closer.join(10)
+        assert closed.is_set(), "close waited for a write stuck in storage"
+        gate.set()
+        for thread in threading.enumerate():  # the store ends once its stuck write returns
+            if thread.name.startswith(("l2-0:fs-test-store", "fs-")):
+                thread.join(30)
+    finally:
+        gate.set()
+        if closer.ident is None:
+            adapter.close()
+        closer.join(30)
+    (index,) = stuck
+    assert f"{keys[index].file_stem()}.bin" not in record_files(str(tmp_path)), (
+        "a store stuck past close published its record after the directory was released"
+    )
+    left = [name for _dir, _dirs, names in os.walk(tmp_path) for name in names if not name.endswith(".bin")]
+    assert left == [], "a store stopped by close left its temporary file"
+
+
 def test_a_remote_load_stuck_when_the_adapter_closes_copies_nothing_into_its_buffer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

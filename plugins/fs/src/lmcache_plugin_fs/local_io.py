@@ -75,12 +75,16 @@ def _set_direct(fd: int, on: bool) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, (flags | _DIRECT) if on else (flags & ~_DIRECT))
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+def _pwrite_all(fd: int, data: memoryview, offset: int, stop: Callable[[], bool]) -> bool:
+    """Write all of ``data`` at ``offset``; False once ``stop()`` said so before a write."""
     while data.nbytes:
+        if stop():
+            return False
         written = os.pwrite(fd, data, offset)
         if written <= 0:
             raise OSError(28, "No space left on device (short write)")
         data, offset = data[written:], offset + written
+    return True
 
 
 def _pread_all(fd: int, buffers: list[memoryview], offset: int, stop: Callable[[], bool]) -> int:
@@ -129,11 +133,12 @@ class LocalRecords:
         self._writers = BatchWorkers(IO_THREADS, f"fs-{context.name}-write", background=True)
 
     def close(self) -> None:
-        # The readers are not waited for: core closes the backend once its deadline
-        # passed, even while a read is stuck (a hung mount); RecordLoads reads nothing
-        # more into a caller's buffer once the adapter is closing.
+        # Neither readers nor writers are waited for: core closes the backend once its
+        # deadline passed, even while a read or write is stuck (a hung mount).  RecordLoads
+        # reads nothing more into a caller's buffer once the adapter is closing, and a
+        # store writes nothing more and publishes nothing (_write).
         self._readers.shutdown(wait=False)
-        self._writers.shutdown()
+        self._writers.shutdown(wait=False)
 
     def _encode_header(self, key: ObjectKey, payload: memoryview) -> bytes:
         return self.context.record_header(key, payload, align=RECORD_ALIGN)
@@ -157,7 +162,10 @@ class LocalRecords:
         """Each record fails alone: a full disk fails the records that do not fit, not the
         batch, and a smaller record after a failed one may still fit.  Records written in
         parallel compete for the last free blocks, so those that found the disk full are
-        tried once more, one after the other, before they count as not fitting."""
+        tried once more, one after the other, before they count as not fitting.
+
+        Records not yet published when the adapter starts closing fail (core counts them
+        ``store_keys_failed``; one log line says why)."""
         full: set[int] = set()
 
         def attempt(index: int, key: ObjectKey, payload: memoryview) -> bool:
@@ -166,9 +174,27 @@ class LocalRecords:
         results = self._each(self._writers, attempt, keys, payloads)
         for index in sorted(full):
             results[index] = self._write(keys[index], payloads[index])
+        if self.context.closing and not all(results):
+            log.info(
+                "%s: %d of %d records of a store not written: the adapter is closing",
+                self.context.name,
+                results.count(False),
+                len(results),
+            )
         return results
 
     def _write(self, key: ObjectKey, payload: memoryview, on_full: Callable[[], None] | None = None) -> bool:
+        """Write ``key``'s record to a temporary file and publish it; False if it failed.
+
+        Once the adapter is closing nothing more is written and nothing published: core
+        closes the backend past its deadline while a write is stuck (a hung mount), fails
+        the store and hands its payload buffer back, and the adapter then releases its
+        directory.  So the flag is asked before the file is created, before each further
+        write and right before the rename (:meth:`LocalFiles.publish`); a store stopped
+        there removes its temporary file and fails."""
+        stop = self._closing
+        if stop():
+            return False
         header_len = self.sizes.length(key)
         direct = self.direct and _aligned(payload)
         if self.direct and not direct:
@@ -180,17 +206,21 @@ class LocalRecords:
             whole = payload.nbytes - payload.nbytes % RECORD_ALIGN if direct else payload.nbytes
             # The copy and the checksum release the GIL: idle-class (l2/background.py)
             with WRITE_BACK.copying():
-                _pwrite_all(fd, payload[:whole], header_len)
+                if not _pwrite_all(fd, payload[:whole], header_len, stop):
+                    return False
                 if direct:
                     _set_direct(fd, False)  # the tail and the header go through the page cache
-                    _pwrite_all(fd, payload[whole:], header_len + whole)
+                    if not _pwrite_all(fd, payload[whole:], header_len + whole, stop):
+                        return False
                 encoded = self._encode_header(key, payload)
             if len(encoded) != header_len:
                 self.context.header_too_long(key, len(encoded), header_len)
                 return False
-            _pwrite_all(fd, memoryview(encoded), 0)
+            if not _pwrite_all(fd, memoryview(encoded), 0, stop):
+                return False
             written, fd = fd, -1
-            self.files.publish(key, path, written)  # closes it
+            if not self.files.publish(key, path, written, stop=stop):  # closes it
+                return False
             path = None
             return True
         except OSError as exc:

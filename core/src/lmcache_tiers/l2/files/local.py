@@ -196,8 +196,11 @@ class LocalFiles:
                 if self._on_root_recreated is not None:
                     self._on_root_recreated()
 
-    def publish(self, key: ObjectKey, temp_path: str, fd: int | None = None) -> None:
-        """Rename a complete temporary file over ``key``'s record (fsync first when asked).
+    def publish(
+        self, key: ObjectKey, temp_path: str, fd: int | None = None, *, stop: Callable[[], bool] | None = None
+    ) -> bool:
+        """Rename a complete temporary file over ``key``'s record (fsync first when asked);
+        True once it is published.
 
         ``fd``, the temporary file's open descriptor, is closed here in every case (the
         caller must not close it again), before the rename: a network filesystem (NFS)
@@ -205,6 +208,11 @@ class LocalFiles:
         store while nothing is published yet.  Without ``fd`` (the caller closed it) the
         file is opened again to be fsynced: a record renamed into place unsynced could be
         lost or torn by a power loss although its store was acknowledged as durable.
+
+        False: ``stop()`` said so right before a rename (the store's adapter started
+        closing while the store was stuck, e.g. in the fsync of a hung mount); nothing is
+        published and the caller removes the temporary file.  Only a rename already under
+        way may still land; see :meth:`_rename`.
 
         Raises OSError; the caller removes the temporary file then.  With ``fsync``, a
         directory that cannot be fsynced after the rename fails the store, and the record
@@ -221,18 +229,31 @@ class LocalFiles:
             _fsync_file(temp_path)
         final = self.layout.path_for(key)
         if not self.fsync:
-            self._rename(key, temp_path, final)
-            return
+            return self._rename(key, temp_path, final, stop)
         published = identity_of(os.lstat(temp_path))  # the inode keeps it through the rename
-        self._rename(key, temp_path, final)
+        if not self._rename(key, temp_path, final, stop):
+            return False
         try:
             self._fsync_directory(os.path.dirname(final))
         except OSError:
             self._withdraw(key, published)
             raise
+        return True
 
-    def _rename(self, key: ObjectKey, temp_path: str, final: str) -> None:
-        """Move the temporary file over ``key``'s record.
+    def _rename(
+        self, key: ObjectKey, temp_path: str, final: str, stop: Callable[[], bool] | None = None
+    ) -> bool:
+        """Move the temporary file over ``key``'s record; False if ``stop()`` said not to.
+
+        ``stop`` is asked right before each rename: a store that returns from a stuck
+        write or fsync after its adapter started closing must not publish, as the adapter
+        may have released the directory to another server by then (and the root is not
+        created again for it).  A rename already past that check may still land after the
+        release: what it moves is a complete record whose checksum was taken while the
+        payload was still the store's (closing begins before core hands the store's
+        buffers back), so it is a valid record of its key, which the next adapter on the
+        directory finds as it finds any record an earlier run left.  Closing that window
+        would make close wait on a rename, which a hung mount can hold for ever.
 
         With a temporary directory apart from the records (``temp_dir``), creating the
         temporary file does not notice that the record's directory vanished (removed by an
@@ -241,19 +262,26 @@ class LocalFiles:
         once more, instead of failing every store into that directory until a restart.  A
         temporary file that is gone itself fails: the next store re-creates the root.
         """
+        if stop is not None and stop():
+            return False
         try:
             with self.stripe(key):
                 os.rename(temp_path, final)
-            return
+            return True
         except FileNotFoundError:
             if not os.path.exists(temp_path):
                 raise
+        if stop is not None and stop():
+            return False
         self._recreate()
         directory = os.path.dirname(final)
         self._ensure(directory)
         log.info("%s: %s vanished while in use; created it again", self.name, printable(directory, 300))
+        if stop is not None and stop():
+            return False
         with self.stripe(key):
             os.rename(temp_path, final)
+        return True
 
     def _withdraw(self, key: ObjectKey, published: FileIdentity) -> None:
         """Remove the record a failing store published (not one a later store replaced it
