@@ -915,3 +915,103 @@ def test_records_stored_through_a_size_changing_chain_are_hits_after_a_restart(
     finally:
         if remote:
             fsspec.filesystem("memory").rm(root, recursive=True)
+
+
+def _newer_format(key: ObjectKey, payload: bytes) -> bytes:
+    """A record of ``key`` whose header says a format version this code does not read
+    (what a newer server sharing the folder writes), its header crc made right again."""
+    import zlib
+
+    from lmcache_tiers.l2.record import encode_header
+
+    header = bytearray(encode_header(key, payload, align=HEADER))
+    header[4:6] = (99).to_bytes(2, "little")
+    header[-4:] = zlib.crc32(bytes(header[:-4])).to_bytes(4, "little")
+    return bytes(header) + payload
+
+
+def test_a_delete_keeps_a_record_of_a_newer_format_on_a_remote_folder() -> None:
+    """A newer server sharing the folder stored a record under a key this one listed: the
+    delete (the L2 eviction's) must leave that writer's object, release the key's bytes
+    (not this adapter's record) and count it once."""
+    import fsspec
+
+    from lmcache_tiers.l2.files import record_name
+
+    files = fsspec.filesystem("memory")
+    root = f"memory://newer-delete-{uuid.uuid4().hex}"
+    (key,) = make_keys(1)
+    path = f"{root}/{record_name(key)}"
+    files.pipe_file(path, _newer_format(key, pattern(9, SIZE)))
+    arena = Arena()
+    adapter = open_fs(fs_config(root), arena.view)
+    try:
+        assert adapter.used_bytes() == SIZE  # listed by name
+        assert adapter.delete([key]) == [False]
+        assert files.exists(path), "a newer server's acknowledged write was deleted"
+        assert adapter.used_bytes() == 0, "a record this server cannot read is still accounted"
+        stats = adapter.stats()
+        assert stats["record_version_unknown"] == 1
+        assert stats.get("corrupt_records_removed", 0) == 0
+        assert client(adapter).lookup_and_lock([key]).found == [False]
+        assert files.exists(path)
+    finally:
+        adapter.close()
+        files.rm(root, recursive=True)
+
+
+def test_a_record_of_a_newer_format_on_a_remote_folder_is_a_miss_that_is_kept() -> None:
+    """A newer server sharing the folder overwrote a key this one stored (a load finds it)
+    and stored one this one never saw (a lookup reads its header): misses, both records
+    kept (that server reads them), each counted."""
+    import fsspec
+
+    from lmcache_tiers.l2.files import record_name
+
+    files = fsspec.filesystem("memory")
+    root = f"memory://newer-load-{uuid.uuid4().hex}"
+    stored, theirs = make_keys(2)
+    arena = Arena()
+    adapter = open_fs(fs_config(root), arena.view)
+    try:
+        assert store(adapter, arena, [stored], [pattern(3, SIZE)]) == [True]
+        paths = [f"{root}/{record_name(key)}" for key in (stored, theirs)]
+        for path, key in zip(paths, (stored, theirs), strict=True):
+            files.pipe_file(path, _newer_format(key, pattern(5, SIZE)))
+        result = client(adapter).lookup_and_lock([stored, theirs])
+        assert result.found == [True, False]  # core knows the stored one's size: no header read
+        ok, _contents = load(adapter, arena, [stored], result.sizes[:1])
+        adapter.unlock([stored])
+        assert ok == [False]
+        assert all(files.exists(path) for path in paths), "a newer server's record was removed"
+        stats = adapter.stats()
+        assert stats.get("corrupt_records_removed", 0) == 0
+        assert stats["record_version_unknown"] == 2
+    finally:
+        adapter.close()
+        files.rm(root, recursive=True)
+
+
+def test_a_digest_named_record_of_a_newer_format_on_a_remote_folder_is_kept_by_the_listing() -> None:
+    """Only its header tells a digest-named record's key; a newer server's header cannot be
+    read here, but the record is that server's: not listed, kept, counted."""
+    import fsspec
+
+    from lmcache_tiers.l2.files import record_name
+
+    files = fsspec.filesystem("memory")
+    root = f"memory://newer-digest-{uuid.uuid4().hex}"
+    (key,) = _digest_named_keys(1)
+    path = f"{root}/{record_name(key)}"
+    files.pipe_file(path, _newer_format(key, pattern(7, SIZE)))
+    arena = Arena()
+    adapter = open_fs(fs_config(root), arena.view)
+    try:
+        assert files.exists(path), "a newer server's acknowledged write was removed"
+        stats = adapter.stats()
+        assert stats.get("corrupt_records_removed", 0) == 0
+        assert stats["record_version_unknown"] == 1
+        assert adapter.used_bytes() == 0
+    finally:
+        adapter.close()
+        files.rm(root, recursive=True)

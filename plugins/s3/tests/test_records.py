@@ -251,6 +251,28 @@ def test_a_record_of_an_unknown_format_version_is_a_miss_that_is_kept(adapter: L
     assert adapter.stats()["record_version_unknown"] == 1
 
 
+@pytest.mark.parametrize("copy", [False, True], ids=["no-copy", "header-copy"])
+def test_a_delete_keeps_a_record_of_an_unknown_format_version(
+    adapter: L2Adapter, raw: Raw, l1: memoryview, copy: bool
+) -> None:
+    """A newer server sharing the bucket replaced a record this one stored: the delete (the
+    L2 eviction's) must leave that server's object, release the key's bytes (no record of
+    this adapter any more) and count it once -- not again in the check core makes next."""
+    (key,) = make_keys(1)
+    store(adapter, l1, [key])
+    assert adapter.used_bytes() == SIZE
+    payload = pattern(6, SIZE)
+    header = bytearray(encode_header(key, payload, align=4096))
+    header[4:6] = (99).to_bytes(2, "little")  # a format a newer server might write
+    raw.write(key, bytes(header) + payload, header_metadata(bytes(header)) if copy else None)
+    assert adapter.delete([key]) == [False]
+    assert raw.exists(key), "a newer server's acknowledged write was deleted"
+    assert adapter.used_bytes() == 0, "a record this server cannot read is still accounted"
+    stats = adapter.stats()
+    assert stats["record_version_unknown"] == 1
+    assert stats.get("corrupt_records_removed", 0) == 0
+
+
 @pytest.mark.parametrize("cut", [0, 4, 60], ids=["empty", "tiny", "header-prefix"])
 def test_an_object_too_short_for_a_record_fails_a_load_and_is_removed(
     adapter: L2Adapter, raw: Raw, l1: memoryview, cut: int

@@ -30,6 +30,7 @@ from lmcache_tiers.plugin import (
     ObjectSize,
     RecordError,
     RecordMismatchError,
+    RecordVersionError,
     WriteFailures,
     classify_name,
     copy_into,
@@ -72,6 +73,8 @@ class RemoteRecords:
         #: makes next reads the header, so their accounting goes -- they are no records
         #: of this adapter -- without counting them again
         self._foreign_found: set[ObjectKey] = set()
+        #: the same for keys a delete found a record of a newer format version under
+        self._unknown_found: set[ObjectKey] = set()
         fs.makedirs(layout.root, exist_ok=True)
 
     def close(self) -> None:
@@ -173,11 +176,14 @@ class RemoteRecords:
         if stored < 0:
             self.discard(key, size, None, "truncated_records_removed", "shorter than its header")
             return None
-        # A key a delete found another key's record under is asked of the header too: a
-        # size core knows of it came from a listing that read the name only.
+        # A key a delete found another key's record (or a newer format's) under is asked
+        # of the header too: a size core knows of it came from a listing that read the
+        # name only.
         counted = key in self._foreign_found
         self._foreign_found.discard(key)
-        if self.context.l1_size_of(key) is not None and not counted:
+        version_counted = key in self._unknown_found
+        self._unknown_found.discard(key)
+        if self.context.l1_size_of(key) is not None and not counted and not version_counted:
             return stored
         # A key core does not know: its header tells the L1 size under a size-changing
         # chain, and whether the record is of this key at all (a hit is adopted, and
@@ -189,6 +195,11 @@ class RemoteRecords:
         except RecordMismatchError as exc:
             if not counted:  # else counted (and logged) by the delete that found it
                 self.context.foreign_record(key, exc)
+            return None
+        except RecordVersionError as exc:
+            # A newer server sharing the folder wrote it, and reads it: a miss, kept.
+            if not version_counted:  # else counted (and logged) by the delete that found it
+                self.context.unknown_version(key, exc)
             return None
         except RecordError as exc:
             self.discard(key, size, prefix, "corrupt_records_removed", str(exc))
@@ -235,6 +246,8 @@ class RemoteRecords:
             return False
         except RecordMismatchError as exc:
             self.context.foreign_record(key, exc)
+        except RecordVersionError as exc:
+            self.context.unknown_version(key, exc)  # a newer server's record: a miss, kept
         except RecordError as exc:
             self.discard(key, size, prefix, "corrupt_records_removed", str(exc))
         except OSError as exc:
@@ -293,21 +306,24 @@ class RemoteRecords:
                 return False
 
     def _of_another_key(self, key: ObjectKey, path: str) -> bool:
-        """Whether ``path`` holds an intact record of another key (counted and logged).
-        The listing reads names only, so it accounts, e.g., the object an ``s3`` adapter
-        sharing the folder stored for a key salted "t.bin" as the key salted "t" here; a
-        delete of that key (the L2 eviction's) must leave the other writer's object.  A
+        """Whether ``path`` holds an intact record of another key, or a record of a format
+        version this code does not read (counted and logged).  The listing reads names
+        only, so it accounts, e.g., the object an ``s3`` adapter sharing the folder stored
+        for a key salted "t.bin" as the key salted "t" here; a delete of that key (the L2
+        eviction's) must leave the other writer's object.  A newer server sharing the
+        folder reads a record of its format: lookups keep it, and so does a delete.  A
         file that is no readable record is the key's to remove."""
         # Ranged reads: a file opened for reading may fetch a whole block (megabytes).
         prefix = bytes(self.fs.cat_file(path, start=0, end=self.sizes.length(key)))
         try:
             wanted = header_length(prefix)
-        except RecordError:
-            return False
-        if wanted > len(prefix):  # a longer header than this key's (another key's)
-            prefix += bytes(self.fs.cat_file(path, start=len(prefix), end=wanted))
-        try:
+            if wanted > len(prefix):  # a longer header than this key's (another key's)
+                prefix += bytes(self.fs.cat_file(path, start=len(prefix), end=wanted))
             owner = record_key(prefix)
+        except RecordVersionError as exc:
+            self.context.unknown_version(key, exc)
+            self._unknown_found.add(key)
+            return True
         except RecordError:
             return False
         if owner == key:
@@ -378,9 +394,25 @@ class RemoteRecords:
             return None
         judged = judge_digest_record(prefix, name, size)
         if isinstance(judged, tuple):
+            if self._of_a_newer_format(path, prefix):
+                return None
             self._discard_path(path, self._stripes.every(), size, prefix, *judged)
             return None
         return judged
+
+    def _of_a_newer_format(self, path: str, prefix: bytes) -> bool:
+        """Whether a digest-named record whose header did not tell its key is of a format
+        version this code does not read (counted and logged): a newer server sharing the
+        folder wrote it and reads it, so it is kept -- and not listed, its key unknown."""
+        try:
+            record_key(prefix)
+        except RecordVersionError as exc:
+            self.context.count("record_version_unknown")
+            self.context.warn("version", "%s: %s; not listed, kept", printable(path, 300), exc)
+            return True
+        except RecordError:
+            pass
+        return False
 
     def remove_temp_files(self) -> int:
         """Delete temporary files a killed writer left behind; returns how many."""

@@ -96,6 +96,8 @@ class S3Backend:
         #: keys a delete found another key's record under, counted and logged then: core
         #: asks next whether the key is absent, and that lookup does not count it again
         self._foreign_found: set[ObjectKey] = set()
+        #: the same for keys a delete found a record of a newer format version under
+        self._unknown_found: set[ObjectKey] = set()
         self.client = S3Client(config, context.name)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._answered_at_start = check_bucket(config, context.name)
@@ -305,7 +307,7 @@ class S3Backend:
                 raise _ReadTheRecord
             header = self.context.read_record_header(slot, key)
         except RecordVersionError as exc:
-            self.context.unknown_version(key, exc)
+            self._unknown_version(key, exc)
             return None
         except (ValueError, RecordError) as exc:
             self._copy_unusable(key, str(exc))
@@ -369,7 +371,7 @@ class S3Backend:
                 try:
                     header_len = header_length(prefix)
                 except RecordVersionError as exc:
-                    self.context.unknown_version(key, exc)
+                    self._unknown_version(key, exc)
                     return False
                 except RecordError as exc:
                     raise _Damaged(str(exc)) from exc
@@ -421,7 +423,9 @@ class S3Backend:
         intact record of another key.  The listing reads names only, so it accounts, e.g.,
         an fs adapter's record of a salted key as this codec's key with ".bin" added to its
         salt; the L2 eviction's delete of that key must leave the other writer's object.
-        The header copy of the HEAD tells; without one, the record's own header does."""
+        A record of a format version this code does not read is kept too: a newer server
+        sharing the bucket wrote it and reads it (lookups keep it as well).  The header
+        copy of the HEAD tells; without one, the record's own header does."""
         try:
             answer = await self.client.call("head_object", Key=name)
         except Exception as exc:
@@ -444,8 +448,12 @@ class S3Backend:
                 raise
             try:
                 owner = record_key(slot)
+            except RecordVersionError as exc:
+                self.context.unknown_version(key, exc)
+                self._unknown_found.add(key)
+                return False
             except RecordError:
-                return True  # not a readable record (or of a newer format): the key's to remove
+                return True  # not a readable record: the key's to remove
         if owner != key:
             self.context.foreign_record(
                 key, RecordMismatchError(f"the record under its name is of {printable(owner.file_stem())}")
@@ -494,7 +502,7 @@ class S3Backend:
         try:
             return self.context.read_record_header(data, key)
         except RecordVersionError as exc:
-            self.context.unknown_version(key, exc)
+            self._unknown_version(key, exc)
             return None
         except RecordMismatchError as exc:
             # e.g. an fs adapter on s3:// in this folder, whose "<name>.bin" is this
@@ -506,6 +514,15 @@ class S3Backend:
             return None
         except RecordError as exc:
             raise _Damaged(str(exc)) from exc
+
+    def _unknown_version(self, key: ObjectKey, exc: RecordVersionError) -> None:
+        """Count and log a record of a format version this code does not read under
+        ``key``'s name -- unless the delete that found it did already (core asks next
+        whether the key is absent, and that lookup reads the same record)."""
+        if key in self._unknown_found:
+            self._unknown_found.discard(key)
+        else:
+            self.context.unknown_version(key, exc)
 
     async def _remove_damaged(self, key: ObjectKey, name: str, why: str, etag: str | None) -> None:
         """Remove the damaged object read as ``etag`` -- only if it is still that one: a
