@@ -960,7 +960,8 @@ def test_a_delete_keeps_a_record_of_a_newer_format_on_a_remote_folder() -> None:
         files.rm(root, recursive=True)
 
 
-def test_a_record_of_a_newer_format_on_a_remote_folder_is_a_miss_that_is_kept() -> None:
+@pytest.mark.parametrize("where", ["remote", "local"])
+def test_a_record_of_a_newer_format_is_a_miss_that_is_kept(tmp_path: Path, where: str) -> None:
     """A newer server sharing the folder overwrote a key this one stored (a load finds it)
     and stored one this one never saw (a lookup reads its header): misses, both records
     kept (that server reads them), each counted."""
@@ -968,8 +969,8 @@ def test_a_record_of_a_newer_format_on_a_remote_folder_is_a_miss_that_is_kept() 
 
     from lmcache_tiers.l2.files import record_name
 
-    files = fsspec.filesystem("memory")
-    root = f"memory://newer-load-{uuid.uuid4().hex}"
+    files = fsspec.filesystem("memory" if where == "remote" else "file")
+    root = f"memory://newer-load-{uuid.uuid4().hex}" if where == "remote" else str(tmp_path / "root")
     stored, theirs = make_keys(2)
     arena = Arena()
     adapter = open_fs(fs_config(root), arena.view)
@@ -992,15 +993,17 @@ def test_a_record_of_a_newer_format_on_a_remote_folder_is_a_miss_that_is_kept() 
         files.rm(root, recursive=True)
 
 
-def test_a_digest_named_record_of_a_newer_format_on_a_remote_folder_is_kept_by_the_listing() -> None:
+@pytest.mark.parametrize("where", ["remote", "local"])
+def test_a_digest_named_record_of_a_newer_format_is_kept_by_the_listing(tmp_path: Path, where: str) -> None:
     """Only its header tells a digest-named record's key; a newer server's header cannot be
     read here, but the record is that server's: not listed, kept, counted."""
     import fsspec
 
     from lmcache_tiers.l2.files import record_name
 
-    files = fsspec.filesystem("memory")
-    root = f"memory://newer-digest-{uuid.uuid4().hex}"
+    files = fsspec.filesystem("memory" if where == "remote" else "file")
+    root = f"memory://newer-digest-{uuid.uuid4().hex}" if where == "remote" else str(tmp_path / "root")
+    files.makedirs(root, exist_ok=True)
     (key,) = _digest_named_keys(1)
     path = f"{root}/{record_name(key)}"
     files.pipe_file(path, _newer_format(key, pattern(7, SIZE)))

@@ -44,6 +44,7 @@ from lmcache_tiers.plugin import (
     RecordHeader,
     RecordLoads,
     RecordMismatchError,
+    RecordVersionError,
     WriteFailures,
     identity_of,
     is_out_of_space,
@@ -277,6 +278,9 @@ class LocalRecords:
             return self.context.read_record_header(data, key)
         except RecordMismatchError as exc:
             self.context.foreign_record(key, exc)  # another key's intact record: kept
+            return None
+        except RecordVersionError as exc:
+            self.context.unknown_version(key, exc)  # a newer server's record: kept
             return None
         except RecordError as exc:
             return exc, identity

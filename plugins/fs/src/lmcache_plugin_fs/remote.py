@@ -394,25 +394,15 @@ class RemoteRecords:
             return None
         judged = judge_digest_record(prefix, name, size)
         if isinstance(judged, tuple):
-            if self._of_a_newer_format(path, prefix):
-                return None
             self._discard_path(path, self._stripes.every(), size, prefix, *judged)
             return None
-        return judged
-
-    def _of_a_newer_format(self, path: str, prefix: bytes) -> bool:
-        """Whether a digest-named record whose header did not tell its key is of a format
-        version this code does not read (counted and logged): a newer server sharing the
-        folder wrote it and reads it, so it is kept -- and not listed, its key unknown."""
-        try:
-            record_key(prefix)
-        except RecordVersionError as exc:
+        if isinstance(judged, RecordVersionError):
+            # A newer server sharing the folder wrote it and reads it: kept, and not
+            # listed (its key unknown here).
             self.context.count("record_version_unknown")
-            self.context.warn("version", "%s: %s; not listed, kept", printable(path, 300), exc)
-            return True
-        except RecordError:
-            pass
-        return False
+            self.context.warn("version", "%s: %s; not listed, kept", printable(path, 300), judged)
+            return None
+        return judged
 
     def remove_temp_files(self) -> int:
         """Delete temporary files a killed writer left behind; returns how many."""

@@ -60,6 +60,7 @@ from lmcache_tiers.l2.record import (
     RecordError,
     RecordHeader,
     RecordMismatchError,
+    RecordVersionError,
     verify_payload,
 )
 from lmcache_tiers.l2.verified import VERIFY_PIECE, read_and_digest, read_record_file
@@ -250,6 +251,8 @@ class RecordLoads:
                 raise failure
         except RecordMismatchError as exc:
             self._context.foreign_record(key, exc)
+        except RecordVersionError as exc:  # a newer server's record: a miss, kept
+            self._context.unknown_version(key, exc)
         except RecordError as exc:
             self._files.discard(key, identity, "corrupt_records_removed", str(exc))
         return False

@@ -18,7 +18,7 @@ from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.keycodec import printable
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.files.layout import record_name
-from lmcache_tiers.l2.record import MAX_HEADER_LEN, RecordError, decode_header
+from lmcache_tiers.l2.record import MAX_HEADER_LEN, RecordError, RecordVersionError, decode_header
 
 _log = logging.getLogger("lmcache_tiers.l2.files")
 
@@ -59,9 +59,14 @@ def record_key(data: bytes | memoryview) -> ObjectKey:
     return decode_header(data).key
 
 
-def judge_digest_record(data: bytes | memoryview, name: str, file_size: int) -> ObjectKey | tuple[str, str]:
+def judge_digest_record(
+    data: bytes | memoryview, name: str, file_size: int
+) -> ObjectKey | tuple[str, str] | RecordVersionError:
     """The key a digest-named record file ``name`` holds, from its header ``data``; or,
-    for a file to be removed, (the counter, the reason).
+    for a file to be removed, (the counter, the reason); or, for a record of a format
+    version this code does not read, the error: a newer server sharing the store wrote it
+    and reads it, so it is kept, not listed (its key unknown here), and the caller counts
+    it as ``record_version_unknown``.
 
     No lookup can reach a file whose header does not tell its key, so one whose header
     cannot be read (zero-length, torn, garbage) goes as a named record would:
@@ -74,6 +79,8 @@ def judge_digest_record(data: bytes | memoryview, name: str, file_size: int) -> 
     """
     try:
         key = record_key(data)
+    except RecordVersionError as exc:
+        return exc
     except RecordError as exc:
         counter = "truncated_records_removed" if file_size < RECORD_ALIGN else "corrupt_records_removed"
         return counter, str(exc)
