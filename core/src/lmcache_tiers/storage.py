@@ -205,10 +205,17 @@ class StorageManager:
         """Fill a reserved object with exactly its size in bytes; works for every L1 backing."""
         self.l1.write_object(obj, data)
 
-    def release(self, keys: Sequence[ObjectKey], count: int = 1) -> None:
-        """Drop ``count`` read locks per key (from ``read`` or a prefetch)."""
+    def release(self, keys: Sequence[ObjectKey], count: int = 1, *, not_before: float | None = None) -> None:
+        """Drop ``count`` read locks per key (from ``read`` or a prefetch).
+
+        ``not_before`` is a lower bound on the deadlines of the locks released:
+        ``l1.lock_deadline(t)`` of a ``time.monotonic()`` value ``t`` read before they were
+        taken.  Given it, L1 drops the caller's locks and not ones another holder forgot
+        (which then expire at their own deadline); without it, a forgotten lock may go in
+        place of the caller's, which then lives on until its deadline
+        (``L1Manager.finish_read``)."""
         if not self._closed:
-            self.l1.finish_read(keys, count)
+            self.l1.finish_read(keys, count, not_before=not_before)
 
     def clear(self, *, force: bool = False) -> int:
         """Delete L1 objects (unlocked ones unless ``force``); returns how many.

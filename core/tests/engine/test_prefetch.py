@@ -379,3 +379,53 @@ def test_a_malformed_answer_to_a_given_up_lookup_is_counted_and_its_pins_dropped
     controller._settle_orphan_lookup(slot, given_up, LookupResult([True, True], sizes))  # type: ignore[arg-type]
     assert storage.status()["failures"]["l2_lookup_bad_result"] == 1
     assert_no_locks(storage)
+
+
+def test_a_loaded_result_given_back_never_drops_a_forgotten_lock(engine) -> None:
+    # Lock deadlines fall on a grid of a 64th of the lock TTL: 31 ms here.
+    step = 3 * 2.0 / 64
+    storage = engine([mock()], l1_lock_ttl_s=2.0)
+    keys = keys_of(17, 2)
+    store(storage, keys, SIZE)
+    assert storage.flush(10)
+    assert storage.evict(keys[1:]) == 1  # the first key in L1, the second in L2 only
+    forgotten = storage.read(keys[:1])[0]  # its holder forgets it (never releases it)
+    forgotten_deadline = forgotten.lock_deadline
+    time.sleep(step)
+    handle = storage.submit_prefetch(keys)  # an L1 hit, and a load from L2
+    time.sleep(step)
+    assert len(storage.read(keys[:1])) == 1  # a hot key: another reader's lock, still held
+    storage.discard_prefetch(handle)  # its locks are given back, now or once it is done
+    deadline = time.monotonic() + 10
+    while storage.prefetch.busy() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not storage.prefetch.busy()
+    storage.l1.expire_locks(forgotten_deadline)  # the forgotten lock expires
+    assert forgotten.read_locks == 1, "a lock given back lives on in place of a forgotten one"
+    storage.release(keys[:1])
+    assert_no_locks(storage)
+
+
+def test_a_request_given_up_never_drops_a_forgotten_lock(engine) -> None:
+    # Results are kept half the lock TTL: 1 s here; lock deadlines fall on a grid of 31 ms.
+    step = 3 * 2.0 / 64
+    storage = engine([gated()], l1_lock_ttl_s=2.0)
+    keys = keys_of(18, 2)
+    store(storage, keys, SIZE)
+    assert storage.flush(10)
+    assert storage.evict(keys[1:]) == 1  # the first key in L1, the second in L2 only
+    backend = adapter(storage)
+    backend.gate.clear()  # the load never reports (an adapter hung)
+    forgotten = storage.read(keys[:1])[0]  # its holder forgets it (never releases it)
+    forgotten_deadline = forgotten.lock_deadline
+    time.sleep(step)
+    handle = storage.submit_prefetch(keys)
+    assert backend.loads_started.acquire(timeout=10)
+    assert len(storage.read(keys[:1])) == 1  # a hot key: another reader's lock, still held
+    assert storage.wait_prefetch(handle, 10) == 0  # given up at its result deadline
+    storage.l1.expire_locks(forgotten_deadline)  # the forgotten lock expires
+    assert forgotten.read_locks == 1, "a lock given back lives on in place of a forgotten one"
+    storage.release(keys[:1])
+    backend.gate.set()
+    assert storage.flush(10)
+    assert_no_locks(storage)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
@@ -16,6 +17,7 @@ from engine_support import (
     store_in_l2_only,
 )
 
+from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.storage import StorageManager
 
 Engine = Callable[..., StorageManager]
@@ -138,4 +140,66 @@ def test_answers_taken_at_submission_shrink_when_l1_got_the_keys_meanwhile(engin
     storage.release(keys_of(44, 2))
     assert storage.flush(10)
     assert adapter.pinned_keys() == {}
+    assert_no_read_locks(storage)
+
+
+# -- releases beside a lock another holder forgot -----------------------------------------
+
+#: a short lock TTL: read-lock deadlines fall on a grid of a 64th of it (31 ms)
+SHORT_LOCK_TTL = 2.0
+
+
+def next_lock_step() -> None:
+    """Locks taken after this expire at a later grid deadline than those taken before."""
+    time.sleep(3 * SHORT_LOCK_TTL / 64)
+
+
+def forgotten_lock(storage: StorageManager, keys: list[ObjectKey]) -> float:
+    """Read-lock ``keys`` for a holder that forgets the locks (never releases them); the
+    deadline they expire at."""
+    objects = storage.read(keys)
+    assert len(objects) == len(keys)
+    deadline = objects[0].lock_deadline
+    next_lock_step()
+    return deadline
+
+
+def assert_only_live_locks_after_the_reaper(
+    storage: StorageManager, keys: list[ObjectKey], forgotten: float, live: int
+) -> None:
+    # The forgotten locks expire; whatever is left must be held by a live holder.
+    storage.l1.expire_locks(forgotten)
+    for key in keys:
+        obj = storage.l1.get(key)
+        assert obj is not None and obj.read_locks == live, (
+            "a released lock lives on in place of a forgotten one"
+        )
+
+
+def test_a_release_told_when_its_locks_were_taken_never_drops_a_forgotten_lock(engine: Engine) -> None:
+    storage = engine([], l1_lock_ttl_s=SHORT_LOCK_TTL)
+    keys = keys_of(45, 2)
+    store(storage, keys, SIZE)
+    forgotten = forgotten_lock(storage, keys)
+    started = time.monotonic()
+    assert len(storage.read(keys)) == 2  # this caller's locks
+    next_lock_step()
+    assert len(storage.read(keys)) == 2  # a hot prefix: another reader's, still held
+    storage.release(keys, not_before=storage.l1.lock_deadline(started))
+    assert_only_live_locks_after_the_reaper(storage, keys, forgotten, live=1)
+    storage.release(keys)
+    assert_no_read_locks(storage)
+
+
+def test_an_all_l1_result_given_back_never_drops_a_forgotten_lock(engine: Engine) -> None:
+    storage = engine([], l1_lock_ttl_s=SHORT_LOCK_TTL)
+    keys = keys_of(46, 2)
+    store(storage, keys, SIZE)
+    forgotten = forgotten_lock(storage, keys)
+    handle = storage.submit_prefetch(keys)  # every key in L1: a result held at once
+    next_lock_step()
+    assert len(storage.read(keys)) == 2  # another reader's, still held
+    storage.discard_prefetch(handle)  # its locks are given back
+    assert_only_live_locks_after_the_reaper(storage, keys, forgotten, live=1)
+    storage.release(keys)
     assert_no_read_locks(storage)

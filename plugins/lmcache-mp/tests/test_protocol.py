@@ -432,3 +432,31 @@ def test_a_re_registration_with_another_layout_replaces_the_first(
     assert client.call("end_session", "look") is None
     assert client.register(rerun) == {"shm_name": shm, "pool_size": mp_server.storage.l1.arena.size}
     assert mp_server.frontends[0].status()["instances"][0]["layout"] == "bfloat16[2,2,256,32]"
+
+
+def test_releases_never_drop_a_lock_another_holder_forgot(make_mp_server: Any) -> None:
+    """L1 reaps each lock at its own deadline, but a release does not say which lock it
+    drops: told nothing, it drops the one expiring first, maybe a lock another holder
+    forgot, and the released lock then lives on.  A lookup's and a retrieve's releases
+    say when their locks were taken, so only live holders' locks are left."""
+    step = 3 * 2.0 / 64  # lock deadlines fall on a grid of a 64th of the lock TTL
+    server = make_mp_server(l1_lock_ttl_s=2.0)
+    storage = server.storage
+    with MPClient(mp_address(server)) as client:
+        shm = client.register(REG)["shm_name"]
+        payloads = stored(client, 17, shm, chunks=2)
+        assert storage.flush(10)
+        keys = list(storage.l1._table.objects)
+        forgotten = storage.read(keys)  # its holder forgets these locks (never releases them)
+        forgotten_deadline = forgotten[0].lock_deadline
+        time.sleep(step)
+        reader = Key(tokens_of(17, 512), "reader", worker_id=0)
+        assert client.lookup(reader) == 2
+        time.sleep(step)
+        assert len(storage.read(keys)) == 2  # a hot prefix: another reader's locks, still held
+        # The retrieve's own locks, and one lookup lock per chunk, are released.
+        assert client.retrieve(reader, REG.instance_id, shm) == payloads
+        storage.l1.expire_locks(forgotten_deadline)  # the forgotten locks expire
+        assert [obj.read_locks for obj in forgotten] == [1, 1], "a released lock lives on"
+        storage.release(keys)
+        assert l1(server)["read_locks"] == 0

@@ -96,10 +96,11 @@ class PrefetchController(ControllerThread):
 
     def submit(self, keys: Sequence[ObjectKey], readers: int = 1) -> int:
         """Start a prefetch of ``keys`` (prefix order); returns a handle to query."""
-        handle, locked = self.begin(keys, readers)
+        handle, locked, started = self._begin(keys, readers)
         if locked is not None:
-            deadline = time.monotonic() + self._handles.result_ttl_s
-            self._handles.publish(handle, HeldResult(len(locked), locked, readers, deadline))
+            deadline = started + self._handles.result_ttl_s
+            result = HeldResult(len(locked), locked, readers, deadline, self.l1.lock_deadline(started))
+            self._handles.publish(handle, result)
         return handle
 
     def begin(self, keys: Sequence[ObjectKey], readers: int = 1) -> tuple[int, list[ObjectKey] | None]:
@@ -111,9 +112,18 @@ class PrefetchController(ControllerThread):
         The common lookup (everything in L1) thus costs one pass over L1 and no request
         record, queue, thread wake-up or result to collect.
         """
+        handle, locked, _ = self._begin(keys, readers)
+        return handle, locked
+
+    def _begin(self, keys: Sequence[ObjectKey], readers: int) -> tuple[int, list[ObjectKey] | None, float]:
+        """``begin``, and the monotonic time read before the request took its first lock."""
         if readers < 1:
             raise ValueError(f"readers must be at least 1, got {readers}")
         handle = self._handles.new_handle()
+        # Read before any lock is taken: L1's lock deadline of it bounds every lock the
+        # request takes from below (``PrefetchRequest.not_before``), and its result
+        # deadline runs from it.
+        started = time.monotonic()
         # The L1 prefix ends at the first repeat, as the unique prefix does: the keys past
         # L1's prefix are deduplicated only when some are left for L2 (rarely, on a hit).
         l1_hits = len(self.l1.reserve_read_prefix(keys, readers, until_repeat=True))
@@ -129,17 +139,16 @@ class PrefetchController(ControllerThread):
             remaining,
         )
         if remaining == 0 or not self.slots:
-            return handle, locked
-        request = PrefetchRequest(
-            handle, unique, readers, l1_hits, time.monotonic() + self._handles.result_ttl_s
-        )
+            return handle, locked, started
+        until = started + self._handles.result_ttl_s
+        request = PrefetchRequest(handle, unique, readers, l1_hits, until, self.l1.lock_deadline(started))
         if self._look_up_now(request) and not any(request.pinned.values()):
-            return handle, locked  # every adapter answered at once, and nothing was found
+            return handle, locked, started  # every adapter answered at once, and nothing was found
         if not self._handles.enqueue(request):  # shutting down
             self._locks.release_pins(request)
-            return handle, locked
+            return handle, locked, started
         self.wake()
-        return handle, None
+        return handle, None, started
 
     def _look_up_now(self, request: PrefetchRequest) -> bool:
         """Ask every adapter that can answer from memory (``lookup_and_lock_now``) on this
@@ -442,7 +451,7 @@ class PrefetchController(ControllerThread):
             self._hand_off(request)
 
     def _hand_off(self, request: PrefetchRequest) -> None:
-        cut = self._locks.hand_off(request)
+        cut = self._locks.hand_off(request, request.not_before)
         l2_hits = sum(1 for source in request.sources[:cut] if source is not None)
         self.stats.add("l2_hit_chunks", l2_hits)
         self.stats.add("l1_hit_chunks", cut - l2_hits)
@@ -452,7 +461,9 @@ class PrefetchController(ControllerThread):
         """Publish the result and forget the request (all its locks are settled)."""
         self._unclaim(request)
         hits = request.l1_hits + l2_prefix
-        result = HeldResult(hits, request.keys[:hits], request.readers, request.result_deadline)
+        result = HeldResult(
+            hits, request.keys[:hits], request.readers, request.result_deadline, request.not_before
+        )
         self._handles.finish(request.handle, result)
 
     def _unclaim(self, request: PrefetchRequest) -> None:
@@ -490,7 +501,7 @@ class PrefetchController(ControllerThread):
                 loading.update(load.keys)
         request.lookups.clear()
         request.loads.clear()
-        self._locks.release_all(request, loading)
+        self._locks.release_all(request, loading, request.not_before)
         if publish:
             self._finish(request, 0)
         else:
@@ -519,7 +530,7 @@ class PrefetchController(ControllerThread):
     def _drop_queued(self, request: PrefetchRequest, *, publish: bool = True) -> None:
         """Release what a request that never started holds; its result is 0 hits (or none:
         its owner's query answers 0 all the same)."""
-        self._locks.release_read(request.keys[: request.l1_hits], request.readers)
+        self._locks.release_read(request.keys[: request.l1_hits], request.readers, request.not_before)
         self._locks.release_pins(request)
         if publish:
             self._handles.publish(request.handle, HeldResult(0, [], request.readers, request.result_deadline))

@@ -27,7 +27,11 @@ class PrefetchHandles:
     """Queued, active and finished prefetches; thread-safe."""
 
     def __init__(
-        self, release: Callable[[list[ObjectKey], int], None], stats: EngineStats, *, result_ttl_s: float
+        self,
+        release: Callable[[list[ObjectKey], int, float | None], None],
+        stats: EngineStats,
+        *,
+        result_ttl_s: float,
     ) -> None:
         self._numbers = itertools.count(1)
         self._lock = threading.Lock()

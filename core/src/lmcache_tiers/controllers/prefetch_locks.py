@@ -51,9 +51,12 @@ class PrefetchLocks:
         """Read-lock the READY prefix of ``keys[start:]``; returns how many were locked."""
         return len(self.l1.reserve_read_prefix(keys[start:] if start else keys, readers))
 
-    def release_read(self, keys: list[ObjectKey], readers: int) -> None:
+    def release_read(self, keys: list[ObjectKey], readers: int, not_before: float | None) -> None:
+        """Drop ``readers`` locks per key; ``not_before`` is a lower bound on their deadlines
+        (``L1Manager.finish_read``), so that locks other holders forgot are not dropped in
+        their place."""
         if keys:
-            self.l1.finish_read(keys, readers)
+            self.l1.finish_read(keys, readers, not_before=not_before)
 
     # -- L1 load reservations ------------------------------------------------------------
 
@@ -113,9 +116,10 @@ class PrefetchLocks:
         if keys:
             self.l1.abort_load([request.reserved.pop(key) for key in keys])
 
-    def hand_off(self, request: PrefetchRequest) -> int:
+    def hand_off(self, request: PrefetchRequest, not_before: float | None) -> int:
         """Turn the loaded prefix into read-locked READY objects and free everything else;
-        returns how many keys of ``request.remaining`` the prefix reaches."""
+        returns how many keys of ``request.remaining`` the prefix reaches.  ``not_before``
+        bounds the deadlines of the locks ``request`` took (see :meth:`release_read`)."""
         cut, loaded = request.loaded_prefix()
         objects = [request.reserved[key] for key in loaded]
         layouts = [request.layouts.get(key, "") for key in loaded]
@@ -143,6 +147,7 @@ class PrefetchLocks:
                 if source is None or key in handed_keys
             ],
             request.readers,
+            not_before,
         )
         self.abort(request, list(request.reserved))
         return cut
@@ -181,11 +186,16 @@ class PrefetchLocks:
 
     # -- giving up -----------------------------------------------------------------------
 
-    def release_all(self, request: PrefetchRequest, loading: set[ObjectKey]) -> None:
+    def release_all(
+        self, request: PrefetchRequest, loading: set[ObjectKey], not_before: float | None
+    ) -> None:
         """Release everything an abandoned request holds, except the pins and reservations
-        of ``loading`` keys, whose loads are still running (they settle when those report)."""
+        of ``loading`` keys, whose loads are still running (they settle when those report).
+        ``not_before`` bounds the deadlines of its read locks (see :meth:`release_read`)."""
         for index in list(request.pinned):
             self.unpin(request, index, [key for key in request.pinned[index] if key not in loading])
         self.abort(request, [key for key in request.reserved if key not in loading])
-        self.release_read(request.keys[: request.l1_hits] + request.found_in_l1(), request.readers)
+        self.release_read(
+            request.keys[: request.l1_hits] + request.found_in_l1(), request.readers, not_before
+        )
         request.l1_hits = 0

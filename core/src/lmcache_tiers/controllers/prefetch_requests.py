@@ -30,6 +30,10 @@ class PrefetchRequest:
     readers: int
     l1_hits: int  # leading keys read-locked ``readers`` times
     result_deadline: float  # the result is given back if not claimed by then
+    #: a lower bound on the deadlines of the L1 read locks it takes (L1's lock deadline of
+    #: a time read before the first): releases given it never drop a lock another holder
+    #: forgot (``L1Manager.finish_read``); None: no bound
+    not_before: float | None = None
     remaining: list[ObjectKey] = field(default_factory=list)  # keys[l1_hits:] at start
     lookups: dict[int, int] = field(default_factory=dict)  # adapter index -> task id
     found: dict[int, LookupResult] = field(default_factory=dict)  # adapter index -> result

@@ -31,6 +31,10 @@ class HeldResult:
     locked: list[ObjectKey]  # read-locked ``readers`` times for the owner
     readers: int
     deadline: float  # monotonic time after which nobody will claim it
+    #: a lower bound on the deadlines of its locks (``L1Manager.lock_deadline`` of a time
+    #: read before they were taken), so that giving them back drops them and never a lock
+    #: another holder forgot; None: unknown
+    not_before: float | None = None
 
 
 class PrefetchResults:
@@ -38,7 +42,7 @@ class PrefetchResults:
 
     def __init__(
         self,
-        release: Callable[[list[ObjectKey], int], None],
+        release: Callable[[list[ObjectKey], int, float | None], None],
         stats: EngineStats,
         *,
         ttl_s: float,
@@ -118,6 +122,6 @@ class PrefetchResults:
         keys = 0
         for held in results:
             if held.locked:
-                self._release(held.locked, held.readers)
+                self._release(held.locked, held.readers, held.not_before)
                 keys += len(held.locked)
         return keys

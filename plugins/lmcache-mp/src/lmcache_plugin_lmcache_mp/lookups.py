@@ -126,7 +126,7 @@ class Lookups:
         keys = job.keys_of_chunks(first, min(last, job.hits))
         if keys:
             _readers(key, "free_lookup_locks")
-            self._release(job.take(keys))
+            self._release(job, job.take(keys))
         return None
 
     def end_session(self, request_id: str) -> Any:
@@ -198,12 +198,12 @@ class Lookups:
         # the sweep's query is what finds the result for them.
         job.arrived.set()
         if partial:
-            self.storage.release(partial, job.readers)
+            self.storage.release(partial, job.readers, not_before=self._not_before(job))
         if job.retired:
-            self._release(job.take(list(job.held)))
+            self._release(job, job.take(list(job.held)))
             return
         for first, last in job.early_frees:
-            self._release(job.take(job.keys_of_chunks(first, min(last, job.hits or 0))))
+            self._release(job, job.take(job.keys_of_chunks(first, min(last, job.hits or 0))))
         job.early_frees.clear()
 
     def give_back(self, job: LookupJob) -> int:
@@ -219,19 +219,27 @@ class Lookups:
             if not job.waited and job.handle >= 0:
                 self.storage.discard_prefetch(job.handle)  # its locks go when it finishes
             return 0  # a waiting pool thread settles it, and a retired job gives all back
-        return self._release(job.take(list(job.held)))
+        return self._release(job, job.take(list(job.held)))
 
     def consume(self, request_id: str, keys: list[Any]) -> None:
         """A retrieve of ``keys`` is done: one of the lookup's locks on each goes."""
         job = self._job(request_id)
         if job is not None and job.held:
-            self._release(job.take(keys, 1))
+            self._release(job, job.take(keys, 1))
 
-    def _release(self, groups: dict[int, list[Any]]) -> int:
+    def _not_before(self, job: LookupJob) -> float:
+        """No later than the deadline of any lock ``job``'s prefetch took: ``started`` was
+        read before it began.  Releases given it drop the job's own locks, never one
+        another holder forgot on the same key (which then expires at its deadline)."""
+        return self.storage.l1.lock_deadline(job.started)
+
+    def _release(self, job: LookupJob, groups: dict[int, list[Any]]) -> int:
         released = 0
-        for count, keys in groups.items():
-            self.storage.release(keys, count)
-            released += count * len(keys)
+        if groups:
+            not_before = self._not_before(job)
+            for count, keys in groups.items():
+                self.storage.release(keys, count, not_before=not_before)
+                released += count * len(keys)
         return released
 
     def sweep(self, now: float) -> None:

@@ -166,6 +166,9 @@ class Transfer:
     deadline: float  # no later than L1's own (write or lock TTL): after it, never act on the keys
     request_id: str
     bytes: int = 0
+    #: a retrieve's: no later than its read locks' deadlines (``L1Manager.lock_deadline`` of a
+    #: time read before they were taken), for ``StorageManager.release``'s ``not_before``
+    not_before: float | None = None
 
 
 _Ident = tuple[int, str, tuple[ObjectKey, ...]]

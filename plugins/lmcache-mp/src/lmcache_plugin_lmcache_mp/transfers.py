@@ -275,13 +275,17 @@ class Transfers:
         instance, keys = self._resolve(key, instance_id)
         if not keys:
             return _MISS
-        deadline = time.monotonic() + self.shared.lock_ttl_s  # not after L1's own (see prepare_store)
+        now = time.monotonic()
+        deadline = now + self.shared.lock_ttl_s  # not after L1's own (see prepare_store)
         objects = self.storage.read(keys)
+        # No later than the locks' own deadline: their release drops them, never a lock
+        # another reader forgot on the same chunk.
+        not_before = self.storage.l1.lock_deadline(now)
         size, layout_text = instance.object_bytes, instance.layout_text
         if len(objects) < len(keys) or any(
             obj.size != size or (obj.layout and obj.layout != layout_text) for obj in objects
         ):
-            self.storage.release(keys[: len(objects)])
+            self.storage.release(keys[: len(objects)], not_before=not_before)
             if len(objects) == len(keys):
                 self.shared.stats.failure("mp_retrieve_layout_mismatch")
                 self._mismatches.event(
@@ -290,8 +294,8 @@ class Transfers:
             return _MISS
         total = size * len(objects)
         if self.shared.shm is None:
-            return self._retrieve_pickled(key, instance, keys, objects)
-        self.reads.add(instance_id, keys, Transfer(keys, deadline, key.request_id, total))
+            return self._retrieve_pickled(key, instance, keys, objects, not_before)
+        self.reads.add(instance_id, keys, Transfer(keys, deadline, key.request_id, total, not_before))
         self._count_retrieve(len(objects), total)
         layout = instance.layout
         slots = [
@@ -301,7 +305,7 @@ class Transfers:
         return PrepareRetrieveReply(success=True, data=b"", context={"slots": slots})
 
     def _retrieve_pickled(
-        self, key: CacheKey, instance: Instance, keys: list[ObjectKey], objects: list[Any]
+        self, key: CacheKey, instance: Instance, keys: list[ObjectKey], objects: list[Any], not_before: float
     ) -> Deferred:
         codec, storage = self.shared.pickle, self.storage
         assert codec is not None
@@ -315,7 +319,7 @@ class Transfers:
                 logger.warning("pickled retrieve of request %s answered a miss: %s", key.request_id, exc)
                 return self._lost_retrieve
             finally:
-                storage.release(keys)
+                storage.release(keys, not_before=not_before)
             data = codec.dump(chunks, instance.layout)
 
             def finish() -> Any:
@@ -337,7 +341,7 @@ class Transfers:
             return True
         pending = self.reads.pop(instance_id, key.request_id, keys, time.monotonic())
         if pending is not None:
-            self.storage.release(pending.keys)
+            self.storage.release(pending.keys, not_before=pending.not_before)
             self.lookups.consume(key.request_id, keys)
         return True
 
@@ -365,19 +369,18 @@ class Transfers:
         for transfer in writes:
             self.storage.abort_write(transfer.keys)
         for transfer in reads:
-            self.storage.release(transfer.keys)
+            self.storage.release(transfer.keys, not_before=transfer.not_before)
         return sum(len(t.keys) for t in reads), sum(len(t.keys) for t in writes)
 
     def sweep(self, now: float) -> None:
-        # L1 keeps one read-lock deadline per object and every new reader extends it, so
-        # on a chunk others keep reading it may never reap the lock of a retrieve whose
-        # client never commits.  Such a lock is given back here, just before the
-        # transfer's deadline (never later than L1's): after it, L1 may have reaped the
-        # lock and a release by key could take another reader's.
+        # The read locks of a retrieve whose client never commits are given back here,
+        # just before the transfer's deadline (never later than L1's, which would reap
+        # them at their own deadline anyway): after it, L1 may have reaped the lock and a
+        # release by key could take another reader's.
         margin = min(READ_RELEASE_MARGIN_S, self.shared.lock_ttl_s / 2)
         due = self.reads.take_due(now, margin)
         for transfer in due:
-            self.storage.release(transfer.keys)
+            self.storage.release(transfer.keys, not_before=transfer.not_before)
         self._count_expired(self.writes.expire(now) + self.reads.expire(now) + len(due))
 
     def _count_expired(self, expired: int) -> None:
