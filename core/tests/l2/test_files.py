@@ -236,6 +236,31 @@ def test_a_publish_told_to_stop_during_its_fsync_renames_nothing(
     assert os.path.exists(files.layout.path_for(key))
 
 
+def test_a_temp_file_told_to_stop_does_not_create_a_vanished_root_again(tmp_path: Path) -> None:
+    """``stop`` is asked before a vanished root is created again: a store that finds it
+    gone once its adapter started closing (the directory released) fails with the error,
+    and neither creates the root nor locks it again (``on_root_recreated``)."""
+    relocked: list[int] = []
+    root = tmp_path / "cache"
+    files = LocalFiles(
+        FileLayout(str(root), shard_dirs=False),
+        name="t",
+        count=lambda *_: None,
+        on_root_recreated=lambda: relocked.append(1),
+    )
+    key = ObjectKey("m", 0, b"\x0a" * 32)
+    fd, _temp = files.create_temp(key)  # the root is known now
+    os.close(fd)
+    subprocess.run(["rm", "-rf", str(root)], check=True)
+    with pytest.raises(FileNotFoundError):
+        files.create_temp(key, stop=lambda: True)
+    assert not root.exists(), "a store past close created the released root again"
+    assert relocked == []
+    fd, temp = files.create_temp(key, stop=lambda: False)  # not closing: created again
+    os.close(fd)
+    assert os.path.exists(temp) and relocked == [1]
+
+
 @pytest.fixture
 def synced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The directories LocalFiles fsyncs, relative to tmp_path, in order."""

@@ -1018,3 +1018,125 @@ def test_a_digest_named_record_of_a_newer_format_is_kept_by_the_listing(tmp_path
     finally:
         adapter.close()
         files.rm(root, recursive=True)
+
+
+def test_a_remote_store_stuck_when_the_adapter_closes_publishes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A store to an fsspec store still running when close returned past its deadline (a
+    hung network store) must not publish its record: its payload buffer may hold another
+    object by then, and the store may belong to another adapter.  It removes its temporary
+    object and fails, as a local directory's does."""
+    import threading
+
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from lmcache_tiers.l2.files import record_name
+
+    root = f"memory://stuck-store-{uuid.uuid4().hex}"
+    arena = Arena()
+    keys = make_keys(1)
+    entered, gate = threading.Event(), threading.Event()
+    closed = threading.Event()
+    makedirs = MemoryFileSystem.makedirs
+
+    def stuck_in_the_store(self: MemoryFileSystem, path: str, exist_ok: bool = False) -> None:
+        if threading.current_thread().name.startswith("l2-0:fs-test-store") and not entered.is_set():
+            entered.set()
+            gate.wait(60)
+        makedirs(self, path, exist_ok=exist_ok)
+
+    adapter = open_fs(fs_config(root), arena.view)
+
+    def close() -> None:
+        adapter.close()
+        closed.set()
+
+    closer = threading.Thread(target=close, daemon=True)
+    buffer = arena.take(SIZE)
+    buffer[:] = pattern(98, SIZE)
+    try:
+        monkeypatch.setattr(MemoryFileSystem, "makedirs", stuck_in_the_store)
+        adapter.submit_store(keys, [buffer])
+        assert entered.wait(10)
+        adapter.close_timeout_s = 0.2  # type: ignore[misc]
+        closer.start()
+        closer.join(10)
+        assert closed.is_set(), "close waited for a store stuck in storage"
+        buffer[:] = bytes(SIZE)  # the buffer is another object's now
+        gate.set()
+        for thread in threading.enumerate():  # the store ends once its stuck call returns
+            if thread.name.startswith("l2-0:fs-test-store"):
+                thread.join(30)
+        files = fsspec.filesystem("memory")
+        left = [str(path) for path in files.find(root)]
+    finally:
+        gate.set()
+        if closer.ident is None:
+            adapter.close()
+        closer.join(30)
+        fsspec.filesystem("memory").rm(root, recursive=True)
+    assert not any(path.endswith(record_name(keys[0])) for path in left), (
+        "a store stuck past close published its record"
+    )
+    assert left == [], "a store stopped by close left its temporary object"
+
+
+def test_a_store_stuck_when_the_adapter_closes_does_not_create_the_released_root_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store stuck creating its temporary file (a hung mount) when close returned past its
+    deadline, which then finds the root gone, must not create the root again: the adapter
+    released the directory, and creating it again would take the directory's lock once
+    more -- for ever, as nothing releases it -- refusing the next adapter on it."""
+    import threading
+
+    root = str(tmp_path / "cache")
+    arena = Arena()
+    keys = make_keys(1)
+    entered, gate = threading.Event(), threading.Event()
+    closed = threading.Event()
+    real_open = os.open
+
+    def stuck_open(path: str, flags: int, *args: int, **kwargs: int) -> int:
+        if (
+            flags & os.O_CREAT
+            and threading.current_thread().name.startswith("l2-0:fs-test-store")
+            and not entered.is_set()
+        ):
+            entered.set()
+            gate.wait(60)
+            shutil.rmtree(root)  # removed while the mount hung (the server was stopping)
+        return real_open(path, flags, *args, **kwargs)
+
+    adapter = open_fs(fs_config(root, use_odirect=False), arena.view)
+
+    def close() -> None:
+        adapter.close()
+        closed.set()
+
+    closer = threading.Thread(target=close, daemon=True)
+    buffer = arena.take(SIZE)
+    buffer[:] = pattern(99, SIZE)
+    try:
+        monkeypatch.setattr(os, "open", stuck_open)
+        adapter.submit_store(keys, [buffer])
+        assert entered.wait(10)
+        adapter.close_timeout_s = 0.2  # type: ignore[misc]
+        closer.start()
+        closer.join(10)
+        assert closed.is_set(), "close waited for a store stuck in storage"
+        gate.set()
+        for thread in threading.enumerate():  # the store ends once its stuck call returns
+            if thread.name.startswith("l2-0:fs-test-store"):
+                thread.join(30)
+    finally:
+        gate.set()
+        if closer.ident is None:
+            adapter.close()
+        closer.join(30)
+        monkeypatch.setattr(os, "open", real_open)
+    assert not os.path.exists(root), "a store past close created the released root again"
+    again = open_fs(fs_config(root, use_odirect=False), arena.view)  # the directory is free
+    again.close()

@@ -190,7 +190,8 @@ class LocalRecords:
         Once the adapter is closing nothing more is written and nothing published: core
         closes the backend past its deadline while a write is stuck (a hung mount), fails
         the store and hands its payload buffer back, and the adapter then releases its
-        directory.  So the flag is asked before the file is created, before each further
+        directory.  So the flag is asked before the file is created (and before a vanished
+        root would be created again, :meth:`LocalFiles.create_temp`), before each further
         write and right before the rename (:meth:`LocalFiles.publish`); a store stopped
         there removes its temporary file and fails."""
         stop = self._closing
@@ -203,7 +204,7 @@ class LocalRecords:
         path = None
         fd = -1
         try:
-            fd, path = self.files.create_temp(key, _DIRECT if direct else 0)
+            fd, path = self.files.create_temp(key, _DIRECT if direct else 0, stop=stop)
             whole = payload.nbytes - payload.nbytes % RECORD_ALIGN if direct else payload.nbytes
             # The copy and the checksum release the GIL: idle-class (l2/background.py)
             with WRITE_BACK.copying():

@@ -50,6 +50,10 @@ log = logging.getLogger(__name__)
 MAX_HEADER_BYTES = 1 << 16
 
 
+class _Closing(Exception):
+    """A store stopped because its adapter started closing (nothing published)."""
+
+
 class RemoteRecords:
     """Reads and writes the record files of one ``fs`` adapter through an fsspec filesystem."""
 
@@ -86,9 +90,28 @@ class RemoteRecords:
     # -- stores -------------------------------------------------------------------------------
 
     def write_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
-        return [self._write(key, payload) for key, payload in zip(keys, payloads, strict=True)]
+        """Records not yet published when the adapter starts closing fail (core counts them
+        ``store_keys_failed``; one log line says why), as in a local directory."""
+        results = [self._write(key, payload) for key, payload in zip(keys, payloads, strict=True)]
+        if self.context.closing and not all(results):
+            log.info(
+                "%s: %d of %d records of a store not written: the adapter is closing",
+                self.context.name,
+                results.count(False),
+                len(results),
+            )
+        return results
 
     def _write(self, key: ObjectKey, payload: memoryview) -> bool:
+        """Write ``key``'s record to a temporary object and move it over the record.
+
+        Once the adapter is closing nothing more is written and nothing published: core
+        closes the backend past its deadline while a call is stuck (a hung network store),
+        fails the store and hands its payload buffer back, which may hold another object
+        by then.  So the flag is asked before the temporary object is opened and right
+        before the move; a store stopped there removes its temporary object and fails."""
+        if self.context.closing:
+            return False
         header_len = self.sizes.length(key)
         temp = self.layout.temp_path(key)
         try:
@@ -98,12 +121,18 @@ class RemoteRecords:
                 return False
             self.fs.makedirs(posixpath.dirname(temp), exist_ok=True)
             self.fs.makedirs(self.layout.directory_for(key), exist_ok=True)
+            if self.context.closing:
+                raise _Closing
             with self.fs.open(temp, "wb") as handle:
                 handle.write(header)
                 handle.write(payload)
+            if self.context.closing:
+                raise _Closing
             with self._stripe(key):
                 self._publish(temp, self.layout.path_for(key), header, header_len + payload.nbytes)
             return True
+        except _Closing:
+            pass  # logged by write_many
         except ValueError as exc:
             log.warning("%s: cannot store %s: %s", self.context.name, printable(record_name(key)), exc)
         except Exception as exc:  # OSError, or what an fsspec store raises of its own (botocore, gcs)

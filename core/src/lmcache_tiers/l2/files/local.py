@@ -162,11 +162,18 @@ class LocalFiles:
         with self._making_directories:
             make_directories(directory, self._fsync_directory, below=below or self.layout.root)
 
-    def create_temp(self, key: ObjectKey, flags: int = 0) -> tuple[int, str]:
+    def create_temp(
+        self, key: ObjectKey, flags: int = 0, *, stop: Callable[[], bool] | None = None
+    ) -> tuple[int, str]:
         """Open a new temporary file for ``key``'s record: (fd, path).
 
         A root (or shard directory) that vanished -- someone removed the tree while the
-        server ran -- is created again, once, instead of failing every store from then on.
+        server ran -- is created again, once, instead of failing every store from then on;
+        unless ``stop()`` says not to (the store's adapter started closing while the store
+        was stuck, e.g. in the ``open`` of a hung mount): the FileNotFoundError is raised
+        then.  The adapter may have released the directory by then, and creating the root
+        again would lock the new directory once more (``on_root_recreated``), with
+        nothing left to release that lock.
         """
         for attempt in (0, 1):
             directories = [self.layout.directory_for(key)]
@@ -179,7 +186,7 @@ class LocalFiles:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | flags, 0o644)
                 return fd, path
             except FileNotFoundError:
-                if attempt:
+                if attempt or (stop is not None and stop()):
                     raise
                 self._recreate()
         raise AssertionError("unreachable")
