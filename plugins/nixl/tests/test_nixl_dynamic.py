@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import shutil
 import threading
 import time
 import zlib
@@ -925,3 +926,107 @@ def test_a_load_running_past_close_leaves_no_file_registered(monkeypatch: pytest
         finally:
             gate.set()
             adapter.close()
+
+
+@pytest.mark.parametrize("direct_io", [False, True], ids=["plain", "direct"])
+@pytest.mark.parametrize("stuck_in", ["open", "payload", "header", "close"])
+def test_close_does_not_wait_for_a_store_stuck_in_storage(
+    monkeypatch: pytest.MonkeyPatch, direct_io: bool, stuck_in: str
+) -> None:
+    """A store stuck in storage (a hung mount: the open of its temporary file, its NIXL
+    write of payloads or headers, the close of a written file) must not hold close past its
+    deadline; once it returns, after core failed it (its payload buffers handed back) and
+    the adapter released its directory, the store writes nothing more, publishes nothing
+    -- no record of its keys appears -- and leaves no temporary file.  Stuck in the open
+    while the released root is removed, it does not create the root (and lock it) again."""
+    from lmcache_plugin_nixl.runtime import NixlRuntime
+
+    arena = Arena()
+    keys = make_keys(2)
+    data = [pattern(120 + index, SIZE) for index in range(2)]
+    entered, gate, finished = threading.Event(), threading.Event(), threading.Event()
+    writes: list[int] = []
+    writes_after_close: list[int] = []
+    closed = threading.Event()
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root, direct_io=direct_io), arena.view)
+
+        def close() -> None:
+            adapter.close()
+            closed.set()
+
+        closer = threading.Thread(target=close, daemon=True)
+        try:
+            records = adapter.backend._records  # type: ignore[attr-defined]
+            write = records.write
+
+            def watched(*args: object, **kwargs: object) -> object:
+                try:
+                    return write(*args, **kwargs)
+                finally:
+                    finished.set()
+
+            monkeypatch.setattr(records, "write", watched)
+            runtime = NixlRuntime.shared()
+            transfer_many = runtime.transfer_many
+
+            def stuck_transfer(backend_name: str, operation: str, *args: object, **kwargs: object) -> object:
+                if operation == "WRITE":
+                    if closed.is_set():
+                        writes_after_close.append(1)
+                    writes.append(1)
+                    # the payloads are the batch's first WRITE, its headers the second
+                    if len(writes) == (1 if stuck_in == "payload" else 2):
+                        entered.set()
+                        gate.wait(60)
+                return transfer_many(backend_name, operation, *args, **kwargs)  # type: ignore[arg-type]
+
+            def stuck_once() -> None:
+                if not entered.is_set():
+                    entered.set()
+                    gate.wait(60)
+
+            if stuck_in in ("payload", "header"):
+                monkeypatch.setattr(runtime, "transfer_many", stuck_transfer)
+            elif stuck_in == "open":
+                create_temp = records._files.create_temp
+
+                def stuck_open(*args: object, **kwargs: object) -> object:
+                    stuck_once()
+                    return create_temp(*args, **kwargs)
+
+                monkeypatch.setattr(records._files, "create_temp", stuck_open)
+            else:
+                close_written = records._close_written
+
+                def stuck_close(*args: object) -> bool:
+                    stuck_once()
+                    return close_written(*args)  # type: ignore[no-any-return]
+
+                monkeypatch.setattr(records, "_close_written", stuck_close)
+            buffers = [arena.take(SIZE) for _ in keys]
+            for buffer, payload in zip(buffers, data, strict=True):
+                buffer[:] = payload
+            adapter.submit_store(keys, buffers)
+            assert entered.wait(10)
+            adapter.close_timeout_s = 0.2  # type: ignore[misc]
+            closer.start()
+            closer.join(10)
+            assert closed.is_set(), "close waited for a store stuck in storage"
+            if stuck_in == "open":
+                shutil.rmtree(root)  # the released directory removed by its next user
+            gate.set()
+            assert finished.wait(30)
+        finally:
+            gate.set()
+            if closer.ident is None:
+                adapter.close()
+            closer.join(30)
+        assert writes_after_close == [], "a store went on writing after close returned"
+        if stuck_in == "open":
+            assert not os.path.exists(root), "a store stuck past close created the released root again"
+        assert record_files(root) == [], "a store stuck past close published its records"
+        left = [
+            name for _dir, _dirs, names in os.walk(root) for name in names if name.startswith(TEMP_PREFIX)
+        ]
+        assert left == [], "a store stopped by close left its temporary files"

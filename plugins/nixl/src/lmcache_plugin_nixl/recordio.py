@@ -283,9 +283,15 @@ class RecordFiles:
     # -- writes -----------------------------------------------------------------------------
 
     def write(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
-        """Write and publish each record; False where any step failed (nothing published)."""
+        """Write and publish each record; False where any step failed (nothing published).
+
+        Records not yet published when the adapter starts closing fail (core counts them
+        ``store_keys_failed``; one log line says why): see :meth:`_write_slice`."""
         results: list[bool] = []
         for start in range(0, len(keys), MAX_OPEN_FILES):
+            if self._stopped():
+                results += [False] * (len(keys) - start)
+                break
             end = start + MAX_OPEN_FILES
             try:
                 results += self._write_slice(keys[start:end], payloads[start:end])
@@ -306,17 +312,34 @@ class RecordFiles:
                 )
                 results += [False] * (len(keys) - len(results))
                 break
+        if self._stopped() and not all(results):
+            log.info(
+                "%s: %d of %d records of a store not written: the adapter is closing",
+                self._context.name,
+                results.count(False),
+                len(results),
+            )
         return results
 
     def _write_slice(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        """Once the adapter is closing nothing more is written and nothing published: core
+        closes the backend past its deadline while a store is stuck (a hung mount), fails
+        the store and hands its payload buffers back, and the adapter then releases its
+        directory.  So the flag is asked before each temporary file is created (and before
+        a vanished root would be created again), before each NIXL request and right before
+        each rename (:meth:`LocalFiles.publish`); a record stopped there has its temporary
+        file removed and fails."""
+        stop = self._stopped
         pending: list[_Pending] = []
         results = [False] * len(keys)
         try:
             for index, (key, payload) in enumerate(zip(keys, payloads, strict=True)):
+                if stop():
+                    break
                 item = self._open_temp(index, key, payload)
                 if item is not None:
                     pending.append(item)
-            if not pending:
+            if not pending or stop():
                 return results
             # The header needs the payload's checksum, the payload's place does not (the
             # header's length is fixed by key and serde chain): checksums are computed on
@@ -331,6 +354,7 @@ class RecordFiles:
                         _places(pending),
                         self._register,
                         background=True,
+                        stop=stop,
                     )
             finally:
                 encoded = headers.result()
@@ -373,13 +397,15 @@ class RecordFiles:
         otherwise wait for the device in turn.  The staging block is page-aligned and every
         header a multiple of 4096 bytes, as O_DIRECT requires.
         """
-        if not complete:
-            return []
+        if not complete or self._stopped():
+            return [False] * len(complete)  # closing: no staging block is taken either
         with self._staging.lease([len(header) for _item, header in complete]) as views:
             for view, (_item, header) in zip(views, complete, strict=True):
                 view[:] = header
             items = [item for item, _header in complete]
-            return self._transfer.run("WRITE", views, _header_places(items), self._register, background=True)
+            return self._transfer.run(
+                "WRITE", views, _header_places(items), self._register, background=True, stop=self._stopped
+            )
 
     def _encode_all(
         self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview], pending: list[_Pending]
@@ -398,8 +424,10 @@ class RecordFiles:
     def _open_temp(self, index: int, key: ObjectKey, payload: memoryview) -> _Pending | None:
         offset = self.header_length(key)
         try:
-            fd, path = self._files.create_temp(key, self._open_flags(0, payload, offset))
+            fd, path = self._files.create_temp(key, self._open_flags(0, payload, offset), stop=self._stopped)
         except OSError as exc:
+            if self._stopped():
+                return None  # the root vanished as the adapter closed: logged by write
             self._failures.failed(record_name(key), exc)
             return None
         try:
@@ -427,11 +455,11 @@ class RecordFiles:
 
     def _publish(self, item: _Pending, key: ObjectKey) -> bool:
         try:
-            self._files.publish(key, item.path)
+            # False: the adapter started closing; the caller removes the temporary file.
+            return self._files.publish(key, item.path, stop=self._stopped)
         except OSError as exc:
             self._failures.failed(record_name(key), exc)
             return False
-        return True
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -573,7 +601,8 @@ class RecordFiles:
         """Whether the adapter started closing.  Core sets its closing flag first, fails
         the loads still running at its deadline (their L1 buffers go to other objects) and
         only then closes the backend: from the flag on, a load reads nothing more into its
-        buffers and judges no record by them."""
+        buffers and judges no record by them, and a store writes and publishes nothing
+        more (:meth:`_write_slice`)."""
         return self._closing or self._context.closing
 
     def _begin_read(self, index: int, key: ObjectKey, buffer: memoryview) -> _Pending | None:
