@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -65,3 +68,36 @@ def record_files(root: str) -> list[str]:
 
 def payload_bytes_on_disk(root: str) -> int:
     return sum(os.path.getsize(os.path.join(root, path)) - HEADER for path in record_files(root))
+
+
+@contextlib.contextmanager
+def closed_past_a_stuck_call(
+    adapter: BackendAdapter,
+    gate: threading.Event,
+    closed: threading.Event,
+    threads: str | tuple[str, ...],
+    what: str,
+) -> Iterator[None]:
+    """Close ``adapter`` past a 0.2 s deadline, on a thread, while one of its calls is stuck
+    until ``gate`` is set, and assert that close returned anyway (``closed`` is set then).
+    The body runs after that, the stuck call still stuck; then the call is let go and the
+    threads whose names start with ``threads`` are waited for, as the call ends."""
+
+    def close() -> None:
+        adapter.close()
+        closed.set()
+
+    closer = threading.Thread(target=close, daemon=True)
+    adapter.close_timeout_s = 0.2  # type: ignore[misc]
+    closer.start()
+    try:
+        closer.join(10)
+        assert closed.is_set(), f"close waited for a {what} stuck in storage"
+        yield
+        gate.set()
+        for thread in threading.enumerate():  # the call ends once its stuck step returns
+            if thread.name.startswith(threads):
+                thread.join(30)
+    finally:
+        gate.set()
+        closer.join(30)

@@ -15,6 +15,7 @@ from fs_helpers import (
     HEADER,
     Arena,
     client,
+    closed_past_a_stuck_call,
     flip_byte,
     fs_config,
     load,
@@ -654,30 +655,17 @@ def test_close_does_not_wait_for_a_load_stuck_in_a_read_thread(
 
     adapter = open_fs(fs_config(str(tmp_path), use_odirect=direct), arena.view)
 
-    def close() -> None:
-        adapter.close()
-        closed.set()
-
-    closer = threading.Thread(target=close, daemon=True)
     try:
         assert store(adapter, arena, keys, data) == [True] * 2
         assert client(adapter).lookup_and_lock(keys).found == [True] * 2
         monkeypatch.setattr(os, "preadv", stuck_on_a_read_thread)
         adapter.submit_load(keys, [arena.take(size) for _ in keys])
         assert entered.wait(10)
-        adapter.close_timeout_s = 0.2  # type: ignore[misc]
-        closer.start()
-        closer.join(10)
-        assert closed.is_set(), "close waited for a read stuck in storage"
-        gate.set()
-        for thread in threading.enumerate():  # the load ends once its stuck read returns
-            if thread.name.startswith(("l2-0:fs-test-load", "fs-")):
-                thread.join(30)
+        with closed_past_a_stuck_call(adapter, gate, closed, ("l2-0:fs-test-load", "fs-"), "read"):
+            pass  # nothing to do while the call is stuck
     finally:
         gate.set()
-        if closer.ident is None:
-            adapter.close()
-        closer.join(30)
+        adapter.close()  # a no-op once closed
     assert reads_after_close == [], "pieces were read into L1 after close returned"
 
 
@@ -730,11 +718,6 @@ def test_close_does_not_wait_for_a_store_stuck_in_a_write_thread(
     fields = {"fsync": True} if stuck_in == "fsync" else {}
     adapter = open_fs(fs_config(str(tmp_path), use_odirect=False, **fields), arena.view)
 
-    def close() -> None:
-        adapter.close()
-        closed.set()
-
-    closer = threading.Thread(target=close, daemon=True)
     try:
         if stuck_in == "pwrite":
             monkeypatch.setattr(os, "pwrite", stuck_pwrite)
@@ -745,19 +728,11 @@ def test_close_does_not_wait_for_a_store_stuck_in_a_write_thread(
             buffer[:] = payload
         adapter.submit_store(keys, buffers)
         assert entered.wait(10)
-        adapter.close_timeout_s = 0.2  # type: ignore[misc]
-        closer.start()
-        closer.join(10)
-        assert closed.is_set(), "close waited for a write stuck in storage"
-        gate.set()
-        for thread in threading.enumerate():  # the store ends once its stuck write returns
-            if thread.name.startswith(("l2-0:fs-test-store", "fs-")):
-                thread.join(30)
+        with closed_past_a_stuck_call(adapter, gate, closed, ("l2-0:fs-test-store", "fs-"), "write"):
+            pass  # nothing to do while the call is stuck
     finally:
         gate.set()
-        if closer.ident is None:
-            adapter.close()
-        closer.join(30)
+        adapter.close()  # a no-op once closed
     (index,) = stuck
     assert f"{keys[index].file_stem()}.bin" not in record_files(str(tmp_path)), (
         "a store stuck past close published its record after the directory was released"
@@ -792,11 +767,6 @@ def test_a_remote_load_stuck_when_the_adapter_closes_copies_nothing_into_its_buf
 
     adapter = open_fs(fs_config(root), arena.view)
 
-    def close() -> None:
-        adapter.close()
-        closed.set()
-
-    closer = threading.Thread(target=close, daemon=True)
     buffer = arena.take(SIZE)
     try:
         assert store(adapter, arena, keys, data) == [True]
@@ -804,20 +774,11 @@ def test_a_remote_load_stuck_when_the_adapter_closes_copies_nothing_into_its_buf
         monkeypatch.setattr(remote, "verify_payload", stuck_in_the_read)
         adapter.submit_load(keys, [buffer])
         assert entered.wait(10)
-        adapter.close_timeout_s = 0.2  # type: ignore[misc]
-        closer.start()
-        closer.join(10)
-        assert closed.is_set(), "close waited for a read stuck in storage"
-        buffer[:] = bytes(SIZE)  # the buffer is another object's now
-        gate.set()
-        for thread in threading.enumerate():  # the load ends once its stuck read returns
-            if thread.name.startswith("l2-0:fs-test-load"):
-                thread.join(30)
+        with closed_past_a_stuck_call(adapter, gate, closed, "l2-0:fs-test-load", "read"):
+            buffer[:] = bytes(SIZE)  # the buffer is another object's now
     finally:
         gate.set()
-        if closer.ident is None:
-            adapter.close()
-        closer.join(30)
+        adapter.close()  # a no-op once closed
         fsspec.filesystem("memory").rm(root, recursive=True)
     assert bytes(buffer) == bytes(SIZE), "the payload was copied into L1 after close returned"
 
@@ -1049,33 +1010,19 @@ def test_a_remote_store_stuck_when_the_adapter_closes_publishes_nothing(
 
     adapter = open_fs(fs_config(root), arena.view)
 
-    def close() -> None:
-        adapter.close()
-        closed.set()
-
-    closer = threading.Thread(target=close, daemon=True)
     buffer = arena.take(SIZE)
     buffer[:] = pattern(98, SIZE)
     try:
         monkeypatch.setattr(MemoryFileSystem, "makedirs", stuck_in_the_store)
         adapter.submit_store(keys, [buffer])
         assert entered.wait(10)
-        adapter.close_timeout_s = 0.2  # type: ignore[misc]
-        closer.start()
-        closer.join(10)
-        assert closed.is_set(), "close waited for a store stuck in storage"
-        buffer[:] = bytes(SIZE)  # the buffer is another object's now
-        gate.set()
-        for thread in threading.enumerate():  # the store ends once its stuck call returns
-            if thread.name.startswith("l2-0:fs-test-store"):
-                thread.join(30)
+        with closed_past_a_stuck_call(adapter, gate, closed, "l2-0:fs-test-store", "store"):
+            buffer[:] = bytes(SIZE)  # the buffer is another object's now
         files = fsspec.filesystem("memory")
         left = [str(path) for path in files.find(root)]
     finally:
         gate.set()
-        if closer.ident is None:
-            adapter.close()
-        closer.join(30)
+        adapter.close()  # a no-op once closed
         fsspec.filesystem("memory").rm(root, recursive=True)
     assert not any(path.endswith(record_name(keys[0])) for path in left), (
         "a store stuck past close published its record"
@@ -1112,30 +1059,17 @@ def test_a_store_stuck_when_the_adapter_closes_does_not_create_the_released_root
 
     adapter = open_fs(fs_config(root, use_odirect=False), arena.view)
 
-    def close() -> None:
-        adapter.close()
-        closed.set()
-
-    closer = threading.Thread(target=close, daemon=True)
     buffer = arena.take(SIZE)
     buffer[:] = pattern(99, SIZE)
     try:
         monkeypatch.setattr(os, "open", stuck_open)
         adapter.submit_store(keys, [buffer])
         assert entered.wait(10)
-        adapter.close_timeout_s = 0.2  # type: ignore[misc]
-        closer.start()
-        closer.join(10)
-        assert closed.is_set(), "close waited for a store stuck in storage"
-        gate.set()
-        for thread in threading.enumerate():  # the store ends once its stuck call returns
-            if thread.name.startswith("l2-0:fs-test-store"):
-                thread.join(30)
+        with closed_past_a_stuck_call(adapter, gate, closed, "l2-0:fs-test-store", "store"):
+            pass  # nothing to do while the call is stuck
     finally:
         gate.set()
-        if closer.ident is None:
-            adapter.close()
-        closer.join(30)
+        adapter.close()  # a no-op once closed
         monkeypatch.setattr(os, "open", real_open)
     assert not os.path.exists(root), "a store past close created the released root again"
     again = open_fs(fs_config(root, use_odirect=False), arena.view)  # the directory is free
