@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lmcache_tiers.activity import DATA_PLANE
@@ -119,6 +119,28 @@ class StorageManager:
     def abort_write(self, keys: Sequence[ObjectKey]) -> None:
         self.l1.abort_write(keys)
         DATA_PLANE.end_many(keys)
+
+    def commit_reserved(
+        self, reserved: Mapping[ObjectKey, L1Object], *, to_l2: bool = True
+    ) -> list[ObjectKey]:
+        """``commit_write`` of the keys whose L1 object is still the one ``reserve_write``
+        gave for them; returns the keys committed.  Commits go by key, and a reservation
+        L1 reaped during a copy (past the write TTL) may be another writer's by now, whose
+        bytes are not there yet: it is left alone.  Checked under the lock reaping takes."""
+        with self.l1.lock:
+            own = self._still_reserved(reserved)
+            done = self.commit_write(own, to_l2=to_l2) if own else []
+        return [key for key, ok in zip(own, done, strict=True) if ok]
+
+    def abort_reserved(self, reserved: Mapping[ObjectKey, L1Object]) -> None:
+        """``abort_write`` of the keys whose L1 object is still the one reserved for them
+        (another writer's reservation of a key L1 reaped is left alone)."""
+        with self.l1.lock:
+            self.abort_write(self._still_reserved(reserved))
+
+    def _still_reserved(self, reserved: Mapping[ObjectKey, L1Object]) -> list[ObjectKey]:
+        get = self.l1.get
+        return [key for key, obj in reserved.items() if get(key) is obj]
 
     def _refuse_if_it_cannot_fit(self, keys: Sequence[ObjectKey], sizes: Sequence[int]) -> None:
         """Evicting for a batch that cannot fit anyway would only empty L1 for nothing."""

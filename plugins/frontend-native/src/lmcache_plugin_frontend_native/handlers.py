@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -431,15 +431,9 @@ class Handlers:
             raise HandlerError(p.ErrorCode.INVALID_ARGUMENT, "empty payload frame")
         layouts = _layouts(req.layouts, len(keys))
         storage = self.storage
-        l1 = storage.l1
 
         def work() -> Callable[[], Response]:
             reserved = storage.reserve_write(keys, [view.nbytes for view in views], layouts)
-
-            def still_reserved(wanted: Iterable[ObjectKey]) -> list[ObjectKey]:
-                # (Caller holds the L1 lock.)
-                return [key for key in wanted if l1.get(key) is reserved[key]]
-
             copy_in = self._copier_in()
             fresh: dict[ObjectKey, int] = {}  # key -> bytes written
             try:
@@ -450,16 +444,12 @@ class Handlers:
                     copy_in(obj, view)
                     fresh[key] = obj.size
             except BaseException:
-                with l1.lock:
-                    storage.abort_write(still_reserved(reserved))
+                storage.abort_reserved(reserved)
                 raise
-            # Commits and aborts go by key: a reservation that expired during the copy may
-            # be another writer's by now, whose bytes are not there yet.  Only the objects
-            # reserved here are committed, under the lock that reaping takes.
-            with l1.lock:
-                own = still_reserved(fresh)
-                committed = storage.commit_write(own, to_l2=not req.l1_only) if own else []
-            stored = {key for key, ok in zip(own, committed, strict=True) if ok}
+            # Only the objects reserved here are committed: a reservation that expired
+            # during the copy may be another writer's by now (``commit_reserved``).
+            mine = {key: reserved[key] for key in fresh}
+            stored = set(storage.commit_reserved(mine, to_l2=not req.l1_only))
 
             def finish() -> Response:
                 # Counted as a shared-memory STORE_COMMIT counts: what was stored, if anything.

@@ -211,14 +211,6 @@ class Transfers:
                     return False
 
                 return refused
-            l1 = storage.l1
-
-            def still_reserved() -> list[ObjectKey]:
-                # (Caller holds the L1 lock.)  Commits and aborts go by key: a reservation
-                # L1 reaped during the copy (past the write TTL) may be another writer's by
-                # now, whose bytes are not there yet.  Only this store's own are acted on.
-                return [object_key for object_key, obj in fresh.items() if l1.get(object_key) is obj]
-
             try:
                 for object_key, chunk in zip(keys, chunks, strict=True):
                     obj = fresh.get(object_key)
@@ -228,19 +220,16 @@ class Transfers:
                         loan.commit()
             except (KeyError, ValueError):
                 # An object left L1, or is no longer being written: its reservation was
-                # reaped during the copy.  Nothing of this store is made visible.
-                with l1.lock:
-                    storage.abort_write(still_reserved())
+                # reaped during the copy.  Nothing of this store is made visible (only its
+                # own reservations are acted on: ``abort_reserved``, ``commit_reserved``).
+                storage.abort_reserved(fresh)
                 done = [False] * len(fresh)
             except BaseException:
-                with l1.lock:
-                    storage.abort_write(still_reserved())
+                storage.abort_reserved(fresh)
                 raise
             else:
-                with l1.lock:
-                    own = still_reserved()
-                    committed = storage.commit_write(own) if own else []
-                done = committed + [False] * (len(fresh) - len(own))
+                committed = storage.commit_reserved(fresh)
+                done = [True] * len(committed) + [False] * (len(fresh) - len(committed))
 
             def finish() -> Any:
                 stored = sum(done)
