@@ -295,3 +295,26 @@ def test_an_in_process_lookup_given_up_on_leaves_no_locks_behind() -> None:
             assert time.monotonic() < deadline, "the prefetch never finished"
             time.sleep(0.02)
         assert storage.l1.stats().read_locks == 0
+
+
+def test_an_in_process_retrieve_never_drops_a_lock_another_holder_forgot() -> None:
+    # A lock TTL of 2 s puts read-lock deadlines on a grid of 31 ms: a lock taken more than
+    # a step after another expires at a later deadline.
+    lock_ttl_s = 2.0
+    step = 3 * lock_ttl_s / 64
+    options = ReplayOptions(block_bytes=4096)
+    state = ClientState.for_options(options)
+    request = TraceRequest(0, 1500, 1, (1, 2, 3))
+    scratch = np.zeros(options.block_bytes, dtype=np.uint8).data
+    config = ServerConfig(l1_size_gb=1 / 64, l1_lock_ttl_s=lock_ttl_s)
+    with StorageManager(config, load_registry()) as storage:
+        inprocess._replay_one(storage, request, state, scratch, 30.0)  # stores the three blocks
+        keys = state.keyspace.keys(request.hash_ids)
+        forgotten = storage.read(keys)  # their holder forgets them (never releases them)
+        assert len(forgotten) == 3
+        forgotten_deadline = forgotten[0].lock_deadline
+        time.sleep(step)
+        inprocess._replay_one(storage, request, state, scratch, 30.0)  # hits: locks and releases
+        assert state.totals.hit_blocks == 3
+        storage.l1.expire_locks(forgotten_deadline)  # the forgotten locks expire
+        assert storage.l1.stats().read_locks == 0, "a replay lock lives on in place of a forgotten one"

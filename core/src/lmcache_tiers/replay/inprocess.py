@@ -35,6 +35,9 @@ def _replay_one(
     blocks = request.hash_ids
     keys = state.keyspace.keys(blocks)
     started = time.perf_counter()
+    # No later than the deadline of every lock this request takes (read before the first):
+    # its releases drop its own locks, never one another holder forgot on the same key.
+    not_before = storage.l1.lock_deadline(time.monotonic())
     handle, locked = storage.start_prefetch(keys)
     if locked is not None:
         hits = len(locked)
@@ -64,8 +67,8 @@ def _replay_one(
                 if not payloads.matches(block, out):
                     totals.corrupt_blocks += 1
         finally:
-            storage.release(keys[: len(objects)])  # the retrieve's lock
-            storage.release(keys[:hits])  # the lookup's lock
+            storage.release(keys[: len(objects)], not_before=not_before)  # the retrieve's lock
+            storage.release(keys[:hits], not_before=not_before)  # the lookup's lock
     missing = blocks[hits:]
     if not missing:
         return
