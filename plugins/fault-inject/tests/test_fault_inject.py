@@ -26,6 +26,7 @@ from lmcache_tiers.errors import ConfigError, PartialFailure
 from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, L2Adapter, L2Op, create_adapter
+from lmcache_tiers.l2.circuit import PROBE_KEY, CircuitConfig
 from lmcache_tiers.plugins import discover, load_registry
 from lmcache_tiers.registry import KindRegistry
 from lmcache_tiers.serde import Serde, SerdeContext
@@ -773,3 +774,116 @@ def test_lookups_given_up_on_are_not_asked_of_the_inner_adapter_later(opened: li
     barrier.wait(10)
     # (At most one stuck lookup per helper thread; none of those queued behind them.)
     assert inner.lookups <= helpers.limit, "lookups given up on were asked of the inner adapter"
+
+
+# -- the circuit breaker's probe: the inner adapter's ping ------------------------------------
+
+
+class PingingRemoteMock(MockBackend):
+    """A remote store with a ping of its own (a redis cluster pings every primary)."""
+
+    remote = True
+
+    def __init__(self, config: MockConfig, context: Any) -> None:
+        super().__init__(config, context)
+        self.pings = 0
+
+    def ping(self) -> None:
+        self.pings += 1
+
+
+class AsyncPingingMemory(AsyncMemory):
+    """The coroutine backend, with a ping."""
+
+    def __init__(self, config: Any, context: Any) -> None:
+        super().__init__(config, context)
+        self.pings = 0
+
+    async def ping(self) -> None:
+        self.pings += 1
+
+
+@hookimpl(specname="tiers_register_l2_adapters")
+def register_pinging_backends(registry: KindRegistry) -> None:
+    registry.add("pinging_remote_mock", PingingRemoteMock, MockConfig)
+    registry.add("async_pinging_memory", AsyncPingingMemory, AsyncMemoryConfig)
+
+
+def open_pinging(inner: dict[str, Any], **settings: Any) -> BackendAdapter:
+    module = types.ModuleType("fault_inject_pinging_test")
+    module.tiers_register_l2_adapters = register_pinging_backends  # type: ignore[attr-defined]
+    registry = discover(extra_plugins={"fault-inject-pinging-test": module}).registry
+    config = FaultInjectConfig(inner=inner, **settings)
+    context = AdapterContext(index=0, name="0:fault_inject", config=config)
+    adapter = create_adapter(open_fault_inject, config, context, registry=registry)
+    assert isinstance(adapter, BackendAdapter)
+    return adapter
+
+
+def test_the_circuit_probe_reaches_the_inner_adapters_ping(opened: list[BackendAdapter]) -> None:
+    # Stores raise (a backend error each): the circuit opens at the first, and its probe
+    # must be the inner store's own ping, not a lookup of one key.
+    adapter = open_pinging(
+        {"type": "pinging_remote_mock", "namespace": uuid.uuid4().hex},
+        store_fail_rate=1.0,
+        fail_mode="raise",
+        circuit=CircuitConfig(failure_threshold=1, probe_interval_s=0.02),
+    )
+    opened.append(adapter)
+    inner = adapter.backend.inner.inner  # type: ignore[attr-defined]
+    assert BlockingAdapterClient(adapter).store(make_keys(1), [memoryview(b"x")]) == [False]
+    deadline = time.monotonic() + 30
+    while adapter.stats()["circuit_open"]:
+        assert time.monotonic() < deadline, "the circuit never closed"
+        time.sleep(0.01)
+    assert inner.pings >= 1, "the probe asked a lookup of the wrapper, not the inner ping"
+
+
+def ping_outcome(wrapper: Any) -> OSError | None:
+    """What the wrapper's ping raised (None: it answered), whichever its flavour."""
+
+    async def ping_coroutine() -> None:
+        await wrapper.ping()
+
+    try:
+        if inspect.iscoroutinefunction(wrapper.ping):
+            asyncio.run(ping_coroutine())
+        else:
+            wrapper.ping()
+    except OSError as exc:
+        return exc
+    return None
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [{"type": "pinging_remote_mock"}, {"type": "async_pinging_memory"}],
+    ids=["plain", "coroutines"],
+)
+@pytest.mark.parametrize("rate", [0.0, 1.0])
+def test_a_ping_is_passed_on_or_fails_with_the_lookup_failure_rate(
+    opened: list[BackendAdapter], inner: dict[str, Any], rate: float
+) -> None:
+    if inner["type"] == "pinging_remote_mock":
+        inner = {**inner, "namespace": uuid.uuid4().hex}
+    adapter = open_pinging(inner, lookup_fail_rate=rate, circuit=CircuitConfig(enabled=False))
+    opened.append(adapter)
+    failure = ping_outcome(adapter.backend)
+    if rate:
+        assert isinstance(failure, OSError), "an injected ping failure must raise"
+        assert inner_of(adapter).pings == 0
+        assert adapter.stats()["injected_lookup_failures"] == 1
+    else:
+        assert failure is None
+        assert inner_of(adapter).pings == 1, "the inner adapter's ping was not passed on"
+
+
+def test_without_an_inner_ping_the_wrappers_ping_is_a_lookup_of_the_probe_key(
+    opened: list[BackendAdapter],
+) -> None:
+    adapter = open_fault(lookup_fail_rate=1.0)
+    opened.append(adapter)
+    fill(adapter, [PROBE_KEY])  # held by the inner store: a failed lookup of it raises
+    with pytest.raises(OSError, match="injected lookup failure"):
+        adapter.backend.ping()  # type: ignore[attr-defined]
+    assert adapter.stats()["injected_lookup_failures"] == 1

@@ -44,6 +44,11 @@ class FaultInjectConfig(L2AdapterConfig):
     the inner adapter still holds it.  Injected failures and corruptions are counted
     (``injected_*``) and logged.
 
+    Pings: the circuit breaker's probe reaches the inner adapter's own ``ping`` (a redis
+    cluster pings every primary), delayed and failed like a lookup (``lookup_fail_rate``,
+    ``delay_ops``); a ping drawn to fail raises in every ``fail_mode``.  Without an inner
+    ``ping`` the probe is a lookup of one key through this wrapper.
+
     Gaps: ``gap_indices`` and ``gap_tail_ratios`` always fail given positions of every
     load batch (the keys the backend call receives, in prefix order), so the found prefix
     has a hole: ``gap_indices`` counts from the head (negative values from the tail);

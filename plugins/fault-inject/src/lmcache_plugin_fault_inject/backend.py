@@ -18,6 +18,7 @@ from typing import Any
 
 from lmcache_plugin_fault_inject import FaultInjectConfig
 from lmcache_tiers.plugin import (
+    PROBE_KEY,
     BackendContext,
     Capacity,
     LeftCallThreads,
@@ -139,6 +140,13 @@ class _FaultInjector:
         if any(fail and hit is not None for fail, hit in zip(failed, found, strict=True)):
             raise InjectedFault("injected lookup failure of a stored key")
         return list(found)
+
+    @staticmethod
+    def ping_faults(failed: list[bool]) -> None:
+        """A ping drawn to fail (counted and logged by ``inject``) raises in every mode: it
+        has no per-key answer to carry a miss, and a ping that returns says the store is up."""
+        if any(failed):
+            raise InjectedFault("injected lookup failure of a ping")
 
     def load_plan(self, keys: Sequence[ObjectKey], failed: list[bool]) -> list[int]:
         gaps = gap_positions(len(keys), self.config.gap_indices, self.config.gap_tail_ratios)
@@ -270,6 +278,17 @@ class FaultInjectBackend(_FaultInjector):
                     ) from None
         return self.lookup_answer(failed, found)
 
+    def ping(self) -> None:
+        """The circuit breaker's probe: the inner adapter's own ping (a redis cluster asks
+        every primary; a lookup of one key reaches one node), failing and delayed like a
+        lookup; a lookup of the probe key when the inner adapter has no ping."""
+        inner_ping = _optional(self.inner, "ping")
+        if inner_ping is None:
+            self.contains_many([PROBE_KEY])
+            return
+        self.ping_faults(self._before("lookup", 1))
+        inner_ping()
+
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         chosen = self.load_plan(keys, self._before("load", len(keys)))
         if not chosen:
@@ -332,6 +351,15 @@ class AsyncFaultInjectBackend(_FaultInjector):
                 f"the inner adapter did not answer a lookup in {self.config.lookup_timeout_s:g} s"
             ) from None
         return self.lookup_answer(failed, found)
+
+    async def ping(self) -> None:
+        """As the plain flavour's :meth:`FaultInjectBackend.ping`."""
+        inner_ping = _optional(self.inner, "ping")
+        if inner_ping is None:
+            await self.contains_many([PROBE_KEY])
+            return
+        self.ping_faults(await self._before("lookup", 1))
+        await _maybe_await(inner_ping)
 
     async def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         chosen = self.load_plan(keys, await self._before("load", len(keys)))
