@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import msgspec
+import pytest
 from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, tokens_of
 
 from lmcache_tiers.server.app import TiersServer
@@ -460,3 +462,44 @@ def test_releases_never_drop_a_lock_another_holder_forgot(make_mp_server: Any) -
         assert [obj.read_locks for obj in forgotten] == [1, 1], "a released lock lives on"
         storage.release(keys)
         assert l1(server)["read_locks"] == 0
+
+
+def test_an_earlier_process_unregistering_leaves_a_restarted_ones_registration(
+    mp_server: TiersServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``lmcache bench server`` and vLLM's workers register fixed instance ids: a restarted
+    client registers the id again while the process before it may still send its
+    ``unregister`` on its way out.  Each client process has a connection (ZeroMQ identity)
+    of its own; only the one that made the registration in force may end it."""
+    address = mp_address(mp_server)
+    with MPClient(address) as earlier, MPClient(address) as restarted:
+        earlier.register(REG)
+        shm = restarted.register(REG)["shm_name"]  # the same id and layout: kept, now the restarted one's
+        with caplog.at_level(logging.WARNING):
+            assert earlier.call("unregister_kv_cache_engine_driven_context", REG.instance_id) is None
+        assert [entry["instance_id"] for entry in mp_server.frontends[0].status()["instances"]] == [
+            REG.instance_id
+        ]
+        assert mp_stats(mp_server).failures["mp_stale_unregister"] == 1
+        assert "unregisters ignored" in caplog.text
+        payloads = stored(restarted, 22, shm)
+        key = Key(tokens_of(22), "r", worker_id=0)
+        assert restarted.retrieve(key, REG.instance_id, shm) == payloads
+        # the restarted process ends its own registration
+        assert restarted.call("unregister_kv_cache_engine_driven_context", REG.instance_id) is None
+        assert mp_server.frontends[0].status()["instances"] == []
+
+
+def test_an_earlier_process_unregistering_leaves_a_replacing_registration(
+    mp_server: TiersServer,
+) -> None:
+    address = mp_address(mp_server)
+    with MPClient(address) as earlier, MPClient(address) as rerun:
+        earlier.register(REG)
+        rerun.register(replacing := Registration(model_name="other-model", hidden_dim_size=32))
+        assert earlier.call("unregister_kv_cache_engine_driven_context", REG.instance_id) is None
+        status = mp_server.frontends[0].status()["instances"]
+        assert [(entry["model_name"], entry["layout"]) for entry in status] == [
+            (replacing.model_name, "bfloat16[2,2,256,32]")
+        ]
+        assert mp_stats(mp_server).failures["mp_stale_unregister"] == 1

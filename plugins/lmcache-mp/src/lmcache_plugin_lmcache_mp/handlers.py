@@ -59,6 +59,12 @@ NOT_SERVED: dict[str, str] = {
 }
 
 
+#: operations whose handler is told the client's connection (``peer``)
+_BY_CONNECTION = frozenset(
+    {"register_kv_cache_engine_driven_context", "unregister_kv_cache_engine_driven_context"}
+)
+
+
 class Handlers:
     """Operation name -> handler, over the state in :class:`Shared`."""
 
@@ -69,6 +75,7 @@ class Handlers:
         # Instance ids are the clients' choice: lines about them are burst-limited.
         self._unknown_unregisters = BurstLog(logger)
         self._reaped = BurstLog(logger, "mp_instance_reaped")
+        self._stale_unregisters = BurstLog(logger, "mp_stale_unregister")
         self.table: dict[str, Callable[..., Any]] = {
             "get_chunk_size": lambda: shared.chunk_size,
             "noop": lambda: "OK",
@@ -90,7 +97,11 @@ class Handlers:
             "clear": self.clear,
         }
 
-    def dispatch(self, name: str, args: list[Any]) -> Any:
+    def dispatch(self, name: str, args: list[Any], peer: bytes) -> Any:
+        """Run operation ``name``; ``peer`` is the ZeroMQ identity of the client's
+        connection, which (un)registrations record and check."""
+        if name in _BY_CONNECTION:
+            return self.table[name](*args, peer=peer)
         return self.table[name](*args)
 
     # -- liveness and registration ---------------------------------------------------------
@@ -102,12 +113,21 @@ class Handlers:
             instance.pinged = True
         return True
 
-    def register(self, payload: RegisterPayload) -> Any:
+    def register(self, payload: RegisterPayload, *, peer: bytes) -> Any:
         shared = self.shared
         now = time.monotonic()
         existing = shared.instances.get(payload.instance_id)
         if existing is not None and _same_registration(existing, payload, shared.chunk_size):
             existing.last_seen = now  # a repeat only refreshes liveness, as in LMCache
+            if existing.peer != peer:
+                # A restarted client process: the registration is its own from now on, and
+                # the earlier process's unregister (maybe still on its way) leaves it alone.
+                logger.info(
+                    "instance %d registers again from another connection (a restarted client): "
+                    "the registration is kept, and from now on only that connection may unregister it",
+                    payload.instance_id,
+                )
+                existing.peer = peer
             return self._register_reply()
         if existing is None and len(shared.instances) >= MAX_INSTANCES:
             raise RequestRefused(
@@ -136,9 +156,9 @@ class Handlers:
                 existing.world_size,
                 existing.layout_text,
             )
-            self.unregister(payload.instance_id)
+            self._drop(payload.instance_id)
         shared.instances[payload.instance_id] = Instance(
-            payload.instance_id, payload.model_name, payload.world_size, layout, now, now
+            payload.instance_id, payload.model_name, payload.world_size, layout, now, now, peer
         )
         logger.info(
             "registered instance %d: model %s, world size %d, chunks of %s (%d bytes), %s",
@@ -155,13 +175,34 @@ class Handlers:
         name, size = self.shared.shm if self.shared.shm is not None else ("", 0)
         return RegisterReply(shm_name=name, pool_size=size)
 
-    def unregister(self, instance_id: int) -> Any:
+    def unregister(self, instance_id: int, *, peer: bytes) -> Any:
+        """The client's unregister: only the connection that made the registration in force
+        ends it.  Instance ids are fixed per deployment (``lmcache bench server``, vLLM's
+        workers), so an earlier client process may unregister after a restarted one
+        registered the same id again: that would take the live client's layout away and
+        abort its stores.  LMCache's client registers and unregisters on one connection."""
+        instance = self.shared.instances.get(instance_id)
+        if instance is not None and instance.peer != peer:
+            self.shared.stats.failure("mp_stale_unregister")
+            self._stale_unregisters.event(
+                1,
+                f"unregisters ignored: they came from another connection than the registration in "
+                f"force (instance {instance_id}: an earlier client process after a restarted one "
+                "registered it again, or a client whose connection was re-established; such a "
+                "registration goes when it falls silent)",
+            )
+            return None
+        self._drop(instance_id)
+        return None
+
+    def _drop(self, instance_id: int) -> None:
+        """Forget an instance and give back what its transfers hold."""
         instance = self.shared.instances.pop(instance_id, None)
         if instance is None:
             self._unknown_unregisters.warn(
                 "unregister", "unregister of instance %d, which is not registered", instance_id
             )
-            return None
+            return
         locks, reservations = self.transfers.drop_instance(instance_id)
         logger.info(
             "unregistered instance %d (%d read locks released, %d unfinished stores aborted)",
@@ -169,7 +210,6 @@ class Handlers:
             locks,
             reservations,
         )
-        return None
 
     def reap(self, now: float) -> None:
         """Unregister instances silent for longer than LMCache's reaper allows."""
@@ -181,7 +221,7 @@ class Handlers:
                 self._reaped.event(
                     1, f"silent instances unregistered (instance {instance.instance_id}, limit {limit:g}s)"
                 )
-                self.unregister(instance.instance_id)
+                self._drop(instance.instance_id)
 
     # -- maintenance -------------------------------------------------------------------------
 

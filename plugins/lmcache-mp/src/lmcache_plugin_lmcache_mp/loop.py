@@ -167,7 +167,7 @@ class MPServer:
             return
         try:
             args = decode_arguments(name, arg_frames)
-            result = self.handlers.dispatch(name, args)
+            result = self.handlers.dispatch(name, args, identity)
         except Exception as exc:
             self._failed(name, uid, arg_frames, exc)
             return

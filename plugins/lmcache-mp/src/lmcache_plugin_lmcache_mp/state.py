@@ -40,6 +40,9 @@ class Instance:
     layout: TensorLayout
     registered: float
     last_seen: float
+    #: the ZeroMQ identity of the connection whose registration is in force: only it may
+    #: unregister the instance (an earlier process of a restarted client may not)
+    peer: bytes = b""
     pinged: bool = False
 
     @property
