@@ -297,3 +297,35 @@ def test_plugins_show_lists_the_components_of_a_plugin_whose_only_failure_was_it
     assert captured.err.strip() == (
         "warning: plugin 'lmcache-plugin-circuit': its commands failed to register: RuntimeError: no GPU here"
     )
+
+
+@pytest.mark.parametrize(
+    ("entry_point", "missing"),
+    [
+        ("tiers_no_such_module", "module 'tiers_no_such_module' is not installed"),
+        ("json:no_such_attribute", "module 'json' has no attribute 'no_such_attribute'"),
+        (
+            "tiers_needs_a_dependency",
+            "module 'tiers_needs_a_dependency' imports 'tiers_no_such_dependency', which is not installed",
+        ),
+    ],
+    ids=["module", "attribute", "dependency"],
+)
+def test_plugins_show_of_an_entry_point_that_cannot_load_names_it_and_what_is_missing(
+    tmp_path: Any, entry_point: str, missing: str
+) -> None:
+    # A distribution whose entry point names what is not there (a half-uninstalled or
+    # renamed package): one line naming the distribution, the entry point and what is
+    # missing, and a non-zero exit.
+    dist = tmp_path / "tiers_broken-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tiers-broken\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[lmcache_tiers]\nbroken = {entry_point}\n")
+    (tmp_path / "tiers_needs_a_dependency.py").write_text("import tiers_no_such_dependency\n")
+    result = run_cli(["plugins", "show", "broken"], site=tmp_path)
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith("error: plugin 'broken' did not load: "), lines[0]
+    assert f"entry point 'broken = {entry_point}' of distribution 'tiers-broken' 1.0" in lines[0], lines[0]
+    assert lines[0].endswith(missing), lines[0]

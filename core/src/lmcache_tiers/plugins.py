@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -111,7 +112,7 @@ def _load_modules(infos: dict[str, PluginInfo]) -> dict[str, ModuleType]:
     def on_failure(_manager: Any, entry_point: Any, exc: BaseException) -> None:
         info = infos.get(entry_point.name)
         if info is not None:
-            info.error = f"{type(exc).__name__}: {exc}"
+            info.error = load_failure(info, exc)
         log.debug("plugin %s failed to load: %s", entry_point.name, exc)
 
     # Named loading imports only the enabled entry points: a disabled plugin that would
@@ -135,6 +136,41 @@ def _load_modules(infos: dict[str, PluginInfo]) -> dict[str, ModuleType]:
             continue
         modules.update((ext.name, cast(ModuleType, ext.plugin)) for ext in extensions.extensions)
     return modules
+
+
+def load_failure(info: PluginInfo, exc: BaseException) -> str:
+    """Why ``info``'s entry point did not load, in one line.
+
+    An entry point naming a module or attribute that is not there (a package uninstalled
+    but its metadata left, a module renamed, a dependency missing) says which entry point
+    of which distribution names what; any other failure is the exception as raised."""
+    missing = _missing_target(info.module, exc)
+    if missing is None:
+        return f"{type(exc).__name__}: {exc}"
+    return (
+        f"entry point '{info.name} = {info.module}' of distribution {info.distribution!r} "
+        f"{info.version}: {missing}"
+    )
+
+
+def _missing_target(value: str, exc: BaseException) -> str | None:
+    """What of the entry-point value ``module:attr`` is missing, when ``exc`` says so."""
+    module_name, _, attribute = value.partition(":")
+    module_name, attribute = module_name.strip(), attribute.strip()
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        if module_name == exc.name or module_name.startswith(exc.name + "."):
+            return f"module {module_name!r} is not installed"
+        return f"module {module_name!r} imports {exc.name!r}, which is not installed"
+    module = sys.modules.get(module_name)
+    if isinstance(exc, AttributeError) and module is not None and attribute:
+        # Only when the module did import: an AttributeError raised by its own code while
+        # importing is a bug of the plugin, reported as it is.
+        target: Any = module
+        for part in attribute.split("."):
+            if not hasattr(target, part):
+                return f"module {module_name!r} has no attribute {attribute!r}"
+            target = getattr(target, part)
+    return None
 
 
 def _drop_plugins_with_unknown_hooks(manager: pluggy.PluginManager, ordered: list[PluginInfo]) -> None:
