@@ -286,6 +286,82 @@ def test_a_failed_load_batch_is_not_retried_into_l1_once_closing_began(monkeypat
             adapter.close()
 
 
+@pytest.mark.parametrize("stalled_batch", ["fails", "succeeds"])
+def test_a_store_stuck_past_close_writes_and_publishes_nothing_more(monkeypatch, stalled_batch: str) -> None:
+    """A store whose write-back batch is stuck in storage (a hung mount) when core's close
+    deadline passes: core fails it and hands its payload buffers back before it closes the
+    backend.  Once the batch returns, the store must post no further NIXL write from those
+    buffers (a failed batch is retried item by item otherwise), finish no slot file (its
+    descriptor is closed with the pool, maybe reused) and publish no slot."""
+    from lmcache_plugin_nixl.runtime import NixlRuntime, NixlTransferError
+
+    arena = Arena()
+    entered, gate, finished = threading.Event(), threading.Event(), threading.Event()
+    writes_while_closing: list[int] = []
+    finished_while_closing: list[int] = []
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=4), arena.view)
+        try:
+            keys = make_keys(2)
+            backend = adapter.backend
+            closing = adapter.state.closing
+            put_many = backend.put_many
+
+            def watched(*args: object, **kwargs: object) -> object:
+                try:
+                    return put_many(*args, **kwargs)
+                finally:
+                    finished.set()
+
+            monkeypatch.setattr(backend, "put_many", watched)
+            runtime = NixlRuntime.shared()
+            transfer_many = runtime.transfer_many
+
+            def stuck_transfer(backend_name: str, operation: str, *args: object, **kwargs: object) -> object:
+                if operation == "WRITE":
+                    if not entered.is_set():
+                        entered.set()
+                        gate.wait(60)
+                        if stalled_batch == "fails":
+                            raise NixlTransferError("injected: the batch failed after a long stall")
+                    elif closing.is_set():
+                        writes_while_closing.append(1)
+                return transfer_many(backend_name, operation, *args, **kwargs)
+
+            monkeypatch.setattr(runtime, "transfer_many", stuck_transfer)
+            storage = backend._storage
+            written = storage.written
+
+            def watched_written(slot: int, length: int) -> None:
+                if closing.is_set():
+                    finished_while_closing.append(slot)
+                written(slot, length)
+
+            monkeypatch.setattr(storage, "written", watched_written)
+            close = backend.close
+
+            def slow_close() -> None:
+                gate.set()  # the stalled batch returns after core gave the store up
+                assert finished.wait(30)
+                close()
+
+            monkeypatch.setattr(backend, "close", slow_close)
+            buffers = [arena.take(SIZE) for _ in keys]
+            for index, buffer in enumerate(buffers):
+                buffer[:] = pattern(40 + index, SIZE)
+            adapter.submit_store(keys, buffers)
+            assert entered.wait(10)
+            adapter.close_timeout_s = 0.2
+            adapter.close()
+            assert finished.is_set()
+            assert writes_while_closing == [], "a store posted NIXL writes after closing began"
+            assert finished_while_closing == [], "a store finished slot files after closing began"
+            assert backend._slots.used_slots == 0, "a store published slots after closing began"
+        finally:
+            gate.set()
+            adapter.close()
+
+
 # -- slot bookkeeping ------------------------------------------------------------------------
 
 

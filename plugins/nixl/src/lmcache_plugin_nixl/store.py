@@ -11,6 +11,7 @@ object it replaces -- reports its key as not stored (``pool_full_rejections``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from lmcache_plugin_nixl.config import FILE_PATH_FIELD, NixlStoreConfig
@@ -20,6 +21,8 @@ from lmcache_plugin_nixl.runtime import NixlRuntime
 from lmcache_plugin_nixl.slots import Claim, SlotTable
 from lmcache_plugin_nixl.transfers import BatchTransfer
 from lmcache_tiers.plugin import BackendContext, Capacity, ObjectKey, check_directory_free
+
+log = logging.getLogger(__name__)
 
 
 class NixlStoreBackend:
@@ -71,11 +74,15 @@ class NixlStoreBackend:
             return 0, length, self._storage.device(slot, address, length)
 
         try:
-            written = self._transfer.run("WRITE", buffers, locate, background=True)  # write-back
+            # Core fails a store still running at its close deadline and hands its payload
+            # buffers back before it closes the backend: nothing more is written from them.
+            written = self._transfer.run("WRITE", buffers, locate, background=True, stop=self._closing)
         except BaseException:
             for i, slot in writes:
                 self._slots.abandon(keys[i], slot)
             raise
+        if self._closing():
+            return self._abandon_closing(keys, writes, results)
         for position, ((i, slot), ok) in enumerate(zip(writes, written, strict=True)):
             length = buffers[position].nbytes
             if ok:
@@ -92,6 +99,19 @@ class NixlStoreBackend:
                 results[i] = True
             else:
                 self._slots.abandon(keys[i], slot)
+        return results
+
+    def _abandon_closing(
+        self, keys: Sequence[ObjectKey], writes: list[tuple[int, int]], results: list[bool]
+    ) -> list[bool]:
+        """A store that returns once the adapter is closing publishes no slot and finishes
+        no slot file (the pool's files close with the adapter; a descriptor number may
+        already name another file): its claims are given back and its keys fail (counted
+        by core as ``store_keys_failed``)."""
+        for i, slot in writes:
+            self._slots.abandon(keys[i], slot)
+        self.context.count("store_stopped_closing", len(writes))
+        log.info("%s: %d keys of a store not stored: the adapter is closing", self.context.name, len(writes))
         return results
 
     def _explain_unclaimed(self, claims: Sequence[int | Claim]) -> None:
