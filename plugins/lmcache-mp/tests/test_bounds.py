@@ -116,10 +116,10 @@ def test_expired_transfers_a_commit_finds_are_counted_by_the_next_sweep() -> Non
 class _LosingStorage:
     """Commits nothing: L1 reaped every reservation before its commit."""
 
-    def commit_write(self, keys: list[Any]) -> list[bool]:
-        return [False] * len(keys)
+    def commit_reserved(self, reserved: dict[Any, Any]) -> list[Any]:
+        return []
 
-    def abort_write(self, keys: list[Any]) -> None:
+    def abort_reserved(self, reserved: dict[Any, Any]) -> None:
         pass
 
 
@@ -144,7 +144,8 @@ def test_lost_commits_are_counted_and_logged(caplog: pytest.LogCaptureFixture) -
     wire_key = msgspec.msgpack.encode(Key(tokens_of(2, 512), "r", worker_id=0).encode())
     key = msgspec.msgpack.decode(wire_key, type=CacheKey)
     _, keys = transfers._resolve(key, REG.instance_id)
-    transfers.writes.add(REG.instance_id, keys, Transfer(keys, time.monotonic() + 60, "r"))
+    reserved = dict.fromkeys(keys, object())
+    transfers.writes.add(REG.instance_id, keys, Transfer(keys, time.monotonic() + 60, "r", reserved=reserved))
     with caplog.at_level(logging.WARNING):
         assert transfers.commit_store(key, REG.instance_id, b"") is False
     assert transfers.shared.stats.failures["mp_commit_lost"] == 2
@@ -158,16 +159,17 @@ def test_a_pickled_commit_gives_back_its_reservation_before_it_queues_for_the_po
     TTL may have passed, L1 reaped the reservation and another writer reserved the key,
     whose reservation an abort by key would free while it is being filled."""
     transfers = _transfers()
-    aborted: list[list[Any]] = []
-    transfers.storage.abort_write = aborted.append  # type: ignore[method-assign,assignment]
+    aborted: list[dict[Any, Any]] = []
+    transfers.storage.abort_reserved = aborted.append  # type: ignore[method-assign,assignment]
     transfers.shared.pickle = object()  # type: ignore[assignment]  # never reached: the pool does not run
     key = msgspec.msgpack.decode(
         msgspec.msgpack.encode(Key(tokens_of(2, 512), "r", worker_id=0).encode()), type=CacheKey
     )
     _, keys = transfers._resolve(key, REG.instance_id)
-    transfers.writes.add(REG.instance_id, keys, Transfer(keys, time.monotonic() + 60, "r"))
+    reserved = dict.fromkeys(keys, object())
+    transfers.writes.add(REG.instance_id, keys, Transfer(keys, time.monotonic() + 60, "r", reserved=reserved))
     transfers.commit_store(key, REG.instance_id, b"pickled chunks")
-    assert aborted == [keys]
+    assert aborted == [reserved]
 
 
 def test_expired_transfers_of_an_unregistered_instance_are_counted() -> None:

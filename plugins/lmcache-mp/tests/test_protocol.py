@@ -503,3 +503,27 @@ def test_an_earlier_process_unregistering_leaves_a_replacing_registration(
             (replacing.model_name, "bfloat16[2,2,256,32]")
         ]
         assert mp_stats(mp_server).failures["mp_stale_unregister"] == 1
+
+
+def test_a_store_commit_never_finishes_another_writers_reservation(mp_server: TiersServer) -> None:
+    """L1 reaps a reservation at its write TTL and may hand the key to another writer at
+    once.  A commit acts on the objects its own prepare reserved, never on whatever holds
+    the key by then: made visible, the other writer's reservation would be served to
+    readers before its bytes are there."""
+    storage = mp_server.storage
+    with MPClient(mp_address(mp_server)) as client:
+        client.register(REG)
+        key = Key(tokens_of(23), "r", worker_id=0)
+        assert len(client.call("prepare_store", key.encode(), REG.instance_id)["context"]["slots"]) == 4
+        keys = list(storage.l1._table.locked)
+        # L1 reaps the reservations at their deadline, in the moment between the front
+        # end's own deadline check and its commit; another writer reserves the keys.
+        assert storage.l1.expire_locks(time.monotonic() + storage.l1.write_ttl_s + 1) == 4
+        layout = mp_server.frontends[0].shared.instances[REG.instance_id].layout_text
+        other = storage.reserve_write(keys, [CHUNK] * 4, [layout] * 4)
+        assert len(other) == 4
+        assert client.call("commit_store", key.encode(), REG.instance_id, b"") is False
+        assert [storage.l1.get(k) for k in keys] == [other[k] for k in keys]
+        assert l1(mp_server)["write_locked"] == 4  # still the other writer's, unfinished
+        assert mp_stats(mp_server).failures["mp_commit_lost"] == 4
+        storage.abort_reserved(other)

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmcache_plugin_lmcache_mp.chunks import HashCache
 from lmcache_tiers.plugin import ObjectKey, TensorLayout
@@ -172,6 +173,10 @@ class Transfer:
     #: a retrieve's: no later than its read locks' deadlines (``L1Manager.lock_deadline`` of a
     #: time read before they were taken), for ``StorageManager.release``'s ``not_before``
     not_before: float | None = None
+    #: a store's: the L1 objects its prepare reserved, by key.  Its commit or abort acts on
+    #: these objects only (``commit_reserved``, ``abort_reserved``): a key whose reservation
+    #: L1 reaped may be another writer's by then.
+    reserved: Mapping[ObjectKey, Any] = field(default_factory=dict)
 
 
 _Ident = tuple[int, str, tuple[ObjectKey, ...]]

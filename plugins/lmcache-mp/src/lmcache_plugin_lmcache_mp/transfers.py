@@ -95,7 +95,7 @@ class Transfers:
             # it never got those slots, so nobody writes into them; without this they would
             # stay write-locked for the write TTL.  Another request's reservation is never
             # touched: its client may be copying into it right now.
-            self.storage.abort_write(repeated.keys)
+            self.storage.abort_reserved(repeated.reserved)
         size = instance.object_bytes
         try:
             # Before L1 reserves: this deadline must not outlast L1's own (taken inside),
@@ -125,9 +125,8 @@ class Transfers:
                     }
                 )
                 indices.append(index)
-        self.writes.add(
-            instance_id, keys, Transfer(list(reserved), deadline, key.request_id, size * len(reserved))
-        )
+        transfer = Transfer(list(reserved), deadline, key.request_id, size * len(reserved), reserved=reserved)
+        self.writes.add(instance_id, keys, transfer)
         return PrepareStoreReply(context={"slots": slots, "chunk_indices": indices})
 
     def _commit_keys(self, key: CacheKey, instance_id: int) -> tuple[Instance, list[ObjectKey] | None]:
@@ -161,11 +160,10 @@ class Transfers:
                 instance_id,
             )
             return False
-        done = self.storage.commit_write(pending.keys)
-        stored = sum(done)
+        stored = len(self.storage.commit_reserved(pending.reserved))
         self._count_store(stored, stored * instance.object_bytes)
-        self._count_lost(len(done) - stored)
-        return stored == len(done)
+        self._count_lost(len(pending.reserved) - stored)
+        return stored == len(pending.reserved)
 
     def _commit_pickled(self, key: CacheKey, instance_id: int, data: bytes) -> Any:
         # LMCache's server reads the range of pickled chunks: a key it cannot read is refused
@@ -175,7 +173,7 @@ class Transfers:
             # A client that fell back from shared memory: its reservation goes now, while
             # it is known to be alive.  On the pool, later, the write TTL may have passed
             # and the key be another writer's, freed under its copy.
-            self.storage.abort_write(pending.keys)
+            self.storage.abort_reserved(pending.reserved)
         if self.shared.pickle is None:
             self.shared.stats.failure("mp_pickle_refused")
             self._pickle_refusals.event(
@@ -356,7 +354,7 @@ class Transfers:
         reads = [t for t in reads if t.deadline > now]
         self._count_expired(held - len(writes) - len(reads))
         for transfer in writes:
-            self.storage.abort_write(transfer.keys)
+            self.storage.abort_reserved(transfer.reserved)
         for transfer in reads:
             self.storage.release(transfer.keys, not_before=transfer.not_before)
         return sum(len(t.keys) for t in reads), sum(len(t.keys) for t in writes)
