@@ -94,6 +94,8 @@ def failure_counts(parts: StorageParts) -> dict[str, int]:
     """Every failure counted so far, by reason: the engine's counters and the steps of its
     controllers that raised."""
     failures = parts.stats.failures()
+    for reason, count in parts.l1.failures().items():  # e.g. the NVMe L1's write-back errors
+        failures[reason] = failures.get(reason, 0) + count
     step_errors = sum(controller.step_errors for controller in parts.controllers())
     if step_errors:
         failures["controller_step_error"] = step_errors

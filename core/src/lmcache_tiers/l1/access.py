@@ -5,10 +5,18 @@ The checks run under the L1 lock; the copies do not.  The caller holds a lock on
 object (a read lock, or the write lock it is filling under), so its extent cannot change
 hands during the copy -- a forced delete meanwhile quarantines the extent -- and a slow
 NVMe transfer never stalls other callers.
+
+Bytes copied out of the NVMe file are checked against its write-back errors
+(``NvmeL1File.writeback_errors``): an error the kernel reports after an object's bytes
+were written may have lost them, and which pages it concerns is not known, so such an
+object is refused (KeyError: its reader answers a miss) and every READY object written
+before the error leaves L1 at once -- lookups then miss instead of hitting objects whose
+every read would fail.  Errors, refusals and objects dropped are counted (``failures``).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from lmcache_tiers.errors import TiersError
@@ -16,10 +24,13 @@ from lmcache_tiers.l1.arena import L1Arena
 from lmcache_tiers.l1.backing import L1Backing
 from lmcache_tiers.l1.leases import ExtentLeases
 from lmcache_tiers.l1.loan import L1Loan
-from lmcache_tiers.l1.nvme import aligned_buffer
+from lmcache_tiers.l1.nvme import NvmeL1File, aligned_buffer
 from lmcache_tiers.l1.objects import L1Object, ObjectState
 from lmcache_tiers.l1.table import ObjectTable
 
+logger = logging.getLogger(__name__)
+
+_READY = ObjectState.READY
 _WRITING = ObjectState.WRITING
 
 
@@ -41,6 +52,9 @@ class ObjectBytes:
         self._backing = backing
         self._arena = arena
         self._backing_path = backing_path
+        self._nvme = backing if isinstance(backing, NvmeL1File) else None
+        self._refused = 0  # copies refused for a write-back error since the object's write
+        self._dropped = 0  # objects taken out of L1 for such an error
 
     def view(self, obj: L1Object) -> memoryview:
         with self._lock:
@@ -61,6 +75,7 @@ class ObjectBytes:
                 self._table.check_present(obj)
         self._backing.read_into(obj.offset, obj.size, out)
         self._check_kept(obj)
+        self._check_written_back(obj)
 
     def write_object(self, obj: L1Object, data: memoryview) -> None:
         data = byte_view(data)
@@ -68,6 +83,9 @@ class ObjectBytes:
             raise ValueError(f"{obj.key} holds {obj.size} bytes, got {data.nbytes}")
         with self._lock:
             self._check_writing(obj)
+            if self._nvme is not None:
+                # Errors counted before the write begins cannot concern the pages it dirties.
+                obj.written_in = self._nvme.writeback_errors_seen
         self._backing.write_from(obj.offset, data)
 
     def lend(self, obj: L1Object, *, fill: bool) -> L1Loan:
@@ -88,6 +106,7 @@ class ObjectBytes:
             return L1Loan(staged, staged=True, commit=lambda: self.write_object(obj, staged))
         self._backing.read_into(obj.offset, obj.size, staged)
         self._check_kept(obj)
+        self._check_written_back(obj)
         return L1Loan(staged, staged=True)
 
     def _check_kept(self, obj: L1Object) -> None:
@@ -103,6 +122,54 @@ class ObjectBytes:
             if self._leases.holds(obj) or self._table.objects.get(obj.key) is obj:
                 return
         raise KeyError(f"{obj.key} left L1 while it was being copied out: its extent may hold other bytes")
+
+    def _check_written_back(self, obj: L1Object) -> None:
+        """NVMe L1, after a copy out of ``obj``'s extent: raise KeyError if the file reported
+        a write-back error since ``obj``'s bytes were written (the copy may hold what the
+        disk had instead), after taking every object written before it out of L1."""
+        if self._nvme is None:
+            return
+        errors = self._nvme.writeback_errors()
+        if obj.written_in == errors:
+            return
+        with self._lock:
+            self._refused += 1
+            self._drop_written_before(errors)
+        raise KeyError(
+            f"{obj.key}: the NVMe L1 file reported a write-back error since its bytes were written; "
+            "they may not be the ones committed"
+        )
+
+    def _drop_written_before(self, errors: int) -> None:
+        """Take the READY objects written before the ``errors``-th write-back error out of L1
+        (read-locked ones too: their extents are held for their readers).  Objects being
+        written then are refused when first read, which drops them."""
+        table = self._table
+        if table.closed:
+            return
+        lost = [obj for obj in table.objects.values() if obj.state is _READY and obj.written_in < errors]
+        if not lost:
+            return
+        self._dropped += len(lost)
+        logger.error(
+            "NVMe L1: %d objects written before a write-back error dropped (%d of them not stored "
+            "in L2 yet: lost)",
+            len(lost),
+            sum(1 for obj in lost if obj.unstored),
+        )
+        table.free(lost)
+
+    def failures(self) -> dict[str, int]:
+        """Write-back errors of the NVMe file, copies refused and objects dropped for them."""
+        if self._nvme is None:
+            return {}
+        with self._lock:
+            counts = {
+                "l1_nvme_writeback_error": self._nvme.writeback_errors_seen,
+                "l1_nvme_writeback_refused": self._refused,
+                "l1_nvme_writeback_dropped": self._dropped,
+            }
+        return {reason: count for reason, count in counts.items() if count}
 
     def _check_writing(self, obj: L1Object) -> None:
         self._table.check_present(obj)

@@ -437,6 +437,12 @@ class L1Manager:
         finds the same value in the arena's table after copying read the object's bytes."""
         return self._leases.generations(objs)
 
+    def failures(self) -> dict[str, int]:
+        """L1's own failures by reason, counted since start-up (only those that happened):
+        for an NVMe L1, write-back errors of its file (``l1_nvme_writeback_error``), copies
+        refused for one (``..._refused``) and objects dropped for one (``..._dropped``)."""
+        return self._bytes.failures()
+
     def lease_stats(self) -> LeaseStats:
         with self.lock:
             return self._leases.stats()

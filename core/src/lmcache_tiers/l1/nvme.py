@@ -14,6 +14,14 @@ fall back to the same POSIX I/O, so its presence is only detected and reported.
 
 The creating process removes the file on :meth:`NvmeL1File.close`, at garbage collection
 or at interpreter exit; :func:`remove_stale_block_files` reaps files of killed servers.
+
+A write that reaches the page cache (buffered I/O, or a filesystem that falls back to it
+under ``O_DIRECT``) can still fail when the kernel writes it back, and the pages it dropped
+then read back as whatever the disk holds.  The kernel keeps such an error for each open
+file description until asked; :meth:`NvmeL1File.writeback_errors` asks after every read
+(``sync_file_range`` of a range past the end of the file: no pages to wait for, one
+syscall) and counts the errors it learns of.  Which pages failed is not reported, so the
+L1 manager treats every object written before an error as lost (``l1/access.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +60,16 @@ _FILE_NAME = re.compile(rf"^{FILE_PREFIX}([1-9][0-9]{{0,8}})_[0-9a-f]+{re.escape
 # Unaligned caller buffers are copied through bounce buffers of at most this size, so a
 # large object costs a bounded amount of extra memory per concurrent transfer.
 BOUNCE_BYTES = 4 << 20
+
+
+#: sync_file_range(2) flag: wait for write-back already running on the range (none, past
+#: the end of the file), then report the file's write-back error not yet reported
+_SYNC_FILE_RANGE_WAIT_BEFORE = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_sync_file_range = getattr(_libc, "sync_file_range", None)
+if _sync_file_range is not None:
+    _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    _sync_file_range.restype = ctypes.c_int
 
 
 def cufile_library() -> str | None:
@@ -152,6 +170,10 @@ class NvmeL1File:
         self._state = threading.Condition()
         self._in_flight = 0
         self._closed = False
+        # Write-back errors learnt of so far; asking and counting is one step, so a reader
+        # that asks right after another learnt of one finds it counted.
+        self._writeback_lock = threading.Lock()
+        self._writeback_errors = 0
         # weakref.finalize also runs at interpreter exit, which covers servers that exit
         # through an exception without calling close().
         self._finalizer = weakref.finalize(self, _release, fd, path, os.getpid())
@@ -200,6 +222,46 @@ class NvmeL1File:
                     bounce[chunk:length] = bytes(length - chunk)
                     self._pwrite_all(bounce[:length], offset + done)
                 done += chunk
+
+    @property
+    def writeback_errors_seen(self) -> int:
+        """Write-back errors counted so far, without asking the kernel: a write started now
+        cannot be among those that failed."""
+        return self._writeback_errors
+
+    def writeback_errors(self) -> int:
+        """Write-back errors of the file so far, the kernel asked first.  Called after a read:
+        if pages of the bytes read had been dropped after a failed write-back, the error was
+        recorded before they could be, so it is counted here (or was, by an earlier call)."""
+        with self._writeback_lock:
+            if self._ask_writeback():
+                self._writeback_errors += 1
+            return self._writeback_errors
+
+    def _ask_writeback(self) -> bool:
+        """Whether the kernel reports a write-back error on the file not reported to us yet."""
+        if _sync_file_range is None:
+            # Not Linux: nothing to ask cheaply; fdatasync reports the same error, at the
+            # price of writing back whatever is dirty.
+            try:
+                os.fdatasync(self._fd)
+            except OSError as exc:
+                self._log_writeback_error(exc.errno)
+                return True
+            return False
+        with self._transfer():
+            if _sync_file_range(self._fd, self.size, DIRECT_IO_ALIGN, _SYNC_FILE_RANGE_WAIT_BEFORE) == 0:
+                return False
+        self._log_writeback_error(ctypes.get_errno())
+        return True
+
+    def _log_writeback_error(self, code: int | None) -> None:
+        logger.error(
+            "NVMe L1 file %s: writing back to the disk failed (%s); every object written before "
+            "now is dropped from L1",
+            self.path,
+            os.strerror(code) if code else "unknown error",
+        )
 
     def _direct_bytes(self, buffer: memoryview, *, writable: bool) -> int:
         """How many leading bytes of ``buffer`` can be transferred without a bounce copy."""

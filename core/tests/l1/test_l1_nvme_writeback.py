@@ -1,0 +1,201 @@
+"""NVMe L1 in buffered mode: a writeback error never lets L1 serve bytes that did not reach
+the disk.
+
+A buffered write lands in the page cache and reaches the file later; when that writeback
+fails, the kernel keeps the error for whoever asks (fsync, sync_file_range) and may drop the
+pages, after which a read returns what the disk holds.  The filesystem used here is real:
+ext4 on a loop device whose backing file lives on a tmpfs too small for it, so writeback
+fails with ENOSPC exactly as a failing disk fails it (root, losetup, mkfs.ext4 needed).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1 import L1Manager
+from lmcache_tiers.l1.nvme import DIRECT_IO_ALIGN, FILE_SUFFIX
+
+MIB = 1 << 20
+IMAGE_BYTES = 64 * MIB
+# What a write-back may still put on the full tmpfs before it fails: far less than OBJECT.
+SLACK_BYTES = 256 * 1024
+OBJECT = 4 * MIB
+
+
+def _run(*command: str) -> str:
+    return subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _used_bytes(path: Path) -> int:
+    stat = os.statvfs(path)
+    return (stat.f_blocks - stat.f_bfree) * stat.f_frsize
+
+
+@pytest.fixture
+def failing_fs_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory on ext4 whose device runs out of room as soon as data is written back."""
+    if os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("losetup", "mkfs.ext4", "mount")):
+        pytest.skip("needs root, losetup, mkfs.ext4 and mount to build a failing filesystem")
+    back, mnt = tmp_path / "back", tmp_path / "mnt"
+    back.mkdir()
+    mnt.mkdir()
+    undo: list[tuple[str, ...]] = []
+    try:
+        try:
+            _run("mount", "-t", "tmpfs", "-o", f"size={IMAGE_BYTES * 2}", "tmpfs", str(back))
+        except subprocess.CalledProcessError as exc:
+            pytest.skip(f"cannot mount a tmpfs here: {exc.stderr.strip()}")
+        undo.append(("umount", str(back)))
+        image = back / "disk.img"
+        with open(image, "wb") as file:
+            file.truncate(IMAGE_BYTES)
+        loop = _run("losetup", "-f", "--show", str(image))
+        undo.append(("losetup", "-d", loop))
+        _run("mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "nodiscard,lazy_itable_init=0", loop)
+        _run("mount", loop, str(mnt))
+        undo.append(("umount", str(mnt)))
+        # The image's holes stay holes: shrink the tmpfs to what mkfs wrote, plus a little.
+        _run("mount", "-o", f"remount,size={_used_bytes(back) + SLACK_BYTES}", str(back))
+        yield mnt
+        gc.collect()
+        leaked = sorted(path.name for path in mnt.iterdir() if path.name.endswith(FILE_SUFFIX))
+        assert not leaked, f"NVMe L1 files left behind: {leaked}"
+    finally:
+        for command in reversed(undo):
+            subprocess.run(command, check=False, capture_output=True)
+
+
+def _key(index: int) -> ObjectKey:
+    return ObjectKey("model", 0, index.to_bytes(32, "big"))
+
+
+def _pattern(size: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(1, 256, size, dtype=np.uint8).tobytes()
+
+
+def _store(l1: L1Manager, key: ObjectKey, data: bytes) -> None:
+    obj = l1.reserve_write([key], [len(data)])[key]
+    l1.write_object(obj, memoryview(data))
+    assert l1.finish_write([key]) == [True]
+
+
+def _write_back_and_forget(path: str) -> None:
+    """What the kernel does on its own in time: write the dirty pages back (here: fail), then
+    reclaim the now clean pages.  Through a descriptor of our own, so the L1's own descriptor
+    is still to learn about the error."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with pytest.raises(OSError):
+            os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_an_object_whose_writeback_failed_is_a_miss_not_other_bytes(failing_fs_dir: Path) -> None:
+    with L1Manager(16 * MIB, nvme_path=str(failing_fs_dir), direct_io=False) as l1:
+        data = _pattern(OBJECT, 1)
+        _store(l1, _key(1), data)
+        path = l1.nvme_file_path
+        assert path is not None
+        _write_back_and_forget(path)
+
+        obj = l1.reserve_read([_key(1)])[_key(1)]
+        out = bytearray(OBJECT)
+        try:
+            l1.read_object(obj, memoryview(out))
+        except KeyError:
+            pass  # refused: a miss
+        else:
+            assert bytes(out) == data, "L1 served bytes that never reached its file"
+        l1.finish_read([_key(1)])
+        # It is gone from L1, so lookups miss rather than hit and fail at every read,
+        # and the error and the dropped object are counted.
+        assert not l1.contains(_key(1))
+        failures = l1.failures()
+        assert failures["l1_nvme_writeback_error"] == 1
+        assert failures["l1_nvme_writeback_dropped"] == 1
+
+
+def test_a_loan_of_an_object_whose_writeback_failed_is_refused(failing_fs_dir: Path) -> None:
+    # An L2 store borrows the bytes through lend(): it must not copy them to L2 either.
+    with L1Manager(16 * MIB, nvme_path=str(failing_fs_dir), direct_io=False) as l1:
+        data = _pattern(OBJECT, 2)
+        _store(l1, _key(2), data)
+        path = l1.nvme_file_path
+        assert path is not None
+        _write_back_and_forget(path)
+        obj = l1.reserve_store([_key(2)])[_key(2)]
+        try:
+            loan = l1.lend(obj)
+        except KeyError:
+            pass
+        else:
+            assert bytes(loan.buffer) == data, "L1 lent bytes that never reached its file"
+        l1.finish_store([obj])
+        assert not l1.contains(_key(2))
+        assert l1.stats().used_bytes == 0
+
+
+def test_objects_written_before_the_error_leave_and_later_ones_stay(failing_fs_dir: Path) -> None:
+    with L1Manager(16 * MIB, nvme_path=str(failing_fs_dir), direct_io=False) as l1:
+        first, second = _pattern(OBJECT, 3), _pattern(OBJECT, 4)
+        _store(l1, _key(3), first)
+        _store(l1, _key(4), second)
+        path = l1.nvme_file_path
+        assert path is not None
+        _write_back_and_forget(path)
+        obj = l1.reserve_read([_key(3)])[_key(3)]
+        with pytest.raises(KeyError):
+            l1.read_object(obj, memoryview(bytearray(OBJECT)))
+        l1.finish_read([_key(3)])
+        # Which pages failed is unknown: every object written before the error leaves.
+        assert not l1.contains(_key(4))
+        assert l1.failures()["l1_nvme_writeback_dropped"] == 2
+        # One written after it, once the device has room again, is read back, and the
+        # error, already counted, is not counted again.
+        _run("mount", "-o", f"remount,size={IMAGE_BYTES * 2}", str(failing_fs_dir.parent / "back"))
+        third = _pattern(DIRECT_IO_ALIGN, 5)
+        _store(l1, _key(5), third)
+        obj = l1.reserve_read([_key(5)])[_key(5)]
+        out = bytearray(DIRECT_IO_ALIGN)
+        l1.read_object(obj, memoryview(out))
+        assert bytes(out) == third
+        l1.finish_read([_key(5)])
+        assert l1.failures()["l1_nvme_writeback_error"] == 1
+
+
+def test_the_storage_manager_counts_the_error_among_its_failures(failing_fs_dir: Path) -> None:
+    # What /status and /metrics (failures_total{reason=...}) report.
+    from lmcache_tiers.config import ServerConfig
+    from lmcache_tiers.plugins import discover
+    from lmcache_tiers.storage import StorageManager
+
+    config = ServerConfig(
+        l1_size_gb=16 / 1024, l2_adapters=(), gds_l1_path=str(failing_fs_dir), gds_l1_use_direct_io=False
+    )
+    with StorageManager(config, discover().registry) as storage:
+        data = _pattern(OBJECT, 6)
+        obj = storage.reserve_write([_key(6)], [OBJECT])[_key(6)]
+        storage.write_object(obj, memoryview(data))
+        assert storage.commit_write([_key(6)], to_l2=False) == [True]
+        path = storage.l1.nvme_file_path
+        assert path is not None
+        _write_back_and_forget(path)
+        (obj,) = storage.read([_key(6)])
+        with pytest.raises(KeyError):
+            storage.read_object(obj, memoryview(bytearray(OBJECT)))
+        storage.release([_key(6)])
+        failures = storage.status()["failures"]
+        assert failures["l1_nvme_writeback_error"] == 1
+        assert failures["l1_nvme_writeback_refused"] == 1
+        assert failures["l1_nvme_writeback_dropped"] == 1
