@@ -89,7 +89,8 @@ class L2Backend(Protocol):
       (``check_directory`` and ``check_file`` of the plugin API do the usual ones);
     * ``open()`` -- runs once before any other call;
     * ``close()`` -- runs once when the adapter closes, after the calls still running
-      finished (or ``close_timeout_s`` passed);
+      finished (or ``close_timeout_s`` passed); waited for at most
+      ``close_backend_timeout_s``, then left running (``backend_close_timeouts``);
     * ``interrupt()`` -- called once when closing starts, to unblock calls in progress
       (a remote peer that stopped answering); sleeps through ``context.sleep`` end anyway;
     * ``stats() -> Mapping[str, int]`` -- gauges merged into the adapter's ``stats()``;

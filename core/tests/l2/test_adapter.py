@@ -616,6 +616,55 @@ def test_async_close_cancels_a_stuck_coroutine() -> None:
     assert backend.closed == 1
 
 
+class HungClose(DictBackend):
+    """A backend whose close never returns while ``gate`` is clear (a hung mount)."""
+
+    def __init__(self, config: DictConfig, context: BackendContext) -> None:
+        super().__init__(config, context)
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def close(self) -> None:
+        self.entered.set()
+        self.gate.wait(60)
+
+
+class AsyncHungClose(AsyncDictBackend):
+    def __init__(self, config: DictConfig, context: BackendContext) -> None:
+        super().__init__(config, context)
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    async def close(self) -> None:
+        self.entered.set()
+        while not self.gate.is_set():
+            await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("backend", [HungClose, AsyncHungClose], ids=["plain", "coroutines"])
+def test_a_backend_close_that_hangs_does_not_hang_the_adapters_close(
+    backend: type[HungClose], caplog: pytest.LogCaptureFixture
+) -> None:
+    adapter = open_dict(backend)
+    adapter.close_backend_timeout_s = 0.2  # type: ignore[misc]
+    hung: HungClose = adapter.backend  # type: ignore[assignment]
+    closed = threading.Event()
+
+    def close() -> None:
+        adapter.close()
+        closed.set()
+
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    try:
+        assert hung.entered.wait(10)
+        closer.join(10)
+        assert closed.is_set(), "the adapter's close waited for a backend close that hangs"
+        assert adapter.stats()["backend_close_timeouts"] == 1
+        assert "close of the backend did not return" in caplog.text
+    finally:
+        hung.gate.set()
+        closer.join(30)
+
+
 # -- pins under contention ---------------------------------------------------------------------------
 
 

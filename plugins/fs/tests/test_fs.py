@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import uuid
 from pathlib import Path
 
@@ -1074,3 +1075,47 @@ def test_a_store_stuck_when_the_adapter_closes_does_not_create_the_released_root
     assert not os.path.exists(root), "a store past close created the released root again"
     again = open_fs(fs_config(root, use_odirect=False), arena.view)  # the directory is free
     again.close()
+
+
+def test_a_close_removing_records_on_a_hung_mount_does_not_hold_the_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With persistence off the backend's close removes every record, which on a hung
+    mount never returns: core goes on without it past its own budget (counted, logged),
+    and the records it did not remove stay complete and checksummed on disk."""
+    arena = Arena()
+    keys = make_keys(2)
+    adapter = open_fs(fs_config(str(tmp_path), persist_enabled=False), arena.view)
+    assert store(adapter, arena, keys, [pattern(i, SIZE) for i in range(2)]) == [True, True]
+    tree = adapter.backend._tree  # type: ignore[attr-defined]
+    remove_all_records = tree.remove_all_records
+    entered, gate, closed = threading.Event(), threading.Event(), threading.Event()
+
+    def removal_on_a_hung_mount() -> int:
+        entered.set()
+        gate.wait(60)
+        return int(remove_all_records())
+
+    monkeypatch.setattr(tree, "remove_all_records", removal_on_a_hung_mount)
+    adapter.close_backend_timeout_s = 0.2  # type: ignore[misc]
+
+    def close() -> None:
+        adapter.close()
+        closed.set()
+
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    try:
+        assert entered.wait(10)
+        closer.join(10)
+        assert closed.is_set(), "the server's stop waited for a close stuck removing records"
+        assert adapter.stats()["backend_close_timeouts"] == 1
+        assert "close of the backend did not return" in caplog.text
+        assert len(record_files(str(tmp_path))) == 2, "the records not removed are left as they are"
+    finally:
+        gate.set()
+        closer.join(30)
+        for thread in threading.enumerate():
+            if thread.name == "l2-0:fs-test-close":
+                thread.join(30)
+    assert record_files(str(tmp_path)) == [], "the removal, once it returns, goes on"

@@ -50,6 +50,9 @@ class BackendAdapter(L2Adapter):
     #: how long ``close()`` waits for backend calls already running before failing them
     #: (and how long building the adapter waits for an asynchronous ``open``)
     close_timeout_s: ClassVar[float] = 30.0
+    #: how long ``close()`` then waits for the backend's own ``close`` (which may be stuck in
+    #: storage: removing files on a hung mount) before going on without it
+    close_backend_timeout_s: ClassVar[float] = 30.0
 
     def __init__(self, backend: object, context: BackendContext) -> None:
         state: AdapterState = context._state
@@ -76,7 +79,7 @@ class BackendAdapter(L2Adapter):
             self.runner.open(self.close_timeout_s)
         except BaseException:
             self._closed = True
-            self._close_backend(time.monotonic() + self.close_timeout_s)
+            self._close_backend(time.monotonic() + self.close_backend_timeout_s)
             raise
         self.scan.start()
 
@@ -278,7 +281,9 @@ class BackendAdapter(L2Adapter):
         self.scan.join(deadline)
         failed = self.state.board.fail_all_pending()
         self.state.count("tasks_failed_closed", failed)
-        self._close_backend(deadline)
+        # A budget of its own: calls stuck until the deadline above must not leave the
+        # backend no time to close (flush, remove its files, release its directory).
+        self._close_backend(time.monotonic() + self.close_backend_timeout_s)
 
     def _close_backend(self, deadline: float) -> None:
         try:

@@ -92,6 +92,19 @@ class Runner(ABC):
         log.exception("%s: task %d crashed", self.state.name, task_id)
         self.state.board.fail(task_id)
 
+    def _close_abandoned(self, waited_s: float) -> None:
+        """The backend's close did not return by its deadline: counted, logged, and left
+        running on its own (a daemon thread, or a task cancelled with the loop) so that a
+        hung mount or peer cannot hold the server's stop for ever."""
+        self.state.count("backend_close_timeouts")
+        log.warning(
+            "%s: close of the backend did not return in %.1f s (storage not answering?); going on "
+            "without it: what it had left to do (removing its files, releasing its directory) "
+            "may stay undone",
+            self.state.name,
+            waited_s,
+        )
+
     def _interrupt(self) -> None:
         interrupt = optional_method(self.backend, "interrupt")
         if interrupt is not None:
@@ -184,9 +197,27 @@ class ThreadRunner(Runner):
             log.warning("%s: backend calls still running at the close deadline: %s", self.state.name, stuck)
 
     def close_backend(self, deadline: float) -> None:
+        """The backend's ``close`` on a thread of its own, waited for until ``deadline``:
+        one stuck in storage (removing files on a hung mount) is left behind."""
         closer = optional_method(self.backend, "close")
-        if closer is not None:
-            closer()
+        if closer is None:
+            return
+        failure: list[BaseException] = []
+
+        def close() -> None:
+            try:
+                closer()
+            except BaseException as exc:  # raised again on the closing thread, as before
+                failure.append(exc)
+
+        thread = threading.Thread(target=close, name=f"l2-{self.state.name}-close", daemon=True)
+        started = time.monotonic()
+        thread.start()
+        thread.join(max(0.0, deadline - started))
+        if thread.is_alive():
+            self._close_abandoned(time.monotonic() - started)
+        elif failure:
+            raise failure[0]
 
     def threads(self) -> list[threading.Thread]:
         return list(self._threads)
@@ -428,7 +459,12 @@ class LoopRunner(Runner):
         try:
             if self._thread.is_alive():
                 future = asyncio.run_coroutine_threadsafe(close(), self._loop)
-                future.result(max(0.1, deadline - time.monotonic()))
+                waited = max(0.1, deadline - time.monotonic())
+                try:
+                    future.result(waited)
+                except concurrent.futures.TimeoutError:
+                    future.cancel()
+                    self._close_abandoned(waited)
             else:
                 asyncio.run(close())
         finally:
