@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from tiers_e2e import ServerProcess, make_keys, make_payloads, start_server
 
-from lmcache_tiers.client import Client, ConnectionLostError, RequestTimeoutError
+from lmcache_tiers.client import Client, ConnectionLostError, RequestTimeoutError, connection
 from lmcache_tiers.client.connection import HEARTBEAT_TIMEOUT_MS
 from lmcache_tiers.testing.processes import freeze
 
@@ -110,6 +113,75 @@ def test_the_client_goes_on_with_a_server_restarted_at_its_address(tmp_path: Pat
             assert second.stop() == 0, second.output()
     finally:
         first.stop(signal.SIGKILL)
+        client.close()
+
+
+@pytest.fixture
+def short_directory() -> Iterator[Path]:
+    """A directory for ipc sockets: their paths are limited to about 100 bytes."""
+    with tempfile.TemporaryDirectory(prefix="tiers-", dir="/tmp") as name:
+        yield Path(name)
+
+
+def test_a_request_whose_server_restarts_between_two_looks_fails_at_once(
+    tmp_path: Path, short_directory: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection a request went over drops, and the socket reconnects to a server
+    restarted at the address, before the client looks at its connection again: the reply
+    would go to the connection that dropped, so it cannot come.  The call fails at that
+    look, not at its timeout, and the next call is served by the new server."""
+    # Looks far apart, so that the drop and the new connection both fall between two.
+    monkeypatch.setattr(connection, "LINK_CHECK_S", 5.0)
+    address = short_directory / "rpc.sock"
+    first = start_server(tmp_path / "first", metrics=False, host=f"ipc://{address}")
+    client, keys = _stored(first, "restart-quick", 2)
+    second: ServerProcess | None = None
+    try:
+        # The first server keeps its connection to the client; its address is the second's.
+        address.rename(short_directory / "first.sock")
+        second = start_server(tmp_path / "second", metrics=False, host=f"ipc://{address}")
+        freeze(first.proc.pid)  # the LOOKUP goes over the first connection, unanswered
+        thread, outcome = _lookup_in_thread(client, keys)
+        time.sleep(0.5)
+        first.stop(signal.SIGKILL)  # the client reconnects, to the second server
+        thread.join(CLIENT_TIMEOUT_S)
+        assert isinstance(outcome.get("error"), ConnectionLostError), outcome
+        assert outcome["seconds"] < CLIENT_TIMEOUT_S / 2, outcome
+        assert client.lookup(keys, timeout=30) == 0  # the new, empty server answers
+        fresh = make_payloads("restart-quick-again", 2, CHUNK)
+        assert client.store(keys, fresh) == 2
+        with client.retrieve(keys) as views:
+            assert [bytes(view) for view in views] == [bytes(payload) for payload in fresh]
+    finally:
+        first.stop(signal.SIGKILL)
+        client.close()
+        if second is not None:
+            assert second.stop() == 0, second.output()
+
+
+def test_a_request_sent_after_a_restart_is_waited_for_however_slow_the_new_server(tmp_path: Path) -> None:
+    """A drop that came before a request was sent (the server restarted while the client
+    was idle) does not end that request's wait: it went over the new connection."""
+    first = start_server(tmp_path / "first")
+    client, keys = _stored(first, "restart-idle", 2)
+    port = int(first.url.rsplit(":", 1)[1])
+    try:
+        assert first.stop() == 0, first.output()
+        second = start_server(tmp_path / "second", port=port)
+        try:
+            # The socket reconnects by itself within its reconnect interval; the drop and
+            # the new connection are not looked at before the next request is sent.
+            time.sleep(2.0)
+            freeze(second.proc.pid)
+            thread, outcome = _lookup_in_thread(client, keys)
+            time.sleep(1.5)  # six times the client's look at its connection
+            os.kill(second.proc.pid, signal.SIGCONT)
+            thread.join(CLIENT_TIMEOUT_S)
+            assert outcome.get("hits") == 0, outcome
+        finally:
+            client.close()
+            assert second.stop() == 0, second.output()
+    finally:
         client.close()
 
 

@@ -468,7 +468,7 @@ class Client(Connection):
                     # Lookups still in flight lock keys for us: release them when they land.
                     for request in requests:
                         if request.req_id in self._outstanding:
-                            self._outstanding.discard(request.req_id)
+                            del self._outstanding[request.req_id]
                             self._remember_orphan(request)
                             arrived = self._early.pop(request.req_id, None)
                             if arrived is not None:

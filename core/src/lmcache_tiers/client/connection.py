@@ -12,13 +12,18 @@ offsets that may name another server's segment.  The same monitor ends the wait 
 request whose connection is gone (the server stopped or died): its reply cannot come, so
 the request fails within ``LINK_CHECK_S`` instead of waiting out its whole timeout; a
 server that falls silent (its host down, the network cut) is taken as gone once it has not
-answered heartbeats for ``HEARTBEAT_TIMEOUT_MS``.
+answered heartbeats for ``HEARTBEAT_TIMEOUT_MS``.  So does a request whose connection
+dropped after it was sent even when the socket has reconnected since (a server restarted
+at the address within one look): the server's ROUTER answers a connection, not a client,
+so a reply never reaches a request over a later connection.  Each request notes the drops
+seen when it is sent (see ``_link_epoch``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import threading
 import time
@@ -73,6 +78,12 @@ _MAX_POLL_S = 3600.0
 #: a connection over which nothing arrived this long after a heartbeat is taken as gone
 HEARTBEAT_INTERVAL_MS = 2_000
 HEARTBEAT_TIMEOUT_MS = 10_000
+#: the least time between a drop and the socket's next connection (ZeroMQ adds up to as
+#: much again at random); set explicitly, since ``_link_epoch`` relies on it
+RECONNECT_IVL_MS = 100
+#: a request sent at most this long after the connection events were last read needs no
+#: new read for its ``_link_epoch`` (a read costs a system call, a good share of a LOOKUP)
+_EVENTS_FRESH_S = RECONNECT_IVL_MS / 1000 / 2
 # Monitor endpoints are named uniquely: a closed client's name may stay bound for a while.
 _MONITORS = itertools.count()
 #: requests given up on, and running prefetches, remembered per client (oldest forgotten)
@@ -134,6 +145,9 @@ class Connection:
         self._dropped = False
         # set while the last connection event seen is a drop: no connection to the server now
         self._unlinked = False
+        # connection drops seen so far, and when the events were last read (see _link_epoch)
+        self._drops = 0
+        self._events_read_at = -math.inf
         self._monitor: zmq.Socket[bytes] | None = None
         # requests that timed out, by id, in case their replies still arrive
         # with the keys whose locks their replies would hand over
@@ -142,8 +156,9 @@ class Connection:
         # reply comes too late still hands their locks over (see _settle_orphan)
         self._prefetch_keys: dict[int, list[ObjectKey]] = {}
         self._receive_timeout_ms = -1
-        # ids of requests sent and not yet answered, and answers that came in early
-        self._outstanding: set[int] = set()
+        # requests sent and not yet answered (id -> _link_epoch when sent), and answers
+        # that came in early
+        self._outstanding: dict[int, int] = {}
         self._early: dict[int, tuple[p.Reply, list[Any]]] = {}
         # the last key list encoded, and its msgpack (see _header)
         self._last_keys: tuple[list[Any], msgspec.Raw] | None = None
@@ -158,6 +173,7 @@ class Connection:
         # drop the connection, which ends the requests waiting on it (see _await).
         self._socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_INTERVAL_MS)
         self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self._socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         try:
             # Before connecting, so that no drop goes unseen.
             self._monitor = self._socket.get_monitor_socket(
@@ -217,25 +233,44 @@ class Connection:
         monitor = self._monitor
         if monitor is None:
             return
+        # Every event reported before now is read below.
+        self._events_read_at = time.monotonic()
         try:
             while int(_raw_get(monitor, _EVENTS)) & _POLLIN:
                 event = int.from_bytes(monitor.recv_multipart(_NOBLOCK)[0][:2], "little")
                 if event == _DISCONNECTED:
                     self._dropped = self._unlinked = True
+                    self._drops += 1
                 elif event == _HANDSHAKE_SUCCEEDED:
                     self._unlinked = False
         except zmq.ZMQError:
             pass
 
-    def _link_lost(self) -> bool:
-        """Whether the socket has no connection to the server now (caller holds the lock):
-        a request sent before that cannot be answered any more.  A connection that dropped
-        and came back (a restarted server) does not count: the request may have gone over
-        the new one."""
+    def _link_epoch(self, now: float) -> int:
+        """Right before a send at ``now`` (caller holds the lock): the drops a request sent
+        now comes after.
+
+        A drop is reported before the socket starts on another connection, which takes at
+        least the reconnect interval; so a drop not seen by a read of the events less than
+        half that interval ago left no other connection to send over: the request went over
+        the connection that dropped, or into its pipe, and cannot be answered.  Reads older
+        than that are done again first.  A send that succeeds while the last event seen is a
+        drop may also have gone into the dropped connection's pipe, which the socket had
+        not let go of yet: that drop counts as coming after it.  At worst a request that
+        reached a new connection is taken as lost, failing early; its reply is then
+        settled like that of any request given up on."""
+        if now - self._events_read_at > _EVENTS_FRESH_S:
+            self._read_link_events()
+        return self._drops - 1 if self._unlinked else self._drops
+
+    def _link_lost(self, sent_at: int) -> bool:
+        """Whether a request sent at ``sent_at`` (its ``_link_epoch``) can no longer be
+        answered (caller holds the lock): the socket has no connection to the server now,
+        or the one the request went over has dropped since, even if another has come up."""
         if os.getpid() != self._pid:
             return False
         self._read_link_events()
-        return self._unlinked
+        return self._unlinked or self._drops > sent_at
 
     def _send_and_forget(self, request: p._Request) -> None:
         """Send ``request`` without waiting for its reply (dropped when it comes): what a
@@ -269,7 +304,8 @@ class Connection:
         yet, a late reply to an earlier request, a multi-frame reply, no reply in time)
         continues on the general path of ``_start``/``_await``."""
         header = self._header(request)
-        deadline = time.monotonic() + seconds
+        now = time.monotonic()
+        deadline = now + seconds
         sock = self._socket
         # in slices: between them, _await looks whether the connection is gone
         timeout_ms = max(1, int(min(seconds, LINK_CHECK_S) * 1000))
@@ -277,11 +313,12 @@ class Connection:
             sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._receive_timeout_ms = timeout_ms
         req_id = request.req_id
+        epoch = self._link_epoch(now)
         try:
             _raw_send(sock, header, _NOBLOCK)
         except zmq.Again:
-            self._send(header, (), deadline)  # waits for the server to be reachable
-        self._outstanding.add(req_id)
+            epoch = self._send(header, (), deadline)  # waits for the server to be reachable
+        self._outstanding[req_id] = epoch
         try:
             first = _raw_recv(sock, 0, False)
         except zmq.Again:
@@ -298,7 +335,7 @@ class Connection:
         if reply.req_id != req_id:
             self._early_or_settle([data], reply)
             return self._await(request, expect, deadline)[0]
-        self._outstanding.discard(req_id)
+        del self._outstanding[req_id]
         if reply.code != _OK:
             raise ServerError(error_code(reply.code), reply.message)
         if not isinstance(reply, expect):
@@ -333,8 +370,7 @@ class Connection:
     def _start(self, request: p._Request, payloads: Sequence[Any], deadline: float) -> None:
         """Send one request (caller holds the lock); its reply is collected by ``_await``."""
         header = self._header(request)
-        self._send(header, payloads, deadline)
-        self._outstanding.add(request.req_id)
+        self._outstanding[request.req_id] = self._send(header, payloads, deadline)
 
     def _header(self, request: p._Request) -> bytes:
         """Number ``request``, sign it with the token and encode it."""
@@ -374,6 +410,7 @@ class Connection:
         """Receive until the reply to ``request`` arrives; replies to other outstanding
         requests of this client are kept for their own ``_await``."""
         req_id = request.req_id
+        sent_at = self._outstanding.get(req_id, self._drops)
         # Zero-copy frames only where payloads come back; plain bytes are cheaper.
         zero_copy = isinstance(request, p.Retrieve) and request.inline
         arrived = self._early.pop(req_id, None)
@@ -382,19 +419,19 @@ class Connection:
             frames = self._receive(min(remaining, LINK_CHECK_S), zero_copy) if remaining > 0 else None
             lost = False
             if frames is None and remaining > LINK_CHECK_S:
-                if not self._link_lost():
+                if not self._link_lost(sent_at):
                     continue
                 # A reply that arrived before the drop is still readable; nothing comes after it.
                 frames = self._receive(0.001, zero_copy)
                 lost = True
             if frames is None:
-                self._outstanding.discard(req_id)
+                self._outstanding.pop(req_id, None)
                 self._remember_orphan(request)
                 what = type(request).__name__
                 if lost:
                     raise ConnectionLostError(
                         f"the connection to {self.url} was lost while waiting for the reply to "
-                        f"{what} (the server stopped or died)"
+                        f"{what} (the server stopped, died or restarted)"
                     )
                 raise RequestTimeoutError(f"no reply from {self.url} to {what} in time")
             try:
@@ -405,7 +442,7 @@ class Connection:
                 arrived = reply, frames
             else:
                 self._early_or_settle(frames, reply)
-        self._outstanding.discard(req_id)
+        self._outstanding.pop(req_id, None)
         reply, frames = arrived
         if reply.code != _OK:
             raise ServerError(error_code(reply.code), reply.message)
@@ -435,9 +472,11 @@ class Connection:
             return [first.bytes]
         return [first.bytes, *_rest_of_message(sock)]
 
-    def _send(self, header: bytes, payloads: Sequence[Any], deadline: float) -> None:
+    def _send(self, header: bytes, payloads: Sequence[Any], deadline: float) -> int:
+        """Send one message; returns its ``_link_epoch``."""
         sock = self._socket
         while True:
+            epoch = self._link_epoch(time.monotonic())
             try:
                 _raw_send(sock, header, _SNDMORE_NOBLOCK if payloads else _NOBLOCK)
                 break
@@ -456,6 +495,7 @@ class Connection:
             # the request timed out, and the caller then reuses its buffers; ZeroMQ would
             # send what they hold by then, stored under the keys of this request.
             sock.send(payload, _SNDMORE if index < last else 0, copy=True)
+        return epoch
 
     def _remember_orphan(self, request: p._Request) -> None:
         if isinstance(request, (p.StoreReserve, p.Retrieve, p.Lookup)):

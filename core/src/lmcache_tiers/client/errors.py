@@ -19,8 +19,8 @@ class RequestTimeoutError(ClientError, TimeoutError):
 
 class ConnectionLostError(RequestTimeoutError):
     """The connection to the server dropped while a request waited for its reply (the
-    server stopped or died): no reply can come.  A kind of timeout, raised early, so a
-    caller that handles timeouts handles this too."""
+    server stopped, died or restarted): no reply can come.  A kind of timeout, raised
+    early, so a caller that handles timeouts handles this too."""
 
 
 class ProtocolError(ClientError):
