@@ -286,3 +286,24 @@ def test_a_pickled_store_never_commits_or_aborts_a_reservation_it_lost(
         stats = server.frontends[0].stats()
         assert (stats.failures["mp_commit_lost"], stats.failures["mp_handler_error"]) == (4, 0)
     storage.abort_write(list(other))
+
+
+def test_a_lookup_whose_prefetch_outlives_half_the_lock_ttl_is_given_up_and_counted(
+    make_mp_server: Any,
+) -> None:
+    slow_l2 = [json.dumps({"type": "mock", "max_size_gb": 0.1, "latency_s": 4.0})]
+    server = make_mp_server(adapters=slow_l2, lookup_wait_ms=0, l1_lock_ttl_s=1.0)
+    with MPClient(mp_address(server)) as client:
+        shm = client.register(REG)["shm_name"]
+        client.store(Key(tokens_of(11), "s", worker_id=0), REG.instance_id, chunk_payloads(11, 4, CHUNK), shm)
+        assert server.storage.flush(timeout=60)
+        client.call("clear", True)
+        assert client.call("lookup", Key(tokens_of(11), "slow").encode(), 1) is None
+        stats = server.frontends[0].stats()
+        deadline = time.monotonic() + 3.0  # the prefetch takes 4 s; the sweep gives up at 0.5
+        while not stats.failures["mp_lookups_abandoned"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+            stats = server.frontends[0].stats()
+        assert stats.failures["mp_lookups_abandoned"] == 1
+        assert client.call("query_prefetch_status", "slow") == 0
+        client.call("end_session", "slow")

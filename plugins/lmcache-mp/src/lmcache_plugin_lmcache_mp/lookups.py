@@ -7,7 +7,8 @@ to ``lookup_wait_ms`` on the pool for it, so that the client's first status quer
 clients poll every 50 ms) already has the answer.  The hit count is delivered once, as in
 LMCache; the locks stay with the request until its retrieves consume them, or
 ``free_lookup_locks`` / ``end_session`` / a newer lookup of the same request gives them back,
-or they have been held for half the L1 lock TTL (counted, then released).
+or they have been held for half the L1 lock TTL (counted, then released).  A lookup whose
+prefetch is still running then is given up (counted): its client is answered 0 hits.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Lookups:
         self.storage = shared.storage
         self._expired = BurstLog(logger, "mp_lookup_locks_expired")
         self._dropped = BurstLog(logger, "mp_request_dropped")
+        self._abandoned = BurstLog(logger, "mp_lookups_abandoned")
 
     # -- handlers ------------------------------------------------------------------------
 
@@ -247,13 +249,17 @@ class Lookups:
         idle requests."""
         shared = self.shared
         limit = shared.lock_ttl_s / 2
-        expired = 0
+        expired = abandoned = 0
         for state in shared.requests:
             job = state.job
             if job is None:
                 continue
             self.absorb(job)
             if now - job.started > limit and (job.held or job.hits is None) and not job.waited:
+                # A prefetch still running now never reports to its client: a later status
+                # query answers 0 hits (a miss, safe) -- counted, since the client was told
+                # nothing of the objects the prefetch may still bring in.
+                abandoned += job.hits is None and not job.delivered
                 expired += self.give_back(job)
                 state.job = None
         idle = shared.requests.idle(now - shared.config.session_ttl_s)
@@ -267,6 +273,13 @@ class Lookups:
             shared.stats.failure("mp_request_dropped", len(overflow))
             self._dropped.event(
                 len(overflow), f"requests forgotten beyond max_requests ({shared.requests.max_requests})"
+            )
+        if abandoned:
+            shared.stats.failure("mp_lookups_abandoned", abandoned)
+            self._abandoned.event(
+                abandoned,
+                f"lookups whose prefetch ran past {limit:g}s (half the read-lock TTL) were given up: "
+                "their requests are answered 0 hits",
             )
         if expired:
             shared.stats.failure("mp_lookup_locks_expired", expired)
