@@ -314,6 +314,34 @@ def test_an_inline_store_outlived_by_its_reservation_leaves_the_next_writers_alo
             assert [bytes(view) for view in views] == [theirs]
 
 
+@pytest.mark.parametrize("commit", [True, False])
+def test_a_shared_memory_commit_outlived_by_its_reservation_leaves_the_next_writers_alone(
+    server: TiersServer, commit: bool
+) -> None:
+    # L1 reaped the reservation (its write TTL passed; the session's own deadline, read a
+    # moment before L1's, has not yet when the commit comes) and another client reserved
+    # the key: the late commit (or abort) must not touch that reservation.
+    key, theirs = keys_of(1)[0], os.urandom(10_000)
+    with Client(server.endpoint) as late, Client(server.endpoint) as other:
+        mine = late._call(p.StoreReserve(0, "", [key], [10_000]), p.StoreReserveReply).slots
+        assert mine[0].offset != p.NO_SLOT
+        server.storage.l1.expire_locks(time.monotonic() + 3600)  # the write TTL passed
+        slots = other._call(p.StoreReserve(0, "", [key], [10_000]), p.StoreReserveReply).slots
+        assert slots[0].offset != p.NO_SLOT
+        if commit:
+            assert late._call(p.StoreCommit(0, "", [key]), p.StoreReply).done == [False]
+        else:
+            late._call(p.StoreAbort(0, "", [key]), p.StoreReply)
+        assert late.lookup([key]) == 0  # the other client's reservation is not readable
+        assert l1(server)["write_locked"] == 1
+        segment = other._segment
+        assert segment is not None
+        segment.write(slots[0].offset, np.frombuffer(theirs, dtype=np.uint8))
+        assert other._call(p.StoreCommit(0, "", [key]), p.StoreReply).done == [True]
+        with late.retrieve([key]) as views:
+            assert [bytes(view) for view in views] == [theirs]
+
+
 def test_timed_out_reservations_are_given_back_when_their_reply_turns_up(server: TiersServer) -> None:
     keys = keys_of(2)
     with Client(server.endpoint) as client:

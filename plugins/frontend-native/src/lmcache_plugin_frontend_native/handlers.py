@@ -72,6 +72,10 @@ class StorageLike(Protocol):
 
     def abort_write(self, keys: Sequence[ObjectKey]) -> None: ...
 
+    def commit_reserved(self, reserved: Any, *, to_l2: bool = True) -> list[ObjectKey]: ...
+
+    def abort_reserved(self, reserved: Any) -> None: ...
+
     def submit_prefetch(self, keys: Sequence[ObjectKey], *, readers: int = 1) -> int: ...
 
     def start_prefetch(
@@ -378,9 +382,7 @@ class Handlers:
             else:
                 handed_out.add(key)
                 slots.append(p.Slot(obj.offset, obj.size, generations[key]))
-        session.add_writes(
-            {key: obj.size for key, obj in reserved.items()}, self.sessions.write_deadline(now)
-        )
+        session.add_writes(reserved, self.sessions.write_deadline(now))
         return p.StoreReserveReply(req.req_id, slots=slots), ()
 
     def _require_shm(self, what: str) -> None:
@@ -394,19 +396,19 @@ class Handlers:
 
     def store_commit(self, req: p.StoreCommit, identity: bytes, frames: Frames) -> Response:
         mine, flags = self._take_writes(identity, req.keys)
-        committed = self.storage.commit_write(list(mine), to_l2=not req.l1_only) if mine else []
-        done_by_key = dict(zip(mine, committed, strict=True))
-        done = [flag and done_by_key.get(key, False) for key, flag in zip(req.keys, flags, strict=True)]
-        stored = [key for key, ok in done_by_key.items() if ok]
+        # By identity: L1 may have reaped a reservation the session still holds live (its
+        # deadline was read a moment earlier), and the key may be another writer's now.
+        stored = set(self.storage.commit_reserved(mine, to_l2=not req.l1_only)) if mine else set()
+        done = [flag and key in stored for key, flag in zip(req.keys, flags, strict=True)]
         if stored:
             self.stats.stores += 1
             self.stats.store_chunks += len(stored)
-            self.stats.store_bytes += sum(mine[key] for key in stored)
+            self.stats.store_bytes += sum(mine[key].size for key in stored)
         return p.StoreReply(req.req_id, done=done), ()
 
     def _take_writes(
         self, identity: bytes, keys: Sequence[ObjectKey]
-    ) -> tuple[dict[ObjectKey, int], list[bool]]:
+    ) -> tuple[dict[ObjectKey, Any], list[bool]]:
         """The caller's live reservations among ``keys`` (see Session.take_writes); a
         client that reserved nothing gets no session for asking."""
         session = self.sessions.existing(identity)
@@ -417,7 +419,7 @@ class Handlers:
     def store_abort(self, req: p.StoreAbort, identity: bytes, frames: Frames) -> Response:
         mine, flags = self._take_writes(identity, req.keys)
         if mine:
-            self.storage.abort_write(list(mine))
+            self.storage.abort_reserved(mine)
         return p.StoreReply(req.req_id, done=flags), ()
 
     def store_inline(self, req: p.StoreInline, identity: bytes, frames: Frames) -> Deferred:
@@ -620,7 +622,7 @@ class Handlers:
         for session in self.sessions:
             if session.writes:
                 writes += len(session.writes)
-                self.storage.abort_write(list(session.writes))
+                self.storage.abort_reserved({key: obj for key, (_, obj) in session.writes.items()})
             for (count, not_before), group in session.take_read_locks(list(session.read_locks), now).items():
                 self._release_locks(group, count, not_before)
                 locks += len(group)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, NamedTuple
@@ -94,7 +94,8 @@ class Session:
     # [keys, {deadline: calls}] per run of calls with the same keys not yet indexed, oldest first
     _records: list[list[Any]] = field(default_factory=list, repr=False)
     _backlog: int = field(default=0, repr=False)  # keys in ``_records``
-    writes: dict[ObjectKey, tuple[float, int]] = field(default_factory=dict)  # key -> (deadline, size)
+    # key -> (deadline, the L1 object reserved for it)
+    writes: dict[ObjectKey, tuple[float, Any]] = field(default_factory=dict)
     prefetches: dict[int, PendingPrefetch] = field(default_factory=dict)
 
     @property
@@ -229,21 +230,22 @@ class Session:
             groups[count, earliest[key]].append(key)
         return groups
 
-    def add_writes(self, sizes: dict[ObjectKey, int], deadline: float) -> None:
-        for key, size in sizes.items():
-            self.writes[key] = (deadline, size)
+    def add_writes(self, reserved: Mapping[ObjectKey, Any], deadline: float) -> None:
+        """Reservations the client is filling: the L1 object reserved for each key."""
+        for key, obj in reserved.items():
+            self.writes[key] = (deadline, obj)
 
-    def take_writes(self, keys: Sequence[ObjectKey], now: float) -> tuple[dict[ObjectKey, int], list[bool]]:
-        """The caller's live reservations among ``keys`` with their sizes (forgotten here),
-        and a per-key flag."""
-        mine: dict[ObjectKey, int] = {}
+    def take_writes(self, keys: Sequence[ObjectKey], now: float) -> tuple[dict[ObjectKey, Any], list[bool]]:
+        """The caller's live reservations among ``keys`` with their L1 objects (forgotten
+        here), and a per-key flag."""
+        mine: dict[ObjectKey, Any] = {}
         flags: list[bool] = []
         for key in keys:
-            deadline, size = self.writes.pop(key, (0.0, 0))
+            deadline, obj = self.writes.pop(key, (0.0, None))
             live = deadline > now
             flags.append(live)
             if live:
-                mine[key] = size
+                mine[key] = obj
         return mine, flags
 
     def live_locked_keys(self, now: float) -> set[ObjectKey]:
@@ -262,7 +264,7 @@ class Session:
 
     def live_writes(self, now: float) -> int:
         """How many reservations are unexpired; changes nothing, so any thread may ask."""
-        return sum(1 for deadline, _size in list(self.writes.values()) if deadline > now)
+        return sum(1 for deadline, _obj in list(self.writes.values()) if deadline > now)
 
     @property
     def empty(self) -> bool:
