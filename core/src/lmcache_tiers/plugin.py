@@ -16,7 +16,9 @@ What each kind of plugin needs:
 * an L2 backend: ``L2Backend`` / ``AsyncL2Backend`` (protocols), ``L2AdapterConfig``,
   ``BackendContext``, ``ObjectKey``, ``ObjectSize``, ``Capacity``; remote ones
   ``CircuitConfig`` (the ``circuit`` option) and ``PROBE_KEY`` (what a probe asks about); persistent ones also
-  ``RecordError`` (and subclasses), ``RecordHeader``, ``verify_payload`` (``PayloadVerifier``
+  ``RecordError`` (and subclasses), ``RecordVerdict`` / ``record_verdict`` (the one rule for
+  a record read back that cannot serve its key: ``BackendContext.kept_record`` applies it;
+  ``KeptByDelete`` for deletes that read headers), ``RecordHeader``, ``verify_payload`` (``PayloadVerifier``
   for payloads read in pieces), loads verified as the bytes move ``read_record_file``,
   ``copy_verified`` (and ``copy_and_checksum`` for stores, ``VERIFY_PIECE``),
   ``header_length``, ``PREFIX_SIZE``, ``HEADER_CRC_SIZE``; backends copying bytes
@@ -43,10 +45,10 @@ What each kind of plugin needs:
   ``RecordLoads``, name helpers (``record_name``, ``classify_name``,
   ``EntryKind``, ``is_temp_name``, ``check_relative_dir``, ``record_key``), ``identity_of``,
   ``FileIdentity``, ``is_out_of_space``, ``ABSENT_FILE_ERRORS`` (the errors that mean "no
-  such record"), ``KeyStripes`` (per-key locks), ``judge_digest_record`` and
-  ``log_unreadable_header`` (listing digest-named records); stores with paths or devices,
-  for their ``preflight``: ``check_directory``, ``check_file``, a directory another server
-  holds ``check_directory_free``, a device named by two adapters ``check_claimed_once``,
+  such record"), ``KeyStripes`` (per-key locks), ``judge_digest_record``,
+  ``keeps_unlisted`` and ``log_unreadable_header`` (listing digest-named records); stores
+  with paths or devices, for their ``preflight``: ``check_directory``, ``check_file``, a directory
+  another server holds ``check_directory_free``, a device named by two adapters ``check_claimed_once``,
   a store living in the process (``memory://``) ``check_process_claim_free``;
   whether a directory takes
   ``O_DIRECT``: ``direct_io_refusal``;
@@ -113,7 +115,7 @@ if TYPE_CHECKING:
     from lmcache_tiers.l2.background import WRITE_BACK
     from lmcache_tiers.l2.buffers import GIL_FREE_COPY_BYTES, copy_into
     from lmcache_tiers.l2.circuit import PROBE_KEY
-    from lmcache_tiers.l2.context import BackendContext
+    from lmcache_tiers.l2.context import BackendContext, KeptByDelete
     from lmcache_tiers.l2.files import (
         ABSENT_FILE_ERRORS,
         RECORD_ALIGN,
@@ -135,6 +137,7 @@ if TYPE_CHECKING:
         is_out_of_space,
         is_temp_name,
         judge_digest_record,
+        keeps_unlisted,
         log_unreadable_header,
         record_key,
         record_name,
@@ -161,8 +164,10 @@ if TYPE_CHECKING:
         RecordHeader,
         RecordMismatchError,
         RecordSerdeMismatchError,
+        RecordVerdict,
         RecordVersionError,
         header_length,
+        record_verdict,
         verify_payload,
     )
     from lmcache_tiers.l2.verified import VERIFY_PIECE, copy_and_checksum, copy_verified, read_record_file
@@ -207,6 +212,7 @@ _L2 = "lmcache_tiers.l2.interface"
 _POLICY_SUITES = "lmcache_tiers.testing.policies"
 _LAZY = {
     "BackendContext": "lmcache_tiers.l2.context",
+    "KeptByDelete": "lmcache_tiers.l2.context",
     "SlotReaders": "lmcache_tiers.l2.readers",
     "BatchWorkers": "lmcache_tiers.l2.workers",
     "WRITE_BACK": "lmcache_tiers.l2.background",
@@ -238,6 +244,7 @@ _LAZY = {
     "is_out_of_space": _FILES,
     "is_temp_name": _FILES,
     "judge_digest_record": _FILES,
+    "keeps_unlisted": _FILES,
     "log_unreadable_header": _FILES,
     "record_key": _FILES,
     "record_name": _FILES,
@@ -263,6 +270,8 @@ _LAZY = {
     "RecordMismatchError": _RECORD,
     "RecordSerdeMismatchError": _RECORD,
     "RecordVersionError": _RECORD,
+    "RecordVerdict": _RECORD,
+    "record_verdict": _RECORD,
     "header_length": _RECORD,
     "verify_payload": _RECORD,
     "VERIFY_PIECE": _VERIFIED,
@@ -357,6 +366,7 @@ __all__ = [
     "FrontendSuite",
     "HeaderSizes",
     "ImmediateLookups",
+    "KeptByDelete",
     "KeyCache",
     "KeyStripes",
     "KeyValidationError",
@@ -390,6 +400,7 @@ __all__ = [
     "RecordLoads",
     "RecordMismatchError",
     "RecordSerdeMismatchError",
+    "RecordVerdict",
     "RecordVersionError",
     "RouterLoop",
     "Serde",
@@ -429,6 +440,7 @@ __all__ = [
     "is_out_of_space",
     "is_temp_name",
     "judge_digest_record",
+    "keeps_unlisted",
     "key_to_name",
     "kv_rank_of",
     "log_unreadable_header",
@@ -438,6 +450,7 @@ __all__ = [
     "read_record_file",
     "record_key",
     "record_name",
+    "record_verdict",
     "redact_url_secrets",
     "segment_identity",
     "verify_payload",

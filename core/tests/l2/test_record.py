@@ -13,12 +13,14 @@ from lmcache_tiers.l2.record import (
     RecordCorruptError,
     RecordError,
     RecordMismatchError,
+    RecordVerdict,
     RecordVersionError,
     checksum,
     decode_header,
     decode_record,
     encode_header,
     header_length,
+    record_verdict,
     verify_payload,
 )
 
@@ -299,3 +301,29 @@ def test_a_key_field_that_is_no_key_is_corrupt_even_under_a_valid_crc(key_len: i
     for expected in (KEY, None):
         with pytest.raises(RecordCorruptError, match="invalid"):
             decode_header(data, expected_key=expected)
+
+
+def test_every_record_error_has_one_verdict_kept_or_removed() -> None:
+    """The one rule of header reads: another key's intact record and a newer format's are
+    kept (their writers read them); anything else that fails decoding is damage."""
+    key, other = ObjectKey("m", 0, b"\x01" * 32), ObjectKey("m", 0, b"\x02" * 32)
+    header = encode_header(key, b"payload")
+    newer = bytearray(header)
+    newer[4:6] = (99).to_bytes(2, "little")
+    flipped = bytearray(header)
+    flipped[-1] ^= 1
+
+    def verdict(data: bytes | bytearray, expected: ObjectKey = key) -> RecordVerdict:
+        with pytest.raises(RecordError) as raised:
+            decode_header(data, expected_key=expected)
+        return record_verdict(raised.value)
+
+    assert verdict(header, other) is RecordVerdict.FOREIGN
+    assert verdict(newer) is RecordVerdict.NEWER
+    assert verdict(flipped) is verdict(header[:10]) is RecordVerdict.DAMAGED
+    assert [v.kept for v in RecordVerdict] == [True, True, False]
+    assert [v.counter for v in RecordVerdict] == [
+        "foreign_records",
+        "record_version_unknown",
+        "corrupt_records_removed",
+    ]

@@ -13,7 +13,15 @@ from lmcache_tiers.config import L2AdapterConfig
 from lmcache_tiers.keycodec import printable
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.files.layout import record_name
-from lmcache_tiers.l2.record import RecordHeader, RecordSerdeMismatchError, decode_header, encode_header
+from lmcache_tiers.l2.record import (
+    RecordError,
+    RecordHeader,
+    RecordSerdeMismatchError,
+    RecordVerdict,
+    decode_header,
+    encode_header,
+    record_verdict,
+)
 from lmcache_tiers.protocols import Serde
 
 if TYPE_CHECKING:
@@ -107,6 +115,19 @@ class BackendContext:
         without flooding the log.  ``message`` is a %-format; the adapter name is added."""
         self._state.burst.warn(f"{self._prefix}{kind}", "%s: " + message, self.name, *args)
 
+    def kept_record(self, key: ObjectKey, error: RecordError, *, counted: bool = False) -> bool:
+        """Judge a record of ``key`` whose reading raised ``error`` (:func:`record_verdict`,
+        the one rule every header read follows).  True: it is intact but not this server's
+        to read -- another key's (:meth:`foreign_record`) or of a newer format
+        (:meth:`unknown_version`): report a miss and keep it; it is counted and logged
+        here unless ``counted`` (a delete did already, :class:`KeptByDelete`).  False: it
+        is damaged -- report a miss, remove it (only if it is still the record judged) and
+        count ``corrupt_records_removed``."""
+        verdict = record_verdict(error)
+        if verdict.kept and not counted:
+            self._kept_miss(verdict, key, error)
+        return verdict.kept
+
     def foreign_record(self, key: ObjectKey, error: Exception) -> None:
         """Count and explain an intact record of another key found under ``key``'s name.
 
@@ -114,17 +135,17 @@ class BackendContext:
         server whose key prefix extends this one's, another adapter type sharing the
         folder, keys that differ only in case on a case-insensitive filesystem.  It is
         that writer's acknowledged object: the caller reports a miss and keeps it."""
-        self._kept_miss("foreign_records", "foreign_record", key, error)
+        self._kept_miss(RecordVerdict.FOREIGN, key, error)
 
     def unknown_version(self, key: ObjectKey, error: Exception) -> None:
         """Count and explain a record of a format version this code does not read under
         ``key``'s name: written by a newer server sharing the store, which reads it -- the
         caller reports a miss and keeps it."""
-        self._kept_miss("record_version_unknown", "version", key, error)
+        self._kept_miss(RecordVerdict.NEWER, key, error)
 
-    def _kept_miss(self, counter: str, kind: str, key: ObjectKey, error: Exception) -> None:
-        self.count(counter)
-        self.warn(kind, "%s: %s; a miss, kept", printable(key.file_stem()), error)
+    def _kept_miss(self, verdict: RecordVerdict, key: ObjectKey, error: Exception) -> None:
+        self.count(verdict.counter)
+        self.warn(verdict.counter, "%s: %s; a miss, kept", printable(key.file_stem()), error)
 
     @property
     def closing(self) -> bool:
@@ -224,3 +245,42 @@ class BackendContext:
         from lmcache_tiers.l2.build import open_inner_backend
 
         return open_inner_backend(self._state, self.name, spec, self._prefix + "inner_")
+
+
+class KeptByDelete:
+    """The deletes of a backend that reads a record's header before deleting it, and the
+    kept records they counted.
+
+    A listing that reads names only accounts other writers' objects under this server's
+    names (a record of a key salted "t.bin" as the key salted "t" here); a delete of such
+    a key -- the L2 eviction's -- must leave another key's intact record and a newer
+    format's, as lookups do.  Core asks right after such a delete whether the key is
+    still there, and that lookup reads the same record: it must not count it again.
+    """
+
+    def __init__(self, context: BackendContext) -> None:
+        self._context = context
+        self._counted: dict[ObjectKey, RecordVerdict] = {}
+
+    def keeps(self, key: ObjectKey, header: bytes | memoryview) -> bool:
+        """Whether a delete of ``key`` must leave the record whose header ``header`` holds
+        (counted, logged and remembered for the next lookup).  A record that is not
+        readable at all is the key's to remove."""
+        try:
+            decode_header(header, expected_key=key)
+        except RecordError as exc:
+            if self._context.kept_record(key, exc):
+                self._counted[key] = record_verdict(exc)
+                return True
+        return False
+
+    def counted(self, key: ObjectKey) -> RecordVerdict | None:
+        """The verdict a delete of ``key`` counted since the last lookup asked, if any;
+        asking forgets it."""
+        return self._counted.pop(key, None)
+
+    def kept_record(self, key: ObjectKey, error: RecordError) -> bool:
+        """:meth:`BackendContext.kept_record` for a lookup or load, which does not count
+        again what the delete before it counted."""
+        counted = self.counted(key) is record_verdict(error)
+        return self._context.kept_record(key, error, counted=counted)

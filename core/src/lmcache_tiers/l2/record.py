@@ -26,6 +26,7 @@ records written with either be verified.
 
 from __future__ import annotations
 
+import enum
 import struct
 import zlib
 from collections.abc import Callable, Sequence
@@ -81,6 +82,43 @@ class RecordSerdeMismatchError(RecordMismatchError):
     It cannot be read with the configured chain; it is not damaged either (configuring
     the chain it names again makes it readable), so adapters report a miss and keep it.
     """
+
+
+class RecordVerdict(enum.Enum):
+    """What becomes of a stored record read back that cannot serve the key it was read for.
+
+    The one rule of every header read -- lookups, loads, deletes, listings of every
+    adapter: a record that is intact but not this server's to read is a miss that is kept
+    (its writer reads it) and counted; a damaged one is a miss that is removed and counted.
+    The value is the counter.
+    """
+
+    #: another key's intact record under this key's name (a server whose key prefix
+    #: extends this one's, another adapter type sharing the store): kept
+    FOREIGN = "foreign_records"
+    #: a record of a format version this code does not read (a newer server sharing the
+    #: store, which reads it): kept
+    NEWER = "record_version_unknown"
+    #: a torn, truncated or bit-flipped record: removed (only if it is still the record
+    #: judged: a record stored there since is kept)
+    DAMAGED = "corrupt_records_removed"
+
+    @property
+    def kept(self) -> bool:
+        return self is not RecordVerdict.DAMAGED
+
+    @property
+    def counter(self) -> str:
+        return self.value
+
+
+def record_verdict(error: RecordError) -> RecordVerdict:
+    """The :class:`RecordVerdict` on a record whose reading raised ``error``."""
+    if isinstance(error, RecordMismatchError):
+        return RecordVerdict.FOREIGN
+    if isinstance(error, RecordVersionError):
+        return RecordVerdict.NEWER
+    return RecordVerdict.DAMAGED
 
 
 class RecordHeader(NamedTuple):

@@ -43,8 +43,6 @@ from lmcache_tiers.plugin import (
     RecordError,
     RecordHeader,
     RecordLoads,
-    RecordMismatchError,
-    RecordVersionError,
     WriteFailures,
     identity_of,
     is_out_of_space,
@@ -277,14 +275,9 @@ class LocalRecords:
             identity = identity_of(os.fstat(fd))
             data = os.pread(fd, self.sizes.length(key), 0)
             return self.context.read_record_header(data, key)
-        except RecordMismatchError as exc:
-            self.context.foreign_record(key, exc)  # another key's intact record: kept
-            return None
-        except RecordVersionError as exc:
-            self.context.unknown_version(key, exc)  # a newer server's record: kept
-            return None
         except RecordError as exc:
-            return exc, identity
+            # another key's intact record or a newer format's: kept; damage: removed
+            return None if self.context.kept_record(key, exc) else (exc, identity)
         finally:
             os.close(fd)
 

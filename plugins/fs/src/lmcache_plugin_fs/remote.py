@@ -16,7 +16,7 @@ import logging
 import posixpath
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from typing import Any
 
 from lmcache_tiers.plugin import (
@@ -25,12 +25,11 @@ from lmcache_tiers.plugin import (
     EntryKind,
     FileLayout,
     HeaderSizes,
+    KeptByDelete,
     KeyStripes,
     ObjectKey,
     ObjectSize,
     RecordError,
-    RecordMismatchError,
-    RecordVersionError,
     WriteFailures,
     classify_name,
     copy_into,
@@ -39,8 +38,8 @@ from lmcache_tiers.plugin import (
     judge_digest_record,
     log_unreadable_header,
     printable,
-    record_key,
     record_name,
+    record_verdict,
     verify_payload,
 )
 
@@ -73,12 +72,10 @@ class RemoteRecords:
         self.failures = failures
         self.sizes = HeaderSizes(lambda key, payload: context.record_header(key, payload, align=RECORD_ALIGN))
         self._stripes = KeyStripes()
-        #: keys a delete found another key's record under (counted then): the lookup core
-        #: makes next reads the header, so their accounting goes -- they are no records
-        #: of this adapter -- without counting them again
-        self._foreign_found: set[ObjectKey] = set()
-        #: the same for keys a delete found a record of a newer format version under
-        self._unknown_found: set[ObjectKey] = set()
+        #: keys a delete found another key's record (or a newer format's) under, counted
+        #: then: the lookup core makes next reads the header, so their accounting goes --
+        #: they are no records of this adapter -- without counting them again
+        self._deletes = KeptByDelete(context)
         fs.makedirs(layout.root, exist_ok=True)
 
     def close(self) -> None:
@@ -208,11 +205,8 @@ class RemoteRecords:
         # A key a delete found another key's record (or a newer format's) under is asked
         # of the header too: a size core knows of it came from a listing that read the
         # name only.
-        counted = key in self._foreign_found
-        self._foreign_found.discard(key)
-        version_counted = key in self._unknown_found
-        self._unknown_found.discard(key)
-        if self.context.l1_size_of(key) is not None and not counted and not version_counted:
+        counted = self._deletes.counted(key)
+        if self.context.l1_size_of(key) is not None and counted is None:
             return stored
         # A key core does not know: its header tells the L1 size under a size-changing
         # chain, and whether the record is of this key at all (a hit is adopted, and
@@ -221,17 +215,10 @@ class RemoteRecords:
             with self.fs.open(path, "rb") as handle:
                 prefix = handle.read(self.sizes.length(key))
             header = self.context.read_record_header(prefix, key)
-        except RecordMismatchError as exc:
-            if not counted:  # else counted (and logged) by the delete that found it
-                self.context.foreign_record(key, exc)
-            return None
-        except RecordVersionError as exc:
-            # A newer server sharing the folder wrote it, and reads it: a miss, kept.
-            if not version_counted:  # else counted (and logged) by the delete that found it
-                self.context.unknown_version(key, exc)
-            return None
         except RecordError as exc:
-            self.discard(key, size, prefix, "corrupt_records_removed", str(exc))
+            # not counted again when the delete that found it counted (and logged) it
+            if not self.context.kept_record(key, exc, counted=counted is record_verdict(exc)):
+                self.discard(key, size, prefix, "corrupt_records_removed", str(exc))
             return None
         except FileNotFoundError:
             return None  # removed since the size was read (other errors fail the batch)
@@ -273,12 +260,9 @@ class RemoteRecords:
             return True
         except FileNotFoundError:
             return False
-        except RecordMismatchError as exc:
-            self.context.foreign_record(key, exc)
-        except RecordVersionError as exc:
-            self.context.unknown_version(key, exc)  # a newer server's record: a miss, kept
         except RecordError as exc:
-            self.discard(key, size, prefix, "corrupt_records_removed", str(exc))
+            if not self.context.kept_record(key, exc):
+                self.discard(key, size, prefix, "corrupt_records_removed", str(exc))
         except OSError as exc:
             log.warning("%s: cannot read %s: %s", self.context.name, printable(path, 300), exc)
         return False
@@ -344,24 +328,11 @@ class RemoteRecords:
         file that is no readable record is the key's to remove."""
         # Ranged reads: a file opened for reading may fetch a whole block (megabytes).
         prefix = bytes(self.fs.cat_file(path, start=0, end=self.sizes.length(key)))
-        try:
+        with suppress(RecordError):  # judged with the rest of the header below
             wanted = header_length(prefix)
             if wanted > len(prefix):  # a longer header than this key's (another key's)
                 prefix += bytes(self.fs.cat_file(path, start=len(prefix), end=wanted))
-            owner = record_key(prefix)
-        except RecordVersionError as exc:
-            self.context.unknown_version(key, exc)
-            self._unknown_found.add(key)
-            return True
-        except RecordError:
-            return False
-        if owner == key:
-            return False
-        self.context.foreign_record(
-            key, RecordMismatchError(f"the record under its name is of {printable(owner.file_stem())}")
-        )
-        self._foreign_found.add(key)
-        return True
+        return self._deletes.keeps(key, prefix)
 
     # -- the tree -------------------------------------------------------------------------------
 
@@ -421,15 +392,9 @@ class RemoteRecords:
             self.context.count("listing_read_errors")
             log_unreadable_header(self.context.name, path, exc)
             return None
-        judged = judge_digest_record(prefix, name, size)
+        judged = judge_digest_record(prefix, path, size, store=self.context.name, count=self.context.count)
         if isinstance(judged, tuple):
             self._discard_path(path, self._stripes.every(), size, prefix, *judged)
-            return None
-        if isinstance(judged, RecordVersionError):
-            # A newer server sharing the folder wrote it and reads it: kept, and not
-            # listed (its key unknown here).
-            self.context.count("record_version_unknown")
-            self.context.warn("version", "%s: %s; not listed, kept", printable(path, 300), judged)
             return None
         return judged
 

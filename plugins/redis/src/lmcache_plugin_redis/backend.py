@@ -56,11 +56,11 @@ from lmcache_tiers.plugin import (
     PayloadVerifier,
     RecordError,
     RecordHeader,
-    RecordMismatchError,
-    RecordVersionError,
+    RecordVerdict,
     copy_into,
     key_to_name,
     name_to_key,
+    record_verdict,
     verify_payload,
 )
 
@@ -415,14 +415,10 @@ class RedisBackend:
             return None
         try:
             header = self.context.read_record_header(header_bytes, key)
-        except RecordVersionError as exc:
-            reader.skip_bulk(payload_len)
-            return functools.partial(self.context.unknown_version, key, exc)
-        except RecordMismatchError as exc:
-            reader.skip_bulk(payload_len)
-            return functools.partial(self.context.foreign_record, key, exc)
         except RecordError as exc:
             reader.skip_bulk(payload_len)
+            if record_verdict(exc).kept:  # counted and logged once every reply was read
+                return functools.partial(self.context.kept_record, key, exc)
             return header_bytes, exc
         if header is None or payload_len != buffer.nbytes:
             reader.skip_bulk(payload_len)
@@ -511,29 +507,16 @@ class RedisBackend:
                 raise reply
             return None
         try:
-            return self._read_header(reply, key)
-        except RecordMismatchError as exc:
-            if what == "listing":
+            return self.context.read_record_header(reply, key)
+        except RecordError as exc:
+            if what == "listing" and record_verdict(exc) is RecordVerdict.FOREIGN:
                 # An intact record of another key under a listed name: a server whose
                 # key_prefix extends this one's ("cache" and "cache2") names its objects
                 # like this server's objects of other keys.  Not this cache's: left alone.
                 self.context.count("listing_foreign_names")
                 self.context.warn("listing_foreign", "%s: %s; not listed, left alone", key.file_stem(), exc)
-                return None
-            self.context.foreign_record(key, exc)
-            return None
-        except RecordError as exc:
-            self._discard(key, reply, exc)
-            return None
-
-    def _read_header(self, data: bytes, key: ObjectKey) -> RecordHeader | None:
-        """The verified header of ``key``'s record; None for a miss that is kept (another
-        serde chain, or a format version this code does not read -- written by a newer
-        server sharing the store, which reads it); RecordError for damage."""
-        try:
-            return self.context.read_record_header(data, key)
-        except RecordVersionError as exc:
-            self.context.unknown_version(key, exc)
+            elif not self.context.kept_record(key, exc):
+                self._discard(key, reply, exc)
             return None
 
     def _size_changed(self, key: ObjectKey, stored: int, wanted: int) -> None:

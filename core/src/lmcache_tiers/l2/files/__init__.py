@@ -26,6 +26,7 @@ from lmcache_tiers.l2.files.records import (
     WriteFailures,
     is_out_of_space,
     judge_digest_record,
+    keeps_unlisted,
     log_unreadable_header,
     record_key,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "is_out_of_space",
     "is_temp_name",
     "judge_digest_record",
+    "keeps_unlisted",
     "log_unreadable_header",
     "record_key",
     "record_name",

@@ -59,8 +59,6 @@ from lmcache_tiers.l2.record import (
     MAX_HEADER_LEN,
     RecordError,
     RecordHeader,
-    RecordMismatchError,
-    RecordVersionError,
     verify_payload,
 )
 from lmcache_tiers.l2.verified import VERIFY_PIECE, read_and_digest, read_record_file
@@ -249,12 +247,9 @@ class RecordLoads:
                 self._explain_size(key, fd, scratch, stat.st_size, expected)
             elif failure is not None:
                 raise failure
-        except RecordMismatchError as exc:
-            self._context.foreign_record(key, exc)
-        except RecordVersionError as exc:  # a newer server's record: a miss, kept
-            self._context.unknown_version(key, exc)
         except RecordError as exc:
-            self._files.discard(key, identity, "corrupt_records_removed", str(exc))
+            if not self._context.kept_record(key, exc):
+                self._files.discard(key, identity, "corrupt_records_removed", str(exc))
         return False
 
     def _explain_size(self, key: ObjectKey, fd: int, scratch: memoryview, size: int, expected: int) -> None:

@@ -39,7 +39,7 @@ from lmcache_tiers.l2.files.layout import (
     is_temp_name,
 )
 from lmcache_tiers.l2.files.records import judge_digest_record, log_unreadable_header
-from lmcache_tiers.l2.record import MAX_HEADER_LEN, RecordVersionError
+from lmcache_tiers.l2.record import MAX_HEADER_LEN
 
 log = logging.getLogger("lmcache_tiers.l2.files")
 
@@ -466,13 +466,9 @@ class LocalFiles:
         if header is None:
             return None
         data, identity, size = header
-        judged = judge_digest_record(data, entry.name, size)
+        judged = judge_digest_record(data, entry.path, size, store=self.name, count=self._count)
         if isinstance(judged, tuple):
             self._discard_unkeyed(entry.path, identity, *judged)
-            return None
-        if isinstance(judged, RecordVersionError):  # a newer server's: kept, not listed
-            self._count("record_version_unknown", 1)
-            log.warning("%s: %s: %s; not listed, kept", self.name, printable(entry.path, 300), judged)
             return None
         return judged
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 from collections.abc import Callable
 
 from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.keycodec import printable
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.files.layout import record_name
-from lmcache_tiers.l2.record import MAX_HEADER_LEN, RecordError, RecordVersionError, decode_header
+from lmcache_tiers.l2.record import MAX_HEADER_LEN, RecordError, decode_header, record_verdict
 
 _log = logging.getLogger("lmcache_tiers.l2.files")
 
@@ -29,6 +30,7 @@ __all__ = [
     "WriteFailures",
     "is_out_of_space",
     "judge_digest_record",
+    "keeps_unlisted",
     "log_unreadable_header",
     "record_key",
 ]
@@ -60,13 +62,13 @@ def record_key(data: bytes | memoryview) -> ObjectKey:
 
 
 def judge_digest_record(
-    data: bytes | memoryview, name: str, file_size: int
-) -> ObjectKey | tuple[str, str] | RecordVersionError:
-    """The key a digest-named record file ``name`` holds, from its header ``data``; or,
-    for a file to be removed, (the counter, the reason); or, for a record of a format
-    version this code does not read, the error: a newer server sharing the store wrote it
-    and reads it, so it is kept, not listed (its key unknown here), and the caller counts
-    it as ``record_version_unknown``.
+    data: bytes | memoryview, path: str, file_size: int, *, store: str, count: Callable[[str, int], None]
+) -> ObjectKey | tuple[str, str] | None:
+    """The key a digest-named record file at ``path`` holds, from its header ``data``; or,
+    for a file to be removed, (the counter, the reason); or None for a record that is kept
+    and not listed (its key unknown here): one of a format version this code does not
+    read, which a newer server sharing the store wrote and reads (counted and logged by
+    :func:`keeps_unlisted`).
 
     No lookup can reach a file whose header does not tell its key, so one whose header
     cannot be read (zero-length, torn, garbage) goes as a named record would:
@@ -77,11 +79,12 @@ def judge_digest_record(
     one digest name -- a hash collision -- share one file whose header names one of
     them, and that key's record name is this one: kept.)
     """
+    name = os.path.basename(path)
     try:
         key = record_key(data)
-    except RecordVersionError as exc:
-        return exc
     except RecordError as exc:
+        if keeps_unlisted(store, path, exc, count):
+            return None
         counter = "truncated_records_removed" if file_size < RECORD_ALIGN else "corrupt_records_removed"
         return counter, str(exc)
     if record_name(key) != name:
@@ -89,6 +92,24 @@ def judge_digest_record(
             f"its header names {key.file_stem()}, whose record is {record_name(key)}"
         )
     return key
+
+
+#: the lines of records a listing keeps unlisted: a newer server may have written many
+_UNLISTED_LINES = BurstLog(_log)
+
+
+def keeps_unlisted(store: str, path: str, error: RecordError, count: Callable[[str, int], None]) -> bool:
+    """A listing's :func:`~lmcache_tiers.l2.record.record_verdict` on a record whose header
+    it read to learn the key (a digest-named one) and which raised ``error``.  True: kept
+    and not listed -- a newer format's, counted (``record_version_unknown``) and logged
+    here.  False: damaged -- the caller removes it and counts it."""
+    verdict = record_verdict(error)
+    if verdict.kept:
+        count(verdict.counter, 1)
+        _UNLISTED_LINES.warn(
+            f"{store}:{verdict.counter}", "%s: %s: %s; not listed, kept", store, printable(path, 300), error
+        )
+    return verdict.kept
 
 
 def log_unreadable_header(store: str, path: str, exc: OSError) -> None:
