@@ -661,6 +661,32 @@ def test_the_listing_leaves_out_the_objects_of_a_server_with_a_longer_prefix(
     assert list(backend_of(adapter).list_keys()) == []
 
 
+def test_the_listing_leaves_out_and_keeps_records_of_a_newer_format(
+    mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter]
+) -> None:
+    """A newer server sharing the pool writes records this one cannot read.  Accounted
+    here, they would be evicted from here -- deleting that server's acknowledged objects:
+    the listing leaves them out, counts them and keeps them."""
+    config = config_for(mooncake_pool)
+    first = open_adapter(config)
+    mine, theirs = make_keys(2)
+    store(first, [mine])
+    first.close()
+    name = name_of(first, theirs)
+    record = bytearray(_record(theirs, pattern(7, SIZE)))
+    record[4:6] = (99).to_bytes(2, "little")  # a format a newer server might write
+    assert raw.put(name, bytes(record)) == 0
+    adapter = open_adapter(config)
+    adapters.append(adapter)
+    eventually(lambda: not adapter.stats()["scan_running"], what="the start-up scan")
+    assert adapter.used_bytes() == SIZE, "a record this server cannot read is accounted"
+    assert [key for key, _size in backend_of(adapter).list_keys()] == [mine]
+    stats = adapter.stats()
+    assert stats["record_version_unknown"] >= 1
+    assert stats.get("corrupt_records_removed", 0) == 0
+    assert raw.is_exist(name) == 1, "a newer server's acknowledged write was removed"
+
+
 class _FailingHeaderReads:
     """The adapter's client, except that every ranged read of record headers fails as a
     transfer from a segment host that stopped answering does (-800)."""

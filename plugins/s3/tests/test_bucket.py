@@ -15,6 +15,7 @@ from s3_helpers import BUCKET, Raw, blocking, fresh_prefix, open_adapter, s3_con
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter, L2Adapter
+from lmcache_tiers.l2.record import encode_header
 from lmcache_tiers.testing.l2 import make_keys, pattern
 from lmcache_tiers.testing.seaweedfs import SeaweedS3, free_port
 
@@ -143,6 +144,31 @@ def test_a_key_with_a_digest_name_round_trips_and_is_listed(
     wait_scanned(reopened)
     assert set(reopened.iter_keys()) == set(keys), "the listing read each digest name's key from its header"
     assert load(reopened, l1, keys) == data
+
+
+def test_a_digest_named_record_of_a_newer_format_is_kept_by_the_listing_as_such(
+    seaweed: SeaweedS3, l1: memoryview, opened: list[L2Adapter]
+) -> None:
+    """Only its header tells a digest-named record's key; a newer server sharing the bucket
+    writes a header this one cannot read.  The listing leaves it out and keeps it, counted
+    as a record of a newer format (as the fs listing counts it), not as a foreign object."""
+    prefix = fresh_prefix("digest-newer")
+    key = ObjectKey("模型" * 100, 0, b"\x03" * 32)  # too long a model for a readable name
+    raw = Raw(seaweed, prefix)
+    assert raw.names.is_digest(raw.names.of(key))
+    payload = pattern(5, SIZE)
+    header = bytearray(encode_header(key, payload, align=4096))
+    header[4:6] = (99).to_bytes(2, "little")  # a format a newer server might write
+    raw.write(key, bytes(header) + payload)
+    adapter = open_adapter(s3_config(seaweed, prefix), l1)
+    opened.append(adapter)
+    wait_scanned(adapter)
+    stats = adapter.stats()  # (before iter_keys: each listing counts what it leaves out)
+    assert stats["record_version_unknown"] == 1
+    assert stats.get("listing_foreign_objects", 0) == 0
+    assert stats.get("corrupt_records_removed", 0) == 0
+    assert adapter.used_bytes() == 0 and list(adapter.iter_keys()) == []
+    assert raw.exists(key), "a newer server's acknowledged write was removed"
 
 
 def test_two_adapters_on_one_prefix_see_each_others_stores_and_deletes(

@@ -74,11 +74,12 @@ from lmcache_tiers.plugin import (
     ObjectKey,
     ObjectSize,
     RecordError,
-    RecordMismatchError,
-    RecordVersionError,
+    RecordVerdict,
+    keeps_unlisted,
     key_to_name,
     name_to_key,
     printable,
+    record_verdict,
     verify_payload,
 )
 
@@ -686,15 +687,11 @@ class MooncakeStoreBackend:
         """The verified header in ``slot``; None for a miss (damage is removed)."""
         try:
             header = self.context.read_record_header(slot, key)
-        except RecordMismatchError as exc:
-            # e.g. a server whose key_prefix extends (or is extended by) this one's
-            self.context.foreign_record(key, exc)
-            return None
-        except RecordVersionError as exc:
-            self.context.unknown_version(key, exc)
-            return None
         except RecordError as exc:
-            self._remove_damaged(store, key, name, str(exc))
+            # kept: another key's (a server whose key_prefix extends, or is extended by,
+            # this one's) or a newer format's; damage is removed
+            if not self.context.kept_record(key, exc):
+                self._remove_damaged(store, key, name, str(exc))
             return None
         if header is not None and header.header_len != HEADER_BYTES:
             self._remove_damaged(store, key, name, f"header of {header.header_len} bytes, not {HEADER_BYTES}")
@@ -767,36 +764,44 @@ class MooncakeStoreBackend:
                 "list_short", "%s: %d listed objects are shorter than a record header: not listed",
                 self.context.name, short,
             )  # fmt: skip
-        foreign: set[str] = set()
+        unlisted: dict[str, RecordError] = {}
         for chunk in chunks(len(listed)):
             part = [listed[i] for i in chunk]
             try:
-                foreign |= self.calls.run("header read", self.timeout, self._foreign_records, store, part)
+                unlisted |= self.calls.run("header read", self.timeout, self._kept_records, store, part)
             except Exception as exc:  # unverified, listed as before: a lookup sorts them out
                 self._throttle.warn(
                     "list_headers", "%s: reading the record headers of %d listed objects failed: %s",
                     self.context.name, len(part), exc,
                 )  # fmt: skip
+        foreign = 0
+        for name, error in unlisted.items():
+            if record_verdict(error) is RecordVerdict.FOREIGN:
+                foreign += 1
+            else:  # a newer server's record: counted as such, and kept
+                keeps_unlisted(self.context.name, name, error, self.context.count)
         if foreign:
-            self.context.count("listing_names_skipped", len(foreign))
+            self.context.count("listing_names_skipped", foreign)
             self._throttle.warn(
                 "list_foreign", "%s: %d listed objects hold records of other keys (a server whose "
                 "key_prefix extends %r?): not listed, left alone",
-                self.context.name, len(foreign), self.config.key_prefix,
+                self.context.name, foreign, self.config.key_prefix,
             )  # fmt: skip
         for key, name in listed:
-            if name not in foreign:
+            if name not in unlisted:
                 yield key, sizes[name] - HEADER_BYTES
 
-    def _foreign_records(self, store: Any, part: list[tuple[ObjectKey, str]]) -> set[str]:
-        """Names in ``part`` whose record holds another key than the name says.
+    def _kept_records(self, store: Any, part: list[tuple[ObjectKey, str]]) -> dict[str, RecordError]:
+        """Names in ``part`` whose record is kept but not this server's to read, with the
+        error that says why: another key than the name says, or a format version this
+        code does not read (a newer server sharing the pool wrote it, and reads it).
 
         A server whose ``key_prefix`` extends this one's ("cache" and "cache2") names its
         objects exactly as this server names other keys: only their headers tell them
-        apart.  Such objects must not be accounted here, where eviction would remove
-        them.  (The lane is taken and given back on the call's own thread, so a call given
-        up at its deadline still holds it until Mooncake is done with it.)"""
-        foreign: set[str] = set()
+        apart.  Neither kind may be accounted here, where eviction would remove them.
+        (The lane is taken and given back on the call's own thread, so a call given up at
+        its deadline still holds it until Mooncake is done with it.)"""
+        kept: dict[str, RecordError] = {}
         with self.lanes.lane(self.timeout) as lane:
             codes = store.get_into_ranges(
                 [lane.address(0)],
@@ -811,8 +816,9 @@ class MooncakeStoreBackend:
                     continue  # gone, or unreadable now: a lookup sorts it out
                 try:
                     self.context.read_record_header(lane.slot(slot), key)
-                except RecordMismatchError:
-                    foreign.add(name)
-                except RecordError:
-                    pass  # damage: the lookup or load that finds it removes it
-        return foreign
+                except RecordError as exc:
+                    # Damage is listed: the lookup or load that finds it removes it.  (No
+                    # traceback kept: its frames hold the lane's memory.)
+                    if record_verdict(exc).kept:
+                        kept[name] = exc.with_traceback(None)
+        return kept

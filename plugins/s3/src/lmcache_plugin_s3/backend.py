@@ -13,6 +13,7 @@ chunk another server stored is found and one it deleted is a miss.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -41,15 +42,15 @@ from lmcache_plugin_s3.records import (
 from lmcache_tiers.plugin import (
     PREFIX_SIZE,
     BackendContext,
+    KeptByDelete,
     ObjectKey,
     ObjectSize,
     RecordError,
     RecordHeader,
-    RecordMismatchError,
     RecordVersionError,
     copy_into,
     header_length,
-    printable,
+    keeps_unlisted,
     record_key,
     verify_payload,
 )
@@ -80,6 +81,28 @@ def _check_size(total: int, header: RecordHeader) -> None:
         raise _Damaged(f"the object is {total} bytes, its header says {expected}")
 
 
+class _Unlisted(enum.Enum):
+    """Why the listing leaves an object out."""
+
+    #: not a record of this cache (counted ``listing_foreign_objects``)
+    FOREIGN = "foreign"
+    #: a record of a format version this code does not read: a newer server sharing the
+    #: bucket wrote it and reads it (counted ``record_version_unknown``, kept)
+    KEPT = "kept"
+
+
+def _copy_naming_its_key(answer: dict[str, Any]) -> bytes | None:
+    """The header copy in a HEAD's metadata when it is an intact header (of whichever key);
+    None when there is none, or it says nothing (then the record's own header tells)."""
+    try:
+        copy = header_from_metadata(answer)
+        if copy is not None:
+            record_key(copy)
+    except (ValueError, RecordError):
+        return None
+    return copy
+
+
 class S3Backend:
     """Records in ``s3://<bucket>/<prefix>/``, one object per key."""
 
@@ -93,11 +116,10 @@ class S3Backend:
         #: batch calls in flight; their requests share the client's max_inflight slots
         self.concurrency = config.max_inflight
         self.names = ObjectNames(config.prefix)
-        #: keys a delete found another key's record under, counted and logged then: core
-        #: asks next whether the key is absent, and that lookup does not count it again
-        self._foreign_found: set[ObjectKey] = set()
-        #: the same for keys a delete found a record of a newer format version under
-        self._unknown_found: set[ObjectKey] = set()
+        #: keys a delete found another key's record (or a newer format's) under, counted
+        #: and logged then: core asks next whether the key is absent, and that lookup
+        #: does not count it again
+        self._deletes = KeptByDelete(context)
         self.client = S3Client(config, context.name)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._answered_at_start = check_bucket(config, context.name)
@@ -211,8 +233,8 @@ class S3Backend:
             )
             for item in page.get("Contents") or []:
                 entry = await self._listed(str(item["Key"]), int(item["Size"]))
-                if entry is None:
-                    foreign += 1
+                if isinstance(entry, _Unlisted):
+                    foreign += entry is _Unlisted.FOREIGN
                     continue
                 listed += 1
                 yield entry
@@ -306,8 +328,8 @@ class S3Backend:
             if slot is None:
                 raise _ReadTheRecord
             header = self.context.read_record_header(slot, key)
-        except RecordVersionError as exc:
-            self._unknown_version(key, exc)
+        except RecordVersionError as exc:  # a newer server's: kept, whatever else the copy says
+            self._deletes.kept_record(key, exc)
             return None
         except (ValueError, RecordError) as exc:
             self._copy_unusable(key, str(exc))
@@ -370,10 +392,9 @@ class S3Backend:
                 prefix = await read_exactly(body, PREFIX_SIZE)
                 try:
                     header_len = header_length(prefix)
-                except RecordVersionError as exc:
-                    self._unknown_version(key, exc)
-                    return False
                 except RecordError as exc:
+                    if self._deletes.kept_record(key, exc):
+                        return False
                     raise _Damaged(str(exc)) from exc
                 if header_len > length:
                     raise _Damaged(f"the object is {length} bytes, its header alone {header_len}")
@@ -432,12 +453,8 @@ class S3Backend:
             if is_missing_object(exc):
                 return False
             raise
-        try:
-            copy = header_from_metadata(answer)
-            owner = None if copy is None else record_key(copy)
-        except (ValueError, RecordError):
-            owner = None  # no usable copy: the record's own header tells
-        if owner is None:
+        slot = _copy_naming_its_key(answer)
+        if slot is None:  # no usable copy: the record's own header tells
             try:
                 slot, _total, _etag = await self.client.bounded(lambda: self._first_bytes(name))
             except Exception as exc:
@@ -446,40 +463,33 @@ class S3Backend:
                 if error_code(exc) == "InvalidRange":  # an empty object: no record to keep
                     return True
                 raise
-            try:
-                owner = record_key(slot)
-            except RecordVersionError as exc:
-                self.context.unknown_version(key, exc)
-                self._unknown_found.add(key)
-                return False
-            except RecordError:
-                return True  # not a readable record: the key's to remove
-        if owner != key:
-            self.context.foreign_record(
-                key, RecordMismatchError(f"the record under its name is of {printable(owner.file_stem())}")
-            )
-            self._foreign_found.add(key)
-            return False
-        return True
+        return not self._deletes.keeps(key, slot)
 
-    async def _listed(self, name: str, size: int) -> tuple[ObjectKey, int] | None:
+    async def _listed(self, name: str, size: int) -> tuple[ObjectKey, int] | _Unlisted:
         if size < HEADER_BYTES:
-            return None
-        key = self.names.key_of(name)
+            return _Unlisted.FOREIGN
+        key: ObjectKey | _Unlisted | None = self.names.key_of(name)
         if key is None and self.names.is_digest(name):
             key = await self._key_in_header(name)
-        return None if key is None else (key, size - HEADER_BYTES)
+        if key is None:
+            return _Unlisted.FOREIGN
+        return key if isinstance(key, _Unlisted) else (key, size - HEADER_BYTES)
 
-    async def _key_in_header(self, name: str) -> ObjectKey | None:
+    async def _key_in_header(self, name: str) -> ObjectKey | _Unlisted:
         """The key of a digest-named object, from its header (checked against the name)."""
 
         try:
             data, _total, _etag = await self.client.bounded(lambda: self._first_bytes(name))
             key = record_key(data)
+        except RecordError as exc:
+            if keeps_unlisted(self.name, name, exc, self.context.count):
+                return _Unlisted.KEPT  # a newer server's record: counted as such, not as foreign
+            self.context.warn("digest", "the header of listed %s is unreadable: %s", name, exc)
+            return _Unlisted.FOREIGN
         except Exception as exc:
             self.context.warn("digest", "reading the header of listed %s failed: %s", name, describe(exc))
-            return None
-        return key if self.names.of(key) == name else None
+            return _Unlisted.FOREIGN
+        return key if self.names.of(key) == name else _Unlisted.FOREIGN
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -496,33 +506,16 @@ class S3Backend:
 
     def _header(self, key: ObjectKey, data: bytes) -> RecordHeader | None:
         """The verified header of ``key``'s record; None for a miss that is kept (a record
-        of another serde chain or of another key, or of a format version this code does
-        not read, e.g. written by a newer server sharing the bucket); :class:`_Damaged`
-        for the rest."""
+        of another serde chain or of another key -- e.g. an fs adapter on s3:// in this
+        folder, whose "<name>.bin" is this codec's name of the key with ".bin" added to
+        its salt -- or of a format version this code does not read, e.g. written by a
+        newer server sharing the bucket); :class:`_Damaged` for the rest."""
         try:
             return self.context.read_record_header(data, key)
-        except RecordVersionError as exc:
-            self._unknown_version(key, exc)
-            return None
-        except RecordMismatchError as exc:
-            # e.g. an fs adapter on s3:// in this folder, whose "<name>.bin" is this
-            # codec's name of the key with ".bin" added to its salt
-            if key in self._foreign_found:
-                self._foreign_found.discard(key)  # counted by the delete that found it
-            else:
-                self.context.foreign_record(key, exc)
-            return None
         except RecordError as exc:
+            if self._deletes.kept_record(key, exc):
+                return None
             raise _Damaged(str(exc)) from exc
-
-    def _unknown_version(self, key: ObjectKey, exc: RecordVersionError) -> None:
-        """Count and log a record of a format version this code does not read under
-        ``key``'s name -- unless the delete that found it did already (core asks next
-        whether the key is absent, and that lookup reads the same record)."""
-        if key in self._unknown_found:
-            self._unknown_found.discard(key)
-        else:
-            self.context.unknown_version(key, exc)
 
     async def _remove_damaged(self, key: ObjectKey, name: str, why: str, etag: str | None) -> None:
         """Remove the damaged object read as ``etag`` -- only if it is still that one: a
