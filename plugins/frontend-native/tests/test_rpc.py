@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 
@@ -216,3 +217,22 @@ def test_a_status_value_msgpack_lacks_neither_kills_the_loop_nor_goes_unanswered
         assert client.ping() > 0
     assert server.frontends[0].health() == (True, "ok")
     assert server.frontends[0].stats().failures["internal"] == 1
+
+
+def test_every_refusal_is_explained_in_the_log(
+    raw: Callable[..., p.Reply], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="lmcache_plugin_frontend_native"):
+        assert raw(b"\x93\x02").code == p.ErrorCode.MALFORMED
+        assert raw(msgspec.msgpack.encode([200, 6, ""])).code == p.ErrorCode.UNKNOWN_OP
+        assert raw(p.encode(p.Ping(8, "")), b"stray payload").code == p.ErrorCode.INVALID_ARGUMENT
+        assert raw(b"\x93\x02").code == p.ErrorCode.MALFORMED  # the same kind again: counted only
+    refusals = [record.getMessage() for record in caplog.records if "refused request" in record.getMessage()]
+    assert len(refusals) == 3, refusals
+    assert [
+        code for code in ("MALFORMED", "UNKNOWN_OP", "INVALID_ARGUMENT") if any(code in r for r in refusals)
+    ] == [
+        "MALFORMED",
+        "UNKNOWN_OP",
+        "INVALID_ARGUMENT",
+    ]

@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 
 from lmcache_plugin_frontend_native.handlers import Deferred, Frames, Handlers, Response, error_for
-from lmcache_tiers.plugin import KeyCache, RouterLoop, decode_request
+from lmcache_tiers.plugin import BurstLog, KeyCache, RouterLoop, decode_request
 from lmcache_tiers.plugin import wire_protocol as p
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class RpcServer:
         self.max_request_bytes = max_request_bytes
         self.max_frames = p.MAX_KEYS_PER_REQUEST
         self._keys = KeyCache()  # the loop thread's: every request is decoded there
+        self._refusals = BurstLog(logger)
         self.router = RouterLoop(
             endpoint,
             name=name,
@@ -206,7 +207,14 @@ class RpcServer:
 
     def _fail(self, identity: bytes, req_id: int, code: p.ErrorCode, message: str) -> None:
         self.stats.failure(code.name.lower())
-        logger.debug("error reply to %s (request %d): %s %s", identity.hex(), req_id, code.name, message)
+        if code is p.ErrorCode.INTERNAL:  # logged with its traceback where it was raised
+            logger.debug("error reply to %s (request %d): %s %s", identity.hex(), req_id, code.name, message)
+        else:
+            # Each counter is explained in the log, at most once a minute per code: a
+            # misbehaving client cannot flood it.
+            self._refusals.warn(
+                code.name, "refused request %d from %s: %s %s", req_id, identity.hex(), code.name, message
+            )
         self._send(identity, p.ErrorReply(req_id, code.value, message), ())
 
     def _send(self, identity: bytes, reply: p._Reply, payloads: Frames) -> None:
