@@ -633,6 +633,47 @@ def test_another_keys_intact_record_is_a_miss_that_is_kept(direct_io: bool, serd
 
 
 @pytest.mark.parametrize("direct_io", [False, True], ids=["plain", "direct"])
+def test_a_record_of_a_newer_format_is_a_miss_that_is_kept(direct_io: bool) -> None:
+    """A newer server's record under a key's name (one this server stored, overwritten,
+    and one it never saw): misses, both records kept for the server that reads them,
+    counted ``record_version_unknown`` -- never removed as damage."""
+    import zlib
+
+    from lmcache_tiers.l2.record import encode_header
+
+    def newer_format(key: ObjectKey, payload: bytes) -> bytes:
+        header = bytearray(encode_header(key, payload, align=4096))
+        header[4:6] = (99).to_bytes(2, "little")  # the format version
+        header[-4:] = zlib.crc32(bytes(header[:-4])).to_bytes(4, "little")
+        return bytes(header) + payload
+
+    arena = Arena()
+    known, stored, theirs = make_keys(3)
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root, direct_io=direct_io), arena.view)
+        try:
+            assert store(adapter, arena, [known, stored], [pattern(3, SIZE), pattern(4, SIZE)]) == [
+                True,
+                True,
+            ]
+            paths = [os.path.join(root, f"{key.file_stem()}.bin") for key in (stored, theirs)]
+            for path, key in zip(paths, (stored, theirs), strict=True):
+                with open(path, "wb") as handle:
+                    handle.write(newer_format(key, pattern(9, SIZE)))
+            # With an accounted key in the batch the lookup asks the directory.
+            assert client(adapter).lookup_and_lock([known, theirs]).found == [True, False]
+            adapter.unlock([known])
+            ok, _ = load(adapter, arena, [stored], [SIZE])
+            assert ok == [False]
+            assert all(os.path.exists(path) for path in paths), "a newer server's record was removed"
+            stats = adapter.stats()
+            assert stats.get("record_version_unknown", 0) == 2
+            assert stats.get("corrupt_records_removed", 0) == 0
+        finally:
+            adapter.close()
+
+
+@pytest.mark.parametrize("direct_io", [False, True], ids=["plain", "direct"])
 def test_close_does_not_wait_for_a_load_stuck_in_storage(
     monkeypatch: pytest.MonkeyPatch, direct_io: bool
 ) -> None:

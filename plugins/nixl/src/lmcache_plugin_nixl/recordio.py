@@ -57,7 +57,6 @@ from lmcache_tiers.plugin import (
     ObjectSize,
     RecordError,
     RecordHeader,
-    RecordMismatchError,
     WriteFailures,
     identity_of,
     is_out_of_space,
@@ -590,12 +589,11 @@ class RecordFiles:
                     )
                 verify_payload(header, buffers[item.index])
                 results[item.index] = True
-            except RecordMismatchError as exc:
-                self._context.foreign_record(keys[item.index], exc)  # another key's: kept
             except RecordError as exc:
                 if self._stopped():
                     return  # closing began under the check: the buffer proves nothing
-                self._files.discard(keys[item.index], item.identity, "corrupt_records_removed", str(exc))
+                if not self._context.kept_record(keys[item.index], exc):  # another key's, a newer format's
+                    self._files.discard(keys[item.index], item.identity, "corrupt_records_removed", str(exc))
 
     def _stopped(self) -> bool:
         """Whether the adapter started closing.  Core sets its closing flag first, fails
@@ -623,10 +621,9 @@ class RecordFiles:
             if stat.st_size == header_len + buffer.nbytes:
                 return _Pending(index, fd, path, header_len, buffer.nbytes, identity=identity)
             self._explain_size(fd, key, header_len, stat.st_size, buffer.nbytes)
-        except RecordMismatchError as exc:
-            self._context.foreign_record(key, exc)  # another key's intact record: kept
         except RecordError as exc:
-            self._files.discard(key, identity, "corrupt_records_removed", str(exc))
+            if not self._context.kept_record(key, exc):  # another key's, a newer format's: kept
+                self._files.discard(key, identity, "corrupt_records_removed", str(exc))
         except OSError as exc:
             log.warning("cannot read %s: %s", printable(path, 300), exc)
         os.close(fd)
@@ -658,11 +655,9 @@ class RecordFiles:
         try:
             identity = identity_of(os.fstat(fd))
             header = self._read_header(fd, key, self.header_length(key))
-        except RecordMismatchError as exc:
-            self._context.foreign_record(key, exc)  # another key's intact record: kept
-            return None
         except RecordError as exc:
-            self._files.discard(key, identity, "corrupt_records_removed", str(exc))
+            if not self._context.kept_record(key, exc):  # another key's, a newer format's: kept
+                self._files.discard(key, identity, "corrupt_records_removed", str(exc))
             return None
         finally:
             os.close(fd)
