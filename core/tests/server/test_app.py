@@ -496,3 +496,62 @@ def test_lookups_sent_before_a_send_fails_give_their_locks_back(server: TiersSer
         client.ping()  # and those releases are handled before this one
         assert not client._outstanding
         assert server.storage.status()["l1"]["read_locks"] == 0
+
+
+def _native_report_raises(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    """The native front end's ``method`` (stats, status or health) raises, as a front-end
+    plugin's bug would."""
+    from lmcache_plugin_frontend_native.frontend import NativeFrontend
+
+    def broken(self: NativeFrontend) -> Any:
+        raise RuntimeError(f"{method} is broken")
+
+    monkeypatch.setattr(NativeFrontend, method, broken)
+
+
+def test_a_front_end_whose_stats_raise_still_lets_the_server_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stop summary reads every front end's counters: one ``stats()`` that raises must
+    not cut the close short -- the L2 flush, the storage's close and the segment's unlink
+    still happen, and the summary counts the failure."""
+    name = f"tiers_unit_{uuid.uuid4().hex[:12]}"
+    server = TiersServer(ServerConfig(port=0, metrics_port=0, l1_size_gb=0.0625, l1_shm_name=name))
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        server.request_stop()
+        thread.join(30)
+        assert not thread.is_alive()
+        _native_report_raises(monkeypatch, "stats")
+        summary = server.close()
+        assert not os.path.exists(f"/dev/shm/{name}"), "the L1 segment outlived the close"
+        assert summary["failures"] >= 1
+    finally:
+        server.storage.close(drain_timeout_s=0.0)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_front_end_whose_reports_raise_costs_its_own_part_of_the_http_routes(
+    make_server: Factory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A front end's ``stats()``, ``status()`` or ``health()`` that raises leaves its own
+    samples or entry out: /metrics and /status still answer with the storage's figures,
+    /healthz says unhealthy (503, never a 500), and each failure is counted and logged."""
+    server = make_server(metrics_port=free_port())
+    assert server.http_url is not None
+    for method in ("stats", "status", "health"):
+        _native_report_raises(monkeypatch, method)
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+        code, text = fetch(f"{server.http_url}/metrics")
+        assert code == 200
+        assert "lmcache_tiers_l1_capacity_bytes" in text
+        assert 'lmcache_tiers_failures_total{reason="frontend_report_error"}' in text
+        code, body = fetch(f"{server.http_url}/status")
+        assert code == 200
+        document = json.loads(body)
+        assert document["l1"]["objects"] == 0
+        assert document["frontends"] == [{"name": "0:native", "error": "RuntimeError: status is broken"}]
+        assert document["failures"]["frontend_report_error"] >= 2
+        code, health = fetch(f"{server.http_url}/healthz")
+        assert code == 503 and "health is broken" in health
+    assert "stats is broken" in caplog.text and "status is broken" in caplog.text

@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from lmcache_tiers import __version__
+from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.config import ServerConfig, default_frontends, redact_url_secrets
 from lmcache_tiers.endpoints import is_loopback
 from lmcache_tiers.errors import ConfigError, TiersError
@@ -57,6 +58,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 AUTH_TOKEN_ENV = "LMCACHE_TIERS_AUTH_TOKEN"
+#: failure reason of a front end whose ``stats()``, ``status()`` or ``health()`` raised
+FRONTEND_REPORT_ERROR = "frontend_report_error"
 #: how long a front end that does not finish its drain is waited for beyond the deadline
 _JOIN_GRACE_S = 5.0
 
@@ -132,9 +135,11 @@ class TiersServer:
         self._stopping = False
         self._force = False
         self._fatal: BaseException | None = None
-        # refusals and failures of the HTTP endpoint, by reason (its threads count them)
-        self._http_failures: Counter[str] = Counter()
-        self._http_failures_lock = threading.Lock()
+        # failures of the server itself, by reason: the HTTP endpoint's refusals and
+        # failures (its threads count them) and front ends' reports that raised
+        self._own_failures: Counter[str] = Counter()
+        self._own_failures_lock = threading.Lock()
+        self._report_errors = BurstLog(logger, FRONTEND_REPORT_ERROR)
         self.http: HttpEndpoint | None = None
         self._collector: TiersCollector | None = None  # what /metrics counts itself
         self.frontends: list[Frontend] = []
@@ -177,7 +182,7 @@ class TiersServer:
                         status=self.status,
                         health=self.health,
                         status_token=None if is_loopback(http_host) else auth_token,
-                        failed=self._http_failed,
+                        failed=self._count_failure,
                     )
                 except OSError as exc:
                     raise listen_error(config, None, http_host, config.metrics_port, exc) from None
@@ -197,7 +202,39 @@ class TiersServer:
         return self.http.url if self.http is not None else None
 
     def frontend_stats(self) -> list[tuple[str, FrontendStats]]:
-        return [(frontend.name, frontend.stats()) for frontend in self.frontends]
+        """Each front end's name and counters.  A front end is a plugin: one whose
+        ``stats()`` raises (or answers something else) is left out, counted and logged --
+        its bug costs its own samples, not the scrape, ``/status`` or the stop's close."""
+        readable = []
+        for frontend in self.frontends:
+            try:
+                stats = frontend.stats()
+                if not isinstance(stats, FrontendStats):
+                    raise TypeError(f"stats() returned {type(stats).__name__}, not FrontendStats")
+            except Exception as exc:
+                self._report_failed(frontend, "stats", exc)
+                continue
+            readable.append((frontend.name, stats))
+        return readable
+
+    def _frontend_status(self, frontend: Frontend) -> dict[str, Any]:
+        """A front end's ``/status`` entry, or its name and the error its ``status()`` raised."""
+        try:
+            return frontend.status()
+        except Exception as exc:
+            self._report_failed(frontend, "status", exc)
+            return {"name": frontend.name, "error": f"{type(exc).__name__}: {exc}"}
+
+    def _report_failed(self, frontend: Frontend, method: str, exc: Exception) -> None:
+        self._count_failure(FRONTEND_REPORT_ERROR)
+        self._report_errors.warn(
+            f"{frontend.name}:{method}",
+            "front end %s: %s() failed, left out of what the server reports: %s: %s",
+            frontend.name,
+            method,
+            type(exc).__name__,
+            exc,
+        )
 
     def status(self) -> dict[str, Any]:
         """The ``/status`` document (also the native STATUS reply)."""
@@ -216,40 +253,45 @@ class TiersServer:
             "l1_pages": pages.status() if pages is not None else None,
             "auth_required": self.auth_required,
             "draining": self._stopping,
-            **merged_stats(frontend.stats() for frontend in self.frontends).snapshot(),
+            **merged_stats(stats for _, stats in self.frontend_stats()).snapshot(),
         }
-        frontends = [frontend.status() for frontend in self.frontends]
+        frontends = [self._frontend_status(frontend) for frontend in self.frontends]
         return {"server": server, "frontends": frontends, **self.storage_status()}
 
     def storage_status(self) -> dict[str, Any]:
         """The storage's status, with what L1 holds back for readers whose lease ended, and
-        the HTTP endpoint's own refusals and failures among the failures."""
+        the server's own failures (the HTTP endpoint's, front ends' reports that raised)
+        among the failures."""
         document = self.storage.status()
         document["l1"]["leases"] = self.storage.l1.lease_stats()._asdict()
-        with self._http_failures_lock:
-            http = dict(self._http_failures)
-        if http:
+        with self._own_failures_lock:
+            own = dict(self._own_failures)
+        if own:
             failures = dict(document.get("failures", {}))
-            for reason, count in http.items():
+            for reason, count in own.items():
                 failures[reason] = failures.get(reason, 0) + count
             document["failures"] = failures
         return document
 
-    def _http_failure_count(self) -> int:
-        """The HTTP endpoint's failures and those of the scrapes themselves."""
+    def _own_failure_count(self) -> int:
+        """The server's own failures and those of the scrapes themselves."""
         scrapes = sum(self._collector.own_failures().values()) if self._collector is not None else 0
-        with self._http_failures_lock:
-            return sum(self._http_failures.values()) + scrapes
+        with self._own_failures_lock:
+            return sum(self._own_failures.values()) + scrapes
 
-    def _http_failed(self, reason: str) -> None:
-        with self._http_failures_lock:
-            self._http_failures[reason] += 1
+    def _count_failure(self, reason: str) -> None:
+        with self._own_failures_lock:
+            self._own_failures[reason] += 1
 
     def health(self) -> tuple[bool, str]:
         if self._stopping:
             return False, "shutting down"
         for frontend in self.frontends:
-            healthy, reason = frontend.health()
+            try:
+                healthy, reason = frontend.health()
+            except Exception as exc:
+                self._report_failed(frontend, "health", exc)
+                return False, f"{frontend.name}: its health check failed: {type(exc).__name__}: {exc}"
             if not healthy:
                 return False, f"{frontend.name}: {reason}"
         return True, "ok"
@@ -298,7 +340,7 @@ class TiersServer:
         """After ``serve`` returned: flush L2 (progress on ``console``; a second signal
         abandons it), release everything; returns a summary."""
         self._close_frontends()
-        stats = merged_stats(frontend.stats() for frontend in self.frontends)
+        stats = merged_stats(part for _, part in self.frontend_stats())
         before = self.storage.status()
         pending = pending_l2_stores(self.storage)
         flushed = flush_l2(self.storage, self.drain_timeout_s, lambda: self._force, console)
@@ -320,9 +362,9 @@ class TiersServer:
             "lookups": before["requests"]["lookups"],
             "l1_hit_chunks": before["requests"]["l1_hit_chunks"],
             "l2_hit_chunks": before["requests"]["l2_hit_chunks"],
-            # what /metrics counts: the front ends', the storage's, the HTTP endpoint's and
-            # the scrapes' own
-            "failures": sum(stats.failures.values()) + sum(failures.values()) + self._http_failure_count(),
+            # what /metrics counts: the front ends', the storage's, the server's own (HTTP
+            # endpoint, front ends' reports) and the scrapes' own
+            "failures": sum(stats.failures.values()) + sum(failures.values()) + self._own_failure_count(),
             "client_locks_released": stats.released_at_stop_locks,
             "client_reservations_aborted": stats.released_at_stop_reservations,
             "l2_stores_pending": pending,
