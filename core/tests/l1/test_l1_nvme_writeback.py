@@ -88,6 +88,16 @@ def _store(l1: L1Manager, key: ObjectKey, data: bytes) -> None:
     assert l1.finish_write([key]) == [True]
 
 
+def _stored_then_written_back_in_vain(l1: L1Manager, index: int) -> bytes:
+    """Store object ``index`` and have its write-back fail; its bytes as written."""
+    data = _pattern(OBJECT, index)
+    _store(l1, _key(index), data)
+    path = l1.nvme_file_path
+    assert path is not None
+    _write_back_and_forget(path)
+    return data
+
+
 def _write_back_and_forget(path: str) -> None:
     """What the kernel does on its own in time: write the dirty pages back (here: fail), then
     reclaim the now clean pages.  Through a descriptor of our own, so the L1's own descriptor
@@ -103,12 +113,7 @@ def _write_back_and_forget(path: str) -> None:
 
 def test_an_object_whose_writeback_failed_is_a_miss_not_other_bytes(failing_fs_dir: Path) -> None:
     with L1Manager(16 * MIB, nvme_path=str(failing_fs_dir), direct_io=False) as l1:
-        data = _pattern(OBJECT, 1)
-        _store(l1, _key(1), data)
-        path = l1.nvme_file_path
-        assert path is not None
-        _write_back_and_forget(path)
-
+        data = _stored_then_written_back_in_vain(l1, 1)
         obj = l1.reserve_read([_key(1)])[_key(1)]
         out = bytearray(OBJECT)
         try:
@@ -129,11 +134,7 @@ def test_an_object_whose_writeback_failed_is_a_miss_not_other_bytes(failing_fs_d
 def test_a_loan_of_an_object_whose_writeback_failed_is_refused(failing_fs_dir: Path) -> None:
     # An L2 store borrows the bytes through lend(): it must not copy them to L2 either.
     with L1Manager(16 * MIB, nvme_path=str(failing_fs_dir), direct_io=False) as l1:
-        data = _pattern(OBJECT, 2)
-        _store(l1, _key(2), data)
-        path = l1.nvme_file_path
-        assert path is not None
-        _write_back_and_forget(path)
+        data = _stored_then_written_back_in_vain(l1, 2)
         obj = l1.reserve_store([_key(2)])[_key(2)]
         try:
             loan = l1.lend(obj)
@@ -148,12 +149,8 @@ def test_a_loan_of_an_object_whose_writeback_failed_is_refused(failing_fs_dir: P
 
 def test_objects_written_before_the_error_leave_and_later_ones_stay(failing_fs_dir: Path) -> None:
     with L1Manager(16 * MIB, nvme_path=str(failing_fs_dir), direct_io=False) as l1:
-        first, second = _pattern(OBJECT, 3), _pattern(OBJECT, 4)
-        _store(l1, _key(3), first)
-        _store(l1, _key(4), second)
-        path = l1.nvme_file_path
-        assert path is not None
-        _write_back_and_forget(path)
+        _store(l1, _key(3), _pattern(OBJECT, 3))
+        _stored_then_written_back_in_vain(l1, 4)
         obj = l1.reserve_read([_key(3)])[_key(3)]
         with pytest.raises(KeyError):
             l1.read_object(obj, memoryview(bytearray(OBJECT)))
@@ -199,3 +196,35 @@ def test_the_storage_manager_counts_the_error_among_its_failures(failing_fs_dir:
         assert failures["l1_nvme_writeback_error"] == 1
         assert failures["l1_nvme_writeback_refused"] == 1
         assert failures["l1_nvme_writeback_dropped"] == 1
+
+
+def test_an_in_process_replay_takes_a_refused_read_as_a_short_retrieve(failing_fs_dir: Path) -> None:
+    # The replay reads through StorageManager.read_object like a front end does: a refused
+    # copy ends the retrieved prefix there (as the native front end's retrieve does), it
+    # does not end the whole replay with a traceback.
+    from lmcache_tiers.config import ServerConfig
+    from lmcache_tiers.plugins import discover
+    from lmcache_tiers.replay import inprocess
+    from lmcache_tiers.replay.run import ClientState, ReplayOptions
+    from lmcache_tiers.replay.trace import TraceRequest
+    from lmcache_tiers.storage import StorageManager
+
+    options = ReplayOptions(block_bytes=OBJECT)
+    state = ClientState.for_options(options)
+    request = TraceRequest(0, 1500, 1, (1, 2))
+    scratch = memoryview(bytearray(OBJECT))
+    config = ServerConfig(
+        l1_size_gb=16 / 1024, l2_adapters=(), gds_l1_path=str(failing_fs_dir), gds_l1_use_direct_io=False
+    )
+    with StorageManager(config, discover().registry) as storage:
+        inprocess._replay_one(storage, request, state, scratch, 30.0)  # stores both blocks
+        path = storage.l1.nvme_file_path
+        assert path is not None
+        _write_back_and_forget(path)
+        inprocess._replay_one(storage, request, state, scratch, 30.0)  # hits, the copy refused
+        assert storage.l1.stats().read_locks == 0
+    totals = state.totals
+    assert totals.stored_blocks == 2 and totals.hit_blocks == 2
+    assert totals.short_retrieves == 1
+    assert totals.retrieved_blocks == 0 and totals.retrieved_bytes == 0
+    assert totals.corrupt_blocks == 0

@@ -8,12 +8,15 @@ would, minus the sockets.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
 from lmcache_tiers.config import ServerConfig
 from lmcache_tiers.errors import ConfigError, L1OutOfMemoryError
+from lmcache_tiers.l1 import L1Object
 from lmcache_tiers.registry import ComponentRegistry
 from lmcache_tiers.replay.run import (
     ClientState,
@@ -26,6 +29,8 @@ from lmcache_tiers.replay.run import (
 )
 from lmcache_tiers.replay.trace import Trace, TraceRequest
 from lmcache_tiers.storage import StorageManager
+
+logger = logging.getLogger(__name__)
 
 
 def _replay_one(
@@ -56,19 +61,12 @@ def _replay_one(
     if hits:
         objects = storage.read(keys[:hits])
         try:
-            totals.retrieved_blocks += len(objects)
-            if len(objects) < hits:
-                totals.short_retrieves += 1
-            for block, obj in zip(blocks, objects, strict=False):
-                totals.retrieved_bytes += obj.size
-                # A persistent L2 may hold an earlier replay's larger blocks under these keys.
-                out = scratch[: obj.size] if obj.size <= scratch.nbytes else memoryview(bytearray(obj.size))
-                storage.read_object(obj, out)
-                if not payloads.matches(block, out):
-                    totals.corrupt_blocks += 1
+            retrieved = _copy_out(storage, objects, blocks, state, scratch)
         finally:
             storage.release(keys[: len(objects)], not_before=not_before)  # the retrieve's lock
             storage.release(keys[:hits], not_before=not_before)  # the lookup's lock
+        if retrieved < hits:
+            totals.short_retrieves += 1
     missing = blocks[hits:]
     if not missing:
         return
@@ -89,6 +87,34 @@ def _replay_one(
         storage.abort_write(list(reserved))
         raise
     totals.stored_blocks += sum(storage.commit_write(written))
+
+
+def _copy_out(
+    storage: StorageManager,
+    objects: list[L1Object],
+    blocks: Sequence[int],
+    state: ClientState,
+    scratch: memoryview,
+) -> int:
+    """Copy the read-locked ``objects`` out and check their bytes; how many were copied.
+
+    A copy L1 refuses (KeyError: it cannot vouch for the bytes, e.g. an NVMe write-back
+    error since they were written) ends the retrieved prefix there, as the native front
+    end's retrieve does: a miss, never a replay ended by a traceback."""
+    totals, payloads = state.totals, state.payloads
+    for copied, (block, obj) in enumerate(zip(blocks, objects, strict=False)):
+        # A persistent L2 may hold an earlier replay's larger blocks under these keys.
+        out = scratch[: obj.size] if obj.size <= scratch.nbytes else memoryview(bytearray(obj.size))
+        try:
+            storage.read_object(obj, out)
+        except KeyError as exc:
+            logger.warning("replay: retrieve cut short after %d of %d blocks: %s", copied, len(objects), exc)
+            return copied
+        totals.retrieved_blocks += 1
+        totals.retrieved_bytes += obj.size
+        if not payloads.matches(block, out):
+            totals.corrupt_blocks += 1
+    return len(objects)
 
 
 def replay_in_process(
