@@ -8,8 +8,8 @@ A *load* reservation (``reserve_load``) is finished (``finish_load``) or freed
 (``abort_load``) only by the prefetch that made it, by object identity: a writer's commit
 or abort of the same key never publishes or frees it, so bytes whose load failed can never
 become readable or be queued for L2 as if freshly written.  A load reservation that leaves
-L1 while its load runs (its write TTL passed; deletes and clears skip it) keeps its extent until ``abort_load``
-(``l1/table.py``).
+L1 while its load runs (its write TTL passed; deletes and clears skip it) keeps its extent
+until ``abort_load`` (``l1/table.py``).
 """
 
 from __future__ import annotations

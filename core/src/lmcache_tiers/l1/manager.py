@@ -380,14 +380,14 @@ class L1Manager:
     ) -> list[bool]:
         """Loaded objects of ``reserve_load``: READY and read-locked ``count`` times in one
         step, so nothing can evict them before the reader gets them.  False for an object
-        that is no longer this reservation (freed by a forced clear or its TTL).
+        that is no longer this reservation (its write TTL passed: deletes and clears skip it).
         ``layouts``: each object's tensor layout as its stored record gave it ("" unknown)."""
         return self._handoffs.finish_load(objs, count, layouts)
 
     def abort_load(self, objs: Iterable[L1Object]) -> None:
         """Free ``reserve_load`` objects that will not be finished (failed, or not needed),
-        once their load is over; objects finished meanwhile are left alone.  An object a
-        forced clear or its TTL already took out of L1 gives its held extent back now."""
+        once their load is over; objects finished meanwhile are left alone.  An object whose
+        write TTL already took it out of L1 gives its held extent back now."""
         self._handoffs.abort_load(objs)
 
     # -- removal -----------------------------------------------------------------------
