@@ -1098,24 +1098,9 @@ def test_a_close_removing_records_on_a_hung_mount_does_not_hold_the_stop(
 
     monkeypatch.setattr(tree, "remove_all_records", removal_on_a_hung_mount)
     adapter.close_backend_timeout_s = 0.2  # type: ignore[misc]
-
-    def close() -> None:
-        adapter.close()
-        closed.set()
-
-    closer = threading.Thread(target=close, daemon=True)
-    closer.start()
-    try:
-        assert entered.wait(10)
-        closer.join(10)
-        assert closed.is_set(), "the server's stop waited for a close stuck removing records"
+    with closed_past_a_stuck_call(adapter, gate, closed, "l2-0:fs-test-close", "removal of records"):
+        assert entered.is_set()
         assert adapter.stats()["backend_close_timeouts"] == 1
         assert "close of the backend did not return" in caplog.text
         assert len(record_files(str(tmp_path))) == 2, "the records not removed are left as they are"
-    finally:
-        gate.set()
-        closer.join(30)
-        for thread in threading.enumerate():
-            if thread.name == "l2-0:fs-test-close":
-                thread.join(30)
     assert record_files(str(tmp_path)) == [], "the removal, once it returns, goes on"
