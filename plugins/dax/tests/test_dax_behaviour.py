@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from dax_helpers import SLOT, backend_of, client, config, flip_byte, load, open_dax, shm_dir, size_gb, store
 from lmcache_plugin_dax import DaxConfig, DaxDevice
-from slot_helpers import ZlibSerde, lru_controller
+from slot_helpers import ZlibSerde, as_newer_format, lru_controller
 
 from lmcache_tiers.testing.l2 import make_keys, pattern
 
@@ -115,6 +115,44 @@ def test_a_damaged_index_entry_is_dropped_at_restart() -> None:
             reopened.unlock([keys[0], keys[2]])
         finally:
             reopened.close()
+
+
+def test_a_record_of_a_newer_format_is_kept_as_a_miss() -> None:
+    """A committed slot whose record a newer server wrote (before a downgrade) is intact:
+    at restart and at every load a miss that is kept -- listed, accounted, still
+    committed -- and counted ``record_version_unknown``, never dropped as damage."""
+    from lmcache_plugin_dax.layout import COMMIT_BYTES, ENTRY_BYTES
+
+    with shm_dir() as directory:
+        cfg = config(directory / "dax.img")
+        keys, data = make_keys(2), data_for(2)
+        adapter = open_dax(cfg)
+        backend = backend_of(adapter)
+        assert store(adapter, keys, data) == [True, True]
+        entry = backend.table.lookup(keys[:1])[0]
+        assert entry is not None
+        region, local = backend._place(entry.slot)
+        offset, identity = region.layout.entry_offset(local) + COMMIT_BYTES, region.identity
+        adapter.close()
+        with open(cfg.device_path, "r+b") as mapping:
+            mapping.seek(offset)
+            newer = as_newer_format(mapping.read(ENTRY_BYTES - COMMIT_BYTES), identity, local)
+            mapping.seek(offset)
+            mapping.write(newer)
+        for _restart in range(2):
+            reopened = open_dax(cfg)
+            try:
+                assert set(reopened.iter_keys()) == set(keys), "listed"
+                assert reopened.used_bytes() == sum(map(len, data)), "accounted"
+                loaded, contents = load(reopened, keys, [len(d) for d in data])
+                assert loaded == [False, True]
+                assert contents[1] == data[1]
+                stats = reopened.stats()
+                assert stats["record_version_unknown"] == 2  # at the restart, then the load
+                assert stats.get("corrupt_records_removed", 0) == 0
+                assert stats["slots_used"] == 2
+            finally:
+                reopened.close()
 
 
 def test_a_slot_being_read_is_reclaimed_only_after_its_reader_leaves() -> None:

@@ -81,6 +81,23 @@ def flip_byte(path: Path | str, offset: int) -> None:
         device.write(bytes([byte[0] ^ 0xFF]))
 
 
+def as_newer_format(slot_header: bytes, identity: bytes, slot: int) -> bytes:
+    """``slot_header`` (an intact one of ``slot`` on the device of ``identity``) with its
+    record header turned into one of a newer format version, intact: what a newer server
+    sharing the device before a downgrade leaves in its slots."""
+    from lmcache_plugin_raw_block.slotheader import decode_slot_header, encode_slot_header
+
+    header = decode_slot_header(slot_header, identity, slot)
+    assert header is not None
+    record = bytearray(header.record)
+    record[4:6] = (99).to_bytes(2, "little")  # the record format version
+    record[-4:] = zlib.crc32(bytes(record[:-4])).to_bytes(4, "little")  # its header crc
+    rewritten = encode_slot_header(
+        identity, slot, header.seq, header.key, header.stored, header.l1, bytes(record)
+    )
+    return rewritten + bytes(len(slot_header) - len(rewritten))
+
+
 def lru_controller(adapter: L2Adapter, watermark: float, ratio: float) -> L2EvictionController:
     """The real per-adapter eviction controller with the installed LRU policy (tests run
     its cycles by calling ``evict`` or ``step``, not by its thread)."""

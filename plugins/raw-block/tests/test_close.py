@@ -22,7 +22,7 @@ from pathlib import Path
 import lmcache_plugin_raw_block.backend as raw_backend
 import pytest
 from lmcache_plugin_raw_block import RawBlockConfig
-from rb_helpers import backend_of, config, load, open_raw, store
+from rb_helpers import HEADER, backend_of, config, flip_byte, load, open_raw, store
 
 from lmcache_tiers.testing.l2 import make_keys, pattern
 
@@ -96,6 +96,45 @@ def test_an_error_of_the_checkpoint_at_close_still_closes_the_device(tmp_path: P
     adapter.close()  # core logs the backend's error
     with pytest.raises(OSError):
         os.fstat(backend._device.fd)  # closed all the same
+
+
+def test_loads_and_stores_still_in_the_backend_once_closing_began_move_nothing(tmp_path: Path) -> None:
+    """Core sets its closing flag first, fails the calls still running at its deadline
+    (their L1 buffers go to other objects) and only then closes the backend: from the flag
+    on, a load reads nothing more into its buffers and judges no record by them, and a
+    store writes and publishes nothing more -- each object counted and logged."""
+    cfg = config(tmp_path / "device.img", num_load_workers=1, meta_enable_periodic=False)
+    adapter = open_raw(cfg)
+    backend = backend_of(adapter)
+    keys = make_keys(3)
+    data = [pattern(i, 9000) for i in range(3)]
+    assert store(adapter, keys[:2], data[:2]) == [True, True]
+    damaged = backend.table.lookup(keys[:1])[0]
+    assert damaged is not None
+    flip_byte(cfg.device_path, backend.geometry.slot_offset(damaged.slot) + HEADER + 100)
+    read = backend._io.read
+
+    def read_then_close_begins(slot: int, buffer: memoryview) -> bytes:
+        block = read(slot, buffer)
+        adapter.state.closing.set()  # while this read was in flight
+        return block
+
+    backend._io.read = read_then_close_begins  # type: ignore[method-assign]
+    try:
+        buffers = [memoryview(bytearray(9000)) for _ in range(2)]
+        # The calls core started before its flag, reaching the backend now.
+        assert backend.get_many_into(keys[:2], buffers) == [False, False]
+        assert not any(buffers[1]), "read into a buffer after closing began"
+        assert backend.table.lookup(keys[:1]) == [damaged], "judged by a buffer that proves nothing"
+        assert backend.put_many(keys[2:], [memoryview(bytearray(data[2]))]) == [False]
+        assert backend.table.lookup(keys[2:]) == [None]
+        assert backend.table.used_slots == 2
+        stats = adapter.stats()
+        assert stats["load_stopped_closing"] == 1
+        assert stats["store_stopped_closing"] == 1
+        assert stats.get("corrupt_records_removed", 0) == 0
+    finally:
+        adapter.close()
 
 
 def _root_tools() -> str | None:

@@ -27,7 +27,7 @@ from rb_helpers import (
     open_raw,
     store,
 )
-from slot_helpers import ZlibSerde
+from slot_helpers import ZlibSerde, as_newer_format
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter
@@ -318,6 +318,46 @@ def test_serde_records_keep_their_l1_size_and_other_chains_are_kept_as_misses(tm
         again.unlock(keys)
         assert load(again, keys, [len(d) for d in data]) == ([True, True], data)
         assert again.used_bytes() == stored
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verified", "trusted"])
+def test_a_record_of_a_newer_format_is_kept_as_a_miss(tmp_path: Path, verify: bool) -> None:
+    """A slot whose record a newer server wrote (before a downgrade) is intact: at start-up
+    (headers checked, or the clean checkpoint trusted) and at every load it is a miss that
+    is kept -- listed and accounted, so eviction can reclaim its slot -- and counted
+    ``record_version_unknown``, never dropped or removed as damage."""
+    cfg = config(tmp_path / "dev.img", meta_verify_on_load=verify)
+    keys, data = make_keys(2), data_for(2)
+    adapter = open_raw(cfg)
+    backend = backend_of(adapter)
+    assert store(adapter, keys, data) == [True, True]
+    entry = backend.table.lookup(keys[:1])[0]
+    assert entry is not None
+    offset, identity = backend.geometry.slot_offset(entry.slot), backend.identity
+    adapter.close()
+    with open(cfg.device_path, "r+b") as device:
+        device.seek(offset)
+        newer = as_newer_format(device.read(4096), identity, entry.slot)
+        device.seek(offset)
+        device.write(newer)
+    reopened = open_raw(cfg)
+    try:
+        assert set(reopened.iter_keys()) == set(keys), "listed"
+        assert reopened.used_bytes() == sum(map(len, data)), "accounted"
+        loaded, contents = load(reopened, keys, [len(d) for d in data])
+        assert loaded == [False, True]
+        assert contents[1] == data[1]
+        stats = reopened.stats()
+        assert stats["record_version_unknown"] == (2 if verify else 1)  # start-up, then the load
+        assert stats.get("corrupt_records_removed", 0) == 0
+        assert stats["slots_used"] == 2, "its slot is not freed"
+    finally:
+        reopened.close()
+    again = open_raw(cfg)
+    try:
+        assert len(list(again.iter_keys())) == 2, "still there for the server that reads it"
     finally:
         again.close()
 

@@ -24,7 +24,7 @@ import numpy.typing as npt
 from lmcache_plugin_raw_block.guards import InFlight, probe_device
 from lmcache_plugin_raw_block.slotheader import decode_slot_header, record_of
 from lmcache_plugin_raw_block.slots import Claim, SlotEntry, SlotTable
-from lmcache_plugin_raw_block.slotstore import SlotStoreBackend, as_bytes
+from lmcache_plugin_raw_block.slotstore import SlotStoreBackend, as_bytes, newer_format
 
 from lmcache_plugin_dax.config import DaxConfig
 from lmcache_plugin_dax.layout import COMMIT_BYTES, ENTRY_BYTES
@@ -125,7 +125,7 @@ class DaxBackend(SlotStoreBackend):
 
     def _recover(self, reopened: Sequence[int]) -> None:
         entries: list[tuple[ObjectKey, SlotEntry]] = []
-        dropped = corrupt = 0
+        dropped = corrupt = newer = 0
         for index in reopened:
             region = self.regions[index]
             for local, seq in region.committed():
@@ -137,12 +137,26 @@ class DaxBackend(SlotStoreBackend):
                 try:
                     self.context.read_record_header(header.record, header.key)
                 except RecordError as exc:
-                    region.clear(local)
-                    corrupt += 1
+                    if not newer_format(exc):
+                        region.clear(local)
+                        corrupt += 1
+                        log.warning(
+                            "dax: %s slot %d (%s) dropped: %s",
+                            region.path,
+                            local,
+                            header.key.file_stem(),
+                            exc,
+                        )
+                        continue
+                    # Intact, of a newer server: its key's object, a miss here (newer_format).
+                    newer += 1
                     log.warning(
-                        "dax: %s slot %d (%s) dropped: %s", region.path, local, header.key.file_stem(), exc
+                        "dax: %s slot %d (%s) holds a record of a newer format: kept, a miss here (%s)",
+                        region.path,
+                        local,
+                        header.key.file_stem(),
+                        exc,
                     )
-                    continue
                 slot = int(self._global_of[index][local])
                 entries.append((header.key, SlotEntry(slot, seq, header.stored, header.l1)))
         superseded = self.table.restore(entries, next_seq=1)
@@ -151,6 +165,7 @@ class DaxBackend(SlotStoreBackend):
         self.context.count("recovered_objects", len(entries) - len(superseded))
         self.context.count("recovery_dropped_slots", dropped + len(superseded))
         self.context.count("corrupt_records_removed", corrupt)
+        self.context.count("record_version_unknown", newer)
         if reopened:
             log.info(
                 "dax: %d objects recovered from %d mappings, %d index entries dropped",

@@ -200,18 +200,20 @@ class RawBlockBackend(SlotStoreBackend):
             "recovered_from_headers": result.from_headers,
             "recovery_dropped_slots": result.dropped + len(superseded),
             "corrupt_records_removed": result.corrupt,
+            "record_version_unknown": result.newer,
             "recovery_headers_read": result.headers_read,
         }
         for name, amount in counts.items():
             self.context.count(name, amount)
         log.info(
-            "raw_block: %s: %d objects recovered (%d from checkpoint %d, %d from slot headers), "
-            "%d slots dropped, %d slot headers read",
+            "raw_block: %s: %d objects recovered (%d from checkpoint %d, %d from slot headers; "
+            "%d of a newer format, kept as misses), %d slots dropped, %d slot headers read",
             self._device.path,
             len(result.entries) - len(superseded),
             result.from_checkpoint,
             checkpoint.seq if checkpoint is not None else 0,
             result.from_headers,
+            result.newer,
             result.dropped + len(superseded) + result.corrupt,
             result.headers_read,
         )

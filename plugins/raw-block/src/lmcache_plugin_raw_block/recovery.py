@@ -14,7 +14,9 @@ Start from the newest valid checkpoint, then read slot headers to bring it up to
   after :data:`SCAN_WINDOW` slots in a row hold nothing newer than the checkpoint.
 
 A header counts only if it is intact (crc), of this device (identity), of this slot and
-its record header verifies; the payload itself is verified on every load.  Two writes
+its record header verifies -- or is intact but of a newer format version: kept as its
+key's object, counted ``record_version_unknown`` (see ``slotstore.newer_format``); the
+payload itself is verified on every load.  Two writes
 of one key keep the newer.  Without any valid checkpoint every slot header is read.
 """
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from lmcache_plugin_raw_block.checkpoint import Checkpoint
 from lmcache_plugin_raw_block.slotheader import SlotHeader, decode_slot_header
 from lmcache_plugin_raw_block.slots import CLAIM_GROUP, SlotEntry
+from lmcache_plugin_raw_block.slotstore import newer_format
 from lmcache_tiers.plugin import BackendContext, ObjectKey, RecordError
 
 log = logging.getLogger(__name__)
@@ -51,6 +54,8 @@ class Recovered:
     from_headers: int = 0
     dropped: int = 0
     corrupt: int = 0
+    #: records of a newer format kept (among the entries)
+    newer: int = 0
     headers_read: int = 0
 
 
@@ -73,10 +78,19 @@ class _Recovery:
 
     def record_ok(self, header: SlotHeader) -> bool:
         """Whether the record header in a slot header verifies for its key (a record of
-        another serde chain is intact: kept, and core answers it as a miss)."""
+        another serde chain or of a newer format is intact: kept, and a miss here)."""
         try:
             self.context.read_record_header(header.record, header.key)
         except RecordError as exc:
+            if newer_format(exc):
+                self.result.newer += 1
+                log.warning(
+                    "raw_block: slot %d (%s) holds a record of a newer format: kept, a miss here (%s)",
+                    header.slot,
+                    header.key.file_stem(),
+                    exc,
+                )
+                return True
             self.result.corrupt += 1
             log.warning("raw_block: slot %d (%s) dropped: %s", header.slot, header.key.file_stem(), exc)
             return False

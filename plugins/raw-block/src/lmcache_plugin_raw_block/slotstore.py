@@ -26,14 +26,33 @@ from lmcache_tiers.plugin import (
     RecordCorruptError,
     RecordError,
     RecordHeader,
+    RecordVerdict,
+    record_verdict,
     verify_payload,
 )
 
-__all__ = ["CLAIM_GROUP", "SlotStoreBackend", "as_bytes"]
+__all__ = ["CLAIM_GROUP", "SlotStoreBackend", "as_bytes", "newer_format"]
 
 
 def as_bytes(buffer: memoryview) -> memoryview:
     return buffer if buffer.format == "B" else buffer.cast("B")
+
+
+def newer_format(error: RecordError) -> bool:
+    """Whether a slot's record failed to read only because a newer server wrote it in a
+    format version this code does not read.
+
+    Such a record is intact: a newer server on this device (before a downgrade) wrote it
+    and reads it again after an upgrade.  Its slot header, of the format this code reads,
+    names its key and sizes, so it stays a published object: listed and accounted like
+    any other (L2 eviction and deletes reclaim its slot, a store of its key replaces
+    it), every load of it a miss counted ``record_version_unknown``.  Freeing its slot
+    would throw away a write that is not damaged; keeping the slot unlisted would take it
+    out of the capacity for good.  Another key's record under a slot header naming this
+    key is no other writer's object (the slot header names the key its writer stored):
+    damage, removed like any.
+    """
+    return record_verdict(error) is RecordVerdict.NEWER
 
 
 class SlotStoreBackend(ABC):
@@ -133,6 +152,9 @@ class SlotStoreBackend(ABC):
             )
         for start in range(0, len(fitting), CLAIM_GROUP):
             group = fitting[start : start + CLAIM_GROUP]
+            if self.context.closing:
+                self._stopped_closing("store", len(fitting) - start)
+                break
             paused = self._stores_paused()
             if paused is not None:
                 self.context.count("stores_paused", len(group))
@@ -168,6 +190,12 @@ class SlotStoreBackend(ABC):
         returned or raised when the caller ran it already (``dax`` copies a whole group
         before writing any header)."""
         quarantine = False
+        if self.context.closing:
+            # Core hands a store's buffers back once closing began, and the final
+            # checkpoint may be written already: nothing more is written or published.
+            self._stopped_closing("store", 1)
+            self.table.abandon(claim)
+            return False
         try:
             data = as_bytes(payload)
             if isinstance(copied, BaseException):
@@ -221,10 +249,14 @@ class SlotStoreBackend(ABC):
                 [keys[i] for i in wanted], [entries[i] for i in wanted], [buffers[i] for i in wanted]
             )
             for index, outcome in zip(wanted, outcomes, strict=True):
-                if isinstance(outcome, RecordError):
-                    self._remove_damaged(keys[index], entries[index], outcome)
-                else:
+                if not isinstance(outcome, RecordError):
                     results[index] = outcome
+                elif self.context.closing:
+                    pass  # core may have given the buffer to another object: it proves nothing
+                elif newer_format(outcome):
+                    self.context.unknown_version(keys[index], outcome)
+                else:
+                    self._remove_damaged(keys[index], entries[index], outcome)
             return results
         finally:
             self.table.release(entries)
@@ -235,6 +267,11 @@ class SlotStoreBackend(ABC):
         return self._readers.map(self._load_one, keys, entries, buffers)
 
     def _load_one(self, key: ObjectKey, entry: SlotEntry, buffer: memoryview) -> bool | RecordError:
+        if self.context.closing:
+            # Core fails a load still running at its close deadline and gives its buffers
+            # to other objects: nothing more is read into them.
+            self._stopped_closing("load", 1)
+            return False
         target = as_bytes(buffer)
         try:
             record_bytes = self._fetch(entry, key, target)
@@ -260,6 +297,17 @@ class SlotStoreBackend(ABC):
             # not outlive this call, and the error is kept and logged.
             return exc.with_traceback(None)
         return self._still_current(entry)
+
+    def _stopped_closing(self, what: str, count: int) -> None:
+        """Count and explain objects of a store or load not moved: the adapter is closing."""
+        self.context.count(f"{what}_stopped_closing", count)
+        self._burst.warn(
+            f"{what}_closing",
+            "%s: %d objects of a %s not moved: the adapter is closing",
+            self.type_name,
+            count,
+            what,
+        )
 
     def _remove_damaged(self, key: ObjectKey, entry: SlotEntry | None, error: RecordError) -> None:
         assert entry is not None
