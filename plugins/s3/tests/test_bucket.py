@@ -171,6 +171,65 @@ def test_a_digest_named_record_of_a_newer_format_is_kept_by_the_listing_as_such(
     assert raw.exists(key), "a newer server's acknowledged write was removed"
 
 
+def _digest_record(raw: Raw, seed: int) -> tuple[ObjectKey, bytes]:
+    """A key whose object gets a digest name (too long a model for a readable one), and a
+    record of it."""
+    key = ObjectKey("模型" * 100, 0, bytes([seed]) * 32)
+    assert raw.names.is_digest(raw.names.of(key))
+    payload = pattern(seed, SIZE)
+    return key, encode_header(key, payload, align=4096) + payload
+
+
+def test_the_listing_removes_a_damaged_digest_named_record_as_damage(
+    seaweed: SeaweedS3, l1: memoryview, opened: list[L2Adapter]
+) -> None:
+    """Only its header tells a digest-named record's key, so no lookup can ever reach one
+    whose header is damaged: the listing removes it and counts it as damage, as the file
+    stores' listings do -- not as an object of another writer, kept for good."""
+    prefix = fresh_prefix("digest-damaged")
+    raw = Raw(seaweed, prefix)
+    key, record = _digest_record(raw, 6)
+    damaged = bytearray(record)
+    damaged[100] ^= 0xFF  # a bit flip inside the header: its crc fails
+    raw.write(key, bytes(damaged))
+    adapter = open_adapter(s3_config(seaweed, prefix), l1)
+    opened.append(adapter)
+    wait_scanned(adapter)
+    stats = adapter.stats()
+    assert stats.get("corrupt_records_removed", 0) == 1
+    assert stats.get("listing_foreign_objects", 0) == 0
+    assert not raw.exists(key), "a damaged record no lookup can reach was left in the bucket"
+
+
+def test_a_failed_header_read_of_the_listing_is_a_read_error_and_keeps_the_object(
+    seaweed: SeaweedS3, l1: memoryview, opened: list[L2Adapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A digest-named record whose header the listing cannot read (the request failed)
+    says nothing about the object: it is not listed, kept, and counted as a read error
+    (``listing_read_errors``, as the file stores count one), not as a foreign object."""
+    prefix = fresh_prefix("digest-unread")
+    raw = Raw(seaweed, prefix)
+    key, record = _digest_record(raw, 7)
+    raw.write(key, record)
+    name = raw.names.of(key)
+    request = backend_module.S3Client.request
+
+    async def failing_header_read(self: backend_module.S3Client, method: str, **kwargs: object) -> object:
+        if method == "get_object" and kwargs.get("Key") == name and "Range" in kwargs:
+            raise ConnectionResetError("injected: the connection dropped during the header read")
+        return await request(self, method, **kwargs)
+
+    monkeypatch.setattr(backend_module.S3Client, "request", failing_header_read)
+    adapter = open_adapter(s3_config(seaweed, prefix), l1)
+    opened.append(adapter)
+    wait_scanned(adapter)
+    stats = adapter.stats()
+    assert stats.get("listing_read_errors", 0) == 1
+    assert stats.get("listing_foreign_objects", 0) == 0
+    assert stats.get("corrupt_records_removed", 0) == 0
+    assert raw.exists(key), "an object whose header could not be read was removed"
+
+
 def test_two_adapters_on_one_prefix_see_each_others_stores_and_deletes(
     seaweed: SeaweedS3, l1: memoryview, opened: list[L2Adapter]
 ) -> None:

@@ -86,9 +86,12 @@ class _Unlisted(enum.Enum):
 
     #: not a record of this cache (counted ``listing_foreign_objects``)
     FOREIGN = "foreign"
-    #: a record of a format version this code does not read: a newer server sharing the
-    #: bucket wrote it and reads it (counted ``record_version_unknown``, kept)
-    KEPT = "kept"
+    #: a digest-named record judged by its header, and counted there: one of a format
+    #: version this code does not read (a newer server sharing the bucket wrote it and
+    #: reads it: kept, ``record_version_unknown``), a damaged one (removed,
+    #: ``corrupt_records_removed``), one whose header could not be read (kept,
+    #: ``listing_read_errors``), or one gone since the page was listed
+    JUDGED = "judged"
 
 
 def _copy_naming_its_key(answer: dict[str, Any]) -> bytes | None:
@@ -363,7 +366,7 @@ class S3Backend:
                 return None
             if error_code(exc) == "InvalidRange":  # an empty object: no header at all
                 # Conditional on the object the HEAD saw: a record stored there since is kept.
-                await self._remove_damaged(key, name, "the object is empty", head_etag)
+                await self._remove_damaged(name, "the object is empty", head_etag)
                 return None
             raise
         try:
@@ -372,7 +375,7 @@ class S3Backend:
                 return None
             _check_size(total, header)
         except _Damaged as exc:
-            await self._remove_damaged(key, name, str(exc), etag)
+            await self._remove_damaged(name, str(exc), etag)
             return None
         return ObjectSize(header.payload_len, header.l1_size)
 
@@ -430,7 +433,7 @@ class S3Backend:
         try:
             return await self.client.bounded(into_buffer)
         except _Damaged as exc:
-            await self._remove_damaged(key, name, str(exc), read.get("etag"))
+            await self._remove_damaged(name, str(exc), read.get("etag"))
             return False
         except ShortBody as exc:
             raise S3RequestError(f"load of {key.file_stem()}: {exc}") from exc
@@ -476,19 +479,29 @@ class S3Backend:
         return key if isinstance(key, _Unlisted) else (key, size - HEADER_BYTES)
 
     async def _key_in_header(self, name: str) -> ObjectKey | _Unlisted:
-        """The key of a digest-named object, from its header (checked against the name)."""
-
+        """The key of a digest-named object, from its header (checked against the name),
+        judged as the file stores' listings judge one: no lookup can reach a record whose
+        header does not tell its key, so a damaged one is removed (if it is still the
+        object read) and counted as damage; a newer format's is kept; a failed read says
+        nothing about the object, which stays (``listing_read_errors``)."""
         try:
-            data, _total, _etag = await self.client.bounded(lambda: self._first_bytes(name))
+            data, _total, etag = await self.client.bounded(lambda: self._first_bytes(name))
+        except Exception as exc:
+            if not is_missing_object(exc):  # else removed since the page was listed
+                self.context.count("listing_read_errors")
+                self.context.warn(
+                    "listing_read",
+                    "cannot read the header of listed %s: %s; not listed, kept (a read error is not damage)",
+                    name,
+                    describe(exc),
+                )
+            return _Unlisted.JUDGED
+        try:
             key = record_key(data)
         except RecordError as exc:
-            if keeps_unlisted(self.name, name, exc, self.context.count):
-                return _Unlisted.KEPT  # a newer server's record: counted as such, not as foreign
-            self.context.warn("digest", "the header of listed %s is unreadable: %s", name, exc)
-            return _Unlisted.FOREIGN
-        except Exception as exc:
-            self.context.warn("digest", "reading the header of listed %s failed: %s", name, describe(exc))
-            return _Unlisted.FOREIGN
+            if not keeps_unlisted(self.name, name, exc, self.context.count):
+                await self._remove_damaged(name, str(exc), etag)
+            return _Unlisted.JUDGED
         return key if self.names.of(key) == name else _Unlisted.FOREIGN
 
     # -- helpers ---------------------------------------------------------------------------
@@ -517,7 +530,7 @@ class S3Backend:
                 return None
             raise _Damaged(str(exc)) from exc
 
-    async def _remove_damaged(self, key: ObjectKey, name: str, why: str, etag: str | None) -> None:
+    async def _remove_damaged(self, name: str, why: str, etag: str | None) -> None:
         """Remove the damaged object read as ``etag`` -- only if it is still that one: a
         record another server stored there since is kept (a conditional delete; a store
         that ignores the condition removes whatever is there, as a plain delete)."""
