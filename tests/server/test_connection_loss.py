@@ -40,6 +40,17 @@ def _lookup_in_thread(client: Client, keys: list[Any]) -> tuple[threading.Thread
     return thread, outcome
 
 
+def _lookup_over_a_pause(client: Client, keys: list[Any], server: ServerProcess) -> dict[str, Any]:
+    """A LOOKUP sent to ``server`` while it is frozen for several of the client's looks at
+    its connection, which all find it up; the outcome once the server has answered."""
+    freeze(server.proc.pid)
+    thread, outcome = _lookup_in_thread(client, keys)
+    time.sleep(1.5)  # six times the client's look at its connection
+    os.kill(server.proc.pid, signal.SIGCONT)
+    thread.join(CLIENT_TIMEOUT_S)
+    return outcome
+
+
 def _stored(server: ServerProcess, tag: str, count: int) -> tuple[Client, list[Any]]:
     client = Client(server.url, timeout=CLIENT_TIMEOUT_S)
     keys = make_keys(tag, count)
@@ -72,11 +83,7 @@ def test_a_server_that_is_only_slow_still_answers(tmp_path: Path) -> None:
     server = start_server(tmp_path / "server")
     client, keys = _stored(server, "slow", 4)
     try:
-        freeze(server.proc.pid)
-        thread, outcome = _lookup_in_thread(client, keys)
-        time.sleep(1.5)  # six times the client's look at its connection
-        os.kill(server.proc.pid, signal.SIGCONT)
-        thread.join(CLIENT_TIMEOUT_S)
+        outcome = _lookup_over_a_pause(client, keys, server)
         assert outcome.get("hits") == 4, outcome
         client.release(keys)
     finally:
@@ -172,11 +179,7 @@ def test_a_request_sent_after_a_restart_is_waited_for_however_slow_the_new_serve
             # The socket reconnects by itself within its reconnect interval; the drop and
             # the new connection are not looked at before the next request is sent.
             time.sleep(2.0)
-            freeze(second.proc.pid)
-            thread, outcome = _lookup_in_thread(client, keys)
-            time.sleep(1.5)  # six times the client's look at its connection
-            os.kill(second.proc.pid, signal.SIGCONT)
-            thread.join(CLIENT_TIMEOUT_S)
+            outcome = _lookup_over_a_pause(client, keys, second)
             assert outcome.get("hits") == 0, outcome
         finally:
             client.close()
