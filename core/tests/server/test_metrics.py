@@ -155,6 +155,23 @@ def test_a_stat_that_is_not_finite_costs_that_stat_only(caplog: pytest.LogCaptur
     assert "0:custom: stat 'latency_ms' is not a number (nan)" in caplog.text
 
 
+@pytest.mark.parametrize("stats", [None, ["objects", 3], "objects=3"])
+def test_stats_that_are_not_a_mapping_cost_that_adapter_s_stats_only(
+    stats: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An adapter a plugin builds whole answers ``stats()`` itself: an answer that is no
+    mapping of stats is left out and counted, and the scrape still carries the rest."""
+    name = f"0:{type(stats).__name__}"  # one per case: the warning is logged once per burst
+    adapter = {"index": 0, "name": name, "type": "custom", "usage": 0.5, "used_bytes": 10, "backend": stats}
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+        found = samples(collector_text(adapter))
+    custom = (("adapter", name),)
+    assert found[("lmcache_tiers_adapter_usage_ratio", custom)] == 0.5
+    assert ("lmcache_tiers_adapter_backend_errors_total", custom) not in found
+    assert found[("lmcache_tiers_failures_total", (("reason", "metrics_stat_not_a_number"),))] == 1.0
+    assert f"{name}: stats() answered" in caplog.text
+
+
 def test_label_values_from_configuration_are_escaped() -> None:
     name = 'odd "name"\\with\na newline'
     text = collector_text({"index": 0, "name": name, "backend": {"objects": 1}})

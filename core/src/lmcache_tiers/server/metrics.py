@@ -11,7 +11,7 @@ import logging
 import math
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -205,7 +205,9 @@ class TiersCollector(Collector):
                 family.add_metric([name], adapter.get(counter, 0))
             if "backend" not in adapter:
                 continue
-            backend = self._numeric_stats(name, adapter["backend"])
+            backend = self._backend_stats(name, adapter["backend"])
+            if backend is None:
+                continue  # left out, not zeroed, as for an adapter whose stats() raised
             if "circuit_open" in backend:
                 circuit_open.add_metric([name], backend["circuit_open"])
             backend_errors.add_metric([name], backend.get("backend_errors", 0))
@@ -213,7 +215,23 @@ class TiersCollector(Collector):
                 backend_stat.add_metric([name, stat], value)
         yield from (unreadable, usage, used, *engine.values(), circuit_open, backend_errors, backend_stat)
 
-    def _numeric_stats(self, adapter: str, stats: dict[str, Any]) -> dict[str, float]:
+    def _backend_stats(self, adapter: str, stats: Any) -> dict[str, float] | None:
+        """The numeric stats of an adapter's ``stats()`` answer.  One that is no mapping (an
+        adapter a plugin builds whole answers it itself) is None, counted and logged:
+        reading it as one would fail the whole scrape."""
+        if isinstance(stats, Mapping):
+            return self._numeric_stats(adapter, stats)
+        with self._lock:
+            self._own_failures[UNEXPORTED_STAT] += 1
+        _unexported_stats.warn(
+            f"{adapter}:stats()",
+            "%s: stats() answered %s, not a mapping of stats; left out of /metrics",
+            adapter,
+            type(stats).__name__,
+        )
+        return None
+
+    def _numeric_stats(self, adapter: str, stats: Mapping[str, Any]) -> dict[str, float]:
         """The adapter's stats that are finite numbers.  ``stats()`` promises ints, but one
         broken value must not turn the whole scrape into an error, nor put a NaN or an
         infinity in a counter; it is counted and logged."""
