@@ -944,3 +944,37 @@ def test_an_inline_copy_l1_cannot_vouch_for_ends_the_prefix(
     assert l1(server)["read_locks"] == 0
     ((_, stats),) = server.frontend_stats()
     assert stats.failures["retrieve_object_lost"] == 1
+
+
+def test_a_prefetch_started_before_a_server_restart_is_never_another_ones(make_server: Factory) -> None:
+    """A LOOKUP answered by a server that then restarts at the client's address leaves its
+    caller a handle of that server.  The restarted server numbers its prefetches anew, and
+    the client's next connection is a new session there: waited on now, the old handle
+    must not collect the prefetch the restarted server started for this client's next
+    LOOKUP (that one's hit count and locks, taken for other keys)."""
+    slow_l2 = ['{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.3}']
+    port = free_port()
+    first = make_server(adapters=slow_l2, port=port)
+    with Client(first.endpoint, timeout=30) as client:
+        before, hits = client.start_lookup(keys_of(2))  # nothing in L1: the slow L2 is asked
+        assert hits is None
+        first.request_stop()
+        assert first.frontends[0].join(30)
+        second = make_server(adapters=slow_l2, port=port)
+        theirs = keys_of(2)
+        with Client(second.endpoint) as other:
+            _only_in_l2(second, other, theirs)
+        deadline = time.monotonic() + 60
+        while True:  # the client's socket reconnects to the restarted server by itself
+            try:
+                client.ping(timeout=2)
+                break
+            except RequestTimeoutError:
+                assert time.monotonic() < deadline, "the client never reached the restarted server"
+        after, hits = client.start_lookup(theirs)
+        assert hits is None
+        with pytest.raises(ServerError) as unknown:
+            client.wait_prefetch(before, 30)
+        assert unknown.value.code is p.ErrorCode.NOT_FOUND
+        assert client.wait_prefetch(after, 30) == 2
+        assert client.release(theirs) == 2

@@ -12,6 +12,7 @@ every mutation of sessions and stats stays on one thread.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +39,10 @@ logger = logging.getLogger(__name__)
 #: payload frames as they come off the socket (zmq.Frame) or go onto it (bytes-likes)
 Frames = Sequence[Any]
 Response = tuple[p._Reply, Frames]
+
+#: the random base of the prefetch handles clients are told is below 2**62: a handle
+#: stays within the protocol's 63 bits for 2**62 prefetches
+_HANDLE_BASE_BITS = 62
 
 
 class HandlerError(Exception):
@@ -150,6 +155,12 @@ class Handlers:
         self.stopping = threading.Event()
         # prefetch handles a pool thread is blocked on; the sweep leaves them alone
         self._waited: set[int] = set()
+        # Clients are told the storage's prefetch handles plus this random base.  The
+        # storage numbers them from 1 at every start, so a handle a client kept from before
+        # a restart would otherwise name a prefetch the restarted server started for that
+        # client's next LOOKUP (its new connection is one session for all its threads):
+        # collected, it hands over another prefetch's hit count and locks.
+        self._handle_base = secrets.randbits(_HANDLE_BASE_BITS)
         self._expired_results = BurstLog(logger, "prefetch_result_expired")
         self._table: dict[type[p._Request], Callable[[Any, bytes, Frames], Response | Deferred]] = {
             p.Hello: self.hello,
@@ -223,21 +234,22 @@ class Handlers:
         now = time.monotonic()
         session = self.sessions.get(identity, now)
         handle, locked = self.storage.start_prefetch(keys, readers=1)
+        wire_handle = self._handle_base + handle
         if locked is None:
             session.prefetches[handle] = PendingPrefetch(keys, now, now + self.sessions.result_ttl_s)
             if req.wait_s > 0:  # the client would WAIT next: do it now, saving a round trip
                 req_id = req.req_id
 
                 def reply(hits: int | None) -> Response:
-                    return p.LookupReply(req_id, handle=handle, hits=hits), ()
+                    return p.LookupReply(req_id, handle=wire_handle, hits=hits), ()
 
                 return self._wait(identity, handle, now + req.wait_s, reply, "lookup_wait")
-            return p.LookupReply(req.req_id, handle=handle), ()
+            return p.LookupReply(req.req_id, handle=wire_handle), ()
         # Done at once (the usual all-in-L1 case): the prefix is this client's now.  The
         # keys are the decoder's remembered objects, which the session's dicts match by
         # identity.
         session.add_read_locks(locked, self.sessions.read_lock_deadline(now))
-        return p.LookupReply(req.req_id, handle=handle, hits=len(locked)), ()
+        return p.LookupReply(req.req_id, handle=wire_handle, hits=len(locked)), ()
 
     def _settled(self, handle: int, pending: PendingPrefetch) -> bool:
         """Whether the prefetch is done, asking the storage unless a pool thread is waiting
@@ -255,38 +267,42 @@ class Handlers:
         session.add_read_locks(pending.locked, self.sessions.prefetch_lock_deadline(pending.started))
         return pending.hits or 0
 
-    def _pending(self, identity: bytes, handle: int) -> tuple[Session, PendingPrefetch]:
+    def _pending(self, identity: bytes, wire_handle: int) -> tuple[Session, int, PendingPrefetch]:
+        """The caller's pending prefetch named by ``wire_handle`` (what its LOOKUP was
+        told), with the storage's handle for it."""
+        handle = wire_handle - self._handle_base
         # A client that started no prefetch gets no session for asking about one.
         session = self.sessions.existing(identity)
-        pending = None if session is None else session.prefetches.get(handle)
+        pending = None if session is None or handle <= 0 else session.prefetches.get(handle)
         if session is None or pending is None:
             raise HandlerError(
                 p.ErrorCode.NOT_FOUND,
-                f"no pending prefetch {handle} for this client (already collected, or not "
-                f"collected within {self.sessions.result_ttl_s:g}s)",
+                f"no pending prefetch {wire_handle} for this client (already collected, not "
+                f"collected within {self.sessions.result_ttl_s:g}s, or started over another "
+                "connection or before the server restarted)",
             )
-        return session, pending
+        return session, handle, pending
 
     def query_prefetch(self, req: p.QueryPrefetchStatus, identity: bytes, frames: Frames) -> Response:
-        session, pending = self._pending(identity, req.handle)
-        hits = self._collect(session, req.handle, pending) if self._settled(req.handle, pending) else None
+        session, handle, pending = self._pending(identity, req.handle)
+        hits = self._collect(session, handle, pending) if self._settled(handle, pending) else None
         return p.PrefetchStatusReply(req.req_id, hits=hits), ()
 
     def wait_prefetch(
         self, req: p.WaitPrefetchStatus, identity: bytes, frames: Frames
     ) -> Response | Deferred:
-        session, pending = self._pending(identity, req.handle)
-        if req.handle in self._waited:
+        session, handle, pending = self._pending(identity, req.handle)
+        if handle in self._waited:
             raise HandlerError(
                 p.ErrorCode.INVALID_ARGUMENT, f"prefetch {req.handle} is already being waited for"
             )
-        if self._settled(req.handle, pending):
-            return p.PrefetchStatusReply(req.req_id, hits=self._collect(session, req.handle, pending)), ()
+        if self._settled(handle, pending):
+            return p.PrefetchStatusReply(req.req_id, hits=self._collect(session, handle, pending)), ()
 
         def reply(hits: int | None) -> Response:
             return p.PrefetchStatusReply(req.req_id, hits=hits), ()
 
-        return self._wait(identity, req.handle, time.monotonic() + req.timeout_s, reply, "prefetch_wait")
+        return self._wait(identity, handle, time.monotonic() + req.timeout_s, reply, "prefetch_wait")
 
     def _wait(
         self,
