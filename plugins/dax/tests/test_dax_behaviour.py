@@ -117,6 +117,24 @@ def test_a_damaged_index_entry_is_dropped_at_restart() -> None:
             reopened.close()
 
 
+def test_a_superblock_of_a_newer_format_is_reformatted_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    with shm_dir() as directory:
+        cfg = config(directory / "dax.img")
+        adapter = open_dax(cfg)
+        assert store(adapter, make_keys(1), data_for(1)) == [True]
+        adapter.close()
+        with open(cfg.device_path, "r+b") as mapping:
+            mapping.seek(8)  # after the magic: the superblock's format version
+            mapping.write((2).to_bytes(4, "little"))
+        with caplog.at_level("WARNING", logger="lmcache_plugin_dax"):
+            reopened = open_dax(cfg)
+        try:
+            assert reopened.stats()["device_formats"] == 1
+            assert "superblock is of format version 2, newer than the 1 this code reads" in caplog.text
+        finally:
+            reopened.close()
+
+
 def test_a_record_of_a_newer_format_is_kept_as_a_miss() -> None:
     """A committed slot whose record a newer server wrote (before a downgrade) is intact:
     at restart and at every load a miss that is kept -- listed, accounted, still

@@ -256,6 +256,28 @@ def test_a_damaged_superblock_of_ours_is_reformatted(tmp_path: Path) -> None:
         reopened.close()
 
 
+def test_a_superblock_of_a_newer_format_is_reformatted_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A newer server's superblock (a downgrade) is this adapter's device in a format it
+    cannot read: formatted, counted, and the warning says why -- not "damaged"."""
+    cfg = config(tmp_path / "dev.img")
+    adapter = open_raw(cfg)
+    assert store(adapter, make_keys(1), [b"abc"]) == [True]
+    adapter.close()
+    with open(cfg.device_path, "r+b") as device:
+        device.seek(len(SUPERBLOCK_MAGIC))
+        device.write((2).to_bytes(4, "little"))  # the superblock's format version
+    with caplog.at_level("WARNING", logger="lmcache_plugin_raw_block"):
+        reopened = open_raw(cfg)
+    try:
+        assert reopened.stats()["device_formats"] == 1
+        assert "superblock is of format version 2, newer than the 1 this code reads" in caplog.text
+        assert "damaged" not in caplog.text
+    finally:
+        reopened.close()
+
+
 def test_slots_quarantined_after_a_media_error_leave_the_capacity(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

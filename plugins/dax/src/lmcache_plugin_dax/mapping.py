@@ -26,6 +26,7 @@ from lmcache_plugin_raw_block.superblock import (
     foreign_signature,
     has_magic,
     new_identity,
+    unreadable_reason,
 )
 
 from lmcache_plugin_dax.layout import (
@@ -167,7 +168,7 @@ class DaxRegion:
         if superblock is not None:
             reason = "persist_enabled is false" if not keep else "its geometry changed"
         elif has_magic(head, SUPERBLOCK_MAGIC):
-            reason = "its superblock is damaged"
+            reason = unreadable_reason(head)
         else:
             reason = "it holds no dax superblock"
         level = logging.WARNING if head.strip(b"\0") else logging.INFO

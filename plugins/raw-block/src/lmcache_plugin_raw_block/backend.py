@@ -37,6 +37,7 @@ from lmcache_plugin_raw_block.superblock import (
     has_magic,
     new_identity,
     own_block,
+    unreadable_reason,
 )
 from lmcache_tiers.plugin import BackendContext, ConfigError, ObjectKey
 
@@ -78,7 +79,7 @@ def _reformat_reason(found: bytes, magic_ok: bool, geometry: Geometry, config: R
             return "its geometry changed (" + ", ".join(changed) + ")"
         return None
     if magic_ok:
-        return "its superblock is damaged"
+        return unreadable_reason(found)
     return "it holds no raw_block superblock"
 
 

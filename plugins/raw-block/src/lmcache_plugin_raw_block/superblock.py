@@ -76,6 +76,20 @@ def decode_superblock(data: bytes | memoryview, magic: bytes) -> Superblock | No
     return Superblock(decoded.identity, decoded.geometry, decoded.formatted_at)
 
 
+def unreadable_reason(data: bytes | memoryview) -> str:
+    """Why a superblock with our magic did not decode: written by a newer server in a
+    format version this code does not read (a downgrade), or damaged."""
+    view = memoryview(data).cast("B")
+    if len(view) >= _FIXED.size:
+        version = _FIXED.unpack_from(view)[1]
+        if version > SUPERBLOCK_VERSION:
+            return (
+                f"its superblock is of format version {version}, newer than the "
+                f"{SUPERBLOCK_VERSION} this code reads"
+            )
+    return "its superblock is damaged"
+
+
 def has_magic(data: bytes | memoryview, magic: bytes) -> bool:
     """Whether ``data`` starts with ``magic`` (a superblock of ours, intact or not)."""
     return bytes(memoryview(data)[: len(magic)]) == magic
