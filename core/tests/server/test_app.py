@@ -555,3 +555,45 @@ def test_a_front_end_whose_reports_raise_costs_its_own_part_of_the_http_routes(
         code, health = fetch(f"{server.http_url}/healthz")
         assert code == 503 and "health is broken" in health
     assert "stats is broken" in caplog.text and "status is broken" in caplog.text
+
+
+def test_a_terminal_gone_during_the_flush_neither_stops_it_nor_leaves_the_segment(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The flush's progress bar writes to the terminal: one that went away (a pty whose
+    other end closed answers EIO) must not end the close before the storage's -- the
+    flush goes on unseen, stores what was pending, and the segment is unlinked."""
+    from lmcache_tiers.plugins import load_registry
+
+    registry = load_registry()
+    name = f"tiers_unit_{uuid.uuid4().hex[:12]}"
+    slow = json.dumps({"type": "mock", "max_size_gb": 0.1, "latency_s": 1.0})
+    config = build_config(
+        registry,
+        {"port": 0, "metrics_port": 0, "l1_size_gb": 0.0625, "l1_shm_name": name},
+        adapter_json=[slow],
+    )
+    server = TiersServer(config, registry=registry)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    master, slave = os.openpty()
+    terminal = os.fdopen(slave, "w")
+    try:
+        with Client(server.endpoint) as client:
+            client.store([ObjectKey("unit", 0, b"flushed")], [b"x" * 5000])
+        server.request_stop()
+        thread.join(30)
+        assert not thread.is_alive()
+        os.close(master)  # the terminal is gone: every write to it fails with EIO
+        with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+            summary = server.close(Console(file=terminal, force_terminal=True))
+        assert not os.path.exists(f"/dev/shm/{name}"), "the L1 segment outlived the close"
+        assert summary["l2_stores_pending"] == 1 and summary["l2_flushed"]
+        assert server.storage.failures().get("l2_store_abandoned", 0) == 0
+        assert "flush progress cannot be shown" in caplog.text
+    finally:
+        with contextlib.suppress(OSError):
+            terminal.close()
+        server.storage.close(drain_timeout_s=0.0)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{name}")

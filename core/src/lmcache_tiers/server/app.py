@@ -340,10 +340,16 @@ class TiersServer:
         """After ``serve`` returned: flush L2 (progress on ``console``; a second signal
         abandons it), release everything; returns a summary."""
         self._close_frontends()
-        stats = merged_stats(part for _, part in self.frontend_stats())
-        before = self.storage.status()
-        pending = pending_l2_stores(self.storage)
-        flushed = flush_l2(self.storage, self.drain_timeout_s, lambda: self._force, console)
+        try:
+            stats = merged_stats(part for _, part in self.frontend_stats())
+            before = self.storage.status()
+            pending = pending_l2_stores(self.storage)
+            flushed = flush_l2(self.storage, self.drain_timeout_s, lambda: self._force, console)
+        except BaseException:
+            # Whatever cut the close short, the storage still closes (counting what the
+            # flush did not store), the L1 segment is unlinked and the ports go back.
+            self._release_the_rest()
+            raise
         # The flush was the drain: what is still pending is abandoned now, and counted.
         self.storage.close(drain_timeout_s=0.0)
         failures = self.storage.failures()
@@ -377,6 +383,15 @@ class TiersServer:
             self.http.stop()
         self._close_pipe()
         return summary
+
+    def _release_the_rest(self) -> None:
+        """Close the storage, the HTTP endpoint and the wake-up pipe (a close cut short)."""
+        try:
+            self.storage.close(drain_timeout_s=0.0)
+        finally:
+            if self.http is not None:
+                self.http.stop()
+            self._close_pipe()
 
     def _close_frontends(self) -> None:
         """Stop and close front ends (those that never started, or after ``serve``).

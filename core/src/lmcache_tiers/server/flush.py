@@ -64,17 +64,40 @@ def flush_l2(
         transient=True,
         disable=not live,
     )
-    with progress:
-        task = progress.add_task("flush", total=max(pending, 1))
-        while True:
-            if storage.flush(timeout=min(_SLICE_S, max(0.0, deadline - time.monotonic()))):
-                progress.update(task, completed=max(pending, 1))
-                return True
-            left = pending_l2_stores(storage)
-            progress.update(task, completed=max(0, pending - left))
-            if abandon():
-                logger.warning("flush abandoned on a second signal: %d L2 stores not waited for", left)
-                return False
-            if time.monotonic() >= deadline:
-                logger.warning("flush timed out after %gs: %d L2 stores not waited for", timeout_s, left)
-                return False
+    try:
+        with progress:
+            task = progress.add_task("flush", total=max(pending, 1))
+            return _wait(
+                storage,
+                timeout_s,
+                deadline,
+                abandon,
+                lambda left: progress.update(task, completed=max(0, pending - left)),
+            )
+    except OSError as exc:
+        # The terminal went away (a hangup, a closed pty): the progress is for people, and
+        # the flush of acknowledged writes goes on without it.
+        logger.warning("flush progress cannot be shown (%s); flushing on without it", exc)
+        return _wait(storage, timeout_s, deadline, abandon, lambda left: None)
+
+
+def _wait(
+    storage: StorageManager,
+    timeout_s: float,
+    deadline: float,
+    abandon: Callable[[], bool],
+    show: Callable[[int], object],
+) -> bool:
+    """The flush's wait, in slices; ``show(left)`` after each with the stores left."""
+    while True:
+        if storage.flush(timeout=min(_SLICE_S, max(0.0, deadline - time.monotonic()))):
+            show(0)
+            return True
+        left = pending_l2_stores(storage)
+        show(left)
+        if abandon():
+            logger.warning("flush abandoned on a second signal: %d L2 stores not waited for", left)
+            return False
+        if time.monotonic() >= deadline:
+            logger.warning("flush timed out after %gs: %d L2 stores not waited for", timeout_s, left)
+            return False
