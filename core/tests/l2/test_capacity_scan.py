@@ -196,6 +196,42 @@ def test_while_the_scan_runs_stores_that_add_bytes_are_refused(
     assert store(adapter, make_keys(1, start=50), [10]) == [True]
 
 
+def wait_for_the_scan(adapter: L2Adapter) -> None:
+    pause = threading.Event()
+    for _ in range(3000):
+        if not adapter.stats()["scan_running"]:
+            return
+        pause.wait(0.01)
+    raise AssertionError("the start-up scan never ended")
+
+
+def test_a_key_a_lookup_found_absent_while_the_scan_runs_is_not_accounted_from_the_listing(
+    adapters: list[L2Adapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The listing may be older than a lookup's answer (a directory read ahead, a page of
+    an object listing): a key removed behind the adapter's back -- by another server
+    sharing the store -- and answered absent must not come back from it, accounted for
+    bytes the store no longer holds."""
+    import lmcache_tiers.l2.scan as scan
+
+    monkeypatch.setattr(scan, "BATCH_ENTRIES", 1)
+    monkeypatch.setattr(scan, "FOREGROUND_ENTRIES", 1)
+    GatedListing.gate = threading.Semaphore(1)  # the first entry in the foreground
+    namespace = fill_namespace(3, 1000)
+    adapter = open_dict(GatedListing, namespace=namespace)
+    adapters.append(adapter)
+    listed = make_keys(3)
+    assert adapter.stats()["scan_running"] == 1
+    del _SPACES[namespace][listed[2]]  # another server deleted it; the listing holds it still
+    client = BlockingAdapterClient(adapter, timeout=30)
+    assert client.lookup_and_lock(listed[2:]).found == [False]
+    GatedListing.gate.release()
+    GatedListing.gate.release()
+    wait_for_the_scan(adapter)
+    assert adapter.used_bytes() == 2000, "the listed keys still stored"
+    assert adapter.stats()["objects"] == 2
+
+
 class FailingListing(DictBackend):
     def list_keys(self) -> Iterator[tuple[ObjectKey, int]]:
         yield make_keys(1)[0], 10

@@ -58,8 +58,9 @@ class ByteAccounting:
         #: True once a start-up scan listed the whole store: from then on every object the
         #: backend holds is accounted, unless it was put there behind the adapter's back
         self.complete = False
-        # Keys a live operation recorded or forgot while the scan ran: the listing may be
-        # older than what the operation did, so the scan leaves them alone.
+        # Keys a live operation recorded, forgot or found absent while the scan ran: the
+        # listing may be older than what the operation did or saw, so the scan leaves them
+        # alone.
         self._touched: set[ObjectKey] = set()
 
     # -- internals (call with the lock held) --------------------------------------------------
@@ -120,6 +121,16 @@ class ByteAccounting:
             if self._scanning:
                 self._touched.add(key)
             return True
+
+    def note_absent(self, keys: Sequence[ObjectKey]) -> None:
+        """The backend answered ``keys`` absent (not accounted when asked): a start-up scan
+        still running must not account them from a listing older than that answer -- one
+        read before another server sharing the store removed them."""
+        if not keys or not self._scanning:
+            return
+        with self._lock:
+            if self._scanning:
+                self._touched.update(keys)
 
     def get(self, key: ObjectKey) -> ObjectSize | None:
         with self._lock:

@@ -404,6 +404,7 @@ class LookupOp(BatchOp):
         sizes = [0] * len(self.keys)
         misses: list[ObjectKey] = []
         absent: list[tuple[ObjectKey, ObjectSize]] = []  # accounted, and answered absent
+        unknown: list[ObjectKey] = []  # not accounted, and answered absent
         adopted: list[ObjectKey] = []  # found, and not accounted before the lookup
         for position, index in enumerate(self.io_index):
             key = self.keys[index]
@@ -412,8 +413,11 @@ class LookupOp(BatchOp):
             size = resolve_size(state, key, reported, known)
             if size is None:
                 misses.append(key)
-                if io_result is not None and reported is None and known is not None:
-                    absent.append((key, known))
+                if io_result is not None and reported is None:
+                    if known is not None:
+                        absent.append((key, known))
+                    else:
+                        unknown.append(key)
                 continue
             found[index] = True
             sizes[index] = size.l1
@@ -421,6 +425,7 @@ class LookupOp(BatchOp):
             if known is None:
                 adopted.append(key)
         forget_gone(state, absent, "found by a lookup")
+        state.accounting.note_absent(unknown)
         if adopted:
             # Stored by someone else (another server sharing the store, an earlier process
             # the scan has not reached yet) and accounted from now on: listeners hear of
