@@ -41,6 +41,7 @@ What each kind of plugin needs:
   ``decode_request`` with its ``KeyCache`` (a server's decoding of request headers);
 * file-per-object stores: ``FileLayout``, ``LocalFiles``, ``DirectoryLock`` (and
   ``PathLock``, ``DirectoryInUseError``), ``HeaderSizes``, ``WriteFailures``,
+  ``RemovalFailures`` (a sweep removing every record),
   ``RECORD_ALIGN``, ``RECORD_SUFFIX``, whole verified loads of record files
   ``RecordLoads``, name helpers (``record_name``, ``classify_name``,
   ``EntryKind``, ``is_temp_name``, ``check_relative_dir``, ``record_key``), ``identity_of``,
@@ -130,6 +131,7 @@ if TYPE_CHECKING:
         LocalFiles,
         PathLock,
         ProcessClaim,
+        RemovalFailures,
         WriteFailures,
         check_relative_dir,
         classify_name,
@@ -233,6 +235,7 @@ _LAZY = {
     "FileIdentity": _FILES,
     "FileLayout": _FILES,
     "HeaderSizes": _FILES,
+    "RemovalFailures": _FILES,
     "KeyStripes": _FILES,
     "LocalFiles": _FILES,
     "PathLock": _FILES,
@@ -402,6 +405,7 @@ __all__ = [
     "RecordSerdeMismatchError",
     "RecordVerdict",
     "RecordVersionError",
+    "RemovalFailures",
     "RouterLoop",
     "Serde",
     "SerdeContext",

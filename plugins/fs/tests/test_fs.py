@@ -9,6 +9,7 @@ import shutil
 import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -1104,3 +1105,48 @@ def test_a_close_removing_records_on_a_hung_mount_does_not_hold_the_stop(
         assert "close of the backend did not return" in caplog.text
         assert len(record_files(str(tmp_path))) == 2, "the records not removed are left as they are"
     assert record_files(str(tmp_path)) == [], "the removal, once it returns, goes on"
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "url"])
+def test_a_close_that_cannot_remove_one_record_removes_the_rest_and_counts_it(
+    tmp_path: Path, remote: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With persistence off the close removes every record.  One that cannot be removed (a
+    permission or I/O error) must neither leave the others on disk nor pass unseen: the
+    rest are removed, it is counted (``records_not_removed``) and one line says so."""
+    import fsspec
+
+    root = f"memory://not-removed-{uuid.uuid4().hex}" if remote else str(tmp_path)
+    files = fsspec.filesystem("memory" if remote else "file")
+    arena = Arena()
+    keys = make_keys(3)
+    adapter = open_fs(fs_config(root, persist_enabled=False), arena.view)
+    assert store(adapter, arena, keys, [pattern(i, SIZE) for i in range(3)]) == [True] * 3
+    stuck = sorted(path for path in files.find(root) if path.endswith(".bin"))[0]
+    refused: list[str] = []
+
+    def refuse(path: str, remove: Any) -> None:
+        if str(path).endswith(os.path.basename(stuck)):
+            refused.append(str(path))
+            raise PermissionError(13, "injected: permission denied", str(path))
+        remove(path)
+
+    if remote:
+        tree = adapter.backend._tree  # type: ignore[attr-defined]
+        rm_file = tree.fs.rm_file
+        monkeypatch.setattr(tree.fs, "rm_file", lambda path: refuse(path, rm_file))
+    else:
+        unlink = os.unlink
+        monkeypatch.setattr(os, "unlink", lambda path, *args, **kwargs: refuse(path, unlink))
+    try:
+        with caplog.at_level(logging.WARNING):
+            adapter.close()
+    finally:
+        monkeypatch.undo()
+    assert refused, "the removal never reached the record"
+    left = [path for path in files.find(root) if path.endswith(".bin")]
+    assert [os.path.basename(path) for path in left] == [os.path.basename(stuck)], "the rest were left"
+    assert adapter.stats().get("records_not_removed", 0) == 1
+    assert any("could not be removed" in record.getMessage() for record in caplog.records)
+    if remote:
+        files.rm(root, recursive=True)

@@ -30,6 +30,7 @@ from lmcache_tiers.plugin import (
     ObjectKey,
     ObjectSize,
     RecordError,
+    RemovalFailures,
     WriteFailures,
     classify_name,
     copy_into,
@@ -411,8 +412,18 @@ class RemoteRecords:
         return removed
 
     def remove_all_records(self) -> int:
-        removed = 0
+        """Delete every record and temporary file of either layout; one that cannot be
+        removed does not stop the others, and is counted and told (``RemovalFailures``)."""
+        removed, failures = 0, RemovalFailures(self.context.name, self.context.count)
         for directory, name, _size in self._entries():
             if classify_name(name).kind is not EntryKind.FOREIGN:
-                removed += self._remove_quietly(posixpath.join(directory, name))
+                path = posixpath.join(directory, name)
+                try:
+                    self.fs.rm_file(path)
+                    removed += 1
+                except FileNotFoundError:
+                    pass  # removed meanwhile
+                except Exception as exc:  # what the filesystem raises is its own
+                    failures.failed(path, exc)
+        failures.report(removed)
         return removed

@@ -23,6 +23,7 @@ from lmcache_tiers.l2.files.local import ABSENT_FILE_ERRORS, FileIdentity, KeySt
 from lmcache_tiers.l2.files.records import (
     RECORD_ALIGN,
     HeaderSizes,
+    RemovalFailures,
     WriteFailures,
     is_out_of_space,
     judge_digest_record,
@@ -45,6 +46,7 @@ __all__ = [
     "LocalFiles",
     "PathLock",
     "ProcessClaim",
+    "RemovalFailures",
     "WriteFailures",
     "check_relative_dir",
     "classify_name",

@@ -38,7 +38,7 @@ from lmcache_tiers.l2.files.layout import (
     is_shard_name,
     is_temp_name,
 )
-from lmcache_tiers.l2.files.records import judge_digest_record, log_unreadable_header
+from lmcache_tiers.l2.files.records import RemovalFailures, judge_digest_record, log_unreadable_header
 from lmcache_tiers.l2.record import MAX_HEADER_LEN
 
 log = logging.getLogger("lmcache_tiers.l2.files")
@@ -519,8 +519,10 @@ class LocalFiles:
 
     def remove_all_records(self) -> int:
         """Delete every record and temporary file of either layout, then the empty shard
-        directories (files that are not ours are left alone)."""
-        removed = 0
+        directories (files that are not ours are left alone).  A file that cannot be
+        removed does not stop the others; it is counted, and an OSError says so at the
+        end (:class:`~.records.RemovalFailures`)."""
+        removed, failures = 0, RemovalFailures(self.name, self._count)
         for _directory, entry in self._files():
             if classify_name(entry.name).kind is not EntryKind.FOREIGN:
                 try:
@@ -528,6 +530,8 @@ class LocalFiles:
                     removed += 1
                 except FileNotFoundError:
                     pass
+                except OSError as exc:
+                    failures.failed(entry.path, exc)
         for directory in sorted(self.directories(first_level=True), key=len, reverse=True):
             if directory != self.layout.root:
                 try:
@@ -536,4 +540,5 @@ class LocalFiles:
                     pass
         self.layout.forget_directories()
         self.layout.remember(self.layout.root)
+        failures.report(removed)
         return removed

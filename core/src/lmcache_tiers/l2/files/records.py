@@ -27,6 +27,7 @@ __all__ = [
     "MAX_HEADER_LEN",
     "RECORD_ALIGN",
     "HeaderSizes",
+    "RemovalFailures",
     "WriteFailures",
     "is_out_of_space",
     "judge_digest_record",
@@ -125,6 +126,42 @@ def log_unreadable_header(store: str, path: str, exc: OSError) -> None:
 
 def is_out_of_space(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+class RemovalFailures:
+    """The record files a sweep removing every record of a store could not remove.
+
+    One such file does not stop the sweep -- the others still go -- and none passes
+    unseen: each is counted (``records_not_removed``) as it fails, and :meth:`report`
+    tells them in one line and raises once the sweep is done.  A store that still holds
+    records must not be taken for emptied: at start (``recover_on_start`` false) they
+    would be served; at close they stay on disk, each complete and checksummed.
+    """
+
+    def __init__(self, store: str, count: Callable[[str, int], None]) -> None:
+        self._store = store
+        self._count = count
+        self._failed = 0
+        self._first = ""
+
+    def failed(self, path: str, exc: BaseException) -> None:
+        """``path`` could not be removed (``exc``)."""
+        self._failed += 1
+        self._count("records_not_removed", 1)
+        if not self._first:
+            self._first = f"{printable(path, 300)}: {exc}"
+
+    def report(self, removed: int) -> None:
+        """After the sweep that removed ``removed`` files: one line, and an OSError, if
+        any file could not be removed."""
+        if not self._failed:
+            return
+        message = (
+            f"{self._failed} record files could not be removed and stay ({removed} were removed); "
+            f"the first: {self._first}"
+        )
+        _log.warning("%s: %s", self._store, message)
+        raise OSError(message)
 
 
 class WriteFailures:
