@@ -267,27 +267,31 @@ class Lookups:
         for state in idle + overflow:
             if state.job is not None:
                 expired += self.give_back(state.job)
-        if overflow:
-            # Forgotten while maybe still in use (request ids are the clients' choice, the
-            # table is bounded): their next lookup starts from scratch.
-            shared.stats.failure("mp_request_dropped", len(overflow))
-            self._dropped.event(
-                len(overflow), f"requests forgotten beyond max_requests ({shared.requests.max_requests})"
-            )
-        if abandoned:
-            shared.stats.failure("mp_lookups_abandoned", abandoned)
-            self._abandoned.event(
-                abandoned,
-                f"lookups whose prefetch ran past {limit:g}s (half the read-lock TTL) were given up: "
-                "their requests are answered 0 hits",
-            )
-        if expired:
-            shared.stats.failure("mp_lookup_locks_expired", expired)
-            self._expired.event(
-                expired,
-                f"read locks of lookups not retrieved or freed within {limit:g}s (or of requests "
-                "idle too long) were released",
-            )
+        # Forgotten while maybe still in use (request ids are the clients' choice, the
+        # table is bounded): their next lookup starts from scratch.
+        self._count(
+            self._dropped,
+            len(overflow),
+            f"requests forgotten beyond max_requests ({shared.requests.max_requests})",
+        )
+        self._count(
+            self._abandoned,
+            abandoned,
+            f"lookups whose prefetch ran past {limit:g}s (half the read-lock TTL) were given up: "
+            "their requests are answered 0 hits",
+        )
+        self._count(
+            self._expired,
+            expired,
+            f"read locks of lookups not retrieved or freed within {limit:g}s (or of requests "
+            "idle too long) were released",
+        )
+
+    def _count(self, log: BurstLog, count: int, what: str) -> None:
+        """``count`` failures of ``log``'s reason, if any: counted and logged."""
+        if count:
+            self.shared.stats.failure(log.reason or "unspecified", count)
+            log.event(count, what)
 
     def release_everything(self) -> int:
         released = 0

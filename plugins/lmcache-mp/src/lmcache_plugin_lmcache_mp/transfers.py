@@ -99,7 +99,7 @@ class Transfers:
         size = instance.object_bytes
         try:
             # Before L1 reserves: this deadline must not outlast L1's own (taken inside),
-            # or a commit in between would act by key on what L1 has already reaped.
+            # or the transfer would be counted live while L1 has already reaped it.
             deadline = time.monotonic() + self.shared.write_ttl_s
             reserved = self.storage.reserve_write(
                 keys, [size] * len(keys), [instance.layout_text] * len(keys)
