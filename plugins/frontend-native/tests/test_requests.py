@@ -304,14 +304,22 @@ def test_an_inline_store_outlived_by_its_reservation_leaves_the_next_writers_alo
         finally:
             handlers._copier_in = copier  # type: ignore[method-assign]
         assert slots[0].offset != p.NO_SLOT
-        assert inline.lookup([key]) == 0  # the other client's reservation is not readable
-        assert l1(server)["write_locked"] == 1
-        segment = other._segment
-        assert segment is not None
-        segment.write(slots[0].offset, np.frombuffer(theirs, dtype=np.uint8))
-        assert other._call(p.StoreCommit(0, "", [key]), p.StoreReply).done == [True]
-        with inline.retrieve([key]) as views:
-            assert [bytes(view) for view in views] == [theirs]
+        _left_to_its_writer(server, inline, other, key, slots[0], theirs)
+
+
+def _left_to_its_writer(
+    server: TiersServer, reader: Client, writer: Client, key: ObjectKey, slot: p.Slot, data: bytes
+) -> None:
+    """``writer``'s reservation of ``key`` (at ``slot``) is untouched: not readable, still
+    write-locked, and once ``writer`` fills and commits it, ``reader`` gets ``data``."""
+    assert reader.lookup([key]) == 0
+    assert l1(server)["write_locked"] == 1
+    segment = writer._segment
+    assert segment is not None
+    segment.write(slot.offset, np.frombuffer(data, dtype=np.uint8))
+    assert writer._call(p.StoreCommit(0, "", [key]), p.StoreReply).done == [True]
+    with reader.retrieve([key]) as views:
+        assert [bytes(view) for view in views] == [data]
 
 
 @pytest.mark.parametrize("commit", [True, False])
@@ -332,14 +340,7 @@ def test_a_shared_memory_commit_outlived_by_its_reservation_leaves_the_next_writ
             assert late._call(p.StoreCommit(0, "", [key]), p.StoreReply).done == [False]
         else:
             late._call(p.StoreAbort(0, "", [key]), p.StoreReply)
-        assert late.lookup([key]) == 0  # the other client's reservation is not readable
-        assert l1(server)["write_locked"] == 1
-        segment = other._segment
-        assert segment is not None
-        segment.write(slots[0].offset, np.frombuffer(theirs, dtype=np.uint8))
-        assert other._call(p.StoreCommit(0, "", [key]), p.StoreReply).done == [True]
-        with late.retrieve([key]) as views:
-            assert [bytes(view) for view in views] == [theirs]
+        _left_to_its_writer(server, late, other, key, slots[0], theirs)
 
 
 def test_timed_out_reservations_are_given_back_when_their_reply_turns_up(server: TiersServer) -> None:
