@@ -224,6 +224,35 @@ def test_stores_given_no_slot_are_counted_and_logged(caplog: pytest.LogCaptureFi
             adapter.close()
 
 
+def _signal_on_return(monkeypatch, owner: object, name: str, returned: threading.Event) -> None:
+    """``owner.name`` sets ``returned`` whenever a call of it returns or raises."""
+    method = getattr(owner, name)
+
+    def watched(*args: object, **kwargs: object) -> object:
+        try:
+            return method(*args, **kwargs)
+        finally:
+            returned.set()
+
+    monkeypatch.setattr(owner, name, watched)
+
+
+def _close_after_the_stall(
+    monkeypatch, backend: object, gate: threading.Event, returned: threading.Event
+) -> None:
+    """The backend's close -- which core runs once it gave the stalled call up -- first
+    lets the stalled batch return (``gate``) and waits until the call did (``returned``):
+    what the call does then, it does while the adapter is closing."""
+    close = backend.close  # type: ignore[attr-defined]
+
+    def slow_close() -> None:
+        gate.set()
+        assert returned.wait(30)
+        close()
+
+    monkeypatch.setattr(backend, "close", slow_close)
+
+
 def test_a_failed_load_batch_is_not_retried_into_l1_once_closing_began(monkeypatch) -> None:
     """A batch that fails is retried item by item -- but not once the adapter started
     closing: core fails a load still running at its close deadline and gives its buffers
@@ -241,15 +270,7 @@ def test_a_failed_load_batch_is_not_retried_into_l1_once_closing_began(monkeypat
             data = [pattern(30 + i, SIZE) for i in range(2)]
             assert client(adapter).store(keys, [arena.filled(d) for d in data]) == [True, True]
             backend = adapter.backend
-            run = backend._transfer.run
-
-            def watched(*args: object, **kwargs: object) -> object:
-                try:
-                    return run(*args, **kwargs)
-                finally:
-                    finished.set()
-
-            monkeypatch.setattr(backend._transfer, "run", watched)
+            _signal_on_return(monkeypatch, backend._transfer, "run", finished)
             runtime = NixlRuntime.shared()
             transfer_many = runtime.transfer_many
 
@@ -266,14 +287,7 @@ def test_a_failed_load_batch_is_not_retried_into_l1_once_closing_began(monkeypat
                 return transfer_many(backend_name, operation, *args, **kwargs)
 
             monkeypatch.setattr(runtime, "transfer_many", failing_transfer)
-            close = backend.close
-
-            def slow_close() -> None:
-                gate.set()  # the stalled batch fails after the load was given up
-                assert finished.wait(30)
-                close()
-
-            monkeypatch.setattr(backend, "close", slow_close)
+            _close_after_the_stall(monkeypatch, backend, gate, finished)
             assert client(adapter).lookup_and_lock(keys).found == [True, True]
             adapter.submit_load(keys, [arena.take(SIZE) for _ in keys])
             assert entered.wait(10)
@@ -305,15 +319,7 @@ def test_a_store_stuck_past_close_writes_and_publishes_nothing_more(monkeypatch,
             keys = make_keys(2)
             backend = adapter.backend
             closing = adapter.state.closing
-            put_many = backend.put_many
-
-            def watched(*args: object, **kwargs: object) -> object:
-                try:
-                    return put_many(*args, **kwargs)
-                finally:
-                    finished.set()
-
-            monkeypatch.setattr(backend, "put_many", watched)
+            _signal_on_return(monkeypatch, backend, "put_many", finished)
             runtime = NixlRuntime.shared()
             transfer_many = runtime.transfer_many
 
@@ -338,14 +344,7 @@ def test_a_store_stuck_past_close_writes_and_publishes_nothing_more(monkeypatch,
                 written(slot, length)
 
             monkeypatch.setattr(storage, "written", watched_written)
-            close = backend.close
-
-            def slow_close() -> None:
-                gate.set()  # the stalled batch returns after core gave the store up
-                assert finished.wait(30)
-                close()
-
-            monkeypatch.setattr(backend, "close", slow_close)
+            _close_after_the_stall(monkeypatch, backend, gate, finished)
             buffers = [arena.take(SIZE) for _ in keys]
             for index, buffer in enumerate(buffers):
                 buffer[:] = pattern(40 + index, SIZE)
