@@ -219,11 +219,10 @@ class BackendContext:
 
         None: the record is intact but written with another serde chain -- report a miss
         and keep it (it is counted as ``serde_chain_mismatch``; restoring that chain makes
-        it readable again).  Raises :class:`~lmcache_tiers.l2.record.RecordMismatchError`
-        for another key's intact record: report a miss, keep it and call
-        :meth:`foreign_record`.  Raises another
-        :class:`~lmcache_tiers.l2.record.RecordError` for a damaged record: report a miss,
-        remove it and ``count("corrupt_records_removed")``.
+        it readable again).  Raises a :class:`~lmcache_tiers.l2.record.RecordError`
+        otherwise: hand it to :meth:`kept_record`, which says whether the record is kept
+        (another key's intact record, a newer format's: counted there) or damaged (report
+        a miss, remove it and ``count("corrupt_records_removed")``).
         """
         try:
             header = decode_header(data, expected_key=key, expected_serde=self._state.chain.names)
