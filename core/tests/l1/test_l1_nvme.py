@@ -427,3 +427,33 @@ def test_nvme_manager_needs_block_aligned_extents(nvme_dir: Path) -> None:
     with pytest.raises(ConfigError, match="multiple of 4096"):
         L1Manager(16 * ALIGN, align=512, nvme_path=str(nvme_dir))
     assert block_files(nvme_dir) == []
+
+
+@pytest.mark.parametrize("refusal", [errno.ENOSYS, errno.EPERM])
+def test_a_system_refusing_the_write_back_question_is_asked_with_fdatasync(
+    blocks: NvmeL1File, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, refusal: int
+) -> None:
+    """A seccomp filter may refuse sync_file_range itself: that is no write-back error (taken
+    for one, every read would drop all of L1); fdatasync, which reports the same errors, is
+    asked instead, from then on."""
+    import lmcache_tiers.l1.nvme as nvme
+
+    calls: list[int] = []
+
+    def refused(*args: Any) -> int:
+        calls.append(1)
+        ctypes.set_errno(refusal)
+        return -1
+
+    synced: list[int] = []
+    real_fdatasync = os.fdatasync
+    monkeypatch.setattr(nvme, "_sync_file_range", refused)
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real_fdatasync(fd))[1])
+    blocks.write_from(0, memoryview(pattern(ALIGN, 2)))
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l1.nvme"):
+        assert blocks.writeback_errors() == 0
+        assert blocks.writeback_errors() == 0
+    assert calls == [1], "the refused call was asked again"
+    assert len(synced) == 2
+    assert sum("sync_file_range is refused" in record.getMessage() for record in caplog.records) == 1
+    assert not any(record.levelno >= logging.ERROR for record in caplog.records)

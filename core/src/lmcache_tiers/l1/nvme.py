@@ -67,6 +67,8 @@ BOUNCE_BYTES = 4 << 20
 _SYNC_FILE_RANGE_WAIT_BEFORE = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 _sync_file_range = getattr(_libc, "sync_file_range", None)
+#: errors of sync_file_range that refuse the call rather than report a write-back failure
+_CALL_REFUSED = frozenset({errno.ENOSYS, errno.EPERM, errno.EINVAL, errno.ESPIPE})
 if _sync_file_range is not None:
     _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     _sync_file_range.restype = ctypes.c_int
@@ -173,6 +175,7 @@ class NvmeL1File:
         # Write-back errors learnt of so far; asking and counting is one step, so a reader
         # that asks right after another learnt of one finds it counted.
         self._writeback_lock = threading.Lock()
+        self._no_sync_file_range = False  # set once the system refuses the call itself
         self._writeback_errors = 0
         # weakref.finalize also runs at interpreter exit, which covers servers that exit
         # through an exception without calling close().
@@ -240,20 +243,32 @@ class NvmeL1File:
 
     def _ask_writeback(self) -> bool:
         """Whether the kernel reports a write-back error on the file not reported to us yet."""
-        if _sync_file_range is None:
-            # Not Linux: nothing to ask cheaply; fdatasync reports the same error, at the
-            # price of writing back whatever is dirty.
-            try:
-                os.fdatasync(self._fd)
-            except OSError as exc:
-                self._log_writeback_error(exc.errno)
+        if _sync_file_range is not None and not self._no_sync_file_range:
+            with self._transfer():
+                if _sync_file_range(self._fd, self.size, DIRECT_IO_ALIGN, _SYNC_FILE_RANGE_WAIT_BEFORE) == 0:
+                    return False
+                code = ctypes.get_errno()
+            if code not in _CALL_REFUSED:
+                self._log_writeback_error(code)
                 return True
-            return False
-        with self._transfer():
-            if _sync_file_range(self._fd, self.size, DIRECT_IO_ALIGN, _SYNC_FILE_RANGE_WAIT_BEFORE) == 0:
-                return False
-        self._log_writeback_error(ctypes.get_errno())
-        return True
+            # The call itself is refused here (a seccomp filter, a file type it does not
+            # take): no answer about write-back.  Taking that for an error would drop all of
+            # L1 on every read; fdatasync asks the same question.
+            self._no_sync_file_range = True
+            logger.warning(
+                "NVMe L1 file %s: sync_file_range is refused (%s); write-back errors are asked "
+                "with fdatasync instead, which also writes back what is dirty",
+                self.path,
+                os.strerror(code),
+            )
+        # Not Linux, or refused: nothing to ask cheaply; fdatasync reports the same error,
+        # at the price of writing back whatever is dirty.
+        try:
+            os.fdatasync(self._fd)
+        except OSError as exc:
+            self._log_writeback_error(exc.errno)
+            return True
+        return False
 
     def _log_writeback_error(self, code: int | None) -> None:
         logger.error(
