@@ -180,6 +180,14 @@ def _digest_record(raw: Raw, seed: int) -> tuple[ObjectKey, bytes]:
     return key, encode_header(key, payload, align=4096) + payload
 
 
+def _stats_once_scanned(seaweed: SeaweedS3, prefix: str, l1: memoryview, opened: list[L2Adapter]) -> dict:
+    """The stats of an adapter opened on ``prefix`` once its start-up listing is done."""
+    adapter = open_adapter(s3_config(seaweed, prefix), l1)
+    opened.append(adapter)
+    wait_scanned(adapter)
+    return adapter.stats()
+
+
 def test_the_listing_removes_a_damaged_digest_named_record_as_damage(
     seaweed: SeaweedS3, l1: memoryview, opened: list[L2Adapter]
 ) -> None:
@@ -192,10 +200,7 @@ def test_the_listing_removes_a_damaged_digest_named_record_as_damage(
     damaged = bytearray(record)
     damaged[100] ^= 0xFF  # a bit flip inside the header: its crc fails
     raw.write(key, bytes(damaged))
-    adapter = open_adapter(s3_config(seaweed, prefix), l1)
-    opened.append(adapter)
-    wait_scanned(adapter)
-    stats = adapter.stats()
+    stats = _stats_once_scanned(seaweed, prefix, l1, opened)
     assert stats.get("corrupt_records_removed", 0) == 1
     assert stats.get("listing_foreign_objects", 0) == 0
     assert not raw.exists(key), "a damaged record no lookup can reach was left in the bucket"
@@ -220,10 +225,7 @@ def test_a_failed_header_read_of_the_listing_is_a_read_error_and_keeps_the_objec
         return await request(self, method, **kwargs)
 
     monkeypatch.setattr(backend_module.S3Client, "request", failing_header_read)
-    adapter = open_adapter(s3_config(seaweed, prefix), l1)
-    opened.append(adapter)
-    wait_scanned(adapter)
-    stats = adapter.stats()
+    stats = _stats_once_scanned(seaweed, prefix, l1, opened)
     assert stats.get("listing_read_errors", 0) == 1
     assert stats.get("listing_foreign_objects", 0) == 0
     assert stats.get("corrupt_records_removed", 0) == 0
