@@ -470,25 +470,35 @@ class LoadOp(BatchOp):
         known = iter(state.accounting.get_many(self.pinned))
         for index, ok in enumerate(pinned):
             if not ok:
+                self._skip(index, "load_skipped_deleting", "a delete of it is in flight")
                 continue
             size = next(known)
             buffer = self.buffers[index]
             if unreadable[index]:
+                self._skip(
+                    index,
+                    "load_skipped_unreadable",
+                    "its record was written with another serde chain, or the configured one "
+                    "failed to decode it (a miss until it is replaced)",
+                )
                 continue
             if size is not None and size.l1 != UNKNOWN_L1 and size.l1 != buffer.nbytes:
-                state.burst.warn(
-                    "load_size",
-                    "%s: load buffer of %d bytes for %s, the object needs %d",
-                    state.name,
-                    buffer.nbytes,
-                    self.keys[index].file_stem(),
-                    size.l1,
+                self._skip(
+                    index,
+                    "load_size_mismatch",
+                    f"the load buffer holds {buffer.nbytes} bytes, the object needs {size.l1}",
                 )
                 continue
             if identity:
                 target, staged = buffer, None
             elif size is None:
-                continue  # the encoded size is unknown: the caller skipped the lookup
+                self._skip(
+                    index,
+                    "load_size_unknown",
+                    "the serde chain decodes it from a staging buffer, and its encoded size is "
+                    "not known here (no lookup found it)",
+                )
+                continue
             else:
                 staged = self._staging(index, size.stored)
                 if staged is None:
@@ -502,6 +512,13 @@ class LoadOp(BatchOp):
         state.reading_begin(io_keys)  # a record judged unreadable is not marked if replaced
         self.reading = io_keys
         return io_keys, self.targets
+
+    def _skip(self, index: int, counter: str, reason: str) -> None:
+        """A key failed before the backend call: counted under ``counter``, and ``reason``
+        logged once per burst of its kind."""
+        state = self.state
+        state.count(counter)
+        state.burst.warn(counter, "%s: %s not loaded: %s", state.name, self.keys[index].file_stem(), reason)
 
     def _staging(self, index: int, size: int) -> Staged | None:
         """A staging buffer for the encoded object, or None (counted, logged) when no memory
