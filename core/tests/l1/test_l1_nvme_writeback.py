@@ -16,6 +16,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -86,6 +87,12 @@ def _store(l1: L1Manager, key: ObjectKey, data: bytes) -> None:
     obj = l1.reserve_write([key], [len(data)])[key]
     l1.write_object(obj, memoryview(data))
     assert l1.finish_write([key]) == [True]
+
+
+def _store_through(storage: Any, key: ObjectKey, data: bytes, *, to_l2: bool) -> None:
+    obj = storage.reserve_write([key], [len(data)])[key]
+    storage.write_object(obj, memoryview(data))
+    assert storage.commit_write([key], to_l2=to_l2) == [True]
 
 
 def _stored_then_written_back_in_vain(l1: L1Manager, index: int) -> bytes:
@@ -228,3 +235,40 @@ def test_an_in_process_replay_takes_a_refused_read_as_a_short_retrieve(failing_f
     assert totals.short_retrieves == 1
     assert totals.retrieved_blocks == 0 and totals.retrieved_bytes == 0
     assert totals.corrupt_blocks == 0
+
+
+def test_a_write_back_store_refused_one_object_stores_the_others(failing_fs_dir: Path) -> None:
+    # One object of a slice L1 can no longer vouch for must not cost the others their L2
+    # store: they are acknowledged writes whose bytes reached the file after the error.
+    from lmcache_tiers.config import ServerConfig, decode_adapter
+    from lmcache_tiers.plugins import load_registry
+    from lmcache_tiers.storage import StorageManager
+
+    registry = load_registry()
+    mock = decode_adapter(registry, {"type": "mock", "max_size_gb": 0.05}, 0)
+    config = ServerConfig(
+        l1_size_gb=16 / 1024, l2_adapters=(mock,), gds_l1_path=str(failing_fs_dir), gds_l1_use_direct_io=False
+    )
+    with StorageManager(config, registry) as storage:
+        before, probe, after = _key(7), _key(8), _key(9)
+        _store_through(storage, probe, _pattern(DIRECT_IO_ALIGN, 8), to_l2=False)
+        reserved = storage.reserve_write([before, after], [OBJECT, OBJECT])
+        storage.write_object(reserved[before], memoryview(_pattern(OBJECT, 7)))
+        path = storage.l1.nvme_file_path
+        assert path is not None
+        _write_back_and_forget(path)
+        # L1 learns of the error at its next read (the probe's), before ``after`` is written.
+        (obj,) = storage.read([probe])
+        with pytest.raises(KeyError):
+            storage.read_object(obj, memoryview(bytearray(DIRECT_IO_ALIGN)))
+        storage.release([probe])
+        _run("mount", "-o", f"remount,size={IMAGE_BYTES * 2}", str(failing_fs_dir.parent / "back"))
+        storage.write_object(reserved[after], memoryview(_pattern(OBJECT, 9)))
+        assert storage.commit_write([before, after]) == [True, True]
+        assert storage.flush(timeout=60)
+        status = storage.status()
+        (adapter,) = status["adapters"]
+        assert (adapter["keys_stored"], adapter["keys_store_failed"]) == (1, 0)
+        assert adapter["used_bytes"] == OBJECT  # ``after``, the one written since the error
+        assert status["store"]["skipped_gone"] == 1  # ``before``: left L1, counted there
+        assert status["failures"]["l1_nvme_writeback_dropped"] == 2

@@ -303,10 +303,12 @@ class StoreController(ControllerThread):
         if not keys:
             self._slice_ended(piece)
             return
-        objects = [locked[key] for key in keys]
+        objects, buffers = self._lend([locked[key] for key in keys])
+        keys = [obj.key for obj in objects]
+        if not objects:
+            self._slice_ended(piece)
+            return
         try:
-            # The loans live as long as the task: the store's locks keep their bytes in place.
-            buffers = [self.l1.lend(obj).buffer for obj in objects]
             layouts = [obj.layout for obj in objects]
             task_id = slot.adapter.submit_store(keys, buffers, layouts if any(layouts) else None)
         except Exception as exc:
@@ -322,6 +324,26 @@ class StoreController(ControllerThread):
         )
         self.stats.add_adapter(slot.index, "store_tasks_submitted")
         logger.debug("Submitted store task %d to %s: %d keys", task_id, slot.name, len(keys))
+
+    def _lend(self, objects: list[L1Object]) -> tuple[list[L1Object], list[memoryview]]:
+        """The objects whose bytes L1 lends, with their buffers.  The loans live as long as
+        the task: the store's locks keep their bytes in place.  L1 refuses an object whose
+        bytes it cannot vouch for (an NVMe L1 write-back error, KeyError): it has left L1,
+        counted and logged there; the others are stored all the same."""
+        lent: list[L1Object] = []
+        buffers: list[memoryview] = []
+        refused: list[L1Object] = []
+        for obj in objects:
+            try:
+                buffers.append(self.l1.lend(obj).buffer)
+            except KeyError:
+                refused.append(obj)
+            else:
+                lent.append(obj)
+        if refused:
+            self.l1.finish_store(refused)
+            self.stats.add("l2_store_skipped_gone", len(refused))
+        return lent, buffers
 
     def _slice_ended(self, piece: Slice) -> None:
         """A slice that never became a task: its batch stops waiting for it."""
