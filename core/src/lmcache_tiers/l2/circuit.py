@@ -161,7 +161,9 @@ class CircuitBackend(_Guard):
             return future.result(self.call_timeout_s)
         except TimeoutError:
             if future.done():
-                raise  # the call itself raised a TimeoutError
+                # The call itself raised a TimeoutError, or answered right after the wait
+                # gave up: either way its own outcome, not a timeout of ours.
+                return future.result()
             future.cancel()  # not started yet: it need not run at all
             raise CallTimeout(self.call_timeout_s or 0.0) from None
 
