@@ -97,7 +97,7 @@ class PrefetchLoad:
                 try:
                     loan.commit()
                 except KeyError:
-                    # The reservation left L1 (write TTL, forced clear) while the adapter
+                    # The reservation left L1 (its write TTL passed) while the adapter
                     # loaded it: not the load's failure.  The hand-off, which finds it gone
                     # by identity, counts it as a loaded object lost.
                     pass
