@@ -1061,3 +1061,26 @@ def test_config_is_frozen_and_strict() -> None:
         config.url = "redis://x"  # type: ignore[misc]
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"url": "redis://h:1", "nonsense": 1}, RedisConfig)
+
+
+@pytest.mark.parametrize("cluster_path", [False, True], ids=["direct", "pipelined"])
+def test_a_payload_of_the_buffer_size_but_not_the_header_size_is_never_written_to_the_buffer(
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter], cluster_path: bool
+) -> None:
+    # The header says 4096 bytes, the payload holds 2048, and the load buffer is 2048 (a
+    # caller sized it so): the record is damage, known from its header before a byte of
+    # its payload reaches the caller's buffer -- which must stay as it was.
+    adapter = open_adapter(url=redis_server.url, key_prefix=prefix)
+    backend = backend_of(adapter)
+    if cluster_path:  # the replies redis-py parses, as in cluster mode
+        backend._direct = None
+    keys = make_keys(1)
+    data = store(adapter, keys, size=4096)
+    raw = redis.Redis.from_url(redis_server.url)
+    name = backend.name_of(keys[0])
+    raw.hset(name, "p", data[0][:2048])
+    buffer = memoryview(bytearray(b"\xaa" * 2048))
+    assert backend.get_many_into(keys, [buffer]) == [False]
+    assert bytes(buffer) == b"\xaa" * 2048, "bytes of a record failing its header were written"
+    assert raw.exists(name) == 0, "damage is removed"
+    assert adapter.stats()["corrupt_records_removed"] == 1

@@ -4,8 +4,8 @@ Why a hash: one ``HSET key h <header> p <payload>`` writes header and payload as
 separate buffers in one atomic command -- nothing is concatenated in memory, and a reader
 (another server too) sees the old object or the new one, never half of either.  ``HGET h``
 answers a lookup from the header alone (sizes, key, serde chain, all verified by its crc);
-``HMGET h p`` loads: the header is checked, and the payload's length against the caller's
-buffer, before the payload is read; the object is reported loaded only once every byte
+``HMGET h p`` loads: the header is checked, and the payload's length against the header
+and the caller's buffer, before the payload is read; the object is reported loaded only once every byte
 matched the header's checksum.  On a standalone store lookups and loads read their replies
 themselves (direct.py, replies.py): the payload goes from the socket into the caller's
 buffer, hashed piece by piece as it lands.  In cluster mode they go through redis-py's
@@ -420,17 +420,21 @@ class RedisBackend:
             if record_verdict(exc).kept:  # counted and logged once every reply was read
                 return functools.partial(self.context.kept_record, key, exc)
             return header_bytes, exc
-        if header is None or payload_len != buffer.nbytes:
+        if header is None:
             reader.skip_bulk(payload_len)
-            if header is not None and payload_len < 0:
-                # One HSET writes both fields: a header alone was left by something else,
-                # and would answer lookups as a hit that no load can serve.
-                return header_bytes, RecordError("the record has a header but no payload")
-            if header is not None and payload_len != header.payload_len:
-                return header_bytes, RecordError("payload length differs from its header")
-            if header is not None:
-                return functools.partial(self._size_changed, key, payload_len, buffer.nbytes)
             return None
+        if payload_len < 0:
+            # One HSET writes both fields: a header alone was left by something else,
+            # and would answer lookups as a hit that no load can serve.
+            return header_bytes, RecordError("the record has a header but no payload")
+        # Checked against the header before a byte reaches the caller's buffer: a payload
+        # of the buffer's size that its header does not describe is damage, not a load.
+        if payload_len != header.payload_len:
+            reader.skip_bulk(payload_len)
+            return header_bytes, RecordError("payload length differs from its header")
+        if payload_len != buffer.nbytes:
+            reader.skip_bulk(payload_len)
+            return functools.partial(self._size_changed, key, payload_len, buffer.nbytes)
         verifier = PayloadVerifier(header)
         reader.bulk_into(buffer, verifier.update)
         try:
