@@ -318,3 +318,36 @@ def test_an_in_process_retrieve_never_drops_a_lock_another_holder_forgot() -> No
         assert state.totals.hit_blocks == 3
         storage.l1.expire_locks(forgotten_deadline)  # the forgotten locks expire
         assert storage.l1.stats().read_locks == 0, "a replay lock lives on in place of a forgotten one"
+
+
+@pytest.mark.parametrize("lost", ["before_the_copy", "before_the_commit"])
+def test_an_in_process_store_that_lost_its_reservation_leaves_the_next_writers_alone(lost: str) -> None:
+    # L1 reaps a reservation at its write TTL (a stalled copy); the key may be another
+    # writer's by then, whose bytes are not there yet.  The replay must neither commit that
+    # reservation (readable garbage) nor abort it, nor end with a traceback.
+    options = ReplayOptions(block_bytes=4096)
+    state = ClientState.for_options(options)
+    request = TraceRequest(0, 1500, 1, (1, 2, 3))
+    scratch = np.zeros(options.block_bytes, dtype=np.uint8).data
+    key = state.keyspace.keys(request.hash_ids)[1]
+    with StorageManager(ServerConfig(l1_size_gb=1 / 64), load_registry()) as storage:
+        theirs: dict[ObjectKey, Any] = {}
+        write_object = storage.write_object
+
+        def reaped_and_taken(obj: Any) -> None:
+            storage.abort_write([obj.key])  # what L1's write TTL does to it
+            theirs.update(storage.reserve_write([obj.key], [obj.size]))
+
+        def copy(obj: Any, data: memoryview) -> None:
+            if obj.key == key and lost == "before_the_copy":
+                reaped_and_taken(obj)
+            write_object(obj, data)
+            if obj.key == key and lost == "before_the_commit":
+                reaped_and_taken(obj)
+
+        storage.write_object = copy  # type: ignore[method-assign]
+        inprocess._replay_one(storage, request, state, scratch, 30.0)
+        assert state.totals.stored_blocks == 2
+        assert storage.l1.get(key) is theirs[key], "the next writer's reservation was taken"
+        assert storage.read([key]) == [], "the next writer's reservation is readable before its bytes"
+        storage.abort_reserved(theirs)

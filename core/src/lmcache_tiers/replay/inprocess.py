@@ -16,6 +16,7 @@ import numpy as np
 
 from lmcache_tiers.config import ServerConfig
 from lmcache_tiers.errors import ConfigError, L1OutOfMemoryError
+from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Object
 from lmcache_tiers.registry import ComponentRegistry
 from lmcache_tiers.replay.run import (
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 def _replay_one(
     storage: StorageManager, request: TraceRequest, state: ClientState, scratch: memoryview, timeout_s: float
 ) -> None:
-    totals, payloads = state.totals, state.payloads
+    totals = state.totals
     blocks = request.hash_ids
     keys = state.keyspace.keys(blocks)
     started = time.perf_counter()
@@ -68,25 +69,47 @@ def _replay_one(
         if retrieved < hits:
             totals.short_retrieves += 1
     missing = blocks[hits:]
-    if not missing:
-        return
-    missing_keys = keys[hits:]
+    if missing:
+        _store(storage, keys[hits:], missing, state)
+
+
+def _store(
+    storage: StorageManager, keys: Sequence[ObjectKey], blocks: Sequence[int], state: ClientState
+) -> None:
+    """Reserve, fill and commit the ``blocks`` not found, as a front end stores them.
+
+    Committed by object, never by key: L1 reaps a reservation at its write TTL (a stalled
+    copy), and the key may be another writer's by then, whose bytes are not there yet --
+    committing it would make them readable, aborting it would throw its copy away."""
+    totals, payloads = state.totals, state.payloads
     try:
-        reserved = storage.reserve_write(missing_keys, [payloads.block_bytes] * len(missing))
+        reserved = storage.reserve_write(keys, [payloads.block_bytes] * len(blocks))
     except L1OutOfMemoryError:
         totals.refused_stores += 1
         return
-    written = []
+    written: dict[ObjectKey, L1Object] = {}
     try:
-        for key, data in zip(missing_keys, payloads.batch(missing), strict=True):
+        for key, data in zip(keys, payloads.batch(blocks), strict=True):
             target = reserved.get(key)
-            if target is not None:
+            if target is None:
+                continue
+            try:
                 storage.write_object(target, data.data)
-                written.append(key)
+            except KeyError:
+                continue  # reaped before the copy: not ours to fill any more (logged below)
+            written[key] = target
     except BaseException:
-        storage.abort_write(list(reserved))
+        storage.abort_reserved(reserved)
         raise
-    totals.stored_blocks += sum(storage.commit_write(written))
+    stored = len(storage.commit_reserved(written))
+    totals.stored_blocks += stored
+    if stored < len(reserved):
+        logger.warning(
+            "replay: %d of %d blocks reserved for a store left L1 before their commit "
+            "(write TTL passed during the copy): not stored",
+            len(reserved) - stored,
+            len(reserved),
+        )
 
 
 def _copy_out(
