@@ -168,6 +168,8 @@ def test_stats_that_are_not_a_mapping_cost_that_adapter_s_stats_only(
     custom = (("adapter", name),)
     assert found[("lmcache_tiers_adapter_usage_ratio", custom)] == 0.5
     assert ("lmcache_tiers_adapter_backend_errors_total", custom) not in found
+    # its stats are left out as for one whose stats() raised, and said so the same way
+    assert found[("lmcache_tiers_adapter_status_error", custom)] == 1.0
     assert found[("lmcache_tiers_failures_total", (("reason", "metrics_stat_not_a_number"),))] == 1.0
     assert f"{name}: stats() answered" in caplog.text
 

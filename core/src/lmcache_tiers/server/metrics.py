@@ -192,7 +192,10 @@ class TiersCollector(Collector):
         )
         for adapter in adapters:
             name = str(adapter.get("name", adapter.get("index", "?")))
-            unreadable.add_metric([name], 1.0 if "error" in adapter else 0.0)
+            backend = self._backend_stats(name, adapter["backend"]) if "backend" in adapter else None
+            # a stats() answer that is no mapping is as unreadable as one that raised
+            readable = "error" not in adapter and ("backend" not in adapter or backend is not None)
+            unreadable.add_metric([name], 0.0 if readable else 1.0)
             # usage() and used_bytes() of an adapter a plugin builds whole are its own answers
             own = self._numeric_stats(
                 name, {stat: adapter[stat] for stat in ("usage", "used_bytes") if stat in adapter}
@@ -203,9 +206,6 @@ class TiersCollector(Collector):
                 used.add_metric([name], own["used_bytes"])
             for counter, family in engine.items():
                 family.add_metric([name], adapter.get(counter, 0))
-            if "backend" not in adapter:
-                continue
-            backend = self._backend_stats(name, adapter["backend"])
             if backend is None:
                 continue  # left out, not zeroed, as for an adapter whose stats() raised
             if "circuit_open" in backend:
@@ -221,9 +221,7 @@ class TiersCollector(Collector):
         reading it as one would fail the whole scrape."""
         if isinstance(stats, Mapping):
             return self._numeric_stats(adapter, stats)
-        with self._lock:
-            self._own_failures[UNEXPORTED_STAT] += 1
-        _unexported_stats.warn(
+        self._unexported(
             f"{adapter}:stats()",
             "%s: stats() answered %s, not a mapping of stats; left out of /metrics",
             adapter,
@@ -240,16 +238,17 @@ class TiersCollector(Collector):
             if isinstance(value, int | float) and _finite(value):
                 numeric[str(stat)] = float(value)
                 continue
-            with self._lock:
-                self._own_failures[UNEXPORTED_STAT] += 1
-            _unexported_stats.warn(
-                f"{adapter}:{stat}",
-                "%s: stat %r is not a number (%r); left out of /metrics",
-                adapter,
-                stat,
-                value,
+            self._unexported(
+                f"{adapter}:{stat}", "%s: stat %r is not a number (%r); left out of /metrics", adapter, stat, value
             )
         return numeric
+
+    def _unexported(self, what: str, message: str, *args: object) -> None:
+        """An adapter's stat (or whole ``stats()`` answer) left out of the scrape: counted
+        as ``metrics_stat_not_a_number`` and logged once per burst of ``what``."""
+        with self._lock:
+            self._own_failures[UNEXPORTED_STAT] += 1
+        _unexported_stats.warn(what, message, *args)
 
     @staticmethod
     def _storage_counters(storage: dict[str, Any]) -> Iterator[Any]:
