@@ -765,3 +765,42 @@ def test_a_lookup_that_failed_part_way_forgets_no_accounted_key(adapters: list[B
     stats = adapter.stats()
     assert stats["backend_errors"] == 1 and stats["circuit_failures"] == 1
     assert stats.get("objects_vanished", 0) == 0
+
+
+class AnsweredJustAfterTheWait:
+    """A timed call's future whose answer arrives right after the wait for it gave up: the
+    wait's TimeoutError is raised once the call has finished."""
+
+    def __init__(self, future: Any) -> None:
+        self.future = future
+
+    def result(self, timeout: float | None = None) -> Any:
+        if timeout is not None:
+            self.future.result(WAIT_S)  # the answer arrives ...
+            raise TimeoutError  # ... just after the wait's own timeout
+        return self.future.result()
+
+    def done(self) -> bool:
+        return bool(self.future.done())
+
+    def cancel(self) -> bool:
+        return bool(self.future.cancel())
+
+
+def test_a_lookup_answered_right_after_its_wait_timed_out_keeps_its_answer(
+    adapters: list[BackendAdapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer is there by the time the timeout is handled: it is the lookup's answer,
+    not a failed call (nor a timeout) that would make the key a miss."""
+    adapter = opened(adapters, RemoteDict, circuit=CircuitConfig(failure_threshold=100, call_timeout_s=0.05))
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    keys = make_keys(1)
+    assert store(client, keys) == [True]
+    circuit = adapter.backend
+    assert isinstance(circuit, CircuitBackend) and circuit._helpers is not None
+    submit = circuit._helpers.submit
+    monkeypatch.setattr(circuit._helpers, "submit", lambda call: AnsweredJustAfterTheWait(submit(call)))
+    found_again(adapter, client, keys)
+    stats = adapter.stats()
+    assert stats.get("circuit_call_timeouts", 0) == 0
+    assert stats.get("backend_errors", 0) == 0
