@@ -303,7 +303,7 @@ class StoreController(ControllerThread):
         if not keys:
             self._slice_ended(piece)
             return
-        objects, buffers = self._lend([locked[key] for key in keys])
+        objects, buffers = self._lend(slot, [locked[key] for key in keys])
         keys = [obj.key for obj in objects]
         if not objects:
             self._slice_ended(piece)
@@ -325,24 +325,42 @@ class StoreController(ControllerThread):
         self.stats.add_adapter(slot.index, "store_tasks_submitted")
         logger.debug("Submitted store task %d to %s: %d keys", task_id, slot.name, len(keys))
 
-    def _lend(self, objects: list[L1Object]) -> tuple[list[L1Object], list[memoryview]]:
+    def _lend(self, slot: AdapterSlot, objects: list[L1Object]) -> tuple[list[L1Object], list[memoryview]]:
         """The objects whose bytes L1 lends, with their buffers.  The loans live as long as
         the task: the store's locks keep their bytes in place.  L1 refuses an object whose
         bytes it cannot vouch for (an NVMe L1 write-back error, KeyError): it has left L1,
-        counted and logged there; the others are stored all the same."""
+        counted and logged there.  One whose bytes cannot be read (the NVMe L1 file
+        answering EIO) fails its own store, counted and logged here.  Either way its store
+        lock is given back and the others are stored all the same."""
         lent: list[L1Object] = []
         buffers: list[memoryview] = []
         refused: list[L1Object] = []
+        unreadable: list[L1Object] = []
         for obj in objects:
             try:
                 buffers.append(self.l1.lend(obj).buffer)
             except KeyError:
                 refused.append(obj)
+            except Exception as exc:
+                unreadable.append(obj)
+                self._burst.warn(
+                    f"l2_store_lend_error:{slot.index}",
+                    "%s not stored in %s: its bytes could not be read from L1: %s: %s",
+                    obj.key.file_stem(),
+                    slot.name,
+                    type(exc).__name__,
+                    exc,
+                )
             else:
                 lent.append(obj)
+        if refused or unreadable:
+            self.l1.finish_store(refused + unreadable)
         if refused:
-            self.l1.finish_store(refused)
             self.stats.add("l2_store_skipped_gone", len(refused))
+        if unreadable:
+            # As a slice that could not be submitted, for these keys only.
+            self.stats.add_adapter(slot.index, "keys_store_failed", len(unreadable))
+            self.stats.fail("l2_store_submit_error", len(unreadable))
         return lent, buffers
 
     def _slice_ended(self, piece: Slice) -> None:
