@@ -143,6 +143,17 @@ class BackendContext:
         caller reports a miss and keeps it."""
         self._kept_miss(RecordVerdict.NEWER, key, error)
 
+    def unknown_version_indexed(self, key: ObjectKey, error: Exception) -> bool:
+        """:meth:`unknown_version` for a backend answering lookups from an index in memory
+        (the slot stores), where every lookup of the key would find it and every load of
+        it fail: the key is also a miss until replaced, as a record of another serde
+        chain is -- lookups answer it absent without asking the backend, loads skip it,
+        it stays accounted (the L2 eviction deletes it), and a store or delete of the key
+        ends that.  False when not marked: a store of the key ran meanwhile (its new
+        record is judged when next read)."""
+        self.unknown_version(key, error)
+        return self._state.mark_undecodable(key)  # the same mark: unreadable until replaced
+
     def _kept_miss(self, verdict: RecordVerdict, key: ObjectKey, error: Exception) -> None:
         self.count(verdict.counter)
         self.warn(verdict.counter, "%s: %s; a miss, kept", printable(key.file_stem()), error)

@@ -478,8 +478,8 @@ class LoadOp(BatchOp):
                 self._skip(
                     index,
                     "load_skipped_unreadable",
-                    "its record was written with another serde chain, or the configured one "
-                    "failed to decode it (a miss until it is replaced)",
+                    "its record was written with another serde chain or in a newer format, "
+                    "or the configured chain failed to decode it (a miss until it is replaced)",
                 )
                 continue
             if size is not None and size.l1 != UNKNOWN_L1 and size.l1 != buffer.nbytes:

@@ -75,8 +75,9 @@ class AdapterState:
         #: ``pins.begin_write``, taken before ``storing_begin`` and dropped after
         #: ``storing_end``, on every path)
         self._storing: dict[ObjectKey, list[tuple[int, str, int]]] = {}
-        #: keys whose record was written with another serde chain, or that the configured
-        #: chain failed to decode (misses until replaced)
+        #: keys whose record was written with another serde chain (or, in an index in
+        #: memory, in a newer format), or that the configured chain failed to decode
+        #: (misses until replaced)
         self._unreadable: set[ObjectKey] = set()
         #: [lookups and loads of the key in a backend call right now, whether a store of it
         #: was in flight meanwhile]: a record they judge unreadable may be one such a store

@@ -125,7 +125,8 @@ class DaxBackend(SlotStoreBackend):
 
     def _recover(self, reopened: Sequence[int]) -> None:
         entries: list[tuple[ObjectKey, SlotEntry]] = []
-        dropped = corrupt = newer = 0
+        newer: list[tuple[ObjectKey, SlotEntry, RecordError]] = []
+        dropped = corrupt = 0
         for index in reopened:
             region = self.regions[index]
             for local, seq in region.committed():
@@ -134,43 +135,34 @@ class DaxBackend(SlotStoreBackend):
                     region.clear(local)
                     dropped += 1
                     continue
+                entry = SlotEntry(int(self._global_of[index][local]), seq, header.stored, header.l1)
                 try:
                     self.context.read_record_header(header.record, header.key)
                 except RecordError as exc:
                     if not newer_format(exc):
                         region.clear(local)
                         corrupt += 1
-                        log.warning(
-                            "dax: %s slot %d (%s) dropped: %s",
-                            region.path,
-                            local,
-                            header.key.file_stem(),
-                            exc,
-                        )
+                        stem = header.key.file_stem()
+                        log.warning("dax: %s slot %d (%s) dropped: %s", region.path, local, stem, exc)
                         continue
-                    # Intact, of a newer server: its key's object, a miss here (newer_format).
-                    newer += 1
-                    log.warning(
-                        "dax: %s slot %d (%s) holds a record of a newer format: kept, a miss here (%s)",
-                        region.path,
-                        local,
-                        header.key.file_stem(),
-                        exc,
-                    )
-                slot = int(self._global_of[index][local])
-                entries.append((header.key, SlotEntry(slot, seq, header.stored, header.l1)))
+                    # Intact, of a newer server: its key's object, a miss until replaced
+                    # (newer_format), counted and logged once the table is restored.
+                    newer.append((header.key, entry, exc))
+                entries.append((header.key, entry))
         superseded = self.table.restore(entries, next_seq=1)
+        kept_newer = self._keep_newer_records(newer)
         for entry in superseded:
             self._clear(entry.slot)
         self.context.count("recovered_objects", len(entries) - len(superseded))
         self.context.count("recovery_dropped_slots", dropped + len(superseded))
         self.context.count("corrupt_records_removed", corrupt)
-        self.context.count("record_version_unknown", newer)
         if reopened:
             log.info(
-                "dax: %d objects recovered from %d mappings, %d index entries dropped",
+                "dax: %d objects recovered from %d mappings (%d of a newer format, kept as "
+                "misses), %d index entries dropped",
                 len(entries) - len(superseded),
                 len(reopened),
+                kept_newer,
                 dropped + corrupt + len(superseded),
             )
 

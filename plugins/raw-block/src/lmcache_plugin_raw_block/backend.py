@@ -196,12 +196,12 @@ class RawBlockBackend(SlotStoreBackend):
             context=self.context,
         )
         superseded = self.table.restore(result.entries, result.next_seq)
+        newer = self._keep_newer_records(result.newer)
         counts = {
             "recovered_from_checkpoint": result.from_checkpoint,
             "recovered_from_headers": result.from_headers,
             "recovery_dropped_slots": result.dropped + len(superseded),
             "corrupt_records_removed": result.corrupt,
-            "record_version_unknown": result.newer,
             "recovery_headers_read": result.headers_read,
         }
         for name, amount in counts.items():
@@ -214,7 +214,7 @@ class RawBlockBackend(SlotStoreBackend):
             result.from_checkpoint,
             checkpoint.seq if checkpoint is not None else 0,
             result.from_headers,
-            result.newer,
+            newer,
             result.dropped + len(superseded) + result.corrupt,
             result.headers_read,
         )

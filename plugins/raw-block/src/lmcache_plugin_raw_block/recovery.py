@@ -15,8 +15,8 @@ Start from the newest valid checkpoint, then read slot headers to bring it up to
 
 A header counts only if it is intact (crc), of this device (identity), of this slot and
 its record header verifies -- or is intact but of a newer format version: kept as its
-key's object, counted ``record_version_unknown`` (see ``slotstore.newer_format``); the
-payload itself is verified on every load.  Two writes
+key's object, and the backend makes its key a miss until replaced once the table is
+restored (see ``slotstore.newer_format``); the payload itself is verified on every load.  Two writes
 of one key keep the newer.  Without any valid checkpoint every slot header is read.
 """
 
@@ -54,8 +54,8 @@ class Recovered:
     from_headers: int = 0
     dropped: int = 0
     corrupt: int = 0
-    #: records of a newer format kept (among the entries)
-    newer: int = 0
+    #: records of a newer format kept (among the entries), with the error each raised
+    newer: list[tuple[ObjectKey, SlotEntry, RecordError]] = field(default_factory=list)
     headers_read: int = 0
 
 
@@ -76,20 +76,16 @@ class _Recovery:
             for slot, raw in zip(chunk, self.read_headers(chunk), strict=True):
                 yield None if raw is None else decode_slot_header(raw, self.identity, slot)
 
-    def record_ok(self, header: SlotHeader) -> bool:
+    def record_ok(self, header: SlotHeader, entry: SlotEntry) -> bool:
         """Whether the record header in a slot header verifies for its key (a record of
         another serde chain or of a newer format is intact: kept, and a miss here)."""
         try:
             self.context.read_record_header(header.record, header.key)
         except RecordError as exc:
             if newer_format(exc):
-                self.result.newer += 1
-                log.warning(
-                    "raw_block: slot %d (%s) holds a record of a newer format: kept, a miss here (%s)",
-                    header.slot,
-                    header.key.file_stem(),
-                    exc,
-                )
+                # Counted and logged by the backend if it is still its key's object once
+                # the table is restored (a whole device of them logs a line a minute).
+                self.result.newer.append((header.key, entry, exc))
                 return True
             self.result.corrupt += 1
             log.warning("raw_block: slot %d (%s) dropped: %s", header.slot, header.key.file_stem(), exc)
@@ -97,9 +93,10 @@ class _Recovery:
         return True
 
     def take(self, header: SlotHeader) -> bool:
-        if not self.record_ok(header):
+        entry = SlotEntry(header.slot, header.seq, header.stored, header.l1)
+        if not self.record_ok(header, entry):
             return False
-        self.result.entries.append((header.key, SlotEntry(header.slot, header.seq, header.stored, header.l1)))
+        self.result.entries.append((header.key, entry))
         self.result.from_headers += 1
         return True
 
@@ -111,7 +108,7 @@ class _Recovery:
         slots = [entry.slot for _key, entry in checkpoint.entries]
         for (key, entry), header in zip(checkpoint.entries, self.headers(slots), strict=True):
             if header is not None and header.seq == entry.seq and header.key == key:
-                if self.record_ok(header):
+                if self.record_ok(header, entry):
                     self.result.entries.append((key, entry))
                     self.result.from_checkpoint += 1
                 continue

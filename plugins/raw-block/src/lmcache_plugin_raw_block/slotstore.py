@@ -46,7 +46,10 @@ def newer_format(error: RecordError) -> bool:
     and reads it again after an upgrade.  Its slot header, of the format this code reads,
     names its key and sizes, so it stays a published object: listed and accounted like
     any other (L2 eviction and deletes reclaim its slot, a store of its key replaces
-    it), every load of it a miss counted ``record_version_unknown``.  Freeing its slot
+    it).  Once found (at start-up, or at its first load) it is counted
+    ``record_version_unknown`` and its key is a miss until replaced
+    (``BackendContext.unknown_version_indexed``): the index would otherwise find it at
+    every lookup and every load would read the whole slot only to fail.  Freeing its slot
     would throw away a write that is not damaged; keeping the slot unlisted would take it
     out of the capacity for good.  Another key's record under a slot header naming this
     key is no other writer's object (the slot header names the key its writer stored):
@@ -130,6 +133,21 @@ class SlotStoreBackend(ABC):
         (EIO) it is; after a full thin-provisioned device (ENOSPC) or anything else it
         is offered again, so stores succeed again once the cause is gone."""
         return error.errno == errno.EIO
+
+    # -- start-up --------------------------------------------------------------------------
+
+    def _keep_newer_records(self, newer: Sequence[tuple[ObjectKey, SlotEntry, RecordError]]) -> int:
+        """After recovery restored the table: each record of a newer format (found with its
+        entry and error) that is still its key's object is a miss until replaced
+        (:func:`newer_format`); one a later write of its key superseded is not.  Returns
+        how many."""
+        current = self.table.lookup([key for key, _entry, _error in newer])
+        kept = 0
+        for (key, entry, error), now in zip(newer, current, strict=True):
+            if now == entry:
+                self.context.unknown_version_indexed(key, error)
+                kept += 1
+        return kept
 
     # -- stores ----------------------------------------------------------------------------
 
@@ -254,7 +272,7 @@ class SlotStoreBackend(ABC):
                 elif self.context.closing:
                     pass  # core may have given the buffer to another object: it proves nothing
                 elif newer_format(outcome):
-                    self.context.unknown_version(keys[index], outcome)
+                    self.context.unknown_version_indexed(keys[index], outcome)
                 else:
                     self._remove_damaged(keys[index], entries[index], outcome)
             return results
