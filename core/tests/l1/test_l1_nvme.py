@@ -457,3 +457,23 @@ def test_a_system_refusing_the_write_back_question_is_asked_with_fdatasync(
     assert len(synced) == 2
     assert sum("sync_file_range is refused" in record.getMessage() for record in caplog.records) == 1
     assert not any(record.levelno >= logging.ERROR for record in caplog.records)
+
+
+def test_the_fdatasync_question_is_never_asked_of_a_closed_file(
+    blocks: NvmeL1File, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Asked with fdatasync, the write-back question runs as a transfer does: after close
+    its descriptor may be closed or another file's, and an EBADF taken for a write-back
+    error would drop every object written before it."""
+    import lmcache_tiers.l1.nvme as nvme
+
+    def refused(*args: Any) -> int:
+        ctypes.set_errno(errno.ENOSYS)
+        return -1
+
+    monkeypatch.setattr(nvme, "_sync_file_range", refused)
+    assert blocks.writeback_errors() == 0  # refused once: fdatasync from now on
+    blocks.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        blocks.writeback_errors()
+    assert blocks.writeback_errors_seen == 0

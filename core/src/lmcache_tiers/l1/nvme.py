@@ -262,13 +262,17 @@ class NvmeL1File:
                 os.strerror(code),
             )
         # Not Linux, or refused: nothing to ask cheaply; fdatasync reports the same error,
-        # at the price of writing back whatever is dirty.
-        try:
-            os.fdatasync(self._fd)
-        except OSError as exc:
-            self._log_writeback_error(exc.errno)
-            return True
-        return False
+        # at the price of writing back whatever is dirty.  As a transfer: after close the
+        # descriptor may be another file's, and its EBADF no write-back error of ours.
+        with self._transfer():
+            try:
+                os.fdatasync(self._fd)
+            except OSError as exc:
+                code: int | None = exc.errno
+            else:
+                return False
+        self._log_writeback_error(code)
+        return True
 
     def _log_writeback_error(self, code: int | None) -> None:
         logger.error(
