@@ -322,6 +322,19 @@ def test_serde_records_keep_their_l1_size_and_other_chains_are_kept_as_misses(tm
         again.close()
 
 
+def _rewrite_as_newer_format(cfg: RawBlockConfig, closed: RawBlockBackend, keys: list[ObjectKey]) -> None:
+    """Turn the records of ``keys`` in the slots of ``closed`` (a closed backend of the
+    device of ``cfg``) into intact ones of a newer format version."""
+    with open(cfg.device_path, "r+b") as device:
+        for entry in closed.table.lookup(keys):
+            assert entry is not None
+            offset = closed.geometry.slot_offset(entry.slot)
+            device.seek(offset)
+            newer = as_newer_format(device.read(4096), closed.identity, entry.slot)
+            device.seek(offset)
+            device.write(newer)
+
+
 @pytest.mark.parametrize("verify", [True, False], ids=["verified", "trusted"])
 def test_a_record_of_a_newer_format_is_kept_as_a_miss(tmp_path: Path, verify: bool) -> None:
     """A slot whose record a newer server wrote (before a downgrade) is intact: at start-up
@@ -333,15 +346,8 @@ def test_a_record_of_a_newer_format_is_kept_as_a_miss(tmp_path: Path, verify: bo
     adapter = open_raw(cfg)
     backend = backend_of(adapter)
     assert store(adapter, keys, data) == [True, True]
-    entry = backend.table.lookup(keys[:1])[0]
-    assert entry is not None
-    offset, identity = backend.geometry.slot_offset(entry.slot), backend.identity
     adapter.close()
-    with open(cfg.device_path, "r+b") as device:
-        device.seek(offset)
-        newer = as_newer_format(device.read(4096), identity, entry.slot)
-        device.seek(offset)
-        device.write(newer)
+    _rewrite_as_newer_format(cfg, backend, keys[:1])
     reopened = open_raw(cfg)
     try:
         assert set(reopened.iter_keys()) == set(keys), "listed"
@@ -376,17 +382,8 @@ def test_a_record_of_a_newer_format_is_no_hit_and_goes_when_evicted_or_replaced(
     adapter = open_raw(cfg)
     backend = backend_of(adapter)
     assert store(adapter, keys, data) == [True, True, True]
-    entries = backend.table.lookup(keys[:2])
-    identity = backend.identity
     adapter.close()
-    with open(cfg.device_path, "r+b") as device:
-        for entry in entries:
-            assert entry is not None
-            offset = backend.geometry.slot_offset(entry.slot)
-            device.seek(offset)
-            newer = as_newer_format(device.read(4096), identity, entry.slot)
-            device.seek(offset)
-            device.write(newer)
+    _rewrite_as_newer_format(cfg, backend, keys[:2])
     reopened = open_raw(cfg)
     try:
         if not verify:  # the trusted checkpoint lists them: their first load tells
