@@ -443,6 +443,7 @@ def test_a_delete_whose_later_trip_fails_reports_what_its_earlier_ones_deleted(
 ) -> None:
     # The connection drops before the second trip (a store restarting, a network cut):
     # the first trip's keys are gone and must be reported so, or core keeps their bytes.
+    # (A trip is two pipelines: the headers read, then the removals.)
     adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
     keys = make_keys(KEYS_PER_TRIP + 2)
     store(adapter, keys, size=16)
@@ -451,7 +452,7 @@ def test_a_delete_whose_later_trip_fails_reports_what_its_earlier_ones_deleted(
 
     def drops_on_the_second_trip(pipe: Any, **options: Any) -> list[Any]:
         calls.append(pipe)
-        if len(calls) == 2:
+        if len(calls) == 3:
             raise redis.ConnectionError("Connection closed by server.")
         return execute(pipe, **options)
 
@@ -494,17 +495,21 @@ def test_a_store_or_delete_reply_that_is_another_client_error_fails_its_key(
     adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
     keys = make_keys(3)
     backend = backend_of(adapter)
-    execute = backend._execute
+    execute, armed = backend._execute, [True]
 
     def first_reply_failed(pipe: Any, **options: Any) -> list[Any]:
+        # the first reply of the call's first pipeline only (a delete runs two)
         replies = execute(pipe, **options)
-        replies[0] = redis.exceptions.ClusterError("TTL exhausted.")
+        if armed:
+            armed.pop()
+            replies[0] = redis.exceptions.ClusterError("TTL exhausted.")
         return replies
 
     backend._execute = first_reply_failed  # type: ignore[method-assign]
     buffers = [memoryview(bytearray(pattern(index, 16))) for index in range(len(keys))]
     assert client_of(adapter).store(keys, buffers) == [False, True, True]
     assert adapter.stats()["store_request_failures"] == 1
+    armed.append(True)
     assert adapter.delete(keys[1:]) == [False, True]
     assert adapter.stats()["delete_request_failures"] == 1
 
@@ -526,7 +531,7 @@ def test_a_delete_the_store_refuses_is_counted_and_logged(
     with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
         assert adapter.delete(keys) == [False, False]
     assert adapter.stats()["delete_reply_errors"] == 2
-    assert "no permissions" in caplog.text
+    assert "can't run this command" in caplog.text, "the refusal is not explained"
     assert adapter.used_bytes() == 2 * 16
 
 
@@ -1084,3 +1089,56 @@ def test_a_payload_of_the_buffer_size_but_not_the_header_size_is_never_written_t
     assert bytes(buffer) == b"\xaa" * 2048, "bytes of a record failing its header were written"
     assert raw.exists(name) == 0, "damage is removed"
     assert adapter.stats()["corrupt_records_removed"] == 1
+
+
+@pytest.mark.parametrize("mode", ["standalone", "cluster"])
+def test_a_delete_leaves_the_record_of_another_key_that_replaced_its_object(
+    request: pytest.FixtureRequest, prefix: str, open_adapter: Callable[..., BackendAdapter], mode: str
+) -> None:
+    # One prefix extends the other, so key "m..." of one server and key "xm..." of the
+    # other share a name.  Once the other server replaced this server's object there, an
+    # eviction here must not remove that server's acknowledged object.
+    raw: Any
+    if mode == "standalone":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        where: dict[str, Any] = {"url": server.url}
+        raw = redis.Redis.from_url(server.url)
+    else:
+        cluster: RedisClusterNodes = request.getfixturevalue("redis_cluster")
+        where = {"startup_nodes": cluster.startup_nodes, "cluster_mode": True}
+        raw = redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    writer = open_adapter(**where, key_prefix=prefix)
+    evicting = open_adapter(**where, key_prefix=prefix + "x", max_capacity_gb=1.0)
+    theirs = ObjectKey("xmodel", 0, b"\x07" * 32)
+    mine = ObjectKey("model", 0, b"\x07" * 32)
+    name = backend_of(writer).name_of(theirs)
+    store(evicting, [mine])
+    data = store(writer, [theirs], seed=5)
+    header = raw.hget(name, "h")
+    assert evicting.delete([mine]) == [False]
+    assert raw.hget(name, "h") == header, "the other server's object was deleted"
+    assert evicting.used_bytes() == 0, "the key is gone from here: its bytes are released"
+    assert evicting.stats()["foreign_records"] == 1, "counted once, by the delete"
+    found = client_of(writer).lookup_and_lock([theirs])
+    assert load(writer, [theirs], found.sizes) == ([True], data)
+    writer.unlock([theirs])
+
+
+def test_a_delete_leaves_a_record_of_a_newer_format_and_removes_the_others(
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # A newer server sharing the store replaced one object with its own format: it reads
+    # it, so a delete here keeps it; this server's own record of the other key goes.
+    adapter = open_adapter(url=redis_server.url, key_prefix=prefix, max_capacity_gb=1.0)
+    keys = make_keys(2)
+    store(adapter, keys)
+    raw = redis.Redis.from_url(redis_server.url)
+    names = [backend_of(adapter).name_of(key) for key in keys]
+    header = bytearray(raw.hget(names[0], "h"))
+    header[4:6] = (99).to_bytes(2, "little")
+    raw.hset(names[0], "h", bytes(header))
+    assert adapter.delete(keys) == [False, True]
+    assert raw.hget(names[0], "h") == bytes(header) and raw.exists(names[1]) == 0
+    stats = adapter.stats()
+    assert stats["record_version_unknown"] == 1 and stats.get("corrupt_records_removed", 0) == 0
+    assert adapter.used_bytes() == 0

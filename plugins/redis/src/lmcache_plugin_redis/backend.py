@@ -25,7 +25,9 @@ in a cluster a trip some nodes answered fails only the keys of the node that fai
 a call raises ``PartialFailure`` with its per-key answer, so core accounts the keys done
 and the circuit breaker still sees the failure (a node that answers nothing would
 otherwise cost every later batch its timeout, unseen).  The probe (``ping``) asks every
-primary of a cluster.  A per-object
+primary of a cluster.  A delete reads each header first and removes, by a script that
+checks the header is still the one read, only this server's records: another key's intact
+record and a newer format's are kept, as lookups keep them.  A per-object
 error reply (WRONGTYPE for a foreign key, OOM from a full store) fails that object only,
 counted and logged -- except in a lookup or listing, where any error reply but WRONGTYPE
 fails the call: "absent" would make core release the bytes of an object still there.
@@ -50,6 +52,7 @@ from lmcache_plugin_redis.direct import DirectConnections, Send, pack_command
 from lmcache_plugin_redis.replies import ReplyReader
 from lmcache_tiers.plugin import (
     BackendContext,
+    KeptByDelete,
     ObjectKey,
     ObjectSize,
     PartialFailure,
@@ -72,9 +75,10 @@ PAYLOAD = b"p"
 NAME_LIMIT = 1 << 14
 #: keys asked about per pipelined round trip in lookups, deletes and listings
 KEYS_PER_TRIP = 512
-#: removes a damaged record only if no one replaced it since it was read
+#: removes a record only if its header is still the one read ("" for none): a record
+#: another writer stored there since is not the one judged, and is kept
 _REMOVE_IF_UNCHANGED = """
-if redis.call('HGET', KEYS[1], 'h') == ARGV[1] then return redis.call('UNLINK', KEYS[1]) end
+if (redis.call('HGET', KEYS[1], 'h') or '') == ARGV[1] then return redis.call('UNLINK', KEYS[1]) end
 return 0
 """
 _GIB = 1 << 30
@@ -135,6 +139,8 @@ class RedisBackend:
         #: lookups and loads of a standalone store read their replies themselves (direct.py)
         self._direct: DirectConnections | None = None
         self._remove_if_unchanged: Any = None
+        #: kept records a delete judged, so the lookup core makes next counts none twice
+        self._deletes = KeptByDelete(context)
         if not config.cluster_mode:
             self._connect()
 
@@ -418,7 +424,7 @@ class RedisBackend:
         except RecordError as exc:
             reader.skip_bulk(payload_len)
             if record_verdict(exc).kept:  # counted and logged once every reply was read
-                return functools.partial(self.context.kept_record, key, exc)
+                return functools.partial(self._deletes.kept_record, key, exc)
             return header_bytes, exc
         if header is None:
             reader.skip_bulk(payload_len)
@@ -444,24 +450,76 @@ class RedisBackend:
         return True
 
     def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Each record is read first and removed only if it is this server's to remove,
+        and only if it is still the record read (a script compares its header): another
+        key's intact record and a newer format's -- another writer replaced the object
+        under this key's name -- are kept (``KeptByDelete``), as lookups keep them."""
         deleted = [False] * len(keys)
         failure: Exception | None = None
         for number, trip in enumerate(trips([0] * len(keys), 1)):
-            pipe = self._pipeline()
-            for index in trip:
-                pipe.unlink(self.name_of(keys[index]))
-            replies = self._trip(pipe, number, "delete", len(keys) - trip.start)
-            if isinstance(replies, Exception):
-                failure = replies
+            left = len(keys) - trip.start
+            judged = self._deletable(keys, trip, number, left)
+            if isinstance(judged, Exception):
+                failure = judged
                 break
-            for index, reply in zip(trip, replies, strict=True):
-                if isinstance(reply, ResponseError):  # refused (NOPERM, READONLY ...): still there
-                    self._reply_error("delete", keys[index], reply)
-                elif isinstance(reply, Exception):  # a failed node, or another client error
-                    self._request_failed("delete", keys[index], reply)
-                    failure = failure or reply
-                deleted[index] = reply == 1
+            removable, failure = judged[0], failure or judged[1]
+            removed = self._remove_unchanged(keys, removable, number, left)
+            if isinstance(removed, Exception):
+                failure = removed
+                break
+            for index, (done, failed) in removed.items():
+                deleted[index] = done
+                failure = failure or failed
         return self._partly_done("delete", deleted, failure)
+
+    def _deletable(
+        self, keys: Sequence[ObjectKey], trip: range, number: int, left: int
+    ) -> tuple[dict[int, bytes], Exception | None] | Exception:
+        """The headers (b"" for none) of the keys of ``trip`` a delete may remove, and the
+        first failed node's error; the error alone when the whole trip failed."""
+        pipe = self._pipeline()
+        for index in trip:
+            pipe.hget(self.name_of(keys[index]), HEADER)
+        replies = self._trip(pipe, number, "delete", left)
+        if isinstance(replies, Exception):
+            return replies
+        removable: dict[int, bytes] = {}
+        failure: Exception | None = None
+        for index, reply in zip(trip, replies, strict=True):
+            if isinstance(reply, ResponseError):  # WRONGTYPE: not a record; BUSY, NOPERM: refused
+                self._reply_error("delete", keys[index], reply)
+            elif isinstance(reply, Exception):  # a failed node, or another client error
+                self._request_failed("delete", keys[index], reply)
+                failure = failure or reply
+            elif reply is None or not self._deletes.keeps(keys[index], reply):
+                removable[index] = b"" if reply is None else bytes(reply)
+        return removable, failure
+
+    def _remove_unchanged(
+        self, keys: Sequence[ObjectKey], removable: dict[int, bytes], number: int, left: int
+    ) -> dict[int, tuple[bool, Exception | None]] | Exception:
+        """Remove each record whose header is still the one read: per index, whether it
+        was removed (False too for one replaced since: core asks about it again) and the
+        error of a failed node; the error alone when the whole pipeline failed."""
+        if not removable:
+            return {}
+        pipe = self._pipeline()
+        for index, header in removable.items():
+            # (execute_command: a cluster pipeline refuses eval(), yet routes EVAL by its key)
+            pipe.execute_command("EVAL", _REMOVE_IF_UNCHANGED, 1, self.name_of(keys[index]), header)
+        replies = self._trip(pipe, number, "delete", left)
+        if isinstance(replies, Exception):
+            return replies
+        outcome: dict[int, tuple[bool, Exception | None]] = {}
+        for index, reply in zip(removable, replies, strict=True):
+            failed: Exception | None = None
+            if isinstance(reply, ResponseError):  # refused (NOPERM, READONLY ...): still there
+                self._reply_error("delete", keys[index], reply)
+            elif isinstance(reply, Exception):
+                self._request_failed("delete", keys[index], reply)
+                failed = reply
+            outcome[index] = (reply == 1, failed)
+        return outcome
 
     def list_keys(self) -> Iterator[tuple[ObjectKey, ObjectSize]]:
         pattern = glob_escape(self.prefix) + "*"
@@ -519,7 +577,7 @@ class RedisBackend:
                 # like this server's objects of other keys.  Not this cache's: left alone.
                 self.context.count("listing_foreign_names")
                 self.context.warn("listing_foreign", "%s: %s; not listed, left alone", key.file_stem(), exc)
-            elif not self.context.kept_record(key, exc):
+            elif not self._deletes.kept_record(key, exc):
                 self._discard(key, reply, exc)
             return None
 
