@@ -27,7 +27,7 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bench_args import BenchParser
+from bench_args import BenchParser, at_least_one
 
 from lmcache_tiers.l1.allocator import ExtentAllocator
 
@@ -123,7 +123,7 @@ class Run:
 
     def pressure(self, ops: int) -> None:
         for _ in range(ops):
-            if self.rng.random() < 0.5:
+            if self.live and self.rng.random() < 0.5:  # nothing to free in an emptied arena
                 self.free_random()
                 continue
             sizes = self.batch()
@@ -135,8 +135,13 @@ class Run:
 
 
 def percentile(values: list[float], fraction: float) -> float:
+    """The nearest-rank percentile: the smallest value with at least ``fraction`` of the
+    values at or below it (p50 of 1..4 is 2, p5 of 1..20 is 1, p95 of 1..20 is 19)."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] if ordered else math.nan
+    if not ordered:
+        return math.nan
+    rank = math.ceil(round(fraction * len(ordered), 9))  # 0.07 * 100 is 7.000000000000001
+    return ordered[max(0, rank - 1)]
 
 
 def report(name: str, run: Run, target: float) -> None:
@@ -195,10 +200,12 @@ def main() -> None:
     parser.add_argument("--min-size-kib", type=int, default=4)
     parser.add_argument("--max-size-mib", type=float, default=16)
     parser.add_argument("--dist", choices=["loguniform", "uniform", "models"], default="loguniform")
-    parser.add_argument("--ops", type=int, default=100_000, help="steps of steady churn, and of pressure")
+    parser.add_argument(
+        "--ops", type=at_least_one, default=100_000, help="steps of steady churn, and of pressure"
+    )
     parser.add_argument("--target", type=float, default=0.8, help="usage the steady churn hovers at")
-    parser.add_argument("--max-batch", type=int, default=8, help="objects per allocate_many, 1..N")
-    parser.add_argument("--sample-every", type=int, default=50)
+    parser.add_argument("--max-batch", type=at_least_one, default=8, help="objects per allocate_many, 1..N")
+    parser.add_argument("--sample-every", type=at_least_one, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-baseline", action="store_true", help="skip the first-fit comparison")
     parser.add_argument(

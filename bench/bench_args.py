@@ -25,3 +25,15 @@ class BenchParser(argparse.ArgumentParser):
         if is_option and _worth_showing(kwargs.get("default")) and "%(default)" not in text:
             kwargs["help"] = f"{text} (default: %(default)s)".lstrip()
         return super().add_argument(*names, **kwargs)
+
+
+def at_least_one(text: str) -> int:
+    """An argparse ``type`` for counts (rounds, objects, runs): a whole number >= 1, since
+    a median of no rounds or a rate over no objects is not a figure."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_args import BenchParser
+from bench_args import BenchParser, at_least_one
 from cases import Case, parse_cases
 from lmcache_plugin_dax import DaxConfig
 from lmcache_plugin_dax.backend import DaxBackend
@@ -99,16 +99,23 @@ class Baseline:
         self.name, self.write, self.read = name, write, read
 
 
+def whole(call: str, index: int, moved: int, size: int) -> None:
+    """A short write or read is a failed baseline, not a fast one (and unlike an assert,
+    this check stays under ``python -O``)."""
+    if moved != size:
+        raise SystemExit(f"{call} of object {index} moved {moved} of {size} bytes")
+
+
 def file_baseline(path: str, case: Case, sources: list[memoryview], targets: list[memoryview], direct: bool):
     flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
     fd = os.open(path, flags, 0o600)
     os.posix_fallocate(fd, 0, case.total)
 
     def write(index: int) -> None:
-        assert os.pwritev(fd, [sources[index]], index * case.size) == case.size
+        whole("pwritev", index, os.pwritev(fd, [sources[index]], index * case.size), case.size)
 
     def read(index: int) -> None:
-        assert os.preadv(fd, [targets[index]], index * case.size) == case.size
+        whole("preadv", index, os.preadv(fd, [targets[index]], index * case.size), case.size)
 
     return fd, write, read
 
@@ -140,14 +147,18 @@ def adapter_round(
     start = time.perf_counter()
     stored = client.store(keys, sources)
     store_s = time.perf_counter() - start
-    assert stored == [True] * len(keys), "the adapter refused objects of the benchmark"
+    every = [True] * len(keys)
+    if stored != every:
+        raise SystemExit(f"{adapter.name}: {stored.count(False)} stores failed: {adapter.stats()}")
     found = client.lookup_and_lock(keys)  # pins the keys; untimed, the baselines need none
     start = time.perf_counter()
     loaded = client.load(keys, targets)
     load_s = time.perf_counter() - start
     adapter.unlock(keys)
-    assert found.found == [True] * len(keys) and loaded == [True] * len(keys)
-    assert adapter.delete(keys) == [True] * len(keys)
+    if found.found != every or loaded != every:
+        raise SystemExit(f"{adapter.name}: {loaded.count(False)} loads failed: {adapter.stats()}")
+    if adapter.delete(keys) != every:
+        raise SystemExit(f"{adapter.name}: deletes failed: {adapter.stats()}")
     return store_s, load_s
 
 
@@ -164,36 +175,39 @@ def run_case(case: Case, kind: str, args: argparse.Namespace, root: str) -> list
     sources, targets = slices(memoryview(source_map), case), slices(memoryview(target_map), case)
     keys = [ObjectKey("bench-model", 0, i.to_bytes(8, "big")) for i in range(case.count)]
     cleanup: list[Callable[[], None]] = []
-    if kind == "raw_block":
-        config = RawBlockConfig(
-            device_path=str(Path(root) / "raw_block.img"),
-            slot_bytes=case.size + HEADER,
-            capacity_bytes=(case.count + 8) * (case.size + HEADER) + (8 << 20),
-            use_odirect=not args.buffered,
-            **worker_overrides(args),
-        )
-        adapter = open_adapter(RawBlockBackend, config)
-        workers = (config.num_store_workers, config.num_load_workers)
-        fd, write, read = file_baseline(
-            str(Path(root) / "baseline.img"), case, sources, targets, not args.buffered
-        )
-        cleanup.append(lambda: os.close(fd))
-        what = "pwrite/preadv" + ("" if args.buffered else " O_DIRECT")
-    else:
-        config = DaxConfig(
-            device_path=str(Path(root) / "dax.img"),
-            max_dax_size_gb=((case.count + 8) * (case.size + HEADER) + (8 << 20)) / (1 << 30),
-            slot_bytes=case.size,
-            **worker_overrides(args),
-        )
-        adapter = open_adapter(DaxBackend, config)
-        workers = (config.store_workers, config.load_workers)
-        # The mapping stays until the copy functions are collected with this frame.
-        fd, write, read = mapping_baseline(str(Path(root) / "baseline.img"), case, sources, targets)
-        cleanup.append(lambda: os.close(fd))
-        what = "memcpy"
-    cleanup.append(adapter.close)
+    # The adapter is closed and the baseline file descriptor too also when the other cannot
+    # be set up (O_DIRECT refused by --dir's filesystem, say).
     try:
+        if kind == "raw_block":
+            config = RawBlockConfig(
+                device_path=str(Path(root) / "raw_block.img"),
+                slot_bytes=case.size + HEADER,
+                capacity_bytes=(case.count + 8) * (case.size + HEADER) + (8 << 20),
+                use_odirect=not args.buffered,
+                **worker_overrides(args),
+            )
+            adapter = open_adapter(RawBlockBackend, config)
+            cleanup.append(adapter.close)
+            workers = (config.num_store_workers, config.num_load_workers)
+            fd, write, read = file_baseline(
+                str(Path(root) / "baseline.img"), case, sources, targets, not args.buffered
+            )
+            cleanup.append(lambda: os.close(fd))
+            what = "pwrite/preadv" + ("" if args.buffered else " O_DIRECT")
+        else:
+            config = DaxConfig(
+                device_path=str(Path(root) / "dax.img"),
+                max_dax_size_gb=((case.count + 8) * (case.size + HEADER) + (8 << 20)) / (1 << 30),
+                slot_bytes=case.size,
+                **worker_overrides(args),
+            )
+            adapter = open_adapter(DaxBackend, config)
+            cleanup.append(adapter.close)
+            workers = (config.store_workers, config.load_workers)
+            # The mapping stays until the copy functions are collected with this frame.
+            fd, write, read = mapping_baseline(str(Path(root) / "baseline.img"), case, sources, targets)
+            cleanup.append(lambda: os.close(fd))
+            what = "memcpy"
         return measure(case, kind, what, adapter, keys, sources, targets, write, read, workers, args.repeat)
     finally:
         for action in reversed(cleanup):
@@ -299,20 +313,32 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
 
 
+ADAPTERS = ("raw_block", "dax")
+
+
+def adapter_list(text: str) -> list[str]:
+    """``--adapters``: names of ADAPTERS only (any other name would be measured as dax)."""
+    names = text.split(",")
+    unknown = [name for name in names if name not in ADAPTERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown adapter {unknown[0]!r}; choose from {', '.join(ADAPTERS)}")
+    return names
+
+
 def main() -> None:
     parser = BenchParser(__doc__)
     parser.add_argument("--dir", help="directory for raw_block's device file (default: a temp dir)")
-    parser.add_argument("--cases", default="256x1,64x16", help="COUNTxMIB,... (default 256x1,64x16)")
-    parser.add_argument("--adapters", default="raw_block,dax", help="raw_block,dax (default both)")
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--store-workers", type=int, help="num_store_workers of the adapters")
-    parser.add_argument("--load-workers", type=int, help="num_load_workers of the adapters")
+    parser.add_argument("--cases", type=parse_cases, default="256x1,64x16", help="COUNTxMIB,...")
+    parser.add_argument("--adapters", type=adapter_list, default="raw_block,dax", help="raw_block,dax")
+    parser.add_argument("--repeat", type=at_least_one, default=5)
+    parser.add_argument("--store-workers", type=at_least_one, help="num_store_workers of the adapters")
+    parser.add_argument("--load-workers", type=at_least_one, help="num_load_workers of the adapters")
     parser.add_argument("--buffered", action="store_true", help="raw_block and its baseline without O_DIRECT")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
-    for kind in args.adapters.split(","):
-        for case in parse_cases(args.cases):
+    for kind in args.adapters:
+        for case in args.cases:
             root = tempfile.mkdtemp(
                 prefix="bench-block-", dir=args.dir if kind == "raw_block" else "/dev/shm"
             )

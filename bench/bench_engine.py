@@ -10,6 +10,10 @@ them), driven from one thread the way a front end drives it.
   flight), wait for each, release; GB/s is loaded bytes over the wall time;
 * lookups/s of prompts that are entirely in L1 (the hit path with no L2 work).
 
+A store that does not reach every adapter, or a prefetch that does not find every object,
+stops the run with what the engine counted as failures: a failed operation is quick, and
+its figure would be a fast one.
+
 Store and prefetch run ``--repeats`` times (L1 and L2 emptied in between) and the median
 is printed with the first run.  The mock adapters fault their memory pool in at start
 (``prefault``), like the L1 arena; with ``--mock '{}'`` the first run is where they touch
@@ -37,7 +41,7 @@ from collections import deque
 from typing import Any
 
 import numpy as np
-from bench_args import BenchParser
+from bench_args import BenchParser, at_least_one
 
 from lmcache_tiers.config import ServerConfig, decode_adapter
 from lmcache_tiers.keys import ObjectKey
@@ -92,12 +96,14 @@ def prompt_keys(prompt: int, chunks: int) -> list[ObjectKey]:
 def main() -> None:
     parser = BenchParser(__doc__)
     parser.add_argument("--chunk-mb", type=float, default=1.0, help="object size in MiB")
-    parser.add_argument("--chunks", type=int, default=8, help="chunks per prompt")
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--adapters", type=int, default=1, help="mock adapters in the cascade")
-    parser.add_argument("--concurrency", type=int, default=8, help="prefetches in flight")
+    parser.add_argument("--chunks", type=at_least_one, default=8, help="chunks per prompt")
+    parser.add_argument("--prompts", type=at_least_one, default=64)
+    parser.add_argument("--adapters", type=at_least_one, default=1, help="mock adapters in the cascade")
+    parser.add_argument("--concurrency", type=at_least_one, default=8, help="prefetches in flight")
     parser.add_argument("--l1-gb", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=3, help="store/prefetch rounds (median printed)")
+    parser.add_argument(
+        "--repeats", type=at_least_one, default=3, help="store/prefetch rounds (median printed)"
+    )
     parser.add_argument(
         "--mock",
         default=json.dumps(DEFAULT_MOCK),
@@ -124,30 +130,13 @@ def main() -> None:
     store_runs: list[float] = []
     prefetch_runs: list[float] = []
     with StorageManager(config, registry) as storage:
-        for _ in range(max(1, args.repeats)):
+        for _ in range(args.repeats):
             for adapter in storage.adapters:
                 adapter.delete(list(adapter.iter_keys()))
             storage.clear()
-            start = time.perf_counter()
-            for keys in prompts:
-                reserved = storage.reserve_write(keys, [size] * len(keys))
-                for obj in reserved.values():
-                    np.copyto(np.frombuffer(storage.view(obj), dtype=np.uint8), fill)
-                storage.commit_write(list(reserved))
-            storage.flush(600)
-            store_runs.append(total / (time.perf_counter() - start) / 1e9)
-
+            store_runs.append(total / store_round(storage, prompts, fill) / 1e9)
             storage.clear()
-            pending: deque[tuple[int, list[ObjectKey]]] = deque()
-            loaded = 0
-            start = time.perf_counter()
-            for keys in prompts:
-                pending.append((storage.submit_prefetch(keys), keys))
-                while len(pending) >= args.concurrency:
-                    loaded += settle(storage, *pending.popleft())
-            while pending:
-                loaded += settle(storage, *pending.popleft())
-            prefetch_runs.append(loaded * size / (time.perf_counter() - start) / 1e9)
+            prefetch_runs.append(total / prefetch_round(storage, prompts, args.concurrency) / 1e9)
 
         storage.clear()
         resident = prompts[: max(1, int(args.l1_gb * GIB * 0.5) // (size * args.chunks))]
@@ -193,6 +182,46 @@ def main() -> None:
     print(f"L1-only lookups           {lookups / lookup_s:8.0f} /s")
     if failures:
         print(f"failures: {failures}")
+
+
+def store_round(storage: StorageManager, prompts: list[list[ObjectKey]], fill: np.ndarray) -> float:
+    """Seconds to store every prompt's objects in L1 and, through ``flush``, in every L2
+    adapter.  A store that did not reach every adapter (refused by a full one, dropped
+    before its write-back) would be counted as fast: the run stops instead."""
+    size, expected = fill.nbytes, sum(map(len, prompts))
+    start = time.perf_counter()
+    for keys in prompts:
+        reserved = storage.reserve_write(keys, [size] * len(keys))
+        for obj in reserved.values():
+            np.copyto(np.frombuffer(storage.view(obj), dtype=np.uint8), fill)
+        storage.commit_write(list(reserved))
+    flushed = storage.flush(600)
+    seconds = time.perf_counter() - start
+    held = [sum(1 for _ in adapter.iter_keys()) for adapter in storage.adapters]
+    if not flushed or any(count != expected for count in held):
+        raise SystemExit(
+            f"store: the L2 adapters hold {held} of {expected} objects"
+            f"{'' if flushed else ' (flush timed out)'}; failures {storage.failures()}"
+        )
+    return seconds
+
+
+def prefetch_round(storage: StorageManager, prompts: list[list[ObjectKey]], concurrency: int) -> float:
+    """Seconds to prefetch every prompt from L2 (``concurrency`` in flight).  A prefetch
+    that found less than the whole prompt would be counted as fast: the run stops instead."""
+    pending: deque[tuple[int, list[ObjectKey]]] = deque()
+    loaded, expected = 0, sum(map(len, prompts))
+    start = time.perf_counter()
+    for keys in prompts:
+        pending.append((storage.submit_prefetch(keys), keys))
+        while len(pending) >= concurrency:
+            loaded += settle(storage, *pending.popleft())
+    while pending:
+        loaded += settle(storage, *pending.popleft())
+    seconds = time.perf_counter() - start
+    if loaded != expected:
+        raise SystemExit(f"prefetch: loaded {loaded} of {expected} objects; failures {storage.failures()}")
+    return seconds
 
 
 def settle(storage: StorageManager, handle: int, keys: list[ObjectKey]) -> int:

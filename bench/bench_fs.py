@@ -23,7 +23,6 @@ Three parts, each printing its figure next to the limit measured in the same run
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
@@ -37,7 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
-from bench_args import BenchParser
+from bench_args import BenchParser, at_least_one
+from cases import Case, parse_cases
 from lmcache_plugin_fs import FsConfig
 from lmcache_plugin_fs.backend import FsBackend
 
@@ -81,13 +81,21 @@ class Arena:
 # -- throughput ---------------------------------------------------------------------------
 
 
+def _whole(call: str, index: int, moved: int, size: int) -> None:
+    """A baseline that moved fewer bytes than the adapter did is no baseline: stop the run
+    rather than time a short read of a truncated file as a fast one."""
+    if moved != size:
+        raise SystemExit(f"raw {call} of object {index} moved {moved} of {size} bytes")
+
+
 def raw_store(directory: str, sources: list[memoryview], direct: bool) -> float:
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_DIRECT if direct else 0)
     start = time.perf_counter()
     for index, source in enumerate(sources):
         fd = os.open(os.path.join(directory, f"raw-{index}.bin"), flags, 0o644)
-        os.pwrite(fd, source, 0)
+        written = os.pwrite(fd, source, 0)
         os.close(fd)
+        _whole("pwrite", index, written, len(source))
     return time.perf_counter() - start
 
 
@@ -96,8 +104,9 @@ def raw_load(directory: str, targets: list[memoryview], direct: bool) -> float:
     start = time.perf_counter()
     for index, target in enumerate(targets):
         fd = os.open(os.path.join(directory, f"raw-{index}.bin"), flags)
-        os.preadv(fd, [target], 0)
+        read = os.preadv(fd, [target], 0)
         os.close(fd)
+        _whole("preadv", index, read, len(target))
     return time.perf_counter() - start
 
 
@@ -116,10 +125,8 @@ def adapter_round(
 FIGURES: list[dict[str, object]] = []
 
 
-def throughput(root: str, case: str, repeat: int, direct: bool) -> None:
-    count, size_mib = (int(part) for part in case.split("x"))
-    size = size_mib * MIB
-    total = count * size
+def throughput(root: str, given: Case, repeat: int, direct: bool) -> None:
+    count, size, total, case = given.count, given.size, given.total, given.tag
     arena = Arena(count * 2, size)
     sources, targets = arena.sources[:count], arena.sources[count:]
     raw_dir = os.path.join(root, f"raw-{case}")
@@ -307,30 +314,18 @@ def reference(root: str, venv: Path, keys: int, repeat: int) -> None:
         )
 
 
-def _each_case(root: str, args: argparse.Namespace) -> None:
-    for case in args.cases.split(","):
-        throughput(root, case, args.repeat, args.direct_io)
-
-
 PARTS = ("throughput", "scan", "reference")
-
-
-def _at_least_one(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
-    return value
 
 
 def main() -> None:
     parser = BenchParser(__doc__)
     parser.add_argument("--dir", default=None, help="filesystem to measure (default: the temp directory)")
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated parts to run")
-    parser.add_argument("--cases", default="256x1,64x16")
-    parser.add_argument("--repeat", type=_at_least_one, default=5)
+    parser.add_argument("--cases", type=parse_cases, default="256x1,64x16", help="COUNTxMIB,...")
+    parser.add_argument("--repeat", type=at_least_one, default=5)
     parser.add_argument("--direct-io", action="store_true")
-    parser.add_argument("--scan-objects", type=_at_least_one, default=100_000)
-    parser.add_argument("--ref-keys", type=_at_least_one, default=64)
+    parser.add_argument("--scan-objects", type=at_least_one, default=100_000)
+    parser.add_argument("--ref-keys", type=at_least_one, default=64)
     parser.add_argument("--reference-venv", type=Path, default=REFERENCE_VENV)
     parser.add_argument(
         "--json", action="store_true", help="also print the figures as one JSON line at the end"
@@ -343,7 +338,7 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="bench-fs-", dir=args.dir)
     parts: dict[str, Callable[[], None]] = {
         "throughput": lambda: (
-            [throughput(root, case, args.repeat, args.direct_io) for case in args.cases.split(",")] and None
+            [throughput(root, case, args.repeat, args.direct_io) for case in args.cases] and None
         ),
         "scan": lambda: scan(root, args.scan_objects),
         "reference": lambda: reference(root, args.reference_venv, args.ref_keys, args.repeat),

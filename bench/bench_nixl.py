@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
-from bench_args import BenchParser
+from bench_args import BenchParser, at_least_one
 from cases import Case, parse_cases
 from lmcache_plugin_nixl.config import NixlStoreConfig, NixlStoreDynamicConfig
 from lmcache_plugin_nixl.dynamic import NixlDynamicBackend
@@ -377,17 +377,19 @@ def print_table(results: list[Result]) -> None:
 def main() -> None:
     parser = BenchParser(__doc__)
     parser.add_argument("--dir", help="directory on the filesystem to measure (default: a temp dir)")
-    parser.add_argument("--cases", default="256x1,64x16", help="COUNTxMIB,... (default 256x1,64x16)")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--cases", type=parse_cases, default="256x1,64x16", help="COUNTxMIB,...")
+    parser.add_argument("--repeat", type=at_least_one, default=5)
     parser.add_argument("--direct-io", action="store_true", help="use_direct_io true for both adapters")
     parser.add_argument(
         "--drop-caches", action="store_true", help="drop the page cache before every load (root only)"
     )
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     args = parser.parse_args()
+    if args.drop_caches and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        parser.error("--drop-caches needs write access to /proc/sys/vm/drop_caches (root)")
 
     results: list[Result] = []
-    for case in parse_cases(args.cases):
+    for case in args.cases:
         root = tempfile.mkdtemp(prefix="bench-nixl-", dir=args.dir)
         try:
             results.extend(run_case(case, root, args))

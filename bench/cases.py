@@ -3,6 +3,7 @@ many MiB each, shared by the benchmarks that move batches of equal-sized objects
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 MIB = 1 << 20
@@ -23,11 +24,22 @@ class Case:
     def label(self) -> str:
         return f"{self.count} x {self.size // MIB} MiB"
 
+    @property
+    def tag(self) -> str:
+        """The case as it was given (``256x1``)."""
+        return f"{self.count}x{self.size // MIB}"
+
 
 def parse_cases(text: str) -> list[Case]:
-    """``"256x1,64x16"`` -> 256 objects of 1 MiB, 64 of 16 MiB."""
+    """``"256x1,64x16"`` -> 256 objects of 1 MiB, 64 of 16 MiB.  Usable as an argparse
+    ``type``: a malformed case is one ``error:`` line naming it, not a traceback."""
     cases = []
     for item in text.split(","):
-        count, size_mib = item.lower().split("x")
-        cases.append(Case(int(count), int(size_mib) * MIB))
+        parts = item.lower().split("x")
+        if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
+            raise argparse.ArgumentTypeError(f"case {item!r} is not COUNTxMIB (e.g. 256x1)")
+        count, size_mib = (int(part) for part in parts)
+        if count < 1 or size_mib < 1:
+            raise argparse.ArgumentTypeError(f"case {item!r}: count and MiB must both be >= 1")
+        cases.append(Case(count, size_mib * MIB))
     return cases

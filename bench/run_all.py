@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -45,6 +46,10 @@ DEFAULT_REFERENCE = Path(
         Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lmcache-tiers" / "lmcache-0.5.6",
     )
 )
+
+
+#: how long a timed-out benchmark's processes get to clean up after SIGINT
+STOP_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,23 @@ def last_json(stdout: str) -> Any:
     raise ValueError("no JSON document in the benchmark's output")
 
 
+def stop_group(process: subprocess.Popen[str]) -> None:
+    """Interrupt the process group of ``process`` (SIGINT: Python runs its finally blocks),
+    and kill what is left of it after STOP_GRACE_S."""
+    try:
+        os.killpg(process.pid, signal.SIGINT)
+        process.communicate(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # what did not stop in time, children included
+    except ProcessLookupError:
+        pass
+    process.communicate()
+
+
 def run_bench(bench: Bench, full: bool, reference: Path) -> Outcome:
     command = [sys.executable, str(BENCH_DIR / bench.script), *(() if full else bench.quick), "--json"]
     if bench.script == "bench_fs.py":
@@ -129,21 +151,33 @@ def run_bench(bench: Bench, full: bool, reference: Path) -> Outcome:
         return outcome
     env = {**os.environ, "DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false"}
     began = time.perf_counter()
+    # Its own process group: on a timeout the benchmark and every process it started (a
+    # server, a redis-server, a weed) are interrupted together, so that each one's own
+    # clean-up (finally blocks, atexit: servers stopped, /dev/shm segments and temp dirs
+    # removed) runs; killing the benchmark alone would leave them all behind.
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=BENCH_DIR.parent,
+        start_new_session=True,
+    )
     try:
-        result = subprocess.run(
-            command, capture_output=True, text=True, timeout=bench.timeout_s, env=env, cwd=BENCH_DIR.parent
-        )
+        stdout, stderr = process.communicate(timeout=bench.timeout_s)
     except subprocess.TimeoutExpired:
+        stop_group(process)
         outcome.error = f"did not finish within {bench.timeout_s:.0f} s"
         return outcome
     outcome.seconds = time.perf_counter() - began
-    outcome.stderr_tail = result.stderr[-2000:]
-    if result.returncode != 0:
-        last = (result.stderr.strip() or result.stdout.strip()).splitlines()[-1:] or [""]
-        outcome.error = f"exit {result.returncode}: {last[0][:300]}"
+    outcome.stderr_tail = stderr[-2000:]
+    if process.returncode != 0:
+        last = (stderr.strip() or stdout.strip()).splitlines()[-1:] or [""]
+        outcome.error = f"exit {process.returncode}: {last[0][:300]}"
         return outcome
     try:
-        outcome.figures = last_json(result.stdout)
+        outcome.figures = last_json(stdout)
     except ValueError as exc:
         outcome.error = str(exc)
     return outcome

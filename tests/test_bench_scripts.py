@@ -1,0 +1,157 @@
+"""The benchmark scripts' own checks: bad arguments refused in one line, a failed operation
+never timed as a fast one, percentiles by rank, and nothing left behind by a benchmark
+that run_all has to stop."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from bench_modules import BENCH, load_bench
+
+
+def run_script(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(BENCH / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=BENCH.parent,
+    )
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "says"),
+    [
+        (
+            "bench_block.py",
+            ["--adapters", "nvme", "--cases", "1x1", "--repeat", "1"],
+            "unknown adapter 'nvme'",
+        ),
+        ("bench_block.py", ["--cases", "2y3"], "case '2y3' is not COUNTxMIB"),
+        ("bench_block.py", ["--repeat", "0"], "0 is not >= 1"),
+        ("bench_nixl.py", ["--cases", "0x1"], "count and MiB must both be >= 1"),
+        ("bench_fs.py", ["--cases", "64"], "case '64' is not COUNTxMIB"),
+        ("bench_engine.py", ["--prompts", "0"], "0 is not >= 1"),
+    ],
+)
+def test_a_bad_argument_is_one_error_line_and_exit_2(script: str, args: list[str], says: str) -> None:
+    """Before: ``--adapters nvme`` measured dax under the name nvme, a malformed case was a
+    ValueError traceback, ``--repeat 0`` a StatisticsError after the whole run's set-up."""
+    result = run_script(script, *args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "error:" in last and says in last
+
+
+def test_an_engine_store_that_does_not_reach_l2_stops_the_run() -> None:
+    """bench_engine: an L2 too small for the data fails most stores; the store figure
+    (all bytes over the time of the failing stores) was printed as a fast one."""
+    result = run_script(
+        "bench_engine.py",
+        *("--chunk-mb", "1", "--chunks", "4", "--prompts", "4", "--repeats", "1", "--l1-gb", "0.1"),
+        *("--mock", '{"prefault": true, "max_size_gb": 0.004}', "--json"),
+    )
+    assert result.returncode != 0
+    assert "store: the L2 adapters hold [4] of 16 objects" in result.stderr
+    assert "store_gbps" not in result.stdout
+
+
+def test_percentiles_are_by_nearest_rank() -> None:
+    percentile = load_bench("bench_allocator").percentile
+    assert percentile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.0
+    twenty = [float(value) for value in range(1, 21)]
+    assert percentile(twenty, 0.05) == 1.0
+    assert percentile(twenty, 0.95) == 19.0
+    assert percentile(list(range(1, 101)), 0.07) == 7
+    assert percentile([5.0], 0.95) == 5.0
+
+
+def test_a_short_baseline_read_of_bench_fs_stops_the_run(tmp_path: Path) -> None:
+    """bench_fs: a truncated baseline file was read short and timed as a fast preadv."""
+    bench_fs = load_bench("bench_fs")
+    (tmp_path / "raw-0.bin").write_bytes(b"x" * 100)
+    target = memoryview(bytearray(4096))
+    with pytest.raises(SystemExit, match="raw preadv of object 0 moved 100 of 4096 bytes"):
+        bench_fs.raw_load(str(tmp_path), [target], direct=False)
+
+
+def test_a_short_baseline_read_of_bench_block_stops_the_run(tmp_path: Path) -> None:
+    """bench_block: the baselines' byte counts were checked by ``assert`` alone (gone
+    under ``python -O``, and an AssertionError rather than a reason)."""
+    bench_block = load_bench("bench_block")
+    case = bench_block.Case(2, 4096)
+    sources = [memoryview(bytearray(4096)) for _ in range(2)]
+    targets = [memoryview(bytearray(4096)) for _ in range(2)]
+    path = tmp_path / "baseline.img"
+    fd, write, read = bench_block.file_baseline(str(path), case, sources, targets, False)
+    try:
+        write(1)
+        os.truncate(path, 4096 + 10)
+        with pytest.raises(SystemExit, match="preadv of object 1 moved 10 of 4096 bytes"):
+            read(1)
+    finally:
+        os.close(fd)
+
+
+FAKE_BENCH = """
+import pathlib, subprocess, sys, time
+here = pathlib.Path(sys.argv[0]).parent
+marker = here / "segment"
+marker.write_text("")
+server = subprocess.Popen(["sleep", "600"])
+(here / "server.pid").write_text(str(server.pid))
+try:
+    time.sleep(600)
+finally:
+    marker.unlink()
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_a_benchmark_that_times_out_is_stopped_with_the_processes_it_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run_all: a timed-out benchmark was killed alone (SIGKILL), so the server it had
+    started kept running and its clean-up (a /dev/shm segment, here a marker file) never ran."""
+    run_all = load_bench("run_all")
+    (tmp_path / "bench_hangs.py").write_text(FAKE_BENCH)
+    monkeypatch.setattr(run_all, "BENCH_DIR", tmp_path)
+    monkeypatch.setattr(run_all, "STOP_GRACE_S", 10.0, raising=False)
+    outcome = run_all.run_bench(run_all.Bench("hangs", "bench_hangs.py", timeout_s=3.0), False, tmp_path)
+    assert outcome.error == "did not finish within 3 s"
+    server = int((tmp_path / "server.pid").read_text())
+    deadline = time.monotonic() + 10
+    while alive(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        assert not alive(server), "the benchmark's server outlived it"
+        assert not (tmp_path / "segment").exists(), "the benchmark's clean-up did not run"
+    finally:
+        if alive(server):
+            os.kill(server, 9)
+
+
+def test_the_allocator_pressure_phase_survives_an_emptied_arena() -> None:
+    """bench_allocator: the pressure phase freed a random object half of the time even
+    when none was left (a small ``--capacity-gb``), and crashed in ``randrange``."""
+    import random
+
+    bench_allocator = load_bench("bench_allocator")
+    rng = random.Random(0)
+    allocator = bench_allocator.ExtentAllocator(1 << 20, 4096)
+    run = bench_allocator.Run(allocator, lambda: 4096, rng, 1)
+    run.pressure(200)
+    assert run.extent_ops > 0
