@@ -268,11 +268,9 @@ class NvmeL1File:
             try:
                 os.fdatasync(self._fd)
             except OSError as exc:
-                code: int | None = exc.errno
-            else:
-                return False
-        self._log_writeback_error(code)
-        return True
+                self._log_writeback_error(exc.errno)
+                return True
+        return False
 
     def _log_writeback_error(self, code: int | None) -> None:
         logger.error(

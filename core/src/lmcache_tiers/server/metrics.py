@@ -239,7 +239,11 @@ class TiersCollector(Collector):
                 numeric[str(stat)] = float(value)
                 continue
             self._unexported(
-                f"{adapter}:{stat}", "%s: stat %r is not a number (%r); left out of /metrics", adapter, stat, value
+                f"{adapter}:{stat}",
+                "%s: stat %r is not a number (%r); left out of /metrics",
+                adapter,
+                stat,
+                value,
             )
         return numeric
 
