@@ -185,13 +185,7 @@ def test_while_the_scan_runs_stores_that_add_bytes_are_refused(
     assert adapter.delete(listed[2:]) == [True]
     GatedListing.gate.release()
     GatedListing.gate.release()
-    deadline = threading.Event()
-    for _ in range(3000):
-        if not adapter.stats()["scan_running"]:
-            break
-        deadline.wait(0.01)
-    stats = adapter.stats()
-    assert stats["scan_running"] == 0
+    wait_for_the_scan(adapter)
     assert adapter.used_bytes() == 2000, "listed keys, minus the one deleted meanwhile"
     assert store(adapter, make_keys(1, start=50), [10]) == [True]
 
@@ -230,6 +224,59 @@ def test_a_key_a_lookup_found_absent_while_the_scan_runs_is_not_accounted_from_t
     wait_for_the_scan(adapter)
     assert adapter.used_bytes() == 2000, "the listed keys still stored"
     assert adapter.stats()["objects"] == 2
+
+
+class ListedWhileAsked(GatedListing):
+    """Gated listing whose lookups run ``answered`` between reading their answer and
+    returning it: the scan can account what the answer says is absent in between."""
+
+    answered: Any = None
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[Any]:
+        answer = super().contains_many(keys)
+        if ListedWhileAsked.answered is not None:
+            ListedWhileAsked.answered()
+        return answer
+
+
+def test_a_key_the_scan_accounts_while_a_lookup_finds_it_absent_is_not_accounted(
+    adapters: list[L2Adapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lookup asked about a key not accounted yet; while the backend answered "absent"
+    the scan accounted it from its older listing: once the answer is in, the key is not
+    accounted (its bytes are not held against the capacity) and counts as vanished."""
+    import lmcache_tiers.l2.scan as scan
+
+    monkeypatch.setattr(scan, "BATCH_ENTRIES", 1)
+    monkeypatch.setattr(scan, "FOREGROUND_ENTRIES", 1)
+    GatedListing.gate = threading.Semaphore(1)  # the first entry in the foreground
+    namespace = fill_namespace(4, 1000)
+    adapter = open_dict(ListedWhileAsked, namespace=namespace)
+    adapters.append(adapter)
+    listed = make_keys(4)
+    del _SPACES[namespace][listed[2]]  # another server deleted it; the listing holds it still
+
+    def scan_past_it() -> None:
+        GatedListing.gate.release()
+        GatedListing.gate.release()
+        pause = threading.Event()
+        for _ in range(3000):
+            if adapter.used_bytes() == 3000:  # listed[2] accounted; listed[3] not yet
+                return
+            pause.wait(0.01)
+        raise AssertionError("the scan never accounted the listed keys")
+
+    monkeypatch.setattr(ListedWhileAsked, "answered", staticmethod(scan_past_it))
+    client = BlockingAdapterClient(adapter, timeout=30)
+    assert client.lookup_and_lock(listed[2:3]).found == [False]
+    assert adapter.stats()["scan_running"] == 1
+    assert adapter.used_bytes() == 2000, "released once the lookup answered"
+    GatedListing.gate.release()
+    wait_for_the_scan(adapter)
+    assert adapter.used_bytes() == 3000, "the listed keys still stored"
+    stats = adapter.stats()
+    assert stats["objects"] == 3
+    assert stats["objects_vanished"] == 1
 
 
 class FailingListing(DictBackend):

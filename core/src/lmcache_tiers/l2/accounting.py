@@ -122,15 +122,26 @@ class ByteAccounting:
                 self._touched.add(key)
             return True
 
-    def note_absent(self, keys: Sequence[ObjectKey]) -> None:
+    def note_absent(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
         """The backend answered ``keys`` absent (not accounted when asked): a start-up scan
         still running must not account them from a listing older than that answer -- one
-        read before another server sharing the store removed them."""
+        read before another server sharing the store removed them.  Returns the keys it
+        accounted while the backend was being asked, released again here: no live
+        operation touched them since the scan began, so only the scan can have."""
         if not keys or not self._scanning:
-            return
+            return []
+        released: list[ObjectKey] = []
         with self._lock:
-            if self._scanning:
-                self._touched.update(keys)
+            if not self._scanning:
+                return []
+            for key in keys:
+                size = self._sizes.get(key)
+                if size is not None and key not in self._touched:
+                    del self._sizes[key]
+                    self._add(key.cache_salt, -size.stored)
+                    released.append(key)
+                self._touched.add(key)
+        return released
 
     def get(self, key: ObjectKey) -> ObjectSize | None:
         with self._lock:

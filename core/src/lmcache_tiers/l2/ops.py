@@ -425,7 +425,8 @@ class LookupOp(BatchOp):
             if known is None:
                 adopted.append(key)
         forget_gone(state, absent, "found by a lookup")
-        state.accounting.note_absent(unknown)
+        if unknown and state.accounting.scanning:  # what a listing read earlier may bring back
+            self._absent_while_scanning(unknown)
         if adopted:
             # Stored by someone else (another server sharing the store, an earlier process
             # the scan has not reached yet) and accounted from now on: listeners hear of
@@ -441,6 +442,14 @@ class LookupOp(BatchOp):
 
     def released(self) -> None:
         self.state.pins.unpin(self.hits)
+
+    def _absent_while_scanning(self, unknown: list[ObjectKey]) -> None:
+        """Keys not accounted when asked and answered absent: the scan leaves them alone,
+        and any it accounted meanwhile are released as vanished.  A record of another
+        serde chain is answered absent but is there: the scan's to account."""
+        state = self.state
+        absent = [key for key, kept in zip(unknown, state.unreadable(unknown), strict=True) if not kept]
+        vanished(state, state.accounting.note_absent(absent), "found by a lookup, listed by the scan")
 
 
 class LoadOp(BatchOp):
