@@ -750,3 +750,110 @@ def test_the_listing_counts_and_logs_objects_too_short_for_a_record(
     assert adapter.used_bytes() == 2 * SIZE
     assert adapter.stats().get("listing_names_skipped", 0) == 1, "a skipped object nobody counted"
     assert "shorter than a record" in caplog.text
+
+
+def test_a_delete_leaves_the_record_of_another_key_that_replaced_its_object(
+    mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter]
+) -> None:
+    """One key_prefix extends the other, so key "m..." here and key "xm..." of the other
+    server share a name.  Once the other server replaced this server's object there, an
+    eviction here must not remove that server's acknowledged object."""
+    config = config_for(mooncake_pool)
+    writer = open_adapter(config)
+    adapters.append(writer)
+    evicting = open_adapter(msgspec.structs.replace(config, key_prefix=config.key_prefix + "x"))
+    adapters.append(evicting)
+    eventually(lambda: not evicting.stats()["scan_running"], what="the start-up scan")
+    theirs = ObjectKey("xmodel", 0, b"\x07" * 32)
+    mine = ObjectKey("model", 0, b"\x07" * 32)
+    name = name_of(writer, theirs)
+    assert name_of(evicting, mine) == name, "the names collide"
+    store(evicting, [mine])
+    data = store(writer, [theirs], seed=5)
+    assert evicting.delete([mine]) == [False]
+    assert raw.is_exist(name) == 1, "the other server's object was deleted"
+    assert evicting.used_bytes() == 0, "the key is gone from here: its bytes are released"
+    assert evicting.stats()["foreign_records"] == 1, "counted once, by the delete"
+    result = BlockingAdapterClient(writer).lookup_and_lock([theirs])
+    assert load(writer, [theirs], result.sizes) == ([True], data)
+    writer.unlock([theirs])
+
+
+def test_a_delete_leaves_a_record_of_a_newer_format_and_removes_the_others(
+    mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter]
+) -> None:
+    """A newer server sharing the pool replaced one object with its own format: it reads
+    it, so a delete here keeps it; this server's own record of the other key goes."""
+    adapter = open_adapter(config_for(mooncake_pool))
+    adapters.append(adapter)
+    eventually(lambda: not adapter.stats()["scan_running"], what="the start-up scan")
+    keys = make_keys(2)
+    store(adapter, keys)
+    names = [name_of(adapter, key) for key in keys]
+    record = bytearray(_record(keys[0], pattern(7, SIZE)))
+    record[4:6] = (99).to_bytes(2, "little")
+    assert raw.remove(names[0], True) == 0 and raw.put(names[0], bytes(record)) == 0
+    assert adapter.delete(keys) == [False, True]
+    assert raw.is_exist(names[0]) == 1 and raw.is_exist(names[1]) == 0
+    stats = adapter.stats()
+    assert stats["record_version_unknown"] == 1 and stats.get("corrupt_records_removed", 0) == 0
+    assert adapter.used_bytes() == 0
+
+
+class _RaisingHeaderReads(_FailingHeaderReads):
+    """The adapter's client, except that every ranged read of record headers raises."""
+
+    def get_into_ranges(self, buffers: Any, names: list[list[str]], *rest: Any) -> list[list[list[int]]]:
+        raise RuntimeError("the segment host holding the headers did not answer")
+
+
+@pytest.mark.parametrize("failing", [_FailingHeaderReads, _RaisingHeaderReads], ids=["per_key", "call"])
+def test_the_listing_leaves_out_objects_whose_headers_it_could_not_read(
+    mooncake_pool: LocalCluster, adapters: list[BackendAdapter], failing: type[_FailingHeaderReads]
+) -> None:
+    """Only a record's header tells this server's objects from those of a server whose
+    key_prefix extends its own.  Unread, an object must not be accounted here (eviction
+    would act on it, lookups would report it found): left out, counted and logged; a
+    lookup reads its header and accounts it when it is this server's."""
+    config = config_for(mooncake_pool)
+    other = open_adapter(msgspec.structs.replace(config, key_prefix=config.key_prefix + "team."))
+    adapters.append(other)
+    store(other, make_keys(2))
+    adapter = open_adapter(config)
+    adapters.append(adapter)
+    eventually(lambda: not adapter.stats()["scan_running"], what="the start-up scan")
+    backend = backend_of(adapter)
+    real = backend.connection.store()
+    backend.connection.store = lambda: failing(real)  # type: ignore[method-assign]
+    try:
+        assert list(backend.list_keys()) == []
+    finally:
+        del backend.connection.store
+    assert adapter.stats()["listing_header_read_failures"] == 2
+
+
+def test_a_load_stops_between_its_calls_once_the_adapter_closes(
+    mooncake_pool: LocalCluster, adapters: list[BackendAdapter]
+) -> None:
+    """A load of several lanes' worth of keys is several Mooncake calls: once the adapter
+    starts closing, the calls left are not made -- their keys fail, counted -- so a close
+    waits for one call at most, not for the whole batch."""
+    adapter = open_adapter(config_for(mooncake_pool))
+    adapters.append(adapter)
+    keys = make_keys(KEYS_PER_LANE + 2)
+    data = store(adapter, keys, size=1024)
+    backend = backend_of(adapter)
+    real, calls = backend._get_chunk, []
+
+    def closing_after_the_first(*args: Any) -> Any:
+        calls.append(args)
+        backend.context._state.closing.set()  # what the adapter's close sets first
+        return real(*args)
+
+    backend._get_chunk = closing_after_the_first  # type: ignore[method-assign]
+    buffers = [memoryview(bytearray(1024)) for _ in keys]
+    loaded = backend.get_many_into(keys, buffers)
+    assert len(calls) == 1, "calls were made after closing began"
+    assert loaded == [True] * KEYS_PER_LANE + [False, False]
+    assert [bytes(b) for b in buffers[:KEYS_PER_LANE]] == data[:KEYS_PER_LANE]
+    assert adapter.stats()["load_skipped_closing"] == 2

@@ -31,6 +31,10 @@ serde chain, XXH3-128 checksum of the payload) followed by the payload.
   during one only compete with it for the cores (measured with ``bench/bench_mooncake.py``: verifying a
   chunk while the next was read was 8 % slower than reading the whole batch, then
   verifying on both cores).
+* Delete: the records' headers are read first (one ranged read per lane of keys), and
+  only this server's records are removed: another key's intact record and a newer
+  format's (another writer replaced the object under the name) are kept, as lookups
+  keep them, and the key's next lookup reads that header again (a miss).
 * Objects vanish on their own (Mooncake evicts, a client lending memory stops): a
   vanished object is a miss; core releases the bytes of one it still accounts when a
   lookup, or the check after a delete that found nothing, sees it gone
@@ -71,6 +75,7 @@ from lmcache_plugin_mooncake.headers import HEADER_BYTES, HeaderLanes, Lane, add
 from lmcache_plugin_mooncake.listing import iter_pool_names
 from lmcache_tiers.plugin import (
     BackendContext,
+    KeptByDelete,
     ObjectKey,
     ObjectSize,
     RecordError,
@@ -203,6 +208,10 @@ class MooncakeStoreBackend:
         #: names whose next lookup must ask the master for their size (see _known_size)
         self._resized: set[str] = set()
         self._resized_lock = threading.Lock()
+        #: kept records a delete judged, so the lookup core makes next counts none twice
+        self._deletes = KeptByDelete(context)
+        #: names whose next lookup must read the record header (a delete kept the record)
+        self._reread: set[str] = set()
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -472,10 +481,11 @@ class MooncakeStoreBackend:
         if any(code < 0 for code in present):
             raise MooncakeError(f"existence query returned {describe(min(present))}")
         unsized: list[int] = []
+        reread = self._reread_taken([names[i] for i, code in enumerate(present) if code == 1])
         for index, code in enumerate(present):
             if code != 1:
                 continue
-            known = self._known_size(keys[index], names[index])
+            known = None if names[index] in reread else self._known_size(keys[index], names[index])
             if known is None:
                 unsized.append(index)
             else:
@@ -492,11 +502,12 @@ class MooncakeStoreBackend:
                 )
                 continue
             found[index] = size - HEADER_BYTES
-            if self.context.l1_size_of(keys[index]) is None:
+            if self.context.l1_size_of(keys[index]) is None or names[index] in reread:
                 # Not known here (another server stored it): its header tells the L1 size
                 # under a size-changing chain, and whether the record is of this key at all
                 # -- a server whose key_prefix extends this one's names its objects as
                 # this server names other keys, and a hit would account that object here.
+                # A record a delete kept is read again: it is not this server's (a miss).
                 need_header.append(index)
         for chunk in chunks(len(need_header)):
             self._sizes_from_headers(store, keys, names, [need_header[i] for i in chunk], found)
@@ -515,6 +526,17 @@ class MooncakeStoreBackend:
                     self._resized.discard(name)
                     return None
         return self.context.l1_size_of(key)
+
+    def _reread_taken(self, names: list[str]) -> set[str]:
+        """The ``names`` whose record a delete kept (another key's, a newer format's),
+        forgotten as they are returned: their lookup reads the header, which makes them
+        a miss here -- core then releases what it accounts for them."""
+        if not self._reread:  # rare: not worth the lock on every lookup otherwise
+            return set()
+        with self._resized_lock:
+            taken = self._reread.intersection(names)
+            self._reread -= taken
+        return taken
 
     def _size_changed(self, name: str) -> None:
         """A load found ``name`` not of the size reported: its next lookup asks the master."""
@@ -617,11 +639,23 @@ class MooncakeStoreBackend:
         # A chunk is read, then verified (see the module docstring for why not both at
         # once); its header lane is given back once its headers are verified.
         for chunk in chunks(len(keys)):
+            if self.context.closing and chunk.start:
+                self._skipped_closing(len(keys) - chunk.start)
+                break
             chunk_keys, chunk_buffers = [keys[i] for i in chunk], [buffers[i] for i in chunk]
             with self.lanes.lane(self.timeout) as lane:
                 names, codes = self._get_chunk(store, lane, chunk_keys, chunk_buffers)
                 self._check_chunk(store, lane, chunk_keys, names, chunk_buffers, codes, ok, chunk.start)
         return ok
+
+    def _skipped_closing(self, left: int) -> None:
+        """The last ``left`` keys of a load not read: the adapter is closing, and a close
+        must not wait for one Mooncake call after another (each key fails, counted)."""
+        self.context.count("load_skipped_closing", left)
+        self._throttle.warn(
+            "load_closing", "%s: closing: the last %d keys of a load were not read (misses)",
+            self.context.name, left,
+        )  # fmt: skip
 
     def _get_chunk(
         self, store: Any, lane: Lane, keys: list[ObjectKey], buffers: list[memoryview]
@@ -690,7 +724,7 @@ class MooncakeStoreBackend:
         except RecordError as exc:
             # kept: another key's (a server whose key_prefix extends, or is extended by,
             # this one's) or a newer format's; damage is removed
-            if not self.context.kept_record(key, exc):
+            if not self._deletes.kept_record(key, exc):
                 self._remove_damaged(store, key, name, str(exc))
             return None
         if header is not None and header.header_len != HEADER_BYTES:
@@ -710,21 +744,57 @@ class MooncakeStoreBackend:
     # -- delete ----------------------------------------------------------------------------
 
     def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Each record's header is read first: another key's intact record and a newer
+        format's -- another writer replaced the object under this key's name -- are kept
+        (``KeptByDelete``), as lookups keep them; the rest are removed."""
         names = [self.names.of(key) for key in keys]
         store = self.connection.store()
-        codes = self.calls.run("delete", self.timeout, store.batch_remove, names, True)
+        removable = self.calls.run("delete", self.timeout, self._deletable, store, list(keys), names)
+        removing = [names[index] for index in removable]
+        codes = self.calls.run("delete", self.timeout, store.batch_remove, removing, True) if removing else []
         _check("remove", codes)
-        removed: list[bool] = []
-        for name, code in zip(names, codes, strict=True):
+        removed = [False] * len(keys)
+        for index, code in zip(removable, codes, strict=True):
             # NOT_FOUND is False too: gone already (Mooncake evicted it, its segment left,
             # another server deleted it); core asks again and releases what it accounts.
-            removed.append(code == 0)
+            removed[index] = code == 0
             if code not in (0, NOT_FOUND):
                 self.context.count("delete_failures")
                 self._throttle.warn(
-                    "remove", "%s: remove of %s returned %s", self.context.name, name, describe(code)
+                    "remove", "%s: remove of %s returned %s", self.context.name, names[index], describe(code)
                 )
         return removed
+
+    def _deletable(self, store: Any, keys: list[ObjectKey], names: list[str]) -> list[int]:
+        """The indexes of the records a delete of ``keys`` removes: not a record another
+        writer stored under the name (kept, counted, and read again by the next lookup),
+        nor one whose header could not be read (kept: it may be one; counted, logged)."""
+        removable: list[int] = []
+        for chunk in chunks(len(keys)):
+            with self.lanes.lane(self.timeout) as lane:
+                codes = store.get_into_ranges(
+                    [lane.address(0)],
+                    [[names[index] for index in chunk]],
+                    [[[slot * HEADER_BYTES] for slot in range(len(chunk))]],
+                    [[[0] for _ in chunk]],
+                    [[[HEADER_BYTES] for _ in chunk]],
+                )[0]
+                _check("header read", [code[0] for code in codes])
+                for slot, (index, code) in enumerate(zip(chunk, codes, strict=True)):
+                    if code[0] == NOT_FOUND:
+                        continue  # gone already: False, and core asks again
+                    if code[0] != HEADER_BYTES:
+                        self.context.count("delete_header_read_failures")
+                        self._throttle.warn(
+                            "delete_read", "%s: reading the record header of %s to delete it returned "
+                            "%s: not removed", self.context.name, names[index], describe(code[0]),
+                        )  # fmt: skip
+                    elif self._deletes.keeps(keys[index], lane.slot(slot)):
+                        with self._resized_lock:
+                            self._reread.add(names[index])
+                    else:
+                        removable.append(index)
+        return removable
 
     # -- listing ---------------------------------------------------------------------------
 
@@ -764,18 +834,22 @@ class MooncakeStoreBackend:
                 "list_short", "%s: %d listed objects are shorter than a record header: not listed",
                 self.context.name, short,
             )  # fmt: skip
-        unlisted: dict[str, RecordError] = {}
+        unlisted: dict[str, RecordError | None] = {}
         for chunk in chunks(len(listed)):
             part = [listed[i] for i in chunk]
             try:
                 unlisted |= self.calls.run("header read", self.timeout, self._kept_records, store, part)
-            except Exception as exc:  # unverified, listed as before: a lookup sorts them out
+            except Exception as exc:  # unread: left out, as _kept_records leaves out one it cannot read
+                unlisted |= dict.fromkeys((name for _, name in part), None)
+                self.context.count("listing_header_read_failures", len(part))
                 self._throttle.warn(
-                    "list_headers", "%s: reading the record headers of %d listed objects failed: %s",
-                    self.context.name, len(part), exc,
+                    "list_headers", "%s: reading the record headers of %d listed objects failed: %s; "
+                    "not listed (a lookup reads them)", self.context.name, len(part), exc,
                 )  # fmt: skip
         foreign = 0
         for name, error in unlisted.items():
+            if error is None:
+                continue  # unread or gone: counted where found
             if record_verdict(error) is RecordVerdict.FOREIGN:
                 foreign += 1
             else:  # a newer server's record: counted as such, and kept
@@ -791,17 +865,20 @@ class MooncakeStoreBackend:
             if name not in unlisted:
                 yield key, sizes[name] - HEADER_BYTES
 
-    def _kept_records(self, store: Any, part: list[tuple[ObjectKey, str]]) -> dict[str, RecordError]:
+    def _kept_records(self, store: Any, part: list[tuple[ObjectKey, str]]) -> dict[str, RecordError | None]:
         """Names in ``part`` whose record is kept but not this server's to read, with the
         error that says why: another key than the name says, or a format version this
-        code does not read (a newer server sharing the pool wrote it, and reads it).
+        code does not read (a newer server sharing the pool wrote it, and reads it) --
+        and, with None, the names whose header was not read: gone since they were
+        listed, or unreadable now (counted, logged), which may be either kind as well.
 
         A server whose ``key_prefix`` extends this one's ("cache" and "cache2") names its
         objects exactly as this server names other keys: only their headers tell them
         apart.  Neither kind may be accounted here, where eviction would remove them.
         (The lane is taken and given back on the call's own thread, so a call given up at
         its deadline still holds it until Mooncake is done with it.)"""
-        kept: dict[str, RecordError] = {}
+        kept: dict[str, RecordError | None] = {}
+        unread = 0
         with self.lanes.lane(self.timeout) as lane:
             codes = store.get_into_ranges(
                 [lane.address(0)],
@@ -813,7 +890,11 @@ class MooncakeStoreBackend:
             _check("header read", [code[0] for code in codes])
             for slot, ((key, name), code) in enumerate(zip(part, codes, strict=True)):
                 if code[0] != HEADER_BYTES:
-                    continue  # gone, or unreadable now: a lookup sorts it out
+                    # Gone, or unreadable now: not listed; a lookup that finds it reads
+                    # its header and accounts it if it is this server's record.
+                    kept[name] = None
+                    unread += code[0] != NOT_FOUND
+                    continue
                 try:
                     self.context.read_record_header(lane.slot(slot), key)
                 except RecordError as exc:
@@ -821,4 +902,10 @@ class MooncakeStoreBackend:
                     # traceback kept: its frames hold the lane's memory.)
                     if record_verdict(exc).kept:
                         kept[name] = exc.with_traceback(None)
+        if unread:
+            self.context.count("listing_header_read_failures", unread)
+            self._throttle.warn(
+                "list_unread", "%s: the record headers of %d listed objects could not be read: "
+                "not listed (a lookup reads them)", self.context.name, unread,
+            )  # fmt: skip
         return kept
