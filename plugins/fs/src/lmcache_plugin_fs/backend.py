@@ -32,6 +32,7 @@ from lmcache_tiers.plugin import (
     check_process_claim_free,
     direct_io_refusal,
     printable,
+    redact_url_secrets,
 )
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,13 @@ def _lock_what(root: str) -> str:
 
 def _store_what(root: str) -> str:
     """How the claim of a remote store and its pre-flight probe name it."""
-    return f"the fs store {root}"
+    return f"the fs store {_shown(root)}"
+
+
+def _shown(url: str) -> str:
+    """``url`` as lines and errors name it: without the password a URL may carry
+    (``ftp://user:password@host/...``), which is the user's secret."""
+    return printable(redact_url_secrets(url), 300)
 
 
 def _store_identity(protocol: str | Sequence[str], root: str) -> str:
@@ -147,12 +154,13 @@ class FsBackend:
         try:
             fs, root = fsspec.core.url_to_fs(config.root, **config.storage_options)
         except (ImportError, ValueError) as exc:
-            raise ConfigError(f"fs: cannot open {printable(config.root)}: {exc}") from exc
+            reason = redact_url_secrets(str(exc))  # it may quote the URL, password and all
+            raise ConfigError(f"fs: cannot open {_shown(config.root)}: {reason}") from exc
         # memory:// lives in this process: one adapter per path is the whole rule. Other
         # remote stores cannot be locked from here; give each server its own path.
         self._lock = ProcessClaim(_store_identity(fs.protocol, root), what=_store_what(config.root))
         layout = FileLayout(root, shard_dirs=config.shard_dirs, temp_dir=config.relative_tmp_dir)
-        failures = WriteFailures(context.name, config.root, context.count)
+        failures = WriteFailures(context.name, redact_url_secrets(config.root), context.count)
         try:
             records = RemoteRecords(fs, layout, context, read_ahead=config.read_ahead_size, failures=failures)
         except BaseException:
