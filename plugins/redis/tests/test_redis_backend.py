@@ -183,6 +183,17 @@ def test_a_damaged_header_is_a_lookup_miss_and_is_removed(
     assert adapter.stats()["corrupt_records_removed"] == 1
 
 
+def shared_store(request: pytest.FixtureRequest, mode: str) -> tuple[dict[str, Any], Any]:
+    """The adapter settings of a standalone store or a cluster, and a plain client on it
+    (another party writing into the store)."""
+    if mode == "standalone":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        return {"url": server.url}, redis.Redis.from_url(server.url)
+    cluster: RedisClusterNodes = request.getfixturevalue("redis_cluster")
+    where = {"startup_nodes": cluster.startup_nodes, "cluster_mode": True}
+    return where, redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+
+
 @pytest.mark.parametrize("mode", ["standalone", "cluster"])
 def test_a_record_of_another_key_under_a_colliding_name_is_a_miss_that_is_kept(
     request: pytest.FixtureRequest,
@@ -194,15 +205,7 @@ def test_a_record_of_another_key_under_a_colliding_name_is_a_miss_that_is_kept(
     # Two servers on one store, one prefix extending the other: the name of key "m..."
     # under prefix + "x" is the name of key "xm..." under prefix.  The record there is
     # the other server's valid object: a miss for this key, never removed as damage.
-    raw: Any
-    if mode == "standalone":
-        server: RedisServer = request.getfixturevalue("redis_server")
-        where: dict[str, Any] = {"url": server.url}
-        raw = redis.Redis.from_url(server.url)
-    else:
-        cluster: RedisClusterNodes = request.getfixturevalue("redis_cluster")
-        where = {"startup_nodes": cluster.startup_nodes, "cluster_mode": True}
-        raw = redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    where, raw = shared_store(request, mode)
     writer = open_adapter(**where, key_prefix=prefix)
     reader = open_adapter(**where, key_prefix=prefix + "x")
     theirs = ObjectKey("xmodel", 0, b"\x07" * 32)
@@ -1098,15 +1101,7 @@ def test_a_delete_leaves_the_record_of_another_key_that_replaced_its_object(
     # One prefix extends the other, so key "m..." of one server and key "xm..." of the
     # other share a name.  Once the other server replaced this server's object there, an
     # eviction here must not remove that server's acknowledged object.
-    raw: Any
-    if mode == "standalone":
-        server: RedisServer = request.getfixturevalue("redis_server")
-        where: dict[str, Any] = {"url": server.url}
-        raw = redis.Redis.from_url(server.url)
-    else:
-        cluster: RedisClusterNodes = request.getfixturevalue("redis_cluster")
-        where = {"startup_nodes": cluster.startup_nodes, "cluster_mode": True}
-        raw = redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    where, raw = shared_store(request, mode)
     writer = open_adapter(**where, key_prefix=prefix)
     evicting = open_adapter(**where, key_prefix=prefix + "x", max_capacity_gb=1.0)
     theirs = ObjectKey("xmodel", 0, b"\x07" * 32)
@@ -1142,3 +1137,33 @@ def test_a_delete_leaves_a_record_of_a_newer_format_and_removes_the_others(
     stats = adapter.stats()
     assert stats["record_version_unknown"] == 1 and stats.get("corrupt_records_removed", 0) == 0
     assert adapter.used_bytes() == 0
+
+
+def test_a_delete_whose_later_removals_fail_counts_only_the_keys_it_could_not_remove(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # The connection drops before the second trip's removals (its headers were read): of
+    # that trip, the newer format's record was judged and kept (counted as such), so only
+    # the other key failed for the store's sake.
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
+    keys = make_keys(KEYS_PER_TRIP + 2)
+    store(adapter, keys, size=16)
+    backend = backend_of(adapter)
+    raw = redis.Redis.from_url(own_server.url)
+    header = bytearray(raw.hget(backend.name_of(keys[-1]), "h"))
+    header[4:6] = (99).to_bytes(2, "little")
+    raw.hset(backend.name_of(keys[-1]), "h", bytes(header))
+    execute, calls = backend._execute, []
+
+    def drops_before_the_second_removals(pipe: Any, **options: Any) -> list[Any]:
+        calls.append(pipe)
+        if len(calls) == 4:  # trip one's reads and removals, trip two's reads, its removals
+            raise redis.ConnectionError("Connection closed by server.")
+        return execute(pipe, **options)
+
+    backend._execute = drops_before_the_second_removals  # type: ignore[method-assign]
+    assert adapter.delete(keys) == [True] * KEYS_PER_TRIP + [False, False]
+    stats = adapter.stats()
+    assert stats["delete_request_failures"] == 1, "a kept record was counted as a failed request"
+    assert stats["record_version_unknown"] == 1
+    assert raw.exists(backend.name_of(keys[-2])) == 1 and adapter.used_bytes() == 16

@@ -463,6 +463,9 @@ class RedisBackend:
                 failure = judged
                 break
             removable, failure = judged[0], failure or judged[1]
+            # Should the removals fail, the keys left are this trip's removable ones and
+            # the later trips': the trip's kept records and failed reads are counted already.
+            left = len(removable) + len(keys) - trip.stop
             removed = self._remove_unchanged(keys, removable, number, left)
             if isinstance(removed, Exception):
                 failure = removed
