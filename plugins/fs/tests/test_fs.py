@@ -493,6 +493,9 @@ def test_lmcache_fields_are_accepted() -> None:
         ({"path": "/a", "relative_tmp_dir": "../elsewhere"}, "relative_tmp_dir"),
         ({"path": "/a", "max_capacity_gb": -1}, "max_capacity_gb"),
         ({"path": "/a", "read_ahead_size": 0}, "read_ahead_size"),
+        # a local URL without a path would make the working directory the cache
+        ({"path": "file://"}, "must not be empty"),
+        ({"base_path": "local:// "}, "must not be empty"),
     ],
 )
 def test_bad_configs_are_refused_with_one_line(raw: dict[str, object], message: str) -> None:

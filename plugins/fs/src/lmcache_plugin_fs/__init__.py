@@ -104,7 +104,8 @@ class FsConfig(L2AdapterConfig):
             raise FieldError(
                 field, "give the directory as path (or LMCache's base_path), exactly one of them"
             )
-        if not self.root.strip():
+        # file:// alone names no directory: opened, it would be the working directory
+        if not (self.local_root if self.is_local else self.root).strip():
             raise FieldError(
                 "path" if self.path is not None else "base_path", "the directory must not be empty"
             )
