@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -165,17 +165,44 @@ class GatedListing(DictBackend):
             yield item
 
 
-def test_while_the_scan_runs_stores_that_add_bytes_are_refused(
-    adapters: list[L2Adapter], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def open_scanning(
+    adapters: list[L2Adapter],
+    monkeypatch: pytest.MonkeyPatch,
+    entries: int,
+    backend: type[GatedListing] = GatedListing,
+    **options: Any,
+) -> tuple[L2Adapter, str]:
+    """An adapter (and its namespace) over ``entries`` listed objects of 1000 bytes whose
+    start-up scan accounted the first in the foreground, then accounts one more per
+    release of ``GatedListing.gate``."""
     import lmcache_tiers.l2.scan as scan
 
     monkeypatch.setattr(scan, "BATCH_ENTRIES", 1)
     monkeypatch.setattr(scan, "FOREGROUND_ENTRIES", 1)
     GatedListing.gate = threading.Semaphore(1)  # the first entry in the foreground
-    namespace = fill_namespace(3, 1000)
-    adapter = open_dict(GatedListing, namespace=namespace, capacity=10_000)
+    namespace = fill_namespace(entries, 1000)
+    adapter = open_dict(backend, namespace=namespace, **options)
     adapters.append(adapter)
+    return adapter, namespace
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    pause = threading.Event()
+    for _ in range(3000):
+        if condition():
+            return
+        pause.wait(0.01)
+    raise AssertionError(f"{what} never happened")
+
+
+def wait_for_the_scan(adapter: L2Adapter) -> None:
+    wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")
+
+
+def test_while_the_scan_runs_stores_that_add_bytes_are_refused(
+    adapters: list[L2Adapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    adapter, _namespace = open_scanning(adapters, monkeypatch, 3, capacity=10_000)
     listed = make_keys(3)
     assert adapter.stats()["scan_running"] == 1
     assert adapter.used_bytes() == 1000
@@ -190,15 +217,6 @@ def test_while_the_scan_runs_stores_that_add_bytes_are_refused(
     assert store(adapter, make_keys(1, start=50), [10]) == [True]
 
 
-def wait_for_the_scan(adapter: L2Adapter) -> None:
-    pause = threading.Event()
-    for _ in range(3000):
-        if not adapter.stats()["scan_running"]:
-            return
-        pause.wait(0.01)
-    raise AssertionError("the start-up scan never ended")
-
-
 def test_a_key_a_lookup_found_absent_while_the_scan_runs_is_not_accounted_from_the_listing(
     adapters: list[L2Adapter], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -206,14 +224,7 @@ def test_a_key_a_lookup_found_absent_while_the_scan_runs_is_not_accounted_from_t
     an object listing): a key removed behind the adapter's back -- by another server
     sharing the store -- and answered absent must not come back from it, accounted for
     bytes the store no longer holds."""
-    import lmcache_tiers.l2.scan as scan
-
-    monkeypatch.setattr(scan, "BATCH_ENTRIES", 1)
-    monkeypatch.setattr(scan, "FOREGROUND_ENTRIES", 1)
-    GatedListing.gate = threading.Semaphore(1)  # the first entry in the foreground
-    namespace = fill_namespace(3, 1000)
-    adapter = open_dict(GatedListing, namespace=namespace)
-    adapters.append(adapter)
+    adapter, namespace = open_scanning(adapters, monkeypatch, 3)
     listed = make_keys(3)
     assert adapter.stats()["scan_running"] == 1
     del _SPACES[namespace][listed[2]]  # another server deleted it; the listing holds it still
@@ -245,26 +256,15 @@ def test_a_key_the_scan_accounts_while_a_lookup_finds_it_absent_is_not_accounted
     """The lookup asked about a key not accounted yet; while the backend answered "absent"
     the scan accounted it from its older listing: once the answer is in, the key is not
     accounted (its bytes are not held against the capacity) and counts as vanished."""
-    import lmcache_tiers.l2.scan as scan
-
-    monkeypatch.setattr(scan, "BATCH_ENTRIES", 1)
-    monkeypatch.setattr(scan, "FOREGROUND_ENTRIES", 1)
-    GatedListing.gate = threading.Semaphore(1)  # the first entry in the foreground
-    namespace = fill_namespace(4, 1000)
-    adapter = open_dict(ListedWhileAsked, namespace=namespace)
-    adapters.append(adapter)
+    adapter, namespace = open_scanning(adapters, monkeypatch, 4, ListedWhileAsked)
     listed = make_keys(4)
     del _SPACES[namespace][listed[2]]  # another server deleted it; the listing holds it still
 
     def scan_past_it() -> None:
         GatedListing.gate.release()
         GatedListing.gate.release()
-        pause = threading.Event()
-        for _ in range(3000):
-            if adapter.used_bytes() == 3000:  # listed[2] accounted; listed[3] not yet
-                return
-            pause.wait(0.01)
-        raise AssertionError("the scan never accounted the listed keys")
+        # listed[2] accounted; listed[3] not yet
+        wait_until(lambda: adapter.used_bytes() == 3000, "the scan accounting listed[2]")
 
     monkeypatch.setattr(ListedWhileAsked, "answered", staticmethod(scan_past_it))
     client = BlockingAdapterClient(adapter, timeout=30)
