@@ -170,6 +170,11 @@ def run_bench(bench: Bench, full: bool, reference: Path) -> Outcome:
         stop_group(process)
         outcome.error = f"did not finish within {bench.timeout_s:.0f} s"
         return outcome
+    except BaseException:
+        # A Ctrl-C at the terminal reaches run_all only (the benchmark has a session of its
+        # own): the benchmark and its servers are stopped with it, not left running.
+        stop_group(process)
+        raise
     outcome.seconds = time.perf_counter() - began
     outcome.stderr_tail = stderr[-2000:]
     if process.returncode != 0:

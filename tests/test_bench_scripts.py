@@ -5,6 +5,7 @@ that run_all has to stop."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -100,8 +101,9 @@ def test_a_short_baseline_read_of_bench_block_stops_the_run(tmp_path: Path) -> N
 
 
 FAKE_BENCH = """
-import pathlib, subprocess, sys, time
+import os, pathlib, subprocess, sys, time
 here = pathlib.Path(sys.argv[0]).parent
+(here / "bench.pid").write_text(str(os.getpid()))
 marker = here / "segment"
 marker.write_text("")
 server = subprocess.Popen(["sleep", "600"])
@@ -142,6 +144,50 @@ def test_a_benchmark_that_times_out_is_stopped_with_the_processes_it_started(
     finally:
         if alive(server):
             os.kill(server, 9)
+
+
+RUN_ALL_DRIVER = """
+import pathlib, sys
+sys.path.insert(0, sys.argv[1])
+import run_all
+run_all.BENCH_DIR = pathlib.Path(sys.argv[2])
+run_all.run_bench(run_all.Bench("hangs", "bench_hangs.py", timeout_s=600.0), False, run_all.BENCH_DIR)
+"""
+
+
+def test_run_all_interrupted_stops_the_benchmark_it_runs(tmp_path: Path) -> None:
+    """run_all: a benchmark runs in a session of its own, which a Ctrl-C at the terminal
+    does not reach; interrupted, run_all left it running with the server it had started."""
+    (tmp_path / "bench_hangs.py").write_text(FAKE_BENCH)
+    (tmp_path / "driver.py").write_text(RUN_ALL_DRIVER)
+    driver = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), str(BENCH), str(tmp_path)])
+    server_pid = tmp_path / "server.pid"
+    try:
+        deadline = time.monotonic() + 60
+        while not server_pid.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server_pid.exists(), "the benchmark never started"
+        driver.send_signal(signal.SIGINT)  # what Ctrl-C does to run_all
+        driver.wait(timeout=60)
+        server = int(server_pid.read_text())
+        deadline = time.monotonic() + 10
+        while alive(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(server), "the benchmark's server outlived run_all"
+        assert not (tmp_path / "segment").exists(), "the benchmark's clean-up did not run"
+    finally:
+        driver.kill()
+        driver.wait()
+        kill_group_left_behind(tmp_path / "bench.pid")
+
+
+def kill_group_left_behind(bench_pid: Path) -> None:
+    """A failed test does not leave the benchmark's session running (it leads its group)."""
+    if bench_pid.exists():
+        try:
+            os.killpg(int(bench_pid.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def test_the_allocator_pressure_phase_survives_an_emptied_arena() -> None:
