@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 from bench_args import BenchParser, at_least_one
-from cases import Case, parse_cases
+from cases import Case, check_whole, parse_cases
 from lmcache_plugin_dax import DaxConfig
 from lmcache_plugin_dax.backend import DaxBackend
 from lmcache_plugin_raw_block import RawBlockConfig
@@ -99,23 +99,16 @@ class Baseline:
         self.name, self.write, self.read = name, write, read
 
 
-def whole(call: str, index: int, moved: int, size: int) -> None:
-    """A short write or read is a failed baseline, not a fast one (and unlike an assert,
-    this check stays under ``python -O``)."""
-    if moved != size:
-        raise SystemExit(f"{call} of object {index} moved {moved} of {size} bytes")
-
-
 def file_baseline(path: str, case: Case, sources: list[memoryview], targets: list[memoryview], direct: bool):
     flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
     fd = os.open(path, flags, 0o600)
     os.posix_fallocate(fd, 0, case.total)
 
     def write(index: int) -> None:
-        whole("pwritev", index, os.pwritev(fd, [sources[index]], index * case.size), case.size)
+        check_whole("pwritev", index, os.pwritev(fd, [sources[index]], index * case.size), case.size)
 
     def read(index: int) -> None:
-        whole("preadv", index, os.preadv(fd, [targets[index]], index * case.size), case.size)
+        check_whole("preadv", index, os.preadv(fd, [targets[index]], index * case.size), case.size)
 
     return fd, write, read
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import msgspec
 from bench_args import BenchParser, at_least_one
-from cases import Case, parse_cases
+from cases import Case, check_whole, parse_cases
 from lmcache_plugin_fs import FsConfig
 from lmcache_plugin_fs.backend import FsBackend
 
@@ -81,13 +81,6 @@ class Arena:
 # -- throughput ---------------------------------------------------------------------------
 
 
-def _whole(call: str, index: int, moved: int, size: int) -> None:
-    """A baseline that moved fewer bytes than the adapter did is no baseline: stop the run
-    rather than time a short read of a truncated file as a fast one."""
-    if moved != size:
-        raise SystemExit(f"raw {call} of object {index} moved {moved} of {size} bytes")
-
-
 def raw_store(directory: str, sources: list[memoryview], direct: bool) -> float:
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_DIRECT if direct else 0)
     start = time.perf_counter()
@@ -95,7 +88,7 @@ def raw_store(directory: str, sources: list[memoryview], direct: bool) -> float:
         fd = os.open(os.path.join(directory, f"raw-{index}.bin"), flags, 0o644)
         written = os.pwrite(fd, source, 0)
         os.close(fd)
-        _whole("pwrite", index, written, len(source))
+        check_whole("raw pwrite", index, written, len(source))
     return time.perf_counter() - start
 
 
@@ -106,7 +99,7 @@ def raw_load(directory: str, targets: list[memoryview], direct: bool) -> float:
         fd = os.open(os.path.join(directory, f"raw-{index}.bin"), flags)
         read = os.preadv(fd, [target], 0)
         os.close(fd)
-        _whole("preadv", index, read, len(target))
+        check_whole("raw preadv", index, read, len(target))
     return time.perf_counter() - start
 
 

@@ -43,3 +43,11 @@ def parse_cases(text: str) -> list[Case]:
             raise argparse.ArgumentTypeError(f"case {item!r}: count and MiB must both be >= 1")
         cases.append(Case(count, size_mib * MIB))
     return cases
+
+
+def check_whole(call: str, index: int, moved: int, size: int) -> None:
+    """A baseline write or read that moved fewer bytes than the object's is a failed
+    baseline, not a fast one: the run stops, naming the call and the byte counts (unlike
+    an ``assert``, this check stays under ``python -O``)."""
+    if moved != size:
+        raise SystemExit(f"{call} of object {index} moved {moved} of {size} bytes")
