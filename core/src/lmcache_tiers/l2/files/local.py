@@ -34,6 +34,7 @@ from lmcache_tiers.l2.files.layout import (
     RECORD_SUFFIX,
     EntryKind,
     FileLayout,
+    MisplacedRecords,
     classify_name,
     is_shard_name,
     is_temp_name,
@@ -416,47 +417,65 @@ class LocalFiles:
         their key -- left by a run with the other ``shard_dirs`` setting, or moved by hand
         -- are kept, counted and reported (:class:`~.layout.MisplacedRecords`).
 
-        The start-up scan runs this over every file of a cache, so it is one plain loop:
-        each call or generator level per entry costs about as much as the ``stat``.
+        The start-up scan runs this over every file of a cache, so each directory is one
+        plain loop: each call or generator level per entry costs about as much as the
+        ``stat``.  A
+        directory is read as its records are handed out, never gathered first: a flat
+        directory of millions of files would hold an entry per file (hundreds of bytes
+        each) and account nothing until all were read.  Files removed or added meanwhile
+        (a record judged damaged here, a store) are listed or not; every other file once.
         """
         layout = self.layout
         misplaced = layout.misplaced_records(self.name, self._count)
-        suffix, cut = RECORD_SUFFIX, -len(RECORD_SUFFIX)
         for directory in self.directories():
             try:
-                with os.scandir(directory) as listing:
-                    entries = [
-                        e for e in listing if e.name.endswith(suffix) and e.is_file(follow_symlinks=False)
-                    ]
+                listing = os.scandir(directory)
             except (FileNotFoundError, NotADirectoryError):
                 continue
             here = directory == layout.root if not layout.shard_dirs else None
-            for entry in entries:
-                stem = entry.name[:cut]
-                if stem.startswith("~") and is_digest_name(stem):
-                    key = self._digest_record_key(entry)
-                else:
-                    key = name_to_key(stem)
-                if key is None:
-                    continue  # a name that is not ours, or a digest record judged above
-                if not (here if here is not None else layout.owns(directory, key)):
-                    misplaced.found(directory, key)
-                    continue
-                try:
-                    stat = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue  # deleted since the directory was read
-                stored = stat.st_size - header_length(key)
-                if stored < 0:
-                    self.discard(
-                        key,
-                        identity_of(stat),
-                        "truncated_records_removed",
-                        f"{stat.st_size} bytes, shorter than its record header",
-                    )
-                    continue
-                yield key, stored
+            with listing:
+                yield from self._records_in(listing, directory, here, header_length, misplaced)
         misplaced.report()
+
+    def _records_in(
+        self,
+        listing: Iterator[os.DirEntry[str]],
+        directory: str,
+        here: bool | None,
+        header_length: Callable[[ObjectKey], int],
+        misplaced: MisplacedRecords,
+    ) -> Iterator[tuple[ObjectKey, int]]:
+        """:meth:`iter_records` of one directory being read (``here``: whether a flat
+        layout's records belong in it; None: sharded, asked per key)."""
+        layout = self.layout
+        suffix, cut = RECORD_SUFFIX, -len(RECORD_SUFFIX)
+        for entry in listing:
+            if not (entry.name.endswith(suffix) and entry.is_file(follow_symlinks=False)):
+                continue
+            stem = entry.name[:cut]
+            if stem.startswith("~") and is_digest_name(stem):
+                key = self._digest_record_key(entry)
+            else:
+                key = name_to_key(stem)
+            if key is None:
+                continue  # a name that is not ours, or a digest record judged above
+            if not (here if here is not None else layout.owns(directory, key)):
+                misplaced.found(directory, key)
+                continue
+            try:
+                stat = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # deleted since the directory was read
+            stored = stat.st_size - header_length(key)
+            if stored < 0:
+                self.discard(
+                    key,
+                    identity_of(stat),
+                    "truncated_records_removed",
+                    f"{stat.st_size} bytes, shorter than its record header",
+                )
+                continue
+            yield key, stored
 
     def _digest_record_key(self, entry: os.DirEntry[str]) -> ObjectKey | None:
         """The key of a digest-named record, from its header; None if it has none (one

@@ -1,0 +1,35 @@
+"""The start-up scan of a huge flat directory: the listing hands out records as it reads
+the directory, instead of holding an entry for every file before the first record."""
+
+from __future__ import annotations
+
+import os
+import tracemalloc
+from pathlib import Path
+
+from fs_helpers import HEADER
+
+from lmcache_tiers.l2.files import FileLayout, LocalFiles
+from lmcache_tiers.testing.l2 import make_keys
+
+FILES = 20_000
+#: far below what an entry per file costs (a few hundred bytes each: megabytes here)
+FIRST_RECORD_MEMORY = 512 << 10
+
+
+def test_the_listing_yields_the_first_record_before_reading_the_whole_directory(tmp_path: Path) -> None:
+    for key in make_keys(FILES):
+        with open(tmp_path / f"{key.file_stem()}.bin", "wb") as record:
+            record.truncate(HEADER)  # an empty payload: listed from its name and size
+    files = LocalFiles(FileLayout(str(tmp_path), shard_dirs=False), name="scan", count=lambda _n, _c: None)
+    listing = files.iter_records(lambda _key: HEADER)
+    tracemalloc.start()
+    try:
+        _key, stored = next(listing)
+        _now, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        listing.close()
+    assert stored == 0
+    assert peak < FIRST_RECORD_MEMORY, f"{peak} bytes held to list the first of {FILES} records"
+    assert sum(1 for _ in files.iter_records(lambda _key: HEADER)) == len(os.listdir(tmp_path))
