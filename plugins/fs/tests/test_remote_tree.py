@@ -4,6 +4,7 @@ its root is another store, whose files its sweeps, listing and removals leave al
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -121,6 +122,44 @@ def test_an_unexpected_store_error_fails_its_record_alone_and_leaves_no_temp(
         monkeypatch.undo()
         adapter.close()
         memory.rm(root, recursive=True)
+
+
+def test_a_failed_store_whose_temporary_object_stays_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store that failed and cannot remove its temporary object either leaves an object
+    no capacity counts until the next start removes it: one line names it."""
+    memory = fsspec.filesystem("memory")
+    root = f"memory://stays-{uuid.uuid4().hex}"
+    arena = Arena()
+    keys = make_keys(1)
+    adapter = open_fs(fs_config(root), arena.view)
+    real_rm_file = memory.rm_file
+
+    def mv(source: str, target: str, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("the store went away")
+
+    def rm_file(path: str) -> None:
+        if path.rsplit("/", 1)[-1].startswith(".tmp-"):
+            raise RuntimeError("the store went away")
+        real_rm_file(path)
+
+    try:
+        monkeypatch.setattr(memory, "mv", mv)
+        monkeypatch.setattr(memory, "rm_file", rm_file)
+        with caplog.at_level(logging.INFO):
+            assert store(adapter, arena, keys, [pattern(1, SIZE)]) == [False]
+        left = _temp_objects(memory, root)
+        assert len(left) == 1
+        lines = [r.getMessage() for r in caplog.records if r.name.startswith("lmcache_plugin_fs")]
+        assert any(left[0].rsplit("/", 1)[-1] in line and "next start" in line for line in lines), lines
+        assert adapter.stats()["store_io_errors"] == 1
+    finally:
+        monkeypatch.undo()
+        adapter.close()
+    open_fs(fs_config(root), arena.view).close()
+    assert _temp_objects(memory, root) == [], "the next start removes it"
+    memory.rm(root, recursive=True)
 
 
 def test_an_unexpected_delete_error_fails_that_key_alone(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -135,8 +135,23 @@ class RemoteRecords:
             log.warning("%s: cannot store %s: %s", self.context.name, printable(record_name(key)), exc)
         except Exception as exc:  # OSError, or what an fsspec store raises of its own (botocore, gcs)
             self.failures.failed(record_name(key), exc)
-        self._remove_quietly(temp)
+        self._remove_temp(temp)
         return False
+
+    def _remove_temp(self, temp: str) -> None:
+        """Remove the temporary object of a store that failed.  One that stays holds bytes
+        no capacity counts until the next start removes it: a line names it."""
+        try:
+            self.fs.rm_file(temp)
+        except FileNotFoundError:
+            pass  # never created (the open failed), or gone with a move that failed late
+        except Exception as exc:  # what the filesystem raises is its own
+            log.warning(
+                "%s: cannot remove the temporary object %s of a failed store: %s (removed at the next start)",
+                self.context.name,
+                printable(temp, 300),
+                printable(str(exc), 300),
+            )
 
     def _publish(self, temp: str, path: str, header: bytes, size: int) -> None:
         """Move ``temp`` over ``path``.  On an object store ``mv`` copies, then deletes the
