@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from lmcache_plugin_mooncake.backend import PARALLEL_MIN_BYTES
+from lmcache_plugin_mooncake.backend import PARALLEL_MIN_BYTES, MooncakeError
 from lmcache_plugin_mooncake.cluster import LocalCluster
 from lmcache_plugin_mooncake.headers import HEADER_BYTES, KEYS_PER_LANE
 from mooncake_helpers import Xor, backend_of, config_for, eventually, open_adapter, raw_client
@@ -68,6 +68,27 @@ def load(adapter: BackendAdapter, keys: list[ObjectKey], sizes: list[int]) -> tu
 
 def name_of(adapter: BackendAdapter, key: ObjectKey) -> str:
     return backend_of(adapter).names.of(key)
+
+
+#: key "m..." under a key_prefix + "x" is named as key "xm..." under that key_prefix
+THEIRS = ObjectKey("xmodel", 0, b"\x07" * 32)
+MINE = ObjectKey("model", 0, b"\x07" * 32)
+
+
+def colliding_servers(
+    pool: LocalCluster, adapters: list[BackendAdapter]
+) -> tuple[BackendAdapter, BackendAdapter, str]:
+    """Two servers on one pool, the second's key_prefix extending the first's: the first,
+    the second (its start-up scan done), and the name both give ``THEIRS`` and ``MINE``."""
+    config = config_for(pool)
+    first = open_adapter(config)
+    adapters.append(first)
+    second = open_adapter(msgspec.structs.replace(config, key_prefix=config.key_prefix + "x"))
+    adapters.append(second)
+    eventually(lambda: not second.stats()["scan_running"], what="the start-up scan")
+    name = name_of(first, THEIRS)
+    assert name_of(second, MINE) == name, "the names collide"
+    return first, second, name
 
 
 # -- objects vanishing ----------------------------------------------------------------------------
@@ -487,31 +508,22 @@ def test_a_record_of_another_key_under_a_colliding_name_is_a_miss_that_is_kept(
     "m..." under prefix + "x" is the name of key "xm..." under prefix.  The record there
     is the other server's valid object: a miss for this key (never a hit accounted here,
     where eviction would remove it), and never removed as damage."""
-    config = config_for(mooncake_pool)
-    writer = open_adapter(config)
-    adapters.append(writer)
-    reader = open_adapter(msgspec.structs.replace(config, key_prefix=config.key_prefix + "x"))
-    adapters.append(reader)
-    eventually(lambda: not reader.stats()["scan_running"], what="the start-up scan")
-    theirs = ObjectKey("xmodel", 0, b"\x07" * 32)
-    mine = ObjectKey("model", 0, b"\x07" * 32)
-    name = name_of(writer, theirs)
-    assert name_of(reader, mine) == name, "the names collide"
-    data = store(writer, [theirs])
+    writer, reader, name = colliding_servers(mooncake_pool, adapters)
+    data = store(writer, [THEIRS])
 
     # A load without a lookup reads the header too.
-    assert load(reader, [mine], [SIZE])[0] == [False]
+    assert load(reader, [MINE], [SIZE])[0] == [False]
     assert raw.is_exist(name) == 1, "the other server's object was removed by a load"
-    assert BlockingAdapterClient(reader).lookup_and_lock([mine]).found == [False]
+    assert BlockingAdapterClient(reader).lookup_and_lock([MINE]).found == [False]
     assert raw.is_exist(name) == 1, "the other server's object was removed by a lookup"
     assert reader.used_bytes() == 0, "the other server's object is not accounted here"
     stats = reader.stats()
     assert stats.get("corrupt_records_removed", 0) == 0
     assert stats["foreign_records"] == 2
     assert "a miss, kept" in caplog.text
-    result = BlockingAdapterClient(writer).lookup_and_lock([theirs])
-    assert load(writer, [theirs], result.sizes) == ([True], data)
-    writer.unlock([theirs])
+    result = BlockingAdapterClient(writer).lookup_and_lock([THEIRS])
+    assert load(writer, [THEIRS], result.sizes) == ([True], data)
+    writer.unlock([THEIRS])
 
 
 def test_a_record_of_an_unknown_format_version_is_a_miss_that_is_kept(
@@ -758,25 +770,16 @@ def test_a_delete_leaves_the_record_of_another_key_that_replaced_its_object(
     """One key_prefix extends the other, so key "m..." here and key "xm..." of the other
     server share a name.  Once the other server replaced this server's object there, an
     eviction here must not remove that server's acknowledged object."""
-    config = config_for(mooncake_pool)
-    writer = open_adapter(config)
-    adapters.append(writer)
-    evicting = open_adapter(msgspec.structs.replace(config, key_prefix=config.key_prefix + "x"))
-    adapters.append(evicting)
-    eventually(lambda: not evicting.stats()["scan_running"], what="the start-up scan")
-    theirs = ObjectKey("xmodel", 0, b"\x07" * 32)
-    mine = ObjectKey("model", 0, b"\x07" * 32)
-    name = name_of(writer, theirs)
-    assert name_of(evicting, mine) == name, "the names collide"
-    store(evicting, [mine])
-    data = store(writer, [theirs], seed=5)
-    assert evicting.delete([mine]) == [False]
+    writer, evicting, name = colliding_servers(mooncake_pool, adapters)
+    store(evicting, [MINE])
+    data = store(writer, [THEIRS], seed=5)
+    assert evicting.delete([MINE]) == [False]
     assert raw.is_exist(name) == 1, "the other server's object was deleted"
     assert evicting.used_bytes() == 0, "the key is gone from here: its bytes are released"
     assert evicting.stats()["foreign_records"] == 1, "counted once, by the delete"
-    result = BlockingAdapterClient(writer).lookup_and_lock([theirs])
-    assert load(writer, [theirs], result.sizes) == ([True], data)
-    writer.unlock([theirs])
+    result = BlockingAdapterClient(writer).lookup_and_lock([THEIRS])
+    assert load(writer, [THEIRS], result.sizes) == ([True], data)
+    writer.unlock([THEIRS])
 
 
 def test_a_delete_leaves_a_record_of_a_newer_format_and_removes_the_others(
@@ -857,3 +860,26 @@ def test_a_load_stops_between_its_calls_once_the_adapter_closes(
     assert loaded == [True] * KEYS_PER_LANE + [False, False]
     assert [bytes(b) for b in buffers[:KEYS_PER_LANE]] == data[:KEYS_PER_LANE]
     assert adapter.stats()["load_skipped_closing"] == 2
+
+
+def test_a_record_a_delete_kept_is_read_again_after_a_lookup_of_it_failed(
+    mooncake_pool: LocalCluster, adapters: list[BackendAdapter]
+) -> None:
+    """A delete kept another server's record under this key's name, so the key's next
+    lookup must read that header (a miss) rather than answer from this server's
+    accounting.  When that lookup fails before reading it, the one after must still read
+    it: a hit there would serve the other server's object as this key's."""
+    writer, evicting, _ = colliding_servers(mooncake_pool, adapters)
+    store(evicting, [MINE])
+    store(writer, [THEIRS], seed=5)
+    backend = backend_of(evicting)
+    # The backend alone: core's lookup right after a delete is the one that fails here.
+    assert backend.delete_many([MINE]) == [False]
+    real = backend.connection.store()
+    backend.connection.store = lambda: _FailingHeaderReads(real)  # type: ignore[method-assign]
+    try:
+        with pytest.raises(MooncakeError):
+            backend.contains_many([MINE])
+    finally:
+        del backend.connection.store
+    assert backend.contains_many([MINE]) == [None], "another server's record was answered as this key's"

@@ -147,6 +147,22 @@ def _check(what: str, codes: Sequence[int]) -> None:
         raise MooncakeError(f"{what}: {describe(unreachable[0])} for {len(unreachable)} of {len(codes)} keys")
 
 
+def _read_headers(store: Any, lane: Lane, names: list[str]) -> list[int]:
+    """Read the record header of each of ``names`` into the slot of ``lane`` of its
+    position: per name, the bytes read (``HEADER_BYTES``: whole) or the error code.  The
+    batch fails when the master did not answer for some name (``_check``)."""
+    codes = store.get_into_ranges(
+        [lane.address(0)],
+        [names],
+        [[[slot * HEADER_BYTES] for slot in range(len(names))]],
+        [[[0] for _ in names]],
+        [[[HEADER_BYTES] for _ in names]],
+    )[0]
+    read = [code[0] for code in codes]
+    _check("header read", read)
+    return read
+
+
 #: where a record's parts go in its object: the header, then the payload
 _RECORD_OFFSETS = [0, HEADER_BYTES]
 _HEADER_OFFSET = [0]
@@ -475,13 +491,28 @@ class MooncakeStoreBackend:
         return self._contains(self.connection.store(), list(keys), [self.names.of(key) for key in keys])
 
     def _contains(self, store: Any, keys: list[ObjectKey], names: list[str]) -> list[int | ObjectSize | None]:
-        found: list[int | ObjectSize | None] = [None] * len(keys)
         present = store.batch_is_exist(names)
         _check("existence query", present)
         if any(code < 0 for code in present):
             raise MooncakeError(f"existence query returned {describe(min(present))}")
-        unsized: list[int] = []
         reread = self._reread_taken([names[i] for i, code in enumerate(present) if code == 1])
+        try:
+            return self._found_sizes(store, keys, names, present, reread)
+        except BaseException:
+            # Unread, those records would be taken for this server's by the next lookup
+            # (a hit from core's accounting alone): it must read them again.
+            if reread:
+                with self._resized_lock:
+                    self._reread |= reread
+            raise
+
+    def _found_sizes(
+        self, store: Any, keys: list[ObjectKey], names: list[str], present: list[int], reread: set[str]
+    ) -> list[int | ObjectSize | None]:
+        """The answer of a lookup whose existence query said ``present``; ``reread``: the
+        names whose record must be read again (a delete kept it)."""
+        found: list[int | ObjectSize | None] = [None] * len(keys)
+        unsized: list[int] = []
         for index, code in enumerate(present):
             if code != 1:
                 continue
@@ -585,24 +616,17 @@ class MooncakeStoreBackend:
         disagreeing: list[tuple[int, Any, Any]] = []  # index, payload size queried, header
         unread = 0  # headers whose read failed while the object may still be there
         with self.lanes.lane(self.timeout) as lane:
-            codes = store.get_into_ranges(
-                [lane.address(0)],
-                [[names[i] for i in indexes]],
-                [[[slot * HEADER_BYTES] for slot in range(len(indexes))]],
-                [[[0] for _ in indexes]],
-                [[[HEADER_BYTES] for _ in indexes]],
-            )[0]
-            _check("header read", [code[0] for code in codes])
+            codes = _read_headers(store, lane, [names[i] for i in indexes])
             for slot, (index, code) in enumerate(zip(indexes, codes, strict=True)):
                 stored = found[index]
                 found[index] = None
-                if code[0] != HEADER_BYTES:
-                    if code[0] != NOT_FOUND:
+                if code != HEADER_BYTES:
+                    if code != NOT_FOUND:
                         unread += 1
                         self.context.count("header_read_failures")
                         self._throttle.warn(
                             "header_read", "%s: reading the record header of %s returned %s: a miss",
-                            self.context.name, names[index], describe(code[0]),
+                            self.context.name, names[index], describe(code),
                         )  # fmt: skip
                     continue
                 header = self._header(store, keys[index], names[index], lane.slot(slot))
@@ -772,22 +796,15 @@ class MooncakeStoreBackend:
         removable: list[int] = []
         for chunk in chunks(len(keys)):
             with self.lanes.lane(self.timeout) as lane:
-                codes = store.get_into_ranges(
-                    [lane.address(0)],
-                    [[names[index] for index in chunk]],
-                    [[[slot * HEADER_BYTES] for slot in range(len(chunk))]],
-                    [[[0] for _ in chunk]],
-                    [[[HEADER_BYTES] for _ in chunk]],
-                )[0]
-                _check("header read", [code[0] for code in codes])
+                codes = _read_headers(store, lane, [names[index] for index in chunk])
                 for slot, (index, code) in enumerate(zip(chunk, codes, strict=True)):
-                    if code[0] == NOT_FOUND:
+                    if code == NOT_FOUND:
                         continue  # gone already: False, and core asks again
-                    if code[0] != HEADER_BYTES:
+                    if code != HEADER_BYTES:
                         self.context.count("delete_header_read_failures")
                         self._throttle.warn(
                             "delete_read", "%s: reading the record header of %s to delete it returned "
-                            "%s: not removed", self.context.name, names[index], describe(code[0]),
+                            "%s: not removed", self.context.name, names[index], describe(code),
                         )  # fmt: skip
                     elif self._deletes.keeps(keys[index], lane.slot(slot)):
                         with self._resized_lock:
@@ -880,20 +897,13 @@ class MooncakeStoreBackend:
         kept: dict[str, RecordError | None] = {}
         unread = 0
         with self.lanes.lane(self.timeout) as lane:
-            codes = store.get_into_ranges(
-                [lane.address(0)],
-                [[name for _, name in part]],
-                [[[slot * HEADER_BYTES] for slot in range(len(part))]],
-                [[[0] for _ in part]],
-                [[[HEADER_BYTES] for _ in part]],
-            )[0]
-            _check("header read", [code[0] for code in codes])
+            codes = _read_headers(store, lane, [name for _, name in part])
             for slot, ((key, name), code) in enumerate(zip(part, codes, strict=True)):
-                if code[0] != HEADER_BYTES:
+                if code != HEADER_BYTES:
                     # Gone, or unreadable now: not listed; a lookup that finds it reads
                     # its header and accounts it if it is this server's record.
                     kept[name] = None
-                    unread += code[0] != NOT_FOUND
+                    unread += code != NOT_FOUND
                     continue
                 try:
                     self.context.read_record_header(lane.slot(slot), key)
