@@ -339,9 +339,10 @@ def not_accounted(state: AdapterState, keys: Sequence[ObjectKey]) -> None:
         keys,
         "delete_keys_absent",
         "on_l2_keys_absent",
-        "keys to delete (%s first) were neither in the store nor accounted here: listed "
-        "earlier (e.g. stored by another server sharing the store after this adapter's "
-        "start-up scan) and removed since; listeners are told they are absent",
+        "keys to delete (%s first) were neither in the store nor accounted here: never "
+        "stored through this adapter, or listed earlier (e.g. stored by another server "
+        "sharing the store after this adapter's start-up scan) and removed since; "
+        "listeners are told they are absent",
         keys[0].file_stem() if keys else "",
     )
 
