@@ -441,6 +441,20 @@ def test_a_store_whose_later_trip_fails_reports_and_accounts_what_its_earlier_on
     assert stats["store_request_failures"] == 1, "the key the failed trip held is counted"
 
 
+def fail_pipeline(backend: Any, number: int, error: Exception) -> None:
+    """Make the ``number``-th pipeline ``backend`` executes from now on raise ``error``
+    (a connection dropped, no cluster node answering), the others run as they would."""
+    execute, calls = backend._execute, []
+
+    def failing(pipe: Any, **options: Any) -> list[Any]:
+        calls.append(pipe)
+        if len(calls) == number:
+            raise error
+        return execute(pipe, **options)
+
+    backend._execute = failing
+
+
 def test_a_delete_whose_later_trip_fails_reports_what_its_earlier_ones_deleted(
     own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
@@ -451,15 +465,7 @@ def test_a_delete_whose_later_trip_fails_reports_what_its_earlier_ones_deleted(
     keys = make_keys(KEYS_PER_TRIP + 2)
     store(adapter, keys, size=16)
     backend = backend_of(adapter)
-    execute, calls = backend._execute, []
-
-    def drops_on_the_second_trip(pipe: Any, **options: Any) -> list[Any]:
-        calls.append(pipe)
-        if len(calls) == 3:
-            raise redis.ConnectionError("Connection closed by server.")
-        return execute(pipe, **options)
-
-    backend._execute = drops_on_the_second_trip  # type: ignore[method-assign]
+    fail_pipeline(backend, 3, redis.ConnectionError("Connection closed by server."))  # trip two's reads
     assert adapter.delete(keys) == [True] * KEYS_PER_TRIP + [False, False]
     assert adapter.stats()["delete_request_failures"] == 2
     assert adapter.used_bytes() == 2 * 16
@@ -474,15 +480,7 @@ def test_a_store_whose_later_trip_finds_the_cluster_unreachable_reports_what_it_
     adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
     keys = make_keys(KEYS_PER_TRIP + 2)
     backend = backend_of(adapter)
-    execute, calls = backend._execute, []
-
-    def unreachable_on_the_second_trip(pipe: Any, **options: Any) -> list[Any]:
-        calls.append(pipe)
-        if len(calls) == 2:
-            raise redis.exceptions.RedisClusterUnreachableError("no node answered")
-        return execute(pipe, **options)
-
-    backend._execute = unreachable_on_the_second_trip  # type: ignore[method-assign]
+    fail_pipeline(backend, 2, redis.exceptions.RedisClusterUnreachableError("no node answered"))
     buffers = [memoryview(bytearray(pattern(index, 16))) for index in range(len(keys))]
     assert client_of(adapter).store(keys, buffers) == [True] * KEYS_PER_TRIP + [False, False]
     assert adapter.stats()["store_request_failures"] == 2
@@ -1153,15 +1151,8 @@ def test_a_delete_whose_later_removals_fail_counts_only_the_keys_it_could_not_re
     header = bytearray(raw.hget(backend.name_of(keys[-1]), "h"))
     header[4:6] = (99).to_bytes(2, "little")
     raw.hset(backend.name_of(keys[-1]), "h", bytes(header))
-    execute, calls = backend._execute, []
-
-    def drops_before_the_second_removals(pipe: Any, **options: Any) -> list[Any]:
-        calls.append(pipe)
-        if len(calls) == 4:  # trip one's reads and removals, trip two's reads, its removals
-            raise redis.ConnectionError("Connection closed by server.")
-        return execute(pipe, **options)
-
-    backend._execute = drops_before_the_second_removals  # type: ignore[method-assign]
+    # trip one's reads and removals, trip two's reads, then its removals fail
+    fail_pipeline(backend, 4, redis.ConnectionError("Connection closed by server."))
     assert adapter.delete(keys) == [True] * KEYS_PER_TRIP + [False, False]
     stats = adapter.stats()
     assert stats["delete_request_failures"] == 1, "a kept record was counted as a failed request"
