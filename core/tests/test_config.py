@@ -286,6 +286,21 @@ def test_redacting_a_long_text_takes_linear_time(text: str) -> None:
             None,
             r"^zdemo: Expected a string without NUL .* `\$\.l2_adapters\[0\]\.serde\[0\]\.note`$",
         ),
+        # A lone surrogate (JSON's "\ud800", or a non-UTF-8 byte of a flag, which Python
+        # reads as "\udcff") is no text: encoding it for a socket, a file or a printed
+        # config raises UnicodeEncodeError.
+        (
+            "",
+            {},
+            '{"type": "demo", "path": "/tmp/a\\ud800"}',
+            r"^demo: Expected UTF-8 text, got a lone surrogate \\ud800 - at `\$\.l2_adapters\[0\]\.path`$",
+        ),
+        (
+            "",
+            {"auth_token": "\udcff"},
+            None,
+            r"^Expected UTF-8 text, got a lone surrogate \\udcff - at `\$\.auth_token`$",
+        ),
     ],
 )
 def test_infinity_nan_and_nul_characters_are_refused_wherever_they_are_written(

@@ -460,3 +460,15 @@ def test_an_empty_config_path_is_refused_not_ignored() -> None:
     printed = run_cli(["serve", "--print-config", "--no-default-l2", "--config", ""], **NARROW)
     assert printed.returncode == 2 and printed.stdout == "", printed.stdout
     assert printed.stderr.strip() == "error: config file '' does not exist"
+
+
+def test_a_non_utf8_auth_token_is_refused_before_start() -> None:
+    # A byte that is not UTF-8 in a flag reaches Python as a lone surrogate: --print-config
+    # showed it, and serve built L1 and the front ends before encoding the token failed
+    # ("cannot start the server: UnicodeEncodeError ...", exit 1).
+    args = ["--no-default-l2", "--port", str(free_port()), "--auth-token", "\udcff"]
+    line = _serve_refused(args)
+    refusal = "Expected UTF-8 text, got a lone surrogate \\udcff - at `$.auth_token`"
+    assert line == f"error: --auth-token: {refusal}"
+    printed = run_cli(["serve", "--print-config", *args], **NARROW)
+    assert printed.returncode == 2 and printed.stdout == "", printed.stdout

@@ -385,7 +385,7 @@ def _first_unusable(value: Any, path: str, depth: int = 0) -> tuple[str, str] | 
     if isinstance(value, float):
         return None if math.isfinite(value) else (path, f"Expected a finite number, got {value}")
     if isinstance(value, str):
-        return (path, "Expected a string without NUL characters") if "\0" in value else None
+        return _unusable_text(value, path)
     if isinstance(value, Mapping):
         items: Any = ((path + _path_step(key), item) for key, item in value.items())
     elif isinstance(value, (list, tuple)):
@@ -401,9 +401,28 @@ def _first_unusable(value: Any, path: str, depth: int = 0) -> tuple[str, str] | 
     return None
 
 
+def _unusable_text(value: str, path: str) -> tuple[str, str] | None:
+    """Why no config field can take the string ``value``, or None.  A lone surrogate is
+    what JSON's ``\\ud800`` and a non-UTF-8 byte of a flag (read as ``\\udcff``) become:
+    it is no text: encoding it as UTF-8 (a token or URL sent on a socket) raises
+    UnicodeEncodeError once the server is half built, and a printed config holding it is
+    JSON that strict readers refuse.  A file name that is not UTF-8 is refused with it:
+    rename the directory."""
+    if "\0" in value:
+        return (path, "Expected a string without NUL characters")
+    surrogate = _LONE_SURROGATE.search(value)
+    if surrogate is not None:
+        return (path, f"Expected UTF-8 text, got a lone surrogate {ascii(surrogate.group())[1:-1]}")
+    return None
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def refuse_unusable_values(raw: Any, where: str, prefix: str = "") -> None:
     """Raise ConfigError naming the first infinite or NaN number, string holding a NUL
-    character, or value nested too deeply, in ``raw`` (rooted at ``where``).  No config
+    character or a lone surrogate (not UTF-8), or value nested too deeply, in ``raw``
+    (rooted at ``where``).  No config
     value is one: JSON has neither number (what ``json`` reads as ``1e400`` or
     ``Infinity`` and TOML's ``inf`` and ``nan`` are refused), sizes and durations must
     convert to bytes and timeouts, and a printed config stays JSON; JSON's and TOML's
