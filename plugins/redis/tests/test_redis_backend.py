@@ -1158,3 +1158,25 @@ def test_a_delete_whose_later_removals_fail_counts_only_the_keys_it_could_not_re
     assert stats["delete_request_failures"] == 1, "a kept record was counted as a failed request"
     assert stats["record_version_unknown"] == 1
     assert raw.exists(backend.name_of(keys[-2])) == 1 and adapter.used_bytes() == 16
+
+
+@pytest.mark.parametrize("mode", ["standalone", "cluster"])
+def test_a_delete_that_finds_something_else_under_the_name_counts_it_once(
+    request: pytest.FixtureRequest, prefix: str, open_adapter: Callable[..., BackendAdapter], mode: str
+) -> None:
+    # Something else (a string, not a record's hash) replaced this server's object under
+    # its name: the eviction's delete leaves it, counted, and the lookup core makes right
+    # after the delete to see whether the key is still there finds it again.
+    where, raw = shared_store(request, mode)
+    adapter = open_adapter(**where, key_prefix=prefix, max_capacity_gb=1.0)
+    key = make_keys(1)[0]
+    store(adapter, [key], size=16)
+    name = backend_of(adapter).name_of(key)
+    raw.delete(name)
+    raw.set(name, b"somebody else's string")
+    assert adapter.delete([key]) == [False]
+    assert raw.get(name) == b"somebody else's string", "what another party wrote was deleted"
+    assert adapter.used_bytes() == 0, "the key is gone from here: its bytes are released"
+    assert adapter.stats()["foreign_objects"] == 1, "counted once, by the delete"
+    assert client_of(adapter).lookup_and_lock([key]).found == [False]
+    assert adapter.stats()["foreign_objects"] == 2, "a later lookup counts what it finds"

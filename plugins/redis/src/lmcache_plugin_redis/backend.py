@@ -141,6 +141,9 @@ class RedisBackend:
         self._remove_if_unchanged: Any = None
         #: kept records a delete judged, so the lookup core makes next counts none twice
         self._deletes = KeptByDelete(context)
+        #: keys a delete found holding something else (counted): not counted again by the
+        #: lookup core makes right after the delete (``KeptByDelete`` does so for records)
+        self._foreign_by_delete: set[ObjectKey] = set()
         if not config.cluster_mode:
             self._connect()
 
@@ -230,6 +233,8 @@ class RedisBackend:
     def _reply_error(self, what: str, key: ObjectKey, error: Exception) -> None:
         text = str(error)
         if text.startswith("WRONGTYPE"):
+            if not self._count_foreign(what, key):
+                return
             self.context.count("foreign_objects")
             self.context.warn(
                 "foreign", "%s %s: the key holds something else (%s); a miss", what, key.file_stem(), text
@@ -240,6 +245,21 @@ class RedisBackend:
         else:
             self.context.count(f"{what}_reply_errors")
             self.context.warn(f"reply:{what}", "%s %s failed: %s", what, key.file_stem(), text)
+
+    def _count_foreign(self, what: str, key: ObjectKey) -> bool:
+        """Whether something else found under ``key``'s name is counted (and logged) now:
+        always by a delete, which remembers it; not by the next lookup or load, which
+        finds what that delete counted (a store or listing counts it all the same)."""
+        if what == "delete":
+            self._foreign_by_delete.add(key)
+            return True
+        if what not in ("lookup", "load") or not self._foreign_by_delete:  # the latter: rare
+            return True
+        try:
+            self._foreign_by_delete.remove(key)  # atomic: two lookups skip the count once
+        except KeyError:
+            return True
+        return False
 
     # -- lifecycle ------------------------------------------------------------------------------
 
