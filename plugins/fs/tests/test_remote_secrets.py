@@ -4,8 +4,13 @@ the lines the ``fs`` adapter logs about its store name the store without it."""
 from __future__ import annotations
 
 import errno
+import functools
 import logging
+import threading
 import uuid
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -40,6 +45,68 @@ def test_a_full_store_is_told_without_the_password_of_its_url(
         told = [record.getMessage() for record in caplog.records]
         assert any("no space left" in line for line in told), told
         assert not [line for line in told if SECRET in line]
+    finally:
+        monkeypatch.undo()
+        adapter.close()
+        memory.rm(fsspec.core.url_to_fs(root)[1], recursive=True)
+
+
+@pytest.fixture
+def read_only_http_store(tmp_path: Path) -> Iterator[str]:
+    """A real HTTP server on loopback serving ``tmp_path``: fsspec lists and reads it but
+    cannot write or remove objects there.  Its paths are whole URLs, password and all."""
+    (tmp_path / "kv").mkdir()
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://reader:{SECRET}@127.0.0.1:{server.server_address[1]}/kv"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_failed_stores_on_a_read_only_store_say_so_without_its_password(
+    read_only_http_store: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    arena = Arena()
+    adapter = open_fs(fs_config(read_only_http_store), arena.view)
+    keys = make_keys(3)
+    try:
+        with caplog.at_level(logging.INFO):
+            assert store(adapter, arena, keys, [pattern(i, SIZE) for i in range(3)]) == [False] * 3
+        counters = adapter.stats()
+    finally:
+        adapter.close()
+    assert counters.get("store_io_errors") == 3
+    told = [record.getMessage() for record in caplog.records]
+    assert not [line for line in told if SECRET in line], told
+    # No temporary object was ever created there: none is said to stay, none counted.
+    assert "store_temp_objects_left" not in counters, counters
+    assert not [line for line in told if "temporary object" in line], told
+
+
+def test_temporary_objects_a_failed_store_leaves_are_counted_and_told_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    memory = fsspec.filesystem("memory")
+    root = f"memory://cache-{uuid.uuid4().hex}/kv"
+    arena = Arena()
+    adapter = open_fs(fs_config(root), arena.view)
+
+    def gone(*_args: Any, **_options: Any) -> None:  # the store went away mid-store
+        raise OSError(errno.EIO, "Input/output error")
+
+    try:
+        monkeypatch.setattr(memory, "mv", gone)
+        monkeypatch.setattr(memory, "rm_file", gone)
+        with caplog.at_level(logging.INFO):
+            assert store(adapter, arena, make_keys(3), [pattern(i, SIZE) for i in range(3)]) == [False] * 3
+        assert adapter.stats().get("store_temp_objects_left") == 3
+        told = [record.getMessage() for record in caplog.records if "temporary object" in record.getMessage()]
+        assert len(told) == 1, told  # one line a burst, not one a store
     finally:
         monkeypatch.undo()
         adapter.close()

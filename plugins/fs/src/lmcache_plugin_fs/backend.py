@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 
 from lmcache_plugin_fs import FsConfig
 from lmcache_plugin_fs.local_io import LocalRecords
-from lmcache_plugin_fs.remote import RemoteRecords
+from lmcache_plugin_fs.remote import RemoteRecords, shown
 from lmcache_tiers.plugin import (
     BackendContext,
     ConfigError,
@@ -31,7 +31,6 @@ from lmcache_tiers.plugin import (
     check_directory_free,
     check_process_claim_free,
     direct_io_refusal,
-    printable,
     redact_url_secrets,
 )
 
@@ -45,13 +44,7 @@ def _lock_what(root: str) -> str:
 
 def _store_what(root: str) -> str:
     """How the claim of a remote store and its pre-flight probe name it."""
-    return f"the fs store {_shown(root)}"
-
-
-def _shown(url: str) -> str:
-    """``url`` as lines and errors name it: without the password a URL may carry
-    (``ftp://user:password@host/...``), which is the user's secret."""
-    return printable(redact_url_secrets(url), 300)
+    return f"the fs store {shown(root)}"
 
 
 def _store_identity(protocol: str | Sequence[str], root: str) -> str:
@@ -155,7 +148,7 @@ class FsBackend:
             fs, root = fsspec.core.url_to_fs(config.root, **config.storage_options)
         except (ImportError, ValueError) as exc:
             reason = redact_url_secrets(str(exc))  # it may quote the URL, password and all
-            raise ConfigError(f"fs: cannot open {_shown(config.root)}: {reason}") from exc
+            raise ConfigError(f"fs: cannot open {shown(config.root)}: {reason}") from exc
         # memory:// lives in this process: one adapter per path is the whole rule. Other
         # remote stores cannot be locked from here; give each server its own path.
         self._lock = ProcessClaim(_store_identity(fs.protocol, root), what=_store_what(config.root))

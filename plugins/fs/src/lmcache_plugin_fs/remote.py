@@ -22,6 +22,7 @@ from typing import Any
 from lmcache_tiers.plugin import (
     RECORD_ALIGN,
     BackendContext,
+    BurstLog,
     EntryKind,
     FileLayout,
     HeaderSizes,
@@ -41,6 +42,7 @@ from lmcache_tiers.plugin import (
     printable,
     record_name,
     record_verdict,
+    redact_url_secrets,
     verify_payload,
 )
 
@@ -48,6 +50,13 @@ log = logging.getLogger(__name__)
 
 #: the record format's bound on a header
 MAX_HEADER_BYTES = 1 << 16
+
+
+def shown(text: str) -> str:
+    """``text`` (a path, URL or error) as lines and errors name it: without the password a
+    URL may carry (``ftp://user:password@host/...``; an ``http://`` store's paths are
+    such URLs), which is the user's secret."""
+    return printable(redact_url_secrets(text), 300)
 
 
 class _Closing(Exception):
@@ -77,6 +86,7 @@ class RemoteRecords:
         #: then: the lookup core makes next reads the header, so their accounting goes --
         #: they are no records of this adapter -- without counting them again
         self._deletes = KeptByDelete(context)
+        self._temps_left = BurstLog(log)
         fs.makedirs(layout.root, exist_ok=True)
 
     def close(self) -> None:
@@ -138,20 +148,36 @@ class RemoteRecords:
         self._remove_temp(temp)
         return False
 
-    def _remove_temp(self, temp: str) -> None:
-        """Remove the temporary object of a store that failed.  One that stays holds bytes
-        no capacity counts until the next start removes it: a line names it."""
+    def _remove_temp(self, temp: str, published: str | None = None) -> None:
+        """Remove the temporary object of a store that failed (or whose move published
+        ``published`` all the same).  One that stays holds bytes no capacity counts until
+        the next start removes it: counted (``store_temp_objects_left``) and told once a
+        burst -- when the store went away, every store leaves one."""
         try:
             self.fs.rm_file(temp)
+            return
         except FileNotFoundError:
-            pass  # never created (the open failed), or gone with a move that failed late
+            return  # never created (the open failed), or gone with a move that failed late
         except Exception as exc:  # what the filesystem raises is its own
-            log.warning(
-                "%s: cannot remove the temporary object %s of a failed store: %s (removed at the next start)",
-                self.context.name,
-                printable(temp, 300),
-                printable(str(exc), 300),
-            )
+            failure = exc
+        if not self._may_exist(temp):
+            return  # a store that cannot remove objects (read-only) created none either
+        self.context.count("store_temp_objects_left", 1)
+        self._temps_left.warn(
+            "temp_left",
+            "%s: cannot remove the temporary object %s of %s: %s (removed at the next start)",
+            self.context.name,
+            shown(temp),
+            "a failed store" if published is None else f"the stored record {shown(published)}",
+            shown(str(failure)),
+        )
+
+    def _may_exist(self, path: str) -> bool:
+        """Whether ``path`` may be there: True unless the store says it is absent."""
+        try:
+            return bool(self.fs.exists(path))
+        except Exception:
+            return True
 
     def _publish(self, temp: str, path: str, header: bytes, size: int) -> None:
         """Move ``temp`` over ``path``.  On an object store ``mv`` copies, then deletes the
@@ -162,13 +188,7 @@ class RemoteRecords:
         except Exception:
             if not self._holds(path, header, size):
                 raise
-            if not self._remove_quietly(temp):
-                log.warning(
-                    "%s: stored %s but cannot remove its temporary object %s (removed at the next start)",
-                    self.context.name,
-                    printable(path, 300),
-                    printable(temp, 300),
-                )
+            self._remove_temp(temp, published=path)
 
     def _holds(self, path: str, header: bytes, size: int) -> bool:
         """Whether ``path`` is the record of ``header`` (which carries the payload's
@@ -280,7 +300,7 @@ class RemoteRecords:
             if not self.context.kept_record(key, exc):
                 self.discard(key, size, prefix, "corrupt_records_removed", str(exc))
         except OSError as exc:
-            log.warning("%s: cannot read %s: %s", self.context.name, printable(path, 300), exc)
+            log.warning("%s: cannot read %s: %s", self.context.name, shown(path), shown(str(exc)))
         return False
 
     # -- removal --------------------------------------------------------------------------------
@@ -314,10 +334,10 @@ class RemoteRecords:
             except FileNotFoundError:
                 return False
             except (OSError, ValueError) as exc:
-                log.warning("%s: cannot remove %s: %s", self.context.name, printable(path, 300), exc)
+                log.warning("%s: cannot remove %s: %s", self.context.name, shown(path), shown(str(exc)))
                 return False
         self.context.count(counter)
-        log.warning("%s: removed %s: %s", self.context.name, printable(path, 300), printable(reason, 300))
+        log.warning("%s: removed %s: %s", self.context.name, shown(path), printable(reason, 300))
         return True
 
     def delete(self, key: ObjectKey) -> bool:
@@ -331,7 +351,7 @@ class RemoteRecords:
             except FileNotFoundError:
                 return False
             except Exception as exc:  # OSError, or an fsspec store's own error: this key alone
-                log.warning("%s: cannot delete %s: %s", self.context.name, printable(path, 300), exc)
+                log.warning("%s: cannot delete %s: %s", self.context.name, shown(path), shown(str(exc)))
                 return False
 
     def _of_another_key(self, key: ObjectKey, path: str) -> bool:
