@@ -162,3 +162,65 @@ def test_a_raising_or_malformed_plan_is_counted(storage: StorageManager, answer:
     assert prefetch(storage, keys) == 0
     assert storage.status()["failures"] == {"prefetch_policy_error": 1}
     settles_clean(storage, keys, 0)
+
+
+def emptying_the_keys(keys: Any, found: Any, adapters: Any) -> Any:
+    plan = plan_from_lowest_index(keys, found, adapters)
+    del keys[:]
+    return plan
+
+
+def reversing_the_keys(keys: Any, found: Any, adapters: Any) -> Any:
+    plan = {0: [True] + [False] * (len(keys) - 1)}  # the first key only
+    keys.reverse()
+    return plan
+
+
+@pytest.mark.parametrize("answer", [emptying_the_keys, reversing_the_keys])
+def test_a_policy_writing_to_its_arguments_changes_its_plan_only(
+    storage: StorageManager, answer: Any
+) -> None:
+    """A policy is handed the request's keys and lookup answers to read; one that writes
+    to them (a failed attempt, which is counted, or a plan that succeeded) must not change
+    what the controller later unlocks and unclaims: a later prefetch of the same keys would
+    wait for a claim nobody gives back, and a read lock would outlive its reader."""
+    keys = keys_of(4)
+    in_l2_only(storage, keys)
+    BuggyPrefetchPolicy.answer = staticmethod(answer)
+    hits = prefetch(storage, keys)
+    assert storage.l1.stats().read_locks == hits, "the prefix is locked once per key, no more"
+    storage.release(keys[:hits])
+    assert storage.l1.stats().read_locks == 0
+    settles_clean(storage, keys, 0)
+
+
+class UnanswerableRetain(BuggyPrefetchPolicy):
+    @property
+    def retain_loaded(self) -> bool:  # type: ignore[override]
+        raise RuntimeError("retain_loaded cannot be read")
+
+
+@hookimpl(specname="tiers_register_prefetch_policies")
+def register_unanswerable(registry: KindRegistry) -> None:
+    registry.add("unanswerable-retain", UnanswerableRetain)
+
+
+def test_a_retain_loaded_that_raises_is_the_policys_error(request: pytest.FixtureRequest) -> None:
+    """Counted as the policy's failure, as a plan that raises is, not as a fault of the
+    controller's own (``prefetch_internal_error``)."""
+    registry = plugins_with(
+        "prefetch-policy-retain-bug-tests", tiers_register_prefetch_policies=register_unanswerable
+    ).registry
+    adapter = decode_adapter(registry, {"type": "mock", "namespace": f"prefetch-bugs-{request.node.name}"}, 0)
+    config = ServerConfig(l1_size_gb=1 / 64, l2_adapters=(adapter,), l2_prefetch_policy="unanswerable-retain")
+    storage = StorageManager(config, registry)
+    try:
+        keys = keys_of(4)
+        in_l2_only(storage, keys)
+        assert prefetch(storage, keys) == 0
+        assert storage.status()["failures"] == {"prefetch_policy_error": 1}
+        assert storage.adapters[0].pinned(keys) == [False] * len(keys)
+        assert storage.l1.stats().read_locks == 0
+        assert len(storage.l1) == 0, "nothing was reserved for the loads"
+    finally:
+        storage.close()

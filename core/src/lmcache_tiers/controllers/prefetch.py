@@ -331,19 +331,28 @@ class PrefetchController(ControllerThread):
     def _plan_and_load(self, request: PrefetchRequest) -> None:
         keys = request.remaining
         positions = sorted(request.found)
-        found = [request.found[index].found for index in positions]
+        # The policy reads copies: ``keys`` and the lookups' flags are the request's record
+        # of what it claimed, pinned and will read-lock, so a policy writing to them (a bug,
+        # or a failed attempt it then raised over) would make the controller unclaim,
+        # unlock and hand off other keys than it took -- a later prefetch of the same keys
+        # waiting for a claim never given back, a read lock outliving its reader.
+        found = [tuple(request.found[index].found) for index in positions]
         try:
-            # A third-party policy's malformed answer is its failure too (see ``load_plan``).
-            answer = self.policy.select_load_plan(keys, found, [self.slots[i].info() for i in positions])
+            # A third-party policy's malformed answer is its failure too (see ``load_plan``),
+            # and so is a ``retain_loaded`` it cannot answer.
+            answer = self.policy.select_load_plan(
+                tuple(keys), found, [self.slots[i].info() for i in positions]
+            )
             plan = load_plan(answer, len(keys))
+            temporary = not self.policy.retain_loaded
         except Exception:
             logger.exception("prefetch policy failed; treating request %d as an L2 miss", request.handle)
             self.stats.fail("prefetch_policy_error")
-            plan = {}
+            plan, temporary = {}, True
         self._drop_unasked(request, plan)
         sources = contiguous_sources(keys, plan, request.found)
         self._count_planned_misses(request, plan, len(sources))
-        self._locks.reserve_planned(request, sources, temporary=not self.policy.retain_loaded)
+        self._locks.reserve_planned(request, sources, temporary=temporary)
         # Phase 1: drop pins of everything that will not be loaded from that adapter.
         to_load = request.loads_by_adapter()
         for index in list(request.pinned):
