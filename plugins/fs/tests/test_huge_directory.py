@@ -33,3 +33,20 @@ def test_the_listing_yields_the_first_record_before_reading_the_whole_directory(
     assert stored == 0
     assert peak < FIRST_RECORD_MEMORY, f"{peak} bytes held to list the first of {FILES} records"
     assert sum(1 for _ in files.iter_records(lambda _key: HEADER)) == len(os.listdir(tmp_path))
+
+
+def test_removing_every_record_of_a_huge_directory_holds_no_entry_per_file(tmp_path: Path) -> None:
+    for key in make_keys(FILES):
+        with open(tmp_path / f"{key.file_stem()}.bin", "wb") as record:
+            record.truncate(HEADER)
+    (tmp_path / "notes.txt").write_text("not a record: left alone")
+    files = LocalFiles(FileLayout(str(tmp_path), shard_dirs=False), name="drop", count=lambda _n, _c: None)
+    tracemalloc.start()
+    try:
+        removed = files.remove_all_records()
+        _now, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert removed == FILES
+    assert os.listdir(tmp_path) == ["notes.txt"]
+    assert peak < FIRST_RECORD_MEMORY, f"{peak} bytes held to remove {FILES} records"

@@ -393,19 +393,19 @@ class LocalFiles:
             yield self.layout.temp_dir
 
     def _files(self, wanted: Callable[[str], bool] | None = None) -> Iterator[tuple[str, os.DirEntry[str]]]:
-        """Regular files of every directory (whose names ``wanted`` accepts)."""
+        """Regular files of every directory (whose names ``wanted`` accepts), handed out
+        as each directory is read: a flat directory of millions of files is never held
+        whole.  Removing a file handed out does not hide the others from the reading
+        (POSIX: only files removed or added meanwhile may be listed or not)."""
         for directory in self.directories():
             try:
-                with os.scandir(directory) as entries:
-                    listed = [
-                        entry
-                        for entry in entries
-                        if (wanted is None or wanted(entry.name)) and entry.is_file(follow_symlinks=False)
-                    ]
+                entries = os.scandir(directory)
             except (FileNotFoundError, NotADirectoryError):
                 continue
-            for entry in listed:
-                yield directory, entry
+            with entries:
+                for entry in entries:
+                    if (wanted is None or wanted(entry.name)) and entry.is_file(follow_symlinks=False):
+                        yield directory, entry
 
     def iter_records(self, header_length: Callable[[ObjectKey], int]) -> Iterator[tuple[ObjectKey, int]]:
         """``(key, payload bytes)`` of every record in this layout, from names and one
