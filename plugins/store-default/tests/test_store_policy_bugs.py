@@ -91,6 +91,27 @@ def test_keys_it_was_not_given_and_repeats_are_stored_once(storage: StorageManag
     assert storage.flush(10)
     assert stored_in_l2(storage) == set(keys)
     assert storage.status()["adapters"][0]["keys_stored"] == 3
+    assert storage.status()["failures"] == {"store_policy_bad_key": 3}, "the strangers went uncounted"
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        pytest.param(lambda keys: {}, id="nowhere"),
+        pytest.param(lambda keys: {0: list(keys)[:1]}, id="some-nowhere"),
+    ],
+)
+def test_keys_sent_nowhere_are_counted_as_left_in_l1(storage: StorageManager, answer: Any) -> None:
+    # Committed for L2, kept in L1 only by the policy's choice: once L1 evicts them they
+    # are gone, so the choice is counted (and logged), never silent.
+    BuggyStorePolicy.answer = staticmethod(answer)
+    keys = keys_of(3)
+    write(storage, keys)
+    assert storage.flush(10)
+    untargeted = len(keys) - len(stored_in_l2(storage))
+    assert untargeted > 0
+    assert storage.status()["failures"] == {"store_policy_untargeted": untargeted}
+    assert storage.l1.unstored() == []
 
 
 def test_deletions_it_was_not_given_are_not_deleted(storage: StorageManager) -> None:

@@ -273,6 +273,8 @@ class StoreController(ControllerThread):
                 )
                 continue
             chosen = [key for key in target_keys if key in wanted]
+            if len(chosen) < len(target_keys):
+                self._stray_keys(len(target_keys) - len(chosen), index)
             if chosen:
                 targeted.update(chosen)
                 slot = self.slots[index]
@@ -280,10 +282,34 @@ class StoreController(ControllerThread):
                     nbytes = sum(obj.size for obj in run)
                     self._pacer.add(Slice(slot, [obj.key for obj in run], nbytes, batch, committed))
                     batch.tasks_left += 1  # a slice counts as a task from now on
-        # Keys the policy sends nowhere are not meant for L2: nothing to wait for.
-        self.l1.settle_unstored([obj for key, obj in wanted.items() if key not in targeted])
+        # Keys the policy sends nowhere are not meant for L2: nothing to wait for.  They
+        # were committed for L2, so the policy's choice is counted and explained: once L1
+        # evicts them they are gone.
+        untargeted = [obj for key, obj in wanted.items() if key not in targeted]
+        if untargeted:
+            self.stats.fail("store_policy_untargeted", len(untargeted))
+            self._burst.warn(
+                "store_policy_untargeted",
+                "store policy sent %d of %d committed keys to no adapter: they stay in L1 only",
+                len(untargeted),
+                len(wanted),
+                count=len(untargeted),
+            )
+        self.l1.settle_unstored(untargeted)
         if batch.tasks_left == 0:
             self._finish_batch(batch)
+
+    def _stray_keys(self, count: int, index: int) -> None:
+        """A policy answer naming keys it was not given: nothing to store for them --
+        counted and explained, as the policy's fault."""
+        self.stats.fail("store_policy_bad_key", count)
+        self._burst.warn(
+            "store_policy_bad_key",
+            "store policy sent adapter %d %d keys that are not in its batch: ignored",
+            index,
+            count,
+            count=count,
+        )
 
     def _submit(self, piece: Slice) -> None:
         slot, batch = piece.slot, piece.batch
