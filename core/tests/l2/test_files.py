@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import posixpath
 import resource
@@ -478,3 +479,25 @@ def test_a_vanished_root_found_by_a_store_into_a_new_shard_is_counted_and_relock
     assert dict(files.iter_records(lambda _key: HEADER)) == {other: 3}
     assert counts.get("root_recreated") == 1
     assert relocked == [1]
+
+
+def test_a_write_failure_line_never_shows_a_url_password(caplog: pytest.LogCaptureFixture) -> None:
+    # A remote filesystem's error may quote the file's whole URL (an http:// store).
+    from lmcache_tiers.l2.files.records import WriteFailures
+
+    counted: dict[str, int] = {}
+    failures = WriteFailures(
+        "0:fs",
+        "http://reader:s3cret@host/kv",
+        lambda name, n: counted.update({name: counted.get(name, 0) + n}),
+    )
+    with caplog.at_level(logging.WARNING):
+        failures.failed(
+            "http://reader:s3cret@host/kv/ab.bin",
+            OSError(5, "PUT http://reader:s3cret@host/kv/ab.bin failed"),
+        )
+        failures.failed("http://reader:s3cret@host/kv/cd.bin", OSError(errno.ENOSPC, "full"))
+    assert counted == {"store_io_errors": 1, "store_no_space": 1}
+    text = caplog.text
+    assert "cannot write" in text and "no space left" in text
+    assert "s3cret" not in text

@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 
 from lmcache_tiers.burst import BurstLog
+from lmcache_tiers.config import redact_url_secrets
 from lmcache_tiers.keycodec import printable
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.files.layout import record_name
@@ -184,15 +185,16 @@ class WriteFailures:
                 "no_space",
                 "%s: no space left in %s: stores fail until space returns (first: %s)",
                 self.name,
-                printable(self.root, 200),
-                printable(key_name, 200),
+                printable(redact_url_secrets(self.root), 200),
+                printable(redact_url_secrets(key_name), 200),
             )
             return
         self._count("store_io_errors", 1)
+        # A remote filesystem's error may quote the whole URL of the file, password and all.
         self._burst.warn(
             "io_error",
             "%s: cannot write %s: %s",
             self.name,
-            printable(key_name, 200),
-            printable(str(exc), 300),
+            printable(redact_url_secrets(key_name), 200),
+            printable(redact_url_secrets(str(exc)), 300),
         )
