@@ -169,6 +169,37 @@ def test_a_smaller_object_does_not_leave_the_old_tail_on_disk() -> None:
             adapter.close()
 
 
+def test_a_slot_whose_bytes_changed_on_disk_is_a_counted_miss_and_dropped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Bytes that changed in a slot file after the store (a bad disk, a stray writer) are
+    never handed out: the load fails that key alone, the key is dropped from the pool (its
+    slot goes back once its reader left), and the drop is counted and logged."""
+    arena = Arena()
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=2), arena.view)
+        try:
+            keys = make_keys(2)
+            data = [pattern(30 + i, SIZE) for i in range(2)]
+            assert client(adapter).store(keys, [arena.filled(d) for d in data]) == [True, True]
+            with open(os.path.join(directory, slot_file_name(0)), "r+b") as slot_file:
+                slot_file.seek(SIZE // 2)
+                slot_file.write(b"rot!")
+            assert client(adapter).lookup_and_lock(keys).found == [True, True]
+            buffers = [arena.take(SIZE) for _ in keys]
+            with caplog.at_level("WARNING"):
+                assert client(adapter).load(keys, buffers) == [False, True]
+            assert bytes(buffers[1]) == data[1], "the intact slot of the batch still loads"
+            adapter.unlock(keys)
+            assert adapter.stats()["corrupt_slots_dropped"] == 1
+            assert "checksum" in caplog.text
+            assert client(adapter).lookup_and_lock(keys).found == [False, True]
+            adapter.unlock(keys[1:])
+            assert adapter.stats()["pool_slots_used"] == 1, "the damaged slot is free again"
+        finally:
+            adapter.close()
+
+
 def test_a_slot_that_cannot_be_finished_is_given_back_and_counted(monkeypatch) -> None:
     """A failure finishing one slot (its file's truncation) fails that key alone: every
     other key of the batch is stored, and the key can be stored again later."""
@@ -383,14 +414,14 @@ def test_slot_with_a_reader_is_never_reused() -> None:
     (key,) = make_keys(1)
     (slot,) = table.claim([key])
     assert isinstance(slot, int)
-    table.publish(key, slot, 10)
+    table.publish(key, slot, 10, b"digest-1")
     (entry,) = table.acquire_for_read([key])
     assert entry is not None
     assert table.delete([key]) == [False], "a delete racing a load is refused"
     # Rewriting the key moves it to a new slot; the old one waits for its reader.
     (new_slot,) = table.claim([key])
     assert isinstance(new_slot, int) and new_slot != slot
-    table.publish(key, new_slot, 20)
+    table.publish(key, new_slot, 20, b"digest-2")
     assert table.used_slots == 2
     assert table.claim(make_keys(1, start=5)) == [Claim.FULL]
     table.release_reads([entry.slot])

@@ -4,7 +4,9 @@ A slot is claimed before its bytes are written and published only once the write
 succeeded, so a lookup never reports an object still in flight.  Storing a key again
 writes a fresh slot and retires the old one.  Loads count readers per slot; a slot with
 readers is never handed to a new object (a delete of its key is refused, a retired slot
-waits for its last reader), so bytes are never overwritten while being read out.
+waits for its last reader), so bytes are never overwritten while being read out.  Each
+stored slot keeps the checksum of the bytes written into it, which a load verifies before
+its buffer counts as loaded.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Claim(Enum):
 class StoredSlot:
     slot: int
     size: int
+    digest: bytes  # XXH3-128 of the bytes the store wrote
 
 
 class SlotTable:
@@ -57,11 +60,11 @@ class SlotTable:
                     result.append(self._free.pop())
         return result
 
-    def publish(self, key: ObjectKey, slot: int, size: int) -> None:
+    def publish(self, key: ObjectKey, slot: int, size: int, digest: bytes) -> None:
         with self._lock:
             self._writing.discard(key)
             previous = self._stored.get(key)
-            self._stored[key] = StoredSlot(slot, size)
+            self._stored[key] = StoredSlot(slot, size, digest)
             if previous is not None:
                 self._free_or_retire(previous.slot)
 
@@ -98,6 +101,18 @@ class SlotTable:
                     self._readers.acquire(entry.slot)
                 result.append(entry)
         return result
+
+    def drop_damaged(self, key: ObjectKey, slot: int) -> bool:
+        """Forget ``key`` whose bytes in ``slot`` failed their checksum, unless it was
+        stored again meanwhile (True when dropped).  The slot is retired: the caller
+        still reads it, and :meth:`release_reads` frees it."""
+        with self._lock:
+            entry = self._stored.get(key)
+            if entry is None or entry.slot != slot:
+                return False
+            del self._stored[key]
+            self._free_or_retire(slot)
+            return True
 
     def release_reads(self, slots: Sequence[int]) -> None:
         with self._lock:

@@ -7,6 +7,10 @@ per-adapter L2 eviction starts when the pool fills, core refuses stores of new k
 once every slot is taken (``capacity_refusals``), and deletes (eviction included) return
 slots to the pool.  A store that still finds no free slot -- one held by a load of the
 object it replaces -- reports its key as not stored (``pool_full_rejections``).
+
+Every slot's XXH3-128 checksum is kept in memory from its store, and a load's bytes are
+checked against it before the load reports them: bytes that changed in storage are a
+miss, and their key is dropped from the pool (``corrupt_slots_dropped``).
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import xxhash
+
 from lmcache_plugin_nixl.config import FILE_PATH_FIELD, NixlStoreConfig
 from lmcache_plugin_nixl.memory import HostMemory
 from lmcache_plugin_nixl.pool import FileSlots, ObjectSlots, SlotStorage, lock_what
 from lmcache_plugin_nixl.runtime import NixlRuntime
-from lmcache_plugin_nixl.slots import Claim, SlotTable
+from lmcache_plugin_nixl.slots import Claim, SlotTable, StoredSlot
 from lmcache_plugin_nixl.transfers import BatchTransfer
 from lmcache_tiers.plugin import BackendContext, Capacity, ObjectKey, check_directory_free
 
@@ -95,7 +101,9 @@ class NixlStoreBackend:
                     self.context.warn("slot_finish", "finishing slot %d failed, not stored: %s", slot, exc)
                     ok = False
             if ok:
-                self._slots.publish(keys[i], slot, length)
+                # The payload is the caller's until this store returns: its bytes are the
+                # ones just written.
+                self._slots.publish(keys[i], slot, length, xxhash.xxh3_128_digest(buffers[position]))
                 results[i] = True
             else:
                 self._slots.abandon(keys[i], slot)
@@ -158,11 +166,35 @@ class NixlStoreBackend:
             # Core fails a load still running at its close deadline and hands its buffers
             # to other objects before it closes the backend: nothing more is read into them.
             moved = self._transfer.run("READ", targets, locate, stop=self._closing)
+            if self._closing():
+                # The buffers may belong to other objects by now (see above): not even
+                # read to verify them.
+                return results
             for i, ok in zip(reads, moved, strict=True):
-                results[i] = ok
+                entry = entries[i]
+                assert entry is not None
+                results[i] = ok and self._verified(keys[i], entry, buffers[i])
             return results
         finally:
             self._slots.release_reads(held)
+
+    def _verified(self, key: ObjectKey, entry: StoredSlot, loaded: memoryview) -> bool:
+        """Whether the bytes read out of ``entry``'s slot are the ones its store wrote.
+        Bytes that changed in storage are never handed out: the load of that key fails and
+        the key is dropped, so it is not offered again (its slot is freed once no load
+        reads it)."""
+        if xxhash.xxh3_128_digest(loaded) == entry.digest:
+            return True
+        if self._slots.drop_damaged(key, entry.slot):
+            self.context.count("corrupt_slots_dropped")
+        self.context.warn(
+            "corrupt_slot",
+            "slot %d of %s failed its checksum: the bytes in storage changed since the store; "
+            "a miss, and the object is dropped",
+            entry.slot,
+            key.file_stem(),
+        )
+        return False
 
     def _closing(self) -> bool:
         return self.context.closing
