@@ -270,6 +270,7 @@ def test_rejected_credentials_stop_start_up(seaweed: SeaweedS3, l1: memoryview) 
         ("unparsable", r"ConfigParseError: Unable to parse config file"),
         ("half_a_key_pair", r"PartialCredentialsError: .*missing: AWS_SECRET_ACCESS_KEY"),
         ("no_credentials", r"NoCredentialsError: Unable to locate credentials"),
+        ("region", r"InvalidRegionError: Provided region_name 'eu west 1' doesn't match"),
     ],
 )
 def test_aws_settings_no_request_can_use_stop_start_up(
@@ -302,6 +303,9 @@ def test_aws_settings_no_request_can_use_stop_start_up(
         (tmp_path / "config").write_text("[default\nregion = us-east-1\n")
     elif mistake == "half_a_key_pair":
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLE")
+    elif mistake == "region":  # no client can be made for it: every request would fail
+        monkeypatch.setenv("AWS_DEFAULT_REGION", "eu west 1")
+        fields = {}
     config = s3_config(seaweed, "p", **fields)
     with pytest.raises(ConfigError, match=f"the AWS settings cannot be used: {message}"):
         open_adapter(config, l1)

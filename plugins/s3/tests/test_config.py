@@ -64,6 +64,15 @@ def test_an_alias_that_agrees_with_its_field_is_accepted_and_one_that_does_not_i
         ),
         ({"bucket": "b", "eviction": {"eviction_policy": "LRU"}}, "eviction needs max_capacity_gb > 0"),
         ({"bucket": "b", "max_inflight": 0}, "Expected `int` >= 1"),
+        (
+            {"bucket": "b", "region": "eu west 1"},
+            r"region 'eu west 1' is not a region name \(like eu-west-1\) - at `\$\.l2_adapters\[0\]\.region`",
+        ),
+        (
+            {"bucket": "b", "s3_region": "us-east-1 "},
+            r"region 'us-east-1 ' is not a region name .* - at `\$\.l2_adapters\[0\]\.s3_region`",
+        ),
+        ({"bucket": "b", "region": ""}, "region '' is not a region name"),
         ({"bucket": "b", "s3_num_io_threads": 64}, "unknown field `s3_num_io_threads`"),
     ],
 )

@@ -201,8 +201,10 @@ BAD_CREDENTIALS = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "Inv
 #: what botocore raises, before any request is sent, for AWS settings no request can work
 #: with: a profile that is not in the shared files, a config file it cannot parse, an
 #: access key id in the environment without its secret, no credentials anywhere in the
-#: chain (the client resolves them once, when it is made: they never turn up later)
+#: chain (the client resolves them once, when it is made: they never turn up later), a
+#: region name no client can be made for (from AWS_DEFAULT_REGION or the config file)
 _BAD_AWS_SETTINGS = (
+    botocore.exceptions.InvalidRegionError,
     botocore.exceptions.ProfileNotFound,
     botocore.exceptions.ConfigParseError,
     botocore.exceptions.PartialCredentialsError,

@@ -14,6 +14,7 @@ API only.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, ClassVar, Literal
 
 import msgspec
@@ -24,6 +25,9 @@ from lmcache_tiers.plugin import FieldError, L2AdapterConfig, SizeGiB, check_siz
 SECRET_FIELDS = ("aws_access_key_id", "aws_secret_access_key")
 #: longest prefix accepted; object names add at most 256 bytes (S3 keys end at 1024)
 MAX_PREFIX_BYTES = 512
+#: what botocore accepts as a region name; it refuses any other when a client is made, so
+#: every request of the adapter would fail until a restart
+_REGION_NAME = re.compile(r"[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?")
 
 
 def _alias(canonical: str, lmcache_doc: str) -> str:
@@ -185,6 +189,10 @@ class S3Config(L2AdapterConfig):
     # -- checks ------------------------------------------------------------------------------
 
     def _fold_aliases(self) -> None:
+        for field in ("region", "s3_region"):
+            value = getattr(self, field)
+            if value is not None and not _REGION_NAME.fullmatch(value):
+                raise FieldError(field, f"region {value!r} is not a region name (like eu-west-1)")
         if self.s3_region is not None:
             if self.region is not None and self.region != self.s3_region:
                 raise FieldError(
