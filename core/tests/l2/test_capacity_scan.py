@@ -508,3 +508,26 @@ def test_the_context_offers_what_a_backend_needs() -> None:
     adapter = create_adapter(factory, config, device)
     adapter.close()
     assert seen["l1"] is None, "memory that is not host DRAM is not offered for registration"
+
+
+class TracedListing(GatedListing):
+    """A listing that tells when its generator was closed (what holds a directory open)."""
+
+    ended = threading.Event()
+
+    def list_keys(self) -> Iterator[tuple[ObjectKey, int]]:
+        try:
+            yield from super().list_keys()
+        finally:
+            TracedListing.ended.set()
+
+
+def test_a_scan_stopped_by_close_ends_the_backends_listing(
+    adapters: list[L2Adapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    TracedListing.ended = threading.Event()
+    adapter, _namespace = open_scanning(adapters, monkeypatch, 5, backend=TracedListing)
+    assert adapter.stats()["scan_running"] == 1
+    adapter.close()
+    GatedListing.gate.release()  # the listing's next entry comes after the close
+    wait_until(TracedListing.ended.is_set, "the end of the backend's listing")

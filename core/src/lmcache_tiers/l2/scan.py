@@ -81,6 +81,7 @@ class KeyScan:
             while limit is None or taken < limit:
                 if self.state.closing.is_set():
                     self._finish("the adapter closed first")
+                    self._stop_listing()
                     return True
                 batch = next(self._batches, None)
                 if batch is None:
@@ -91,6 +92,7 @@ class KeyScan:
                 self.invalid += len(batch) - len(sizes)
                 with self._lock:
                     if not self.running:  # ended by close() while this batch was listed
+                        self._stop_listing()
                         return True
                     added, added_bytes = self.state.accounting.add_scanned(sizes)
                     self.keys += added
@@ -98,8 +100,21 @@ class KeyScan:
         except Exception as exc:  # the rest is accounted lazily, on first lookup
             self.errors += 1
             self._finish(f"listing failed: {type(exc).__name__}: {exc}")
+            self._stop_listing()
             return True
         return False
+
+    def _stop_listing(self) -> None:
+        """Close a listing the scan stopped before its end, on the thread that iterates it:
+        a backend's generator may hold a directory open (keeping an unmount busy) or a
+        connection until it is closed, and the scan outlives the adapter's close."""
+        batches, self._batches = self._batches, None
+        close = getattr(batches, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception as exc:  # the backend's own clean-up failing changes nothing here
+                log.warning("%s: ending the start-up listing failed: %s", self.state.name, exc)
 
     def _background(self) -> None:
         while not self.state.closing.is_set():
