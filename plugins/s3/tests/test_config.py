@@ -91,6 +91,13 @@ def test_eviction_with_a_capacity_is_accepted() -> None:
     assert config.eviction is not None and config.max_capacity_gb == 10
 
 
+def test_an_endpoint_url_with_a_password_is_refused_without_repeating_it() -> None:
+    # S3 signs with the access keys; a password in the URL would only end up in logs.
+    with pytest.raises(ConfigError, match="endpoint_url must not hold a user or password") as raised:
+        decode(bucket="b", endpoint_url="http://tiers:hunter2@127.0.0.1:8333")
+    assert "hunter2" not in str(raised.value)
+
+
 def test_secrets_are_not_in_the_repr() -> None:
     config = S3Config(bucket="b", aws_access_key_id="AKIAEXAMPLE", aws_secret_access_key=SECRET)
     assert SECRET not in repr(config) and "AKIAEXAMPLE" not in repr(config)

@@ -227,6 +227,14 @@ class S3Config(L2AdapterConfig):
         msgspec.structs.force_setattr(self, "prefix", prefix)
         url = self.endpoint_url
         if url is not None:
+            if "@" in url.partition("://")[2].partition("/")[0]:
+                # Requests are signed with the access keys; a password here would only be
+                # logged (the start-up line and errors name the endpoint), so it is not echoed.
+                raise FieldError(
+                    "endpoint_url",
+                    "endpoint_url must not hold a user or password; give aws_access_key_id and "
+                    "aws_secret_access_key (or the AWS credential chain) instead",
+                )
             if not url.startswith(("http://", "https://")) or len(url) <= len("https://"):
                 raise FieldError(
                     "endpoint_url", f"endpoint_url must be an http:// or https:// URL, got {url!r}"
