@@ -528,6 +528,10 @@ def test_a_scan_stopped_by_close_ends_the_backends_listing(
     TracedListing.ended = threading.Event()
     adapter, _namespace = open_scanning(adapters, monkeypatch, 5, backend=TracedListing)
     assert adapter.stats()["scan_running"] == 1
-    adapter.close()
-    GatedListing.gate.release()  # the listing's next entry comes after the close
+    closing = threading.Thread(target=adapter.close)
+    closing.start()  # it waits for the scan, which waits for the listing's next entry
+    wait_until(adapter.state.closing.is_set, "the adapter's close")
+    GatedListing.gate.release()  # the listing's next entry comes after the close began
     wait_until(TracedListing.ended.is_set, "the end of the backend's listing")
+    closing.join(30)
+    assert not closing.is_alive()
