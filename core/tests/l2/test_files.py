@@ -501,3 +501,22 @@ def test_a_write_failure_line_never_shows_a_url_password(caplog: pytest.LogCaptu
     text = caplog.text
     assert "cannot write" in text and "no space left" in text
     assert "s3cret" not in text
+
+
+def test_removal_and_listing_lines_never_show_a_url_password(caplog: pytest.LogCaptureFixture) -> None:
+    # An fsspec store's paths are whole URLs (an http:// store's carry its password): the
+    # sweep removing every record, and a listing that cannot read a header, name them.
+    from lmcache_tiers.l2.files.records import RemovalFailures, log_unreadable_header
+
+    path = "http://reader:s3cret@host/kv/ab.bin"
+    counted: dict[str, int] = {}
+    failures = RemovalFailures("0:fs", lambda name, n: counted.update({name: counted.get(name, 0) + n}))
+    with caplog.at_level(logging.WARNING):
+        failures.failed(path, OSError(errno.EACCES, f"DELETE {path} refused"))
+        with pytest.raises(OSError) as raised:
+            failures.report(0)
+        log_unreadable_header("0:fs", path, OSError(errno.EIO, f"GET {path} failed"))
+    assert counted == {"records_not_removed": 1}
+    assert "could not be removed" in caplog.text and "cannot read the header" in caplog.text
+    assert "s3cret" not in caplog.text
+    assert "s3cret" not in str(raised.value), "the error a close or start raises names it too"

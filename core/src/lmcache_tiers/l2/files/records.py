@@ -100,6 +100,12 @@ def judge_digest_record(
 _UNLISTED_LINES = BurstLog(_log)
 
 
+def shown(text: str, limit: int = 300) -> str:
+    """``text`` (a path, or an error that may quote one) as lines and errors name it: an
+    fsspec store's paths are whole URLs, and an ``http://`` store's carry its password."""
+    return printable(redact_url_secrets(text), limit)
+
+
 def keeps_unlisted(store: str, path: str, error: RecordError, count: Callable[[str, int], None]) -> bool:
     """A listing's :func:`~lmcache_tiers.l2.record.record_verdict` on a record whose header
     it read to learn the key (a digest-named one) and which raised ``error``.  True: kept
@@ -109,7 +115,11 @@ def keeps_unlisted(store: str, path: str, error: RecordError, count: Callable[[s
     if verdict.kept:
         count(verdict.counter, 1)
         _UNLISTED_LINES.warn(
-            f"{store}:{verdict.counter}", "%s: %s: %s; not listed, kept", store, printable(path, 300), error
+            f"{store}:{verdict.counter}",
+            "%s: %s: %s; not listed, kept",
+            store,
+            shown(path),
+            shown(str(error)),
         )
     return verdict.kept
 
@@ -120,8 +130,8 @@ def log_unreadable_header(store: str, path: str, exc: OSError) -> None:
     _log.warning(
         "%s: cannot read the header of %s: %s; it is not listed (kept: a read error is not damage)",
         store,
-        printable(path, 300),
-        exc,
+        shown(path),
+        shown(str(exc)),
     )
 
 
@@ -150,7 +160,7 @@ class RemovalFailures:
         self._failed += 1
         self._count("records_not_removed", 1)
         if not self._first:
-            self._first = f"{printable(path, 300)}: {exc}"
+            self._first = f"{shown(path)}: {shown(str(exc))}"
 
     def report(self, removed: int) -> None:
         """After the sweep that removed ``removed`` files: one line, and an OSError, if
@@ -185,16 +195,15 @@ class WriteFailures:
                 "no_space",
                 "%s: no space left in %s: stores fail until space returns (first: %s)",
                 self.name,
-                printable(redact_url_secrets(self.root), 200),
-                printable(redact_url_secrets(key_name), 200),
+                shown(self.root, 200),
+                shown(key_name, 200),
             )
             return
         self._count("store_io_errors", 1)
-        # A remote filesystem's error may quote the whole URL of the file, password and all.
         self._burst.warn(
             "io_error",
             "%s: cannot write %s: %s",
             self.name,
-            printable(redact_url_secrets(key_name), 200),
-            printable(redact_url_secrets(str(exc)), 300),
+            shown(key_name, 200),
+            shown(str(exc)),
         )
