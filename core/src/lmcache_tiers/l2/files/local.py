@@ -542,15 +542,23 @@ class LocalFiles:
         removed does not stop the others; it is counted, and an OSError says so at the
         end (:class:`~.records.RemovalFailures`)."""
         removed, failures = 0, RemovalFailures(self.name, self._count)
-        for _directory, entry in self._files():
-            if classify_name(entry.name).kind is not EntryKind.FOREIGN:
-                try:
-                    os.unlink(entry.path)
-                    removed += 1
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    failures.failed(entry.path, exc)
+        while True:
+            # Files removed while their directory is read may hide others from that reading
+            # on some filesystems (POSIX leaves it open; NFS and CIFS do hide them): read
+            # again until a pass finds nothing to remove.  A pass in which a file could not
+            # be removed is the last, so that no failure is counted twice.
+            failed_before, removed_before = failures.count, removed
+            for _directory, entry in self._files():
+                if classify_name(entry.name).kind is not EntryKind.FOREIGN:
+                    try:
+                        os.unlink(entry.path)
+                        removed += 1
+                    except FileNotFoundError:
+                        pass
+                    except OSError as exc:
+                        failures.failed(entry.path, exc)
+            if removed == removed_before or failures.count > failed_before:
+                break
         for directory in sorted(self.directories(first_level=True), key=len, reverse=True):
             if directory != self.layout.root:
                 try:

@@ -155,6 +155,11 @@ class RemovalFailures:
         self._failed = 0
         self._first = ""
 
+    @property
+    def count(self) -> int:
+        """Files that could not be removed so far."""
+        return self._failed
+
     def failed(self, path: str, exc: BaseException) -> None:
         """``path`` could not be removed (``exc``)."""
         self._failed += 1
