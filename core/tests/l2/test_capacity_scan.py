@@ -535,3 +535,34 @@ def test_a_scan_stopped_by_close_ends_the_backends_listing(
     wait_until(TracedListing.ended.is_set, "the end of the backend's listing")
     closing.join(30)
     assert not closing.is_alive()
+
+
+class HeldThread(threading.Thread):
+    """The scan's background thread, started only when the test says so."""
+
+    held: list[threading.Thread] = []
+
+    def start(self) -> None:
+        HeldThread.held.append(self)
+
+
+def test_a_scan_whose_thread_sees_the_close_first_ends_the_backends_listing(
+    adapters: list[L2Adapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The foreground read part of the listing; the close comes before the scan's thread
+    # looks at it once: the listing it leaves must be ended all the same.
+    import types
+
+    import lmcache_tiers.l2.scan as scan
+
+    HeldThread.held = []
+    monkeypatch.setattr(scan, "threading", types.SimpleNamespace(Thread=HeldThread, Lock=threading.Lock))
+    TracedListing.ended = threading.Event()
+    adapter, _namespace = open_scanning(adapters, monkeypatch, 5, backend=TracedListing)
+    [background] = HeldThread.held
+    adapter.state.closing.set()
+    threading.Thread.start(background)
+    background.join(30)
+    assert not background.is_alive()
+    assert adapter.stats()["scan_running"] == 0
+    assert TracedListing.ended.is_set(), "the listing the foreground began was left open"

@@ -73,7 +73,14 @@ class KeyScan:
         return None
 
     def _account(self, limit: int | None) -> bool:
-        """Account batches until ``limit`` entries (None: all); True once finished."""
+        """Account batches until ``limit`` entries (None: all); True once finished, and the
+        listing then ended (outside the lock: a backend's clean-up may block)."""
+        finished = self._account_batches(limit)
+        if finished:
+            self._stop_listing()
+        return finished
+
+    def _account_batches(self, limit: int | None) -> bool:
         taken = 0
         try:
             if self._batches is None:
@@ -81,7 +88,6 @@ class KeyScan:
             while limit is None or taken < limit:
                 if self.state.closing.is_set():
                     self._finish("the adapter closed first")
-                    self._stop_listing()
                     return True
                 batch = next(self._batches, None)
                 if batch is None:
@@ -92,7 +98,6 @@ class KeyScan:
                 self.invalid += len(batch) - len(sizes)
                 with self._lock:
                     if not self.running:  # ended by close() while this batch was listed
-                        self._stop_listing()
                         return True
                     added, added_bytes = self.state.accounting.add_scanned(sizes)
                     self.keys += added
@@ -100,7 +105,6 @@ class KeyScan:
         except Exception as exc:  # the rest is accounted lazily, on first lookup
             self.errors += 1
             self._finish(f"listing failed: {type(exc).__name__}: {exc}")
-            self._stop_listing()
             return True
         return False
 
@@ -117,16 +121,19 @@ class KeyScan:
                 log.warning("%s: ending the start-up listing failed: %s", self.state.name, exc)
 
     def _background(self) -> None:
-        while not self.state.closing.is_set():
-            opened = self.runner.opened(0.1)
-            if opened is None:
-                continue
-            if opened:
-                self._account(None)
-            else:
-                self._finish("the backend did not open")
-            return
-        self._finish("the adapter closed first")
+        try:
+            while not self.state.closing.is_set():
+                opened = self.runner.opened(0.1)
+                if opened is None:
+                    continue
+                if opened:
+                    self._account(None)
+                else:
+                    self._finish("the backend did not open")
+                return
+            self._finish("the adapter closed first")
+        finally:  # a close seen before the first batch: the foreground's listing ends here
+            self._stop_listing()
 
     def _finish(self, problem: str | None) -> None:
         with self._lock:
