@@ -72,7 +72,8 @@ def test_an_alias_that_agrees_with_its_field_is_accepted_and_one_that_does_not_i
             {"bucket": "b", "s3_region": "us-east-1 "},
             r"region 'us-east-1 ' is not a region name .* - at `\$\.l2_adapters\[0\]\.s3_region`",
         ),
-        ({"bucket": "b", "region": ""}, "region '' is not a region name"),
+        ({"bucket": "b", "region": "12345"}, "region '12345' is not a region name"),
+        ({"bucket": "b", "s3_region": "-eu-west-1"}, "region '-eu-west-1' is not a region name"),
         ({"bucket": "b", "s3_num_io_threads": 64}, "unknown field `s3_num_io_threads`"),
     ],
 )
@@ -96,6 +97,43 @@ def test_an_endpoint_url_with_a_password_is_refused_without_repeating_it() -> No
     with pytest.raises(ConfigError, match="endpoint_url must not hold a user or password") as raised:
         decode(bucket="b", endpoint_url="http://tiers:hunter2@127.0.0.1:8333")
     assert "hunter2" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "region",
+    ["us-east-1", "us-gov-west-1", "cn-northwest-1", "us-iso-east-1", "eu-isoe-west-1", "aws-global"],
+)
+def test_the_region_names_of_every_aws_partition_are_accepted(region: str) -> None:
+    assert decode(bucket="b", region=region).region == region
+    assert decode(bucket="b", s3_region=region).region == region
+
+
+def test_an_empty_region_is_accepted_as_botocore_accepts_it() -> None:
+    # S3-compatible stores are often configured with an empty region; clients are made
+    # for it, so refusing it would stop a working set-up from starting.
+    assert decode(bucket="b", endpoint_url="http://127.0.0.1:8333", region="").region == ""
+    assert decode(bucket="b", endpoint_url="http://127.0.0.1:8333", s3_region="").region == ""
+
+
+@pytest.mark.parametrize(
+    ("fields", "where"),
+    [
+        ({"endpoint_url": "tiers:hunter2@127.0.0.1:8333"}, "endpoint_url"),  # no scheme
+        ({"endpoint_url": "http://tiers:hun/ter2@127.0.0.1:8333"}, "endpoint_url"),  # '/' in it
+        ({"s3_endpoint": "b.tiers:hunter2@127.0.0.1:8333"}, "s3_endpoint"),
+        ({"s3_endpoint": "s3://b.tiers:hunter2@127.0.0.1:8333/x"}, "s3_endpoint"),
+        (
+            {"s3_endpoint": "b.example.com", "endpoint_url": "https://tiers:hunter2@example.com"},
+            "endpoint_url",
+        ),
+    ],
+)
+def test_a_password_in_any_endpoint_field_is_refused_without_repeating_it(
+    fields: dict[str, str], where: str
+) -> None:
+    with pytest.raises(ConfigError, match=f"must not hold a user or password.* at `.*{where}`") as raised:
+        decode(bucket="b", **fields)
+    assert "hunter2" not in str(raised.value) and "hun/ter2" not in str(raised.value)
 
 
 def test_secrets_are_not_in_the_repr() -> None:

@@ -25,9 +25,9 @@ from lmcache_tiers.plugin import FieldError, L2AdapterConfig, SizeGiB, check_siz
 SECRET_FIELDS = ("aws_access_key_id", "aws_secret_access_key")
 #: longest prefix accepted; object names add at most 256 bytes (S3 keys end at 1024)
 MAX_PREFIX_BYTES = 512
-#: what botocore accepts as a region name; it refuses any other when a client is made, so
-#: every request of the adapter would fail until a restart
-_REGION_NAME = re.compile(r"[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?")
+#: what botocore accepts as a region name (a host label, empty included, not all digits);
+#: it refuses any other when a client is made, so every request would fail until a restart
+_REGION_NAME = re.compile(r"(?![0-9]+$)(?!-)[a-zA-Z0-9-]{0,63}(?<!-)")
 
 
 def _alias(canonical: str, lmcache_doc: str) -> str:
@@ -168,6 +168,7 @@ class S3Config(L2AdapterConfig):
     s3_region: Annotated[str | None, msgspec.Meta(description=_alias("region", "the signing region."))] = None
 
     def __post_init__(self) -> None:
+        self._refuse_passwords_in_endpoints()
         self._fold_aliases()
         check_size_gib("max_capacity_gb", self.max_capacity_gb)
         self._check_location()
@@ -187,6 +188,19 @@ class S3Config(L2AdapterConfig):
         return f"S3Config({', '.join(shown)})"
 
     # -- checks ------------------------------------------------------------------------------
+
+    def _refuse_passwords_in_endpoints(self) -> None:
+        """Requests are signed with the access keys; a user or password in an endpoint
+        would only be logged (the start-up line and errors name the endpoint, and other
+        checks repeat a wrong one), so it is refused first and not echoed.  Any ``@``
+        counts: with or without a scheme, and before or after a ``/`` in the password."""
+        for field in ("endpoint_url", "s3_endpoint"):
+            if "@" in (getattr(self, field) or ""):
+                raise FieldError(
+                    field,
+                    f"{field} must not hold a user or password; give aws_access_key_id and "
+                    "aws_secret_access_key (or the AWS credential chain) instead",
+                )
 
     def _fold_aliases(self) -> None:
         for field in ("region", "s3_region"):
@@ -227,14 +241,6 @@ class S3Config(L2AdapterConfig):
         msgspec.structs.force_setattr(self, "prefix", prefix)
         url = self.endpoint_url
         if url is not None:
-            if "@" in url.partition("://")[2].partition("/")[0]:
-                # Requests are signed with the access keys; a password here would only be
-                # logged (the start-up line and errors name the endpoint), so it is not echoed.
-                raise FieldError(
-                    "endpoint_url",
-                    "endpoint_url must not hold a user or password; give aws_access_key_id and "
-                    "aws_secret_access_key (or the AWS credential chain) instead",
-                )
             if not url.startswith(("http://", "https://")) or len(url) <= len("https://"):
                 raise FieldError(
                     "endpoint_url", f"endpoint_url must be an http:// or https:// URL, got {url!r}"
