@@ -3,13 +3,14 @@ serde staging and bounds, and how factories' results are wrapped."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
-from l2_backends import _SPACES, DictBackend, DictConfig, Xor, Zlib, open_dict
+from l2_backends import _SPACES, AsyncDictBackend, DictBackend, DictConfig, Xor, Zlib, open_dict
 
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
@@ -566,3 +567,42 @@ def test_a_scan_whose_thread_sees_the_close_first_ends_the_backends_listing(
     assert not background.is_alive()
     assert adapter.stats()["scan_running"] == 0
     assert TracedListing.ended.is_set(), "the listing the foreground began was left open"
+
+
+class TracedAsyncListing(AsyncDictBackend):
+    """A coroutine backend's listing, one entry per release of ``GatedListing.gate``, that
+    tells when its async generator was closed."""
+
+    ended = threading.Event()
+    ended_before_close: list[bool] = []
+
+    async def close(self) -> None:
+        TracedAsyncListing.ended_before_close.append(TracedAsyncListing.ended.is_set())
+        await super().close()
+
+    async def list_keys(self) -> AsyncIterator[tuple[ObjectKey, int]]:  # type: ignore[override]
+        try:
+            for item in DictBackend.list_keys(self):
+                # Waited for off the loop: the loop must stay free to close the adapter.
+                assert await asyncio.to_thread(GatedListing.gate.acquire, True, 30)
+                yield item
+        finally:
+            TracedAsyncListing.ended.set()
+
+
+def test_a_scan_stopped_by_close_ends_a_coroutine_backends_listing(
+    adapters: list[L2Adapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    TracedAsyncListing.ended = threading.Event()
+    TracedAsyncListing.ended_before_close = []
+    adapter, _namespace = open_scanning(adapters, monkeypatch, 5, backend=TracedAsyncListing)  # type: ignore[arg-type]
+    assert adapter.stats()["scan_running"] == 1
+    closing = threading.Thread(target=adapter.close)
+    closing.start()  # it waits for the scan, which waits for the listing's next entry
+    wait_until(adapter.state.closing.is_set, "the adapter's close")
+    GatedListing.gate.release()  # the listing's next entry comes after the close began
+    closing.join(30)
+    assert not closing.is_alive()
+    # Ended before the backend's close (which may release what the listing reads from),
+    # not left for the loop's shutdown to finalize.
+    assert TracedAsyncListing.ended_before_close == [True]
