@@ -144,3 +144,27 @@ def test_a_raising_or_malformed_policy_is_counted(storage: StorageManager, answe
     assert storage.status()["failures"] == {"store_policy_error": 1}
     assert all(storage.l1.contains(key) for key in keys)
     assert storage.l1.unstored() == [], "nothing will store them: they must not wait for it"
+
+
+def test_the_default_policy_sends_every_key_somewhere_and_trips_no_policy_counter(
+    request: pytest.FixtureRequest,
+) -> None:
+    # The counters for a policy's strays and keys sent nowhere are for buggy policies:
+    # ``default``, with two adapters and repeated batches, must never trip them.
+    registry = buggy_registry()
+    namespace = f"store-default-{request.node.name}"
+    adapters = tuple(
+        decode_adapter(registry, {"type": "mock", "namespace": f"{namespace}-{index}"}, index)
+        for index in range(2)
+    )
+    storage = StorageManager(ServerConfig(l1_size_gb=1 / 64, l2_adapters=adapters), registry)
+    try:
+        keys = keys_of(6)
+        write(storage, keys[:3])
+        write(storage, keys[3:])
+        assert storage.flush(10)
+        for adapter in storage.adapters:
+            assert set(adapter.iter_keys()) == set(keys)
+        assert storage.status()["failures"] == {}
+    finally:
+        storage.close()
