@@ -4,6 +4,7 @@ serde staging and bounds, and how factories' results are wrapped."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -292,6 +293,21 @@ def test_a_failing_listing_ends_the_scan_and_counts_it(adapters: list[L2Adapter]
     stats = adapter.stats()
     assert (stats["scan_running"], stats["scan_errors"]) == (0, 1)
     assert store(adapter, make_keys(1, start=9), [10]) == [True], "stores go on after the scan"
+
+
+class FailingRemoteListing(DictBackend):
+    def list_keys(self) -> Iterator[tuple[ObjectKey, int]]:
+        yield make_keys(1)[0], 10
+        raise OSError("GET http://reader:s3cret@host/kv/ failed")
+
+
+def test_a_failing_listing_is_told_without_a_url_password(
+    adapters: list[L2Adapter], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        adapters.append(open_dict(FailingRemoteListing, capacity=1000))
+    assert "listing failed" in caplog.text
+    assert "s3cret" not in caplog.text
 
 
 class OddListing(DictBackend):

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from lmcache_tiers.config import redact_url_secrets
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.accounting import UNKNOWN_L1
 from lmcache_tiers.l2.runners import Entry, Runner
@@ -104,7 +105,8 @@ class KeyScan:
                     self.bytes += added_bytes
         except Exception as exc:  # the rest is accounted lazily, on first lookup
             self.errors += 1
-            self._finish(f"listing failed: {type(exc).__name__}: {exc}")
+            # A remote store's error may quote a URL, password and all.
+            self._finish(f"listing failed: {type(exc).__name__}: {redact_url_secrets(str(exc))}")
             return True
         return False
 
@@ -118,7 +120,11 @@ class KeyScan:
             try:
                 close()
             except Exception as exc:  # the backend's own clean-up failing changes nothing here
-                log.warning("%s: ending the start-up listing failed: %s", self.state.name, exc)
+                log.warning(
+                    "%s: ending the start-up listing failed: %s",
+                    self.state.name,
+                    redact_url_secrets(str(exc)),
+                )
 
     def _background(self) -> None:
         try:
