@@ -29,6 +29,7 @@ from contextlib import suppress
 
 import numpy as np
 
+from lmcache_plugin_fs.closing import explain_unwritten
 from lmcache_tiers.plugin import (
     ABSENT_FILE_ERRORS,
     RECORD_ALIGN,
@@ -173,13 +174,7 @@ class LocalRecords:
         results = self._each(self._writers, attempt, keys, payloads)
         for index in sorted(full):
             results[index] = self._write(keys[index], payloads[index])
-        if self.context.closing and not all(results):
-            log.info(
-                "%s: %d of %d records of a store not written: the adapter is closing",
-                self.context.name,
-                results.count(False),
-                len(results),
-            )
+        explain_unwritten(self.context.name, self.context.closing, results)
         return results
 
     def _write(self, key: ObjectKey, payload: memoryview, on_full: Callable[[], None] | None = None) -> bool:

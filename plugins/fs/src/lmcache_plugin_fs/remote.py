@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, suppress
 from typing import Any
 
+from lmcache_plugin_fs.closing import explain_unwritten
 from lmcache_tiers.plugin import (
     RECORD_ALIGN,
     BackendContext,
@@ -101,13 +102,7 @@ class RemoteRecords:
         """Records not yet published when the adapter starts closing fail (core counts them
         ``store_keys_failed``; one log line says why), as in a local directory."""
         results = [self._write(key, payload) for key, payload in zip(keys, payloads, strict=True)]
-        if self.context.closing and not all(results):
-            log.info(
-                "%s: %d of %d records of a store not written: the adapter is closing",
-                self.context.name,
-                results.count(False),
-                len(results),
-            )
+        explain_unwritten(self.context.name, self.context.closing, results)
         return results
 
     def _write(self, key: ObjectKey, payload: memoryview) -> bool:
