@@ -111,3 +111,32 @@ def test_temporary_objects_a_failed_store_leaves_are_counted_and_told_once(
         monkeypatch.undo()
         adapter.close()
         memory.rm(fsspec.core.url_to_fs(root)[1], recursive=True)
+
+
+def test_a_store_refused_with_a_value_error_is_told_without_the_password(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An fsspec store may refuse a write with a ValueError that quotes its URL: the line
+    telling the failed store leaves the password out, as every other line does."""
+    memory = fsspec.filesystem("memory")
+    root = f"memory://writer:{SECRET}@cache-{uuid.uuid4().hex}/kv"
+    arena = Arena()
+    adapter = open_fs(fs_config(root), arena.view)
+    real_open = memory.open
+
+    def refusing_store(path: str, mode: str = "rb", **options: Any) -> Any:
+        if "w" in mode:
+            raise ValueError(f"invalid object name under {root}")
+        return real_open(path, mode, **options)
+
+    try:
+        monkeypatch.setattr(memory, "open", refusing_store)
+        with caplog.at_level(logging.INFO):
+            assert store(adapter, arena, make_keys(1), [pattern(0, SIZE)]) == [False]
+        told = [record.getMessage() for record in caplog.records]
+        assert any("cannot store" in line for line in told), told
+        assert not [line for line in told if SECRET in line]
+    finally:
+        monkeypatch.undo()
+        adapter.close()
+        memory.rm(fsspec.core.url_to_fs(root)[1], recursive=True)

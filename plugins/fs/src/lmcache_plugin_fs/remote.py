@@ -136,8 +136,8 @@ class RemoteRecords:
             return True
         except _Closing:
             pass  # logged by write_many
-        except ValueError as exc:
-            log.warning("%s: cannot store %s: %s", self.context.name, printable(record_name(key)), exc)
+        except ValueError as exc:  # an unencodable header, or a store's refusal quoting its URL
+            log.warning("%s: cannot store %s: %s", self.context.name, shown(record_name(key)), shown(str(exc)))
         except Exception as exc:  # OSError, or what an fsspec store raises of its own (botocore, gcs)
             self.failures.failed(record_name(key), exc)
         self._remove_temp(temp)
