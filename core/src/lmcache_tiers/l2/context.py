@@ -3,6 +3,8 @@ and what a backend's factory receives from core (``BackendContext``)."""
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -257,6 +259,11 @@ class BackendContext:
         return open_inner_backend(self._state, self.name, spec, self._prefix + "inner_")
 
 
+#: kept records deletes counted that KeptByDelete remembers for the next lookup of their
+#: key; beyond it the oldest are forgotten (``kept_delete_marks_forgotten``)
+KEPT_MARKS_LIMIT = 4096
+
+
 class KeptByDelete:
     """The deletes of a backend that reads a record's header before deleting it, and the
     kept records they counted.
@@ -265,11 +272,15 @@ class KeptByDelete:
     names (a record of a key salted "t.bin" as the key salted "t" here); a delete of such
     a key -- the L2 eviction's -- must leave another key's intact record and a newer
     format's, as lookups do.  Core asks right after such a delete whether the key is
-    still there, and that lookup reads the same record: it must not count it again.
+    still there, and that lookup reads the same record: it must not count it again.  That
+    lookup may never come, so at most :data:`KEPT_MARKS_LIMIT` such records are remembered
+    (the oldest forgotten, counted as ``kept_delete_marks_forgotten``).
     """
 
     def __init__(self, context: BackendContext) -> None:
         self._context = context
+        self._lock = threading.Lock()
+        #: oldest first (insertion order), at most KEPT_MARKS_LIMIT
         self._counted: dict[ObjectKey, RecordVerdict] = {}
 
     def keeps(self, key: ObjectKey, header: bytes | memoryview) -> bool:
@@ -280,14 +291,36 @@ class KeptByDelete:
             decode_header(header, expected_key=key)
         except RecordError as exc:
             if self._context.kept_record(key, exc):
-                self._counted[key] = record_verdict(exc)
+                self._remember(key, record_verdict(exc))
                 return True
         return False
+
+    def _remember(self, key: ObjectKey, verdict: RecordVerdict) -> None:
+        # The lookup that would forget the mark may never come (the absence check is
+        # skipped for a pinned key, an open circuit, a close): the oldest marks go once
+        # there are KEPT_MARKS_LIMIT.  A forgotten mark only makes that key's next lookup
+        # count its record a second time -- the record is a miss either way.
+        with self._lock:
+            self._counted.pop(key, None)  # re-inserted as the newest
+            self._counted[key] = verdict
+            excess = len(self._counted) - KEPT_MARKS_LIMIT
+            oldest = list(itertools.islice(self._counted, max(excess, 0)))
+            for stale in oldest:
+                del self._counted[stale]
+        if oldest:
+            self._context.count("kept_delete_marks_forgotten", len(oldest))
+            self._context.warn(
+                "kept_delete_marks_forgotten",
+                "%d kept records deletes counted were not looked up; forgotten, so their "
+                "next lookup counts them again",
+                len(oldest),
+            )
 
     def counted(self, key: ObjectKey) -> RecordVerdict | None:
         """The verdict a delete of ``key`` counted since the last lookup asked, if any;
         asking forgets it."""
-        return self._counted.pop(key, None)
+        with self._lock:
+            return self._counted.pop(key, None)
 
     def kept_record(self, key: ObjectKey, error: RecordError) -> bool:
         """:meth:`BackendContext.kept_record` for a lookup or load, which does not count
