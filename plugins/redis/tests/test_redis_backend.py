@@ -705,6 +705,26 @@ def test_a_cluster_batch_with_one_node_hung_reports_and_accounts_what_the_others
         cluster.stop()
 
 
+def test_a_test_cluster_node_paused_for_seconds_is_not_declared_failed(tmp_path: Path) -> None:
+    # The tests pause a node to see its keys alone fail.  A node the others declare
+    # failed (no replica replaces it) makes every node answer CLUSTERDOWN, for every key:
+    # the pause of a test on a loaded machine must not reach the cluster's node timeout.
+    if missing_reason():
+        pytest.skip(missing_reason())
+    cluster = RedisClusterNodes(tmp_path / "cluster").start()
+    paused = cluster.nodes[1]
+    try:
+        paused.pause()
+        try:
+            time.sleep(8.0)  # a few node-timeouts of the old 2 s, for gossip to agree
+            states = [node.cli("CLUSTER", "INFO").stdout for node in (cluster.nodes[0], cluster.nodes[2])]
+        finally:
+            paused.resume()
+        assert all("cluster_state:ok" in state for state in states), states
+    finally:
+        cluster.stop()
+
+
 def on_and_off_node(
     backend: RedisBackend, node: RedisServer, each: int, start: int = 0
 ) -> tuple[list[ObjectKey], list[bool]]:

@@ -39,6 +39,12 @@ def _bindable(port: int) -> bool:
     return True
 
 
+#: how long a cluster node may not answer before the others declare it failed.  The
+#: test clusters have no replicas, so a primary declared failed is never replaced: every
+#: node then answers CLUSTERDOWN to every command, its keys or not, for seconds after it
+#: answers again.  Tests pause a node (SIGSTOP) to see its keys alone fail; on a loaded
+#: machine such a pause outlasted a short timeout, and the other nodes' keys failed too.
+CLUSTER_NODE_TIMEOUT_MS = 120_000
 #: a cluster node also listens on its port + this, for the cluster bus
 BUS_PORT_OFFSET = 10000
 
@@ -102,7 +108,7 @@ class RedisServer:
         args += ["--dir", str(self.directory), "--logfile", str(self.directory / "redis.log")]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", str(self.directory / "nodes.conf")]
-            args += ["--cluster-node-timeout", "2000"]
+            args += ["--cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS)]
         if self.password is not None:
             args += ["--requirepass", self.password]
         return args + self.extra
