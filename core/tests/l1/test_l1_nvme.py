@@ -477,3 +477,32 @@ def test_the_fdatasync_question_is_never_asked_of_a_closed_file(
     with pytest.raises(RuntimeError, match="closed"):
         blocks.writeback_errors()
     assert blocks.writeback_errors_seen == 0
+
+
+def test_a_refused_write_back_question_is_counted_among_l1_failures(
+    nvme_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fall back to fdatasync (sync_file_range refused by the system) writes back every
+    dirty page on each read's question: counted once (``l1_nvme_sync_file_range_refused``),
+    as it is logged once, so /metrics shows why buffered L1 reads cost a sync."""
+    import lmcache_tiers.l1.nvme as nvme
+
+    def refused(*args: Any) -> int:
+        ctypes.set_errno(errno.ENOSYS)
+        return -1
+
+    monkeypatch.setattr(nvme, "_sync_file_range", refused)
+    l1 = L1Manager(CAPACITY, nvme_path=str(nvme_dir), direct_io=False)
+    try:
+        obj = l1.reserve_write([key(1)], [ALIGN])[key(1)]
+        l1.write_object(obj, memoryview(pattern(ALIGN, 4)))
+        assert l1.finish_write([key(1)]) == [True]
+        for _ in range(2):
+            hits = l1.reserve_read([key(1)])
+            out = bytearray(ALIGN)
+            l1.read_object(hits[key(1)], memoryview(out))
+            l1.finish_read([key(1)])
+            assert out == pattern(ALIGN, 4)
+        assert l1.failures() == {"l1_nvme_sync_file_range_refused": 1}
+    finally:
+        l1.close()

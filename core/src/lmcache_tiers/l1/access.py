@@ -168,6 +168,8 @@ class ObjectBytes:
                 "l1_nvme_writeback_error": self._nvme.writeback_errors_seen,
                 "l1_nvme_writeback_refused": self._refused,
                 "l1_nvme_writeback_dropped": self._dropped,
+                # once: every write-back question since is an fdatasync
+                "l1_nvme_sync_file_range_refused": int(self._nvme.sync_file_range_refused),
             }
         return {reason: count for reason, count in counts.items() if count}
 

@@ -440,7 +440,9 @@ class L1Manager:
     def failures(self) -> dict[str, int]:
         """L1's own failures by reason, counted since start-up (only those that happened):
         for an NVMe L1, write-back errors of its file (``l1_nvme_writeback_error``), copies
-        refused for one (``..._refused``) and objects dropped for one (``..._dropped``)."""
+        refused for one (``..._refused``), objects dropped for one (``..._dropped``), and
+        ``l1_nvme_sync_file_range_refused`` once the system refused that call (fdatasync
+        asks instead)."""
         return self._bytes.failures()
 
     def lease_stats(self) -> LeaseStats:

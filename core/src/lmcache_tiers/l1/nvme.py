@@ -227,6 +227,12 @@ class NvmeL1File:
                 done += chunk
 
     @property
+    def sync_file_range_refused(self) -> bool:
+        """Whether the system refused sync_file_range itself, so that every write-back
+        question since is an fdatasync (which writes back what is dirty)."""
+        return self._no_sync_file_range
+
+    @property
     def writeback_errors_seen(self) -> int:
         """Write-back errors counted so far, without asking the kernel: a write started now
         cannot be among those that failed."""
