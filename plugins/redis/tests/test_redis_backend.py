@@ -515,6 +515,45 @@ def test_a_store_or_delete_reply_that_is_another_client_error_fails_its_key(
     assert adapter.stats()["delete_request_failures"] == 1
 
 
+def test_a_lookup_or_load_reply_that_is_another_client_error_fails_the_call_in_one_clear_line(
+    own_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A cluster pipeline leaves a client error in a command's reply (a redirection loop's
+    # ClusterError): the object may be there, so the call fails (a miss, counted), and
+    # its log line names that error -- not a TypeError from reading it as a header.
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix)
+    backend = backend_of(adapter)
+    backend._direct = None  # the replies redis-py parses, as in cluster mode
+    keys = make_keys(2)
+    store(adapter, keys)
+    found = client_of(adapter).lookup_and_lock(keys)
+    adapter.unlock(keys)
+    new_pipeline = backend._pipeline
+
+    def pipeline_with_a_failed_reply() -> Any:
+        pipe = new_pipeline()
+        execute = pipe.execute
+
+        def failed_second_reply(**options: Any) -> list[Any]:
+            replies = execute(**options)
+            replies[1] = redis.exceptions.ClusterError("TTL exhausted.")
+            return replies
+
+        pipe.execute = failed_second_reply
+        return pipe
+
+    backend._pipeline = pipeline_with_a_failed_reply  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+        assert client_of(adapter).lookup_and_lock(keys).found == [False, False]
+        assert load(adapter, keys, found.sizes)[0] == [False, False]
+    assert adapter.stats()["backend_errors"] == 2
+    assert "ClusterError: TTL exhausted." in caplog.text
+    assert "TypeError" not in caplog.text
+
+
 def test_a_delete_the_store_refuses_is_counted_and_logged(
     own_server: RedisServer,
     prefix: str,

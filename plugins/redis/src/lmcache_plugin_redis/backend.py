@@ -31,6 +31,8 @@ record and a newer format's are kept, as lookups keep them.  A per-object
 error reply (WRONGTYPE for a foreign key, OOM from a full store) fails that object only,
 counted and logged -- except in a lookup or listing, where any error reply but WRONGTYPE
 fails the call: "absent" would make core release the bytes of an object still there.
+So does any client error redis-py's cluster pipeline leaves in such a call's reply (a
+redirection loop's ClusterError): the call fails, named by that error.
 """
 
 from __future__ import annotations
@@ -177,10 +179,21 @@ class RedisBackend:
         ``per_key``: a cluster pipeline answers each command of a node that failed
         (dropped, timed out) with that error while the other nodes' commands were done;
         those replies are returned for the caller to fail their keys alone, and only a
-        pipeline no command of which got through raises."""
+        pipeline no command of which got through raises.  Without ``per_key`` (lookups,
+        loads, listings) any client error in a reply fails the call: its object may well
+        be there, so "absent" would be wrong -- and the call's log line names that error."""
         replies: list[Any] = pipe.execute(raise_on_error=False)
+        if not per_key:
+            client_errors = [
+                reply
+                for reply in replies
+                if isinstance(reply, Exception) and not isinstance(reply, ResponseError)
+            ]
+            if client_errors:
+                raise client_errors[0]
+            return replies
         failures = [reply for reply in replies if isinstance(reply, _CALL_FAILURES)]
-        if failures and (not per_key or len(failures) == len(replies)):
+        if failures and len(failures) == len(replies):
             raise failures[0]
         return replies
 
