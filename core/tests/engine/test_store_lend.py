@@ -40,3 +40,24 @@ def test_an_object_whose_bytes_cannot_be_read_fails_its_own_store_only(
     assert "controller_step_error" not in status["failures"]
     assert status["l1"]["read_locks"] == 0, "the store's locks were given back"
     assert unreadable.file_stem() in caplog.text
+
+
+def test_a_store_that_cannot_be_submitted_counts_each_of_its_keys(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``l2_store_submit_error`` counts keys, as ``l2_store_failed`` does and as the lend
+    failures above count them; the slice is ``store_tasks_failed``."""
+    storage = engine([mock()])
+    adapter = storage.adapters[0]
+
+    def refuse(*args: Any, **options: Any) -> int:
+        raise RuntimeError("the adapter refuses the task")
+
+    monkeypatch.setattr(adapter, "submit_store", refuse)
+    store(storage, keys_of(1, 3), SIZE)
+    assert storage.flush(10), "the slice never ended: its batch is waited for"
+    status = storage.status()
+    (counters,) = status["adapters"]
+    assert counters["keys_store_failed"] == 3
+    assert counters["store_tasks_failed"] == 1
+    assert status["failures"]["l2_store_submit_error"] == 3

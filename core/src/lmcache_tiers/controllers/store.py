@@ -341,7 +341,7 @@ class StoreController(ControllerThread):
             self.l1.finish_store(objects)
             self.stats.add_adapter(slot.index, "store_tasks_failed")
             self.stats.add_adapter(slot.index, "keys_store_failed", len(keys))
-            self.stats.fail("l2_store_submit_error")
+            self.stats.fail("l2_store_submit_error", len(keys))  # keys, as l2_store_failed
             logger.warning("store of %d keys to %s could not be submitted: %s", len(keys), slot.name, exc)
             self._slice_ended(piece)
             return
