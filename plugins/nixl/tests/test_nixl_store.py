@@ -429,3 +429,84 @@ def test_slot_with_a_reader_is_never_reused() -> None:
     assert table.sizes([key]) == [20]
     assert table.delete([key]) == [True]
     assert table.used_slots == 0
+
+
+def test_a_store_whose_write_failed_in_storage_is_not_counted_as_stopped_by_the_close(monkeypatch) -> None:
+    """``store_stopped_closing`` counts keys the close cost: a key whose write the storage
+    failed (a one-key batch is not retried) failed on its own, closing or not, and is no
+    key stopped by the close."""
+    from lmcache_plugin_nixl.runtime import NixlRuntime, NixlTransferError
+
+    arena = Arena()
+    entered, gate, finished = threading.Event(), threading.Event(), threading.Event()
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=4), arena.view)
+        try:
+            backend = adapter.backend
+            _signal_on_return(monkeypatch, backend, "put_many", finished)
+            runtime = NixlRuntime.shared()
+
+            def failing_transfer(
+                backend_name: str, operation: str, *args: object, **kwargs: object
+            ) -> object:
+                entered.set()
+                gate.wait(60)
+                raise NixlTransferError("injected: the device failed the write")
+
+            monkeypatch.setattr(runtime, "transfer_many", failing_transfer)
+            _close_after_the_stall(monkeypatch, backend, gate, finished)
+            buffer = arena.take(SIZE)
+            buffer[:] = pattern(50, SIZE)
+            adapter.submit_store(make_keys(1), [buffer])
+            assert entered.wait(10)
+            adapter.close_timeout_s = 0.2
+            adapter.close()
+            assert finished.is_set()
+            assert adapter.stats().get("store_stopped_closing", 0) == 0
+            assert backend._slots.used_slots == 0
+        finally:
+            gate.set()
+            adapter.close()
+
+
+def test_a_store_past_its_closing_check_finishes_its_slots_before_close_closes_their_files(
+    monkeypatch,
+) -> None:
+    """Between a store's closing check and its last slot published, the backend's close
+    (core runs it once its deadline passed) must not close the slot files: finishing a
+    slot truncates its file through a descriptor that may name another file by then.  The
+    check and the publication hold the lock close takes, so close waits for them."""
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=4))
+        try:
+            keys = make_keys(2)
+            backend = adapter.backend
+            storage = backend._storage
+            finish = storage.written
+            closer: list[threading.Thread] = []
+            closed = threading.Event()
+            finished_after_close: list[int] = []
+
+            def close_backend() -> None:
+                backend.close()
+                closed.set()
+
+            def written(slot: int, length: int) -> None:
+                if not closer:
+                    # The store passed its closing check: now the adapter closes.
+                    adapter.state.closing.set()
+                    closer.append(threading.Thread(target=close_backend))
+                    closer[0].start()
+                    closed.wait(1.0)  # returns at once when close does not wait for the store
+                if not storage._buffered:
+                    finished_after_close.append(slot)
+                finish(slot, length)
+
+            monkeypatch.setattr(storage, "written", written)
+            data = [memoryview(pattern(60 + i, SIZE)) for i in range(2)]
+            assert backend.put_many(keys, data) == [True, True]
+            closer[0].join(30)
+            assert closed.is_set()
+            assert finished_after_close == [], "slots were finished after close closed their files"
+        finally:
+            adapter.close()

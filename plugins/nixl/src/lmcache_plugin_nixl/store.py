@@ -16,6 +16,7 @@ miss, and their key is dropped from the pool (``corrupt_slots_dropped``).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 import xxhash
@@ -60,6 +61,9 @@ class NixlStoreBackend:
             self._host.close()
             raise
         self._slots = SlotTable(config.pool_size)
+        # Held by a store from its closing check to its last slot published, and by close()
+        # while it closes the slot files (see put_many).
+        self._finish_lock = threading.Lock()
         self._transfer = BatchTransfer(
             runtime, config.backend, self._host, self._storage.storage_mem, direct_io=config.use_direct_io
         )
@@ -79,16 +83,35 @@ class NixlStoreBackend:
             length = buffers[position].nbytes
             return 0, length, self._storage.device(slot, address, length)
 
+        stopped: list[int] = []
         try:
             # Core fails a store still running at its close deadline and hands its payload
             # buffers back before it closes the backend: nothing more is written from them.
-            written = self._transfer.run("WRITE", buffers, locate, background=True, stop=self._closing)
+            written = self._transfer.run(
+                "WRITE", buffers, locate, background=True, stop=self._closing, stopped=stopped
+            )
         except BaseException:
             for i, slot in writes:
                 self._slots.abandon(keys[i], slot)
             raise
-        if self._closing():
-            return self._abandon_closing(keys, writes, results)
+        # The closing check and the slots' finishing and publication are one step under
+        # the lock close() takes before it closes the slot files: a store that saw no close
+        # finishes its slots before their descriptors are closed (and maybe reused), and one
+        # that comes after close() finishes none.
+        with self._finish_lock:
+            if self._closing():
+                return self._abandon_closing(keys, writes, written, stopped, results)
+            self._finish_and_publish(keys, writes, buffers, written, results)
+        return results
+
+    def _finish_and_publish(
+        self,
+        keys: Sequence[ObjectKey],
+        writes: list[tuple[int, int]],
+        buffers: list[memoryview],
+        written: list[bool],
+        results: list[bool],
+    ) -> None:
         for position, ((i, slot), ok) in enumerate(zip(writes, written, strict=True)):
             length = buffers[position].nbytes
             if ok:
@@ -107,19 +130,29 @@ class NixlStoreBackend:
                 results[i] = True
             else:
                 self._slots.abandon(keys[i], slot)
-        return results
 
     def _abandon_closing(
-        self, keys: Sequence[ObjectKey], writes: list[tuple[int, int]], results: list[bool]
+        self,
+        keys: Sequence[ObjectKey],
+        writes: list[tuple[int, int]],
+        written: list[bool],
+        stopped: list[int],
+        results: list[bool],
     ) -> list[bool]:
         """A store that returns once the adapter is closing publishes no slot and finishes
         no slot file (the pool's files close with the adapter; a descriptor number may
         already name another file): its claims are given back and its keys fail (counted
-        by core as ``store_keys_failed``)."""
+        by core as ``store_keys_failed``).  ``store_stopped_closing`` counts the keys the
+        close cost: those written but not published and those never tried -- not those
+        whose write the storage failed (logged by the transfer)."""
         for i, slot in writes:
             self._slots.abandon(keys[i], slot)
-        self.context.count("store_stopped_closing", len(writes))
-        log.info("%s: %d keys of a store not stored: the adapter is closing", self.context.name, len(writes))
+        cut_short = sum(written) + len(stopped)
+        if cut_short:
+            self.context.count("store_stopped_closing", cut_short)
+            log.info(
+                "%s: %d keys of a store not stored: the adapter is closing", self.context.name, cut_short
+            )
         return results
 
     def _explain_unclaimed(self, claims: Sequence[int | Claim]) -> None:
@@ -213,6 +246,7 @@ class NixlStoreBackend:
 
     def close(self) -> None:
         try:
-            self._storage.close()
+            with self._finish_lock:
+                self._storage.close()
         finally:
             self._host.close()

@@ -71,11 +71,14 @@ class BatchTransfer:
         *,
         background: bool = False,
         stop: Callable[[], bool] | None = None,
+        stopped: list[int] | None = None,
     ) -> list[bool]:
         """Move every buffer to (WRITE) or from (READ) the place ``locate`` gives for it
         (``background``: for write-back, see :meth:`NixlRuntime.transfer_many`).  Once
         ``stop()`` is true no further request is posted and the items not moved yet fail: a
-        load's buffers are no longer its own once the adapter started closing."""
+        load's buffers are no longer its own once the adapter started closing.  The indices
+        of the items failed that way, never tried, are appended to ``stopped``: the caller
+        tells them apart from items the storage failed."""
         if not buffers:
             return []
         addresses, strays = self.host.prepare(buffers)
@@ -90,21 +93,31 @@ class BatchTransfer:
                 storage = register_storage([rows[i] for i in moving])
             results = [True] * len(buffers)
             batch = [addresses[i] for i in moving], [rows[i] for i in moving]
-            if (stop is not None and stop()) or not self._try(operation, *batch, background):
+            if stop is not None and stop():
+                return self._skip(results, moving, stopped)
+            if not self._try(operation, *batch, background):
                 if len(moving) == 1:
                     results[moving[0]] = False
                 else:
-                    for i in moving:
-                        stopped = stop is not None and stop()
-                        results[i] = not stopped and self._try(
-                            operation, [addresses[i]], [rows[i]], background
-                        )
+                    for position, i in enumerate(moving):
+                        if stop is not None and stop():
+                            return self._skip(results, moving[position:], stopped)
+                        results[i] = self._try(operation, [addresses[i]], [rows[i]], background)
             return results
         finally:
             if storage is not None:
                 storage.release()
             if strays is not None:
                 strays.release()
+
+    @staticmethod
+    def _skip(results: list[bool], items: list[int], stopped: list[int] | None) -> list[bool]:
+        """Fail ``items`` without trying them (the caller asked to stop)."""
+        for i in items:
+            results[i] = False
+        if stopped is not None:
+            stopped.extend(items)
+        return results
 
     def _try(self, operation: str, addresses: list[int], rows: list[StorageRow], background: bool) -> bool:
         if background and operation == "WRITE" and self.write_back_piece is not None:
