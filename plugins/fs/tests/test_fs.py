@@ -1153,3 +1153,57 @@ def test_a_close_that_cannot_remove_one_record_removes_the_rest_and_counts_it(
     assert any("could not be removed" in record.getMessage() for record in caplog.records)
     if remote:
         files.rm(root, recursive=True)
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "url"])
+def test_a_close_that_cannot_list_a_directory_removes_the_rest_and_counts_it(
+    tmp_path: Path, remote: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With persistence off the close removes every record.  A directory of the store that
+    cannot be listed (a permission or I/O error) must neither stop the sweep of the other
+    directories nor pass unseen: it is counted (``directories_not_listed``), one line names
+    it, and the close reports that records stay."""
+    import fsspec
+
+    root = f"memory://not-listed-{uuid.uuid4().hex}" if remote else str(tmp_path)
+    files = fsspec.filesystem("memory" if remote else "file")
+    arena = Arena()
+    keys = [ObjectKey("suite-model", 0, bytes([i]) * 8, 0, "") for i in range(1, 5)]  # a shard each
+    config = fs_config(root, persist_enabled=False, shard_dirs=not remote)
+    adapter = open_fs(config, arena.view)
+    assert store(adapter, arena, keys, [pattern(i, SIZE) for i in range(4)]) == [True] * 4
+    records = sorted(path for path in files.find(root) if path.endswith(".bin"))
+    assert len({os.path.dirname(path) for path in records}) == (1 if remote else 4)
+    if remote:
+        unreadable = root
+        tree = adapter.backend._tree  # type: ignore[attr-defined]
+
+        def refuse_find(path: str, **options: Any) -> Any:
+            raise PermissionError(13, "injected: permission denied", str(path))
+
+        monkeypatch.setattr(tree.fs, "find", refuse_find)
+    else:
+        unreadable = os.path.dirname(records[0])
+        scandir = os.scandir
+
+        def refuse_scandir(path: Any = ".") -> Any:
+            if os.fspath(path) == unreadable:
+                raise PermissionError(13, "injected: permission denied", unreadable)
+            return scandir(path)
+
+        monkeypatch.setattr(os, "scandir", refuse_scandir)
+    try:
+        with caplog.at_level(logging.WARNING):
+            adapter.close()
+    finally:
+        monkeypatch.undo()
+    assert adapter.stats().get("directories_not_listed", 0) == 1
+    told = [record.getMessage() for record in caplog.records]
+    assert any("cannot list" in line and os.path.basename(unreadable) in line for line in told), told
+    assert any("could not be listed" in line for line in told), "the close reports what stays"
+    left = sorted(path for path in files.find(root) if path.endswith(".bin"))
+    if remote:
+        assert left == records, "nothing could be listed: every record stays"
+        files.rm(root, recursive=True)
+    else:
+        assert [os.path.dirname(path) for path in left] == [unreadable], "the rest were removed"

@@ -137,7 +137,9 @@ class RemoteRecords:
         except _Closing:
             pass  # logged by write_many
         except ValueError as exc:  # an unencodable header, or a store's refusal quoting its URL
-            log.warning("%s: cannot store %s: %s", self.context.name, shown(record_name(key)), shown(str(exc)))
+            log.warning(
+                "%s: cannot store %s: %s", self.context.name, shown(record_name(key)), shown(str(exc))
+            )
         except Exception as exc:  # OSError, or what an fsspec store raises of its own (botocore, gcs)
             self.failures.failed(record_name(key), exc)
         self._remove_temp(temp)
@@ -367,14 +369,22 @@ class RemoteRecords:
 
     # -- the tree -------------------------------------------------------------------------------
 
-    def _entries(self) -> Iterator[tuple[str, str, int]]:
+    def _entries(
+        self, on_unlisted: Callable[[str, Exception], None] | None = None
+    ) -> Iterator[tuple[str, str, int]]:
         """(directory, name, size) of every file in the directories of this store (the
         root, shard directories, the temporary directory): ``find`` lists the whole tree,
         and what lies deeper belongs to another store (one nested under this root), whose
-        records and in-flight temporary files the sweeps must not remove."""
+        records and in-flight temporary files the sweeps must not remove.  A tree that
+        cannot be listed raises, or is told to ``on_unlisted`` (a sweep) and yields nothing."""
         try:
             found = self.fs.find(self.layout.root, detail=True, withdirs=False)
         except FileNotFoundError:
+            return
+        except Exception as exc:  # OSError, or what an fsspec store raises of its own
+            if on_unlisted is None:
+                raise
+            on_unlisted(self.layout.root, exc)
             return
         for path, info in found.items():
             path = str(path)
@@ -445,7 +455,7 @@ class RemoteRecords:
         """Delete every record and temporary file of either layout; one that cannot be
         removed does not stop the others, and is counted and told (``RemovalFailures``)."""
         removed, failures = 0, RemovalFailures(self.context.name, self.context.count)
-        for directory, name, _size in self._entries():
+        for directory, name, _size in self._entries(on_unlisted=failures.unlisted):
             if classify_name(name).kind is not EntryKind.FOREIGN:
                 path = posixpath.join(directory, name)
                 try:

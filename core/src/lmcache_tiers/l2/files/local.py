@@ -46,6 +46,9 @@ log = logging.getLogger("lmcache_tiers.l2.files")
 
 __all__ = ["FileIdentity", "LocalFiles", "identity_of"]
 
+#: told of a directory a sweep could not read, and the error (the sweep goes on)
+Unlisted = Callable[[str, OSError], None]
+
 #: stripes of the per-key lock (keys are spread by hash; collisions only serialise)
 _STRIPES = 64
 
@@ -371,17 +374,25 @@ class LocalFiles:
 
     # -- the tree -----------------------------------------------------------------------------
 
-    def directories(self, *, first_level: bool = False) -> Iterator[str]:
+    def directories(self, *, first_level: bool = False, on_unlisted: Unlisted | None = None) -> Iterator[str]:
         """The root, every shard directory of either layout (``ab/cd``), and the temp
         directory: where this store's files may be.  A first-level shard directory
         (``ab``) holds none -- no layout puts a file there, so what lies there belongs to
-        another store whose root it is -- and is yielded only with ``first_level``."""
+        another store whose root it is -- and is yielded only with ``first_level``.
+
+        A directory that cannot be read (EACCES, EIO) raises, unless ``on_unlisted`` is
+        given: a sweep is told of it and goes on with the other directories."""
         root = self.layout.root
         yield root
         try:
             first_levels = _shard_directories(root)
         except FileNotFoundError:
             return
+        except OSError as exc:
+            if on_unlisted is None:
+                raise
+            on_unlisted(root, exc)
+            first_levels = []
         for first in first_levels:
             if first_level:
                 yield first
@@ -389,18 +400,30 @@ class LocalFiles:
                 yield from _shard_directories(first)
             except FileNotFoundError:
                 continue
+            except OSError as exc:
+                if on_unlisted is None:
+                    raise
+                on_unlisted(first, exc)
         if self.layout.temp_dir:
             yield self.layout.temp_dir
 
-    def _files(self, wanted: Callable[[str], bool] | None = None) -> Iterator[tuple[str, os.DirEntry[str]]]:
+    def _files(
+        self, wanted: Callable[[str], bool] | None = None, on_unlisted: Unlisted | None = None
+    ) -> Iterator[tuple[str, os.DirEntry[str]]]:
         """Regular files of every directory (whose names ``wanted`` accepts), handed out
         as each directory is read: a flat directory of millions of files is never held
         whole.  Removing a file handed out does not hide the others from the reading
-        (POSIX: only files removed or added meanwhile may be listed or not)."""
-        for directory in self.directories():
+        (POSIX: only files removed or added meanwhile may be listed or not).  A directory
+        that cannot be read raises, or is told to ``on_unlisted`` and skipped."""
+        for directory in self.directories(on_unlisted=on_unlisted):
             try:
                 entries = os.scandir(directory)
             except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError as exc:
+                if on_unlisted is None:
+                    raise
+                on_unlisted(directory, exc)
                 continue
             with entries:
                 for entry in entries:
@@ -546,9 +569,9 @@ class LocalFiles:
             # Files removed while their directory is read may hide others from that reading
             # on some filesystems (POSIX leaves it open; NFS and CIFS do hide them): read
             # again until a pass finds nothing to remove.  A pass in which a file could not
-            # be removed is the last, so that no failure is counted twice.
+            # be removed, or a directory not read, is the last, so that no failure is counted twice.
             failed_before, removed_before = failures.count, removed
-            for _directory, entry in self._files():
+            for _directory, entry in self._files(on_unlisted=failures.unlisted):
                 if classify_name(entry.name).kind is not EntryKind.FOREIGN:
                     try:
                         os.unlink(entry.path)
@@ -559,7 +582,9 @@ class LocalFiles:
                         failures.failed(entry.path, exc)
             if removed == removed_before or failures.count > failed_before:
                 break
-        for directory in sorted(self.directories(first_level=True), key=len, reverse=True):
+        # a directory that cannot be read was told by the sweep above: not again here
+        readable = self.directories(first_level=True, on_unlisted=lambda _directory, _exc: None)
+        for directory in sorted(readable, key=len, reverse=True):
             if directory != self.layout.root:
                 try:
                     os.rmdir(directory)

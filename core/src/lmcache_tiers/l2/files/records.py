@@ -154,11 +154,14 @@ class RemovalFailures:
         self._count = count
         self._failed = 0
         self._first = ""
+        self._unlisted = 0
+        self._first_unlisted = ""
 
     @property
     def count(self) -> int:
-        """Files that could not be removed so far."""
-        return self._failed
+        """Files that could not be removed and directories that could not be read so far
+        (a sweep stops reading again once it grew: nothing is counted twice)."""
+        return self._failed + self._unlisted
 
     def failed(self, path: str, exc: BaseException) -> None:
         """``path`` could not be removed (``exc``)."""
@@ -167,15 +170,34 @@ class RemovalFailures:
         if not self._first:
             self._first = f"{shown(path)}: {shown(str(exc))}"
 
+    def unlisted(self, directory: str, exc: BaseException) -> None:
+        """``directory`` could not be read (``exc``): whatever records it holds stay.  The
+        sweep goes on with the other directories; this is counted
+        (``directories_not_listed``), told in a line now and reported at the end."""
+        self._unlisted += 1
+        self._count("directories_not_listed", 1)
+        _log.warning(
+            "%s: cannot list %s: %s (its records stay)", self._store, shown(directory), shown(str(exc))
+        )
+        if not self._first_unlisted:
+            self._first_unlisted = f"{shown(directory)}: {shown(str(exc))}"
+
     def report(self, removed: int) -> None:
         """After the sweep that removed ``removed`` files: one line, and an OSError, if
-        any file could not be removed."""
-        if not self._failed:
+        any file could not be removed or any directory not be read."""
+        if not self._failed and not self._unlisted:
             return
-        message = (
-            f"{self._failed} record files could not be removed and stay ({removed} were removed); "
-            f"the first: {self._first}"
-        )
+        told = []
+        if self._failed:
+            told.append(
+                f"{self._failed} record files could not be removed and stay (the first: {self._first})"
+            )
+        if self._unlisted:
+            told.append(
+                f"{self._unlisted} directories could not be listed and their records stay "
+                f"(the first: {self._first_unlisted})"
+            )
+        message = f"{'; '.join(told)}; {removed} were removed"
         _log.warning("%s: %s", self._store, message)
         raise OSError(message)
 
