@@ -212,6 +212,10 @@ class ControllerThread(ABC):
         self._cond = threading.Condition()
         self._requested = 0  # wake-ups asked for
         self._served = 0  # wake-ups whose step has completed
+        # A step is running: ``busy`` is not trusted meanwhile.  A step may drop its record
+        # of outstanding work before releasing what that work held (a reaped store task's
+        # L1 locks), so ``busy`` read mid-step can say idle while locks are still held.
+        self._stepping = False
         self._stopping = False
         self._drain_deadline = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -261,7 +265,10 @@ class ControllerThread(ABC):
         with self._cond:
             target = self._requested
             return self._cond.wait_for(
-                lambda: not self._thread.is_alive() or (self._served >= target and not self.busy()),
+                lambda: (
+                    not self._thread.is_alive()
+                    or (self._served >= target and not self._stepping and not self.busy())
+                ),
                 timeout,
             )
 
@@ -325,6 +332,7 @@ class ControllerThread(ABC):
                 self._waker.drain()
                 with self._cond:
                     generation = self._requested
+                    self._stepping = True
                 try:
                     self.step({fd for fd, _ in events if fd != waker_fd})
                 except Exception:
@@ -339,6 +347,7 @@ class ControllerThread(ABC):
                     timeout_ms = min(timeout_ms, max(0.0, self._drain_deadline - time.monotonic()) * 1000.0)
                 with self._cond:
                     self._served = max(self._served, generation)
+                    self._stepping = False
                     self._cond.notify_all()
                 if self._stopping and (not self.busy() or time.monotonic() >= self._drain_deadline):
                     break
