@@ -110,13 +110,33 @@ class EngineMachine(RuleBasedStateMachine):
             self.faulty.fail_loads.clear()
             self.faulty.fail_stores.clear()
 
+    def unexpected_locks(self) -> str:
+        """Which keys hold read locks the test does not, and whose: an L2 store task's
+        (``storing``) or a reader's (a prefetch result not given back, or a leak)."""
+        lines = []
+        for key in sorted(self.known | set(self.held), key=lambda key: key.chunk_hash):
+            obj = self.storage.l1.get(key)
+            locks = obj.read_locks if obj is not None else 0
+            if locks != self.held[key]:
+                storing = obj.storing if obj is not None else 0
+                lines.append(
+                    f"{key.file_stem()}: {locks - storing} reader locks + {storing} store locks, "
+                    f"the test holds {self.held[key]}"
+                )
+        status = self.storage.status()
+        return (
+            "read locks differ from those held:\n"
+            + "\n".join(lines or ["(no known key differs: the locks are on keys the test never wrote)"])
+            + f"\nstore: {status['store']}\nprefetch: {status.get('prefetch')}"
+        )
+
     @invariant()
     def settled_state_is_consistent(self) -> None:
         storage = self.storage
         assert storage.flush(30)
         stats = storage.l1.stats()
         assert stats.write_locked == 0, "a write lock outlived its operation"
-        assert stats.read_locks == sum(self.held.values()), "read locks differ from those held"
+        assert stats.read_locks == sum(self.held.values()), self.unexpected_locks()
         for adapter in storage.adapters:
             assert adapter.pinned_keys() == {}, f"{adapter.name} kept pins"
         present = [key for key in self.known if storage.l1.contains(key)]
