@@ -281,6 +281,35 @@ def test_a_key_the_scan_accounts_while_a_lookup_finds_it_absent_is_not_accounted
     assert stats["objects_vanished"] == 1
 
 
+def test_a_key_the_scan_accounts_as_it_ends_while_a_lookup_finds_it_absent_is_not_accounted(
+    adapters: list[L2Adapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, but the scan accounts the key and ends while the backend answers: the
+    lookup began during the scan, so its answer still releases what the scan accounted
+    (without it the key stays accounted until an eviction or a later lookup notices)."""
+    adapter, namespace = open_scanning(adapters, monkeypatch, 3, ListedWhileAsked)
+    listed = make_keys(3)
+    del _SPACES[namespace][listed[2]]  # another server deleted it; the listing holds it still
+
+    def scan_to_its_end() -> None:
+        GatedListing.gate.release()
+        GatedListing.gate.release()
+        wait_for_the_scan(adapter)  # listed[2] accounted, the listing at its end
+
+    monkeypatch.setattr(ListedWhileAsked, "answered", staticmethod(scan_to_its_end))
+    client = BlockingAdapterClient(adapter, timeout=30)
+    assert client.lookup_and_lock(listed[2:3]).found == [False]
+    assert adapter.used_bytes() == 2000, "released once the lookup answered"
+    stats = adapter.stats()
+    assert stats["objects"] == 2
+    assert stats["objects_vanished"] == 1
+    # A store after the scan is remembered no longer than the lookups begun during it.
+    monkeypatch.setattr(ListedWhileAsked, "answered", None)
+    assert store(adapter, make_keys(1, start=50), [10]) == [True]
+    assert client.lookup_and_lock(make_keys(1, start=60)).found == [False]
+    assert adapter.stats()["objects"] == 3
+
+
 class FailingListing(DictBackend):
     def list_keys(self) -> Iterator[tuple[ObjectKey, int]]:
         yield make_keys(1)[0], 10

@@ -60,8 +60,13 @@ class ByteAccounting:
         self.complete = False
         # Keys a live operation recorded, forgot or found absent while the scan ran: the
         # listing may be older than what the operation did or saw, so the scan leaves them
-        # alone.
+        # alone.  Kept past the scan's end while a lookup begun during it is still asking
+        # (``_tracking``): its answer may release a key the scan accounted meanwhile, and
+        # must tell those from keys a live operation recorded since.
         self._touched: set[ObjectKey] = set()
+        self._tracking = False
+        #: lookups begun while the scan ran and not finished yet
+        self._scan_lookups = 0
 
     # -- internals (call with the lock held) --------------------------------------------------
 
@@ -77,7 +82,7 @@ class ByteAccounting:
         previous = self._sizes.get(key)
         self._sizes[key] = size
         self._add(key.cache_salt, size.stored - (previous.stored if previous else 0))
-        if self._scanning:
+        if self._tracking:
             self._touched.add(key)
 
     # -- keys ---------------------------------------------------------------------------------
@@ -105,7 +110,7 @@ class ByteAccounting:
             previous = self._sizes.pop(key, None)
             if previous is not None:
                 self._add(key.cache_salt, -previous.stored)
-            if self._scanning:
+            if self._tracking:
                 self._touched.add(key)
             return previous
 
@@ -118,21 +123,22 @@ class ByteAccounting:
                 return False
             del self._sizes[key]
             self._add(key.cache_salt, -known.stored)
-            if self._scanning:
+            if self._tracking:
                 self._touched.add(key)
             return True
 
     def note_absent(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
-        """The backend answered ``keys`` absent (not accounted when asked): a start-up scan
-        still running must not account them from a listing older than that answer -- one
-        read before another server sharing the store removed them.  Returns the keys it
-        accounted while the backend was being asked, released again here: no live
-        operation touched them since the scan began, so only the scan can have."""
-        if not keys or not self._scanning:
+        """The backend answered ``keys`` absent (not accounted when asked, by a lookup that
+        began while the start-up scan ran): a scan still running must not account them
+        from a listing older than that answer -- one read before another server sharing
+        the store removed them.  Returns the keys it accounted while the backend was being
+        asked (the scan may have ended since), released again here: no live operation
+        touched them since the scan began, so only the scan can have."""
+        if not keys or not self._tracking:
             return []
         released: list[ObjectKey] = []
         with self._lock:
-            if not self._scanning:
+            if not self._tracking:
                 return []
             for key in keys:
                 size = self._sizes.get(key)
@@ -174,7 +180,27 @@ class ByteAccounting:
     def begin_scan(self) -> None:
         with self._lock:
             self._scanning = True
+            self._tracking = True
             self.complete = False
+            self._touched.clear()
+
+    def begin_scan_lookup(self) -> bool:
+        """A lookup is about to ask the backend; True if the scan runs, and the lookup must
+        then call :meth:`end_scan_lookup` once it settled its answer (``note_absent``)."""
+        with self._lock:
+            if not self._scanning:
+                return False
+            self._scan_lookups += 1
+            return True
+
+    def end_scan_lookup(self) -> None:
+        with self._lock:
+            self._scan_lookups -= 1
+            self._stop_tracking_if_done()
+
+    def _stop_tracking_if_done(self) -> None:
+        if not self._scanning and self._scan_lookups <= 0:
+            self._tracking = False
             self._touched.clear()
 
     def add_scanned(self, items: Iterable[tuple[ObjectKey, ObjectSize]]) -> tuple[int, int]:
@@ -195,7 +221,7 @@ class ByteAccounting:
         with self._lock:
             self._scanning = False
             self.complete = complete
-            self._touched.clear()
+            self._stop_tracking_if_done()
 
     # -- capacity ---------------------------------------------------------------------------------
 

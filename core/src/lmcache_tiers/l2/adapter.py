@@ -171,8 +171,7 @@ class BackendAdapter(L2Adapter):
                 self.state.backend_failed("contains_many_now", exc)
                 answer = None
         if answer is None or self._closed:
-            self.state.pins.unpin(io_keys)  # what prepare pinned; the worker asks again
-            self.state.reading_end(io_keys)
+            op.abandon()  # what prepare took; the worker asks again
             return None
         self.state.count("lookups_answered_now")
         result: LookupResult = op.finish(answer)

@@ -378,6 +378,8 @@ class LookupOp(BatchOp):
         self.hits: list[ObjectKey] = []
         #: keys noted by ``reading_begin``, until ``finish``
         self.reading: list[ObjectKey] = []
+        #: begun while the start-up scan ran (``begin_scan_lookup``), until ``finish``
+        self.during_scan = False
 
     def prepare(self) -> tuple[list[ObjectKey]]:
         state = self.state
@@ -395,9 +397,30 @@ class LookupOp(BatchOp):
         self.known = state.accounting.get_many(io_keys)
         state.reading_begin(io_keys)  # a record judged unreadable is not marked if replaced
         self.reading = io_keys
+        # Before the backend is asked: a scan ending while it answers must still let the
+        # answer release what the scan accounted meanwhile (note_absent).
+        self.during_scan = bool(io_keys) and state.accounting.begin_scan_lookup()
         return (io_keys,)
 
+    def abandon(self) -> None:
+        """Give back what ``prepare`` took, for a lookup whose answer is not settled here."""
+        self.state.pins.unpin(self.reading)
+        self.state.reading_end(self.reading)
+        self.reading = []
+        self._end_scan_lookup()
+
+    def _end_scan_lookup(self) -> None:
+        during_scan, self.during_scan = self.during_scan, False  # once
+        if during_scan:
+            self.state.accounting.end_scan_lookup()
+
     def finish(self, io_result: Sequence[Any] | None, *, call_returned: bool = True) -> LookupResult:
+        try:
+            return self._settle(io_result)
+        finally:
+            self._end_scan_lookup()
+
+    def _settle(self, io_result: Sequence[Any] | None) -> LookupResult:
         state = self.state
         reading, self.reading = self.reading, []  # once, if finish runs twice
         state.reading_end(reading)
@@ -426,7 +449,7 @@ class LookupOp(BatchOp):
             if known is None:
                 adopted.append(key)
         forget_gone(state, absent, "found by a lookup")
-        if unknown and state.accounting.scanning:  # what a listing read earlier may bring back
+        if unknown and self.during_scan:  # what a listing read earlier may bring back
             self._absent_while_scanning(unknown)
         if adopted:
             # Stored by someone else (another server sharing the store, an earlier process
