@@ -303,7 +303,7 @@ def test_a_key_the_scan_accounts_as_it_ends_while_a_lookup_finds_it_absent_is_no
     stats = adapter.stats()
     assert stats["objects"] == 2
     assert stats["objects_vanished"] == 1
-    # A store after the scan is remembered no longer than the lookups begun during it.
+    # Once that lookup settled, a store after the scan and a later miss are as ever.
     monkeypatch.setattr(ListedWhileAsked, "answered", None)
     assert store(adapter, make_keys(1, start=50), [10]) == [True]
     assert client.lookup_and_lock(make_keys(1, start=60)).found == [False]
