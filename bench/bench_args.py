@@ -37,3 +37,16 @@ def at_least_one(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not >= 1")
     return value
+
+
+def dimensions(text: str) -> tuple[int, ...]:
+    """An argparse ``type`` for a tensor shape given as ``2,8,256,1024``: whole numbers >= 1,
+    since a zero or negative dimension is no tensor to measure."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(
+            f"shape {text!r} is not whole numbers separated by commas (e.g. 2,8,256,1024)"
+        )
+    if any(int(part) < 1 for part in parts):
+        raise argparse.ArgumentTypeError(f"shape {text!r}: every dimension must be >= 1")
+    return tuple(int(part) for part in parts)

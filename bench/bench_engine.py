@@ -22,10 +22,13 @@ a server whose L2 memory is recycled by deletes and eviction.
 
 Each figure is printed next to its limit measured in the same run: object-sized copies
 between pre-faulted buffers as large as the data moved (up to 512 MiB), so that caches
-do not flatter it.  One copy of every byte (``memcpy``) is the limit a prefetch cannot
-beat.  A store copies every byte 1 + adapters times on as many threads (the fill, then
-each adapter's L2 copy), so its limit is ``memcpy xN``: that many threads copying the
-same bytes at once, which on a small VM is bounded by memory bandwidth, not by cores.
+do not flatter it.  A limit is sampled once per round, between the engine's runs, and
+its median over the ``--repeats`` rounds is what the engine's median is compared with:
+the same number of runs under the same drift of a shared machine.  One copy of every
+byte (``memcpy``) is the limit a prefetch cannot beat.  A store copies every byte
+1 + adapters times on as many threads (the fill, then each adapter's L2 copy), so its
+limit is ``memcpy xN``: that many threads copying the same bytes at once, which on a
+small VM is bounded by memory bandwidth, not by cores.
 
     python bench/bench_engine.py --chunk-mb 1 --chunks 8 --prompts 64 --adapters 1
     python bench/bench_engine.py --mock '{"prefault": true, "bandwidth_bytes_per_s": 2000000000}'
@@ -57,18 +60,16 @@ MEMCPY_SPAN = 512 * MIB
 DEFAULT_MOCK: dict[str, Any] = {"prefault": True}
 
 
-def memcpy_gbps(size: int, total: int, *, threads: int = 1, repeats: int = 6) -> float:
-    """Best GB/s of copying ``total`` bytes (at most MEMCPY_SPAN) in ``size``-byte pieces.
-
-    The best of several passes, not the median: other load on a shared machine only ever
-    slows a copy down, and the first passes over fresh buffers are slow on some VMs.
+def memcpy_seconds(size: int, total: int, *, threads: int = 1) -> float:
+    """Seconds of one pass copying ``total`` bytes (at most MEMCPY_SPAN) in ``size``-byte
+    pieces, between buffers faulted in before the clock starts (and freed after, so they
+    do not hold memory while the engine runs).
 
     With ``threads`` > 1 every thread copies all of it at the same time (each into its own
-    target) and the figure is bytes per second of the span: the rate at which data can
-    move when every byte is copied ``threads`` times at once, as a store does.
+    target): the time to move data when every byte is copied ``threads`` times at once,
+    as a store does.
     """
-    count = max(1, min(total, MEMCPY_SPAN) // size)
-    span = count * size
+    span = memcpy_span(size, total)
     source = np.full(span, 0x5A, dtype=np.uint8)  # np.full writes: pages are faulted
     targets = [np.ones(span, dtype=np.uint8) for _ in range(threads)]
 
@@ -76,17 +77,19 @@ def memcpy_gbps(size: int, total: int, *, threads: int = 1, repeats: int = 6) ->
         for offset in range(0, span, size):
             np.copyto(target[offset : offset + size], source[offset : offset + size])
 
-    samples: list[float] = []
-    for _ in range(repeats):
-        workers = [threading.Thread(target=copy_all, args=(target,)) for target in targets[1:]]
-        start = time.perf_counter()
-        for worker in workers:
-            worker.start()
-        copy_all(targets[0])
-        for worker in workers:
-            worker.join()
-        samples.append(time.perf_counter() - start)
-    return span / min(samples) / 1e9
+    workers = [threading.Thread(target=copy_all, args=(target,)) for target in targets[1:]]
+    start = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    copy_all(targets[0])
+    for worker in workers:
+        worker.join()
+    return time.perf_counter() - start
+
+
+def memcpy_span(size: int, total: int) -> int:
+    """Bytes one memcpy pass moves: whole objects, at most MEMCPY_SPAN."""
+    return max(1, min(total, MEMCPY_SPAN) // size) * size
 
 
 def prompt_keys(prompt: int, chunks: int) -> list[ObjectKey]:
@@ -122,21 +125,28 @@ def main() -> None:
     )
     prompts = [prompt_keys(p, args.chunks) for p in range(args.prompts)]
     fill = np.full(size, 0xA5, dtype=np.uint8)
-    limit = memcpy_gbps(size, total)
-    # A store copies each byte 1 + adapters times at once: the fill, and one L2 copy per
-    # adapter on that adapter's thread.
-    store_limit = memcpy_gbps(size, total, threads=1 + args.adapters)
+    copies = 1 + args.adapters
+    span = memcpy_span(size, total)
 
     store_runs: list[float] = []
     prefetch_runs: list[float] = []
+    # The limits are sampled once per round, between the engine's runs, so both sides get
+    # the same number of runs under the same drift of a shared machine and are compared
+    # median to median.  A store copies each byte 1 + adapters times at once: the fill,
+    # and one L2 copy per adapter on that adapter's thread.
+    limit_runs: list[float] = []
+    store_limit_runs: list[float] = []
     with StorageManager(config, registry) as storage:
         for _ in range(args.repeats):
+            store_limit_runs.append(span / memcpy_seconds(size, total, threads=copies) / 1e9)
             for adapter in storage.adapters:
                 adapter.delete(list(adapter.iter_keys()))
             storage.clear()
             store_runs.append(total / store_round(storage, prompts, fill) / 1e9)
             storage.clear()
+            limit_runs.append(span / memcpy_seconds(size, total) / 1e9)
             prefetch_runs.append(total / prefetch_round(storage, prompts, args.concurrency) / 1e9)
+        limit, store_limit = statistics.median(limit_runs), statistics.median(store_limit_runs)
 
         storage.clear()
         resident = prompts[: max(1, int(args.l1_gb * GIB * 0.5) // (size * args.chunks))]
@@ -165,19 +175,18 @@ def main() -> None:
     extra = {key: value for key, value in mock.items() if key not in ("type", "max_size_gb")}
     print(f"objects {size / MIB:.2f} MiB x {args.chunks} chunks x {args.prompts} prompts")
     print(f"adapters: {args.adapters} mock {json.dumps(extra)}, prefetches in flight: {args.concurrency}")
-    span = min(total, MEMCPY_SPAN) / MIB
-    copies = 1 + args.adapters
-    print(f"{'memcpy':<25} {limit:8.2f} GB/s  (limit of one copy, over {span:.0f} MiB)")
+    runs = f"median of {args.repeats}, interleaved with the engine's rounds"
+    print(f"{'memcpy':<25} {limit:8.2f} GB/s  (limit of one copy, over {span / MIB:.0f} MiB; {runs})")
     parallel = f"memcpy x{copies} at once"
-    print(f"{parallel:<25} {store_limit:8.2f} GB/s  (limit of a store: {copies} copies per byte)")
-    for label, runs, reference, name in (
+    print(f"{parallel:<25} {store_limit:8.2f} GB/s  (limit of a store: {copies} copies per byte; {runs})")
+    for label, engine_runs, reference, name in (
         ("store to L2", store_runs, store_limit, f"memcpy x{copies}"),
         ("prefetch from L2", prefetch_runs, limit, "memcpy"),
     ):
-        median = statistics.median(runs)
+        median = statistics.median(engine_runs)
         print(
-            f"{label:<25} {median:8.2f} GB/s  {median / reference:6.1%} of {name}"
-            f"  (median of {len(runs)}; first run {runs[0]:.2f} GB/s)"
+            f"{label:<25} {median:8.2f} GB/s  {median / reference:6.1%} of {name}, median to median"
+            f"  (median of {len(engine_runs)}; first run {engine_runs[0]:.2f} GB/s)"
         )
     print(f"L1-only lookups           {lookups / lookup_s:8.0f} /s")
     if failures:

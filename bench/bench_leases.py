@@ -16,9 +16,11 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
-from bench_args import BenchParser
+from bench_args import BenchParser, at_least_one
+from cases import count_by_size
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager
@@ -74,22 +76,37 @@ def measure(count: int, size: int, repeats: int) -> dict[str, float]:
     return {"copy_s": copy_s, "client_check_s": check_s, "server_read_s": server_s}
 
 
+class LeaseShape(NamedTuple):
+    """Objects per retrieve and their size in KiB; shown as given (``64x1024``)."""
+
+    count: int
+    kib: int
+
+    def __repr__(self) -> str:
+        return f"{self.count}x{self.kib}"
+
+
+def lease_shape(text: str) -> LeaseShape:
+    """``COUNTxKIB`` (``64x1024``) as an argparse ``type``: a malformed one is one error line."""
+    return LeaseShape(*count_by_size(text, noun="shape", form="COUNTxKIB", unit="KiB", example="64x1024"))
+
+
 def main() -> None:
     parser = BenchParser(__doc__)
     parser.add_argument(
         "--shapes",
         nargs="+",
-        default=["64x1024", "1024x64"],
+        type=lease_shape,
+        default=[LeaseShape(64, 1024), LeaseShape(1024, 64)],
         help="COUNTxKIB: objects per retrieve and their size in KiB",
     )
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=at_least_one, default=20)
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead")
     args = parser.parse_args()
     results = []
-    for shape in args.shapes:
-        count, kib = (int(part) for part in shape.split("x"))
+    for count, kib in args.shapes:
         figures = measure(count, kib * KIB, args.repeats)
-        results.append({"shape": shape, **figures})
+        results.append({"shape": f"{count}x{kib}", **figures})
         if args.json:
             continue
         copy_us = figures["copy_s"] * 1e6

@@ -14,8 +14,9 @@ load average with it):
   so the bytes cost nothing): path, header length, the header check
   (``BackendContext.read_record_header``), ``decode_header`` alone, the bare system calls;
 * ``loads`` -- ``RecordLoads.load`` of the same records on one thread next to bare
-  ``open`` + ``preadv`` + ``close`` of the same files in the same state: the difference
-  is the per-object work of a load beyond its system calls;
+  ``open`` + ``preadv`` + ``close`` of the same files in the same state, the two taking
+  turns round by round: the difference is the per-object work of a load beyond its
+  system calls;
 * ``payload`` -- ``--payload-kib`` payloads (default 1024) loaded on one thread by
   ``RecordLoads.load`` (each object's whole load, decoding included, between two copies)
   and by ``RecordLoads.load_many`` (what nixl_store_dynamic's buffered reads use: the
@@ -23,7 +24,8 @@ load average with it):
   ``open`` + ``preadv`` + XXH3-128 + ``close`` of the same files on one thread, and that
   limit with the header check run between each copy and its hash.  A 1 MiB copy leaves
   the interpreter's code and data out of the core's caches, so Python work between two
-  copies costs several times what it costs in the ``steps`` loops.
+  copies costs several times what it costs in the ``steps`` loops.  The four take turns round
+  by round as well, so a shared machine's drift shifts them alike.
 
     python bench/bench_record_decode.py [--dir /tmp] [--count 64] [--repeat 7] [--payload-kib 1024]
 """
@@ -40,7 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from bench_args import BenchParser
+from bench_args import BenchParser, at_least_one
 
 from lmcache_tiers.config import L2AdapterConfig
 from lmcache_tiers.keys import ObjectKey
@@ -141,6 +143,18 @@ def batch_loads(store: Store, workers: BatchWorkers) -> Callable[[], None]:
     return run
 
 
+def interleaved(methods: dict[str, Callable[[], None]], count: int, rounds: int) -> dict[str, list[float]]:
+    """Per-object microseconds of each method, one sample per round.  The methods take
+    turns within each round, in alternating order, so drift of a shared machine (another
+    job, the page cache, the CPU's clock) shifts all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for round_index in range(rounds):
+        names = list(methods) if round_index % 2 == 0 else list(reversed(methods))
+        for name in names:
+            times[name].append(per_object(methods[name], count, 1))
+    return times
+
+
 def steps(store: Store, repeat: int) -> list[tuple[str, float]]:
     count = len(store.keys)
     keys, headers = store.keys, [memoryview(header) for header in store.headers]
@@ -176,9 +190,9 @@ def steps(store: Store, repeat: int) -> list[tuple[str, float]]:
 def main() -> None:
     parser = BenchParser(__doc__)
     parser.add_argument("--dir", help="directory for the record files (default: a temp dir)")
-    parser.add_argument("--count", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--payload-kib", type=int, default=1024)
+    parser.add_argument("--count", type=at_least_one, default=64)
+    parser.add_argument("--repeat", type=at_least_one, default=7)
+    parser.add_argument("--payload-kib", type=at_least_one, default=1024)
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="bench-record-", dir=args.dir)
     try:
@@ -186,9 +200,13 @@ def main() -> None:
         small = Store(str(Path(root) / "small"), args.count, RECORD_ALIGN)
         for name, micros in steps(small, args.repeat * 20):
             print(f"  steps    {name:<36} {micros:8.2f}")
-        rounds = args.repeat * 20
-        bare = per_object(bare_reads(small, hashed=False), args.count, rounds)
-        loaded = per_object(adapter_loads(small), args.count, rounds)
+        small_loads = interleaved(
+            {"bare syscalls": bare_reads(small, hashed=False), "RecordLoads.load": adapter_loads(small)},
+            args.count,
+            args.repeat * 20,
+        )
+        bare = statistics.median(small_loads["bare syscalls"])
+        loaded = statistics.median(small_loads["RecordLoads.load"])
         print(
             f"  loads    4 KiB: RecordLoads.load {loaded:8.2f}   bare syscalls {bare:8.2f}   "
             f"per-object work {loaded - bare:6.2f}"
@@ -202,12 +220,7 @@ def main() -> None:
         }
         if hasattr(RecordLoads, "load_many"):  # absent from versions before it (a before/after run)
             methods["RecordLoads.load_many"] = batch_loads(large, one_thread)
-        times: dict[str, list[float]] = {name: [] for name in methods}
-        # Interleaved rounds, in alternating order, so drift of a shared machine shifts all alike.
-        for round_index in range(args.repeat * 2 + 1):
-            names = list(methods) if round_index % 2 == 0 else list(reversed(methods))
-            for name in names:
-                times[name].append(per_object(methods[name], args.count, 1))
+        times = interleaved(methods, args.count, args.repeat * 2 + 1)
         limit = times["preadv + XXH3"]
         for name, values in times.items():
             ratio = statistics.median(b / a for a, b in zip(values, limit, strict=True))

@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from bench_args import BenchParser
+from bench_args import BenchParser, at_least_one, dimensions
 
 from lmcache_tiers.config import SerdeSpec, decode_component
 from lmcache_tiers.keys import ObjectKey
@@ -220,14 +220,14 @@ def end_to_end(objects: list[bytes], layout: str, chain: list[dict[str, Any]], r
 
 def main() -> None:
     parser = BenchParser(__doc__)
-    parser.add_argument("--count", type=int, default=8, help="objects in the set (default 8)")
-    parser.add_argument("--shape", default="2,8,256,1024", help="bf16 shape of each object")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--count", type=at_least_one, default=8, help="objects in the set")
+    parser.add_argument("--shape", type=dimensions, default="2,8,256,1024", help="bf16 shape of each object")
+    parser.add_argument("--repeat", type=at_least_one, default=5)
     parser.add_argument("--dir", help="directory for the adapter's files (default: a temp dir)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    shape = tuple(int(d) for d in args.shape.split(","))
+    shape = args.shape
     layout = kv_layout(shape)
     objects = [kv_like_bf16(shape, seed) for seed in range(args.count)]
     total = sum(map(len, objects))
@@ -286,7 +286,8 @@ def main() -> None:
         return
     size_mib = total / (1 << 20)
     print(
-        f"{args.count} objects of bfloat16[{args.shape}] = {size_mib:.0f} MiB; median of {args.repeat} rounds"
+        f"{args.count} objects of bfloat16[{','.join(map(str, shape))}] = {size_mib:.0f} MiB; "
+        f"median of {args.repeat} rounds"
     )
     print(f"{'serde':<42} {'enc GB/s':>8} {'dec GB/s':>8} {'memcpy':>7} {'ratio':>6}  fp8 error")
     for r in rows:

@@ -30,17 +30,24 @@ class Case:
         return f"{self.count}x{self.size // MIB}"
 
 
+def count_by_size(item: str, *, noun: str, form: str, unit: str, example: str) -> tuple[int, int]:
+    """``"256x1"`` -> (256, 1): a count and a size, both whole numbers >= 1.  A malformed
+    item raises ``argparse.ArgumentTypeError`` naming it (one ``error:`` line from argparse)."""
+    parts = item.lower().split("x")
+    if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"{noun} {item!r} is not {form} (e.g. {example})")
+    count, size = (int(part) for part in parts)
+    if count < 1 or size < 1:
+        raise argparse.ArgumentTypeError(f"{noun} {item!r}: count and {unit} must both be >= 1")
+    return count, size
+
+
 def parse_cases(text: str) -> list[Case]:
     """``"256x1,64x16"`` -> 256 objects of 1 MiB, 64 of 16 MiB.  Usable as an argparse
     ``type``: a malformed case is one ``error:`` line naming it, not a traceback."""
     cases = []
     for item in text.split(","):
-        parts = item.lower().split("x")
-        if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
-            raise argparse.ArgumentTypeError(f"case {item!r} is not COUNTxMIB (e.g. 256x1)")
-        count, size_mib = (int(part) for part in parts)
-        if count < 1 or size_mib < 1:
-            raise argparse.ArgumentTypeError(f"case {item!r}: count and MiB must both be >= 1")
+        count, size_mib = count_by_size(item, noun="case", form="COUNTxMIB", unit="MiB", example="256x1")
         cases.append(Case(count, size_mib * MIB))
     return cases
 

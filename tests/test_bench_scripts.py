@@ -38,6 +38,14 @@ def run_script(name: str, *args: str, timeout: float = 120) -> subprocess.Comple
         ("bench_nixl.py", ["--cases", "0x1"], "count and MiB must both be >= 1"),
         ("bench_fs.py", ["--cases", "64"], "case '64' is not COUNTxMIB"),
         ("bench_engine.py", ["--prompts", "0"], "0 is not >= 1"),
+        ("bench_serde.py", ["--shape", "2,0,4"], "shape '2,0,4': every dimension must be >= 1"),
+        ("bench_serde.py", ["--shape", "2x8"], "shape '2x8' is not whole numbers separated by commas"),
+        ("bench_serde.py", ["--count", "0"], "0 is not >= 1"),
+        ("bench_serde.py", ["--repeat", "-1"], "-1 is not >= 1"),
+        ("bench_leases.py", ["--shapes", "64"], "shape '64' is not COUNTxKIB"),
+        ("bench_leases.py", ["--shapes", "0x4"], "count and KiB must both be >= 1"),
+        ("bench_leases.py", ["--repeats", "0"], "0 is not >= 1"),
+        ("bench_record_decode.py", ["--count", "0"], "0 is not >= 1"),
     ],
 )
 def test_a_bad_argument_is_one_error_line_and_exit_2(script: str, args: list[str], says: str) -> None:
