@@ -776,6 +776,7 @@ SECRET_FIELD = re.compile(r"secret|password|passwd|token|credential|access_key|a
 #: in a list of nodes), and a ``?`` or ``#`` written unescaped in a password is hidden with
 #: it (URL parsers end the authority there too, but a refusal may still quote the whole URL)
 _AUTHORITY_END = re.compile(r"[/\s]")
+_BLANK = re.compile(r"\s")
 _SCHEME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+.-")
 #: a query parameter of a URL named like a credential (``redis://host/0?password=...``,
 #: which redis-py reads as the password).  A name runs from a ``&``, or from the first ``?``
@@ -823,6 +824,13 @@ def _hide_url_passwords(text: str) -> str:
             if first < following:
                 end = first
         userinfo, at, host = text[start:end].rpartition("@")
+        if not at and _password_cut_short(host):  # (no "@": rpartition left it all in host)
+            limit = following if following != -1 else len(text)
+            sign = _user_information_end(text, end, limit)
+            if sign is not None:
+                stop = _AUTHORITY_END.search(text, sign + 1, limit)
+                end = stop.start() if stop is not None else limit
+                userinfo, at, host = text[start:sign], "@", text[sign + 1 : end]
         if at and ":" in userinfo:
             user = userinfo.partition(":")[0]
             parts.append(text[done:start])
@@ -831,6 +839,32 @@ def _hide_url_passwords(text: str) -> str:
         separator = following
     parts.append(text[done:])
     return "".join(parts)
+
+
+def _password_cut_short(authority: str) -> bool:
+    """Whether an authority without ``@`` reads as ``user:password`` cut short by a ``/``
+    or blank in the password (a generated password often holds ``/``): what follows its
+    first ``:`` is no port (digits, or nothing) and it is no IPv6 address (``[::1]``)."""
+    _user, colon, rest = authority.partition(":")
+    return bool(colon) and bool(rest) and not rest.isdigit() and "[" not in authority
+
+
+def _user_information_end(text: str, end: int, limit: int) -> int | None:
+    """Where the ``@`` ending a user information cut short at ``end`` lies: the last one
+    in the run of non-blanks from ``end`` (a password holding ``/`` and ``@``), else the
+    last in the run holding the first ``@`` past a blank (one holding a blank); None if
+    there is none before ``limit`` (the next URL).  Each character is looked at at most
+    twice: the search stays within ``[end, limit)``."""
+    blank = _BLANK.search(text, end, limit)
+    run_end = blank.start() if blank is not None else limit
+    sign = text.rfind("@", end, run_end)
+    if sign != -1:
+        return sign
+    first = text.find("@", run_end, limit)
+    if first == -1:
+        return None
+    blank = _BLANK.search(text, first, limit)
+    return text.rfind("@", first, blank.start() if blank is not None else limit)
 
 
 def redact_secrets(value: Any) -> Any:

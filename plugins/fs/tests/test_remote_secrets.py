@@ -140,3 +140,25 @@ def test_a_store_refused_with_a_value_error_is_told_without_the_password(
         monkeypatch.undo()
         adapter.close()
         memory.rm(fsspec.core.url_to_fs(root)[1], recursive=True)
+
+
+@pytest.mark.parametrize(
+    ("text", "hidden"),
+    [
+        # a generated (base64) password often holds "/": the URL's authority seems to end
+        # there, but the user information runs to the "@" before the host
+        (
+            "cannot open ftp://reader:ab/cd+ef@host/kv: refused",
+            "cannot open ftp://reader:***@host/kv: refused",
+        ),
+        ("ftp://reader:ab cd@host/kv", "ftp://reader:***@host/kv"),
+        ("ftp://reader:a/b@c/d@host/kv", "ftp://reader:***@host/kv"),
+        # a port and a path holding "@" are no user information
+        ("http://host:8080/kv/a@b", "http://host:8080/kv/a@b"),
+        ("http://[::1]:8080/kv/a@b", "http://[::1]:8080/kv/a@b"),
+    ],
+)
+def test_a_url_password_holding_a_slash_or_a_blank_is_hidden(text: str, hidden: str) -> None:
+    from lmcache_plugin_fs.remote import shown
+
+    assert shown(text) == hidden
