@@ -455,6 +455,12 @@ def fail_pipeline(backend: Any, number: int, error: Exception) -> None:
     backend._execute = failing
 
 
+def cache_the_removal_script(backend: RedisBackend) -> None:
+    """Have the store hold the delete's removal script, so every delete trip is two
+    pipelines (a store that lacks it answers NOSCRIPT, and is sent it in a third)."""
+    backend._remove_if_unchanged(keys=[backend.prefix + "absent"], args=[b""], client=backend.client)
+
+
 def test_a_delete_whose_later_trip_fails_reports_what_its_earlier_ones_deleted(
     own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
@@ -465,6 +471,7 @@ def test_a_delete_whose_later_trip_fails_reports_what_its_earlier_ones_deleted(
     keys = make_keys(KEYS_PER_TRIP + 2)
     store(adapter, keys, size=16)
     backend = backend_of(adapter)
+    cache_the_removal_script(backend)
     fail_pipeline(backend, 3, redis.ConnectionError("Connection closed by server."))  # trip two's reads
     assert adapter.delete(keys) == [True] * KEYS_PER_TRIP + [False, False]
     assert adapter.stats()["delete_request_failures"] == 2
@@ -552,6 +559,58 @@ def test_a_lookup_or_load_reply_that_is_another_client_error_fails_the_call_in_o
     assert adapter.stats()["backend_errors"] == 2
     assert "ClusterError: TTL exhausted." in caplog.text
     assert "TypeError" not in caplog.text
+
+
+def script_calls(servers: list[RedisServer]) -> tuple[int, int]:
+    """EVALSHA and EVAL calls ``servers`` answered since their stats were reset."""
+    totals = {"cmdstat_evalsha": 0, "cmdstat_eval": 0}
+    for server in servers:
+        for line in server.cli("INFO", "commandstats").stdout.splitlines():
+            name, _, fields = line.partition(":")
+            if name in totals:
+                totals[name] += int(fields.split(",")[0].removeprefix("calls="))
+    return totals["cmdstat_evalsha"], totals["cmdstat_eval"]
+
+
+@pytest.mark.parametrize("mode", ["standalone", "cluster"])
+def test_deletes_call_the_removal_script_by_digest_and_resend_it_to_a_store_that_lost_it(
+    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter], mode: str
+) -> None:
+    # The script body is sent once per node, not once per deleted key; a store that
+    # lost its scripts (restarted, SCRIPT FLUSH) answers NOSCRIPT and is sent it whole.
+    if missing_reason():
+        pytest.skip(missing_reason())
+    if mode == "cluster":
+        cluster = RedisClusterNodes(tmp_path / "cluster").start()
+        servers, where = cluster.nodes, {"startup_nodes": cluster.startup_nodes, "cluster_mode": True}
+    else:
+        servers = [RedisServer(tmp_path / "redis").start()]
+        where = {"url": servers[0].url}
+    try:
+        adapter = open_adapter(**where, key_prefix=prefix, max_capacity_gb=1.0)
+        backend = backend_of(adapter)
+        keys = make_keys(4)
+        store(adapter, keys, size=16)
+        for server in servers:
+            server.cli("SCRIPT", "FLUSH")
+            server.cli("CONFIG", "RESETSTAT")
+        client = backend.client
+
+        def node_of(key: ObjectKey) -> str:
+            if isinstance(client, redis.RedisCluster):
+                return str(client.get_node_from_key(backend.name_of(key)).name)
+            return "the store"
+
+        # the second delete's keys on a node the first delete left without the script
+        first_nodes = {node_of(key) for key in keys[:2]}
+        answered_noscript = 2 + sum(node_of(key) not in first_nodes for key in keys[2:])
+        assert adapter.delete(keys[:2]) == [True, True], "removed after NOSCRIPT"
+        assert adapter.delete(keys[2:]) == [True, True]
+        assert script_calls(servers) == (4, answered_noscript), "the body sent only where the store lacked it"
+        assert adapter.used_bytes() == 0
+    finally:
+        for server in servers:
+            server.stop()
 
 
 def test_a_delete_the_store_refuses_is_counted_and_logged(
@@ -1211,6 +1270,7 @@ def test_a_delete_whose_later_removals_fail_counts_only_the_keys_it_could_not_re
     header[4:6] = (99).to_bytes(2, "little")
     raw.hset(backend.name_of(keys[-1]), "h", bytes(header))
     # trip one's reads and removals, trip two's reads, then its removals fail
+    cache_the_removal_script(backend)
     fail_pipeline(backend, 4, redis.ConnectionError("Connection closed by server."))
     assert adapter.delete(keys) == [True] * KEYS_PER_TRIP + [False, False]
     stats = adapter.stats()

@@ -26,7 +26,8 @@ a call raises ``PartialFailure`` with its per-key answer, so core accounts the k
 and the circuit breaker still sees the failure (a node that answers nothing would
 otherwise cost every later batch its timeout, unseen).  The probe (``ping``) asks every
 primary of a cluster.  A delete reads each header first and removes, by a script that
-checks the header is still the one read, only this server's records: another key's intact
+checks the header is still the one read (called by its digest, EVALSHA; sent whole only
+to a node that answers NOSCRIPT), only this server's records: another key's intact
 record and a newer format's are kept, as lookups keep them.  A per-object
 error reply (WRONGTYPE for a foreign key, OOM from a full store) fails that object only,
 counted and logged -- except in a lookup or listing, where any error reply but WRONGTYPE
@@ -45,7 +46,13 @@ from typing import Any, Literal
 
 from redis import Redis, RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import InvalidResponse, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import (
+    InvalidResponse,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lmcache_plugin_redis.client import build_client, describe
@@ -539,15 +546,17 @@ class RedisBackend:
         error of a failed node; the error alone when the whole pipeline failed."""
         if not removable:
             return {}
-        pipe = self._pipeline()
-        for index, header in removable.items():
-            # (execute_command: a cluster pipeline refuses eval(), yet routes EVAL by its key)
-            pipe.execute_command("EVAL", _REMOVE_IF_UNCHANGED, 1, self.name_of(keys[index]), header)
-        replies = self._trip(pipe, number, "delete", left)
-        if isinstance(replies, Exception):
-            return replies
+        sent = self._trip(self._removal_pipeline(keys, removable, by_sha=True), number, "delete", left)
+        if isinstance(sent, Exception):
+            return sent
+        replies = dict(zip(removable, sent, strict=True))
+        unknown = {
+            index: removable[index] for index, reply in replies.items() if isinstance(reply, NoScriptError)
+        }
+        if unknown:
+            replies.update(self._remove_sending_the_script(keys, unknown))
         outcome: dict[int, tuple[bool, Exception | None]] = {}
-        for index, reply in zip(removable, replies, strict=True):
+        for index, reply in replies.items():
             failed: Exception | None = None
             if isinstance(reply, ResponseError):  # refused (NOPERM, READONLY ...): still there
                 self._reply_error("delete", keys[index], reply)
@@ -556,6 +565,32 @@ class RedisBackend:
                 failed = reply
             outcome[index] = (reply == 1, failed)
         return outcome
+
+    def _remove_sending_the_script(
+        self, keys: Sequence[ObjectKey], unknown: dict[int, bytes]
+    ) -> dict[int, Any]:
+        """Replies of the removals a node answered NOSCRIPT to (restarted, flushed, new),
+        the script sent whole (which caches it there for later deletes); a pipeline that
+        failed whole fails these keys alone -- the rest of the trip's removals were done."""
+        try:
+            sent = self._execute(self._removal_pipeline(keys, unknown, by_sha=False), per_key=True)
+        except (RedisError, RedisClusterException) as exc:
+            return dict.fromkeys(unknown, exc)
+        return dict(zip(unknown, sent, strict=True))
+
+    def _removal_pipeline(
+        self, keys: Sequence[ObjectKey], removable: dict[int, bytes], *, by_sha: bool
+    ) -> Any:
+        """The remove-if-unchanged script for each key, called by its digest (EVALSHA:
+        no script body per key) or sent whole (EVAL)."""
+        pipe = self._pipeline()
+        command, script = (
+            ("EVALSHA", self._remove_if_unchanged.sha) if by_sha else ("EVAL", _REMOVE_IF_UNCHANGED)
+        )
+        for index, header in removable.items():
+            # (execute_command: a cluster pipeline refuses eval(), yet routes EVAL by its key)
+            pipe.execute_command(command, script, 1, self.name_of(keys[index]), header)
+        return pipe
 
     def list_keys(self) -> Iterator[tuple[ObjectKey, ObjectSize]]:
         pattern = glob_escape(self.prefix) + "*"
