@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import fsspec
+import msgspec
 import pytest
 from fs_helpers import Arena, client, fs_config, load, open_fs, store
 
@@ -232,3 +233,20 @@ def test_a_store_nested_at_a_shard_name_under_a_sharded_root_is_left_alone(
         nested.close()
         if remote:
             memory.rm(outer, recursive=True)
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_store_whose_root_is_shaped_like_a_shard_directory_is_refused(tmp_path: Path, remote: bool) -> None:
+    """A store whose root is ``<outer>/ab/cd`` -- two levels of shard names under another
+    store's root -- cannot be told from that store's own shard directory: the outer
+    store's listing would account its records, its start-up sweep remove its writes in
+    flight and a removal of every record (``persist_enabled: false``) its acknowledged
+    records.  Such a root is refused; one level (``<outer>/ab``) or a name that is no
+    shard name is not."""
+    outer = f"memory://shardshape-{uuid.uuid4().hex}" if remote else str(tmp_path / "outer")
+    with pytest.raises(msgspec.ValidationError, match="shard directory"):
+        fs_config(f"{outer}/ab/cd")
+    with pytest.raises(msgspec.ValidationError, match="shard directory"):
+        fs_config(f"{outer}/ab/cd/")
+    for fine in (f"{outer}/ab", f"{outer}/ab/cd/kv", f"{outer}/ab/xy", f"{outer}/AB/CD"):
+        assert fs_config(fine).root == fine

@@ -109,6 +109,7 @@ class FsConfig(L2AdapterConfig):
             raise FieldError(
                 "path" if self.path is not None else "base_path", "the directory must not be empty"
             )
+        self._refuse_shard_shaped_root()
         if self.relative_tmp_dir is not None:
             from lmcache_tiers.plugin import check_relative_dir
 
@@ -129,6 +130,30 @@ class FsConfig(L2AdapterConfig):
             raise FieldError(
                 "storage_options", "storage_options apply to fsspec URLs, not to local directories"
             )
+
+    def _refuse_shard_shaped_root(self) -> None:
+        """A root ``<outer>/ab/cd`` (two shard names) cannot be told from a shard directory
+        of a sharded store at ``<outer>``, whose listing would account its records and
+        whose sweeps would remove its writes in flight and, with persistence off, its
+        acknowledged records.  Whether ``<outer>`` is a store is not known here (it may
+        be another server's, or start later): such a root is refused."""
+        import posixpath
+
+        from lmcache_tiers.plugin import FileLayout, redact_url_secrets
+
+        root = self.root.rstrip("/")
+        if self.is_local:
+            root = posixpath.abspath(self.local_root.rstrip("/") or "/")
+        outer = posixpath.dirname(posixpath.dirname(root))
+        if outer == root or not FileLayout(outer, shard_dirs=True).is_store_directory(root):
+            return
+        raise FieldError(
+            "path" if self.path is not None else "base_path",
+            f"{redact_url_secrets(self.root)!r} is named like a shard directory ({root[len(outer) + 1 :]}) "
+            f"of a sharded fs store at {redact_url_secrets(outer)!r}, whose listing and sweeps would "
+            "take its records; "
+            "choose a directory whose last two names are not both two hex digits",
+        )
 
     @property
     def root(self) -> str:
