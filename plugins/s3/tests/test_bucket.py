@@ -435,3 +435,21 @@ def test_close_starts_none_of_the_requests_waiting_for_a_slot(l1: memoryview) ->
         assert len(accepted) == before + 1, "a request that waited for a slot went out after close"
         for connection in accepted:
             connection.close()
+
+
+def test_the_listing_removes_a_digest_named_record_whose_header_names_another_name(
+    seaweed: SeaweedS3, l1: memoryview, opened: list[L2Adapter]
+) -> None:
+    """A digest-named object whose intact header names a key whose object has another
+    name: no writer puts a record there and no lookup of its key reaches it, so the
+    listing removes it as damage, as the file stores' listings do -- never lists it, never
+    leaves it in the bucket for good as a foreign object."""
+    prefix = fresh_prefix("digest-misnamed")
+    raw = Raw(seaweed, prefix)
+    key, _record = _digest_record(raw, 8)
+    _other, other_record = _digest_record(raw, 9)
+    raw.write(key, other_record)  # another key's record under the name of ``key``
+    stats = _stats_once_scanned(seaweed, prefix, l1, opened)
+    assert stats.get("corrupt_records_removed", 0) == 1
+    assert stats.get("listing_foreign_objects", 0) == 0
+    assert not raw.exists(key), "a misnamed record no lookup can reach was left in the bucket"

@@ -5,10 +5,12 @@ restart of anything but the S3 server."""
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import botocore.auth
 import pytest
 from s3_helpers import BUCKET, blocking, open_adapter, remove_identity, s3_config, scoped_identity
 
@@ -148,5 +150,37 @@ def test_an_identity_scoped_to_its_prefix_heals_after_an_outage(server: SeaweedS
         wait_for(lambda: adapter.stats()["circuit_probes"] >= probes + 3, "three more probes")
         stats = adapter.stats()
         assert stats["circuit_open"] == 1 and stats["circuit_closed"] == 1, "a rejected probe closed it"
+    finally:
+        adapter.close()
+
+
+def test_a_probe_refused_for_a_skewed_clock_keeps_the_circuit_open(
+    seaweed: SeaweedS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that refuses every signed request (here: the clock is an hour off, so each
+    is ``RequestTimeTooSkewed``) is not healthy: the probe must not close the circuit on
+    that refusal, or every call reopens it.  The refusal is counted and logged."""
+    l1 = memoryview(bytearray(4 << 20))
+    config = s3_config(
+        seaweed,
+        "skewed",
+        connect_timeout_s=1.0,
+        request_timeout_s=REQUEST_TIMEOUT_S,
+        retries=0,
+        circuit=CircuitConfig(failure_threshold=1, probe_interval_s=0.2),
+    )
+    adapter = open_adapter(config, l1)
+    try:
+        client = blocking(adapter, timeout=HANG_GUARD_S)
+        keys = make_keys(2)
+        l1[: 2 * SIZE] = pattern(4, 2 * SIZE)
+        assert client.store(keys, [l1[:SIZE], l1[SIZE : 2 * SIZE]]) == [True, True]
+        skewed = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)
+        monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda *args, **kwargs: skewed)
+        assert client.lookup_and_lock(keys).found == [False, False]
+        assert adapter.stats()["circuit_open"] == 1
+        wait_for(lambda: adapter.stats().get("probe_refusals", 0) >= 3, "three refused probes")
+        stats = adapter.stats()
+        assert stats["circuit_open"] == 1 and stats.get("circuit_closed", 0) == 0, "a refused probe closed it"
     finally:
         adapter.close()

@@ -509,3 +509,32 @@ def test_a_copy_of_another_serde_chain_is_a_miss_that_is_kept(
     assert requests == ["head_object"]
     assert raw.exists(key)
     assert adapter.stats()["serde_chain_mismatch"] == 1
+
+
+def test_a_record_replaced_between_the_delete_check_and_the_removal_is_kept(
+    adapter: L2Adapter, raw: Raw, l1: memoryview, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delete reads what is under the name, then removes it in a batch: another server
+    storing the key in between has its record kept (the removal is conditional on the
+    ETag read), counted and reported not deleted, so core asks about the key again."""
+    keys = make_keys(2)
+    store(adapter, l1, keys)
+    replaced, gone = keys
+    payload = pattern(77, SIZE)  # another server's record of the key: other bytes, other ETag
+    newer = encode_header(replaced, payload, align=4096) + payload
+    backend = adapter.backend.inner  # type: ignore[attr-defined]  # behind core's circuit breaker
+    assert isinstance(backend, S3Backend)
+    call = backend.client.call
+
+    async def another_server_stores_first(method: str, **kwargs: object) -> object:
+        if method == "delete_objects":
+            raw.write(replaced, newer)  # between the check and the removal
+        return await call(method, **kwargs)
+
+    monkeypatch.setattr(backend.client, "call", another_server_stores_first)
+    assert adapter.delete(keys) == [False, True]
+    assert raw.exists(replaced) and raw.read(replaced) == newer, "a record stored since was removed"
+    assert not raw.exists(gone)
+    stats = adapter.stats()
+    assert stats["delete_replaced_before_removal"] == 1
+    assert stats.get("delete_request_failures", 0) == 0

@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 from lmcache_plugin_s3.client import (
-    BAD_CREDENTIALS,
     S3Client,
     S3RequestError,
     check_bucket,
@@ -64,6 +63,8 @@ _LIST_PAGE = 1000
 _PROGRESS_EVERY_S = 10.0
 #: what the circuit breaker's probe asks for (never stored: not a key codec name)
 _PROBE_NAME = "lmcache-tiers-probe"
+#: what S3 answers a read of a missing object by an identity without ``ListBucket``
+_NO_LIST_PERMISSION = "AccessDenied"
 
 
 class _ReadTheRecord(Exception):
@@ -88,10 +89,16 @@ class _Unlisted(enum.Enum):
     FOREIGN = "foreign"
     #: a digest-named record judged by its header, and counted there: one of a format
     #: version this code does not read (a newer server sharing the bucket wrote it and
-    #: reads it: kept, ``record_version_unknown``), a damaged one (removed,
+    #: reads it: kept, ``record_version_unknown``), a damaged or misnamed one (removed,
     #: ``corrupt_records_removed``), one whose header could not be read (kept,
     #: ``listing_read_errors``), or one gone since the page was listed
     JUDGED = "judged"
+
+
+def _unchanged(name: str, etag: str | bool) -> dict[str, str]:
+    """A DeleteObjects entry removing ``name`` only while it is the object read as ``etag``
+    (a store that ignores the condition removes whatever is there, as a plain delete)."""
+    return {"Key": name, **({"ETag": etag} if isinstance(etag, str) else {})}
 
 
 def _copy_naming_its_key(answer: dict[str, Any]) -> bytes | None:
@@ -147,19 +154,30 @@ class S3Backend:
         answer.  So is a refusal (AccessDenied), which an identity without ``ListBucket``
         gets for a missing key: an identity scoped to its prefix (object permissions
         only) may neither ``HeadBucket`` nor list, and its probe must still find the
-        service back, or the circuit would never close again.  Rejected credentials, a
-        missing bucket, a 5xx or no answer fail the probe.
+        service back, or the circuit would never close again.  Any other refusal --
+        rejected credentials, a clock the service finds skewed (``RequestTimeTooSkewed``)
+        -- is refused to every real request too: it fails the probe, counted
+        (``probe_refusals``) and logged with its code.  So do a missing bucket, a 5xx
+        and no answer.
         """
         try:
             answer = await self.client.call(
                 "get_object", Key=self.names.folder + _PROBE_NAME, Range="bytes=0-0"
             )
         except Exception as exc:
-            refused = isinstance(exc, PermissionError) and error_code(exc) not in BAD_CREDENTIALS
-            empty = error_code(exc) == "InvalidRange"  # something stored an empty object there
-            if not (is_missing_object(exc) or refused or empty):
-                raise
-            return
+            code = error_code(exc)
+            empty = code == "InvalidRange"  # something stored an empty object there
+            if is_missing_object(exc) or code == _NO_LIST_PERMISSION or empty:
+                return
+            if isinstance(exc, PermissionError):
+                self.context.count("probe_refusals")
+                self.context.warn(
+                    "probe_refused",
+                    "the circuit breaker's probe was refused (%s): every request would be; "
+                    "the circuit stays open",
+                    describe(exc),
+                )
+            raise
         answer["Body"].close()
 
     def capacity(self) -> int | None:
@@ -190,32 +208,53 @@ class S3Backend:
 
     async def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         names = [self.names.of(key) for key in keys]
-        present = await self._each(
+        judged = await self._each(
             "delete", [self._deletable(key, name) for key, name in zip(keys, names, strict=True)]
         )
-        doomed = [name for name, there in zip(names, present, strict=True) if there]
-        refused: set[str] = set()
-        for start in range(0, len(doomed), _DELETE_BATCH):
-            batch = doomed[start : start + _DELETE_BATCH]
+        doomed = {name: verdict for name, verdict in zip(names, judged, strict=True) if verdict}
+        kept: set[str] = set()
+        batches = list(doomed.items())
+        for start in range(0, len(batches), _DELETE_BATCH):
+            batch = dict(batches[start : start + _DELETE_BATCH])
             try:
                 answer = await self.client.call(
-                    "delete_objects", Delete={"Objects": [{"Key": name} for name in batch], "Quiet": True}
+                    "delete_objects",
+                    Delete={
+                        "Objects": [_unchanged(name, etag) for name, etag in batch.items()],
+                        "Quiet": True,
+                    },
                 )
             except Exception as exc:
                 if len(batch) == len(names):
                     raise S3RequestError(f"delete of {len(batch)} objects failed: {describe(exc)}") from exc
                 self._failed("delete", len(batch), exc)
-                refused.update(batch)
+                kept.update(batch)
                 continue
-            errors = answer.get("Errors") or []
-            refused.update(str(error.get("Key")) for error in errors)
-            if errors:
-                self._failed(
-                    "delete",
-                    len(errors),
-                    S3RequestError(f"{errors[0].get('Code')}: {errors[0].get('Message')}"),
-                )
-        return [bool(there) and name not in refused for name, there in zip(names, present, strict=True)]
+            kept.update(self._not_removed(answer.get("Errors") or []))
+        return [name in doomed and name not in kept for name in names]
+
+    def _not_removed(self, errors: list[dict[str, Any]]) -> set[str]:
+        """The names a DeleteObjects answer lists as not removed, each counted: one
+        replaced since it was judged (its ETag no longer the one read) is another
+        server's write, kept (``delete_replaced_before_removal``); the rest were refused."""
+        replaced = [error for error in errors if error.get("Code") == "PreconditionFailed"]
+        refused = [error for error in errors if error.get("Code") != "PreconditionFailed"]
+        if replaced:
+            self.context.count("delete_replaced_before_removal", len(replaced))
+            self.context.warn(
+                "delete_replaced",
+                "%d objects were replaced between the delete's check and their removal, e.g. %s; "
+                "the new objects are kept",
+                len(replaced),
+                replaced[0].get("Key"),
+            )
+        if refused:
+            self._failed(
+                "delete",
+                len(refused),
+                S3RequestError(f"{refused[0].get('Code')}: {refused[0].get('Message')}"),
+            )
+        return {str(error.get("Key")) for error in errors}
 
     async def list_keys(self) -> AsyncIterator[tuple[ObjectKey, int]]:
         """Every record under the prefix with its payload size, one listing page at a time."""
@@ -442,31 +481,38 @@ class S3Backend:
                 return False
             raise
 
-    async def _deletable(self, key: ObjectKey, name: str) -> bool:
-        """Whether ``name`` holds an object a delete of ``key`` removes: there, and not an
-        intact record of another key.  The listing reads names only, so it accounts, e.g.,
-        an fs adapter's record of a salted key as this codec's key with ".bin" added to its
-        salt; the L2 eviction's delete of that key must leave the other writer's object.
-        A record of a format version this code does not read is kept too: a newer server
-        sharing the bucket wrote it and reads it (lookups keep it as well).  The header
-        copy of the HEAD tells; without one, the record's own header does."""
+    async def _deletable(self, key: ObjectKey, name: str) -> str | bool:
+        """Whether ``name`` holds an object a delete of ``key`` removes -- there, and not an
+        intact record of another key -- as the ETag of the object judged (the removal is
+        conditional on it), True for one without an ETag, False for none to remove.  The
+        listing reads names only, so it accounts, e.g., an fs adapter's record of a salted
+        key as this codec's key with ".bin" added to its salt; the L2 eviction's delete of
+        that key must leave the other writer's object.  A record of a format version this
+        code does not read is kept too: a newer server sharing the bucket wrote it and
+        reads it (lookups keep it as well).  The header copy of the HEAD tells; without
+        one, the record's own header does."""
         try:
             answer = await self.client.call("head_object", Key=name)
         except Exception as exc:
             if is_missing_object(exc):
                 return False
             raise
-        slot = _copy_naming_its_key(answer)
-        if slot is None:  # no usable copy: the record's own header tells
+        etag = answer.get("ETag")
+        copy = _copy_naming_its_key(answer)
+        if copy is not None:
+            slot = copy
+        else:  # no usable copy: the record's own header tells
             try:
-                slot, _total, _etag = await self.client.bounded(lambda: self._first_bytes(name))
+                slot, _total, etag = await self.client.bounded(lambda: self._first_bytes(name))
             except Exception as exc:
                 if is_missing_object(exc):
                     return False
                 if error_code(exc) == "InvalidRange":  # an empty object: no record to keep
-                    return True
+                    return etag or True
                 raise
-        return not self._deletes.keeps(key, slot)
+        if self._deletes.keeps(key, slot):
+            return False
+        return etag or True
 
     async def _listed(self, name: str, size: int) -> tuple[ObjectKey, int] | _Unlisted:
         if size < HEADER_BYTES:
@@ -482,8 +528,9 @@ class S3Backend:
         """The key of a digest-named object, from its header (checked against the name),
         judged as the file stores' listings judge one: no lookup can reach a record whose
         header does not tell its key, so a damaged one is removed (if it is still the
-        object read) and counted as damage; a newer format's is kept; a failed read says
-        nothing about the object, which stays (``listing_read_errors``)."""
+        object read) and counted as damage, and so is one whose header names a key whose
+        object has another name; a newer format's is kept; a failed read says nothing
+        about the object, which stays (``listing_read_errors``)."""
         try:
             data, _total, etag = await self.client.bounded(lambda: self._first_bytes(name))
         except Exception as exc:
@@ -502,7 +549,15 @@ class S3Backend:
             if not keeps_unlisted(self.name, name, exc, self.context.count):
                 await self._remove_damaged(name, str(exc), etag)
             return _Unlisted.JUDGED
-        return key if self.names.of(key) == name else _Unlisted.FOREIGN
+        if self.names.of(key) != name:
+            # An intact header naming a key whose object has another name: no writer puts
+            # a record here, and a lookup of this name's key keeps it as another key's --
+            # so nothing would ever remove it (as the file stores' listings rule).
+            await self._remove_damaged(
+                name, f"its header names {key.file_stem()}, whose object is {self.names.of(key)}", etag
+            )
+            return _Unlisted.JUDGED
+        return key
 
     # -- helpers ---------------------------------------------------------------------------
 
