@@ -746,6 +746,60 @@ def test_a_failed_header_read_of_an_accounted_key_releases_nothing(
     second.unlock(keys)
 
 
+class _OneFailingHeaderRead(_FailingHeaderReads):
+    """The adapter's client, except that the ranged read of one object's record header
+    fails (-800) as a transfer from a segment host that stopped answering does."""
+
+    def __init__(self, store: Any, failing: str) -> None:
+        super().__init__(store)
+        self._failing = failing
+
+    def get_into_ranges(self, buffers: Any, names: list[list[str]], *rest: Any) -> list[list[list[int]]]:
+        codes = self._store.get_into_ranges(buffers, names, *rest)
+        return [
+            [[-800] if name == self._failing else code for name, code in zip(group, group_codes, strict=True)]
+            for group, group_codes in zip(names, codes, strict=True)
+        ]
+
+
+def test_a_failed_header_read_misses_only_its_key(
+    mooncake_pool: LocalCluster, adapters: list[BackendAdapter]
+) -> None:
+    """Under a serde chain, a header read that fails (one object on a segment host that
+    stopped answering) is a miss of that key alone: the other keys of the lookup are
+    hits, and the failing key's accounted bytes stay."""
+    config = config_for(mooncake_pool)
+    first = open_adapter(config, serde=(Xor(),))
+    keys = make_keys(3)
+    data = store(first, keys)
+    first.close()
+    second = open_adapter(config, serde=(Xor(),))
+    adapters.append(second)
+    eventually(lambda: not second.stats()["scan_running"], what="the start-up scan")
+    assert second.used_bytes() == 3 * SIZE
+    backend = backend_of(second)
+    real = backend.connection.store()
+    failing = name_of(second, keys[1])
+    backend.connection.store = lambda: _OneFailingHeaderRead(real, failing)  # type: ignore[method-assign]
+    try:
+        result = BlockingAdapterClient(second).lookup_and_lock(keys)
+    finally:
+        del backend.connection.store
+    hits = [key for key, hit in zip(keys, result.found, strict=True) if hit]
+    if hits:
+        ok, contents = load(second, hits, [SIZE] * len(hits))
+        second.unlock(hits)
+    assert result.found == [True, False, True], "one unreadable header failed the whole lookup"
+    assert ok == [True, True] and contents == [data[0], data[2]]
+    assert second.stats()["header_read_failures"] == 1
+    assert second.stats()["lookup_size_unknown"] == 1, "core's miss of a size-only answer"
+    assert second.stats().get("objects_vanished", 0) == 0, "a failed read taken for a removal"
+    assert second.used_bytes() == 3 * SIZE, "the bytes of an object still in the pool were released"
+    result = BlockingAdapterClient(second).lookup_and_lock(keys)
+    assert result.found == [True, True, True]
+    second.unlock(keys)
+
+
 def test_the_listing_counts_and_logs_objects_too_short_for_a_record(
     mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -541,8 +541,21 @@ class MooncakeStoreBackend:
                 # A record a delete kept is read again: it is not this server's (a miss).
                 need_header.append(index)
         for chunk in chunks(len(need_header)):
-            self._sizes_from_headers(store, keys, names, [need_header[i] for i in chunk], found)
+            self._sizes_from_headers(store, keys, names, [need_header[i] for i in chunk], found, reread)
         return found
+
+    def _unread_answer(self, name: str, stored: int | ObjectSize | None, reread: set[str]) -> int | None:
+        """What a lookup answers for an existing object whose record header could not be
+        read; None when only failing the whole batch is safe.
+
+        Under a serde chain the stored payload size alone is a miss that releases
+        nothing: core cannot derive the L1 size from it (``lookup_size_unknown``), and
+        unlike an absent answer it does not take the key for removed.  Without a chain
+        core would take that size for a hit of a record never verified to be this
+        key's, and a name a delete kept (``reread``) must be read, not answered."""
+        if not self.context.serde or name in reread or not isinstance(stored, int):
+            return None
+        return stored
 
     def _known_size(self, key: ObjectKey, name: str) -> int | None:
         """The payload size of an existing object when core already knows it: without a
@@ -611,10 +624,12 @@ class MooncakeStoreBackend:
         names: list[str],
         indexes: list[int],
         found: list[int | ObjectSize | None],
+        reread: set[str],
     ) -> None:
-        """Replace ``found[i]`` by both sizes from the record header (None: a miss)."""
+        """Replace ``found[i]`` by both sizes from the record header (None: a miss; the
+        stored size alone: a header that could not be read, see ``_unread_answer``)."""
         disagreeing: list[tuple[int, Any, Any]] = []  # index, payload size queried, header
-        unread = 0  # headers whose read failed while the object may still be there
+        unread = 0  # headers whose read failed that no per-key answer covers
         with self.lanes.lane(self.timeout) as lane:
             codes = _read_headers(store, lane, [names[i] for i in indexes])
             for slot, (index, code) in enumerate(zip(indexes, codes, strict=True)):
@@ -622,7 +637,8 @@ class MooncakeStoreBackend:
                 found[index] = None
                 if code != HEADER_BYTES:
                     if code != NOT_FOUND:
-                        unread += 1
+                        found[index] = self._unread_answer(names[index], stored, reread)
+                        unread += found[index] is None
                         self.context.count("header_read_failures")
                         self._throttle.warn(
                             "header_read", "%s: reading the record header of %s returned %s: a miss",
@@ -635,9 +651,8 @@ class MooncakeStoreBackend:
                 elif header is not None:
                     found[index] = ObjectSize(header.payload_len, header.l1_size)
         if unread:
-            # Answered alone, such a key would read as absent, and core releases the bytes
-            # of an absent key it accounts (one listed at start under a serde chain, whose
-            # L1 size only its header tells): the batch fails instead, every key a miss.
+            # Answered absent, such a key would have its accounted bytes released by core
+            # as removed behind its back: the batch fails instead, every key a miss.
             raise MooncakeError(f"header read: {unread} of {len(indexes)} record headers could not be read")
         if not disagreeing:
             return
