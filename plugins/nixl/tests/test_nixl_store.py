@@ -510,3 +510,93 @@ def test_a_store_past_its_closing_check_finishes_its_slots_before_close_closes_t
             assert finished_after_close == [], "slots were finished after close closed their files"
         finally:
             adapter.close()
+
+
+def test_close_does_not_wait_for_a_store_stuck_finishing_its_slots(monkeypatch) -> None:
+    """Finishing a slot truncates its file, which can hang on a hung device.  The backend's
+    close -- core's last step once its deadline passed -- must not wait for such a store;
+    the slot files are closed once the store's finishing returns, not under it."""
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=4))
+        try:
+            backend = adapter.backend
+            storage = backend._storage
+            finish = storage.written
+            entered, gate, closed = threading.Event(), threading.Event(), threading.Event()
+            open_while_finishing: list[bool] = []
+
+            def stuck_written(slot: int, length: int) -> None:
+                entered.set()
+                gate.wait(60)
+                open_while_finishing.append(bool(storage._buffered))
+                finish(slot, length)
+
+            monkeypatch.setattr(storage, "written", stuck_written)
+            keys = make_keys(1)
+            store = threading.Thread(target=backend.put_many, args=(keys, [memoryview(pattern(70, SIZE))]))
+            store.start()
+            assert entered.wait(10)
+            adapter.state.closing.set()
+
+            def close_backend() -> None:
+                backend.close()
+                closed.set()
+
+            closer = threading.Thread(target=close_backend)
+            closer.start()
+            try:
+                assert closed.wait(10), "close waited for a store stuck finishing a slot file"
+            finally:
+                gate.set()
+                store.join(30)
+                closer.join(30)
+            assert open_while_finishing == [True], "the slot files were closed under a finishing store"
+            assert storage._buffered == [], "the slot files were not closed after the store finished"
+        finally:
+            gate.set()
+            adapter.close()
+
+
+def test_a_load_cut_short_by_the_close_is_counted_and_logged(
+    monkeypatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A load whose transfer returns once the adapter is closing reports misses (its
+    buffers may be other objects' by now): those keys are counted as
+    ``load_stopped_closing`` and explained in a log line."""
+    from lmcache_plugin_nixl.runtime import NixlRuntime
+
+    arena = Arena()
+    entered, gate, finished = threading.Event(), threading.Event(), threading.Event()
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=4), arena.view)
+        try:
+            keys = make_keys(2)
+            data = [pattern(80 + i, SIZE) for i in range(2)]
+            assert client(adapter).store(keys, [arena.filled(d) for d in data]) == [True, True]
+            backend = adapter.backend
+            _signal_on_return(monkeypatch, backend, "get_many_into", finished)
+            runtime = NixlRuntime.shared()
+            transfer_many = runtime.transfer_many
+
+            def stalled_transfer(
+                backend_name: str, operation: str, *args: object, **kwargs: object
+            ) -> object:
+                if operation == "READ" and not entered.is_set():
+                    entered.set()
+                    gate.wait(60)
+                return transfer_many(backend_name, operation, *args, **kwargs)
+
+            monkeypatch.setattr(runtime, "transfer_many", stalled_transfer)
+            _close_after_the_stall(monkeypatch, backend, gate, finished)
+            assert client(adapter).lookup_and_lock(keys).found == [True, True]
+            adapter.submit_load(keys, [arena.take(SIZE) for _ in keys])
+            assert entered.wait(10)
+            adapter.close_timeout_s = 0.2
+            with caplog.at_level("INFO"):
+                adapter.close()
+            assert finished.is_set()
+            assert adapter.stats().get("load_stopped_closing", 0) == 2
+            assert any("not loaded: the adapter is closing" in r.getMessage() for r in caplog.records)
+        finally:
+            gate.set()
+            adapter.close()

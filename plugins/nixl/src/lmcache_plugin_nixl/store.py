@@ -61,9 +61,12 @@ class NixlStoreBackend:
             self._host.close()
             raise
         self._slots = SlotTable(config.pool_size)
-        # Held by a store from its closing check to its last slot published, and by close()
-        # while it closes the slot files (see put_many).
-        self._finish_lock = threading.Lock()
+        # Stores finishing their slots (past their closing check) and whether close() was
+        # called: the slot files are closed by close() or, when stores are still finishing
+        # then, by the last of them (see _begin_finishing).  Held only to read or change them.
+        self._finish_state = threading.Lock()
+        self._finishing = 0
+        self._close_requested = False
         self._transfer = BatchTransfer(
             runtime, config.backend, self._host, self._storage.storage_mem, direct_io=config.use_direct_io
         )
@@ -94,15 +97,33 @@ class NixlStoreBackend:
             for i, slot in writes:
                 self._slots.abandon(keys[i], slot)
             raise
-        # The closing check and the slots' finishing and publication are one step under
-        # the lock close() takes before it closes the slot files: a store that saw no close
-        # finishes its slots before their descriptors are closed (and maybe reused), and one
-        # that comes after close() finishes none.
-        with self._finish_lock:
-            if self._closing():
-                return self._abandon_closing(keys, writes, written, stopped, results)
+        if not self._begin_finishing():
+            return self._abandon_closing(keys, writes, written, stopped, results)
+        try:
             self._finish_and_publish(keys, writes, buffers, written, results)
+        finally:
+            self._end_finishing()
         return results
+
+    def _begin_finishing(self) -> bool:
+        """Whether this store may finish and publish its slots: not once the adapter is
+        closing.  A store that may keeps the slot files open until it ends finishing: their
+        descriptors are not closed (and maybe reused) under it.  No lock is held while it
+        finishes, so stores finish in parallel and close() never waits for one (truncating
+        a file can hang on a hung device)."""
+        with self._finish_state:
+            if self._close_requested or self._closing():
+                return False
+            self._finishing += 1
+            return True
+
+    def _end_finishing(self) -> None:
+        """The last store to end finishing after close() was called closes the slot files."""
+        with self._finish_state:
+            self._finishing -= 1
+            close_now = self._close_requested and self._finishing == 0
+        if close_now:
+            self._close_storage()
 
     def _finish_and_publish(
         self,
@@ -202,6 +223,7 @@ class NixlStoreBackend:
             if self._closing():
                 # The buffers may belong to other objects by now (see above): not even
                 # read to verify them.
+                self._load_stopped_closing(len(reads))
                 return results
             for i, ok in zip(reads, moved, strict=True):
                 entry = entries[i]
@@ -210,6 +232,12 @@ class NixlStoreBackend:
             return results
         finally:
             self._slots.release_reads(held)
+
+    def _load_stopped_closing(self, count: int) -> None:
+        """Count and explain the keys of a load that returned once the adapter was closing:
+        misses, whatever the transfer did."""
+        self.context.count("load_stopped_closing", count)
+        self.context.warn("load_closing", "%d keys of a load not loaded: the adapter is closing", count)
 
     def _verified(self, key: ObjectKey, entry: StoredSlot, loaded: memoryview) -> bool:
         """Whether the bytes read out of ``entry``'s slot are the ones its store wrote.
@@ -246,7 +274,29 @@ class NixlStoreBackend:
 
     def close(self) -> None:
         try:
-            with self._finish_lock:
+            with self._finish_state:
+                self._close_requested = True
+                finishing = self._finishing
+            if finishing:
+                log.warning(
+                    "%s: %d stores are still finishing their slot files: the pool's files are "
+                    "closed and removed once they are done",
+                    self.context.name,
+                    finishing,
+                )
+            else:
                 self._storage.close()
         finally:
             self._host.close()
+
+    def _close_storage(self) -> None:
+        """Close the slot files on a store's thread, after close() returned: an error is
+        logged (the store's keys are already reported)."""
+        try:
+            self._storage.close()
+        except Exception:
+            log.exception("%s: closing the pool's slot files failed", self.context.name)
+        else:
+            log.info(
+                "%s: the pool's slot files are closed, the last store finishing them done", self.context.name
+            )
