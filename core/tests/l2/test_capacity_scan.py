@@ -651,3 +651,24 @@ def test_a_scan_stopped_by_close_ends_a_coroutine_backends_listing(
     # Ended before the backend's close (which may release what the listing reads from),
     # not left for the loop's shutdown to finalize.
     assert TracedAsyncListing.ended_before_close == [True]
+
+
+class StatsFail(Xor):
+    name = "statsfail"
+
+    def stats(self) -> dict[str, int]:
+        raise RuntimeError("the serde's counters are unreadable")
+
+
+def test_a_serde_whose_stats_raise_is_counted_and_the_others_still_show(
+    adapters: list[L2Adapter], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A serde's ``stats()`` raising is counted (``serde_stats_failed``) in the very answer
+    it spoils and logged; the other serdes' counters are still reported."""
+    adapter = open_dict(serde=[StatsFail(), Counting()])
+    adapters.append(adapter)
+    stats = adapter.stats()
+    assert stats["serde_stats_failed"] == 1
+    assert stats["serde_counting_passed_through"] == 3
+    assert adapter.stats()["serde_stats_failed"] == 2
+    assert "statsfail" in caplog.text

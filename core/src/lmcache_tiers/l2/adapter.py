@@ -261,13 +261,28 @@ class BackendAdapter(L2Adapter):
             serde_stats = getattr(serde, "stats", None)
             if callable(serde_stats):
                 try:
-                    # Added up: a chain may hold two stages of one name (two aesgcm keys).
-                    for k, v in serde_stats().items():
-                        name = f"serde_{serde.name}_{k}"
-                        counters[name] = counters.get(name, 0) + int(v)
-                except Exception:
-                    log.exception("%s: stats of serde %s failed", self.name, serde.name)
+                    reported = {f"serde_{serde.name}_{k}": int(v) for k, v in serde_stats().items()}
+                except Exception as exc:
+                    self._serde_stats_failed(serde.name, exc, counters)
+                    continue
+                # Added up: a chain may hold two stages of one name (two aesgcm keys).
+                for name, value in reported.items():
+                    counters[name] = counters.get(name, 0) + value
         return counters
+
+    def _serde_stats_failed(self, serde: str, exc: Exception, counters: dict[str, int]) -> None:
+        # Counted in the answer being built too (its snapshot was taken already): the
+        # scrape that misses a serde's counters says so.  Scraped often: rate-limited.
+        self.state.count("serde_stats_failed")
+        counters["serde_stats_failed"] = counters.get("serde_stats_failed", 0) + 1
+        self.state.burst.warn(
+            f"serde_stats:{serde}",
+            "%s: stats of serde %s failed (its counters are left out): %s: %s",
+            self.name,
+            serde,
+            type(exc).__name__,
+            exc,
+        )
 
     def close(self) -> None:
         with self._lock:
