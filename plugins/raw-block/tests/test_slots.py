@@ -44,6 +44,20 @@ def test_a_slot_being_read_is_reused_only_after_its_readers_leave() -> None:
     assert {c.slot for c in table.claim(2)} == {0, 1}
 
 
+def test_on_unpublish_is_called_when_a_slot_stops_being_its_keys_object_readers_or_not() -> None:
+    unpublished: list[int] = []
+    table = SlotTable(4, on_unpublish=unpublished.append)
+    (key,) = make_keys(1)
+    old = written(table, 0)
+    (held,) = table.acquire([key])
+    newer = written(table, 0)
+    assert unpublished == [old.slot], "at once, though still read"
+    assert table.delete([key]) == [True]
+    assert unpublished == [old.slot, newer.slot]
+    table.release([held])
+    assert unpublished == [old.slot, newer.slot], "not again when freed"
+
+
 def test_delete_refuses_a_key_being_read() -> None:
     table = SlotTable(2)
     (key,) = make_keys(1)

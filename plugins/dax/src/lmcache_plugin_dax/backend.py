@@ -7,9 +7,11 @@ mappings (``mapping.py``).  A store copies the payload into a claimed slot, writ
 slot's index entry and commits it with one 8-byte store of the write's sequence number;
 only then is the key published.  A load checks the entry, copies the slot out, verifies
 the copy against the payload checksum and hands it back only if the commit word still
-holds the same write (the slot's generation) after the copy.  Freeing a slot clears its
-commit word, so a restart brings back exactly the committed objects; a slot being read
-is reused only once its readers are done.  Copies release the GIL, and a payload is
+holds the same write (the slot's generation) after the copy, or none (the write was
+replaced or deleted during the copy, its slot kept from reuse by the reader).  A slot's
+commit word is cleared as soon as its write stops being its key's object, readers or not,
+so a restart brings back exactly the published objects; a slot being read is reused only
+once its readers are done.  Copies release the GIL, and a payload is
 checksummed piece by piece as it is copied (core's ``copy_and_checksum`` /
 ``copy_verified``), so each byte crosses memory once.
 """
@@ -100,7 +102,7 @@ class DaxBackend(SlotStoreBackend):
                 global_of = np.empty(count, dtype=np.int64)
                 global_of[self._local_of[mask]] = np.flatnonzero(mask)
                 self._global_of.append(global_of)
-            self.table = SlotTable(sum(counts), on_free=self._clear)
+            self.table = SlotTable(sum(counts), on_unpublish=self._clear)
             reopened = [region.mount(keep=config.persist_enabled) for region in self.regions]
             # A mapping formatted drops whatever it held (logged by mount): counted too.
             self.context.count("device_formats", reopened.count(False))
@@ -115,7 +117,9 @@ class DaxBackend(SlotStoreBackend):
         return self.regions[int(self._region_of[slot])], int(self._local_of[slot])
 
     def _clear(self, slot: int) -> None:
-        """A slot became free: uncommit it, so a restart does not bring its object back."""
+        """A slot's write is no longer its key's object: uncommit it at once (not when its
+        readers leave, maybe after close or a crash), so a restart cannot bring it back --
+        an older version, once the write that replaced it was deleted too."""
         region, local = self._place(slot)
         with self._in_flight.use() as usable:
             if usable:
@@ -238,7 +242,9 @@ class DaxBackend(SlotStoreBackend):
 
     def _still_current(self, entry: SlotEntry) -> bool:
         region, local = self._place(entry.slot)
-        if int(region.commits[local]) == entry.seq:
+        if int(region.commits[local]) in (entry.seq, 0):
+            # 0: replaced or deleted during the copy (uncommitted then), the slot kept from
+            # reuse by this reader; the copy, verified, is still that write's bytes.
             return True
         # Reader counts keep slots from being reused under a load: this means something
         # else wrote the mapping meanwhile.

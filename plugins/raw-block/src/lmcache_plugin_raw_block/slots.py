@@ -67,17 +67,26 @@ class SlotTable:
     """Thread-safe map of keys to slots with a lowest-first free list and reader counts.
 
     ``on_free(slot)`` is called (under the table's lock, so it must be quick) whenever a
-    slot that held a published object becomes free; ``dax`` clears the slot's commit word
-    there so a restart does not bring back what was deleted.
+    slot that held a published object becomes free; ``on_unpublish(slot)`` (likewise)
+    as soon as a written slot stops being its key's object (replaced, deleted, found
+    damaged, or beaten by a newer write), readers or not.  ``dax`` clears the slot's
+    commit word then: a restart (or a crash) while an old write is still read must not
+    bring it back once its newer write is gone too.
     """
 
     def __init__(
-        self, slot_count: int, *, next_seq: int = 1, on_free: Callable[[int], None] | None = None
+        self,
+        slot_count: int,
+        *,
+        next_seq: int = 1,
+        on_free: Callable[[int], None] | None = None,
+        on_unpublish: Callable[[int], None] | None = None,
     ) -> None:
         if slot_count < 1:
             raise ValueError("a slot table needs at least one slot")
         self.slot_count = slot_count
         self._on_free = on_free
+        self._on_unpublish = on_unpublish
         self._lock = threading.Lock()
         self._free = list(range(slot_count))  # sorted, hence already a heap
         self._stored: dict[ObjectKey, SlotEntry] = {}
@@ -159,6 +168,8 @@ class SlotTable:
 
     def _release_slot(self, slot: int) -> None:
         """A slot that held a published object: free now, or once its readers are gone."""
+        if self._on_unpublish is not None:
+            self._on_unpublish(slot)
         if not self._readers.retire(slot):
             return
         self._free_slot(slot)
