@@ -453,3 +453,33 @@ def test_the_listing_removes_a_digest_named_record_whose_header_names_another_na
     assert stats.get("corrupt_records_removed", 0) == 1
     assert stats.get("listing_foreign_objects", 0) == 0
     assert not raw.exists(key), "a misnamed record no lookup can reach was left in the bucket"
+
+
+def test_a_listing_interrupted_by_the_close_counts_no_header_read_errors(
+    seaweed: SeaweedS3, l1: memoryview, opened: list[L2Adapter]
+) -> None:
+    """The close interrupts a listing part-way through a page: the header reads of the
+    page's digest-named records it refuses are the close, not read errors of the bucket
+    (no ``listing_read_errors`` counted nor logged per record); the listing fails as a
+    whole, so nothing is taken for the complete prefix."""
+    prefix = fresh_prefix("digest-interrupted")
+    raw = Raw(seaweed, prefix)
+    for seed in (11, 12, 13):
+        key, record = _digest_record(raw, seed)
+        raw.write(key, record)
+    adapter = open_adapter(s3_config(seaweed, prefix), l1)
+    opened.append(adapter)
+    wait_scanned(adapter)
+    backend = adapter.backend.inner  # type: ignore[attr-defined]  # behind core's circuit breaker
+    call = backend.client.call
+
+    async def closing_after_the_page(method: str, **kwargs: object) -> object:
+        answer = await call(method, **kwargs)
+        if method == "list_objects_v2":
+            backend.interrupt()  # what the close does first
+        return answer
+
+    backend.client.call = closing_after_the_page
+    with pytest.raises(backend_module.S3RequestError, match="closing"):
+        list(adapter.runner.listing(100))  # type: ignore[attr-defined]
+    assert adapter.stats().get("listing_read_errors", 0) == 0

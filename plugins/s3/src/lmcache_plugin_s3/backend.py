@@ -534,6 +534,10 @@ class S3Backend:
         try:
             data, _total, etag = await self.client.bounded(lambda: self._first_bytes(name))
         except Exception as exc:
+            if self.client.closing:
+                # Refused by the close, not a read error: the listing ends failed, never
+                # taken for the whole prefix with the rest of the page left out.
+                raise
             if not is_missing_object(exc):  # else removed since the page was listed
                 self.context.count("listing_read_errors")
                 self.context.warn(

@@ -106,6 +106,11 @@ class S3Client:
         self.inflight = 0
 
     @property
+    def closing(self) -> bool:
+        """True once ``interrupt`` or ``close`` began: every request is refused from then."""
+        return self._closing
+
+    @property
     def endpoint(self) -> str:
         return _endpoint_label(self.config)
 
