@@ -17,7 +17,10 @@ Three parts, each printing its figure next to the limit measured in the same run
   fs: ``--ref-keys`` keys of 1 MiB per round, ``--repeat`` rounds after one warm-up.  The
   two take turns round by round (alternating which goes first); each store starts after
   a ``sync`` and each load after its files were written back and evicted from the page
-  cache (``drop_caches``, else ``posix_fadvise(DONTNEED)``), so both load from the disk.
+  cache, so both load from the disk: as root this writes ``3`` to
+  ``/proc/sys/vm/drop_caches``, dropping the page, dentry and inode caches of the whole
+  machine; where that cannot be written, ``posix_fadvise(DONTNEED)`` on each file (the
+  method used is printed with the figures).
   GB/s from the median round of each, the ratio the median of per-round ratios (target:
   fs >= 1.5x).  The reference runs one ``lmcache bench l2 --only store|load`` per round
   and side, each with a warm-up round of its own.
@@ -251,22 +254,28 @@ def _reference_figures(output: str, op: str) -> float:
     return float(found.group(1)) / 1000
 
 
-def drop_page_cache(directories: list[str]) -> str:
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def drop_page_cache(directories: list[str], control: str = DROP_CACHES) -> str:
     """Write back, then evict from the page cache, every file under ``directories``, so the
     loads that follow read the disk.  ``/proc/sys/vm/drop_caches`` when this process may
     write it (root, outside a restricted container); otherwise ``posix_fadvise(DONTNEED)``
     on each file, which evicts the clean pages the ``sync`` left.  Returns the method."""
     os.sync()
     try:
-        with open("/proc/sys/vm/drop_caches", "w") as control:
-            control.write("3")
+        with open(control, "w") as caches:
+            caches.write("3")
         return "drop_caches"
     except OSError:
-        pass
+        pass  # not root, or a read-only /proc/sys (a container): evict file by file
     for directory in directories:
         for parent, _dirs, names in os.walk(directory):
             for name in names:
-                fd = os.open(os.path.join(parent, name), os.O_RDONLY)
+                try:
+                    fd = os.open(os.path.join(parent, name), os.O_RDONLY)
+                except FileNotFoundError:
+                    continue  # removed since it was listed: nothing of it to evict
                 try:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 finally:

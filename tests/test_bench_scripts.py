@@ -209,3 +209,27 @@ def test_the_allocator_pressure_phase_survives_an_emptied_arena() -> None:
     run = bench_allocator.Run(allocator, lambda: 4096, rng, 1)
     run.pressure(200)
     assert run.extent_ops > 0
+
+
+def test_bench_fs_says_it_drops_the_machines_page_cache() -> None:
+    """The reference part writes /proc/sys/vm/drop_caches (the whole machine's caches):
+    its --help says so before anyone runs it."""
+    result = run_script("bench_fs.py", "--help")
+    assert result.returncode == 0
+    assert "/proc/sys/vm/drop_caches" in result.stdout
+
+
+def test_bench_fs_falls_back_to_fadvise_when_drop_caches_cannot_be_written(tmp_path: Path) -> None:
+    """A drop_caches control that cannot be written (not root, a read-only /proc/sys) is
+    no error: each file is evicted with posix_fadvise, and a file gone meanwhile is skipped."""
+    from bench_modules import load_bench
+
+    bench_fs = load_bench("bench_fs")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.bin").write_bytes(b"x" * 8192)
+    unwritable = tmp_path / "control-is-a-directory"
+    unwritable.mkdir()
+    method = bench_fs.drop_page_cache(
+        [str(tmp_path / "data"), str(tmp_path / "gone")], control=str(unwritable)
+    )
+    assert method == "posix_fadvise DONTNEED"
