@@ -212,8 +212,7 @@ def test_while_the_scan_runs_stores_that_add_bytes_are_refused(
     assert adapter.stats()["store_refused_scanning"] == 1
     # Deleted while the scan runs: the listing must not bring it back.
     assert adapter.delete(listed[2:]) == [True]
-    GatedListing.gate.release()
-    GatedListing.gate.release()
+    GatedListing.gate.release(2)  # two more entries listed
     wait_for_the_scan(adapter)
     assert adapter.used_bytes() == 2000, "listed keys, minus the one deleted meanwhile"
     assert store(adapter, make_keys(1, start=50), [10]) == [True]
@@ -232,8 +231,7 @@ def test_a_key_a_lookup_found_absent_while_the_scan_runs_is_not_accounted_from_t
     del _SPACES[namespace][listed[2]]  # another server deleted it; the listing holds it still
     client = BlockingAdapterClient(adapter, timeout=30)
     assert client.lookup_and_lock(listed[2:]).found == [False]
-    GatedListing.gate.release()
-    GatedListing.gate.release()
+    GatedListing.gate.release(2)  # two more entries listed
     wait_for_the_scan(adapter)
     assert adapter.used_bytes() == 2000, "the listed keys still stored"
     assert adapter.stats()["objects"] == 2
@@ -263,8 +261,7 @@ def test_a_key_the_scan_accounts_while_a_lookup_finds_it_absent_is_not_accounted
     del _SPACES[namespace][listed[2]]  # another server deleted it; the listing holds it still
 
     def scan_past_it() -> None:
-        GatedListing.gate.release()
-        GatedListing.gate.release()
+        GatedListing.gate.release(2)  # two more entries listed
         # listed[2] accounted; listed[3] not yet
         wait_until(lambda: adapter.used_bytes() == 3000, "the scan accounting listed[2]")
 
@@ -292,8 +289,7 @@ def test_a_key_the_scan_accounts_as_it_ends_while_a_lookup_finds_it_absent_is_no
     del _SPACES[namespace][listed[2]]  # another server deleted it; the listing holds it still
 
     def scan_to_its_end() -> None:
-        GatedListing.gate.release()
-        GatedListing.gate.release()
+        GatedListing.gate.release(2)  # two more entries listed
         wait_for_the_scan(adapter)  # listed[2] accounted, the listing at its end
 
     monkeypatch.setattr(ListedWhileAsked, "answered", staticmethod(scan_to_its_end))
