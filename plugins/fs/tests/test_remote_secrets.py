@@ -15,7 +15,7 @@ from typing import Any
 
 import fsspec
 import pytest
-from fs_helpers import Arena, fs_config, open_fs, store
+from fs_helpers import Arena, fs_config, load, open_fs, store
 
 from lmcache_tiers.testing.l2 import make_keys, pattern
 
@@ -162,3 +162,35 @@ def test_a_url_password_holding_a_slash_or_a_blank_is_hidden(text: str, hidden: 
     from lmcache_plugin_fs.remote import shown
 
     assert shown(text) == hidden
+
+
+def test_read_errors_are_counted_and_told_once_a_burst(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store that cannot be read (a network error, EIO) fails each load: each is counted
+    (``load_read_errors``), and a burst of them is one line, not one line each."""
+    memory = fsspec.filesystem("memory")
+    root = f"memory://cache-{uuid.uuid4().hex}/kv"
+    arena = Arena()
+    adapter = open_fs(fs_config(root), arena.view)
+    keys = make_keys(3)
+    real_open = memory.open
+
+    def unreadable_store(path: str, mode: str = "rb", **options: Any) -> Any:
+        if "r" in mode:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_open(path, mode, **options)
+
+    try:
+        assert store(adapter, arena, keys, [pattern(index, SIZE) for index in range(3)]) == [True] * 3
+        monkeypatch.setattr(memory, "open", unreadable_store)
+        with caplog.at_level(logging.INFO):
+            for key in keys:
+                assert load(adapter, arena, [key], [SIZE])[0] == [False]
+        assert adapter.stats().get("load_read_errors") == 3
+        told = [record.getMessage() for record in caplog.records if "cannot read" in record.getMessage()]
+        assert len(told) == 1, told
+    finally:
+        monkeypatch.undo()
+        adapter.close()
+        memory.rm(fsspec.core.url_to_fs(root)[1], recursive=True)

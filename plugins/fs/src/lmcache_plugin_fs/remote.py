@@ -297,7 +297,10 @@ class RemoteRecords:
             if not self.context.kept_record(key, exc):
                 self.discard(key, size, prefix, "corrupt_records_removed", str(exc))
         except OSError as exc:
-            log.warning("%s: cannot read %s: %s", self.context.name, shown(path), shown(str(exc)))
+            # A store that cannot be read fails every load alike (a network store gone):
+            # each is counted, a burst is one line.
+            self.context.count("load_read_errors")
+            self.context.warn("load_read_error", "cannot read %s: %s", shown(path), shown(str(exc)))
         return False
 
     # -- removal --------------------------------------------------------------------------------
