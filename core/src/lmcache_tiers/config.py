@@ -777,6 +777,7 @@ SECRET_FIELD = re.compile(r"secret|password|passwd|token|credential|access_key|a
 #: it (URL parsers end the authority there too, but a refusal may still quote the whole URL)
 _AUTHORITY_END = re.compile(r"[/\s]")
 _BLANK = re.compile(r"\s")
+_WORD = re.compile(r"\S+")
 _SCHEME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+.-")
 #: a query parameter of a URL named like a credential (``redis://host/0?password=...``,
 #: which redis-py reads as the password).  A name runs from a ``&``, or from the first ``?``
@@ -852,19 +853,20 @@ def _password_cut_short(authority: str) -> bool:
 def _user_information_end(text: str, end: int, limit: int) -> int | None:
     """Where the ``@`` ending a user information cut short at ``end`` lies: the last one
     in the run of non-blanks from ``end`` (a password holding ``/`` and ``@``), else the
-    last in the run holding the first ``@`` past a blank (one holding a blank); None if
-    there is none before ``limit`` (the next URL).  Each character is looked at at most
-    twice: the search stays within ``[end, limit)``."""
+    last in the next run, past one stretch of blanks (a password holding a blank); None
+    if there is none before ``limit`` (the next URL).  Looking no further keeps an ``@``
+    later in the line (a key name, a mail address) from hiding the words up to it.  Each
+    character is looked at at most twice: the search stays within ``[end, limit)``."""
     blank = _BLANK.search(text, end, limit)
     run_end = blank.start() if blank is not None else limit
     sign = text.rfind("@", end, run_end)
-    if sign != -1:
-        return sign
-    first = text.find("@", run_end, limit)
-    if first == -1:
+    if sign != -1 or blank is None:
+        return sign if sign != -1 else None
+    word = _WORD.search(text, run_end, limit)
+    if word is None:
         return None
-    blank = _BLANK.search(text, first, limit)
-    return text.rfind("@", first, blank.start() if blank is not None else limit)
+    sign = text.rfind("@", word.start(), word.end())
+    return sign if sign != -1 else None
 
 
 def redact_secrets(value: Any) -> Any:
