@@ -151,6 +151,44 @@ def test_a_newest_checkpoint_that_cannot_be_read_falls_back_to_the_other(
         reopened.close()
 
 
+def test_a_checkpoint_of_a_newer_format_is_counted_logged_and_outranked(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import zlib
+
+    from lmcache_plugin_raw_block.checkpoint import _CRC, _HEADER
+
+    cfg = config(tmp_path / "dev.img", meta_enable_periodic=False)
+    keys, data = make_keys(3), data_for(3)
+    adapter = open_raw(cfg)
+    backend = backend_of(adapter)
+    assert store(adapter, keys, data) == [True] * 3
+    assert backend.checkpoint()
+    geometry = backend.geometry
+    adapter.close()  # the final checkpoint goes to the other area: made a newer server's
+    newest = backend._areas._area
+    offset = geometry.area_offset(newest)
+    with open(cfg.device_path, "r+b") as device:
+        device.seek(offset)
+        fields = list(_HEADER.unpack(device.read(_HEADER.size)))
+        fields[1] += 1  # the version
+        newer_seq = fields[3]
+        header = _HEADER.pack(*fields)
+        device.seek(offset)
+        device.write(header + _CRC.pack(zlib.crc32(header)))
+    with caplog.at_level(logging.WARNING):
+        reopened = open_raw(cfg)
+    try:
+        assert reopened.stats()["recovered_from_checkpoint"] == 3
+        assert reopened.stats()["checkpoints_unusable"] == 1
+        assert "format version" in caplog.text
+        # Every checkpoint written from now on outranks it, so a newer server never
+        # takes it for newer than what this one wrote.
+        assert backend_of(reopened)._areas.seq > newer_seq
+    finally:
+        reopened.close()
+
+
 def test_without_any_valid_checkpoint_every_slot_header_is_read(tmp_path: Path) -> None:
     cfg = config(tmp_path / "dev.img", slots=12)
     keys, data = make_keys(4), data_for(4)

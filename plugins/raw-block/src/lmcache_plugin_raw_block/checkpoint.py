@@ -81,6 +81,8 @@ class CheckpointAreas:
         self.newer_passed_over = False
         #: areas whose header could not be read: of any number, until overwritten
         self._unread: set[int] = set()
+        #: the highest sequence number of a checkpoint of another format version read
+        self._other_version_seq = 0
 
     def _header(self, seq: int, body: bytes) -> bytes:
         fields = _HEADER.pack(
@@ -103,15 +105,28 @@ class CheckpointAreas:
             return None
         magic, version, identity, seq, length, body_crc = _HEADER.unpack_from(data)
         (crc,) = _CRC.unpack_from(data, _HEADER.size)
-        if (
-            magic != CHECKPOINT_MAGIC
-            or version != CHECKPOINT_VERSION
-            or identity != self._identity
-            or zlib.crc32(data[: _HEADER.size]) != crc
-            or length > self._geometry.area_bytes - self._geometry.block_align
-        ):
+        if magic != CHECKPOINT_MAGIC or identity != self._identity or zlib.crc32(data[: _HEADER.size]) != crc:
+            return None
+        if version != CHECKPOINT_VERSION:
+            self._other_version(area, seq, version)
+            return None
+        if length > self._geometry.area_bytes - self._geometry.block_align:
             return None
         return seq, length, body_crc
+
+    def _other_version(self, area: int, seq: int, version: int) -> None:
+        """An intact checkpoint of another format version (a newer server's, before a
+        downgrade): passed over, counted, and outranked by every checkpoint written from
+        now on, so that server never takes it for newer than this one's after an upgrade."""
+        log.warning(
+            "raw_block: checkpoint %d in area %d has format version %d, this server reads %d; passed over",
+            seq,
+            area,
+            version,
+            CHECKPOINT_VERSION,
+        )
+        self.unusable += 1
+        self._other_version_seq = max(self._other_version_seq, seq)
 
     def read_newest(self) -> Checkpoint | None:
         """The valid checkpoint with the highest sequence number, or None.
@@ -131,7 +146,7 @@ class CheckpointAreas:
         # A checkpoint passed over now (its body unreadable for the moment) may read again
         # after a crash: every later checkpoint must outrank it, or a restart would take it
         # for the newest.  An area whose header could not be read is overwritten first.
-        self.seq = max((found[0] for _area, found in headers), default=0)
+        self.seq = max([found[0] for _area, found in headers] + [self._other_version_seq])
         self._area = 1 - unread[0] if unread else 1
         self._unread = set(unread)
         self.newer_passed_over = bool(unread) or bool(headers)
