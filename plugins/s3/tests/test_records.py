@@ -538,3 +538,27 @@ def test_a_record_replaced_between_the_delete_check_and_the_removal_is_kept(
     stats = adapter.stats()
     assert stats["delete_replaced_before_removal"] == 1
     assert stats.get("delete_request_failures", 0) == 0
+
+
+def test_a_record_removed_between_the_delete_check_and_the_removal_is_deleted(
+    adapter: L2Adapter, raw: Raw, l1: memoryview, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another server deleting the key between the delete's check and the removal leaves
+    what the delete wanted: the key is gone.  A service that answers the conditional
+    removal of a missing object "no such key" (SeaweedFS does) must not make it a failed
+    delete request, counted and logged as one."""
+    keys = make_keys(2)
+    store(adapter, l1, keys)
+    backend = adapter.backend.inner  # type: ignore[attr-defined]  # behind core's circuit breaker
+    assert isinstance(backend, S3Backend)
+    call = backend.client.call
+
+    async def another_server_deletes_first(method: str, **kwargs: object) -> object:
+        if method == "delete_objects":
+            raw.fs.rm_file(raw.path(keys[0]))  # between the check and the removal
+        return await call(method, **kwargs)
+
+    monkeypatch.setattr(backend.client, "call", another_server_deletes_first)
+    assert adapter.delete(keys) == [True, True]
+    assert not raw.exists(keys[0]) and not raw.exists(keys[1])
+    assert adapter.stats().get("delete_request_failures", 0) == 0

@@ -236,7 +236,10 @@ class S3Backend:
     def _not_removed(self, errors: list[dict[str, Any]]) -> set[str]:
         """The names a DeleteObjects answer lists as not removed, each counted: one
         replaced since it was judged (its ETag no longer the one read) is another
-        server's write, kept (``delete_replaced_before_removal``); the rest were refused."""
+        server's write, kept (``delete_replaced_before_removal``); the rest were refused.
+        One gone since it was judged (a conditional removal of a missing object is "no
+        such key" on some services) was removed by another server: deleted, as asked."""
+        errors = [error for error in errors if error.get("Code") != "NoSuchKey"]
         replaced = [error for error in errors if error.get("Code") == "PreconditionFailed"]
         refused = [error for error in errors if error.get("Code") != "PreconditionFailed"]
         if replaced:
