@@ -19,7 +19,13 @@ import msgspec
 import pytest
 import redis
 from lmcache_plugin_redis import RedisConfig
-from lmcache_plugin_redis.backend import KEYS_PER_TRIP, RedisBackend, glob_escape, trips
+from lmcache_plugin_redis.backend import (
+    _REMOVE_IF_UNCHANGED,
+    KEYS_PER_TRIP,
+    RedisBackend,
+    glob_escape,
+    trips,
+)
 from lmcache_plugin_redis.testing import RedisClusterNodes, RedisServer, missing_reason
 
 from lmcache_tiers.config import decode_adapter
@@ -458,7 +464,7 @@ def fail_pipeline(backend: Any, number: int, error: Exception) -> None:
 def cache_the_removal_script(backend: RedisBackend) -> None:
     """Have the store hold the delete's removal script, so every delete trip is two
     pipelines (a store that lacks it answers NOSCRIPT, and is sent it in a third)."""
-    backend._remove_if_unchanged(keys=[backend.prefix + "absent"], args=[b""], client=backend.client)
+    backend.client.script_load(_REMOVE_IF_UNCHANGED)
 
 
 def test_a_delete_whose_later_trip_fails_reports_what_its_earlier_ones_deleted(
@@ -1299,3 +1305,69 @@ def test_a_delete_that_finds_something_else_under_the_name_counts_it_once(
     assert adapter.stats()["foreign_objects"] == 1, "counted once, by the delete"
     assert client_of(adapter).lookup_and_lock([key]).found == [False]
     assert adapter.stats()["foreign_objects"] == 2, "a later lookup counts what it finds"
+
+
+@pytest.mark.parametrize("stale_reads", ["yes", "no"], ids=["readonly", "masterdown"])
+def test_a_store_that_refuses_every_command_fails_the_calls_for_the_circuit(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter], stale_reads: str
+) -> None:
+    # A primary turned replica (a failover, a misdirected url) answers READONLY to every
+    # write, and with its primary gone and stale reads off, MASTERDOWN to every read: the
+    # store refuses, not one object.  Each call fails -- core counts it and the circuit
+    # sees it -- rather than a reply error per key that no breaker ever hears about.
+    adapter = open_adapter(
+        url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0, circuit={"failure_threshold": 100}
+    )
+    keys = make_keys(2)
+    store(adapter, keys, size=16)
+    cache_the_removal_script(backend_of(adapter))
+    found = client_of(adapter).lookup_and_lock(keys)
+    adapter.unlock(keys)
+    own_server.cli("CONFIG", "SET", "replica-serve-stale-data", stale_reads)
+    own_server.cli("REPLICAOF", "127.0.0.1", "1")  # a primary nobody answers on
+    try:
+        calls = [
+            lambda: client_of(adapter).store(make_keys(2, start=100), [memoryview(bytearray(16))] * 2),
+            lambda: adapter.delete(keys),
+        ]
+        if stale_reads == "no":
+            calls.append(lambda: load(adapter, keys, found.sizes)[0])
+        for call in calls:
+            assert not any(call())
+        stats = adapter.stats()
+        refusals = {name: count for name, count in stats.items() if name.endswith("_reply_errors") and count}
+        assert refusals == {}, "counted as refusals about single objects"
+        assert stats["backend_errors"] == len(calls) and stats["circuit_failures"] == len(calls)
+        assert adapter.used_bytes() == 2 * 16
+    finally:
+        own_server.cli("REPLICAOF", "NO", "ONE")
+
+
+def test_a_damaged_record_is_removed_while_a_cluster_node_it_is_not_on_is_down(
+    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # The removal goes to the record's node alone, by digest, and its body only to that
+    # node when it lost the script: another primary being down does not matter.
+    if missing_reason():
+        pytest.skip(missing_reason())
+    cluster = RedisClusterNodes(tmp_path / "cluster").start()
+    try:
+        adapter = open_adapter(startup_nodes=cluster.startup_nodes, cluster_mode=True, key_prefix=prefix)
+        backend = backend_of(adapter)
+        keys = make_keys(1)
+        data = store(adapter, keys)
+        name = backend.name_of(keys[0])
+        holder = backend.client.get_node_from_key(name)
+        down = next(node for node in cluster.nodes if node.port != holder.port)
+        for node in cluster.nodes:
+            node.cli("SCRIPT", "FLUSH")
+        raw = redis.Redis(host="127.0.0.1", port=holder.port)
+        _flip_a_payload_byte(raw, name, data[0])
+        down.stop()
+        assert load(adapter, keys, [4096])[0] == [False]
+        stats = adapter.stats()
+        assert stats["corrupt_records_removed"] == 1
+        assert stats.get("corrupt_remove_failures", 0) == 0
+        assert raw.exists(name) == 0
+    finally:
+        cluster.stop()

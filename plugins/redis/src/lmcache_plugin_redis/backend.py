@@ -30,8 +30,10 @@ checks the header is still the one read (called by its digest, EVALSHA; sent who
 to a node that answers NOSCRIPT), only this server's records: another key's intact
 record and a newer format's are kept, as lookups keep them.  A per-object
 error reply (WRONGTYPE for a foreign key, OOM from a full store) fails that object only,
-counted and logged -- except in a lookup or listing, where any error reply but WRONGTYPE
-fails the call: "absent" would make core release the bytes of an object still there.
+counted and logged; one by which the store refuses every command of a kind (CLUSTERDOWN,
+READONLY, MASTERDOWN, BUSY, LOADING) fails the call -- and in a lookup or listing,
+where any error reply but WRONGTYPE fails the call: "absent" would make core release
+the bytes of an object still there.
 So does any client error redis-py's cluster pipeline leaves in such a call's reply (a
 redirection loop's ClusterError): the call fails, named by that error.
 """
@@ -39,20 +41,24 @@ redirection loop's ClusterError): the call fails, named by that error.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 from redis import Redis, RedisCluster
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import (
+    ClusterDownError,
     InvalidResponse,
     NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
     RedisClusterException,
     RedisError,
     ResponseError,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lmcache_plugin_redis.client import build_client, describe
@@ -90,12 +96,36 @@ _REMOVE_IF_UNCHANGED = """
 if (redis.call('HGET', KEYS[1], 'h') or '') == ARGV[1] then return redis.call('UNLINK', KEYS[1]) end
 return 0
 """
+#: the digest EVALSHA calls it by (a store that lacks it answers NOSCRIPT, and is sent it)
+_REMOVE_IF_UNCHANGED_SHA = hashlib.sha1(_REMOVE_IF_UNCHANGED.encode()).hexdigest()
 _GIB = 1 << 30
 #: reply errors that mean the store (or the way to it) failed, not one object
 _CALL_FAILURES = (RedisConnectionError, RedisTimeoutError)
+#: error replies by which the whole store (or cluster node) refuses every command of a
+#: kind, whatever the key: the cluster is down (CLUSTERDOWN), a replica refuses writes
+#: (READONLY) or, its primary gone, reads (MASTERDOWN), a script blocks it (BUSY), it
+#: loads its data (LOADING).  redis-py parses some into classes (dropping the code from
+#: the text); the direct reader (replies.py) leaves the code.  OOM is not one of them: a
+#: full store still serves lookups, loads and deletes (which free it), so only the
+#: refused stores fail, counted as refused.
+_STORE_REFUSALS = (ClusterDownError, ReadOnlyError)
+_STORE_REFUSAL_CODES = ("CLUSTERDOWN ", "READONLY ", "MASTERDOWN ", "BUSY ", "LOADING ")
 #: what is wrong with one loaded object: its error reply, its header and why it is damaged,
 #: or (a miss that is kept) how to count and log it
 Problem = ResponseError | tuple[bytes, RecordError] | Callable[[], None]
+
+
+def refuses_everything(reply: Any) -> bool:
+    """Whether an error reply is the store's refusal of every such command, not an
+    answer about one object: the call fails (core counts it, the circuit breaker sees it)."""
+    if isinstance(reply, _STORE_REFUSALS):
+        return True
+    return isinstance(reply, ResponseError) and str(reply).startswith(_STORE_REFUSAL_CODES)
+
+
+def per_object_error(reply: Any) -> bool:
+    """An error reply about one object (WRONGTYPE, NOPERM for its name, OOM ...)."""
+    return isinstance(reply, ResponseError) and not refuses_everything(reply)
 
 
 def glob_escape(text: str) -> str:
@@ -147,7 +177,6 @@ class RedisBackend:
         self._client: Redis | RedisCluster | None = None
         #: lookups and loads of a standalone store read their replies themselves (direct.py)
         self._direct: DirectConnections | None = None
-        self._remove_if_unchanged: Any = None
         #: kept records a delete judged, so the lookup core makes next counts none twice
         self._deletes = KeptByDelete(context)
         #: keys a delete found holding something else (counted): not counted again by the
@@ -164,7 +193,6 @@ class RedisBackend:
         with self._lock:
             if self._client is None:
                 client = build_client(self.config, self._closing)
-                self._remove_if_unchanged = client.register_script(_REMOVE_IF_UNCHANGED)
                 if isinstance(client, Redis):
                     self._direct = DirectConnections(client)
                 self._client = client
@@ -192,14 +220,14 @@ class RedisBackend:
         replies: list[Any] = pipe.execute(raise_on_error=False)
         if not per_key:
             client_errors = [
-                reply
-                for reply in replies
-                if isinstance(reply, Exception) and not isinstance(reply, ResponseError)
+                reply for reply in replies if isinstance(reply, Exception) and not per_object_error(reply)
             ]
             if client_errors:
                 raise client_errors[0]
             return replies
-        failures = [reply for reply in replies if isinstance(reply, _CALL_FAILURES)]
+        failures = [
+            reply for reply in replies if isinstance(reply, _CALL_FAILURES) or refuses_everything(reply)
+        ]
         if failures and len(failures) == len(replies):
             raise failures[0]
         return replies
@@ -259,7 +287,7 @@ class RedisBackend:
             self.context.warn(
                 "foreign", "%s %s: the key holds something else (%s); a miss", what, key.file_stem(), text
             )
-        elif text.startswith("OOM"):
+        elif isinstance(error, OutOfMemoryError) or text.startswith("OOM"):
             self.context.count("store_refused_by_server")
             self.context.warn("oom", "%s not stored: the store is full (%s)", key.file_stem(), text)
         else:
@@ -339,7 +367,7 @@ class RedisBackend:
                 failure = replies
                 break
             for index, reply in zip(trip, replies, strict=True):
-                if isinstance(reply, ResponseError):
+                if per_object_error(reply):
                     self._reply_error("store", keys[index], reply)
                 elif isinstance(reply, Exception):  # a failed node, or another client error
                     self._request_failed("store", keys[index], reply)
@@ -403,6 +431,8 @@ class RedisBackend:
             lambda send, reader: self._read_loads(send, reader, keys, buffers, windows)
         )
         for key, problem in problems:
+            if refuses_everything(problem):
+                raise problem  # type: ignore[misc]
             if isinstance(problem, ResponseError):
                 self._reply_error("load", key, problem)
             elif callable(problem):
@@ -529,7 +559,7 @@ class RedisBackend:
         removable: dict[int, bytes] = {}
         failure: Exception | None = None
         for index, reply in zip(trip, replies, strict=True):
-            if isinstance(reply, ResponseError):  # WRONGTYPE: not a record; BUSY, NOPERM: refused
+            if per_object_error(reply):  # WRONGTYPE: not a record; NOPERM: refused
                 self._reply_error("delete", keys[index], reply)
             elif isinstance(reply, Exception):  # a failed node, or another client error
                 self._request_failed("delete", keys[index], reply)
@@ -546,7 +576,32 @@ class RedisBackend:
         error of a failed node; the error alone when the whole pipeline failed."""
         if not removable:
             return {}
-        sent = self._trip(self._removal_pipeline(keys, removable, by_sha=True), number, "delete", left)
+        replies = self._removal_replies(
+            keys, removable, lambda pipe: self._trip(pipe, number, "delete", left)
+        )
+        if isinstance(replies, Exception):
+            return replies
+        outcome: dict[int, tuple[bool, Exception | None]] = {}
+        for index, reply in replies.items():
+            failed: Exception | None = None
+            if per_object_error(reply):  # refused (NOPERM ...): still there
+                self._reply_error("delete", keys[index], reply)
+            elif isinstance(reply, Exception):
+                self._request_failed("delete", keys[index], reply)
+                failed = reply
+            outcome[index] = (reply == 1, failed)
+        return outcome
+
+    def _removal_replies(
+        self,
+        keys: Sequence[ObjectKey],
+        removable: dict[int, bytes],
+        send: Callable[[Any], list[Any] | Exception],
+    ) -> dict[int, Any] | Exception:
+        """Per index, the reply of its remove-if-unchanged script called by its digest
+        through ``send`` -- the keys a node answered NOSCRIPT for sent the body once more,
+        to that node alone; the error ``send`` returned when the whole pipeline failed."""
+        sent = send(self._removal_pipeline(keys, removable, by_sha=True))
         if isinstance(sent, Exception):
             return sent
         replies = dict(zip(removable, sent, strict=True))
@@ -555,16 +610,7 @@ class RedisBackend:
         }
         if unknown:
             replies.update(self._remove_sending_the_script(keys, unknown))
-        outcome: dict[int, tuple[bool, Exception | None]] = {}
-        for index, reply in replies.items():
-            failed: Exception | None = None
-            if isinstance(reply, ResponseError):  # refused (NOPERM, READONLY ...): still there
-                self._reply_error("delete", keys[index], reply)
-            elif isinstance(reply, Exception):
-                self._request_failed("delete", keys[index], reply)
-                failed = reply
-            outcome[index] = (reply == 1, failed)
-        return outcome
+        return replies
 
     def _remove_sending_the_script(
         self, keys: Sequence[ObjectKey], unknown: dict[int, bytes]
@@ -584,9 +630,7 @@ class RedisBackend:
         """The remove-if-unchanged script for each key, called by its digest (EVALSHA:
         no script body per key) or sent whole (EVAL)."""
         pipe = self._pipeline()
-        command, script = (
-            ("EVALSHA", self._remove_if_unchanged.sha) if by_sha else ("EVAL", _REMOVE_IF_UNCHANGED)
-        )
+        command, script = ("EVALSHA", _REMOVE_IF_UNCHANGED_SHA) if by_sha else ("EVAL", _REMOVE_IF_UNCHANGED)
         for index, header in removable.items():
             # (execute_command: a cluster pipeline refuses eval(), yet routes EVAL by its key)
             pipe.execute_command(command, script, 1, self.name_of(keys[index]), header)
@@ -632,6 +676,8 @@ class RedisBackend:
         error reply about the store rather than the object, which fails the call."""
         if reply is None:
             return None
+        if refuses_everything(reply):
+            raise reply  # the call fails, counted by core: no object of it is answered for
         if isinstance(reply, ResponseError):
             self._reply_error(what, key, reply)
             if not str(reply).startswith("WRONGTYPE"):
@@ -665,6 +711,8 @@ class RedisBackend:
         )
 
     def _fill(self, key: ObjectKey, reply: Any, buffer: memoryview) -> bool:
+        if refuses_everything(reply):
+            raise reply
         if isinstance(reply, ResponseError):
             self._reply_error("load", key, reply)
             return False
@@ -690,11 +738,16 @@ class RedisBackend:
         return True
 
     def _discard(self, key: ObjectKey, header_bytes: bytes, error: Exception) -> None:
-        """Remove a record that failed verification, unless it was replaced meanwhile."""
+        """Remove a record that failed verification, unless it was replaced meanwhile --
+        as deletes remove, so a node that lost the script is sent it alone (a Script
+        object would load it onto every primary, and fail while any is down)."""
         self.context.count("corrupt_records_removed")
         self.context.warn("corrupt", "removing %s: %s", key.file_stem(), error)
         try:
-            self._remove_if_unchanged(keys=[self.name_of(key)], args=[header_bytes], client=self.client)
-        except RedisError as exc:
+            replies = self._removal_replies([key], {0: header_bytes}, self._execute)
+            reply = replies if isinstance(replies, Exception) else replies[0]
+            if isinstance(reply, Exception):  # a refusal (NOPERM ...), or the node failed
+                raise reply
+        except (RedisError, RedisClusterException) as exc:
             self.context.count("corrupt_remove_failures")
             self.context.warn("corrupt_remove", "could not remove %s: %s", key.file_stem(), exc)
