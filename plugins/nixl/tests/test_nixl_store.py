@@ -600,3 +600,54 @@ def test_a_load_cut_short_by_the_close_is_counted_and_logged(
         finally:
             gate.set()
             adapter.close()
+
+
+def test_the_slot_files_are_closed_once_when_close_meets_the_last_finishing_store(monkeypatch) -> None:
+    """A close called while the last store finishing its slots closes the slot files (a
+    second close, from another thread) must not close them again: closing a descriptor
+    number twice can close another file that reused it, or fail the close with EBADF."""
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=4))
+        try:
+            backend = adapter.backend
+            storage = backend._storage
+            finish, close_files = storage.written, storage.close
+            entered, gate = threading.Event(), threading.Event()
+            closing_files, second_close_done = threading.Event(), threading.Event()
+            closes: list[str] = []
+
+            def stuck_written(slot: int, length: int) -> None:
+                entered.set()
+                gate.wait(60)
+                finish(slot, length)
+
+            def counted_close() -> None:
+                closes.append(threading.current_thread().name)
+                if threading.current_thread().name == "store":
+                    # The last finishing store is closing the files: a second close now.
+                    closing_files.set()
+                    second_close_done.wait(10)
+                close_files()
+
+            monkeypatch.setattr(storage, "written", stuck_written)
+            monkeypatch.setattr(storage, "close", counted_close)
+            store = threading.Thread(
+                target=backend.put_many, args=(make_keys(1), [memoryview(pattern(71, SIZE))]), name="store"
+            )
+            store.start()
+            assert entered.wait(10)
+            adapter.state.closing.set()
+            backend.close()
+            gate.set()
+            assert closing_files.wait(10)
+            second = threading.Thread(target=backend.close, name="second-close")
+            second.start()
+            second.join(10)
+            second_close_done.set()
+            store.join(30)
+            assert closes == ["store"], f"the slot files were closed by {closes}"
+            assert storage._buffered == []
+        finally:
+            gate.set()
+            second_close_done.set()
+            adapter.close()

@@ -274,9 +274,15 @@ class NixlStoreBackend:
 
     def close(self) -> None:
         try:
+            # Only the first close decides who closes the slot files (itself, or the last
+            # store finishing then): a second one, maybe while that store closes them,
+            # must not close their descriptor numbers again (another file may reuse one).
             with self._finish_state:
+                first = not self._close_requested
                 self._close_requested = True
                 finishing = self._finishing
+            if not first:
+                return
             if finishing:
                 log.warning(
                     "%s: %d stores are still finishing their slot files: the pool's files are "
