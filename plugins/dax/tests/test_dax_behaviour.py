@@ -3,6 +3,8 @@ mappings, eviction with pinned keys, capacity across restarts."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from dax_helpers import SLOT, backend_of, client, config, flip_byte, load, open_dax, shm_dir, size_gb, store
 from lmcache_plugin_dax import DaxConfig, DaxDevice
@@ -359,3 +361,75 @@ def test_serde_records_keep_their_l1_size_and_other_chains_are_kept_as_misses() 
             assert load(again, keys, [len(d) for d in data]) == ([True, True], data)
         finally:
             again.close()
+
+
+def test_a_delete_after_close_is_refused_not_acknowledged_and_lost() -> None:
+    # Once close drained, the mapping is no longer written: a delete that said True would
+    # leave the commit word set, and the restart would bring the key back.
+    with shm_dir() as directory:
+        cfg = config(directory / "dax.img", slots=4)
+        adapter = open_dax(cfg)
+        backend = backend_of(adapter)
+        (key,) = make_keys(1)
+        assert store(adapter, [key], [b"kept" * 100]) == [True]
+        adapter.close()
+        assert backend.delete_many([key]) == [False], "refused: the mapping is gone"
+        reopened = open_dax(cfg)
+        try:
+            assert client(reopened).lookup_and_lock([key]).found == [True], "what was not deleted is kept"
+        finally:
+            reopened.close()
+
+
+def test_a_write_replaced_while_close_drains_is_uncommitted_before_the_unmapping() -> None:
+    # A store still running when close begins replaces a key: its old slot's commit word
+    # cannot be cleared then (the mapping is closing), so close clears it before unmapping.
+    with shm_dir() as directory:
+        cfg = config(directory / "dax.img", slots=4)
+        adapter = open_dax(cfg)
+        backend = backend_of(adapter)
+        (key,) = make_keys(1)
+        assert store(adapter, [key], [b"old" * 100]) == [True]
+        with backend._in_flight.use():  # a store still running
+            closer = threading.Thread(target=adapter.close)
+            closer.start()
+            while not backend._in_flight._closed:
+                threading.Event().wait(0.001)
+            assert backend.table.delete([key]) == [True]  # as its replace would unpublish it
+        closer.join()
+        reopened = open_dax(cfg)
+        try:
+            assert client(reopened).lookup_and_lock([key]).found == [False], (
+                "the unpublished write stays gone"
+            )
+        finally:
+            reopened.close()
+
+
+def test_a_superseded_record_of_another_chain_does_not_hide_the_newer_write() -> None:
+    # A crash between a write's commit and the uncommit of the write it replaced leaves
+    # both committed; the older, of another serde chain, must not make the key a miss.
+    with shm_dir() as directory:
+        cfg = config(directory / "dax.img", slots=4)
+        (key,) = make_keys(1)
+        zipped = open_dax(cfg, serde=(ZlibSerde(),))
+        assert store(zipped, [key], [bytes(3000)]) == [True]
+        (old,) = backend_of(zipped).table.lookup([key])
+        assert old is not None
+        region, local = backend_of(zipped)._place(old.slot)
+        commit_at = region.layout.entry_offset(local)
+        zipped.close()
+        plain = open_dax(cfg)
+        assert store(plain, [key], [b"new" * 1000]) == [True]
+        plain.close()
+        with open(directory / "dax.img", "r+b") as image:  # the crash: old still committed
+            image.seek(commit_at)
+            image.write(old.seq.to_bytes(8, "little"))
+        reopened = open_dax(cfg)
+        try:
+            assert reopened.stats().get("recovered_objects", 0) == 1
+            assert reopened.stats().get("serde_chain_mismatch", 0) == 0
+            assert load(reopened, [key], [3000]) == ([True], [b"new" * 1000])
+            assert len(backend_of(reopened).regions[0].committed()) == 1, "the older uncommitted"
+        finally:
+            reopened.close()

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import numpy.typing as npt
 from lmcache_plugin_raw_block.guards import InFlight, probe_device
-from lmcache_plugin_raw_block.slotheader import decode_slot_header, record_of
+from lmcache_plugin_raw_block.slotheader import SlotHeader, decode_slot_header, record_of
 from lmcache_plugin_raw_block.slots import Claim, SlotEntry, SlotTable
 from lmcache_plugin_raw_block.slotstore import SlotStoreBackend, as_bytes, newer_format
 
@@ -128,37 +129,23 @@ class DaxBackend(SlotStoreBackend):
     # -- start-up --------------------------------------------------------------------------
 
     def _recover(self, reopened: Sequence[int]) -> None:
+        candidates, dropped = self._committed_writes(reopened)
         entries: list[tuple[ObjectKey, SlotEntry]] = []
         newer: list[tuple[ObjectKey, SlotEntry, RecordError]] = []
-        dropped = corrupt = 0
-        for index in reopened:
-            region = self.regions[index]
-            for local, seq in region.committed():
-                header = decode_slot_header(region.entry_header(local), region.identity, local)
-                if header is None or header.seq != seq or header.stored > self.config.slot_bytes:
-                    region.clear(local)
-                    dropped += 1
-                    continue
-                entry = SlotEntry(int(self._global_of[index][local]), seq, header.stored, header.l1)
-                try:
-                    self.context.read_record_header(header.record, header.key)
-                except RecordError as exc:
-                    if not newer_format(exc):
-                        region.clear(local)
-                        corrupt += 1
-                        stem = header.key.file_stem()
-                        log.warning("dax: %s slot %d (%s) dropped: %s", region.path, local, stem, exc)
-                        continue
-                    # Intact, of a newer server: its key's object, a miss until replaced
-                    # (newer_format), counted and logged once the table is restored.
-                    newer.append((header.key, entry, exc))
-                entries.append((header.key, entry))
+        corrupt = older = 0
+        for key, writes in candidates.items():
+            chosen, damaged = self._newest_readable(writes, newer)
+            corrupt += damaged
+            if chosen is not None:
+                entries.append((key, chosen))
+            older += len(writes) - damaged - (chosen is not None)
         superseded = self.table.restore(entries, next_seq=1)
         kept_newer = self._keep_newer_records(newer)
         for entry in superseded:
             self._clear(entry.slot)
+        dropped += older + len(superseded)
         self.context.count("recovered_objects", len(entries) - len(superseded))
-        self.context.count("recovery_dropped_slots", dropped + len(superseded))
+        self.context.count("recovery_dropped_slots", dropped)
         self.context.count("corrupt_records_removed", corrupt)
         if reopened:
             log.info(
@@ -167,8 +154,57 @@ class DaxBackend(SlotStoreBackend):
                 len(entries) - len(superseded),
                 len(reopened),
                 kept_newer,
-                dropped + corrupt + len(superseded),
+                dropped + corrupt,
             )
+
+    def _committed_writes(self, reopened: Sequence[int]) -> tuple[dict[ObjectKey, list[SlotHeader]], int]:
+        """The header of every committed slot whose index entry decodes, by key, its
+        ``slot`` the table's (global) number; the others are uncommitted and counted."""
+        writes: dict[ObjectKey, list[SlotHeader]] = {}
+        dropped = 0
+        for index in reopened:
+            region = self.regions[index]
+            for local, seq in region.committed():
+                header = decode_slot_header(region.entry_header(local), region.identity, local)
+                if header is None or header.seq != seq or header.stored > self.config.slot_bytes:
+                    region.clear(local)
+                    dropped += 1
+                    continue
+                global_slot = int(self._global_of[index][local])
+                writes.setdefault(header.key, []).append(replace(header, slot=global_slot))
+        return writes, dropped
+
+    def _newest_readable(
+        self, writes: list[SlotHeader], newer: list[tuple[ObjectKey, SlotEntry, RecordError]]
+    ) -> tuple[SlotEntry | None, int]:
+        """The newest of one key's committed writes whose record is not damaged, and how
+        many damaged ones were dropped on the way; every other one is uncommitted.
+
+        Only the write chosen has its record judged (a damaged one is dropped and the next
+        older judged): judging a superseded record of another serde chain would make the
+        key a miss (``serde_chain_mismatch``) though its newest write reads fine."""
+        chosen: SlotEntry | None = None
+        damaged = 0
+        for header in sorted(writes, key=lambda write: write.seq, reverse=True):
+            if chosen is not None:
+                self._clear(header.slot)
+                continue
+            entry = SlotEntry(header.slot, header.seq, header.stored, header.l1)
+            try:
+                self.context.read_record_header(header.record, header.key)
+            except RecordError as exc:
+                if not newer_format(exc):
+                    self._clear(header.slot)
+                    damaged += 1
+                    region, local = self._place(header.slot)
+                    stem = header.key.file_stem()
+                    log.warning("dax: %s slot %d (%s) dropped: %s", region.path, local, stem, exc)
+                    continue
+                # Intact, of a newer server: its key's object, a miss until replaced
+                # (newer_format), counted and logged once the table is restored.
+                newer.append((header.key, entry, exc))
+            chosen = entry
+        return chosen, damaged
 
     # -- moving one slot (the rest is SlotStoreBackend's) ---------------------------------
 
@@ -257,10 +293,37 @@ class DaxBackend(SlotStoreBackend):
     def stats(self) -> dict[str, int]:
         return {"slots_total": self.table.slot_count, "slots_used": self.table.used_slots}
 
+    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        # Inside the in-flight count, so that the commit words of what it deletes are
+        # cleared before close unmaps; once close drained, refused (a delete acknowledged
+        # then would leave its key committed, and the restart would bring it back).
+        with self._in_flight.use() as usable:
+            if usable:
+                return super().delete_many(keys)
+        self.context.count("delete_stopped_closing", len(keys))
+        self._burst.warn("delete_closing", "dax: %d keys not deleted: the adapter is closed", len(keys))
+        return [False] * len(keys)
+
     def close(self) -> None:
         self._stop_workers()
         if not self._in_flight.drain(CLOSE_DRAIN_S):
             log.error("dax: mappings left in place: copies are still running")
             return
+        self._uncommit_unpublished()
         for region in self.regions:
             region.close()
+
+    def _uncommit_unpublished(self) -> None:
+        """Clear the commit word of every slot no key publishes: a slot a store still
+        running while close drained replaced (its clear found the mapping closing) must
+        not come back at the next start."""
+        published = [np.zeros(region.layout.slot_count, dtype=bool) for region in self.regions]
+        for _key, entry in self.table.items():
+            published[int(self._region_of[entry.slot])][int(self._local_of[entry.slot])] = True
+        cleared = 0
+        for region, kept in zip(self.regions, published, strict=True):
+            stale = (region.commits != 0) & ~kept
+            cleared += int(np.count_nonzero(stale))
+            region.commits[stale] = 0
+        if cleared:
+            log.info("dax: %d slots replaced or deleted while closing uncommitted before unmapping", cleared)
