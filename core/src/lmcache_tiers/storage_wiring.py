@@ -206,7 +206,11 @@ class StorageParts:
         for controller in draining:
             controller.request_stop(drain_timeout_s)
         for controller in draining:
-            controller.join()
+            ended = controller.join()
+            if not ended and controller is self.store:
+                # Its step may never return: what it leaves unstored is counted now, not
+                # dropped uncounted with L1 below.
+                self.store.count_left_behind()
         for evictor in (*self.l2_evictions.values(), self.l1_eviction):
             evictor.stop(0.0)
         self._close_adapters()

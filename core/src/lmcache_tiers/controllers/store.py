@@ -104,6 +104,10 @@ class StoreController(ControllerThread):
         self._queue: deque[tuple[list[L1Object], float]] = deque()  # (objects, commit time)
         self._starting = 0  # batches taken off the queue whose slices are not queued yet
         self._ended = False  # ``finish`` emptied the queue: nothing queued now is ever stored
+        # Whoever counts the writes left unstored at the end: ``finish``, or the close
+        # that went on without a thread stuck in a step (``count_left_behind``).  Claimed
+        # once, under the queue lock, so that no write is counted twice or not at all.
+        self._end_counted = False
         self._urgent = 0  # flushes waiting: write-back defers to nobody meanwhile
         self._pacer = WriteBackPacer(
             activity, l1.capacity_bytes, lambda: stats.failures().get("evicted_before_l2_store", 0)
@@ -495,8 +499,35 @@ class StoreController(ControllerThread):
                 self.l1.set_temporary(busy, True)
         self.stats.add("l1_deleted_after_store", sum(deleted))
 
+    def count_left_behind(self) -> None:
+        """The close goes on without this thread, stuck in a step (``join`` gave up): count
+        and log every committed object L1 still holds unstored, as ``finish`` would have,
+        before L1 closes -- the step may never return.  From any thread; does nothing if
+        ``finish`` is counting already.  Those objects are settled, and ``finish``, if the
+        step returns after all, counts nothing again."""
+        with self._queue_lock:
+            if self._end_counted:
+                return
+            self._end_counted = True
+            self._ended = True  # a commit arriving from now on counts itself (``submit``)
+        with self.l1.lock:
+            left = self.l1.unstored()
+            self.l1.settle_unstored(left)
+        if left:
+            self.stats.fail("l2_store_abandoned", len(left))
+            logger.warning(
+                "%d committed objects were never stored in L2: the store controller is stuck in a "
+                "step (a backend or policy call that does not return) and L1 closes without it",
+                len(left),
+            )
+
     def finish(self) -> None:
         self._threads.hurry(False, self)  # a stopped controller hurries nobody
+        with self._queue_lock:
+            # Claimed before anything is settled: a close counting meanwhile would miss
+            # what is settled here and not counted yet.
+            counting = not self._end_counted
+            self._end_counted = True
         # Draining gave up (stalled adapter) or finished: release every lock still held.
         # Both counters count objects stored in no adapter, each once: the default store
         # policy sends every key to every adapter, and a key another adapter stored (or
@@ -541,6 +572,8 @@ class StoreController(ControllerThread):
             queued = list(self._still_in_l1({id(obj): obj for obj in queued}).values())
             self.l1.settle_unstored([obj for batch in ended.values() for obj in batch.objects.values()])
             self.l1.settle_unstored(queued)
+        if not counting:
+            return  # counted by the close that went on without this thread
         if abandoned:
             self.stats.fail("l2_store_abandoned", len(abandoned))
             logger.warning(
