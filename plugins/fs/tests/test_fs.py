@@ -1207,3 +1207,37 @@ def test_a_close_that_cannot_list_a_directory_removes_the_rest_and_counts_it(
         files.rm(root, recursive=True)
     else:
         assert [os.path.dirname(path) for path in left] == [unreadable], "the rest were removed"
+
+
+def test_local_open_and_read_errors_are_counted_and_told_once_a_burst(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record file that cannot be opened (a symbolic link looping on itself: ELOOP) or
+    read (a directory in its place: EISDIR) fails its load: each is counted
+    (``load_read_errors``) and a burst of them is one line, not one line each."""
+    root = str(tmp_path / "kv")
+    arena = Arena()
+    adapter = open_fs(fs_config(root), arena.view)
+    keys = make_keys(3)
+    try:
+        assert store(adapter, arena, keys, [pattern(index, 4096) for index in range(3)]) == [True] * 3
+        paths = [os.path.join(root, name) for name in record_files(root)]
+        assert len(paths) == 3
+        for index, path in enumerate(paths):
+            os.unlink(path)
+            if index == 1:
+                os.symlink(os.path.basename(path), path)  # a loop: ELOOP on open
+            else:
+                os.mkdir(path)  # opens, but EISDIR on read
+        with caplog.at_level(logging.INFO):
+            for key in keys:
+                assert load(adapter, arena, [key], [4096])[0] == [False]
+        assert adapter.stats().get("load_read_errors") == 3
+        told = [
+            r.getMessage()
+            for r in caplog.records
+            if "cannot open" in r.getMessage() or "cannot read" in r.getMessage()
+        ]
+        assert len(told) == 1, told
+    finally:
+        adapter.close()

@@ -14,8 +14,9 @@ Outcomes, one per object, never an exception: True once every payload byte match
 header's checksum; False for a miss -- no file, a file of another size (another intact
 object: kept; damage: removed), a record of another serde chain or another key (kept;
 the latter counted ``foreign_records``), a file that
-shrank under the read, an I/O error (logged); a damaged record is removed
-(``corrupt_records_removed``) only if it is still the file that was judged.
+shrank under the read, an I/O error (counted ``load_read_errors``, one line a burst); a
+damaged record is removed (``corrupt_records_removed``) only if it is still the file that
+was judged.
 
 A load still running when the adapter starts closing (``BackendContext.closing``) is a
 miss: core fails its task and closes the backend once its deadline passed, even while a
@@ -142,8 +143,7 @@ class RecordLoads:
         except FileNotFoundError:
             return False
         except OSError as exc:
-            log.warning("%s: cannot open %s: %s", context.name, printable(path, 300), exc)
-            return False
+            return self._read_error("cannot open", path, exc)
         if context.closing:  # closed while the open was stuck (a hung mount)
             os.close(fd)
             return False
@@ -174,8 +174,7 @@ class RecordLoads:
                 failure = exc
             return self._failed(key, fd, header, buffer.nbytes, failure)
         except OSError as exc:
-            log.warning("%s: cannot read %s: %s", context.name, printable(path, 300), exc)
-            return False
+            return self._read_error("cannot read", path, exc)
         finally:
             os.close(fd)
 
@@ -219,6 +218,13 @@ class RecordLoads:
             else:  # other lengths or a checksum mismatch: judged again on its own
                 results.append(self.load(key, buffer))
         return results
+
+    def _read_error(self, what: str, path: str, exc: OSError) -> bool:
+        """A record file that cannot be opened or read: a miss, counted.  A failing disk
+        or mount fails every load alike: a burst is one line, not one line each."""
+        self._context.count("load_read_errors")
+        self._context.warn("load_read_error", "%s %s: %s", what, printable(path, 300), exc)
+        return False
 
     def _stopped(self) -> bool:
         """Whether the adapter started closing: no more reads into callers' buffers."""
