@@ -778,6 +778,11 @@ SECRET_FIELD = re.compile(r"secret|password|passwd|token|credential|access_key|a
 _AUTHORITY_END = re.compile(r"[/\s]")
 _BLANK = re.compile(r"\s")
 _WORD = re.compile(r"\S+")
+#: what follows the ``@`` ending a password that holds blanks: a host (and port), then the
+#: end of the word, a path, a query or the next node of a list.  A later ``@`` before
+#: anything else (``'user@node'``, ``x@y)``) is no password's end, while a passphrase of
+#: several words is still hidden whole.
+_HOST_AFTER_SIGN = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::\d*)?(?:[/,?#]|$)")
 _SCHEME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+.-")
 #: a query parameter of a URL named like a credential (``redis://host/0?password=...``,
 #: which redis-py reads as the password).  A name runs from a ``&``, or from the first ``?``
@@ -853,20 +858,20 @@ def _password_cut_short(authority: str) -> bool:
 def _user_information_end(text: str, end: int, limit: int) -> int | None:
     """Where the ``@`` ending a user information cut short at ``end`` lies: the last one
     in the run of non-blanks from ``end`` (a password holding ``/`` and ``@``), else the
-    last in the next run, past one stretch of blanks (a password holding a blank); None
-    if there is none before ``limit`` (the next URL).  Looking no further keeps an ``@``
-    later in the line (a key name, a mail address) from hiding the words up to it.  Each
+    last in the first later run where a host follows it (a password holding blanks); None
+    if there is none before ``limit`` (the next URL).  Requiring the host keeps an ``@``
+    later in the line (a quoted ``user@node``) from hiding the words up to it.  Each
     character is looked at at most twice: the search stays within ``[end, limit)``."""
     blank = _BLANK.search(text, end, limit)
     run_end = blank.start() if blank is not None else limit
     sign = text.rfind("@", end, run_end)
     if sign != -1 or blank is None:
         return sign if sign != -1 else None
-    word = _WORD.search(text, run_end, limit)
-    if word is None:
-        return None
-    sign = text.rfind("@", word.start(), word.end())
-    return sign if sign != -1 else None
+    for word in _WORD.finditer(text, run_end, limit):
+        sign = text.rfind("@", word.start(), word.end())
+        if sign != -1 and _HOST_AFTER_SIGN.match(text, sign + 1, word.end()):
+            return sign
+    return None
 
 
 def redact_secrets(value: Any) -> Any:

@@ -156,7 +156,9 @@ def test_a_store_refused_with_a_value_error_is_told_without_the_password(
         # a port and a path holding "@" are no user information
         ("http://host:8080/kv/a@b", "http://host:8080/kv/a@b"),
         ("http://[::1]:8080/kv/a@b", "http://[::1]:8080/kv/a@b"),
-        # a blank ends the search one word later: a line's later "@" is no password's end
+        # a passphrase of several words is hidden whole, its end an "@" before a host
+        ("memory://u:correct horse staple@host/kv", "memory://u:***@host/kv"),
+        # a line's later "@" before no host name is no password's end
         (
             "nodes are given as redis://host:port, not as 'user@node' (got x@y)",
             "nodes are given as redis://host:port, not as 'user@node' (got x@y)",
