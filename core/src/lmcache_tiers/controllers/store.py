@@ -198,7 +198,7 @@ class StoreController(ControllerThread):
             self._reap(slot)
         while True:
             with self._queue_lock:
-                if not self._queue:
+                if not self._queue or self._end_counted:
                     break
                 objects, committed = self._queue.popleft()
                 self._starting = 1
@@ -208,6 +208,10 @@ class StoreController(ControllerThread):
                 with self._queue_lock:  # never seen as idle between the two counts
                     self._waiting_slices = len(self._pacer)
                     self._starting = 0
+        if self._end_counted:
+            # The close went on without this step and counted what it left: L1 and the
+            # adapters are closed, nothing more can be stored.
+            return
         self._submit_slices()
 
     def next_step_in(self) -> float | None:
@@ -528,6 +532,12 @@ class StoreController(ControllerThread):
             # what is settled here and not counted yet.
             counting = not self._end_counted
             self._end_counted = True
+        if not counting and self.l1.closed:
+            # Left behind by a close that counted what it held and closed L1: nothing
+            # is left to release.
+            self._tasks.clear()
+            self._pacer.drop_all()
+            return
         # Draining gave up (stalled adapter) or finished: release every lock still held.
         # Both counters count objects stored in no adapter, each once: the default store
         # policy sends every key to every adapter, and a key another adapter stored (or
