@@ -269,3 +269,25 @@ def test_encoding_leaves_a_writable_object_unchanged(dtype: str, granularity: st
     assert serde.stats()["quantized_objects"] == 1
     assert bytes(l1) == before
     check_bound(before, _decode(serde, frame, len(l1)), f"{dtype}[64,128]", "e4m3fn", granularity)
+
+
+def test_a_frame_of_another_layout_than_its_record_states_is_refused() -> None:
+    """The loaded object gets the layout its record states (a later fp8 stage of another
+    adapter quantizes by it): a quantized frame of bf16 values whose record states float16
+    of the same size (two overlapping stores of one key with different layouts, or a
+    rewritten header) would hand L1 bf16 bytes labelled float16.  It is refused, counted;
+    the same frame decodes where the record states its layout, or none."""
+    values = torch.randn(4, 64, dtype=torch.bfloat16)
+    data = values.view(torch.uint8).numpy().tobytes()
+    serde = Fp8Serde()
+    stated = "bfloat16[4,64]"
+    frame = bytes(serde.encode(memoryview(data), SerdeContext(suite_key(), len(data), stated, stated)))
+    assert serde.stats()["quantized_objects"] == 1
+    other = SerdeContext(suite_key(), len(data), record_layout="float16[4,64]")
+    with pytest.raises(Fp8FrameError, match="float16"):
+        serde.decode(memoryview(frame), other)
+    assert serde.stats()["layout_mismatch"] == 1 and serde.stats()["decoded_objects"] == 0
+    for record_layout in (stated, ""):
+        context = SerdeContext(suite_key(), len(data), record_layout=record_layout)
+        assert len(serde.decode(memoryview(frame), context)) == len(data)
+    assert serde.stats()["decoded_objects"] == 2

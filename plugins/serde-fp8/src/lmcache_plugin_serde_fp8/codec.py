@@ -12,7 +12,8 @@ dtype and shape, which decode restores without being told) and ``x = q * scale``
 each value, with one scale per tensor or per channel (last dimension).  The checksum
 covers the 24 header bytes before it and everything after it and is verified before the
 frame is interpreted, so a damaged frame is refused rather than dequantized into wrong
-numbers.
+numbers; a quantized frame whose layout is not the one the object's record states is
+refused as well (the loaded object gets the record's layout).
 
 Quantization: ``scale = amax / max_finite(format)`` (amax of the tensor or of the channel;
 1 where amax is 0), ``q = round_to_nearest(x / scale)`` computed in float32.  Work is done
@@ -77,6 +78,7 @@ COUNTERS: Final = (
     "passthrough_not_smaller",
     "decoded_objects",
     "corrupt_frames",
+    "layout_mismatch",
 )
 _WHY = {
     "passthrough_no_layout": "it has no tensor layout",
@@ -90,6 +92,10 @@ _WHY = {
 
 class Fp8FrameError(ValueError):
     """The bytes are not an intact frame of this serde."""
+
+
+class Fp8LayoutMismatchError(Fp8FrameError):
+    """An intact quantized frame of another layout than the object's record states."""
 
 
 def _digest(frame: memoryview) -> int:
@@ -174,9 +180,9 @@ class Fp8Serde:
     def decode(self, data: memoryview, context: SerdeContext) -> memoryview:
         view = memoryview(data).cast("B")
         try:
-            return self._decode(view, context.size)
+            return self._decode(view, context.size, context.record_layout)
         except Fp8FrameError as exc:
-            self._count("corrupt_frames")
+            self._count("layout_mismatch" if isinstance(exc, Fp8LayoutMismatchError) else "corrupt_frames")
             log.debug("fp8: refused the frame of %s: %s", context.key, exc)
             raise
 
@@ -240,7 +246,7 @@ class Fp8Serde:
 
     # -- decoding ---------------------------------------------------------------------------
 
-    def _decode(self, view: memoryview, size: int) -> memoryview:
+    def _decode(self, view: memoryview, size: int, record_layout: str) -> memoryview:
         if view.nbytes < HEADER_SIZE:
             _refuse(f"{view.nbytes} bytes is shorter than an fp8 frame header")
         magic, version, fmt, granularity, _r1, layout_len, _r2, scale_count, payload_len, checksum = (
@@ -264,6 +270,7 @@ class Fp8Serde:
             # Only the object's own L1 bytes are ever quantized, so a quantized frame decodes
             # to exactly its size: anything else is refused before the output is allocated.
             _refuse(f"frame layout {layout.format()} is {layout.nbytes} bytes, the object holds {size}")
+        _check_record_layout(layout, record_layout)
         rows, channels = _rows(layout.shape)
         scales = torch.frombuffer(
             _writable(view[HEADER_SIZE + layout_len : start]), dtype=torch.float32, count=scale_count
@@ -328,6 +335,16 @@ def _dequantize_by_table(
     itemsize = table.element_size()
     bits = table.view(torch.uint8).numpy().view(_BITS[itemsize])
     np.take(bits, np.frombuffer(payload, dtype=np.uint8), out=np.frombuffer(output, dtype=_BITS[itemsize]))
+
+
+def _check_record_layout(layout: TensorLayout, record_layout: str) -> None:
+    """The loaded object gets the layout its record states, and a later fp8 stage (of
+    another adapter) quantizes by it: values restored as the frame's dtype must not be
+    labelled as another.  A record stating none (an in-memory store) leaves the frame's."""
+    if record_layout and TensorLayout.parse_optional(record_layout) != layout:
+        raise Fp8LayoutMismatchError(
+            f"the record states layout {record_layout!r}, the frame was quantized as {layout.format()!r}"
+        )
 
 
 def _refuse(reason: str) -> NoReturn:
