@@ -779,10 +779,13 @@ _AUTHORITY_END = re.compile(r"[/\s]")
 _BLANK = re.compile(r"\s")
 _WORD = re.compile(r"\S+")
 #: what follows the ``@`` ending a password that holds blanks: a host (and port), then the
-#: end of the word, a path, a query or the next node of a list.  A later ``@`` before
-#: anything else (``'user@node'``, ``x@y)``) is no password's end, while a passphrase of
-#: several words is still hidden whole.
-_HOST_AFTER_SIGN = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::\d*)?(?:[/,?#]|$)")
+#: end of the word, a path, a query, the next node of a list, a ``;`` ending the clause or
+#: the mark closing the one written just before the URL (``'redis://u:a b@host'``).  A
+#: later ``@`` before anything else (``'user@node'``, ``x@y)``) is no password's end, while
+#: a passphrase of several words is still hidden whole.
+_HOST_AFTER_SIGN = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::\d*)?")
+_AFTER_HOST = frozenset("/,?#;")
+_CLOSING_MARK = {"'": "'", '"': '"', "`": "`", "(": ")", "[": "]", "{": "}", "<": ">"}
 _SCHEME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+.-")
 #: a query parameter of a URL named like a credential (``redis://host/0?password=...``,
 #: which redis-py reads as the password).  A name runs from a ``&``, or from the first ``?``
@@ -831,8 +834,8 @@ def _hide_url_passwords(text: str) -> str:
                 end = first
         userinfo, at, host = text[start:end].rpartition("@")
         if not at and _password_cut_short(host):  # (no "@": rpartition left it all in host)
-            limit = following if following != -1 else len(text)
-            sign = _user_information_end(text, end, limit)
+            limit = _line_end(text, end, following if following != -1 else len(text))
+            sign = _user_information_end(text, end, limit, _closing_mark(text, separator))
             if sign is not None:
                 stop = _AUTHORITY_END.search(text, sign + 1, limit)
                 end = stop.start() if stop is not None else limit
@@ -855,13 +858,31 @@ def _password_cut_short(authority: str) -> bool:
     return bool(colon) and bool(rest) and not rest.isdigit() and "[" not in authority
 
 
-def _user_information_end(text: str, end: int, limit: int) -> int | None:
+def _line_end(text: str, start: int, limit: int) -> int:
+    """Where the line holding ``start`` ends, at the latest at ``limit``: a password holds no
+    line break, so a later line's ``@`` (an address in a log) ends none."""
+    newline = text.find("\n", start, limit)
+    return newline if newline != -1 else limit
+
+
+def _closing_mark(text: str, separator: int) -> str | None:
+    """The mark closing the quote or bracket written just before the scheme of the URL
+    whose ``://`` is at ``separator`` (``'`` for ``'redis://...'``), None if there is none.
+    Scans back over the scheme alone, which no other URL's scan covers."""
+    first = separator
+    while first > 0 and text[first - 1] in _SCHEME_CHARS:
+        first -= 1
+    return _CLOSING_MARK.get(text[first - 1]) if first > 0 else None
+
+
+def _user_information_end(text: str, end: int, limit: int, closing: str | None) -> int | None:
     """Where the ``@`` ending a user information cut short at ``end`` lies: the last one
     in the run of non-blanks from ``end`` (a password holding ``/`` and ``@``), else the
     last in the first later run where a host follows it (a password holding blanks); None
-    if there is none before ``limit`` (the next URL).  Requiring the host keeps an ``@``
-    later in the line (a quoted ``user@node``) from hiding the words up to it.  Each
-    character is looked at at most twice: the search stays within ``[end, limit)``."""
+    if there is none before ``limit`` (the next URL or the line's end).  Requiring the host
+    keeps an ``@`` later in the line (a quoted ``user@node``) from hiding the words up to
+    it; the mark ``closing`` the URL's quote may follow the host.  Each character is looked
+    at at most twice: the search stays within ``[end, limit)``."""
     blank = _BLANK.search(text, end, limit)
     run_end = blank.start() if blank is not None else limit
     sign = text.rfind("@", end, run_end)
@@ -869,9 +890,19 @@ def _user_information_end(text: str, end: int, limit: int) -> int | None:
         return sign if sign != -1 else None
     for word in _WORD.finditer(text, run_end, limit):
         sign = text.rfind("@", word.start(), word.end())
-        if sign != -1 and _HOST_AFTER_SIGN.match(text, sign + 1, word.end()):
+        if sign != -1 and _host_follows(text, sign + 1, word.end(), closing):
             return sign
     return None
+
+
+def _host_follows(text: str, start: int, word_end: int, closing: str | None) -> bool:
+    """Whether ``text[start:word_end]`` begins with a host (and port) that the word's end,
+    a path, a query, a list's next node, a ``;`` or the ``closing`` mark follows."""
+    host = _HOST_AFTER_SIGN.match(text, start, word_end)
+    if host is None or host.end() == word_end:
+        return host is not None
+    after = text[host.end()]
+    return after in _AFTER_HOST or after == closing
 
 
 def redact_secrets(value: Any) -> Any:

@@ -158,6 +158,17 @@ def test_a_store_refused_with_a_value_error_is_told_without_the_password(
         ("http://[::1]:8080/kv/a@b", "http://[::1]:8080/kv/a@b"),
         # a passphrase of several words is hidden whole, its end an "@" before a host
         ("memory://u:correct horse staple@host/kv", "memory://u:***@host/kv"),
+        # a quoted or bracketed URL: its closing mark may follow the host
+        ("cannot open 'redis://u:a b@host'", "cannot open 'redis://u:***@host'"),
+        ("cannot open (redis://u:two words more@host)", "cannot open (redis://u:***@host)"),
+        ('url="redis://u:a b c@host:6379"', 'url="redis://u:***@host:6379"'),
+        ("connect to redis://u:a b@host; retrying", "connect to redis://u:***@host; retrying"),
+        # a password holds no line break: a later line's address ends none (the line
+        # break is then shown escaped)
+        (
+            "redis://u:pass word refused\nmail admin@example.com",
+            "redis://u:pass word refused\\nmail admin@example.com",
+        ),
         # a line's later "@" before no host name is no password's end
         (
             "nodes are given as redis://host:port, not as 'user@node' (got x@y)",
