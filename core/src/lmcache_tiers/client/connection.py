@@ -2,7 +2,7 @@
 
 Several requests may be in flight (``lookup_many`` pipelines them); a reply that arrives
 for another outstanding request is kept for it, and one for a request that already timed
-out settles what that request took on the client's behalf (reservations, read locks),
+out (or whose wait was interrupted) settles what that request took on the client's behalf (reservations, read locks),
 which nobody would otherwise give back before the server's TTL.
 
 ZeroMQ reconnects a dropped connection by itself, to whatever server listens at the URL
@@ -320,21 +320,25 @@ class Connection:
             epoch = self._send(header, (), deadline)  # waits for the server to be reachable
         self._outstanding[req_id] = epoch
         try:
-            first = _raw_recv(sock, 0, False)
-        except zmq.Again:
-            return self._await(request, expect, deadline)[0]  # no reply yet: times out there
-        data: bytes = first.bytes
-        if first.more:
-            frames = [data, *_rest_of_message(sock)]
-            self._early_or_settle(frames)
-            return self._await(request, expect, deadline)[0]
-        try:
-            reply = p.reply_decoder.decode(data)
-        except msgspec.DecodeError as exc:
-            raise ProtocolError(f"undecodable reply from {self.url}: {exc}") from None
-        if reply.req_id != req_id:
-            self._early_or_settle([data], reply)
-            return self._await(request, expect, deadline)[0]
+            try:
+                first = _raw_recv(sock, 0, False)
+            except zmq.Again:
+                return self._await(request, expect, deadline)[0]  # no reply yet: times out there
+            data: bytes = first.bytes
+            if first.more:
+                frames = [data, *_rest_of_message(sock)]
+                self._early_or_settle(frames)
+                return self._await(request, expect, deadline)[0]
+            try:
+                reply = p.reply_decoder.decode(data)
+            except msgspec.DecodeError as exc:
+                raise ProtocolError(f"undecodable reply from {self.url}: {exc}") from None
+            if reply.req_id != req_id:
+                self._early_or_settle([data], reply)
+                return self._await(request, expect, deadline)[0]
+        except BaseException:
+            self._give_up(request)
+            raise
         del self._outstanding[req_id]
         if reply.code != _OK:
             raise ServerError(error_code(reply.code), reply.message)
@@ -409,6 +413,27 @@ class Connection:
     def _await(self, request: p._Request, expect: type[_R], deadline: float) -> tuple[_R, list[Any]]:
         """Receive until the reply to ``request`` arrives; replies to other outstanding
         requests of this client are kept for their own ``_await``."""
+        try:
+            return self._await_reply(request, expect, deadline)
+        except BaseException:
+            self._give_up(request)
+            raise
+
+    def _give_up(self, request: p._Request) -> None:
+        """A wait for the reply to ``request`` ended without it (interrupted by a signal
+        handler or Ctrl-C, or another message could not be decoded): its reply may still
+        come, so it is settled like that of a request that timed out.  Left outstanding,
+        that reply would be kept for a wait that never comes, holding what it took on the
+        client's behalf (locks, reservations) until the server's TTL, and every later call
+        would take the slow path of pipelined requests."""
+        if self._outstanding.pop(request.req_id, None) is None:
+            return  # answered, or already given up on
+        self._remember_orphan(request)
+        arrived = self._early.pop(request.req_id, None)
+        if arrived is not None:
+            self._settle_orphan(arrived[0])
+
+    def _await_reply(self, request: p._Request, expect: type[_R], deadline: float) -> tuple[_R, list[Any]]:
         req_id = request.req_id
         sent_at = self._outstanding.get(req_id, self._drops)
         # Zero-copy frames only where payloads come back; plain bytes are cheaper.
