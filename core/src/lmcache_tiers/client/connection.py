@@ -2,8 +2,9 @@
 
 Several requests may be in flight (``lookup_many`` pipelines them); a reply that arrives
 for another outstanding request is kept for it, and one for a request that already timed
-out (or whose wait was interrupted) settles what that request took on the client's behalf (reservations, read locks),
-which nobody would otherwise give back before the server's TTL.
+out (or whose wait was interrupted) settles what that request took on the client's
+behalf (reservations, read locks), which nobody would otherwise give back before the
+server's TTL.
 
 ZeroMQ reconnects a dropped connection by itself, to whatever server listens at the URL
 then, without telling the socket's user.  A monitor on the socket notes every drop, so
