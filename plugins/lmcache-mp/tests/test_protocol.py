@@ -99,6 +99,30 @@ def test_a_repeated_prepare_store_replaces_the_first(client: MPClient, mp_server
     assert client.retrieve(key, REG.instance_id, shm) == payloads
 
 
+def test_another_connection_preparing_the_same_store_never_takes_the_writers_slots(
+    client: MPClient, mp_server: TiersServer
+) -> None:
+    """Two client processes with the same instance and request ids (``lmcache bench
+    server`` runs with fixed ones): the second one's prepare is no retry of the first's, so
+    it must neither abort the first's reservation (whose slots are being written) nor have
+    its own reservation committed by the first one's commit."""
+    shm = client.register(REG)["shm_name"]
+    key = Key(tokens_of(32), "same-request", worker_id=0)
+    first = client.call("prepare_store", key.encode(), REG.instance_id)["context"]
+    assert first["chunk_indices"] == [0, 1, 2, 3]
+    with MPClient(mp_address(mp_server)) as second:
+        again = second.call("prepare_store", key.encode(), REG.instance_id)
+        assert again == {"context": {"slots": [], "chunk_indices": []}}  # being written
+        segment = client.segment(shm)
+        payloads = chunk_payloads(32, 4, CHUNK)
+        for slot, payload in zip(first["slots"], payloads, strict=True):
+            segment[slot["offset"] : slot["offset"] + slot["length"]] = payload
+        assert client.call("commit_store", key.encode(), REG.instance_id, b"") is True
+        assert second.call("commit_store", key.encode(), REG.instance_id, b"") is False
+    assert client.retrieve(Key(tokens_of(32), "reader", worker_id=0), REG.instance_id, shm) == payloads
+    assert mp_stats(mp_server).failures["mp_commit_without_reservation"] == 1
+
+
 def test_a_second_request_never_takes_a_reservation_being_written(
     client: MPClient, mp_server: TiersServer
 ) -> None:

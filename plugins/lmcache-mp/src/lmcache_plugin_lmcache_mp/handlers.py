@@ -59,9 +59,17 @@ NOT_SERVED: dict[str, str] = {
 }
 
 
-#: operations whose handler is told the client's connection (``peer``)
+#: operations whose handler is told the client's connection (``peer``): registrations, and
+#: transfers, whose commit finishes only what a prepare on the same connection began
 _BY_CONNECTION = frozenset(
-    {"register_kv_cache_engine_driven_context", "unregister_kv_cache_engine_driven_context"}
+    {
+        "register_kv_cache_engine_driven_context",
+        "unregister_kv_cache_engine_driven_context",
+        "prepare_store",
+        "commit_store",
+        "prepare_retrieve",
+        "commit_retrieve",
+    }
 )
 
 
@@ -99,7 +107,7 @@ class Handlers:
 
     def dispatch(self, name: str, args: list[Any], peer: bytes) -> Any:
         """Run operation ``name``; ``peer`` is the ZeroMQ identity of the client's
-        connection, which (un)registrations record and check."""
+        connection, which (un)registrations and transfers record and check."""
         if name in _BY_CONNECTION:
             return self.table[name](*args, peer=peer)
         return self.table[name](*args)

@@ -8,8 +8,9 @@
   the read locks the prefetch took, which the request's retrieves consume one per key and
   ``free_lookup_locks`` / ``end_session`` give back.
 * **Pending transfers**: SHM reservations between ``prepare_store`` and ``commit_store``,
-  read locks between ``prepare_retrieve`` and ``commit_retrieve``, per (instance, request,
-  keys): a commit finishes only what its own request prepared.
+  read locks between ``prepare_retrieve`` and ``commit_retrieve``, per (instance, client
+  connection, request, keys): a commit finishes only what its own request prepared on its
+  own connection.
 
 Only the front end's loop thread touches these objects, except :class:`LookupJob`'s
 ``arrived`` event and ``arrived_hits``, which the one pool thread waiting for a prefetch
@@ -29,6 +30,9 @@ from lmcache_plugin_lmcache_mp.chunks import HashCache
 from lmcache_tiers.plugin import ObjectKey, TensorLayout
 
 __all__ = ["Instance", "LookupJob", "PendingTransfers", "RequestTable", "Transfer"]
+
+#: a client connection's ZeroMQ identity (named: Transfer has a field called ``bytes``)
+Peer = bytes
 
 
 @dataclass
@@ -177,14 +181,18 @@ class Transfer:
     #: these objects only (``commit_reserved``, ``abort_reserved``): a key whose reservation
     #: L1 reaped may be another writer's by then.
     reserved: Mapping[ObjectKey, Any] = field(default_factory=dict)
+    #: the ZeroMQ identity of the connection that prepared it: two client processes may
+    #: send the same instance and request ids (``lmcache bench server`` uses fixed ones),
+    #: and one must never commit, abort or replace the other's transfer
+    peer: Peer = b""
 
 
-_Ident = tuple[int, str, tuple[ObjectKey, ...]]
+_Ident = tuple[int, bytes, str, tuple[ObjectKey, ...]]
 
 
 class PendingTransfers:
-    """Prepared transfers by (instance id, request id, keys); a repeat of the same prepare
-    queues."""
+    """Prepared transfers by (instance id, connection, request id, keys); a repeat of the
+    same prepare queues."""
 
     def __init__(self) -> None:
         self._pending: dict[_Ident, deque[Transfer]] = {}
@@ -192,13 +200,16 @@ class PendingTransfers:
         self._expired_since_sweep = 0
 
     def add(self, instance_id: int, keys: list[ObjectKey], transfer: Transfer) -> None:
-        ident = (instance_id, transfer.request_id, tuple(keys))
+        ident = (instance_id, transfer.peer, transfer.request_id, tuple(keys))
         self._pending.setdefault(ident, deque()).append(transfer)
 
-    def pop(self, instance_id: int, request_id: str, keys: list[ObjectKey], now: float) -> Transfer | None:
-        """The oldest live transfer of these keys by this instance for this request (expired
-        ones are dropped: L1 has reaped their locks, which may belong to someone else by now)."""
-        ident = (instance_id, request_id, tuple(keys))
+    def pop(
+        self, instance_id: int, request_id: str, keys: list[ObjectKey], now: float, peer: bytes = b""
+    ) -> Transfer | None:
+        """The oldest live transfer of these keys by this instance for this request, prepared
+        on connection ``peer`` (expired ones are dropped: L1 has reaped their locks, which
+        may belong to someone else by now)."""
+        ident = (instance_id, peer, request_id, tuple(keys))
         queue = self._pending.get(ident)
         found = None
         while queue and found is None:

@@ -13,7 +13,9 @@ Pickled (``allow_pickle``): ``commit_store`` carries the chunks as pickled tenso
 A chunk already in L1 (stored by anyone, or being stored) is not stored again: a second
 ``prepare_store`` of chunks another request is still writing gets no slots for them, and
 the first writer's reservation is left alone.  Only the same request preparing the same
-range again (a client that timed out on its first prepare) replaces its own reservation.
+range again on the same connection (a client that timed out on its first prepare) replaces
+its own reservation; a commit finishes only what its own connection prepared, since two
+client processes may send the same instance and request ids.
 A retrieve answers only when every chunk of its range is in L1 with this instance's
 layout, and a miss otherwise (the engine recomputes).  A store L1 cannot make room for is
 refused (counted): ``prepare_store`` answers no slots, so the client skips its gather and
@@ -83,15 +85,16 @@ class Transfers:
 
     # -- store ---------------------------------------------------------------------------
 
-    def prepare_store(self, key: CacheKey, instance_id: int) -> Any:
+    def prepare_store(self, key: CacheKey, instance_id: int, *, peer: bytes = b"") -> Any:
         instance, keys = self._resolve(key, instance_id)
         if not keys:
             return PrepareStoreReply(context=_ALL_PRESENT)  # no full chunk: nothing to store
         if self.shared.shm is None:
             return PrepareStoreReply(context={})  # pickled: the chunks come with commit_store
-        repeated = self.writes.pop(instance_id, key.request_id, keys, time.monotonic())
+        repeated = self.writes.pop(instance_id, key.request_id, keys, time.monotonic(), peer)
         if repeated is not None:
-            # The same request prepares the same range again (it timed out on the first):
+            # The same request prepares the same range again on the same connection (it
+            # timed out on the first; another process's prepare is not found here):
             # it never got those slots, so nobody writes into them; without this they would
             # stay write-locked for the write TTL.  Another request's reservation is never
             # touched: its client may be copying into it right now.
@@ -125,7 +128,9 @@ class Transfers:
                     }
                 )
                 indices.append(index)
-        transfer = Transfer(list(reserved), deadline, key.request_id, size * len(reserved), reserved=reserved)
+        transfer = Transfer(
+            list(reserved), deadline, key.request_id, size * len(reserved), reserved=reserved, peer=peer
+        )
         self.writes.add(instance_id, keys, transfer)
         return PrepareStoreReply(context={"slots": slots, "chunk_indices": indices})
 
@@ -142,12 +147,14 @@ class Transfers:
             logger.debug("commit of request %s: %s", printable(key.request_id), exc)
             return instance, None
 
-    def commit_store(self, key: CacheKey, instance_id: int, data: bytes) -> Any:
+    def commit_store(self, key: CacheKey, instance_id: int, data: bytes, *, peer: bytes = b"") -> Any:
         if data:
-            return self._commit_pickled(key, instance_id, data)
+            return self._commit_pickled(key, instance_id, data, peer)
         instance, keys = self._commit_keys(key, instance_id)
         pending = (
-            None if keys is None else self.writes.pop(instance_id, key.request_id, keys, time.monotonic())
+            None
+            if keys is None
+            else self.writes.pop(instance_id, key.request_id, keys, time.monotonic(), peer)
         )
         if pending is None:
             self.shared.stats.failure("mp_commit_without_reservation")
@@ -165,10 +172,10 @@ class Transfers:
         self._count_lost(len(pending.reserved) - stored)
         return stored == len(pending.reserved)
 
-    def _commit_pickled(self, key: CacheKey, instance_id: int, data: bytes) -> Any:
+    def _commit_pickled(self, key: CacheKey, instance_id: int, data: bytes, peer: bytes) -> Any:
         # LMCache's server reads the range of pickled chunks: a key it cannot read is refused
         instance, keys = self._resolve(key, instance_id)
-        pending = self.writes.pop(instance_id, key.request_id, keys, time.monotonic())
+        pending = self.writes.pop(instance_id, key.request_id, keys, time.monotonic(), peer)
         if pending is not None:
             # A client that fell back from shared memory: its reservation goes now, while
             # it is known to be alive.  On the pool, later, the write TTL may have passed
@@ -258,7 +265,7 @@ class Transfers:
 
     # -- retrieve ------------------------------------------------------------------------
 
-    def prepare_retrieve(self, key: CacheKey, instance_id: int) -> Any:
+    def prepare_retrieve(self, key: CacheKey, instance_id: int, *, peer: bytes = b"") -> Any:
         instance, keys = self._resolve(key, instance_id)
         if not keys:
             return _MISS
@@ -282,7 +289,9 @@ class Transfers:
         total = size * len(objects)
         if self.shared.shm is None:
             return self._retrieve_pickled(key, instance, keys, objects, not_before)
-        self.reads.add(instance_id, keys, Transfer(keys, deadline, key.request_id, total, not_before))
+        self.reads.add(
+            instance_id, keys, Transfer(keys, deadline, key.request_id, total, not_before, peer=peer)
+        )
         self._count_retrieve(len(objects), total)
         layout = instance.layout
         slots = [
@@ -322,11 +331,11 @@ class Transfers:
         self.shared.stats.failure("mp_retrieve_object_lost")
         return _MISS
 
-    def commit_retrieve(self, key: CacheKey, instance_id: int) -> Any:
+    def commit_retrieve(self, key: CacheKey, instance_id: int, *, peer: bytes = b"") -> Any:
         _, keys = self._commit_keys(key, instance_id)
         if keys is None:
             return True
-        pending = self.reads.pop(instance_id, key.request_id, keys, time.monotonic())
+        pending = self.reads.pop(instance_id, key.request_id, keys, time.monotonic(), peer)
         if pending is not None:
             self.storage.release(pending.keys, not_before=pending.not_before)
             self.lookups.consume(key.request_id, keys)
