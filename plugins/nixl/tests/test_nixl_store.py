@@ -475,7 +475,7 @@ def test_a_store_past_its_closing_check_finishes_its_slots_before_close_closes_t
     """Between a store's closing check and its last slot published, the backend's close
     (core runs it once its deadline passed) must not close the slot files: finishing a
     slot truncates its file through a descriptor that may name another file by then.  The
-    check and the publication hold the lock close takes, so close waits for them."""
+    store holds the slot files open until it leaves: close leaves their closing to it."""
     with scratch_dir() as directory:
         adapter = open_pool(pool_config(directory, pool_size=4))
         try:
@@ -651,3 +651,222 @@ def test_the_slot_files_are_closed_once_when_close_meets_the_last_finishing_stor
             gate.set()
             second_close_done.set()
             adapter.close()
+
+
+# -- the slot files outlive every call still using them ---------------------------------------
+
+
+def _slot_file_identities(storage: object) -> list[tuple[int, int]]:
+    """(descriptor, inode) of every open slot file."""
+    fds = list(storage._buffered) + list(storage._direct)  # type: ignore[attr-defined]
+    return [(fd, os.fstat(fd).st_ino) for fd in fds]
+
+
+def _still_open(identities: list[tuple[int, int]]) -> bool:
+    """Whether every descriptor still names the slot file it named (not closed, not reused)."""
+    for fd, inode in identities:
+        try:
+            if os.fstat(fd).st_ino != inode:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def _hold_transfer(monkeypatch, operation: str, entered: threading.Event, gate: threading.Event) -> None:
+    """The first NIXL ``operation`` stays in progress until ``gate`` opens, then runs."""
+    from lmcache_plugin_nixl.runtime import NixlRuntime
+
+    runtime = NixlRuntime.shared()
+    transfer_many = runtime.transfer_many
+
+    def held(backend_name: str, op: str, *args: object, **kwargs: object) -> object:
+        if op == operation and not entered.is_set():
+            entered.set()
+            gate.wait(60)
+        return transfer_many(backend_name, op, *args, **kwargs)
+
+    monkeypatch.setattr(runtime, "transfer_many", held)
+
+
+@pytest.mark.parametrize("operation", ["WRITE", "READ"])
+def test_close_leaves_the_slot_files_open_under_a_transfer_in_progress(monkeypatch, operation: str) -> None:
+    """NIXL posts a request by descriptor number: a store or load inside its transfer when
+    the backend's close runs (core's last step once its deadline passed) must find the
+    slot files still open, else a number another file reused would be written or read.
+    Close does not wait for the call; the call closes the files when it leaves."""
+    arena = Arena()
+    entered, gate = threading.Event(), threading.Event()
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=4), arena.view)
+        try:
+            backend = adapter.backend
+            storage = backend._storage
+            keys = make_keys(2)
+            data = [memoryview(pattern(90 + i, SIZE)) for i in range(2)]
+            if operation == "READ":
+                assert backend.put_many(keys, data) == [True, True]
+                call = threading.Thread(
+                    target=backend.get_many_into, args=(keys, [arena.take(SIZE) for _ in keys])
+                )
+            else:
+                call = threading.Thread(target=backend.put_many, args=(keys, data))
+            identities = _slot_file_identities(storage)
+            _hold_transfer(monkeypatch, operation, entered, gate)
+            call.start()
+            assert entered.wait(10)
+            adapter.state.closing.set()
+            backend.close()
+            open_under_transfer = _still_open(identities)
+            gate.set()
+            call.join(30)
+            assert open_under_transfer, "close closed the slot files under a transfer in progress"
+            assert storage._buffered == [], "the call did not close the slot files when it left"
+            assert not any(name.startswith("nixl-pool-") for name in os.listdir(directory))
+        finally:
+            gate.set()
+            adapter.close()
+
+
+@pytest.mark.parametrize("operation", ["WRITE", "READ"])
+def test_a_call_raising_inside_its_transfer_after_close_still_closes_the_slot_files(
+    monkeypatch, operation: str
+) -> None:
+    """Whoever leaves last closes the slot files, also a call whose transfer raised."""
+    from lmcache_plugin_nixl.runtime import NixlRuntime
+
+    arena = Arena()
+    entered, gate = threading.Event(), threading.Event()
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=4), arena.view)
+        try:
+            backend = adapter.backend
+            storage = backend._storage
+            keys = make_keys(1)
+            data = [memoryview(pattern(95, SIZE))]
+            if operation == "READ":
+                assert backend.put_many(keys, data) == [True]
+            runtime = NixlRuntime.shared()
+
+            def raising(backend_name: str, op: str, *args: object, **kwargs: object) -> object:
+                entered.set()
+                gate.wait(60)
+                raise RuntimeError("injected: the transfer raised")
+
+            monkeypatch.setattr(runtime, "transfer_many", raising)
+            raised: list[BaseException] = []
+
+            def call() -> None:
+                try:
+                    if operation == "READ":
+                        backend.get_many_into(keys, [arena.take(SIZE)])
+                    else:
+                        backend.put_many(keys, data)
+                except RuntimeError as exc:
+                    raised.append(exc)
+
+            caller = threading.Thread(target=call)
+            caller.start()
+            assert entered.wait(10)
+            adapter.state.closing.set()
+            backend.close()
+            assert storage._buffered, "close closed the slot files under a transfer in progress"
+            gate.set()
+            caller.join(30)
+            assert len(raised) == 1
+            assert storage._buffered == []
+            assert backend._slots.used_slots == (1 if operation == "READ" else 0)
+        finally:
+            gate.set()
+            adapter.close()
+
+
+def test_calls_after_close_are_refused_counted_and_touch_no_file(caplog: pytest.LogCaptureFixture) -> None:
+    """Once the backend's close ran, a store or load posts nothing (its descriptors are
+    closed): its keys fail, counted as stopped by the close, one log line each."""
+    arena = Arena()
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=4), arena.view)
+        try:
+            backend = adapter.backend
+            keys = make_keys(3)
+            assert backend.put_many(keys[:2], [memoryview(pattern(96 + i, SIZE)) for i in range(2)]) == [
+                True,
+                True,
+            ]
+            adapter.state.closing.set()
+            backend.close()
+            with caplog.at_level("INFO"):
+                assert backend.put_many(keys[2:], [memoryview(pattern(99, SIZE))]) == [False]
+                assert backend.get_many_into(keys[:2], [arena.take(SIZE) for _ in range(2)]) == [False, False]
+            stats = adapter.stats()
+            assert stats.get("store_stopped_closing", 0) == 1
+            assert stats.get("load_stopped_closing", 0) == 2
+            assert backend._slots.used_slots == 2, "a refused store claimed a slot for good"
+            assert any("not stored: the adapter is closing" in r.getMessage() for r in caplog.records)
+            assert any("not loaded: the adapter is closing" in r.getMessage() for r in caplog.records)
+        finally:
+            adapter.close()
+
+
+def test_a_second_close_under_a_transfer_in_progress_closes_nothing(monkeypatch) -> None:
+    """Two closes while a store is inside its transfer: neither closes the slot files under
+    it, and the store closes them once when it leaves."""
+    entered, gate = threading.Event(), threading.Event()
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=4))
+        try:
+            backend = adapter.backend
+            storage = backend._storage
+            close_files = storage.close
+            closes: list[str] = []
+
+            def counted_close() -> int:
+                closes.append(threading.current_thread().name)
+                return close_files()
+
+            monkeypatch.setattr(storage, "close", counted_close)
+            identities = _slot_file_identities(storage)
+            _hold_transfer(monkeypatch, "WRITE", entered, gate)
+            store = threading.Thread(
+                target=backend.put_many, args=(make_keys(1), [memoryview(pattern(97, SIZE))]), name="store"
+            )
+            store.start()
+            assert entered.wait(10)
+            adapter.state.closing.set()
+            backend.close()
+            backend.close()
+            open_under_transfer = _still_open(identities)
+            gate.set()
+            store.join(30)
+            assert open_under_transfer
+            assert closes == ["store"], f"the slot files were closed by {closes}"
+        finally:
+            gate.set()
+            adapter.close()
+
+
+def test_closing_the_slot_files_goes_on_past_a_descriptor_that_fails_to_close(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One descriptor whose close fails must not leave the other slot files open, their
+    files in place and the directory locked: the rest are closed, the failure counted
+    and logged."""
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=4))
+        storage = adapter.backend._storage
+        real = storage._buffered[1]
+        # A number no file can have (far above the open-file limit): its close fails (EBADF).
+        storage._buffered[1] = 1 << 30
+        others = [(fd, os.fstat(fd).st_ino) for fd in storage._buffered if fd != 1 << 30]
+        try:
+            with caplog.at_level("WARNING"):
+                adapter.close()
+            assert adapter.stats().get("slot_file_close_failures", 0) == 1
+            assert any("could not be closed" in r.getMessage() for r in caplog.records)
+            assert not any(_still_open([identity]) for identity in others)
+            assert not any(name.startswith("nixl-pool-") for name in os.listdir(directory))
+            reopened = open_pool(pool_config(directory, pool_size=4))
+            reopened.close()
+        finally:
+            os.close(real)

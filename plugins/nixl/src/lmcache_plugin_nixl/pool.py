@@ -70,7 +70,9 @@ class SlotStorage(Protocol):
         """Record that slot now holds ``length`` bytes."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> int:
+        """Release the slots (once); how many files failed to close (each logged)."""
+        ...
 
 
 def _ensure_fd_budget(needed: int) -> None:
@@ -130,24 +132,36 @@ class FileSlots:
             os.ftruncate(self._buffered[slot], length)
         self._lengths[slot] = length
 
-    def _close_files(self, *, remove: bool) -> None:
+    def _close_files(self, *, remove: bool) -> int:
+        """Close every slot descriptor, remove the files if asked and unlock the directory;
+        how many descriptors failed to close.  One failing close stops none of the rest:
+        the other files would stay open, and the directory locked, until the process ends."""
+        failures = 0
         for fd in self._buffered + self._direct:
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError as exc:
+                failures += 1
+                log.warning("slot file descriptor %d of %s could not be closed: %s", fd, self.directory, exc)
         if remove:
             for slot in range(len(self._buffered)):
                 try:
                     os.unlink(os.path.join(self.directory, slot_file_name(slot)))
                 except FileNotFoundError:
                     pass
+                except OSError as exc:  # truncated by the next start on this directory
+                    log.warning("slot file %d of %s could not be removed: %s", slot, self.directory, exc)
         self._buffered, self._direct = [], []
         self._lock.release()
+        return failures
 
-    def close(self) -> None:
+    def close(self) -> int:
         if self._registration is not None:
             self._registration.release()
             self._registration = None
         if self._buffered:
-            self._close_files(remove=True)
+            return self._close_files(remove=True)
+        return 0
 
 
 class ObjectSlots:
@@ -170,7 +184,8 @@ class ObjectSlots:
     def written(self, slot: int, length: int) -> None:
         return None
 
-    def close(self) -> None:
+    def close(self) -> int:
         if self._registration is not None:
             self._registration.release()
             self._registration = None
+        return 0

@@ -61,11 +61,11 @@ class NixlStoreBackend:
             self._host.close()
             raise
         self._slots = SlotTable(config.pool_size)
-        # Stores finishing their slots (past their closing check) and whether close() was
-        # called: the slot files are closed by close() or, when stores are still finishing
-        # then, by the last of them (see _begin_finishing).  Held only to read or change them.
-        self._finish_state = threading.Lock()
-        self._finishing = 0
+        # Stores and loads using the slot files (see _enter_call) and whether close() was
+        # called: the slot files are released by close() or, when calls still use them
+        # then, by the last of those to leave.  Held only to read or change the two.
+        self._use_state = threading.Lock()
+        self._users = 0
         self._close_requested = False
         self._transfer = BatchTransfer(
             runtime, config.backend, self._host, self._storage.storage_mem, direct_io=config.use_direct_io
@@ -79,6 +79,22 @@ class NixlStoreBackend:
             self._explain_unclaimed(claims)
         if not writes:
             return results
+        if not self._enter_call():
+            never_tried = list(range(len(writes)))
+            return self._abandon_closing(keys, writes, [False] * len(writes), never_tried, results)
+        try:
+            return self._write_claimed(keys, payloads, writes, results)
+        finally:
+            self._leave_call()
+
+    def _write_claimed(
+        self,
+        keys: Sequence[ObjectKey],
+        payloads: Sequence[memoryview],
+        writes: list[tuple[int, int]],
+        results: list[bool],
+    ) -> list[bool]:
+        """Write and publish the claimed slots (the caller holds the slot files open)."""
         buffers = [payloads[i] for i, _slot in writes]
 
         def locate(position: int, address: int) -> tuple[int, int, int]:
@@ -97,33 +113,35 @@ class NixlStoreBackend:
             for i, slot in writes:
                 self._slots.abandon(keys[i], slot)
             raise
-        if not self._begin_finishing():
+        if self._close_requested or self._closing():
             return self._abandon_closing(keys, writes, written, stopped, results)
-        try:
-            self._finish_and_publish(keys, writes, buffers, written, results)
-        finally:
-            self._end_finishing()
+        # A store past this check finishes and publishes its slots even if close() runs
+        # meanwhile: the files stay open until it leaves.
+        self._finish_and_publish(keys, writes, buffers, written, results)
         return results
 
-    def _begin_finishing(self) -> bool:
-        """Whether this store may finish and publish its slots: not once the adapter is
-        closing.  A store that may keeps the slot files open until it ends finishing: their
-        descriptors are not closed (and maybe reused) under it.  No lock is held while it
-        finishes, so stores finish in parallel and close() never waits for one (truncating
-        a file can hang on a hung device)."""
-        with self._finish_state:
-            if self._close_requested or self._closing():
+    def _enter_call(self) -> bool:
+        """Register a store or load as a user of the slot files, before it posts any NIXL
+        transfer; False (the call must touch no file) once close() was called.  NIXL posts
+        requests by descriptor number, and a request already posted runs on after the call
+        was given up: the files are not closed (and their numbers not reused by other
+        files) until every registered call left (:meth:`_leave_call`), whether its
+        transfers completed, failed or raised.  No lock is held during the call: calls run
+        in parallel and close() never waits for one (a transfer or a truncate can hang on
+        a hung device)."""
+        with self._use_state:
+            if self._close_requested:
                 return False
-            self._finishing += 1
+            self._users += 1
             return True
 
-    def _end_finishing(self) -> None:
-        """The last store to end finishing after close() was called closes the slot files."""
-        with self._finish_state:
-            self._finishing -= 1
-            close_now = self._close_requested and self._finishing == 0
-        if close_now:
-            self._close_storage()
+    def _leave_call(self) -> None:
+        """The last call to leave after close() was called releases the slot files."""
+        with self._use_state:
+            self._users -= 1
+            release_now = self._close_requested and self._users == 0
+        if release_now:
+            self._release_storage_safely("the last call using them left")
 
     def _finish_and_publish(
         self,
@@ -209,29 +227,46 @@ class NixlStoreBackend:
             ]
             if not reads:
                 return results
-            targets = [buffers[i] for i in reads]
-
-            def locate(position: int, address: int) -> tuple[int, int, int]:
-                entry = entries[reads[position]]
-                assert entry is not None
-                length = targets[position].nbytes
-                return 0, length, self._storage.device(entry.slot, address, length)
-
-            # Core fails a load still running at its close deadline and hands its buffers
-            # to other objects before it closes the backend: nothing more is read into them.
-            moved = self._transfer.run("READ", targets, locate, stop=self._closing)
-            if self._closing():
-                # The buffers may belong to other objects by now (see above): not even
-                # read to verify them.
+            if not self._enter_call():
                 self._load_stopped_closing(len(reads))
                 return results
-            for i, ok in zip(reads, moved, strict=True):
-                entry = entries[i]
-                assert entry is not None
-                results[i] = ok and self._verified(keys[i], entry, buffers[i])
-            return results
+            try:
+                return self._read_held(keys, buffers, entries, reads, results)
+            finally:
+                self._leave_call()
         finally:
             self._slots.release_reads(held)
+
+    def _read_held(
+        self,
+        keys: Sequence[ObjectKey],
+        buffers: Sequence[memoryview],
+        entries: list[StoredSlot | None],
+        reads: list[int],
+        results: list[bool],
+    ) -> list[bool]:
+        """Read and verify the slots of ``reads`` (the caller holds the slot files open)."""
+        targets = [buffers[i] for i in reads]
+
+        def locate(position: int, address: int) -> tuple[int, int, int]:
+            entry = entries[reads[position]]
+            assert entry is not None
+            length = targets[position].nbytes
+            return 0, length, self._storage.device(entry.slot, address, length)
+
+        # Core fails a load still running at its close deadline and hands its buffers
+        # to other objects before it closes the backend: nothing more is read into them.
+        moved = self._transfer.run("READ", targets, locate, stop=self._closing)
+        if self._closing():
+            # The buffers may belong to other objects by now (see above): not even
+            # read to verify them.
+            self._load_stopped_closing(len(reads))
+            return results
+        for i, ok in zip(reads, moved, strict=True):
+            entry = entries[i]
+            assert entry is not None
+            results[i] = ok and self._verified(keys[i], entry, buffers[i])
+        return results
 
     def _load_stopped_closing(self, count: int) -> None:
         """Count and explain the keys of a load that returned once the adapter was closing:
@@ -273,36 +308,43 @@ class NixlStoreBackend:
         return {"pool_slots_used": self._slots.used_slots, "pool_slots_total": self._slots.pool_size}
 
     def close(self) -> None:
+        """Refuse further calls and release the slot files -- now if no call uses them,
+        else when the last one leaves (one log line).  Never waits for a call."""
         try:
-            # Only the first close decides who closes the slot files (itself, or the last
-            # store finishing then): a second one, maybe while that store closes them,
-            # must not close their descriptor numbers again (another file may reuse one).
-            with self._finish_state:
+            # Only the first close decides who releases the slot files (itself, or the
+            # last call leaving): a second one, maybe while that call releases them, must
+            # not close their descriptor numbers again (another file may reuse one).
+            with self._use_state:
                 first = not self._close_requested
                 self._close_requested = True
-                finishing = self._finishing
+                users = self._users
             if not first:
                 return
-            if finishing:
+            if users:
                 log.warning(
-                    "%s: %d stores are still finishing their slot files: the pool's files are "
-                    "closed and removed once they are done",
+                    "%s: %d stores or loads still use the pool's files: they are closed and "
+                    "removed once the last of them is done",
                     self.context.name,
-                    finishing,
+                    users,
                 )
             else:
-                self._storage.close()
+                self._release_storage()
         finally:
             self._host.close()
 
-    def _close_storage(self) -> None:
-        """Close the slot files on a store's thread, after close() returned: an error is
-        logged (the store's keys are already reported)."""
+    def _release_storage(self) -> None:
+        """Deregister and close the slot files, remove them and unlock their directory;
+        descriptors that failed to close are counted (each logged by the storage)."""
+        failures = self._storage.close()
+        if failures:
+            self.context.count("slot_file_close_failures", failures)
+
+    def _release_storage_safely(self, why: str) -> None:
+        """:meth:`_release_storage` on a call's thread, after close() returned: an error is
+        logged (the call's keys are already reported)."""
         try:
-            self._storage.close()
+            self._release_storage()
         except Exception:
             log.exception("%s: closing the pool's slot files failed", self.context.name)
         else:
-            log.info(
-                "%s: the pool's slot files are closed, the last store finishing them done", self.context.name
-            )
+            log.info("%s: the pool's slot files are closed, %s", self.context.name, why)
