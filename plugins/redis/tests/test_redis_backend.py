@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -1307,6 +1308,17 @@ def test_a_delete_that_finds_something_else_under_the_name_counts_it_once(
     assert adapter.stats()["foreign_objects"] == 2, "a later lookup counts what it finds"
 
 
+def each_fails_as_a_whole(adapter: BackendAdapter, calls: list[Callable[[], list[bool]]]) -> None:
+    """Each call of a store refusing every command of its kind fails as a call -- core
+    counts it and the circuit sees it -- and no refusal of a single object is counted."""
+    for call in calls:
+        assert not any(call())
+    stats = adapter.stats()
+    refusals = {name: count for name, count in stats.items() if name.endswith("_reply_errors") and count}
+    assert refusals == {}, "counted as refusals about single objects"
+    assert stats["backend_errors"] == len(calls) and stats["circuit_failures"] == len(calls)
+
+
 @pytest.mark.parametrize("stale_reads", ["yes", "no"], ids=["readonly", "masterdown"])
 def test_a_store_that_refuses_every_command_fails_the_calls_for_the_circuit(
     own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter], stale_reads: str
@@ -1332,12 +1344,7 @@ def test_a_store_that_refuses_every_command_fails_the_calls_for_the_circuit(
         ]
         if stale_reads == "no":
             calls.append(lambda: load(adapter, keys, found.sizes)[0])
-        for call in calls:
-            assert not any(call())
-        stats = adapter.stats()
-        refusals = {name: count for name, count in stats.items() if name.endswith("_reply_errors") and count}
-        assert refusals == {}, "counted as refusals about single objects"
-        assert stats["backend_errors"] == len(calls) and stats["circuit_failures"] == len(calls)
+        each_fails_as_a_whole(adapter, calls)
         assert adapter.used_bytes() == 2 * 16
     finally:
         own_server.cli("REPLICAOF", "NO", "ONE")
@@ -1371,3 +1378,71 @@ def test_a_damaged_record_is_removed_while_a_cluster_node_it_is_not_on_is_down(
         assert raw.exists(name) == 0
     finally:
         cluster.stop()
+
+
+def test_a_full_store_refuses_stores_counted_as_refused_and_still_serves(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # redis-py parses a pipelined OOM into OutOfMemoryError and drops "OOM" from its
+    # text: a full store's refusal is still counted as such, not as a reply error, and
+    # it fails the stores alone (lookups and deletes, which free the store, go on).
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
+    kept = make_keys(2)
+    store(adapter, kept, size=16)
+    own_server.cli("CONFIG", "SET", "maxmemory-policy", "noeviction")
+    own_server.cli("CONFIG", "SET", "maxmemory", "1")
+    try:
+        refused = make_keys(2, start=100)
+        assert client_of(adapter).store(refused, [memoryview(bytearray(16))] * 2) == [False, False]
+        stats = adapter.stats()
+        assert stats.get("store_refused_by_server", 0) == 2
+        assert stats.get("store_reply_errors", 0) == 0, "counted as an error reply about the object"
+        assert stats.get("backend_errors", 0) == 0, "a full store is no failed call"
+        assert client_of(adapter).lookup_and_lock(kept).found == [True, True]
+        adapter.unlock(kept)
+        assert adapter.delete(kept) == [True, True]
+    finally:
+        own_server.cli("CONFIG", "SET", "maxmemory", "0")
+
+
+def _refuse_writes_for_want_of_replicas(server: RedisServer) -> None:
+    server.cli("CONFIG", "SET", "min-replicas-to-write", "1")  # and it has none
+
+
+def _refuse_writes_after_a_failed_snapshot(server: RedisServer) -> None:
+    server.cli("CONFIG", "SET", "save", "3600 1")
+    shutil.rmtree(server.directory)  # the snapshot cannot be written
+    server.cli("BGSAVE")
+    wait_for(
+        lambda: "rdb_last_bgsave_status:err" in server.cli("INFO", "persistence").stdout,
+        "the snapshot to fail",
+    )
+
+
+@pytest.mark.parametrize(
+    "refuse_writes",
+    [_refuse_writes_for_want_of_replicas, _refuse_writes_after_a_failed_snapshot],
+    ids=["noreplicas", "misconf"],
+)
+def test_a_store_that_refuses_every_write_fails_the_calls_for_the_circuit(
+    own_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    refuse_writes: Callable[[RedisServer], None],
+) -> None:
+    # NOREPLICAS (min-replicas-to-write unmet) and MISCONF (a failed snapshot) refuse
+    # every write, whatever the key: a store and a delete fail as calls, which core
+    # counts and the circuit breaker sees, not as refusals of single objects.
+    adapter = open_adapter(
+        url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0, circuit={"failure_threshold": 100}
+    )
+    keys = make_keys(2)
+    store(adapter, keys, size=16)
+    cache_the_removal_script(backend_of(adapter))
+    refuse_writes(own_server)
+    calls = [
+        lambda: client_of(adapter).store(make_keys(2, start=100), [memoryview(bytearray(16))] * 2),
+        lambda: adapter.delete(keys),
+    ]
+    each_fails_as_a_whole(adapter, calls)
+    assert adapter.used_bytes() == 2 * 16

@@ -31,7 +31,7 @@ to a node that answers NOSCRIPT), only this server's records: another key's inta
 record and a newer format's are kept, as lookups keep them.  A per-object
 error reply (WRONGTYPE for a foreign key, OOM from a full store) fails that object only,
 counted and logged; one by which the store refuses every command of a kind (CLUSTERDOWN,
-READONLY, MASTERDOWN, BUSY, LOADING) fails the call -- and in a lookup or listing,
+READONLY, MASTERDOWN, BUSY, LOADING, NOREPLICAS, MISCONF) fails the call -- and in a lookup or listing,
 where any error reply but WRONGTYPE fails the call: "absent" would make core release
 the bytes of an object still there.
 So does any client error redis-py's cluster pipeline leaves in such a call's reply (a
@@ -104,12 +104,22 @@ _CALL_FAILURES = (RedisConnectionError, RedisTimeoutError)
 #: error replies by which the whole store (or cluster node) refuses every command of a
 #: kind, whatever the key: the cluster is down (CLUSTERDOWN), a replica refuses writes
 #: (READONLY) or, its primary gone, reads (MASTERDOWN), a script blocks it (BUSY), it
-#: loads its data (LOADING).  redis-py parses some into classes (dropping the code from
-#: the text); the direct reader (replies.py) leaves the code.  OOM is not one of them: a
+#: loads its data (LOADING), it lacks the replicas ``min-replicas-to-write`` asks for
+#: (NOREPLICAS) or its last snapshot failed (MISCONF: writes stop).  redis-py parses
+#: some into classes (dropping the code from the text); the direct reader (replies.py)
+#: leaves the code.  OOM is not one of them: a
 #: full store still serves lookups, loads and deletes (which free it), so only the
 #: refused stores fail, counted as refused.
 _STORE_REFUSALS = (ClusterDownError, ReadOnlyError)
-_STORE_REFUSAL_CODES = ("CLUSTERDOWN ", "READONLY ", "MASTERDOWN ", "BUSY ", "LOADING ")
+_STORE_REFUSAL_CODES = (
+    "CLUSTERDOWN ",
+    "READONLY ",
+    "MASTERDOWN ",
+    "BUSY ",
+    "LOADING ",
+    "NOREPLICAS ",
+    "MISCONF ",
+)
 #: what is wrong with one loaded object: its error reply, its header and why it is damaged,
 #: or (a miss that is kept) how to count and log it
 Problem = ResponseError | tuple[bytes, RecordError] | Callable[[], None]
