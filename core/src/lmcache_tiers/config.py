@@ -825,9 +825,7 @@ def _hide_url_passwords(text: str) -> str:
         if following != -1 and following < end:
             # The next URL begins inside: the authority ends where its scheme begins (its
             # first letter in the run of scheme characters before that ``://``).
-            first = following
-            while first > start and text[first - 1] in _SCHEME_CHARS:
-                first -= 1
+            first = _scheme_run_start(text, following, start)
             while first < following and not text[first].isalpha():
                 first += 1
             if first < following:
@@ -868,11 +866,18 @@ def _line_end(text: str, start: int, limit: int) -> int:
 def _closing_mark(text: str, separator: int) -> str | None:
     """The mark closing the quote or bracket written just before the scheme of the URL
     whose ``://`` is at ``separator`` (``'`` for ``'redis://...'``), None if there is none.
-    Scans back over the scheme alone, which no other URL's scan covers."""
-    first = separator
-    while first > 0 and text[first - 1] in _SCHEME_CHARS:
-        first -= 1
+    Scans back over the scheme alone: each character is looked at a bounded number of times."""
+    first = _scheme_run_start(text, separator, 0)
     return _CLOSING_MARK.get(text[first - 1]) if first > 0 else None
+
+
+def _scheme_run_start(text: str, separator: int, floor: int) -> int:
+    """Where the run of scheme characters ending at ``separator`` (a ``://``) begins, not
+    before ``floor``."""
+    first = separator
+    while first > floor and text[first - 1] in _SCHEME_CHARS:
+        first -= 1
+    return first
 
 
 def _user_information_end(text: str, end: int, limit: int, closing: str | None) -> int | None:
