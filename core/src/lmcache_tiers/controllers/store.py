@@ -195,6 +195,8 @@ class StoreController(ControllerThread):
         # Results first: they release locks and may let L1 delete objects.
         slots = self.slots if self.stopping else [self._fd_slot[fd] for fd in ready_fds]
         for slot in slots:
+            if self._left_behind():
+                return
             self._reap(slot)
         while True:
             with self._queue_lock:
@@ -208,11 +210,16 @@ class StoreController(ControllerThread):
                 with self._queue_lock:  # never seen as idle between the two counts
                     self._waiting_slices = len(self._pacer)
                     self._starting = 0
-        if self._end_counted:
-            # The close went on without this step and counted what it left: L1 and the
-            # adapters are closed, nothing more can be stored.
+        if self._left_behind():
             return
         self._submit_slices()
+
+    def _left_behind(self) -> bool:
+        """The close went on without this step (stuck in a call that returned since) and
+        counted everything it left unstored: L1 and the adapters are closed or closing, so
+        the step stops wherever it is -- another call would fail on the closed L1, or store
+        (and count) writes already counted as abandoned."""
+        return self._end_counted  # set by ``finish`` only once the loop is over
 
     def next_step_in(self) -> float | None:
         return self._step_in
@@ -221,6 +228,8 @@ class StoreController(ControllerThread):
         urgent = self.stopping or self._urgent > 0
         pieces, self._step_in = self._pacer.take(urgent=urgent)
         for piece in pieces:
+            if self._left_behind():
+                return  # the pieces taken are dropped: the close counted their objects
             self._submit(piece)
         self._waiting_slices = len(self._pacer)
         self._pace_threads(urgent or self._pacer.pressed)
@@ -404,6 +413,8 @@ class StoreController(ControllerThread):
 
     def _reap(self, slot: AdapterSlot) -> None:
         for task, results in self._tasks.reap(slot):
+            if self._left_behind():
+                return  # the close counted their objects; L1 is closed or closing
             try:
                 self._complete(task, results)
             except Exception:
