@@ -82,8 +82,20 @@ def test_print_config_shows_the_chain_but_no_key(key_file: Path) -> None:
     assert shown == [
         {"type": "fp8", "format": "e4m3fn", "granularity": "tensor", "fp8_dtype": None},
         {"type": "zstd", "level": 1, "shuffle": True, "element_size": None},
-        {"type": "aesgcm", "key_file": None, "key_env": "TIERS_KEY_UNDER_TEST", "per_salt_keys": True},
-        {"type": "aesgcm", "key_file": str(key_file), "key_env": None, "per_salt_keys": True},
+        {
+            "type": "aesgcm",
+            "key_file": None,
+            "key_env": "TIERS_KEY_UNDER_TEST",
+            "per_salt_keys": True,
+            "read_unbound_frames": True,
+        },
+        {
+            "type": "aesgcm",
+            "key_file": str(key_file),
+            "key_env": None,
+            "per_salt_keys": True,
+            "read_unbound_frames": True,
+        },
     ]
     _no_key_in(result.stdout, result.stderr)
 

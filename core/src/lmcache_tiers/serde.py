@@ -9,8 +9,8 @@ configured.  The :class:`Serde` protocol itself lives in :mod:`lmcache_tiers.pro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 
 from lmcache_tiers.config import SerdeSpec
 from lmcache_tiers.errors import ConfigError
@@ -27,6 +27,7 @@ __all__ = [
     "decode_chain",
     "encode_chain",
     "serde_names",
+    "stage_contexts",
 ]
 
 
@@ -47,12 +48,21 @@ class SerdeContext:
     a loaded object gets that layout in L1, so an authenticating serde binds it -- a record
     whose stated layout was changed would otherwise make a later fp8 stage quantize its
     bytes as another dtype.
+
+    ``chain`` names the stages of the chain this serde runs in, in encoding order (what
+    a persistent record header states, :func:`serde_names`), and ``position`` is this
+    stage's index in it; both ways, so an authenticating serde can bind them: a record
+    whose stated chain was rewritten would otherwise hand out an inner stage's frame (of
+    another adapter's chain under a shared key) as the object.  ``()`` when a caller
+    runs a serde outside any chain.
     """
 
     key: ObjectKey
     size: int
     layout: str = ""
     record_layout: str = ""
+    chain: tuple[str, ...] = ()
+    position: int = 0
 
     @property
     def tensor_layout(self) -> TensorLayout | None:
@@ -99,17 +109,26 @@ def serde_names(chain: Sequence[Serde]) -> tuple[str, ...]:
     return tuple(serde.name for serde in chain if not isinstance(serde, IdentitySerde))
 
 
+def stage_contexts(chain: Sequence[Serde], context: SerdeContext) -> Iterator[tuple[Serde, SerdeContext]]:
+    """Each non-identity stage of ``chain`` in encoding order, with the context it gets:
+    the chain's recorded names and its own position in them, and ``context.layout`` for
+    the first stage only (later ones receive bytes no layout describes)."""
+    stages = [serde for serde in chain if not isinstance(serde, IdentitySerde)]
+    names = serde_names(stages)
+    for position, serde in enumerate(stages):
+        layout = context.layout if position == 0 else ""
+        yield serde, replace(context, layout=layout, chain=names, position=position)
+
+
 def encode_chain(chain: Sequence[Serde], data: memoryview, context: SerdeContext) -> memoryview:
     """Run every encoder, first to last; only the first sees ``context.layout``."""
-    for position, serde in enumerate(chain):
-        if position == 1:
-            context = SerdeContext(context.key, context.size, record_layout=context.record_layout)
-        data = memoryview(serde.encode(data, context)).cast("B")
+    for serde, stage_context in stage_contexts(chain, context):
+        data = memoryview(serde.encode(data, stage_context)).cast("B")
     return data
 
 
 def decode_chain(chain: Sequence[Serde], data: memoryview, context: SerdeContext) -> memoryview:
     """Run every decoder, last to first; ``context.size`` is the object's L1 size."""
-    for serde in reversed(chain):
-        data = memoryview(serde.decode(data, context)).cast("B")
+    for serde, stage_context in reversed(list(stage_contexts(chain, context))):
+        data = memoryview(serde.decode(data, stage_context)).cast("B")
     return data

@@ -14,7 +14,9 @@ import pytest
 from lmcache_plugin_serde_aesgcm import AesGcmConfig
 from lmcache_plugin_serde_aesgcm import cipher as cipher_module
 from lmcache_plugin_serde_aesgcm.cipher import HEADER_SIZE, TAG_SIZE, AesGcmDecodeError, AesGcmSerde
+from lmcache_plugin_serde_zstd.codec import ZstdSerde
 
+from lmcache_tiers.l2.codec import SerdeChain
 from lmcache_tiers.plugin import MAX_LAYOUT_LEN, ConfigError, SerdeContext
 from lmcache_tiers.testing.serde import (
     BINDS_KEY,
@@ -330,3 +332,70 @@ def test_hex_with_spaces_is_no_256_bit_key(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv(ENV, grouped)
     with pytest.raises(ConfigError, match="found 64 characters"):
         _serde()
+
+
+def _adapter_chain(*serdes: object) -> SerdeChain:
+    return SerdeChain(serdes)  # type: ignore[arg-type]
+
+
+def test_a_record_whose_chain_was_rewritten_is_refused() -> None:
+    # Two adapters share a store and a master key: one encodes [zstd, aesgcm], the other
+    # [aesgcm].  Someone who can write the store rewrites a record of the first to name
+    # the chain "aesgcm" and an L1 size of the zstd frame's length; the record header
+    # checks then pass on the second adapter, which applies its chain as core does.  The
+    # decrypted zstd frame must not come back as the object.
+    data = kv_like_bf16(seed=9)
+    compressing = _adapter_chain(ZstdSerde(), _serde())
+    plain_serde = _serde()
+    plain = _adapter_chain(plain_serde)
+    staged = compressing.encode(suite_key(), memoryview(data), kv_layout(KV_SHAPE))
+    payload = bytes(staged.view)
+    staged.release()
+    inner_context = SerdeContext(suite_key(), len(data), kv_layout(KV_SHAPE))
+    inner = bytes(ZstdSerde().encode(memoryview(data), inner_context))
+    target = bytearray(len(inner))  # the forged record's l1_size: the zstd frame's length
+    with pytest.raises(AesGcmDecodeError, match="authentication failed"):
+        plain.decode_into(suite_key(), memoryview(payload), memoryview(target), kv_layout(KV_SHAPE))
+    assert plain_serde.stats()["auth_failures"] == 1
+    assert bytes(target) != inner
+    # Each adapter still reads what it wrote itself.
+    back = bytearray(len(data))
+    compressing.decode_into(suite_key(), memoryview(payload), memoryview(back), kv_layout(KV_SHAPE))
+    assert bytes(back) == data
+
+
+def _v2_frame(serde: AesGcmSerde, data: bytes, layout: str) -> bytes:
+    """A frame as version 2 wrote it: the layout bound, the chain not."""
+    epoch, nonce = os.urandom(16), os.urandom(12)
+    header = cipher_module._HEADER.pack(b"LTAG", 2, 0, len(layout), serde._key_check, epoch, nonce)
+    associated = header + layout.encode() + len(data).to_bytes(8, "little") + suite_key().to_bytes()
+    return header + layout.encode() + serde._cipher(epoch, None).encrypt(nonce, data, associated)
+
+
+def test_version_2_frames_are_read_and_counted_unless_refused_by_config() -> None:
+    data, layout = kv_like_bf16(seed=10), kv_layout(KV_SHAPE)
+    stated = SerdeContext(suite_key(), len(data), record_layout=layout, chain=("aesgcm",))
+    reader = _serde(per_salt_keys=False)
+    frame = _v2_frame(reader, data, layout)
+    assert bytes(reader.decode(memoryview(frame), stated)) == data
+    assert reader.stats()["unbound_frames_read"] == 1
+    strict = _serde(per_salt_keys=False, read_unbound_frames=False)
+    with pytest.raises(AesGcmDecodeError, match="does not bind the serde chain"):
+        strict.decode(memoryview(frame), stated)
+    with pytest.raises(AesGcmDecodeError, match="does not bind the serde chain"):
+        strict.decode(memoryview(_v1_frame(strict, data)), SerdeContext(suite_key(), len(data)))
+    assert strict.stats()["unbound_frames_refused"] == 2
+    assert strict.stats()["decrypted_objects"] == 0
+
+
+def test_the_chain_and_position_are_bound() -> None:
+    serde, data = _serde(), kv_like_bf16(seed=11)
+    written = SerdeContext(suite_key(), len(data), chain=("zstd", "aesgcm"), position=1)
+    frame = bytes(serde.encode(memoryview(data), written))
+    assert frame[4] == 3  # the version that binds the chain
+    assert bytes(serde.decode(memoryview(frame), written)) == data
+    for chain, position in ((("aesgcm",), 0), (("zstd", "aesgcm"), 0), (("zstd,aesgcm",), 0), ((), 0)):
+        other = SerdeContext(suite_key(), len(data), chain=chain, position=position)
+        with pytest.raises(AesGcmDecodeError, match="authentication failed"):
+            serde.decode(memoryview(frame), other)
+    assert serde.stats()["unbound_frames_read"] == 0

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.buffers import copy_into
 from lmcache_tiers.protocols import Serde
-from lmcache_tiers.serde import IdentitySerde, SerdeContext, decode_chain, serde_names
+from lmcache_tiers.serde import IdentitySerde, SerdeContext, decode_chain, serde_names, stage_contexts
 
 __all__ = ["SerdeBoundError", "SerdeChain", "Staged", "StagingPool"]
 
@@ -172,20 +172,17 @@ class SerdeChain:
 
         Raises whatever a serde raises, or :class:`SerdeBoundError`.
         """
-        context = SerdeContext(key, data.nbytes, layout, layout)
         # The layout describes the object's bytes, which only the first stage receives:
         # later stages get the previous stage's output, which no layout describes (they
         # still learn what the record will state, see ``SerdeContext.record_layout``).
-        later = SerdeContext(key, data.nbytes, record_layout=layout)
+        context = SerdeContext(key, data.nbytes, layout, layout)
         bound = self.bound(data.nbytes)
         staged = self.pool.take(bound) if bound is not None else None
         try:
-            for position, serde in enumerate(self._serdes):
-                if position == 1:
-                    context = later
+            for serde, stage_context in stage_contexts(self._serdes, context):
                 stage_bound = _bound_of(serde)
                 limit = int(stage_bound(data.nbytes)) if stage_bound is not None else None
-                data = memoryview(serde.encode(data, context)).cast("B")
+                data = memoryview(serde.encode(data, stage_context)).cast("B")
                 if limit is not None and data.nbytes > limit:
                     raise SerdeBoundError(
                         f"serde {serde.name!r} returned {data.nbytes} bytes, its bound is {limit}"

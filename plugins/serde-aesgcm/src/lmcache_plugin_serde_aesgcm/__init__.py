@@ -13,9 +13,10 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class AesGcmConfig(ComponentConfig):
-    """AES-256-GCM per object: a fresh random 96-bit nonce each time, the full object key
-    and the length as associated data (an object copied under another key fails to
-    decrypt), so a remote store holds only ciphertext and any tampering reads as a miss.
+    """AES-256-GCM per object: a fresh random 96-bit nonce each time, the full object key,
+    the length and the serde chain as associated data (an object copied under another key,
+    or a record naming another chain, fails to decrypt), so a remote store holds only
+    ciphertext and any tampering reads as a miss.
 
     The configuration names where the 256-bit key is (a file or an environment variable),
     never the key itself, so printed configs and logs cannot leak it.  The key is read once
@@ -38,6 +39,15 @@ class AesGcmConfig(ComponentConfig):
         msgspec.Meta(
             description="Derive a separate key per cache_salt (HKDF-SHA256), so tenants never share "
             "a key; records say which way they were written, so either setting reads both."
+        ),
+    ] = True
+    read_unbound_frames: Annotated[
+        bool,
+        msgspec.Meta(
+            description="Read frames of versions 1 and 2, written before the serde chain was "
+            "authenticated (counted as unbound_frames_read); false refuses them "
+            "(unbound_frames_refused, a miss until stored again), which closes a record whose "
+            "chain was rewritten, where one key serves several chains."
         ),
     ] = True
 

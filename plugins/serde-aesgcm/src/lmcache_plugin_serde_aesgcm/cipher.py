@@ -1,12 +1,13 @@
 """The ``aesgcm`` serde: AES-256-GCM frames bound to the object key.
 
-Frame layout (version 2)::
+Frame layout (version 3; version 2 is the same bytes)::
 
     magic "LTAG" | version u8 | flags u8 | layout length u16 | key check 8B | epoch 16B
     | nonce 12B | layout (ASCII) | ciphertext | tag 16B
 
-Version 1 frames (no layout; the u16 was reserved, 0) are still read, as long as their
-record states no layout.
+Version 2 frames (the chain not bound) and version 1 frames (no layout either; the u16
+was reserved, 0) are still read unless ``read_unbound_frames`` is false, version 1 only
+where its record states no layout.
 
 Keys.  Nothing is encrypted under the configured master key itself.  Each frame is
 encrypted under ``HKDF-SHA256(master, salt=epoch, info=label [+ cache_salt])``: ``epoch``
@@ -17,10 +18,16 @@ one key far below the 2^32 that NIST SP 800-38D allows, however long a server ru
 derived from the master key alone, so a frame written under another master key is
 reported as such instead of as tampering.
 
-Associated data: the 44 header bytes, the layout, the plaintext length (u64) and the full
-object key (``ObjectKey.to_bytes()``).  A frame moved under another key, a changed flag or
-epoch, a truncated or extended frame and any flipped bit all fail authentication: decode
-raises, and the adapter counts the object as a miss.
+Associated data: the 44 header bytes, the layout, the plaintext length (u64), the full
+object key (``ObjectKey.to_bytes()``) and, from version 3, the serde chain and this
+stage's position in it (``SerdeContext.chain``/``position``).  A frame moved under another
+key, a changed flag or epoch, a truncated or extended frame and any flipped bit all fail
+authentication: decode raises, and the adapter counts the object as a miss.
+
+The chain: core's record header names it outside any serde, and core checks only that it
+is the adapter's own.  Two adapters sharing a master key with different chains (``[zstd,
+aesgcm]`` and ``[aesgcm]``) would otherwise let someone who can write the store rename a
+record's chain and L1 size so that the decrypted zstd frame is handed out as the object.
 
 The layout is the one the object's record states (``SerdeContext.record_layout``): a loaded
 object gets it in L1, and a later fp8 stage quantizes by it.  Core's record header carries
@@ -45,14 +52,17 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from lmcache_plugin_serde_aesgcm import AesGcmConfig
 from lmcache_plugin_serde_aesgcm.keys import KEY_SIZE, read_key_env, read_key_file
-from lmcache_tiers.plugin import MAX_LAYOUT_LEN, ObjectKey, SerdeContext
+from lmcache_tiers.plugin import MAX_LAYOUT_LEN, SerdeContext
 
 log = logging.getLogger("lmcache_tiers.serde.aesgcm")
 
 MAGIC: Final = b"LTAG"
-VERSION: Final = 2
-#: the frame version without a layout, still read
+VERSION: Final = 3
+#: the frame version binding the layout but not the chain, still read (unless configured)
+VERSION_NO_CHAIN: Final = 2
+#: the frame version without a layout, still read (unless configured)
 VERSION_NO_LAYOUT: Final = 1
+_UNBOUND_VERSIONS: Final = (VERSION_NO_CHAIN, VERSION_NO_LAYOUT)
 FLAG_PER_SALT: Final = 0x01
 NONCE_SIZE: Final = 12
 TAG_SIZE: Final = 16
@@ -75,6 +85,8 @@ COUNTERS: Final = (
     "wrong_key",
     "corrupt_frames",
     "layout_mismatch",
+    "unbound_frames_read",
+    "unbound_frames_refused",
     "key_epochs",
 )
 
@@ -88,9 +100,20 @@ def _hkdf(master: bytes, length: int, salt: bytes | None, info: bytes) -> bytes:
 
 
 def _associated_data(
-    header: bytes | memoryview, layout: bytes | memoryview, length: int, key: ObjectKey
+    header: bytes | memoryview, layout: bytes | memoryview, length: int, context: SerdeContext, version: int
 ) -> bytes:
-    return b"".join((header, layout, length.to_bytes(8, "little"), key.to_bytes()))
+    parts = [header, layout, length.to_bytes(8, "little"), context.key.to_bytes()]
+    if version == VERSION:
+        parts.append(_chain_binding(context))
+    return b"".join(parts)
+
+
+def _chain_binding(context: SerdeContext) -> bytes:
+    """The chain's names and this stage's position, each name length-prefixed, so that no
+    two different chains (or positions) give the same bytes."""
+    names = [name.encode("utf-8") for name in context.chain]
+    counts = struct.pack("<HH", context.position, len(names))
+    return counts + b"".join(struct.pack("<H", len(name)) + name for name in names)
 
 
 class AesGcmSerde:
@@ -141,7 +164,7 @@ class AesGcmSerde:
         frame = bytearray(start + view.nbytes + TAG_SIZE)
         frame[:HEADER_SIZE] = header
         frame[HEADER_SIZE:start] = layout
-        associated = _associated_data(header, layout, view.nbytes, context.key)
+        associated = _associated_data(header, layout, view.nbytes, context, VERSION)
         cipher.encrypt_into(nonce, view, associated, memoryview(frame)[start:])
         self._count("encrypted_objects")
         return memoryview(frame)
@@ -151,7 +174,7 @@ class AesGcmSerde:
         if view.nbytes < HEADER_SIZE + TAG_SIZE:
             self._refuse("corrupt_frames", context, f"{view.nbytes} bytes is shorter than an aesgcm frame")
         magic, version, flags, layout_length, key_check, epoch, nonce = _HEADER.unpack_from(view)
-        if magic != MAGIC or version not in (VERSION, VERSION_NO_LAYOUT):
+        if magic != MAGIC or version not in (VERSION, *_UNBOUND_VERSIONS):
             self._refuse(
                 "corrupt_frames",
                 context,
@@ -166,6 +189,12 @@ class AesGcmSerde:
             )
         if key_check != self._key_check:
             self._refuse("wrong_key", context, "encrypted under another master key (key check differs)")
+        if version in _UNBOUND_VERSIONS and not self.config.read_unbound_frames:
+            self._refuse(
+                "unbound_frames_refused",
+                context,
+                f"a version {version} frame does not bind the serde chain (read_unbound_frames is false)",
+            )
         layout = view[HEADER_SIZE:start]
         if context.record_layout and layout != context.record_layout.encode("ascii", "replace"):
             # Also a v1 frame, which binds no layout, when its record states one.
@@ -182,7 +211,7 @@ class AesGcmSerde:
             cipher.decrypt_into(
                 nonce,
                 view[start:],
-                _associated_data(view[:HEADER_SIZE], layout, length, context.key),
+                _associated_data(view[:HEADER_SIZE], layout, length, context, version),
                 memoryview(plaintext),
             )
         except InvalidTag:
@@ -192,6 +221,9 @@ class AesGcmSerde:
                 "authentication failed: the frame was altered, truncated or stored under another key",
             )
         self._count("decrypted_objects")
+        if version in _UNBOUND_VERSIONS:
+            # Read as before version 3: its record's chain could have been rewritten around it.
+            self._count("unbound_frames_read")
         return memoryview(plaintext)
 
     def stats(self) -> dict[str, int]:
