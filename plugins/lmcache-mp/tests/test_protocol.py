@@ -255,6 +255,27 @@ def test_unregister_aborts_unfinished_stores(client: MPClient, mp_server: TiersS
     assert client.unanswered("commit_store", key.encode(), REG.instance_id, b"")  # no registration
 
 
+def test_an_unregister_leaves_the_transfers_other_connections_are_copying(
+    client: MPClient, mp_server: TiersServer
+) -> None:
+    """Another process with the same instance id may be copying into its reserved slots or
+    out of its read-locked ones: freed now, those extents could change hands under its copy.
+    Its transfers are left to their TTLs (counted when they expire)."""
+    shm = client.register(REG)["shm_name"]
+    stored(client, 33, shm)
+    with MPClient(mp_address(mp_server)) as other:
+        reading = Key(tokens_of(33), "other-read", worker_id=0)
+        assert other.call("prepare_retrieve", reading.encode(), REG.instance_id)["success"] is True
+        writing = Key(tokens_of(34), "other-write", worker_id=0)
+        assert len(other.call("prepare_store", writing.encode(), REG.instance_id)["context"]["slots"]) == 4
+        own = Key(tokens_of(35), "own-write", worker_id=0)
+        assert len(client.call("prepare_store", own.encode(), REG.instance_id)["context"]["slots"]) == 4
+        assert client.call("unregister_kv_cache_engine_driven_context", REG.instance_id) is None
+        status = l1(mp_server)
+        assert status["write_locked"] == 4  # the other connection's; its own are aborted
+        assert status["read_locks"] == 4
+
+
 def test_silent_instances_are_reaped(make_mp_server: Any) -> None:
     server = make_mp_server(worker_registration_grace_s=0.3)
     with MPClient(mp_address(server)) as client:

@@ -200,18 +200,19 @@ class Handlers:
                 "registration goes when it falls silent)",
             )
             return None
-        self._drop(instance_id)
+        self._drop(instance_id, peer)
         return None
 
-    def _drop(self, instance_id: int) -> None:
-        """Forget an instance and give back what its transfers hold."""
+    def _drop(self, instance_id: int, peer: bytes | None = None) -> None:
+        """Forget an instance and give back what its transfers hold (with ``peer``, only
+        the transfers of that connection: see ``Transfers.drop_instance``)."""
         instance = self.shared.instances.pop(instance_id, None)
         if instance is None:
             self._unknown_unregisters.warn(
                 "unregister", "unregister of instance %d, which is not registered", instance_id
             )
             return
-        locks, reservations = self.transfers.drop_instance(instance_id)
+        locks, reservations = self.transfers.drop_instance(instance_id, peer)
         logger.info(
             "unregistered instance %d (%d read locks released, %d unfinished stores aborted)",
             instance_id,

@@ -222,8 +222,11 @@ class PendingTransfers:
             del self._pending[ident]
         return found
 
-    def pop_instance(self, instance_id: int) -> list[Transfer]:
-        mine = [ident for ident in self._pending if ident[0] == instance_id]
+    def pop_instance(self, instance_id: int, peer: Peer | None = None) -> list[Transfer]:
+        """The instance's transfers (only those prepared on connection ``peer``, if given)."""
+        mine = [
+            ident for ident in self._pending if ident[0] == instance_id and (peer is None or ident[1] == peer)
+        ]
         return [transfer for ident in mine for transfer in self._pending.pop(ident)]
 
     def pop_all(self) -> list[Transfer]:

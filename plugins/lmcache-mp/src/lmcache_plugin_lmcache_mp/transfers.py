@@ -349,10 +349,17 @@ class Transfers:
 
     # -- instances and maintenance ---------------------------------------------------------
 
-    def drop_instance(self, instance_id: int) -> tuple[int, int]:
+    def drop_instance(self, instance_id: int, peer: bytes | None = None) -> tuple[int, int]:
         """Give back an instance's unfinished transfers: reservations aborted (never made
-        visible half-written), read locks released.  Returns (locks, reservations)."""
-        return self._give_back(self.writes.pop_instance(instance_id), self.reads.pop_instance(instance_id))
+        visible half-written), read locks released.  Returns (locks, reservations).
+
+        With ``peer`` (the client's own unregister), only that connection's: another
+        process sending the same instance id may still be copying into its reserved slots
+        or out of its read-locked ones, and freed, those extents could change hands under
+        its copy.  Its transfers go at their deadlines, counted as expired."""
+        return self._give_back(
+            self.writes.pop_instance(instance_id, peer), self.reads.pop_instance(instance_id, peer)
+        )
 
     def _give_back(self, writes: list[Transfer], reads: list[Transfer]) -> tuple[int, int]:
         # Expired ones are L1's already (it reaped them), maybe someone else's by now;
