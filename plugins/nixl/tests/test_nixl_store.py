@@ -870,3 +870,45 @@ def test_closing_the_slot_files_goes_on_past_a_descriptor_that_fails_to_close(
             reopened.close()
         finally:
             os.close(real)
+
+
+@pytest.mark.parametrize("operation", ["WRITE", "READ"])
+def test_close_keeps_the_l1_arena_registered_under_a_transfer_in_progress(
+    monkeypatch, operation: str
+) -> None:
+    """A NIXL request posted into the L1 arena names memory NIXL holds registered: the
+    backend's close must not deregister the arena under a store or load still inside its
+    transfer (the request's handle would outlive the registration it was built on).  The
+    last call to leave releases it, with the slot files."""
+    arena = Arena()
+    entered, gate = threading.Event(), threading.Event()
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=4), arena.view)
+        try:
+            backend = adapter.backend
+            host = backend._host
+            keys = make_keys(1)
+            data = [memoryview(pattern(93, SIZE))]
+            if operation == "READ":
+                assert backend.put_many(keys, data) == [True]
+                call = threading.Thread(target=backend.get_many_into, args=(keys, [arena.take(SIZE)]))
+            else:
+                # The payload lies in the arena, as core's payloads do.
+                payload = arena.take(SIZE)
+                payload[:] = data[0]
+                call = threading.Thread(target=backend.put_many, args=(keys, [payload]))
+            assert host._arena_registration is not None
+            _hold_transfer(monkeypatch, operation, entered, gate)
+            call.start()
+            assert entered.wait(10)
+            adapter.state.closing.set()
+            backend.close()
+            registered_under_transfer = host._arena_registration is not None
+            gate.set()
+            call.join(30)
+            assert registered_under_transfer, "close deregistered the L1 arena under a transfer in progress"
+            assert host._arena_registration is None, "the last call did not deregister the L1 arena"
+            assert backend._storage._buffered == []
+        finally:
+            gate.set()
+            adapter.close()

@@ -61,9 +61,9 @@ class NixlStoreBackend:
             self._host.close()
             raise
         self._slots = SlotTable(config.pool_size)
-        # Stores and loads using the slot files (see _enter_call) and whether close() was
-        # called: the slot files are released by close() or, when calls still use them
-        # then, by the last of those to leave.  Held only to read or change the two.
+        # Stores and loads using the slot files and the host memory (see _enter_call) and
+        # whether close() was called: both are released by close() or, when calls still
+        # use them then, by the last of those to leave.  Held only to read or change the two.
         self._use_state = threading.Lock()
         self._users = 0
         self._close_requested = False
@@ -125,7 +125,8 @@ class NixlStoreBackend:
         transfer; False (the call must touch no file) once close() was called.  NIXL posts
         requests by descriptor number, and a request already posted runs on after the call
         was given up: the files are not closed (and their numbers not reused by other
-        files) until every registered call left (:meth:`_leave_call`), whether its
+        files), nor the L1 arena deregistered under the request, until every registered
+        call left (:meth:`_leave_call`), whether its
         transfers completed, failed or raised.  No lock is held during the call: calls run
         in parallel and close() never waits for one (a transfer or a truncate can hang on
         a hung device)."""
@@ -136,7 +137,8 @@ class NixlStoreBackend:
             return True
 
     def _leave_call(self) -> None:
-        """The last call to leave after close() was called releases the slot files."""
+        """The last call to leave after close() was called releases the slot files and
+        the host memory's registration."""
         with self._use_state:
             self._users -= 1
             release_now = self._close_requested and self._users == 0
@@ -308,36 +310,39 @@ class NixlStoreBackend:
         return {"pool_slots_used": self._slots.used_slots, "pool_slots_total": self._slots.pool_size}
 
     def close(self) -> None:
-        """Refuse further calls and release the slot files -- now if no call uses them,
-        else when the last one leaves (one log line).  Never waits for a call."""
-        try:
-            # Only the first close decides who releases the slot files (itself, or the
-            # last call leaving): a second one, maybe while that call releases them, must
-            # not close their descriptor numbers again (another file may reuse one).
-            with self._use_state:
-                first = not self._close_requested
-                self._close_requested = True
-                users = self._users
-            if not first:
-                return
-            if users:
-                log.warning(
-                    "%s: %d stores or loads still use the pool's files: they are closed and "
-                    "removed once the last of them is done",
-                    self.context.name,
-                    users,
-                )
-            else:
-                self._release_storage()
-        finally:
-            self._host.close()
+        """Refuse further calls and release the slot files and the host memory's NIXL
+        registration -- now if no call uses them, else when the last one leaves (one log
+        line).  Never waits for a call."""
+        # Only the first close decides who releases them (itself, or the last call
+        # leaving): a second one, maybe while that call releases them, must not close
+        # their descriptor numbers again (another file may reuse one).
+        with self._use_state:
+            first = not self._close_requested
+            self._close_requested = True
+            users = self._users
+        if not first:
+            return
+        if users:
+            log.warning(
+                "%s: %d stores or loads still use the pool's files and the L1 arena: they are "
+                "closed, removed and deregistered once the last of them is done",
+                self.context.name,
+                users,
+            )
+        else:
+            self._release_storage()
 
     def _release_storage(self) -> None:
-        """Deregister and close the slot files, remove them and unlock their directory;
-        descriptors that failed to close are counted (each logged by the storage)."""
-        failures = self._storage.close()
-        if failures:
-            self.context.count("slot_file_close_failures", failures)
+        """Deregister and close the slot files, remove them and unlock their directory, and
+        deregister the host memory (the L1 arena): a request a call still has running was
+        built on both registrations.  Descriptors that failed to close are counted (each
+        logged by the storage)."""
+        try:
+            failures = self._storage.close()
+            if failures:
+                self.context.count("slot_file_close_failures", failures)
+        finally:
+            self._host.close()
 
     def _release_storage_safely(self, why: str) -> None:
         """:meth:`_release_storage` on a call's thread, after close() returned: an error is
@@ -347,4 +352,8 @@ class NixlStoreBackend:
         except Exception:
             log.exception("%s: closing the pool's slot files failed", self.context.name)
         else:
-            log.info("%s: the pool's slot files are closed, %s", self.context.name, why)
+            log.info(
+                "%s: the pool's slot files are closed and the L1 arena deregistered, %s",
+                self.context.name,
+                why,
+            )
