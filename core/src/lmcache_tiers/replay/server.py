@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lmcache_tiers.client import Client, ClientError, RequestTimeoutError, ServerError
+from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.replay.run import (
     ClientState,
     ProgressHook,
@@ -51,23 +52,17 @@ def _replay_one(client: Client, request: TraceRequest, state: ClientState) -> No
         totals.count_request(request, 0)  # a request that found nothing, as the engine sees it
         raise
     totals.lookup_latencies_s.append(time.perf_counter() - started)
-    totals.count_request(request, hits)
-    if hits:
-        with client.retrieve(keys[:hits]) as views:  # also drops the LOOKUP's locks
-            retrieved = len(views)
-            retrieved_bytes = sum(memoryview(view).nbytes for view in views)
-            corrupt = [
-                block for block, view in zip(blocks, views, strict=False) if not payloads.matches(block, view)
-            ]
-        # Counted once the retrieve is over: a StaleReadError on leaving the block says
-        # the views' bytes may have changed under them, which voids what was read there.
-        totals.retrieved_blocks += retrieved
-        totals.retrieved_bytes += retrieved_bytes
-        if retrieved < hits:
-            totals.short_retrieves += 1
-        totals.corrupt_blocks += len(corrupt)
-        for block in corrupt:
-            logger.error("replay: block %d came back with bytes that are not its own", block)
+    try:
+        totals.count_request(request, hits)
+        if hits:
+            _retrieve_and_check(client, keys[:hits], blocks, state)
+    except ClientError:
+        raise  # the client library has given this request's locks back already
+    except BaseException:
+        # Abandoned between LOOKUP and RETRIEVE (Ctrl-C, say): the hit prefix is still
+        # read-locked for this client.  Releasing keys no longer locked is harmless.
+        _give_back_lookup_locks(client, keys[:hits])
+        raise
     missing = blocks[hits:]
     if missing:
         try:
@@ -76,6 +71,42 @@ def _replay_one(client: Client, request: TraceRequest, state: ClientState) -> No
             if exc.code != p.ErrorCode.OUT_OF_MEMORY:
                 raise
             totals.refused_stores += 1  # L1 full of locked objects: the engine recomputes
+
+
+def _retrieve_and_check(
+    client: Client, keys: Sequence[ObjectKey], blocks: Sequence[int], state: ClientState
+) -> None:
+    """RETRIEVE the looked-up prefix ``keys`` (which drops the LOOKUP's locks, also on
+    failure) and check that every block holds its own bytes."""
+    totals, payloads = state.totals, state.payloads
+    with client.retrieve(keys) as views:
+        retrieved = len(views)
+        retrieved_bytes = sum(memoryview(view).nbytes for view in views)
+        corrupt = [
+            block for block, view in zip(blocks, views, strict=False) if not payloads.matches(block, view)
+        ]
+    # Counted once the retrieve is over: a StaleReadError on leaving the block says
+    # the views' bytes may have changed under them, which voids what was read there.
+    totals.retrieved_blocks += retrieved
+    totals.retrieved_bytes += retrieved_bytes
+    if retrieved < len(keys):
+        totals.short_retrieves += 1
+    totals.corrupt_blocks += len(corrupt)
+    for block in corrupt:
+        logger.error("replay: block %d came back with bytes that are not its own", block)
+
+
+def _give_back_lookup_locks(client: Client, keys: Sequence[ObjectKey]) -> None:
+    """Release the hit prefix a LOOKUP read-locked when the request is abandoned before its
+    RETRIEVE (Ctrl-C, say): left behind, those objects stay pinned until the server's
+    lock TTL, long after the replay ended.  Best effort: the failure in flight is the one
+    the caller reports."""
+    if not keys:
+        return
+    try:
+        client.release(keys)
+    except ClientError as exc:
+        logger.warning("replay: could not release %d looked-up blocks: %s", len(keys), exc)
 
 
 def replay_share(
