@@ -10,11 +10,12 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import pytest
-from tiers_e2e import make_keys, make_payloads, start_server
+from tiers_e2e import fetch, make_keys, make_payloads, metric, start_server
 
-from lmcache_tiers.client import Client
+from lmcache_tiers.client import Client, ClientError, RequestTimeoutError
 from lmcache_tiers.testing.processes import freeze
 
 CLIENT_TIMEOUT_S = 120.0
@@ -63,6 +64,102 @@ def test_the_locks_of_an_interrupted_lookup_are_given_back_when_its_reply_lands(
         assert not client._outstanding and not client._early
         assert client.lookup(keys) == 4
         client.release(keys)
+    finally:
+        client.close()
+        assert server.stop() == 0, server.output()
+
+
+@pytest.mark.parametrize(
+    ("count", "interrupted_frame", "sent", "stored", "refusal"),
+    [
+        # the header and 1 of 2 payloads out: a PING's header would make the count match
+        (2, 1, False, 0, "invalid_argument"),
+        # 2 of 3 payloads out, the message still open
+        (3, 1, True, 0, "invalid_argument"),
+        # the last frame went out before the interruption: the message was whole, and the
+        # empty frame that would have ended it is a message of its own
+        (2, 1, True, 2, "malformed"),
+    ],
+    ids=["before-last-frame", "after-a-middle-frame", "after-the-last-frame"],
+)
+def test_a_store_interrupted_between_its_frames_never_stores_the_next_request(
+    tmp_path: Path, count: int, interrupted_frame: int, sent: bool, stored: int, refusal: str
+) -> None:
+    """Ctrl-C between two frames of a STORE_INLINE must not leave the message open: ZeroMQ
+    would append the next request's frames to it, and with the counts matching the server
+    would store that request's header as an object."""
+    server = start_server(tmp_path / "server")
+    client = Client(server.url, timeout=CLIENT_TIMEOUT_S, shm=False)
+    checker = Client(server.url, timeout=CLIENT_TIMEOUT_S, shm=False)
+    keys = make_keys(f"cut-{count}-{sent}", count)
+    # Plain bytes (no tensor layout), so the server has no size to hold a frame against.
+    payloads = [array.tobytes() for array in make_payloads(f"cut-{count}-{sent}", count, 4 << 10)]
+    frames_seen = 0
+    real_send = client._socket.send
+
+    def send_then_interrupt(data: Any, flags: int = 0, **kwargs: Any) -> Any:
+        # Only the payload frames go through here (the header is sent by the raw method).
+        nonlocal frames_seen
+        frames_seen += 1
+        if frames_seen - 1 == interrupted_frame:
+            if sent:
+                real_send(data, flags, **kwargs)
+            raise KeyboardInterrupt
+        return real_send(data, flags, **kwargs)
+
+    try:
+        client._socket.send = send_then_interrupt  # type: ignore[method-assign]
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                client.store(keys, payloads)
+        finally:
+            del client._socket.send
+        # The next request goes in a message of its own (not into the store's, where it
+        # would be stored, and never answered).
+        try:
+            client.ping(timeout=10)
+            answered = True
+        except RequestTimeoutError:
+            answered = False
+        hits = checker.lookup(keys)
+        with checker.retrieve(keys[:hits]) as views:
+            for view, payload in zip(views, payloads, strict=False):
+                assert bytes(view) == payload, "an object was stored with wrong bytes"
+        assert answered
+        assert hits == stored
+        # What the server refused is counted.
+        assert server.http_url is not None
+        text = fetch(server.http_url + "/metrics")[2]
+        assert metric(text, "lmcache_tiers_failures_total", f'reason="{refusal}"') == 1
+        # A store after the interruption goes through whole.
+        checker.evict(keys)
+        assert client.store(keys, payloads) == count
+        assert not client._outstanding and not client._early
+    finally:
+        checker.close()
+        client.close()
+        assert server.stop() == 0, server.output()
+
+
+def test_leaving_a_retrieve_block_of_a_client_closed_meanwhile_does_not_raise(tmp_path: Path) -> None:
+    """Another thread closes the client while a ``retrieve`` block is open, right before
+    the block's RELEASE: the locks expire on the server; leaving the block is no error."""
+    server = start_server(tmp_path / "server")
+    client = Client(server.url, timeout=CLIENT_TIMEOUT_S)
+    keys = make_keys("closed-under", 2)
+    real_release = client.release
+
+    def close_then_release(keys: Any) -> int:
+        client.close()  # what another thread's close does, landing in this window
+        return real_release(keys)
+
+    try:
+        assert client.store(keys, make_payloads("closed-under", 2, 4 << 10)) == 2
+        with client.retrieve(keys) as views:
+            assert len(views) == 2
+            client.release = close_then_release  # type: ignore[method-assign]
+        with pytest.raises(ClientError, match="closed"):
+            client.ping()
     finally:
         client.close()
         assert server.stop() == 0, server.output()

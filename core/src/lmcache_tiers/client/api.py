@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -33,6 +34,8 @@ def _sent_layouts(layouts: Sequence[str]) -> list[str]:
     """What goes on the wire: nothing at all when no object has a known layout."""
     return list(layouts) if any(layouts) else []
 
+
+logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
@@ -608,7 +611,23 @@ class Client(Connection):
             self._give_back(keys, exc)
             raise
         if keys and not self._closed:
+            self._release_on_leaving(keys)
+
+    def _release_on_leaving(self, keys: list[ObjectKey]) -> None:
+        """RELEASE at the end of a ``retrieve`` block.  A client closed meanwhile (by
+        another thread) cannot send it: leaving the block does not fail for that, since
+        the server's lock TTL takes the locks back."""
+        try:
             self.release(keys)
+        except ClientError:
+            if not self._closed:
+                raise
+            logger.info(
+                "client for %s closed while a retrieve block was open: the read locks on its %d "
+                "keys expire on the server",
+                self.url,
+                len(keys),
+            )
 
     def _give_back(self, keys: Sequence[ObjectKey], failure: BaseException) -> None:
         """After ``failure``: drop this client's locks on ``keys`` without hiding the

@@ -314,13 +314,15 @@ class Connection:
             sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._receive_timeout_ms = timeout_ms
         req_id = request.req_id
-        epoch = self._link_epoch(now)
+        # Outstanding before the send: an exception right after it (a signal handler's)
+        # leaves a request whose reply may come, given up on below like an unanswered one.
+        self._outstanding[req_id] = self._link_epoch(now)
         try:
-            _raw_send(sock, header, _NOBLOCK)
-        except zmq.Again:
-            epoch = self._send(header, (), deadline)  # waits for the server to be reachable
-        self._outstanding[req_id] = epoch
-        try:
+            try:
+                _raw_send(sock, header, _NOBLOCK)
+            except zmq.Again:
+                # waits for the server to be reachable
+                self._outstanding[req_id] = self._send(header, (), deadline)
             try:
                 first = _raw_recv(sock, 0, False)
             except zmq.Again:
@@ -369,12 +371,20 @@ class Connection:
     ) -> tuple[_R, list[Any]]:
         with self._lock:
             deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-            self._start(request, payloads, deadline)
-            return self._await(request, expect, deadline)
+            try:
+                self._start(request, payloads, deadline)
+                return self._await_reply(request, expect, deadline)
+            except BaseException:
+                self._give_up(request)
+                raise
 
     def _start(self, request: p._Request, payloads: Sequence[Any], deadline: float) -> None:
-        """Send one request (caller holds the lock); its reply is collected by ``_await``."""
+        """Send one request (caller holds the lock); its reply is collected by ``_await``.
+
+        The request is outstanding from before its send: if the send is interrupted, the
+        caller gives it up (``_give_up``), and a reply that comes anyway is settled."""
         header = self._header(request)
+        self._outstanding[request.req_id] = self._drops  # _send tells which connection it went over
         self._outstanding[request.req_id] = self._send(header, payloads, deadline)
 
     def _header(self, request: p._Request) -> bytes:
@@ -499,28 +509,50 @@ class Connection:
         return [first.bytes, *_rest_of_message(sock)]
 
     def _send(self, header: bytes, payloads: Sequence[Any], deadline: float) -> int:
-        """Send one message; returns its ``_link_epoch``."""
+        """Send one message; returns its ``_link_epoch``.
+
+        All or nothing for the caller: an exception between two frames (a signal handler's,
+        Ctrl-C, a buffer ZeroMQ cannot take) would leave the message open, and ZeroMQ would
+        append the next request's frames to it -- a PING's header stored as an object when
+        the frame count happens to match the key count.  The message is ended with an empty
+        frame instead, which the server refuses (and counts) for certain: it takes no empty
+        payload, nor a frame count other than the key count.  Whether the frame being sent
+        when the exception came went out cannot be told; if it was the last, the message
+        was whole, and the empty frame is a message of its own, refused as undecodable."""
         sock = self._socket
-        while True:
-            epoch = self._link_epoch(time.monotonic())
-            try:
-                _raw_send(sock, header, _SNDMORE_NOBLOCK if payloads else _NOBLOCK)
-                break
-            except zmq.Again:
-                # IMMEDIATE: nothing is queued while the server is unreachable, so a request
-                # never reaches a server long after its caller gave up on it.
-                remaining = deadline - time.monotonic()
-                if not remaining > 0:
-                    raise RequestTimeoutError(f"cannot reach the server at {self.url}") from None
-                # In slices: a poll takes an int of milliseconds, which a long (or infinite)
-                # timeout overflows.
-                sock.poll(max(1, int(min(remaining, _MAX_POLL_S) * 1000)), zmq.POLLOUT)
-        last = len(payloads) - 1
-        for index, payload in enumerate(payloads):
-            # Copied, not referenced: a message may still be queued when its caller is told
-            # the request timed out, and the caller then reuses its buffers; ZeroMQ would
-            # send what they hold by then, stored under the keys of this request.
-            sock.send(payload, _SNDMORE if index < last else 0, copy=True)
+        more = bool(payloads)
+        open_message = False  # whether a frame sent with SNDMORE may have gone out
+        try:
+            while True:
+                epoch = self._link_epoch(time.monotonic())
+                try:
+                    open_message = more
+                    _raw_send(sock, header, _SNDMORE_NOBLOCK if more else _NOBLOCK)
+                    break
+                except zmq.Again:
+                    open_message = False
+                    # IMMEDIATE: nothing is queued while the server is unreachable, so a
+                    # request never reaches a server long after its caller gave up on it.
+                    remaining = deadline - time.monotonic()
+                    if not remaining > 0:
+                        raise RequestTimeoutError(f"cannot reach the server at {self.url}") from None
+                    # In slices: a poll takes an int of milliseconds, which a long (or
+                    # infinite) timeout overflows.
+                    sock.poll(max(1, int(min(remaining, _MAX_POLL_S) * 1000)), zmq.POLLOUT)
+            last = len(payloads) - 1
+            for index, payload in enumerate(payloads):
+                # Copied, not referenced: a message may still be queued when its caller is
+                # told the request timed out, and the caller then reuses its buffers; ZeroMQ
+                # would send what they hold by then, stored under the keys of this request.
+                sock.send(payload, _SNDMORE if index < last else 0, copy=True)
+        except BaseException:
+            if open_message:
+                # A frame of a message under way is always taken (the high-water mark
+                # counts whole messages); if the connection went meanwhile, ZeroMQ has
+                # dropped the message already.
+                with contextlib.suppress(zmq.ZMQError):
+                    _raw_send(sock, b"", _NOBLOCK)
+            raise
         return epoch
 
     def _remember_orphan(self, request: p._Request) -> None:
