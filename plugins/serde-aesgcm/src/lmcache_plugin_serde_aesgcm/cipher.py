@@ -116,6 +116,15 @@ def _chain_binding(context: SerdeContext) -> bytes:
     return counts + b"".join(struct.pack("<H", len(name)) + name for name in names)
 
 
+def _auth_failure_reason(version: int) -> str:
+    """Why a frame failed authentication; from version 3 a record naming another serde
+    chain (or this stage at another position) is one more cause the operator must see."""
+    causes = "the frame was altered, truncated or stored under another key"
+    if version == VERSION:
+        causes = "the frame was altered, truncated, stored under another key or bound to another serde chain"
+    return f"authentication failed: {causes}"
+
+
 class AesGcmSerde:
     """AES-256-GCM per object; see the module docstring for keys and the frame."""
 
@@ -215,11 +224,7 @@ class AesGcmSerde:
                 memoryview(plaintext),
             )
         except InvalidTag:
-            self._refuse(
-                "auth_failures",
-                context,
-                "authentication failed: the frame was altered, truncated or stored under another key",
-            )
+            self._refuse("auth_failures", context, _auth_failure_reason(version))
         self._count("decrypted_objects")
         if version in _UNBOUND_VERSIONS:
             # Read as before version 3: its record's chain could have been rewritten around it.
