@@ -276,6 +276,43 @@ def test_an_unregister_leaves_the_transfers_other_connections_are_copying(
         assert status["read_locks"] == 4
 
 
+def test_a_registration_with_another_layout_leaves_other_connections_transfers(
+    client: MPClient, mp_server: TiersServer
+) -> None:
+    """A restarted client registering a fixed instance id with another layout replaces the
+    registration, but another process sending that id may still be copying into the slots
+    it reserved or out of those it read-locked: those stay until their commits (made with
+    the layout they were reserved with) or TTLs.  The registering connection's own go."""
+    shm = client.register(REG)["shm_name"]
+    payloads = stored(client, 36, shm)
+    reading = Key(tokens_of(36), "other-read", worker_id=0)
+    read_slots = client.call("prepare_retrieve", reading.encode(), REG.instance_id)["context"]["slots"]
+    writing = Key(tokens_of(37), "other-write", worker_id=0)
+    write_slots = client.call("prepare_store", writing.encode(), REG.instance_id)["context"]["slots"]
+    assert len(write_slots) == 4
+    with MPClient(mp_address(mp_server)) as restarted:
+        own = Key(tokens_of(38), "own-write", worker_id=0)
+        assert len(restarted.call("prepare_store", own.encode(), REG.instance_id)["context"]["slots"]) == 4
+        restarted.register(Registration(hidden_dim_size=32))
+        status = l1(mp_server)
+        assert status["write_locked"] == 4  # the other connection's; its own are aborted
+        assert status["read_locks"] == 4
+        segment = client.segment(shm)
+        assert [bytes(segment[s["offset"] : s["offset"] + s["length"]]) for s in read_slots] == payloads
+        assert client.call("commit_retrieve", reading.encode(), REG.instance_id) is True
+        written = chunk_payloads(37, 4, CHUNK)
+        for slot, payload in zip(write_slots, written, strict=True):
+            segment[slot["offset"] : slot["offset"] + slot["length"]] = payload
+        before = mp_stats(mp_server).store_bytes
+        assert client.call("commit_store", writing.encode(), REG.instance_id, b"") is True
+        assert mp_stats(mp_server).store_bytes - before == 4 * CHUNK  # of the layout it reserved
+    assert l1(mp_server)["write_locked"] == l1(mp_server)["read_locks"] == 0
+    # the chunks keep the layout their bytes were written with: a reader of that layout gets them
+    old_layout = Registration(instance_id=REG.instance_id + 1)
+    client.register(old_layout)
+    assert client.retrieve(Key(tokens_of(37), "reader", worker_id=0), old_layout.instance_id, shm) == written
+
+
 def test_silent_instances_are_reaped(make_mp_server: Any) -> None:
     server = make_mp_server(worker_registration_grace_s=0.3)
     with MPClient(mp_address(server)) as client:

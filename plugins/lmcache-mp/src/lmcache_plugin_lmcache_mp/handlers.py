@@ -164,7 +164,10 @@ class Handlers:
                 existing.world_size,
                 existing.layout_text,
             )
-            self._drop(payload.instance_id)
+            # Only this connection's transfers go: another process sending the same id may
+            # be copying into or out of its slots.  Its transfers keep the layout they were
+            # prepared with (their L1 objects record it), so its commits stay right.
+            self._drop(payload.instance_id, peer)
         shared.instances[payload.instance_id] = Instance(
             payload.instance_id, payload.model_name, payload.world_size, layout, now, now, peer
         )

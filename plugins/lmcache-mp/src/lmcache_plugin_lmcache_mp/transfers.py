@@ -150,7 +150,7 @@ class Transfers:
     def commit_store(self, key: CacheKey, instance_id: int, data: bytes, *, peer: bytes = b"") -> Any:
         if data:
             return self._commit_pickled(key, instance_id, data, peer)
-        instance, keys = self._commit_keys(key, instance_id)
+        _, keys = self._commit_keys(key, instance_id)
         pending = (
             None
             if keys is None
@@ -168,7 +168,8 @@ class Transfers:
             )
             return False
         stored = len(self.storage.commit_reserved(pending.reserved))
-        self._count_store(stored, stored * instance.object_bytes)
+        # The size it was reserved with: the instance may have registered another layout since.
+        self._count_store(stored, stored * (pending.bytes // len(pending.reserved)))
         self._count_lost(len(pending.reserved) - stored)
         return stored == len(pending.reserved)
 
