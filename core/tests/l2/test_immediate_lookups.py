@@ -3,10 +3,12 @@ on the caller's thread, and every way that answer can fail to be usable."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 from l2_backends import AsyncDictBackend, DictBackend, open_dict
 
 from lmcache_tiers.keys import ObjectKey
@@ -108,3 +110,33 @@ def test_a_coroutine_backend_answers_on_the_callers_thread_too(adapters: list[L2
     adapter = open_dict(AsyncNowDict)
     adapters.append(adapter)
     assert adapter.lookup_and_lock_now(make_keys(2)) == ([False, False], [0, 0])
+
+
+class CancellingNowDict(DictBackend):
+    """An index answered by coroutines of its own: one cancelled by its client library
+    reaches the caller as a CancelledError, not an Exception."""
+
+    raised: BaseException = asyncio.CancelledError()
+
+    def contains_many_now(self, keys: Sequence[ObjectKey]) -> Any:
+        raise self.raised
+
+
+def test_a_cancelled_answer_falls_back_and_is_counted(adapters: list[L2Adapter]) -> None:
+    adapter, keys = stored(adapters, CancellingNowDict, 2)
+    assert adapter.lookup_and_lock_now(keys) is None
+    assert adapter.pinned_keys() == {}  # type: ignore[attr-defined]
+    assert adapter.stats()["backend_errors"] == 1
+    # The worker's lookup still answers, and what it pins is given back by the caller.
+    assert BlockingAdapterClient(adapter).lookup_and_lock(keys)[0] == [True, False]
+    adapter.unlock(keys[:1])
+    assert adapter.pinned_keys() == {}  # type: ignore[attr-defined]
+
+
+def test_an_interrupt_in_the_answer_gives_the_pins_back(adapters: list[L2Adapter]) -> None:
+    adapter, keys = stored(adapters, CancellingNowDict, 2)
+    backend_of(adapter).raised = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        adapter.lookup_and_lock_now(keys)
+    assert adapter.pinned_keys() == {}  # type: ignore[attr-defined]
+    assert adapter.delete(keys[:1]) == [True]  # nothing left pinned or being read

@@ -9,6 +9,7 @@ threads (:class:`~lmcache_tiers.l2.runners.ThreadRunner`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -167,9 +168,14 @@ class BackendAdapter(L2Adapter):
             try:
                 reported = contains_now(io_keys)
                 answer = None if reported is None else checked("contains_many", reported, len(io_keys))
-            except Exception as exc:
+            except (Exception, asyncio.CancelledError) as exc:
+                # A plain method running coroutines of its own may raise CancelledError (no
+                # Exception): nothing here cancels it, so it is the backend's failure.
                 self.state.backend_failed("contains_many_now", exc)
                 answer = None
+            except BaseException:
+                op.abandon()  # an interrupt: the pins and reads prepare took go back first
+                raise
         if answer is None or self._closed:
             op.abandon()  # what prepare took; the worker asks again
             return None
