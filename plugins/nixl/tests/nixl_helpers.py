@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -17,12 +20,14 @@ from lmcache_tiers.config import L2EvictionConfig
 from lmcache_tiers.controllers.base import AdapterSlot
 from lmcache_tiers.controllers.l2_eviction import L2EvictionController
 from lmcache_tiers.controllers.stats import EngineStats
+from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, L2Adapter, create_adapter
 from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.registry import Kind
 from lmcache_tiers.serde import Serde
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.files import AlignedArena
+from lmcache_tiers.testing.l2 import make_keys, pattern
 
 
 @contextmanager
@@ -104,3 +109,113 @@ def lru_eviction_controller(adapter: L2Adapter, watermark: float, ratio: float) 
     component = load_registry().get(Kind.EVICTION_POLICY, "LRU")
     policy = component.create(component.config())
     return L2EvictionController(AdapterSlot(0, "nixl", adapter), policy, config, EngineStats(1))
+
+
+def still_open(identities: list[tuple[int, int]]) -> bool:
+    """Whether every (descriptor, inode) still names its file (not closed, not reused)."""
+    for fd, inode in identities:
+        try:
+            if os.fstat(fd).st_ino != inode:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def hold_transfer(
+    monkeypatch: Any,
+    operation: str,
+    entered: threading.Event,
+    gate: threading.Event,
+    *,
+    then_raise: bool = False,
+) -> None:
+    """The first NIXL ``operation`` stays in progress until ``gate`` opens, then runs (or,
+    ``then_raise``, raises as a failing transfer call would)."""
+    from lmcache_plugin_nixl.runtime import NixlRuntime
+
+    runtime = NixlRuntime.shared()
+    transfer_many = runtime.transfer_many
+
+    def held(backend_name: str, op: str, *args: object, **kwargs: object) -> object:
+        if op == operation and not entered.is_set():
+            entered.set()
+            gate.wait(60)
+            if then_raise:
+                raise RuntimeError("injected: the transfer raised")
+        return transfer_many(backend_name, op, *args, **kwargs)
+
+    monkeypatch.setattr(runtime, "transfer_many", held)
+
+
+@dataclass
+class HeldCall:
+    """A store or load of ``keys`` inside its first NIXL transfer, on thread ``call``."""
+
+    adapter: Any
+    backend: Any
+    directory: str
+    arena: AlignedArena
+    keys: list[ObjectKey]
+    call: threading.Thread
+    gate: threading.Event
+    raised: list[BaseException] = field(default_factory=list)
+
+    def close_under_it(self) -> None:
+        """What core does once its close deadline passed: closing flag, then backend close."""
+        self.adapter.state.closing.set()
+        self.backend.close()
+
+    def let_it_leave(self) -> None:
+        self.gate.set()
+        self.call.join(30)
+        assert not self.call.is_alive()
+
+
+@contextmanager
+def call_held_in_transfer(
+    monkeypatch: Any,
+    operation: str,
+    open_adapter: Callable[[str, memoryview], Any],
+    *,
+    count: int = 1,
+    seed: int = 90,
+    then_raise: bool = False,
+    before_call: Callable[[Any], None] | None = None,
+) -> Iterator[HeldCall]:
+    """An adapter opened on a scratch directory with an L1 arena, and a store (WRITE) or a
+    load (READ, of keys stored first) of ``count`` arena payloads held inside its first
+    NIXL transfer (:func:`hold_transfer`); ``before_call(backend)`` runs just before the
+    call starts.  The call is let go and the adapter closed when the block ends."""
+    arena = AlignedArena()
+    entered, gate = threading.Event(), threading.Event()
+    with scratch_dir() as directory:
+        adapter = open_adapter(directory, arena.view)
+        try:
+            backend = adapter.backend
+            keys = make_keys(count)
+            # The payloads lie in the arena, as core's do.
+            payloads = [arena.filled(pattern(seed + i, 64 << 10)) for i in range(count)]
+            if operation == "READ":
+                assert backend.put_many(keys, payloads) == [True] * count
+                target, args = backend.get_many_into, (keys, [arena.take(64 << 10) for _ in keys])
+            else:
+                target, args = backend.put_many, (keys, payloads)
+            held = HeldCall(adapter, backend, directory, arena, keys, threading.Thread(), gate)
+
+            def run() -> None:
+                try:
+                    target(*args)
+                except RuntimeError as exc:
+                    held.raised.append(exc)
+
+            held.call = threading.Thread(target=run, name="store" if operation == "WRITE" else "load")
+            if before_call is not None:
+                before_call(backend)
+            hold_transfer(monkeypatch, operation, entered, gate, then_raise=then_raise)
+            held.call.start()
+            assert entered.wait(10)
+            yield held
+        finally:
+            gate.set()
+            adapter.close()

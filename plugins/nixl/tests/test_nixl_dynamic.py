@@ -10,12 +10,24 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
 
 import pytest
 from lmcache_plugin_nixl import recordio
 from lmcache_plugin_nixl.runtime import NixlTransferError
 from lmcache_plugin_nixl.transfers import WRITE_BACK_PIECE_BYTES
-from nixl_helpers import Arena, client, dynamic_config, lru_eviction_controller, open_dynamic, scratch_dir
+from nixl_helpers import (
+    Arena,
+    HeldCall,
+    call_held_in_transfer,
+    client,
+    dynamic_config,
+    lru_eviction_controller,
+    open_dynamic,
+    scratch_dir,
+    still_open,
+)
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import L2Adapter, verified
@@ -1071,3 +1083,117 @@ def test_close_does_not_wait_for_a_store_stuck_in_storage(
             name for _dir, _dirs, names in os.walk(root) for name in names if name.startswith(TEMP_PREFIX)
         ]
         assert left == [], "a store stopped by close left its temporary files"
+
+
+# -- the L1 arena's registration and the directory lock outlive every call using them ---------
+
+
+def _held_dynamic(
+    monkeypatch: pytest.MonkeyPatch, operation: str, **options: Any
+) -> AbstractContextManager[HeldCall]:
+    """A direct-I/O adapter (so loads go through NIXL too) with a call held in its transfer."""
+    return call_held_in_transfer(
+        monkeypatch,
+        operation,
+        lambda directory, arena: open_dynamic(dynamic_config(directory, direct_io=True), arena),
+        **options,
+    )
+
+
+def _directory_locked(directory: str) -> bool:
+    """Whether an adapter still holds ``directory`` (another adapter would be refused it)."""
+    from lmcache_plugin_nixl.dynamic import NixlDynamicBackend
+
+    from lmcache_tiers.config import FieldError
+    from lmcache_tiers.plugin import ConfigError
+
+    try:
+        NixlDynamicBackend.preflight(dynamic_config(directory, direct_io=True))
+    except (ConfigError, FieldError):
+        return True
+    return False
+
+
+def _open_file_identities(monkeypatch: pytest.MonkeyPatch, found: list[tuple[int, int]]) -> None:
+    """(descriptor, inode) of every file registered with NIXL from now on, into ``found``."""
+    from lmcache_plugin_nixl.runtime import NixlRuntime
+
+    runtime = NixlRuntime.shared()
+    register_files = runtime.register_files
+
+    def tracked(backend: str, fds: list[int]) -> object:
+        found.extend((fd, os.fstat(fd).st_ino) for fd in fds)
+        return register_files(backend, fds)
+
+    monkeypatch.setattr(runtime, "register_files", tracked)
+
+
+@pytest.mark.parametrize("operation", ["WRITE", "READ"])
+def test_close_keeps_the_arena_registered_and_the_directory_locked_under_a_transfer_in_progress(
+    monkeypatch: pytest.MonkeyPatch, operation: str
+) -> None:
+    """A NIXL request posted into the L1 arena is built on its registration, and its files
+    are named by descriptor number: the backend's close (core's last step once its deadline
+    passed) must not deregister the arena or give the directory to another server under a
+    store or load still inside its transfer, nor may that call's files be closed.  Close
+    does not wait; the last call to leave releases the arena and the directory."""
+    files: list[tuple[int, int]] = []
+    with _held_dynamic(
+        monkeypatch, operation, count=2, before_call=lambda _b: _open_file_identities(monkeypatch, files)
+    ) as held:
+        host = held.backend._host
+        assert host._arena_registration is not None
+        held.close_under_it()
+        registered_under_transfer = host._arena_registration is not None
+        locked_under_transfer = _directory_locked(held.directory)
+        files_open_under_transfer = bool(files) and still_open(files)
+        held.let_it_leave()
+        assert registered_under_transfer, "close deregistered the L1 arena under a transfer in progress"
+        assert locked_under_transfer, "close released the directory under a transfer in progress"
+        assert files_open_under_transfer, "the call's files were closed under its transfer"
+        assert host._arena_registration is None, "the last call did not deregister the L1 arena"
+        assert not _directory_locked(held.directory), "the last call did not release the directory"
+        assert not still_open(files), "the call left its files open"
+
+
+@pytest.mark.parametrize("operation", ["WRITE", "READ"])
+def test_a_call_raising_inside_its_transfer_after_close_still_releases_arena_and_directory(
+    monkeypatch: pytest.MonkeyPatch, operation: str
+) -> None:
+    """Whoever leaves last releases them, also a call whose transfer raised."""
+    with _held_dynamic(monkeypatch, operation, then_raise=True) as held:
+        held.close_under_it()
+        assert held.backend._host._arena_registration is not None
+        held.let_it_leave()
+        assert held.backend._host._arena_registration is None
+        assert not _directory_locked(held.directory)
+
+
+def test_dynamic_calls_after_close_are_refused_counted_and_touch_no_file(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Once the backend's close ran (its arena deregistered, its directory another server's
+    to take), a store or load posts nothing and opens no file: its keys fail, counted as
+    stopped by the close, one log line each."""
+    arena = Arena()
+    keys = make_keys(3)
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root, direct_io=True), arena.view)
+        try:
+            backend = adapter.backend  # type: ignore[attr-defined]
+            payloads = [arena.filled(pattern(150 + i, SIZE)) for i in range(3)]
+            assert backend.put_many(keys[:2], payloads[:2]) == [True, True]
+            adapter.state.closing.set()  # type: ignore[attr-defined]
+            backend.close()
+            before = record_files(root)
+            with caplog.at_level("INFO"):
+                assert backend.put_many(keys[2:], payloads[2:]) == [False]
+                assert backend.get_many_into(keys[:2], [arena.take(SIZE) for _ in range(2)]) == [False, False]
+            stats = adapter.stats()
+            assert stats.get("store_stopped_closing", 0) == 1
+            assert stats.get("load_stopped_closing", 0) == 2
+            assert record_files(root) == before
+            assert any("not stored: the adapter is closing" in r.getMessage() for r in caplog.records)
+            assert any("not loaded: the adapter is closing" in r.getMessage() for r in caplog.records)
+        finally:
+            adapter.close()

@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import os
 import threading
+from contextlib import AbstractContextManager
+from typing import Any
 
 import pytest
 from lmcache_plugin_nixl.pool import slot_file_name
 from lmcache_plugin_nixl.slots import Claim, SlotTable
-from nixl_helpers import Arena, client, lru_eviction_controller, open_pool, pool_config, scratch_dir
+from nixl_helpers import (
+    Arena,
+    HeldCall,
+    call_held_in_transfer,
+    client,
+    lru_eviction_controller,
+    open_pool,
+    pool_config,
+    scratch_dir,
+    still_open,
+)
 
 from lmcache_tiers.testing.l2 import make_keys, pattern
 
@@ -662,31 +674,14 @@ def _slot_file_identities(storage: object) -> list[tuple[int, int]]:
     return [(fd, os.fstat(fd).st_ino) for fd in fds]
 
 
-def _still_open(identities: list[tuple[int, int]]) -> bool:
-    """Whether every descriptor still names the slot file it named (not closed, not reused)."""
-    for fd, inode in identities:
-        try:
-            if os.fstat(fd).st_ino != inode:
-                return False
-        except OSError:
-            return False
-    return True
-
-
-def _hold_transfer(monkeypatch, operation: str, entered: threading.Event, gate: threading.Event) -> None:
-    """The first NIXL ``operation`` stays in progress until ``gate`` opens, then runs."""
-    from lmcache_plugin_nixl.runtime import NixlRuntime
-
-    runtime = NixlRuntime.shared()
-    transfer_many = runtime.transfer_many
-
-    def held(backend_name: str, op: str, *args: object, **kwargs: object) -> object:
-        if op == operation and not entered.is_set():
-            entered.set()
-            gate.wait(60)
-        return transfer_many(backend_name, op, *args, **kwargs)
-
-    monkeypatch.setattr(runtime, "transfer_many", held)
+def _held_pool(monkeypatch, operation: str, **options: Any) -> AbstractContextManager[HeldCall]:
+    """A pool of 4 slot files over an L1 arena with a store or load held in its transfer."""
+    return call_held_in_transfer(
+        monkeypatch,
+        operation,
+        lambda directory, arena: open_pool(pool_config(directory, pool_size=4), arena),
+        **options,
+    )
 
 
 @pytest.mark.parametrize("operation", ["WRITE", "READ"])
@@ -695,37 +690,18 @@ def test_close_leaves_the_slot_files_open_under_a_transfer_in_progress(monkeypat
     the backend's close runs (core's last step once its deadline passed) must find the
     slot files still open, else a number another file reused would be written or read.
     Close does not wait for the call; the call closes the files when it leaves."""
-    arena = Arena()
-    entered, gate = threading.Event(), threading.Event()
-    with scratch_dir() as directory:
-        adapter = open_pool(pool_config(directory, pool_size=4), arena.view)
-        try:
-            backend = adapter.backend
-            storage = backend._storage
-            keys = make_keys(2)
-            data = [memoryview(pattern(90 + i, SIZE)) for i in range(2)]
-            if operation == "READ":
-                assert backend.put_many(keys, data) == [True, True]
-                call = threading.Thread(
-                    target=backend.get_many_into, args=(keys, [arena.take(SIZE) for _ in keys])
-                )
-            else:
-                call = threading.Thread(target=backend.put_many, args=(keys, data))
-            identities = _slot_file_identities(storage)
-            _hold_transfer(monkeypatch, operation, entered, gate)
-            call.start()
-            assert entered.wait(10)
-            adapter.state.closing.set()
-            backend.close()
-            open_under_transfer = _still_open(identities)
-            gate.set()
-            call.join(30)
-            assert open_under_transfer, "close closed the slot files under a transfer in progress"
-            assert storage._buffered == [], "the call did not close the slot files when it left"
-            assert not any(name.startswith("nixl-pool-") for name in os.listdir(directory))
-        finally:
-            gate.set()
-            adapter.close()
+    identities: list[tuple[int, int]] = []
+
+    def note_slot_files(backend: object) -> None:
+        identities.extend(_slot_file_identities(backend._storage))  # type: ignore[attr-defined]
+
+    with _held_pool(monkeypatch, operation, count=2, before_call=note_slot_files) as held:
+        held.close_under_it()
+        open_under_transfer = still_open(identities)
+        held.let_it_leave()
+        assert open_under_transfer, "close closed the slot files under a transfer in progress"
+        assert held.backend._storage._buffered == [], "the call did not close the slot files when it left"
+        assert not any(name.startswith("nixl-pool-") for name in os.listdir(held.directory))
 
 
 @pytest.mark.parametrize("operation", ["WRITE", "READ"])
@@ -733,52 +709,14 @@ def test_a_call_raising_inside_its_transfer_after_close_still_closes_the_slot_fi
     monkeypatch, operation: str
 ) -> None:
     """Whoever leaves last closes the slot files, also a call whose transfer raised."""
-    from lmcache_plugin_nixl.runtime import NixlRuntime
-
-    arena = Arena()
-    entered, gate = threading.Event(), threading.Event()
-    with scratch_dir() as directory:
-        adapter = open_pool(pool_config(directory, pool_size=4), arena.view)
-        try:
-            backend = adapter.backend
-            storage = backend._storage
-            keys = make_keys(1)
-            data = [memoryview(pattern(95, SIZE))]
-            if operation == "READ":
-                assert backend.put_many(keys, data) == [True]
-            runtime = NixlRuntime.shared()
-
-            def raising(backend_name: str, op: str, *args: object, **kwargs: object) -> object:
-                entered.set()
-                gate.wait(60)
-                raise RuntimeError("injected: the transfer raised")
-
-            monkeypatch.setattr(runtime, "transfer_many", raising)
-            raised: list[BaseException] = []
-
-            def call() -> None:
-                try:
-                    if operation == "READ":
-                        backend.get_many_into(keys, [arena.take(SIZE)])
-                    else:
-                        backend.put_many(keys, data)
-                except RuntimeError as exc:
-                    raised.append(exc)
-
-            caller = threading.Thread(target=call)
-            caller.start()
-            assert entered.wait(10)
-            adapter.state.closing.set()
-            backend.close()
-            assert storage._buffered, "close closed the slot files under a transfer in progress"
-            gate.set()
-            caller.join(30)
-            assert len(raised) == 1
-            assert storage._buffered == []
-            assert backend._slots.used_slots == (1 if operation == "READ" else 0)
-        finally:
-            gate.set()
-            adapter.close()
+    with _held_pool(monkeypatch, operation, seed=95, then_raise=True) as held:
+        storage = held.backend._storage
+        held.close_under_it()
+        assert storage._buffered, "close closed the slot files under a transfer in progress"
+        held.let_it_leave()
+        assert len(held.raised) == 1
+        assert storage._buffered == []
+        assert held.backend._slots.used_slots == (1 if operation == "READ" else 0)
 
 
 def test_calls_after_close_are_refused_counted_and_touch_no_file(caplog: pytest.LogCaptureFixture) -> None:
@@ -812,38 +750,27 @@ def test_calls_after_close_are_refused_counted_and_touch_no_file(caplog: pytest.
 def test_a_second_close_under_a_transfer_in_progress_closes_nothing(monkeypatch) -> None:
     """Two closes while a store is inside its transfer: neither closes the slot files under
     it, and the store closes them once when it leaves."""
-    entered, gate = threading.Event(), threading.Event()
-    with scratch_dir() as directory:
-        adapter = open_pool(pool_config(directory, pool_size=4))
-        try:
-            backend = adapter.backend
-            storage = backend._storage
-            close_files = storage.close
-            closes: list[str] = []
+    closes: list[str] = []
+    identities: list[tuple[int, int]] = []
 
-            def counted_close() -> int:
-                closes.append(threading.current_thread().name)
-                return close_files()
+    def count_closes(backend: object) -> None:
+        storage = backend._storage  # type: ignore[attr-defined]
+        close_files = storage.close
+        identities.extend(_slot_file_identities(storage))
 
-            monkeypatch.setattr(storage, "close", counted_close)
-            identities = _slot_file_identities(storage)
-            _hold_transfer(monkeypatch, "WRITE", entered, gate)
-            store = threading.Thread(
-                target=backend.put_many, args=(make_keys(1), [memoryview(pattern(97, SIZE))]), name="store"
-            )
-            store.start()
-            assert entered.wait(10)
-            adapter.state.closing.set()
-            backend.close()
-            backend.close()
-            open_under_transfer = _still_open(identities)
-            gate.set()
-            store.join(30)
-            assert open_under_transfer
-            assert closes == ["store"], f"the slot files were closed by {closes}"
-        finally:
-            gate.set()
-            adapter.close()
+        def counted_close() -> int:
+            closes.append(threading.current_thread().name)
+            return close_files()
+
+        monkeypatch.setattr(storage, "close", counted_close)
+
+    with _held_pool(monkeypatch, "WRITE", seed=97, before_call=count_closes) as held:
+        held.close_under_it()
+        held.backend.close()
+        open_under_transfer = still_open(identities)
+        held.let_it_leave()
+        assert open_under_transfer
+        assert closes == ["store"], f"the slot files were closed by {closes}"
 
 
 def test_closing_the_slot_files_goes_on_past_a_descriptor_that_fails_to_close(
@@ -864,7 +791,7 @@ def test_closing_the_slot_files_goes_on_past_a_descriptor_that_fails_to_close(
                 adapter.close()
             assert adapter.stats().get("slot_file_close_failures", 0) == 1
             assert any("could not be closed" in r.getMessage() for r in caplog.records)
-            assert not any(_still_open([identity]) for identity in others)
+            assert not any(still_open([identity]) for identity in others)
             assert not any(name.startswith("nixl-pool-") for name in os.listdir(directory))
             reopened = open_pool(pool_config(directory, pool_size=4))
             reopened.close()
@@ -880,35 +807,12 @@ def test_close_keeps_the_l1_arena_registered_under_a_transfer_in_progress(
     backend's close must not deregister the arena under a store or load still inside its
     transfer (the request's handle would outlive the registration it was built on).  The
     last call to leave releases it, with the slot files."""
-    arena = Arena()
-    entered, gate = threading.Event(), threading.Event()
-    with scratch_dir() as directory:
-        adapter = open_pool(pool_config(directory, pool_size=4), arena.view)
-        try:
-            backend = adapter.backend
-            host = backend._host
-            keys = make_keys(1)
-            data = [memoryview(pattern(93, SIZE))]
-            if operation == "READ":
-                assert backend.put_many(keys, data) == [True]
-                call = threading.Thread(target=backend.get_many_into, args=(keys, [arena.take(SIZE)]))
-            else:
-                # The payload lies in the arena, as core's payloads do.
-                payload = arena.take(SIZE)
-                payload[:] = data[0]
-                call = threading.Thread(target=backend.put_many, args=(keys, [payload]))
-            assert host._arena_registration is not None
-            _hold_transfer(monkeypatch, operation, entered, gate)
-            call.start()
-            assert entered.wait(10)
-            adapter.state.closing.set()
-            backend.close()
-            registered_under_transfer = host._arena_registration is not None
-            gate.set()
-            call.join(30)
-            assert registered_under_transfer, "close deregistered the L1 arena under a transfer in progress"
-            assert host._arena_registration is None, "the last call did not deregister the L1 arena"
-            assert backend._storage._buffered == []
-        finally:
-            gate.set()
-            adapter.close()
+    with _held_pool(monkeypatch, operation, seed=93) as held:
+        host = held.backend._host
+        assert host._arena_registration is not None
+        held.close_under_it()
+        registered_under_transfer = host._arena_registration is not None
+        held.let_it_leave()
+        assert registered_under_transfer, "close deregistered the L1 arena under a transfer in progress"
+        assert host._arena_registration is None, "the last call did not deregister the L1 arena"
+        assert held.backend._storage._buffered == []

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 
 from lmcache_plugin_nixl.availability import check_direct_io
 from lmcache_plugin_nixl.config import FILE_PATH_FIELD, NixlStoreDynamicConfig
+from lmcache_plugin_nixl.lifetime import CallLifetime, count_load_stopped_closing, count_store_stopped_closing
 from lmcache_plugin_nixl.memory import HostMemory
 from lmcache_plugin_nixl.recordio import RecordFiles
 from lmcache_plugin_nixl.runtime import NixlRuntime
@@ -94,9 +95,18 @@ class NixlDynamicBackend:
             # preadv does the same copy without the request set-up (plainreads.py).
             plain_reads=config.backend == "POSIX" and not config.use_direct_io,
         )
+        # The host memory's registrations (the L1 arena, pinned header staging) and the
+        # directory lock outlive every store and load using them (lifetime.py).
+        self._calls = CallLifetime(context, "the L1 arena's registration and the directory", self._release)
 
     def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
-        return self._records.write(keys, payloads)
+        if not self._calls.enter():
+            count_store_stopped_closing(self.context, len(keys))
+            return [False] * len(keys)
+        try:
+            return self._records.write(keys, payloads)
+        finally:
+            self._calls.leave()
 
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | ObjectSize | None]:
         return [self._stored_size(key) for key in keys]
@@ -125,7 +135,13 @@ class NixlDynamicBackend:
         return self._records.size_from_header(key)
 
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
-        return self._records.read(keys, buffers)
+        if not self._calls.enter():
+            count_load_stopped_closing(self.context, len(keys))
+            return [False] * len(keys)
+        try:
+            return self._records.read(keys, buffers)
+        finally:
+            self._calls.leave()
 
     def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         return [self.files.delete(key) for key in keys]
@@ -138,11 +154,23 @@ class NixlDynamicBackend:
         return self._capacity
 
     def close(self) -> None:
+        """Refuse further stores and loads; deregister the host memory and unlock the
+        directory now if no call runs, else once the last one leaves.  Never waits for a
+        call: one still inside its NIXL transfer keeps the registration its request was
+        built on, and the directory (no other server takes it while the call may still
+        write there).  The files a call opened are its own, closed when it leaves."""
         try:
             if not self.config.persist_enabled:
                 removed = self.files.remove_all_records()
                 log.info("%s: persistence off, removed %d record files", self.context.name, removed)
         finally:
-            self._records.close()
+            try:
+                self._records.close()
+            finally:
+                self._calls.close()
+
+    def _release(self) -> None:
+        try:
             self._host.close()
+        finally:
             self._dir_lock.release()

@@ -16,12 +16,12 @@ miss, and their key is dropped from the pool (``corrupt_slots_dropped``).
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 
 import xxhash
 
 from lmcache_plugin_nixl.config import FILE_PATH_FIELD, NixlStoreConfig
+from lmcache_plugin_nixl.lifetime import CallLifetime, count_load_stopped_closing, count_store_stopped_closing
 from lmcache_plugin_nixl.memory import HostMemory
 from lmcache_plugin_nixl.pool import FileSlots, ObjectSlots, SlotStorage, lock_what
 from lmcache_plugin_nixl.runtime import NixlRuntime
@@ -61,12 +61,10 @@ class NixlStoreBackend:
             self._host.close()
             raise
         self._slots = SlotTable(config.pool_size)
-        # Stores and loads using the slot files and the host memory (see _enter_call) and
-        # whether close() was called: both are released by close() or, when calls still
-        # use them then, by the last of those to leave.  Held only to read or change the two.
-        self._use_state = threading.Lock()
-        self._users = 0
-        self._close_requested = False
+        # NIXL posts requests by descriptor number, into the registered arena: the slot
+        # files and the host memory's registration outlive every store and load using
+        # them, released by close() or by the last call to leave (lifetime.py).
+        self._calls = CallLifetime(context, "the pool's slot files and the L1 arena", self._release_storage)
         self._transfer = BatchTransfer(
             runtime, config.backend, self._host, self._storage.storage_mem, direct_io=config.use_direct_io
         )
@@ -79,13 +77,13 @@ class NixlStoreBackend:
             self._explain_unclaimed(claims)
         if not writes:
             return results
-        if not self._enter_call():
+        if not self._calls.enter():
             never_tried = list(range(len(writes)))
             return self._abandon_closing(keys, writes, [False] * len(writes), never_tried, results)
         try:
             return self._write_claimed(keys, payloads, writes, results)
         finally:
-            self._leave_call()
+            self._calls.leave()
 
     def _write_claimed(
         self,
@@ -113,37 +111,12 @@ class NixlStoreBackend:
             for i, slot in writes:
                 self._slots.abandon(keys[i], slot)
             raise
-        if self._close_requested or self._closing():
+        if self._calls.closed or self._closing():
             return self._abandon_closing(keys, writes, written, stopped, results)
         # A store past this check finishes and publishes its slots even if close() runs
         # meanwhile: the files stay open until it leaves.
         self._finish_and_publish(keys, writes, buffers, written, results)
         return results
-
-    def _enter_call(self) -> bool:
-        """Register a store or load as a user of the slot files, before it posts any NIXL
-        transfer; False (the call must touch no file) once close() was called.  NIXL posts
-        requests by descriptor number, and a request already posted runs on after the call
-        was given up: the files are not closed (and their numbers not reused by other
-        files), nor the L1 arena deregistered under the request, until every registered
-        call left (:meth:`_leave_call`), whether its
-        transfers completed, failed or raised.  No lock is held during the call: calls run
-        in parallel and close() never waits for one (a transfer or a truncate can hang on
-        a hung device)."""
-        with self._use_state:
-            if self._close_requested:
-                return False
-            self._users += 1
-            return True
-
-    def _leave_call(self) -> None:
-        """The last call to leave after close() was called releases the slot files and
-        the host memory's registration."""
-        with self._use_state:
-            self._users -= 1
-            release_now = self._close_requested and self._users == 0
-        if release_now:
-            self._release_storage_safely("the last call using them left")
 
     def _finish_and_publish(
         self,
@@ -188,12 +161,7 @@ class NixlStoreBackend:
         whose write the storage failed (logged by the transfer)."""
         for i, slot in writes:
             self._slots.abandon(keys[i], slot)
-        cut_short = sum(written) + len(stopped)
-        if cut_short:
-            self.context.count("store_stopped_closing", cut_short)
-            log.info(
-                "%s: %d keys of a store not stored: the adapter is closing", self.context.name, cut_short
-            )
+        count_store_stopped_closing(self.context, sum(written) + len(stopped))
         return results
 
     def _explain_unclaimed(self, claims: Sequence[int | Claim]) -> None:
@@ -229,13 +197,13 @@ class NixlStoreBackend:
             ]
             if not reads:
                 return results
-            if not self._enter_call():
-                self._load_stopped_closing(len(reads))
+            if not self._calls.enter():
+                count_load_stopped_closing(self.context, len(reads))
                 return results
             try:
                 return self._read_held(keys, buffers, entries, reads, results)
             finally:
-                self._leave_call()
+                self._calls.leave()
         finally:
             self._slots.release_reads(held)
 
@@ -262,19 +230,13 @@ class NixlStoreBackend:
         if self._closing():
             # The buffers may belong to other objects by now (see above): not even
             # read to verify them.
-            self._load_stopped_closing(len(reads))
+            count_load_stopped_closing(self.context, len(reads))
             return results
         for i, ok in zip(reads, moved, strict=True):
             entry = entries[i]
             assert entry is not None
             results[i] = ok and self._verified(keys[i], entry, buffers[i])
         return results
-
-    def _load_stopped_closing(self, count: int) -> None:
-        """Count and explain the keys of a load that returned once the adapter was closing:
-        misses, whatever the transfer did."""
-        self.context.count("load_stopped_closing", count)
-        self.context.warn("load_closing", "%d keys of a load not loaded: the adapter is closing", count)
 
     def _verified(self, key: ObjectKey, entry: StoredSlot, loaded: memoryview) -> bool:
         """Whether the bytes read out of ``entry``'s slot are the ones its store wrote.
@@ -313,24 +275,7 @@ class NixlStoreBackend:
         """Refuse further calls and release the slot files and the host memory's NIXL
         registration -- now if no call uses them, else when the last one leaves (one log
         line).  Never waits for a call."""
-        # Only the first close decides who releases them (itself, or the last call
-        # leaving): a second one, maybe while that call releases them, must not close
-        # their descriptor numbers again (another file may reuse one).
-        with self._use_state:
-            first = not self._close_requested
-            self._close_requested = True
-            users = self._users
-        if not first:
-            return
-        if users:
-            log.warning(
-                "%s: %d stores or loads still use the pool's files and the L1 arena: they are "
-                "closed, removed and deregistered once the last of them is done",
-                self.context.name,
-                users,
-            )
-        else:
-            self._release_storage()
+        self._calls.close()
 
     def _release_storage(self) -> None:
         """Deregister and close the slot files, remove them and unlock their directory, and
@@ -343,17 +288,3 @@ class NixlStoreBackend:
                 self.context.count("slot_file_close_failures", failures)
         finally:
             self._host.close()
-
-    def _release_storage_safely(self, why: str) -> None:
-        """:meth:`_release_storage` on a call's thread, after close() returned: an error is
-        logged (the call's keys are already reported)."""
-        try:
-            self._release_storage()
-        except Exception:
-            log.exception("%s: closing the pool's slot files failed", self.context.name)
-        else:
-            log.info(
-                "%s: the pool's slot files are closed and the L1 arena deregistered, %s",
-                self.context.name,
-                why,
-            )
