@@ -54,7 +54,7 @@ What each kind of plugin needs:
   whether a directory takes
   ``O_DIRECT``: ``direct_io_refusal``;
 * tests: ``L2AdapterSuite`` (``PERSISTENCE``, ``CAPACITY``, ``EVICTION``, ``IMMEDIATE_MISSES``,
-  ``IMMEDIATE_HITS``), ``SerdeSuite``
+  ``IMMEDIATE_HITS``, ``BACKEND_FAILURES``), ``SerdeSuite``
   (``LOSSLESS``, ``DETECTS_CORRUPTION``, ``BINDS_KEY``),
   ``StorePolicySuite``, ``PrefetchPolicySuite``, ``EvictionPolicySuite`` (``EVICTS``,
   ``RECENCY``, ``LOADS_EVERY_HIT``, ``STORES_EVERYWHERE``), ``ComponentSuite``,
@@ -182,6 +182,7 @@ if TYPE_CHECKING:
     from lmcache_tiers.testing.blocking import BlockingAdapterClient
     from lmcache_tiers.testing.frontend import FrontendDriver, FrontendSuite
     from lmcache_tiers.testing.l2 import (
+        BACKEND_FAILURES,
         CAPACITY,
         EVICTION,
         IMMEDIATE_HITS,
@@ -294,6 +295,7 @@ _LAZY = {
     "ComponentSuite": "lmcache_tiers.testing.base",
     "L2AdapterSuite": "lmcache_tiers.testing.l2",
     "PERSISTENCE": "lmcache_tiers.testing.l2",
+    "BACKEND_FAILURES": "lmcache_tiers.testing.l2",
     "CAPACITY": "lmcache_tiers.testing.l2",
     "IMMEDIATE_HITS": "lmcache_tiers.testing.l2",
     "IMMEDIATE_MISSES": "lmcache_tiers.testing.l2",
@@ -315,6 +317,7 @@ _LAZY = {
 
 __all__ = [
     "ABSENT_FILE_ERRORS",
+    "BACKEND_FAILURES",
     "BINDS_KEY",
     "CAPACITY",
     "DETECTS_CORRUPTION",

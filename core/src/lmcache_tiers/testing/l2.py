@@ -36,9 +36,11 @@ import pytest
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import L2Adapter, L2Op
 from lmcache_tiers.testing.l2_capabilities import L2CapabilityTests
+from lmcache_tiers.testing.l2_failures import BackendFailureTests
 from lmcache_tiers.testing.l2_immediate import ImmediateLookupTests
 from lmcache_tiers.testing.l2_integrity import IntegrityTests
 from lmcache_tiers.testing.l2_support import (
+    BACKEND_FAILURES,
     CAPACITY,
     EVICTION,
     IMMEDIATE_HITS,
@@ -53,6 +55,7 @@ from lmcache_tiers.testing.l2_support import (
 )
 
 __all__ = [
+    "BACKEND_FAILURES",
     "CAPACITY",
     "EVICTION",
     "IMMEDIATE_HITS",
@@ -67,7 +70,7 @@ __all__ = [
 ]
 
 
-class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests, IntegrityTests):
+class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests, IntegrityTests, BackendFailureTests):
     """Behaviour every L2 adapter must show through the non-blocking interface."""
 
     # -- the round trip --------------------------------------------------------------------

@@ -3,6 +3,7 @@ the base class holding the suite's fixtures and helpers (see :mod:`lmcache_tiers
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 import time
@@ -30,6 +31,9 @@ EVICTION = capability("eviction")
 IMMEDIATE_MISSES = capability("immediate_misses")
 #: ``lookup_and_lock_now`` answers hits too (the whole index is in memory)
 IMMEDIATE_HITS = capability("immediate_hits")
+#: the suite can make the store fail (``failing_storage``): calls then raise, never
+#: answer "absent", so core keeps what was stored accounted and serves it once it is back
+BACKEND_FAILURES = capability("backend_failures")
 
 Reopen = Callable[[L2Adapter], L2Adapter]
 
@@ -248,6 +252,14 @@ class L2SuiteBase(ComponentSuite):
         adapter = self.open_adapter(config, l1_buffer)
         opened.append(adapter)
         return adapter
+
+    def failing_storage(self, adapter: L2Adapter) -> contextlib.AbstractContextManager[None]:
+        """While inside, the store behind ``adapter`` fails (a server stopped, a directory
+        made unreadable); on leaving it works again with its objects intact.  A subclass
+        declaring ``BACKEND_FAILURES`` provides it."""
+        raise NotImplementedError(
+            f"{type(self).__name__} declares BACKEND_FAILURES but does not override failing_storage()"
+        )
 
     # -- helpers ---------------------------------------------------------------------------
 
