@@ -392,7 +392,7 @@ def test_client_processes_end_with_the_replay_that_started_them(tmp_path: Path, 
         while any(_running(worker) for worker in [psutil.Process(replay.pid), *workers]):
             assert time.monotonic() - signalled < 5.0, "the replay or its client processes went on"
             time.sleep(0.1)
-        assert replay.wait() == (-signal.SIGTERM if sig == signal.SIGTERM else 130)
+        assert replay.wait() == (128 + signal.SIGTERM if sig == signal.SIGTERM else 130)
     finally:
         replay.kill()
         for worker in workers:

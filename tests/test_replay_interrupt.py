@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from replay_helpers import BLOCK_BYTES, small_trace, start_block_server
 
@@ -41,6 +46,82 @@ def test_an_interrupt_between_lookup_and_retrieve_gives_the_locks_back(
         _interrupt_after_a_hit(monkeypatch)
         with pytest.raises(KeyboardInterrupt):
             replay_share(server.url, requests, options, origin_ms=origin, start=time.monotonic())
+        with Client(server.url, timeout=10.0) as probe:
+            assert probe.status()["server"]["locked_keys"] == 0
+    finally:
+        assert server.stop() == 0, server.output()
+
+
+# Run as the replay's main script: its top level runs again in every client process
+# (multiprocessing's spawn imports the main script there), so each client holds on.
+_HOLDING_REPLAY = """
+import os, sys, time
+from pathlib import Path
+
+from lmcache_tiers.replay.run import ReplayTotals
+
+_counted = ReplayTotals.count_request
+_HELD = Path(os.environ["REPLAY_HELD_DIR"])  # argv is not passed on to the clients
+
+
+def _count_then_hold(self, request, hits):
+    _counted(self, request, hits)
+    if hits:  # the LOOKUP read-locked the hit prefix; the RETRIEVE has not taken it over
+        (_HELD / str(os.getpid())).touch()
+        while True:
+            time.sleep(0.05)
+
+
+ReplayTotals.count_request = _count_then_hold
+
+if __name__ == "__main__":
+    from lmcache_tiers.cli.main import main
+
+    sys.argv = ["lmcache-tiers", *sys.argv[1:]]
+    main()
+"""
+
+
+@pytest.mark.parametrize("clients", [1, 2])
+def test_a_server_replay_stopped_by_sigterm_gives_its_read_locks_back(tmp_path: Path, clients: int) -> None:
+    """SIGTERM (a supervisor, ``timeout``) ended the replay and its client processes at
+    once: the blocks their last LOOKUP found stayed read-locked, pinned in the server's L1
+    until the lock TTL (300 s by default)."""
+    server = start_block_server(tmp_path / "server", 500)
+    held = tmp_path / "held"
+    held.mkdir()
+    script = tmp_path / "holding_replay.py"
+    script.write_text(_HOLDING_REPLAY)
+    try:
+        trace_path = small_trace(tmp_path / "t.jsonl", requests=20)
+        trace = read_trace(trace_path)
+        options = ReplayOptions(block_bytes=BLOCK_BYTES, timeout_s=10.0)
+        requests = list(enumerate(trace.requests))
+        origin = trace.requests[0].timestamp_ms
+        replay_share(server.url, requests, options, origin_ms=origin, start=time.monotonic())  # fills L1
+        args = ["replay", str(trace_path), "--url", server.url, "--block-bytes", str(BLOCK_BYTES)]
+        replay = subprocess.Popen(
+            [sys.executable, str(script), *args, "--clients", str(clients), "--json"],
+            env=dict(os.environ, REPLAY_HELD_DIR=str(held)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while len(list(held.iterdir())) < clients:
+                assert time.monotonic() < deadline and replay.poll() is None, replay.communicate()
+                time.sleep(0.05)
+            with Client(server.url, timeout=10.0) as probe:
+                assert probe.status()["server"]["locked_keys"] > 0  # what the replay must give back
+            replay.send_signal(signal.SIGTERM)
+            out, err = replay.communicate(timeout=60)
+        finally:
+            replay.kill()
+        assert replay.returncode == 128 + signal.SIGTERM, err
+        assert "Traceback" not in err and out == "", err
+        for pid in held.iterdir():
+            assert not psutil.pid_exists(int(pid.name)), f"client process {pid.name} outlived the replay"
         with Client(server.url, timeout=10.0) as probe:
             assert probe.status()["server"]["locked_keys"] == 0
     finally:

@@ -9,12 +9,14 @@ and after, so they include any other client's traffic at the same time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from lmcache_tiers.client import Client, ClientError, RequestTimeoutError, ServerError
@@ -37,8 +39,13 @@ logger = logging.getLogger(__name__)
 #: requests in a row without a reply after which a replay takes its server for gone: each
 #: would otherwise wait its whole timeout, for every request left in the trace
 UNANSWERED_LIMIT = 3
-#: how long client processes of a replay stopped early get to end on their own
-WORKER_GRACE_S = 1.0
+#: how long a release sent on the way out (a replay stopped mid-request) waits for its
+#: reply: a server that does not answer by then is likely gone, and the replay's own
+#: ``--timeout`` (60 s by default) would hold up the exit that long
+CLEANUP_TIMEOUT_S = 2.0
+#: how long client processes of a replay stopped early get to give back what they hold
+#: and end on their own before they are killed
+WORKER_GRACE_S = CLEANUP_TIMEOUT_S + 1.0
 
 
 def _replay_one(client: Client, request: TraceRequest, state: ClientState) -> None:
@@ -104,9 +111,49 @@ def _give_back_lookup_locks(client: Client, keys: Sequence[ObjectKey]) -> None:
     if not keys:
         return
     try:
-        client.release(keys)
+        with _short_timeout(client, CLEANUP_TIMEOUT_S):
+            client.release(keys)
     except ClientError as exc:
         logger.warning("replay: could not release %d looked-up blocks: %s", len(keys), exc)
+
+
+@contextlib.contextmanager
+def _short_timeout(client: Client, seconds: float) -> Iterator[None]:
+    """Requests of ``client`` wait at most ``seconds`` for their reply meanwhile."""
+    previous = client.timeout
+    client.timeout = min(previous, seconds)
+    try:
+        yield
+    finally:
+        client.timeout = previous
+
+
+@contextlib.contextmanager
+def signals_unwind() -> Iterator[None]:
+    """SIGTERM raises SystemExit(128 + 15) and SIGINT KeyboardInterrupt where the replay is,
+    so that it unwinds: a request stopped after its LOOKUP gives back the read locks it
+    holds, one stopped inside a STORE aborts its reservation.  Under Python's default
+    action SIGTERM ended the process at once, and those stayed on the server until its
+    TTLs.  After the first signal both are ignored, so that no second one cuts the clean-up
+    short.  In the main thread only (the only one signals reach).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def replay_share(
@@ -159,22 +206,28 @@ def _worker(
         with counter.get_lock():
             counter.value += count
 
-    # A replay killed outright (SIGTERM, SIGKILL) runs no cleanup: its clients would replay
-    # on, orphans, to the end of their share.  They end with it instead.
+    # A replay killed outright (SIGKILL) cannot tell its clients: they would replay on,
+    # orphans, to the end of their share.  They end with it instead.
     parent = multiprocessing.parent_process()
     if parent is not None:
-        threading.Thread(target=_exit_with, args=(parent,), name="replay-parent", daemon=True).start()
+        threading.Thread(target=_end_with, args=(parent,), name="replay-parent", daemon=True).start()
     try:
-        totals = replay_share(
-            url, requests, options, origin_ms=origin_ms, start=start, auth_token=auth_token, progress=bump
-        )
+        # The parent stops a client with SIGTERM: it unwinds, giving back what it holds.
+        with signals_unwind():
+            totals = replay_share(
+                url, requests, options, origin_ms=origin_ms, start=start, auth_token=auth_token, progress=bump
+            )
         results.put(("ok", totals))
     except BaseException as exc:  # the parent reports it; a worker must always answer
         results.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def _exit_with(parent: Any) -> None:
+def _end_with(parent: Any) -> None:
     parent.join()  # returns once the parent process is gone
+    # Unwound like a client the parent stopped (its locks given back), and ended outright
+    # if that does not finish within the time allowed for it.
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(WORKER_GRACE_S)
     os._exit(1)
 
 
@@ -191,6 +244,18 @@ def replay_server(
     if clients < 1:
         raise ValueError("clients must be at least 1")
     check_pacing(trace, options.time_scale)
+    with signals_unwind():
+        return _replay_server(url, trace, options, clients, auth_token, progress)
+
+
+def _replay_server(
+    url: str,
+    trace: Trace,
+    options: ReplayOptions,
+    clients: int,
+    auth_token: str | None,
+    progress: ProgressHook | None,
+) -> ReplayReport:
     with Client(url, timeout=options.timeout_s, auth_token=auth_token, name="replay-status") as probe:
         before = probe.status()
     indexed = list(enumerate(trace.requests))
@@ -283,14 +348,18 @@ def _replay_in_processes(
                 reported = done
     finally:
         if answers < clients:
-            # Stopped early (Ctrl-C, a signal, an error): what the clients still do is not
-            # wanted.  A moment to finish on their own (Ctrl-C reached them too), then ended.
-            grace = time.monotonic() + WORKER_GRACE_S
-            for worker in workers:
-                worker.join(timeout=max(0.0, grace - time.monotonic()))
+            # Stopped early (Ctrl-C, SIGTERM, an error): what the clients still do is not
+            # wanted.  SIGTERM makes each give back what it holds and end (one that Ctrl-C
+            # reached too is doing so already, and ignores it); one that does not end
+            # within the grace is killed below.
             for worker in workers:
                 if worker.is_alive():
                     worker.terminate()
+            grace = time.monotonic() + WORKER_GRACE_S
+            for worker in workers:
+                worker.join(timeout=max(0.0, grace - time.monotonic()))
+                if worker.is_alive():
+                    worker.kill()
         for worker in workers:
             worker.join(timeout=10)
             if worker.is_alive():
