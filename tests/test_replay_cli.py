@@ -464,3 +464,27 @@ def test_an_in_process_l1_too_small_for_one_extent_names_the_flag(tmp_path: Path
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.startswith("error: "), result.stderr  # before any progress bar
     assert _error_line(result).startswith("error: --l1-size-gb 1e-12: smaller than one L1 extent")
+
+
+def test_a_trace_without_blocks_reports_no_miss_ratio_it_never_measured(tmp_path: Path) -> None:
+    # Its hit rate was 0 and its miss ratio 1.0: a cache that missed everything, for a
+    # trace that asked for nothing.
+    trace = tmp_path / "empty.jsonl"
+    line = {"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}
+    trace.write_text(json.dumps(line) + "\n")
+    result = run_cli(["replay", str(trace), "--simulate", "--json"])
+    assert result.returncode == 0, result.stderr
+    runs = [run for point in json.loads(result.stdout)["points"] for run in point["runs"]]
+    assert runs
+    assert {(run["hit_rate"], run["miss_ratio"]) for run in runs} == {(0.0, 0.0)}
+    table = run_cli(["replay", str(trace), "--simulate", "--policy", "LRU"])
+    assert table.returncode == 0, table.stderr
+    assert "1.0000" not in table.stdout and "n/a" in table.stdout, table.stdout
+
+
+@pytest.mark.parametrize(("fraction", "expected"), [(0.5, 50), (0.99, 99), (1.0, 100), (0.07, 7), (0.0, 1)])
+def test_latency_percentiles_are_nearest_rank(fraction: float, expected: int) -> None:
+    # int(q * n) as the index made p99 of 100 samples their maximum.
+    from lmcache_tiers.replay.run import percentile
+
+    assert percentile([float(value) for value in range(100, 0, -1)], fraction) == expected

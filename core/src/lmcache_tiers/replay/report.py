@@ -35,9 +35,13 @@ def curve_table(points: Sequence[CapacityPoint], *, title: str, oracles: Collect
         style = "bold" if name in (BELADY, INFINITE) else "italic" if name in oracles else None
         table.add_column(name, justify="right", style=style)
     for point in points:
-        best = min((run.miss_ratio for run in point.runs if run.policy not in limits), default=None)
+        measured = [run for run in point.runs if run.total_blocks]
+        best = min((run.miss_ratio for run in measured if run.policy not in limits), default=None)
         cells = []
         for run in point.runs:
+            if not run.total_blocks:
+                cells.append("n/a")  # a trace without blocks: no miss ratio to show
+                continue
             text = f"{run.miss_ratio:.4f}"
             if best is not None and run.miss_ratio == best and run.policy not in limits:
                 text = f"[green]{text}[/]"

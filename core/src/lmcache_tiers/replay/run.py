@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -171,10 +172,14 @@ def paced(
 
 
 def percentile(values: Sequence[float], fraction: float) -> float | None:
+    """The nearest-rank percentile: the smallest value at least ``fraction`` of the values
+    are at or below (p99 of 100 values is the 99th smallest, not the largest)."""
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+    # rounded first: 0.07 * 100 is 7.000000000000001 in floating point, whose ceiling is 8
+    rank = math.ceil(round(fraction * len(ordered), 9))
+    return ordered[min(len(ordered), max(1, rank)) - 1]
 
 
 def _adapters_total(status: dict[str, Any], field_name: str) -> int:

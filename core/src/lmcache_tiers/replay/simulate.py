@@ -96,7 +96,9 @@ class PolicyRun:
 
     @property
     def miss_ratio(self) -> float:
-        return 1.0 - self.hit_rate
+        # No block referenced: nothing hit and nothing missed (0, like the hit rate), not
+        # a cache that missed everything.
+        return 1.0 - self.hit_rate if self.total_blocks else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
