@@ -4,6 +4,7 @@ client's behalf is given back when that reply arrives, not held until the server
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -37,6 +38,26 @@ def interrupting_signal() -> Iterator[signal.Signals]:
         signal.signal(signal.SIGUSR1, previous)
 
 
+@contextlib.contextmanager
+def _interrupted_while_frozen(server_pid: int, signum: signal.Signals) -> Iterator[None]:
+    """Freeze the server, so that the block's call is sent and answered only after the
+    interruption; interrupt this process in the middle of that call, and let the server
+    go on a little later (the call's clean-up may wait for the server's answer)."""
+    freeze(server_pid)
+    timers = [
+        threading.Timer(0.5, os.kill, (os.getpid(), signum)),
+        threading.Timer(1.5, os.kill, (server_pid, signal.SIGCONT)),
+    ]
+    for timer in timers:
+        timer.start()
+    try:
+        yield
+    finally:
+        for timer in timers:
+            timer.join()
+        os.kill(server_pid, signal.SIGCONT)
+
+
 def test_the_locks_of_an_interrupted_lookup_are_given_back_when_its_reply_lands(
     tmp_path: Path, interrupting_signal: signal.Signals
 ) -> None:
@@ -46,15 +67,8 @@ def test_the_locks_of_an_interrupted_lookup_are_given_back_when_its_reply_lands(
     try:
         assert client.store(keys, make_payloads("interrupted", 4, 64 << 10)) == 4
         client.release(keys)
-        freeze(server.proc.pid)  # the LOOKUP is sent, and answered only after the interruption
-        timer = threading.Timer(0.5, os.kill, (os.getpid(), interrupting_signal))
-        timer.start()
-        try:
-            with pytest.raises(_Interrupted):
-                client.lookup(keys)
-        finally:
-            timer.join()
-            os.kill(server.proc.pid, signal.SIGCONT)
+        with _interrupted_while_frozen(server.proc.pid, interrupting_signal), pytest.raises(_Interrupted):
+            client.lookup(keys)
         # The late reply (4 hits, locked for this client) arrives before the first PING's;
         # the second PING comes after whatever the client sent on reading it.
         client.ping()
@@ -160,6 +174,58 @@ def test_leaving_a_retrieve_block_of_a_client_closed_meanwhile_does_not_raise(tm
             client.release = close_then_release  # type: ignore[method-assign]
         with pytest.raises(ClientError, match="closed"):
             client.ping()
+    finally:
+        client.close()
+        assert server.stop() == 0, server.output()
+
+
+def test_an_interrupted_retrieve_gives_its_locks_back_and_not_those_of_a_later_lookup(
+    tmp_path: Path, interrupting_signal: signal.Signals
+) -> None:
+    server = start_server(tmp_path / "server")
+    client = Client(server.url, timeout=CLIENT_TIMEOUT_S)
+    keys = make_keys("interrupted-retrieve", 4)
+    try:
+        assert client.store(keys, make_payloads("interrupted-retrieve", 4, 64 << 10)) == 4
+        assert client.lookup(keys) == 4
+        with (
+            _interrupted_while_frozen(server.proc.pid, interrupting_signal),
+            pytest.raises(_Interrupted),
+            client.retrieve(keys),
+        ):
+            pytest.fail("the retrieve block was entered")
+        client.ping()
+        client.ping()
+        assert client.status()["server"]["locked_keys"] == 0
+        # A later lookup's locks are its own: nothing the interrupted call left drops them.
+        assert client.lookup(keys) == 4
+        client.ping()
+        client.ping()
+        assert client.status()["server"]["locked_keys"] == 4
+        assert not client._outstanding and not client._early
+        client.release(keys)
+    finally:
+        client.close()
+        assert server.stop() == 0, server.output()
+
+
+def test_the_reservations_of_an_interrupted_store_are_aborted_when_its_reply_lands(
+    tmp_path: Path, interrupting_signal: signal.Signals
+) -> None:
+    server = start_server(tmp_path / "server")
+    client = Client(server.url, timeout=CLIENT_TIMEOUT_S)
+    assert client.uses_shm
+    keys = make_keys("interrupted-store", 4)
+    payloads = make_payloads("interrupted-store", 4, 64 << 10)
+    try:
+        with _interrupted_while_frozen(server.proc.pid, interrupting_signal), pytest.raises(_Interrupted):
+            client.store(keys, payloads)
+        client.ping()
+        client.ping()
+        assert client.status()["server"]["in_flight"]["stores"] == 0
+        assert client.lookup(keys) == 0  # nothing was committed
+        assert client.store(keys, payloads) == 4
+        assert not client._outstanding and not client._early
     finally:
         client.close()
         assert server.stop() == 0, server.output()

@@ -470,12 +470,7 @@ class Client(Connection):
                 except BaseException:
                     # Lookups still in flight lock keys for us: release them when they land.
                     for request in requests:
-                        if request.req_id in self._outstanding:
-                            del self._outstanding[request.req_id]
-                            self._remember_orphan(request)
-                            arrived = self._early.pop(request.req_id, None)
-                            if arrived is not None:
-                                self._settle_orphan(arrived[0])
+                        self._give_up(request)
                     raise
             for position, handle in waiting:
                 hits = self.wait_prefetch(handle, max(0.0, deadline - time.monotonic()))
