@@ -1197,3 +1197,83 @@ def test_dynamic_calls_after_close_are_refused_counted_and_touch_no_file(
             assert any("not loaded: the adapter is closing" in r.getMessage() for r in caplog.records)
         finally:
             adapter.close()
+
+
+# -- persistence off: the records are removed while the directory is still this adapter's ----
+
+
+def test_a_second_close_with_persistence_off_removes_no_record_of_the_next_server() -> None:
+    """Once the first close released the directory another server may take it: a second
+    close of the first backend must not sweep that server's records away."""
+    arena = Arena()
+    keys = make_keys(2)
+    with scratch_dir() as root:
+        first = open_dynamic(dynamic_config(root, persist_enabled=False), arena.view)
+        assert store(first, arena, keys[:1], [pattern(160, SIZE)]) == [True]
+        first.close()
+        assert record_files(root) == []
+        second = open_dynamic(dynamic_config(root), arena.view)
+        try:
+            assert store(second, arena, keys[1:], [pattern(161, SIZE)]) == [True]
+            kept = record_files(root)
+            first.backend.close()  # type: ignore[attr-defined]
+            assert record_files(root) == kept, "a second close removed another server's record"
+        finally:
+            second.close()
+
+
+def _rename_between_sweep_listing_and_removal(monkeypatch: pytest.MonkeyPatch, files: Any) -> threading.Event:
+    """The first rename of a record passes its closing check, then waits until the close's
+    sweep has read the directory; the sweep removes what it read only once that rename
+    landed.  That is a rename already under way when closing began, landing just after the
+    sweep's reading: the sweep finds the temporary file gone and the record unlisted.
+    Returns the event set once the rename is held (before closing begins)."""
+    rename, listing = files._rename, files._files
+    entered, listed, renamed = threading.Event(), threading.Event(), threading.Event()
+
+    def held_rename(key: ObjectKey, temp_path: str, final: str, stop: Any = None) -> bool:
+        if stop is not None and stop():
+            return False
+        entered.set()
+        listed.wait(60)
+        try:
+            return bool(rename(key, temp_path, final))
+        finally:
+            renamed.set()
+
+    def listing_then_rename(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        entries = list(listing(*args, **kwargs))
+        if entered.is_set() and not listed.is_set():
+            listed.set()
+            renamed.wait(60)
+        yield from entries
+
+    monkeypatch.setattr(files, "_rename", held_rename)
+    monkeypatch.setattr(files, "_files", listing_then_rename)
+    return entered
+
+
+def test_with_persistence_off_a_record_published_after_close_is_removed_when_its_store_leaves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Close sweeps the records while a store is still inside: a rename that passed its
+    closing check before may land after that sweep read the directory.  The last call to
+    leave sweeps again, before the directory is released, so no record outlives a server
+    without persistence."""
+    arena = Arena()
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root, persist_enabled=False), arena.view)
+        try:
+            backend = adapter.backend  # type: ignore[attr-defined]
+            entered = _rename_between_sweep_listing_and_removal(monkeypatch, backend.files)
+            payload = arena.filled(pattern(162, SIZE))
+            caller = threading.Thread(target=backend.put_many, args=(make_keys(1), [payload]))
+            caller.start()
+            assert entered.wait(10)
+            adapter.state.closing.set()  # type: ignore[attr-defined]
+            backend.close()
+            caller.join(30)
+            assert not caller.is_alive()
+            assert record_files(root) == [], "a record published after the close's sweep stayed"
+        finally:
+            adapter.close()

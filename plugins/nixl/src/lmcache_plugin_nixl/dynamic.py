@@ -158,11 +158,16 @@ class NixlDynamicBackend:
         directory now if no call runs, else once the last one leaves.  Never waits for a
         call: one still inside its NIXL transfer keeps the registration its request was
         built on, and the directory (no other server takes it while the call may still
-        write there).  The files a call opened are its own, closed when it leaves."""
+        write there).  The files a call opened are its own, closed when it leaves.
+
+        Without persistence the records are removed by whoever releases the directory,
+        while it is still this adapter's: a rename that passed its closing check before
+        close may land after any sweep made while calls are inside.  Such a sweep is made
+        too (a call stuck for good never leaves); a second close sweeps nothing, as the
+        directory may be another server's by then."""
         try:
-            if not self.config.persist_enabled:
-                removed = self.files.remove_all_records()
-                log.info("%s: persistence off, removed %d record files", self.context.name, removed)
+            if not self.config.persist_enabled and not self._calls.closed and self._calls.busy:
+                self._remove_records("stores or loads still inside")
         finally:
             try:
                 self._records.close()
@@ -170,7 +175,16 @@ class NixlDynamicBackend:
                 self._calls.close()
 
     def _release(self) -> None:
+        """Run once, by the first close or by the last call to leave after it."""
         try:
-            self._host.close()
+            if not self.config.persist_enabled:
+                self._remove_records("the directory is released")
         finally:
-            self._dir_lock.release()
+            try:
+                self._host.close()
+            finally:
+                self._dir_lock.release()
+
+    def _remove_records(self, when: str) -> None:
+        removed = self.files.remove_all_records()
+        log.info("%s: persistence off, removed %d record files (%s)", self.context.name, removed, when)

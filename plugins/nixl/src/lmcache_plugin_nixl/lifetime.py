@@ -42,6 +42,12 @@ class CallLifetime:
         """Whether close() was called (a call still inside may be finishing)."""
         return self._closed
 
+    @property
+    def busy(self) -> bool:
+        """Whether a call is inside now (one may enter or leave right after)."""
+        with self._state:
+            return self._users > 0
+
     def enter(self) -> bool:
         """Register a store or load as a user of the resources, before it posts any NIXL
         request; False (the call must touch none of them) once close() was called.  A call
