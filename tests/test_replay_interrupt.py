@@ -126,3 +126,61 @@ def test_a_server_replay_stopped_by_sigterm_gives_its_read_locks_back(tmp_path: 
             assert probe.status()["server"]["locked_keys"] == 0
     finally:
         assert server.stop() == 0, server.output()
+
+
+# Run as the replay's main script: SIGTERM (a supervisor) at the first request, then Ctrl-C
+# while the StorageManager closes.
+_INTERRUPTED_CLOSE_REPLAY = """
+import signal, sys
+
+from lmcache_tiers.replay.run import ReplayTotals
+from lmcache_tiers.storage import StorageManager
+
+_counted, _close = ReplayTotals.count_request, StorageManager.close
+
+
+def _count_then_terminate(self, request, hits):
+    _counted(self, request, hits)
+    signal.raise_signal(signal.SIGTERM)
+
+
+def _interrupted_close(self, *args, **kwargs):
+    signal.raise_signal(signal.SIGINT)  # a second signal, in the clean-up of the first
+    _close(self, *args, **kwargs)
+
+
+ReplayTotals.count_request = _count_then_terminate
+StorageManager.close = _interrupted_close
+
+if __name__ == "__main__":
+    from lmcache_tiers.cli.main import main
+
+    sys.argv = ["lmcache-tiers", *sys.argv[1:]]
+    main()
+"""
+
+
+def test_a_second_signal_does_not_cut_an_in_process_replays_clean_up_short(tmp_path: Path) -> None:
+    """An in-process replay ignored only a second SIGTERM: Ctrl-C while a SIGTERM closed the
+    StorageManager cut the close short, leaving the L1 arena in /dev/shm, and exited 130.
+    Every replay now ignores all signals after the first."""
+    trace = str(small_trace(tmp_path / "t.jsonl", requests=20))
+    name = f"replay_second_{tmp_path.name[-12:]}"
+    config = tmp_path / "tiers.toml"
+    config.write_text(f'l1_shm_name = "{name}"\n')
+    segment = Path("/dev/shm") / name
+    script = tmp_path / "interrupted_close_replay.py"
+    script.write_text(_INTERRUPTED_CLOSE_REPLAY)
+    args = ["replay", trace, "--in-process", "--l1-blocks", "50", "--block-bytes", str(BLOCK_BYTES)]
+    try:
+        replay = subprocess.run(
+            [sys.executable, str(script), *args, "--config", str(config), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert replay.returncode == 128 + signal.SIGTERM, replay.stderr
+        assert "Traceback" not in replay.stderr and replay.stdout == "", replay.stderr
+        assert not segment.exists(), "the L1 segment outlived the replay"
+    finally:
+        segment.unlink(missing_ok=True)

@@ -6,12 +6,8 @@ A plain function with typer-annotated parameters; heavy imports happen inside it
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import signal
-import threading
-from collections.abc import Iterator
 from typing import Annotated, Any, Optional
 
 import typer
@@ -459,6 +455,7 @@ def _in_process(
     from lmcache_tiers.plugins import load_registry
     from lmcache_tiers.replay.capacity import l1_size_for_blocks
     from lmcache_tiers.replay.inprocess import replay_in_process
+    from lmcache_tiers.replay.server import signals_unwind
     from lmcache_tiers.server.app import check_l1_geometry
 
     registry = load_registry()
@@ -488,35 +485,14 @@ def _in_process(
             f"{config.l1_size_gb:g}), which could hold no block; give smaller blocks or a larger L1"
         )
     progress = _progress(not as_json)
-    with progress, _sigterm_unwinds():
+    # SIGTERM exits through the StorageManager's close as Ctrl-C does: under Python's default
+    # action it ended the process at once, leaving the L1 arena in /dev/shm.
+    with progress, signals_unwind():
         task = progress.add_task("replaying (in-process)", total=len(trace.requests))
         report = replay_in_process(
             config, trace, options, registry=registry, progress=lambda n: progress.update(task, advance=n)
         )
     _show(report.to_dict(), as_json)
-
-
-@contextlib.contextmanager
-def _sigterm_unwinds() -> Iterator[None]:
-    """SIGTERM exits (128 + 15) through the StorageManager's cleanup, as Ctrl-C does.
-
-    Under Python's default action it ended the process at once, leaving the L1 arena in
-    /dev/shm, its memory held until a later start reaps it.  Later signals are ignored so
-    that they cannot cut the cleanup short.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _server(trace: Any, options: Any, url: str, clients: int, auth_token: str | None, as_json: bool) -> None:

@@ -131,11 +131,13 @@ def _short_timeout(client: Client, seconds: float) -> Iterator[None]:
 @contextlib.contextmanager
 def signals_unwind() -> Iterator[None]:
     """SIGTERM raises SystemExit(128 + 15) and SIGINT KeyboardInterrupt where the replay is,
-    so that it unwinds: a request stopped after its LOOKUP gives back the read locks it
-    holds, one stopped inside a STORE aborts its reservation.  Under Python's default
-    action SIGTERM ended the process at once, and those stayed on the server until its
-    TTLs.  After the first signal both are ignored, so that no second one cuts the clean-up
-    short.  In the main thread only (the only one signals reach).
+    so that it unwinds, a server replay or an in-process one alike.  Through a server, a
+    request stopped after its LOOKUP gives back the read locks it holds, one stopped inside
+    a STORE aborts its reservation; in process, the StorageManager closes and removes its
+    L1 arena from /dev/shm.  Under Python's default action SIGTERM ended the process at
+    once, and those stayed behind.  After the first signal both are ignored, so that no
+    second one cuts the clean-up short.  In the main thread only (the only one signals
+    reach).
     """
     if threading.current_thread() is not threading.main_thread():
         yield
