@@ -34,6 +34,7 @@ import numpy as np
 
 from lmcache_tiers.client import Client, ClientError
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.replay.run import percentile
 from lmcache_tiers.server.preflight import mem_available
 
 #: model name of every benchmark key; the cache salt is new per run
@@ -132,11 +133,6 @@ class BenchKeys:
 
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
-
-
-def _percentile(sorted_values: list[float], fraction: float) -> float:
-    index = min(len(sorted_values) - 1, max(0, round(fraction * (len(sorted_values) - 1))))
-    return sorted_values[index]
 
 
 @contextmanager
@@ -272,8 +268,8 @@ def _latency(
         start = time.perf_counter_ns()
         client.ping()
         pings.append((time.perf_counter_ns() - start) / 1e3)
-    pings.sort()
-    result.ping_p50_us = _percentile(pings, 0.5)
+    # nearest rank, as replay reports them; never None, as there are samples
+    result.ping_p50_us = percentile(pings, 0.5) or 0.0
 
     latencies: list[float] = []
     report_every = max(1, requests // 100)
@@ -300,11 +296,10 @@ def _latency(
         tick("lookup (pipelined)")
     finally:
         client.release(keys)  # every lookup read-locked the prefix once for this client
-    latencies.sort()
     result.lookup_keys = lookup_keys
     result.lookup_requests = requests
-    result.lookup_p50_us = _percentile(latencies, 0.5)
-    result.lookup_p99_us = _percentile(latencies, 0.99)
+    result.lookup_p50_us = percentile(latencies, 0.5) or 0.0
+    result.lookup_p99_us = percentile(latencies, 0.99) or 0.0
     result.lookup_per_s = requests / elapsed
     result.lookup_window = window
     result.lookup_pipelined_per_s = batches * window / pipelined
