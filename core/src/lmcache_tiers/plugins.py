@@ -74,6 +74,11 @@ class PluginSet:
     def errors(self) -> list[PluginInfo]:
         return [p for p in self.plugins if p.error]
 
+    @property
+    def unusable(self) -> list[PluginInfo]:
+        """The plugins whose components are missing (not those that lost only commands)."""
+        return [p for p in self.plugins if p.error and not p.commands_only]
+
 
 def disabled_names() -> set[str]:
     raw = os.environ.get(DISABLE_ENV, "")
@@ -256,6 +261,7 @@ def discover(extra_plugins: dict[str, ModuleType] | None = None) -> PluginSet:
     for info in ordered:
         if manager.get_plugin(info.name) is not None and not info.error:
             _run_registration(manager, registry, info)
+    registry.failed_plugins = {info.name: info.error for info in ordered if info.error}
     return PluginSet(manager, registry, ordered)
 
 

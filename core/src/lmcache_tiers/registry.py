@@ -141,6 +141,8 @@ class ComponentRegistry:
 
     def __init__(self) -> None:
         self._by_kind: dict[Kind, dict[str, Component]] = {kind: {} for kind in Kind}
+        #: plugin name -> why it failed to load: an unknown name may be one of theirs
+        self.failed_plugins: dict[str, str] = {}
 
     def for_plugin(self, kind: Kind, plugin: str) -> KindRegistry:
         return KindRegistry(self, kind, plugin)
@@ -185,4 +187,13 @@ class ComponentRegistry:
         listing = ", ".join(installed) if installed else "none"
         raise ConfigError(
             f"unknown {kind.value.replace('_', ' ')} {name!r}: {suggestion}installed: {listing}"
+            f"{self._failed_plugins_note()}"
         )
+
+    def _failed_plugins_note(self) -> str:
+        """The plugins that failed to load, for an unknown name: what a broken plugin would
+        have registered is not known (it may have failed on import), so each is named."""
+        if not self.failed_plugins:
+            return ""
+        failures = "; ".join(f"{name}: {error}" for name, error in sorted(self.failed_plugins.items()))
+        return f"; plugins that failed to load (one may provide it): {failures}"

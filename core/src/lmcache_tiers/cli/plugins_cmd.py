@@ -124,4 +124,8 @@ def show(name: str = typer.Argument(..., help="A plugin name, or a component as 
 @app.command("reference")
 def reference() -> None:
     """Print the configuration reference (Markdown) generated from the config schemas."""
-    typer.echo(render_config_reference(load_plugins()), nl=False)
+    plugin_set = load_plugins()
+    for plugin in plugin_set.unusable:
+        # The reference goes to a file: without this line it would lack their sections unsaid.
+        warn(f"plugin {plugin.name} failed to load: {plugin.error}; its components are not documented")
+    typer.echo(render_config_reference(plugin_set), nl=False)

@@ -20,7 +20,7 @@ import typer
 from rich.markup import escape
 
 from lmcache_tiers.cli import lmcache_flags as compat
-from lmcache_tiers.cli.output import fail
+from lmcache_tiers.cli.output import fail, warn
 from lmcache_tiers.config import (
     ServerConfig,
     build_config,
@@ -405,6 +405,19 @@ def _default_l2_error(exc: ConfigError) -> ConfigError:
     )
 
 
+def warn_unused_broken_plugins(plugin_set: PluginSet) -> None:
+    """One line per broken plugin once the configuration resolved without it.
+
+    A configuration naming one of its components was refused already (the unknown name's
+    error lists the broken plugins); one it does not use is no reason to stay down, but
+    what is missing must not go unsaid.  ``--strict`` refuses both."""
+    for plugin in plugin_set.unusable:
+        warn(
+            f"plugin {plugin.name} failed to load: {plugin.error}; serving without its components "
+            "(--strict refuses to start)"
+        )
+
+
 def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) -> None:
     """The body of ``serve`` once click has parsed the options."""
     if params["strict"] and plugin_set.errors:
@@ -434,6 +447,7 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
         if uses_default_l2 and "`$.l2_adapters[0]" in str(exc):
             raise _default_l2_error(exc) from None
         raise name_flag(exc, given) from exc
+    warn_unused_broken_plugins(plugin_set)
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "INFO")
     try:
         from lmcache_tiers.server.app import check_serving, run_server
