@@ -1319,6 +1319,20 @@ def each_fails_as_a_whole(adapter: BackendAdapter, calls: list[Callable[[], list
     assert stats["backend_errors"] == len(calls) and stats["circuit_failures"] == len(calls)
 
 
+def _two_stored_with_a_patient_circuit(
+    server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> tuple[BackendAdapter, list[ObjectKey]]:
+    """An adapter holding two objects, its removal script cached before the store turns
+    refusing, and a circuit that stays closed through the failures a test counts."""
+    adapter = open_adapter(
+        url=server.url, key_prefix=prefix, max_capacity_gb=1.0, circuit={"failure_threshold": 100}
+    )
+    keys = make_keys(2)
+    store(adapter, keys, size=16)
+    cache_the_removal_script(backend_of(adapter))
+    return adapter, keys
+
+
 @pytest.mark.parametrize("stale_reads", ["yes", "no"], ids=["readonly", "masterdown"])
 def test_a_store_that_refuses_every_command_fails_the_calls_for_the_circuit(
     own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter], stale_reads: str
@@ -1327,12 +1341,7 @@ def test_a_store_that_refuses_every_command_fails_the_calls_for_the_circuit(
     # write, and with its primary gone and stale reads off, MASTERDOWN to every read: the
     # store refuses, not one object.  Each call fails -- core counts it and the circuit
     # sees it -- rather than a reply error per key that no breaker ever hears about.
-    adapter = open_adapter(
-        url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0, circuit={"failure_threshold": 100}
-    )
-    keys = make_keys(2)
-    store(adapter, keys, size=16)
-    cache_the_removal_script(backend_of(adapter))
+    adapter, keys = _two_stored_with_a_patient_circuit(own_server, prefix, open_adapter)
     found = client_of(adapter).lookup_and_lock(keys)
     adapter.unlock(keys)
     own_server.cli("CONFIG", "SET", "replica-serve-stale-data", stale_reads)
@@ -1433,12 +1442,7 @@ def test_a_store_that_refuses_every_write_fails_the_calls_for_the_circuit(
     # NOREPLICAS (min-replicas-to-write unmet) and MISCONF (a failed snapshot) refuse
     # every write, whatever the key: a store and a delete fail as calls, which core
     # counts and the circuit breaker sees, not as refusals of single objects.
-    adapter = open_adapter(
-        url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0, circuit={"failure_threshold": 100}
-    )
-    keys = make_keys(2)
-    store(adapter, keys, size=16)
-    cache_the_removal_script(backend_of(adapter))
+    adapter, keys = _two_stored_with_a_patient_circuit(own_server, prefix, open_adapter)
     refuse_writes(own_server)
     calls = [
         lambda: client_of(adapter).store(make_keys(2, start=100), [memoryview(bytearray(16))] * 2),
