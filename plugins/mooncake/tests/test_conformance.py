@@ -8,22 +8,47 @@ accounting.  A second run has a serde chain, so that lookups of keys the adapter
 
 from __future__ import annotations
 
+import contextlib
+import signal
+from collections.abc import Iterator
+
 import pytest
 from lmcache_plugin_mooncake import MooncakeStoreConfig
 from lmcache_plugin_mooncake.cluster import LocalCluster
 from mooncake_helpers import Xor, config_for
 
 from lmcache_tiers.l2 import AdapterContext
-from lmcache_tiers.plugin import CAPACITY, EVICTION, PERSISTENCE, L2AdapterConfig, L2AdapterSuite
+from lmcache_tiers.plugin import (
+    BACKEND_FAILURES,
+    CAPACITY,
+    EVICTION,
+    PERSISTENCE,
+    L2Adapter,
+    L2AdapterConfig,
+    L2AdapterSuite,
+)
+from lmcache_tiers.testing.processes import freeze
 
 
 class TestMooncakeStore(L2AdapterSuite):
     component_name = "mooncake_store"
-    capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION})
+    capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION, BACKEND_FAILURES})
 
     @pytest.fixture(autouse=True)
     def _cluster(self, mooncake_pool: LocalCluster) -> None:
         self.cluster = mooncake_pool
+
+    @contextlib.contextmanager
+    def failing_storage(self, adapter: L2Adapter) -> Iterator[None]:
+        # The master frozen (SIGSTOP), not killed: objects do not survive a master restart.
+        # Calls to it fail after the config's operation timeout (2 s).
+        master = self.cluster.master
+        assert master is not None
+        freeze(master.pid)
+        try:
+            yield
+        finally:
+            master.send_signal(signal.SIGCONT)
 
     def make_config(self) -> MooncakeStoreConfig:
         # 256 KiB: the capacity tests fill it with 16 objects of 16 KiB
