@@ -887,3 +887,31 @@ def test_without_an_inner_ping_the_wrappers_ping_is_a_lookup_of_the_probe_key(
     with pytest.raises(OSError, match="injected lookup failure"):
         adapter.backend.ping()  # type: ignore[attr-defined]
     assert adapter.stats()["injected_lookup_failures"] == 1
+
+
+def test_a_gap_on_a_key_already_failed_is_counted_once_and_gaps_are_logged(
+    opened: list[BackendAdapter], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each key a load loses to the wrapper is one injected fault: a gap position whose key
+    the failure rate already took is not counted again, and a gap says so in the log."""
+    adapter = open_fault(load_fail_rate=1.0, gap_indices=(0,))
+    opened.append(adapter)
+    keys = make_keys(2)
+    fill(adapter, keys)
+    client = BlockingAdapterClient(adapter)
+    client.lookup_and_lock(keys)
+    assert client.load(keys, buffers(2)) == [False, False]
+    adapter.unlock(keys)
+    stats = adapter.stats()
+    assert (stats["injected_load_failures"], stats.get("injected_load_gaps", 0)) == (2, 0)
+
+    gapped = open_fault(gap_indices=(0,))
+    opened.append(gapped)
+    fill(gapped, keys)
+    client = BlockingAdapterClient(gapped)
+    client.lookup_and_lock(keys)
+    with caplog.at_level(logging.WARNING):
+        assert client.load(keys, buffers(2)) == [False, True]
+    gapped.unlock(keys)
+    assert gapped.stats()["injected_load_gaps"] == 1
+    assert "injected load gap of 1/2 keys" in caplog.text

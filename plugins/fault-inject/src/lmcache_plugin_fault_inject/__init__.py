@@ -41,8 +41,11 @@ class FaultInjectConfig(L2AdapterConfig):
     backend call raises with the rate (the adapter turns that into a failed batch and
     counts a backend error).  A lookup with a failed key the inner adapter holds raises
     in every mode: answered absent, that key would be forgotten (usage, eviction) while
-    the inner adapter still holds it.  Injected failures and corruptions are counted
-    (``injected_*``) and logged.
+    the inner adapter still holds it.  Every injected fault is counted in ``stats()`` (and
+    so in ``/metrics``): ``injected_<op>_failures`` (keys), ``injected_load_gaps`` (keys
+    not already failed), ``injected_corruptions``, ``injected_<op>_delays`` (calls); the
+    failures, gaps and corruptions are also logged.  ``inner_lookup_timeouts`` counts
+    lookups abandoned after ``lookup_timeout_s``.
 
     Pings: the circuit breaker's probe reaches the inner adapter's own ``ping`` (a redis
     cluster pings every primary), delayed and failed like a lookup (``lookup_fail_rate``,

@@ -149,8 +149,15 @@ class _FaultInjector:
             raise InjectedFault("injected lookup failure of a ping")
 
     def load_plan(self, keys: Sequence[ObjectKey], failed: list[bool]) -> list[int]:
+        """Positions of the load batch passed to the inner backend: neither failed nor a gap.
+
+        A gap on a key the failure rate already took is not counted again: each key the
+        wrapper takes from a load is one injected fault."""
         gaps = gap_positions(len(keys), self.config.gap_indices, self.config.gap_tail_ratios)
-        self.context.count("injected_load_gaps", len(gaps))
+        gapped = sum(1 for i in gaps if not failed[i])
+        if gapped:
+            self.context.count("injected_load_gaps", gapped)
+            self.context.warn("injected_load_gaps", "injected load gap of %d/%d keys", gapped, len(keys))
         return [i for i, fail in enumerate(failed) if not fail and i not in gaps]
 
     def corrupted(self, buffer: memoryview) -> bool:
