@@ -55,6 +55,9 @@ def refusal(spec: dict[str, Any]) -> str:
         ({**MOONCAKE, "enable_ssd_offload": 0}, "enable_ssd_offload", "SSD offload"),
         ({**MOONCAKE, "enable_ssd_offload": "false"}, "enable_ssd_offload", "SSD offload"),
         ({**RAW_BLOCK, "persist_enabled": 1}, "persist_enabled", "always kept"),
+        # LMCache reads persist_enabled from every adapter; one without the choice refuses "false"
+        ({"type": "mock", "persist_enabled": False}, "persist_enabled", "no files to keep or remove"),
+        ({"type": "s3", "bucket": "b", "persist_enabled": False}, "persist_enabled", "no files to keep"),
     ],
 )
 def test_an_lmcache_field_without_equivalent_is_refused_naming_it_and_why(
@@ -98,12 +101,24 @@ MOONCAKE_FEATURES_OFF = {
         # null is LMCache's "not set" (its mooncake adapter skips such keys)
         (MOONCAKE, {"rdma_devices": None, "tenant_id": None}),
         (FS, {"shared": None, "per_op_workers": None}),
+        # LMCache's defaults of the fields it reads from every adapter object
+        (FS, {"shared": False}),
+        ({"type": "mock"}, {"persist_enabled": True, "shared": False, "affinity_tag": "_default"}),
+        ({"type": "s3", "bucket": "b"}, {"persist_enabled": True}),
+        ({"type": "valkey", "startup_nodes": "h:1"}, {"persist_enabled": None}),
     ],
 )
 def test_lmcache_fields_holding_what_is_done_here_anyway_are_accepted(
     base: dict[str, Any], neutral: dict[str, Any]
 ) -> None:
     assert decode({**base, **neutral}) == decode(base)
+
+
+@pytest.mark.parametrize("persist", [True, False])
+def test_an_adapter_with_its_own_persist_enabled_keeps_the_value_given(persist: bool) -> None:
+    assert decode({**FS, "persist_enabled": persist}).persist_enabled is persist
+    # null is no value for a field the adapter has: refused, not taken for its default
+    assert "persist_enabled" in refusal({**FS, "persist_enabled": None})
 
 
 def test_lmcache_mock_bandwidth_is_gib_per_second() -> None:

@@ -146,11 +146,20 @@ LMCACHE_COMMON_UNSUPPORTED: dict[str, str] = {
     "shared": "it labels cache events for LMCache's coordinator, and servers here report to none",
     "per_op_workers": "worker threads are set per adapter (num_workers, where the adapter has it)",
     "affinity_tag": 'there is one L1, so the only tag is "_default"',
+    # Adapters that keep files (fs, dax, nixl_store_dynamic) have the field and take both values.
+    "persist_enabled": "this adapter has no files to keep or remove at shutdown: its objects last "
+    "as long as its backend keeps them (true is accepted)",
 }
 
-#: LMCache fields accepted when they hold the value that asks for what is done here anyway
-#: (an adapter adds its own in its Struct's ``lmcache_neutral_values``)
-LMCACHE_NEUTRAL_VALUES: dict[str, object] = {"affinity_tag": "_default"}
+#: LMCache fields accepted when they hold the value that asks for what is done here anyway:
+#: LMCache's own defaults, ``shared: false`` (no coordinator to tell) and ``persist_enabled:
+#: true`` (nothing removed at shutdown).  An adapter adds its own in its Struct's
+#: ``lmcache_neutral_values``; a field its Struct declares is always its own.
+LMCACHE_NEUTRAL_VALUES: dict[str, object] = {
+    "affinity_tag": "_default",
+    "shared": False,
+    "persist_enabled": True,
+}
 
 
 def lmcache_unsupported(config_type: type) -> dict[str, str]:
@@ -165,8 +174,13 @@ def _without_neutral_lmcache_fields(config_type: type, fields: dict[str, Any]) -
     the same here.  Values compare as JSON values: ``0`` is not ``false``."""
     neutral = {**LMCACHE_NEUTRAL_VALUES, **getattr(config_type, "lmcache_neutral_values", {})}
     unsupported = lmcache_unsupported(config_type)
+    # A field the adapter declares (fs's persist_enabled) keeps the value given: dropping it
+    # would put the adapter's default in its place.
+    declared = {field.encode_name for field in msgspec.structs.fields(config_type)}
 
     def is_neutral(key: str, value: Any) -> bool:
+        if key in declared:
+            return False
         if value is None:
             return key in unsupported
         return key in neutral and type(value) is type(neutral[key]) and value == neutral[key]

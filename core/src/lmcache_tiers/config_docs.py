@@ -15,6 +15,7 @@ import msgspec
 
 from lmcache_tiers.config import (
     LMCACHE_COMMON_UNSUPPORTED,
+    LMCACHE_NEUTRAL_VALUES,
     CircuitConfig,
     FrontendConfig,
     L2AdapterConfig,
@@ -179,10 +180,19 @@ def render_config_reference(plugin_set: PluginSet) -> str:
         "",
         *_markdown_table(CircuitConfig),
         "",
-        "Fields LMCache's server reads from every adapter object: `affinity_tag` is accepted "
-        'when it is `"_default"` (there is one L1); '
-        + ", ".join(f"`{name}`" for name in sorted(LMCACHE_COMMON_UNSUPPORTED) if name != "affinity_tag")
-        + " are refused with one line saying why. An adapter's own LMCache fields without an "
+        "Fields LMCache's server reads from every adapter object, where the adapter has no "
+        "field of that name: "
+        + ", ".join(
+            f"`{name}` only as `{json.dumps(LMCACHE_NEUTRAL_VALUES[name])}`"
+            for name in sorted(LMCACHE_COMMON_UNSUPPORTED)
+            if name in LMCACHE_NEUTRAL_VALUES
+        )
+        + " (LMCache's defaults: one L1, nothing removed at shutdown, no coordinator to tell) are "
+        "accepted; other values, and "
+        + ", ".join(
+            f"`{name}`" for name in sorted(set(LMCACHE_COMMON_UNSUPPORTED) - set(LMCACHE_NEUTRAL_VALUES))
+        )
+        + ", are refused with one line saying why. An adapter's own LMCache fields without an "
         'equivalent are refused the same way. Any of them set to null (LMCache\'s "not set") '
         "is accepted and means nothing.",
         "",
