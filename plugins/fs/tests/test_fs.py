@@ -1241,3 +1241,27 @@ def test_local_open_and_read_errors_are_counted_and_told_once_a_burst(
         assert len(told) == 1, told
     finally:
         adapter.close()
+
+
+def test_a_later_adapter_of_this_process_never_reuses_a_temporary_name(tmp_path: Path) -> None:
+    """A store of an adapter closed past its deadline (a hung mount) may still hold its
+    temporary file when an adapter of the same process opens the directory again.  The
+    later adapter's temporary files must have other names: sharing one, its store would
+    fail on the name taken, and the stuck store giving up would remove the later
+    adapter's half-written file under it."""
+    from lmcache_tiers.l2.files import FileLayout, LocalFiles
+
+    key = make_keys(1)[0]
+
+    def opened() -> LocalFiles:
+        return LocalFiles(FileLayout(str(tmp_path), shard_dirs=True), name="fs", count=lambda _n, _v: None)
+
+    stuck_fd, stuck_path = opened().create_temp(key)
+    later_fd, later_path = opened().create_temp(key)
+    try:
+        assert later_path != stuck_path
+        os.close(stuck_fd)
+        LocalFiles.remove_quietly(stuck_path)  # the stuck store gives up
+        assert os.path.exists(later_path), "the later adapter's file is its own"
+    finally:
+        os.close(later_fd)

@@ -52,6 +52,10 @@ TEMP_PREFIX = ".tmp-"
 TEMP_SUFFIX = ".part"
 _NAME_BUDGET = NAME_MAX - len(RECORD_SUFFIX)
 _HEX = frozenset("0123456789abcdef")
+#: numbers temporary names across every layout of this process: an adapter opened again on
+#: a directory must not hand out the name of a file a store of the closed one still holds
+#: (closed past a stuck write), which that store removes when it gives up
+_TEMP_NUMBERS = itertools.count()
 
 
 class EntryKind(enum.Enum):
@@ -121,7 +125,6 @@ class FileLayout:
         self.shard_dirs = shard_dirs
         #: where temporary files go (None: next to their record)
         self.temp_dir = posixpath.join(self.root, check_relative_dir(temp_dir)) if temp_dir else None
-        self._temp_counter = itertools.count()
         self._known_dirs: set[str] = set()
         self._lock = threading.Lock()
 
@@ -140,10 +143,11 @@ class FileLayout:
         """A fresh temporary path for writing ``key``'s record.
 
         Independent of the key's name so a long name cannot push it past NAME_MAX; the pid
-        keeps two processes (one killed, one starting) from ever picking the same name.
+        keeps two processes (one killed, one starting) from ever picking the same name, and
+        a number counted per process, not per layout, two adapters of one process.
         """
         directory = self.temp_dir or self.directory_for(key)
-        name = f"{TEMP_PREFIX}{os.getpid()}-{next(self._temp_counter)}{TEMP_SUFFIX}"
+        name = f"{TEMP_PREFIX}{os.getpid()}-{next(_TEMP_NUMBERS)}{TEMP_SUFFIX}"
         return posixpath.join(directory, name)
 
     def owns(self, directory: str, key: ObjectKey) -> bool:
