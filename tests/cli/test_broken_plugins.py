@@ -3,15 +3,18 @@
 Two kinds of broken: a module that raises while it is imported, and a registration hook
 that raises.  A configuration naming a component such a plugin would provide is refused
 with one line naming the plugin and its error (exit 2); a broken plugin the configuration
-does not use is one warning line, and the server starts anyway.
+does not use is one warning line, and the server starts anyway -- and says so in
+``/metrics`` (``plugins_failed_to_load``) and ``/status`` for as long as it runs.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
-from thirdparty import run_cli
+from thirdparty import free_port, run_cli, serve_cli
+from tiers_e2e import ServerProcess, fetch, metric
 
 BROKEN_IMPORT = 'raise ImportError("needs libtape.so")\n'
 
@@ -101,3 +104,44 @@ def test_plugins_without_a_command_or_show_without_a_name_is_a_usage_error(site:
     assert run_cli(["plugins"], site).returncode == 2
     bare = run_cli(["plugins", "show"], site)
     assert bare.returncode == 2 and _one_line(bare.stderr) == "error: Missing argument 'name'."
+
+
+def _serve_with_http(site: Path | None, log_dir: Path) -> tuple[ServerProcess, str]:
+    """A served ``serve --no-default-l2`` with its HTTP endpoint on a free loopback port."""
+    http_port = free_port()
+    args = ["--no-default-l2", "--l1-size-gb", "0.0625", "--metrics-port", str(http_port)]
+    return serve_cli(args, site, log_dir), f"http://127.0.0.1:{http_port}"
+
+
+def _scrape(http_url: str) -> tuple[str, dict[str, object]]:
+    """The /metrics text and the /status document's ``server`` part."""
+    status, _, metrics = fetch(f"{http_url}/metrics")
+    assert status == 200, metrics
+    status, _, document = fetch(f"{http_url}/status")
+    assert status == 200, document
+    return metrics, json.loads(document)["server"]
+
+
+def test_a_server_started_past_broken_plugins_counts_them_in_metrics_and_status(
+    site: Path, tmp_path: Path
+) -> None:
+    server, http_url = _serve_with_http(site, tmp_path)
+    try:
+        metrics, status = _scrape(http_url)
+    finally:
+        assert server.stop() == 0, server.output()
+    assert metric(metrics, "lmcache_tiers_plugins_failed_to_load") == 2, metrics
+    assert status["plugins_failed_to_load"] == {
+        "badhook": "RuntimeError: the tape library is not configured",
+        "brokenimport": "ImportError: needs libtape.so",
+    }, status
+
+
+def test_with_no_broken_plugin_the_gauge_is_0_and_status_lists_none(tmp_path: Path) -> None:
+    server, http_url = _serve_with_http(None, tmp_path)
+    try:
+        metrics, status = _scrape(http_url)
+    finally:
+        assert server.stop() == 0, server.output()
+    assert metric(metrics, "lmcache_tiers_plugins_failed_to_load") == 0, metrics
+    assert status["plugins_failed_to_load"] == {}, status

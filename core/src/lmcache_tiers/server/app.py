@@ -129,6 +129,8 @@ class TiersServer:
         # Paths, ports and the L1 size against the machine, before pre-faulting takes seconds.
         preflight(config, registry)
         self.config = config
+        # plugin name -> why it failed to load: serve started without its components
+        self.failed_plugins = dict(sorted(registry.failed_plugins.items()))
         self.drain_timeout_s = drain_timeout_s = config.shutdown_timeout_s
         self.auth_required = bool(auth_token)
         self.started = time.time()
@@ -171,7 +173,9 @@ class TiersServer:
                     raise listen_error(config, index, host, port, exc) from None
                 self.frontends.append(frontend)
             if config.metrics_port:
-                self._collector = TiersCollector(self.frontend_stats, self.storage_status)
+                self._collector = TiersCollector(
+                    self.frontend_stats, self.storage_status, failed_plugins=self.failed_plugins
+                )
                 metrics = build_registry(self.frontend_stats, self.storage_status, self._collector)
                 http_host = config.metrics_host
                 try:
@@ -253,6 +257,7 @@ class TiersServer:
             "l1_pages": pages.status() if pages is not None else None,
             "auth_required": self.auth_required,
             "draining": self._stopping,
+            "plugins_failed_to_load": dict(self.failed_plugins),
             **merged_stats(stats for _, stats in self.frontend_stats()).snapshot(),
         }
         frontends = [self._frontend_status(frontend) for frontend in self.frontends]

@@ -60,10 +60,17 @@ FrontendStatsProvider = Callable[[], list[tuple[str, FrontendStats]]]
 
 class TiersCollector(Collector):
     def __init__(
-        self, frontends: FrontendStatsProvider, storage_status: Callable[[], dict[str, Any]]
+        self,
+        frontends: FrontendStatsProvider,
+        storage_status: Callable[[], dict[str, Any]],
+        *,
+        failed_plugins: Mapping[str, str] | None = None,
     ) -> None:
         self.frontends = frontends
         self.storage_status = storage_status
+        # fixed at start-up: the installed plugins serve started without (import or
+        # registration raised); what they failed with is in /status and the start-up warning
+        self.failed_plugin_count = len(failed_plugins or {})
         self._lock = threading.Lock()  # scrapes run on several HTTP threads at once
         # failures of the scrape itself, by reason: kept here, for as long as the server
         self._own_failures: Counter[str] = Counter()
@@ -83,6 +90,12 @@ class TiersCollector(Collector):
         info = InfoMetricFamily(f"{PREFIX}_build", "lmcache-tiers version")
         info.add_metric([], {"version": __version__})
         yield info
+        failed_plugins = _gauge(
+            "plugins_failed_to_load",
+            "Installed plugins left out because importing or registering them raised (names in /status)",
+        )
+        failed_plugins.add_metric([], float(self.failed_plugin_count))
+        yield failed_plugins
 
         by_op = _counter("requests", "Requests served, by front end and operation", ["frontend", "op"])
         for name, part in per_frontend:
