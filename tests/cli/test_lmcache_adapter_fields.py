@@ -56,8 +56,8 @@ def refusal(spec: dict[str, Any]) -> str:
         ({**MOONCAKE, "enable_ssd_offload": "false"}, "enable_ssd_offload", "SSD offload"),
         ({**RAW_BLOCK, "persist_enabled": 1}, "persist_enabled", "always kept"),
         # LMCache reads persist_enabled from every adapter; one without the choice refuses "false"
-        ({"type": "mock", "persist_enabled": False}, "persist_enabled", "no files to keep or remove"),
-        ({"type": "s3", "bucket": "b", "persist_enabled": False}, "persist_enabled", "no files to keep"),
+        ({"type": "mock", "persist_enabled": False}, "persist_enabled", "no choice of keeping or removing"),
+        ({"type": "s3", "bucket": "b", "persist_enabled": False}, "persist_enabled", "up to its backend"),
     ],
 )
 def test_an_lmcache_field_without_equivalent_is_refused_naming_it_and_why(

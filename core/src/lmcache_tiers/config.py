@@ -147,8 +147,8 @@ LMCACHE_COMMON_UNSUPPORTED: dict[str, str] = {
     "per_op_workers": "worker threads are set per adapter (num_workers, where the adapter has it)",
     "affinity_tag": 'there is one L1, so the only tag is "_default"',
     # Adapters that keep files (fs, dax, nixl_store_dynamic) have the field and take both values.
-    "persist_enabled": "this adapter has no files to keep or remove at shutdown: its objects last "
-    "as long as its backend keeps them (true is accepted)",
+    "persist_enabled": "this adapter has no choice of keeping or removing what it holds at "
+    "shutdown: that is up to its backend (true is accepted)",
 }
 
 #: LMCache fields accepted when they hold the value that asks for what is done here anyway:
