@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 
@@ -14,7 +14,7 @@ from lmcache_tiers.config import L2AdapterConfig
 from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter, L2Adapter
-from lmcache_tiers.plugin import BACKEND_FAILURES, L2AdapterSuite
+from lmcache_tiers.plugin import BACKEND_FAILURES, IMMEDIATE_HITS, IMMEDIATE_MISSES, L2AdapterSuite
 from lmcache_tiers.registry import ComponentRegistry, KindRegistry
 from lmcache_tiers.testing.l2_support import BufferPool, page_aligned_buffer
 from lmcache_tiers.testing.registries import plugins_with
@@ -76,6 +76,13 @@ class HonestMemory:
         return 1 << 30
 
 
+class HonestImmediateMemory(HonestMemory):
+    """Answers lookups on the caller's thread too, and raises there while down."""
+
+    def contains_many_now(self, keys: Sequence[ObjectKey]) -> list[int | None]:
+        return self.contains_many(keys)
+
+
 class AbsentWhenDown(HonestMemory):
     """The defect: a lookup that failed answers every key absent."""
 
@@ -86,10 +93,35 @@ class AbsentWhenDown(HonestMemory):
             return [None] * len(keys)
 
 
+class AbsentNowWhenDown(HonestImmediateMemory):
+    """The defect on the immediate path only: the worker's lookup raises."""
+
+    def contains_many_now(self, keys: Sequence[ObjectKey]) -> list[int | None]:
+        try:
+            return super().contains_many_now(keys)
+        except StoreDown:
+            return [None] * len(keys)
+
+
+class OtherBytesWhenDown(HonestMemory):
+    """The defect on the load path: a load while down reports zeros as loaded."""
+
+    def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        try:
+            return super().get_many_into(keys, buffers)
+        except StoreDown:
+            for buffer in buffers:
+                buffer[:] = bytes(buffer.nbytes)
+            return [True] * len(keys)
+
+
 @hookimpl
 def tiers_register_l2_adapters(registry: KindRegistry) -> None:
     registry.add("suite_honest_memory", HonestMemory, MemoryConfig)
+    registry.add("suite_honest_immediate_memory", HonestImmediateMemory, MemoryConfig)
     registry.add("suite_absent_when_down", AbsentWhenDown, MemoryConfig)
+    registry.add("suite_absent_now_when_down", AbsentNowWhenDown, MemoryConfig)
+    registry.add("suite_other_bytes_when_down", OtherBytesWhenDown, MemoryConfig)
 
 
 class FailingMemorySuite(L2AdapterSuite):
@@ -118,16 +150,50 @@ class TestHonestMemory(FailingMemorySuite):
         pytest.skip("registered by this test module, not through an entry point")
 
 
-class TestTheSuiteCatchesAbsentWhenDown:
-    component_name: ClassVar[str] = "suite_absent_when_down"
+class TestHonestImmediateMemory(FailingMemorySuite):
+    """The failure test asks ``lookup_and_lock_now`` too, which raises here while down."""
 
-    def test_answering_absent_on_a_backend_error_fails_the_suite(self) -> None:
-        suite = FailingMemorySuite()
-        suite.component_name = self.component_name  # type: ignore[misc]
-        l1_buffer = page_aligned_buffer(suite.l1_buffer_size)
-        adapter = suite.open_adapter(suite.make_config(), l1_buffer)
-        try:
-            with pytest.raises(AssertionError, match="absent"):
-                suite.test_a_failing_backend_is_not_taken_for_an_empty_one(adapter, BufferPool(l1_buffer))
-        finally:
-            adapter.close()
+    component_name = "suite_honest_immediate_memory"
+    capabilities = frozenset({BACKEND_FAILURES, IMMEDIATE_MISSES, IMMEDIATE_HITS})
+
+    def test_discoverable_through_entry_point(self) -> None:
+        pytest.skip("registered by this test module, not through an entry point")
+
+
+class InertFailureSuite(FailingMemorySuite):
+    """The defect in a suite: its failing_storage() leaves the store working."""
+
+    @contextlib.contextmanager
+    def failing_storage(self, adapter: L2Adapter) -> Iterator[None]:
+        yield
+
+
+def run_failure_test(suite: L2AdapterSuite, component_name: str) -> None:
+    """The suite's failure test on a fresh adapter of ``component_name``."""
+    suite.component_name = component_name  # type: ignore[misc]
+    l1_buffer = page_aligned_buffer(suite.l1_buffer_size)
+    adapter = suite.open_adapter(suite.make_config(), l1_buffer)
+    try:
+        suite.test_a_failing_backend_is_not_taken_for_an_empty_one(adapter, BufferPool(l1_buffer))
+    finally:
+        adapter.close()
+
+
+class TestTheSuiteCatchesFailuresTakenForSomethingElse:
+    @pytest.mark.parametrize(
+        ("component_name", "message"),
+        [
+            ("suite_absent_when_down", "absent"),
+            ("suite_absent_now_when_down", "absent"),
+            ("suite_other_bytes_when_down", "other bytes"),
+        ],
+    )
+    def test_a_backend_answering_wrongly_while_down_fails_the_suite(
+        self, component_name: str, message: str
+    ) -> None:
+        with pytest.raises(AssertionError, match=message):
+            run_failure_test(FailingMemorySuite(), component_name)
+
+    def test_a_failing_storage_that_fails_nothing_fails_the_suite(self) -> None:
+        with pytest.raises(AssertionError, match="did not make the store fail"):
+            run_failure_test(InertFailureSuite(), "suite_honest_memory")

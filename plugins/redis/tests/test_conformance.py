@@ -84,9 +84,12 @@ class TestRedisCluster(L2AdapterSuite):
     def failing_storage(self, adapter: L2Adapter) -> Iterator[None]:
         # Every node down: each key's node refuses, whichever slot it hashed to.  Restarted,
         # the nodes keep their ids and slots (nodes.conf) and their keys (the snapshot).
-        with servers_down(self.cluster.nodes):
-            yield
-        wait_cluster_ok(self.cluster.nodes)
+        # Whole again even when the test failed inside: the session's later tests use it.
+        try:
+            with servers_down(self.cluster.nodes):
+                yield
+        finally:
+            wait_cluster_ok(self.cluster.nodes)
 
     def make_config(self) -> RedisConfig:
         return RedisConfig(
