@@ -14,6 +14,7 @@ import pytest
 from replay_helpers import BLOCK_BYTES, small_trace, start_block_server
 
 from lmcache_tiers.client import Client
+from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.replay.run import ReplayOptions, ReplayTotals
 from lmcache_tiers.replay.server import replay_share
 from lmcache_tiers.replay.trace import read_trace
@@ -44,6 +45,35 @@ def test_an_interrupt_between_lookup_and_retrieve_gives_the_locks_back(
         origin = trace.requests[0].timestamp_ms
         replay_share(server.url, requests, options, origin_ms=origin, start=time.monotonic())
         _interrupt_after_a_hit(monkeypatch)
+        with pytest.raises(KeyboardInterrupt):
+            replay_share(server.url, requests, options, origin_ms=origin, start=time.monotonic())
+        with Client(server.url, timeout=10.0) as probe:
+            assert probe.status()["server"]["locked_keys"] == 0
+    finally:
+        assert server.stop() == 0, server.output()
+
+
+def test_an_interrupt_as_a_lookup_answers_gives_the_locks_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C or SIGTERM landing once the LOOKUP's reply has come (its hit prefix
+    read-locked for this client) but before ``lookup`` returned the hits: the replay did not
+    know of the locks and left them to the server's lock TTL."""
+    server = start_block_server(tmp_path / "server", 500)
+    try:
+        trace = read_trace(small_trace(tmp_path / "t.jsonl", requests=20))
+        requests = list(enumerate(trace.requests))
+        options = ReplayOptions(block_bytes=BLOCK_BYTES, timeout_s=10.0)
+        origin = trace.requests[0].timestamp_ms
+        replay_share(server.url, requests, options, origin_ms=origin, start=time.monotonic())
+        looked_up = Client.lookup
+
+        def lookup_then_interrupt(self: Client, keys: list[ObjectKey], timeout: float | None = None) -> int:
+            if looked_up(self, keys, timeout):
+                raise KeyboardInterrupt
+            return 0
+
+        monkeypatch.setattr(Client, "lookup", lookup_then_interrupt)
         with pytest.raises(KeyboardInterrupt):
             replay_share(server.url, requests, options, origin_ms=origin, start=time.monotonic())
         with Client(server.url, timeout=10.0) as probe:

@@ -58,6 +58,11 @@ def _replay_one(client: Client, request: TraceRequest, state: ClientState) -> No
     except ClientError:
         totals.count_request(request, 0)  # a request that found nothing, as the engine sees it
         raise
+    except BaseException:
+        # Interrupted (Ctrl-C, SIGTERM) once the reply may have come, read-locking a hit
+        # prefix whose length never reached us: every key is given back.
+        _give_back_lookup_locks(client, keys)
+        raise
     totals.lookup_latencies_s.append(time.perf_counter() - started)
     try:
         totals.count_request(request, hits)
@@ -105,9 +110,9 @@ def _retrieve_and_check(
 
 def _give_back_lookup_locks(client: Client, keys: Sequence[ObjectKey]) -> None:
     """Release the hit prefix a LOOKUP read-locked when the request is abandoned before its
-    RETRIEVE (Ctrl-C, say): left behind, those objects stay pinned until the server's
-    lock TTL, long after the replay ended.  Best effort: the failure in flight is the one
-    the caller reports."""
+    RETRIEVE (Ctrl-C, say), or all its keys when the hits are unknown: left behind, those
+    objects stay pinned until the server's lock TTL, long after the replay ended.  Best
+    effort: the failure in flight is the one the caller reports."""
     if not keys:
         return
     try:
