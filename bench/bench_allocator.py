@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from bench_args import BenchParser, at_least_one
 
 from lmcache_tiers.l1.allocator import ExtentAllocator
+from lmcache_tiers.replay.run import percentile
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -132,16 +133,6 @@ class Run:
                 if not self.live:
                     raise SystemExit(f"a batch of {sum(sizes)} bytes does not fit in an empty arena")
                 self.free_random()
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    """The nearest-rank percentile: the smallest value with at least ``fraction`` of the
-    values at or below it (p50 of 1..4 is 2, p5 of 1..20 is 1, p95 of 1..20 is 19)."""
-    ordered = sorted(values)
-    if not ordered:
-        return math.nan
-    rank = math.ceil(round(fraction * len(ordered), 9))  # 0.07 * 100 is 7.000000000000001
-    return ordered[max(0, rank - 1)]
 
 
 def report(name: str, run: Run, target: float) -> None:
