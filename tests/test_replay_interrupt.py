@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -32,6 +33,21 @@ def _interrupt_after_a_hit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ReplayTotals, "count_request", count_then_interrupt)
 
 
+def _replay_twice(url: str, tmp_path: Path) -> Callable[[], object]:
+    """Replay a small trace through ``url`` once, filling its L1; returns the replay of the
+    same trace again, which finds hits."""
+    trace = read_trace(small_trace(tmp_path / "t.jsonl", requests=20))
+    requests = list(enumerate(trace.requests))
+    options = ReplayOptions(block_bytes=BLOCK_BYTES, timeout_s=10.0)
+    origin = trace.requests[0].timestamp_ms
+
+    def replay() -> object:
+        return replay_share(url, requests, options, origin_ms=origin, start=time.monotonic())
+
+    replay()
+    return replay
+
+
 def test_an_interrupt_between_lookup_and_retrieve_gives_the_locks_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -39,14 +55,10 @@ def test_an_interrupt_between_lookup_and_retrieve_gives_the_locks_back(
     # stay pinned (unevictable) until the server's lock TTL, long after the replay ended.
     server = start_block_server(tmp_path / "server", 500)
     try:
-        trace = read_trace(small_trace(tmp_path / "t.jsonl", requests=20))
-        requests = list(enumerate(trace.requests))
-        options = ReplayOptions(block_bytes=BLOCK_BYTES, timeout_s=10.0)
-        origin = trace.requests[0].timestamp_ms
-        replay_share(server.url, requests, options, origin_ms=origin, start=time.monotonic())
+        replay_twice = _replay_twice(server.url, tmp_path)
         _interrupt_after_a_hit(monkeypatch)
         with pytest.raises(KeyboardInterrupt):
-            replay_share(server.url, requests, options, origin_ms=origin, start=time.monotonic())
+            replay_twice()
         with Client(server.url, timeout=10.0) as probe:
             assert probe.status()["server"]["locked_keys"] == 0
     finally:
@@ -61,11 +73,7 @@ def test_an_interrupt_as_a_lookup_answers_gives_the_locks_back(
     know of the locks and left them to the server's lock TTL."""
     server = start_block_server(tmp_path / "server", 500)
     try:
-        trace = read_trace(small_trace(tmp_path / "t.jsonl", requests=20))
-        requests = list(enumerate(trace.requests))
-        options = ReplayOptions(block_bytes=BLOCK_BYTES, timeout_s=10.0)
-        origin = trace.requests[0].timestamp_ms
-        replay_share(server.url, requests, options, origin_ms=origin, start=time.monotonic())
+        replay_twice = _replay_twice(server.url, tmp_path)
         looked_up = Client.lookup
 
         def lookup_then_interrupt(self: Client, keys: list[ObjectKey], timeout: float | None = None) -> int:
@@ -75,7 +83,7 @@ def test_an_interrupt_as_a_lookup_answers_gives_the_locks_back(
 
         monkeypatch.setattr(Client, "lookup", lookup_then_interrupt)
         with pytest.raises(KeyboardInterrupt):
-            replay_share(server.url, requests, options, origin_ms=origin, start=time.monotonic())
+            replay_twice()
         with Client(server.url, timeout=10.0) as probe:
             assert probe.status()["server"]["locked_keys"] == 0
     finally:
