@@ -1265,3 +1265,121 @@ def test_a_later_adapter_of_this_process_never_reuses_a_temporary_name(tmp_path:
         assert os.path.exists(later_path), "the later adapter's file is its own"
     finally:
         os.close(later_fd)
+
+
+def _counted_files(root: Path, counts: dict[str, int], *, fsync: bool = False) -> Any:
+    """The local files of a store under ``root`` whose counters land in ``counts``."""
+    from lmcache_tiers.l2.files import FileLayout, LocalFiles
+
+    def count(name: str, amount: int) -> None:
+        counts[name] = counts.get(name, 0) + amount
+
+    return LocalFiles(FileLayout(str(root), shard_dirs=True), name="fs", count=count, fsync=fsync)
+
+
+def test_a_start_up_sweep_that_cannot_remove_a_temporary_file_counts_it_and_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start fails when a temporary file of a killed run cannot be removed: counted
+    (``temp_files_not_removed``), and the error is one line naming the file and why."""
+    counts: dict[str, int] = {}
+    files = _counted_files(tmp_path, counts)
+    fd, leftover = files.create_temp(make_keys(1)[0])
+    os.close(fd)
+    unlink = os.unlink
+
+    def refuse(path: Any, *args: Any, **kwargs: Any) -> None:
+        if os.fspath(path) == leftover:
+            raise PermissionError(13, "injected: permission denied", leftover)
+        unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    with pytest.raises(OSError) as failed:
+        files.remove_temp_files()
+    monkeypatch.undo()
+    assert counts.get("temp_files_not_removed", 0) == 1
+    told = str(failed.value)
+    assert "\n" not in told and leftover in told and "permission denied" in told, told
+
+
+def test_a_start_up_sweep_that_cannot_list_a_directory_counts_it_and_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory of the store the start-up sweep cannot list fails the start too:
+    counted (``directories_not_listed``), the error one line naming the directory."""
+    counts: dict[str, int] = {}
+    files = _counted_files(tmp_path, counts)
+    fd, leftover = files.create_temp(make_keys(1)[0])
+    os.close(fd)
+    unreadable = os.path.dirname(leftover)
+    scandir = os.scandir
+
+    def refuse_scandir(path: Any = ".") -> Any:
+        if os.fspath(path) == unreadable:
+            raise PermissionError(13, "injected: permission denied", unreadable)
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refuse_scandir)
+    with pytest.raises(OSError) as failed:
+        files.remove_temp_files()
+    monkeypatch.undo()
+    assert counts.get("directories_not_listed", 0) == 1
+    told = str(failed.value)
+    assert "\n" not in told and unreadable in told and "permission denied" in told, told
+
+
+def test_a_failed_stores_record_that_cannot_be_withdrawn_is_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store whose directory fsync failed removes the record it published; one that
+    cannot be removed stays on disk, live yet unaccounted until a lookup or restart finds
+    it: counted (``failed_store_records_left``) as well as logged."""
+    counts: dict[str, int] = {}
+    files = _counted_files(tmp_path, counts, fsync=True)
+    key = make_keys(1)[0]
+    fd, temp = files.create_temp(key)
+    os.write(fd, b"record")
+    record = files.layout.path_for(key)
+
+    def fail_fsync(_directory: str) -> None:
+        raise OSError(5, "injected: directory fsync failed")
+
+    unlink = os.unlink
+
+    def refuse(path: Any, *args: Any, **kwargs: Any) -> None:
+        if os.fspath(path) == record:
+            raise PermissionError(13, "injected: permission denied", record)
+        unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(files, "_fsync_directory", fail_fsync)
+    monkeypatch.setattr(os, "unlink", refuse)
+    with pytest.raises(OSError, match="directory fsync failed"):
+        files.publish(key, temp, fd)
+    monkeypatch.undo()
+    assert os.path.exists(record)
+    assert counts.get("failed_store_records_left", 0) == 1
+
+
+def test_a_shard_directory_replaced_by_a_file_is_absent_to_a_lookup_and_a_read_error_to_a_load(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file where a shard directory belongs (ENOTDIR): the record cannot be there, so a
+    lookup answers absent; a load that meets it (the tree damaged after the lookup) is a
+    miss counted as a read error, with a line naming the path, so the damage is told."""
+    root = str(tmp_path / "kv")
+    arena = Arena()
+    adapter = open_fs(fs_config(root, shard_dirs=True), arena.view)
+    keys = make_keys(2)
+    try:
+        assert store(adapter, arena, keys, [pattern(index, 4096) for index in range(2)]) == [True] * 2
+        shard = os.path.dirname(os.path.join(root, record_files(root)[0]))
+        assert all(os.path.dirname(os.path.join(root, name)) == shard for name in record_files(root))
+        shutil.rmtree(shard)
+        Path(shard).write_bytes(b"not a directory")
+        with caplog.at_level(logging.WARNING):
+            assert load(adapter, arena, [keys[0]], [4096])[0] == [False]
+        assert adapter.stats().get("load_read_errors") == 1
+        assert any(os.path.basename(shard) in r.getMessage() for r in caplog.records)
+        assert client(adapter).lookup_and_lock([keys[1]]).found == [False]
+    finally:
+        adapter.close()

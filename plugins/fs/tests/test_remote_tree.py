@@ -250,3 +250,28 @@ def test_a_store_whose_root_is_shaped_like_a_shard_directory_is_refused(tmp_path
         fs_config(f"{outer}/ab/cd/")
     for fine in (f"{outer}/ab", f"{outer}/ab/cd/kv", f"{outer}/ab/xy", f"{outer}/AB/CD"):
         assert fs_config(fine).root == fine
+
+
+def test_a_remote_start_that_cannot_remove_a_temporary_file_fails_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A leftover temporary object the start-up sweep cannot remove is not passed over
+    unseen: the start fails as on a local directory, one line naming the object."""
+    memory = fsspec.filesystem("memory")
+    root = f"memory://temp-stuck-{uuid.uuid4().hex}"
+    leftover = f"{root}/.tmp-1-1.part"
+    memory.pipe(leftover, b"half a record of a killed run")
+    rm_file = type(memory).rm_file
+
+    def refuse(self: object, path: str) -> None:
+        if str(path).endswith(".tmp-1-1.part"):
+            raise PermissionError(13, "injected: permission denied", str(path))
+        rm_file(self, path)
+
+    monkeypatch.setattr(type(memory), "rm_file", refuse)
+    with pytest.raises(OSError) as failed:
+        open_fs(fs_config(root), Arena().view)
+    monkeypatch.undo()
+    told = str(failed.value)
+    assert "\n" not in told and ".tmp-1-1.part" in told and "permission denied" in told, told
+    memory.rm(root, recursive=True)

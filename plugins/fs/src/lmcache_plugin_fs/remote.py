@@ -17,7 +17,8 @@ import posixpath
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, suppress
-from typing import Any
+from functools import partial
+from typing import Any, NoReturn
 
 from lmcache_plugin_fs.closing import explain_unwritten
 from lmcache_tiers.plugin import (
@@ -197,14 +198,6 @@ class RemoteRecords:
                 return bool(handle.read(len(header)) == header)
         except Exception:
             return False
-
-    def _remove_quietly(self, path: str) -> bool:
-        """Remove ``path`` if it can be; whether it was removed."""
-        try:
-            self.fs.rm_file(path)
-        except Exception:
-            return False
-        return True
 
     # -- lookups and loads ----------------------------------------------------------------------
 
@@ -443,16 +436,30 @@ class RemoteRecords:
         return judged
 
     def remove_temp_files(self) -> int:
-        """Delete temporary files a killed writer left behind; returns how many."""
-        removed = sum(
-            self._remove_quietly(posixpath.join(directory, name))
-            for directory, name, _size in self._entries()
-            if is_temp_name(name)
-        )
+        """Delete temporary files a killed writer left behind; returns how many.  One that
+        cannot be removed, or a tree that cannot be listed, fails the start as on a local
+        directory (``LocalFiles.remove_temp_files``): counted, one line naming it."""
+        removed = 0
+        unlisted = partial(self._sweep_failed, "directories_not_listed", "list")
+        for directory, name, _size in self._entries(on_unlisted=unlisted):
+            if not is_temp_name(name):
+                continue
+            path = posixpath.join(directory, name)
+            try:
+                self.fs.rm_file(path)
+                removed += 1
+            except FileNotFoundError:
+                pass  # removed meanwhile
+            except Exception as exc:  # what the filesystem raises is its own
+                self._sweep_failed("temp_files_not_removed", "remove the leftover temporary file", path, exc)
         if removed:
             log.info("%s: removed %d temporary files left by an interrupted run", self.context.name, removed)
         self.context.count("orphan_temp_files_removed", removed)
         return removed
+
+    def _sweep_failed(self, counter: str, what: str, path: str, exc: Exception) -> NoReturn:
+        self.context.count(counter)
+        raise OSError(f"{self.context.name}: cannot {what} {shown(path)}: {shown(str(exc))}") from exc
 
     def remove_all_records(self) -> int:
         """Delete every record and temporary file of either layout; one that cannot be

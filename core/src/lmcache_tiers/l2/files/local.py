@@ -25,7 +25,8 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from typing import Any, NamedTuple
+from functools import partial
+from typing import Any, NamedTuple, NoReturn
 
 from lmcache_tiers.keycodec import is_digest_name, name_to_key, printable
 from lmcache_tiers.keys import ObjectKey
@@ -58,11 +59,14 @@ def _shard_directories(directory: str) -> list[str]:
         return [e.path for e in entries if is_shard_name(e.name) and e.is_dir(follow_symlinks=False)]
 
 
-#: the errors that mean a record's file is not there.  Any other error of a stat or open
-#: (EIO, EACCES, ELOOP, EMFILE) says nothing about it: a lookup that meets one fails its
-#: batch -- every key a miss -- rather than answering "absent", which core takes for a
-#: record removed behind its back and forgets while the file may still be on disk.
-ABSENT_FILE_ERRORS = (FileNotFoundError, NotADirectoryError)
+#: the errors that mean a record's file is not there: ENOENT alone.  Any other error of a
+#: stat or open (EIO, EACCES, ELOOP, EMFILE) says nothing about it: a lookup that meets one
+#: fails its batch -- every key a miss, counted -- rather than answering "absent", which
+#: core takes for a record removed behind its back and forgets while the file may still be
+#: on disk.  ENOTDIR is such an error too: something that is not a directory stands where
+#: the store's directory (or a shard's) should be, e.g. a mount gone wrong or a directory
+#: swapped aside, and the records may well be intact where they were.
+ABSENT_FILE_ERRORS = (FileNotFoundError,)
 
 
 class KeyStripes:
@@ -305,6 +309,7 @@ class LocalFiles:
         except OSError:
             return
         if left:
+            self._count("failed_store_records_left", 1)
             log.warning(
                 "%s: %s stays on disk although its store failed: it is accounted once a lookup "
                 "or the next start-up finds it",
@@ -544,20 +549,35 @@ class LocalFiles:
         """Delete temporary files a killed writer left behind; returns how many.
 
         Run at start-up, before this process writes anything: the directory lock makes it
-        the only writer, so every temporary file found is an orphan.
+        the only writer, so every temporary file found is an orphan.  One that cannot be
+        removed, or a directory that cannot be listed, fails the start
+        (:meth:`_sweep_failed`).
         """
         removed = 0
-        for _directory, entry in self._files(is_temp_name):
+        unlisted = partial(self._sweep_failed, "directories_not_listed", "list the directory")
+        for _directory, entry in self._files(is_temp_name, on_unlisted=unlisted):
             if is_temp_name(entry.name):
                 try:
                     os.unlink(entry.path)
                     removed += 1
                 except FileNotFoundError:
                     pass
+                except OSError as exc:
+                    self._sweep_failed(
+                        "temp_files_not_removed", "remove the leftover temporary file", entry.path, exc
+                    )
         if removed:
             log.info("%s: removed %d temporary files left by an interrupted run", self.name, removed)
         self._count("orphan_temp_files_removed", removed)
         return removed
+
+    def _sweep_failed(self, counter: str, what: str, path: str, exc: OSError) -> NoReturn:
+        """The start-up sweep cannot ``what`` ``path``: counted, and the start fails with one
+        line naming it.  The directory lock makes this server the tree's only writer; a
+        tree it cannot clean up or even read is one it cannot keep its accounts of."""
+        self._count(counter, 1)
+        reason = printable(exc.strerror or str(exc), 300)
+        raise OSError(exc.errno, f"{self.name}: cannot {what} {printable(path, 300)}: {reason}") from exc
 
     def remove_all_records(self) -> int:
         """Delete every record and temporary file of either layout, then the empty shard
