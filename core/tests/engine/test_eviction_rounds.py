@@ -7,6 +7,7 @@ controllers are driven by hand here (no thread), so each step is exactly one cyc
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -225,3 +226,36 @@ def test_l1_eviction_frees_something_when_a_round_rounds_down_to_no_bytes(l1: L1
 
     assert l1.usage() < WATERMARK
     assert "l1_nothing_evictable" not in controller.stats.failures()
+
+
+class FailingOnEveryWrite(Fifo):
+    """A policy that breaks whenever it is told about a store (a third-party bug)."""
+
+    def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
+        raise RuntimeError("policy bug")
+
+
+def test_an_l2_policy_failing_on_every_store_is_counted_each_time_and_logged_once_per_burst(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Every stored batch reaches the policy through the adapter's listener: a traceback
+    # for each would bury the log under a steady store load; the counter has them all.
+    adapter = open_dict(DictBackend, namespace="failing-writes", capacity=BLOCKS * 1000)
+    try:
+        config = L2EvictionConfig(trigger_watermark=WATERMARK, eviction_ratio=RATIO)
+        controller = L2EvictionController(
+            AdapterSlot(0, "dict", adapter), FailingOnEveryWrite(), config, EngineStats(1)
+        )
+        controller.evict(0)  # seeds the policy (nothing stored yet): events from now on go in
+        client = BlockingAdapterClient(adapter)
+        batches = 5
+        with caplog.at_level(logging.WARNING):
+            for key in make_keys(batches):
+                assert client.store([key], [memoryview(bytearray(1000))]) == [True]
+
+        assert controller.stats.failures()["l2_eviction_policy_error"] == batches
+        logged = [record for record in caplog.records if "eviction policy failed" in record.getMessage()]
+        assert 1 <= len(logged) < batches, "one line per burst, not one per failure"
+        assert logged[0].exc_info is not None, "the first failure is logged with its traceback"
+    finally:
+        adapter.close()

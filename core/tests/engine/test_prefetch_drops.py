@@ -61,3 +61,26 @@ def test_a_prefetch_l1_has_too_little_room_for_is_counted_and_logged(
     assert "prefetch_l1_full" in caplog.text
     storage.release(wanted[:loaded])
     storage.release(pinned)
+
+
+def test_a_policy_that_fails_on_every_prefetch_is_counted_each_time_and_logged_once_per_burst(
+    engine, caplog
+) -> None:
+    # A third-party policy with a bug fails on every lookup that reaches L2: each failure
+    # is a miss the reader sees, so each is counted, but a traceback per lookup would bury
+    # the log (thousands a second under load).
+    storage = engine([mock()], l2_prefetch_policy="raising")
+    keys = keys_of(4, 2)
+    store(storage, keys, SIZE)
+    assert storage.flush(10)
+    storage.clear()
+    prefetches = 5
+
+    with caplog.at_level(logging.WARNING):
+        for _ in range(prefetches):
+            assert storage.wait_prefetch(storage.submit_prefetch(keys), 10) == 0
+
+    assert storage.status()["failures"].get("prefetch_policy_error") == prefetches
+    logged = [record for record in caplog.records if "prefetch policy failed" in record.getMessage()]
+    assert 1 <= len(logged) < prefetches, "one line per burst, not one per failure"
+    assert logged[0].exc_info is not None, "the first failure is logged with its traceback"

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.l2.interface import L2Adapter, L2Op
 from lmcache_tiers.policies import AdapterInfo, EvictionPolicy
@@ -188,6 +189,32 @@ def end_fruitless_walk(policy: EvictionPolicy, failed: Callable[[], None] | None
     except Exception:
         if failed is not None:
             failed()
+
+
+class PolicyFailureLog:
+    """The log lines of a policy's failures, one failure ``reason``: the first failure
+    with its traceback (a third-party bug, to be found and fixed), later ones at most one
+    line per burst window, telling how many were only counted meanwhile.
+
+    A policy with a bug often fails on every call -- every lookup, every stored batch --
+    and a traceback each time would bury the log; the counter has every one of them.
+    """
+
+    def __init__(self, logger: logging.Logger, reason: str) -> None:
+        self._logger = logger
+        self._burst = BurstLog(logger, reason)
+        self._lock = threading.Lock()  # listeners report from adapter threads
+        self._traced = False
+
+    def failed(self, message: str, *args: object) -> None:
+        """Log the failure being handled (call from an ``except`` block)."""
+        with self._lock:
+            first, self._traced = not self._traced, True
+        if first:
+            self._logger.exception(message, *args)
+        else:
+            reason = self._burst.reason or "unspecified"
+            self._burst.warn(reason, message + " (failure reason %s)", *args, reason)
 
 
 def aligned_total(sizes: Iterable[int], align: int) -> int:

@@ -16,7 +16,12 @@ from itertools import islice
 
 from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.config import L2EvictionConfig
-from lmcache_tiers.controllers.base import AdapterSlot, ControllerThread, end_fruitless_walk
+from lmcache_tiers.controllers.base import (
+    AdapterSlot,
+    ControllerThread,
+    PolicyFailureLog,
+    end_fruitless_walk,
+)
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.interface import L2Adapter
@@ -69,6 +74,7 @@ class L2EvictionController(ControllerThread):
         self._batch_released: set[ObjectKey] = set()
         self._batch_absent: set[ObjectKey] = set()
         self._failed_log = BurstLog(logger, "l2_eviction_delete_failed")
+        self._policy_log = PolicyFailureLog(logger, "l2_eviction_policy_error")
         self._evict_lock = threading.Lock()
         slot.adapter.add_listener(self)
 
@@ -250,8 +256,8 @@ class L2EvictionController(ControllerThread):
         return freed
 
     def _policy_failed(self) -> None:
-        logger.exception("%s: eviction policy failed", self.slot.name)
         self.stats.fail("l2_eviction_policy_error")
+        self._policy_log.failed("%s: eviction policy failed", self.slot.name)
 
     def _failed_deletes(self, batch: list[ObjectKey], deleted: list[bool], gone: set[ObjectKey]) -> int:
         """How many keys of ``batch`` the backend failed to delete (counted and logged):

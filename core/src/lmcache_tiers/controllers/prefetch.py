@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 from lmcache_tiers.burst import BurstLog
-from lmcache_tiers.controllers.base import AdapterSlot, ControllerThread, TaskTracker
+from lmcache_tiers.controllers.base import AdapterSlot, ControllerThread, PolicyFailureLog, TaskTracker
 from lmcache_tiers.controllers.prefetch_handles import PrefetchHandles
 from lmcache_tiers.controllers.prefetch_locks import PrefetchLocks
 from lmcache_tiers.controllers.prefetch_requests import (
@@ -78,6 +78,7 @@ class PrefetchController(ControllerThread):
         self._locks = PrefetchLocks(l1, self.slots, stats, evict=evict, align=align)
         self._handles = PrefetchHandles(self._locks.release_read, stats, result_ttl_s=result_ttl_s)
         self._burst = BurstLog(logger)  # a policy's bad plans: one line per minute
+        self._policy_log = PolicyFailureLog(logger, "prefetch_policy_error")
         self._timed_out = BurstLog(logger, "prefetch_timed_out")
         # controller thread only:
         self._claimed: Counter[ObjectKey] = Counter()  # keys an active request may load
@@ -346,8 +347,10 @@ class PrefetchController(ControllerThread):
             plan = load_plan(answer, len(keys))
             temporary = not self.policy.retain_loaded
         except Exception:
-            logger.exception("prefetch policy failed; treating request %d as an L2 miss", request.handle)
             self.stats.fail("prefetch_policy_error")
+            self._policy_log.failed(
+                "prefetch policy failed; treating request %d as an L2 miss", request.handle
+            )
             plan, temporary = {}, True
         self._drop_unasked(request, plan)
         sources = contiguous_sources(keys, plan, request.found)
