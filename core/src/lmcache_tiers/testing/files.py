@@ -1,7 +1,8 @@
 """Test helpers for file-backed adapters: a page-aligned arena, store/load helpers, a
 scratch-directory fixture, a small filesystem and the full-disk check they all pass, the
-check of a write error reported only at a file's close, and another process holding a
-directory's (or device's) lock as a running server does.
+check of a write error reported only at a file's close, another process holding a
+directory's (or device's) lock as a running server does, and a store directory made to
+fail (``directory_replaced_by_file``, for ``failing_storage``).
 
 ``small_tmpfs`` mounts a tmpfs of a few MiB so tests can fill a filesystem for real
 (ENOSPC, not a mock); it needs root and skips, with the reason printed, otherwise.
@@ -34,6 +35,7 @@ __all__ = [
     "ScratchDirectory",
     "check_close_error_fails_store",
     "check_full_disk_batch",
+    "directory_replaced_by_file",
     "flip_byte",
     "held_by_another_process",
     "load_data",
@@ -130,6 +132,25 @@ def held_by_another_process(path: str, *, device: bool = False) -> Iterator[subp
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
+
+
+@contextmanager
+def directory_replaced_by_file(directory: str) -> Iterator[None]:
+    """A store directory that fails for real while the block runs: it is renamed aside
+    and a regular file stands at its path, so every path below it meets ENOTDIR -- not
+    ENOENT, which an empty directory (or one mounted over) would give for keys that are
+    truly absent.  The directory is put back, as it was, when the block ends."""
+    aside = f"{directory.rstrip(os.sep)}.aside"
+    os.rename(directory, aside)
+    try:
+        with open(directory, "xb"):
+            pass
+        try:
+            yield
+        finally:
+            os.unlink(directory)
+    finally:
+        os.rename(aside, directory)
 
 
 def flip_byte(path: str, offset: int) -> None:

@@ -15,8 +15,8 @@ header's checksum; False for a miss -- no file, a file of another size (another 
 object: kept; damage: removed), a record of another serde chain or another key (kept;
 the latter counted ``foreign_records``), a file that
 shrank under the read, an I/O error (counted ``load_read_errors``, one line a burst; a
-path running through a file, ENOTDIR, is one too: the lookup found the record, so the
-tree was damaged since, which the operator must hear of -- a lookup answers it absent,
+path running through a file, ENOTDIR, is one too: the tree is damaged or moved aside,
+which the operator must hear of -- a lookup meeting it fails, counted, as only ENOENT is
 ``ABSENT_FILE_ERRORS``); a
 damaged record is removed (``corrupt_records_removed``) only if it is still the file that
 was judged.
