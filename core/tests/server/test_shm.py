@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 import os
 import threading
 import time
@@ -332,3 +334,46 @@ def test_offsets_of_a_restarted_server_never_go_to_the_old_mapping_when_another_
                 assert [bytes(view) for view in views] == [fresh]
     finally:
         client.close()
+
+
+def _store_and_read_back_as_another_user(endpoint: str, results: Any) -> None:
+    """In a forked child: drop to the unprivileged ``nobody`` user, store and read back
+    through a Client, and send what it saw (mapped or not, bytes, log lines) home."""
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logging.getLogger("lmcache_tiers").addHandler(Collect())
+    logging.getLogger("lmcache_tiers").setLevel(logging.INFO)
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+    key = ObjectKey("unit", 0, b"other-user")
+    with Client(endpoint) as client:
+        mapped = client._segment is not None
+        client.store([key], [b"kv of another user" * 100])
+        with client.retrieve([key]) as views:
+            data = bytes(views[0])
+    results.put((mapped, data, lines))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
+def test_a_client_of_another_user_cannot_map_the_segment_and_says_why(
+    make_server: Callable[..., TiersServer],
+) -> None:
+    server = make_server()
+    path = server.storage.l1.arena.path
+    # A KV cache holds prompt-derived data: only the server's user may map it.
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    child = context.Process(target=_store_and_read_back_as_another_user, args=(server.endpoint, results))
+    child.start()
+    mapped, data, lines = results.get(timeout=60)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert not mapped
+    assert data == b"kv of another user" * 100  # inline, through the socket
+    assert any("Permission denied" in line and "inline" in line for line in lines), lines
