@@ -1277,55 +1277,41 @@ def _counted_files(root: Path, counts: dict[str, int], *, fsync: bool = False) -
     return LocalFiles(FileLayout(str(root), shard_dirs=True), name="fs", count=count, fsync=fsync)
 
 
-def test_a_start_up_sweep_that_cannot_remove_a_temporary_file_counts_it_and_names_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def _refuse(monkeypatch: pytest.MonkeyPatch, call: str, refused: str) -> None:
+    """Make ``os.<call>`` of ``refused`` fail with EACCES (as root, a permission is no bar)."""
+    real = getattr(os, call)
+
+    def refusing(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if os.fspath(path) == refused:
+            raise PermissionError(13, "injected: permission denied", refused)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, call, refusing)
+
+
+@pytest.mark.parametrize(
+    ("call", "counter"),
+    [("unlink", "temp_files_not_removed"), ("scandir", "directories_not_listed")],
+    ids=["unremovable-temp", "unlistable-directory"],
+)
+def test_a_start_up_sweep_that_cannot_clean_up_counts_it_and_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str, counter: str
 ) -> None:
-    """The start fails when a temporary file of a killed run cannot be removed: counted
-    (``temp_files_not_removed``), and the error is one line naming the file and why."""
+    """The start fails when a temporary file of a killed run cannot be removed, or a
+    directory of the store cannot be listed: counted, and the error is one line naming
+    the file or directory and why."""
     counts: dict[str, int] = {}
     files = _counted_files(tmp_path, counts)
     fd, leftover = files.create_temp(make_keys(1)[0])
     os.close(fd)
-    unlink = os.unlink
-
-    def refuse(path: Any, *args: Any, **kwargs: Any) -> None:
-        if os.fspath(path) == leftover:
-            raise PermissionError(13, "injected: permission denied", leftover)
-        unlink(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "unlink", refuse)
+    refused = leftover if call == "unlink" else os.path.dirname(leftover)
+    _refuse(monkeypatch, call, refused)
     with pytest.raises(OSError) as failed:
         files.remove_temp_files()
     monkeypatch.undo()
-    assert counts.get("temp_files_not_removed", 0) == 1
+    assert counts.get(counter, 0) == 1
     told = str(failed.value)
-    assert "\n" not in told and leftover in told and "permission denied" in told, told
-
-
-def test_a_start_up_sweep_that_cannot_list_a_directory_counts_it_and_names_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A directory of the store the start-up sweep cannot list fails the start too:
-    counted (``directories_not_listed``), the error one line naming the directory."""
-    counts: dict[str, int] = {}
-    files = _counted_files(tmp_path, counts)
-    fd, leftover = files.create_temp(make_keys(1)[0])
-    os.close(fd)
-    unreadable = os.path.dirname(leftover)
-    scandir = os.scandir
-
-    def refuse_scandir(path: Any = ".") -> Any:
-        if os.fspath(path) == unreadable:
-            raise PermissionError(13, "injected: permission denied", unreadable)
-        return scandir(path)
-
-    monkeypatch.setattr(os, "scandir", refuse_scandir)
-    with pytest.raises(OSError) as failed:
-        files.remove_temp_files()
-    monkeypatch.undo()
-    assert counts.get("directories_not_listed", 0) == 1
-    told = str(failed.value)
-    assert "\n" not in told and unreadable in told and "permission denied" in told, told
+    assert "\n" not in told and refused in told and "permission denied" in told, told
 
 
 def test_a_failed_stores_record_that_cannot_be_withdrawn_is_counted(
@@ -1344,15 +1330,8 @@ def test_a_failed_stores_record_that_cannot_be_withdrawn_is_counted(
     def fail_fsync(_directory: str) -> None:
         raise OSError(5, "injected: directory fsync failed")
 
-    unlink = os.unlink
-
-    def refuse(path: Any, *args: Any, **kwargs: Any) -> None:
-        if os.fspath(path) == record:
-            raise PermissionError(13, "injected: permission denied", record)
-        unlink(path, *args, **kwargs)
-
     monkeypatch.setattr(files, "_fsync_directory", fail_fsync)
-    monkeypatch.setattr(os, "unlink", refuse)
+    _refuse(monkeypatch, "unlink", record)
     with pytest.raises(OSError, match="directory fsync failed"):
         files.publish(key, temp, fd)
     monkeypatch.undo()

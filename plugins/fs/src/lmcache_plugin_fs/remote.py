@@ -441,17 +441,12 @@ class RemoteRecords:
         directory (``LocalFiles.remove_temp_files``): counted, one line naming it."""
         removed = 0
         unlisted = partial(self._sweep_failed, "directories_not_listed", "list")
+        not_removed = partial(
+            self._sweep_failed, "temp_files_not_removed", "remove the leftover temporary file"
+        )
         for directory, name, _size in self._entries(on_unlisted=unlisted):
-            if not is_temp_name(name):
-                continue
-            path = posixpath.join(directory, name)
-            try:
-                self.fs.rm_file(path)
-                removed += 1
-            except FileNotFoundError:
-                pass  # removed meanwhile
-            except Exception as exc:  # what the filesystem raises is its own
-                self._sweep_failed("temp_files_not_removed", "remove the leftover temporary file", path, exc)
+            if is_temp_name(name):
+                removed += self._remove(posixpath.join(directory, name), not_removed)
         if removed:
             log.info("%s: removed %d temporary files left by an interrupted run", self.context.name, removed)
         self.context.count("orphan_temp_files_removed", removed)
@@ -467,13 +462,18 @@ class RemoteRecords:
         removed, failures = 0, RemovalFailures(self.context.name, self.context.count)
         for directory, name, _size in self._entries(on_unlisted=failures.unlisted):
             if classify_name(name).kind is not EntryKind.FOREIGN:
-                path = posixpath.join(directory, name)
-                try:
-                    self.fs.rm_file(path)
-                    removed += 1
-                except FileNotFoundError:
-                    pass  # removed meanwhile
-                except Exception as exc:  # what the filesystem raises is its own
-                    failures.failed(path, exc)
+                removed += self._remove(posixpath.join(directory, name), failures.failed)
         failures.report(removed)
         return removed
+
+    def _remove(self, path: str, failed: Callable[[str, Exception], None]) -> bool:
+        """Remove ``path`` for a sweep; whether it was.  Gone meanwhile is no failure;
+        any other error is told to ``failed``."""
+        try:
+            self.fs.rm_file(path)
+            return True
+        except FileNotFoundError:
+            return False  # removed meanwhile
+        except Exception as exc:  # what the filesystem raises is its own
+            failed(path, exc)
+            return False
