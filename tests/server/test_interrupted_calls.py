@@ -229,3 +229,140 @@ def test_the_reservations_of_an_interrupted_store_are_aborted_when_its_reply_lan
     finally:
         client.close()
         assert server.stop() == 0, server.output()
+
+
+#: how long the tests below keep a server frozen at most: well past their clean-up bound,
+#: and short of the client's heartbeat timeout (10 s), which would end the wait by itself
+FROZEN_S = 8.0
+
+
+@contextlib.contextmanager
+def _frozen_for_a_while(server_pid: int, signum: signal.Signals) -> Iterator[threading.Event]:
+    """Freeze the server, interrupt this process in the middle of the block's call, and
+    let the server go on only ``FROZEN_S`` later; the event yielded is set then, so the
+    block can tell whether what it did ended while the server was still frozen."""
+    resumed = threading.Event()
+
+    def resume() -> None:
+        os.kill(server_pid, signal.SIGCONT)
+        resumed.set()
+
+    freeze(server_pid)
+    timers = [threading.Timer(0.5, os.kill, (os.getpid(), signum)), threading.Timer(FROZEN_S, resume)]
+    for timer in timers:
+        timer.start()
+    try:
+        yield resumed
+    finally:
+        for timer in timers:
+            timer.cancel()
+            timer.join()
+        resume()
+
+
+def test_the_release_after_an_interrupted_retrieve_waits_the_clean_up_bound_not_the_timeout(
+    tmp_path: Path, interrupting_signal: signal.Signals
+) -> None:
+    """The RELEASE a cut-short RETRIEVE sends faces a server that did not answer: it waits
+    the client's clean-up bound, not its whole (here hour-long) timeout."""
+    server = start_server(tmp_path / "server")
+    client = Client(server.url, timeout=3600.0, cleanup_timeout=0.5)
+    keys = make_keys("cleanup-retrieve", 2)
+    try:
+        assert client.store(keys, make_payloads("cleanup-retrieve", 2, 4 << 10)) == 2
+        with _frozen_for_a_while(server.proc.pid, interrupting_signal) as resumed:
+            with pytest.raises(_Interrupted), client.retrieve(keys):
+                pytest.fail("the retrieve block was entered")
+            assert not resumed.is_set(), "the clean-up RELEASE waited for the frozen server"
+        # Whatever the cut-short calls locked is given back once the server answers.
+        client.ping()
+        client.ping()
+        assert client.status()["server"]["locked_keys"] == 0
+    finally:
+        client.close()
+        assert server.stop() == 0, server.output()
+
+
+def test_the_abort_after_an_interrupted_store_waits_the_clean_up_bound_not_the_timeout(
+    tmp_path: Path, interrupting_signal: signal.Signals
+) -> None:
+    """A STORE cut short after its reservation (here while it copies into the segment)
+    sends STORE_ABORT, which waits the clean-up bound for a server that does not answer."""
+    server = start_server(tmp_path / "server")
+    client = Client(server.url, timeout=3600.0, cleanup_timeout=0.5)
+    assert client.uses_shm
+    keys = make_keys("cleanup-store", 2)
+    payloads = make_payloads("cleanup-store", 2, 4 << 10)
+    segment = client._segment
+    assert segment is not None
+    resumed = threading.Event()
+
+    def freeze_then_interrupt(*args: Any, **kwargs: Any) -> None:
+        freeze(server.proc.pid)
+        threading.Timer(FROZEN_S, lambda: (os.kill(server.proc.pid, signal.SIGCONT), resumed.set())).start()
+        raise _Interrupted
+
+    try:
+        segment.write_many = freeze_then_interrupt  # type: ignore[method-assign]
+        try:
+            with pytest.raises(_Interrupted):
+                client.store(keys, payloads)
+        finally:
+            del segment.write_many
+        assert not resumed.is_set(), "the clean-up STORE_ABORT waited for the frozen server"
+        resumed.wait()
+        client.ping()
+        client.ping()
+        assert client.status()["server"]["in_flight"]["stores"] == 0
+        assert client.store(keys, payloads) == 2
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        client.close()
+        assert server.stop() == 0, server.output()
+
+
+def test_close_gives_back_the_locks_of_an_interrupted_lookup_whose_reply_is_late(
+    tmp_path: Path, interrupting_signal: signal.Signals
+) -> None:
+    """A client closed right after a LOOKUP was interrupted reads that LOOKUP's late reply
+    before it goes, and releases the read locks it carries: they do not stay until the
+    server's lock TTL."""
+    server = start_server(tmp_path / "server")
+    # A generous clean-up bound: close waits for the frozen server to go on (1.5 s).
+    client = Client(server.url, timeout=CLIENT_TIMEOUT_S, cleanup_timeout=CLIENT_TIMEOUT_S)
+    checker = Client(server.url, timeout=CLIENT_TIMEOUT_S)
+    keys = make_keys("close-settles", 4)
+    try:
+        assert client.store(keys, make_payloads("close-settles", 4, 64 << 10)) == 4
+        client.release(keys)
+        with _interrupted_while_frozen(server.proc.pid, interrupting_signal):
+            with pytest.raises(_Interrupted):
+                client.lookup(keys)
+            client.close()
+        assert checker.status()["server"]["locked_keys"] == 0
+    finally:
+        client.close()
+        checker.close()
+        assert server.stop() == 0, server.output()
+
+
+def test_close_with_a_late_reply_from_a_frozen_server_ends_within_the_clean_up_bound(
+    tmp_path: Path, interrupting_signal: signal.Signals, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server never answers while the client closes: close gives up after its clean-up
+    bound, says so in the log, and the locks expire on the server."""
+    server = start_server(tmp_path / "server")
+    client = Client(server.url, timeout=3600.0, cleanup_timeout=0.5)
+    keys = make_keys("close-frozen", 2)
+    try:
+        assert client.store(keys, make_payloads("close-frozen", 2, 4 << 10)) == 2
+        client.release(keys)
+        with _frozen_for_a_while(server.proc.pid, interrupting_signal) as resumed:
+            with pytest.raises(_Interrupted):
+                client.lookup(keys)
+            client.close()
+            assert not resumed.is_set(), "close waited for the frozen server"
+        assert "1 requests given up on still unanswered" in caplog.text
+    finally:
+        client.close()
+        assert server.stop() == 0, server.output()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import os
 import threading
@@ -50,6 +51,8 @@ from lmcache_tiers.wire import protocol as p
 
 AUTH_TOKEN_ENV = "LMCACHE_TIERS_AUTH_TOKEN"
 
+logger = logging.getLogger(__name__)
+
 _R = TypeVar("_R", bound=p._Reply)
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -72,6 +75,11 @@ _HANDSHAKE_SUCCEEDED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
 _raw_send = zmq.backend.Socket.send
 _raw_recv = zmq.backend.Socket.recv
 _raw_get = zmq.backend.Socket.get
+#: the default bound on a clean-up call (the RELEASE or STORE_ABORT after a call cut
+#: short, the settling of late replies on ``close``): it runs after a failure, often
+#: against a server that did not answer, and must not hold the caller up for a whole
+#: ``timeout`` (the client's ``cleanup_timeout``; never more than its ``timeout``)
+CLEANUP_TIMEOUT_S = 2.0
 #: how long a request waits for its reply between looks at whether its connection is gone
 LINK_CHECK_S = 0.25
 #: the longest single wait for the server to become reachable (a request waits in slices)
@@ -128,11 +136,22 @@ def _rest_of_message(sock: zmq.Socket[bytes]) -> list[bytes]:
 class Connection:
     """A connected, greeted DEALER socket; ``server`` is the HELLO reply."""
 
-    def __init__(self, url: str, *, timeout: float, auth_token: str | None, name: str) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float,
+        auth_token: str | None,
+        name: str,
+        cleanup_timeout: float = CLEANUP_TIMEOUT_S,
+    ) -> None:
         if not timeout > 0:  # NaN too
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if not cleanup_timeout > 0:
+            raise ValueError(f"cleanup_timeout must be a positive number of seconds, got {cleanup_timeout!r}")
         self.url = url
         self.timeout = timeout
+        self.cleanup_timeout = cleanup_timeout
         self._token = auth_token if auth_token is not None else os.environ.get(AUTH_TOKEN_ENV, "")
         if len(self._token) > p.MAX_TOKEN_LEN or len(name) > p.MAX_TOKEN_LEN:
             raise ClientError(f"auth token and client name are limited to {p.MAX_TOKEN_LEN} characters")
@@ -150,9 +169,9 @@ class Connection:
         self._drops = 0
         self._events_read_at = -math.inf
         self._monitor: zmq.Socket[bytes] | None = None
-        # requests that timed out, by id, in case their replies still arrive
-        # with the keys whose locks their replies would hand over
-        self._orphans: dict[int, tuple[p._Request, list[ObjectKey]]] = {}
+        # requests that timed out, by id, in case their replies still arrive: with the keys
+        # whose locks their replies would hand over, and their _link_epoch when sent
+        self._orphans: dict[int, tuple[p._Request, list[ObjectKey], int]] = {}
         # the keys of each prefetch still running on the server, by handle: a WAIT whose
         # reply comes too late still hands their locks over (see _settle_orphan)
         self._prefetch_keys: dict[int, list[ObjectKey]] = {}
@@ -199,16 +218,85 @@ class Connection:
 
         A call in progress on another thread is waited for (at most its timeout): a ZeroMQ
         socket closed under a thread that uses it aborts the whole process.  Calls that
-        start afterwards raise ClientError."""
+        start afterwards raise ClientError.  Replies still due to calls given up on are
+        waited for briefly (``_settle_orphans_before_close``), so that what they took is
+        given back rather than held until the server's TTL."""
         if self._closed:
             return
         self._closed = True  # before the lock: calls waiting for it find the client closed
         with self._lock:
+            if os.getpid() == self._pid:
+                with contextlib.suppress(ClientError, zmq.ZMQError):
+                    self._settle_orphans_before_close()
             if self._monitor is not None:
                 with contextlib.suppress(zmq.ZMQError):
                     self._socket.disable_monitor()
                 self._monitor.close(0)
             self._socket.close(0)
+
+    def _cleanup_seconds(self) -> float:
+        """How long a clean-up call waits for its reply (see ``CLEANUP_TIMEOUT_S``)."""
+        return min(self.timeout, self.cleanup_timeout)
+
+    def _answerable_orphans(self) -> int:
+        """How many requests given up on may still be answered (caller holds the lock):
+        those sent over the connection that is still up."""
+        self._read_link_events()
+        if self._unlinked:
+            return 0
+        return sum(1 for _, _, sent_at in self._orphans.values() if sent_at >= self._drops)
+
+    def _settle_orphans_before_close(self) -> None:
+        """On ``close`` (caller holds the lock, the socket still open): read the late
+        replies of requests given up on for up to ``_cleanup_seconds``, giving back what
+        they took (read locks, reservations), then make sure those follow-ups reached the
+        server before the socket goes (it is closed without lingering): a PING sent after
+        them is answered only once the server has handled them.  A late LOOKUP's locks
+        would otherwise stay until the server's TTL, pinning its objects in L1.  What is
+        left unsettled (a frozen or vanished server) is logged and expires there."""
+        waiting = self._answerable_orphans()
+        if not waiting:
+            return
+        deadline = time.monotonic() + self._cleanup_seconds()
+        orphans_before = len(self._orphans)
+        while waiting and (remaining := deadline - time.monotonic()) > 0:
+            frames = self._receive(min(remaining, LINK_CHECK_S), False)
+            if frames is not None:
+                self._early_or_settle(frames)
+            waiting = self._answerable_orphans()
+        if len(self._orphans) < orphans_before and not self._unlinked:
+            self._await_ping_before(deadline)
+        if waiting:
+            logger.warning(
+                "client for %s closed with %d requests given up on still unanswered after %gs: "
+                "what their replies take on the server (read locks, reservations) expires with its TTL",
+                self.url,
+                waiting,
+                self._cleanup_seconds(),
+            )
+
+    def _await_ping_before(self, deadline: float) -> None:
+        """Send a PING and read replies until its own, or ``deadline`` (caller holds the
+        lock; used on ``close``, so not through ``_header``, which refuses a closed client)."""
+        ping = p.Ping(next(self._ids), self._token)
+        try:
+            _raw_send(self._socket, p.encode(ping), _NOBLOCK)
+        except zmq.Again:
+            return
+        while (remaining := deadline - time.monotonic()) > 0:
+            frames = self._receive(min(remaining, LINK_CHECK_S), False)
+            if frames is None:
+                self._read_link_events()
+                if self._unlinked:
+                    return  # the connection is gone: nothing more comes
+                continue
+            try:
+                reply = p.reply_decoder.decode(frames[0])
+            except msgspec.DecodeError:
+                return
+            if reply.req_id == ping.req_id:
+                return
+            self._early_or_settle(frames, reply)
 
     def _greet(self) -> p.HelloReply:
         """HELLO: the server's data-plane parameters (segment, limits, features)."""
@@ -437,9 +525,10 @@ class Connection:
         that reply would be kept for a wait that never comes, holding what it took on the
         client's behalf (locks, reservations) until the server's TTL, and every later call
         would take the slow path of pipelined requests."""
-        if self._outstanding.pop(request.req_id, None) is None:
+        sent_at = self._outstanding.pop(request.req_id, None)
+        if sent_at is None:
             return  # answered, or already given up on
-        self._remember_orphan(request)
+        self._remember_orphan(request, sent_at)
         arrived = self._early.pop(request.req_id, None)
         if arrived is not None:
             self._settle_orphan(arrived[0])
@@ -462,7 +551,7 @@ class Connection:
                 lost = True
             if frames is None:
                 self._outstanding.pop(req_id, None)
-                self._remember_orphan(request)
+                self._remember_orphan(request, sent_at)
                 what = type(request).__name__
                 if lost:
                     raise ConnectionLostError(
@@ -555,15 +644,15 @@ class Connection:
             raise
         return epoch
 
-    def _remember_orphan(self, request: p._Request) -> None:
+    def _remember_orphan(self, request: p._Request, sent_at: int) -> None:
         if isinstance(request, (p.StoreReserve, p.Retrieve, p.Lookup)):
-            _remember(self._orphans, request.req_id, (request, request.keys))
+            _remember(self._orphans, request.req_id, (request, request.keys, sent_at))
         elif isinstance(request, (p.WaitPrefetchStatus, p.QueryPrefetchStatus)):
             # Either collects a finished prefetch, locks and all, when its reply is sent.
             with self._lock:
                 keys = self._prefetch_keys.pop(request.handle, None)
                 if keys is not None:
-                    _remember(self._orphans, request.req_id, (request, keys))
+                    _remember(self._orphans, request.req_id, (request, keys, sent_at))
 
     def _running_prefetch(self, handle: int, keys: list[ObjectKey]) -> None:
         """A LOOKUP was answered while its prefetch still runs: remember its keys."""
@@ -585,7 +674,7 @@ class Connection:
         orphan = self._orphans.pop(reply.req_id, None)
         if orphan is None or reply.code != p.ErrorCode.OK:
             return
-        request, keys = orphan
+        request, keys, _ = orphan
         follow_up: p._Request | None = None
         if isinstance(request, p.StoreReserve) and isinstance(reply, p.StoreReserveReply):
             keys = [k for k, slot in zip(request.keys, reply.slots, strict=False) if slot.offset != p.NO_SLOT]

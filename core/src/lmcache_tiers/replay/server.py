@@ -116,21 +116,9 @@ def _give_back_lookup_locks(client: Client, keys: Sequence[ObjectKey]) -> None:
     if not keys:
         return
     try:
-        with _short_timeout(client, CLEANUP_TIMEOUT_S):
-            client.release(keys)
+        client.release(keys, timeout=min(client.timeout, CLEANUP_TIMEOUT_S))
     except ClientError as exc:
         logger.warning("replay: could not release %d looked-up blocks: %s", len(keys), exc)
-
-
-@contextlib.contextmanager
-def _short_timeout(client: Client, seconds: float) -> Iterator[None]:
-    """Requests of ``client`` wait at most ``seconds`` for their reply meanwhile."""
-    previous = client.timeout
-    client.timeout = min(previous, seconds)
-    try:
-        yield
-    finally:
-        client.timeout = previous
 
 
 @contextlib.contextmanager
