@@ -1339,12 +1339,13 @@ def test_a_failed_stores_record_that_cannot_be_withdrawn_is_counted(
     assert counts.get("failed_store_records_left", 0) == 1
 
 
-def test_a_shard_directory_replaced_by_a_file_is_absent_to_a_lookup_and_a_read_error_to_a_load(
+def test_a_shard_directory_replaced_by_a_file_fails_a_lookup_and_is_a_read_error_to_a_load(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A file where a shard directory belongs (ENOTDIR): the record cannot be there, so a
-    lookup answers absent; a load that meets it (the tree damaged after the lookup) is a
-    miss counted as a read error, with a line naming the path, so the damage is told."""
+    """A file where a shard directory belongs (ENOTDIR) says nothing of the records, which
+    may be intact where the directory went: a lookup fails (a miss, counted as a backend
+    error, the key still accounted), never "absent"; a load that meets it is a miss counted
+    as a read error, with a line naming the path, so the damage is told."""
     root = str(tmp_path / "kv")
     arena = Arena()
     adapter = open_fs(fs_config(root, shard_dirs=True), arena.view)
@@ -1359,6 +1360,9 @@ def test_a_shard_directory_replaced_by_a_file_is_absent_to_a_lookup_and_a_read_e
             assert load(adapter, arena, [keys[0]], [4096])[0] == [False]
         assert adapter.stats().get("load_read_errors") == 1
         assert any(os.path.basename(shard) in r.getMessage() for r in caplog.records)
+        failures_before = adapter.stats().get("backend_errors", 0)
         assert client(adapter).lookup_and_lock([keys[1]]).found == [False]
+        assert adapter.stats().get("backend_errors", 0) == failures_before + 1
+        assert adapter.stats().get("objects_vanished", 0) == 0
     finally:
         adapter.close()
