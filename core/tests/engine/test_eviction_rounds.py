@@ -259,3 +259,23 @@ def test_an_l2_policy_failing_on_every_store_is_counted_each_time_and_logged_onc
         assert logged[0].exc_info is not None, "the first failure is logged with its traceback"
     finally:
         adapter.close()
+
+
+def test_an_l1_policy_failing_on_every_write_is_counted_each_time_and_logged_once_per_burst(
+    l1: L1Manager, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Every L1 write reaches the policy through the L1 listener: a traceback for each
+    # would bury the log under a steady write load; the counter has them all.
+    controller = L1EvictionController(
+        l1, FailingOnEveryWrite(), trigger_watermark=WATERMARK, eviction_ratio=RATIO, stats=EngineStats(0)
+    )
+    writes = 5
+    with caplog.at_level(logging.WARNING):
+        for key in make_keys(writes):
+            l1.reserve_write([key], [ALIGN])
+            l1.finish_write([key])
+
+    assert controller.stats.failures()["l1_eviction_policy_error"] == writes
+    logged = [record for record in caplog.records if "eviction policy failed" in record.getMessage()]
+    assert 1 <= len(logged) < writes, "one line per burst, not one per failure"
+    assert logged[0].exc_info is not None, "the first failure is logged with its traceback"

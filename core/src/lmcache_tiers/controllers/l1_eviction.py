@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 
 from lmcache_tiers.burst import BurstLog
-from lmcache_tiers.controllers.base import ControllerThread, end_fruitless_walk
+from lmcache_tiers.controllers.base import ControllerThread, PolicyFailureLog, end_fruitless_walk
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager
@@ -86,6 +86,9 @@ class L1EvictionController(ControllerThread):
         self._next_reap = time.monotonic() + reap_interval_s
         self._feed = _PolicyFeed(self)
         self._lost_writes = BurstLog(logger, "evicted_before_l2_store")
+        # A broken policy fails on every write, read and delete (under the L1 lock): one
+        # traceback, then one line per burst; the counter has every failure.
+        self._policy_log = PolicyFailureLog(logger, "l1_eviction_policy_error")
         l1.add_listener(self._feed)
 
     def evict_now(self, bytes_to_free: int, *, spare_unstored: bool = False) -> int:
@@ -128,8 +131,8 @@ class L1EvictionController(ControllerThread):
         return freed
 
     def _policy_failed(self) -> None:
-        logger.exception("L1 eviction policy failed")
         self.stats.fail("l1_eviction_policy_error")
+        self._policy_log.failed("L1 eviction policy failed")
 
     def _count_evicted(self, keys: int, freed: int) -> None:
         if keys:
