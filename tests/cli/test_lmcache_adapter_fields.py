@@ -16,6 +16,12 @@ FS = {"type": "fs", "path": "/tmp/lmcache-tiers-unused"}
 RAW_BLOCK = {"type": "raw_block", "device_path": "/tmp/rb", "slot_bytes": 1 << 20, "capacity_bytes": 1 << 30}
 DAX = {"type": "dax", "slot_bytes": 4096, "device_path": "/tmp/dax", "max_dax_size_gb": 1}
 MOONCAKE = {"type": "mooncake_store", "metadata_server": "http://10.0.0.1:8080/metadata"}
+NIXL_STORE = {
+    "type": "nixl_store",
+    "backend": "POSIX",
+    "pool_size": 4,
+    "backend_params": {"file_path": "/tmp/nixl-unused", "use_direct_io": "false"},
+}
 
 
 def decode(spec: dict[str, Any]) -> Any:
@@ -56,8 +62,11 @@ def refusal(spec: dict[str, Any]) -> str:
         ({**MOONCAKE, "enable_ssd_offload": "false"}, "enable_ssd_offload", "SSD offload"),
         ({**RAW_BLOCK, "persist_enabled": 1}, "persist_enabled", "always kept"),
         # LMCache reads persist_enabled from every adapter; one without the choice refuses "false"
-        ({"type": "mock", "persist_enabled": False}, "persist_enabled", "no choice of keeping or removing"),
+        ({"type": "mock", "persist_enabled": False}, "persist_enabled", "nothing to persist"),
         ({"type": "s3", "bucket": "b", "persist_enabled": False}, "persist_enabled", "up to its backend"),
+        # LMCache's default true asks for records found again after a restart: these lose them
+        ({"type": "mock", "persist_enabled": True}, "persist_enabled", "this process's memory"),
+        ({**NIXL_STORE, "persist_enabled": True}, "persist_enabled", "nothing is found again"),
     ],
 )
 def test_an_lmcache_field_without_equivalent_is_refused_naming_it_and_why(
@@ -103,8 +112,11 @@ MOONCAKE_FEATURES_OFF = {
         (FS, {"shared": None, "per_op_workers": None}),
         # LMCache's defaults of the fields it reads from every adapter object
         (FS, {"shared": False}),
-        ({"type": "mock"}, {"persist_enabled": True, "shared": False, "affinity_tag": "_default"}),
+        ({"type": "mock"}, {"shared": False, "affinity_tag": "_default", "persist_enabled": None}),
+        # their records outlive a restart of the server, as long as their backend keeps them
         ({"type": "s3", "bucket": "b"}, {"persist_enabled": True}),
+        ({"type": "redis", "host": "h"}, {"persist_enabled": True}),
+        (MOONCAKE, {"persist_enabled": True}),
         ({"type": "valkey", "startup_nodes": "h:1"}, {"persist_enabled": None}),
     ],
 )
@@ -119,6 +131,16 @@ def test_an_adapter_with_its_own_persist_enabled_keeps_the_value_given(persist: 
     assert decode({**FS, "persist_enabled": persist}).persist_enabled is persist
     # null is no value for a field the adapter has: refused, not taken for its default
     assert "persist_enabled" in refusal({**FS, "persist_enabled": None})
+
+
+def test_lmcaches_fp8_max_workers_is_refused_saying_why() -> None:
+    message = refusal({**FS, "serde": {"type": "fp8", "max_workers": 4}})
+    assert "unknown field `max_workers`: this LMCache field is not supported by fp8" in message
+    assert "adapter's worker threads" in message
+    assert message.endswith("- at `$.l2_adapters[0].serde[0]`")
+    # null is LMCache's "not set"
+    fp8 = {"type": "fp8"}
+    assert decode({**FS, "serde": {**fp8, "max_workers": None}}) == decode({**FS, "serde": fp8})
 
 
 def test_lmcache_mock_bandwidth_is_gib_per_second() -> None:

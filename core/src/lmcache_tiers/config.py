@@ -162,18 +162,32 @@ LMCACHE_NEUTRAL_VALUES: dict[str, object] = {
 }
 
 
-def lmcache_unsupported(config_type: type) -> dict[str, str]:
-    """LMCache adapter fields the adapter whose Struct is ``config_type`` does not take -> why."""
+def lmcache_unsupported(config_type: type, kind: Kind = Kind.L2_ADAPTER) -> dict[str, str]:
+    """LMCache fields the component whose Struct is ``config_type`` does not take -> why: its
+    Struct's ``lmcache_unsupported``, and for an adapter the fields of every adapter object."""
     own: Mapping[str, str] = getattr(config_type, "lmcache_unsupported", {})
-    return {**LMCACHE_COMMON_UNSUPPORTED, **own}
+    common = LMCACHE_COMMON_UNSUPPORTED if kind is Kind.L2_ADAPTER else {}
+    return {**common, **own}
 
 
-def _without_neutral_lmcache_fields(config_type: type, fields: dict[str, Any]) -> dict[str, Any]:
+def _lmcache_neutral_values(config_type: type, kind: Kind) -> dict[str, object]:
+    """The no-op values of the component's LMCache fields.  A common field the adapter gives
+    a reason of its own for (mock's persist_enabled: nothing outlives the process) has no
+    no-op value unless the adapter names one too."""
+    own_reasons: Mapping[str, str] = getattr(config_type, "lmcache_unsupported", {})
+    common = LMCACHE_NEUTRAL_VALUES if kind is Kind.L2_ADAPTER else {}
+    kept = {key: value for key, value in common.items() if key not in own_reasons}
+    return {**kept, **getattr(config_type, "lmcache_neutral_values", {})}
+
+
+def _without_neutral_lmcache_fields(
+    config_type: type, fields: dict[str, Any], kind: Kind = Kind.L2_ADAPTER
+) -> dict[str, Any]:
     """``fields`` without the LMCache fields that hold their no-op value (``affinity_tag:
     "_default"``), or null (LMCache's "not set"): LMCache's configs keep working and mean
     the same here.  Values compare as JSON values: ``0`` is not ``false``."""
-    neutral = {**LMCACHE_NEUTRAL_VALUES, **getattr(config_type, "lmcache_neutral_values", {})}
-    unsupported = lmcache_unsupported(config_type)
+    neutral = _lmcache_neutral_values(config_type, kind)
+    unsupported = lmcache_unsupported(config_type, kind)
     # A field the adapter declares (fs's persist_enabled) keeps the value given: dropping it
     # would put the adapter's default in its place.
     declared = {field.encode_name for field in msgspec.structs.fields(config_type)}
@@ -559,10 +573,9 @@ def decode_component(
     # checked there under their own component's name.
     nested = _NESTED_SPECS if kind is Kind.L2_ADAPTER else ()
     refuse_unusable_values({k: v for k, v in fields.items() if k not in nested}, where, f"{component.name}: ")
-    unsupported: Mapping[str, str] = {}
-    if kind is Kind.L2_ADAPTER:
-        fields = _without_neutral_lmcache_fields(component.config, fields)
-        unsupported = lmcache_unsupported(component.config)
+    # LMCache's fields of an adapter object, or of a serde's (fp8's max_workers)
+    fields = _without_neutral_lmcache_fields(component.config, fields, kind)
+    unsupported = lmcache_unsupported(component.config, kind)
     try:
         config = msgspec.convert(fields, component.config)
     except msgspec.ValidationError as exc:

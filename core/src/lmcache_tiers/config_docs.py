@@ -145,6 +145,20 @@ def _markdown_table(struct: type[msgspec.Struct], flags: dict[str, list[str]] | 
     return lines
 
 
+def _lmcache_refusals(config_type: type) -> str:
+    """The LMCache fields a component refuses for reasons of its own, one sentence."""
+    own: dict[str, str] = getattr(config_type, "lmcache_unsupported", {})
+    if not own:
+        return ""
+    neutral: dict[str, object] = getattr(config_type, "lmcache_neutral_values", {})
+
+    def accepted(name: str) -> str:
+        return f" (`{json.dumps(neutral[name])}` accepted)" if name in neutral else ""
+
+    reasons = "; ".join(f"`{name}`{accepted(name)}: {reason}" for name, reason in sorted(own.items()))
+    return f"LMCache fields refused here (null is accepted), and why: {reasons}."
+
+
 def render_config_reference(plugin_set: PluginSet) -> str:
     """Markdown for docs/configuration.md: the server config and every shipped component."""
     from lmcache_tiers.cli.serve_cmd import config_flags
@@ -181,7 +195,7 @@ def render_config_reference(plugin_set: PluginSet) -> str:
         *_markdown_table(CircuitConfig),
         "",
         "Fields LMCache's server reads from every adapter object, where the adapter has no "
-        "field of that name: "
+        "field of that name nor a reason of its own to refuse it (in its section below): "
         + ", ".join(
             f"`{name}` only as `{json.dumps(LMCACHE_NEUTRAL_VALUES[name])}`"
             for name in sorted(LMCACHE_COMMON_UNSUPPORTED)
@@ -211,6 +225,9 @@ def render_config_reference(plugin_set: PluginSet) -> str:
             doc = component_doc(component)
             if doc:
                 out += [doc, ""]
+            refused = _lmcache_refusals(component.config)
+            if refused:
+                out += [refused, ""]
             try:
                 fields = _markdown_table(component.config)
             except UndescribedConfigError as exc:

@@ -13,7 +13,7 @@ This module is imported whenever plugins are listed, so it must not import NIXL.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import msgspec
 
@@ -156,6 +156,13 @@ class NixlStoreConfig(_NixlBase):
     stores are reported as not stored until eviction or deletes free slots. The pool
     lives only as long as the server: nothing is recovered after a restart.
     """
+
+    #: LMCache's persist_enabled (true by default there) asks for records found again after
+    #: a restart, which this pool never does
+    lmcache_unsupported: ClassVar[dict[str, str]] = {
+        "persist_enabled": "the slot pool lives as long as the server: nothing is found again "
+        "after a restart (nixl_store_dynamic keeps its files; leave the field out)",
+    }
 
     pool_size: Annotated[
         int,

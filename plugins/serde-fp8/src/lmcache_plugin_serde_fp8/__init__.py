@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
@@ -28,6 +28,12 @@ class Fp8Config(ComponentConfig):
     would not shrink are stored unchanged and counted.  ``fp8_dtype`` is LMCache's
     spelling of ``format`` and is accepted in its place.
     """
+
+    #: LMCache's fp8 fields without an equivalent here -> why (null is accepted)
+    lmcache_unsupported: ClassVar[dict[str, str]] = {
+        "max_workers": "fp8 has no threads of its own: it quantizes on the adapter's worker "
+        "threads (num_workers, where the adapter has it)",
+    }
 
     format: Annotated[
         Literal["e4m3fn", "e5m2"] | None,
