@@ -122,15 +122,32 @@ def _scrape(http_url: str) -> tuple[str, dict[str, object]]:
     return metrics, json.loads(document)["server"]
 
 
+def _status_table(server: ServerProcess) -> str:
+    """What ``lmcache-tiers status`` prints for the server, on one wide terminal."""
+    result = run_cli(["status", "--url", server.url], COLUMNS="300")
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def _table_row(table: str, label: str) -> str:
+    rows = [line for line in table.splitlines() if label in line]
+    assert len(rows) == 1, table
+    return rows[0]
+
+
 def test_a_server_started_past_broken_plugins_counts_them_in_metrics_and_status(
     site: Path, tmp_path: Path
 ) -> None:
     server, http_url = _serve_with_http(site, tmp_path)
     try:
         metrics, status = _scrape(http_url)
+        table = _status_table(server)
     finally:
         assert server.stop() == 0, server.output()
     assert metric(metrics, "lmcache_tiers_plugins_failed_to_load") == 2, metrics
+    row = _table_row(table, "plugins failed to load")
+    assert "badhook (RuntimeError: the tape library is not configured)" in row, table
+    assert "brokenimport (ImportError: needs libtape.so)" in row, table
     assert status["plugins_failed_to_load"] == {
         "badhook": "RuntimeError: the tape library is not configured",
         "brokenimport": "ImportError: needs libtape.so",
@@ -141,7 +158,22 @@ def test_with_no_broken_plugin_the_gauge_is_0_and_status_lists_none(tmp_path: Pa
     server, http_url = _serve_with_http(None, tmp_path)
     try:
         metrics, status = _scrape(http_url)
+        table = _status_table(server)
     finally:
         assert server.stop() == 0, server.output()
     assert metric(metrics, "lmcache_tiers_plugins_failed_to_load") == 0, metrics
+    failed = _table_row(table, "plugins failed to load").split("plugins failed to load")[1]
+    assert failed.strip(" │|") == "none", table
     assert status["plugins_failed_to_load"] == {}, status
+
+
+def test_the_status_table_prints_a_plugin_error_as_it_is() -> None:
+    from rich.console import Console
+
+    from lmcache_tiers.cli.commands_server import status_tables
+
+    document = {"server": {"plugins_failed_to_load": {"tape": "ImportError: no [bold]libtape[/bold]"}}}
+    console = Console(width=300, record=True)
+    for table in status_tables(document):
+        console.print(table)
+    assert "tape (ImportError: no [bold]libtape[/bold])" in console.export_text()

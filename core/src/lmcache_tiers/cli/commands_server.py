@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from lmcache_tiers.cli.output import EXIT_USAGE, fail, stdout
@@ -89,6 +90,15 @@ def _pct(value: Any) -> str:
     return "n/a" if value is None or float(value) < 0 else f"{float(value):.1%}"
 
 
+def _failed_plugins(failed: Any) -> str:
+    """``name (error), ...``: the plugins a server started without; ``none`` when it has all,
+    ``?`` from a server too old to say."""
+    if failed is None:
+        return "?"
+    # an error's text is the plugin's, not rich markup: "[x]" in it is printed as it is
+    return escape(", ".join(f"{name} ({error})" for name, error in failed.items())) or "none"
+
+
 def status_tables(document: dict[str, Any]) -> list[Table]:
     """The status document as rich tables (server and L1, L2 adapters, failures)."""
     server, l1, requests = document.get("server", {}), document.get("l1", {}), document.get("requests", {})
@@ -126,6 +136,7 @@ def status_tables(document: dict[str, Any]) -> list[Table]:
     overview.add_row(
         "L1 evictions", f"{evicted.get('evicted_keys', 0)} objects ({evicted.get('policy', '?')})"
     )
+    overview.add_row("plugins failed to load", _failed_plugins(server.get("plugins_failed_to_load")))
     tables = [overview]
 
     adapters = document.get("adapters", [])
