@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from thirdparty import free_port, run_cli, serve_cli
-from tiers_e2e import ServerProcess, fetch, metric
+from tiers_e2e import fetch, metric
 
 BROKEN_IMPORT = 'raise ImportError("needs libtape.so")\n'
 
@@ -106,27 +106,23 @@ def test_plugins_without_a_command_or_show_without_a_name_is_a_usage_error(site:
     assert bare.returncode == 2 and _one_line(bare.stderr) == "error: Missing argument 'name'."
 
 
-def _serve_with_http(site: Path | None, log_dir: Path) -> tuple[ServerProcess, str]:
-    """A served ``serve --no-default-l2`` with its HTTP endpoint on a free loopback port."""
+def _observe_server(site: Path | None, log_dir: Path) -> tuple[str, dict[str, object], str]:
+    """Serve ``--no-default-l2`` with its HTTP endpoint on a free loopback port, and read what
+    it says of itself: the /metrics text, the /status document's ``server`` part and what
+    ``lmcache-tiers status`` prints (on one wide terminal)."""
     http_port = free_port()
     args = ["--no-default-l2", "--l1-size-gb", "0.0625", "--metrics-port", str(http_port)]
-    return serve_cli(args, site, log_dir), f"http://127.0.0.1:{http_port}"
-
-
-def _scrape(http_url: str) -> tuple[str, dict[str, object]]:
-    """The /metrics text and the /status document's ``server`` part."""
-    status, _, metrics = fetch(f"{http_url}/metrics")
-    assert status == 200, metrics
-    status, _, document = fetch(f"{http_url}/status")
-    assert status == 200, document
-    return metrics, json.loads(document)["server"]
-
-
-def _status_table(server: ServerProcess) -> str:
-    """What ``lmcache-tiers status`` prints for the server, on one wide terminal."""
-    result = run_cli(["status", "--url", server.url], COLUMNS="300")
-    assert result.returncode == 0, result.stderr
-    return result.stdout
+    server = serve_cli(args, site, log_dir)
+    try:
+        status, _, metrics = fetch(f"http://127.0.0.1:{http_port}/metrics")
+        assert status == 200, metrics
+        status, _, document = fetch(f"http://127.0.0.1:{http_port}/status")
+        assert status == 200, document
+        table = run_cli(["status", "--url", server.url], COLUMNS="300")
+        assert table.returncode == 0, table.stderr
+    finally:
+        assert server.stop() == 0, server.output()
+    return metrics, json.loads(document)["server"], table.stdout
 
 
 def _table_row(table: str, label: str) -> str:
@@ -138,12 +134,7 @@ def _table_row(table: str, label: str) -> str:
 def test_a_server_started_past_broken_plugins_counts_them_in_metrics_and_status(
     site: Path, tmp_path: Path
 ) -> None:
-    server, http_url = _serve_with_http(site, tmp_path)
-    try:
-        metrics, status = _scrape(http_url)
-        table = _status_table(server)
-    finally:
-        assert server.stop() == 0, server.output()
+    metrics, status, table = _observe_server(site, tmp_path)
     assert metric(metrics, "lmcache_tiers_plugins_failed_to_load") == 2, metrics
     row = _table_row(table, "plugins failed to load")
     assert "badhook (RuntimeError: the tape library is not configured)" in row, table
@@ -155,12 +146,7 @@ def test_a_server_started_past_broken_plugins_counts_them_in_metrics_and_status(
 
 
 def test_with_no_broken_plugin_the_gauge_is_0_and_status_lists_none(tmp_path: Path) -> None:
-    server, http_url = _serve_with_http(None, tmp_path)
-    try:
-        metrics, status = _scrape(http_url)
-        table = _status_table(server)
-    finally:
-        assert server.stop() == 0, server.output()
+    metrics, status, table = _observe_server(None, tmp_path)
     assert metric(metrics, "lmcache_tiers_plugins_failed_to_load") == 0, metrics
     failed = _table_row(table, "plugins failed to load").split("plugins failed to load")[1]
     assert failed.strip(" │|") == "none", table
