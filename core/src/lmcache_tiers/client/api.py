@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from lmcache_tiers.client.connection import Connection
+from lmcache_tiers.client.connection import CLEANUP_TIMEOUT_S, Connection
 from lmcache_tiers.client.errors import (
     ClientError,
     ProtocolError,
@@ -82,7 +82,10 @@ def _copy_into(target: np.ndarray[Any, Any], source: np.ndarray[Any, Any]) -> No
 class Client(Connection):
     """Connection to one lmcache-tiers server.
 
-    ``timeout`` bounds every request (seconds).  ``auth_token`` defaults to
+    ``timeout`` bounds every request (seconds).  ``cleanup_timeout`` bounds, within it,
+    the calls that clean up after a failed or interrupted one (the RELEASE or STORE_ABORT
+    it leads to, the settling of late replies on ``close``): those often face a server
+    that did not answer.  ``auth_token`` defaults to
     ``$LMCACHE_TIERS_AUTH_TOKEN``.  ``shm``: use the server's shared-memory segment when
     it offers one and this process can map it (same host, same ``/dev/shm``), else send
     bytes inline; False always sends bytes inline.  ``uses_shm`` tells which it is.
@@ -99,12 +102,15 @@ class Client(Connection):
         auth_token: str | None = None,
         shm: bool = True,
         name: str = "",
+        cleanup_timeout: float = CLEANUP_TIMEOUT_S,
     ) -> None:
         self._segment: MappedSegment | None = None
         self._shm = shm
         # the HELLO whose segment is mapped (a server that restarted offers another one)
         self._mapped_from: p.HelloReply | None = None
-        super().__init__(url, timeout=timeout, auth_token=auth_token, name=name)
+        super().__init__(
+            url, timeout=timeout, auth_token=auth_token, name=name, cleanup_timeout=cleanup_timeout
+        )
         # Asked on every lookup: decided once (older servers would ignore the wait).
         self._lookup_waits = "lookup_wait" in self.server.features
         try:
@@ -198,7 +204,9 @@ class Client(Connection):
         return self._segment is not None
 
     def close(self) -> None:
-        """Close the socket and unmap the segment. Locks still held expire on the server.
+        """Close the socket and unmap the segment. Locks still held expire on the server;
+        those that late replies to calls given up on hand over are given back first, for
+        up to the clean-up bound (see ``Connection.close``).
 
         A call in progress on another thread is waited for (see ``Connection.close``); a
         ``retrieve`` block still open keeps the segment mapped until it ends, and its views
@@ -369,7 +377,7 @@ class Client(Connection):
             )
         except BaseException:
             with contextlib.suppress(ClientError):
-                self._call(p.StoreAbort(0, "", reserved), p.StoreReply)
+                self._call(p.StoreAbort(0, "", reserved), p.StoreReply, timeout=self._cleanup_seconds())
             raise
         done = self._call(p.StoreCommit(0, "", reserved, l1_only), p.StoreReply).done
         return sum(done)
@@ -638,7 +646,7 @@ class Client(Connection):
                 self._send_and_forget(p.Release(0, "", keys[part]))
             return
         with contextlib.suppress(ClientError):
-            self.release(keys)
+            self.release(keys, timeout=self._cleanup_seconds())
 
     def _retrieve_inline(self, keys: list[ObjectKey]) -> list[memoryview]:
         views: list[memoryview] = []
@@ -712,10 +720,15 @@ class Client(Connection):
             lost = [rest[index] for index in stale]
         raise StaleReadError(lost)
 
-    def release(self, keys: Sequence[ObjectKey]) -> int:
-        """Drop every lock this client holds on ``keys``; returns how many keys had one."""
+    def release(self, keys: Sequence[ObjectKey], timeout: float | None = None) -> int:
+        """Drop every lock this client holds on ``keys``; returns how many keys had one.
+
+        ``timeout`` bounds this call (all its requests together), default the client's:
+        a release on the way out may wait less than the calls before it."""
         released = 0
         keys = list(keys)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         for part in self._batches(len(keys)):
-            released += self._call(p.Release(0, "", keys[part]), p.ReleaseReply).released
+            left = max(0.0, deadline - time.monotonic())
+            released += self._call(p.Release(0, "", keys[part]), p.ReleaseReply, timeout=left).released
         return released
