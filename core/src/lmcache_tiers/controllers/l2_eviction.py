@@ -47,6 +47,12 @@ class L2EvictionController(ControllerThread):
     knows from the listing only (stored by another server after the adapter's start-up
     scan) and gone too is reported absent (``on_l2_keys_absent``): it leaves the policy
     as well, freeing nothing, and is not a failed delete.
+
+    While the adapter's circuit breaker is open (its backend down) every delete would be
+    refused without reaching the backend: a cycle is skipped instead, counted as
+    ``l2_eviction_skipped_circuit_open``, and one that sees the circuit open between two
+    batches ends there.  Counted as failed deletes, refusals of deletes never attempted
+    would grow by ``DELETE_BATCH`` a cycle for as long as the backend is down.
     """
 
     def __init__(
@@ -74,6 +80,7 @@ class L2EvictionController(ControllerThread):
         self._batch_released: set[ObjectKey] = set()
         self._batch_absent: set[ObjectKey] = set()
         self._failed_log = BurstLog(logger, "l2_eviction_delete_failed")
+        self._skipped_log = BurstLog(logger, "l2_eviction_skipped_circuit_open")
         self._policy_log = PolicyFailureLog(logger, "l2_eviction_policy_error")
         self._evict_lock = threading.Lock()
         slot.adapter.add_listener(self)
@@ -170,6 +177,9 @@ class L2EvictionController(ControllerThread):
     def _evict(self, bytes_to_free: int) -> int:
         if not self._seeded:
             self._seed()
+        if bytes_to_free > 0 and self._circuit_open():
+            self._skip_for_open_circuit()
+            return 0
         adapter = self.slot.adapter
         start = adapter.used_bytes()
         refused: set[ObjectKey] = set()
@@ -186,6 +196,8 @@ class L2EvictionController(ControllerThread):
             # Stopping: a cycle that shutdown went on without (its delete stuck) must not
             # go on through the adapter closed meanwhile, which refuses every key.
             and not self.stopping
+            # Opened meanwhile: the rest of the batches would be refused, not attempted.
+            and not self._circuit_open()
         ):
             # (an adapter that does not report its deletes counts its evictions only)
             if (freeing := max(released, evicted)) and freed > 0:
@@ -253,7 +265,22 @@ class L2EvictionController(ControllerThread):
             )
         if failing >= DELETE_BATCH:
             logger.debug("L2 eviction on %s stopped: the backend deletes nothing", self.slot.name)
+        elif freed < bytes_to_free and self._circuit_open():
+            logger.debug("L2 eviction on %s stopped: the circuit opened", self.slot.name)
         return freed
+
+    def _circuit_open(self) -> bool:
+        # An adapter a plugin builds whole (not a BackendAdapter) has no circuit breaker.
+        return bool(getattr(self.slot.adapter, "circuit_open", False))
+
+    def _skip_for_open_circuit(self) -> None:
+        self.stats.fail("l2_eviction_skipped_circuit_open")
+        self._skipped_log.event(
+            1,
+            f"L2 eviction cycles on {self.slot.name} skipped while the circuit is open (the "
+            "backend is down: every delete would be refused without reaching it); eviction "
+            "resumes once a probe closes it",
+        )
 
     def _policy_failed(self) -> None:
         self.stats.fail("l2_eviction_policy_error")

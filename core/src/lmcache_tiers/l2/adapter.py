@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.calls import checked, is_async_backend, optional_method
+from lmcache_tiers.l2.circuit import AsyncCircuitBackend, CircuitBackend
 from lmcache_tiers.l2.context import BackendContext
 from lmcache_tiers.l2.interface import L2Adapter, L2Listener, L2Op, LookupResult
 from lmcache_tiers.l2.ops import AbsenceCheckOp, BatchOp, DeleteOp, LoadOp, LookupOp, StoreOp
@@ -126,6 +127,14 @@ class BackendAdapter(L2Adapter):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def circuit_open(self) -> bool:
+        """Whether the backend's circuit breaker is open now: every call is refused without
+        reaching the backend (False when it has no breaker).  Read-only, and cheap: the
+        eviction controller asks before each cycle."""
+        guard = self.backend
+        return isinstance(guard, (CircuitBackend, AsyncCircuitBackend)) and guard.breaker.is_open
 
     # -- L2Adapter ---------------------------------------------------------------------------
 
