@@ -62,6 +62,10 @@ class RemoteStore(DictBackend):
         self._called("delete_many")
         return super().delete_many(keys)
 
+    def list_keys(self) -> list[tuple[ObjectKey, int]]:
+        NETWORK.check()
+        return super().list_keys()
+
 
 @pytest.fixture
 def adapter() -> Iterator[BackendAdapter]:
@@ -130,3 +134,30 @@ def test_eviction_skips_its_cycles_while_the_circuit_is_open_and_resumes_after(
     assert adapter.usage() < 0.8, "eviction resumes once the backend answers again"
     assert controller.stats.failures()["l2_eviction_skipped_circuit_open"] == cycles
     assert "l2_eviction_delete_failed" not in controller.stats.failures()
+
+
+def test_seeding_waits_for_the_circuit_to_close_and_then_lists_what_was_stored_before(
+    adapter: BackendAdapter,
+) -> None:
+    # Stored before the controller listens: only the listing tells its policy about them.
+    keys = [ObjectKey("circuit-model", 2, index.to_bytes(8, "big")) for index in range(OBJECTS)]
+    stored = BlockingAdapterClient(adapter).store(keys, [memoryview(bytearray(SIZE)) for _ in keys])
+    assert stored == [True] * OBJECTS
+    open_the_circuit(adapter)
+    policy = Fifo()
+    config = L2EvictionConfig(trigger_watermark=0.8, eviction_ratio=0.2)
+    controller = L2EvictionController(AdapterSlot(0, "remote", adapter), policy, config, EngineStats(1))
+
+    controller.step(set())
+
+    failures = controller.stats.failures()
+    assert "l2_eviction_scan_error" not in failures, "the listing is not sent to a backend known down"
+    assert failures["l2_eviction_seed_deferred_circuit_open"] == 1, "the deferred seeding is counted"
+    assert not policy.order, "nothing was listed yet"
+
+    NETWORK.down.clear()
+    wait_for(lambda: adapter.stats()["circuit_open"] == 0, "a probe to close the circuit")
+    controller.step(set())
+
+    assert adapter.usage() < 0.8, "keys stored before start-up are evicted: not full for good"
+    assert "l2_eviction_scan_error" not in controller.stats.failures()

@@ -81,6 +81,7 @@ class L2EvictionController(ControllerThread):
         self._batch_absent: set[ObjectKey] = set()
         self._failed_log = BurstLog(logger, "l2_eviction_delete_failed")
         self._skipped_log = BurstLog(logger, "l2_eviction_skipped_circuit_open")
+        self._deferred_log = BurstLog(logger, "l2_eviction_seed_deferred_circuit_open")
         self._policy_log = PolicyFailureLog(logger, "l2_eviction_policy_error")
         self._evict_lock = threading.Lock()
         slot.adapter.add_listener(self)
@@ -131,7 +132,22 @@ class L2EvictionController(ControllerThread):
             self._feed_locked("on_keys_removed", keys)
 
     def _seed(self) -> None:
-        """Tell the policy about objects stored before this process started."""
+        """Tell the policy about objects stored before this process started.
+
+        Not while the adapter's circuit is open: the listing is not guarded by the circuit
+        and would go to the backend known down, and a failed listing would leave those
+        objects out of the policy for good (never evicted: the adapter could stay above
+        its watermark, refusing stores).  Seeding waits for a cycle after the circuit
+        closes; events meanwhile wait in ``_early_events`` (few: the circuit refuses every
+        store, load and delete)."""
+        if self.slot.adapter.circuit_open:
+            self.stats.fail("l2_eviction_seed_deferred_circuit_open")
+            self._deferred_log.event(
+                1,
+                f"L2 eviction on {self.slot.name}: listing the keys stored before start-up "
+                "waits for the circuit to close (the backend is down)",
+            )
+            return
         try:
             existing = list(self.slot.adapter.iter_keys())
         except Exception as exc:
@@ -175,11 +191,11 @@ class L2EvictionController(ControllerThread):
             return self._evict(bytes_to_free)
 
     def _evict(self, bytes_to_free: int) -> int:
-        if not self._seeded:
-            self._seed()
-        if bytes_to_free > 0 and self._circuit_open():
+        if bytes_to_free > 0 and self.slot.adapter.circuit_open:
             self._skip_for_open_circuit()
             return 0
+        if not self._seeded:
+            self._seed()
         adapter = self.slot.adapter
         start = adapter.used_bytes()
         refused: set[ObjectKey] = set()
@@ -197,7 +213,7 @@ class L2EvictionController(ControllerThread):
             # go on through the adapter closed meanwhile, which refuses every key.
             and not self.stopping
             # Opened meanwhile: the rest of the batches would be refused, not attempted.
-            and not self._circuit_open()
+            and not self.slot.adapter.circuit_open
         ):
             # (an adapter that does not report its deletes counts its evictions only)
             if (freeing := max(released, evicted)) and freed > 0:
@@ -265,13 +281,9 @@ class L2EvictionController(ControllerThread):
             )
         if failing >= DELETE_BATCH:
             logger.debug("L2 eviction on %s stopped: the backend deletes nothing", self.slot.name)
-        elif freed < bytes_to_free and self._circuit_open():
+        elif freed < bytes_to_free and self.slot.adapter.circuit_open:
             logger.debug("L2 eviction on %s stopped: the circuit opened", self.slot.name)
         return freed
-
-    def _circuit_open(self) -> bool:
-        # An adapter a plugin builds whole (not a BackendAdapter) has no circuit breaker.
-        return bool(getattr(self.slot.adapter, "circuit_open", False))
 
     def _skip_for_open_circuit(self) -> None:
         self.stats.fail("l2_eviction_skipped_circuit_open")

@@ -131,8 +131,7 @@ class BackendAdapter(L2Adapter):
     @property
     def circuit_open(self) -> bool:
         """Whether the backend's circuit breaker is open now: every call is refused without
-        reaching the backend (False when it has no breaker).  Read-only, and cheap: the
-        eviction controller asks before each cycle."""
+        reaching the backend (False when it has no breaker)."""
         guard = self.backend
         return isinstance(guard, (CircuitBackend, AsyncCircuitBackend)) and guard.breaker.is_open
 

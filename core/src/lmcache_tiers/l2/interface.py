@@ -81,6 +81,13 @@ class L2Adapter(ABC):
     #: offset in memory it registered once (NIXL, GDS).  False: any buffer works.
     needs_l1_buffers: bool = True
 
+    @property
+    def circuit_open(self) -> bool:
+        """Whether every call is refused now without reaching the backend (its circuit
+        breaker open).  Read-only and cheap: L2 eviction asks before each cycle and before
+        seeding its policy.  False by default (an adapter without a breaker)."""
+        return False
+
     @abstractmethod
     def event_fd(self, op: L2Op) -> int:
         """File descriptor that is readable when results of ``op`` are ready."""
