@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcache_tiers.errors import ConfigError
-from lmcache_tiers.l1.stale import create_as_creator, release_as_creator
+from lmcache_tiers.l1.stale import create_as_creator, creator_lock_held, release_as_creator
 from lmcache_tiers.tmpfs import (
     HUGE_MODES,
     huge_page_size,
@@ -161,10 +161,7 @@ def create_segment(
         # be reaped by another server's start-up.
         fd = create_as_creator(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, lock_required=True)
     except FileExistsError:
-        raise ConfigError(
-            f"shared-memory segment {path} already exists: another server uses this name, "
-            "or a crashed one left it behind (remove the file or pick another name)"
-        ) from None
+        raise ConfigError(_name_taken(path)) from None
     try:
         segment = _reserve_and_map(fd, size, directory, advise=offered == "advise", prefault=prefault)
     except BaseException:
@@ -174,6 +171,28 @@ def create_segment(
         raise
     huge_bytes = pmd_mapped_bytes(address_of(segment), size) if prefault else None
     return segment, ArenaPages(directory, offered, huge_bytes, size, huge_page_size()), fd
+
+
+def _name_taken(path: str) -> str:
+    """Why ``path`` cannot be created, telling a live server's segment from one left
+    behind by the creator's lock.  Never removed here, even when nothing holds it: a
+    custom name carries no pid, and the file could be another program's (fail closed)."""
+    held = creator_lock_held(path)
+    if held is True:
+        return (
+            f"shared-memory segment {path} already exists and a live server holds it: "
+            "stop that server or pick another name"
+        )
+    if held is False:
+        return (
+            f"shared-memory segment {path} already exists and nothing holds it: left by a server "
+            f"that was killed (or made by another program); remove {path} if it is this "
+            "server's, or pick another name"
+        )
+    return (
+        f"shared-memory segment {path} already exists ({held}): another server uses this name, "
+        "or a killed one left it behind (remove the file if it is this server's, or pick another name)"
+    )
 
 
 def _reserve_and_map(fd: int, size: int, directory: str, *, advise: bool, prefault: bool) -> mmap.mmap:

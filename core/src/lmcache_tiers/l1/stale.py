@@ -156,6 +156,37 @@ def _remove_if_unlocked(path: str) -> str | None:
         os.close(fd)
 
 
+def creator_lock_held(path: str) -> bool | str:
+    """Whether a live process holds the creator's lock on the existing file ``path``
+    (True or False), or why that cannot be told (a string); nothing is removed.
+
+    For a name that is taken: a segment whose lock is free was left by a creator that
+    died (or was never a server's file), one whose lock is held belongs to a live server.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+    with _own_creations:
+        try:
+            info = os.lstat(path)
+            if (info.st_dev, info.st_ino) in _own_files:
+                return True  # this process's own (opening it could drop our lock; see above)
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            return "it is gone now"
+        except OSError as exc:
+            return f"it cannot be opened: {exc.strerror}"
+    try:
+        # Taken and dropped at once: a creator locks its new file right after creating it,
+        # so holding this any longer could make that creator take it for reaped.
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError as exc:
+        return f"its lock cannot be checked: {exc.strerror}"
+    finally:
+        os.close(fd)
+    return False
+
+
 def remove_files_of_dead_processes(directory: str, pattern: re.Pattern[str], what: str) -> list[str]:
     """Unlink entries of ``directory`` matching ``pattern`` (group 1 = creator pid) whose
     creator is gone; returns the names removed."""

@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -115,7 +116,10 @@ class TiersServer:
         *,
         registry: ComponentRegistry | None = None,
         auth_token: str | None = None,
+        stale_segments_removed: Sequence[str] = (),
     ) -> None:
+        """``stale_segments_removed``: the L1 segments of killed servers that start-up
+        removed before this server (``run_server`` does), reported in /metrics and /status."""
         from lmcache_tiers.plugins import load_registry
         from lmcache_tiers.storage import StorageManager
 
@@ -131,6 +135,7 @@ class TiersServer:
         self.config = config
         # plugin name -> why it failed to load: serve started without its components
         self.failed_plugins = dict(sorted(registry.failed_plugins.items()))
+        self.stale_segments_removed = list(stale_segments_removed)
         self.drain_timeout_s = drain_timeout_s = config.shutdown_timeout_s
         self.auth_required = bool(auth_token)
         self.started = time.time()
@@ -174,7 +179,10 @@ class TiersServer:
                 self.frontends.append(frontend)
             if config.metrics_port:
                 self._collector = TiersCollector(
-                    self.frontend_stats, self.storage_status, failed_plugins=self.failed_plugins
+                    self.frontend_stats,
+                    self.storage_status,
+                    failed_plugins=self.failed_plugins,
+                    stale_segments_removed=len(self.stale_segments_removed),
                 )
                 metrics = build_registry(self.frontend_stats, self.storage_status, self._collector)
                 http_host = config.metrics_host
@@ -258,6 +266,7 @@ class TiersServer:
             "auth_required": self.auth_required,
             "draining": self._stopping,
             "plugins_failed_to_load": dict(self.failed_plugins),
+            "l1_stale_segments_removed": list(self.stale_segments_removed),
             **merged_stats(stats for _, stats in self.frontend_stats()).snapshot(),
         }
         frontends = [self._frontend_status(frontend) for frontend in self.frontends]
@@ -450,8 +459,8 @@ def run_server(
     hooks = _plugin_hooks()
     from lmcache_tiers.l1 import remove_stale_segments
 
-    if os.path.isdir(config.l1_shm_dir):
-        remove_stale_segments(config.l1_shm_dir)
+    # Each removal is logged as it happens; the list is kept for /metrics and /status.
+    stale = remove_stale_segments(config.l1_shm_dir) if os.path.isdir(config.l1_shm_dir) else []
     # Installed before the L1 segment exists: under Python's default action a SIGTERM
     # while start-up pre-faults L1 (seconds per GiB) ended the process at once, leaving
     # the whole segment in /dev/shm (a named one is never reaped, and refuses the next
@@ -460,7 +469,7 @@ def run_server(
     signals.install()
     try:
         try:
-            server = _build_server(config, registry, token, signals)
+            server = _build_server(config, registry, token, signals, stale)
         except StartUpInterrupted as interrupted:
             logger.warning("start-up interrupted by %s: stopped before serving", interrupted.name)
             return 128 + interrupted.signum
@@ -490,9 +499,12 @@ def _build_server(
     registry: ComponentRegistry | None,
     token: str | None,
     signals: _StopSignals,
+    stale_segments_removed: list[str],
 ) -> TiersServer:
     """The server, with the stop signals handed over to it."""
-    server = TiersServer(config, registry=registry, auth_token=token)
+    server = TiersServer(
+        config, registry=registry, auth_token=token, stale_segments_removed=stale_segments_removed
+    )
     try:
         signals.attach(server)
     except StartUpInterrupted:

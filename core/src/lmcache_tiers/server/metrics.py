@@ -65,12 +65,15 @@ class TiersCollector(Collector):
         storage_status: Callable[[], dict[str, Any]],
         *,
         failed_plugins: Mapping[str, str] | None = None,
+        stale_segments_removed: int = 0,
     ) -> None:
         self.frontends = frontends
         self.storage_status = storage_status
         # fixed at start-up: the installed plugins serve started without (import or
         # registration raised); what they failed with is in /status and the start-up warning
         self.failed_plugin_count = len(failed_plugins or {})
+        # fixed at start-up too: L1 segments of killed servers removed before this one started
+        self.stale_segments_removed = stale_segments_removed
         self._lock = threading.Lock()  # scrapes run on several HTTP threads at once
         # failures of the scrape itself, by reason: kept here, for as long as the server
         self._own_failures: Counter[str] = Counter()
@@ -96,6 +99,11 @@ class TiersCollector(Collector):
         )
         failed_plugins.add_metric([], float(self.failed_plugin_count))
         yield failed_plugins
+        yield from self._single(
+            "l1_stale_segments_removed",
+            self.stale_segments_removed,
+            "L1 segments of killed servers removed when this server started (names in /status)",
+        )
 
         by_op = _counter("requests", "Requests served, by front end and operation", ["frontend", "op"])
         for name, part in per_frontend:

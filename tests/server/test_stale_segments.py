@@ -1,0 +1,105 @@
+"""L1 segments a killed server left behind, as the next start-up finds them.
+
+A default-named segment (its name carries the creator's pid, and the creator holds a lock
+on it for its life) is removed at start-up when its creator is gone, and that removal is
+counted in /metrics and named in /status.  A segment under a custom ``--shm-name`` is never
+removed: the start-up refuses, and its one line says whether a live server holds the name
+or nothing does (a killed server's, or another program's file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tiers_e2e import LAUNCHER, ServerProcess, fetch, metric, start_server, stop_cleanly
+
+SMALL_L1 = {"l1_size_gb": 0.0625}
+STALE_METRIC = "lmcache_tiers_l1_stale_segments_removed_total"
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A directory of its own on /dev/shm's tmpfs: only this test's segments are in it."""
+    directory = Path(tempfile.mkdtemp(prefix="tiers_stale_", dir="/dev/shm"))
+    yield directory
+    shutil.rmtree(directory)
+
+
+def _kill(server: ServerProcess) -> None:
+    """SIGKILL: the server runs no cleanup, and the kernel drops its creator's lock."""
+    server.proc.kill()
+    server.proc.wait()
+
+
+def _start_refused(log_dir: Path, **config: object) -> subprocess.CompletedProcess[str]:
+    """Run the server launcher for a start-up expected to fail; its exit code and output."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    spec = json.dumps({"config": {"port": 0, "metrics_port": 0, **config}, "adapters": [], "frontends": []})
+    return subprocess.run(
+        [sys.executable, str(LAUNCHER), spec, str(log_dir / "ready")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "400"},
+    )
+
+
+def test_a_killed_servers_segment_removed_at_start_is_counted_and_named(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    killed = start_server(
+        tmp_path / "killed", metrics=False, l1_shm_dir=str(shm_dir), l1_shm_name=None, **SMALL_L1
+    )
+    _kill(killed)
+    [left_behind] = [entry.name for entry in shm_dir.iterdir()]
+
+    server = start_server(tmp_path / "next", l1_shm_dir=str(shm_dir), **SMALL_L1)
+    try:
+        assert not (shm_dir / left_behind).exists()
+        assert server.http_url is not None
+        status, _, body = fetch(f"{server.http_url}/metrics")
+        assert status == 200, body
+        assert metric(body, STALE_METRIC) == 1
+        _, _, document = fetch(f"{server.http_url}/status")
+        assert json.loads(document)["server"]["l1_stale_segments_removed"] == [left_behind]
+        assert "removed stale L1 segment" in server.output()
+    finally:
+        stop_cleanly(server)
+
+
+def test_a_custom_name_a_live_server_holds_refuses_start_saying_so(tmp_path: Path, shm_dir: Path) -> None:
+    live = start_server(tmp_path / "live", metrics=False, l1_shm_dir=str(shm_dir), **SMALL_L1)
+    try:
+        refused = _start_refused(
+            tmp_path / "second", l1_shm_dir=str(shm_dir), l1_shm_name=live.shm_name, **SMALL_L1
+        )
+        assert refused.returncode == 2, refused.stderr
+        assert "a live server holds it" in refused.stderr
+        assert "nothing holds it" not in refused.stderr
+        assert live.shm_path.exists()
+    finally:
+        stop_cleanly(live)
+
+
+def test_a_custom_name_a_killed_server_left_refuses_start_and_stays(tmp_path: Path, shm_dir: Path) -> None:
+    killed = start_server(tmp_path / "killed", metrics=False, l1_shm_dir=str(shm_dir), **SMALL_L1)
+    _kill(killed)
+    assert killed.shm_path.exists()
+
+    refused = _start_refused(
+        tmp_path / "next", l1_shm_dir=str(shm_dir), l1_shm_name=killed.shm_name, **SMALL_L1
+    )
+    assert refused.returncode == 2, refused.stderr
+    assert "nothing holds it: left by a server that was killed" in refused.stderr
+    assert f"remove {killed.shm_path} if it is this server's" in refused.stderr
+    assert "a live server holds it" not in refused.stderr
+    # Fail closed: the file could be another program's, so it is never removed for it.
+    assert killed.shm_path.exists()
