@@ -14,7 +14,7 @@ import pytest
 from l2_backends import DictBackend, Fifo, open_dict
 
 from lmcache_tiers.config import L2EvictionConfig
-from lmcache_tiers.controllers.base import AdapterSlot
+from lmcache_tiers.controllers.base import AdapterSlot, PolicyFailureLog
 from lmcache_tiers.controllers.l1_eviction import L1EvictionController
 from lmcache_tiers.controllers.l2_eviction import L2EvictionController
 from lmcache_tiers.controllers.stats import EngineStats
@@ -279,3 +279,21 @@ def test_an_l1_policy_failing_on_every_write_is_counted_each_time_and_logged_onc
     logged = [record for record in caplog.records if "eviction policy failed" in record.getMessage()]
     assert 1 <= len(logged) < writes, "one line per burst, not one per failure"
     assert logged[0].exc_info is not None, "the first failure is logged with its traceback"
+
+
+def test_a_policy_failure_logged_without_its_traceback_still_names_the_exception(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Only the first failure carries a traceback; a later, different bug of the same
+    # policy must still be told apart in the one line its burst gets.
+    log = PolicyFailureLog(logging.getLogger("test.policy"), "l2_eviction_policy_error")
+    with caplog.at_level(logging.WARNING):
+        for error in (RuntimeError("first bug"), KeyError("another bug")):
+            try:
+                raise error
+            except Exception:
+                log.failed("%s: eviction policy failed", "0:dict")
+
+    later = [record for record in caplog.records if record.exc_info is None]
+    assert len(later) == 1
+    assert "KeyError" in later[0].getMessage() and "another bug" in later[0].getMessage()

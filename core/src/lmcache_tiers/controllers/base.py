@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import sys
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -212,9 +213,14 @@ class PolicyFailureLog:
             first, self._traced = not self._traced, True
         if first:
             self._logger.exception(message, *args)
-        else:
-            reason = self._burst.reason or "unspecified"
-            self._burst.warn(reason, message + " (failure reason %s)", *args, reason)
+            return
+        # Without a traceback, the exception is named: a later bug of the same policy,
+        # another than the one traced first, is then told apart.
+        error = sys.exc_info()[1]
+        reason = self._burst.reason or "unspecified"
+        self._burst.warn(
+            reason, message + ": %s: %s (failure reason %s)", *args, type(error).__name__, error, reason
+        )
 
 
 def aligned_total(sizes: Iterable[int], align: int) -> int:
