@@ -28,6 +28,7 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from functools import partial
 from typing import Any, NamedTuple, NoReturn
 
+from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.keycodec import is_digest_name, name_to_key, printable
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.files.durable import fsync_directory, make_directories
@@ -128,6 +129,9 @@ class LocalFiles:
         self.fsync = fsync
         self._on_root_recreated = on_root_recreated
         self._stripes = KeyStripes()
+        # A record that cannot be deleted stays accounted and the L2 eviction offers it
+        # again each cycle: one line a burst, every attempt counted.
+        self._delete_failures = BurstLog(log)
         self._making_directories = threading.Lock()
         # Stores on several threads find a vanished root at once: one re-creates it (and
         # counts it, and re-takes the directory lock), the others find it there.
@@ -366,8 +370,11 @@ class LocalFiles:
                 return True
             except FileNotFoundError:
                 return False
-            except OSError as exc:
-                log.warning("%s: cannot delete %s: %s", self.name, printable(path, 300), exc)
+            except OSError as exc:  # EIO, EACCES, ENOTDIR: the record may be intact
+                self._count("delete_io_errors", 1)
+                self._delete_failures.warn(
+                    "delete", "%s: cannot delete %s: %s", self.name, printable(path, 300), exc
+                )
                 return False
 
     @staticmethod
