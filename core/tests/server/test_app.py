@@ -478,12 +478,12 @@ def test_lookups_sent_before_a_send_fails_give_their_locks_back(server: TiersSer
         sends = 0
         armed = False
 
-        def _send(self, header: bytes, payloads: Any, deadline: float) -> None:
+        def _send(self, header: bytes, payloads: Any, deadline: float) -> int:
             if self.armed:
                 self.sends += 1
                 if self.sends == 3:
                     raise RequestTimeoutError("cannot reach the server")
-            super()._send(header, payloads, deadline)
+            return super()._send(header, payloads, deadline)  # the connection it went over
 
     with ThirdSendFails(server.endpoint) as client:
         assert client.store(keys, [b"x" * 4096] * 3) == 3
