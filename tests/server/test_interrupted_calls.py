@@ -18,6 +18,7 @@ from tiers_e2e import fetch, make_keys, make_payloads, metric, start_server
 
 from lmcache_tiers.client import Client, ClientError, RequestTimeoutError
 from lmcache_tiers.testing.processes import freeze
+from lmcache_tiers.wire.protocol import Release
 
 CLIENT_TIMEOUT_S = 120.0
 
@@ -363,6 +364,97 @@ def test_close_with_a_late_reply_from_a_frozen_server_ends_within_the_clean_up_b
             client.close()
             assert not resumed.is_set(), "close waited for the frozen server"
         assert "1 requests given up on still unanswered" in caplog.text
+    finally:
+        client.close()
+        assert server.stop() == 0, server.output()
+
+
+#: releases of keys nobody holds, each of max_keys keys (about 0.5 MB), sent to a frozen
+#: server: more than the loopback socket buffers take, so what follows stays in ZeroMQ's pipe
+JUNK_RELEASES = 120
+
+
+def test_close_right_after_a_release_sent_without_waiting_makes_sure_it_reached_the_server(
+    tmp_path: Path,
+) -> None:
+    """A RELEASE sent without waiting for its reply (after a timeout), then ``close`` at
+    once: the socket closes without lingering, which drops what ZeroMQ has not written out
+    yet.  Close makes sure the release reached the server (a PING answered after it)
+    before the socket goes, so the locks do not stay until the server's TTL."""
+    server = start_server(tmp_path / "server")
+    # A generous clean-up bound: close waits for the frozen server to go on (1 s).
+    client = Client(server.url, timeout=CLIENT_TIMEOUT_S, cleanup_timeout=CLIENT_TIMEOUT_S)
+    checker = Client(server.url, timeout=CLIENT_TIMEOUT_S)
+    keys = make_keys("forget-then-close", 4)
+    junk = make_keys("forget-then-close-junk", client.max_keys)
+    try:
+        assert client.store(keys, make_payloads("forget-then-close", 4, 4 << 10)) == 4
+        assert client.lookup(keys) == 4  # read locks held for this client
+        freeze(server.proc.pid)
+        resume = threading.Timer(1.0, os.kill, (server.proc.pid, signal.SIGCONT))
+        resume.start()
+        try:
+            for _ in range(JUNK_RELEASES):
+                client._send_and_forget(Release(0, "", junk))
+            client._send_and_forget(Release(0, "", keys))
+            client.close()
+        finally:
+            resume.join()
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert checker.status()["server"]["locked_keys"] == 0
+    finally:
+        client.close()
+        checker.close()
+        assert server.stop() == 0, server.output()
+
+
+def test_a_release_that_runs_out_of_time_still_sends_its_other_batches(tmp_path: Path) -> None:
+    """``release(keys, timeout=...)`` split into several requests whose time runs out on
+    the first (a frozen server): the other batches go out without waiting rather than not
+    at all, so no key keeps its lock until the server's TTL."""
+    server = start_server(tmp_path / "server")
+    client = Client(server.url, timeout=CLIENT_TIMEOUT_S)
+    keys = make_keys("release-out-of-time", 6)
+    try:
+        assert client.store(keys, make_payloads("release-out-of-time", 6, 4 << 10)) == 6
+        assert client.lookup(keys) == 6  # read locks held for this client
+        client.max_keys = 2  # three RELEASE requests
+        freeze(server.proc.pid)
+        try:
+            with pytest.raises(RequestTimeoutError):
+                client.release(keys, timeout=0.3)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        client.ping()  # answered after the releases sent before it
+        assert client.status()["server"]["locked_keys"] == 0
+    finally:
+        client.close()
+        assert server.stop() == 0, server.output()
+
+
+def test_a_close_interrupted_while_it_settles_late_replies_still_closes_the_socket(
+    tmp_path: Path, interrupting_signal: signal.Signals
+) -> None:
+    """Ctrl-C while ``close`` waits for a frozen server's late reply ends the wait, not the
+    closing: the socket is closed all the same (a second close returns at once and would
+    not close it)."""
+    server = start_server(tmp_path / "server")
+    client = Client(server.url, timeout=3600.0, cleanup_timeout=60.0)
+    keys = make_keys("close-interrupted", 2)
+    try:
+        assert client.store(keys, make_payloads("close-interrupted", 2, 4 << 10)) == 2
+        client.release(keys)
+        with _frozen_for_a_while(server.proc.pid, interrupting_signal):
+            with pytest.raises(_Interrupted):
+                client.lookup(keys)
+            closing_interrupted = threading.Timer(0.5, os.kill, (os.getpid(), interrupting_signal))
+            closing_interrupted.start()
+            try:
+                with pytest.raises(_Interrupted):
+                    client.close()
+            finally:
+                closing_interrupted.join()
+        assert client._socket.closed
     finally:
         client.close()
         assert server.stop() == 0, server.output()

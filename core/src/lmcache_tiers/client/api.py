@@ -642,8 +642,7 @@ class Client(Connection):
             return
         keys = list(keys)
         if isinstance(failure, RequestTimeoutError):
-            for part in self._batches(len(keys)):
-                self._send_and_forget(p.Release(0, "", keys[part]))
+            self._release_without_waiting(keys, list(self._batches(len(keys))))
             return
         with contextlib.suppress(ClientError):
             self.release(keys, timeout=self._cleanup_seconds())
@@ -724,11 +723,24 @@ class Client(Connection):
         """Drop every lock this client holds on ``keys``; returns how many keys had one.
 
         ``timeout`` bounds this call (all its requests together), default the client's:
-        a release on the way out may wait less than the calls before it."""
+        a release on the way out may wait less than the calls before it.  When it runs
+        out, the batches not sent yet go out without waiting for their replies (so no
+        key keeps its lock until the server's TTL) and RequestTimeoutError is raised."""
         released = 0
         keys = list(keys)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        for part in self._batches(len(keys)):
+        parts = list(self._batches(len(keys)))
+        for index, part in enumerate(parts):
             left = max(0.0, deadline - time.monotonic())
-            released += self._call(p.Release(0, "", keys[part]), p.ReleaseReply, timeout=left).released
+            try:
+                released += self._call(p.Release(0, "", keys[part]), p.ReleaseReply, timeout=left).released
+            except RequestTimeoutError:
+                self._release_without_waiting(keys, parts[index + 1 :])
+                raise
         return released
+
+    def _release_without_waiting(self, keys: list[ObjectKey], parts: Sequence[slice]) -> None:
+        """RELEASE ``keys[part]`` for each part, not waiting for the replies: after a
+        timeout, the server did not answer and must not be waited for again."""
+        for part in parts:
+            self._send_and_forget(p.Release(0, "", keys[part]))

@@ -180,6 +180,12 @@ class Connection:
         # that came in early
         self._outstanding: dict[int, int] = {}
         self._early: dict[int, tuple[p.Reply, list[Any]]] = {}
+        # the id of the last request sent without waiting for its reply (a RELEASE after a
+        # timeout, a late reply's follow-up), and of the last request whose reply came
+        # (every request is numbered when sent, so a reply to a later one means the server
+        # has read it): close makes sure the former reached the server (see close)
+        self._last_unwaited_id = 0
+        self._last_answered_id = 0
         # the last key list encoded, and its msgpack (see _header)
         self._last_keys: tuple[list[Any], msgspec.Raw] | None = None
         self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
@@ -219,20 +225,23 @@ class Connection:
         A call in progress on another thread is waited for (at most its timeout): a ZeroMQ
         socket closed under a thread that uses it aborts the whole process.  Calls that
         start afterwards raise ClientError.  Replies still due to calls given up on are
-        waited for briefly (``_settle_orphans_before_close``), so that what they took is
-        given back rather than held until the server's TTL."""
+        waited for briefly, and requests sent without waiting for their reply are made sure
+        of (``_settle_before_close``), so that what they took is given back rather than
+        held until the server's TTL."""
         if self._closed:
             return
         self._closed = True  # before the lock: calls waiting for it find the client closed
         with self._lock:
-            if os.getpid() == self._pid:
-                with contextlib.suppress(ClientError, zmq.ZMQError):
-                    self._settle_orphans_before_close()
-            if self._monitor is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._socket.disable_monitor()
-                self._monitor.close(0)
-            self._socket.close(0)
+            try:
+                if os.getpid() == self._pid:
+                    with contextlib.suppress(ClientError, zmq.ZMQError):
+                        self._settle_before_close()
+            finally:  # Ctrl-C during that wait ends the wait, not the closing
+                if self._monitor is not None:
+                    with contextlib.suppress(zmq.ZMQError):
+                        self._socket.disable_monitor()
+                    self._monitor.close(0)
+                self._socket.close(0)
 
     def _cleanup_seconds(self) -> float:
         """How long a clean-up call waits for its reply (see ``CLEANUP_TIMEOUT_S``)."""
@@ -246,25 +255,27 @@ class Connection:
             return 0
         return sum(1 for _, _, sent_at in self._orphans.values() if sent_at >= self._drops)
 
-    def _settle_orphans_before_close(self) -> None:
-        """On ``close`` (caller holds the lock, the socket still open): read the late
-        replies of requests given up on for up to ``_cleanup_seconds``, giving back what
-        they took (read locks, reservations), then make sure those follow-ups reached the
-        server before the socket goes (it is closed without lingering): a PING sent after
-        them is answered only once the server has handled them.  A late LOOKUP's locks
-        would otherwise stay until the server's TTL, pinning its objects in L1.  What is
-        left unsettled (a frozen or vanished server) is logged and expires there."""
+    def _settle_before_close(self) -> None:
+        """On ``close`` (caller holds the lock, the socket still open), within
+        ``_cleanup_seconds`` in all: read the late replies of requests given up on, giving
+        back what they took (read locks, reservations), then make sure that what was sent
+        without waiting for its reply (those follow-ups, a RELEASE after a timeout) reached
+        the server before the socket goes: it is closed without lingering, which drops
+        what ZeroMQ has not written out yet, and a PING sent after them is answered only
+        once the server has handled them.  A LOOKUP's locks would otherwise stay until the
+        server's TTL, pinning its objects in L1.  What is left unsettled (a frozen or
+        vanished server) is logged and expires there.  A client with nothing of the kind
+        closes at once."""
         waiting = self._answerable_orphans()
-        if not waiting:
+        if not waiting and self._last_unwaited_id <= self._last_answered_id:
             return
         deadline = time.monotonic() + self._cleanup_seconds()
-        orphans_before = len(self._orphans)
         while waiting and (remaining := deadline - time.monotonic()) > 0:
             frames = self._receive(min(remaining, LINK_CHECK_S), False)
             if frames is not None:
                 self._early_or_settle(frames)
             waiting = self._answerable_orphans()
-        if len(self._orphans) < orphans_before and not self._unlinked:
+        if self._last_unwaited_id > self._last_answered_id and not self._unlinked:
             self._await_ping_before(deadline)
         if waiting:
             logger.warning(
@@ -367,6 +378,7 @@ class Connection:
         answer.  Nothing happens when the server cannot be reached at once."""
         with self._lock, contextlib.suppress(ClientError, zmq.ZMQError):
             _raw_send(self._socket, self._header(request), _NOBLOCK)
+            self._last_unwaited_id = request.req_id
 
     # -- request/reply -----------------------------------------------------------------------
 
@@ -431,6 +443,7 @@ class Connection:
             self._give_up(request)
             raise
         del self._outstanding[req_id]
+        self._last_answered_id = req_id  # sent after every request before it
         if reply.code != _OK:
             raise ServerError(error_code(reply.code), reply.message)
         if not isinstance(reply, expect):
@@ -568,6 +581,7 @@ class Connection:
             else:
                 self._early_or_settle(frames, reply)
         self._outstanding.pop(req_id, None)
+        self._last_answered_id = max(self._last_answered_id, req_id)
         reply, frames = arrived
         if reply.code != _OK:
             raise ServerError(error_code(reply.code), reply.message)
@@ -693,6 +707,7 @@ class Connection:
         if follow_up is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._socket.send(p.encode(follow_up), zmq.NOBLOCK)
+                self._last_unwaited_id = follow_up.req_id
 
     def _batches(self, count: int) -> Iterator[slice]:
         for start in range(0, count, self.max_keys):
