@@ -186,3 +186,21 @@ def test_a_batch_this_machine_cannot_hold_twice_is_refused(
     ):
         run_bench(in_process_server.endpoint, chunks=2, chunk_bytes=4096, repeats=1, lookup_requests=10)
     assert in_process_server.storage.status()["l1"]["objects"] == 0
+
+
+def test_every_timed_retrieve_is_checked_against_the_stored_bytes(
+    in_process_server: TiersServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An inline RETRIEVE that reports every chunk yet writes none: the buffers still hold
+    # the bytes the shared-memory run put there, which must not pass for its own.
+    honest_retrieve_into = Client.retrieve_into
+
+    def inline_writes_nothing(self: Client, keys: list[ObjectKey], buffers: list[np.ndarray]) -> int:  # type: ignore[type-arg]
+        if self.uses_shm:
+            return honest_retrieve_into(self, keys, buffers)
+        return len(keys)
+
+    monkeypatch.setattr(Client, "retrieve_into", inline_writes_nothing)
+    with pytest.raises(RuntimeError, match="inline RETRIEVE returned different bytes than were stored"):
+        run_bench(in_process_server.endpoint, chunks=2, chunk_bytes=4096, repeats=2, lookup_requests=10)
+    assert in_process_server.storage.status()["l1"]["objects"] == 0

@@ -247,15 +247,25 @@ def _throughput(
         tick(f"{mode} store")
     retrieves: list[float] = []
     for _ in range(repeats):
+        # Wiped before and checked after each timed retrieve (both untimed): the buffers
+        # must not pass off an earlier retrieve's bytes, another mode's, as this one's.
+        for target in targets:
+            target.fill(0)
         with _timed(retrieves):
             got = client.retrieve_into(keys, targets)
         if got != len(keys):
             raise RuntimeError(f"{mode} RETRIEVE returned {got} of {len(keys)} chunks")
+        _check_bytes(mode, sources, targets)
         tick(f"{mode} retrieve")
-    if any(not np.array_equal(source, target) for source, target in zip(sources, targets, strict=True)):
-        raise RuntimeError(f"{mode} RETRIEVE returned different bytes than were stored")
     bench_keys.remove(client, keys)
     return _gbps(total, statistics.median(stores)), _gbps(total, statistics.median(retrieves))
+
+
+def _check_bytes(mode: str, sources: list[np.ndarray[Any, Any]], targets: list[np.ndarray[Any, Any]]) -> None:
+    """No throughput is reported for wrong bytes: a retrieve that returned other bytes than
+    were stored fails the run."""
+    if any(not np.array_equal(source, target) for source, target in zip(sources, targets, strict=True)):
+        raise RuntimeError(f"{mode} RETRIEVE returned different bytes than were stored")
 
 
 def _latency(
