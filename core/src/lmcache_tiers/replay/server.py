@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from lmcache_tiers.client import Client, ClientError, RequestTimeoutError, ServerError
+from lmcache_tiers.client.connection import CLEANUP_TIMEOUT_S
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.replay.run import (
     ClientState,
@@ -39,12 +40,10 @@ logger = logging.getLogger(__name__)
 #: requests in a row without a reply after which a replay takes its server for gone: each
 #: would otherwise wait its whole timeout, for every request left in the trace
 UNANSWERED_LIMIT = 3
-#: how long a release sent on the way out (a replay stopped mid-request) waits for its
-#: reply: a server that does not answer by then is likely gone, and the replay's own
-#: ``--timeout`` (60 s by default) would hold up the exit that long
-CLEANUP_TIMEOUT_S = 2.0
 #: how long client processes of a replay stopped early get to give back what they hold
-#: and end on their own before they are killed
+#: and end on their own before they are killed: the release sent on the way out waits at
+#: most the client library's clean-up bound (``CLEANUP_TIMEOUT_S``, rather than the
+#: replay's ``--timeout``, 60 s by default), plus a second to unwind and exit
 WORKER_GRACE_S = CLEANUP_TIMEOUT_S + 1.0
 
 
@@ -116,6 +115,8 @@ def _give_back_lookup_locks(client: Client, keys: Sequence[ObjectKey]) -> None:
     if not keys:
         return
     try:
+        # A server that does not answer within the clean-up bound is likely gone: the
+        # replay's own timeout would hold up its exit for nothing.
         client.release(keys, timeout=min(client.timeout, CLEANUP_TIMEOUT_S))
     except ClientError as exc:
         logger.warning("replay: could not release %d looked-up blocks: %s", len(keys), exc)
