@@ -52,6 +52,21 @@ def _start_refused(log_dir: Path, **config: object) -> subprocess.CompletedProce
     )
 
 
+def _status_table_row(server: ServerProcess, label: str) -> str:
+    """The row ``label`` of what ``lmcache-tiers status`` prints for ``server``."""
+    table = subprocess.run(
+        [sys.executable, "-m", "lmcache_tiers.cli.main", "status", "--url", server.url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "400"},
+    )
+    assert table.returncode == 0, table.stderr
+    rows = [line for line in table.stdout.splitlines() if label in line]
+    assert len(rows) == 1, table.stdout
+    return rows[0]
+
+
 def test_a_killed_servers_segment_removed_at_start_is_counted_and_named(
     tmp_path: Path, shm_dir: Path
 ) -> None:
@@ -71,6 +86,16 @@ def test_a_killed_servers_segment_removed_at_start_is_counted_and_named(
         _, _, document = fetch(f"{server.http_url}/status")
         assert json.loads(document)["server"]["l1_stale_segments_removed"] == [left_behind]
         assert "removed stale L1 segment" in server.output()
+        assert left_behind in _status_table_row(server, "L1 stale segments removed")
+    finally:
+        stop_cleanly(server)
+
+
+def test_a_start_that_removed_nothing_says_none_in_the_status_table(tmp_path: Path, shm_dir: Path) -> None:
+    server = start_server(tmp_path / "clean", l1_shm_dir=str(shm_dir), **SMALL_L1)
+    try:
+        row = _status_table_row(server, "L1 stale segments removed")
+        assert row.split("L1 stale segments removed")[1].strip(" │|") == "none", row
     finally:
         stop_cleanly(server)
 

@@ -99,6 +99,15 @@ def _failed_plugins(failed: Any) -> str:
     return escape(", ".join(f"{name} ({error})" for name, error in failed.items())) or "none"
 
 
+def _stale_segments(removed: Any) -> str:
+    """The L1 segments of killed servers this server's start-up removed; ``none`` when it
+    found none, ``?`` from a server too old to say."""
+    if removed is None:
+        return "?"
+    # file names under /dev/shm are anyone's to choose, not rich markup
+    return escape(", ".join(str(name) for name in removed)) or "none"
+
+
 def status_tables(document: dict[str, Any]) -> list[Table]:
     """The status document as rich tables (server and L1, L2 adapters, failures)."""
     server, l1, requests = document.get("server", {}), document.get("l1", {}), document.get("requests", {})
@@ -137,6 +146,7 @@ def status_tables(document: dict[str, Any]) -> list[Table]:
         "L1 evictions", f"{evicted.get('evicted_keys', 0)} objects ({evicted.get('policy', '?')})"
     )
     overview.add_row("plugins failed to load", _failed_plugins(server.get("plugins_failed_to_load")))
+    overview.add_row("L1 stale segments removed", _stale_segments(server.get("l1_stale_segments_removed")))
     tables = [overview]
 
     adapters = document.get("adapters", [])
