@@ -204,3 +204,34 @@ def test_every_timed_retrieve_is_checked_against_the_stored_bytes(
     with pytest.raises(RuntimeError, match="inline RETRIEVE returned different bytes than were stored"):
         run_bench(in_process_server.endpoint, chunks=2, chunk_bytes=4096, repeats=2, lookup_requests=10)
     assert in_process_server.storage.status()["l1"]["objects"] == 0
+
+
+def test_a_server_dying_mid_run_is_named_with_what_the_run_may_leave(tmp_path: Path) -> None:
+    server = serve_cli(["--l1-size-gb", "0.0625", "--no-default-l2"], None, tmp_path / "log")
+
+    def kill_at_the_lookups(label: str) -> None:
+        if label == "lookup":
+            server.stop(signal.SIGKILL)
+
+    try:
+        with pytest.raises((ClientError, RuntimeError)) as failure:
+            run_bench(
+                server.url,
+                chunks=2,
+                chunk_bytes=4096,
+                repeats=1,
+                inline=False,
+                lookup_requests=1000,
+                timeout=3,
+                step=kill_at_the_lookups,
+            )
+    finally:
+        server.stop(signal.SIGKILL)
+    message = str(failure.value)
+    # the cause first (the request after the kill finds no server, or loses it)...
+    cause = message.split("; ")[0]
+    assert cause in (f"cannot reach the server at {server.url}",) or cause.startswith(
+        f"the connection to {server.url} was lost"
+    ), message
+    # ...and what the run could not delete
+    assert "the 16 benchmark objects still in L1 could not be deleted" in message, message

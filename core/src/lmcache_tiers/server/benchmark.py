@@ -11,7 +11,8 @@ L1, measured one request at a time from one client.
 The benchmark is safe to run against a server in production: its keys carry a cache salt
 of their own (no engine's key can collide with them, and engines' lookups never see
 them), they are stored L1-only (nothing is written to, or evicted from, any L2 adapter),
-and every key it stored is deleted from L1 (EVICT) when it is done, also after a failure.
+and every key it stored is deleted from L1 (EVICT) when it is done, also after a failure
+(when the server no longer answers, the failure says how many it could not delete).
 It only needs L1 room for one batch; an engine's L1 objects may be evicted to make that
 room, exactly as a burst of stores would.  A server without these protocol features is
 refused rather than measured, and so is a batch larger than the server's L1 or than this
@@ -41,6 +42,8 @@ from lmcache_tiers.server.preflight import mem_available
 BENCH_MODEL = "lmcache-tiers-bench"
 #: protocol features a server must have for the benchmark to leave nothing behind
 REQUIRED_FEATURES = ("l1_only_store", "evict")
+#: how long a failed run waits for the server to answer before it tries to clean up
+CLEANUP_PING_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -110,6 +113,7 @@ class BenchKeys:
         self.salt = f"bench-{os.getpid()}-{secrets.token_hex(6)}"
         self.stored: list[ObjectKey] = []  # on the server now
         self.removed = 0  # stored and deleted again
+        self.read_locked: list[ObjectKey] = []  # looked up, not released yet: EVICT skips them
 
     def make(self, tag: str, count: int) -> list[ObjectKey]:
         return [
@@ -191,9 +195,36 @@ def run_bench(
                 for mode_client, _mode in modes[1:]:
                     mode_client.close()
             _latency(client, bench_keys, result, lookup_keys, lookup_requests, tick)
-        finally:
-            _remove_everything(client, bench_keys, result)
+        except Exception as failure:
+            left_behind = _remove_after_failure(client, bench_keys, timeout)
+            if left_behind is None:
+                raise
+            # The run's own failure first, then what it leaves on the server.
+            raise RuntimeError(f"{failure}; {left_behind}") from failure
+        _remove_everything(client, bench_keys, result)
     return result
+
+
+def _remove_after_failure(client: Client, bench_keys: BenchKeys, timeout: float) -> str | None:
+    """After a failed run, delete what it stored; None when done, else why not.
+
+    A server that does not answer a PING soon (it died, or the link dropped) is not
+    waited for again for each clean-up request: the failure is reported at once."""
+    left = len(bench_keys.stored)
+    if not left:
+        return None
+    try:
+        client.ping(timeout=min(timeout, CLEANUP_PING_TIMEOUT_S))
+        if bench_keys.read_locked:
+            client.release(bench_keys.read_locked)
+            bench_keys.read_locked = []
+        bench_keys.remove(client)
+    except ClientError as exc:
+        return (
+            f"the {left} benchmark objects still in L1 could not be deleted ({exc}); "
+            "they are L1-only (never in L2) and go when evicted or when the server stops"
+        )
+    return None
 
 
 def _remove_everything(client: Client, bench_keys: BenchKeys, result: BenchResult) -> None:
@@ -283,29 +314,31 @@ def _latency(
 
     latencies: list[float] = []
     report_every = max(1, requests // 100)
-    try:
-        began = time.perf_counter()
-        for index in range(requests):
-            start = time.perf_counter_ns()
-            hits = client.lookup(keys)
-            latencies.append((time.perf_counter_ns() - start) / 1e3)
-            if hits != lookup_keys:
-                raise RuntimeError(f"LOOKUP found {hits} of {lookup_keys} keys stored in L1")
-            if index % report_every == report_every - 1:
-                tick("lookup")
-        elapsed = time.perf_counter() - began
-        # The same requests with a window of them in flight (Client.lookup_many): what one
-        # client gets when it looks up several prompts per scheduler step.
-        window = 32
-        batches = max(1, requests // window)
-        began_pipelined = time.perf_counter()
-        for _ in range(batches):
-            if client.lookup_many([keys] * window) != [lookup_keys] * window:
-                raise RuntimeError("pipelined LOOKUP did not find every key stored in L1")
-        pipelined = time.perf_counter() - began_pipelined
-        tick("lookup (pipelined)")
-    finally:
-        client.release(keys)  # every lookup read-locked the prefix once for this client
+    # Every lookup read-locks the prefix once for this client; released below, or by the
+    # clean-up of a run that fails on the way.
+    bench_keys.read_locked = keys
+    began = time.perf_counter()
+    for index in range(requests):
+        start = time.perf_counter_ns()
+        hits = client.lookup(keys)
+        latencies.append((time.perf_counter_ns() - start) / 1e3)
+        if hits != lookup_keys:
+            raise RuntimeError(f"LOOKUP found {hits} of {lookup_keys} keys stored in L1")
+        if index % report_every == report_every - 1:
+            tick("lookup")
+    elapsed = time.perf_counter() - began
+    # The same requests with a window of them in flight (Client.lookup_many): what one
+    # client gets when it looks up several prompts per scheduler step.
+    window = 32
+    batches = max(1, requests // window)
+    began_pipelined = time.perf_counter()
+    for _ in range(batches):
+        if client.lookup_many([keys] * window) != [lookup_keys] * window:
+            raise RuntimeError("pipelined LOOKUP did not find every key stored in L1")
+    pipelined = time.perf_counter() - began_pipelined
+    tick("lookup (pipelined)")
+    client.release(keys)
+    bench_keys.read_locked = []
     result.lookup_keys = lookup_keys
     result.lookup_requests = requests
     result.lookup_p50_us = percentile(latencies, 0.5) or 0.0
