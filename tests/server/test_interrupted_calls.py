@@ -9,16 +9,18 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import pytest
-from tiers_e2e import fetch, make_keys, make_payloads, metric, start_server
+from tiers_e2e import ServerProcess, fetch, make_keys, make_payloads, metric
 
 from lmcache_tiers.client import Client, ClientError, RequestTimeoutError
 from lmcache_tiers.testing.processes import freeze
 from lmcache_tiers.wire.protocol import Release
+
+# Each test gets the ``server`` fixture (conftest.py): started on loopback, and stopped and
+# checked (exit status 0, no L1 segment left) once the test's clients are closed.
 
 CLIENT_TIMEOUT_S = 120.0
 
@@ -59,29 +61,32 @@ def _interrupted_while_frozen(server_pid: int, signum: signal.Signals) -> Iterat
         os.kill(server_pid, signal.SIGCONT)
 
 
+def _server_status_once_settled(client: Client) -> dict[str, Any]:
+    """The server's status once the late reply of a call given up on has been read, and
+    what the client sent on reading it (a RELEASE, a STORE_ABORT) has been handled: the
+    late reply arrives before the first PING's, and what it made the client send goes out
+    before the second PING."""
+    client.ping()
+    client.ping()
+    server_status: dict[str, Any] = client.status()["server"]
+    return server_status
+
+
 def test_the_locks_of_an_interrupted_lookup_are_given_back_when_its_reply_lands(
-    tmp_path: Path, interrupting_signal: signal.Signals
+    server: ServerProcess, interrupting_signal: signal.Signals
 ) -> None:
-    server = start_server(tmp_path / "server")
-    client = Client(server.url, timeout=CLIENT_TIMEOUT_S)
     keys = make_keys("interrupted", 4)
-    try:
+    with Client(server.url, timeout=CLIENT_TIMEOUT_S) as client:
         assert client.store(keys, make_payloads("interrupted", 4, 64 << 10)) == 4
         client.release(keys)
         with _interrupted_while_frozen(server.proc.pid, interrupting_signal), pytest.raises(_Interrupted):
             client.lookup(keys)
-        # The late reply (4 hits, locked for this client) arrives before the first PING's;
-        # the second PING comes after whatever the client sent on reading it.
-        client.ping()
-        client.ping()
-        assert client.status()["server"]["locked_keys"] == 0
+        # The late reply carries 4 hits, locked for this client.
+        assert _server_status_once_settled(client)["locked_keys"] == 0
         # The calls after the interruption are not slowed or confused by it.
         assert not client._outstanding and not client._early
         assert client.lookup(keys) == 4
         client.release(keys)
-    finally:
-        client.close()
-        assert server.stop() == 0, server.output()
 
 
 @pytest.mark.parametrize(
@@ -98,31 +103,31 @@ def test_the_locks_of_an_interrupted_lookup_are_given_back_when_its_reply_lands(
     ids=["before-last-frame", "after-a-middle-frame", "after-the-last-frame"],
 )
 def test_a_store_interrupted_between_its_frames_never_stores_the_next_request(
-    tmp_path: Path, count: int, interrupted_frame: int, sent: bool, stored: int, refusal: str
+    server: ServerProcess, count: int, interrupted_frame: int, sent: bool, stored: int, refusal: str
 ) -> None:
     """Ctrl-C between two frames of a STORE_INLINE must not leave the message open: ZeroMQ
     would append the next request's frames to it, and with the counts matching the server
     would store that request's header as an object."""
-    server = start_server(tmp_path / "server")
-    client = Client(server.url, timeout=CLIENT_TIMEOUT_S, shm=False)
-    checker = Client(server.url, timeout=CLIENT_TIMEOUT_S, shm=False)
     keys = make_keys(f"cut-{count}-{sent}", count)
     # Plain bytes (no tensor layout), so the server has no size to hold a frame against.
     payloads = [array.tobytes() for array in make_payloads(f"cut-{count}-{sent}", count, 4 << 10)]
-    frames_seen = 0
-    real_send = client._socket.send
+    with (
+        Client(server.url, timeout=CLIENT_TIMEOUT_S, shm=False) as client,
+        Client(server.url, timeout=CLIENT_TIMEOUT_S, shm=False) as checker,
+    ):
+        frames_seen = 0
+        real_send = client._socket.send
 
-    def send_then_interrupt(data: Any, flags: int = 0, **kwargs: Any) -> Any:
-        # Only the payload frames go through here (the header is sent by the raw method).
-        nonlocal frames_seen
-        frames_seen += 1
-        if frames_seen - 1 == interrupted_frame:
-            if sent:
-                real_send(data, flags, **kwargs)
-            raise KeyboardInterrupt
-        return real_send(data, flags, **kwargs)
+        def send_then_interrupt(data: Any, flags: int = 0, **kwargs: Any) -> Any:
+            # Only the payload frames go through here (the header is sent by the raw method).
+            nonlocal frames_seen
+            frames_seen += 1
+            if frames_seen - 1 == interrupted_frame:
+                if sent:
+                    real_send(data, flags, **kwargs)
+                raise KeyboardInterrupt
+            return real_send(data, flags, **kwargs)
 
-    try:
         client._socket.send = send_then_interrupt  # type: ignore[method-assign]
         try:
             with pytest.raises(KeyboardInterrupt):
@@ -150,43 +155,32 @@ def test_a_store_interrupted_between_its_frames_never_stores_the_next_request(
         checker.evict(keys)
         assert client.store(keys, payloads) == count
         assert not client._outstanding and not client._early
-    finally:
-        checker.close()
-        client.close()
-        assert server.stop() == 0, server.output()
 
 
-def test_leaving_a_retrieve_block_of_a_client_closed_meanwhile_does_not_raise(tmp_path: Path) -> None:
+def test_leaving_a_retrieve_block_of_a_client_closed_meanwhile_does_not_raise(server: ServerProcess) -> None:
     """Another thread closes the client while a ``retrieve`` block is open, right before
     the block's RELEASE: the locks expire on the server; leaving the block is no error."""
-    server = start_server(tmp_path / "server")
-    client = Client(server.url, timeout=CLIENT_TIMEOUT_S)
     keys = make_keys("closed-under", 2)
-    real_release = client.release
+    with Client(server.url, timeout=CLIENT_TIMEOUT_S) as client:
+        real_release = client.release
 
-    def close_then_release(keys: Any) -> int:
-        client.close()  # what another thread's close does, landing in this window
-        return real_release(keys)
+        def close_then_release(keys: Any) -> int:
+            client.close()  # what another thread's close does, landing in this window
+            return real_release(keys)
 
-    try:
         assert client.store(keys, make_payloads("closed-under", 2, 4 << 10)) == 2
         with client.retrieve(keys) as views:
             assert len(views) == 2
             client.release = close_then_release  # type: ignore[method-assign]
         with pytest.raises(ClientError, match="closed"):
             client.ping()
-    finally:
-        client.close()
-        assert server.stop() == 0, server.output()
 
 
 def test_an_interrupted_retrieve_gives_its_locks_back_and_not_those_of_a_later_lookup(
-    tmp_path: Path, interrupting_signal: signal.Signals
+    server: ServerProcess, interrupting_signal: signal.Signals
 ) -> None:
-    server = start_server(tmp_path / "server")
-    client = Client(server.url, timeout=CLIENT_TIMEOUT_S)
     keys = make_keys("interrupted-retrieve", 4)
-    try:
+    with Client(server.url, timeout=CLIENT_TIMEOUT_S) as client:
         assert client.store(keys, make_payloads("interrupted-retrieve", 4, 64 << 10)) == 4
         assert client.lookup(keys) == 4
         with (
@@ -195,41 +189,27 @@ def test_an_interrupted_retrieve_gives_its_locks_back_and_not_those_of_a_later_l
             client.retrieve(keys),
         ):
             pytest.fail("the retrieve block was entered")
-        client.ping()
-        client.ping()
-        assert client.status()["server"]["locked_keys"] == 0
+        assert _server_status_once_settled(client)["locked_keys"] == 0
         # A later lookup's locks are its own: nothing the interrupted call left drops them.
         assert client.lookup(keys) == 4
-        client.ping()
-        client.ping()
-        assert client.status()["server"]["locked_keys"] == 4
+        assert _server_status_once_settled(client)["locked_keys"] == 4
         assert not client._outstanding and not client._early
         client.release(keys)
-    finally:
-        client.close()
-        assert server.stop() == 0, server.output()
 
 
 def test_the_reservations_of_an_interrupted_store_are_aborted_when_its_reply_lands(
-    tmp_path: Path, interrupting_signal: signal.Signals
+    server: ServerProcess, interrupting_signal: signal.Signals
 ) -> None:
-    server = start_server(tmp_path / "server")
-    client = Client(server.url, timeout=CLIENT_TIMEOUT_S)
-    assert client.uses_shm
     keys = make_keys("interrupted-store", 4)
     payloads = make_payloads("interrupted-store", 4, 64 << 10)
-    try:
+    with Client(server.url, timeout=CLIENT_TIMEOUT_S) as client:
+        assert client.uses_shm
         with _interrupted_while_frozen(server.proc.pid, interrupting_signal), pytest.raises(_Interrupted):
             client.store(keys, payloads)
-        client.ping()
-        client.ping()
-        assert client.status()["server"]["in_flight"]["stores"] == 0
+        assert _server_status_once_settled(client)["in_flight"]["stores"] == 0
         assert client.lookup(keys) == 0  # nothing was committed
         assert client.store(keys, payloads) == 4
         assert not client._outstanding and not client._early
-    finally:
-        client.close()
-        assert server.stop() == 0, server.output()
 
 
 #: how long the tests below keep a server frozen at most: well past their clean-up bound,
@@ -262,40 +242,28 @@ def _frozen_for_a_while(server_pid: int, signum: signal.Signals) -> Iterator[thr
 
 
 def test_the_release_after_an_interrupted_retrieve_waits_the_clean_up_bound_not_the_timeout(
-    tmp_path: Path, interrupting_signal: signal.Signals
+    server: ServerProcess, interrupting_signal: signal.Signals
 ) -> None:
     """The RELEASE a cut-short RETRIEVE sends faces a server that did not answer: it waits
     the client's clean-up bound, not its whole (here hour-long) timeout."""
-    server = start_server(tmp_path / "server")
-    client = Client(server.url, timeout=3600.0, cleanup_timeout=0.5)
     keys = make_keys("cleanup-retrieve", 2)
-    try:
+    with Client(server.url, timeout=3600.0, cleanup_timeout=0.5) as client:
         assert client.store(keys, make_payloads("cleanup-retrieve", 2, 4 << 10)) == 2
         with _frozen_for_a_while(server.proc.pid, interrupting_signal) as resumed:
             with pytest.raises(_Interrupted), client.retrieve(keys):
                 pytest.fail("the retrieve block was entered")
             assert not resumed.is_set(), "the clean-up RELEASE waited for the frozen server"
         # Whatever the cut-short calls locked is given back once the server answers.
-        client.ping()
-        client.ping()
-        assert client.status()["server"]["locked_keys"] == 0
-    finally:
-        client.close()
-        assert server.stop() == 0, server.output()
+        assert _server_status_once_settled(client)["locked_keys"] == 0
 
 
 def test_the_abort_after_an_interrupted_store_waits_the_clean_up_bound_not_the_timeout(
-    tmp_path: Path, interrupting_signal: signal.Signals
+    server: ServerProcess, interrupting_signal: signal.Signals
 ) -> None:
     """A STORE cut short after its reservation (here while it copies into the segment)
     sends STORE_ABORT, which waits the clean-up bound for a server that does not answer."""
-    server = start_server(tmp_path / "server")
-    client = Client(server.url, timeout=3600.0, cleanup_timeout=0.5)
-    assert client.uses_shm
     keys = make_keys("cleanup-store", 2)
     payloads = make_payloads("cleanup-store", 2, 4 << 10)
-    segment = client._segment
-    assert segment is not None
     resumed = threading.Event()
 
     def freeze_then_interrupt(*args: Any, **kwargs: Any) -> None:
@@ -303,37 +271,38 @@ def test_the_abort_after_an_interrupted_store_waits_the_clean_up_bound_not_the_t
         threading.Timer(FROZEN_S, lambda: (os.kill(server.proc.pid, signal.SIGCONT), resumed.set())).start()
         raise _Interrupted
 
-    try:
-        segment.write_many = freeze_then_interrupt  # type: ignore[method-assign]
+    with Client(server.url, timeout=3600.0, cleanup_timeout=0.5) as client:
+        assert client.uses_shm
+        segment = client._segment
+        assert segment is not None
         try:
-            with pytest.raises(_Interrupted):
-                client.store(keys, payloads)
+            segment.write_many = freeze_then_interrupt  # type: ignore[method-assign]
+            try:
+                with pytest.raises(_Interrupted):
+                    client.store(keys, payloads)
+            finally:
+                del segment.write_many
+            assert not resumed.is_set(), "the clean-up STORE_ABORT waited for the frozen server"
+            resumed.wait()
+            assert _server_status_once_settled(client)["in_flight"]["stores"] == 0
+            assert client.store(keys, payloads) == 2
         finally:
-            del segment.write_many
-        assert not resumed.is_set(), "the clean-up STORE_ABORT waited for the frozen server"
-        resumed.wait()
-        client.ping()
-        client.ping()
-        assert client.status()["server"]["in_flight"]["stores"] == 0
-        assert client.store(keys, payloads) == 2
-    finally:
-        os.kill(server.proc.pid, signal.SIGCONT)
-        client.close()
-        assert server.stop() == 0, server.output()
+            # The server goes on before the client closes, whatever failed above.
+            os.kill(server.proc.pid, signal.SIGCONT)
 
 
 def test_close_gives_back_the_locks_of_an_interrupted_lookup_whose_reply_is_late(
-    tmp_path: Path, interrupting_signal: signal.Signals
+    server: ServerProcess, interrupting_signal: signal.Signals
 ) -> None:
     """A client closed right after a LOOKUP was interrupted reads that LOOKUP's late reply
     before it goes, and releases the read locks it carries: they do not stay until the
     server's lock TTL."""
-    server = start_server(tmp_path / "server")
-    # A generous clean-up bound: close waits for the frozen server to go on (1.5 s).
-    client = Client(server.url, timeout=CLIENT_TIMEOUT_S, cleanup_timeout=CLIENT_TIMEOUT_S)
-    checker = Client(server.url, timeout=CLIENT_TIMEOUT_S)
     keys = make_keys("close-settles", 4)
-    try:
+    with (
+        # A generous clean-up bound: close waits for the frozen server to go on (1.5 s).
+        Client(server.url, timeout=CLIENT_TIMEOUT_S, cleanup_timeout=CLIENT_TIMEOUT_S) as client,
+        Client(server.url, timeout=CLIENT_TIMEOUT_S) as checker,
+    ):
         assert client.store(keys, make_payloads("close-settles", 4, 64 << 10)) == 4
         client.release(keys)
         with _interrupted_while_frozen(server.proc.pid, interrupting_signal):
@@ -341,21 +310,15 @@ def test_close_gives_back_the_locks_of_an_interrupted_lookup_whose_reply_is_late
                 client.lookup(keys)
             client.close()
         assert checker.status()["server"]["locked_keys"] == 0
-    finally:
-        client.close()
-        checker.close()
-        assert server.stop() == 0, server.output()
 
 
 def test_close_with_a_late_reply_from_a_frozen_server_ends_within_the_clean_up_bound(
-    tmp_path: Path, interrupting_signal: signal.Signals, caplog: pytest.LogCaptureFixture
+    server: ServerProcess, interrupting_signal: signal.Signals, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The server never answers while the client closes: close gives up after its clean-up
     bound, says so in the log, and the locks expire on the server."""
-    server = start_server(tmp_path / "server")
-    client = Client(server.url, timeout=3600.0, cleanup_timeout=0.5)
     keys = make_keys("close-frozen", 2)
-    try:
+    with Client(server.url, timeout=3600.0, cleanup_timeout=0.5) as client:
         assert client.store(keys, make_payloads("close-frozen", 2, 4 << 10)) == 2
         client.release(keys)
         with _frozen_for_a_while(server.proc.pid, interrupting_signal) as resumed:
@@ -364,9 +327,6 @@ def test_close_with_a_late_reply_from_a_frozen_server_ends_within_the_clean_up_b
             client.close()
             assert not resumed.is_set(), "close waited for the frozen server"
         assert "1 requests given up on still unanswered" in caplog.text
-    finally:
-        client.close()
-        assert server.stop() == 0, server.output()
 
 
 #: releases of keys nobody holds, each of max_keys keys (about 0.5 MB), sent to a frozen
@@ -375,19 +335,19 @@ JUNK_RELEASES = 120
 
 
 def test_close_right_after_a_release_sent_without_waiting_makes_sure_it_reached_the_server(
-    tmp_path: Path,
+    server: ServerProcess,
 ) -> None:
     """A RELEASE sent without waiting for its reply (after a timeout), then ``close`` at
     once: the socket closes without lingering, which drops what ZeroMQ has not written out
     yet.  Close makes sure the release reached the server (a PING answered after it)
     before the socket goes, so the locks do not stay until the server's TTL."""
-    server = start_server(tmp_path / "server")
-    # A generous clean-up bound: close waits for the frozen server to go on (1 s).
-    client = Client(server.url, timeout=CLIENT_TIMEOUT_S, cleanup_timeout=CLIENT_TIMEOUT_S)
-    checker = Client(server.url, timeout=CLIENT_TIMEOUT_S)
     keys = make_keys("forget-then-close", 4)
-    junk = make_keys("forget-then-close-junk", client.max_keys)
-    try:
+    with (
+        # A generous clean-up bound: close waits for the frozen server to go on (1 s).
+        Client(server.url, timeout=CLIENT_TIMEOUT_S, cleanup_timeout=CLIENT_TIMEOUT_S) as client,
+        Client(server.url, timeout=CLIENT_TIMEOUT_S) as checker,
+    ):
+        junk = make_keys("forget-then-close-junk", client.max_keys)
         assert client.store(keys, make_payloads("forget-then-close", 4, 4 << 10)) == 4
         assert client.lookup(keys) == 4  # read locks held for this client
         freeze(server.proc.pid)
@@ -402,20 +362,14 @@ def test_close_right_after_a_release_sent_without_waiting_makes_sure_it_reached_
             resume.join()
             os.kill(server.proc.pid, signal.SIGCONT)
         assert checker.status()["server"]["locked_keys"] == 0
-    finally:
-        client.close()
-        checker.close()
-        assert server.stop() == 0, server.output()
 
 
-def test_a_release_that_runs_out_of_time_still_sends_its_other_batches(tmp_path: Path) -> None:
+def test_a_release_that_runs_out_of_time_still_sends_its_other_batches(server: ServerProcess) -> None:
     """``release(keys, timeout=...)`` split into several requests whose time runs out on
     the first (a frozen server): the other batches go out without waiting rather than not
     at all, so no key keeps its lock until the server's TTL."""
-    server = start_server(tmp_path / "server")
-    client = Client(server.url, timeout=CLIENT_TIMEOUT_S)
     keys = make_keys("release-out-of-time", 6)
-    try:
+    with Client(server.url, timeout=CLIENT_TIMEOUT_S) as client:
         assert client.store(keys, make_payloads("release-out-of-time", 6, 4 << 10)) == 6
         assert client.lookup(keys) == 6  # read locks held for this client
         client.max_keys = 2  # three RELEASE requests
@@ -427,21 +381,16 @@ def test_a_release_that_runs_out_of_time_still_sends_its_other_batches(tmp_path:
             os.kill(server.proc.pid, signal.SIGCONT)
         client.ping()  # answered after the releases sent before it
         assert client.status()["server"]["locked_keys"] == 0
-    finally:
-        client.close()
-        assert server.stop() == 0, server.output()
 
 
 def test_a_close_interrupted_while_it_settles_late_replies_still_closes_the_socket(
-    tmp_path: Path, interrupting_signal: signal.Signals
+    server: ServerProcess, interrupting_signal: signal.Signals
 ) -> None:
     """Ctrl-C while ``close`` waits for a frozen server's late reply ends the wait, not the
     closing: the socket is closed all the same (a second close returns at once and would
     not close it)."""
-    server = start_server(tmp_path / "server")
-    client = Client(server.url, timeout=3600.0, cleanup_timeout=60.0)
     keys = make_keys("close-interrupted", 2)
-    try:
+    with Client(server.url, timeout=3600.0, cleanup_timeout=60.0) as client:
         assert client.store(keys, make_payloads("close-interrupted", 2, 4 << 10)) == 2
         client.release(keys)
         with _frozen_for_a_while(server.proc.pid, interrupting_signal):
@@ -455,6 +404,3 @@ def test_a_close_interrupted_while_it_settles_late_replies_still_closes_the_sock
             finally:
                 closing_interrupted.join()
         assert client._socket.closed
-    finally:
-        client.close()
-        assert server.stop() == 0, server.output()
