@@ -41,7 +41,8 @@ What each kind of plugin needs:
   ``decode_request`` with its ``KeyCache`` (a server's decoding of request headers);
 * file-per-object stores: ``FileLayout``, ``LocalFiles``, ``DirectoryLock`` (and
   ``PathLock``, ``DirectoryInUseError``), ``HeaderSizes``, ``WriteFailures``,
-  ``RemovalFailures`` (a sweep removing every record),
+  ``RemovalFailures`` (a sweep removing every record), ``DeleteFailures`` (deletes that
+  failed, counted and told once per burst),
   ``RECORD_ALIGN``, ``RECORD_SUFFIX``, whole verified loads of record files
   ``RecordLoads``, name helpers (``record_name``, ``classify_name``,
   ``EntryKind``, ``is_temp_name``, ``check_relative_dir``, ``record_key``), ``identity_of``,
@@ -121,6 +122,7 @@ if TYPE_CHECKING:
         ABSENT_FILE_ERRORS,
         RECORD_ALIGN,
         RECORD_SUFFIX,
+        DeleteFailures,
         DirectoryInUseError,
         DirectoryLock,
         EntryKind,
@@ -230,6 +232,7 @@ _LAZY = {
     "ABSENT_FILE_ERRORS": _FILES,
     "RECORD_ALIGN": _FILES,
     "RECORD_SUFFIX": _FILES,
+    "DeleteFailures": _FILES,
     "DirectoryInUseError": _FILES,
     "DirectoryLock": _FILES,
     "EntryKind": _FILES,
@@ -354,6 +357,7 @@ __all__ = [
     "ComponentConfig",
     "ComponentSuite",
     "ConfigError",
+    "DeleteFailures",
     "DirectoryInUseError",
     "DirectoryLock",
     "EmptyConfig",

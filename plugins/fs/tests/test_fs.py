@@ -1368,22 +1368,26 @@ def test_a_shard_directory_replaced_by_a_file_fails_a_lookup_and_is_a_read_error
         adapter.close()
 
 
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "fsspec"])
 def test_deletes_that_fail_are_counted_and_told_once_per_burst(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, remote: bool
 ) -> None:
     """A record that cannot be deleted (here its shard directory is a file: ENOTDIR) stays
     accounted, so the L2 eviction offers it again each cycle: each failed delete is counted
-    (``delete_io_errors``) and the log tells the burst in one line, not one per attempt."""
+    (``delete_io_errors``) and the log tells the burst in one line, not one per attempt --
+    on a local directory and through fsspec (``dir::file://``: the same failure, raised by
+    fsspec's calls) alike."""
     root = str(tmp_path / "kv")
     arena = Arena()
-    adapter = open_fs(fs_config(root, shard_dirs=True), arena.view)
+    url = f"dir::file://{root}" if remote else root
+    adapter = open_fs(fs_config(url, shard_dirs=True), arena.view)
     keys = make_keys(1)
     try:
         assert store(adapter, arena, keys, [pattern(0, 4096)]) == [True]
         shard = os.path.dirname(os.path.join(root, record_files(root)[0]))
         shutil.rmtree(shard)
         Path(shard).write_bytes(b"not a directory")
-        with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+        with caplog.at_level(logging.WARNING):
             for _attempt in range(3):
                 assert adapter.delete(keys) == [False]
         assert adapter.stats().get("delete_io_errors") == 3

@@ -25,6 +25,7 @@ from lmcache_tiers.plugin import (
     RECORD_ALIGN,
     BackendContext,
     BurstLog,
+    DeleteFailures,
     EntryKind,
     FileLayout,
     HeaderSizes,
@@ -88,6 +89,7 @@ class RemoteRecords:
         #: then: the lookup core makes next reads the header, so their accounting goes --
         #: they are no records of this adapter -- without counting them again
         self._deletes = KeptByDelete(context)
+        self._delete_failures = DeleteFailures(context.name, context.count)
         self._temps_left = BurstLog(log)
         fs.makedirs(layout.root, exist_ok=True)
 
@@ -344,7 +346,7 @@ class RemoteRecords:
             except FileNotFoundError:
                 return False
             except Exception as exc:  # OSError, or an fsspec store's own error: this key alone
-                log.warning("%s: cannot delete %s: %s", self.context.name, shown(path), shown(str(exc)))
+                self._delete_failures.failed(path, exc)
                 return False
 
     def _of_another_key(self, key: ObjectKey, path: str) -> bool:

@@ -22,6 +22,7 @@ from lmcache_tiers.l2.files.layout import (
 from lmcache_tiers.l2.files.local import ABSENT_FILE_ERRORS, FileIdentity, KeyStripes, LocalFiles, identity_of
 from lmcache_tiers.l2.files.records import (
     RECORD_ALIGN,
+    DeleteFailures,
     HeaderSizes,
     RemovalFailures,
     WriteFailures,
@@ -36,6 +37,7 @@ __all__ = [
     "ABSENT_FILE_ERRORS",
     "RECORD_ALIGN",
     "RECORD_SUFFIX",
+    "DeleteFailures",
     "DirectoryInUseError",
     "DirectoryLock",
     "EntryKind",

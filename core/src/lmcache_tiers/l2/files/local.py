@@ -28,7 +28,6 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from functools import partial
 from typing import Any, NamedTuple, NoReturn
 
-from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.keycodec import is_digest_name, name_to_key, printable
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.files.durable import fsync_directory, make_directories
@@ -41,7 +40,12 @@ from lmcache_tiers.l2.files.layout import (
     is_shard_name,
     is_temp_name,
 )
-from lmcache_tiers.l2.files.records import RemovalFailures, judge_digest_record, log_unreadable_header
+from lmcache_tiers.l2.files.records import (
+    DeleteFailures,
+    RemovalFailures,
+    judge_digest_record,
+    log_unreadable_header,
+)
 from lmcache_tiers.l2.record import MAX_HEADER_LEN
 
 log = logging.getLogger("lmcache_tiers.l2.files")
@@ -129,9 +133,7 @@ class LocalFiles:
         self.fsync = fsync
         self._on_root_recreated = on_root_recreated
         self._stripes = KeyStripes()
-        # A record that cannot be deleted stays accounted and the L2 eviction offers it
-        # again each cycle: one line a burst, every attempt counted.
-        self._delete_failures = BurstLog(log)
+        self._delete_failures = DeleteFailures(name, count)
         self._making_directories = threading.Lock()
         # Stores on several threads find a vanished root at once: one re-creates it (and
         # counts it, and re-takes the directory lock), the others find it there.
@@ -371,10 +373,7 @@ class LocalFiles:
             except FileNotFoundError:
                 return False
             except OSError as exc:  # EIO, EACCES, ENOTDIR: the record may be intact
-                self._count("delete_io_errors", 1)
-                self._delete_failures.warn(
-                    "delete", "%s: cannot delete %s: %s", self.name, printable(path, 300), exc
-                )
+                self._delete_failures.failed(path, exc)
                 return False
 
     @staticmethod

@@ -27,6 +27,7 @@ _log = logging.getLogger("lmcache_tiers.l2.files")
 __all__ = [
     "MAX_HEADER_LEN",
     "RECORD_ALIGN",
+    "DeleteFailures",
     "HeaderSizes",
     "RemovalFailures",
     "WriteFailures",
@@ -200,6 +201,22 @@ class RemovalFailures:
         message = f"{'; '.join(told)}; {removed} were removed"
         _log.warning("%s: %s", self._store, message)
         raise OSError(message)
+
+
+class DeleteFailures:
+    """Counts deletes of records that failed for another reason than "no such file"
+    (``delete_io_errors``: EIO, EACCES, ENOTDIR, a store's own error), logging one line per
+    burst.  Such a record may be intact and stays accounted, so the L2 eviction offers it
+    again each cycle: every attempt is counted, the log tells the burst."""
+
+    def __init__(self, store: str, count: Callable[[str, int], None]) -> None:
+        self._store = store
+        self._count = count
+        self._burst = BurstLog(_log)
+
+    def failed(self, path: str, exc: BaseException) -> None:
+        self._count("delete_io_errors", 1)
+        self._burst.warn("delete", "%s: cannot delete %s: %s", self._store, shown(path), shown(str(exc)))
 
 
 class WriteFailures:
