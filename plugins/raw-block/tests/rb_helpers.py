@@ -8,12 +8,24 @@ from typing import Any
 
 from lmcache_plugin_raw_block import RawBlockConfig
 from lmcache_plugin_raw_block.backend import RawBlockBackend
-from slot_helpers import Arena, client, flip_byte, load, store
+from slot_helpers import Arena, ZlibSerde, client, flip_byte, load, store
 
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
 from lmcache_tiers.serde import Serde
+from lmcache_tiers.testing.l2 import make_keys
 
-__all__ = ["Arena", "backend_of", "client", "config", "crash", "flip_byte", "load", "open_raw", "store"]
+__all__ = [
+    "Arena",
+    "backend_of",
+    "check_a_superseded_record_of_another_chain_does_not_hide_the_newer_write",
+    "client",
+    "config",
+    "crash",
+    "flip_byte",
+    "load",
+    "open_raw",
+    "store",
+]
 
 SLOT = 64 << 10
 HEADER = 4096
@@ -51,3 +63,27 @@ def crash(adapter: BackendAdapter) -> None:
     """
     backend_of(adapter).checkpoint = lambda force=False: False  # type: ignore[method-assign]
     adapter.close()
+
+
+def check_a_superseded_record_of_another_chain_does_not_hide_the_newer_write(cfg: RawBlockConfig) -> None:
+    """A key stored with one serde chain, stored again with another, then a crash: the
+    start-up checkpoint lists the older write and the slot scan finds the newer one.  The
+    older record, of the chain no longer configured, must not make the key a miss."""
+    (key,) = make_keys(1)
+    zipped = open_raw(cfg, serde=(ZlibSerde(),))
+    assert store(zipped, [key], [bytes(30_000)]) == [True]
+    zipped.close()
+    plain = open_raw(cfg)  # its start-up checkpoint lists the zlib write
+    newer = b"new" * 10_000
+    assert store(plain, [key], [newer]) == [True]
+    crash(plain)  # the newer write is known from its slot header only
+    reopened = open_raw(cfg)
+    try:
+        stats = reopened.stats()
+        assert stats.get("serde_chain_mismatch", 0) == 0, "the superseded record was judged"
+        assert client(reopened).lookup_and_lock([key]).found == [True]
+        reopened.unlock([key])
+        assert load(reopened, [key], [len(newer)]) == ([True], [newer])
+        assert len(list(reopened.iter_keys())) == 1
+    finally:
+        reopened.close()

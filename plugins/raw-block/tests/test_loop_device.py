@@ -17,7 +17,13 @@ from pathlib import Path
 import pytest
 from lmcache_plugin_raw_block import RawBlockConfig
 from lmcache_plugin_raw_block.backend import RawBlockBackend
-from rb_helpers import client, load, open_raw, store
+from rb_helpers import (
+    check_a_superseded_record_of_another_chain_does_not_hide_the_newer_write,
+    client,
+    load,
+    open_raw,
+    store,
+)
 from rb_helpers import config as sized_config
 from slot_helpers import small_tmpfs
 
@@ -177,3 +183,9 @@ def test_a_full_backing_store_fails_the_stores_that_do_not_fit_until_space_retur
 def test_a_file_that_cannot_be_preallocated_is_refused_at_start() -> None:
     with small_tmpfs("1m") as mount, pytest.raises(ConfigError, match=r"cannot preallocate .* No space left"):
         open_raw(sized_config(Path(mount) / "device.img", slots=64))
+
+
+def test_a_superseded_record_of_another_chain_does_not_hide_the_newer_write() -> None:
+    with loop_device() as device:
+        cfg = RawBlockConfig(device_path=device, slot_bytes=64 << 10)
+        check_a_superseded_record_of_another_chain_does_not_hide_the_newer_write(cfg)

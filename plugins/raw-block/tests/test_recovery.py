@@ -19,6 +19,7 @@ from rb_helpers import (
     SLOT,
     Arena,
     backend_of,
+    check_a_superseded_record_of_another_chain_does_not_hide_the_newer_write,
     client,
     config,
     crash,
@@ -719,3 +720,7 @@ def test_checkpoints_passed_over_in_both_areas_are_both_superseded_before_stores
     adapter = open_raw(cfg)
     assert adapter.stats()["checkpoints_unusable"] == 2
     reuse_slot_crash_and_reopen(adapter, cfg, old_keys, (new_keys, new), monkeypatch).close()
+
+
+def test_a_superseded_record_of_another_chain_does_not_hide_the_newer_write(tmp_path: Path) -> None:
+    check_a_superseded_record_of_another_chain_does_not_hide_the_newer_write(config(tmp_path / "dev.img"))

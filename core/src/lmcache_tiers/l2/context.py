@@ -71,7 +71,8 @@ class BackendContext:
 
     A backend needs at most: ``name`` and ``config``; ``l1_buffer`` (host memory of the
     L1 arena to register once, or None); ``count`` (counters in ``stats()``); the record
-    helpers ``record_header`` / ``read_record_header`` / ``l1_size_of``; ``closing`` and
+    helpers ``record_header`` / ``read_record_header`` (``peek_record_header`` for a
+    start-up scan) / ``l1_size_of``; ``closing`` and
     ``sleep``.  Wrappers build the backend they wrap with ``open_inner``.  ``index``,
     ``serde``, ``l1_offset`` and ``facts`` are for factories that return a complete
     :class:`~lmcache_tiers.l2.interface.L2Adapter`.
@@ -246,6 +247,21 @@ class BackendContext:
         # A load of the key hands the layout to the L1 object it fills (take_layouts).
         self._state.note_layout(key, header.layout)
         return header
+
+    def peek_record_header(self, data: bytes | memoryview, key: ObjectKey) -> RecordHeader | None:
+        """Decode and verify a stored header of ``key`` as :meth:`read_record_header` does
+        (None: intact, of another serde chain; a ``RecordError`` otherwise), marking,
+        noting and counting nothing.
+
+        For a start-up scan that meets several writes of one key and learns which is the
+        key's object only once it is done: a superseded record of another chain must not
+        make the key a miss.  Hand the record that turns out to be the key's object to
+        :meth:`read_record_header`.
+        """
+        try:
+            return decode_header(data, expected_key=key, expected_serde=self._state.chain.names)
+        except RecordSerdeMismatchError:
+            return None
 
     # -- for wrappers -----------------------------------------------------------------------------
 

@@ -17,7 +17,9 @@ A header counts only if it is intact (crc), of this device (identity), of this s
 its record header verifies -- or is intact but of a newer format version: kept as its
 key's object, and the backend makes its key a miss until replaced once the table is
 restored (see ``slotstore.newer_format``); the payload itself is verified on every load.  Two writes
-of one key keep the newer.  Without any valid checkpoint every slot header is read.
+of one key keep the newer; a record of another serde chain makes its key a miss only if
+it is the newer (the scan peeks at records, then marks the keys whose newest write is of
+another chain).  Without any valid checkpoint every slot header is read.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class _Recovery:
         self.read_headers = read_headers
         self.context = context
         self.result = Recovered()
+        #: intact records of another serde chain taken, each its key's object or not
+        self.other_chain: list[tuple[ObjectKey, SlotEntry]] = []
 
     def headers(self, slots: Sequence[int]) -> Iterator[SlotHeader | None]:
         """The decoded header of each of ``slots``, in order, read :data:`SCAN_WINDOW` at
@@ -78,9 +82,14 @@ class _Recovery:
 
     def record_ok(self, header: SlotHeader, entry: SlotEntry) -> bool:
         """Whether the record header in a slot header verifies for its key (a record of
-        another serde chain or of a newer format is intact: kept, and a miss here)."""
+        another serde chain or of a newer format is intact: kept, and a miss here).
+
+        Only peeked: a later write of the key may supersede this one, and a superseded
+        record of another chain must not make the key a miss (see
+        :meth:`mark_other_chains`)."""
         try:
-            self.context.read_record_header(header.record, header.key)
+            if self.context.peek_record_header(header.record, header.key) is None:
+                self.other_chain.append((header.key, entry))
         except RecordError as exc:
             if newer_format(exc):
                 # Counted and logged by the backend if it is still its key's object once
@@ -115,6 +124,23 @@ class _Recovery:
             if header is not None and header.seq >= checkpoint.next_seq and self.take(header):
                 continue
             self.result.dropped += 1
+
+    def mark_other_chains(self, entries: Sequence[tuple[ObjectKey, SlotEntry]]) -> None:
+        """Make each key whose object (its newest write among ``entries``) is a record of
+        another serde chain a miss until replaced, as core asks, counted and logged there
+        (``serde_chain_mismatch``).  Its slot header is read again: holding the record
+        of every such write until the scan ends would hold ``header_bytes`` per object.
+        One that cannot be read again stays listed; a load of it judges it then."""
+        newest: dict[ObjectKey, SlotEntry] = {}
+        for key, entry in entries:
+            kept = newest.get(key)
+            if kept is None or kept.seq < entry.seq:
+                newest[key] = entry
+        current = [(key, entry) for key, entry in self.other_chain if newest.get(key) == entry]
+        headers = self.headers([entry.slot for _key, entry in current])
+        for (key, entry), header in zip(current, headers, strict=True):
+            if header is not None and header.seq == entry.seq and header.key == key:
+                self.context.read_record_header(header.record, key)
 
     def watched(self, watched: Iterable[tuple[int, int]]) -> None:
         pairs = list(watched)
@@ -177,6 +203,7 @@ def recover(
         if kept is None or kept[1].seq < entry.seq:
             by_slot[entry.slot] = (key, entry)
     result.entries = list(by_slot.values())
+    recovery.mark_other_chains(result.entries)
     newest = max((entry.seq for _key, entry in result.entries), default=0)
     result.next_seq = max(newest + 1, checkpoint.next_seq if checkpoint is not None else 1)
     return result
