@@ -796,8 +796,14 @@ def config_to_builtins(config: ServerConfig) -> dict[str, Any]:
     return data
 
 
-#: field names whose values are credentials: never printed nor logged
-SECRET_FIELD = re.compile(r"secret|password|passwd|token|credential|access_key|api_key", re.IGNORECASE)
+#: field names whose values are credentials: never printed nor logged.  Azure's account
+#: key and connection string (which holds the account key or a shared access signature)
+#: are named so by the NIXL AZURE_BLOB backend and fsspec's ``abfs://`` store.
+SECRET_FIELD = re.compile(
+    r"secret|password|passwd|token|credential|access_key|api_key"
+    r"|account_?key|connection_?string|private_?key|shared_?access",
+    re.IGNORECASE,
+)
 #: where a URL's authority (``redis://user:password@host:port``) ends at the latest: its
 #: first ``/`` or blank.  It also ends where the next URL's scheme begins (``h1:1,redis://...``
 #: in a list of nodes), and a ``?`` or ``#`` written unescaped in a password is hidden with
@@ -824,14 +830,23 @@ _URL_QUERY_SECRET = re.compile(
     rf"(?P<head>(?:&|(?<![^=&#\s])[^=&#?\s]*\?)(?=[^=&#\s]*?(?:{SECRET_FIELD.pattern}))[^=&#\s]*=)[^&#\s]*",
     re.IGNORECASE,
 )
+#: the credential of an Azure connection string quoted in a text (an error line quoting
+#: the config value): ``AccountKey=...;``, ``SharedAccessSignature=...;``.  Its value
+#: runs to the ``;`` ending it, a blank or a quote.
+_CONNECTION_STRING_SECRET = re.compile(
+    r"(?P<head>(?<![A-Za-z0-9_])(?:AccountKey|SharedAccessKey|SharedAccessSignature)=)[^;\s'\"`]*",
+    re.IGNORECASE,
+)
 REDACTED = "***"
 
 
 def redact_url_secrets(text: str) -> str:
     """``text`` with the passwords of the URLs in it -- in their user information or in
-    query parameters named like credentials -- replaced by ``***``.  Linear in the length
-    of ``text``: it is applied to error lines that quote whatever the user gave."""
-    return _URL_QUERY_SECRET.sub(rf"\g<head>{REDACTED}", _hide_url_passwords(text))
+    query parameters named like credentials -- and the keys of Azure connection strings
+    replaced by ``***``.  Linear in the length of ``text``: it is applied to error lines
+    that quote whatever the user gave."""
+    shown = _URL_QUERY_SECRET.sub(rf"\g<head>{REDACTED}", _hide_url_passwords(text))
+    return _CONNECTION_STRING_SECRET.sub(rf"\g<head>{REDACTED}", shown)
 
 
 def _hide_url_passwords(text: str) -> str:
