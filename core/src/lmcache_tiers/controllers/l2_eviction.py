@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Sequence
 from itertools import islice
 
@@ -31,6 +32,11 @@ logger = logging.getLogger(__name__)
 
 #: keys deleted per ``delete`` call; bounds how long the policy lock is held
 DELETE_BATCH = 64
+#: a failed listing of the keys stored before start-up is retried after this long, the
+#: interval doubling with each failure up to ``SEED_RETRY_MAX_S`` (a listing that keeps
+#: failing would otherwise walk a struggling backend every cycle)
+SEED_RETRY_FIRST_S = 1.0
+SEED_RETRY_MAX_S = 60.0
 
 
 class L2EvictionController(ControllerThread):
@@ -70,9 +76,23 @@ class L2EvictionController(ControllerThread):
         self.stats = stats
         self._policy_lock = threading.Lock()
         # Until the keys the adapter already held are fed to the policy (oldest first,
-        # in the thread: a scan can be slow), listener events wait here in order.
+        # in the thread: a scan can be slow), listener events wait here in order -- up to
+        # the first listing only.  Once a listing failed, events go to the policy as they
+        # come (stores go on meanwhile: a queue of them would grow without bound), and
+        # the keys they wrote are remembered, so that the listing that finally succeeds
+        # adds only keys the policy has not heard of; so are keys removed while that
+        # listing runs (it may have listed them before they went).
         self._seeded = False
         self._early_events: list[tuple[str, list[ObjectKey]]] = []
+        self._live_unseeded = False
+        self._written_unseeded: set[ObjectKey] = set()
+        self._listing = False
+        self._removed_while_listing: set[ObjectKey] = set()
+        self._seed_lock = threading.Lock()  # one listing at a time (the thread, evict())
+        self.seed_retry_first_s = SEED_RETRY_FIRST_S
+        self._seed_failures = 0
+        self._next_listing_at = 0.0
+        self._scan_error_log = BurstLog(logger, "l2_eviction_scan_error")
         # The batch ``evict`` is deleting, and how many of its keys the adapter reported
         # deleted: evicted, or found gone from the store, which frees accounted bytes too;
         # and those it reported absent (gone, never accounted: nothing freed).
@@ -95,8 +115,21 @@ class L2EvictionController(ControllerThread):
     def _feed_locked(self, method: str, keys: Sequence[ObjectKey]) -> None:
         if self._seeded:
             self._tell_policy(method, keys)
+        elif self._live_unseeded:
+            self._tell_policy(method, keys)
+            self._note_unseeded(method, keys)
         else:
             self._early_events.append((method, list(keys)))
+
+    def _note_unseeded(self, method: str, keys: Sequence[ObjectKey]) -> None:
+        """What the policy heard since a listing failed (policy lock held); bounded by the
+        keys stored meanwhile that are still there, as the policy itself is."""
+        if method == "on_keys_written":
+            self._written_unseeded.update(keys)
+        elif method == "on_keys_removed":
+            self._written_unseeded.difference_update(keys)
+            if self._listing:
+                self._removed_while_listing.update(keys)
 
     def _tell_policy(self, method: str, keys: Sequence[ObjectKey]) -> None:
         """One event to the policy (policy lock held).  A policy that raises is counted and
@@ -135,35 +168,91 @@ class L2EvictionController(ControllerThread):
         """Tell the policy about objects stored before this process started.
 
         Not while the adapter's circuit is open: the listing is not guarded by the circuit
-        and would go to the backend known down, and a failed listing would leave those
-        objects out of the policy for good (never evicted: the adapter could stay above
-        its watermark, refusing stores).  Seeding waits for a cycle after the circuit
-        closes; events meanwhile wait in ``_early_events`` (few: the circuit refuses every
-        store, load and delete)."""
-        if self.slot.adapter.circuit_open:
-            self.stats.fail("l2_eviction_seed_deferred_circuit_open")
-            self._deferred_log.event(
-                1,
-                f"L2 eviction on {self.slot.name}: listing the keys stored before start-up "
-                "waits for the circuit to close (the backend is down)",
-            )
-            return
-        try:
-            existing = list(self.slot.adapter.iter_keys())
-        except Exception as exc:
-            self.stats.fail("l2_eviction_scan_error")
-            logger.warning("%s: listing stored keys failed; they are not evicted: %s", self.slot.name, exc)
-            existing = []
-        with self._policy_lock:
+        and would go to the backend known down.  Seeding waits for a cycle after the
+        circuit closes; events meanwhile wait in ``_early_events`` (few: the circuit
+        refuses every store, load and delete).  A listing that fails (or breaks off
+        part-way: nothing of it is used) is retried on a later cycle, after an interval
+        that doubles with each failure: left out of the policy, those objects would
+        never be evicted, and the adapter could stay above its watermark, refusing
+        stores."""
+        with self._seed_lock:
             if self._seeded:
                 return  # another thread (a direct evict() call) got here first
-            if existing:
-                self._tell_policy("on_keys_written", existing)
-            for method, keys in self._early_events:
-                self._tell_policy(method, keys)
-            self._early_events.clear()
+            if self.slot.adapter.circuit_open:
+                self._defer_for_open_circuit()
+                return
+            if self._seed_failures and time.monotonic() < self._next_listing_at:
+                return  # the last listing failed: the retry waits its interval
+            with self._policy_lock:
+                self._listing = True
+                self._removed_while_listing.clear()
+            try:
+                existing = list(self.slot.adapter.iter_keys())
+            except Exception as exc:
+                self._listing_failed(exc)
+                return
+            self._seed_with(existing)
+
+    def _defer_for_open_circuit(self) -> None:
+        self.stats.fail("l2_eviction_seed_deferred_circuit_open")
+        self._deferred_log.event(
+            1,
+            f"L2 eviction on {self.slot.name}: listing the keys stored before start-up "
+            "waits for the circuit to close (the backend is down)",
+        )
+
+    def _listing_failed(self, exc: Exception) -> None:
+        """Counted, logged once per burst, retried later; events from now on go to the
+        policy as they come (those queued so far first, in order)."""
+        self.stats.fail("l2_eviction_scan_error")
+        self._seed_failures += 1
+        retry_s = min(SEED_RETRY_MAX_S, self.seed_retry_first_s * 2 ** (self._seed_failures - 1))
+        self._next_listing_at = time.monotonic() + retry_s
+        self._scan_error_log.warn(
+            "listing",
+            "%s: listing the keys stored before start-up failed (%s); they are not evicted "
+            "until a retry succeeds (next in %.0f s)",
+            self.slot.name,
+            exc,
+            retry_s,
+        )
+        with self._policy_lock:
+            self._listing = False
+            if not self._live_unseeded:
+                for method, keys in self._early_events:
+                    self._tell_policy(method, keys)
+                    self._note_unseeded(method, keys)
+                self._early_events.clear()
+                self._live_unseeded = True
+
+    def _seed_with(self, existing: list[ObjectKey]) -> None:
+        with self._policy_lock:
+            if self._live_unseeded:
+                # The policy heard every event since the failed listing: only keys it has
+                # not heard of join (a second write would reorder or recount a key), and
+                # none removed while the listing ran.
+                known = self._written_unseeded | self._removed_while_listing
+                existing = [key for key in existing if key not in known]
+                if existing:
+                    self._tell_policy("on_keys_written", existing)
+            else:
+                if existing:
+                    self._tell_policy("on_keys_written", existing)
+                for method, keys in self._early_events:
+                    self._tell_policy(method, keys)
+                self._early_events.clear()
             self._seeded = True
-        if existing:
+            self._live_unseeded = self._listing = False
+            self._written_unseeded = set()
+            self._removed_while_listing = set()
+        if self._seed_failures:
+            logger.info(
+                "%s: eviction policy seeded with %d stored keys after %d failed listings",
+                self.slot.name,
+                len(existing),
+                self._seed_failures,
+            )
+        elif existing:
             logger.debug("%s: eviction policy seeded with %d stored keys", self.slot.name, len(existing))
 
     # -- the thread ----------------------------------------------------------------------
@@ -182,7 +271,9 @@ class L2EvictionController(ControllerThread):
                 return  # no capacity to measure against, or below the watermark
             # At least one byte: a round of small objects that rounds down to none would
             # free nothing, and the adapter would refuse stores above its watermark for good.
-            if self.evict(max(1, int(adapter.used_bytes() * self.eviction_ratio))) <= 0:
+            with self._evict_lock:  # seeding was tried above: not twice a cycle
+                freed = self._evict(max(1, int(adapter.used_bytes() * self.eviction_ratio)), seed=False)
+            if freed <= 0:
                 return  # nothing left to evict now (pinned, failing): the next cycle retries
 
     def evict(self, bytes_to_free: int) -> int:
@@ -190,11 +281,11 @@ class L2EvictionController(ControllerThread):
         with self._evict_lock:  # one at a time: the batch being deleted is shared state
             return self._evict(bytes_to_free)
 
-    def _evict(self, bytes_to_free: int) -> int:
+    def _evict(self, bytes_to_free: int, *, seed: bool = True) -> int:
         if bytes_to_free > 0 and self.slot.adapter.circuit_open:
             self._skip_for_open_circuit()
             return 0
-        if not self._seeded:
+        if seed and not self._seeded:
             self._seed()
         adapter = self.slot.adapter
         start = adapter.used_bytes()
