@@ -201,8 +201,9 @@ def test_every_timed_retrieve_is_checked_against_the_stored_bytes(
         return len(keys)
 
     monkeypatch.setattr(Client, "retrieve_into", inline_writes_nothing)
+    # One repeat: no earlier store is read back, only the timed retrieve can catch it.
     with pytest.raises(RuntimeError, match="inline RETRIEVE returned different bytes than were stored"):
-        run_bench(in_process_server.endpoint, chunks=2, chunk_bytes=4096, repeats=2, lookup_requests=10)
+        run_bench(in_process_server.endpoint, chunks=2, chunk_bytes=4096, repeats=1, lookup_requests=10)
     assert in_process_server.storage.status()["l1"]["objects"] == 0
 
 
@@ -235,3 +236,49 @@ def test_a_server_dying_mid_run_is_named_with_what_the_run_may_leave(tmp_path: P
     ), message
     # ...and what the run could not delete
     assert "the 16 benchmark objects still in L1 could not be deleted" in message, message
+
+
+def test_a_store_of_an_earlier_repeat_that_kept_other_bytes_fails_the_run(
+    in_process_server: TiersServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first timed store keeps zeros instead of the chunks; the last one (the only
+    # one the timed retrieves read) is right. Its throughput is still a figure for wrong bytes.
+    honest_store = Client.store
+    stores = 0
+
+    def first_store_keeps_zeros(self: Client, keys: list[ObjectKey], buffers: list, **options: object) -> int:  # type: ignore[type-arg]
+        nonlocal stores
+        stores += 1
+        if stores == 1:
+            buffers = [np.zeros_like(buffer) for buffer in buffers]
+        return honest_store(self, keys, buffers, **options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Client, "store", first_store_keeps_zeros)
+    with pytest.raises(
+        RuntimeError, match="shm STORE 1/2: RETRIEVE returned different bytes than were stored"
+    ):
+        run_bench(in_process_server.endpoint, chunks=2, chunk_bytes=4096, repeats=2, lookup_requests=10)
+    assert in_process_server.storage.status()["l1"]["objects"] == 0
+
+
+@pytest.mark.parametrize("interrupted_at", ["shm retrieve", "lookup"])
+def test_a_run_stopped_by_ctrl_c_deletes_what_it_stored(
+    in_process_server: TiersServer, interrupted_at: str
+) -> None:
+    # A bench stopped by hand on a production server must not leave its batch in L1, nor
+    # the lookups' read locks that would keep it from being evicted.
+    def interrupt(label: str) -> None:
+        if label == interrupted_at:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(
+            in_process_server.endpoint,
+            chunks=2,
+            chunk_bytes=4096,
+            repeats=2,
+            lookup_requests=10,
+            step=interrupt,
+        )
+    status = in_process_server.storage.status()
+    assert status["l1"]["objects"] == 0

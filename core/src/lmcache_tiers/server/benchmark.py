@@ -5,6 +5,8 @@ bytes: a plain memcpy (numpy copy between two pre-faulted buffers) of the N x S 
 STORE through shared memory is reserve + one copy into the arena + commit; RETRIEVE is
 read-lock + one copy out of the arena into pre-faulted buffers + release, so their ratio to
 memcpy is the cost of the protocol.  Inline mode moves the same bytes through the socket.
+Every chunk retrieved, and every timed store (read back untimed), is compared with the
+bytes stored: a figure is never reported for wrong bytes.
 LOOKUP latency is the round trip of one request naming ``lookup_keys`` keys that are all in
 L1, measured one request at a time from one client.
 
@@ -12,7 +14,7 @@ The benchmark is safe to run against a server in production: its keys carry a ca
 of their own (no engine's key can collide with them, and engines' lookups never see
 them), they are stored L1-only (nothing is written to, or evicted from, any L2 adapter),
 and every key it stored is deleted from L1 (EVICT) when it is done, also after a failure
-(when the server no longer answers, the failure says how many it could not delete).
+or Ctrl-C (when the server no longer answers, the failure says how many it could not delete).
 It only needs L1 room for one batch; an engine's L1 objects may be evicted to make that
 room, exactly as a burst of stores would.  A server without these protocol features is
 refused rather than measured, and so is a batch larger than the server's L1 or than this
@@ -195,9 +197,13 @@ def run_bench(
                 for mode_client, _mode in modes[1:]:
                     mode_client.close()
             _latency(client, bench_keys, result, lookup_keys, lookup_requests, tick)
-        except Exception as failure:
+        except BaseException as failure:
+            # Ctrl-C too: a run stopped by hand must not leave its batch in a production L1.
             left_behind = _remove_after_failure(client, bench_keys, timeout)
             if left_behind is None:
+                raise
+            if not isinstance(failure, Exception):
+                failure.add_note(left_behind)
                 raise
             # The run's own failure first, then what it leaves on the server.
             raise RuntimeError(f"{failure}; {left_behind}") from failure
@@ -269,6 +275,9 @@ def _throughput(
     keys: list[ObjectKey] = []
     for repeat in range(repeats):
         if keys:
+            # Read back (untimed) before its keys make room: a figure is never reported
+            # for a store that kept other bytes, even when the last store kept the right ones.
+            _retrieve_checked(client, f"{mode} STORE {repeat}/{repeats}:", keys, sources, targets)
             bench_keys.remove(client, keys)  # make room; the timed store below writes fresh keys
         keys = bench_keys.make(f"{mode}{repeat}", len(sources))
         with _timed(stores):
@@ -278,25 +287,33 @@ def _throughput(
         tick(f"{mode} store")
     retrieves: list[float] = []
     for _ in range(repeats):
-        # Wiped before and checked after each timed retrieve (both untimed): the buffers
-        # must not pass off an earlier retrieve's bytes, another mode's, as this one's.
-        for target in targets:
-            target.fill(0)
-        with _timed(retrieves):
-            got = client.retrieve_into(keys, targets)
-        if got != len(keys):
-            raise RuntimeError(f"{mode} RETRIEVE returned {got} of {len(keys)} chunks")
-        _check_bytes(mode, sources, targets)
+        _retrieve_checked(client, mode, keys, sources, targets, timings=retrieves)
         tick(f"{mode} retrieve")
     bench_keys.remove(client, keys)
     return _gbps(total, statistics.median(stores)), _gbps(total, statistics.median(retrieves))
 
 
-def _check_bytes(mode: str, sources: list[np.ndarray[Any, Any]], targets: list[np.ndarray[Any, Any]]) -> None:
-    """No throughput is reported for wrong bytes: a retrieve that returned other bytes than
-    were stored fails the run."""
+def _retrieve_checked(
+    client: Client,
+    label: str,
+    keys: list[ObjectKey],
+    sources: list[np.ndarray[Any, Any]],
+    targets: list[np.ndarray[Any, Any]],
+    timings: list[float] | None = None,
+) -> None:
+    """RETRIEVE ``keys`` into ``targets`` and fail the run unless every chunk holds, byte for
+    byte, what ``sources`` stored: no throughput is reported for wrong bytes.
+
+    Only the RETRIEVE itself is timed (into ``timings``, when given); the buffers are wiped
+    before it, so they cannot pass off an earlier retrieve's bytes, another mode's, as its own."""
+    for target in targets:
+        target.fill(0)
+    with _timed([] if timings is None else timings):
+        got = client.retrieve_into(keys, targets)
+    if got != len(keys):
+        raise RuntimeError(f"{label} RETRIEVE returned {got} of {len(keys)} chunks")
     if any(not np.array_equal(source, target) for source, target in zip(sources, targets, strict=True)):
-        raise RuntimeError(f"{mode} RETRIEVE returned different bytes than were stored")
+        raise RuntimeError(f"{label} RETRIEVE returned different bytes than were stored")
 
 
 def _latency(
