@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Annotated
 
 import msgspec
 
+from lmcache_plugin_serde_aesgcm.keys import is_key_itself
 from lmcache_tiers.plugin import ComponentConfig, KindRegistry, hookimpl
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -54,10 +56,30 @@ class AesGcmConfig(ComponentConfig):
     def __post_init__(self) -> None:
         if (self.key_file is None) == (self.key_env is None):
             raise ValueError("exactly one of key_file or key_env must be set")
+        self._refuse_a_key_in_place_of_its_location()
         if self.key_file is not None and not self.key_file.strip():
             raise ValueError("key_file is empty")
         if self.key_env is not None and not _ENV_NAME.match(self.key_env):
             raise ValueError(f"key_env {self.key_env!r} is not an environment variable name")
+
+    def _refuse_a_key_in_place_of_its_location(self) -> None:
+        """The key itself written as ``key_env`` or ``key_file`` (a common slip) would be
+        quoted by the errors below and printed by ``--print-config``: refuse it unquoted.
+        An existing file is a file, whatever its name."""
+        if self.key_env is not None and is_key_itself(self.key_env):
+            field = "key_env"
+        elif (
+            self.key_file is not None
+            and is_key_itself(self.key_file)
+            and not os.path.exists(os.path.expanduser(self.key_file))
+        ):
+            field = "key_file"
+        else:
+            return
+        raise ValueError(
+            f"{field} holds a 256-bit key itself, not where the key is: put the key in "
+            "a file (key_file) or an environment variable (key_env) and name that instead"
+        )
 
 
 @hookimpl

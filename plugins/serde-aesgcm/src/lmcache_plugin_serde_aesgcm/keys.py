@@ -39,6 +39,12 @@ def _from_text(text: bytes) -> bytes | None:
     return decoded if len(decoded) == KEY_SIZE else None
 
 
+def is_key_itself(text: str) -> bool:
+    """Whether ``text``, written where a key's location belongs, is a key: 64 hex digits
+    or base64 of 32 bytes.  Such a value must be refused without being quoted."""
+    return _from_text(text.encode("utf-8", "replace")) is not None
+
+
 def _checked(key: bytes | None, where: str, found: str) -> bytes:
     if key is None:
         raise ConfigError(f"aesgcm: {where} holds no 256-bit key (expected {_EXPECTED}; found {found})")
