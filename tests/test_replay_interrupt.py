@@ -48,21 +48,27 @@ def _replay_twice(url: str, tmp_path: Path) -> Callable[[], object]:
     return replay
 
 
-def test_an_interrupt_between_lookup_and_retrieve_gives_the_locks_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The LOOKUP read-locks the hit prefix for this client; left behind, those objects
-    # stay pinned (unevictable) until the server's lock TTL, long after the replay ended.
+def _interrupted_replay_leaves_no_locks(tmp_path: Path, interrupt: Callable[[], None]) -> None:
+    """Replay a trace twice through a new server, the second time with ``interrupt()``
+    installed first (it patches in a KeyboardInterrupt), and check no read lock is left."""
     server = start_block_server(tmp_path / "server", 500)
     try:
         replay_twice = _replay_twice(server.url, tmp_path)
-        _interrupt_after_a_hit(monkeypatch)
+        interrupt()
         with pytest.raises(KeyboardInterrupt):
             replay_twice()
         with Client(server.url, timeout=10.0) as probe:
             assert probe.status()["server"]["locked_keys"] == 0
     finally:
         assert server.stop() == 0, server.output()
+
+
+def test_an_interrupt_between_lookup_and_retrieve_gives_the_locks_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The LOOKUP read-locks the hit prefix for this client; left behind, those objects
+    # stay pinned (unevictable) until the server's lock TTL, long after the replay ended.
+    _interrupted_replay_leaves_no_locks(tmp_path, lambda: _interrupt_after_a_hit(monkeypatch))
 
 
 def test_an_interrupt_as_a_lookup_answers_gives_the_locks_back(
@@ -71,23 +77,16 @@ def test_an_interrupt_as_a_lookup_answers_gives_the_locks_back(
     """Ctrl-C or SIGTERM landing once the LOOKUP's reply has come (its hit prefix
     read-locked for this client) but before ``lookup`` returned the hits: the replay did not
     know of the locks and left them to the server's lock TTL."""
-    server = start_block_server(tmp_path / "server", 500)
-    try:
-        replay_twice = _replay_twice(server.url, tmp_path)
-        looked_up = Client.lookup
+    looked_up = Client.lookup
 
-        def lookup_then_interrupt(self: Client, keys: list[ObjectKey], timeout: float | None = None) -> int:
-            if looked_up(self, keys, timeout):
-                raise KeyboardInterrupt
-            return 0
+    def lookup_then_interrupt(self: Client, keys: list[ObjectKey], timeout: float | None = None) -> int:
+        if looked_up(self, keys, timeout):
+            raise KeyboardInterrupt
+        return 0
 
-        monkeypatch.setattr(Client, "lookup", lookup_then_interrupt)
-        with pytest.raises(KeyboardInterrupt):
-            replay_twice()
-        with Client(server.url, timeout=10.0) as probe:
-            assert probe.status()["server"]["locked_keys"] == 0
-    finally:
-        assert server.stop() == 0, server.output()
+    _interrupted_replay_leaves_no_locks(
+        tmp_path, lambda: monkeypatch.setattr(Client, "lookup", lookup_then_interrupt)
+    )
 
 
 # Run as the replay's main script: its top level runs again in every client process
