@@ -375,7 +375,9 @@ def test_a_release_that_runs_out_of_time_still_sends_its_other_batches(server: S
         client.max_keys = 2  # three RELEASE requests
         freeze(server.proc.pid)
         try:
-            with pytest.raises(RequestTimeoutError):
+            # the caller is told which keys may keep their locks for a while: all six,
+            # the first batch having gone unanswered
+            with pytest.raises(RequestTimeoutError, match=r"the last 6 of these 6 keys"):
                 client.release(keys, timeout=0.3)
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)

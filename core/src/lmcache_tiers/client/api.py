@@ -724,8 +724,9 @@ class Client(Connection):
 
         ``timeout`` bounds this call (all its requests together), default the client's:
         a release on the way out may wait less than the calls before it.  When it runs
-        out, the batches not sent yet go out without waiting for their replies (so no
-        key keeps its lock until the server's TTL) and RequestTimeoutError is raised."""
+        out, the batches not sent yet go out without waiting for their replies and
+        RequestTimeoutError is raised, naming how many of the keys (the last ones) may
+        keep their locks until the server reads those releases, or its lock TTL."""
         released = 0
         keys = list(keys)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -734,13 +735,38 @@ class Client(Connection):
             left = max(0.0, deadline - time.monotonic())
             try:
                 released += self._call(p.Release(0, "", keys[part]), p.ReleaseReply, timeout=left).released
-            except RequestTimeoutError:
-                self._release_without_waiting(keys, parts[index + 1 :])
-                raise
+            except RequestTimeoutError as exc:
+                unsent = self._release_without_waiting(keys, parts[index + 1 :])
+                raise _unconfirmed_release(exc, len(keys[part.start :]), len(keys), unsent) from exc
         return released
 
-    def _release_without_waiting(self, keys: list[ObjectKey], parts: Sequence[slice]) -> None:
+    def _release_without_waiting(self, keys: list[ObjectKey], parts: Sequence[slice]) -> int:
         """RELEASE ``keys[part]`` for each part, not waiting for the replies: after a
-        timeout, the server did not answer and must not be waited for again."""
-        for part in parts:
-            self._send_and_forget(p.Release(0, "", keys[part]))
+        timeout, the server did not answer and must not be waited for again.  Returns how
+        many keys' releases could not be sent at all (logged: their locks expire with the
+        server's lock TTL)."""
+        unsent = sum(
+            len(keys[part]) for part in parts if not self._send_and_forget(p.Release(0, "", keys[part]))
+        )
+        if unsent:
+            logger.warning(
+                "client for %s could not send the release of %d keys (the server is unreachable "
+                "or not reading): their locks expire with the server's lock TTL",
+                self.url,
+                unsent,
+            )
+        return unsent
+
+
+def _unconfirmed_release(
+    failure: RequestTimeoutError, unconfirmed: int, total: int, unsent: int
+) -> RequestTimeoutError:
+    """``failure`` (of the same kind) saying which keys of a ``release`` may still be locked:
+    the batch that got no reply and those after it, sent without waiting."""
+    message = (
+        f"{failure}: the last {unconfirmed} of these {total} keys may keep their locks until the "
+        "server reads their releases, or until its lock TTL"
+    )
+    if unsent:
+        message += f" ({unsent} of those releases could not be sent: lock TTL)"
+    return type(failure)(message)

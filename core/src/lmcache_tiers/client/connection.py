@@ -372,13 +372,15 @@ class Connection:
         self._read_link_events()
         return self._unlinked or self._drops > sent_at
 
-    def _send_and_forget(self, request: p._Request) -> None:
+    def _send_and_forget(self, request: p._Request) -> bool:
         """Send ``request`` without waiting for its reply (dropped when it comes): what a
         failed call gives back must not wait another timeout for a server that did not
-        answer.  Nothing happens when the server cannot be reached at once."""
+        answer.  False, and nothing sent, when the server cannot be reached at once."""
         with self._lock, contextlib.suppress(ClientError, zmq.ZMQError):
             _raw_send(self._socket, self._header(request), _NOBLOCK)
             self._last_unwaited_id = request.req_id
+            return True
+        return False
 
     # -- request/reply -----------------------------------------------------------------------
 
