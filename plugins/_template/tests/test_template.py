@@ -12,6 +12,11 @@ class TestTemplate(L2AdapterSuite):
     # No PERSISTENCE: objects live as long as one adapter.  Add it (and a reopen_adapter
     # fixture if the same config does not reach the same storage) for a persistent backend.
     capabilities = frozenset({CAPACITY, EVICTION})
+    # A backend whose store a test can make fail (a server it starts, killed and started
+    # again on the same port and data, or frozen with SIGSTOP; a directory made
+    # unreadable) declares BACKEND_FAILURES and overrides failing_storage(self, adapter),
+    # a context manager inside which the real store fails and after which it is back with
+    # its objects: the suite then checks a failing store is never answered "absent".
 
     def make_config(self) -> TemplateConfig:
         return TemplateConfig(max_size_gb=1 / 4096)  # 256 KiB, filled by the capacity tests

@@ -350,8 +350,8 @@ def test_timed_out_reservations_are_given_back_when_their_reply_turns_up(server:
         with client._lock:
             client._start(request, (), deadline=float("inf"))
             # pretend the caller gave up before the reply arrived
-            del client._outstanding[request.req_id]
-            client._remember_orphan(request)
+            sent_over = client._outstanding.pop(request.req_id)
+            client._remember_orphan(request, sent_over)
         client.ping()  # reads the late reply and sends the abort
         client.ping()  # the abort has been handled before this reply
     assert (l1(server)["objects"], l1(server)["write_locked"]) == (0, 0)
