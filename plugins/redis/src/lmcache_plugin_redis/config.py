@@ -34,6 +34,15 @@ def parse_nodes(raw: str | tuple[str, ...]) -> list[tuple[str, int]]:
     for item in (entry.strip() for entry in items):
         if not item:
             continue
+        if "@" in item:
+            # user:password@host:port would be read as a host named "user:password@host",
+            # printed by --print-config and named by every connection error: refused, and
+            # not quoted, as this refusal is printed too.
+            raise FieldError(
+                "startup_nodes",
+                "credentials are not accepted in startup_nodes (entries are host:port); "
+                "give them as username and password",
+            )
         host, sep, port = item.rpartition(":")
         host = host.strip("[]")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
