@@ -50,3 +50,11 @@ def test_plain_nodes_are_still_accepted() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["l2_adapters"][0]["startup_nodes"] == ["10.0.0.1:6379", "[::1]:6380"]
+
+
+@pytest.mark.parametrize("kind", ["redis", "resp"])
+def test_a_host_with_credentials_is_refused_unquoted(kind: str) -> None:
+    result = print_config({"type": kind, "host": f"user:{SECRET}@10.0.0.1", "port": 6379})
+    assert result.returncode != 0
+    assert SECRET not in result.stdout + result.stderr
+    assert "credentials are not accepted in host" in result.stderr

@@ -173,6 +173,11 @@ class RedisConfig(L2AdapterConfig):
             )
         if self.port is not None and self.host is None:
             raise FieldError("port", "port goes with host")
+        if self.host is not None and "@" in self.host:
+            # Like a startup node: a host named "user:password@host" is shown everywhere.
+            raise FieldError(
+                "host", "credentials are not accepted in host; give them as username and password"
+            )
         if self.url is not None:
             self._check_url(self.url)
         if self.startup_nodes is not None:
