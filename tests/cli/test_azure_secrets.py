@@ -79,3 +79,23 @@ def test_a_connection_string_quoted_in_an_error_line_hides_its_key(text: str, hi
 def test_private_keys_are_redacted_by_name() -> None:
     shown = redact_secrets({"storage_options": {"private_key": SECRET, "username": "u"}})
     assert shown == {"storage_options": {"private_key": "***", "username": "u"}}
+
+
+@pytest.mark.parametrize(
+    ("text", "hidden"),
+    [
+        (
+            f"https://acct.blob.core.windows.net/kv?sv=2022-11-02&ss=b&sig={SECRET}",
+            "https://acct.blob.core.windows.net/kv?sv=2022-11-02&ss=b&sig=***",
+        ),
+        (
+            f"'https://acct.blob.core.windows.net/?sig={SECRET}&se=2030'",
+            "'https://acct.blob.core.windows.net/?sig=***&se=2030'",
+        ),
+        # a parameter merely holding the letters is no signature
+        ("https://h/kv?design=a&sigma=b", "https://h/kv?design=a&sigma=b"),
+    ],
+)
+def test_the_signature_of_a_sas_url_is_hidden(text: str, hidden: str) -> None:
+    assert redact_url_secrets(text) == hidden
+    assert redact_secrets({"account_url": text}) == {"account_url": hidden}

@@ -837,16 +837,20 @@ _CONNECTION_STRING_SECRET = re.compile(
     r"(?P<head>(?<![A-Za-z0-9_])(?:AccountKey|SharedAccessKey|SharedAccessSignature)=)[^;\s'\"`]*",
     re.IGNORECASE,
 )
+#: the signature of an Azure shared access signature URL (``account_url`` with a SAS:
+#: ``https://acct.blob.core.windows.net/?sv=...&sig=...``): it grants the access itself.
+_SAS_SIGNATURE = re.compile(r"(?P<head>[?&]sig=)[^&#;\s'\"`]*", re.IGNORECASE)
 REDACTED = "***"
 
 
 def redact_url_secrets(text: str) -> str:
     """``text`` with the passwords of the URLs in it -- in their user information or in
     query parameters named like credentials -- and the keys of Azure connection strings
-    replaced by ``***``.  Linear in the length of ``text``: it is applied to error lines
+    and SAS URLs replaced by ``***``.  Linear in the length of ``text``: it is applied to error lines
     that quote whatever the user gave."""
     shown = _URL_QUERY_SECRET.sub(rf"\g<head>{REDACTED}", _hide_url_passwords(text))
-    return _CONNECTION_STRING_SECRET.sub(rf"\g<head>{REDACTED}", shown)
+    shown = _CONNECTION_STRING_SECRET.sub(rf"\g<head>{REDACTED}", shown)
+    return _SAS_SIGNATURE.sub(rf"\g<head>{REDACTED}", shown)
 
 
 def _hide_url_passwords(text: str) -> str:
