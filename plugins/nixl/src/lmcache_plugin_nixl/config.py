@@ -73,7 +73,27 @@ def _check_file_backend(params: dict[str, str], backend: str) -> None:
     _parse_bool(params, "use_direct_io", default=None)
 
 
+#: backend_params naming an object store's endpoint, where credentials must not be written
+_ENDPOINT_KEYS = ("endpoint_override", "account_url")
+
+
+def _refuse_credentials_in_endpoints(params: dict[str, str]) -> None:
+    """``user:password@host`` in an endpoint (with or without a scheme) would be printed
+    by ``--print-config`` and named by the start-up probe; NIXL takes the credentials as
+    their own keys.  The refusal does not quote the value."""
+    for key in _ENDPOINT_KEYS:
+        value = str(params.get(key, ""))
+        authority = value.partition("://")[2] if "://" in value else value
+        if "@" in authority.split("/", 1)[0].split("?", 1)[0]:
+            raise FieldError(
+                f"backend_params.{key}",
+                f"credentials are not accepted in backend_params.{key}; give them as "
+                "access_key and secret_key (OBJ) or in connection_string (AZURE_BLOB)",
+            )
+
+
 def _check_object_backend(params: dict[str, str], backend: str) -> None:
+    _refuse_credentials_in_endpoints(params)
     for key in _FILE_KEYS:
         if key in params:
             raise FieldError(
