@@ -282,3 +282,33 @@ def test_a_run_stopped_by_ctrl_c_deletes_what_it_stored(
         )
     status = in_process_server.storage.status()
     assert status["l1"]["objects"] == 0
+
+
+def test_a_run_stopped_by_ctrl_c_on_a_dead_server_says_what_it_leaves(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The CLI turns Ctrl-C into exit 130 without printing the interrupt or its notes: what
+    # the run could not delete must reach the user as a log line (stderr) of its own.
+    server = serve_cli(["--l1-size-gb", "0.0625", "--no-default-l2"], None, tmp_path / "log")
+
+    def kill_then_interrupt(label: str) -> None:
+        if label == "lookup":
+            server.stop(signal.SIGKILL)
+            raise KeyboardInterrupt
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_bench(
+                server.url,
+                chunks=2,
+                chunk_bytes=4096,
+                repeats=1,
+                inline=False,
+                lookup_requests=1000,
+                timeout=3,
+                step=kill_then_interrupt,
+            )
+    finally:
+        server.stop(signal.SIGKILL)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("the 16 benchmark objects still in L1 could not be deleted" in m for m in warned), warned

@@ -24,6 +24,7 @@ before anything is allocated.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import statistics
@@ -44,6 +45,8 @@ from lmcache_tiers.server.preflight import mem_available
 BENCH_MODEL = "lmcache-tiers-bench"
 #: protocol features a server must have for the benchmark to leave nothing behind
 REQUIRED_FEATURES = ("l1_only_store", "evict")
+logger = logging.getLogger(__name__)
+
 #: how long a failed run waits for the server to answer before it tries to clean up
 CLEANUP_PING_TIMEOUT_S = 2.0
 
@@ -203,6 +206,9 @@ def run_bench(
             if left_behind is None:
                 raise
             if not isinstance(failure, Exception):
+                # The CLI ends an interrupted run (exit 130) without printing the interrupt
+                # or its notes: what stays on the server is said in a log line of its own.
+                logger.warning("benchmark interrupted: %s", left_behind)
                 failure.add_note(left_behind)
                 raise
             # The run's own failure first, then what it leaves on the server.
