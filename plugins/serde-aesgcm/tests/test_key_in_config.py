@@ -57,3 +57,23 @@ def test_a_variable_name_is_still_accepted(tmp_path: Path) -> None:
     result = serve(tmp_path, {"type": "aesgcm", "key_env": "KV_KEY"}, "--print-config")
     assert result.returncode == 0, result.stderr
     assert '"key_env": "KV_KEY"' in result.stdout
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "0x" + HEX_KEY,
+        base64.urlsafe_b64encode(bytes(range(200, 232))).decode(),
+        base64.b64encode(bytes(range(64))).decode(),
+    ],
+    ids=["0x-hex", "urlsafe-base64", "512-bit-base64"],
+)
+def test_a_key_in_another_encoding_written_as_key_env_is_not_quoted(tmp_path: Path, key: str) -> None:
+    """A key that is no variable name, in an encoding the key check does not know (a
+    ``0x`` prefix, URL-safe base64, another length), is refused as a name without the
+    refusal quoting it."""
+    result = serve(tmp_path, {"type": "aesgcm", "key_env": key}, "--print-config")
+    assert result.returncode == 2
+    assert key not in result.stdout + result.stderr
+    assert "key_env is not an environment variable name" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

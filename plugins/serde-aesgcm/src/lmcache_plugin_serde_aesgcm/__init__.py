@@ -60,7 +60,12 @@ class AesGcmConfig(ComponentConfig):
         if self.key_file is not None and not self.key_file.strip():
             raise ValueError("key_file is empty")
         if self.key_env is not None and not _ENV_NAME.match(self.key_env):
-            raise ValueError(f"key_env {self.key_env!r} is not an environment variable name")
+            # Not quoted: what is no variable name may be a key in an encoding the check
+            # above does not know (``0x`` hex, URL-safe base64, another length).
+            raise ValueError(
+                "key_env is not an environment variable name (letters, digits and _, "
+                "not starting with a digit)"
+            )
 
     def _refuse_a_key_in_place_of_its_location(self) -> None:
         """The key itself written as ``key_env`` or ``key_file`` (a common slip) would be
