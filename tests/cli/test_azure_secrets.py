@@ -99,3 +99,9 @@ def test_private_keys_are_redacted_by_name() -> None:
 def test_the_signature_of_a_sas_url_is_hidden(text: str, hidden: str) -> None:
     assert redact_url_secrets(text) == hidden
     assert redact_secrets({"account_url": text}) == {"account_url": hidden}
+
+
+def test_a_key_passphrase_is_redacted_by_name() -> None:
+    """fsspec's ``sftp://`` store hands ``passphrase`` (the private key's) to paramiko."""
+    shown = redact_secrets({"storage_options": {"passphrase": SECRET, "key_filename": "/k/id"}})
+    assert shown == {"storage_options": {"passphrase": "***", "key_filename": "/k/id"}}

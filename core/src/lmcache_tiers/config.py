@@ -798,9 +798,10 @@ def config_to_builtins(config: ServerConfig) -> dict[str, Any]:
 
 #: field names whose values are credentials: never printed nor logged.  Azure's account
 #: key and connection string (which holds the account key or a shared access signature)
-#: are named so by the NIXL AZURE_BLOB backend and fsspec's ``abfs://`` store.
+#: are named so by the NIXL AZURE_BLOB backend and fsspec's ``abfs://`` store; a private
+#: key's ``passphrase`` by fsspec's ``sftp://`` store.
 SECRET_FIELD = re.compile(
-    r"secret|password|passwd|token|credential|access_key|api_key"
+    r"secret|password|passwd|passphrase|token|credential|access_key|api_key"
     r"|account_?key|connection_?string|private_?key|shared_?access",
     re.IGNORECASE,
 )
