@@ -207,32 +207,45 @@ def test_every_timed_retrieve_is_checked_against_the_stored_bytes(
     assert in_process_server.storage.status()["l1"]["objects"] == 0
 
 
-def test_a_server_dying_mid_run_is_named_with_what_the_run_may_leave(tmp_path: Path) -> None:
+def _bench_whose_server_is_killed_at_the_lookups(
+    tmp_path: Path, then: type[BaseException] | None
+) -> tuple[str, BaseException]:
+    """A run whose server is SIGKILLed when the lookups begin (with ``then`` raised there
+    too: Ctrl-C at that moment); the server's URL and what the run raised."""
     server = serve_cli(["--l1-size-gb", "0.0625", "--no-default-l2"], None, tmp_path / "log")
 
     def kill_at_the_lookups(label: str) -> None:
         if label == "lookup":
             server.stop(signal.SIGKILL)
+            if then is not None:
+                raise then
 
     try:
-        with pytest.raises((ClientError, RuntimeError)) as failure:
-            run_bench(
-                server.url,
-                chunks=2,
-                chunk_bytes=4096,
-                repeats=1,
-                inline=False,
-                lookup_requests=1000,
-                timeout=3,
-                step=kill_at_the_lookups,
-            )
+        run_bench(
+            server.url,
+            chunks=2,
+            chunk_bytes=4096,
+            repeats=1,
+            inline=False,
+            lookup_requests=1000,
+            timeout=3,
+            step=kill_at_the_lookups,
+        )
+    except BaseException as failure:
+        return server.url, failure
     finally:
         server.stop(signal.SIGKILL)
-    message = str(failure.value)
+    raise AssertionError("the run went on without its server")
+
+
+def test_a_server_dying_mid_run_is_named_with_what_the_run_may_leave(tmp_path: Path) -> None:
+    url, failure = _bench_whose_server_is_killed_at_the_lookups(tmp_path, None)
+    assert isinstance(failure, (ClientError, RuntimeError)), repr(failure)
+    message = str(failure)
     # the cause first (the request after the kill finds no server, or loses it)...
     cause = message.split("; ")[0]
-    assert cause in (f"cannot reach the server at {server.url}",) or cause.startswith(
-        f"the connection to {server.url} was lost"
+    assert cause in (f"cannot reach the server at {url}",) or cause.startswith(
+        f"the connection to {url} was lost"
     ), message
     # ...and what the run could not delete
     assert "the 16 benchmark objects still in L1 could not be deleted" in message, message
@@ -289,26 +302,7 @@ def test_a_run_stopped_by_ctrl_c_on_a_dead_server_says_what_it_leaves(
 ) -> None:
     # The CLI turns Ctrl-C into exit 130 without printing the interrupt or its notes: what
     # the run could not delete must reach the user as a log line (stderr) of its own.
-    server = serve_cli(["--l1-size-gb", "0.0625", "--no-default-l2"], None, tmp_path / "log")
-
-    def kill_then_interrupt(label: str) -> None:
-        if label == "lookup":
-            server.stop(signal.SIGKILL)
-            raise KeyboardInterrupt
-
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            run_bench(
-                server.url,
-                chunks=2,
-                chunk_bytes=4096,
-                repeats=1,
-                inline=False,
-                lookup_requests=1000,
-                timeout=3,
-                step=kill_then_interrupt,
-            )
-    finally:
-        server.stop(signal.SIGKILL)
+    _url, failure = _bench_whose_server_is_killed_at_the_lookups(tmp_path, KeyboardInterrupt)
+    assert isinstance(failure, KeyboardInterrupt), repr(failure)
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("the 16 benchmark objects still in L1 could not be deleted" in m for m in warned), warned
