@@ -43,9 +43,10 @@ UNANSWERED_LIMIT = 3
 #: how long client processes of a replay stopped early get to give back what they hold
 #: and end on their own before they are killed: the release sent on the way out waits at
 #: most the client library's clean-up bound (``CLEANUP_TIMEOUT_S``, rather than the
-#: replay's ``--timeout``, 60 s by default), the client's close as long again to settle
+#: replay's ``--timeout``, 60 s by default), after the client library's own give-back of
+#: a STORE or RETRIEVE cut short (as long), and the client's close as long again to settle
 #: late replies and see its releases handled, plus a second to unwind and exit
-WORKER_GRACE_S = 2 * CLEANUP_TIMEOUT_S + 1.0
+WORKER_GRACE_S = 3 * CLEANUP_TIMEOUT_S + 1.0
 
 
 def _replay_one(client: Client, request: TraceRequest, state: ClientState) -> None:
