@@ -12,6 +12,8 @@ library missing), for tests to skip with.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import os
 import shutil
 import signal
@@ -27,6 +29,8 @@ from typing import Any
 from lmcache_tiers.plugin import free_port, free_ports
 
 __all__ = ["LocalCluster", "free_port", "free_ports", "unavailable_reason"]
+
+logger = logging.getLogger(__name__)
 
 #: how long the master and a segment host get to start listening
 START_TIMEOUT_S = 30.0
@@ -75,6 +79,17 @@ def _wait_listening(port: int, proc: subprocess.Popen[bytes], what: str, log: Pa
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{what} did not listen on {port} within {START_TIMEOUT_S}s") from None
             time.sleep(0.05)
+
+
+def _end(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM ``proc`` if it still runs, SIGKILL it after 10 s, and reap it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @dataclass
@@ -167,20 +182,39 @@ class LocalCluster:
         self.master = None
 
     def add_segment_host(self, size: str = "256MB") -> subprocess.Popen[bytes]:
-        """Start a ``mooncake_client`` lending ``size`` of memory to the pool."""
-        port = free_port()
-        log = self.log_dir / f"segment-host-{port}.log"
-        args = [
-            self._binary("mooncake_client"),
-            "--host=127.0.0.1",
-            f"--port={port}",
-            f"--global_segment_size={size}",
-            f"--master_server_address={self.master_server_address}",
-            f"--metadata_server={self.metadata_server}",
-        ]
-        with log.open("ab") as out:
-            host = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=self.environment())
-        _wait_listening(port, host, "mooncake_client", log)
+        """Start a ``mooncake_client`` lending ``size`` of memory to the pool.
+
+        ``mooncake_client`` gives its first call to the master one second and one retry,
+        then aborts; a master that has just started (or a loaded machine) may not answer
+        that soon although it listens, so a host that ends during its start-up is started
+        again until ``START_TIMEOUT_S`` has passed."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for attempt in itertools.count(1):
+            port = free_port()
+            log = self.log_dir / f"segment-host-{port}.log"
+            args = [
+                self._binary("mooncake_client"),
+                "--host=127.0.0.1",
+                f"--port={port}",
+                f"--global_segment_size={size}",
+                f"--master_server_address={self.master_server_address}",
+                f"--metadata_server={self.metadata_server}",
+            ]
+            with log.open("ab") as out:
+                host = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=self.environment())
+            try:
+                _wait_listening(port, host, "mooncake_client", log)
+                break
+            except RuntimeError:
+                if host.poll() is None or time.monotonic() > deadline:
+                    _end(host)
+                    raise
+                logger.warning(
+                    "mooncake_client on port %d ended during start-up (attempt %d); starting another",
+                    port,
+                    attempt,
+                )
+                time.sleep(0.2)
         self.segment_hosts.append(host)
         self.wait_for_segments(len(self.segment_hosts))
         return host
