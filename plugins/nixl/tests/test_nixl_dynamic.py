@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import shutil
 import threading
@@ -1275,5 +1276,34 @@ def test_with_persistence_off_a_record_published_after_close_is_removed_when_its
             caller.join(30)
             assert not caller.is_alive()
             assert record_files(root) == [], "a record published after the close's sweep stayed"
+        finally:
+            adapter.close()
+
+
+def test_a_record_a_nixl_load_cannot_open_or_read_is_counted_and_told_once_a_burst(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # With use_direct_io the payload goes through NIXL (not the plain reads): a record file
+    # that cannot be opened (a symlink to itself: ELOOP) or read (a directory: EISDIR) is a
+    # miss, counted like the plain reads count it, and a burst of them is one line.
+    arena = Arena()
+    keys = make_keys(3)
+    data = [pattern(60 + index, SIZE) for index in range(3)]
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root, direct_io=True), arena.view)
+        try:
+            assert store(adapter, arena, keys, data) == [True] * 3
+            paths = [os.path.join(root, f"{key.file_stem()}.bin") for key in keys]
+            os.remove(paths[0])
+            os.symlink(paths[0], paths[0])
+            for path in paths[1:]:
+                os.remove(path)
+                os.mkdir(path)
+            with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+                found = adapter.backend.get_many_into(keys, [arena.take(SIZE) for _ in keys])  # type: ignore[attr-defined]
+            assert found == [False] * 3
+            assert adapter.stats()["load_read_errors"] == 3
+            told = [r for r in caplog.records if "cannot" in r.getMessage() and root in r.getMessage()]
+            assert len(told) == 1, [r.getMessage() for r in told]
         finally:
             adapter.close()

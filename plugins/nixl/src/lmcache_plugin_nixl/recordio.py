@@ -612,7 +612,7 @@ class RecordFiles:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            log.warning("cannot open %s: %s", printable(path, 300), exc)
+            self._read_error("cannot open", path, exc)
             return None
         identity = None
         try:
@@ -625,9 +625,16 @@ class RecordFiles:
             if not self._context.kept_record(key, exc):  # another key's, a newer format's: kept
                 self._files.discard(key, identity, "corrupt_records_removed", str(exc))
         except OSError as exc:
-            log.warning("cannot read %s: %s", printable(path, 300), exc)
+            self._read_error("cannot read", path, exc)
         os.close(fd)
         return None
+
+    def _read_error(self, what: str, path: str, exc: OSError) -> None:
+        """A record file that cannot be opened or read: a miss, counted as the plain reads
+        and local file stores count it; a failing disk fails every load alike, so a burst
+        is one line."""
+        self._context.count("load_read_errors")
+        self._context.warn("load_read_error", "%s %s: %s", what, printable(path, 300), exc)
 
     def _explain_size(self, fd: int, key: ObjectKey, header_len: int, size: int, expected: int) -> bool:
         """A file of an unexpected size: another intact object (False) or damage (raises)."""
