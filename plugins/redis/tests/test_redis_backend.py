@@ -1286,6 +1286,40 @@ def test_a_delete_whose_later_removals_fail_counts_only_the_keys_it_could_not_re
     assert raw.exists(backend.name_of(keys[-2])) == 1 and adapter.used_bytes() == 16
 
 
+def refuse_writes_from_pipeline(backend: Any, number: int, server: RedisServer) -> None:
+    """Have ``server`` refuse every write (NOREPLICAS) from the ``number``-th pipeline
+    ``backend`` executes from now on: the earlier ones run against a writable store."""
+    execute, calls = backend._execute, []
+
+    def refusing_from_then(pipe: Any, **options: Any) -> list[Any]:
+        calls.append(pipe)
+        if len(calls) == number:
+            _refuse_writes_for_want_of_replicas(server)
+        return execute(pipe, **options)
+
+    backend._execute = refusing_from_then
+
+
+def test_a_delete_whose_later_removals_the_store_refuses_counts_them_as_refused(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # The store refuses every write from trip two's removals on (min-replicas-to-write
+    # unmet): its keys were answered -- refused -- not lost on the way, and are counted
+    # as the store's refusal, never as failed requests.
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
+    keys = make_keys(KEYS_PER_TRIP + 2)
+    store(adapter, keys, size=16)
+    backend = backend_of(adapter)
+    cache_the_removal_script(backend)
+    refuse_writes_from_pipeline(backend, 4, own_server)  # trip two's removals
+    assert adapter.delete(keys) == [True] * KEYS_PER_TRIP + [False, False]
+    stats = adapter.stats()
+    assert stats.get("delete_request_failures", 0) == 0, "refused keys counted as failed requests"
+    assert stats["delete_refused_by_server"] == 2
+    assert stats["backend_errors"] == 1, "the refusal reaches the circuit breaker"
+    assert adapter.used_bytes() == 2 * 16
+
+
 @pytest.mark.parametrize("mode", ["standalone", "cluster"])
 def test_a_delete_that_finds_something_else_under_the_name_counts_it_once(
     request: pytest.FixtureRequest, prefix: str, open_adapter: Callable[..., BackendAdapter], mode: str

@@ -247,18 +247,23 @@ class RedisBackend:
         a trip after the first failed (counted, logged): the earlier trips' keys are done
         (stored, removed), and the call reports them so (``_partly_done``) -- core would
         otherwise never account them, or keep accounting keys already gone.  Replies of a
-        failed cluster node are left in the list (``_execute``): their keys fail alone."""
+        failed cluster node are left in the list (``_execute``): their keys fail alone.
+        Keys the store answered with a refusal of every write (READONLY, NOREPLICAS ...)
+        were refused, not lost on the way: ``<what>_refused_by_server``, not
+        ``<what>_request_failures``."""
         try:
             return self._execute(pipe, per_key=True)
         except (RedisError, RedisClusterException) as exc:  # the latter: no cluster node answered
             if number == 0:
                 raise
-            self.context.count(f"{what}_request_failures", left)
+            refused = refuses_everything(exc)
+            self.context.count(f"{what}_refused_by_server" if refused else f"{what}_request_failures", left)
             self.context.warn(
                 f"trip:{what}",
-                "%s of %d keys failed (the batch's earlier ones were done): %s",
+                "%s of %d keys %s (the batch's earlier ones were done): %s",
                 what,
                 left,
+                "refused by the store" if refused else "failed",
                 exc,
             )
             return exc
