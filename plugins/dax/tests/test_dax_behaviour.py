@@ -433,3 +433,34 @@ def test_a_superseded_record_of_another_chain_does_not_hide_the_newer_write() ->
             assert len(backend_of(reopened).regions[0].committed()) == 1, "the older uncommitted"
         finally:
             reopened.close()
+
+
+def test_a_write_unpublished_while_a_close_gives_up_draining_does_not_come_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A copy stuck in the mapping makes close give up draining and leave the mapping in
+    # place; a key deleted (or replaced) meanwhile must still have its commit word
+    # cleared, or the restart brings it back with bytes it once had.
+    import lmcache_plugin_dax.backend as dax_backend
+
+    monkeypatch.setattr(dax_backend, "CLOSE_DRAIN_S", 0.05)
+    with shm_dir() as directory:
+        cfg = config(directory / "dax.img", slots=4)
+        adapter = open_dax(cfg)
+        backend = backend_of(adapter)
+        kept, deleted = make_keys(2)
+        assert store(adapter, [kept, deleted], [b"kept" * 100, b"old" * 100]) == [True, True]
+        with backend._in_flight.use():  # a copy that does not finish
+            closer = threading.Thread(target=adapter.close)
+            closer.start()
+            while not backend._in_flight._closed:
+                threading.Event().wait(0.001)
+            assert backend.table.delete([deleted]) == [True]  # a delete still running
+            closer.join()  # close gave up waiting for the copy
+        for region in backend.regions:
+            region.close()  # what the process's exit does to the mapping left in place
+        reopened = open_dax(cfg)
+        try:
+            assert client(reopened).lookup_and_lock([kept, deleted]).found == [True, False]
+        finally:
+            reopened.close()

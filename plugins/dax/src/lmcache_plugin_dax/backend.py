@@ -19,6 +19,7 @@ checksummed piece by piece as it is copied (core's ``copy_and_checksum`` /
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -91,6 +92,11 @@ class DaxBackend(SlotStoreBackend):
         self._init_slot_store(context, config.slot_bytes, config.store_workers, config.load_workers)
         self._store_piece = None if config.store_workers == 1 else PARALLEL_STORE_PIECE
         self._in_flight = InFlight()
+        # Commit words are cleared whenever the mappings are still mapped, not only while
+        # calls may enter: a delete or replace a call finishes while close drains (or
+        # after close gave up draining and left the mappings in place) must uncommit.
+        self._mapped_lock = threading.Lock()
+        self._unmapped = False
         self.regions: list[DaxRegion] = []
         try:
             for device in config.mappings():
@@ -122,9 +128,17 @@ class DaxBackend(SlotStoreBackend):
         readers leave, maybe after close or a crash), so a restart cannot bring it back --
         an older version, once the write that replaced it was deleted too."""
         region, local = self._place(slot)
-        with self._in_flight.use() as usable:
-            if usable:
+        with self._mapped_lock:
+            if not self._unmapped:
                 region.clear(local)
+                return
+        # Only a call that outlived a close which drained (a damaged object found by a
+        # load past its copies) gets here: its commit word stays, and the restart judges
+        # that write again.
+        self.context.count("uncommit_after_close")
+        self._burst.warn(
+            "uncommit_closed", "dax: slot %d of %s left committed: the mapping is closed", local, region.path
+        )
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -306,24 +320,37 @@ class DaxBackend(SlotStoreBackend):
 
     def close(self) -> None:
         self._stop_workers()
-        if not self._in_flight.drain(CLOSE_DRAIN_S):
+        drained = self._in_flight.drain(CLOSE_DRAIN_S)
+        # Even when the drain gave up: the mapping stays mapped then, and a slot unpublished
+        # by a call that finished meanwhile must not come back at the next start.
+        self._uncommit_unpublished()
+        if not drained:
             log.error("dax: mappings left in place: copies are still running")
             return
-        self._uncommit_unpublished()
+        with self._mapped_lock:
+            self._unmapped = True
         for region in self.regions:
             region.close()
 
     def _uncommit_unpublished(self) -> None:
-        """Clear the commit word of every slot no key publishes: a slot a store still
-        running while close drained replaced (its clear found the mapping closing) must
-        not come back at the next start."""
-        published = [np.zeros(region.layout.slot_count, dtype=bool) for region in self.regions]
-        for _key, entry in self.table.items():
-            published[int(self._region_of[entry.slot])][int(self._local_of[entry.slot])] = True
+        """Clear the commit word of every slot no key publishes and no store has claimed.
+
+        Under the table's lock, so no store claims or publishes one of those slots
+        meanwhile: a store still running (close gave up waiting for it) keeps its claimed
+        slot's word, and a slot claimed later is cleared before its copy begins."""
         cleared = 0
-        for region, kept in zip(self.regions, published, strict=True):
-            stale = (region.commits != 0) & ~kept
-            cleared += int(np.count_nonzero(stale))
-            region.commits[stale] = 0
+
+        def clear(held: npt.NDArray[np.int64]) -> None:
+            nonlocal cleared
+            kept = [np.zeros(region.layout.slot_count, dtype=bool) for region in self.regions]
+            for index, local in zip(self._region_of[held], self._local_of[held], strict=True):
+                kept[int(index)][int(local)] = True
+            for region, keep in zip(self.regions, kept, strict=True):
+                stale = (region.commits != 0) & ~keep
+                cleared += int(np.count_nonzero(stale))
+                region.commits[stale] = 0
+
+        self.table.with_held_slots(clear)
         if cleared:
+            self.context.count("uncommitted_at_close", cleared)
             log.info("dax: %d slots replaced or deleted while closing uncommitted before unmapping", cleared)

@@ -22,6 +22,9 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from lmcache_tiers.plugin import ObjectKey, SlotReaders
 
 #: slots a store claims and writes per round of a batch; with one store thread, the most
@@ -245,6 +248,15 @@ class SlotTable:
         return result
 
     # -- views -----------------------------------------------------------------------------
+
+    def with_held_slots(self, action: Callable[[npt.NDArray[np.int64]], None]) -> None:
+        """Call ``action`` with every slot published or claimed, under the table's lock:
+        no other slot is claimed or published until it returns (it must be quick and must
+        not call the table)."""
+        with self._lock:
+            held = [entry.slot for entry in self._stored.values()]
+            held += list(self._claimed)
+            action(np.asarray(held, dtype=np.int64))
 
     def items(self) -> list[tuple[ObjectKey, SlotEntry]]:
         with self._lock:
