@@ -192,6 +192,26 @@ def test_a_second_lookup_of_a_request_replaces_the_first(client: MPClient, mp_se
     assert l1(mp_server)["read_locks"] == 0
 
 
+def test_a_retrieve_commits_against_the_lookup_it_was_prepared_under(
+    client: MPClient, mp_server: TiersServer
+) -> None:
+    # A request looked up again (vLLM reschedules a preempted request under its id) while
+    # a retrieve of its first lookup is open: that retrieve's commit must not take the new
+    # lookup's locks, which keep its chunks in L1 until its own retrieve.
+    shm = client.register(REG)["shm_name"]
+    stored(client, 16, shm)
+    assert client.lookup(Key(tokens_of(16), "again")) == 4
+    key = Key(tokens_of(16), "again", worker_id=0)
+    reply = client.call("prepare_retrieve", key.encode(), REG.instance_id)
+    assert reply["success"] is True
+    assert client.lookup(Key(tokens_of(16), "again")) == 4
+    assert l1(mp_server)["read_locks"] == 8  # the open retrieve's and the new lookup's
+    assert client.call("commit_retrieve", key.encode(), REG.instance_id) is True
+    assert l1(mp_server)["read_locks"] == 4  # the new lookup's, for its own retrieve
+    assert client.retrieve(key, REG.instance_id, shm) == chunk_payloads(16, 4, CHUNK)
+    assert l1(mp_server)["read_locks"] == 0  # which consumed them
+
+
 def test_a_chunk_counts_only_when_every_rank_has_it(make_mp_server: Any) -> None:
     server = make_mp_server()
     ranks = [Registration(instance_id=2000 + worker, world_size=2) for worker in range(2)]

@@ -223,9 +223,14 @@ class Lookups:
             return 0  # a waiting pool thread settles it, and a retired job gives all back
         return self._release(job, job.take(list(job.held)))
 
-    def consume(self, request_id: str, keys: list[Any]) -> None:
-        """A retrieve of ``keys`` is done: one of the lookup's locks on each goes."""
-        job = self._job(request_id)
+    def current(self, request_id: str) -> LookupJob | None:
+        """The request's lookup in force (a retrieve prepared now is that lookup's)."""
+        return self._job(request_id)
+
+    def consume(self, job: LookupJob | None, keys: list[Any]) -> None:
+        """A retrieve of ``keys`` prepared under lookup ``job`` is done: one of that
+        lookup's locks on each goes.  A lookup replaced or ended since holds none (it gave
+        them all back), and a newer lookup of the request keeps its own for its retrieve."""
         if job is not None and job.held:
             self._release(job, job.take(keys, 1))
 

@@ -185,6 +185,9 @@ class Transfer:
     #: send the same instance and request ids (``lmcache bench server`` uses fixed ones),
     #: and one must never commit, abort or replace the other's transfer
     peer: Peer = b""
+    #: a retrieve's: its request's lookup when it was prepared, whose locks its commit
+    #: consumes -- not those of a newer lookup of the request made meanwhile
+    lookup: LookupJob | None = None
 
 
 _Ident = tuple[int, bytes, str, tuple[ObjectKey, ...]]

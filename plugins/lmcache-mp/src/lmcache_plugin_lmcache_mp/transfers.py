@@ -32,7 +32,7 @@ from typing import Any
 from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused, Shared
 from lmcache_plugin_lmcache_mp.chunks import chunk_range, keys_for_rank
 from lmcache_plugin_lmcache_mp.lookups import Lookups
-from lmcache_plugin_lmcache_mp.state import Instance, PendingTransfers, Transfer
+from lmcache_plugin_lmcache_mp.state import Instance, LookupJob, PendingTransfers, Transfer
 from lmcache_plugin_lmcache_mp.wire import CacheKey, PrepareRetrieveReply, PrepareStoreReply
 from lmcache_tiers.plugin import BurstLog, KeyValidationError, L1OutOfMemoryError, ObjectKey, printable
 
@@ -288,11 +288,11 @@ class Transfers:
                 )
             return _MISS
         total = size * len(objects)
+        lookup = self.lookups.current(key.request_id)
         if self.shared.shm is None:
-            return self._retrieve_pickled(key, instance, keys, objects, not_before)
-        self.reads.add(
-            instance_id, keys, Transfer(keys, deadline, key.request_id, total, not_before, peer=peer)
-        )
+            return self._retrieve_pickled(key, instance, keys, objects, not_before, lookup)
+        transfer = Transfer(keys, deadline, key.request_id, total, not_before, peer=peer, lookup=lookup)
+        self.reads.add(instance_id, keys, transfer)
         self._count_retrieve(len(objects), total)
         layout = instance.layout
         slots = [
@@ -302,7 +302,13 @@ class Transfers:
         return PrepareRetrieveReply(success=True, data=b"", context={"slots": slots})
 
     def _retrieve_pickled(
-        self, key: CacheKey, instance: Instance, keys: list[ObjectKey], objects: list[Any], not_before: float
+        self,
+        key: CacheKey,
+        instance: Instance,
+        keys: list[ObjectKey],
+        objects: list[Any],
+        not_before: float,
+        lookup: LookupJob | None,
     ) -> Deferred:
         codec, storage = self.shared.pickle, self.storage
         assert codec is not None
@@ -320,7 +326,7 @@ class Transfers:
             data = codec.dump(chunks, instance.layout)
 
             def finish() -> Any:
-                self.lookups.consume(key.request_id, keys)
+                self.lookups.consume(lookup, keys)
                 self._count_retrieve(len(keys), instance.object_bytes * len(keys))
                 return PrepareRetrieveReply(success=True, data=data, context={})
 
@@ -339,7 +345,7 @@ class Transfers:
         pending = self.reads.pop(instance_id, key.request_id, keys, time.monotonic(), peer)
         if pending is not None:
             self.storage.release(pending.keys, not_before=pending.not_before)
-            self.lookups.consume(key.request_id, keys)
+            self.lookups.consume(pending.lookup, keys)
         return True
 
     def _count_retrieve(self, chunks: int, nbytes: int) -> None:
