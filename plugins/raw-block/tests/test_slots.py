@@ -125,3 +125,27 @@ def test_restore_keeps_the_newest_write_of_each_key_and_frees_the_rest() -> None
     assert claims[0].seq == 13, "sequence numbers continue past every recovered write"
     with pytest.raises(RuntimeError):
         table.restore([], next_seq=1)
+
+
+#: the slot header of each device format version, as written by the code of that version;
+#: a layout change without a new version would make a newer server's slots read here as
+#: empty and be overwritten as free (a slot header has no version field of its own)
+SLOT_HEADER_BY_VERSION = {
+    1: "4c4d5452534c4f54000102030405060708090a0b0c0d0e0f07000000000000002a00000000000000"
+    "e803000000000000d0070000000000001a0000000600000099464f6b95ab73756974652d6d6f64656c"
+    "00c408000000000000000000a07265636f7264",
+}
+
+
+def test_a_slot_header_layout_change_needs_a_new_device_format_version() -> None:
+    from lmcache_plugin_raw_block.slotheader import DEVICE_FORMAT_VERSION, encode_slot_header
+    from lmcache_plugin_raw_block.superblock import SUPERBLOCK_VERSION
+
+    from lmcache_tiers.plugin import ObjectKey
+
+    assert SUPERBLOCK_VERSION == DEVICE_FORMAT_VERSION, "the superblock names the slot headers' format"
+    key = ObjectKey(model_name="suite-model", kv_rank=0, chunk_hash=bytes(8), object_group=0, cache_salt="")
+    header = encode_slot_header(bytes(range(16)), 7, 42, key, 1000, 2000, b"record")
+    assert header.hex() == SLOT_HEADER_BY_VERSION[DEVICE_FORMAT_VERSION], (
+        "slot header layout changed: bump DEVICE_FORMAT_VERSION and add its encoding here"
+    )

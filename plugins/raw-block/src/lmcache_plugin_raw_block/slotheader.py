@@ -13,6 +13,13 @@ device's image copied over this one -- never count as this device's objects; the
 number makes a header read from the wrong place never count.  The key and both sizes
 are repeated outside the record header so recovery can list an object whose record it
 cannot decode with the configured serde chain (kept, as core asks) without guessing.
+
+A slot header carries no format version of its own: the superblock's
+(:data:`DEVICE_FORMAT_VERSION`) governs every slot header, checkpoint and index entry of
+its device.  Any change of this layout bumps it, so a newer server's slot is never read
+here as empty and overwritten as free: a device of a newer format is reformatted whole
+at start-up (``device_formats``, with a warning naming the version), never read a slot
+at a time.  ``tests/test_slots.py`` pins the encoding of this version.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import msgspec
 
 from lmcache_tiers.plugin import KeyValidationError, ObjectKey
 
+#: the format version of a whole slot device, written in its superblock; see above
+DEVICE_FORMAT_VERSION: Final = 1
 SLOT_MAGIC: Final = b"LMTRSLOT"
 IDENTITY_BYTES: Final = 16
 _FIELDS = struct.Struct(f"<8s{IDENTITY_BYTES}sQQQQHxxI")

@@ -23,9 +23,11 @@ from typing import Final
 
 import msgspec
 
-from lmcache_plugin_raw_block.slotheader import IDENTITY_BYTES
+from lmcache_plugin_raw_block.slotheader import DEVICE_FORMAT_VERSION, IDENTITY_BYTES
 
-SUPERBLOCK_VERSION: Final = 1
+#: the format of everything on the device, slot headers included (they have no version
+#: field): a device of a newer one is reformatted, never read a slot at a time
+SUPERBLOCK_VERSION: Final = DEVICE_FORMAT_VERSION
 #: superblock magics of the two slot stores
 RAW_BLOCK_MAGIC: Final = b"LMTRBLK1"
 DAX_MAGIC: Final = b"LMTRDAX1"
