@@ -376,6 +376,49 @@ def test_a_lookup_request_that_fails_is_never_taken_for_an_absent_object(
     adapter.unlock(keys)
 
 
+def fail_requests_on(backend: S3Backend, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every request on the object ``name`` fails (a connection reset); the others go out."""
+    request = backend.client.request
+
+    async def failing_on_name(method: str, **kwargs: object) -> object:
+        if kwargs.get("Key") == name:
+            raise ConnectionError("connection reset by peer")
+        return await request(method, **kwargs)
+
+    monkeypatch.setattr(backend.client, "request", failing_on_name)
+
+
+def test_a_batch_that_fails_part_way_reports_its_done_keys_and_reaches_the_breaker(
+    adapter: L2Adapter, l1: memoryview, raw: Raw, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A store, load or delete of which one request failed while the others were done:
+    # the done keys are accounted, and the call counts as failed (backend_errors, the
+    # circuit breaker) -- answered alone, a service failing one request in every batch
+    # would never be seen by the breaker.
+    keys = make_keys(3)
+    store(adapter, l1, keys[:2])
+    found = blocking(adapter).lookup_and_lock(keys[:2])
+    backend = adapter.backend.inner  # type: ignore[attr-defined]  # behind core's circuit breaker
+    assert isinstance(backend, S3Backend)
+    fail_requests_on(backend, backend.names.of(keys[1]), monkeypatch)
+    buffers = [l1[index * SIZE : (index + 1) * SIZE] for index in range(2)]
+    assert blocking(adapter).load(keys[:2], buffers) == [True, False]
+    adapter.unlock(keys[:2])
+    assert found.found == [True, True]
+    assert adapter.stats()["backend_errors"] == 1, "a load that failed part-way went unseen"
+    stored_buffers = [l1[4 << 20 : (4 << 20) + SIZE], l1[(4 << 20) + SIZE : (4 << 20) + 2 * SIZE]]
+    assert blocking(adapter).store([keys[2], keys[1]], stored_buffers) == [True, False]
+    assert adapter.stats()["backend_errors"] == 2, "a store that failed part-way went unseen"
+    assert adapter.delete([keys[0], keys[1]]) == [True, False]
+    stats = adapter.stats()
+    # the delete, and the lookup core asks of the key it did not delete (which fails whole)
+    assert stats["backend_errors"] == 4, "a delete that failed part-way went unseen"
+    assert stats["load_request_failures"] == stats["store_request_failures"] == 1
+    assert stats["delete_request_failures"] == 1
+    assert not raw.exists(keys[0]) and raw.exists(keys[1]) and raw.exists(keys[2])
+    assert adapter.used_bytes() == 2 * SIZE, "the keys done were not accounted as done"
+
+
 # -- the header copy in each object's metadata (what makes a lookup one HEAD) ---------------
 
 

@@ -6,7 +6,10 @@ Each key of a batch is its own request, all of a batch in flight together (at mo
 failure (False, or None for a lookup), counted and logged once a minute.  When every
 request of a batch failed, the batch raises: core counts a backend error, and its circuit
 breaker (this backend declares itself ``remote``) stops calling a store that keeps
-failing until ``ping`` finds it answering.  Lookups and loads always ask the bucket, so a
+failing until ``ping`` finds it answering.  A store, load or delete some of whose
+requests failed raises ``PartialFailure`` with its per-key answer: core accounts the keys
+done and counts the call as failed, so a service failing part of every batch is seen by
+the breaker too.  Lookups and loads always ask the bucket, so a
 chunk another server stored is found and one it deleted is a miss.
 """
 
@@ -44,6 +47,7 @@ from lmcache_tiers.plugin import (
     KeptByDelete,
     ObjectKey,
     ObjectSize,
+    PartialFailure,
     RecordError,
     RecordHeader,
     RecordVersionError,
@@ -99,6 +103,15 @@ def _unchanged(name: str, etag: str | bool) -> dict[str, str]:
     """A DeleteObjects entry removing ``name`` only while it is the object read as ``etag``
     (a store that ignores the condition removes whatever is there, as a plain delete)."""
     return {"Key": name, **({"ETag": etag} if isinstance(etag, str) else {})}
+
+
+def _partly_done(op: str, done: list[bool], failures: int) -> list[bool]:
+    """``done``, or -- when ``failures`` of the batch's requests failed (counted already)
+    while the others were answered -- raised as the answer of a failed call: core accounts
+    the keys done, and its circuit breaker sees the failure a returned answer would hide."""
+    if not failures:
+        return done
+    raise PartialFailure(done, f"{op}: {failures} of {len(done)} requests failed")
 
 
 def _copy_naming_its_key(answer: dict[str, Any]) -> bytes | None:
@@ -189,26 +202,27 @@ class S3Backend:
     # -- the batch methods -----------------------------------------------------------------
 
     async def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
-        results = await self._each(
+        results, failures = await self._each(
             "store", [self._put(key, data) for key, data in zip(keys, payloads, strict=True)]
         )
-        return [bool(result) for result in results]
+        return _partly_done("store", [bool(result) for result in results], failures)
 
     async def contains_many(self, keys: Sequence[ObjectKey]) -> list[ObjectSize | None]:
         # A lookup answers None for "absent", and core releases the accounted bytes of an
         # absent key: a request that failed must not read as one, so it fails the batch
         # (every key a miss, nothing released).
-        return await self._each("lookup", [self._lookup(key) for key in keys], whole=True)
+        found, _none_failed = await self._each("lookup", [self._lookup(key) for key in keys], whole=True)
+        return found
 
     async def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
-        results = await self._each(
+        results, failures = await self._each(
             "load", [self._load(key, buffer) for key, buffer in zip(keys, buffers, strict=True)]
         )
-        return [bool(result) for result in results]
+        return _partly_done("load", [bool(result) for result in results], failures)
 
     async def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         names = [self.names.of(key) for key in keys]
-        judged = await self._each(
+        judged, failures = await self._each(
             "delete", [self._deletable(key, name) for key, name in zip(keys, names, strict=True)]
         )
         doomed = {name: verdict for name, verdict in zip(names, judged, strict=True) if verdict}
@@ -228,13 +242,17 @@ class S3Backend:
                 if len(batch) == len(names):
                     raise S3RequestError(f"delete of {len(batch)} objects failed: {describe(exc)}") from exc
                 self._failed("delete", len(batch), exc)
+                failures += len(batch)
                 kept.update(batch)
                 continue
-            kept.update(self._not_removed(answer.get("Errors") or []))
-        return [name in doomed and name not in kept for name in names]
+            not_removed, refused = self._not_removed(answer.get("Errors") or [])
+            failures += refused
+            kept.update(not_removed)
+        return _partly_done("delete", [name in doomed and name not in kept for name in names], failures)
 
-    def _not_removed(self, errors: list[dict[str, Any]]) -> set[str]:
-        """The names a DeleteObjects answer lists as not removed, each counted: one
+    def _not_removed(self, errors: list[dict[str, Any]]) -> tuple[set[str], int]:
+        """The names a DeleteObjects answer lists as not removed, and how many of them
+        failed (refused, not replaced), each counted: one
         replaced since it was judged (its ETag no longer the one read) is another
         server's write, kept (``delete_replaced_before_removal``); the rest were refused.
         One gone since it was judged (a conditional removal of a missing object is "no
@@ -257,7 +275,7 @@ class S3Backend:
                 len(refused),
                 S3RequestError(f"{refused[0].get('Code')}: {refused[0].get('Message')}"),
             )
-        return {str(error.get("Key")) for error in errors}
+        return {str(error.get("Key")) for error in errors}, len(refused)
 
     async def list_keys(self) -> AsyncIterator[tuple[ObjectKey, int]]:
         """Every record under the prefix with its payload size, one listing page at a time."""
@@ -614,11 +632,14 @@ class S3Backend:
             self.context.count("corrupt_remove_failures")
             self.context.warn("remove", "removing damaged %s failed: %s", name, describe(exc))
 
-    async def _each(self, op: str, calls: Sequence[Awaitable[T]], *, whole: bool = False) -> list[T | None]:
-        """Await one coroutine per key; a failed key is None (the caller's failure value),
-        and a batch whose every key failed (``whole``: any key) raises."""
+    async def _each(
+        self, op: str, calls: Sequence[Awaitable[T]], *, whole: bool = False
+    ) -> tuple[list[T | None], int]:
+        """Await one coroutine per key: the results, a failed key's None (the caller's
+        failure value), and how many failed (counted, logged); a batch whose every key
+        failed (``whole``: any key) raises."""
         if not calls:
-            return []
+            return [], 0
         outcomes = await asyncio.gather(*calls, return_exceptions=True)
         failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
         for outcome in failures:
@@ -632,7 +653,9 @@ class S3Backend:
                 raise S3RequestError(
                     f"{op}: {len(failures)} of {len(outcomes)} requests failed: {describe(failures[0])}"
                 )
-        return [None if isinstance(outcome, BaseException) else outcome for outcome in outcomes]
+        return [None if isinstance(outcome, BaseException) else outcome for outcome in outcomes], len(
+            failures
+        )
 
     def _failed(self, op: str, count: int, example: BaseException) -> None:
         self.context.count(f"{op}_request_failures", count)
