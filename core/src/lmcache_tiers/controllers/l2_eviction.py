@@ -37,6 +37,10 @@ DELETE_BATCH = 64
 #: failing would otherwise walk a struggling backend every cycle)
 SEED_RETRY_FIRST_S = 1.0
 SEED_RETRY_MAX_S = 60.0
+#: how long a cycle waits for a listing of the keys stored before start-up; one still
+#: running then is left to finish on its own thread (a hung backend may never answer), and
+#: eviction goes on meanwhile with the keys the policy hears of from stores
+LISTING_DEADLINE_S = 10.0
 
 
 class L2EvictionController(ControllerThread):
@@ -89,6 +93,14 @@ class L2EvictionController(ControllerThread):
         self._listing = False
         self._removed_while_listing: set[ObjectKey] = set()
         self._seed_lock = threading.Lock()  # one listing at a time (the thread, evict())
+        # The listing runs on a thread of its own: a backend whose listing never returns
+        # must not hold the eviction cycles.  Notified when it ends (and on stop).
+        self._listing_done = threading.Condition(self._seed_lock)
+        self._listing_thread: threading.Thread | None = None
+        self._listing_started_at = 0.0
+        self._listing_overdue = False  # the running listing passed its deadline (counted)
+        self.listing_deadline_s = LISTING_DEADLINE_S
+        self._overdue_log = BurstLog(logger, "l2_eviction_listing_timeout")
         self.seed_retry_first_s = SEED_RETRY_FIRST_S
         self._seed_failures = 0
         self._next_listing_at = 0.0
@@ -174,24 +186,96 @@ class L2EvictionController(ControllerThread):
         part-way: nothing of it is used) is retried on a later cycle, after an interval
         that doubles with each failure: left out of the policy, those objects would
         never be evicted, and the adapter could stay above its watermark, refusing
-        stores."""
+        stores.  A listing that does not end within ``listing_deadline_s`` (a backend
+        that hangs rather than fails) is counted and left running on its thread, and
+        events go to the policy as they come, as after a failure: eviction goes on with
+        the keys stored since; the listing seeds the policy if it ever ends."""
         with self._seed_lock:
             if self._seeded:
                 return  # another thread (a direct evict() call) got here first
-            if self.slot.adapter.circuit_open:
-                self._defer_for_open_circuit()
+            if self._listing_thread is None and not self._start_listing():
                 return
-            if self._seed_failures and time.monotonic() < self._next_listing_at:
-                return  # the last listing failed: the retry waits its interval
-            with self._policy_lock:
-                self._listing = True
-                self._removed_while_listing.clear()
+            if self._listing_overdue:
+                return  # counted already: cycles no longer wait for it
+            deadline = self._listing_started_at + self.listing_deadline_s
+            self._listing_done.wait_for(
+                lambda: self._listing_thread is None or self.stopping,
+                max(0.0, deadline - time.monotonic()),
+            )
+            if self._listing_thread is not None and not self.stopping:
+                self._listing_past_deadline()
+
+    def _start_listing(self) -> bool:
+        """Start a listing on its own thread (seed lock held); False if none was started."""
+        if self.slot.adapter.circuit_open:
+            self._defer_for_open_circuit()
+            return False
+        if self._seed_failures and time.monotonic() < self._next_listing_at:
+            return False  # the last listing failed: the retry waits its interval
+        with self._policy_lock:
+            self._listing = True
+            self._removed_while_listing.clear()
+        thread = threading.Thread(target=self._list, name=f"{self.name}-listing", daemon=True)
+        self._listing_thread, self._listing_overdue = thread, False
+        self._listing_started_at = time.monotonic()
+        try:
+            thread.start()
+        except RuntimeError as exc:  # no thread to be had: a failed listing, retried later
+            self._listing_thread = None
+            self._listing_failed(exc)
+            return False
+        return True
+
+    def _list(self) -> None:
+        """The listing thread: the adapter's keys, then the policy seeded with them (or
+        the failure counted); whoever waits for it is told."""
+        existing: list[ObjectKey] | None = None
+        failure: Exception | None = None
+        try:
+            existing = list(self.slot.adapter.iter_keys())
+        except Exception as exc:
+            failure = exc
+        with self._seed_lock:
             try:
-                existing = list(self.slot.adapter.iter_keys())
-            except Exception as exc:
-                self._listing_failed(exc)
-                return
-            self._seed_with(existing)
+                if existing is None:
+                    assert failure is not None
+                    self._listing_failed(failure)
+                else:
+                    self._seed_with(existing)
+            finally:
+                self._listing_thread = None
+                self._listing_done.notify_all()
+        self.wake()  # a seeded policy may have victims now; a failure, a retry to plan
+
+    def _listing_past_deadline(self) -> None:
+        """The listing has not ended by its deadline (seed lock held): counted and logged
+        once per listing; events go to the policy from now on, so that eviction goes on
+        with the keys it hears of while the listing hangs."""
+        self._listing_overdue = True
+        self.stats.fail("l2_eviction_listing_timeout")
+        self._overdue_log.event(
+            1,
+            f"L2 eviction on {self.slot.name}: listing the keys stored before start-up has not "
+            f"ended in {self.listing_deadline_s:.0f} s (the backend does not answer?); keys "
+            "stored since are evicted meanwhile, the listed ones once the listing ends",
+        )
+        self._go_live()
+
+    def _go_live(self) -> None:
+        """Events from now on go to the policy as they come (those queued so far first,
+        in order), the keys they write remembered for the listing that succeeds."""
+        with self._policy_lock:
+            if not self._live_unseeded:
+                for method, keys in self._early_events:
+                    self._tell_policy(method, keys)
+                    self._note_unseeded(method, keys)
+                self._early_events.clear()
+                self._live_unseeded = True
+
+    def request_stop(self, drain_timeout_s: float = 10.0) -> None:
+        super().request_stop(drain_timeout_s)
+        with self._seed_lock:  # a cycle waiting for a listing stops waiting
+            self._listing_done.notify_all()
 
     def _defer_for_open_circuit(self) -> None:
         self.stats.fail("l2_eviction_seed_deferred_circuit_open")
@@ -218,12 +302,7 @@ class L2EvictionController(ControllerThread):
         )
         with self._policy_lock:
             self._listing = False
-            if not self._live_unseeded:
-                for method, keys in self._early_events:
-                    self._tell_policy(method, keys)
-                    self._note_unseeded(method, keys)
-                self._early_events.clear()
-                self._live_unseeded = True
+        self._go_live()
 
     def _seed_with(self, existing: list[ObjectKey]) -> None:
         with self._policy_lock:

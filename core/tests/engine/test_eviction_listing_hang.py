@@ -1,0 +1,123 @@
+"""L2 eviction while listing the keys stored before start-up hangs (never returns).
+
+A backend that stops answering rather than failing must not hold the eviction cycles: the
+listing runs on a thread of its own with a deadline.  Past it, the hang is counted and
+logged, and the keys stored since (which the policy hears of as they are stored) are
+evicted meanwhile -- a store filled by them would otherwise refuse stores for good,
+silently.  The listing seeds the policy if it ever ends; shutdown never waits for it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+from l2_backends import DictBackend, Fifo, open_dict
+
+from lmcache_tiers.config import L2EvictionConfig
+from lmcache_tiers.controllers.base import AdapterSlot
+from lmcache_tiers.controllers.l2_eviction import L2EvictionController
+from lmcache_tiers.controllers.stats import EngineStats
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import BackendAdapter
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+
+SIZE = 1000
+OBJECTS = 200
+BEFORE_START = 150  # below the watermark: the stores after start-up fill the store
+#: a bound on how long a cycle may take here, for a test that would otherwise hang on the
+#: defect: a cycle that ends never comes near it
+CYCLE_BOUND_S = 30.0
+
+
+class HangingListing(DictBackend):
+    """A dict whose listing, once ``hanging`` is set, blocks until ``released`` is."""
+
+    hanging = threading.Event()
+    entered = threading.Event()  # a listing is blocked
+    released = threading.Event()
+
+    def list_keys(self) -> list[tuple[ObjectKey, int]]:
+        if HangingListing.hanging.is_set():
+            HangingListing.entered.set()
+            HangingListing.released.wait()
+        return super().list_keys()
+
+
+@pytest.fixture
+def adapter() -> Iterator[BackendAdapter]:
+    for event in (HangingListing.hanging, HangingListing.entered, HangingListing.released):
+        event.clear()
+    opened = open_dict(HangingListing, capacity=OBJECTS * SIZE)
+    try:
+        yield opened
+    finally:
+        HangingListing.released.set()  # a listing thread left hanging ends
+        opened.close()
+
+
+def keys_of(model: str, count: int) -> list[ObjectKey]:
+    return [ObjectKey(model, 0, index.to_bytes(8, "big")) for index in range(count)]
+
+
+def store(adapter: BackendAdapter, keys: list[ObjectKey]) -> None:
+    stored = BlockingAdapterClient(adapter).store(keys, [memoryview(bytearray(SIZE)) for _ in keys])
+    assert stored == [True] * len(keys)
+
+
+def started_with_a_hanging_listing(adapter: BackendAdapter) -> tuple[L2EvictionController, Fifo]:
+    store(adapter, keys_of("before-start", BEFORE_START))
+    assert adapter.stats()["scan_running"] == 0  # the adapter's own start-up scan is done
+    HangingListing.hanging.set()
+    policy = Fifo()
+    config = L2EvictionConfig(trigger_watermark=0.8, eviction_ratio=0.2)
+    controller = L2EvictionController(AdapterSlot(0, "hanging", adapter), policy, config, EngineStats(1))
+    return controller, policy
+
+
+def step_returns(controller: L2EvictionController) -> bool:
+    """One cycle on a thread of its own: True if it ended (False: stuck in the listing)."""
+    cycle = threading.Thread(target=controller.step, args=(set(),), daemon=True)
+    cycle.start()
+    cycle.join(CYCLE_BOUND_S)
+    return not cycle.is_alive()
+
+
+def listing_threads(controller: L2EvictionController) -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == f"{controller.name}-listing"]
+
+
+def test_a_hanging_listing_is_counted_and_keys_stored_since_are_evicted(
+    adapter: BackendAdapter, caplog: pytest.LogCaptureFixture
+) -> None:
+    controller, policy = started_with_a_hanging_listing(adapter)
+    controller.listing_deadline_s = 0.0  # past its deadline as soon as it starts
+    assert step_returns(controller), "a cycle does not wait for a listing that never ends"
+    assert controller.stats.failures()["l2_eviction_listing_timeout"] == 1
+
+    fresh = keys_of("after-start", OBJECTS - BEFORE_START)
+    store(adapter, fresh)
+    assert adapter.usage() == 1.0
+    assert list(policy.order) == fresh, "stores reach the policy while the listing hangs"
+
+    assert step_returns(controller)
+    assert adapter.usage() < 0.8, "the keys stored since are evicted: the store is not full for good"
+    assert controller.stats.failures()["l2_eviction_listing_timeout"] == 1, "one hang, counted once"
+    logged = [r for r in caplog.records if "has not ended" in r.getMessage() and r.levelname == "WARNING"]
+    assert len(logged) == 1
+
+    HangingListing.released.set()
+    for thread in listing_threads(controller):
+        thread.join(CYCLE_BOUND_S)
+    survivors = [key for key in fresh if key in policy.order]
+    assert list(policy.order) == survivors + keys_of("before-start", BEFORE_START), (
+        "the listing that ends late adds the keys stored before start-up"
+    )
+
+
+def test_shutdown_does_not_wait_for_a_hanging_listing(adapter: BackendAdapter) -> None:
+    controller, _policy = started_with_a_hanging_listing(adapter)
+    controller.start()  # its first cycle waits for the listing, up to the deadline
+    assert HangingListing.entered.wait(CYCLE_BOUND_S)
+    assert controller.stop(drain_timeout_s=0.0), "the thread ends though the listing hangs"
