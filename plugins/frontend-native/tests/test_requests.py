@@ -530,6 +530,47 @@ def test_a_forked_child_is_refused_even_while_another_thread_was_in_a_call(serve
         assert client.ping() >= 0  # the parent's client is untouched
 
 
+@pytest.mark.parametrize("held", ["mapping", "page tables"])
+def test_a_forked_child_closes_while_another_thread_used_the_mapping(server: TiersServer, held: str) -> None:
+    """A thread of the parent copying into the mapping, or its background population,
+    holds the mapping's locks for a moment; a child forked in that moment inherits them
+    held by a thread it does not have: its close must not wait for them forever."""
+    with Client(server.endpoint) as client:
+        segment = client._segment
+        assert segment is not None
+        lock = segment._state if held == "mapping" else segment.pages._idle
+        holding, done = threading.Event(), threading.Event()
+
+        def using_the_mapping() -> None:
+            with lock:
+                holding.set()
+                done.wait(60)
+
+        thread = threading.Thread(target=using_the_mapping, daemon=True)
+        thread.start()
+        assert holding.wait(10)
+        try:
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the child
+                code = 1
+                try:
+                    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                    signal.alarm(10)  # a hang ends the child with SIGALRM
+                    client.close()
+                    code = 0
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+        finally:
+            done.set()
+            thread.join(10)
+        assert os.waitstatus_to_exitcode(status) == 0
+        keys = keys_of(1)
+        assert client.store(keys, [b"after the fork"]) == 1  # the parent's mapping is untouched
+        with client.retrieve(keys) as views:
+            assert bytes(views[0]) == b"after the fork"
+
+
 def test_wrong_reply_type_is_a_protocol_error(server: TiersServer) -> None:
     with Client(server.endpoint) as client, pytest.raises(ProtocolError):
         client._call(p.Ping(0, ""), p.StatusReply)

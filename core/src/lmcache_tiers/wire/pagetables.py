@@ -43,6 +43,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -90,6 +91,13 @@ class PageTables:
         self._populated = bytearray(-(-size // COPY_PIECE))
         self._idle = threading.Condition()
         self._copier = SplitCopier()
+        _PAGE_TABLES.add(self)
+
+    def _after_fork(self) -> None:
+        # The background pass or a copy may have held the condition's lock when the
+        # process forked: in the child that thread does not exist, and ``stop`` (a
+        # client's close) would wait for the lock forever.
+        self._idle = threading.Condition()
 
     @property
     def complete(self) -> bool:
@@ -223,3 +231,16 @@ class PageTables:
         )
         log.info("not populating the shared-memory mapping ahead (%s): first copies fault pages in", reason)
         return False
+
+
+#: every PageTables of this process, so that a forked child can give each a lock of its own
+_PAGE_TABLES: weakref.WeakSet[PageTables] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    for tables in list(_PAGE_TABLES):
+        tables._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)

@@ -33,6 +33,7 @@ import re
 import stat
 import sys
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -150,6 +151,7 @@ class MappedSegment:
         self._users = 0
         self._closing = False
         self._state = threading.Lock()
+        _SEGMENTS.add(self)
         #: where object bytes may be: everything before the generation table
         self.data_size = generation_offset if tracked else size
         self.buffer = memoryview(self._mmap)
@@ -160,6 +162,13 @@ class MappedSegment:
         self.pages = PageTables(self.array.ctypes.data, size)
         if populate:
             self.pages.start()
+
+    def _after_fork(self) -> None:
+        # A copy or a retrieve on another thread may have held the lock when the process
+        # forked: in the child that thread does not exist, and ``close`` (a client's
+        # close there) would wait for the lock forever.  Its ``in_use`` block never ends
+        # in the child either, so the child's copy of the mapping goes when the process does.
+        self._state = threading.Lock()
 
     @property
     def tracks_generations(self) -> bool:
@@ -258,6 +267,19 @@ class MappedSegment:
             self._mmap.close()
         except BufferError:
             pass  # a view the caller kept (np.frombuffer of one) holds the mapping: GC unmaps it
+
+
+#: every mapping of this process, so that a forked child can give each a lock of its own
+_SEGMENTS: weakref.WeakSet[MappedSegment] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    for segment in list(_SEGMENTS):
+        segment._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def as_byte_array(buffer: BufferLike) -> np.ndarray[Any, np.dtype[np.uint8]]:
