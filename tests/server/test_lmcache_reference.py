@@ -50,11 +50,11 @@ def reference_installed() -> None:
         )
 
 
-def run_bench(url: str, output: Path, interval: float = 0.0) -> dict[str, Any]:
+def run_bench(url: str, output: Path, interval: float = 0.0, shape: str = SHAPE_SPEC) -> dict[str, Any]:
     command = [
         str(REF_VENV / "bin" / "lmcache"),
         *("bench", "server", "--rpc-url", url, "--mode", "cpu", "--interval", str(interval)),
-        *("--start", "0", "--end", "8", "--num-tokens", "1024", "--kvcache-shape-spec", SHAPE_SPEC),
+        *("--start", "0", "--end", "8", "--num-tokens", "1024", "--kvcache-shape-spec", shape),
         *("--format", "json", "--output", str(output)),
     ]
     done = subprocess.run(

@@ -242,14 +242,17 @@ class StorageManager:
     def clear(self, *, force: bool = False) -> int:
         """Delete L1 objects (unlocked ones unless ``force``); returns how many.
 
-        Objects whose L2 store has not happened yet go too -- a clear empties L1 -- but
-        not silently: they are counted (``l1_cleared_before_l2_store``) and logged.
+        Objects whose L2 store has not started yet go too -- a clear empties L1 -- but
+        not silently: they are counted (``l1_cleared_before_l2_store``) and logged.  Those
+        whose store is running still reach L2: they are not counted.
         """
         self._check_open()
         with self.l1.lock:
             pending = self.l1.unstored()
             cleared = self.l1.clear(force=force)
-            dropped = sum(1 for obj in pending if self.l1.get(obj.key) is not obj)
+            # A forced clear also takes objects an L2 store is reading now (``storing``):
+            # their extents stay until that store reports, which counts it if it fails.
+            dropped = sum(1 for obj in pending if self.l1.get(obj.key) is not obj and not obj.storing)
         if dropped:
             self.stats.fail("l1_cleared_before_l2_store", dropped)
             logger.warning(
