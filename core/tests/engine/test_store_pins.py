@@ -69,9 +69,10 @@ def test_an_object_cleared_by_force_during_its_store_keeps_its_extent_until_the_
 
     with caplog.at_level(logging.WARNING, logger="lmcache_tiers.storage"):
         assert storage.clear(force=True) == 1
-    # An acknowledged write left L1 before its store finished: counted and explained.
-    assert storage.status()["failures"].get("l1_cleared_before_l2_store") == 1
-    assert "before their L2 store" in caplog.text
+    # Its store is running and keeps the extent: the write still reaches L2, so the clear
+    # counts no loss (a failing store would count itself as l2_store_failed).
+    assert storage.status()["failures"].get("l1_cleared_before_l2_store") is None
+    assert "before their L2 store" not in caplog.text
     # The lease ends, and new objects fill L1: none of them gets the store's extent.
     storage.l1.expire_locks(now=time.monotonic() + storage.l1.lock_ttl_s + storage.l1.lease_grace_s + 3600)
     others = keys_of(2, 200)
