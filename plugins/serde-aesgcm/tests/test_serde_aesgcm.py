@@ -116,7 +116,7 @@ def _v1_frame(serde: AesGcmSerde, data: bytes) -> bytes:
     epoch, nonce = os.urandom(16), os.urandom(12)
     header = cipher_module._HEADER.pack(b"LTAG", 1, 0, 0, serde._key_check, epoch, nonce)
     associated = header + len(data).to_bytes(8, "little") + suite_key().to_bytes()
-    return header + serde._cipher(epoch, None).encrypt(nonce, data, associated)
+    return header + serde._cipher(serde._key_check, epoch, None).encrypt(nonce, data, associated)
 
 
 def test_version_1_frames_are_read_where_their_record_states_no_layout() -> None:
@@ -158,8 +158,8 @@ def test_tenants_get_different_keys_and_either_setting_reads_both() -> None:
         for reader in (per_salt, shared):
             assert bytes(reader.decode(memoryview(frame), context)) == data
     # Same epoch, same nonce, same plaintext and key bytes: only the derived key differs.
-    a = per_salt._cipher(b"e" * 16, "tenant-a")
-    b = per_salt._cipher(b"e" * 16, "tenant-b")
+    a = per_salt._cipher(per_salt._key_check, b"e" * 16, "tenant-a")
+    b = per_salt._cipher(per_salt._key_check, b"e" * 16, "tenant-b")
     assert a.encrypt(b"n" * 12, b"x" * 64, None) != b.encrypt(b"n" * 12, b"x" * 64, None)
 
 
@@ -369,7 +369,11 @@ def _v2_frame(serde: AesGcmSerde, data: bytes, layout: str) -> bytes:
     epoch, nonce = os.urandom(16), os.urandom(12)
     header = cipher_module._HEADER.pack(b"LTAG", 2, 0, len(layout), serde._key_check, epoch, nonce)
     associated = header + layout.encode() + len(data).to_bytes(8, "little") + suite_key().to_bytes()
-    return header + layout.encode() + serde._cipher(epoch, None).encrypt(nonce, data, associated)
+    return (
+        header
+        + layout.encode()
+        + serde._cipher(serde._key_check, epoch, None).encrypt(nonce, data, associated)
+    )
 
 
 def test_version_2_frames_are_read_and_counted_unless_refused_by_config() -> None:
@@ -400,3 +404,46 @@ def test_the_chain_and_position_are_bound() -> None:
         with pytest.raises(AesGcmDecodeError, match=r"authentication failed.*another serde chain"):
             serde.decode(memoryview(frame), other)
     assert serde.stats()["unbound_frames_read"] == 0
+
+
+def _key_file(tmp_path: Path, name: str, key: bytes) -> str:
+    path = tmp_path / name
+    path.write_bytes(key.hex().encode() + b"\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_a_rotated_key_kept_for_reading_decrypts_frames_written_under_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart after a key rotation: frames written under the retired key still decode
+    (counted), new frames are written under the new key only, and a server not given the
+    retired key counts them as wrong_key, as before."""
+    data = kv_like_bf16(seed=11)
+    old_frame, context = _round(_serde(), data)  # written under KEY, from ENV
+    new_key = os.urandom(32)
+    rotated = AesGcmSerde(AesGcmConfig(key_file=_key_file(tmp_path, "new.key", new_key), read_key_envs=[ENV]))
+    assert bytes(rotated.decode(memoryview(old_frame), context)) == data
+    assert rotated.stats()["retired_key_frames_read"] == 1
+    new_frame, _ = _round(rotated, data)
+    monkeypatch.setenv(ENV, os.urandom(32).hex())  # the retired key is gone for good
+    new_only = AesGcmSerde(AesGcmConfig(key_file=_key_file(tmp_path, "new-only.key", new_key)))
+    assert bytes(new_only.decode(memoryview(new_frame), context)) == data
+    with pytest.raises(AesGcmDecodeError, match="another master key"):
+        new_only.decode(memoryview(old_frame), context)
+    assert new_only.stats()["wrong_key"] == 1
+    assert new_only.stats()["retired_key_frames_read"] == 0
+    retired_file = AesGcmSerde(
+        AesGcmConfig(
+            key_file=_key_file(tmp_path, "n.key", new_key), read_key_files=[_key_file(tmp_path, "o.key", KEY)]
+        )
+    )
+    assert bytes(retired_file.decode(memoryview(old_frame), context)) == data
+
+
+def test_retired_keys_are_checked_like_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="read_key_files"):
+        AesGcmSerde(AesGcmConfig(key_env=ENV, read_key_files=[str(tmp_path / "missing.key")]))
+    with pytest.raises(ValueError, match="read_key_envs holds a 256-bit key itself") as raised:
+        AesGcmConfig(key_env=ENV, read_key_envs=[KEY.hex()])
+    assert KEY.hex() not in str(raised.value)

@@ -36,6 +36,20 @@ class AesGcmConfig(ComponentConfig):
         str | None,
         msgspec.Meta(description="Environment variable holding the key as 64 hex digits or base64."),
     ] = None
+    read_key_files: Annotated[
+        list[str],
+        msgspec.Meta(
+            description="Retired keys, in files of key_file's formats, that still decrypt the frames "
+            "written under them (counted as retired_key_frames_read) after a key rotation; new "
+            "frames are always written under key_file or key_env."
+        ),
+    ] = []
+    read_key_envs: Annotated[
+        list[str],
+        msgspec.Meta(
+            description="Retired keys in environment variables (as key_env), read like read_key_files."
+        ),
+    ] = []
     per_salt_keys: Annotated[
         bool,
         msgspec.Meta(
@@ -59,32 +73,45 @@ class AesGcmConfig(ComponentConfig):
         self._refuse_a_key_in_place_of_its_location()
         if self.key_file is not None and not self.key_file.strip():
             raise ValueError("key_file is empty")
-        if self.key_env is not None and not _ENV_NAME.match(self.key_env):
-            # Not quoted: what is no variable name may be a key in an encoding the check
-            # above does not know (``0x`` hex, URL-safe base64, another length).
-            raise ValueError(
-                "key_env is not an environment variable name (letters, digits and _, "
-                "not starting with a digit)"
-            )
+        if any(not path.strip() for path in self.read_key_files):
+            raise ValueError("read_key_files holds an empty path")
+        for field, names in (("key_env", [self.key_env]), ("read_key_envs", self.read_key_envs)):
+            if any(name is not None and not _ENV_NAME.match(name) for name in names):
+                # Not quoted: what is no variable name may be a key in an encoding the check
+                # above does not know (``0x`` hex, URL-safe base64, another length).
+                raise ValueError(
+                    f"{field} is not an environment variable name (letters, digits and _, "
+                    "not starting with a digit)"
+                )
 
     def _refuse_a_key_in_place_of_its_location(self) -> None:
         """The key itself written as ``key_env`` or ``key_file`` (a common slip) would be
         quoted by the errors below and printed by ``--print-config``: refuse it unquoted.
         An existing file is a file, whatever its name."""
-        if self.key_env is not None and is_key_itself(self.key_env):
-            field = "key_env"
-        elif (
-            self.key_file is not None
-            and is_key_itself(self.key_file)
-            and not os.path.exists(os.path.expanduser(self.key_file))
-        ):
-            field = "key_file"
-        else:
+        field = _key_in_place_of_a_variable("key_env", [self.key_env] if self.key_env else [])
+        field = field or _key_in_place_of_a_file("key_file", [self.key_file] if self.key_file else [])
+        field = field or _key_in_place_of_a_variable("read_key_envs", self.read_key_envs)
+        field = field or _key_in_place_of_a_file("read_key_files", self.read_key_files)
+        if field is None:
             return
         raise ValueError(
             f"{field} holds a 256-bit key itself, not where the key is: put the key in "
             "a file (key_file) or an environment variable (key_env) and name that instead"
         )
+
+
+def _key_in_place_of_a_variable(field: str, names: list[str]) -> str | None:
+    """``field`` when one of its variable names is a key itself, else None."""
+    return field if any(is_key_itself(name) for name in names) else None
+
+
+def _key_in_place_of_a_file(field: str, paths: list[str]) -> str | None:
+    """``field`` when one of its paths is a key itself (and no such file exists: an existing
+    file is a file, whatever its name), else None."""
+    for path in paths:
+        if is_key_itself(path) and not os.path.exists(os.path.expanduser(path)):
+            return field
+    return None
 
 
 @hookimpl

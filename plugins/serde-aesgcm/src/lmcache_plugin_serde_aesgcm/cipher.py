@@ -16,7 +16,9 @@ is 16 random bytes a serde instance picks at start and again after every
 one key far below the 2^32 that NIST SP 800-38D allows, however long a server runs;
 ``cache_salt`` (flag bit 0) gives every tenant its own key.  ``key check`` is 8 bytes
 derived from the master key alone, so a frame written under another master key is
-reported as such instead of as tampering.
+reported as such instead of as tampering; it also picks, among the configured key and the
+retired keys kept for reading after a rotation (``read_key_files``/``read_key_envs``),
+the one a frame was written under.  New frames always use the configured key.
 
 Associated data: the 44 header bytes, the layout, the plaintext length (u64), the full
 object key (``ObjectKey.to_bytes()``) and, from version 3, the serde chain and this
@@ -87,6 +89,7 @@ COUNTERS: Final = (
     "layout_mismatch",
     "unbound_frames_read",
     "unbound_frames_refused",
+    "retired_key_frames_read",
     "key_epochs",
 )
 
@@ -97,6 +100,17 @@ class AesGcmDecodeError(ValueError):
 
 def _hkdf(master: bytes, length: int, salt: bytes | None, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info).derive(master)
+
+
+def _key_check(master: bytes) -> bytes:
+    return _hkdf(master, KEY_CHECK_SIZE, None, _CHECK_LABEL)
+
+
+def _retired_keys(config: AesGcmConfig) -> list[bytes]:
+    """The retired keys kept for reading, each read and checked as the configured key is."""
+    return [read_key_file(path, "read_key_files") for path in config.read_key_files] + [
+        read_key_env(name, "read_key_envs") for name in config.read_key_envs
+    ]
 
 
 def _associated_data(
@@ -138,10 +152,13 @@ class AesGcmSerde:
             assert config.key_env is not None  # the config's __post_init__ requires one
             master = read_key_env(config.key_env)
         assert len(master) == KEY_SIZE
-        self.__master = master
-        self._key_check = _hkdf(master, KEY_CHECK_SIZE, None, _CHECK_LABEL)
+        self._key_check = _key_check(master)
+        # Every key a frame may be under, by key check: the configured one, then the
+        # retired ones (a retired key equal to the configured one changes nothing).
+        self.__masters = {_key_check(key): key for key in _retired_keys(config)}
+        self.__masters[self._key_check] = master
         self._lock = threading.Lock()
-        self._ciphers: OrderedDict[tuple[bytes, str | None], AESGCM] = OrderedDict()
+        self._ciphers: OrderedDict[tuple[bytes, bytes, str | None], AESGCM] = OrderedDict()
         self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self._epoch = b""
         self._epoch_left = 0
@@ -152,7 +169,8 @@ class AesGcmSerde:
             if self.config.key_file
             else f"key_env={self.config.key_env!r}"
         )
-        return f"AesGcmSerde({source}, per_salt_keys={self.config.per_salt_keys})"
+        retired = len(self.__masters) - 1
+        return f"AesGcmSerde({source}, retired_keys={retired}, per_salt_keys={self.config.per_salt_keys})"
 
     # -- Serde ------------------------------------------------------------------------------
 
@@ -168,7 +186,9 @@ class AesGcmSerde:
             raise ValueError(f"layout is {len(layout)} bytes long; at most {MAX_LAYOUT_LEN}")
         nonce = os.urandom(NONCE_SIZE)
         header = _HEADER.pack(MAGIC, VERSION, flags, len(layout), self._key_check, epoch, nonce)
-        cipher = self._cipher(epoch, context.key.cache_salt if flags & FLAG_PER_SALT else None)
+        cipher = self._cipher(
+            self._key_check, epoch, context.key.cache_salt if flags & FLAG_PER_SALT else None
+        )
         start = HEADER_SIZE + len(layout)
         frame = bytearray(start + view.nbytes + TAG_SIZE)
         frame[:HEADER_SIZE] = header
@@ -196,8 +216,12 @@ class AesGcmSerde:
             self._refuse(
                 "corrupt_frames", context, f"a layout of {layout_length} bytes in a {view.nbytes}-byte frame"
             )
-        if key_check != self._key_check:
-            self._refuse("wrong_key", context, "encrypted under another master key (key check differs)")
+        if key_check not in self.__masters:
+            self._refuse(
+                "wrong_key",
+                context,
+                "encrypted under another master key (its key check is not the key's nor a retired key's)",
+            )
         if version in _UNBOUND_VERSIONS and not self.config.read_unbound_frames:
             self._refuse(
                 "unbound_frames_refused",
@@ -214,7 +238,7 @@ class AesGcmSerde:
                 f"{bytes(layout).decode('ascii', 'replace')!r}",
             )
         length = view.nbytes - start - TAG_SIZE
-        cipher = self._cipher(epoch, context.key.cache_salt if flags & FLAG_PER_SALT else None)
+        cipher = self._cipher(key_check, epoch, context.key.cache_salt if flags & FLAG_PER_SALT else None)
         plaintext = bytearray(length)
         try:
             cipher.decrypt_into(
@@ -226,6 +250,9 @@ class AesGcmSerde:
         except InvalidTag:
             self._refuse("auth_failures", context, _auth_failure_reason(version))
         self._count("decrypted_objects")
+        if key_check != self._key_check:
+            # Stored again (by the engine, once it recomputes) only under the current key.
+            self._count("retired_key_frames_read")
         if version in _UNBOUND_VERSIONS:
             # Read as before version 3: its record's chain could have been rewritten around it.
             self._count("unbound_frames_read")
@@ -247,15 +274,15 @@ class AesGcmSerde:
             self._epoch_left -= 1
             return self._epoch
 
-    def _cipher(self, epoch: bytes, salt: str | None) -> AESGCM:
-        slot = (epoch, salt)
+    def _cipher(self, key_check: bytes, epoch: bytes, salt: str | None) -> AESGCM:
+        slot = (key_check, epoch, salt)
         with self._lock:
             cipher = self._ciphers.get(slot)
             if cipher is not None:
                 self._ciphers.move_to_end(slot)
                 return cipher
         info = _DATA_LABEL if salt is None else _DATA_LABEL + b"\0" + salt.encode()
-        cipher = AESGCM(_hkdf(self.__master, KEY_SIZE, epoch, info))
+        cipher = AESGCM(_hkdf(self.__masters[key_check], KEY_SIZE, epoch, info))
         with self._lock:
             self._ciphers[slot] = cipher
             while len(self._ciphers) > _KEY_CACHE_SIZE:

@@ -53,9 +53,10 @@ def _checked(key: bytes | None, where: str, found: str) -> bytes:
     return key
 
 
-def read_key_file(path: str) -> bytes:
-    """The key stored in ``path``: exactly 32 raw bytes, or 64 hex digits / base64 text."""
-    where = f"key_file {path!r}"
+def read_key_file(path: str, field: str = "key_file") -> bytes:
+    """The key stored in ``path``: exactly 32 raw bytes, or 64 hex digits / base64 text;
+    ``field`` names the config field in errors."""
+    where = f"{field} {path!r}"
     try:
         # O_NONBLOCK: opening a FIFO would otherwise wait for a writer, and start-up with
         # it; a regular file reads the same either way, anything else is refused below.
@@ -91,9 +92,10 @@ def _is_text(content: bytes) -> bool:
     return all(0x20 <= byte < 0x7F for byte in content)
 
 
-def read_key_env(name: str) -> bytes:
-    """The key in environment variable ``name`` (64 hex digits or base64)."""
-    where = f"environment variable {name}"
+def read_key_env(name: str, field: str = "key_env") -> bytes:
+    """The key in environment variable ``name`` (64 hex digits or base64); ``field`` names
+    the config field in errors."""
+    where = f"{field}: environment variable {name}"
     value = os.environ.get(name)
     if value is None:
         raise ConfigError(f"aesgcm: {where} is not set")
