@@ -419,6 +419,41 @@ def test_a_batch_that_fails_part_way_reports_its_done_keys_and_reaches_the_break
     assert adapter.used_bytes() == 2 * SIZE, "the keys done were not accounted as done"
 
 
+def answers_without_etags(backend: S3Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service's answers reach the adapter without an ETag (as from a store that sends none)."""
+    request = backend.client.request
+
+    async def without_etag(method: str, **kwargs: object) -> object:
+        answer = await request(method, **kwargs)
+        if isinstance(answer, dict):
+            answer.pop("ETag", None)
+        return answer
+
+    monkeypatch.setattr(backend.client, "request", without_etag)
+
+
+def test_an_object_read_without_an_etag_is_never_removed_unconditionally(
+    adapter: L2Adapter, l1: memoryview, raw: Raw, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Removing an object is conditional on the ETag of the one judged: without one, the
+    # removal could take a record another server stored there since.  The object is
+    # kept, counted: damage is a miss each time (never its bytes) until a store
+    # replaces it, and a delete fails.
+    damaged, intact = make_keys(2)
+    raw.write(damaged, b"not a record" * 1000)
+    store(adapter, l1, [intact])
+    backend = adapter.backend.inner  # type: ignore[attr-defined]  # behind core's circuit breaker
+    assert isinstance(backend, S3Backend)
+    answers_without_etags(backend, monkeypatch)
+    assert blocking(adapter).lookup_and_lock([damaged]).found == [False]
+    assert adapter.delete([intact]) == [False]
+    assert raw.exists(damaged) and raw.exists(intact)
+    stats = adapter.stats()
+    assert stats.get("corrupt_records_removed", 0) == 0
+    assert stats["corrupt_kept_without_etag"] == 1
+    assert stats["delete_kept_without_etag"] == 1
+
+
 # -- the header copy in each object's metadata (what makes a lookup one HEAD) ---------------
 
 

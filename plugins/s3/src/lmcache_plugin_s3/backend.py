@@ -20,7 +20,7 @@ import enum
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from lmcache_plugin_s3.client import (
     S3Client,
@@ -99,10 +99,10 @@ class _Unlisted(enum.Enum):
     JUDGED = "judged"
 
 
-def _unchanged(name: str, etag: str | bool) -> dict[str, str]:
+def _unchanged(name: str, etag: str) -> dict[str, str]:
     """A DeleteObjects entry removing ``name`` only while it is the object read as ``etag``
     (a store that ignores the condition removes whatever is there, as a plain delete)."""
-    return {"Key": name, **({"ETag": etag} if isinstance(etag, str) else {})}
+    return {"Key": name, "ETag": etag}
 
 
 def _partly_done(op: str, done: list[bool], failures: int) -> list[bool]:
@@ -211,8 +211,8 @@ class S3Backend:
         # A lookup answers None for "absent", and core releases the accounted bytes of an
         # absent key: a request that failed must not read as one, so it fails the batch
         # (every key a miss, nothing released).
-        found, _none_failed = await self._each("lookup", [self._lookup(key) for key in keys], whole=True)
-        return found
+        answer = await self._each("lookup", [self._lookup(key) for key in keys], whole=True)
+        return answer[0]  # (``whole``: none failed)
 
     async def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         results, failures = await self._each(
@@ -435,7 +435,7 @@ class S3Backend:
                 return None
             _check_size(total, header)
         except _Damaged as exc:
-            await self._remove_damaged(name, str(exc), etag)
+            await self._remove_damaged(name, str(exc), etag or head_etag)
             return None
         return ObjectSize(header.payload_len, header.l1_size)
 
@@ -502,16 +502,18 @@ class S3Backend:
                 return False
             raise
 
-    async def _deletable(self, key: ObjectKey, name: str) -> str | bool:
+    async def _deletable(self, key: ObjectKey, name: str) -> str | Literal[False]:
         """Whether ``name`` holds an object a delete of ``key`` removes -- there, and not an
         intact record of another key -- as the ETag of the object judged (the removal is
-        conditional on it), True for one without an ETag, False for none to remove.  The
+        conditional on it), False for none to remove.  The
         listing reads names only, so it accounts, e.g., an fs adapter's record of a salted
         key as this codec's key with ".bin" added to its salt; the L2 eviction's delete of
         that key must leave the other writer's object.  A record of a format version this
         code does not read is kept too: a newer server sharing the bucket wrote it and
         reads it (lookups keep it as well).  The header copy of the HEAD tells; without
-        one, the record's own header does."""
+        one, the record's own header does.  An object read without an ETag is kept,
+        counted (``delete_kept_without_etag``): its removal could only be unconditional,
+        and take a record another server stored there since."""
         try:
             answer = await self.client.call("head_object", Key=name)
         except Exception as exc:
@@ -524,16 +526,33 @@ class S3Backend:
             slot = copy
         else:  # no usable copy: the record's own header tells
             try:
-                slot, _total, etag = await self.client.bounded(lambda: self._first_bytes(name))
+                slot, _total, read_etag = await self.client.bounded(lambda: self._first_bytes(name))
             except Exception as exc:
                 if is_missing_object(exc):
                     return False
                 if error_code(exc) == "InvalidRange":  # an empty object: no record to keep
-                    return etag or True
+                    return self._removable_as(name, etag)
                 raise
+            # The HEAD's ETag when the read named none: should the object have changed in
+            # between, the removal's condition fails and the new object is kept.
+            etag = read_etag or etag
         if self._deletes.keeps(key, slot):
             return False
-        return etag or True
+        return self._removable_as(name, etag)
+
+    def _removable_as(self, name: str, etag: str | None) -> str | Literal[False]:
+        """The ETag a delete's removal of ``name`` is conditional on; False (kept, counted,
+        the delete fails) when the service named none."""
+        if etag:
+            return etag
+        self.context.count("delete_kept_without_etag")
+        self.context.warn(
+            "delete_no_etag",
+            "%s was read without an ETag: its removal could take another server's record "
+            "stored there since; kept, the delete fails",
+            name,
+        )
+        return False
 
     async def _listed(self, name: str, size: int) -> tuple[ObjectKey, int] | _Unlisted:
         if size < HEADER_BYTES:
@@ -613,13 +632,30 @@ class S3Backend:
     async def _remove_damaged(self, name: str, why: str, etag: str | None) -> None:
         """Remove the damaged object read as ``etag`` -- only if it is still that one: a
         record another server stored there since is kept (a conditional delete; a store
-        that ignores the condition removes whatever is there, as a plain delete)."""
+        that ignores the condition removes whatever is there, as a plain delete).
+
+        Read without an ETag, it is kept, counted (``corrupt_kept_without_etag``): an
+        unconditional removal could take a record another server stored there since.
+        Kept damage is never served (each lookup or load of it is a miss, counted again)
+        and the next store of its key replaces it; S3 services name an ETag in every
+        answer, so only a store that sends none keeps damage this way."""
+        if not etag:
+            self.context.count("corrupt_kept_without_etag")
+            self.context.warn(
+                "damaged_no_etag",
+                "s3://%s/%s is damaged (%s); a miss, kept: it was read without an ETag, and an "
+                "unconditional removal could take a record stored there since",
+                self.config.bucket,
+                name,
+                why,
+            )
+            return
         self.context.count("corrupt_records_removed")
         self.context.warn(
             "damaged", "s3://%s/%s is damaged (%s); a miss, removed", self.config.bucket, name, why
         )
         try:
-            await self.client.call("delete_object", Key=name, **({"IfMatch": etag} if etag else {}))
+            await self.client.call("delete_object", Key=name, IfMatch=etag)
         except Exception as exc:
             if is_missing_object(exc):
                 return  # removed meanwhile (by another server)
