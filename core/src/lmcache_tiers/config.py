@@ -572,7 +572,9 @@ def decode_component(
     # An adapter's serde chain and a wrapper's inner spec are decoded on their own, and
     # checked there under their own component's name.
     nested = _NESTED_SPECS if kind is Kind.L2_ADAPTER else ()
-    refuse_unusable_values({k: v for k, v in fields.items() if k not in nested}, where, f"{component.name}: ")
+    # (A nested field holding no list or table is no spec: it is checked here.)
+    own = {k: v for k, v in fields.items() if k not in nested or not isinstance(v, (list, Mapping))}
+    refuse_unusable_values(own, where, f"{component.name}: ")
     # LMCache's fields of an adapter object, or of a serde's (fp8's max_workers)
     fields = _without_neutral_lmcache_fields(component.config, fields, kind)
     unsupported = lmcache_unsupported(component.config, kind)

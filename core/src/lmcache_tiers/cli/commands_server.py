@@ -16,7 +16,7 @@ from lmcache_tiers.cli.output import EXIT_USAGE, fail, stdout
 from lmcache_tiers.endpoints import check_server_url
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.strict_json import strict_json
-from lmcache_tiers.wire.protocol import MAX_OBJECT_BYTES
+from lmcache_tiers.wire.protocol import MAX_OBJECT_BYTES, MAX_TOKEN_LEN
 
 if TYPE_CHECKING:
     from lmcache_tiers.server.benchmark import BenchResult
@@ -38,6 +38,25 @@ def server_url(value: str | None) -> str | None:
         raise typer.BadParameter(str(exc)) from None
 
 
+def client_token(value: str | None) -> str | None:
+    """``--auth-token`` callback: a token no server can hold is a usage error, found before
+    a connection is tried (the value itself is never quoted)."""
+    if value is None:
+        return None
+    if len(value) > MAX_TOKEN_LEN:
+        raise typer.BadParameter(
+            f"the token is {len(value)} characters long; the protocol carries at most {MAX_TOKEN_LEN}"
+        )
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        # a byte of the command line or environment that is no UTF-8 arrives as a lone surrogate
+        raise typer.BadParameter("the token is not UTF-8 text") from None
+    if "\0" in value:
+        raise typer.BadParameter("the token holds a NUL character")
+    return value
+
+
 UrlOption = Annotated[
     str,
     typer.Option("--url", callback=server_url, help="Server endpoint (tcp://host:port or ipc://path)."),
@@ -45,7 +64,10 @@ UrlOption = Annotated[
 TokenOption = Annotated[
     Optional[str],
     typer.Option(
-        "--auth-token", envvar="LMCACHE_TIERS_AUTH_TOKEN", help="Token, if the server requires one."
+        "--auth-token",
+        envvar="LMCACHE_TIERS_AUTH_TOKEN",
+        callback=client_token,
+        help="Token, if the server requires one.",
     ),
 ]
 #: the help of --timeout where a command waits for a server that does not answer yet

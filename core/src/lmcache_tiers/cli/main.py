@@ -8,6 +8,7 @@ command and group, plugin commands included.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -131,10 +132,17 @@ def command_tree(app: typer.Typer) -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
+    run(lambda: command_tree(build_app()), argv)
+
+
+def run(make_command: Callable[[], Any], argv: list[str] | None) -> None:
+    """Run the command ``make_command`` builds on ``argv``, every usage and configuration
+    error one line on stderr and exit code 2.  (Tests build the command once and run it
+    on many inputs.)"""
     from lmcache_tiers.cli import lmcache_flags
 
     try:
-        command = command_tree(build_app())
+        command = make_command()
         result = command.main(args=argv, prog_name="lmcache-tiers", standalone_mode=False)
     except typer.Abort:
         sys.exit(130)

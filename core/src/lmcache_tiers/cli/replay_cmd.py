@@ -12,7 +12,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from lmcache_tiers.cli.commands_server import MAX_TIMEOUT_S, WAIT_TIMEOUT_HELP, server_url
+from lmcache_tiers.cli.commands_server import MAX_TIMEOUT_S, WAIT_TIMEOUT_HELP, client_token, server_url
 from lmcache_tiers.cli.output import fail, stderr, stdout
 from lmcache_tiers.config import ServerConfig
 from lmcache_tiers.errors import ConfigError
@@ -189,7 +189,11 @@ def replay(
     timeout: Annotated[float, typer.Option(min=0.01, max=MAX_TIMEOUT_S, help=WAIT_TIMEOUT_HELP)] = 60.0,
     auth_token: Annotated[
         Optional[str],
-        typer.Option(envvar="LMCACHE_TIERS_AUTH_TOKEN", help="Token, if the server requires one."),
+        typer.Option(
+            envvar="LMCACHE_TIERS_AUTH_TOKEN",
+            callback=client_token,
+            help="Token, if the server requires one.",
+        ),
     ] = None,
     model: Annotated[str, typer.Option(help="Model name of replay keys.")] = REPLAY_MODEL,
     salt: Annotated[str, typer.Option(help="Cache salt of replay keys.")] = REPLAY_SALT,
