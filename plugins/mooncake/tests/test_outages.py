@@ -236,3 +236,59 @@ def test_a_whole_key_listing_is_read_to_its_end() -> None:
         assert list(iter_pool_names(url, "p/", 5.0)) == ["p/a", "p/c"]
     finally:
         thread.join(10)
+
+
+class _Recording:
+    """A Mooncake client whose calls and close are recorded in order (the calls go through)."""
+
+    def __init__(self, store: object, events: list[str]) -> None:
+        self._store = store
+        self._events = events
+
+    def __getattr__(self, name: str) -> object:
+        method = getattr(self._store, name)
+        events = self._events
+
+        def recorded(*args: object) -> object:
+            events.append(f"enter {name}")
+            try:
+                return method(*args)
+            finally:
+                events.append(f"leave {name}")
+
+        return recorded
+
+
+def test_close_never_closes_the_client_under_a_load_still_in_mooncake(own_cluster: LocalCluster) -> None:
+    # Core stops waiting for running calls after its close_timeout_s, which may be
+    # shorter than operation_timeout_s: the backend's close must still let a load that
+    # is inside Mooncake (writing into L1) end before the client under it is closed.
+    own_cluster.add_segment_host("64MB")
+    adapter = open_adapter(config_for(own_cluster, operation_timeout_s=2.0))
+    adapter.close_timeout_s = 0.2  # type: ignore[misc]  # core gives up on the load at once
+    client = BlockingAdapterClient(adapter, timeout=60)
+    master = own_cluster.master
+    assert master is not None
+    keys = make_keys(1)
+    assert client.store(keys, [memoryview(pattern(0, SIZE))]) == [True]
+    assert client.lookup_and_lock(keys).found == [True]
+    events: list[str] = []
+    connection = adapter.backend.inner.connection  # type: ignore[attr-defined]  # behind the breaker
+    with connection._lock:
+        connection._store = _Recording(connection._store, events)
+    master.send_signal(signal.SIGSTOP)
+    wait_stopped(master.pid, HANG_GUARD_S)
+    try:
+        loading = threading.Thread(
+            target=client.load, args=(keys, [memoryview(bytearray(SIZE))]), daemon=True
+        )
+        loading.start()
+        eventually(lambda: any(event.startswith("enter ") for event in events), what="the load in Mooncake")
+        adapter.close()
+    finally:
+        master.send_signal(signal.SIGCONT)
+    loading.join(HANG_GUARD_S)
+    eventually(lambda: "enter close" in events, what="the client closed")
+    load_calls = [event for event in events if event != "enter close" and event != "leave close"]
+    closed_at = events.index("enter close")
+    assert events[:closed_at] == load_calls, f"the client was closed under a running call: {events}"

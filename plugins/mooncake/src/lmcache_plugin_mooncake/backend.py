@@ -44,7 +44,8 @@ Deletes and probes wait at most ``operation_timeout_s`` (see :mod:`.calls`); loo
 stores and loads run on the adapter's threads and are bounded by Mooncake's own timeouts,
 set from the same value (stores and loads read or write memory core may reuse once they
 return; lookups are on the request path, where a hop to another thread and back costs
-more than the RPC).  Every
+more than the RPC).  Close waits for the stores, lookups and loads inside the client
+before closing it (``Connection.leased``).  Every
 failure of the pool raises, so core's circuit breaker (``remote = True``) opens after
 repeated ones and ``ping`` closes it when the master answers again.
 """
@@ -98,6 +99,9 @@ _LIST_BATCH = 512
 _RESIZED_MAX = 1 << 16
 #: a repeated warning is logged at most once per this many seconds
 _WARN_EVERY_S = 60.0
+#: how many operation_timeout_s a store or load may stay inside Mooncake: a master RPC,
+#: then a transfer's progress and status timeouts (what close waits for it)
+_CALL_TIMEOUTS = 3
 #: payload bytes below which checksums are taken on the calling thread alone (handing
 #: work to a helper thread costs more than it saves for a few objects)
 PARALLEL_MIN_BYTES = 4 << 20
@@ -246,7 +250,20 @@ class MooncakeStoreBackend:
             )
 
     def close(self) -> None:
-        self.connection.close(self.timeout)
+        # Core stops waiting for running calls after its close_timeout_s, which may be
+        # shorter than operation_timeout_s: a store or load may still be inside Mooncake
+        # (reading or writing L1), bounded by Mooncake's timeouts -- a master RPC and a
+        # transfer's progress and status, each operation_timeout_s.
+        running = self.connection.close(self.timeout, calls_wait_s=_CALL_TIMEOUTS * self.timeout)
+        if running:
+            self.context.count("close_calls_left_running", running)
+            logger.warning(
+                "%s: %d calls were still inside Mooncake %.0fs after close began; the client is "
+                "left open under them (it ends with the process)",
+                self.context.name,
+                running,
+                _CALL_TIMEOUTS * self.timeout,
+            )
         self.calls.close()
         self._helpers.shutdown(wait=True)
 
@@ -289,7 +306,10 @@ class MooncakeStoreBackend:
     # -- store -----------------------------------------------------------------------------
 
     def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
-        store = self.connection.store()
+        with self.connection.leased() as store:
+            return self._put_many(store, keys, payloads)
+
+    def _put_many(self, store: Any, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
         batch = _StoreBatch(
             [self.names.of(key) for key in keys],
             [b""] * len(keys),
@@ -488,7 +508,8 @@ class MooncakeStoreBackend:
         # On the calling thread: a lookup is master RPCs (and, rarely, a header read),
         # each ended by Mooncake's own timeouts, and a hop to a deadline pool and back
         # cost two thread wake-ups on every lookup (the request path).
-        return self._contains(self.connection.store(), list(keys), [self.names.of(key) for key in keys])
+        with self.connection.leased() as store:
+            return self._contains(store, list(keys), [self.names.of(key) for key in keys])
 
     def _contains(self, store: Any, keys: list[ObjectKey], names: list[str]) -> list[int | ObjectSize | None]:
         present = store.batch_is_exist(names)
@@ -673,7 +694,12 @@ class MooncakeStoreBackend:
     # -- load ------------------------------------------------------------------------------
 
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
-        store = self.connection.store()
+        with self.connection.leased() as store:
+            return self._get_many_into(store, keys, buffers)
+
+    def _get_many_into(
+        self, store: Any, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]
+    ) -> list[bool]:
         ok = [False] * len(keys)
         # A chunk is read, then verified (see the module docstring for why not both at
         # once); its header lane is given back once its headers are verified.

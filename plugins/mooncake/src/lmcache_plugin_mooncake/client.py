@@ -20,6 +20,8 @@ import math
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from lmcache_plugin_mooncake.config import MooncakeStoreConfig
@@ -132,6 +134,9 @@ class Connection:
         self.last_error = "not connected yet"
         self.attempts = 0
         self.failures = 0
+        #: calls of the adapter's threads using the client right now (see ``leased``)
+        self._leases = 0
+        self._idle = threading.Condition()
 
     def start(self, wait_s: float) -> bool:
         """Import the client, start connecting; True if connected within ``wait_s``."""
@@ -159,6 +164,23 @@ class Connection:
             address = self.config.master_server_address
             raise MooncakeUnavailable(f"not connected to the Mooncake master at {address}: {self.last_error}")
         return store
+
+    @contextmanager
+    def leased(self) -> Iterator[Any]:
+        """The connected client (as ``store``) for one call of the adapter's threads:
+        ``close`` waits for the call to end before closing the client under it (a load
+        inside Mooncake writes into L1 until its own timeouts end it)."""
+        # Counted before the client is taken: a close that took it away since fails
+        # ``store()`` here, and one after waits for this call.
+        with self._idle:
+            self._leases += 1
+        try:
+            yield self.store()
+        finally:
+            with self._idle:
+                self._leases -= 1
+                if not self._leases:
+                    self._idle.notify_all()
 
     def _connect_loop(self) -> None:
         pause = _RETRY_FIRST_S
@@ -234,9 +256,13 @@ class Connection:
                 )
         return store
 
-    def close(self, timeout_s: float) -> None:
-        """Stop connecting and close the client, waiting at most ``timeout_s``.
+    def close(self, timeout_s: float, calls_wait_s: float) -> int:
+        """Stop connecting and close the client, waiting at most ``timeout_s``; the number
+        of calls still using it after ``calls_wait_s`` (0: closed).
 
+        The client is closed only once no call uses it (``leased``): closed under a load,
+        the load would fail whatever it read.  Calls still running after ``calls_wait_s``
+        leave it open -- never closed under them -- to end with the process.
         Closing unmounts this server's segment at the master; with the master gone
         Mooncake retries for a while, so a close that takes longer is left to finish on
         its own (daemon thread) and the adapter closes anyway.
@@ -246,7 +272,12 @@ class Connection:
             store, self._store = self._store, None
         self._connected.clear()
         if store is None:
-            return
+            return 0
+        with self._idle:
+            self._idle.wait_for(lambda: not self._leases, calls_wait_s)
+            running = self._leases
+        if running:
+            return running
         closer = threading.Thread(
             target=_close_quietly, args=(store,), name=f"mooncake-{self.name}-close", daemon=True
         )
@@ -259,6 +290,7 @@ class Connection:
                 self.name,
                 time.monotonic() - started,
             )
+        return 0
 
 
 def _close_quietly(store: Any) -> None:
