@@ -251,7 +251,8 @@ class StorageManager:
             pending = self.l1.unstored()
             cleared = self.l1.clear(force=force)
             # A forced clear also takes objects an L2 store is reading now (``storing``):
-            # their extents stay until that store reports, which counts it if it fails.
+            # their extents stay until that store reports, which counts it if it fails or
+            # is abandoned at shutdown.
             dropped = sum(1 for obj in pending if self.l1.get(obj.key) is not obj and not obj.storing)
         if dropped:
             self.stats.fail("l1_cleared_before_l2_store", dropped)

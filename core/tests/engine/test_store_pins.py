@@ -91,6 +91,26 @@ def test_an_object_cleared_by_force_during_its_store_keeps_its_extent_until_the_
     assert storage.l1.used_bytes < used_with_held
 
 
+def test_a_store_abandoned_at_shutdown_after_a_forced_clear_took_its_object_is_counted(engine) -> None:
+    # The clear leaves the running store to count its object if the write does not reach
+    # L2; a close whose drain gives up on that store must count it then, though the object
+    # is no longer in L1.
+    storage = engine([gated()])
+    stalled = gated_backend(storage)
+    stalled.store_gate.clear()
+    (a,) = keys_of(1, 1)
+    store(storage, [a], SIZE)
+    wait_for(lambda: store_task_running(storage, 0), "the stalled store task")
+    assert storage.clear(force=True) == 1
+
+    opener = threading.Timer(0.5, stalled.store_gate.set)  # the adapter's close waits for the call
+    opener.start()
+    storage.close(drain_timeout_s=0.05)
+    opener.join()
+    failures = storage.failures()
+    assert failures.get("l2_store_abandoned", 0) + failures.get("l1_cleared_before_l2_store", 0) == 1
+
+
 def test_a_clear_counts_the_acknowledged_writes_it_takes_before_their_store(engine) -> None:
     storage = engine([gated()])
     stalled = gated_backend(storage)

@@ -589,7 +589,9 @@ class StoreController(ControllerThread):
         with self.l1.lock:
             # Which ones are still in L1 and their settling in one step: until settled an
             # eviction of one counts it lost (``evicted_before_l2_store``), after it none.
-            abandoned = self._still_in_l1(abandoned)
+            # Abandoned ones all count: an object a running store locks leaves L1 only by
+            # force -- a forced clear, which leaves the store to count a loss, or an NVMe L1
+            # write-back error, which counts the dropped copy, not the missing L2 one.
             queued = list(self._still_in_l1({id(obj): obj for obj in queued}).values())
             self.l1.settle_unstored([obj for batch in ended.values() for obj in batch.objects.values()])
             self.l1.settle_unstored(queued)
