@@ -137,6 +137,29 @@ def test_loads_and_stores_still_in_the_backend_once_closing_began_move_nothing(t
         adapter.close()
 
 
+def test_a_delete_reaching_the_backend_after_the_checkpoint_at_close_is_refused(tmp_path: Path) -> None:
+    """Core runs a delete on its caller's thread and does not wait for it at close: one
+    that reaches the backend once the last checkpoint was taken would be answered True
+    and undone by the restart (a delete writes nothing to the device).  It is refused,
+    counted and logged, and the key stays, as the answer says."""
+    cfg = config(tmp_path / "device.img", meta_enable_periodic=False)
+    adapter = open_raw(cfg)
+    backend = backend_of(adapter)
+    kept, late = make_keys(2)
+    assert store(adapter, [kept, late], [pattern(0, 9000), pattern(1, 9000)]) == [True, True]
+    adapter.close()
+    assert backend.delete_many([late]) == [False]
+    assert adapter.stats()["delete_stopped_closing"] == 1
+    reopened = open_raw(cfg)
+    try:
+        assert load(reopened, [kept, late], [9000, 9000]) == (
+            [True, True],
+            [pattern(0, 9000), pattern(1, 9000)],
+        )
+    finally:
+        reopened.close()
+
+
 def _root_tools() -> str | None:
     if os.geteuid() != 0:
         return "freezing a filesystem needs root"

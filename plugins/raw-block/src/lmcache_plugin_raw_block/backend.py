@@ -100,6 +100,10 @@ class RawBlockBackend(SlotStoreBackend):
         )
         self._device: BlockDevice = open_device(config)
         self._stop = threading.Event()
+        # Held while a delete changes the table and while close sets _stop: every delete
+        # accepted is in the checkpoint close takes next (a delete writes nothing to the
+        # device), and one arriving later is refused rather than undone by the restart.
+        self._delete_gate = threading.Lock()
         self._checkpoint_lock = threading.Lock()
         self._checkpointed_version = -1
         #: the device's newest checkpoint is one written at a clean shutdown: until a
@@ -331,9 +335,25 @@ class RawBlockBackend(SlotStoreBackend):
             "checkpoint_seq": self._areas.seq,
         }
 
+    def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Refused once close began: core does not wait for a delete on its caller's
+        thread, and one accepted after the checkpoint at close would be answered True and
+        undone by the restart, which trusts that checkpoint."""
+        with self._delete_gate:
+            if not self._stop.is_set():
+                return self.table.delete(keys)
+        self.context.count("delete_stopped_closing", len(keys))
+        self._burst.warn(
+            "delete_closing",
+            "raw_block: %d keys not deleted: the adapter is closing (its last checkpoint keeps them)",
+            len(keys),
+        )
+        return [False] * len(keys)
+
     def close(self) -> None:
         deadline = time.monotonic() + CLOSE_DRAIN_S
-        self._stop.set()
+        with self._delete_gate:
+            self._stop.set()
         if self._thread is not None:
             self._thread.join(_left(deadline))  # its checkpoint may be stuck in the device
         try:
