@@ -37,11 +37,14 @@ class HangingListing(DictBackend):
     hanging = threading.Event()
     entered = threading.Event()  # a listing is blocked
     released = threading.Event()
+    fails_when_released = False  # as a listing that the adapter's close cuts short
 
     def list_keys(self) -> list[tuple[ObjectKey, int]]:
         if HangingListing.hanging.is_set():
             HangingListing.entered.set()
             HangingListing.released.wait()
+            if HangingListing.fails_when_released:
+                raise ConnectionError("listing cut short")
         return super().list_keys()
 
 
@@ -49,6 +52,7 @@ class HangingListing(DictBackend):
 def adapter() -> Iterator[BackendAdapter]:
     for event in (HangingListing.hanging, HangingListing.entered, HangingListing.released):
         event.clear()
+    HangingListing.fails_when_released = False
     opened = open_dict(HangingListing, capacity=OBJECTS * SIZE)
     try:
         yield opened
@@ -121,3 +125,35 @@ def test_shutdown_does_not_wait_for_a_hanging_listing(adapter: BackendAdapter) -
     controller.start()  # its first cycle waits for the listing, up to the deadline
     assert HangingListing.entered.wait(CYCLE_BOUND_S)
     assert controller.stop(drain_timeout_s=0.0), "the thread ends though the listing hangs"
+
+
+def test_two_cycles_waiting_for_one_hanging_listing_count_it_once(adapter: BackendAdapter) -> None:
+    """The thread's cycle and a direct evict() both wait for the same listing: its hang is
+    one hang, counted and logged once, whichever reaches the deadline second."""
+    controller, _policy = started_with_a_hanging_listing(adapter)
+    controller.listing_deadline_s = 2.0  # both are waiting by then
+    direct = threading.Thread(target=controller.evict, args=(0,), daemon=True)
+    direct.start()
+    assert HangingListing.entered.wait(CYCLE_BOUND_S)
+    assert step_returns(controller)
+    direct.join(CYCLE_BOUND_S)
+    assert not direct.is_alive()
+    assert controller.stats.failures()["l2_eviction_listing_timeout"] == 1
+
+
+def test_a_listing_cut_short_by_shutdown_is_no_failed_listing(
+    adapter: BackendAdapter, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After the controller stopped, the listing it left hanging ends when the adapter is
+    closed: nothing will retry it, and it is no backend failure to count or warn of."""
+    controller, _policy = started_with_a_hanging_listing(adapter)
+    controller.listing_deadline_s = 0.0
+    controller.start()
+    assert HangingListing.entered.wait(CYCLE_BOUND_S)
+    assert controller.stop(drain_timeout_s=0.0)
+    HangingListing.fails_when_released = True
+    HangingListing.released.set()
+    for thread in listing_threads(controller):
+        thread.join(CYCLE_BOUND_S)
+    assert controller.stats.failures().get("l2_eviction_scan_error", 0) == 0
+    assert not [r for r in caplog.records if "failed" in r.getMessage() and r.levelname == "WARNING"]

@@ -202,7 +202,9 @@ class L2EvictionController(ControllerThread):
                 lambda: self._listing_thread is None or self.stopping,
                 max(0.0, deadline - time.monotonic()),
             )
-            if self._listing_thread is not None and not self.stopping:
+            # Another cycle (the thread's, or evict()'s) waiting for the same listing may
+            # have reached the deadline first: one hang is counted once.
+            if self._listing_thread is not None and not self.stopping and not self._listing_overdue:
                 self._listing_past_deadline()
 
     def _start_listing(self) -> bool:
@@ -237,7 +239,9 @@ class L2EvictionController(ControllerThread):
             failure = exc
         with self._seed_lock:
             try:
-                if existing is None:
+                if self.stopping:
+                    self._listing_ended_after_stop(failure)
+                elif existing is None:
                     assert failure is not None
                     self._listing_failed(failure)
                 else:
@@ -246,6 +250,16 @@ class L2EvictionController(ControllerThread):
                 self._listing_thread = None
                 self._listing_done.notify_all()
         self.wake()  # a seeded policy may have victims now; a failure, a retry to plan
+
+    def _listing_ended_after_stop(self, failure: Exception | None) -> None:
+        """A listing left running at shutdown ended (seed lock held), most often cut short
+        by the adapter's close: no retry will follow and no policy will evict again, so it
+        is neither a failed listing to count nor a seed to make."""
+        logger.info(
+            "L2 eviction on %s: the listing left running at shutdown ended%s; not used",
+            self.slot.name,
+            f" ({failure})" if failure is not None else "",
+        )
 
     def _listing_past_deadline(self) -> None:
         """The listing has not ended by its deadline (seed lock held): counted and logged
