@@ -15,8 +15,9 @@ are repeated outside the record header so recovery can list an object whose reco
 cannot decode with the configured serde chain (kept, as core asks) without guessing.
 
 A slot header carries no format version of its own: the superblock's
-(:data:`DEVICE_FORMAT_VERSION`) governs every slot header, checkpoint and index entry of
-its device.  Any change of this layout bumps it, so a newer server's slot is never read
+(:data:`DEVICE_FORMAT_VERSION`) governs every slot header of its device (and every
+``dax`` index entry, which holds one); checkpoints and records carry versions of their
+own.  Any change of this layout bumps it, so a newer server's slot is never read
 here as empty and overwritten as free: a device of a newer format is reformatted whole
 at start-up (``device_formats``, with a warning naming the version), never read a slot
 at a time.  ``tests/test_slots.py`` pins the encoding of this version.

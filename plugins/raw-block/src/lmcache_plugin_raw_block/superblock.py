@@ -25,8 +25,8 @@ import msgspec
 
 from lmcache_plugin_raw_block.slotheader import DEVICE_FORMAT_VERSION, IDENTITY_BYTES
 
-#: the format of everything on the device, slot headers included (they have no version
-#: field): a device of a newer one is reformatted, never read a slot at a time
+#: the format of the slot headers (they have no version field; checkpoints and records
+#: have their own): a device of a newer one is reformatted, never read a slot at a time
 SUPERBLOCK_VERSION: Final = DEVICE_FORMAT_VERSION
 #: superblock magics of the two slot stores
 RAW_BLOCK_MAGIC: Final = b"LMTRBLK1"
