@@ -804,3 +804,36 @@ def test_a_lookup_answered_right_after_its_wait_timed_out_keeps_its_answer(
     stats = adapter.stats()
     assert stats.get("circuit_call_timeouts", 0) == 0
     assert stats.get("backend_errors", 0) == 0
+
+
+#: a thread stack no system can map: ``Thread.start`` then fails as it does when the
+#: process has no threads left ("can't start new thread")
+UNMAPPABLE_STACK = 2**46
+
+
+def test_a_probe_thread_that_cannot_start_is_counted_and_started_again_by_a_refused_call(
+    adapters: list[BackendAdapter], outage: Outage, caplog: pytest.LogCaptureFixture
+) -> None:
+    adapter = opened(adapters, RemoteDict)
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    keys = make_keys(1)
+    outage.down = True
+    fail_lookups(client, keys, 2)
+    previous = threading.stack_size(UNMAPPABLE_STACK)
+    try:
+        # The third failure opens the circuit, whose probe thread cannot start.
+        fail_lookups(client, keys, 1)
+    finally:
+        threading.stack_size(previous)
+    stats = adapter.stats()
+    assert stats["circuit_open"] == 1
+    assert stats["circuit_probe_start_failures"] == 1
+    assert stats["backend_errors"] == 3, "the backend's own error, not the thread's, failed the call"
+    assert "probe thread could not start" in caplog.text
+
+    # The backend answers again: the next refused call starts the probing, which closes it.
+    outage.down = False
+    assert client.lookup_and_lock(keys).found == [False]
+    assert adapter.stats()["circuit_missed_lookup_keys"] == 1
+    wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close")
+    assert store(client, keys) == [True]

@@ -34,8 +34,9 @@ It is on by default for backends that declare ``remote = True`` (``circuit.enabl
 turns it on or off for any backend).  State and counters are in the adapter's
 ``stats()``: ``circuit_open`` (0/1), ``circuit_consecutive_failures``, and the counters
 ``circuit_opened``, ``circuit_closed``, ``circuit_failures``, ``circuit_probes``,
-``circuit_probe_failures``, ``circuit_call_timeouts``, ``circuit_skipped_store_keys``,
-``circuit_missed_lookup_keys``, ``circuit_failed_load_keys``,
+``circuit_probe_failures``, ``circuit_probe_start_failures`` (a probe thread that could
+not start; the next refused call tries again), ``circuit_call_timeouts``,
+``circuit_skipped_store_keys``, ``circuit_missed_lookup_keys``, ``circuit_failed_load_keys``,
 ``circuit_failed_delete_keys``.  Each transition is one log line.
 """
 
@@ -105,7 +106,14 @@ class _Guard:
         delete whether they are gone."""
         if self.breaker.is_open:
             self.context.count(_REFUSED[method], len(keys))
+            self.keep_probing()
             raise NotCalled("the circuit is open")
+
+    def keep_probing(self) -> None:
+        """Start the probing again if it could not start when the circuit opened."""
+        # A coroutine backend's probe is a task on the adapter's loop: creating one needs
+        # no thread, so it never fails to start.
+        return None
 
     def failed(self, method: str, exc: BaseException) -> None:
         if isinstance(exc, CallTimeout):
@@ -138,6 +146,8 @@ class CircuitBackend(_Guard):
         self._probe_lock = threading.Lock()
         self._probing = False
         self._probe_thread: threading.Thread | None = None
+        #: the last attempt to start a probe thread failed (logged once per streak)
+        self._probe_start_failing = False
         # Timed calls run on helper threads so that one not answered in time can be left.
         # A left call may stay stuck in the backend until its own timeout ends it, so there
         # are many: a few stuck calls must not leave the probes, and the lookups after the
@@ -199,15 +209,41 @@ class CircuitBackend(_Guard):
 
     # -- probing --------------------------------------------------------------------------
 
+    def keep_probing(self) -> None:
+        # A probe thread that could not start (no threads left) is started again here, by
+        # the calls the open circuit refuses: nothing else would ever close it.
+        if not self._probing:
+            self._start_probing()
+
     def _start_probing(self) -> None:
         with self._probe_lock:
             if self._probing:
                 return
+            name = f"l2-{self.context.name}-probe"
+            thread = threading.Thread(target=self._probe_loop, name=name, daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as exc:
+                # Raising here would replace the failed call's own error with this one,
+                # and the circuit would stay open for good with nothing probing.
+                self._probe_start_failed(exc)
+                return
             self._probing = True
-            self._probe_thread = threading.Thread(
-                target=self._probe_loop, name=f"l2-{self.context.name}-probe", daemon=True
-            )
-            self._probe_thread.start()
+            self._probe_thread = thread
+            self._probe_start_failing = False
+
+    def _probe_start_failed(self, exc: RuntimeError) -> None:
+        """Counted; logged once per streak (every refused call retries, each counted)."""
+        self.context.count("circuit_probe_start_failures")
+        if self._probe_start_failing:
+            return
+        self._probe_start_failing = True
+        log.warning(
+            "%s: circuit open but its probe thread could not start (%s); calls stay refused, and "
+            "each refused call tries to start it again",
+            self.context.name,
+            exc,
+        )
 
     def _probe_loop(self) -> None:
         answered = False
