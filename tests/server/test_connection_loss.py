@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tiers_e2e import ServerProcess, make_keys, make_payloads, start_server
+from tiers_e2e import ServerProcess, fetch, make_keys, make_payloads, start_server
 
 from lmcache_tiers.client import Client, ConnectionLostError, RequestTimeoutError, connection
 from lmcache_tiers.client.connection import HEARTBEAT_TIMEOUT_MS
@@ -230,3 +230,56 @@ def test_an_inline_store_given_up_on_never_stores_the_bytes_its_buffers_hold_lat
     finally:
         client.close()
         server.stop(signal.SIGKILL)
+
+
+def test_a_lost_connection_sends_no_give_back_over_the_next_one(
+    tmp_path: Path, short_directory: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A RETRIEVE whose connection drops fails; the locks it meant to give back belong to
+    the session of the connection that dropped (the server keeps sessions per connection),
+    so a RELEASE by key over the next connection cannot reach them: it could only drop a
+    lock another thread of this client took since, in the new session.  None is sent; the
+    old locks expire with the lock TTL, and the log says so."""
+    monkeypatch.setattr(connection, "LINK_CHECK_S", 5.0)  # the socket reconnects before the look
+    address = short_directory / "rpc.sock"
+    first = start_server(tmp_path / "first", metrics=False, host=f"ipc://{address}")
+    client, keys = _stored(first, "give-back", 2)
+    second: ServerProcess | None = None
+    try:
+        address.rename(short_directory / "first.sock")
+        second = start_server(tmp_path / "second", host=f"ipc://{address}")
+        freeze(first.proc.pid)  # the RETRIEVE goes over the first connection, unanswered
+        outcome: dict[str, Any] = {}
+
+        def retrieve() -> None:
+            try:
+                with client.retrieve(keys):
+                    pass
+            except BaseException as exc:
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=retrieve, daemon=True)
+        with caplog.at_level("INFO", logger="lmcache_tiers.client"):
+            thread.start()
+            time.sleep(0.5)
+            first.stop(signal.SIGKILL)  # the client reconnects, to the second server
+            thread.join(CLIENT_TIMEOUT_S)
+        assert isinstance(outcome.get("error"), ConnectionLostError), outcome
+        client.ping(timeout=30)  # over the new connection, after anything sent before it
+        assert second.http_url is not None
+        _, _, text = fetch(second.http_url + "/metrics")
+        assert "Release" not in _ops_served(text), text
+        assert "expire with the server's lock TTL" in caplog.text
+    finally:
+        first.stop(signal.SIGKILL)
+        client.close()
+        if second is not None:
+            assert second.stop() == 0, second.output()
+
+
+def _ops_served(metrics_text: str) -> set[str]:
+    return {
+        line.split('op="', 1)[1].split('"', 1)[0]
+        for line in metrics_text.splitlines()
+        if line.startswith("lmcache_tiers_requests_total{")
+    }

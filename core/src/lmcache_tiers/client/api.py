@@ -13,6 +13,7 @@ import numpy as np
 from lmcache_tiers.client.connection import CLEANUP_TIMEOUT_S, Connection
 from lmcache_tiers.client.errors import (
     ClientError,
+    ConnectionLostError,
     ProtocolError,
     RequestTimeoutError,
     ServerError,
@@ -641,11 +642,27 @@ class Client(Connection):
         if self._closed or not keys:
             return
         keys = list(keys)
+        if isinstance(failure, ConnectionLostError):
+            self._locks_left_to_ttl(len(keys))
+            return
         if isinstance(failure, RequestTimeoutError):
             self._release_without_waiting(keys, list(self._batches(len(keys))))
             return
         with contextlib.suppress(ClientError):
             self.release(keys, timeout=self._cleanup_seconds())
+
+    def _locks_left_to_ttl(self, count: int) -> None:
+        """After a lost connection: the locks this client took over it live in that
+        connection's session on the server (sessions are per connection), which no request
+        over the next connection can reach.  A RELEASE by key over it would drop only locks
+        taken since, in the new session, perhaps by another thread of this client that
+        still reads under them; so none is sent, and the old locks expire on the server."""
+        logger.info(
+            "the connection to %s was lost: the locks it held on %d keys are not released over "
+            "the next connection; they expire with the server's lock TTL",
+            self.url,
+            count,
+        )
 
     def _retrieve_inline(self, keys: list[ObjectKey]) -> list[memoryview]:
         views: list[memoryview] = []
@@ -726,7 +743,9 @@ class Client(Connection):
         a release on the way out may wait less than the calls before it.  When it runs
         out, the batches not sent yet go out without waiting for their replies and
         RequestTimeoutError is raised, naming how many of the keys (the last ones) may
-        keep their locks until the server reads those releases, or its lock TTL."""
+        keep their locks until the server reads those releases, or its lock TTL.  When the
+        connection is lost instead, nothing more is sent: the locks taken over it cannot be
+        released over another (see ``_locks_left_to_ttl``) and expire with the lock TTL."""
         released = 0
         keys = list(keys)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -735,6 +754,14 @@ class Client(Connection):
             left = max(0.0, deadline - time.monotonic())
             try:
                 released += self._call(p.Release(0, "", keys[part]), p.ReleaseReply, timeout=left).released
+            except ConnectionLostError as exc:
+                # The rest of the keys' locks are in the lost connection's session too.
+                left = len(keys[part.start :])
+                self._locks_left_to_ttl(left)
+                raise ConnectionLostError(
+                    f"{exc}: the last {left} of these {len(keys)} keys keep the locks taken over "
+                    "that connection until the server's lock TTL"
+                ) from exc
             except RequestTimeoutError as exc:
                 unsent = self._release_without_waiting(keys, parts[index + 1 :])
                 raise _unconfirmed_release(exc, len(keys[part.start :]), len(keys), unsent) from exc
