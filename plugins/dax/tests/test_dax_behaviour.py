@@ -383,7 +383,7 @@ def test_a_delete_after_close_is_refused_not_acknowledged_and_lost() -> None:
 
 def test_a_write_replaced_while_close_drains_is_uncommitted_before_the_unmapping() -> None:
     # A store still running when close begins replaces a key: its old slot's commit word
-    # cannot be cleared then (the mapping is closing), so close clears it before unmapping.
+    # is cleared while the mapping is still mapped, before close unmaps it.
     with shm_dir() as directory:
         cfg = config(directory / "dax.img", slots=4)
         adapter = open_dax(cfg)
@@ -462,5 +462,27 @@ def test_a_write_unpublished_while_a_close_gives_up_draining_does_not_come_back(
         reopened = open_dax(cfg)
         try:
             assert client(reopened).lookup_and_lock([kept, deleted]).found == [True, False]
+        finally:
+            reopened.close()
+
+
+def test_a_slot_unpublished_after_the_unmapping_stays_committed_and_is_counted() -> None:
+    # A load that found its object damaged and outlived close's drain removes it only
+    # once the mapping is gone: its commit word cannot be cleared any more, which is
+    # counted and logged (the restart judges that write again).
+    with shm_dir() as directory:
+        cfg = config(directory / "dax.img", slots=4)
+        adapter = open_dax(cfg)
+        backend = backend_of(adapter)
+        (key,) = make_keys(1)
+        assert store(adapter, [key], [b"kept" * 100]) == [True]
+        (entry,) = backend.table.lookup([key])
+        assert entry is not None
+        adapter.close()
+        assert backend.table.discard(key, entry)
+        assert adapter.stats()["uncommit_after_close"] == 1
+        reopened = open_dax(cfg)
+        try:
+            assert load(reopened, [key], [400]) == ([True], [b"kept" * 100]), "judged again, intact"
         finally:
             reopened.close()

@@ -353,4 +353,4 @@ class DaxBackend(SlotStoreBackend):
         self.table.with_held_slots(clear)
         if cleared:
             self.context.count("uncommitted_at_close", cleared)
-            log.info("dax: %d slots replaced or deleted while closing uncommitted before unmapping", cleared)
+            log.info("dax: %d slots neither published nor being stored uncommitted at close", cleared)
