@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from lmcache_plugin_nixl.config import NixlStoreConfig, NixlStoreDynamicConfig
@@ -269,3 +270,29 @@ def test_bad_configs_are_refused_with_adapter_name_and_path(raw: dict[str, objec
     assert message in text
     assert text.startswith(str(raw["type"]) + ":")
     assert "$.l2_adapters[2]" in text
+
+
+def _dynamic_at(file_path: str) -> dict[str, object]:
+    return {
+        "type": "nixl_store_dynamic",
+        "backend": "POSIX",
+        "backend_params": {"file_path": file_path, "use_direct_io": "false", "max_capacity_gb": "1"},
+    }
+
+
+@pytest.mark.parametrize("suffix", ["ab/cd", "ab/cd/", "0f/9e"])
+def test_a_directory_shaped_like_a_shard_directory_is_refused(tmp_path: Path, suffix: str) -> None:
+    """``<outer>/ab/cd`` cannot be told from a shard directory of a sharded fs or
+    nixl_store_dynamic store at ``<outer>``: that store's listing would account these
+    records, its start-up sweep remove the writes in flight, and its removal of every
+    record (``persist_enabled: false``) the acknowledged ones."""
+    with pytest.raises(ConfigError, match=r"named like a shard directory") as caught:
+        parse(_dynamic_at(f"{tmp_path}/{suffix}"))
+    assert "backend_params.file_path" in str(caught.value)
+
+
+@pytest.mark.parametrize("suffix", ["ab", "ab/cd/kv", "ab/xy", "AB/CD"])
+def test_directories_not_shaped_like_a_shard_directory_are_accepted(tmp_path: Path, suffix: str) -> None:
+    spec = parse(_dynamic_at(f"{tmp_path}/{suffix}"))
+    assert isinstance(spec.config, NixlStoreDynamicConfig)
+    assert spec.config.file_path == f"{tmp_path}/{suffix}"

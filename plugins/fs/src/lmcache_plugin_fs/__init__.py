@@ -144,12 +144,13 @@ class FsConfig(L2AdapterConfig):
         root = self.root.rstrip("/")
         if self.is_local:
             root = posixpath.abspath(self.local_root.rstrip("/") or "/")
-        outer = posixpath.dirname(posixpath.dirname(root))
-        if outer == root or not FileLayout(outer, shard_dirs=True).is_store_directory(root):
+        shard_shaped = FileLayout.shard_shaped_part(root)
+        if shard_shaped is None:
             return
+        outer = root[: -len(shard_shaped) - 1] or "/"
         raise FieldError(
             "path" if self.path is not None else "base_path",
-            f"{redact_url_secrets(self.root)!r} is named like a shard directory ({root[len(outer) + 1 :]}) "
+            f"{redact_url_secrets(self.root)!r} is named like a shard directory ({shard_shaped}) "
             f"of a sharded fs store at {redact_url_secrets(outer)!r}, whose listing and sweeps would "
             "take its records; "
             "choose a directory whose last two names are not both two hex digits",

@@ -13,6 +13,7 @@ This module is imported whenever plugins are listed, so it must not import NIXL.
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, ClassVar
 
 import msgspec
@@ -75,6 +76,25 @@ def _check_file_backend(params: dict[str, str], backend: str) -> None:
 
 #: backend_params naming an object store's endpoint, where credentials must not be written
 _ENDPOINT_KEYS = ("endpoint_override", "account_url")
+
+
+def _refuse_shard_shaped_directory(file_path: str) -> None:
+    """A directory ``<outer>/ab/cd`` (two shard names) cannot be told from a shard
+    directory of a sharded fs or nixl_store_dynamic store at ``<outer>``: that store's
+    listing would account these records, its start-up sweep remove the writes in flight
+    and its removal of every record (``persist_enabled: false``) the acknowledged ones.
+    Whether ``<outer>`` is a store is not known here (it may start later): refused."""
+    from lmcache_tiers.plugin import FileLayout  # core's file-store code, loaded only for this
+
+    shard_shaped = FileLayout.shard_shaped_part(os.path.abspath(file_path))
+    if shard_shaped is None:
+        return
+    raise FieldError(
+        FILE_PATH_FIELD,
+        f"backend_params.file_path {file_path!r} is named like a shard directory ({shard_shaped}) "
+        "of a sharded store in the directory two levels up, whose listing and sweeps would take "
+        "its records; choose a directory whose last two names are not both two hex digits",
+    )
 
 
 def _refuse_credentials_in_endpoints(params: dict[str, str]) -> None:
@@ -236,6 +256,7 @@ class NixlStoreDynamicConfig(_NixlBase):
         _check_file_backend(params, self.backend)
         self.max_capacity_bytes  # noqa: B018 - parses and validates max_capacity_gb
         _parse_bool(params, "shard_dirs", default=_FALSE)
+        _refuse_shard_shaped_directory(self.file_path)
 
     @property
     def max_capacity_bytes(self) -> int:

@@ -169,6 +169,22 @@ class FileLayout:
         parts = directory[len(base) :].split("/")
         return len(parts) == 2 and all(is_shard_name(part) for part in parts)
 
+    @staticmethod
+    def shard_shaped_part(root: str) -> str | None:
+        """``"ab/cd"`` if ``root`` (an absolute path or a URL's path) is ``<outer>/ab/cd``,
+        two shard names deep, else None.
+
+        Such a root cannot be told from a shard directory of a sharded store at
+        ``<outer>``, whose listing would account its records, whose start-up sweep would
+        remove its writes in flight and whose removal of every record (persistence off)
+        its acknowledged records.  Whether ``<outer>`` is a store is not known when a
+        config is read (it may be another server's, or start later): stores refuse it."""
+        root = root.rstrip("/") or "/"
+        outer = posixpath.dirname(posixpath.dirname(root))
+        if outer == root or not FileLayout(outer, shard_dirs=True).is_store_directory(root):
+            return None
+        return root[len(outer.rstrip("/")) + 1 :]
+
     def in_other_layout(self, directory: str, key: ObjectKey) -> bool:
         """Whether ``directory`` is where the other ``shard_dirs`` setting puts ``key``'s
         record (a record left by a run with the other setting)."""
