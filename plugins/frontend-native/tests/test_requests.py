@@ -494,39 +494,51 @@ def test_closed_client_refuses_calls(server: TiersServer) -> None:
         client.ping()
 
 
+def exit_code_of_a_child_forked_while_held(lock: Any, child: Callable[[], bool]) -> int:
+    """Fork while another thread holds ``lock``; the child runs ``child`` (exit 0 if it
+    returns True, 1 if it returns False or raises) and a hang ends it with SIGALRM."""
+    holding, done = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            holding.set()
+            done.wait(60)
+
+    thread = threading.Thread(target=holder, daemon=True)
+    thread.start()
+    assert holding.wait(10)
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(10)
+                code = 0 if child() else 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        done.set()
+        thread.join(10)
+    return os.waitstatus_to_exitcode(status)
+
+
 def test_a_forked_child_is_refused_even_while_another_thread_was_in_a_call(server: TiersServer) -> None:
     """The child inherits the client's lock as held by a thread it does not have: its
     calls, and its close, are refused at once instead of waiting for it forever."""
     with Client(server.endpoint) as client:
-        holding, done = threading.Event(), threading.Event()
 
-        def in_a_call() -> None:
-            with client._lock:  # what a request in progress holds
-                holding.set()
-                done.wait(60)
+        def refused_then_closed() -> bool:
+            try:
+                client.ping()
+            except ClientError:
+                client.close()
+                return True
+            return False
 
-        thread = threading.Thread(target=in_a_call, daemon=True)
-        thread.start()
-        assert holding.wait(10)
-        try:
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - the child
-                code = 1
-                try:
-                    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-                    signal.alarm(10)  # a hang ends the child with SIGALRM
-                    try:
-                        client.ping()
-                    except ClientError:
-                        code = 0
-                    client.close()
-                finally:
-                    os._exit(code)
-            _, status = os.waitpid(pid, 0)
-        finally:
-            done.set()
-            thread.join(10)
-        assert os.waitstatus_to_exitcode(status) == 0
+        # client._lock is what a request in progress holds
+        assert exit_code_of_a_child_forked_while_held(client._lock, refused_then_closed) == 0
         assert client.ping() >= 0  # the parent's client is untouched
 
 
@@ -539,32 +551,12 @@ def test_a_forked_child_closes_while_another_thread_used_the_mapping(server: Tie
         segment = client._segment
         assert segment is not None
         lock = segment._state if held == "mapping" else segment.pages._idle
-        holding, done = threading.Event(), threading.Event()
 
-        def using_the_mapping() -> None:
-            with lock:
-                holding.set()
-                done.wait(60)
+        def closed() -> bool:
+            client.close()
+            return True
 
-        thread = threading.Thread(target=using_the_mapping, daemon=True)
-        thread.start()
-        assert holding.wait(10)
-        try:
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - the child
-                code = 1
-                try:
-                    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-                    signal.alarm(10)  # a hang ends the child with SIGALRM
-                    client.close()
-                    code = 0
-                finally:
-                    os._exit(code)
-            _, status = os.waitpid(pid, 0)
-        finally:
-            done.set()
-            thread.join(10)
-        assert os.waitstatus_to_exitcode(status) == 0
+        assert exit_code_of_a_child_forked_while_held(lock, closed) == 0
         keys = keys_of(1)
         assert client.store(keys, [b"after the fork"]) == 1  # the parent's mapping is untouched
         with client.retrieve(keys) as views:

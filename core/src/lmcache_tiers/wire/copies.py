@@ -29,14 +29,14 @@ bytes, so the two copies really run in parallel.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
+from lmcache_tiers.wire.after_fork import renew_locks_after_fork
 
 #: copies of fewer bytes run in the calling thread alone
 SPLIT_MIN_BYTES = 4 << 20
@@ -111,7 +111,7 @@ class SplitCopier:
         self._wake = threading.Condition()
         self._helper: threading.Thread | None = None
         self._stopped = False
-        _COPIERS.add(self)
+        renew_locks_after_fork(self)
 
     def _after_fork(self) -> None:
         # In a forked child the helper is gone, and it may have held the lock when the
@@ -172,16 +172,3 @@ class SplitCopier:
                     return
                 job = self._jobs.popleft()
             job.work(from_back=True)  # a job the caller already finished has nothing left to take
-
-
-#: every copier of this process, so a forked child can give each fresh locks
-_COPIERS: weakref.WeakSet[SplitCopier] = weakref.WeakSet()
-
-
-def _reset_after_fork() -> None:
-    for copier in list(_COPIERS):
-        copier._after_fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)

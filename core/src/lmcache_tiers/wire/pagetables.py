@@ -43,13 +43,13 @@ import mmap
 import os
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from lmcache_tiers.tmpfs import libc_function
+from lmcache_tiers.wire.after_fork import renew_locks_after_fork
 from lmcache_tiers.wire.copies import Piece, SplitCopier
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class PageTables:
         self._populated = bytearray(-(-size // COPY_PIECE))
         self._idle = threading.Condition()
         self._copier = SplitCopier()
-        _PAGE_TABLES.add(self)
+        renew_locks_after_fork(self)
 
     def _after_fork(self) -> None:
         # The background pass or a copy may have held the condition's lock when the
@@ -231,16 +231,3 @@ class PageTables:
         )
         log.info("not populating the shared-memory mapping ahead (%s): first copies fault pages in", reason)
         return False
-
-
-#: every PageTables of this process, so that a forked child can give each a lock of its own
-_PAGE_TABLES: weakref.WeakSet[PageTables] = weakref.WeakSet()
-
-
-def _reset_after_fork() -> None:
-    for tables in list(_PAGE_TABLES):
-        tables._after_fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)

@@ -33,13 +33,13 @@ import re
 import stat
 import sys
 import threading
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from lmcache_tiers.tmpfs import SHM_DIR, TMPFS_MAGIC, fs_magic
+from lmcache_tiers.wire.after_fork import renew_locks_after_fork
 from lmcache_tiers.wire.pagetables import PageTables
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}\Z")  # \Z: $ also matches before a final newline
@@ -151,7 +151,7 @@ class MappedSegment:
         self._users = 0
         self._closing = False
         self._state = threading.Lock()
-        _SEGMENTS.add(self)
+        renew_locks_after_fork(self)
         #: where object bytes may be: everything before the generation table
         self.data_size = generation_offset if tracked else size
         self.buffer = memoryview(self._mmap)
@@ -267,19 +267,6 @@ class MappedSegment:
             self._mmap.close()
         except BufferError:
             pass  # a view the caller kept (np.frombuffer of one) holds the mapping: GC unmaps it
-
-
-#: every mapping of this process, so that a forked child can give each a lock of its own
-_SEGMENTS: weakref.WeakSet[MappedSegment] = weakref.WeakSet()
-
-
-def _reset_after_fork() -> None:
-    for segment in list(_SEGMENTS):
-        segment._after_fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def as_byte_array(buffer: BufferLike) -> np.ndarray[Any, np.dtype[np.uint8]]:
