@@ -1,7 +1,8 @@
 """Child process of the crash test: stores objects through nixl_store_dynamic until killed.
 
-Run as ``python crash_writer.py ROOT``.  Object ``i`` has key ``make_keys(1, start=i)``
-and the bytes of :func:`expected`, so the parent can check every hit after the restart.
+Run as ``python crash_writer.py ROOT [direct]`` (``direct``: with ``use_direct_io``).
+Object ``i`` has key ``make_keys(1, start=i)`` and the bytes of :func:`expected`, so the
+parent can check every hit after the restart.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ def expected(index: int) -> bytes:
     return index.to_bytes(8, "big") + _random_block()[offset + 8 : offset + size]
 
 
-def main(root: str) -> None:
+def main(root: str, direct_io: bool) -> None:
     arena = Arena(256 << 20)
-    adapter = open_dynamic(dynamic_config(root, capacity_gb=64, shard_dirs=True), arena.view)
+    config = dynamic_config(root, capacity_gb=64, shard_dirs=True, direct_io=direct_io)
+    adapter = open_dynamic(config, arena.view)
     blocking = client(adapter)
     buffers = [arena.take(MAX_SIZE) for _ in range(BATCH)]
     index = 0
@@ -54,4 +56,4 @@ def main(root: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:] == ["direct"])

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from crash_writer import expected, object_size
 from nixl_helpers import Arena, client, dynamic_config, open_dynamic, scratch_dir
 
@@ -21,10 +22,13 @@ def temp_files(root: str) -> list[str]:
     return [name for _dir, _dirs, files in os.walk(root) for name in files if is_temp_name(name)]
 
 
-def test_sigkill_during_store_storm_then_restart() -> None:
+@pytest.mark.parametrize("direct_io", [False, True], ids=["buffered", "direct_io"])
+def test_sigkill_during_store_storm_then_restart(direct_io: bool) -> None:
+    """With ``use_direct_io`` too: payloads and headers then reach the files through
+    O_DIRECT requests, and a kill may land between them."""
     with scratch_dir() as root:
         writer = subprocess.Popen(
-            [sys.executable, str(WRITER), root],
+            [sys.executable, str(WRITER), root, *(["direct"] if direct_io else [])],
             stdout=subprocess.PIPE,
             text=True,
             env={
@@ -54,7 +58,8 @@ def test_sigkill_during_store_storm_then_restart() -> None:
         print(f"killed after {stored} objects reported, {left_behind} temporary files left behind")
 
         arena = Arena(64 << 20)
-        adapter = open_dynamic(dynamic_config(root, capacity_gb=64, shard_dirs=True), arena.view)
+        config = dynamic_config(root, capacity_gb=64, shard_dirs=True, direct_io=direct_io)
+        adapter = open_dynamic(config, arena.view)
         try:
             assert temp_files(root) == [], "start-up must remove the killed writer's temporary files"
             assert adapter.stats().get("orphan_temp_files_removed", 0) == left_behind
