@@ -11,6 +11,7 @@ import time
 from engine_support import GatedConfig, GatedStorePolicy, gated_backend, keys_of, mock, payload, store
 
 from lmcache_tiers.config import AdapterSpec
+from lmcache_tiers.controllers import base
 from lmcache_tiers.storage import StorageManager
 
 SIZE = 64 << 10
@@ -242,3 +243,39 @@ def test_a_queued_store_never_writes_a_later_object_of_its_key(engine) -> None:
     assert storage.status()["store"]["skipped_gone"] == 1
     assert storage.l1.get(key) is later and later.read_locks == 0 and not later.unstored
     assert storage.evict([key]) == 1
+
+
+def test_a_forced_clear_object_of_a_running_store_counts_when_the_close_leaves_the_controller_behind(
+    engine, monkeypatch, caplog
+) -> None:
+    """The close that goes on without a store controller stuck in a step counts what L1
+    still holds unstored; an object a forced clear took while its store runs is no longer
+    in L1, yet that store will never report now: it is lost and must count too."""
+    monkeypatch.setattr(base, "JOIN_GRACE_S", 0.2)
+    storage = engine([gated()], l2_store_policy="gated")
+    stalled = gated_backend(storage)
+    stalled.store_gate.clear()
+    (a,) = keys_of(1, 1)
+    (b,) = keys_of(2, 1)
+    store(storage, [a], SIZE)
+    wait_for(lambda: store_task_running(storage, 0), "the stalled store task")
+    assert storage.clear(force=True) == 1  # takes ``a``, whose store is running
+    assert GatedStorePolicy.entered.acquire(timeout=10)  # the policy call for ``a``
+    GatedStorePolicy.gate.clear()
+    store(storage, [b], SIZE)
+    assert GatedStorePolicy.entered.acquire(timeout=10), "the controller is stuck in its policy"
+
+    opener = threading.Timer(1.0, stalled.store_gate.set)  # the adapter's close waits for the call
+    opener.start()
+    with caplog.at_level(logging.WARNING):
+        storage.close(drain_timeout_s=0.0)
+    opener.join()
+    assert storage.store._thread.is_alive(), "left behind in its step"
+    failures = storage.failures()
+    assert failures.get("l2_store_abandoned") == 2, "b, still in L1, and a, taken by the clear"
+    assert "l1_cleared_before_l2_store" not in failures
+
+    GatedStorePolicy.gate.set()  # the step returns at last: nothing counts again
+    storage.store._thread.join(30)
+    assert not storage.store._thread.is_alive()
+    assert storage.failures().get("l2_store_abandoned") == 2

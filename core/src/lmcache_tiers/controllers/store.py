@@ -117,6 +117,11 @@ class StoreController(ControllerThread):
         self._threads = threads  # the write-back threads' priority, raised while behind
         self._starved = False  # the threads were short of CPU; until no task is left
         self._window: tuple[float, tuple[float, float] | None] | None = None  # (start, cpu_s then)
+        # The objects of store tasks submitted and not yet given back, by task: a close that
+        # goes on without this thread (``count_left_behind``) reads them from its own thread,
+        # so they are kept apart from ``_tasks`` under a lock of their own.
+        self._running_lock = threading.Lock()
+        self._running: dict[int, list[L1Object]] = {}
         # touched by the controller thread only
         self._tasks = TaskTracker[_Task, list[bool]](
             L2Op.STORE, lambda adapter: adapter.pop_completed_stores(), stats
@@ -362,9 +367,10 @@ class StoreController(ControllerThread):
             logger.warning("store of %d keys to %s could not be submitted: %s", len(keys), slot.name, exc)
             self._slice_ended(piece)
             return
-        self._tasks.track(
-            slot, task_id, _Task(slot, task_id, keys, objects, batch, piece.nbytes, time.monotonic())
-        )
+        task = _Task(slot, task_id, keys, objects, batch, piece.nbytes, time.monotonic())
+        self._tasks.track(slot, task_id, task)
+        with self._running_lock:
+            self._running[id(task)] = objects
         self.stats.add_adapter(slot.index, "store_tasks_submitted")
         logger.debug("Submitted store task %d to %s: %d keys", task_id, slot.name, len(keys))
 
@@ -423,8 +429,7 @@ class StoreController(ControllerThread):
                 logger.exception("%s: finishing store task %d failed", slot.name, task.task_id)
                 self.stats.fail("l2_store_complete_error")
                 if not task.released:
-                    task.released = True
-                    self.l1.finish_store(task.objects)
+                    self._release(task)
                 if not task.paced:
                     task.paced = True
                     self._pacer.reported(task.slot.index, task.nbytes)
@@ -445,8 +450,7 @@ class StoreController(ControllerThread):
         # before the read locks go: in between, a write needing room could evict them and
         # count acknowledged writes that L2 holds as lost.
         self.l1.settle_unstored([batch.objects[key] for key in stored if key in batch.objects])
-        task.released = True
-        self.l1.finish_store(task.objects)
+        self._release(task)
         task.paced = True
         self._pacer.reported(task.slot.index, task.nbytes)
         failed = len(task.keys) - len(stored)
@@ -474,6 +478,13 @@ class StoreController(ControllerThread):
         )
         batch.stored.update(stored)
         self._task_ended(task)
+
+    def _release(self, task: _Task) -> None:
+        """Give the task's store locks back: its objects are no longer a running store's."""
+        task.released = True
+        with self._running_lock:
+            self._running.pop(id(task), None)
+        self.l1.finish_store(task.objects)
 
     def _task_ended(self, task: _Task) -> None:
         task.ended = True
@@ -516,7 +527,8 @@ class StoreController(ControllerThread):
 
     def count_left_behind(self) -> None:
         """The close goes on without this thread, stuck in a step (``join`` gave up): count
-        and log every committed object L1 still holds unstored, as ``finish`` would have,
+        and log every committed object L1 still holds unstored, and every object of a store
+        task still running whether L1 holds it or not, as ``finish`` would have,
         before L1 closes -- the step may never return.  From any thread; does nothing if
         ``finish`` is counting already.  Those objects are settled, and ``finish``, if the
         step returns after all, counts nothing again."""
@@ -525,8 +537,14 @@ class StoreController(ControllerThread):
                 return
             self._end_counted = True
             self._ended = True  # a commit arriving from now on counts itself (``submit``)
+        with self._running_lock:
+            running = [obj for objects in self._running.values() for obj in objects]
         with self.l1.lock:
-            left = self.l1.unstored()
+            # With those of running stores, which will never report now: a forced clear that
+            # took one of them from L1 left counting its loss to the store (``obj.storing``).
+            # Each object once (a store per adapter), and none settled already (stored in
+            # an adapter, or counted by its batch's end).
+            left = list({id(obj): obj for obj in [*self.l1.unstored(), *running] if obj.unstored}.values())
             self.l1.settle_unstored(left)
         if left:
             self.stats.fail("l2_store_abandoned", len(left))
@@ -547,6 +565,8 @@ class StoreController(ControllerThread):
             # Left behind by a close that counted what it held and closed L1: nothing
             # is left to release.
             self._tasks.clear()
+            with self._running_lock:
+                self._running.clear()
             self._pacer.drop_all()
             return
         # Draining gave up (stalled adapter) or finished: release every lock still held.
@@ -559,8 +579,7 @@ class StoreController(ControllerThread):
         ended: dict[int, _Batch] = {}
         for task in self._tasks.owners():
             if not task.released:
-                task.released = True
-                self.l1.finish_store(task.objects)
+                self._release(task)
             ended[id(task.batch)] = task.batch
             self.stats.add_adapter(task.slot.index, "store_tasks_failed")
             for key in task.keys:
