@@ -468,17 +468,26 @@ def cache_the_removal_script(backend: RedisBackend) -> None:
     backend.client.script_load(_REMOVE_IF_UNCHANGED)
 
 
+def stored_for_a_two_trip_delete(
+    server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> tuple[BackendAdapter, RedisBackend, list[ObjectKey]]:
+    """An adapter on ``server`` holding one trip's keys and two more (16 bytes each), the
+    removal script cached: a delete of them all is two trips of two pipelines each."""
+    adapter = open_adapter(url=server.url, key_prefix=prefix, max_capacity_gb=1.0)
+    keys = make_keys(KEYS_PER_TRIP + 2)
+    store(adapter, keys, size=16)
+    backend = backend_of(adapter)
+    cache_the_removal_script(backend)
+    return adapter, backend, keys
+
+
 def test_a_delete_whose_later_trip_fails_reports_what_its_earlier_ones_deleted(
     own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
     # The connection drops before the second trip (a store restarting, a network cut):
     # the first trip's keys are gone and must be reported so, or core keeps their bytes.
     # (A trip is two pipelines: the headers read, then the removals.)
-    adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
-    keys = make_keys(KEYS_PER_TRIP + 2)
-    store(adapter, keys, size=16)
-    backend = backend_of(adapter)
-    cache_the_removal_script(backend)
+    adapter, backend, keys = stored_for_a_two_trip_delete(own_server, prefix, open_adapter)
     fail_pipeline(backend, 3, redis.ConnectionError("Connection closed by server."))  # trip two's reads
     assert adapter.delete(keys) == [True] * KEYS_PER_TRIP + [False, False]
     assert adapter.stats()["delete_request_failures"] == 2
@@ -755,6 +764,32 @@ def test_closing_closes_every_connection_to_every_cluster_node(
         cluster.stop()
 
 
+def _open_on_cluster(
+    open_adapter: Callable[..., BackendAdapter], cluster: RedisClusterNodes, prefix: str, **settings: Any
+) -> BackendAdapter:
+    """An adapter on ``cluster`` whose circuit stays closed through a test's failed calls."""
+    return open_adapter(
+        startup_nodes=cluster.startup_nodes,
+        cluster_mode=True,
+        key_prefix=prefix,
+        max_capacity_gb=1.0,
+        circuit={"failure_threshold": 100},
+        **settings,
+    )
+
+
+def _on_node(
+    adapter: BackendAdapter, cluster: RedisClusterNodes, node: RedisServer, keys: list[ObjectKey]
+) -> list[bool]:
+    """Per key, whether its object lives on cluster node ``node``."""
+    backend = backend_of(adapter)
+    raw = redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    try:
+        return [raw.get_node_from_key(backend.name_of(key)).port == node.port for key in keys]
+    finally:
+        raw.close()
+
+
 def test_a_cluster_batch_with_one_node_hung_reports_and_accounts_what_the_others_did(
     tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
@@ -766,21 +801,10 @@ def test_a_cluster_batch_with_one_node_hung_reports_and_accounts_what_the_others
     cluster = RedisClusterNodes(tmp_path / "cluster").start()
     hung = cluster.nodes[1]
     try:
-        adapter = open_adapter(
-            startup_nodes=cluster.startup_nodes,
-            cluster_mode=True,
-            key_prefix=prefix,
-            request_timeout=0.3,
-            connection_timeout=0.3,
-            max_capacity_gb=1.0,
-            circuit={"failure_threshold": 100},
-        )
-        backend = backend_of(adapter)
+        adapter = _open_on_cluster(open_adapter, cluster, prefix, request_timeout=0.3, connection_timeout=0.3)
         old, new = make_keys(16)[:8], make_keys(16)[8:]
         store(adapter, old, size=16)
-        raw = redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
-        on_hung = [raw.get_node_from_key(backend.name_of(key)).port == hung.port for key in old + new]
-        raw.close()
+        on_hung = _on_node(adapter, cluster, hung, old + new)
         old_on_hung, new_on_hung = on_hung[:8], on_hung[8:]
         assert any(old_on_hung) and not all(old_on_hung) and any(new_on_hung) and not all(new_on_hung)
         hung.pause()
@@ -1306,11 +1330,7 @@ def test_a_delete_whose_later_removals_the_store_refuses_counts_them_as_refused(
     # The store refuses every write from trip two's removals on (min-replicas-to-write
     # unmet): its keys were answered -- refused -- not lost on the way, and are counted
     # as the store's refusal, never as failed requests.
-    adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
-    keys = make_keys(KEYS_PER_TRIP + 2)
-    store(adapter, keys, size=16)
-    backend = backend_of(adapter)
-    cache_the_removal_script(backend)
+    adapter, backend, keys = stored_for_a_two_trip_delete(own_server, prefix, open_adapter)
     refuse_writes_from_pipeline(backend, 4, own_server)  # trip two's removals
     assert adapter.delete(keys) == [True] * KEYS_PER_TRIP + [False, False]
     stats = adapter.stats()
@@ -1484,3 +1504,30 @@ def test_a_store_that_refuses_every_write_fails_the_calls_for_the_circuit(
     ]
     each_fails_as_a_whole(adapter, calls)
     assert adapter.used_bytes() == 2 * 16
+
+
+def test_a_cluster_batch_one_node_of_which_refuses_writes_counts_its_keys_as_refused(
+    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # One trip reaches every node: a node refusing every write (min-replicas-to-write
+    # unmet) answered its keys -- refused -- while the others stored theirs; its keys are
+    # the store's refusal, counted as such, never as requests lost on the way.
+    if missing_reason():
+        pytest.skip(missing_reason())
+    cluster = RedisClusterNodes(tmp_path / "cluster").start()
+    refusing = cluster.nodes[1]
+    try:
+        adapter = _open_on_cluster(open_adapter, cluster, prefix)
+        keys = make_keys(16)
+        on_refusing = _on_node(adapter, cluster, refusing, keys)
+        assert any(on_refusing) and not all(on_refusing)
+        _refuse_writes_for_want_of_replicas(refusing)
+        buffers = [memoryview(bytearray(pattern(index, 16))) for index in range(len(keys))]
+        stored = BlockingAdapterClient(adapter, timeout=120).store(keys, buffers)
+        assert stored == [not on for on in on_refusing]
+        stats = adapter.stats()
+        assert stats.get("store_request_failures", 0) == 0, "refused keys counted as failed requests"
+        assert stats["store_refused_by_server"] == on_refusing.count(True)
+        assert stats["backend_errors"] >= 1, "the refusal reaches the circuit breaker"
+    finally:
+        cluster.stop()

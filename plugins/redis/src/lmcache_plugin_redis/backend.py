@@ -283,7 +283,19 @@ class RedisBackend:
     def _request_failed(self, what: str, key: ObjectKey, error: Exception) -> None:
         """A key whose command a failed cluster node never answered (or redis-py left
         another client error for, e.g. a redirection loop's ClusterError), in a trip whose
-        other commands were done: that key fails (done or not, it cannot be told), counted."""
+        other commands were done: that key fails (done or not, it cannot be told), counted.
+        A node that answered with a refusal of every write (READONLY, NOREPLICAS ...)
+        refused the key: ``<what>_refused_by_server``, as for a refused later trip."""
+        if refuses_everything(error):
+            self.context.count(f"{what}_refused_by_server")
+            self.context.warn(
+                f"node_refused:{what}",
+                "%s %s refused by its cluster node, the rest of its trip was done: %s",
+                what,
+                key.file_stem(),
+                error,
+            )
+            return
         self.context.count(f"{what}_request_failures")
         self.context.warn(
             f"node:{what}",
