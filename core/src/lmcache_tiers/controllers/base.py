@@ -16,12 +16,13 @@ import sys
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.controllers.stats import EngineStats
+from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.interface import L2Adapter, L2Op
 from lmcache_tiers.policies import AdapterInfo, EvictionPolicy
 
@@ -178,6 +179,27 @@ class TaskTracker(Generic[OwnerT, ResultT]):
                 logger.exception("%s: settling an abandoned %s task failed", slot.name, kind)
                 self._stats.fail(f"l2_{kind}_orphan_error")
         return owned
+
+
+#: keys a walk of ``victims()`` may offer beyond those the caller knows the policy holds,
+#: before it is cut short: room for a few stale keys (a removal report the policy failed on)
+WALK_SLACK = 64
+
+
+def bounded_walk(
+    victims: Iterator[ObjectKey], limit: int, overrun: Callable[[], None]
+) -> Iterator[ObjectKey]:
+    """``victims`` cut after ``limit`` keys, ``overrun()`` called if the caller asks for more.
+
+    A policy offers each key it holds at most once per walk, so a walk past every key the
+    caller could take is a policy offering keys again and again (say, a head it waits for
+    the caller to remove, which is locked): unbounded, it would hold the lock the walk runs
+    under for ever.  The caller passes a limit no correct walk reaches."""
+    for offered, key in enumerate(victims):
+        if offered >= limit:
+            overrun()
+            return
+        yield key
 
 
 def end_fruitless_walk(policy: EvictionPolicy, failed: Callable[[], None] | None) -> None:

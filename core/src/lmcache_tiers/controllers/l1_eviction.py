@@ -17,7 +17,13 @@ import time
 from collections.abc import Sequence
 
 from lmcache_tiers.burst import BurstLog
-from lmcache_tiers.controllers.base import ControllerThread, PolicyFailureLog, end_fruitless_walk
+from lmcache_tiers.controllers.base import (
+    WALK_SLACK,
+    ControllerThread,
+    PolicyFailureLog,
+    bounded_walk,
+    end_fruitless_walk,
+)
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager
@@ -89,6 +95,7 @@ class L1EvictionController(ControllerThread):
         # A broken policy fails on every write, read and delete (under the L1 lock): one
         # traceback, then one line per burst; the counter has every failure.
         self._policy_log = PolicyFailureLog(logger, "l1_eviction_policy_error")
+        self._overrun_log = BurstLog(logger, "l1_eviction_policy_overrun")
         l1.add_listener(self._feed)
 
     def evict_now(self, bytes_to_free: int, *, spare_unstored: bool = False) -> int:
@@ -104,9 +111,10 @@ class L1EvictionController(ControllerThread):
             try:
                 # victims() is created inside the L1 lock: no listener can touch the
                 # policy while its iterator is alive.
-                eviction = self.l1.make_room(
-                    bytes_to_free, self.policy.victims(), spare_unstored=spare_unstored
-                )
+                # Bounded: the policy holds no key L1 does not, so a walk past them all is
+                # one offering keys again (see ``bounded_walk``).
+                victims = bounded_walk(self.policy.victims(), objects + WALK_SLACK, self._walk_overran)
+                eviction = self.l1.make_room(bytes_to_free, victims, spare_unstored=spare_unstored)
             except Exception:
                 # A broken policy must not fail the write or prefetch that needed room.  The
                 # victims it offered before failing are evicted all the same: count them.
@@ -133,6 +141,14 @@ class L1EvictionController(ControllerThread):
     def _policy_failed(self) -> None:
         self.stats.fail("l1_eviction_policy_error")
         self._policy_log.failed("L1 eviction policy failed")
+
+    def _walk_overran(self) -> None:
+        self.stats.fail("l1_eviction_policy_overrun")
+        self._overrun_log.event(
+            1,
+            "L1 eviction policy offered more victims than L1 holds objects (it offers keys again "
+            "and again); the walk was cut short",
+        )
 
     def _count_evicted(self, keys: int, freed: int) -> None:
         if keys:

@@ -18,9 +18,11 @@ from itertools import islice
 from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.config import L2EvictionConfig
 from lmcache_tiers.controllers.base import (
+    WALK_SLACK,
     AdapterSlot,
     ControllerThread,
     PolicyFailureLog,
+    bounded_walk,
     end_fruitless_walk,
 )
 from lmcache_tiers.controllers.stats import EngineStats
@@ -115,6 +117,7 @@ class L2EvictionController(ControllerThread):
         self._skipped_log = BurstLog(logger, "l2_eviction_skipped_circuit_open")
         self._deferred_log = BurstLog(logger, "l2_eviction_seed_deferred_circuit_open")
         self._policy_log = PolicyFailureLog(logger, "l2_eviction_policy_error")
+        self._overrun_log = BurstLog(logger, "l2_eviction_policy_overrun")
         self._evict_lock = threading.Lock()
         slot.adapter.add_listener(self)
 
@@ -407,8 +410,12 @@ class L2EvictionController(ControllerThread):
                 batch_size = min(DELETE_BATCH, 2 * batch_size)
             with self._policy_lock:
                 try:
-                    victims = (key for key in self.policy.victims() if key not in refused)
-                    batch = list(islice(victims, batch_size))
+                    # Bounded: a correct walk reaches ``batch_size`` new keys after the ones
+                    # this cycle refused, and evicted ones whose removal was not reported.
+                    limit = len(refused) + evicted + batch_size + WALK_SLACK
+                    offered = bounded_walk(self.policy.victims(), limit, self._walk_overran)
+                    victims = (key for key in offered if key not in refused)
+                    batch = list(dict.fromkeys(islice(victims, batch_size)))
                 except Exception:
                     # A broken policy ends the cycle; what it already evicted is counted.
                     self._policy_failed()
@@ -476,6 +483,14 @@ class L2EvictionController(ControllerThread):
             f"L2 eviction cycles on {self.slot.name} skipped while the circuit is open (the "
             "backend is down: every delete would be refused without reaching it); eviction "
             "resumes once a probe closes it",
+        )
+
+    def _walk_overran(self) -> None:
+        self.stats.fail("l2_eviction_policy_overrun")
+        self._overrun_log.event(
+            1,
+            f"L2 eviction policy on {self.slot.name} offered victims again and again (past every "
+            "key this cycle could take); the walk was cut short",
         )
 
     def _policy_failed(self) -> None:
