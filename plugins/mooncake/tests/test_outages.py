@@ -16,7 +16,7 @@ from lmcache_plugin_mooncake.cluster import LocalCluster
 from lmcache_plugin_mooncake.listing import iter_pool_names
 from mooncake_helpers import config_for, eventually, open_adapter
 
-from lmcache_tiers.errors import BackendUnavailableError
+from lmcache_tiers.errors import BackendUnavailableError, TiersError
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys, pattern
 from lmcache_tiers.testing.processes import wait_stopped
@@ -292,3 +292,45 @@ def test_close_never_closes_the_client_under_a_load_still_in_mooncake(own_cluste
     load_calls = [event for event in events if event != "enter close" and event != "leave close"]
     closed_at = events.index("enter close")
     assert events[:closed_at] == load_calls, f"the client was closed under a running call: {events}"
+
+
+@pytest.mark.parametrize("call", ["delete", "probe"])
+def test_close_never_closes_the_client_under_a_delete_or_probe_in_mooncake(
+    own_cluster: LocalCluster, call: str
+) -> None:
+    # Deletes and probes run on the deadline pool: their caller may have given them up,
+    # but a call still inside Mooncake (a delete reads headers into the header lanes)
+    # must end before the client under it is closed, as a load must.
+    own_cluster.add_segment_host("64MB")
+    adapter = open_adapter(config_for(own_cluster, operation_timeout_s=2.0))
+    client = BlockingAdapterClient(adapter, timeout=60)
+    master = own_cluster.master
+    assert master is not None
+    keys = make_keys(1)
+    assert client.store(keys, [memoryview(pattern(0, SIZE))]) == [True]
+    backend = adapter.backend.inner  # type: ignore[attr-defined]  # behind the breaker
+    events: list[str] = []
+    with backend.connection._lock:
+        backend.connection._store = _Recording(backend.connection._store, events)
+    master.send_signal(signal.SIGSTOP)
+    wait_stopped(master.pid, HANG_GUARD_S)
+    try:
+        work = (lambda: backend.delete_many(keys)) if call == "delete" else backend.ping
+
+        def given_up() -> None:
+            with pytest.raises(TiersError):  # the deadline, or the master's RPC timeout
+                work()
+
+        calling = threading.Thread(target=given_up, daemon=True)
+        calling.start()
+        eventually(
+            lambda: any(event.startswith("enter ") for event in events), what=f"the {call} in Mooncake"
+        )
+        adapter.close()
+    finally:
+        master.send_signal(signal.SIGCONT)
+    calling.join(HANG_GUARD_S)
+    eventually(lambda: "enter close" in events, what="the client closed")
+    calls = [event for event in events if event not in ("enter close", "leave close")]
+    closed_at = events.index("enter close")
+    assert events[:closed_at] == calls, f"the client was closed under a running call: {events}"

@@ -44,8 +44,8 @@ Deletes and probes wait at most ``operation_timeout_s`` (see :mod:`.calls`); loo
 stores and loads run on the adapter's threads and are bounded by Mooncake's own timeouts,
 set from the same value (stores and loads read or write memory core may reuse once they
 return; lookups are on the request path, where a hop to another thread and back costs
-more than the RPC).  Close waits for the stores, lookups and loads inside the client
-before closing it (``Connection.leased``).  Every
+more than the RPC).  Close waits for every call inside the client -- given-up deletes
+and probes too -- before closing it (``Connection.leased``).  Every
 failure of the pool raises, so core's circuit breaker (``remote = True``) opens after
 repeated ones and ``ping`` closes it when the master answers again.
 """
@@ -59,7 +59,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from lmcache_plugin_mooncake.calls import CallPool
 from lmcache_plugin_mooncake.client import (
@@ -91,6 +91,8 @@ from lmcache_tiers.plugin import (
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 #: longest object name written (readable names; longer keys get digest names)
 MAX_NAME_BYTES = 255
 #: names sized per replica query of the start-up listing
@@ -99,8 +101,8 @@ _LIST_BATCH = 512
 _RESIZED_MAX = 1 << 16
 #: a repeated warning is logged at most once per this many seconds
 _WARN_EVERY_S = 60.0
-#: how many operation_timeout_s a store or load may stay inside Mooncake: a master RPC,
-#: then a transfer's progress and status timeouts (what close waits for it)
+#: how many operation_timeout_s a call may stay inside Mooncake: a master RPC, then a
+#: transfer's progress and status timeouts (what close waits for it)
 _CALL_TIMEOUTS = 3
 #: payload bytes below which checksums are taken on the calling thread alone (handing
 #: work to a helper thread costs more than it saves for a few objects)
@@ -142,6 +144,14 @@ class ObjectNames:
     def key(self, name: str) -> ObjectKey | None:
         """The key of a readable name under the prefix; None for digest and foreign names."""
         return name_to_key(name[len(self.prefix) :]) if name.startswith(self.prefix) else None
+
+
+def _exist(store: Any, names: list[str]) -> list[int]:
+    return store.batch_is_exist(names)  # type: ignore[no-any-return]
+
+
+def _remove(store: Any, names: list[str]) -> list[int]:
+    return store.batch_remove(names, True)  # type: ignore[no-any-return]
 
 
 def _check(what: str, codes: Sequence[int]) -> None:
@@ -267,10 +277,20 @@ class MooncakeStoreBackend:
         self.calls.close()
         self._helpers.shutdown(wait=True)
 
+    def _call_leased(self, what: str, function: Callable[..., T], *args: Any) -> T:
+        """``function(store, *args)`` on the deadline pool, the client leased while it runs:
+        a call given up at its deadline may still be inside Mooncake, and close must not
+        close the client under it (``Connection.leased``)."""
+        result: T = self.calls.run(what, self.timeout, self._leased, function, *args)
+        return result
+
+    def _leased(self, function: Callable[..., T], *args: Any) -> T:
+        with self.connection.leased() as store:
+            return function(store, *args)
+
     def ping(self) -> None:
         """Raise unless the master answers an existence query within the timeout."""
-        store = self.connection.store()
-        (code,) = self.calls.run("probe", self.timeout, store.batch_is_exist, [PROBE_NAME])
+        (code,) = self._call_leased("probe", _exist, [PROBE_NAME])
         if code < 0:
             raise MooncakeError(f"existence query returned {describe(code)}")
 
@@ -813,10 +833,9 @@ class MooncakeStoreBackend:
         format's -- another writer replaced the object under this key's name -- are kept
         (``KeptByDelete``), as lookups keep them; the rest are removed."""
         names = [self.names.of(key) for key in keys]
-        store = self.connection.store()
-        removable = self.calls.run("delete", self.timeout, self._deletable, store, list(keys), names)
+        removable = self._call_leased("delete", self._deletable, list(keys), names)
         removing = [names[index] for index in removable]
-        codes = self.calls.run("delete", self.timeout, store.batch_remove, removing, True) if removing else []
+        codes = self._call_leased("delete", _remove, removing) if removing else []
         _check("remove", codes)
         removed = [False] * len(keys)
         for index, code in zip(removable, codes, strict=True):
@@ -878,10 +897,7 @@ class MooncakeStoreBackend:
             yield from self._sized(batch)
 
     def _sized(self, batch: list[tuple[ObjectKey, str]]) -> Iterator[tuple[ObjectKey, int]]:
-        store = self.connection.store()
-        sizes = self.calls.run(
-            "replica query", self.timeout, self._record_sizes, store, [n for _, n in batch]
-        )
+        sizes = self._call_leased("replica query", self._record_sizes, [n for _, n in batch])
         listed = [(key, name) for key, name in batch if sizes.get(name, 0) >= HEADER_BYTES]
         # Names without a size vanished since the master listed them; the rest left out
         # cannot be records (a lookup that finds one removes it as damage).
@@ -896,7 +912,7 @@ class MooncakeStoreBackend:
         for chunk in chunks(len(listed)):
             part = [listed[i] for i in chunk]
             try:
-                unlisted |= self.calls.run("header read", self.timeout, self._kept_records, store, part)
+                unlisted |= self._call_leased("header read", self._kept_records, part)
             except Exception as exc:  # unread: left out, as _kept_records leaves out one it cannot read
                 unlisted |= dict.fromkeys((name for _, name in part), None)
                 self.context.count("listing_header_read_failures", len(part))
