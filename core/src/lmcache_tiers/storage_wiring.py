@@ -162,6 +162,7 @@ class StorageParts:
             serde=build_serde_chain(spec.serde, registry),
             l1_buffer=self.l1.arena.buffer if self.l1.is_memory else None,
             l1_is_memory=self.l1.is_memory,
+            l1_capacity=self.l1.capacity_bytes,
         )
         adapter = build_adapter(registry, spec, context)
         if not self.l1.is_memory:

@@ -16,6 +16,7 @@ from lmcache_tiers.keycodec import printable
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.files.layout import record_name
 from lmcache_tiers.l2.record import (
+    RecordCorruptError,
     RecordError,
     RecordHeader,
     RecordSerdeMismatchError,
@@ -55,6 +56,9 @@ class AdapterContext:
     #: True when ``l1_buffer`` is ordinary host memory (DRAM) that may be registered as
     #: such; False if it is device memory or of unknown kind
     l1_is_memory: bool = True
+    #: L1's capacity in bytes: no object of this adapter can be larger in L1, so a record
+    #: claiming more is damaged (None in tests that run an adapter without an L1)
+    l1_capacity: int | None = None
 
     def l1_offset(self, buffer: memoryview) -> int | None:
         """Offset of ``buffer`` inside the L1 arena, or None if it lies (partly) outside."""
@@ -244,14 +248,16 @@ class BackendContext:
             written = decode_header(data, expected_key=key).serde
             self._state.mark_unreadable(key, written)
             return None
+        self._check_l1_size(key, header)
         # A load of the key hands the layout to the L1 object it fills (take_layouts).
         self._state.note_layout(key, header.layout)
         return header
 
     def peek_record_header(self, data: bytes | memoryview, key: ObjectKey) -> RecordHeader | None:
         """Decode and verify a stored header of ``key`` as :meth:`read_record_header` does
-        (None: intact, of another serde chain; a ``RecordError`` otherwise), marking,
-        noting and counting nothing.
+        (None: intact, of another serde chain; a ``RecordError`` otherwise), marking and
+        noting nothing (counting only a header whose L1 size is impossible: damaged
+        whichever record turns out to be the key's).
 
         For a start-up scan that meets several writes of one key and learns which is the
         key's object only once it is done: a superseded record of another chain must not
@@ -259,9 +265,41 @@ class BackendContext:
         :meth:`read_record_header`.
         """
         try:
-            return decode_header(data, expected_key=key, expected_serde=self._state.chain.names)
+            header = decode_header(data, expected_key=key, expected_serde=self._state.chain.names)
         except RecordSerdeMismatchError:
             return None
+        self._check_l1_size(key, header)
+        return header
+
+    def _check_l1_size(self, key: ObjectKey, header: RecordHeader) -> None:
+        """Raise RecordCorruptError (counted as ``record_l1_size_impossible``, logged) for
+        a header whose L1 size no object of this adapter can have.
+
+        A lookup reports that size to core, which reserves it in L1 for the prefetch: a
+        size past L1's capacity would evict all of L1 making room for an object that can
+        never fit, and one that differs from the payload's length under a chain that
+        changes no sizes would reserve the wrong room.  The header crc matched, so this is
+        a forged or miswritten record, not a torn one: damaged all the same."""
+        capacity = self._state.facts.l1_capacity
+        if header.l1_size <= 0 and header.payload_len > 0:
+            problem = f"an L1 size of {header.l1_size} bytes for a {header.payload_len}-byte payload"
+        elif capacity is not None and header.l1_size > capacity:
+            problem = f"an L1 size of {header.l1_size} bytes, more than L1's {capacity}"
+        elif self._state.chain.identity and header.l1_size != header.payload_len:
+            problem = (
+                f"an L1 size of {header.l1_size} bytes for a {header.payload_len}-byte payload, "
+                "and the serde chain changes no sizes"
+            )
+        else:
+            return
+        self.count("record_l1_size_impossible")
+        self.warn(
+            "record_l1_size_impossible",
+            "the record of %s claims %s; treated as damaged",
+            printable(key.file_stem()),
+            problem,
+        )
+        raise RecordCorruptError(f"record header claims {problem}")
 
     # -- for wrappers -----------------------------------------------------------------------------
 

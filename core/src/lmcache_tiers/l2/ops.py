@@ -276,6 +276,8 @@ def resolve_size(
     else:
         known_l1 = known
     if isinstance(reported, ObjectSize):
+        if not _possible_l1_size(state, key, reported):
+            return None
         size = reported
     elif known_l1 is not None and known_l1.stored == reported:
         return known_l1
@@ -300,6 +302,28 @@ def resolve_size(
     elif known != size:
         state.accounting.record(key, size)
     return size
+
+
+def _possible_l1_size(state: AdapterState, key: ObjectKey, reported: ObjectSize) -> bool:
+    """False (counted, logged: a miss) for a reported L1 size larger than L1 itself.
+
+    Backends that read it from a record header refuse such a record as damaged already
+    (``BackendContext.read_record_header``); this guards the ones that report it from
+    anywhere else: reserved for a prefetch, it would evict all of L1 for an object that
+    can never fit."""
+    capacity = state.facts.l1_capacity
+    if capacity is None or reported.l1 == UNKNOWN_L1 or reported.l1 <= capacity:
+        return True
+    state.count("record_l1_size_impossible")
+    state.burst.warn(
+        "record_l1_size_impossible",
+        "%s: %s found with an L1 size of %d bytes, more than L1's %d; treated as a miss",
+        state.name,
+        key.file_stem(),
+        reported.l1,
+        capacity,
+    )
+    return False
 
 
 def _report_gone(

@@ -1,0 +1,68 @@
+"""A record header read back from L2 tells core the object's L1 size: under a serde chain
+that changes sizes nothing else does.  A header claiming an L1 size no object can have
+(here more than all of L1, its crc fixed up) is a damaged record: a miss, counted, logged
+and removed -- never a prefetch that evicts L1 to make room for it."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import pytest
+from engine_support import keys_of, spec, store
+
+from lmcache_tiers.l2.record import decode_header, encode_header
+
+if (
+    importlib.util.find_spec("lmcache_plugin_fs") is None
+    or importlib.util.find_spec("lmcache_plugin_serde_zstd") is None
+):
+    pytest.skip("lmcache-plugin-fs and lmcache-plugin-serde-zstd are needed", allow_module_level=True)
+
+SIZE = 256 << 10
+
+
+def fs_with_zstd(path: Path):  # type: ignore[no-untyped-def]
+    return spec({"type": "fs", "path": str(path), "serde": [{"type": "zstd"}]})
+
+
+def forge_l1_size(root: Path, l1_size: int) -> Path:
+    """Rewrite the one record under ``root`` with ``l1_size`` in its header (crc valid)."""
+    (record,) = [path for path in root.rglob("*") if path.is_file() and path.stat().st_size > SIZE // 64]
+    data = record.read_bytes()
+    header = decode_header(data)
+    payload = data[header.header_len :]
+    forged = encode_header(
+        header.key,
+        payload,
+        l1_size=l1_size,
+        serde=header.serde,
+        layout=header.layout,
+        align=header.header_len,
+    )
+    assert len(forged) == header.header_len
+    record.write_bytes(forged + payload)
+    return record
+
+
+def test_a_record_claiming_more_than_l1_is_a_damaged_miss(engine, tmp_path: Path, caplog) -> None:
+    root = tmp_path / "l2"
+    (forged_key,) = keys_of(1, 1)
+    first = engine([fs_with_zstd(root)])
+    store(first, [forged_key], SIZE)
+    assert first.flush(10)
+    first.close()
+    record = forge_l1_size(root, 2**62)
+
+    storage = engine([fs_with_zstd(root)])
+    resident = keys_of(2, 8)
+    store(storage, resident, SIZE)
+    assert storage.flush(10)
+    with caplog.at_level(logging.WARNING):
+        handle = storage.submit_prefetch([forged_key])
+        assert storage.wait_prefetch(handle, 10) == 0
+    assert all(storage.l1.contains(key) for key in resident), "L1 was emptied for an impossible object"
+    assert storage.adapters[0].stats().get("record_l1_size_impossible", 0) >= 1
+    assert "claims an L1 size" in caplog.text
+    assert not record.exists(), "a damaged record is removed"
