@@ -138,6 +138,24 @@ def test_an_object_whose_writeback_failed_is_a_miss_not_other_bytes(failing_fs_d
         assert failures["l1_nvme_writeback_dropped"] == 1
 
 
+def test_dropped_objects_not_yet_in_l2_are_counted_as_lost_writes(failing_fs_dir: Path) -> None:
+    # Of the objects a write-back error takes out, those whose L2 store had not settled
+    # held the only copy of an acknowledged write: they get a count of their own.
+    with L1Manager(16 * MIB, nvme_path=str(failing_fs_dir), direct_io=False) as l1:
+        _store(l1, _key(7), _pattern(DIRECT_IO_ALIGN, 7))  # stored in L2 already
+        _store(l1, _key(8), _pattern(DIRECT_IO_ALIGN, 8))
+        assert [obj.key for obj in l1.mark_unstored([_key(8)])] == [_key(8)]
+        _stored_then_written_back_in_vain(l1, 9)  # not marked: L1-only
+        obj = l1.reserve_read([_key(9)])[_key(9)]
+        with pytest.raises(KeyError):
+            l1.read_object(obj, memoryview(bytearray(OBJECT)))
+        l1.finish_read([_key(9)])
+        assert not l1.contains(_key(8))
+        failures = l1.failures()
+        assert failures["l1_nvme_writeback_dropped"] == 3
+        assert failures["l1_nvme_writeback_lost_before_l2"] == 1
+
+
 def test_a_loan_of_an_object_whose_writeback_failed_is_refused(failing_fs_dir: Path) -> None:
     # An L2 store borrows the bytes through lend(): it must not copy them to L2 either.
     with L1Manager(16 * MIB, nvme_path=str(failing_fs_dir), direct_io=False) as l1:

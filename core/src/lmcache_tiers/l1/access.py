@@ -55,6 +55,8 @@ class ObjectBytes:
         self._nvme = backing if isinstance(backing, NvmeL1File) else None
         self._refused = 0  # copies refused for a write-back error since the object's write
         self._dropped = 0  # objects taken out of L1 for such an error
+        # of those, acknowledged writes whose L2 store had not settled: in no tier now
+        self._lost_before_l2 = 0
 
     def view(self, obj: L1Object) -> memoryview:
         with self._lock:
@@ -150,17 +152,20 @@ class ObjectBytes:
         lost = [obj for obj in table.objects.values() if obj.state is _READY and obj.written_in < errors]
         if not lost:
             return
+        unstored = sum(1 for obj in lost if obj.unstored)
         self._dropped += len(lost)
+        self._lost_before_l2 += unstored
         logger.error(
             "NVMe L1: %d objects written before a write-back error dropped (%d of them not stored "
-            "in L2 yet: lost)",
+            "in L2 yet: acknowledged writes lost)",
             len(lost),
-            sum(1 for obj in lost if obj.unstored),
+            unstored,
         )
         table.free(lost)
 
     def failures(self) -> dict[str, int]:
-        """Write-back errors of the NVMe file, copies refused and objects dropped for them."""
+        """Write-back errors of the NVMe file, copies refused and objects dropped for them
+        (and, of those, the ones not stored in L2 yet: acknowledged writes lost)."""
         if self._nvme is None:
             return {}
         with self._lock:
@@ -168,6 +173,7 @@ class ObjectBytes:
                 "l1_nvme_writeback_error": self._nvme.writeback_errors_seen,
                 "l1_nvme_writeback_refused": self._refused,
                 "l1_nvme_writeback_dropped": self._dropped,
+                "l1_nvme_writeback_lost_before_l2": self._lost_before_l2,
                 # once: every write-back question since is an fdatasync
                 "l1_nvme_sync_file_range_refused": int(self._nvme.sync_file_range_refused),
             }
