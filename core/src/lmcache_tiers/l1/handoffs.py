@@ -54,7 +54,7 @@ class L2Handoffs:
         self, keys: Sequence[ObjectKey], sizes: Sequence[int], *, temporary: bool
     ) -> dict[ObjectKey, L1Object]:
         with self._lock:
-            reserved = self._writes.reserve(keys, sizes, temporary=temporary, layouts=None)
+            reserved = self._writes.reserve(keys, sizes, temporary=temporary, layouts=None, load=True)
             for obj in reserved.values():
                 obj.loading = True
             return reserved

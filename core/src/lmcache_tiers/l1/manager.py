@@ -58,7 +58,7 @@ from lmcache_tiers.l1.objects import Eviction, L1Listener, L1Object, L1Stats, Ob
 from lmcache_tiers.l1.reads import LOCK_GRID_STEPS, ReadLocks, read_lock_deadline
 from lmcache_tiers.l1.removal import Removal
 from lmcache_tiers.l1.table import L1Listeners, ObjectTable, check_lock_count
-from lmcache_tiers.l1.writes import WriteReservations
+from lmcache_tiers.l1.writes import SkippedWrites, WriteReservations
 from lmcache_tiers.tmpfs import SHM_DIR
 
 if TYPE_CHECKING:
@@ -119,12 +119,13 @@ class L1Manager:
         self._leases = ExtentLeases(allocator, self._arena.generations if self._arena else None, grace_s)
         self._table = ObjectTable(self._leases, L1Listeners())
         lock, table, leases = self.lock, self._table, self._leases
+        self._skipped = SkippedWrites()
         self._writes = WriteReservations(
-            lock, table, allocator, leases, lock_ttl_s=lock_ttl_s, write_ttl_s=write_ttl_s
+            lock, table, allocator, leases, self._skipped, lock_ttl_s=lock_ttl_s, write_ttl_s=write_ttl_s
         )
         self._reads = ReadLocks(lock, table, leases, lock_ttl_s=lock_ttl_s)
         self._handoffs = L2Handoffs(lock, table, self._writes)
-        self._removal = Removal(lock, table, allocator, leases)
+        self._removal = Removal(lock, table, allocator, leases, self._skipped)
         self._bytes = ObjectBytes(lock, table, leases, self._backing, self._arena, self.nvme_file_path)
 
     @property
@@ -267,10 +268,11 @@ class L1Manager:
     ) -> dict[ObjectKey, L1Object]:
         """Allocate and write-lock the keys not yet in L1, all or nothing.
 
-        Keys already present (in any state, or earlier in the same batch) are skipped and
-        absent from the result. Raises L1OutOfMemoryError, with nothing reserved, when the
-        new keys do not fit; the caller evicts and retries. ``layouts`` (validated by the
-        caller) are kept with the objects for the L2 serde chain.
+        Keys already present (READY, being written by another writer, or earlier in the
+        same batch) are skipped and absent from the result; a key a prefetch is loading is
+        taken from that load and reserved (``l1/writes.py``). Raises L1OutOfMemoryError,
+        with nothing reserved, when the new keys do not fit; the caller evicts and retries.
+        ``layouts`` (validated by the caller) are kept with the objects for the L2 serde chain.
         """
         return self._writes.reserve(keys, sizes, temporary=temporary, layouts=layouts)
 
@@ -440,10 +442,15 @@ class L1Manager:
     def failures(self) -> dict[str, int]:
         """L1's own failures by reason, counted since start-up (only those that happened):
         for an NVMe L1, write-back errors of its file (``l1_nvme_writeback_error``), copies
-        refused for one (``..._refused``), objects dropped for one (``..._dropped``), and
+        refused for one (``..._refused``), objects dropped for one (``..._dropped``; those of
+        them not stored in L2 yet, lost acknowledged writes, also ``..._lost_before_l2``), and
         ``l1_nvme_sync_file_range_refused`` once the system refused that call (fdatasync
-        asks instead)."""
-        return self._bytes.failures()
+        asks instead); writes skipped behind another writer's reservation of their key that
+        then ended uncommitted (``l1_skipped_writes_lost``: acknowledged writes in no tier),
+        and loads that gave way to a writer of their key (``l1_load_taken_over_by_write``)."""
+        with self.lock:
+            skipped = self._skipped.counts()
+        return self._bytes.failures() | skipped
 
     def lease_stats(self) -> LeaseStats:
         with self.lock:

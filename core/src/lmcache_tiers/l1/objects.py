@@ -47,6 +47,9 @@ class L1Object:
     storing: int = field(default=0, repr=False)
     #: the readers' locks per deadline when they do not all share ``lock_deadline``
     lock_groups: list[float] | None = field(default=None, repr=False)
+    #: writers' stores of its key skipped while it was being written (they were told the key
+    #: is there): acknowledged writes lost if this reservation ends uncommitted (``l1/writes.py``)
+    skipped_writes: int = field(default=0, repr=False)
     #: NVMe L1: write-back errors of the file counted when its bytes were written; an error
     #: counted since may have taken them (``l1/access.py``)
     written_in: int = field(default=0, repr=False)

@@ -21,6 +21,7 @@ from lmcache_tiers.l1.leases import ExtentLeases
 from lmcache_tiers.l1.objects import Eviction, L1Object, ObjectState
 from lmcache_tiers.l1.reads import reap_read_locks
 from lmcache_tiers.l1.table import ObjectTable
+from lmcache_tiers.l1.writes import SkippedWrites
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +33,18 @@ class Removal:
     """Delete, evict and expire; every method takes the L1 lock."""
 
     def __init__(
-        self, lock: threading.RLock, table: ObjectTable, allocator: ExtentAllocator, leases: ExtentLeases
+        self,
+        lock: threading.RLock,
+        table: ObjectTable,
+        allocator: ExtentAllocator,
+        leases: ExtentLeases,
+        skipped: SkippedWrites,
     ) -> None:
         self._lock = lock
         self._table = table
         self._allocator = allocator
         self._leases = leases
+        self._skipped = skipped
 
     def delete(self, keys: Sequence[ObjectKey], *, force: bool) -> list[bool]:
         with self._lock:
@@ -149,5 +156,6 @@ class Removal:
                     leases.grace_s,
                 )
             table.free(expired_writes + freed)
+            self._skipped.reservations_ended((obj for obj in expired_writes if not obj.loading), "reaped")
             leases.reclaim(now)
             return len(expired_writes) + expired_reads

@@ -4,14 +4,26 @@
 A prefetch that fills objects from L2 reserves them the same way, flagged ``loading``; only
 that prefetch finishes or frees them (``l1/handoffs.py``), so a writer's commit or abort of
 the same key never touches them.
+
+A writer is never skipped behind a load: the load may fail (L2's copy damaged) after the
+writer was told the key is there, leaving its acknowledged write in no tier.  The load's
+reservation gives way instead -- it leaves L1, its extent held until the prefetch lets go
+(``abort_load``), and its ``finish_load`` is refused: a miss for that reader, counted
+(``l1_load_taken_over_by_write``).  A writer skipped behind another writer's reservation
+cannot be helped so (that client may be copying into it; the bytes are the same, since
+keys name contents): if that reservation then ends uncommitted -- aborted by a client that
+crashed mid-copy, or reaped at the write TTL -- the skipped writes are acknowledged writes
+no tier holds, counted (``l1_skipped_writes_lost``) and logged.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.errors import L1OutOfMemoryError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1.allocator import ExtentAllocator
@@ -20,7 +32,43 @@ from lmcache_tiers.l1.objects import L1Object, ObjectState
 from lmcache_tiers.l1.reads import read_lock_deadline
 from lmcache_tiers.l1.table import ObjectTable
 
+logger = logging.getLogger(__name__)
+
 _WRITING = ObjectState.WRITING
+
+
+class SkippedWrites:
+    """Counts of writes that a reservation of the same key made L1 skip or take over;
+    the caller of each method holds the L1 lock."""
+
+    def __init__(self) -> None:
+        self.lost = 0  # skipped writes whose reservation ended uncommitted
+        self.loads_taken_over = 0
+        self._lost_log = BurstLog(logger, "l1_skipped_writes_lost")
+        self._taken_over_log = BurstLog(logger, "l1_load_taken_over_by_write")
+
+    def reservations_ended(self, objs: Iterable[L1Object], how: str) -> None:
+        """Writer reservations ``objs`` leave L1 uncommitted (``how``: aborted, expired):
+        the writes skipped behind them are lost."""
+        lost = sum(obj.skipped_writes for obj in objs)
+        if lost:
+            self.lost += lost
+            self._lost_log.event(
+                lost,
+                f"acknowledged writes lost: skipped behind another writer's reservation of "
+                f"the same key, which was {how} uncommitted",
+            )
+
+    def loads_given_way(self, count: int) -> None:
+        if count:
+            self.loads_taken_over += count
+            self._taken_over_log.event(
+                count, "loads from L2 gave way to a client's write of the same key (a miss for their reader)"
+            )
+
+    def counts(self) -> dict[str, int]:
+        counts = {"l1_skipped_writes_lost": self.lost, "l1_load_taken_over_by_write": self.loads_taken_over}
+        return {reason: count for reason, count in counts.items() if count}
 
 
 class WriteReservations:
@@ -32,6 +80,7 @@ class WriteReservations:
         table: ObjectTable,
         allocator: ExtentAllocator,
         leases: ExtentLeases,
+        skipped: SkippedWrites,
         *,
         lock_ttl_s: float,
         write_ttl_s: float,
@@ -40,6 +89,7 @@ class WriteReservations:
         self._table = table
         self._allocator = allocator
         self._leases = leases
+        self._skipped = skipped
         self.lock_ttl_s = lock_ttl_s
         self.write_ttl_s = write_ttl_s
 
@@ -50,8 +100,10 @@ class WriteReservations:
         *,
         temporary: bool,
         layouts: Sequence[str] | None,
+        load: bool = False,
     ) -> dict[ObjectKey, L1Object]:
-        """``L1Manager.reserve_write``: the new keys, all or nothing."""
+        """``L1Manager.reserve_write`` (``reserve_load`` with ``load``): the new keys, all or
+        nothing.  A writer takes over keys a load has reserved (see the module docstring)."""
         if len(keys) != len(sizes):
             raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
         if layouts is not None and len(layouts) != len(keys):
@@ -62,12 +114,24 @@ class WriteReservations:
             objects = table.objects
             wanted: dict[ObjectKey, int] = {}
             wanted_layouts: dict[ObjectKey, str] = {}
+            loads: list[L1Object] = []  # load reservations this writer takes over
+            writing: dict[ObjectKey, L1Object] = {}  # other writers' reservations it skips
             for position, (key, size) in enumerate(zip(keys, sizes, strict=True)):
-                if key not in objects and key not in wanted:
-                    wanted[key] = size
-                    if layouts is not None and layouts[position]:
-                        wanted_layouts[key] = layouts[position]
+                if key in wanted:
+                    continue
+                present = objects.get(key)
+                if present is not None:
+                    if load or present.state is not _WRITING:
+                        continue
+                    if not present.loading:
+                        writing[key] = present
+                        continue
+                    loads.append(present)
+                wanted[key] = size
+                if layouts is not None and layouts[position]:
+                    wanted_layouts[key] = layouts[position]
             if not wanted:
+                self._skip(writing)
                 return {}
             allocator = self._allocator
             offsets = allocator.allocate_many(list(wanted.values()))
@@ -79,6 +143,11 @@ class WriteReservations:
                     f"L1 cannot hold {len(wanted)} new objects ({need} bytes): {allocator.free_bytes} of "
                     f"{allocator.capacity} bytes free, largest free extent {allocator.largest_free_extent()}"
                 )
+            # Only once the room is found: a refused reservation leaves the loads running.
+            self._skip(writing)
+            if loads:
+                table.free(loads)  # their extents are held until the prefetch lets go
+                self._skipped.loads_given_way(len(loads))
             deadline = time.monotonic() + self.write_ttl_s
             reserved: dict[ObjectKey, L1Object] = {}
             for (key, size), offset in zip(wanted.items(), offsets, strict=True):
@@ -88,6 +157,12 @@ class WriteReservations:
                 table.insert(obj)
                 reserved[key] = obj
             return reserved
+
+    @staticmethod
+    def _skip(writing: dict[ObjectKey, L1Object]) -> None:
+        """A writer was told these keys are there: it counts on their reservations."""
+        for obj in writing.values():
+            obj.skipped_writes += 1
 
     def finish(self, keys: Sequence[ObjectKey], read_count: int) -> list[bool]:
         """A writer's reservations of ``keys``: READY, read-locked ``read_count`` times."""
@@ -131,3 +206,4 @@ class WriteReservations:
                 if obj is not None and obj.state is _WRITING and not obj.loading:
                     aborted.append(obj)
             self._table.free(aborted)
+            self._skipped.reservations_ended(aborted, "aborted")
