@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
+import signal
 import threading
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -177,6 +181,44 @@ def test_a_smaller_object_does_not_leave_the_old_tail_on_disk() -> None:
             assert adapter.delete([key]) == [True]
             assert client(adapter).store([key], [memoryview(pattern(2, 100))]) == [True]
             assert os.path.getsize(os.path.join(directory, slot_file_name(0))) == 100
+        finally:
+            adapter.close()
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """Writes past ``limit`` bytes of a file fail (EFBIG) or complete short, as on a full
+    disk; the signal such a write raises is ignored, so the write just fails."""
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_a_write_that_failed_part_way_leaves_no_tail_under_the_next_object() -> None:
+    """A store whose write NIXL reports failed after part of it reached the slot file
+    leaves those bytes there; the next, smaller object stored in that slot truncates the
+    file to itself all the same (the slot file holds no bytes but its object's)."""
+    with scratch_dir() as directory:
+        adapter = open_pool(pool_config(directory, pool_size=1))
+        slot_path = os.path.join(directory, slot_file_name(0))
+        try:
+            keys = make_keys(2)
+            with file_size_limit(SIZE // 2):
+                assert client(adapter).store(keys[:1], [memoryview(pattern(1, SIZE))]) == [False]
+            assert os.path.getsize(slot_path) == SIZE // 2, "the failed write's first half is on disk"
+            small = pattern(2, 100)
+            assert client(adapter).store(keys[1:], [memoryview(small)]) == [True]
+            assert os.path.getsize(slot_path) == 100
+            buffer = bytearray(100)
+            assert client(adapter).lookup_and_lock(keys[1:]).found == [True]
+            assert client(adapter).load(keys[1:], [memoryview(buffer)]) == [True]
+            assert bytes(buffer) == small
+            adapter.unlock(keys[1:])
         finally:
             adapter.close()
 

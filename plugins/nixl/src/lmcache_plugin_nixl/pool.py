@@ -102,7 +102,6 @@ class FileSlots:
         self._lock = DirectoryLock(self.directory, what=lock_what(self.directory))
         self._buffered: list[int] = []
         self._direct: list[int] = []
-        self._lengths = [0] * pool_size
         self._registration: Registration | None = None
         try:
             if direct_io:
@@ -127,10 +126,12 @@ class FileSlots:
         return self._buffered[slot]
 
     def written(self, slot: int, length: int) -> None:
-        # A smaller object must not leave the tail of a larger one on disk.
-        if length < self._lengths[slot]:
-            os.ftruncate(self._buffered[slot], length)
-        self._lengths[slot] = length
+        # A smaller object must not leave the tail of a larger one on disk, nor of a write
+        # that failed or was abandoned part way (no store recorded its length): the file's
+        # own size says what is there.
+        fd = self._buffered[slot]
+        if os.fstat(fd).st_size > length:
+            os.ftruncate(fd, length)
 
     def _close_files(self, *, remove: bool) -> int:
         """Close every slot descriptor, remove the files if asked and unlock the directory;
