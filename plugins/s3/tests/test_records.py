@@ -640,3 +640,33 @@ def test_a_record_removed_between_the_delete_check_and_the_removal_is_deleted(
     assert adapter.delete(keys) == [True, True]
     assert not raw.exists(keys[0]) and not raw.exists(keys[1])
     assert adapter.stats().get("delete_request_failures", 0) == 0
+
+
+def test_a_damaged_record_whose_ranged_read_names_no_etag_is_removed_only_if_unchanged_since_the_head(
+    adapter: L2Adapter, raw: Raw, l1: memoryview, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A lookup's ranged read answered without an ETag: the removal of the damage it found
+    # is conditional on the HEAD's ETag, so a record stored since is kept -- never an
+    # unconditional removal.
+    (key,) = make_keys(1)
+    store(adapter, l1, [key])
+    good = raw.read(key)
+    raw.write(key, b"not a record" * 1000)  # no header copy in its metadata: the record is read
+    backend = adapter.backend.inner  # type: ignore[attr-defined]  # behind core's circuit breaker
+    assert isinstance(backend, S3Backend)
+    request = backend.client.request
+
+    async def ranged_reads_without_etag(method: str, **kwargs: object) -> object:
+        if method == "delete_object":
+            raw.write(key, good)  # another server stores, between the read and the removal
+        answer = await request(method, **kwargs)
+        if method == "get_object" and isinstance(answer, dict):
+            answer.pop("ETag", None)
+        return answer
+
+    monkeypatch.setattr(backend.client, "request", ranged_reads_without_etag)
+    assert blocking(adapter).lookup_and_lock([key]).found == [False]
+    assert raw.exists(key) and raw.read(key) == good, "the record stored since was removed"
+    stats = adapter.stats()
+    assert stats["corrupt_replaced_before_removal"] == 1
+    assert stats.get("corrupt_kept_without_etag", 0) == 0
