@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -106,3 +107,40 @@ def test_status_command_reports_an_unreachable_server() -> None:
     )
     assert result.returncode == 1
     assert "error:" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def rendered(document: dict[str, object]) -> str:
+    """The tables ``lmcache-tiers status`` prints for ``document``, as plain text."""
+    from rich.console import Console
+
+    from lmcache_tiers.cli.commands_server import status_tables
+
+    console = Console(width=200, record=True, file=io.StringIO())
+    for table in status_tables(document):
+        console.print(table)
+    return console.export_text()
+
+
+def test_status_renders_the_server_s_text_as_it_is_and_odd_numbers_as_unknown() -> None:
+    """Adapter errors, names and failure reasons are the server's (and its plugins') text:
+    a bracket in one is no rich markup, and a usage or size that is no number costs that
+    cell -- neither may end the command half-printed with a traceback."""
+    document = {
+        "server": {"endpoints": ["tcp://127.0.0.1:5555", "tcp://127.0.0.1:6555"], "draining": True},
+        "adapters": [
+            {"name": "0:fs", "error": "OSError: cannot open [/mnt/l2] [bold]x"},
+            {"name": "1:own [b]", "usage": "half", "used_bytes": None, "backend": {}},
+            {"name": "2:redis", "usage": 0.25, "used_bytes": 1 << 30, "backend": {"circuit_open": 1}},
+        ],
+        "failures": {"[/odd] reason": 1},
+    }
+    text = rendered(document)
+    assert "tcp://127.0.0.1:5555, tcp://127.0.0.1:6555" in text
+    assert "draining" in text
+    assert "OSError: cannot open [/mnt/l2] [bold]x" in text
+    assert "1:own [b]" in text
+    assert "[/odd] reason" in text
+    rows = {line.split("│")[1].strip(): line for line in text.splitlines() if line.count("│") > 3}
+    assert "?" in rows["0:fs"]  # its used bytes were not read: unknown, not an empty adapter
+    assert rows["1:own [b]"].count("?") == 2
+    assert "circuit open" in rows["2:redis"]

@@ -6,6 +6,7 @@ imports (zmq, numpy) happen inside the functions so ``--help`` stays fast.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
@@ -104,12 +105,48 @@ def status(
         stdout.print(table)
 
 
+def _number(value: Any) -> float | None:
+    """``value`` as a finite number, or None: a plugin-built adapter answers its usage and
+    used bytes itself, and a null, NaN or text there must cost that cell, not the command."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _gib(value: Any) -> str:
-    return f"{float(value) / 2**30:.2f} GiB"
+    number = _number(value)
+    return "?" if number is None else f"{number / 2**30:.2f} GiB"
 
 
 def _pct(value: Any) -> str:
-    return "n/a" if value is None or float(value) < 0 else f"{float(value):.1%}"
+    if value is None:
+        return "n/a"
+    number = _number(value)
+    if number is None:
+        return "?"
+    return "n/a" if number < 0 else f"{number:.1%}"
+
+
+def _text(value: Any) -> str:
+    """A value of the server's document as a table cell: adapter errors, names and failure
+    reasons are the server's (and its plugins') text, not rich markup -- a "[/x]" in an
+    error would otherwise end the command with a MarkupError, half the tables printed."""
+    return escape(str(value))
+
+
+def _adapter_state(adapter: dict[str, Any]) -> str:
+    """``ok``, the error its status read met, or ``circuit open`` while its breaker keeps the
+    backend from being called (the adapter answers misses and refusals meanwhile)."""
+    if "error" in adapter:
+        return _text(adapter["error"])
+    backend = adapter.get("backend")
+    if isinstance(backend, dict) and backend.get("circuit_open"):
+        return "circuit open"
+    return "ok"
 
 
 def _failed_plugins(failed: Any) -> str:
@@ -136,10 +173,14 @@ def status_tables(document: dict[str, Any]) -> list[Table]:
     overview = Table(title="lmcache-tiers server", show_header=False, title_justify="left")
     overview.add_column(style="bold cyan", no_wrap=True)
     overview.add_column()
-    overview.add_row("endpoint", str(server.get("endpoint")))
-    overview.add_row("version", f"{server.get('version')} (protocol {server.get('protocol_version')})")
-    overview.add_row("pid / uptime", f"{server.get('pid')} / {float(server.get('uptime_s', 0)):.0f} s")
-    overview.add_row("shared memory", str(server.get("shm_segment") or "off (inline only)"))
+    endpoints = server.get("endpoints") or [server.get("endpoint")]
+    overview.add_row("endpoints", _text(", ".join(str(endpoint) for endpoint in endpoints)))
+    overview.add_row("state", "draining (stopping)" if server.get("draining") else "serving")
+    overview.add_row("version", _text(f"{server.get('version')} (protocol {server.get('protocol_version')})"))
+    overview.add_row(
+        "pid / uptime", _text(f"{server.get('pid')} / {_number(server.get('uptime_s', 0)) or 0:.0f} s")
+    )
+    overview.add_row("shared memory", _text(server.get("shm_segment") or "off (inline only)"))
     overview.add_row("clients", str(server.get("clients", 0)))
     overview.add_row(
         "L1",
@@ -165,7 +206,7 @@ def status_tables(document: dict[str, Any]) -> list[Table]:
     )
     evicted = document.get("eviction", {}).get("l1", {})
     overview.add_row(
-        "L1 evictions", f"{evicted.get('evicted_keys', 0)} objects ({evicted.get('policy', '?')})"
+        "L1 evictions", _text(f"{evicted.get('evicted_keys', 0)} objects ({evicted.get('policy', '?')})")
     )
     overview.add_row("plugins failed to load", _failed_plugins(server.get("plugins_failed_to_load")))
     overview.add_row("L1 stale segments removed", _stale_segments(server.get("l1_stale_segments_removed")))
@@ -178,13 +219,13 @@ def status_tables(document: dict[str, Any]) -> list[Table]:
             l2.add_column(column, justify="left" if column in ("adapter", "state") else "right")
         for adapter in adapters:
             l2.add_row(
-                str(adapter.get("name")),
+                _text(adapter.get("name")),
                 _pct(adapter.get("usage")),
-                _gib(adapter.get("used_bytes", 0)),
+                _gib(adapter.get("used_bytes")),  # unread (an error): "?", not an empty adapter
                 str(adapter.get("keys_stored", 0)),
                 str(adapter.get("keys_loaded", 0)),
                 str(adapter.get("keys_evicted", 0)),
-                str(adapter.get("error", "ok")),
+                _adapter_state(adapter),
             )
         tables.append(l2)
 
@@ -197,7 +238,7 @@ def status_tables(document: dict[str, Any]) -> list[Table]:
         failed.add_column("reason")
         failed.add_column("count", justify="right")
         for reason, count in sorted(failures.items()):
-            failed.add_row(reason, str(count))
+            failed.add_row(_text(reason), _text(count))
         tables.append(failed)
     return tables
 
