@@ -425,6 +425,30 @@ def test_a_remote_inner_adapter_keeps_its_circuit_breaker(
     assert "circuit_open" in adapter.stats(), "a remote store is guarded, wrapped or not"
 
 
+class MixedMock(MockBackend):
+    """A broken backend: a coroutine ``put_many`` beside plain lookups, loads and deletes."""
+
+    async def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        return super().put_many(keys, payloads)
+
+
+@hookimpl(specname="tiers_register_l2_adapters")
+def register_mixed_mock(registry: KindRegistry) -> None:
+    registry.add("mixed_mock", MixedMock, MockConfig)
+
+
+def test_an_inner_backend_mixing_coroutines_and_plain_methods_is_refused_at_start() -> None:
+    """Core refuses such a backend when it builds it; wrapped, it must be refused the same
+    way, not wrapped in the flavour of its ``put_many`` and fail every other call."""
+    module = types.ModuleType("fault_inject_mixed_test")
+    module.tiers_register_l2_adapters = register_mixed_mock  # type: ignore[attr-defined]
+    registry = discover(extra_plugins={"fault-inject-mixed-test": module}).registry
+    config = FaultInjectConfig(inner={"type": "mixed_mock"})
+    context = AdapterContext(index=0, name="0:fault_inject", config=config)
+    with pytest.raises(TypeError, match="mixes coroutine and plain batch methods"):
+        create_adapter(open_fault_inject, config, context, registry=registry)
+
+
 def test_one_accounting_with_the_inner_capacity(opened: list[BackendAdapter]) -> None:
     adapter = open_fault(inner=mock_spec(max_size_gb=1 / 1024))
     opened.append(adapter)
