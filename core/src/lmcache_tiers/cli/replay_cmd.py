@@ -481,7 +481,10 @@ def _in_process(
     except ConfigError as exc:
         raise name_flag(exc, given) from None
     # serve's checks of the L1 it cannot build, before the progress bar starts building it
-    check_l1_geometry(config)
+    try:
+        check_l1_geometry(config)
+    except ConfigError as exc:
+        raise name_flag(exc, given) from None
     if options.block_bytes > config.l1_size_bytes:
         # Refused before the replay allocates a buffer of one block, which may not fit in memory.
         raise ConfigError(

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 import typer
@@ -325,7 +325,7 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
         ),
     ) -> None:
         given = {name for name in ctx.params if _given(ctx, name)}
-        run_serve(plugin_set, ctx.params, given)
+        run_serve(plugin_set, ctx.params, given, _from_environment(ctx))
 
     serve.__doc__ = serve_help(registry)
     return serve
@@ -334,6 +334,16 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
 def _given(ctx: typer.Context, name: str) -> bool:
     source = ctx.get_parameter_source(name)
     return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
+def _from_environment(ctx: typer.Context) -> dict[str, str]:
+    """Option name -> the environment variable its value came from (errors name that)."""
+    variables: dict[str, str] = {}
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name) if param.name else None
+        if source is not None and source.name == "ENVIRONMENT" and isinstance(param.envvar, str):
+            variables[str(param.name)] = param.envvar
+    return variables
 
 
 def flag_overrides(params: dict[str, Any], given: set[str]) -> tuple[dict[str, Any], list[str]]:
@@ -384,14 +394,30 @@ _AT_FIELD = re.compile(r" - at `\$\.(\w+)`$")
 _AT_ANY_FIELD = re.compile(r" - at `\$[^`]*`$")
 
 
-def name_flag(exc: ConfigError, given: set[str]) -> ConfigError:
-    """Prefix an error about a top-level field with the flag that set it, if one did."""
+def _source_of(field: str, given: set[str], from_env: Mapping[str, str]) -> str | None:
+    """The flag, or environment variable, that set ServerConfig ``field``; None when the
+    value came from the --config file or the defaults (errors then name the config key)."""
+    for name in given:
+        option_field, flag = _ERROR_FLAGS.get(name, ("", ""))
+        if option_field == field:
+            return from_env.get(name, flag)
+    return None
+
+
+def name_flag(exc: ConfigError, given: set[str], from_env: Mapping[str, str] | None = None) -> ConfigError:
+    """Prefix an error about a top-level field with the flag (or the environment variable)
+    that set it, if one did; name a refused setting (``SettingRefused``) the same way."""
+    from lmcache_tiers.server.app import SettingRefused
+
+    variables = from_env or {}
+    if isinstance(exc, SettingRefused):
+        source = _source_of(exc.setting, given, variables)
+        return exc if source is None else exc.with_name(source)
     found = _AT_FIELD.search(str(exc))
     if found is not None:
-        for name in given:
-            field, flag = _ERROR_FLAGS.get(name, ("", ""))
-            if field == found.group(1):
-                return ConfigError(f"{flag}: {exc}")
+        source = _source_of(found.group(1), given, variables)
+        if source is not None:
+            return ConfigError(f"{source}: {exc}")
     return exc
 
 
@@ -418,8 +444,11 @@ def warn_unused_broken_plugins(plugin_set: PluginSet) -> None:
         )
 
 
-def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) -> None:
-    """The body of ``serve`` once click has parsed the options."""
+def run_serve(
+    plugin_set: PluginSet, params: dict[str, Any], given: set[str], from_env: Mapping[str, str] | None = None
+) -> None:
+    """The body of ``serve`` once click has parsed the options; ``from_env``: the options
+    among ``given`` set by an environment variable, and its name."""
     if params["strict"] and plugin_set.errors:
         broken = "; ".join(f"{p.name}: {p.error}" for p in plugin_set.errors)
         fail(f"--strict: plugins failed to load: {broken}")
@@ -446,7 +475,7 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
     except ConfigError as exc:
         if uses_default_l2 and "`$.l2_adapters[0]" in str(exc):
             raise _default_l2_error(exc) from None
-        raise name_flag(exc, given) from exc
+        raise name_flag(exc, given, from_env) from exc
     warn_unused_broken_plugins(plugin_set)
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "INFO")
     try:
@@ -456,7 +485,10 @@ def run_serve(plugin_set: PluginSet, params: dict[str, Any], given: set[str]) ->
     except ImportError as exc:
         fail(f"the server is not available in this installation ({exc})", 1)
     # Refused before anything is printed or allocated (--print-config checks it too).
-    check_serving(resolved, resolved.auth_token)
+    try:
+        check_serving(resolved, resolved.auth_token)
+    except ConfigError as exc:
+        raise name_flag(exc, given, from_env) from exc
     configure_logging()
     for note in notes:
         logger.info("%s", note)

@@ -75,9 +75,30 @@ def check_metrics_host(config: ServerConfig, token: str | None) -> None:
         raise ConfigError(f"metrics_host {host!r}: give an address or name (HTTP does not serve on {host})")
     if not is_loopback(host) and not token:
         raise ConfigError(
-            f"serving HTTP on {host} (not loopback) requires --auth-token or {AUTH_TOKEN_ENV}: "
+            f"serving HTTP on {host} (not loopback) requires --auth-token, {AUTH_TOKEN_ENV} "
+            "or auth_token in --config: "
             "/status answers only requests that carry it"
         )
+
+
+class SettingRefused(ConfigError):
+    """A value of one ServerConfig setting that cannot be served.  The message names the
+    setting by its config key (``l1_shm_dir relative: give an absolute path``), which is
+    right for a ``--config`` file and for a config built in code; ``serve`` names the flag
+    or the environment variable instead when the value came from one (``with_name``)."""
+
+    def __init__(self, setting: str, value: object, reason: str) -> None:
+        self.setting = setting
+        self.value = value
+        self.reason = reason
+        super().__init__(self._naming(setting))
+
+    def _naming(self, name: str) -> str:
+        return f"{name} {self.value}: {self.reason}"
+
+    def with_name(self, name: str) -> ConfigError:
+        """The same refusal naming the setting as ``name`` (a flag, a variable)."""
+        return ConfigError(self._naming(name))
 
 
 def check_l1_geometry(config: ServerConfig) -> None:
@@ -87,16 +108,17 @@ def check_l1_geometry(config: ServerConfig) -> None:
 
     align = config.l1_align_bytes
     if config.l1_size_bytes < align:
-        raise ConfigError(
-            f"--l1-size-gb {config.l1_size_gb:g}: smaller than one L1 extent of {align} bytes "
-            "(--l1-align-bytes); give a larger size"
+        raise SettingRefused(
+            "l1_size_gb",
+            f"{config.l1_size_gb:g}",
+            f"smaller than one L1 extent of {align} bytes (the L1 alignment); give a larger size",
         )
     if config.gds_l1_path is None:
         if not os.path.isabs(config.l1_shm_dir):
-            raise ConfigError(f"--shm-dir {config.l1_shm_dir}: give an absolute path")
+            raise SettingRefused("l1_shm_dir", config.l1_shm_dir, "give an absolute path")
     elif align % DIRECT_IO_ALIGN:
-        raise ConfigError(
-            f"--l1-align-bytes {align}: an NVMe L1 (--gds-l1-path) needs a multiple of {DIRECT_IO_ALIGN}"
+        raise SettingRefused(
+            "l1_align_bytes", align, f"an NVMe L1 (on a file path) needs a multiple of {DIRECT_IO_ALIGN}"
         )
 
 

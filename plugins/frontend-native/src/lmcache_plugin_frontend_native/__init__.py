@@ -50,7 +50,10 @@ class NativeConfig(FrontendConfig, kw_only=True, frozen=True, forbid_unknown_fie
         self.endpoint(server)
         host, _ = self.address(server)
         if not is_loopback(host) and not auth_token:
-            raise ConfigError(f"binding to {host} (not loopback) requires --auth-token or {AUTH_TOKEN_ENV}")
+            raise ConfigError(
+                f"binding to {host} (not loopback) requires --auth-token, {AUTH_TOKEN_ENV} "
+                "or auth_token in --config"
+            )
         if auth_token is not None and len(auth_token) > wire_protocol.MAX_TOKEN_LEN:
             raise ConfigError(
                 f"the auth token is {len(auth_token)} characters long; the protocol carries at most "
