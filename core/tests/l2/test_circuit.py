@@ -22,6 +22,7 @@ from lmcache_tiers.config import CircuitConfig, decode_adapter
 from lmcache_tiers.errors import ConfigError, PartialFailure
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter
+from lmcache_tiers.l2.calls import NotCalled
 from lmcache_tiers.l2.circuit import PROBE_KEY, TIMED_HELPERS, AsyncCircuitBackend, CircuitBackend
 from lmcache_tiers.registry import ComponentRegistry, Kind
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
@@ -806,9 +807,10 @@ def test_a_lookup_answered_right_after_its_wait_timed_out_keeps_its_answer(
     assert stats.get("backend_errors", 0) == 0
 
 
-#: a thread stack no system can map: ``Thread.start`` then fails as it does when the
-#: process has no threads left ("can't start new thread")
-UNMAPPABLE_STACK = 2**46
+#: a thread stack no system can map (beyond any address space, so even with memory
+#: overcommit unlimited): ``Thread.start`` then fails as it does when the process has no
+#: threads left ("can't start new thread")
+UNMAPPABLE_STACK = 2**62
 
 
 def test_a_probe_thread_that_cannot_start_is_counted_and_started_again_by_a_refused_call(
@@ -837,3 +839,25 @@ def test_a_probe_thread_that_cannot_start_is_counted_and_started_again_by_a_refu
     assert adapter.stats()["circuit_missed_lookup_keys"] == 1
     wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close")
     assert store(client, keys) == [True]
+
+
+def test_a_call_refused_once_the_adapter_closes_starts_no_probe_thread(
+    adapters: list[BackendAdapter], outage: Outage
+) -> None:
+    # Closing ends the probing with the circuit open; a call refused then (one still in the
+    # adapter's queue at its close) must not start a thread that can only end at once.
+    adapter = opened(adapters, RemoteDict)
+    client = BlockingAdapterClient(adapter, timeout=WAIT_S)
+    keys = make_keys(1)
+    outage.down = True
+    fail_lookups(client, keys, 3)
+    circuit = adapter.backend
+    assert isinstance(circuit, CircuitBackend)
+    probing = circuit._probe_thread
+    assert probing is not None
+    adapter.close()
+    assert not probing.is_alive()
+
+    with pytest.raises(NotCalled):
+        circuit.contains_many(keys)
+    assert circuit._probe_thread is probing

@@ -211,8 +211,10 @@ class CircuitBackend(_Guard):
 
     def keep_probing(self) -> None:
         # A probe thread that could not start (no threads left) is started again here, by
-        # the calls the open circuit refuses: nothing else would ever close it.
-        if not self._probing:
+        # the calls the open circuit refuses: nothing else would ever close it.  Not once
+        # the adapter closes: closing ended the probing, and a thread started then would
+        # end at once (one per call still refused while the adapter winds down).
+        if not self._probing and not self.context.closing:
             self._start_probing()
 
     def _start_probing(self) -> None:
