@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiers_e2e import LAUNCHER, ServerProcess, fetch, make_keys, make_payloads, start_server
+from tiers_e2e import LAUNCHER, ServerProcess, fetch, make_keys, make_payloads, metric, start_server
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.testing.ports import free_ports
@@ -133,3 +133,40 @@ def test_the_metrics_host_flag_reaches_the_configuration() -> None:
     assert json.loads(shown.stdout)["metrics_host"] == "::1"
     default = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert json.loads(default.stdout)["metrics_host"] == "127.0.0.1"
+
+
+def send_raw(port: int, request: bytes) -> bytes:
+    """``request`` as bytes on a connection of its own; what the server answered before it closed."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+        connection.sendall(request)
+        answer = b""
+        while chunk := connection.recv(1 << 16):
+            answer += chunk
+    return answer
+
+
+def test_requests_the_endpoint_refuses_are_counted_and_logged(tmp_path: Path) -> None:
+    """A request it cannot parse, with header lines too long or too many, in an HTTP version
+    or with a method it does not speak, or with a method the routes do not allow: each is
+    answered, then counted in /metrics and logged, as any other refusal."""
+    server = start_server(tmp_path / "server")
+    try:
+        assert server.http_url is not None
+        port = int(server.http_url.rsplit(":", 1)[1])
+        malformed = [
+            b"\x00\x01\x02\r\n\r\n",
+            b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n",
+            b"GET /metrics HTTP/1.1\r\n" + b"".join(b"X%d: a\r\n" % i for i in range(200)) + b"\r\n",
+            b"GET /metrics HTTP/2.0\r\n\r\n",
+            b"BREW /metrics HTTP/1.1\r\n\r\n",
+        ]
+        for request in malformed:
+            assert send_raw(port, request), request[:40]
+        assert b" 405 " in send_raw(port, b"DELETE /metrics HTTP/1.1\r\n\r\n")
+        _, _, text = fetch(f"{server.http_url}/metrics")
+        assert metric(text, "lmcache_tiers_failures_total", 'reason="http_request_malformed"') == 5
+        assert metric(text, "lmcache_tiers_failures_total", 'reason="http_method_not_allowed"') == 1
+    finally:
+        assert server.stop() == 0, server.output()
+    log = server.output()
+    assert "refused with 400" in log and "DELETE '/metrics'" in log, log

@@ -36,6 +36,10 @@ REFUSED_STATUS = "http_status_refused"
 ROUTE_FAILED = "http_route_failed"
 TIMED_OUT = "http_connection_timed_out"
 REFUSED_BUSY = "http_connection_refused_busy"
+#: a request the endpoint could not take (bad syntax, header lines too long or too many, an
+#: HTTP version or method it does not speak) or one using a method the routes do not allow
+REFUSED_MALFORMED = "http_request_malformed"
+REFUSED_METHOD = "http_method_not_allowed"
 #: connections served at once: each holds a thread (and its deadline's timer) for up to
 #: REQUEST_TIMEOUT_S, so a client opening them without end would take threads and file
 #: descriptors from the whole server; those over the limit are closed at once, counted
@@ -44,6 +48,7 @@ MAX_CONNECTIONS = 32
 _ALLOWED = "GET, HEAD"
 
 _refusals = BurstLog(logger, REFUSED_BUSY)
+_bad_requests = BurstLog(logger, REFUSED_MALFORMED)
 
 
 class _Server(ThreadingHTTPServer):
@@ -165,6 +170,14 @@ class HttpEndpoint:
                 if self.path.split("?", 1)[0] not in routes:
                     self._not_found(send_body=True)
                     return
+                count(REFUSED_METHOD)
+                _bad_requests.warn(
+                    "method",
+                    "HTTP %s %.80r from %s refused: not allowed",
+                    self.command,
+                    self.path,
+                    self.address_string(),
+                )
                 self._reply(
                     405,
                     "text/plain; charset=utf-8",
@@ -173,6 +186,20 @@ class HttpEndpoint:
                 )
 
             do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse_method
+
+            def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+                """The standard library answers a request it could not parse (400, 414, 431,
+                505) or whose method no ``do_*`` serves (501) here: counted and logged once
+                per burst, not only a debug line."""
+                count(REFUSED_MALFORMED)
+                _bad_requests.warn(
+                    str(code),
+                    "HTTP request from %s refused with %d: %.120r",
+                    self.address_string(),
+                    code,
+                    message or self.responses.get(code, ("?",))[0],
+                )
+                super().send_error(code, message, explain)
 
             def _not_found(self, *, send_body: bool) -> None:
                 body = b"not found: try /metrics, /status, /healthz\n"
