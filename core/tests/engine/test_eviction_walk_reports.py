@@ -1,7 +1,15 @@
-"""Every walk of a policy's ``victims()`` is followed by one removal report -- an empty one
-when the walk removed nothing -- so a policy that remembers what a walk offered (ARC)
-never takes a later removal for another reason (a client's delete, a temporary prefetch
-freed after its read) for that walk's eviction."""
+"""Walks of a policy's ``victims()``.
+
+Every walk is followed by one removal report -- an empty one when the walk removed
+nothing -- so a policy that remembers what a walk offered (ARC) never takes a later
+removal for another reason (a client's delete, a temporary prefetch freed after its read)
+for that walk's eviction.
+
+A walk is bounded: a policy that offers the same keys again and again (a third-party bug:
+one that waits for the caller to remove its head, which is locked) must not hold the L1
+lock, or an L2 adapter's listeners, for ever.  A correct policy offers each key it holds
+once per walk, so the bound never cuts one short; the walk that hits it ends, counted and
+logged."""
 
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ from lmcache_tiers.controllers.l2_eviction import L2EvictionController
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager
+from lmcache_tiers.l2 import BackendAdapter
 from lmcache_tiers.policies import EvictionPolicy
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 
@@ -56,6 +65,27 @@ def evicting(l1: L1Manager, policy: EvictionPolicy) -> L1EvictionController:
     return L1EvictionController(l1, policy, trigger_watermark=0.9, eviction_ratio=0.5, stats=EngineStats(0))
 
 
+@pytest.fixture
+def l2() -> Iterator[BackendAdapter]:
+    adapter = open_dict(DictBackend, capacity=8 * SIZE)
+    yield adapter
+    adapter.close()
+
+
+def evicting_l2(adapter: BackendAdapter, policy: EvictionPolicy) -> L2EvictionController:
+    """A controller whose policy is seeded (nothing stored yet): events from now on go in."""
+    config = L2EvictionConfig(trigger_watermark=0.8, eviction_ratio=0.5)
+    controller = L2EvictionController(AdapterSlot(0, "dict", adapter), policy, config, EngineStats(1))
+    controller.evict(0)
+    return controller
+
+
+def stored_in_l2(adapter: BackendAdapter, keys: list[ObjectKey]) -> BlockingAdapterClient:
+    client = BlockingAdapterClient(adapter)
+    assert client.store(keys, [memoryview(bytearray(SIZE)) for _ in keys]) == [True] * len(keys)
+    return client
+
+
 def stored(l1: L1Manager, keys: list[ObjectKey]) -> None:
     l1.reserve_write(keys, [ALIGN] * len(keys))
     l1.finish_write(keys)
@@ -76,30 +106,23 @@ def test_an_l1_walk_that_evicts_nothing_is_ended_by_an_empty_report(l1: L1Manage
     assert policy.events[2:] == ["walk", [keys[0]]], "a walk that evicted reports once, with its keys"
 
 
-def test_an_l2_walk_whose_victims_are_all_pinned_is_ended_by_an_empty_report() -> None:
-    adapter = open_dict(DictBackend, capacity=8 * SIZE)
-    try:
-        policy = Recording()
-        config = L2EvictionConfig(trigger_watermark=0.8, eviction_ratio=0.5)
-        controller = L2EvictionController(AdapterSlot(0, "dict", adapter), policy, config, EngineStats(1))
-        controller.evict(0)  # seeds the policy (nothing stored yet): events from now on go in
-        keys = make_keys(4)
-        client = BlockingAdapterClient(adapter)
-        assert client.store(keys, [memoryview(bytearray(SIZE)) for _ in keys]) == [True] * 4
-        found = client.lookup_and_lock(keys)  # pinned until unlocked: delete refuses them
-        assert found.found == [True] * 4
+def test_an_l2_walk_whose_victims_are_all_pinned_is_ended_by_an_empty_report(l2: BackendAdapter) -> None:
+    policy = Recording()
+    controller = evicting_l2(l2, policy)
+    keys = make_keys(4)
+    client = stored_in_l2(l2, keys)
+    found = client.lookup_and_lock(keys)  # pinned until unlocked: delete refuses them
+    assert found.found == [True] * 4
 
-        assert controller.evict(SIZE) == 0
-        # one walk per victim (each refused one is skipped by the next), then one that
-        # finds none left to try: each ended by an empty report
-        assert policy.events == ["walk", []] * 5
+    assert controller.evict(SIZE) == 0
+    # one walk per victim (each refused one is skipped by the next), then one that
+    # finds none left to try: each ended by an empty report
+    assert policy.events == ["walk", []] * 5
 
-        adapter.unlock(keys)
-        del policy.events[:]
-        assert controller.evict(SIZE) == SIZE
-        assert policy.events == ["walk", [keys[0]]]
-    finally:
-        adapter.close()
+    l2.unlock(keys)
+    del policy.events[:]
+    assert controller.evict(SIZE) == SIZE
+    assert policy.events == ["walk", [keys[0]]]
 
 
 def test_arc_takes_no_later_removal_for_the_eviction_of_a_walk_that_evicted_nothing(
@@ -159,3 +182,62 @@ def test_a_policy_failing_on_the_empty_report_is_counted(l1: L1Manager) -> None:
 
     assert policy.events == ["walk", []]
     assert controller.stats.failures()["l1_eviction_policy_error"] == 1
+
+
+#: how often the broken policy repeats its head before it gives up (finite, so that the
+#: unbounded walk these tests guard against ends too, and a test fails rather than hangs)
+REPEATS = 200_000
+#: what a bounded walk offers at most here: a few keys, plus the bound's slack
+BOUNDED = 1000
+
+
+class RepeatsItsHead:
+    """Offers its oldest key over and over, expecting the caller to remove it."""
+
+    def __init__(self) -> None:
+        self.order: dict[ObjectKey, None] = {}
+        self.offered = 0
+
+    def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
+        self.order.update(dict.fromkeys(keys))
+
+    def on_keys_read(self, keys: Sequence[ObjectKey]) -> None:
+        pass
+
+    def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
+        for key in keys:
+            self.order.pop(key, None)
+
+    def victims(self) -> Iterator[ObjectKey]:
+        for _ in range(REPEATS):
+            if not self.order:
+                return
+            self.offered += 1
+            yield next(iter(self.order))
+
+
+def test_an_l1_walk_repeating_a_locked_key_ends_and_is_counted(l1: L1Manager) -> None:
+    policy = RepeatsItsHead()
+    controller = evicting(l1, policy)
+    keys = make_keys(4)
+    stored(l1, keys)
+    l1.reserve_read(keys[:1])  # the head cannot go
+
+    assert controller.evict_now(ALIGN) == 0
+
+    assert policy.offered < BOUNDED
+    assert controller.stats.failures()["l1_eviction_policy_overrun"] == 1
+
+
+def test_an_l2_walk_repeating_a_pinned_key_ends_and_is_counted(l2: BackendAdapter) -> None:
+    policy = RepeatsItsHead()
+    controller = evicting_l2(l2, policy)
+    keys = make_keys(4)
+    client = stored_in_l2(l2, keys)
+    assert client.lookup_and_lock(keys[:1]).found == [True]  # pinned: delete refuses it
+
+    assert controller.evict(SIZE) == 0
+
+    assert policy.offered < BOUNDED
+    assert controller.stats.failures()["l2_eviction_policy_overrun"] == 1
+    l2.unlock(keys[:1])
