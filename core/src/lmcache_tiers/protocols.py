@@ -281,7 +281,9 @@ class EvictionPolicy(Protocol):
         the policy while the iterator is in use, so a lazy generator over internal state
         is fine.  The removals a walk causes are reported afterwards, with an empty
         ``on_keys_removed([])`` when it removed nothing, so the first removal report
-        after a walk always ends it.
+        after a walk always ends it.  Each key it holds at most once per walk: a walk
+        offering more keys than the caller could take is cut short, counted
+        (``l1_eviction_policy_overrun``, ``l2_eviction_policy_overrun``) and logged.
         """
         ...
 
