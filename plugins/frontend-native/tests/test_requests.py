@@ -1012,3 +1012,29 @@ def test_a_prefetch_started_before_a_server_restart_is_never_another_ones(make_s
         assert unknown.value.code is p.ErrorCode.NOT_FOUND
         assert client.wait_prefetch(after, 30) == 2
         assert client.release(theirs) == 2
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shared memory", "inline"])
+def test_a_store_larger_than_any_free_extent_is_refused_with_its_size(
+    make_server: Factory, shm: bool
+) -> None:
+    # Half of L1 is free, but only in 4 MiB holes between read-locked objects: an 8 MiB
+    # object fits in none of them, and evicting cannot join them.
+    inline_room = {"type": "native", "max_inline_bytes": 16 << 20}
+    server = make_server(eviction_trigger_watermark=1.0, frontends=[inline_room])
+    with Client(server.endpoint) as filler, Client(server.endpoint, shm=shm) as client:
+        resident = _fill(filler, 15, 4 << 20)  # 60 of the 64 MiB, the free rest at the end
+        kept, dropped = resident[1::2] + resident[-1:], resident[:-1:2]
+        for key in kept:
+            assert filler.lookup([key]) == 1  # read-locked: neither evicted nor moved
+        assert server.storage.evict(dropped) == len(dropped)
+        with pytest.raises(ServerError) as refused:
+            client.store(keys_of(1), [np.zeros(8 << 20, dtype=np.uint8)])
+        assert refused.value.code is p.ErrorCode.OUT_OF_MEMORY
+        assert str(8 << 20) in refused.value.server_message  # names the size asked for
+        assert "largest free extent 4194304" in refused.value.server_message
+        assert [filler.lookup([key]) for key in kept] == [1] * len(kept)
+        filler.release(kept)
+    assert server.storage.status()["failures"]["l1_write_oom"] == 1
+    assert server.frontends[0].stats().failures["out_of_memory"] == 1
+    assert (l1(server)["objects"], l1(server)["write_locked"]) == (len(kept), 0)
