@@ -43,6 +43,10 @@ SEED_RETRY_MAX_S = 60.0
 #: running then is left to finish on its own thread (a hung backend may never answer), and
 #: eviction goes on meanwhile with the keys the policy hears of from stores
 LISTING_DEADLINE_S = 10.0
+#: how long a cycle waits for one ``delete`` of a batch of victims; one still running then
+#: is left to finish on its own thread (a plain backend's ``delete_many`` is bounded by no
+#: ``call_timeout_s``), and cycles are skipped until it ends
+DELETE_DEADLINE_S = 30.0
 
 
 class L2EvictionController(ControllerThread):
@@ -119,6 +123,15 @@ class L2EvictionController(ControllerThread):
         self._policy_log = PolicyFailureLog(logger, "l2_eviction_policy_error")
         self._overrun_log = BurstLog(logger, "l2_eviction_policy_overrun")
         self._evict_lock = threading.Lock()
+        # A delete runs on a thread of its own with a deadline: one that never returns must
+        # not hold the cycles.  Past it the thread is kept here until it ends; meanwhile no
+        # other delete is started (it would pile up behind the hung one), and its keys stay
+        # in the policy -- they leave it only when the adapter reports them deleted.
+        self.delete_deadline_s = DELETE_DEADLINE_S
+        self._delete_done = threading.Condition()
+        self._hung_delete: threading.Thread | None = None
+        self._hung_delete_log = BurstLog(logger, "l2_eviction_delete_timeout")
+        self._skipped_hung_log = BurstLog(logger, "l2_eviction_skipped_delete_hung")
         slot.adapter.add_listener(self)
 
     # -- L2 listener (adapter threads) ---------------------------------------------------
@@ -293,6 +306,8 @@ class L2EvictionController(ControllerThread):
         super().request_stop(drain_timeout_s)
         with self._seed_lock:  # a cycle waiting for a listing stops waiting
             self._listing_done.notify_all()
+        with self._delete_done:  # and one waiting for a delete
+            self._delete_done.notify_all()
 
     def _defer_for_open_circuit(self) -> None:
         self.stats.fail("l2_eviction_seed_deferred_circuit_open")
@@ -383,6 +398,8 @@ class L2EvictionController(ControllerThread):
             return 0
         if seed and not self._seeded:
             self._seed()
+        if bytes_to_free > 0 and self._delete_still_hung():
+            return 0
         adapter = self.slot.adapter
         start = adapter.used_bytes()
         refused: set[ObjectKey] = set()
@@ -429,7 +446,7 @@ class L2EvictionController(ControllerThread):
                 break
             before = adapter.used_bytes()
             try:
-                deleted = adapter.delete(batch)
+                deleted = self._delete_with_deadline(batch)
             except Exception as exc:
                 self.stats.fail("l2_eviction_delete_error")
                 logger.warning("%s: eviction delete failed: %s", self.slot.name, exc)
@@ -441,9 +458,11 @@ class L2EvictionController(ControllerThread):
                     absent += len(missing)
                     self._batch = frozenset()
                     if not gone and not missing:
-                        # The adapter reports removals on this thread before delete
-                        # returns: none of this batch came.
+                        # The adapter reports removals (on the delete's thread) before
+                        # delete returns: none of this batch came.
                         end_fruitless_walk(self.policy, self._policy_failed)
+            if deleted is None:
+                break  # the delete hangs (counted): its keys stay, nothing more now
             # Deleted keys leave the policy through the listener, and so do keys the
             # adapter found gone from the store; refused ones (pinned, or whose delete
             # failed) are not offered again in this cycle.
@@ -475,6 +494,62 @@ class L2EvictionController(ControllerThread):
         elif freed < bytes_to_free and self.slot.adapter.circuit_open:
             logger.debug("L2 eviction on %s stopped: the circuit opened", self.slot.name)
         return freed
+
+    def _delete_with_deadline(self, batch: list[ObjectKey]) -> list[bool] | None:
+        """``adapter.delete(batch)`` on a thread of its own; None if it has not returned
+        within ``delete_deadline_s`` (counted, and no delete starts until it returns) or
+        stopping cut the wait short.  Raises what the delete raised."""
+        outcome: list[list[bool] | BaseException] = []
+
+        def run() -> None:
+            try:
+                result: list[bool] | BaseException = self.slot.adapter.delete(batch)
+            except BaseException as exc:  # handed to the waiting cycle
+                result = exc
+            with self._delete_done:
+                outcome.append(result)
+                self._delete_done.notify_all()
+            self.wake()  # a cycle skipped while this delete hung may evict now
+
+        thread = threading.Thread(target=run, name=f"{self.name}-delete", daemon=True)
+        thread.start()
+        with self._delete_done:
+            self._delete_done.wait_for(lambda: bool(outcome) or self.stopping, self.delete_deadline_s)
+            if not outcome:
+                self._hung_delete = thread
+                if not self.stopping:  # shutdown going on without a delete is no hang
+                    self._delete_past_deadline(len(batch))
+                return None
+        result = outcome[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _delete_past_deadline(self, keys: int) -> None:
+        self.stats.fail("l2_eviction_delete_timeout")
+        self._hung_delete_log.event(
+            1,
+            f"L2 eviction on {self.slot.name}: a delete of {keys} victims has not returned in "
+            f"{self.delete_deadline_s:.0f} s (the backend does not answer?); they stay accounted "
+            "as stored, and eviction waits for that delete to end",
+        )
+
+    def _delete_still_hung(self) -> bool:
+        """True while a delete left past its deadline still runs: this cycle is skipped,
+        counted (a second delete would only pile up behind it)."""
+        hung = self._hung_delete
+        if hung is None:
+            return False
+        if not hung.is_alive():
+            self._hung_delete = None
+            logger.info("L2 eviction on %s: the delete that hung has ended; eviction resumes", self.slot.name)
+            return False
+        self.stats.fail("l2_eviction_skipped_delete_hung")
+        self._skipped_hung_log.event(
+            1,
+            f"L2 eviction cycles on {self.slot.name} skipped while a delete past its deadline still runs",
+        )
+        return True
 
     def _skip_for_open_circuit(self) -> None:
         self.stats.fail("l2_eviction_skipped_circuit_open")
