@@ -31,6 +31,28 @@ def test_an_object_loaded_then_lost_before_its_hand_off_is_counted(engine, caplo
     assert "prefetch_loaded_object_lost" in caplog.text
 
 
+def test_an_object_loaded_then_taken_over_by_a_client_write_is_counted_with_its_cause(engine, caplog) -> None:
+    storage = engine([AdapterSpec(type="gated", config=GatedConfig())])
+    keys = keys_of(5, 2)
+    handle = parked_prefetch(storage, keys, SIZE)
+    # A client stores the same keys while their loads run: the loads give way.
+    assert store(storage, keys, SIZE) == keys
+
+    with caplog.at_level(logging.WARNING):
+        gated_backend(storage).gate.set()
+        assert storage.wait_prefetch(handle, 10) == 0
+
+    failures = storage.status()["failures"]
+    assert failures.get("prefetch_loaded_object_lost") == 2
+    assert failures.get("l1_load_taken_over_by_write") == 2
+    lost_lines = [r.getMessage() for r in caplog.records if "prefetch_loaded_object_lost" in r.getMessage()]
+    assert lost_lines and all("client's write" in line for line in lost_lines), lost_lines
+    assert len(storage.read(keys)) == 2, "the client's writes are kept"
+    storage.release(keys)
+    # The extents the loads filled went back once the prefetch let go of them.
+    assert storage.l1.stats().used_bytes == 2 * SIZE
+
+
 def _in_l2_with_l1_pinned(engine, pinned_mib: int) -> tuple[object, list, list]:
     """Two 20 MiB objects in L2 only, and six of ``pinned_mib`` read-locked in L1 (64 MiB)."""
     storage = engine([mock()])  # 64 MiB of L1

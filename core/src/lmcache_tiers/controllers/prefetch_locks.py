@@ -124,7 +124,8 @@ class PrefetchLocks:
         objects = [request.reserved[key] for key in loaded]
         layouts = [request.layouts.get(key, "") for key in loaded]
         handed = self.l1.finish_load(objects, request.readers, layouts) if objects else []
-        # An object that vanished before the hand-off (TTL expiry, forced clear) ends the
+        # An object that vanished before the hand-off (TTL expiry, forced clear, or a
+        # client's write of its key took it from the load: ``l1/writes.py``) ends the
         # prefix there too.
         if not all(handed):
             first_lost = loaded[handed.index(False)]
@@ -133,7 +134,9 @@ class PrefetchLocks:
             lost = handed.count(False)
             self.stats.fail("prefetch_loaded_object_lost", lost)
             self._lost_log.event(
-                lost, "objects loaded from L2 left L1 before their hand-off (write TTL, forced clear)"
+                lost,
+                "objects loaded from L2 left L1 before their hand-off (write TTL, forced clear, "
+                "or a client's write of the key took it from the load)",
             )
         handed_keys = {key for key, ok in zip(loaded, handed, strict=True) if ok}
         for key in request.remaining[:cut]:
