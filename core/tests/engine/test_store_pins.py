@@ -32,6 +32,22 @@ def store_task_running(storage: StorageManager, index: int) -> bool:
     return storage.status()["adapters"][index]["store_tasks_submitted"] >= 1
 
 
+def opened_once_counted(gate: threading.Event, storage: StorageManager, counter: str) -> threading.Thread:
+    """A thread opening ``gate`` once the storage counted ``counter``: the close gave up on
+    the store parked in the gate, and its adapter's close now waits for that call.  Opened
+    after 10 s anyway when nothing is counted, so that the close ends and the test fails."""
+
+    def open_when_counted() -> None:
+        deadline = time.monotonic() + 10.0
+        while counter not in storage.failures() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gate.set()
+
+    opener = threading.Thread(target=open_when_counted, daemon=True)
+    opener.start()
+    return opener
+
+
 def test_a_stalled_store_keeps_its_lock_past_the_lock_ttl(engine) -> None:
     storage = engine([mock(), gated()])
     stalled = gated_backend(storage, 1)
@@ -104,8 +120,7 @@ def test_a_store_abandoned_at_shutdown_after_a_forced_clear_took_its_object_is_c
     # L2; a close whose drain gives up on that store must count it then, though the object
     # is no longer in L1.
     storage, stalled, _ = forced_clear_during_a_stalled_store(engine)
-    opener = threading.Timer(0.5, stalled.store_gate.set)  # the adapter's close waits for the call
-    opener.start()
+    opener = opened_once_counted(stalled.store_gate, storage, "l2_store_abandoned")
     storage.close(drain_timeout_s=0.05)
     opener.join()
     failures = storage.failures()
@@ -265,8 +280,7 @@ def test_a_forced_clear_object_of_a_running_store_counts_when_the_close_leaves_t
     store(storage, [b], SIZE)
     assert GatedStorePolicy.entered.acquire(timeout=10), "the controller is stuck in its policy"
 
-    opener = threading.Timer(1.0, stalled.store_gate.set)  # the adapter's close waits for the call
-    opener.start()
+    opener = opened_once_counted(stalled.store_gate, storage, "l2_store_abandoned")
     with caplog.at_level(logging.WARNING):
         storage.close(drain_timeout_s=0.0)
     opener.join()
