@@ -257,11 +257,18 @@ def _overlap(a: tuple[str, int], b: tuple[str, int]) -> bool:
     return _normalized_host(host_a) == _normalized_host(host_b)
 
 
+#: the HTTP endpoint among the listeners check_frontends compares (always the last)
+_HTTP_ENDPOINT = "the HTTP endpoint"
+
+
 def check_frontends(server: ServerConfig, auth_token: str | None) -> None:
     """Everything about the front ends that can be refused before L1 exists: each one's own
     checks, and two listeners (front ends, the HTTP endpoint) on one address."""
     if not server.frontends:
-        raise ConfigError("no front end to serve: install lmcache-plugin-frontend-native or give --frontend")
+        raise ConfigError(
+            "no front end to serve: install lmcache-plugin-frontend-native, or give --frontend "
+            "or frontends in --config"
+        )
     listeners: list[tuple[str, tuple[str, int]]] = []
     for index, spec in enumerate(server.frontends):
         label = f"front end {index}:{spec.type}"
@@ -271,11 +278,17 @@ def check_frontends(server: ServerConfig, auth_token: str | None) -> None:
             raise ConfigError(f"{label}: {exc}") from None
         listeners.append((label, spec.config.address(server)))
     if server.metrics_port:
-        listeners.append(("the HTTP endpoint (--metrics-port)", (server.metrics_host, server.metrics_port)))
+        listeners.append((_HTTP_ENDPOINT, (server.metrics_host, server.metrics_port)))
     for position, (label, address) in enumerate(listeners):
         for other_label, other in listeners[:position]:
             if _overlap(address, other):
                 where = address[0] if address[0].startswith("ipc://") else f"{address[0]}:{address[1]}"
-                raise ConfigError(
+                clash = (
                     f'{other_label} and {label} would both listen on {where}: give one of them another "port"'
                 )
+                if label == _HTTP_ENDPOINT:
+                    # Named as the user set it: ``serve`` swaps in the flag or variable if one did.
+                    from lmcache_tiers.server.app import SettingRefused
+
+                    raise SettingRefused("metrics_port", server.metrics_port, clash)
+                raise ConfigError(clash)
