@@ -25,7 +25,9 @@ def example_source() -> str:
 
 def example_module() -> types.ModuleType:
     module = types.ModuleType("plugin_guide_example")
-    exec(compile(example_source(), str(GUIDE), "exec"), module.__dict__)
+    # dont_inherit: the example runs as written, not under this file's `from __future__
+    # import annotations` (its annotations would be strings naming nothing in sys.modules)
+    exec(compile(example_source(), str(GUIDE), "exec", dont_inherit=True), module.__dict__)
     return module
 
 

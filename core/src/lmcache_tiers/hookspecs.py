@@ -33,7 +33,9 @@ def tiers_register_l2_adapters(registry: KindRegistry) -> None:
     The factory is called as ``factory(config, context)`` with the decoded config Struct
     and a :class:`~lmcache_tiers.l2.BackendContext`, and returns an L2 backend (see
     :class:`~lmcache_tiers.protocols.L2Backend`; core wraps it in the adapter the
-    controllers use) or, for advanced uses, a complete L2 adapter.  Return value is ignored.
+    controllers use) or, for advanced uses, a complete L2 adapter.  Return None: a hook
+    returning a value (its components, say) is refused as that plugin's error, since
+    nothing it returns is registered.
     """
 
 
@@ -43,7 +45,8 @@ def tiers_register_store_policies(registry: KindRegistry) -> None:
 
     Runs once per process when the registry is built.  The factory is called as
     ``factory(config)`` and returns a :class:`~lmcache_tiers.policies.StorePolicy`.
-    Return value is ignored.
+    Return None: a hook returning a value (its components, say) is
+    refused as that plugin's error, since nothing it returns is registered.
     """
 
 
@@ -53,7 +56,8 @@ def tiers_register_prefetch_policies(registry: KindRegistry) -> None:
 
     Runs once per process when the registry is built.  The factory is called as
     ``factory(config)`` and returns a :class:`~lmcache_tiers.policies.PrefetchPolicy`.
-    Return value is ignored.
+    Return None: a hook returning a value (its components, say) is
+    refused as that plugin's error, since nothing it returns is registered.
     """
 
 
@@ -63,7 +67,8 @@ def tiers_register_eviction_policies(registry: KindRegistry) -> None:
 
     Runs once per process when the registry is built.  The factory is called as
     ``factory(config)`` and returns a :class:`~lmcache_tiers.policies.EvictionPolicy`.
-    Return value is ignored.
+    Return None: a hook returning a value (its components, say) is
+    refused as that plugin's error, since nothing it returns is registered.
     """
 
 
@@ -73,7 +78,8 @@ def tiers_register_serdes(registry: KindRegistry) -> None:
 
     Runs once per process when the registry is built.  The factory is called as
     ``factory(config)`` and returns a :class:`~lmcache_tiers.serde.Serde`.
-    Return value is ignored.
+    Return None: a hook returning a value (its components, say) is
+    refused as that plugin's error, since nothing it returns is registered.
     """
 
 
@@ -87,7 +93,8 @@ def tiers_register_frontends(registry: KindRegistry) -> None:
     run before L1 exists).  The factory is called as ``factory(config, context)`` with a
     :class:`~lmcache_tiers.frontend.FrontendContext` (the running StorageManager, the
     resolved address ...); it binds its sockets and returns a
-    :class:`~lmcache_tiers.frontend.Frontend`.  Return value is ignored.
+    :class:`~lmcache_tiers.frontend.Frontend`.  Return None: a hook returning a value (its components, say) is
+    refused as that plugin's error, since nothing it returns is registered.
     """
 
 

@@ -193,6 +193,17 @@ def _drop_plugins_with_unknown_hooks(manager: pluggy.PluginManager, ordered: lis
             manager.unregister(name=culprit.name)
 
 
+def _refuse_returned_components(hook_name: str, returned: object) -> None:
+    """A registration hook adds through ``registry.add`` and returns None: one returning
+    its components (a list, a dict) registers nothing, and its plugin would be listed as
+    loaded with no component, the type it meant unknown to serve with nothing saying why."""
+    if returned is not None:
+        raise PluginError(
+            f"{hook_name} returned a {type(returned).__name__}, which is ignored: "
+            "add each component with registry.add(name, factory, config) and return None"
+        )
+
+
 def _run_registration(manager: pluggy.PluginManager, registry: ComponentRegistry, info: PluginInfo) -> None:
     """Call one plugin's registration hooks; on failure undo what it registered."""
     plugin = manager.get_plugin(info.name)
@@ -209,7 +220,8 @@ def _run_registration(manager: pluggy.PluginManager, registry: ComponentRegistry
             if not functions and callable(getattr(plugin, hook_name, None)):
                 functions = [getattr(plugin, hook_name)]
             for function in functions:
-                function(registry=registry.for_plugin(kind, info.distribution))
+                returned = function(registry=registry.for_plugin(kind, info.distribution))
+                _refuse_returned_components(hook_name, returned)
     # A plugin bug must not take the others down, nor a sys.exit() in it the whole process.
     except (Exception, SystemExit) as exc:
         registry.remove_plugin(info.distribution, keep=before)

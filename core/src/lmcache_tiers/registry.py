@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import msgspec
 
-from lmcache_tiers.errors import ComponentLoadError, ConfigError, PluginError
+from lmcache_tiers.errors import ComponentLoadError, ConfigError, PluginError, TiersError
 
 
 class Kind(str, Enum):
@@ -88,7 +88,53 @@ class Component:
         return self._loaded
 
     def create(self, *args: Any) -> Any:
-        return self.load()(*args)
+        factory = self.load()
+        return call_factory(factory, f"{self.qualified_name} from plugin {self.plugin!r}", *args)
+
+
+#: what a factory may raise as it is: core's own errors, an address or path the
+#: environment refuses (callers explain it), and a refusal of its config (FieldError)
+FACTORY_ERRORS_KEPT = (TiersError, OSError, ValueError)
+
+
+def call_factory(factory: Callable[..., Any], what: str, *args: Any) -> Any:
+    """``factory(*args)``; any other exception it raises (a plugin's bug, a store it cannot
+    reach) becomes one PluginError line naming ``what`` (the component and its plugin),
+    the original chained for the traceback."""
+    try:
+        return factory(*args)
+    except FACTORY_ERRORS_KEPT:
+        raise
+    except Exception as exc:
+        raise PluginError(f"{what} failed to start: {type(exc).__name__}: {exc}") from exc
+
+
+def _refuse_undecodable_fields(config: type[msgspec.Struct], where: str) -> None:
+    """Refuse a config Struct with a field no configuration value decodes into (a class
+    of the plugin's own, a lock, a callable): listed as loaded, every value a user gave
+    that field would be refused at serve, and `plugins show` could not list its options.
+    msgspec builds a schema exactly for the types it decodes, so that is the test."""
+    try:
+        msgspec.json.schema(config)
+    except (TypeError, ValueError) as whole:
+        raise PluginError(f"{where} {config.__name__} {_undecodable_field(config, whole)}") from whole
+
+
+def _undecodable_field(config: type[msgspec.Struct], whole: Exception) -> str:
+    """Which field of ``config`` msgspec has no schema of, and why, in a few words."""
+    for each in msgspec.structs.fields(config):
+        try:
+            msgspec.json.schema(each.type)
+        except (TypeError, ValueError) as exc:
+            return f"has field {each.name!r} of a type no configuration value decodes into: {_last_line(exc)}"
+    # every type alone is fine: a default msgspec cannot encode
+    return f"cannot be described: {_last_line(whole)}"
+
+
+def _last_line(exc: Exception) -> str:
+    # msgspec's reason is several lines; its last one names the type at fault
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 class KindRegistry:
@@ -115,6 +161,7 @@ class KindRegistry:
             raise PluginError(
                 f"plugin {self.plugin!r}: config of {self.kind.value}:{name} must be a msgspec.Struct"
             )
+        _refuse_undecodable_fields(config, f"plugin {self.plugin!r}: config of {self.kind.value}:{name}")
         if not isinstance(factory, str) and not callable(factory):
             raise PluginError(
                 f"plugin {self.plugin!r}: factory of {self.kind.value}:{name} must be "

@@ -111,7 +111,10 @@ def test_a_plugin_that_fails_while_starting_is_one_line_and_exit_code_1(
     try:
         assert run_server(config, registry=registry, banner=False) == 1
         err = capsys.readouterr().err
-        assert "error: cannot start the server: RuntimeError: backend unreachable: connection refused" in err
+        assert (
+            "error: cannot start the server: l2 adapter 'broken' from plugin 'tiers_unit_broken_adapter' "
+            "failed to start: RuntimeError: backend unreachable: connection refused"
+        ) in err
         assert "Traceback" not in err, err
         assert not os.path.exists(f"/dev/shm/{name}"), "the L1 segment outlived the failed start-up"
     finally:

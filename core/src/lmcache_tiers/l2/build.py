@@ -22,7 +22,7 @@ from lmcache_tiers.l2.circuit import guard_backend
 from lmcache_tiers.l2.context import AdapterContext, BackendContext
 from lmcache_tiers.l2.interface import L2Adapter
 from lmcache_tiers.l2.state import AdapterState
-from lmcache_tiers.registry import Kind
+from lmcache_tiers.registry import Kind, call_factory
 from lmcache_tiers.serde import build_serde_chain
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def _discard(made: object) -> None:
 
 def _made(factory: Callable[..., Any], config: L2AdapterConfig, context: BackendContext, what: str) -> Any:
     """What a factory built, if it is an L2 backend or a complete L2Adapter."""
-    made = factory(config, context)
+    made = call_factory(factory, what, config, context)
     if isinstance(made, L2Adapter) or not missing_methods(made):
         return made
     _discard(made)
@@ -62,10 +62,12 @@ def create_adapter(
     *,
     registry: ComponentRegistry | None = None,
     type_name: str = "",
+    plugin: str = "",
 ) -> L2Adapter:
     """Call an adapter factory and wrap what it returns (unless it is an adapter already)."""
     context = BackendContext(AdapterState(facts, registry))
-    made = _made(factory, config, context, f"l2 adapter {type_name or facts.name!r}")
+    of_plugin = f" from plugin {plugin!r}" if plugin else ""
+    made = _made(factory, config, context, f"l2 adapter {type_name or facts.name!r}{of_plugin}")
     if isinstance(made, L2Adapter):
         return made
     return BackendAdapter(guard_backend(made, config, context), context)
@@ -74,7 +76,9 @@ def create_adapter(
 def build_adapter(registry: ComponentRegistry, spec: AdapterSpec, facts: AdapterContext) -> L2Adapter:
     """The adapter a resolved spec describes (its serde chain is in ``facts.serde``)."""
     component = registry.get(Kind.L2_ADAPTER, spec.type)
-    return create_adapter(component.load(), spec.config, facts, registry=registry, type_name=spec.type)
+    return create_adapter(
+        component.load(), spec.config, facts, registry=registry, type_name=spec.type, plugin=component.plugin
+    )
 
 
 def open_inner_backend(state: AdapterState, outer: str, raw: Mapping[str, Any], counter_prefix: str) -> Any:
@@ -97,8 +101,13 @@ def open_inner_backend(state: AdapterState, outer: str, raw: Mapping[str, Any], 
     state.chain.extend(build_serde_chain(spec.serde, registry))
     name = f"{outer}>{spec.type}"
     context = BackendContext(state, name=name, config=spec.config, counter_prefix=counter_prefix)
-    factory = registry.get(Kind.L2_ADAPTER, spec.type).load()
-    made = _made(factory, spec.config, context, f"{outer} `inner` {spec.type!r}")
+    component = registry.get(Kind.L2_ADAPTER, spec.type)
+    made = _made(
+        component.load(),
+        spec.config,
+        context,
+        f"{outer} `inner` {spec.type!r} from plugin {component.plugin!r}",
+    )
     if isinstance(made, L2Adapter):
         _discard(made)
         raise ConfigError(f"{outer} wraps L2 backends; {spec.type!r} builds a complete adapter")
