@@ -116,6 +116,7 @@ if TYPE_CHECKING:
     from lmcache_tiers.l1.loan import L1Loan
     from lmcache_tiers.l2.background import WRITE_BACK
     from lmcache_tiers.l2.buffers import GIL_FREE_COPY_BYTES, copy_into
+    from lmcache_tiers.l2.calls import is_async_backend
     from lmcache_tiers.l2.circuit import PROBE_KEY
     from lmcache_tiers.l2.context import BackendContext, KeptByDelete
     from lmcache_tiers.l2.files import (
@@ -263,6 +264,7 @@ _LAZY = {
     "check_file": "lmcache_tiers.l2.preflight",
     "direct_io_refusal": "lmcache_tiers.l2.preflight",
     "LeftCallThreads": "lmcache_tiers.l2.leftcalls",
+    "is_async_backend": "lmcache_tiers.l2.calls",
     "L2Adapter": _L2,
     "L2Listener": _L2,
     "L2Op": _L2,
@@ -446,6 +448,7 @@ __all__ = [
     "header_length",
     "hookimpl",
     "identity_of",
+    "is_async_backend",
     "is_digest_name",
     "is_loopback",
     "is_out_of_space",

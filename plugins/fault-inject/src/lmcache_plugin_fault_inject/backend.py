@@ -25,6 +25,7 @@ from lmcache_tiers.plugin import (
     ObjectKey,
     ObjectSize,
     PartialFailure,
+    is_async_backend,
 )
 
 #: how often an asynchronous delay checks whether the adapter is closing
@@ -407,22 +408,8 @@ def open_fault_inject(config: FaultInjectConfig, context: BackendContext) -> _Fa
             "inner_circuit",
             "the circuit breaker of the inner adapter never runs; set `circuit` on the wrapper",
         )
-    if _is_coroutine_backend(inner):
+    # A TypeError for an inner backend mixing coroutine and plain batch methods, as core
+    # refuses it unwrapped: wrapped in the flavour of one method, the others' calls would fail.
+    if is_async_backend(inner):
         return AsyncFaultInjectBackend(config, context, inner)
     return FaultInjectBackend(config, context, inner)
-
-
-_BATCH_METHODS = ("put_many", "contains_many", "get_many_into", "delete_many")
-
-
-def _is_coroutine_backend(inner: Any) -> bool:
-    """Whether the inner backend's batch methods are coroutine functions; a TypeError when
-    some are and some are not.  Core refuses such a backend unwrapped: wrapped in the
-    flavour of one of its methods, every call of the others would fail instead."""
-    flags = [inspect.iscoroutinefunction(getattr(inner, name)) for name in _BATCH_METHODS]
-    if any(flags) and not all(flags):
-        mixed = ", ".join(
-            f"{name}={'async' if flag else 'sync'}" for name, flag in zip(_BATCH_METHODS, flags, strict=True)
-        )
-        raise TypeError(f"{type(inner).__name__} mixes coroutine and plain batch methods ({mixed})")
-    return all(flags)
