@@ -66,3 +66,20 @@ def test_a_record_claiming_more_than_l1_is_a_damaged_miss(engine, tmp_path: Path
     assert storage.adapters[0].stats().get("record_l1_size_impossible", 0) >= 1
     assert "claims an L1 size" in caplog.text
     assert not record.exists(), "a damaged record is removed"
+
+
+def test_an_empty_object_under_a_compressing_chain_is_loaded_not_removed(engine, tmp_path: Path) -> None:
+    # zstd turns 0 bytes into a frame of a few bytes: an L1 size of 0 with a non-empty
+    # payload is what an empty object's record holds, not damage.
+    root = tmp_path / "l2"
+    (empty_key,) = keys_of(3, 1)
+    first = engine([fs_with_zstd(root)])
+    assert store(first, [empty_key], 0) == [empty_key]
+    assert first.flush(10)
+    first.close()
+
+    storage = engine([fs_with_zstd(root)])
+    handle = storage.submit_prefetch([empty_key])
+    assert storage.wait_prefetch(handle, 10) == 1, "an empty object stored in L2 is a hit"
+    assert storage.adapters[0].stats().get("record_l1_size_impossible", 0) == 0
+    assert [path for path in root.rglob("*") if path.is_file() and empty_key.file_stem() in path.name]
