@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from lmcache_tiers.config import L2AdapterConfig
+from lmcache_tiers.controllers.l2_eviction import L2EvictionController
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, BackendContext, ObjectSize, create_adapter
 from lmcache_tiers.l2.record import RecordError, decode_record, verify_payload
@@ -200,3 +201,25 @@ class Fifo:
 
     def victims(self) -> Iterator[ObjectKey]:
         return iter(list(self.order))
+
+
+#: a bound on how long an eviction cycle may take, for a test that would otherwise hang on
+#: the defect it looks for: a cycle that ends never comes near it
+CYCLE_BOUND_S = 30.0
+
+
+def step_returns(controller: L2EvictionController) -> bool:
+    """One eviction cycle on a thread of its own: True if it ended (False: stuck in a
+    listing or a delete)."""
+    cycle = threading.Thread(target=controller.step, args=(set(),), daemon=True)
+    cycle.start()
+    cycle.join(CYCLE_BOUND_S)
+    return not cycle.is_alive()
+
+
+def join_left_running(controller: L2EvictionController, work: str) -> None:
+    """Wait (bounded) for the controller's ``work`` threads -- ``listing`` or ``delete`` --
+    that cycles left running past their deadline."""
+    for thread in threading.enumerate():
+        if thread.name == f"{controller.name}-{work}":
+            thread.join(CYCLE_BOUND_S)

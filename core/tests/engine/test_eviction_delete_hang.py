@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator, Sequence
 
 import pytest
-from l2_backends import DictBackend, Fifo, open_dict
+from l2_backends import DictBackend, Fifo, join_left_running, open_dict, step_returns
 
 from lmcache_tiers.config import L2EvictionConfig
 from lmcache_tiers.controllers.base import AdapterSlot
@@ -26,9 +26,6 @@ from lmcache_tiers.testing.blocking import BlockingAdapterClient
 
 SIZE = 1000
 OBJECTS = 100
-#: a bound on how long a cycle may take here, for a test that would otherwise hang on the
-#: defect: a cycle that ends never comes near it
-CYCLE_BOUND_S = 30.0
 
 
 class HangingDelete(DictBackend):
@@ -62,17 +59,6 @@ def keys_of(count: int) -> list[ObjectKey]:
     return [ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(count)]
 
 
-def step_returns(controller: L2EvictionController) -> bool:
-    cycle = threading.Thread(target=controller.step, args=(set(),), daemon=True)
-    cycle.start()
-    cycle.join(CYCLE_BOUND_S)
-    return not cycle.is_alive()
-
-
-def delete_threads(controller: L2EvictionController) -> list[threading.Thread]:
-    return [thread for thread in threading.enumerate() if thread.name == f"{controller.name}-delete"]
-
-
 def test_a_hanging_delete_is_counted_and_its_keys_stay_accounted(
     adapter: BackendAdapter, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -102,8 +88,7 @@ def test_a_hanging_delete_is_counted_and_its_keys_stay_accounted(
 
     HangingDelete.hanging.clear()
     HangingDelete.released.set()
-    for thread in delete_threads(controller):
-        thread.join(CYCLE_BOUND_S)
+    join_left_running(controller, "delete")
     assert keys[0] not in policy.order, "what the late delete removed left the policy"
     assert step_returns(controller)
     assert adapter.usage() < 0.8, "eviction goes on once the delete ended"

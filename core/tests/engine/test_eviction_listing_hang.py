@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from l2_backends import DictBackend, Fifo, open_dict
+from l2_backends import CYCLE_BOUND_S, DictBackend, Fifo, join_left_running, open_dict, step_returns
 
 from lmcache_tiers.config import L2EvictionConfig
 from lmcache_tiers.controllers.base import AdapterSlot
@@ -26,9 +26,6 @@ from lmcache_tiers.testing.blocking import BlockingAdapterClient
 SIZE = 1000
 OBJECTS = 200
 BEFORE_START = 150  # below the watermark: the stores after start-up fill the store
-#: a bound on how long a cycle may take here, for a test that would otherwise hang on the
-#: defect: a cycle that ends never comes near it
-CYCLE_BOUND_S = 30.0
 
 
 class HangingListing(DictBackend):
@@ -80,18 +77,6 @@ def started_with_a_hanging_listing(adapter: BackendAdapter) -> tuple[L2EvictionC
     return controller, policy
 
 
-def step_returns(controller: L2EvictionController) -> bool:
-    """One cycle on a thread of its own: True if it ended (False: stuck in the listing)."""
-    cycle = threading.Thread(target=controller.step, args=(set(),), daemon=True)
-    cycle.start()
-    cycle.join(CYCLE_BOUND_S)
-    return not cycle.is_alive()
-
-
-def listing_threads(controller: L2EvictionController) -> list[threading.Thread]:
-    return [thread for thread in threading.enumerate() if thread.name == f"{controller.name}-listing"]
-
-
 def test_a_hanging_listing_is_counted_and_keys_stored_since_are_evicted(
     adapter: BackendAdapter, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -112,8 +97,7 @@ def test_a_hanging_listing_is_counted_and_keys_stored_since_are_evicted(
     assert len(logged) == 1
 
     HangingListing.released.set()
-    for thread in listing_threads(controller):
-        thread.join(CYCLE_BOUND_S)
+    join_left_running(controller, "listing")
     survivors = [key for key in fresh if key in policy.order]
     assert list(policy.order) == survivors + keys_of("before-start", BEFORE_START), (
         "the listing that ends late adds the keys stored before start-up"
@@ -153,7 +137,6 @@ def test_a_listing_cut_short_by_shutdown_is_no_failed_listing(
     assert controller.stop(drain_timeout_s=0.0)
     HangingListing.fails_when_released = True
     HangingListing.released.set()
-    for thread in listing_threads(controller):
-        thread.join(CYCLE_BOUND_S)
+    join_left_running(controller, "listing")
     assert controller.stats.failures().get("l2_eviction_scan_error", 0) == 0
     assert not [r for r in caplog.records if "failed" in r.getMessage() and r.levelname == "WARNING"]

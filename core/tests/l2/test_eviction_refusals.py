@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterator, Sequence
 
 import pytest
-from l2_backends import DictBackend, Fifo, open_dict
+from l2_backends import DictBackend, Fifo, join_left_running, open_dict
 
 from lmcache_tiers.config import L2EvictionConfig
 from lmcache_tiers.controllers import base
@@ -148,9 +148,7 @@ def test_a_cycle_left_behind_at_stop_counts_no_failed_deletes_once_the_adapter_c
     assert controller.stop(0.0), "the cycle does not wait for the stuck delete"
     adapter.close()  # as StorageParts.close does next
     release.set()
-    for thread in threading.enumerate():
-        if thread.name == f"{controller.name}-delete":
-            thread.join(10)
+    join_left_running(controller, "delete")
     failures = controller.stats.failures()
     assert "l2_eviction_delete_failed" not in failures
     assert "l2_eviction_delete_timeout" not in failures
