@@ -282,7 +282,8 @@ class EvictionPolicy(Protocol):
         is fine.  The removals a walk causes are reported afterwards, with an empty
         ``on_keys_removed([])`` when it removed nothing, so the first removal report
         after a walk always ends it.  Each key it holds at most once per walk: a walk
-        offering more keys than the caller could take is cut short, counted
+        offering a key twice, or more keys than it could hold (those stored, plus those
+        whose removal report it failed on), is cut short, counted
         (``l1_eviction_policy_overrun``, ``l2_eviction_policy_overrun``) and logged.
         """
         ...

@@ -241,3 +241,55 @@ def test_an_l2_walk_repeating_a_pinned_key_ends_and_is_counted(l2: BackendAdapte
     assert policy.offered < BOUNDED
     assert controller.stats.failures()["l2_eviction_policy_overrun"] == 1
     l2.unlock(keys[:1])
+
+
+class FailsRemovals(Fifo):
+    """Fifo whose removal reports fail while ``broken`` (a third-party bug): the keys it
+    was told about stay in its order, though L1 or the adapter no longer holds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.broken = True
+
+    def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
+        if self.broken and keys:
+            raise RuntimeError("policy bug")
+        super().on_keys_removed(keys)
+
+
+#: dead keys at the head of the broken policy's order: more than the walk's slack
+DEAD = 80
+
+
+def test_an_l1_walk_reaches_a_live_object_past_more_dead_keys_than_the_slack(l1: L1Manager) -> None:
+    policy = FailsRemovals()
+    controller = evicting(l1, policy)
+    dead = make_keys(DEAD)
+    for start in range(0, DEAD, 8):  # L1 holds 8 objects: written and deleted 8 at a time
+        stored(l1, dead[start : start + 8])
+        assert l1.delete(dead[start : start + 8]) == [True] * 8
+    policy.broken = False
+    live = [ObjectKey("walk-reports", 1, index.to_bytes(8, "big")) for index in range(4)]
+    stored(l1, live)
+
+    assert controller.evict_now(ALIGN) == ALIGN, "the walk skips the dead keys, as it did"
+    assert not l1.contains(live[0])
+    failures = controller.stats.failures()
+    assert failures["l1_eviction_policy_error"] == DEAD // 8
+    assert "l1_eviction_policy_overrun" not in failures
+
+
+def test_an_l2_walk_reaches_a_live_object_past_more_dead_keys_than_the_slack(l2: BackendAdapter) -> None:
+    policy = FailsRemovals()
+    controller = evicting_l2(l2, policy)
+    dead = make_keys(DEAD)
+    for start in range(0, DEAD, 8):
+        stored_in_l2(l2, dead[start : start + 8])
+        assert l2.delete(dead[start : start + 8]) == [True] * 8
+    policy.broken = False
+    live = [ObjectKey("walk-reports", 1, index.to_bytes(8, "big")) for index in range(4)]
+    stored_in_l2(l2, live)
+
+    # (the dead keys' deletes free nothing, so the batches grow: more than one may go)
+    assert controller.evict(SIZE) >= SIZE
+    assert "l2_eviction_policy_overrun" not in controller.stats.failures()

@@ -181,24 +181,29 @@ class TaskTracker(Generic[OwnerT, ResultT]):
         return owned
 
 
-#: keys a walk of ``victims()`` may offer beyond those the caller knows the policy holds,
-#: before it is cut short: room for a few stale keys (a removal report the policy failed on)
+#: keys a walk of ``victims()`` may offer beyond those the caller knows the policy may hold
+#: (held, and removed with a report the policy failed on), before it is cut short
 WALK_SLACK = 64
 
 
 def bounded_walk(
     victims: Iterator[ObjectKey], limit: int, overrun: Callable[[], None]
 ) -> Iterator[ObjectKey]:
-    """``victims`` cut after ``limit`` keys, ``overrun()`` called if the caller asks for more.
+    """``victims`` ended at the first key offered again, or after ``limit`` distinct keys
+    if the caller asks for more; ``overrun()`` is called when either ends it.
 
-    A policy offers each key it holds at most once per walk, so a walk past every key the
-    caller could take is a policy offering keys again and again (say, a head it waits for
-    the caller to remove, which is locked): unbounded, it would hold the lock the walk runs
-    under for ever.  The caller passes a limit no correct walk reaches."""
-    for offered, key in enumerate(victims):
-        if offered >= limit:
+    A policy offers each key it holds at most once per walk, so a key offered twice is a
+    policy offering keys again and again (say, a head it waits for the caller to remove,
+    which is locked): unbounded, it would hold the lock the walk runs under for ever.  The
+    caller passes a limit no correct walk reaches: the keys the policy may hold, counting
+    those whose removal report it failed on -- kept by it, though gone, they come first
+    in its order as often as not, and a walk must get past them to a live key."""
+    seen: set[ObjectKey] = set()
+    for key in victims:
+        if key in seen or len(seen) >= limit:
             overrun()
             return
+        seen.add(key)
         yield key
 
 

@@ -60,6 +60,8 @@ class _PolicyFeed:
         try:
             self._controller.policy.on_keys_removed(keys)
         except Exception:
+            # The policy may keep these keys: its walks may offer them (L1 skips them).
+            self._controller.removals_unreported += len(keys)
             self._controller._policy_failed()
 
 
@@ -96,6 +98,9 @@ class L1EvictionController(ControllerThread):
         # traceback, then one line per burst; the counter has every failure.
         self._policy_log = PolicyFailureLog(logger, "l1_eviction_policy_error")
         self._overrun_log = BurstLog(logger, "l1_eviction_policy_overrun")
+        # Keys whose removal the policy failed to take (under the L1 lock): it may still
+        # offer them, and a walk's bound must leave room to get past them all.
+        self.removals_unreported = 0
         l1.add_listener(self._feed)
 
     def evict_now(self, bytes_to_free: int, *, spare_unstored: bool = False) -> int:
@@ -111,9 +116,11 @@ class L1EvictionController(ControllerThread):
             try:
                 # victims() is created inside the L1 lock: no listener can touch the
                 # policy while its iterator is alive.
-                # Bounded: the policy holds no key L1 does not, so a walk past them all is
-                # one offering keys again (see ``bounded_walk``).
-                victims = bounded_walk(self.policy.victims(), objects + WALK_SLACK, self._walk_overran)
+                # Bounded: the policy holds no key L1 does not but those whose removal it
+                # failed to take, so a walk past them all is one offering keys again (see
+                # ``bounded_walk``).
+                limit = objects + self.removals_unreported + WALK_SLACK
+                victims = bounded_walk(self.policy.victims(), limit, self._walk_overran)
                 eviction = self.l1.make_room(bytes_to_free, victims, spare_unstored=spare_unstored)
             except Exception:
                 # A broken policy must not fail the write or prefetch that needed room.  The
@@ -146,8 +153,8 @@ class L1EvictionController(ControllerThread):
         self.stats.fail("l1_eviction_policy_overrun")
         self._overrun_log.event(
             1,
-            "L1 eviction policy offered more victims than L1 holds objects (it offers keys again "
-            "and again); the walk was cut short",
+            "L1 eviction policy offered a victim twice in one walk, or more than L1 holds objects "
+            "(it offers keys again and again); the walk was cut short",
         )
 
     def _count_evicted(self, keys: int, freed: int) -> None:

@@ -122,6 +122,9 @@ class L2EvictionController(ControllerThread):
         self._deferred_log = BurstLog(logger, "l2_eviction_seed_deferred_circuit_open")
         self._policy_log = PolicyFailureLog(logger, "l2_eviction_policy_error")
         self._overrun_log = BurstLog(logger, "l2_eviction_policy_overrun")
+        # Keys whose removal the policy failed to take (policy lock): it may still offer
+        # them, and a walk's bound must leave room to get past them all.
+        self.removals_unreported = 0
         self._evict_lock = threading.Lock()
         # A delete runs on a thread of its own with a deadline: one that never returns must
         # not hold the cycles.  Past it the thread is kept here until it ends; meanwhile no
@@ -166,6 +169,8 @@ class L2EvictionController(ControllerThread):
         try:
             getattr(self.policy, method)(keys)
         except Exception:
+            if method == "on_keys_removed":  # it may keep offering them: room in the walks
+                self.removals_unreported += len(keys)
             self._policy_failed()
 
     def on_l2_keys_stored(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
@@ -428,8 +433,9 @@ class L2EvictionController(ControllerThread):
             with self._policy_lock:
                 try:
                     # Bounded: a correct walk reaches ``batch_size`` new keys after the ones
-                    # this cycle refused, and evicted ones whose removal was not reported.
-                    limit = len(refused) + evicted + batch_size + WALK_SLACK
+                    # this cycle refused, evicted ones whose removal was not reported yet,
+                    # and keys whose removal the policy failed to take.
+                    limit = len(refused) + evicted + batch_size + self.removals_unreported + WALK_SLACK
                     offered = bounded_walk(self.policy.victims(), limit, self._walk_overran)
                     victims = (key for key in offered if key not in refused)
                     batch = list(dict.fromkeys(islice(victims, batch_size)))
@@ -564,8 +570,8 @@ class L2EvictionController(ControllerThread):
         self.stats.fail("l2_eviction_policy_overrun")
         self._overrun_log.event(
             1,
-            f"L2 eviction policy on {self.slot.name} offered victims again and again (past every "
-            "key this cycle could take); the walk was cut short",
+            f"L2 eviction policy on {self.slot.name} offered a victim twice in one walk, or past "
+            "every key this cycle could take (it offers keys again and again); the walk was cut short",
         )
 
     def _policy_failed(self) -> None:
