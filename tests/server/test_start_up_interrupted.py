@@ -49,7 +49,7 @@ def _start_blocked(tmp_path: Path, shm_name: str) -> tuple[subprocess.Popen[str]
     return proc, blocked
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
 def test_a_signal_during_start_up_stops_it_and_unlinks_the_segment(tmp_path: Path, sig: int) -> None:
     shm_name = f"tiers_test_{uuid.uuid4().hex[:12]}"
     segment = Path("/dev/shm") / shm_name

@@ -36,7 +36,7 @@ def _store(storage: StorageManager, count: int) -> None:
 def test_nothing_pending_returns_at_once_and_says_nothing(caplog: pytest.LogCaptureFixture) -> None:
     registry = load_registry()
     with StorageManager(ServerConfig(l1_size_gb=1 / 64), registry) as storage, caplog.at_level(logging.INFO):
-        assert flush_l2(storage, 10.0, lambda: False)
+        assert flush_l2(storage, 10.0, lambda: None)
     assert "flushing" not in caplog.text
 
 
@@ -50,11 +50,11 @@ def test_abandon_ends_the_flush_and_the_close_counts_what_was_left(caplog: pytes
         asked = threading.Event()
         checks: list[int] = []
 
-        def abandon() -> bool:
+        def abandon() -> str | None:
             checks.append(1)
             if len(checks) >= 3:  # a second signal after a few slices of waiting
                 asked.set()
-            return asked.is_set()
+            return "a second signal" if asked.is_set() else None
 
         with caplog.at_level(logging.INFO, logger="lmcache_tiers.server.app"):
             assert not flush_l2(storage, 60.0, abandon, console)
@@ -72,7 +72,7 @@ def test_the_deadline_ends_the_flush_too(caplog: pytest.LogCaptureFixture) -> No
     try:
         _store(storage, 2)
         with caplog.at_level(logging.INFO, logger="lmcache_tiers.server.app"):
-            assert not flush_l2(storage, 1.0, lambda: False)
+            assert not flush_l2(storage, 1.0, lambda: None)
         assert "flush timed out after 1s: 1 L2 stores not waited for" in caplog.text
     finally:
         storage.close(drain_timeout_s=0.0)

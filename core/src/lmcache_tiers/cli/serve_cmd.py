@@ -239,8 +239,9 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
         shutdown_timeout: float = typer.Option(
             _D.shutdown_timeout_s,
             metavar="SECONDS",
-            help="On SIGINT/SIGTERM: how long in-flight requests are waited for, then again pending "
-            "L2 stores, before what is left is abandoned (counted); a second signal stops at once.",
+            help="On SIGINT/SIGTERM/SIGHUP: how long in-flight requests are waited for, then again "
+            "pending L2 stores, before what is left is abandoned (counted); a second signal, or "
+            "SIGQUIT, stops at once.",
             rich_help_panel=RPC_PANEL,
         ),
         auth_token: Optional[str] = typer.Option(

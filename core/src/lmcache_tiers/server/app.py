@@ -8,14 +8,14 @@ storage (which pre-faults L1), the front ends (which bind) and the HTTP endpoint
 Before the storage exists, the machine is checked too (:mod:`~lmcache_tiers.server.preflight`:
 adapter paths, ports, the L1 size): pre-faulting a large L1 takes seconds.
 
-Shutdown on SIGINT/SIGTERM, in order: every front end stops taking new work and lets
+Shutdown on SIGINT/SIGTERM/SIGHUP, in order: every front end stops taking new work and lets
 in-flight requests finish (or cancels them at the drain deadline), then gives back every
 lock and reservation its clients still hold; pending L2 stores are flushed up to the same
 deadline (:mod:`~lmcache_tiers.server.flush`), the storage is closed (abandoning, and
 counting, what the flush did not store; this unlinks the L1 segment), HTTP stops and a
-summary is printed.  A second signal cuts the drain and the flush short.  A signal during
-start-up (building L1 and the adapters) interrupts it: what was built is closed, the L1
-segment unlinked, and the exit code is 128 + the signal's number.
+summary is printed.  A second signal, or SIGQUIT as the first, cuts the drain and the
+flush short.  A signal during start-up (building L1 and the adapters) interrupts it: what
+was built is closed, the L1 segment unlinked, and the exit code is 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -163,6 +163,9 @@ class TiersServer:
         self.started = time.time()
         self._stopping = False
         self._force = False
+        # what asked for the stop and what forced it ("SIGTERM", "a second signal"), for the log
+        self._stop_reason: str | None = None
+        self._force_reason: str | None = None
         self._fatal: BaseException | None = None
         # failures of the server itself, by reason: the HTTP endpoint's refusals and
         # failures (its threads count them) and front ends' reports that raised
@@ -345,6 +348,7 @@ class TiersServer:
             if readable:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_read, 64)
+        self._log_stop()
         self._stop_frontends()
         if self._fatal is not None:
             raise TiersError(f"a front end failed: {self._fatal}") from self._fatal
@@ -357,12 +361,33 @@ class TiersServer:
             if not frontend.join(max(0.0, deadline - time.monotonic())):
                 logger.warning("%s did not stop within the drain deadline", frontend.name)
 
-    def request_stop(self, *, force: bool = False) -> None:
-        """Begin a graceful stop (``force``: stop waiting for in-flight work).  Safe from a
-        signal handler: flags, the front ends' own stop, and a pipe write."""
+    def _log_stop(self) -> None:
+        """Say what stops the server (logged here, not in the signal handler)."""
+        if self._stop_reason is None:
+            return
+        if self._force:
+            logger.warning(
+                "stopping at once on %s: in-flight requests and pending L2 stores are not waited for",
+                self._force_reason,
+            )
+        else:
+            logger.info(
+                "stopping on %s: draining for up to %gs, then flushing L2 for as long",
+                self._stop_reason,
+                self.drain_timeout_s,
+            )
+
+    def request_stop(self, *, force: bool = False, reason: str | None = None) -> None:
+        """Begin a graceful stop (``force``: stop waiting for in-flight work); ``reason``
+        names what asked for it (a signal).  Safe from a signal handler: flags, the front
+        ends' own stop, and a pipe write."""
         self._stopping = True
+        if self._stop_reason is None:
+            self._stop_reason = reason
         if force:
             self._force = True
+            if self._force_reason is None:
+                self._force_reason = reason or "a forced stop"
             for frontend in self.frontends:
                 frontend.stop(force=True)
         with contextlib.suppress(OSError):
@@ -380,7 +405,7 @@ class TiersServer:
             stats = merged_stats(part for _, part in self.frontend_stats())
             before = self.storage.status()
             pending = pending_l2_stores(self.storage)
-            flushed = flush_l2(self.storage, self.drain_timeout_s, lambda: self._force, console)
+            flushed = flush_l2(self.storage, self.drain_timeout_s, lambda: self._force_reason, console)
         except BaseException:
             # Whatever cut the close short, the storage still closes (counting what the
             # flush did not store), the L1 segment is unlinked and the ports go back.
@@ -412,6 +437,7 @@ class TiersServer:
             "l2_stores_pending": pending,
             "l2_flushed": flushed,
             "l2_flush_abandoned": not flushed and self._force,
+            "l2_flush_abandoned_by": self._force_reason if not flushed and self._force else None,
             "l2_objects_abandoned": abandoned,
             "l1_objects": before["l1"]["objects"],
         }
@@ -471,9 +497,10 @@ def run_server(
     ready: threading.Event | None = None,
     banner: bool = True,
 ) -> int:
-    """Serve until SIGINT/SIGTERM; returns the process exit code (0 after a clean stop,
-    2 for a configuration mistake, 1 when the server cannot start for another reason,
-    128 + the signal's number when a signal interrupted start-up)."""
+    """Serve until SIGINT/SIGTERM/SIGHUP (SIGQUIT: stop at once); returns the process exit
+    code (0 after a stop, forced or not, 2 for a configuration mistake, 1 when the server
+    cannot start for another reason or a front end failed while serving, 128 + the
+    signal's number when a signal interrupted start-up)."""
     configure_logging()
     console = Console(highlight=False)
     errors = Console(stderr=True, highlight=False, soft_wrap=True)  # one line, whatever the width
@@ -602,7 +629,7 @@ def _call_hook(hooks: Any, name: str, **kwargs: Any) -> None:
 
 
 class StartUpInterrupted(BaseException):
-    """SIGINT/SIGTERM while the server was being built, raised where start-up was.
+    """A stop signal (:data:`STOP_SIGNALS`) while the server was being built, raised where start-up was.
 
     Start-up unwinds through its cleanup (the L1 segment is unlinked, adapters closed, the
     ports given back) as it does for KeyboardInterrupt, which it is a sibling of: an
@@ -615,14 +642,24 @@ class StartUpInterrupted(BaseException):
         self.name = signal.Signals(signum).name
 
 
+#: the signals that stop the server, for the whole of ``run_server``.  SIGHUP (the terminal
+#: or session that started it went away) stops it as SIGTERM does; SIGQUIT (Ctrl-\) stops
+#: it at once, as a second signal does.  Under their default actions both ended the process
+#: on the spot: the L1 segment and the ipc socket left behind, and the acknowledged stores
+#: still queued for L2 lost without a count or a log line.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+#: among them, those that stop at once without the drain and the flush
+FORCING_SIGNALS = frozenset({signal.SIGQUIT})
+
+
 class _StopSignals:
-    """SIGINT/SIGTERM for the whole of ``run_server``, start-up included.
+    """The stop signals (:data:`STOP_SIGNALS`) for the whole of ``run_server``, start-up included.
 
     Until :meth:`attach` the first signal interrupts start-up (:class:`StartUpInterrupted`)
     and later ones are ignored, so that they cannot cut the cleanup it unwinds through.
-    Once attached, the first asks the server for a graceful stop and any later one forces
-    it.  Only the main thread can have handlers: elsewhere (a server run inside a test)
-    signals are left as they are.
+    Once attached, the first asks the server for a graceful stop (SIGQUIT: a forced one)
+    and any later one forces it.  Only the main thread can have handlers: elsewhere (a
+    server run inside a test) signals are left as they are.
     """
 
     def __init__(self) -> None:
@@ -633,7 +670,7 @@ class _StopSignals:
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._on_signal)
 
@@ -649,6 +686,10 @@ class _StopSignals:
         self._received += 1
         if self._server is not None:
             # Only flags and pipe writes happen here: safe whatever the main thread was doing.
-            self._server.request_stop(force=self._received > 1)
+            name = signal.Signals(signum).name
+            if self._received > 1:
+                self._server.request_stop(force=True, reason="a second signal")
+            else:
+                self._server.request_stop(force=signum in FORCING_SIGNALS, reason=name)
         elif self._received == 1:
             raise StartUpInterrupted(signum)

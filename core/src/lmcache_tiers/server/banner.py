@@ -94,7 +94,8 @@ def stop_summary(summary: dict[str, Any]) -> Panel:
     if summary["l2_flushed"]:
         flushed = "all flushed"
     else:
-        why = "abandoned on a second signal" if summary["l2_flush_abandoned"] else "flush timed out"
+        abandoned_by = summary["l2_flush_abandoned_by"]
+        why = f"abandoned on {abandoned_by}" if abandoned_by else "flush timed out"
         flushed = f"{why}, {summary['l2_objects_abandoned']} objects not stored in L2"
     grid.add_row("L2 stores", f"{summary['l2_stores_pending']} pending at stop, {flushed}")
     return Panel(grid, title="lmcache-tiers stopped", expand=False)

@@ -3,7 +3,7 @@
 A slow L2 makes the flush the longest part of a stop.  Instead of silent seconds the
 operator sees one log line ("flushing N L2 stores (up to Xs; Ctrl-C again to abandon)")
 and, on a terminal, a progress bar of the stores left.  The wait runs in short slices so
-a second signal (``abandon`` turning true) ends it at once; what is still pending is then
+a second signal or SIGQUIT (``abandon`` naming it) ends it at once; what is still pending is then
 abandoned by the storage's close and counted (``l2_store_abandoned``,
 ``l2_store_dropped_at_shutdown``).
 """
@@ -44,11 +44,11 @@ def flush_message(pending: int, timeout_s: float) -> str:
 def flush_l2(
     storage: StorageManager,
     timeout_s: float,
-    abandon: Callable[[], bool],
+    abandon: Callable[[], str | None],
     console: Console | None = None,
 ) -> bool:
     """Wait up to ``timeout_s`` for every pending L2 store; False when the time ran out or
-    ``abandon()`` turned true first."""
+    ``abandon()`` named what abandons the flush (``"a second signal"``) first."""
     pending = pending_l2_stores(storage)
     if pending:
         logger.info("%s", flush_message(pending, timeout_s))
@@ -85,7 +85,7 @@ def _wait(
     storage: StorageManager,
     timeout_s: float,
     deadline: float,
-    abandon: Callable[[], bool],
+    abandon: Callable[[], str | None],
     show: Callable[[int], object],
 ) -> bool:
     """The flush's wait, in slices; ``show(left)`` after each with the stores left."""
@@ -95,8 +95,9 @@ def _wait(
             return True
         left = pending_l2_stores(storage)
         show(left)
-        if abandon():
-            logger.warning("flush abandoned on a second signal: %d L2 stores not waited for", left)
+        abandoned_by = abandon()
+        if abandoned_by:
+            logger.warning("flush abandoned on %s: %d L2 stores not waited for", abandoned_by, left)
             return False
         if time.monotonic() >= deadline:
             logger.warning("flush timed out after %gs: %d L2 stores not waited for", timeout_s, left)

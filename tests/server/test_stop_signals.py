@@ -1,0 +1,95 @@
+"""The signals that end a serving process besides SIGINT/SIGTERM, and what a stop leaves.
+
+A hangup (the terminal or ssh session that started ``serve`` went away) and SIGQUIT
+(Ctrl-\\) would, under their default actions, end the process on the spot: the L1 segment
+stays in /dev/shm, the ipc socket file stays behind, and the acknowledged stores still
+queued for L2 are lost without a count or a log line.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from tiers_e2e import ServerProcess, make_keys, make_payloads, start_server
+
+from lmcache_tiers.client import Client
+
+
+def _holding_slow_l2_stores(tmp_path: Path, name: str) -> ServerProcess:
+    """A server on an ipc socket whose only L2 takes 30 s per call, with 3 stores pending."""
+    server = start_server(
+        tmp_path / name,
+        host=f"ipc://{tmp_path / name}.sock",
+        adapters=[{"type": "mock", "max_size_gb": 0.1, "latency_s": 30}],
+        metrics=False,
+        shutdown_timeout_s=1.0,
+    )
+    with Client(server.url) as client:
+        for batch in range(3):
+            tag = f"{name}/{batch}"
+            assert client.store(make_keys(tag, 4), make_payloads(tag, 4, 64 << 10)) == 4
+        deadline = time.monotonic() + 30
+        while client.status()["store"]["in_flight_tasks"] < 3:
+            assert time.monotonic() < deadline, "the stores never reached the slow L2"
+            time.sleep(0.05)
+    return server
+
+
+def _stopped(server: ServerProcess, sig: int) -> tuple[int, str]:
+    try:
+        server.proc.send_signal(sig)
+        code = server.proc.wait(45)
+    finally:
+        server.stop(signal.SIGKILL)
+    return code, server.output()
+
+
+def test_a_hangup_stops_gracefully_and_counts_what_l2_did_not_get(tmp_path: Path) -> None:
+    server = _holding_slow_l2_stores(tmp_path, "hup")
+    code, output = _stopped(server, signal.SIGHUP)
+    assert code == 0, output
+    assert "stopping on SIGHUP" in output
+    assert "flush timed out after 1s: 3 L2 stores not waited for" in output
+    assert "12 objects acknowledged to clients were not stored in L2 before the stop" in output
+    assert not server.shm_path.exists(), "the L1 segment outlived a hangup"
+    assert not (tmp_path / "hup.sock").exists(), "the ipc socket outlived a hangup"
+
+
+def test_sigquit_stops_at_once_and_counts_what_l2_did_not_get(tmp_path: Path) -> None:
+    server = _holding_slow_l2_stores(tmp_path, "quit")
+    code, output = _stopped(server, signal.SIGQUIT)
+    assert code == 0, output
+    assert "stopping at once on SIGQUIT" in output
+    assert "flush abandoned on a second signal" not in output
+    assert "flush abandoned on SIGQUIT: 3 L2 stores not waited for" in output
+    assert "12 objects acknowledged to clients were not stored in L2 before the stop" in output
+    assert not server.shm_path.exists(), "the L1 segment outlived SIGQUIT"
+    assert not (tmp_path / "quit.sock").exists(), "the ipc socket outlived SIGQUIT"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_restart_on_the_same_names_serves_at_once(tmp_path: Path, sig: int) -> None:
+    root = tmp_path / "l2"
+    settings = {"host": f"ipc://{tmp_path / 'same.sock'}", "metrics": False}
+    first = start_server(tmp_path / "first", adapters=[{"type": "fs", "path": str(root)}], **settings)
+    keys = make_keys("restart", 4)
+    with Client(first.url) as client:
+        assert client.store(keys, make_payloads("restart", 4, 64 << 10)) == 4
+    assert first.stop(sig) == 0, first.output()
+    second = start_server(
+        tmp_path / "second",
+        adapters=[{"type": "fs", "path": str(root)}],
+        l1_shm_name=first.shm_name,
+        **settings,
+    )
+    try:
+        with Client(second.url) as client:
+            deadline = time.monotonic() + 30
+            while client.lookup(keys) < 4:  # the fs L2 kept every acknowledged store
+                assert time.monotonic() < deadline, second.output()
+                time.sleep(0.05)
+    finally:
+        assert second.stop() == 0, second.output()
