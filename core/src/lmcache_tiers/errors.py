@@ -14,6 +14,26 @@ class ConfigError(TiersError):
     """Configuration is invalid (bad JSON, unknown name, wrong type, out of range)."""
 
 
+class SettingRefused(ConfigError):
+    """A value of one ServerConfig setting that cannot be served.  The message names the
+    setting by its config key (``l1_shm_dir relative: give an absolute path``), which is
+    right for a ``--config`` file and for a config built in code; ``serve`` names the flag
+    or the environment variable instead when the value came from one (``with_name``)."""
+
+    def __init__(self, setting: str, value: object, reason: str) -> None:
+        self.setting = setting
+        self.value = value
+        self.reason = reason
+        super().__init__(self._naming(setting))
+
+    def _naming(self, name: str) -> str:
+        return f"{name} {self.value}: {self.reason}"
+
+    def with_name(self, name: str) -> ConfigError:
+        """The same refusal naming the setting as ``name`` (a flag, a variable)."""
+        return ConfigError(self._naming(name))
+
+
 class PluginError(TiersError):
     """A plugin failed to load or registered something invalid or conflicting."""
 

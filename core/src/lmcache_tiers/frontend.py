@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from lmcache_tiers.config import FrontendConfig
 from lmcache_tiers.endpoints import rpc_endpoint
-from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.errors import ConfigError, SettingRefused
 
 if TYPE_CHECKING:
     from lmcache_tiers.config import FrontendSpec, ServerConfig
@@ -288,7 +288,5 @@ def check_frontends(server: ServerConfig, auth_token: str | None) -> None:
                 )
                 if label == _HTTP_ENDPOINT:
                     # Named as the user set it: ``serve`` swaps in the flag or variable if one did.
-                    from lmcache_tiers.server.app import SettingRefused
-
                     raise SettingRefused("metrics_port", server.metrics_port, clash)
                 raise ConfigError(clash)

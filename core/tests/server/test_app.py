@@ -75,7 +75,8 @@ def test_a_busy_port_is_a_start_up_error(capsys: pytest.CaptureFixture[str]) -> 
         port = taken.getsockname()[1]
         config = ServerConfig(port=port, metrics_port=0, l1_size_gb=0.0625, l1_shm_name="tiers_unit_busy")
         assert run_server(config, banner=False) == 2
-    assert f"--port {port}: 127.0.0.1:{port} is already in use" in capsys.readouterr().err
+    # A config built in code names the setting by its config key (serve names the flag).
+    assert f"error: port {port}: 127.0.0.1:{port} is already in use" in capsys.readouterr().err
     assert not os.path.exists("/dev/shm/tiers_unit_busy")
 
 

@@ -30,7 +30,7 @@ from lmcache_tiers.config import (
     redact_secrets,
 )
 from lmcache_tiers.defaults import CACHE_DIR_ENV, claim_default_l2, default_l2_adapters, default_l2_dir
-from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.errors import ConfigError, SettingRefused
 from lmcache_tiers.l2.preflight import preflight_adapters
 from lmcache_tiers.plugins import PluginSet
 from lmcache_tiers.registry import ComponentRegistry, Kind
@@ -408,8 +408,6 @@ def _source_of(field: str, given: set[str], from_env: Mapping[str, str]) -> str 
 def name_flag(exc: ConfigError, given: set[str], from_env: Mapping[str, str] | None = None) -> ConfigError:
     """Prefix an error about a top-level field with the flag (or the environment variable)
     that set it, if one did; name a refused setting (``SettingRefused``) the same way."""
-    from lmcache_tiers.server.app import SettingRefused
-
     variables = from_env or {}
     if isinstance(exc, SettingRefused):
         source = _source_of(exc.setting, given, variables)
@@ -497,6 +495,8 @@ def run_serve(
         shown = redact_secrets(config_to_builtins(resolved))
         typer.echo(json.dumps(shown, indent=2))
         return
-    code = run_server(resolved, registry=plugin_set.registry)
+    code = run_server(
+        resolved, registry=plugin_set.registry, name_setting=lambda exc: name_flag(exc, given, from_env)
+    )
     leave_past_stuck_threads(code)
     raise typer.Exit(code)

@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.errors import ConfigError, SettingRefused
 from lmcache_tiers.l1.stale import create_as_creator, creator_lock_held, release_as_creator
 from lmcache_tiers.tmpfs import (
     HUGE_MODES,
@@ -103,26 +103,29 @@ class ArenaPages:
         }
 
 
-def check_directory(directory: str, flag: str = "--shm-dir") -> None:
-    """Raise ConfigError (one line) unless ``directory`` is an existing, writable
+def check_directory(directory: str, setting: str = "l1_shm_dir") -> None:
+    """Raise SettingRefused (one line, naming ``setting`` by its config key: ``serve``
+    names the flag instead when one set it) unless ``directory`` is an existing, writable
     directory on a tmpfs given by an absolute path."""
     if not os.path.isabs(directory):
-        raise ConfigError(f"{flag} {directory}: give an absolute path")
+        raise SettingRefused(setting, directory, "give an absolute path")
     if not os.path.exists(directory):
-        raise ConfigError(f"{flag} {directory}: does not exist; create it (a tmpfs mount) first")
+        raise SettingRefused(setting, directory, "does not exist; create it (a tmpfs mount) first")
     if not os.path.isdir(directory):
-        raise ConfigError(f"{flag} {directory}: is a file, not a directory")
+        raise SettingRefused(setting, directory, "is a file, not a directory")
     try:
         on_tmpfs = is_tmpfs(directory)
     except OSError as exc:
-        raise ConfigError(f"{flag} {directory}: cannot open it: {exc.strerror}") from None
+        raise SettingRefused(setting, directory, f"cannot open it: {exc.strerror}") from None
     if not on_tmpfs:
-        raise ConfigError(
-            f"{flag} {directory}: not on a tmpfs; the L1 arena must be shared memory "
-            f"(mount -t tmpfs -o huge=always,size=... tmpfs {directory})"
+        raise SettingRefused(
+            setting,
+            directory,
+            "not on a tmpfs; the L1 arena must be shared memory "
+            f"(mount -t tmpfs -o huge=always,size=... tmpfs {directory})",
         )
     if not os.access(directory, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag} {directory}: not writable by this user (or mounted read-only)")
+        raise SettingRefused(setting, directory, "not writable by this user (or mounted read-only)")
 
 
 def offered_huge(directory: str) -> str:

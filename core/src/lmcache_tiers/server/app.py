@@ -28,7 +28,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +39,7 @@ from lmcache_tiers import __version__
 from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.config import ServerConfig, default_frontends, redact_url_secrets
 from lmcache_tiers.endpoints import is_loopback
-from lmcache_tiers.errors import ConfigError, TiersError
+from lmcache_tiers.errors import ConfigError, SettingRefused, TiersError
 from lmcache_tiers.frontend import Frontend, FrontendStats, check_frontends, create_frontend, merged_stats
 from lmcache_tiers.l2.scan_progress import watch_scans
 from lmcache_tiers.registry import ComponentRegistry, Kind
@@ -79,26 +79,6 @@ def check_metrics_host(config: ServerConfig, token: str | None) -> None:
             "or auth_token in --config: "
             "/status answers only requests that carry it"
         )
-
-
-class SettingRefused(ConfigError):
-    """A value of one ServerConfig setting that cannot be served.  The message names the
-    setting by its config key (``l1_shm_dir relative: give an absolute path``), which is
-    right for a ``--config`` file and for a config built in code; ``serve`` names the flag
-    or the environment variable instead when the value came from one (``with_name``)."""
-
-    def __init__(self, setting: str, value: object, reason: str) -> None:
-        self.setting = setting
-        self.value = value
-        self.reason = reason
-        super().__init__(self._naming(setting))
-
-    def _naming(self, name: str) -> str:
-        return f"{name} {self.value}: {self.reason}"
-
-    def with_name(self, name: str) -> ConfigError:
-        """The same refusal naming the setting as ``name`` (a flag, a variable)."""
-        return ConfigError(self._naming(name))
 
 
 def check_l1_geometry(config: ServerConfig) -> None:
@@ -496,11 +476,13 @@ def run_server(
     registry: ComponentRegistry | None = None,
     ready: threading.Event | None = None,
     banner: bool = True,
+    name_setting: Callable[[ConfigError], ConfigError] | None = None,
 ) -> int:
     """Serve until SIGINT/SIGTERM/SIGHUP (SIGQUIT: stop at once); returns the process exit
     code (0 after a stop, forced or not, 2 for a configuration mistake, 1 when the server
     cannot start for another reason or a front end failed while serving, 128 + the
-    signal's number when a signal interrupted start-up)."""
+    signal's number when a signal interrupted start-up).  ``name_setting`` rewords a
+    refusal found at start-up (``serve`` names a setting by the flag that set it)."""
     configure_logging()
     console = Console(highlight=False)
     errors = Console(stderr=True, highlight=False, soft_wrap=True)  # one line, whatever the width
@@ -523,7 +505,7 @@ def run_server(
             logger.warning("start-up interrupted by %s: stopped before serving", interrupted.name)
             return 128 + interrupted.signum
         except ConfigError as exc:
-            _print_error(errors, str(exc))
+            _print_error(errors, str(exc if name_setting is None else name_setting(exc)))
             return 2
         except (TiersError, OSError) as exc:
             _print_error(errors, f"cannot start the server: {exc}")

@@ -16,7 +16,7 @@ import socket
 import stat
 from typing import TYPE_CHECKING
 
-from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.errors import ConfigError, SettingRefused
 from lmcache_tiers.l1.arena import segment_bytes
 from lmcache_tiers.l1.segment import check_directory, file_bytes
 from lmcache_tiers.l2.preflight import preflight_adapters
@@ -25,7 +25,14 @@ if TYPE_CHECKING:
     from lmcache_tiers.config import ServerConfig
     from lmcache_tiers.registry import ComponentRegistry
 
-__all__ = ["check_l1_room", "check_listeners", "listen_error", "listener_flag", "mem_available", "preflight"]
+__all__ = [
+    "check_l1_room",
+    "check_listeners",
+    "listen_error",
+    "listener_setting",
+    "mem_available",
+    "preflight",
+]
 
 _GIB = float(1 << 30)
 #: beyond the segment: the process's own memory
@@ -77,34 +84,38 @@ def check_l1_room(config: ServerConfig) -> None:
         )
 
 
-def listener_flag(config: ServerConfig, index: int | None, field: str = "port") -> str:
-    """The flag or config path that set a listener's ``field`` ("port" or "host"): front
-    end ``index``, or the HTTP endpoint (None)."""
+def listener_setting(config: ServerConfig, index: int | None, field: str = "port") -> str:
+    """The config key (or config path) of a listener's ``field`` ("port" or "host"): front
+    end ``index``, or the HTTP endpoint (None).  ``serve`` names the flag instead when one
+    set the value (``SettingRefused``)."""
     if index is None:
-        return f"--metrics-{field}"
+        return f"metrics_{field}"
     if getattr(config.frontends[index].config, field) is None:
-        return f"--{field}"
+        return field  # the server's own host and port, which the front end takes
     return f"$.frontends[{index}].{field}"
 
 
 def listen_error(config: ServerConfig, index: int | None, host: str, port: int, exc: OSError) -> ConfigError:
     """One line for listener ``index`` (None: the HTTP endpoint) that cannot bind
-    ``host``:``port``, naming the flag to change."""
+    ``host``:``port``, naming the setting to change."""
     number = exc.errno
     if host.startswith("ipc://"):
         reason = os.strerror(number) if number else str(exc)
-        return ConfigError(f"{listener_flag(config, index, 'host')} {host}: cannot listen there: {reason}")
+        return SettingRefused(listener_setting(config, index, "host"), host, f"cannot listen there: {reason}")
     where = f"{host}:{port}"
     if number == errno.EADDRNOTAVAIL:
-        flag = listener_flag(config, index, "host")
-        return ConfigError(f"{flag} {host}: not an address of this machine; give one of its addresses")
+        return SettingRefused(
+            listener_setting(config, index, "host"),
+            host,
+            "not an address of this machine; give one of its addresses",
+        )
     if number == errno.EADDRINUSE:
         reason = f"{where} is already in use (another server?); stop it or give another port"
     elif number == errno.EACCES:
         reason = f"port {port} is privileged on this machine; give a port above 1023"
     else:
         reason = f"cannot listen on {where}: {exc.strerror or exc}"
-    return ConfigError(f"{listener_flag(config, index)} {port}: {reason}")
+    return SettingRefused(listener_setting(config, index), port, reason)
 
 
 def _probe_bind(host: str, port: int) -> None:
@@ -128,18 +139,18 @@ def _check_ipc_path(config: ServerConfig, index: int | None, host: str) -> None:
     path = host[len("ipc://") :]
     if path.startswith("@"):
         return
-    flag = listener_flag(config, index, "host")
+    setting = listener_setting(config, index, "host")
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         what = "is a file, not a directory" if os.path.exists(parent) else "does not exist"
-        raise ConfigError(f"{flag} {host}: {parent} {what}; give a socket path in an existing directory")
+        raise SettingRefused(setting, host, f"{parent} {what}; give a socket path in an existing directory")
     if os.path.isdir(path):
-        raise ConfigError(f"{flag} {host}: {path} is a directory; give the path of a socket file")
-    _check_ipc_path_free(flag, host, path)
+        raise SettingRefused(setting, host, f"{path} is a directory; give the path of a socket file")
+    _check_ipc_path_free(setting, host, path)
 
 
-def _check_ipc_path_free(flag: str, host: str, path: str) -> None:
+def _check_ipc_path_free(setting: str, host: str, path: str) -> None:
     """ZeroMQ unlinks whatever is at the path before it binds: a file there would be
     deleted, and a live server's socket taken over (its clients could no longer reach it,
     and nobody could once this server stops and removes the socket).  Only a socket that
@@ -149,8 +160,8 @@ def _check_ipc_path_free(flag: str, host: str, path: str) -> None:
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(mode):
-        raise ConfigError(
-            f"{flag} {host}: {path} exists and is not a socket; give a path that does not exist"
+        raise SettingRefused(
+            setting, host, f"{path} exists and is not a socket; give a path that does not exist"
         )
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         try:
@@ -159,9 +170,9 @@ def _check_ipc_path_free(flag: str, host: str, path: str) -> None:
             return
         except OSError as exc:
             reason = os.strerror(exc.errno) if exc.errno else str(exc)
-            raise ConfigError(f"{flag} {host}: cannot check whether {path} is in use: {reason}") from None
-    raise ConfigError(
-        f"{flag} {host}: {path} is already in use (another server?); stop it or give another path"
+            raise SettingRefused(setting, host, f"cannot check whether {path} is in use: {reason}") from None
+    raise SettingRefused(
+        setting, host, f"{path} is already in use (another server?); stop it or give another path"
     )
 
 

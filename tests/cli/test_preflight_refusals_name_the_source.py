@@ -1,0 +1,86 @@
+"""A listener or L1 directory refused at start-up is named as the user gave it: the flag
+on the command line, the key in the --config file -- never a flag the user did not give."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from thirdparty import free_port, run_cli
+
+NARROW = {"COLUMNS": "40"}
+
+
+def _serve_refused(args: list[str]) -> str:
+    shm = f"tiers_named_{uuid.uuid4().hex[:10]}"
+    result = run_cli(
+        [
+            "serve",
+            "--no-default-l2",
+            "--l1-size-gb",
+            "0.25",
+            "--shm-name",
+            shm,
+            "--port",
+            str(free_port()),
+            *args,
+        ],
+        **NARROW,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert not os.path.exists(f"/dev/shm/{shm}")
+    return lines[0]
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield int(holder.getsockname()[1])
+
+
+def test_a_metrics_port_in_use_set_in_the_config_file_is_named_by_its_key(
+    taken_port: int, tmp_path: Path
+) -> None:
+    config = tmp_path / "server.toml"
+    config.write_text(f"metrics_port = {taken_port}\n")
+    line = _serve_refused(["--config", str(config)])
+    assert line.startswith(f"error: metrics_port {taken_port}: 127.0.0.1:{taken_port} is already in use"), (
+        line
+    )
+    assert "--metrics-port" not in line, line
+
+
+def test_a_metrics_port_in_use_set_by_its_flag_is_named_by_the_flag(taken_port: int) -> None:
+    line = _serve_refused(["--metrics-port", str(taken_port)])
+    assert line.startswith(f"error: --metrics-port {taken_port}: 127.0.0.1:{taken_port} is already in use"), (
+        line
+    )
+
+
+def test_a_host_in_the_config_file_that_is_not_ours_is_named_by_its_key(tmp_path: Path) -> None:
+    config = tmp_path / "server.toml"
+    config.write_text('host = "192.0.2.1"\nauth_token = "t"\n')
+    line = _serve_refused(["--metrics-port", "0", "--config", str(config)])
+    assert line == "error: host 192.0.2.1: not an address of this machine; give one of its addresses", line
+
+
+def test_a_missing_shm_dir_in_the_config_file_is_named_by_its_key(tmp_path: Path) -> None:
+    missing = tmp_path / "missing"
+    config = tmp_path / "server.toml"
+    config.write_text(f'l1_shm_dir = "{missing}"\n')
+    line = _serve_refused(["--metrics-port", "0", "--config", str(config)])
+    assert line.startswith(f"error: l1_shm_dir {missing}: does not exist"), line
+
+
+def test_a_missing_shm_dir_flag_is_named_by_the_flag(tmp_path: Path) -> None:
+    missing = tmp_path / "missing"
+    line = _serve_refused(["--metrics-port", "0", "--shm-dir", str(missing)])
+    assert line.startswith(f"error: --shm-dir {missing}: does not exist"), line
