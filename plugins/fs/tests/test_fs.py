@@ -1396,3 +1396,19 @@ def test_deletes_that_fail_are_counted_and_told_once_per_burst(
         assert adapter.stats().get("objects_vanished", 0) == 0
     finally:
         adapter.close()
+
+
+def test_a_symlink_to_a_shard_shaped_directory_is_refused(tmp_path: Path) -> None:
+    """The check looks at the directory the path resolves to: a link to ``<outer>/ab/cd``
+    is a shard directory of a sharded store at ``<outer>`` all the same."""
+    shard = tmp_path / "outer" / "ab" / "cd"
+    shard.mkdir(parents=True)
+    link = tmp_path / "cache"
+    link.symlink_to(shard)
+    for build, field in (
+        (lambda: FsConfig(path=str(link)), "path"),
+        (lambda: FsConfig(base_path=f"file://{link}"), "base_path"),
+    ):
+        with pytest.raises(FieldError, match=r"named like a shard directory \(ab/cd\)") as caught:
+            build()
+        assert caught.value.field == field

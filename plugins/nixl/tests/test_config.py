@@ -296,3 +296,13 @@ def test_directories_not_shaped_like_a_shard_directory_are_accepted(tmp_path: Pa
     spec = parse(_dynamic_at(f"{tmp_path}/{suffix}"))
     assert isinstance(spec.config, NixlStoreDynamicConfig)
     assert spec.config.file_path == f"{tmp_path}/{suffix}"
+
+
+def test_a_symlink_to_a_shard_shaped_directory_is_refused(tmp_path: Path) -> None:
+    """The check looks at the directory the path resolves to, as the store's files do."""
+    shard = tmp_path / "outer" / "ab" / "cd"
+    shard.mkdir(parents=True)
+    link = tmp_path / "cache"
+    link.symlink_to(shard)
+    with pytest.raises(ConfigError, match=r"named like a shard directory \(ab/cd\)"):
+        parse(_dynamic_at(str(link)))

@@ -137,16 +137,17 @@ class FsConfig(L2AdapterConfig):
         whose sweeps would remove its writes in flight and, with persistence off, its
         acknowledged records.  Whether ``<outer>`` is a store is not known here (it may
         be another server's, or start later): such a root is refused."""
-        import posixpath
-
         from lmcache_tiers.plugin import FileLayout, redact_url_secrets
 
-        root = self.root.rstrip("/")
-        if self.is_local:
-            root = posixpath.abspath(self.local_root.rstrip("/") or "/")
-        shard_shaped = FileLayout.shard_shaped_part(root)
-        if shard_shaped is None:
+        if self.is_local:  # the directory as given, or where its symlinks lead
+            found = FileLayout.shard_shaped_local_root(self.local_root)
+        else:
+            root = self.root.rstrip("/")
+            part = FileLayout.shard_shaped_part(root)
+            found = None if part is None else (root, part)
+        if found is None:
             return
+        root, shard_shaped = found
         outer = root[: -len(shard_shaped) - 1] or "/"
         raise FieldError(
             "path" if self.path is not None else "base_path",

@@ -13,7 +13,6 @@ This module is imported whenever plugins are listed, so it must not import NIXL.
 
 from __future__ import annotations
 
-import os
 from typing import Annotated, ClassVar
 
 import msgspec
@@ -86,9 +85,10 @@ def _refuse_shard_shaped_directory(file_path: str) -> None:
     Whether ``<outer>`` is a store is not known here (it may start later): refused."""
     from lmcache_tiers.plugin import FileLayout  # core's file-store code, loaded only for this
 
-    shard_shaped = FileLayout.shard_shaped_part(os.path.abspath(file_path))
-    if shard_shaped is None:
+    found = FileLayout.shard_shaped_local_root(file_path)  # as given, or where links lead
+    if found is None:
         return
+    shard_shaped = found[1]
     raise FieldError(
         FILE_PATH_FIELD,
         f"backend_params.file_path {file_path!r} is named like a shard directory ({shard_shaped}) "

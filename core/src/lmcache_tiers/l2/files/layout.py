@@ -185,6 +185,19 @@ class FileLayout:
             return None
         return root[len(outer.rstrip("/")) + 1 :]
 
+    @staticmethod
+    def shard_shaped_local_root(path: str) -> tuple[str, str] | None:
+        """``(directory, "ab/cd")`` if the local ``path`` -- as given, made absolute, or
+        resolved through its symlinks -- is ``<outer>/ab/cd`` (``shard_shaped_part``),
+        else None.  A link to a shard directory is one all the same: the store's files go
+        where the link leads, and a sharded store at ``<outer>`` lists and sweeps them."""
+        given = posixpath.abspath(path.rstrip("/") or "/")
+        for directory in dict.fromkeys((given, os.path.realpath(given))):
+            part = FileLayout.shard_shaped_part(directory)
+            if part is not None:
+                return directory, part
+        return None
+
     def in_other_layout(self, directory: str, key: ObjectKey) -> bool:
         """Whether ``directory`` is where the other ``shard_dirs`` setting puts ``key``'s
         record (a record left by a run with the other setting)."""
