@@ -22,7 +22,7 @@ from lmcache_plugin_mock import MockConfig
 from lmcache_plugin_mock.backend import MockBackend
 
 from lmcache_tiers.config import L2AdapterConfig, decode_adapter
-from lmcache_tiers.errors import ConfigError, PartialFailure
+from lmcache_tiers.errors import ConfigError, PartialFailure, PluginError
 from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, L2Adapter, L2Op, create_adapter
@@ -439,13 +439,14 @@ def register_mixed_mock(registry: KindRegistry) -> None:
 
 def test_an_inner_backend_mixing_coroutines_and_plain_methods_is_refused_at_start() -> None:
     """Core refuses such a backend when it builds it; wrapped, it must be refused the same
-    way, not wrapped in the flavour of its ``put_many`` and fail every other call."""
+    way, not wrapped in the flavour of its ``put_many`` and fail every other call; the
+    refusal names the adapter and the backend."""
     module = types.ModuleType("fault_inject_mixed_test")
     module.tiers_register_l2_adapters = register_mixed_mock  # type: ignore[attr-defined]
     registry = discover(extra_plugins={"fault-inject-mixed-test": module}).registry
     config = FaultInjectConfig(inner={"type": "mixed_mock"})
     context = AdapterContext(index=0, name="0:fault_inject", config=config)
-    with pytest.raises(TypeError, match="mixes coroutine and plain batch methods"):
+    with pytest.raises(PluginError, match=r"0:fault_inject.*MixedMock mixes coroutine and plain"):
         create_adapter(open_fault_inject, config, context, registry=registry)
 
 
