@@ -861,3 +861,21 @@ def test_a_call_refused_once_the_adapter_closes_starts_no_probe_thread(
     with pytest.raises(NotCalled):
         circuit.contains_many(keys)
     assert circuit._probe_thread is probing
+
+
+def test_failures_that_open_the_circuit_once_the_adapter_closes_start_no_probe_thread(
+    adapters: list[BackendAdapter], outage: Outage
+) -> None:
+    # Calls still running at the close may fail (the store going away with the server) and
+    # open the circuit then: probing cannot close it any more, and a thread started for it
+    # would end at once.
+    adapter = opened(adapters, RemoteDict)
+    circuit = adapter.backend
+    assert isinstance(circuit, CircuitBackend)
+    adapter.close()
+    outage.down = True
+    for _ in range(3):
+        with pytest.raises(ConnectionError):
+            circuit.contains_many(make_keys(1))
+    assert adapter.stats()["circuit_open"] == 1
+    assert circuit._probe_thread is None

@@ -211,15 +211,16 @@ class CircuitBackend(_Guard):
 
     def keep_probing(self) -> None:
         # A probe thread that could not start (no threads left) is started again here, by
-        # the calls the open circuit refuses: nothing else would ever close it.  Not once
-        # the adapter closes: closing ended the probing, and a thread started then would
-        # end at once (one per call still refused while the adapter winds down).
-        if not self._probing and not self.context.closing:
+        # the calls the open circuit refuses: nothing else would ever close it.
+        if not self._probing:
             self._start_probing()
 
     def _start_probing(self) -> None:
         with self._probe_lock:
-            if self._probing:
+            # Not once the adapter closes: closing ended the probing, and a thread started
+            # then (by a call refused, or one failing and opening the circuit, while the
+            # adapter winds down) would end at once, one per call.
+            if self._probing or self.context.closing:
                 return
             name = f"l2-{self.context.name}-probe"
             thread = threading.Thread(target=self._probe_loop, name=name, daemon=True)
