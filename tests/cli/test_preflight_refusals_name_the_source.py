@@ -15,14 +15,13 @@ from thirdparty import free_port, run_cli
 NARROW = {"COLUMNS": "40"}
 
 
-def _serve_refused(args: list[str]) -> str:
+def _serve_refused(args: list[str], size: list[str] | None = None) -> str:
     shm = f"tiers_named_{uuid.uuid4().hex[:10]}"
     result = run_cli(
         [
             "serve",
             "--no-default-l2",
-            "--l1-size-gb",
-            "0.25",
+            *(["--l1-size-gb", "0.25"] if size is None else size),
             "--shm-name",
             shm,
             "--port",
@@ -84,3 +83,16 @@ def test_a_missing_shm_dir_flag_is_named_by_the_flag(tmp_path: Path) -> None:
     missing = tmp_path / "missing"
     line = _serve_refused(["--metrics-port", "0", "--shm-dir", str(missing)])
     assert line.startswith(f"error: --shm-dir {missing}: does not exist"), line
+
+
+def test_an_l1_too_large_in_the_config_file_is_named_by_its_key(tmp_path: Path) -> None:
+    config = tmp_path / "server.toml"
+    config.write_text("l1_size_gb = 100000\n")
+    line = _serve_refused(["--metrics-port", "0", "--config", str(config)], size=[])
+    assert line.startswith("error: l1_size_gb 100000: /dev/shm has"), line
+    assert "--l1-size-gb" not in line, line
+
+
+def test_an_l1_too_large_by_its_flag_is_named_by_the_flag() -> None:
+    line = _serve_refused(["--metrics-port", "0"], size=["--l1-size-gb", "100000"])
+    assert line.startswith("error: --l1-size-gb 100000: /dev/shm has"), line

@@ -181,7 +181,7 @@ def test_an_l1_larger_than_the_available_memory_is_refused(monkeypatch: pytest.M
     monkeypatch.setattr(preflight, "_shm_free", lambda directory: 1 << 50)
     monkeypatch.setattr(preflight, "mem_available", lambda: 3 << 30)
     config = build_config(load_registry(), overrides={"l1_size_gb": 4.0})
-    with pytest.raises(ConfigError, match=r"^--l1-size-gb 4: this machine has 3.00 GiB of memory available"):
+    with pytest.raises(ConfigError, match=r"^l1_size_gb 4: this machine has 3.00 GiB of memory available"):
         preflight.check_l1_room(config)
     preflight.check_l1_room(build_config(load_registry(), overrides={"l1_size_gb": 2.0}))
 
@@ -297,7 +297,7 @@ def test_an_shm_dir_that_cannot_hold_the_arena_is_one_line(
 
 def test_a_huge_tmpfs_too_small_for_the_arena_is_refused_before_it_is_made(huge_tmpfs: str) -> None:
     line = _serve_refused(["--no-default-l2", "--shm-dir", huge_tmpfs])
-    assert f"{huge_tmpfs} has 0.01 GiB free" in line and "lower --l1-size-gb" in line, line
+    assert f"{huge_tmpfs} has 0.01 GiB free" in line and "lower it or enlarge" in line, line
     assert not os.listdir(huge_tmpfs)
 
 

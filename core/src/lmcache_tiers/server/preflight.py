@@ -61,7 +61,7 @@ def _shm_free(directory: str) -> int | None:
 
 def check_l1_room(config: ServerConfig) -> None:
     """A memory L1 must fit both in its tmpfs directory's free space (/dev/shm unless
-    --shm-dir) and in the memory available: the segment is a tmpfs file whose every page
+    l1_shm_dir) and in the memory available: the segment is a tmpfs file whose every page
     is pre-faulted at start-up."""
     if config.gds_l1_path is not None:
         return  # an NVMe L1 takes disk space, preallocated without touching memory
@@ -69,18 +69,24 @@ def check_l1_room(config: ServerConfig) -> None:
     check_directory(directory)
     segment = file_bytes(segment_bytes(config.l1_size_bytes, config.l1_align_bytes), directory)
     need = segment + _L1_HEADROOM_BYTES
-    shown = f"--l1-size-gb {config.l1_size_gb:g}"
+    # The setting is named by its config key here; serve names --l1-size-gb (or its
+    # environment variable) instead when one of those set the size.
+    size = f"{config.l1_size_gb:g}"
     shm = _shm_free(directory)
     if shm is not None and segment > shm:
-        raise ConfigError(
-            f"{shown}: {directory} has {shm / _GIB:.2f} GiB free; lower --l1-size-gb "
-            f"or enlarge {directory} (mount -o remount,size=...)"
+        raise SettingRefused(
+            "l1_size_gb",
+            size,
+            f"{directory} has {shm / _GIB:.2f} GiB free; lower it or enlarge {directory} "
+            "(mount -o remount,size=...)",
         )
     available = mem_available()
     if available is not None and need > available:
-        raise ConfigError(
-            f"{shown}: this machine has {available / _GIB:.2f} GiB of memory available "
-            "(MemAvailable); lower --l1-size-gb or free memory"
+        raise SettingRefused(
+            "l1_size_gb",
+            size,
+            f"this machine has {available / _GIB:.2f} GiB of memory available (MemAvailable); "
+            "lower it or free memory",
         )
 
 
