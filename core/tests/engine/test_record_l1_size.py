@@ -1,7 +1,8 @@
 """A record header read back from L2 tells core the object's L1 size: under a serde chain
-that changes sizes nothing else does.  A header claiming an L1 size no object can have
-(here more than all of L1, its crc fixed up) is a damaged record: a miss, counted, logged
-and removed -- never a prefetch that evicts L1 to make room for it."""
+that changes sizes nothing else does.  A header claiming more than all of this server's L1
+is a miss, counted and logged -- never a prefetch that evicts L1 to make room for it -- and
+the record is kept: a server with a larger L1 sharing the store may have written it, and
+reads it."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def forge_l1_size(root: Path, l1_size: int) -> Path:
     return record
 
 
-def test_a_record_claiming_more_than_l1_is_a_damaged_miss(engine, tmp_path: Path, caplog) -> None:
+def test_a_record_claiming_more_than_l1_is_a_kept_miss(engine, tmp_path: Path, caplog) -> None:
     root = tmp_path / "l2"
     (forged_key,) = keys_of(1, 1)
     first = engine([fs_with_zstd(root)])
@@ -64,8 +65,28 @@ def test_a_record_claiming_more_than_l1_is_a_damaged_miss(engine, tmp_path: Path
         assert storage.wait_prefetch(handle, 10) == 0
     assert all(storage.l1.contains(key) for key in resident), "L1 was emptied for an impossible object"
     assert storage.adapters[0].stats().get("record_l1_size_impossible", 0) >= 1
-    assert "claims an L1 size" in caplog.text
-    assert not record.exists(), "a damaged record is removed"
+    assert "more than L1's" in caplog.text
+    assert record.exists(), "a record too large for this L1 may be another server's: kept"
+    assert storage.adapters[0].stats().get("corrupt_records_removed", 0) == 0
+
+
+def test_a_record_written_by_a_server_with_a_larger_l1_is_kept_for_it(engine, tmp_path: Path) -> None:
+    root = tmp_path / "l2"
+    (key,) = keys_of(4, 1)
+    larger = engine([fs_with_zstd(root)])
+    store(larger, [key], SIZE)
+    assert larger.flush(10)
+    larger.close()
+
+    smaller = engine([fs_with_zstd(root)], l1_gb=(SIZE // 2) / 2**30)  # L1 of half the object
+    handle = smaller.submit_prefetch([key])
+    assert smaller.wait_prefetch(handle, 10) == 0, "an object larger than L1 is a miss"
+    assert smaller.adapters[0].stats().get("record_l1_size_impossible", 0) >= 1
+    smaller.close()
+
+    again = engine([fs_with_zstd(root)])
+    handle = again.submit_prefetch([key])
+    assert again.wait_prefetch(handle, 10) == 1, "the larger server's record is still there"
 
 
 def test_an_empty_object_under_a_compressing_chain_is_loaded_not_removed(engine, tmp_path: Path) -> None:

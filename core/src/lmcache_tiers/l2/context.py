@@ -273,25 +273,22 @@ class BackendContext:
 
     def _check_l1_size(self, key: ObjectKey, header: RecordHeader) -> None:
         """Raise RecordCorruptError (counted as ``record_l1_size_impossible``, logged) for
-        a header whose L1 size no object of this adapter can have.
+        a header whose L1 size no server's object can have: other than the payload's
+        length under a chain that changes no sizes.  It would reserve the wrong room in
+        L1.  The header crc matched, so this is a forged or miswritten record, not a torn
+        one: damaged all the same.
 
-        A lookup reports that size to core, which reserves it in L1 for the prefetch: a
-        size past L1's capacity would evict all of L1 making room for an object that can
-        never fit, and one that differs from the payload's length under a chain that
-        changes no sizes would reserve the wrong room.  The header crc matched, so this is
-        a forged or miswritten record, not a torn one: damaged all the same."""
-        capacity = self._state.facts.l1_capacity
+        A size past this server's L1 is no damage: a server with a larger L1 sharing the
+        store may have written it.  ``resolve_size`` makes it a miss here (counted, the
+        record kept), so it is never reserved in an L1 it cannot fit."""
         # (An L1 size of 0 with a payload is an empty object under a chain whose output of
         # nothing is a few bytes -- zstd's frame, aesgcm's nonce and tag -- not damage.)
-        if capacity is not None and header.l1_size > capacity:
-            problem = f"an L1 size of {header.l1_size} bytes, more than L1's {capacity}"
-        elif self._state.chain.identity and header.l1_size != header.payload_len:
-            problem = (
-                f"an L1 size of {header.l1_size} bytes for a {header.payload_len}-byte payload, "
-                "and the serde chain changes no sizes"
-            )
-        else:
+        if not self._state.chain.identity or header.l1_size == header.payload_len:
             return
+        problem = (
+            f"an L1 size of {header.l1_size} bytes for a {header.payload_len}-byte payload, "
+            "and the serde chain changes no sizes"
+        )
         self.count("record_l1_size_impossible")
         self.warn(
             "record_l1_size_impossible",

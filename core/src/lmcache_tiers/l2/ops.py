@@ -280,7 +280,7 @@ def resolve_size(
             return None
         size = reported
     elif known_l1 is not None and known_l1.stored == reported:
-        return known_l1
+        return known_l1 if _possible_l1_size(state, key, known_l1) else None
     elif state.chain.identity:
         size = ObjectSize(reported, reported)
     else:
@@ -307,17 +307,18 @@ def resolve_size(
 def _possible_l1_size(state: AdapterState, key: ObjectKey, reported: ObjectSize) -> bool:
     """False (counted, logged: a miss) for a reported L1 size larger than L1 itself.
 
-    Backends that read it from a record header refuse such a record as damaged already
-    (``BackendContext.read_record_header``); this guards the ones that report it from
-    anywhere else: reserved for a prefetch, it would evict all of L1 for an object that
-    can never fit."""
+    Reserved for a prefetch, it would evict all of L1 for an object that can never fit.
+    The object is kept: a server with a larger L1 sharing the store may have written it
+    (a record header's size comes here too; ``BackendContext.read_record_header`` refuses
+    only sizes no server's object can have)."""
     capacity = state.facts.l1_capacity
     if capacity is None or reported.l1 == UNKNOWN_L1 or reported.l1 <= capacity:
         return True
     state.count("record_l1_size_impossible")
     state.burst.warn(
         "record_l1_size_impossible",
-        "%s: %s found with an L1 size of %d bytes, more than L1's %d; treated as a miss",
+        "%s: %s found with an L1 size of %d bytes, more than L1's %d; treated as a miss "
+        "(kept in the store: a server with a larger L1 may have written it)",
         state.name,
         key.file_stem(),
         reported.l1,
