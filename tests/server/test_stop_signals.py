@@ -8,12 +8,19 @@ queued for L2 are lost without a count or a log line.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import pty
 import signal
+import subprocess
+import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
-from tiers_e2e import ServerProcess, make_keys, make_payloads, start_server
+from tiers_e2e import LAUNCHER, ServerProcess, make_keys, make_payloads, start_server
 
 from lmcache_tiers.client import Client
 
@@ -93,3 +100,45 @@ def test_a_restart_on_the_same_names_serves_at_once(tmp_path: Path, sig: int) ->
                 time.sleep(0.05)
     finally:
         assert second.stop() == 0, second.output()
+
+
+def test_a_hangup_whose_terminal_went_away_stops_with_code_0(tmp_path: Path) -> None:
+    # The usual hangup: the terminal serve printed to is gone, so the stop summary it
+    # prints last cannot be written (EIO).  The stop is done by then: that is no failure,
+    # and what runs after the summary (leaving past threads stuck in calls) must still run.
+    primary, terminal = pty.openpty()
+    shm_name = f"tiers_test_{uuid.uuid4().hex[:12]}"
+    settings = {"l1_size_gb": 0.25, "host": f"ipc://{tmp_path / 'gone.sock'}", "metrics_port": 0}
+    spec = json.dumps({"config": {**settings, "l1_shm_name": shm_name}})
+    ready, errors = tmp_path / "ready", tmp_path / "stderr.txt"
+    with errors.open("wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, str(LAUNCHER), spec, str(ready)],
+            stdout=terminal,
+            stderr=stderr,
+            env={**os.environ, "LMCACHE_LOG_LEVEL": "INFO"},
+        )
+    os.close(terminal)
+    os.set_blocking(primary, False)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, errors.read_text()
+            with contextlib.suppress(BlockingIOError):
+                os.read(primary, 1 << 16)  # the banner, read as a terminal would
+            time.sleep(0.02)
+        os.close(primary)  # the terminal goes away
+        primary = -1
+        proc.send_signal(signal.SIGHUP)
+        code = proc.wait(45)
+    finally:
+        if primary >= 0:
+            os.close(primary)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        (Path("/dev/shm") / shm_name).unlink(missing_ok=True)
+    output = errors.read_text()
+    assert code == 0, output
+    assert "stopping on SIGHUP" in output
+    assert "Traceback" not in output, output

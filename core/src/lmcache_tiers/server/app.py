@@ -521,8 +521,19 @@ def run_server(
     finally:
         signals.restore()
     if banner:
-        console.print(stop_summary(summary))
+        _print_stop_summary(console, summary)
     return code
+
+
+def _print_stop_summary(console: Console, summary: dict[str, Any]) -> None:
+    """The stop's summary, for people (what L2 did not get is logged too).  A terminal
+    gone (the hangup that stopped the server) refuses it: no failure of the stop, done by
+    now, so a warning and the exit code unchanged, and ``serve`` still goes on to leave
+    past threads stuck in calls instead of waiting for them at exit."""
+    try:
+        console.print(stop_summary(summary))
+    except OSError as exc:
+        logger.warning("the stop summary could not be shown: %s", exc)
 
 
 def _build_server(
