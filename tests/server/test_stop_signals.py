@@ -142,3 +142,23 @@ def test_a_hangup_whose_terminal_went_away_stops_with_code_0(tmp_path: Path) -> 
     assert code == 0, output
     assert "stopping on SIGHUP" in output
     assert "Traceback" not in output, output
+
+
+def test_a_hangup_ignored_by_whoever_started_serve_stays_ignored(tmp_path: Path) -> None:
+    # ``nohup serve`` starts it with SIGHUP ignored so that it outlives the terminal: a
+    # hangup must then not stop it.  The SIGTERM sent after it is what stops it.
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # inherited by the server
+    try:
+        server = start_server(tmp_path / "nohup", host=f"ipc://{tmp_path / 'nohup.sock'}", metrics=False)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    try:
+        server.proc.send_signal(signal.SIGHUP)
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(45)
+    finally:
+        server.stop(signal.SIGKILL)
+    output = server.output()
+    assert code == 0, output
+    assert "stopping on SIGTERM" in output
+    assert "SIGHUP" not in output

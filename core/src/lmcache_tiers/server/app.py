@@ -643,6 +643,10 @@ class StartUpInterrupted(BaseException):
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 #: among them, those that stop at once without the drain and the flush
 FORCING_SIGNALS = frozenset({signal.SIGQUIT})
+#: among them, those left ignored when whoever started the process ignored them: ``nohup``
+#: ignores SIGHUP so that the server outlives its terminal, a shell's background job
+#: SIGQUIT so that the terminal's Ctrl-\ does not reach it
+KEPT_IGNORED = frozenset({signal.SIGHUP, signal.SIGQUIT})
 
 
 class _StopSignals:
@@ -651,8 +655,9 @@ class _StopSignals:
     Until :meth:`attach` the first signal interrupts start-up (:class:`StartUpInterrupted`)
     and later ones are ignored, so that they cannot cut the cleanup it unwinds through.
     Once attached, the first asks the server for a graceful stop (SIGQUIT: a forced one)
-    and any later one forces it.  Only the main thread can have handlers: elsewhere (a
-    server run inside a test) signals are left as they are.
+    and any later one forces it.  A signal of :data:`KEPT_IGNORED` the process was started
+    with ignored (``nohup``) stays ignored.  Only the main thread can have handlers:
+    elsewhere (a server run inside a test) signals are left as they are.
     """
 
     def __init__(self) -> None:
@@ -664,7 +669,10 @@ class _StopSignals:
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in STOP_SIGNALS:
-            self._previous[sig] = signal.getsignal(sig)
+            previous = signal.getsignal(sig)
+            if sig in KEPT_IGNORED and previous == signal.SIG_IGN:
+                continue
+            self._previous[sig] = previous
             signal.signal(sig, self._on_signal)
 
     def attach(self, server: TiersServer) -> None:
