@@ -305,18 +305,21 @@ def resolve_size(
 
 
 def _possible_l1_size(state: AdapterState, key: ObjectKey, reported: ObjectSize) -> bool:
-    """False (counted, logged: a miss) for a reported L1 size larger than L1 itself.
+    """False (counted as ``record_l1_size_past_capacity``, logged: a miss) for a reported
+    L1 size larger than L1 itself.
 
     Reserved for a prefetch, it would evict all of L1 for an object that can never fit.
     The object is kept: a server with a larger L1 sharing the store may have written it
     (a record header's size comes here too; ``BackendContext.read_record_header`` refuses
-    only sizes no server's object can have)."""
+    only sizes no server's object can have, counted as ``record_l1_size_impossible``).
+    Counted apart from that damage: an operator alerting on damage must not be paged for
+    a larger server's valid objects."""
     capacity = state.facts.l1_capacity
     if capacity is None or reported.l1 == UNKNOWN_L1 or reported.l1 <= capacity:
         return True
-    state.count("record_l1_size_impossible")
+    state.count("record_l1_size_past_capacity")
     state.burst.warn(
-        "record_l1_size_impossible",
+        "record_l1_size_past_capacity",
         "%s: %s found with an L1 size of %d bytes, more than L1's %d; treated as a miss "
         "(kept in the store: a server with a larger L1 may have written it)",
         state.name,
