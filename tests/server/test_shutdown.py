@@ -8,9 +8,8 @@ import signal
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
 
-from tiers_e2e import ServerProcess, job_store_storm, make_keys, make_payloads, start_server
+from tiers_e2e import ServerProcess, job_store_storm, make_keys, make_payloads, slow_l2_server, start_server
 
 from lmcache_tiers.client import Client
 
@@ -60,25 +59,6 @@ def test_second_signal_stops_at_once(tmp_path: Path) -> None:
     assert not server.shm_path.exists()
 
 
-def _slow_l2_server(tmp_path: Path, **config: Any) -> ServerProcess:
-    """A server whose only L2 takes 30 s for every call, holding three pending stores."""
-    server = start_server(
-        tmp_path / "server",
-        adapters=[{"type": "mock", "max_size_gb": 0.1, "latency_s": 30}],
-        metrics=False,
-        **config,
-    )
-    with Client(server.url) as client:
-        for batch in range(3):
-            tag = f"slow-l2/{batch}"
-            assert client.store(make_keys(tag, 4), make_payloads(tag, 4, 64 << 10)) == 4
-        deadline = time.monotonic() + 30
-        while client.status()["store"]["in_flight_tasks"] < 3:
-            assert time.monotonic() < deadline, "the stores never reached the slow L2"
-            time.sleep(0.05)
-    return server
-
-
 def _exited_cleanly(server: ServerProcess, guard_s: float) -> str:
     """Wait (up to the guard) for the server to exit 0; returns its output."""
     code = server.proc.wait(guard_s)
@@ -92,7 +72,7 @@ def _flush_logged(server: ServerProcess) -> bool:
 
 
 def test_a_second_signal_abandons_the_flush_of_a_slow_l2(tmp_path: Path) -> None:
-    server = _slow_l2_server(tmp_path)
+    server = slow_l2_server(tmp_path / "server")
     try:
         server.proc.send_signal(signal.SIGINT)
         deadline = time.monotonic() + 30
@@ -114,7 +94,7 @@ def test_a_second_signal_abandons_the_flush_of_a_slow_l2(tmp_path: Path) -> None
 
 
 def test_one_signal_flushes_up_to_the_deadline_and_says_so(tmp_path: Path) -> None:
-    server = _slow_l2_server(tmp_path, shutdown_timeout_s=2.0)
+    server = slow_l2_server(tmp_path / "server", shutdown_timeout_s=2.0)
     try:
         server.proc.send_signal(signal.SIGTERM)
         output = _exited_cleanly(server, 45)

@@ -20,29 +20,14 @@ import uuid
 from pathlib import Path
 
 import pytest
-from tiers_e2e import LAUNCHER, ServerProcess, make_keys, make_payloads, start_server
+from tiers_e2e import LAUNCHER, ServerProcess, make_keys, make_payloads, slow_l2_server, start_server
 
 from lmcache_tiers.client import Client
 
 
-def _holding_slow_l2_stores(tmp_path: Path, name: str) -> ServerProcess:
-    """A server on an ipc socket whose only L2 takes 30 s per call, with 3 stores pending."""
-    server = start_server(
-        tmp_path / name,
-        host=f"ipc://{tmp_path / name}.sock",
-        adapters=[{"type": "mock", "max_size_gb": 0.1, "latency_s": 30}],
-        metrics=False,
-        shutdown_timeout_s=1.0,
-    )
-    with Client(server.url) as client:
-        for batch in range(3):
-            tag = f"{name}/{batch}"
-            assert client.store(make_keys(tag, 4), make_payloads(tag, 4, 64 << 10)) == 4
-        deadline = time.monotonic() + 30
-        while client.status()["store"]["in_flight_tasks"] < 3:
-            assert time.monotonic() < deadline, "the stores never reached the slow L2"
-            time.sleep(0.05)
-    return server
+def _slow_l2_on_ipc(tmp_path: Path, name: str) -> ServerProcess:
+    """A server on an ipc socket holding 3 stores for a slow L2, with a 1 s flush."""
+    return slow_l2_server(tmp_path / name, host=f"ipc://{tmp_path / name}.sock", shutdown_timeout_s=1.0)
 
 
 def _stopped(server: ServerProcess, sig: int) -> tuple[int, str]:
@@ -55,7 +40,7 @@ def _stopped(server: ServerProcess, sig: int) -> tuple[int, str]:
 
 
 def test_a_hangup_stops_gracefully_and_counts_what_l2_did_not_get(tmp_path: Path) -> None:
-    server = _holding_slow_l2_stores(tmp_path, "hup")
+    server = _slow_l2_on_ipc(tmp_path, "hup")
     code, output = _stopped(server, signal.SIGHUP)
     assert code == 0, output
     assert "stopping on SIGHUP" in output
@@ -66,7 +51,7 @@ def test_a_hangup_stops_gracefully_and_counts_what_l2_did_not_get(tmp_path: Path
 
 
 def test_sigquit_stops_at_once_and_counts_what_l2_did_not_get(tmp_path: Path) -> None:
-    server = _holding_slow_l2_stores(tmp_path, "quit")
+    server = _slow_l2_on_ipc(tmp_path, "quit")
     code, output = _stopped(server, signal.SIGQUIT)
     assert code == 0, output
     assert "stopping at once on SIGQUIT" in output

@@ -120,6 +120,26 @@ def start_server(
     return server
 
 
+def slow_l2_server(log_dir: Path, **config: Any) -> ServerProcess:
+    """A server whose only L2 takes 30 s for every call, holding three pending stores
+    (12 objects acknowledged to the client and not yet in L2)."""
+    server = start_server(
+        log_dir,
+        adapters=[{"type": "mock", "max_size_gb": 0.1, "latency_s": 30}],
+        metrics=False,
+        **config,
+    )
+    with Client(server.url) as client:
+        for batch in range(3):
+            tag = f"slow-l2/{log_dir.name}/{batch}"
+            assert client.store(make_keys(tag, 4), make_payloads(tag, 4, 64 << 10)) == 4
+        deadline = time.monotonic() + 30
+        while client.status()["store"]["in_flight_tasks"] < 3:
+            assert time.monotonic() < deadline, "the stores never reached the slow L2"
+            time.sleep(0.05)
+    return server
+
+
 def fetch(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, str]:
     """GET ``url``: (status, content type, body), for error statuses too."""
     request = urllib.request.Request(url, headers=headers or {})
