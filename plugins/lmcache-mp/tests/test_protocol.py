@@ -284,6 +284,8 @@ def test_an_unregister_leaves_the_transfers_other_connections_are_copying(
     shm = client.register(REG)["shm_name"]
     stored(client, 33, shm)
     with MPClient(mp_address(mp_server)) as other:
+        other.register(REG)  # it maps the segment too; then the registration is the first's again
+        client.register(REG)
         reading = Key(tokens_of(33), "other-read", worker_id=0)
         assert other.call("prepare_retrieve", reading.encode(), REG.instance_id)["success"] is True
         writing = Key(tokens_of(34), "other-write", worker_id=0)
@@ -294,6 +296,23 @@ def test_an_unregister_leaves_the_transfers_other_connections_are_copying(
         status = l1(mp_server)
         assert status["write_locked"] == 4  # the other connection's; its own are aborted
         assert status["read_locks"] == 4
+
+
+def test_a_connection_that_did_not_register_gets_no_slots(client: MPClient, mp_server: TiersServer) -> None:
+    """A client of a previous server process that ZeroMQ reconnected here maps that
+    server's segment: offsets in this one would have it copy its chunks into memory this
+    server never sees (and commit the extents' stale bytes) or read garbage as KV."""
+    shm = client.register(REG)["shm_name"]
+    stored(client, 39, shm)
+    with MPClient(mp_address(mp_server)) as unmapped:
+        writing = Key(tokens_of(40), "unmapped-write", worker_id=0)
+        assert unmapped.call("prepare_store", writing.encode(), REG.instance_id)["context"]["slots"] == []
+        reading = Key(tokens_of(39), "unmapped-read", worker_id=0)
+        assert unmapped.call("prepare_retrieve", reading.encode(), REG.instance_id)["success"] is False
+        assert mp_stats(mp_server).failures["mp_transfer_unregistered_connection"] == 2
+        assert l1(mp_server)["write_locked"] == l1(mp_server)["read_locks"] == 0
+        unmapped.register(REG)  # registered: it maps this segment now
+        assert len(unmapped.call("prepare_store", writing.encode(), REG.instance_id)["context"]["slots"]) == 4
 
 
 def test_a_registration_with_another_layout_leaves_other_connections_transfers(
@@ -311,6 +330,7 @@ def test_a_registration_with_another_layout_leaves_other_connections_transfers(
     write_slots = client.call("prepare_store", writing.encode(), REG.instance_id)["context"]["slots"]
     assert len(write_slots) == 4
     with MPClient(mp_address(mp_server)) as restarted:
+        restarted.register(REG)  # a restarted client registers before it transfers
         own = Key(tokens_of(38), "own-write", worker_id=0)
         assert len(restarted.call("prepare_store", own.encode(), REG.instance_id)["context"]["slots"]) == 4
         restarted.register(Registration(hidden_dim_size=32))

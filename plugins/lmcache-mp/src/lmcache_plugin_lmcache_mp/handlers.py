@@ -127,6 +127,7 @@ class Handlers:
         existing = shared.instances.get(payload.instance_id)
         if existing is not None and _same_registration(existing, payload, shared.chunk_size):
             existing.last_seen = now  # a repeat only refreshes liveness, as in LMCache
+            existing.note_mapped(peer)  # it maps the segment this reply names
             if existing.peer != peer:
                 # A restarted client process: the registration is its own from now on, and
                 # the earlier process's unregister (maybe still on its way) leaves it alone.

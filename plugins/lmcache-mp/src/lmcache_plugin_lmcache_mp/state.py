@@ -31,6 +31,10 @@ from lmcache_tiers.plugin import ObjectKey, TensorLayout
 
 __all__ = ["Instance", "LookupJob", "PendingTransfers", "RequestTable", "Transfer"]
 
+#: connections remembered per instance as having registered it (see Instance.mapped_by):
+#: client processes sharing an instance id at once; beyond it the oldest must register again
+MAX_MAPPING_CONNECTIONS = 64
+
 #: a client connection's ZeroMQ identity (named: Transfer has a field called ``bytes``)
 Peer = bytes
 
@@ -49,6 +53,20 @@ class Instance:
     #: unregister the instance (an earlier process of a restarted client may not)
     peer: bytes = b""
     pinged: bool = False
+    #: every connection that registered the instance with this server (oldest first,
+    #: bounded): only those mapped this server's segment.  A connection that did not -- a
+    #: client of the previous server process that ZeroMQ reconnected here -- still maps the
+    #: old segment: offsets in this one would have it copy into or out of the wrong memory.
+    mapped_by: dict[bytes, None] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.note_mapped(self.peer)
+
+    def note_mapped(self, peer: bytes) -> None:
+        self.mapped_by.pop(peer, None)
+        self.mapped_by[peer] = None
+        while len(self.mapped_by) > MAX_MAPPING_CONNECTIONS:
+            del self.mapped_by[next(iter(self.mapped_by))]
 
     @property
     def object_bytes(self) -> int:

@@ -59,6 +59,7 @@ class Transfers:
         self._pickle_rejections = BurstLog(logger, "mp_pickle_rejected")
         self._lost_commits = BurstLog(logger, "mp_commit_lost")
         self._expiries = BurstLog(logger, "mp_transfer_expired")
+        self._unmapped = BurstLog(logger, "mp_transfer_unregistered_connection")
 
     def _resolve(self, key: CacheKey, instance_id: int) -> tuple[Instance, list[ObjectKey]]:
         instance = self.shared.instance(instance_id)
@@ -91,6 +92,8 @@ class Transfers:
             return PrepareStoreReply(context=_ALL_PRESENT)  # no full chunk: nothing to store
         if self.shared.shm is None:
             return PrepareStoreReply(context={})  # pickled: the chunks come with commit_store
+        if not self._maps_segment(instance, peer, "store"):
+            return PrepareStoreReply(context=_ALL_PRESENT)  # no slots: the client skips its copy
         repeated = self.writes.pop(instance_id, key.request_id, keys, time.monotonic(), peer)
         if repeated is not None:
             # The same request prepares the same range again on the same connection (it
@@ -247,6 +250,25 @@ class Transfers:
 
         return Deferred(work)
 
+    def _maps_segment(self, instance: Instance, peer: bytes, what: str) -> bool:
+        """Whether the connection registered the instance with this server, and so maps
+        this server's segment.  One that did not (a client of the previous server process,
+        reconnected by ZeroMQ, or one whose connection was re-established) still maps some
+        other memory: given offsets, it would copy its chunks where this server never sees
+        them and commit the extents' stale bytes, or read garbage as KV.  Its store gets no
+        slots and its retrieve misses until it registers again."""
+        if peer in instance.mapped_by:
+            return True
+        self.shared.stats.failure("mp_transfer_unregistered_connection")
+        self._unmapped.event(
+            1,
+            f"transfers refused ({what} of instance {instance.instance_id}): their connection did not "
+            "register the instance with this server process, so it does not map this server's "
+            "segment (a client of a restarted server, or a reconnected one, that has not "
+            "registered again)",
+        )
+        return False
+
     def _refuse_l1_full(self, exc: L1OutOfMemoryError) -> None:
         self.shared.stats.failure("mp_store_refused_l1_full")
         self._refusals.event(1, f"stores refused: L1 cannot make room ({exc})")
@@ -269,6 +291,8 @@ class Transfers:
     def prepare_retrieve(self, key: CacheKey, instance_id: int, *, peer: bytes = b"") -> Any:
         instance, keys = self._resolve(key, instance_id)
         if not keys:
+            return _MISS
+        if self.shared.shm is not None and not self._maps_segment(instance, peer, "retrieve"):
             return _MISS
         now = time.monotonic()
         deadline = now + self.shared.lock_ttl_s  # not after L1's own (see prepare_store)
