@@ -28,6 +28,14 @@ def fs_with_zstd(path: Path):  # type: ignore[no-untyped-def]
     return spec({"type": "fs", "path": str(path), "serde": [{"type": "zstd"}]})
 
 
+def stored_by_a_server_now_closed(engine, root: Path, key, size: int = SIZE) -> None:  # type: ignore[no-untyped-def]
+    """``key`` stored in the fs store at ``root`` by a server that has closed since."""
+    earlier = engine([fs_with_zstd(root)])
+    assert store(earlier, [key], size) == [key]
+    assert earlier.flush(10)
+    earlier.close()
+
+
 def forge_l1_size(root: Path, l1_size: int) -> Path:
     """Rewrite the one record under ``root`` with ``l1_size`` in its header (crc valid)."""
     (record,) = [path for path in root.rglob("*") if path.is_file() and path.stat().st_size > SIZE // 64]
@@ -50,10 +58,7 @@ def forge_l1_size(root: Path, l1_size: int) -> Path:
 def test_a_record_claiming_more_than_l1_is_a_kept_miss(engine, tmp_path: Path, caplog) -> None:
     root = tmp_path / "l2"
     (forged_key,) = keys_of(1, 1)
-    first = engine([fs_with_zstd(root)])
-    store(first, [forged_key], SIZE)
-    assert first.flush(10)
-    first.close()
+    stored_by_a_server_now_closed(engine, root, forged_key)
     record = forge_l1_size(root, 2**62)
 
     storage = engine([fs_with_zstd(root)])
@@ -75,10 +80,7 @@ def test_a_record_claiming_more_than_l1_is_a_kept_miss(engine, tmp_path: Path, c
 def test_a_record_written_by_a_server_with_a_larger_l1_is_kept_for_it(engine, tmp_path: Path) -> None:
     root = tmp_path / "l2"
     (key,) = keys_of(4, 1)
-    larger = engine([fs_with_zstd(root)])
-    store(larger, [key], SIZE)
-    assert larger.flush(10)
-    larger.close()
+    stored_by_a_server_now_closed(engine, root, key)  # by a server with the larger L1
 
     smaller = engine([fs_with_zstd(root)], l1_gb=(SIZE // 2) / 2**30)  # L1 of half the object
     handle = smaller.submit_prefetch([key])
@@ -97,10 +99,7 @@ def test_an_empty_object_under_a_compressing_chain_is_loaded_not_removed(engine,
     # payload is what an empty object's record holds, not damage.
     root = tmp_path / "l2"
     (empty_key,) = keys_of(3, 1)
-    first = engine([fs_with_zstd(root)])
-    assert store(first, [empty_key], 0) == [empty_key]
-    assert first.flush(10)
-    first.close()
+    stored_by_a_server_now_closed(engine, root, empty_key, 0)
 
     storage = engine([fs_with_zstd(root)])
     handle = storage.submit_prefetch([empty_key])
