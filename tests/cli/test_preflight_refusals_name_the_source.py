@@ -4,12 +4,9 @@ on the command line, the key in the --config file -- never a flag the user did n
 from __future__ import annotations
 
 import os
-import socket
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from thirdparty import free_port, run_cli
 
 NARROW = {"COLUMNS": "40"}
@@ -35,14 +32,6 @@ def _serve_refused(args: list[str], size: list[str] | None = None) -> str:
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert not os.path.exists(f"/dev/shm/{shm}")
     return lines[0]
-
-
-@pytest.fixture
-def taken_port() -> Iterator[int]:
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        yield int(holder.getsockname()[1])
 
 
 def test_a_metrics_port_in_use_set_in_the_config_file_is_named_by_its_key(

@@ -186,14 +186,6 @@ def test_an_l1_larger_than_the_available_memory_is_refused(monkeypatch: pytest.M
     preflight.check_l1_room(build_config(load_registry(), overrides={"l1_size_gb": 2.0}))
 
 
-@pytest.fixture
-def taken_port() -> Iterator[int]:
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        yield int(holder.getsockname()[1])
-
-
 def test_the_rpc_port_in_use_names_port(taken_port: int) -> None:
     line = _serve_refused(["--no-default-l2", "--port", str(taken_port)])
     assert line == (

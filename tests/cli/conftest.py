@@ -1,0 +1,17 @@
+"""Fixtures the command-line tests share."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A loopback port another socket listens on for the test's length."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield int(holder.getsockname()[1])
