@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from test_lmcache_reference import REF_ENV, REF_VENV, reference_installed  # noqa: F401
-from tiers_e2e import HERE, ServerProcess, start_server
+from tiers_e2e import HERE, ServerProcess, fetch, start_server
 
 from lmcache_tiers.testing.ports import free_ports
 
@@ -164,4 +164,31 @@ def test_a_client_left_on_the_old_segment_cannot_store_garbage(tmp_path: Path) -
         stale.close()
         if fresh is not None:
             fresh.close()
+        server.stop()
+
+
+def test_a_store_into_l1_full_of_read_locked_chunks_is_refused_and_counted(tmp_path: Path) -> None:
+    """32 MiB chunks in a 256 MiB L1: six stored and held by a lookup's read locks leave no
+    room for three more.  LMCache's client gets an answer (no slots: it skips its copy and
+    commit), the refusal is counted, and neither request's bytes are disturbed."""
+    server = serve(tmp_path, "server")
+    client = RefClient(server.url)
+    big = {"layers": 32, "slots": 256, "hidden": 1024, "dtype": "bfloat16"}
+    held = request("held", tokens=[5] + [6] * (6 * 256), end=6 * 256)
+    refused = request("refused", tokens=[8] + [9] * (3 * 256), end=3 * 256)
+    try:
+        client.call("register", instance=3, model=MODEL, world_size=1, **big)
+        stored = client.call("store", instance=3, seed=4, **held)
+        assert stored["committed"] is True and stored["slots"] == 6, stored
+        assert client.call("lookup", **held, readers=1)["hits"] == 6  # read-locks all six
+        answer = client.call("store", instance=3, seed=8, **refused)
+        assert answer == {"slots": 0, "committed": False, "digests": {}}, answer
+        status = json.loads(fetch(f"{server.http_url}/status")[2])
+        mp = next(entry for entry in status["frontends"] if entry["type"] == "lmcache_mp")
+        assert mp["failures"].get("mp_store_refused_l1_full", 0) >= 1, mp["failures"]
+        assert client.call("lookup", **refused, readers=1)["hits"] == 0
+        got = client.call("retrieve", instance=3, **held)["digests"]
+        assert got == [stored["digests"][str(i)] for i in range(6)]
+    finally:
+        client.close()
         server.stop()
