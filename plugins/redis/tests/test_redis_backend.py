@@ -262,8 +262,10 @@ def test_a_damaged_record_the_store_refuses_to_remove_is_counted(
     own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
     # A user allowed to read and write objects but not to run scripts: the removal fails.
-    own_server.cli("ACL", "SETUSER", "tiers", "on", ">tiers-pw", "~*", "+@all", "-@scripting")
+    # (Denied at start-up the adapter is refused; the ACL changes after it opened.)
+    own_server.cli("ACL", "SETUSER", "tiers", "on", ">tiers-pw", "~*", "+@all")
     adapter = open_adapter(url=own_server.url, key_prefix=prefix, username="tiers", password="tiers-pw")
+    own_server.cli("ACL", "SETUSER", "tiers", "-@scripting")
     keys = make_keys(1)
     data = store(adapter, keys)
     raw = redis.Redis.from_url(own_server.url)
@@ -637,10 +639,12 @@ def test_a_delete_the_store_refuses_is_counted_and_logged(
 ) -> None:
     # A user allowed to write objects but not to remove them: each refusal is an error
     # reply, and the object stays (accounted) -- counted and explained, never silent.
-    own_server.cli("ACL", "SETUSER", "tiers", "on", ">tiers-pw", "~*", "+@all", "-unlink")
+    # (Denied at start-up the adapter is refused; the ACL changes after it opened.)
+    own_server.cli("ACL", "SETUSER", "tiers", "on", ">tiers-pw", "~*", "+@all")
     adapter = open_adapter(
         url=own_server.url, key_prefix=prefix, username="tiers", password="tiers-pw", max_capacity_gb=1.0
     )
+    own_server.cli("ACL", "SETUSER", "tiers", "-unlink")
     keys = make_keys(2)
     store(adapter, keys, size=16)
     with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
@@ -1531,3 +1535,59 @@ def test_a_cluster_batch_one_node_of_which_refuses_writes_counts_its_keys_as_ref
         assert stats["backend_errors"] >= 1, "the refusal reaches the circuit breaker"
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize(
+    ("rules", "named"),
+    [
+        (["~*", "+@all", "-hset"], "HSET: .*'hset' command"),
+        (["~*", "+@all", "-@scripting"], "EVALSHA: .*'evalsha' command.*EVAL: "),
+        (["~*", "+@all", "-unlink"], "UNLINK: .*'unlink' command"),
+        (["~elsewhere:*", "+@all"], "HSET: .*keys"),
+        (["~*", "+@all", "-ping"], "PING"),
+    ],
+    ids=["no-hset", "no-scripts", "no-unlink", "other-keys", "no-ping"],
+)
+def test_a_user_the_acl_denies_a_needed_command_is_refused_at_start_up(
+    own_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    rules: list[str],
+    named: str,
+) -> None:
+    # Without the refusal the adapter would start and then fail every lookup, or refuse
+    # every store or delete object by object, long after start-up.
+    own_server.cli("ACL", "SETUSER", "limited", "reset", "on", ">limited-pw", *rules)
+    with pytest.raises(ConfigError, match=named):
+        open_adapter(url=own_server.url, key_prefix=prefix, username="limited", password="limited-pw")
+    # The check ran nothing: no name was written under the prefix.
+    assert redis.Redis.from_url(own_server.url).keys(glob_escape(prefix) + "*") == []
+
+
+def test_a_user_allowed_the_needed_commands_on_its_prefix_opens(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    own_server.cli(
+        "ACL",
+        "SETUSER",
+        "narrow",
+        "reset",
+        "on",
+        ">narrow-pw",
+        f"~{glob_escape(prefix)}*",
+        "+ping",
+        "+hset",
+        "+hget",
+        "+hmget",
+        "+scan",
+        "+evalsha",
+        "+eval",
+        "+unlink",
+        "+multi",
+        "+discard",
+    )
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix, username="narrow", password="narrow-pw")
+    keys = make_keys(2)
+    data = store(adapter, keys)
+    assert load(adapter, keys, [4096, 4096]) == ([True, True], data)
+    assert adapter.delete(keys) == [True, True]

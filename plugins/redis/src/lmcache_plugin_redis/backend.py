@@ -51,6 +51,7 @@ from redis import Redis, RedisCluster
 from redis.exceptions import (
     ClusterDownError,
     InvalidResponse,
+    NoPermissionError,
     NoScriptError,
     OutOfMemoryError,
     ReadOnlyError,
@@ -67,6 +68,7 @@ from lmcache_plugin_redis.direct import DirectConnections, Send, pack_command
 from lmcache_plugin_redis.replies import ReplyReader
 from lmcache_tiers.plugin import (
     BackendContext,
+    ConfigError,
     KeptByDelete,
     ObjectKey,
     ObjectSize,
@@ -136,6 +138,43 @@ def refuses_everything(reply: Any) -> bool:
 def per_object_error(reply: Any) -> bool:
     """An error reply about one object (WRONGTYPE, NOPERM for its name, OOM ...)."""
     return isinstance(reply, ResponseError) and not refuses_everything(reply)
+
+
+#: the key name the start-up permission check queues commands on (never written)
+PERMISSION_PROBE = "permission-check"
+
+
+def permission_refusals(client: Redis, name: str) -> list[str]:
+    """The store's refusals (NOPERM ...) of the commands the adapter sends, each queued
+    in a MULTI on ``name`` and the transaction discarded: nothing runs, nothing is written."""
+    commands: list[tuple[Any, ...]] = [
+        ("HSET", name, HEADER, b"", PAYLOAD, b""),
+        ("HGET", name, HEADER),
+        ("HMGET", name, HEADER, PAYLOAD),
+        ("SCAN", 0, "MATCH", glob_escape(name), "COUNT", 1),
+        ("EVALSHA", _REMOVE_IF_UNCHANGED_SHA, 1, name, b""),
+        ("EVAL", _REMOVE_IF_UNCHANGED, 1, name, b""),
+        ("UNLINK", name),
+    ]
+    connection = client.connection_pool.get_connection()
+    refusals: list[str] = []
+    try:
+        connection.send_command("MULTI")
+        connection.read_response()
+        for command in commands:
+            connection.send_command(*command)
+            try:
+                connection.read_response()
+            except ResponseError as exc:
+                refusals.append(f"{command[0]}: {exc}")
+        connection.send_command("DISCARD")
+        connection.read_response()
+    except BaseException:
+        connection.disconnect()  # a transaction may be left open on it
+        raise
+    finally:
+        client.connection_pool.release(connection)
+    return refusals
 
 
 def glob_escape(text: str) -> str:
@@ -341,13 +380,39 @@ class RedisBackend:
     def open(self) -> None:
         try:
             self.client.ping()
+        except NoPermissionError as exc:
+            raise ConfigError(f"{self.context.name}: the Redis user may not run PING ({exc})") from None
         except Exception as exc:  # RedisError, or RedisClusterException when no seed answers
             # Not fatal: the circuit breaker keeps probing and the adapter heals when it answers.
             log.warning(
                 "%s: %s does not answer yet (%s: %s)", self.context.name, self.target, type(exc).__name__, exc
             )
             return
+        if isinstance(self.client, Redis):
+            try:
+                self._refuse_missing_permissions(self.client)
+            except RedisError as exc:  # the store went away, or refuses MULTI: not checked
+                log.warning(
+                    "%s: could not check the Redis user's permissions (%s: %s)",
+                    self.context.name,
+                    type(exc).__name__,
+                    exc,
+                )
         log.info("%s: connected to %s, objects named %r + key", self.context.name, self.target, self.prefix)
+
+    def _refuse_missing_permissions(self, client: Redis) -> None:
+        """Refuse to start when the store's ACL denies this user a command the adapter
+        sends, naming each: otherwise every lookup would fail, every store or delete be
+        refused object by object, long after start-up.  The commands are queued in a
+        MULTI and discarded -- the store checks permissions (commands and key patterns)
+        as it queues them, and runs none -- on a name under the prefix never written."""
+        denied = permission_refusals(client, self.prefix + PERMISSION_PROBE)
+        if denied:
+            raise ConfigError(
+                f"{self.context.name}: the Redis user may not run what the adapter needs "
+                f"({'; '.join(denied)}): grant it HSET, HGET, HMGET, SCAN, EVALSHA, EVAL "
+                f"and UNLINK on keys {self.prefix!r}*"
+            )
 
     def ping(self) -> None:
         client = self.client
