@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,47 @@ def test_ipc_endpoint(tmp_path: Path) -> None:
     finally:
         assert server.stop() == 0, server.output()
     assert not socket_path.exists()
+
+
+def test_an_ipc_socket_only_its_owner_can_connect_to(tmp_path: Path) -> None:
+    """Connecting to a Unix socket needs write permission on it: libzmq creates the file
+    under the umask (0775 under 002), which would let the group into a server that asks
+    no token of ipc:// clients."""
+    socket_path = tmp_path / "tiers.sock"
+    previous = os.umask(0o002)  # inherited by the server process
+    try:
+        server = start_server(
+            tmp_path / "server",
+            metrics=False,
+            host=f"ipc://{socket_path}",
+            frontends=[{"type": "native"}, {"type": "lmcache_mp", "host": f"ipc://{tmp_path / 'mp.sock'}"}],
+        )
+    finally:
+        os.umask(previous)
+    try:
+        for path in (socket_path, tmp_path / "mp.sock"):
+            info = path.stat()
+            assert stat.S_ISSOCK(info.st_mode)
+            assert stat.S_IMODE(info.st_mode) == 0o600, (path, oct(info.st_mode))
+            assert info.st_uid == os.getuid()
+        with Client(server.url) as client:
+            assert client.lookup(make_keys("ipc-mode", 1)) == 0
+    finally:
+        assert server.stop() == 0, server.output()
+
+
+def test_lmcache_mp_beyond_loopback_warns_that_anyone_reaching_it_is_served(tmp_path: Path) -> None:
+    mp = {"type": "lmcache_mp", "host": "0.0.0.0", "port": free_port(), "allow_remote": True}
+    server = start_server(tmp_path / "server", metrics=False, frontends=[{"type": "native"}, mp])
+    try:
+        with Client(server.url) as client:
+            assert client.lookup(make_keys("remote-mp", 1)) == 0
+    finally:
+        assert server.stop() == 0, server.output()
+    warnings = [line for line in server.output().splitlines() if "allow_remote" in line]
+    assert len(warnings) == 1, server.output()
+    assert "WARNING" in warnings[0] and "no credentials" in warnings[0]
+    assert f"0.0.0.0:{mp['port']}" in warnings[0]
 
 
 def test_no_shm_server_serves_inline(tmp_path: Path) -> None:

@@ -114,6 +114,8 @@ class RouterLoop:
             raise OSError(exc.errno, f"cannot listen on {endpoint}: {exc.strerror}") from None
         raw = self.socket.getsockopt(zmq.LAST_ENDPOINT)
         self.endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if self.endpoint.startswith("ipc://"):
+            self._restrict_to_owner(self.endpoint[len("ipc://") :])
         self._pool = ThreadPoolExecutor(max_workers=pool_workers, thread_name_prefix=f"tiers-{name}")
         self._completions: collections.deque[tuple[Done, Any, BaseException | None, object]] = (
             collections.deque()
@@ -159,6 +161,19 @@ class RouterLoop:
         """Release the socket of a loop that will not run (start-up failed later on)."""
         self._pool.shutdown(wait=False)
         self._close_sockets(0)
+
+    def _restrict_to_owner(self, path: str) -> None:
+        """Connecting to a Unix socket takes write permission on its file, which libzmq
+        creates under the umask (0775 under 002 lets the group in).  An ipc:// endpoint
+        asks no token, like loopback, so only the server's user (and root) may connect.
+        libzmq binds and listens in one call, so the file is open to the umask's mode for
+        the instant before this (docs/server.md: a private directory closes that too).
+        Failing that, the server does not start."""
+        try:
+            os.chmod(path, 0o600)
+        except OSError as exc:
+            self._close_sockets(0)
+            raise OSError(exc.errno, f"cannot make {path} private to this user: {exc.strerror}") from None
 
     def _close_sockets(self, linger: int | None = None) -> None:
         with self._waker_lock:

@@ -10,7 +10,7 @@ from lmcache_plugin_lmcache_mp.base import Shared
 from lmcache_plugin_lmcache_mp.handlers import Handlers
 from lmcache_plugin_lmcache_mp.loop import MPServer
 from lmcache_plugin_lmcache_mp.state import RequestTable
-from lmcache_tiers.plugin import FrontendContext, FrontendStats
+from lmcache_tiers.plugin import FrontendContext, FrontendStats, is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -18,6 +18,11 @@ PICKLE_WARNING = (
     "%s: the pickle data path is ON (allow_pickle): the server unpickles KV chunks sent by "
     "clients. Only torch tensors are rebuilt, but torch's loader then reads client bytes: "
     "let only trusted clients reach %s"
+)
+REMOTE_WARNING = (
+    "%s: listening on %s beyond loopback (allow_remote): LMCache's protocol carries no "
+    "credentials, so anyone who can reach this address can read and overwrite cached KV "
+    "data; firewall it to trusted clients"
 )
 
 
@@ -61,6 +66,9 @@ class LMCacheMPFrontend:
         )
         if codec is not None:
             logger.warning(PICKLE_WARNING, self.name, self.loop.router.endpoint)
+        host, _ = config.address(context.server)
+        if not is_loopback(host):
+            logger.warning(REMOTE_WARNING, self.name, self.loop.router.endpoint)
 
     @property
     def address(self) -> str:
