@@ -57,7 +57,7 @@ def test_front_ends_come_from_a_toml_table(tmp_path: Path) -> None:
         (
             [{"type": "lmcache_mp", "port": 9090}],
             {"metrics_port": 9090},
-            "metrics_port 9090: front end 0:lmcache_mp and the HTTP endpoint would both listen",
+            "metrics_port 9090: the HTTP endpoint would listen on 127.0.0.1:9090, as front end 0:lmcache_mp",
         ),
         (
             [{"type": "native", "host": "localhost", "port": 7001}, {"type": "lmcache_mp", "port": 7001}],

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from thirdparty import run_cli
 
+from lmcache_tiers.config import FrontendConfig, FrontendSpec, ServerConfig
+from lmcache_tiers.errors import SettingRefused
 from lmcache_tiers.testing.ports import free_port
 
 NARROW = {"COLUMNS": "40"}
@@ -52,3 +54,34 @@ def test_no_front_end_names_the_config_key_as_well_as_the_flag(tmp_path: Path) -
         assert "frontends in --config" in str(exc), exc
     else:
         raise AssertionError("a server with no front end was not refused")
+
+
+def test_an_http_port_clash_names_the_port_setting_of_each_listener(tmp_path: Path) -> None:
+    # The HTTP endpoint's port is metrics_port (or the flag that set it), never "port":
+    # the refusal names it once, as the user gave it, and "port" only for the front end.
+    port = free_port()
+    line = _refusal(["--config", str(_native_on(tmp_path, port)), "--metrics-port", str(port)])
+    assert line.endswith('change it, or give front end 0:native another "port"'), line
+    assert "one of them" not in line, line
+
+
+class _RefusesItsHost(FrontendConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A third-party front end whose own check refuses a server setting by name."""
+
+    def check(self, server: ServerConfig, auth_token: str | None) -> None:
+        raise SettingRefused("host", server.host, "this front end listens on loopback only")
+
+
+def test_a_front_ends_own_setting_refusal_keeps_its_type_so_serve_names_the_flag() -> None:
+    from lmcache_tiers.cli.serve_cmd import name_flag
+    from lmcache_tiers.frontend import check_frontends
+
+    server = ServerConfig(host="0.0.0.0", frontends=(FrontendSpec(type="guarded", config=_RefusesItsHost()),))
+    try:
+        check_frontends(server, None)
+    except SettingRefused as exc:
+        assert exc.setting == "host", exc
+        named = str(name_flag(exc, {"host"}))
+        assert named == "--host 0.0.0.0: front end 0:guarded: this front end listens on loopback only", named
+    else:
+        raise AssertionError("the front end's refusal was lost or lost its type")

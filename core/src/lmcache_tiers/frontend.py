@@ -25,7 +25,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, runtime_checkable
 
 from lmcache_tiers.config import FrontendConfig
 from lmcache_tiers.endpoints import rpc_endpoint
@@ -261,6 +261,35 @@ def _overlap(a: tuple[str, int], b: tuple[str, int]) -> bool:
 _HTTP_ENDPOINT = "the HTTP endpoint"
 
 
+def _run_own_check(label: str, spec: FrontendSpec, server: ServerConfig, auth_token: str | None) -> None:
+    """A front end's own check, its refusal prefixed with the front end's label.  A
+    SettingRefused keeps its type (and setting), so ``serve`` can still name the setting
+    by the flag or variable that set it."""
+    try:
+        spec.config.check(server, auth_token)
+    except SettingRefused as exc:
+        raise SettingRefused(exc.setting, exc.value, f"{label}: {exc.reason}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{label}: {exc}") from None
+
+
+def _refuse_clash(server: ServerConfig, label: str, other_label: str, address: tuple[str, int]) -> NoReturn:
+    """Refuse two listeners on one address, naming the setting that moves each one."""
+    where = address[0] if address[0].startswith("ipc://") else f"{address[0]}:{address[1]}"
+    if label == _HTTP_ENDPOINT:
+        # Refused as metrics_port, which ``serve`` renames to the flag or variable that set
+        # it: the reason names no setting of its own so it stays true under either name.
+        raise SettingRefused(
+            "metrics_port",
+            server.metrics_port,
+            f"{label} would listen on {where}, as {other_label} does: change it, or give "
+            f'{other_label} another "port"',
+        )
+    raise ConfigError(
+        f'{other_label} and {label} would both listen on {where}: give one of them another "port"'
+    )
+
+
 def check_frontends(server: ServerConfig, auth_token: str | None) -> None:
     """Everything about the front ends that can be refused before L1 exists: each one's own
     checks, and two listeners (front ends, the HTTP endpoint) on one address."""
@@ -272,21 +301,11 @@ def check_frontends(server: ServerConfig, auth_token: str | None) -> None:
     listeners: list[tuple[str, tuple[str, int]]] = []
     for index, spec in enumerate(server.frontends):
         label = f"front end {index}:{spec.type}"
-        try:
-            spec.config.check(server, auth_token)
-        except ConfigError as exc:
-            raise ConfigError(f"{label}: {exc}") from None
+        _run_own_check(label, spec, server, auth_token)
         listeners.append((label, spec.config.address(server)))
     if server.metrics_port:
         listeners.append((_HTTP_ENDPOINT, (server.metrics_host, server.metrics_port)))
     for position, (label, address) in enumerate(listeners):
         for other_label, other in listeners[:position]:
             if _overlap(address, other):
-                where = address[0] if address[0].startswith("ipc://") else f"{address[0]}:{address[1]}"
-                clash = (
-                    f'{other_label} and {label} would both listen on {where}: give one of them another "port"'
-                )
-                if label == _HTTP_ENDPOINT:
-                    # Named as the user set it: ``serve`` swaps in the flag or variable if one did.
-                    raise SettingRefused("metrics_port", server.metrics_port, clash)
-                raise ConfigError(clash)
+                _refuse_clash(server, label, other_label, address)
