@@ -77,3 +77,11 @@ def test_a_reply_failing_midway_never_arrives_with_its_full_frame_count(
         assert received[: frames_sent - 1] == reply[1:frames_sent]
     finally:
         context.destroy(0)
+
+
+def test_the_receive_queue_holds_a_bounded_number_of_messages_per_connection(loop: RouterLoop) -> None:
+    # Messages queued before the loop reads them have had no token checked: libzmq's
+    # default of 1000 maximum-size messages per connection is memory an unauthenticated
+    # peer could fill.  The bound still leaves room for the native client's 32 in flight.
+    queued = loop.socket.getsockopt(zmq.RCVHWM)
+    assert 32 <= queued <= 64, queued

@@ -52,6 +52,13 @@ _ZERO_COPY_BYTES = 64 << 10
 
 #: what ``submit``'s ``done`` gets on the loop thread: the work's result, or what it raised
 Done = Callable[[Any, "BaseException | None"], None]
+#: complete messages libzmq queues per connection before the loop reads them (its default
+#: is 1000).  Until the loop gets to a request nobody has checked its token, so this times
+#: the largest message is what one connection, authenticated or not, can make the server
+#: hold.  A full queue stops libzmq reading that connection (TCP pushes back on the
+#: sender; nothing is dropped), and 64 is twice the native client's 32 requests in flight,
+#: so pipelining never waits on it.
+RECEIVE_QUEUE_MESSAGES = 64
 #: the loop must have turned within this long for its front end to count as healthy
 HEARTBEAT_LIMIT_S = 5.0
 #: after a graceful drain the socket stays open (refusing requests) this long before it
@@ -92,6 +99,7 @@ class RouterLoop:
         # A peer sending a frame over the limit is disconnected by libzmq before the
         # frame is ever buffered in full.
         self.socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        self.socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
         self.socket.setsockopt(zmq.LINGER, 500)
         self.socket.setsockopt(zmq.RCVTIMEO, int(sweep_interval_s * 1000))
         if "[" in endpoint:
