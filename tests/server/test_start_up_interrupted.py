@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from tiers_e2e import HERE, free_port
+from tiers_e2e import HERE, free_port, stop_signals_at_default
 
 from lmcache_tiers.config import build_config
 from lmcache_tiers.errors import ConfigError
@@ -39,6 +39,7 @@ def _start_blocked(tmp_path: Path, shm_name: str) -> tuple[subprocess.Popen[str]
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "LMCACHE_LOG_LEVEL": "INFO"},
+        preexec_fn=stop_signals_at_default(),
     )
     deadline = time.monotonic() + 60
     while not blocked.exists():

@@ -20,7 +20,15 @@ import uuid
 from pathlib import Path
 
 import pytest
-from tiers_e2e import LAUNCHER, ServerProcess, make_keys, make_payloads, slow_l2_server, start_server
+from tiers_e2e import (
+    LAUNCHER,
+    ServerProcess,
+    make_keys,
+    make_payloads,
+    slow_l2_server,
+    start_server,
+    stop_signals_at_default,
+)
 
 from lmcache_tiers.client import Client
 
@@ -102,6 +110,7 @@ def test_a_hangup_whose_terminal_went_away_stops_with_code_0(tmp_path: Path) -> 
             stdout=terminal,
             stderr=stderr,
             env={**os.environ, "LMCACHE_LOG_LEVEL": "INFO"},
+            preexec_fn=stop_signals_at_default(),
         )
     os.close(terminal)
     os.set_blocking(primary, False)
@@ -132,11 +141,12 @@ def test_a_hangup_whose_terminal_went_away_stops_with_code_0(tmp_path: Path) -> 
 def test_a_hangup_ignored_by_whoever_started_serve_stays_ignored(tmp_path: Path) -> None:
     # ``nohup serve`` starts it with SIGHUP ignored so that it outlives the terminal: a
     # hangup must then not stop it.  The SIGTERM sent after it is what stops it.
-    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # inherited by the server
-    try:
-        server = start_server(tmp_path / "nohup", host=f"ipc://{tmp_path / 'nohup.sock'}", metrics=False)
-    finally:
-        signal.signal(signal.SIGHUP, previous)
+    server = start_server(
+        tmp_path / "nohup",
+        host=f"ipc://{tmp_path / 'nohup.sock'}",
+        metrics=False,
+        ignored_signals={signal.SIGHUP},
+    )
     try:
         server.proc.send_signal(signal.SIGHUP)
         server.proc.send_signal(signal.SIGTERM)

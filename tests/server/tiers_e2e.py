@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable, Collection
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,19 @@ from lmcache_tiers.wire.protocol import StoreReserve, StoreReserveReply
 HERE = Path(__file__).parent
 LAUNCHER = HERE / "serve_for_tests.py"
 START_TIMEOUT_S = 60.0
+
+
+def stop_signals_at_default(ignored: Collection[int] = ()) -> Callable[[], None]:
+    """A ``preexec_fn`` giving a server process SIGHUP and SIGQUIT at their default action
+    but those in ``ignored``.  serve keeps either ignored when it inherits it so: a test run
+    under ``nohup``, or as a script's background job, would otherwise start servers that
+    the tests' SIGHUP or SIGQUIT cannot stop."""
+
+    def reset() -> None:
+        for sig in (signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+
+    return reset
 
 
 @dataclass
@@ -81,10 +95,13 @@ def start_server(
     frontends: list[dict[str, Any]] | None = None,
     metrics: bool = True,
     env: dict[str, str] | None = None,
+    ignored_signals: Collection[int] = (),
     **config: Any,
 ) -> ServerProcess:
     """Start a server subprocess on free loopback ports and wait until it listens; ``url``
-    is the address of the front ends that give no port of their own (``--port``)."""
+    is the address of the front ends that give no port of their own (``--port``).  It
+    starts with ``ignored_signals`` ignored, as under ``nohup`` (see
+    :func:`stop_signals_at_default`)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     shm_name = f"tiers_test_{uuid.uuid4().hex[:12]}"
     port, metrics_port = free_ports(2)
@@ -105,6 +122,7 @@ def start_server(
         stdout=(log_dir / "stdout.txt").open("wb"),
         stderr=(log_dir / "stderr.txt").open("wb"),
         env={**os.environ, "LMCACHE_LOG_LEVEL": "INFO", "COLUMNS": "200", **(env or {})},
+        preexec_fn=stop_signals_at_default(ignored_signals),
     )
     server = ServerProcess(
         url, http_url, shm_name, proc, log_dir, shm_dir=settings.get("l1_shm_dir", "/dev/shm")
