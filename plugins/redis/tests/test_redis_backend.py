@@ -1591,3 +1591,21 @@ def test_a_user_allowed_the_needed_commands_on_its_prefix_opens(
     data = store(adapter, keys)
     assert load(adapter, keys, [4096, 4096]) == ([True, True], data)
     assert adapter.delete(keys) == [True, True]
+
+
+def test_a_replica_is_not_refused_at_start_up_by_the_permission_check(
+    own_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A replica (a failover, a misdirected url) answers READONLY to HSET queued in the
+    # check's MULTI: that is no ACL denial, and the store heals through the circuit like
+    # any replica, so the adapter opens -- the commands it could not check named in a warning.
+    own_server.cli("REPLICAOF", "127.0.0.1", "1")  # a primary nobody answers on
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+            open_adapter(url=own_server.url, key_prefix=prefix)
+    finally:
+        own_server.cli("REPLICAOF", "NO", "ONE")
+    assert any("HSET: You can't write against a read only replica" in r.getMessage() for r in caplog.records)

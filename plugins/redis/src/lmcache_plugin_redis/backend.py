@@ -144,9 +144,11 @@ def per_object_error(reply: Any) -> bool:
 PERMISSION_PROBE = "permission-check"
 
 
-def permission_refusals(client: Redis, name: str) -> list[str]:
-    """The store's refusals (NOPERM ...) of the commands the adapter sends, each queued
-    in a MULTI on ``name`` and the transaction discarded: nothing runs, nothing is written."""
+def permission_refusals(client: Redis, name: str) -> tuple[list[str], list[str]]:
+    """The store's ACL refusals (NOPERM ...) of the commands the adapter sends, and its
+    other refusals (READONLY on a replica, LOADING, OOM ...: no verdict on permissions),
+    each queued in a MULTI on ``name`` and the transaction discarded: nothing runs,
+    nothing is written."""
     commands: list[tuple[Any, ...]] = [
         ("HSET", name, HEADER, b"", PAYLOAD, b""),
         ("HGET", name, HEADER),
@@ -158,6 +160,7 @@ def permission_refusals(client: Redis, name: str) -> list[str]:
     ]
     connection = client.connection_pool.get_connection()
     refusals: list[str] = []
+    unchecked: list[str] = []
     try:
         connection.send_command("MULTI")
         connection.read_response()
@@ -165,8 +168,10 @@ def permission_refusals(client: Redis, name: str) -> list[str]:
             connection.send_command(*command)
             try:
                 connection.read_response()
-            except ResponseError as exc:
+            except NoPermissionError as exc:
                 refusals.append(f"{command[0]}: {exc}")
+            except ResponseError as exc:  # the store's state, not the user's rights
+                unchecked.append(f"{command[0]}: {exc}")
         connection.send_command("DISCARD")
         connection.read_response()
     except BaseException:
@@ -174,7 +179,7 @@ def permission_refusals(client: Redis, name: str) -> list[str]:
         raise
     finally:
         client.connection_pool.release(connection)
-    return refusals
+    return refusals, unchecked
 
 
 def glob_escape(text: str) -> str:
@@ -406,7 +411,15 @@ class RedisBackend:
         refused object by object, long after start-up.  The commands are queued in a
         MULTI and discarded -- the store checks permissions (commands and key patterns)
         as it queues them, and runs none -- on a name under the prefix never written."""
-        denied = permission_refusals(client, self.prefix + PERMISSION_PROBE)
+        denied, unchecked = permission_refusals(client, self.prefix + PERMISSION_PROBE)
+        if unchecked:
+            # A replica, a loading or full store refuses writes for everybody; it heals
+            # (the circuit sees its refusals), so it is no reason not to start.
+            log.warning(
+                "%s: could not check the Redis user's permissions for %s",
+                self.context.name,
+                "; ".join(unchecked),
+            )
         if denied:
             raise ConfigError(
                 f"{self.context.name}: the Redis user may not run what the adapter needs "
