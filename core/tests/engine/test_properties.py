@@ -3,6 +3,8 @@
 After every step (once background work has settled): no write lock or L2 pin outlives
 its operation, read locks are exactly those the test still holds, L1's byte accounting
 equals the aligned sizes of the objects it holds, and every hit returned the bytes stored.
+Besides plain steps, a client's write may land while a prefetch loads the same keys (the
+write takes them from the load) and a forced clear of L1 while stores wait for L2.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule(prompt=prompts, length=lengths, commit=st.sampled_from([True, True, True, False]))
     def store(self, prompt: int, length: int, commit: bool) -> None:
-        keys = self.keys(prompt, length)
+        self.write(self.keys(prompt, length), commit)
+
+    def write(self, keys: list[ObjectKey], commit: bool) -> None:
         try:
             reserved = self.storage.reserve_write(keys, [size_of(k) for k in keys])
         except L1OutOfMemoryError:
@@ -66,8 +70,12 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(prompt=prompts, length=lengths, hold=st.booleans(), readers=st.integers(1, 2))
     def lookup(self, prompt: int, length: int, hold: bool, readers: int) -> None:
         keys = self.keys(prompt, length)
-        hits = self.storage.wait_prefetch(self.storage.submit_prefetch(keys, readers=readers), 30)
-        assert hits is not None and 0 <= hits <= length
+        self.take_hits(keys, self.storage.submit_prefetch(keys, readers=readers), hold, readers)
+
+    def take_hits(self, keys: list[ObjectKey], handle: int, hold: bool, readers: int) -> None:
+        """Wait for prefetch ``handle`` of ``keys``, check the hits' bytes, keep or release them."""
+        hits = self.storage.wait_prefetch(handle, 30)
+        assert hits is not None and 0 <= hits <= len(keys)
         prefix = keys[:hits]
         objects = self.storage.read(prefix)
         assert [obj.key for obj in objects] == prefix, "a reported hit is not readable"
@@ -79,6 +87,29 @@ class EngineMachine(RuleBasedStateMachine):
                 self.held[key] += readers
         else:
             self.storage.release(prefix, readers)
+
+    @rule(prompt=prompts, length=lengths)
+    def write_while_loading(self, prompt: int, length: int) -> None:
+        # The loads from the gated adapter wait at its gate while a client writes the same
+        # keys: each write finding its key reserved by a load takes it from the load.
+        keys = self.keys(prompt, length)
+        self.faulty.gate.clear()
+        try:
+            handle = self.storage.submit_prefetch(keys)
+            self.write(keys, commit=True)
+        finally:
+            self.faulty.gate.set()
+        self.take_hits(keys, handle, hold=False, readers=1)
+
+    @precondition(lambda self: not self.held)  # the test's own read locks stay valid
+    @rule(prompt=prompts, length=lengths)
+    def force_clear_during_stores(self, prompt: int, length: int) -> None:
+        self.faulty.store_gate.clear()
+        try:
+            self.write(self.keys(prompt, length), commit=True)
+            self.storage.clear(force=True)
+        finally:
+            self.faulty.store_gate.set()
 
     @precondition(lambda self: bool(self.held))
     @rule()
