@@ -155,3 +155,17 @@ def test_a_token_longer_than_the_protocol_carries_is_refused_at_start_up(tmp_pat
     assert served.returncode == 2
     assert "at most 256" in served.stderr
     assert len(served.stderr.strip().splitlines()) == 1
+
+
+def test_an_abstract_ipc_endpoint_starts(tmp_path: Path) -> None:
+    """``ipc://@name`` is a Linux abstract socket: no file, so no mode to set (any local user
+    may connect, as on loopback TCP); the server starts on it and touches no file."""
+    name = f"tiers-abstract-{os.getpid()}"
+    decoy = tmp_path / "server" / f"@{name}"  # what a chmod of the name would reach
+    server = start_server(tmp_path / "server", metrics=False, host=f"ipc://@{name}")
+    try:
+        with Client(server.url) as client:
+            assert client.lookup(make_keys("abstract", 1)) == 0
+        assert not decoy.exists()
+    finally:
+        assert server.stop() == 0, server.output()

@@ -122,7 +122,9 @@ class RouterLoop:
             raise OSError(exc.errno, f"cannot listen on {endpoint}: {exc.strerror}") from None
         raw = self.socket.getsockopt(zmq.LAST_ENDPOINT)
         self.endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
-        if self.endpoint.startswith("ipc://"):
+        # ipc://@name is a Linux abstract socket: no file, no mode (any local user, as on
+        # loopback TCP), and a chmod of the name would reach a file of that name instead.
+        if self.endpoint.startswith("ipc://") and not self.endpoint.startswith("ipc://@"):
             self._restrict_to_owner(self.endpoint[len("ipc://") :])
         self._pool = ThreadPoolExecutor(max_workers=pool_workers, thread_name_prefix=f"tiers-{name}")
         self._completions: collections.deque[tuple[Done, Any, BaseException | None, object]] = (
