@@ -649,3 +649,21 @@ def test_a_store_commit_never_finishes_another_writers_reservation(mp_server: Ti
         assert l1(mp_server)["write_locked"] == 4  # still the other writer's, unfinished
         assert mp_stats(mp_server).failures["mp_commit_lost"] == 4
         storage.abort_reserved(other)
+
+
+def test_a_ping_from_a_connection_that_did_not_register_its_instance_asks_it_to(
+    client: MPClient, mp_server: TiersServer
+) -> None:
+    """LMCache's vLLM worker re-registers (and maps this server's segment) only when its
+    heartbeat sees the server unhealthy and then healthy; a server restarted between two
+    pings is never seen down.  So a ping naming an instance its connection did not register
+    answers false once, and true after, which makes the heartbeat register again."""
+    client.register(REG)
+    assert client.call("ping", REG.instance_id) is True
+    with MPClient(mp_address(mp_server)) as reconnected:
+        assert reconnected.call("ping", REG.instance_id) is False
+        assert reconnected.call("ping", REG.instance_id) is True  # the healthy edge
+        assert reconnected.call("ping", 4242) is False  # an id this server does not know
+        reconnected.register(REG)
+        assert reconnected.call("ping", REG.instance_id) is True
+    assert mp_stats(mp_server).failures["mp_ping_asks_reregistration"] == 2

@@ -32,6 +32,10 @@ MAX_INSTANCES = 1024
 
 _Q_RING = "the experimental Q ring is not supported"
 _BLEND = "CacheBlend is not supported"
+
+#: (connection, instance id) pairs whose ping was answered false, so that the next one
+#: answers true; beyond it the oldest is forgotten (it may be answered false once more)
+MAX_REREGISTRATION_ASKS = 1024
 _P2P = "P2P transfers between servers are not supported"
 
 #: operations of LMCache's protocol this server does not serve, with what the log line says
@@ -59,10 +63,12 @@ NOT_SERVED: dict[str, str] = {
 }
 
 
-#: operations whose handler is told the client's connection (``peer``): registrations, and
-#: transfers, whose commit finishes only what a prepare on the same connection began
+#: operations whose handler is told the client's connection (``peer``): registrations,
+#: transfers, whose commit finishes only what a prepare on the same connection began, and
+#: pings, which ask a connection that did not register its instance to register it
 _BY_CONNECTION = frozenset(
     {
+        "ping",
         "register_kv_cache_engine_driven_context",
         "unregister_kv_cache_engine_driven_context",
         "prepare_store",
@@ -84,6 +90,8 @@ class Handlers:
         self._unknown_unregisters = BurstLog(logger)
         self._reaped = BurstLog(logger, "mp_instance_reaped")
         self._stale_unregisters = BurstLog(logger, "mp_stale_unregister")
+        self._reregistration_asks = BurstLog(logger, "mp_ping_asks_reregistration")
+        self._asked_to_register: dict[tuple[bytes, int], None] = {}
         self.table: dict[str, Callable[..., Any]] = {
             "get_chunk_size": lambda: shared.chunk_size,
             "noop": lambda: "OK",
@@ -114,11 +122,35 @@ class Handlers:
 
     # -- liveness and registration ---------------------------------------------------------
 
-    def ping(self, instance_id: int | None) -> Any:
+    def ping(self, instance_id: int | None, *, peer: bytes) -> Any:
         instance = None if instance_id is None else self.shared.instances.get(instance_id)
         if instance is not None:
             instance.last_seen = time.monotonic()
             instance.pinged = True
+        if instance_id is None or (instance is not None and peer in instance.mapped_by):
+            return True
+        return not self._ask_to_register(instance_id, peer)
+
+    def _ask_to_register(self, instance_id: int, peer: bytes) -> bool:
+        """Whether to answer false to a ping naming an instance its connection did not
+        register with this server process (a client of a restarted server, reconnected by
+        ZeroMQ, or an instance reaped or never registered): once per connection and
+        instance.  LMCache's vLLM worker registers again -- and maps this server's segment
+        -- only on its heartbeat's unhealthy-to-healthy edge, which a restart quicker than
+        its ping timeout never shows; until it does, its transfers are refused."""
+        asked = (peer, instance_id)
+        if asked in self._asked_to_register:
+            return False  # answered false before: this true is the edge that re-registers
+        self._asked_to_register[asked] = None
+        while len(self._asked_to_register) > MAX_REREGISTRATION_ASKS:
+            del self._asked_to_register[next(iter(self._asked_to_register))]
+        self.shared.stats.failure("mp_ping_asks_reregistration")
+        self._reregistration_asks.event(
+            1,
+            f"ping of instance {instance_id} answered false once: its connection did not register it "
+            "with this server process (a client of a restarted server, or an instance reaped), so "
+            "LMCache's heartbeat registers it again",
+        )
         return True
 
     def register(self, payload: RegisterPayload, *, peer: bytes) -> Any:
@@ -128,6 +160,7 @@ class Handlers:
         if existing is not None and _same_registration(existing, payload, shared.chunk_size):
             existing.last_seen = now  # a repeat only refreshes liveness, as in LMCache
             existing.note_mapped(peer)  # it maps the segment this reply names
+            self._asked_to_register.pop((peer, payload.instance_id), None)
             if existing.peer != peer:
                 # A restarted client process: the registration is its own from now on, and
                 # the earlier process's unregister (maybe still on its way) leaves it alone.
@@ -169,6 +202,7 @@ class Handlers:
             # be copying into or out of its slots.  Its transfers keep the layout they were
             # prepared with (their L1 objects record it), so its commits stay right.
             self._drop(payload.instance_id, peer)
+        self._asked_to_register.pop((peer, payload.instance_id), None)
         shared.instances[payload.instance_id] = Instance(
             payload.instance_id, payload.model_name, payload.world_size, layout, now, now, peer
         )
