@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,42 @@ def test_an_empty_object_under_a_compressing_chain_is_loaded_not_removed(engine,
     assert storage.wait_prefetch(handle, 10) == 1, "an empty object stored in L2 is a hit"
     assert storage.adapters[0].stats().get("record_l1_size_impossible", 0) == 0
     assert [path for path in root.rglob("*") if path.is_file() and empty_key.file_stem() in path.name]
+
+
+def scanned(storage):  # type: ignore[no-untyped-def]
+    """``storage`` once its adapter's start-up scan has finished."""
+    deadline = time.monotonic() + 10
+    while storage.adapters[0].stats().get("scan_running", 0):
+        assert time.monotonic() < deadline, "the start-up scan never finished"
+        time.sleep(0.01)
+    return storage
+
+
+def test_a_plain_stored_size_past_l1_is_a_kept_miss(engine, tmp_path: Path, caplog) -> None:
+    # Under no serde the fs backend reports a key this server accounts as a plain stored
+    # size (no header read): an overwrite by a server with a larger L1 is learnt that way.
+    root, elsewhere = tmp_path / "l2", tmp_path / "larger"
+    (key,) = keys_of(5, 1)
+    plain = spec({"type": "fs", "path": str(root)})
+    earlier = engine([plain])
+    assert store(earlier, [key], SIZE // 4) == [key]
+    assert earlier.flush(10)
+    earlier.close()
+    smaller = engine([plain], l1_gb=(SIZE // 2) / 2**30)  # L1 of half the larger object
+    scanned(smaller)
+    assert smaller.adapters[0].l1_size_of(key) == SIZE // 4, "accounted by the start-up scan"
+    larger = engine([spec({"type": "fs", "path": str(elsewhere)})])  # another process's L1
+    assert store(larger, [key], SIZE) == [key]
+    assert larger.flush(10)
+    larger.close()
+    (written,) = [path for path in elsewhere.rglob("*") if path.is_file() and key.file_stem() in path.name]
+    overwritten = root / written.relative_to(elsewhere)
+    assert overwritten.is_file()
+    overwritten.write_bytes(written.read_bytes())  # the larger server's overwrite, shared store
+
+    with caplog.at_level(logging.WARNING):
+        handle = smaller.submit_prefetch([key])
+        assert smaller.wait_prefetch(handle, 10) == 0, "an object larger than L1 is a miss"
+    assert smaller.adapters[0].stats().get("record_l1_size_past_capacity", 0) >= 1
+    assert "more than L1's" in caplog.text
+    assert overwritten.read_bytes() == written.read_bytes(), "kept for the larger server"

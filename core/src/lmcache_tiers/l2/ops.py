@@ -268,40 +268,58 @@ class StoreOp(BatchOp):
 def resolve_size(
     state: AdapterState, key: ObjectKey, reported: Found, known: ObjectSize | None
 ) -> ObjectSize | None:
-    """Both sizes of a key the backend reported found, accounting it if new; None = miss."""
-    if reported is None:
-        return None
-    if known is not None and known.l1 == UNKNOWN_L1:
-        known_l1: ObjectSize | None = None
-    else:
-        known_l1 = known
-    if isinstance(reported, ObjectSize):
-        if not _possible_l1_size(state, key, reported):
-            return None
-        size = reported
-    elif known_l1 is not None and known_l1.stored == reported:
-        return known_l1 if _possible_l1_size(state, key, known_l1) else None
-    elif state.chain.identity:
-        size = ObjectSize(reported, reported)
-    else:
-        # A size-changing serde and a backend that only knows the stored size: the L1
-        # size cannot be derived, so the key is a miss rather than a wrong reservation.
-        state.count("lookup_size_unknown")
-        state.burst.warn(
-            "lookup_size_unknown",
-            "%s: %s found but its L1 size is unknown (the serde chain changes sizes and the "
-            "backend reported only the stored size); treated as a miss",
-            state.name,
-            key.file_stem(),
-        )
+    """Both sizes of a key the backend reported found, accounting it if new; None = miss.
+
+    Whichever way the size is learnt -- an ``ObjectSize`` the backend reports, a plain
+    stored size matching the known entry or taken as the L1 size under a chain that
+    changes no sizes, or the entry a store or the scan made meanwhile -- the answer
+    passes ``_possible_l1_size``: an object larger than L1 is a miss on every path."""
+    size = _size_from_report(state, key, reported, known)
+    if size is None or not _possible_l1_size(state, key, size):
+        # Checked before the accounting: a lookup adopts (and tells listeners of) only
+        # the keys it answers found, so nothing it accounts is hidden from eviction.
         return None
     if known is None:
-        if not state.accounting.record_if_absent(key, size):
-            current = state.accounting.get(key)
-            return current if current is not None and current.l1 != UNKNOWN_L1 else size
-    elif known != size:
+        return _adopted_size(state, key, size)
+    if known != size:
         state.accounting.record(key, size)
     return size
+
+
+def _size_from_report(
+    state: AdapterState, key: ObjectKey, reported: Found, known: ObjectSize | None
+) -> ObjectSize | None:
+    """The sizes the backend's answer gives, before any check; None = miss."""
+    if reported is None:
+        return None
+    if isinstance(reported, ObjectSize):
+        return reported
+    if known is not None and known.l1 != UNKNOWN_L1 and known.stored == reported:
+        return known
+    if state.chain.identity:
+        return ObjectSize(reported, reported)
+    # A size-changing serde and a backend that only knows the stored size: the L1
+    # size cannot be derived, so the key is a miss rather than a wrong reservation.
+    state.count("lookup_size_unknown")
+    state.burst.warn(
+        "lookup_size_unknown",
+        "%s: %s found but its L1 size is unknown (the serde chain changes sizes and the "
+        "backend reported only the stored size); treated as a miss",
+        state.name,
+        key.file_stem(),
+    )
+    return None
+
+
+def _adopted_size(state: AdapterState, key: ObjectKey, size: ObjectSize) -> ObjectSize | None:
+    """Account ``key`` (not accounted when the lookup began) at ``size``; if a store or
+    the scan accounted it meanwhile, that entry is the newer word on the object."""
+    if state.accounting.record_if_absent(key, size):
+        return size
+    current = state.accounting.get(key)
+    if current is None or current.l1 == UNKNOWN_L1 or current == size:
+        return size
+    return current if _possible_l1_size(state, key, current) else None
 
 
 def _possible_l1_size(state: AdapterState, key: ObjectKey, reported: ObjectSize) -> bool:
