@@ -779,7 +779,8 @@ class MooncakeStoreBackend:
                     self.context.count("load_vanished")
                 else:
                     # -600, -800: the object is not the size the lookup reported (replaced
-                    # since by another writer): a miss, and the next lookup sizes it again
+                    # since by another writer), or -800: its segment host died or hangs
+                    # (the transfer failed): a miss, and the next lookup sizes it again
                     self._size_changed(name)
                     self.context.count("load_failures")
                     self._throttle.warn(

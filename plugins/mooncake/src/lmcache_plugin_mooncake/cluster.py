@@ -4,7 +4,8 @@
 ``mooncake_client`` lending memory to the pool -- the binaries of the installed
 ``mooncake`` wheel -- on free ports of 127.0.0.1, and gives the adapter settings that
 reach them.  The master can be killed and started again on the same ports (objects do not
-survive a master restart; clients reconnect by themselves).
+survive a master restart; clients reconnect by themselves), and a segment host killed as
+a crash would kill it (its objects are lost once the master drops its segment).
 
 ``unavailable_reason()`` says why the wheel cannot run here (not installed, a system
 library missing), for tests to skip with.
@@ -180,6 +181,14 @@ class LocalCluster:
             self.master.send_signal(signal.SIGKILL)
             self.master.wait(30)
         self.master = None
+
+    def kill_segment_host(self, host: subprocess.Popen[bytes]) -> None:
+        """SIGKILL segment host ``host`` (no clean unmount), as a crash would; the master
+        drops its segment, and the objects in it, once the host's heartbeats stop."""
+        if host.poll() is None:
+            host.send_signal(signal.SIGKILL)
+            host.wait(30)
+        self.segment_hosts.remove(host)
 
     def add_segment_host(self, size: str = "256MB") -> subprocess.Popen[bytes]:
         """Start a ``mooncake_client`` lending ``size`` of memory to the pool.
