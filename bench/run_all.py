@@ -139,6 +139,14 @@ def stop_group(process: subprocess.Popen[str]) -> None:
     process.communicate()
 
 
+def interruptible() -> None:
+    """``preexec_fn`` of a benchmark: SIGINT at its default action.  A process started with
+    SIGINT ignored (run_all as a script's background job, or under a CI runner that ignores
+    it) passes that on, and Python then never raises KeyboardInterrupt -- the SIGINT of
+    :func:`stop_group` would skip every clean-up it exists for."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_bench(bench: Bench, full: bool, reference: Path) -> Outcome:
     command = [sys.executable, str(BENCH_DIR / bench.script), *(() if full else bench.quick), "--json"]
     if bench.script == "bench_fs.py":
@@ -163,6 +171,7 @@ def run_bench(bench: Bench, full: bool, reference: Path) -> Outcome:
         env=env,
         cwd=BENCH_DIR.parent,
         start_new_session=True,
+        preexec_fn=interruptible,
     )
     try:
         stdout, stderr = process.communicate(timeout=bench.timeout_s)

@@ -168,7 +168,11 @@ def test_run_all_interrupted_stops_the_benchmark_it_runs(tmp_path: Path) -> None
     does not reach; interrupted, run_all left it running with the server it had started."""
     (tmp_path / "bench_hangs.py").write_text(FAKE_BENCH)
     (tmp_path / "driver.py").write_text(RUN_ALL_DRIVER)
-    driver = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), str(BENCH), str(tmp_path)])
+    driver = subprocess.Popen(
+        [sys.executable, str(tmp_path / "driver.py"), str(BENCH), str(tmp_path)],
+        # Ctrl-C at a terminal finds SIGINT at its default action, whatever this test run has
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     server_pid = tmp_path / "server.pid"
     try:
         deadline = time.monotonic() + 60

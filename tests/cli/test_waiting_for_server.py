@@ -25,6 +25,13 @@ DEADLINE_S = 90.0
 NOTE_DEADLINE_S = 30.0
 
 
+def ctrl_c_at_default() -> None:
+    """SIGINT at its default action in a command the tests interrupt: a test run started
+    with SIGINT ignored (a script's background job) passes that on, and the command would
+    never see the Ctrl-C the test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Running:
     """A CLI command in a subprocess whose stderr is collected line by line as it comes."""
 
@@ -37,6 +44,7 @@ class Running:
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "COLUMNS": "200"},
+            preexec_fn=ctrl_c_at_default,
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
