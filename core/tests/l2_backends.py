@@ -15,6 +15,7 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, BackendContext, ObjectSize, create_adapter
 from lmcache_tiers.l2.record import RecordError, decode_record, verify_payload
 from lmcache_tiers.serde import Serde, SerdeContext
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
 
 
 class DictConfig(L2AdapterConfig):
@@ -179,6 +180,17 @@ def open_dict(
     adapter = create_adapter(backend, settings, facts)
     assert isinstance(adapter, BackendAdapter)
     return adapter
+
+
+def keys_of(model: str, count: int) -> list[ObjectKey]:
+    """``count`` keys of ``model``, numbered from 0."""
+    return [ObjectKey(model, 0, index.to_bytes(8, "big")) for index in range(count)]
+
+
+def store_blank(adapter: BackendAdapter, keys: Sequence[ObjectKey], size: int) -> None:
+    """Stores ``size`` zero bytes under each key, every one of them acknowledged."""
+    stored = BlockingAdapterClient(adapter).store(list(keys), [memoryview(bytearray(size)) for _ in keys])
+    assert stored == [True] * len(keys)
 
 
 class Fifo:

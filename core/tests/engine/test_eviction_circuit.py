@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
-from l2_backends import DictBackend, Fifo, open_dict
+from l2_backends import DictBackend, Fifo, open_dict, store_blank
 
 from lmcache_tiers.config import CircuitConfig, L2EvictionConfig
 from lmcache_tiers.controllers.base import AdapterSlot
@@ -22,7 +22,6 @@ from lmcache_tiers.controllers.l2_eviction import L2EvictionController
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter
-from lmcache_tiers.testing.blocking import BlockingAdapterClient
 
 SIZE = 1000
 OBJECTS = 200
@@ -92,8 +91,7 @@ def filled_past_the_watermark(adapter: BackendAdapter) -> L2EvictionController:
     controller = L2EvictionController(AdapterSlot(0, "remote", adapter), Fifo(), config, EngineStats(1))
     controller.evict(0)  # seeds the policy (nothing stored yet): events from now on go in
     keys = [ObjectKey("circuit-model", 0, index.to_bytes(8, "big")) for index in range(OBJECTS)]
-    stored = BlockingAdapterClient(adapter).store(keys, [memoryview(bytearray(SIZE)) for _ in keys])
-    assert stored == [True] * OBJECTS
+    store_blank(adapter, keys, SIZE)
     assert adapter.usage() == 1.0
     return controller
 
@@ -141,8 +139,7 @@ def test_seeding_waits_for_the_circuit_to_close_and_then_lists_what_was_stored_b
 ) -> None:
     # Stored before the controller listens: only the listing tells its policy about them.
     keys = [ObjectKey("circuit-model", 2, index.to_bytes(8, "big")) for index in range(OBJECTS)]
-    stored = BlockingAdapterClient(adapter).store(keys, [memoryview(bytearray(SIZE)) for _ in keys])
-    assert stored == [True] * OBJECTS
+    store_blank(adapter, keys, SIZE)
     open_the_circuit(adapter)
     policy = Fifo()
     config = L2EvictionConfig(trigger_watermark=0.8, eviction_ratio=0.2)

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator, Sequence
 
 import pytest
-from l2_backends import DictBackend, Fifo, join_left_running, open_dict, step_returns
+from l2_backends import DictBackend, Fifo, join_left_running, keys_of, open_dict, step_returns, store_blank
 
 from lmcache_tiers.config import L2EvictionConfig
 from lmcache_tiers.controllers.base import AdapterSlot
@@ -22,7 +22,6 @@ from lmcache_tiers.controllers.l2_eviction import L2EvictionController
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter
-from lmcache_tiers.testing.blocking import BlockingAdapterClient
 
 SIZE = 1000
 OBJECTS = 100
@@ -55,16 +54,11 @@ def adapter() -> Iterator[BackendAdapter]:
         opened.close()
 
 
-def keys_of(count: int) -> list[ObjectKey]:
-    return [ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(count)]
-
-
 def test_a_hanging_delete_is_counted_and_its_keys_stay_accounted(
     adapter: BackendAdapter, caplog: pytest.LogCaptureFixture
 ) -> None:
-    keys = keys_of(OBJECTS)
-    stored = BlockingAdapterClient(adapter).store(keys, [memoryview(bytearray(SIZE)) for _ in keys])
-    assert stored == [True] * OBJECTS
+    keys = keys_of("m", OBJECTS)
+    store_blank(adapter, keys, SIZE)
     policy = Fifo()
     config = L2EvictionConfig(trigger_watermark=0.8, eviction_ratio=0.2)
     controller = L2EvictionController(AdapterSlot(0, "hanging", adapter), policy, config, EngineStats(1))

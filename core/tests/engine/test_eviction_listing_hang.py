@@ -13,7 +13,16 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from l2_backends import CYCLE_BOUND_S, DictBackend, Fifo, join_left_running, open_dict, step_returns
+from l2_backends import (
+    CYCLE_BOUND_S,
+    DictBackend,
+    Fifo,
+    join_left_running,
+    keys_of,
+    open_dict,
+    step_returns,
+    store_blank,
+)
 
 from lmcache_tiers.config import L2EvictionConfig
 from lmcache_tiers.controllers.base import AdapterSlot
@@ -21,7 +30,6 @@ from lmcache_tiers.controllers.l2_eviction import L2EvictionController
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter
-from lmcache_tiers.testing.blocking import BlockingAdapterClient
 
 SIZE = 1000
 OBJECTS = 200
@@ -58,17 +66,8 @@ def adapter() -> Iterator[BackendAdapter]:
         opened.close()
 
 
-def keys_of(model: str, count: int) -> list[ObjectKey]:
-    return [ObjectKey(model, 0, index.to_bytes(8, "big")) for index in range(count)]
-
-
-def store(adapter: BackendAdapter, keys: list[ObjectKey]) -> None:
-    stored = BlockingAdapterClient(adapter).store(keys, [memoryview(bytearray(SIZE)) for _ in keys])
-    assert stored == [True] * len(keys)
-
-
 def started_with_a_hanging_listing(adapter: BackendAdapter) -> tuple[L2EvictionController, Fifo]:
-    store(adapter, keys_of("before-start", BEFORE_START))
+    store_blank(adapter, keys_of("before-start", BEFORE_START), SIZE)
     assert adapter.stats()["scan_running"] == 0  # the adapter's own start-up scan is done
     HangingListing.hanging.set()
     policy = Fifo()
@@ -86,7 +85,7 @@ def test_a_hanging_listing_is_counted_and_keys_stored_since_are_evicted(
     assert controller.stats.failures()["l2_eviction_listing_timeout"] == 1
 
     fresh = keys_of("after-start", OBJECTS - BEFORE_START)
-    store(adapter, fresh)
+    store_blank(adapter, fresh, SIZE)
     assert adapter.usage() == 1.0
     assert list(policy.order) == fresh, "stores reach the policy while the listing hangs"
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from l2_backends import DictBackend, Fifo, open_dict
+from l2_backends import DictBackend, Fifo, keys_of, open_dict, store_blank
 
 from lmcache_tiers.config import L2EvictionConfig
 from lmcache_tiers.controllers.base import AdapterSlot
@@ -22,7 +22,6 @@ from lmcache_tiers.controllers.l2_eviction import L2EvictionController
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter
-from lmcache_tiers.testing.blocking import BlockingAdapterClient
 
 SIZE = 1000
 OBJECTS = 200
@@ -50,21 +49,12 @@ def adapter() -> Iterator[BackendAdapter]:
     opened.close()
 
 
-def keys_of(model: str, count: int) -> list[ObjectKey]:
-    return [ObjectKey(model, 0, index.to_bytes(8, "big")) for index in range(count)]
-
-
-def store(adapter: BackendAdapter, keys: list[ObjectKey]) -> None:
-    stored = BlockingAdapterClient(adapter).store(keys, [memoryview(bytearray(SIZE)) for _ in keys])
-    assert stored == [True] * len(keys)
-
-
 def started_on_a_full_store(
     adapter: BackendAdapter, failing_listings: int
 ) -> tuple[L2EvictionController, Fifo]:
     """Keys stored before the controller listens (only its listing tells its policy about
     them), then a controller whose first ``failing_listings`` listings fail."""
-    store(adapter, keys_of("before-start", OBJECTS))
+    store_blank(adapter, keys_of("before-start", OBJECTS), SIZE)
     assert adapter.usage() == 1.0
     assert adapter.stats()["scan_running"] == 0  # the adapter's own start-up scan is done
     FlakyListing.failures = failing_listings
@@ -106,7 +96,7 @@ def test_events_while_unseeded_reach_the_policy_and_the_listing_adds_only_new_ke
     gone = keys_of("before-start", 10)
     assert adapter.delete(gone) == [True] * len(gone)
     fresh = keys_of("after-start", 5)
-    store(adapter, fresh)
+    store_blank(adapter, fresh, SIZE)
     assert list(policy.order) == fresh, "stores while unseeded reach the policy as they come"
 
     controller.evict(0)  # seeds the policy, evicting nothing
