@@ -3,6 +3,7 @@ server that is only slow still answers it; the client goes on with a restarted s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import tempfile
@@ -130,6 +131,30 @@ def short_directory() -> Iterator[Path]:
         yield Path(name)
 
 
+@contextlib.contextmanager
+def _address_taken_over(
+    tmp_path: Path, directory: Path, tag: str, *, second_metrics: bool
+) -> Iterator[tuple[ServerProcess, ServerProcess, Client, list[Any]]]:
+    """A client connected to a first server, which keeps that connection while a second
+    server takes its ipc address; the first is frozen, so a request sent now goes over the
+    first connection, unanswered, and killing the first makes the socket reconnect, to the
+    second.  Yields (first, second, client, keys stored on the first)."""
+    address = directory / "rpc.sock"
+    first = start_server(tmp_path / "first", metrics=False, host=f"ipc://{address}")
+    client, keys = _stored(first, tag, 2)
+    second: ServerProcess | None = None
+    try:
+        address.rename(directory / "first.sock")
+        second = start_server(tmp_path / "second", metrics=second_metrics, host=f"ipc://{address}")
+        freeze(first.proc.pid)
+        yield first, second, client, keys
+    finally:
+        first.stop(signal.SIGKILL)
+        client.close()
+        if second is not None:
+            assert second.stop() == 0, second.output()
+
+
 def test_a_request_whose_server_restarts_between_two_looks_fails_at_once(
     tmp_path: Path, short_directory: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -139,15 +164,8 @@ def test_a_request_whose_server_restarts_between_two_looks_fails_at_once(
     look, not at its timeout, and the next call is served by the new server."""
     # Looks far apart, so that the drop and the new connection both fall between two.
     monkeypatch.setattr(connection, "LINK_CHECK_S", 5.0)
-    address = short_directory / "rpc.sock"
-    first = start_server(tmp_path / "first", metrics=False, host=f"ipc://{address}")
-    client, keys = _stored(first, "restart-quick", 2)
-    second: ServerProcess | None = None
-    try:
-        # The first server keeps its connection to the client; its address is the second's.
-        address.rename(short_directory / "first.sock")
-        second = start_server(tmp_path / "second", metrics=False, host=f"ipc://{address}")
-        freeze(first.proc.pid)  # the LOOKUP goes over the first connection, unanswered
+    with _address_taken_over(tmp_path, short_directory, "restart-quick", second_metrics=False) as taken_over:
+        first, _, client, keys = taken_over
         thread, outcome = _lookup_in_thread(client, keys)
         time.sleep(0.5)
         first.stop(signal.SIGKILL)  # the client reconnects, to the second server
@@ -159,11 +177,6 @@ def test_a_request_whose_server_restarts_between_two_looks_fails_at_once(
         assert client.store(keys, fresh) == 2
         with client.retrieve(keys) as views:
             assert [bytes(view) for view in views] == [bytes(payload) for payload in fresh]
-    finally:
-        first.stop(signal.SIGKILL)
-        client.close()
-        if second is not None:
-            assert second.stop() == 0, second.output()
 
 
 def test_a_request_sent_after_a_restart_is_waited_for_however_slow_the_new_server(tmp_path: Path) -> None:
@@ -241,14 +254,8 @@ def test_a_lost_connection_sends_no_give_back_over_the_next_one(
     lock another thread of this client took since, in the new session.  None is sent; the
     old locks expire with the lock TTL, and the log says so."""
     monkeypatch.setattr(connection, "LINK_CHECK_S", 5.0)  # the socket reconnects before the look
-    address = short_directory / "rpc.sock"
-    first = start_server(tmp_path / "first", metrics=False, host=f"ipc://{address}")
-    client, keys = _stored(first, "give-back", 2)
-    second: ServerProcess | None = None
-    try:
-        address.rename(short_directory / "first.sock")
-        second = start_server(tmp_path / "second", host=f"ipc://{address}")
-        freeze(first.proc.pid)  # the RETRIEVE goes over the first connection, unanswered
+    with _address_taken_over(tmp_path, short_directory, "give-back", second_metrics=True) as taken_over:
+        first, second, client, keys = taken_over
         outcome: dict[str, Any] = {}
 
         def retrieve() -> None:
@@ -270,11 +277,6 @@ def test_a_lost_connection_sends_no_give_back_over_the_next_one(
         _, _, text = fetch(second.http_url + "/metrics")
         assert "Release" not in _ops_served(text), text
         assert "expire with the server's lock TTL" in caplog.text
-    finally:
-        first.stop(signal.SIGKILL)
-        client.close()
-        if second is not None:
-            assert second.stop() == 0, second.output()
 
 
 def _ops_served(metrics_text: str) -> set[str]:
