@@ -114,6 +114,24 @@ def test_the_pickle_data_path(make_mp_server: Any) -> None:
         assert server.storage.status()["l1"]["read_locks"] == 0
 
 
+def test_a_pickled_connection_that_did_not_register_is_served_and_pinged_true(make_mp_server: Any) -> None:
+    """Pickled chunks map no segment: another connection of a registered instance (a client
+    whose ZeroMQ connection was re-established) is served as it is.  A false ping would only
+    put LMCache's worker in degraded mode for a heartbeat (its in-flight retrieves failed,
+    its stores dropped) for a registration it does not need."""
+    server = make_mp_server(shm=False, allow_pickle=True)
+    with MPClient(mp_address(server)) as client:
+        client.register(REG)
+    with MPClient(mp_address(server)) as reconnected:
+        assert reconnected.call("ping", REG.instance_id) is True
+        key = Key(tokens_of(5), "s", worker_id=0)
+        payloads = chunk_payloads(5, 4, CHUNK)
+        assert reconnected.call("commit_store", key.encode(), REG.instance_id, _pickled(payloads)) is True
+        assert reconnected.call("ping", 4242) is False  # an id this server does not know
+    failures = server.frontends[0].stats().failures
+    assert failures["mp_ping_asks_reregistration"] == 1
+
+
 def test_a_pickled_retrieve_whose_copy_l1_cannot_vouch_for_is_a_miss(
     make_mp_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -127,9 +127,17 @@ class Handlers:
         if instance is not None:
             instance.last_seen = time.monotonic()
             instance.pinged = True
-        if instance_id is None or (instance is not None and peer in instance.mapped_by):
+        if instance_id is None or (instance is not None and self._serves_transfers(instance, peer)):
             return True
         return not self._ask_to_register(instance_id, peer)
+
+    def _serves_transfers(self, instance: Instance, peer: bytes) -> bool:
+        """Whether the connection's transfers of a known instance are served: pickled
+        chunks map no segment, so any connection's are; with shared memory, only those of
+        a connection that registered the instance (see Transfers._maps_segment).  A false
+        ping costs LMCache's worker a heartbeat in degraded mode (in-flight retrieves
+        failed, stores dropped), worth it only when its transfers are refused anyway."""
+        return self.shared.shm is None or peer in instance.mapped_by
 
     def _ask_to_register(self, instance_id: int, peer: bytes) -> bool:
         """Whether to answer false to a ping naming an instance its connection did not
@@ -137,7 +145,8 @@ class Handlers:
         ZeroMQ, or an instance reaped or never registered): once per connection and
         instance.  LMCache's vLLM worker registers again -- and maps this server's segment
         -- only on its heartbeat's unhealthy-to-healthy edge, which a restart quicker than
-        its ping timeout never shows; until it does, its transfers are refused."""
+        its ping timeout never shows; until it does, its transfers are refused (with shared
+        memory; an unknown instance's in either mode)."""
         asked = (peer, instance_id)
         if asked in self._asked_to_register:
             return False  # answered false before: this true is the edge that re-registers
