@@ -73,6 +73,10 @@ def test_a_plain_size_of_an_overwritten_key_past_l1_is_a_kept_miss(adapters, cap
     assert BlockingAdapterClient(larger).store(keys, [memoryview(LARGE)]) == [True]  # overwrites it
 
     assert_kept_miss(smaller, larger, keys, caplog)
+    # Accounted here already (and known to the eviction policy): its usage follows the
+    # object now in the store, or this adapter would overrun its capacity by the difference.
+    assert smaller.used_bytes() == larger.used_bytes() == len(LARGE)
+    assert smaller.l1_size_of(keys[0]) == len(LARGE)
 
 
 @pytest.mark.parametrize("size", [len(SMALL), L1_CAPACITY])

@@ -275,15 +275,16 @@ def resolve_size(
     changes no sizes, or the entry a store or the scan made meanwhile -- the answer
     passes ``_possible_l1_size``: an object larger than L1 is a miss on every path."""
     size = _size_from_report(state, key, reported, known)
-    if size is None or not _possible_l1_size(state, key, size):
-        # Checked before the accounting: a lookup adopts (and tells listeners of) only
-        # the keys it answers found, so nothing it accounts is hidden from eviction.
+    if size is None:
         return None
     if known is None:
         return _adopted_size(state, key, size)
     if known != size:
+        # Accounted already (and known to the eviction policy): the usage follows the
+        # object now in the store even when it is too large to load here, or the
+        # adapter would overrun its capacity by the difference.
         state.accounting.record(key, size)
-    return size
+    return size if _possible_l1_size(state, key, size) else None
 
 
 def _size_from_report(
@@ -313,7 +314,12 @@ def _size_from_report(
 
 def _adopted_size(state: AdapterState, key: ObjectKey, size: ObjectSize) -> ObjectSize | None:
     """Account ``key`` (not accounted when the lookup began) at ``size``; if a store or
-    the scan accounted it meanwhile, that entry is the newer word on the object."""
+    the scan accounted it meanwhile, that entry is the newer word on the object.
+
+    The size is checked first: a lookup adopts (and tells listeners of) only the keys it
+    answers found, so nothing it accounts is hidden from eviction."""
+    if not _possible_l1_size(state, key, size):
+        return None
     if state.accounting.record_if_absent(key, size):
         return size
     current = state.accounting.get(key)
