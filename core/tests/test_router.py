@@ -82,6 +82,7 @@ def test_a_reply_failing_midway_never_arrives_with_its_full_frame_count(
 def test_the_receive_queue_holds_a_bounded_number_of_messages_per_connection(loop: RouterLoop) -> None:
     # Messages queued before the loop reads them have had no token checked: libzmq's
     # default of 1000 maximum-size messages per connection is memory an unauthenticated
-    # peer could fill.  The bound still leaves room for the native client's 32 in flight.
+    # peer could fill.  The bound still leaves room for the native client's default
+    # pipelining window (lookup_many's 64 requests in flight).
     queued = loop.socket.getsockopt(zmq.RCVHWM)
-    assert 32 <= queued <= 64, queued
+    assert queued == 64, queued

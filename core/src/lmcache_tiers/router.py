@@ -56,8 +56,8 @@ Done = Callable[[Any, "BaseException | None"], None]
 #: is 1000).  Until the loop gets to a request nobody has checked its token, so this times
 #: the largest message is what one connection, authenticated or not, can make the server
 #: hold.  A full queue stops libzmq reading that connection (TCP pushes back on the
-#: sender; nothing is dropped), and 64 is twice the native client's 32 requests in flight,
-#: so pipelining never waits on it.
+#: sender; nothing is dropped), and 64 is the native client's default pipelining window
+#: (``lookup_many``), so its pipelining does not wait on it; a wider window only waits.
 RECEIVE_QUEUE_MESSAGES = 64
 #: the loop must have turned within this long for its front end to count as healthy
 HEARTBEAT_LIMIT_S = 5.0
