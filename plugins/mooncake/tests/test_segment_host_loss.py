@@ -29,6 +29,14 @@ def _load(client: BlockingAdapterClient, keys: list[ObjectKey]) -> tuple[list[bo
     return ok, [bytes(buffer) for buffer in buffers]
 
 
+def _stored_patterns(client: BlockingAdapterClient, count: int) -> tuple[list[ObjectKey], list[bytes]]:
+    """``count`` objects of distinct bytes, stored, each acknowledged."""
+    keys = make_keys(count)
+    data = [pattern(i, SIZE) for i in range(count)]
+    assert client.store(keys, [memoryview(d) for d in data]) == [True] * count
+    return keys, data
+
+
 def _lookup(adapter: BackendAdapter, client: BlockingAdapterClient, keys: list[ObjectKey]) -> list[bool]:
     found = client.lookup_and_lock(keys).found
     adapter.unlock([key for key, hit in zip(keys, found, strict=True) if hit])
@@ -42,9 +50,7 @@ def test_a_killed_segment_host_s_objects_miss_are_released_and_a_new_host_takes_
     adapter = open_adapter(config_for(own_cluster, operation_timeout_s=1.0))
     client = BlockingAdapterClient(adapter, timeout=60)
     try:
-        keys = make_keys(3)
-        data = [pattern(i, SIZE) for i in range(3)]
-        assert client.store(keys, [memoryview(d) for d in data]) == [True] * 3
+        keys, _ = _stored_patterns(client, 3)
         assert adapter.used_bytes() == 3 * SIZE
 
         own_cluster.kill_segment_host(host)
@@ -102,9 +108,7 @@ def test_a_load_from_a_stopped_segment_host_fails_within_its_timeout(own_cluster
     adapter = open_adapter(config_for(own_cluster, operation_timeout_s=1.0))
     client = BlockingAdapterClient(adapter, timeout=60)
     try:
-        keys = make_keys(2)
-        data = [pattern(i, SIZE) for i in range(2)]
-        assert client.store(keys, [memoryview(d) for d in data]) == [True, True]
+        keys, data = _stored_patterns(client, 2)
         assert client.lookup_and_lock(keys).found == [True, True]
         host.send_signal(signal.SIGSTOP)
         wait_stopped(host.pid, HANG_GUARD_S)
