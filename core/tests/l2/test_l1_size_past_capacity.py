@@ -31,6 +31,16 @@ def open_plain(namespace: str, l1_capacity: int | None) -> BackendAdapter:
     return adapter
 
 
+def open_sharing_pair(adapters: list[BackendAdapter]) -> tuple[BackendAdapter, BackendAdapter]:
+    """Two plain adapters sharing one store: one with an L1 of ``L1_CAPACITY``, one with
+    no L1 bound (a server with a larger L1); both closed at teardown."""
+    namespace = uuid.uuid4().hex
+    smaller = open_plain(namespace, L1_CAPACITY)
+    larger = open_plain(namespace, None)
+    adapters.extend([smaller, larger])
+    return smaller, larger
+
+
 def wait_scanned(adapter: BackendAdapter) -> None:
     deadline = time.monotonic() + 10
     while adapter.stats().get("scan_running", 0):
@@ -51,10 +61,7 @@ def assert_kept_miss(smaller: BackendAdapter, larger: BackendAdapter, keys, capl
 
 
 def test_a_plain_size_of_an_unaccounted_key_past_l1_is_a_kept_miss(adapters, caplog) -> None:  # type: ignore[no-untyped-def]
-    namespace = uuid.uuid4().hex
-    smaller = open_plain(namespace, L1_CAPACITY)
-    larger = open_plain(namespace, None)
-    adapters.extend([smaller, larger])
+    smaller, larger = open_sharing_pair(adapters)
     keys = make_keys(1)
     assert BlockingAdapterClient(larger).store(keys, [memoryview(LARGE)]) == [True]
 
@@ -64,10 +71,7 @@ def test_a_plain_size_of_an_unaccounted_key_past_l1_is_a_kept_miss(adapters, cap
 
 
 def test_a_plain_size_of_an_overwritten_key_past_l1_is_a_kept_miss(adapters, caplog) -> None:  # type: ignore[no-untyped-def]
-    namespace = uuid.uuid4().hex
-    smaller = open_plain(namespace, L1_CAPACITY)
-    larger = open_plain(namespace, None)
-    adapters.extend([smaller, larger])
+    smaller, larger = open_sharing_pair(adapters)
     keys = make_keys(1)
     assert BlockingAdapterClient(smaller).store(keys, [memoryview(SMALL)]) == [True]
     assert BlockingAdapterClient(larger).store(keys, [memoryview(LARGE)]) == [True]  # overwrites it
@@ -81,10 +85,7 @@ def test_a_plain_size_of_an_overwritten_key_past_l1_is_a_kept_miss(adapters, cap
 
 @pytest.mark.parametrize("size", [len(SMALL), L1_CAPACITY])
 def test_a_plain_size_that_fits_l1_is_a_hit(adapters, size: int) -> None:  # type: ignore[no-untyped-def]
-    namespace = uuid.uuid4().hex
-    smaller = open_plain(namespace, L1_CAPACITY)
-    larger = open_plain(namespace, None)
-    adapters.extend([smaller, larger])
+    smaller, larger = open_sharing_pair(adapters)
     keys = make_keys(1)
     assert BlockingAdapterClient(larger).store(keys, [memoryview(b"z" * size)]) == [True]
     assert BlockingAdapterClient(smaller).lookup_and_lock(keys).sizes == [size]
