@@ -378,9 +378,9 @@ class StoreController(ControllerThread):
         """The objects whose bytes L1 lends, with their buffers.  The loans live as long as
         the task: the store's locks keep their bytes in place.  L1 refuses an object whose
         bytes it cannot vouch for (an NVMe L1 write-back error, KeyError): it has left L1,
-        counted and logged there.  One whose bytes cannot be read (the NVMe L1 file
-        answering EIO) fails its own store, counted and logged here.  Either way its store
-        lock is given back and the others are stored all the same."""
+        counted and logged there (so is one whose NVMe L1 file answered EIO).  One whose
+        bytes cannot be read for another reason fails its own store, counted and logged
+        here.  Either way its store lock is given back and the others are stored all the same."""
         lent: list[L1Object] = []
         buffers: list[memoryview] = []
         refused: list[L1Object] = []

@@ -57,6 +57,9 @@ class ObjectBytes:
         self._dropped = 0  # objects taken out of L1 for such an error
         # of those, acknowledged writes whose L2 store had not settled: in no tier now
         self._lost_before_l2 = 0
+        self._read_errors = 0  # copies out of the NVMe file that failed (EIO)
+        # of the objects those took out of L1, acknowledged writes whose L2 store had not settled
+        self._read_errors_lost_before_l2 = 0
 
     def view(self, obj: L1Object) -> memoryview:
         with self._lock:
@@ -75,7 +78,7 @@ class ObjectBytes:
         with self._lock:
             if not self._leases.holds(obj):
                 self._table.check_present(obj)
-        self._backing.read_into(obj.offset, obj.size, out)
+        self._copy_out(obj, out)
         self._check_kept(obj)
         self._check_written_back(obj)
 
@@ -106,10 +109,41 @@ class ObjectBytes:
         staged = aligned_buffer(obj.size)  # page-aligned: O_DIRECT moves it without a bounce
         if fill:
             return L1Loan(staged, staged=True, commit=lambda: self.write_object(obj, staged))
-        self._backing.read_into(obj.offset, obj.size, staged)
+        self._copy_out(obj, staged)
         self._check_kept(obj)
         self._check_written_back(obj)
         return L1Loan(staged, staged=True)
+
+    def _copy_out(self, obj: L1Object, out: memoryview) -> None:
+        """Copy ``obj``'s bytes into ``out``.  The NVMe file answering an error (EIO from a
+        failing disk) raises KeyError, a miss, after taking ``obj`` out of L1: left in, every
+        lookup would hit an object whose every read fails."""
+        try:
+            self._backing.read_into(obj.offset, obj.size, out)
+        except OSError as exc:
+            if self._nvme is None:
+                raise
+            self._drop_unreadable(obj, exc)
+            raise KeyError(f"{obj.key}: the NVMe L1 file could not be read: {exc.strerror}") from None
+
+    def _drop_unreadable(self, obj: L1Object, exc: OSError) -> None:
+        with self._lock:
+            self._read_errors += 1
+            present = not self._table.closed and self._table.objects.get(obj.key) is obj
+            unstored = present and obj.unstored
+            self._read_errors_lost_before_l2 += int(unstored)
+            if present:
+                # Read-locked or not: its extent is held for its lock holders.
+                self._table.free([obj])
+        logger.error(
+            "NVMe L1: %s could not be read from %s (%s)%s",
+            obj.key.file_stem(),
+            self._backing_path,
+            exc.strerror,
+            "; dropped before its L2 store: an acknowledged write lost"
+            if unstored
+            else ("; dropped from L1" if present else ""),
+        )
 
     def _check_kept(self, obj: L1Object) -> None:
         """Raise KeyError unless ``obj``'s extent is still its own after a copy out of it.
@@ -174,6 +208,8 @@ class ObjectBytes:
                 "l1_nvme_writeback_refused": self._refused,
                 "l1_nvme_writeback_dropped": self._dropped,
                 "l1_nvme_writeback_lost_before_l2": self._lost_before_l2,
+                "l1_nvme_read_error": self._read_errors,
+                "l1_nvme_read_error_lost_before_l2": self._read_errors_lost_before_l2,
                 # once: every write-back question since is an fdatasync
                 "l1_nvme_sync_file_range_refused": int(self._nvme.sync_file_range_refused),
             }

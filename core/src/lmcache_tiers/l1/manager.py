@@ -445,8 +445,10 @@ class L1Manager:
         refused for one (``..._refused``), objects dropped for one (``..._dropped``; those of
         them not stored in L2 yet, lost acknowledged writes, also ``..._lost_before_l2``), and
         ``l1_nvme_sync_file_range_refused`` once the system refused that call (fdatasync
-        asks instead); writes skipped behind another writer's reservation of their key that
-        then ended uncommitted (``l1_skipped_writes_lost``: acknowledged writes in no tier),
+        asks instead), reads of its file that failed, each dropping its object
+        (``l1_nvme_read_error``; ``..._lost_before_l2`` as above); writes skipped behind
+        another writer's reservation of their key that then ended uncommitted
+        (``l1_skipped_writes_lost``: acknowledged writes in no tier),
         and loads that gave way to a writer of their key (``l1_load_taken_over_by_write``)."""
         with self.lock:
             skipped = self._skipped.counts()

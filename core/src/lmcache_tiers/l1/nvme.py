@@ -125,12 +125,26 @@ def _release(fd: int, path: str, owner_pid: int) -> None:
     Must not reference the NvmeL1File, or it could never be collected. A forked child
     inherits the finalizer; the pid check keeps it from removing its parent's file.
     """
-    if os.getpid() == owner_pid:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    release_as_creator(fd)
+    try:
+        if os.getpid() == owner_pid:
+            _remove_block_file(path)
+    finally:
+        release_as_creator(fd)
+
+
+def _remove_block_file(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        # A failed disk (EIO) or a read-only remount: closing must still let go of the
+        # descriptor and its lock, so that the next start-up reaps the file.
+        logger.warning(
+            "NVMe L1 file %s could not be removed (%s); the next server started on its directory removes it",
+            path,
+            exc.strerror,
+        )
 
 
 class NvmeL1File:

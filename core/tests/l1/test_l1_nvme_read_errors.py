@@ -1,0 +1,114 @@
+"""NVMe L1 on a disk that answers EIO: an object whose bytes cannot be read is a miss and
+leaves L1, and closing the L1 still lets go of its file.
+
+The disk is real: ext4 on a loop device, shut down with ``EXT4_IOC_SHUTDOWN`` (what ext4
+does to itself on a fatal device error), after which every read and unlink of the
+filesystem fails with EIO (root, losetup, mkfs.ext4 needed).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import struct
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1 import L1Manager
+from lmcache_tiers.l1.nvme import DIRECT_IO_ALIGN
+
+MIB = 1 << 20
+IMAGE_BYTES = 64 * MIB
+#: _IOR('X', 125, __u32): take the filesystem down; flag 2 = without flushing the journal
+EXT4_IOC_SHUTDOWN = 0x8004587D
+EXT4_GOING_FLAGS_NOLOGFLUSH = 2
+
+
+def _run(*command: str) -> str:
+    return subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def ext4_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory on its own ext4 filesystem, which the test may shut down."""
+    if os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("losetup", "mkfs.ext4", "mount")):
+        pytest.skip("needs root, losetup, mkfs.ext4 and mount to build a filesystem to break")
+    back, mnt = tmp_path / "back", tmp_path / "mnt"
+    back.mkdir()
+    mnt.mkdir()
+    undo: list[tuple[str, ...]] = []
+    try:
+        try:
+            _run("mount", "-t", "tmpfs", "-o", f"size={IMAGE_BYTES * 2}", "tmpfs", str(back))
+        except subprocess.CalledProcessError as exc:
+            pytest.skip(f"cannot mount a tmpfs here: {exc.stderr.strip()}")
+        undo.append(("umount", str(back)))
+        image = back / "disk.img"
+        with open(image, "wb") as file:
+            file.truncate(IMAGE_BYTES)
+        loop = _run("losetup", "-f", "--show", str(image))
+        undo.append(("losetup", "-d", loop))
+        _run("mkfs.ext4", "-q", "-F", "-E", "nodiscard,lazy_itable_init=0", loop)
+        _run("mount", loop, str(mnt))
+        undo.append(("umount", str(mnt)))
+        yield mnt
+    finally:
+        for command in reversed(undo):
+            subprocess.run(command, check=False, capture_output=True)
+
+
+def _shut_down(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.ioctl(fd, EXT4_IOC_SHUTDOWN, struct.pack("I", EXT4_GOING_FLAGS_NOLOGFLUSH))
+    finally:
+        os.close(fd)
+
+
+def _key(index: int) -> ObjectKey:
+    return ObjectKey("model", 0, index.to_bytes(32, "big"))
+
+
+def _store(l1: L1Manager, key: ObjectKey, size: int) -> None:
+    obj = l1.reserve_write([key], [size])[key]
+    l1.write_object(obj, memoryview(bytes(range(256)) * (size // 256)))
+    assert l1.finish_write([key]) == [True]
+
+
+def test_an_object_the_disk_cannot_read_is_a_miss_and_leaves_l1(ext4_dir: Path) -> None:
+    l1 = L1Manager(16 * MIB, nvme_path=str(ext4_dir))
+    try:
+        _store(l1, _key(1), DIRECT_IO_ALIGN)
+        _store(l1, _key(2), DIRECT_IO_ALIGN)
+        assert l1.mark_unstored([_key(2)])
+        _shut_down(ext4_dir)
+        obj = l1.reserve_read([_key(1)])[_key(1)]
+        with pytest.raises(KeyError):
+            l1.read_object(obj, memoryview(bytearray(DIRECT_IO_ALIGN)))
+        l1.finish_read([_key(1)])
+        # Every later lookup would hit an object whose every read fails: it is gone instead.
+        assert not l1.contains(_key(1))
+        # An L2 store borrowing the bytes is refused the same way (a KeyError, not EIO).
+        stored = l1.reserve_store([_key(2)])[_key(2)]
+        with pytest.raises(KeyError):
+            l1.lend(stored)
+        l1.finish_store([stored])
+        assert not l1.contains(_key(2))
+        failures = l1.failures()
+        assert failures["l1_nvme_read_error"] == 2
+        assert failures["l1_nvme_read_error_lost_before_l2"] == 1
+    finally:
+        l1.close()
+
+
+def test_closing_on_a_disk_that_refuses_the_unlink_does_not_raise(ext4_dir: Path) -> None:
+    l1 = L1Manager(16 * MIB, nvme_path=str(ext4_dir))
+    _store(l1, _key(1), DIRECT_IO_ALIGN)
+    _shut_down(ext4_dir)
+    l1.close()  # the file cannot be removed (EIO): said in a log line, start-up reaps it
+    l1.close()
