@@ -267,8 +267,9 @@ class StoreOp(BatchOp):
 
 def resolve_size(
     state: AdapterState, key: ObjectKey, reported: Found, known: ObjectSize | None
-) -> ObjectSize | None:
-    """Both sizes of a key the backend reported found, accounting it if new; None = miss.
+) -> tuple[ObjectSize | None, bool]:
+    """Both sizes of a key the backend reported found (None = miss), and whether this call
+    accounted it (adopted it: not accounted before).
 
     Whichever way the size is learnt -- an ``ObjectSize`` the backend reports, a plain
     stored size matching the known entry or taken as the L1 size under a chain that
@@ -276,7 +277,7 @@ def resolve_size(
     passes ``_possible_l1_size``: an object larger than L1 is a miss on every path."""
     size = _size_from_report(state, key, reported, known)
     if size is None:
-        return None
+        return None, False
     if known is None:
         return _adopted_size(state, key, size)
     if known != size:
@@ -284,7 +285,7 @@ def resolve_size(
         # object now in the store even when it is too large to load here, or the
         # adapter would overrun its capacity by the difference.
         state.accounting.record(key, size)
-    return size if _possible_l1_size(state, key, size) else None
+    return (size if _possible_l1_size(state, key, size) else None), False
 
 
 def _size_from_report(
@@ -312,20 +313,23 @@ def _size_from_report(
     return None
 
 
-def _adopted_size(state: AdapterState, key: ObjectKey, size: ObjectSize) -> ObjectSize | None:
-    """Account ``key`` (not accounted when the lookup began) at ``size``; if a store or
-    the scan accounted it meanwhile, that entry is the newer word on the object.
+def _adopted_size(state: AdapterState, key: ObjectKey, size: ObjectSize) -> tuple[ObjectSize | None, bool]:
+    """Account ``key`` (not accounted when the lookup began) at ``size``, and whether this
+    call did; if a store or the scan accounted it meanwhile, that entry is the newer word
+    on the object -- and not adopted here: the store announced it, the scan's keys reach
+    the eviction policy through its own listing, and a second announcement would read to
+    the policy as a second use of the key.
 
     The size is checked first: a lookup adopts (and tells listeners of) only the keys it
     answers found, so nothing it accounts is hidden from eviction."""
     if not _possible_l1_size(state, key, size):
-        return None
+        return None, False
     if state.accounting.record_if_absent(key, size):
-        return size
+        return size, True
     current = state.accounting.get(key)
     if current is None or current.l1 == UNKNOWN_L1 or current == size:
-        return size
-    return current if _possible_l1_size(state, key, current) else None
+        return size, False
+    return (current if _possible_l1_size(state, key, current) else None), False
 
 
 def _possible_l1_size(state: AdapterState, key: ObjectKey, reported: ObjectSize) -> bool:
@@ -481,12 +485,12 @@ class LookupOp(BatchOp):
         misses: list[ObjectKey] = []
         absent: list[tuple[ObjectKey, ObjectSize]] = []  # accounted, and answered absent
         unknown: list[ObjectKey] = []  # not accounted, and answered absent
-        adopted: list[ObjectKey] = []  # found, and not accounted before the lookup
+        adopted: list[ObjectKey] = []  # found, and accounted by this lookup
         for position, index in enumerate(self.io_index):
             key = self.keys[index]
             reported = io_result[position] if io_result is not None else None
             known = self.known[position]
-            size = resolve_size(state, key, reported, known)
+            size, adopted_here = resolve_size(state, key, reported, known)
             if size is None:
                 misses.append(key)
                 if io_result is not None and reported is None:
@@ -498,7 +502,7 @@ class LookupOp(BatchOp):
             found[index] = True
             sizes[index] = size.l1
             self.hits.append(key)
-            if known is None:
+            if adopted_here:
                 adopted.append(key)
         forget_gone(state, absent, "found by a lookup")
         if unknown and self.during_scan:  # what a listing read earlier may bring back
