@@ -131,16 +131,25 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.parametrize("run_all_sigint", ["handled", "ignored"])
 def test_a_benchmark_that_times_out_is_stopped_with_the_processes_it_started(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_all_sigint: str
 ) -> None:
     """run_all: a timed-out benchmark was killed alone (SIGKILL), so the server it had
-    started kept running and its clean-up (a /dev/shm segment, here a marker file) never ran."""
+    started kept running and its clean-up (a /dev/shm segment, here a marker file) never ran.
+    Also when run_all runs with SIGINT ignored (a script's background job): the benchmark
+    inherited that, and the SIGINT stopping it skipped its clean-up."""
     run_all = load_bench("run_all")
     (tmp_path / "bench_hangs.py").write_text(FAKE_BENCH)
     monkeypatch.setattr(run_all, "BENCH_DIR", tmp_path)
     monkeypatch.setattr(run_all, "STOP_GRACE_S", 10.0, raising=False)
-    outcome = run_all.run_bench(run_all.Bench("hangs", "bench_hangs.py", timeout_s=3.0), False, tmp_path)
+    previous = signal.signal(
+        signal.SIGINT, signal.SIG_IGN if run_all_sigint == "ignored" else signal.default_int_handler
+    )
+    try:
+        outcome = run_all.run_bench(run_all.Bench("hangs", "bench_hangs.py", timeout_s=3.0), False, tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert outcome.error == "did not finish within 3 s"
     server = int((tmp_path / "server.pid").read_text())
     deadline = time.monotonic() + 10
