@@ -47,6 +47,9 @@ LISTING_DEADLINE_S = 10.0
 #: is left to finish on its own thread (a plain backend's ``delete_many`` is bounded by no
 #: ``call_timeout_s``), and cycles are skipped until it ends
 DELETE_DEADLINE_S = 30.0
+#: the event of keys the adapter's start-up scan accounted (``on_l2_keys_scanned``): told
+#: to the policy as written, unless it has them from the listing already
+SCANNED = "on_keys_scanned"
 
 
 class L2EvictionController(ControllerThread):
@@ -63,6 +66,12 @@ class L2EvictionController(ControllerThread):
     knows from the listing only (stored by another server after the adapter's start-up
     scan) and gone too is reported absent (``on_l2_keys_absent``): it leaves the policy
     as well, freeing nothing, and is not a failed delete.
+
+    The policy learns every key the adapter accounts: stored, adopted by a lookup, or
+    accounted by the adapter's start-up scan, which announces its keys
+    (``on_l2_keys_scanned``) -- the scan and the seeding list the store apart, and a key
+    stored between the two listings would otherwise count in the usage and never be
+    evicted.  A key both listings read is written to the policy once.
 
     While the adapter's circuit breaker is open (its backend down) every delete would be
     refused without reaching the backend: a cycle is skipped instead, counted as
@@ -98,6 +107,10 @@ class L2EvictionController(ControllerThread):
         self._written_unseeded: set[ObjectKey] = set()
         self._listing = False
         self._removed_while_listing: set[ObjectKey] = set()
+        # The keys the seeding listing gave the policy, kept while the adapter's start-up
+        # scan still runs: it may announce them again, and a second write would read to
+        # the policy as a second use.  Dropped at the first cycle after the scan ended.
+        self._listed_while_scanning: set[ObjectKey] | None = None
         self._seed_lock = threading.Lock()  # one listing at a time (the thread, evict())
         # The listing runs on a thread of its own: a backend whose listing never returns
         # must not hold the eviction cycles.  Notified when it ends (and on stop).
@@ -144,13 +157,21 @@ class L2EvictionController(ControllerThread):
             self._feed_locked(method, keys)
 
     def _feed_locked(self, method: str, keys: Sequence[ObjectKey]) -> None:
-        if self._seeded:
-            self._tell_policy(method, keys)
-        elif self._live_unseeded:
-            self._tell_policy(method, keys)
-            self._note_unseeded(method, keys)
-        else:
+        if not self._seeded and not self._live_unseeded:
             self._early_events.append((method, list(keys)))
+            return
+        if method == SCANNED:
+            method, keys = "on_keys_written", self._not_known_from(self._listed_while_scanning, keys)
+            if not keys:
+                return
+        self._tell_policy(method, keys)
+        if not self._seeded:
+            self._note_unseeded(method, keys)
+
+    @staticmethod
+    def _not_known_from(listed: set[ObjectKey] | None, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
+        """``keys`` (scanned) the policy did not get from the seeding listing ``listed``."""
+        return list(keys) if not listed else [key for key in keys if key not in listed]
 
     def _note_unseeded(self, method: str, keys: Sequence[ObjectKey]) -> None:
         """What the policy heard since a listing failed (policy lock held); bounded by the
@@ -175,6 +196,10 @@ class L2EvictionController(ControllerThread):
 
     def on_l2_keys_stored(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
         self._feed("on_keys_written", keys)
+        self.wake()
+
+    def on_l2_keys_scanned(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
+        self._feed(SCANNED, keys)
         self.wake()
 
     def on_l2_keys_loaded(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None:
@@ -301,11 +326,10 @@ class L2EvictionController(ControllerThread):
         in order), the keys they write remembered for the listing that succeeds."""
         with self._policy_lock:
             if not self._live_unseeded:
-                for method, keys in self._early_events:
-                    self._tell_policy(method, keys)
-                    self._note_unseeded(method, keys)
-                self._early_events.clear()
+                early, self._early_events = self._early_events, []
                 self._live_unseeded = True
+                for method, keys in early:
+                    self._feed_locked(method, keys)
 
     def request_stop(self, drain_timeout_s: float = 10.0) -> None:
         super().request_stop(drain_timeout_s)
@@ -342,6 +366,10 @@ class L2EvictionController(ControllerThread):
         self._go_live()
 
     def _seed_with(self, existing: list[ObjectKey]) -> None:
+        listed = set(existing)
+        # Asked before the policy lock: a scan that has ended announced all it accounted
+        # already (its events are queued or told), so nothing needs filtering after this.
+        scanning = self._adapter_scanning()
         with self._policy_lock:
             if self._live_unseeded:
                 # The policy heard every event since the failed listing: only keys it has
@@ -355,8 +383,12 @@ class L2EvictionController(ControllerThread):
                 if existing:
                     self._tell_policy("on_keys_written", existing)
                 for method, keys in self._early_events:
-                    self._tell_policy(method, keys)
+                    if method == SCANNED:  # listed too: written once, with the listing
+                        method, keys = "on_keys_written", self._not_known_from(listed, keys)
+                    if keys:
+                        self._tell_policy(method, keys)
                 self._early_events.clear()
+            self._listed_while_scanning = listed if scanning else None
             self._seeded = True
             self._live_unseeded = self._listing = False
             self._written_unseeded = set()
@@ -371,6 +403,18 @@ class L2EvictionController(ControllerThread):
         elif existing:
             logger.debug("%s: eviction policy seeded with %d stored keys", self.slot.name, len(existing))
 
+    def _adapter_scanning(self) -> bool:
+        """Whether the adapter's start-up scan still runs (and may announce keys)."""
+        try:
+            return bool(self.slot.adapter.stats().get("scan_running"))
+        except Exception:  # cannot tell: keep filtering; a later cycle asks again
+            return True
+
+    def _forget_listing_once_scanned(self) -> None:
+        if self._listed_while_scanning is not None and not self._adapter_scanning():
+            with self._policy_lock:
+                self._listed_while_scanning = None
+
     # -- the thread ----------------------------------------------------------------------
 
     def step(self, ready_fds: set[int]) -> None:
@@ -378,6 +422,7 @@ class L2EvictionController(ControllerThread):
             return
         if not self._seeded:
             self._seed()  # at start, before anything could need evicting
+        self._forget_listing_once_scanned()
         adapter = self.slot.adapter
         # Stores can fill the adapter far past the watermark between two cycles, and one
         # round of ``eviction_ratio`` may leave it above: rounds go on while they free bytes.

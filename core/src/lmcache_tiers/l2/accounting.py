@@ -203,16 +203,17 @@ class ByteAccounting:
             self._tracking = False
             self._touched.clear()
 
-    def add_scanned(self, items: Iterable[tuple[ObjectKey, ObjectSize]]) -> tuple[int, int]:
-        """Account listed objects not known yet; returns (objects, bytes) added."""
-        added = added_bytes = 0
+    def add_scanned(self, items: Iterable[tuple[ObjectKey, ObjectSize]]) -> tuple[list[ObjectKey], int]:
+        """Account listed objects not known yet; returns the keys added and their bytes."""
+        added: list[ObjectKey] = []
+        added_bytes = 0
         with self._lock:
             for key, size in items:
                 if key in self._sizes or key in self._touched:
                     continue
                 self._sizes[key] = size
                 self._add(key.cache_salt, size.stored)
-                added += 1
+                added.append(key)
                 added_bytes += size.stored
         return added, added_bytes
 

@@ -55,6 +55,13 @@ class L2Listener(Protocol):
     adapter, so not reported deleted, yet possibly known to the listener from the
     listing (``iter_keys``) -- e.g. stored by another server after the start-up scan,
     then removed.  A listener that seeded itself from the listing forgets them here.
+
+    Optional: ``on_l2_keys_scanned(adapter, keys)``, found by name.  Keys the start-up
+    scan accounted from the backend's listing (stored before this process started, or by
+    another server), batch by batch: every key counted in ``used_bytes`` is announced
+    once, by a store, a lookup's adoption or the scan.  The batches accounted while the
+    adapter is built come before any listener is added; a listener that seeds itself from
+    ``iter_keys`` reads those, and may read a key the scan announces as well.
     """
 
     def on_l2_keys_stored(self, adapter: L2Adapter, keys: Sequence[ObjectKey]) -> None: ...

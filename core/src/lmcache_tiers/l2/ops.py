@@ -316,9 +316,9 @@ def _size_from_report(
 def _adopted_size(state: AdapterState, key: ObjectKey, size: ObjectSize) -> tuple[ObjectSize | None, bool]:
     """Account ``key`` (not accounted when the lookup began) at ``size``, and whether this
     call did; if a store or the scan accounted it meanwhile, that entry is the newer word
-    on the object -- and not adopted here: the store announced it, the scan's keys reach
-    the eviction policy through its own listing, and a second announcement would read to
-    the policy as a second use of the key.
+    on the object -- and not adopted here: the store announced it, the scan announces
+    its own (``on_l2_keys_scanned``), and a second announcement would read to the policy
+    as a second use of the key.
 
     The size is checked first: a lookup adopts (and tells listeners of) only the keys it
     answers found, so nothing it accounts is hidden from eviction."""

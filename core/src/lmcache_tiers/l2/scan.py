@@ -7,6 +7,13 @@ each key was looked up.  The first batches are read while the adapter is built, 
 all of a small cache; the rest on a thread of its own, with progress in ``stats()``
 (``scan_running``, ``scan_keys``, ``scan_bytes``).  Stores that would add bytes while it
 runs are refused: the usage they would be checked against is not known yet.
+
+Every key the scan accounts is announced to listeners (``on_l2_keys_scanned``, batch by
+batch): what counts in the usage must be known to the eviction policy, which would
+otherwise hear only of the keys its own listing of the store read -- a key stored by
+another server between that listing and the scan's would count here and never be evicted.
+The batches accounted while the adapter is built precede any listener; an eviction
+controller's own listing, taken after them, brings those.
 """
 
 from __future__ import annotations
@@ -101,8 +108,11 @@ class KeyScan:
                     if not self.running:  # ended by close() while this batch was listed
                         return True
                     added, added_bytes = self.state.accounting.add_scanned(sizes)
-                    self.keys += added
+                    self.keys += len(added)
                     self.bytes += added_bytes
+                # Outside the lock (a listener takes its own): every key accounted is
+                # announced, so an eviction policy can evict what counts in the usage.
+                self.state.notify("on_l2_keys_scanned", added)
         except Exception as exc:  # the rest is accounted lazily, on first lookup
             self.errors += 1
             # A remote store's error may quote a URL, password and all.

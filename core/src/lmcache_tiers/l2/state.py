@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("lmcache_tiers.l2")
 
 #: listener callbacks a listener may lack (it is then not told)
-OPTIONAL_CALLBACKS = frozenset({"on_l2_keys_absent"})
+OPTIONAL_CALLBACKS = frozenset({"on_l2_keys_absent", "on_l2_keys_scanned"})
 
 #: layouts of loaded keys kept for the prefetches that loaded them; past that (loads with
 #: no prefetch behind them, such as a benchmark's) they are forgotten
