@@ -112,3 +112,19 @@ def test_closing_on_a_disk_that_refuses_the_unlink_does_not_raise(ext4_dir: Path
     _shut_down(ext4_dir)
     l1.close()  # the file cannot be removed (EIO): said in a log line, start-up reaps it
     l1.close()
+
+
+def test_a_write_the_disk_refuses_is_counted(ext4_dir: Path) -> None:
+    """The writer is told (OSError: its store or load fails, nothing is committed), and the
+    refusal is counted: a failing disk shows in /metrics, not only as internal errors."""
+    l1 = L1Manager(16 * MIB, nvme_path=str(ext4_dir))
+    try:
+        _shut_down(ext4_dir)
+        obj = l1.reserve_write([_key(1)], [DIRECT_IO_ALIGN])[_key(1)]
+        with pytest.raises(OSError):
+            l1.write_object(obj, memoryview(bytearray(DIRECT_IO_ALIGN)))
+        l1.abort_write([_key(1)])
+        assert not l1.contains(_key(1))
+        assert l1.failures()["l1_nvme_write_error"] == 1
+    finally:
+        l1.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.errors import TiersError
 from lmcache_tiers.l1.arena import L1Arena
 from lmcache_tiers.l1.backing import L1Backing
@@ -60,6 +61,9 @@ class ObjectBytes:
         self._read_errors = 0  # copies out of the NVMe file that failed (EIO)
         # of the objects those took out of L1, acknowledged writes whose L2 store had not settled
         self._read_errors_lost_before_l2 = 0
+        self._write_errors = 0  # copies into the NVMe file that failed (EIO, ENOSPC)
+        self._read_error_log = BurstLog(logger, "l1_nvme_read_error")
+        self._write_error_log = BurstLog(logger, "l1_nvme_write_error")
 
     def view(self, obj: L1Object) -> memoryview:
         with self._lock:
@@ -91,7 +95,26 @@ class ObjectBytes:
             if self._nvme is not None:
                 # Errors counted before the write begins cannot concern the pages it dirties.
                 obj.written_in = self._nvme.writeback_errors_seen
-        self._backing.write_from(obj.offset, data)
+        try:
+            self._backing.write_from(obj.offset, data)
+        except OSError as exc:
+            if self._nvme is not None:
+                self._count_write_error(obj, exc)
+            raise
+
+    def _count_write_error(self, obj: L1Object, exc: OSError) -> None:
+        """A copy into the NVMe file failed.  The OSError goes on to the writer, whose store
+        or load then fails and is never committed (nothing acknowledged is lost); counted
+        here so that a failing disk shows as itself, not only as its callers' errors."""
+        with self._lock:
+            self._write_errors += 1
+        self._write_error_log.warn(
+            "write",
+            "NVMe L1: %s could not be written to %s (%s); its writer's store or load fails",
+            obj.key.file_stem(),
+            self._backing_path,
+            exc.strerror,
+        )
 
     def lend(self, obj: L1Object, *, fill: bool) -> L1Loan:
         with self._lock:
@@ -135,7 +158,9 @@ class ObjectBytes:
             if present:
                 # Read-locked or not: its extent is held for its lock holders.
                 self._table.free([obj])
-        logger.error(
+        # A dead disk fails the read of every object in L1, each once: one line a minute.
+        self._read_error_log.warn(
+            "lost" if unstored else "read",
             "NVMe L1: %s could not be read from %s (%s)%s",
             obj.key.file_stem(),
             self._backing_path,
@@ -210,6 +235,7 @@ class ObjectBytes:
                 "l1_nvme_writeback_lost_before_l2": self._lost_before_l2,
                 "l1_nvme_read_error": self._read_errors,
                 "l1_nvme_read_error_lost_before_l2": self._read_errors_lost_before_l2,
+                "l1_nvme_write_error": self._write_errors,
                 # once: every write-back question since is an fdatasync
                 "l1_nvme_sync_file_range_refused": int(self._nvme.sync_file_range_refused),
             }

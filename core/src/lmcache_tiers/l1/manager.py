@@ -446,7 +446,8 @@ class L1Manager:
         them not stored in L2 yet, lost acknowledged writes, also ``..._lost_before_l2``), and
         ``l1_nvme_sync_file_range_refused`` once the system refused that call (fdatasync
         asks instead), reads of its file that failed, each dropping its object
-        (``l1_nvme_read_error``; ``..._lost_before_l2`` as above); writes skipped behind
+        (``l1_nvme_read_error``; ``..._lost_before_l2`` as above), writes into it that
+        failed, each failing its store or load (``l1_nvme_write_error``); writes skipped behind
         another writer's reservation of their key that then ended uncommitted
         (``l1_skipped_writes_lost``: acknowledged writes in no tier),
         and loads that gave way to a writer of their key (``l1_load_taken_over_by_write``)."""
