@@ -6,8 +6,10 @@ from __future__ import annotations
 import gc
 import mmap
 import os
+import shutil
+import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,47 @@ def nvme_dir(tmp_path: Path) -> Iterator[Path]:
     gc.collect()
     leaked = sorted(path.name for path in tmp_path.iterdir() if path.name.endswith(FILE_SUFFIX))
     assert not leaked, f"NVMe L1 files left behind: {leaked}"
+
+
+#: the size of the ext4 image ``loop_ext4`` builds
+LOOP_IMAGE_BYTES = 64 << 20
+
+
+def _run(*command: str) -> str:
+    return subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def loop_ext4(tmp_path: Path) -> Iterator[Callable[..., tuple[Path, Path]]]:
+    """``loop_ext4(*mkfs_options)`` builds a real filesystem a test may break and answers
+    (the mounted ext4 directory, the tmpfs holding its image): ext4 (made with the given mkfs.ext4
+    options) on a loop device whose image lives on a tmpfs of twice its size, all undone at
+    the end (root, losetup, mkfs.ext4 and mount needed, or the test is skipped)."""
+    if os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("losetup", "mkfs.ext4", "mount")):
+        pytest.skip("needs root, losetup, mkfs.ext4 and mount to build a filesystem to break")
+    undo: list[tuple[str, ...]] = []
+
+    def build(*mkfs_options: str) -> tuple[Path, Path]:
+        back, mnt = tmp_path / "back", tmp_path / "mnt"
+        back.mkdir()
+        mnt.mkdir()
+        try:
+            _run("mount", "-t", "tmpfs", "-o", f"size={LOOP_IMAGE_BYTES * 2}", "tmpfs", str(back))
+        except subprocess.CalledProcessError as exc:
+            pytest.skip(f"cannot mount a tmpfs here: {exc.stderr.strip()}")
+        undo.append(("umount", str(back)))
+        image = back / "disk.img"
+        with open(image, "wb") as file:
+            file.truncate(LOOP_IMAGE_BYTES)
+        loop = _run("losetup", "-f", "--show", str(image))
+        undo.append(("losetup", "-d", loop))
+        _run("mkfs.ext4", "-q", "-F", *mkfs_options, "-E", "nodiscard,lazy_itable_init=0", loop)
+        _run("mount", loop, str(mnt))
+        undo.append(("umount", str(mnt)))
+        return mnt, back
+
+    try:
+        yield build
+    finally:
+        for command in reversed(undo):
+            subprocess.run(command, check=False, capture_output=True)

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
 import struct
-import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,43 +21,16 @@ from lmcache_tiers.l1 import L1Manager
 from lmcache_tiers.l1.nvme import DIRECT_IO_ALIGN
 
 MIB = 1 << 20
-IMAGE_BYTES = 64 * MIB
 #: _IOR('X', 125, __u32): take the filesystem down; flag 2 = without flushing the journal
 EXT4_IOC_SHUTDOWN = 0x8004587D
 EXT4_GOING_FLAGS_NOLOGFLUSH = 2
 
 
-def _run(*command: str) -> str:
-    return subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip()
-
-
 @pytest.fixture
-def ext4_dir(tmp_path: Path) -> Iterator[Path]:
+def ext4_dir(loop_ext4: Callable[..., tuple[Path, Path]]) -> Path:
     """A directory on its own ext4 filesystem, which the test may shut down."""
-    if os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("losetup", "mkfs.ext4", "mount")):
-        pytest.skip("needs root, losetup, mkfs.ext4 and mount to build a filesystem to break")
-    back, mnt = tmp_path / "back", tmp_path / "mnt"
-    back.mkdir()
-    mnt.mkdir()
-    undo: list[tuple[str, ...]] = []
-    try:
-        try:
-            _run("mount", "-t", "tmpfs", "-o", f"size={IMAGE_BYTES * 2}", "tmpfs", str(back))
-        except subprocess.CalledProcessError as exc:
-            pytest.skip(f"cannot mount a tmpfs here: {exc.stderr.strip()}")
-        undo.append(("umount", str(back)))
-        image = back / "disk.img"
-        with open(image, "wb") as file:
-            file.truncate(IMAGE_BYTES)
-        loop = _run("losetup", "-f", "--show", str(image))
-        undo.append(("losetup", "-d", loop))
-        _run("mkfs.ext4", "-q", "-F", "-E", "nodiscard,lazy_itable_init=0", loop)
-        _run("mount", loop, str(mnt))
-        undo.append(("umount", str(mnt)))
-        yield mnt
-    finally:
-        for command in reversed(undo):
-            subprocess.run(command, check=False, capture_output=True)
+    mnt, _ = loop_ext4()
+    return mnt
 
 
 def _shut_down(directory: Path) -> None:

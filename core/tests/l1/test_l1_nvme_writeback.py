@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import gc
 import os
-import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from lmcache_tiers.l1 import L1Manager
 from lmcache_tiers.l1.nvme import DIRECT_IO_ALIGN, FILE_SUFFIX
 
 MIB = 1 << 20
-IMAGE_BYTES = 64 * MIB
+IMAGE_BYTES = 64 * MIB  # loop_ext4's image: its tmpfs, grown back, holds it whole
 # What a write-back may still put on the full tmpfs before it fails: far less than OBJECT.
 SLACK_BYTES = 256 * 1024
 OBJECT = 4 * MIB
@@ -42,37 +41,15 @@ def _used_bytes(path: Path) -> int:
 
 
 @pytest.fixture
-def failing_fs_dir(tmp_path: Path) -> Iterator[Path]:
+def failing_fs_dir(loop_ext4: Callable[..., tuple[Path, Path]]) -> Iterator[Path]:
     """A directory on ext4 whose device runs out of room as soon as data is written back."""
-    if os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("losetup", "mkfs.ext4", "mount")):
-        pytest.skip("needs root, losetup, mkfs.ext4 and mount to build a failing filesystem")
-    back, mnt = tmp_path / "back", tmp_path / "mnt"
-    back.mkdir()
-    mnt.mkdir()
-    undo: list[tuple[str, ...]] = []
-    try:
-        try:
-            _run("mount", "-t", "tmpfs", "-o", f"size={IMAGE_BYTES * 2}", "tmpfs", str(back))
-        except subprocess.CalledProcessError as exc:
-            pytest.skip(f"cannot mount a tmpfs here: {exc.stderr.strip()}")
-        undo.append(("umount", str(back)))
-        image = back / "disk.img"
-        with open(image, "wb") as file:
-            file.truncate(IMAGE_BYTES)
-        loop = _run("losetup", "-f", "--show", str(image))
-        undo.append(("losetup", "-d", loop))
-        _run("mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "nodiscard,lazy_itable_init=0", loop)
-        _run("mount", loop, str(mnt))
-        undo.append(("umount", str(mnt)))
-        # The image's holes stay holes: shrink the tmpfs to what mkfs wrote, plus a little.
-        _run("mount", "-o", f"remount,size={_used_bytes(back) + SLACK_BYTES}", str(back))
-        yield mnt
-        gc.collect()
-        leaked = sorted(path.name for path in mnt.iterdir() if path.name.endswith(FILE_SUFFIX))
-        assert not leaked, f"NVMe L1 files left behind: {leaked}"
-    finally:
-        for command in reversed(undo):
-            subprocess.run(command, check=False, capture_output=True)
+    mnt, back = loop_ext4("-O", "^has_journal")
+    # The image's holes stay holes: shrink the tmpfs to what mkfs wrote, plus a little.
+    _run("mount", "-o", f"remount,size={_used_bytes(back) + SLACK_BYTES}", str(back))
+    yield mnt
+    gc.collect()
+    leaked = sorted(path.name for path in mnt.iterdir() if path.name.endswith(FILE_SUFFIX))
+    assert not leaked, f"NVMe L1 files left behind: {leaked}"
 
 
 def _key(index: int) -> ObjectKey:
