@@ -99,3 +99,24 @@ def test_a_write_the_disk_refuses_is_counted(ext4_dir: Path) -> None:
         assert l1.failures()["l1_nvme_write_error"] == 1
     finally:
         l1.close()
+
+
+def test_a_read_locked_object_dropped_for_a_read_error_is_not_a_forced_delete(
+    ext4_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its extent is held for its readers as after a forced delete, but counted as dropped:
+    ``forced`` says a client cleared objects, and the drop has its own (throttled) log line."""
+    l1 = L1Manager(16 * MIB, nvme_path=str(ext4_dir))
+    try:
+        _store(l1, _key(1), DIRECT_IO_ALIGN)
+        _shut_down(ext4_dir)
+        obj = l1.reserve_read([_key(1)])[_key(1)]
+        with pytest.raises(KeyError):
+            l1.read_object(obj, memoryview(bytearray(DIRECT_IO_ALIGN)))
+        held = l1.lease_stats()
+        assert (held.quarantined_extents, held.quarantined_dropped, held.quarantined_forced) == (1, 1, 0)
+        assert "deleted by force" not in caplog.text
+        l1.finish_read([_key(1)])
+        assert l1.lease_stats().reclaimed_released == 1
+    finally:
+        l1.close()

@@ -156,8 +156,9 @@ class ObjectBytes:
             unstored = present and obj.unstored
             self._read_errors_lost_before_l2 += int(unstored)
             if present:
-                # Read-locked or not: its extent is held for its lock holders.
-                self._table.free([obj])
+                # Read-locked or not: its extent is held for its lock holders (counted as
+                # dropped, not as a client's forced delete; the line below explains it).
+                self._table.free([obj], taken_by="dropped")
         # A dead disk fails the read of every object in L1, each once: one line a minute.
         self._read_error_log.warn(
             "lost" if unstored else "read",
@@ -220,7 +221,7 @@ class ObjectBytes:
             len(lost),
             unstored,
         )
-        table.free(lost)
+        table.free(lost, taken_by="dropped")
 
     def failures(self) -> dict[str, int]:
         """Write-back errors of the NVMe file, copies refused and objects dropped for them

@@ -4,7 +4,8 @@ An object normally gives its extent back to the allocator the moment it leaves L
 things take an object out from under a holder that has not finished with it:
 
 * a forced delete (``clear(force=True)``) of a read-locked object: the reader still holds
-  its lock and may still be copying out of the extent, or holding views into it;
+  its lock and may still be copying out of the extent, or holding views into it (an object
+  dropped for a disk error of the NVMe L1 leaves the same way, counted as ``dropped``);
 * the lock TTL: a reader that kept its lock longer than ``lock_ttl_s`` has it dropped as
   if it had crashed, and a writer slower than ``write_ttl_s`` has its reservation freed.
 
@@ -36,7 +37,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1.allocator import ExtentAllocator
@@ -46,6 +47,10 @@ logger = logging.getLogger(__name__)
 
 #: generation table entries are uint64
 _GENERATION_MASK = (1 << 64) - 1
+
+#: why read-locked objects left L1: a forced delete (a client's CLEAR), or a disk error of
+#: the NVMe L1 (its caller counts and logs those itself)
+TakenBy = Literal["forced", "dropped"]
 
 
 @dataclass(slots=True, eq=False)
@@ -66,6 +71,7 @@ class LeaseStats(NamedTuple):
     quarantined_bytes: int
     lapsed_objects: int  # objects whose read locks expired; their extent is held if they leave
     quarantined_forced: int  # extents of read-locked objects deleted by force
+    quarantined_dropped: int  # extents of read-locked objects dropped for an NVMe L1 disk error
     quarantined_expired: int  # extents of expired locks (reads or unfinished writes)
     reclaimed_released: int  # quarantined extents freed once their holders released them
     reclaimed_lease_end: int  # quarantined extents freed at the end of their lease
@@ -86,7 +92,7 @@ class ExtentLeases:
         # extent offset -> end of the grace period of an object whose locks expired
         self._lapsed: dict[int, float] = {}
         self.quarantined_bytes = 0
-        self._counts = dict.fromkeys(("forced", "expired", "released", "lease_end", "bytes"), 0)
+        self._counts = dict.fromkeys(("forced", "dropped", "expired", "released", "lease_end", "bytes"), 0)
 
     # -- extents leaving -------------------------------------------------------------------
 
@@ -95,11 +101,11 @@ class ExtentLeases:
         it leaves L1 within the grace period, hold its extent."""
         self._lapsed[obj.offset] = now + self.grace_s
 
-    def release_extents(self, objs: Sequence[L1Object], now: float) -> None:
+    def release_extents(self, objs: Sequence[L1Object], now: float, taken_by: TakenBy = "forced") -> None:
         """Objects that left L1: free their extents, or quarantine those someone may still
-        be reading (read-locked ones deleted by force, lapsed ones)."""
+        be reading (read-locked ones, which ``taken_by`` took away; lapsed ones)."""
         free: list[int] = []
-        forced = 0
+        taken = 0
         for obj in objs:
             lapsed_until = self._lapsed.pop(obj.offset, 0.0) if self._lapsed else 0.0
             # A store's locks are not a reader's: they go by identity (``store_done``).
@@ -107,12 +113,12 @@ class ExtentLeases:
             # to a later object of the key instead of this extent.
             readers = obj.read_locks - obj.storing
             if readers > 0:
-                # Only a forced delete takes a read-locked object away: its readers keep
-                # the extent for the rest of their lease, and at least the grace period.
+                # Only a forced delete or a disk error takes a read-locked object away: its
+                # readers keep the extent for the rest of their lease, and at least the
+                # grace period.
                 until = max(obj.lock_deadline, lapsed_until, now + self.grace_s)
                 self._hold(obj, readers, until, not_before=lapsed_until)
-                self._counts["forced"] += 1
-                forced += 1
+                taken += 1
             elif lapsed_until > now:
                 self._hold(obj, 0, lapsed_until)
                 self._counts["expired"] += 1
@@ -120,11 +126,12 @@ class ExtentLeases:
                 self._hold(obj, 0, now)  # pinned only: goes back when its store reports
             else:
                 free.append(obj.offset)
-        if forced:
+        self._counts[taken_by] += taken
+        if taken and taken_by == "forced":
             logger.warning(
                 "%d read-locked L1 objects deleted by force; their extents are held until their "
                 "readers release them (at most until their lock TTL ends)",
-                forced,
+                taken,
             )
         self._give_back(free)
 
@@ -253,6 +260,7 @@ class ExtentLeases:
             quarantined_bytes=self.quarantined_bytes,
             lapsed_objects=len(self._lapsed),
             quarantined_forced=counts["forced"],
+            quarantined_dropped=counts["dropped"],
             quarantined_expired=counts["expired"],
             reclaimed_released=counts["released"],
             reclaimed_lease_end=counts["lease_end"],

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l1.leases import ExtentLeases
+from lmcache_tiers.l1.leases import ExtentLeases, TakenBy
 from lmcache_tiers.l1.objects import L1Listener, L1Object, L1Stats, ObjectState
 
 logger = logging.getLogger(__name__)
@@ -119,9 +119,10 @@ class ObjectTable:
         self.locked.pop(obj.key, None)
         self.temporary.discard(obj.key)
 
-    def release_extents(self, objs: list[L1Object]) -> None:
+    def release_extents(self, objs: list[L1Object], taken_by: TakenBy = "forced") -> None:
         """Give back the extents of detached objects, except those a load is still filling
-        (the leases keep those an L2 store still reads)."""
+        (the leases keep those an L2 store still reads, and those of read-locked objects,
+        which ``taken_by`` took away)."""
         if not objs:
             return
         # Handing such an extent to another object would let the load overwrite that
@@ -130,7 +131,7 @@ class ObjectTable:
         if len(free) < len(objs):
             self._held.update(obj for obj in objs if obj.loading)
         if free:
-            self._leases.release_extents(free, time.monotonic())
+            self._leases.release_extents(free, time.monotonic(), taken_by)
 
     def release_held(self, obj: L1Object) -> bool:
         """True if ``obj`` left L1 while a load filled it and its extent was held for
@@ -140,11 +141,11 @@ class ObjectTable:
         self._held.discard(obj)
         return True
 
-    def free(self, objs: list[L1Object]) -> None:
+    def free(self, objs: list[L1Object], taken_by: TakenBy = "forced") -> None:
         """Detach objects, release their extents and tell the listeners they are gone."""
         for obj in objs:
             self.detach(obj)
-        self.release_extents(objs)
+        self.release_extents(objs, taken_by)
         self.listeners.notify("deleted", [obj.key for obj in objs])
 
     def locked_bytes(self, extent_size_at: Callable[[int], int]) -> int:

@@ -313,9 +313,12 @@ class TiersCollector(Collector):
         lapsed.add_metric([], float(leases.get("lapsed_objects", 0)))
         yield lapsed
         taken = _counter(
-            "l1_quarantined", "L1 extents held back after a forced delete or a lock expiry", ["reason"]
+            "l1_quarantined",
+            "L1 extents held back after a forced delete, an NVMe L1 disk error or a lock expiry",
+            ["reason"],
         )
         taken.add_metric(["forced"], leases.get("quarantined_forced", 0))
+        taken.add_metric(["dropped"], leases.get("quarantined_dropped", 0))
         taken.add_metric(["expired"], leases.get("quarantined_expired", 0))
         yield taken
         reclaimed = _counter(
