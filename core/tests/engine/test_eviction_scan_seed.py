@@ -126,3 +126,25 @@ def test_keys_the_scan_announced_before_seeding_join_the_policy_once(adapter: Ba
 
     assert policy.writes == Counter(dict.fromkeys(stored, 1)), "listed and scanned: written once"
     assert adapter.usage() < WATERMARK
+
+
+def test_an_adapter_whose_stats_raises_frees_the_kept_listing(
+    adapter: BackendAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    another_server_stores(adapter, keys_of("before-start", BEFORE_START))
+    asked = 0
+
+    def stats_that_raise() -> dict[str, int]:
+        nonlocal asked
+        asked += 1
+        raise RuntimeError("stats unavailable")
+
+    monkeypatch.setattr(adapter, "stats", stats_that_raise)
+    config = L2EvictionConfig(trigger_watermark=WATERMARK)
+    controller = L2EvictionController(AdapterSlot(0, "shared", adapter), CountingFifo(), config, EngineStats(1))
+
+    for _ in range(3):
+        controller.step(set())
+
+    assert asked == 1, "a scan state that cannot be read is asked once, not every cycle"
+    assert controller.stats.failures()["l2_eviction_scan_state_error"] == 1

@@ -404,11 +404,24 @@ class L2EvictionController(ControllerThread):
             logger.debug("%s: eviction policy seeded with %d stored keys", self.slot.name, len(existing))
 
     def _adapter_scanning(self) -> bool:
-        """Whether the adapter's start-up scan still runs (and may announce keys)."""
+        """Whether the adapter's start-up scan still runs (and may announce keys).
+
+        An adapter whose ``stats()`` raises cannot tell: it reads as not scanning.  Taken
+        as scanning, the kept listing would never be freed and ``stats()`` asked every
+        cycle; taken as over, the listing is dropped now and a key the scan announces
+        later reaches the policy a second time (its order, never its bytes)."""
         try:
             return bool(self.slot.adapter.stats().get("scan_running"))
-        except Exception:  # cannot tell: keep filtering; a later cycle asks again
-            return True
+        except Exception as exc:
+            self.stats.fail("l2_eviction_scan_state_error")
+            self._scan_error_log.warn(
+                "scan_state",
+                "%s: reading the start-up scan's state failed (%s); taken as ended: keys "
+                "the scan announces from now on may reach the eviction policy twice",
+                self.slot.name,
+                exc,
+            )
+            return False
 
     def _forget_listing_once_scanned(self) -> None:
         if self._listed_while_scanning is not None and not self._adapter_scanning():
