@@ -47,3 +47,16 @@ def test_a_kept_record_does_not_keep_the_exception_or_the_views_of_its_frames(
     finally:
         log.removeHandler(keeper)
         arena.close()
+
+
+def test_a_log_made_for_errors_logs_at_error_and_one_line_may_say_its_own_level(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log = logging.getLogger("lmcache_tiers.test_burst_levels")
+    errors = BurstLog(log, "test_lost", level=logging.ERROR)
+    warnings = BurstLog(log, "test_dropped")
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        errors.event(1, "acknowledged writes lost")
+        warnings.event(1, "objects dropped")
+        warnings.warn("lost", "one acknowledged write lost", level=logging.ERROR)
+    assert [record.levelno for record in caplog.records] == [logging.ERROR, logging.WARNING, logging.ERROR]

@@ -26,7 +26,8 @@ class BurstLog:
 
     ``warn(kind, message, *args)`` for free-form warnings of several kinds; a log made for
     one failure ``reason`` also takes ``event(count, what)``: "``count`` ``what`` (failure
-    reason ...)".
+    reason ...)".  Lines go out at ``level`` (WARNING unless told; ERROR for a log of lost
+    acknowledged writes), or at the ``level`` one ``warn`` call gives.
     """
 
     def __init__(
@@ -35,17 +36,20 @@ class BurstLog:
         reason: str | None = None,
         *,
         window_s: float = BURST_WINDOW_S,
+        level: int = logging.WARNING,
     ) -> None:
         self._log = logger if logger is not None else _L2_LOG
         self.reason = reason
+        self.level = level
         self.window_s = window_s
         self._lock = threading.Lock()
         self._next: dict[str, float] = {}
         self._suppressed: Counter[str] = Counter()
 
-    def warn(self, kind: str, message: str, *args: Any, count: int = 1) -> None:
-        """Log ``message % args`` unless a warning of ``kind`` was logged within the window;
-        then only add ``count`` to the tally the next line of that kind reports."""
+    def warn(self, kind: str, message: str, *args: Any, count: int = 1, level: int | None = None) -> None:
+        """Log ``message % args`` (at ``level``, else the log's) unless a line of ``kind``
+        was logged within the window; then only add ``count`` to the tally the next line of
+        that kind reports."""
         now = time.monotonic()
         with self._lock:
             if now < self._next.get(kind, 0.0):
@@ -60,7 +64,7 @@ class BurstLog:
         if suppressed:
             message += " (and %d more like it in the last %.0f s)"
             args = (*args, suppressed, self.window_s)
-        self._log.warning(message, *args)
+        self._log.log(self.level if level is None else level, message, *args)
 
     def event(self, count: int, what: str) -> None:
         """``count`` events of this log's failure reason, described by ``what``."""

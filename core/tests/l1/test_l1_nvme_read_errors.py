@@ -9,6 +9,7 @@ filesystem fails with EIO (root, losetup, mkfs.ext4 needed).
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import struct
 from collections.abc import Callable
@@ -51,7 +52,10 @@ def _store(l1: L1Manager, key: ObjectKey, size: int) -> None:
     assert l1.finish_write([key]) == [True]
 
 
-def test_an_object_the_disk_cannot_read_is_a_miss_and_leaves_l1(ext4_dir: Path) -> None:
+def test_an_object_the_disk_cannot_read_is_a_miss_and_leaves_l1(
+    ext4_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="lmcache_tiers")
     l1 = L1Manager(16 * MIB, nvme_path=str(ext4_dir))
     try:
         _store(l1, _key(1), DIRECT_IO_ALIGN)
@@ -73,6 +77,9 @@ def test_an_object_the_disk_cannot_read_is_a_miss_and_leaves_l1(ext4_dir: Path) 
         failures = l1.failures()
         assert failures["l1_nvme_read_error"] == 2
         assert failures["l1_nvme_read_error_lost_before_l2"] == 1
+        levels = {record.getMessage().rsplit("; ", 1)[-1]: record.levelno for record in caplog.records}
+        assert levels["dropped from L1"] == logging.WARNING
+        assert levels["dropped before its L2 store: an acknowledged write lost"] == logging.ERROR
     finally:
         l1.close()
 

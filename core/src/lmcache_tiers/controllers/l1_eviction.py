@@ -93,7 +93,7 @@ class L1EvictionController(ControllerThread):
         self.reap_interval_s = reap_interval_s
         self._next_reap = time.monotonic() + reap_interval_s
         self._feed = _PolicyFeed(self)
-        self._lost_writes = BurstLog(logger, "evicted_before_l2_store")
+        self._lost_writes = BurstLog(logger, "evicted_before_l2_store", level=logging.ERROR)
         # A broken policy fails on every write, read and delete (under the L1 lock): one
         # traceback, then one line per burst; the counter has every failure.
         self._policy_log = PolicyFailureLog(logger, "l1_eviction_policy_error")

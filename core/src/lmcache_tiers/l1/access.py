@@ -169,6 +169,7 @@ class ObjectBytes:
             "; dropped before its L2 store: an acknowledged write lost"
             if unstored
             else ("; dropped from L1" if present else ""),
+            level=logging.ERROR if unstored else None,
         )
 
     def _check_kept(self, obj: L1Object) -> None:

@@ -44,7 +44,7 @@ class SkippedWrites:
     def __init__(self) -> None:
         self.lost = 0  # skipped writes whose reservation ended uncommitted
         self.loads_taken_over = 0
-        self._lost_log = BurstLog(logger, "l1_skipped_writes_lost")
+        self._lost_log = BurstLog(logger, "l1_skipped_writes_lost", level=logging.ERROR)
         self._taken_over_log = BurstLog(logger, "l1_load_taken_over_by_write")
 
     def reservations_ended(self, objs: Iterable[L1Object], how: str) -> None:

@@ -57,7 +57,7 @@ class Transfers:
         self._orphan_commits = BurstLog(logger, "mp_commit_without_reservation")
         self._pickle_refusals = BurstLog(logger, "mp_pickle_refused")
         self._pickle_rejections = BurstLog(logger, "mp_pickle_rejected")
-        self._lost_commits = BurstLog(logger, "mp_commit_lost")
+        self._lost_commits = BurstLog(logger, "mp_commit_lost", level=logging.ERROR)
         self._expiries = BurstLog(logger, "mp_transfer_expired")
         self._unmapped = BurstLog(logger, "mp_transfer_unregistered_connection")
 
