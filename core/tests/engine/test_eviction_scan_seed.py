@@ -141,7 +141,9 @@ def test_an_adapter_whose_stats_raises_frees_the_kept_listing(
 
     monkeypatch.setattr(adapter, "stats", stats_that_raise)
     config = L2EvictionConfig(trigger_watermark=WATERMARK)
-    controller = L2EvictionController(AdapterSlot(0, "shared", adapter), CountingFifo(), config, EngineStats(1))
+    controller = L2EvictionController(
+        AdapterSlot(0, "shared", adapter), CountingFifo(), config, EngineStats(1)
+    )
 
     for _ in range(3):
         controller.step(set())
