@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from lmcache_plugin_lmcache_mp.state import MAX_MAPPING_CONNECTIONS
 from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, tokens_of
 
 from lmcache_tiers.server.app import TiersServer
@@ -313,6 +314,41 @@ def test_a_connection_that_did_not_register_gets_no_slots(client: MPClient, mp_s
         assert l1(mp_server)["write_locked"] == l1(mp_server)["read_locks"] == 0
         unmapped.register(REG)  # registered: it maps this segment now
         assert len(unmapped.call("prepare_store", writing.encode(), REG.instance_id)["context"]["slots"]) == 4
+
+
+def test_the_registering_connections_forgotten_first_are_the_least_recently_used(
+    client: MPClient, mp_server: TiersServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """LMCache's ``lmcache bench server`` registers fixed instance ids: runs killed before
+    they unregister leave connections that registered the id.  A long-running client
+    that keeps transferring stays remembered (and served) however many of those come
+    after it; the idle ones are forgotten, counted, and their refusal says why."""
+    shm = client.register(REG)["shm_name"]
+    stored(client, 41, shm)
+    reading = Key(tokens_of(41), "busy-read", worker_id=0)
+    with MPClient(mp_address(mp_server)) as idle:
+        idle.register(REG)  # then it falls silent: the least recently used
+        for _ in range(MAX_MAPPING_CONNECTIONS - 1):
+            with MPClient(mp_address(mp_server)) as killed:
+                killed.register(REG)
+            assert client.call("prepare_retrieve", reading.encode(), REG.instance_id)["success"] is True
+            assert client.call("commit_retrieve", reading.encode(), REG.instance_id) is True
+        writing = Key(tokens_of(42), "busy-write", worker_id=0)
+        assert len(client.call("prepare_store", writing.encode(), REG.instance_id)["context"]["slots"]) == 4
+        assert mp_stats(mp_server).failures["mp_registrations_forgotten"] == 1
+        with caplog.at_level(logging.WARNING):
+            idle_write = Key(tokens_of(43), "idle-write", worker_id=0)
+            assert idle.call("prepare_store", idle_write.encode(), REG.instance_id)["context"]["slots"] == []
+            assert idle.call("ping", REG.instance_id) is False  # asks it to register again
+        assert mp_stats(mp_server).failures["mp_transfer_unregistered_connection"] == 1
+        lines = [record.getMessage() for record in caplog.records]
+        refusals = [line for line in lines if "transfers refused" in line]
+        assert len(refusals) == 1 and "registration was forgotten" in refusals[0]
+        asks = [line for line in lines if "answered false once" in line]
+        assert len(asks) == 1 and "registration was forgotten" in asks[0]
+        idle.register(REG)  # remembered again, at the cost of the least recently used
+        assert len(idle.call("prepare_store", idle_write.encode(), REG.instance_id)["context"]["slots"]) == 4
+        assert mp_stats(mp_server).failures["mp_registrations_forgotten"] == 2
 
 
 def test_a_registration_with_another_layout_leaves_other_connections_transfers(

@@ -18,7 +18,7 @@ from typing import Any
 
 from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused, Shared
 from lmcache_plugin_lmcache_mp.lookups import Lookups
-from lmcache_plugin_lmcache_mp.state import Instance
+from lmcache_plugin_lmcache_mp.state import MAX_MAPPING_CONNECTIONS, Instance
 from lmcache_plugin_lmcache_mp.transfers import Transfers
 from lmcache_plugin_lmcache_mp.wire import RegisterPayload, RegisterReply
 from lmcache_tiers.plugin import BurstLog, KeyValidationError, ObjectKey, TensorLayout, printable
@@ -91,6 +91,7 @@ class Handlers:
         self._reaped = BurstLog(logger, "mp_instance_reaped")
         self._stale_unregisters = BurstLog(logger, "mp_stale_unregister")
         self._reregistration_asks = BurstLog(logger, "mp_ping_asks_reregistration")
+        self._forgotten_registrations = BurstLog(logger, "mp_registrations_forgotten")
         self._asked_to_register: dict[tuple[bytes, int], None] = {}
         self.table: dict[str, Callable[..., Any]] = {
             "get_chunk_size": lambda: shared.chunk_size,
@@ -129,7 +130,8 @@ class Handlers:
             instance.pinged = True
         if instance_id is None or (instance is not None and self._serves_transfers(instance, peer)):
             return True
-        return not self._ask_to_register(instance_id, peer)
+        forgotten = instance is not None and peer in instance.forgotten
+        return not self._ask_to_register(instance_id, peer, forgotten)
 
     def _serves_transfers(self, instance: Instance, peer: bytes) -> bool:
         """Whether the connection's transfers of a known instance are served: pickled
@@ -137,9 +139,9 @@ class Handlers:
         a connection that registered the instance (see Transfers._maps_segment).  A false
         ping costs LMCache's worker a heartbeat in degraded mode (in-flight retrieves
         failed, stores dropped), worth it only when its transfers are refused anyway."""
-        return self.shared.shm is None or peer in instance.mapped_by
+        return self.shared.shm is None or instance.maps_segment(peer)
 
-    def _ask_to_register(self, instance_id: int, peer: bytes) -> bool:
+    def _ask_to_register(self, instance_id: int, peer: bytes, forgotten: bool) -> bool:
         """Whether to answer false to a ping naming an instance its connection did not
         register with this server process (a client of a restarted server, reconnected by
         ZeroMQ, or an instance reaped or never registered): once per connection and
@@ -154,11 +156,15 @@ class Handlers:
         while len(self._asked_to_register) > MAX_REREGISTRATION_ASKS:
             del self._asked_to_register[next(iter(self._asked_to_register))]
         self.shared.stats.failure("mp_ping_asks_reregistration")
+        cause = (
+            f"its registration was forgotten, the least recently used of over {MAX_MAPPING_CONNECTIONS}"
+            if forgotten
+            else "a client of a restarted server, or an instance reaped"
+        )
         self._reregistration_asks.event(
             1,
-            f"ping of instance {instance_id} answered false once: its connection did not register it "
-            "with this server process (a client of a restarted server, or an instance reaped), so "
-            "LMCache's heartbeat registers it again",
+            f"ping of instance {instance_id} answered false once: this server process knows of no "
+            f"registration of it by its connection ({cause}), so LMCache's heartbeat registers it again",
         )
         return True
 
@@ -168,7 +174,7 @@ class Handlers:
         existing = shared.instances.get(payload.instance_id)
         if existing is not None and _same_registration(existing, payload, shared.chunk_size):
             existing.last_seen = now  # a repeat only refreshes liveness, as in LMCache
-            existing.note_mapped(peer)  # it maps the segment this reply names
+            self._note_mapped(existing, peer)  # it maps the segment this reply names
             self._asked_to_register.pop((peer, payload.instance_id), None)
             if existing.peer != peer:
                 # A restarted client process: the registration is its own from now on, and
@@ -225,6 +231,19 @@ class Handlers:
             "shared memory" if shared.shm is not None else "pickled chunks",
         )
         return self._register_reply()
+
+    def _note_mapped(self, instance: Instance, peer: bytes) -> None:
+        """Record ``peer``'s registration of ``instance``; count and log the connections
+        forgotten to make room (their transfers are refused until they register again)."""
+        forgotten = instance.note_mapped(peer)
+        if forgotten:
+            self.shared.stats.failure("mp_registrations_forgotten", forgotten)
+            self._forgotten_registrations.event(
+                forgotten,
+                f"connections that registered instance {instance.instance_id} forgotten: more than "
+                f"{MAX_MAPPING_CONNECTIONS} registered it, and these were the least recently used "
+                "(their transfers are refused until they register again)",
+            )
 
     def _register_reply(self) -> RegisterReply:
         name, size = self.shared.shm if self.shared.shm is not None else ("", 0)

@@ -32,7 +32,8 @@ from lmcache_tiers.plugin import ObjectKey, TensorLayout
 __all__ = ["Instance", "LookupJob", "PendingTransfers", "RequestTable", "Transfer"]
 
 #: connections remembered per instance as having registered it (see Instance.mapped_by):
-#: client processes sharing an instance id at once; beyond it the oldest must register again
+#: client processes sharing an instance id at once; beyond it the least recently used one
+#: is forgotten and must register again
 MAX_MAPPING_CONNECTIONS = 64
 
 #: a client connection's ZeroMQ identity (named: Transfer has a field called ``bytes``)
@@ -53,20 +54,42 @@ class Instance:
     #: unregister the instance (an earlier process of a restarted client may not)
     peer: bytes = b""
     pinged: bool = False
-    #: every connection that registered the instance with this server (oldest first,
-    #: bounded): only those mapped this server's segment.  A connection that did not -- a
-    #: client of the previous server process that ZeroMQ reconnected here -- still maps the
-    #: old segment: offsets in this one would have it copy into or out of the wrong memory.
-    mapped_by: dict[bytes, None] = field(default_factory=dict)
+    #: every connection that registered the instance with this server (least recently
+    #: used first, bounded): only those mapped this server's segment.  A connection that
+    #: did not -- a client of the previous server process that ZeroMQ reconnected here --
+    #: still maps the old segment: offsets in this one would have it copy into or out of
+    #: the wrong memory.  Used, not registered, order: ``lmcache bench server`` shares
+    #: fixed ids, and runs killed before they unregister must not push out a live client.
+    mapped_by: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    #: connections dropped from ``mapped_by`` to bound it (bounded too), so that the
+    #: refusal of their transfers can tell that cause from a server restart
+    forgotten: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         self.note_mapped(self.peer)
 
-    def note_mapped(self, peer: bytes) -> None:
-        self.mapped_by.pop(peer, None)
+    def note_mapped(self, peer: bytes) -> int:
+        """Record that ``peer`` registered the instance (and maps this server's segment);
+        returns how many other connections were forgotten to make room."""
         self.mapped_by[peer] = None
+        self.mapped_by.move_to_end(peer)
+        self.forgotten.pop(peer, None)
+        dropped = 0
         while len(self.mapped_by) > MAX_MAPPING_CONNECTIONS:
-            del self.mapped_by[next(iter(self.mapped_by))]
+            oldest, _ = self.mapped_by.popitem(last=False)
+            self.forgotten[oldest] = None
+            dropped += 1
+        while len(self.forgotten) > MAX_MAPPING_CONNECTIONS:
+            self.forgotten.popitem(last=False)
+        return dropped
+
+    def maps_segment(self, peer: bytes) -> bool:
+        """Whether ``peer`` registered the instance with this server; if so it is marked
+        the most recently used (a transfer or ping of it), the last to be forgotten."""
+        if peer not in self.mapped_by:
+            return False
+        self.mapped_by.move_to_end(peer)
+        return True
 
     @property
     def object_bytes(self) -> int:

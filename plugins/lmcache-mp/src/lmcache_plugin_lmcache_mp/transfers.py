@@ -32,7 +32,13 @@ from typing import Any
 from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused, Shared
 from lmcache_plugin_lmcache_mp.chunks import chunk_range, keys_for_rank
 from lmcache_plugin_lmcache_mp.lookups import Lookups
-from lmcache_plugin_lmcache_mp.state import Instance, LookupJob, PendingTransfers, Transfer
+from lmcache_plugin_lmcache_mp.state import (
+    MAX_MAPPING_CONNECTIONS,
+    Instance,
+    LookupJob,
+    PendingTransfers,
+    Transfer,
+)
 from lmcache_plugin_lmcache_mp.wire import CacheKey, PrepareRetrieveReply, PrepareStoreReply
 from lmcache_tiers.plugin import BurstLog, KeyValidationError, L1OutOfMemoryError, ObjectKey, printable
 
@@ -60,6 +66,8 @@ class Transfers:
         self._lost_commits = BurstLog(logger, "mp_commit_lost", level=logging.ERROR)
         self._expiries = BurstLog(logger, "mp_transfer_expired")
         self._unmapped = BurstLog(logger, "mp_transfer_unregistered_connection")
+        # its own window: a line of one cause must not hide the other's
+        self._forgotten = BurstLog(logger, "mp_transfer_unregistered_connection")
 
     def _resolve(self, key: CacheKey, instance_id: int) -> tuple[Instance, list[ObjectKey]]:
         instance = self.shared.instance(instance_id)
@@ -257,16 +265,24 @@ class Transfers:
         other memory: given offsets, it would copy its chunks where this server never sees
         them and commit the extents' stale bytes, or read garbage as KV.  Its store gets no
         slots and its retrieve misses until it registers again."""
-        if peer in instance.mapped_by:
+        if instance.maps_segment(peer):
             return True
         self.shared.stats.failure("mp_transfer_unregistered_connection")
-        self._unmapped.event(
-            1,
-            f"transfers refused ({what} of instance {instance.instance_id}): their connection did not "
-            "register the instance with this server process, so it does not map this server's "
-            "segment (a client of a restarted server, or a reconnected one, that has not "
-            "registered again)",
-        )
+        refused = f"transfers refused ({what} of instance {instance.instance_id}): their connection"
+        if peer in instance.forgotten:
+            self._forgotten.event(
+                1,
+                f"{refused}'s registration was forgotten (more than {MAX_MAPPING_CONNECTIONS} "
+                "connections registered the instance since its last transfer or ping): it must "
+                "register again",
+            )
+        else:
+            self._unmapped.event(
+                1,
+                f"{refused} did not register the instance with this server process, so it does not "
+                "map this server's segment (a client of a restarted server, or a reconnected one, "
+                "that has not registered again)",
+            )
         return False
 
     def _refuse_l1_full(self, exc: L1OutOfMemoryError) -> None:
