@@ -10,11 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from soak_jobs import check_prompt, earlier_round
-from tiers_e2e import make_keys, make_payloads
+from soak_jobs import earlier_round, store_and_check
 
-from lmcache_tiers.client import Client, ServerError
-from lmcache_tiers.wire.protocol import ErrorCode
+from lmcache_tiers.client import Client
 
 
 def chaos_tag(worker: int, round_index: int) -> str:
@@ -34,22 +32,9 @@ def job_chaos_client(url: str, worker: int, chunks: int, size: int, control: str
         while not (folder / "stop").exists():
             phase = (folder / "phase").read_text()
             tag = chaos_tag(worker, round_index)
-            try:
-                stored = client.store(make_keys(tag, chunks), make_payloads(tag, chunks, size))
-            except ServerError as exc:
-                if exc.code is not ErrorCode.OUT_OF_MEMORY:
-                    raise
-                counts["refused"] += 1  # nothing of the batch was acknowledged
-                stored = 0
-            if stored == chunks:
+            earlier = chaos_tag(worker, earlier_round(worker, round_index)) if round_index else None
+            if store_and_check(client, tag, earlier, chunks, size, counts):
                 acknowledged.append((tag, phase))
-            elif stored:
-                counts["partial"] += 1
-            checks = [tag] + ([chaos_tag(worker, earlier_round(worker, round_index))] if round_index else [])
-            for checked in checks:
-                hits, short = check_prompt(client, checked, chunks, size)
-                counts["hits"] += hits
-                counts["short_reads"] += short
             round_index += 1
             rounds_in_phase[phase] = rounds_in_phase.get(phase, 0) + 1
             progress = folder / "progress" / f"{worker}.tmp"

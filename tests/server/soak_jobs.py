@@ -43,6 +43,28 @@ def earlier_round(worker: int, round_index: int) -> int:
     return draw % round_index
 
 
+def store_and_check(
+    client: Client, tag: str, earlier: str | None, chunks: int, size: int, counts: dict[str, int]
+) -> bool:
+    """Store the prompt ``tag``, then check it and the prompt ``earlier`` (if any) byte for
+    byte, adding refusals, partial stores, hits and short reads to ``counts``; True when
+    every chunk of the store was acknowledged."""
+    try:
+        stored = client.store(make_keys(tag, chunks), make_payloads(tag, chunks, size))
+    except ServerError as exc:
+        if exc.code is not ErrorCode.OUT_OF_MEMORY:
+            raise
+        counts["refused"] += 1  # nothing of the batch was acknowledged
+        stored = 0
+    if stored and stored != chunks:
+        counts["partial"] += 1
+    for checked in [tag] + ([earlier] if earlier is not None else []):
+        hits, short = check_prompt(client, checked, chunks, size)
+        counts["hits"] += hits
+        counts["short_reads"] += short
+    return stored == chunks
+
+
 def job_soak_client(url: str, worker: int, rounds: int, chunks: int, size: int, marks: str) -> dict[str, Any]:
     """A busy engine: each round stores a fresh prompt, checks it and an earlier one byte
     for byte, sometimes looks a prompt up and releases it without reading, sometimes
@@ -52,22 +74,9 @@ def job_soak_client(url: str, worker: int, rounds: int, chunks: int, size: int, 
     with Client(url, shm=worker % 2 == 0, timeout=60) as client:
         for round_index in range(rounds):
             tag = prompt_tag(worker, round_index)
-            try:
-                stored = client.store(make_keys(tag, chunks), make_payloads(tag, chunks, size))
-            except ServerError as exc:
-                if exc.code is not ErrorCode.OUT_OF_MEMORY:
-                    raise
-                counts["refused"] += 1  # nothing of the batch was acknowledged
-                stored = 0
-            if stored == chunks:
+            earlier = prompt_tag(worker, earlier_round(worker, round_index)) if round_index else None
+            if store_and_check(client, tag, earlier, chunks, size, counts):
                 acknowledged.append(tag)
-            elif stored:
-                counts["partial"] += 1
-            checks = [tag] + ([prompt_tag(worker, earlier_round(worker, round_index))] if round_index else [])
-            for checked in checks:
-                hits, short = check_prompt(client, checked, chunks, size)
-                counts["hits"] += hits
-                counts["short_reads"] += short
             if round_index % 3 == 2:
                 old = make_keys(prompt_tag(worker, round_index - 2), chunks)
                 client.lookup(old, timeout=60)
