@@ -140,7 +140,8 @@ class TiersServer:
         self.stale_segments_removed = list(stale_segments_removed)
         self.drain_timeout_s = drain_timeout_s = config.shutdown_timeout_s
         self.auth_required = bool(auth_token)
-        self.started = time.time()
+        # monotonic: the uptime is a duration, which a step of the wall clock must not move
+        self.started = time.monotonic()
         self._stopping = False
         self._force = False
         # what asked for the stop and what forced it ("SIGTERM", "a second signal"), for the log
@@ -265,7 +266,7 @@ class TiersServer:
             "endpoint": self.endpoint,
             "endpoints": [frontend.address for frontend in self.frontends],
             "http": self.http_url,
-            "uptime_s": round(time.time() - self.started, 3),
+            "uptime_s": round(time.monotonic() - self.started, 3),
             "shm_segment": shm,
             "l1_pages": pages.status() if pages is not None else None,
             "auth_required": self.auth_required,
@@ -400,7 +401,7 @@ class TiersServer:
                 "%d objects acknowledged to clients were not stored in L2 before the stop", abandoned
             )
         summary = {
-            "uptime_s": time.time() - self.started,
+            "uptime_s": time.monotonic() - self.started,
             "requests": sum(stats.requests.values()),
             "stored_chunks": stats.store_chunks,
             "stored_bytes": stats.store_bytes,
