@@ -156,4 +156,28 @@ def test_a_hangup_ignored_by_whoever_started_serve_stays_ignored(tmp_path: Path)
     output = server.output()
     assert code == 0, output
     assert "stopping on SIGTERM" in output
-    assert "SIGHUP" not in output
+    assert "stopping on SIGHUP" not in output
+    assert "stop signals ignored as inherited: SIGHUP (started under nohup" in output, output
+
+
+def test_ctrl_c_ignored_by_the_script_that_started_serve_stays_ignored(tmp_path: Path) -> None:
+    # ``serve &`` in a non-interactive script starts it with SIGINT ignored: the Ctrl-C meant
+    # for the script's foreground command must not stop it.  SIGTERM still does, and the
+    # start-up log says which stop signals stay ignored.
+    server = start_server(
+        tmp_path / "background",
+        host=f"ipc://{tmp_path / 'background.sock'}",
+        metrics=False,
+        ignored_signals={signal.SIGINT},
+    )
+    try:
+        server.proc.send_signal(signal.SIGINT)
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(45)
+    finally:
+        server.stop(signal.SIGKILL)
+    output = server.output()
+    assert code == 0, output
+    assert "stopping on SIGTERM" in output
+    assert "stopping on SIGINT" not in output
+    assert "stop signals ignored as inherited: SIGINT" in output, output

@@ -37,13 +37,13 @@ START_TIMEOUT_S = 60.0
 
 
 def stop_signals_at_default(ignored: Collection[int] = ()) -> Callable[[], None]:
-    """A ``preexec_fn`` giving a server process SIGHUP and SIGQUIT at their default action
-    but those in ``ignored``.  serve keeps either ignored when it inherits it so: a test run
-    under ``nohup``, or as a script's background job, would otherwise start servers that
-    the tests' SIGHUP or SIGQUIT cannot stop."""
+    """A ``preexec_fn`` giving a server process SIGINT, SIGHUP and SIGQUIT at their default
+    action but those in ``ignored``.  serve keeps each ignored when it inherits it so: a
+    test run under ``nohup``, or as a script's background job, would otherwise start
+    servers that the tests' SIGINT, SIGHUP or SIGQUIT cannot stop."""
 
     def reset() -> None:
-        for sig in (signal.SIGHUP, signal.SIGQUIT):
+        for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
             signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
 
     return reset

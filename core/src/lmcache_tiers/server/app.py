@@ -644,10 +644,16 @@ class StartUpInterrupted(BaseException):
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 #: among them, those that stop at once without the drain and the flush
 FORCING_SIGNALS = frozenset({signal.SIGQUIT})
-#: among them, those left ignored when whoever started the process ignored them: ``nohup``
-#: ignores SIGHUP so that the server outlives its terminal, a shell's background job
-#: SIGQUIT so that the terminal's Ctrl-\ does not reach it
-KEPT_IGNORED = frozenset({signal.SIGHUP, signal.SIGQUIT})
+#: among them, those left ignored when whoever started the process ignored them, and why
+#: they were: ``nohup`` ignores SIGHUP so that the server outlives its terminal; a
+#: non-interactive shell starts a background job (``serve &`` in a script) with SIGINT and
+#: SIGQUIT ignored so that the terminal's Ctrl-C and Ctrl-\\, meant for the script's
+#: foreground command, do not reach it.  SIGTERM is never kept ignored: it always stops.
+KEPT_IGNORED: dict[int, str] = {
+    signal.SIGINT: "Ctrl-C is for the foreground command of the shell that started serve in the background",
+    signal.SIGHUP: "started under nohup: serve outlives its terminal",
+    signal.SIGQUIT: "Ctrl-\\ is for the foreground command of the shell that started serve in the background",
+}
 
 
 class _StopSignals:
@@ -657,8 +663,9 @@ class _StopSignals:
     and later ones are ignored, so that they cannot cut the cleanup it unwinds through.
     Once attached, the first asks the server for a graceful stop (SIGQUIT: a forced one)
     and any later one forces it.  A signal of :data:`KEPT_IGNORED` the process was started
-    with ignored (``nohup``) stays ignored.  Only the main thread can have handlers:
-    elsewhere (a server run inside a test) signals are left as they are.
+    with ignored (``nohup``, a script's background job) stays ignored, and one line says so.
+    Only the main thread can have handlers: elsewhere (a server run inside a test) signals
+    are left as they are.
     """
 
     def __init__(self) -> None:
@@ -669,12 +676,16 @@ class _StopSignals:
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
+        kept_ignored = []
         for sig in STOP_SIGNALS:
             previous = signal.getsignal(sig)
             if sig in KEPT_IGNORED and previous == signal.SIG_IGN:
+                kept_ignored.append(sig)
                 continue
             self._previous[sig] = previous
             signal.signal(sig, self._on_signal)
+        if kept_ignored:
+            _log_kept_ignored(kept_ignored)
 
     def attach(self, server: TiersServer) -> None:
         self._server = server
@@ -695,3 +706,10 @@ class _StopSignals:
                 self._server.request_stop(force=signum in FORCING_SIGNALS, reason=name)
         elif self._received == 1:
             raise StartUpInterrupted(signum)
+
+
+def _log_kept_ignored(signals: Sequence[int]) -> None:
+    """One line naming the stop signals inherited ignored, which therefore do not stop the
+    server: whoever expects Ctrl-C (or a hangup) to stop it learns why it does not."""
+    reasons = "; ".join(f"{signal.Signals(sig).name} ({KEPT_IGNORED[sig]})" for sig in signals)
+    logger.info("stop signals ignored as inherited: %s; SIGTERM stops the server", reasons)
