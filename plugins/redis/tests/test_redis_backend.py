@@ -1609,3 +1609,73 @@ def test_a_replica_is_not_refused_at_start_up_by_the_permission_check(
     finally:
         own_server.cli("REPLICAOF", "NO", "ONE")
     assert any("HSET: You can't write against a read only replica" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("denied_on", "rules", "named"),
+    [
+        ("every", ["~*", "+@all", "-unlink"], "UNLINK: .*'unlink' command"),
+        ("every", ["~elsewhere:*", "+@all"], "HSET: .*keys"),
+        ("one", ["~*", "+@all", "-hset"], "HSET: .*'hset' command"),
+    ],
+    ids=["no-unlink", "other-keys", "no-hset-on-one-node"],
+)
+def test_a_cluster_user_the_acl_denies_a_needed_command_is_refused_at_start_up(
+    redis_cluster: RedisClusterNodes,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    denied_on: str,
+    rules: list[str],
+    named: str,
+) -> None:
+    # Each cluster node keeps its own ACL: a user denied a command on one primary only
+    # would fail every call on that primary's share of the keys, so every primary is asked.
+    user = f"limited-{uuid.uuid4().hex[:8]}"
+    full = ["~*", "+@all"]
+    last = len(redis_cluster.nodes) - 1
+    for number, node in enumerate(redis_cluster.nodes):
+        node_rules = rules if denied_on == "every" or number == last else full
+        node.cli("ACL", "SETUSER", user, "reset", "on", ">limited-pw", *node_rules)
+    try:
+        with pytest.raises(ConfigError, match=named) as refused:
+            open_adapter(
+                startup_nodes=redis_cluster.startup_nodes,
+                cluster_mode=True,
+                key_prefix=prefix,
+                username=user,
+                password="limited-pw",
+            )
+        assert redis_cluster.nodes[last].address in str(refused.value), "the denying node is named"
+        # The check ran nothing: no name was written under the prefix on any node.
+        raw = redis.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+        assert raw.keys(glob_escape(prefix) + "*", target_nodes=redis.RedisCluster.PRIMARIES) == []
+    finally:
+        for node in redis_cluster.nodes:
+            node.cli("ACL", "DELUSER", user)
+
+
+def test_a_cluster_user_allowed_the_needed_commands_opens(
+    redis_cluster: RedisClusterNodes, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    user = f"narrow-{uuid.uuid4().hex[:8]}"
+    needed = ["+ping", "+hset", "+hget", "+hmget", "+scan", "+evalsha", "+eval", "+unlink"]
+    # what redis-py's cluster client asks for the slot map, and the check's transaction
+    client_side = ["+cluster|slots", "+cluster|shards", "+cluster|nodes", "+multi", "+discard", "+command"]
+    for node in redis_cluster.nodes:
+        node.cli("ACL", "SETUSER", user, "reset", "on", ">narrow-pw", f"~{glob_escape(prefix)}*", *needed)
+        node.cli("ACL", "SETUSER", user, *client_side)
+    try:
+        adapter = open_adapter(
+            startup_nodes=redis_cluster.startup_nodes,
+            cluster_mode=True,
+            key_prefix=prefix,
+            username=user,
+            password="narrow-pw",
+        )
+        keys = make_keys(6)
+        data = store(adapter, keys)
+        assert load(adapter, keys, [4096] * 6) == ([True] * 6, data)
+        assert adapter.delete(keys) == [True] * 6
+    finally:
+        for node in redis_cluster.nodes:
+            node.cli("ACL", "DELUSER", user)

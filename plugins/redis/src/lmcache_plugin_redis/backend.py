@@ -182,6 +182,24 @@ def permission_refusals(client: Redis, name: str) -> tuple[list[str], list[str]]
     return refusals, unchecked
 
 
+#: how many probe names a cluster's permission check tries to find one per primary: a
+#: name's slot is spread evenly, so a few dozen cover any real cluster's primaries
+_PROBE_NAME_TRIES = 1 << 16
+
+
+def cluster_probe_names(client: RedisCluster, base: str) -> dict[str, str]:
+    """A name under ``base`` per primary (by node name) whose slot that primary serves,
+    as the client's slot map has it."""
+    primaries = {node.name for node in client.get_primaries()}
+    names: dict[str, str] = {}
+    for number in range(_PROBE_NAME_TRIES):
+        if len(names) == len(primaries):
+            break
+        name = f"{base}-{number}"
+        names.setdefault(client.get_node_from_key(name).name, name)
+    return names
+
+
 def glob_escape(text: str) -> str:
     """``text`` as a literal in a SCAN MATCH pattern."""
     return "".join("\\" + char if char in "*?[]\\" else char for char in text)
@@ -393,25 +411,29 @@ class RedisBackend:
                 "%s: %s does not answer yet (%s: %s)", self.context.name, self.target, type(exc).__name__, exc
             )
             return
-        if isinstance(self.client, Redis):
-            try:
-                self._refuse_missing_permissions(self.client)
-            except RedisError as exc:  # the store went away, or refuses MULTI: not checked
-                log.warning(
-                    "%s: could not check the Redis user's permissions (%s: %s)",
-                    self.context.name,
-                    type(exc).__name__,
-                    exc,
-                )
+        try:
+            self._refuse_missing_permissions(self.client)
+        except (RedisError, RedisClusterException) as exc:  # the store went away, or refuses MULTI
+            log.warning(
+                "%s: could not check the Redis user's permissions (%s: %s)",
+                self.context.name,
+                type(exc).__name__,
+                exc,
+            )
         log.info("%s: connected to %s, objects named %r + key", self.context.name, self.target, self.prefix)
 
-    def _refuse_missing_permissions(self, client: Redis) -> None:
+    def _refuse_missing_permissions(self, client: Redis | RedisCluster) -> None:
         """Refuse to start when the store's ACL denies this user a command the adapter
         sends, naming each: otherwise every lookup would fail, every store or delete be
         refused object by object, long after start-up.  The commands are queued in a
         MULTI and discarded -- the store checks permissions (commands and key patterns)
-        as it queues them, and runs none -- on a name under the prefix never written."""
-        denied, unchecked = permission_refusals(client, self.prefix + PERMISSION_PROBE)
+        as it queues them, and runs none -- on a name under the prefix never written.
+        A cluster is checked on every primary: each node keeps its own ACL, and each
+        serves its share of the keys."""
+        if isinstance(client, Redis):
+            denied, unchecked = permission_refusals(client, self.prefix + PERMISSION_PROBE)
+        else:
+            denied, unchecked = self._cluster_permission_refusals(client)
         if unchecked:
             # A replica, a loading or full store refuses writes for everybody; it heals
             # (the circuit sees its refusals), so it is no reason not to start.
@@ -426,6 +448,23 @@ class RedisBackend:
                 f"({'; '.join(denied)}): grant it HSET, HGET, HMGET, SCAN, EVALSHA, EVAL "
                 f"and UNLINK on keys {self.prefix!r}*"
             )
+
+    def _cluster_permission_refusals(self, client: RedisCluster) -> tuple[list[str], list[str]]:
+        """``permission_refusals`` of every primary, each on a probe name of a slot that
+        primary serves (one of another slot would be answered MOVED, checking nothing),
+        each refusal prefixed with the node's address."""
+        denied: list[str] = []
+        unchecked: list[str] = []
+        probes = cluster_probe_names(client, self.prefix + PERMISSION_PROBE)
+        for node in client.get_primaries():
+            name = probes.get(node.name)
+            if name is None:  # holds none of the keys: nothing to refuse, said in the warning
+                unchecked.append(f"{node.name}: serves no slot")
+                continue
+            node_denied, node_unchecked = permission_refusals(client.get_redis_connection(node), name)
+            denied += [f"{node.name} {refusal}" for refusal in node_denied]
+            unchecked += [f"{node.name} {refusal}" for refusal in node_unchecked]
+        return denied, unchecked
 
     def ping(self) -> None:
         client = self.client
