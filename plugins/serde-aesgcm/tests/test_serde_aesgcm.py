@@ -124,9 +124,9 @@ def test_version_1_frames_are_read_where_their_record_states_no_layout() -> None
     frame = _v1_frame(serde, data)
     assert bytes(serde.decode(memoryview(frame), SerdeContext(suite_key(), len(data)))) == data
     stated = SerdeContext(suite_key(), len(data), record_layout=kv_layout(KV_SHAPE))
-    with pytest.raises(AesGcmDecodeError, match="states layout"):
+    with pytest.raises(AesGcmDecodeError, match="cannot vouch for the layout"):
         serde.decode(memoryview(frame), stated)  # v1 binds none: the stated one is unproven
-    assert serde.stats()["layout_mismatch"] == 1
+    assert serde.stats()["layoutless_frames_refused"] == 1
 
 
 def test_every_encryption_uses_a_fresh_nonce() -> None:

@@ -87,6 +87,8 @@ COUNTERS: Final = (
     "wrong_key",
     "corrupt_frames",
     "layout_mismatch",
+    "layoutless_frames_refused",
+    "newer_frames",
     "unbound_frames_read",
     "unbound_frames_refused",
     "retired_key_frames_read",
@@ -203,6 +205,13 @@ class AesGcmSerde:
         if view.nbytes < HEADER_SIZE + TAG_SIZE:
             self._refuse("corrupt_frames", context, f"{view.nbytes} bytes is shorter than an aesgcm frame")
         magic, version, flags, layout_length, key_check, epoch, nonce = _HEADER.unpack_from(view)
+        if magic == MAGIC and version > VERSION:
+            self._refuse(
+                "newer_frames",
+                context,
+                f"a version {version} frame, written by a newer release (this one reads versions "
+                f"1 to {VERSION}); a miss here until stored again, kept for the servers that read it",
+            )
         if magic != MAGIC or version not in (VERSION, *_UNBOUND_VERSIONS):
             self._refuse(
                 "corrupt_frames",
@@ -229,8 +238,17 @@ class AesGcmSerde:
                 f"a version {version} frame does not bind the serde chain (read_unbound_frames is false)",
             )
         layout = view[HEADER_SIZE:start]
+        if version == VERSION_NO_LAYOUT and context.record_layout:
+            # Not tampering: the first releases wrote such records, and an operator must be
+            # told that these misses go once the engine stores the objects again.
+            self._refuse(
+                "layoutless_frames_refused",
+                context,
+                f"a version 1 frame, written by an older release before frames bound the layout, "
+                f"cannot vouch for the layout {context.record_layout!r} its record states; "
+                f"a miss until stored again",
+            )
         if context.record_layout and layout != context.record_layout.encode("ascii", "replace"):
-            # Also a v1 frame, which binds no layout, when its record states one.
             self._refuse(
                 "layout_mismatch",
                 context,
