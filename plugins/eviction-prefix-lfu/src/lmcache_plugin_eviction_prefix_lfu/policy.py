@@ -31,7 +31,9 @@ extension of the prefix just read.
 
 Priorities are integers; chunks of one priority share a bucket (insertion ordered), and
 the sorted list of bucket priorities makes ``victims()`` a plain walk.  A touch costs a few
-dict operations, and a bisect when it opens a new bucket.
+dict operations, and a bisect when it opens a new bucket.  Dropping the lowest bucket (what
+eviction does) retires its slot at the list's front rather than shifting the list, so
+evicting from a million single-chunk levels stays O(1) a key.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import bisect
 import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from itertools import islice
 
 from lmcache_plugin_eviction_prefix_lfu import PrefixLFUConfig
 from lmcache_tiers.plugin import ObjectKey
@@ -65,7 +68,11 @@ class PrefixLFUEvictionPolicy:
         # evicted chunks by hash(key), oldest first: holding no key object keeps it small
         self._history: OrderedDict[int, int] = OrderedDict()
         self._buckets: dict[int, dict[ObjectKey, None]] = {}
-        self._levels: list[int] = []  # sorted priorities of non-empty buckets
+        # Sorted priorities of non-empty buckets from ``_levels_start`` on; the slots before
+        # it are retired levels, kept until they are half the list so that dropping the
+        # lowest level (every eviction) does not shift the whole list.
+        self._levels: list[int] = []
+        self._levels_start = 0
         self._last_read: _Signature | None = None
 
     def __len__(self) -> int:
@@ -85,8 +92,31 @@ class PrefixLFUEvictionPolicy:
         del bucket[key]
         if not bucket:
             del self._buckets[priority]
-            del self._levels[bisect.bisect_left(self._levels, priority)]
+            self._drop_level(priority)
         return uses
+
+    def _add_level(self, priority: int) -> None:
+        levels, start = self._levels, self._levels_start
+        if start and (start == len(levels) or priority < levels[start]):
+            # Below every live level: reuse the retired slot in front instead of shifting.
+            start -= 1
+            levels[start] = priority
+            self._levels_start = start
+        else:
+            bisect.insort(levels, priority, start)
+
+    def _drop_level(self, priority: int) -> None:
+        levels, start = self._levels, self._levels_start
+        index = bisect.bisect_left(levels, priority, start)
+        if index != start:
+            del levels[index]
+            return
+        start += 1
+        if start * 2 >= len(levels):
+            # Retired slots are half the list: reclaim them (amortised O(1) per drop).
+            del levels[:start]
+            start = 0
+        self._levels_start = start
 
     def _touch(self, keys: Sequence[ObjectKey], tail_from: int, *, known_only: bool = False) -> None:
         """Count one use of each key and re-rank it; keys at ``tail_from`` and after are a
@@ -100,7 +130,7 @@ class PrefixLFUEvictionPolicy:
         now = self._tick
         credit = self._credit * live
         penalty = int(self._penalty * live)
-        history, buckets, levels = self._history, self._buckets, self._levels
+        history, buckets = self._history, self._buckets
         state_get, log2 = state.get, _LOG2
         floor = -(1 << 62)
         # Neighbouring keys of a prefix usually share their use count, their old bucket
@@ -142,7 +172,7 @@ class PrefixLFUEvictionPolicy:
                     continue
                 if not bucket:
                     del buckets[old]
-                    del levels[bisect.bisect_left(levels, old)]
+                    self._drop_level(old)
                     last_old, last_old_bucket = floor, None
                 entry[0] = priority
             else:
@@ -153,7 +183,7 @@ class PrefixLFUEvictionPolicy:
                 target = buckets.get(priority)
                 if target is None:
                     target = buckets[priority] = {}
-                    bisect.insort(levels, priority)
+                    self._add_level(priority)
                 last_priority, last_bucket = priority, target
             target[key] = None
         self._tick = now + touched
@@ -188,5 +218,5 @@ class PrefixLFUEvictionPolicy:
 
     def victims(self) -> Iterator[ObjectKey]:
         buckets = self._buckets
-        for priority in self._levels:
+        for priority in islice(self._levels, self._levels_start, None):
             yield from buckets[priority]
