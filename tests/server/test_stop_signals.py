@@ -31,6 +31,7 @@ from tiers_e2e import (
 )
 
 from lmcache_tiers.client import Client
+from lmcache_tiers.server.app import EXIT_ACKNOWLEDGED_WRITES_LOST
 
 
 def _slow_l2_on_ipc(tmp_path: Path, name: str) -> ServerProcess:
@@ -50,7 +51,7 @@ def _stopped(server: ServerProcess, sig: int) -> tuple[int, str]:
 def test_a_hangup_stops_gracefully_and_counts_what_l2_did_not_get(tmp_path: Path) -> None:
     server = _slow_l2_on_ipc(tmp_path, "hup")
     code, output = _stopped(server, signal.SIGHUP)
-    assert code == 0, output
+    assert code == EXIT_ACKNOWLEDGED_WRITES_LOST, output
     assert "stopping on SIGHUP" in output
     assert "flush timed out after 1s: 3 L2 stores not waited for" in output
     assert "12 objects acknowledged to clients were not stored in L2 before the stop" in output
@@ -61,7 +62,7 @@ def test_a_hangup_stops_gracefully_and_counts_what_l2_did_not_get(tmp_path: Path
 def test_sigquit_stops_at_once_and_counts_what_l2_did_not_get(tmp_path: Path) -> None:
     server = _slow_l2_on_ipc(tmp_path, "quit")
     code, output = _stopped(server, signal.SIGQUIT)
-    assert code == 0, output
+    assert code == EXIT_ACKNOWLEDGED_WRITES_LOST, output
     assert "stopping at once on SIGQUIT" in output
     assert "flush abandoned on a second signal" not in output
     assert "flush abandoned on SIGQUIT: 3 L2 stores not waited for" in output

@@ -241,7 +241,8 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
             metavar="SECONDS",
             help="On SIGINT/SIGTERM/SIGHUP: how long in-flight requests are waited for, then again "
             "pending L2 stores, before what is left is abandoned (counted); a second signal, or "
-            "SIGQUIT, stops at once.",
+            "SIGQUIT, stops at once.  Exit status 3 when the stop gave up writes acknowledged "
+            "to clients, 0 when it lost nothing.",
             rich_help_panel=RPC_PANEL,
         ),
         auth_token: Optional[str] = typer.Option(

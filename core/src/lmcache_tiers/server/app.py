@@ -63,6 +63,12 @@ AUTH_TOKEN_ENV = "LMCACHE_TIERS_AUTH_TOKEN"
 FRONTEND_REPORT_ERROR = "frontend_report_error"
 #: how long a front end that does not finish its drain is waited for beyond the deadline
 _JOIN_GRACE_S = 5.0
+#: ``serve``'s exit status after a stop that gave up writes acknowledged to clients (the
+#: flush cut short by a second signal, SIGQUIT or its deadline): distinct from 0 (a stop
+#: that lost nothing), 1 (cannot start, or a front end failed), 2 (a configuration
+#: mistake) and 128 + N (signal N interrupted start-up), so that a supervisor or a script
+#: can tell a stop that lost data from a clean one
+EXIT_ACKNOWLEDGED_WRITES_LOST = 3
 
 
 def check_metrics_host(config: ServerConfig, token: str | None) -> None:
@@ -480,9 +486,11 @@ def run_server(
     name_setting: Callable[[ConfigError], ConfigError] | None = None,
 ) -> int:
     """Serve until SIGINT/SIGTERM/SIGHUP (SIGQUIT: stop at once); returns the process exit
-    code (0 after a stop, forced or not, 2 for a configuration mistake, 1 when the server
-    cannot start for another reason or a front end failed while serving, 128 + the
-    signal's number when a signal interrupted start-up).  ``name_setting`` rewords a
+    code (0 after a stop, forced or not, that lost nothing, 3
+    (:data:`EXIT_ACKNOWLEDGED_WRITES_LOST`) after one that gave up acknowledged writes, 2
+    for a configuration mistake, 1 when the server cannot start for another reason or a
+    front end failed while serving, 128 + the signal's number when a signal interrupted
+    start-up).  ``name_setting`` rewords a
     refusal found at start-up (``serve`` names a setting by the flag that set it)."""
     configure_logging()
     console = Console(highlight=False)
@@ -521,6 +529,9 @@ def run_server(
         summary, code = _serve_until_stopped(server, config, hooks, console, ready, banner)
     finally:
         signals.restore()
+    if code == 0 and summary["l2_objects_abandoned"]:
+        # Counted and logged by the close already; the status says it to whoever started serve.
+        code = EXIT_ACKNOWLEDGED_WRITES_LOST
     if banner:
         _print_stop_summary(console, summary)
     return code
