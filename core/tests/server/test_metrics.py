@@ -27,7 +27,7 @@ from lmcache_tiers.frontend import FrontendStats
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.server.http import HttpEndpoint
-from lmcache_tiers.server.metrics import build_registry, render
+from lmcache_tiers.server.metrics import MAX_EXPORTED_STATS, build_registry, render
 from lmcache_tiers.testing.ports import free_port
 
 Factory = Callable[..., TiersServer]
@@ -172,6 +172,33 @@ def test_stats_that_are_not_a_mapping_cost_that_adapter_s_stats_only(
     assert found[("lmcache_tiers_adapter_status_error", custom)] == 1.0
     assert found[("lmcache_tiers_failures_total", (("reason", "metrics_stat_not_a_number"),))] == 1.0
     assert f"{name}: stats() answered" in caplog.text
+
+
+def test_the_stats_of_one_adapter_exported_are_capped(caplog: pytest.LogCaptureFixture) -> None:
+    """A plugin whose stats() has a key per object would grow /metrics without bound: past
+    the cap its stats are left out, counted per adapter and logged once; the stats already
+    exported stay so, whatever new keys sort before them."""
+    name = "0:per-object"
+    registry = build_registry(lambda: [], lambda: {"adapters": [adapter], "failures": {}})
+    adapter: dict[str, Any] = {"index": 0, "name": name, "type": "custom"}
+    adapter["backend"] = {f"object_{n:05d}": n for n in range(MAX_EXPORTED_STATS + 10)}
+    adapter["backend"]["mode"] = "read-write"  # not a number: counted as before, takes no place
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+        first = samples(render(registry).decode())
+        adapter["backend"] = {f"a_new_{n}": n for n in range(5)} | adapter["backend"]
+        second = samples(render(registry).decode())
+
+    def exported(found: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> set[str]:
+        return {dict(labels)["stat"] for metric, labels in found if metric == "lmcache_tiers_adapter_stat"}
+
+    assert len(exported(first)) == MAX_EXPORTED_STATS
+    assert exported(second) == exported(first), "exported stats stay, new ones are left out"
+    left_out = ("lmcache_tiers_adapter_stats_left_out_total", (("adapter", name),))
+    assert first[left_out] == 10
+    assert second[left_out] == 10 + 15
+    assert second[("lmcache_tiers_failures_total", (("reason", "metrics_stat_not_a_number"),))] == 2.0
+    told = [r for r in caplog.records if "stats over the cap" in r.getMessage()]
+    assert len(told) == 1 and name in told[0].getMessage()
 
 
 def test_label_values_from_configuration_are_escaped() -> None:

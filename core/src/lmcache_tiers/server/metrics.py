@@ -28,6 +28,12 @@ PREFIX = "lmcache_tiers"
 UNEXPORTED_STAT = "metrics_stat_not_a_number"
 
 _unexported_stats = BurstLog(logging.getLogger(__name__), UNEXPORTED_STAT)
+log = logging.getLogger(__name__)
+
+#: most ``adapter_stat`` series one adapter exports: a plugin whose ``stats()`` has a key per
+#: object or per request would otherwise grow /metrics (and Prometheus) without bound.  The
+#: first stats seen keep their series; the rest are left out, counted and logged once.
+MAX_EXPORTED_STATS = 256
 
 #: the storage engine's counters of each adapter (``keys_evicted`` is in ``evictions``)
 _ENGINE_COUNTERS = {
@@ -77,6 +83,11 @@ class TiersCollector(Collector):
         self._lock = threading.Lock()  # scrapes run on several HTTP threads at once
         # failures of the scrape itself, by reason: kept here, for as long as the server
         self._own_failures: Counter[str] = Counter()
+        # per adapter: the stats exported as ``adapter_stat`` (at most MAX_EXPORTED_STATS),
+        # how many values past the cap were left out, and whether that was logged
+        self._exported_stats: dict[str, set[str]] = {}
+        self._stats_left_out: Counter[str] = Counter()
+        self._told_over_cap: set[str] = set()
 
     def own_failures(self) -> dict[str, int]:
         """Failures of the scrapes themselves, by reason (also in ``failures_total``)."""
@@ -208,8 +219,13 @@ class TiersCollector(Collector):
         )
         backend_stat = _gauge(
             "adapter_stat",
-            "Every counter and gauge of each L2 adapter's stats(), as in /status",
+            f"Counters and gauges of each L2 adapter's stats(), as in /status (at most {MAX_EXPORTED_STATS})",
             ["adapter", "stat"],
+        )
+        left_out = _counter(
+            "adapter_stats_left_out",
+            f"Values of each L2 adapter's stats() left out of adapter_stat: past {MAX_EXPORTED_STATS} stats",
+            ["adapter"],
         )
         for adapter in adapters:
             name = str(adapter.get("name", adapter.get("index", "?")))
@@ -232,9 +248,46 @@ class TiersCollector(Collector):
             if "circuit_open" in backend:
                 circuit_open.add_metric([name], backend["circuit_open"])
             backend_errors.add_metric([name], backend.get("backend_errors", 0))
-            for stat, value in sorted(backend.items()):
+            for stat, value in sorted(self._capped(name, backend).items()):
                 backend_stat.add_metric([name, stat], value)
-        yield from (unreadable, usage, used, *engine.values(), circuit_open, backend_errors, backend_stat)
+            with self._lock:
+                left_out.add_metric([name], self._stats_left_out[name])
+        yield from (
+            unreadable,
+            usage,
+            used,
+            *engine.values(),
+            circuit_open,
+            backend_errors,
+            backend_stat,
+            left_out,
+        )
+
+    def _capped(self, adapter: str, stats: dict[str, float]) -> dict[str, float]:
+        """At most ``MAX_EXPORTED_STATS`` of an adapter's stats: those exported before (a
+        series that comes and goes would read as counter resets), then new ones in name
+        order while there is room.  The rest are counted and logged once per adapter."""
+        with self._lock:
+            exported = self._exported_stats.setdefault(adapter, set())
+            for stat in sorted(stats.keys() - exported):
+                if len(exported) >= MAX_EXPORTED_STATS:
+                    break
+                exported.add(stat)
+            dropped = [stat for stat in stats if stat not in exported]
+            self._stats_left_out[adapter] += len(dropped)
+            tell = bool(dropped) and adapter not in self._told_over_cap
+            if tell:
+                self._told_over_cap.add(adapter)
+        if tell:
+            log.warning(
+                "%s: stats over the cap of %d left out of /metrics (%d now, e.g. %r; counted in "
+                "adapter_stats_left_out_total, logged once); /status still has them all",
+                adapter,
+                MAX_EXPORTED_STATS,
+                len(dropped),
+                sorted(dropped)[0],
+            )
+        return {stat: value for stat, value in stats.items() if stat in exported}
 
     def _backend_stats(self, adapter: str, stats: Any) -> dict[str, float] | None:
         """The numeric stats of an adapter's ``stats()`` answer.  One that is no mapping (an
