@@ -23,6 +23,7 @@ import errno
 import itertools
 import logging
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -115,17 +116,12 @@ class RouterLoop:
         self._wake_identity = self.socket.recv()
         self.socket.recv()
         self._waker_lock = threading.Lock()
-        try:
-            self.socket.bind(endpoint)
-        except zmq.ZMQError as exc:
-            self._close_sockets(0)
-            raise OSError(exc.errno, f"cannot listen on {endpoint}: {exc.strerror}") from None
-        raw = self.socket.getsockopt(zmq.LAST_ENDPOINT)
-        self.endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
         # ipc://@name is a Linux abstract socket: no file, no mode (any local user, as on
         # loopback TCP), and a chmod of the name would reach a file of that name instead.
-        if self.endpoint.startswith("ipc://") and not self.endpoint.startswith("ipc://@"):
-            self._restrict_to_owner(self.endpoint[len("ipc://") :])
+        if endpoint.startswith("ipc://") and not endpoint.startswith(("ipc://@", "ipc://*")):
+            self._bind_private_ipc(endpoint[len("ipc://") :])
+        else:
+            self._bind_public(endpoint)
         self._pool = ThreadPoolExecutor(max_workers=pool_workers, thread_name_prefix=f"tiers-{name}")
         self._completions: collections.deque[tuple[Done, Any, BaseException | None, object]] = (
             collections.deque()
@@ -172,18 +168,59 @@ class RouterLoop:
         self._pool.shutdown(wait=False)
         self._close_sockets(0)
 
-    def _restrict_to_owner(self, path: str) -> None:
-        """Connecting to a Unix socket takes write permission on its file, which libzmq
-        creates under the umask (0775 under 002 lets the group in).  An ipc:// endpoint
-        asks no token, like loopback, so only the server's user (and root) may connect.
-        libzmq binds and listens in one call, so the file is open to the umask's mode for
-        the instant before this (docs/server.md: a private directory closes that too).
-        Failing that, the server does not start."""
+    def _bind_public(self, endpoint: str) -> None:
         try:
-            os.chmod(path, 0o600)
-        except OSError as exc:
+            self.socket.bind(endpoint)
+        except zmq.ZMQError as exc:
             self._close_sockets(0)
-            raise OSError(exc.errno, f"cannot make {path} private to this user: {exc.strerror}") from None
+            raise OSError(exc.errno, f"cannot listen on {endpoint}: {exc.strerror}") from None
+        raw = self.socket.getsockopt(zmq.LAST_ENDPOINT)
+        self.endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if self.endpoint.startswith("ipc://") and not self.endpoint.startswith("ipc://@"):
+            # ipc://*: libzmq made the file in a 0700 directory of its own; 0600 all the same.
+            try:
+                os.chmod(self.endpoint[len("ipc://") :], 0o600)
+            except OSError as exc:
+                self._close_sockets(0)
+                raise OSError(exc.errno, f"cannot make {self.endpoint} private: {exc.strerror}") from None
+
+    def _bind_private_ipc(self, path: str) -> None:
+        """Bind an ipc:// socket file that only the server's user (and root) can connect to.
+
+        Connecting to a Unix socket takes write permission on its file, which libzmq
+        creates under the umask (0775 under 002 lets the group in), and an ipc:// endpoint
+        asks no token, like loopback.  libzmq binds and listens in one call, so a chmod
+        after it leaves the file open for an instant.  The socket is therefore bound in a
+        fresh 0700 directory next to ``path`` (nobody else can reach it there), made 0600
+        and only then renamed onto ``path`` (same filesystem: atomic, and it replaces a
+        stale socket as libzmq's own bind would; the pre-flight refused a live one).  The
+        process umask is left alone: other threads create files meanwhile.  Failing
+        that, the server does not start."""
+        private = tempfile.mkdtemp(prefix=".", dir=os.path.dirname(path) or ".")
+        staged = os.path.join(private, "s")
+        try:
+            try:
+                self.socket.bind(f"ipc://{staged}")
+            except zmq.ZMQError as exc:
+                raise OSError(exc.errno, f"cannot listen on ipc://{path}: {exc.strerror}") from None
+            try:
+                os.chmod(staged, 0o600)
+                os.rename(staged, path)
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot make {path} private to this user: {exc.strerror}") from None
+        except OSError:
+            self._close_sockets(0)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staged)
+            raise
+        finally:
+            try:
+                os.rmdir(private)
+            except OSError as exc:  # empty and private: harmless, but said
+                logger.warning(
+                    "%s: cannot remove the bind directory %s: %s", self.name, private, exc.strerror
+                )
+        self.endpoint = f"ipc://{path}"
 
     def _close_sockets(self, linger: int | None = None) -> None:
         with self._waker_lock:
