@@ -21,8 +21,8 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterable, Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from collections.abc import AsyncIterable, Callable, Coroutine, Iterable, Iterator
+from typing import Any, ClassVar, TypeVar
 
 from lmcache_tiers.l2.background import WRITE_BACK, WRITE_BACK_NICE
 from lmcache_tiers.l2.calls import call, call_async, optional_method
@@ -255,6 +255,11 @@ class _Handoff:
 
 
 class LoopRunner(Runner):
+    #: how long a listing waits for its next batch before it fails: a peer that stopped
+    #: answering would otherwise hold the reading thread (and the start-up scan, which
+    #: refuses stores that add bytes while it runs) for as long as the adapter is open
+    listing_batch_timeout_s: ClassVar[float] = 60.0
+
     def __init__(self, state: AdapterState, backend: object, publish: Publish, concurrency: int) -> None:
         super().__init__(state, backend, publish)
         self._loop = asyncio.new_event_loop()
@@ -417,7 +422,7 @@ class LoopRunner(Runner):
 
         try:
             while True:
-                items, exhausted = asyncio.run_coroutine_threadsafe(next_batch(), self._loop).result()
+                items, exhausted = self._next_listed(next_batch())
                 yield items
                 if exhausted:
                     return
@@ -428,6 +433,26 @@ class LoopRunner(Runner):
                     asyncio.run_coroutine_threadsafe(aclose(), self._loop).result(5.0)
                 except Exception:
                     log.debug("%s: closing the key listing failed", self.state.name, exc_info=True)
+
+    def _next_listed(self, batch: Coroutine[Any, Any, tuple[list[Entry], bool]]) -> tuple[list[Entry], bool]:
+        """The listing's next batch, waited for up to ``listing_batch_timeout_s``; past it
+        the wait is cancelled (the caller's ``finally`` then closes the listing), counted
+        and logged, and the listing fails: its reader treats it as any failed listing."""
+        future = asyncio.run_coroutine_threadsafe(batch, self._loop)
+        try:
+            return future.result(self.listing_batch_timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            self.state.count("listing_stalls")
+            log.warning(
+                "%s: the key listing stalled: no next batch in %.0f s (the backend does not "
+                "answer?); the listing is abandoned as failed",
+                self.state.name,
+                self.listing_batch_timeout_s,
+            )
+            raise TimeoutError(
+                f"no next batch of the key listing in {self.listing_batch_timeout_s:.0f} s"
+            ) from None
 
     # -- closing --------------------------------------------------------------------------------
 

@@ -1,0 +1,110 @@
+"""A coroutine backend's listing that stops yielding (a peer that hangs rather than fails).
+
+Both readers of a listing wait for its next batch on a thread of their own: the start-up
+scan, which refuses stores that add bytes while it runs, and the eviction policy's seeding.
+A batch that never comes must end the listing after ``listing_batch_timeout_s`` --
+counted as ``listing_stalls`` and logged -- or the scan would refuse those stores for as
+long as the adapter is open, and every retried seeding would leave one more thread
+waiting for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from l2_backends import AsyncDictBackend, DictBackend, keys_of, open_dict, store_blank
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import BackendAdapter, L2Adapter
+from lmcache_tiers.l2.runners import LoopRunner
+
+BOUND_S = 30.0  # how long a test waits for what must happen; never a measure of speed
+LISTED = 3
+
+
+class StallingListing(AsyncDictBackend):
+    """Lists its first entry, then waits for a next one that never comes (until cancelled)."""
+
+    started = 0
+    open_listings = 0  # listings begun and not yet ended (their generator still open)
+    lock = threading.Lock()
+
+    async def list_keys(self) -> AsyncIterator[tuple[ObjectKey, int]]:  # type: ignore[override]
+        with StallingListing.lock:
+            StallingListing.started += 1
+            StallingListing.open_listings += 1
+        try:
+            yield DictBackend.list_keys(self)[0]
+            await asyncio.get_running_loop().create_future()  # the peer stopped answering
+        finally:
+            with StallingListing.lock:
+                StallingListing.open_listings -= 1
+
+
+@pytest.fixture
+def stalling(adapters: list[L2Adapter], monkeypatch: pytest.MonkeyPatch) -> Iterator[BackendAdapter]:
+    """An adapter over LISTED objects whose listing stalls after the first, with a deadline
+    short enough for a test: the first entry is accounted in the foreground, and the scan's
+    thread then waits for the rest."""
+    import lmcache_tiers.l2.scan as scan
+
+    StallingListing.started = StallingListing.open_listings = 0
+    monkeypatch.setattr(scan, "FOREGROUND_ENTRIES", 1)
+    monkeypatch.setattr(scan, "BATCH_ENTRIES", 1)
+    monkeypatch.setattr(LoopRunner, "listing_batch_timeout_s", 0.2, raising=False)
+    namespace = uuid.uuid4().hex
+    holder = open_dict(AsyncDictBackend, capacity=100_000, namespace=namespace)
+    store_blank(holder, keys_of("listed", LISTED), 1000)
+    holder.close()
+    adapter = open_dict(StallingListing, capacity=100_000, namespace=namespace)
+    adapters.append(adapter)
+    yield adapter
+
+
+def wait_until(condition: object, what: str) -> None:
+    pause = threading.Event()
+    for _ in range(int(BOUND_S / 0.01)):
+        if condition():  # type: ignore[operator]
+            return
+        pause.wait(0.01)
+    raise AssertionError(f"{what} never happened")
+
+
+def test_a_stalled_listing_ends_the_scan_so_stores_are_no_longer_refused(
+    stalling: BackendAdapter, caplog: pytest.LogCaptureFixture
+) -> None:
+    wait_until(lambda: not stalling.stats()["scan_running"], "the end of the start-up scan")
+    stats = stalling.stats()
+    assert stats["listing_stalls"] == 1
+    assert stats["scan_errors"] == 1
+    assert stats["scan_keys"] == 1, "what was listed before the stall stays accounted"
+    store_blank(stalling, keys_of("after", 1), 1000)  # no longer refused as "scanning"
+    assert any("listing" in r.getMessage() and "stalled" in r.getMessage() for r in caplog.records)
+    wait_until(lambda: StallingListing.open_listings == 0, "the stalled listing being closed")
+
+
+def test_retried_listings_of_a_stalled_backend_leave_no_listing_behind(stalling: BackendAdapter) -> None:
+    """Each reading of the keys (as the eviction policy's seeding retries them) fails past
+    the deadline and closes its listing: none is left waiting on a thread."""
+    wait_until(lambda: not stalling.stats()["scan_running"], "the end of the start-up scan")
+    failures: list[BaseException] = []
+
+    def read_keys() -> None:
+        try:
+            list(stalling.iter_keys())
+        except Exception as exc:
+            failures.append(exc)
+
+    for _ in range(3):
+        reader = threading.Thread(target=read_keys, daemon=True)
+        reader.start()
+        reader.join(BOUND_S)
+        assert not reader.is_alive(), "reading the keys waits for good for a batch that never comes"
+    assert [type(exc) for exc in failures] == [TimeoutError] * 3
+    wait_until(lambda: StallingListing.open_listings == 0, "every stalled listing being closed")
+    assert StallingListing.started == 4  # the scan's and three readings
+    assert stalling.stats()["listing_stalls"] == 4
