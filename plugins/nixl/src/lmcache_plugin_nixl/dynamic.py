@@ -85,6 +85,7 @@ class NixlDynamicBackend:
             self._dir_lock.release()
             raise
         transfer = BatchTransfer(runtime, config.backend, self._host, "FILE", direct_io=config.use_direct_io)
+        self._overdue = transfer.overdue
         self._records = RecordFiles(
             runtime,
             transfer,
@@ -149,6 +150,9 @@ class NixlDynamicBackend:
     def list_keys(self) -> Iterator[tuple[ObjectKey, int]]:
         # Records shorter than their header are removed (and counted) as they are listed.
         return self.files.iter_records(self._records.header_length)
+
+    def stats(self) -> dict[str, int]:
+        return self._overdue.stats()
 
     def capacity(self) -> int:
         return self._capacity

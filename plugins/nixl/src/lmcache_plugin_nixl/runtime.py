@@ -21,7 +21,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -62,6 +62,34 @@ Descriptors = npt.NDArray[np.uint64]
 
 class NixlTransferError(TiersError):
     """A NIXL transfer could not be created, posted or completed."""
+
+
+class OverdueTransfers:
+    """One adapter's transfers past ``TRANSFER_TIMEOUT_S``, for its ``stats()``: how many
+    ever were (``transfers_past_deadline``, a counter) and how many are waiting past it
+    now (``transfers_stuck``, a gauge to alert on).  A stalled device keeps its transfer
+    waiting for good (see ``TRANSFER_TIMEOUT_S``); the log says so, and these let /metrics
+    say so too."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._past_deadline = 0
+        self._stuck = 0
+
+    def missed(self) -> None:
+        """A transfer passed its first deadline (once per transfer)."""
+        with self._lock:
+            self._past_deadline += 1
+            self._stuck += 1
+
+    def ended(self) -> None:
+        """A transfer that had passed its deadline ended (however it ended)."""
+        with self._lock:
+            self._stuck -= 1
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"transfers_past_deadline": self._past_deadline, "transfers_stuck": self._stuck}
 
 
 def descriptors(rows: Sequence[tuple[int, int, int]]) -> Descriptors:
@@ -257,11 +285,13 @@ class NixlRuntime:
         storage_mem: str,
         *,
         background: bool = False,
+        overdue: OverdueTransfers | None = None,
     ) -> None:
         """Run READs (storage -> DRAM) or WRITEs (DRAM -> storage) to completion: every
         (DRAM, storage) pair is posted as a NIXL request of its own, then all are waited
         for; a failure of any fails the call, once none is still running.  ``background``:
-        write-back, which waits with fewer polls."""
+        write-back, which waits with fewer polls; ``overdue``: where a wait past its
+        deadline is counted (the adapter's stats)."""
         agent = self.agent
         posted: list[Any] = []
         running: list[Any] = []
@@ -289,7 +319,7 @@ class NixlRuntime:
             # Requests already posted are waited for even after a failure: their buffers
             # must not be given back while NIXL may still move them.
             try:
-                self._wait(running, operation, backend, background)
+                self._wait(running, operation, backend, background, overdue)
             except NixlTransferError as exc:
                 failure = failure or exc
             except Exception as exc:
@@ -307,12 +337,42 @@ class NixlRuntime:
         except Exception as exc:
             log.warning("NIXL could not release a %s handle on %s: %s", operation, backend, exc)
 
-    def _wait(self, handles: Sequence[Any], operation: str, backend: str, background: bool = False) -> None:
+    def _wait(
+        self,
+        handles: Sequence[Any],
+        operation: str,
+        backend: str,
+        background: bool = False,
+        overdue: OverdueTransfers | None = None,
+    ) -> None:
         """Poll ``handles`` (posted, still running when posted) until every one ended.  A
         round polls them in posting order and stops at the first still running (requests
         posted together finish about in order): one poll per round and one per request,
-        not one per request per round.  A request past ``TRANSFER_TIMEOUT_S`` is logged and
-        still waited for (see there)."""
+        not one per request per round.  A request past ``TRANSFER_TIMEOUT_S`` is logged
+        (again after each further period), counted in ``overdue`` and still waited for
+        (see there)."""
+        missed: list[bool] = []  # one entry once the first deadline passed
+
+        def past_deadline() -> None:
+            if not missed:  # one stuck transfer, however many periods it stays stuck
+                missed.append(True)
+                if overdue is not None:
+                    overdue.missed()
+
+        try:
+            self._poll_until_ended(handles, operation, backend, background, past_deadline)
+        finally:
+            if missed and overdue is not None:
+                overdue.ended()
+
+    def _poll_until_ended(
+        self,
+        handles: Sequence[Any],
+        operation: str,
+        backend: str,
+        background: bool,
+        past_deadline: Callable[[], None],
+    ) -> None:
         started = time.monotonic()
         deadline = started + TRANSFER_TIMEOUT_S
         spins, sleep, longest = _SPIN_POLLS, 0.00001, _MAX_SLEEP_S
@@ -325,6 +385,7 @@ class NixlRuntime:
             rounds += 1
             if rounds > spins:
                 if time.monotonic() > deadline:
+                    past_deadline()
                     log.warning(
                         "NIXL %s on %s still running after %.0f s (storage stalled?); waiting for "
                         "it to end, as its memory cannot be given back while it may still move",
@@ -337,7 +398,7 @@ class NixlRuntime:
                 sleep = min(sleep * 2, longest)
             while pending:
                 try:
-                    state = self.agent.check_xfer_state(pending[0])
+                    state = self._transfer_state(pending[0])
                 except Exception as exc:
                     # NIXL raises for a request that failed; the requests posted with it
                     # may still be running and are waited for all the same.
@@ -349,3 +410,7 @@ class NixlRuntime:
                     failed = state
         if failed is not None:
             raise NixlTransferError(f"NIXL {operation} on {backend} ended in state {failed}")
+
+    def _transfer_state(self, handle: Any) -> str:
+        """NIXL's state of a posted request: "PROC" while it runs, "DONE" once it ended well."""
+        return str(self.agent.check_xfer_state(handle))

@@ -269,7 +269,11 @@ class NixlStoreBackend:
         return Capacity(objects=self._slots.pool_size)
 
     def stats(self) -> dict[str, int]:
-        return {"pool_slots_used": self._slots.used_slots, "pool_slots_total": self._slots.pool_size}
+        return {
+            "pool_slots_used": self._slots.used_slots,
+            "pool_slots_total": self._slots.pool_size,
+            **self._transfer.overdue.stats(),
+        }
 
     def close(self) -> None:
         """Refuse further calls and release the slot files and the host memory's NIXL

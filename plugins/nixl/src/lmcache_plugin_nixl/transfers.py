@@ -25,7 +25,13 @@ import logging
 from collections.abc import Callable, Sequence
 
 from lmcache_plugin_nixl.memory import HostMemory
-from lmcache_plugin_nixl.runtime import NixlRuntime, NixlTransferError, Registration, descriptors
+from lmcache_plugin_nixl.runtime import (
+    NixlRuntime,
+    NixlTransferError,
+    OverdueTransfers,
+    Registration,
+    descriptors,
+)
 from lmcache_tiers.plugin import BurstLog
 
 log = logging.getLogger(__name__)
@@ -61,6 +67,8 @@ class BatchTransfer:
         self.storage_mem = storage_mem
         #: most bytes per write-back request; None: a batch is one request
         self.write_back_piece = WRITE_BACK_PIECE_BYTES if direct_io else None
+        #: this adapter's transfers past their deadline (its stats)
+        self.overdue = OverdueTransfers()
 
     def run(
         self,
@@ -132,6 +140,7 @@ class BatchTransfer:
                 [(descriptors(dram), descriptors(storage)) for dram, storage in requests],
                 self.storage_mem,
                 background=background,
+                overdue=self.overdue,
             )
         except NixlTransferError as exc:
             if len(rows) == 1:  # the item's verdict: a batch that fails is tried item by item
