@@ -79,6 +79,7 @@ COUNTERS: Final = (
     "decoded_objects",
     "corrupt_frames",
     "layout_mismatch",
+    "newer_frames",
 )
 _WHY = {
     "passthrough_no_layout": "it has no tensor layout",
@@ -92,6 +93,11 @@ _WHY = {
 
 class Fp8FrameError(ValueError):
     """The bytes are not an intact frame of this serde."""
+
+
+class Fp8NewerFrameError(Fp8FrameError):
+    """A frame of a later version than this release reads: written by a newer release
+    sharing the store, not damage."""
 
 
 class Fp8LayoutMismatchError(Fp8FrameError):
@@ -182,7 +188,7 @@ class Fp8Serde:
         try:
             return self._decode(view, context.size, context.record_layout)
         except Fp8FrameError as exc:
-            self._count("layout_mismatch" if isinstance(exc, Fp8LayoutMismatchError) else "corrupt_frames")
+            self._count(_counter_of(exc))
             log.debug("fp8: refused the frame of %s: %s", context.key, exc)
             raise
 
@@ -252,6 +258,12 @@ class Fp8Serde:
         magic, version, fmt, granularity, _r1, layout_len, _r2, scale_count, payload_len, checksum = (
             _HEADER.unpack_from(view)
         )
+        if magic == MAGIC and version > VERSION:
+            # Kept in the store: the servers already upgraded read it.
+            raise Fp8NewerFrameError(
+                f"a version {version} frame, written by a newer release (this one reads version "
+                f"{VERSION}); a miss here until stored again, kept for the servers that read it"
+            )
         if magic != MAGIC or version != VERSION:
             _refuse(f"not an fp8 v{VERSION} frame (magic {bytes(magic)!r})")
         start = HEADER_SIZE + layout_len + 4 * scale_count
@@ -345,6 +357,14 @@ def _check_record_layout(layout: TensorLayout, record_layout: str) -> None:
         raise Fp8LayoutMismatchError(
             f"the record states layout {record_layout!r}, the frame was quantized as {layout.format()!r}"
         )
+
+
+def _counter_of(refusal: Fp8FrameError) -> str:
+    if isinstance(refusal, Fp8NewerFrameError):
+        return "newer_frames"
+    if isinstance(refusal, Fp8LayoutMismatchError):
+        return "layout_mismatch"
+    return "corrupt_frames"
 
 
 def _refuse(reason: str) -> NoReturn:

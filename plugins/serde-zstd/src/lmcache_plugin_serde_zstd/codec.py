@@ -52,11 +52,17 @@ COUNTERS: Final = (
     "bytes_out",
     "decoded_objects",
     "corrupt_frames",
+    "newer_frames",
 )
 
 
 class ZstdFrameError(ValueError):
     """The bytes are not an intact frame of this serde."""
+
+
+class ZstdNewerFrameError(ZstdFrameError):
+    """A frame of a later version than this release reads: written by a newer release
+    sharing the store, not damage."""
 
 
 def _digest(header_start: bytes | memoryview, payload: bytes | memoryview) -> int:
@@ -117,7 +123,7 @@ class ZstdSerde:
         try:
             return self._decode(view, context)
         except ZstdFrameError as exc:
-            self._count(("corrupt_frames", 1))
+            self._count(("newer_frames" if isinstance(exc, ZstdNewerFrameError) else "corrupt_frames", 1))
             log.debug("zstd: refused the frame of %s: %s", context.key, exc)
             raise
 
@@ -136,6 +142,12 @@ class ZstdSerde:
         )
         if magic != MAGIC:
             raise ZstdFrameError(f"bad magic {bytes(magic)!r}: not a zstd serde frame")
+        if version > VERSION:
+            # Kept in the store: the servers already upgraded read it.
+            raise ZstdNewerFrameError(
+                f"a version {version} frame, written by a newer release (this one reads version "
+                f"{VERSION}); a miss here until stored again, kept for the servers that read it"
+            )
         if version != VERSION:
             raise ZstdFrameError(f"frame version {version} is not {VERSION}")
         payload = view[HEADER_SIZE:]
