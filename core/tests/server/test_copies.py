@@ -154,10 +154,10 @@ def test_a_forked_child_copies_with_a_helper_of_its_own() -> None:
             names: set[str] = set()
             again = np.zeros_like(source)
             copier.run(pieces_of(source, again), lambda block: names.add(threading.current_thread().name))
-            code = 0 if np.array_equal(source, again) and not copier._jobs else 1
+            code = 0 if np.array_equal(source, again) and not copier._queue.jobs else 1
         finally:
             os._exit(code)
     _, status = os.waitpid(child, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
-    assert not copier._jobs  # no copy left queued for a helper
+    assert not copier._queue.jobs  # no copy left queued for a helper
     copier.stop()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -101,23 +102,61 @@ class _Job:
             raise self.error
 
 
+class _HelperQueue:
+    """The jobs waiting for the helper, and whether it must end: all the helper thread
+    holds between jobs.  Never the copier itself, so that a copier dropped without ``stop``
+    (a client the engine never closed) is collected, and its finalizer ends the helper:
+    else every such client would leave a thread waiting for work for good."""
+
+    __slots__ = ("jobs", "stopped", "wake")
+
+    def __init__(self) -> None:
+        self.jobs: deque[_Job] = deque()
+        self.wake = threading.Condition()
+        self.stopped = False
+
+    def renew_after_fork(self) -> None:
+        # In a forked child the helper is gone, and it may have held the lock when the
+        # parent forked: a child that took it would wait forever.
+        self.wake = threading.Condition()
+        self.jobs = deque()
+
+    def stop(self) -> None:
+        with self.wake:
+            self.stopped = True
+            self.jobs.clear()
+            self.wake.notify_all()
+
+    def serve(self) -> None:
+        """The helper thread: take jobs from the back until stopped."""
+        while True:
+            with self.wake:
+                while not self.jobs and not self.stopped:
+                    self.wake.wait()
+                if self.stopped:
+                    return
+                job = self.jobs.popleft()
+            job.work(from_back=True)  # a job the caller already finished has nothing left to take
+            # Its ``prepare`` is the page tables' method: kept while idle, it would keep
+            # them and this copier from being collected.
+            del job
+
+
 class SplitCopier:
     """The calling thread plus one helper thread (started on the first large copy) copying
     pieces side by side; see the module's docstring."""
 
     def __init__(self, name: str = "shm-copy") -> None:
         self._name = name
-        self._jobs: deque[_Job] = deque()
-        self._wake = threading.Condition()
+        self._queue = _HelperQueue()
         self._helper: threading.Thread | None = None
-        self._stopped = False
+        # Not at exit: the helper is a daemon, and nothing needs to wait for it then.
+        weakref.finalize(self, self._queue.stop).atexit = False
         renew_locks_after_fork(self)
 
     def _after_fork(self) -> None:
-        # In a forked child the helper is gone, and it may have held the lock when the
-        # parent forked: a child that took it would wait forever.
-        self._wake = threading.Condition()
-        self._jobs = deque()
+        # The same queue object, renewed: the finalizer and the helper refer to it.
+        self._queue.renew_after_fork()
         self._helper = None
 
     def run(self, pieces: Sequence[Piece], prepare: Callable[[int], object]) -> None:
@@ -125,50 +164,38 @@ class SplitCopier:
         pieces not started yet are left alone then)."""
         job = _Job(pieces, prepare)
         total = sum(source.nbytes for _, source, _ in pieces)
+        queue = self._queue
         if len(pieces) > 1 and total >= SPLIT_MIN_BYTES:
-            with self._wake:
-                if not self._stopped:
+            with queue.wake:
+                if not queue.stopped:
                     self._start_helper()
-                    self._jobs.append(job)
-                    self._wake.notify()
+                    queue.jobs.append(job)
+                    queue.wake.notify()
         try:
             job.work()
             job.wait()
         finally:
             # Not taken up by the helper (busy with another copy): it would keep this
             # copy's buffers alive until it is.
-            with self._wake, contextlib.suppress(ValueError):
-                self._jobs.remove(job)
+            with queue.wake, contextlib.suppress(ValueError):
+                queue.jobs.remove(job)
 
     def start(self) -> None:
         """Start the helper now rather than on the first large copy (no-op once stopped)."""
-        with self._wake:
-            if not self._stopped:
+        with self._queue.wake:
+            if not self._queue.stopped:
                 self._start_helper()
 
     def _start_helper(self) -> None:
-        # Caller holds _wake.  A helper that is not alive was never started, or was left
-        # behind in the parent of this forked process.
+        # Caller holds the queue's lock.  A helper that is not alive was never started, or
+        # was left behind in the parent of this forked process.
         if self._helper is None or not self._helper.is_alive():
-            self._helper = threading.Thread(target=self._run_helper, name=self._name, daemon=True)
+            self._helper = threading.Thread(target=self._queue.serve, name=self._name, daemon=True)
             self._helper.start()
 
     def stop(self) -> None:
         """Stop the helper (after the piece it is copying); later copies run in the caller."""
-        with self._wake:
-            self._stopped = True
-            self._jobs.clear()
-            self._wake.notify_all()
+        self._queue.stop()
         helper = self._helper
         if helper is not None and helper is not threading.current_thread():
             helper.join()
-
-    def _run_helper(self) -> None:
-        while True:
-            with self._wake:
-                while not self._jobs and not self._stopped:
-                    self._wake.wait()
-                if self._stopped:
-                    return
-                job = self._jobs.popleft()
-            job.work(from_back=True)  # a job the caller already finished has nothing left to take
