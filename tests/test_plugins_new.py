@@ -16,6 +16,7 @@ import pytest
 import zmq
 from plugin_packages import environment, run_tests
 from thirdparty import CLI, ServerProcess, free_port, pip_install_to, run_cli
+from tiers_e2e import stop_signals_at_default
 
 KINDS = {
     "l2": "l2_adapter",
@@ -93,7 +94,9 @@ def test_serve_runs_the_generated_front_end(generated: tuple[Path, Path], tmp_pa
     log_dir = tmp_path / "serve"
     log_dir.mkdir()
     with (log_dir / "stdout.txt").open("wb") as out, (log_dir / "stderr.txt").open("wb") as err:
-        proc = subprocess.Popen(command, stdout=out, stderr=err, env=environment(site))
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=err, env=environment(site), preexec_fn=stop_signals_at_default()
+        )
     server = ServerProcess(f"tcp://127.0.0.1:{port}", None, shm_name, proc, log_dir)
     try:
         deadline = time.monotonic() + 60

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent / "server"))
 
-from tiers_e2e import ServerProcess
+from tiers_e2e import ServerProcess, stop_signals_at_default
 
 from lmcache_tiers.testing.ports import free_port as free_port  # re-exported for the tests
 
@@ -91,7 +91,12 @@ def run_cli(args: list[str], site: Path | None = None, **env: str) -> subprocess
 def launch_cli(args: list[str], site: Path | None = None, **env: str) -> subprocess.Popen[str]:
     """``run_cli`` without waiting: stdout and stderr are pipes for ``communicate``."""
     return subprocess.Popen(
-        CLI + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_environment(site, env)
+        CLI + args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_environment(site, env),
+        preexec_fn=stop_signals_at_default(),
     )
 
 
@@ -128,6 +133,7 @@ def launch_serve(
         stdout=(log_dir / "stdout.txt").open("wb"),
         stderr=(log_dir / "stderr.txt").open("wb"),
         env=_environment(site, {"COLUMNS": "200", **env}),
+        preexec_fn=stop_signals_at_default(),
     )
     return ServerProcess(f"tcp://127.0.0.1:{port}", None, shm_name, proc, log_dir)
 
