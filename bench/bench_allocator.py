@@ -23,7 +23,6 @@ import math
 import random
 import statistics
 import time
-from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -43,7 +42,7 @@ class FirstFitAllocator(ExtentAllocator):
     def _fit(self, need: int) -> tuple[int, int] | None:
         for offset, length in self.free_extents():
             if length >= need:
-                del self._by_size[bisect_left(self._by_size, self._pack(offset, length))]
+                self._remove_sized(offset, length)
                 return offset, length
         return None
 

@@ -13,16 +13,21 @@ Bookkeeping, all O(1) or O(log n) per operation:
 * ``_free_at[offset] = length`` and ``_free_ending[end] = offset``: a freed extent finds
   its neighbours with two dict look-ups, so coalescing is O(1) and the free list always
   holds maximal extents.
-* ``_by_size``: sorted ints ``length_units << shift | offset_units``; best fit is one
-  ``bisect``. Packing (length, offset) into one int keeps comparisons cheap. Inserting
-  into a Python list moves pointers (a memmove), which stays in the microseconds for the
-  few thousand free extents a fragmented arena has.
+* ``_lengths``: the sorted distinct lengths (in units) of the free extents, and per length
+  a heap of their offsets (``_offsets_of``); best fit is one ``bisect`` on the lengths and
+  the heap's smallest offset.  A list ordered by extent would be shifted (a memmove) on
+  every free and allocation: with a million tiny objects freed in random order it holds a
+  few hundred thousand free extents, ~0.1-0.2 ms a shift.  Distinct lengths are few (L of
+  them need at least L(L+1)/2 free units, so at most ~1,400 in a million-unit arena).  An
+  extent leaving its heap by coalescing stays there as a stale entry, told apart by
+  ``_free_at`` and dropped when met or when stale entries outnumber live ones.
 
 Not thread-safe: :class:`~lmcache_tiers.l1.manager.L1Manager` serialises every call.
 """
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_left, insort
 from collections.abc import Sequence
 
@@ -39,12 +44,12 @@ class ExtentAllocator:
         self.align = align
         self.capacity = units * align  # a ragged tail shorter than `align` is never handed out
         self.allocated_bytes = 0
-        self._shift = units.bit_length()
-        self._mask = (1 << self._shift) - 1
         self._used: dict[int, int] = {}  # offset -> extent length, for every live extent
         self._free_at: dict[int, int] = {}
         self._free_ending: dict[int, int] = {}
-        self._by_size: list[int] = []
+        self._lengths: list[int] = []  # distinct free extent lengths in units, sorted
+        self._offsets_of: dict[int, list[int]] = {}  # length units -> heap of offset units
+        self._free_of_length: dict[int, int] = {}  # length units -> free extents of it
         self._add_free(0, self.capacity)
 
     # -- sizes -------------------------------------------------------------------------
@@ -73,10 +78,10 @@ class ExtentAllocator:
 
     @property
     def free_extent_count(self) -> int:
-        return len(self._by_size)
+        return len(self._free_at)
 
     def largest_free_extent(self) -> int:
-        return (self._by_size[-1] >> self._shift) * self.align if self._by_size else 0
+        return self._lengths[-1] * self.align if self._lengths else 0
 
     def fragmentation(self) -> float:
         """``1 - largest_free_extent / free_bytes``: 0 when free memory is one extent (or none)."""
@@ -170,12 +175,18 @@ class ExtentAllocator:
 
     def _fit(self, need: int) -> tuple[int, int] | None:
         """(offset, length) of the best fit for ``need`` bytes, taken out of ``_by_size``."""
-        by_size = self._by_size
-        index = bisect_left(by_size, (need // self.align) << self._shift)
-        if index == len(by_size):
+        align, lengths = self.align, self._lengths
+        index = bisect_left(lengths, need // align)
+        if index == len(lengths):
             return None
-        packed = by_size.pop(index)
-        return (packed & self._mask) * self.align, (packed >> self._shift) * self.align
+        units = lengths[index]
+        offsets, length = self._offsets_of[units], units * align
+        while True:
+            offset = heapq.heappop(offsets) * align
+            if self._free_at.get(offset) == length:
+                break  # else a stale entry: the extent coalesced away (or was taken)
+        self._remove_sized(offset, length)
+        return offset, length
 
     def _release(self, offset: int) -> None:
         length = self._used.pop(offset)
@@ -199,18 +210,37 @@ class ExtentAllocator:
     def _insert_free(self, offset: int, length: int) -> None:
         self._free_at[offset] = length
         self._free_ending[offset + length] = offset
-        insort(self._by_size, self._pack(offset, length))
+        units = length // self.align
+        count = self._free_of_length.get(units, 0)
+        if count == 0:
+            insort(self._lengths, units)
+            self._offsets_of[units] = []
+        self._free_of_length[units] = count + 1
+        offsets = self._offsets_of[units]
+        heapq.heappush(offsets, offset // self.align)
+        if len(offsets) > 2 * (count + 1) + 16:
+            self._drop_stale(units)
 
     def _remove_sized(self, offset: int, length: int) -> None:
-        packed = self._pack(offset, length)
-        index = bisect_left(self._by_size, packed)
-        del self._by_size[index]
+        """The extent leaves the index: its heap entry is left stale (the caller takes it
+        out of ``_free_at``, or did already)."""
+        units = length // self.align
+        count = self._free_of_length[units] - 1
+        if count:
+            self._free_of_length[units] = count
+            return
+        del self._free_of_length[units], self._offsets_of[units]
+        del self._lengths[bisect_left(self._lengths, units)]
 
-    def _pack(self, offset: int, length: int) -> int:
-        return (length // self.align) << self._shift | offset // self.align
+    def _drop_stale(self, units: int) -> None:
+        """Rebuild the heap of one length from its live extents (amortised O(1) a free)."""
+        align, length, free_at = self.align, units * self.align, self._free_at
+        live = {entry for entry in self._offsets_of[units] if free_at.get(entry * align) == length}
+        offsets = sorted(live)  # a sorted list is a heap
+        self._offsets_of[units] = offsets
 
     def __repr__(self) -> str:
         return (
             f"ExtentAllocator(capacity={self.capacity}, align={self.align}, "
-            f"allocated={self.allocated_bytes}, free_extents={len(self._by_size)})"
+            f"allocated={self.allocated_bytes}, free_extents={len(self._free_at)})"
         )
