@@ -2,7 +2,7 @@
 
 Both readers of a listing wait for its next batch on a thread of their own: the start-up
 scan, which refuses stores that add bytes while it runs, and the eviction policy's seeding.
-A batch that never comes must end the listing after ``listing_batch_timeout_s`` --
+An entry that never comes must end the listing after ``listing_stall_timeout_s`` --
 counted as ``listing_stalls`` and logged -- or the scan would refuse those stores for as
 long as the adapter is open, and every retried seeding would leave one more thread
 waiting for good.
@@ -55,7 +55,7 @@ def stalling(adapters: list[L2Adapter], monkeypatch: pytest.MonkeyPatch) -> Iter
     StallingListing.started = StallingListing.open_listings = 0
     monkeypatch.setattr(scan, "FOREGROUND_ENTRIES", 1)
     monkeypatch.setattr(scan, "BATCH_ENTRIES", 1)
-    monkeypatch.setattr(LoopRunner, "listing_batch_timeout_s", 0.2, raising=False)
+    monkeypatch.setattr(LoopRunner, "listing_stall_timeout_s", 0.2)
     namespace = uuid.uuid4().hex
     holder = open_dict(AsyncDictBackend, capacity=100_000, namespace=namespace)
     store_blank(holder, keys_of("listed", LISTED), 1000)
@@ -63,6 +63,18 @@ def stalling(adapters: list[L2Adapter], monkeypatch: pytest.MonkeyPatch) -> Iter
     adapter = open_dict(StallingListing, capacity=100_000, namespace=namespace)
     adapters.append(adapter)
     yield adapter
+
+
+class SlowListing(AsyncDictBackend):
+    """Lists every entry, each after a pause well within the deadline: a live store that
+    is slow (a page per request, a header read per record), not a hung one."""
+
+    pause_s = 0.0
+
+    async def list_keys(self) -> AsyncIterator[tuple[ObjectKey, int]]:  # type: ignore[override]
+        for entry in DictBackend.list_keys(self):
+            await asyncio.sleep(SlowListing.pause_s)
+            yield entry
 
 
 def wait_until(condition: object, what: str) -> None:
@@ -108,3 +120,26 @@ def test_retried_listings_of_a_stalled_backend_leave_no_listing_behind(stalling:
     wait_until(lambda: StallingListing.open_listings == 0, "every stalled listing being closed")
     assert StallingListing.started == 4  # the scan's and three readings
     assert stalling.stats()["listing_stalls"] == 4
+
+
+def test_a_slow_but_live_listing_is_not_taken_for_a_stalled_one(
+    adapters: list[L2Adapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadline is for a listing that stopped answering: one whose entries keep coming
+    (each well within it) is read to its end, however long its batch of entries takes."""
+    deadline_s = 0.5
+    monkeypatch.setattr(LoopRunner, "listing_stall_timeout_s", deadline_s)
+    SlowListing.pause_s = deadline_s / 10
+    entries = 30  # one batch: its entries take about 3 deadlines, each a tenth of one
+    namespace = uuid.uuid4().hex
+    holder = open_dict(AsyncDictBackend, capacity=100_000, namespace=namespace)
+    store_blank(holder, keys_of("listed", entries), 1000)
+    holder.close()
+    adapter = open_dict(SlowListing, capacity=100_000, namespace=namespace)
+    adapters.append(adapter)
+    wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")
+    assert len(list(adapter.iter_keys())) == entries
+    stats = adapter.stats()
+    assert stats.get("listing_stalls", 0) == 0
+    assert stats.get("scan_errors", 0) == 0
+    assert stats["scan_keys"] == entries

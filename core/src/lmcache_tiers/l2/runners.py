@@ -254,11 +254,27 @@ class _Handoff:
         return state == "prepared"
 
 
+class _ListingProgress:
+    """When a coroutine backend's listing last gave an entry (or its reader last asked for
+    one), read by the reader's thread to tell a stalled listing from a slow one."""
+
+    def __init__(self) -> None:
+        self._last = time.monotonic()
+
+    def advanced(self) -> None:
+        self._last = time.monotonic()  # one float store: no lock needed between the threads
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self._last
+
+
 class LoopRunner(Runner):
-    #: how long a listing waits for its next batch before it fails: a peer that stopped
+    #: how long a listing waits for its next entry before it fails: a peer that stopped
     #: answering would otherwise hold the reading thread (and the start-up scan, which
-    #: refuses stores that add bytes while it runs) for as long as the adapter is open
-    listing_batch_timeout_s: ClassVar[float] = 60.0
+    #: refuses stores that add bytes while it runs) for as long as the adapter is open.
+    #: Measured per entry, not per batch: a live store that is slow (a request per page,
+    #: a read per record) takes longer than this for a batch and must still be read whole.
+    listing_stall_timeout_s: ClassVar[float] = 60.0
 
     def __init__(self, state: AdapterState, backend: object, publish: Publish, concurrency: int) -> None:
         super().__init__(state, backend, publish)
@@ -411,18 +427,21 @@ class LoopRunner(Runner):
             return
         iterator = listed.__aiter__()
 
+        progress = _ListingProgress()
+
         async def next_batch() -> tuple[list[Entry], bool]:
             items: list[Entry] = []
             try:
                 while len(items) < batch:
                     items.append(await iterator.__anext__())
+                    progress.advanced()
             except StopAsyncIteration:
                 return items, True
             return items, False
 
         try:
             while True:
-                items, exhausted = self._next_listed(next_batch())
+                items, exhausted = self._next_listed(next_batch(), progress)
                 yield items
                 if exhausted:
                     return
@@ -434,25 +453,32 @@ class LoopRunner(Runner):
                 except Exception:
                     log.debug("%s: closing the key listing failed", self.state.name, exc_info=True)
 
-    def _next_listed(self, batch: Coroutine[Any, Any, tuple[list[Entry], bool]]) -> tuple[list[Entry], bool]:
-        """The listing's next batch, waited for up to ``listing_batch_timeout_s``; past it
-        the wait is cancelled (the caller's ``finally`` then closes the listing), counted
-        and logged, and the listing fails: its reader treats it as any failed listing."""
+    def _next_listed(
+        self, batch: Coroutine[Any, Any, tuple[list[Entry], bool]], progress: _ListingProgress
+    ) -> tuple[list[Entry], bool]:
+        """The listing's next batch, waited for while its entries keep coming: once none
+        came for ``listing_stall_timeout_s`` the wait is cancelled (the caller's
+        ``finally`` then closes the listing), counted and logged, and the listing fails:
+        its reader treats it as any failed listing."""
         future = asyncio.run_coroutine_threadsafe(batch, self._loop)
-        try:
-            return future.result(self.listing_batch_timeout_s)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            self.state.count("listing_stalls")
-            log.warning(
-                "%s: the key listing stalled: no next batch in %.0f s (the backend does not "
-                "answer?); the listing is abandoned as failed",
-                self.state.name,
-                self.listing_batch_timeout_s,
-            )
-            raise TimeoutError(
-                f"no next batch of the key listing in {self.listing_batch_timeout_s:.0f} s"
-            ) from None
+        progress.advanced()  # the batch's wait starts the clock, not the reader's work before it
+        while True:
+            silent_for = progress.silent_for()
+            if silent_for >= self.listing_stall_timeout_s:
+                break
+            try:
+                return future.result(self.listing_stall_timeout_s - silent_for)
+            except concurrent.futures.TimeoutError:
+                continue  # entries may have come meanwhile: the next round looks
+        future.cancel()
+        self.state.count("listing_stalls")
+        log.warning(
+            "%s: the key listing stalled: no next entry in %.0f s (the backend does not "
+            "answer?); the listing is abandoned as failed",
+            self.state.name,
+            self.listing_stall_timeout_s,
+        )
+        raise TimeoutError(f"no next entry of the key listing in {self.listing_stall_timeout_s:.0f} s")
 
     # -- closing --------------------------------------------------------------------------------
 
