@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
+import msgspec
 import pytest
 from tiers_e2e import ServerProcess, fetch, make_keys, make_payloads, metric
 
@@ -87,6 +88,27 @@ def test_the_locks_of_an_interrupted_lookup_are_given_back_when_its_reply_lands(
         assert not client._outstanding and not client._early
         assert client.lookup(keys) == 4
         client.release(keys)
+
+
+def test_a_late_lookup_reply_from_a_server_without_release_once_leaves_the_locks_held(
+    server: ServerProcess, interrupting_signal: signal.Signals
+) -> None:
+    """A server of an earlier release (28c5b5b) decodes RELEASE's ``once`` as absent and
+    drops every lock this client holds on the keys, a retrieve's whose views are in use
+    among them: the late reply's locks are left to the lock TTL instead.  The server here
+    is this release's, greeted as an earlier one announces itself (no ``release_once``),
+    so the locks it still holds show what the client sent."""
+    keys = make_keys("no-release-once", 4)
+    with Client(server.url, timeout=CLIENT_TIMEOUT_S) as client:
+        assert client.store(keys, make_payloads("no-release-once", 4, 64 << 10)) == 4
+        client.release(keys)
+        earlier = [feature for feature in client.server.features if feature != "release_once"]
+        client.server = msgspec.structs.replace(client.server, features=earlier)
+        with _interrupted_while_frozen(server.proc.pid, interrupting_signal), pytest.raises(_Interrupted):
+            client.lookup(keys)
+        assert _server_status_once_settled(client)["locked_keys"] == 4
+        client.release(keys)
+        assert client.status()["server"]["locked_keys"] == 0
 
 
 @pytest.mark.parametrize(

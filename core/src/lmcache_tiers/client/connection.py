@@ -696,20 +696,36 @@ class Connection:
             keys = [k for k, slot in zip(request.keys, reply.slots, strict=False) if slot.offset != p.NO_SLOT]
             follow_up = p.StoreAbort(next(self._ids), self._token, keys) if keys else None
         elif isinstance(request, p.Retrieve) and isinstance(reply, p.RetrieveReply) and not request.inline:
-            follow_up = p.Release(next(self._ids), self._token, keys[: len(reply.slots)], once=True)
+            follow_up = self._release_once(keys[: len(reply.slots)])
         elif isinstance(request, p.Lookup) and isinstance(reply, p.LookupReply) and reply.hits:
-            follow_up = p.Release(next(self._ids), self._token, keys[: reply.hits], once=True)
+            follow_up = self._release_once(keys[: reply.hits])
         elif isinstance(request, (p.WaitPrefetchStatus, p.QueryPrefetchStatus)) and isinstance(
             reply, p.PrefetchStatusReply
         ):
             if reply.hits:  # the prefetch finished, and this reply collected its locks
-                follow_up = p.Release(next(self._ids), self._token, keys[: reply.hits], once=True)
+                follow_up = self._release_once(keys[: reply.hits])
             elif reply.hits is None:  # still running: a later WAIT or QUERY may collect it
                 self._running_prefetch(request.handle, keys)
         if follow_up is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._socket.send(p.encode(follow_up), zmq.NOBLOCK)
                 self._last_unwaited_id = follow_up.req_id
+
+    def _release_once(self, keys: list[ObjectKey]) -> p.Release | None:
+        """A RELEASE of one lock per key, for a late reply's locks; None for a server
+        without ``release_once`` (an earlier release), which ignores ``once`` and would drop
+        every lock this client holds on the keys, a retrieve's in use among them: those
+        locks are left to the server's lock TTL instead."""
+        if "release_once" in self.server.features:
+            return p.Release(next(self._ids), self._token, keys, once=True)
+        logger.info(
+            "%d read locks a late reply took are left to the server's lock TTL (%ss): "
+            "the server (%s) cannot release one lock per key",
+            len(keys),
+            self.server.lock_ttl_s,
+            self.server.server_version,
+        )
+        return None
 
     def _batches(self, count: int) -> Iterator[slice]:
         for start in range(0, count, self.max_keys):
