@@ -3,14 +3,15 @@
 Connecting to a Unix socket takes write permission on its file.  libzmq creates the file
 when it binds, under the process umask; a chmod after the bind leaves an instant in which
 another local user may connect.  The path must only ever appear already private: inotify
-on its directory sees how the name comes to exist (created there by the bind, or moved
-there, finished, from where nobody else can reach).
+on its directory sees whether the file's mode changed after its name came to exist (a
+chmod after the bind) or not (linked there, finished, from where nobody else could reach).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import socket
 import stat
 import struct
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 from lmcache_tiers.frontend import FrontendStats
 from lmcache_tiers.router import RouterLoop
 
+_IN_ATTRIB = 0x4
 _IN_CREATE = 0x100
 _IN_MOVED_TO = 0x80
 _IN_NONBLOCK = os.O_NONBLOCK
@@ -28,7 +30,7 @@ def _watch(directory: Path) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     fd = libc.inotify_init1(_IN_NONBLOCK)
     assert fd >= 0, os.strerror(ctypes.get_errno())
-    assert libc.inotify_add_watch(fd, bytes(directory), _IN_CREATE | _IN_MOVED_TO) >= 0
+    assert libc.inotify_add_watch(fd, bytes(directory), _IN_CREATE | _IN_MOVED_TO | _IN_ATTRIB) >= 0
     return fd
 
 
@@ -71,8 +73,81 @@ def test_an_ipc_socket_is_never_at_its_path_with_the_umasks_mode(tmp_path: Path)
     finally:
         loop.close()
         os.close(fd)
-    arrivals = [mask for mask, name in events if name == path.name]
-    # moved into place once private, never created at the path by the bind
-    assert arrivals and all(mask & _IN_MOVED_TO and not mask & _IN_CREATE for mask in arrivals), events
+    at_path = [mask for mask, name in events if name == path.name]
+    # the name came to exist once, and the mode (0600, where the umask gave 0777) was
+    # never changed under it: it was private from the start
+    assert [mask & (_IN_CREATE | _IN_MOVED_TO) != 0 for mask in at_path] == [True], events
+    assert not any(mask & _IN_ATTRIB for mask in at_path), events
     assert not path.exists(), "the socket file outlived the close"
     assert [p.name for p in tmp_path.iterdir()] == [], "the private bind directory was left behind"
+
+
+def _router(path: Path, name: str) -> RouterLoop:
+    return RouterLoop(
+        f"ipc://{path}",
+        name=name,
+        stats=FrontendStats(),
+        pool_workers=1,
+        max_frame_bytes=1 << 20,
+        sweep_interval_s=0.05,
+        drain_timeout_s=0.0,
+    )
+
+
+def test_a_second_server_on_a_live_socket_path_is_refused_and_leaves_it_alone(tmp_path: Path) -> None:
+    # Two servers started together both pass the start-up pre-flight (the path is free
+    # then).  The second's bind must not take the path over: the first would serve on,
+    # unreachable, and its stop would remove the second's socket.
+    path = tmp_path / "tiers.sock"
+    first = _router(path, "first")
+    try:
+        owned = path.stat().st_ino
+        try:
+            second = _router(path, "second")
+        except OSError as exc:
+            assert "already in use" in str(exc), exc
+        else:
+            second.close()
+            raise AssertionError("a second server bound a path a live server listens on")
+        assert path.stat().st_ino == owned, "the live server's socket was replaced"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["tiers.sock"], (
+            "a bind directory was left behind"
+        )
+    finally:
+        first.close()
+    assert not path.exists()
+
+
+def test_a_stale_socket_at_the_path_is_replaced(tmp_path: Path) -> None:
+    # A server killed with SIGKILL leaves its socket file, which nothing listens on.
+    path = tmp_path / "tiers.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()
+    stale_inode = path.stat().st_ino
+    loop = _router(path, "restarted")
+    try:
+        assert stat.S_ISSOCK(path.stat().st_mode) and path.stat().st_ino != stale_inode
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.connect(str(path))  # the new server listens there
+    finally:
+        loop.close()
+    assert not path.exists()
+
+
+def test_a_server_stopping_leaves_a_socket_that_is_not_its_own(tmp_path: Path) -> None:
+    # Whatever replaced the socket file meanwhile (another server, after the operator
+    # removed this one's) is not this server's to remove at its stop.
+    path = tmp_path / "tiers.sock"
+    loop = _router(path, "replaced")
+    try:
+        path.unlink()
+        other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        other.bind(str(path))
+    finally:
+        loop.close()
+    try:
+        assert path.exists(), "the stop removed another server's socket"
+    finally:
+        other.close()

@@ -23,6 +23,8 @@ import errno
 import itertools
 import logging
 import os
+import socket
+import stat
 import tempfile
 import threading
 import time
@@ -192,10 +194,11 @@ class RouterLoop:
         asks no token, like loopback.  libzmq binds and listens in one call, so a chmod
         after it leaves the file open for an instant.  The socket is therefore bound in a
         fresh 0700 directory next to ``path`` (nobody else can reach it there), made 0600
-        and only then renamed onto ``path`` (same filesystem: atomic, and it replaces a
-        stale socket as libzmq's own bind would; the pre-flight refused a live one).  The
-        process umask is left alone: other threads create files meanwhile.  Failing
-        that, the server does not start."""
+        and only then linked at ``path`` (same filesystem: atomic).  The link, unlike a
+        rename, fails on a name that exists: a server that took the path since the
+        start-up pre-flight keeps it (see :func:`_place_socket`).  The process umask is
+        left alone: other threads create files meanwhile.  Failing that, the server does
+        not start."""
         private = tempfile.mkdtemp(prefix=".", dir=os.path.dirname(path) or ".")
         staged = os.path.join(private, "s")
         try:
@@ -205,15 +208,17 @@ class RouterLoop:
                 raise OSError(exc.errno, f"cannot listen on ipc://{path}: {exc.strerror}") from None
             try:
                 os.chmod(staged, 0o600)
-                os.rename(staged, path)
+                _place_socket(staged, path, os.path.join(private, "stale"))
             except OSError as exc:
-                raise OSError(exc.errno, f"cannot make {path} private to this user: {exc.strerror}") from None
+                raise OSError(exc.errno, f"cannot listen on ipc://{path}: {exc.strerror}") from None
+            self._socket_inode = os.lstat(staged).st_ino
         except OSError:
             self._close_sockets(0)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(staged)
             raise
         finally:
+            for leftover in (staged, os.path.join(private, "stale")):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
             try:
                 os.rmdir(private)
             except OSError as exc:  # empty and private: harmless, but said
@@ -233,8 +238,19 @@ class RouterLoop:
         self._context.term()
         if bound.startswith("ipc://"):
             # libzmq leaves the socket file behind; nobody can connect to it any more.
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(bound[len("ipc://") :])
+            self._remove_own_socket_file(bound[len("ipc://") :])
+
+    def _remove_own_socket_file(self, path: str) -> None:
+        """Remove the socket file at ``path`` if it is still the one this loop bound: one
+        put there since (another server's, once this one's was removed) is not ours."""
+        inode = getattr(self, "_socket_inode", None)
+        try:
+            if inode is not None and os.lstat(path).st_ino != inode:
+                logger.warning("%s: %s is no longer this server's socket: left in place", self.name, path)
+                return
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
     # -- the loop thread ---------------------------------------------------------------------
 
@@ -430,3 +446,53 @@ class RouterLoop:
                 "%s: dropped a reply to %s: a frame could not be sent", self.name, identity.hex()
             )
         return False
+
+
+#: how often a stale socket file at the path is replaced before the bind gives up
+_PLACE_ATTEMPTS = 3
+
+
+def _place_socket(staged: str, path: str, aside: str) -> None:
+    """Link the bound socket file ``staged`` at ``path``, replacing only a stale socket.
+
+    A live server's socket there (one started with this one, both past the pre-flight)
+    refuses the bind with EADDRINUSE, as does any other file.  A socket nothing listens
+    on (a killed server's) is first moved to ``aside``, in the private directory, and
+    removed only if it is the very file found stale: were it a racing server's fresh
+    socket, it goes back where it was."""
+    for _ in range(_PLACE_ATTEMPTS):
+        try:
+            os.link(staged, path)
+            return
+        except FileExistsError:
+            stale_inode = _stale_socket_inode(path)
+            if stale_inode is None:
+                raise OSError(errno.EADDRINUSE, "already in use (another server?), or not a socket") from None
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            continue  # gone meanwhile: link again
+        if os.lstat(aside).st_ino != stale_inode:
+            # Another server placed its socket between the look and the move: give it back.
+            os.link(aside, path)
+            raise OSError(errno.EADDRINUSE, "already in use (another server?)")
+        os.unlink(aside)
+    raise OSError(errno.EADDRINUSE, "another server keeps taking the path")
+
+
+def _stale_socket_inode(path: str) -> int | None:
+    """The inode of the socket file at ``path`` when nothing listens on it, else None."""
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISSOCK(found.st_mode):
+        return None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            return found.st_ino
+        except OSError:
+            return None
+    return None
