@@ -251,6 +251,30 @@ def test_an_ipc_socket_in_a_missing_or_wrong_directory_names_host(a_file: Path, 
     assert f"{tmp_path} is a directory; give the path of a socket file" in a_directory, a_directory
 
 
+def test_an_ipc_path_longer_than_a_unix_socket_address_takes_is_refused(tmp_path: Path) -> None:
+    # sun_path holds 107 bytes and a NUL: the server could bind such a path (it binds in a
+    # short private directory and renames), but no client could ever connect to it.
+    too_long = f"{tmp_path}/" + "s" * (108 - len(f"{tmp_path}/"))
+    line = _serve_refused(["--no-default-l2", "--host", f"ipc://{too_long}"])
+    assert line == (
+        f"error: --host ipc://{too_long}: the socket path is 108 bytes, and a Unix socket "
+        "address holds at most 107; give a shorter path"
+    )
+    assert not os.path.exists(too_long)
+
+
+def test_an_ipc_path_whose_private_bind_directory_is_too_long_is_refused(tmp_path: Path) -> None:
+    # The socket is bound as DIR/.XXXXXXXX/s first (12 bytes more than DIR), then renamed.
+    directory = tmp_path / ("d" * (96 - len(f"{tmp_path}/")))
+    directory.mkdir()
+    path = f"{directory}/s.sock"  # 103 bytes: a client could connect to it
+    line = _serve_refused(["--no-default-l2", "--host", f"ipc://{path}"])
+    assert line == (
+        f"error: --host ipc://{path}: the server binds it first as {directory}/.XXXXXXXX/s "
+        "(108 bytes), and a Unix socket address holds at most 107; give a path in a shorter directory"
+    )
+
+
 def _tmpfs_or_skip(directory: Path, options: str) -> Iterator[str]:
     with tmpfs_at(str(directory), options) as refused:
         if refused is not None:

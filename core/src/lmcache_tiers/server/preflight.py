@@ -143,9 +143,10 @@ def _probe_bind(host: str, port: int) -> None:
 def _check_ipc_path(config: ServerConfig, index: int | None, host: str) -> None:
     """ZeroMQ creates the socket file, not its directory (``@name``: an abstract socket)."""
     path = host[len("ipc://") :]
+    setting = listener_setting(config, index, "host")
+    _check_ipc_path_length(setting, host, path)
     if path.startswith("@"):
         return
-    setting = listener_setting(config, index, "host")
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
@@ -154,6 +155,38 @@ def _check_ipc_path(config: ServerConfig, index: int | None, host: str) -> None:
     if os.path.isdir(path):
         raise SettingRefused(setting, host, f"{path} is a directory; give the path of a socket file")
     _check_ipc_path_free(setting, host, path)
+
+
+#: bytes of a path a Unix socket address holds (``sun_path`` is 108 with its NUL)
+UNIX_SOCKET_PATH_MAX = 107
+#: where ``Router._bind_private_ipc`` binds a socket before renaming it onto its path: a
+#: ``tempfile.mkdtemp`` directory (a dot and 8 characters) next to it, and a file ``s``
+IPC_STAGING_NAME = ".XXXXXXXX/s"
+
+
+def _check_ipc_path_length(setting: str, host: str, path: str) -> None:
+    """Clients connect to the path exactly as given, and the kernel takes at most
+    :data:`UNIX_SOCKET_PATH_MAX` bytes of it (an abstract ``@name`` too).  The server
+    itself binds in a short private directory and renames onto the path, so a longer one
+    would bind: it would serve an endpoint no client can ever reach."""
+    length = len(os.fsencode(path))
+    if length > UNIX_SOCKET_PATH_MAX:
+        raise SettingRefused(
+            setting,
+            host,
+            f"the socket path is {length} bytes, and a Unix socket address holds at most "
+            f"{UNIX_SOCKET_PATH_MAX}; give a shorter path",
+        )
+    if path.startswith("@"):
+        return
+    staged = os.path.join(os.path.dirname(path) or ".", IPC_STAGING_NAME)
+    if len(os.fsencode(staged)) > UNIX_SOCKET_PATH_MAX:
+        raise SettingRefused(
+            setting,
+            host,
+            f"the server binds it first as {staged} ({len(os.fsencode(staged))} bytes), and a Unix "
+            f"socket address holds at most {UNIX_SOCKET_PATH_MAX}; give a path in a shorter directory",
+        )
 
 
 def _check_ipc_path_free(setting: str, host: str, path: str) -> None:
