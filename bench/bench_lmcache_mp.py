@@ -58,6 +58,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_args import BenchParser
 from bench_server import free_port, measure_floor
+from run_all import interruptible
 
 CACHE_HOME = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
 REF_VENV = Path(os.environ.get("LMCACHE_REF_VENV", CACHE_HOME / "lmcache-tiers" / "lmcache-0.5.6"))
@@ -136,7 +137,11 @@ def start_tiers(
             params = {"file_path": str(l2_dir), "use_direct_io": str(direct).lower(), "max_capacity_gb": "8"}
             adapter = {"type": "nixl_store_dynamic", "backend": "POSIX", "backend_params": params}
         command += ["--l2-adapter", json.dumps(adapter)]
-    return subprocess.Popen(command, stdout=(logs / "tiers.log").open("ab"), stderr=subprocess.STDOUT)
+    # SIGINT at its default action: serve keeps an inherited ignored SIGINT (this benchmark
+    # run as a script's background job), and stop() would then wait a minute and kill it.
+    return subprocess.Popen(
+        command, stdout=(logs / "tiers.log").open("ab"), stderr=subprocess.STDOUT, preexec_fn=interruptible
+    )
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

@@ -18,18 +18,12 @@ from pathlib import Path
 import pytest
 from replay_helpers import small_trace
 from thirdparty import CLI, ServerProcess, free_port, launch_serve
+from tiers_e2e import stop_signals_at_default
 
 #: generous: a loaded machine may take a while to import the CLI and start a server
 DEADLINE_S = 90.0
 #: the note is due after about two seconds; this is only how long a test waits for it
 NOTE_DEADLINE_S = 30.0
-
-
-def ctrl_c_at_default() -> None:
-    """SIGINT at its default action in a command the tests interrupt: a test run started
-    with SIGINT ignored (a script's background job) passes that on, and the command would
-    never see the Ctrl-C the test sends."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class Running:
@@ -44,7 +38,8 @@ class Running:
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "COLUMNS": "200"},
-            preexec_fn=ctrl_c_at_default,
+            # a test run with SIGINT ignored passes that on: the command would miss the Ctrl-C
+            preexec_fn=stop_signals_at_default(),
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
