@@ -1679,3 +1679,40 @@ def test_a_cluster_user_allowed_the_needed_commands_opens(
     finally:
         for node in redis_cluster.nodes:
             node.cli("ACL", "DELUSER", user)
+
+
+def test_a_cluster_primary_that_does_not_answer_leaves_the_others_checked(
+    tmp_path: Path,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A cluster of its own: the shared one cannot lose a node.  One primary denies HSET,
+    # another is killed before open (still in every slot map): the denial found on the
+    # live primary refuses the start, and the dead one is named as not checked.
+    if (reason := missing_reason()) is not None:
+        pytest.skip(reason)
+    cluster = RedisClusterNodes(tmp_path / "cluster").start()
+    try:
+        user = f"limited-{uuid.uuid4().hex[:8]}"
+        denying, dead = cluster.nodes[1], cluster.nodes[2]
+        for node in cluster.nodes:
+            rules = ["~*", "+@all", "-hset"] if node is denying else ["~*", "+@all"]
+            node.cli("ACL", "SETUSER", user, "reset", "on", ">limited-pw", *rules)
+        dead.stop()
+        with (
+            caplog.at_level(logging.WARNING),
+            pytest.raises(ConfigError, match=r"HSET: .*'hset' command") as refused,
+        ):
+            open_adapter(
+                startup_nodes=cluster.nodes[0].address,
+                cluster_mode=True,
+                key_prefix=prefix,
+                username=user,
+                password="limited-pw",
+            )
+        assert denying.address in str(refused.value), "the denying node is named"
+        unchecked = [r.getMessage() for r in caplog.records if "could not check" in r.getMessage()]
+        assert any(dead.address in message for message in unchecked), unchecked
+    finally:
+        cluster.stop()

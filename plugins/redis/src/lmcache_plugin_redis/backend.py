@@ -452,7 +452,9 @@ class RedisBackend:
     def _cluster_permission_refusals(self, client: RedisCluster) -> tuple[list[str], list[str]]:
         """``permission_refusals`` of every primary, each on a probe name of a slot that
         primary serves (one of another slot would be answered MOVED, checking nothing),
-        each refusal prefixed with the node's address."""
+        each refusal prefixed with the node's address.  A primary that does not answer
+        is named unchecked and the others are still checked: a denial found on a live
+        primary refuses the start whatever another node does."""
         denied: list[str] = []
         unchecked: list[str] = []
         probes = cluster_probe_names(client, self.prefix + PERMISSION_PROBE)
@@ -461,7 +463,11 @@ class RedisBackend:
             if name is None:  # holds none of the keys: nothing to refuse, said in the warning
                 unchecked.append(f"{node.name}: serves no slot")
                 continue
-            node_denied, node_unchecked = permission_refusals(client.get_redis_connection(node), name)
+            try:
+                node_denied, node_unchecked = permission_refusals(client.get_redis_connection(node), name)
+            except (RedisError, RedisClusterException) as exc:  # down or hung: it heals like any
+                unchecked.append(f"{node.name}: did not answer ({type(exc).__name__}: {exc})")
+                continue
             denied += [f"{node.name} {refusal}" for refusal in node_denied]
             unchecked += [f"{node.name} {refusal}" for refusal in node_unchecked]
         return denied, unchecked
