@@ -128,3 +128,39 @@ def test_a_custom_name_a_killed_server_left_refuses_start_and_stays(tmp_path: Pa
     assert "a live server holds it" not in refused.stderr
     # Fail closed: the file could be another program's, so it is never removed for it.
     assert killed.shm_path.exists()
+
+
+# What a server of 28c5b5b or 9491ffd does with its segment: maps it for its whole life,
+# with no creator's lock on it.
+_MAP_WITHOUT_LOCK = """
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+segment = mmap.mmap(fd, os.fstat(fd).st_size)
+print("mapped", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_custom_name_an_earlier_release_server_maps_refuses_start_without_advising_removal(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    path = shm_dir / "earlier_release_segment"
+    path.write_bytes(b"\0" * (1 << 20))
+    earlier = subprocess.Popen(
+        [sys.executable, "-c", _MAP_WITHOUT_LOCK, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert earlier.stdout is not None and earlier.stdout.readline() == "mapped\n"
+        refused = _start_refused(
+            tmp_path / "next", l1_shm_dir=str(shm_dir), l1_shm_name=path.name, **SMALL_L1
+        )
+        assert refused.returncode == 2, refused.stderr
+        assert f"process {earlier.pid} maps it" in refused.stderr
+        assert "nothing holds it" not in refused.stderr
+        assert "remove" not in refused.stderr
+        assert path.exists()
+    finally:
+        earlier.communicate("")

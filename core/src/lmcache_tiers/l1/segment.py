@@ -187,6 +187,15 @@ def _name_taken(path: str) -> str:
             "stop that server or pick another name"
         )
     if held is False:
+        users = processes_mapping(path)
+        if users:
+            # Servers before the creator's lock (28c5b5b, 9491ffd) hold none: a mapping
+            # is what shows such a live server, whose segment must not be removed.
+            return (
+                f"shared-memory segment {path} already exists and process {users[0]} maps it "
+                "(a server of an earlier release, which holds no creator's lock, or another "
+                "program): stop it or pick another name"
+            )
         return (
             f"shared-memory segment {path} already exists and nothing holds it: left by a server "
             f"that was killed (or made by another program); remove {path} if it is this "
@@ -198,12 +207,41 @@ def _name_taken(path: str) -> str:
     )
 
 
+def processes_mapping(path: str) -> list[int]:
+    """The pids of the processes visible here that map the file ``path`` (by device and
+    inode, from ``/proc/<pid>/maps``); processes whose maps this one may not read are not
+    among them."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return []
+    device = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}"
+    inode = str(info.st_ino)
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _maps_file(int(entry), device, inode):
+            pids.append(int(entry))
+    return sorted(pids)
+
+
+def _maps_file(pid: int, device: str, inode: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) >= 5 and fields[4] == inode and fields[3] == device:
+                    return True
+    except OSError:  # gone meanwhile, or another user's
+        return False
+    return False
+
+
 def _reserve_and_map(fd: int, size: int, directory: str, *, advise: bool, prefault: bool) -> mmap.mmap:
     if not advise:
         # huge=always/within_size give huge pages to fallocate itself; the whole file is
         # reserved before anything is mapped.
         _fallocate(fd, size, directory)
-        segment = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        segment = _map(fd, size)
         if prefault:
             _prefault(segment, size, directory)
         return segment
@@ -211,7 +249,7 @@ def _reserve_and_map(fd: int, size: int, directory: str, *, advise: bool, prefau
     # map, ask, fault everything in, then reserve whatever pre-faulting did not.
     _check_free(size, directory)
     os.ftruncate(fd, size)
-    segment = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    segment = _map(fd, size)
     try:
         segment.madvise(_MADV_HUGEPAGE)
         if prefault:
@@ -221,6 +259,20 @@ def _reserve_and_map(fd: int, size: int, directory: str, *, advise: bool, prefau
         segment.close()
         raise
     return segment
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    """Map the whole segment; ENOMEM here is the process's address-space limit
+    (``ulimit -v``, RLIMIT_AS) or the map count, not the tmpfs (already reserved)."""
+    try:
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        if exc.errno != errno.ENOMEM:
+            raise
+        raise ConfigError(
+            f"cannot map a {size / 2**30:.2f} GiB L1 segment: the process may not map that much "
+            "(ulimit -v); lower --l1-size-gb or raise the limit"
+        ) from None
 
 
 def _no_room(size: int, directory: str) -> ConfigError:
