@@ -130,7 +130,7 @@ def test_a_custom_name_a_killed_server_left_refuses_start_and_stays(tmp_path: Pa
     assert killed.shm_path.exists()
 
 
-# What a server of 28c5b5b or 9491ffd does with its segment: maps it for its whole life,
+# What a server of 28c5b5b does with its segment: maps it for its whole life,
 # with no creator's lock on it.
 _MAP_WITHOUT_LOCK = """
 import mmap, os, sys

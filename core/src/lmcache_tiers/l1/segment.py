@@ -189,7 +189,7 @@ def _name_taken(path: str) -> str:
     if held is False:
         users = processes_mapping(path)
         if users:
-            # Servers before the creator's lock (28c5b5b, 9491ffd) hold none: a mapping
+            # Servers before the creator's lock (28c5b5b) hold none: a mapping
             # is what shows such a live server, whose segment must not be removed.
             return (
                 f"shared-memory segment {path} already exists and process {users[0]} maps it "
