@@ -1,5 +1,9 @@
+from collections import OrderedDict
 from itertools import islice
 
+from lmcache_plugin_eviction_s3fifo.policy import S3FIFOEvictionPolicy
+
+from lmcache_tiers.plugin import ObjectKey
 from lmcache_tiers.testing.policies import EVICTS, EvictionPolicySuite, make_keys
 
 
@@ -64,3 +68,35 @@ class TestS3FIFOEvictionPolicy(EvictionPolicySuite):
             policy.on_keys_removed(list(islice(policy.victims(), 40)))
         assert len(policy) == 40
         assert len(policy._ghosts) <= 40
+
+
+class _PopCountingQueue(OrderedDict[ObjectKey, None]):
+    """An ordered dict that counts the keys taken from its front (one queue step each)."""
+
+    popped = 0
+
+    def popitem(self, last: bool = True) -> tuple[ObjectKey, None]:
+        self.popped += 1
+        return super().popitem(last=last)
+
+
+def test_the_first_eviction_after_reading_every_key_takes_a_bounded_number_of_steps() -> None:
+    # Filling the cache with keys that were all read used to leave them all in `small`,
+    # so the first victim cost one promotion per key (1-2 s under the L1 lock at 1M keys).
+    count = 4000
+    policy = S3FIFOEvictionPolicy()
+    small, main = _PopCountingQueue(), _PopCountingQueue()
+    policy._small, policy._main = small, main
+    keys = make_keys(count)
+    for key in keys:
+        policy.on_keys_written([key])
+    policy.on_keys_read(keys)
+    small.popped = main.popped = 0
+    victim = next(iter(policy.victims()))
+    assert victim in keys
+    assert small.popped + main.popped <= 4
+    # Every key is still offered exactly once.
+    policy.on_keys_written(make_keys(10, start=count))
+    offered = list(policy.victims())
+    assert offered[0] == victim
+    assert len(offered) == len(set(offered)) == count + 10
