@@ -9,6 +9,7 @@ once per burst: every scrape would otherwise repeat it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from lmcache_tiers.burst import BurstLog
@@ -19,6 +20,17 @@ from lmcache_tiers.storage_wiring import StorageParts
 STATUS_ERROR = "l2_status_error"
 
 _status_errors = BurstLog(logging.getLogger(__name__), STATUS_ERROR)
+
+#: most stats of one adapter's ``stats()`` a status carries (and so /metrics, and the
+#: native STATUS reply, the same document): a plugin with a key per object or per request
+#: would otherwise grow every status without bound.  The first in name order are kept, so
+#: every read keeps the same ones; the number left out is in the entry.
+MAX_STATUS_STATS = 256
+
+#: failure reason of an adapter's stats left out of a status, past ``MAX_STATUS_STATS``
+STATS_LEFT_OUT = "l2_stats_left_out"
+
+_stats_left_out = BurstLog(logging.getLogger(__name__), STATS_LEFT_OUT)
 
 
 def storage_status(parts: StorageParts) -> dict[str, Any]:
@@ -108,7 +120,7 @@ def _adapter_entry(parts: StorageParts, slot: AdapterSlot) -> dict[str, Any]:
     try:
         entry["usage"] = slot.adapter.usage()
         entry["used_bytes"] = slot.adapter.used_bytes()
-        entry["backend"] = slot.adapter.stats()
+        entry["backend"] = _capped_stats(parts, slot.name, entry, slot.adapter.stats())
     except Exception as exc:  # a dead backend still gets a status line
         entry["error"] = f"{type(exc).__name__}: {exc}"
         parts.stats.fail(STATUS_ERROR)
@@ -116,3 +128,26 @@ def _adapter_entry(parts: StorageParts, slot: AdapterSlot) -> dict[str, Any]:
             slot.name, "%s: its usage or stats could not be read: %s", slot.name, entry["error"]
         )
     return entry
+
+
+def _capped_stats(parts: StorageParts, name: str, entry: dict[str, Any], stats: Any) -> Any:
+    """At most ``MAX_STATUS_STATS`` of an adapter's stats, the first in name order; the
+    number of the others goes into ``entry`` as ``backend_stats_left_out``, is counted and
+    logged once per burst per adapter.  An answer that is no mapping is left as it is (the
+    metrics count it as unreadable)."""
+    if not isinstance(stats, Mapping) or len(stats) <= MAX_STATUS_STATS:
+        return stats
+    kept = sorted(stats, key=str)[:MAX_STATUS_STATS]
+    left_out = len(stats) - len(kept)
+    entry["backend_stats_left_out"] = left_out
+    parts.stats.fail(STATS_LEFT_OUT, left_out)
+    _stats_left_out.warn(
+        name,
+        "%s: stats over the cap of %d left out of /status and /metrics (%d now, e.g. %r)",
+        name,
+        MAX_STATUS_STATS,
+        left_out,
+        str(sorted(stats.keys() - set(kept), key=str)[0]),
+        count=left_out,
+    )
+    return {stat: stats[stat] for stat in kept}

@@ -442,3 +442,34 @@ def test_refused_and_failed_http_requests_are_counted(make_server: Factory) -> N
     finally:
         served.stop()
     assert counted == ["http_route_failed"]
+
+
+def test_the_stats_of_one_adapter_in_the_status_are_capped(
+    with_adapter: TiersServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """/status (and the native STATUS reply, the same document) would grow without bound
+    with a plugin whose stats() has a key per object: past the cap of /metrics its stats
+    are left out, the number said in the entry, counted and logged."""
+    adapter = with_adapter.storage._parts.slots[0].adapter
+    per_object = {f"object_{n:05d}": n for n in range(MAX_EXPORTED_STATS + 10)}
+    monkeypatch.setattr(adapter, "stats", lambda: per_object)
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+        entry = with_adapter.status()["adapters"][0]
+        entry_again = with_adapter.status()["adapters"][0]
+    assert len(entry["backend"]) == MAX_EXPORTED_STATS
+    assert entry["backend"] == entry_again["backend"], "the same stats are kept every time"
+    assert entry["backend_stats_left_out"] == 10
+    assert with_adapter.status()["failures"]["l2_stats_left_out"] == 30
+    assert sum("stats over the cap" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_stats_per_object_that_are_not_numbers_log_one_line_per_adapter(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # a burst log keyed by stat name would keep a key per object for ever, and log a line each
+    adapter = {"index": 0, "name": "0:per-object-text", "type": "custom"}
+    adapter["backend"] = {f"object_{n}": "text" for n in range(50)}
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+        found = samples(collector_text(adapter))
+    assert found[("lmcache_tiers_failures_total", (("reason", "metrics_stat_not_a_number"),))] == 50.0
+    assert sum("is not a number" in r.getMessage() for r in caplog.records) == 1

@@ -21,19 +21,20 @@ from prometheus_client.registry import Collector
 from lmcache_tiers import __version__
 from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.frontend import FrontendStats, merged_stats
+from lmcache_tiers.storage_status import MAX_STATUS_STATS
 
 PREFIX = "lmcache_tiers"
 
 #: failure reason of an adapter stat that is not a number, so not exported
 UNEXPORTED_STAT = "metrics_stat_not_a_number"
 
-_unexported_stats = BurstLog(logging.getLogger(__name__), UNEXPORTED_STAT)
 log = logging.getLogger(__name__)
 
 #: most ``adapter_stat`` series one adapter exports: a plugin whose ``stats()`` has a key per
 #: object or per request would otherwise grow /metrics (and Prometheus) without bound.  The
-#: first stats seen keep their series; the rest are left out, counted and logged once.
-MAX_EXPORTED_STATS = 256
+#: first stats seen keep their series; the rest are left out, counted and logged once.  The
+#: status the scrape reads carries no more than this (the first in name order) already.
+MAX_EXPORTED_STATS = MAX_STATUS_STATS
 
 #: the storage engine's counters of each adapter (``keys_evicted`` is in ``evictions``)
 _ENGINE_COUNTERS = {
@@ -88,6 +89,8 @@ class TiersCollector(Collector):
         self._exported_stats: dict[str, set[str]] = {}
         self._stats_left_out: Counter[str] = Counter()
         self._told_over_cap: set[str] = set()
+        # the collector's own: one per module would let one server's lines hide another's
+        self._unexported_stats = BurstLog(logging.getLogger(__name__), UNEXPORTED_STAT)
 
     def own_failures(self) -> dict[str, int]:
         """Failures of the scrapes themselves, by reason (also in ``failures_total``)."""
@@ -235,7 +238,7 @@ class TiersCollector(Collector):
             unreadable.add_metric([name], 0.0 if readable else 1.0)
             # usage() and used_bytes() of an adapter a plugin builds whole are its own answers
             own = self._numeric_stats(
-                name, {stat: adapter[stat] for stat in ("usage", "used_bytes") if stat in adapter}
+                name, {stat: adapter[stat] for stat in ("usage", "used_bytes") if stat in adapter}, "usage"
             )
             if "usage" in own:
                 usage.add_metric([name], own["usage"])
@@ -281,7 +284,7 @@ class TiersCollector(Collector):
         if tell:
             log.warning(
                 "%s: stats over the cap of %d left out of /metrics (%d now, e.g. %r; counted in "
-                "adapter_stats_left_out_total, logged once); /status still has them all",
+                "adapter_stats_left_out_total, logged once)",
                 adapter,
                 MAX_EXPORTED_STATS,
                 len(dropped),
@@ -294,7 +297,7 @@ class TiersCollector(Collector):
         adapter a plugin builds whole answers it itself) is None, counted and logged:
         reading it as one would fail the whole scrape."""
         if isinstance(stats, Mapping):
-            return self._numeric_stats(adapter, stats)
+            return self._numeric_stats(adapter, stats, "stats()")
         self._unexported(
             f"{adapter}:stats()",
             "%s: stats() answered %s, not a mapping of stats; left out of /metrics",
@@ -303,30 +306,39 @@ class TiersCollector(Collector):
         )
         return None
 
-    def _numeric_stats(self, adapter: str, stats: Mapping[str, Any]) -> dict[str, float]:
+    def _numeric_stats(self, adapter: str, stats: Mapping[str, Any], source: str) -> dict[str, float]:
         """The adapter's stats that are finite numbers.  ``stats()`` promises ints, but one
         broken value must not turn the whole scrape into an error, nor put a NaN or an
-        infinity in a counter; it is counted and logged."""
+        infinity in a counter; each is counted, and one line per ``source`` of the adapter
+        names the first (stat names may be per object: a line, or a burst key, per stat
+        would grow without bound)."""
         numeric: dict[str, float] = {}
+        broken: list[tuple[Any, Any]] = []
         for stat, value in stats.items():
             if isinstance(value, int | float) and _finite(value):
                 numeric[str(stat)] = float(value)
-                continue
+            else:
+                broken.append((stat, value))
+        if broken:
+            stat, value = broken[0]
             self._unexported(
-                f"{adapter}:{stat}",
-                "%s: stat %r is not a number (%r); left out of /metrics",
+                f"{adapter}:{source}",
+                "%s: stat %r is not a number (%r); left out of /metrics, with %d more of its %s",
                 adapter,
                 stat,
                 value,
+                len(broken) - 1,
+                source,
+                count=len(broken),
             )
         return numeric
 
-    def _unexported(self, what: str, message: str, *args: object) -> None:
-        """An adapter's stat (or whole ``stats()`` answer) left out of the scrape: counted
-        as ``metrics_stat_not_a_number`` and logged once per burst of ``what``."""
+    def _unexported(self, what: str, message: str, *args: object, count: int = 1) -> None:
+        """``count`` of an adapter's stats (or its whole ``stats()`` answer) left out of the
+        scrape: counted as ``metrics_stat_not_a_number`` and logged once per burst of ``what``."""
         with self._lock:
-            self._own_failures[UNEXPORTED_STAT] += 1
-        _unexported_stats.warn(what, message, *args)
+            self._own_failures[UNEXPORTED_STAT] += count
+        self._unexported_stats.warn(what, message, *args, count=count)
 
     @staticmethod
     def _storage_counters(storage: dict[str, Any]) -> Iterator[Any]:
