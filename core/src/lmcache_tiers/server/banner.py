@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from typing import TYPE_CHECKING, Any
 
 from rich.panel import Panel
@@ -70,7 +71,18 @@ def start_banner(server: TiersServer) -> Panel:
     )
     grid.add_row("chunk size", f"{config.chunk_size} tokens")
     grid.add_row("log level", logging.getLevelName(logging.getLogger("lmcache_tiers").getEffectiveLevel()))
+    grid.add_row("stop", _how_to_stop())
     return Panel(grid, title=f"lmcache-tiers {__version__}  (pid {os.getpid()})", expand=False)
+
+
+def _how_to_stop() -> str:
+    """How to stop this server, as it stands: a server started in a script's background
+    keeps SIGINT ignored (see ``server.app.KEPT_IGNORED``), so Ctrl-C is offered only when
+    it works; SIGTERM always stops it."""
+    kill = f"kill {os.getpid()} (SIGTERM)"
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        return f"{kill}: drains, then flushes L2 stores; Ctrl-C is ignored (started in the background)"
+    return f"Ctrl-C or {kill}: drains, then flushes L2 stores; a second Ctrl-C stops at once"
 
 
 def stop_summary(summary: dict[str, Any]) -> Panel:
