@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import socket
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from thirdparty import free_port, run_cli, serve_cli
+from thirdparty import CLI, free_port, run_cli, serve_cli
 
 from lmcache_tiers.config import build_config
 from lmcache_tiers.errors import ConfigError
@@ -273,6 +275,25 @@ def test_an_ipc_path_whose_private_bind_directory_is_too_long_is_refused(tmp_pat
         f"error: --host ipc://{path}: the server binds it first as {directory}/.XXXXXXXX/s "
         "(108 bytes), and a Unix socket address holds at most 107; give a path in a shorter directory"
     )
+
+
+def test_an_address_space_limit_below_l1_is_one_line_naming_ulimit() -> None:
+    shm = f"tiers_preflight_{uuid.uuid4().hex[:10]}"
+    two_gib = 2 << 30
+    result = subprocess.run(
+        [*CLI, "serve", "--no-default-l2", "--l1-size-gb", "2.5", "--shm-name", shm, "--metrics-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (two_gib, two_gib)),
+    )
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (
+        "error: cannot map a 2.50 GiB L1 segment: the process may not map that much (ulimit -v); "
+        "lower --l1-size-gb or raise the limit"
+    ), result.stderr
+    assert not os.path.exists(f"/dev/shm/{shm}")
 
 
 def _tmpfs_or_skip(directory: Path, options: str) -> Iterator[str]:
