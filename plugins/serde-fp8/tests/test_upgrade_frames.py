@@ -53,3 +53,16 @@ def test_a_frame_with_another_magic_is_still_counted_as_corrupt() -> None:
         serde.decode(memoryview(frame), SerdeContext(suite_key(), len(data)))
     assert serde.stats()["corrupt_frames"] == 1
     assert serde.stats()["newer_frames"] == 0
+
+
+@pytest.mark.parametrize("bit", range(1, 8))
+def test_a_version_field_a_flipped_bit_raised_is_counted_as_corrupt_not_newer(bit: int) -> None:
+    # A bit flipped in the version field of a frame this release wrote reads as a higher
+    # version: only the checksum tells that frame from one a newer release wrote.
+    serde, data = Fp8Serde(), kv_like_bf16(seed=34)
+    frame = bytearray(_passthrough_frame_of_version(data, VERSION))
+    frame[4] ^= 1 << bit
+    with pytest.raises(Fp8FrameError, match="checksum"):
+        serde.decode(memoryview(frame), SerdeContext(suite_key(), len(data)))
+    assert serde.stats()["corrupt_frames"] == 1
+    assert serde.stats()["newer_frames"] == 0

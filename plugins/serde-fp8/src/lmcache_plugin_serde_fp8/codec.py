@@ -258,14 +258,18 @@ class Fp8Serde:
         magic, version, fmt, granularity, _r1, layout_len, _r2, scale_count, payload_len, checksum = (
             _HEADER.unpack_from(view)
         )
-        if magic == MAGIC and version > VERSION:
-            # Kept in the store: the servers already upgraded read it.
+        if magic == MAGIC and version > VERSION and _digest(view) == checksum:
+            # Kept in the store: the servers already upgraded read it.  Later versions keep
+            # this header prefix and checksum rule, so the checksum tells such a frame from
+            # one of this version whose version field a flipped bit raised (damage).
             raise Fp8NewerFrameError(
                 f"a version {version} frame, written by a newer release (this one reads version "
                 f"{VERSION}); a miss here until stored again, kept for the servers that read it"
             )
-        if magic != MAGIC or version != VERSION:
-            _refuse(f"not an fp8 v{VERSION} frame (magic {bytes(magic)!r})")
+        if magic != MAGIC:
+            _refuse(f"not an fp8 frame (magic {bytes(magic)!r})")
+        if version != VERSION:
+            _refuse(_damaged_version(version))
         start = HEADER_SIZE + layout_len + 4 * scale_count
         if view.nbytes != start + payload_len:
             _refuse(f"frame is {view.nbytes} bytes, its header describes {start + payload_len}")
@@ -365,6 +369,12 @@ def _counter_of(refusal: Fp8FrameError) -> str:
     if isinstance(refusal, Fp8LayoutMismatchError):
         return "layout_mismatch"
     return "corrupt_frames"
+
+
+def _damaged_version(version: int) -> str:
+    if version > VERSION:
+        return f"frame version {version} with a checksum mismatch: damaged, not a newer release's"
+    return f"frame version {version} is not {VERSION}"
 
 
 def _refuse(reason: str) -> NoReturn:

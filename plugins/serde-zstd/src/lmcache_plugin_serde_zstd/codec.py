@@ -65,6 +65,12 @@ class ZstdNewerFrameError(ZstdFrameError):
     sharing the store, not damage."""
 
 
+def _damaged_version(version: int) -> str:
+    if version > VERSION:
+        return f"frame version {version} with a checksum mismatch: damaged, not a newer release's"
+    return f"frame version {version} is not {VERSION}"
+
+
 def _digest(header_start: bytes | memoryview, payload: bytes | memoryview) -> int:
     state = xxhash.xxh3_64()
     state.update(header_start)
@@ -142,14 +148,16 @@ class ZstdSerde:
         )
         if magic != MAGIC:
             raise ZstdFrameError(f"bad magic {bytes(magic)!r}: not a zstd serde frame")
-        if version > VERSION:
-            # Kept in the store: the servers already upgraded read it.
+        if version > VERSION and _digest(view[:_CHECKED], view[HEADER_SIZE:]) == checksum:
+            # Kept in the store: the servers already upgraded read it.  Later versions keep
+            # this header prefix and checksum rule, so the checksum tells such a frame from
+            # one of this version whose version field a flipped bit raised (damage).
             raise ZstdNewerFrameError(
                 f"a version {version} frame, written by a newer release (this one reads version "
                 f"{VERSION}); a miss here until stored again, kept for the servers that read it"
             )
         if version != VERSION:
-            raise ZstdFrameError(f"frame version {version} is not {VERSION}")
+            raise ZstdFrameError(_damaged_version(version))
         payload = view[HEADER_SIZE:]
         if payload.nbytes != payload_len:
             raise ZstdFrameError(f"payload is {payload.nbytes} bytes, the frame says {payload_len}")
