@@ -100,3 +100,45 @@ def test_the_first_eviction_after_reading_every_key_takes_a_bounded_number_of_st
     offered = list(policy.victims())
     assert offered[0] == victim
     assert len(offered) == len(set(offered)) == count + 10
+
+
+def test_long_random_sequences_keep_every_live_key_in_exactly_one_queue() -> None:
+    # Writes, re-writes, reads, removals and walks cut short (locked victims left offered)
+    # in any order: each live key sits in one of small, due, main or offered, a full walk
+    # offers each once, and no live key is a ghost.
+    from random import Random
+
+    from lmcache_plugin_eviction_s3fifo import S3FIFOConfig
+
+    for seed in range(200):
+        rng = Random(seed)
+        config = S3FIFOConfig(
+            small_queue_fraction=rng.choice([0.1, 0.5, 0.9]), max_frequency=rng.randint(1, 4)
+        )
+        policy, universe, live = S3FIFOEvictionPolicy(config), make_keys(30), set()
+        for _ in range(300):
+            action = rng.random()
+            if action < 0.35:
+                batch = rng.sample(universe, rng.randint(1, 5))
+                policy.on_keys_written(batch)
+                live |= set(batch)
+            elif action < 0.6:
+                policy.on_keys_read(rng.sample(universe, rng.randint(1, 6)))
+            elif action < 0.7:
+                batch = rng.sample(universe, rng.randint(0, 4))
+                policy.on_keys_removed(batch)
+                live -= set(batch)
+            else:
+                wanted = rng.randint(0, len(live) + 2)
+                offered = list(islice(policy.victims(), wanted))
+                assert len(offered) == len(set(offered)) and set(offered) <= live
+                if wanted >= len(live):
+                    assert set(offered) == live
+                evicted = [key for key in offered if rng.random() < 0.6]
+                policy.on_keys_removed(evicted)
+                live -= set(evicted)
+            queues = [*policy._small, *policy._due, *policy._main, *policy._offered]
+            assert len(queues) == len(set(queues)) and set(queues) == live
+            assert not set(policy._ghosts) & live
+        walk = list(policy.victims())
+        assert len(walk) == len(set(walk)) and set(walk) == live
