@@ -3,8 +3,10 @@ caller, small copies and a stopped copier stay in the calling thread."""
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -161,3 +163,48 @@ def test_a_forked_child_copies_with_a_helper_of_its_own() -> None:
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     assert not copier._queue.jobs  # no copy left queued for a helper
     copier.stop()
+
+
+class _OwnerInACycle:
+    """Holds its copier, as a client does, and is reachable only through a cycle once
+    dropped: only a collection frees it, in whatever thread that collection runs."""
+
+    def __init__(self) -> None:
+        self.copier = SplitCopier(name="collected-copy")
+        self.itself = self
+
+
+def test_a_copier_collected_by_its_own_helper_as_it_goes_to_wait_ends_it() -> None:
+    """The copier's finalizer runs in the thread whose allocation started the collection:
+    the helper itself, perhaps just as it is about to wait for work.  The stop must reach
+    it there too, not be missed and leave it waiting for good."""
+    dropped = threading.Event()
+    collected_in_helper: list[bool] = []
+
+    def collect_as_the_helper_waits(frame: FrameType, event: str, arg: object) -> None:
+        if collected_in_helper or threading.current_thread().name != "collected-copy":
+            return
+        waits = (event == "call" and frame.f_code.co_name == "wait") or (
+            event == "c_call" and getattr(arg, "__name__", "") == "get"
+        )
+        if waits:
+            collected_in_helper.append(True)
+            dropped.wait(30)
+            gc.collect()
+
+    gc.disable()
+    threading.setprofile(collect_as_the_helper_waits)  # type: ignore[arg-type]
+    try:
+        owner = _OwnerInACycle()
+        owner.copier.start()
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+    try:
+        (helper,) = [thread for thread in threading.enumerate() if thread.name == "collected-copy"]
+        del owner
+        dropped.set()
+        helper.join(30)
+    finally:
+        gc.enable()
+    assert collected_in_helper, "the helper never went to wait"
+    assert not helper.is_alive(), "the helper missed the stop of its collected copier"

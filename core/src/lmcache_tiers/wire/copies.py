@@ -29,6 +29,7 @@ bytes, so the two copies really run in parallel.
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import weakref
 from collections import deque
@@ -106,37 +107,45 @@ class _HelperQueue:
     """The jobs waiting for the helper, and whether it must end: all the helper thread
     holds between jobs.  Never the copier itself, so that a copier dropped without ``stop``
     (a client the engine never closed) is collected, and its finalizer ends the helper:
-    else every such client would leave a thread waiting for work for good."""
+    else every such client would leave a thread waiting for work for good.
 
-    __slots__ = ("jobs", "stopped", "wake")
+    The helper sleeps on ``wakeups`` (one token per job offered, one for the stop), not on
+    a condition: the finalizer runs in whatever thread a collection started in, the
+    helper's own included, between its look at ``stopped`` and its wait.  A notify there
+    would wake nobody; a token put there is still taken by the wait that follows, and a
+    ``SimpleQueue``'s put may run inside any other call."""
+
+    __slots__ = ("jobs", "lock", "stopped", "wakeups")
 
     def __init__(self) -> None:
         self.jobs: deque[_Job] = deque()
-        self.wake = threading.Condition()
+        self.lock = threading.Lock()
+        self.wakeups: queue.SimpleQueue[None] = queue.SimpleQueue()
         self.stopped = False
 
     def renew_after_fork(self) -> None:
         # In a forked child the helper is gone, and it may have held the lock when the
         # parent forked: a child that took it would wait forever.
-        self.wake = threading.Condition()
+        self.lock = threading.Lock()
+        self.wakeups = queue.SimpleQueue()
         self.jobs = deque()
 
     def stop(self) -> None:
-        with self.wake:
-            self.stopped = True
-            self.jobs.clear()
-            self.wake.notify_all()
+        # No lock: the finalizer may run this in a thread that holds it.  Jobs still queued
+        # are their callers' to copy and withdraw.
+        self.stopped = True
+        self.wakeups.put(None)
 
     def serve(self) -> None:
         """The helper thread: take jobs from the back until stopped."""
         while True:
-            with self.wake:
-                while not self.jobs and not self.stopped:
-                    self.wake.wait()
+            self.wakeups.get()
+            with self.lock:
                 if self.stopped:
                     return
-                job = self.jobs.popleft()
-            job.work(from_back=True)  # a job the caller already finished has nothing left to take
+                job = self.jobs.popleft() if self.jobs else None  # None: withdrawn meanwhile
+            if job is not None:
+                job.work(from_back=True)  # a job the caller already finished has nothing left to take
             # Its ``prepare`` is the page tables' method: kept while idle, it would keep
             # them and this copier from being collected.
             del job
@@ -164,25 +173,27 @@ class SplitCopier:
         pieces not started yet are left alone then)."""
         job = _Job(pieces, prepare)
         total = sum(source.nbytes for _, source, _ in pieces)
-        queue = self._queue
+        helper_queue = self._queue
         if len(pieces) > 1 and total >= SPLIT_MIN_BYTES:
-            with queue.wake:
-                if not queue.stopped:
+            with helper_queue.lock:
+                offered = not helper_queue.stopped
+                if offered:
                     self._start_helper()
-                    queue.jobs.append(job)
-                    queue.wake.notify()
+                    helper_queue.jobs.append(job)
+            if offered:
+                helper_queue.wakeups.put(None)
         try:
             job.work()
             job.wait()
         finally:
             # Not taken up by the helper (busy with another copy): it would keep this
             # copy's buffers alive until it is.
-            with queue.wake, contextlib.suppress(ValueError):
-                queue.jobs.remove(job)
+            with helper_queue.lock, contextlib.suppress(ValueError):
+                helper_queue.jobs.remove(job)
 
     def start(self) -> None:
         """Start the helper now rather than on the first large copy (no-op once stopped)."""
-        with self._queue.wake:
+        with self._queue.lock:
             if not self._queue.stopped:
                 self._start_helper()
 
