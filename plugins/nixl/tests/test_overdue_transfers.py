@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,9 @@ import pytest
 from lmcache_plugin_nixl import runtime as runtime_module
 from lmcache_plugin_nixl.memory import buffer_address
 from lmcache_plugin_nixl.runtime import NixlRuntime, NixlTransferError, OverdueTransfers, descriptors
+from nixl_helpers import Arena, client, dynamic_config, open_dynamic, open_pool, pool_config, scratch_dir
+
+from lmcache_tiers.testing.l2 import make_keys, pattern
 
 
 def test_a_transfer_past_its_deadline_is_counted_and_shown_stuck_until_it_ends(
@@ -62,3 +67,109 @@ def test_a_transfer_past_its_deadline_is_counted_and_shown_stuck_until_it_ends(
         os.close(fd)
         view.release()
         memory.close()
+
+
+# nixl_store_dynamic loads with preadv on buffered POSIX (plainreads.py), not through NIXL:
+# only its stores can wait on a NIXL transfer there.
+@pytest.mark.parametrize(
+    ("adapter_kind", "operation"),
+    [("nixl_store", "WRITE"), ("nixl_store", "READ"), ("nixl_store_dynamic", "WRITE")],
+)
+def test_the_adapter_stats_show_a_transfer_past_its_deadline(
+    adapter_kind: str, operation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What /metrics and /status carry: the adapter's stats(), not the runtime's counter.  The
+    transfer's state reads "still running" until the adapter's stats showed it stuck."""
+    arena = Arena()
+    keys = make_keys(1)
+    payload = pattern(41, 64 << 10)
+    with scratch_dir() as directory:
+        if adapter_kind == "nixl_store":
+            adapter = open_pool(pool_config(directory, pool_size=2), arena.view)
+        else:
+            adapter = open_dynamic(dynamic_config(directory), arena.view)
+        try:
+            if operation == "READ":
+                assert client(adapter).store(keys, [arena.filled(payload)]) == [True]
+            before = adapter.stats()
+            assert (before["transfers_past_deadline"], before["transfers_stuck"]) == (0, 0)
+            release = _stall_transfers_until_released(monkeypatch)
+            call = _in_thread(adapter, operation, keys, arena, payload)
+            seen = _stats_once_stuck(adapter)
+            release()
+            call.join(60)
+            assert not call.is_alive()
+            assert (seen["transfers_past_deadline"], seen["transfers_stuck"]) == (1, 1)
+            after = adapter.stats()
+            assert (after["transfers_past_deadline"], after["transfers_stuck"]) == (1, 0), (
+                "counted once; no transfer waits past its deadline once it ended"
+            )
+        finally:
+            adapter.close()
+
+
+def _stall_transfers_until_released(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """Every NIXL request of the shared runtime (the adapters') reads as still running, when
+    posted and when polled, until the returned function is called (the request itself is
+    real and posted).  Until then the deadline is passed at the first look past the spins;
+    the transfers posted after have the real one again (a store's header write follows its
+    payload's)."""
+    real_timeout = runtime_module.TRANSFER_TIMEOUT_S
+    monkeypatch.setattr(runtime_module, "TRANSFER_TIMEOUT_S", 0.0)
+    runtime = NixlRuntime.shared()
+    check = runtime._transfer_state
+    released = threading.Event()
+    monkeypatch.setattr(runtime, "agent", _AgentAnsweringLate(runtime.agent, released))
+
+    def stalled_until_released(handle: Any) -> str:
+        if not released.is_set():
+            released.wait(0.01)  # the storage has not answered yet
+            return "PROC"
+        return check(handle)
+
+    monkeypatch.setattr(runtime, "_transfer_state", stalled_until_released)
+
+    def release() -> None:
+        monkeypatch.setattr(runtime_module, "TRANSFER_TIMEOUT_S", real_timeout)
+        released.set()
+
+    return release
+
+
+def _in_thread(adapter: Any, operation: str, keys: list[Any], arena: Any, payload: bytes) -> threading.Thread:
+    def run() -> None:
+        if operation == "WRITE":
+            client(adapter).store(keys, [arena.filled(payload)])
+        else:
+            client(adapter).load(keys, [arena.take(len(payload))])
+
+    call = threading.Thread(target=run, name=f"stalled-{operation}")
+    call.start()
+    return call
+
+
+def _stats_once_stuck(adapter: Any) -> dict[str, int]:
+    """The adapter's stats once they show a transfer stuck (bounded: 60 s, then the last)."""
+    stats = adapter.stats()
+    for _ in range(6000):
+        if stats["transfers_stuck"]:
+            break
+        threading.Event().wait(0.01)
+        stats = adapter.stats()
+    return stats
+
+
+class _AgentAnsweringLate:
+    """The NIXL agent, but a request just posted reads as still running until ``released``:
+    a request posted to a slow device (a buffered POSIX write is often done at posting)."""
+
+    def __init__(self, agent: Any, released: threading.Event) -> None:
+        self._agent = agent
+        self._released = released
+
+    def transfer(self, handle: Any) -> Any:
+        state = self._agent.transfer(handle)
+        return "PROC" if state == "DONE" and not self._released.is_set() else state
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
