@@ -9,7 +9,7 @@ once per burst: every scrape would otherwise repeat it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from lmcache_tiers.burst import BurstLog
@@ -120,7 +120,7 @@ def _adapter_entry(parts: StorageParts, slot: AdapterSlot) -> dict[str, Any]:
     try:
         entry["usage"] = slot.adapter.usage()
         entry["used_bytes"] = slot.adapter.used_bytes()
-        entry["backend"] = _capped_stats(parts, slot.name, entry, slot.adapter.stats())
+        entry["backend"] = _capped_stats(parts, slot.name, entry, slot.adapter.stats(), _own_stat_names(slot))
     except Exception as exc:  # a dead backend still gets a status line
         entry["error"] = f"{type(exc).__name__}: {exc}"
         parts.stats.fail(STATUS_ERROR)
@@ -130,14 +130,26 @@ def _adapter_entry(parts: StorageParts, slot: AdapterSlot) -> dict[str, Any]:
     return entry
 
 
-def _capped_stats(parts: StorageParts, name: str, entry: dict[str, Any], stats: Any) -> Any:
-    """At most ``MAX_STATUS_STATS`` of an adapter's stats, the first in name order; the
-    number of the others goes into ``entry`` as ``backend_stats_left_out``, is counted and
-    logged once per burst per adapter.  An answer that is no mapping is left as it is (the
-    metrics count it as unreadable)."""
+def _own_stat_names(slot: AdapterSlot) -> Collection[str]:
+    """The stats the core keeps for the adapter (its counters, the circuit breaker's gauges);
+    none for an adapter a plugin builds whole, whose stats are all its own."""
+    own = getattr(slot.adapter, "own_stat_names", None)
+    return own() if callable(own) else ()
+
+
+def _capped_stats(
+    parts: StorageParts, name: str, entry: dict[str, Any], stats: Any, own: Collection[str]
+) -> Any:
+    """At most ``MAX_STATUS_STATS`` of an adapter's stats: the core's ``own`` first (what
+    ``lmcache-tiers status`` and /metrics read, such as ``circuit_open`` and
+    ``backend_errors``, and the drops the core counts, are never pushed out by a plugin's
+    per-object names), then the plugin's, each in name order; the number of the others
+    goes into ``entry`` as ``backend_stats_left_out``, is counted and logged once per burst
+    per adapter.  An answer that is no mapping is left as it is (the metrics count it as
+    unreadable)."""
     if not isinstance(stats, Mapping) or len(stats) <= MAX_STATUS_STATS:
         return stats
-    kept = sorted(stats, key=str)[:MAX_STATUS_STATS]
+    kept = sorted(stats, key=lambda stat: (stat not in own, str(stat)))[:MAX_STATUS_STATS]
     left_out = len(stats) - len(kept)
     entry["backend_stats_left_out"] = left_out
     parts.stats.fail(STATS_LEFT_OUT, left_out)

@@ -473,3 +473,26 @@ def test_stats_per_object_that_are_not_numbers_log_one_line_per_adapter(
         found = samples(collector_text(adapter))
     assert found[("lmcache_tiers_failures_total", (("reason", "metrics_stat_not_a_number"),))] == 50.0
     assert sum("is not a number" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_plugin_with_many_stats_does_not_push_out_the_core_s_own(
+    make_server: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cap keeps the adapter's own stats first (its counters, the circuit breaker's
+    gauges): ``lmcache-tiers status`` and /metrics read ``circuit_open`` and
+    ``backend_errors`` from the capped entry, and a drop counted by the core must stay in
+    /metrics, whatever names a plugin's 300 stats sort before."""
+    adapter_config = json.dumps({"type": "mock", "max_size_gb": 0.1, "circuit": {"enabled": True}})
+    server = make_server(adapters=[adapter_config], metrics_port=free_port())
+    adapter = server.storage._parts.slots[0].adapter
+    guard = adapter.backend
+    per_object = {f"a_object_{n:05d}": n for n in range(300)}
+    monkeypatch.setattr(guard.inner, "stats", lambda: per_object, raising=False)
+    entry = server.status()["adapters"][0]
+    backend = entry["backend"]
+    assert len(backend) == MAX_EXPORTED_STATS
+    for own in ("circuit_open", "circuit_consecutive_failures", "pending_tasks", "pinned_keys", "objects"):
+        assert own in backend, f"{own} was left out for the plugin's stats"
+    assert entry["backend_stats_left_out"] == len(adapter.stats()) - MAX_EXPORTED_STATS
+    found = samples(scrape(server))
+    assert ("lmcache_tiers_adapter_circuit_open", (("adapter", entry["name"]),)) in found

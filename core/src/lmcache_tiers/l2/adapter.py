@@ -259,12 +259,27 @@ class BackendAdapter(L2Adapter):
     def l1_size_of(self, key: ObjectKey) -> int | None:
         return self.state.l1_size_of(key)
 
-    def stats(self) -> dict[str, int]:
+    def own_stat_names(self) -> set[str]:
+        """The names among :meth:`stats` the core keeps for this adapter rather than its
+        plugin's ``stats()``: the counters (drops and refusals counted through the context
+        among them), the scan's, the tasks and pins gauges and the circuit breaker's gauges.
+        A status that cannot carry every stat keeps these first (storage_status.py)."""
+        names = set(self._own_stats())
+        guard = self.backend
+        if isinstance(guard, (CircuitBackend, AsyncCircuitBackend)):
+            names.update(guard.breaker.gauges())
+        return names
+
+    def _own_stats(self) -> dict[str, int]:
         counters = self.state.counters.snapshot()
         counters.update(self.scan.stats())
         counters["pending_tasks"] = self.state.board.pending_count()
         counters["pinned_keys"] = len(self.state.pins.snapshot())
         counters["objects"] = len(self.state.accounting)
+        return counters
+
+    def stats(self) -> dict[str, int]:
+        counters = self._own_stats()
         gauges = getattr(self.backend, "stats", None)
         if callable(gauges):
             try:
