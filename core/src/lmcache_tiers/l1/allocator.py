@@ -20,7 +20,8 @@ Bookkeeping, all O(1) or O(log n) per operation:
   few hundred thousand free extents, ~0.1-0.2 ms a shift.  Distinct lengths are few (L of
   them need at least L(L+1)/2 free units, so at most ~1,400 in a million-unit arena).  An
   extent leaving its heap by coalescing stays there as a stale entry, told apart by
-  ``_free_at`` and dropped when met or when stale entries outnumber live ones.
+  ``_free_at`` and dropped when met or when a length's stale entries outnumber its live
+  ones (checked as extents of that length come and go).
 
 Not thread-safe: :class:`~lmcache_tiers.l1.manager.L1Manager` serialises every call.
 """
@@ -174,7 +175,7 @@ class ExtentAllocator:
         return True
 
     def _fit(self, need: int) -> tuple[int, int] | None:
-        """(offset, length) of the best fit for ``need`` bytes, taken out of ``_by_size``."""
+        """(offset, length) of the best fit for ``need`` bytes, taken out of the index."""
         align, lengths = self.align, self._lengths
         index = bisect_left(lengths, need // align)
         if index == len(lengths):
@@ -228,15 +229,26 @@ class ExtentAllocator:
         count = self._free_of_length[units] - 1
         if count:
             self._free_of_length[units] = count
+            # Checked here too, not only when an extent of this length is freed: holes
+            # merging away leave stale entries with no free of their length to follow,
+            # and the next best fit of that length would pop through all of them.
+            if len(self._offsets_of[units]) > 2 * count + 16:
+                self._drop_stale(units)
             return
         del self._free_of_length[units], self._offsets_of[units]
         del self._lengths[bisect_left(self._lengths, units)]
 
     def _drop_stale(self, units: int) -> None:
-        """Rebuild the heap of one length from its live extents (amortised O(1) a free)."""
+        """Rebuild the heap of one length from its live extents.  Its callers (inline: the
+        hot path) call it once the heap holds more than twice its live extents plus a little slack: a
+        rebuild of n entries then drops at least n/2, so it costs O(1) per stale entry, and
+        a heap never holds much more than twice its extents."""
         align, length, free_at = self.align, units * self.align, self._free_at
+        # A set: an extent merged away and freed again at the same offset and length has
+        # two entries, both matching ``_free_at``.
         live = {entry for entry in self._offsets_of[units] if free_at.get(entry * align) == length}
-        offsets = sorted(live)  # a sorted list is a heap
+        offsets = list(live)
+        heapq.heapify(offsets)
         self._offsets_of[units] = offsets
 
     def __repr__(self) -> str:
