@@ -8,6 +8,7 @@ an alert that never fires.
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -60,3 +61,200 @@ def test_every_documented_full_name_is_exported(server_with_l2: ServerProcess) -
         and not any(family.startswith(name.removeprefix(PREFIX)) for family in exported)
     )
     assert unknown == [], f"documented metric names /metrics does not export: {unknown}"
+
+
+# -- failure reasons -----------------------------------------------------------------------
+#
+# ``failures_total{reason}`` is one family whose label values are the operator's only clue
+# to what went wrong; a reason no document explains is a counter they cannot act on.  The
+# reasons are collected from the source (a server only exports those that happened), so
+# the check needs no fault to be provoked.
+
+SOURCE_ROOTS = [ROOT / "core" / "src", *sorted((ROOT / "plugins").glob("*/src"))]
+REASON_DOCUMENTS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").rglob("*.md")),
+    *sorted((ROOT / "plugins").glob("*/README.md")),
+]
+#: methods whose first argument is a failure reason: ``EngineStats.fail`` and
+#: ``FrontendStats.failure`` (called on an object named ``stats``), and the server's own
+#: ``_count_failure``
+FAILURE_METHODS = {"fail", "failure"}
+STATS_OBJECTS = {"stats", "_stats"}
+FAILURE_CALLS = {"_count_failure"}
+#: callbacks that count a failure, by file: the HTTP endpoint counts through ``count``
+FAILURE_CALLBACKS = {"core/src/lmcache_tiers/server/http.py": {"count"}}
+#: functions that return failure counts as a dict whose literal keys are the reasons
+REASON_DICTS = {
+    ("core/src/lmcache_tiers/l1/access.py", "failures"),
+    ("core/src/lmcache_tiers/l1/writes.py", "counts"),
+}
+
+
+def _relative(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def _source_files() -> dict[str, ast.Module]:
+    return {
+        _relative(path): ast.parse(path.read_text(), str(path))
+        for root in SOURCE_ROOTS
+        for path in sorted(root.rglob("*.py"))
+    }
+
+
+def _string_constants(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
+    """Module-level ``NAME = "text"`` assignments of every file, by name."""
+    constants: dict[str, set[str]] = {}
+    for tree in trees.values():
+        for node in tree.body:
+            if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.Constant):
+                continue
+            if isinstance(node.value.value, str):
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        constants.setdefault(target.id, set()).add(node.value.value)
+    return constants
+
+
+def _counts_a_failure(call: ast.Call, callbacks: set[str]) -> bool:
+    if isinstance(call.func, ast.Name):
+        return call.func.id in callbacks
+    if not isinstance(call.func, ast.Attribute):
+        return False
+    if call.func.attr in FAILURE_CALLS:
+        return True
+    receiver = call.func.value
+    receiver_name = receiver.attr if isinstance(receiver, ast.Attribute) else getattr(receiver, "id", "")
+    return call.func.attr in FAILURE_METHODS and receiver_name in STATS_OBJECTS
+
+
+def _called_name(call: ast.Call) -> str | None:
+    if isinstance(call.func, ast.Attribute):
+        return call.func.attr
+    if isinstance(call.func, ast.Name):
+        return call.func.id
+    return None
+
+
+def _constant_args(trees: dict[str, ast.Module], paths: list[str], callee: str, position: int) -> set[str]:
+    """String constants passed as argument ``position`` to ``callee`` in ``paths``."""
+    found: set[str] = set()
+    for path in paths:
+        for node in ast.walk(trees[path]):
+            if isinstance(node, ast.Call) and _called_name(node) == callee and len(node.args) > position:
+                argument = node.args[position]
+                if isinstance(argument, ast.Constant) and isinstance(argument.value, str):
+                    found.add(argument.value)
+    return found
+
+
+def _dynamic_reasons(trees: dict[str, ast.Module]) -> dict[tuple[str, str], set[str]]:
+    """The reasons of each count whose reason is computed, by (file, reason expression).
+
+    A new computed reason fails the test until it is added here: the check cannot see
+    what values it takes."""
+    from lmcache_tiers.l2.interface import L2Op
+    from lmcache_tiers.wire.protocol import ErrorCode
+
+    controllers = "core/src/lmcache_tiers/controllers"
+    native = "plugins/frontend-native/src/lmcache_plugin_frontend_native/rpc.py"
+    mp = "plugins/lmcache-mp/src/lmcache_plugin_lmcache_mp"
+    mp_files = [path for path in trees if path.startswith(mp + "/")]
+    error_codes = {code.name.lower() for code in ErrorCode if code is not ErrorCode.OK}
+    # where reasons counted elsewhere are added up or stored: they add none of their own
+    passing_through = [
+        "core/src/lmcache_tiers/controllers/stats.py",
+        "core/src/lmcache_tiers/frontend.py",
+        "core/src/lmcache_tiers/server/app.py",
+        "core/src/lmcache_tiers/storage_status.py",
+        "core/src/lmcache_tiers/cli/commands_server.py",
+    ]
+    return {(path, "reason"): set() for path in passing_through} | {
+        (f"{controllers}/base.py", "f'l2_{kind}_pop_error'"): {
+            f"l2_{op.name.lower()}_pop_error" for op in L2Op
+        },
+        (f"{controllers}/base.py", "f'l2_{kind}_orphan_error'"): {
+            f"l2_{op.name.lower()}_orphan_error" for op in L2Op
+        },
+        (f"{controllers}/prefetch.py", "reason"): _constant_args(
+            trees, [f"{controllers}/prefetch.py"], "_abandon", 1
+        ),
+        (f"{controllers}/prefetch_results.py", "reason"): _constant_args(
+            trees, [f"{controllers}/prefetch_results.py"], "_count", 0
+        ),
+        (native, "code.name.lower()"): error_codes,
+        (native, "p.ErrorCode.INTERNAL.name.lower()"): {"internal"},
+        # a refusal's own reason, or the two the loop gives exceptions that are not one
+        (f"{mp}/loop.py", "reason"): _constant_args(trees, mp_files, "RequestRefused", 0)
+        | {"mp_bad_request", "mp_handler_error"},
+        # the reason of the BurstLog that logs it
+        (f"{mp}/lookups.py", "log.reason or 'unspecified'"): _constant_args(
+            trees, [f"{mp}/lookups.py"], "BurstLog", 1
+        ),
+    }
+
+
+def _subscripted_failures(node: ast.AST) -> ast.expr | None:
+    """The key of ``<...>failures[key] = / +=``, else None."""
+    target = node.target if isinstance(node, ast.AugAssign) else None
+    if isinstance(node, ast.Assign) and len(node.targets) == 1:
+        target = node.targets[0]
+    if not isinstance(target, ast.Subscript):
+        return None
+    holder = target.value
+    name = (
+        holder.attr
+        if isinstance(holder, ast.Attribute)
+        else holder.id
+        if isinstance(holder, ast.Name)
+        else ""
+    )
+    return target.slice if name.endswith("failures") else None
+
+
+def counted_failure_reasons() -> set[str]:
+    """Every reason the code can count in ``failures_total``; unresolvable ones fail."""
+    trees = _source_files()
+    constants = _string_constants(trees)
+    dynamic = _dynamic_reasons(trees)
+    reasons: set[str] = set()
+    unresolved: list[str] = []
+
+    def resolve(path: str, node: ast.AST, expression: ast.expr) -> None:
+        if isinstance(expression, ast.Constant) and isinstance(expression.value, str):
+            reasons.add(expression.value)
+        elif isinstance(expression, ast.Name) and expression.id in constants:
+            reasons.update(constants[expression.id])
+        elif (path, ast.unparse(expression)) in dynamic:
+            reasons.update(dynamic[(path, ast.unparse(expression))])
+        else:
+            unresolved.append(f"{path}:{node.lineno}: {ast.unparse(expression)}")
+
+    for path, tree in trees.items():
+        callbacks = FAILURE_CALLBACKS.get(path, set())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and node.args and _counts_a_failure(node, callbacks):
+                resolve(path, node, node.args[0])
+            key = _subscripted_failures(node)
+            if key is not None:
+                resolve(path, node, key)
+            if isinstance(node, ast.FunctionDef) and (path, node.name) in REASON_DICTS:
+                for inner in ast.walk(node):
+                    if isinstance(inner, ast.Dict):
+                        for dict_key in inner.keys:
+                            if isinstance(dict_key, ast.Constant) and isinstance(dict_key.value, str):
+                                reasons.add(dict_key.value)
+    assert unresolved == [], (
+        f"failure reasons the check cannot resolve (add them to _dynamic_reasons): {unresolved}"
+    )
+    return reasons
+
+
+def test_every_failure_reason_is_documented() -> None:
+    reasons = counted_failure_reasons()
+    # the scan itself works: reasons of each kind of count are found
+    assert {"l2_load_failed", "l1_nvme_write_error", "http_route_failed", "malformed"} <= reasons
+    text = "\n".join(path.read_text() for path in REASON_DOCUMENTS)
+    undocumented = sorted(reason for reason in reasons if not re.search(rf"\b{re.escape(reason)}\b", text))
+    assert undocumented == [], f"failure reasons the code counts that no document names: {undocumented}"
