@@ -311,3 +311,59 @@ def test_index_entries_left_stale_by_coalescing_are_dropped_as_they_outnumber_th
     assert holes == [(offsets[-2], A)]
     assert len(allocator._offsets_of[1]) <= 2 * len(holes) + 16
     assert allocator.allocate_many([A]) == [offsets[-2]]
+
+
+class BestFitModel:
+    """Reference placement: free extents in a dict, best fit by a scan over all of them."""
+
+    def __init__(self, units: int) -> None:
+        self.free = {0: units}
+        self.used: dict[int, int] = {}
+
+    def allocate_many(self, needs: list[int]) -> list[int] | None:
+        free_before, used_before, offsets = dict(self.free), dict(self.used), []
+        for need in needs:
+            fits = [(length, offset) for offset, length in self.free.items() if length >= need]
+            if not fits:
+                self.free, self.used = free_before, used_before
+                return None
+            length, offset = min(fits)
+            del self.free[offset]
+            if length > need:
+                self.free[offset + need] = length - need
+            self.used[offset] = need
+            offsets.append(offset)
+        return offsets
+
+    def free_one(self, offset: int) -> None:
+        length = self.used.pop(offset)
+        before = next((start for start, size in self.free.items() if start + size == offset), None)
+        if before is not None:
+            length += self.free.pop(before)
+            offset = before
+        length += self.free.pop(offset + length, 0)
+        self.free[offset] = length
+
+
+@pytest.mark.parametrize("sizes", [(1,), (1, 2, 3), (1, 2, 5, 8, 13)])
+def test_placement_matches_a_scan_for_the_best_fit_through_long_churn(sizes: tuple[int, ...]) -> None:
+    # Many equal lengths, holes merged away and freed again at the same offset and
+    # length (stale index entries that look live again), a full arena: every placement
+    # must be the smallest fitting extent at the lowest address, as a plain scan finds.
+    rng = random.Random(len(sizes))
+    allocator, model, live = ExtentAllocator(300, 1), BestFitModel(300), []
+    for _ in range(1_500):
+        if live and rng.random() < 0.5:
+            start = rng.randrange(len(live))
+            chosen = live[start : start + rng.randint(1, 4)] if rng.random() < 0.3 else rng.sample(live, 1)
+            live = [offset for offset in live if offset not in chosen]
+            allocator.free_many(chosen)
+            for offset in chosen:
+                model.free_one(offset)
+        else:
+            needs = [rng.choice(sizes) for _ in range(rng.randint(1, 8))]
+            offsets = allocator.allocate_many(needs)
+            assert offsets == model.allocate_many(needs)
+            live += offsets or []
+        assert allocator.free_extents() == sorted(model.free.items())
+        assert allocator._used == model.used
