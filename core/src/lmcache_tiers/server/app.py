@@ -21,6 +21,7 @@ was built is closed, the L1 segment unlinked, and the exit code is 128 + the sig
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import select
@@ -49,7 +50,7 @@ from lmcache_tiers.server.heap import start_up_heap_frozen
 from lmcache_tiers.server.http import HttpEndpoint
 from lmcache_tiers.server.logs import configure_logging
 from lmcache_tiers.server.metrics import TiersCollector, build_registry, render
-from lmcache_tiers.server.preflight import listen_error, preflight
+from lmcache_tiers.server.preflight import listen_error, open_files_limit, open_files_refusal, preflight
 from lmcache_tiers.server.priority import request_threads_favoured
 from lmcache_tiers.wire import protocol as p
 
@@ -516,10 +517,16 @@ def run_server(
         except ConfigError as exc:
             _print_error(errors, str(exc if name_setting is None else name_setting(exc)))
             return 2
-        except (TiersError, OSError) as exc:
-            _print_error(errors, f"cannot start the server: {exc}")
-            return 1
         except Exception as exc:
+            if _ran_out_of_open_files(exc):
+                # Past the pre-flight's floor (more adapters or plugins than it counts):
+                # the limit is what to change, whichever socket or file hit it.
+                logger.debug("start-up ran out of open files", exc_info=True)
+                _print_error(errors, str(open_files_refusal(open_files_limit())))
+                return 2
+            if isinstance(exc, (TiersError, OSError)):
+                _print_error(errors, f"cannot start the server: {exc}")
+                return 1
             # A plugin's own exception while it starts (a backend it cannot reach, a
             # library it cannot load): what was built is closed already; one line, and
             # the traceback for whoever debugs the plugin.
@@ -535,6 +542,18 @@ def run_server(
     if banner:
         _print_stop_summary(console, summary)
     return code
+
+
+def _ran_out_of_open_files(exc: BaseException) -> bool:
+    """EMFILE anywhere in the chain: a plugin wraps the socket or file error it met."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if getattr(current, "errno", None) == errno.EMFILE:
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def _print_stop_summary(console: Console, summary: dict[str, Any]) -> None:
