@@ -164,3 +164,52 @@ def test_a_custom_name_an_earlier_release_server_maps_refuses_start_without_advi
         assert path.exists()
     finally:
         earlier.communicate("")
+
+
+_NAME_TAKEN = """
+import sys
+from lmcache_tiers.l1.segment import _name_taken
+print(_name_taken(sys.argv[1]))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the start-up's check as another user")
+def test_a_segment_mapped_by_another_user_s_process_is_not_advised_for_removal(shm_dir: Path) -> None:
+    """A server started by one user cannot read another user's /proc/<pid>/maps: a live
+    earlier-release server of that user (no creator's lock) is invisible to the scan, so
+    the refusal must not call its segment a killed server's and advise removing it."""
+    shm_dir.chmod(0o755)
+    path = shm_dir / "other_users_segment"
+    path.write_bytes(b"\0" * (1 << 20))
+    path.chmod(0o644)
+    earlier = subprocess.Popen(
+        [sys.executable, "-c", _MAP_WITHOUT_LOCK, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert earlier.stdout is not None and earlier.stdout.readline() == "mapped\n"
+        checked = subprocess.run(
+            [
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                sys.executable,
+                "-c",
+                _NAME_TAKEN,
+                str(path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        assert checked.returncode == 0, checked.stderr
+        said = checked.stdout
+        assert "nothing holds it: left by a server that was killed" not in said
+        assert "could not be read" in said
+        assert path.exists()
+    finally:
+        earlier.communicate("")

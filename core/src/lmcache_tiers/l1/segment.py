@@ -187,7 +187,7 @@ def _name_taken(path: str) -> str:
             "stop that server or pick another name"
         )
     if held is False:
-        users = processes_mapping(path)
+        users, unreadable = processes_mapping(path)
         if users:
             # Servers before the creator's lock (28c5b5b) hold none: a mapping
             # is what shows such a live server, whose segment must not be removed.
@@ -195,6 +195,15 @@ def _name_taken(path: str) -> str:
                 f"shared-memory segment {path} already exists and process {users[0]} maps it "
                 "(a server of an earlier release, which holds no creator's lock, or another "
                 "program): stop it or pick another name"
+            )
+        if unreadable:
+            # Another user's process: its maps are not ours to read, and a live server of
+            # an earlier release among them would look exactly like a killed one's file.
+            return (
+                f"shared-memory segment {path} already exists and holds no creator's lock; "
+                f"{unreadable} processes' maps could not be read (another user's), so a "
+                "server of an earlier release may still map it: remove it only once no "
+                "server uses it, or pick another name"
             )
         return (
             f"shared-memory segment {path} already exists and nothing holds it: left by a server "
@@ -207,33 +216,51 @@ def _name_taken(path: str) -> str:
     )
 
 
-def processes_mapping(path: str) -> list[int]:
+def processes_mapping(path: str) -> tuple[list[int], int]:
     """The pids of the processes visible here that map the file ``path`` (by device and
-    inode, from ``/proc/<pid>/maps``); processes whose maps this one may not read are not
-    among them."""
+    inode, from ``/proc/<pid>/maps``), and how many other users' processes' maps could
+    not be read (such a process may map it unseen).  A process that exits during the
+    scan is neither."""
     try:
         info = os.stat(path)
     except OSError:
-        return []
-    device = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}"
-    inode = str(info.st_ino)
-    pids = []
+        return [], 0
+    # "<device> <inode> " as a maps line has it between the offset and the path
+    place = f" {os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x} {info.st_ino} "
+    pids: list[int] = []
+    unreadable = 0
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and _maps_file(int(entry), device, inode):
+        if not entry.isdigit():
+            continue
+        maps = _maps_file(int(entry), place)
+        if maps is None:
+            unreadable += 1
+        elif maps:
             pids.append(int(entry))
-    return sorted(pids)
+    return sorted(pids), unreadable
 
 
-def _maps_file(pid: int, device: str, inode: str) -> bool:
+def _maps_file(pid: int, place: str) -> bool | None:
+    """Whether process ``pid`` maps the file at ``place``; None if it is another user's
+    whose maps may not be read."""
     try:
         with open(f"/proc/{pid}/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                if len(fields) >= 5 and fields[4] == inode and fields[3] == device:
-                    return True
-    except OSError:  # gone meanwhile, or another user's
+            # a substring test per line: a big process has thousands of lines, and a host
+            # thousands of processes (the fields are split only for a line that may match)
+            return any(place in line and line.split(maxsplit=5)[3:5] == place.split() for line in maps)
+    except PermissionError:
+        # One of our own user's that we may not read (a container's init) is no server of
+        # ours: an earlier release's server runs as a plain process, readable by its user.
+        return None if _owner(pid) not in (os.geteuid(), None) else False
+    except OSError:  # gone meanwhile (ENOENT, or ESRCH while reading)
         return False
-    return False
+
+
+def _owner(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:  # gone meanwhile
+        return None
 
 
 def _reserve_and_map(fd: int, size: int, directory: str, *, advise: bool, prefault: bool) -> mmap.mmap:
