@@ -93,11 +93,53 @@ def test_bad_magic_truncation_and_absurd_lengths() -> None:
         decode_header(bogus)
 
 
+def as_version(data: bytearray, version: int) -> bytearray:
+    """``data`` (a whole record) as a record of format ``version`` that is intact: its
+    header crc taken again, as the server writing that version takes it."""
+    import zlib
+
+    newer = bytearray(data)
+    newer[4:6] = version.to_bytes(2, "little")
+    crc_at = header_length(data) - 4
+    newer[crc_at : crc_at + 4] = zlib.crc32(bytes(newer[:crc_at])).to_bytes(4, "little")
+    return newer
+
+
 def test_other_version_is_refused() -> None:
-    data = record()
-    data[4:6] = (99).to_bytes(2, "little")
     with pytest.raises(RecordVersionError):
-        decode_header(data)
+        decode_header(as_version(record(), 99))
+
+
+@pytest.mark.parametrize("bit", range(16))
+def test_a_version_field_a_flipped_bit_changed_is_damage_not_another_version(bit: int) -> None:
+    # A record of this release whose version field a flipped bit changed (1 -> 0, 3, 5,
+    # 9, ...) is told from one another version wrote by its header crc alone: it is damage,
+    # removed, not a newer server's record kept until replaced.
+    data = record(align=4096)
+    data[4 + bit // 8] ^= 1 << bit % 8
+    assert header_length(data[:PREFIX_SIZE]) == 4096, "the rest of the header is read to judge it"
+    with pytest.raises(RecordCorruptError, match="crc") as raised:
+        decode_header(data, expected_key=KEY)
+    assert record_verdict(raised.value) is RecordVerdict.DAMAGED
+
+
+@pytest.mark.parametrize("version", [0, 2, 3, 0xFFFF])
+def test_an_intact_record_of_another_version_is_kept_even_with_damage_after_its_crc(version: int) -> None:
+    data = as_version(record(), version)
+    data[-1] ^= 1  # the payload: another version's business, not read here
+    with pytest.raises(RecordVersionError) as raised:
+        decode_header(data, expected_key=KEY)
+    assert record_verdict(raised.value) is RecordVerdict.NEWER
+
+
+def test_another_version_whose_header_was_not_read_whole_is_kept() -> None:
+    # A newer format's header may be longer than this release reads for a key (a fixed
+    # header read): its crc cannot be taken, and removing an intact record another server
+    # reads would lose its write, so it is kept as a newer server's.
+    data = as_version(record(align=4096), 2)
+    with pytest.raises(RecordVersionError, match="not read whole") as raised:
+        decode_header(data[:512], expected_key=KEY)
+    assert record_verdict(raised.value) is RecordVerdict.NEWER
 
 
 def test_other_key_or_serde_chain_is_a_mismatch() -> None:
@@ -308,8 +350,7 @@ def test_every_record_error_has_one_verdict_kept_or_removed() -> None:
     kept (their writers read them); anything else that fails decoding is damage."""
     key, other = ObjectKey("m", 0, b"\x01" * 32), ObjectKey("m", 0, b"\x02" * 32)
     header = encode_header(key, b"payload")
-    newer = bytearray(header)
-    newer[4:6] = (99).to_bytes(2, "little")
+    newer = as_version(bytearray(header), 99)
     flipped = bytearray(header)
     flipped[-1] ^= 1
 

@@ -4,6 +4,7 @@ damaged records, and records of another serde chain -- all against a real master
 from __future__ import annotations
 
 import signal
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -461,6 +462,14 @@ def _record(key: ObjectKey, payload: bytes, serde: tuple[str, ...] = ()) -> byte
     return encode_header(key, payload, serde=serde, align=HEADER_BYTES) + payload
 
 
+def _make_newer_format(record: bytearray) -> None:
+    """Turn ``record`` into an intact one of format version 99 (its header crc taken again,
+    as the newer server writing it takes it: without, it is damage)."""
+    record[4:6] = (99).to_bytes(2, "little")
+    crc_at = HEADER_BYTES - 4
+    record[crc_at:HEADER_BYTES] = zlib.crc32(bytes(record[:crc_at])).to_bytes(4, "little")
+
+
 @pytest.mark.parametrize(
     "damage",
     ["garbage", "flipped_payload_byte", "header_length_not_fixed"],
@@ -536,7 +545,7 @@ def test_a_record_of_an_unknown_format_version_is_a_miss_that_is_kept(
     (key,) = make_keys(1)
     name = name_of(adapter, key)
     record = bytearray(_record(key, pattern(7, SIZE)))
-    record[4:6] = (99).to_bytes(2, "little")
+    _make_newer_format(record)  # a format a newer server might write
     assert raw.put(name, bytes(record)) == 0
 
     assert load(adapter, [key], [SIZE])[0] == [False]
@@ -686,7 +695,7 @@ def test_the_listing_leaves_out_and_keeps_records_of_a_newer_format(
     first.close()
     name = name_of(first, theirs)
     record = bytearray(_record(theirs, pattern(7, SIZE)))
-    record[4:6] = (99).to_bytes(2, "little")  # a format a newer server might write
+    _make_newer_format(record)  # a format a newer server might write
     assert raw.put(name, bytes(record)) == 0
     adapter = open_adapter(config)
     adapters.append(adapter)
@@ -848,7 +857,7 @@ def test_a_delete_leaves_a_record_of_a_newer_format_and_removes_the_others(
     store(adapter, keys)
     names = [name_of(adapter, key) for key in keys]
     record = bytearray(_record(keys[0], pattern(7, SIZE)))
-    record[4:6] = (99).to_bytes(2, "little")
+    _make_newer_format(record)  # a format a newer server might write
     assert raw.remove(names[0], True) == 0 and raw.put(names[0], bytes(record)) == 0
     assert adapter.delete(keys) == [False, True]
     assert raw.is_exist(names[0]) == 1 and raw.is_exist(names[1]) == 0

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -248,6 +249,7 @@ def test_a_record_of_an_unknown_format_version_is_a_miss_that_is_kept(
     name = backend_of(adapter).name_of(keys[0])
     header = bytearray(raw.hget(name, "h"))
     header[4:6] = (99).to_bytes(2, "little")
+    header[-4:] = zlib.crc32(bytes(header[:-4])).to_bytes(4, "little")  # intact: a newer server's
     raw.hset(name, "h", bytes(header))
     assert client_of(adapter).lookup_and_lock(keys).found == [False, True]
     adapter.unlock(keys[1:])
@@ -1282,6 +1284,7 @@ def test_a_delete_leaves_a_record_of_a_newer_format_and_removes_the_others(
     names = [backend_of(adapter).name_of(key) for key in keys]
     header = bytearray(raw.hget(names[0], "h"))
     header[4:6] = (99).to_bytes(2, "little")
+    header[-4:] = zlib.crc32(bytes(header[:-4])).to_bytes(4, "little")  # intact: a newer server's
     raw.hset(names[0], "h", bytes(header))
     assert adapter.delete(keys) == [False, True]
     assert raw.hget(names[0], "h") == bytes(header) and raw.exists(names[1]) == 0
@@ -1303,6 +1306,7 @@ def test_a_delete_whose_later_removals_fail_counts_only_the_keys_it_could_not_re
     raw = redis.Redis.from_url(own_server.url)
     header = bytearray(raw.hget(backend.name_of(keys[-1]), "h"))
     header[4:6] = (99).to_bytes(2, "little")
+    header[-4:] = zlib.crc32(bytes(header[:-4])).to_bytes(4, "little")  # intact: a newer server's
     raw.hset(backend.name_of(keys[-1]), "h", bytes(header))
     # trip one's reads and removals, trip two's reads, then its removals fail
     cache_the_removal_script(backend)

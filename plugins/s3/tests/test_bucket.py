@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -159,6 +160,7 @@ def test_a_digest_named_record_of_a_newer_format_is_kept_by_the_listing_as_such(
     payload = pattern(5, SIZE)
     header = bytearray(encode_header(key, payload, align=4096))
     header[4:6] = (99).to_bytes(2, "little")  # a format a newer server might write
+    header[-4:] = zlib.crc32(bytes(header[:-4])).to_bytes(4, "little")  # intact: its crc taken again
     raw.write(key, bytes(header) + payload)
     adapter = open_adapter(s3_config(seaweed, prefix), l1)
     opened.append(adapter)

@@ -5,6 +5,7 @@ record -- and that none of it reaches a caller's buffer as garbage."""
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Iterator
 
 import pytest
@@ -245,6 +246,7 @@ def test_a_record_of_an_unknown_format_version_is_a_miss_that_is_kept(adapter: L
     payload = pattern(6, SIZE)
     header = bytearray(encode_header(key, payload, align=4096))
     header[4:6] = (99).to_bytes(2, "little")  # a format a newer server might write
+    header[-4:] = zlib.crc32(bytes(header[:-4])).to_bytes(4, "little")  # intact: its crc taken again
     raw.write(key, bytes(header) + payload)
     assert blocking(adapter).lookup_and_lock([key]).found == [False]
     assert raw.exists(key), "a newer server sharing the bucket may read it"
@@ -264,6 +266,7 @@ def test_a_delete_keeps_a_record_of_an_unknown_format_version(
     payload = pattern(6, SIZE)
     header = bytearray(encode_header(key, payload, align=4096))
     header[4:6] = (99).to_bytes(2, "little")  # a format a newer server might write
+    header[-4:] = zlib.crc32(bytes(header[:-4])).to_bytes(4, "little")  # intact: its crc taken again
     raw.write(key, bytes(header) + payload, header_metadata(bytes(header)) if copy else None)
     assert adapter.delete([key]) == [False]
     assert raw.exists(key), "a newer server's acknowledged write was deleted"

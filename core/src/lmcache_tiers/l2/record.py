@@ -9,7 +9,13 @@ Layout (little-endian)::
 
 ``header_len`` counts everything up to and including the header crc, so the payload starts
 at ``header_len``.  The header crc catches a torn or bit-flipped header before any of its
-lengths are trusted; the payload checksum catches a damaged payload.  ``l1_size`` is the
+lengths are trusted; the payload checksum catches a damaged payload.
+
+What every format version keeps (so a reader tells another version's intact record from
+damage): the magic at 0, the version u16 at 4, ``header_len`` u32 at 8 (from ``PREFIX_SIZE``
++ 4 to ``MAX_HEADER_LEN``), and the header crc -- ``zlib.crc32`` of bytes
+``[0, header_len - 4)``, stored u32 at ``header_len - 4``.  A record whose version is not
+this code's counts as another version's only when that crc verifies.  ``l1_size`` is the
 decoded (L1) size, which a size-changing serde chain makes differ from ``payload_len``: a
 persistent backend reports it from the header after a restart, when the adapter has no
 memory of the key (see ``ObjectSize``).  Any mismatch raises a :class:`RecordError`
@@ -30,7 +36,7 @@ import enum
 import struct
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, NoReturn
 
 import blake3
 import msgspec
@@ -205,22 +211,46 @@ def encode_header(
 
 
 def header_length(prefix: bytes | memoryview) -> int:
-    """Total header length, read from the first ``PREFIX_SIZE`` bytes of a record."""
+    """Total header length, read from the first ``PREFIX_SIZE`` bytes of a record.
+
+    The version is not judged here: only the header crc, at the end of the header, tells
+    another version's record from one of this version whose version field is damaged, so
+    :func:`decode_header` judges it once the whole header is read."""
     if len(prefix) < PREFIX_SIZE:
         raise RecordCorruptError(f"record is {len(prefix)} bytes long, shorter than a header")
-    magic, version, _flags, header_len = struct.unpack_from("<4sHHI", prefix)
-    _check_start(magic, version, header_len)
+    magic, _version, _flags, header_len = struct.unpack_from("<4sHHI", prefix)
+    _check_start(magic, header_len)
     return int(header_len)
 
 
-def _check_start(magic: bytes, version: int, header_len: int) -> None:
-    """Raise unless a header's first fields are of a record this code reads."""
+def _check_start(magic: bytes, header_len: int) -> None:
+    """Raise unless a header's first fields are those every record version keeps: the
+    magic, and a header length its crc can be looked for at (not yet trusted beyond that)."""
     if magic != RECORD_MAGIC:
         raise RecordCorruptError(f"bad record magic {bytes(magic)!r}")
-    if version != RECORD_VERSION:
-        raise RecordVersionError(f"record format version {version} is not {RECORD_VERSION}")
     if not PREFIX_SIZE + _CRC.size <= header_len <= MAX_HEADER_LEN:
         raise RecordCorruptError(f"implausible record header length {header_len}")
+
+
+def _refuse_other_version(view: memoryview, version: int, header_len: int) -> NoReturn:
+    """Judge a record whose version field is not this code's: another version's record
+    (kept: its writer reads it) only if its header crc verifies by the rule every version
+    keeps; otherwise damage -- a flipped bit in this version's field reads as 3, 5, 9, ..."""
+    if view.nbytes < header_len:
+        # A newer format's header may be longer than a reader fetches for a key: its crc
+        # cannot be taken, and removing another server's intact record would lose its
+        # write.  (This version's own damaged headers fit the read: their length is intact.)
+        raise RecordVersionError(
+            f"record format version {version} is not {RECORD_VERSION} (its {header_len}-byte "
+            f"header was not read whole, {view.nbytes} bytes, so its crc is not checked)"
+        )
+    crc_at = header_len - _CRC.size
+    (stored_crc,) = _CRC.unpack_from(view, crc_at)
+    if zlib.crc32(view[:crc_at]) != stored_crc:
+        raise RecordCorruptError(
+            f"record header crc mismatch (version field {version}: damaged, not another version's)"
+        )
+    raise RecordVersionError(f"record format version {version} is not {RECORD_VERSION}")
 
 
 def _encoded_serde(names: tuple[str, ...]) -> bytes:
@@ -262,7 +292,9 @@ def decode_header(
     (magic, version, _f, header_len, payload_len, l1_size, algo, digest, key_len, layout_len, serde_len) = (
         _FIXED.unpack_from(view)
     )
-    _check_start(magic, version, header_len)
+    _check_start(magic, header_len)
+    if version != RECORD_VERSION:
+        _refuse_other_version(view, version, header_len)
     if size < header_len:
         raise RecordCorruptError(f"record header is truncated ({size} of {header_len} bytes)")
     crc_at = header_len - _CRC.size
