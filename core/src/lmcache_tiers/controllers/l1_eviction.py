@@ -98,6 +98,8 @@ class L1EvictionController(ControllerThread):
         # traceback, then one line per burst; the counter has every failure.
         self._policy_log = PolicyFailureLog(logger, "l1_eviction_policy_error")
         self._overrun_log = BurstLog(logger, "l1_eviction_policy_overrun")
+        # Stuck above the watermark, every write's wake-up runs a fruitless round.
+        self._stuck_log = BurstLog(logger, "l1_nothing_evictable")
         # Keys whose removal the policy failed to take (under the L1 lock): it may still
         # offer them, and a walk's bound must leave room to get past them all.
         self.removals_unreported = 0
@@ -157,6 +159,19 @@ class L1EvictionController(ControllerThread):
             "(it offers keys again and again); the walk was cut short",
         )
 
+    def _nothing_evictable(self) -> None:
+        self.stats.fail("l1_nothing_evictable")
+        self._stuck_log.warn(
+            "l1_nothing_evictable",
+            "L1 eviction round freed nothing at %.0f%% usage, %d objects (failure reason "
+            "l1_nothing_evictable): every object is locked (being written, read or loaded by a "
+            "prefetch) or waits for its L2 store, or the eviction policy offers none; writes that "
+            "need room fail with OUT_OF_MEMORY until some frees up. Give L1 more room or L2 more "
+            "store throughput, or have clients release the objects their lookups lock",
+            self.l1.usage() * 100,
+            len(self.l1),
+        )
+
     def _count_evicted(self, keys: int, freed: int) -> None:
         if keys:
             self.stats.add("l1_evicted_keys", keys)
@@ -178,7 +193,7 @@ class L1EvictionController(ControllerThread):
             if freed == 0:
                 # Everything left is locked or waiting for its L2 store (or the policy offers
                 # nothing, e.g. noop); the next write or the periodic tick tries again.
-                self.stats.fail("l1_nothing_evictable")
+                self._nothing_evictable()
                 break
         now = time.monotonic()
         if now >= self._next_reap:

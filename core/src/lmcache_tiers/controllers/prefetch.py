@@ -80,6 +80,7 @@ class PrefetchController(ControllerThread):
         self._burst = BurstLog(logger)  # a policy's bad plans: one line per minute
         self._policy_log = PolicyFailureLog(logger, "prefetch_policy_error")
         self._timed_out = BurstLog(logger, "prefetch_timed_out")
+        self._failed_loads = BurstLog(logger, "l2_load_failed")
         # controller thread only:
         self._claimed: Counter[ObjectKey] = Counter()  # keys an active request may load
         self._lookups = TaskTracker[PrefetchRequest, LookupResult](
@@ -456,11 +457,25 @@ class PrefetchController(ControllerThread):
             request.layouts.update((key, layout) for key, layout in layouts if layout)
         self.stats.add_adapter(slot.index, "keys_loaded", len(loaded))
         if len(loaded) < len(keys):
-            self.stats.add_adapter(slot.index, "keys_load_failed", len(keys) - len(loaded))
-            self.stats.fail("l2_load_failed", len(keys) - len(loaded))
+            self._count_failed_loads(slot, len(keys) - len(loaded))
         del request.loads[slot.index]
         if not request.loads:
             self._hand_off(request)
+
+    def _count_failed_loads(self, slot: AdapterSlot, failed: int) -> None:
+        # The adapter may log its own cause (a backend error, a corrupt record), or report
+        # the keys failed without a word: this line ties them to the prefetch's miss.
+        self.stats.add_adapter(slot.index, "keys_load_failed", failed)
+        self.stats.fail("l2_load_failed", failed)
+        self._failed_loads.warn(
+            "l2_load_failed",
+            "%s: %d keys its lookup found failed to load (failure reason l2_load_failed): a miss, the "
+            "prefix ends at the first; the adapter's stats (adapter_stat, e.g. load_keys_failed, "
+            "serde_decode_failures, corrupt_records_removed) and its log lines say why",
+            slot.name,
+            failed,
+            count=failed,
+        )
 
     def _hand_off(self, request: PrefetchRequest) -> None:
         cut = self._locks.hand_off(request, request.not_before)
