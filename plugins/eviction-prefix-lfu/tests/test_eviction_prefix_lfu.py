@@ -1,4 +1,5 @@
 import os
+import random
 from itertools import islice
 from pathlib import Path
 
@@ -187,3 +188,39 @@ def test_evicting_many_single_chunk_levels_moves_a_linear_number_of_entries() ->
         evicted += len(batch)
     assert evicted == count
     assert levels.shifted <= 4 * count
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_levels_match_a_sorted_model_under_random_touches_and_evictions(seed: int) -> None:
+    """The level list with retired slots in front must keep giving what a plain sorted list
+    of the live buckets' priorities gives: evictions from the lowest level (retiring slots),
+    keys re-touched right after their level was retired (new levels below, at and above the
+    retired ones), removals from the middle, and the reclaim of half the list."""
+    rng = random.Random(seed)
+    policy = PrefixLFUEvictionPolicy()
+    pool = make_keys(64)
+    held: set[int] = set()
+    for _ in range(6000):
+        action = rng.random()
+        if action < 0.35:
+            start = rng.randrange(len(pool))
+            chosen = pool[start : start + rng.choice((1, 1, 2, 4))]
+            policy.on_keys_written(chosen)
+            held.update(pool.index(key) for key in chosen)
+        elif action < 0.6 and held:
+            # re-touch what was just near the bottom: its level may be a retired slot's
+            victim = list(islice(policy.victims(), rng.randint(1, 3)))
+            policy.on_keys_read(victim if rng.random() < 0.5 else victim[:1])
+        elif action < 0.85 and held:
+            batch = list(islice(policy.victims(), rng.randint(1, 4)))  # eviction
+            policy.on_keys_removed(batch)
+            held.difference_update(pool.index(key) for key in batch)
+        elif held:
+            index = rng.choice(sorted(held))  # a delete anywhere
+            policy.on_keys_removed([pool[index]])
+            held.discard(index)
+        model = sorted(policy._buckets)
+        assert list(islice(policy._levels, policy._levels_start, None)) == model
+        expected = [key for priority in model for key in policy._buckets[priority]]
+        assert list(policy.victims()) == expected
+        assert sorted(pool.index(key) for key in expected) == sorted(held)
