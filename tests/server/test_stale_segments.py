@@ -9,6 +9,7 @@ or nothing does (a killed server's, or another program's file).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -141,11 +142,9 @@ sys.stdin.read()
 """
 
 
-def test_a_custom_name_an_earlier_release_server_maps_refuses_start_without_advising_removal(
-    tmp_path: Path, shm_dir: Path
-) -> None:
-    path = shm_dir / "earlier_release_segment"
-    path.write_bytes(b"\0" * (1 << 20))
+@contextlib.contextmanager
+def _mapped_without_lock(path: Path) -> Iterator[int]:
+    """A process mapping ``path`` as a 28c5b5b server does, for the block; its pid."""
     earlier = subprocess.Popen(
         [sys.executable, "-c", _MAP_WITHOUT_LOCK, str(path)],
         stdin=subprocess.PIPE,
@@ -154,16 +153,25 @@ def test_a_custom_name_an_earlier_release_server_maps_refuses_start_without_advi
     )
     try:
         assert earlier.stdout is not None and earlier.stdout.readline() == "mapped\n"
+        yield earlier.pid
+    finally:
+        earlier.communicate("")
+
+
+def test_a_custom_name_an_earlier_release_server_maps_refuses_start_without_advising_removal(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    path = shm_dir / "earlier_release_segment"
+    path.write_bytes(b"\0" * (1 << 20))
+    with _mapped_without_lock(path) as earlier:
         refused = _start_refused(
             tmp_path / "next", l1_shm_dir=str(shm_dir), l1_shm_name=path.name, **SMALL_L1
         )
-        assert refused.returncode == 2, refused.stderr
-        assert f"process {earlier.pid} maps it" in refused.stderr
-        assert "nothing holds it" not in refused.stderr
-        assert "remove" not in refused.stderr
-        assert path.exists()
-    finally:
-        earlier.communicate("")
+    assert refused.returncode == 2, refused.stderr
+    assert f"process {earlier} maps it" in refused.stderr
+    assert "nothing holds it" not in refused.stderr
+    assert "remove" not in refused.stderr
+    assert path.exists()
 
 
 _NAME_TAKEN = """
@@ -173,7 +181,9 @@ print(_name_taken(sys.argv[1]))
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="runs the start-up's check as another user")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="runs the start-up's check as another user"
+)
 def test_a_segment_mapped_by_another_user_s_process_is_not_advised_for_removal(shm_dir: Path) -> None:
     """A server started by one user cannot read another user's /proc/<pid>/maps: a live
     earlier-release server of that user (no creator's lock) is invisible to the scan, so
@@ -182,14 +192,7 @@ def test_a_segment_mapped_by_another_user_s_process_is_not_advised_for_removal(s
     path = shm_dir / "other_users_segment"
     path.write_bytes(b"\0" * (1 << 20))
     path.chmod(0o644)
-    earlier = subprocess.Popen(
-        [sys.executable, "-c", _MAP_WITHOUT_LOCK, str(path)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert earlier.stdout is not None and earlier.stdout.readline() == "mapped\n"
+    with _mapped_without_lock(path):
         checked = subprocess.run(
             [
                 "setpriv",
@@ -211,5 +214,3 @@ def test_a_segment_mapped_by_another_user_s_process_is_not_advised_for_removal(s
         assert "nothing holds it: left by a server that was killed" not in said
         assert "could not be read" in said
         assert path.exists()
-    finally:
-        earlier.communicate("")
