@@ -49,6 +49,8 @@ _ALLOWED = "GET, HEAD"
 
 _refusals = BurstLog(logger, REFUSED_BUSY)
 _bad_requests = BurstLog(logger, REFUSED_MALFORMED)
+#: a client retrying /status with a wrong token would otherwise write a line per request
+_status_refusals = BurstLog(logger, REFUSED_STATUS, level=logging.INFO)
 
 
 class _Server(ThreadingHTTPServer):
@@ -219,8 +221,10 @@ class HttpEndpoint:
                     offered = self.headers.get("Authorization", "").encode("latin-1", "replace")
                     if not hmac.compare_digest(offered, expected):
                         count(REFUSED_STATUS)
-                        logger.info(
-                            "HTTP /status refused to %s: missing or wrong token", self.address_string()
+                        _status_refusals.warn(
+                            REFUSED_STATUS,
+                            "HTTP /status refused to %s: missing or wrong token",
+                            self.address_string(),
                         )
                         self._reply(
                             401,
