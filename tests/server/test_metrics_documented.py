@@ -258,3 +258,97 @@ def test_every_failure_reason_is_documented() -> None:
     text = "\n".join(path.read_text() for path in REASON_DOCUMENTS)
     undocumented = sorted(reason for reason in reasons if not re.search(rf"\b{re.escape(reason)}\b", text))
     assert undocumented == [], f"failure reasons the code counts that no document names: {undocumented}"
+
+
+# -- per-adapter stats ---------------------------------------------------------------------
+#
+# Core counts, for every adapter, what its batches did and dropped (``AdapterState.count``,
+# or ``BackendContext.count`` for a backend's own): the adapter's ``stats()``, exported as
+# ``adapter_stat{adapter,stat}``.  A stat no document explains is a number an operator sees
+# move with no way to tell what it means.  Collected from the source, as the reasons are.
+
+ADAPTER_CORE = "core/src/lmcache_tiers/l2"
+#: the objects core counts a per-adapter stat on: ``state.count(...)`` and the like
+COUNTING_OBJECTS = {"state", "_state", "context", "_context"}
+#: files whose own ``self.count(...)`` counts a per-adapter stat
+SELF_COUNTING = {f"{ADAPTER_CORE}/state.py", f"{ADAPTER_CORE}/context.py"}
+
+
+def _counts_an_adapter_stat(path: str, call: ast.Call) -> bool:
+    if not (isinstance(call.func, ast.Attribute) and call.func.attr == "count" and call.args):
+        return False
+    receiver = call.func.value
+    if isinstance(receiver, ast.Name) and receiver.id == "self":
+        return path in SELF_COUNTING
+    receiver_name = receiver.attr if isinstance(receiver, ast.Attribute) else getattr(receiver, "id", "")
+    return receiver_name in COUNTING_OBJECTS
+
+
+def _dynamic_adapter_stats(trees: dict[str, ast.Module]) -> dict[tuple[str, str], set[str]]:
+    """The stats of each count whose name is computed, by (file, name expression).
+
+    A new computed name fails the test until it is added here."""
+    from lmcache_tiers.l2.circuit import _REFUSED
+    from lmcache_tiers.l2.interface import L2Op
+    from lmcache_tiers.l2.record import RecordVerdict
+
+    ops = f"{ADAPTER_CORE}/ops.py"
+    return {
+        # the counter of a key reported gone, or skipped before the backend call
+        (ops, "counter"): _constant_args(trees, [ops], "_report_gone", 2)
+        | _constant_args(trees, [ops], "_skip", 1),
+        (f"{ADAPTER_CORE}/adapter.py", "f'{op.kind.name.lower()}_tasks'"): {
+            f"{op.name.lower()}_tasks" for op in L2Op
+        },
+        (f"{ADAPTER_CORE}/circuit.py", "_REFUSED[method]"): set(_REFUSED.values()),
+        (f"{ADAPTER_CORE}/context.py", "verdict.counter"): {verdict.counter for verdict in RecordVerdict},
+    }
+
+
+def _inside_count_helpers(tree: ast.Module) -> set[int]:
+    """Ids of the calls inside a ``def count``: the helpers forwarding a name, not counting one."""
+    return {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef) and node.name == "count"
+        for inner in ast.walk(node)
+    }
+
+
+def counted_adapter_stats() -> set[str]:
+    """Every stat name core counts per adapter; unresolvable ones fail."""
+    trees = {path: tree for path, tree in _source_files().items() if path.startswith(ADAPTER_CORE + "/")}
+    constants = _string_constants(trees)
+    dynamic = _dynamic_adapter_stats(trees)
+    stats: set[str] = set()
+    unresolved: list[str] = []
+    for path, tree in trees.items():
+        helpers = _inside_count_helpers(tree)
+        for node in ast.walk(tree):
+            counts = isinstance(node, ast.Call) and _counts_an_adapter_stat(path, node)
+            if not counts or id(node) in helpers:
+                continue
+            assert isinstance(node, ast.Call)
+            name = node.args[0]
+            if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                stats.add(name.value)
+            elif isinstance(name, ast.Name) and name.id in constants:
+                stats.update(constants[name.id])
+            elif (path, ast.unparse(name)) in dynamic:
+                stats.update(dynamic[(path, ast.unparse(name))])
+            else:
+                unresolved.append(f"{path}:{node.lineno}: {ast.unparse(name)}")
+    assert unresolved == [], (
+        f"adapter stats the check cannot resolve (add them to _dynamic_adapter_stats): {unresolved}"
+    )
+    return stats
+
+
+def test_every_adapter_stat_core_counts_is_documented() -> None:
+    stats = counted_adapter_stats()
+    # the scan itself works: stats of each kind of count are found
+    assert {"lookup_hits", "store_keys_failed", "tasks_failed_closed", "load_tasks"} <= stats
+    assert {"objects_vanished", "circuit_skipped_store_keys", "corrupt_records_removed"} <= stats
+    text = "\n".join(path.read_text() for path in REASON_DOCUMENTS)
+    undocumented = sorted(stat for stat in stats if not re.search(rf"\b{re.escape(stat)}\b", text))
+    assert undocumented == [], f"adapter stats core counts that no document names: {undocumented}"
