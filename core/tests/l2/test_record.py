@@ -368,3 +368,58 @@ def test_every_record_error_has_one_verdict_kept_or_removed() -> None:
         "record_version_unknown",
         "corrupt_records_removed",
     ]
+
+
+def _verdict_of(data: bytes | bytearray, key: ObjectKey, serde: list[str]) -> RecordVerdict | None:
+    """The verdict on ``data`` read back for ``key`` (None: it decodes, served)."""
+    try:
+        decode_header(data, expected_key=key, expected_serde=tuple(serde))
+    except RecordError as exc:
+        return record_verdict(exc)
+    return None
+
+
+@settings(deadline=None, max_examples=300)
+@given(
+    payload_len=st.integers(min_value=0, max_value=5000),
+    salt=st.text(alphabet="abcxyz-_.", max_size=60),
+    serde=st.lists(st.text(alphabet="abcdefgh0123456789_", min_size=1, max_size=12), max_size=4),
+    layout=st.text(alphabet="bf16[],0123456789", max_size=40),
+    align=st.sampled_from([1, 7, 8, 512, 4096, 8192]),
+    other_version=st.integers(min_value=0, max_value=0xFFFF).filter(lambda v: v != 1),
+    version_bit=st.integers(min_value=0, max_value=15),
+    extra=st.integers(min_value=0, max_value=9000),
+    short=st.integers(min_value=1, max_value=1 << 16),
+)
+def test_no_intact_record_of_any_size_chain_or_version_is_judged_damaged(
+    payload_len: int,
+    salt: str,
+    serde: list[str],
+    layout: str,
+    align: int,
+    other_version: int,
+    version_bit: int,
+    extra: int,
+    short: int,
+) -> None:
+    """Removing a record judged damaged loses its write: across record sizes, chains,
+    layouts and alignments (the crc's zero-padding fast path and zlib both), a record of
+    this version read with its whole header is served, and an intact one of another
+    version is kept (NEWER) however much of it was read -- its crc taken when the header
+    was read whole, kept unread otherwise.  Only this version's record whose version field
+    a flipped bit changed, read whole, is damage."""
+    key = ObjectKey("m", 3, b"\xcd" * 32, 1, salt)
+    payload = bytes(range(256)) * (payload_len // 256) + bytes(payload_len % 256)
+    data = bytearray(encode_header(key, payload, serde=serde, layout=layout, align=align) + payload)
+    header_len = header_length(data[:PREFIX_SIZE])
+    # this version, read exactly to the header's end or past it (a fixed-size header read)
+    assert _verdict_of(data[: header_len + extra % (payload_len + 1)], key, serde) is None
+    # another version's intact record: header_length does not judge it; never removed
+    newer = as_version(data, other_version)
+    assert header_length(newer[:PREFIX_SIZE]) == header_len
+    read = header_len + extra % (payload_len + 1) if short % 2 else PREFIX_SIZE + short % header_len
+    assert _verdict_of(newer[:read], key, serde) is RecordVerdict.NEWER
+    # this version's record whose version field a flipped bit changed, read whole: damage
+    flipped = bytearray(data)
+    flipped[4 + version_bit // 8] ^= 1 << version_bit % 8
+    assert _verdict_of(flipped[: header_len + extra % (payload_len + 1)], key, serde) is RecordVerdict.DAMAGED
