@@ -1,0 +1,56 @@
+"""A client hammering requests the front end refuses (an unknown operation, arguments that
+do not decode, an oversized argument, a message without an operation) costs counters, not
+log volume: at most LOG_LINES_PER_SECOND lines a second, and every refusal counted."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import msgspec
+import pytest
+from lmcache_plugin_lmcache_mp.loop import LOG_LINES_PER_SECOND
+from lmcache_plugin_lmcache_mp.wire import MAX_ARGUMENT_BYTES, OPERATION_IDS
+from mpclient import MPClient, mp_address
+
+from lmcache_tiers.server.app import TiersServer
+
+ROUNDS = 500
+ENCODE = msgspec.msgpack.encode
+
+
+def refused_messages(uid: int) -> list[list[bytes]]:
+    lookup = ENCODE(OPERATION_IDS["lookup"])
+    return [
+        [ENCODE(uid), ENCODE(987_654)],  # an unknown operation
+        [ENCODE(uid), lookup, b"\xc1", ENCODE(1)],  # 0xc1 is never valid msgpack
+        [ENCODE(uid)],  # no operation frame
+    ]
+
+
+def test_hammered_refusals_are_logged_at_a_bounded_rate_and_all_counted(
+    mp_server: TiersServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    sent = 0
+    with MPClient(mp_address(mp_server)) as client:
+        for uid in range(ROUNDS):
+            for frames in refused_messages(uid):
+                client.socket.send_multipart(frames)
+                sent += 1
+        # an oversized argument (64 MiB: sent once, as the others cost nothing to repeat)
+        client.socket.send_multipart(
+            [ENCODE(0), ENCODE(OPERATION_IDS["lookup"]), bytes(MAX_ARGUMENT_BYTES + 1), ENCODE(1)]
+        )
+        sent += 1
+        assert client.call("noop") == "OK"  # handled in order: every refusal is in by now
+    failures = mp_server.frontends[0].stats().failures
+    assert failures["mp_unknown_op"] + failures["mp_bad_request"] == sent, failures
+    per_second: Counter[int] = Counter(int(record.created) for record in front_end_lines(caplog.records))
+    assert per_second, "the refusals were not explained in the log at all"
+    assert max(per_second.values()) <= LOG_LINES_PER_SECOND, per_second
+
+
+def front_end_lines(records: list[Any]) -> list[logging.LogRecord]:
+    return [record for record in records if record.name.startswith("lmcache_plugin_lmcache_mp")]
