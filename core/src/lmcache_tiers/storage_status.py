@@ -120,7 +120,11 @@ def _adapter_entry(parts: StorageParts, slot: AdapterSlot) -> dict[str, Any]:
     try:
         entry["usage"] = slot.adapter.usage()
         entry["used_bytes"] = slot.adapter.used_bytes()
-        entry["backend"] = _capped_stats(parts, slot.name, entry, slot.adapter.stats(), _own_stat_names(slot))
+        own = _own_stat_names(slot)
+        entry["backend"] = _capped_stats(parts, slot.name, entry, slot.adapter.stats(), own)
+        if own and isinstance(entry["backend"], Mapping):
+            # /metrics exports these always, and caps only the plugin's (metrics.py)
+            entry["backend_own_stats"] = sorted(stat for stat in entry["backend"] if stat in own)
     except Exception as exc:  # a dead backend still gets a status line
         entry["error"] = f"{type(exc).__name__}: {exc}"
         parts.stats.fail(STATUS_ERROR)

@@ -496,3 +496,28 @@ def test_a_plugin_with_many_stats_does_not_push_out_the_core_s_own(
     assert entry["backend_stats_left_out"] == len(adapter.stats()) - MAX_EXPORTED_STATS
     found = samples(scrape(server))
     assert ("lmcache_tiers_adapter_circuit_open", (("adapter", entry["name"]),)) in found
+
+
+def test_a_core_stat_that_first_appears_past_the_cap_is_exported(
+    make_server: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The /metrics cap keeps the stats it exported before (no flapping series), but that
+    applies to the plugin's stats only: a drop the core first counts after a plugin's 300
+    stats filled the cap must still become an ``adapter_stat`` series."""
+    server = make_server(adapters=[MOCK_ADAPTER], metrics_port=free_port())
+    adapter = server.storage._parts.slots[0].adapter
+    per_object = {f"a_object_{n:05d}": n for n in range(300)}
+    monkeypatch.setattr(adapter.backend, "stats", lambda: per_object, raising=False)
+    name = server.status()["adapters"][0]["name"]
+    first = samples(scrape(server))
+    new_drop = ("lmcache_tiers_adapter_stat", (("adapter", name), ("stat", "zz_core_drop")))
+    assert new_drop not in first
+    adapter.state.count("zz_core_drop", 3)  # counted by the core: one of the adapter's own
+    second = samples(scrape(server))
+    assert second[new_drop] == 3.0
+    plugin_exported = {
+        dict(labels)["stat"]
+        for metric, labels in second
+        if metric == "lmcache_tiers_adapter_stat" and dict(labels)["stat"].startswith("a_object_")
+    }
+    assert len(plugin_exported) <= MAX_EXPORTED_STATS
