@@ -1,11 +1,14 @@
 """LMCache's own MP client, driven line by line (run by the reference venv).
 
-Usage: ``python lmcache_ref_driver.py URL``; each stdin line is a JSON command, each answer
+Usage: ``python lmcache_ref_driver.py``; each stdin line is a JSON command, each answer
 one JSON line on stdout.  The client (one ``RequestClient``, and the shared-memory transfer
 context of the latest registration) lives across commands, so a test can restart the
 server between a store and a retrieve and see what LMCache's client code does next.
 
 Commands (``op`` plus fields):
+* ``connect``: url; closes the previous client and its mapping, if any, and starts a fresh
+  ``RequestClient`` -- one process (its seconds of importing torch and LMCache) then serves
+  many tests, each on a client of its own
 * ``register``: instance, model, world_size, layers, slots, hidden, dtype; maps the segment
   the server names (LMCache's ``EngineDrivenContextShm``) -> shm_name, pool_size
 * ``store``: instance, model, world_size, worker, tokens, start, end, request, seed; fills
@@ -28,15 +31,29 @@ from lmcache.v1.distributed.api import MemoryLayoutDesc
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey, RegisterEngineDrivenContextPayload
 from lmcache.v1.multiprocess.transfer_context.base import EngineDrivenContextMetadata
 from lmcache.v1.multiprocess.transfer_context.shm import EngineDrivenContextShm
+from lmcache.v1.multiprocess.transport.base import RequestClient
 from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
 TIMEOUT_S = 3.0
 
 
 class Driver:
-    def __init__(self, url: str) -> None:
-        self.client = RequestClientFactory.create(url, context=zmq.Context.instance())
+    def __init__(self) -> None:
+        self.client: RequestClient | None = None
         self.shm: EngineDrivenContextShm | None = None
+
+    def connect(self, c: dict[str, Any]) -> dict[str, Any]:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
+        if self.client is not None:
+            self.client.close()
+        self.client = RequestClientFactory.create(c["url"], context=zmq.Context.instance())
+        return {"connected": c["url"]}
+
+    def connected(self) -> RequestClient:
+        assert self.client is not None, "connect first"
+        return self.client
 
     def register(self, c: dict[str, Any]) -> dict[str, Any]:
         payload = RegisterEngineDrivenContextPayload(
@@ -50,7 +67,7 @@ class Driver:
             use_mla=False,
             num_physical_slots=c["slots"],
         )
-        reply = self.client.register_kv_cache_engine_driven_context(payload).result(timeout=TIMEOUT_S)
+        reply = self.connected().register_kv_cache_engine_driven_context(payload).result(timeout=TIMEOUT_S)
         shape = torch.Size([2, c["layers"], c["slots"], c["hidden"]])
         metadata = EngineDrivenContextMetadata(
             layout_desc=MemoryLayoutDesc(shapes=[shape], dtypes=[getattr(torch, c["dtype"])]),
@@ -59,7 +76,9 @@ class Driver:
         )
         if self.shm is not None:
             self.shm.close()
-        self.shm = EngineDrivenContextShm(metadata, self.client, TIMEOUT_S, reply.shm_name, reply.pool_size)
+        self.shm = EngineDrivenContextShm(
+            metadata, self.connected(), TIMEOUT_S, reply.shm_name, reply.pool_size
+        )
         return {"shm_name": reply.shm_name, "pool_size": reply.pool_size}
 
     @staticmethod
@@ -100,8 +119,8 @@ class Driver:
         return {"digests": digests}
 
     def lookup(self, c: dict[str, Any]) -> dict[str, Any]:
-        self.client.lookup(self.key(c, None), 1)
-        hits = self.client.wait_prefetch_status(c["request"], TIMEOUT_S).result(timeout=TIMEOUT_S + 2)
+        self.connected().lookup(self.key(c, None), 1)
+        hits = self.connected().wait_prefetch_status(c["request"], TIMEOUT_S).result(timeout=TIMEOUT_S + 2)
         return {"hits": hits}
 
 
@@ -110,7 +129,7 @@ def sha(view: torch.Tensor) -> str:
 
 
 def main() -> int:
-    driver = Driver(sys.argv[1])
+    driver = Driver()
     for line in sys.stdin:
         command = json.loads(line)
         try:

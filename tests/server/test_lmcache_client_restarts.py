@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +25,20 @@ LAYOUT = {"layers": 2, "slots": 256, "hidden": 64, "dtype": "bfloat16"}
 class RefClient:
     """One LMCache client process; ``call`` sends a command and returns its answer."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [str(REF_VENV / "bin" / "python"), str(HERE / "lmcache_ref_driver.py"), url],
+            [str(REF_VENV / "bin" / "python"), str(HERE / "lmcache_ref_driver.py")],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env={**os.environ, **REF_ENV},
         )
+
+    def connect(self, url: str) -> RefClient:
+        """A fresh LMCache client on ``url``: the previous one and its mapping are closed."""
+        answer = self.call("connect", url=url)
+        assert answer == {"connected": url}, answer
+        return self
 
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -48,6 +55,41 @@ class RefClient:
         self.proc.wait(timeout=60)
 
 
+class RefClients:
+    """The module's LMCache client processes.  Starting one costs seconds of importing torch
+    and LMCache, so a test takes an idle one and connects it to its own server afresh (the
+    previous test's client and mapping are closed first): every test still runs on a client
+    of its own."""
+
+    def __init__(self) -> None:
+        self.started: list[RefClient] = []
+        self.idle: list[RefClient] = []
+
+    def connect(self, url: str) -> RefClient:
+        if not self.idle:
+            self.started.append(RefClient())
+            self.idle.append(self.started[-1])
+        return self.idle.pop().connect(url)
+
+    def give_back(self, client: RefClient) -> None:
+        if client.proc.poll() is None:
+            self.idle.append(client)
+
+    def close(self) -> None:
+        for client in self.started:
+            if client.proc.poll() is None:
+                client.close()
+
+
+@pytest.fixture(scope="module")
+def ref_clients() -> Iterator[RefClients]:
+    clients = RefClients()
+    try:
+        yield clients
+    finally:
+        clients.close()
+
+
 def serve(tmp_path: Path, name: str, **options: Any) -> ServerProcess:
     return start_server(tmp_path / name, l1_size_gb=0.25, frontends=[{"type": "lmcache_mp"}], **options)
 
@@ -57,13 +99,15 @@ def request(name: str, **fields: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
-def test_a_restarted_server_never_honours_the_old_segment(tmp_path: Path, sig: int) -> None:
+def test_a_restarted_server_never_honours_the_old_segment(
+    tmp_path: Path, sig: int, ref_clients: RefClients
+) -> None:
     """Same port and segment name after the restart: the client's calls on its old
     registration get misses or refusals, and once it registers again its chunks round-trip."""
     port, metrics_port = free_ports(2)
     options = {"port": port, "metrics_port": metrics_port, "l1_shm_name": f"ref_restart_{port}"}
     server = serve(tmp_path, "first", **options)
-    client = RefClient(server.url)
+    client = ref_clients.connect(server.url)
     try:
         assert client.call("register", instance=1, model=MODEL, world_size=1, **LAYOUT)["pool_size"] > 0
         stored = client.call("store", instance=1, seed=5, **request("r1"))
@@ -84,7 +128,7 @@ def test_a_restarted_server_never_honours_the_old_segment(tmp_path: Path, sig: i
         got = client.call("retrieve", instance=1, **request("r3"))["digests"]
         assert got == [stored["digests"]["0"], stored["digests"]["1"]]
     finally:
-        client.close()
+        ref_clients.give_back(client)
         server.stop()
 
 
@@ -97,10 +141,10 @@ def test_a_restarted_server_never_honours_the_old_segment(tmp_path: Path, sig: i
     ],
 )
 def test_object_sizes_off_the_alignment_and_other_chunk_sizes(
-    tmp_path: Path, chunk_size: int, layout: dict[str, Any]
+    tmp_path: Path, chunk_size: int, layout: dict[str, Any], ref_clients: RefClients
 ) -> None:
     server = serve(tmp_path, "server", chunk_size=chunk_size)
-    client = RefClient(server.url)
+    client = ref_clients.connect(server.url)
     tokens = [1] + [2] * (3 * chunk_size)
     try:
         client.call("register", instance=7, model=MODEL, world_size=1, **layout)
@@ -111,13 +155,13 @@ def test_object_sizes_off_the_alignment_and_other_chunk_sizes(
         got = client.call("retrieve", instance=7, **fields)["digests"]
         assert got == [stored["digests"][str(i)] for i in range(3)]
     finally:
-        client.close()
+        ref_clients.give_back(client)
         server.stop()
 
 
-def test_world_size_two_with_one_rank_missing_hits_nothing(tmp_path: Path) -> None:
+def test_world_size_two_with_one_rank_missing_hits_nothing(tmp_path: Path, ref_clients: RefClients) -> None:
     server = serve(tmp_path, "server")
-    client = RefClient(server.url)
+    client = ref_clients.connect(server.url)
     try:
         client.call("register", instance=1, model=MODEL, world_size=2, **LAYOUT)
         fields = request("rank0", world_size=2)
@@ -126,11 +170,13 @@ def test_world_size_two_with_one_rank_missing_hits_nothing(tmp_path: Path) -> No
         assert client.call("lookup", **fields, readers=1)["hits"] == 0
         assert client.call("retrieve", instance=1, worker=1, **fields) == {"digests": None}
     finally:
-        client.close()
+        ref_clients.give_back(client)
         server.stop()
 
 
-def test_a_client_left_on_the_old_segment_cannot_store_garbage(tmp_path: Path) -> None:
+def test_a_client_left_on_the_old_segment_cannot_store_garbage(
+    tmp_path: Path, ref_clients: RefClients
+) -> None:
     """Two client processes with the same instance id (fixed ids, as ``lmcache bench server``
     uses): after a restart, one registers again and the other does not.  The other's mapping
     is of the old server's segment, so whatever it copies never reaches the new server's
@@ -138,13 +184,13 @@ def test_a_client_left_on_the_old_segment_cannot_store_garbage(tmp_path: Path) -
     port, metrics_port = free_ports(2)
     options = {"port": port, "metrics_port": metrics_port, "l1_shm_name": f"ref_stale_{port}"}
     server = serve(tmp_path, "first", **options)
-    stale = RefClient(server.url)
+    stale = ref_clients.connect(server.url)
     fresh = None
     try:
         stale.call("register", instance=1, model=MODEL, world_size=1, **LAYOUT)
         server.stop()
         server = serve(tmp_path, "second", **options)
-        fresh = RefClient(server.url)
+        fresh = ref_clients.connect(server.url)
         fresh.call("register", instance=1, model=MODEL, world_size=1, **LAYOUT)
         stored = stale.call("store", instance=1, seed=21, **request("stale"))
         got = fresh.call("retrieve", instance=1, **request("stale"))["digests"]
@@ -161,18 +207,20 @@ def test_a_client_left_on_the_old_segment_cannot_store_garbage(tmp_path: Path) -
         got = stale.call("retrieve", instance=1, **request("fresh"))["digests"]
         assert got == [written["digests"]["0"], written["digests"]["1"]]
     finally:
-        stale.close()
+        ref_clients.give_back(stale)
         if fresh is not None:
-            fresh.close()
+            ref_clients.give_back(fresh)
         server.stop()
 
 
-def test_a_store_into_l1_full_of_read_locked_chunks_is_refused_and_counted(tmp_path: Path) -> None:
+def test_a_store_into_l1_full_of_read_locked_chunks_is_refused_and_counted(
+    tmp_path: Path, ref_clients: RefClients
+) -> None:
     """32 MiB chunks in a 256 MiB L1: six stored and held by a lookup's read locks leave no
     room for three more.  LMCache's client gets an answer (no slots: it skips its copy and
     commit), the refusal is counted, and neither request's bytes are disturbed."""
     server = serve(tmp_path, "server")
-    client = RefClient(server.url)
+    client = ref_clients.connect(server.url)
     big = {"layers": 32, "slots": 256, "hidden": 1024, "dtype": "bfloat16"}
     held = request("held", tokens=[5] + [6] * (6 * 256), end=6 * 256)
     refused = request("refused", tokens=[8] + [9] * (3 * 256), end=3 * 256)
@@ -190,5 +238,5 @@ def test_a_store_into_l1_full_of_read_locked_chunks_is_refused_and_counted(tmp_p
         got = client.call("retrieve", instance=3, **held)["digests"]
         assert got == [stored["digests"][str(i)] for i in range(6)]
     finally:
-        client.close()
+        ref_clients.give_back(client)
         server.stop()
