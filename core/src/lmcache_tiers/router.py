@@ -23,6 +23,7 @@ import errno
 import itertools
 import logging
 import os
+import resource
 import socket
 import stat
 import tempfile
@@ -35,6 +36,7 @@ from typing import Any
 import zmq
 
 from lmcache_tiers.activity import DATA_PLANE
+from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.frontend import FrontendStats
 from lmcache_tiers.server.priority import share_priority, thread_ids, threads_named
 
@@ -89,6 +91,7 @@ class RouterLoop:
         self.name = name
         self.stats = stats
         self.sweep_interval_s = sweep_interval_s
+        self._open_files_log = BurstLog(logger, "open_files_exhausted")
         self.drain_timeout_s = drain_timeout_s
         before = thread_ids()
         self._context = zmq.Context()
@@ -323,6 +326,7 @@ class RouterLoop:
                 self.heartbeat = now
                 if now >= next_sweep:
                     try:
+                        self._note_open_files()
                         sweep(now)
                         self.stats.pool_tasks = self.in_pool
                     except Exception:
@@ -348,6 +352,29 @@ class RouterLoop:
             if self.draining and not self._force_stop:
                 self._let_replies_land(receive_one)
             self._close_sockets()
+
+    def _note_open_files(self) -> None:
+        """At the descriptor limit libzmq's accept fails with EMFILE and is retried without
+        a word to the application: new clients only time out.  A sweep that cannot open one
+        descriptor (while clients wait, libzmq takes each one freed at once) counts
+        ``open_files_exhausted`` and logs it once per burst."""
+        try:
+            probe = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno != errno.EMFILE:
+                return
+        else:
+            os.close(probe)
+            return
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self.stats.failure("open_files_exhausted")
+        self._open_files_log.warn(
+            "open_files",
+            "%s: open files limit reached (ulimit -n is %d): new clients cannot connect and "
+            "wait until their timeout, nor can /metrics be scraped; raise ulimit -n",
+            self.name,
+            soft,
+        )
 
     def _let_replies_land(self, receive_one: Callable[[], None]) -> None:
         """Keep refusing requests for a moment before the socket closes.
