@@ -1720,3 +1720,36 @@ def test_a_cluster_primary_that_does_not_answer_leaves_the_others_checked(
         assert any(dead.address in message for message in unchecked), unchecked
     finally:
         cluster.stop()
+
+
+def test_a_cluster_primary_that_denies_multi_is_said_to_refuse_the_check(
+    redis_cluster: RedisClusterNodes,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A primary whose ACL denies MULTI answered the check: it refused it.  The warning
+    # says so, rather than that the node did not answer (which would send an operator
+    # looking for a network fault); the adapter still opens, as on a single store.
+    user = f"nomulti-{uuid.uuid4().hex[:8]}"
+    last = len(redis_cluster.nodes) - 1
+    for number, node in enumerate(redis_cluster.nodes):
+        rules = ["~*", "+@all", "-multi"] if number == last else ["~*", "+@all"]
+        node.cli("ACL", "SETUSER", user, "reset", "on", ">nomulti-pw", *rules)
+    try:
+        with caplog.at_level(logging.WARNING):
+            open_adapter(
+                startup_nodes=redis_cluster.startup_nodes,
+                cluster_mode=True,
+                key_prefix=prefix,
+                username=user,
+                password="nomulti-pw",
+            )
+    finally:
+        for node in redis_cluster.nodes:
+            node.cli("ACL", "DELUSER", user)
+    unchecked = [r.getMessage() for r in caplog.records if "could not check" in r.getMessage()]
+    refusing = redis_cluster.nodes[last].address
+    said = f"{refusing}: refused the check's commands (NoPermissionError"
+    assert any(said in message for message in unchecked), unchecked
+    assert not any("did not answer" in message for message in unchecked), unchecked

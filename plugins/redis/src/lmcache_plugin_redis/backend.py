@@ -182,6 +182,14 @@ def permission_refusals(client: Redis, name: str) -> tuple[list[str], list[str]]
     return refusals, unchecked
 
 
+def _unanswered_check(exc: Exception) -> str:
+    """Why a node gave the permission check no verdict, by its cause: an error reply (an
+    ACL denying MULTI or DISCARD themselves, a store refusing transactions) is the node
+    answering, and an operator should look at its ACL, not at the network."""
+    cause = "refused the check's commands" if isinstance(exc, ResponseError) else "did not answer"
+    return f"{cause} ({type(exc).__name__}: {exc})"
+
+
 #: how many probe names a cluster's permission check tries to find one per primary: a
 #: name's slot is spread evenly, so a few dozen cover any real cluster's primaries
 _PROBE_NAME_TRIES = 1 << 16
@@ -465,8 +473,8 @@ class RedisBackend:
                 continue
             try:
                 node_denied, node_unchecked = permission_refusals(client.get_redis_connection(node), name)
-            except (RedisError, RedisClusterException) as exc:  # down or hung: it heals like any
-                unchecked.append(f"{node.name}: did not answer ({type(exc).__name__}: {exc})")
+            except (RedisError, RedisClusterException) as exc:  # down, hung or refusing: it heals like any
+                unchecked.append(f"{node.name}: {_unanswered_check(exc)}")
                 continue
             denied += [f"{node.name} {refusal}" for refusal in node_denied]
             unchecked += [f"{node.name} {refusal}" for refusal in node_unchecked]
