@@ -47,7 +47,7 @@ def _redis_store(tmp_path: Path, stack: ExitStack) -> SharedStore:
         pytest.skip(reason)
     server = RedisServer(tmp_path / "redis").start()
     stack.callback(server.stop)
-    return {"type": "redis", "url": server.url, "key_prefix": f"shared-{uuid.uuid4().hex[:8]}:"}, {}
+    return {"type": "redis", "url": server.url}, {}
 
 
 def _s3_store(tmp_path: Path, stack: ExitStack) -> SharedStore:
@@ -56,7 +56,7 @@ def _s3_store(tmp_path: Path, stack: ExitStack) -> SharedStore:
     from lmcache_tiers.testing.seaweedfs import serving
 
     seaweed = stack.enter_context(serving(tmp_path / "seaweedfs", buckets=["shared"]))
-    adapter = {"type": "s3", "bucket": "shared", "prefix": "tiers", "endpoint_url": seaweed.endpoint}
+    adapter = {"type": "s3", "bucket": "shared", "endpoint_url": seaweed.endpoint}
     return adapter, seaweed.env
 
 
@@ -65,12 +65,26 @@ STORES: dict[str, Callable[[Path, ExitStack], SharedStore]] = {
     "s3": _s3_store,
 }
 
+#: the adapter field naming each test's own part of the store, and the separator after it
+NAMESPACE_FIELD = {"redis": ("key_prefix", ":"), "s3": ("prefix", "")}
 
-@pytest.fixture(params=sorted(STORES))
-def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SharedStore]:
-    """One store both servers use: (the adapter object without capacity, the servers' env)."""
+
+@pytest.fixture(scope="module", params=sorted(STORES))
+def store_service(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, SharedStore]]:
+    """One Redis or SeaweedFS for the module's tests (starting one takes seconds); each test
+    works under a namespace of its own in it, so no test sees another's records."""
     with ExitStack() as stack:
-        yield STORES[request.param](tmp_path, stack)
+        yield request.param, STORES[request.param](tmp_path_factory.mktemp(request.param), stack)
+
+
+@pytest.fixture
+def shared_store(store_service: tuple[str, SharedStore]) -> SharedStore:
+    """One store both servers use: (the adapter object without capacity, the servers' env)."""
+    kind, (adapter, env) = store_service
+    field, separator = NAMESPACE_FIELD[kind]
+    return {**adapter, field: f"shared-{uuid.uuid4().hex[:8]}{separator}"}, env
 
 
 class Node:
