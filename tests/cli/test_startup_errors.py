@@ -541,6 +541,24 @@ def test_an_open_files_limit_too_low_to_start_is_one_line_naming_ulimit_n() -> N
     ], result.stderr
 
 
+def test_a_start_that_runs_out_of_open_files_anyway_is_one_line_naming_ulimit_n(tmp_path: Path) -> None:
+    # Above the pre-flight's floor, eight fs adapters still ran out: a bare ZMQError line.
+    adapters = [
+        arg
+        for index in range(8)
+        for arg in ("--l2-adapter", json.dumps({"type": "fs", "path": str(tmp_path / f"l2-{index}")}))
+    ]
+    if "fs" not in load_registry().names(Kind.L2_ADAPTER):
+        pytest.skip("the fs adapter plugin is not installed")
+    result = _serve_with_open_files(preflight.SERVE_OPEN_FILES, "--metrics-port", "0", *adapters)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: ulimit -n {preflight.SERVE_OPEN_FILES}: serve ran out of open files while starting "
+        f"(each L2 adapter and front end takes some); raise the limit "
+        f"(ulimit -n {preflight.RECOMMENDED_OPEN_FILES})"
+    ), result.stderr
+
+
 def test_a_low_open_files_limit_is_warned_about_at_start(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -522,7 +522,7 @@ def run_server(
                 # Past the pre-flight's floor (more adapters or plugins than it counts):
                 # the limit is what to change, whichever socket or file hit it.
                 logger.debug("start-up ran out of open files", exc_info=True)
-                _print_error(errors, str(open_files_refusal(open_files_limit())))
+                _print_error(errors, str(open_files_refusal(open_files_limit(), while_starting=True)))
                 return 2
             if isinstance(exc, (TiersError, OSError)):
                 _print_error(errors, f"cannot start the server: {exc}")

@@ -88,14 +88,18 @@ def open_files_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
-def open_files_refusal(limit: int | None) -> ConfigError:
-    """The one line for a start that ran out of descriptors (EMFILE) under ``limit``."""
+def open_files_refusal(limit: int | None, *, while_starting: bool = False) -> ConfigError:
+    """The one line for a limit below what serve needs to start, or (``while_starting``)
+    for a start that ran out of descriptors (EMFILE) under ``limit`` all the same."""
     shown = "unlimited" if limit is None else str(limit)
-    return ConfigError(
-        f"ulimit -n {shown}: serve needs at least {SERVE_OPEN_FILES} open files to start and "
-        f"about {RECOMMENDED_OPEN_FILES} to serve many clients; raise the limit "
-        f"(ulimit -n {RECOMMENDED_OPEN_FILES})"
-    )
+    if while_starting:
+        need = "serve ran out of open files while starting (each L2 adapter and front end takes some)"
+    else:
+        need = (
+            f"serve needs at least {SERVE_OPEN_FILES} open files to start and about "
+            f"{RECOMMENDED_OPEN_FILES} to serve many clients"
+        )
+    return ConfigError(f"ulimit -n {shown}: {need}; raise the limit (ulimit -n {RECOMMENDED_OPEN_FILES})")
 
 
 def check_open_files(config: ServerConfig) -> None:
