@@ -15,6 +15,7 @@ from lmcache_plugin_nixl import runtime as runtime_module
 from lmcache_plugin_nixl.memory import buffer_address
 from lmcache_plugin_nixl.runtime import NixlRuntime, NixlTransferError, descriptors
 from lmcache_plugin_nixl.transfers import pieces
+from stalled_fifo import stalled_read
 
 MIB = 1 << 20
 
@@ -95,36 +96,21 @@ def test_a_transfer_past_its_deadline_is_waited_for_before_its_memory_is_given_b
     gives back (an L1 extent, a staging block) -- the late bytes would overwrite whatever
     owns that memory next."""
     monkeypatch.setattr(runtime_module, "TRANSFER_TIMEOUT_S", 0.3)
-    shared = NixlRuntime.shared()
-    runtime = NixlRuntime(shared.api, shared.module_name)  # an agent of its own: other POSIX params
-    runtime.ensure_backend("POSIX", {"use_posix_aio": "true"})
-    fifo = tmp_path / "stalled"
-    os.mkfifo(fifo)
-    fd = os.open(fifo, os.O_RDWR)  # read-write: opening does not wait for a writer
-    memory = mmap.mmap(-1, 4096)
-    view = memoryview(memory)
-    dram = runtime.register_dram("POSIX", [(buffer_address(view), 4096)])
-    files = runtime.register_files("POSIX", [fd])
-    late = threading.Timer(1.5, os.write, (fd, b"late" * 1024))
-    late.start()
-    try:
-        request = (descriptors([(buffer_address(view), 4096, 0)]), descriptors([(0, 4096, fd)]))
+    with stalled_read(tmp_path) as stalled:
+        late = threading.Timer(1.5, os.write, (stalled.fd, b"late" * 1024))
+        late.start()
         try:
-            runtime.transfer_many("POSIX", "READ", [request], "FILE")
-        except NixlTransferError:
-            pass
-        at_return = bytes(view)
-        late.join()
-        time.sleep(0.5)
-        assert bytes(view) == at_return, "bytes landed in the memory after the transfer returned"
-        assert "NIXL READ on POSIX still running" in caplog.text, "a stalled transfer is reported"
-    finally:
-        late.cancel()
-        files.release()
-        dram.release()
-        os.close(fd)
-        view.release()
-        memory.close()
+            try:
+                stalled.runtime.transfer_many("POSIX", "READ", [stalled.request], "FILE")
+            except NixlTransferError:
+                pass
+            at_return = bytes(stalled.view)
+            late.join()
+            time.sleep(0.5)
+            assert bytes(stalled.view) == at_return, "bytes landed in the memory after the transfer returned"
+            assert "NIXL READ on POSIX still running" in caplog.text, "a stalled transfer is reported"
+        finally:
+            late.cancel()
 
 
 def test_a_request_that_fails_while_another_runs_waits_for_the_other(tmp_path: Path) -> None:
