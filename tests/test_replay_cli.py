@@ -11,6 +11,9 @@ import psutil
 import pytest
 from replay_helpers import BLOCK_BYTES, small_trace, start_block_server
 from thirdparty import launch_cli, run_cli
+from tiers_e2e import ServerProcess
+
+from lmcache_tiers.client import Client
 
 
 def _error_line(result) -> str:  # type: ignore[no-untyped-def]
@@ -348,7 +351,7 @@ def test_a_server_that_dies_mid_replay_ends_it_in_one_line(tmp_path: Path) -> No
     ]
     replay = launch_cli(args)
     try:
-        time.sleep(2.0)
+        _wait_until_replaying(server, stores=10)
         assert replay.poll() is None, "the replay ended before the server was killed"
         server.stop(signal.SIGKILL)
         out, err = replay.communicate(timeout=120)
@@ -360,6 +363,16 @@ def test_a_server_that_dies_mid_replay_ends_it_in_one_line(tmp_path: Path) -> No
     line = err.strip().splitlines()[-1]
     assert line.startswith(f"error: replay through {server.url} failed: the server stopped answering: "), err
     assert "3 requests in a row got no reply" in line
+
+
+def _wait_until_replaying(server: ServerProcess, stores: int) -> None:
+    """Until the server has taken ``stores`` stores: the replay is under way (a fixed sleep
+    says nothing of it on a loaded machine, and idles on a fast one)."""
+    deadline = time.monotonic() + 60
+    with Client(server.url, timeout=30) as probe:
+        while probe.status()["server"]["stores"] < stores:
+            assert time.monotonic() < deadline, "the replay stored nothing"
+            time.sleep(0.05)
 
 
 def _running(process: psutil.Process) -> bool:
@@ -386,7 +399,7 @@ def test_client_processes_end_with_the_replay_that_started_them(tmp_path: Path, 
             children = psutil.Process(replay.pid).children()
             workers = [child for child in children if "spawn_main" in " ".join(child.cmdline())]
             time.sleep(0.1)
-        time.sleep(3.0)  # replaying by now
+        _wait_until_replaying(server, stores=10)
         signalled = time.monotonic()
         replay.send_signal(sig)
         while any(_running(worker) for worker in [psutil.Process(replay.pid), *workers]):
