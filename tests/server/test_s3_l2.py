@@ -47,8 +47,17 @@ REQUEST_TIMEOUT_S = 3.0
 HANG_GUARD_S = 60.0
 
 
+@pytest.fixture(scope="module")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    """One SeaweedFS for the tests that leave it running (starting one takes seconds); each
+    works under a prefix of its own."""
+    with serving(tmp_path_factory.mktemp("seaweedfs"), buckets=[BUCKET]) as server:
+        yield server
+
+
 @pytest.fixture
-def seaweed(tmp_path: Path) -> Iterator[SeaweedS3]:
+def own_seaweed(tmp_path: Path) -> Iterator[SeaweedS3]:
+    """A SeaweedFS for one test alone: it kills and restarts it."""
     with serving(tmp_path / "seaweedfs", buckets=[BUCKET]) as server:
         yield server
 
@@ -129,7 +138,7 @@ def test_a_restarted_server_finds_its_chunks_in_the_bucket(seaweed: SeaweedS3, t
 
 
 def test_two_servers_share_one_bucket(seaweed: SeaweedS3, tmp_path: Path) -> None:
-    adapter = s3_adapter(seaweed, "shared")
+    adapter = s3_adapter(seaweed, f"shared-{uuid.uuid4().hex[:8]}")
     one = start(seaweed, tmp_path / "one", adapter)
     two = start(seaweed, tmp_path / "two", adapter)
     try:
@@ -142,7 +151,8 @@ def test_two_servers_share_one_bucket(seaweed: SeaweedS3, tmp_path: Path) -> Non
         stop(two)
 
 
-def test_an_s3_outage_mid_run_is_survived_and_healed(seaweed: SeaweedS3, tmp_path: Path) -> None:
+def test_an_s3_outage_mid_run_is_survived_and_healed(own_seaweed: SeaweedS3, tmp_path: Path) -> None:
+    seaweed = own_seaweed
     adapter = s3_adapter(
         seaweed,
         "outage",
