@@ -266,13 +266,13 @@ def test_an_ipc_path_longer_than_a_unix_socket_address_takes_is_refused(tmp_path
 
 
 def test_an_ipc_path_whose_private_bind_directory_is_too_long_is_refused(tmp_path: Path) -> None:
-    # The socket is bound as DIR/.XXXXXXXX/s first (12 bytes more than DIR), then renamed.
-    directory = tmp_path / ("d" * (96 - len(f"{tmp_path}/")))
+    # The socket is bound as DIR/.tiers-XXXXXXXX/s first (18 bytes more than DIR), then linked.
+    directory = tmp_path / ("d" * (90 - len(f"{tmp_path}/")))
     directory.mkdir()
-    path = f"{directory}/s.sock"  # 103 bytes: a client could connect to it
+    path = f"{directory}/s.sock"  # 97 bytes: a client could connect to it
     line = _serve_refused(["--no-default-l2", "--host", f"ipc://{path}"])
     assert line == (
-        f"error: --host ipc://{path}: the server binds it first as {directory}/.XXXXXXXX/s "
+        f"error: --host ipc://{path}: the server binds it first as {directory}/.tiers-XXXXXXXX/s "
         "(108 bytes), and a Unix socket address holds at most 107; give a path in a shorter directory"
     )
 

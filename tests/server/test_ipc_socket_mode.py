@@ -9,15 +9,24 @@ chmod after the bind) or not (linked there, finished, from where nobody else cou
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import os
+import signal
 import socket
 import stat
 import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
+from lmcache_tiers.errors import SettingRefused
 from lmcache_tiers.frontend import FrontendStats
 from lmcache_tiers.router import RouterLoop
+from lmcache_tiers.server import preflight
 
 _IN_ATTRIB = 0x4
 _IN_CREATE = 0x100
@@ -151,3 +160,153 @@ def test_a_server_stopping_leaves_a_socket_that_is_not_its_own(tmp_path: Path) -
         assert path.exists(), "the stop removed another server's socket"
     finally:
         other.close()
+
+
+def _killed_while_binding(directory: Path) -> None:
+    """Run a server that SIGKILLs itself between its bind and placing the socket at its
+    path (after the bind, before the link): what it leaves behind is what a server
+    killed while binding leaves."""
+    script = (
+        "import os, signal\n"
+        "from lmcache_tiers import router\n"
+        "from lmcache_tiers.frontend import FrontendStats\n"
+        "router._place_socket = lambda *_: os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"router.RouterLoop('ipc://{directory}/tiers.sock', name='killed', stats=FrontendStats(),"
+        " pool_workers=1, max_frame_bytes=1 << 20, sweep_interval_s=0.05, drain_timeout_s=0.0)\n"
+    )
+    child = subprocess.run([sys.executable, "-c", script], env=_child_env(), check=False)
+    assert child.returncode == -signal.SIGKILL, child
+
+
+def _child_env() -> dict[str, str]:
+    import lmcache_tiers
+
+    core_src = str(Path(lmcache_tiers.__file__).parent.parent)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([core_src, os.environ.get("PYTHONPATH", "")])}
+
+
+def test_a_bind_directory_left_by_a_server_killed_while_binding_is_removed_at_the_next_start(
+    tmp_path: Path,
+) -> None:
+    _killed_while_binding(tmp_path)
+    [first] = tmp_path.iterdir()
+    assert (first / "s").is_socket(), first
+    _killed_while_binding(tmp_path)
+    leftovers = list(tmp_path.iterdir())
+    assert leftovers != [first] and len(leftovers) == 1, f"the bind directories pile up: {leftovers}"
+    loop = _router(tmp_path / "tiers.sock", "restarted")
+    try:
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["tiers.sock"], (
+            "the directories of the killed servers are still there"
+        )
+    finally:
+        loop.close()
+
+
+def test_a_racing_servers_bind_directory_is_left_alone(tmp_path: Path) -> None:
+    # A server binding now: its directory may be empty (just made), hold a socket that
+    # answers (bound), or hold one that refuses (between libzmq's bind and listen) while
+    # the server holds the directory's lock.  Anything not a socket is not ours either.
+    empty = tmp_path / ".tiers-empty000"
+    empty.mkdir()
+    answering = tmp_path / ".tiers-answers0"
+    answering.mkdir()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(answering / "s"))
+    listener.listen()
+    locked = tmp_path / ".tiers-locked00"
+    locked.mkdir()
+    lock = os.open(locked, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    not_yet_listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    not_yet_listening.bind(str(locked / "s"))
+    strange = tmp_path / ".tiers-strange0"
+    strange.mkdir()
+    (strange / "s").write_bytes(b"not a socket")
+    in_use = sorted([empty.name, answering.name, locked.name, strange.name])
+    # the lock is another process's in real life: a second open file description is
+    # enough for flock to tell them apart
+    loop = _router(tmp_path / "tiers.sock", "started")
+    try:
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*in_use, "tiers.sock"])
+        assert (locked / "s").is_socket() and (answering / "s").is_socket()
+    finally:
+        loop.close()
+        listener.close()
+        not_yet_listening.close()
+        os.close(lock)
+
+
+def _full_backlog_listener(path: Path) -> tuple[socket.socket, list[socket.socket]]:
+    """A live socket at ``path`` that accepts nobody (a server at its open files limit)
+    and whose listen backlog is full: a further connect would have to wait for room."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(0)
+    waiting: list[socket.socket] = []
+    for _ in range(1000):
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.setblocking(False)
+        try:
+            client.connect(str(path))
+        except BlockingIOError:
+            client.close()
+            return listener, waiting
+        waiting.append(client)
+    raise AssertionError("the backlog never filled")
+
+
+def _finishes(work: Callable[[], object], listener: socket.socket) -> object:
+    """Run ``work`` in a thread; if it has not ended after a generous while, it is stuck
+    on the full backlog: accept the waiting connections so that it ends, and fail."""
+    outcome: list[object] = []
+    thread = threading.Thread(target=lambda: outcome.append(_outcome(work)), daemon=True)
+    thread.start()
+    thread.join(30)
+    if thread.is_alive():
+        listener.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                listener.accept()[0].close()
+        thread.join()
+        raise AssertionError("the probe of a live socket with a full backlog blocked")
+    return outcome[0]
+
+
+def _outcome(work: Callable[[], object]) -> object:
+    try:
+        return work()
+    except Exception as exc:
+        return exc
+
+
+def test_a_live_socket_with_a_full_backlog_at_the_path_refuses_the_bind_without_blocking(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "tiers.sock"
+    listener, waiting = _full_backlog_listener(path)
+    try:
+        owned = path.stat().st_ino
+        result = _finishes(lambda: _router(path, "second"), listener)
+        if isinstance(result, RouterLoop):
+            result.close()
+        assert isinstance(result, OSError) and "already in use" in str(result), result
+        assert path.stat().st_ino == owned, "the live server's socket was replaced"
+    finally:
+        listener.close()
+        for client in waiting:
+            client.close()
+
+
+def test_the_preflight_refuses_a_live_socket_with_a_full_backlog_without_blocking(tmp_path: Path) -> None:
+    path = tmp_path / "tiers.sock"
+    listener, waiting = _full_backlog_listener(path)
+    try:
+        result = _finishes(
+            lambda: preflight._check_ipc_path_free("--host", f"ipc://{path}", str(path)), listener
+        )
+        assert isinstance(result, SettingRefused) and "already in use" in str(result), result
+    finally:
+        listener.close()
+        for client in waiting:
+            client.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import fcntl
 import itertools
 import logging
 import os
@@ -202,24 +203,22 @@ class RouterLoop:
         start-up pre-flight keeps it (see :func:`_place_socket`).  The process umask is
         left alone: other threads create files meanwhile.  Failing that, the server does
         not start."""
-        private = tempfile.mkdtemp(prefix=".", dir=os.path.dirname(path) or ".")
-        staged = os.path.join(private, "s")
+        directory = os.path.dirname(path) or "."
+        _remove_dead_bind_directories(directory, self.name)
         try:
-            try:
-                self.socket.bind(f"ipc://{staged}")
-            except zmq.ZMQError as exc:
-                raise OSError(exc.errno, f"cannot listen on ipc://{path}: {exc.strerror}") from None
-            try:
-                os.chmod(staged, 0o600)
-                _place_socket(staged, path, os.path.join(private, "stale"))
-            except OSError as exc:
-                raise OSError(exc.errno, f"cannot listen on ipc://{path}: {exc.strerror}") from None
-            self._socket_inode = os.lstat(staged).st_ino
-        except OSError:
+            private, lock = _make_locked_bind_directory(directory)
+        except OSError as exc:
             self._close_sockets(0)
-            raise
+            raise OSError(exc.errno, f"cannot listen on ipc://{path}: {exc.strerror}") from None
+        staged = os.path.join(private, STAGED_SOCKET_NAME)
+        aside = os.path.join(private, _ASIDE_NAME)
+        try:
+            # Held until the directory is gone, taken before anything is put in it: the
+            # start-up clean-up of leftovers leaves a directory whose lock is held alone.
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self._bind_staged_and_place(staged, path, aside)
         finally:
-            for leftover in (staged, os.path.join(private, "stale")):
+            for leftover in (staged, aside):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(leftover)
             try:
@@ -228,7 +227,24 @@ class RouterLoop:
                 logger.warning(
                     "%s: cannot remove the bind directory %s: %s", self.name, private, exc.strerror
                 )
+            os.close(lock)
         self.endpoint = f"ipc://{path}"
+
+    def _bind_staged_and_place(self, staged: str, path: str, aside: str) -> None:
+        try:
+            try:
+                self.socket.bind(f"ipc://{staged}")
+            except zmq.ZMQError as exc:
+                raise OSError(exc.errno, f"cannot listen on ipc://{path}: {exc.strerror}") from None
+            try:
+                os.chmod(staged, 0o600)
+                _place_socket(staged, path, aside)
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot listen on ipc://{path}: {exc.strerror}") from None
+            self._socket_inode = os.lstat(staged).st_ino
+        except OSError:
+            self._close_sockets(0)
+            raise
 
     def _close_sockets(self, linger: int | None = None) -> None:
         with self._waker_lock:
@@ -477,6 +493,105 @@ class RouterLoop:
 
 #: how often a stale socket file at the path is replaced before the bind gives up
 _PLACE_ATTEMPTS = 3
+#: an ipc:// socket is bound in a private directory next to its path named this and 8
+#: random characters: by it the next start knows one a server killed while binding left
+BIND_DIRECTORY_PREFIX = ".tiers-"
+#: the socket's name in that directory
+STAGED_SOCKET_NAME = "s"
+#: where a stale socket found at the path is moved, in that directory, to be removed
+_ASIDE_NAME = "stale"
+#: how long a probe of a socket file waits for its listener before taking it as live
+SOCKET_PROBE_TIMEOUT_S = 1.0
+
+
+def socket_file_listened(path: str) -> bool:
+    """Whether something listens on the Unix socket file at ``path`` (False: connections
+    are refused, a stale file; a file gone raises FileNotFoundError, as do other errors).
+
+    The connect does not block: a listener whose backlog is full (a live server that
+    cannot accept, at its open files limit) answers EAGAIN at once where a blocking
+    connect would wait for room, possibly for ever.  That, and a connect not done within
+    :data:`SOCKET_PROBE_TIMEOUT_S`, count as listened on: a live server is never taken
+    for a stale one."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(SOCKET_PROBE_TIMEOUT_S)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            return False
+        except (BlockingIOError, TimeoutError):
+            return True
+    return True
+
+
+def _make_locked_bind_directory(directory: str) -> tuple[str, int]:
+    """A fresh 0700 bind directory in ``directory`` and a descriptor open on it (for its lock)."""
+    private = tempfile.mkdtemp(prefix=BIND_DIRECTORY_PREFIX, dir=directory)
+    try:
+        return private, os.open(private, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        os.rmdir(private)
+        raise
+
+
+def _remove_dead_bind_directories(directory: str, owner: str) -> None:
+    """Remove the private bind directories in ``directory`` left by servers killed while
+    they bound their socket (SIGKILL between the bind and the removal of the directory).
+
+    A racing server's directory is never taken: it holds the directory's lock from
+    before it puts anything in it until the directory is gone (the kernel drops the lock
+    with the process), so one whose lock is held is in use, and an empty one may be
+    about to be locked.  Only a locked-here, non-empty directory holding nothing but
+    sockets that refuse connections is removed."""
+    try:
+        names = os.listdir(directory)
+    except OSError as exc:
+        logger.warning(
+            "%s: cannot look for leftover bind directories in %s: %s", owner, directory, exc.strerror
+        )
+        return
+    for name in names:
+        if name.startswith(BIND_DIRECTORY_PREFIX):
+            _remove_bind_directory_if_dead(os.path.join(directory, name), owner)
+
+
+def _remove_bind_directory_if_dead(private: str, owner: str) -> None:
+    try:
+        lock = os.open(private, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return  # gone meanwhile, or not a directory of ours
+    try:
+        if os.fstat(lock).st_uid != os.geteuid():
+            return  # another user's server's: not this one's to judge
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # a server binding right now
+        entries = os.listdir(lock)
+        dead = [os.path.join(private, entry) for entry in entries]
+        if not dead or not all(_dead_socket_file(entry) for entry in dead):
+            return
+        for entry in dead:
+            os.unlink(entry)
+        os.rmdir(private)
+        logger.info("%s: removed %s, left by a server killed while it bound its socket", owner, private)
+    except OSError as exc:
+        logger.warning(
+            "%s: cannot remove %s, left by a server killed while it bound its socket: %s",
+            owner,
+            private,
+            exc.strerror,
+        )
+    finally:
+        os.close(lock)
+
+
+def _dead_socket_file(path: str) -> bool:
+    """A socket file nothing listens on; anything else (or an error looking) is left."""
+    try:
+        return stat.S_ISSOCK(os.lstat(path).st_mode) and not socket_file_listened(path)
+    except OSError:
+        return False
 
 
 def _place_socket(staged: str, path: str, aside: str) -> None:
@@ -486,7 +601,15 @@ def _place_socket(staged: str, path: str, aside: str) -> None:
     refuses the bind with EADDRINUSE, as does any other file.  A socket nothing listens
     on (a killed server's) is first moved to ``aside``, in the private directory, and
     removed only if it is the very file found stale: were it a racing server's fresh
-    socket, it goes back where it was."""
+    socket, it goes back where it was.
+
+    Putting it back leaves one narrow window, only when three servers start on one path
+    at the same instant over a stale socket: between the move and the link back the path
+    is free, and a third server linking its socket there keeps it; the racing server's
+    socket then has nowhere to go (the link back fails, this server is refused) and that
+    server serves on, unreachable, until stopped.  Closing it takes an atomic exchange
+    (``renameat2`` with ``RENAME_EXCHANGE``), which Python does not offer and not every
+    filesystem supports; docs/server.md says so."""
     for _ in range(_PLACE_ATTEMPTS):
         try:
             os.link(staged, path)
@@ -513,13 +636,4 @@ def _stale_socket_inode(path: str) -> int | None:
         found = os.lstat(path)
     except FileNotFoundError:
         return None
-    if not stat.S_ISSOCK(found.st_mode):
-        return None
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(path)
-        except ConnectionRefusedError:
-            return found.st_ino
-        except OSError:
-            return None
-    return None
+    return found.st_ino if _dead_socket_file(path) else None

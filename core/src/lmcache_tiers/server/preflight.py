@@ -22,6 +22,7 @@ from lmcache_tiers.errors import ConfigError, SettingRefused
 from lmcache_tiers.l1.arena import segment_bytes
 from lmcache_tiers.l1.segment import check_directory, file_bytes
 from lmcache_tiers.l2.preflight import preflight_adapters
+from lmcache_tiers.router import BIND_DIRECTORY_PREFIX, STAGED_SOCKET_NAME, socket_file_listened
 
 if TYPE_CHECKING:
     from lmcache_tiers.config import ServerConfig
@@ -220,16 +221,16 @@ def _check_ipc_path(config: ServerConfig, index: int | None, host: str) -> None:
 
 #: bytes of a path a Unix socket address holds (``sun_path`` is 108 with its NUL)
 UNIX_SOCKET_PATH_MAX = 107
-#: where ``Router._bind_private_ipc`` binds a socket before renaming it onto its path: a
-#: ``tempfile.mkdtemp`` directory (a dot and 8 characters) next to it, and a file ``s``
-IPC_STAGING_NAME = ".XXXXXXXX/s"
+#: where ``RouterLoop._bind_private_ipc`` binds a socket before linking it at its path: a
+#: ``tempfile.mkdtemp`` directory (the prefix and 8 characters) next to it, and a file ``s``
+IPC_STAGING_NAME = f"{BIND_DIRECTORY_PREFIX}XXXXXXXX/{STAGED_SOCKET_NAME}"
 
 
 def _check_ipc_path_length(setting: str, host: str, path: str) -> None:
     """Clients connect to the path exactly as given, and the kernel takes at most
     :data:`UNIX_SOCKET_PATH_MAX` bytes of it (an abstract ``@name`` too).  The server
-    itself binds in a short private directory and renames onto the path, so a longer one
-    would bind: it would serve an endpoint no client can ever reach."""
+    itself binds in a short private directory and links the socket at the path, so a
+    longer one would bind: it would serve an endpoint no client can ever reach."""
     length = len(os.fsencode(path))
     if length > UNIX_SOCKET_PATH_MAX:
         raise SettingRefused(
@@ -251,10 +252,11 @@ def _check_ipc_path_length(setting: str, host: str, path: str) -> None:
 
 
 def _check_ipc_path_free(setting: str, host: str, path: str) -> None:
-    """ZeroMQ unlinks whatever is at the path before it binds: a file there would be
-    deleted, and a live server's socket taken over (its clients could no longer reach it,
-    and nobody could once this server stops and removes the socket).  Only a socket that
-    nothing listens on any more (left by a server that was killed) may be replaced."""
+    """The server links its socket at the path and replaces only a socket that nothing
+    listens on any more (left by a server that was killed): a file there, or a live
+    server's socket (whose clients could no longer reach it), is refused here before the
+    L1 arena is pre-faulted, with what to do.  The probe does not block on a live
+    server that accepts nobody (see :func:`~lmcache_tiers.router.socket_file_listened`)."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -263,14 +265,15 @@ def _check_ipc_path_free(setting: str, host: str, path: str) -> None:
         raise SettingRefused(
             setting, host, f"{path} exists and is not a socket; give a path that does not exist"
         )
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):  # a stale socket file, or gone
-            return
-        except OSError as exc:
-            reason = os.strerror(exc.errno) if exc.errno else str(exc)
-            raise SettingRefused(setting, host, f"cannot check whether {path} is in use: {reason}") from None
+    try:
+        listened = socket_file_listened(path)
+    except FileNotFoundError:
+        return  # gone meanwhile
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise SettingRefused(setting, host, f"cannot check whether {path} is in use: {reason}") from None
+    if not listened:
+        return  # a stale socket file: the bind replaces it
     raise SettingRefused(
         setting, host, f"{path} is already in use (another server?); stop it or give another path"
     )
