@@ -214,3 +214,20 @@ def test_a_segment_mapped_by_another_user_s_process_is_not_advised_for_removal(s
         assert "nothing holds it: left by a server that was killed" not in said
         assert "could not be read" in said
         assert path.exists()
+
+
+def test_a_default_named_segment_a_live_process_maps_is_not_removed_at_start(shm_dir: Path) -> None:
+    """A 28c5b5b server in a container sharing /dev/shm but not the pid namespace names its
+    segment with a pid this start-up cannot see (or one a different process has here), and
+    takes no creator's lock: where its process is visible by another pid (the host's view
+    of a container), its mapping is what shows the segment is live."""
+    from lmcache_tiers.l1.arena import remove_stale_segments
+
+    unseen_pid = 4_194_000  # above every Linux pid_max: no process here has it
+    path = shm_dir / f"lmcache_tiers_{unseen_pid}_0123abcd"
+    path.write_bytes(b"\0" * (1 << 20))
+    with _mapped_without_lock(path):
+        assert remove_stale_segments(str(shm_dir)) == []
+        assert path.exists()
+    # once nothing maps it, it is a killed server's file like any other
+    assert remove_stale_segments(str(shm_dir)) == [path.name]

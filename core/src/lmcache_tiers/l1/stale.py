@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Callable
 
 from lmcache_tiers.errors import TiersError
 
@@ -121,9 +122,10 @@ def release_as_creator(fd: int) -> None:
         os.close(fd)
 
 
-def _remove_if_unlocked(path: str) -> str | None:
-    """Unlink ``path`` unless a live creator holds its lock: ``""`` when this removed it,
-    None when it was gone already, otherwise why it was left in place."""
+def _remove_if_unlocked(path: str, mapped_by: Callable[[str], list[int]] | None) -> str | None:
+    """Unlink ``path`` unless a live creator holds its lock or a live process maps it
+    (``mapped_by``): ``""`` when this removed it, None when it was gone already, otherwise
+    why it was left in place."""
     # O_NONBLOCK: anyone can create a FIFO of this name, and opening one would wait for a
     # writer; O_NOFOLLOW: a symlink of this name is not the creator's file.
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -142,6 +144,9 @@ def _remove_if_unlocked(path: str) -> str | None:
             return "its creator still holds it (a live process this start-up cannot see)"
         except OSError as exc:  # no flock here (some network filesystems): no proof either way
             return f"its creator's lock cannot be checked ({exc.strerror})"
+        mapped = _mapped_outcome(path, mapped_by)
+        if mapped:
+            return mapped
         # Unlinked while the lock is held: no new file of this name can be created
         # meanwhile (O_EXCL), and a creator of this one that has yet to lock it finds the
         # name gone (hold_as_creator).
@@ -187,9 +192,27 @@ def creator_lock_held(path: str) -> bool | str:
     return False
 
 
-def remove_files_of_dead_processes(directory: str, pattern: re.Pattern[str], what: str) -> list[str]:
+def _mapped_outcome(path: str, mapped_by: Callable[[str], list[int]] | None) -> str:
+    """Why ``path`` must stay although its creator's pid is gone: a live process maps it
+    (a server of 28c5b5b holds no creator's lock, and in a container sharing /dev/shm but
+    not the pid namespace its pid is not the one its name carries); "" when none does."""
+    users = mapped_by(path) if mapped_by is not None else []
+    if not users:
+        return ""
+    return f"process {users[0]} maps it (a server of an earlier release, which holds no creator's lock?)"
+
+
+def remove_files_of_dead_processes(
+    directory: str,
+    pattern: re.Pattern[str],
+    what: str,
+    *,
+    mapped_by: Callable[[str], list[int]] | None = None,
+) -> list[str]:
     """Unlink entries of ``directory`` matching ``pattern`` (group 1 = creator pid) whose
-    creator is gone; returns the names removed."""
+    creator is gone; returns the names removed.  ``mapped_by(path)``, when given, names
+    the live processes mapping a file: one that any maps is left in place (a creator of
+    a release before the creator's lock, seen here under another pid)."""
     removed: list[str] = []
     try:
         entries = os.listdir(directory)
@@ -212,11 +235,11 @@ def remove_files_of_dead_processes(directory: str, pattern: re.Pattern[str], wha
                     continue
                 if (info.st_dev, info.st_ino) in _own_files:
                     continue
-                outcome = _remove_if_unlocked(path)
+                outcome = _remove_if_unlocked(path, mapped_by)
         elif process_exists(pid):
             continue
         else:
-            outcome = _remove_if_unlocked(path)
+            outcome = _remove_if_unlocked(path, mapped_by)
         if outcome is None:  # removed by someone else meanwhile
             continue
         if outcome:
