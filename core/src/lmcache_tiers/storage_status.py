@@ -9,6 +9,8 @@ once per burst: every scrape would otherwise repeat it.
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -21,10 +23,10 @@ STATUS_ERROR = "l2_status_error"
 
 _status_errors = BurstLog(logging.getLogger(__name__), STATUS_ERROR)
 
-#: most stats of one adapter's ``stats()`` a status carries (and so /metrics, and the
+#: most of a plugin's stats of one adapter a status carries (and so /metrics, and the
 #: native STATUS reply, the same document): a plugin with a key per object or per request
-#: would otherwise grow every status without bound.  The first in name order are kept, so
-#: every read keeps the same ones; the number left out is in the entry.
+#: would otherwise grow every status without bound.  The core's own stats of the adapter
+#: (its counters, the circuit breaker's gauges: a bounded set) are carried besides.
 MAX_STATUS_STATS = 256
 
 #: failure reason of an adapter's stats left out of a status, past ``MAX_STATUS_STATS``
@@ -120,11 +122,7 @@ def _adapter_entry(parts: StorageParts, slot: AdapterSlot) -> dict[str, Any]:
     try:
         entry["usage"] = slot.adapter.usage()
         entry["used_bytes"] = slot.adapter.used_bytes()
-        own = _own_stat_names(slot)
-        entry["backend"] = _capped_stats(parts, slot.name, entry, slot.adapter.stats(), own)
-        if own and isinstance(entry["backend"], Mapping):
-            # /metrics exports these always, and caps only the plugin's (metrics.py)
-            entry["backend_own_stats"] = sorted(stat for stat in entry["backend"] if stat in own)
+        entry["backend"] = _capped_stats(parts, slot, entry, slot.adapter.stats())
     except Exception as exc:  # a dead backend still gets a status line
         entry["error"] = f"{type(exc).__name__}: {exc}"
         parts.stats.fail(STATUS_ERROR)
@@ -141,29 +139,63 @@ def _own_stat_names(slot: AdapterSlot) -> Collection[str]:
     return own() if callable(own) else ()
 
 
-def _capped_stats(
-    parts: StorageParts, name: str, entry: dict[str, Any], stats: Any, own: Collection[str]
-) -> Any:
-    """At most ``MAX_STATUS_STATS`` of an adapter's stats: the core's ``own`` first (what
-    ``lmcache-tiers status`` and /metrics read, such as ``circuit_open`` and
-    ``backend_errors``, and the drops the core counts, are never pushed out by a plugin's
-    per-object names), then the plugin's, each in name order; the number of the others
-    goes into ``entry`` as ``backend_stats_left_out``, is counted and logged once per burst
-    per adapter.  An answer that is no mapping is left as it is (the metrics count it as
-    unreadable)."""
-    if not isinstance(stats, Mapping) or len(stats) <= MAX_STATUS_STATS:
+class _KeptPluginStats:
+    """Per adapter, the plugin's stats the last status carried.  Kept while the plugin
+    still reports them (a stat in one read and out of the next would make its /metrics
+    series come and go, read as a counter reset); a stat it no longer reports frees its
+    place, so a plugin whose per-object names churn still has stats carried."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # statuses are read on several HTTP threads at once
+        self._kept: dict[int, set[str]] = {}
+
+    def choose(self, index: int, plugin: Collection[str]) -> set[str]:
+        """At most ``MAX_STATUS_STATS`` of ``plugin``: those kept before, then new ones in
+        name order while there is room."""
+        with self._lock:
+            kept = self._kept.get(index, set()) & set(plugin)
+            room = MAX_STATUS_STATS - len(kept)
+            if room > 0:
+                kept.update(sorted(set(plugin) - kept)[:room])
+            self._kept[index] = kept
+            return set(kept)
+
+
+# one per storage: two servers in one process (as in tests) keep their own
+_kept_by_parts: weakref.WeakKeyDictionary[StorageParts, _KeptPluginStats] = weakref.WeakKeyDictionary()
+_kept_by_parts_lock = threading.Lock()
+
+
+def _kept_plugin_stats(parts: StorageParts) -> _KeptPluginStats:
+    with _kept_by_parts_lock:
+        return _kept_by_parts.setdefault(parts, _KeptPluginStats())
+
+
+def _capped_stats(parts: StorageParts, slot: AdapterSlot, entry: dict[str, Any], stats: Any) -> Any:
+    """An adapter's stats with the core's own all kept (what ``lmcache-tiers status`` and
+    /metrics read, such as ``circuit_open`` and ``backend_errors``, and the drops the core
+    counts) and at most ``MAX_STATUS_STATS`` of its plugin's, chosen by
+    :class:`_KeptPluginStats`.  The number of the plugin's others goes into ``entry`` as
+    ``backend_stats_left_out``, is counted and logged once per burst per adapter.  An
+    answer that is no mapping is left as it is (the metrics count it as unreadable)."""
+    if not isinstance(stats, Mapping):
         return stats
-    kept = sorted(stats, key=lambda stat: (stat not in own, str(stat)))[:MAX_STATUS_STATS]
-    left_out = len(stats) - len(kept)
+    own = _own_stat_names(slot)
+    plugin = [str(stat) for stat in stats if stat not in own]
+    # chosen under the cap too: those carried then stay when the plugin grows past it
+    kept = _kept_plugin_stats(parts).choose(slot.index, plugin)
+    left_out = len(plugin) - len(kept)
+    if not left_out:
+        return stats
     entry["backend_stats_left_out"] = left_out
     parts.stats.fail(STATS_LEFT_OUT, left_out)
     _stats_left_out.warn(
-        name,
-        "%s: stats over the cap of %d left out of /status and /metrics (%d now, e.g. %r)",
-        name,
+        slot.name,
+        "%s: stats of its plugin over the cap of %d, left out of /status and /metrics (%d now, e.g. %r)",
+        slot.name,
         MAX_STATUS_STATS,
         left_out,
-        str(sorted(stats.keys() - set(kept), key=str)[0]),
+        min(set(plugin) - kept),
         count=left_out,
     )
-    return {stat: stats[stat] for stat in kept}
+    return {stat: value for stat, value in stats.items() if stat in own or str(stat) in kept}

@@ -174,31 +174,23 @@ def test_stats_that_are_not_a_mapping_cost_that_adapter_s_stats_only(
     assert f"{name}: stats() answered" in caplog.text
 
 
-def test_the_stats_of_one_adapter_exported_are_capped(caplog: pytest.LogCaptureFixture) -> None:
-    """A plugin whose stats() has a key per object would grow /metrics without bound: past
-    the cap its stats are left out, counted per adapter and logged once; the stats already
-    exported stay so, whatever new keys sort before them."""
+def test_the_stats_a_status_left_out_are_counted_per_adapter() -> None:
+    """The status chooses the stats it carries (storage_status.py); the scrape exports them
+    all and counts, per adapter, the values that status said it left out."""
     name = "0:per-object"
     registry = build_registry(lambda: [], lambda: {"adapters": [adapter], "failures": {}})
     adapter: dict[str, Any] = {"index": 0, "name": name, "type": "custom"}
-    adapter["backend"] = {f"object_{n:05d}": n for n in range(MAX_EXPORTED_STATS + 10)}
-    adapter["backend"]["mode"] = "read-write"  # not a number: counted as before, takes no place
-    with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
-        first = samples(render(registry).decode())
-        adapter["backend"] = {f"a_new_{n}": n for n in range(5)} | adapter["backend"]
-        second = samples(render(registry).decode())
-
-    def exported(found: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> set[str]:
-        return {dict(labels)["stat"] for metric, labels in found if metric == "lmcache_tiers_adapter_stat"}
-
-    assert len(exported(first)) == MAX_EXPORTED_STATS
-    assert exported(second) == exported(first), "exported stats stay, new ones are left out"
+    adapter["backend"] = {f"object_{n:05d}": n for n in range(MAX_EXPORTED_STATS)}
+    adapter["backend"]["mode"] = "read-write"  # not a number: counted as before
+    adapter["backend_stats_left_out"] = 10
+    first = samples(render(registry).decode())
+    second = samples(render(registry).decode())
+    exported = {dict(labels)["stat"] for metric, labels in second if metric == "lmcache_tiers_adapter_stat"}
+    assert exported == {f"object_{n:05d}" for n in range(MAX_EXPORTED_STATS)}
     left_out = ("lmcache_tiers_adapter_stats_left_out_total", (("adapter", name),))
     assert first[left_out] == 10
-    assert second[left_out] == 10 + 15
+    assert second[left_out] == 20
     assert second[("lmcache_tiers_failures_total", (("reason", "metrics_stat_not_a_number"),))] == 2.0
-    told = [r for r in caplog.records if "stats over the cap" in r.getMessage()]
-    assert len(told) == 1 and name in told[0].getMessage()
 
 
 def test_label_values_from_configuration_are_escaped() -> None:
@@ -460,7 +452,7 @@ def test_the_stats_of_one_adapter_in_the_status_are_capped(
     assert entry["backend"] == entry_again["backend"], "the same stats are kept every time"
     assert entry["backend_stats_left_out"] == 10
     assert with_adapter.status()["failures"]["l2_stats_left_out"] == 30
-    assert sum("stats over the cap" in r.getMessage() for r in caplog.records) == 1
+    assert sum("over the cap of" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_stats_per_object_that_are_not_numbers_log_one_line_per_adapter(
@@ -490,10 +482,10 @@ def test_a_plugin_with_many_stats_does_not_push_out_the_core_s_own(
     monkeypatch.setattr(guard.inner, "stats", lambda: per_object, raising=False)
     entry = server.status()["adapters"][0]
     backend = entry["backend"]
-    assert len(backend) == MAX_EXPORTED_STATS
+    assert len(backend) == len(adapter.own_stat_names()) + MAX_EXPORTED_STATS
     for own in ("circuit_open", "circuit_consecutive_failures", "pending_tasks", "pinned_keys", "objects"):
         assert own in backend, f"{own} was left out for the plugin's stats"
-    assert entry["backend_stats_left_out"] == len(adapter.stats()) - MAX_EXPORTED_STATS
+    assert entry["backend_stats_left_out"] == len(per_object) - MAX_EXPORTED_STATS
     found = samples(scrape(server))
     assert ("lmcache_tiers_adapter_circuit_open", (("adapter", entry["name"]),)) in found
 
@@ -521,3 +513,40 @@ def test_a_core_stat_that_first_appears_past_the_cap_is_exported(
         if metric == "lmcache_tiers_adapter_stat" and dict(labels)["stat"].startswith("a_object_")
     }
     assert len(plugin_exported) <= MAX_EXPORTED_STATS
+
+
+def _plugin_stats_in(server: TiersServer) -> tuple[set[str], set[str]]:
+    """The plugin's stats (named ``*_object_*`` here) one /status read and one scrape carry."""
+    entry = server.status()["adapters"][0]
+    in_status = {stat for stat in entry["backend"] if "_object_" in stat}
+    in_metrics = {
+        dict(labels)["stat"]
+        for metric, labels in samples(scrape(server))
+        if metric == "lmcache_tiers_adapter_stat" and "_object_" in dict(labels)["stat"]
+    }
+    return in_status, in_metrics
+
+
+def test_a_plugin_s_stats_kept_under_the_cap_stay_while_they_exist(
+    make_server: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/status and /metrics keep the same plugin stats from one read to the next (a series
+    that comes and goes reads as a counter reset) while the plugin still reports them,
+    whatever new names sort before them; a stat the plugin stopped reporting frees its
+    place for a new one, so a plugin whose objects churn is not left with none exported."""
+    server = make_server(adapters=[MOCK_ADAPTER], metrics_port=free_port())
+    adapter = server.storage._parts.slots[0].adapter
+    per_object = {f"b_object_{n:05d}": n for n in range(300)}
+    monkeypatch.setattr(adapter.backend, "stats", lambda: per_object, raising=False)
+    first_status, first_metrics = _plugin_stats_in(server)
+    assert len(first_status) == MAX_EXPORTED_STATS
+    assert first_metrics == first_status
+    per_object.update({f"a_object_{n:05d}": n for n in range(100)})  # sort before the kept
+    again_status, again_metrics = _plugin_stats_in(server)
+    assert again_status == first_status, "a plugin stat still reported left /status"
+    assert again_metrics == first_status, "a plugin stat still reported left /metrics"
+    per_object.clear()
+    per_object.update({f"c_object_{n:05d}": n for n in range(300)})  # the old objects are gone
+    churned_status, churned_metrics = _plugin_stats_in(server)
+    assert len(churned_status) == MAX_EXPORTED_STATS
+    assert churned_metrics == churned_status

@@ -263,7 +263,7 @@ class BackendAdapter(L2Adapter):
         """The names among :meth:`stats` the core keeps for this adapter rather than its
         plugin's ``stats()``: the counters (drops and refusals counted through the context
         among them), the scan's, the tasks and pins gauges and the circuit breaker's gauges.
-        A status that cannot carry every stat keeps these first (storage_status.py)."""
+        A status carries all of these, and caps the plugin's only (storage_status.py)."""
         names = set(self._own_stats())
         guard = self.backend
         if isinstance(guard, (CircuitBackend, AsyncCircuitBackend)):

@@ -30,11 +30,9 @@ UNEXPORTED_STAT = "metrics_stat_not_a_number"
 
 log = logging.getLogger(__name__)
 
-#: most ``adapter_stat`` series of a plugin's stats one adapter exports: a plugin whose
-#: ``stats()`` has a key per object or per request would otherwise grow /metrics (and
-#: Prometheus) without bound.  The first stats seen keep their series; the rest are left
-#: out, counted and logged once.  The core's own stats of the adapter (its counters, the
-#: circuit breaker's gauges: a bounded set the status names) are exported whatever the cap.
+#: most ``adapter_stat`` series of a plugin's stats one adapter exports: the status the
+#: scrape reads carries no more (storage_status.py chooses them, the same ones from one read
+#: to the next), besides the core's own stats of the adapter, a bounded set.
 MAX_EXPORTED_STATS = MAX_STATUS_STATS
 
 #: the storage engine's counters of each adapter (``keys_evicted`` is in ``evictions``)
@@ -85,12 +83,8 @@ class TiersCollector(Collector):
         self._lock = threading.Lock()  # scrapes run on several HTTP threads at once
         # failures of the scrape itself, by reason: kept here, for as long as the server
         self._own_failures: Counter[str] = Counter()
-        # per adapter: the plugin's stats exported as ``adapter_stat`` (at most
-        # MAX_EXPORTED_STATS; the core's own are exported besides, not kept here),
-        # how many values past the cap were left out, and whether that was logged
-        self._exported_stats: dict[str, set[str]] = {}
+        # per adapter: the values of its plugin's stats the scraped statuses left out
         self._stats_left_out: Counter[str] = Counter()
-        self._told_over_cap: set[str] = set()
         # the collector's own: one per module would let one server's lines hide another's
         self._unexported_stats = BurstLog(logging.getLogger(__name__), UNEXPORTED_STAT)
 
@@ -233,7 +227,7 @@ class TiersCollector(Collector):
         left_out = _counter(
             "adapter_stats_left_out",
             f"Values of each L2 adapter's stats() left out of adapter_stat: past {MAX_EXPORTED_STATS} "
-            "of the plugin's",
+            "of the plugin's (also in failures_total as l2_stats_left_out, with those of /status reads)",
             ["adapter"],
         )
         for adapter in adapters:
@@ -257,10 +251,10 @@ class TiersCollector(Collector):
             if "circuit_open" in backend:
                 circuit_open.add_metric([name], backend["circuit_open"])
             backend_errors.add_metric([name], backend.get("backend_errors", 0))
-            core_stats = frozenset(str(stat) for stat in adapter.get("backend_own_stats", ()))
-            for stat, value in sorted(self._capped(name, backend, core_stats).items()):
+            for stat, value in sorted(backend.items()):
                 backend_stat.add_metric([name, stat], value)
             with self._lock:
+                self._stats_left_out[name] += int(adapter.get("backend_stats_left_out", 0))
                 left_out.add_metric([name], self._stats_left_out[name])
         yield from (
             unreadable,
@@ -272,35 +266,6 @@ class TiersCollector(Collector):
             backend_stat,
             left_out,
         )
-
-    def _capped(self, adapter: str, stats: dict[str, float], own: frozenset[str]) -> dict[str, float]:
-        """The core's ``own`` stats of an adapter, all of them (a drop the core first counts
-        late must reach /metrics, and they are bounded), and at most ``MAX_EXPORTED_STATS``
-        of its plugin's: those exported before (a series that comes and goes would read as
-        counter resets), then new ones in name order while there is room.  The plugin's
-        others are counted and logged once per adapter."""
-        plugin = stats.keys() - own
-        with self._lock:
-            exported = self._exported_stats.setdefault(adapter, set())
-            for stat in sorted(plugin - exported):
-                if len(exported) >= MAX_EXPORTED_STATS:
-                    break
-                exported.add(stat)
-            dropped = [stat for stat in plugin if stat not in exported]
-            self._stats_left_out[adapter] += len(dropped)
-            tell = bool(dropped) and adapter not in self._told_over_cap
-            if tell:
-                self._told_over_cap.add(adapter)
-        if tell:
-            log.warning(
-                "%s: stats over the cap of %d left out of /metrics (%d now, e.g. %r; counted in "
-                "adapter_stats_left_out_total, logged once)",
-                adapter,
-                MAX_EXPORTED_STATS,
-                len(dropped),
-                sorted(dropped)[0],
-            )
-        return {stat: value for stat, value in stats.items() if stat in own or stat in exported}
 
     def _backend_stats(self, adapter: str, stats: Any) -> dict[str, float] | None:
         """The numeric stats of an adapter's ``stats()`` answer.  One that is no mapping (an
