@@ -196,10 +196,11 @@ def _dynamic_reasons(trees: dict[str, ast.Module]) -> dict[tuple[str, str], set[
     }
 
 
-#: where a reason is counted from a variable (``fail(reason)``), the one function per file
-#: that may do it: its callers' reasons are what ``_dynamic_reasons`` gives for the file.  A
-#: new helper forwarding a reason there would otherwise pass unseen, its callers' reasons
-#: never checked.
+#: (file, function) pairs allowed to count a reason held in a variable (``fail(reason)``):
+#: the reasons their callers pass are what ``_dynamic_reasons`` gives for that file and
+#: expression.  A count from a variable anywhere else fails the scan, since a new helper
+#: forwarding a reason would otherwise be taken for a known one and its callers' reasons
+#: never checked: add the helper here AND its callers' reasons to ``_dynamic_reasons``.
 FORWARDING_FUNCTIONS = {
     ("core/src/lmcache_tiers/cli/commands_server.py", "status_tables"),
     ("core/src/lmcache_tiers/controllers/prefetch.py", "_abandon"),
