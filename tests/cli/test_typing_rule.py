@@ -5,6 +5,9 @@ NIXL's ``backend_params`` is a map of strings handed to NIXL; bare numbers and b
 there are taken as their string form, as LMCache takes them.  The same value is
 accepted or refused the same way wherever it is written, and a refusal names the full
 path of the value.
+
+The cases run the command in this process (``run_cli_in_process``); the last two tests run
+the real console script as the end-to-end check of the exit code and the one stderr line.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from thirdparty import run_cli
+from thirdparty import run_cli, run_cli_in_process
 
 NIXL_PARAMS = {"file_path": "/data/l2", "use_direct_io": "false", "max_capacity_gb": "10"}
 
@@ -26,7 +29,7 @@ def _toml_value(value: Any) -> str:
 
 
 def _via_json(adapter: dict[str, Any]) -> tuple[int, str]:
-    result = run_cli(["serve", "--print-config", "--l2-adapter", json.dumps(adapter)])
+    result = run_cli_in_process(["serve", "--print-config", "--l2-adapter", json.dumps(adapter)])
     return result.returncode, result.stderr.strip() or result.stdout
 
 
@@ -34,7 +37,7 @@ def _via_toml(adapter: dict[str, Any], tmp_path: Path) -> tuple[int, str]:
     lines = ["[[l2_adapters]]", *(f"{key} = {_toml_value(value)}" for key, value in adapter.items())]
     path = tmp_path / "tiers.toml"
     path.write_text("\n".join(lines) + "\n")
-    result = run_cli(["serve", "--print-config", "--config", str(path)])
+    result = run_cli_in_process(["serve", "--print-config", "--config", str(path)])
     return result.returncode, result.stderr.strip() or result.stdout
 
 
@@ -144,15 +147,15 @@ def test_toml_scalars_follow_the_rule_flags_parse_as_the_same_type(
 ) -> None:
     path = tmp_path / "tiers.toml"
     path.write_text(f"{key} = {bad}\n")
-    refused = run_cli(["serve", "--print-config", "--no-default-l2", "--config", str(path)])
+    refused = run_cli_in_process(["serve", "--print-config", "--no-default-l2", "--config", str(path)])
     assert refused.returncode == 2 and toml_message in refused.stderr, refused.stderr
     path.write_text(f"{key} = {bad.strip(chr(34))}\n")
-    accepted = run_cli(["serve", "--print-config", "--no-default-l2", "--config", str(path)])
+    accepted = run_cli_in_process(["serve", "--print-config", "--no-default-l2", "--config", str(path)])
     assert accepted.returncode == 0, accepted.stderr
     if good is not None:
-        from_flag = run_cli(["serve", "--print-config", "--no-default-l2", flag, good])
+        from_flag = run_cli_in_process(["serve", "--print-config", "--no-default-l2", flag, good])
         assert json.loads(from_flag.stdout)[key] == json.loads(accepted.stdout)[key]
-        wrong = run_cli(["serve", "--print-config", "--no-default-l2", flag, "two"])
+        wrong = run_cli_in_process(["serve", "--print-config", "--no-default-l2", flag, "two"])
         assert wrong.returncode == 2 and f"Invalid value for '{flag}'" in wrong.stderr
 
 
