@@ -68,3 +68,28 @@ def test_keys_an_adapter_found_but_failed_to_load_are_logged(engine, caplog) -> 
     assert len(lines) == 1, lines
     assert "2 keys" in lines[0] and storage.adapters[0].name in lines[0], lines[0]
     storage.release(keys[:1])
+
+
+def test_failed_loads_of_two_adapters_each_get_their_line(engine, caplog) -> None:
+    """One adapter failing loads does not hide another's behind its burst: each line names
+    one adapter, and an operator must learn that both fail."""
+    storage = engine([AdapterSpec(type="gated", config=GatedConfig()) for _ in range(2)])
+    first, second = gated_backend(storage, 0), gated_backend(storage, 1)
+    in_first, in_second = keys_of(21, 4), keys_of(22, 4)
+    first.fail_stores.update(in_second)  # these are in the second adapter only
+    store(storage, in_first + in_second, SIZE)
+    assert storage.flush(10)
+    storage.clear()
+    first.fail_loads.update(in_first[1:3])
+    second.fail_loads.update(in_second[1:3])
+
+    with caplog.at_level(logging.WARNING):
+        assert storage.wait_prefetch(storage.submit_prefetch(in_first), 10) == 1
+        storage.release(in_first[:1])
+        assert storage.wait_prefetch(storage.submit_prefetch(in_second), 10) == 1
+        storage.release(in_second[:1])
+
+    assert storage.status()["failures"]["l2_load_failed"] == 4
+    lines = _lines_naming(caplog, "failed to load (failure reason l2_load_failed)")
+    named = {adapter.name for adapter in storage.adapters if any(adapter.name in line for line in lines)}
+    assert named == {adapter.name for adapter in storage.adapters}, lines

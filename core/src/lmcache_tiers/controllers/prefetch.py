@@ -468,7 +468,7 @@ class PrefetchController(ControllerThread):
         self.stats.add_adapter(slot.index, "keys_load_failed", failed)
         self.stats.fail("l2_load_failed", failed)
         self._failed_loads.warn(
-            "l2_load_failed",
+            slot.name,  # per adapter: one failing must not hide another's failures for a window
             "%s: %d keys its lookup found failed to load (failure reason l2_load_failed): a miss, the "
             "prefix ends at the first; the adapter's stats (adapter_stat, e.g. load_keys_failed, "
             "serde_decode_failures, corrupt_records_removed) and its log lines say why",
