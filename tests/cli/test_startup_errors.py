@@ -9,6 +9,7 @@ import os
 import resource
 import socket
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 from thirdparty import CLI, free_port, run_cli, serve_cli
 
+from lmcache_tiers.client import Client, ClientError
 from lmcache_tiers.config import build_config
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.plugins import load_registry
@@ -550,10 +552,10 @@ def test_a_start_that_runs_out_of_open_files_anyway_is_one_line_naming_ulimit_n(
     ]
     if "fs" not in load_registry().names(Kind.L2_ADAPTER):
         pytest.skip("the fs adapter plugin is not installed")
-    result = _serve_with_open_files(preflight.SERVE_OPEN_FILES, "--metrics-port", "0", *adapters)
+    result = _serve_with_open_files(48, "--metrics-port", "0", *adapters)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
-        f"error: ulimit -n {preflight.SERVE_OPEN_FILES}: serve ran out of open files while starting "
+        "error: ulimit -n 48: serve ran out of open files while starting "
         f"(each L2 adapter and front end takes some); raise the limit "
         f"(ulimit -n {preflight.RECOMMENDED_OPEN_FILES})"
     ), result.stderr
@@ -583,3 +585,40 @@ def test_a_tmpfs_of_a_few_mib_says_how_many_mib_it_has_free(huge_tmpfs: str) -> 
     # "0.01 GiB free" / "0.00 GiB free" said nothing about what was there.
     line = _serve_refused(["--no-default-l2", "--shm-dir", huge_tmpfs])
     assert f"{huge_tmpfs} has 8.0 MiB free" in line, line
+
+
+def test_a_limit_that_serves_a_small_config_is_warned_about_not_refused(tmp_path: Path) -> None:
+    # A fixed floor of 48 refused `serve --no-default-l2` under `ulimit -n 32`, a start
+    # that holds about 20 descriptors and serves clients there: a refusal may only stop
+    # what could not have worked; a limit that is merely low is the start's warning.
+    limit = 32
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < limit:
+        pytest.skip(f"the hard limit of open files here is {hard}, below {limit}")
+    shm = f"tiers_preflight_{uuid.uuid4().hex[:10]}"
+    port = free_port()
+    log = tmp_path / "serve.log"
+    command = ["serve", "--no-default-l2", "--l1-size-gb", "0.25", "--shm-name", shm, "--port", str(port)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [*CLI, *command, "--metrics-port", "0"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **NARROW},
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)),
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                with Client(f"tcp://127.0.0.1:{port}", timeout=0.5, shm=False) as client:
+                    assert client.ping() >= 0
+                break
+            except ClientError:
+                assert time.monotonic() < deadline, log.read_text()
+        assert f"the open files limit (ulimit -n) is {limit}" in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(120)
+    assert not os.path.exists(f"/dev/shm/{shm}")
