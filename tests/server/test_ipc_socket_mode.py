@@ -208,20 +208,20 @@ def test_a_racing_servers_bind_directory_is_left_alone(tmp_path: Path) -> None:
     # answers (bound), or hold one that refuses (between libzmq's bind and listen) while
     # the server holds the directory's lock.  Anything not a socket is not ours either.
     empty = tmp_path / ".tiers-empty000"
-    empty.mkdir()
+    empty.mkdir(mode=0o700)
     answering = tmp_path / ".tiers-answers0"
-    answering.mkdir()
+    answering.mkdir(mode=0o700)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(answering / "s"))
     listener.listen()
     locked = tmp_path / ".tiers-locked00"
-    locked.mkdir()
+    locked.mkdir(mode=0o700)
     lock = os.open(locked, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(lock, fcntl.LOCK_EX)
     not_yet_listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     not_yet_listening.bind(str(locked / "s"))
     strange = tmp_path / ".tiers-strange0"
-    strange.mkdir()
+    strange.mkdir(mode=0o700)
     (strange / "s").write_bytes(b"not a socket")
     in_use = sorted([empty.name, answering.name, locked.name, strange.name])
     # the lock is another process's in real life: a second open file description is
@@ -310,3 +310,36 @@ def test_the_preflight_refuses_a_live_socket_with_a_full_backlog_without_blockin
         listener.close()
         for client in waiting:
             client.close()
+
+
+def _dead_socket(path: Path) -> None:
+    """A socket file nothing listens on (its server gone), as a user's program may leave."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as bound:
+        bound.bind(str(path))
+
+
+def test_directories_that_only_look_like_bind_directories_are_left_alone(tmp_path: Path) -> None:
+    # Only a directory the bind itself makes -- the prefix and mkdtemp's 8 characters,
+    # mode 0700, holding at most the bind's own two names -- is the start's to remove: a
+    # user's directory whose name happens to start the same, or one holding sockets of
+    # other names, keeps its dead sockets.
+    users = tmp_path / ".tiers-cache"
+    users.mkdir(mode=0o700)
+    _dead_socket(users / "s")
+    other_names = tmp_path / ".tiers-ab12cd34"
+    other_names.mkdir(mode=0o700)
+    _dead_socket(other_names / "app.sock")
+    shared = tmp_path / ".tiers-ef56gh78"
+    shared.mkdir()
+    shared.chmod(0o755)
+    _dead_socket(shared / "s")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    _dead_socket(elsewhere / "s")
+    (tmp_path / ".tiers-ij90kl12").symlink_to(elsewhere)
+    loop = _router(tmp_path / "tiers.sock", "started")
+    try:
+        for kept in (users / "s", other_names / "app.sock", shared / "s", elsewhere / "s"):
+            assert kept.is_socket(), f"the start removed {kept}, not a bind directory's"
+    finally:
+        loop.close()

@@ -24,6 +24,7 @@ import fcntl
 import itertools
 import logging
 import os
+import re
 import resource
 import socket
 import stat
@@ -500,6 +501,9 @@ BIND_DIRECTORY_PREFIX = ".tiers-"
 STAGED_SOCKET_NAME = "s"
 #: where a stale socket found at the path is moved, in that directory, to be removed
 _ASIDE_NAME = "stale"
+#: a name as ``tempfile.mkdtemp`` makes it with that prefix (8 of ``[a-z0-9_]``): a
+#: directory named otherwise is a user's, whatever it starts with
+_BIND_DIRECTORY_NAME = re.compile(re.escape(BIND_DIRECTORY_PREFIX) + "[a-z0-9_]{8}")
 #: how long a probe of a socket file waits for its listener before taking it as live
 SOCKET_PROBE_TIMEOUT_S = 1.0
 
@@ -541,8 +545,11 @@ def _remove_dead_bind_directories(directory: str, owner: str) -> None:
     A racing server's directory is never taken: it holds the directory's lock from
     before it puts anything in it until the directory is gone (the kernel drops the lock
     with the process), so one whose lock is held is in use, and an empty one may be
-    about to be locked.  Only a locked-here, non-empty directory holding nothing but
-    sockets that refuse connections is removed."""
+    about to be locked.  Only a directory such as the bind makes -- named as
+    ``tempfile.mkdtemp`` names it, this user's, mode ``0700`` -- locked here, not a
+    symlink, and holding nothing but the bind's own socket names, each a socket that
+    refuses connections, is removed: a user's directory that only looks like one keeps
+    what it holds."""
     try:
         names = os.listdir(directory)
     except OSError as exc:
@@ -551,7 +558,7 @@ def _remove_dead_bind_directories(directory: str, owner: str) -> None:
         )
         return
     for name in names:
-        if name.startswith(BIND_DIRECTORY_PREFIX):
+        if _BIND_DIRECTORY_NAME.fullmatch(name):
             _remove_bind_directory_if_dead(os.path.join(directory, name), owner)
 
 
@@ -561,18 +568,19 @@ def _remove_bind_directory_if_dead(private: str, owner: str) -> None:
     except OSError:
         return  # gone meanwhile, or not a directory of ours
     try:
-        if os.fstat(lock).st_uid != os.geteuid():
-            return  # another user's server's: not this one's to judge
+        if not _made_by_a_bind(os.fstat(lock)):
+            return  # another user's, or a directory this user made otherwise
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return  # a server binding right now
         entries = os.listdir(lock)
-        dead = [os.path.join(private, entry) for entry in entries]
-        if not dead or not all(_dead_socket_file(entry) for entry in dead):
+        if not entries or not set(entries) <= {STAGED_SOCKET_NAME, _ASIDE_NAME}:
+            return  # empty (about to be locked), or holding what a bind never puts there
+        if not all(_dead_socket_file(os.path.join(private, entry)) for entry in entries):
             return
-        for entry in dead:
-            os.unlink(entry)
+        for entry in entries:  # in the directory opened and judged, wherever it is now
+            os.unlink(entry, dir_fd=lock)
         os.rmdir(private)
         logger.info("%s: removed %s, left by a server killed while it bound its socket", owner, private)
     except OSError as exc:
@@ -584,6 +592,11 @@ def _remove_bind_directory_if_dead(private: str, owner: str) -> None:
         )
     finally:
         os.close(lock)
+
+
+def _made_by_a_bind(found: os.stat_result) -> bool:
+    """This user's, with the ``0700`` mode ``tempfile.mkdtemp`` gives and the bind keeps."""
+    return found.st_uid == os.geteuid() and stat.S_IMODE(found.st_mode) == 0o700
 
 
 def _dead_socket_file(path: str) -> bool:
