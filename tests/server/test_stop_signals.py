@@ -39,9 +39,11 @@ def _slow_l2_on_ipc(tmp_path: Path, name: str) -> ServerProcess:
     return slow_l2_server(tmp_path / name, host=f"ipc://{tmp_path / name}.sock", shutdown_timeout_s=1.0)
 
 
-def _stopped(server: ServerProcess, sig: int) -> tuple[int, str]:
+def _stopped(server: ServerProcess, *signals: int) -> tuple[int, str]:
+    """Send ``signals`` in turn, then wait for the exit: its code and the server's output."""
     try:
-        server.proc.send_signal(sig)
+        for sig in signals:
+            server.proc.send_signal(sig)
         code = server.proc.wait(45)
     finally:
         server.stop(signal.SIGKILL)
@@ -139,25 +141,26 @@ def test_a_hangup_whose_terminal_went_away_stops_with_code_0(tmp_path: Path) -> 
     assert "Traceback" not in output, output
 
 
+def _stopped_by_sigterm_despite(tmp_path: Path, ignored: signal.Signals) -> str:
+    """Start serve with ``ignored`` inherited as ignored, send it and then SIGTERM: SIGTERM
+    alone must stop it, with code 0.  Returns the server's output."""
+    server = start_server(
+        tmp_path / ignored.name,
+        host=f"ipc://{tmp_path / ignored.name}.sock",
+        metrics=False,
+        ignored_signals={ignored},
+    )
+    code, output = _stopped(server, ignored, signal.SIGTERM)
+    assert code == 0, output
+    assert "stopping on SIGTERM" in output
+    assert f"stopping on {ignored.name}" not in output
+    return output
+
+
 def test_a_hangup_ignored_by_whoever_started_serve_stays_ignored(tmp_path: Path) -> None:
     # ``nohup serve`` starts it with SIGHUP ignored so that it outlives the terminal: a
     # hangup must then not stop it.  The SIGTERM sent after it is what stops it.
-    server = start_server(
-        tmp_path / "nohup",
-        host=f"ipc://{tmp_path / 'nohup.sock'}",
-        metrics=False,
-        ignored_signals={signal.SIGHUP},
-    )
-    try:
-        server.proc.send_signal(signal.SIGHUP)
-        server.proc.send_signal(signal.SIGTERM)
-        code = server.proc.wait(45)
-    finally:
-        server.stop(signal.SIGKILL)
-    output = server.output()
-    assert code == 0, output
-    assert "stopping on SIGTERM" in output
-    assert "stopping on SIGHUP" not in output
+    output = _stopped_by_sigterm_despite(tmp_path, signal.SIGHUP)
     assert "stop signals ignored as inherited: SIGHUP (started under nohup" in output, output
 
 
@@ -165,20 +168,5 @@ def test_ctrl_c_ignored_by_the_script_that_started_serve_stays_ignored(tmp_path:
     # ``serve &`` in a non-interactive script starts it with SIGINT ignored: the Ctrl-C meant
     # for the script's foreground command must not stop it.  SIGTERM still does, and the
     # start-up log says which stop signals stay ignored.
-    server = start_server(
-        tmp_path / "background",
-        host=f"ipc://{tmp_path / 'background.sock'}",
-        metrics=False,
-        ignored_signals={signal.SIGINT},
-    )
-    try:
-        server.proc.send_signal(signal.SIGINT)
-        server.proc.send_signal(signal.SIGTERM)
-        code = server.proc.wait(45)
-    finally:
-        server.stop(signal.SIGKILL)
-    output = server.output()
-    assert code == 0, output
-    assert "stopping on SIGTERM" in output
-    assert "stopping on SIGINT" not in output
+    output = _stopped_by_sigterm_despite(tmp_path, signal.SIGINT)
     assert "stop signals ignored as inherited: SIGINT" in output, output
