@@ -45,6 +45,18 @@ class StallingListing(AsyncDictBackend):
                 StallingListing.open_listings -= 1
 
 
+def listing_over(backend: type[AsyncDictBackend], entries: int, adapters: list[L2Adapter]) -> BackendAdapter:
+    """An adapter of ``backend`` over ``entries`` objects already stored (by a plain backend
+    on the same namespace, so that ``backend``'s start-up scan is what lists them)."""
+    namespace = uuid.uuid4().hex
+    holder = open_dict(AsyncDictBackend, capacity=100_000, namespace=namespace)
+    store_blank(holder, keys_of("listed", entries), 1000)
+    holder.close()
+    adapter = open_dict(backend, capacity=100_000, namespace=namespace)
+    adapters.append(adapter)
+    return adapter
+
+
 @pytest.fixture
 def stalling(adapters: list[L2Adapter], monkeypatch: pytest.MonkeyPatch) -> Iterator[BackendAdapter]:
     """An adapter over LISTED objects whose listing stalls after the first, with a deadline
@@ -56,13 +68,7 @@ def stalling(adapters: list[L2Adapter], monkeypatch: pytest.MonkeyPatch) -> Iter
     monkeypatch.setattr(scan, "FOREGROUND_ENTRIES", 1)
     monkeypatch.setattr(scan, "BATCH_ENTRIES", 1)
     monkeypatch.setattr(LoopRunner, "listing_stall_timeout_s", 0.2)
-    namespace = uuid.uuid4().hex
-    holder = open_dict(AsyncDictBackend, capacity=100_000, namespace=namespace)
-    store_blank(holder, keys_of("listed", LISTED), 1000)
-    holder.close()
-    adapter = open_dict(StallingListing, capacity=100_000, namespace=namespace)
-    adapters.append(adapter)
-    yield adapter
+    yield listing_over(StallingListing, LISTED, adapters)
 
 
 class SlowListing(AsyncDictBackend):
@@ -131,12 +137,7 @@ def test_a_slow_but_live_listing_is_not_taken_for_a_stalled_one(
     monkeypatch.setattr(LoopRunner, "listing_stall_timeout_s", deadline_s)
     SlowListing.pause_s = deadline_s / 10
     entries = 30  # one batch: its entries take about 3 deadlines, each a tenth of one
-    namespace = uuid.uuid4().hex
-    holder = open_dict(AsyncDictBackend, capacity=100_000, namespace=namespace)
-    store_blank(holder, keys_of("listed", entries), 1000)
-    holder.close()
-    adapter = open_dict(SlowListing, capacity=100_000, namespace=namespace)
-    adapters.append(adapter)
+    adapter = listing_over(SlowListing, entries, adapters)
     wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")
     assert len(list(adapter.iter_keys())) == entries
     stats = adapter.stats()
