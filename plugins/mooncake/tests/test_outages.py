@@ -12,9 +12,10 @@ import time
 import pytest
 from lmcache_plugin_mooncake import client as client_module
 from lmcache_plugin_mooncake.calls import CallPool, CallTimeout
+from lmcache_plugin_mooncake.client import MooncakeUnavailable
 from lmcache_plugin_mooncake.cluster import LocalCluster
 from lmcache_plugin_mooncake.listing import iter_pool_names
-from mooncake_helpers import config_for, eventually, open_adapter
+from mooncake_helpers import backend_of, config_for, eventually, open_adapter
 
 from lmcache_tiers.errors import BackendUnavailableError, TiersError
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
@@ -334,3 +335,42 @@ def test_close_never_closes_the_client_under_a_delete_or_probe_in_mooncake(
     calls = [event for event in events if event not in ("enter close", "leave close")]
     closed_at = events.index("enter close")
     assert events[:closed_at] == calls, f"the client was closed under a running call: {events}"
+
+
+def test_a_client_close_left_open_under_a_call_is_closed_when_that_call_ends(
+    own_cluster: LocalCluster,
+) -> None:
+    # A close that waited out 3 x operation_timeout_s leaves the client open under the
+    # call still using it; that call's end must close it (else every such close leaks
+    # the client's threads and descriptors for good).  The call here is a lease held
+    # open by the test: a call inside Mooncake, as long as the test wants.
+    adapter = open_adapter(config_for(own_cluster, operation_timeout_s=0.2))
+    backend = backend_of(adapter)
+    connection = backend.connection
+    eventually(lambda: connection.connected, what="the client connected")
+    events: list[str] = []
+    with connection._lock:
+        connection._store = _Recording(connection._store, events)
+    inside = threading.Event()
+    release = threading.Event()
+
+    def held_call() -> None:
+        with connection.leased():
+            inside.set()
+            release.wait(HANG_GUARD_S)
+
+    calling = threading.Thread(target=held_call, daemon=True)
+    calling.start()
+    assert inside.wait(HANG_GUARD_S)
+    adapter.close()  # gives up waiting for the held call
+    assert adapter.stats()["close_calls_left_running"] == 1
+    assert "enter close" not in events, "the client was closed under a running call"
+    with pytest.raises(MooncakeUnavailable), connection.leased():  # a call after close is refused
+        pass
+    assert "enter close" not in events, "a refused call closed the client under the held one"
+
+    release.set()
+    calling.join(HANG_GUARD_S)
+    eventually(lambda: "leave close" in events, what="the client closed once the call ended")
+    eventually(lambda: adapter.stats().get("close_completed_late") == 1, what="the late close counted")
+    assert events.count("enter close") == 1

@@ -20,7 +20,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -114,7 +114,12 @@ class Connection:
     """One ``MooncakeDistributedStore``, set up in the background and replaced on failure."""
 
     def __init__(
-        self, config: MooncakeStoreConfig, name: str, lanes: HeaderLanes, l1: memoryview | None = None
+        self,
+        config: MooncakeStoreConfig,
+        name: str,
+        lanes: HeaderLanes,
+        l1: memoryview | None = None,
+        on_closed_late: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.name = name
@@ -137,6 +142,11 @@ class Connection:
         #: calls of the adapter's threads using the client right now (see ``leased``)
         self._leases = 0
         self._idle = threading.Condition()
+        #: the client a close left open under running calls: the last of them to end
+        #: closes it (see ``close``); guarded by ``_idle``
+        self._left_open: Any = None
+        #: called once such a client has been closed (the adapter counts and logs it)
+        self._on_closed_late = on_closed_late
 
     def start(self, wait_s: float) -> bool:
         """Import the client, start connecting; True if connected within ``wait_s``."""
@@ -179,8 +189,26 @@ class Connection:
         finally:
             with self._idle:
                 self._leases -= 1
+                left_open = None
                 if not self._leases:
                     self._idle.notify_all()
+                    left_open, self._left_open = self._left_open, None
+            if left_open is not None:
+                self._close_late(left_open)
+
+    def _close_late(self, store: Any) -> None:
+        """Close the client a close left open, now that the last call using it ended: on
+        a thread of its own, as closing may retry for long against a master that is gone,
+        and this is the thread of the call that just ended."""
+
+        def close_and_report() -> None:
+            _close_quietly(store)
+            if self._on_closed_late is not None:
+                self._on_closed_late()
+
+        threading.Thread(
+            target=close_and_report, name=f"mooncake-{self.name}-close-late", daemon=True
+        ).start()
 
     def _connect_loop(self) -> None:
         pause = _RETRY_FIRST_S
@@ -262,7 +290,9 @@ class Connection:
 
         The client is closed only once no call uses it (``leased``): closed under a load,
         the load would fail whatever it read.  Calls still running after ``calls_wait_s``
-        leave it open -- never closed under them -- to end with the process.
+        leave it open -- never closed under them -- and the last of them to end closes
+        it (``on_closed_late`` is called then); a call stuck forever keeps it open until
+        the process ends.
         Closing unmounts this server's segment at the master; with the master gone
         Mooncake retries for a while, so a close that takes longer is left to finish on
         its own (daemon thread) and the adapter closes anyway.
@@ -276,8 +306,12 @@ class Connection:
         with self._idle:
             self._idle.wait_for(lambda: not self._leases, calls_wait_s)
             running = self._leases
-        if running:
-            return running
+            if running:
+                # Handed to the calls still running, in the same critical section as
+                # the count: the last of them to end closes it (``leased``).  A call
+                # starting from now on finds no client and is refused.
+                self._left_open = store
+                return running
         closer = threading.Thread(
             target=_close_quietly, args=(store,), name=f"mooncake-{self.name}-close", daemon=True
         )
