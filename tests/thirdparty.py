@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 sys.path.insert(0, str(Path(__file__).parent / "server"))
 
@@ -166,6 +166,40 @@ def launch_serve(
         preexec_fn=stop_signals_at_default(),
     )
     return ServerProcess(f"tcp://127.0.0.1:{port}", None, shm_name, proc, log_dir)
+
+
+def launch_l1_only_serve(
+    log: IO[str],
+    *,
+    shm_name: str,
+    port: int,
+    metrics_port: int = 0,
+    preexec_fn: Callable[[], None] | None = None,
+    **env: str,
+) -> subprocess.Popen[bytes]:
+    """Start ``lmcache-tiers serve`` with a 0.25 GB L1 and no L2 on loopback ``port``, both
+    output streams to ``log``; ``preexec_fn`` runs in the child before serve (the stop
+    signals at their defaults when not given).  Not waited for."""
+    command = [
+        *CLI,
+        "serve",
+        "--no-default-l2",
+        "--l1-size-gb",
+        "0.25",
+        "--shm-name",
+        shm_name,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+    ]
+    return subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=_environment(None, env),
+        preexec_fn=preexec_fn or stop_signals_at_default(),
+    )
 
 
 def serve_cli(args: list[str], site: Path | None, log_dir: Path, **env: str) -> ServerProcess:

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from thirdparty import CLI, free_port
-from tiers_e2e import stop_signals_at_default
+from thirdparty import free_port, launch_l1_only_serve
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import ObjectKey
@@ -36,24 +34,11 @@ def test_serve_logging_to_a_full_filesystem_keeps_serving(full_tmpfs: Path) -> N
     port = free_port()
     shm = f"tiers_fulllog_{uuid.uuid4().hex[:10]}"
     with (full_tmpfs / "serve.log").open("w") as out:
-        proc = subprocess.Popen(
-            [
-                *CLI,
-                "serve",
-                "--no-default-l2",
-                "--l1-size-gb",
-                "0.25",
-                "--shm-name",
-                shm,
-                "--port",
-                str(port),
-                "--metrics-port",
-                "0",
-            ],
-            stdout=out,
-            stderr=out,
-            env={**os.environ, "LMCACHE_LOG_LEVEL": "DEBUG"},  # a log call on every request
-            preexec_fn=stop_signals_at_default(),
+        proc = launch_l1_only_serve(
+            out,
+            shm_name=shm,
+            port=port,
+            LMCACHE_LOG_LEVEL="DEBUG",  # a log call on every request
         )
     try:
         with Client(f"tcp://127.0.0.1:{port}", timeout=60) as client:

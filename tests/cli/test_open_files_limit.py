@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import os
 import resource
-import subprocess
 import time
 import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
-from thirdparty import CLI, free_port
+from thirdparty import free_port, launch_l1_only_serve
 from tiers_e2e import stop_signals_at_default
 
 from lmcache_tiers.client import Client, ClientError
@@ -48,23 +47,8 @@ def test_a_server_at_its_open_files_limit_counts_it_and_serves_on(tmp_path: Path
     log = tmp_path / "serve.log"
     shm = f"tiers_nofile_{uuid.uuid4().hex[:10]}"
     with log.open("w") as out:
-        proc = subprocess.Popen(
-            [
-                *CLI,
-                "serve",
-                "--no-default-l2",
-                "--l1-size-gb",
-                "0.25",
-                "--shm-name",
-                shm,
-                "--port",
-                str(port),
-                "--metrics-port",
-                str(metrics_port),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_limited,
+        proc = launch_l1_only_serve(
+            out, shm_name=shm, port=port, metrics_port=metrics_port, preexec_fn=_limited
         )
     clients: list[Client] = []
     try:
