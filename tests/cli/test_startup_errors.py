@@ -622,3 +622,26 @@ def test_a_limit_that_serves_a_small_config_is_warned_about_not_refused(tmp_path
         proc.terminate()
         proc.wait(120)
     assert not os.path.exists(f"/dev/shm/{shm}")
+
+
+def test_the_soft_open_files_limit_is_raised_to_the_hard_one_at_start(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A soft limit under a higher hard one (1024 under 524288 on most systems) was left as
+    # it was: clients were refused at the soft limit the process could have raised itself.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = 256
+    if hard != resource.RLIM_INFINITY and hard <= low:
+        pytest.skip(f"the hard limit of open files here is {hard}, not above {low}")
+    config = build_config(load_registry(), overrides={"l1_size_gb": 0.25})
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        with caplog.at_level("INFO", logger="lmcache_tiers.server.preflight"):
+            preflight.check_open_files(config)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    shown = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"raised the open files limit (ulimit -n) from {low} to {shown}, the hard limit"
+    ]

@@ -40,6 +40,7 @@ __all__ = [
     "open_files_limit",
     "open_files_refusal",
     "preflight",
+    "raise_open_files_limit",
 ]
 
 logger = logging.getLogger(__name__)
@@ -106,10 +107,29 @@ def open_files_refusal(limit: int | None, *, while_starting: bool = False) -> Co
     return ConfigError(f"ulimit -n {shown}: {need}; raise the limit (ulimit -n {RECOMMENDED_OPEN_FILES})")
 
 
+def raise_open_files_limit() -> None:
+    """Raise the soft RLIMIT_NOFILE to the hard one, as systemd advises a program that
+    needs many descriptors and does not ``select()`` on them to do (the one ``select`` of
+    serve watches a pipe made at start-up, whose number is small): the soft default (1024
+    on most distributions) is what a busy server's clients and L2 files run into first."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or (hard != resource.RLIM_INFINITY and soft >= hard):
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:  # a hard limit the kernel caps lower (nr_open)
+        logger.info("the open files limit stays at %d: raising it to %s failed (%s)", soft, hard, exc)
+        return
+    shown = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    logger.info("raised the open files limit (ulimit -n) from %d to %s, the hard limit", soft, shown)
+
+
 def check_open_files(config: ServerConfig) -> None:
-    """Refuse a descriptor limit serve cannot start under (the front end's socket failed
-    with a bare "Too many open files"), and warn once under one its clients would hit:
-    at the limit libzmq's accept fails with EMFILE and new clients wait, retried."""
+    """Raise the soft descriptor limit to the hard one; then refuse a limit serve cannot
+    start under (the front end's socket failed with a bare "Too many open files"), and warn
+    once under one its clients would hit: at the limit libzmq's accept fails with EMFILE and
+    new clients wait, retried."""
+    raise_open_files_limit()
     limit = open_files_limit()
     if limit is None:
         return
