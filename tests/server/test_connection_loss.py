@@ -17,7 +17,6 @@ import pytest
 from tiers_e2e import ServerProcess, fetch, make_keys, make_payloads, start_server
 
 from lmcache_tiers.client import Client, ConnectionLostError, RequestTimeoutError, connection
-from lmcache_tiers.client.connection import HEARTBEAT_TIMEOUT_MS
 from lmcache_tiers.testing.processes import freeze
 
 #: far beyond anything these tests wait for: a call that reaches it was not ended early
@@ -201,9 +200,14 @@ def test_a_request_sent_after_a_restart_is_waited_for_however_slow_the_new_serve
         client.close()
 
 
-def test_a_server_silent_past_the_heartbeat_timeout_is_taken_as_gone(tmp_path: Path) -> None:
+def test_a_server_silent_past_the_heartbeat_timeout_is_taken_as_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A stopped process answers no heartbeat, like a host that is down or cut off: its
     connection stays open in the kernel, and only the silence tells."""
+    # This client's heartbeats: the same silence is told in 2 s instead of the default 10 s.
+    monkeypatch.setattr(connection, "HEARTBEAT_INTERVAL_MS", 500)
+    monkeypatch.setattr(connection, "HEARTBEAT_TIMEOUT_MS", 2_000)
     server = start_server(tmp_path / "server")
     client, keys = _stored(server, "silent", 2)
     try:
@@ -211,7 +215,7 @@ def test_a_server_silent_past_the_heartbeat_timeout_is_taken_as_gone(tmp_path: P
         thread, outcome = _lookup_in_thread(client, keys)
         thread.join(CLIENT_TIMEOUT_S)
         assert isinstance(outcome.get("error"), ConnectionLostError), outcome
-        assert outcome["seconds"] >= HEARTBEAT_TIMEOUT_MS / 1000 / 2, outcome
+        assert outcome["seconds"] >= connection.HEARTBEAT_TIMEOUT_MS / 1000 / 2, outcome
         assert outcome["seconds"] < CLIENT_TIMEOUT_S / 2, outcome
     finally:
         server.stop(signal.SIGKILL)
