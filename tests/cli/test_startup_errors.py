@@ -645,3 +645,47 @@ def test_the_soft_open_files_limit_is_raised_to_the_hard_one_at_start(
     assert [r.getMessage() for r in caplog.records] == [
         f"raised the open files limit (ulimit -n) from {low} to {shown}, the hard limit"
     ]
+
+
+def test_a_server_whose_wake_pipe_is_above_fd_setsize_stops_cleanly() -> None:
+    # With the soft limit raised to the hard one, a process holding over 1024 descriptors
+    # gets its wake pipe above FD_SETSIZE: select() raised ValueError on it, and the serving
+    # loop died instead of waiting for the stop.
+    import threading
+
+    from lmcache_tiers.config import ServerConfig
+    from lmcache_tiers.server.app import TiersServer
+
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard limit of open files here is {hard}, below 1200")
+    preflight.raise_open_files_limit()
+    filler: list[int] = []
+    name = f"tiers_fdset_{uuid.uuid4().hex[:10]}"
+    try:
+        while not filler or filler[-1] < 1100:
+            filler.append(os.open(os.devnull, os.O_RDONLY))
+        server = TiersServer(ServerConfig(port=0, metrics_port=0, l1_size_gb=0.0625, l1_shm_name=name))
+        failed: list[BaseException] = []
+
+        def serve() -> None:
+            try:
+                server.serve()
+            except BaseException as exc:
+                failed.append(exc)
+
+        assert server._wake_read >= 1024
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        thread.join(2.5)  # the loop wakes each second: a failing wait has ended it by now
+        serving = thread.is_alive()
+        server.request_stop()
+        thread.join(30)
+        server.close()
+        assert failed == []
+        assert serving and not thread.is_alive()
+    finally:
+        for fd in filler:
+            os.close(fd)
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")

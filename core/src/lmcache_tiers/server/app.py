@@ -330,10 +330,13 @@ class TiersServer:
             self.http.start()
         for frontend in self.frontends:
             frontend.start()
+        # poll, not select: with the soft limit raised to the hard one (pre-flight) the
+        # pipe of a process holding many descriptors may be above select's FD_SETSIZE.
+        waker = select.poll()
+        waker.register(self._wake_read, select.POLLIN)
         while not self._stopping:
             # Woken by request_stop (a signal handler may call it) or a failing front end.
-            readable, _, _ = select.select([self._wake_read], [], [], 1.0)
-            if readable:
+            if waker.poll(1000):
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_read, 64)
         self._log_stop()

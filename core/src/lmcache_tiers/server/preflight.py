@@ -109,8 +109,8 @@ def open_files_refusal(limit: int | None, *, while_starting: bool = False) -> Co
 
 def raise_open_files_limit() -> None:
     """Raise the soft RLIMIT_NOFILE to the hard one, as systemd advises a program that
-    needs many descriptors and does not ``select()`` on them to do (the one ``select`` of
-    serve watches a pipe made at start-up, whose number is small): the soft default (1024
+    needs many descriptors and does not ``select()`` on them to do (serve's wait on its
+    wake pipe uses ``poll``, as a pipe may be above FD_SETSIZE): the soft default (1024
     on most distributions) is what a busy server's clients and L2 files run into first."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or (hard != resource.RLIM_INFINITY and soft >= hard):
