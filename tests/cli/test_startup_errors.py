@@ -538,8 +538,8 @@ def test_an_open_files_limit_too_low_to_start_is_one_line_naming_ulimit_n() -> N
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         f"error: ulimit -n 16: serve needs at least {preflight.SERVE_OPEN_FILES} open files to start "
-        f"and about {preflight.RECOMMENDED_OPEN_FILES} to serve many clients; raise the limit "
-        f"(ulimit -n {preflight.RECOMMENDED_OPEN_FILES})"
+        f"and about {preflight.RECOMMENDED_OPEN_FILES} to serve many clients; raise the hard limit "
+        f"(ulimit -Hn {preflight.RECOMMENDED_OPEN_FILES}, or LimitNOFILE= in a systemd unit)"
     ], result.stderr
 
 
@@ -556,8 +556,8 @@ def test_a_start_that_runs_out_of_open_files_anyway_is_one_line_naming_ulimit_n(
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "error: ulimit -n 48: serve ran out of open files while starting "
-        f"(each L2 adapter and front end takes some); raise the limit "
-        f"(ulimit -n {preflight.RECOMMENDED_OPEN_FILES})"
+        f"(each L2 adapter and front end takes some); raise the hard limit "
+        f"(ulimit -Hn {preflight.RECOMMENDED_OPEN_FILES}, or LimitNOFILE= in a systemd unit)"
     ), result.stderr
 
 
@@ -572,8 +572,8 @@ def test_a_low_open_files_limit_is_warned_about_at_start(
         preflight.check_open_files(config)
     assert [r.getMessage() for r in caplog.records] == [
         f"the open files limit (ulimit -n) is 64: a client connection, an L2 file or transfer each "
-        f"take one, and at the limit new clients cannot connect; raise it to "
-        f"{preflight.RECOMMENDED_OPEN_FILES} or more"
+        f"take one, and at the limit new clients cannot connect; raise the hard limit "
+        f"(ulimit -Hn, or LimitNOFILE= in a systemd unit) to {preflight.RECOMMENDED_OPEN_FILES} or more"
     ]
     caplog.clear()
     monkeypatch.setattr(preflight, "open_files_limit", lambda: preflight.RECOMMENDED_OPEN_FILES)

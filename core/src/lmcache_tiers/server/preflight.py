@@ -104,7 +104,11 @@ def open_files_refusal(limit: int | None, *, while_starting: bool = False) -> Co
             f"serve needs at least {SERVE_OPEN_FILES} open files to start and about "
             f"{RECOMMENDED_OPEN_FILES} to serve many clients"
         )
-    return ConfigError(f"ulimit -n {shown}: {need}; raise the limit (ulimit -n {RECOMMENDED_OPEN_FILES})")
+    # serve has already lifted its soft limit to the hard one: only the hard limit can help
+    return ConfigError(
+        f"ulimit -n {shown}: {need}; raise the hard limit "
+        f"(ulimit -Hn {RECOMMENDED_OPEN_FILES}, or LimitNOFILE= in a systemd unit)"
+    )
 
 
 def raise_open_files_limit() -> None:
@@ -138,7 +142,8 @@ def check_open_files(config: ServerConfig) -> None:
     if limit < RECOMMENDED_OPEN_FILES:
         logger.warning(
             "the open files limit (ulimit -n) is %d: a client connection, an L2 file or transfer "
-            "each take one, and at the limit new clients cannot connect; raise it to %d or more",
+            "each take one, and at the limit new clients cannot connect; raise the hard limit "
+            "(ulimit -Hn, or LimitNOFILE= in a systemd unit) to %d or more",
             limit,
             RECOMMENDED_OPEN_FILES,
         )
