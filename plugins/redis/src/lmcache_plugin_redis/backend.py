@@ -246,7 +246,7 @@ class RedisBackend:
         self.config = config
         self.context = context
         self.concurrency = config.num_workers
-        self.prefix = config.key_prefix
+        self.prefix = config.object_prefix()
         self.target = describe(config)
         self._capacity = int(config.max_capacity_gb * _GIB) or None
         # A cluster client needs an answering node to be built: until one answers, each

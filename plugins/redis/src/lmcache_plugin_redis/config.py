@@ -15,8 +15,10 @@ from lmcache_tiers.plugin import FieldError, L2AdapterConfig, SizeGiB, check_siz
 
 DEFAULT_PORT = 6379
 SCHEMES = ("redis", "rediss", "unix")
-#: LMCache's type names for the same store, registered as aliases of `redis`
+#: LMCache's type names for the same store, registered with LMCacheRedisConfig
 LMCACHE_ALIASES = ("resp", "valkey")
+#: joins LMCache valkey's key_prefix and an object's name (its wire keys use "@" too)
+LMCACHE_PREFIX_SEPARATOR = "@"
 REDACTED = "***"
 
 
@@ -132,8 +134,9 @@ class RedisConfig(L2AdapterConfig):
     key_prefix: Annotated[
         str,
         _doc(
-            "Prepended to every object name; servers sharing a cache use the same one. LMCache's "
-            'valkey default is "" (its records are not readable here either way).',
+            "Prepended to every object name; servers sharing a cache use the same one. Under "
+            'the type names resp and valkey the default is "" and the prefix is joined by "@", '
+            "as LMCache's valkey does.",
             max_length=128,
         ),
     ] = "lmcache-tiers:"
@@ -144,8 +147,8 @@ class RedisConfig(L2AdapterConfig):
     num_workers: Annotated[
         int,
         _doc(
-            "Worker threads per operation kind (store, lookup, load); LMCache's resp and valkey "
-            "default to 8.",
+            "Worker threads per operation kind (store, lookup, load); 8 under the type names "
+            "resp and valkey, as LMCache's.",
             ge=1,
             le=64,
         ),
@@ -208,7 +211,11 @@ class RedisConfig(L2AdapterConfig):
             elif name == "url" and value is not None:
                 value = redact_url(value)
             shown.append(f"{name}={value!r}")
-        return f"RedisConfig({', '.join(shown)})"
+        return f"{type(self).__name__}({', '.join(shown)})"
+
+    def object_prefix(self) -> str:
+        """What every object name starts with: ``key_prefix`` as given."""
+        return self.key_prefix
 
     def _check_url_agrees(self, url: str) -> None:
         """A field that says again what the url says must say the same: redis-py would
@@ -258,3 +265,40 @@ class RedisConfig(L2AdapterConfig):
         assert self.url is not None
         parsed = urllib.parse.urlsplit(self.url)
         return [(parsed.hostname or "", parsed.port or DEFAULT_PORT)]
+
+
+class LMCacheRedisConfig(RedisConfig):
+    """The ``redis`` adapter under LMCache's type names ``resp`` and ``valkey``: their
+    JSON keeps LMCache 0.5.6's meanings, so a config moved from LMCache keeps its objects
+    where it put them and its worker count.
+
+    ``key_prefix`` is LMCache valkey's namespace: objects are named ``<key_prefix>@<key>``,
+    or the bare key when it is ``""`` (the default, as LMCache's resp, which has no prefix,
+    names them); a prefix holding ``@`` is refused, as LMCache refuses it. ``num_workers``
+    defaults to 8, LMCache's. Every other field means what it does under ``redis``.
+    """
+
+    key_prefix: Annotated[
+        str,
+        _doc(
+            'Namespace of the objects, joined to each name by "@" as LMCache\'s valkey does; '
+            '"" (default, as LMCache\'s resp and valkey): no namespace. Must not contain "@".',
+            max_length=128,
+        ),
+    ] = ""
+    num_workers: Annotated[
+        int,
+        _doc("Worker threads per operation kind (store, lookup, load); 8, as LMCache's.", ge=1, le=64),
+    ] = 8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if LMCACHE_PREFIX_SEPARATOR in self.key_prefix:
+            # LMCache refuses it too: "a@" + "b" and "a" + "@b" would be one namespace.
+            raise FieldError(
+                "key_prefix", f"key_prefix must not contain {LMCACHE_PREFIX_SEPARATOR!r} (it joins the names)"
+            )
+
+    def object_prefix(self) -> str:
+        """``<key_prefix>@``, or nothing when ``key_prefix`` is empty: LMCache valkey's layout."""
+        return self.key_prefix + LMCACHE_PREFIX_SEPARATOR if self.key_prefix else ""
