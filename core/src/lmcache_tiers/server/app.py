@@ -13,8 +13,9 @@ in-flight requests finish (or cancels them at the drain deadline), then gives ba
 lock and reservation its clients still hold; pending L2 stores are flushed up to the same
 deadline (:mod:`~lmcache_tiers.server.flush`), the storage is closed (abandoning, and
 counting, what the flush did not store; this unlinks the L1 segment), HTTP stops and a
-summary is printed.  A second signal, or SIGQUIT as the first, cuts the drain and the
-flush short.  A signal during start-up (building L1 and the adapters) interrupts it: what
+summary is printed.  A step of the close that raises is logged and the others still run
+(:class:`StopFailed`, exit 1).  A second signal, or SIGQUIT as the first, cuts the drain and
+the flush short.  A signal during start-up (building L1 and the adapters) interrupts it: what
 was built is closed, the L1 segment unlinked, and the exit code is 128 + the signal's number.
 """
 
@@ -26,8 +27,10 @@ import logging
 import os
 import select
 import signal
+import sys
 import threading
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
 from types import FrameType
@@ -66,10 +69,26 @@ FRONTEND_REPORT_ERROR = "frontend_report_error"
 _JOIN_GRACE_S = 5.0
 #: ``serve``'s exit status after a stop that gave up writes acknowledged to clients (the
 #: flush cut short by a second signal, SIGQUIT or its deadline): distinct from 0 (a stop
-#: that lost nothing), 1 (cannot start, or a front end failed), 2 (a configuration
-#: mistake) and 128 + N (signal N interrupted start-up), so that a supervisor or a script
-#: can tell a stop that lost data from a clean one
+#: that lost nothing), 1 (cannot start, a front end failed, or the stop failed), 2 (a
+#: configuration mistake) and 128 + N (signal N interrupted start-up), so that a
+#: supervisor or a script can tell a stop that lost data from a clean one
 EXIT_ACKNOWLEDGED_WRITES_LOST = 3
+
+
+class StopFailed(TiersError):
+    """A step of the server's close raised (the storage's close, the HTTP endpoint's stop).
+
+    Raised by :meth:`TiersServer.close` only after every other step ran: the resources are
+    released whatever one step did.  ``acknowledged_lost`` counts the acknowledged writes
+    not stored in L2 (as far as the storage counted them before it failed)."""
+
+    def __init__(self, failure: str, acknowledged_lost: int) -> None:
+        super().__init__(
+            f"the stop failed: {failure}; "
+            f"{acknowledged_lost} objects acknowledged to clients were not stored in L2"
+        )
+        self.failure = failure
+        self.acknowledged_lost = acknowledged_lost
 
 
 def check_metrics_host(config: ServerConfig, token: str | None) -> None:
@@ -212,9 +231,11 @@ class TiersServer:
                 except OSError as exc:
                     raise listen_error(config, None, http_host, config.metrics_port, exc) from None
         except BaseException:
+            # Every step logs what it meets and the next still runs: the start-up's own
+            # error is the one to raise.
             self._close_frontends()
-            self.storage.close(drain_timeout_s=0.0)
-            self._close_pipe()
+            self._close_storage()
+            self._release_endpoints()
             raise
 
     @property
@@ -403,7 +424,7 @@ class TiersServer:
             self._release_the_rest()
             raise
         # The flush was the drain: what is still pending is abandoned now, and counted.
-        self.storage.close(drain_timeout_s=0.0)
+        storage_failure = self._close_storage()
         failures = self.storage.failures()
         abandoned = sum(failures.get(name, 0) for name in ABANDONED_FAILURES)
         if abandoned:
@@ -432,19 +453,34 @@ class TiersServer:
             "l2_objects_abandoned": abandoned,
             "l1_objects": before["l1"]["objects"],
         }
-        if self.http is not None:
-            self.http.stop()
-        self._close_pipe()
+        failed = [step for step in (storage_failure, self._release_endpoints()) if step is not None]
+        if failed:
+            raise StopFailed("; ".join(failed), abandoned)
         return summary
 
     def _release_the_rest(self) -> None:
-        """Close the storage, the HTTP endpoint and the wake-up pipe (a close cut short)."""
-        try:
-            self.storage.close(drain_timeout_s=0.0)
-        finally:
-            if self.http is not None:
-                self.http.stop()
-            self._close_pipe()
+        """Close the storage, the HTTP endpoint and the wake-up pipe (a close cut short:
+        what cut it is raised, each step's own failure only logged)."""
+        self._close_storage()
+        self._release_endpoints()
+
+    def _close_storage(self) -> str | None:
+        """Close the storage (abandoning, and counting, what L2 did not get); what failed, or None.
+
+        A close that raised stopped part-way, maybe before releasing L1, whose segment
+        outlives the process: L1 is then released on its own (its close is idempotent)."""
+        failure = _release_step("closing the storage", lambda: self.storage.close(drain_timeout_s=0.0))
+        if failure is not None:
+            _release_step("releasing L1 after the storage's failed close", self.storage.l1.close)
+        return failure
+
+    def _release_endpoints(self) -> str | None:
+        """Give back the HTTP port and the wake-up pipe; what failed, or None."""
+        failure = None
+        if self.http is not None:
+            failure = _release_step("stopping the HTTP endpoint", self.http.stop)
+        self._close_pipe()
+        return failure
 
     def _close_frontends(self) -> None:
         """Stop and close front ends (those that never started, or after ``serve``).
@@ -472,6 +508,24 @@ class TiersServer:
         self._wake_read = self._wake_write = -1
 
 
+def _release_step(what: str, step: Callable[[], None]) -> str | None:
+    """Run one step of a close; a raise is logged with its traceback and returned as text
+    (``what failed: Type: message``), so that the steps after it still run.
+
+    The traceback is logged as text, not as the exception: a handler that keeps records
+    would keep the exception's frames, which may hold views into L1."""
+    try:
+        step()
+    except Exception as exc:
+        logger.error(
+            "%s failed; the other resources are released regardless:\n%s",
+            what,
+            "".join(traceback.format_exception(exc)).rstrip(),
+        )
+        return f"{what} failed: {type(exc).__name__}: {exc}"
+    return None
+
+
 def _with_default_frontends(config: ServerConfig, registry: ComponentRegistry) -> ServerConfig:
     import msgspec
 
@@ -492,9 +546,9 @@ def run_server(
     """Serve until SIGINT/SIGTERM/SIGHUP (SIGQUIT: stop at once); returns the process exit
     code (0 after a stop, forced or not, that lost nothing, 3
     (:data:`EXIT_ACKNOWLEDGED_WRITES_LOST`) after one that gave up acknowledged writes, 2
-    for a configuration mistake, 1 when the server cannot start for another reason or a
-    front end failed while serving, 128 + the signal's number when a signal interrupted
-    start-up).  ``name_setting`` rewords a
+    for a configuration mistake, 1 when the server cannot start for another reason, a
+    front end failed while serving or the stop itself failed (one line says so), 128 + the
+    signal's number when a signal interrupted start-up).  ``name_setting`` rewords a
     refusal found at start-up (``serve`` names a setting by the flag that set it)."""
     configure_logging()
     console = Console(highlight=False)
@@ -515,12 +569,15 @@ def run_server(
         try:
             server = _build_server(config, registry, token, signals, stale)
         except StartUpInterrupted as interrupted:
+            signals.log_deferred()
             logger.warning("start-up interrupted by %s: stopped before serving", interrupted.name)
             return 128 + interrupted.signum
         except ConfigError as exc:
+            signals.log_deferred()
             _print_error(errors, str(exc if name_setting is None else name_setting(exc)))
             return 2
         except Exception as exc:
+            signals.log_deferred()
             if _ran_out_of_open_files(exc):
                 # Past the pre-flight's floor (more adapters or plugins than it counts):
                 # the limit is what to change, whichever socket or file hit it.
@@ -536,7 +593,12 @@ def run_server(
             logger.debug("start-up failed", exc_info=True)
             _print_error(errors, f"cannot start the server: {type(exc).__name__}: {exc}")
             return 1
-        summary, code = _serve_until_stopped(server, config, hooks, console, ready, banner)
+        try:
+            summary, code = _serve_until_stopped(server, config, hooks, console, ready, banner)
+        except StopFailed as failed:
+            # Logged with its traceback already; for whoever started serve, one line.
+            _print_error(errors, str(failed))
+            return 1
     finally:
         signals.restore()
     if code == 0 and summary["l2_objects_abandoned"]:
@@ -584,8 +646,10 @@ def _build_server(
     try:
         signals.attach(server)
     except StartUpInterrupted:
-        # The signal came just before the hand-over: the server exists, close it.
-        server.close()
+        # The signal came just before the hand-over: the server exists, close it.  A
+        # failing step is logged by the close, which still releases the rest.
+        with contextlib.suppress(StopFailed):
+            server.close()
         raise
     return server
 
@@ -694,6 +758,12 @@ class _StopSignals:
 
     Until :meth:`attach` the first signal interrupts start-up (:class:`StartUpInterrupted`)
     and later ones are ignored, so that they cannot cut the cleanup it unwinds through.
+    A first signal while start-up is handling an exception (the clean-up of a start-up
+    that failed, in the server's or a plugin's ``except`` or ``finally``) waits instead:
+    raised there it would cut that clean-up short and leave the L1 segment or a socket
+    behind.  The start-up's own error then ends it; one that got past its exception is
+    interrupted at :meth:`attach`.  A second signal interrupts at once (a clean-up that
+    hangs).
     Once attached, the first asks the server for a graceful stop (SIGQUIT: a forced one)
     and any later one forces it.  A signal of :data:`KEPT_IGNORED` the process was started
     with ignored (``nohup``, a script's background job) stays ignored, and one line says so.
@@ -705,6 +775,10 @@ class _StopSignals:
         self._server: TiersServer | None = None
         self._received = 0
         self._previous: dict[int, Any] = {}
+        # StartUpInterrupted was raised: its clean-up runs, later signals are ignored
+        self._interrupted = False
+        # the signal that came while start-up handled an exception, not raised there
+        self._deferred: int | None = None
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -721,7 +795,21 @@ class _StopSignals:
             _log_kept_ignored(kept_ignored)
 
     def attach(self, server: TiersServer) -> None:
+        """Hand the signals to a server that is built; a signal deferred meanwhile
+        interrupts the start-up now (``_build_server`` closes the server)."""
+        if self._deferred is not None:
+            self._interrupted = True
+            raise StartUpInterrupted(self._deferred)
         self._server = server
+
+    def log_deferred(self) -> None:
+        """Say that a signal waited for the clean-up of a start-up that failed (logged
+        here, not in the handler)."""
+        if self._deferred is not None and not self._interrupted:
+            logger.warning(
+                "%s came while a failed start-up cleaned up: the clean-up finished first",
+                signal.Signals(self._deferred).name,
+            )
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -737,8 +825,16 @@ class _StopSignals:
                 self._server.request_stop(force=True, reason="a second signal")
             else:
                 self._server.request_stop(force=signum in FORCING_SIGNALS, reason=name)
-        elif self._received == 1:
-            raise StartUpInterrupted(signum)
+            return
+        if self._interrupted:
+            return  # the start-up unwinds through its clean-up: nothing cuts it short
+        if self._deferred is None and sys.exc_info()[1] is not None:
+            # Start-up is handling an exception (cleaning up after a failure, as its
+            # except or finally blocks do): raised here, this would cut that short.
+            self._deferred = signum
+            return
+        self._interrupted = True
+        raise StartUpInterrupted(signum)
 
 
 def _log_kept_ignored(signals: Sequence[int]) -> None:

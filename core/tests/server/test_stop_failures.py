@@ -1,0 +1,171 @@
+"""A stop or a failed start-up whose clean-up meets a failure or a signal: every resource
+(L1 segment, HTTP port, wake-up pipe) is still released, and ``run_server`` ends on one
+clear line rather than a traceback."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import stat
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from lmcache_tiers.config import ServerConfig
+from lmcache_tiers.controllers.base import ControllerThread
+from lmcache_tiers.server import app
+from lmcache_tiers.server.app import StopFailed, TiersServer, run_server
+from lmcache_tiers.storage import StorageManager
+from lmcache_tiers.testing.ports import free_port
+
+
+def _join_is_broken(self: ControllerThread) -> bool:
+    raise RuntimeError("join is broken")
+
+
+@contextlib.contextmanager
+def _segment(name: str) -> Iterator[str]:
+    path = f"/dev/shm/{name}"
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _same_pipe(fd: int, identity: tuple[int, int]) -> bool:
+    try:
+        status = os.fstat(fd)
+    except OSError:
+        return False
+    return stat.S_ISFIFO(status.st_mode) and (status.st_dev, status.st_ino) == identity
+
+
+def _stop_controllers(server: TiersServer) -> None:
+    """The storage's close failed before stopping its threads: stop them for the next test."""
+    for controller in server.storage._parts.controllers():
+        controller.stop(0.0)
+
+
+def test_a_storage_close_that_raises_still_releases_everything(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    name = f"tiers_unit_{uuid.uuid4().hex[:12]}"
+    http_port = free_port()
+    config = ServerConfig(port=0, metrics_port=http_port, l1_size_gb=0.0625, l1_shm_name=name)
+    with _segment(name) as segment:
+        server = TiersServer(config)
+        pipe = os.fstat(server._wake_read)
+        pipe_fd, pipe_identity = server._wake_read, (pipe.st_dev, pipe.st_ino)
+        thread = threading.Thread(target=server.serve, daemon=True)
+        thread.start()
+        server.request_stop()
+        thread.join(30)
+        assert not thread.is_alive()
+        monkeypatch.setattr(ControllerThread, "join", _join_is_broken)
+        try:
+            with caplog.at_level(logging.ERROR, logger="lmcache_tiers"), pytest.raises(StopFailed) as failed:
+                server.close()
+        finally:
+            monkeypatch.undo()
+            _stop_controllers(server)
+        assert "closing the storage failed: RuntimeError: join is broken" in str(failed.value)
+        assert not os.path.exists(segment), "the L1 segment outlived the failed close"
+        assert _port_is_free(http_port), "the HTTP endpoint outlived the failed close"
+        assert not _same_pipe(pipe_fd, pipe_identity), "the wake-up pipe outlived the failed close"
+        # the raise is in the log, with its traceback, once
+        assert caplog.text.count("RuntimeError: join is broken") == 1
+        assert caplog.text.count("Traceback (most recent call last)") == 1
+
+
+def _stop_once_ready(ready: threading.Event, returned: threading.Event) -> threading.Thread:
+    def stop() -> None:
+        if ready.wait(30) and not returned.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    stopper = threading.Thread(target=stop, daemon=True)
+    stopper.start()
+    return stopper
+
+
+def test_serve_ends_a_failed_stop_on_one_line_with_status_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers need the main thread")
+    name = f"tiers_unit_{uuid.uuid4().hex[:12]}"
+    config = ServerConfig(port=0, metrics_port=0, l1_size_gb=0.0625, l1_shm_name=name)
+    ready, returned = threading.Event(), threading.Event()
+    closes: list[TiersServer] = []
+    close = TiersServer.close
+
+    def close_with_a_broken_join(self: TiersServer, console: Any = None) -> dict[str, Any]:
+        closes.append(self)
+        monkeypatch.setattr(ControllerThread, "join", _join_is_broken)
+        return close(self, console)
+
+    monkeypatch.setattr(TiersServer, "close", close_with_a_broken_join)
+    stopper = _stop_once_ready(ready, returned)
+    with _segment(name) as segment:
+        try:
+            code = run_server(config, ready=ready, banner=False)
+        finally:
+            returned.set()
+            ready.set()
+            stopper.join(5)
+            monkeypatch.undo()
+            for server in closes:
+                _stop_controllers(server)
+        assert code == 1
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert lines == [
+            "error: the stop failed: closing the storage failed: RuntimeError: join is broken; "
+            "0 objects acknowledged to clients were not stored in L2"
+        ]
+        assert not os.path.exists(segment)
+
+
+def test_a_first_signal_does_not_cut_short_the_clean_up_of_a_failed_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The start-up fails (a front end that cannot be built); a Ctrl-C arriving while what
+    was built is closed waits for that clean-up, which unlinks the segment."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers need the main thread")
+    name = f"tiers_unit_{uuid.uuid4().hex[:12]}"
+    config = ServerConfig(port=0, metrics_port=0, l1_size_gb=0.0625, l1_shm_name=name)
+
+    def broken_frontend(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("front end is broken")
+
+    close = StorageManager.close
+
+    def close_after_a_ctrl_c(self: StorageManager, drain_timeout_s: float = 10.0) -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # delivered to this thread before the next line
+        close(self, drain_timeout_s)
+
+    monkeypatch.setattr(app, "create_frontend", broken_frontend)
+    monkeypatch.setattr(StorageManager, "close", close_after_a_ctrl_c)
+    with _segment(name) as segment:
+        code = run_server(config, banner=False)
+        monkeypatch.undo()
+        assert not os.path.exists(segment), "the L1 segment outlived the failed start-up's clean-up"
+        # the outcome is the start-up's failure, not the signal's
+        assert code == 1
+        assert "cannot start the server: RuntimeError: front end is broken" in capsys.readouterr().err
