@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from thirdparty import CLI, free_port, run_cli, serve_cli
+from thirdparty import CLI, free_port, run_cli, run_cli_in_process, serve_cli
 
 from lmcache_tiers.client import Client, ClientError
 from lmcache_tiers.config import build_config
@@ -44,6 +44,17 @@ def _serve_refused(args: list[str], **env: str) -> str:
     assert "Errno" not in lines[0] and "Traceback" not in result.stderr, result.stderr
     assert not os.path.exists(f"/dev/shm/{shm}")
     return lines[0]
+
+
+def _print_config(args: list[str], monkeypatch: pytest.MonkeyPatch) -> subprocess.CompletedProcess[str]:
+    """``serve --print-config ARGS`` on a narrow terminal, run in this process
+    (``run_cli_in_process``: the same output as the console script, without a Python start
+    per case); ``serve`` itself stays a real process in ``_serve_refused``, which also
+    checks that no L1 segment was made."""
+    monkeypatch.setenv("COLUMNS", NARROW["COLUMNS"])
+    # serve sets the log level variable for its process: undone when the test ends
+    monkeypatch.delenv("LMCACHE_LOG_LEVEL", raising=False)
+    return run_cli_in_process(["serve", "--print-config", *args])
 
 
 @pytest.fixture
@@ -420,12 +431,14 @@ def _config_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
 
 
 @pytest.mark.parametrize("case", range(18))
-def test_configuration_mistakes_are_found_by_print_config_as_by_serve(case: int, tmp_path: Path) -> None:
+def test_configuration_mistakes_are_found_by_print_config_as_by_serve(
+    case: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     args, start = _config_cases(tmp_path)[case]
     line = _serve_refused(["--no-default-l2", "--port", str(free_port()), *args])
     assert line.startswith(start), line
     assert "secret" not in line
-    printed = run_cli(["serve", "--print-config", "--no-default-l2", *args], **NARROW)
+    printed = _print_config(["--no-default-l2", *args], monkeypatch)
     assert printed.returncode == 2 and printed.stdout == "", printed.stdout
     assert printed.stderr.strip() == line
 
@@ -437,10 +450,12 @@ def test_the_inner_spec_of_a_wrapper_is_named_by_its_path() -> None:
     assert "installed: " in line and "fault_inject `inner`" not in line, line
 
 
-def test_dashed_l2_adapters_in_a_config_file_are_not_replaced_by_the_default_l2(tmp_path: Path) -> None:
+def test_dashed_l2_adapters_in_a_config_file_are_not_replaced_by_the_default_l2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = tmp_path / "tiers.toml"
     config.write_text('[[l2-adapters]]\ntype = "mock"\nmax_size_gb = 0.5\n\n[[frontends]]\ntype = "native"\n')
-    printed = run_cli(["serve", "--print-config", "--config", str(config)])
+    printed = _print_config(["--config", str(config)], monkeypatch)
     assert printed.returncode == 0, printed.stderr
     resolved = json.loads(printed.stdout)
     assert [(a["type"], a["max_size_gb"]) for a in resolved["l2_adapters"]] == [("mock", 0.5)]
@@ -494,14 +509,14 @@ def test_a_shutdown_timeout_no_stop_can_wait_is_refused_before_start() -> None:
     assert line == "error: --shutdown-timeout: Expected `float` <= 86400.0 - at `$.shutdown_timeout_s`"
 
 
-def test_an_empty_config_path_is_refused_not_ignored() -> None:
+def test_an_empty_config_path_is_refused_not_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
     # `--config "$TIERS_CONFIG"` with the variable unset must not serve the defaults.
-    printed = run_cli(["serve", "--print-config", "--no-default-l2", "--config", ""], **NARROW)
+    printed = _print_config(["--no-default-l2", "--config", ""], monkeypatch)
     assert printed.returncode == 2 and printed.stdout == "", printed.stdout
     assert printed.stderr.strip() == "error: config file '' does not exist"
 
 
-def test_a_non_utf8_auth_token_is_refused_before_start() -> None:
+def test_a_non_utf8_auth_token_is_refused_before_start(monkeypatch: pytest.MonkeyPatch) -> None:
     # A byte that is not UTF-8 in a flag reaches Python as a lone surrogate: --print-config
     # showed it, and serve built L1 and the front ends before encoding the token failed
     # ("cannot start the server: UnicodeEncodeError ...", exit 1).
@@ -509,8 +524,10 @@ def test_a_non_utf8_auth_token_is_refused_before_start() -> None:
     line = _serve_refused(args)
     refusal = "Expected UTF-8 text, got a lone surrogate \\udcff - at `$.auth_token`"
     assert line == f"error: --auth-token: {refusal}"
-    printed = run_cli(["serve", "--print-config", *args], **NARROW)
+    # in this process the flag is the str Python decodes the byte to, as in the console script
+    printed = _print_config(args, monkeypatch)
     assert printed.returncode == 2 and printed.stdout == "", printed.stdout
+    assert printed.stderr.strip() == line
 
 
 def _serve_with_open_files(limit: int, *args: str) -> subprocess.CompletedProcess[str]:
