@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
+import logging
 import os
+import re
 import signal
 import socket
 import stat
@@ -22,6 +25,8 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from lmcache_tiers.errors import SettingRefused
 from lmcache_tiers.frontend import FrontendStats
@@ -343,3 +348,54 @@ def test_directories_that_only_look_like_bind_directories_are_left_alone(tmp_pat
             assert kept.is_socket(), f"the start removed {kept}, not a bind directory's"
     finally:
         loop.close()
+
+
+def _no_file_locks(monkeypatch: pytest.MonkeyPatch, error: int) -> None:
+    """flock fails as on a filesystem without file locks (NFS without a lock manager)."""
+
+    def refuse(fd: int, operation: int) -> None:
+        raise OSError(error, os.strerror(error))
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+
+
+@pytest.mark.parametrize("error", [errno.ENOLCK, errno.EOPNOTSUPP])
+def test_a_directory_without_file_locks_binds_without_the_lock_and_keeps_leftovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, error: int
+) -> None:
+    # The lock only keeps a start-up clean-up off a directory a server is binding in, and
+    # a clean-up that cannot lock takes no directory: binding without it is as safe, the
+    # leftovers of killed servers just stay (said at each start).
+    leftover = tmp_path / ".tiers-abcd1234"
+    leftover.mkdir(mode=0o700)
+    _dead_socket(leftover / "s")
+    _no_file_locks(monkeypatch, error)
+    path = tmp_path / "tiers.sock"
+    with caplog.at_level(logging.INFO, logger="lmcache_tiers.router"):
+        loop = _router(path, "nfs")
+    try:
+        assert stat.S_ISSOCK(path.stat().st_mode) and stat.S_IMODE(path.stat().st_mode) == 0o600
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.connect(str(path))
+        assert (leftover / "s").is_socket(), "a directory whose lock cannot be asked was removed"
+        assert sorted(p.name for p in tmp_path.iterdir()) == [leftover.name, "tiers.sock"]
+    finally:
+        loop.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert any("without the bind directory's lock" in line for line in said), said
+    assert any(f"cannot tell whether {leftover} is in use" in line for line in said), said
+
+
+def test_another_flock_error_refuses_the_bind_in_one_line_and_releases_the_sockets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _no_file_locks(monkeypatch, errno.EIO)
+    path = tmp_path / "tiers.sock"
+    descriptors = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(
+        OSError, match=re.escape(f"cannot listen on ipc://{path}: Input/output error")
+    ) as refused:
+        _router(path, "refused")
+    assert refused.value.errno == errno.EIO
+    assert len(os.listdir("/proc/self/fd")) == descriptors, "the refused bind kept its sockets open"
+    assert list(tmp_path.iterdir()) == [], "the bind left its directory or a socket file"

@@ -216,7 +216,11 @@ class RouterLoop:
         try:
             # Held until the directory is gone, taken before anything is put in it: the
             # start-up clean-up of leftovers leaves a directory whose lock is held alone.
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                _lock_bind_directory(lock, private, self.name)
+            except OSError as exc:
+                self._close_sockets(0)
+                raise OSError(exc.errno, f"cannot listen on ipc://{path}: {exc.strerror}") from None
             self._bind_staged_and_place(staged, path, aside)
         finally:
             for leftover in (staged, aside):
@@ -538,6 +542,31 @@ def _make_locked_bind_directory(directory: str) -> tuple[str, int]:
         raise
 
 
+# flock's answers on a filesystem without file locks (NFS without a lock manager).
+_NO_FILE_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP})
+
+
+def _lock_bind_directory(lock: int, private: str, owner: str) -> None:
+    """Take the bind directory's lock, or bind without it where the filesystem has none.
+
+    The lock only keeps a start-up clean-up off a directory a server is binding in, and
+    the clean-up takes no directory whose lock it cannot ask for: without file locks
+    nothing removes this one either, so binding goes on (refusing would stop every server
+    whose socket is on such a filesystem); leftovers of killed servers then stay there."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    except OSError as exc:
+        if exc.errno not in _NO_FILE_LOCKS:
+            raise
+        logger.warning(
+            "%s: no file locks for %s (%s): binding without the bind directory's lock; "
+            "directories left there by servers killed while binding are not removed",
+            owner,
+            private,
+            exc.strerror,
+        )
+
+
 def _remove_dead_bind_directories(directory: str, owner: str) -> None:
     """Remove the private bind directories in ``directory`` left by servers killed while
     they bound their socket (SIGKILL between the bind and the removal of the directory).
@@ -574,6 +603,16 @@ def _remove_bind_directory_if_dead(private: str, owner: str) -> None:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return  # a server binding right now
+        except OSError as exc:
+            if exc.errno not in _NO_FILE_LOCKS:
+                raise
+            logger.warning(
+                "%s: cannot tell whether %s is in use (no file locks here: %s): left in place",
+                owner,
+                private,
+                exc.strerror,
+            )
+            return
         entries = os.listdir(lock)
         if not entries or not set(entries) <= {STAGED_SOCKET_NAME, _ASIDE_NAME}:
             return  # empty (about to be locked), or holding what a bind never puts there
