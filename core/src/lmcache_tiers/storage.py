@@ -10,6 +10,7 @@ parts is ``storage_wiring.py``, the status snapshot ``storage_status.py``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -25,9 +26,9 @@ from lmcache_tiers.layout import check_layout
 from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.registry import ComponentRegistry
 from lmcache_tiers.storage_status import failure_counts, storage_status
-from lmcache_tiers.storage_wiring import StorageParts, build_policy
+from lmcache_tiers.storage_wiring import StorageCloseFailed, StorageParts, build_policy
 
-__all__ = ["StorageManager", "build_policy"]
+__all__ = ["StorageCloseFailed", "StorageManager", "build_policy"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,11 @@ class StorageManager:
         except BaseException:
             # A thread that cannot start, or a stop signal while they start: the threads
             # already running would keep L1 (and its segment) and the adapters alive.
+            # Each failing step of that close is logged; the start-up's error is the one
+            # to raise.
             self._closed = True
-            parts.close(0.0)
+            with contextlib.suppress(StorageCloseFailed):
+                parts.close(0.0)
             raise
 
     def _check_open(self) -> None:
@@ -297,7 +301,10 @@ class StorageManager:
 
     def close(self, drain_timeout_s: float = 10.0) -> None:
         """Finish in-flight L2 work (up to ``drain_timeout_s``), stop every thread, close
-        the adapters and release L1.  Idempotent."""
+        the adapters and release L1.  Idempotent.
+
+        Every step runs whatever an earlier one raised; :class:`StorageCloseFailed` then
+        names the steps that failed (each logged with its traceback)."""
         with self._close_lock:
             if self._closed:
                 return

@@ -4,7 +4,8 @@ Policies are built first, so a bad name fails before gigabytes of L1 are mapped;
 the adapters (each refused at once if it needs L1 memory an NVMe L1 does not have), the
 engine's counters and the controllers.  Whatever was built is closed again if a later
 part fails.  Stopping runs the other way: prefetches and stores drain side by side,
-eviction stops after them, then the adapters close and L1 goes.
+eviction stops after them, then the adapters close and L1 goes.  Each step of the stop
+runs whatever an earlier one raised (:class:`StorageCloseFailed` names what failed).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from lmcache_tiers.config import AdapterSpec, ServerConfig
 from lmcache_tiers.controllers import (
@@ -24,7 +27,7 @@ from lmcache_tiers.controllers import (
     PrefetchController,
     StoreController,
 )
-from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.errors import ConfigError, TiersError
 from lmcache_tiers.l1 import L1Manager
 from lmcache_tiers.l2.build import build_adapter
 from lmcache_tiers.l2.context import AdapterContext
@@ -34,6 +37,8 @@ from lmcache_tiers.registry import ComponentRegistry, Kind
 from lmcache_tiers.serde import build_serde_chain
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 def build_policy(registry: ComponentRegistry, kind: Kind, name: str) -> Any:
@@ -200,22 +205,48 @@ class StorageParts:
 
     def close(self, drain_timeout_s: float) -> None:
         """Finish in-flight L2 work (up to ``drain_timeout_s``), stop every thread, close
-        the adapters and release L1.  Call once."""
+        the adapters and release L1.  Call once.
+
+        Every step runs whatever an earlier one raised: a controller whose stop or join
+        fails must not keep the adapters' connections, files and locks, the other threads
+        or L1 past the close, nor leave the store's unstored writes uncounted.  Each
+        failure is logged with its traceback; :class:`StorageCloseFailed` then names them
+        all."""
+        steps = _CloseSteps()
         # Stores and prefetches drain side by side; eviction stops after them so a
         # prefetch that needs room can still get it.
         draining: list[ControllerThread] = [self.prefetch, self.store]
         for controller in draining:
-            controller.request_stop(drain_timeout_s)
+            steps.run(
+                f"asking {controller.name} to stop",
+                functools.partial(controller.request_stop, drain_timeout_s),
+            )
         for controller in draining:
-            ended = controller.join()
-            if not ended and controller is self.store:
-                # Its step may never return: what it leaves unstored is counted now, not
-                # dropped uncounted with L1 below.
-                self.store.count_left_behind()
-        for evictor in (*self.l2_evictions.values(), self.l1_eviction):
-            evictor.stop(0.0)
-        self._close_adapters()
-        self.l1.close()
+            self._join(controller, steps)
+        evictors: list[ControllerThread] = [*self.l2_evictions.values(), self.l1_eviction]
+        for evictor in evictors:
+            steps.run(f"asking {evictor.name} to stop", functools.partial(evictor.request_stop, 0.0))
+        for evictor in evictors:
+            self._join(evictor, steps)
+        for adapter in self.adapters:
+            steps.run(f"closing L2 adapter {adapter.name}", adapter.close)
+        steps.run("releasing L1", self.l1.close)
+        steps.raise_failures()
+
+    def _join(self, controller: ControllerThread, steps: _CloseSteps) -> None:
+        """Wait for a controller asked to stop (up to its drain deadline and grace); the
+        store's unstored writes are counted now if it did not end, whatever the reason."""
+        if controller.stopping:
+            ended = steps.run(f"joining {controller.name}", controller.join) is True
+        else:
+            # Its stop request raised before taking effect: a join would wait with no
+            # deadline.  The close goes on without the thread (its failure is logged).
+            logger.error("%s was never asked to stop: the close goes on without it", controller.name)
+            ended = False
+        if not ended and controller is self.store:
+            # Its step may never return: what it leaves unstored is counted now, not
+            # dropped uncounted with L1 below.
+            steps.run("counting the writes the store controller left", self.store.count_left_behind)
 
     def _close_adapters(self) -> None:
         for adapter in self.adapters:
@@ -223,3 +254,39 @@ class StorageParts:
                 adapter.close()
             except Exception:
                 logger.exception("closing L2 adapter %s failed", adapter.name)
+
+
+class StorageCloseFailed(TiersError):
+    """Steps of a storage close raised (each logged with its traceback when it did); the
+    other steps ran all the same.  ``failures`` says what failed, one entry per step."""
+
+    def __init__(self, failures: list[str]) -> None:
+        super().__init__("; ".join(failures))
+        self.failures = failures
+
+
+class _CloseSteps:
+    """Runs the steps of a close one after another whatever an earlier one raised, and
+    remembers what failed."""
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+
+    def run(self, what: str, step: Callable[[], _T]) -> _T | None:
+        """``step()``'s result; None if it raised (logged once with its traceback)."""
+        try:
+            return step()
+        except Exception as exc:
+            # The traceback as text, not the exception: a handler that keeps records would
+            # keep its frames, which may hold views into L1.
+            logger.error(
+                "%s failed; the close goes on with its other steps:\n%s",
+                what,
+                "".join(traceback.format_exception(exc)).rstrip(),
+            )
+            self.failed.append(f"{what} failed: {type(exc).__name__}: {exc}")
+            return None
+
+    def raise_failures(self) -> None:
+        if self.failed:
+            raise StorageCloseFailed(self.failed)

@@ -18,15 +18,20 @@ from typing import Any
 import pytest
 
 from lmcache_tiers.config import ServerConfig
-from lmcache_tiers.controllers.base import ControllerThread
 from lmcache_tiers.server import app
 from lmcache_tiers.server.app import StopFailed, TiersServer, run_server
 from lmcache_tiers.storage import StorageManager
 from lmcache_tiers.testing.ports import free_port
 
 
-def _join_is_broken(self: ControllerThread) -> bool:
+def _join_is_broken() -> bool:
     raise RuntimeError("join is broken")
+
+
+def _break_the_store_join(monkeypatch: pytest.MonkeyPatch, server: TiersServer) -> None:
+    """The store controller's join raises: the storage's close goes on with its other steps
+    (stopping the other threads, closing the adapters and L1) and then raises."""
+    monkeypatch.setattr(server.storage.store, "join", _join_is_broken)
 
 
 @contextlib.contextmanager
@@ -57,7 +62,7 @@ def _same_pipe(fd: int, identity: tuple[int, int]) -> bool:
 
 
 def _stop_controllers(server: TiersServer) -> None:
-    """The storage's close failed before stopping its threads: stop them for the next test."""
+    """A join of the storage's close failed: make sure every thread ended, for the next test."""
     for controller in server.storage._parts.controllers():
         controller.stop(0.0)
 
@@ -77,20 +82,23 @@ def test_a_storage_close_that_raises_still_releases_everything(
         server.request_stop()
         thread.join(30)
         assert not thread.is_alive()
-        monkeypatch.setattr(ControllerThread, "join", _join_is_broken)
+        _break_the_store_join(monkeypatch, server)
         try:
             with caplog.at_level(logging.ERROR, logger="lmcache_tiers"), pytest.raises(StopFailed) as failed:
                 server.close()
         finally:
             monkeypatch.undo()
             _stop_controllers(server)
-        assert "closing the storage failed: RuntimeError: join is broken" in str(failed.value)
+        assert (
+            "closing the storage failed: StorageCloseFailed: joining l2-store failed: "
+            "RuntimeError: join is broken" in str(failed.value)
+        )
         assert not os.path.exists(segment), "the L1 segment outlived the failed close"
         assert _port_is_free(http_port), "the HTTP endpoint outlived the failed close"
         assert not _same_pipe(pipe_fd, pipe_identity), "the wake-up pipe outlived the failed close"
-        # the raise is in the log, with its traceback, once
-        assert caplog.text.count("RuntimeError: join is broken") == 1
-        assert caplog.text.count("Traceback (most recent call last)") == 1
+        # the raise is in the log, with its traceback, once (the server's line names it again)
+        assert caplog.text.count('raise RuntimeError("join is broken")') == 1
+        assert caplog.text.count("joining l2-store failed; the close goes on") == 1
 
 
 def _stop_once_ready(ready: threading.Event, returned: threading.Event) -> threading.Thread:
@@ -116,7 +124,7 @@ def test_serve_ends_a_failed_stop_on_one_line_with_status_1(
 
     def close_with_a_broken_join(self: TiersServer, console: Any = None) -> dict[str, Any]:
         closes.append(self)
-        monkeypatch.setattr(ControllerThread, "join", _join_is_broken)
+        _break_the_store_join(monkeypatch, self)
         return close(self, console)
 
     monkeypatch.setattr(TiersServer, "close", close_with_a_broken_join)
@@ -135,7 +143,8 @@ def test_serve_ends_a_failed_stop_on_one_line_with_status_1(
         err = capsys.readouterr().err
         lines = [line for line in err.splitlines() if line.startswith("error:")]
         assert lines == [
-            "error: the stop failed: closing the storage failed: RuntimeError: join is broken; "
+            "error: the stop failed: closing the storage failed: StorageCloseFailed: "
+            "joining l2-store failed: RuntimeError: join is broken; "
             "0 objects acknowledged to clients were not stored in L2"
         ]
         assert not os.path.exists(segment)

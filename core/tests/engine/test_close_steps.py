@@ -1,0 +1,77 @@
+"""Every step of the storage's close runs whatever an earlier one raised: a controller
+whose stop or join fails still leaves the other threads stopped, the adapters closed, L1
+released and the store's unstored writes counted; the close then raises one error naming
+what failed, each failure logged once with its traceback."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from engine_support import GatedStorePolicy, MiB, keys_of, mock, store
+
+from lmcache_tiers.controllers import base
+from lmcache_tiers.storage import StorageCloseFailed
+
+DROPPED = ("l2_store_abandoned", "l2_store_dropped_at_shutdown")
+BROKEN = 'raise RuntimeError(f"{self.name}: {step} is broken")'
+
+
+def dropped(failures: dict[str, int]) -> int:
+    return sum(failures.get(reason, 0) for reason in DROPPED)
+
+
+def break_step(monkeypatch: pytest.MonkeyPatch, controller: base.ControllerThread, step: str) -> None:
+    class Broken:
+        name = controller.name
+
+        def __call__(self, *args: object) -> bool:
+            raise RuntimeError(f"{self.name}: {step} is broken")
+
+    monkeypatch.setattr(controller, step, Broken())
+
+
+@pytest.mark.parametrize("broken", ["prefetch", "store", "l1_eviction"])
+@pytest.mark.parametrize("step", ["join", "request_stop"])
+def test_a_controller_whose_stop_step_raises_leaves_the_rest_of_the_close_to_run(
+    engine, monkeypatch, caplog, broken: str, step: str
+) -> None:
+    monkeypatch.setattr(base, "JOIN_GRACE_S", 0.2)
+    storage = engine([mock(), mock()], l2_store_policy="gated")
+    GatedStorePolicy.gate.clear()  # the store controller's step stalls in its policy
+    stalled, queued = keys_of(1, 3), keys_of(2, 2)
+    store(storage, stalled, MiB)
+    assert GatedStorePolicy.entered.acquire(timeout=10)
+    store(storage, queued, MiB)  # behind the stalled batch, in the queue
+    controller = getattr(storage, broken)
+    break_step(monkeypatch, controller, step)
+
+    with caplog.at_level(logging.ERROR, logger="lmcache_tiers"), pytest.raises(StorageCloseFailed) as failed:
+        storage.close(drain_timeout_s=0.0)
+
+    assert f"{controller.name}: {step} is broken" in str(failed.value)
+    assert all(adapter.closed for adapter in storage.adapters), "an adapter outlived the failed close"
+    assert storage.l1.closed, "L1 outlived the failed close"
+    # Left behind in its step (or never joined): the close counted its writes, all of them.
+    assert dropped(storage.failures()) == len(stalled) + len(queued)
+    # Logged once, with its traceback.
+    assert caplog.text.count(BROKEN) == 1
+    others = [c for c in storage._parts.controllers() if c is not controller and c is not storage.store]
+    assert not any(other._thread.is_alive() for other in others), "a controller outlived the close"
+
+    monkeypatch.undo()
+    GatedStorePolicy.gate.set()
+    controller.stop(0.0)  # the broken one (its stop may never have been asked)
+    storage.store._thread.join(30)
+    assert dropped(storage.failures()) == len(stalled) + len(queued), "counted again by the late step"
+
+
+def test_a_close_whose_steps_all_pass_raises_nothing_and_counts_what_it_dropped(engine) -> None:
+    storage = engine([mock()], l2_store_policy="gated")
+    GatedStorePolicy.gate.clear()
+    store(storage, keys_of(1, 2), MiB)
+    assert GatedStorePolicy.entered.acquire(timeout=10)
+    GatedStorePolicy.gate.set()
+    storage.close(drain_timeout_s=10.0)
+    assert storage.l1.closed
+    assert dropped(storage.failures()) == 0
