@@ -178,3 +178,51 @@ def test_a_first_signal_does_not_cut_short_the_clean_up_of_a_failed_start(
         # the outcome is the start-up's failure, not the signal's
         assert code == 1
         assert "cannot start the server: RuntimeError: front end is broken" in capsys.readouterr().err
+
+
+class _Notices(logging.Handler):
+    """Sets ``seen`` once a log record holding ``text`` is emitted (from any thread)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.WARNING)
+        self.text = text
+        self.seen = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.seen.set()
+
+
+def test_a_signal_waiting_for_a_start_up_handling_an_error_is_logged_when_it_comes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A start-up step that retries inside an ``except`` block (a plugin reconnecting) keeps
+    a first Ctrl-C waiting; the operator is told so while it waits, not only afterwards, and
+    learns that a second one stops at once.  The start-up then ends on the signal."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers need the main thread")
+    name = f"tiers_unit_{uuid.uuid4().hex[:12]}"
+    config = ServerConfig(port=0, metrics_port=0, l1_size_gb=0.0625, l1_shm_name=name)
+    notices = _Notices("send it again to stop at once")
+    told_while_waiting: list[bool] = []
+    build = app.create_frontend
+
+    def frontend_built_after_a_retry(*args: Any, **kwargs: Any) -> Any:
+        try:
+            raise ConnectionRefusedError("not up yet")
+        except ConnectionRefusedError:
+            os.kill(os.getpid(), signal.SIGINT)  # delivered to this thread before the next line
+            told_while_waiting.append(notices.seen.wait(timeout=20.0))
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(app, "create_frontend", frontend_built_after_a_retry)
+    logging.getLogger().addHandler(notices)
+    try:
+        with _segment(name) as segment:
+            code = run_server(config, banner=False)
+            monkeypatch.undo()
+            assert not os.path.exists(segment)
+    finally:
+        logging.getLogger().removeHandler(notices)
+    assert told_while_waiting == [True], "the waiting signal was not logged while it waited"
+    assert code == 128 + signal.SIGINT

@@ -779,6 +779,9 @@ class _StopSignals:
         self._interrupted = False
         # the signal that came while start-up handled an exception, not raised there
         self._deferred: int | None = None
+        # tells the log about a waiting signal as it comes (see _tell_deferred)
+        self._notice_write = -1
+        self._notice_thread: threading.Thread | None = None
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -793,6 +796,17 @@ class _StopSignals:
             signal.signal(sig, self._on_signal)
         if kept_ignored:
             _log_kept_ignored(kept_ignored)
+        self._start_notices()
+
+    def _start_notices(self) -> None:
+        """A thread that logs a signal left waiting as soon as it comes: the handler may not
+        log (it may interrupt a write to the log's own stream) nor start a thread (it may
+        interrupt one starting), so it writes the signal's number to a pipe this reads."""
+        read_fd, self._notice_write = os.pipe()
+        self._notice_thread = threading.Thread(
+            target=_tell_deferred, args=(read_fd,), name="stop-signal-notices", daemon=True
+        )
+        self._notice_thread.start()
 
     def attach(self, server: TiersServer) -> None:
         """Hand the signals to a server that is built; a signal deferred meanwhile
@@ -801,6 +815,7 @@ class _StopSignals:
             self._interrupted = True
             raise StartUpInterrupted(self._deferred)
         self._server = server
+        self._stop_notices()  # serving: a signal stops the server, none waits
 
     def log_deferred(self) -> None:
         """Say that a signal waited for the clean-up of a start-up that failed (logged
@@ -815,6 +830,15 @@ class _StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        self._stop_notices()
+
+    def _stop_notices(self) -> None:
+        """End the notice thread (once no signal can wait any more) and its pipe."""
+        if self._notice_thread is not None:
+            write_fd, self._notice_write = self._notice_write, -1  # the handler writes no more
+            os.close(write_fd)  # the thread reads the end of the pipe and returns
+            self._notice_thread.join()
+            self._notice_thread = None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._received += 1
@@ -832,9 +856,27 @@ class _StopSignals:
             # Start-up is handling an exception (cleaning up after a failure, as its
             # except or finally blocks do): raised here, this would cut that short.
             self._deferred = signum
+            if self._notice_write >= 0:
+                os.write(self._notice_write, bytes([signum]))
             return
         self._interrupted = True
         raise StartUpInterrupted(signum)
+
+
+def _tell_deferred(read_fd: int) -> None:
+    """Log each signal number read from ``read_fd`` as one that waits for the start-up to
+    finish handling an error; return at the pipe's end.  A step retrying inside an
+    ``except`` block (a plugin reconnecting) can hold such a signal for long: the operator
+    learns why the server has not stopped, and how to stop it at once."""
+    try:
+        while number := os.read(read_fd, 1):
+            logger.warning(
+                "%s came while the start-up handles an error (cleaning up, or a step retrying): "
+                "it stops once that is done; send it again to stop at once",
+                signal.Signals(number[0]).name,
+            )
+    finally:
+        os.close(read_fd)
 
 
 def _log_kept_ignored(signals: Sequence[int]) -> None:
