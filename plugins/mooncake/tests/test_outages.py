@@ -3,6 +3,7 @@ the adapter works again by itself.  Plus the deadline pool the lookups run on.""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import signal
 import socket
@@ -260,6 +261,20 @@ class _Recording:
         return recorded
 
 
+def _resume_once_closing(connection: object, master: object) -> threading.Thread:
+    """SIGCONT ``master`` as soon as ``connection``'s close has begun: the calls stuck on
+    it then end while close waits for them, and close finds the master answering (a
+    client whose master does not answer at close is left unclosed, never closed)."""
+
+    def resume() -> None:
+        eventually(lambda: connection._stop.is_set(), timeout=HANG_GUARD_S, what="close begun")  # type: ignore[attr-defined]
+        master.send_signal(signal.SIGCONT)  # type: ignore[attr-defined]
+
+    thread = threading.Thread(target=resume, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_close_never_closes_the_client_under_a_load_still_in_mooncake(own_cluster: LocalCluster) -> None:
     # Core stops waiting for running calls after its close_timeout_s, which may be
     # shorter than operation_timeout_s: the backend's close must still let a load that
@@ -285,7 +300,9 @@ def test_close_never_closes_the_client_under_a_load_still_in_mooncake(own_cluste
         )
         loading.start()
         eventually(lambda: any(event.startswith("enter ") for event in events), what="the load in Mooncake")
+        resuming = _resume_once_closing(connection, master)
         adapter.close()
+        resuming.join(HANG_GUARD_S)
     finally:
         master.send_signal(signal.SIGCONT)
     loading.join(HANG_GUARD_S)
@@ -319,7 +336,9 @@ def test_close_never_closes_the_client_under_a_delete_or_probe_in_mooncake(
         work = (lambda: backend.delete_many(keys)) if call == "delete" else backend.ping
 
         def given_up() -> None:
-            with pytest.raises(TiersError):  # the deadline, or the master's RPC timeout
+            # Given up at its deadline, or answered once close resumed the master: either
+            # way the call stays inside Mooncake until close has begun.
+            with contextlib.suppress(TiersError):
                 work()
 
         calling = threading.Thread(target=given_up, daemon=True)
@@ -327,7 +346,9 @@ def test_close_never_closes_the_client_under_a_delete_or_probe_in_mooncake(
         eventually(
             lambda: any(event.startswith("enter ") for event in events), what=f"the {call} in Mooncake"
         )
+        resuming = _resume_once_closing(backend.connection, master)
         adapter.close()
+        resuming.join(HANG_GUARD_S)
     finally:
         master.send_signal(signal.SIGCONT)
     calling.join(HANG_GUARD_S)
@@ -374,3 +395,29 @@ def test_a_client_close_left_open_under_a_call_is_closed_when_that_call_ends(
     eventually(lambda: "leave close" in events, what="the client closed once the call ended")
     eventually(lambda: adapter.stats().get("close_completed_late") == 1, what="the late close counted")
     assert events.count("enter close") == 1
+
+
+def test_closing_against_a_stopped_master_takes_the_adapters_timeouts_not_mooncakes(
+    own_cluster: LocalCluster,
+) -> None:
+    # Mooncake's close unregisters the client at the metadata server with a fixed 3 s HTTP
+    # timeout per request, three of them, and its binding holds the GIL meanwhile: a
+    # close thread joined for operation_timeout_s cannot end that wait, so a server's
+    # stop took about 10 s whatever the adapter's timeout.
+    timeout_s = 0.5
+    own_cluster.add_segment_host("64MB")
+    adapter = open_adapter(config_for(own_cluster, operation_timeout_s=timeout_s))
+    client = BlockingAdapterClient(adapter, timeout=60)
+    master = own_cluster.master
+    assert master is not None
+    assert _round_trip(client, 0)
+    master.send_signal(signal.SIGSTOP)
+    wait_stopped(master.pid, HANG_GUARD_S)
+    try:
+        started = time.monotonic()
+        adapter.close()
+        took = time.monotonic() - started
+    finally:
+        master.send_signal(signal.SIGCONT)
+    assert took < 3 * timeout_s + 2.0, f"close took {took:.1f}s against a stopped master"
+    assert adapter.stats()["close_left_unclosed"] == 1, adapter.stats()

@@ -228,7 +228,12 @@ class MooncakeStoreBackend:
         # Loads and lookups of every worker at once, and spares for calls given up.
         self.lanes = HeaderLanes(2 * config.num_workers + 4)
         self.connection = Connection(
-            config, context.name, self.lanes, context.l1_buffer, on_closed_late=self._client_closed_late
+            config,
+            context.name,
+            self.lanes,
+            context.l1_buffer,
+            on_closed_late=self._client_closed_late,
+            on_left_unclosed=self._client_left_unclosed,
         )
         self.calls = CallPool(context.name, 2 * config.num_workers + 2)
         # Take checksums next to the calling thread: as many threads in all as cores.
@@ -286,6 +291,11 @@ class MooncakeStoreBackend:
             "%s: the Mooncake client left open under running calls at close was closed after the last ended",
             self.context.name,
         )
+
+    def _client_left_unclosed(self, unanswered: str) -> None:
+        """The client was left unclosed at close: ``unanswered`` did not answer in time
+        (the connection logged it)."""
+        self.context.count("close_left_unclosed")
 
     def _call_leased(self, what: str, function: Callable[..., T], *args: Any) -> T:
         """``function(store, *args)`` on the deadline pool, the client leased while it runs:

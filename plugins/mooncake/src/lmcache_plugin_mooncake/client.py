@@ -14,12 +14,16 @@ the first adapter started: the operator's values win.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import logging
 import math
 import os
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -44,6 +48,7 @@ ERROR_NAMES = {
 NOT_FOUND = -704
 EXISTS = -705
 NO_ROOM = -200
+_RPC_TIMED_OUT = -901
 #: codes that say the master did not answer: the whole batch fails (counted as a
 #: backend error), not a key at a time
 UNREACHABLE = frozenset({-900, -901})
@@ -120,6 +125,7 @@ class Connection:
         lanes: HeaderLanes,
         l1: memoryview | None = None,
         on_closed_late: Callable[[], None] | None = None,
+        on_left_unclosed: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.name = name
@@ -147,6 +153,9 @@ class Connection:
         self._left_open: Any = None
         #: called once such a client has been closed (the adapter counts and logs it)
         self._on_closed_late = on_closed_late
+        #: called with the reason when a client is left unclosed because the master or
+        #: the metadata server does not answer (see ``_close_or_keep``)
+        self._on_left_unclosed = on_left_unclosed
 
     def start(self, wait_s: float) -> bool:
         """Import the client, start connecting; True if connected within ``wait_s``."""
@@ -202,8 +211,10 @@ class Connection:
         and this is the thread of the call that just ended."""
 
         def close_and_report() -> None:
-            _close_quietly(store)
-            if self._on_closed_late is not None:
+            if (
+                self._close_or_keep(store, self.config.operation_timeout_s)
+                and self._on_closed_late is not None
+            ):
                 self._on_closed_late()
 
         threading.Thread(
@@ -293,9 +304,9 @@ class Connection:
         leave it open -- never closed under them -- and the last of them to end closes
         it (``on_closed_late`` is called then); a call stuck forever keeps it open until
         the process ends.
-        Closing unmounts this server's segment at the master; with the master gone
-        Mooncake retries for a while, so a close that takes longer is left to finish on
-        its own (daemon thread) and the adapter closes anyway.
+        Closing unmounts this server's segment at the master and unregisters the client
+        at the metadata server, holding the GIL throughout: when either does not answer
+        within ``timeout_s`` the client is left unclosed instead (``_close_or_keep``).
         """
         self._stop.set()
         with self._lock:
@@ -312,19 +323,100 @@ class Connection:
                 # starting from now on finds no client and is refused.
                 self._left_open = store
                 return running
-        closer = threading.Thread(
-            target=_close_quietly, args=(store,), name=f"mooncake-{self.name}-close", daemon=True
-        )
-        started = time.monotonic()
-        closer.start()
-        closer.join(timeout_s)
-        if closer.is_alive():
-            logger.warning(
-                "%s: the Mooncake client did not close within %.0fs (master unreachable?); left closing",
-                self.name,
-                time.monotonic() - started,
-            )
+        self._close_or_keep(store, timeout_s)
         return 0
+
+    def _close_or_keep(self, store: Any, timeout_s: float) -> bool:
+        """Close ``store`` if the master and the metadata server answer within
+        ``timeout_s``; else leave it unclosed for the life of the process (reported to
+        ``on_left_unclosed``).  True if it was closed.
+
+        Mooncake's close unmounts the segment at the master and unregisters the client at
+        the metadata server with a fixed 3 s HTTP timeout per request (three of them), and
+        its binding holds the GIL all the while: no thread of the process runs meanwhile,
+        so no deadline of ours can cut it short.  Its destructor does the same, so a
+        client left unclosed is also never freed (``_keep_for_good``).
+        """
+        unanswered = self._unanswered_service(store, timeout_s)
+        if unanswered is not None:
+            _keep_for_good(store)
+            logger.warning(
+                "%s: %s did not answer within %gs: the Mooncake client is left unclosed for the "
+                "life of the process (closing it would stall every thread of the process for "
+                "Mooncake's fixed timeouts); the master drops its segment when its lease expires",
+                self.name,
+                unanswered,
+                timeout_s,
+            )
+            if self._on_left_unclosed is not None:
+                self._on_left_unclosed(unanswered)
+            return False
+        _close_quietly(store)
+        return True
+
+    def _unanswered_service(self, store: Any, timeout_s: float) -> str | None:
+        """The service Mooncake's close talks to that neither answers nor refuses within
+        ``timeout_s`` (a description), or None if both do."""
+        deadline = time.monotonic() + timeout_s
+        if not _master_answers(store, timeout_s):
+            return f"the Mooncake master at {self.config.master_server_address}"
+        metadata = self.config.metadata_server
+        if not _metadata_server_answers(metadata, max(0.0, deadline - time.monotonic())):
+            return f"the metadata server at {metadata}"
+        return None
+
+
+def _master_answers(store: Any, timeout_s: float) -> bool:
+    """Whether an existence query of the master ends within ``timeout_s``, answered or
+    refused (a master that is down refuses at once, and so does the unmount at close);
+    one that timed out in Mooncake (its RPC timeout is ``timeout_s`` too) did not answer.
+    Run on a daemon thread (the binding releases the GIL for it), given up at the deadline."""
+    codes: list[int] = []
+
+    def query() -> None:
+        try:
+            codes.extend(store.batch_is_exist([_CLOSE_PROBE_NAME]))
+        except Exception:
+            logger.debug("the master probe before close failed", exc_info=True)
+
+    thread = threading.Thread(target=query, name="mooncake-close-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return not thread.is_alive() and _RPC_TIMED_OUT not in codes
+
+
+def _metadata_server_answers(url: str, timeout_s: float) -> bool:
+    """Whether an HTTP metadata server answers (any status) or refuses the connection
+    within ``timeout_s`` -- what the teardown's requests then do as quickly; True for
+    other kinds of metadata service, which this cannot probe."""
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+        return True
+    if timeout_s <= 0:
+        return False
+    separator = "&" if "?" in url else "?"
+    probe = f"{url}{separator}key={urllib.parse.quote(_CLOSE_PROBE_NAME)}"
+    try:
+        with urllib.request.urlopen(probe, timeout=timeout_s):
+            return True
+    except urllib.error.HTTPError:
+        return True  # it answered (no such key)
+    except TimeoutError:
+        return False
+    except urllib.error.URLError as exc:
+        return not isinstance(exc.reason, TimeoutError)
+    except (OSError, ValueError):
+        return True  # failed at once: so will the teardown's requests
+
+
+#: the name the probes before a close ask for (never stored)
+_CLOSE_PROBE_NAME = "lmcache-tiers-close-probe"
+
+
+def _keep_for_good(store: Any) -> None:
+    """Never free ``store``: its destructor runs Mooncake's teardown (the same stall as
+    its close), at any point a thread drops the last reference or at interpreter exit.
+    A reference taken at the C level is never given back, so it never runs."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))
 
 
 def _close_quietly(store: Any) -> None:
