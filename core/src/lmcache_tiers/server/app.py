@@ -467,12 +467,22 @@ class TiersServer:
     def _close_storage(self) -> str | None:
         """Close the storage (abandoning, and counting, what L2 did not get); what failed, or None.
 
-        A close that raised stopped part-way, maybe before releasing L1, whose segment
+        A close whose steps failed ran all the others, L1's release among them, and logged
+        each failure with its traceback: it is named here, not logged again.  A close that
+        raised anything else stopped part-way, maybe before releasing L1, whose segment
         outlives the process: L1 is then released on its own (its close is idempotent)."""
-        failure = _release_step("closing the storage", lambda: self.storage.close(drain_timeout_s=0.0))
-        if failure is not None:
+        # Imported with the storage (see __init__): loaded by now, not on the CLI's path.
+        from lmcache_tiers.storage import StorageCloseFailed
+
+        try:
+            self.storage.close(drain_timeout_s=0.0)
+        except StorageCloseFailed as failed:
+            return f"closing the storage failed: {failed}"
+        except Exception as exc:
+            failure = _logged_failure("closing the storage", exc)
             _release_step("releasing L1 after the storage's failed close", self.storage.l1.close)
-        return failure
+            return failure
+        return None
 
     def _release_endpoints(self) -> str | None:
         """Give back the HTTP port and the wake-up pipe; what failed, or None."""
@@ -517,13 +527,18 @@ def _release_step(what: str, step: Callable[[], None]) -> str | None:
     try:
         step()
     except Exception as exc:
-        logger.error(
-            "%s failed; the other resources are released regardless:\n%s",
-            what,
-            "".join(traceback.format_exception(exc)).rstrip(),
-        )
-        return f"{what} failed: {type(exc).__name__}: {exc}"
+        return _logged_failure(what, exc)
     return None
+
+
+def _logged_failure(what: str, exc: Exception) -> str:
+    """Log a failed step of a close with its traceback (as text); what failed, as text."""
+    logger.error(
+        "%s failed; the other resources are released regardless:\n%s",
+        what,
+        "".join(traceback.format_exception(exc)).rstrip(),
+    )
+    return f"{what} failed: {type(exc).__name__}: {exc}"
 
 
 def _with_default_frontends(config: ServerConfig, registry: ComponentRegistry) -> ServerConfig:
