@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import logging
 import os
 import signal
 import subprocess
@@ -104,18 +105,47 @@ def run_cli_in_process(args: list[str]) -> subprocess.CompletedProcess[str]:
     command built once), for the plugins installed here: a fraction of a second a call
     instead of a Python start and the plugin imports.  For checks of exit codes and output
     only; what the process itself does (signals, files left, its environment) needs
-    ``run_cli``."""
+    ``run_cli``.  What the command sets for its process (serve sets LMCACHE_LOG_LEVEL and
+    the levels of core's and the plugins' loggers) is undone, so that it reaches neither
+    later tests nor their servers."""
     from lmcache_tiers.cli.main import run
 
     out, err = io.StringIO(), io.StringIO()
     code: object = 0
+    environment, levels, handlers = dict(os.environ), _logger_levels(), list(logging.root.handlers)
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             run(_command, args)
         except SystemExit as exc:
             code = exc.code
+        finally:
+            _restore_environment(environment)
+            _restore_logging(levels, handlers)
     returncode = code if isinstance(code, int) else 0 if code is None else 1
     return subprocess.CompletedProcess(CLI + args, returncode, out.getvalue(), err.getvalue())
+
+
+def _restore_environment(saved: dict[str, str]) -> None:
+    """Make ``os.environ`` what it was (only the variables that changed are touched)."""
+    for name in set(os.environ) - set(saved):
+        del os.environ[name]
+    for name, value in saved.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+
+
+def _logger_levels() -> dict[str, int]:
+    loggers = logging.root.manager.loggerDict.items()
+    return {name: found.level for name, found in loggers if isinstance(found, logging.Logger)}
+
+
+def _restore_logging(levels: dict[str, int], handlers: list[logging.Handler]) -> None:
+    """Give every logger its level from before (NOTSET to one made since) and the root
+    logger its handlers (one added would write to the output captured for one call)."""
+    for name, found in logging.root.manager.loggerDict.items():
+        if isinstance(found, logging.Logger):
+            found.setLevel(levels.get(name, logging.NOTSET))
+    logging.root.handlers[:] = handlers
 
 
 def launch_cli(args: list[str], site: Path | None = None, **env: str) -> subprocess.Popen[str]:

@@ -5,6 +5,7 @@ the L1 segment exists."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import socket
@@ -52,9 +53,25 @@ def _print_config(args: list[str], monkeypatch: pytest.MonkeyPatch) -> subproces
     per case); ``serve`` itself stays a real process in ``_serve_refused``, which also
     checks that no L1 segment was made."""
     monkeypatch.setenv("COLUMNS", NARROW["COLUMNS"])
-    # serve sets the log level variable for its process: undone when the test ends
-    monkeypatch.delenv("LMCACHE_LOG_LEVEL", raising=False)
     return run_cli_in_process(["serve", "--print-config", *args])
+
+
+def test_print_config_run_in_this_process_leaves_no_log_level_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    # serve sets LMCACHE_LOG_LEVEL for its process; run in the test process it must not
+    # reach the tests after this one (nor the servers they start).
+    monkeypatch.delenv("LMCACHE_LOG_LEVEL", raising=False)  # the runner's own comes back after
+    levels = _logger_levels()
+    with pytest.MonkeyPatch.context() as case:
+        printed = _print_config(["--no-default-l2"], case)
+    assert printed.returncode == 0, printed.stderr
+    assert "LMCACHE_LOG_LEVEL" not in os.environ, "print-config left the log level set"
+    # nor the levels serve's logging set-up gives core's and the plugins' loggers
+    assert _logger_levels() == levels
+
+
+def _logger_levels() -> dict[str, int]:
+    loggers = logging.root.manager.loggerDict.items()
+    return {name: found.level for name, found in loggers if isinstance(found, logging.Logger) and found.level}
 
 
 @pytest.fixture
