@@ -231,3 +231,55 @@ def test_a_default_named_segment_a_live_process_maps_is_not_removed_at_start(shm
         assert path.exists()
     # once nothing maps it, it is a killed server's file like any other
     assert remove_stale_segments(str(shm_dir)) == [path.name]
+
+
+_REMOVE_STALE = """
+import logging, sys
+from lmcache_tiers.l1.arena import remove_stale_segments
+logging.basicConfig(level=logging.INFO)
+print(remove_stale_segments(sys.argv[1]))
+"""
+
+_NOBODY = 65534
+
+
+def _remove_stale_as_nobody(directory: Path) -> subprocess.CompletedProcess[str]:
+    """The start-up clean-up of ``directory`` run by a server of uid 65534 (not root)."""
+    return subprocess.run(
+        [
+            *("setpriv", f"--reuid={_NOBODY}", f"--regid={_NOBODY}", "--clear-groups"),
+            *(sys.executable, "-c", _REMOVE_STALE, str(directory)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="runs the clean-up as another user"
+)
+def test_a_non_root_start_keeps_its_users_segment_a_root_process_maps_and_removes_it_once_unmapped(
+    shm_dir: Path,
+) -> None:
+    """A server of uid 65534 cannot read root's /proc/<pid>/maps, and root may map a 0600
+    segment of any user: such a mapping, unseen in the maps, must still keep the file
+    (with one line why), while root's unreadable processes alone must not stop the
+    clean-up of a segment nothing uses."""
+    shm_dir.chmod(0o1777)  # as /dev/shm: anyone creates, only the owner removes
+    unseen_pid = 4_194_000  # above every Linux pid_max: no process here has it
+    path = shm_dir / f"lmcache_tiers_{unseen_pid}_0123abcd"
+    path.write_bytes(b"\0" * (1 << 20))
+    os.chown(path, _NOBODY, _NOBODY)
+    path.chmod(0o600)
+    with _mapped_without_lock(path):  # as root
+        kept = _remove_stale_as_nobody(shm_dir)
+        assert kept.returncode == 0, kept.stderr
+        assert kept.stdout.strip() == "[]", kept.stderr
+        assert path.exists()
+        assert "left in place: another process has it open or mapped" in kept.stderr
+    removed = _remove_stale_as_nobody(shm_dir)
+    assert removed.returncode == 0, removed.stderr
+    assert removed.stdout.strip() == f"[{path.name!r}]", removed.stderr
+    assert not path.exists()

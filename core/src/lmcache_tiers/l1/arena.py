@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from typing import Self  # annotations only: Python 3.10 has no typing.Self
 
 from lmcache_tiers.errors import ConfigError, TiersError
-from lmcache_tiers.l1.segment import ArenaPages, address_of, create_segment, processes_mapping
+from lmcache_tiers.l1.segment import ArenaPages, address_of, create_segment, survey_mappings
 from lmcache_tiers.l1.stale import release_as_creator, remove_files_of_dead_processes
 from lmcache_tiers.tmpfs import SHM_DIR
 
@@ -366,9 +366,10 @@ def remove_stale_segments(directory: str = SHM_DIR) -> list[str]:
     exists.
 
     Call at start-up to reclaim the memory of a server killed with SIGKILL.  Only names of
-    the form ``lmcache_tiers_<pid>_<hex>`` are considered, never a custom name, and one a
-    live process visible here maps is kept (see :func:`~lmcache_tiers.l1.segment.processes_mapping`).
+    the form ``lmcache_tiers_<pid>_<hex>`` are considered, never a custom name, and one
+    that may still be in use is kept: another process has it open or mapped (a write
+    lease is refused), a process visible here maps it, or, when the lease cannot be asked
+    for, a process that could open it has maps that could not be read (see
+    :meth:`~lmcache_tiers.l1.segment.MapsSurvey.why_kept`).
     """
-    return remove_files_of_dead_processes(
-        directory, _DEFAULT_NAME, "L1 segment", mapped_by=lambda path: processes_mapping(path)[0]
-    )
+    return remove_files_of_dead_processes(directory, _DEFAULT_NAME, "L1 segment", mapped_by=survey_mappings)

@@ -26,6 +26,7 @@ import ctypes
 import errno
 import mmap
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,35 +226,104 @@ def processes_mapping(path: str) -> tuple[list[int], int]:
         info = os.stat(path)
     except OSError:
         return [], 0
-    # "<device> <inode> " as a maps line has it between the offset and the path
-    place = f" {os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x} {info.st_ino} "
-    pids: list[int] = []
-    unreadable = 0
+    survey = survey_mappings([path])
+    # One of our own user's that we may not read (a container's init) is no server of
+    # ours: an earlier release's server runs as a plain process, readable by its user.
+    others = sum(count for uid, count in survey.unreadable.items() if uid != os.geteuid())
+    return survey.mappers.get(_file_id(info), []), others
+
+
+@dataclass(frozen=True)
+class MapsSurvey:
+    """What one pass over every ``/proc/<pid>/maps`` showed about a set of files."""
+
+    #: (st_dev, st_ino) -> the sorted pids of the visible processes mapping that file
+    mappers: dict[tuple[int, int], list[int]]
+    #: uid -> how many of that user's processes' maps could not be read
+    unreadable: dict[int, int]
+
+    def why_kept(self, info: os.stat_result, open_elsewhere: bool | None) -> str:
+        """Why the file ``info`` (whose creator's lock is free) must stay, "" when nothing
+        shows it in use.  ``open_elsewhere`` is what a write lease told: True when another
+        open file of it exists somewhere (a mapping holds one), False when none does, None
+        when the lease could not be asked for."""
+        users = self.mappers.get(_file_id(info), [])
+        if users:
+            return (
+                f"process {users[0]} maps it (a server of an earlier release, which holds no creator's lock?)"
+            )
+        if open_elsewhere is False:
+            return ""
+        if open_elsewhere:
+            return (
+                "another process has it open or mapped, none this start-up can see (a server of "
+                "an earlier release in another pid namespace, or a process of another user?)"
+            )
+        doubtful = self._unreadable_that_could_open(info)
+        if not doubtful:
+            return ""
+        users_named = ", ".join(f"{count} of uid {uid}" for uid, count in sorted(doubtful.items()))
+        return (
+            f"the maps of processes that may open it could not be read ({users_named}), so a "
+            "server of an earlier release may still map it"
+        )
+
+    def _unreadable_that_could_open(self, info: os.stat_result) -> dict[int, int]:
+        """The unreadable processes, by uid, that could have opened the file: a file only
+        its owner may open (mode 0600, as servers create them) can be mapped only by the
+        owner's processes and root's; one with group or other bits by anyone's."""
+        if info.st_mode & 0o077:
+            return dict(self.unreadable)
+        return {uid: n for uid, n in self.unreadable.items() if uid in (info.st_uid, 0)}
+
+
+def survey_mappings(paths: list[str]) -> MapsSurvey:
+    """Read every visible process's maps once and find which of ``paths`` each maps (by
+    device and inode; a path gone meanwhile is left out).  A process that exits during
+    the pass is neither a mapper nor unreadable."""
+    places: dict[str, tuple[int, int]] = {}
+    for path in paths:
+        try:
+            info = os.stat(path)
+        except OSError:
+            continue
+        places[_maps_place(info)] = _file_id(info)
+    mappers: dict[tuple[int, int], list[int]] = {}
+    unreadable: dict[int, int] = {}
+    if not places:
+        return MapsSurvey(mappers, unreadable)
+    # The device and inode fields of a maps line (after address, perms and offset); one
+    # search over a whole maps file: a big process has thousands of lines, and a host
+    # thousands of processes.
+    line_of = re.compile(
+        r"^\S+ \S+ \S+ (" + "|".join(re.escape(place) for place in places) + r")(?: |$)", re.MULTILINE
+    )
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        maps = _maps_file(int(entry), place)
-        if maps is None:
-            unreadable += 1
-        elif maps:
-            pids.append(int(entry))
-    return sorted(pids), unreadable
+        pid = int(entry)
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                found = {match.group(1) for match in line_of.finditer(maps.read())}
+        except PermissionError:
+            uid = _owner(pid)
+            if uid is not None:
+                unreadable[uid] = unreadable.get(uid, 0) + 1
+            continue
+        except OSError:  # gone meanwhile (ENOENT, or ESRCH while reading)
+            continue
+        for place in found:
+            mappers.setdefault(places[place], []).append(pid)
+    return MapsSurvey({file: sorted(pids) for file, pids in mappers.items()}, unreadable)
 
 
-def _maps_file(pid: int, place: str) -> bool | None:
-    """Whether process ``pid`` maps the file at ``place``; None if it is another user's
-    whose maps may not be read."""
-    try:
-        with open(f"/proc/{pid}/maps") as maps:
-            # a substring test per line: a big process has thousands of lines, and a host
-            # thousands of processes (the fields are split only for a line that may match)
-            return any(place in line and line.split(maxsplit=5)[3:5] == place.split() for line in maps)
-    except PermissionError:
-        # One of our own user's that we may not read (a container's init) is no server of
-        # ours: an earlier release's server runs as a plain process, readable by its user.
-        return None if _owner(pid) not in (os.geteuid(), None) else False
-    except OSError:  # gone meanwhile (ENOENT, or ESRCH while reading)
-        return False
+def _file_id(info: os.stat_result) -> tuple[int, int]:
+    return info.st_dev, info.st_ino
+
+
+def _maps_place(info: os.stat_result) -> str:
+    """The file's "<device> <inode>" as a maps line has it between the offset and the path."""
+    return f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x} {info.st_ino}"
 
 
 def _owner(pid: int) -> int | None:

@@ -19,8 +19,10 @@ import fcntl
 import logging
 import os
 import re
+import stat
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
 from lmcache_tiers.errors import TiersError
 
@@ -122,9 +124,33 @@ def release_as_creator(fd: int) -> None:
         os.close(fd)
 
 
-def _remove_if_unlocked(path: str, mapped_by: Callable[[str], list[int]] | None) -> str | None:
-    """Unlink ``path`` unless a live creator holds its lock or a live process maps it
-    (``mapped_by``): ``""`` when this removed it, None when it was gone already, otherwise
+class MappingJudge(Protocol):
+    """What a pass over the processes' mappings tells about the files it was made for."""
+
+    def why_kept(self, info: os.stat_result, open_elsewhere: bool | None) -> str:
+        """Why the file ``info`` must stay ("" when nothing shows it in use), given whether
+        another open file of it exists anywhere (None: could not be told)."""
+        ...
+
+
+class _OneSurvey:
+    """The mapping survey of a start-up's candidates, made once at its first need: one
+    pass over every process's maps for all of them, not one per file."""
+
+    def __init__(self, survey: Callable[[list[str]], MappingJudge], paths: list[str]) -> None:
+        self._survey = survey
+        self._paths = paths
+        self._judge: MappingJudge | None = None
+
+    def why_kept(self, info: os.stat_result, open_elsewhere: bool | None) -> str:
+        if self._judge is None:
+            self._judge = self._survey(self._paths)
+        return self._judge.why_kept(info, open_elsewhere)
+
+
+def _remove_if_unlocked(path: str, mapped: _OneSurvey | None) -> str | None:
+    """Unlink ``path`` unless a live creator holds its lock or it may be in use otherwise
+    (``mapped``): ``""`` when this removed it, None when it was gone already, otherwise
     why it was left in place."""
     # O_NONBLOCK: anyone can create a FIFO of this name, and opening one would wait for a
     # writer; O_NOFOLLOW: a symlink of this name is not the creator's file.
@@ -144,9 +170,11 @@ def _remove_if_unlocked(path: str, mapped_by: Callable[[str], list[int]] | None)
             return "its creator still holds it (a live process this start-up cannot see)"
         except OSError as exc:  # no flock here (some network filesystems): no proof either way
             return f"its creator's lock cannot be checked ({exc.strerror})"
-        mapped = _mapped_outcome(path, mapped_by)
-        if mapped:
-            return mapped
+        info = os.fstat(fd)
+        if mapped is not None and not _unmappable(info):
+            in_use = mapped.why_kept(info, _open_elsewhere(fd))
+            if in_use:
+                return in_use
         # Unlinked while the lock is held: no new file of this name can be created
         # meanwhile (O_EXCL), and a creator of this one that has yet to lock it finds the
         # name gone (hold_as_creator).
@@ -192,14 +220,27 @@ def creator_lock_held(path: str) -> bool | str:
     return False
 
 
-def _mapped_outcome(path: str, mapped_by: Callable[[str], list[int]] | None) -> str:
-    """Why ``path`` must stay although its creator's pid is gone: a live process maps it
-    (a server of 28c5b5b holds no creator's lock, and in a container sharing /dev/shm but
-    not the pid namespace its pid is not the one its name carries); "" when none does."""
-    users = mapped_by(path) if mapped_by is not None else []
-    if not users:
-        return ""
-    return f"process {users[0]} maps it (a server of an earlier release, which holds no creator's lock?)"
+def _unmappable(info: os.stat_result) -> bool:
+    """A FIFO, socket or directory (anyone can create one of a segment's name) is never
+    mapped, so no process's maps can keep it."""
+    return stat.S_ISFIFO(info.st_mode) or stat.S_ISSOCK(info.st_mode) or stat.S_ISDIR(info.st_mode)
+
+
+def _open_elsewhere(fd: int) -> bool | None:
+    """Whether another open file of ``fd``'s file exists, in any process of any namespace
+    (a mapping keeps the file it was made from open): a write lease is granted only when
+    none does, and is given back at once.  None when the lease cannot be asked for (not
+    the file's owner without CAP_LEASE, leases disabled, a filesystem without them)."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        return None  # leases are for regular files (a FIFO's is refused as if in use)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    return False
 
 
 def remove_files_of_dead_processes(
@@ -207,22 +248,22 @@ def remove_files_of_dead_processes(
     pattern: re.Pattern[str],
     what: str,
     *,
-    mapped_by: Callable[[str], list[int]] | None = None,
+    mapped_by: Callable[[list[str]], MappingJudge] | None = None,
 ) -> list[str]:
     """Unlink entries of ``directory`` matching ``pattern`` (group 1 = creator pid) whose
-    creator is gone; returns the names removed.  ``mapped_by(path)``, when given, names
-    the live processes mapping a file: one that any maps is left in place (a creator of
-    a release before the creator's lock, seen here under another pid)."""
+    creator is gone; returns the names removed.  ``mapped_by(paths)``, when given, surveys
+    the processes mapping those files (called at most once, for all the candidates): a
+    file it shows may be in use is left in place (a creator of a release before the
+    creator's lock, seen here under another pid or not at all)."""
     removed: list[str] = []
     try:
         entries = os.listdir(directory)
     except FileNotFoundError:
         return removed
-    for entry in entries:
-        match = pattern.match(entry)
-        if match is None:
-            continue
-        pid = int(match.group(1))
+    candidates = [(entry, int(match.group(1))) for entry in entries if (match := pattern.match(entry))]
+    paths = [os.path.join(directory, entry) for entry, _ in candidates]
+    mapped = _OneSurvey(mapped_by, paths) if mapped_by is not None else None
+    for entry, pid in candidates:
         path = os.path.join(directory, entry)
         if pid == os.getpid():
             # Not proof of life either: a predecessor killed in a container often had the
@@ -235,11 +276,11 @@ def remove_files_of_dead_processes(
                     continue
                 if (info.st_dev, info.st_ino) in _own_files:
                     continue
-                outcome = _remove_if_unlocked(path, mapped_by)
+                outcome = _remove_if_unlocked(path, mapped)
         elif process_exists(pid):
             continue
         else:
-            outcome = _remove_if_unlocked(path, mapped_by)
+            outcome = _remove_if_unlocked(path, mapped)
         if outcome is None:  # removed by someone else meanwhile
             continue
         if outcome:
