@@ -414,8 +414,10 @@ _CLOSE_PROBE_NAME = "lmcache-tiers-close-probe"
 
 def _keep_for_good(store: Any) -> None:
     """Never free ``store``: its destructor runs Mooncake's teardown (the same stall as
-    its close), at any point a thread drops the last reference or at interpreter exit.
-    A reference taken at the C level is never given back, so it never runs."""
+    its close) on whichever thread drops the last reference.  A reference taken at the C
+    level is never given back, so it never runs.  Mooncake's own exit handler still tears
+    down every client at process exit (after the server's stop, so only the exit waits
+    on a service still hung then); nothing here can unregister a client from it."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))
 
 
