@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from thirdparty import CLI, free_port
 from tiers_e2e import (
     LAUNCHER,
     ServerProcess,
@@ -170,3 +171,22 @@ def test_ctrl_c_ignored_by_the_script_that_started_serve_stays_ignored(tmp_path:
     # start-up log says which stop signals stay ignored.
     output = _stopped_by_sigterm_despite(tmp_path, signal.SIGINT)
     assert "stop signals ignored as inherited: SIGINT" in output, output
+
+
+def test_a_start_refused_under_inherited_ignored_signals_is_still_one_line() -> None:
+    # The line naming the stop signals inherited ignored came before the pre-flight's
+    # refusal, so a serve started under nohup or as a script's background job answered a
+    # bad setting with two lines instead of the one line every refusal is.
+    ignored = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT)
+    args = ["serve", "--no-default-l2", "--l1-size-gb", "100000", "--metrics-port", "0"]
+    result = subprocess.run(
+        [*CLI, *args, "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "LMCACHE_LOG_LEVEL": "INFO"},
+        preexec_fn=stop_signals_at_default(ignored),
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --l1-size-gb 100000: "), result.stderr

@@ -797,6 +797,8 @@ class _StopSignals:
         # tells the log about a waiting signal as it comes (see _tell_deferred)
         self._notice_write = -1
         self._notice_thread: threading.Thread | None = None
+        # stop signals inherited ignored and left so (KEPT_IGNORED)
+        self._kept_ignored: Sequence[int] = ()
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -809,8 +811,9 @@ class _StopSignals:
                 continue
             self._previous[sig] = previous
             signal.signal(sig, self._on_signal)
-        if kept_ignored:
-            _log_kept_ignored(kept_ignored)
+        # Said once the server is built (attach): a start-up refused before that stays the
+        # one line it is, however whoever started serve left its signals.
+        self._kept_ignored = kept_ignored
         self._start_notices()
 
     def _start_notices(self) -> None:
@@ -831,6 +834,8 @@ class _StopSignals:
             raise StartUpInterrupted(self._deferred)
         self._server = server
         self._stop_notices()  # serving: a signal stops the server, none waits
+        if self._kept_ignored:
+            _log_kept_ignored(self._kept_ignored)
 
     def log_deferred(self) -> None:
         """Say that a signal waited for the clean-up of a start-up that failed (logged
