@@ -75,3 +75,25 @@ def test_a_close_whose_steps_all_pass_raises_nothing_and_counts_what_it_dropped(
     storage.close(drain_timeout_s=10.0)
     assert storage.l1.closed
     assert dropped(storage.failures()) == 0
+
+
+def test_a_backend_whose_close_raises_fails_the_close_and_is_counted(engine, monkeypatch, caplog) -> None:
+    # A backend's close left undone (a last checkpoint) may bring deleted objects back at
+    # the next start: counted among the failures and failing the stop, not only logged.
+    storage = engine([mock(), mock()])
+    failing, other = storage.adapters
+
+    def close() -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(failing.backend, "close", close, raising=False)
+    with caplog.at_level(logging.ERROR, logger="lmcache_tiers"), pytest.raises(StorageCloseFailed) as failed:
+        storage.close(drain_timeout_s=0.0)
+
+    assert f"closing L2 adapter {failing.name} failed" in str(failed.value)
+    assert "OSError: [Errno 5] Input/output error" in str(failed.value)
+    assert storage.failures().get("l2_backend_close_failed") == 1
+    logged = [record for record in caplog.records if "Input/output error" in record.getMessage()]
+    assert len(logged) == 1, "logged once, by the close's step, with the backend's traceback"
+    assert "closing the backend failed" in logged[0].getMessage()
+    assert other.closed and storage.l1.closed

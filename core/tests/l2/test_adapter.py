@@ -18,6 +18,7 @@ from lmcache_tiers.config import L2AdapterConfig
 from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, BackendContext, L2Op, ObjectSize
+from lmcache_tiers.l2.adapter import BackendCloseFailed
 from lmcache_tiers.l2.record import decode_record
 from lmcache_tiers.plugins import PluginSet
 from lmcache_tiers.registry import KindRegistry
@@ -706,3 +707,30 @@ def test_a_found_key_stays_loadable_while_another_thread_deletes_and_restores(
     assert violations == []
     assert deletes[0] > 0, "the evictor never got to delete anything"
     assert adapter.pinned_keys() == {}
+
+
+class FailingClose(DictBackend):
+    """A backend whose own close raises (a checkpoint or flush it could not write)."""
+
+    def close(self) -> None:
+        raise OSError(5, "Input/output error")
+
+
+class AsyncFailingClose(AsyncDictBackend):
+    async def close(self) -> None:
+        raise OSError(5, "Input/output error")
+
+
+@pytest.mark.parametrize("backend", [FailingClose, AsyncFailingClose], ids=["plain", "coroutines"])
+def test_a_backend_close_that_raises_is_counted_and_fails_the_adapters_close(
+    backend: type[FailingClose], caplog: pytest.LogCaptureFixture
+) -> None:
+    # What the backend's close left undone (a last checkpoint, commit words) may bring back
+    # deleted objects at the next start: the stop must not pass for a clean one.
+    adapter = open_dict(backend)
+    with pytest.raises(BackendCloseFailed, match="closing the backend failed: OSError: .*Input/output error"):
+        adapter.close()
+    assert adapter.stats()["backend_close_failures"] == 1
+    assert "closing the backend failed" not in caplog.text, "logged here and again by the caller"
+    adapter.close()  # a second close is a no-op, not a second failure
+    assert adapter.stats()["backend_close_failures"] == 1

@@ -32,6 +32,7 @@ from lmcache_plugin_fs.backend import FsBackend
 from lmcache_tiers.config import FieldError, L2EvictionConfig, build_config, decode_adapter
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2.adapter import BackendCloseFailed
 from lmcache_tiers.l2.files.dirlock import LOCK_DIR_ENV
 from lmcache_tiers.l2.preflight import preflight_adapters
 from lmcache_tiers.plugins import load_registry
@@ -1142,7 +1143,8 @@ def test_a_close_that_cannot_remove_one_record_removes_the_rest_and_counts_it(
         unlink = os.unlink
         monkeypatch.setattr(os, "unlink", lambda path, *args, **kwargs: refuse(path, unlink))
     try:
-        with caplog.at_level(logging.WARNING):
+        # the stop fails too
+        with caplog.at_level(logging.WARNING), pytest.raises(BackendCloseFailed, match="stay"):
             adapter.close()
     finally:
         monkeypatch.undo()
@@ -1193,7 +1195,8 @@ def test_a_close_that_cannot_list_a_directory_removes_the_rest_and_counts_it(
 
         monkeypatch.setattr(os, "scandir", refuse_scandir)
     try:
-        with caplog.at_level(logging.WARNING):
+        # the stop fails too
+        with caplog.at_level(logging.WARNING), pytest.raises(BackendCloseFailed, match="stay"):
             adapter.close()
     finally:
         monkeypatch.undo()

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
+from lmcache_tiers.errors import TiersError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.calls import checked, is_async_backend, optional_method
 from lmcache_tiers.l2.circuit import AsyncCircuitBackend, CircuitBackend
@@ -34,7 +35,14 @@ DEFAULT_ASYNC_CONCURRENCY = 64
 #: keys fetched per cross-thread round trip by ``iter_keys``
 _ITER_BATCH = 1024
 
-__all__ = ["BackendAdapter", "ObjectSize"]
+__all__ = ["BackendAdapter", "BackendCloseFailed", "ObjectSize"]
+
+
+class BackendCloseFailed(TiersError):
+    """The backend's own ``close`` raised (counted ``backend_close_failures``; the error is
+    its cause, for the caller to log).  What it left undone -- a last checkpoint, commit words of objects
+    deleted meanwhile -- may bring deleted objects back at the next start, so the close
+    fails rather than passing for a clean one."""
 
 
 def capacity_of(value: Any) -> Capacity | None:
@@ -81,6 +89,8 @@ class BackendAdapter(L2Adapter):
             self.runner.open(self.close_timeout_s)
         except BaseException:
             self._closed = True
+            # The start-up's own error is the one raised; a close failing on top is
+            # counted and logged by _close_backend.
             self._close_backend(time.monotonic() + self.close_backend_timeout_s)
             raise
         self.scan.start()
@@ -326,11 +336,24 @@ class BackendAdapter(L2Adapter):
         self.state.count("tasks_failed_closed", failed)
         # A budget of its own: calls stuck until the deadline above must not leave the
         # backend no time to close (flush, remove its files, release its directory).
-        self._close_backend(time.monotonic() + self.close_backend_timeout_s)
+        failure = self._close_backend(time.monotonic() + self.close_backend_timeout_s, log_failure=False)
+        if failure is not None:
+            # Logged once, by whoever meets the error (the storage's close step logs it
+            # with the chained traceback).
+            raise BackendCloseFailed(
+                f"{self.name}: closing the backend failed: {type(failure).__name__}: {failure}"
+            ) from failure
 
-    def _close_backend(self, deadline: float) -> None:
+    def _close_backend(self, deadline: float, *, log_failure: bool = True) -> Exception | None:
+        """Close the backend; what its close raised (counted, and logged if
+        ``log_failure``), or None."""
+        failure: Exception | None = None
         try:
             self.runner.close_backend(deadline)
-        except Exception:
-            log.exception("%s: closing the backend failed", self.name)
+        except Exception as exc:
+            failure = exc
+            self.state.count("backend_close_failures")
+            if log_failure:
+                log.exception("%s: closing the backend failed", self.name)
         self.state.chain.pool.clear()
+        return failure
