@@ -6,11 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from lmcache_plugin_raw_block import RawBlockConfig
 from lmcache_plugin_raw_block.backend import RawBlockBackend
 from slot_helpers import Arena, ZlibSerde, client, flip_byte, load, store
 
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
+from lmcache_tiers.l2.adapter import BackendCloseFailed
 from lmcache_tiers.serde import Serde
 from lmcache_tiers.testing.l2 import make_keys
 
@@ -62,7 +64,8 @@ def crash(adapter: BackendAdapter) -> None:
     SIGKILL at this moment leaves there; the real kill is in test_crash.
     """
     backend_of(adapter).checkpoint = lambda force=False: False  # type: ignore[method-assign]
-    adapter.close()
+    with pytest.raises(BackendCloseFailed, match="checkpoint at close was not written"):
+        adapter.close()  # a close without its checkpoint fails, as a crash's stop would
 
 
 def check_a_superseded_record_of_another_chain_does_not_hide_the_newer_write(cfg: RawBlockConfig) -> None:

@@ -24,6 +24,7 @@ import pytest
 from lmcache_plugin_raw_block import RawBlockConfig
 from rb_helpers import HEADER, backend_of, config, flip_byte, load, open_raw, store
 
+from lmcache_tiers.l2.adapter import BackendCloseFailed
 from lmcache_tiers.testing.l2 import make_keys, pattern
 
 #: the close budget in these tests (the adapter's is CLOSE_DRAIN_S, 10 s)
@@ -36,12 +37,23 @@ def _short_close(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _close_within(adapter: object, seconds: float) -> float:
-    """Close ``adapter`` on a thread; fails if that takes longer than ``seconds``."""
-    closer = threading.Thread(target=adapter.close, daemon=True)  # type: ignore[attr-defined]
+    """Close ``adapter`` on a thread; fails if that takes longer than ``seconds``, or if
+    the close does not fail for its checkpoint left unfinished."""
+    raised: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            adapter.close()  # type: ignore[attr-defined]
+        except BaseException as exc:
+            raised.append(exc)
+
+    closer = threading.Thread(target=close, daemon=True)
     started = time.monotonic()
     closer.start()
     closer.join(seconds)
     assert not closer.is_alive(), f"close did not return within {seconds} s"
+    assert len(raised) == 1 and isinstance(raised[0], BackendCloseFailed), raised
+    assert "did not finish in time" in str(raised[0])
     return time.monotonic() - started
 
 
@@ -93,9 +105,35 @@ def test_an_error_of_the_checkpoint_at_close_still_closes_the_device(tmp_path: P
         raise RuntimeError("checkpoint bug")
 
     backend.checkpoint = broken  # type: ignore[method-assign]
-    adapter.close()  # core logs the backend's error
+    with pytest.raises(BackendCloseFailed, match="checkpoint bug"):
+        adapter.close()  # core counts and logs the backend's error, and fails the close
     with pytest.raises(OSError):
         os.fstat(backend._device.fd)  # closed all the same
+
+
+def test_a_checkpoint_at_close_that_fails_fails_the_close(tmp_path: Path) -> None:
+    """A delete writes nothing to the device: the checkpoint at close is what makes the
+    deletes since the last one last.  One that fails (an I/O error) leaves the restart to
+    an older checkpoint that still lists the deleted keys, which come back (their own
+    verified bytes, but objects the server was told are gone): the close fails, so the
+    stop does not pass for a clean one."""
+    cfg = config(tmp_path / "device.img", meta_enable_periodic=False)
+    adapter = open_raw(cfg)
+    backend = backend_of(adapter)
+    kept, deleted = make_keys(2)
+    assert store(adapter, [kept, deleted], [pattern(0, 9000), pattern(1, 9000)]) == [True, True]
+    backend.checkpoint(force=True)
+    assert backend.delete_many([deleted]) == [True]
+
+    def failing_write(*args: object, **kwargs: object) -> int:
+        raise OSError(5, "Input/output error")
+
+    backend._areas.write = failing_write  # type: ignore[method-assign]
+    with pytest.raises(BackendCloseFailed, match="deletes since it are undone"):
+        adapter.close()
+    stats = adapter.stats()
+    assert stats["checkpoint_failures"] == 1
+    assert stats["backend_close_failures"] == 1
 
 
 def test_loads_and_stores_still_in_the_backend_once_closing_began_move_nothing(tmp_path: Path) -> None:

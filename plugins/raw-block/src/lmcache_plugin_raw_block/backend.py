@@ -369,12 +369,18 @@ class RawBlockBackend(SlotStoreBackend):
         """The checkpoint at close, on a thread of its own so that close returns by
         ``deadline`` even when its writes or fsync never finish (a stalled device); a
         checkpoint left behind may still land, and if it does not, the next start reads
-        slot headers for what the older checkpoint misses."""
+        slot headers for what the older checkpoint misses.
+
+        A delete writes nothing to the device: a checkpoint at close that failed or did
+        not finish leaves the next start to an older checkpoint that still lists the keys
+        deleted since, which come back.  The close then raises
+        :class:`CloseCheckpointFailed` (core counts it and fails the stop)."""
         failures: list[BaseException] = []
+        written: list[bool] = []
 
         def write() -> None:
             try:
-                self.checkpoint(force=True)
+                written.append(self.checkpoint(force=True))
             except BaseException as exc:  # raised in close, as if close had written it
                 failures.append(exc)
 
@@ -389,5 +395,21 @@ class RawBlockBackend(SlotStoreBackend):
                 self._device.path,
                 CLOSE_DRAIN_S,
             )
-        elif failures:
+            raise CloseCheckpointFailed(self._device.path, "it did not finish in time")
+        if failures:
             raise failures[0]
+        if written != [True]:
+            # checkpoint() counted and logged why (checkpoint_failures, checkpoint_too_large).
+            raise CloseCheckpointFailed(self._device.path, "it failed")
+
+
+class CloseCheckpointFailed(Exception):
+    """The checkpoint at close was not written: deletes made since the device's newest
+    checkpoint come back at the next start."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(
+            f"raw_block: {path}: the checkpoint at close was not written ({why}): the next start "
+            "recovers from an older checkpoint, and the deletes since it are undone (those keys "
+            "come back)"
+        )
