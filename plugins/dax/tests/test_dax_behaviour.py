@@ -10,6 +10,7 @@ from dax_helpers import SLOT, backend_of, client, config, flip_byte, load, open_
 from lmcache_plugin_dax import DaxConfig, DaxDevice
 from slot_helpers import ZlibSerde, as_newer_format, lru_controller
 
+from lmcache_tiers.l2.adapter import BackendCloseFailed
 from lmcache_tiers.testing.l2 import make_keys, pattern
 
 
@@ -484,5 +485,34 @@ def test_a_slot_unpublished_after_the_unmapping_stays_committed_and_is_counted()
         reopened = open_dax(cfg)
         try:
             assert load(reopened, [key], [400]) == ([True], [b"kept" * 100]), "judged again, intact"
+        finally:
+            reopened.close()
+
+
+def test_a_close_whose_uncommitting_fails_fails_and_still_unmaps_and_nothing_old_comes_back() -> None:
+    # The commit word of a replaced or deleted write is cleared when it is unpublished, not
+    # at close: a close that fails (counted, failing the stop) brings back no old version
+    # and no deleted key, and still gives the mapping (and its lock) back.
+    with shm_dir() as directory:
+        cfg = config(directory / "dax.img", slots=4)
+        adapter = open_dax(cfg)
+        backend = backend_of(adapter)
+        replaced, deleted = make_keys(2)
+        assert store(adapter, [replaced, deleted], [b"old" * 100, b"gone" * 100]) == [True, True]
+        assert store(adapter, [replaced], [b"new" * 100]) == [True]
+        assert backend.delete_many([deleted]) == [True]
+
+        def failing() -> None:
+            raise OSError(5, "Input/output error")
+
+        backend._uncommit_unpublished = failing  # type: ignore[method-assign]
+        with pytest.raises(BackendCloseFailed, match="Input/output error"):
+            adapter.close()
+        assert adapter.stats()["backend_close_failures"] == 1
+        reopened = open_dax(cfg)  # the mapping's lock was given back
+        try:
+            assert client(reopened).lookup_and_lock([replaced, deleted]).found == [True, False]
+            reopened.unlock([replaced])
+            assert load(reopened, [replaced], [300]) == ([True], [b"new" * 100])
         finally:
             reopened.close()

@@ -321,12 +321,21 @@ class DaxBackend(SlotStoreBackend):
     def close(self) -> None:
         self._stop_workers()
         drained = self._in_flight.drain(CLOSE_DRAIN_S)
-        # Even when the drain gave up: the mapping stays mapped then, and a slot unpublished
-        # by a call that finished meanwhile must not come back at the next start.
-        self._uncommit_unpublished()
+        try:
+            # Even when the drain gave up: the mapping stays mapped then, and a slot
+            # unpublished by a call that finished meanwhile must not come back at the next
+            # start.  Should it raise, the close still unmaps (and gives the lock back) and
+            # then fails (core counts it and fails the stop).  No old version comes back
+            # by it: a replaced or deleted write was uncommitted when it was unpublished
+            # (_clear), and the next start keeps only each key's newest committed write.
+            self._uncommit_unpublished()
+        finally:
+            if drained:
+                self._unmap()
         if not drained:
             log.error("dax: mappings left in place: copies are still running")
-            return
+
+    def _unmap(self) -> None:
         with self._mapped_lock:
             self._unmapped = True
         for region in self.regions:
