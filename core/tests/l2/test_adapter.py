@@ -728,7 +728,8 @@ def test_a_backend_close_that_raises_is_counted_and_fails_the_adapters_close(
     # What the backend's close left undone (a last checkpoint, commit words) may bring back
     # deleted objects at the next start: the stop must not pass for a clean one.
     adapter = open_dict(backend)
-    with pytest.raises(BackendCloseFailed, match="closing the backend failed: OSError: .*Input/output error"):
+    failed = r"closing the backend failed: OSError: .*Input/output error"
+    with pytest.raises(BackendCloseFailed, match=failed):
         adapter.close()
     assert adapter.stats()["backend_close_failures"] == 1
     assert "closing the backend failed" not in caplog.text, "logged here and again by the caller"
