@@ -9,6 +9,7 @@ for the thaw.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -134,6 +135,40 @@ def test_a_checkpoint_at_close_that_fails_fails_the_close(tmp_path: Path) -> Non
     stats = adapter.stats()
     assert stats["checkpoint_failures"] == 1
     assert stats["backend_close_failures"] == 1
+
+
+def test_a_checkpoint_at_close_that_fails_with_nothing_changed_since_the_last_does_not_fail_the_close(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The checkpoint at close fails (an I/O error) but the index did not change since the
+    last checkpoint written: that one already holds every delete, nothing comes back at
+    the next start, and the stop must not fail (exit status 1) for it.  The failure is
+    still counted (checkpoint_failures) and the close says so in a line."""
+    cfg = config(tmp_path / "device.img", meta_enable_periodic=False)
+    adapter = open_raw(cfg)
+    backend = backend_of(adapter)
+    kept, deleted = make_keys(2)
+    assert store(adapter, [kept, deleted], [pattern(0, 9000), pattern(1, 9000)]) == [True, True]
+    assert backend.delete_many([deleted]) == [True]
+    assert backend.checkpoint(force=True)
+
+    def failing_write(*args: object, **kwargs: object) -> int:
+        raise OSError(5, "Input/output error")
+
+    backend._areas.write = failing_write  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING):
+        adapter.close()
+    stats = adapter.stats()
+    assert stats["checkpoint_failures"] == 1
+    assert stats.get("backend_close_failures", 0) == 0
+    assert "the newest checkpoint written holds the same index" in caplog.text
+    reopened = open_raw(cfg)
+    try:
+        loaded, contents = load(reopened, [kept, deleted], [9000, 9000])
+        assert loaded == [True, False]
+        assert contents[0] == pattern(0, 9000)
+    finally:
+        reopened.close()
 
 
 def test_loads_and_stores_still_in_the_backend_once_closing_began_move_nothing(tmp_path: Path) -> None:
