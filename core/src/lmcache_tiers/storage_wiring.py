@@ -176,7 +176,8 @@ class StorageParts:
             try:
                 _refuse_with_nvme_l1(context.name, adapter)
             except ConfigError:
-                adapter.close()
+                # The refusal is the error raised: a close failing on top is only logged.
+                _close_logging_failure(adapter)
                 raise
         self.adapters.append(adapter)
         return AdapterSlot(index, spec.type, adapter)
@@ -260,10 +261,16 @@ class StorageParts:
 
     def _close_adapters(self) -> None:
         for adapter in self.adapters:
-            try:
-                adapter.close()
-            except Exception:
-                logger.exception("closing L2 adapter %s failed", adapter.name)
+            _close_logging_failure(adapter)
+
+
+def _close_logging_failure(adapter: L2Adapter) -> None:
+    """Close ``adapter`` on a start-up that failed: the start's own error is the one
+    raised, so what the close raises is logged (and counted by the adapter) instead."""
+    try:
+        adapter.close()
+    except Exception:
+        logger.exception("closing L2 adapter %s failed", adapter.name)
 
 
 class StorageCloseFailed(TiersError):

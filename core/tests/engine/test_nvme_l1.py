@@ -4,6 +4,7 @@ need L1 memory are refused at start-up."""
 from __future__ import annotations
 
 import gc
+import logging
 import time
 import types
 from collections.abc import Iterator
@@ -24,6 +25,8 @@ from lmcache_tiers.storage import StorageManager
 SIZES = [1, 4095, 64 * 1024 + 3]
 
 closed_adapters: list[str] = []
+#: what the next close of a NeedsL1MemoryBackend raises (a failed last flush), if anything
+close_failures: list[Exception] = []
 
 
 class NeedsL1MemoryBackend(GatedBackend):
@@ -37,6 +40,8 @@ class NeedsL1MemoryBackend(GatedBackend):
 
     def close(self) -> None:
         closed_adapters.append(self.name)
+        if close_failures:
+            raise close_failures.pop()
 
 
 def build_needs_l1_memory(config: GatedConfig, context: BackendContext) -> NeedsL1MemoryBackend:
@@ -129,6 +134,23 @@ def test_an_adapter_needing_l1_memory_is_refused(
     )
     # An adapter built before the refusal is closed again.
     assert closed_adapters == ([] if type_name == "needs_l1_memory" else [f"1:{type_name}"])
+
+
+def test_a_refused_adapter_whose_close_fails_still_refuses_with_the_configuration_error(
+    nvme_dir: Path, test_registry: ComponentRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The start's own error is the one raised: a close of the refused adapter that fails
+    on top is logged, not raised in its place (the user must read what to change)."""
+    closed_adapters.clear()
+    close_failures[:] = [OSError(5, "Input/output error")]
+    try:
+        with caplog.at_level(logging.ERROR), pytest.raises(ConfigError) as raised:
+            nvme_storage(nvme_dir, [mock(), needs_memory("needs_l1_memory_factory")], test_registry)
+    finally:
+        close_failures.clear()
+    assert "cannot be used with --gds-l1-path" in str(raised.value)
+    assert closed_adapters == ["1:needs_l1_memory_factory"]
+    assert "Input/output error" in caplog.text
 
 
 def test_the_same_adapter_is_fine_with_a_memory_l1(test_registry: ComponentRegistry) -> None:
