@@ -6,11 +6,18 @@ see each other's objects.  Without redis-server (Debian package) the tests skip,
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from lmcache_plugin_redis.testing import RedisClusterNodes, RedisServer, missing_reason
+
+from lmcache_tiers.l2 import BackendAdapter
+
+# Helper modules of these tests (imported by name under pytest's importlib mode).
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 def _require_redis() -> None:
@@ -38,3 +45,12 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
 @pytest.fixture
 def prefix() -> str:
     return f"test-{uuid.uuid4().hex[:12]}:"
+
+
+@pytest.fixture
+def opened() -> Iterator[list[BackendAdapter]]:
+    """Adapters a test opens, closed after it."""
+    adapters: list[BackendAdapter] = []
+    yield adapters
+    for adapter in adapters:
+        adapter.close()

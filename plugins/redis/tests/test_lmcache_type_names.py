@@ -9,14 +9,13 @@ own defaults.  Checked through the real CLI's ``--print-config``, and on a real 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+from cli_config import print_config
 from lmcache_plugin_redis.testing import RedisServer, missing_reason
 
 from lmcache_tiers.config import decode_adapter
@@ -27,18 +26,7 @@ from lmcache_tiers.registry import Kind
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys, pattern
 
-CLI = Path(sys.executable).parent / "lmcache-tiers"
 WHERE = {"resp": {"host": "10.0.0.1", "port": 6379}, "valkey": {"startup_nodes": "10.0.0.1:6379"}}
-
-
-def print_config(adapter: dict[str, object]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(CLI), "serve", "--print-config", "--no-shm", "--l2-adapter", json.dumps(adapter)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 def printed_adapter(adapter: dict[str, object]) -> dict[str, Any]:
@@ -78,14 +66,6 @@ def test_a_key_prefix_holding_the_separator_is_refused_naming_the_field(type_nam
 
 
 # -- where the objects live -------------------------------------------------------------------
-
-
-@pytest.fixture
-def opened() -> Iterator[list[BackendAdapter]]:
-    adapters: list[BackendAdapter] = []
-    yield adapters
-    for adapter in adapters:
-        adapter.close()
 
 
 @pytest.fixture

@@ -6,24 +6,11 @@ It is refused, without being quoted."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from cli_config import print_config
 
 SECRET = "n0de-s3cret"
-CLI = Path(sys.executable).parent / "lmcache-tiers"
-
-
-def print_config(adapter: dict[str, object]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(CLI), "serve", "--print-config", "--no-shm", "--l2-adapter", json.dumps(adapter)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 @pytest.mark.parametrize(

@@ -44,14 +44,6 @@ WAIT_S = 30.0  # guards against hangs only
 
 
 @pytest.fixture
-def opened() -> Iterator[list[BackendAdapter]]:
-    adapters: list[BackendAdapter] = []
-    yield adapters
-    for adapter in adapters:
-        adapter.close()
-
-
-@pytest.fixture
 def open_adapter(opened: list[BackendAdapter]) -> Callable[..., BackendAdapter]:
     def make(**fields: Any) -> BackendAdapter:
         spec = decode_adapter(load_registry(), {"type": "redis", **fields}, 0)
