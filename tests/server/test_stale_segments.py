@@ -283,3 +283,29 @@ def test_a_non_root_start_keeps_its_users_segment_a_root_process_maps_and_remove
     assert removed.returncode == 0, removed.stderr
     assert removed.stdout.strip() == f"[{path.name!r}]", removed.stderr
     assert not path.exists()
+
+
+KEPT_METRIC = "lmcache_tiers_l1_stale_segments_kept_total"
+
+
+def test_a_leftover_segment_start_up_keeps_is_counted_and_named(tmp_path: Path, shm_dir: Path) -> None:
+    """A segment named with a pid this start-up cannot see but that a live process maps is
+    left in place: an operator sees it in /metrics and /status, not only in a log line."""
+    unseen_pid = 4_194_001  # above every Linux pid_max: no process here has it
+    kept = shm_dir / f"lmcache_tiers_{unseen_pid}_0123abce"
+    kept.write_bytes(b"\0" * (1 << 20))
+    with _mapped_without_lock(kept):
+        server = start_server(tmp_path / "next", l1_shm_dir=str(shm_dir), **SMALL_L1)
+    try:
+        assert kept.exists()
+        assert server.http_url is not None
+        status, _, body = fetch(f"{server.http_url}/metrics")
+        assert status == 200, body
+        assert metric(body, KEPT_METRIC) == 1
+        assert metric(body, STALE_METRIC) == 0
+        _, _, document = fetch(f"{server.http_url}/status")
+        assert json.loads(document)["server"]["l1_stale_segments_kept"] == [kept.name]
+        assert f"L1 segment {kept} of process {unseen_pid} left in place" in server.output()
+        assert kept.name in _status_table_row(server, "L1 stale segments kept")
+    finally:
+        stop_cleanly(server)

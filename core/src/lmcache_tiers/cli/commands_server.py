@@ -158,13 +158,13 @@ def _failed_plugins(failed: Any) -> str:
     return escape(", ".join(f"{name} ({error})" for name, error in failed.items())) or "none"
 
 
-def _stale_segments(removed: Any) -> str:
-    """The L1 segments of killed servers this server's start-up removed; ``none`` when it
+def _stale_segments(names: Any) -> str:
+    """The leftover L1 segments this server's start-up removed (or kept); ``none`` when it
     found none, ``?`` from a server too old to say."""
-    if removed is None:
+    if names is None:
         return "?"
     # file names under /dev/shm are anyone's to choose, not rich markup
-    return escape(", ".join(str(name) for name in removed)) or "none"
+    return escape(", ".join(str(name) for name in names)) or "none"
 
 
 def status_tables(document: dict[str, Any]) -> list[Table]:
@@ -210,6 +210,7 @@ def status_tables(document: dict[str, Any]) -> list[Table]:
     )
     overview.add_row("plugins failed to load", _failed_plugins(server.get("plugins_failed_to_load")))
     overview.add_row("L1 stale segments removed", _stale_segments(server.get("l1_stale_segments_removed")))
+    overview.add_row("L1 stale segments kept", _stale_segments(server.get("l1_stale_segments_kept")))
     tables = [overview]
 
     adapters = document.get("adapters", [])

@@ -361,7 +361,7 @@ def _layout(size: int, generation_block: int) -> tuple[int, int]:
     return table_offset, table_offset + 8 * entries
 
 
-def remove_stale_segments(directory: str = SHM_DIR) -> list[str]:
+def remove_stale_segments(directory: str = SHM_DIR, kept: list[str] | None = None) -> list[str]:
     """Unlink default-named segments in ``directory`` whose creating process no longer
     exists.
 
@@ -370,6 +370,9 @@ def remove_stale_segments(directory: str = SHM_DIR) -> list[str]:
     that may still be in use is kept: another process has it open or mapped (a write
     lease is refused), a process visible here maps it, or, when the lease cannot be asked
     for, a process that could open it has maps that could not be read (see
-    :meth:`~lmcache_tiers.l1.segment.MapsSurvey.why_kept`).
+    :meth:`~lmcache_tiers.l1.segment.MapsSurvey.why_kept`).  ``kept``, when given,
+    receives the names of the segments of dead-looking creators so kept.
     """
-    return remove_files_of_dead_processes(directory, _DEFAULT_NAME, "L1 segment", mapped_by=survey_mappings)
+    return remove_files_of_dead_processes(
+        directory, _DEFAULT_NAME, "L1 segment", mapped_by=survey_mappings, kept=kept
+    )

@@ -249,12 +249,15 @@ def remove_files_of_dead_processes(
     what: str,
     *,
     mapped_by: Callable[[list[str]], MappingJudge] | None = None,
+    kept: list[str] | None = None,
 ) -> list[str]:
     """Unlink entries of ``directory`` matching ``pattern`` (group 1 = creator pid) whose
     creator is gone; returns the names removed.  ``mapped_by(paths)``, when given, surveys
     the processes mapping those files (called at most once, for all the candidates): a
     file it shows may be in use is left in place (a creator of a release before the
-    creator's lock, seen here under another pid or not at all)."""
+    creator's lock, seen here under another pid or not at all).  ``kept``, when given,
+    receives the names of the files of dead-looking creators left in place (each also
+    logged with why), so that the caller can count them."""
     removed: list[str] = []
     try:
         entries = os.listdir(directory)
@@ -285,6 +288,8 @@ def remove_files_of_dead_processes(
             continue
         if outcome:
             logger.info("%s %s of process %d left in place: %s", what, path, pid, outcome)
+            if kept is not None:
+                kept.append(entry)
             continue
         logger.warning("removed stale %s %s left by dead process %d", what, path, pid)
         removed.append(entry)

@@ -145,9 +145,11 @@ class TiersServer:
         registry: ComponentRegistry | None = None,
         auth_token: str | None = None,
         stale_segments_removed: Sequence[str] = (),
+        stale_segments_kept: Sequence[str] = (),
     ) -> None:
         """``stale_segments_removed``: the L1 segments of killed servers that start-up
-        removed before this server (``run_server`` does), reported in /metrics and /status."""
+        removed before this server (``run_server`` does), reported in /metrics and /status;
+        ``stale_segments_kept``: those of creators not seen here that it left in place."""
         from lmcache_tiers.plugins import load_registry
         from lmcache_tiers.storage import StorageManager
 
@@ -164,6 +166,7 @@ class TiersServer:
         # plugin name -> why it failed to load: serve started without its components
         self.failed_plugins = dict(sorted(registry.failed_plugins.items()))
         self.stale_segments_removed = list(stale_segments_removed)
+        self.stale_segments_kept = list(stale_segments_kept)
         self.drain_timeout_s = drain_timeout_s = config.shutdown_timeout_s
         self.auth_required = bool(auth_token)
         # monotonic: the uptime is a duration, which a step of the wall clock must not move
@@ -215,6 +218,7 @@ class TiersServer:
                     self.storage_status,
                     failed_plugins=self.failed_plugins,
                     stale_segments_removed=len(self.stale_segments_removed),
+                    stale_segments_kept=len(self.stale_segments_kept),
                 )
                 metrics = build_registry(self.frontend_stats, self.storage_status, self._collector)
                 http_host = config.metrics_host
@@ -301,6 +305,7 @@ class TiersServer:
             "draining": self._stopping,
             "plugins_failed_to_load": dict(self.failed_plugins),
             "l1_stale_segments_removed": list(self.stale_segments_removed),
+            "l1_stale_segments_kept": list(self.stale_segments_kept),
             **merged_stats(stats for _, stats in self.frontend_stats()).snapshot(),
         }
         frontends = [self._frontend_status(frontend) for frontend in self.frontends]
@@ -572,8 +577,10 @@ def run_server(
     hooks = _plugin_hooks()
     from lmcache_tiers.l1 import remove_stale_segments
 
-    # Each removal is logged as it happens; the list is kept for /metrics and /status.
-    stale = remove_stale_segments(config.l1_shm_dir) if os.path.isdir(config.l1_shm_dir) else []
+    # Each removal and each segment left in place is logged as it happens; the lists are
+    # kept for /metrics and /status.
+    kept: list[str] = []
+    stale = remove_stale_segments(config.l1_shm_dir, kept) if os.path.isdir(config.l1_shm_dir) else []
     # Installed before the L1 segment exists: under Python's default action a SIGTERM
     # while start-up pre-faults L1 (seconds per GiB) ended the process at once, leaving
     # the whole segment in /dev/shm (a named one is never reaped, and refuses the next
@@ -582,7 +589,7 @@ def run_server(
     signals.install()
     try:
         try:
-            server = _build_server(config, registry, token, signals, stale)
+            server = _build_server(config, registry, token, signals, stale, kept)
         except StartUpInterrupted as interrupted:
             signals.log_deferred()
             logger.warning("start-up interrupted by %s: stopped before serving", interrupted.name)
@@ -653,10 +660,15 @@ def _build_server(
     token: str | None,
     signals: _StopSignals,
     stale_segments_removed: list[str],
+    stale_segments_kept: list[str],
 ) -> TiersServer:
     """The server, with the stop signals handed over to it."""
     server = TiersServer(
-        config, registry=registry, auth_token=token, stale_segments_removed=stale_segments_removed
+        config,
+        registry=registry,
+        auth_token=token,
+        stale_segments_removed=stale_segments_removed,
+        stale_segments_kept=stale_segments_kept,
     )
     try:
         signals.attach(server)

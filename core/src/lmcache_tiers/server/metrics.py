@@ -72,6 +72,7 @@ class TiersCollector(Collector):
         *,
         failed_plugins: Mapping[str, str] | None = None,
         stale_segments_removed: int = 0,
+        stale_segments_kept: int = 0,
     ) -> None:
         self.frontends = frontends
         self.storage_status = storage_status
@@ -80,6 +81,8 @@ class TiersCollector(Collector):
         self.failed_plugin_count = len(failed_plugins or {})
         # fixed at start-up too: L1 segments of killed servers removed before this one started
         self.stale_segments_removed = stale_segments_removed
+        # and those it left in place (in use, or no proof they are not): memory still taken
+        self.stale_segments_kept = stale_segments_kept
         self._lock = threading.Lock()  # scrapes run on several HTTP threads at once
         # failures of the scrape itself, by reason: kept here, for as long as the server
         self._own_failures: Counter[str] = Counter()
@@ -113,6 +116,12 @@ class TiersCollector(Collector):
             "l1_stale_segments_removed",
             self.stale_segments_removed,
             "L1 segments of killed servers removed when this server started (names in /status)",
+        )
+        yield from self._single(
+            "l1_stale_segments_kept",
+            self.stale_segments_kept,
+            "L1 segments of creators not seen here that start-up left in place, possibly in use "
+            "(names in /status, why in the log)",
         )
 
         by_op = _counter("requests", "Requests served, by front end and operation", ["frontend", "op"])
