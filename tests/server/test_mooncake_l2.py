@@ -95,7 +95,10 @@ def test_two_servers_share_one_pool(tmp_path: Path, cluster: LocalCluster) -> No
 def test_a_master_killed_mid_run_degrades_to_misses_and_recovers(
     tmp_path: Path, cluster: LocalCluster
 ) -> None:
-    server = serve(tmp_path / "server", cluster, operation_timeout_s=1.0)
+    # Two failed calls in a row open the circuit (the default five would each wait out a
+    # call against the dead master), and a closed circuit is noticed within 0.2 s.
+    circuit = {"failure_threshold": 2, "probe_interval_s": 0.2}
+    server = serve(tmp_path / "server", cluster, operation_timeout_s=1.0, circuit=circuit)
     try:
         assert run_in_process(job_store, server.url, "before", 4, CHUNK, True) == (4, True)
         wait_stored_in_l2(server, 4)
@@ -132,6 +135,13 @@ def test_a_master_killed_mid_run_degrades_to_misses_and_recovers(
 
         cluster.start_master()  # same ports; the pool starts empty
         cluster.wait_for_segments(1)
+        # A store made while the circuit is still open is skipped, and the loop below would
+        # wait out its settle time for it: store once a probe has closed the circuit.
+        deadline = time.monotonic() + 60
+        with Client(server.url, timeout=30) as client:
+            while client.status()["adapters"][0]["backend"]["circuit_open"]:
+                assert time.monotonic() < deadline, "the circuit never closed after the master came back"
+                time.sleep(0.1)
         deadline = time.monotonic() + 90
         attempt = 0
         while True:
