@@ -1748,3 +1748,38 @@ def test_a_cluster_primary_that_denies_multi_is_said_to_refuse_the_check(
     said = f"{refusing}: refused the check's commands (NoPermissionError"
     assert any(said in message for message in unchecked), unchecked
     assert not any("did not answer" in message for message in unchecked), unchecked
+
+
+def test_several_startup_nodes_without_cluster_mode_warn_once_naming_the_node_used(
+    redis_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A standalone client talks to one node: the others listed are not replicas it fails
+    # over to, which an operator who listed them may believe (LMCache warns here too).
+    used = f"127.0.0.1:{redis_server.port}"
+    ignored = ["127.0.0.1:1", "127.0.0.1:2"]
+    with caplog.at_level(logging.INFO, logger="lmcache_tiers.l2.redis"):
+        adapter = open_adapter(startup_nodes=",".join([used, *ignored]), key_prefix=prefix)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    [warning] = warnings
+    assert f"uses {used} only" in warning and all(node in warning for node in ignored), warning
+    connected = [r.getMessage() for r in caplog.records if "connected to" in r.getMessage()]
+    assert connected and not any(node in line for line in connected for node in ignored), connected
+    keys = make_keys(1)
+    store(adapter, keys)
+    assert client_of(adapter).lookup_and_lock(keys).found == [True]
+    adapter.unlock(keys)
+
+
+def test_one_startup_node_without_cluster_mode_warns_nothing(
+    redis_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l2.redis"):
+        open_adapter(startup_nodes=f"127.0.0.1:{redis_server.port}", key_prefix=prefix)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []

@@ -62,7 +62,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from lmcache_plugin_redis.client import build_client, describe
+from lmcache_plugin_redis.client import build_client, describe, ignored_nodes
 from lmcache_plugin_redis.config import RedisConfig
 from lmcache_plugin_redis.direct import DirectConnections, Send, pack_command
 from lmcache_plugin_redis.replies import ReplyReader
@@ -409,6 +409,7 @@ class RedisBackend:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def open(self) -> None:
+        self._warn_of_ignored_nodes()
         try:
             self.client.ping()
         except NoPermissionError as exc:
@@ -429,6 +430,21 @@ class RedisBackend:
                 exc,
             )
         log.info("%s: connected to %s, objects named %r + key", self.context.name, self.target, self.prefix)
+
+    def _warn_of_ignored_nodes(self) -> None:
+        """Several ``startup_nodes`` without ``cluster_mode``: only the first is used, and
+        an operator who listed the others may take them for failover targets."""
+        ignored = ignored_nodes(self.config)
+        if ignored:
+            host, port = self.config.seed_nodes()[0]
+            log.warning(
+                "%s: startup_nodes lists %d nodes but cluster_mode is false: uses %s only, "
+                "ignores %s (set cluster_mode: true for a Redis Cluster, or list one node)",
+                self.context.name,
+                len(ignored) + 1,
+                f"{host}:{port}",
+                ", ".join(ignored),
+            )
 
     def _refuse_missing_permissions(self, client: Redis | RedisCluster) -> None:
         """Refuse to start when the store's ACL denies this user a command the adapter

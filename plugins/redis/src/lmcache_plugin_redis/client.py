@@ -98,9 +98,18 @@ def describe(config: RedisConfig) -> str:
     """Where the adapter connects, for logs: never with credentials."""
     if config.url is not None and config.url.startswith("unix:"):
         return f"unix:{urllib.parse.urlsplit(config.url).path}"
-    nodes = ",".join(f"{host}:{port}" for host, port in config.seed_nodes())
+    seeds = config.seed_nodes() if config.cluster_mode else config.seed_nodes()[:1]
+    nodes = ",".join(f"{host}:{port}" for host, port in seeds)
     scheme = "rediss" if _uses_tls(config) else "redis"
     return f"{scheme}://{nodes}" + (" (cluster)" if config.cluster_mode else "")
+
+
+def ignored_nodes(config: RedisConfig) -> list[str]:
+    """The ``startup_nodes`` a standalone client never talks to: it connects to the first
+    alone (no failover to the others, no sharding over them); none in cluster mode."""
+    if config.cluster_mode or config.startup_nodes is None:
+        return []
+    return [f"{host}:{port}" for host, port in config.seed_nodes()[1:]]
 
 
 def _url(config: RedisConfig) -> str:
