@@ -28,6 +28,8 @@ CACHE_HOME = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
 REF_VENV = Path(os.environ.get("LMCACHE_REF_VENV", CACHE_HOME / "lmcache-tiers" / "lmcache-0.5.6"))
 REF_ENV = {"DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"}
 SHAPE_SPEC = "(2,256,16,8,128):bfloat16:8"  # 8 MiB chunks, 32 MiB per request
+#: 1024 tokens per request in chunks of 256
+CHUNKS_PER_REQUEST = 4
 
 ROOT = HERE.parents[1]
 
@@ -50,11 +52,13 @@ def reference_installed() -> None:
         )
 
 
-def run_bench(url: str, output: Path, interval: float = 0.0, shape: str = SHAPE_SPEC) -> dict[str, Any]:
+def run_bench(
+    url: str, output: Path, interval: float = 0.0, shape: str = SHAPE_SPEC, requests: int = 8
+) -> dict[str, Any]:
     command = [
         str(REF_VENV / "bin" / "lmcache"),
         *("bench", "server", "--rpc-url", url, "--mode", "cpu", "--interval", str(interval)),
-        *("--start", "0", "--end", "8", "--num-tokens", "1024", "--kvcache-shape-spec", shape),
+        *("--start", "0", "--end", str(requests), "--num-tokens", "1024", "--kvcache-shape-spec", shape),
         *("--format", "json", "--output", str(output)),
     ]
     done = subprocess.run(
@@ -84,9 +88,10 @@ def stop(server: ServerProcess) -> None:
     assert not server.shm_path.exists()
 
 
-def assert_every_checksum_passed(metrics: dict[str, Any]) -> None:
+def assert_every_checksum_passed(metrics: dict[str, Any], requests: int = 8) -> None:
     results = metrics["results"]
-    assert (results["total_requests"], results["checksum_ok"], results["checksum_fail"]) == (8, 8, 0), metrics
+    counts = (results["total_requests"], results["checksum_ok"], results["checksum_fail"])
+    assert counts == (requests, requests, 0), metrics
 
 
 def test_reference_bench_passes_every_checksum(tmp_path: Path) -> None:
@@ -104,18 +109,23 @@ def test_reference_bench_passes_every_checksum(tmp_path: Path) -> None:
 
 def test_reference_bench_with_the_warm_pass_served_from_l2(tmp_path: Path) -> None:
     """skip_l1 takes every chunk out of L1 once it is in L2, so with a pause between the
-    cold and the warm pass of a request, every warm chunk is loaded from the NIXL files."""
+    cold and the warm pass of a request, every warm chunk is loaded from the NIXL files.
+
+    The bench pauses twice per request (after the cold and after the warm pass), so each
+    request costs two pauses: three requests -- the second and third stored while L2
+    holds the earlier ones -- check what eight would, in well under half the time."""
+    requests = 3
     params = {"file_path": str(tmp_path / "l2"), "use_direct_io": "false", "max_capacity_gb": "1"}
     adapter = {"type": "nixl_store_dynamic", "backend": "POSIX", "backend_params": params}
     server, _ = serve(tmp_path, adapters=[adapter], l2_store_policy="skip_l1")
     try:
         # The pause must outlast a request's L2 store and skip_l1's removal from L1 on a
         # two-core machine busy with other tests (1 s left 4 of 32 chunks in L1 there).
-        metrics = run_bench(server.url, tmp_path / "l2.json", interval=2.5)
-        assert_every_checksum_passed(metrics)
+        metrics = run_bench(server.url, tmp_path / "l2.json", interval=2.5, requests=requests)
+        assert_every_checksum_passed(metrics, requests)
         status = json.loads(fetch(f"{server.http_url}/status")[2])
-        assert status["requests"]["l2_hit_chunks"] == 32, status["requests"]
-        assert status["adapters"][0]["keys_stored"] == 32
+        assert status["requests"]["l2_hit_chunks"] == requests * CHUNKS_PER_REQUEST, status["requests"]
+        assert status["adapters"][0]["keys_stored"] == requests * CHUNKS_PER_REQUEST
         assert status["failures"] == {}
     finally:
         stop(server)
