@@ -92,11 +92,14 @@ def test_a_killed_servers_segment_removed_at_start_is_counted_and_named(
         stop_cleanly(server)
 
 
-def test_a_start_that_removed_nothing_says_none_in_the_status_table(tmp_path: Path, shm_dir: Path) -> None:
+def test_a_start_that_removed_and_kept_nothing_says_none_in_the_status_table(
+    tmp_path: Path, shm_dir: Path
+) -> None:
     server = start_server(tmp_path / "clean", l1_shm_dir=str(shm_dir), **SMALL_L1)
     try:
-        row = _status_table_row(server, "L1 stale segments removed")
-        assert row.split("L1 stale segments removed")[1].strip(" │|") == "none", row
+        for label in ("L1 stale segments removed", "L1 stale segments kept"):
+            row = _status_table_row(server, label)
+            assert row.split(label)[1].strip(" │|") == "none", row
     finally:
         stop_cleanly(server)
 
