@@ -13,10 +13,10 @@ from __future__ import annotations
 import functools
 import logging
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from lmcache_tiers.close_steps import logged_close_failure
 from lmcache_tiers.config import AdapterSpec, ServerConfig
 from lmcache_tiers.controllers import (
     AdapterSlot,
@@ -294,14 +294,8 @@ class _CloseSteps:
         try:
             return step()
         except Exception as exc:
-            # The traceback as text, not the exception: a handler that keeps records would
-            # keep its frames, which may hold views into L1.
-            logger.error(
-                "%s failed; the close goes on with its other steps:\n%s",
-                what,
-                "".join(traceback.format_exception(exc)).rstrip(),
-            )
-            self.failed.append(f"{what} failed: {type(exc).__name__}: {exc}")
+            going_on = "the close goes on with its other steps"
+            self.failed.append(logged_close_failure(logger, what, exc, going_on))
             return None
 
     def raise_failures(self) -> None:

@@ -30,7 +30,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
 from types import FrameType
@@ -41,6 +40,7 @@ from rich.markup import escape
 
 from lmcache_tiers import __version__
 from lmcache_tiers.burst import BurstLog
+from lmcache_tiers.close_steps import logged_close_failure
 from lmcache_tiers.config import ServerConfig, default_frontends, redact_url_secrets
 from lmcache_tiers.endpoints import is_loopback
 from lmcache_tiers.errors import ConfigError, SettingRefused, TiersError
@@ -525,10 +525,7 @@ class TiersServer:
 
 def _release_step(what: str, step: Callable[[], None]) -> str | None:
     """Run one step of a close; a raise is logged with its traceback and returned as text
-    (``what failed: Type: message``), so that the steps after it still run.
-
-    The traceback is logged as text, not as the exception: a handler that keeps records
-    would keep the exception's frames, which may hold views into L1."""
+    (``what failed: Type: message``), so that the steps after it still run."""
     try:
         step()
     except Exception as exc:
@@ -538,12 +535,7 @@ def _release_step(what: str, step: Callable[[], None]) -> str | None:
 
 def _logged_failure(what: str, exc: Exception) -> str:
     """Log a failed step of a close with its traceback (as text); what failed, as text."""
-    logger.error(
-        "%s failed; the other resources are released regardless:\n%s",
-        what,
-        "".join(traceback.format_exception(exc)).rstrip(),
-    )
-    return f"{what} failed: {type(exc).__name__}: {exc}"
+    return logged_close_failure(logger, what, exc, "the other resources are released regardless")
 
 
 def _with_default_frontends(config: ServerConfig, registry: ComponentRegistry) -> ServerConfig:
