@@ -142,3 +142,31 @@ def test_long_random_sequences_keep_every_live_key_in_exactly_one_queue() -> Non
             assert not set(policy._ghosts) & live
         walk = list(policy.victims())
         assert len(walk) == len(set(walk)) and set(walk) == live
+
+
+def test_a_main_queue_whose_keys_all_have_reads_left_gives_a_victim_in_bounded_steps() -> None:
+    # CLOCK's worst case: every key of `main` has max_frequency reads left, so finding one
+    # victim used to put every key back max_frequency times (3n queue steps under the L1
+    # lock).  A walk now puts back at most MAIN_PASSES_PER_WALK keys, then offers the head.
+    from lmcache_plugin_eviction_s3fifo.policy import MAIN_PASSES_PER_WALK
+
+    count = 3 * MAIN_PASSES_PER_WALK
+    policy = S3FIFOEvictionPolicy()
+    small, main = _PopCountingQueue(), _PopCountingQueue()
+    policy._small, policy._main = small, main
+    keys = make_keys(count)
+    for key in keys:
+        policy.on_keys_written([key])
+    for _ in range(1 + policy.config.max_frequency):  # the first read promotes to `main`
+        policy.on_keys_read(keys)
+    most = policy.config.max_frequency
+    assert len(main) > 0.8 * count and all(policy._frequency[key] == most for key in main)
+    small_before, small.popped, main.popped = len(small), 0, 0
+    walk = iter(policy.victims())
+    victim = next(walk)
+    assert main.popped <= MAIN_PASSES_PER_WALK + 1
+    assert small.popped <= small_before
+    # The rest of the walk still offers every live key exactly once.
+    rest = list(walk)
+    offered = [victim, *rest]
+    assert len(offered) == len(set(offered)) == count

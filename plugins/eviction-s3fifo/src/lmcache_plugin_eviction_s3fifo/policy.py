@@ -5,7 +5,10 @@ became present, ``main`` for keys that proved useful, and ``ghosts``, a queue of
 recently evicted from ``small``.  Eviction takes from ``small`` while it holds at least its
 share of the live keys: a key read since it entered moves to ``main``, any other key is a
 victim (and becomes a ghost).  From ``main`` a key with reads left is put back at the head
-with one read less; the others are victims.  A written key remembered as a ghost enters
+with one read less; the others are victims.  One walk puts back at most
+``MAIN_PASSES_PER_WALK`` keys, then offers the oldest key of ``main`` whatever its reads
+(CLOCK's worst case, every key with reads left, would otherwise cost up to
+``max_frequency`` passes over all of ``main`` for one victim).  A written key remembered as a ghost enters
 ``main`` directly.  Reads only count, so a LOOKUP costs one dict update per key.
 
 ``small`` is kept at its share as keys are written, not only when room is needed: the
@@ -35,6 +38,15 @@ from lmcache_plugin_eviction_s3fifo import S3FIFOConfig
 from lmcache_tiers.plugin import ObjectKey
 
 _Queue = Literal["small", "main"]
+
+#: keys of ``main`` one walk of ``victims()`` may put back for their reads.  Unbounded, a
+#: ``main`` whose keys all have reads left is walked until every count is spent (up to
+#: ``max_frequency`` passes over all of it, under the L1 lock) before the first victim; past
+#: this many, the oldest key of ``main`` is offered whatever its count.  The queue's order is
+#: kept between walks, so the next walk goes on where this one stopped.  A walk must not
+#: end early instead: core takes a walk that ends for "nothing else to evict", failing the
+#: write that needed room or evicting objects not yet stored in L2.
+MAIN_PASSES_PER_WALK = 4096
 
 
 class S3FIFOEvictionPolicy:
@@ -130,6 +142,7 @@ class S3FIFOEvictionPolicy:
             if key in offered:
                 yield key
         small, due, main, frequency = self._small, self._due, self._main, self._frequency
+        passes_left = MAIN_PASSES_PER_WALK
         while small or due or main:
             live = len(frequency)
             in_small = len(due) + len(small)
@@ -147,7 +160,8 @@ class S3FIFOEvictionPolicy:
                 offered[key] = "small"
             else:
                 key, _ = main.popitem(last=False)
-                if frequency[key] > 0:
+                if frequency[key] > 0 and passes_left > 0:
+                    passes_left -= 1
                     frequency[key] -= 1
                     main[key] = None
                     continue
