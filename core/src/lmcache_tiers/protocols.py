@@ -90,7 +90,8 @@ class L2Backend(Protocol):
     * ``open()`` -- runs once before any other call;
     * ``close()`` -- runs once when the adapter closes, after the calls still running
       finished (or ``close_timeout_s`` passed); waited for at most
-      ``close_backend_timeout_s``, then left running (``backend_close_timeouts``);
+      ``close_backend_timeout_s``, then left running (``backend_close_timeouts``) and
+      the adapter's close fails (``BackendCloseTimedOut``), as when it raises;
     * ``interrupt()`` -- called once when closing starts, to unblock calls in progress
       (a remote peer that stopped answering); sleeps through ``context.sleep`` end anyway;
     * ``stats() -> Mapping[str, int]`` -- gauges merged into the adapter's ``stats()``;

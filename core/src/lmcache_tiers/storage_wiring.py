@@ -239,8 +239,9 @@ class StorageParts:
         try:
             adapter.close()
         except BackendCloseFailed:
-            # Its backend left its close undone (a last checkpoint): counted among the
-            # failures too, as a metrics scrape or the stop's summary reads them.
+            # Its backend left its close undone (a last checkpoint), by raising or by not
+            # returning in time (BackendCloseTimedOut): counted among the failures too, as
+            # a metrics scrape or the stop's summary reads them.
             self.stats.fail("l2_backend_close_failed")
             raise
 

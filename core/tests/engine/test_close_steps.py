@@ -6,6 +6,7 @@ what failed, each failure logged once with its traceback."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 from engine_support import GatedStorePolicy, MiB, keys_of, mock, store
@@ -96,4 +97,33 @@ def test_a_backend_whose_close_raises_fails_the_close_and_is_counted(engine, mon
     logged = [record for record in caplog.records if "Input/output error" in record.getMessage()]
     assert len(logged) == 1, "logged once, by the close's step, with the backend's traceback"
     assert "closing the backend failed" in logged[0].getMessage()
+    assert other.closed and storage.l1.closed
+
+
+def test_a_backend_whose_close_does_not_return_fails_the_close_and_is_counted(
+    engine, monkeypatch, caplog
+) -> None:
+    # A close left running past its budget (removing files on a hung mount, a last flush
+    # to a peer that stopped answering) may have left as much undone as one that raised:
+    # the stop fails the same way, naming the adapter and the budget, not exit 0.
+    storage = engine([mock(), mock()])
+    hung, other = storage.adapters
+    gate = threading.Event()
+    monkeypatch.setattr(hung.backend, "close", lambda: gate.wait(60), raising=False)
+    monkeypatch.setattr(hung, "close_backend_timeout_s", 0.2)
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger="lmcache_tiers"),
+            pytest.raises(StorageCloseFailed) as failed,
+        ):
+            storage.close(drain_timeout_s=0.0)
+    finally:
+        gate.set()
+
+    assert f"closing L2 adapter {hung.name} failed" in str(failed.value)
+    assert "close did not return in 0.2 s" in str(failed.value)
+    assert hung.stats()["backend_close_timeouts"] == 1
+    assert hung.stats().get("backend_close_failures", 0) == 0, "a timeout, not a raise"
+    assert storage.failures().get("l2_backend_close_failed") == 1
+    assert "close of the backend did not return" in caplog.text
     assert other.closed and storage.l1.closed

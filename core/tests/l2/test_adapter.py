@@ -18,7 +18,7 @@ from lmcache_tiers.config import L2AdapterConfig
 from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, BackendContext, L2Op, ObjectSize
-from lmcache_tiers.l2.adapter import BackendCloseFailed
+from lmcache_tiers.l2.adapter import BackendCloseFailed, BackendCloseTimedOut
 from lmcache_tiers.l2.record import decode_record
 from lmcache_tiers.plugins import PluginSet
 from lmcache_tiers.registry import KindRegistry
@@ -648,9 +648,13 @@ def test_a_backend_close_that_hangs_does_not_hang_the_adapters_close(
     adapter.close_backend_timeout_s = 0.2  # type: ignore[misc]
     hung: HungClose = adapter.backend  # type: ignore[assignment]
     closed = threading.Event()
+    raised: list[BaseException] = []
 
     def close() -> None:
-        adapter.close()
+        try:
+            adapter.close()
+        except BaseException as exc:
+            raised.append(exc)
         closed.set()
 
     closer = threading.Thread(target=close, daemon=True)
@@ -659,6 +663,9 @@ def test_a_backend_close_that_hangs_does_not_hang_the_adapters_close(
         assert hung.entered.wait(10)
         closer.join(10)
         assert closed.is_set(), "the adapter's close waited for a backend close that hangs"
+        # It returns, but as a failed close: what the backend left undone may matter.
+        assert [type(exc) for exc in raised] == [BackendCloseTimedOut]
+        assert "did not return in 0.2 s" in str(raised[0])
         assert adapter.stats()["backend_close_timeouts"] == 1
         assert "close of the backend did not return" in caplog.text
     finally:

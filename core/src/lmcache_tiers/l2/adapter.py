@@ -35,7 +35,7 @@ DEFAULT_ASYNC_CONCURRENCY = 64
 #: keys fetched per cross-thread round trip by ``iter_keys``
 _ITER_BATCH = 1024
 
-__all__ = ["BackendAdapter", "BackendCloseFailed", "ObjectSize"]
+__all__ = ["BackendAdapter", "BackendCloseFailed", "BackendCloseTimedOut", "ObjectSize"]
 
 
 class BackendCloseFailed(TiersError):
@@ -43,6 +43,13 @@ class BackendCloseFailed(TiersError):
     its cause, for the caller to log).  What it left undone -- a last checkpoint, commit words of objects
     deleted meanwhile -- may bring deleted objects back at the next start, so the close
     fails rather than passing for a clean one."""
+
+
+class BackendCloseTimedOut(BackendCloseFailed):
+    """The backend's own ``close`` did not return within ``close_backend_timeout_s`` and was
+    left running (counted ``backend_close_timeouts``, logged by the runner).  It may not
+    have flushed, checkpointed or released what it holds, as one that raised: the close
+    fails the same way."""
 
 
 def capacity_of(value: Any) -> Capacity | None:
@@ -337,6 +344,8 @@ class BackendAdapter(L2Adapter):
         # A budget of its own: calls stuck until the deadline above must not leave the
         # backend no time to close (flush, remove its files, release its directory).
         failure = self._close_backend(time.monotonic() + self.close_backend_timeout_s, log_failure=False)
+        if isinstance(failure, BackendCloseTimedOut):
+            raise failure
         if failure is not None:
             # Logged once, by whoever meets the error (the storage's close step logs it
             # with the chained traceback).
@@ -346,10 +355,16 @@ class BackendAdapter(L2Adapter):
 
     def _close_backend(self, deadline: float, *, log_failure: bool = True) -> Exception | None:
         """Close the backend; what its close raised (counted, and logged if
-        ``log_failure``), or None."""
+        ``log_failure``), a :class:`BackendCloseTimedOut` if it did not return by
+        ``deadline`` (counted and logged by the runner), or None."""
         failure: Exception | None = None
+        budget = max(0.0, deadline - time.monotonic())
         try:
-            self.runner.close_backend(deadline)
+            if not self.runner.close_backend(deadline):
+                failure = BackendCloseTimedOut(
+                    f"{self.name}: the backend's close did not return in {budget:.1f} s "
+                    "(close_backend_timeout_s); left running, what it had left to do may stay undone"
+                )
         except Exception as exc:
             failure = exc
             self.state.count("backend_close_failures")

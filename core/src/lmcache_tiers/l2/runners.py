@@ -83,8 +83,9 @@ class Runner(ABC):
         """Fail queued tasks, unblock and wait for running calls until ``deadline``."""
 
     @abstractmethod
-    def close_backend(self, deadline: float) -> None:
-        """Run the backend's ``close`` (once) and end the runner's threads."""
+    def close_backend(self, deadline: float) -> bool:
+        """Run the backend's ``close`` (once) and end the runner's threads; False if the
+        close did not return by ``deadline`` and was left running (counted and logged)."""
 
     def _crashed(self, task_id: int) -> None:
         """A task's op raised (a bug): logged with its traceback, and the task failed, so
@@ -95,7 +96,8 @@ class Runner(ABC):
     def _close_abandoned(self, waited_s: float) -> None:
         """The backend's close did not return by its deadline: counted, logged, and left
         running on its own (a daemon thread, or a task cancelled with the loop) so that a
-        hung mount or peer cannot hold the server's stop for ever."""
+        hung mount or peer cannot hold the server's stop for ever.  The adapter's close
+        then fails (``BackendCloseTimedOut``): what was left undone may matter."""
         self.state.count("backend_close_timeouts")
         log.warning(
             "%s: close of the backend did not return in %.1f s (storage not answering?); going on "
@@ -196,12 +198,12 @@ class ThreadRunner(Runner):
         if stuck:
             log.warning("%s: backend calls still running at the close deadline: %s", self.state.name, stuck)
 
-    def close_backend(self, deadline: float) -> None:
+    def close_backend(self, deadline: float) -> bool:
         """The backend's ``close`` on a thread of its own, waited for until ``deadline``:
         one stuck in storage (removing files on a hung mount) is left behind."""
         closer = optional_method(self.backend, "close")
         if closer is None:
-            return
+            return True
         failure: list[BaseException] = []
 
         def close() -> None:
@@ -216,8 +218,10 @@ class ThreadRunner(Runner):
         thread.join(max(0.0, deadline - started))
         if thread.is_alive():
             self._close_abandoned(time.monotonic() - started)
-        elif failure:
+            return False
+        if failure:
             raise failure[0]
+        return True
 
     def threads(self) -> list[threading.Thread]:
         return list(self._threads)
@@ -498,8 +502,9 @@ class LoopRunner(Runner):
         for future in running:
             future.cancel()
 
-    def close_backend(self, deadline: float) -> None:
+    def close_backend(self, deadline: float) -> bool:
         closer = optional_method(self.backend, "close")
+        returned = True
 
         async def close() -> None:
             if closer is not None:
@@ -516,6 +521,7 @@ class LoopRunner(Runner):
                 except concurrent.futures.TimeoutError:
                     future.cancel()
                     self._close_abandoned(waited)
+                    returned = False
             else:
                 asyncio.run(close())
         finally:
@@ -524,3 +530,4 @@ class LoopRunner(Runner):
                 self._thread.join(max(0.1, deadline - time.monotonic()))
             elif not self._loop.is_closed():
                 self._loop.close()
+        return returned
