@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -97,6 +98,20 @@ def partly_failed(state: AdapterState, method: str, exc: PartialFailure, expecte
         return None
 
 
+def raised_by_the_backend(exc: BaseException) -> bool:
+    """Whether ``exc``, no ``Exception``, escaped a backend call as the plugin's own failure.
+
+    KeyboardInterrupt and SystemExit come from a signal or ``sys.exit`` only on the main
+    thread; backend calls run on the adapter's worker threads and event loop, where they
+    can only be raised by the plugin (as can a BaseException subclass of its own).  Let
+    through, one would kill a worker or the adapter's event loop -- every later call of
+    the adapter left waiting -- so it fails the call like any backend error.  On the main
+    thread it may be the operator's Ctrl-C and goes on up."""
+    if isinstance(exc, asyncio.CancelledError):
+        return False
+    return threading.current_thread() is not threading.main_thread()
+
+
 def call(
     state: AdapterState, backend: object, method: str, keys: list[ObjectKey], *args: Sequence[memoryview]
 ) -> list[Any] | None:
@@ -113,6 +128,11 @@ def call(
     except (Exception, asyncio.CancelledError) as exc:
         # A plain method running coroutines of its own may raise CancelledError (no
         # Exception): nothing here cancels it, so it is the backend's failure.
+        state.backend_failed(method, exc)
+        return None
+    except BaseException as exc:
+        if not raised_by_the_backend(exc):
+            raise
         state.backend_failed(method, exc)
         return None
 
@@ -149,5 +169,10 @@ async def call_async(
         if cancelled_from_outside(state.closing.is_set()):
             raise  # close cancels the task: the runner undoes what it holds
         # The backend's own (nobody cancelled this task): a failed call, as in ``call``.
+        state.backend_failed(method, exc)
+        return None
+    except BaseException as exc:
+        if not raised_by_the_backend(exc):
+            raise
         state.backend_failed(method, exc)
         return None

@@ -1,0 +1,116 @@
+"""A backend that raises what is no ``Exception`` -- KeyboardInterrupt, SystemExit, a
+BaseException of its own -- from a batch call: a bug of the plugin's, never a signal (a
+signal is raised on the main thread only, and backend calls run on the adapter's worker
+threads and event loop).  The call fails like any backend failure -- counted as a backend
+error and logged on one line -- and the adapter goes on: no task left pending, no pin
+left held, and an event loop that keeps serving."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from l2_backends import AsyncDictBackend, DictBackend, open_dict
+
+from lmcache_tiers.l2 import BackendAdapter
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.l2 import make_keys
+
+SIZE = 100
+
+
+class PluginAbort(BaseException):
+    """A plugin's own exception that derives from BaseException."""
+
+
+class RaisingSync(DictBackend):
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.raise_in = ""
+        self.error: BaseException = KeyboardInterrupt()
+
+    def _maybe_raise(self, method: str) -> None:
+        if self.raise_in == method:
+            raise self.error
+
+    def put_many(self, keys, payloads):  # type: ignore[no-untyped-def]
+        self._maybe_raise("put_many")
+        return super().put_many(keys, payloads)
+
+    def contains_many(self, keys):  # type: ignore[no-untyped-def]
+        self._maybe_raise("contains_many")
+        return super().contains_many(keys)
+
+    def get_many_into(self, keys, buffers):  # type: ignore[no-untyped-def]
+        self._maybe_raise("get_many_into")
+        return super().get_many_into(keys, buffers)
+
+
+class RaisingAsync(AsyncDictBackend):
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.raise_in = ""
+        self.error: BaseException = KeyboardInterrupt()
+
+    def _maybe_raise(self, method: str) -> None:
+        if self.raise_in == method:
+            raise self.error
+
+    async def put_many(self, keys, payloads):  # type: ignore[no-untyped-def]
+        self._maybe_raise("put_many")
+        return await super().put_many(keys, payloads)
+
+    async def contains_many(self, keys):  # type: ignore[no-untyped-def]
+        self._maybe_raise("contains_many")
+        return await super().contains_many(keys)
+
+    async def get_many_into(self, keys, buffers):  # type: ignore[no-untyped-def]
+        self._maybe_raise("get_many_into")
+        return await super().get_many_into(keys, buffers)
+
+
+ERRORS = [KeyboardInterrupt(), SystemExit(3), PluginAbort("plugin bug")]
+
+
+def _run_once(client: BlockingAdapterClient, adapter: BackendAdapter, method: str) -> None:
+    keys = make_keys(1)
+    if method == "put_many":
+        assert client.store(keys, [memoryview(bytes(SIZE))]) == [False]
+    elif method == "contains_many":
+        assert client.lookup_and_lock(keys).found == [False]
+    else:
+        assert client.load(keys, [memoryview(bytearray(SIZE))]) == [False]
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=lambda error: type(error).__name__)
+@pytest.mark.parametrize("method", ["put_many", "contains_many", "get_many_into"])
+@pytest.mark.parametrize("backend", [RaisingSync, RaisingAsync], ids=["plain", "coroutines"])
+def test_a_base_exception_from_a_batch_call_is_a_counted_backend_failure(
+    adapters: list[BackendAdapter],
+    backend: type[DictBackend],
+    method: str,
+    error: BaseException,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    adapter = open_dict(backend)
+    adapter.close_timeout_s = 0.5
+    adapters.append(adapter)
+    plugin: RaisingSync = adapter.backend  # type: ignore[assignment]
+    keys = make_keys(1)
+    client = BlockingAdapterClient(adapter, timeout=10.0)
+    assert client.store(keys, [memoryview(bytes(SIZE))]) == [True]
+    plugin.raise_in, plugin.error = method, error
+
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l2"):
+        _run_once(client, adapter, method)
+
+    assert adapter.stats()["backend_errors"] == 1
+    assert adapter.stats().get("pending_tasks", 0) == 0
+    assert adapter.pinned_keys() == {}
+    failures = [r.getMessage() for r in caplog.records if f"{method} failed" in r.getMessage()]
+    assert failures == [f"0:t: {method} failed: {type(error).__name__}: {error}"]
+    plugin.raise_in = ""
+    assert client.lookup_and_lock(keys).found == [True], "the adapter goes on serving"
+    buffer = memoryview(bytearray(SIZE))
+    assert client.load(keys, [buffer]) == [True]
+    adapter.unlock(keys)
