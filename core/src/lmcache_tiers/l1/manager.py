@@ -25,7 +25,8 @@ which never leaves a live holder without a lock lasting until its own deadline
 (``lock_deadline``), so however often an object is locked it keeps a count per deadline
 for at most 65 live ones, and a lock is reaped up to a 64th of its TTL late.
 
-One re-entrant lock guards everything, so each batched call is atomic, and listeners
+One re-entrant lock guards everything, so each batched call is atomic (but ``clear``,
+which lets go of it between batches: ``l1/removal.py``), and listeners
 (running inside it) may call back into the manager. Object bytes are copied outside the
 lock (the object's own write or read lock protects its extent), so a slow NVMe transfer
 never stalls other callers. Listeners are notified once per call, after the call's state
@@ -430,9 +431,17 @@ class L1Manager:
         """
         return self._removal.expire_locks(time.monotonic() if now is None else now)
 
-    def clear(self, *, force: bool = False) -> int:
-        """Delete every object (unlocked ones only unless ``force``); returns how many."""
-        return self._removal.clear(force=force)
+    def clear(self, *, force: bool = False, cleared_unstored: list[L1Object] | None = None) -> int:
+        """Delete every object in L1 when the call begins (unlocked ones only unless
+        ``force``; never one being written); returns how many.
+
+        The lock is let go every ``CLEAR_BATCH`` objects, so stores and lookups are served
+        during a long clear: objects stored meanwhile stay (``l1/removal.py``).  Holding
+        :attr:`lock` around the call makes it one step again, and holds everyone up as
+        long.  ``cleared_unstored``, when given, receives the objects removed before their
+        L2 store started (see :meth:`mark_unstored`), acknowledged writes now in no tier.
+        """
+        return self._removal.clear(force=force, cleared_unstored=cleared_unstored)
 
     def generations(self, objs: Sequence[L1Object]) -> list[int]:
         """The generation of each object's extent now (0s for an NVMe L1): a reader that
