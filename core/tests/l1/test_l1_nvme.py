@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes.util
 import errno
+import fcntl
 import gc
 import logging
 import os
@@ -198,6 +199,35 @@ def test_a_live_file_whose_pid_is_not_visible_here_is_left_alone(nvme_dir: Path)
         assert other.exists()
         other.unlink()
     assert block_files(nvme_dir) == []
+
+
+def test_leftover_block_files_removed_or_kept_at_start_up_are_counted(nvme_dir: Path) -> None:
+    # Each leftover holds up to a whole L1 of disk: a log line alone left nothing in
+    # /metrics to show that space taken (kept) or that a server had been killed (removed).
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
+    removed = nvme_dir / f"{FILE_PREFIX}{int(dead.stdout)}_deadbeef{FILE_SUFFIX}"
+    kept = nvme_dir / f"{FILE_PREFIX}{int(dead.stdout)}_0badcafe{FILE_SUFFIX}"
+    for path in (removed, kept):
+        path.write_bytes(b"x")
+    # The creator's lock held: a live server in another pid namespace, as far as can be told.
+    holder = os.open(kept, os.O_RDONLY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_SH)
+        manager = L1Manager(4 * ALIGN, align=ALIGN, nvme_path=str(nvme_dir))
+        try:
+            failures = manager.failures()
+            assert failures["l1_nvme_stale_files_removed"] == 1
+            assert failures["l1_nvme_stale_files_kept"] == 1
+            assert not removed.exists() and kept.exists()
+        finally:
+            manager.close()
+    finally:
+        os.close(holder)
+        kept.unlink()
+    with L1Manager(4 * ALIGN, align=ALIGN, nvme_path=str(nvme_dir)) as manager:
+        assert not {"l1_nvme_stale_files_removed", "l1_nvme_stale_files_kept"} & set(manager.failures())
 
 
 def test_a_killed_predecessor_with_this_process_pid_has_its_file_removed(nvme_dir: Path) -> None:

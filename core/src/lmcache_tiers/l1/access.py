@@ -226,7 +226,8 @@ class ObjectBytes:
 
     def failures(self) -> dict[str, int]:
         """Write-back errors of the NVMe file, copies refused and objects dropped for them
-        (and, of those, the ones not stored in L2 yet: acknowledged writes lost)."""
+        (and, of those, the ones not stored in L2 yet: acknowledged writes lost), and the
+        leftover block files start-up removed or kept."""
         if self._nvme is None:
             return {}
         with self._lock:
@@ -240,6 +241,9 @@ class ObjectBytes:
                 "l1_nvme_write_error": self._write_errors,
                 # once: every write-back question since is an fdatasync
                 "l1_nvme_sync_file_range_refused": int(self._nvme.sync_file_range_refused),
+                # fixed at start-up: leftover block files of other servers in the directory
+                "l1_nvme_stale_files_removed": len(self._nvme.stale_files_removed),
+                "l1_nvme_stale_files_kept": len(self._nvme.stale_files_kept),
             }
         return {reason: count for reason, count in counts.items() if count}
 

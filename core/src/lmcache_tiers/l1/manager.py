@@ -459,7 +459,11 @@ class L1Manager:
         failed, each failing its store or load (``l1_nvme_write_error``); writes skipped behind
         another writer's reservation of their key that then ended uncommitted
         (``l1_skipped_writes_lost``: acknowledged writes in no tier),
-        and loads that gave way to a writer of their key (``l1_load_taken_over_by_write``)."""
+        and loads that gave way to a writer of their key (``l1_load_taken_over_by_write``);
+        fixed at start-up, the leftover block files of other servers in an NVMe L1's
+        directory that it removed (``l1_nvme_stale_files_removed``: their creators were
+        killed) or left in place (``l1_nvme_stale_files_kept``: disk space still taken),
+        each also logged."""
         with self.lock:
             skipped = self._skipped.counts()
         return self._bytes.failures() | skipped

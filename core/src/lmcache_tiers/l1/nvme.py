@@ -166,7 +166,8 @@ class NvmeL1File:
             )
         if not os.path.isdir(directory):
             raise ConfigError(f"--gds-l1-path {directory}: not an existing directory")
-        remove_stale_block_files(directory)
+        kept: list[str] = []
+        removed = remove_stale_block_files(directory, kept)
         path = os.path.join(directory, default_block_file_name())
         fd = _create(path, directory, direct_io)
         try:
@@ -180,6 +181,11 @@ class NvmeL1File:
             raise
         self.path = path
         self.size = size_bytes
+        #: leftover block files of other servers that start-up removed (killed servers'),
+        #: and those it left in place (in use, or not provably not): each logged, and
+        #: counted in the L1's failures
+        self.stale_files_removed = removed
+        self.stale_files_kept = kept
         self.direct_io = direct_io
         self._fd = fd
         self._bounce_pool: list[memoryview] = []
@@ -455,10 +461,14 @@ def _io_path_description(path: str, direct_io: bool) -> str:
     )
 
 
-def remove_stale_block_files(directory: str) -> list[str]:
-    """Remove default-named block files in ``directory`` whose creating process is gone.
+def remove_stale_block_files(directory: str, kept: list[str] | None = None) -> list[str]:
+    """Remove default-named block files in ``directory`` whose creating process is gone;
+    returns their names.
 
     A killed server's file would hold the disk space of a whole L1.  Only names of the form
-    ``lmcache_tiers_l1_<pid>_<hex>.blocks`` are touched.
+    ``lmcache_tiers_l1_<pid>_<hex>.blocks`` are touched.  ``kept``, when given, receives
+    the names of those of creators not seen here that were left in place (a live process
+    this start-up cannot see holds the creator's lock, the lock cannot be checked, the file
+    is not this process's to remove).
     """
-    return remove_files_of_dead_processes(directory, _FILE_NAME, "NVMe L1 file")
+    return remove_files_of_dead_processes(directory, _FILE_NAME, "NVMe L1 file", kept=kept)
