@@ -1717,6 +1717,68 @@ def test_a_cluster_primary_that_does_not_answer_leaves_the_others_checked(
         cluster.stop()
 
 
+def test_a_cluster_primary_that_hung_at_start_up_is_checked_when_it_answers(
+    tmp_path: Path,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A primary that did not answer the start-up check was never checked again: once it
+    # answered, the circuit stayed closed and every store of its share of the keys was
+    # refused object by object.  Its first answer is checked now: the denial is counted,
+    # the adapter's calls refused (the circuit opens and its probe keeps it open) until
+    # the ACL allows the commands.
+    if (reason := missing_reason()) is not None:
+        pytest.skip(reason)
+    cluster = RedisClusterNodes(tmp_path / "cluster").start()
+    try:
+        user = f"limited-{uuid.uuid4().hex[:8]}"
+        denying = cluster.nodes[2]
+        for node in cluster.nodes:
+            rules = ["~*", "+@all", "-hset"] if node is denying else ["~*", "+@all"]
+            node.cli("ACL", "SETUSER", user, "reset", "on", ">limited-pw", *rules)
+        denying.pause()  # hung: the check at open times out on it
+        try:
+            with caplog.at_level(logging.WARNING):
+                adapter = open_adapter(
+                    startup_nodes=cluster.nodes[0].address,
+                    cluster_mode=True,
+                    key_prefix=prefix,
+                    username=user,
+                    password="limited-pw",
+                    request_timeout=0.3,
+                    connection_timeout=0.3,
+                    circuit={"failure_threshold": 1, "probe_interval_s": 0.05},
+                )
+        finally:
+            denying.resume()
+        assert "permissions_denied" not in adapter.stats()
+        keys = make_keys(4)
+
+        def denial_counted() -> bool:
+            # A lookup checks the node (or the circuit's probe does, if start-up opened it).
+            assert client_of(adapter).lookup_and_lock(keys).found == [False] * 4
+            return adapter.stats().get("permissions_denied", 0) > 0
+
+        wait_for(denial_counted, "the check of the primary once it answers")
+        assert any(
+            "HSET" in r.getMessage() and denying.address in r.getMessage()
+            for r in caplog.records
+            if r.levelno == logging.ERROR
+        )
+        wait_for(lambda: adapter.stats()["circuit_open"] == 1, "the circuit to open on the denial")
+        probes = adapter.stats().get("circuit_probe_failures", 0)
+        wait_for(lambda: adapter.stats().get("circuit_probe_failures", 0) > probes, "a probe")
+        assert adapter.stats()["circuit_open"] == 1, "the probe closed the circuit on a denying node"
+        # Allowed at last: the probe's check passes and calls resume.
+        denying.cli("ACL", "SETUSER", user, "+hset")
+        wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close once allowed")
+        data = store(adapter, keys)
+        assert load(adapter, keys, [4096] * 4) == ([True] * 4, data)
+    finally:
+        cluster.stop()
+
+
 def test_a_cluster_primary_that_denies_multi_is_said_to_refuse_the_check(
     redis_cluster: RedisClusterNodes,
     prefix: str,

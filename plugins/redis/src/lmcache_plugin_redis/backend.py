@@ -44,6 +44,7 @@ import functools
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -190,6 +191,16 @@ def _unanswered_check(exc: Exception) -> str:
     return f"{cause} ({type(exc).__name__}: {exc})"
 
 
+#: seconds between two permission checks calls make of primaries not checked yet: one that
+#: does not answer costs the call the check's timeout (the circuit's probe checks each time)
+OWED_CHECK_INTERVAL_S = 1.0
+
+
+class PermissionsDenied(RuntimeError):
+    """A primary first checked after start-up denies the user a command the adapter sends:
+    the adapter's calls fail (the circuit breaker opens) until a probe finds it allowed."""
+
+
 #: how many probe names a cluster's permission check tries to find one per primary: a
 #: name's slot is spread evenly, so a few dozen cover any real cluster's primaries
 _PROBE_NAME_TRIES = 1 << 16
@@ -262,6 +273,15 @@ class RedisBackend:
         #: keys a delete found holding something else (counted): not counted again by the
         #: lookup core makes right after the delete (``KeptByDelete`` does so for records)
         self._foreign_by_delete: set[ObjectKey] = set()
+        # The permission check of start-up reaches only the nodes that answer then; the
+        # others are checked when they first answer (``_check_owed_permissions``).
+        self._permission_lock = threading.Lock()
+        #: primaries (by node name; the target for a single store) that gave a verdict
+        self._checked_nodes: set[str] = set()
+        self._permissions_owed = True
+        self._next_owed_check = 0.0
+        #: the denial the last check found, refusing every call until a probe clears it
+        self._denied: str | None = None
         if not config.cluster_mode:
             self._connect()
 
@@ -454,10 +474,7 @@ class RedisBackend:
         as it queues them, and runs none -- on a name under the prefix never written.
         A cluster is checked on every primary: each node keeps its own ACL, and each
         serves its share of the keys."""
-        if isinstance(client, Redis):
-            denied, unchecked = permission_refusals(client, self.prefix + PERMISSION_PROBE)
-        else:
-            denied, unchecked = self._cluster_permission_refusals(client)
+        denied, unchecked = self._unchecked_permission_refusals(client)
         if unchecked:
             # A replica, a loading or full store refuses writes for everybody; it heals
             # (the circuit sees its refusals), so it is no reason not to start.
@@ -473,28 +490,95 @@ class RedisBackend:
                 f"and UNLINK on keys {self.prefix!r}*"
             )
 
-    def _cluster_permission_refusals(self, client: RedisCluster) -> tuple[list[str], list[str]]:
-        """``permission_refusals`` of every primary, each on a probe name of a slot that
-        primary serves (one of another slot would be answered MOVED, checking nothing),
-        each refusal prefixed with the node's address.  A primary that does not answer
-        is named unchecked and the others are still checked: a denial found on a live
-        primary refuses the start whatever another node does."""
+    def _unchecked_permission_refusals(self, client: Redis | RedisCluster) -> tuple[list[str], list[str]]:
+        """``permission_refusals`` of the store, or of each cluster primary not checked
+        yet; a node that gave a verdict, and no denial, is remembered as checked, and
+        ``_permissions_owed`` says whether any is left.  A single store that does not
+        answer raises."""
+        with self._permission_lock:
+            if isinstance(client, Redis):
+                primaries = {self.target}
+                try:
+                    denied, unchecked = permission_refusals(client, self.prefix + PERMISSION_PROBE)
+                except ResponseError:  # it answered, refusing the check itself: asking again gets the same
+                    self._checked_nodes |= primaries
+                    self._permissions_owed = False
+                    raise
+                allowed = set() if denied else primaries
+            else:
+                denied, unchecked, allowed = self._cluster_permission_refusals(client)
+                primaries = {node.name for node in client.get_primaries()}
+            self._checked_nodes |= allowed
+            self._permissions_owed = not primaries <= self._checked_nodes
+            return denied, unchecked
+
+    def _cluster_permission_refusals(self, client: RedisCluster) -> tuple[list[str], list[str], set[str]]:
+        """``permission_refusals`` of every primary not checked yet, each on a probe name
+        of a slot that primary serves (one of another slot would be answered MOVED,
+        checking nothing), each refusal prefixed with the node's address, and the names of
+        the nodes that answered and denied nothing.  A primary that does not answer is
+        named unchecked and the others are still checked: a denial found on a live primary
+        refuses the start whatever another node does."""
         denied: list[str] = []
         unchecked: list[str] = []
+        allowed: set[str] = set()
         probes = cluster_probe_names(client, self.prefix + PERMISSION_PROBE)
         for node in client.get_primaries():
+            if node.name in self._checked_nodes:
+                continue
             name = probes.get(node.name)
             if name is None:  # holds none of the keys: nothing to refuse, said in the warning
                 unchecked.append(f"{node.name}: serves no slot")
+                allowed.add(node.name)
                 continue
             try:
                 node_denied, node_unchecked = permission_refusals(client.get_redis_connection(node), name)
             except (RedisError, RedisClusterException) as exc:  # down, hung or refusing: it heals like any
                 unchecked.append(f"{node.name}: {_unanswered_check(exc)}")
+                if isinstance(exc, ResponseError):  # it answered: asking again gets the same
+                    allowed.add(node.name)
                 continue
+            if not node_denied:
+                allowed.add(node.name)
             denied += [f"{node.name} {refusal}" for refusal in node_denied]
             unchecked += [f"{node.name} {refusal}" for refusal in node_unchecked]
-        return denied, unchecked
+        return denied, unchecked, allowed
+
+    def _refuse_calls_while_denied(self) -> None:
+        """Before each call: check the primaries start-up could not, or that denied (at
+        most once per ``OWED_CHECK_INTERVAL_S``, so a node still down does not cost every
+        call the check's timeout), and refuse the call while the last check found a
+        denial -- with the circuit breaker off too, and until the ACL is fixed."""
+        if not self._permissions_owed:
+            return
+        if time.monotonic() >= self._next_owed_check:
+            self._next_owed_check = time.monotonic() + OWED_CHECK_INTERVAL_S
+            self._check_owed_permissions()
+        if self._denied is not None:
+            self.context.count("calls_refused_for_permissions")
+            raise PermissionsDenied(self._denied)
+
+    def _check_owed_permissions(self) -> None:
+        """Check the primaries that gave no verdict yet; a denial is counted
+        (``permissions_denied``), logged, and refuses every call until a check (the
+        circuit's probe) finds the node allowed."""
+        try:
+            denied, _ = self._unchecked_permission_refusals(self.client)
+        except (RedisError, RedisClusterException) as exc:  # not answering yet: still owed
+            log.debug("%s: permission check not answered yet (%s)", self.context.name, exc)
+            return
+        if denied:
+            self._denied = (
+                f"{self.context.name}: the Redis user may not run what the adapter needs "
+                f"({'; '.join(denied)}): grant it HSET, HGET, HMGET, SCAN, EVALSHA, EVAL "
+                f"and UNLINK on keys {self.prefix!r}*"
+            )
+            self.context.count("permissions_denied")
+            log.error("%s; its calls are refused until a probe finds it allowed", self._denied)
+            return
+        if self._denied is not None:
+            log.info("%s: the Redis user is now allowed what the adapter needs", self.context.name)
+        self._denied = None
 
     def ping(self) -> None:
         client = self.client
@@ -504,6 +588,12 @@ class RedisBackend:
             client.ping(target_nodes=RedisCluster.PRIMARIES)
         else:
             client.ping()
+        # Primaries answering for the first time since start-up are checked now: the
+        # circuit must not close on a node whose ACL denies the adapter's commands.
+        if self._permissions_owed:
+            self._check_owed_permissions()
+            if self._denied is not None:
+                raise PermissionsDenied(self._denied)
 
     def interrupt(self) -> None:
         # Closing sockets ends calls waiting on a store that stopped answering.
@@ -529,6 +619,7 @@ class RedisBackend:
     # -- the batch methods ----------------------------------------------------------------------
 
     def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        self._refuse_calls_while_denied()
         stored = [False] * len(keys)
         failure: Exception | None = None
         for number, trip in enumerate(trips([p.nbytes for p in payloads], self.config.pipeline_max_bytes)):
@@ -551,6 +642,7 @@ class RedisBackend:
         return self._partly_done("store", stored, failure)
 
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[ObjectSize | None]:
+        self._refuse_calls_while_denied()
         found: list[ObjectSize | None] = [None] * len(keys)
         for trip in trips([0] * len(keys), 1):
             names = [self.name_of(keys[index]) for index in trip]
@@ -573,6 +665,7 @@ class RedisBackend:
         return [reader.bulk_reply() for _ in names]
 
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
+        self._refuse_calls_while_denied()
         if self._direct is None:
             return self._load_pipelined(keys, buffers)
         return self._load_direct(self._direct, keys, buffers)
@@ -698,6 +791,7 @@ class RedisBackend:
         and only if it is still the record read (a script compares its header): another
         key's intact record and a newer format's -- another writer replaced the object
         under this key's name -- are kept (``KeptByDelete``), as lookups keep them."""
+        self._refuse_calls_while_denied()
         deleted = [False] * len(keys)
         failure: Exception | None = None
         for number, trip in enumerate(trips([0] * len(keys), 1)):
@@ -811,6 +905,7 @@ class RedisBackend:
         return pipe
 
     def list_keys(self) -> Iterator[tuple[ObjectKey, ObjectSize]]:
+        self._refuse_calls_while_denied()
         pattern = glob_escape(self.prefix) + "*"
         batch: list[tuple[ObjectKey, bytes]] = []
         foreign = 0
