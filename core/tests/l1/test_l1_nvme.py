@@ -118,7 +118,22 @@ def test_a_write_the_file_does_not_take_is_an_error_not_a_hang(
     monkeypatch.undo()  # lets a hung writer finish, and close() with it
     writer.join()
     assert not hung, "a write that makes no progress retried forever"
-    assert len(errors) == 1 and isinstance(errors[0], TiersError)
+    assert len(errors) == 1 and isinstance(errors[0], OSError) and errors[0].errno == errno.EIO
+
+
+def test_a_write_the_file_does_not_take_fails_its_writer_and_is_counted(
+    nvme_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An OSError like any failed write: the L1 counts and logs it (a TiersError went by
+    # uncounted, a failing disk showing only as its callers' errors).
+    with L1Manager(4 * ALIGN, align=ALIGN, nvme_path=str(nvme_dir)) as l1:
+        obj = l1.reserve_write([ObjectKey("m", 0, b"k")], [ALIGN])[ObjectKey("m", 0, b"k")]
+        monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: 0)
+        with pytest.raises(OSError):
+            l1.write_object(obj, memoryview(pattern(ALIGN, 1)))
+        monkeypatch.undo()
+        assert l1.failures()["l1_nvme_write_error"] == 1
+        l1.abort_write([obj.key])
 
 
 def test_file_is_preallocated_and_removed_on_close(nvme_dir: Path) -> None:

@@ -127,3 +127,24 @@ def test_a_read_locked_object_dropped_for_a_read_error_is_not_a_forced_delete(
         assert l1.lease_stats().reclaimed_released == 1
     finally:
         l1.close()
+
+
+def test_an_object_past_the_end_of_a_truncated_file_is_a_miss_and_leaves_l1(nvme_dir: Path) -> None:
+    # The block file cut short under the server (an operator's truncate, a filesystem
+    # repair): a read of it ends early.  That is a read error like EIO -- a miss, the
+    # object dropped and counted -- not an exception that leaves the object in L1 for every
+    # lookup to hit and every read to fail on.
+    l1 = L1Manager(16 * MIB, nvme_path=str(nvme_dir))
+    try:
+        _store(l1, _key(1), DIRECT_IO_ALIGN)
+        path = l1.nvme_file_path
+        assert path is not None
+        os.truncate(path, 0)
+        obj = l1.reserve_read([_key(1)])[_key(1)]
+        with pytest.raises(KeyError):
+            l1.read_object(obj, memoryview(bytearray(DIRECT_IO_ALIGN)))
+        l1.finish_read([_key(1)])
+        assert not l1.contains(_key(1))
+        assert l1.failures()["l1_nvme_read_error"] == 1
+    finally:
+        l1.close()

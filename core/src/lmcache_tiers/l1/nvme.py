@@ -329,7 +329,9 @@ class NvmeL1File:
         while done < buffer.nbytes:
             count = os.preadv(self._fd, [buffer[done:]], offset + done)
             if count == 0:
-                raise TiersError(f"NVMe L1 file {self.path} ends at byte {offset + done}: was it truncated?")
+                # An OSError, as EIO would be: the L1 takes the object out and answers a
+                # miss (counted), where another exception left it in for every read to fail.
+                raise OSError(errno.EIO, f"the file ends at byte {offset + done}: was it truncated?")
             done += count
 
     def _pwrite_all(self, buffer: memoryview, offset: int) -> None:
@@ -338,8 +340,9 @@ class NvmeL1File:
             count = os.pwrite(self._fd, buffer[done:], offset + done)
             if count == 0:
                 # A write that takes no bytes would otherwise be retried forever, and
-                # close() waits for every transfer.
-                raise TiersError(f"NVMe L1 file {self.path} took no bytes at byte {offset + done}")
+                # close() waits for every transfer.  An OSError, as ENOSPC would be: the
+                # writer's store fails and the L1 counts it as a write error.
+                raise OSError(errno.EIO, f"the file took no bytes at byte {offset + done}")
             done += count
 
     @contextmanager
