@@ -5,6 +5,11 @@ Each carries a message an operator can act on; the CLI prints it as one line.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
+
 
 class TiersError(Exception):
     """Base class of every error lmcache-tiers raises on purpose."""
@@ -72,3 +77,40 @@ class PartialFailure(TiersError):
     def __init__(self, results: object, reason: str) -> None:
         super().__init__(reason)
         self.results = results
+
+
+class PluginBaseException(Exception):
+    """A KeyboardInterrupt, SystemExit or other ``BaseException`` (not an ``Exception``)
+    that plugin code raised off the main thread, carried as an ``Exception`` so that core's
+    handlers of a plugin's failures count and log it like any other (see
+    :func:`plugin_code`).  ``original`` is what the plugin raised."""
+
+    def __init__(self, original: BaseException) -> None:
+        self.original = original
+        super().__init__(f"{type(original).__name__}: {original}")
+
+
+def raised_by_a_plugin(exc: BaseException) -> bool:
+    """Whether ``exc``, no ``Exception``, escaped plugin code as the plugin's own failure.
+
+    KeyboardInterrupt and SystemExit come from a signal or ``sys.exit`` only on the main
+    thread; plugin code also runs on core's worker threads, event loops and controller
+    threads, where they (or a BaseException subclass of the plugin's) can only be the
+    plugin's.  Let through, one would end that thread -- every later call it serves left
+    waiting -- so it is the plugin's failure instead.  On the main thread it may be the
+    operator's Ctrl-C and goes on up; a ``CancelledError`` is asyncio's and goes on too."""
+    if isinstance(exc, (Exception, asyncio.CancelledError)):
+        return False
+    return threading.current_thread() is not threading.main_thread()
+
+
+@contextlib.contextmanager
+def plugin_code() -> Iterator[None]:
+    """Run plugin code (a policy's call) so that whatever :func:`raised_by_a_plugin`
+    surfaces as a :class:`PluginBaseException`, for the caller's ``except Exception``."""
+    try:
+        yield
+    except BaseException as exc:
+        if not raised_by_a_plugin(exc):
+            raise
+        raise PluginBaseException(exc) from exc

@@ -22,6 +22,7 @@ from typing import Generic, TypeVar
 
 from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.controllers.stats import EngineStats
+from lmcache_tiers.errors import plugin_code
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.interface import L2Adapter, L2Op
 from lmcache_tiers.policies import AdapterInfo, EvictionPolicy
@@ -394,7 +395,8 @@ class ControllerThread(ABC):
                     generation = self._requested
                     self._stepping = True
                 try:
-                    self.step({fd for fd, _ in events if fd != waker_fd})
+                    with plugin_code():  # a plugin's SystemExit would end the thread too
+                        self.step({fd for fd, _ in events if fd != waker_fd})
                 except Exception:
                     # A bug or an adapter raising must not kill the thread that releases
                     # everyone's locks; it is logged and counted, and the loop goes on.

@@ -26,6 +26,7 @@ from lmcache_tiers.controllers.base import (
     end_fruitless_walk,
 )
 from lmcache_tiers.controllers.stats import EngineStats
+from lmcache_tiers.errors import plugin_code
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.interface import L2Adapter
 from lmcache_tiers.policies import EvictionPolicy
@@ -494,9 +495,10 @@ class L2EvictionController(ControllerThread):
                     # this cycle refused, evicted ones whose removal was not reported yet,
                     # and keys whose removal the policy failed to take.
                     limit = len(refused) + evicted + batch_size + self.removals_unreported + WALK_SLACK
-                    offered = bounded_walk(self.policy.victims(), limit, self._walk_overran)
-                    victims = (key for key in offered if key not in refused)
-                    batch = list(dict.fromkeys(islice(victims, batch_size)))
+                    with plugin_code():
+                        offered = bounded_walk(self.policy.victims(), limit, self._walk_overran)
+                        victims = (key for key in offered if key not in refused)
+                        batch = list(dict.fromkeys(islice(victims, batch_size)))
                 except Exception:
                     # A broken policy ends the cycle; what it already evicted is counted.
                     self._policy_failed()

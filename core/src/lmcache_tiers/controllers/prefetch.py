@@ -44,6 +44,7 @@ from lmcache_tiers.controllers.prefetch_requests import (
 )
 from lmcache_tiers.controllers.prefetch_results import HeldResult
 from lmcache_tiers.controllers.stats import EngineStats
+from lmcache_tiers.errors import plugin_code
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager
 from lmcache_tiers.l2.interface import L2Op, LookupResult
@@ -342,11 +343,12 @@ class PrefetchController(ControllerThread):
         try:
             # A third-party policy's malformed answer is its failure too (see ``load_plan``),
             # and so is a ``retain_loaded`` it cannot answer.
-            answer = self.policy.select_load_plan(
-                tuple(keys), found, [self.slots[i].info() for i in positions]
-            )
-            plan = load_plan(answer, len(keys))
-            temporary = not self.policy.retain_loaded
+            with plugin_code():
+                answer = self.policy.select_load_plan(
+                    tuple(keys), found, [self.slots[i].info() for i in positions]
+                )
+                plan = load_plan(answer, len(keys))
+                temporary = not self.policy.retain_loaded
         except Exception:
             self.stats.fail("prefetch_policy_error")
             self._policy_log.failed(

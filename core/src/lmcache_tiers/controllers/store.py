@@ -49,6 +49,7 @@ from lmcache_tiers.controllers.store_pacing import (
     slices_of,
     starved,
 )
+from lmcache_tiers.errors import plugin_code
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager, L1Object
 from lmcache_tiers.l2.background import WRITE_BACK, BackgroundThreads
@@ -275,7 +276,8 @@ class StoreController(ControllerThread):
             # A third-party policy's malformed answer (not a mapping, an index that is not an
             # int, keys that cannot be hashed) is its failure too: caught here, not as a
             # failed controller step that would leave the objects waiting for ever.
-            plan = _store_plan(self.policy.select_store_targets(keys, adapter_infos(self.slots)))
+            with plugin_code():
+                plan = _store_plan(self.policy.select_store_targets(keys, adapter_infos(self.slots)))
         except Exception:
             logger.exception("store policy failed on %d keys; they stay in L1 only", len(keys))
             self.stats.fail("store_policy_error")
@@ -505,7 +507,8 @@ class StoreController(ControllerThread):
         if not stored:
             return
         try:
-            doomed = list(dict.fromkeys(self.policy.select_l1_deletions(stored)))
+            with plugin_code():
+                doomed = list(dict.fromkeys(self.policy.select_l1_deletions(stored)))
         except Exception:  # raised, or an answer that is not an iterable of keys
             logger.exception("store policy failed to select L1 deletions")
             self.stats.fail("store_policy_error")

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from lmcache_tiers.errors import PartialFailure
+from lmcache_tiers.errors import PartialFailure, raised_by_a_plugin
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.state import AdapterState
 from lmcache_tiers.protocols import ObjectSize
@@ -98,20 +97,6 @@ def partly_failed(state: AdapterState, method: str, exc: PartialFailure, expecte
         return None
 
 
-def raised_by_the_backend(exc: BaseException) -> bool:
-    """Whether ``exc``, no ``Exception``, escaped a backend call as the plugin's own failure.
-
-    KeyboardInterrupt and SystemExit come from a signal or ``sys.exit`` only on the main
-    thread; backend calls run on the adapter's worker threads and event loop, where they
-    can only be raised by the plugin (as can a BaseException subclass of its own).  Let
-    through, one would kill a worker or the adapter's event loop -- every later call of
-    the adapter left waiting -- so it fails the call like any backend error.  On the main
-    thread it may be the operator's Ctrl-C and goes on up."""
-    if isinstance(exc, asyncio.CancelledError):
-        return False
-    return threading.current_thread() is not threading.main_thread()
-
-
 def call(
     state: AdapterState, backend: object, method: str, keys: list[ObjectKey], *args: Sequence[memoryview]
 ) -> list[Any] | None:
@@ -131,7 +116,7 @@ def call(
         state.backend_failed(method, exc)
         return None
     except BaseException as exc:
-        if not raised_by_the_backend(exc):
+        if not raised_by_a_plugin(exc):
             raise
         state.backend_failed(method, exc)
         return None
@@ -172,7 +157,7 @@ async def call_async(
         state.backend_failed(method, exc)
         return None
     except BaseException as exc:
-        if not raised_by_the_backend(exc):
+        if not raised_by_a_plugin(exc):
             raise
         state.backend_failed(method, exc)
         return None
