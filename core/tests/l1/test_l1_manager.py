@@ -742,6 +742,9 @@ def test_a_failing_listener_does_not_fail_the_call_or_the_others(
         assert l1.finish_write(keys(1)) == [True]
     assert "listener bug" in caplog.text
     assert after.events == [("written", keys(1))]
+    # What the listener missed (a policy not told of a write, a store not queued) is
+    # counted, not only logged.
+    assert l1.failures()["l1_listener_error"] == 1
 
 
 def test_listener_may_call_back_into_the_manager(l1: L1Manager) -> None:

@@ -41,6 +41,8 @@ class L1Listeners:
 
     def __init__(self) -> None:
         self._listeners: list[L1Listener] = []
+        #: notifications a listener raised on (each logged): changes it may not have seen
+        self.errors = 0
 
     def add(self, listener: L1Listener) -> None:
         self._listeners.append(listener)
@@ -65,6 +67,7 @@ class L1Listeners:
             except Exception:
                 # L1 state is already consistent; one faulty listener must not fail the
                 # caller's request or starve the listeners after it.
+                self.errors += 1
                 logger.exception("L1 listener %r failed on %s of %d keys", listener, event, len(keys))
 
 
