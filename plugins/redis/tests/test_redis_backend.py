@@ -1779,6 +1779,33 @@ def test_a_cluster_primary_that_hung_at_start_up_is_checked_when_it_answers(
         cluster.stop()
 
 
+def test_a_store_hung_at_start_up_is_checked_when_it_answers(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # The same for a single store: one not answering at open was never checked at all.
+    own_server.cli("ACL", "SETUSER", "limited", "reset", "on", ">limited-pw", "~*", "+@all", "-unlink")
+    own_server.pause()
+    try:
+        adapter = open_adapter(
+            **quick_failing(own_server, prefix, 1), username="limited", password="limited-pw"
+        )
+    finally:
+        own_server.resume()
+    keys = make_keys(2)
+
+    def denial_counted() -> bool:
+        assert client_of(adapter).lookup_and_lock(keys).found == [False] * 2
+        return adapter.stats().get("permissions_denied", 0) > 0
+
+    wait_for(denial_counted, "the check of the store once it answers")
+    wait_for(lambda: adapter.stats()["circuit_open"] == 1, "the circuit to open on the denial")
+    own_server.cli("ACL", "SETUSER", "limited", "+unlink")
+    wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close once allowed")
+    data = store(adapter, keys)
+    assert load(adapter, keys, [4096] * 2) == ([True] * 2, data)
+    assert adapter.delete(keys) == [True] * 2
+
+
 def test_a_cluster_primary_that_denies_multi_is_said_to_refuse_the_check(
     redis_cluster: RedisClusterNodes,
     prefix: str,
