@@ -1,4 +1,4 @@
-"""A backend that raises what is no ``Exception`` -- KeyboardInterrupt, SystemExit, a
+"""A backend or serde that raises what is no ``Exception`` -- KeyboardInterrupt, SystemExit, a
 BaseException of its own -- from a batch call: a bug of the plugin's, never a signal (a
 signal is raised on the main thread only, and backend calls run on the adapter's worker
 threads and event loop).  The call fails like any backend failure -- counted as a backend
@@ -114,3 +114,66 @@ def test_a_base_exception_from_a_batch_call_is_a_counted_backend_failure(
     buffer = memoryview(bytearray(SIZE))
     assert client.load(keys, [buffer]) == [True]
     adapter.unlock(keys)
+
+
+class RaisingSerde:
+    """A serde that raises ``error`` from the stage named by ``raise_in`` when set."""
+
+    name = "raising"
+
+    def __init__(self) -> None:
+        self.raise_in = ""
+        self.error: BaseException = KeyboardInterrupt()
+
+    def encode(self, data: memoryview, context: object) -> bytes:
+        if self.raise_in == "encode":
+            raise self.error
+        return bytes(data)
+
+    def decode(self, data: memoryview, context: object) -> bytes:
+        if self.raise_in == "decode":
+            raise self.error
+        return bytes(data)
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=lambda error: type(error).__name__)
+@pytest.mark.parametrize("stage", ["encode", "decode"])
+@pytest.mark.parametrize("backend", [DictBackend, AsyncDictBackend], ids=["plain", "coroutines"])
+def test_a_serde_raising_a_base_exception_fails_its_object_counted(
+    adapters: list[BackendAdapter],
+    backend: type[DictBackend],
+    stage: str,
+    error: BaseException,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    serde = RaisingSerde()
+    adapter = open_dict(backend, serde=(serde,))
+    adapter.close_timeout_s = 0.5
+    adapters.append(adapter)
+    keys = make_keys(1)
+    client = BlockingAdapterClient(adapter, timeout=10.0)
+    if stage == "decode":
+        assert client.store(keys, [memoryview(b"s" * SIZE)]) == [True]
+    serde.raise_in, serde.error = stage, error
+
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l2"):
+        if stage == "encode":
+            assert client.store(keys, [memoryview(b"s" * SIZE)]) == [False]
+        else:
+            assert client.lookup_and_lock(keys).found == [True]
+            buffer = memoryview(bytearray(SIZE))
+            assert client.load(keys, [buffer]) == [False]
+            assert bytes(buffer) == bytes(SIZE), "no byte of a failed decode reaches L1"
+            adapter.unlock(keys)
+
+    assert adapter.stats()[f"serde_{stage}_failures"] == 1
+    assert adapter.stats().get("pending_tasks", 0) == 0
+    assert any(f"serde {stage} failed" in record.getMessage() for record in caplog.records)
+    serde.raise_in = ""
+    later = make_keys(2)[1:]
+    assert client.store(later, [memoryview(b"t" * SIZE)]) == [True], "the adapter goes on serving"
+    assert client.lookup_and_lock(later).found == [True]
+    buffer = memoryview(bytearray(SIZE))
+    assert client.load(later, [buffer]) == [True]
+    assert bytes(buffer) == b"t" * SIZE
+    adapter.unlock(later)

@@ -34,6 +34,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lmcache_tiers.errors import plugin_code
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.accounting import UNKNOWN_L1, Admission, Verdict
 from lmcache_tiers.l2.codec import SerdeBoundError, Staged
@@ -121,7 +122,8 @@ class StoreOp(BatchOp):
         if state.chain.identity:
             return self.buffers[index], None
         try:
-            staged = state.chain.encode(key, self.buffers[index], self.layouts[index])
+            with plugin_code():  # a serde's SystemExit fails this key too, never the thread
+                staged = state.chain.encode(key, self.buffers[index], self.layouts[index])
         except SerdeBoundError as exc:
             state.count("serde_bound_exceeded")
             state.burst.warn("serde_bound", "%s: %s not stored: %s", state.name, key.file_stem(), exc)
@@ -658,7 +660,8 @@ class LoadOp(BatchOp):
         # layout before the load ends, and the L1 object must get the one the chain checked.
         layout = state.loading_layout(key)
         try:
-            state.chain.decode_into(key, self.targets[position], self.buffers[index], layout)
+            with plugin_code():  # a serde's SystemExit is a miss too, never the thread's end
+                state.chain.decode_into(key, self.targets[position], self.buffers[index], layout)
         except Exception as exc:  # tampered or damaged payload: a miss, not garbage
             state.count("serde_decode_failures")
             marked = state.mark_undecodable(key)
