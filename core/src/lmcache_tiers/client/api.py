@@ -584,15 +584,19 @@ class Client(Connection):
             held.enter_context(attempt.pop_all())
             return segment, slots
 
-    def _acquire(self, keys: list[ObjectKey], segment: MappedSegment) -> list[p.Slot]:
+    def _acquire(
+        self, keys: list[ObjectKey], segment: MappedSegment, layouts: list[str] | None = None
+    ) -> list[p.Slot]:
         """Read-lock the hit prefix of ``keys`` (RETRIEVE, part by part) and return its
-        slots in ``segment``.  On failure every lock this client holds on ``keys`` is
+        slots in ``segment``; ``layouts``: what the caller reads each object as (see
+        ``_reader_layouts``).  On failure every lock this client holds on ``keys`` is
         given back (its LOOKUP's too)."""
         slots: list[p.Slot] = []
         try:
             for part in self._batches(len(keys)):
                 batch = keys[part]
-                reply = self._call(p.Retrieve(0, "", batch), p.RetrieveReply)
+                request = p.Retrieve(0, "", batch, layouts=layouts[part] if layouts else [])
+                reply = self._call(request, p.RetrieveReply)
                 if self._answered_elsewhere(segment):
                     raise _ServerChanged(self.url)  # the slots may be another segment's
                 if len(reply.slots) > len(batch):
@@ -664,13 +668,15 @@ class Client(Connection):
             count,
         )
 
-    def _retrieve_inline(self, keys: list[ObjectKey]) -> list[memoryview]:
+    def _retrieve_inline(self, keys: list[ObjectKey], layouts: list[str] | None = None) -> list[memoryview]:
         views: list[memoryview] = []
         position = 0
         try:
             while position < len(keys):
-                batch = keys[position : position + self.max_keys]
-                reply, frames = self._exchange(p.Retrieve(0, "", batch, inline=True), p.RetrieveReply)
+                part = slice(position, position + self.max_keys)
+                request = p.Retrieve(0, "", keys[part], inline=True, layouts=layouts[part] if layouts else [])
+                batch = keys[part]
+                reply, frames = self._exchange(request, p.RetrieveReply)
                 if len(frames) != len(reply.slots):
                     raise ProtocolError(f"{len(reply.slots)} slots but {len(frames)} payload frames")
                 # Each frame must be its slot's size: a reply the server could not finish
@@ -697,32 +703,59 @@ class Client(Connection):
         """Copy the hit prefix of ``keys`` into ``buffers`` (one copy per object); returns the
         number of keys copied.  Each buffer must be at least as large as its object.
 
+        A torch tensor or numpy array (of any dtype but ``uint8``, which stands for plain
+        bytes) is read only from an object of its own layout: the hit prefix ends at an
+        object stored with another one, or stored without one and of another size (the
+        server counts ``retrieve_layout_mismatch``).  Keys name no dtype: without this,
+        an engine of another dtype or KV layout would read another's chunk of the same
+        tokens as other numbers.
+
         Each copy is checked against the generation the server handed out with its slot;
         objects whose extent changed hands meanwhile are retrieved again (up to
         ``STALE_RETRIES`` times), then :class:`StaleReadError` is raised.
         """
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        layouts = [layout_of(buffer) for buffer in buffers]
         targets = [as_writable_byte_array(buffer) for buffer in buffers]
         keys = list(keys)
-        return self._on_current_server(lambda: self._retrieve_into_now(keys, targets))
+        return self._on_current_server(lambda: self._retrieve_into_now(keys, targets, layouts))
 
-    def _retrieve_into_now(self, keys: list[ObjectKey], targets: list[np.ndarray[Any, Any]]) -> int:
+    def _reader_layouts(self, layouts: list[str]) -> list[str] | None:
+        """What a RETRIEVE tells the server of the caller's buffers: the layout of each
+        tensor or array ("" for plain bytes), so that it hands out no chunk of another
+        layout -- keys name no dtype, and another engine's chunk of the same tokens under
+        the same model name would be read as other numbers.  None when no buffer has a
+        layout or the server cannot check them (feature ``retrieve_layouts``)."""
+        # A uint8 tensor or array takes any object as plain bytes, as a bytearray does.
+        named = ["" if layout.startswith("uint8[") else layout for layout in layouts]
+        if not any(named) or "retrieve_layouts" not in self.server_features:
+            return None
+        return named
+
+    def _retrieve_into_now(
+        self, keys: list[ObjectKey], targets: list[np.ndarray[Any, Any]], layouts: list[str]
+    ) -> int:
+        wanted = self._reader_layouts(layouts)
         with self._mapped() as segment:
             if segment is not None:
-                return self._retrieve_shm_into(keys, targets, segment)
-        views = self._retrieve_inline(keys)
+                return self._retrieve_shm_into(keys, targets, segment, wanted)
+        views = self._retrieve_inline(keys, wanted)
         for view, target in zip(views, targets, strict=False):
             _copy_into(target, np.frombuffer(view, dtype=np.uint8))
         return len(views)
 
     def _retrieve_shm_into(
-        self, keys: list[ObjectKey], targets: list[np.ndarray[Any, Any]], segment: MappedSegment
+        self,
+        keys: list[ObjectKey],
+        targets: list[np.ndarray[Any, Any]],
+        segment: MappedSegment,
+        layouts: list[str] | None = None,
     ) -> int:
         done = 0
         for _ in range(self.STALE_RETRIES + 1):
             rest = keys[done:]
-            slots = self._acquire(rest, segment)
+            slots = self._acquire(rest, segment, layouts[done:] if layouts else None)
             with self._leased(rest):
                 copies = list(zip(slots, targets[done:], strict=False))
                 for slot, target in copies:

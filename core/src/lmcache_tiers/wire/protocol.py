@@ -44,8 +44,9 @@ DEFAULT_URL = "tcp://127.0.0.1:5555"
 #: ``l1_only_store`` -- STORE_COMMIT/STORE_INLINE honour ``l1_only``;
 #: ``evict`` -- the EVICT request exists;
 #: ``lookup_wait`` -- LOOKUP honours ``wait_s``;
-#: ``release_once`` -- RELEASE honours ``once``.
-FEATURES = ("l1_only_store", "evict", "lookup_wait", "release_once")
+#: ``release_once`` -- RELEASE honours ``once``;
+#: ``retrieve_layouts`` -- RETRIEVE honours ``layouts``.
+FEATURES = ("l1_only_store", "evict", "lookup_wait", "release_once", "retrieve_layouts")
 
 #: Keys one request may name; clients split larger batches.
 MAX_KEYS_PER_REQUEST = 8192
@@ -190,10 +191,16 @@ class Retrieve(_Request, tag=Op.RETRIEVE.value):
     With ``inline`` the bytes come back as payload frames and every lock this client holds
     on the returned keys is dropped before the reply; otherwise the reply names arena slots
     and the keys stay locked until RELEASE.
+
+    ``layouts`` (feature ``retrieve_layouts``): the layout the reader will read each
+    object as ("" for any, as plain bytes); the hit prefix ends at the first object of
+    another layout, or of unknown layout and another size -- a key names no dtype, so
+    another engine's chunk of the same tokens would otherwise be read as other numbers.
     """
 
     keys: _Keys
     inline: bool = False
+    layouts: _Layouts = []
 
 
 class Release(_Request, tag=Op.RELEASE.value):

@@ -11,6 +11,7 @@ every mutation of sessions and stats stays on one thread.
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import threading
@@ -29,6 +30,7 @@ from lmcache_tiers.plugin import (
     L1Loan,
     L1OutOfMemoryError,
     ObjectKey,
+    TensorLayout,
     __version__,
     copy_into,
 )
@@ -160,6 +162,7 @@ class Handlers:
         # collected, it hands over another prefetch's hit count and locks.
         self._handle_base = secrets.randbits(_HANDLE_BASE_BITS)
         self._expired_results = BurstLog(logger, "prefetch_result_expired")
+        self._layout_mismatches = BurstLog(logger, "retrieve_layout_mismatch")
         self._table: dict[type[p._Request], Callable[[Any, bytes, Frames], Response | Deferred]] = {
             p.Hello: self.hello,
             p.Ping: self.ping,
@@ -491,7 +494,9 @@ class Handlers:
         self._require_shm("RETRIEVE without inline")
         now = time.monotonic()
         session = self.sessions.get(identity, now)
+        wanted = _reader_layouts(req)
         objects = self.storage.read(req.keys)
+        objects = self._of_reader_layouts(req.keys, objects, wanted, self.sessions.read_lock_deadline(now))
         locked = req.keys[: len(objects)]
         if len(set(objects)) < len(objects):
             # L1 locks a key repeated in the prefix once: counted twice here, a RELEASE
@@ -509,6 +514,7 @@ class Handlers:
 
     def _retrieve_inline(self, req: p.Retrieve, identity: bytes) -> Deferred:
         storage, limit = self.storage, self.max_inline_bytes
+        wanted = _reader_layouts(req)
 
         def work() -> Callable[[], Response]:
             not_before = self.sessions.read_lock_deadline(time.monotonic())  # of the locks read takes
@@ -516,9 +522,12 @@ class Handlers:
             payloads: list[Any] = []
             total = 0
             lost = False
+            # Objects cut here keep their locks until the finally below, as the rest do.
+            mismatch = _first_mismatch(objects, wanted)
+            objects_served = objects[:mismatch]
             try:
                 copy_out = self._copier_out()
-                for obj in objects:
+                for obj in objects_served:
                     if payloads and total + obj.size > limit:
                         break
                     try:
@@ -533,12 +542,14 @@ class Handlers:
                     total += obj.size
             finally:
                 self._release_locks(req.keys[: len(objects)], 1, not_before)
-            truncated = not lost and len(payloads) < len(objects)
+            truncated = not lost and len(payloads) < len(objects_served)
             returned = req.keys[: len(payloads)]
 
             def finish() -> Response:
                 if lost:
                     self.stats.failure("retrieve_object_lost")
+                if mismatch < len(objects):
+                    self._count_layout_mismatch(objects[mismatch], wanted[mismatch])
                 # The client has its bytes: drop whatever it still held on them (its
                 # LOOKUP's locks), as a shared-memory client's RELEASE would.
                 self._release(identity, returned)
@@ -551,6 +562,29 @@ class Handlers:
             return finish
 
         return Deferred(work, "retrieve_inline")
+
+    def _of_reader_layouts(
+        self, keys: Sequence[ObjectKey], objects: list[Any], wanted: list[str], not_before: float
+    ) -> list[Any]:
+        """The leading ``objects`` (read-locked for ``keys``) a reader of the ``wanted``
+        layouts may read; the locks on the rest are given back, the miss counted."""
+        mismatch = _first_mismatch(objects, wanted)
+        if mismatch == len(objects):
+            return objects
+        kept = set(keys[:mismatch])
+        # L1 locked a key repeated in the prefix once: a repeat of a kept key keeps its lock.
+        cut = [key for key in dict.fromkeys(keys[mismatch : len(objects)]) if key not in kept]
+        self._release_locks(cut, 1, not_before)
+        self._count_layout_mismatch(objects[mismatch], wanted[mismatch])
+        return objects[:mismatch]
+
+    def _count_layout_mismatch(self, obj: Any, wanted: str) -> None:
+        self.stats.failure("retrieve_layout_mismatch")
+        stored = obj.layout or f"an unknown layout of {obj.size} bytes"
+        self._layout_mismatches.event(
+            1,
+            f"retrieves cut short: a chunk holds {stored}, its reader reads {wanted} (a miss)",
+        )
 
     # Pool threads copy inline payloads through L1 loans, which work for every L1 backing;
     # copy_into and the loan's detach() release the GIL, so the loop keeps serving.
@@ -646,6 +680,35 @@ class Handlers:
             session.prefetches.clear()
         self.stats.released_at_stop_locks = locks
         self.stats.released_at_stop_reservations = writes
+
+
+def _reader_layouts(req: p.Retrieve) -> list[str]:
+    """The layout per key a RETRIEVE's reader reads ("" for any); refused unless valid."""
+    if not req.layouts:
+        return [""] * len(req.keys)
+    if len(req.layouts) != len(req.keys):
+        raise HandlerError(
+            p.ErrorCode.INVALID_ARGUMENT, f"{len(req.keys)} keys but {len(req.layouts)} layouts"
+        )
+    for layout in req.layouts:
+        if layout:
+            _layout_nbytes(layout)  # ValueError: INVALID_ARGUMENT
+    return req.layouts
+
+
+# Readers ask for the same few layouts again and again; only valid ones are remembered.
+@functools.lru_cache(maxsize=256)
+def _layout_nbytes(layout: str) -> int:
+    return TensorLayout.parse(layout).nbytes
+
+
+def _first_mismatch(objects: Sequence[Any], wanted: Sequence[str]) -> int:
+    """Index of the first object a reader of its ``wanted`` layout may not read (one of
+    another known layout, or of unknown layout and another size); ``len(objects)`` if none."""
+    for index, (obj, layout) in enumerate(zip(objects, wanted, strict=False)):
+        if layout and (obj.size != _layout_nbytes(layout) or (obj.layout and obj.layout != layout)):
+            return index
+    return len(objects)
 
 
 def _layouts(layouts: list[str], count: int) -> list[str] | None:
