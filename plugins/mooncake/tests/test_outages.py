@@ -420,3 +420,45 @@ def test_closing_against_a_stopped_master_takes_the_adapters_timeouts_not_moonca
     # Structural, not timed: the client whose close would have waited out Mooncake's own
     # timeouts was kept unclosed, so the stop never entered that wait.
     assert adapter.stats()["close_left_unclosed"] == 1, adapter.stats()
+
+
+def test_calls_against_a_killed_master_end_at_the_adapters_timeout_not_mooncakes_reconnect(
+    own_cluster: LocalCluster,
+) -> None:
+    # Once the master failed a call, every later call of Mooncake's client retries the
+    # connection for about 4 s whatever its RPC timeout: the adapter probes first, bounded
+    # by operation_timeout_s, and refuses the call when the probe is not answered.
+    timeout_s = 0.25
+    own_cluster.add_segment_host("64MB")
+    adapter = open_adapter(config_for(own_cluster, operation_timeout_s=timeout_s))
+    backend = backend_of(adapter)
+    client = BlockingAdapterClient(adapter, timeout=60)
+    try:
+        assert _round_trip(client, 0)
+        stored = make_keys(2, start=0)
+        own_cluster.kill_master()
+        # The first call finds the master's connection closed: it fails at once.
+        assert client.lookup_and_lock(stored).found == [False, False]
+
+        # What one call inside Mooncake takes now, measured on the adapter's own client.
+        started = time.monotonic()
+        with backend.connection.leased() as store:
+            assert store.batch_is_exist(["lmcache-tiers-test-probe"]) == [-900]
+        in_mooncake = time.monotonic() - started
+
+        started = time.monotonic()
+        assert client.lookup_and_lock(stored).found == [False, False]
+        lookup = time.monotonic() - started
+        started = time.monotonic()
+        assert client.store(make_keys(1, start=50), [memoryview(b"x" * SIZE)]) == [False]
+        store_call = time.monotonic() - started
+        # A ratio to the call measured just now, far from both sides: the adapter's calls
+        # end at operation_timeout_s (0.25 s) while Mooncake's retries take seconds.
+        assert lookup < in_mooncake / 2, (lookup, in_mooncake)
+        assert store_call < in_mooncake / 2, (store_call, in_mooncake)
+        assert adapter.stats()["calls_refused_master_silent"] == 2, adapter.stats()
+        # The given-up probes end with Mooncake's retries; a process exiting while one is
+        # still inside Mooncake aborts in its teardown, so the test lets them end.
+        eventually(lambda: backend.calls.busy == 0, timeout=HANG_GUARD_S, what="the given-up probes ending")
+    finally:
+        adapter.close()

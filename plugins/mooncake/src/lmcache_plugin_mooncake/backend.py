@@ -44,7 +44,10 @@ Deletes and probes wait at most ``operation_timeout_s`` (see :mod:`.calls`); loo
 stores and loads run on the adapter's threads and are bounded by Mooncake's own timeouts,
 set from the same value (stores and loads read or write memory core may reuse once they
 return; lookups are on the request path, where a hop to another thread and back costs
-more than the RPC).  Close waits for every call inside the client -- given-up deletes
+more than the RPC).  Mooncake's reconnection to a master that failed a call is not
+bounded by those timeouts (about 4 s): until the master answers again, each of them is
+preceded by a probe with a deadline, and refused when it is not answered
+(``_master_call``).  Close waits for every call inside the client -- given-up deletes
 and probes too -- before closing it (``Connection.leased``).  Every
 failure of the pool raises, so core's circuit breaker (``remote = True``) opens after
 repeated ones and ``ping`` closes it when the master answers again.
@@ -58,16 +61,18 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from lmcache_plugin_mooncake.calls import CallPool
+from lmcache_plugin_mooncake.calls import CallPool, CallTimeout
 from lmcache_plugin_mooncake.client import (
     EXISTS,
     NO_ROOM,
     NOT_FOUND,
     UNREACHABLE,
     Connection,
+    MasterUnreachable,
     MooncakeError,
     describe,
 )
@@ -158,7 +163,9 @@ def _check(what: str, codes: Sequence[int]) -> None:
     """Fail the whole batch when the master did not answer for some key."""
     unreachable = [code for code in codes if code in UNREACHABLE]
     if unreachable:
-        raise MooncakeError(f"{what}: {describe(unreachable[0])} for {len(unreachable)} of {len(codes)} keys")
+        raise MasterUnreachable(
+            f"{what}: {describe(unreachable[0])} for {len(unreachable)} of {len(codes)} keys"
+        )
 
 
 def _read_headers(store: Any, lane: Lane, names: list[str]) -> list[int]:
@@ -249,6 +256,8 @@ class MooncakeStoreBackend:
         self._deletes = KeptByDelete(context)
         #: names whose next lookup must read the record header (a delete kept the record)
         self._reread: set[str] = set()
+        #: set while the master is silent: its last call failed unanswered (see _master_call)
+        self._master_silent = threading.Event()
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -306,13 +315,58 @@ class MooncakeStoreBackend:
 
     def _leased(self, function: Callable[..., T], *args: Any) -> T:
         with self.connection.leased() as store:
-            return function(store, *args)
+            try:
+                return function(store, *args)
+            except MasterUnreachable:
+                self._master_silent.set()
+                raise
+
+    @contextmanager
+    def _master_call(self, what: str) -> Iterator[Any]:
+        """The leased client for one store, lookup or load on the adapter's own thread.
+
+        Once the master has failed a call, Mooncake's client reconnects inside every
+        later call: about 4 s of fixed connection retries (measured against a killed
+        master: not shortened by ``MC_RPC_TIMEOUT_MS``, ``MC_RPC_CONNECT_TIMEOUT_MS`` or
+        ``MC_RETRY_CNT``), whatever ``operation_timeout_s``.  Such a call cannot be given
+        up (stores and loads use L1 memory core reuses once they return), so while the
+        master is silent a probe bounded by ``operation_timeout_s`` goes first, and the
+        call is refused unless the master answers it."""
+        if self._master_silent.is_set():
+            self._probe_before(what)
+        with self.connection.leased() as store:
+            try:
+                yield store
+            except MasterUnreachable:
+                self._master_silent.set()
+                raise
+
+    def _probe_before(self, what: str) -> None:
+        """Return if the silent master answers a probe within the timeout; else the
+        call is not made (counted, logged, raised: core counts a backend error)."""
+        try:
+            self.ping()
+        except Exception as exc:
+            self.context.count("calls_refused_master_silent")
+            self._throttle.warn(
+                "master_silent", "%s: %s not made: the Mooncake master did not answer a probe "
+                "within %gs since it failed a call (%s)", self.context.name, what, self.timeout, exc,
+            )  # fmt: skip
+            raise MooncakeError(f"{what} not made: the Mooncake master does not answer ({exc})") from exc
 
     def ping(self) -> None:
-        """Raise unless the master answers an existence query within the timeout."""
-        (code,) = self._call_leased("probe", _exist, [PROBE_NAME])
+        """Raise unless the master answers an existence query within the timeout; the
+        answer (or its absence) also says whether the master is silent (``_master_call``)."""
+        try:
+            (code,) = self._call_leased("probe", _exist, [PROBE_NAME])
+        except CallTimeout:
+            self._master_silent.set()
+            raise
+        if code in UNREACHABLE:
+            self._master_silent.set()
         if code < 0:
             raise MooncakeError(f"existence query returned {describe(code)}")
+        self._master_silent.clear()
 
     def capacity(self) -> int | None:
         return self.config.capacity_bytes
@@ -346,7 +400,7 @@ class MooncakeStoreBackend:
     # -- store -----------------------------------------------------------------------------
 
     def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
-        with self.connection.leased() as store:
+        with self._master_call("store") as store:
             return self._put_many(store, keys, payloads)
 
     def _put_many(self, store: Any, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
@@ -548,7 +602,7 @@ class MooncakeStoreBackend:
         # On the calling thread: a lookup is master RPCs (and, rarely, a header read),
         # each ended by Mooncake's own timeouts, and a hop to a deadline pool and back
         # cost two thread wake-ups on every lookup (the request path).
-        with self.connection.leased() as store:
+        with self._master_call("lookup") as store:
             return self._contains(store, list(keys), [self.names.of(key) for key in keys])
 
     def _contains(self, store: Any, keys: list[ObjectKey], names: list[str]) -> list[int | ObjectSize | None]:
@@ -734,7 +788,7 @@ class MooncakeStoreBackend:
     # -- load ------------------------------------------------------------------------------
 
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
-        with self.connection.leased() as store:
+        with self._master_call("load") as store:
             return self._get_many_into(store, keys, buffers)
 
     def _get_many_into(

@@ -74,6 +74,10 @@ class MooncakeUnavailable(MooncakeError):
     """No connected Mooncake client (yet): the call was not made."""
 
 
+class MasterUnreachable(MooncakeError):
+    """The master did not answer a call (``UNREACHABLE`` codes): the whole batch failed."""
+
+
 def timeout_environment(timeout_s: float) -> dict[str, str]:
     """The Mooncake environment variables ``operation_timeout_s`` stands for."""
     seconds = str(max(1, math.ceil(timeout_s)))
