@@ -420,6 +420,12 @@ def test_closing_against_a_stopped_master_takes_the_adapters_timeouts_not_moonca
     # Structural, not timed: the client whose close would have waited out Mooncake's own
     # timeouts was kept unclosed, so the stop never entered that wait.
     assert adapter.stats()["close_left_unclosed"] == 1, adapter.stats()
+    # The master answers again: the client left unclosed is closed after all.
+    eventually(
+        lambda: adapter.stats().get("unclosed_clients_closed_later") == 1,
+        timeout=HANG_GUARD_S,
+        what="the unclosed client closed once the master answers",
+    )
 
 
 def test_calls_against_a_killed_master_end_at_the_adapters_timeout_not_mooncakes_reconnect(

@@ -241,6 +241,7 @@ class MooncakeStoreBackend:
             context.l1_buffer,
             on_closed_late=self._client_closed_late,
             on_left_unclosed=self._client_left_unclosed,
+            on_unclosed_closed=self._unclosed_client_closed,
         )
         self.calls = CallPool(context.name, 2 * config.num_workers + 2)
         # Take checksums next to the calling thread: as many threads in all as cores.
@@ -305,6 +306,11 @@ class MooncakeStoreBackend:
         """The client was left unclosed at close: ``unanswered`` did not answer in time
         (the connection logged it)."""
         self.context.count("close_left_unclosed")
+
+    def _unclosed_client_closed(self) -> None:
+        """A client left unclosed at close was closed once both services answered again
+        (the connection logged it)."""
+        self.context.count("unclosed_clients_closed_later")
 
     def _call_leased(self, what: str, function: Callable[..., T], *args: Any) -> T:
         """``function(store, *args)`` on the deadline pool, the client leased while it runs:

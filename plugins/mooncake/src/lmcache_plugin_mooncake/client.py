@@ -55,6 +55,8 @@ UNREACHABLE = frozenset({-900, -901})
 #: first and longest pause between two connection attempts
 _RETRY_FIRST_S = 1.0
 _RETRY_MAX_S = 30.0
+#: how long a client left unclosed is offered its close again (see ``_keep_until_answered``)
+_UNCLOSED_RETRY_FOR_S = 60.0
 INSTALL_HINT = (
     "pip install 'lmcache-plugin-mooncake[non-cuda]' (or mooncake-transfer-engine on a CUDA "
     "machine); the client needs libibverbs1, librdmacm1 and libnuma1"
@@ -130,6 +132,7 @@ class Connection:
         l1: memoryview | None = None,
         on_closed_late: Callable[[], None] | None = None,
         on_left_unclosed: Callable[[str], None] | None = None,
+        on_unclosed_closed: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.name = name
@@ -160,6 +163,8 @@ class Connection:
         #: called with the reason when a client is left unclosed because the master or
         #: the metadata server does not answer (see ``_close_or_keep``)
         self._on_left_unclosed = on_left_unclosed
+        #: called once a client left unclosed was closed after all (see ``_keep_until_answered``)
+        self._on_unclosed_closed = on_unclosed_closed
 
     def start(self, wait_s: float) -> bool:
         """Import the client, start connecting; True if connected within ``wait_s``."""
@@ -339,24 +344,61 @@ class Connection:
         the metadata server with a fixed 3 s HTTP timeout per request (three of them), and
         its binding holds the GIL all the while: no thread of the process runs meanwhile,
         so no deadline of ours can cut it short.  Its destructor does the same, so a
-        client left unclosed is also never freed (``_keep_for_good``).
+        client left unclosed is also never freed (``_keep_for_good``); a thread of its own
+        closes it if both answer again soon (``_keep_until_answered``).
         """
         unanswered = self._unanswered_service(store, timeout_s)
         if unanswered is not None:
             _keep_for_good(store)
             logger.warning(
-                "%s: %s did not answer within %gs: the Mooncake client is left unclosed for the "
-                "life of the process (closing it would stall every thread of the process for "
-                "Mooncake's fixed timeouts); the master drops its segment when its lease expires",
+                "%s: %s did not answer within %gs: the Mooncake client is left unclosed (closing "
+                "it would stall every thread of the process for Mooncake's fixed timeouts), closed "
+                "if it answers within %.0fs; the master drops its segment when its lease expires",
                 self.name,
                 unanswered,
                 timeout_s,
+                _UNCLOSED_RETRY_FOR_S,
             )
             if self._on_left_unclosed is not None:
                 self._on_left_unclosed(unanswered)
+            self._keep_until_answered(store, timeout_s)
             return False
         _close_quietly(store)
         return True
+
+    def _keep_until_answered(self, store: Any, timeout_s: float) -> None:
+        """Hold a client left unclosed on a NON-daemon thread that closes it once the
+        master and the metadata server answer again, for ``_UNCLOSED_RETRY_FOR_S`` at most.
+
+        Non-daemon on purpose: Mooncake's exit handler tears down every client it made
+        when the process exits, and against a service still hung that stalls the exit for
+        its fixed timeouts (about 9 s).  A server's leave path ends the process at once
+        (``os._exit``, which skips that handler) when a non-daemon thread is still running
+        after the stop; this thread is that signal while the client is unclosed."""
+
+        def close_when_answered() -> None:
+            deadline = time.monotonic() + _UNCLOSED_RETRY_FOR_S
+            pause = max(_RETRY_FIRST_S, timeout_s)
+            while time.monotonic() + pause < deadline:
+                time.sleep(pause)
+                if self._unanswered_service(store, timeout_s) is None:
+                    _close_quietly(store)
+                    logger.info(
+                        "%s: the Mooncake client left unclosed was closed: both services answer", self.name
+                    )
+                    if self._on_unclosed_closed is not None:
+                        self._on_unclosed_closed()
+                    return
+            logger.warning(
+                "%s: the Mooncake client left unclosed stays unclosed: the master or the metadata server "
+                "did not answer for %.0fs (the process's exit tears it down, waiting on them)",
+                self.name,
+                _UNCLOSED_RETRY_FOR_S,
+            )
+
+        threading.Thread(
+            target=close_when_answered, name=f"mooncake-{self.name}-unclosed-client", daemon=False
+        ).start()
 
     def _unanswered_service(self, store: Any, timeout_s: float) -> str | None:
         """The service Mooncake's close talks to that neither answers nor refuses within
@@ -420,8 +462,8 @@ def _keep_for_good(store: Any) -> None:
     """Never free ``store``: its destructor runs Mooncake's teardown (the same stall as
     its close) on whichever thread drops the last reference.  A reference taken at the C
     level is never given back, so it never runs.  Mooncake's own exit handler still tears
-    down every client at process exit (after the server's stop, so only the exit waits
-    on a service still hung then); nothing here can unregister a client from it."""
+    down every client at process exit; nothing here can unregister a client from it (see
+    ``Connection._keep_until_answered`` for how a server's exit skips it)."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))
 
 
