@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l1 import L1Manager
+from lmcache_tiers.l1 import L1Manager, L1Object
 from lmcache_tiers.l1.removal import CLEAR_BATCH, Removal
 
 ALIGN = 4096
@@ -128,6 +128,6 @@ def test_a_clear_reports_the_unstored_objects_it_removed(l1: L1Manager) -> None:
     write(l1, range(3))
     marked = l1.mark_unstored(keys(0, 1))
     l1.settle_unstored(marked[1:])  # key 1's store is done: L2 has it
-    cleared_unstored: list[object] = []
+    cleared_unstored: list[L1Object] = []
     assert l1.clear(cleared_unstored=cleared_unstored) == 3
     assert cleared_unstored == marked[:1]
