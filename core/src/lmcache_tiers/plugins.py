@@ -22,7 +22,7 @@ from typing import Any, cast
 import pluggy
 
 from lmcache_tiers import hookspecs
-from lmcache_tiers.errors import PluginError
+from lmcache_tiers.errors import PluginError, raised_by_a_plugin
 from lmcache_tiers.registry import ComponentRegistry, Kind
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,14 @@ def _entry_point_infos() -> list[tuple[Any, PluginInfo]]:
     return found
 
 
+def _the_plugins_own(exc: BaseException) -> bool:
+    """Whether ``exc`` raised by a plugin's import or hook is the plugin's failure rather
+    than one to go on up: anything but a KeyboardInterrupt where a Ctrl-C could raise it
+    (the main thread).  A ``sys.exit()``, a GeneratorExit or a BaseException of the
+    plugin's own must not end the command and with it the listing of every other plugin."""
+    return not isinstance(exc, KeyboardInterrupt) or raised_by_a_plugin(exc)
+
+
 def _load_modules(infos: dict[str, PluginInfo]) -> dict[str, ModuleType]:
     """Import the enabled plugin modules with stevedore, recording failures per plugin."""
     from stevedore import NamedExtensionManager
@@ -135,7 +143,9 @@ def _load_modules(infos: dict[str, PluginInfo]) -> dict[str, ModuleType]:
                 invoke_on_load=False,
                 on_load_failure_callback=on_failure,
             )
-        except (AssertionError, SystemExit) as exc:
+        except BaseException as exc:  # no Exception: stevedore reports those itself
+            if not _the_plugins_own(exc):
+                raise
             info.error = f"{type(exc).__name__}: {exc}"
             log.debug("plugin %s failed to load: %s", name, exc)
             continue
@@ -223,7 +233,9 @@ def _run_registration(manager: pluggy.PluginManager, registry: ComponentRegistry
                 returned = function(registry=registry.for_plugin(kind, info.distribution))
                 _refuse_returned_components(hook_name, returned)
     # A plugin bug must not take the others down, nor a sys.exit() in it the whole process.
-    except (Exception, SystemExit) as exc:
+    except BaseException as exc:
+        if not _the_plugins_own(exc):
+            raise
         registry.remove_plugin(info.distribution, keep=before)
         info.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, PluginError) else str(exc)
         manager.unregister(name=info.name)
@@ -298,8 +310,10 @@ def call_each(
             impl.function(*[kwargs[name] for name in impl.argnames])
         except Exception as exc:
             on_error(impl.plugin_name, exc)
-        except SystemExit as exc:  # as in registration: a plugin's sys.exit() is its failure
-            failure = PluginError(f"SystemExit: {exc}")
+        except BaseException as exc:  # as in registration: a plugin's sys.exit() is its failure
+            if not _the_plugins_own(exc):
+                raise
+            failure = PluginError(f"{type(exc).__name__}: {exc}")
             failure.__cause__ = exc  # its traceback: where in the plugin it exited
             on_error(impl.plugin_name, failure)
 
