@@ -227,3 +227,79 @@ def test_a_signal_waiting_for_a_start_up_handling_an_error_is_logged_when_it_com
         logging.getLogger().removeHandler(notices)
     assert told_while_waiting == [True], "the waiting signal was not logged while it waited"
     assert code == 128 + signal.SIGINT
+
+
+def _count_writes_given_up(server: TiersServer, objects: int) -> None:
+    """The storage counts ``objects`` acknowledged writes as dropped at the stop, as its
+    close does for stores still queued when a second signal cuts the drain."""
+    server.storage._parts.stats.fail("l2_store_dropped_at_shutdown", objects)
+
+
+def test_a_failed_stop_that_lost_acknowledged_writes_exits_3_not_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Lost data must not hide behind a generic failure: a supervisor that alerts on 3
+    would miss writes lost by a stop that also failed a step."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers need the main thread")
+    name = f"tiers_unit_{uuid.uuid4().hex[:12]}"
+    config = ServerConfig(port=0, metrics_port=0, l1_size_gb=0.0625, l1_shm_name=name)
+    ready, returned = threading.Event(), threading.Event()
+    closes: list[TiersServer] = []
+    close = TiersServer.close
+
+    def close_losing_writes_with_a_broken_join(self: TiersServer, console: Any = None) -> dict[str, Any]:
+        closes.append(self)
+        _count_writes_given_up(self, 2)
+        _break_the_store_join(monkeypatch, self)
+        return close(self, console)
+
+    monkeypatch.setattr(TiersServer, "close", close_losing_writes_with_a_broken_join)
+    stopper = _stop_once_ready(ready, returned)
+    with _segment(name):
+        try:
+            code = run_server(config, ready=ready, banner=False)
+        finally:
+            returned.set()
+            ready.set()
+            stopper.join(5)
+            monkeypatch.undo()
+            for server in closes:
+                _stop_controllers(server)
+    assert code == app.EXIT_ACKNOWLEDGED_WRITES_LOST
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1
+    assert "joining l2-store failed" in lines[0]
+    assert lines[0].endswith("; 2 objects acknowledged to clients were not stored in L2")
+
+
+def test_a_front_end_failure_whose_stop_lost_acknowledged_writes_exits_3_not_1(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers need the main thread")
+    name = f"tiers_unit_{uuid.uuid4().hex[:12]}"
+    config = ServerConfig(port=0, metrics_port=0, l1_size_gb=0.0625, l1_shm_name=name)
+    serve = TiersServer.serve
+
+    def serve_then_fail(self: TiersServer) -> None:
+        serve(self)
+        raise RuntimeError("a front end's bug")
+
+    def close_losing_writes(self: TiersServer, console: Any = None) -> dict[str, Any]:
+        _count_writes_given_up(self, 2)
+        return close(self, console)
+
+    close = TiersServer.close
+    monkeypatch.setattr(TiersServer, "serve", serve_then_fail)
+    monkeypatch.setattr(TiersServer, "close", close_losing_writes)
+    ready, returned = threading.Event(), threading.Event()
+    stopper = _stop_once_ready(ready, returned)
+    with _segment(name):
+        try:
+            code = run_server(config, ready=ready, banner=False)
+        finally:
+            returned.set()
+            ready.set()
+            stopper.join(5)
+    assert code == app.EXIT_ACKNOWLEDGED_WRITES_LOST

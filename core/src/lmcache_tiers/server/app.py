@@ -14,9 +14,10 @@ lock and reservation its clients still hold; pending L2 stores are flushed up to
 deadline (:mod:`~lmcache_tiers.server.flush`), the storage is closed (abandoning, and
 counting, what the flush did not store; this unlinks the L1 segment), HTTP stops and a
 summary is printed.  A step of the close that raises is logged and the others still run
-(:class:`StopFailed`, exit 1).  A second signal, or SIGQUIT as the first, cuts the drain and
-the flush short.  A signal during start-up (building L1 and the adapters) interrupts it: what
-was built is closed, the L1 segment unlinked, and the exit code is 128 + the signal's number.
+(:class:`StopFailed`, exit 1; 3 when it lost acknowledged writes).  A second signal, or
+SIGQUIT as the first, cuts the drain and the flush short.  A signal during start-up
+(building L1 and the adapters) interrupts it: what was built is closed, the L1 segment
+unlinked, and the exit code is 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ _JOIN_GRACE_S = 5.0
 #: flush cut short by a second signal, SIGQUIT or its deadline): distinct from 0 (a stop
 #: that lost nothing), 1 (cannot start, a front end failed, or the stop failed), 2 (a
 #: configuration mistake) and 128 + N (signal N interrupted start-up), so that a
-#: supervisor or a script can tell a stop that lost data from a clean one
+#: supervisor or a script can tell a stop that lost data from a clean one.  It outranks 1:
+#: a front end or a stop step that also failed is in the log and the error line, while
+#: lost data hidden behind a generic failure would go unnoticed by whoever alerts on 3
 EXIT_ACKNOWLEDGED_WRITES_LOST = 3
 
 
@@ -557,9 +560,10 @@ def run_server(
 ) -> int:
     """Serve until SIGINT/SIGTERM/SIGHUP (SIGQUIT: stop at once); returns the process exit
     code (0 after a stop, forced or not, that lost nothing, 3
-    (:data:`EXIT_ACKNOWLEDGED_WRITES_LOST`) after one that gave up acknowledged writes, 2
-    for a configuration mistake, 1 when the server cannot start for another reason, a
-    front end failed while serving or the stop itself failed (one line says so), 128 + the
+    (:data:`EXIT_ACKNOWLEDGED_WRITES_LOST`) after one that gave up acknowledged writes --
+    also when a front end or the stop failed too, 2 for a configuration mistake, 1 when
+    the server cannot start for another reason, a front end failed while serving or the
+    stop itself failed (one line says so) and no acknowledged write was lost, 128 + the
     signal's number when a signal interrupted start-up).  ``name_setting`` rewords a
     refusal found at start-up (``serve`` names a setting by the flag that set it)."""
     configure_logging()
@@ -612,15 +616,21 @@ def run_server(
         except StopFailed as failed:
             # Logged with its traceback already; for whoever started serve, one line.
             _print_error(errors, str(failed))
-            return 1
+            return _exit_status(1, failed.acknowledged_lost)
     finally:
         signals.restore()
-    if code == 0 and summary["l2_objects_abandoned"]:
-        # Counted and logged by the close already; the status says it to whoever started serve.
-        code = EXIT_ACKNOWLEDGED_WRITES_LOST
+    # Counted and logged by the close already; the status says it to whoever started serve.
+    code = _exit_status(code, summary["l2_objects_abandoned"])
     if banner:
         _print_stop_summary(console, summary)
     return code
+
+
+def _exit_status(code: int, acknowledged_lost: int) -> int:
+    """``code`` of a server that served, unless its stop lost acknowledged writes: then
+    :data:`EXIT_ACKNOWLEDGED_WRITES_LOST`, which outranks a failure (1) -- the failure is
+    in the error line and the log, lost data must show in the status."""
+    return EXIT_ACKNOWLEDGED_WRITES_LOST if acknowledged_lost else code
 
 
 def _ran_out_of_open_files(exc: BaseException) -> bool:
