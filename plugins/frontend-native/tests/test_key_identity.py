@@ -111,3 +111,17 @@ def test_a_chunk_read_back_from_l2_keeps_its_layout(make_server: Any, tmp_path: 
         assert all(torch.equal(got, want) for got, want in zip(same, stored, strict=True))
     assert _native(server).stats().failures["retrieve_layout_mismatch"] == 1
     assert server.storage.status()["l1"]["read_locks"] == 0
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "inline"])
+def test_views_are_refused_to_a_reader_naming_another_layout(make_server: Any, shm: bool) -> None:
+    server = make_server()
+    stored = _stored_bf16(server, shm=shm)
+    bf16 = f"bfloat16[{','.join(map(str, SHAPE))}]"
+    with Client(_native(server).address, shm=shm) as client:
+        with client.retrieve(KEYS, layouts=[bf16.replace("bfloat16", "float16")] * CHUNKS) as views:
+            assert views == []
+        with client.retrieve(KEYS, layouts=[bf16] * CHUNKS) as views:
+            assert [bytes(view) for view in views] == [t.view(torch.uint8).numpy().tobytes() for t in stored]
+    assert _native(server).stats().failures["retrieve_layout_mismatch"] == 1
+    assert server.storage.status()["l1"]["read_locks"] == 0

@@ -541,8 +541,14 @@ class Client(Connection):
         return hits
 
     @contextlib.contextmanager
-    def retrieve(self, keys: Sequence[ObjectKey]) -> Iterator[list[memoryview]]:
+    def retrieve(
+        self, keys: Sequence[ObjectKey], layouts: Sequence[str] | None = None
+    ) -> Iterator[list[memoryview]]:
         """Read-only views of the hit prefix of ``keys`` (possibly fewer than asked).
+
+        ``layouts``: what the caller will read each object as (``"float16[2,32,256,128]"``,
+        "" for plain bytes); the prefix then ends at an object of another layout, as in
+        :meth:`retrieve_into`.
 
         Shared-memory views point into the server's memory and are valid only inside the
         ``with`` block; on exit they are released together with every lock this client
@@ -552,10 +558,13 @@ class Client(Connection):
         :class:`StaleReadError` naming them: whatever was read from those views is void.
         """
         keys = list(keys)
+        if layouts is not None and len(layouts) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(layouts)} layouts")
+        wanted = None if layouts is None else self._reader_layouts(list(layouts))
         with contextlib.ExitStack() as held:  # the segment stays mapped until the views go
-            segment, slots = self._on_current_server(lambda: self._acquire_mapped(keys, held))
+            segment, slots = self._on_current_server(lambda: self._acquire_mapped(keys, held, wanted))
             if segment is None:
-                yield self._retrieve_inline(keys)
+                yield self._retrieve_inline(keys, wanted)
                 return
             with self._leased(keys):
                 views = [segment.buffer[slot.offset : slot.offset + slot.size].toreadonly() for slot in slots]
@@ -572,7 +581,7 @@ class Client(Connection):
             raise StaleReadError([keys[index] for index in stale])
 
     def _acquire_mapped(
-        self, keys: list[ObjectKey], held: contextlib.ExitStack
+        self, keys: list[ObjectKey], held: contextlib.ExitStack, layouts: list[str] | None = None
     ) -> tuple[MappedSegment | None, list[p.Slot]]:
         """``_acquire`` in the mapped segment: (segment, slots), or (None, []) when bytes
         travel inline.  On success ``held`` keeps the segment mapped (see ``_mapped``)."""
@@ -580,7 +589,7 @@ class Client(Connection):
             segment = attempt.enter_context(self._mapped())
             if segment is None:
                 return None, []
-            slots = self._acquire(keys, segment)
+            slots = self._acquire(keys, segment, layouts)
             held.enter_context(attempt.pop_all())
             return segment, slots
 
