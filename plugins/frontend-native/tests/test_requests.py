@@ -54,6 +54,25 @@ def test_store_skips_present_and_repeated_keys(server: TiersServer, shm: bool) -
     assert (l1(server)["objects"], l1(server)["write_locked"], l1(server)["read_locks"]) == (4, 0, 0)
 
 
+def test_store_reserve_answers_each_key_with_its_own_slot_in_order(server: TiersServer) -> None:
+    # Every key new (one slot per key, in order) and a list with a key already stored and
+    # one named twice (no slot for either) are answered alike: each slot is its key's.
+    keys, sizes = keys_of(5), [4096 * (index + 1) for index in range(5)]
+    with Client(server.endpoint) as client:
+        slots = client._call(p.StoreReserve(0, "", keys[:3], sizes[:3]), p.StoreReserveReply).slots
+        assert [slot.size for slot in slots] == sizes[:3]
+        assert len({slot.offset for slot in slots}) == 3 and p.NO_SLOT not in {slot.offset for slot in slots}
+        assert client._call(p.StoreCommit(0, "", keys[:1]), p.StoreReply).done == [True]
+        mixed = [keys[0], keys[3], keys[4], keys[3]]
+        slots = client._call(
+            p.StoreReserve(0, "", mixed, [sizes[0], sizes[3], sizes[4], sizes[3]]), p.StoreReserveReply
+        ).slots
+        assert [slot.offset == p.NO_SLOT for slot in slots] == [True, False, False, True]
+        assert [slot.size for slot in slots[1:3]] == sizes[3:5]
+        client._call(p.StoreAbort(0, "", keys[1:]), p.StoreReply)
+    assert (l1(server)["objects"], l1(server)["write_locked"]) == (1, 0)
+
+
 @pytest.mark.parametrize("shm", [True, False])
 def test_a_store_counts_only_what_it_stored(server: TiersServer, shm: bool) -> None:
     keys, data = keys_of(2), blobs(2)

@@ -389,6 +389,11 @@ class Handlers:
         now = time.monotonic()
         session = self.sessions.get(identity, now)
         reserved = self.storage.reserve_write(keys, sizes, layouts)
+        session.add_writes(reserved, self.sessions.write_deadline(now))
+        if len(reserved) == len(keys):
+            # Every key reserved, so none named twice: one slot per key in order, without
+            # the per-key bookkeeping below (a store of many small chunks pays it per key).
+            return p.StoreReserveReply(req.req_id, slots=self._slots_of([reserved[key] for key in keys])), ()
         generations = dict(zip(reserved, self.storage.l1.generations(list(reserved.values())), strict=True))
         slots: list[p.Slot] = []
         handed_out: set[ObjectKey] = set()
@@ -399,8 +404,15 @@ class Handlers:
             else:
                 handed_out.add(key)
                 slots.append(p.Slot(obj.offset, obj.size, generations[key]))
-        session.add_writes(reserved, self.sessions.write_deadline(now))
         return p.StoreReserveReply(req.req_id, slots=slots), ()
+
+    def _slots_of(self, objects: list[Any]) -> list[p.Slot]:
+        """The slot of each reserved L1 object, in order."""
+        generations = self.storage.l1.generations(objects)
+        return [
+            p.Slot(obj.offset, obj.size, generation)
+            for obj, generation in zip(objects, generations, strict=True)
+        ]
 
     def _require_shm(self, what: str) -> None:
         # Slots would point into memory nobody can map: refuse instead of pinning L1.
