@@ -87,7 +87,7 @@ def _project_site(limit: int = 6) -> str:
     frames = [
         f
         for f in traceback.extract_stack()[:-1]
-        if f.filename not in _OWN_FILES and not f.filename.startswith(_LIBRARY_DIRS)
+        if f.filename not in _OWN_FILES and not f.filename.startswith((*_LIBRARY_DIRS, "<frozen"))
     ]
     return " <- ".join(
         f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}" for f in reversed(frames[-limit:])
