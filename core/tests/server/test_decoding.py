@@ -204,6 +204,26 @@ def test_keys_of_other_sizes_cut_at_the_wrong_places_still_decode() -> None:
     assert isinstance(decoded, p.Lookup) and decoded.keys == [short, long, long, short]
 
 
+def test_new_keys_of_other_sizes_cut_at_the_wrong_places_still_decode() -> None:
+    """The same with keys never seen: the equal pieces are decoded as new keys, a piece
+    straddling two keys is not a whole key, and the list is split key by key instead."""
+    short = ObjectKey("model", 0, b"\x05" * 10)
+    long = ObjectKey("model", 0, b"\x06" * 12)
+    for keys in ([short, long, long, short], [short, short, long, long] * 4):
+        assert sum(len(key.to_bytes()) for key in keys) % len(keys) == 0  # equal pieces exist
+        header = p.encode(p.StoreReserve(1, "", keys, [1] * len(keys)))
+        decoded = decode_request(header, KeyCache())
+        assert decoded == p.request_decoder.decode(header)
+        assert isinstance(decoded, p.StoreReserve) and decoded.keys == keys
+
+
+def test_mutated_headers_of_new_same_size_keys_get_the_full_decoders_verdict() -> None:
+    seeds = [p.encode(p.StoreReserve(1, "", SAME_SIZE[:count], [1] * count)) for count in (3, 20)]
+    rng = random.Random(23)
+    for _ in range(20):
+        check_mutations(rng, KeyCache(), seeds)  # every key new each time: decoded from the pieces
+
+
 def test_mutated_headers_of_same_size_keys_get_the_full_decoders_verdict() -> None:
     cache = KeyCache()
     seeds = [p.encode(kind(1, "", SAME_SIZE[:count])) for kind in (p.Lookup, p.Release) for count in (3, 20)]

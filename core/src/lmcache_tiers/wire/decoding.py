@@ -21,9 +21,11 @@ length -- the usual case: one model, one rank, one salt, hashes of one size -- t
 is cut into equal pieces by one ``struct`` unpack in C, with no per-key Python object but
 the piece itself.  The cut is trusted only when every piece is the exact bytes of a key
 validated before: a valid msgpack value is never a prefix of another, so pieces that are
-each one whole value, laid end to end over the region, are exactly its elements.  Any
-piece not known sends the whole list down the per-element path (one ``msgspec.Raw`` per
-key, split by msgspec itself).
+each one whole value, laid end to end over the region, are exactly its elements.  Pieces
+not known are decoded as keys from the pieces themselves (a new prompt's STORE), which
+proves the cut the same way when each is one whole key; a piece that is not sends the
+whole list down the per-element path (one ``msgspec.Raw`` per key, split by msgspec
+itself).
 
 Keys also remember where they were first seen: the key list they were decoded from (when
 its keys all encode to one length), with their position in it.  An engine looks up again
@@ -191,8 +193,18 @@ class KeyCache:
             if len(self._splitters) >= _SPLITTERS_MAX:
                 self._splitters.clear()
             splitter = self._splitters[(size, count)] = struct.Struct(f"{size}s" * count)
-        keys: list[Any] = list(map(self._keys.get, splitter.unpack_from(raw, start)))
-        return keys if all(keys) else None  # keys are never false, None is
+        pieces = splitter.unpack_from(raw, start)
+        keys: list[Any] = list(map(self._keys.get, pieces))
+        if all(keys):  # keys are never false, None is
+            return keys
+        # New keys: decoded from the pieces already cut, unless one is not a whole key
+        # (keys of different lengths whose total happened to divide evenly), which leaves
+        # the list to the per-element path.  Every piece decoding to a key with nothing
+        # left over makes the cut exact, as every piece being a known key does.
+        try:
+            return self._with_new_keys(list(pieces), keys)
+        except Exception:
+            return None
 
     def _runs_of_seen_lists(
         self, elements: bytes, start: int, size: int, count: int
@@ -226,11 +238,16 @@ class KeyCache:
 
     def keys_of(self, raws: list[msgspec.Raw]) -> list[ObjectKey]:
         """The keys encoded in ``raws``; raises whatever decoding one of them raises."""
-        cache = self._keys
         encoded = list(map(bytes, raws))
-        keys: list[Any] = list(map(cache.get, encoded))
+        keys: list[Any] = list(map(self._keys.get, encoded))
         if all(keys):  # every key known (keys are never false, None is): the usual case
             return keys
+        return self._with_new_keys(encoded, keys)
+
+    def _with_new_keys(self, encoded: list[bytes], keys: list[Any]) -> list[ObjectKey]:
+        """``keys`` (the known keys of ``encoded``, None for the others) with the others
+        decoded and remembered; raises whatever decoding one of them raises."""
+        cache = self._keys
         if len(cache) + len(encoded) > self.entries:
             cache.clear()
             # Remembered lists hold keys of the old cache: equal, but no longer the very
