@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class TiersError(Exception):
@@ -114,3 +117,18 @@ def plugin_code() -> Iterator[None]:
         if not raised_by_a_plugin(exc):
             raise
         raise PluginBaseException(exc) from exc
+
+
+def plugin_walk(keys: Iterable[T]) -> Iterator[T]:
+    """``keys`` (a policy's ``victims()``) with each step taken under :func:`plugin_code`,
+    and nothing else: the caller's own handling runs between the steps, and closing the
+    walk early is not mistaken for the policy's failure."""
+    with plugin_code():
+        iterator = iter(keys)
+    while True:
+        with plugin_code():
+            try:
+                key = next(iterator)
+            except StopIteration:
+                return
+        yield key

@@ -1,4 +1,4 @@
-"""A store, prefetch or L2 eviction policy that raises what is no ``Exception`` -- KeyboardInterrupt,
+"""A store, prefetch, L1 or L2 eviction policy that raises what is no ``Exception`` -- KeyboardInterrupt,
 SystemExit, a BaseException of its own -- from the controller thread that consults it: a
 bug of the plugin's (no signal is raised off the main thread).  It is counted and logged
 as the policy's failure, like any exception it raises, and the controller goes on: a
@@ -16,10 +16,12 @@ from l2_backends import DictBackend, Fifo, open_dict
 
 from lmcache_tiers.config import L2EvictionConfig, ServerConfig, decode_adapter
 from lmcache_tiers.controllers.base import AdapterSlot
+from lmcache_tiers.controllers.l1_eviction import L1EvictionController
 from lmcache_tiers.controllers.l2_eviction import L2EvictionController
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1 import L1Manager
 from lmcache_tiers.policies import plan_from_lowest_index
 from lmcache_tiers.registry import ComponentRegistry, KindRegistry
 from lmcache_tiers.storage import StorageManager
@@ -165,17 +167,18 @@ class RaisingVictims(Fifo):
         yield from super().victims()
 
 
-def evict_on_a_thread(controller: L2EvictionController, size: int) -> None:
-    """``controller.evict`` off the main thread, as its own thread runs it."""
+def on_a_thread(work: Any) -> None:
+    """``work()`` off the main thread, as a controller's or a front end's thread runs it;
+    nothing may escape it."""
     outcome: list[BaseException] = []
 
-    def evict() -> None:
+    def run() -> None:
         try:
-            controller.evict(size)
+            work()
         except BaseException as exc:
             outcome.append(exc)
 
-    thread = threading.Thread(target=evict)
+    thread = threading.Thread(target=run)
     thread.start()
     thread.join(30)
     assert not thread.is_alive() and outcome == [], outcome
@@ -196,11 +199,57 @@ def test_an_l2_eviction_policy_raising_a_base_exception_is_counted_and_eviction_
         client = BlockingAdapterClient(adapter)
         assert client.store(keys, [memoryview(bytearray(size)) for _ in keys]) == [True] * count
         policy.error = error
-        evict_on_a_thread(controller, 2 * size)
+        on_a_thread(lambda: controller.evict(2 * size))
         assert controller.stats.failures()["l2_eviction_policy_error"] == 1
         assert len(list(adapter.iter_keys())) == count
         policy.error = None
-        evict_on_a_thread(controller, 2 * size)
+        on_a_thread(lambda: controller.evict(2 * size))
         assert len(list(adapter.iter_keys())) == count - 2, "eviction goes on"
     finally:
         adapter.close()
+
+
+class RaisingL1Policy(Fifo):
+    """An L1 eviction policy raising ``error`` from the method named by ``raise_in``."""
+
+    raise_in = ""
+    error: BaseException = KeyboardInterrupt()
+
+    def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
+        if self.raise_in == "on_keys_written":
+            raise self.error
+        super().on_keys_written(keys)
+
+    def victims(self) -> Iterator[ObjectKey]:
+        for key in super().victims():
+            if self.raise_in == "victims":
+                raise self.error
+            yield key
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=lambda error: type(error).__name__)
+@pytest.mark.parametrize("method", ["on_keys_written", "victims"])
+def test_an_l1_eviction_policy_raising_a_base_exception_is_counted_and_eviction_goes_on(
+    method: str, error: BaseException
+) -> None:
+    align, blocks = 4096, 16
+    l1 = L1Manager(blocks * align, align=align, prefault=False)
+    try:
+        policy = RaisingL1Policy()
+        controller = L1EvictionController(
+            l1, policy, trigger_watermark=0.9, eviction_ratio=0.25, stats=EngineStats(0)
+        )
+        keys = keys_of(0, 4)
+        policy.raise_in, policy.error = method, error
+        on_a_thread(lambda: (l1.reserve_write(keys, [align] * 4), l1.finish_write(keys)))
+        if method == "victims":
+            on_a_thread(lambda: controller.evict_now(align))
+            assert all(l1.contains(key) for key in keys)
+        assert controller.stats.failures()["l1_eviction_policy_error"] == 1
+        policy.raise_in = ""
+        later = keys_of(4, 2)
+        l1.reserve_write(later, [align] * 2)
+        l1.finish_write(later)
+        assert controller.evict_now(align) == align, "eviction goes on"
+    finally:
+        l1.close()

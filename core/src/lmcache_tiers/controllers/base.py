@@ -214,7 +214,8 @@ def end_fruitless_walk(policy: EvictionPolicy, failed: Callable[[], None] | None
     caller holds the lock that guards the policy.  ``failed()`` counts and logs a policy that
     raises here; None when the walk itself already failed and was counted."""
     try:
-        policy.on_keys_removed([])
+        with plugin_code():
+            policy.on_keys_removed([])
     except Exception:
         if failed is not None:
             failed()

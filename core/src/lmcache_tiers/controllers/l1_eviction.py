@@ -25,6 +25,7 @@ from lmcache_tiers.controllers.base import (
     end_fruitless_walk,
 )
 from lmcache_tiers.controllers.stats import EngineStats
+from lmcache_tiers.errors import plugin_code, plugin_walk
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager
 from lmcache_tiers.policies import EvictionPolicy
@@ -44,7 +45,8 @@ class _PolicyFeed:
     def on_l1_keys_written(self, keys: Sequence[ObjectKey]) -> None:
         controller = self._controller
         try:
-            controller.policy.on_keys_written(keys)
+            with plugin_code():
+                controller.policy.on_keys_written(keys)
         except Exception:
             controller._policy_failed()
         if controller.l1.usage() >= controller.trigger_watermark:
@@ -52,13 +54,15 @@ class _PolicyFeed:
 
     def on_l1_keys_read(self, keys: Sequence[ObjectKey]) -> None:
         try:
-            self._controller.policy.on_keys_read(keys)
+            with plugin_code():
+                self._controller.policy.on_keys_read(keys)
         except Exception:
             self._controller._policy_failed()
 
     def on_l1_keys_deleted(self, keys: Sequence[ObjectKey]) -> None:
         try:
-            self._controller.policy.on_keys_removed(keys)
+            with plugin_code():
+                self._controller.policy.on_keys_removed(keys)
         except Exception:
             # The policy may keep these keys: its walks may offer them (L1 skips them).
             self._controller.removals_unreported += len(keys)
@@ -122,7 +126,9 @@ class L1EvictionController(ControllerThread):
                 # failed to take, so a walk past them all is one offering keys again (see
                 # ``bounded_walk``).
                 limit = objects + self.removals_unreported + WALK_SLACK
-                victims = bounded_walk(self.policy.victims(), limit, self._walk_overran)
+                with plugin_code():
+                    walk = self.policy.victims()
+                victims = bounded_walk(plugin_walk(walk), limit, self._walk_overran)
                 eviction = self.l1.make_room(bytes_to_free, victims, spare_unstored=spare_unstored)
             except Exception:
                 # A broken policy must not fail the write or prefetch that needed room.  The
