@@ -182,6 +182,42 @@ def test_each_block_is_populated_once(mapping: np.ndarray[Any, Any], monkeypatch
     pages.stop()
 
 
+def test_many_small_copies_are_exact_and_populate_each_block_once(
+    mapping: np.ndarray[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Chunks smaller than a block, some straddling a block boundary, one filling a block
+    # exactly, in one request: large enough in all to be split between two threads.
+    real = pagetables._madvise
+    calls: list[int] = []
+    if real is not None:
+
+        def counting(address: int, length: int, advice: int) -> int:
+            calls.append(address)
+            return int(real(address, length, advice))
+
+        monkeypatch.setattr(pagetables, "_madvise", counting)
+    array = mapping
+    pages = PageTables(array.ctypes.data, SIZE)
+    rng = np.random.default_rng(5)
+    size = 3 * COPY_PIECE // 16
+    layout = [(index * size, size) for index in range(32)] + [(7 * COPY_PIECE, COPY_PIECE)]
+    sources = [rng.integers(0, 256, length, dtype=np.uint8) for _, length in layout]
+    pages.write_many(
+        [
+            (array[offset : offset + length], source, offset)
+            for (offset, length), source in zip(layout, sources, strict=True)
+        ]
+    )
+    for (offset, length), source in zip(layout, sources, strict=True):
+        assert np.array_equal(array[offset : offset + length], source)
+    assert not array[6 * COPY_PIECE : 7 * COPY_PIECE].any() and not array[8 * COPY_PIECE :].any()
+    if real is not None:
+        # (two threads copying chunks that share a block may both populate it: harmless)
+        blocks = {(address - array.ctypes.data) // COPY_PIECE for address in calls}
+        assert blocks == {0, 1, 2, 3, 4, 5, 7}
+    pages.stop()
+
+
 def test_a_write_into_a_range_of_another_size_raises(mapping: np.ndarray[Any, Any]) -> None:
     array = mapping
     pages = PageTables(array.ctypes.data, SIZE)

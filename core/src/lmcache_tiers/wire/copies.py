@@ -91,7 +91,10 @@ class _Job:
                 if failed is not None and self.error is None:
                     self.error = failed
                     self.front = self.back  # nobody starts another piece
-                self.settled.notify_all()
+                if not self.running:
+                    # ``wait`` waits for this alone: a notify per piece costs a store of
+                    # many small chunks more than its bookkeeping does.
+                    self.settled.notify_all()
 
     def wait(self) -> None:
         """Until every piece taken is done with (call after ``work``, which leaves none to

@@ -137,7 +137,11 @@ class PageTables:
         pieces: list[Piece] = []
         for target, source, offset in copies:
             end = offset + source.nbytes
-            for block in range(offset // COPY_PIECE, -(-end // COPY_PIECE)):
+            first = offset // COPY_PIECE
+            if end <= (first + 1) * COPY_PIECE:  # within one block (small chunks): no slicing
+                pieces.append((target, source, first if ahead and not populated[first] else -1))
+                continue
+            for block in range(first, -(-end // COPY_PIECE)):
                 start = block * COPY_PIECE
                 low, high = max(start, offset) - offset, min(start + COPY_PIECE, end) - offset
                 wanted = ahead and not populated[block]
