@@ -114,6 +114,24 @@ def test_a_failing_piece_raises_in_the_caller_and_stops_the_rest() -> None:
     copier.stop()
 
 
+def test_a_failing_piece_of_a_small_copy_raises_and_stops_the_rest() -> None:
+    source = np.ones(3 * PIECE, dtype=np.uint8)
+    target = np.zeros_like(source)
+    prepared: list[int] = []
+
+    def prepare(block: int) -> None:
+        prepared.append(block)
+        if block == 1:
+            raise OSError("population failed")
+
+    copier = SplitCopier()
+    with pytest.raises(OSError, match="population failed"):
+        copier.run(pieces_of(source, target), prepare)
+    assert prepared == [0, 1]  # in order, and nothing after the failing piece
+    assert target[:PIECE].all() and not target[PIECE:].any()
+    copier.stop()
+
+
 def test_small_copies_never_start_the_helper(new_threads: Callable[[str], list[threading.Thread]]) -> None:
     size = SPLIT_MIN_BYTES - PIECE
     source = np.full(size, 5, dtype=np.uint8)

@@ -91,9 +91,10 @@ class _Job:
                 if failed is not None and self.error is None:
                     self.error = failed
                     self.front = self.back  # nobody starts another piece
-                if not self.running:
-                    # ``wait`` waits for this alone: a notify per piece costs a store of
-                    # many small chunks more than its bookkeeping does.
+                if not self.running and self.front >= self.back:
+                    # ``wait`` (called once nothing is left to take) waits for this alone:
+                    # a notify per piece costs a store of many small chunks more than its
+                    # bookkeeping does.
                     self.settled.notify_all()
 
     def wait(self) -> None:
@@ -174,17 +175,24 @@ class SplitCopier:
     def run(self, pieces: Sequence[Piece], prepare: Callable[[int], object]) -> None:
         """Copy every piece; returns once all are copied, raising the first error (the
         pieces not started yet are left alone then)."""
-        job = _Job(pieces, prepare)
         total = sum(source.nbytes for _, source, _ in pieces)
         helper_queue = self._queue
+        offered = False
         if len(pieces) > 1 and total >= SPLIT_MIN_BYTES:
+            job = _Job(pieces, prepare)
             with helper_queue.lock:
                 offered = not helper_queue.stopped
                 if offered:
                     self._start_helper()
                     helper_queue.jobs.append(job)
-            if offered:
-                helper_queue.wakeups.put(None)
+        if not offered:
+            # Nobody else takes a piece: copied in order, with no locking per piece.
+            for target, source, block in pieces:
+                if block >= 0:
+                    prepare(block)
+                target[...] = source
+            return
+        helper_queue.wakeups.put(None)
         try:
             job.work()
             job.wait()
