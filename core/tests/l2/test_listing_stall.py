@@ -1,4 +1,5 @@
-"""A coroutine backend's listing that stops yielding (a peer that hangs rather than fails).
+"""A listing that stops yielding (a peer or a mount that hangs rather than fails): a
+coroutine backend's async iterator, or a plain backend's list_keys.
 
 Both readers of a listing wait for its next batch on a thread of their own: the start-up
 scan, which refuses stores that add bytes while it runs, and the eviction policy's seeding.
@@ -20,7 +21,7 @@ from l2_backends import AsyncDictBackend, DictBackend, keys_of, open_dict, store
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter, L2Adapter
-from lmcache_tiers.l2.runners import LoopRunner
+from lmcache_tiers.l2.runners import LoopRunner, Runner
 
 BOUND_S = 30.0  # how long a test waits for what must happen; never a measure of speed
 LISTED = 3
@@ -144,3 +145,64 @@ def test_a_slow_but_live_listing_is_not_taken_for_a_stalled_one(
     assert stats.get("listing_stalls", 0) == 0
     assert stats.get("scan_errors", 0) == 0
     assert stats["scan_keys"] == entries
+
+
+# -- a synchronous list_keys that hangs ----------------------------------------------------
+
+
+class HangingListing(DictBackend):
+    """A plain backend whose ``list_keys`` lists its first entry, then hangs in storage
+    (a directory on a hung mount) until ``released`` is set: nothing can cancel it."""
+
+    released = threading.Event()
+
+    def list_keys(self) -> Iterator[tuple[ObjectKey, int]]:  # type: ignore[override]
+        yield DictBackend.list_keys(self)[0]
+        HangingListing.released.wait(BOUND_S)
+
+
+class HangingListCall(DictBackend):
+    """A plain backend whose ``list_keys`` call itself never returns its list."""
+
+    def list_keys(self) -> list[tuple[ObjectKey, int]]:
+        HangingListing.released.wait(BOUND_S)
+        return DictBackend.list_keys(self)
+
+
+@pytest.mark.parametrize("backend", [HangingListing, HangingListCall], ids=["generator", "list"])
+def test_a_hung_synchronous_listing_ends_the_scan_so_stores_are_no_longer_refused(
+    backend: type[DictBackend],
+    adapters: list[L2Adapter],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import lmcache_tiers.l2.scan as scan
+
+    monkeypatch.setattr(scan, "FOREGROUND_ENTRIES", 1)
+    monkeypatch.setattr(scan, "BATCH_ENTRIES", 1)
+    monkeypatch.setattr(Runner, "listing_stall_timeout_s", 0.2)  # both runners read it
+    HangingListing.released.clear()
+    try:
+        namespace = uuid.uuid4().hex
+        holder = open_dict(DictBackend, capacity=100_000, namespace=namespace)
+        store_blank(holder, keys_of("listed", LISTED), 1000)
+        holder.close()
+        opened: list[BackendAdapter] = []
+        opener = threading.Thread(
+            target=lambda: opened.append(open_dict(backend, capacity=100_000, namespace=namespace)),
+            daemon=True,
+        )
+        opener.start()
+        opener.join(BOUND_S)
+        assert opened, "opening the adapter waits for good for a listing that hangs"
+        adapter = opened[0]
+        adapters.append(adapter)
+        wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")
+        stats = adapter.stats()
+        assert stats["listing_stalls"] == 1
+        assert stats["scan_errors"] == 1
+        assert stats["scan_keys"] == (1 if backend is HangingListing else 0)
+        store_blank(adapter, keys_of("after", 1), 1000)  # no longer refused as "scanning"
+        assert any("listing" in r.getMessage() and "stalled" in r.getMessage() for r in caplog.records)
+    finally:
+        HangingListing.released.set()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
+import itertools
 import logging
 import queue
 import threading
@@ -52,6 +53,13 @@ def chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
 
 class Runner(ABC):
     """Runs one backend's calls; the adapter owns task ids and results."""
+
+    #: how long a listing waits for its next entry before it fails: a store that stopped
+    #: answering would otherwise hold the reading thread (and the start-up scan, which
+    #: refuses stores that add bytes while it runs) for as long as the adapter is open.
+    #: Measured per entry, not per batch: a live store that is slow (a request per page,
+    #: a read per record) takes longer than this for a batch and must still be read whole.
+    listing_stall_timeout_s: ClassVar[float] = 60.0
 
     def __init__(self, state: AdapterState, backend: object, publish: Publish) -> None:
         self.state = state
@@ -106,6 +114,103 @@ class Runner(ABC):
             self.state.name,
             waited_s,
         )
+
+    def _listing_stalled(self) -> TimeoutError:
+        """Count and log a listing whose next entry did not come in
+        ``listing_stall_timeout_s``; the error its reader fails with (as any failed listing)."""
+        self.state.count("listing_stalls")
+        log.warning(
+            "%s: the key listing stalled: no next entry in %.0f s (the backend does not "
+            "answer?); the listing is abandoned as failed",
+            self.state.name,
+            self.listing_stall_timeout_s,
+        )
+        return TimeoutError(f"no next entry of the key listing in {self.listing_stall_timeout_s:.0f} s")
+
+    def _listing_on_a_thread(
+        self,
+        batch: int,
+        read_async: Callable[[AsyncIterable[Entry]], Iterator[list[Entry]]] | None = None,
+    ) -> Iterator[list[Entry]]:
+        """A synchronous ``list_keys`` in batches, read on a thread of its own so that its
+        reader can give up on it: a call or an entry that never comes (a directory on a
+        hung mount) fails the listing after ``listing_stall_timeout_s`` instead of holding
+        the reader -- the start-up scan, or the eviction policy's seeding -- for good.
+
+        ``list_keys`` is called before this returns (a listing begun is the backend's
+        view from then on, as when it was called here); batches are then read one per
+        ask, nothing ahead, so a listing stopped between batches is closed on its thread
+        before ``close()`` returns.  A thread stuck in the backend is left behind (nothing
+        can cancel it).  A listing that is an async iterable goes to ``read_async``."""
+        progress = _ListingProgress()
+        asks: queue.SimpleQueue[bool] = queue.SimpleQueue()  # True: the next batch; False: stop
+        answers: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        reader = threading.Thread(
+            target=self._read_listing,
+            args=(batch, progress, asks, answers, read_async is not None),
+            name=f"l2-{self.state.name}-listing",
+            daemon=True,
+        )
+        reader.start()
+        kind, value = self._next_answer(answers, progress)
+        if kind == "error":
+            raise value
+        if kind == "async":
+            assert read_async is not None
+            return read_async(value)
+        return _ThreadedListing(self, progress, asks, answers, reader)
+
+    def _read_listing(
+        self,
+        batch: int,
+        progress: _ListingProgress,
+        asks: queue.SimpleQueue[bool],
+        answers: queue.SimpleQueue[tuple[str, Any]],
+        async_read_elsewhere: bool,
+    ) -> None:
+        """The reading thread of :meth:`_listing_on_a_thread`: the call, then one batch per ask."""
+
+        def advancing(entries: Iterator[Entry]) -> Iterator[Entry]:
+            for entry in entries:
+                progress.advanced()
+                yield entry
+
+        listed: Iterator[Entry] | None = None
+        try:
+            returned = self.backend.list_keys()  # type: ignore[attr-defined]
+            if async_read_elsewhere and isinstance(returned, AsyncIterable):
+                answers.put(("async", returned))  # read on the event loop instead
+                return
+            listed = iter(returned)
+            answers.put(("listed", None))
+            entries = advancing(listed)
+            while asks.get():
+                items = list(itertools.islice(entries, batch))
+                answers.put(("batch", items) if items else ("end", None))
+                if not items:
+                    return
+        except Exception as exc:
+            answers.put(("error", exc))
+        finally:
+            close = getattr(listed, "close", None)  # a generator may hold a directory open
+            if close is not None:
+                try:
+                    close()
+                except Exception:
+                    log.warning("%s: ending the key listing failed", self.state.name, exc_info=True)
+
+    def _next_answer(
+        self, answers: queue.SimpleQueue[tuple[str, Any]], progress: _ListingProgress
+    ) -> tuple[str, Any]:
+        progress.advanced()  # the wait starts the clock, not the reader's work before it
+        while True:
+            silent_for = progress.silent_for()
+            if silent_for >= self.listing_stall_timeout_s:
+                raise self._listing_stalled()
+            try:
+                return answers.get(timeout=self.listing_stall_timeout_s - silent_for)
+            except queue.Empty:
+                continue  # entries may have come meanwhile: the next round looks
 
     def _interrupt(self) -> None:
         interrupt = optional_method(self.backend, "interrupt")
@@ -176,8 +281,7 @@ class ThreadRunner(Runner):
         return self._execute(op)
 
     def listing(self, batch: int) -> Iterator[list[Entry]]:
-        listed: Iterable[Entry] = self.backend.list_keys()  # type: ignore[attr-defined]
-        return chunks(listed, batch)
+        return self._listing_on_a_thread(batch)
 
     def stop(self, deadline: float) -> None:
         # Tasks still queued never reach the backend; running ones may finish in time.
@@ -227,6 +331,60 @@ class ThreadRunner(Runner):
         return list(self._threads)
 
 
+class _ThreadedListing(Iterator[list[Entry]]):
+    """The batches of a plain listing read on its own thread (``Runner._listing_on_a_thread``),
+    each asked for and waited for with the runner's stall limit."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        progress: _ListingProgress,
+        asks: queue.SimpleQueue[bool],
+        answers: queue.SimpleQueue[tuple[str, Any]],
+        reader: threading.Thread,
+    ) -> None:
+        self._runner = runner
+        self._progress = progress
+        self._asks = asks
+        self._answers = answers
+        self._reader = reader
+        self._ended = False  # the reading thread ended, or is left stuck in the backend
+        self._stopped = False
+
+    def __next__(self) -> list[Entry]:
+        if self._ended:
+            raise StopIteration
+        self._asks.put(True)
+        try:
+            kind, value = self._runner._next_answer(self._answers, self._progress)
+        except TimeoutError:
+            self._ended = True  # stuck in the backend: never waited for again
+            raise
+        if kind == "batch":
+            batch: list[Entry] = value
+            return batch
+        self._ended = True
+        if kind == "error":
+            raise value
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop reading: a thread idle between batches closes the backend's listing, and is
+        waited for (bounded) so that the listing is ended when this returns."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._asks.put(False)
+        if not self._ended:
+            self._ended = True
+            self._reader.join(self._runner.listing_stall_timeout_s)
+
+    def __del__(self) -> None:
+        # Dropped unfinished (a reader that stopped iterating): the thread still ends.
+        if not self._stopped:
+            self._asks.put(False)
+
+
 class _Handoff:
     """Who undoes a prepared operation whose task was cancelled (by close).
 
@@ -273,13 +431,6 @@ class _ListingProgress:
 
 
 class LoopRunner(Runner):
-    #: how long a listing waits for its next entry before it fails: a peer that stopped
-    #: answering would otherwise hold the reading thread (and the start-up scan, which
-    #: refuses stores that add bytes while it runs) for as long as the adapter is open.
-    #: Measured per entry, not per batch: a live store that is slow (a request per page,
-    #: a read per record) takes longer than this for a batch and must still be read whole.
-    listing_stall_timeout_s: ClassVar[float] = 60.0
-
     def __init__(self, state: AdapterState, backend: object, publish: Publish, concurrency: int) -> None:
         super().__init__(state, backend, publish)
         self._loop = asyncio.new_event_loop()
@@ -425,10 +576,11 @@ class LoopRunner(Runner):
     def listing(self, batch: int) -> Iterator[list[Entry]]:
         if threading.current_thread() is self._thread:
             raise RuntimeError(f"{self.state.name}: listing keys would stall the adapter's own event loop")
-        listed = self.backend.list_keys()  # type: ignore[attr-defined]
-        if not isinstance(listed, AsyncIterable):
-            yield from chunks(listed, batch)
-            return
+        yield from self._listing_on_a_thread(batch, lambda listed: self._async_listing(listed, batch))
+
+    def _async_listing(self, listed: AsyncIterable[Entry], batch: int) -> Iterator[list[Entry]]:
+        """An asynchronous listing read on the loop, batch by batch, its stalls detected
+        as the entries come (:meth:`_next_listed`)."""
         iterator = listed.__aiter__()
 
         progress = _ListingProgress()
@@ -475,14 +627,7 @@ class LoopRunner(Runner):
             except concurrent.futures.TimeoutError:
                 continue  # entries may have come meanwhile: the next round looks
         future.cancel()
-        self.state.count("listing_stalls")
-        log.warning(
-            "%s: the key listing stalled: no next entry in %.0f s (the backend does not "
-            "answer?); the listing is abandoned as failed",
-            self.state.name,
-            self.listing_stall_timeout_s,
-        )
-        raise TimeoutError(f"no next entry of the key listing in {self.listing_stall_timeout_s:.0f} s")
+        raise self._listing_stalled()
 
     # -- closing --------------------------------------------------------------------------------
 
