@@ -248,16 +248,17 @@ class StorageManager:
 
         Objects whose L2 store has not started yet go too -- a clear empties L1 -- but
         not silently: they are counted (``l1_cleared_before_l2_store``) and logged.  Those
-        whose store is running still reach L2: they are not counted.
+        whose store is running still reach L2: they are not counted.  The L1 lock is not
+        held around the clear, which lets go of it between batches so that stores and
+        lookups are served during a long clear (``L1Manager.clear``).
         """
         self._check_open()
-        with self.l1.lock:
-            pending = self.l1.unstored()
-            cleared = self.l1.clear(force=force)
-            # A forced clear also takes objects an L2 store is reading now (``storing``):
-            # their extents stay until that store reports, which counts it if it fails or
-            # is abandoned at shutdown.
-            dropped = sum(1 for obj in pending if self.l1.get(obj.key) is not obj and not obj.storing)
+        # Judged by L1 as each object goes: a forced clear also takes objects an L2 store
+        # is reading now (``storing``), whose extents stay until that store reports, which
+        # counts it if it fails or is abandoned at shutdown.
+        cleared_unstored: list[L1Object] = []
+        cleared = self.l1.clear(force=force, cleared_unstored=cleared_unstored)
+        dropped = len(cleared_unstored)
         if dropped:
             self.stats.fail("l1_cleared_before_l2_store", dropped)
             logger.warning(
