@@ -7,12 +7,18 @@ left held, and an event loop that keeps serving."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 
 import pytest
 from l2_backends import AsyncDictBackend, DictBackend, open_dict
 
+from lmcache_tiers.config import L2AdapterConfig
 from lmcache_tiers.l2 import BackendAdapter
+from lmcache_tiers.l2.calls import call_async
+from lmcache_tiers.l2.context import AdapterContext
+from lmcache_tiers.l2.state import AdapterState
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys
 
@@ -177,3 +183,45 @@ def test_a_serde_raising_a_base_exception_fails_its_object_counted(
     assert client.load(later, [buffer]) == [True]
     assert bytes(buffer) == b"t" * SIZE
     adapter.unlock(later)
+
+
+class NeverAnswering:
+    """A coroutine backend whose load waits for an answer that never comes."""
+
+    async def get_many_into(self, keys, buffers):  # type: ignore[no-untyped-def]
+        await asyncio.get_running_loop().create_future()
+
+
+def test_a_coroutine_call_closed_while_it_awaits_the_backend_is_no_backend_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A call's coroutine closed while it awaits the backend (a task dropped with its event
+    loop) gets GeneratorExit thrown in: Python's way of closing it, not the plugin's failure.
+    Caught as one, the close fails ("coroutine ignored GeneratorExit") and an error that never
+    happened is counted."""
+    state = AdapterState(AdapterContext(index=0, name="0:t", config=L2AdapterConfig()))
+    outcome: list[BaseException | None] = []
+
+    def call_then_close() -> None:  # off the main thread, as the adapter's loop runs
+        loop = asyncio.new_event_loop()
+        coroutine = call_async(
+            state, NeverAnswering(), "get_many_into", make_keys(1), memoryview(bytearray(1))
+        )
+        task = loop.create_task(coroutine)
+        loop.run_until_complete(asyncio.sleep(0))  # the call now awaits the backend
+        assert not task.done()
+        loop.close()
+        try:
+            coroutine.close()
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    worker = threading.Thread(target=call_then_close)
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l2"):
+        worker.start()
+        worker.join()
+    assert outcome == [None], "the close went through"
+    assert state.counters.snapshot().get("backend_errors", 0) == 0
+    assert [r.getMessage() for r in caplog.records if "failed" in r.getMessage()] == []

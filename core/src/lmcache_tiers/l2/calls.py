@@ -156,6 +156,10 @@ async def call_async(
         # The backend's own (nobody cancelled this task): a failed call, as in ``call``.
         state.backend_failed(method, exc)
         return None
+    except GeneratorExit:
+        # Thrown in by Python closing this coroutine as it awaits the backend (a task
+        # dropped with its event loop): the close, not a failure, and it must go through.
+        raise
     except BaseException as exc:
         if not raised_by_a_plugin(exc):
             raise
