@@ -112,23 +112,15 @@ def _stop_once_ready(ready: threading.Event, returned: threading.Event) -> threa
     return stopper
 
 
-def test_serve_ends_a_failed_stop_on_one_line_with_status_1(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _serve_until_a_sigterm(monkeypatch: pytest.MonkeyPatch, closed: list[TiersServer]) -> tuple[int, bool]:
+    """``run_server`` on a fresh L1 segment, sent SIGTERM once it serves: its exit code and
+    whether its segment outlived it.  The test's patches are undone as it returns and the
+    threads of every server in ``closed`` (whose storage close a patch broke) stopped."""
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers need the main thread")
     name = f"tiers_unit_{uuid.uuid4().hex[:12]}"
     config = ServerConfig(port=0, metrics_port=0, l1_size_gb=0.0625, l1_shm_name=name)
     ready, returned = threading.Event(), threading.Event()
-    closes: list[TiersServer] = []
-    close = TiersServer.close
-
-    def close_with_a_broken_join(self: TiersServer, console: Any = None) -> dict[str, Any]:
-        closes.append(self)
-        _break_the_store_join(monkeypatch, self)
-        return close(self, console)
-
-    monkeypatch.setattr(TiersServer, "close", close_with_a_broken_join)
     stopper = _stop_once_ready(ready, returned)
     with _segment(name) as segment:
         try:
@@ -138,17 +130,33 @@ def test_serve_ends_a_failed_stop_on_one_line_with_status_1(
             ready.set()
             stopper.join(5)
             monkeypatch.undo()
-            for server in closes:
+            for server in closed:
                 _stop_controllers(server)
-        assert code == 1
-        err = capsys.readouterr().err
-        lines = [line for line in err.splitlines() if line.startswith("error:")]
-        assert lines == [
-            "error: the stop failed: closing the storage failed: "
-            "joining l2-store failed: RuntimeError: join is broken; "
-            "0 objects acknowledged to clients were not stored in L2"
-        ]
-        assert not os.path.exists(segment)
+        return code, os.path.exists(segment)
+
+
+def test_serve_ends_a_failed_stop_on_one_line_with_status_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    closes: list[TiersServer] = []
+    close = TiersServer.close
+
+    def close_with_a_broken_join(self: TiersServer, console: Any = None) -> dict[str, Any]:
+        closes.append(self)
+        _break_the_store_join(monkeypatch, self)
+        return close(self, console)
+
+    monkeypatch.setattr(TiersServer, "close", close_with_a_broken_join)
+    code, segment_left = _serve_until_a_sigterm(monkeypatch, closes)
+    assert code == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert lines == [
+        "error: the stop failed: closing the storage failed: "
+        "joining l2-store failed: RuntimeError: join is broken; "
+        "0 objects acknowledged to clients were not stored in L2"
+    ]
+    assert not segment_left
 
 
 def test_a_first_signal_does_not_cut_short_the_clean_up_of_a_failed_start(
@@ -240,11 +248,6 @@ def test_a_failed_stop_that_lost_acknowledged_writes_exits_3_not_1(
 ) -> None:
     """Lost data must not hide behind a generic failure: a supervisor that alerts on 3
     would miss writes lost by a stop that also failed a step."""
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("signal handlers need the main thread")
-    name = f"tiers_unit_{uuid.uuid4().hex[:12]}"
-    config = ServerConfig(port=0, metrics_port=0, l1_size_gb=0.0625, l1_shm_name=name)
-    ready, returned = threading.Event(), threading.Event()
     closes: list[TiersServer] = []
     close = TiersServer.close
 
@@ -255,18 +258,9 @@ def test_a_failed_stop_that_lost_acknowledged_writes_exits_3_not_1(
         return close(self, console)
 
     monkeypatch.setattr(TiersServer, "close", close_losing_writes_with_a_broken_join)
-    stopper = _stop_once_ready(ready, returned)
-    with _segment(name):
-        try:
-            code = run_server(config, ready=ready, banner=False)
-        finally:
-            returned.set()
-            ready.set()
-            stopper.join(5)
-            monkeypatch.undo()
-            for server in closes:
-                _stop_controllers(server)
+    code, segment_left = _serve_until_a_sigterm(monkeypatch, closes)
     assert code == app.EXIT_ACKNOWLEDGED_WRITES_LOST
+    assert not segment_left
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1
     assert "joining l2-store failed" in lines[0]
@@ -276,10 +270,6 @@ def test_a_failed_stop_that_lost_acknowledged_writes_exits_3_not_1(
 def test_a_front_end_failure_whose_stop_lost_acknowledged_writes_exits_3_not_1(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("signal handlers need the main thread")
-    name = f"tiers_unit_{uuid.uuid4().hex[:12]}"
-    config = ServerConfig(port=0, metrics_port=0, l1_size_gb=0.0625, l1_shm_name=name)
     serve = TiersServer.serve
 
     def serve_then_fail(self: TiersServer) -> None:
@@ -293,13 +283,6 @@ def test_a_front_end_failure_whose_stop_lost_acknowledged_writes_exits_3_not_1(
     close = TiersServer.close
     monkeypatch.setattr(TiersServer, "serve", serve_then_fail)
     monkeypatch.setattr(TiersServer, "close", close_losing_writes)
-    ready, returned = threading.Event(), threading.Event()
-    stopper = _stop_once_ready(ready, returned)
-    with _segment(name):
-        try:
-            code = run_server(config, ready=ready, banner=False)
-        finally:
-            returned.set()
-            ready.set()
-            stopper.join(5)
+    code, segment_left = _serve_until_a_sigterm(monkeypatch, [])
     assert code == app.EXIT_ACKNOWLEDGED_WRITES_LOST
+    assert not segment_left
