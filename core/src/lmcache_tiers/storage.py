@@ -315,5 +315,12 @@ class StorageManager:
     def __enter__(self) -> StorageManager:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # What ended the block (a Ctrl-C, SIGTERM's SystemExit in a replay, a failed call)
+        # is the one to raise: close steps failing on top are logged and counted by the
+        # close already, and must not replace it (nor the exit status it carries).
+        with contextlib.suppress(StorageCloseFailed):
+            self.close()

@@ -127,3 +127,42 @@ def test_a_backend_whose_close_does_not_return_fails_the_close_and_is_counted(
     assert storage.failures().get("l2_backend_close_failed") == 1
     assert "close of the backend did not return" in caplog.text
     assert other.closed and storage.l1.closed
+
+
+def test_a_failed_close_on_leaving_a_with_block_does_not_hide_what_ended_the_block(
+    engine, monkeypatch, caplog
+) -> None:
+    # An in-process replay stopped by SIGTERM (SystemExit 143) leaves its `with
+    # StorageManager` block: a close that then fails (a backend's close past its budget)
+    # is counted and logged, and the replay still exits 143, not with the close's error.
+    storage = engine([mock()])
+    (hung,) = storage.adapters
+    gate = threading.Event()
+    monkeypatch.setattr(hung.backend, "close", lambda: gate.wait(60), raising=False)
+    monkeypatch.setattr(hung, "close_backend_timeout_s", 0.2)
+    try:
+        with (
+            caplog.at_level(logging.ERROR, logger="lmcache_tiers"),
+            pytest.raises(SystemExit) as ended,
+            storage,
+        ):
+            raise SystemExit(143)
+    finally:
+        gate.set()
+
+    assert ended.value.code == 143
+    assert storage.failures().get("l2_backend_close_failed") == 1
+    assert f"closing L2 adapter {hung.name} failed" in caplog.text
+    assert storage.l1.closed
+
+
+def test_a_failed_close_on_leaving_a_with_block_that_ended_well_raises(engine, monkeypatch) -> None:
+    storage = engine([mock()])
+    (broken,) = storage.adapters
+    monkeypatch.setattr(broken.backend, "close", _close_is_broken, raising=False)
+    with pytest.raises(StorageCloseFailed, match=f"closing L2 adapter {broken.name} failed"), storage:
+        pass
+
+
+def _close_is_broken() -> None:
+    raise OSError("checkpoint not written")
