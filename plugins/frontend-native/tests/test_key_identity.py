@@ -125,3 +125,19 @@ def test_views_are_refused_to_a_reader_naming_another_layout(make_server: Any, s
             assert [bytes(view) for view in views] == [t.view(torch.uint8).numpy().tobytes() for t in stored]
     assert _native(server).stats().failures["retrieve_layout_mismatch"] == 1
     assert server.storage.status()["l1"]["read_locks"] == 0
+
+
+def test_a_mismatch_behind_an_inline_reply_cut_by_its_byte_limit_is_counted_once(make_server: Any) -> None:
+    """Inline replies carry one chunk each here: the client asks again from where each
+    stopped, and the chunk of another layout ends the prefix once, not once per reply."""
+    chunk_bytes = torch.zeros(SHAPE, dtype=torch.bfloat16).nbytes
+    server = make_server(frontends=[{"type": "native", "max_inline_bytes": chunk_bytes}])
+    stored = _stored_bf16(server, shm=False)
+    targets = [torch.zeros(SHAPE, dtype=torch.bfloat16) for _ in range(CHUNKS)]
+    targets[2] = torch.zeros(SHAPE, dtype=torch.float16)
+    with Client(_native(server).address, shm=False) as client:
+        assert client.retrieve_into(KEYS, targets) == 2
+    assert all(torch.equal(got, want) for got, want in zip(targets[:2], stored, strict=False))
+    assert _native(server).stats().failures["retrieve_layout_mismatch"] == 1
+    assert server.storage.status()["l1"]["read_locks"] == 0
+

@@ -567,7 +567,9 @@ class Handlers:
             def finish() -> Response:
                 if lost:
                     self.stats.failure("retrieve_object_lost")
-                if mismatch < len(objects):
+                if wanted is not None and len(payloads) == mismatch < len(objects):
+                    # Only a reply whose prefix ends at the mismatch counts it: one cut
+                    # short by the byte limit before it is followed by another request.
                     self._count_layout_mismatch(objects[mismatch], wanted[mismatch])
                 # The client has its bytes: drop whatever it still held on them (its
                 # LOOKUP's locks), as a shared-memory client's RELEASE would.
@@ -583,12 +585,12 @@ class Handlers:
         return Deferred(work, "retrieve_inline")
 
     def _of_reader_layouts(
-        self, keys: Sequence[ObjectKey], objects: list[Any], wanted: list[str], not_before: float
+        self, keys: Sequence[ObjectKey], objects: list[Any], wanted: list[str] | None, not_before: float
     ) -> list[Any]:
         """The leading ``objects`` (read-locked for ``keys``) a reader of the ``wanted``
         layouts may read; the locks on the rest are given back, the miss counted."""
         mismatch = _first_mismatch(objects, wanted)
-        if mismatch == len(objects):
+        if wanted is None or mismatch == len(objects):
             return objects
         kept = set(keys[:mismatch])
         # L1 locked a key repeated in the prefix once: a repeat of a kept key keeps its lock.
@@ -701,10 +703,11 @@ class Handlers:
         self.stats.released_at_stop_reservations = writes
 
 
-def _reader_layouts(req: p.Retrieve) -> list[str]:
-    """The layout per key a RETRIEVE's reader reads ("" for any); refused unless valid."""
+def _reader_layouts(req: p.Retrieve) -> list[str] | None:
+    """The layout per key a RETRIEVE's reader reads ("" for any), None when it names
+    none (plain bytes, or an older client); refused unless valid."""
     if not req.layouts:
-        return [""] * len(req.keys)
+        return None
     if len(req.layouts) != len(req.keys):
         raise HandlerError(
             p.ErrorCode.INVALID_ARGUMENT, f"{len(req.keys)} keys but {len(req.layouts)} layouts"
@@ -721,9 +724,11 @@ def _layout_nbytes(layout: str) -> int:
     return TensorLayout.parse(layout).nbytes
 
 
-def _first_mismatch(objects: Sequence[Any], wanted: Sequence[str]) -> int:
+def _first_mismatch(objects: Sequence[Any], wanted: Sequence[str] | None) -> int:
     """Index of the first object a reader of its ``wanted`` layout may not read (one of
     another known layout, or of unknown layout and another size); ``len(objects)`` if none."""
+    if wanted is None:
+        return len(objects)  # a plain-bytes reader: no per-object walk on its hot path
     for index, (obj, layout) in enumerate(zip(objects, wanted, strict=False)):
         if layout and (obj.size != _layout_nbytes(layout) or (obj.layout and obj.layout != layout)):
             return index
