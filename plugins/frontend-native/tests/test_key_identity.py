@@ -11,16 +11,20 @@ numbers.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
-from lmcache_tiers.client import Client
+from lmcache_tiers.client import Client, RequestTimeoutError
 from lmcache_tiers.keys import prefix_keys
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.testing.ports import free_port
+from lmcache_tiers.testing.server import ServerHarness
 
 SHAPE = (2, 4, 256, 64)
 CHUNKS = 3
@@ -141,3 +145,39 @@ def test_a_mismatch_behind_an_inline_reply_cut_by_its_byte_limit_is_counted_once
     assert _native(server).stats().failures["retrieve_layout_mismatch"] == 1
     assert server.storage.status()["l1"]["read_locks"] == 0
 
+
+def _until_reachable(client: Client) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.ping(timeout=0.5)
+            return
+        except RequestTimeoutError:
+            assert time.monotonic() < deadline, "the client never reconnected"
+
+
+def test_views_are_refused_by_a_server_upgraded_since_the_client_greeted_its_predecessor() -> None:
+    """A rolling upgrade: the client greeted a server without ``retrieve_layouts`` (this
+    release's, greeted as an earlier one announces itself), which was then replaced by
+    this release on the same port.  The first retrieve after the switch must name the
+    reader's layouts to the new server, not decide from the old server's HELLO."""
+    port = free_port()
+    first, second = ServerHarness(), ServerHarness()
+    try:
+        client = Client(first.make(port=port).endpoint, timeout=5)
+        earlier = [feature for feature in client.server.features if feature != "retrieve_layouts"]
+        client.server = msgspec.structs.replace(client.server, features=earlier)
+        first.close()
+        upgraded = second.make(port=port)
+        _stored_bf16(upgraded, shm=True)
+        _until_reachable(client)
+        float16 = f"float16[{','.join(map(str, SHAPE))}]"
+        with client.retrieve(KEYS, layouts=[float16] * CHUNKS) as views:
+            assert views == []
+        assert "retrieve_layouts" in client.server_features
+        client.close()
+        assert _native(upgraded).stats().failures["retrieve_layout_mismatch"] == 1
+        assert upgraded.storage.status()["l1"]["read_locks"] == 0
+    finally:
+        first.close()
+        second.close()

@@ -548,7 +548,8 @@ class Client(Connection):
 
         ``layouts``: what the caller will read each object as (``"float16[2,32,256,128]"``,
         "" for plain bytes); the prefix then ends at an object of another layout, as in
-        :meth:`retrieve_into`.
+        :meth:`retrieve_into`.  A server without feature ``retrieve_layouts`` (an older
+        release) cannot check them: it hands out the views as before.
 
         Shared-memory views point into the server's memory and are valid only inside the
         ``with`` block; on exit they are released together with every lock this client
@@ -560,11 +561,12 @@ class Client(Connection):
         keys = list(keys)
         if layouts is not None and len(layouts) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(layouts)} layouts")
-        wanted = None if layouts is None else self._reader_layouts(list(layouts))
+        reader = [] if layouts is None else list(layouts)
         with contextlib.ExitStack() as held:  # the segment stays mapped until the views go
-            segment, slots = self._on_current_server(lambda: self._acquire_mapped(keys, held, wanted))
+            segment, slots = self._on_current_server(lambda: self._acquire_mapped(keys, held, reader))
             if segment is None:
-                yield self._retrieve_inline(keys, wanted)
+                # Decided after _on_current_server greeted the server it reads from.
+                yield self._retrieve_inline(keys, self._reader_layouts(reader))
                 return
             with self._leased(keys):
                 views = [segment.buffer[slot.offset : slot.offset + slot.size].toreadonly() for slot in slots]
@@ -581,15 +583,18 @@ class Client(Connection):
             raise StaleReadError([keys[index] for index in stale])
 
     def _acquire_mapped(
-        self, keys: list[ObjectKey], held: contextlib.ExitStack, layouts: list[str] | None = None
+        self, keys: list[ObjectKey], held: contextlib.ExitStack, layouts: list[str]
     ) -> tuple[MappedSegment | None, list[p.Slot]]:
-        """``_acquire`` in the mapped segment: (segment, slots), or (None, []) when bytes
-        travel inline.  On success ``held`` keeps the segment mapped (see ``_mapped``)."""
+        """``_acquire`` in the mapped segment, for a reader of ``layouts`` (one per key, or
+        none): (segment, slots), or (None, []) when bytes travel inline.  On success
+        ``held`` keeps the segment mapped (see ``_mapped``)."""
         with contextlib.ExitStack() as attempt:
             segment = attempt.enter_context(self._mapped())
             if segment is None:
                 return None, []
-            slots = self._acquire(keys, segment, layouts)
+            # Decided per attempt: the server greeted last (a restarted, maybe upgraded,
+            # one) is the one that must check them.
+            slots = self._acquire(keys, segment, self._reader_layouts(layouts))
             held.enter_context(attempt.pop_all())
             return segment, slots
 
