@@ -5,13 +5,16 @@ what failed, each failure logged once with its traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 
 import pytest
 from engine_support import GatedStorePolicy, MiB, keys_of, mock, store
 
 from lmcache_tiers.controllers import base
+from lmcache_tiers.l2 import BackendAdapter
 from lmcache_tiers.storage import StorageCloseFailed
 
 DROPPED = ("l2_store_abandoned", "l2_store_dropped_at_shutdown")
@@ -100,6 +103,19 @@ def test_a_backend_whose_close_raises_fails_the_close_and_is_counted(engine, mon
     assert other.closed and storage.l1.closed
 
 
+@contextlib.contextmanager
+def closing_past_its_budget(monkeypatch: pytest.MonkeyPatch, adapter: BackendAdapter) -> Iterator[None]:
+    """Within the block, ``adapter``'s backend close does not return within its budget
+    (cut to 0.2 s); it returns once the block is left, so that no thread outlives the test."""
+    gate = threading.Event()
+    monkeypatch.setattr(adapter.backend, "close", lambda: gate.wait(60), raising=False)
+    monkeypatch.setattr(adapter, "close_backend_timeout_s", 0.2)
+    try:
+        yield
+    finally:
+        gate.set()
+
+
 def test_a_backend_whose_close_does_not_return_fails_the_close_and_is_counted(
     engine, monkeypatch, caplog
 ) -> None:
@@ -108,17 +124,12 @@ def test_a_backend_whose_close_does_not_return_fails_the_close_and_is_counted(
     # the stop fails the same way, naming the adapter and the budget, not exit 0.
     storage = engine([mock(), mock()])
     hung, other = storage.adapters
-    gate = threading.Event()
-    monkeypatch.setattr(hung.backend, "close", lambda: gate.wait(60), raising=False)
-    monkeypatch.setattr(hung, "close_backend_timeout_s", 0.2)
-    try:
-        with (
-            caplog.at_level(logging.WARNING, logger="lmcache_tiers"),
-            pytest.raises(StorageCloseFailed) as failed,
-        ):
-            storage.close(drain_timeout_s=0.0)
-    finally:
-        gate.set()
+    with (
+        closing_past_its_budget(monkeypatch, hung),
+        caplog.at_level(logging.WARNING, logger="lmcache_tiers"),
+        pytest.raises(StorageCloseFailed) as failed,
+    ):
+        storage.close(drain_timeout_s=0.0)
 
     assert f"closing L2 adapter {hung.name} failed" in str(failed.value)
     assert "close did not return in 0.2 s" in str(failed.value)
@@ -137,18 +148,13 @@ def test_a_failed_close_on_leaving_a_with_block_does_not_hide_what_ended_the_blo
     # is counted and logged, and the replay still exits 143, not with the close's error.
     storage = engine([mock()])
     (hung,) = storage.adapters
-    gate = threading.Event()
-    monkeypatch.setattr(hung.backend, "close", lambda: gate.wait(60), raising=False)
-    monkeypatch.setattr(hung, "close_backend_timeout_s", 0.2)
-    try:
-        with (
-            caplog.at_level(logging.ERROR, logger="lmcache_tiers"),
-            pytest.raises(SystemExit) as ended,
-            storage,
-        ):
-            raise SystemExit(143)
-    finally:
-        gate.set()
+    with (
+        closing_past_its_budget(monkeypatch, hung),
+        caplog.at_level(logging.ERROR, logger="lmcache_tiers"),
+        pytest.raises(SystemExit) as ended,
+        storage,
+    ):
+        raise SystemExit(143)
 
     assert ended.value.code == 143
     assert storage.failures().get("l2_backend_close_failed") == 1
