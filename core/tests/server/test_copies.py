@@ -89,11 +89,8 @@ def test_start_runs_the_helper_before_the_first_copy_and_not_after_stop(
     assert new_threads("shm-copy") == []
 
 
-def test_a_failing_piece_raises_in_the_caller_and_stops_the_rest() -> None:
-    source = np.ones(8 * PIECE, dtype=np.uint8)
-    target = np.zeros_like(source)
-    prepared: list[int] = []
-    lock = threading.Lock()
+def failing_at_block_1(prepared: list[int], lock: threading.Lock) -> Callable[[int], None]:
+    """A ``prepare`` noting each block it is asked for in ``prepared``, failing on block 1."""
 
     def prepare(block: int) -> None:
         with lock:
@@ -101,9 +98,16 @@ def test_a_failing_piece_raises_in_the_caller_and_stops_the_rest() -> None:
         if block == 1:
             raise OSError("population failed")
 
+    return prepare
+
+
+def test_a_failing_piece_raises_in_the_caller_and_stops_the_rest() -> None:
+    source = np.ones(8 * PIECE, dtype=np.uint8)
+    target = np.zeros_like(source)
+    prepared: list[int] = []
     copier = SplitCopier()
     with pytest.raises(OSError, match="population failed"):
-        copier.run(pieces_of(source, target), prepare)
+        copier.run(pieces_of(source, target), failing_at_block_1(prepared, threading.Lock()))
     # at most one piece per thread was started after the failing one was taken (before it,
     # the helper may have taken any number from the back while the caller was not running)
     assert 1 in prepared and len(prepared[prepared.index(1) + 1 :]) <= 2
@@ -118,15 +122,9 @@ def test_a_failing_piece_of_a_small_copy_raises_and_stops_the_rest() -> None:
     source = np.ones(3 * PIECE, dtype=np.uint8)
     target = np.zeros_like(source)
     prepared: list[int] = []
-
-    def prepare(block: int) -> None:
-        prepared.append(block)
-        if block == 1:
-            raise OSError("population failed")
-
     copier = SplitCopier()
     with pytest.raises(OSError, match="population failed"):
-        copier.run(pieces_of(source, target), prepare)
+        copier.run(pieces_of(source, target), failing_at_block_1(prepared, threading.Lock()))
     assert prepared == [0, 1]  # in order, and nothing after the failing piece
     assert target[:PIECE].all() and not target[PIECE:].any()
     copier.stop()

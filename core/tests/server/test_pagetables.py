@@ -159,17 +159,24 @@ def test_the_background_pass_waits_while_the_client_is_busy(mapping: np.ndarray[
     pages.stop()
 
 
-def test_each_block_is_populated_once(mapping: np.ndarray[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def addresses_populated(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The address of each block populated from now on (none without madvise)."""
     real = pagetables._madvise
-    if real is None:
-        pytest.skip("no madvise through ctypes on this platform")
     calls: list[int] = []
+    if real is not None:
 
-    def counting(address: int, length: int, advice: int) -> int:
-        calls.append(length)
-        return int(real(address, length, advice))
+        def counting(address: int, length: int, advice: int) -> int:
+            calls.append(address)
+            return int(real(address, length, advice))
 
-    monkeypatch.setattr(pagetables, "_madvise", counting)
+        monkeypatch.setattr(pagetables, "_madvise", counting)
+    return calls
+
+
+def test_each_block_is_populated_once(mapping: np.ndarray[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    if pagetables._madvise is None:
+        pytest.skip("no madvise through ctypes on this platform")
+    calls = addresses_populated(monkeypatch)
     array = mapping
     pages = PageTables(array.ctypes.data, SIZE)
     source = np.full(2 * COPY_PIECE + 10, 7, dtype=np.uint8)
@@ -188,14 +195,7 @@ def test_many_small_copies_are_exact_and_populate_each_block_once(
     # Chunks smaller than a block, some straddling a block boundary, one filling a block
     # exactly, in one request: large enough in all to be split between two threads.
     real = pagetables._madvise
-    calls: list[int] = []
-    if real is not None:
-
-        def counting(address: int, length: int, advice: int) -> int:
-            calls.append(address)
-            return int(real(address, length, advice))
-
-        monkeypatch.setattr(pagetables, "_madvise", counting)
+    calls = addresses_populated(monkeypatch)
     array = mapping
     pages = PageTables(array.ctypes.data, SIZE)
     rng = np.random.default_rng(5)
