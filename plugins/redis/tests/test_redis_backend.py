@@ -1799,6 +1799,12 @@ def test_a_store_hung_at_start_up_is_checked_when_it_answers(
 
     wait_for(denial_counted, "the check of the store once it answers")
     wait_for(lambda: adapter.stats()["circuit_open"] == 1, "the circuit to open on the denial")
+    # Each probe checks again and finds the same denial: it is counted and logged once,
+    # not once per probe (20 a second here) or per call.
+    probes = adapter.stats().get("circuit_probe_failures", 0)
+    wait_for(lambda: adapter.stats().get("circuit_probe_failures", 0) > probes + 2, "more probes")
+    assert client_of(adapter).lookup_and_lock(keys).found == [False] * 2
+    assert adapter.stats()["permissions_denied"] == 1, adapter.stats()
     own_server.cli("ACL", "SETUSER", "limited", "+unlink")
     wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close once allowed")
     data = store(adapter, keys)

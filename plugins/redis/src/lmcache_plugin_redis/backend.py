@@ -276,6 +276,8 @@ class RedisBackend:
         # The permission check of start-up reaches only the nodes that answer then; the
         # others are checked when they first answer (``_check_owed_permissions``).
         self._permission_lock = threading.Lock()
+        #: held only to claim the next owed check and to change the verdict, never across I/O
+        self._verdict_lock = threading.Lock()
         #: primaries (by node name; the target for a single store) that gave a verdict
         self._checked_nodes: set[str] = set()
         self._permissions_owed = True
@@ -551,34 +553,50 @@ class RedisBackend:
         denial -- with the circuit breaker off too, and until the ACL is fixed."""
         if not self._permissions_owed:
             return
-        if time.monotonic() >= self._next_owed_check:
-            self._next_owed_check = time.monotonic() + OWED_CHECK_INTERVAL_S
+        if self._owed_check_claimed():
             self._check_owed_permissions()
         if self._denied is not None:
             self.context.count("calls_refused_for_permissions")
             raise PermissionsDenied(self._denied)
 
+    def _owed_check_claimed(self) -> bool:
+        """Whether this call makes the owed check: one call per ``OWED_CHECK_INTERVAL_S``,
+        the calls running meanwhile go on without it (they neither wait for nor repeat it)."""
+        now = time.monotonic()
+        with self._verdict_lock:
+            if now < self._next_owed_check:
+                return False
+            self._next_owed_check = now + OWED_CHECK_INTERVAL_S
+            return True
+
     def _check_owed_permissions(self) -> None:
-        """Check the primaries that gave no verdict yet; a denial is counted
-        (``permissions_denied``), logged, and refuses every call until a check (the
-        circuit's probe) finds the node allowed."""
+        """Check the primaries that gave no verdict yet; a denial refuses every call until
+        a check (the circuit's probe) finds the node allowed."""
         try:
             denied, _ = self._unchecked_permission_refusals(self.client)
         except (RedisError, RedisClusterException) as exc:  # not answering yet: still owed
             log.debug("%s: permission check not answered yet (%s)", self.context.name, exc)
             return
+        denial = None
         if denied:
-            self._denied = (
+            denial = (
                 f"{self.context.name}: the Redis user may not run what the adapter needs "
                 f"({'; '.join(denied)}): grant it HSET, HGET, HMGET, SCAN, EVALSHA, EVAL "
                 f"and UNLINK on keys {self.prefix!r}*"
             )
+        self._set_denial(denial)
+
+    def _set_denial(self, denial: str | None) -> None:
+        """Record the last check's verdict.  A new denial is counted
+        (``permissions_denied``) and logged once: every probe and, once a second, a call
+        checks again while it lasts, and finding the same denial is no news."""
+        with self._verdict_lock:
+            before, self._denied = self._denied, denial
+        if denial is not None and denial != before:
             self.context.count("permissions_denied")
-            log.error("%s; its calls are refused until a probe finds it allowed", self._denied)
-            return
-        if self._denied is not None:
+            log.error("%s; its calls are refused until a probe finds it allowed", denial)
+        elif denial is None and before is not None:
             log.info("%s: the Redis user is now allowed what the adapter needs", self.context.name)
-        self._denied = None
 
     def ping(self) -> None:
         client = self.client
