@@ -109,6 +109,9 @@ _WARN_EVERY_S = 60.0
 #: how many operation_timeout_s a call may stay inside Mooncake: a master RPC, then a
 #: transfer's progress and status timeouts (what close waits for it)
 _CALL_TIMEOUTS = 3
+#: how long a running probe makes the next one wait: well past Mooncake's ~4 s reconnect
+#: and its RPC timeouts, so only a probe stuck for good is joined by another
+_PROBE_ALONE_S = 30.0
 #: payload bytes below which checksums are taken on the calling thread alone (handing
 #: work to a helper thread costs more than it saves for a few objects)
 PARALLEL_MIN_BYTES = 4 << 20
@@ -259,6 +262,10 @@ class MooncakeStoreBackend:
         self._reread: set[str] = set()
         #: set while the master is silent: its last call failed unanswered (see _master_call)
         self._master_silent = threading.Event()
+        #: probes started and not ended (given up ones included), and when the last began
+        self._probes_running = 0
+        self._last_probe_started = 0.0
+        self._probe_lock = threading.Lock()
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -363,16 +370,45 @@ class MooncakeStoreBackend:
     def ping(self) -> None:
         """Raise unless the master answers an existence query within the timeout; the
         answer (or its absence) also says whether the master is silent (``_master_call``)."""
-        try:
-            (code,) = self._call_leased("probe", _exist, [PROBE_NAME])
-        except CallTimeout:
-            self._master_silent.set()
-            raise
+        code = self._probe_code()
         if code in UNREACHABLE:
             self._master_silent.set()
         if code < 0:
             raise MooncakeError(f"existence query returned {describe(code)}")
         self._master_silent.clear()
+
+    def _probe_code(self) -> int:
+        """The code of one existence query of the probe name on the deadline pool, or an
+        error.  One probe at a time: a probe given up at its deadline may stay inside
+        Mooncake for its ~4 s reconnect, and one per call made meanwhile (stores, lookups
+        and loads of every worker, the circuit's probes) would fill the deadline pool with
+        them -- deletes waiting behind -- and leave daemon threads inside Mooncake; the
+        master has not answered the running one, so a second is refused at once (unless
+        the running one has been inside Mooncake for ``_PROBE_ALONE_S``: a call stuck for
+        good must not keep the circuit open for good)."""
+        with self._probe_lock:
+            now = time.monotonic()
+            if self._probes_running and now - self._last_probe_started < _PROBE_ALONE_S:
+                raise MooncakeError("the master has not answered the probe sent before (still running)")
+            self._probes_running += 1
+            self._last_probe_started = now
+        given_up = False
+        try:
+            (code,) = self.calls.run(
+                "probe", self.timeout, self._leased, _exist, [PROBE_NAME], on_late=self._probe_ended
+            )
+        except CallTimeout:
+            given_up = True  # on_late ends it
+            self._master_silent.set()
+            raise
+        finally:
+            if not given_up:
+                self._probe_ended()
+        return code
+
+    def _probe_ended(self) -> None:
+        with self._probe_lock:
+            self._probes_running -= 1
 
     def capacity(self) -> int | None:
         return self.config.capacity_bytes
