@@ -374,14 +374,22 @@ class Connection:
         when the process exits, and against a service still hung that stalls the exit for
         its fixed timeouts (about 9 s).  A server's leave path ends the process at once
         (``os._exit``, which skips that handler) when a non-daemon thread is still running
-        after the stop; this thread is that signal while the client is unclosed."""
+        after the stop; this thread is that signal while the client is unclosed.  Any
+        other process (a tool, a test) that reaches its normal exit is not kept waiting:
+        the thread ends when the main thread has ended."""
 
         def close_when_answered() -> None:
             deadline = time.monotonic() + _UNCLOSED_RETRY_FOR_S
             pause = max(_RETRY_FIRST_S, timeout_s)
+            main = threading.main_thread()
             while time.monotonic() + pause < deadline:
-                time.sleep(pause)
-                if self._unanswered_service(store, timeout_s) is None:
+                main.join(pause)  # a pause, cut short by the process's exit
+                if not main.is_alive():
+                    logger.info("%s: the process exits with a Mooncake client left unclosed", self.name)
+                    return
+                # On this thread, not given up: a daemon thread inside Mooncake when the
+                # process exits aborts it, and waiting here holds nobody.
+                if self._unanswered_service(store, timeout_s, _master_answers_here) is None:
                     _close_quietly(store)
                     logger.info(
                         "%s: the Mooncake client left unclosed was closed: both services answer", self.name
@@ -400,11 +408,14 @@ class Connection:
             target=close_when_answered, name=f"mooncake-{self.name}-unclosed-client", daemon=False
         ).start()
 
-    def _unanswered_service(self, store: Any, timeout_s: float) -> str | None:
+    def _unanswered_service(
+        self, store: Any, timeout_s: float, master_answers: Callable[[Any, float], bool] | None = None
+    ) -> str | None:
         """The service Mooncake's close talks to that neither answers nor refuses within
-        ``timeout_s`` (a description), or None if both do."""
+        ``timeout_s`` (a description), or None if both do.  The master is asked by
+        ``master_answers`` (by default on a daemon thread given up at the deadline)."""
         deadline = time.monotonic() + timeout_s
-        if not _master_answers(store, timeout_s):
+        if not (master_answers or _master_answers)(store, timeout_s):
             return f"the Mooncake master at {self.config.master_server_address}"
         metadata = self.config.metadata_server
         if not _metadata_server_answers(metadata, max(0.0, deadline - time.monotonic())):
@@ -420,15 +431,29 @@ def _master_answers(store: Any, timeout_s: float) -> bool:
     codes: list[int] = []
 
     def query() -> None:
-        try:
-            codes.extend(store.batch_is_exist([_CLOSE_PROBE_NAME]))
-        except Exception:
-            logger.debug("the master probe before close failed", exc_info=True)
+        codes.extend(_query_master(store))
 
     thread = threading.Thread(target=query, name="mooncake-close-probe", daemon=True)
     thread.start()
     thread.join(timeout_s)
     return not thread.is_alive() and _RPC_TIMED_OUT not in codes
+
+
+def _master_answers_here(store: Any, timeout_s: float) -> bool:
+    """``_master_answers``'s verdict, the query made on the calling thread and waited for
+    to its end (Mooncake's own timeouts, or its ~4 s reconnect to a killed master)."""
+    started = time.monotonic()
+    codes = _query_master(store)
+    return time.monotonic() - started <= timeout_s and _RPC_TIMED_OUT not in codes
+
+
+def _query_master(store: Any) -> list[int]:
+    """The codes of an existence query of the probe name before a close; none if it raised."""
+    try:
+        return list(store.batch_is_exist([_CLOSE_PROBE_NAME]))
+    except Exception:
+        logger.debug("the master probe before close failed", exc_info=True)
+        return []
 
 
 def _metadata_server_answers(url: str, timeout_s: float) -> bool:
