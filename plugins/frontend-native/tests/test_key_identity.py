@@ -11,7 +11,6 @@ numbers.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from lmcache_tiers.client import Client, RequestTimeoutError
+from lmcache_tiers.client import Client
 from lmcache_tiers.keys import prefix_keys
 from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.testing.ports import free_port
-from lmcache_tiers.testing.server import ServerHarness
+from lmcache_tiers.testing.server import ServerHarness, until_reachable
 
 SHAPE = (2, 4, 256, 64)
 CHUNKS = 3
@@ -146,16 +145,6 @@ def test_a_mismatch_behind_an_inline_reply_cut_by_its_byte_limit_is_counted_once
     assert server.storage.status()["l1"]["read_locks"] == 0
 
 
-def _until_reachable(client: Client) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            client.ping(timeout=0.5)
-            return
-        except RequestTimeoutError:
-            assert time.monotonic() < deadline, "the client never reconnected"
-
-
 def test_views_are_refused_by_a_server_upgraded_since_the_client_greeted_its_predecessor() -> None:
     """A rolling upgrade: the client greeted a server without ``retrieve_layouts`` (this
     release's, greeted as an earlier one announces itself), which was then replaced by
@@ -170,7 +159,7 @@ def test_views_are_refused_by_a_server_upgraded_since_the_client_greeted_its_pre
         first.close()
         upgraded = second.make(port=port)
         _stored_bf16(upgraded, shm=True)
-        _until_reachable(client)
+        until_reachable(client)
         float16 = f"float16[{','.join(map(str, SHAPE))}]"
         with client.retrieve(KEYS, layouts=[float16] * CHUNKS) as views:
             assert views == []

@@ -20,7 +20,7 @@ from lmcache_tiers.client import Client, ClientError, ProtocolError, RequestTime
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.testing.ports import free_port
-from lmcache_tiers.testing.server import ServerHarness
+from lmcache_tiers.testing.server import ServerHarness, until_reachable
 from lmcache_tiers.wire import protocol as p
 
 Factory = Callable[..., TiersServer]
@@ -682,16 +682,6 @@ def test_tokens_longer_than_the_protocol_carries_are_refused_by_the_client(serve
         Client(server.endpoint, auth_token="t" * (p.MAX_TOKEN_LEN + 1))
 
 
-def _until_reachable(client: Client) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            client.ping(timeout=0.5)
-            return
-        except RequestTimeoutError:
-            assert time.monotonic() < deadline, "the client never reconnected"
-
-
 def test_a_client_follows_a_restarted_server_to_its_new_segment() -> None:
     """The socket reconnects by itself to a server restarted on the same port; the client
     must not read or write the new server's offsets in the old server's segment."""
@@ -704,7 +694,7 @@ def test_a_client_follows_a_restarted_server_to_its_new_segment() -> None:
         assert client.store(keys, data) == 3 and client.uses_shm
         first.close()
         new = second.make(port=port)
-        _until_reachable(client)
+        until_reachable(client)
         with Client(new.endpoint) as other:
             fresh = [bytes([0xAA]) * 5000] * 3
             assert other.store(keys, fresh) == 3
@@ -756,7 +746,7 @@ def test_views_outlive_following_a_restarted_server() -> None:
         with client.retrieve(keys) as views:
             first.close()
             second.make(port=port)
-            _until_reachable(client)
+            until_reachable(client)
             more = keys_of(2)
             # follows the server: the old segment is closed while these views read it
             assert client.store(more, [bytes([0x77]) * 5000] * 2) == 2

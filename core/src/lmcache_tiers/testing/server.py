@@ -10,17 +10,19 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from lmcache_tiers.client import Client, RequestTimeoutError
 from lmcache_tiers.config import build_config
 from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.server.app import TiersServer
 
-__all__ = ["ServerHarness", "make_server", "server"]
+__all__ = ["ServerHarness", "make_server", "server", "until_reachable"]
 
 
 class ServerHarness:
@@ -82,3 +84,15 @@ def make_server() -> Iterator[Callable[..., TiersServer]]:
 def server(make_server: Callable[..., TiersServer]) -> TiersServer:
     """One server with the defaults of :meth:`ServerHarness.make`."""
     return make_server()
+
+
+def until_reachable(client: Client, within_s: float = 30) -> None:
+    """Ping until ``client`` reaches a server again (one restarted on its port): a request
+    sent while the socket reconnects may be lost, so each try waits only briefly."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            client.ping(timeout=0.5)
+            return
+        except RequestTimeoutError:
+            assert time.monotonic() < deadline, "the client never reconnected"
