@@ -227,7 +227,8 @@ class ObjectBytes:
     def failures(self) -> dict[str, int]:
         """Write-back errors of the NVMe file, copies refused and objects dropped for them
         (and, of those, the ones not stored in L2 yet: acknowledged writes lost), and the
-        leftover block files start-up removed or kept."""
+        leftover block files start-up removed or kept, and the transfers still running
+        when close stopped waiting for them."""
         if self._nvme is None:
             return {}
         with self._lock:
@@ -244,6 +245,8 @@ class ObjectBytes:
                 # fixed at start-up: leftover block files of other servers in the directory
                 "l1_nvme_stale_files_removed": len(self._nvme.stale_files_removed),
                 "l1_nvme_stale_files_kept": len(self._nvme.stale_files_kept),
+                # at close: transfers stuck past the wait, the file left open for them
+                "l1_nvme_close_transfers_left": self._nvme.transfers_left_at_close,
             }
         return {reason: count for reason, count in counts.items() if count}
 

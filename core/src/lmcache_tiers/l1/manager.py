@@ -465,7 +465,9 @@ class L1Manager:
         fixed at start-up, the leftover block files of other servers in an NVMe L1's
         directory that it removed (``l1_nvme_stale_files_removed``: their creators were
         killed) or left in place (``l1_nvme_stale_files_kept``: disk space still taken),
-        each also logged."""
+        each also logged; at close, transfers of an NVMe L1's file still running when close
+        stopped waiting for them (``l1_nvme_close_transfers_left``: a hung disk; the file
+        is released when the last ends), logged."""
         with self.lock:
             skipped = self._skipped.counts()
             listener_errors = self._table.listeners.errors
@@ -491,13 +493,18 @@ class L1Manager:
         return self._table.closed
 
     def close(self) -> None:
-        """Drop every object without notifying listeners and release the arena. Idempotent."""
+        """Drop every object without notifying listeners and release the arena. Idempotent.
+
+        The backing is released after the lock is let go: an NVMe file waits for its
+        transfers in progress first, up to ``l1.nvme.CLOSE_WAIT_S`` if one is stuck on a
+        hung disk, and every other L1 call (each finding L1 closed now) would wait as long.
+        """
         with self.lock:
             if self._table.closed:
                 return
             self._table.close()
             self._leases.close()
-            self._backing.close()
+        self._backing.close()
 
     def __enter__(self) -> Self:
         return self

@@ -12,8 +12,10 @@ GPUDirect Storage (cuFile) moves data between NVMe and *GPU* memory. This L1 alw
 transfers to and from host memory (client bytes, adapter buffers), where cuFile would
 fall back to the same POSIX I/O, so its presence is only detected and reported.
 
-The creating process removes the file on :meth:`NvmeL1File.close`, at garbage collection
-or at interpreter exit; :func:`remove_stale_block_files` reaps files of killed servers.
+The creating process removes the file on :meth:`NvmeL1File.close` (or, when close stopped
+waiting for transfers stuck on a hung disk, as the last of them ends), at garbage
+collection or at interpreter exit; :func:`remove_stale_block_files` reaps files of killed
+servers.
 
 A write that reaches the page cache (buffered I/O, or a filesystem that falls back to it
 under ``O_DIRECT``) can still fail when the kernel writes it back, and the pages it dropped
@@ -60,6 +62,10 @@ _FILE_NAME = re.compile(rf"^{FILE_PREFIX}([1-9][0-9]{{0,8}})_[0-9a-f]+{re.escape
 # Unaligned caller buffers are copied through bounce buffers of at most this size, so a
 # large object costs a bounded amount of extra memory per concurrent transfer.
 BOUNCE_BYTES = 4 << 20
+#: How long :meth:`NvmeL1File.close` waits for transfers in progress: one stuck on a hung
+#: disk must not hold the shutdown for good.  The descriptor stays open for those left,
+#: and the last of them to end closes and removes the file.
+CLOSE_WAIT_S = 10.0
 
 
 #: sync_file_range(2) flag: wait for write-back already running on the range (none, past
@@ -152,7 +158,8 @@ class NvmeL1File:
 
     Offsets must be multiples of :data:`DIRECT_IO_ALIGN` and the block rounded up from
     ``offset + size`` must lie inside the file: the L1 allocator's extents satisfy both.
-    Transfers may run concurrently from any thread; :meth:`close` waits for them.
+    Transfers may run concurrently from any thread; :meth:`close` waits for them, up to
+    :data:`CLOSE_WAIT_S`.
     """
 
     path: str
@@ -192,6 +199,9 @@ class NvmeL1File:
         self._state = threading.Condition()
         self._in_flight = 0
         self._closed = False
+        #: transfers still running when :meth:`close` stopped waiting (counted in the L1's
+        #: failures); the last of them to end releases the file
+        self.transfers_left_at_close = 0
         # Write-back errors learnt of so far; asking and counting is one step, so a reader
         # that asks right after another learnt of one finds it counted.
         self._writeback_lock = threading.Lock()
@@ -358,8 +368,11 @@ class NvmeL1File:
         finally:
             with self._state:
                 self._in_flight -= 1
+                last_left_at_close = self._in_flight == 0 and self.transfers_left_at_close > 0
                 if self._in_flight == 0:
                     self._state.notify_all()
+            if last_left_at_close:
+                self._release_file()
 
     @contextmanager
     def _bounce(self) -> Iterator[memoryview]:
@@ -379,14 +392,38 @@ class NvmeL1File:
     def closed(self) -> bool:
         return self._closed
 
-    def close(self) -> None:
-        """Wait for running transfers, then close and remove the file. Safe to call twice."""
+    def close(self, wait_s: float | None = None) -> None:
+        """Refuse new transfers, wait up to ``wait_s`` (:data:`CLOSE_WAIT_S` if None) for
+        running ones, then close and remove the file. Safe to call twice.
+
+        Transfers still running then (a hung disk) are counted
+        (:attr:`transfers_left_at_close`) and logged, and the file stays open for them:
+        closing the descriptor under them could let another ``open()`` reuse its number,
+        and their bytes go to an unrelated file.  The last of them to end releases it.
+        """
+        if wait_s is None:
+            wait_s = CLOSE_WAIT_S
         with self._state:
             if self._closed:
                 return
             self._closed = True
-            while self._in_flight:
-                self._state.wait()
+            if not self._state.wait_for(lambda: self._in_flight == 0, timeout=wait_s):
+                self.transfers_left_at_close = self._in_flight
+        if self.transfers_left_at_close:
+            logger.error(
+                "NVMe L1 file %s: %d transfers still running %gs after close began (a hung "
+                "disk?); the file is closed and removed when the last of them ends, or at exit",
+                self.path,
+                self.transfers_left_at_close,
+                wait_s,
+            )
+            return
+        self._release_file()
+
+    def _release_file(self) -> None:
+        """Unmap the bounce buffers, then close and remove the file (once: the finalizer
+        runs at most once).  Only with no transfer running."""
+        with self._state:
             pool, self._bounce_pool = self._bounce_pool, []
         for bounce in pool:
             bounce.release()  # the last reference to its mapping: unmapped here
