@@ -60,6 +60,16 @@ def write_package(
     return package
 
 
+def install_flat_plugin(site: Path, name: str, module: str, source: str) -> None:
+    """Into ``site`` (a directory put on PYTHONPATH), without pip: a distribution
+    ``tiers-<name>`` whose entry point ``name`` is the one-file module ``module``."""
+    dist = site / f"tiers_{name}-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tiers-{name}\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[lmcache_tiers]\n{name} = {module}\n")
+    (site / f"{module}.py").write_text(source)
+
+
 def pip_install_to(target: Path, package: Path) -> None:
     """Install like a user would (pip, real metadata and entry points), into ``target``."""
     subprocess.run(

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from thirdparty import free_port, run_cli, serve_cli
+from thirdparty import free_port, install_flat_plugin, run_cli, serve_cli
 from tiers_e2e import fetch, metric
 
 BROKEN_IMPORT = 'raise ImportError("needs libtape.so")\n'
@@ -29,20 +29,11 @@ def tiers_register_l2_adapters(registry):
 """
 
 
-def _install(site: Path, name: str, module: str, source: str) -> None:
-    """An installed distribution ``tiers-<name>`` whose entry point ``name`` is ``module``."""
-    dist = site / f"tiers_{name}-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tiers-{name}\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(f"[lmcache_tiers]\n{name} = {module}\n")
-    (site / f"{module}.py").write_text(source)
-
-
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("broken-site")
-    _install(root, "brokenimport", "tiers_brokenimport_mod", BROKEN_IMPORT)
-    _install(root, "badhook", "tiers_badhook_mod", BROKEN_HOOK)
+    install_flat_plugin(root, "brokenimport", "tiers_brokenimport_mod", BROKEN_IMPORT)
+    install_flat_plugin(root, "badhook", "tiers_badhook_mod", BROKEN_HOOK)
     return root
 
 

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from thirdparty import run_cli
+from thirdparty import install_flat_plugin, run_cli
 
 ABORT_ON_IMPORT = """
 class PluginAbort(BaseException):
@@ -44,21 +44,12 @@ def tiers_register_serdes(registry):
 """
 
 
-def _install(site: Path, name: str, module: str, source: str) -> None:
-    """An installed distribution ``tiers-<name>`` whose entry point ``name`` is ``module``."""
-    dist = site / f"tiers_{name}-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tiers-{name}\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(f"[lmcache_tiers]\n{name} = {module}\n")
-    (site / f"{module}.py").write_text(source)
-
-
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("aborting-site")
-    _install(root, "abortimport", "tiers_abortimport_mod", ABORT_ON_IMPORT)
-    _install(root, "aborthook", "tiers_aborthook_mod", ABORT_IN_HOOK)
-    _install(root, "genexithook", "tiers_genexithook_mod", GENERATOR_EXIT_IN_HOOK)
+    install_flat_plugin(root, "abortimport", "tiers_abortimport_mod", ABORT_ON_IMPORT)
+    install_flat_plugin(root, "aborthook", "tiers_aborthook_mod", ABORT_IN_HOOK)
+    install_flat_plugin(root, "genexithook", "tiers_genexithook_mod", GENERATOR_EXIT_IN_HOOK)
     return root
 
 
