@@ -29,7 +29,9 @@ class PluginAbort(BaseException):
     """A plugin's own exception that derives from BaseException."""
 
 
-class RaisingSync(DictBackend):
+class RaisesOnDemand:
+    """Raises ``error`` from the batch method named by ``raise_in`` when set."""
+
     def __init__(self, *args: object) -> None:
         super().__init__(*args)  # type: ignore[arg-type]
         self.raise_in = ""
@@ -39,6 +41,8 @@ class RaisingSync(DictBackend):
         if self.raise_in == method:
             raise self.error
 
+
+class RaisingSync(RaisesOnDemand, DictBackend):
     def put_many(self, keys, payloads):  # type: ignore[no-untyped-def]
         self._maybe_raise("put_many")
         return super().put_many(keys, payloads)
@@ -52,16 +56,7 @@ class RaisingSync(DictBackend):
         return super().get_many_into(keys, buffers)
 
 
-class RaisingAsync(AsyncDictBackend):
-    def __init__(self, *args: object) -> None:
-        super().__init__(*args)  # type: ignore[arg-type]
-        self.raise_in = ""
-        self.error: BaseException = KeyboardInterrupt()
-
-    def _maybe_raise(self, method: str) -> None:
-        if self.raise_in == method:
-            raise self.error
-
+class RaisingAsync(RaisesOnDemand, AsyncDictBackend):
     async def put_many(self, keys, payloads):  # type: ignore[no-untyped-def]
         self._maybe_raise("put_many")
         return await super().put_many(keys, payloads)
