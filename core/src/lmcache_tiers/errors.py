@@ -107,14 +107,24 @@ def raised_by_a_plugin(exc: BaseException) -> bool:
     return threading.current_thread() is not threading.main_thread()
 
 
+def _raised_by_synchronous_plugin_code(exc: BaseException) -> bool:
+    """:func:`raised_by_a_plugin` for plugin code that awaits nothing: there a
+    ``CancelledError`` is the plugin's too (a client library that runs and cancels
+    coroutines of its own), since core's cancellations are thrown in at an ``await``."""
+    if isinstance(exc, asyncio.CancelledError):
+        return threading.current_thread() is not threading.main_thread()
+    return raised_by_a_plugin(exc)
+
+
 @contextlib.contextmanager
 def plugin_code() -> Iterator[None]:
-    """Run plugin code (a policy's call) so that whatever :func:`raised_by_a_plugin`
-    surfaces as a :class:`PluginBaseException`, for the caller's ``except Exception``."""
+    """Run synchronous plugin code (a policy's call; no ``await`` inside) so that what
+    only the plugin can have raised off the main thread surfaces as a
+    :class:`PluginBaseException`, for the caller's ``except Exception``."""
     try:
         yield
     except BaseException as exc:
-        if not raised_by_a_plugin(exc):
+        if not _raised_by_synchronous_plugin_code(exc):
             raise
         raise PluginBaseException(exc) from exc
 
@@ -133,7 +143,7 @@ def plugin_walk(keys: Iterable[T]) -> Iterator[T]:
         except StopIteration:
             return
         except BaseException as exc:
-            if not raised_by_a_plugin(exc):
+            if not _raised_by_synchronous_plugin_code(exc):
                 raise
             raise PluginBaseException(exc) from exc
         yield key

@@ -6,6 +6,7 @@ policy's bug must not end the thread every later store or prefetch waits on."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import threading
@@ -37,7 +38,9 @@ class PluginAbort(BaseException):
     """A plugin's own exception that derives from BaseException."""
 
 
-ERRORS = [KeyboardInterrupt(), SystemExit(4), PluginAbort("policy bug")]
+#: asyncio.CancelledError too: a policy is synchronous code, which no cancellation of
+#: core's reaches (it is thrown in at an await), so one raised there is the policy's own
+ERRORS = [KeyboardInterrupt(), SystemExit(4), PluginAbort("policy bug"), asyncio.CancelledError()]
 
 
 class RaisingPolicies:

@@ -70,7 +70,8 @@ class RaisingAsync(RaisesOnDemand, AsyncDictBackend):
         return await super().get_many_into(keys, buffers)
 
 
-ERRORS = [KeyboardInterrupt(), SystemExit(3), PluginAbort("plugin bug")]
+#: asyncio.CancelledError too when nobody cancelled the call: a client library's own
+ERRORS = [KeyboardInterrupt(), SystemExit(3), PluginAbort("plugin bug"), asyncio.CancelledError()]
 
 
 def _run_once(client: BlockingAdapterClient, adapter: BackendAdapter, method: str) -> None:
