@@ -4,6 +4,7 @@ credentials, unix sockets and the configuration LMCache users write."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -1810,6 +1811,38 @@ def test_a_store_hung_at_start_up_is_checked_when_it_answers(
     data = store(adapter, keys)
     assert load(adapter, keys, [4096] * 2) == ([True] * 2, data)
     assert adapter.delete(keys) == [True] * 2
+
+
+def test_a_store_hung_at_start_up_that_refuses_the_check_is_said_to_when_it_answers(
+    own_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The check made once the store answers gets no verdict from a user denied MULTI; it
+    # is not asked again, so the skipped check is said in a warning, as at start-up.
+    own_server.cli("ACL", "SETUSER", "nomulti", "reset", "on", ">nomulti-pw", "~*", "+@all", "-multi")
+    own_server.pause()
+    try:
+        adapter = open_adapter(
+            **quick_failing(own_server, prefix, 1), username="nomulti", password="nomulti-pw"
+        )
+    finally:
+        own_server.resume()
+    keys = make_keys(2)
+
+    def refusal_said() -> bool:
+        with contextlib.suppress(Exception):
+            client_of(adapter).lookup_and_lock(keys)
+        return any(
+            "could not check" in r.getMessage() and "refused the check's commands" in r.getMessage()
+            for r in caplog.records
+            if r.levelno == logging.WARNING
+        )
+
+    with caplog.at_level(logging.WARNING):
+        wait_for(refusal_said, "the warning that the check was refused")
+    assert "permissions_denied" not in adapter.stats()
 
 
 def test_a_cluster_primary_that_denies_multi_is_said_to_refuse_the_check(

@@ -284,6 +284,8 @@ class RedisBackend:
         self._next_owed_check = 0.0
         #: the denial the last check found, refusing every call until a probe clears it
         self._denied: str | None = None
+        #: what checks after start-up could not check, already said in a warning
+        self._unchecked_said: set[str] = set()
         if not config.cluster_mode:
             self._connect()
 
@@ -477,20 +479,26 @@ class RedisBackend:
         A cluster is checked on every primary: each node keeps its own ACL, and each
         serves its share of the keys."""
         denied, unchecked = self._unchecked_permission_refusals(client)
+        # A replica, a loading or full store refuses writes for everybody; it heals (the
+        # circuit sees its refusals), so it is no reason not to start.
+        self._warn_unchecked(unchecked)
+        if denied:
+            raise ConfigError(self._denial(denied))
+
+    def _warn_unchecked(self, unchecked: list[str]) -> None:
         if unchecked:
-            # A replica, a loading or full store refuses writes for everybody; it heals
-            # (the circuit sees its refusals), so it is no reason not to start.
             log.warning(
                 "%s: could not check the Redis user's permissions for %s",
                 self.context.name,
                 "; ".join(unchecked),
             )
-        if denied:
-            raise ConfigError(
-                f"{self.context.name}: the Redis user may not run what the adapter needs "
-                f"({'; '.join(denied)}): grant it HSET, HGET, HMGET, SCAN, EVALSHA, EVAL "
-                f"and UNLINK on keys {self.prefix!r}*"
-            )
+
+    def _denial(self, denied: list[str]) -> str:
+        return (
+            f"{self.context.name}: the Redis user may not run what the adapter needs "
+            f"({'; '.join(denied)}): grant it HSET, HGET, HMGET, SCAN, EVALSHA, EVAL "
+            f"and UNLINK on keys {self.prefix!r}*"
+        )
 
     def _unchecked_permission_refusals(self, client: Redis | RedisCluster) -> tuple[list[str], list[str]]:
         """``permission_refusals`` of the store, or of each cluster primary not checked
@@ -573,18 +581,20 @@ class RedisBackend:
         """Check the primaries that gave no verdict yet; a denial refuses every call until
         a check (the circuit's probe) finds the node allowed."""
         try:
-            denied, _ = self._unchecked_permission_refusals(self.client)
+            denied, unchecked = self._unchecked_permission_refusals(self.client)
+        except ResponseError as exc:  # it answered, refusing the check itself: not asked again
+            self._warn_unchecked([f"{self.target}: {_unanswered_check(exc)}"])
+            return
         except (RedisError, RedisClusterException) as exc:  # not answering yet: still owed
             log.debug("%s: permission check not answered yet (%s)", self.context.name, exc)
             return
-        denial = None
-        if denied:
-            denial = (
-                f"{self.context.name}: the Redis user may not run what the adapter needs "
-                f"({'; '.join(denied)}): grant it HSET, HGET, HMGET, SCAN, EVALSHA, EVAL "
-                f"and UNLINK on keys {self.prefix!r}*"
-            )
-        self._set_denial(denial)
+        # Said once, as at start-up; a node that did not answer is asked again (debug).
+        answered = [entry for entry in unchecked if ": did not answer (" not in entry]
+        with self._verdict_lock:
+            news = [entry for entry in answered if entry not in self._unchecked_said]
+            self._unchecked_said.update(news)
+        self._warn_unchecked(news)
+        self._set_denial(self._denial(denied) if denied else None)
 
     def _set_denial(self, denial: str | None) -> None:
         """Record the last check's verdict.  A new denial is counted
