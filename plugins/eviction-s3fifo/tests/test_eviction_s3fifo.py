@@ -1,7 +1,7 @@
 from collections import OrderedDict
 from itertools import islice
 
-from lmcache_plugin_eviction_s3fifo.policy import S3FIFOEvictionPolicy
+from lmcache_plugin_eviction_s3fifo.policy import MAIN_PASSES_PER_WALK, S3FIFOEvictionPolicy
 
 from lmcache_tiers.plugin import ObjectKey
 from lmcache_tiers.testing.policies import EVICTS, EvictionPolicySuite, make_keys
@@ -80,16 +80,24 @@ class _PopCountingQueue(OrderedDict[ObjectKey, None]):
         return super().popitem(last=last)
 
 
-def test_the_first_eviction_after_reading_every_key_takes_a_bounded_number_of_steps() -> None:
-    # Filling the cache with keys that were all read used to leave them all in `small`,
-    # so the first victim cost one promotion per key (1-2 s under the L1 lock at 1M keys).
-    count = 4000
+def _written_with_counted_queues(
+    count: int,
+) -> tuple[S3FIFOEvictionPolicy, _PopCountingQueue, _PopCountingQueue, list[ObjectKey]]:
+    """A policy whose queues count their pops, ``count`` keys written one by one."""
     policy = S3FIFOEvictionPolicy()
     small, main = _PopCountingQueue(), _PopCountingQueue()
     policy._small, policy._main = small, main
     keys = make_keys(count)
     for key in keys:
         policy.on_keys_written([key])
+    return policy, small, main, keys
+
+
+def test_the_first_eviction_after_reading_every_key_takes_a_bounded_number_of_steps() -> None:
+    # Filling the cache with keys that were all read used to leave them all in `small`,
+    # so the first victim cost one promotion per key (1-2 s under the L1 lock at 1M keys).
+    count = 4000
+    policy, small, main, keys = _written_with_counted_queues(count)
     policy.on_keys_read(keys)
     small.popped = main.popped = 0
     victim = next(iter(policy.victims()))
@@ -148,15 +156,8 @@ def test_a_main_queue_whose_keys_all_have_reads_left_gives_a_victim_in_bounded_s
     # CLOCK's worst case: every key of `main` has max_frequency reads left, so finding one
     # victim used to put every key back max_frequency times (3n queue steps under the L1
     # lock).  A walk now puts back at most MAIN_PASSES_PER_WALK keys, then offers the head.
-    from lmcache_plugin_eviction_s3fifo.policy import MAIN_PASSES_PER_WALK
-
     count = 3 * MAIN_PASSES_PER_WALK
-    policy = S3FIFOEvictionPolicy()
-    small, main = _PopCountingQueue(), _PopCountingQueue()
-    policy._small, policy._main = small, main
-    keys = make_keys(count)
-    for key in keys:
-        policy.on_keys_written([key])
+    policy, small, main, keys = _written_with_counted_queues(count)
     for _ in range(1 + policy.config.max_frequency):  # the first read promotes to `main`
         policy.on_keys_read(keys)
     most = policy.config.max_frequency

@@ -9,6 +9,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from lmcache_plugin_mooncake import client as client_module
@@ -19,6 +20,8 @@ from lmcache_plugin_mooncake.listing import iter_pool_names
 from mooncake_helpers import backend_of, config_for, eventually, open_adapter
 
 from lmcache_tiers.errors import BackendUnavailableError, TiersError
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import BackendAdapter
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys, pattern
 from lmcache_tiers.testing.processes import wait_stopped
@@ -428,34 +431,42 @@ def test_closing_against_a_stopped_master_takes_the_adapters_timeouts_not_moonca
     )
 
 
+@contextlib.contextmanager
+def _master_silent(
+    cluster: LocalCluster,
+) -> Iterator[tuple[BackendAdapter, BlockingAdapterClient, list[ObjectKey]]]:
+    """An adapter (``operation_timeout_s`` 0.25), a client, and two keys it stored, the
+    master killed since and failed a call; closed once the given-up probes ended."""
+    cluster.add_segment_host("64MB")
+    adapter = open_adapter(config_for(cluster, operation_timeout_s=0.25))
+    client = BlockingAdapterClient(adapter, timeout=60)
+    try:
+        assert _round_trip(client, 0)
+        stored = make_keys(2, start=0)
+        cluster.kill_master()
+        # The first call finds the master's connection closed: it fails at once.
+        assert client.lookup_and_lock(stored).found == [False, False]
+        yield adapter, client, stored
+        # A given-up probe ends with Mooncake's retries; a process exiting while one is
+        # still inside Mooncake aborts in its teardown, so the test lets it end.
+        calls = backend_of(adapter).calls
+        eventually(lambda: calls.busy == 0, timeout=HANG_GUARD_S, what="the given-up probes ending")
+    finally:
+        adapter.close()
+
+
 def test_calls_against_a_killed_master_end_at_the_adapters_timeout_not_mooncakes_reconnect(
     own_cluster: LocalCluster,
 ) -> None:
     # Once the master failed a call, every later call of Mooncake's client retries the
     # connection for about 4 s whatever its RPC timeout: the adapter probes first, bounded
     # by operation_timeout_s, and refuses the call when the probe is not answered.
-    timeout_s = 0.25
-    own_cluster.add_segment_host("64MB")
-    adapter = open_adapter(config_for(own_cluster, operation_timeout_s=timeout_s))
-    backend = backend_of(adapter)
-    client = BlockingAdapterClient(adapter, timeout=60)
-    try:
-        assert _round_trip(client, 0)
-        stored = make_keys(2, start=0)
-        own_cluster.kill_master()
-        # The first call finds the master's connection closed: it fails at once.
-        assert client.lookup_and_lock(stored).found == [False, False]
-
+    with _master_silent(own_cluster) as (adapter, client, stored):
         assert client.lookup_and_lock(stored).found == [False, False]
         assert client.store(make_keys(1, start=50), [memoryview(b"x" * SIZE)]) == [False]
         # Structural, not timed: both calls were refused before entering Mooncake, whose
         # reconnect would have held each for seconds; the probe alone went in.
         assert adapter.stats()["calls_refused_master_silent"] == 2, adapter.stats()
-        # The given-up probes end with Mooncake's retries; a process exiting while one is
-        # still inside Mooncake aborts in its teardown, so the test lets them end.
-        eventually(lambda: backend.calls.busy == 0, timeout=HANG_GUARD_S, what="the given-up probes ending")
-    finally:
-        adapter.close()
 
 
 def test_concurrent_calls_to_a_silent_master_leave_one_probe_inside_mooncake(
@@ -466,15 +477,8 @@ def test_concurrent_calls_to_a_silent_master_leave_one_probe_inside_mooncake(
     # deadline pool (deletes and the circuit's probes wait behind them) and leave daemon
     # threads inside Mooncake.  While one probe is unanswered, the others are refused.
     callers = 6
-    own_cluster.add_segment_host("64MB")
-    adapter = open_adapter(config_for(own_cluster, operation_timeout_s=0.25))
-    backend = backend_of(adapter)
-    client = BlockingAdapterClient(adapter, timeout=60)
-    try:
-        assert _round_trip(client, 0)
-        stored = make_keys(2, start=0)
-        own_cluster.kill_master()
-        assert client.lookup_and_lock(stored).found == [False, False]  # the master failed a call
+    with _master_silent(own_cluster) as (adapter, _, stored):
+        backend = backend_of(adapter)
         errors: list[BaseException] = []
 
         def look_up() -> None:
@@ -492,6 +496,3 @@ def test_concurrent_calls_to_a_silent_master_leave_one_probe_inside_mooncake(
         assert adapter.stats()["calls_refused_master_silent"] == callers, adapter.stats()
         # Structural: Mooncake keeps the one probe for seconds, the refusals came at once.
         assert backend.calls.busy <= 1, backend.calls.busy
-        eventually(lambda: backend.calls.busy == 0, timeout=HANG_GUARD_S, what="the given-up probe ending")
-    finally:
-        adapter.close()

@@ -1681,6 +1681,16 @@ def test_a_cluster_user_allowed_the_needed_commands_opens(
             node.cli("ACL", "DELUSER", user)
 
 
+def _user_denied_hset_on(cluster: RedisClusterNodes, denying: RedisServer) -> str:
+    """A new user (password ``limited-pw``) allowed everything on every node of
+    ``cluster`` but HSET on ``denying``: each node keeps its own ACL."""
+    user = f"limited-{uuid.uuid4().hex[:8]}"
+    for node in cluster.nodes:
+        rules = ["~*", "+@all", "-hset"] if node is denying else ["~*", "+@all"]
+        node.cli("ACL", "SETUSER", user, "reset", "on", ">limited-pw", *rules)
+    return user
+
+
 def test_a_cluster_primary_that_does_not_answer_leaves_the_others_checked(
     tmp_path: Path,
     prefix: str,
@@ -1694,11 +1704,8 @@ def test_a_cluster_primary_that_does_not_answer_leaves_the_others_checked(
         pytest.skip(reason)
     cluster = RedisClusterNodes(tmp_path / "cluster").start()
     try:
-        user = f"limited-{uuid.uuid4().hex[:8]}"
         denying, dead = cluster.nodes[1], cluster.nodes[2]
-        for node in cluster.nodes:
-            rules = ["~*", "+@all", "-hset"] if node is denying else ["~*", "+@all"]
-            node.cli("ACL", "SETUSER", user, "reset", "on", ">limited-pw", *rules)
+        user = _user_denied_hset_on(cluster, denying)
         dead.stop()
         with (
             caplog.at_level(logging.WARNING),
@@ -1733,11 +1740,8 @@ def test_a_cluster_primary_that_hung_at_start_up_is_checked_when_it_answers(
         pytest.skip(reason)
     cluster = RedisClusterNodes(tmp_path / "cluster").start()
     try:
-        user = f"limited-{uuid.uuid4().hex[:8]}"
         denying = cluster.nodes[2]
-        for node in cluster.nodes:
-            rules = ["~*", "+@all", "-hset"] if node is denying else ["~*", "+@all"]
-            node.cli("ACL", "SETUSER", user, "reset", "on", ">limited-pw", *rules)
+        user = _user_denied_hset_on(cluster, denying)
         denying.pause()  # hung: the check at open times out on it
         try:
             with caplog.at_level(logging.WARNING):
