@@ -458,7 +458,7 @@ def _in_process(
     from lmcache_tiers.config import build_config, file_fields, load_toml
     from lmcache_tiers.plugins import load_registry
     from lmcache_tiers.replay.capacity import l1_size_for_blocks
-    from lmcache_tiers.replay.inprocess import replay_in_process
+    from lmcache_tiers.replay.inprocess import ReplayCloseFailed, replay_in_process
     from lmcache_tiers.replay.server import signals_unwind
     from lmcache_tiers.server.app import check_l1_geometry
 
@@ -494,11 +494,17 @@ def _in_process(
     progress = _progress(not as_json)
     # SIGTERM exits through the StorageManager's close as Ctrl-C does: under Python's default
     # action it ended the process at once, leaving the L1 arena in /dev/shm.
-    with progress, signals_unwind():
-        task = progress.add_task("replaying (in-process)", total=len(trace.requests))
-        report = replay_in_process(
-            config, trace, options, registry=registry, progress=lambda n: progress.update(task, advance=n)
-        )
+    try:
+        with progress, signals_unwind():
+            task = progress.add_task("replaying (in-process)", total=len(trace.requests))
+            report = replay_in_process(
+                config, trace, options, registry=registry, progress=lambda n: progress.update(task, advance=n)
+            )
+    except ReplayCloseFailed as failed:
+        # The replay ran to its end: its report first, then the close's failure (exit 1, a
+        # failure at the end -- not the usage error every other TiersError here is).
+        _show(failed.report.to_dict(), as_json, also_failed=str(failed))
+        return
     _show(report.to_dict(), as_json)
 
 
@@ -545,12 +551,17 @@ def _print_table(table: Any) -> None:
     stdout.print(table, width=None if stdout.is_terminal else 200)
 
 
-def _show(document: dict[str, Any], as_json: bool) -> None:
+def _show(document: dict[str, Any], as_json: bool, also_failed: str | None = None) -> None:
+    """Print the report; then one error line and exit 1 when a retrieved block was corrupt
+    or ``also_failed`` names what failed after the replay (both, when both happened)."""
     from lmcache_tiers.replay.report import replay_table
 
     if as_json:
         typer.echo(json.dumps(document, indent=2))
     else:
         _print_table(replay_table(document))
+    failures = [also_failed] if also_failed else []
     if document["corrupt_blocks"]:
-        fail(f"{document['corrupt_blocks']} retrieved blocks did not hold their own bytes", 1)
+        failures.insert(0, f"{document['corrupt_blocks']} retrieved blocks did not hold their own bytes")
+    if failures:
+        fail("; ".join(failures), 1)

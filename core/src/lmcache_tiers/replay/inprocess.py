@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from lmcache_tiers.config import ServerConfig
-from lmcache_tiers.errors import ConfigError, L1OutOfMemoryError
+from lmcache_tiers.errors import ConfigError, L1OutOfMemoryError, TiersError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Object
 from lmcache_tiers.registry import ComponentRegistry
@@ -29,9 +30,20 @@ from lmcache_tiers.replay.run import (
     status_delta,
 )
 from lmcache_tiers.replay.trace import Trace, TraceRequest
-from lmcache_tiers.storage import StorageManager
+from lmcache_tiers.storage import StorageCloseFailed, StorageManager
 
 logger = logging.getLogger(__name__)
+
+
+class ReplayCloseFailed(TiersError):
+    """The replay ran to its end, then the close of its StorageManager failed (each failed
+    step already logged and counted by the close; the StorageCloseFailed is the cause).
+    ``report`` is the finished replay's: the hit rates are measured and worth showing, and
+    the failure is one at the end, not a reason to throw them away."""
+
+    def __init__(self, report: ReplayReport, failure: StorageCloseFailed) -> None:
+        super().__init__(f"the replay ran to its end but closing its storage failed: {failure}")
+        self.report = report
 
 
 def _replay_one(
@@ -148,10 +160,13 @@ def replay_in_process(
     registry: ComponentRegistry | None = None,
     progress: ProgressHook | None = None,
 ) -> ReplayReport:
-    """Build a StorageManager from ``config``, replay ``trace`` through it, close it."""
+    """Build a StorageManager from ``config``, replay ``trace`` through it, close it.
+
+    A close that fails after the replay ran to its end raises :class:`ReplayCloseFailed`,
+    which carries the report; one that fails after the replay itself raised is left to the
+    close's log and counters, the replay's own error raised."""
     check_pacing(trace, options.time_scale)
     state = ClientState.for_options(options)
-    totals = state.totals
     try:
         scratch = np.zeros(options.block_bytes, dtype=np.uint8).data
     except MemoryError:
@@ -161,17 +176,46 @@ def replay_in_process(
             f"--block-bytes {options.block_bytes}: a buffer of one block does not fit in memory; "
             "give smaller blocks"
         ) from None
-    with StorageManager(config, registry) as storage:
-        before = storage.status()
-        began = time.perf_counter()
-        origin = trace.requests[0].timestamp_ms
-        requests = list(enumerate(trace.requests))
-        for _, request in paced(requests, options.time_scale, origin_ms=origin, start=time.monotonic()):
-            _replay_one(storage, request, state, scratch, options.timeout_s)
-            if progress is not None:
-                progress(1)
-        totals.seconds = time.perf_counter() - began
-        storage.flush(timeout=options.timeout_s)  # count the L2 stores still in flight
-        after = storage.status()
+    finished = False
+    try:
+        with StorageManager(config, registry) as storage:
+            before = storage.status()
+            _replay_all(storage, trace, options, state, scratch, progress)
+            after = storage.status()
+            finished = True
+    except StorageCloseFailed as failed:
+        if not finished:
+            raise
+        raise ReplayCloseFailed(_report(config, options, state, before, after), failed) from failed
+    return _report(config, options, state, before, after)
+
+
+def _replay_all(
+    storage: StorageManager,
+    trace: Trace,
+    options: ReplayOptions,
+    state: ClientState,
+    scratch: memoryview,
+    progress: ProgressHook | None,
+) -> None:
+    """Every request of ``trace``, paced; then the L2 stores still in flight flushed."""
+    began = time.perf_counter()
+    origin = trace.requests[0].timestamp_ms
+    requests = list(enumerate(trace.requests))
+    for _, request in paced(requests, options.time_scale, origin_ms=origin, start=time.monotonic()):
+        _replay_one(storage, request, state, scratch, options.timeout_s)
+        if progress is not None:
+            progress(1)
+    state.totals.seconds = time.perf_counter() - began
+    storage.flush(timeout=options.timeout_s)  # count the L2 stores still in flight
+
+
+def _report(
+    config: ServerConfig,
+    options: ReplayOptions,
+    state: ClientState,
+    before: dict[str, Any],
+    after: dict[str, Any],
+) -> ReplayReport:
     where = f"L1 {config.l1_size_bytes} bytes, {len(config.l2_adapters)} L2 adapter(s)"
-    return ReplayReport("in-process", where, options, 1, totals, status_delta(before, after))
+    return ReplayReport("in-process", where, options, 1, state.totals, status_delta(before, after))

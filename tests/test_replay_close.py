@@ -1,0 +1,107 @@
+"""An in-process replay that ran to its end and whose storage close then failed: the report
+the user waited for is shown, then one error line naming the close failure, exit code 1 (a
+failure at the end, not the usage error of exit code 2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from replay_helpers import BLOCK_BYTES, small_trace
+from thirdparty import pip_install_to, run_cli, write_package
+
+FAILING_CLOSE = '''
+from lmcache_tiers.plugin import L2AdapterConfig, hookimpl
+
+
+class FailingCloseConfig(L2AdapterConfig):
+    """Objects in memory; the backend's close raises."""
+
+
+@hookimpl
+def tiers_register_l2_adapters(registry):
+    registry.add("failing_close_mem", "failing_close_tiers.impl:FailingCloseBackend", FailingCloseConfig)
+'''
+
+FAILING_CLOSE_IMPL = """
+class FailingCloseBackend:
+    def __init__(self, config, context):
+        self.objects = {}
+
+    def put_many(self, keys, payloads):
+        for key, payload in zip(keys, payloads):
+            self.objects[key] = bytes(payload)
+        return [True] * len(keys)
+
+    def contains_many(self, keys):
+        return [len(self.objects[key]) if key in self.objects else None for key in keys]
+
+    def get_many_into(self, keys, buffers):
+        for key, buffer in zip(keys, buffers):
+            buffer[:] = self.objects[key]
+        return [True] * len(keys)
+
+    def delete_many(self, keys):
+        return [self.objects.pop(key, None) is not None for key in keys]
+
+    def list_keys(self):
+        return [(key, len(value)) for key, value in list(self.objects.items())]
+
+    def capacity(self):
+        return None
+
+    def close(self):
+        raise OSError("the device went away")
+"""
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("pkgs")
+    target = root / "site"
+    package = write_package(
+        root, "failing-close-tiers", "failing_close_tiers", FAILING_CLOSE, {"impl": FAILING_CLOSE_IMPL}
+    )
+    pip_install_to(target, package)
+    return target
+
+
+def _replay(tmp_path: Path, site: Path, *extra: str):  # type: ignore[no-untyped-def]
+    trace = str(small_trace(tmp_path / "t.jsonl"))
+    args = [
+        "replay",
+        trace,
+        "--in-process",
+        "--l1-blocks",
+        "20",
+        "--block-bytes",
+        str(BLOCK_BYTES),
+        "--l2-adapter",
+        '{"type": "failing_close_mem"}',
+        *extra,
+    ]
+    return run_cli(args, site=site)
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert lines, "nothing on stderr"
+    return lines[-1]
+
+
+def test_a_failed_close_after_the_replay_shows_the_report_then_exits_1(tmp_path: Path, site: Path) -> None:
+    result = _replay(tmp_path, site, "--json")
+    assert result.returncode == 1, result.stderr
+    document = json.loads(result.stdout)
+    assert document["mode"] == "in-process" and document["requests"] == 60
+    line = _last_line(result.stderr)
+    assert line.startswith("error: the replay ran to its end but closing its storage failed"), line
+    assert "the device went away" in line
+
+
+def test_the_table_report_comes_before_the_error_line(tmp_path: Path, site: Path) -> None:
+    result = _replay(tmp_path, site)
+    assert result.returncode == 1, result.stderr
+    assert "hit" in result.stdout.lower(), result.stdout
+    assert "closing its storage failed" in _last_line(result.stderr)
