@@ -206,3 +206,54 @@ def test_a_hung_synchronous_listing_ends_the_scan_so_stores_are_no_longer_refuse
         assert any("listing" in r.getMessage() and "stalled" in r.getMessage() for r in caplog.records)
     finally:
         HangingListing.released.set()
+
+
+def listing_threads(adapter: BackendAdapter) -> list[threading.Thread]:
+    return [
+        thread
+        for thread in threading.enumerate()
+        if thread.name == f"l2-{adapter.state.name}-listing" and thread.is_alive()
+    ]
+
+
+@pytest.mark.parametrize("backend", [HangingListing, HangingListCall], ids=["generator", "list"])
+def test_no_new_listing_while_a_previous_one_is_stuck_in_the_backend(
+    backend: type[DictBackend],
+    adapters: list[L2Adapter],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A plain list_keys stuck in storage leaves its reading thread behind (nothing can
+    cancel it): a new listing of the same adapter meanwhile -- each retried seeding of the
+    eviction policy -- is refused (counted, logged) rather than leave one more thread stuck.
+    Once the backend answers again the stuck thread ends (a call that stalled before its
+    first batch included: nobody will ask it for one), and listings run again."""
+    import lmcache_tiers.l2.scan as scan
+
+    monkeypatch.setattr(scan, "FOREGROUND_ENTRIES", 1)
+    monkeypatch.setattr(scan, "BATCH_ENTRIES", 1)
+    monkeypatch.setattr(Runner, "listing_stall_timeout_s", 0.2)
+    HangingListing.released.clear()
+    try:
+        namespace = uuid.uuid4().hex
+        holder = open_dict(DictBackend, capacity=100_000, namespace=namespace)
+        store_blank(holder, keys_of("listed", LISTED), 1000)
+        holder.close()
+        adapter = open_dict(backend, capacity=100_000, namespace=namespace)
+        adapters.append(adapter)
+        wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")
+        assert adapter.stats()["listing_stalls"] == 1
+        stuck = set(listing_threads(adapter))  # the scan's (and any an earlier test left)
+        assert stuck, "the scan's listing is stuck in the backend"
+        for _ in range(3):
+            with pytest.raises(TimeoutError, match="still stuck"):
+                list(adapter.iter_keys())
+        assert set(listing_threads(adapter)) <= stuck, "a refused listing left a thread behind"
+        assert adapter.stats()["listings_refused_stuck"] == 3
+        assert any("still stuck" in r.getMessage() for r in caplog.records)
+    finally:
+        HangingListing.released.set()
+    wait_until(lambda: not any(thread.is_alive() for thread in stuck), "the stuck listing ending")
+    # Released, HangingListing lists its first entry and ends: read whole, not refused.
+    listed = 1 if backend is HangingListing else LISTED
+    assert len(list(adapter.iter_keys())) == listed, "a listing runs again once none is stuck"

@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterable, Callable, Coroutine, Iterable, Iterator
 from typing import Any, ClassVar, TypeVar
 
+from lmcache_tiers.errors import PluginBaseException, plugin_code
 from lmcache_tiers.l2.background import WRITE_BACK, WRITE_BACK_NICE
 from lmcache_tiers.l2.calls import call, call_async, optional_method
 from lmcache_tiers.l2.interface import L2Op
@@ -65,6 +66,8 @@ class Runner(ABC):
         self.state = state
         self.backend = backend
         self.publish = publish
+        #: the reading thread of a plain listing that stalled, left stuck in the backend
+        self._stuck_listing: threading.Thread | None = None
 
     @abstractmethod
     def open(self, timeout: float) -> None:
@@ -141,7 +144,9 @@ class Runner(ABC):
         view from then on, as when it was called here); batches are then read one per
         ask, nothing ahead, so a listing stopped between batches is closed on its thread
         before ``close()`` returns.  A thread stuck in the backend is left behind (nothing
-        can cancel it).  A listing that is an async iterable goes to ``read_async``."""
+        can cancel it), and no new listing starts while it is (:meth:`_refuse_while_stuck`).
+        A listing that is an async iterable goes to ``read_async``."""
+        self._refuse_while_stuck()
         progress = _ListingProgress()
         asks: queue.SimpleQueue[bool] = queue.SimpleQueue()  # True: the next batch; False: stop
         answers: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -152,13 +157,37 @@ class Runner(ABC):
             daemon=True,
         )
         reader.start()
-        kind, value = self._next_answer(answers, progress)
+        try:
+            kind, value = self._next_answer(answers, progress)
+        except TimeoutError:
+            # Nobody will ask for a batch: once list_keys returns, the thread closes the
+            # listing and ends rather than wait for an ask for good.
+            asks.put(False)
+            self._stuck_listing = reader
+            raise
         if kind == "error":
             raise value
         if kind == "async":
             assert read_async is not None
             return read_async(value)
         return _ThreadedListing(self, progress, asks, answers, reader)
+
+    def _refuse_while_stuck(self) -> None:
+        """Raise TimeoutError (counted as ``listings_refused_stuck``, logged) while the
+        reading thread of an earlier listing is still stuck in the backend: a store that
+        hung one listing hangs the next, and each retried reading (the eviction policy's
+        seeding) would leave one more thread behind for good."""
+        stuck = self._stuck_listing
+        if stuck is None or not stuck.is_alive():
+            return
+        self.state.count("listings_refused_stuck")
+        self.state.burst.warn(
+            "listings_refused_stuck",
+            "%s: a key listing refused: an earlier one is still stuck in the backend (its "
+            "thread cannot be cancelled); listings run again once it returns",
+            self.state.name,
+        )
+        raise TimeoutError("an earlier key listing is still stuck in the backend")
 
     def _read_listing(
         self,
@@ -191,11 +220,17 @@ class Runner(ABC):
                     return
         except Exception as exc:
             answers.put(("error", exc))
+        except BaseException as exc:
+            # Off the main thread a SystemExit or KeyboardInterrupt is the backend's own
+            # (errors.raised_by_a_plugin): let through, it would end this thread silently
+            # and the reader would wait out the stall limit for an answer never sent.
+            answers.put(("error", PluginBaseException(exc)))
         finally:
             close = getattr(listed, "close", None)  # a generator may hold a directory open
             if close is not None:
                 try:
-                    close()
+                    with plugin_code():
+                        close()
                 except Exception:
                     log.warning("%s: ending the key listing failed", self.state.name, exc_info=True)
 
@@ -359,6 +394,7 @@ class _ThreadedListing(Iterator[list[Entry]]):
             kind, value = self._runner._next_answer(self._answers, self._progress)
         except TimeoutError:
             self._ended = True  # stuck in the backend: never waited for again
+            self._runner._stuck_listing = self._reader
             raise
         if kind == "batch":
             batch: list[Entry] = value
@@ -378,6 +414,8 @@ class _ThreadedListing(Iterator[list[Entry]]):
         if not self._ended:
             self._ended = True
             self._reader.join(self._runner.listing_stall_timeout_s)
+            if self._reader.is_alive():  # closing the backend's listing hangs
+                self._runner._stuck_listing = self._reader
 
     def __del__(self) -> None:
         # Dropped unfinished (a reader that stopped iterating): the thread still ends.
@@ -417,8 +455,8 @@ class _Handoff:
 
 
 class _ListingProgress:
-    """When a coroutine backend's listing last gave an entry (or its reader last asked for
-    one), read by the reader's thread to tell a stalled listing from a slow one."""
+    """When a backend's listing last gave an entry (or its reader last asked for one),
+    read by the reader's thread to tell a stalled listing from a slow one."""
 
     def __init__(self) -> None:
         self._last = time.monotonic()
@@ -475,9 +513,13 @@ class LoopRunner(Runner):
     async def _open(self) -> None:
         opener = optional_method(self.backend, "open")
         if opener is not None:
-            outcome = opener()
-            if inspect.isawaitable(outcome):
-                await outcome
+            # A SystemExit or KeyboardInterrupt raised here would end the loop's thread
+            # (asyncio lets them through) with no open failure counted, and every later
+            # task would wait for a loop that is gone: the plugin's failure instead.
+            with plugin_code():
+                outcome = opener()
+                if inspect.isawaitable(outcome):
+                    await outcome
 
     def open(self, timeout: float) -> None:
         self._thread.start()
@@ -589,7 +631,8 @@ class LoopRunner(Runner):
             items: list[Entry] = []
             try:
                 while len(items) < batch:
-                    items.append(await iterator.__anext__())
+                    with plugin_code():  # a SystemExit here would end the loop's thread
+                        items.append(await iterator.__anext__())
                     progress.advanced()
             except StopAsyncIteration:
                 return items, True
@@ -604,8 +647,13 @@ class LoopRunner(Runner):
         finally:
             aclose = getattr(iterator, "aclose", None)
             if aclose is not None and self._loop.is_running():
+
+                async def close_listing() -> None:
+                    with plugin_code():  # on the loop's thread, which it must not end
+                        await aclose()
+
                 try:
-                    asyncio.run_coroutine_threadsafe(aclose(), self._loop).result(5.0)
+                    asyncio.run_coroutine_threadsafe(close_listing(), self._loop).result(5.0)
                 except Exception:
                     log.debug("%s: closing the key listing failed", self.state.name, exc_info=True)
 

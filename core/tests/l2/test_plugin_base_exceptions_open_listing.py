@@ -1,0 +1,159 @@
+"""A backend that raises what is no ``Exception`` (SystemExit, KeyboardInterrupt, a
+BaseException of its own) from ``open`` or ``list_keys``, off the main thread: the plugin's
+counted failure, never the end of the adapter's event loop, of its scan or of the process."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from l2_backends import AsyncDictBackend, DictBackend, keys_of, open_dict, store_blank
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import BackendAdapter, L2Adapter
+from lmcache_tiers.l2.runners import Runner
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+
+BOUND_S = 30.0  # how long a test waits for what must happen; never a measure of speed
+
+
+class PluginAbort(BaseException):
+    """A plugin's own exception that derives from BaseException."""
+
+
+ERRORS = [SystemExit(3), KeyboardInterrupt(), PluginAbort("plugin bug")]
+
+
+def wait_until(condition: object, what: str) -> None:
+    pause = threading.Event()
+    for _ in range(int(BOUND_S / 0.01)):
+        if condition():  # type: ignore[operator]
+            return
+        pause.wait(0.01)
+    raise AssertionError(f"{what} never happened")
+
+
+class FailingOpen(AsyncDictBackend):
+    error: BaseException = SystemExit(3)
+
+    async def open(self) -> None:
+        raise FailingOpen.error
+
+
+def open_off_the_main_thread(opening: object) -> BackendAdapter:
+    """The adapter opened on a thread of its own (as the server's start-up may), so that
+    a BaseException escaping to the caller is seen here rather than ending the test run."""
+    opened: list[object] = []
+
+    def run() -> None:
+        try:
+            opened.append(opening())  # type: ignore[operator]
+        except BaseException as exc:
+            opened.append(exc)
+
+    opener = threading.Thread(target=run, daemon=True)
+    opener.start()
+    opener.join(BOUND_S)
+    assert opened, "opening the adapter never returned"
+    assert isinstance(opened[0], BackendAdapter), f"opening the adapter raised {opened[0]!r}"
+    return opened[0]
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=lambda error: type(error).__name__)
+def test_a_coroutine_open_raising_a_base_exception_is_a_counted_open_failure(
+    adapters: list[L2Adapter], error: BaseException, caplog: pytest.LogCaptureFixture
+) -> None:
+    FailingOpen.error = error
+    adapter = open_off_the_main_thread(lambda: open_dict(FailingOpen))
+    adapter.close_timeout_s = 0.5
+    adapters.append(adapter)
+    assert adapter.stats()["open_failures"] == 1
+    assert any("failed to open" in r.getMessage() for r in caplog.records)
+    client = BlockingAdapterClient(adapter, timeout=BOUND_S)
+    # Every operation fails at once: the loop still runs, nothing waits for a dead one.
+    assert client.store(keys_of("k", 1), [memoryview(bytes(10))]) == [False]
+    assert client.lookup_and_lock(keys_of("k", 1)).found == [False]
+
+
+class ExitingListing(DictBackend):
+    """A plain backend whose listing gives its first entry, then raises ``error``."""
+
+    error: BaseException = SystemExit(3)
+
+    def list_keys(self) -> Iterator[tuple[ObjectKey, int]]:  # type: ignore[override]
+        yield DictBackend.list_keys(self)[0]
+        raise ExitingListing.error
+
+
+class ExitingAsyncListing(AsyncDictBackend):
+    """A coroutine backend whose listing gives its first entry, then raises ``error``."""
+
+    async def list_keys(self) -> AsyncIterator[tuple[ObjectKey, int]]:  # type: ignore[override]
+        yield DictBackend.list_keys(self)[0]
+        raise ExitingListing.error
+
+
+class ExitingListCall(DictBackend):
+    """A plain backend whose ``list_keys`` call itself raises ``error``."""
+
+    def list_keys(self) -> list[tuple[ObjectKey, int]]:
+        raise ExitingListing.error
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=lambda error: type(error).__name__)
+@pytest.mark.parametrize("foreground", [True, False], ids=["foreground", "background"])
+@pytest.mark.parametrize("backend", [ExitingListing, ExitingAsyncListing, ExitingListCall])
+def test_a_listing_raising_a_base_exception_is_a_counted_scan_error(
+    adapters: list[L2Adapter],
+    monkeypatch: pytest.MonkeyPatch,
+    backend: type[DictBackend],
+    foreground: bool,
+    error: BaseException,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The scan ends as failed (``scan_errors``, a log line) at once -- not after the stall
+    limit, counted as a stall that never was -- and the adapter serves."""
+    import lmcache_tiers.l2.scan as scan
+
+    monkeypatch.setattr(scan, "FOREGROUND_ENTRIES", 4096 if foreground else 1)
+    monkeypatch.setattr(scan, "BATCH_ENTRIES", 1)
+    monkeypatch.setattr(Runner, "listing_stall_timeout_s", BOUND_S * 10)
+    ExitingListing.error = error
+    namespace = uuid.uuid4().hex
+    holder = open_dict(DictBackend, capacity=100_000, namespace=namespace)
+    store_blank(holder, keys_of("listed", 3), 1000)
+    holder.close()
+    adapter = open_off_the_main_thread(lambda: open_dict(backend, capacity=100_000, namespace=namespace))
+    adapters.append(adapter)
+    # The scan logs its end just after it stops running: waited for, not raced.
+    wait_until(
+        lambda: any("start-up scan stopped" in r.getMessage() for r in caplog.records),
+        "the end of the start-up scan, logged",
+    )
+    stats = adapter.stats()
+    assert stats["scan_errors"] == 1
+    assert stats.get("listing_stalls", 0) == 0
+    store_blank(adapter, keys_of("after", 1), 1000)  # the adapter serves, stores admitted
+    # Listing again fails the same way, to the reader, as a plain Exception.
+    with pytest.raises(Exception, match=type(error).__name__):
+        open_off_the_main_thread_list(adapter)
+
+
+def open_off_the_main_thread_list(adapter: BackendAdapter) -> None:
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            list(adapter.iter_keys())
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    reader = threading.Thread(target=run, daemon=True)
+    reader.start()
+    reader.join(BOUND_S)
+    assert outcome, "reading the keys never returned"
+    if outcome[0] is not None:
+        raise outcome[0]
