@@ -14,12 +14,15 @@ from l2_backends import AsyncDictBackend, DictBackend, DictConfig, Xor, open_dic
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter, BackendContext, ObjectSize
+from lmcache_tiers.l2.state import MAX_OBJECT_BYTES
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys
 
 SIZE = 1000
-#: a stored size beyond any address space (even 57-bit): mmap fails with ENOMEM
-HUGE = 1 << 62
+#: a stored size beyond a process's address space (47 bits of it without an mmap hint,
+#: even under 5-level paging): mmap fails with ENOMEM.  The largest a lookup takes for
+#: any object's: past it the size is refused before any load (test_impossible_sizes.py).
+HUGE = MAX_OBJECT_BYTES
 
 
 def _huge_answer(backend: DictBackend, keys: Sequence[ObjectKey]) -> list[int | ObjectSize | None]:

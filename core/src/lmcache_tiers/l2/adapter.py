@@ -91,7 +91,7 @@ class BackendAdapter(L2Adapter):
             )
         else:
             self.runner = ThreadRunner(state, backend, self._publish, int(concurrency or 1))
-        self.scan = KeyScan(state, self.runner)
+        self.scan = KeyScan(state, self.runner, self.capacity)
         try:
             self.runner.open(self.close_timeout_s)
         except BaseException:
@@ -170,7 +170,7 @@ class BackendAdapter(L2Adapter):
         return self.state.board.pop(L2Op.STORE)
 
     def submit_lookup_and_lock(self, keys: Sequence[ObjectKey]) -> int:
-        return self._submit(LookupOp(self.state, keys))
+        return self._submit(LookupOp(self.state, keys, self.capacity))
 
     def pop_completed_lookups(self) -> dict[int, LookupResult]:
         return self.state.board.pop(L2Op.LOOKUP)
@@ -186,7 +186,7 @@ class BackendAdapter(L2Adapter):
         contains_now = self._contains_now
         if contains_now is None or self._closed or self.runner.opened(0.0) is not True:
             return None
-        op = LookupOp(self.state, keys)
+        op = LookupOp(self.state, keys, self.capacity)
         (io_keys,) = op.prepare()
         answer: list[Any] | None = []
         if io_keys:

@@ -40,7 +40,7 @@ from lmcache_tiers.l2.accounting import UNKNOWN_L1, Admission, Verdict
 from lmcache_tiers.l2.codec import SerdeBoundError, Staged
 from lmcache_tiers.l2.interface import L2Op, LookupResult
 from lmcache_tiers.l2.pins import Claim
-from lmcache_tiers.l2.state import AdapterState
+from lmcache_tiers.l2.state import AdapterState, impossible_size
 from lmcache_tiers.protocols import Capacity, ObjectSize
 
 log = logging.getLogger("lmcache_tiers.l2")
@@ -268,10 +268,15 @@ class StoreOp(BatchOp):
 
 
 def resolve_size(
-    state: AdapterState, key: ObjectKey, reported: Found, known: ObjectSize | None
+    state: AdapterState,
+    key: ObjectKey,
+    reported: Found,
+    known: ObjectSize | None,
+    limit: Callable[[], Capacity | None],
 ) -> tuple[ObjectSize | None, bool]:
     """Both sizes of a key the backend reported found (None = miss), and whether this call
-    accounted it (adopted it: not accounted before).
+    accounted it (adopted it: not accounted before).  ``limit``: the backend's capacity,
+    asked only for a size to be accounted (:func:`_possible_size`).
 
     Whichever way the size is learnt -- an ``ObjectSize`` the backend reports, a plain
     stored size matching the known entry or taken as the L1 size under a chain that
@@ -279,6 +284,8 @@ def resolve_size(
     passes ``_possible_l1_size``: an object larger than L1 is a miss on every path."""
     size = _size_from_report(state, key, reported, known)
     if size is None:
+        return None, False
+    if known != size and not _possible_size(state, key, size, limit):
         return None, False
     if known is None:
         return _adopted_size(state, key, size)
@@ -332,6 +339,28 @@ def _adopted_size(state: AdapterState, key: ObjectKey, size: ObjectSize) -> tupl
     if current is None or current.l1 == UNKNOWN_L1 or current == size:
         return size, False
     return (current if _possible_l1_size(state, key, current) else None), False
+
+
+def _possible_size(
+    state: AdapterState, key: ObjectKey, size: ObjectSize, limit: Callable[[], Capacity | None]
+) -> bool:
+    """False (counted as ``lookup_size_impossible``, logged: a miss, the accounting left as
+    it was) for a reported size no object of the backend can have -- past its whole
+    capacity or any object's.  A bad answer, not the object: accounted, the usage would
+    become absurd and every store be refused for capacity."""
+    if not impossible_size(size, limit()):
+        return True
+    state.count("lookup_size_impossible")
+    state.burst.warn(
+        "lookup_size_impossible",
+        "%s: %s found with an impossible size of %d bytes stored, %d in L1 (past the "
+        "backend's capacity or any object's); treated as a miss, not accounted",
+        state.name,
+        key.file_stem(),
+        size.stored,
+        size.l1,
+    )
+    return False
 
 
 def _possible_l1_size(state: AdapterState, key: ObjectKey, reported: ObjectSize) -> bool:
@@ -430,8 +459,12 @@ class LookupOp(BatchOp):
     method = "contains_many"
     kind = L2Op.LOOKUP
 
-    def __init__(self, state: AdapterState, keys: Sequence[ObjectKey]) -> None:
+    def __init__(
+        self, state: AdapterState, keys: Sequence[ObjectKey], capacity: Callable[[], Capacity | None]
+    ) -> None:
         super().__init__(state, keys)
+        self.capacity = capacity
+        self._limit: list[Capacity | None] = []  # the capacity once asked, for this answer
         self.known: list[ObjectSize | None] = []
         self.hits: list[ObjectKey] = []
         #: keys noted by ``reading_begin``, until ``finish``
@@ -492,7 +525,7 @@ class LookupOp(BatchOp):
             key = self.keys[index]
             reported = io_result[position] if io_result is not None else None
             known = self.known[position]
-            size, adopted_here = resolve_size(state, key, reported, known)
+            size, adopted_here = resolve_size(state, key, reported, known, self._capacity_once)
             if size is None:
                 misses.append(key)
                 if io_result is not None and reported is None:
@@ -521,6 +554,12 @@ class LookupOp(BatchOp):
         state.count("lookup_misses", len(self.keys) - len(self.hits))
         log.debug("%s: lookup found %d/%d keys", state.name, len(self.hits), len(self.keys))
         return LookupResult(found, sizes)
+
+    def _capacity_once(self) -> Capacity | None:
+        """The backend's capacity, asked at most once per answer (it may cost a call)."""
+        if not self._limit:
+            self._limit.append(self.capacity())
+        return self._limit[0]
 
     def released(self) -> None:
         self.state.pins.unpin(self.hits)

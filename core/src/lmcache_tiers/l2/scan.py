@@ -21,15 +21,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from lmcache_tiers.config import redact_url_secrets
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.accounting import UNKNOWN_L1
 from lmcache_tiers.l2.runners import Entry, Runner
-from lmcache_tiers.l2.state import AdapterState
-from lmcache_tiers.protocols import ObjectSize
+from lmcache_tiers.l2.state import AdapterState, impossible_size
+from lmcache_tiers.protocols import Capacity, ObjectSize
 
 log = logging.getLogger("lmcache_tiers.l2")
 
@@ -42,12 +42,14 @@ BATCH_ENTRIES = 1024
 class KeyScan:
     """Accounts the backend's listing once, partly in the foreground, then on a thread."""
 
-    def __init__(self, state: AdapterState, runner: Runner) -> None:
+    def __init__(self, state: AdapterState, runner: Runner, capacity: Callable[[], Capacity | None]) -> None:
         self.state = state
         self.runner = runner
+        self.capacity = capacity
         self.keys = 0
         self.bytes = 0
-        self.invalid = 0
+        self.invalid = 0  # entries ignored: not (key, size) pairs, or of impossible sizes
+        self.impossible = 0  # of which listed with a size no object can have
         self.errors = 0
         self.running = False
         self._thread: threading.Thread | None = None
@@ -102,7 +104,7 @@ class KeyScan:
                     self._finish(None)
                     return True
                 taken += len(batch)
-                sizes = [size for size in map(self.pair, batch) if size is not None]
+                sizes = self._possible([size for size in map(self.pair, batch) if size is not None])
                 self.invalid += len(batch) - len(sizes)
                 with self._lock:
                     if not self.running:  # ended by close() while this batch was listed
@@ -119,6 +121,14 @@ class KeyScan:
             self._finish(f"listing failed: {type(exc).__name__}: {redact_url_secrets(str(exc))}")
             return True
         return False
+
+    def _possible(self, sizes: list[tuple[ObjectKey, ObjectSize]]) -> list[tuple[ObjectKey, ObjectSize]]:
+        """``sizes`` without the entries no object of the backend can have (larger than its
+        whole capacity): ignored as invalid entries, never accounted."""
+        limit = self.capacity()
+        possible = [(key, size) for key, size in sizes if not impossible_size(size, limit)]
+        self.impossible += len(sizes) - len(possible)
+        return possible
 
     def _stop_listing(self) -> None:
         """Close a listing the scan stopped before its end, on the thread that iterates it:
@@ -160,7 +170,11 @@ class KeyScan:
         if self.invalid:
             self.state.count("scan_invalid_entries", self.invalid)
             log.warning(
-                "%s: %d listed entries were not (key, size) pairs; ignored", self.state.name, self.invalid
+                "%s: %d listed entries were not (key, size) pairs or had an impossible size (%d: "
+                "past the backend's capacity or any object's); ignored",
+                self.state.name,
+                self.invalid,
+                self.impossible,
             )
         elapsed = time.monotonic() - self._started
         if problem is None:

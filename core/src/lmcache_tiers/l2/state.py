@@ -20,6 +20,7 @@ from lmcache_tiers.l2.context import AdapterContext
 from lmcache_tiers.l2.interface import L2Listener
 from lmcache_tiers.l2.pins import PinTable
 from lmcache_tiers.l2.tasks import TaskBoard
+from lmcache_tiers.protocols import Capacity, ObjectSize
 
 if TYPE_CHECKING:
     from lmcache_tiers.l2.interface import L2Adapter
@@ -30,9 +31,25 @@ log = logging.getLogger("lmcache_tiers.l2")
 #: listener callbacks a listener may lack (it is then not told)
 OPTIONAL_CALLBACKS = frozenset({"on_l2_keys_absent", "on_l2_keys_scanned"})
 
+#: the largest stored size one object is taken to have at most (256 TiB): past it (or past
+#: the backend's whole byte capacity) a listed or reported size is the backend's bug
+MAX_OBJECT_BYTES = 1 << 48
+
 #: layouts of loaded keys kept for the prefetches that loaded them; past that (loads with
 #: no prefetch behind them, such as a benchmark's) they are forgotten
 _LOADED_LAYOUTS_MAX = 1 << 16
+
+
+def impossible_size(size: ObjectSize, limit: Capacity | None) -> bool:
+    """Whether no object of a backend with capacity ``limit`` can have ``size``: stored
+    bytes past its whole byte capacity, or past :data:`MAX_OBJECT_BYTES`.  Accounted, such
+    a size would make the usage absurd: every store refused for capacity, and eviction
+    deleting valid objects for room that can never be made.  (An L1 size past L1 is
+    another matter, refused when it would be reserved: ops._possible_l1_size.)"""
+    bound = MAX_OBJECT_BYTES
+    if limit is not None and limit.bytes is not None:
+        bound = min(bound, limit.bytes)
+    return size.stored > bound
 
 
 class Counters:

@@ -1,0 +1,121 @@
+"""A size no object of this store can have -- larger than the backend's whole capacity, or
+past any sane bound when it has none -- listed by ``list_keys`` or answered by
+``contains_many``: refused as a bad answer (counted, logged), never accounted.  Accounted,
+it would make the usage absurd, every store would be refused for capacity and eviction
+would delete valid objects to make room that can never be made."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+
+import pytest
+from l2_backends import DictBackend, keys_of, open_dict, store_blank
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import BackendAdapter, L2Adapter, ObjectSize
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+
+BOUND_S = 30.0  # how long a test waits for what must happen; never a measure of speed
+HUGE = 2**70
+SIZE = 200
+
+
+def wait_until(condition: object, what: str) -> None:
+    pause = threading.Event()
+    for _ in range(int(BOUND_S / 0.01)):
+        if condition():  # type: ignore[operator]
+            return
+        pause.wait(0.01)
+    raise AssertionError(f"{what} never happened")
+
+
+class ListingAbsurdSizes(DictBackend):
+    """Lists what it holds, plus one key at ``listed_size`` that no object can have."""
+
+    listed_size: object = HUGE
+
+    def list_keys(self) -> list[tuple[ObjectKey, object]]:  # type: ignore[override]
+        absurd = ObjectKey("absurd", 0, b"\0" * 8)
+        return [*DictBackend.list_keys(self), (absurd, ListingAbsurdSizes.listed_size)]
+
+
+@pytest.mark.parametrize(
+    ("listed_size", "capacity"),
+    [(HUGE, 100_000), (HUGE, None), (100_001, 100_000), (ObjectSize(HUGE, SIZE), None)],
+    ids=["past-capacity", "past-any-bound", "just-past-capacity", "object-size"],
+)
+def test_the_scan_refuses_a_listed_size_no_object_can_have(
+    adapters: list[L2Adapter],
+    listed_size: object,
+    capacity: int | None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ListingAbsurdSizes.listed_size = listed_size
+    namespace = uuid.uuid4().hex
+    holder = open_dict(DictBackend, namespace=namespace)
+    store_blank(holder, keys_of("listed", 2), SIZE)
+    holder.close()
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l2"):
+        adapter = open_dict(ListingAbsurdSizes, capacity=capacity, namespace=namespace)
+        adapters.append(adapter)
+        wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")
+    assert adapter.used_bytes() == 2 * SIZE
+    stats = adapter.stats()
+    assert stats["scan_keys"] == 2
+    assert stats["scan_invalid_entries"] == 1
+    assert any("impossible size" in r.getMessage() for r in caplog.records)
+    store_blank(adapter, keys_of("after", 1), SIZE)  # admitted: the usage is what is stored
+
+
+class AnsweringAbsurdSizes(DictBackend):
+    """Answers ``answered`` as the size of every key it holds, when set."""
+
+    answered: object = None
+
+    def contains_many(self, keys):  # type: ignore[no-untyped-def]
+        found = super().contains_many(keys)
+        if AnsweringAbsurdSizes.answered is None:
+            return found
+        return [None if size is None else AnsweringAbsurdSizes.answered for size in found]
+
+
+@pytest.mark.parametrize(
+    ("answered", "capacity"),
+    [(HUGE, 100_000), (HUGE, None), (100_001, 100_000), (ObjectSize(2**63, SIZE), None)],
+    ids=["past-capacity", "past-any-bound", "just-past-capacity", "object-size"],
+)
+@pytest.mark.parametrize("accounted", [True, False], ids=["accounted", "adopted"])
+def test_a_lookup_refuses_a_size_no_object_can_have(
+    adapters: list[L2Adapter],
+    answered: object,
+    capacity: int | None,
+    accounted: bool,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    namespace = uuid.uuid4().hex
+    keys = keys_of("k", 1)
+    if not accounted:  # stored by another server: this adapter learns of it by a lookup
+        holder = open_dict(DictBackend, namespace=namespace)
+        store_blank(holder, keys, SIZE)
+        holder.close()
+    adapter: BackendAdapter = open_dict(AnsweringAbsurdSizes, capacity=capacity, namespace=namespace)
+    adapters.append(adapter)
+    wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")
+    if accounted:
+        store_blank(adapter, keys, SIZE)
+    else:
+        adapter.state.accounting.forget(keys[0])  # as if stored after the scan read the store
+    used = adapter.used_bytes()
+    AnsweringAbsurdSizes.answered = answered
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l2"):
+            assert BlockingAdapterClient(adapter).lookup_and_lock(keys).found == [False]
+    finally:
+        AnsweringAbsurdSizes.answered = None
+    assert adapter.used_bytes() == used
+    assert adapter.stats()["lookup_size_impossible"] == 1
+    assert any("impossible size" in r.getMessage() for r in caplog.records)
+    assert adapter.pinned_keys() == {}
+    store_blank(adapter, keys_of("after", 1), SIZE)  # admitted: the usage is what is stored
