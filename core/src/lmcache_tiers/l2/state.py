@@ -6,6 +6,7 @@ It holds no threads; the runner and the adapter own those.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import Counter
@@ -36,7 +37,7 @@ OPTIONAL_CALLBACKS = frozenset({"on_l2_keys_absent", "on_l2_keys_scanned"})
 MAX_OBJECT_BYTES = 1 << 48
 
 #: layouts of loaded keys kept for the prefetches that loaded them; past that (loads with
-#: no prefetch behind them, such as a benchmark's) they are forgotten
+#: no prefetch behind them, such as a benchmark's) the oldest no reader pins are forgotten
 _LOADED_LAYOUTS_MAX = 1 << 16
 
 
@@ -200,13 +201,39 @@ class AdapterState:
                 if entry[0] <= 0:
                     del self._loading[key]
             kept = self._loaded_layouts
-            if len(kept) + len(loaded) > _LOADED_LAYOUTS_MAX:
-                kept.clear()  # loads nobody collected (no prefetch behind them)
             if checked is not None:
                 layouts = dict(checked)
             for key in loaded:
                 if layouts.get(key):
+                    kept.pop(key, None)  # a newer load of the key: the newest entry
                     kept[key] = layouts[key]
+            dropped = self._drop_oldest_layouts()
+        if dropped:
+            self.count("loaded_layouts_dropped", dropped)
+            self.burst.warn(
+                "loaded_layouts_dropped",
+                "%s: %d layouts of loaded keys nobody collected were dropped, the oldest first "
+                "(loads with no prefetch behind them?); a prefetch collecting one later gets its "
+                "object without a layout",
+                self.name,
+                dropped,
+                count=dropped,
+            )
+
+    def _drop_oldest_layouts(self) -> int:
+        """Forget the oldest kept layouts past ``_LOADED_LAYOUTS_MAX`` (under ``_lock``);
+        how many.  Those of pinned keys stay: a prefetch holds its keys pinned until their
+        load completed, and collects their layouts then -- dropped, its objects would reach
+        L1 with no layout and a front end's layout check would go by size alone."""
+        kept = self._loaded_layouts
+        excess = len(kept) - _LOADED_LAYOUTS_MAX
+        if excess <= 0:
+            return 0
+        unpinned = (key for key in kept if not self.pins.pinned([key])[0])  # oldest first
+        victims = list(itertools.islice(unpinned, excess))
+        for key in victims:
+            del kept[key]
+        return len(victims)
 
     def take_layouts(self, keys: Sequence[ObjectKey]) -> list[str]:
         with self._lock:
