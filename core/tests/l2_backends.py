@@ -6,7 +6,7 @@ import asyncio
 import threading
 import uuid
 import zlib
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from lmcache_tiers.config import L2AdapterConfig
@@ -191,6 +191,30 @@ def store_blank(adapter: BackendAdapter, keys: Sequence[ObjectKey], size: int) -
     """Stores ``size`` zero bytes under each key, every one of them acknowledged."""
     stored = BlockingAdapterClient(adapter).store(list(keys), [memoryview(bytearray(size)) for _ in keys])
     assert stored == [True] * len(keys)
+
+
+def namespace_holding(keys: Sequence[ObjectKey], size: int) -> str:
+    """A new namespace in which ``keys`` were stored (``size`` bytes each) by an adapter
+    now closed, so that the next adapter on it lists them in its start-up scan."""
+    namespace = uuid.uuid4().hex
+    holder = open_dict(DictBackend, namespace=namespace)
+    store_blank(holder, keys, size)
+    holder.close()
+    return namespace
+
+
+#: how long a test waits for what must happen; never a measure of speed
+WAIT_BOUND_S = 30.0
+
+
+def wait_until(condition: Callable[[], object], what: str) -> None:
+    """Wait (up to WAIT_BOUND_S) for ``condition`` to hold; AssertionError naming ``what``."""
+    pause = threading.Event()
+    for _ in range(int(WAIT_BOUND_S / 0.01)):
+        if condition():
+            return
+        pause.wait(0.01)
+    raise AssertionError(f"{what} never happened")
 
 
 class Fifo:

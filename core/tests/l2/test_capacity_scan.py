@@ -7,11 +7,11 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import pytest
-from l2_backends import _SPACES, AsyncDictBackend, DictBackend, DictConfig, Xor, Zlib, open_dict
+from l2_backends import _SPACES, AsyncDictBackend, DictBackend, DictConfig, Xor, Zlib, open_dict, wait_until
 
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
@@ -186,15 +186,6 @@ def open_scanning(
     adapter = open_dict(backend, namespace=namespace, **options)
     adapters.append(adapter)
     return adapter, namespace
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    pause = threading.Event()
-    for _ in range(3000):
-        if condition():
-            return
-        pause.wait(0.01)
-    raise AssertionError(f"{what} never happened")
 
 
 def wait_for_the_scan(adapter: L2Adapter) -> None:

@@ -7,28 +7,16 @@ would delete valid objects to make room that can never be made."""
 from __future__ import annotations
 
 import logging
-import threading
-import uuid
 
 import pytest
-from l2_backends import DictBackend, keys_of, open_dict, store_blank
+from l2_backends import DictBackend, keys_of, namespace_holding, open_dict, store_blank, wait_until
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter, L2Adapter, ObjectSize
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 
-BOUND_S = 30.0  # how long a test waits for what must happen; never a measure of speed
 HUGE = 2**70
 SIZE = 200
-
-
-def wait_until(condition: object, what: str) -> None:
-    pause = threading.Event()
-    for _ in range(int(BOUND_S / 0.01)):
-        if condition():  # type: ignore[operator]
-            return
-        pause.wait(0.01)
-    raise AssertionError(f"{what} never happened")
 
 
 class ListingAbsurdSizes(DictBackend):
@@ -53,10 +41,7 @@ def test_the_scan_refuses_a_listed_size_no_object_can_have(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     ListingAbsurdSizes.listed_size = listed_size
-    namespace = uuid.uuid4().hex
-    holder = open_dict(DictBackend, namespace=namespace)
-    store_blank(holder, keys_of("listed", 2), SIZE)
-    holder.close()
+    namespace = namespace_holding(keys_of("listed", 2), SIZE)
     with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l2"):
         adapter = open_dict(ListingAbsurdSizes, capacity=capacity, namespace=namespace)
         adapters.append(adapter)
@@ -94,12 +79,9 @@ def test_a_lookup_refuses_a_size_no_object_can_have(
     accounted: bool,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    namespace = uuid.uuid4().hex
     keys = keys_of("k", 1)
-    if not accounted:  # stored by another server: this adapter learns of it by a lookup
-        holder = open_dict(DictBackend, namespace=namespace)
-        store_blank(holder, keys, SIZE)
-        holder.close()
+    # Not accounted: stored by another server, this adapter learns of it by a lookup.
+    namespace = namespace_holding([] if accounted else keys, SIZE)
     adapter: BackendAdapter = open_dict(AnsweringAbsurdSizes, capacity=capacity, namespace=namespace)
     adapters.append(adapter)
     wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")

@@ -13,11 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from l2_backends import AsyncDictBackend, DictBackend, keys_of, open_dict, store_blank
+from l2_backends import (
+    AsyncDictBackend,
+    DictBackend,
+    keys_of,
+    namespace_holding,
+    open_dict,
+    store_blank,
+    wait_until,
+)
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter, L2Adapter
@@ -49,10 +56,7 @@ class StallingListing(AsyncDictBackend):
 def listing_over(backend: type[AsyncDictBackend], entries: int, adapters: list[L2Adapter]) -> BackendAdapter:
     """An adapter of ``backend`` over ``entries`` objects already stored (by a plain backend
     on the same namespace, so that ``backend``'s start-up scan is what lists them)."""
-    namespace = uuid.uuid4().hex
-    holder = open_dict(AsyncDictBackend, capacity=100_000, namespace=namespace)
-    store_blank(holder, keys_of("listed", entries), 1000)
-    holder.close()
+    namespace = namespace_holding(keys_of("listed", entries), 1000)
     adapter = open_dict(backend, capacity=100_000, namespace=namespace)
     adapters.append(adapter)
     return adapter
@@ -82,15 +86,6 @@ class SlowListing(AsyncDictBackend):
         for entry in DictBackend.list_keys(self):
             await asyncio.sleep(SlowListing.pause_s)
             yield entry
-
-
-def wait_until(condition: object, what: str) -> None:
-    pause = threading.Event()
-    for _ in range(int(BOUND_S / 0.01)):
-        if condition():  # type: ignore[operator]
-            return
-        pause.wait(0.01)
-    raise AssertionError(f"{what} never happened")
 
 
 def test_a_stalled_listing_ends_the_scan_so_stores_are_no_longer_refused(
@@ -183,10 +178,7 @@ def test_a_hung_synchronous_listing_ends_the_scan_so_stores_are_no_longer_refuse
     monkeypatch.setattr(Runner, "listing_stall_timeout_s", 0.2)  # both runners read it
     HangingListing.released.clear()
     try:
-        namespace = uuid.uuid4().hex
-        holder = open_dict(DictBackend, capacity=100_000, namespace=namespace)
-        store_blank(holder, keys_of("listed", LISTED), 1000)
-        holder.close()
+        namespace = namespace_holding(keys_of("listed", LISTED), 1000)
         opened: list[BackendAdapter] = []
         opener = threading.Thread(
             target=lambda: opened.append(open_dict(backend, capacity=100_000, namespace=namespace)),
@@ -235,10 +227,7 @@ def test_no_new_listing_while_a_previous_one_is_stuck_in_the_backend(
     monkeypatch.setattr(Runner, "listing_stall_timeout_s", 0.2)
     HangingListing.released.clear()
     try:
-        namespace = uuid.uuid4().hex
-        holder = open_dict(DictBackend, capacity=100_000, namespace=namespace)
-        store_blank(holder, keys_of("listed", LISTED), 1000)
-        holder.close()
+        namespace = namespace_holding(keys_of("listed", LISTED), 1000)
         adapter = open_dict(backend, capacity=100_000, namespace=namespace)
         adapters.append(adapter)
         wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")

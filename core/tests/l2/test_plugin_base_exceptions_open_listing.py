@@ -5,18 +5,27 @@ counted failure, never the end of the adapter's event loop, of its scan or of th
 from __future__ import annotations
 
 import threading
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TypeVar
 
 import pytest
-from l2_backends import AsyncDictBackend, DictBackend, keys_of, open_dict, store_blank
+from l2_backends import (
+    WAIT_BOUND_S,
+    AsyncDictBackend,
+    DictBackend,
+    keys_of,
+    namespace_holding,
+    open_dict,
+    store_blank,
+    wait_until,
+)
 
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2 import BackendAdapter, L2Adapter
+from lmcache_tiers.l2 import L2Adapter
 from lmcache_tiers.l2.runners import Runner
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 
-BOUND_S = 30.0  # how long a test waits for what must happen; never a measure of speed
+T = TypeVar("T")
 
 
 class PluginAbort(BaseException):
@@ -26,15 +35,6 @@ class PluginAbort(BaseException):
 ERRORS = [SystemExit(3), KeyboardInterrupt(), PluginAbort("plugin bug")]
 
 
-def wait_until(condition: object, what: str) -> None:
-    pause = threading.Event()
-    for _ in range(int(BOUND_S / 0.01)):
-        if condition():  # type: ignore[operator]
-            return
-        pause.wait(0.01)
-    raise AssertionError(f"{what} never happened")
-
-
 class FailingOpen(AsyncDictBackend):
     error: BaseException = SystemExit(3)
 
@@ -42,23 +42,26 @@ class FailingOpen(AsyncDictBackend):
         raise FailingOpen.error
 
 
-def open_off_the_main_thread(opening: object) -> BackendAdapter:
-    """The adapter opened on a thread of its own (as the server's start-up may), so that
-    a BaseException escaping to the caller is seen here rather than ending the test run."""
-    opened: list[object] = []
+def off_the_main_thread(call: Callable[[], T]) -> T:
+    """``call`` run on a thread of its own (as the server's start-up and the eviction
+    policy's seeding run), so that a BaseException escaping to the caller is raised here
+    rather than ending the test run."""
+    outcome: list[tuple[T | None, BaseException | None]] = []
 
     def run() -> None:
         try:
-            opened.append(opening())  # type: ignore[operator]
+            outcome.append((call(), None))
         except BaseException as exc:
-            opened.append(exc)
+            outcome.append((None, exc))
 
-    opener = threading.Thread(target=run, daemon=True)
-    opener.start()
-    opener.join(BOUND_S)
-    assert opened, "opening the adapter never returned"
-    assert isinstance(opened[0], BackendAdapter), f"opening the adapter raised {opened[0]!r}"
-    return opened[0]
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(WAIT_BOUND_S)
+    assert outcome, "the call never returned"
+    result, failure = outcome[0]
+    if failure is not None:
+        raise failure
+    return result  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize("error", ERRORS, ids=lambda error: type(error).__name__)
@@ -66,12 +69,12 @@ def test_a_coroutine_open_raising_a_base_exception_is_a_counted_open_failure(
     adapters: list[L2Adapter], error: BaseException, caplog: pytest.LogCaptureFixture
 ) -> None:
     FailingOpen.error = error
-    adapter = open_off_the_main_thread(lambda: open_dict(FailingOpen))
+    adapter = off_the_main_thread(lambda: open_dict(FailingOpen))
     adapter.close_timeout_s = 0.5
     adapters.append(adapter)
     assert adapter.stats()["open_failures"] == 1
     assert any("failed to open" in r.getMessage() for r in caplog.records)
-    client = BlockingAdapterClient(adapter, timeout=BOUND_S)
+    client = BlockingAdapterClient(adapter, timeout=WAIT_BOUND_S)
     # Every operation fails at once: the loop still runs, nothing waits for a dead one.
     assert client.store(keys_of("k", 1), [memoryview(bytes(10))]) == [False]
     assert client.lookup_and_lock(keys_of("k", 1)).found == [False]
@@ -119,13 +122,10 @@ def test_a_listing_raising_a_base_exception_is_a_counted_scan_error(
 
     monkeypatch.setattr(scan, "FOREGROUND_ENTRIES", 4096 if foreground else 1)
     monkeypatch.setattr(scan, "BATCH_ENTRIES", 1)
-    monkeypatch.setattr(Runner, "listing_stall_timeout_s", BOUND_S * 10)
+    monkeypatch.setattr(Runner, "listing_stall_timeout_s", WAIT_BOUND_S * 10)
     ExitingListing.error = error
-    namespace = uuid.uuid4().hex
-    holder = open_dict(DictBackend, capacity=100_000, namespace=namespace)
-    store_blank(holder, keys_of("listed", 3), 1000)
-    holder.close()
-    adapter = open_off_the_main_thread(lambda: open_dict(backend, capacity=100_000, namespace=namespace))
+    namespace = namespace_holding(keys_of("listed", 3), 1000)
+    adapter = off_the_main_thread(lambda: open_dict(backend, capacity=100_000, namespace=namespace))
     adapters.append(adapter)
     # The scan logs its end just after it stops running: waited for, not raced.
     wait_until(
@@ -138,22 +138,4 @@ def test_a_listing_raising_a_base_exception_is_a_counted_scan_error(
     store_blank(adapter, keys_of("after", 1), 1000)  # the adapter serves, stores admitted
     # Listing again fails the same way, to the reader, as a plain Exception.
     with pytest.raises(Exception, match=type(error).__name__):
-        open_off_the_main_thread_list(adapter)
-
-
-def open_off_the_main_thread_list(adapter: BackendAdapter) -> None:
-    outcome: list[BaseException | None] = []
-
-    def run() -> None:
-        try:
-            list(adapter.iter_keys())
-            outcome.append(None)
-        except BaseException as exc:
-            outcome.append(exc)
-
-    reader = threading.Thread(target=run, daemon=True)
-    reader.start()
-    reader.join(BOUND_S)
-    assert outcome, "reading the keys never returned"
-    if outcome[0] is not None:
-        raise outcome[0]
+        off_the_main_thread(lambda: list(adapter.iter_keys()))
