@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
+from collections.abc import Callable
 
 import pytest
 from l2_backends import AsyncDictBackend, DictBackend, open_dict
 
-from lmcache_tiers.config import L2AdapterConfig
+from lmcache_tiers.config import CircuitConfig, L2AdapterConfig
 from lmcache_tiers.l2 import BackendAdapter
 from lmcache_tiers.l2.calls import call_async
 from lmcache_tiers.l2.context import AdapterContext
@@ -221,3 +223,64 @@ def test_a_coroutine_call_closed_while_it_awaits_the_backend_is_no_backend_failu
     assert outcome == [None], "the close went through"
     assert state.counters.snapshot().get("backend_errors", 0) == 0
     assert [r.getMessage() for r in caplog.records if "failed" in r.getMessage()] == []
+
+
+#: a circuit that opens after three failed calls and probes every 20 ms
+FAST_CIRCUIT = CircuitConfig(failure_threshold=3, probe_interval_s=0.02)
+
+
+class RemoteRaisingSync(RaisingSync):
+    """A store across a network (its calls go through the circuit breaker) whose ``ping``
+    raises ``ping_error`` when set."""
+
+    remote = True
+    ping_error: BaseException | None = None
+
+    def ping(self) -> None:
+        if self.ping_error is not None:
+            raise self.ping_error
+
+
+class RemoteRaisingAsync(RaisingAsync):
+    remote = True
+    ping_error: BaseException | None = None
+
+    async def ping(self) -> None:
+        if self.ping_error is not None:
+            raise self.ping_error
+
+
+def _wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 30.0  # guards against hangs only
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("error", ERRORS[:3], ids=lambda error: type(error).__name__)
+@pytest.mark.parametrize("backend", [RemoteRaisingSync, RemoteRaisingAsync], ids=["plain", "coroutines"])
+def test_base_exceptions_from_a_remote_backend_open_its_circuit_and_a_probe_raising_one_fails(
+    adapters: list[BackendAdapter], backend: type[DictBackend], error: BaseException
+) -> None:
+    """Counted as backend errors, they count toward opening the circuit as any failed call
+    does: a store calling ``sys.exit()`` on every call is refused, not called for ever.  A
+    probe raising one is a failed probe, and probing goes on (escaping, it would end the
+    probing, or the adapter's event loop, with the circuit open for good)."""
+    adapter = open_dict(backend, circuit=FAST_CIRCUIT)
+    adapters.append(adapter)
+    plugin: RemoteRaisingSync = adapter.backend.inner  # type: ignore[attr-defined]  # inside the breaker
+    keys = make_keys(1)
+    client = BlockingAdapterClient(adapter, timeout=10.0)
+    assert client.store(keys, [memoryview(bytes(SIZE))]) == [True]
+    plugin.raise_in, plugin.error, plugin.ping_error = "put_many", error, error
+    for batch in range(3):
+        assert client.store(make_keys(1, start=batch + 1), [memoryview(bytes(SIZE))]) == [False]
+    stats = adapter.stats()
+    assert stats["backend_errors"] == 3 and stats.get("circuit_failures", 0) == 3, stats
+    assert stats["circuit_open"] == 1, stats
+
+    _wait_for(lambda: adapter.stats().get("circuit_probe_failures", 0) >= 2, "probes that raised")
+    plugin.raise_in, plugin.ping_error = "", None
+    _wait_for(lambda: adapter.stats()["circuit_open"] == 0, "a probe to close the circuit")
+    assert client.lookup_and_lock(keys).found == [True]
+    adapter.unlock(keys)

@@ -50,6 +50,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmcache_tiers.config import CircuitConfig, L2AdapterConfig
+from lmcache_tiers.errors import raised_by_a_plugin
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.breaker import CallTimeout, CircuitBreaker
 from lmcache_tiers.l2.calls import NotCalled, cancelled_from_outside, is_async_backend, optional_method
@@ -188,6 +189,10 @@ class CircuitBackend(_Guard):
             # Exception): nothing here cancels it, so it is the backend's failure.
             self.failed(method, exc)
             raise
+        except BaseException as exc:
+            if raised_by_a_plugin(exc):  # the call fails as a backend error: the breaker sees it too
+                self.failed(method, exc)
+            raise
         self.breaker.succeeded()
         return result
 
@@ -271,6 +276,13 @@ class CircuitBackend(_Guard):
             # A plain method running coroutines of its own may raise CancelledError (no
             # Exception), as ``calls.call`` notes: a failed probe.  Escaping, it would end
             # the probing for good with the circuit open.
+            self.breaker.probe_failed(exc)
+            return False
+        except BaseException as exc:
+            if not raised_by_a_plugin(exc):
+                raise
+            # A sys.exit() in the plugin's ping ended the probe thread, the circuit open
+            # for good with nothing probing: a failed probe too.
             self.breaker.probe_failed(exc)
             return False
         return True
@@ -377,6 +389,12 @@ class AsyncCircuitBackend(_Guard):
                 # a failed call.  One cancelling this task (close) says nothing of it.
                 self.failed(method, exc)
             raise
+        except GeneratorExit:
+            raise  # this coroutine being closed, as in ``calls.call_async``
+        except BaseException as exc:
+            if raised_by_a_plugin(exc):  # the call fails as a backend error: the breaker sees it too
+                self.failed(method, exc)
+            raise
         self.breaker.succeeded()
         return result
 
@@ -431,6 +449,15 @@ class AsyncCircuitBackend(_Guard):
                 raise  # close() cancels the probing
             # The client library cancelled its own request: a failed probe.  Escaping, it
             # would end the probing for good with the circuit open.
+            self.breaker.probe_failed(exc)
+            return False
+        except GeneratorExit:
+            raise  # this coroutine being closed, as in ``calls.call_async``
+        except BaseException as exc:
+            if not raised_by_a_plugin(exc):
+                raise
+            # A sys.exit() in the plugin's ping: escaping, it would end the probing (or,
+            # a KeyboardInterrupt or SystemExit, the adapter's event loop) for good.
             self.breaker.probe_failed(exc)
             return False
         return True
