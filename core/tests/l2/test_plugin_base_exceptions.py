@@ -284,3 +284,43 @@ def test_base_exceptions_from_a_remote_backend_open_its_circuit_and_a_probe_rais
     _wait_for(lambda: adapter.stats()["circuit_open"] == 0, "a probe to close the circuit")
     assert client.lookup_and_lock(keys).found == [True]
     adapter.unlock(keys)
+
+
+class ExitingIndex(DictBackend):
+    """A backend whose in-memory index (``contains_many_now``) raises ``error``."""
+
+    error: BaseException = SystemExit(5)
+
+    def contains_many_now(self, keys):  # type: ignore[no-untyped-def]
+        raise self.error
+
+
+@pytest.mark.parametrize("error", ERRORS[:3], ids=lambda error: type(error).__name__)
+def test_a_base_exception_from_an_immediate_lookup_off_the_main_thread_is_a_counted_fallback(
+    adapters: list[BackendAdapter], error: BaseException
+) -> None:
+    """A front end's request thread asks the index on its own thread: what the plugin raises
+    there is its failure -- counted, the pins given back and the lookup left to the
+    adapter's worker -- not an exception that ends the request's thread."""
+    adapter = open_dict(ExitingIndex)
+    adapters.append(adapter)
+    keys = make_keys(2)
+    client = BlockingAdapterClient(adapter, timeout=10.0)
+    assert client.store(keys[:1], [memoryview(bytes(SIZE))]) == [True]
+    adapter.backend.error = error  # type: ignore[attr-defined]
+    answers: list[object] = []
+
+    def ask() -> None:
+        try:
+            answers.append(adapter.lookup_and_lock_now(keys))
+        except BaseException as exc:
+            answers.append(exc)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    asker.join()
+    assert answers == [None]
+    assert adapter.stats()["backend_errors"] == 1
+    assert adapter.pinned_keys() == {}
+    assert client.lookup_and_lock(keys).found == [True, False], "the worker's lookup answers"
+    adapter.unlock(keys[:1])

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
-from lmcache_tiers.errors import TiersError
+from lmcache_tiers.errors import TiersError, raised_by_a_plugin
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.calls import checked, is_async_backend, optional_method
 from lmcache_tiers.l2.circuit import AsyncCircuitBackend, CircuitBackend
@@ -198,9 +198,14 @@ class BackendAdapter(L2Adapter):
                 # Exception): nothing here cancels it, so it is the backend's failure.
                 self.state.backend_failed("contains_many_now", exc)
                 answer = None
-            except BaseException:
-                op.abandon()  # an interrupt: the pins and reads prepare took go back first
-                raise
+            except BaseException as exc:
+                if not raised_by_a_plugin(exc):
+                    op.abandon()  # an interrupt: the pins and reads prepare took go back first
+                    raise
+                # Off the main thread only the plugin raises one: escaping, it would end the
+                # front end's request thread that asked.
+                self.state.backend_failed("contains_many_now", exc)
+                answer = None
         if answer is None or self._closed:
             op.abandon()  # what prepare took; the worker asks again
             return None
