@@ -139,3 +139,59 @@ def test_a_listing_raising_a_base_exception_is_a_counted_scan_error(
     # Listing again fails the same way, to the reader, as a plain Exception.
     with pytest.raises(Exception, match=type(error).__name__):
         off_the_main_thread(lambda: list(adapter.iter_keys()))
+
+
+class GatedListing(DictBackend):
+    """Lists its first entry, then the rest once ``gate`` is set."""
+
+    gate = threading.Event()
+
+    def list_keys(self) -> Iterator[tuple[ObjectKey, int]]:  # type: ignore[override]
+        entries = DictBackend.list_keys(self)
+        yield entries[0]
+        GatedListing.gate.wait(WAIT_BOUND_S)
+        yield from entries[1:]
+
+
+class ExitingListener:
+    """A listener (an eviction policy's controller calls plugin code) raising ``error``."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def on_l2_keys_scanned(self, adapter: object, keys: object) -> None:
+        raise self.error
+
+    def on_l2_keys_stored(self, adapter: object, keys: object) -> None:
+        raise self.error
+
+    def on_l2_keys_deleted(self, adapter: object, keys: object) -> None:
+        raise self.error
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=lambda error: type(error).__name__)
+def test_a_listener_raising_a_base_exception_during_the_scan_leaves_the_scan_going(
+    adapters: list[L2Adapter],
+    monkeypatch: pytest.MonkeyPatch,
+    error: BaseException,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Told of scanned keys on the scan's thread, a listener raising a BaseException is
+    logged as a failed listener, as one raising an Exception is: the scan goes on to its end
+    rather than stop with ``scan_running`` left at 1 and every store refused as scanning."""
+    import lmcache_tiers.l2.scan as scan
+
+    monkeypatch.setattr(scan, "FOREGROUND_ENTRIES", 1)
+    monkeypatch.setattr(scan, "BATCH_ENTRIES", 1)
+    GatedListing.gate.clear()
+    try:
+        namespace = namespace_holding(keys_of("listed", 3), 1000)
+        adapter = open_dict(GatedListing, capacity=100_000, namespace=namespace)
+        adapters.append(adapter)
+        adapter.add_listener(ExitingListener(error))  # type: ignore[arg-type]
+    finally:
+        GatedListing.gate.set()
+    wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")
+    assert adapter.stats()["scan_keys"] == 3, "the scan went on past the failing listener"
+    assert any("listener" in r.getMessage() and "failed" in r.getMessage() for r in caplog.records)
+    store_blank(adapter, keys_of("after", 1), 1000)

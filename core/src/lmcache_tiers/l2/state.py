@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lmcache_tiers.burst import BurstLog
+from lmcache_tiers.errors import plugin_code
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.accounting import UNKNOWN_L1, ByteAccounting
 from lmcache_tiers.l2.codec import SerdeChain
@@ -320,7 +321,10 @@ class AdapterState:
                         continue  # a listener that does not take this news
                 else:
                     callback = getattr(listener, method)
-                callback(self.adapter, keys)
+                # Listeners run plugin code (an eviction policy): a SystemExit it raises on
+                # the scan's thread, a worker or the event loop would end that thread.
+                with plugin_code():
+                    callback(self.adapter, keys)
             except Exception:  # a listener bug must not fail the adapter's operations
                 log.exception("%s: listener %r failed in %s", self.name, listener, method)
 
