@@ -247,8 +247,9 @@ class StorageManager:
         """Delete L1 objects (unlocked ones unless ``force``); returns how many.
 
         Objects whose L2 store has not started yet go too -- a clear empties L1 -- but
-        not silently: they are counted (``l1_cleared_before_l2_store``) and logged.  Those
-        whose store is running still reach L2: they are not counted.  The L1 lock is not
+        not silently: they are counted (``l1_cleared_before_l2_store``) and logged, also
+        those of a clear that raised part-way.  Those whose store is running still reach
+        L2: they are not counted.  The L1 lock is not
         held around the clear, which lets go of it between batches so that stores and
         lookups are served during a long clear (``L1Manager.clear``).
         """
@@ -257,8 +258,14 @@ class StorageManager:
         # is reading now (``storing``), whose extents stay until that store reports, which
         # counts it if it fails or is abandoned at shutdown.
         cleared_unstored: list[L1Object] = []
-        cleared = self.l1.clear(force=force, cleared_unstored=cleared_unstored)
-        dropped = len(cleared_unstored)
+        try:
+            return self.l1.clear(force=force, cleared_unstored=cleared_unstored)
+        finally:
+            # Also when a later batch raised: the earlier ones' objects are gone for good.
+            self._count_cleared_unstored(len(cleared_unstored))
+
+    def _count_cleared_unstored(self, dropped: int) -> None:
+        """Count and log the acknowledged writes a clear took before their L2 store."""
         if dropped:
             self.stats.fail("l1_cleared_before_l2_store", dropped)
             logger.warning(
@@ -266,7 +273,6 @@ class StorageManager:
                 "writes are in no tier now",
                 dropped,
             )
-        return cleared
 
     def evict(self, keys: Sequence[ObjectKey]) -> int:
         """Delete ``keys`` from L1 now; L2 copies stay. Returns how many.

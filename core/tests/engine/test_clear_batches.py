@@ -64,13 +64,8 @@ def test_a_batched_clear_counts_each_write_it_takes_before_its_store_once(engine
     settled = keys_of(2, 100)
     store(storage, settled, SIZE)
     assert storage.flush(10)  # in L2: a clear takes them without losing anything
-    while GatedStorePolicy.entered.acquire(blocking=False):
-        pass
-    GatedStorePolicy.gate.clear()  # the store controller parks on the next commit
     unstored = keys_of(3, OBJECTS - len(settled))
-    for start in range(0, len(unstored), 64):  # commits of their own
-        store(storage, unstored[start : start + 64], SIZE)
-    assert GatedStorePolicy.entered.acquire(timeout=10), "the store controller never took the commits"
+    store_unstored(storage, unstored)
     other = ServedBetweenBatches(storage, monkeypatch)
 
     assert storage.clear() == OBJECTS
@@ -83,3 +78,34 @@ def test_a_batched_clear_counts_each_write_it_takes_before_its_store_once(engine
     GatedStorePolicy.gate.set()
     assert storage.flush(10)
     assert storage.failures().get("l1_cleared_before_l2_store") == len(unstored)  # not again
+
+
+def test_a_clear_cut_short_still_counts_the_writes_its_batches_took(engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The L1 clear raising in its second batch (whatever the reason) has taken the first
+    # batch's objects for good: those acknowledged writes are lost, and counted.
+    storage = engine([mock()], l2_store_policy="gated")
+    store_unstored(storage, keys_of(4, CLEAR_BATCH + 1))
+    clear_batch = Removal._clear_batch
+    batches: list[int] = []
+
+    def failing_second_batch(removal: Removal, *args: Any) -> int:
+        batches.append(len(batches))
+        if len(batches) == 2:
+            raise RuntimeError("the second batch failed")
+        return clear_batch(removal, *args)
+
+    monkeypatch.setattr(Removal, "_clear_batch", failing_second_batch)
+    with pytest.raises(RuntimeError, match="second batch"):
+        storage.clear()
+    assert storage.failures().get("l1_cleared_before_l2_store") == CLEAR_BATCH
+
+
+def store_unstored(storage: StorageManager, keys: list[ObjectKey]) -> None:
+    """Store ``keys`` with the store controller parked in the (gated) store policy: every
+    one is committed, queued for L2 and unstored until the gate opens."""
+    while GatedStorePolicy.entered.acquire(blocking=False):
+        pass
+    GatedStorePolicy.gate.clear()  # the store controller parks on the next commit
+    for start in range(0, len(keys), 64):  # commits of their own
+        store(storage, keys[start : start + 64], SIZE)
+    assert GatedStorePolicy.entered.acquire(timeout=10), "the store controller never took the commits"
