@@ -398,6 +398,46 @@ def test_a_lookup_stuck_in_the_inner_adapter_does_not_keep_the_process_from_exit
     assert done.returncode == 0, done.stderr.decode()
 
 
+#: lets the lookups of :class:`HeldLookups` go
+_lookups_held = threading.Event()
+
+
+class HeldLookups(MockBackend):
+    """The mock whose lookups wait until the test lets them go."""
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> Any:
+        _lookups_held.wait(60)
+        return super().contains_many(keys)
+
+
+@hookimpl(specname="tiers_register_l2_adapters")
+def register_held_lookups(registry: KindRegistry) -> None:
+    registry.add("held_lookups", HeldLookups, MockConfig)
+
+
+def test_the_thread_left_in_an_inner_lookup_is_named_for_its_adapter(opened: list[BackendAdapter]) -> None:
+    """An operator reading a thread dump must tell the thread an abandoned lookup left
+    behind from the adapter's own workers, and see whose adapter it is: under the
+    ``l2-<adapter>-`` prefix every other thread of an adapter has."""
+    module = types.ModuleType("fault_inject_held_test")
+    module.tiers_register_l2_adapters = register_held_lookups  # type: ignore[attr-defined]
+    registry = discover(extra_plugins={"fault-inject-held-test": module}).registry
+    config = FaultInjectConfig(
+        inner={"type": "held_lookups", "namespace": uuid.uuid4().hex}, lookup_timeout_s=0.1
+    )
+    context = AdapterContext(index=0, name="0:fault_inject", config=config)
+    before = set(threading.enumerate())
+    _lookups_held.clear()
+    try:
+        adapter = create_adapter(open_fault_inject, config, context, registry=registry)
+        opened.append(adapter)
+        assert BlockingAdapterClient(adapter).lookup_and_lock(make_keys(1)).found == [False]
+        left = [thread.name for thread in threading.enumerate() if thread not in before]
+    finally:
+        _lookups_held.set()
+    assert "l2-0:fault_inject-inner-lookup_1" in left, left
+
+
 class RemoteMock(MockBackend):
     """The mock, declared remote as a network store is."""
 

@@ -242,7 +242,7 @@ class FaultInjectBackend(_FaultInjector):
         super().__init__(config, context, inner)
         # Lookups run on helper threads so a stalled inner lookup can be abandoned as a
         # miss (a lookup holds no buffer the inner backend could still write to).
-        self._lookups = LeftCallThreads(4, f"{context.name}-lookup")
+        self._lookups = LeftCallThreads(4, f"l2-{context.name}-inner-lookup")
 
     def _before(self, op: str, count: int) -> list[bool]:
         delay, failed = self.decide(op, count)
