@@ -44,6 +44,10 @@ REFUSED_METHOD = "http_method_not_allowed"
 #: REQUEST_TIMEOUT_S, so a client opening them without end would take threads and file
 #: descriptors from the whole server; those over the limit are closed at once, counted
 MAX_CONNECTIONS = 32
+#: names of the endpoint's threads in a thread dump: one per connection served, and the
+#: timer that cuts that connection at its deadline
+CONNECTION_THREAD = "tiers-http-connection"
+DEADLINE_THREAD = "tiers-http-deadline"
 
 _ALLOWED = "GET, HEAD"
 
@@ -55,10 +59,18 @@ _status_refusals = BurstLog(logger, REFUSED_STATUS, level=logging.INFO)
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    #: the standard library's connection threads are unnamed ("Thread-7 (process_request_
+    #: thread)") and its tracking of them private: this server starts and joins its own
+    block_on_close = False
     allow_reuse_address = True
     #: set by HttpEndpoint before it serves
     slots: threading.BoundedSemaphore
     refused: Callable[[], object]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._connections: set[threading.Thread] = set()
+        self._connections_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
@@ -72,16 +84,47 @@ class _Server(ThreadingHTTPServer):
             self.shutdown_request(request)
             return
         try:
-            super().process_request(request, client_address)
+            self._start_connection(request, client_address)
         except BaseException:
             self.slots.release()  # no thread took the connection
             raise
+
+    def _start_connection(self, request: Any, client_address: Any) -> None:
+        """Serve the connection on a thread named for a thread dump, as
+        ``ThreadingMixIn.process_request`` would on an unnamed one."""
+        thread = threading.Thread(
+            target=self.process_request_thread,
+            args=(request, client_address),
+            name=CONNECTION_THREAD,
+            daemon=True,
+        )
+        with self._connections_lock:
+            self._connections.add(thread)
+        try:
+            thread.start()
+        except BaseException:
+            self._forget_connection(thread)
+            raise
+
+    def _forget_connection(self, thread: threading.Thread) -> None:
+        with self._connections_lock:
+            self._connections.discard(thread)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self._forget_connection(threading.current_thread())
             self.slots.release()
+
+    def server_close(self) -> None:
+        """Close the socket, then wait for the connections being served: each ends by its
+        deadline (REQUEST_TIMEOUT_S), when the connection is shut down."""
+        super().server_close()
+        with self._connections_lock:
+            serving = list(self._connections)
+        for thread in serving:
+            thread.join()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A scraper that hung up (its scrape timeout) is one debug line; anything else is
@@ -134,6 +177,7 @@ class HttpEndpoint:
                 self._cut_lock = threading.Lock()
                 self._done = self._was_cut = False
                 self._cutoff = threading.Timer(REQUEST_TIMEOUT_S, self._cut)
+                self._cutoff.name = DEADLINE_THREAD
                 self._cutoff.daemon = True
                 self._cutoff.start()
 
