@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmcache_tiers.layout import TensorLayout, check_layout, layout_of
+from lmcache_tiers.layout import TensorLayout, check_layout, layout_of, reader_layout_of
 
 
 def test_round_trip_and_sizes() -> None:
@@ -61,3 +61,25 @@ def test_non_native_byte_order_arrays_have_no_layout() -> None:
     assert not swapped.dtype.isnative
     assert layout_of(swapped) == ""
     assert layout_of(np.zeros(3, dtype=np.dtype(np.int8).newbyteorder())) == "int8[3]"  # one byte: no order
+
+
+@pytest.mark.parametrize(
+    "buffer",
+    [
+        torch.zeros((2, 3), dtype=torch.bfloat16),
+        torch.zeros((2, 3), dtype=torch.float32).t(),  # non-contiguous: described as its copy
+        np.zeros((2, 3), dtype=np.float16),
+        np.zeros(4, dtype=">f4"),  # non-native: no layout
+        np.zeros(4, dtype=np.int8),
+        bytearray(8),
+        memoryview(bytearray(8)),
+    ],
+)
+def test_a_reader_names_the_layout_of_its_buffer(buffer: object) -> None:
+    assert reader_layout_of(buffer) == layout_of(buffer)
+
+
+@pytest.mark.parametrize("buffer", [torch.zeros((2, 8), dtype=torch.uint8), np.zeros((2, 8), dtype=np.uint8)])
+def test_a_uint8_reader_reads_plain_bytes(buffer: object) -> None:
+    assert layout_of(buffer) == "uint8[2,8]"  # what it is stored as
+    assert reader_layout_of(buffer) == ""  # what it reads: any object's bytes

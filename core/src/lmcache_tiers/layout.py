@@ -17,7 +17,15 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DTYPE_SIZES", "FLOAT_DTYPES", "MAX_LAYOUT_LEN", "TensorLayout", "check_layout", "layout_of"]
+__all__ = [
+    "DTYPE_SIZES",
+    "FLOAT_DTYPES",
+    "MAX_LAYOUT_LEN",
+    "TensorLayout",
+    "check_layout",
+    "layout_of",
+    "reader_layout_of",
+]
 
 #: element size in bytes of every dtype a layout may name (torch attribute names)
 DTYPE_SIZES: dict[str, int] = {
@@ -129,6 +137,11 @@ def _numpy_dtype_name(dtype: Any) -> str:
     return str(dtype.name)  # numpy computes the name in Python on every access
 
 
+@functools.lru_cache(maxsize=64)
+def _torch_dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")  # str() of a dtype is built in Python
+
+
 def check_layout(text: str, size: int) -> None:
     """Raise ValueError unless ``text`` is "" or a layout of exactly ``size`` bytes."""
     if not text:
@@ -150,13 +163,33 @@ def layout_of(buffer: object) -> str:
     torch = sys.modules.get("torch")
     numpy = sys.modules.get("numpy")
     if torch is not None and isinstance(buffer, torch.Tensor):
-        dtype = str(buffer.dtype).removeprefix("torch.")
-        shape = tuple(int(dim) for dim in buffer.shape)
-    elif numpy is not None and isinstance(buffer, numpy.ndarray):
-        if not buffer.dtype.isnative:
-            return ""  # serdes read numbers in native byte order: these bytes are not
-        dtype = _numpy_dtype_name(buffer.dtype)
-        shape = buffer.shape  # a tuple of ints already
-    else:
-        return ""
-    return _layout_text(dtype, shape)
+        return _tensor_layout(buffer)
+    if numpy is not None and isinstance(buffer, numpy.ndarray):
+        return _array_layout(buffer)
+    return ""
+
+
+def reader_layout_of(buffer: object) -> str:
+    """What a reader of ``buffer`` asks objects to be: :func:`layout_of` it, or "" for a
+    uint8 tensor or array, which takes any object as plain bytes (as a bytearray does).
+
+    Every ``retrieve_into`` buffer passes here, so the dtype is looked at before any
+    layout is built, and numpy (a C-level type check) is tried before torch (whose
+    tensor type check runs Python code)."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(buffer, numpy.ndarray):
+        return "" if buffer.dtype.char == "B" else _array_layout(buffer)  # "B": uint8
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(buffer, torch.Tensor):
+        return "" if buffer.dtype is torch.uint8 else _tensor_layout(buffer)
+    return ""
+
+
+def _tensor_layout(tensor: Any) -> str:
+    return _layout_text(_torch_dtype_name(tensor.dtype), tuple(int(dim) for dim in tensor.shape))
+
+
+def _array_layout(array: Any) -> str:
+    if not array.dtype.isnative:
+        return ""  # serdes read numbers in native byte order: these bytes are not
+    return _layout_text(_numpy_dtype_name(array.dtype), array.shape)  # shape: a tuple of ints

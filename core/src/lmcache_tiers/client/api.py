@@ -20,7 +20,7 @@ from lmcache_tiers.client.errors import (
     StaleReadError,
 )
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.layout import check_layout, layout_of
+from lmcache_tiers.layout import check_layout, layout_of, reader_layout_of
 from lmcache_tiers.wire import protocol as p
 from lmcache_tiers.wire.shm import (
     BufferLike,
@@ -730,10 +730,18 @@ class Client(Connection):
         """
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        layouts = [layout_of(buffer) for buffer in buffers]
         targets = [as_writable_byte_array(buffer) for buffer in buffers]
         keys = list(keys)
-        return self._on_current_server(lambda: self._retrieve_into_now(keys, targets, layouts))
+        return self._on_current_server(lambda: self._retrieve_into_now(keys, targets, buffers))
+
+    def _buffer_layouts(self, buffers: Sequence[BufferLike]) -> list[str] | None:
+        """``_reader_layouts`` of ``retrieve_into``'s buffers, building a buffer's layout
+        only where it can matter: a server without ``retrieve_layouts`` is sent none, and a
+        uint8 or bytes-like buffer names none.  Decided per attempt, as in ``_acquire_mapped``."""
+        if "retrieve_layouts" not in self.server_features:
+            return None
+        named = [reader_layout_of(buffer) for buffer in buffers]
+        return named if any(named) else None
 
     def _reader_layouts(self, layouts: list[str]) -> list[str] | None:
         """What a RETRIEVE tells the server of the caller's buffers: the layout of each
@@ -748,9 +756,9 @@ class Client(Connection):
         return named
 
     def _retrieve_into_now(
-        self, keys: list[ObjectKey], targets: list[np.ndarray[Any, Any]], layouts: list[str]
+        self, keys: list[ObjectKey], targets: list[np.ndarray[Any, Any]], buffers: Sequence[BufferLike]
     ) -> int:
-        wanted = self._reader_layouts(layouts)
+        wanted = self._buffer_layouts(buffers)
         with self._mapped() as segment:
             if segment is not None:
                 return self._retrieve_shm_into(keys, targets, segment, wanted)
