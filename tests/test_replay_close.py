@@ -5,6 +5,10 @@ failure at the end, not the usage error of exit code 2)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -105,3 +109,48 @@ def test_the_table_report_comes_before_the_error_line(tmp_path: Path, site: Path
     assert result.returncode == 1, result.stderr
     assert "hit" in result.stdout.lower(), result.stdout
     assert "closing its storage failed" in _last_line(result.stderr)
+
+
+# Run as the replay's main script: SIGTERM (a supervisor) comes as the StorageManager of a
+# replay that ran to its end begins to close; a marker file says whether that close ran
+# to its end (the adapters closed, the L1 arena released).
+_SIGNALLED_CLOSE_REPLAY = """
+import os, signal, sys
+from pathlib import Path
+
+from lmcache_tiers.storage import StorageManager
+
+_close = StorageManager.close
+
+
+def _signalled_close(self, *args, **kwargs):
+    signal.raise_signal(signal.SIGTERM)  # the first signal, once the replay is over
+    _close(self, *args, **kwargs)
+    Path(os.environ["CLOSED_MARKER"]).write_text("closed")
+
+
+StorageManager.close = _signalled_close
+
+if __name__ == "__main__":
+    from lmcache_tiers.cli.main import main
+
+    sys.argv = ["lmcache-tiers", *sys.argv[1:]]
+    main()
+"""
+
+
+def test_a_signal_while_the_storage_closes_lets_the_close_finish_then_exits_143(tmp_path: Path) -> None:
+    # The signal used to raise inside the close: its steps (joining the controllers,
+    # closing the adapters, releasing L1) were skipped, not merely cut short.
+    script = tmp_path / "signalled_close_replay.py"
+    script.write_text(_SIGNALLED_CLOSE_REPLAY)
+    marker = tmp_path / "closed"
+    trace = str(small_trace(tmp_path / "t.jsonl", requests=20))
+    args = ["replay", trace, "--in-process", "--l1-blocks", "50", "--block-bytes", str(BLOCK_BYTES), "--json"]
+    environment = {**os.environ, "CLOSED_MARKER": str(marker)}
+    replay = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=120, env=environment
+    )
+    assert replay.returncode == 128 + signal.SIGTERM, replay.stderr
+    assert marker.read_text() == "closed", replay.stderr
+    assert "Traceback" not in replay.stderr, replay.stderr

@@ -9,8 +9,11 @@ would, minus the sockets.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from collections.abc import Sequence
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -164,7 +167,8 @@ def replay_in_process(
 
     A close that fails after the replay ran to its end raises :class:`ReplayCloseFailed`,
     which carries the report; one that fails after the replay itself raised is left to the
-    close's log and counters, the replay's own error raised."""
+    close's log and counters, the replay's own error raised.  A SIGTERM or Ctrl-C coming
+    during the close after the replay ran to its end takes effect once the close is done."""
     check_pacing(trace, options.time_scale)
     state = ClientState.for_options(options)
     try:
@@ -177,17 +181,58 @@ def replay_in_process(
             "give smaller blocks"
         ) from None
     finished = False
+    signals = _SignalsAfterClose()
     try:
-        with StorageManager(config, registry) as storage:
+        with signals, StorageManager(config, registry) as storage:
             before = storage.status()
             _replay_all(storage, trace, options, state, scratch, progress)
             after = storage.status()
             finished = True
+            signals.hold()  # from here on the close runs to its end, whatever signal comes
     except StorageCloseFailed as failed:
         if not finished:
             raise
         raise ReplayCloseFailed(_report(config, options, state, before, after), failed) from failed
     return _report(config, options, state, before, after)
+
+
+class _SignalsAfterClose:
+    """Once :meth:`hold` is called, SIGTERM and Ctrl-C wait until the ``with`` block ends,
+    then take effect as their handlers before it say (``signals_unwind``'s: exit 143 or
+    130).  For the close of a replay that ran to its end: raised inside the close, a signal
+    skipped its steps -- the adapters' close (a last checkpoint), L1's release -- where a
+    signal during the replay unwinds into a whole close.  Each step is bounded by its own
+    timeout.  In the main thread only (the only one signals reach)."""
+
+    _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self._previous: dict[int, Any] = {}
+        self._caught: int | None = None
+
+    def hold(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._previous = {sig: signal.signal(sig, self._catch) for sig in self._SIGNALS}
+
+    def _catch(self, signum: int, frame: FrameType | None) -> None:
+        if self._caught is None:
+            self._caught = signum
+            logger.warning(
+                "%s came while the replay's storage closes: it closes first, then the replay stops",
+                signal.Signals(signum).name,
+            )
+
+    def __enter__(self) -> _SignalsAfterClose:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for sig, handler in self._previous.items():
+            # None: a handler not set from Python, which cannot be restored; the default then.
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        self._previous = {}
+        if self._caught is not None:
+            signal.raise_signal(self._caught)  # its handler's exception replaces any other
 
 
 def _replay_all(
