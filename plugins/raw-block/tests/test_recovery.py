@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -724,3 +725,36 @@ def test_checkpoints_passed_over_in_both_areas_are_both_superseded_before_stores
 
 def test_a_superseded_record_of_another_chain_does_not_hide_the_newer_write(tmp_path: Path) -> None:
     check_a_superseded_record_of_another_chain_does_not_hide_the_newer_write(config(tmp_path / "dev.img"))
+
+
+def _checkpoint_bug(self: CheckpointAreas, *args: object, **kwargs: object) -> None:
+    raise RuntimeError("injected checkpoint bug")
+
+
+def test_a_periodic_checkpoint_raising_a_bug_is_counted_and_the_checkpoints_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exception other than an I/O error must not end the checkpoint thread: the
+    periodic checkpoints would stop for good (a crash then recovers from an ever older
+    one), with nothing counted and only a traceback on stderr."""
+    adapter = open_raw(config(tmp_path / "dev.img", meta_checkpoint_interval_sec=1))
+    try:
+        written = adapter.stats()["checkpoints_written"]
+        write_checkpoint = CheckpointAreas.write
+        monkeypatch.setattr(CheckpointAreas, "write", _checkpoint_bug)
+        with caplog.at_level(logging.WARNING, logger="lmcache_plugin_raw_block"):
+            assert store(adapter, make_keys(1), [b"x" * 100]) == [True]  # a change to checkpoint
+            for _ in range(600):
+                if adapter.stats().get("checkpoint_failures", 0):
+                    break
+                time.sleep(0.05)
+        assert adapter.stats().get("checkpoint_failures", 0) >= 1
+        assert "injected checkpoint bug" in caplog.text
+        monkeypatch.setattr(CheckpointAreas, "write", write_checkpoint)
+        for _ in range(600):
+            if adapter.stats()["checkpoints_written"] > written:
+                break
+            time.sleep(0.05)
+        assert adapter.stats()["checkpoints_written"] > written, "the periodic checkpoints ended"
+    finally:
+        adapter.close()

@@ -123,6 +123,8 @@ class RawBlockBackend(SlotStoreBackend):
             self._device.close(0.0)
             self._device.remove_if_created()
             raise
+        #: a periodic checkpoint's unexpected failure was logged with its traceback
+        self._checkpoint_crash_logged = False
         if config.meta_enable_periodic:
             self._thread = threading.Thread(
                 target=self._checkpoint_loop, name=f"raw-block-checkpoint-{context.name}", daemon=True
@@ -303,7 +305,28 @@ class RawBlockBackend(SlotStoreBackend):
 
     def _checkpoint_loop(self) -> None:
         while not self._stop.wait(self.config.meta_checkpoint_interval_sec):
-            self.checkpoint()
+            try:
+                self.checkpoint()
+            except Exception:
+                self._periodic_checkpoint_crashed()
+
+    def _periodic_checkpoint_crashed(self) -> None:
+        """A periodic checkpoint raised something other than an I/O error (those are counted
+        in ``checkpoint``): a bug.  Counted and logged with its traceback (once per burst),
+        and retried at the next interval: ending the thread would stop the checkpoints for
+        good, each crash then recovering from an ever older one."""
+        self.context.count("checkpoint_failures")
+        if self._checkpoint_crash_logged:
+            self._burst.warn(
+                "checkpoint", "raw_block: %s: periodic checkpoint failed again", self._device.path
+            )
+            return
+        self._checkpoint_crash_logged = True
+        log.exception(
+            "raw_block: %s: periodic checkpoint failed; retried every %d s",
+            self._device.path,
+            self.config.meta_checkpoint_interval_sec,
+        )
 
     # -- moving one slot (the rest is SlotStoreBackend's) ---------------------------------
 
