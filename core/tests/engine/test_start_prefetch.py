@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -202,4 +203,23 @@ def test_an_all_l1_result_given_back_never_drops_a_forgotten_lock(engine: Engine
     storage.discard_prefetch(handle)  # its locks are given back
     assert_only_live_locks_after_the_reaper(storage, keys, forgotten, live=1)
     storage.release(keys)
+    assert_no_read_locks(storage)
+
+
+def test_a_lookup_settled_at_once_is_counted_without_a_log_line(engine: Engine, caplog) -> None:
+    """Most lookups end on the caller's thread (all in L1, or no adapter to ask): they
+    are counted as every lookup is -- the distinct keys of the prefix asked for, the L1
+    hits -- and log nothing, a line per lookup being most of their cost at DEBUG."""
+    storage = engine([])
+    keys = keys_of(50, 4)
+    store(storage, keys[:2], SIZE)
+    with caplog.at_level(logging.DEBUG, logger="lmcache_tiers.controllers.prefetch"):
+        _, all_hits = storage.start_prefetch(keys[:2])
+        _, part = storage.start_prefetch(keys + keys[:1])  # a repeat ends the prefix asked for
+        _, none = storage.start_prefetch(keys[2:])
+    assert (all_hits, part, none) == (keys[:2], keys[:2], [])
+    requests = storage.status()["requests"]
+    assert (requests["lookups"], requests["lookup_keys"], requests["l1_hit_chunks"]) == (3, 2 + 4 + 2, 2 + 2)
+    assert "Prefetch request submitted" not in caplog.text
+    storage.release(keys[:2], 2)
     assert_no_read_locks(storage)

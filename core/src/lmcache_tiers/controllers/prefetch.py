@@ -40,6 +40,7 @@ from lmcache_tiers.controllers.prefetch_requests import (
     PrefetchRequest,
     contiguous_sources,
     load_plan,
+    unique_length,
     unique_prefix,
 )
 from lmcache_tiers.controllers.prefetch_results import HeldResult
@@ -132,17 +133,22 @@ class PrefetchController(ControllerThread):
         l1_hits = len(self.l1.reserve_read_prefix(keys, readers, until_repeat=True))
         # (A list's slice is a new list already: no second copy on the usual path.)
         locked = keys[:l1_hits] if type(keys) is list else list(keys[:l1_hits])
-        unique = unique_prefix(keys) if l1_hits < len(keys) else locked
+        if l1_hits == len(keys) or not self.slots:
+            # Settled here, as most lookups are: no request record, no list of the unique
+            # keys (only their number is counted), and no log line per lookup.
+            self.stats.add_lookup(unique_length(keys, l1_hits), l1_hits)
+            return handle, locked, started
+        unique = unique_prefix(keys)
         remaining = len(unique) - l1_hits
-        self.stats.add_many(lookups=1, lookup_keys=len(unique), l1_hit_chunks=l1_hits)
+        self.stats.add_lookup(len(unique), l1_hits)
+        if remaining == 0:
+            return handle, locked, started
         logger.debug(
             "Prefetch request submitted: %d total keys, %d L1 prefix hits, %d remaining for L2",
             len(unique),
             l1_hits,
             remaining,
         )
-        if remaining == 0 or not self.slots:
-            return handle, locked, started
         until = started + self._handles.result_ttl_s
         request = PrefetchRequest(handle, unique, readers, l1_hits, until, self.l1.lock_deadline(started))
         if self._look_up_now(request) and not any(request.pinned.values()):

@@ -161,3 +161,11 @@ def unique_prefix(keys: Sequence[ObjectKey]) -> list[ObjectKey]:
             return list(keys[:position])
         seen.add(key)
     return list(keys)
+
+
+def unique_length(keys: Sequence[ObjectKey], l1_hits: int) -> int:
+    """``len(unique_prefix(keys))`` without building the list; ``l1_hits`` is the length of
+    the L1 prefix found with ``until_repeat`` (every key of it distinct)."""
+    if l1_hits == len(keys) or len(set(keys)) == len(keys):
+        return len(keys)
+    return len(unique_prefix(keys))

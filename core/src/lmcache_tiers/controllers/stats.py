@@ -41,11 +41,14 @@ class EngineStats:
         with self._lock:
             self._global[name] += amount
 
-    def add_many(self, **amounts: int) -> None:
-        """Several ``add`` calls under one lock acquisition (per-lookup counters)."""
+    def add_lookup(self, keys: int, l1_hits: int) -> None:
+        """Count one lookup of ``keys`` distinct keys, ``l1_hits`` of them L1 hits: what
+        every lookup adds, under one lock acquisition and without a call's keyword dict."""
         with self._lock:
-            for name, amount in amounts.items():
-                self._global[name] += amount
+            counts = self._global
+            counts["lookups"] += 1
+            counts["lookup_keys"] += keys
+            counts["l1_hit_chunks"] += l1_hits
 
     def add_adapter(self, index: int, name: str, amount: int = 1) -> None:
         with self._lock:
