@@ -5,6 +5,7 @@ them pile up: a bounded number while it hangs, and none left once the server clo
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import sys
@@ -140,6 +141,27 @@ def test_a_hanging_adapter_leaves_a_bounded_set_of_named_threads(harness: Server
         thread.join(10)  # a daemon ending right after the close returned
     left = [thread.name for thread in census.started()]
     assert not left, f"threads left after the close: {left}"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_thread_ended_by_an_exception_is_counted_and_logged(
+    harness: ServerHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A thread whose target raises ends with a traceback on stderr only, beside the log
+    and counted nowhere, and the work it did stops for good: while serving, the server
+    counts it (``thread_crashed``) and logs it with the thread's name and traceback."""
+    server = harness.make()
+
+    def crash() -> None:
+        raise RuntimeError("injected thread crash")
+
+    with caplog.at_level(logging.ERROR, logger="lmcache_tiers"):
+        crashing = threading.Thread(target=crash, name=f"{DRIVER_PREFIX}crashing")
+        crashing.start()
+        crashing.join()
+    assert server.storage_status()["failures"].get("thread_crashed") == 1
+    crashed = [record for record in caplog.records if "test-crashing" in record.getMessage()]
+    assert crashed and crashed[0].exc_info is not None, caplog.text
 
 
 def test_the_http_endpoint_names_the_threads_of_a_connection() -> None:

@@ -56,6 +56,7 @@ from lmcache_tiers.server.logs import configure_logging
 from lmcache_tiers.server.metrics import TiersCollector, build_registry, render
 from lmcache_tiers.server.preflight import listen_error, open_files_limit, open_files_refusal, preflight
 from lmcache_tiers.server.priority import request_threads_favoured
+from lmcache_tiers.server.thread_crashes import ThreadCrashes
 from lmcache_tiers.wire import protocol as p
 
 if TYPE_CHECKING:
@@ -186,6 +187,7 @@ class TiersServer:
         self._own_failures_lock = threading.Lock()
         self._report_errors = BurstLog(logger, FRONTEND_REPORT_ERROR)
         self.http: HttpEndpoint | None = None
+        self._thread_crashes: ThreadCrashes | None = None  # installed once built
         self._collector: TiersCollector | None = None  # what /metrics counts itself
         self.frontends: list[Frontend] = []
         self._wake_read = self._wake_write = -1
@@ -244,6 +246,9 @@ class TiersServer:
             self._close_storage()
             self._release_endpoints()
             raise
+        # Built: from now on a thread an exception ends is counted and logged (until close).
+        self._thread_crashes = ThreadCrashes(self._count_failure)
+        self._thread_crashes.install()
 
     @property
     def endpoint(self) -> str:
@@ -493,7 +498,10 @@ class TiersServer:
         return None
 
     def _release_endpoints(self) -> str | None:
-        """Give back the HTTP port and the wake-up pipe; what failed, or None."""
+        """Give back the HTTP port and the wake-up pipe, and stop counting threads' crashes;
+        what failed, or None."""
+        if self._thread_crashes is not None:
+            self._thread_crashes.uninstall()
         failure = None
         if self.http is not None:
             failure = _release_step("stopping the HTTP endpoint", self.http.stop)
