@@ -97,7 +97,10 @@ class ExtentAllocator:
 
     def allocate_many(self, sizes: Sequence[int]) -> list[int] | None:
         """Offsets for every size, or None with nothing allocated if the batch does not fit."""
-        needs = [self.extent_size(size) for size in sizes]  # validates before any change
+        # Validates before any change.  A batch holds a few distinct sizes (the chunks of a
+        # request share one): each is rounded once, not once per object.
+        extents = {size: self.extent_size(size) for size in dict.fromkeys(sizes)}
+        needs = [extents[size] for size in sizes]
         if sum(needs) > self.free_bytes:
             return None
         offsets: list[int] = []

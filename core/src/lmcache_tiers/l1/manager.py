@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from lmcache_tiers.errors import ConfigError, TiersError
@@ -280,6 +280,13 @@ class L1Manager:
     def finish_write(self, keys: Sequence[ObjectKey]) -> list[bool]:
         """WRITING -> READY; False for keys that are not being written."""
         return self._writes.finish(keys, 0)
+
+    def finish_reserved(self, reserved: Mapping[ObjectKey, L1Object]) -> list[L1Object]:
+        """``finish_write`` of the reservations ``reserve_write`` returned that are still
+        the objects of their keys, in one pass; returns the objects made READY.  A
+        reservation L1 reaped at the write TTL may be another writer's by now, whose bytes
+        are not there yet: it is left alone."""
+        return self._writes.finish_reserved(reserved)
 
     def finish_write_and_reserve_read(self, keys: Sequence[ObjectKey], count: int = 1) -> list[bool]:
         """WRITING -> READY and read-locked ``count`` times in one step, so a prefetched

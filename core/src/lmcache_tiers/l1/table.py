@@ -101,17 +101,20 @@ class ObjectTable:
         if self.objects.get(obj.key) is not obj:
             raise KeyError(f"{obj.key} is no longer in L1")
 
-    def insert(self, obj: L1Object) -> None:
-        """Add a new, write-locked object."""
-        self.objects[obj.key] = obj
-        self.locked[obj.key] = obj
-        if obj.temporary:
-            self.temporary.add(obj.key)
+    def insert_many(self, objs: dict[ObjectKey, L1Object], temporary: bool) -> None:
+        """Add new, write-locked objects (by key), all ``temporary`` or none."""
+        self.objects.update(objs)
+        self.locked.update(objs)
+        if temporary:
+            self.temporary.update(objs)
 
-    def mark_ready(self, obj: L1Object) -> None:
-        """A WRITING object of the table becomes READY (readable)."""
-        obj.state = ObjectState.READY
-        self.ready[obj.key] = obj
+    def index_ready(self, objs: list[L1Object]) -> None:
+        """Objects of the table just made READY (readable) join the ready index."""
+        if not objs:
+            return
+        ready = self.ready
+        for obj in objs:
+            ready[obj.key] = obj
         self.ready_version += 1
 
     def detach(self, obj: L1Object) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.errors import L1OutOfMemoryError
@@ -35,6 +35,7 @@ from lmcache_tiers.l1.table import ObjectTable
 logger = logging.getLogger(__name__)
 
 _WRITING = ObjectState.WRITING
+_READY = ObjectState.READY
 
 
 class SkippedWrites:
@@ -149,13 +150,12 @@ class WriteReservations:
                 table.free(loads)  # their extents are held until the prefetch lets go
                 self._skipped.loads_given_way(len(loads))
             deadline = time.monotonic() + self.write_ttl_s
-            reserved: dict[ObjectKey, L1Object] = {}
-            for (key, size), offset in zip(wanted.items(), offsets, strict=True):
-                obj = L1Object(
-                    key, offset, size, temporary, _WRITING, 0, deadline, wanted_layouts.get(key, "")
-                )
-                table.insert(obj)
-                reserved[key] = obj
+            layout_of = wanted_layouts.get
+            reserved = {
+                key: L1Object(key, offset, size, temporary, _WRITING, 0, deadline, layout_of(key, ""))
+                for (key, size), offset in zip(wanted.items(), offsets, strict=True)
+            }
+            table.insert_many(reserved, temporary)
             return reserved
 
     @staticmethod
@@ -177,24 +177,40 @@ class WriteReservations:
         other kind (a prefetch's when not ``loads``, a writer's when ``loads``) are refused.
         The caller holds the lock."""
         done: list[bool] = []
-        written: list[ObjectKey] = []
+        made: list[L1Object] = []
         locked = self._table.locked
-        deadline = read_lock_deadline(time.monotonic(), self.lock_ttl_s)  # on the grid, as every read lock's
+        # On the grid, as every read lock's; only read-locked objects take it.
+        deadline = read_lock_deadline(time.monotonic(), self.lock_ttl_s) if read_count else 0.0
         for obj in objs:
             if obj is None or obj.state is not _WRITING or obj.loading is not loads:
                 done.append(False)
                 continue
             obj.loading = False
-            self._table.mark_ready(obj)
+            obj.state = _READY  # in the loop: a key repeated in ``objs`` is refused the second time
             obj.read_locks = read_count
             if read_count:
                 obj.lock_deadline = deadline
             else:
                 del locked[obj.key]
-            written.append(obj.key)
+            made.append(obj)
             done.append(True)
-        self._table.listeners.notify("written", written)
+        self._table.index_ready(made)
+        self._table.listeners.notify("written", [obj.key for obj in made])
         return done
+
+    def finish_reserved(self, reserved: Mapping[ObjectKey, L1Object]) -> list[L1Object]:
+        """A writer's reservations that are still the objects of their keys (``reserved`` as
+        ``reserve`` returned it): READY, not read-locked; returns those objects.  A
+        reservation reaped at the write TTL may be another writer's by now, whose bytes are
+        not there yet: it is left alone."""
+        with self._lock:
+            get = self._table.objects.get
+            own = [obj for key, obj in reserved.items() if get(key) is obj]
+            if not own:
+                return []
+            self._table.check_open()
+            done = self.make_ready(own, 0, loads=False)
+            return [obj for obj, ok in zip(own, done, strict=True) if ok]
 
     def abort(self, keys: Sequence[ObjectKey]) -> None:
         """Free a writer's reservations of ``keys``; other keys are left alone."""
