@@ -114,11 +114,17 @@ class StorageManager:
         with self.l1.lock:  # no eviction between the commit and the unstored flag
             done = self.l1.finish_write(keys)
             committed = [key for key, ok in zip(keys, done, strict=True) if ok]
-            if to_l2:
-                self.store.submit(committed)
-        DATA_PLANE.end_many(keys)
-        self.stats.add("keys_written", len(committed))
+            queued = to_l2 and self.store.queue(committed)
+        self._after_commit(keys, len(committed), queued)
         return done
+
+    def _after_commit(self, keys: Sequence[ObjectKey], committed: int, queued: bool) -> None:
+        """A commit's reports, once the L1 lock is let go: woken under it, the store
+        controller would wait for that lock straight away."""
+        if queued:
+            self.store.wake()
+        DATA_PLANE.end_many(keys)
+        self.stats.add("keys_written", committed)
 
     def abort_write(self, keys: Sequence[ObjectKey]) -> None:
         self.l1.abort_write(keys)
@@ -131,10 +137,17 @@ class StorageManager:
         gave for them; returns the keys committed.  Commits go by key, and a reservation
         L1 reaped during a copy (past the write TTL) may be another writer's by now, whose
         bytes are not there yet: it is left alone.  Checked under the lock reaping takes."""
-        with self.l1.lock:
-            own = self._still_reserved(reserved)
-            done = self.commit_write(own, to_l2=to_l2) if own else []
-        return [key for key, ok in zip(own, done, strict=True) if ok]
+        with self.l1.lock:  # no eviction between the commit and the unstored flag
+            if self._closed and self._still_reserved(reserved):
+                self._check_open()  # as commit_write: refused once closed, if anything is left
+            # One pass over the reservations, by object: no look-up of each key per step.
+            committed = [obj.key for obj in self.l1.finish_reserved(reserved)]
+            queued = to_l2 and self.store.queue(committed)
+        # A key still reserved but not committed is one committed before, whose span
+        # ended then: ending the committed keys' spans ends every span this call owns.
+        if committed:
+            self._after_commit(committed, len(committed), queued)
+        return committed
 
     def abort_reserved(self, reserved: Mapping[ObjectKey, L1Object]) -> None:
         """``abort_write`` of the keys whose L1 object is still the one reserved for them

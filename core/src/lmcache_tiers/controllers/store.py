@@ -138,16 +138,23 @@ class StoreController(ControllerThread):
     # -- called from other threads -----------------------------------------------------
 
     def submit(self, keys: Sequence[ObjectKey]) -> None:
-        """Queue freshly committed keys (prefix order) for L2.
+        """Queue freshly committed keys (prefix order) for L2 and wake the thread.
 
         The caller holds the L1 lock around their commit and this call, so eviction never
         sees a committed object before it is flagged unstored.
         """
+        if self.queue(keys):
+            self.wake()
+
+    def queue(self, keys: Sequence[ObjectKey]) -> bool:
+        """``submit`` without the wake-up: True if the keys were queued, and the caller
+        then calls :meth:`wake` -- best once it has let go of the L1 lock, which the woken
+        thread takes at once to start the stores."""
         if not keys or not self.slots:
-            return  # nothing is meant for L2: the objects are as evictable as any
+            return False  # nothing is meant for L2: the objects are as evictable as any
         objects = self.l1.mark_unstored(keys)
         if not objects:
-            return
+            return False
         with self._queue_lock:
             ended = self._ended
             if not ended:
@@ -163,8 +170,8 @@ class StoreController(ControllerThread):
                 len(objects),
                 count=len(objects),
             )
-            return
-        self.wake()
+            return False
+        return True
 
     def pending_batches(self) -> int:
         """Work not yet handed to the adapters: queued batches (one being started counts)

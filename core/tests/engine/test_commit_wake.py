@@ -1,0 +1,80 @@
+"""A commit wakes the store controller once it has let go of the L1 lock: woken under
+it, the controller's first step (locking the committed objects for their stores) would
+wait for the committer at once, costing both a pair of thread switches per commit."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from engine_support import keys_of, mock, payload
+
+from lmcache_tiers.storage import StorageManager
+
+SIZE = 4096
+
+
+def held_by_another_thread(lock: threading.RLock) -> bool:
+    """Whether a thread other than one started here holds ``lock`` now."""
+    taken: list[bool] = []
+
+    def try_lock() -> None:
+        got = lock.acquire(blocking=False)
+        if got:
+            lock.release()
+        taken.append(got)
+
+    probe = threading.Thread(target=try_lock)
+    probe.start()
+    probe.join()
+    return not taken[0]
+
+
+def spy_on_wake(storage: StorageManager) -> list[bool]:
+    """Record, at each wake of the store controller, whether the L1 lock was held."""
+    held: list[bool] = []
+    wake = storage.store.wake
+
+    def recording_wake() -> None:
+        held.append(held_by_another_thread(storage.l1.lock))
+        wake()
+
+    storage.store.wake = recording_wake  # type: ignore[method-assign]
+    return held
+
+
+def test_commit_reserved_wakes_the_store_controller_outside_the_l1_lock(
+    engine: Callable[..., StorageManager],
+) -> None:
+    storage = engine([mock()])
+    held = spy_on_wake(storage)
+    keys = keys_of(1, 4)
+    reserved = storage.reserve_write(keys, [SIZE] * len(keys))
+    for key, obj in reserved.items():
+        storage.view(obj)[:] = payload(key, SIZE)
+    assert storage.commit_reserved(reserved) == keys
+    assert held == [False]
+    assert storage.flush(10)
+    assert storage.status()["failures"] == {}
+
+
+def test_commit_write_wakes_the_store_controller_outside_the_l1_lock(
+    engine: Callable[..., StorageManager],
+) -> None:
+    storage = engine([mock()])
+    held = spy_on_wake(storage)
+    keys = keys_of(2, 4)
+    reserved = storage.reserve_write(keys, [SIZE] * len(keys))
+    for key, obj in reserved.items():
+        storage.view(obj)[:] = payload(key, SIZE)
+    assert storage.commit_write(keys) == [True] * len(keys)
+    assert held == [False]
+    assert storage.flush(10)
+
+
+def test_an_l1_only_commit_does_not_wake_the_store_controller(engine: Callable[..., StorageManager]) -> None:
+    storage = engine([mock()])
+    held = spy_on_wake(storage)
+    reserved = storage.reserve_write(keys_of(3, 2), [SIZE, SIZE])
+    assert len(storage.commit_reserved(reserved, to_l2=False)) == 2
+    assert held == []
