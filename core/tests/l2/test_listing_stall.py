@@ -12,6 +12,7 @@ waiting for good.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from collections.abc import AsyncIterator, Iterator
 
@@ -99,6 +100,22 @@ def test_a_stalled_listing_ends_the_scan_so_stores_are_no_longer_refused(
     store_blank(stalling, keys_of("after", 1), 1000)  # no longer refused as "scanning"
     assert any("listing" in r.getMessage() and "stalled" in r.getMessage() for r in caplog.records)
     wait_until(lambda: StallingListing.open_listings == 0, "the stalled listing being closed")
+
+
+def test_a_stalled_listing_is_cancelled_on_the_loop_not_failed_there(
+    stalling: BackendAdapter, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The wait given up on is cancelled: the loop's task ends cancelled, not failed with
+    the cancellation passed off as the plugin's own error -- a failure nobody reads, which
+    asyncio reports at ERROR ("Task exception was never retrieved") for every stall."""
+    wait_until(lambda: not stalling.stats()["scan_running"], "the end of the start-up scan")
+    wait_until(lambda: StallingListing.open_listings == 0, "the stalled listing being closed")
+    with pytest.raises(TimeoutError):
+        list(stalling.iter_keys())
+    wait_until(lambda: StallingListing.open_listings == 0, "the second stalled listing being closed")
+    gc.collect()  # a failed task nobody read is reported when it is collected
+    unread = [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert not unread, unread
 
 
 def test_retried_listings_of_a_stalled_backend_leave_no_listing_behind(stalling: BackendAdapter) -> None:
