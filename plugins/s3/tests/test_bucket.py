@@ -485,3 +485,41 @@ def test_a_listing_interrupted_by_the_close_counts_no_header_read_errors(
     with pytest.raises(backend_module.S3RequestError, match="closing"):
         list(adapter.runner.listing(100))  # type: ignore[attr-defined]
     assert adapter.stats().get("listing_read_errors", 0) == 0
+
+
+def test_the_start_up_probe_runs_on_a_thread_named_for_the_adapter() -> None:
+    """The bucket check waits on a thread of its own; a thread dump taken while a silent
+    store holds start-up must show whose it is, under the ``l2-<adapter>-`` prefix every
+    other thread of an adapter has."""
+    import socket
+    import threading
+
+    from lmcache_plugin_s3 import S3Config
+    from lmcache_plugin_s3.client import check_bucket
+
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        config = S3Config(
+            bucket=BUCKET,
+            endpoint_url=f"http://127.0.0.1:{silent.getsockname()[1]}",
+            aws_access_key_id="k",
+            aws_secret_access_key="s",
+            connect_timeout_s=1.0,
+            read_timeout_s=1.0,
+            retries=0,
+        )
+        before = set(threading.enumerate())
+        answers: list[bool] = []
+        checking = threading.Thread(
+            target=lambda: answers.append(check_bucket(config, "0:s3")), name="test-check"
+        )
+        checking.start()
+        names: set[str] = set()
+        while checking.is_alive():
+            names.update(thread.name for thread in threading.enumerate() if thread not in before)
+            time.sleep(0.01)
+        checking.join()
+    assert answers == [False], "the silent store answered"
+    probes = sorted(name for name in names if "probe" in name)
+    assert probes and all(name.startswith("l2-0:s3-probe") for name in probes), probes

@@ -243,7 +243,7 @@ def check_bucket(config: S3Config, name: str) -> bool:
         finally:
             await client.close()
 
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-probe") as pool:
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"l2-{name}-probe") as pool:
         try:
             pool.submit(asyncio.run, probe()).result()
         except FileNotFoundError as exc:
