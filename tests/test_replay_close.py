@@ -139,11 +139,11 @@ if __name__ == "__main__":
 """
 
 
-def test_a_signal_while_the_storage_closes_lets_the_close_finish_then_exits_143(tmp_path: Path) -> None:
-    # The signal used to raise inside the close: its steps (joining the controllers,
-    # closing the adapters, releasing L1) were skipped, not merely cut short.
+def _replay_with_close(tmp_path: Path, script_text: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """An in-process replay run by ``script_text`` (which replaces StorageManager.close);
+    the process and the marker file its close writes."""
     script = tmp_path / "signalled_close_replay.py"
-    script.write_text(_SIGNALLED_CLOSE_REPLAY)
+    script.write_text(script_text)
     marker = tmp_path / "closed"
     trace = str(small_trace(tmp_path / "t.jsonl", requests=20))
     args = ["replay", trace, "--in-process", "--l1-blocks", "50", "--block-bytes", str(BLOCK_BYTES), "--json"]
@@ -151,6 +151,42 @@ def test_a_signal_while_the_storage_closes_lets_the_close_finish_then_exits_143(
     replay = subprocess.run(
         [sys.executable, str(script), *args], capture_output=True, text=True, timeout=120, env=environment
     )
+    return replay, marker
+
+
+def test_a_signal_while_the_storage_closes_lets_the_close_finish_then_exits_143(tmp_path: Path) -> None:
+    # The signal used to raise inside the close: its steps (joining the controllers,
+    # closing the adapters, releasing L1) were skipped, not merely cut short.
+    replay, marker = _replay_with_close(tmp_path, _SIGNALLED_CLOSE_REPLAY)
     assert replay.returncode == 128 + signal.SIGTERM, replay.stderr
     assert marker.read_text() == "closed", replay.stderr
     assert "Traceback" not in replay.stderr, replay.stderr
+
+
+# A second signal (Ctrl-C) comes while the close the first one waits for has not returned
+# (a close that hangs): the marker says what the second signal raised inside the close.
+_TWICE_SIGNALLED_CLOSE_REPLAY = _SIGNALLED_CLOSE_REPLAY.replace(
+    """    signal.raise_signal(signal.SIGTERM)  # the first signal, once the replay is over
+    _close(self, *args, **kwargs)
+    Path(os.environ["CLOSED_MARKER"]).write_text("closed")
+""",
+    """    signal.raise_signal(signal.SIGTERM)  # the first signal, once the replay is over
+    try:
+        signal.raise_signal(signal.SIGINT)  # the user gives up waiting
+    except BaseException as forced:
+        Path(os.environ["CLOSED_MARKER"]).write_text(type(forced).__name__)
+        _close(self, *args, **kwargs)  # not the replay's own: the test leaves no L1 arena behind
+        raise
+    _close(self, *args, **kwargs)
+""",
+)
+
+
+def test_a_second_signal_while_the_storage_closes_forces_the_exit_at_once(tmp_path: Path) -> None:
+    # The second signal used to be swallowed as the first was held: a close that hung
+    # could not be left short of SIGKILL.  Now it hands the held SIGTERM on at once.
+    assert _TWICE_SIGNALLED_CLOSE_REPLAY != _SIGNALLED_CLOSE_REPLAY
+    replay, marker = _replay_with_close(tmp_path, _TWICE_SIGNALLED_CLOSE_REPLAY)
+    assert replay.returncode == 128 + signal.SIGTERM, replay.stderr
+    assert marker.read_text() == "SystemExit", replay.stderr
+    assert "SIGINT came again while the replay's storage closes" in replay.stderr, replay.stderr

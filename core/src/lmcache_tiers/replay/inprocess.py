@@ -168,7 +168,8 @@ def replay_in_process(
     A close that fails after the replay ran to its end raises :class:`ReplayCloseFailed`,
     which carries the report; one that fails after the replay itself raised is left to the
     close's log and counters, the replay's own error raised.  A SIGTERM or Ctrl-C coming
-    during the close after the replay ran to its end takes effect once the close is done."""
+    during the close after the replay ran to its end takes effect once the close is done,
+    or at once when a second one comes."""
     check_pacing(trace, options.time_scale)
     state = ClientState.for_options(options)
     try:
@@ -202,7 +203,8 @@ class _SignalsAfterClose:
     130).  For the close of a replay that ran to its end: raised inside the close, a signal
     skipped its steps -- the adapters' close (a last checkpoint), L1's release -- where a
     signal during the replay unwinds into a whole close.  Each step is bounded by its own
-    timeout.  In the main thread only (the only one signals reach)."""
+    timeout; a second signal, from a user who will not wait for them, hands the held one
+    on at once.  In the main thread only (the only one signals reach)."""
 
     _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -213,26 +215,40 @@ class _SignalsAfterClose:
     def hold(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        self._previous = {sig: signal.signal(sig, self._catch) for sig in self._SIGNALS}
+        for sig in self._SIGNALS:
+            # One at a time: a signal between the two finds the first one restorable.
+            self._previous[sig] = signal.signal(sig, self._catch)
 
     def _catch(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
         if self._caught is None:
             self._caught = signum
             logger.warning(
-                "%s came while the replay's storage closes: it closes first, then the replay stops",
-                signal.Signals(signum).name,
+                "%s came while the replay's storage closes: it closes first, then the replay stops", name
             )
+            return
+        logger.warning(
+            "%s came again while the replay's storage closes: the close is cut short (its L1 arena "
+            "may stay in /dev/shm)",
+            name,
+        )
+        self._hand_on()  # raises here, inside the close, what the held signal's handler raises
+
+    def _hand_on(self) -> None:
+        """Put the handlers in place before back, then hand them the held signal, once."""
+        previous, self._previous = self._previous, {}
+        held, self._caught = self._caught, None
+        for sig, handler in previous.items():
+            # None: a handler not set from Python, which cannot be restored; the default then.
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        if held is not None:
+            signal.raise_signal(held)  # its handler's exception replaces any other
 
     def __enter__(self) -> _SignalsAfterClose:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        for sig, handler in self._previous.items():
-            # None: a handler not set from Python, which cannot be restored; the default then.
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-        self._previous = {}
-        if self._caught is not None:
-            signal.raise_signal(self._caught)  # its handler's exception replaces any other
+        self._hand_on()
 
 
 def _replay_all(
