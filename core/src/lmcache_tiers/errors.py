@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Literal, TypeVar
 
 T = TypeVar("T")
@@ -116,13 +116,24 @@ def _raised_by_synchronous_plugin_code(exc: BaseException) -> bool:
     return raised_by_a_plugin(exc)
 
 
-class _PluginCode:
-    """The context manager :func:`plugin_code` returns.  A class, not a generator: every
-    lookup passes through one (the L1 eviction policy told of its hits), and entering and
-    leaving a ``contextlib.contextmanager`` costs about a microsecond.  Holds no state, so
-    one instance serves every caller and thread."""
+def _raised_by_awaiting_plugin_code(exc: BaseException) -> bool:
+    """:func:`raised_by_a_plugin` for plugin code that awaits: a ``CancelledError`` thrown
+    in at its ``await`` is core's cancellation, and a ``GeneratorExit`` is Python closing
+    the coroutine; both must go through as they are."""
+    return not isinstance(exc, GeneratorExit) and raised_by_a_plugin(exc)
 
-    __slots__ = ()
+
+class _PluginCode:
+    """The context manager :func:`plugin_code` (and :func:`awaiting_plugin_code`) returns.
+    A class, not a generator: every lookup passes through one (the L1 eviction policy told
+    of its hits), and entering and leaving a ``contextlib.contextmanager`` costs about a
+    microsecond.  Holds only which exceptions it takes for the plugin's, so one instance
+    serves every caller and thread."""
+
+    __slots__ = ("_raised_by_the_plugin",)
+
+    def __init__(self, raised_by_the_plugin: Callable[[BaseException], bool]) -> None:
+        self._raised_by_the_plugin = raised_by_the_plugin
 
     def __enter__(self) -> None:
         return None
@@ -130,12 +141,13 @@ class _PluginCode:
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, traceback: object
     ) -> Literal[False]:
-        if exc is None or not _raised_by_synchronous_plugin_code(exc):
+        if exc is None or not self._raised_by_the_plugin(exc):
             return False  # nothing raised, or raised as it is
         raise PluginBaseException(exc) from exc
 
 
-_PLUGIN_CODE = _PluginCode()
+_PLUGIN_CODE = _PluginCode(_raised_by_synchronous_plugin_code)
+_AWAITING_PLUGIN_CODE = _PluginCode(_raised_by_awaiting_plugin_code)
 
 
 def plugin_code() -> contextlib.AbstractContextManager[None]:
@@ -143,6 +155,13 @@ def plugin_code() -> contextlib.AbstractContextManager[None]:
     only the plugin can have raised off the main thread surfaces as a
     :class:`PluginBaseException`, for the caller's ``except Exception``."""
     return _PLUGIN_CODE
+
+
+def awaiting_plugin_code() -> contextlib.AbstractContextManager[None]:
+    """:func:`plugin_code` for plugin code that awaits (a coroutine backend's ``open`` or
+    listing, on the adapter's event loop): a ``CancelledError`` or ``GeneratorExit`` goes
+    through as it is -- the task cancelled or closed, not failed with the plugin's error."""
+    return _AWAITING_PLUGIN_CODE
 
 
 def plugin_walk(keys: Iterable[T]) -> Iterator[T]:

@@ -23,9 +23,9 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterable, Callable, Coroutine, Iterable, Iterator
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, TypeVar
 
-from lmcache_tiers.errors import PluginBaseException, plugin_code, raised_by_a_plugin
+from lmcache_tiers.errors import PluginBaseException, awaiting_plugin_code, plugin_code
 from lmcache_tiers.l2.background import WRITE_BACK, WRITE_BACK_NICE
 from lmcache_tiers.l2.calls import call, call_async, optional_method
 from lmcache_tiers.l2.interface import L2Op
@@ -468,31 +468,6 @@ class _ListingProgress:
         return time.monotonic() - self._last
 
 
-class _AwaitingPluginCode:
-    """``errors.plugin_code`` for plugin code that awaits, on the adapter's event loop: a
-    SystemExit or other BaseException the plugin raises becomes a PluginBaseException (let
-    through, it would end the loop's thread), but a CancelledError thrown in at an await is
-    core's cancellation (a stalled listing given up on, the loop's tasks at close) and a
-    GeneratorExit is Python closing the coroutine.  Those two go on as they are: passed off
-    as the plugin's failure, the task would end failed instead of cancelled, a failure
-    nobody reads that asyncio reports at ERROR."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, traceback: object
-    ) -> Literal[False]:
-        if exc is None or isinstance(exc, GeneratorExit) or not raised_by_a_plugin(exc):
-            return False
-        raise PluginBaseException(exc) from exc
-
-
-_awaiting_plugin_code = _AwaitingPluginCode()
-
-
 class LoopRunner(Runner):
     def __init__(self, state: AdapterState, backend: object, publish: Publish, concurrency: int) -> None:
         super().__init__(state, backend, publish)
@@ -541,7 +516,7 @@ class LoopRunner(Runner):
             # A SystemExit or KeyboardInterrupt raised here would end the loop's thread
             # (asyncio lets them through) with no open failure counted, and every later
             # task would wait for a loop that is gone: the plugin's failure instead.
-            with _awaiting_plugin_code:
+            with awaiting_plugin_code():
                 outcome = opener()
                 if inspect.isawaitable(outcome):
                     await outcome
@@ -656,7 +631,7 @@ class LoopRunner(Runner):
             items: list[Entry] = []
             try:
                 while len(items) < batch:
-                    with _awaiting_plugin_code:  # a SystemExit here would end the loop's thread
+                    with awaiting_plugin_code():  # a SystemExit here would end the loop's thread
                         items.append(await iterator.__anext__())
                     progress.advanced()
             except StopAsyncIteration:
@@ -674,7 +649,7 @@ class LoopRunner(Runner):
             if aclose is not None and self._loop.is_running():
 
                 async def close_listing() -> None:
-                    with _awaiting_plugin_code:  # on the loop's thread, which it must not end
+                    with awaiting_plugin_code():  # on the loop's thread, which it must not end
                         await aclose()
 
                 try:
