@@ -147,22 +147,20 @@ class Runner(ABC):
         can cancel it), and no new listing starts while it is (:meth:`_refuse_while_stuck`).
         A listing that is an async iterable goes to ``read_async``."""
         self._refuse_while_stuck()
-        progress = _ListingProgress()
-        asks: queue.SimpleQueue[bool] = queue.SimpleQueue()  # True: the next batch; False: stop
-        answers: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        channel = _ListingChannel()
         reader = threading.Thread(
             target=self._read_listing,
-            args=(batch, progress, asks, answers, read_async is not None),
+            args=(batch, channel, read_async is not None),
             name=f"l2-{self.state.name}-listing",
             daemon=True,
         )
         reader.start()
         try:
-            kind, value = self._next_answer(answers, progress)
+            kind, value = self._next_answer(channel)
         except TimeoutError:
             # Nobody will ask for a batch: once list_keys returns, the thread closes the
             # listing and ends rather than wait for an ask for good.
-            asks.put(False)
+            channel.asks.put(False)
             self._stuck_listing = reader
             raise
         if kind == "error":
@@ -170,7 +168,7 @@ class Runner(ABC):
         if kind == "async":
             assert read_async is not None
             return read_async(value)
-        return _ThreadedListing(self, progress, asks, answers, reader)
+        return _ThreadedListing(self, channel, reader)
 
     def _refuse_while_stuck(self) -> None:
         """Raise TimeoutError (counted as ``listings_refused_stuck``, logged) while the
@@ -189,19 +187,13 @@ class Runner(ABC):
         )
         raise TimeoutError("an earlier key listing is still stuck in the backend")
 
-    def _read_listing(
-        self,
-        batch: int,
-        progress: _ListingProgress,
-        asks: queue.SimpleQueue[bool],
-        answers: queue.SimpleQueue[tuple[str, Any]],
-        async_read_elsewhere: bool,
-    ) -> None:
+    def _read_listing(self, batch: int, channel: _ListingChannel, async_read_elsewhere: bool) -> None:
         """The reading thread of :meth:`_listing_on_a_thread`: the call, then one batch per ask."""
+        answers = channel.answers
 
         def advancing(entries: Iterator[Entry]) -> Iterator[Entry]:
             for entry in entries:
-                progress.advanced()
+                channel.progress.advanced()
                 yield entry
 
         listed: Iterator[Entry] | None = None
@@ -213,7 +205,7 @@ class Runner(ABC):
             listed = iter(returned)
             answers.put(("listed", None))
             entries = advancing(listed)
-            while asks.get():
+            while channel.asks.get():
                 items = list(itertools.islice(entries, batch))
                 answers.put(("batch", items) if items else ("end", None))
                 if not items:
@@ -234,16 +226,16 @@ class Runner(ABC):
                 except Exception:
                     log.warning("%s: ending the key listing failed", self.state.name, exc_info=True)
 
-    def _next_answer(
-        self, answers: queue.SimpleQueue[tuple[str, Any]], progress: _ListingProgress
-    ) -> tuple[str, Any]:
+    def _next_answer(self, channel: _ListingChannel) -> tuple[str, Any]:
+        """The reading thread's next answer, waited for while the listing keeps moving."""
+        progress = channel.progress
         progress.advanced()  # the wait starts the clock, not the reader's work before it
         while True:
             silent_for = progress.silent_for()
             if silent_for >= self.listing_stall_timeout_s:
                 raise self._listing_stalled()
             try:
-                return answers.get(timeout=self.listing_stall_timeout_s - silent_for)
+                return channel.answers.get(timeout=self.listing_stall_timeout_s - silent_for)
             except queue.Empty:
                 continue  # entries may have come meanwhile: the next round looks
 
@@ -370,18 +362,10 @@ class _ThreadedListing(Iterator[list[Entry]]):
     """The batches of a plain listing read on its own thread (``Runner._listing_on_a_thread``),
     each asked for and waited for with the runner's stall limit."""
 
-    def __init__(
-        self,
-        runner: Runner,
-        progress: _ListingProgress,
-        asks: queue.SimpleQueue[bool],
-        answers: queue.SimpleQueue[tuple[str, Any]],
-        reader: threading.Thread,
-    ) -> None:
+    def __init__(self, runner: Runner, channel: _ListingChannel, reader: threading.Thread) -> None:
         self._runner = runner
-        self._progress = progress
-        self._asks = asks
-        self._answers = answers
+        self._channel = channel
+        self._asks = channel.asks
         self._reader = reader
         self._ended = False  # the reading thread ended, or is left stuck in the backend
         self._stopped = False
@@ -391,7 +375,7 @@ class _ThreadedListing(Iterator[list[Entry]]):
             raise StopIteration
         self._asks.put(True)
         try:
-            kind, value = self._runner._next_answer(self._answers, self._progress)
+            kind, value = self._runner._next_answer(self._channel)
         except TimeoutError:
             self._ended = True  # stuck in the backend: never waited for again
             self._runner._stuck_listing = self._reader
@@ -466,6 +450,16 @@ class _ListingProgress:
 
     def silent_for(self) -> float:
         return time.monotonic() - self._last
+
+
+class _ListingChannel:
+    """Between a plain listing's reading thread and its reader: the reader's asks (True:
+    the next batch; False: stop), the thread's answers, and when the listing last moved."""
+
+    def __init__(self) -> None:
+        self.progress = _ListingProgress()
+        self.asks: queue.SimpleQueue[bool] = queue.SimpleQueue()
+        self.answers: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
 
 
 class LoopRunner(Runner):
