@@ -496,6 +496,32 @@ def test_loads_read_in_pieces_verify_every_piece(monkeypatch: pytest.MonkeyPatch
             adapter.close()
 
 
+def test_every_thread_of_the_adapter_is_named_for_it(
+    new_threads: Callable[[str], list[threading.Thread]],
+) -> None:
+    """A thread dump of a server with two NIXL adapters must say whose each read and
+    checksum thread is: ``nixl-<adapter>-<role>``, as the fs adapter names its own."""
+    arena = Arena()
+    keys = make_keys(2)
+    data = [pattern(1, SIZE), pattern(2, SIZE)]
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root), arena.view)
+        try:
+            assert store(adapter, arena, keys, data) == [True, True]
+            result = client(adapter).lookup_and_lock(keys)
+            assert load(adapter, arena, keys, result.sizes) == ([True, True], data)
+            adapter.unlock(keys)
+            names = sorted(thread.name for thread in new_threads(""))
+            assert any("checksum" in name for name in names), names
+            assert [
+                name
+                for name in names
+                if not name.startswith((f"nixl-{adapter.name}-", f"l2-{adapter.name}-"))
+            ] == []
+        finally:
+            adapter.close()
+
+
 def test_store_checksums_run_at_the_write_back_threads_priority(
     new_threads: Callable[[str], list[threading.Thread]],
 ) -> None:
@@ -508,7 +534,7 @@ def test_store_checksums_run_at_the_write_back_threads_priority(
         adapter = open_dynamic(dynamic_config(root), arena.view)
         try:
             assert store(adapter, arena, keys, data) == [True, True]
-            helpers = [t.native_id for t in new_threads("nixl-store-checksum")]
+            helpers = [t.native_id for t in new_threads(f"nixl-{adapter.name}-store-checksum")]
             assert helpers
             for tid in helpers:
                 assert tid is not None

@@ -35,7 +35,7 @@ class PlainReads:
         self, context: BackendContext, files: LocalFiles, header_length: Callable[[ObjectKey], int]
     ) -> None:
         self._loads = RecordLoads(files, context, header_length)
-        self._workers = BatchWorkers(READ_THREADS, "nixl-read")
+        self._workers = BatchWorkers(READ_THREADS, f"nixl-{context.name}-read")
 
     def close(self) -> None:
         # Never waits: core closes the backend once its deadline passed, even while a

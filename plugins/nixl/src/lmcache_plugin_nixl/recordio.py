@@ -222,7 +222,7 @@ class RecordFiles:
         # Checksums of one batch run on one helper thread, overlapping that batch's I/O.
         # Two threads so that a load's verifier, which lives as long as its batch, never
         # makes a concurrent load wait for its own checksum thread.
-        self._helper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nixl-checksum")
+        self._helper = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"nixl-{context.name}-checksum")
         # The inboxes of loads being verified: a close ends their verifiers (see close).
         self._inboxes: set[SimpleQueue[tuple[list[_Pending], list[bool]] | None]] = set()
         self._inboxes_lock = threading.Lock()
@@ -233,7 +233,9 @@ class RecordFiles:
         # store thread stayed idle-class for good -- for the loads it verified later too,
         # and while write-back was hurried the store waited on a checksum thread still idle.
         self._store_helper = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="nixl-store-checksum", initializer=self._join_write_back
+            max_workers=1,
+            thread_name_prefix=f"nixl-{context.name}-store-checksum",
+            initializer=self._join_write_back,
         )
         self._store_helper_tids: list[int] = []
         # Buffered loads on the POSIX backend: preadv, checksummed piece by piece.
