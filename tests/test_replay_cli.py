@@ -382,6 +382,15 @@ def _running(process: psutil.Process) -> bool:
         return False
 
 
+def _command_line(process: psutil.Process) -> str:
+    """The process's command line, or "" for one that has already ended: a short-lived
+    child of the replay can be a zombie by the time it is asked."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.NoSuchProcess:  # ZombieProcess is one
+        return ""
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_client_processes_end_with_the_replay_that_started_them(tmp_path: Path, sig: int) -> None:
     """A replay stopped by a signal to it alone (a supervisor, ``timeout``, ``kill``) ends
@@ -397,7 +406,7 @@ def test_client_processes_end_with_the_replay_that_started_them(tmp_path: Path, 
         while len(workers) < 2:
             assert time.monotonic() < deadline and replay.poll() is None, "no client processes"
             children = psutil.Process(replay.pid).children()
-            workers = [child for child in children if "spawn_main" in " ".join(child.cmdline())]
+            workers = [child for child in children if "spawn_main" in _command_line(child)]
             time.sleep(0.1)
         _wait_until_replaying(server, stores=10)
         signalled = time.monotonic()
