@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -758,3 +759,20 @@ def test_a_periodic_checkpoint_raising_a_bug_is_counted_and_the_checkpoints_go_o
         assert adapter.stats()["checkpoints_written"] > written, "the periodic checkpoints ended"
     finally:
         adapter.close()
+
+
+def test_every_thread_of_the_adapter_is_named_for_it(tmp_path: Path) -> None:
+    """A thread dump of a server with two slot-store adapters (raw_block, dax) must say
+    whose each load and store worker is: every thread names its adapter."""
+    before = set(threading.enumerate())
+    adapter = open_raw(config(tmp_path / "dev.img", meta_checkpoint_interval_sec=1))
+    try:
+        keys = make_keys(2)
+        data = [pattern(1, 3000), pattern(2, 3000)]
+        assert store(adapter, keys, data) == [True, True]
+        assert load(adapter, keys, [len(d) for d in data]) == ([True, True], data)
+        names = sorted(thread.name for thread in threading.enumerate() if thread not in before)
+    finally:
+        adapter.close()
+    assert any("load" in name for name in names) and any("store" in name for name in names), names
+    assert [name for name in names if adapter.name not in name] == []

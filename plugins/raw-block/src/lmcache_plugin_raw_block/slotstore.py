@@ -76,8 +76,8 @@ class SlotStoreBackend(ABC):
         self.context = context
         self.payload_limit = payload_limit
         self._burst = BurstLog()
-        self._readers = BatchWorkers(load_workers, f"{self.type_name}-load")
-        self._writers = BatchWorkers(store_workers, f"{self.type_name}-store", background=True)
+        self._readers = BatchWorkers(load_workers, f"{self.type_name}-{context.name}-load")
+        self._writers = BatchWorkers(store_workers, f"{self.type_name}-{context.name}-store", background=True)
 
     def _stop_workers(self) -> None:
         self._writers.shutdown(wait=False)
