@@ -50,6 +50,18 @@ CHILD = CHILD_CLOSING + textwrap.dedent(
 CHILD_ENDING = CHILD_CLOSING + 'print("main ends", flush=True)\n'
 
 
+def _run_python(code: str, environment: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a child Python with ``environment``, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+        check=False,
+    )
+
+
 def _run_child(cluster: LocalCluster, code: str) -> subprocess.CompletedProcess[str]:
     """Run ``code`` against ``cluster``'s master, which it stops; resumed after the child ends."""
     master = cluster.master
@@ -65,14 +77,7 @@ def _run_child(cluster: LocalCluster, code: str) -> subprocess.CompletedProcess[
         "PYTHONPATH": os.pathsep.join(sys.path),
     }
     try:
-        child = subprocess.run(
-            [sys.executable, "-c", code],
-            env=environment,
-            capture_output=True,
-            text=True,
-            timeout=HANG_GUARD_S,
-            check=False,
-        )
+        child = _run_python(code, environment)
         wait_stopped(master.pid, HANG_GUARD_S)  # still hung when the child ended
     finally:
         master.send_signal(signal.SIGCONT)
@@ -102,3 +107,85 @@ def test_a_process_that_is_not_a_server_is_not_kept_waiting_by_a_client_left_unc
     # Structural, not timed: the thread saw the main thread end and stopped retrying.
     assert "the process exits with a Mooncake client left unclosed" in child.stderr, child.stderr[-3000:]
     assert "stays unclosed" not in child.stderr, child.stderr[-3000:]
+
+
+# -- calls given up inside Mooncake ---------------------------------------------------------
+
+# A deadline pool whose only call is given up and stays "inside Mooncake" (the function
+# blocks as Mooncake's reconnect to a killed master does), then the process ends as the
+# test asks: through serve's leave path, or by its main thread ending.
+CHILD_GIVING_UP = textwrap.dedent(
+    """
+    import logging, os, sys, threading
+    from lmcache_plugin_mooncake.calls import CallPool, CallTimeout
+    from lmcache_tiers.server.leave import leave_past_stuck_threads
+
+    logging.basicConfig(level=logging.INFO)
+    pool = CallPool("0:mooncake_store", 1, exit_wait_s=float(os.environ["EXIT_WAIT_S"]))
+    stuck_for_good = threading.Event()
+    exit_waits = threading.Event()
+
+    class ExitWaitSeen(logging.Handler):
+        def emit(self, record):
+            if "given up inside Mooncake to end" in record.getMessage():
+                exit_waits.set()
+
+    logging.getLogger().addHandler(ExitWaitSeen())
+
+    def inside_mooncake():
+        if os.environ["CALL"] == "ends-after-main":
+            # Out of Mooncake once the process's exit is waiting for it (never without).
+            threading.main_thread().join()
+            exit_waits.wait()
+            print("the given-up call ended", flush=True)
+        else:
+            stuck_for_good.wait()
+
+    try:
+        pool.run("probe", 0.05, inside_mooncake)
+    except CallTimeout:
+        print("given up", flush=True)
+    if os.environ["END"] == "leave":
+        leave_past_stuck_threads(int(os.environ["LEAVE_CODE"]), linger_s=0.2)
+        print("the leave path returned", flush=True)
+    """
+)
+
+
+def _run_giving_up(call: str, end: str, exit_wait_s: float = 60.0) -> subprocess.CompletedProcess[str]:
+    environment = {
+        **os.environ,
+        "CALL": call,
+        "END": end,
+        "EXIT_WAIT_S": str(exit_wait_s),
+        "LEAVE_CODE": str(LEAVE_CODE),
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+    child = _run_python(CHILD_GIVING_UP, environment)
+    assert "given up" in child.stdout, child.stdout + child.stderr[-3000:]
+    return child
+
+
+def test_the_leave_path_ends_the_process_at_once_while_a_given_up_call_is_inside_mooncake() -> None:
+    # A daemon thread returning from Mooncake while the interpreter finalizes aborts the
+    # process ('terminate called without an active exception'): serve's leave path sees
+    # the given-up call (a non-daemon thread waits for it) and ends the process itself.
+    child = _run_giving_up("stuck", "leave")
+    assert "the leave path returned" not in child.stdout, child.stdout
+    assert child.returncode == LEAVE_CODE, (child.returncode, child.stderr[-3000:])
+    assert "mooncake-0:mooncake_store-given-up-calls" in child.stderr, child.stderr[-3000:]
+
+
+def test_a_process_ending_waits_for_a_given_up_call_to_leave_mooncake() -> None:
+    # A tool or a test: its exit waits for the call to come back out of Mooncake before
+    # the interpreter finalizes, instead of racing it.
+    child = _run_giving_up("ends-after-main", "main")
+    assert child.returncode == 0, (child.returncode, child.stderr[-3000:])
+    assert "the given-up call ended" in child.stdout, child.stdout + child.stderr[-3000:]
+    assert "waits up to 60s for 1 call given up inside Mooncake" in child.stderr, child.stderr[-3000:]
+
+
+def test_a_process_ending_does_not_wait_for_good_for_a_call_stuck_in_mooncake() -> None:
+    child = _run_giving_up("stuck", "main", exit_wait_s=0.2)
+    assert child.returncode == 0, (child.returncode, child.stderr[-3000:])
+    assert "calls given up still inside Mooncake after 0.2s: 1" in child.stderr, child.stderr[-3000:]

@@ -166,7 +166,7 @@ def test_timeouts_are_put_in_mooncakes_environment_unless_the_operator_set_them(
 
 
 def test_a_call_past_its_deadline_is_given_up_and_cleaned_up_when_it_ends() -> None:
-    pool = CallPool("test", 1)
+    pool = CallPool("test", 1, exit_wait_s=10)
     release = threading.Event()
     late: list[str] = []
     try:
@@ -189,7 +189,7 @@ def test_a_call_past_its_deadline_is_given_up_and_cleaned_up_when_it_ends() -> N
 
 
 def test_a_call_answered_in_time_returns_or_raises_as_it_did() -> None:
-    pool = CallPool("test", 2)
+    pool = CallPool("test", 2, exit_wait_s=10)
     cleaned: list[int] = []
     try:
         assert pool.run("ok", 5, sum, [1, 2, 3], on_late=lambda: cleaned.append(1)) == 6
