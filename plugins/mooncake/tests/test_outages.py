@@ -447,8 +447,8 @@ def _master_silent(
         # The first call finds the master's connection closed: it fails at once.
         assert client.lookup_and_lock(stored).found == [False, False]
         yield adapter, client, stored
-        # A given-up probe ends with Mooncake's retries; a process exiting while one is
-        # still inside Mooncake aborts in its teardown, so the test lets it end.
+        # A given-up probe ends with Mooncake's ~4 s retries, longer than the close waits
+        # for it (3 x 0.25 s): the test lets it end, so the close closes the client.
         calls = backend_of(adapter).calls
         eventually(lambda: calls.busy == 0, timeout=HANG_GUARD_S, what="the given-up probes ending")
     finally:
