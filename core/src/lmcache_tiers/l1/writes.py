@@ -112,7 +112,7 @@ class WriteReservations:
         with self._lock:
             table = self._table
             table.check_open()
-            objects = table.objects
+            present_of = table.objects.get
             wanted: dict[ObjectKey, int] = {}
             wanted_layouts: dict[ObjectKey, str] = {}
             loads: list[L1Object] = []  # load reservations this writer takes over
@@ -120,7 +120,7 @@ class WriteReservations:
             for position, (key, size) in enumerate(zip(keys, sizes, strict=True)):
                 if key in wanted:
                     continue
-                present = objects.get(key)
+                present = present_of(key)
                 if present is not None:
                     if load or present.state is not _WRITING:
                         continue
@@ -150,11 +150,17 @@ class WriteReservations:
                 table.free(loads)  # their extents are held until the prefetch lets go
                 self._skipped.loads_given_way(len(loads))
             deadline = time.monotonic() + self.write_ttl_s
-            layout_of = wanted_layouts.get
-            reserved = {
-                key: L1Object(key, offset, size, temporary, _WRITING, 0, deadline, layout_of(key, ""))
-                for (key, size), offset in zip(wanted.items(), offsets, strict=True)
-            }
+            if wanted_layouts:
+                layout_of = wanted_layouts.get
+                reserved = {
+                    key: L1Object(key, offset, size, temporary, _WRITING, 0, deadline, layout_of(key, ""))
+                    for (key, size), offset in zip(wanted.items(), offsets, strict=True)
+                }
+            else:  # no layout given (the usual case): no look-up per object
+                reserved = {
+                    key: L1Object(key, offset, size, temporary, _WRITING, 0, deadline)
+                    for key, size, offset in zip(wanted, wanted.values(), offsets, strict=True)
+                }
             table.insert_many(reserved, temporary)
             return reserved
 
