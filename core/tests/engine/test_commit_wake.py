@@ -7,8 +7,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from engine_support import keys_of, mock, payload
+from engine_support import GatedStorePolicy, keys_of, mock, payload
 
+from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.storage import StorageManager
 
 SIZE = 4096
@@ -78,3 +79,28 @@ def test_an_l1_only_commit_does_not_wake_the_store_controller(engine: Callable[.
     reserved = storage.reserve_write(keys_of(3, 2), [SIZE, SIZE])
     assert len(storage.commit_reserved(reserved, to_l2=False)) == 2
     assert held == []
+
+
+def commit(storage: StorageManager, prompt: int) -> list[ObjectKey]:
+    keys = keys_of(prompt, 2)
+    reserved = storage.reserve_write(keys, [SIZE] * len(keys))
+    for key, obj in reserved.items():
+        storage.view(obj)[:] = payload(key, SIZE)
+    return storage.commit_reserved(reserved)
+
+
+def test_a_commit_behind_a_queued_batch_does_not_wake_the_store_controller_again(
+    engine: Callable[..., StorageManager],
+) -> None:
+    storage = engine([mock()], l2_store_policy="gated")
+    GatedStorePolicy.gate.clear()  # the controller parks in the policy on the first batch
+    held = spy_on_wake(storage)
+    assert len(commit(storage, 1)) == 2
+    assert GatedStorePolicy.entered.acquire(timeout=10)  # batch 1 taken off the queue
+    assert len(commit(storage, 2)) == 2  # queued alone: a wake-up is due
+    assert len(commit(storage, 3)) == 2  # behind batch 2: its wake-up serves both
+    assert held == [False, False]
+    GatedStorePolicy.gate.set()
+    assert storage.flush(10)
+    assert storage.status()["failures"] == {}
+    assert storage.l1.unstored() == [], "every batch was stored"

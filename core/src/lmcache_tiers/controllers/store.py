@@ -147,9 +147,13 @@ class StoreController(ControllerThread):
             self.wake()
 
     def queue(self, keys: Sequence[ObjectKey]) -> bool:
-        """``submit`` without the wake-up: True if the keys were queued, and the caller
-        then calls :meth:`wake` -- best once it has let go of the L1 lock, which the woken
-        thread takes at once to start the stores."""
+        """``submit`` without the wake-up: True if the thread is to be woken for the keys
+        queued, and the caller then calls :meth:`wake` -- best once it has let go of the
+        L1 lock, which the woken thread takes at once to start the stores.
+
+        False when a batch was queued already: whoever queued it wakes the thread (or
+        did), and a step empties the whole queue, so a second wake-up (a system call,
+        and a switch to the controller thread) would only add an idle step."""
         if not keys or not self.slots:
             return False  # nothing is meant for L2: the objects are as evictable as any
         objects = self.l1.mark_unstored(keys)
@@ -158,6 +162,7 @@ class StoreController(ControllerThread):
         with self._queue_lock:
             ended = self._ended
             if not ended:
+                wake_due = not self._queue
                 self._queue.append((objects, time.monotonic()))
         if ended:
             # A commit that passed the open check as shutdown began, arriving after the
@@ -171,7 +176,7 @@ class StoreController(ControllerThread):
                 count=len(objects),
             )
             return False
-        return True
+        return wake_due
 
     def pending_batches(self) -> int:
         """Work not yet handed to the adapters: queued batches (one being started counts)
