@@ -495,3 +495,68 @@ def test_l1_and_sessions_agree_on_every_lock_under_any_sequence(
         assert l1.stats().read_locks == 0
     finally:
         l1.close()
+
+
+class _WatchedDeadline(float):
+    """A deadline that counts how often it is compared: what a sweep looks at."""
+
+    comparisons = 0
+
+    def _count(self) -> None:
+        _WatchedDeadline.comparisons += 1
+
+    def __gt__(self, other: object) -> bool:
+        self._count()
+        return float(self) > other  # type: ignore[operator]
+
+    def __lt__(self, other: object) -> bool:
+        self._count()
+        return float(self) < other  # type: ignore[operator]
+
+    def __le__(self, other: object) -> bool:
+        self._count()
+        return float(self) <= other  # type: ignore[operator]
+
+    def __ge__(self, other: object) -> bool:
+        self._count()
+        return float(self) >= other  # type: ignore[operator]
+
+    __hash__ = float.__hash__
+    __eq__ = float.__eq__
+
+
+def test_a_sweep_does_not_walk_what_a_client_holds_until_it_expires() -> None:
+    # The sweep runs on the loop thread every 0.2 s: a client holding many live locks and
+    # reservations must not make each sweep walk them all, stalling every other client.
+    table = SessionTable(lock_ttl_s=10, write_ttl_s=20)
+    session = table.get(b"heavy", now=0.0)
+    held = [ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(1000)]
+    reserved = [ObjectKey("w", 0, index.to_bytes(8, "big")) for index in range(1000)]
+    for start in range(0, 1000, 100):
+        session.add_read_locks(held[start : start + 100], _WatchedDeadline(10.0 + start / 1000))
+        session.add_writes(
+            dict.fromkeys(reserved[start : start + 100], "obj"), _WatchedDeadline(20.0 + start)
+        )
+    _WatchedDeadline.comparisons = 0
+    table.sweep(now=5.0)
+    assert _WatchedDeadline.comparisons <= 4
+    assert len(session.lock_deadlines) == 1000 and len(session.writes) == 1000
+    table.sweep(now=10.25)  # the locks of the first three records, and none of the writes, expired
+    assert len(session.lock_deadlines) == 700 and len(session.writes) == 1000
+    table.sweep(now=121.0)  # the first two hundred writes expired
+    assert not session.lock_deadlines and len(session.writes) == 800
+    table.sweep(now=2000.0)
+    assert session.empty
+
+
+def test_reservations_given_out_of_deadline_order_still_expire_at_their_deadlines() -> None:
+    table = SessionTable(lock_ttl_s=10, write_ttl_s=20)
+    session = table.get(b"client", now=0.0)
+    session.add_writes({A: "a"}, deadline=30.0)
+    session.add_writes({B: "b"}, deadline=10.0)
+    session.add_writes({C: "c"}, deadline=20.0)
+    session.add_writes({A: "a2"}, deadline=40.0)  # A reserved again: its new deadline counts
+    table.sweep(now=15.0)
+    assert session.writes == {C: (20.0, "c"), A: (40.0, "a2")}
+    table.sweep(now=25.0)
+    assert session.writes == {A: (40.0, "a2")}

@@ -27,6 +27,7 @@ nothing.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -94,9 +95,15 @@ class Session:
     # [keys, {deadline: calls}] per run of calls with the same keys not yet indexed, oldest first
     _records: list[list[Any]] = field(default_factory=list, repr=False)
     _backlog: int = field(default=0, repr=False)  # keys in ``_records``
-    # key -> (deadline, the L1 object reserved for it)
+    # key -> (deadline, the L1 object reserved for it), in order of deadline (see add_writes)
     writes: dict[ObjectKey, tuple[float, Any]] = field(default_factory=dict)
     prefetches: dict[int, PendingPrefetch] = field(default_factory=dict)
+    # No lock held here expires before this: the sweep passes over a client's locks only
+    # once one of them may have expired, not every time it runs.
+    _next_lock_expiry: float = field(default=math.inf, repr=False)
+    # Whether ``writes`` was given a deadline earlier than one it held (never by the
+    # handlers, whose deadlines follow the clock): the sweep then sorts it once.
+    _writes_unordered: bool = field(default=False, repr=False)
 
     @property
     def read_locks(self) -> Counter[ObjectKey]:
@@ -116,6 +123,8 @@ class Session:
         ``deadline``.  ``keys`` is kept as it is: the caller must not change it afterwards."""
         if not keys:
             return
+        if deadline < self._next_lock_expiry:
+            self._next_lock_expiry = deadline
         records = self._records
         if records:
             last = records[-1]
@@ -231,9 +240,17 @@ class Session:
         return groups
 
     def add_writes(self, reserved: Mapping[ObjectKey, Any], deadline: float) -> None:
-        """Reservations the client is filling: the L1 object reserved for each key."""
+        """Reservations the client is filling: the L1 object reserved for each key.
+
+        Kept in order of deadline, so that the sweep forgets the expired ones from the
+        front and stops at the first live one: a client holding many reservations does
+        not make every sweep walk them all on the loop thread, which serves every client."""
+        writes = self.writes
+        if writes and deadline < writes[next(reversed(writes))][0]:
+            self._writes_unordered = True
         for key, obj in reserved.items():
-            self.writes[key] = (deadline, obj)
+            writes.pop(key, None)  # a key reserved again goes to the back, with its new deadline
+            writes[key] = (deadline, obj)
 
     def take_writes(self, keys: Sequence[ObjectKey], now: float) -> tuple[dict[ObjectKey, Any], list[bool]]:
         """The caller's live reservations among ``keys`` with their L1 objects (forgotten
@@ -271,12 +288,38 @@ class Session:
         return not (self._records or self._locks or self.writes or self.prefetches)
 
     def expire(self, now: float) -> None:
+        """Forget the locks and reservations expired at ``now``; what is still live is
+        looked at only when one of the locks may have expired."""
+        if self._next_lock_expiry <= now:
+            self._expire_locks(now)
+        self._expire_writes(now)
+
+    def _expire_locks(self, now: float) -> None:
         locks = self.lock_deadlines
-        for key, held in [(key, held) for key, held in locks.items() if min(held) <= now]:
-            _forget_expired(held, now)
-            if not held:
-                del locks[key]
-        self.writes = {key: held for key, held in self.writes.items() if held[0] > now}
+        earliest = math.inf
+        for key, held in list(locks.items()):
+            first = min(held)
+            if first <= now:
+                _forget_expired(held, now)
+                if not held:
+                    del locks[key]
+                    continue
+                first = min(held)
+            earliest = min(earliest, first)
+        self._next_lock_expiry = earliest
+
+    def _expire_writes(self, now: float) -> None:
+        writes = self.writes
+        if self._writes_unordered:
+            self.writes = writes = dict(sorted(writes.items(), key=lambda item: item[1][0]))
+            self._writes_unordered = False
+        expired = []
+        for key, (deadline, _obj) in writes.items():
+            if deadline > now:
+                break
+            expired.append(key)
+        for key in expired:
+            del writes[key]
 
 
 def _live(held: dict[float, int], now: float) -> tuple[int, float]:
