@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import msgspec
 import pytest
 
@@ -100,10 +102,32 @@ def test_out_of_range_fields_are_refused(document: list[object]) -> None:
         (msgspec.msgpack.encode([p.Op.PING, True, ""]), (0, p.ErrorCode.MALFORMED)),
         (msgspec.msgpack.encode([p.Op.PING, 2**64 - 1, ""]), (0, p.ErrorCode.MALFORMED)),
         (msgspec.msgpack.encode([True, 3]), (3, p.ErrorCode.MALFORMED)),
+        (msgspec.msgpack.encode([[p.Op.PING], 3, ""]), (3, p.ErrorCode.MALFORMED)),
+        (msgspec.msgpack.encode([p.Op.PING, "x" * 40, ""]), (0, p.ErrorCode.MALFORMED)),
+        (msgspec.msgpack.encode([p.Op.LOOKUP, 4, "", [b"k"] * 20]), (4, p.ErrorCode.MALFORMED)),
+        (msgspec.msgpack.encode([p.Op.LOOKUP, 5, "", [b"k"] * 9000]), (5, p.ErrorCode.TOO_LARGE)),
+        (msgspec.msgpack.encode([p.Op.LOOKUP, 6, "", [b"k"] * 70000]), (6, p.ErrorCode.TOO_LARGE)),
+        (msgspec.msgpack.encode([p.Op.LOOKUP, 7, "", [b"k"] * 8192, 1]), (7, p.ErrorCode.MALFORMED)),
     ],
 )
 def test_diagnosis_of_undecodable_headers(header: bytes, expected: tuple[int, p.ErrorCode]) -> None:
     assert p.diagnose_undecodable(header) == expected
+
+
+def test_diagnosing_a_header_of_too_many_keys_builds_nothing_per_key() -> None:
+    # Refused on the loop thread that serves every client: a client sending headers of
+    # 140000 keys (4 MiB) must not make it build an object for each of them.
+    keys = [ObjectKey("m", 0, index.to_bytes(16, "big")) for index in range(140_000)]
+    header = msgspec.msgpack.encode([p.Op.LOOKUP, 8, "", keys])
+    assert len(header) < p.MAX_HEADER_BYTES
+    del keys
+    tracemalloc.start()
+    try:
+        assert p.diagnose_undecodable(header) == (8, p.ErrorCode.TOO_LARGE)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 10
 
 
 class _OldSlot(msgspec.Struct, array_like=True, gc=False):

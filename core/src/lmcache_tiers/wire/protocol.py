@@ -86,7 +86,7 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_OP = 2  # a well-formed array whose op tag this server does not know
     VERSION_MISMATCH = 3
     UNAUTHORIZED = 4  # missing or wrong auth token
-    TOO_LARGE = 5  # header, frame count or inline payload over the server's limits
+    TOO_LARGE = 5  # header, key or frame count, or inline payload over the server's limits
     INVALID_ARGUMENT = 6  # decodable but inconsistent (e.g. payload count != key count)
     NOT_FOUND = 7  # e.g. a prefetch handle this client does not own
     OUT_OF_MEMORY = 8  # L1 cannot hold the batch right now
@@ -421,16 +421,49 @@ def peek_request_id(header: bytes) -> int:
 
 def diagnose_undecodable(header: bytes) -> tuple[int, ErrorCode]:
     """For a header that failed typed decoding: the request id to answer (0 if unknown)
-    and whether the op is unknown or the message merely malformed."""
+    and whether the op is unknown, a list in it is over :data:`MAX_KEYS_PER_REQUEST`, or
+    the message is merely malformed.
+
+    Only the request's first two fields are decoded: the rest are spans of the header,
+    so a 4 MiB header of a hundred thousand keys costs the loop thread a scan, not the
+    objects an untyped decoding would build for every key."""
     try:
-        raw = _untyped_decoder.decode(header)
+        fields = _fields_decoder.decode(header)
     except (msgspec.DecodeError, ValueError, RecursionError):
         return 0, ErrorCode.MALFORMED
-    if not isinstance(raw, list) or len(raw) < 2:
+    if len(fields) < 2:
         return 0, ErrorCode.MALFORMED
-    op, req_id = raw[0], raw[1]
+    op, req_id = (_small_scalar(field) for field in fields[:2])
     valid_id = isinstance(req_id, int) and not isinstance(req_id, bool) and 0 <= req_id < 1 << 63
     answer_id = req_id if valid_id else 0
     if isinstance(op, int) and not isinstance(op, bool) and op not in _KNOWN_OPS:
         return answer_id, ErrorCode.UNKNOWN_OP
+    if any(_array_length(field) > MAX_KEYS_PER_REQUEST for field in fields[2:]):
+        return answer_id, ErrorCode.TOO_LARGE
     return answer_id, ErrorCode.MALFORMED
+
+
+#: a request's top-level fields, each left encoded
+_fields_decoder: msgspec.msgpack.Decoder[list[msgspec.Raw]] = msgspec.msgpack.Decoder(list[msgspec.Raw])
+#: longest encoding of an op tag or a request id (a 64-bit integer)
+_SCALAR_BYTES = 9
+
+
+def _small_scalar(field: msgspec.Raw) -> Any:
+    """The value of an encoded field short enough to be an integer (None otherwise)."""
+    if len(field) > _SCALAR_BYTES:
+        return None
+    return _untyped_decoder.decode(field)
+
+
+def _array_length(field: msgspec.Raw) -> int:
+    """How many items an encoded msgpack array holds, read from its first bytes (0 for
+    anything else)."""
+    view = memoryview(field)
+    lead = view[0] if len(view) else 0
+    if 0x90 <= lead <= 0x9F:  # fixarray
+        return lead & 0x0F
+    width = {0xDC: 2, 0xDD: 4}.get(lead)  # array 16, array 32
+    if width is None or len(view) < 1 + width:
+        return 0
+    return int.from_bytes(view[1 : 1 + width], "big")
