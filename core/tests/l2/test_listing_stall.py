@@ -159,6 +159,34 @@ def test_a_slow_but_live_listing_is_not_taken_for_a_stalled_one(
     assert stats["scan_keys"] == entries
 
 
+class TimingOutListing(AsyncDictBackend):
+    """Lists its first entry, then fails with a TimeoutError of its own (a request to the
+    peer that timed out, as ``asyncio.timeout`` raises)."""
+
+    async def list_keys(self) -> AsyncIterator[tuple[ObjectKey, int]]:  # type: ignore[override]
+        yield DictBackend.list_keys(self)[0]
+        raise TimeoutError("the peer did not answer the page request")
+
+
+def test_a_listings_own_timeout_error_fails_it_at_once_not_as_a_stall(
+    adapters: list[L2Adapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TimeoutError the backend's listing raises is its failure, like any error: the scan
+    ends counting a scan error -- not waiting, asking again and again, for an answer it
+    already has until the stall limit passes and a stall that never was is counted."""
+    import lmcache_tiers.l2.scan as scan
+
+    monkeypatch.setattr(scan, "FOREGROUND_ENTRIES", 1)
+    monkeypatch.setattr(scan, "BATCH_ENTRIES", 1)
+    monkeypatch.setattr(Runner, "listing_stall_timeout_s", BOUND_S * 2)  # never reached here
+    adapter = listing_over(TimingOutListing, LISTED, adapters)
+    wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")
+    stats = adapter.stats()
+    assert stats["scan_errors"] == 1
+    assert stats.get("listing_stalls", 0) == 0
+    assert stats["scan_keys"] == 1
+
+
 # -- a synchronous list_keys that hangs ----------------------------------------------------
 
 

@@ -228,16 +228,30 @@ class Runner(ABC):
 
     def _next_answer(self, channel: _ListingChannel) -> tuple[str, Any]:
         """The reading thread's next answer, waited for while the listing keeps moving."""
-        progress = channel.progress
+
+        def answer_within(timeout: float) -> tuple[str, Any] | None:
+            try:
+                return channel.answers.get(timeout=timeout)
+            except queue.Empty:
+                return None
+
+        return self._while_listing_moves(channel.progress, answer_within)
+
+    def _while_listing_moves(self, progress: _ListingProgress, within: Callable[[float], T | None]) -> T:
+        """What ``within(timeout)`` gives (None: nothing in that time), waited for while the
+        listing keeps moving: once it did not for ``listing_stall_timeout_s`` the stall is
+        counted, logged and raised (TimeoutError).  Nothing came is told by None, never by
+        an exception: the listing's own TimeoutError (a request to its peer that timed out)
+        is its failure, not a wait to go on with."""
         progress.advanced()  # the wait starts the clock, not the reader's work before it
         while True:
             silent_for = progress.silent_for()
             if silent_for >= self.listing_stall_timeout_s:
                 raise self._listing_stalled()
-            try:
-                return channel.answers.get(timeout=self.listing_stall_timeout_s - silent_for)
-            except queue.Empty:
-                continue  # entries may have come meanwhile: the next round looks
+            answer = within(self.listing_stall_timeout_s - silent_for)
+            if answer is not None:
+                return answer
+            # entries may have come meanwhile: the next round looks
 
     def _interrupt(self) -> None:
         interrupt = optional_method(self.backend, "interrupt")
@@ -659,17 +673,16 @@ class LoopRunner(Runner):
         ``finally`` then closes the listing), counted and logged, and the listing fails:
         its reader treats it as any failed listing."""
         future = asyncio.run_coroutine_threadsafe(batch, self._loop)
-        progress.advanced()  # the batch's wait starts the clock, not the reader's work before it
-        while True:
-            silent_for = progress.silent_for()
-            if silent_for >= self.listing_stall_timeout_s:
-                break
-            try:
-                return future.result(self.listing_stall_timeout_s - silent_for)
-            except concurrent.futures.TimeoutError:
-                continue  # entries may have come meanwhile: the next round looks
-        future.cancel()
-        raise self._listing_stalled()
+
+        def batch_within(timeout: float) -> tuple[list[Entry], bool] | None:
+            done, _ = concurrent.futures.wait([future], timeout)
+            return future.result() if done else None  # the listing's own error raised
+
+        try:
+            return self._while_listing_moves(progress, batch_within)
+        except TimeoutError:
+            future.cancel()
+            raise
 
     # -- closing --------------------------------------------------------------------------------
 
