@@ -62,8 +62,9 @@ def _run_python(code: str, environment: dict[str, str]) -> subprocess.CompletedP
     )
 
 
-def _run_child(cluster: LocalCluster, code: str) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` against ``cluster``'s master, which it stops; resumed after the child ends."""
+def _run_child(cluster: LocalCluster, code: str, **variables: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` against ``cluster``'s master, which it stops; resumed after the child
+    ends.  ``variables``: more of the child's environment."""
     master = cluster.master
     assert master is not None
     settings = cluster.adapter(key_prefix=f"test-{uuid.uuid4().hex[:12]}/", operation_timeout_s=0.5)
@@ -75,6 +76,7 @@ def _run_child(cluster: LocalCluster, code: str) -> subprocess.CompletedProcess[
         "MASTER_PID": str(master.pid),
         "LEAVE_CODE": str(LEAVE_CODE),
         "PYTHONPATH": os.pathsep.join(sys.path),
+        **variables,
     }
     try:
         child = _run_python(code, environment)
@@ -189,3 +191,12 @@ def test_a_process_ending_does_not_wait_for_good_for_a_call_stuck_in_mooncake() 
     child = _run_giving_up("stuck", "main", exit_wait_s=0.2)
     assert child.returncode == 0, (child.returncode, child.stderr[-3000:])
     assert "calls given up still inside Mooncake after 0.2s: 1" in child.stderr, child.stderr[-3000:]
+
+
+def test_a_process_ending_waits_for_the_master_query_a_close_gave_up(own_cluster: LocalCluster) -> None:
+    # The query a close sends the hung master before closing is given up at
+    # operation_timeout_s; Mooncake's RPC timeout (set long by the operator here) keeps
+    # it inside when the main thread ends: the exit waits for it, as for the pool's calls.
+    child = _run_child(own_cluster, CHILD_ENDING, MC_RPC_TIMEOUT_MS="60000")
+    assert "main ends" in child.stdout, child.stdout
+    assert "close-probe: the process waits up to" in child.stderr, child.stderr[-3000:]

@@ -70,6 +70,7 @@ from lmcache_plugin_mooncake.client import (
     EXISTS,
     NO_ROOM,
     NOT_FOUND,
+    RECONNECT_S,
     UNREACHABLE,
     Connection,
     MasterUnreachable,
@@ -109,9 +110,6 @@ _WARN_EVERY_S = 60.0
 #: how many operation_timeout_s a call may stay inside Mooncake: a master RPC, then a
 #: transfer's progress and status timeouts (what close waits for it)
 _CALL_TIMEOUTS = 3
-#: Mooncake's reconnection to a master that failed a call (about 4 s, fixed): how long a
-#: call given up then may stay inside besides its timeouts
-_RECONNECT_S = 5.0
 #: how long a running probe makes the next one wait: well past Mooncake's ~4 s reconnect
 #: and its RPC timeouts, so only a probe stuck for good is joined by another
 _PROBE_ALONE_S = 30.0
@@ -250,7 +248,7 @@ class MooncakeStoreBackend:
             on_unclosed_closed=self._unclosed_client_closed,
         )
         self.calls = CallPool(
-            context.name, 2 * config.num_workers + 2, exit_wait_s=_CALL_TIMEOUTS * self.timeout + _RECONNECT_S
+            context.name, 2 * config.num_workers + 2, exit_wait_s=_CALL_TIMEOUTS * self.timeout + RECONNECT_S
         )
         # Take checksums next to the calling thread: as many threads in all as cores.
         self._parts = max(1, min(os.cpu_count() or 1, config.num_workers + 1))

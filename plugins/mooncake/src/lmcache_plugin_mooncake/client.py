@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from lmcache_plugin_mooncake.calls import CallPool, CallTimeout
 from lmcache_plugin_mooncake.config import MooncakeStoreConfig
 from lmcache_plugin_mooncake.headers import HeaderLanes, address_of
 from lmcache_tiers.plugin import BackendUnavailableError, TiersError
@@ -55,6 +56,9 @@ UNREACHABLE = frozenset({-900, -901})
 #: first and longest pause between two connection attempts
 _RETRY_FIRST_S = 1.0
 _RETRY_MAX_S = 30.0
+#: Mooncake's reconnection to a master that failed a call (about 4 s, fixed): how long a
+#: call given up then may stay inside besides its timeouts
+RECONNECT_S = 5.0
 #: how long a client left unclosed is offered its close again (see ``_keep_until_answered``)
 _UNCLOSED_RETRY_FOR_S = 60.0
 INSTALL_HINT = (
@@ -413,9 +417,14 @@ class Connection:
     ) -> str | None:
         """The service Mooncake's close talks to that neither answers nor refuses within
         ``timeout_s`` (a description), or None if both do.  The master is asked by
-        ``master_answers`` (by default on a daemon thread given up at the deadline)."""
+        ``master_answers`` (by default on a deadline pool, given up at the deadline)."""
         deadline = time.monotonic() + timeout_s
-        if not (master_answers or _master_answers)(store, timeout_s):
+        answers = (
+            master_answers(store, timeout_s)
+            if master_answers
+            else _master_answers(store, timeout_s, self.name)
+        )
+        if not answers:
             return f"the Mooncake master at {self.config.master_server_address}"
         metadata = self.config.metadata_server
         if not _metadata_server_answers(metadata, max(0.0, deadline - time.monotonic())):
@@ -423,20 +432,20 @@ class Connection:
         return None
 
 
-def _master_answers(store: Any, timeout_s: float) -> bool:
+def _master_answers(store: Any, timeout_s: float, name: str) -> bool:
     """Whether an existence query of the master ends within ``timeout_s``, answered or
     refused (a master that is down refuses at once, and so does the unmount at close);
     one that timed out in Mooncake (its RPC timeout is ``timeout_s`` too) did not answer.
-    Run on a daemon thread (the binding releases the GIL for it), given up at the deadline."""
-    codes: list[int] = []
-
-    def query() -> None:
-        codes.extend(_query_master(store))
-
-    thread = threading.Thread(target=query, name="mooncake-close-probe", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    return not thread.is_alive() and _RPC_TIMED_OUT not in codes
+    Run on a deadline pool of its own (the binding releases the GIL for it), given up at
+    the deadline: a process exiting waits for it as for the adapter's given-up calls."""
+    pool = CallPool(f"{name}-close-probe", 1, exit_wait_s=timeout_s + RECONNECT_S)
+    try:
+        codes = pool.run("the master probe before close", timeout_s, _query_master, store)
+    except CallTimeout:
+        return False
+    finally:
+        pool.close()  # its thread ends once the query has
+    return _RPC_TIMED_OUT not in codes
 
 
 def _master_answers_here(store: Any, timeout_s: float) -> bool:
