@@ -80,6 +80,22 @@ def test_a_coroutine_open_raising_a_base_exception_is_a_counted_open_failure(
     assert client.lookup_and_lock(keys_of("k", 1)).found == [False]
 
 
+def test_a_coroutine_open_raising_its_own_timeout_error_is_a_counted_open_failure(
+    adapters: list[L2Adapter], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A TimeoutError the backend's open raises (its peer did not answer the connect) is
+    its failure to open, not an open still running: counted, logged as such, and the
+    start-up scan ends rather than wait for good for an open that is over -- refusing
+    every store that adds bytes as "scanning" meanwhile."""
+    FailingOpen.error = TimeoutError("the peer did not answer the connect")
+    adapter = open_dict(FailingOpen, capacity=100_000)
+    adapter.close_timeout_s = 0.5
+    adapters.append(adapter)
+    assert adapter.stats()["open_failures"] == 1
+    assert any("failed to open" in r.getMessage() for r in caplog.records)
+    wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")
+
+
 class ExitingListing(DictBackend):
     """A plain backend whose listing gives its first entry, then raises ``error``."""
 

@@ -532,10 +532,11 @@ class LoopRunner(Runner):
     def open(self, timeout: float) -> None:
         self._thread.start()
         self._opened = asyncio.run_coroutine_threadsafe(self._open(), self._loop)
-        try:
-            self._opened.result(timeout)
-        except concurrent.futures.TimeoutError:
+        if not self._open_over(timeout):
             log.warning("%s: the backend is still opening after %.0f s", self.state.name, timeout)
+            return
+        try:
+            self._opened.result()
         except Exception as exc:
             self.state.count("open_failures")
             log.warning(
@@ -547,15 +548,17 @@ class LoopRunner(Runner):
 
     def opened(self, timeout: float) -> bool | None:
         opened = self._opened
-        if opened is None:
+        if opened is None or not self._open_over(timeout):
             return None
-        try:
-            opened.result(timeout)
-        except concurrent.futures.TimeoutError:
-            return None
-        except BaseException:
-            return False
-        return True
+        return not opened.cancelled() and opened.exception() is None
+
+    def _open_over(self, timeout: float) -> bool:
+        """Whether the backend's open ended within ``timeout``.  Asked of the future's
+        state, never told by ``result(timeout)`` raising TimeoutError: since Python 3.11
+        that is the builtin one, which an open that failed to reach its peer raises too."""
+        assert self._opened is not None
+        done, _ = concurrent.futures.wait([self._opened], timeout)
+        return bool(done)
 
     async def _backend_ready(self) -> bool:
         assert self._opened is not None
