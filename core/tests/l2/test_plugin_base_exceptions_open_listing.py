@@ -22,6 +22,7 @@ from l2_backends import (
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import L2Adapter
+from lmcache_tiers.l2.adapter import BackendCloseFailed
 from lmcache_tiers.l2.runners import Runner
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 
@@ -94,6 +95,23 @@ def test_a_coroutine_open_raising_its_own_timeout_error_is_a_counted_open_failur
     assert adapter.stats()["open_failures"] == 1
     assert any("failed to open" in r.getMessage() for r in caplog.records)
     wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")
+
+
+class TimingOutClose(AsyncDictBackend):
+    async def close(self) -> None:
+        raise TimeoutError("the peer did not acknowledge the last flush")
+
+
+def test_a_coroutine_close_raising_its_own_timeout_error_is_a_failed_close_not_a_hung_one() -> None:
+    """A close that returned with a TimeoutError of its own failed (counted as
+    ``backend_close_failures``, its error shown): it is not a close left running past its
+    deadline, which ``backend_close_timeouts`` and its warning would say."""
+    adapter = open_dict(TimingOutClose)
+    with pytest.raises(BackendCloseFailed, match="did not acknowledge the last flush"):
+        adapter.close()
+    stats = adapter.stats()
+    assert stats["backend_close_failures"] == 1
+    assert stats.get("backend_close_timeouts", 0) == 0
 
 
 class ExitingListing(DictBackend):

@@ -719,9 +719,11 @@ class LoopRunner(Runner):
             if self._thread.is_alive():
                 future = asyncio.run_coroutine_threadsafe(close(), self._loop)
                 waited = max(0.1, deadline - time.monotonic())
-                try:
-                    future.result(waited)
-                except concurrent.futures.TimeoutError:
+                # Told by the future's state, not by result(waited) raising TimeoutError:
+                # a close that returned with a TimeoutError of its own failed, not hung.
+                if concurrent.futures.wait([future], waited).done:
+                    future.result()  # what the backend's close raised goes to the caller
+                else:
                     future.cancel()
                     self._close_abandoned(waited)
                     returned = False
