@@ -84,7 +84,9 @@ class StorageManager:
         if layouts is not None:
             if len(layouts) != len(keys):
                 raise ValueError(f"{len(keys)} keys but {len(layouts)} layouts")
-            for layout, size in zip(layouts, sizes, strict=True):
+            # The chunks of a request share a layout and a size: each pair is checked
+            # once (the first bad one in the batch is still the one named).
+            for layout, size in dict.fromkeys(zip(layouts, sizes, strict=True)):
                 check_layout(layout, size)
         try:
             reserved = self.l1.reserve_write(keys, sizes, layouts=layouts)
