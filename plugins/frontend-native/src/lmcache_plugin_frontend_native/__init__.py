@@ -45,6 +45,18 @@ class NativeConfig(FrontendConfig, kw_only=True, frozen=True, forbid_unknown_fie
     pool_workers: Annotated[
         int, msgspec.Meta(ge=1, le=256, description="Threads for blocking requests (waits, inline copies).")
     ] = 8
+    max_keys_per_request: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1,
+            le=wire_protocol.MAX_KEYS_PER_REQUEST,
+            description=(
+                "Most keys one request may name; HELLO tells clients, which split larger batches, "
+                "and a request over it is refused (TOO_LARGE). One request holds the loop serving "
+                "every client for its keys' worth of work: lower it to bound that."
+            ),
+        ),
+    ] = wire_protocol.MAX_KEYS_PER_REQUEST
 
     def check(self, server: ServerConfig, auth_token: str | None) -> None:
         self.endpoint(server)

@@ -54,6 +54,7 @@ class NativeFrontend:
             stats=self._stats,
             status_provider=context.status,
             max_inline_bytes=config.max_inline_bytes,
+            max_keys=config.max_keys_per_request,
         )
         self.rpc = RpcServer(
             self.handlers,

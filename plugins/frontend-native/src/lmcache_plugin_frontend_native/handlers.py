@@ -141,8 +141,10 @@ class Handlers:
         stats: FrontendStats,
         status_provider: Callable[[], dict[str, Any]],
         max_inline_bytes: int,
+        max_keys: int = p.MAX_KEYS_PER_REQUEST,
     ) -> None:
         self.storage = storage
+        self.max_keys = max_keys
         self.chunk_size = chunk_size
         self.data_plane = data_plane
         self.stats = stats
@@ -183,6 +185,15 @@ class Handlers:
     def dispatch(self, request: p._Request, identity: bytes, frames: Frames) -> Response | Deferred:
         if frames and not isinstance(request, p.StoreInline):
             raise HandlerError(p.ErrorCode.INVALID_ARGUMENT, "only STORE_INLINE carries payload frames")
+        keys = getattr(request, "keys", None)
+        if keys is not None and len(keys) > self.max_keys:
+            # Served on the loop thread, a request's keys are work every other client
+            # waits behind; clients were told the limit in HELLO and split larger batches.
+            raise HandlerError(
+                p.ErrorCode.TOO_LARGE,
+                f"the request names {len(keys)} keys, over this server's limit of {self.max_keys} "
+                "per request (max_keys_per_request, told in HELLO)",
+            )
         return self._table[type(request)](request, identity, frames)
 
     # -- handshake and trivia -------------------------------------------------------------
@@ -203,6 +214,7 @@ class Handlers:
             shm_device=plane.shm_device,
             shm_inode=plane.shm_inode,
             lock_ttl_s=float(self.storage.l1.lock_ttl_s),
+            max_keys=self.max_keys,
             max_inline_bytes=self.max_inline_bytes,
             generation_offset=plane.generation_offset,
             generation_block=plane.generation_block,

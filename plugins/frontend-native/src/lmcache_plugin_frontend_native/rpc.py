@@ -47,7 +47,7 @@ class RpcServer:
         self.stats = handlers.stats
         self._token = auth_token.encode() if auth_token else None
         self.max_request_bytes = max_request_bytes
-        self.max_frames = p.MAX_KEYS_PER_REQUEST
+        self.max_frames = handlers.max_keys  # a STORE_INLINE carries a frame per key
         self._keys = KeyCache()  # the loop thread's: every request is decoded there
         self._refusals = BurstLog(logger)
         self.router = RouterLoop(
