@@ -139,3 +139,35 @@ def test_a_listing_cut_short_by_shutdown_is_no_failed_listing(
     join_left_running(controller, "listing")
     assert controller.stats.failures().get("l2_eviction_scan_error", 0) == 0
     assert not [r for r in caplog.records if "failed" in r.getMessage() and r.levelname == "WARNING"]
+
+
+def test_keys_removed_while_a_listing_hangs_are_remembered_up_to_a_bound(adapter: BackendAdapter) -> None:
+    """While a listing hangs, the keys removed meanwhile are remembered so that it does not
+    add them back if it ends; evictions of ever new keys must not grow that record without
+    bound.  Past its bound the listing's result is given up (counted) and a fresh listing
+    is asked for once it ends: no removed key comes back from it."""
+    controller, policy = started_with_a_hanging_listing(adapter)
+    controller.listing_deadline_s = 0.0
+    controller.removed_while_listing_max = 20
+    controller.seed_retry_first_s = 0.0  # the fresh listing is due as soon as this one ends
+    assert step_returns(controller)  # the hang is past its deadline: events go live
+
+    for round_number in range(10):  # store and delete ever new keys: traffic, not objects
+        churned = keys_of(f"churn-{round_number}", 10)
+        store_blank(adapter, churned, SIZE)
+        assert all(adapter.delete(churned))
+    assert len(controller._removed_while_listing) <= 20, "removals while a listing hangs grow without bound"
+    assert controller.stats.failures()["l2_eviction_listing_discarded"] == 1
+
+    HangingListing.released.set()
+    join_left_running(controller, "listing")
+    assert not any(key.model_name.startswith("churn") for key in policy.order)
+    assert not any(key.model_name == "before-start" for key in policy.order), "its result was given up"
+
+    assert step_returns(controller)
+    join_left_running(controller, "listing")
+    assert step_returns(controller)
+    assert set(keys_of("before-start", BEFORE_START)) <= set(policy.order), (
+        "the fresh listing seeds the policy"
+    )
+    assert not any(key.model_name.startswith("churn") for key in policy.order)

@@ -48,6 +48,10 @@ LISTING_DEADLINE_S = 10.0
 #: is left to finish on its own thread (a plain backend's ``delete_many`` is bounded by no
 #: ``call_timeout_s``), and cycles are skipped until it ends
 DELETE_DEADLINE_S = 30.0
+#: keys removed while a listing runs that are remembered (so that it does not add them back
+#: when it ends); past that -- a listing that hangs while evictions go on -- its result is
+#: given up instead, and a fresh listing follows it
+REMOVED_WHILE_LISTING_MAX = 1 << 16
 #: the event of keys the adapter's start-up scan accounted (``on_l2_keys_scanned``): told
 #: to the policy as written, unless it has them from the listing already
 SCANNED = "on_keys_scanned"
@@ -108,6 +112,11 @@ class L2EvictionController(ControllerThread):
         self._written_unseeded: set[ObjectKey] = set()
         self._listing = False
         self._removed_while_listing: set[ObjectKey] = set()
+        self.removed_while_listing_max = REMOVED_WHILE_LISTING_MAX
+        # More keys were removed while the running listing ran than are remembered: its
+        # result may hold keys gone since, and is not used (a fresh listing follows it).
+        self._listing_outdated = False
+        self._outdated_log = BurstLog(logger, "l2_eviction_listing_discarded")
         # The keys the seeding listing gave the policy, kept while the adapter's start-up
         # scan still runs: it may announce them again, and a second write would read to
         # the policy as a second use.  Dropped at the first cycle after the scan ended.
@@ -181,8 +190,26 @@ class L2EvictionController(ControllerThread):
             self._written_unseeded.update(keys)
         elif method == "on_keys_removed":
             self._written_unseeded.difference_update(keys)
-            if self._listing:
-                self._removed_while_listing.update(keys)
+            if self._listing and not self._listing_outdated:
+                self._remember_removed_while_listing(keys)
+
+    def _remember_removed_while_listing(self, keys: Sequence[ObjectKey]) -> None:
+        """Keys removed while the listing runs (policy lock held), up to a bound: a listing
+        that hangs while evictions go on would otherwise keep every key evicted meanwhile.
+        Past it the listing's result is given up (counted now, ``_seed_with`` when it
+        ends), and nothing need be kept."""
+        removed = self._removed_while_listing
+        removed.update(keys)
+        if len(removed) > self.removed_while_listing_max:
+            self._listing_outdated = True
+            self._removed_while_listing = set()
+            self.stats.fail("l2_eviction_listing_discarded")
+            self._outdated_log.event(
+                1,
+                f"L2 eviction on {self.slot.name}: more than {self.removed_while_listing_max} keys "
+                "were removed while the listing of the keys stored before start-up runs; it may "
+                "list some of them, so its result will not be used: they are listed again after it ends",
+            )
 
     def _tell_policy(self, method: str, keys: Sequence[ObjectKey]) -> None:
         """One event to the policy (policy lock held).  A policy that raises is counted and
@@ -263,6 +290,7 @@ class L2EvictionController(ControllerThread):
             return False  # the last listing failed: the retry waits its interval
         with self._policy_lock:
             self._listing = True
+            self._listing_outdated = False
             self._removed_while_listing.clear()
         thread = threading.Thread(target=self._list, name=f"{self.name}-listing", daemon=True)
         self._listing_thread, self._listing_overdue = thread, False
@@ -351,9 +379,7 @@ class L2EvictionController(ControllerThread):
         """Counted, logged once per burst, retried later; events from now on go to the
         policy as they come (those queued so far first, in order)."""
         self.stats.fail("l2_eviction_scan_error")
-        self._seed_failures += 1
-        retry_s = min(SEED_RETRY_MAX_S, self.seed_retry_first_s * 2 ** (self._seed_failures - 1))
-        self._next_listing_at = time.monotonic() + retry_s
+        retry_s = self._schedule_retry()
         self._scan_error_log.warn(
             "listing",
             "%s: listing the keys stored before start-up failed (%s); they are not evicted "
@@ -366,12 +392,38 @@ class L2EvictionController(ControllerThread):
             self._listing = False
         self._go_live()
 
+    def _schedule_retry(self) -> float:
+        """One more listing that did not seed the policy: the next one waits an interval
+        doubling with each (seconds returned)."""
+        self._seed_failures += 1
+        retry_s = min(SEED_RETRY_MAX_S, self.seed_retry_first_s * 2.0 ** (self._seed_failures - 1))
+        self._next_listing_at = time.monotonic() + retry_s
+        return retry_s
+
+    def _listing_outdated_ended(self, listed: int) -> None:
+        """A listing ended after more keys were removed meanwhile than are remembered (seed
+        and policy locks held; counted when that happened): it may list some of them, which
+        the policy would then offer for good (and count as failed deletes every cycle).  Not
+        used; a fresh listing follows.  Events keep going to the policy as they come."""
+        self._listing = self._listing_outdated = False
+        retry_s = self._schedule_retry()
+        logger.info(
+            "%s: the outdated listing of the keys stored before start-up ended (%d keys), not used; "
+            "they are listed again in %.0f s",
+            self.slot.name,
+            listed,
+            retry_s,
+        )
+
     def _seed_with(self, existing: list[ObjectKey]) -> None:
         listed = set(existing)
         # Asked before the policy lock: a scan that has ended announced all it accounted
         # already (its events are queued or told), so nothing needs filtering after this.
         scanning = self._adapter_scanning()
         with self._policy_lock:
+            if self._listing_outdated:  # checked under the lock the removals take
+                self._listing_outdated_ended(len(existing))
+                return
             if self._live_unseeded:
                 # The policy heard every event since the failed listing: only keys it has
                 # not heard of join (a second write would reorder or recount a key), and
