@@ -63,7 +63,8 @@ from lmcache_tiers.wire import protocol as p
 
 __all__ = ["KEY_CACHE_ENTRIES", "KeyCache", "decode_request"]
 
-#: ~300 bytes each (key, its bytes, the dict entry): ~20 MiB when full.
+#: ~460 bytes each (the key object, its bytes, the dict entry; bench/bench_memory.py):
+#: ~30 MiB when full, besides the whole lists and their origins (at most 24 MiB more).
 KEY_CACHE_ENTRIES = 1 << 16
 
 _RawKeys = Annotated[list[msgspec.Raw], msgspec.Meta(max_length=p.MAX_KEYS_PER_REQUEST)]
