@@ -454,15 +454,18 @@ class PrefetchController(ControllerThread):
     def _load_done(
         self, slot: AdapterSlot, request: PrefetchRequest, keys: list[ObjectKey], results: list[bool]
     ) -> None:
-        # Phase 2: the bytes are in L1 (or never will be); the pins have done their job.
-        self._locks.unpin(request, slot.index, keys)
+        # Phase 2: the bytes are in L1 (or never will be).
         loaded = [key for key, ok in zip(keys, results, strict=False) if ok]
         request.loaded.update(loaded)
         if loaded:
             # As their records give them: L1 objects filled from L2 keep the layout their
-            # writer declared, so a front end's layout check still applies to them.
+            # writer declared, so a front end's layout check still applies to them.  Taken
+            # while the keys are still pinned: the adapter drops the kept layouts of
+            # unpinned keys first when its table is full, and one dropped here would leave
+            # the object with no layout (a layout check going by size alone).
             layouts = zip(loaded, slot.adapter.take_layouts(loaded), strict=True)
             request.layouts.update((key, layout) for key, layout in layouts if layout)
+        self._locks.unpin(request, slot.index, keys)  # the pins have done their job
         self.stats.add_adapter(slot.index, "keys_loaded", len(loaded))
         if len(loaded) < len(keys):
             self._count_failed_loads(slot, len(keys) - len(loaded))
