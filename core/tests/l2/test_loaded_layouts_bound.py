@@ -59,3 +59,30 @@ def test_past_the_bound_the_oldest_layouts_go_first(state: AdapterState) -> None
     kept = [f"layout-{number}" for number in range(1, BOUND + 1)]
     assert state.take_layouts([key(number) for number in range(1, BOUND + 1)]) == kept
     assert state.counters.snapshot()["loaded_layouts_dropped"] == 1
+
+
+def test_each_load_of_a_key_keeps_its_own_layout_for_its_own_taker(state: AdapterState) -> None:
+    # Two loads of one key end before either prefetch collects: each collects one layout,
+    # the oldest first -- one shared entry would leave the second taker with none.
+    load(state, [key(0)], "layout-of-the-first-load")
+    load(state, [key(0)], "layout-of-the-second-load")
+    assert state.take_layouts([key(0)]) == ["layout-of-the-first-load"]
+    assert state.take_layouts([key(0)]) == ["layout-of-the-second-load"]
+    assert state.take_layouts([key(0)]) == [""], "handed over once per load"
+
+
+def test_a_load_whose_record_gave_no_layout_is_not_handed_another_loads(state: AdapterState) -> None:
+    load(state, [key(0)], "")  # a record written without a layout
+    load(state, [key(0)], "layout-of-the-second-load")
+    assert state.take_layouts([key(0)]) == [""]
+    assert state.take_layouts([key(0)]) == ["layout-of-the-second-load"]
+
+
+def test_the_bound_counts_every_load_kept(state: AdapterState) -> None:
+    for _ in range(BOUND + 1):
+        load(state, [key(0)], "same-key")
+    load(state, [key(1)], "newest")
+    # The oldest key's loads go first: nine of one key overflow a bound of eight.
+    assert state.take_layouts([key(0)]) == [""]
+    assert state.take_layouts([key(1)]) == ["newest"]
+    assert state.counters.snapshot()["loaded_layouts_dropped"] == BOUND + 1

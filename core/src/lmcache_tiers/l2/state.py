@@ -6,10 +6,9 @@ It holds no threads; the runner and the adapter own those.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -106,7 +105,11 @@ class AdapterState:
         #: read)]: loads of one key may overlap, and one ending must not drop what the other
         #: reads; then layouts of keys loaded, until the prefetch that loaded them takes them
         self._loading: dict[ObjectKey, list[Any]] = {}
-        self._loaded_layouts: dict[ObjectKey, str] = {}
+        #: layouts of keys loaded, one entry per load ("" for a record without one), the
+        #: oldest first: two loads of one key may end before either prefetch collects, and
+        #: each must find its own (one entry shared would leave the second taker none)
+        self._loaded_layouts: dict[ObjectKey, deque[str]] = {}
+        self._loaded_layouts_kept = 0  # entries over all keys, what the bound counts
 
     def count(self, name: str, amount: int = 1) -> None:
         self.counters.add(name, amount)
@@ -205,9 +208,8 @@ class AdapterState:
             if checked is not None:
                 layouts = dict(checked)
             for key in loaded:
-                if layouts.get(key):
-                    kept.pop(key, None)  # a newer load of the key: the newest entry
-                    kept[key] = layouts[key]
+                kept.setdefault(key, deque()).append(layouts.get(key, ""))
+            self._loaded_layouts_kept += len(loaded)
             dropped = self._drop_oldest_layouts()
         if dropped:
             self.count("loaded_layouts_dropped", dropped)
@@ -227,19 +229,39 @@ class AdapterState:
         load completed, and collects their layouts then -- dropped, its objects would reach
         L1 with no layout and a front end's layout check would go by size alone."""
         kept = self._loaded_layouts
-        excess = len(kept) - _LOADED_LAYOUTS_MAX
-        if excess <= 0:
+        dropped = 0
+        if self._loaded_layouts_kept <= _LOADED_LAYOUTS_MAX:
             return 0
-        unpinned = (key for key in kept if not self.pins.pinned([key])[0])  # oldest first
-        victims = list(itertools.islice(unpinned, excess))
+        # Listed before any is dropped (a dict cannot shrink while iterated); a key keeps
+        # the place of its oldest load, so the oldest go first.
+        victims: list[ObjectKey] = []
+        excess = self._loaded_layouts_kept - _LOADED_LAYOUTS_MAX
+        for key in kept:
+            if dropped >= excess:
+                break
+            if not self.pins.pinned([key])[0]:
+                victims.append(key)
+                dropped += len(kept[key])
         for key in victims:
-            del kept[key]
-        return len(victims)
+            self._loaded_layouts_kept -= len(kept.pop(key))
+        return dropped
 
     def take_layouts(self, keys: Sequence[ObjectKey]) -> list[str]:
+        """The layout each of ``keys`` was loaded with, one load's each, the oldest load's
+        first ("" when none is kept): each load's entry is handed over once."""
         with self._lock:
-            kept = self._loaded_layouts
-            return [kept.pop(key, "") for key in keys] if kept else [""] * len(keys)
+            return [self._take_layout(key) for key in keys]
+
+    def _take_layout(self, key: ObjectKey) -> str:
+        """The oldest kept load's layout of ``key``, handed over (under ``_lock``)."""
+        entries = self._loaded_layouts.get(key)
+        if not entries:
+            return ""
+        layout = entries.popleft()
+        self._loaded_layouts_kept -= 1
+        if not entries:
+            del self._loaded_layouts[key]
+        return layout
 
     # -- records of another serde chain -----------------------------------------------------------
 
