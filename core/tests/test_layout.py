@@ -83,3 +83,53 @@ def test_a_reader_names_the_layout_of_its_buffer(buffer: object) -> None:
 def test_a_uint8_reader_reads_plain_bytes(buffer: object) -> None:
     assert layout_of(buffer) == "uint8[2,8]"  # what it is stored as
     assert reader_layout_of(buffer) == ""  # what it reads: any object's bytes
+
+
+def _reader_layout_as_before(buffer: object) -> str:
+    """The rule ``reader_layout_of`` replaced: the stored layout, "" for a uint8 one."""
+    text = layout_of(buffer)
+    return "" if text.startswith("uint8[") else text
+
+
+class _ArraySubclass(np.ndarray):  # type: ignore[type-arg]
+    pass
+
+
+_TORCH_DTYPES = [
+    getattr(torch, name)
+    for name in (
+        "uint8", "int8", "bool", "bfloat16", "float16", "float32", "float64", "int16", "int32", "int64",
+        "complex64", "uint16", "uint32", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e8m0fnu",
+    )
+    if hasattr(torch, name)
+]  # fmt: skip
+_NUMPY_DTYPES = [
+    np.uint8, np.int8, np.bool_, np.float16, np.float32, np.float64, np.int64, np.uint16, np.complex64,
+    ">u2", ">u1", "S4", "V4",
+    # structured and sub-array dtypes
+    np.dtype([("a", "u1")]), np.dtype(("u1", (4,))), np.dtype([("a", "<f2"), ("b", "u1")]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "buffer",
+    [torch.zeros((2, 4), dtype=dtype) for dtype in _TORCH_DTYPES]
+    + [torch.zeros((4, 2), dtype=dtype).t() for dtype in _TORCH_DTYPES]  # non-contiguous
+    + [np.zeros((2, 4), dtype=dtype) for dtype in _NUMPY_DTYPES]
+    + [
+        np.zeros((4, 4), dtype=np.uint8)[:, ::2],  # non-contiguous
+        np.zeros((4, 4), dtype=np.float16).T,
+        np.zeros((1,) * 40, dtype=np.uint8),  # more dimensions than a layout may name
+        np.zeros((1,) * 40, dtype=np.float16),
+        torch.zeros((1,) * 40, dtype=torch.uint8),
+        np.zeros(8, dtype=np.uint8).view(_ArraySubclass),
+        np.zeros(8, dtype=np.float32).view(_ArraySubclass),
+        torch.nn.Parameter(torch.zeros(4)),
+        b"ab",
+    ],
+)
+def test_a_reader_asks_for_what_it_asked_for_before(buffer: object) -> None:
+    """Differential: every dtype (fp8, bf16, bool, structured and sub-array numpy dtypes,
+    non-native byte order), non-contiguous views and subclasses name the layout they named
+    when every buffer's layout was built first and uint8 ones dropped."""
+    assert reader_layout_of(buffer) == _reader_layout_as_before(buffer)
