@@ -10,6 +10,7 @@ from collections.abc import Callable
 from engine_support import GatedStorePolicy, keys_of, mock, payload
 
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1 import L1Object
 from lmcache_tiers.storage import StorageManager
 
 SIZE = 4096
@@ -44,16 +45,21 @@ def spy_on_wake(storage: StorageManager) -> list[bool]:
     return held
 
 
+def written(storage: StorageManager, keys: list[ObjectKey]) -> dict[ObjectKey, L1Object]:
+    """``keys`` reserved and their bytes copied in, not committed yet."""
+    reserved = storage.reserve_write(keys, [SIZE] * len(keys))
+    for key, obj in reserved.items():
+        storage.view(obj)[:] = payload(key, SIZE)
+    return reserved
+
+
 def test_commit_reserved_wakes_the_store_controller_outside_the_l1_lock(
     engine: Callable[..., StorageManager],
 ) -> None:
     storage = engine([mock()])
     held = spy_on_wake(storage)
     keys = keys_of(1, 4)
-    reserved = storage.reserve_write(keys, [SIZE] * len(keys))
-    for key, obj in reserved.items():
-        storage.view(obj)[:] = payload(key, SIZE)
-    assert storage.commit_reserved(reserved) == keys
+    assert storage.commit_reserved(written(storage, keys)) == keys
     assert held == [False]
     assert storage.flush(10)
     assert storage.status()["failures"] == {}
@@ -65,9 +71,7 @@ def test_commit_write_wakes_the_store_controller_outside_the_l1_lock(
     storage = engine([mock()])
     held = spy_on_wake(storage)
     keys = keys_of(2, 4)
-    reserved = storage.reserve_write(keys, [SIZE] * len(keys))
-    for key, obj in reserved.items():
-        storage.view(obj)[:] = payload(key, SIZE)
+    written(storage, keys)
     assert storage.commit_write(keys) == [True] * len(keys)
     assert held == [False]
     assert storage.flush(10)
@@ -82,11 +86,7 @@ def test_an_l1_only_commit_does_not_wake_the_store_controller(engine: Callable[.
 
 
 def commit(storage: StorageManager, prompt: int) -> list[ObjectKey]:
-    keys = keys_of(prompt, 2)
-    reserved = storage.reserve_write(keys, [SIZE] * len(keys))
-    for key, obj in reserved.items():
-        storage.view(obj)[:] = payload(key, SIZE)
-    return storage.commit_reserved(reserved)
+    return storage.commit_reserved(written(storage, keys_of(prompt, 2)))
 
 
 def test_a_commit_behind_a_queued_batch_does_not_wake_the_store_controller_again(

@@ -137,19 +137,13 @@ class StoreController(ControllerThread):
 
     # -- called from other threads -----------------------------------------------------
 
-    def submit(self, keys: Sequence[ObjectKey]) -> None:
-        """Queue freshly committed keys (prefix order) for L2 and wake the thread.
+    def queue(self, keys: Sequence[ObjectKey]) -> bool:
+        """Queue freshly committed keys (prefix order) for L2; True if the thread is to be
+        woken for them, and the caller then calls :meth:`wake` -- once it has let go of
+        the L1 lock, which the woken thread takes at once to start the stores.
 
         The caller holds the L1 lock around their commit and this call, so eviction never
         sees a committed object before it is flagged unstored.
-        """
-        if self.queue(keys):
-            self.wake()
-
-    def queue(self, keys: Sequence[ObjectKey]) -> bool:
-        """``submit`` without the wake-up: True if the thread is to be woken for the keys
-        queued, and the caller then calls :meth:`wake` -- best once it has let go of the
-        L1 lock, which the woken thread takes at once to start the stores.
 
         False when a batch was queued already: whoever queued it wakes the thread (or
         did), and a step empties the whole queue, so a second wake-up (a system call,
