@@ -447,24 +447,19 @@ class PrefetchController(ControllerThread):
     def _reap_loads(self, slot: AdapterSlot) -> None:
         for load, results in self._loads.reap(slot):
             try:
-                self._load_done(slot, load.request, load.keys, load.commit(results))
+                self._load_done(slot, load, results)
             except Exception:
                 self._abandon(load.request, "prefetch_internal_error")
 
-    def _load_done(
-        self, slot: AdapterSlot, request: PrefetchRequest, keys: list[ObjectKey], results: list[bool]
-    ) -> None:
+    def _load_done(self, slot: AdapterSlot, load: PrefetchLoad, reported: list[bool]) -> None:
         # Phase 2: the bytes are in L1 (or never will be).
-        loaded = [key for key, ok in zip(keys, results, strict=False) if ok]
+        request, keys = load.request, load.keys
+        # As their records give them: L1 objects filled from L2 keep the layout their
+        # writer declared, so a front end's layout check still applies to them.
+        layouts = self._take_layouts(slot, keys, reported)
+        loaded = [key for key, ok in zip(keys, load.commit(reported), strict=False) if ok]
         request.loaded.update(loaded)
-        if loaded:
-            # As their records give them: L1 objects filled from L2 keep the layout their
-            # writer declared, so a front end's layout check still applies to them.  Taken
-            # while the keys are still pinned: the adapter drops the kept layouts of
-            # unpinned keys first when its table is full, and one dropped here would leave
-            # the object with no layout (a layout check going by size alone).
-            layouts = zip(loaded, slot.adapter.take_layouts(loaded), strict=True)
-            request.layouts.update((key, layout) for key, layout in layouts if layout)
+        request.layouts.update((key, layouts[key]) for key in loaded if layouts.get(key))
         self._locks.unpin(request, slot.index, keys)  # the pins have done their job
         self.stats.add_adapter(slot.index, "keys_loaded", len(loaded))
         if len(loaded) < len(keys):
@@ -472,6 +467,19 @@ class PrefetchController(ControllerThread):
         del request.loads[slot.index]
         if not request.loads:
             self._hand_off(request)
+
+    @staticmethod
+    def _take_layouts(slot: AdapterSlot, keys: list[ObjectKey], reported: list[bool]) -> dict[ObjectKey, str]:
+        """The layouts the adapter keeps for each key of a load it reported loaded, all of
+        them taken whatever becomes of the objects: one per load, the oldest handed first,
+        an entry left behind would be the next load's of the key.  Taken while the keys
+        are still pinned: past its bound the adapter drops those of unpinned keys, and a
+        loaded object whose layout was dropped would have none (a layout check by size
+        alone)."""
+        done = [key for key, ok in zip(keys, reported, strict=False) if ok]
+        if not done:
+            return {}
+        return dict(zip(done, slot.adapter.take_layouts(done), strict=True))
 
     def _count_failed_loads(self, slot: AdapterSlot, failed: int) -> None:
         # The adapter may log its own cause (a backend error, a corrupt record), or report
@@ -558,6 +566,7 @@ class PrefetchController(ControllerThread):
         # The adapter is done with the buffers: the objects can be freed, the pins dropped.
         self._locks.unpin_slot(slot, load.keys)
         self.l1.abort_load(load.objects)
+        self._take_layouts(slot, load.keys, results)  # nobody else would; last, if it raises
 
     # -- shutdown ------------------------------------------------------------------------
 
