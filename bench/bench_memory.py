@@ -12,7 +12,7 @@ per key); the arena, an mmap, is not Python heap and is not counted.
 * ``l1``: an ``L1Manager`` holding N READY objects (object table and its indexes, the
   extent allocator, leases), written in batches of 256 as a STORE does;
 * ``policy-<name>``: each shipped eviction policy told about the same writes;
-* ``churned-<name>``: the same policy after 2N more keys were written through it with
+* ``churned-<name>``: the same policy after 4N more keys were written through it with
   N held (each batch evicting as many of its victims): per live object, the key objects
   of its ghosts or history included -- the steady state once eviction runs;
 * ``l2-accounting``: an adapter's ``ByteAccounting`` holding N stored sizes (what the fs
@@ -52,6 +52,9 @@ from lmcache_tiers.wire.decoding import KeyCache
 
 OBJECT_BYTES = 4096
 BATCH = 256
+#: turnovers of the held keys a churned policy sees: enough to fill the history
+#: ``prefix_lfu`` keeps by default (4 evicted keys per live one) and the others' ghosts
+CHURN_TURNOVERS = 4
 
 
 def make_keys(count: int) -> list[ObjectKey]:
@@ -92,12 +95,13 @@ def fill_policy(factory: Callable[[], Any], keys: list[ObjectKey]) -> Any:
 
 
 def churn_policy(factory: Callable[[], Any], keys: list[ObjectKey]) -> Any:
-    """``factory``'s policy holding ``keys`` after twice as many other keys went through it,
-    made here so that those only its ghosts or history keep are counted."""
+    """``factory``'s policy holding as many keys as ``keys`` after ``CHURN_TURNOVERS`` times
+    as many other keys went through it (each batch evicting as many victims), the keys made
+    here so that those only its ghosts or history keep are counted."""
     policy = fill_policy(factory, keys)
     if isinstance(policy, NoopEvictionPolicy):
         return policy  # it never offers a victim: nothing leaves
-    for start in range(len(keys), 3 * len(keys), BATCH):
+    for start in range(len(keys), (CHURN_TURNOVERS + 1) * len(keys), BATCH):
         batch = make_keys_from(start + len(keys), BATCH)
         victims = list(itertools.islice(policy.victims(), BATCH))
         policy.on_keys_removed(victims)
