@@ -104,6 +104,11 @@ def test_out_of_range_fields_are_refused(document: list[object]) -> None:
         (msgspec.msgpack.encode([True, 3]), (3, p.ErrorCode.MALFORMED)),
         (msgspec.msgpack.encode([[p.Op.PING], 3, ""]), (3, p.ErrorCode.MALFORMED)),
         (msgspec.msgpack.encode([p.Op.PING, "x" * 40, ""]), (0, p.ErrorCode.MALFORMED)),
+        # An op tag or request id that is a malformed timestamp (an ext of type -1 whose
+        # length is not 4, 8 or 12): answered MALFORMED, never raised out of the diagnosis,
+        # which runs on the loop thread serving every client.
+        (bytes([0x93, 0xC7, 0x00, 0xFF, 0x03, 0xA0]), (3, p.ErrorCode.MALFORMED)),
+        (bytes([0x93, 0x01, 0xD5, 0xFF, 0x00, 0x00, 0xA0]), (0, p.ErrorCode.MALFORMED)),
         (msgspec.msgpack.encode([p.Op.LOOKUP, 4, "", [b"k"] * 20]), (4, p.ErrorCode.MALFORMED)),
         (msgspec.msgpack.encode([p.Op.LOOKUP, 5, "", [b"k"] * 9000]), (5, p.ErrorCode.TOO_LARGE)),
         (msgspec.msgpack.encode([p.Op.LOOKUP, 6, "", [b"k"] * 70000]), (6, p.ErrorCode.TOO_LARGE)),

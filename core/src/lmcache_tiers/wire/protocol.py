@@ -450,10 +450,15 @@ _SCALAR_BYTES = 9
 
 
 def _small_scalar(field: msgspec.Raw) -> Any:
-    """The value of an encoded field short enough to be an integer (None otherwise)."""
+    """The value of an encoded field short enough to be an integer (None otherwise, or
+    when it does not decode: a short ext of type -1 is a malformed timestamp, and the
+    diagnosis must answer MALFORMED, not raise on the loop thread)."""
     if len(field) > _SCALAR_BYTES:
         return None
-    return _untyped_decoder.decode(field)
+    try:
+        return _untyped_decoder.decode(field)
+    except (msgspec.DecodeError, ValueError):
+        return None
 
 
 def _array_length(field: msgspec.Raw) -> int:
