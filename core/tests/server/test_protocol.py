@@ -135,6 +135,20 @@ def test_diagnosing_a_header_of_too_many_keys_builds_nothing_per_key() -> None:
     assert peak < 64 << 10
 
 
+def test_diagnosing_a_header_of_many_fields_builds_nothing_per_field() -> None:
+    # A header may be a top-level array of a million one-byte fields: only the fields that
+    # can tell the id and a key count are looked at, the rest skipped unread.
+    header = msgspec.msgpack.encode([p.Op.LOOKUP, 9, "", [b"k"] * 9000] + [0] * 1_000_000)
+    assert len(header) < p.MAX_HEADER_BYTES
+    tracemalloc.start()
+    try:
+        assert p.diagnose_undecodable(header) == (9, p.ErrorCode.TOO_LARGE)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 10
+
+
 class _OldSlot(msgspec.Struct, array_like=True, gc=False):
     offset: int
     size: int

@@ -424,27 +424,39 @@ def diagnose_undecodable(header: bytes) -> tuple[int, ErrorCode]:
     and whether the op is unknown, a list in it is over :data:`MAX_KEYS_PER_REQUEST`, or
     the message is merely malformed.
 
-    Only the request's first two fields are decoded: the rest are spans of the header,
-    so a 4 MiB header of a hundred thousand keys costs the loop thread a scan, not the
-    objects an untyped decoding would build for every key."""
+    Only the request's first two fields are decoded: the next four (where every request
+    has its lists) are spans of the header and the rest are skipped unread, so a 4 MiB
+    header of a hundred thousand keys, or of a million fields, costs the loop thread a
+    scan, not the objects an untyped decoding would build for each."""
     try:
-        fields = _fields_decoder.decode(header)
+        head = _head_decoder.decode(header)
     except (msgspec.DecodeError, ValueError, RecursionError):
-        return 0, ErrorCode.MALFORMED
-    if len(fields) < 2:
-        return 0, ErrorCode.MALFORMED
-    op, req_id = (_small_scalar(field) for field in fields[:2])
+        return 0, ErrorCode.MALFORMED  # not an array, or of fewer than two fields
+    op, req_id = _small_scalar(head.op), _small_scalar(head.req_id)
     valid_id = isinstance(req_id, int) and not isinstance(req_id, bool) and 0 <= req_id < 1 << 63
     answer_id = req_id if valid_id else 0
     if isinstance(op, int) and not isinstance(op, bool) and op not in _KNOWN_OPS:
         return answer_id, ErrorCode.UNKNOWN_OP
-    if any(_array_length(field) > MAX_KEYS_PER_REQUEST for field in fields[2:]):
+    lists = (head.field_2, head.field_3, head.field_4, head.field_5)
+    if any(_array_length(field) > MAX_KEYS_PER_REQUEST for field in lists):
         return answer_id, ErrorCode.TOO_LARGE
     return answer_id, ErrorCode.MALFORMED
 
 
-#: a request's top-level fields, each left encoded
-_fields_decoder: msgspec.msgpack.Decoder[list[msgspec.Raw]] = msgspec.msgpack.Decoder(list[msgspec.Raw])
+class _Head(msgspec.Struct, array_like=True, gc=False):
+    """A request's first fields, each left encoded: the op tag, the request id, and the
+    four after them, which hold every request's key, size and layout lists.  Fields past
+    those are skipped without being built (an array-like struct ignores trailing items)."""
+
+    op: msgspec.Raw
+    req_id: msgspec.Raw
+    field_2: msgspec.Raw = msgspec.Raw(b"")
+    field_3: msgspec.Raw = msgspec.Raw(b"")
+    field_4: msgspec.Raw = msgspec.Raw(b"")
+    field_5: msgspec.Raw = msgspec.Raw(b"")
+
+
+_head_decoder: msgspec.msgpack.Decoder[_Head] = msgspec.msgpack.Decoder(_Head)
 #: longest encoding of an op tag or a request id (a 64-bit integer)
 _SCALAR_BYTES = 9
 
