@@ -1,7 +1,9 @@
-"""A prefetch collects the layouts of the keys it loaded while it still pins them: the
-side table keeping layouts of loaded keys drops the oldest entries of unpinned keys past
-its bound, and an entry dropped before its prefetch collects it leaves the loaded object
-with no layout (a front end's layout check then goes by size alone: it fails open)."""
+"""A prefetch gives each object it fills the layout of the record its own load copied: the
+layout travels with that load's result, never through a table shared by the loads of a key.
+Shared, a load nobody collects (a benchmark calling ``submit_load``, a given-up prefetch's)
+or two loads collected in the other order hand one load's layout to another's object: with
+engines of two dtypes sharing keys, a reader would be handed fp16 bytes labelled bf16, and
+the front end's layout check (``retrieve_layout_mismatch``) would pass them."""
 
 from __future__ import annotations
 
@@ -10,26 +12,19 @@ import time
 
 from engine_support import GatedConfig, gated_backend, keys_of, payload
 
-import lmcache_tiers.l2.state as state_module
 from lmcache_tiers.config import AdapterSpec
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.layout import TensorLayout
 from lmcache_tiers.storage import StorageManager
 
 SHAPE = (2, 4, 16, 64)
-SIZE = 2 * 4 * 16 * 64 * 2  # float16
-BOUND = 4
+SIZE = 2 * 4 * 16 * 64 * 2  # float16 and bfloat16 alike
+HALF = TensorLayout("float16", SHAPE).format()
+BRAIN = TensorLayout("bfloat16", SHAPE).format()
 
 
-def flood_of_uncollected_loads(storage: StorageManager) -> None:
-    """Loads no prefetch collects (a benchmark's, say) end: past the bound, the oldest
-    layouts of unpinned keys are dropped."""
-    state = storage.adapters[0].state  # type: ignore[attr-defined]
-    for number in range(4 * BOUND):
-        other = ObjectKey("other", 0, number.to_bytes(8, "big"))
-        state.loading_begin([other])
-        state.note_layout(other, "other")
-        state.loading_end([other], [other])
+def records() -> AdapterSpec:
+    return AdapterSpec(type="records", config=GatedConfig())
 
 
 def in_l2_only_with_layout(storage: StorageManager, keys: list[ObjectKey], layout: str) -> None:
@@ -41,35 +36,35 @@ def in_l2_only_with_layout(storage: StorageManager, keys: list[ObjectKey], layou
     storage.clear()
 
 
-def test_layouts_are_collected_before_the_keys_are_unpinned(engine, monkeypatch) -> None:
-    monkeypatch.setattr(state_module, "_LOADED_LAYOUTS_MAX", BOUND)
-    storage = engine([AdapterSpec(type="records", config=GatedConfig())])
-    half = TensorLayout("float16", SHAPE).format()
+def wait_loads_ok(storage: StorageManager, count: int) -> None:
+    """Until the adapter counted ``count`` keys loaded (a load no controller owns, whose
+    result nobody waits for)."""
+    deadline = time.monotonic() + 10
+    while storage.adapters[0].stats().get("load_keys_ok", 0) < count:
+        assert time.monotonic() < deadline, "the load never completed"
+        time.sleep(0.01)
+
+
+def test_a_prefetch_gets_its_own_loads_layout_not_an_uncollected_earlier_ones(engine) -> None:
+    storage = engine([records()])
     keys = keys_of(1, 2)
-    in_l2_only_with_layout(storage, keys, half)
-
-    # Other loads end right after the prefetch lets go of its pins (on another thread in
-    # production; here at the exact point, so the order is certain).
+    in_l2_only_with_layout(storage, keys, BRAIN)
+    # A load no prefetch is behind (a benchmark's) reads the bf16 records ...
     adapter = storage.adapters[0]
-    unlock = adapter.unlock
-
-    def unlock_then_other_loads_end(unpinned):  # type: ignore[no-untyped-def]
-        unlock(unpinned)
-        flood_of_uncollected_loads(storage)
-
-    monkeypatch.setattr(adapter, "unlock", unlock_then_other_loads_end)
+    adapter.submit_load(keys, [memoryview(bytearray(SIZE)) for _ in keys])
+    wait_loads_ok(storage, len(keys))
+    # ... then an engine of another dtype rewrites the keys, and a prefetch loads those.
+    in_l2_only_with_layout(storage, keys, HALF)
     assert storage.wait_prefetch(storage.submit_prefetch(keys), 10) == len(keys)
     loaded = storage.read(keys)
-    assert [obj.layout for obj in loaded] == [half] * len(keys)
+    assert [obj.layout for obj in loaded] == [HALF] * len(keys), "the bytes are fp16"
     storage.release(keys)
 
 
-def test_a_given_up_prefetchs_load_leaves_no_layout_behind(engine, monkeypatch) -> None:
-    # Kept, a layout nobody collects would be the first handed to the next load of the key
-    # (one entry per load, the oldest first): that load's object would get this one's.
-    storage = engine([AdapterSpec(type="records", config=GatedConfig())], l1_lock_ttl_s=0.5)
+def test_a_given_up_prefetchs_load_leaves_nothing_for_the_next_prefetch(engine, monkeypatch) -> None:
+    storage = engine([records()], l1_lock_ttl_s=0.5)
     keys = keys_of(2, 2)
-    in_l2_only_with_layout(storage, keys, TensorLayout("float16", SHAPE).format())
+    in_l2_only_with_layout(storage, keys, BRAIN)
     # The records backend does not park loads itself: its load waits at a gate here.
     backend = gated_backend(storage)
     load_records = backend.get_many_into
@@ -90,4 +85,7 @@ def test_a_given_up_prefetchs_load_leaves_no_layout_behind(engine, monkeypatch) 
         assert time.monotonic() < deadline, "the given-up load never settled"
         time.sleep(0.01)
     assert storage.status()["failures"]["prefetch_timed_out"] == 1
-    assert storage.adapters[0].take_layouts(keys) == ["", ""]
+    in_l2_only_with_layout(storage, keys, HALF)
+    assert storage.wait_prefetch(storage.submit_prefetch(keys), 10) == len(keys)
+    assert [obj.layout for obj in storage.read(keys)] == [HALF] * len(keys)
+    storage.release(keys, 2)

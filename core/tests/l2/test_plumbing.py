@@ -14,7 +14,7 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.accounting import ByteAccounting, ObjectSize
 from lmcache_tiers.l2.buffers import GIL_FREE_COPY_BYTES, copy_into
 from lmcache_tiers.l2.context import AdapterContext, buffer_address
-from lmcache_tiers.l2.interface import L2Op, LookupResult
+from lmcache_tiers.l2.interface import L2Op, LookupResult, layouts_of
 from lmcache_tiers.l2.ops import LoadOp
 from lmcache_tiers.l2.pins import PinTable
 from lmcache_tiers.l2.state import AdapterState
@@ -79,17 +79,6 @@ def test_pins_count_and_block_deletes() -> None:
     pins.end_delete([B])
     assert pins.pin([B]) == [True]
     assert pins.snapshot() == {A: 1, B: 1}
-
-
-def test_overlapping_loads_of_one_key_keep_the_layout_their_record_gave() -> None:
-    state = AdapterState(AdapterContext(index=0, name="0:t", config=L2AdapterConfig()))
-    state.loading_begin([A])
-    state.note_layout(A, "bf16[4]")  # the first load read its record
-    state.loading_begin([A])  # a second load of the key starts
-    state.loading_end([A], [A])  # the first one ends
-    state.note_layout(A, "bf16[4]")  # the second one reads its record
-    state.loading_end([A], [A])
-    assert state.take_layouts([A]) == ["bf16[4]"]
 
 
 def test_overlapping_stores_of_one_key_keep_each_ones_size_and_layout() -> None:
@@ -202,6 +191,7 @@ def test_a_loaded_object_gets_the_layout_its_chain_checked_not_a_later_reads() -
     assert io_keys == [A]
     buffers[0][:] = b"x" * 8  # the backend reads the record's payload ...
     state.note_layout(A, "bfloat16[4]")  # ... and its header, stating this layout
-    assert op.finish([True]) == [True]
+    result = op.finish([True])
+    assert result == [True]
     assert serde.seen == ["bfloat16[4]"]
-    assert state.take_layouts([A]) == ["bfloat16[4]"]
+    assert layouts_of(result) == ["bfloat16[4]"]

@@ -48,7 +48,7 @@ from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.errors import plugin_code
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager
-from lmcache_tiers.l2.interface import L2Op, LookupResult
+from lmcache_tiers.l2.interface import L2Op, LookupResult, layouts_of
 from lmcache_tiers.policies import PrefetchPolicy
 
 __all__ = ["PrefetchController", "unique_prefix"]
@@ -456,7 +456,9 @@ class PrefetchController(ControllerThread):
         request, keys = load.request, load.keys
         # As their records give them: L1 objects filled from L2 keep the layout their
         # writer declared, so a front end's layout check still applies to them.
-        layouts = self._take_layouts(slot, keys, reported)
+        # This load's own, carried by its result: another load of a key may have read a
+        # record of another layout (an engine of another dtype sharing the keys).
+        layouts = dict(zip(keys, layouts_of(reported), strict=False))
         loaded = [key for key, ok in zip(keys, load.commit(reported), strict=False) if ok]
         request.loaded.update(loaded)
         request.layouts.update((key, layouts[key]) for key in loaded if layouts.get(key))
@@ -467,19 +469,6 @@ class PrefetchController(ControllerThread):
         del request.loads[slot.index]
         if not request.loads:
             self._hand_off(request)
-
-    @staticmethod
-    def _take_layouts(slot: AdapterSlot, keys: list[ObjectKey], reported: list[bool]) -> dict[ObjectKey, str]:
-        """The layouts the adapter keeps for each key of a load it reported loaded, all of
-        them taken whatever becomes of the objects: one per load, the oldest handed first,
-        an entry left behind would be the next load's of the key.  Taken while the keys
-        are still pinned: past its bound the adapter drops those of unpinned keys, and a
-        loaded object whose layout was dropped would have none (a layout check by size
-        alone)."""
-        done = [key for key, ok in zip(keys, reported, strict=False) if ok]
-        if not done:
-            return {}
-        return dict(zip(done, slot.adapter.take_layouts(done), strict=True))
 
     def _count_failed_loads(self, slot: AdapterSlot, failed: int) -> None:
         # The adapter may log its own cause (a backend error, a corrupt record), or report
@@ -566,7 +555,6 @@ class PrefetchController(ControllerThread):
         # The adapter is done with the buffers: the objects can be freed, the pins dropped.
         self._locks.unpin_slot(slot, load.keys)
         self.l1.abort_load(load.objects)
-        self._take_layouts(slot, load.keys, results)  # nobody else would; last, if it raises
 
     # -- shutdown ------------------------------------------------------------------------
 

@@ -220,9 +220,6 @@ class BackendAdapter(L2Adapter):
     def pop_completed_loads(self) -> dict[int, list[bool]]:
         return self.state.board.pop(L2Op.LOAD)
 
-    def take_layouts(self, keys: Sequence[ObjectKey]) -> list[str]:
-        return self.state.take_layouts(keys)
-
     def unlock(self, keys: Sequence[ObjectKey]) -> None:
         self.state.pins.unpin(keys)
 

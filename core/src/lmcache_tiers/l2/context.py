@@ -249,7 +249,7 @@ class BackendContext:
             self._state.mark_unreadable(key, written)
             return None
         self._check_l1_size(key, header)
-        # A load of the key hands the layout to the L1 object it fills (take_layouts).
+        # The loads of the key in their backend call carry it in their results (LoadResult).
         self._state.note_layout(key, header.layout)
         return header
 

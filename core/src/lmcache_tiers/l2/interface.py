@@ -37,6 +37,27 @@ class LookupResult(NamedTuple):
     sizes: list[int]
 
 
+class LoadResult(list[bool]):
+    """Result of one ``submit_load`` task: success per key (a list of bools, as before),
+    and ``layouts``: the tensor layout each loaded key's record stated (``""``: none, or
+    the key not loaded).  Each load carries its own, so the L1 object it fills gets the
+    layout of the bytes this load copied -- not another load's of the same key."""
+
+    def __init__(self, ok: Sequence[bool], layouts: Sequence[str] | None = None) -> None:
+        super().__init__(ok)
+        self.layouts: list[str] = [""] * len(ok) if layouts is None else list(layouts)
+        if len(self.layouts) != len(ok):
+            raise ValueError(f"{len(ok)} results but {len(self.layouts)} layouts")
+
+
+def layouts_of(result: Sequence[bool]) -> list[str]:
+    """The layouts a load's result carries; all ``""`` for a plain list (a task failed
+    as a whole, or an adapter that keeps no layouts)."""
+    if isinstance(result, LoadResult):
+        return result.layouts
+    return [""] * len(result)
+
+
 class L2Listener(Protocol):
     """Observer of an adapter (e.g. the per-adapter L2 eviction policy).
 
@@ -150,7 +171,9 @@ class L2Adapter(ABC):
 
     @abstractmethod
     def pop_completed_loads(self) -> dict[int, list[bool]]:
-        """Results of finished load tasks: task id -> success per key."""
+        """Results of finished load tasks: task id -> success per key, a
+        :class:`LoadResult` when it carries the layouts its records stated
+        (:func:`layouts_of` reads them from either)."""
 
     @abstractmethod
     def unlock(self, keys: Sequence[ObjectKey]) -> None:
@@ -198,9 +221,3 @@ class L2Adapter(ABC):
     def stats(self) -> dict[str, int]:
         """Counters (monotonic) and gauges for metrics; names are adapter-defined."""
         return {}
-
-    def take_layouts(self, keys: Sequence[ObjectKey]) -> list[str]:
-        """The tensor layout each of ``keys`` was stored with, as read from its record by
-        the load that just completed (``""``: unknown), handed over once: the prefetch
-        that loaded the keys gives them back to the L1 objects it fills."""
-        return [""] * len(keys)

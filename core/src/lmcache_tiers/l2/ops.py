@@ -38,7 +38,7 @@ from lmcache_tiers.errors import plugin_code
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.accounting import UNKNOWN_L1, Admission, Verdict
 from lmcache_tiers.l2.codec import SerdeBoundError, Staged
-from lmcache_tiers.l2.interface import L2Op, LookupResult
+from lmcache_tiers.l2.interface import L2Op, LoadResult, LookupResult
 from lmcache_tiers.l2.pins import Claim
 from lmcache_tiers.l2.state import AdapterState, impossible_size
 from lmcache_tiers.protocols import Capacity, ObjectSize
@@ -586,8 +586,11 @@ class LoadOp(BatchOp):
         self.pinned: list[ObjectKey] = []
         #: keys noted by ``reading_begin``, until ``finish``
         self.reading: list[ObjectKey] = []
-        #: the record layout each decoded key was checked against (see ``_decode``)
-        self.decoded_layouts: dict[ObjectKey, str] = {}
+        #: layouts read from each key's records while this load was in its backend call
+        #: (``AdapterState.note_layout``), until ``finish``
+        self.noted: dict[ObjectKey, set[str]] = {}
+        #: whether the keys are registered for noting (``loading_begin``), until ``finish``
+        self.noting = False
 
     def prepare(self) -> tuple[list[ObjectKey], list[memoryview]]:
         state = self.state
@@ -638,7 +641,8 @@ class LoadOp(BatchOp):
             self.targets.append(target)
             self.staged.append(staged)
         io_keys = self.io_keys()
-        state.loading_begin(io_keys)  # the records' layouts are noted as they are read
+        state.loading_begin(io_keys, self.noted)  # the records' layouts, as they are read
+        self.noting = True
         state.reading_begin(io_keys)  # a record judged unreadable is not marked if replaced
         self.reading = io_keys
         return io_keys, self.targets
@@ -669,35 +673,67 @@ class LoadOp(BatchOp):
             )
             return None
 
-    def finish(self, io_result: Sequence[Any] | None, *, call_returned: bool = True) -> list[bool]:
+    def finish(self, io_result: Sequence[Any] | None, *, call_returned: bool = True) -> LoadResult:
         state = self.state
         ok = [False] * len(self.keys)
+        layouts = [""] * len(self.keys)
         loaded: list[ObjectKey] = []
         try:
+            # First: what is read of the keys' records from now on (a lookup, another
+            # load) is not what this load copied.
+            self._end_noting()
             for position, index in enumerate(self.io_index):
                 if io_result is None or not io_result[position]:
                     continue
-                if not state.chain.identity and not self._decode(position, index):
+                layout = self._layout(index)
+                if layout is None:
+                    continue
+                if not state.chain.identity and not self._decode(position, index, layout):
                     continue
                 ok[index] = True
+                layouts[index] = layout
                 loaded.append(self.keys[index])
         finally:
             _release(self.staged, call_returned)
             state.pins.unpin(self.pinned)
-            state.loading_end(self.io_keys(), loaded, None if state.chain.identity else self.decoded_layouts)
+            self._end_noting()
             reading, self.reading = self.reading, []  # once, if finish runs twice
             state.reading_end(reading)
         state.count("load_keys_ok", len(loaded))
         state.count("load_keys_failed", len(self.keys) - len(loaded))
         state.notify("on_l2_keys_loaded", loaded)
         log.debug("%s: loaded %d/%d keys", state.name, len(loaded), len(self.keys))
-        return ok
+        return LoadResult(ok, layouts)
 
-    def _decode(self, position: int, index: int) -> bool:
+    def _end_noting(self) -> None:
+        if self.noting:
+            self.noting = False
+            self.state.loading_end(self.io_keys(), self.noted)
+
+    def _layout(self, index: int) -> str | None:
+        """The layout the record this load copied of ``keys[index]`` states ("" when none
+        was read), or None when two were read while the load ran: an overlapping read of
+        a record another store replaced meanwhile, so which one the bytes are of is
+        unknown -- a miss (counted, logged), never bytes labelled with another's layout."""
         state, key = self.state, self.keys[index]
-        # Read once: another read of the key's record (a lookup, a load) may note another
-        # layout before the load ends, and the L1 object must get the one the chain checked.
-        layout = state.loading_layout(key)
+        noted = self.noted.get(key)
+        if not noted:
+            return ""
+        if len(noted) == 1:
+            return next(iter(noted))
+        state.count("load_layout_ambiguous")
+        state.burst.warn(
+            "load_layout_ambiguous",
+            "%s: %s not loaded: records of it stating different layouts (%s) were read while it "
+            "loaded (a store replaced it meanwhile), and which one its bytes are of is unknown",
+            state.name,
+            key.file_stem(),
+            ", ".join(sorted(repr(layout) for layout in noted)),
+        )
+        return None
+
+    def _decode(self, position: int, index: int, layout: str) -> bool:
+        state, key = self.state, self.keys[index]
         try:
             with plugin_code():  # a serde's SystemExit is a miss too, never the thread's end
                 state.chain.decode_into(key, self.targets[position], self.buffers[index], layout)
@@ -713,7 +749,6 @@ class LoadOp(BatchOp):
                 "a miss until it is replaced" if marked else "a store of it replaced that record meanwhile",
             )
             return False
-        self.decoded_layouts[key] = layout
         return True
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lmcache_tiers.burst import BurstLog
@@ -35,10 +35,6 @@ OPTIONAL_CALLBACKS = frozenset({"on_l2_keys_absent", "on_l2_keys_scanned"})
 #: the largest stored size one object is taken to have at most (256 TiB): past it (or past
 #: the backend's whole byte capacity) a listed or reported size is the backend's bug
 MAX_OBJECT_BYTES = 1 << 48
-
-#: layouts of loaded keys kept for the prefetches that loaded them; past that (loads with
-#: no prefetch behind them, such as a benchmark's) the oldest no reader pins are forgotten
-_LOADED_LAYOUTS_MAX = 1 << 16
 
 
 def impossible_size(size: ObjectSize, limit: Capacity | None) -> bool:
@@ -101,15 +97,10 @@ class AdapterState:
         #: was in flight meanwhile]: a record they judge unreadable may be one such a store
         #: replaced, and the key is then not marked
         self._reading: dict[ObjectKey, list[Any]] = {}
-        #: [loads of the key in a backend call right now, layout read from its record ("" until
-        #: read)]: loads of one key may overlap, and one ending must not drop what the other
-        #: reads; then layouts of keys loaded, until the prefetch that loaded them takes them
-        self._loading: dict[ObjectKey, list[Any]] = {}
-        #: layouts of keys loaded, one entry per load ("" for a record without one), the
-        #: oldest first: two loads of one key may end before either prefetch collects, and
-        #: each must find its own (one entry shared would leave the second taker none)
-        self._loaded_layouts: dict[ObjectKey, deque[str]] = {}
-        self._loaded_layouts_kept = 0  # entries over all keys, what the bound counts
+        #: the layouts noted by each load of the key in a backend call right now, one mapping
+        #: per load (its own, key -> layouts read from the key's records): loads of one key
+        #: may overlap, and each must end with what was read while it ran, never another's
+        self._loading: dict[ObjectKey, list[dict[ObjectKey, set[str]]]] = {}
 
     def count(self, name: str, amount: int = 1) -> None:
         self.counters.add(name, amount)
@@ -165,103 +156,36 @@ class AdapterState:
 
     # -- layouts of keys loaded ----------------------------------------------------------------
 
-    def loading_begin(self, keys: Sequence[ObjectKey]) -> None:
+    def loading_begin(self, keys: Sequence[ObjectKey], noted: dict[ObjectKey, set[str]]) -> None:
+        """A load of ``keys`` is about to read their records: each layout read from a
+        record of one of them until ``loading_end`` is added to ``noted`` (the load's own)."""
         with self._lock:
-            for key in keys:
-                entry = self._loading.setdefault(key, [0, ""])
-                entry[0] += 1
+            for key in dict.fromkeys(keys):
+                self._loading.setdefault(key, []).append(noted)
 
     def note_layout(self, key: ObjectKey, layout: str) -> None:
-        """A record of ``key`` was read, with ``layout``: kept if a load of it is running."""
-        if layout:
-            with self._lock:
-                entry = self._loading.get(key)
-                if entry is not None:
-                    entry[1] = layout
-
-    def loading_layout(self, key: ObjectKey) -> str:
-        """The layout read from ``key``'s record by a load running now ("" if none)."""
+        """A record of ``key`` was read, stating ``layout`` ("" for none): noted for every
+        load of the key in its backend call now.  The backend does not say which load read
+        it, so overlapping loads each note it; one that noted two layouts cannot tell which
+        its bytes are of (``LoadOp``: a miss)."""
         with self._lock:
-            entry = self._loading.get(key)
-            return entry[1] if entry is not None else ""
+            for noted in self._loading.get(key, ()):
+                noted.setdefault(key, set()).add(layout)
 
-    def loading_end(
-        self,
-        keys: Sequence[ObjectKey],
-        loaded: Sequence[ObjectKey],
-        checked: Mapping[ObjectKey, str] | None = None,
-    ) -> None:
-        """A load of ``keys`` ended, ``loaded`` loaded: their layouts are kept for the
-        prefetch that loaded them -- ``checked``'s, when given (the layouts the serde chain
-        decoded the objects against), not whatever a later read of their records noted."""
+    def loading_end(self, keys: Sequence[ObjectKey], noted: dict[ObjectKey, set[str]]) -> None:
+        """The load that began with ``noted`` is out of its backend call: later reads of
+        the keys' records are none of its business."""
         with self._lock:
-            layouts: dict[ObjectKey, str] = {}
-            for key in keys:
-                entry = self._loading.get(key)
-                if entry is None:
+            for key in dict.fromkeys(keys):
+                loads = self._loading.get(key)
+                if loads is None:
                     continue
-                layouts[key] = entry[1]
-                entry[0] -= 1
-                if entry[0] <= 0:
+                for position, entry in enumerate(loads):
+                    if entry is noted:
+                        del loads[position]
+                        break
+                if not loads:
                     del self._loading[key]
-            kept = self._loaded_layouts
-            if checked is not None:
-                layouts = dict(checked)
-            for key in loaded:
-                kept.setdefault(key, deque()).append(layouts.get(key, ""))
-            self._loaded_layouts_kept += len(loaded)
-            dropped = self._drop_oldest_layouts()
-        if dropped:
-            self.count("loaded_layouts_dropped", dropped)
-            self.burst.warn(
-                "loaded_layouts_dropped",
-                "%s: %d layouts of loaded keys nobody collected were dropped, the oldest first "
-                "(loads with no prefetch behind them?); a prefetch collecting one later gets its "
-                "object without a layout",
-                self.name,
-                dropped,
-                count=dropped,
-            )
-
-    def _drop_oldest_layouts(self) -> int:
-        """Forget the oldest kept layouts past ``_LOADED_LAYOUTS_MAX`` (under ``_lock``);
-        how many.  Those of pinned keys stay: a prefetch holds its keys pinned until their
-        load completed, and collects their layouts then -- dropped, its objects would reach
-        L1 with no layout and a front end's layout check would go by size alone."""
-        kept = self._loaded_layouts
-        dropped = 0
-        if self._loaded_layouts_kept <= _LOADED_LAYOUTS_MAX:
-            return 0
-        # Listed before any is dropped (a dict cannot shrink while iterated); a key keeps
-        # the place of its oldest load, so the oldest go first.
-        victims: list[ObjectKey] = []
-        excess = self._loaded_layouts_kept - _LOADED_LAYOUTS_MAX
-        for key in kept:
-            if dropped >= excess:
-                break
-            if not self.pins.pinned([key])[0]:
-                victims.append(key)
-                dropped += len(kept[key])
-        for key in victims:
-            self._loaded_layouts_kept -= len(kept.pop(key))
-        return dropped
-
-    def take_layouts(self, keys: Sequence[ObjectKey]) -> list[str]:
-        """The layout each of ``keys`` was loaded with, one load's each, the oldest load's
-        first ("" when none is kept): each load's entry is handed over once."""
-        with self._lock:
-            return [self._take_layout(key) for key in keys]
-
-    def _take_layout(self, key: ObjectKey) -> str:
-        """The oldest kept load's layout of ``key``, handed over (under ``_lock``)."""
-        entries = self._loaded_layouts.get(key)
-        if not entries:
-            return ""
-        layout = entries.popleft()
-        self._loaded_layouts_kept -= 1
-        if not entries:
-            del self._loaded_layouts[key]
-        return layout
 
     # -- records of another serde chain -----------------------------------------------------------
 
