@@ -49,8 +49,8 @@ LISTING_DEADLINE_S = 10.0
 #: ``call_timeout_s``), and cycles are skipped until it ends
 DELETE_DEADLINE_S = 30.0
 #: keys removed while a listing runs that are remembered (so that it does not add them back
-#: when it ends); past that -- a listing that hangs while evictions go on -- its result is
-#: given up instead, and a fresh listing follows it
+#: when it ends); past that -- a listing that hangs while evictions go on -- they are
+#: forgotten, and those it lists are found absent when the policy offers them
 REMOVED_WHILE_LISTING_MAX = 1 << 16
 #: the event of keys the adapter's start-up scan accounted (``on_l2_keys_scanned``): told
 #: to the policy as written, unless it has them from the listing already
@@ -114,9 +114,10 @@ class L2EvictionController(ControllerThread):
         self._removed_while_listing: set[ObjectKey] = set()
         self.removed_while_listing_max = REMOVED_WHILE_LISTING_MAX
         # More keys were removed while the running listing ran than are remembered: its
-        # result may hold keys gone since, and is not used (a fresh listing follows it).
+        # result may hold keys gone since, which the policy is told and which the adapter
+        # finds absent when they are offered (``on_l2_keys_absent``).
         self._listing_outdated = False
-        self._outdated_log = BurstLog(logger, "l2_eviction_listing_discarded")
+        self._outdated_log = BurstLog(logger, "l2_eviction_listing_removals_forgotten")
         # The keys the seeding listing gave the policy, kept while the adapter's start-up
         # scan still runs: it may announce them again, and a second write would read to
         # the policy as a second use.  Dropped at the first cycle after the scan ended.
@@ -196,19 +197,23 @@ class L2EvictionController(ControllerThread):
     def _remember_removed_while_listing(self, keys: Sequence[ObjectKey]) -> None:
         """Keys removed while the listing runs (policy lock held), up to a bound: a listing
         that hangs while evictions go on would otherwise keep every key evicted meanwhile.
-        Past it the listing's result is given up (counted now, ``_seed_with`` when it
-        ends), and nothing need be kept."""
+        Past it they are forgotten (counted): the listing still seeds the policy when it
+        ends -- given up, a listing that takes long under steady eviction would never
+        seed it, and the keys stored before start-up would never be evicted -- and a key
+        it lists that is gone leaves the policy when offered, found absent by the adapter
+        (``delete_keys_absent``), not a failed delete."""
         removed = self._removed_while_listing
         removed.update(keys)
         if len(removed) > self.removed_while_listing_max:
             self._listing_outdated = True
             self._removed_while_listing = set()
-            self.stats.fail("l2_eviction_listing_discarded")
+            self.stats.fail("l2_eviction_listing_removals_forgotten")
             self._outdated_log.event(
                 1,
                 f"L2 eviction on {self.slot.name}: more than {self.removed_while_listing_max} keys "
-                "were removed while the listing of the keys stored before start-up runs; it may "
-                "list some of them, so its result will not be used: they are listed again after it ends",
+                "were removed while the listing of the keys stored before start-up runs; they are "
+                "forgotten, and those it lists are found absent when offered for eviction "
+                "(delete_keys_absent)",
             )
 
     def _tell_policy(self, method: str, keys: Sequence[ObjectKey]) -> None:
@@ -400,34 +405,16 @@ class L2EvictionController(ControllerThread):
         self._next_listing_at = time.monotonic() + retry_s
         return retry_s
 
-    def _listing_outdated_ended(self, listed: int) -> None:
-        """A listing ended after more keys were removed meanwhile than are remembered (seed
-        and policy locks held; counted when that happened): it may list some of them, which
-        the policy would then offer for good (and count as failed deletes every cycle).  Not
-        used; a fresh listing follows.  Events keep going to the policy as they come."""
-        self._listing = self._listing_outdated = False
-        retry_s = self._schedule_retry()
-        logger.info(
-            "%s: the outdated listing of the keys stored before start-up ended (%d keys), not used; "
-            "they are listed again in %.0f s",
-            self.slot.name,
-            listed,
-            retry_s,
-        )
-
     def _seed_with(self, existing: list[ObjectKey]) -> None:
         listed = set(existing)
         # Asked before the policy lock: a scan that has ended announced all it accounted
         # already (its events are queued or told), so nothing needs filtering after this.
         scanning = self._adapter_scanning()
         with self._policy_lock:
-            if self._listing_outdated:  # checked under the lock the removals take
-                self._listing_outdated_ended(len(existing))
-                return
             if self._live_unseeded:
                 # The policy heard every event since the failed listing: only keys it has
                 # not heard of join (a second write would reorder or recount a key), and
-                # none removed while the listing ran.
+                # none removed while the listing ran (as far as they are remembered).
                 known = self._written_unseeded | self._removed_while_listing
                 existing = [key for key in existing if key not in known]
                 if existing:
@@ -443,7 +430,7 @@ class L2EvictionController(ControllerThread):
                 self._early_events.clear()
             self._listed_while_scanning = listed if scanning else None
             self._seeded = True
-            self._live_unseeded = self._listing = False
+            self._live_unseeded = self._listing = self._listing_outdated = False
             self._written_unseeded = set()
             self._removed_while_listing = set()
         if self._seed_failures:
