@@ -560,3 +560,82 @@ def test_reservations_given_out_of_deadline_order_still_expire_at_their_deadline
     assert session.writes == {C: (20.0, "c"), A: (40.0, "a2")}
     table.sweep(now=25.0)
     assert session.writes == {A: (40.0, "a2")}
+
+
+def test_a_gauge_read_does_not_walk_what_clients_hold() -> None:
+    # Every /metrics and /status scrape reads the gauges from its own thread: a walk of a
+    # client's many locks and reservations there holds the GIL, stalling the serving loop.
+    table = SessionTable(lock_ttl_s=10, write_ttl_s=20)
+    session = table.get(b"heavy", now=0.0)
+    held = [ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(1000)]
+    reserved = [ObjectKey("w", 0, index.to_bytes(8, "big")) for index in range(1000)]
+    for start in range(0, 1000, 100):
+        session.add_read_locks(held[start : start + 100], _WatchedDeadline(10.0 + start / 1000))
+        session.add_writes(
+            dict.fromkeys(reserved[start : start + 100], "obj"), _WatchedDeadline(20.0 + start)
+        )
+    session.add_read_locks(held[:50], _WatchedDeadline(11.0))  # keys locked twice count once
+    assert len(session.lock_deadlines) == 1000  # indexed: the gauge reads no records either
+    session.add_read_locks(held[900:], _WatchedDeadline(11.5))  # one record left unindexed
+    _WatchedDeadline.comparisons = 0
+    assert table.gauges(now=5.0) == (1, 1000, 1000, 0)
+    assert _WatchedDeadline.comparisons == 0
+
+
+def _walked_gauges(table: SessionTable, now: float | None) -> tuple[int, int, int]:
+    """What the sessions hold by a walk of every lock and reservation: all of it (``now``
+    None), or only what is live at ``now``."""
+    clients = locked = reserved = 0
+    for session in table:
+        clients += 1
+        deadlines: dict[ObjectKey, list[float]] = {}
+        for key, held in session._locks.items():
+            deadlines.setdefault(key, []).extend(held)
+        for keys, counts in session._records:
+            for key in keys:
+                deadlines.setdefault(key, []).extend(counts)
+        locked += sum(1 for held in deadlines.values() if now is None or max(held) > now)
+        reserved += sum(1 for deadline, _obj in session.writes.values() if now is None or deadline > now)
+    return clients, locked, reserved
+
+
+def test_running_gauges_equal_a_walk_under_any_sequence() -> None:
+    rng = random.Random(43)
+    pool = [ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(30)]
+    identities = [b"client-%d" % index for index in range(4)]
+    for _ in range(20):
+        table = SessionTable(lock_ttl_s=10, write_ttl_s=20, idle_s=15)
+        previous: dict[bytes, list[ObjectKey]] = {}
+        now = 0.0
+        for _ in range(400):
+            now += rng.random()
+            identity = rng.choice(identities)
+            session = table.get(identity, now)
+            action = rng.random()
+            if action < 0.35:
+                if identity in previous and rng.random() < 0.4:
+                    keys = list(previous[identity])  # a repeated lookup of the same prefix
+                else:
+                    start = rng.randrange(len(pool))
+                    keys = pool[start : start + rng.randrange(1, 10)]
+                    if rng.random() < 0.2:
+                        keys = keys + keys[:2]  # a retrieve may list a key twice
+                session.add_read_locks(keys, now + rng.uniform(-2, 10))
+                previous[identity] = keys
+            elif action < 0.5:
+                wanted = list(previous.get(identity, [])) if rng.random() < 0.5 else rng.sample(pool, 5)
+                session.take_read_locks(wanted, now)
+            elif action < 0.6:
+                session.take_one_read_lock(rng.sample(pool, rng.randrange(1, 8)), now)
+            elif action < 0.75:
+                session.add_writes(dict.fromkeys(rng.sample(pool, rng.randrange(1, 6)), "obj"), now + 20)
+            elif action < 0.85:
+                session.take_writes(rng.sample(pool, rng.randrange(1, 6)), now)
+            elif action < 0.95:
+                table.sweep(now)  # expires records and reaps idle sessions holding nothing
+                assert tuple(table.gauges(now))[:3] == _walked_gauges(table, now)
+            else:
+                # the session ends: everything it holds given back (a shutdown does this)
+                session.take_read_locks(list(session.read_locks), now)
+                session.writes.clear()
+            assert tuple(table.gauges(now))[:3] == _walked_gauges(table, None)

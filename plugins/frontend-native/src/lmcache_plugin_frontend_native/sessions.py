@@ -22,7 +22,8 @@ lock.
 
 Only the server's loop thread changes these objects.  Other threads (``/metrics`` and
 ``/status`` scrapes) read the gauges through :meth:`SessionTable.gauges`, which changes
-nothing.
+nothing and reads counts the loop thread keeps as locks and reservations come and go,
+never the locks and reservations themselves.
 """
 
 from __future__ import annotations
@@ -95,6 +96,11 @@ class Session:
     # [keys, {deadline: calls}] per run of calls with the same keys not yet indexed, oldest first
     _records: list[list[Any]] = field(default_factory=list, repr=False)
     _backlog: int = field(default=0, repr=False)  # keys in ``_records``
+    # the keys of ``_records`` that ``_locks`` does not hold: what indexing them will add
+    _unindexed: set[ObjectKey] = field(default_factory=set, repr=False)
+    #: keys holding a lock not yet forgotten (expired ones until the sweep forgets them),
+    #: kept as locks come and go so that a scrape reads one int instead of walking them
+    locked_keys: int = 0
     # key -> (deadline, the L1 object reserved for it), in order of deadline (see add_writes)
     writes: dict[ObjectKey, tuple[float, Any]] = field(default_factory=dict)
     prefetches: dict[int, PendingPrefetch] = field(default_factory=dict)
@@ -136,6 +142,7 @@ class Session:
                 return
         records.append([keys, {deadline: 1}])
         self._backlog += len(keys)
+        self._note_unindexed(keys)
         if self._backlog > INDEX_BACKLOG_KEYS:
             self._index()
 
@@ -156,6 +163,25 @@ class Session:
                         held[deadline] = held.get(deadline, 0) + count
         self._records.clear()
         self._backlog = 0
+        self._unindexed.clear()
+
+    def _note_unindexed(self, keys: list[ObjectKey]) -> None:
+        """Count the keys of a new record held nowhere yet, in C: a session holding nothing
+        (a lookup after the last release) takes the record's set as it is, which a release
+        of exactly those keys then reads to tell whether each is named once."""
+        fresh = set(keys)
+        if self._locks or self._unindexed:
+            fresh.difference_update(self._locks)
+            fresh.difference_update(self._unindexed)
+            self._unindexed |= fresh
+        else:
+            self._unindexed = fresh
+        self._count_locked_keys()
+
+    def _count_locked_keys(self) -> None:
+        """Bring ``locked_keys`` up to date after locks were added or forgotten: one store
+        of an int, which a scrape on another thread reads whole."""
+        self.locked_keys = len(self._locks) + len(self._unindexed)
 
     def take_read_locks(
         self, keys: Iterable[ObjectKey], now: float
@@ -169,15 +195,19 @@ class Session:
             held, counts = records[0]
             # The usual release: the very keys of the one lock record (a LOOKUP, maybe a
             # RETRIEVE of the same keys after it), each once -- what indexing the record
-            # and taking it back key by key would give, without either.
-            if held == wanted and len(set(wanted)) == len(wanted):
+            # and taking it back key by key would give, without either.  The record's keys
+            # are all of ``_unindexed``: they are distinct if there are as many.
+            if held == wanted and len(self._unindexed) == len(wanted):
                 records.clear()
                 self._backlog = 0
+                self._unindexed = set()
+                self._count_locked_keys()
                 live = _live(counts, now)
                 return {live: wanted} if live[0] else {}
         locks = self.lock_deadlines
         # A second mention of a key finds nothing left: it is released once.
         helds = list(map(locks.pop, wanted, repeat(_NOTHING)))
+        self._count_locked_keys()
         if helds and len(helds[0]) == 1 and helds.count(helds[0]) == len(helds):
             # Every key held alike, each named once (the usual case: what one LOOKUP took):
             # one group, the per-key dicts compared in C.
@@ -212,6 +242,7 @@ class Session:
                 del held[first]
                 if not held:
                     del locks[key]
+        self._count_locked_keys()
         return taken
 
     def take_prefetch_locks(
@@ -265,23 +296,11 @@ class Session:
                 mine[key] = obj
         return mine, flags
 
-    def live_locked_keys(self, now: float) -> set[ObjectKey]:
-        """The keys holding an unexpired lock; changes nothing, so any thread may ask.
-
-        Each copy, and each ``max`` of a dict's deadlines, is one C call, which the loop thread cannot
-        interleave.  The records are copied before the per-key deadlines: a record the loop
-        indexes in between then shows up in both copies rather than in neither."""
-        records = list(self._records)
-        locks = dict(self._locks)
-        live = {key for key, held in locks.items() if max(held, default=0.0) > now}
-        for keys, counts in records:
-            if max(counts, default=0.0) > now:
-                live.update(keys)
-        return live
-
-    def live_writes(self, now: float) -> int:
-        """How many reservations are unexpired; changes nothing, so any thread may ask."""
-        return sum(1 for deadline, _obj in list(self.writes.values()) if deadline > now)
+    @property
+    def reserved_stores(self) -> int:
+        """Reservations held, expired ones until the sweep forgets them; one C call, so any
+        thread may ask."""
+        return len(self.writes)
 
     @property
     def empty(self) -> bool:
@@ -307,6 +326,7 @@ class Session:
                 first = min(held)
             earliest = min(earliest, first)
         self._next_lock_expiry = earliest
+        self._count_locked_keys()
 
     def _expire_writes(self, now: float) -> None:
         writes = self.writes
@@ -345,7 +365,9 @@ MAX_EMPTY_SESSIONS = 1024
 
 
 class Gauges(NamedTuple):
-    """What the clients hold right now, for ``/metrics`` and ``/status``."""
+    """What the clients hold, for ``/metrics`` and ``/status``: as the loop thread last
+    left it, so a lock or reservation that expired counts until the next sweep (every
+    0.2 s) forgets it."""
 
     clients: int  # sessions: clients holding something or seen recently
     locked_keys: int
@@ -444,12 +466,15 @@ class SessionTable:
             del self._sessions[session.identity]
 
     def gauges(self, now: float) -> Gauges:
-        """Count what the clients hold; changes nothing, so a scrape may ask from its own
-        thread while the loop thread serves (``list()`` of the table is one C call)."""
+        """Sum what the clients hold from the counts each session keeps, never walking the
+        locks and reservations themselves: a scrape runs on its own thread, and a walk of
+        a client's many keys would hold the GIL, stalling the loop that serves everyone.
+        Changes nothing (``list()`` of the table is one C call); ``now`` is unused, the
+        sweep having forgotten what expired."""
         sessions = list(self._sessions.values())
         return Gauges(
             clients=len(sessions),
-            locked_keys=sum(len(session.live_locked_keys(now)) for session in sessions),
-            reserved_stores=sum(session.live_writes(now) for session in sessions),
+            locked_keys=sum(session.locked_keys for session in sessions),
+            reserved_stores=sum(session.reserved_stores for session in sessions),
             pending_prefetches=sum(len(session.prefetches) for session in sessions),
         )
