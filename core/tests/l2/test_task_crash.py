@@ -34,6 +34,9 @@ def test_an_op_that_raises_fails_its_task(
 
     monkeypatch.setattr(LoadOp, where, broken)
     assert client.load(keys, [memoryview(bytearray(SIZE))]) == [False]
+    # Counted, not only logged: the load fails as a backend failure would, and a bug
+    # would otherwise look like one on /metrics.
+    assert adapter.stats().get("tasks_crashed") == 1
     monkeypatch.undo()
     assert client.load(keys, [memoryview(bytearray(SIZE))]) == [True], "the adapter goes on"
     adapter.unlock(keys)

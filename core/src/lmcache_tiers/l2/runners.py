@@ -99,8 +99,10 @@ class Runner(ABC):
         close did not return by ``deadline`` and was left running (counted and logged)."""
 
     def _crashed(self, task_id: int) -> None:
-        """A task's op raised (a bug): logged with its traceback, and the task failed, so
-        that nobody waits for its result for ever."""
+        """A task's op raised (a bug): counted (``tasks_crashed``: on /metrics the failed
+        task would otherwise pass for a backend failure), logged with its traceback, and
+        the task failed, so that nobody waits for its result for ever."""
+        self.state.count("tasks_crashed")
         log.exception("%s: task %d crashed", self.state.name, task_id)
         self.state.board.fail(task_id)
 
@@ -480,6 +482,11 @@ class LoopRunner(Runner):
     def __init__(self, state: AdapterState, backend: object, publish: Publish, concurrency: int) -> None:
         super().__init__(state, backend, publish)
         self._loop = asyncio.new_event_loop()
+        # The serde work of size-changing chains runs in the loop's default executor: named
+        # for the adapter, not asyncio's "asyncio_N" that no thread dump can attribute.
+        self._loop.set_default_executor(
+            concurrent.futures.ThreadPoolExecutor(thread_name_prefix=f"l2-{state.name}-serde")
+        )
         self._thread = threading.Thread(target=self._serve, name=f"l2-{state.name}-loop", daemon=True)
         self._semaphore = asyncio.Semaphore(max(1, concurrency))
         self._opened: concurrent.futures.Future[None] | None = None
