@@ -639,3 +639,37 @@ def test_running_gauges_equal_a_walk_under_any_sequence() -> None:
                 session.take_read_locks(list(session.read_locks), now)
                 session.writes.clear()
             assert tuple(table.gauges(now))[:3] == _walked_gauges(table, None)
+
+
+class _WalkedLocks(dict):  # type: ignore[type-arg]
+    """A session's per-key locks that count how often they are walked whole."""
+
+    walks = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        _WalkedLocks.walks += 1
+        return super().__iter__()
+
+    def keys(self):  # type: ignore[no-untyped-def]
+        _WalkedLocks.walks += 1
+        return super().keys()
+
+    def items(self):  # type: ignore[no-untyped-def]
+        _WalkedLocks.walks += 1
+        return super().items()
+
+
+def test_a_lookup_of_new_keys_does_not_walk_the_locks_a_client_already_holds() -> None:
+    # Every LOOKUP and RETRIEVE adds a lock record on the loop thread: a client holding many
+    # indexed locks must not make each new record cost a pass over all of them.
+    table = SessionTable(lock_ttl_s=10, write_ttl_s=20)
+    session = table.get(b"heavy", now=0.0)
+    held = [ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(INDEX_BACKLOG_KEYS + 1)]
+    session.add_read_locks(held, 10.0)  # past the backlog bound: indexed at once
+    session._locks = _WalkedLocks(session._locks)
+    _WalkedLocks.walks = 0
+    fresh = [ObjectKey("n", 0, index.to_bytes(8, "big")) for index in range(4)]
+    session.add_read_locks(fresh + held[:2], 10.0)
+    session.add_read_locks(fresh[:2], 10.0)
+    assert _WalkedLocks.walks == 0
+    assert table.gauges(now=5.0).locked_keys == len(held) + len(fresh)

@@ -33,7 +33,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import filterfalse, repeat
 from typing import Any, NamedTuple
 
 from lmcache_tiers.plugin import ObjectKey
@@ -169,10 +169,13 @@ class Session:
         """Count the keys of a new record held nowhere yet, in C: a session holding nothing
         (a lookup after the last release) takes the record's set as it is, which a release
         of exactly those keys then reads to tell whether each is named once."""
-        fresh = set(keys)
-        if self._locks or self._unindexed:
-            fresh.difference_update(self._locks)
-            fresh.difference_update(self._unindexed)
+        # Each key of the record is looked up in what is held, never the other way round
+        # (``set.difference_update`` walks its argument): a client holding many locks
+        # does not make each of its lookups walk them all.
+        locks = self._locks
+        fresh = set(filterfalse(locks.__contains__, keys)) if locks else set(keys)
+        if self._unindexed:
+            fresh = fresh.difference(self._unindexed)  # walks the smaller of the two
             self._unindexed |= fresh
         else:
             self._unindexed = fresh
