@@ -6,6 +6,8 @@ import tracemalloc
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.wire import protocol as p
@@ -147,6 +149,47 @@ def test_diagnosing_a_header_of_many_fields_builds_nothing_per_field() -> None:
     finally:
         tracemalloc.stop()
     assert peak < 64 << 10
+
+
+_VALID_HEADERS = [
+    msgspec.msgpack.encode([p.Op.LOOKUP, 2**40, "model", [b"k" * 16] * 3, [1, 2], {"a": 1.5}]),
+    msgspec.msgpack.encode([p.Op.PING, 7]),
+    msgspec.msgpack.encode([99, 2**63 - 1, "", [b"k"] * 20, [], [None]]),
+]
+
+
+def _damaged(header: bytes, cut: int, changes: list[tuple[int, int]]) -> bytes:
+    """``header`` cut short at ``cut`` (past its end: whole), then with bytes overwritten."""
+    damaged = bytearray(header[: max(1, cut)])
+    for position, value in changes:
+        damaged[position % len(damaged)] = value
+    return bytes(damaged)
+
+
+_undecodable_headers = st.one_of(
+    st.binary(max_size=64),
+    # an array of two to six fields, each a few random bytes: op tags and request ids of every
+    # msgpack type, short exts (malformed timestamps among them) included
+    st.builds(
+        lambda fields: bytes([0x90 + len(fields)]) + b"".join(fields),
+        st.lists(st.binary(min_size=1, max_size=10), min_size=1, max_size=6),
+    ),
+    st.builds(
+        _damaged,
+        st.sampled_from(_VALID_HEADERS),
+        st.integers(0, 200),
+        st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), max_size=4),
+    ),
+)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(_undecodable_headers)
+def test_diagnosing_any_bytes_never_raises(header: bytes) -> None:
+    # The diagnosis runs on the loop thread serving every client, on bytes a peer chose.
+    req_id, code = p.diagnose_undecodable(header)
+    assert 0 <= req_id < 1 << 63
+    assert code in (p.ErrorCode.MALFORMED, p.ErrorCode.UNKNOWN_OP, p.ErrorCode.TOO_LARGE)
 
 
 class _OldSlot(msgspec.Struct, array_like=True, gc=False):
