@@ -5,7 +5,7 @@ import random
 import time
 import types
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 from lmcache_plugin_frontend_native import handlers as handlers_module
@@ -497,37 +497,32 @@ def test_l1_and_sessions_agree_on_every_lock_under_any_sequence(
         l1.close()
 
 
+def _counted(compare: Callable[[float, object], bool]) -> Callable[[float, object], bool]:
+    """``compare``, counted in ``_WatchedDeadline.comparisons``."""
+
+    def counting(self: float, other: object) -> bool:
+        _WatchedDeadline.comparisons += 1
+        return compare(self, other)
+
+    return counting
+
+
 class _WatchedDeadline(float):
     """A deadline that counts how often it is compared: what a sweep looks at."""
 
     comparisons = 0
 
-    def _count(self) -> None:
-        _WatchedDeadline.comparisons += 1
-
-    def __gt__(self, other: object) -> bool:
-        self._count()
-        return float(self) > other  # type: ignore[operator]
-
-    def __lt__(self, other: object) -> bool:
-        self._count()
-        return float(self) < other  # type: ignore[operator]
-
-    def __le__(self, other: object) -> bool:
-        self._count()
-        return float(self) <= other  # type: ignore[operator]
-
-    def __ge__(self, other: object) -> bool:
-        self._count()
-        return float(self) >= other  # type: ignore[operator]
-
+    __lt__ = _counted(float.__lt__)
+    __le__ = _counted(float.__le__)
+    __gt__ = _counted(float.__gt__)
+    __ge__ = _counted(float.__ge__)
     __hash__ = float.__hash__
     __eq__ = float.__eq__
 
 
-def test_a_sweep_does_not_walk_what_a_client_holds_until_it_expires() -> None:
-    # The sweep runs on the loop thread every 0.2 s: a client holding many live locks and
-    # reservations must not make each sweep walk them all, stalling every other client.
+def _a_client_holding_a_thousand_of_each() -> tuple[SessionTable, sessions.Session, list[ObjectKey]]:
+    """A table with one client holding 1000 locks (in ten records, deadlines 10.0 to 10.9)
+    and 1000 reservations (deadlines 20 to 920), every deadline watched; and its locked keys."""
     table = SessionTable(lock_ttl_s=10, write_ttl_s=20)
     session = table.get(b"heavy", now=0.0)
     held = [ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(1000)]
@@ -537,6 +532,13 @@ def test_a_sweep_does_not_walk_what_a_client_holds_until_it_expires() -> None:
         session.add_writes(
             dict.fromkeys(reserved[start : start + 100], "obj"), _WatchedDeadline(20.0 + start)
         )
+    return table, session, held
+
+
+def test_a_sweep_does_not_walk_what_a_client_holds_until_it_expires() -> None:
+    # The sweep runs on the loop thread every 0.2 s: a client holding many live locks and
+    # reservations must not make each sweep walk them all, stalling every other client.
+    table, session, _ = _a_client_holding_a_thousand_of_each()
     _WatchedDeadline.comparisons = 0
     table.sweep(now=5.0)
     assert _WatchedDeadline.comparisons <= 4
@@ -565,15 +567,7 @@ def test_reservations_given_out_of_deadline_order_still_expire_at_their_deadline
 def test_a_gauge_read_does_not_walk_what_clients_hold() -> None:
     # Every /metrics and /status scrape reads the gauges from its own thread: a walk of a
     # client's many locks and reservations there holds the GIL, stalling the serving loop.
-    table = SessionTable(lock_ttl_s=10, write_ttl_s=20)
-    session = table.get(b"heavy", now=0.0)
-    held = [ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(1000)]
-    reserved = [ObjectKey("w", 0, index.to_bytes(8, "big")) for index in range(1000)]
-    for start in range(0, 1000, 100):
-        session.add_read_locks(held[start : start + 100], _WatchedDeadline(10.0 + start / 1000))
-        session.add_writes(
-            dict.fromkeys(reserved[start : start + 100], "obj"), _WatchedDeadline(20.0 + start)
-        )
+    table, session, held = _a_client_holding_a_thousand_of_each()
     session.add_read_locks(held[:50], _WatchedDeadline(11.0))  # keys locked twice count once
     assert len(session.lock_deadlines) == 1000  # indexed: the gauge reads no records either
     session.add_read_locks(held[900:], _WatchedDeadline(11.5))  # one record left unindexed
