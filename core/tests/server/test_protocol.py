@@ -121,6 +121,18 @@ def test_diagnosis_of_undecodable_headers(header: bytes, expected: tuple[int, p.
     assert p.diagnose_undecodable(header) == expected
 
 
+def _diagnosed_in_little_memory(header: bytes) -> tuple[int, p.ErrorCode]:
+    """The diagnosis of ``header``, checked to have built nothing per key or field."""
+    tracemalloc.start()
+    try:
+        diagnosis = p.diagnose_undecodable(header)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 10
+    return diagnosis
+
+
 def test_diagnosing_a_header_of_too_many_keys_builds_nothing_per_key() -> None:
     # Refused on the loop thread that serves every client: a client sending headers of
     # 140000 keys (4 MiB) must not make it build an object for each of them.
@@ -128,13 +140,7 @@ def test_diagnosing_a_header_of_too_many_keys_builds_nothing_per_key() -> None:
     header = msgspec.msgpack.encode([p.Op.LOOKUP, 8, "", keys])
     assert len(header) < p.MAX_HEADER_BYTES
     del keys
-    tracemalloc.start()
-    try:
-        assert p.diagnose_undecodable(header) == (8, p.ErrorCode.TOO_LARGE)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 64 << 10
+    assert _diagnosed_in_little_memory(header) == (8, p.ErrorCode.TOO_LARGE)
 
 
 def test_diagnosing_a_header_of_many_fields_builds_nothing_per_field() -> None:
@@ -142,13 +148,7 @@ def test_diagnosing_a_header_of_many_fields_builds_nothing_per_field() -> None:
     # can tell the id and a key count are looked at, the rest skipped unread.
     header = msgspec.msgpack.encode([p.Op.LOOKUP, 9, "", [b"k"] * 9000] + [0] * 1_000_000)
     assert len(header) < p.MAX_HEADER_BYTES
-    tracemalloc.start()
-    try:
-        assert p.diagnose_undecodable(header) == (9, p.ErrorCode.TOO_LARGE)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 64 << 10
+    assert _diagnosed_in_little_memory(header) == (9, p.ErrorCode.TOO_LARGE)
 
 
 _VALID_HEADERS = [
