@@ -380,6 +380,31 @@ class ControllerThread(ABC):
 
     # -- the loop ----------------------------------------------------------------------
 
+    def _step_failed(self, what: str) -> None:
+        """Count and log (with its traceback) the exception being handled, raised by a
+        part of a round: the step, ``next_step_in`` or ``busy``."""
+        self.step_errors += 1
+        logger.exception("%s: %s failed", self.name, what)
+
+    def _guarded_next_step_in(self) -> float | None:
+        """``next_step_in``, whose exception (a bug) is a step error: the regular interval."""
+        try:
+            with plugin_code():
+                return self.next_step_in()
+        except Exception:
+            self._step_failed("next_step_in")
+            return None
+
+    def _guarded_busy(self) -> bool:
+        """``busy`` while stopping, whose exception (a bug) is a step error: outstanding
+        work cannot be ruled out, so the drain goes on until its deadline."""
+        try:
+            with plugin_code():
+                return self.busy()
+        except Exception:
+            self._step_failed("busy")
+            return True
+
     def _run(self) -> None:
         poller = select.poll()
         waker_fd = self._waker.fileno()
@@ -401,9 +426,8 @@ class ControllerThread(ABC):
                 except Exception:
                     # A bug or an adapter raising must not kill the thread that releases
                     # everyone's locks; it is logged and counted, and the loop goes on.
-                    self.step_errors += 1
-                    logger.exception("%s: step failed", self.name)
-                again = self.next_step_in()
+                    self._step_failed("step")
+                again = self._guarded_next_step_in()
                 if again is not None:
                     timeout_ms = min(timeout_ms, again * 1000.0)
                 if self._stopping:  # the drain deadline is kept even if nothing reports
@@ -412,7 +436,7 @@ class ControllerThread(ABC):
                     self._served = max(self._served, generation)
                     self._stepping = False
                     self._cond.notify_all()
-                if self._stopping and (not self.busy() or time.monotonic() >= self._drain_deadline):
+                if self._stopping and (not self._guarded_busy() or time.monotonic() >= self._drain_deadline):
                     break
         finally:
             try:
