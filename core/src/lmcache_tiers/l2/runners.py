@@ -98,12 +98,15 @@ class Runner(ABC):
         """Run the backend's ``close`` (once) and end the runner's threads; False if the
         close did not return by ``deadline`` and was left running (counted and logged)."""
 
-    def _crashed(self, task_id: int) -> None:
+    def _crashed(self, task_id: int, hand_back: Callable[[], object] | None = None) -> None:
         """A task's op raised (a bug): counted (``tasks_crashed``: on /metrics the failed
-        task would otherwise pass for a backend failure), logged with its traceback, and
-        the task failed, so that nobody waits for its result for ever."""
+        task would otherwise pass for a backend failure), logged with its traceback, what
+        its prepare took handed back (``hand_back``) and the task failed, so that nobody
+        waits for its result for ever -- nor finds its keys still pinned once it has it."""
         self.state.count("tasks_crashed")
         log.exception("%s: task %d crashed", self.state.name, task_id)
+        if hand_back is not None:
+            hand_back()
         self.state.board.fail(task_id)
 
     def _close_abandoned(self, waited_s: float) -> None:
@@ -590,13 +593,13 @@ class LoopRunner(Runner):
                         args = handoff.prepare(op)
                     result = await call_async(self.state, self.backend, op.method, *args)
         except asyncio.CancelledError:
-            if handoff.abandon():  # prepared: undo it here (still preparing: the executor does)
-                self.publish(task_id, op, op.finish(None, call_returned=False))
-            else:
+            if not self._hand_back(task_id, op, handoff):
                 self.state.board.fail(task_id)
             raise
         except Exception:  # a bug in an op: its task fails, as on worker threads, never hangs
-            self._crashed(task_id)
+            # What prepare took (pins, a load's noting of layouts) is handed back, or its
+            # keys stay pinned -- never evictable -- for as long as the adapter runs.
+            self._crashed(task_id, lambda: self._hand_back(task_id, op, handoff))
             return
 
         def finish() -> None:
@@ -611,6 +614,18 @@ class LoopRunner(Runner):
                 finish()
         except Exception:
             self._crashed(task_id)
+
+    def _hand_back(self, task_id: int, op: BatchOp, handoff: _Handoff) -> bool:
+        """Undo what ``op``'s prepare took for a call whose answer will never be used, and
+        publish the failed outcome; True if that was done here.  False when nothing was
+        prepared, or ``prepare`` still runs in the executor (which undoes it as it ends)."""
+        if not handoff.abandon():
+            return False
+        try:
+            self.publish(task_id, op, op.finish(None, call_returned=False))
+        except Exception:  # the op's finish is buggy too: never in place of the exit under way
+            self._crashed(task_id)
+        return True
 
     def run(self, task_id: int, op: BatchOp) -> None:
         self._schedule(self._run(task_id, op))
