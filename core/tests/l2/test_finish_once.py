@@ -4,6 +4,9 @@ never twice, whether the task ends normally, raises, is cancelled or is closed."
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,7 +14,9 @@ import pytest
 from l2_backends import AsyncDictBackend, open_dict
 
 from lmcache_tiers.l2 import BackendAdapter
+from lmcache_tiers.l2.interface import L2Op
 from lmcache_tiers.l2.ops import LoadOp
+from lmcache_tiers.l2.runners import LoopRunner
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys
 
@@ -56,3 +61,56 @@ def test_an_op_raising_after_prepare_hands_back_what_prepare_took(
     assert nothing_held(adapter), "the load's pin and noting registration were handed back"
     # The key is evictable again: a delete claims it.
     assert adapter.delete(keys) == [True]
+
+
+class NeverAnswering:
+    """A coroutine backend whose calls wait for an answer that never comes."""
+
+    async def get_many_into(self, keys: Any, buffers: Any) -> Any:
+        await asyncio.get_running_loop().create_future()
+
+    async def delete_many(self, keys: Any) -> Any:
+        await asyncio.get_running_loop().create_future()
+
+
+def idle_runner(adapter: BackendAdapter, published: list[Any]) -> LoopRunner:
+    runner = LoopRunner(adapter.state, NeverAnswering(), lambda _t, _op, result: published.append(result), 1)
+    opened: concurrent.futures.Future[None] = concurrent.futures.Future()
+    opened.set_result(None)
+    runner._opened = opened
+    return runner
+
+
+def test_a_task_closed_without_being_cancelled_hands_back_and_fails(adapters: list[BackendAdapter]) -> None:
+    """A task's coroutine closed as it awaits the backend (its loop dropped with it
+    pending) gets GeneratorExit, neither a cancellation nor an Exception."""
+    adapter, _client, keys = stored_adapter(adapters)
+    state = adapter.state
+    published: list[Any] = []
+    runner = idle_runner(adapter, published)
+    task_id = state.board.new_task(L2Op.LOAD, 1)
+    op = LoadOp(state, keys, [memoryview(bytearray(SIZE))])
+    closing: list[BaseException | None] = []
+
+    def run_then_drop_the_loop() -> None:  # off the main thread, as the adapter's loop runs
+        loop = asyncio.new_event_loop()
+        coroutine = runner._run(task_id, op)
+        task = loop.create_task(coroutine)
+        for _ in range(5):
+            loop.run_until_complete(asyncio.sleep(0))
+        assert not task.done() and state.pins.snapshot(), "the load awaits the backend, pinned"
+        loop.close()
+        try:
+            coroutine.close()
+        except BaseException as exc:
+            closing.append(exc)
+        else:
+            closing.append(None)
+
+    worker = threading.Thread(target=run_then_drop_the_loop)
+    worker.start()
+    worker.join()
+    runner._loop.close()
+    assert closing == [None]
+    assert nothing_held(adapter), "the load's pin and noting registration were handed back"
+    assert task_id in state.board.pop(L2Op.LOAD), "the task was completed, not left waiting"

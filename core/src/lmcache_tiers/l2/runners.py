@@ -596,6 +596,9 @@ class LoopRunner(Runner):
             if not self._hand_back(task_id, op, handoff):
                 self.state.board.fail(task_id)
             raise
+        except GeneratorExit:
+            self._closed_unfinished(task_id, op, handoff)
+            raise
         except Exception:  # a bug in an op: its task fails, as on worker threads, never hangs
             # What prepare took (pins, a load's noting of layouts) is handed back, or its
             # keys stay pinned -- never evictable -- for as long as the adapter runs.
@@ -618,7 +621,8 @@ class LoopRunner(Runner):
     def _hand_back(self, task_id: int, op: BatchOp, handoff: _Handoff) -> bool:
         """Undo what ``op``'s prepare took for a call whose answer will never be used, and
         publish the failed outcome; True if that was done here.  False when nothing was
-        prepared, or ``prepare`` still runs in the executor (which undoes it as it ends)."""
+        prepared, or ``prepare`` still runs in the executor (which undoes it as it ends).
+        Synchronous: it also runs in a coroutine being closed, which can await nothing."""
         if not handoff.abandon():
             return False
         try:
@@ -626,6 +630,21 @@ class LoopRunner(Runner):
         except Exception:  # the op's finish is buggy too: never in place of the exit under way
             self._crashed(task_id)
         return True
+
+    def _closed_unfinished(self, task_id: int, op: BatchOp, handoff: _Handoff) -> None:
+        """A task's coroutine closed before it ended, without being cancelled (its loop
+        dropped with the task pending): Python throws GeneratorExit in, which is neither a
+        cancellation nor an Exception.  The task is failed (counted as
+        ``tasks_failed_closed`` unless the adapter's close failed it already), logged, and
+        what its prepare took handed back."""
+        if self.state.board.fail(task_id):
+            self.state.count("tasks_failed_closed")
+        log.warning(
+            "%s: task %d closed with the event loop before it ended; failed, what it held released",
+            self.state.name,
+            task_id,
+        )
+        self._hand_back(task_id, op, handoff)
 
     def run(self, task_id: int, op: BatchOp) -> None:
         self._schedule(self._run(task_id, op))
