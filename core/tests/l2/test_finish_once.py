@@ -15,7 +15,7 @@ from l2_backends import AsyncDictBackend, open_dict
 
 from lmcache_tiers.l2 import BackendAdapter
 from lmcache_tiers.l2.interface import L2Op
-from lmcache_tiers.l2.ops import LoadOp
+from lmcache_tiers.l2.ops import DeleteOp, LoadOp
 from lmcache_tiers.l2.runners import LoopRunner
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys
@@ -114,3 +114,33 @@ def test_a_task_closed_without_being_cancelled_hands_back_and_fails(adapters: li
     assert closing == [None]
     assert nothing_held(adapter), "the load's pin and noting registration were handed back"
     assert task_id in state.board.pop(L2Op.LOAD), "the task was completed, not left waiting"
+
+
+def test_a_blocking_call_cancelled_by_close_finishes_its_op_once(adapters: list[BackendAdapter]) -> None:
+    """``call_now`` whose call is cancelled (the adapter closing) gets the outcome of the
+    one finish the loop ran, never a second one of its own."""
+    adapter, _client, keys = stored_adapter(adapters)
+    state = adapter.state
+    runner = idle_runner(adapter, [])
+    runner._thread.start()
+    finishes: list[Any] = []
+    op = DeleteOp(state, keys)
+    finish = op.finish
+
+    def counted_finish(io_result: Any, *, call_returned: bool = True) -> Any:
+        finishes.append(io_result)
+        return finish(io_result, call_returned=call_returned)
+
+    op.finish = counted_finish  # type: ignore[method-assign]
+    outcome: list[Any] = []
+    caller = threading.Thread(target=lambda: outcome.append(runner.call_now(op)))
+    caller.start()
+    while not state.pins.deleting():  # the delete awaits the backend, its key claimed
+        threading.Event().wait(0.01)
+    state.closing.set()
+    runner.stop(0.0)
+    caller.join(10.0)
+    assert outcome == [[False]]
+    runner.close_backend(0.0)
+    assert len(finishes) == 1, "finished exactly once"
+    assert not state.pins.deleting()

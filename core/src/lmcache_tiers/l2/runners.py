@@ -457,6 +457,52 @@ class _Handoff:
         return state == "prepared"
 
 
+class _BlockingCall:
+    """One ``call_now`` op on the loop, finished exactly once.
+
+    Its caller may stop waiting (the future cancelled by close) while the task on the
+    loop goes on to finish the op; whichever finishes first is the only finish, and the
+    caller then takes its outcome.  A call its caller gave up on before it started
+    prepares nothing."""
+
+    def __init__(self, op: BatchOp) -> None:
+        self.op = op
+        self._lock = threading.Lock()
+        self._state = "pending"  # -> "started"; or -> "abandoned"
+        self._finishing = False
+        #: set once the task on the loop ended (finished the op, or its prepare raised)
+        self.ended = threading.Event()
+        self.outcome: Any = None
+
+    def start(self) -> bool:
+        """On the loop: False if the caller gave up on this call before it started."""
+        with self._lock:
+            if self._state == "abandoned":
+                return False
+            self._state = "started"
+            return True
+
+    def abandon(self) -> bool:
+        """For the caller that gave up: True if the call had not started (never will)."""
+        with self._lock:
+            if self._state == "started":
+                return False
+            self._state = "abandoned"
+            return True
+
+    def finish(self, result: list[Any] | None, *, call_returned: bool = True) -> Any:
+        """``op.finish`` -- the first time only; the outcome of that one after."""
+        with self._lock:
+            first, self._finishing = not self._finishing, True
+        if first:
+            self.outcome = self.op.finish(result, call_returned=call_returned)
+        return self.outcome
+
+    def finished(self) -> bool:
+        with self._lock:
+            return self._finishing
+
+
 class _ListingProgress:
     """When a backend's listing last gave an entry (or its reader last asked for one),
     read by the reader's thread to tell a stalled listing from a slow one."""
@@ -495,6 +541,10 @@ class LoopRunner(Runner):
         self._opened: concurrent.futures.Future[None] | None = None
         self._futures: set[concurrent.futures.Future[Any]] = set()
         self._lock = threading.Lock()
+
+    #: how often a caller waiting for a cancelled blocking call's finish checks that the
+    #: loop's thread still runs (a loop gone never finishes it)
+    _LOOP_CHECK_S: ClassVar[float] = 0.1
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -649,23 +699,45 @@ class LoopRunner(Runner):
     def run(self, task_id: int, op: BatchOp) -> None:
         self._schedule(self._run(task_id, op))
 
-    async def _now(self, op: BatchOp) -> Any:
-        result: list[Any] | None = None
-        args = op.prepare()
+    async def _now(self, call: _BlockingCall) -> Any:
+        if not call.start():
+            raise asyncio.CancelledError  # its caller gave up before it started: nothing held
         try:
-            if await self._backend_ready():
-                result = await call_async(self.state, self.backend, op.method, *args)
+            op = call.op
+            args = op.prepare()
+            result: list[Any] | None = None
+            try:
+                if await self._backend_ready():
+                    result = await call_async(self.state, self.backend, op.method, *args)
+            finally:
+                outcome = call.finish(result)
+            return outcome
         finally:
-            outcome = op.finish(result)
-        return outcome
+            call.ended.set()
 
     def call_now(self, op: BatchOp) -> Any:
         if threading.current_thread() is self._thread:
             raise RuntimeError(f"{self.state.name}: a blocking call would stall the adapter's own event loop")
+        call = _BlockingCall(op)
         try:
-            return self._schedule(self._now(op)).result()
+            return self._schedule(self._now(call)).result()
         except concurrent.futures.CancelledError:
-            return op.finish(None, call_returned=False)
+            return self._cancelled_outcome(call)
+
+    def _cancelled_outcome(self, call: _BlockingCall) -> Any:
+        """The outcome of a blocking call whose future was cancelled (close): cancelling
+        the future does not wait for its task, which goes on to finish the op on the loop
+        -- that one finish's outcome, waited for, never a second finish here (it would
+        count the keys twice and answer "failed" for keys the first one deleted).  A
+        call that never started, whose prepare raised, or whose loop ended without
+        finishing it, is finished here (nothing prepared, or nothing else to hand it back)."""
+        if not call.abandon():
+            while not call.ended.wait(self._LOOP_CHECK_S) and self._thread.is_alive():
+                pass  # the task is still finishing on the loop
+            if call.finished():
+                return call.outcome
+        # Not started, its prepare raised, or its loop gone: finished here, the only time.
+        return call.finish(None, call_returned=False)
 
     def listing(self, batch: int) -> Iterator[list[Entry]]:
         if threading.current_thread() is self._thread:
