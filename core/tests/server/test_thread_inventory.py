@@ -24,7 +24,8 @@ from lmcache_tiers.server.http import HttpEndpoint
 from lmcache_tiers.testing.ports import free_port
 from lmcache_tiers.testing.server import ServerHarness
 
-#: the prefixes of the names of every thread core and the shipped plugins start
+#: the prefixes of the names of the threads this test's server starts (core, its mock
+#: adapter, the fault_inject plugin); other plugins add their own (nixl-, raw-block-, ...)
 PROJECT_PREFIXES = ("l1-", "l2-", "tiers-", "shm-", "stop-signal-notices")
 #: names of this test's own threads
 DRIVER_PREFIX = "test-"

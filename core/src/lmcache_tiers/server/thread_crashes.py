@@ -41,16 +41,16 @@ class ThreadCrashes:
     def uninstall(self) -> None:
         """Stop counting; the earlier hook is put back unless another was set since
         (a second server in the process: it hands calls on to this one, which passes
-        them through once inactive)."""
+        them through once inactive, and skips it when it is uninstalled in turn)."""
         self._active = False
         if threading.excepthook == self._hook:
-            threading.excepthook = self._previous
+            threading.excepthook = _past_inactive(self._previous)
 
     def _hook(self, args: Any) -> None:
         if not self._active or args.exc_type is SystemExit:  # SystemExit ends a thread quietly
             self._previous(args)
             return
-        self._count(THREAD_CRASHED)
+        self._count_crash()
         name = args.thread.name if args.thread is not None else "?"
         logger.error(
             "thread %s ended by an exception (%s): the work it did stops with it",
@@ -60,3 +60,22 @@ class ThreadCrashes:
         )
         if self._previous is not threading.__excepthook__:
             self._previous(args)
+
+    def _count_crash(self) -> None:
+        # Raising here would lose the crash: the standard library would print the hook's
+        # own traceback instead of the thread's, and nothing would be logged.
+        try:
+            self._count(THREAD_CRASHED)
+        except Exception:
+            logger.exception("counting a thread's end by an exception (%s) failed", THREAD_CRASHED)
+
+
+def _past_inactive(hook: Callable[[Any], object]) -> Callable[[Any], object]:
+    """``hook``, or the first hook before it that is not an uninstalled :class:`ThreadCrashes`
+    (servers closed in the order they started): putting one of those back would keep it,
+    and the server it counts for, for the rest of the process."""
+    owner = getattr(hook, "__self__", None)
+    while isinstance(owner, ThreadCrashes) and not owner._active:
+        hook = owner._previous
+        owner = getattr(hook, "__self__", None)
+    return hook
