@@ -11,6 +11,7 @@ numbers.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import prefix_keys
+from lmcache_tiers.layout import layout_of
 from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.testing.ports import free_port
 from lmcache_tiers.testing.server import ServerHarness, until_reachable
@@ -170,3 +172,29 @@ def test_views_are_refused_by_a_server_upgraded_since_the_client_greeted_its_pre
     finally:
         first.close()
         second.close()
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "inline"])
+def test_a_client_says_once_that_a_server_of_an_earlier_release_cannot_check_layouts(
+    make_server: Any, shm: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Against a server without ``retrieve_layouts`` the reader's layouts go unchecked and
+    a chunk of another dtype is copied as before: a skipped check, so the client logs it
+    (once per server greeted, not per call), and not for readers of plain bytes."""
+    server = make_server()
+    _stored_bf16(server, shm=shm)
+    with Client(_native(server).address, shm=shm) as client:
+        earlier = [feature for feature in client.server.features if feature != "retrieve_layouts"]
+        client.server = msgspec.structs.replace(client.server, features=earlier)
+        with caplog.at_level(logging.WARNING, logger="lmcache_tiers.client"):
+            assert client.retrieve_into(KEYS, [bytearray(torch.zeros(SHAPE).nbytes)] * CHUNKS) == CHUNKS
+            assert "retrieve_layouts" not in caplog.text  # plain bytes: nothing went unchecked
+            for _ in range(2):
+                float16 = [torch.zeros(SHAPE, dtype=torch.float16) for _ in range(CHUNKS)]
+                assert client.retrieve_into(KEYS, float16) == CHUNKS  # copied, as earlier releases do
+                with client.retrieve(KEYS, layouts=[layout_of(float16[0])] * CHUNKS) as views:
+                    assert len(views) == CHUNKS
+    unchecked = [record for record in caplog.records if "retrieve_layouts" in record.getMessage()]
+    assert len(unchecked) == 1
+    assert client.url in unchecked[0].getMessage()
+    assert "retrieve_layout_mismatch" not in _native(server).stats().failures

@@ -109,6 +109,8 @@ class Client(Connection):
         self._shm = shm
         # the HELLO whose segment is mapped (a server that restarted offers another one)
         self._mapped_from: p.HelloReply | None = None
+        # the HELLO of the last server told it leaves readers' layouts unchecked
+        self._layouts_unchecked_by: p.HelloReply | None = None
         super().__init__(
             url, timeout=timeout, auth_token=auth_token, name=name, cleanup_timeout=cleanup_timeout
         )
@@ -549,7 +551,8 @@ class Client(Connection):
         ``layouts``: what the caller will read each object as (``"float16[2,32,256,128]"``,
         "" for plain bytes); the prefix then ends at an object of another layout, as in
         :meth:`retrieve_into`.  A server without feature ``retrieve_layouts`` (an older
-        release) cannot check them: it hands out the views as before.
+        release) cannot check them: it hands out the views as before, and the client logs
+        that once per server greeted.
 
         Shared-memory views point into the server's memory and are valid only inside the
         ``with`` block; on exit they are released together with every lock this client
@@ -722,7 +725,8 @@ class Client(Connection):
         object stored with another one, or stored without one and of another size (the
         server counts ``retrieve_layout_mismatch``).  Keys name no dtype: without this,
         an engine of another dtype or KV layout would read another's chunk of the same
-        tokens as other numbers.
+        tokens as other numbers.  A server of an earlier release (no ``retrieve_layouts``)
+        cannot check layouts: the bytes are copied as before, logged once per server.
 
         Each copy is checked against the generation the server handed out with its slot;
         objects whose extent changed hands meanwhile are retrieved again (up to
@@ -739,6 +743,7 @@ class Client(Connection):
         only where it can matter: a server without ``retrieve_layouts`` is sent none, and a
         uint8 or bytes-like buffer names none.  Decided per attempt, as in ``_acquire_mapped``."""
         if "retrieve_layouts" not in self.server_features:
+            self._tell_layouts_unchecked(lambda: any(reader_layout_of(buffer) for buffer in buffers))
             return None
         named = [reader_layout_of(buffer) for buffer in buffers]
         return named if any(named) else None
@@ -751,9 +756,27 @@ class Client(Connection):
         layout or the server cannot check them (feature ``retrieve_layouts``)."""
         # A uint8 tensor or array takes any object as plain bytes, as a bytearray does.
         named = ["" if layout.startswith("uint8[") else layout for layout in layouts]
-        if not any(named) or "retrieve_layouts" not in self.server_features:
+        if not any(named):
+            return None
+        if "retrieve_layouts" not in self.server_features:
+            self._tell_layouts_unchecked(lambda: True)
             return None
         return named
+
+    def _tell_layouts_unchecked(self, named_any: Callable[[], bool]) -> None:
+        """Log, once per server greeted, that it cannot check the layouts a reader names
+        (an earlier release): its chunks of another dtype are handed out as bytes.
+        ``named_any`` is asked only then, so the hot path builds no layout for it."""
+        hello = self.server
+        if self._layouts_unchecked_by is hello or not named_any():
+            return
+        self._layouts_unchecked_by = hello
+        logger.warning(
+            "the server at %s does not check the layouts readers read (no feature "
+            "retrieve_layouts: an earlier release): a chunk stored in another dtype or shape "
+            "under the same key is copied as bytes",
+            self.url,
+        )
 
     def _retrieve_into_now(
         self, keys: list[ObjectKey], targets: list[np.ndarray[Any, Any]], buffers: Sequence[BufferLike]
