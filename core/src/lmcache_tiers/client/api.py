@@ -80,6 +80,13 @@ def _copy_into(target: np.ndarray[Any, Any], source: np.ndarray[Any, Any]) -> No
     target[: source.nbytes] = source
 
 
+def _names_a_dtype(buffer: object) -> bool:
+    """Whether a reader of ``buffer`` reads numbers (a tensor or array other than uint8),
+    told without building its layout: only asked for a log line."""
+    dtype = getattr(buffer, "dtype", None)
+    return dtype is not None and str(dtype) not in ("uint8", "torch.uint8")
+
+
 class Client(Connection):
     """Connection to one lmcache-tiers server.
 
@@ -743,7 +750,7 @@ class Client(Connection):
         only where it can matter: a server without ``retrieve_layouts`` is sent none, and a
         uint8 or bytes-like buffer names none.  Decided per attempt, as in ``_acquire_mapped``."""
         if "retrieve_layouts" not in self.server_features:
-            self._tell_layouts_unchecked(lambda: any(reader_layout_of(buffer) for buffer in buffers))
+            self._tell_layouts_unchecked(lambda: any(map(_names_a_dtype, buffers)))
             return None
         named = [reader_layout_of(buffer) for buffer in buffers]
         return named if any(named) else None
