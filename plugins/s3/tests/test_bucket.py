@@ -3,7 +3,9 @@ codec cannot read back, two adapters on one prefix, and what start-up refuses.""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import time
 import zlib
 from collections.abc import Iterator
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import lmcache_plugin_s3.backend as backend_module
 import pytest
+from lmcache_plugin_s3 import S3Config
 from s3_helpers import BUCKET, Raw, blocking, fresh_prefix, open_adapter, s3_config
 
 from lmcache_tiers.errors import ConfigError
@@ -338,8 +341,6 @@ def test_credentials_come_from_the_environment_and_are_never_logged(
 def test_an_endpoint_that_refuses_connections_fails_calls_at_once(
     l1: memoryview, opened: list[L2Adapter], caplog: pytest.LogCaptureFixture
 ) -> None:
-    from lmcache_plugin_s3 import S3Config
-
     config = S3Config(
         bucket=BUCKET,
         endpoint_url=f"http://127.0.0.1:{free_port()}",  # nothing listens there
@@ -363,24 +364,26 @@ def test_an_endpoint_that_refuses_connections_fails_calls_at_once(
     assert adapter.stats()["backend_errors"] >= 3
 
 
-def test_close_ends_requests_stuck_on_a_silent_peer(l1: memoryview) -> None:
-    import socket
-
-    from lmcache_plugin_s3 import S3Config
-
-    with socket.socket() as silent:  # accepts connections, never answers
+@contextlib.contextmanager
+def silent_store(**timeouts: float) -> Iterator[S3Config]:
+    """The config of a store that accepts connections and never answers; ``timeouts``
+    are the config's (``read_timeout_s``, ``request_timeout_s``)."""
+    with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(64)
-        config = S3Config(
+        yield S3Config(
             bucket=BUCKET,
             endpoint_url=f"http://127.0.0.1:{silent.getsockname()[1]}",
             aws_access_key_id="k",
             aws_secret_access_key="s",
             connect_timeout_s=1.0,
-            read_timeout_s=300.0,
-            request_timeout_s=300.0,
             retries=0,
+            **timeouts,
         )
+
+
+def test_close_ends_requests_stuck_on_a_silent_peer(l1: memoryview) -> None:
+    with silent_store(read_timeout_s=300.0, request_timeout_s=300.0) as config:
         adapter = open_adapter(config, l1)
         task = adapter.submit_lookup_and_lock(make_keys(2))
         time.sleep(0.5)  # the requests are waiting for an answer now
@@ -392,10 +395,7 @@ def test_close_ends_requests_stuck_on_a_silent_peer(l1: memoryview) -> None:
 
 
 def test_close_starts_none_of_the_requests_waiting_for_a_slot(l1: memoryview) -> None:
-    import socket
     import threading
-
-    from lmcache_plugin_s3 import S3Config
 
     accepted: list[socket.socket] = []
     with socket.socket() as silent:  # accepts connections, counts them, never answers
@@ -491,24 +491,11 @@ def test_the_start_up_probe_runs_on_a_thread_named_for_the_adapter() -> None:
     """The bucket check waits on a thread of its own; a thread dump taken while a silent
     store holds start-up must show whose it is, under the ``l2-<adapter>-`` prefix every
     other thread of an adapter has."""
-    import socket
     import threading
 
-    from lmcache_plugin_s3 import S3Config
     from lmcache_plugin_s3.client import check_bucket
 
-    with socket.socket() as silent:  # accepts connections, never answers
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(64)
-        config = S3Config(
-            bucket=BUCKET,
-            endpoint_url=f"http://127.0.0.1:{silent.getsockname()[1]}",
-            aws_access_key_id="k",
-            aws_secret_access_key="s",
-            connect_timeout_s=1.0,
-            read_timeout_s=1.0,
-            retries=0,
-        )
+    with silent_store(read_timeout_s=1.0) as config:
         before = set(threading.enumerate())
         answers: list[bool] = []
         checking = threading.Thread(
