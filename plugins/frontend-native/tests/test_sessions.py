@@ -667,3 +667,24 @@ def test_a_lookup_of_new_keys_does_not_walk_the_locks_a_client_already_holds() -
     session.add_read_locks(fresh[:2], 10.0)
     assert _WalkedLocks.walks == 0
     assert table.gauges(now=5.0).locked_keys == len(held) + len(fresh)
+
+
+def test_a_sweep_looks_only_at_the_locks_that_expired() -> None:
+    # A client that keeps locking has some lock expire every step of L1's lock grid: the
+    # sweep that forgets them must look at those, not walk every lock the client holds.
+    table = SessionTable(lock_ttl_s=10, write_ttl_s=20)
+    session = table.get(b"heavy", now=0.0)
+    live = [ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(1000)]
+    expiring = [ObjectKey("e", 0, index.to_bytes(8, "big")) for index in range(10)]
+    session.add_read_locks(expiring, _WatchedDeadline(10.0))
+    session.add_read_locks(live, _WatchedDeadline(20.0))
+    session.take_read_locks(live[:500], now=1.0)  # released: not looked at either
+    assert len(session.lock_deadlines) == 510
+    assert len(session._expiring[20.0]) == 500, "released keys are no longer filed"
+    _WatchedDeadline.comparisons = 0
+    table.sweep(now=15.0)
+    assert _WatchedDeadline.comparisons <= 50
+    assert set(session.lock_deadlines) == set(live[500:])
+    assert table.gauges(now=15.0).locked_keys == 500
+    table.sweep(now=25.0)
+    assert session.empty

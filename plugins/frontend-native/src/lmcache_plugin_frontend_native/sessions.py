@@ -28,6 +28,7 @@ never the locks and reservations themselves.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import Counter, defaultdict
@@ -107,6 +108,11 @@ class Session:
     # No lock held here expires before this: the sweep passes over a client's locks only
     # once one of them may have expired, not every time it runs.
     _next_lock_expiry: float = field(default=math.inf, repr=False)
+    # deadline -> the indexed keys holding a lock expiring then (a release takes a key out;
+    # one whose lock a release found expired stays until the sweep), with a heap of those
+    # deadlines: the sweep looks at the keys whose locks expired, not at every key held.
+    _expiring: dict[float, set[ObjectKey]] = field(default_factory=dict, repr=False)
+    _expiry_heap: list[float] = field(default_factory=list, repr=False)
     # Whether ``writes`` was given a deadline earlier than one it held (never by the
     # handlers, whose deadlines follow the clock): the sweep then sorts it once.
     _writes_unordered: bool = field(default=False, repr=False)
@@ -150,6 +156,7 @@ class Session:
         """Apply the records to the per-key deadlines, oldest first."""
         locks = self._locks
         for keys, counts in self._records:
+            self._note_expiring(keys, counts)
             if locks.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
                 # New keys, each once (the usual record): a copy of its counts each, in C.
                 locks.update(zip(keys, map(dict.copy, repeat(counts)), strict=False))
@@ -164,6 +171,22 @@ class Session:
         self._records.clear()
         self._backlog = 0
         self._unindexed.clear()
+
+    def _note_expiring(self, keys: list[ObjectKey], counts: dict[float, int]) -> None:
+        """File ``keys`` under each deadline of ``counts`` (one, usually), for the sweep."""
+        expiring = self._expiring
+        for deadline in counts:
+            bucket = expiring.get(deadline)
+            if bucket is None:
+                bucket = expiring[deadline] = set()
+                heapq.heappush(self._expiry_heap, deadline)
+            bucket.update(keys)
+
+    def _unfile(self, keys: list[ObjectKey], deadline: float) -> None:
+        """``keys`` hold no lock expiring at ``deadline`` any more (released)."""
+        bucket = self._expiring.get(deadline)
+        if bucket:
+            bucket.difference_update(keys)
 
     def _note_unindexed(self, keys: list[ObjectKey]) -> None:
         """Count the keys of a new record held nowhere yet, in C: a session holding nothing
@@ -214,10 +237,13 @@ class Session:
         if helds and len(helds[0]) == 1 and helds.count(helds[0]) == len(helds):
             # Every key held alike, each named once (the usual case: what one LOOKUP took):
             # one group, the per-key dicts compared in C.
+            self._unfile(wanted, next(iter(helds[0])))
             live = _live(helds[0], now)
             return {live: wanted} if live[0] else {}
         groups: dict[tuple[int, float], list[ObjectKey]] = defaultdict(list)
         for key, held in zip(wanted, helds, strict=True):
+            for deadline in held:
+                self._unfile([key], deadline)
             live = _live(held, now)
             if live[0]:
                 groups[live].append(key)
@@ -243,6 +269,7 @@ class Session:
                 held[first] -= 1
             else:
                 del held[first]
+                self._unfile([key], first)
                 if not held:
                     del locks[key]
         self._count_locked_keys()
@@ -310,25 +337,25 @@ class Session:
         return not (self._records or self._locks or self.writes or self.prefetches)
 
     def expire(self, now: float) -> None:
-        """Forget the locks and reservations expired at ``now``; what is still live is
-        looked at only when one of the locks may have expired."""
+        """Forget the locks and reservations expired at ``now``, looking at those only
+        (the keys filed under the lock deadlines that passed, the reservations at the front
+        of ``writes``), never at every lock and reservation still live."""
         if self._next_lock_expiry <= now:
             self._expire_locks(now)
         self._expire_writes(now)
 
     def _expire_locks(self, now: float) -> None:
-        locks = self.lock_deadlines
-        earliest = math.inf
-        for key, held in list(locks.items()):
-            first = min(held)
-            if first <= now:
-                _forget_expired(held, now)
-                if not held:
-                    del locks[key]
-                    continue
-                first = min(held)
-            earliest = min(earliest, first)
-        self._next_lock_expiry = earliest
+        """Forget the locks of the keys filed under the deadlines that passed."""
+        locks = self.lock_deadlines  # indexed: every lock is filed under its deadline
+        heap, expiring = self._expiry_heap, self._expiring
+        while heap and heap[0] <= now:
+            for key in expiring.pop(heapq.heappop(heap)):
+                held = locks.get(key)
+                if held is not None:
+                    _forget_expired(held, now)
+                    if not held:
+                        del locks[key]
+        self._next_lock_expiry = heap[0] if heap else math.inf
         self._count_locked_keys()
 
     def _expire_writes(self, now: float) -> None:
