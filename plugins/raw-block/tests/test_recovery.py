@@ -776,3 +776,37 @@ def test_every_thread_of_the_adapter_is_named_for_it(tmp_path: Path) -> None:
         adapter.close()
     assert any("load" in name for name in names) and any("store" in name for name in names), names
     assert [name for name in names if adapter.name not in name] == []
+
+
+def _another_checkpoint_bug(self: CheckpointAreas, *args: object, **kwargs: object) -> None:
+    raise ValueError("injected second checkpoint bug")
+
+
+def _wait_checkpoint_failures(adapter: BackendAdapter, count: int) -> None:
+    for _ in range(600):
+        if adapter.stats().get("checkpoint_failures", 0) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {count} checkpoint failures counted")
+
+
+def test_a_later_periodic_checkpoint_bug_is_named_in_its_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only the first failure is logged with its traceback; a later one, maybe another
+    bug, must still say what it is, not only that the checkpoint failed again."""
+    adapter = open_raw(config(tmp_path / "dev.img", meta_checkpoint_interval_sec=1))
+    write_checkpoint = CheckpointAreas.write
+    try:
+        monkeypatch.setattr(CheckpointAreas, "write", _checkpoint_bug)
+        with caplog.at_level(logging.WARNING, logger="lmcache_plugin_raw_block"):
+            assert store(adapter, make_keys(1), [b"x" * 100]) == [True]  # a change to checkpoint
+            _wait_checkpoint_failures(adapter, 1)
+            # The first failure is counted after its write raised: the next periodic
+            # checkpoint, an interval later, meets the second bug.
+            monkeypatch.setattr(CheckpointAreas, "write", _another_checkpoint_bug)
+            _wait_checkpoint_failures(adapter, 2)
+        assert "ValueError: injected second checkpoint bug" in caplog.text
+    finally:
+        monkeypatch.setattr(CheckpointAreas, "write", write_checkpoint)
+        adapter.close()

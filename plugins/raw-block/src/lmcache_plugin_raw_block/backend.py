@@ -15,6 +15,7 @@ their sizes (``Capacity(objects=...)``).
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -317,8 +318,14 @@ class RawBlockBackend(SlotStoreBackend):
         good, each crash then recovering from an ever older one."""
         self.context.count("checkpoint_failures")
         if self._checkpoint_crash_logged:
+            # Named without its traceback: a later failure may be another bug than the first.
+            error = sys.exc_info()[1]
             self._burst.warn(
-                "checkpoint", "raw_block: %s: periodic checkpoint failed again", self._device.path
+                "checkpoint",
+                "raw_block: %s: periodic checkpoint failed again: %s: %s",
+                self._device.path,
+                type(error).__name__,
+                error,
             )
             return
         self._checkpoint_crash_logged = True
