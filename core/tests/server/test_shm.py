@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from lmcache_tiers.client import Client, RequestTimeoutError
+from lmcache_tiers.client import Client
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Arena
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.testing.server import until_reachable
 from lmcache_tiers.tmpfs import is_tmpfs
 from lmcache_tiers.wire import protocol as p
 from lmcache_tiers.wire.shm import (
@@ -275,16 +276,6 @@ def _restart_at_the_same_port(first: TiersServer, make_server: Callable[..., Tie
             time.sleep(0.1)  # the first one's port is still being given back
 
 
-def _wait_until_reachable(client: Client) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            client.ping(timeout=1.0)
-            return
-        except RequestTimeoutError:
-            assert time.monotonic() < deadline, "the client never reached the restarted server"
-
-
 @pytest.mark.parametrize("operation", ["retrieve_into", "store"])
 def test_offsets_of_a_restarted_server_never_go_to_the_old_mapping_when_another_thread_greets_it(
     make_server: Callable[..., TiersServer], operation: str
@@ -312,7 +303,7 @@ def test_offsets_of_a_restarted_server_never_go_to_the_old_mapping_when_another_
                     if operation == "retrieve_into":
                         assert writer.store([key], [fresh]) == 1
                 client._call = real_call  # type: ignore[method-assign]
-                _wait_until_reachable(client)
+                until_reachable(client)
                 reply = real_call(request, *args, **kwargs)
                 other = threading.Thread(target=client._follow_server)
                 other.start()
