@@ -4,7 +4,14 @@ releases everyone's locks."""
 
 from __future__ import annotations
 
+import logging
+
+import pytest
+
 from lmcache_tiers.controllers.base import ControllerThread
+
+#: rounds of a step that fails on each
+ROUNDS = 20
 
 
 class RaisingHooks(ControllerThread):
@@ -57,3 +64,33 @@ def test_busy_raising_while_stopping_is_a_step_error_and_the_drain_deadline_ends
     assert controller.stop(drain_timeout_s=0.2)
     assert controller.finished
     assert controller.step_errors >= 1
+
+
+class FailingSteps(ControllerThread):
+    """A step with a bug: it raises on every round."""
+
+    def __init__(self) -> None:
+        super().__init__("failing-steps-probe", interval_s=3600.0)
+
+    def step(self, ready_fds: set[int]) -> None:
+        raise RuntimeError("injected step bug")
+
+
+def test_a_step_failing_on_every_round_is_traced_once_then_logged_per_burst(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A controller steps on every wake-up (each request, for some): a traceback per
+    failing round would bury the log; the counter has every one of them."""
+    controller = FailingSteps()
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers.controllers"):
+        controller.start()
+        try:
+            for _ in range(ROUNDS):
+                assert controller.wait_idle(timeout=30.0)
+        finally:
+            assert controller.stop(drain_timeout_s=0.0)
+    assert controller.step_errors >= ROUNDS
+    lines = [record for record in caplog.records if "failing-steps-probe" in record.getMessage()]
+    traced = [record for record in lines if record.exc_info is not None]
+    assert len(traced) == 1, caplog.text
+    assert len(lines) < ROUNDS / 2, caplog.text

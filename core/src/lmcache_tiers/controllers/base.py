@@ -222,9 +222,9 @@ def end_fruitless_walk(policy: EvictionPolicy, failed: Callable[[], None] | None
 
 
 class PolicyFailureLog:
-    """The log lines of a policy's failures, one failure ``reason``: the first failure
-    with its traceback (a third-party bug, to be found and fixed), later ones at most one
-    line per burst window, telling how many were only counted meanwhile.
+    """The log lines of a policy's failures (or a controller's steps'), one failure
+    ``reason``: the first failure with its traceback (a bug, to be found and fixed), later
+    ones at most one line per burst window, telling how many were only counted meanwhile.
 
     A policy with a bug often fails on every call -- every lookup, every stored batch --
     and a traceback each time would bury the log; the counter has every one of them.
@@ -285,6 +285,8 @@ class ControllerThread(ABC):
         self._finished = False
         self._exited = False  # the loop and ``finish`` are over (under ``_cond``)
         self._left = False  # ``join`` gave up on the thread: it closes the waker itself
+        # A step failing on every round fails on every wake-up (each request, for some).
+        self._step_failures = PolicyFailureLog(logger, "controller_step_error")
 
     # -- for subclasses ----------------------------------------------------------------
 
@@ -381,10 +383,11 @@ class ControllerThread(ABC):
     # -- the loop ----------------------------------------------------------------------
 
     def _step_failed(self, what: str) -> None:
-        """Count and log (with its traceback) the exception being handled, raised by a
-        part of a round: the step, ``next_step_in`` or ``busy``."""
+        """Count and log the exception being handled, raised by a part of a round: the
+        step, ``next_step_in`` or ``busy`` (the first with its traceback, later ones once
+        per burst)."""
         self.step_errors += 1
-        logger.exception("%s: %s failed", self.name, what)
+        self._step_failures.failed("%s: %s failed", self.name, what)
 
     def _guarded_next_step_in(self) -> float | None:
         """``next_step_in``, whose exception (a bug) is a step error: the regular interval."""
