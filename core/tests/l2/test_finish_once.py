@@ -144,3 +144,72 @@ def test_a_blocking_call_cancelled_by_close_finishes_its_op_once(adapters: list[
     runner.close_backend(0.0)
     assert len(finishes) == 1, "finished exactly once"
     assert not state.pins.deleting()
+
+
+class BlockingItsLoop:
+    """A coroutine backend whose delete makes a synchronous call that hangs (a read on a
+    hung mount inside ``async def``): its loop's thread is held, no cancellation lands."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    async def delete_many(self, keys: Any) -> Any:
+        self.entered.set()
+        self.release.wait()
+        return [True] * len(keys)
+
+
+def test_a_blocking_call_whose_loop_is_held_returns_once_the_adapter_closed(
+    adapters: list[BackendAdapter],
+) -> None:
+    """Close gives up on a loop held by its backend; the blocking caller then gets the
+    failed outcome instead of waiting for that loop for as long as it is held."""
+    adapter, _client, keys = stored_adapter(adapters)
+    state = adapter.state
+    backend = BlockingItsLoop()
+    runner = LoopRunner(state, backend, lambda _t, _op, _result: None, 1)
+    opened: concurrent.futures.Future[None] = concurrent.futures.Future()
+    opened.set_result(None)
+    runner._opened = opened
+    runner._thread.start()
+    outcome: list[Any] = []
+    caller = threading.Thread(
+        target=lambda: outcome.append(runner.call_now(DeleteOp(state, keys))), daemon=True
+    )
+    caller.start()
+    try:
+        assert backend.entered.wait(10.0)
+        state.closing.set()
+        runner.stop(0.0)
+        assert runner.close_backend(0.0) is False, "the held loop's close was abandoned"
+        caller.join(10.0)
+        assert not caller.is_alive(), "the caller still waits for a loop close gave up on"
+        assert outcome == [[False]]
+        assert not state.pins.deleting(), "the delete's claim was handed back"
+    finally:
+        backend.release.set()
+        runner._thread.join(10.0)
+    assert outcome == [[False]], "the loop's late finish did not change the caller's outcome"
+
+
+def test_a_crashed_task_whose_finish_raises_too_is_one_crashed_task(
+    adapters: list[BackendAdapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Handing back after a crash runs the op's finish; that raising as well is logged,
+    and the task still counts once in ``tasks_crashed`` (a count of tasks)."""
+    adapter, client, keys = stored_adapter(adapters)
+    prepare = LoadOp.prepare
+
+    def prepare_then_break(op: LoadOp) -> Any:
+        prepare(op)
+        return BrokenArguments()
+
+    def broken_finish(op: LoadOp, io_result: Any, *, call_returned: bool = True) -> Any:
+        raise RuntimeError("a bug in the op's finish too")
+
+    monkeypatch.setattr(LoadOp, "prepare", prepare_then_break)
+    monkeypatch.setattr(LoadOp, "finish", broken_finish)
+    assert client.load(keys, [memoryview(bytearray(SIZE))]) == [False]
+    monkeypatch.undo()
+    assert adapter.stats().get("tasks_crashed") == 1

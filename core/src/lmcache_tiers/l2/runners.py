@@ -470,8 +470,11 @@ class _BlockingCall:
         self._lock = threading.Lock()
         self._state = "pending"  # -> "started"; or -> "abandoned"
         self._finishing = False
-        #: set once the task on the loop ended (finished the op, or its prepare raised)
-        self.ended = threading.Event()
+        # Held until the task on the loop ended (finished the op, or its prepare raised).
+        # A plain lock, not an Event: this is built on the request thread for every
+        # blocking call, and an Event (a Condition in Python) costs that thread more.
+        self._running = threading.Lock()
+        self._running.acquire()
         self.outcome: Any = None
 
     def start(self) -> bool:
@@ -501,6 +504,17 @@ class _BlockingCall:
     def finished(self) -> bool:
         with self._lock:
             return self._finishing
+
+    def end(self) -> None:
+        """On the loop: the task is over (it finished the op, or its prepare raised)."""
+        self._running.release()
+
+    def wait_ended(self, timeout: float) -> bool:
+        """For the caller: True once the task on the loop is over, False after ``timeout``."""
+        if not self._running.acquire(timeout=timeout):
+            return False
+        self._running.release()  # over for good: a later ask answers at once
+        return True
 
 
 class _ListingProgress:
@@ -541,9 +555,11 @@ class LoopRunner(Runner):
         self._opened: concurrent.futures.Future[None] | None = None
         self._futures: set[concurrent.futures.Future[Any]] = set()
         self._lock = threading.Lock()
+        #: set once ``close_backend`` ended: a loop still running then is left to itself
+        self._closed = threading.Event()
 
     #: how often a caller waiting for a cancelled blocking call's finish checks that the
-    #: loop's thread still runs (a loop gone never finishes it)
+    #: loop's thread still runs and close did not give up on it (either never finishes it)
     _LOOP_CHECK_S: ClassVar[float] = 0.1
 
     # -- the loop ---------------------------------------------------------------------------
@@ -652,7 +668,7 @@ class LoopRunner(Runner):
         except Exception:  # a bug in an op: its task fails, as on worker threads, never hangs
             # What prepare took (pins, a load's noting of layouts) is handed back, or its
             # keys stay pinned -- never evictable -- for as long as the adapter runs.
-            self._crashed(task_id, lambda: self._hand_back(task_id, op, handoff))
+            self._crashed(task_id, lambda: self._hand_back(task_id, op, handoff, crash_counted=True))
             return
 
         def finish() -> None:
@@ -668,17 +684,26 @@ class LoopRunner(Runner):
         except Exception:
             self._crashed(task_id)
 
-    def _hand_back(self, task_id: int, op: BatchOp, handoff: _Handoff) -> bool:
+    def _hand_back(
+        self, task_id: int, op: BatchOp, handoff: _Handoff, *, crash_counted: bool = False
+    ) -> bool:
         """Undo what ``op``'s prepare took for a call whose answer will never be used, and
         publish the failed outcome; True if that was done here.  False when nothing was
         prepared, or ``prepare`` still runs in the executor (which undoes it as it ends).
-        Synchronous: it also runs in a coroutine being closed, which can await nothing."""
+        Synchronous: it also runs in a coroutine being closed, which can await nothing.
+        ``crash_counted``: the task already counts as crashed, and a finish raising here
+        is only logged (``tasks_crashed`` counts tasks, not the bugs one task met)."""
         if not handoff.abandon():
             return False
         try:
             self.publish(task_id, op, op.finish(None, call_returned=False))
         except Exception:  # the op's finish is buggy too: never in place of the exit under way
-            self._crashed(task_id)
+            if crash_counted:
+                log.exception(
+                    "%s: task %d crashed; handing back what it held raised too", self.state.name, task_id
+                )
+            else:
+                self._crashed(task_id)
         return True
 
     def _closed_unfinished(self, task_id: int, op: BatchOp, handoff: _Handoff) -> None:
@@ -713,7 +738,7 @@ class LoopRunner(Runner):
                 outcome = call.finish(result)
             return outcome
         finally:
-            call.ended.set()
+            call.end()
 
     def call_now(self, op: BatchOp) -> Any:
         if threading.current_thread() is self._thread:
@@ -732,12 +757,21 @@ class LoopRunner(Runner):
         call that never started, whose prepare raised, or whose loop ended without
         finishing it, is finished here (nothing prepared, or nothing else to hand it back)."""
         if not call.abandon():
-            while not call.ended.wait(self._LOOP_CHECK_S) and self._thread.is_alive():
+            while not call.wait_ended(self._LOOP_CHECK_S) and self._loop_may_still_finish():
                 pass  # the task is still finishing on the loop
             if call.finished():
                 return call.outcome
-        # Not started, its prepare raised, or its loop gone: finished here, the only time.
+        # Not started, its prepare raised, or its loop gone or given up on by close (held
+        # by its backend): finished here, the only time -- a late finish on the loop then
+        # hands this one's outcome back and changes nothing.
         return call.finish(None, call_returned=False)
+
+    def _loop_may_still_finish(self) -> bool:
+        """Whether a task on the loop may still end: not once the loop's thread ended, nor
+        once ``close_backend`` gave up on it (a backend holding the loop's thread in a
+        synchronous call that hangs: no cancellation lands, and a blocking caller waiting
+        for it would wait for as long as that call hangs)."""
+        return self._thread.is_alive() and not self._closed.is_set()
 
     def listing(self, batch: int) -> Iterator[list[Entry]]:
         if threading.current_thread() is self._thread:
@@ -843,9 +877,16 @@ class LoopRunner(Runner):
             else:
                 asyncio.run(close())
         finally:
-            if self._thread.is_alive():
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                self._thread.join(max(0.1, deadline - time.monotonic()))
-            elif not self._loop.is_closed():
-                self._loop.close()
+            try:
+                self._end_loop(deadline)
+            finally:
+                self._closed.set()
         return returned
+
+    def _end_loop(self, deadline: float) -> None:
+        """Stop the loop and wait for its thread until ``deadline`` (then left running)."""
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(max(0.1, deadline - time.monotonic()))
+        elif not self._loop.is_closed():
+            self._loop.close()
