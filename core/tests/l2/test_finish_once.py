@@ -73,8 +73,10 @@ class NeverAnswering:
         await asyncio.get_running_loop().create_future()
 
 
-def idle_runner(adapter: BackendAdapter, published: list[Any]) -> LoopRunner:
-    runner = LoopRunner(adapter.state, NeverAnswering(), lambda _t, _op, result: published.append(result), 1)
+def idle_runner(adapter: BackendAdapter, published: list[Any], backend: object | None = None) -> LoopRunner:
+    """A loop runner over ``backend`` (one never answering by default), its open done."""
+    backend = NeverAnswering() if backend is None else backend
+    runner = LoopRunner(adapter.state, backend, lambda _t, _op, result: published.append(result), 1)
     opened: concurrent.futures.Future[None] = concurrent.futures.Future()
     opened.set_result(None)
     runner._opened = opened
@@ -168,10 +170,7 @@ def test_a_blocking_call_whose_loop_is_held_returns_once_the_adapter_closed(
     adapter, _client, keys = stored_adapter(adapters)
     state = adapter.state
     backend = BlockingItsLoop()
-    runner = LoopRunner(state, backend, lambda _t, _op, _result: None, 1)
-    opened: concurrent.futures.Future[None] = concurrent.futures.Future()
-    opened.set_result(None)
-    runner._opened = opened
+    runner = idle_runner(adapter, [], backend)
     runner._thread.start()
     outcome: list[Any] = []
     caller = threading.Thread(
