@@ -16,7 +16,7 @@ from l2_backends import AsyncDictBackend, open_dict
 from lmcache_tiers.l2 import BackendAdapter
 from lmcache_tiers.l2.interface import L2Op
 from lmcache_tiers.l2.ops import DeleteOp, LoadOp
-from lmcache_tiers.l2.runners import LoopRunner
+from lmcache_tiers.l2.runners import LoopRunner, _BlockingCall
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys
 
@@ -212,3 +212,36 @@ def test_a_crashed_task_whose_finish_raises_too_is_one_crashed_task(
     assert client.load(keys, [memoryview(bytearray(SIZE))]) == [False]
     monkeypatch.undo()
     assert adapter.stats().get("tasks_crashed") == 1
+
+
+class SlowFinish:
+    """An op whose finish waits to be let go, for a second finisher to come meanwhile."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.go = threading.Event()
+        self.finishes = 0
+
+    def finish(self, io_result: Any, *, call_returned: bool = True) -> Any:
+        self.finishes += 1
+        self.entered.set()
+        self.go.wait()
+        return ["the one outcome"]
+
+
+def test_a_second_finisher_gets_the_first_finish_outcome_not_a_blank() -> None:
+    """The caller giving up (close gave up on the loop) while the loop is still inside
+    the op's finish takes that finish's outcome once it is there -- never None."""
+    op = SlowFinish()
+    call = _BlockingCall(op)  # type: ignore[arg-type]
+    outcomes: list[Any] = []
+    first = threading.Thread(target=lambda: outcomes.append(call.finish([True])))
+    first.start()
+    assert op.entered.wait(10.0)
+    second = threading.Thread(target=lambda: outcomes.append(call.finish(None, call_returned=False)))
+    second.start()
+    op.go.set()
+    first.join(10.0)
+    second.join(10.0)
+    assert outcomes == [["the one outcome"], ["the one outcome"]]
+    assert op.finishes == 1

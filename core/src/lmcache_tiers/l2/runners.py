@@ -469,7 +469,11 @@ class _BlockingCall:
         self.op = op
         self._lock = threading.Lock()
         self._state = "pending"  # -> "started"; or -> "abandoned"
-        self._finishing = False
+        # Held across the op's finish: a second finisher waits for the first one's outcome
+        # instead of taking a blank one while the first is still running it.
+        self._finishing = threading.Lock()
+        self._finished = False
+        self._finish_error: Exception | None = None
         # Held until the task on the loop ended (finished the op, or its prepare raised).
         # A plain lock, not an Event: this is built on the request thread for every
         # blocking call, and an Event (a Condition in Python) costs that thread more.
@@ -494,16 +498,19 @@ class _BlockingCall:
             return True
 
     def finish(self, result: list[Any] | None, *, call_returned: bool = True) -> Any:
-        """``op.finish`` -- the first time only; the outcome of that one after."""
-        with self._lock:
-            first, self._finishing = not self._finishing, True
-        if first:
-            self.outcome = self.op.finish(result, call_returned=call_returned)
-        return self.outcome
-
-    def finished(self) -> bool:
-        with self._lock:
-            return self._finishing
+        """``op.finish`` -- the first time only; the outcome of that one after (what it
+        raised, raised again: the op is never finished twice, even a buggy one)."""
+        with self._finishing:
+            if not self._finished:
+                self._finished = True
+                try:
+                    self.outcome = self.op.finish(result, call_returned=call_returned)
+                except Exception as exc:
+                    self._finish_error = exc
+                    raise
+            elif self._finish_error is not None:
+                raise self._finish_error
+            return self.outcome
 
     def end(self) -> None:
         """On the loop: the task is over (it finished the op, or its prepare raised)."""
@@ -759,11 +766,10 @@ class LoopRunner(Runner):
         if not call.abandon():
             while not call.wait_ended(self._LOOP_CHECK_S) and self._loop_may_still_finish():
                 pass  # the task is still finishing on the loop
-            if call.finished():
-                return call.outcome
-        # Not started, its prepare raised, or its loop gone or given up on by close (held
-        # by its backend): finished here, the only time -- a late finish on the loop then
-        # hands this one's outcome back and changes nothing.
+        # The outcome of the loop's finish if it ran (waited for while it runs).  Else --
+        # not started, its prepare raised, or its loop gone or given up on by close (held
+        # by its backend) -- finished here, the only time: a late finish on the loop then
+        # takes this one's outcome and changes nothing.
         return call.finish(None, call_returned=False)
 
     def _loop_may_still_finish(self) -> bool:
