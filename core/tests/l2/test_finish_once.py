@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -83,39 +84,65 @@ def idle_runner(adapter: BackendAdapter, published: list[Any], backend: object |
     return runner
 
 
+def run_then_drop_their_loop(runner: LoopRunner, tasks: dict[int, LoadOp]) -> list[BaseException | None]:
+    """Run the tasks on a loop until they await the backend, then drop the loop and close
+    their coroutines (off the main thread, as the adapter's loop runs): what each close
+    raised, None for none."""
+    closing: list[BaseException | None] = []
+
+    def run_then_drop() -> None:
+        loop = asyncio.new_event_loop()
+        coroutines = [runner._run(task_id, op) for task_id, op in tasks.items()]
+        running = [loop.create_task(coroutine) for coroutine in coroutines]
+        for _ in range(5):
+            loop.run_until_complete(asyncio.sleep(0))
+        assert not any(task.done() for task in running), "the loads await the backend"
+        loop.close()
+        for coroutine in coroutines:
+            try:
+                coroutine.close()
+            except BaseException as exc:
+                closing.append(exc)
+            else:
+                closing.append(None)
+
+    worker = threading.Thread(target=run_then_drop)
+    worker.start()
+    worker.join()
+    runner._loop.close()
+    return closing
+
+
 def test_a_task_closed_without_being_cancelled_hands_back_and_fails(adapters: list[BackendAdapter]) -> None:
     """A task's coroutine closed as it awaits the backend (its loop dropped with it
     pending) gets GeneratorExit, neither a cancellation nor an Exception."""
     adapter, _client, keys = stored_adapter(adapters)
     state = adapter.state
-    published: list[Any] = []
-    runner = idle_runner(adapter, published)
+    runner = idle_runner(adapter, [])
     task_id = state.board.new_task(L2Op.LOAD, 1)
     op = LoadOp(state, keys, [memoryview(bytearray(SIZE))])
-    closing: list[BaseException | None] = []
-
-    def run_then_drop_the_loop() -> None:  # off the main thread, as the adapter's loop runs
-        loop = asyncio.new_event_loop()
-        coroutine = runner._run(task_id, op)
-        task = loop.create_task(coroutine)
-        for _ in range(5):
-            loop.run_until_complete(asyncio.sleep(0))
-        assert not task.done() and state.pins.snapshot(), "the load awaits the backend, pinned"
-        loop.close()
-        try:
-            coroutine.close()
-        except BaseException as exc:
-            closing.append(exc)
-        else:
-            closing.append(None)
-
-    worker = threading.Thread(target=run_then_drop_the_loop)
-    worker.start()
-    worker.join()
-    runner._loop.close()
-    assert closing == [None]
+    assert run_then_drop_their_loop(runner, {task_id: op}) == [None]
     assert nothing_held(adapter), "the load's pin and noting registration were handed back"
     assert task_id in state.board.pop(L2Op.LOAD), "the task was completed, not left waiting"
+
+
+def test_tasks_closed_with_their_loop_are_counted_each_and_logged_in_a_burst(
+    adapters: list[BackendAdapter], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loop dropped with many tasks pending: each is counted, the log is not a line each."""
+    adapter, _client, keys = stored_adapter(adapters)
+    state = adapter.state
+    runner = idle_runner(adapter, [])
+    tasks = {
+        state.board.new_task(L2Op.LOAD, 1): LoadOp(state, keys, [memoryview(bytearray(SIZE))])
+        for _ in range(20)
+    }
+    with caplog.at_level(logging.WARNING):
+        assert run_then_drop_their_loop(runner, tasks) == [None] * 20
+    assert adapter.stats().get("tasks_failed_closed") == 20
+    assert nothing_held(adapter)
+    lines = [record for record in caplog.records if "closed with the event loop" in record.getMessage()]
+    assert 1 <= len(lines) <= 2, [record.getMessage() for record in lines]
 
 
 def test_a_blocking_call_cancelled_by_close_finishes_its_op_once(adapters: list[BackendAdapter]) -> None:

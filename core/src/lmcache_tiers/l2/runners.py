@@ -657,22 +657,33 @@ class LoopRunner(Runner):
     async def _run(self, task_id: int, op: BatchOp) -> None:
         handoff = _Handoff()
         result: list[Any] | None = None
+        closed_unfinished = False
         try:
             if await self._backend_ready():
                 async with self._semaphore:
-                    if op.heavy_prepare:
-                        args = await self._offload(lambda: handoff.prepare(op))
-                    else:
-                        args = handoff.prepare(op)
-                    result = await call_async(self.state, self.backend, op.method, *args)
+                    try:
+                        if op.heavy_prepare:
+                            args = await self._offload(lambda: handoff.prepare(op))
+                        else:
+                            args = handoff.prepare(op)
+                        result = await call_async(self.state, self.backend, op.method, *args)
+                    except GeneratorExit:
+                        # Handled before the semaphore's release, which wakes the next
+                        # waiter on the loop -- closed: that raises RuntimeError in its place.
+                        closed_unfinished = True
+                        self._closed_unfinished(task_id, op, handoff)
+                        raise
         except asyncio.CancelledError:
             if not self._hand_back(task_id, op, handoff):
                 self.state.board.fail(task_id)
             raise
         except GeneratorExit:
-            self._closed_unfinished(task_id, op, handoff)
+            if not closed_unfinished:
+                self._closed_unfinished(task_id, op, handoff)
             raise
         except Exception:  # a bug in an op: its task fails, as on worker threads, never hangs
+            if closed_unfinished:
+                return  # the closed loop refusing the semaphore's release: the close, handled
             # What prepare took (pins, a load's noting of layouts) is handed back, or its
             # keys stay pinned -- never evictable -- for as long as the adapter runs.
             self._crashed(task_id, lambda: self._hand_back(task_id, op, handoff, crash_counted=True))
@@ -721,7 +732,9 @@ class LoopRunner(Runner):
         what its prepare took handed back."""
         if self.state.board.fail(task_id):
             self.state.count("tasks_failed_closed")
-        log.warning(
+        # A loop dropped with many tasks pending closes them all at once: one line a burst.
+        self.state.burst.warn(
+            "tasks_closed_with_loop",
             "%s: task %d closed with the event loop before it ended; failed, what it held released",
             self.state.name,
             task_id,
