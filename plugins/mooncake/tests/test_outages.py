@@ -475,7 +475,8 @@ def test_concurrent_calls_to_a_silent_master_leave_one_probe_inside_mooncake(
     # Each call to a silent master is preceded by a probe that, given up at the deadline,
     # stays inside Mooncake's ~4 s reconnect: one per concurrent call would fill the
     # deadline pool (deletes and the circuit's probes wait behind them) and leave daemon
-    # threads inside Mooncake.  While one probe is unanswered, the others are refused.
+    # threads inside Mooncake.  While one probe is unanswered, the others wait for it up to
+    # the timeout and are refused.
     callers = 6
     with _master_silent(own_cluster) as (adapter, _, stored):
         backend = backend_of(adapter)
@@ -496,3 +497,31 @@ def test_concurrent_calls_to_a_silent_master_leave_one_probe_inside_mooncake(
         assert adapter.stats()["calls_refused_master_silent"] == callers, adapter.stats()
         # Structural: Mooncake keeps the one probe for seconds, the refusals came at once.
         assert backend.calls.busy <= 1, backend.calls.busy
+
+
+def test_calls_made_as_a_frozen_master_resumes_are_served_not_refused(own_cluster: LocalCluster) -> None:
+    # A probe given up while the master was frozen is still inside Mooncake when the
+    # master resumes; the calls made then wait for it (and probe again) instead of being
+    # refused because an earlier probe had not come back: hits resume with the master.
+    own_cluster.add_segment_host("64MB")
+    adapter = open_adapter(config_for(own_cluster, operation_timeout_s=0.5))
+    client = BlockingAdapterClient(adapter, timeout=60)
+    master = own_cluster.master
+    assert master is not None
+    try:
+        assert _round_trip(client, 0)
+        stored = make_keys(2, start=0)
+        backend = backend_of(adapter)
+        master.send_signal(signal.SIGSTOP)
+        wait_stopped(master.pid, HANG_GUARD_S)
+        try:
+            for _ in range(2):  # the first fails unanswered, the second's probe is given up
+                with contextlib.suppress(Exception):
+                    backend.contains_many(stored)
+            assert backend.calls.busy >= 1, "no given-up call left inside Mooncake"
+        finally:
+            master.send_signal(signal.SIGCONT)
+        assert [size is not None for size in backend.contains_many(stored)] == [True, True]
+        eventually(lambda: backend.calls.busy == 0, timeout=HANG_GUARD_S, what="the given-up calls ending")
+    finally:
+        adapter.close()

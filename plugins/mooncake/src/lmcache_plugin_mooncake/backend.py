@@ -269,6 +269,8 @@ class MooncakeStoreBackend:
         self._probes_running = 0
         self._last_probe_started = 0.0
         self._probe_lock = threading.Lock()
+        #: notified when a probe ends, on time or late
+        self._probe_ended_cond = threading.Condition(self._probe_lock)
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -388,13 +390,19 @@ class MooncakeStoreBackend:
         them -- deletes waiting behind -- and leave daemon threads inside Mooncake; the
         master has not answered the running one, so a second is refused at once (unless
         the running one has been inside Mooncake for ``_PROBE_ALONE_S``: a call stuck for
-        good must not keep the circuit open for good)."""
+        good must not keep the circuit open for good).  A probe that finds another running
+        waits for it up to the timeout first: a master that was frozen and answers again
+        ends the running one late, and the calls made meanwhile must then be served, not
+        refused because an earlier probe had not come back yet."""
         with self._probe_lock:
-            now = time.monotonic()
-            if self._probes_running and now - self._last_probe_started < _PROBE_ALONE_S:
-                raise MooncakeError("the master has not answered the probe sent before (still running)")
+            deadline = time.monotonic() + self.timeout
+            while self._probes_running and time.monotonic() - self._last_probe_started < _PROBE_ALONE_S:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise MooncakeError("the master has not answered the probe sent before (still running)")
+                self._probe_ended_cond.wait(left)
             self._probes_running += 1
-            self._last_probe_started = now
+            self._last_probe_started = time.monotonic()
         given_up = False
         try:
             (code,) = self.calls.run(
@@ -412,6 +420,7 @@ class MooncakeStoreBackend:
     def _probe_ended(self) -> None:
         with self._probe_lock:
             self._probes_running -= 1
+            self._probe_ended_cond.notify_all()
 
     def capacity(self) -> int | None:
         return self.config.capacity_bytes
