@@ -219,6 +219,38 @@ def test_a_blocking_call_whose_loop_is_held_returns_once_the_adapter_closed(
     assert outcome == [[False]], "the loop's late finish did not change the caller's outcome"
 
 
+def test_a_blocking_call_made_after_stop_is_answered_without_its_held_loop(
+    adapters: list[BackendAdapter],
+) -> None:
+    """A call scheduled once ``stop`` took its list of futures to cancel is cancelled at
+    once: its caller is answered although the loop, held by the backend, never runs it
+    (before, such a call -- one whose task started before its future was registered, too
+    -- was never cancelled, and its caller waited for as long as the loop was held)."""
+    adapter, _client, keys = stored_adapter(adapters)
+    state = adapter.state
+    backend = BlockingItsLoop()
+    runner = idle_runner(adapter, [], backend)
+    runner._thread.start()
+    holder = threading.Thread(target=lambda: runner.call_now(DeleteOp(state, keys)), daemon=True)
+    holder.start()
+    outcome: list[Any] = []
+    try:
+        assert backend.entered.wait(10.0)
+        state.closing.set()
+        runner.stop(0.0)
+        late = threading.Thread(
+            target=lambda: outcome.append(runner.call_now(DeleteOp(state, make_keys(1)))), daemon=True
+        )
+        late.start()
+        late.join(10.0)
+        assert not late.is_alive(), "the call made after stop still waits for the held loop"
+        assert outcome == [[False]]
+    finally:
+        backend.release.set()
+        holder.join(10.0)
+        runner._thread.join(10.0)
+
+
 def test_a_crashed_task_whose_finish_raises_too_is_one_crashed_task(
     adapters: list[BackendAdapter], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -562,6 +562,7 @@ class LoopRunner(Runner):
         self._opened: concurrent.futures.Future[None] | None = None
         self._futures: set[concurrent.futures.Future[Any]] = set()
         self._lock = threading.Lock()
+        self._stopping = False  # set by ``stop`` with the list of futures it cancels
         #: set once ``close_backend`` ended: a loop still running then is left to itself
         self._closed = threading.Event()
 
@@ -586,10 +587,17 @@ class LoopRunner(Runner):
             loop.close()
 
     def _schedule(self, coroutine: Any) -> concurrent.futures.Future[Any]:
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        # Scheduled and registered in one step under the lock: a task that starts on the
+        # loop before its future is registered would escape ``stop``'s cancelling, and its
+        # caller would wait for a loop that close gave up on.  One scheduled once ``stop``
+        # took its list is cancelled at once, as ``stop`` would have.
         with self._lock:
+            future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
             self._futures.add(future)
+            stopping = self._stopping
         future.add_done_callback(self._forget)
+        if stopping:
+            future.cancel()
         return future
 
     def _forget(self, future: concurrent.futures.Future[Any]) -> None:
@@ -858,6 +866,7 @@ class LoopRunner(Runner):
     def stop(self, deadline: float) -> None:
         self._interrupt()
         with self._lock:
+            self._stopping = True
             futures = list(self._futures)
         if not futures:
             return
