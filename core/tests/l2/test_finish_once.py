@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -304,3 +305,58 @@ def test_a_second_finisher_gets_the_first_finish_outcome_not_a_blank() -> None:
     second.join(10.0)
     assert outcomes == [["the one outcome"], ["the one outcome"]]
     assert op.finishes == 1
+
+
+class EndingItsLoop:
+    """A coroutine backend whose delete leaves a callback on its loop that raises
+    SystemExit (a client library's callback calling ``sys.exit``): the loop's thread ends
+    with the delete pending, its task neither cancelled nor finished."""
+
+    async def delete_many(self, keys: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        loop.call_soon(sys.exit, "a client library's callback")
+        await loop.create_future()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_blocking_call_whose_loop_ended_under_it_gets_the_failed_outcome(
+    adapters: list[BackendAdapter],
+) -> None:
+    """The loop's thread ends with a blocking call pending (closed, not cancelled): the
+    caller gets the failed outcome and the delete's claim is handed back, instead of
+    waiting for a future nobody will ever set."""
+    adapter, _client, keys = stored_adapter(adapters)
+    state = adapter.state
+    runner = idle_runner(adapter, [], EndingItsLoop())
+    runner._thread.start()
+    outcome: list[Any] = []
+    caller = threading.Thread(
+        target=lambda: outcome.append(runner.call_now(DeleteOp(state, keys))), daemon=True
+    )
+    caller.start()
+    caller.join(10.0)
+    assert not caller.is_alive(), "the caller still waits for a loop that ended"
+    assert outcome == [[False]]
+    assert not state.pins.deleting(), "the delete's claim was handed back"
+    # A call made once the loop is gone is answered too, not refused with RuntimeError.
+    assert runner.call_now(DeleteOp(state, make_keys(1))) == [False]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_task_whose_loop_ended_under_it_is_failed_and_hands_back(adapters: list[BackendAdapter]) -> None:
+    """A background task pending on a loop whose thread ended is failed on the board
+    (counted as closed with its loop) and what its prepare took is handed back."""
+    adapter, _client, keys = stored_adapter(adapters)
+    state = adapter.state
+    runner = idle_runner(adapter, [], EndingItsLoop())
+    runner._thread.start()
+    delete_task = state.board.new_task(L2Op.LOAD, 1)
+    runner.run(delete_task, DeleteOp(state, keys))
+    runner._thread.join(10.0)
+    assert not runner._thread.is_alive()
+    assert delete_task in state.board.pop(L2Op.LOAD), "the task was completed, not left waiting"
+    assert not state.pins.deleting(), "the delete's claim was handed back"
+    later = state.board.new_task(L2Op.LOAD, 1)
+    runner.run(later, LoadOp(state, keys, [memoryview(bytearray(SIZE))]))
+    assert later in state.board.pop(L2Op.LOAD), "a task run once the loop is gone is failed at once"
+    assert nothing_held(adapter)

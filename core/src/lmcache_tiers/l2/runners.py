@@ -457,6 +457,20 @@ class _Handoff:
         return state == "prepared"
 
 
+class _LoopEnded(Exception):
+    """Set on the future of a call its event loop was closed with (``_drop_left``)."""
+
+
+class _Scheduled:
+    """A call scheduled on the loop: its coroutine, and its task id if it is a ``run``."""
+
+    __slots__ = ("coroutine", "task_id")
+
+    def __init__(self, coroutine: Coroutine[Any, Any, Any], task_id: int | None) -> None:
+        self.coroutine = coroutine
+        self.task_id = task_id
+
+
 class _BlockingCall:
     """One ``call_now`` op on the loop, finished exactly once.
 
@@ -560,9 +574,11 @@ class LoopRunner(Runner):
         self._thread = threading.Thread(target=self._serve, name=f"l2-{state.name}-loop", daemon=True)
         self._semaphore = asyncio.Semaphore(max(1, concurrency))
         self._opened: concurrent.futures.Future[None] | None = None
-        self._futures: set[concurrent.futures.Future[Any]] = set()
+        #: every scheduled call not yet done, with its coroutine (and task id, for ``run``)
+        self._futures: dict[concurrent.futures.Future[Any], _Scheduled] = {}
         self._lock = threading.Lock()
         self._stopping = False  # set by ``stop`` with the list of futures it cancels
+        self._loop_ended = False  # set once the loop is closed: nothing is scheduled on it
         #: set once ``close_backend`` ended: a loop still running then is left to itself
         self._closed = threading.Event()
 
@@ -583,18 +599,40 @@ class LoopRunner(Runner):
             loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.run_until_complete(loop.shutdown_default_executor())
+        except BaseException as exc:
+            # A SystemExit raised by a callback of the backend's on the loop (asyncio lets
+            # it through): the loop's thread ends with calls pending, failed below.
+            log.error(
+                "%s: the event loop ended by %s: %s; its pending calls fail",
+                self.state.name,
+                type(exc).__name__,
+                exc,
+            )
+            raise
         finally:
-            loop.close()
+            with self._lock:
+                self._loop_ended = True
+                loop.close()
+                left = list(self._futures.items())
+            self._drop_left(left)
 
-    def _schedule(self, coroutine: Any) -> concurrent.futures.Future[Any]:
+    def _schedule(self, coroutine: Any, task_id: int | None = None) -> concurrent.futures.Future[Any]:
         # Scheduled and registered in one step under the lock: a task that starts on the
         # loop before its future is registered would escape ``stop``'s cancelling, and its
         # caller would wait for a loop that close gave up on.  One scheduled once ``stop``
-        # took its list is cancelled at once, as ``stop`` would have.
+        # took its list is cancelled at once, as ``stop`` would have.  One scheduled once
+        # the loop ended is dropped at once: a closed loop refuses it.
+        scheduled = _Scheduled(coroutine, task_id)
         with self._lock:
-            future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-            self._futures.add(future)
-            stopping = self._stopping
+            if self._loop_ended:
+                future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            else:
+                future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+                self._futures[future] = scheduled
+            ended, stopping = self._loop_ended, self._stopping
+        if ended:
+            self._drop_left([(future, scheduled)])
+            return future
         future.add_done_callback(self._forget)
         if stopping:
             future.cancel()
@@ -602,7 +640,34 @@ class LoopRunner(Runner):
 
     def _forget(self, future: concurrent.futures.Future[Any]) -> None:
         with self._lock:
-            self._futures.discard(future)
+            self._futures.pop(future, None)
+
+    def _drop_left(self, left: list[tuple[concurrent.futures.Future[Any], _Scheduled]]) -> None:
+        """Fail the calls the loop was closed with, neither cancelled nor finished (its
+        thread ended by an exception, or a call scheduled as it shut down): no task of
+        theirs will ever run again, and their futures would never be set.  A started
+        coroutine is closed (its ``GeneratorExit`` handling fails its task or finishes its
+        blocking call and hands back what it held); a ``run`` task that never started is
+        failed here (nothing prepared); a blocking caller, its future failed, finishes a
+        call that never started itself."""
+        for future, scheduled in left:
+            if future.done():
+                continue
+            coroutine = scheduled.coroutine
+            never_started = inspect.getcoroutinestate(coroutine) == inspect.CORO_CREATED
+            coroutine.close()  # a started one handles its GeneratorExit; never awaited, no warning
+            if never_started and scheduled.task_id is not None and self.state.board.fail(scheduled.task_id):
+                self.state.count("tasks_failed_closed")
+                self.state.burst.warn(
+                    "tasks_closed_with_loop",
+                    "%s: task %d dropped with the event loop before it started; failed",
+                    self.state.name,
+                    scheduled.task_id,
+                )
+            try:
+                future.set_exception(_LoopEnded(f"{self.state.name}: the event loop ended"))
+            except concurrent.futures.InvalidStateError:
+                pass  # cancelled meanwhile by ``stop``: its caller is answered all the same
 
     async def _offload(self, function: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(None, function)
@@ -750,7 +815,7 @@ class LoopRunner(Runner):
         self._hand_back(task_id, op, handoff)
 
     def run(self, task_id: int, op: BatchOp) -> None:
-        self._schedule(self._run(task_id, op))
+        self._schedule(self._run(task_id, op), task_id)
 
     async def _now(self, call: _BlockingCall) -> Any:
         if not call.start():
@@ -759,11 +824,15 @@ class LoopRunner(Runner):
             op = call.op
             args = op.prepare()
             result: list[Any] | None = None
+            returned = False
             try:
                 if await self._backend_ready():
                     result = await call_async(self.state, self.backend, op.method, *args)
+                returned = True
             finally:
-                outcome = call.finish(result)
+                # Not returned: cancelled, or closed with its loop (GeneratorExit) while the
+                # backend may still use the call's buffers.
+                outcome = call.finish(result, call_returned=returned)
             return outcome
         finally:
             call.end()
@@ -774,7 +843,7 @@ class LoopRunner(Runner):
         call = _BlockingCall(op)
         try:
             return self._schedule(self._now(call)).result()
-        except concurrent.futures.CancelledError:
+        except (concurrent.futures.CancelledError, _LoopEnded):
             return self._cancelled_outcome(call)
 
     def _cancelled_outcome(self, call: _BlockingCall) -> Any:
