@@ -284,6 +284,31 @@ def test_objects_are_spread_over_every_mapping_and_found_after_a_restart() -> No
             reopened.close()
 
 
+def test_a_write_made_while_a_mapping_was_left_out_wins_over_that_mappings_older_write() -> None:
+    # A run with mapping b only leaves many writes there; a run with a only stores the
+    # same key again, numbering its writes from what a holds.  Listing both again, the
+    # key is the newer write, not b's older one (a chunk stored again under another
+    # layout would otherwise come back in the old one).
+    with shm_dir() as directory:
+        a = DaxDevice(device_path=str(directory / "a.img"), max_dax_size_gb=size_gb(8))
+        b = DaxDevice(device_path=str(directory / "b.img"), max_dax_size_gb=size_gb(8))
+        (key,) = make_keys(1)
+        fillers = make_keys(6, start=100)
+        only_b = open_dax(DaxConfig(slot_bytes=SLOT, devices=(b,)))
+        assert store(only_b, fillers, data_for(6)) == [True] * 6
+        assert store(only_b, [key], [b"old" * 1000]) == [True]
+        only_b.close()
+        only_a = open_dax(DaxConfig(slot_bytes=SLOT, devices=(a,)))
+        assert store(only_a, [key], [b"new" * 1000]) == [True]
+        only_a.close()
+        both = open_dax(DaxConfig(slot_bytes=SLOT, devices=(a, b)))
+        try:
+            assert load(both, [key], [3000]) == ([True], [b"new" * 1000])
+            assert both.stats()["recovery_dropped_slots"] == 1  # b's older write, uncommitted
+        finally:
+            both.close()
+
+
 def test_objects_larger_than_a_slot_are_refused_and_counted() -> None:
     with shm_dir() as directory:
         adapter = open_dax(config(directory / "dax.img"))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -68,6 +69,19 @@ def _interleave(counts: Sequence[int]) -> tuple[npt.NDArray[np.int64], npt.NDArr
     locals_ = np.concatenate([np.arange(count, dtype=np.int64) for count in counts])
     order = np.lexsort((regions, locals_))
     return regions[order], locals_[order]
+
+
+def first_write_number() -> int:
+    """Where this run's write numbers start: the wall clock in nanoseconds.
+
+    Recovery keeps the highest-numbered write of each key, over every mapping listed.  A
+    mapping left out of an earlier run holds writes numbered by the runs that had it: had
+    this run counted on from the highest number the mappings it has hold, a key it stores
+    again could get a lower number than the same key's older write on a mapping listed
+    again later, and that older write would win.  Numbers from the clock are higher than
+    any earlier run's (at most one write a nanosecond), as long as the clock did not go
+    back between the runs; recovery still starts above every write it found."""
+    return time.time_ns()
 
 
 class DaxBackend(SlotStoreBackend):
@@ -153,7 +167,7 @@ class DaxBackend(SlotStoreBackend):
             if chosen is not None:
                 entries.append((key, chosen))
             older += len(writes) - damaged - (chosen is not None)
-        superseded = self.table.restore(entries, next_seq=1)
+        superseded = self.table.restore(entries, next_seq=first_write_number())
         kept_newer = self._keep_newer_records(newer)
         for entry in superseded:
             self._clear(entry.slot)
