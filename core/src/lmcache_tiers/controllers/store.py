@@ -586,9 +586,13 @@ class StoreController(ControllerThread):
         # Their objects settled only once counted below: an object settled first could be
         # evicted in between as if stored (uncounted), and would then be skipped as gone.
         ended: dict[int, _Batch] = {}
+        # Their store locks are given back only once their objects are settled: an object
+        # unlocked but still flagged unstored could be evicted in between, counted lost by
+        # the eviction (``evicted_before_l2_store``) and again as abandoned below.
+        holding: list[_Task] = []
         for task in self._tasks.owners():
             if not task.released:
-                self._release(task)
+                holding.append(task)
             ended[id(task.batch)] = task.batch
             self.stats.add_adapter(task.slot.index, "store_tasks_failed")
             for key in task.keys:
@@ -620,9 +624,13 @@ class StoreController(ControllerThread):
             # Abandoned ones all count: an object a running store locks leaves L1 only by
             # force -- a forced clear, which leaves the store to count a loss, or an NVMe L1
             # write-back error, which counts the dropped copy, not the missing L2 one.
-            queued = list(self._still_in_l1({id(obj): obj for obj in queued}).values())
-            self.l1.settle_unstored([obj for batch in ended.values() for obj in batch.objects.values()])
-            self.l1.settle_unstored(queued)
+            try:
+                queued = list(self._still_in_l1({id(obj): obj for obj in queued}).values())
+                self.l1.settle_unstored([obj for batch in ended.values() for obj in batch.objects.values()])
+                self.l1.settle_unstored(queued)
+            finally:
+                for task in holding:
+                    self._release(task)
         if not counting:
             return  # counted by the close that went on without this thread
         if abandoned:
