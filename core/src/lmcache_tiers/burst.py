@@ -7,12 +7,13 @@ happens and how often, once per window.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import Counter
 from typing import Any
 
-__all__ = ["BURST_WINDOW_S", "BurstLog"]
+__all__ = ["BURST_WINDOW_S", "BurstLog", "PolicyFailureLog"]
 
 #: a repeated warning is logged once per this many seconds, with the count of the others
 BURST_WINDOW_S = 60.0
@@ -70,3 +71,35 @@ class BurstLog:
         """``count`` events of this log's failure reason, described by ``what``."""
         reason = self.reason or "unspecified"
         self.warn(reason, "%d %s (failure reason %s)", count, what, reason, count=count)
+
+
+class PolicyFailureLog:
+    """The log lines of a policy's failures (or a controller's steps', or a listener's),
+    one failure ``reason``: the first failure with its traceback (a bug, to be found and
+    fixed), later ones at most one line per burst window, telling how many were only
+    counted meanwhile.
+
+    A policy with a bug often fails on every call -- every lookup, every stored batch --
+    and a traceback each time would bury the log; the counter has every one of them.
+    """
+
+    def __init__(self, logger: logging.Logger, reason: str) -> None:
+        self._logger = logger
+        self._burst = BurstLog(logger, reason)
+        self._lock = threading.Lock()  # listeners report from adapter threads
+        self._traced = False
+
+    def failed(self, message: str, *args: object) -> None:
+        """Log the failure being handled (call from an ``except`` block)."""
+        with self._lock:
+            first, self._traced = not self._traced, True
+        if first:
+            self._logger.exception(message, *args)
+            return
+        # Without a traceback, the exception is named: a later bug of the same policy,
+        # another than the one traced first, is then told apart.
+        error = sys.exc_info()[1]
+        reason = self._burst.reason or "unspecified"
+        self._burst.warn(
+            reason, message + ": %s: %s (failure reason %s)", *args, type(error).__name__, error, reason
+        )

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import select
-import sys
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -20,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from lmcache_tiers.burst import BurstLog
+from lmcache_tiers.burst import PolicyFailureLog as PolicyFailureLog  # re-exported for the controllers
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.errors import plugin_code
 from lmcache_tiers.keys import ObjectKey
@@ -219,37 +218,6 @@ def end_fruitless_walk(policy: EvictionPolicy, failed: Callable[[], None] | None
     except Exception:
         if failed is not None:
             failed()
-
-
-class PolicyFailureLog:
-    """The log lines of a policy's failures (or a controller's steps'), one failure
-    ``reason``: the first failure with its traceback (a bug, to be found and fixed), later
-    ones at most one line per burst window, telling how many were only counted meanwhile.
-
-    A policy with a bug often fails on every call -- every lookup, every stored batch --
-    and a traceback each time would bury the log; the counter has every one of them.
-    """
-
-    def __init__(self, logger: logging.Logger, reason: str) -> None:
-        self._logger = logger
-        self._burst = BurstLog(logger, reason)
-        self._lock = threading.Lock()  # listeners report from adapter threads
-        self._traced = False
-
-    def failed(self, message: str, *args: object) -> None:
-        """Log the failure being handled (call from an ``except`` block)."""
-        with self._lock:
-            first, self._traced = not self._traced, True
-        if first:
-            self._logger.exception(message, *args)
-            return
-        # Without a traceback, the exception is named: a later bug of the same policy,
-        # another than the one traced first, is then told apart.
-        error = sys.exc_info()[1]
-        reason = self._burst.reason or "unspecified"
-        self._burst.warn(
-            reason, message + ": %s: %s (failure reason %s)", *args, type(error).__name__, error, reason
-        )
 
 
 def aligned_total(sizes: Iterable[int], align: int) -> int:

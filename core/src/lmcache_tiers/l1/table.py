@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
+from lmcache_tiers.burst import PolicyFailureLog
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1.leases import ExtentLeases, TakenBy
 from lmcache_tiers.l1.objects import L1Listener, L1Object, L1Stats, ObjectState
@@ -41,8 +42,10 @@ class L1Listeners:
 
     def __init__(self) -> None:
         self._listeners: list[L1Listener] = []
-        #: notifications a listener raised on (each logged): changes it may not have seen
+        #: notifications a listener raised on: changes it may not have seen
         self.errors = 0
+        # A listener with a bug fails on every notification: one traceback, then a line a burst.
+        self._failures_log = PolicyFailureLog(logger, "l1_listener_error")
 
     def add(self, listener: L1Listener) -> None:
         self._listeners.append(listener)
@@ -68,7 +71,9 @@ class L1Listeners:
                 # L1 state is already consistent; one faulty listener must not fail the
                 # caller's request or starve the listeners after it.
                 self.errors += 1
-                logger.exception("L1 listener %r failed on %s of %d keys", listener, event, len(keys))
+                self._failures_log.failed(
+                    "L1 listener %r failed on %s of %d keys", listener, event, len(keys)
+                )
 
 
 class ObjectTable:

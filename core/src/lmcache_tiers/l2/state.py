@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lmcache_tiers.burst import BurstLog
+from lmcache_tiers.burst import BurstLog, PolicyFailureLog
 from lmcache_tiers.errors import plugin_code
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.accounting import UNKNOWN_L1, ByteAccounting
@@ -82,6 +82,8 @@ class AdapterState:
         self.burst = BurstLog()
         self.adapter: L2Adapter | None = None  # the adapter listeners are told about
         self._listeners: list[L2Listener] = []
+        # A listener with a bug fails on every notification: one traceback, then a line a burst.
+        self._listener_failures = PolicyFailureLog(log, "listener_failures")
         self._lock = threading.Lock()
         #: (L1 size, layout, stored size) of keys whose store is in the backend call right
         #: now, one entry per store: stores of one key may overlap, and each record header
@@ -272,7 +274,9 @@ class AdapterState:
                 with plugin_code():
                     callback(self.adapter, keys)
             except Exception:  # a listener bug must not fail the adapter's operations
-                log.exception("%s: listener %r failed in %s", self.name, listener, method)
+                # Counted: the listener (an eviction policy) may have missed those keys.
+                self.count("listener_failures")
+                self._listener_failures.failed("%s: listener %r failed in %s", self.name, listener, method)
 
     def backend_failed(self, method: str, exc: BaseException) -> None:
         self.count("backend_errors")
