@@ -12,7 +12,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import islice
 
 from lmcache_tiers.burst import BurstLog
@@ -55,6 +55,14 @@ REMOVED_WHILE_LISTING_MAX = 1 << 16
 #: the event of keys the adapter's start-up scan accounted (``on_l2_keys_scanned``): told
 #: to the policy as written, unless it has them from the listing already
 SCANNED = "on_keys_scanned"
+
+
+def close_walk(walk: Iterator[ObjectKey]) -> None:
+    """End a policy's walk of ``victims()`` now (a generator's ``finally`` runs): one that
+    is a plain iterator has nothing to end."""
+    close = getattr(walk, "close", None)
+    if close is not None:
+        close()
 
 
 class L2EvictionController(ControllerThread):
@@ -535,9 +543,16 @@ class L2EvictionController(ControllerThread):
                     # and keys whose removal the policy failed to take.
                     limit = len(refused) + evicted + batch_size + self.removals_unreported + WALK_SLACK
                     with plugin_code():
-                        offered = bounded_walk(self.policy.victims(), limit, self._walk_overran)
-                        victims = (key for key in offered if key not in refused)
-                        batch = list(dict.fromkeys(islice(victims, batch_size)))
+                        walk = self.policy.victims()
+                        try:
+                            offered = bounded_walk(walk, limit, self._walk_overran)
+                            victims = (key for key in offered if key not in refused)
+                            batch = list(dict.fromkeys(islice(victims, batch_size)))
+                        finally:
+                            # Closed here, under the policy lock and as plugin code: left to
+                            # the garbage collector, the walk's cleanup would run with no lock
+                            # held, and what it raised would be swallowed, uncounted.
+                            close_walk(walk)
                 except Exception:
                     # A broken policy ends the cycle; what it already evicted is counted.
                     self._policy_failed()
