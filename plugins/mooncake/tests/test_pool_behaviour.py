@@ -809,6 +809,23 @@ def test_a_failed_header_read_misses_only_its_key(
     second.unlock(keys)
 
 
+def test_the_listing_logs_the_names_it_cannot_read_as_keys(
+    mooncake_pool: LocalCluster, adapters: list[BackendAdapter], caplog: pytest.LogCaptureFixture
+) -> None:
+    # key_prefix changed to a parent of the one the objects were stored under: their names
+    # read "x/<name>" under it, no key's.  Skipped and left alone, and the log says so.
+    config = config_for(mooncake_pool)
+    first = open_adapter(msgspec.structs.replace(config, key_prefix=config.key_prefix + "x/"))
+    store(first, make_keys(2))
+    first.close()
+    adapter = open_adapter(config)
+    adapters.append(adapter)
+    eventually(lambda: not adapter.stats()["scan_running"], what="the start-up scan")
+    assert adapter.used_bytes() == 0
+    assert adapter.stats().get("listing_names_skipped", 0) == 2
+    assert f"2 names under {config.key_prefix!r} are not readable names of this cache's keys" in caplog.text
+
+
 def test_the_listing_counts_and_logs_objects_too_short_for_a_record(
     mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter], caplog: pytest.LogCaptureFixture
 ) -> None:

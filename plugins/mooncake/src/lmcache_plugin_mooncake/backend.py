@@ -113,6 +113,10 @@ _CALL_TIMEOUTS = 3
 #: how long a running probe makes the next one wait: well past Mooncake's ~4 s reconnect
 #: and its RPC timeouts, so only a probe stuck for good is joined by another
 _PROBE_ALONE_S = 30.0
+#: probes inside Mooncake at most: one running past ``_PROBE_ALONE_S`` lets one more
+#: through, but a master hung for good keeps that one as well, and each later one would
+#: hold another deadline-pool thread for good
+_PROBES_MAX = 2
 #: payload bytes below which checksums are taken on the calling thread alone (handing
 #: work to a helper thread costs more than it saves for a few objects)
 PARALLEL_MIN_BYTES = 4 << 20
@@ -393,7 +397,8 @@ class MooncakeStoreBackend:
         good must not keep the circuit open for good).  A probe that finds another running
         waits for it up to the timeout first: a master that was frozen and answers again
         ends the running one late, and the calls made meanwhile must then be served, not
-        refused because an earlier probe had not come back yet."""
+        refused because an earlier probe had not come back yet.  No more than
+        ``_PROBES_MAX`` probes are ever inside: past that a probe is refused at once."""
         with self._probe_lock:
             deadline = time.monotonic() + self.timeout
             while self._probes_running and time.monotonic() - self._last_probe_started < _PROBE_ALONE_S:
@@ -401,8 +406,12 @@ class MooncakeStoreBackend:
                 if left <= 0:
                     raise MooncakeError("the master has not answered the probe sent before (still running)")
                 self._probe_ended_cond.wait(left)
-            self._probes_running += 1
-            self._last_probe_started = time.monotonic()
+            stuck = self._probes_running
+            if stuck < _PROBES_MAX:
+                self._probes_running += 1
+                self._last_probe_started = time.monotonic()
+        if stuck >= _PROBES_MAX:
+            self._probe_refused_stuck(stuck)
         given_up = False
         try:
             (code,) = self.calls.run(
@@ -416,6 +425,16 @@ class MooncakeStoreBackend:
             if not given_up:
                 self._probe_ended()
         return code
+
+    def _probe_refused_stuck(self, stuck: int) -> None:
+        """Refuse a probe: ``stuck`` probes are inside Mooncake already, unanswered for
+        ``_PROBE_ALONE_S`` (counted, logged, raised: the master is taken as silent)."""
+        self.context.count("probes_refused_stuck")
+        self._throttle.warn(
+            "probes_stuck", "%s: probe of the Mooncake master not made: %d probes have been inside "
+            "Mooncake unanswered for %.0fs or more", self.context.name, stuck, _PROBE_ALONE_S,
+        )  # fmt: skip
+        raise MooncakeError(f"the master has not answered the {stuck} probes still inside Mooncake")
 
     def _probe_ended(self) -> None:
         with self._probe_lock:
@@ -1013,10 +1032,12 @@ class MooncakeStoreBackend:
 
     def _listed(self, names: Iterable[str]) -> Iterator[tuple[ObjectKey, int]]:
         batch: list[tuple[ObjectKey, str]] = []
+        unreadable = 0
         for name in names:
             key = self.names.key(name)
             if key is None:  # a digest name (accounted when looked up) or not ours
                 self.context.count("listing_names_skipped")
+                unreadable += 1
                 continue
             batch.append((key, name))
             if len(batch) == _LIST_BATCH:
@@ -1024,6 +1045,13 @@ class MooncakeStoreBackend:
                 batch = []
         if batch:
             yield from self._sized(batch)
+        if unreadable:  # e.g. objects of a key_prefix that extends this one ("cache/" and "cache/x/")
+            self._throttle.warn(
+                "list_unreadable", "%s: %d names under %r are not readable names of this cache's keys "
+                "(digest names, accounted when a lookup finds them, or other objects, left alone): "
+                "not listed",
+                self.context.name, unreadable, self.config.key_prefix,
+            )  # fmt: skip
 
     def _sized(self, batch: list[tuple[ObjectKey, str]]) -> Iterator[tuple[ObjectKey, int]]:
         sizes = self._call_leased("replica query", self._record_sizes, [n for _, n in batch])
