@@ -62,7 +62,9 @@ class ObjectBytes:
         # of the objects those took out of L1, acknowledged writes whose L2 store had not settled
         self._read_errors_lost_before_l2 = 0
         self._write_errors = 0  # copies into the NVMe file that failed (EIO, ENOSPC)
+        self._closed_reads = 0  # copies out that found L1 closed after their presence check
         self._read_error_log = BurstLog(logger, "l1_nvme_read_error")
+        self._closed_read_log = BurstLog(logger, "l1_read_closed")
         self._write_error_log = BurstLog(logger, "l1_nvme_write_error")
 
     def view(self, obj: L1Object) -> memoryview:
@@ -148,6 +150,26 @@ class ObjectBytes:
                 raise
             self._drop_unreadable(obj, exc)
             raise KeyError(f"{obj.key}: the NVMe L1 file could not be read: {exc.strerror}") from None
+        except (RuntimeError, ValueError):
+            # The copy runs without the L1 lock: a close landing after the presence check
+            # released the backing under it (a released arena view, a closed file).  A
+            # miss, as the check itself would have answered a moment later.
+            if not self._closed_after_check():
+                raise
+            raise KeyError(f"{obj.key}: L1 closed while it was being read") from None
+
+    def _closed_after_check(self) -> bool:
+        """Whether L1 is closed: if so the read that failed is counted and logged."""
+        with self._lock:
+            if not self._table.closed:
+                return False
+            self._closed_reads += 1
+        self._closed_read_log.warn(
+            "closed",
+            "L1 closed while an object was being read out of it (the server stopping); the "
+            "read is answered as a miss (failure reason l1_read_closed)",
+        )
+        return True
 
     def _drop_unreadable(self, obj: L1Object, exc: OSError) -> None:
         with self._lock:
@@ -228,9 +250,12 @@ class ObjectBytes:
         """Write-back errors of the NVMe file, copies refused and objects dropped for them
         (and, of those, the ones not stored in L2 yet: acknowledged writes lost), and the
         leftover block files start-up removed or kept, and the transfers still running
-        when close stopped waiting for them."""
+        when close stopped waiting for them; for either backing, the reads answered a miss
+        because L1 closed during their copy (``l1_read_closed``)."""
+        with self._lock:
+            closed_reads = {"l1_read_closed": self._closed_reads} if self._closed_reads else {}
         if self._nvme is None:
-            return {}
+            return closed_reads
         with self._lock:
             counts = {
                 "l1_nvme_writeback_error": self._nvme.writeback_errors_seen,
@@ -248,7 +273,7 @@ class ObjectBytes:
                 # at close: transfers stuck past the wait, the file left open for them
                 "l1_nvme_close_transfers_left": self._nvme.transfers_left_at_close,
             }
-        return {reason: count for reason, count in counts.items() if count}
+        return {reason: count for reason, count in counts.items() if count} | closed_reads
 
     def _check_writing(self, obj: L1Object) -> None:
         self._table.check_present(obj)

@@ -1,0 +1,56 @@
+"""An L1 closing between a read's presence check and its copy answers a miss (KeyError),
+counted and logged: never the RuntimeError or ValueError of a closed backing."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1 import L1Manager, L1Object
+
+ALIGN = 4096
+
+
+def key(index: int) -> ObjectKey:
+    return ObjectKey("read-closing", 0, index.to_bytes(8, "big"))
+
+
+@pytest.fixture(params=["memory", "nvme"])
+def l1(request: pytest.FixtureRequest) -> Iterator[L1Manager]:
+    nvme_dir: Path | None = request.getfixturevalue("nvme_dir") if request.param == "nvme" else None
+    manager = L1Manager(
+        16 * ALIGN, align=ALIGN, prefault=False, nvme_path=None if nvme_dir is None else str(nvme_dir)
+    )
+    yield manager
+    manager.close()
+
+
+def closing_after_the_check(l1: L1Manager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Close L1 right after a read's presence check passed (a stop landing between the
+    check and the copy, which runs without the L1 lock)."""
+    table = l1._table
+    check_present = table.check_present
+
+    def check_then_close(obj: L1Object) -> None:
+        check_present(obj)
+        l1.close()
+
+    monkeypatch.setattr(table, "check_present", check_then_close)
+
+
+def test_a_read_whose_l1_closes_before_its_copy_is_a_counted_miss(
+    l1: L1Manager, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    reserved = l1.reserve_write([key(1)], [ALIGN])
+    l1.write_object(reserved[key(1)], memoryview(bytes(range(256)) * (ALIGN // 256)))
+    assert l1.finish_write([key(1)]) == [True]
+    (obj,) = l1.reserve_read([key(1)]).values()
+    closing_after_the_check(l1, monkeypatch)
+    with caplog.at_level(logging.WARNING), pytest.raises(KeyError):
+        l1.read_object(obj, memoryview(bytearray(ALIGN)))
+    assert l1.failures().get("l1_read_closed") == 1
+    assert "closed" in caplog.text
