@@ -73,7 +73,7 @@ class StorageManager:
         sizes: Sequence[int],
         layouts: Sequence[str] | None = None,
     ) -> dict[ObjectKey, L1Object]:
-        """Write-lock L1 extents for the keys not yet present; evicts once if L1 is full.
+        """Write-lock L1 extents for the keys not yet present; evicts if L1 is full.
 
         ``layouts`` are the objects' tensor layouts ("" = unknown), checked against their
         sizes and handed to the L2 serde chains.  Raises L1OutOfMemoryError when even
@@ -90,19 +90,52 @@ class StorageManager:
                 check_layout(layout, size)
         try:
             reserved = self.l1.reserve_write(keys, sizes, layouts=layouts)
-        except L1OutOfMemoryError:
+        except L1OutOfMemoryError as no_room:
             self._refuse_if_it_cannot_fit(keys, sizes)
-            self.l1_eviction.evict_now(aligned_total(sizes, self.config.l1_align_bytes))
-            try:
-                reserved = self.l1.reserve_write(keys, sizes, layouts=layouts)
-            except L1OutOfMemoryError:
-                self.stats.fail("l1_write_oom")
-                raise
+            reserved = self._evict_until_reserved(keys, sizes, layouts, no_room)
         if self.l1_eviction.above_watermark():
             self.l1_eviction.wake()
         # The client copies into the reservation until it commits: write-back waits.
         DATA_PLANE.begin_many(reserved)
         return reserved
+
+    def _evict_until_reserved(
+        self,
+        keys: Sequence[ObjectKey],
+        sizes: Sequence[int],
+        layouts: Sequence[str] | None,
+        no_room: L1OutOfMemoryError,
+    ) -> dict[ObjectKey, L1Object]:
+        """Evict for a write L1 had no room for, then reserve it.
+
+        Evicting the write's size frees that many bytes, but maybe in pieces none of which
+        holds one of its objects (fragmentation): eviction goes on, the write's size at a
+        time in the policy's order, until the write fits or a round frees nothing.  A
+        write whose largest object fits in no span that evicting every unlocked object
+        would leave (locked objects lie between) is refused before anything is evicted.
+        """
+        align = self.config.l1_align_bytes
+        contains = self.l1.contains
+        largest = max((size for key, size in zip(keys, sizes, strict=True) if not contains(key)), default=0)
+        widest = self.l1.largest_reclaimable_extent()
+        if aligned_total([largest], align) > widest:
+            self.stats.fail("l1_write_oom")
+            message = (
+                f"{no_room}; no eviction can make a free extent of {largest} bytes (locked objects "
+                f"lie between the free ones; the widest span it can free is {widest}): refused "
+                "without evicting anything"
+            )
+            logger.warning("%s", message)
+            raise L1OutOfMemoryError(message) from None
+        need = aligned_total(sizes, align)
+        while True:
+            freed = self.l1_eviction.evict_now(need)
+            try:
+                return self.l1.reserve_write(keys, sizes, layouts=layouts)
+            except L1OutOfMemoryError:
+                if freed <= 0:
+                    self.stats.fail("l1_write_oom")
+                    raise
 
     def commit_write(self, keys: Sequence[ObjectKey], *, to_l2: bool = True) -> list[bool]:
         """Make reserved objects READY and queue them for L2 (unless ``to_l2`` is False:

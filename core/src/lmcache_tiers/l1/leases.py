@@ -244,6 +244,11 @@ class ExtentLeases:
         self._counts[how] += 1
         self._counts["bytes"] += entry.extent_bytes
 
+    def held_extents(self) -> list[tuple[int, int]]:
+        """``(offset, length)`` of every quarantined extent: allocated, and freed by no
+        eviction."""
+        return [(offset, entry.extent_bytes) for offset, entry in self._by_offset.items()]
+
     # -- reading ---------------------------------------------------------------------------
 
     def generations(self, objs: Sequence[L1Object]) -> list[int]:

@@ -495,6 +495,17 @@ class L1Manager:
             locked = self._table.locked_bytes(self._allocator.size_at)
             return self._allocator.capacity - locked - self._leases.quarantined_bytes
 
+    def largest_reclaimable_extent(self) -> int:
+        """The largest free extent that evicting every unlocked object would leave: the
+        widest gap between the extents no eviction frees (locked objects', those held for
+        loads, quarantined ones).  It sorts those extents: asked only once a write found
+        no room."""
+        with self.lock:
+            size_at = self._allocator.size_at
+            pinned = [(obj.offset, size_at(obj.offset)) for obj in self._table.unevictable()]
+            pinned += self._leases.held_extents()
+            return _widest_gap(sorted(pinned), self._allocator.capacity)
+
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` ran (every object was dropped then, none counted)."""
@@ -519,3 +530,13 @@ class L1Manager:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _widest_gap(extents: list[tuple[int, int]], capacity: int) -> int:
+    """The longest stretch of ``[0, capacity)`` that none of ``extents`` (``(offset,
+    length)``, by offset) covers."""
+    widest = start = 0
+    for offset, length in extents:
+        widest = max(widest, offset - start)
+        start = max(start, offset + length)
+    return max(widest, capacity - start)

@@ -165,6 +165,11 @@ class ObjectTable:
         locked = sum(extent_size_at(obj.offset) for obj in self.locked.values())
         return locked + sum(extent_size_at(obj.offset) for obj in self._held)
 
+    def unevictable(self) -> list[L1Object]:
+        """The objects whose extents no eviction frees: locked ones, and those held for
+        loads whose reservation left L1 (``locked_bytes`` is their size)."""
+        return [*self.locked.values(), *self._held]
+
     def stats(self, used_bytes: int) -> L1Stats:
         write_locked = sum(1 for obj in self.locked.values() if obj.state is ObjectState.WRITING)
         read_locks = sum(obj.read_locks for obj in self.locked.values())

@@ -1,0 +1,61 @@
+"""A write larger than every free extent while L1 has the room in total (fragmentation).
+
+Evicting the write's size in the policy's order frees that many bytes, but maybe in pieces
+none of which holds the object.  Eviction goes on until the write fits; a write that no
+eviction can fit (locked objects lie between the pieces) is refused before anything is
+evicted for it.
+"""
+
+from __future__ import annotations
+
+import pytest
+from engine_support import MiB, keys_of, payload, store
+
+from lmcache_tiers.errors import L1OutOfMemoryError
+from lmcache_tiers.storage import StorageManager
+
+
+def fragment(storage: StorageManager, size: int) -> list:
+    """Fill the 64 MiB L1 with 63 objects of ``size`` (1 MiB) and evict every other one:
+    half of L1 is free, in holes of ``size`` bytes between the even objects."""
+    resident = keys_of(1, 63)
+    assert len(store(storage, resident, size)) == 63
+    assert storage.evict(resident[1::2]) == 31
+    assert storage.l1.fragmentation() == 1 - 1 / 32  # 32 holes of one object each
+    return resident[0::2]
+
+
+def touch(storage: StorageManager, keys: list) -> None:
+    """Read ``keys`` so that a least-recently-used policy offers the others first."""
+    assert len(storage.read(keys)) == len(keys)
+    storage.release(keys)
+
+
+def test_a_write_over_every_free_extent_evicts_until_it_fits(engine) -> None:
+    storage = engine([], eviction_trigger_watermark=1.0)  # no background eviction in the way
+    kept = fragment(storage, MiB)
+    # The least recently used objects lie apart: evicting 16 MiB of them frees 16 MiB in
+    # 3 MiB pieces, and only evicting more joins the holes into a 16 MiB extent.
+    touch(storage, kept[0::2])
+    big = keys_of(2, 1)
+    assert store(storage, big, 16 * MiB) == big
+    [obj] = storage.read(big)
+    assert bytes(storage.view(obj)) == payload(big[0], 16 * MiB)
+    storage.release(big)
+    assert "l1_write_oom" not in storage.failures()
+
+
+def test_a_write_no_eviction_can_fit_is_refused_before_evicting(engine) -> None:
+    storage = engine([], eviction_trigger_watermark=1.0)
+    kept = fragment(storage, MiB)
+    # Read-locked objects at 20 and 40 MiB: evicting every other object would leave free
+    # spans of 20, 19 and 23 MiB, none of which holds 24 MiB, though 54 MiB could be freed.
+    barriers = [kept[10], kept[20]]
+    assert len(storage.read(barriers)) == 2
+    with pytest.raises(L1OutOfMemoryError, match="no eviction can make a free extent of 25165824"):
+        store(storage, keys_of(2, 1), 24 * MiB)
+    assert storage.status()["eviction"]["l1"]["evicted_keys"] == 0
+    assert storage.failures()["l1_write_oom"] == 1
+    assert all(storage.l1.contains(key) for key in kept)
+    storage.release(barriers)
+    assert store(storage, keys_of(3, 1), 24 * MiB)  # fits once the locks are gone
