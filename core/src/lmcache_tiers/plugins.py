@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import ModuleType
+from types import FrameType, ModuleType
 from typing import Any, cast
 
 import pluggy
@@ -113,9 +114,44 @@ def _entry_point_infos() -> list[tuple[Any, PluginInfo]]:
 def _the_plugins_own(exc: BaseException) -> bool:
     """Whether ``exc`` raised by a plugin's import or hook is the plugin's failure rather
     than one to go on up: anything but a KeyboardInterrupt where a Ctrl-C could raise it
-    (the main thread).  A ``sys.exit()``, a GeneratorExit or a BaseException of the
-    plugin's own must not end the command and with it the listing of every other plugin."""
+    (the main thread), or what a stop signal's handler raised where it landed.  A
+    ``sys.exit()``, a GeneratorExit or a BaseException of the plugin's own must not end the
+    command and with it the listing of every other plugin."""
+    if isinstance(exc, Exception):
+        return True
+    if _raised_by_a_signal_handler(exc):
+        return False
     return not isinstance(exc, KeyboardInterrupt) or raised_by_a_plugin(exc)
+
+
+def _raised_by_a_signal_handler(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by a signal handler that ran inside the plugin's code: a
+    stop signal handled by raising (SIGTERM's SystemExit under a replay, the server's
+    start-up interrupted) that landed during discovery.  Taken for the plugin's failure,
+    the plugin would be listed as broken and the stop lost.  Told by the handler's frame
+    in the traceback: Python calls a handler with the signal's number and the frame it
+    interrupted, the very frame the handler's own returns to."""
+    if threading.current_thread() is not threading.main_thread():
+        return False  # handlers run on the main thread only
+    traceback = exc.__traceback__
+    while traceback is not None:
+        if _is_a_signal_handler_frame(traceback.tb_frame):
+            return True
+        traceback = traceback.tb_next
+    return False
+
+
+def _is_a_signal_handler_frame(frame: FrameType) -> bool:
+    interrupted = frame.f_back
+    if interrupted is None:
+        return False
+    arguments = frame.f_locals.values()
+    return any(value is interrupted for value in arguments) and any(
+        type(value) is int and value in _SIGNAL_NUMBERS for value in arguments
+    )
+
+
+_SIGNAL_NUMBERS = frozenset(int(number) for number in signal.Signals)
 
 
 def _load_modules(infos: dict[str, PluginInfo]) -> dict[str, ModuleType]:
