@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import signal
 import socket
 import threading
@@ -12,6 +13,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from lmcache_plugin_mooncake import backend as backend_module
 from lmcache_plugin_mooncake import client as client_module
 from lmcache_plugin_mooncake.calls import CallPool, CallTimeout
 from lmcache_plugin_mooncake.client import MooncakeUnavailable
@@ -525,3 +527,51 @@ def test_calls_made_as_a_frozen_master_resumes_are_served_not_refused(own_cluste
         eventually(lambda: backend.calls.busy == 0, timeout=HANG_GUARD_S, what="the given-up calls ending")
     finally:
         adapter.close()
+
+
+def test_probes_of_a_master_hung_for_good_hold_at_most_two_pool_threads(
+    own_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A probe stuck past _PROBE_ALONE_S lets one more through (a probe stuck for good must
+    # not keep the circuit open for good), but a master hung for good keeps that one too:
+    # a new probe every _PROBE_ALONE_S would take one more deadline-pool thread each time.
+    monkeypatch.setattr(backend_module, "_PROBE_ALONE_S", 0.3)
+    # Mooncake's RPC timeout set long by the operator: a probe stays inside while the
+    # master is hung (the operator's value wins over operation_timeout_s).
+    monkeypatch.setattr(client_module, "_OPERATOR_SET", frozenset({"MC_RPC_TIMEOUT_MS"}))
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "60000")
+    own_cluster.add_segment_host("64MB")
+    adapter = open_adapter(config_for(own_cluster, operation_timeout_s=0.25))
+    backend = backend_of(adapter)
+    master = own_cluster.master
+    assert master is not None
+    try:
+        assert _round_trip(BlockingAdapterClient(adapter, timeout=60), 0)
+        master.send_signal(signal.SIGSTOP)
+        wait_stopped(master.pid, HANG_GUARD_S)
+        try:
+            for _ in range(5):
+                with contextlib.suppress(TiersError):
+                    backend.ping()
+                time.sleep(0.35)  # past the (shortened) _PROBE_ALONE_S: the running probe is "stuck"
+            # Structural: the master never answered, so every probe let through is still inside.
+            assert backend.calls.busy <= 2, backend.calls.busy
+            assert adapter.stats().get("probes_refused_stuck", 0) >= 1, adapter.stats()
+        finally:
+            master.send_signal(signal.SIGCONT)
+        eventually(lambda: backend.calls.busy == 0, timeout=HANG_GUARD_S, what="the given-up probes ending")
+    finally:
+        adapter.close()
+
+
+def test_the_master_query_before_a_close_names_its_adapter_when_it_fails(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A client that cannot be queried at all (None has no batch_is_exist): the failure is
+    # logged under the adapter's name, as every other line of the close is.
+    with caplog.at_level(logging.DEBUG, logger=client_module.__name__):
+        assert client_module._query_master(None, "7:mooncake_store") == []
+    assert any(
+        "7:mooncake_store" in record.getMessage() and "master probe before close" in record.getMessage()
+        for record in caplog.records
+    ), [record.getMessage() for record in caplog.records]

@@ -413,17 +413,13 @@ class Connection:
         ).start()
 
     def _unanswered_service(
-        self, store: Any, timeout_s: float, master_answers: Callable[[Any, float], bool] | None = None
+        self, store: Any, timeout_s: float, master_answers: Callable[[Any, float, str], bool] | None = None
     ) -> str | None:
         """The service Mooncake's close talks to that neither answers nor refuses within
         ``timeout_s`` (a description), or None if both do.  The master is asked by
         ``master_answers`` (by default on a deadline pool, given up at the deadline)."""
         deadline = time.monotonic() + timeout_s
-        answers = (
-            master_answers(store, timeout_s)
-            if master_answers
-            else _master_answers(store, timeout_s, self.name)
-        )
+        answers = (master_answers or _master_answers)(store, timeout_s, self.name)
         if not answers:
             return f"the Mooncake master at {self.config.master_server_address}"
         metadata = self.config.metadata_server
@@ -440,7 +436,7 @@ def _master_answers(store: Any, timeout_s: float, name: str) -> bool:
     the deadline: a process exiting waits for it as for the adapter's given-up calls."""
     pool = CallPool(f"{name}-close-probe", 1, exit_wait_s=timeout_s + RECONNECT_S)
     try:
-        codes = pool.run("the master probe before close", timeout_s, _query_master, store)
+        codes = pool.run("the master probe before close", timeout_s, _query_master, store, name)
     except CallTimeout:
         return False
     finally:
@@ -448,20 +444,21 @@ def _master_answers(store: Any, timeout_s: float, name: str) -> bool:
     return _RPC_TIMED_OUT not in codes
 
 
-def _master_answers_here(store: Any, timeout_s: float) -> bool:
+def _master_answers_here(store: Any, timeout_s: float, name: str) -> bool:
     """``_master_answers``'s verdict, the query made on the calling thread and waited for
     to its end (Mooncake's own timeouts, or its ~4 s reconnect to a killed master)."""
     started = time.monotonic()
-    codes = _query_master(store)
+    codes = _query_master(store, name)
     return time.monotonic() - started <= timeout_s and _RPC_TIMED_OUT not in codes
 
 
-def _query_master(store: Any) -> list[int]:
-    """The codes of an existence query of the probe name before a close; none if it raised."""
+def _query_master(store: Any, name: str) -> list[int]:
+    """The codes of an existence query of the probe name before ``name``'s close; none if
+    it raised."""
     try:
         return list(store.batch_is_exist([_CLOSE_PROBE_NAME]))
     except Exception:
-        logger.debug("the master probe before close failed", exc_info=True)
+        logger.debug("%s: the master probe before close failed", name, exc_info=True)
         return []
 
 
