@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 import zlib
@@ -22,6 +23,7 @@ import msgspec
 import pytest
 import redis
 from lmcache_plugin_redis import RedisConfig
+from lmcache_plugin_redis import backend as backend_module
 from lmcache_plugin_redis.backend import (
     _REMOVE_IF_UNCHANGED,
     KEYS_PER_TRIP,
@@ -1915,3 +1917,99 @@ def test_one_startup_node_without_cluster_mode_warns_nothing(
     with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l2.redis"):
         open_adapter(startup_nodes=f"127.0.0.1:{redis_server.port}", key_prefix=prefix)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_denial_found_before_a_fresher_allowing_check_is_not_recorded_after_it(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # Two checks of a store that denied UNLINK overlap as the ACL is fixed: the older
+    # finds the denial, the newer (after the fix) allows and is recorded first.  The older
+    # verdict, recorded after it, must not count the denial again nor bring it back.
+    own_server.cli("ACL", "SETUSER", "limited", "reset", "on", ">limited-pw", "~*", "+@all", "-unlink")
+    own_server.pause()
+    try:
+        adapter = open_adapter(
+            **quick_failing(own_server, prefix, 1), username="limited", password="limited-pw"
+        )
+    finally:
+        own_server.resume()
+    backend = backend_of(adapter)
+    backend._check_owed_permissions()
+    assert adapter.stats()["permissions_denied"] == 1, adapter.stats()
+    real_check = backend._unchecked_permission_refusals
+    older_found, newer_recorded = threading.Event(), threading.Event()
+
+    def older_check(client: Any, **options: Any) -> Any:
+        verdict = real_check(client, **options)
+        older_found.set()
+        newer_recorded.wait(WAIT_S)
+        return verdict
+
+    backend._unchecked_permission_refusals = older_check  # type: ignore[method-assign]
+    older = threading.Thread(target=backend._check_owed_permissions)
+    older.start()
+    assert older_found.wait(WAIT_S)
+    backend._unchecked_permission_refusals = real_check  # type: ignore[method-assign]
+    own_server.cli("ACL", "SETUSER", "limited", "+unlink")
+    backend._check_owed_permissions()
+    newer_recorded.set()
+    older.join(WAIT_S)
+    assert backend._denied is None, backend._denied
+    assert adapter.stats()["permissions_denied"] == 1, adapter.stats()
+    assert adapter.stats()["permission_verdicts_stale"] == 1, adapter.stats()
+
+
+@pytest.fixture
+def own_cluster(tmp_path: Path) -> Iterator[RedisClusterNodes]:
+    """A cluster of the test's own, whose nodes it may pause, kill or change the ACL of."""
+    if (reason := missing_reason()) is not None:
+        pytest.skip(reason)
+    cluster = RedisClusterNodes(tmp_path / "cluster").start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_a_cluster_primary_that_does_not_answer_its_check_is_not_asked_by_every_call(
+    own_cluster: RedisClusterNodes,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A primary hung for good costs the check its timeout: calls that check it again each
+    # OWED_CHECK_INTERVAL_S (0 here) would each wait it out.  After a failed check, calls
+    # leave it out for a pause growing per failure (60 s here: longer than the test).
+    monkeypatch.setattr(backend_module, "OWED_CHECK_INTERVAL_S", 0.0)
+    monkeypatch.setattr(backend_module, "NODE_CHECK_PAUSE_FIRST_S", 60.0, raising=False)
+    hung = own_cluster.nodes[2]
+    asked: list[int] = []
+    real_refusals = backend_module.permission_refusals
+
+    def counted_refusals(client: redis.Redis, name: str) -> Any:
+        asked.append(client.connection_pool.connection_kwargs["port"])
+        return real_refusals(client, name)
+
+    monkeypatch.setattr(backend_module, "permission_refusals", counted_refusals)
+    hung.pause()
+    try:
+        adapter = open_adapter(
+            startup_nodes=own_cluster.nodes[0].address,
+            cluster_mode=True,
+            key_prefix=prefix,
+            request_timeout=0.3,
+            connection_timeout=0.3,
+        )
+        backend = backend_of(adapter)
+        assert asked.count(hung.port) == 1, asked  # the check at open
+        paused = adapter.stats().get("permission_checks_paused", 0)
+        for _ in range(3):
+            backend._refuse_calls_while_denied()
+        assert asked.count(hung.port) == 1, asked
+        assert adapter.stats().get("permission_checks_paused", 0) == paused + 3, adapter.stats()
+    finally:
+        hung.resume()
+    # The circuit's probe checks it whatever the pause: it just answered the probe's PING.
+    backend.ping()
+    assert asked.count(hung.port) == 2, asked
+    assert not backend._permissions_owed

@@ -194,6 +194,12 @@ def _unanswered_check(exc: Exception) -> str:
 #: seconds between two permission checks calls make of primaries not checked yet: one that
 #: does not answer costs the call the check's timeout (the circuit's probe checks each time)
 OWED_CHECK_INTERVAL_S = 1.0
+#: first and longest pause before a call checks again a cluster primary that did not
+#: answer its check: one gone for good would otherwise cost a call its timeout each
+#: ``OWED_CHECK_INTERVAL_S`` (the circuit's probe checks it whatever the pause: it just
+#: answered the probe's PING)
+NODE_CHECK_PAUSE_FIRST_S = 2.0
+NODE_CHECK_PAUSE_MAX_S = 60.0
 
 
 class PermissionsDenied(RuntimeError):
@@ -284,8 +290,16 @@ class RedisBackend:
         self._next_owed_check = 0.0
         #: the denial the last check found, refusing every call until a probe clears it
         self._denied: str | None = None
+        #: checks made (numbered under ``_permission_lock``), and the number of the one
+        #: whose verdict ``_denied`` holds: checks overlap (a probe's and a call's), and
+        #: an older verdict recorded after a fresher one is stale (``_set_denial``)
+        self._checks_made = 0
+        self._verdict_of_check = 0
         #: what checks after start-up could not check, already said in a warning
         self._unchecked_said: set[str] = set()
+        #: cluster primaries that did not answer their check: (when a call may check it
+        #: again, the pause after the next failure); guarded by ``_permission_lock``
+        self._node_check_pauses: dict[str, tuple[float, float]] = {}
         if not config.cluster_mode:
             self._connect()
 
@@ -478,7 +492,7 @@ class RedisBackend:
         as it queues them, and runs none -- on a name under the prefix never written.
         A cluster is checked on every primary: each node keeps its own ACL, and each
         serves its share of the keys."""
-        denied, unchecked = self._unchecked_permission_refusals(client)
+        denied, unchecked, _ = self._unchecked_permission_refusals(client)
         # A replica, a loading or full store refuses writes for everybody; it heals (the
         # circuit sees its refusals), so it is no reason not to start.
         self._warn_unchecked(unchecked)
@@ -500,12 +514,18 @@ class RedisBackend:
             f"and UNLINK on keys {self.prefix!r}*"
         )
 
-    def _unchecked_permission_refusals(self, client: Redis | RedisCluster) -> tuple[list[str], list[str]]:
+    def _unchecked_permission_refusals(
+        self, client: Redis | RedisCluster, *, pausing: bool = False
+    ) -> tuple[list[str], list[str], int]:
         """``permission_refusals`` of the store, or of each cluster primary not checked
-        yet; a node that gave a verdict, and no denial, is remembered as checked, and
-        ``_permissions_owed`` says whether any is left.  A single store that does not
-        answer raises."""
+        yet, and the check's number (later checks have higher ones); a node that gave a
+        verdict, and no denial, is remembered as checked, and ``_permissions_owed`` says
+        whether any is left.  A single store that does not answer raises.  ``pausing``:
+        leave out the primaries that did not answer their last check, until their pause
+        ends (``_node_check_paused``)."""
         with self._permission_lock:
+            self._checks_made += 1
+            check = self._checks_made
             if isinstance(client, Redis):
                 primaries = {self.target}
                 try:
@@ -516,13 +536,15 @@ class RedisBackend:
                     raise
                 allowed = set() if denied else primaries
             else:
-                denied, unchecked, allowed = self._cluster_permission_refusals(client)
+                denied, unchecked, allowed = self._cluster_permission_refusals(client, pausing)
                 primaries = {node.name for node in client.get_primaries()}
             self._checked_nodes |= allowed
             self._permissions_owed = not primaries <= self._checked_nodes
-            return denied, unchecked
+            return denied, unchecked, check
 
-    def _cluster_permission_refusals(self, client: RedisCluster) -> tuple[list[str], list[str], set[str]]:
+    def _cluster_permission_refusals(
+        self, client: RedisCluster, pausing: bool = False
+    ) -> tuple[list[str], list[str], set[str]]:
         """``permission_refusals`` of every primary not checked yet, each on a probe name
         of a slot that primary serves (one of another slot would be answered MOVED,
         checking nothing), each refusal prefixed with the node's address, and the names of
@@ -534,7 +556,7 @@ class RedisBackend:
         allowed: set[str] = set()
         probes = cluster_probe_names(client, self.prefix + PERMISSION_PROBE)
         for node in client.get_primaries():
-            if node.name in self._checked_nodes:
+            if node.name in self._checked_nodes or (pausing and self._node_check_paused(node.name)):
                 continue
             name = probes.get(node.name)
             if name is None:  # holds none of the keys: nothing to refuse, said in the warning
@@ -547,12 +569,36 @@ class RedisBackend:
                 unchecked.append(f"{node.name}: {_unanswered_check(exc)}")
                 if isinstance(exc, ResponseError):  # it answered: asking again gets the same
                     allowed.add(node.name)
+                else:
+                    self._pause_node_check(node.name)
                 continue
+            self._node_check_pauses.pop(node.name, None)
             if not node_denied:
                 allowed.add(node.name)
             denied += [f"{node.name} {refusal}" for refusal in node_denied]
             unchecked += [f"{node.name} {refusal}" for refusal in node_unchecked]
         return denied, unchecked, allowed
+
+    def _node_check_paused(self, node: str) -> bool:
+        """Whether a call leaves ``node`` out of its check: it did not answer its last
+        one, and its pause has not ended (counted; call with ``_permission_lock`` held)."""
+        pause = self._node_check_pauses.get(node)
+        if pause is None or time.monotonic() >= pause[0]:
+            return False
+        self.context.count("permission_checks_paused")
+        return True
+
+    def _pause_node_check(self, node: str) -> None:
+        """``node`` did not answer its check: calls check it again after a pause twice
+        as long as the last (call with ``_permission_lock`` held)."""
+        _, pause = self._node_check_pauses.get(node, (0.0, NODE_CHECK_PAUSE_FIRST_S))
+        self._node_check_pauses[node] = (time.monotonic() + pause, min(2 * pause, NODE_CHECK_PAUSE_MAX_S))
+        log.debug(
+            "%s: %s did not answer the permission check: calls check it again in %gs",
+            self.context.name,
+            node,
+            pause,
+        )
 
     def _refuse_calls_while_denied(self) -> None:
         """Before each call: check the primaries start-up could not, or that denied (at
@@ -562,7 +608,7 @@ class RedisBackend:
         if not self._permissions_owed:
             return
         if self._owed_check_claimed():
-            self._check_owed_permissions()
+            self._check_owed_permissions(pausing=True)
         if self._denied is not None:
             self.context.count("calls_refused_for_permissions")
             raise PermissionsDenied(self._denied)
@@ -577,11 +623,12 @@ class RedisBackend:
             self._next_owed_check = now + OWED_CHECK_INTERVAL_S
             return True
 
-    def _check_owed_permissions(self) -> None:
-        """Check the primaries that gave no verdict yet; a denial refuses every call until
-        a check (the circuit's probe) finds the node allowed."""
+    def _check_owed_permissions(self, *, pausing: bool = False) -> None:
+        """Check the primaries that gave no verdict yet (``pausing``: see
+        ``_unchecked_permission_refusals``); a denial refuses every call until a check
+        (the circuit's probe) finds the node allowed."""
         try:
-            denied, unchecked = self._unchecked_permission_refusals(self.client)
+            denied, unchecked, check = self._unchecked_permission_refusals(self.client, pausing=pausing)
         except ResponseError as exc:  # it answered, refusing the check itself: not asked again
             self._warn_unchecked([f"{self.target}: {_unanswered_check(exc)}"])
             return
@@ -594,14 +641,27 @@ class RedisBackend:
             news = [entry for entry in answered if entry not in self._unchecked_said]
             self._unchecked_said.update(news)
         self._warn_unchecked(news)
-        self._set_denial(self._denial(denied) if denied else None)
+        self._set_denial(self._denial(denied) if denied else None, check)
 
-    def _set_denial(self, denial: str | None) -> None:
-        """Record the last check's verdict.  A new denial is counted
-        (``permissions_denied``) and logged once: every probe and, once a second, a call
-        checks again while it lasts, and finding the same denial is no news."""
+    def _set_denial(self, denial: str | None, check: int) -> None:
+        """Record the verdict of check number ``check``, unless a later check's is
+        recorded already (counted, logged at debug: that verdict is the fresher).  A new
+        denial is counted (``permissions_denied``) and logged once: every probe and, once
+        a second, a call checks again while it lasts, and finding the same denial is no
+        news."""
         with self._verdict_lock:
-            before, self._denied = self._denied, denial
+            stale = check < self._verdict_of_check
+            if not stale:
+                self._verdict_of_check = check
+                before, self._denied = self._denied, denial
+        if stale:
+            self.context.count("permission_verdicts_stale")
+            log.debug(
+                "%s: the verdict of permission check %d came after a later one's: dropped",
+                self.context.name,
+                check,
+            )
+            return
         if denial is not None and denial != before:
             self.context.count("permissions_denied")
             log.error("%s; its calls are refused until a probe finds it allowed", denial)
