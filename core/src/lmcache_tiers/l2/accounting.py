@@ -25,6 +25,10 @@ __all__ = ["UNKNOWN_L1", "Admission", "ByteAccounting", "ObjectSize", "Verdict"]
 #: (a size-changing serde chain and a listing that reports stored sizes only)
 UNKNOWN_L1 = -1
 
+#: keys touched while the scan runs that may be remembered beyond twice the keys accounted:
+#: past that, those no longer accounted are forgotten and the scan lists the store again
+TOUCHED_SLACK = 65536
+
 
 class Verdict(enum.Enum):
     """What the capacity check says about one store."""
@@ -63,8 +67,12 @@ class ByteAccounting:
         # alone.  Kept past the scan's end while a lookup begun during it is still asking
         # (``_tracking``): its answer may release a key the scan accounted meanwhile, and
         # must tell those from keys a live operation recorded since.
+        # Bounded (``_touch``): those of them no longer accounted are forgotten once they
+        # outgrow the accounted keys, and the scan then reads a listing begun after that.
         self._touched: set[ObjectKey] = set()
         self._tracking = False
+        #: set when touched keys were forgotten: the listing under way may bring them back
+        self._relist_needed = False
         #: lookups begun while the scan ran and not finished yet
         self._scan_lookups = 0
 
@@ -83,7 +91,18 @@ class ByteAccounting:
         self._sizes[key] = size
         self._add(key.cache_salt, size.stored - (previous.stored if previous else 0))
         if self._tracking:
-            self._touched.add(key)
+            self._touch(key)
+
+    def _touch(self, key: ObjectKey) -> None:
+        """Remember that a live operation touched ``key`` while the scan runs.  A scan that
+        trickles for hours under a churn of keys would remember every key stored and deleted
+        meanwhile: past twice the accounted keys (and a slack), the touched keys no longer
+        accounted are forgotten, and the listing under way is refused (``add_scanned``
+        answers None) for one begun after that, which cannot hold what they removed."""
+        self._touched.add(key)
+        if len(self._touched) > 2 * len(self._sizes) + TOUCHED_SLACK:
+            self._touched = {touched for touched in self._touched if touched in self._sizes}
+            self._relist_needed = self._scanning
 
     # -- keys ---------------------------------------------------------------------------------
 
@@ -111,7 +130,7 @@ class ByteAccounting:
             if previous is not None:
                 self._add(key.cache_salt, -previous.stored)
             if self._tracking:
-                self._touched.add(key)
+                self._touch(key)
             return previous
 
     def forget_if(self, key: ObjectKey, known: ObjectSize) -> bool:
@@ -124,7 +143,7 @@ class ByteAccounting:
             del self._sizes[key]
             self._add(key.cache_salt, -known.stored)
             if self._tracking:
-                self._touched.add(key)
+                self._touch(key)
             return True
 
     def note_absent(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
@@ -146,7 +165,7 @@ class ByteAccounting:
                     del self._sizes[key]
                     self._add(key.cache_salt, -size.stored)
                     released.append(key)
-                self._touched.add(key)
+                self._touch(key)
         return released
 
     def get(self, key: ObjectKey) -> ObjectSize | None:
@@ -183,6 +202,7 @@ class ByteAccounting:
             self._tracking = True
             self.complete = False
             self._touched.clear()
+            self._relist_needed = False
 
     def begin_scan_lookup(self) -> bool:
         """A lookup is about to ask the backend; True if the scan runs, and the lookup must
@@ -203,11 +223,17 @@ class ByteAccounting:
             self._tracking = False
             self._touched.clear()
 
-    def add_scanned(self, items: Iterable[tuple[ObjectKey, ObjectSize]]) -> tuple[list[ObjectKey], int]:
-        """Account listed objects not known yet; returns the keys added and their bytes."""
+    def add_scanned(
+        self, items: Iterable[tuple[ObjectKey, ObjectSize]]
+    ) -> tuple[list[ObjectKey], int] | None:
+        """Account listed objects not known yet; returns the keys added and their bytes.
+        None, accounting nothing, when keys touched meanwhile were forgotten (``_touch``):
+        the scan must then read a listing begun after :meth:`relisting`."""
         added: list[ObjectKey] = []
         added_bytes = 0
         with self._lock:
+            if self._relist_needed:
+                return None
             for key, size in items:
                 if key in self._sizes or key in self._touched:
                     continue
@@ -216,6 +242,11 @@ class ByteAccounting:
                 added.append(key)
                 added_bytes += size.stored
         return added, added_bytes
+
+    def relisting(self) -> None:
+        """The scan is about to begin a new listing: what was forgotten happened before it."""
+        with self._lock:
+            self._relist_needed = False
 
     def end_scan(self, *, complete: bool = False) -> None:
         """The scan is over; ``complete``: it listed every stored object."""

@@ -51,6 +51,7 @@ class KeyScan:
         self.invalid = 0  # entries ignored: not (key, size) pairs, or of impossible sizes
         self.impossible = 0  # of which listed with a size no object can have
         self.errors = 0
+        self.relisted = 0  # listings begun again (``_relist``)
         self.running = False
         self._thread: threading.Thread | None = None
         self._batches: Iterator[list[Entry]] | None = None
@@ -109,9 +110,14 @@ class KeyScan:
                 with self._lock:
                     if not self.running:  # ended by close() while this batch was listed
                         return True
-                    added, added_bytes = self.state.accounting.add_scanned(sizes)
-                    self.keys += len(added)
-                    self.bytes += added_bytes
+                    scanned = self.state.accounting.add_scanned(sizes)
+                    if scanned is not None:
+                        added, added_bytes = scanned
+                        self.keys += len(added)
+                        self.bytes += added_bytes
+                if scanned is None:
+                    self._relist()
+                    continue
                 # Outside the lock (a listener takes its own): every key accounted is
                 # announced, so an eviction policy can evict what counts in the usage.
                 self.state.notify("on_l2_keys_scanned", added)
@@ -121,6 +127,22 @@ class KeyScan:
             self._finish(f"listing failed: {type(exc).__name__}: {redact_url_secrets(str(exc))}")
             return True
         return False
+
+    def _relist(self) -> None:
+        """Read the store's listing again from its start: the accounting forgot keys touched
+        while this one ran (``ByteAccounting._touch``), and it may list some of them still
+        (counted as ``scan_relisted``, logged once per burst).  Keys accounted from it stay."""
+        self.relisted += 1
+        self.state.count("scan_relisted")
+        self.state.burst.warn(
+            "scan_relisted",
+            "%s: the start-up scan reads the store's listing again: more keys were stored and "
+            "deleted while it ran than it remembers (counted as scan_relisted)",
+            self.state.name,
+        )
+        self._stop_listing()
+        self.state.accounting.relisting()
+        self._batches = self.runner.listing(BATCH_ENTRIES)
 
     def _possible(self, sizes: list[tuple[ObjectKey, ObjectSize]]) -> list[tuple[ObjectKey, ObjectSize]]:
         """``sizes`` without the entries no object of the backend can have (larger than its
