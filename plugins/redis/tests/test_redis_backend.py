@@ -2013,3 +2013,53 @@ def test_a_cluster_primary_that_does_not_answer_its_check_is_not_asked_by_every_
     backend.ping()
     assert asked.count(hung.port) == 2, asked
     assert not backend._permissions_owed
+
+
+def _replica_of(primary: RedisServer, directory: Path) -> RedisServer:
+    """A new cluster node on loopback replicating ``primary``, its copy in sync."""
+    replica = RedisServer(directory, cluster=True).start()
+    replica.cli("CLUSTER", "MEET", "127.0.0.1", str(primary.port))
+    primary_id = primary.cli("CLUSTER", "MYID").stdout.strip()
+    wait_for(lambda: primary_id in replica.cli("CLUSTER", "NODES").stdout, "the replica to learn its primary")
+    replica.cli("CLUSTER", "REPLICATE", primary_id)
+    wait_for(
+        lambda: "master_link_status:up" in replica.cli("INFO", "replication").stdout, "the replica in sync"
+    )
+    return replica
+
+
+def test_a_replica_promoted_after_every_primary_was_checked_is_checked(
+    own_cluster: RedisClusterNodes,
+    tmp_path: Path,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+) -> None:
+    # Every primary allowed the user at open; a replica whose ACL denies HSET (each node
+    # keeps its own) is promoted later.  Its permissions are checked once the client's
+    # slot map names it: the denial is counted, not left to fail its stores one by one.
+    replica = _replica_of(own_cluster.nodes[0], tmp_path / "replica")
+    try:
+        user = f"limited-{uuid.uuid4().hex[:8]}"
+        for node in own_cluster.nodes:
+            node.cli("ACL", "SETUSER", user, "reset", "on", ">limited-pw", "~*", "+@all")
+        replica.cli("ACL", "SETUSER", user, "reset", "on", ">limited-pw", "~*", "+@all", "-hset")
+        adapter = open_adapter(
+            startup_nodes=own_cluster.nodes[1].address,
+            cluster_mode=True,
+            key_prefix=prefix,
+            username=user,
+            password="limited-pw",
+        )
+        assert not backend_of(adapter)._permissions_owed
+        replica.cli("CLUSTER", "FAILOVER")
+        wait_for(lambda: "role:master" in replica.cli("INFO", "replication").stdout, "the promotion")
+        keys = make_keys(16)
+
+        def denial_counted() -> bool:
+            with contextlib.suppress(Exception):
+                client_of(adapter).store(keys, [memoryview(b"x" * 64)] * len(keys))
+            return adapter.stats().get("permissions_denied", 0) > 0
+
+        wait_for(denial_counted, "the check of the promoted primary")
+    finally:
+        replica.stop()

@@ -605,13 +605,32 @@ class RedisBackend:
         most once per ``OWED_CHECK_INTERVAL_S``, so a node still down does not cost every
         call the check's timeout), and refuse the call while the last check found a
         denial -- with the circuit breaker off too, and until the ACL is fixed."""
-        if not self._permissions_owed:
+        if not self._permissions_owed and not self._new_primary_found():
             return
         if self._owed_check_claimed():
             self._check_owed_permissions(pausing=True)
         if self._denied is not None:
             self.context.count("calls_refused_for_permissions")
             raise PermissionsDenied(self._denied)
+
+    def _new_primary_found(self) -> bool:
+        """Whether the cluster's slot map (as the client last learned it, no I/O) names
+        a primary no check has found allowed -- a replica promoted since every primary
+        was checked: its checks are owed then (each node keeps its own ACL)."""
+        client = self._client
+        if not isinstance(client, RedisCluster):
+            return False
+        primaries = {node.name for node in client.get_primaries()}
+        new = primaries - self._checked_nodes
+        if not new:
+            return False
+        self._permissions_owed = True
+        log.info(
+            "%s: new cluster primary %s: its permissions are checked",
+            self.context.name,
+            ", ".join(sorted(new)),
+        )
+        return True
 
     def _owed_check_claimed(self) -> bool:
         """Whether this call makes the owed check: one call per ``OWED_CHECK_INTERVAL_S``,
@@ -676,9 +695,10 @@ class RedisBackend:
             client.ping(target_nodes=RedisCluster.PRIMARIES)
         else:
             client.ping()
-        # Primaries answering for the first time since start-up are checked now: the
-        # circuit must not close on a node whose ACL denies the adapter's commands.
-        if self._permissions_owed:
+        # Primaries answering for the first time since start-up (or promoted since) are
+        # checked now: the circuit must not close on a node whose ACL denies the
+        # adapter's commands.
+        if self._permissions_owed or self._new_primary_found():
             self._check_owed_permissions()
             if self._denied is not None:
                 raise PermissionsDenied(self._denied)
