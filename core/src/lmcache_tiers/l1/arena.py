@@ -353,11 +353,13 @@ def segment_bytes(size: int, generation_block: int) -> int:
 
 def _layout(size: int, generation_block: int) -> tuple[int, int]:
     """(offset of the generation table, segment size): the table starts at the first
-    8-byte boundary after the object bytes and has one entry per started block."""
+    8-byte boundary after the object bytes and has one entry per started block before it.
+    Counted up to the table, not the object bytes: a client knows only where the table
+    starts, and maps no segment whose table misses an entry for a block before it."""
     if not generation_block:
         return 0, size
     table_offset = -(-size // 8) * 8
-    entries = -(-size // generation_block)
+    entries = -(-table_offset // generation_block)
     return table_offset, table_offset + 8 * entries
 
 
