@@ -104,6 +104,16 @@ class _EagerLocks:
                 groups.setdefault((len(live), min(live)), []).append(key)
         return groups
 
+    def take_one(self, keys: list[ObjectKey], now: float) -> dict[float, list[ObjectKey]]:
+        taken: dict[float, list[ObjectKey]] = {}
+        for key in dict.fromkeys(keys):
+            live = [deadline for deadline in self.deadlines.pop(key, []) if deadline > now]
+            if live:
+                taken.setdefault(live[0], []).append(key)  # sorted: the earliest
+                if live[1:]:
+                    self.deadlines[key] = live[1:]
+        return taken
+
     def expire(self, now: float) -> None:
         for key, held in list(self.deadlines.items()):
             held[:] = [deadline for deadline in held if deadline > now]
@@ -144,13 +154,71 @@ def test_lock_records_match_per_key_bookkeeping_under_any_sequence() -> None:
                     wanted = list(pool)  # everything: the next locks start a fresh record
                 else:
                     wanted = rng.sample(pool, rng.randrange(1, 10))
-                assert dict(session.take_read_locks(wanted, now)) == model.take(wanted, now)
+                if rng.random() < 0.25:  # a RELEASE of what one request took
+                    assert dict(session.take_one_read_lock(wanted, now)) == model.take_one(wanted, now)
+                else:
+                    assert dict(session.take_read_locks(wanted, now)) == model.take(wanted, now)
             else:
                 session.expire(now)
                 model.expire(now)
                 assert session.empty == (not model.counts)
         assert session.read_locks == model.counts
         assert session.lock_deadlines == {key: dict(Counter(held)) for key, held in model.deadlines.items()}
+
+
+class _CountedGets(dict):  # type: ignore[type-arg]
+    """A session's per-key locks that count the keys looked up in them one at a time."""
+
+    gets = 0
+
+    def get(self, *args):  # type: ignore[no-untyped-def]
+        _CountedGets.gets += 1
+        return super().get(*args)
+
+
+def test_lookups_of_overlapping_prefixes_visit_each_key_once_per_indexing() -> None:
+    # An engine looking up a new prompt each step sends prefixes that overlap the last
+    # ones: indexing their records must visit each key once, not once per record naming it.
+    session = SessionTable(lock_ttl_s=10, write_ttl_s=20).get(b"client", now=0.0)
+    pool = [ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(1024)]
+    session.add_read_locks(pool[:512], 10.0)
+    session.lock_deadlines  # noqa: B018 -- indexed: the next records overlap held keys
+    session._locks = _CountedGets(session._locks)
+    _CountedGets.gets = 0
+    for start in range(1, 9):
+        session.add_read_locks(pool[start : start + 512], 10.0)
+    session.lock_deadlines  # noqa: B018
+    assert _CountedGets.gets <= 512 + 8
+    assert session.read_locks == Counter(
+        {key: min(index + 1, 9, 520 - index) for index, key in enumerate(pool[:520])}
+    )
+
+
+def test_a_key_holding_one_lock_keeps_no_dict_of_its_own() -> None:
+    # A LOOKUP's keys each hold one lock: a dict per key would cost ~200 bytes each.
+    session = SessionTable(lock_ttl_s=10, write_ttl_s=20).get(b"client", now=0.0)
+    keys = [ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(2 * INDEX_BACKLOG_KEYS)]
+    for start in range(0, len(keys), 256):
+        session.add_read_locks(keys[start : start + 256], 10.0)
+    session.add_read_locks(keys[:1], 11.0)  # a second lock: this key gets its counts
+    assert session.lock_deadlines[keys[0]] == {10.0: 1, 11.0: 1}
+    assert session.lock_deadlines[keys[1]] == {10.0: 1}
+    assert sum(isinstance(held, dict) for held in session._locks.values()) == 1
+
+
+def test_a_lock_filed_under_an_earlier_deadline_lives_to_its_own() -> None:
+    # A lock forgotten as expired by a RELEASE of one lock leaves its key filed under the
+    # old deadline; a lock the key took since must outlive that deadline's sweep.
+    table = SessionTable(lock_ttl_s=10, write_ttl_s=20)
+    session = table.get(b"client", now=0.0)
+    session.add_read_locks([A, B], 10.0)
+    session.lock_deadlines  # noqa: B018 -- indexed and filed under 10.0
+    assert session.take_one_read_lock([A], now=11.0) == {}  # expired: forgotten only
+    session.add_read_locks([A], 30.0)
+    session.lock_deadlines  # noqa: B018
+    table.sweep(now=12.0)
+    assert session.lock_deadlines == {A: {30.0: 1}}
+    assert session.take_read_locks([A], now=12.0) == {(1, 30.0): [A]}
 
 
 def test_repeated_lookups_of_one_prefix_keep_one_record_and_count_every_lock() -> None:
@@ -583,8 +651,8 @@ def _walked_gauges(table: SessionTable, now: float | None) -> tuple[int, int, in
     for session in table:
         clients += 1
         deadlines: dict[ObjectKey, list[float]] = {}
-        for key, held in session._locks.items():
-            deadlines.setdefault(key, []).extend(held)
+        for key, held in session._locks.items():  # {deadline: locks}, or one lock's deadline
+            deadlines.setdefault(key, []).extend(held if isinstance(held, dict) else [held])
         for keys, counts in session._records:
             for key in keys:
                 deadlines.setdefault(key, []).extend(counts)

@@ -32,7 +32,7 @@ import heapq
 import math
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import filterfalse, repeat
 from typing import Any, NamedTuple
@@ -61,6 +61,10 @@ class PendingPrefetch:
         self.locked = self.keys[: self.hits]
 
 
+#: the locks a session holds on one key: ``{deadline: locks}``, or for exactly one lock
+#: its deadline alone (a float the keys of a record share: no dict per key)
+_Held = dict[float, int] | float
+
 #: what a key holding no lock gives up (never changed)
 _NOTHING: dict[float, int] = {}
 
@@ -77,7 +81,10 @@ class Session:
     then by a RETRIEVE holds two), as L1 keeps them: L1 reaps each at its deadline, so a
     count that outlived one of them would make a later RELEASE drop someone else's lock.
     They are counted per deadline (``{deadline: locks}``): deadlines are on L1's grid, so a
-    key keeps a few counts however many times it is locked.
+    key keeps a few counts however many times it is locked.  A key holding exactly one lock
+    (what a LOOKUP leaves, the usual case) keeps its deadline alone, a float shared by the
+    keys of its record, not a dict of its own: ``lock_deadlines`` shows it as
+    ``{deadline: 1}``.
 
     Taking locks is on the path of every LOOKUP and RETRIEVE, reading them back only on
     RELEASE, the sweep and shutdown; so each call of :meth:`add_read_locks` leaves one
@@ -92,8 +99,8 @@ class Session:
 
     identity: bytes
     last_seen: float
-    # key -> {deadline: locks expiring then}
-    _locks: dict[ObjectKey, dict[float, int]] = field(default_factory=dict, repr=False)
+    # key -> {deadline: locks expiring then}, or the deadline alone for one lock (see _Held)
+    _locks: dict[ObjectKey, _Held] = field(default_factory=dict, repr=False)
     # [keys, {deadline: calls}] per run of calls with the same keys not yet indexed, oldest first
     _records: list[list[Any]] = field(default_factory=list, repr=False)
     _backlog: int = field(default=0, repr=False)  # keys in ``_records``
@@ -121,11 +128,15 @@ class Session:
     def read_locks(self) -> Counter[ObjectKey]:
         """Locks held per key, expired ones the sweep has not forgotten yet included (a
         copy: use the methods to change them)."""
-        return Counter({key: sum(held.values()) for key, held in self.lock_deadlines.items()})
+        return Counter({key: _count(held) for key, held in self._indexed().items()})
 
     @property
     def lock_deadlines(self) -> dict[ObjectKey, dict[float, int]]:
-        """Each held key's locks per deadline (do not change them)."""
+        """Each held key's locks per deadline (a copy, but do not change the dicts in it)."""
+        return {key: _per_deadline(held) for key, held in self._indexed().items()}
+
+    def _indexed(self) -> dict[ObjectKey, _Held]:
+        """The per-key locks, the records applied to them first."""
         if self._records:
             self._index()
         return self._locks
@@ -153,29 +164,52 @@ class Session:
             self._index()
 
     def _index(self) -> None:
-        """Apply the records to the per-key deadlines, oldest first."""
-        locks = self._locks
+        """Apply the records to the per-key deadlines.
+
+        Records of the same counts (one lock at one grid deadline, mostly) are applied
+        together: their keys are counted in C first, so a key that several of them name (a
+        client looking up prefixes that overlap) is visited once per pass in Python, not
+        once per record.  Locks add up, so the order does not matter."""
+        groups: dict[tuple[tuple[float, int], ...], list[list[ObjectKey]]] = defaultdict(list)
         for keys, counts in self._records:
-            self._note_expiring(keys, counts)
-            if locks.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
-                # New keys, each once (the usual record): a copy of its counts each, in C.
-                locks.update(zip(keys, map(dict.copy, repeat(counts)), strict=False))
-                continue
-            for key in keys:
-                held = locks.get(key)
-                if held is None:
-                    locks[key] = counts.copy()
-                else:
-                    for deadline, count in counts.items():
-                        held[deadline] = held.get(deadline, 0) + count
+            groups[tuple(counts.items())].append(keys)
+        for items, lists in groups.items():
+            self._apply(lists, items)
         self._records.clear()
         self._backlog = 0
         self._unindexed.clear()
 
-    def _note_expiring(self, keys: list[ObjectKey], counts: dict[float, int]) -> None:
-        """File ``keys`` under each deadline of ``counts`` (one, usually), for the sweep."""
+    def _apply(self, lists: list[list[ObjectKey]], items: tuple[tuple[float, int], ...]) -> None:
+        """Add the locks of records of the same ``items`` (deadline, locks) to the per-key
+        locks, and file their keys under those deadlines."""
+        locks = self._locks
+        times = Counter[ObjectKey]()
+        for keys in lists:
+            times.update(keys)  # counted in C
+        self._note_expiring(times, items)
+        one_lock = items[0][0] if len(items) == 1 and items[0][1] == 1 else None
+        if len(times) == sum(map(len, lists)) and locks.keys().isdisjoint(times):
+            # New keys, each named once (the usual case), in C: one lock each shares its
+            # deadline; more get a copy of the counts each.
+            shared: Iterable[_Held] = repeat(one_lock) if one_lock is not None else map(dict, repeat(items))
+            locks.update(zip(times, shared, strict=False))
+            return
+        for key, named in times.items():
+            held = locks.get(key)
+            if held is None and named == 1 and one_lock is not None:
+                locks[key] = one_lock
+                continue
+            if held is None:
+                held = locks[key] = {}
+            elif not isinstance(held, dict):
+                held = locks[key] = {held: 1}
+            for deadline, count in items:
+                held[deadline] = held.get(deadline, 0) + count * named
+
+    def _note_expiring(self, keys: Iterable[ObjectKey], items: tuple[tuple[float, int], ...]) -> None:
+        """File ``keys`` under each deadline of ``items`` (one, usually), for the sweep."""
         expiring = self._expiring
-        for deadline in counts:
+        for deadline, _count in items:
             bucket = expiring.get(deadline)
             if bucket is None:
                 bucket = expiring[deadline] = set()
@@ -230,19 +264,19 @@ class Session:
                 self._count_locked_keys()
                 live = _live(counts, now)
                 return {live: wanted} if live[0] else {}
-        locks = self.lock_deadlines
+        locks = self._indexed()
         # A second mention of a key finds nothing left: it is released once.
         helds = list(map(locks.pop, wanted, repeat(_NOTHING)))
         self._count_locked_keys()
-        if helds and len(helds[0]) == 1 and helds.count(helds[0]) == len(helds):
+        if helds and len(_deadlines(helds[0])) == 1 and helds.count(helds[0]) == len(helds):
             # Every key held alike, each named once (the usual case: what one LOOKUP took):
-            # one group, the per-key dicts compared in C.
-            self._unfile(wanted, next(iter(helds[0])))
+            # one group, the per-key deadlines compared in C.
+            self._unfile(wanted, next(iter(_deadlines(helds[0]))))
             live = _live(helds[0], now)
             return {live: wanted} if live[0] else {}
         groups: dict[tuple[int, float], list[ObjectKey]] = defaultdict(list)
         for key, held in zip(wanted, helds, strict=True):
-            for deadline in held:
+            for deadline in _deadlines(held):
                 self._unfile([key], deadline)
             live = _live(held, now)
             if live[0]:
@@ -253,11 +287,17 @@ class Session:
         """Forget one of the locks held on each of ``keys`` (each key once, as L1 locked
         it), the live one expiring first; returns the keys whose lock was live grouped by
         that deadline, ready for ``L1Manager.finish_read(keys, not_before=deadline)``."""
-        locks = self.lock_deadlines
+        locks = self._indexed()
         taken: dict[float, list[ObjectKey]] = defaultdict(list)
         for key in dict.fromkeys(keys):
             held = locks.get(key)
             if held is None:
+                continue
+            if not isinstance(held, dict):  # one lock
+                del locks[key]
+                if held > now:
+                    taken[held].append(key)
+                    self._unfile([key], held)
                 continue
             _forget_expired(held, now)
             if not held:
@@ -346,15 +386,20 @@ class Session:
 
     def _expire_locks(self, now: float) -> None:
         """Forget the locks of the keys filed under the deadlines that passed."""
-        locks = self.lock_deadlines  # indexed: every lock is filed under its deadline
+        locks = self._indexed()  # indexed: every lock is filed under its deadline
         heap, expiring = self._expiry_heap, self._expiring
         while heap and heap[0] <= now:
             for key in expiring.pop(heapq.heappop(heap)):
                 held = locks.get(key)
-                if held is not None:
-                    _forget_expired(held, now)
-                    if not held:
+                if held is None:
+                    continue
+                if not isinstance(held, dict):  # one lock
+                    if held <= now:  # else filed here by a lock since forgotten unfiled
                         del locks[key]
+                    continue
+                _forget_expired(held, now)
+                if not held:
+                    del locks[key]
         self._next_lock_expiry = heap[0] if heap else math.inf
         self._count_locked_keys()
 
@@ -372,10 +417,27 @@ class Session:
             del writes[key]
 
 
-def _live(held: dict[float, int], now: float) -> tuple[int, float]:
+def _deadlines(held: _Held) -> Collection[float]:
+    """The deadlines of the locks ``held`` on a key."""
+    return held if isinstance(held, dict) else (held,)
+
+
+def _count(held: _Held) -> int:
+    """How many locks ``held`` on a key are."""
+    return sum(held.values()) if isinstance(held, dict) else 1
+
+
+def _per_deadline(held: _Held) -> dict[float, int]:
+    """The locks ``held`` on a key per deadline."""
+    return held if isinstance(held, dict) else {held: 1}
+
+
+def _live(held: _Held, now: float) -> tuple[int, float]:
     """(how many of the locks ``held`` per deadline are live at ``now``, the earliest live
     deadline); (0, 0.0) if none is."""
-    if len(held) == 1:  # the usual case: one deadline
+    if not isinstance(held, dict):  # the usual case: one lock
+        return (1, held) if held > now else (0, 0.0)
+    if len(held) == 1:  # one deadline
         ((deadline, count),) = held.items()
         return (count, deadline) if deadline > now else (0, 0.0)
     live = [deadline for deadline in held if deadline > now]
