@@ -397,6 +397,18 @@ def own_server(tmp_path: Path) -> Iterator[RedisServer]:
     server.stop()
 
 
+@pytest.fixture
+def own_cluster(tmp_path: Path) -> Iterator[RedisClusterNodes]:
+    """A cluster of the test's own, whose nodes it may pause, kill or change the ACL of."""
+    if (reason := missing_reason()) is not None:
+        pytest.skip(reason)
+    cluster = RedisClusterNodes(tmp_path / "cluster").start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 def quick_failing(server: RedisServer, prefix: str, failure_threshold: int) -> dict[str, Any]:
     """Adapter fields that fail calls to a hung ``server`` fast and heal fast."""
     return {
@@ -742,27 +754,21 @@ def test_closing_closes_every_connection_to_the_store(
 
 
 def test_closing_closes_every_connection_to_every_cluster_node(
-    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
+    own_cluster: RedisClusterNodes, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
-    if missing_reason():
-        pytest.skip(missing_reason())
-    cluster = RedisClusterNodes(tmp_path / "cluster").start()
-    try:
 
-        def adapter_connections() -> list[int]:
-            return [len(node.cli("CLIENT", "LIST").stdout.strip().splitlines()) - 1 for node in cluster.nodes]
+    def adapter_connections() -> list[int]:
+        return [len(node.cli("CLIENT", "LIST").stdout.strip().splitlines()) - 1 for node in own_cluster.nodes]
 
-        adapter = open_adapter(startup_nodes=cluster.startup_nodes, cluster_mode=True, key_prefix=prefix)
-        keys = make_keys(6)
-        data = store(adapter, keys)
-        found = client_of(adapter).lookup_and_lock(keys)
-        assert load(adapter, keys, found.sizes) == ([True] * 6, data)
-        adapter.unlock(keys)
-        assert sum(adapter_connections()) > 0
-        adapter.close()
-        wait_for(lambda: adapter_connections() == [0, 0, 0], "every node to see its connections closed")
-    finally:
-        cluster.stop()
+    adapter = open_adapter(startup_nodes=own_cluster.startup_nodes, cluster_mode=True, key_prefix=prefix)
+    keys = make_keys(6)
+    data = store(adapter, keys)
+    found = client_of(adapter).lookup_and_lock(keys)
+    assert load(adapter, keys, found.sizes) == ([True] * 6, data)
+    adapter.unlock(keys)
+    assert sum(adapter_connections()) > 0
+    adapter.close()
+    wait_for(lambda: adapter_connections() == [0, 0, 0], "every node to see its connections closed")
 
 
 def _open_on_cluster(
@@ -792,70 +798,60 @@ def _on_node(
 
 
 def test_a_cluster_batch_with_one_node_hung_reports_and_accounts_what_the_others_did(
-    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
+    own_cluster: RedisClusterNodes, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
     # One trip reaches every node: the nodes that answered stored (removed) their keys,
     # which must be reported so -- else they sit in the store counted against no
     # capacity (stay accounted though gone); only the hung node's keys fail, counted.
-    if missing_reason():
-        pytest.skip(missing_reason())
-    cluster = RedisClusterNodes(tmp_path / "cluster").start()
-    hung = cluster.nodes[1]
+    hung = own_cluster.nodes[1]
+    adapter = _open_on_cluster(open_adapter, own_cluster, prefix, request_timeout=0.3, connection_timeout=0.3)
+    old, new = make_keys(16)[:8], make_keys(16)[8:]
+    store(adapter, old, size=16)
+    on_hung = _on_node(adapter, own_cluster, hung, old + new)
+    old_on_hung, new_on_hung = on_hung[:8], on_hung[8:]
+    assert any(old_on_hung) and not all(old_on_hung) and any(new_on_hung) and not all(new_on_hung)
+    hung.pause()
     try:
-        adapter = _open_on_cluster(open_adapter, cluster, prefix, request_timeout=0.3, connection_timeout=0.3)
-        old, new = make_keys(16)[:8], make_keys(16)[8:]
-        store(adapter, old, size=16)
-        on_hung = _on_node(adapter, cluster, hung, old + new)
-        old_on_hung, new_on_hung = on_hung[:8], on_hung[8:]
-        assert any(old_on_hung) and not all(old_on_hung) and any(new_on_hung) and not all(new_on_hung)
-        hung.pause()
-        try:
-            buffers = [memoryview(bytearray(pattern(index, 16))) for index in range(len(new))]
-            stored = BlockingAdapterClient(adapter, timeout=120).store(new, buffers)
-        finally:
-            hung.resume()
-        # A timed-out connection is dropped, and a node that cannot be connected to fails
-        # the trip before anything is sent: reconnect before the node hangs again.
-        client_of(adapter).lookup_and_lock(old)
-        adapter.unlock(old)
-        hung.pause()
-        try:
-            deleted = adapter.delete(old)
-        finally:
-            hung.resume()
-        assert stored == [not on for on in new_on_hung]
-        assert deleted == [not on for on in old_on_hung]
-        assert adapter.used_bytes() == 16 * (stored.count(True) + deleted.count(False))
-        stats = adapter.stats()
-        assert stats["store_request_failures"] == new_on_hung.count(True)
-        assert stats["delete_request_failures"] == old_on_hung.count(True)
-        # Each call failed part-way: reported with its answer, counted as failed.
-        assert stats["circuit_failures"] >= 2 and stats["backend_errors"] >= 2
+        buffers = [memoryview(bytearray(pattern(index, 16))) for index in range(len(new))]
+        stored = BlockingAdapterClient(adapter, timeout=120).store(new, buffers)
     finally:
-        cluster.stop()
+        hung.resume()
+    # A timed-out connection is dropped, and a node that cannot be connected to fails
+    # the trip before anything is sent: reconnect before the node hangs again.
+    client_of(adapter).lookup_and_lock(old)
+    adapter.unlock(old)
+    hung.pause()
+    try:
+        deleted = adapter.delete(old)
+    finally:
+        hung.resume()
+    assert stored == [not on for on in new_on_hung]
+    assert deleted == [not on for on in old_on_hung]
+    assert adapter.used_bytes() == 16 * (stored.count(True) + deleted.count(False))
+    stats = adapter.stats()
+    assert stats["store_request_failures"] == new_on_hung.count(True)
+    assert stats["delete_request_failures"] == old_on_hung.count(True)
+    # Each call failed part-way: reported with its answer, counted as failed.
+    assert stats["circuit_failures"] >= 2 and stats["backend_errors"] >= 2
 
 
-def test_a_test_cluster_node_paused_for_seconds_is_not_declared_failed(tmp_path: Path) -> None:
+def test_a_test_cluster_node_paused_for_seconds_is_not_declared_failed(
+    own_cluster: RedisClusterNodes,
+) -> None:
     # The tests pause a node to see its keys alone fail.  A node the others declare
     # failed (no replica replaces it) makes every node answer CLUSTERDOWN, for every key:
     # the pause of a test on a loaded machine must not reach the cluster's node timeout.
-    if missing_reason():
-        pytest.skip(missing_reason())
-    cluster = RedisClusterNodes(tmp_path / "cluster").start()
-    paused = cluster.nodes[1]
+    paused = own_cluster.nodes[1]
+    paused.pause()
     try:
-        paused.pause()
-        try:
-            # Three node-timeouts of the old 2 s: with it the other nodes declared the
-            # paused one failed 2.7-3.9 s into the pause, on a machine loaded past its
-            # cores too (the failure reports take up to half a timeout more to agree).
-            time.sleep(6.0)
-            states = [node.cli("CLUSTER", "INFO").stdout for node in (cluster.nodes[0], cluster.nodes[2])]
-        finally:
-            paused.resume()
-        assert all("cluster_state:ok" in state for state in states), states
+        # Three node-timeouts of the old 2 s: with it the other nodes declared the
+        # paused one failed 2.7-3.9 s into the pause, on a machine loaded past its
+        # cores too (the failure reports take up to half a timeout more to agree).
+        time.sleep(6.0)
+        states = [node.cli("CLUSTER", "INFO").stdout for node in (own_cluster.nodes[0], own_cluster.nodes[2])]
     finally:
-        cluster.stop()
+        paused.resume()
+    assert all("cluster_state:ok" in state for state in states), states
 
 
 def on_and_off_node(
@@ -875,88 +871,75 @@ def on_and_off_node(
 
 
 def test_a_cluster_node_that_answers_no_write_opens_the_circuit_through_stores_alone(
-    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
+    own_cluster: RedisClusterNodes, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
     # A node that takes connections and reads but answers no write (paused, stuck,
     # overloaded): each store batch it shares with the other nodes stores theirs and fails
     # its own keys -- a call failed part-way, which the circuit breaker must see, or a
     # store-only workload pays the timeout on every batch for good.
-    if missing_reason():
-        pytest.skip(missing_reason())
-    cluster = RedisClusterNodes(tmp_path / "cluster").start()
-    paused = cluster.nodes[1]
+    paused = own_cluster.nodes[1]
+    adapter = open_adapter(
+        startup_nodes=own_cluster.startup_nodes,
+        cluster_mode=True,
+        key_prefix=prefix,
+        request_timeout=0.3,
+        connection_timeout=0.3,
+        max_capacity_gb=1.0,
+        circuit={"failure_threshold": 2, "probe_interval_s": 60},
+    )
+    backend = backend_of(adapter)
+    first, first_on = on_and_off_node(backend, paused, 2, start=10_000)
+    second, second_on = on_and_off_node(backend, paused, 2, start=20_000)
+    third, _ = on_and_off_node(backend, paused, 2, start=30_000)
+    buffers = [memoryview(bytearray(pattern(index, 16))) for index in range(len(first))]
+    client = BlockingAdapterClient(adapter, timeout=120)
+    paused.cli("CLIENT", "PAUSE", "60000", "WRITE")
     try:
-        adapter = open_adapter(
-            startup_nodes=cluster.startup_nodes,
-            cluster_mode=True,
-            key_prefix=prefix,
-            request_timeout=0.3,
-            connection_timeout=0.3,
-            max_capacity_gb=1.0,
-            circuit={"failure_threshold": 2, "probe_interval_s": 60},
-        )
-        backend = backend_of(adapter)
-        first, first_on = on_and_off_node(backend, paused, 2, start=10_000)
-        second, second_on = on_and_off_node(backend, paused, 2, start=20_000)
-        third, _ = on_and_off_node(backend, paused, 2, start=30_000)
-        buffers = [memoryview(bytearray(pattern(index, 16))) for index in range(len(first))]
-        client = BlockingAdapterClient(adapter, timeout=120)
-        paused.cli("CLIENT", "PAUSE", "60000", "WRITE")
-        try:
-            assert client.store(first, buffers) == [not on for on in first_on], "the other nodes' keys"
-            assert client.store(second, buffers) == [not on for on in second_on]
-            stats = adapter.stats()
-            assert stats["backend_errors"] == 2 and stats["circuit_failures"] == 2
-            assert stats["circuit_open"] == 1
-            assert client.store(third, buffers) == [False] * 4, "refused while open"
-            assert adapter.stats()["circuit_skipped_store_keys"] == 4
-        finally:
-            paused.cli("CLIENT", "UNPAUSE")
-        assert adapter.used_bytes() == 16 * (first_on.count(False) + second_on.count(False))
+        assert client.store(first, buffers) == [not on for on in first_on], "the other nodes' keys"
+        assert client.store(second, buffers) == [not on for on in second_on]
+        stats = adapter.stats()
+        assert stats["backend_errors"] == 2 and stats["circuit_failures"] == 2
+        assert stats["circuit_open"] == 1
+        assert client.store(third, buffers) == [False] * 4, "refused while open"
+        assert adapter.stats()["circuit_skipped_store_keys"] == 4
     finally:
-        cluster.stop()
+        paused.cli("CLIENT", "UNPAUSE")
+    assert adapter.used_bytes() == 16 * (first_on.count(False) + second_on.count(False))
 
 
 def test_the_circuit_probe_of_a_cluster_asks_every_primary(
-    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
+    own_cluster: RedisClusterNodes, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
     # A cluster's PING goes to one node only: a probe asking it closes the circuit while
     # another primary still answers nothing, and every lookup pays the timeout again.
-    if missing_reason():
-        pytest.skip(missing_reason())
-    cluster = RedisClusterNodes(tmp_path / "cluster").start()
-    try:
-        adapter = open_adapter(
-            startup_nodes=cluster.startup_nodes,
-            cluster_mode=True,
-            key_prefix=prefix,
-            request_timeout=0.3,
-            connection_timeout=0.3,
-            circuit={"failure_threshold": 1, "probe_interval_s": 0.05},
-        )
-        backend = backend_of(adapter)
-        client = backend.client
-        assert isinstance(client, redis.RedisCluster)
-        default = client.get_default_node().port
-        hung = next(node for node in cluster.nodes if node.port != default)
-        keys, _ = on_and_off_node(backend, hung, 2)
-        # Every command of every client waits, CLIENT UNPAUSE too, until the pause ends
-        # (the cluster bus does not: no failover).
-        hung.cli("CLIENT", "PAUSE", "6000", "ALL")
-        assert client_of(adapter).lookup_and_lock(keys).found == [False] * 4
-        assert adapter.stats()["circuit_open"] == 1
-        wait_for(
-            lambda: (
-                adapter.stats().get("circuit_probe_failures", 0) + adapter.stats().get("circuit_closed", 0)
-                > 0
-            ),
-            "a probe",
-        )
-        stats = adapter.stats()
-        assert stats["circuit_open"] == 1 and stats.get("circuit_closed", 0) == 0, "closed while a node hangs"
-        wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close once the node answers")
-    finally:
-        cluster.stop()
+    adapter = open_adapter(
+        startup_nodes=own_cluster.startup_nodes,
+        cluster_mode=True,
+        key_prefix=prefix,
+        request_timeout=0.3,
+        connection_timeout=0.3,
+        circuit={"failure_threshold": 1, "probe_interval_s": 0.05},
+    )
+    backend = backend_of(adapter)
+    client = backend.client
+    assert isinstance(client, redis.RedisCluster)
+    default = client.get_default_node().port
+    hung = next(node for node in own_cluster.nodes if node.port != default)
+    keys, _ = on_and_off_node(backend, hung, 2)
+    # Every command of every client waits, CLIENT UNPAUSE too, until the pause ends
+    # (the cluster bus does not: no failover).
+    hung.cli("CLIENT", "PAUSE", "6000", "ALL")
+    assert client_of(adapter).lookup_and_lock(keys).found == [False] * 4
+    assert adapter.stats()["circuit_open"] == 1
+    wait_for(
+        lambda: (
+            adapter.stats().get("circuit_probe_failures", 0) + adapter.stats().get("circuit_closed", 0) > 0
+        ),
+        "a probe",
+    )
+    stats = adapter.stats()
+    assert stats["circuit_open"] == 1 and stats.get("circuit_closed", 0) == 0, "closed while a node hangs"
+    wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close once the node answers")
 
 
 def test_trips_bound_bytes_and_keys() -> None:
@@ -1420,33 +1403,27 @@ def test_a_store_that_refuses_every_command_fails_the_calls_for_the_circuit(
 
 
 def test_a_damaged_record_is_removed_while_a_cluster_node_it_is_not_on_is_down(
-    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
+    own_cluster: RedisClusterNodes, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
     # The removal goes to the record's node alone, by digest, and its body only to that
     # node when it lost the script: another primary being down does not matter.
-    if missing_reason():
-        pytest.skip(missing_reason())
-    cluster = RedisClusterNodes(tmp_path / "cluster").start()
-    try:
-        adapter = open_adapter(startup_nodes=cluster.startup_nodes, cluster_mode=True, key_prefix=prefix)
-        backend = backend_of(adapter)
-        keys = make_keys(1)
-        data = store(adapter, keys)
-        name = backend.name_of(keys[0])
-        holder = backend.client.get_node_from_key(name)
-        down = next(node for node in cluster.nodes if node.port != holder.port)
-        for node in cluster.nodes:
-            node.cli("SCRIPT", "FLUSH")
-        raw = redis.Redis(host="127.0.0.1", port=holder.port)
-        _flip_a_payload_byte(raw, name, data[0])
-        down.stop()
-        assert load(adapter, keys, [4096])[0] == [False]
-        stats = adapter.stats()
-        assert stats["corrupt_records_removed"] == 1
-        assert stats.get("corrupt_remove_failures", 0) == 0
-        assert raw.exists(name) == 0
-    finally:
-        cluster.stop()
+    adapter = open_adapter(startup_nodes=own_cluster.startup_nodes, cluster_mode=True, key_prefix=prefix)
+    backend = backend_of(adapter)
+    keys = make_keys(1)
+    data = store(adapter, keys)
+    name = backend.name_of(keys[0])
+    holder = backend.client.get_node_from_key(name)
+    down = next(node for node in own_cluster.nodes if node.port != holder.port)
+    for node in own_cluster.nodes:
+        node.cli("SCRIPT", "FLUSH")
+    raw = redis.Redis(host="127.0.0.1", port=holder.port)
+    _flip_a_payload_byte(raw, name, data[0])
+    down.stop()
+    assert load(adapter, keys, [4096])[0] == [False]
+    stats = adapter.stats()
+    assert stats["corrupt_records_removed"] == 1
+    assert stats.get("corrupt_remove_failures", 0) == 0
+    assert raw.exists(name) == 0
 
 
 def test_a_full_store_refuses_stores_counted_as_refused_and_still_serves(
@@ -1513,30 +1490,24 @@ def test_a_store_that_refuses_every_write_fails_the_calls_for_the_circuit(
 
 
 def test_a_cluster_batch_one_node_of_which_refuses_writes_counts_its_keys_as_refused(
-    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
+    own_cluster: RedisClusterNodes, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
     # One trip reaches every node: a node refusing every write (min-replicas-to-write
     # unmet) answered its keys -- refused -- while the others stored theirs; its keys are
     # the store's refusal, counted as such, never as requests lost on the way.
-    if missing_reason():
-        pytest.skip(missing_reason())
-    cluster = RedisClusterNodes(tmp_path / "cluster").start()
-    refusing = cluster.nodes[1]
-    try:
-        adapter = _open_on_cluster(open_adapter, cluster, prefix)
-        keys = make_keys(16)
-        on_refusing = _on_node(adapter, cluster, refusing, keys)
-        assert any(on_refusing) and not all(on_refusing)
-        _refuse_writes_for_want_of_replicas(refusing)
-        buffers = [memoryview(bytearray(pattern(index, 16))) for index in range(len(keys))]
-        stored = BlockingAdapterClient(adapter, timeout=120).store(keys, buffers)
-        assert stored == [not on for on in on_refusing]
-        stats = adapter.stats()
-        assert stats.get("store_request_failures", 0) == 0, "refused keys counted as failed requests"
-        assert stats["store_refused_by_server"] == on_refusing.count(True)
-        assert stats["backend_errors"] >= 1, "the refusal reaches the circuit breaker"
-    finally:
-        cluster.stop()
+    refusing = own_cluster.nodes[1]
+    adapter = _open_on_cluster(open_adapter, own_cluster, prefix)
+    keys = make_keys(16)
+    on_refusing = _on_node(adapter, own_cluster, refusing, keys)
+    assert any(on_refusing) and not all(on_refusing)
+    _refuse_writes_for_want_of_replicas(refusing)
+    buffers = [memoryview(bytearray(pattern(index, 16))) for index in range(len(keys))]
+    stored = BlockingAdapterClient(adapter, timeout=120).store(keys, buffers)
+    assert stored == [not on for on in on_refusing]
+    stats = adapter.stats()
+    assert stats.get("store_request_failures", 0) == 0, "refused keys counted as failed requests"
+    assert stats["store_refused_by_server"] == on_refusing.count(True)
+    assert stats["backend_errors"] >= 1, "the refusal reaches the circuit breaker"
 
 
 @pytest.mark.parametrize(
@@ -1694,7 +1665,7 @@ def _user_denied_hset_on(cluster: RedisClusterNodes, denying: RedisServer) -> st
 
 
 def test_a_cluster_primary_that_does_not_answer_leaves_the_others_checked(
-    tmp_path: Path,
+    own_cluster: RedisClusterNodes,
     prefix: str,
     open_adapter: Callable[..., BackendAdapter],
     caplog: pytest.LogCaptureFixture,
@@ -1702,33 +1673,27 @@ def test_a_cluster_primary_that_does_not_answer_leaves_the_others_checked(
     # A cluster of its own: the shared one cannot lose a node.  One primary denies HSET,
     # another is killed before open (still in every slot map): the denial found on the
     # live primary refuses the start, and the dead one is named as not checked.
-    if (reason := missing_reason()) is not None:
-        pytest.skip(reason)
-    cluster = RedisClusterNodes(tmp_path / "cluster").start()
-    try:
-        denying, dead = cluster.nodes[1], cluster.nodes[2]
-        user = _user_denied_hset_on(cluster, denying)
-        dead.stop()
-        with (
-            caplog.at_level(logging.WARNING),
-            pytest.raises(ConfigError, match=r"HSET: .*'hset' command") as refused,
-        ):
-            open_adapter(
-                startup_nodes=cluster.nodes[0].address,
-                cluster_mode=True,
-                key_prefix=prefix,
-                username=user,
-                password="limited-pw",
-            )
-        assert denying.address in str(refused.value), "the denying node is named"
-        unchecked = [r.getMessage() for r in caplog.records if "could not check" in r.getMessage()]
-        assert any(dead.address in message for message in unchecked), unchecked
-    finally:
-        cluster.stop()
+    denying, dead = own_cluster.nodes[1], own_cluster.nodes[2]
+    user = _user_denied_hset_on(own_cluster, denying)
+    dead.stop()
+    with (
+        caplog.at_level(logging.WARNING),
+        pytest.raises(ConfigError, match=r"HSET: .*'hset' command") as refused,
+    ):
+        open_adapter(
+            startup_nodes=own_cluster.nodes[0].address,
+            cluster_mode=True,
+            key_prefix=prefix,
+            username=user,
+            password="limited-pw",
+        )
+    assert denying.address in str(refused.value), "the denying node is named"
+    unchecked = [r.getMessage() for r in caplog.records if "could not check" in r.getMessage()]
+    assert any(dead.address in message for message in unchecked), unchecked
 
 
 def test_a_cluster_primary_that_hung_at_start_up_is_checked_when_it_answers(
-    tmp_path: Path,
+    own_cluster: RedisClusterNodes,
     prefix: str,
     open_adapter: Callable[..., BackendAdapter],
     caplog: pytest.LogCaptureFixture,
@@ -1738,66 +1703,66 @@ def test_a_cluster_primary_that_hung_at_start_up_is_checked_when_it_answers(
     # refused object by object.  Its first answer is checked now: the denial is counted,
     # the adapter's calls refused (the circuit opens and its probe keeps it open) until
     # the ACL allows the commands.
-    if (reason := missing_reason()) is not None:
-        pytest.skip(reason)
-    cluster = RedisClusterNodes(tmp_path / "cluster").start()
+    denying = own_cluster.nodes[2]
+    user = _user_denied_hset_on(own_cluster, denying)
+    denying.pause()  # hung: the check at open times out on it
     try:
-        denying = cluster.nodes[2]
-        user = _user_denied_hset_on(cluster, denying)
-        denying.pause()  # hung: the check at open times out on it
-        try:
-            with caplog.at_level(logging.WARNING):
-                adapter = open_adapter(
-                    startup_nodes=cluster.nodes[0].address,
-                    cluster_mode=True,
-                    key_prefix=prefix,
-                    username=user,
-                    password="limited-pw",
-                    request_timeout=0.3,
-                    connection_timeout=0.3,
-                    circuit={"failure_threshold": 1, "probe_interval_s": 0.05},
-                )
-        finally:
-            denying.resume()
-        assert "permissions_denied" not in adapter.stats()
-        keys = make_keys(4)
-
-        def denial_counted() -> bool:
-            # A lookup checks the node (or the circuit's probe does, if start-up opened it).
-            assert client_of(adapter).lookup_and_lock(keys).found == [False] * 4
-            return adapter.stats().get("permissions_denied", 0) > 0
-
-        wait_for(denial_counted, "the check of the primary once it answers")
-        assert any(
-            "HSET" in r.getMessage() and denying.address in r.getMessage()
-            for r in caplog.records
-            if r.levelno == logging.ERROR
-        )
-        wait_for(lambda: adapter.stats()["circuit_open"] == 1, "the circuit to open on the denial")
-        probes = adapter.stats().get("circuit_probe_failures", 0)
-        wait_for(lambda: adapter.stats().get("circuit_probe_failures", 0) > probes, "a probe")
-        assert adapter.stats()["circuit_open"] == 1, "the probe closed the circuit on a denying node"
-        # Allowed at last: the probe's check passes and calls resume.
-        denying.cli("ACL", "SETUSER", user, "+hset")
-        wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close once allowed")
-        data = store(adapter, keys)
-        assert load(adapter, keys, [4096] * 4) == ([True] * 4, data)
+        with caplog.at_level(logging.WARNING):
+            adapter = open_adapter(
+                startup_nodes=own_cluster.nodes[0].address,
+                cluster_mode=True,
+                key_prefix=prefix,
+                username=user,
+                password="limited-pw",
+                request_timeout=0.3,
+                connection_timeout=0.3,
+                circuit={"failure_threshold": 1, "probe_interval_s": 0.05},
+            )
     finally:
-        cluster.stop()
+        denying.resume()
+    assert "permissions_denied" not in adapter.stats()
+    keys = make_keys(4)
+
+    def denial_counted() -> bool:
+        # A lookup checks the node (or the circuit's probe does, if start-up opened it).
+        assert client_of(adapter).lookup_and_lock(keys).found == [False] * 4
+        return adapter.stats().get("permissions_denied", 0) > 0
+
+    wait_for(denial_counted, "the check of the primary once it answers")
+    assert any(
+        "HSET" in r.getMessage() and denying.address in r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.ERROR
+    )
+    wait_for(lambda: adapter.stats()["circuit_open"] == 1, "the circuit to open on the denial")
+    probes = adapter.stats().get("circuit_probe_failures", 0)
+    wait_for(lambda: adapter.stats().get("circuit_probe_failures", 0) > probes, "a probe")
+    assert adapter.stats()["circuit_open"] == 1, "the probe closed the circuit on a denying node"
+    # Allowed at last: the probe's check passes and calls resume.
+    denying.cli("ACL", "SETUSER", user, "+hset")
+    wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close once allowed")
+    data = store(adapter, keys)
+    assert load(adapter, keys, [4096] * 4) == ([True] * 4, data)
+
+
+def _opened_while_hung_denying_unlink(
+    server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> BackendAdapter:
+    """An adapter of user ``limited``, whom ``server``'s ACL denies UNLINK, opened while
+    ``server`` hung: its start-up check got no verdict, so the check is owed."""
+    server.cli("ACL", "SETUSER", "limited", "reset", "on", ">limited-pw", "~*", "+@all", "-unlink")
+    server.pause()
+    try:
+        return open_adapter(**quick_failing(server, prefix, 1), username="limited", password="limited-pw")
+    finally:
+        server.resume()
 
 
 def test_a_store_hung_at_start_up_is_checked_when_it_answers(
     own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
     # The same for a single store: one not answering at open was never checked at all.
-    own_server.cli("ACL", "SETUSER", "limited", "reset", "on", ">limited-pw", "~*", "+@all", "-unlink")
-    own_server.pause()
-    try:
-        adapter = open_adapter(
-            **quick_failing(own_server, prefix, 1), username="limited", password="limited-pw"
-        )
-    finally:
-        own_server.resume()
+    adapter = _opened_while_hung_denying_unlink(own_server, prefix, open_adapter)
     keys = make_keys(2)
 
     def denial_counted() -> bool:
@@ -1925,14 +1890,7 @@ def test_a_denial_found_before_a_fresher_allowing_check_is_not_recorded_after_it
     # Two checks of a store that denied UNLINK overlap as the ACL is fixed: the older
     # finds the denial, the newer (after the fix) allows and is recorded first.  The older
     # verdict, recorded after it, must not count the denial again nor bring it back.
-    own_server.cli("ACL", "SETUSER", "limited", "reset", "on", ">limited-pw", "~*", "+@all", "-unlink")
-    own_server.pause()
-    try:
-        adapter = open_adapter(
-            **quick_failing(own_server, prefix, 1), username="limited", password="limited-pw"
-        )
-    finally:
-        own_server.resume()
+    adapter = _opened_while_hung_denying_unlink(own_server, prefix, open_adapter)
     backend = backend_of(adapter)
     backend._check_owed_permissions()
     assert adapter.stats()["permissions_denied"] == 1, adapter.stats()
@@ -1957,18 +1915,6 @@ def test_a_denial_found_before_a_fresher_allowing_check_is_not_recorded_after_it
     assert backend._denied is None, backend._denied
     assert adapter.stats()["permissions_denied"] == 1, adapter.stats()
     assert adapter.stats()["permission_verdicts_stale"] == 1, adapter.stats()
-
-
-@pytest.fixture
-def own_cluster(tmp_path: Path) -> Iterator[RedisClusterNodes]:
-    """A cluster of the test's own, whose nodes it may pause, kill or change the ACL of."""
-    if (reason := missing_reason()) is not None:
-        pytest.skip(reason)
-    cluster = RedisClusterNodes(tmp_path / "cluster").start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 def test_a_cluster_primary_that_does_not_answer_its_check_is_not_asked_by_every_call(
