@@ -249,6 +249,7 @@ def test_a_blocking_call_made_after_stop_is_answered_without_its_held_loop(
     finally:
         backend.release.set()
         holder.join(10.0)
+        runner._loop.call_soon_threadsafe(runner._loop.stop)  # stop never stopped it
         runner._thread.join(10.0)
 
 
