@@ -207,6 +207,16 @@ def bounded_walk(
         yield key
 
 
+def close_walk(walk: Iterator[ObjectKey]) -> None:
+    """End a policy's walk of ``victims()`` now (a generator's ``finally`` runs): one that
+    is a plain iterator has nothing to end.  The caller closes it under the lock that
+    guards the policy, as plugin code: left to the garbage collector, the walk's cleanup
+    would run with no lock held, and what it raised would be swallowed, uncounted."""
+    close = getattr(walk, "close", None)
+    if close is not None:
+        close()
+
+
 def end_fruitless_walk(policy: EvictionPolicy, failed: Callable[[], None] | None) -> None:
     """Tell ``policy`` that its last walk of ``victims()`` removed nothing: the first removal
     report after a walk ends it (``EvictionPolicy.victims``), and no other would come.  The

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.controllers.base import (
@@ -22,6 +22,7 @@ from lmcache_tiers.controllers.base import (
     ControllerThread,
     PolicyFailureLog,
     bounded_walk,
+    close_walk,
     end_fruitless_walk,
 )
 from lmcache_tiers.controllers.stats import EngineStats
@@ -119,6 +120,7 @@ class L1EvictionController(ControllerThread):
             return 0
         with self.l1.lock:
             before, objects = self.l1.used_bytes, len(self.l1)
+            walk: Iterator[ObjectKey] | None = None
             try:
                 # victims() is created inside the L1 lock: no listener can touch the
                 # policy while its iterator is alive.
@@ -134,12 +136,15 @@ class L1EvictionController(ControllerThread):
                 # A broken policy must not fail the write or prefetch that needed room.  The
                 # victims it offered before failing are evicted all the same: count them.
                 self._policy_failed()
+                self._close_walk(walk)
                 freed = before - self.l1.used_bytes
                 evicted = objects - len(self.l1)
                 if not evicted:
                     end_fruitless_walk(self.policy, None)
                 self._count_evicted(evicted, freed)
                 return freed
+            # Cut short once the room is made; its eviction stands if its cleanup fails.
+            self._close_walk(walk)
             if not eviction.keys:
                 end_fruitless_walk(self.policy, self._policy_failed)
             freed = before - self.l1.used_bytes
@@ -152,6 +157,18 @@ class L1EvictionController(ControllerThread):
                 "small to make room for a write (L2 stores are slower than the writes)",
             )
         return freed
+
+    def _close_walk(self, walk: Iterator[ObjectKey] | None) -> None:
+        """Close the policy's walk under the L1 lock, as plugin code (``close_walk``); a
+        cleanup that raises is the policy's counted failure.  A walk that failed is over
+        already: closing it runs nothing, so its failure is not counted twice."""
+        if walk is None:
+            return
+        try:
+            with plugin_code():
+                close_walk(walk)
+        except Exception:
+            self._policy_failed()
 
     def _policy_failed(self) -> None:
         self.stats.fail("l1_eviction_policy_error")

@@ -12,7 +12,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from itertools import islice
 
 from lmcache_tiers.burst import BurstLog
@@ -23,6 +23,7 @@ from lmcache_tiers.controllers.base import (
     ControllerThread,
     PolicyFailureLog,
     bounded_walk,
+    close_walk,
     end_fruitless_walk,
 )
 from lmcache_tiers.controllers.stats import EngineStats
@@ -55,14 +56,6 @@ REMOVED_WHILE_LISTING_MAX = 1 << 16
 #: the event of keys the adapter's start-up scan accounted (``on_l2_keys_scanned``): told
 #: to the policy as written, unless it has them from the listing already
 SCANNED = "on_keys_scanned"
-
-
-def close_walk(walk: Iterator[ObjectKey]) -> None:
-    """End a policy's walk of ``victims()`` now (a generator's ``finally`` runs): one that
-    is a plain iterator has nothing to end."""
-    close = getattr(walk, "close", None)
-    if close is not None:
-        close()
 
 
 class L2EvictionController(ControllerThread):
@@ -549,10 +542,7 @@ class L2EvictionController(ControllerThread):
                             victims = (key for key in offered if key not in refused)
                             batch = list(dict.fromkeys(islice(victims, batch_size)))
                         finally:
-                            # Closed here, under the policy lock and as plugin code: left to
-                            # the garbage collector, the walk's cleanup would run with no lock
-                            # held, and what it raised would be swallowed, uncounted.
-                            close_walk(walk)
+                            close_walk(walk)  # under the policy lock, as plugin code
                 except Exception:
                     # A broken policy ends the cycle; what it already evicted is counted.
                     self._policy_failed()
