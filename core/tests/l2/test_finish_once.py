@@ -361,3 +361,29 @@ def test_a_task_whose_loop_ended_under_it_is_failed_and_hands_back(adapters: lis
     runner.run(later, LoadOp(state, keys, [memoryview(bytearray(SIZE))]))
     assert later in state.board.pop(L2Op.LOAD), "a task run once the loop is gone is failed at once"
     assert nothing_held(adapter)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_tasks_failed_with_their_loop_are_not_reported_destroyed_pending(
+    adapters: list[BackendAdapter],
+) -> None:
+    """The asyncio tasks of calls the loop was closed with are ended with it (each failed
+    and counted already): finalized, none reports "Task was destroyed but it is pending!"
+    to the loop, which asyncio logs as an ERROR for each."""
+    adapter, _client, keys = stored_adapter(adapters)
+    state = adapter.state
+    runner = idle_runner(adapter, [], EndingItsLoop())
+    runner._thread.start()
+    delete_task = state.board.new_task(L2Op.LOAD, 1)
+    runner.run(delete_task, DeleteOp(state, keys))
+    runner._thread.join(10.0)
+    assert not runner._thread.is_alive()
+    left = [task for task in asyncio.all_tasks(runner._loop) if not task.done()]
+    assert left, "the delete's task was left by the loop"
+    reported: list[str] = []
+    runner._loop.set_exception_handler(lambda _loop, context: reported.append(context["message"]))
+    for task in left:
+        task.__del__()  # what the garbage collector runs: deterministic here
+    assert reported == []
+    assert delete_task in state.board.pop(L2Op.LOAD)
+    assert nothing_held(adapter)

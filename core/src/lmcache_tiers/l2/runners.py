@@ -612,9 +612,11 @@ class LoopRunner(Runner):
         finally:
             with self._lock:
                 self._loop_ended = True
+                pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
                 loop.close()
                 left = list(self._futures.items())
             self._drop_left(left)
+            self._end_pending_tasks(pending)
 
     def _schedule(self, coroutine: Any, task_id: int | None = None) -> concurrent.futures.Future[Any]:
         # Scheduled and registered in one step under the lock: a task that starts on the
@@ -668,6 +670,32 @@ class LoopRunner(Runner):
                 future.set_exception(_LoopEnded(f"{self.state.name}: the event loop ended"))
             except concurrent.futures.InvalidStateError:
                 pass  # cancelled meanwhile by ``stop``: its caller is answered all the same
+
+    def _end_pending_tasks(self, pending: list[asyncio.Task[Any]]) -> None:
+        """End the tasks the loop was closed with (its thread ended by an exception, or a
+        task the backend left behind), none of which will ever run again.  Each coroutine
+        is closed now, on the loop's thread, rather than by the garbage collector at some
+        later time on any thread: ours fail their task or call and hand back what they
+        held (``_drop_left`` closed those it answered already: closing again is nothing).
+        Their tasks, ended but never to be marked done by a loop that is gone, would each
+        be logged as "Task was destroyed but it is pending!" when collected: one line
+        names them all instead."""
+        if not pending:
+            return
+        for task in pending:
+            coroutine = task.get_coro()
+            try:
+                coroutine.close()
+            except Exception:  # a coroutine whose cleanup raises: the others still end
+                log.exception("%s: closing a task left with the event loop raised", self.state.name)
+            # asyncio's own flag for "do not report me as a leak": this one was ended above.
+            task._log_destroy_pending = False  # type: ignore[attr-defined]
+        log.warning(
+            "%s: %d tasks still pending as the event loop ended were closed: %s",
+            self.state.name,
+            len(pending),
+            ", ".join(sorted({getattr(task.get_coro(), "__qualname__", "?") for task in pending})),
+        )
 
     async def _offload(self, function: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(None, function)
