@@ -99,18 +99,6 @@ def test_a_client_left_unclosed_at_stop_lets_the_leave_path_end_the_process_at_o
     assert "unclosed-client" in child.stderr, child.stderr[-3000:]
 
 
-def test_a_process_that_is_not_a_server_is_not_kept_waiting_by_a_client_left_unclosed(
-    own_cluster: LocalCluster,
-) -> None:
-    # The thread holding the unclosed client is not a daemon (the signal to serve's leave
-    # path); a tool or a test whose main thread ends must not wait out its 60 s of retries.
-    child = _run_child(own_cluster, CHILD_ENDING)
-    assert "main ends" in child.stdout, child.stdout
-    # Structural, not timed: the thread saw the main thread end and stopped retrying.
-    assert "the process exits with a Mooncake client left unclosed" in child.stderr, child.stderr[-3000:]
-    assert "stays unclosed" not in child.stderr, child.stderr[-3000:]
-
-
 # -- calls given up inside Mooncake ---------------------------------------------------------
 
 # A deadline pool whose only call is given up and stays "inside Mooncake" (the function
@@ -193,10 +181,20 @@ def test_a_process_ending_does_not_wait_for_good_for_a_call_stuck_in_mooncake() 
     assert "calls given up still inside Mooncake after 0.2s: 1" in child.stderr, child.stderr[-3000:]
 
 
-def test_a_process_ending_waits_for_the_master_query_a_close_gave_up(own_cluster: LocalCluster) -> None:
-    # The query a close sends the hung master before closing is given up at
-    # operation_timeout_s; Mooncake's RPC timeout (set long by the operator here) keeps
-    # it inside when the main thread ends: the exit waits for it, as for the pool's calls.
+def test_a_process_that_is_not_a_server_ends_past_a_client_left_unclosed_and_its_master_query(
+    own_cluster: LocalCluster,
+) -> None:
+    # One child (a hung master and a process exit cost seconds each) for two things a tool
+    # or a test whose main thread ends is owed.  The query a close sends the hung master
+    # before closing is given up at operation_timeout_s; Mooncake's RPC timeout (set long
+    # by the operator here) keeps it inside when the main thread ends: the exit waits for
+    # it, as for the pool's calls.
     child = _run_child(own_cluster, CHILD_ENDING, MC_RPC_TIMEOUT_MS="60000")
     assert "main ends" in child.stdout, child.stdout
     assert "close-probe: the process waits up to" in child.stderr, child.stderr[-3000:]
+    # The thread holding the unclosed client is not a daemon (the signal to serve's leave
+    # path); the exit must not wait out its 60 s of retries.  Structural, not timed: the
+    # thread saw the main thread end and stopped retrying (with this RPC timeout, a retry
+    # it made instead would ask the hung master and stay inside Mooncake for a minute).
+    assert "the process exits with a Mooncake client left unclosed" in child.stderr, child.stderr[-3000:]
+    assert "stays unclosed" not in child.stderr, child.stderr[-3000:]
