@@ -37,7 +37,7 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         result = run_cli(["plugins", "new", f"gen-{kind}", "--kind", kind, "--dir", str(root)])
         assert result.returncode == 0, result.stderr
         assert f"wrote {root / f'gen-{kind}'}" in result.stdout
-        pip_install_to(site, root / f"gen-{kind}")
+    pip_install_to(site, *(root / f"gen-{kind}" for kind in KINDS))
     return root, site
 
 

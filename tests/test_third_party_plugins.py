@@ -151,8 +151,11 @@ POLICY_FLAGS = [
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("pkgs")
     target = root / "site"
-    pip_install_to(target, write_package(root, "acme-tiers", "acme_tiers", ACME, {"impl": ACME_IMPL}))
-    pip_install_to(target, write_package(root, "acme-broken", "acme_broken", BROKEN))
+    pip_install_to(
+        target,
+        write_package(root, "acme-tiers", "acme_tiers", ACME, {"impl": ACME_IMPL}),
+        write_package(root, "acme-broken", "acme_broken", BROKEN),
+    )
     return target
 
 

@@ -70,8 +70,9 @@ def install_flat_plugin(site: Path, name: str, module: str, source: str) -> None
     (site / f"{module}.py").write_text(source)
 
 
-def pip_install_to(target: Path, package: Path) -> None:
-    """Install like a user would (pip, real metadata and entry points), into ``target``."""
+def pip_install_to(target: Path, *packages: Path) -> None:
+    """Install like a user would (pip, real metadata and entry points), into ``target``;
+    several packages in one pip run (each run costs pip's start-up)."""
     subprocess.run(
         [
             sys.executable,
@@ -83,7 +84,7 @@ def pip_install_to(target: Path, package: Path) -> None:
             "--no-build-isolation",
             "--target",
             str(target),
-            str(package),
+            *(str(package) for package in packages),
         ],
         check=True,
         capture_output=True,
