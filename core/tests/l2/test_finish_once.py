@@ -343,18 +343,27 @@ def test_a_blocking_call_whose_loop_ended_under_it_gets_the_failed_outcome(
     assert runner.call_now(DeleteOp(state, make_keys(1))) == [False]
 
 
+def delete_left_by_its_loop(
+    adapters: list[BackendAdapter],
+) -> tuple[BackendAdapter, LoopRunner, int, list[Any]]:
+    """A delete task run on a loop whose thread then ends under it (``EndingItsLoop``),
+    the thread joined: the adapter, the runner, the task's id and the deleted keys."""
+    adapter, _client, keys = stored_adapter(adapters)
+    runner = idle_runner(adapter, [], EndingItsLoop())
+    runner._thread.start()
+    task_id = adapter.state.board.new_task(L2Op.LOAD, 1)
+    runner.run(task_id, DeleteOp(adapter.state, keys))
+    runner._thread.join(10.0)
+    assert not runner._thread.is_alive()
+    return adapter, runner, task_id, keys
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_task_whose_loop_ended_under_it_is_failed_and_hands_back(adapters: list[BackendAdapter]) -> None:
     """A background task pending on a loop whose thread ended is failed on the board
     (counted as closed with its loop) and what its prepare took is handed back."""
-    adapter, _client, keys = stored_adapter(adapters)
+    adapter, runner, delete_task, keys = delete_left_by_its_loop(adapters)
     state = adapter.state
-    runner = idle_runner(adapter, [], EndingItsLoop())
-    runner._thread.start()
-    delete_task = state.board.new_task(L2Op.LOAD, 1)
-    runner.run(delete_task, DeleteOp(state, keys))
-    runner._thread.join(10.0)
-    assert not runner._thread.is_alive()
     assert delete_task in state.board.pop(L2Op.LOAD), "the task was completed, not left waiting"
     assert not state.pins.deleting(), "the delete's claim was handed back"
     later = state.board.new_task(L2Op.LOAD, 1)
@@ -370,14 +379,8 @@ def test_tasks_failed_with_their_loop_are_not_reported_destroyed_pending(
     """The asyncio tasks of calls the loop was closed with are ended with it (each failed
     and counted already): finalized, none reports "Task was destroyed but it is pending!"
     to the loop, which asyncio logs as an ERROR for each."""
-    adapter, _client, keys = stored_adapter(adapters)
+    adapter, runner, delete_task, _keys = delete_left_by_its_loop(adapters)
     state = adapter.state
-    runner = idle_runner(adapter, [], EndingItsLoop())
-    runner._thread.start()
-    delete_task = state.board.new_task(L2Op.LOAD, 1)
-    runner.run(delete_task, DeleteOp(state, keys))
-    runner._thread.join(10.0)
-    assert not runner._thread.is_alive()
     left = [task for task in asyncio.all_tasks(runner._loop) if not task.done()]
     assert left, "the delete's task was left by the loop"
     reported: list[str] = []
