@@ -69,3 +69,15 @@ def test_a_plugins_own_sys_exit_is_still_its_failure() -> None:
     plugin_set = discover({"exiting": exiting, "demo": make_module()})
     statuses = {p.name: p.status for p in plugin_set.plugins}
     assert statuses["exiting"] == "error: SystemExit: no GPU here"
+
+
+def test_a_handler_taking_its_arguments_packed_is_told_too() -> None:
+    """A handler written ``lambda *_: sys.exit(...)`` (its arguments in one tuple) is a
+    stop signal's handler as much as one naming them."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            discover({"signalled": signalled_while_registering(), "demo": make_module()})
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped.value.code == 128 + signal.SIGTERM

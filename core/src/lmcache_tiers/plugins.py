@@ -145,10 +145,19 @@ def _is_a_signal_handler_frame(frame: FrameType) -> bool:
     interrupted = frame.f_back
     if interrupted is None:
         return False
-    arguments = frame.f_locals.values()
+    arguments = _arguments_of(frame)
     return any(value is interrupted for value in arguments) and any(
         type(value) is int and value in _SIGNAL_NUMBERS for value in arguments
     )
+
+
+def _arguments_of(frame: FrameType) -> list[object]:
+    """The frame's locals, with those of a tuple among them: a handler written
+    ``lambda *_: sys.exit(...)`` holds the signal's number and frame in one."""
+    values: list[object] = []
+    for value in frame.f_locals.values():
+        values.extend(value if type(value) is tuple else (value,))
+    return values
 
 
 _SIGNAL_NUMBERS = frozenset(int(number) for number in signal.Signals)
