@@ -38,6 +38,7 @@ from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
 from lmcache_tiers.l2.circuit import CircuitBackend
+from lmcache_tiers.l2.record import encode_header
 from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.registry import Kind
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
@@ -1253,6 +1254,32 @@ def test_a_delete_leaves_the_record_of_another_key_that_replaced_its_object(
     writer.unlock([theirs])
 
 
+@pytest.mark.parametrize("mode", ["standalone", "cluster"])
+def test_records_of_another_serde_chain_are_listed_counted_and_evictable(
+    request: pytest.FixtureRequest, prefix: str, open_adapter: Callable[..., BackendAdapter], mode: str
+) -> None:
+    # The chain was changed between restarts: the old chain's records are misses, kept,
+    # yet they hold memory in Redis -- the start-up listing must count them against the
+    # capacity, or nothing ever evicts them.
+    where, raw = shared_store(request, mode)
+    namer = backend_of(open_adapter(**where, key_prefix=prefix))
+    keys = make_keys(3)
+    sizes = [4096, 5000, 70000]
+    for index, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+        payload = pattern(index, size)
+        header = encode_header(key, payload, serde=("zstd",))
+        raw.hset(namer.name_of(key), mapping={"h": header, "p": payload})
+    adapter = open_adapter(**where, key_prefix=prefix, max_capacity_gb=1.0)
+    assert adapter.used_bytes() == sum(sizes), "the old chain's records are not counted"
+    assert client_of(adapter).lookup_and_lock(keys).found == [False] * 3, "another chain's record is a miss"
+    assert [raw.exists(namer.name_of(key)) for key in keys] == [1, 1, 1], "and it is kept"
+    assert adapter.stats()["serde_chain_mismatch"] >= 3
+    # The eviction's delete removes them.
+    assert adapter.delete(keys) == [True] * 3
+    assert [raw.exists(namer.name_of(key)) for key in keys] == [0, 0, 0]
+    assert adapter.used_bytes() == 0
+
+
 def test_a_delete_leaves_a_record_of_a_newer_format_and_removes_the_others(
     redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
@@ -1552,6 +1579,7 @@ def test_a_user_allowed_the_needed_commands_on_its_prefix_opens(
         "+hset",
         "+hget",
         "+hmget",
+        "+hstrlen",
         "+scan",
         "+evalsha",
         "+eval",
@@ -1631,7 +1659,7 @@ def test_a_cluster_user_allowed_the_needed_commands_opens(
     redis_cluster: RedisClusterNodes, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
     user = f"narrow-{uuid.uuid4().hex[:8]}"
-    needed = ["+ping", "+hset", "+hget", "+hmget", "+scan", "+evalsha", "+eval", "+unlink"]
+    needed = ["+ping", "+hset", "+hget", "+hmget", "+hstrlen", "+scan", "+evalsha", "+eval", "+unlink"]
     # what redis-py's cluster client asks for the slot map, and the check's transaction
     client_side = ["+cluster|slots", "+cluster|shards", "+cluster|nodes", "+multi", "+discard", "+command"]
     for node in redis_cluster.nodes:

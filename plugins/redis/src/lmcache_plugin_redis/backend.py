@@ -126,6 +126,8 @@ _STORE_REFUSAL_CODES = (
 #: what is wrong with one loaded object: its error reply, its header and why it is damaged,
 #: or (a miss that is kept) how to count and log it
 Problem = ResponseError | tuple[bytes, RecordError] | Callable[[], None]
+#: what ``_judged_header`` answers for an intact record of another serde chain
+OTHER_CHAIN = "another serde chain"
 
 
 def refuses_everything(reply: Any) -> bool:
@@ -154,6 +156,7 @@ def permission_refusals(client: Redis, name: str) -> tuple[list[str], list[str]]
         ("HSET", name, HEADER, b"", PAYLOAD, b""),
         ("HGET", name, HEADER),
         ("HMGET", name, HEADER, PAYLOAD),
+        ("HSTRLEN", name, PAYLOAD),
         ("SCAN", 0, "MATCH", glob_escape(name), "COUNT", 1),
         ("EVALSHA", _REMOVE_IF_UNCHANGED_SHA, 1, name, b""),
         ("EVAL", _REMOVE_IF_UNCHANGED, 1, name, b""),
@@ -510,7 +513,7 @@ class RedisBackend:
     def _denial(self, denied: list[str]) -> str:
         return (
             f"{self.context.name}: the Redis user may not run what the adapter needs "
-            f"({'; '.join(denied)}): grant it HSET, HGET, HMGET, SCAN, EVALSHA, EVAL "
+            f"({'; '.join(denied)}): grant it HSET, HGET, HMGET, HSTRLEN, SCAN, EVALSHA, EVAL "
             f"and UNLINK on keys {self.prefix!r}*"
         )
 
@@ -1012,7 +1015,7 @@ class RedisBackend:
             pipe.execute_command(command, script, 1, self.name_of(keys[index]), header)
         return pipe
 
-    def list_keys(self) -> Iterator[tuple[ObjectKey, ObjectSize]]:
+    def list_keys(self) -> Iterator[tuple[ObjectKey, ObjectSize | int]]:
         self._refuse_calls_while_denied()
         pattern = glob_escape(self.prefix) + "*"
         batch: list[tuple[ObjectKey, bytes]] = []
@@ -1039,18 +1042,44 @@ class RedisBackend:
 
     # -- records --------------------------------------------------------------------------------
 
-    def _sizes(self, batch: list[tuple[ObjectKey, bytes]]) -> Iterator[tuple[ObjectKey, ObjectSize]]:
+    def _sizes(self, batch: list[tuple[ObjectKey, bytes]]) -> Iterator[tuple[ObjectKey, ObjectSize | int]]:
         pipe = self._pipeline()
         for _, raw in batch:
             pipe.hget(raw, HEADER)
-        for (key, _), reply in zip(batch, self._execute(pipe), strict=True):
-            header = self._header(key, reply, "listing")
-            if header is not None:
+        other_chain: list[tuple[ObjectKey, bytes]] = []
+        for (key, raw), reply in zip(batch, self._execute(pipe), strict=True):
+            header = self._judged_header(key, reply, "listing")
+            if header == OTHER_CHAIN:
+                other_chain.append((key, raw))
+            elif isinstance(header, RecordHeader):
                 yield key, ObjectSize(header.payload_len, header.l1_size)
+        yield from self._payload_sizes(other_chain)
+
+    def _payload_sizes(self, batch: list[tuple[ObjectKey, bytes]]) -> Iterator[tuple[ObjectKey, int]]:
+        """Records of another serde chain (kept misses) listed by their payload's length:
+        they hold memory in the store, so they count against ``max_capacity_gb`` and an
+        eviction may delete them, as other adapters list them.  Their header is not
+        this chain's to read the sizes from; one gone since it was read is not listed."""
+        if not batch:
+            return
+        pipe = self._pipeline()
+        for _, raw in batch:
+            pipe.hstrlen(raw, PAYLOAD)
+        for (key, _), reply in zip(batch, self._execute(pipe), strict=True):
+            if per_object_error(reply):  # WRONGTYPE: replaced since by something else
+                self._reply_error("listing", key, reply)
+            elif reply:
+                yield key, int(reply)
 
     def _header(self, key: ObjectKey, reply: Any, what: str) -> RecordHeader | None:
         """The verified header in a reply; None (a miss) for anything else, except an
         error reply about the store rather than the object, which fails the call."""
+        header = self._judged_header(key, reply, what)
+        return header if isinstance(header, RecordHeader) else None
+
+    def _judged_header(self, key: ObjectKey, reply: Any, what: str) -> RecordHeader | str | None:
+        """``_header``, telling an intact record of another serde chain (``OTHER_CHAIN``:
+        a miss, kept, counted by core) from the other misses."""
         if reply is None:
             return None
         if refuses_everything(reply):
@@ -1063,7 +1092,7 @@ class RedisBackend:
                 raise reply
             return None
         try:
-            return self.context.read_record_header(reply, key)
+            header = self.context.read_record_header(reply, key)
         except RecordError as exc:
             if what == "listing" and record_verdict(exc) is RecordVerdict.FOREIGN:
                 # An intact record of another key under a listed name: a server whose
@@ -1074,6 +1103,7 @@ class RedisBackend:
             elif not self._deletes.kept_record(key, exc):
                 self._discard(key, reply, exc)
             return None
+        return OTHER_CHAIN if header is None else header
 
     def _size_changed(self, key: ObjectKey, stored: int, wanted: int) -> None:
         """Replaced (e.g. by another server) since the lookup by an object of another size:
