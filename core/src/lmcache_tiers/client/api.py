@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from lmcache_tiers.client.connection import CLEANUP_TIMEOUT_S, Connection
+from lmcache_tiers.client.connection import CLEANUP_TIMEOUT_S, Connection, checked_wait
 from lmcache_tiers.client.errors import (
     ClientError,
     ConnectionLostError,
@@ -241,8 +241,9 @@ class Client(Connection):
 
     def ping(self, timeout: float | None = None) -> float:
         """Round-trip time in seconds."""
+        seconds = self._call_seconds(timeout)
         start = time.perf_counter()
-        self._call(p.Ping(0, ""), p.PingReply, timeout=timeout)
+        self._call(p.Ping(0, ""), p.PingReply, timeout=seconds)
         return time.perf_counter() - start
 
     def status(self) -> dict[str, Any]:
@@ -400,9 +401,11 @@ class Client(Connection):
         More keys than the server takes in one request are looked up part by part, each
         part only while the one before it was a full hit (the answer is a prefix).
         """
-        limit = self.timeout if timeout is None else timeout
+        return self._lookup(list(keys), self._call_seconds(timeout))
+
+    def _lookup(self, keys: list[ObjectKey], limit: float) -> int:
+        """``lookup`` within ``limit`` seconds (zero: no wait for a prefetch)."""
         deadline = time.monotonic() + limit
-        keys = list(keys)
         if 0 < len(keys) <= self.max_keys:  # one request, the usual case
             return self._lookup_part(keys, deadline, limit)
         hits = 0
@@ -446,7 +449,7 @@ class Client(Connection):
     ) -> list[int]:
         """``lookup`` for several prompts at once (e.g. one scheduler step), with up to
         ``window`` requests in flight: one round trip's latency instead of one per prompt."""
-        limit = self.timeout if timeout is None else timeout
+        limit = self._call_seconds(timeout)
         deadline = time.monotonic() + limit
         results: list[int | None] = [None] * len(key_lists)
         try:
@@ -507,7 +510,7 @@ class Client(Connection):
                 if len(keys) > self.max_keys and first == self.max_keys:
                     rest = list(keys)[self.max_keys :]
                     left = max(0.0, deadline - time.monotonic())
-                    results[position] = first + self.lookup(rest, timeout=left)
+                    results[position] = first + self._lookup(rest, left)
         return [hits or 0 for hits in results]
 
     def start_lookup(self, keys: Sequence[ObjectKey]) -> tuple[int, int | None]:
@@ -532,7 +535,7 @@ class Client(Connection):
 
     def wait_prefetch(self, handle: int, timeout: float) -> int | None:
         """Wait up to ``timeout`` seconds for a started lookup; None if still running."""
-        request = p.WaitPrefetchStatus(0, "", handle, min(max(timeout, 0.0), p.MAX_WAIT_S))
+        request = p.WaitPrefetchStatus(0, "", handle, min(checked_wait(timeout), p.MAX_WAIT_S))
         # The server answers at its deadline; allow for the round trip on top.  A reply that
         # comes later still hands over the prefetch's locks: they are released then.
         return self._prefetch_status(request, handle, timeout + max(1.0, self.timeout))
@@ -833,7 +836,7 @@ class Client(Connection):
         released over another (see ``_locks_left_to_ttl``) and expire with the lock TTL."""
         released = 0
         keys = list(keys)
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        deadline = time.monotonic() + self._call_seconds(timeout)
         parts = list(self._batches(len(keys)))
         for index, part in enumerate(parts):
             left = max(0.0, deadline - time.monotonic())

@@ -122,6 +122,24 @@ def _remember(table: dict[_K, _V], key: _K, value: _V) -> None:
         table.pop(next(iter(table)), None)
 
 
+def checked_timeout(seconds: float, name: str = "timeout") -> float:
+    """``seconds`` if it is a positive number of seconds (infinity included), the rule for
+    the client's timeouts and for a call's own.  NaN would fail deep inside the call (no
+    integer of milliseconds), and a timeout of zero or less would give up on a reply
+    before it could come: both are refused before anything is sent."""
+    if not seconds > 0:  # NaN too
+        raise ValueError(f"{name} must be a positive number of seconds, got {seconds!r}")
+    return seconds
+
+
+def checked_wait(seconds: float) -> float:
+    """``seconds`` if it is a wait of zero (a poll) or more; NaN and negative waits are
+    refused as :func:`checked_timeout` refuses those timeouts."""
+    if not seconds >= 0:  # NaN too
+        raise ValueError(f"wait must not be negative, got {seconds!r}")
+    return seconds
+
+
 def _rest_of_message(sock: zmq.Socket[bytes]) -> list[bytes]:
     """The frames after a message's first, received as bytes (they arrive together with
     it, so these receives do not block)."""
@@ -145,13 +163,9 @@ class Connection:
         name: str,
         cleanup_timeout: float = CLEANUP_TIMEOUT_S,
     ) -> None:
-        if not timeout > 0:  # NaN too
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if not cleanup_timeout > 0:
-            raise ValueError(f"cleanup_timeout must be a positive number of seconds, got {cleanup_timeout!r}")
         self.url = url
-        self.timeout = timeout
-        self.cleanup_timeout = cleanup_timeout
+        self.timeout = checked_timeout(timeout)
+        self.cleanup_timeout = checked_timeout(cleanup_timeout, "cleanup_timeout")
         self._token = auth_token if auth_token is not None else os.environ.get(AUTH_TOKEN_ENV, "")
         if len(self._token) > p.MAX_TOKEN_LEN or len(name) > p.MAX_TOKEN_LEN:
             raise ClientError(f"auth token and client name are limited to {p.MAX_TOKEN_LEN} characters")
@@ -242,6 +256,11 @@ class Connection:
                         self._socket.disable_monitor()
                     self._monitor.close(0)
                 self._socket.close(0)
+
+    def _call_seconds(self, timeout: float | None) -> float:
+        """The bound of a call given ``timeout`` (None: the client's), checked as the
+        client's own is."""
+        return self.timeout if timeout is None else checked_timeout(timeout)
 
     def _cleanup_seconds(self) -> float:
         """How long a clean-up call waits for its reply (see ``CLEANUP_TIMEOUT_S``)."""
