@@ -91,43 +91,51 @@ class StorageManager:
         try:
             reserved = self.l1.reserve_write(keys, sizes, layouts=layouts)
         except L1OutOfMemoryError as no_room:
-            self._refuse_if_it_cannot_fit(keys, sizes)
-            reserved = self._evict_until_reserved(keys, sizes, layouts, no_room)
+            new_sizes = self._new_sizes(keys, sizes)
+            room = self._refuse_if_it_cannot_fit(new_sizes)
+            self._refuse_if_no_span_fits(max(new_sizes.values(), default=0), room, no_room)
+            reserved = self._evict_until_reserved(keys, sizes, layouts)
         if self.l1_eviction.above_watermark():
             self.l1_eviction.wake()
         # The client copies into the reservation until it commits: write-back waits.
         DATA_PLANE.begin_many(reserved)
         return reserved
 
+    def _refuse_if_no_span_fits(self, largest: int, room: int, no_room: L1OutOfMemoryError) -> None:
+        """Evicting for a write whose largest object fits in no span that evicting every
+        unlocked object would leave (locked objects lie between) would only empty L1 for
+        nothing.
+
+        The ``room`` eviction can give lies in at most one span more than the extents no
+        eviction frees: when that many extents of ``largest`` fit in it, one span holds it
+        for sure.  Only an L1 so locked that this does not settle it is scanned (every
+        unevictable extent, sorted under the L1 lock: O(locked), too slow for every write
+        of a full L1)."""
+        extent = aligned_total([largest], self.config.l1_align_bytes)
+        if extent * (self.l1.unevictable_extents() + 1) <= room:
+            return
+        widest = self.l1.largest_reclaimable_extent()
+        if extent <= widest:
+            return
+        self.stats.fail("l1_write_oom")
+        message = (
+            f"{no_room}; no eviction can make a free extent of {largest} bytes (locked objects "
+            f"lie between the free ones; the widest span it can free is {widest}): refused "
+            "without evicting anything"
+        )
+        logger.warning("%s", message)
+        raise L1OutOfMemoryError(message) from None
+
     def _evict_until_reserved(
-        self,
-        keys: Sequence[ObjectKey],
-        sizes: Sequence[int],
-        layouts: Sequence[str] | None,
-        no_room: L1OutOfMemoryError,
+        self, keys: Sequence[ObjectKey], sizes: Sequence[int], layouts: Sequence[str] | None
     ) -> dict[ObjectKey, L1Object]:
         """Evict for a write L1 had no room for, then reserve it.
 
         Evicting the write's size frees that many bytes, but maybe in pieces none of which
         holds one of its objects (fragmentation): eviction goes on, the write's size at a
-        time in the policy's order, until the write fits or a round frees nothing.  A
-        write whose largest object fits in no span that evicting every unlocked object
-        would leave (locked objects lie between) is refused before anything is evicted.
+        time in the policy's order, until the write fits or a round frees nothing.
         """
-        align = self.config.l1_align_bytes
-        contains = self.l1.contains
-        largest = max((size for key, size in zip(keys, sizes, strict=True) if not contains(key)), default=0)
-        widest = self.l1.largest_reclaimable_extent()
-        if aligned_total([largest], align) > widest:
-            self.stats.fail("l1_write_oom")
-            message = (
-                f"{no_room}; no eviction can make a free extent of {largest} bytes (locked objects "
-                f"lie between the free ones; the widest span it can free is {widest}): refused "
-                "without evicting anything"
-            )
-            logger.warning("%s", message)
-            raise L1OutOfMemoryError(message) from None
-        need = aligned_total(sizes, align)
+        need = aligned_total(sizes, self.config.l1_align_bytes)
         while True:
             freed = self.l1_eviction.evict_now(need)
             try:
@@ -194,16 +202,22 @@ class StorageManager:
         get = self.l1.get
         return [key for key, obj in reserved.items() if get(key) is obj]
 
-    def _refuse_if_it_cannot_fit(self, keys: Sequence[ObjectKey], sizes: Sequence[int]) -> None:
-        """Evicting for a batch that cannot fit anyway would only empty L1 for nothing."""
+    def _new_sizes(self, keys: Sequence[ObjectKey], sizes: Sequence[int]) -> dict[ObjectKey, int]:
+        """The sizes of the keys a write reserves: those not in L1 yet, a key repeated in
+        the batch once, at its first size."""
         new_sizes: dict[ObjectKey, int] = {}
         for key, size in zip(keys, sizes, strict=True):
             if key not in new_sizes and not self.l1.contains(key):
-                new_sizes[key] = size  # a key repeated in the batch is reserved once, at its first size
+                new_sizes[key] = size
+        return new_sizes
+
+    def _refuse_if_it_cannot_fit(self, new_sizes: dict[ObjectKey, int]) -> int:
+        """Evicting for a batch that cannot fit anyway would only empty L1 for nothing.
+        Returns the room eviction can give (free and unlocked bytes)."""
         need = aligned_total(new_sizes.values(), self.config.l1_align_bytes)
         room = self.l1.reclaimable_bytes()
         if need <= room:
-            return
+            return room
         self.stats.fail("l1_write_cannot_fit")
         message = (
             f"a store of {len(new_sizes)} new objects needs {need} bytes of L1, but at most {room} of "

@@ -244,6 +244,10 @@ class ExtentLeases:
         self._counts[how] += 1
         self._counts["bytes"] += entry.extent_bytes
 
+    @property
+    def quarantined_extents(self) -> int:
+        return len(self._by_offset)
+
     def held_extents(self) -> list[tuple[int, int]]:
         """``(offset, length)`` of every quarantined extent: allocated, and freed by no
         eviction."""
@@ -261,7 +265,7 @@ class ExtentLeases:
     def stats(self) -> LeaseStats:
         counts = self._counts
         return LeaseStats(
-            quarantined_extents=len(self._by_offset),
+            quarantined_extents=self.quarantined_extents,
             quarantined_bytes=self.quarantined_bytes,
             lapsed_objects=len(self._lapsed),
             quarantined_forced=counts["forced"],

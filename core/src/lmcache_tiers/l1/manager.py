@@ -495,11 +495,17 @@ class L1Manager:
             locked = self._table.locked_bytes(self._allocator.size_at)
             return self._allocator.capacity - locked - self._leases.quarantined_bytes
 
+    def unevictable_extents(self) -> int:
+        """How many extents no eviction frees (locked objects', those held for loads,
+        quarantined ones): :meth:`reclaimable_bytes` lies in at most one span more."""
+        with self.lock:
+            return self._table.unevictable_count() + self._leases.quarantined_extents
+
     def largest_reclaimable_extent(self) -> int:
         """The largest free extent that evicting every unlocked object would leave: the
         widest gap between the extents no eviction frees (locked objects', those held for
-        loads, quarantined ones).  It sorts those extents: asked only once a write found
-        no room."""
+        loads, quarantined ones).  It sorts those extents: asked only when a write found
+        no room and :meth:`unevictable_extents` does not tell that it fits."""
         with self.lock:
             size_at = self._allocator.size_at
             pinned = [(obj.offset, size_at(obj.offset)) for obj in self._table.unevictable()]

@@ -170,6 +170,10 @@ class ObjectTable:
         loads whose reservation left L1 (``locked_bytes`` is their size)."""
         return [*self.locked.values(), *self._held]
 
+    def unevictable_count(self) -> int:
+        """How many objects :meth:`unevictable` lists, without listing them."""
+        return len(self.locked) + len(self._held)
+
     def stats(self, used_bytes: int) -> L1Stats:
         write_locked = sum(1 for obj in self.locked.values() if obj.state is ObjectState.WRITING)
         read_locks = sum(obj.read_locks for obj in self.locked.values())
