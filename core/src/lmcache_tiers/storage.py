@@ -14,7 +14,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from lmcache_tiers.activity import DATA_PLANE
 from lmcache_tiers.config import ServerConfig
@@ -117,14 +117,11 @@ class StorageManager:
         widest = self.l1.largest_reclaimable_extent()
         if extent <= widest:
             return
-        self.stats.fail("l1_write_oom")
-        message = (
+        self._refuse_before_evicting(
+            "l1_write_oom",
             f"{no_room}; no eviction can make a free extent of {largest} bytes (locked objects "
-            f"lie between the free ones; the widest span it can free is {widest}): refused "
-            "without evicting anything"
+            f"lie between the free ones; the widest span it can free is {widest})",
         )
-        logger.warning("%s", message)
-        raise L1OutOfMemoryError(message) from None
 
     def _evict_until_reserved(
         self, keys: Sequence[ObjectKey], sizes: Sequence[int], layouts: Sequence[str] | None
@@ -218,14 +215,18 @@ class StorageManager:
         room = self.l1.reclaimable_bytes()
         if need <= room:
             return room
-        self.stats.fail("l1_write_cannot_fit")
-        message = (
+        self._refuse_before_evicting(
+            "l1_write_cannot_fit",
             f"a store of {len(new_sizes)} new objects needs {need} bytes of L1, but at most {room} of "
-            f"{self.l1.capacity_bytes} can be made free (the rest is locked or being written): "
-            "refused without evicting anything"
+            f"{self.l1.capacity_bytes} can be made free (the rest is locked or being written)",
         )
+
+    def _refuse_before_evicting(self, reason: str, why: str) -> NoReturn:
+        """Refuse a write that no eviction can fit: counted under ``reason``, logged."""
+        self.stats.fail(reason)
+        message = f"{why}: refused without evicting anything"
         logger.warning("%s", message)
-        raise L1OutOfMemoryError(message)
+        raise L1OutOfMemoryError(message) from None
 
     # -- lookups and reads ---------------------------------------------------------------
 
