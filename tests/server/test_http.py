@@ -64,10 +64,12 @@ def test_http_stays_on_loopback_when_the_rpc_host_is_not(tmp_path: Path) -> None
         assert server.stop() == 0, server.output()
 
 
-@pytest.fixture
-def public_http(tmp_path: Path) -> ServerProcess:
+@pytest.fixture(scope="module")
+def public_http(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
+    """One server for the tests that read its HTTP routes (none depends on what another
+    did to it: refused requests, four keys stored)."""
     server = start_server(
-        tmp_path / "server",
+        tmp_path_factory.mktemp("public-http") / "server",
         adapters=[{"type": "mock", "max_size_gb": 0.1}],
         metrics_host="0.0.0.0",
         auth_token=TOKEN,
