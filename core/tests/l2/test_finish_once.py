@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from l2_backends import AsyncDictBackend, open_dict
+from l2_backends import AsyncDictBackend, open_dict, wait_until
 
 from lmcache_tiers.l2 import BackendAdapter
 from lmcache_tiers.l2.interface import L2Op
@@ -390,3 +390,39 @@ def test_tasks_failed_with_their_loop_are_not_reported_destroyed_pending(
     assert reported == []
     assert delete_task in state.board.pop(L2Op.LOAD)
     assert nothing_held(adapter)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_call_whose_finish_raises_as_its_loop_ends_answers_the_others(
+    adapters: list[BackendAdapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blocking call whose op's finish raises (a bug) as its loop ends under it does not
+    stop the loop's end from answering the calls left after it: the caller gets the op's
+    error, and the task scheduled after it is failed, not left waiting for ever."""
+    adapter, _client, keys = stored_adapter(adapters)
+    state = adapter.state
+
+    def broken_finish(op: DeleteOp, result: Any, *, call_returned: bool = True) -> Any:
+        raise RuntimeError("a bug in an op's finish")
+
+    monkeypatch.setattr(DeleteOp, "finish", broken_finish)
+    runner = idle_runner(adapter, [], EndingItsLoop())
+    answers: list[str] = []
+
+    def call() -> None:
+        try:
+            runner.call_now(DeleteOp(state, keys))
+        except RuntimeError as exc:
+            answers.append(str(exc))
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    wait_until(lambda: len(runner._futures) == 1, "the blocking call scheduled first")
+    task_after = state.board.new_task(L2Op.LOAD, 1)
+    runner.run(task_after, DeleteOp(state, make_keys(1, start=10)))
+    runner._thread.start()
+    caller.join(10.0)
+    runner._thread.join(10.0)
+    assert not caller.is_alive(), "the caller still waits for a loop that ended"
+    assert answers == ["a bug in an op's finish"]
+    assert task_after in state.board.pop(L2Op.LOAD), "the task after it was failed, not left waiting"

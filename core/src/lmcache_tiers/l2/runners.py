@@ -657,7 +657,12 @@ class LoopRunner(Runner):
                 continue
             coroutine = scheduled.coroutine
             never_started = inspect.getcoroutinestate(coroutine) == inspect.CORO_CREATED
-            coroutine.close()  # a started one handles its GeneratorExit; never awaited, no warning
+            try:
+                coroutine.close()  # a started one handles its GeneratorExit; never awaited, no warning
+            except Exception:
+                # An op's finish raising (a bug): its caller gets that error from its own
+                # finish (``_BlockingCall``), and the calls after it are answered all the same.
+                log.exception("%s: closing a call left with the event loop raised", self.state.name)
             if never_started and scheduled.task_id is not None and self.state.board.fail(scheduled.task_id):
                 self.state.count("tasks_failed_closed")
                 self.state.burst.warn(
