@@ -660,3 +660,35 @@ def test_a_serde_whose_stats_raise_is_counted_and_the_others_still_show(
     assert adapter.stats()["serde_stats_failed"] == 2
     told = [record.getMessage() for record in caplog.records if "statsfail" in record.getMessage()]
     assert len(told) == 1, told  # every scrape fails alike: one line a burst, not one each
+
+
+def test_keys_touched_while_the_scan_runs_are_bounded_and_the_listing_read_again(
+    adapters: list[L2Adapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the start-up scan runs, the keys live operations touched are remembered (the
+    listing may be older than what they did), but not without bound: a scan that trickles
+    for hours under a churn of keys forgets those no longer accounted and reads a listing
+    begun after that, which cannot bring back what they removed."""
+    import lmcache_tiers.l2.accounting as accounting
+
+    slack, listed_count, churn = 8, 4, 200  # churn: keys stored then deleted while the scan runs
+    monkeypatch.setattr(accounting, "TOUCHED_SLACK", slack, raising=False)  # False: fails on the bound
+    adapter, _namespace = open_scanning(adapters, monkeypatch, listed_count)
+    try:
+        assert adapter.stats()["scan_running"] == 1
+        client = BlockingAdapterClient(adapter, timeout=30)
+        listed = make_keys(listed_count)
+        # Deleted while the scan runs, before the churn makes the accounting forget it.
+        assert adapter.delete(listed[-1:]) == [True]
+        for start in range(100, 100 + churn):
+            churned = make_keys(1, start=start)
+            assert client.store(churned, [memoryview(pattern(start, 1000))]) == [True]
+            assert adapter.delete(churned) == [True]
+        touched = len(adapter.state.accounting._touched)
+        assert touched <= 2 * len(adapter.state.accounting) + slack + 1, f"{touched} keys remembered"
+    finally:
+        GatedListing.gate.release(1000)
+    wait_for_the_scan(adapter)
+    assert adapter.stats().get("scan_relisted", 0) >= 1, "the listing was read again"
+    assert adapter.used_bytes() == (listed_count - 1) * 1000, "the key deleted during the scan stays gone"
+    assert adapter.stats()["objects"] == listed_count - 1
