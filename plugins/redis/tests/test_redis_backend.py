@@ -460,6 +460,46 @@ def test_a_store_whose_later_trip_fails_reports_and_accounts_what_its_earlier_on
     assert stats["store_request_failures"] == 1, "the key the failed trip held is counted"
 
 
+@pytest.mark.parametrize("mode", ["standalone", "cluster"])
+def test_an_object_over_the_stores_bulk_limit_is_refused_alone_and_the_rest_of_its_batch_is_stored(
+    request: pytest.FixtureRequest,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+    mode: str,
+) -> None:
+    # Redis closes the connection on a bulk string over proto-max-bulk-len: sent, the
+    # object would fail its whole pipelined batch (small objects too) as "Broken pipe",
+    # and such batches would open the circuit.  In a cluster the lowest node limit holds.
+    where, raw = shared_store(request, mode)
+    servers = [request.getfixturevalue("redis_server")] if mode == "standalone" else []
+    servers = servers or request.getfixturevalue("redis_cluster").nodes[:1]
+    for server in servers:
+        server.cli("CONFIG", "SET", "proto-max-bulk-len", "1mb")
+    try:
+        stored_over_the_limit(open_adapter(**where, key_prefix=prefix, max_capacity_gb=1.0), raw, caplog)
+    finally:
+        for server in servers:
+            server.cli("CONFIG", "SET", "proto-max-bulk-len", "512mb")
+
+
+def stored_over_the_limit(adapter: BackendAdapter, raw: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A batch of a small object, one of 1 MiB + 1 byte and one of 1 MiB stored into a
+    store whose proto-max-bulk-len is 1 MiB: the one over it is refused alone."""
+    keys = make_keys(3)
+    sizes = [4096, (1 << 20) + 1, 1 << 20]
+    buffers = [memoryview(bytearray(pattern(index, size))) for index, size in enumerate(sizes)]
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+        assert client_of(adapter).store(keys, buffers) == [True, False, True]
+    backend = backend_of(adapter)
+    assert [raw.exists(backend.name_of(key)) for key in keys] == [1, 0, 1]
+    stats = adapter.stats()
+    assert stats["store_refused_over_bulk_limit"] == 1
+    assert stats.get("backend_errors", 0) == 0, "the store failed as a whole"
+    assert any("proto-max-bulk-len" in r.getMessage() for r in caplog.records), "the refusal is not logged"
+    assert adapter.used_bytes() == 4096 + (1 << 20)
+
+
 def fail_pipeline(backend: Any, number: int, error: Exception) -> None:
     """Make the ``number``-th pipeline ``backend`` executes from now on raise ``error``
     (a connection dropped, no cluster node answering), the others run as they would."""

@@ -194,6 +194,22 @@ def _unanswered_check(exc: Exception) -> str:
     return f"{cause} ({type(exc).__name__}: {exc})"
 
 
+#: Redis's default ``proto-max-bulk-len``: the limit assumed where CONFIG GET is refused
+DEFAULT_BULK_LIMIT = 512 << 20
+
+
+def bulk_limit_of(client: Redis) -> int | None:
+    """The store's ``proto-max-bulk-len`` (the longest string a command may send: a
+    longer one makes it close the connection); None where CONFIG GET is refused (an
+    ACL, a renamed or disabled command).  Raises when the store does not answer."""
+    try:
+        reply = client.config_get("proto-max-bulk-len")
+    except ResponseError:  # NoPermissionError too
+        return None
+    values = list(reply.values())
+    return int(values[0]) if values else None
+
+
 #: seconds between two permission checks calls make of primaries not checked yet: one that
 #: does not answer costs the call the check's timeout (the circuit's probe checks each time)
 OWED_CHECK_INTERVAL_S = 1.0
@@ -303,6 +319,10 @@ class RedisBackend:
         #: cluster primaries that did not answer their check: (when a call may check it
         #: again, the pause after the next failure); guarded by ``_permission_lock``
         self._node_check_pauses: dict[str, tuple[float, float]] = {}
+        #: the longest payload a store may send (``_read_bulk_limit``; the lowest of a
+        #: cluster's primaries), and whether it was read (else Redis's default is assumed)
+        self._bulk_limit = DEFAULT_BULK_LIMIT
+        self._bulk_limit_read = False
         if not config.cluster_mode:
             self._connect()
 
@@ -461,6 +481,7 @@ class RedisBackend:
                 "%s: %s does not answer yet (%s: %s)", self.context.name, self.target, type(exc).__name__, exc
             )
             return
+        self._read_bulk_limit()
         try:
             self._refuse_missing_permissions(self.client)
         except (RedisError, RedisClusterException) as exc:  # the store went away, or refuses MULTI
@@ -471,6 +492,32 @@ class RedisBackend:
                 exc,
             )
         log.info("%s: connected to %s, objects named %r + key", self.context.name, self.target, self.prefix)
+
+    def _read_bulk_limit(self) -> None:
+        """Read the store's ``proto-max-bulk-len`` (every primary's in a cluster, the
+        lowest kept): a store over it is refused before it is sent (``_within_bulk_limit``).
+        A store that does not answer is asked again by the next probe; one that refuses
+        CONFIG GET is assumed to keep Redis's default."""
+        client = self.client
+        nodes = (
+            [client]
+            if isinstance(client, Redis)
+            else [client.get_redis_connection(n) for n in client.get_primaries()]
+        )
+        try:
+            limits = [bulk_limit_of(node) for node in nodes]
+        except (RedisError, RedisClusterException) as exc:
+            log.debug("%s: proto-max-bulk-len not read yet (%s)", self.context.name, exc)
+            return
+        if None in limits:
+            log.info(
+                "%s: CONFIG GET proto-max-bulk-len is refused: stores over Redis's default "
+                "%d bytes are refused",
+                self.context.name,
+                DEFAULT_BULK_LIMIT,
+            )
+        self._bulk_limit = min((limit for limit in limits if limit is not None), default=DEFAULT_BULK_LIMIT)
+        self._bulk_limit_read = True
 
     def _warn_of_ignored_nodes(self) -> None:
         """Several ``startup_nodes`` without ``cluster_mode``: only the first is used, and
@@ -698,6 +745,8 @@ class RedisBackend:
             client.ping(target_nodes=RedisCluster.PRIMARIES)
         else:
             client.ping()
+        if not self._bulk_limit_read:  # it did not answer at open
+            self._read_bulk_limit()
         # Primaries answering for the first time since start-up (or promoted since) are
         # checked now: the circuit must not close on a node whose ACL denies the
         # adapter's commands.
@@ -733,16 +782,19 @@ class RedisBackend:
         self._refuse_calls_while_denied()
         stored = [False] * len(keys)
         failure: Exception | None = None
-        for number, trip in enumerate(trips([p.nbytes for p in payloads], self.config.pipeline_max_bytes)):
+        sendable = self._within_bulk_limit(keys, payloads)
+        sizes = [payloads[index].nbytes for index in sendable]
+        for number, trip in enumerate(trips(sizes, self.config.pipeline_max_bytes)):
             pipe = self._pipeline()
-            for index in trip:
+            indices = [sendable[position] for position in trip]
+            for index in indices:
                 header = self.context.record_header(keys[index], payloads[index])
                 pipe.hset(self.name_of(keys[index]), mapping={HEADER: header, PAYLOAD: payloads[index]})
-            replies = self._trip(pipe, number, "store", len(keys) - trip.start)
+            replies = self._trip(pipe, number, "store", len(sendable) - trip.start)
             if isinstance(replies, Exception):
                 failure = replies
                 break
-            for index, reply in zip(trip, replies, strict=True):
+            for index, reply in zip(indices, replies, strict=True):
                 if per_object_error(reply):
                     self._reply_error("store", keys[index], reply)
                 elif isinstance(reply, Exception):  # a failed node, or another client error
@@ -751,6 +803,28 @@ class RedisBackend:
                 else:
                     stored[index] = True
         return self._partly_done("store", stored, failure)
+
+    def _within_bulk_limit(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> Sequence[int]:
+        """The indices of the payloads the store takes; each longer than its
+        ``proto-max-bulk-len`` is refused here, counted and logged -- sent, it would make
+        the store close the connection, failing the whole batch."""
+        limit = self._bulk_limit
+        if all(payload.nbytes <= limit for payload in payloads):
+            return range(len(payloads))
+        sendable = []
+        for index, payload in enumerate(payloads):
+            if payload.nbytes <= limit:
+                sendable.append(index)
+                continue
+            self.context.count("store_refused_over_bulk_limit")
+            self.context.warn(
+                "bulk_limit",
+                "%s not stored: %d bytes, over the store's proto-max-bulk-len of %d bytes",
+                keys[index].file_stem(),
+                payload.nbytes,
+                limit,
+            )
+        return sendable
 
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[ObjectSize | None]:
         self._refuse_calls_while_denied()
