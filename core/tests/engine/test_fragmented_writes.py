@@ -8,6 +8,8 @@ evicted for it.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from engine_support import MiB, keys_of, payload, store
 
@@ -63,18 +65,47 @@ def test_a_write_no_eviction_can_fit_is_refused_before_evicting(engine) -> None:
 
 def test_a_write_that_evicts_past_a_few_locked_objects_does_not_scan_them(engine, monkeypatch) -> None:
     # The widest span eviction can free is at least the reclaimable bytes over one more
-    # than the extents no eviction frees: with 4 locked 1 MiB objects in a full 64 MiB
-    # L1, over 11 MiB.  A write of 1 MiB that must evict is then known to fit without
-    # the scan of every locked extent (sorted, under the L1 lock: O(locked) per write of
-    # a full L1, hundreds of milliseconds with 100k locks).
+    # than the extents no eviction frees: with 4 locked 1 MiB objects among 63 in a
+    # 64 MiB L1 (below 100%: the background eviction stays out of it), over 11 MiB.  A
+    # write of 2 MiB that must evict is then known to fit without the scan of every
+    # locked extent (sorted, under the L1 lock: O(locked) per write of a full L1,
+    # hundreds of milliseconds with 100k locks).
     storage = engine([], eviction_trigger_watermark=1.0)
-    resident = keys_of(1, 64)
-    assert len(store(storage, resident, MiB)) == 64
+    resident = keys_of(1, 63)
+    assert len(store(storage, resident, MiB)) == 63
     assert len(storage.read(resident[::16])) == 4
     scans = []
     exact = storage.l1.largest_reclaimable_extent
     monkeypatch.setattr(storage.l1, "largest_reclaimable_extent", lambda: scans.append(1) or exact())
     big = keys_of(2, 1)
-    assert store(storage, big, MiB) == big
+    assert store(storage, big, 2 * MiB) == big
+    assert storage.status()["eviction"]["l1"]["evicted_keys"] > 0  # it did have to evict
     assert scans == []
     storage.release(resident[::16])
+
+
+def test_a_write_that_others_keep_outrunning_evicts_at_most_what_it_could_free(engine, monkeypatch) -> None:
+    # Another writer takes the room each round of eviction frees before this write can
+    # (between the round and the reservation, when neither holds the L1 lock): the write
+    # gives up once it has evicted what evicting every unlocked object would have freed
+    # when it began, instead of evicting on for as long as the others write.  (63 of 64
+    # MiB used: the background eviction, at 100%, stays out of it.)
+    storage = engine([], eviction_trigger_watermark=1.0)
+    assert len(store(storage, keys_of(1, 63), MiB)) == 63
+    evict_now = storage.l1_eviction.evict_now
+    others = iter(range(1000, 2000))
+
+    def evict_then_another_writes(bytes_to_free: int, **kwargs) -> int:
+        freed = evict_now(bytes_to_free, **kwargs)
+        for prompt in itertools.islice(others, freed // MiB):  # 1000 writes, then none
+            other = keys_of(prompt, 1)
+            storage.l1.reserve_write(other, [MiB])
+            storage.l1.finish_write(other)
+        return freed
+
+    monkeypatch.setattr(storage.l1_eviction, "evict_now", evict_then_another_writes)
+    with pytest.raises(L1OutOfMemoryError):
+        store(storage, keys_of(2, 1), 2 * MiB)
+    monkeypatch.undo()
+    assert storage.status()["eviction"]["l1"]["evicted_keys"] <= 64
+    assert storage.failures()["l1_write_oom"] == 1
