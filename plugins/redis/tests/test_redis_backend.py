@@ -2031,6 +2031,8 @@ def test_a_cluster_primary_that_does_not_answer_its_check_is_not_asked_by_every_
 
 def _replica_of(primary: RedisServer, directory: Path) -> RedisServer:
     """A new cluster node on loopback replicating ``primary``, its copy in sync."""
+    # Redis 7 waits repl-diskless-sync-delay (5 s) for more replicas before a full sync.
+    primary.cli("CONFIG", "SET", "repl-diskless-sync-delay", "0")
     replica = RedisServer(directory, cluster=True).start()
     replica.cli("CLUSTER", "MEET", "127.0.0.1", str(primary.port))
     primary_id = primary.cli("CLUSTER", "MYID").stdout.strip()
@@ -2065,7 +2067,9 @@ def test_a_replica_promoted_after_every_primary_was_checked_is_checked(
             password="limited-pw",
         )
         assert not backend_of(adapter)._permissions_owed
-        replica.cli("CLUSTER", "FAILOVER")
+        # TAKEOVER: promoted at once, without waiting for every primary to learn of the
+        # replica by gossip and vote (seconds here).
+        replica.cli("CLUSTER", "FAILOVER", "TAKEOVER")
         wait_for(lambda: "role:master" in replica.cli("INFO", "replication").stdout, "the promotion")
         keys = make_keys(16)
 
