@@ -121,7 +121,28 @@ class _EagerLocks:
                 del self.deadlines[key]
 
 
-def test_lock_records_match_per_key_bookkeeping_under_any_sequence() -> None:
+def _deadline_apart(rng: random.Random, now: float) -> float:
+    # a collected prefetch's deadline can be earlier than the last lock's
+    return now + (10 if rng.random() < 0.8 else rng.uniform(-2, 10))
+
+
+def _deadline_on_l1_grid(rng: random.Random, now: float) -> float:
+    # L1's deadlines for a 1 s lock TTL: requests a few ms apart share one; a collected
+    # prefetch's is its LOOKUP's, earlier, maybe expired
+    started = now if rng.random() < 0.8 else now - rng.uniform(0, 1.2)
+    return l1_reads.read_lock_deadline(started, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("clock_step", "deadline_of"),
+    [(1.0, _deadline_apart), (0.01, _deadline_on_l1_grid)],
+    ids=["deadlines-apart", "deadlines-shared"],
+)
+def test_lock_records_match_per_key_bookkeeping_under_any_sequence(
+    clock_step: float, deadline_of: Callable[[random.Random, float], float]
+) -> None:
+    # Sharing deadlines, records of the same counts are indexed together (one pass over
+    # the keys they name between them): that must still count every lock of every key.
     rng = random.Random(16)
     pool = [ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(40)]
     for _ in range(30):
@@ -129,7 +150,7 @@ def test_lock_records_match_per_key_bookkeeping_under_any_sequence() -> None:
         model = _EagerLocks()
         now, previous = 0.0, pool[:4]
         for _ in range(300):
-            now += rng.random()
+            now += rng.random() * clock_step
             action = rng.random()
             if action < 0.6:
                 if rng.random() < 0.4:
@@ -139,8 +160,7 @@ def test_lock_records_match_per_key_bookkeeping_under_any_sequence() -> None:
                     keys = pool[start : start + rng.randrange(1, 12)]
                     if rng.random() < 0.2:
                         keys = keys + keys[:2]  # a retrieve may list a key twice
-                # a collected prefetch's deadline can be earlier than the last lock's
-                deadline = now + (10 if rng.random() < 0.8 else rng.uniform(-2, 10))
+                deadline = deadline_of(rng, now)
                 session.add_read_locks(keys, deadline)
                 model.add(keys, deadline)
                 previous = keys
@@ -162,6 +182,7 @@ def test_lock_records_match_per_key_bookkeeping_under_any_sequence() -> None:
                 session.expire(now)
                 model.expire(now)
                 assert session.empty == (not model.counts)
+            assert session.locked_keys == len(model.deadlines)  # the client_locked_keys gauge
         assert session.read_locks == model.counts
         assert session.lock_deadlines == {key: dict(Counter(held)) for key, held in model.deadlines.items()}
 
