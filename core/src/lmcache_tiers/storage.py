@@ -93,7 +93,7 @@ class StorageManager:
         except L1OutOfMemoryError as no_room:
             new_sizes = self._new_sizes(keys, sizes)
             room = self._refuse_if_it_cannot_fit(new_sizes)
-            self._refuse_if_no_span_fits(max(new_sizes.values(), default=0), room, no_room)
+            self._refuse_if_no_span_fits(new_sizes, room, no_room)
             reserved = self._evict_until_reserved(keys, sizes, layouts, room)
         if self.l1_eviction.above_watermark():
             self.l1_eviction.wake()
@@ -101,26 +101,31 @@ class StorageManager:
         DATA_PLANE.begin_many(reserved)
         return reserved
 
-    def _refuse_if_no_span_fits(self, largest: int, room: int, no_room: L1OutOfMemoryError) -> None:
-        """Evicting for a write whose largest object fits in no span that evicting every
-        unlocked object would leave (locked objects lie between) would only empty L1 for
-        nothing.
+    def _refuse_if_no_span_fits(
+        self, new_sizes: dict[ObjectKey, int], room: int, no_room: L1OutOfMemoryError
+    ) -> None:
+        """Evicting for a write whose objects fit in no spans that evicting every unlocked
+        object would leave (locked objects lie between) would only empty L1 for nothing.
 
         The ``room`` eviction can give lies in at most one span more than the extents no
-        eviction frees: when that many extents of ``largest`` fit in it, one span holds it
-        for sure.  Only an L1 so locked that this does not settle it is scanned (every
-        unevictable extent, sorted under the L1 lock: O(locked), too slow for every write
-        of a full L1)."""
-        extent = aligned_total([largest], self.config.l1_align_bytes)
-        if extent * (self.l1.unevictable_extents() + 1) <= room:
+        eviction frees, each span wasting less than one of the largest objects: when the
+        objects and that many more of the largest fit in it, they fit for sure.  Only an
+        L1 so locked that this does not settle it is scanned (every unevictable extent,
+        sorted under the L1 lock: O(locked), too slow for every write of a full L1)."""
+        align = self.config.l1_align_bytes
+        extents = sorted((aligned_total([size], align) for size in new_sizes.values()), reverse=True)
+        if not extents or extents[0] * (len(extents) + self.l1.unevictable_extents() + 1) <= room:
             return
-        widest = self.l1.largest_reclaimable_extent()
-        if extent <= widest:
+        spans = self.l1.reclaimable_spans()
+        short = _objects_no_spans_hold(extents, spans)
+        if short is None:
             return
+        size, count, held = short
         self._refuse_before_evicting(
             "l1_write_oom",
-            f"{no_room}; no eviction can make a free extent of {largest} bytes (locked objects "
-            f"lie between the free ones; the widest span it can free is {widest})",
+            f"{no_room}; the spans eviction can free (locked objects lie between them; the widest "
+            f"is {max(spans, default=0)} bytes) hold only {held} of its {count} objects of {size} "
+            "bytes or more",
         )
 
     def _evict_until_reserved(
@@ -398,3 +403,18 @@ class StorageManager:
         # close already, and must not replace it (nor the exit status it carries).
         with contextlib.suppress(StorageCloseFailed):
             self.close()
+
+
+def _objects_no_spans_hold(extents: list[int], spans: list[int]) -> tuple[int, int, int] | None:
+    """``(size, count, held)`` for the largest size of ``extents`` (aligned, largest first)
+    whose ``count`` objects of that size or more are more than the ``spans`` can hold (a
+    span of ``g`` bytes holds ``g // size`` of them at most: ``held`` in all); None if
+    there is no such size.  Exact for a batch of one size (a request's chunks), a
+    necessary condition for others: a write is refused only when it cannot fit."""
+    for count, size in enumerate(extents, 1):
+        if count < len(extents) and extents[count] == size:
+            continue  # judged at the last object of this size
+        held = sum(span // size for span in spans)
+        if held < count:
+            return size, count, held
+    return None

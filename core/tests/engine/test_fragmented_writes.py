@@ -54,7 +54,7 @@ def test_a_write_no_eviction_can_fit_is_refused_before_evicting(engine) -> None:
     # spans of 20, 19 and 23 MiB, none of which holds 24 MiB, though 54 MiB could be freed.
     barriers = [kept[10], kept[20]]
     assert len(storage.read(barriers)) == 2
-    with pytest.raises(L1OutOfMemoryError, match="no eviction can make a free extent of 25165824"):
+    with pytest.raises(L1OutOfMemoryError, match="hold only 0 of its 1 objects of 25165824 bytes or more"):
         store(storage, keys_of(2, 1), 24 * MiB)
     assert storage.status()["eviction"]["l1"]["evicted_keys"] == 0
     assert storage.failures()["l1_write_oom"] == 1
@@ -75,8 +75,8 @@ def test_a_write_that_evicts_past_a_few_locked_objects_does_not_scan_them(engine
     assert len(store(storage, resident, MiB)) == 63
     assert len(storage.read(resident[::16])) == 4
     scans = []
-    exact = storage.l1.largest_reclaimable_extent
-    monkeypatch.setattr(storage.l1, "largest_reclaimable_extent", lambda: scans.append(1) or exact())
+    exact = storage.l1.reclaimable_spans
+    monkeypatch.setattr(storage.l1, "reclaimable_spans", lambda: scans.append(1) or exact())
     big = keys_of(2, 1)
     assert store(storage, big, 2 * MiB) == big
     assert storage.status()["eviction"]["l1"]["evicted_keys"] > 0  # it did have to evict
@@ -109,3 +109,18 @@ def test_a_write_that_others_keep_outrunning_evicts_at_most_what_it_could_free(e
     monkeypatch.undo()
     assert storage.status()["eviction"]["l1"]["evicted_keys"] <= 64
     assert storage.failures()["l1_write_oom"] == 1
+
+
+def test_a_batch_no_eviction_can_fit_is_refused_before_evicting(engine) -> None:
+    storage = engine([], eviction_trigger_watermark=1.0)
+    kept = fragment(storage, MiB)
+    # Read-locked objects at 20 and 40 MiB leave free spans of 20, 19 and 23 MiB: each of
+    # three 20 MiB objects fits in one, and 60 MiB in 62, but only two of them fit at once.
+    barriers = [kept[10], kept[20]]
+    assert len(storage.read(barriers)) == 2
+    with pytest.raises(L1OutOfMemoryError, match="only 2 of its 3 objects of 20971520 bytes or more"):
+        store(storage, keys_of(2, 3), 20 * MiB)
+    assert storage.status()["eviction"]["l1"]["evicted_keys"] == 0
+    assert storage.failures()["l1_write_oom"] == 1
+    assert all(storage.l1.contains(key) for key in kept)
+    storage.release(barriers)

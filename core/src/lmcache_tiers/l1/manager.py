@@ -501,16 +501,16 @@ class L1Manager:
         with self.lock:
             return self._table.unevictable_count() + self._leases.quarantined_extents
 
-    def largest_reclaimable_extent(self) -> int:
-        """The largest free extent that evicting every unlocked object would leave: the
-        widest gap between the extents no eviction frees (locked objects', those held for
+    def reclaimable_spans(self) -> list[int]:
+        """The lengths of the free extents that evicting every unlocked object would leave:
+        the gaps between the extents no eviction frees (locked objects', those held for
         loads, quarantined ones).  It sorts those extents: asked only when a write found
         no room and :meth:`unevictable_extents` does not tell that it fits."""
         with self.lock:
             size_at = self._allocator.size_at
             pinned = [(obj.offset, size_at(obj.offset)) for obj in self._table.unevictable()]
             pinned += self._leases.held_extents()
-            return _widest_gap(sorted(pinned), self._allocator.capacity)
+            return _gaps(sorted(pinned), self._allocator.capacity)
 
     @property
     def closed(self) -> bool:
@@ -538,11 +538,15 @@ class L1Manager:
         self.close()
 
 
-def _widest_gap(extents: list[tuple[int, int]], capacity: int) -> int:
-    """The longest stretch of ``[0, capacity)`` that none of ``extents`` (``(offset,
-    length)``, by offset) covers."""
-    widest = start = 0
+def _gaps(extents: list[tuple[int, int]], capacity: int) -> list[int]:
+    """The lengths of the stretches of ``[0, capacity)`` that none of ``extents``
+    (``(offset, length)``, by offset) covers."""
+    gaps: list[int] = []
+    start = 0
     for offset, length in extents:
-        widest = max(widest, offset - start)
+        if offset > start:
+            gaps.append(offset - start)
         start = max(start, offset + length)
-    return max(widest, capacity - start)
+    if capacity > start:
+        gaps.append(capacity - start)
+    return gaps
