@@ -1813,6 +1813,43 @@ def test_a_cluster_primary_that_hung_at_start_up_is_checked_when_it_answers(
     assert load(adapter, keys, [4096] * 4) == ([True] * 4, data)
 
 
+def test_a_denying_cluster_primary_that_does_not_answer_a_later_check_keeps_its_denial(
+    own_cluster: RedisClusterNodes, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # A check that got no verdict from the primary that denied (hung, or left out of the
+    # calls' checks for its pause) says nothing of its ACL: the denial stands -- not
+    # cleared for calls to go on, then counted and logged again as news once it answers.
+    denying = own_cluster.nodes[2]
+    user = _user_denied_hset_on(own_cluster, denying)
+    denying.pause()  # hung: the check at open times out on it, so the check is owed
+    try:
+        adapter = open_adapter(
+            startup_nodes=own_cluster.nodes[0].address,
+            cluster_mode=True,
+            key_prefix=prefix,
+            username=user,
+            password="limited-pw",
+            request_timeout=0.3,
+            connection_timeout=0.3,
+        )
+    finally:
+        denying.resume()
+    backend = backend_of(adapter)
+    backend._check_owed_permissions()
+    assert backend._denied is not None and adapter.stats()["permissions_denied"] == 1
+    denying.pause()
+    try:
+        backend._check_owed_permissions()  # the probe's check: no answer
+        assert backend._denied is not None, "a check without the denying primary's verdict cleared it"
+        backend._check_owed_permissions(pausing=True)  # a call's check: the primary is paused
+        assert backend._denied is not None, "a check leaving the denying primary out cleared it"
+    finally:
+        denying.resume()
+    backend._check_owed_permissions()
+    assert backend._denied is not None
+    assert adapter.stats()["permissions_denied"] == 1, "the standing denial was counted again"
+
+
 def _opened_while_hung_denying_unlink(
     server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> BackendAdapter:
@@ -2016,6 +2053,8 @@ def test_a_cluster_primary_that_does_not_answer_its_check_is_not_asked_by_every_
         )
         backend = backend_of(adapter)
         assert asked.count(hung.port) == 1, asked  # the check at open
+        # The start-up scan's listing is a call too: its check is left out of the count.
+        wait_for(lambda: not adapter.stats().get("scan_running"), "the start-up scan")
         paused = adapter.stats().get("permission_checks_paused", 0)
         for _ in range(3):
             backend._refuse_calls_while_denied()

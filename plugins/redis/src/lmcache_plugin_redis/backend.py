@@ -206,7 +206,7 @@ def bulk_limit_of(client: Redis) -> int | None:
         reply = client.config_get("proto-max-bulk-len")
     except ResponseError:  # NoPermissionError too
         return None
-    values = list(reply.values())
+    values = [value for value in reply.values() if value is not None]
     return int(values[0]) if values else None
 
 
@@ -319,6 +319,9 @@ class RedisBackend:
         #: cluster primaries that did not answer their check: (when a call may check it
         #: again, the pause after the next failure); guarded by ``_permission_lock``
         self._node_check_pauses: dict[str, tuple[float, float]] = {}
+        #: cluster primaries whose last verdict denied, with their refusals; guarded by
+        #: ``_permission_lock``
+        self._denying_nodes: dict[str, list[str]] = {}
         #: the longest payload a store may send (``_read_bulk_limit``; the lowest of a
         #: cluster's primaries), and whether it was read (else Redis's default is assumed)
         self._bulk_limit = DEFAULT_BULK_LIMIT
@@ -597,11 +600,11 @@ class RedisBackend:
     ) -> tuple[list[str], list[str], set[str]]:
         """``permission_refusals`` of every primary not checked yet, each on a probe name
         of a slot that primary serves (one of another slot would be answered MOVED,
-        checking nothing), each refusal prefixed with the node's address, and the names of
-        the nodes that answered and denied nothing.  A primary that does not answer is
-        named unchecked and the others are still checked: a denial found on a live primary
-        refuses the start whatever another node does."""
-        denied: list[str] = []
+        checking nothing): the refusals of every primary that denies (``_standing_denials``),
+        each prefixed with the node's address, and the names of the nodes that answered and
+        denied nothing.  A primary that does not answer is named unchecked and the others
+        are still checked: a denial found on a live primary refuses the start whatever
+        another node does."""
         unchecked: list[str] = []
         allowed: set[str] = set()
         probes = cluster_probe_names(client, self.prefix + PERMISSION_PROBE)
@@ -623,11 +626,23 @@ class RedisBackend:
                     self._pause_node_check(node.name)
                 continue
             self._node_check_pauses.pop(node.name, None)
-            if not node_denied:
+            if node_denied:
+                self._denying_nodes[node.name] = [f"{node.name} {refusal}" for refusal in node_denied]
+            else:
                 allowed.add(node.name)
-            denied += [f"{node.name} {refusal}" for refusal in node_denied]
             unchecked += [f"{node.name} {refusal}" for refusal in node_unchecked]
-        return denied, unchecked, allowed
+        return self._standing_denials(client, allowed), unchecked, allowed
+
+    def _standing_denials(self, client: RedisCluster, allowed: set[str]) -> list[str]:
+        """The refusals of every primary whose last verdict was a denial, after this
+        check's verdicts (``allowed`` denies no more): one that gave no verdict this time
+        (hung, or left out for its pause) still denies -- a check that did not reach it
+        says nothing of its ACL.  A node no longer a primary is sent nothing, and
+        forgotten (call with ``_permission_lock`` held)."""
+        primaries = {node.name for node in client.get_primaries()}
+        for node in [node for node in self._denying_nodes if node in allowed or node not in primaries]:
+            del self._denying_nodes[node]
+        return [refusal for refusals in self._denying_nodes.values() for refusal in refusals]
 
     def _node_check_paused(self, node: str) -> bool:
         """Whether a call leaves ``node`` out of its check: it did not answer its last
