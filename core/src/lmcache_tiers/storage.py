@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from lmcache_tiers.activity import DATA_PLANE
+from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.config import ServerConfig
 from lmcache_tiers.controllers import aligned_total
 from lmcache_tiers.errors import L1OutOfMemoryError, TiersError
@@ -49,6 +50,8 @@ class StorageManager:
         self._parts = parts
         self._closed = False
         self._close_lock = threading.Lock()
+        # A mostly locked L1 refuses every write: one line per burst, each one counted.
+        self._refusals = BurstLog(logger)
         try:
             parts.start()
         except BaseException:
@@ -232,10 +235,11 @@ class StorageManager:
         )
 
     def _refuse_before_evicting(self, reason: str, why: str) -> NoReturn:
-        """Refuse a write that no eviction can fit: counted under ``reason``, logged."""
+        """Refuse a write that no eviction can fit: counted under ``reason``, logged (one
+        line per burst of them, per reason)."""
         self.stats.fail(reason)
         message = f"{why}: refused without evicting anything"
-        logger.warning("%s", message)
+        self._refusals.warn(reason, "%s (failure reason %s)", message, reason)
         raise L1OutOfMemoryError(message) from None
 
     # -- lookups and reads ---------------------------------------------------------------

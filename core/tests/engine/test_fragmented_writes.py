@@ -124,3 +124,19 @@ def test_a_batch_no_eviction_can_fit_is_refused_before_evicting(engine) -> None:
     assert storage.failures()["l1_write_oom"] == 1
     assert all(storage.l1.contains(key) for key in kept)
     storage.release(barriers)
+
+
+def test_writes_refused_before_evicting_log_one_line_per_burst(engine, caplog) -> None:
+    # An L1 mostly locked refuses every write: each is counted, and the log says so once
+    # (with how many more) instead of once per write.
+    storage = engine([], eviction_trigger_watermark=1.0)
+    kept = fragment(storage, MiB)
+    barriers = [kept[10], kept[20]]
+    assert len(storage.read(barriers)) == 2
+    for prompt in range(2, 6):
+        with pytest.raises(L1OutOfMemoryError):
+            store(storage, keys_of(prompt, 1), 24 * MiB)
+    assert storage.failures()["l1_write_oom"] == 4
+    refusals = [record for record in caplog.records if "refused without evicting" in record.getMessage()]
+    assert len(refusals) == 1, [record.getMessage() for record in refusals]
+    storage.release(barriers)
