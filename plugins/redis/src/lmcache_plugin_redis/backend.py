@@ -519,7 +519,10 @@ class RedisBackend:
                 self.context.name,
                 DEFAULT_BULK_LIMIT,
             )
-        self._bulk_limit = min((limit for limit in limits if limit is not None), default=DEFAULT_BULK_LIMIT)
+        # A node refusing CONFIG GET is taken at the default, not left out of the minimum.
+        self._bulk_limit = min(
+            (DEFAULT_BULK_LIMIT if limit is None else limit for limit in limits), default=DEFAULT_BULK_LIMIT
+        )
         self._bulk_limit_read = True
 
     def _warn_of_ignored_nodes(self) -> None:
