@@ -47,15 +47,31 @@ def test_a_write_over_every_free_extent_evicts_until_it_fits(engine) -> None:
     assert "l1_write_oom" not in storage.failures()
 
 
-def test_a_write_no_eviction_can_fit_is_refused_before_evicting(engine) -> None:
-    storage = engine([], eviction_trigger_watermark=1.0)
+def locked_apart(storage: StorageManager) -> tuple[list, list]:
+    """Fragment L1 and read-lock the objects at 20 and 40 MiB: evicting every other object
+    would leave free spans of 20, 19 and 23 MiB.  Returns (kept objects, locked ones)."""
     kept = fragment(storage, MiB)
-    # Read-locked objects at 20 and 40 MiB: evicting every other object would leave free
-    # spans of 20, 19 and 23 MiB, none of which holds 24 MiB, though 54 MiB could be freed.
     barriers = [kept[10], kept[20]]
     assert len(storage.read(barriers)) == 2
-    with pytest.raises(L1OutOfMemoryError, match="hold only 0 of its 1 objects of 25165824 bytes or more"):
-        store(storage, keys_of(2, 1), 24 * MiB)
+    return kept, barriers
+
+
+@pytest.mark.parametrize(
+    ("count", "size", "refusal"),
+    [
+        # none of the spans holds 24 MiB, though 54 MiB could be freed
+        (1, 24 * MiB, "hold only 0 of its 1 objects of 25165824 bytes or more"),
+        # each of three 20 MiB objects fits in one, and 60 MiB in 62, but only two at once
+        (3, 20 * MiB, "hold only 2 of its 3 objects of 20971520 bytes or more"),
+    ],
+)
+def test_a_write_no_eviction_can_fit_is_refused_before_evicting(
+    engine, count: int, size: int, refusal: str
+) -> None:
+    storage = engine([], eviction_trigger_watermark=1.0)
+    kept, barriers = locked_apart(storage)
+    with pytest.raises(L1OutOfMemoryError, match=refusal):
+        store(storage, keys_of(2, count), size)
     assert storage.status()["eviction"]["l1"]["evicted_keys"] == 0
     assert storage.failures()["l1_write_oom"] == 1
     assert all(storage.l1.contains(key) for key in kept)
@@ -111,28 +127,11 @@ def test_a_write_that_others_keep_outrunning_evicts_at_most_what_it_could_free(e
     assert storage.failures()["l1_write_oom"] == 1
 
 
-def test_a_batch_no_eviction_can_fit_is_refused_before_evicting(engine) -> None:
-    storage = engine([], eviction_trigger_watermark=1.0)
-    kept = fragment(storage, MiB)
-    # Read-locked objects at 20 and 40 MiB leave free spans of 20, 19 and 23 MiB: each of
-    # three 20 MiB objects fits in one, and 60 MiB in 62, but only two of them fit at once.
-    barriers = [kept[10], kept[20]]
-    assert len(storage.read(barriers)) == 2
-    with pytest.raises(L1OutOfMemoryError, match="only 2 of its 3 objects of 20971520 bytes or more"):
-        store(storage, keys_of(2, 3), 20 * MiB)
-    assert storage.status()["eviction"]["l1"]["evicted_keys"] == 0
-    assert storage.failures()["l1_write_oom"] == 1
-    assert all(storage.l1.contains(key) for key in kept)
-    storage.release(barriers)
-
-
 def test_writes_refused_before_evicting_log_one_line_per_burst(engine, caplog) -> None:
     # An L1 mostly locked refuses every write: each is counted, and the log says so once
     # (with how many more) instead of once per write.
     storage = engine([], eviction_trigger_watermark=1.0)
-    kept = fragment(storage, MiB)
-    barriers = [kept[10], kept[20]]
-    assert len(storage.read(barriers)) == 2
+    _, barriers = locked_apart(storage)
     for prompt in range(2, 6):
         with pytest.raises(L1OutOfMemoryError):
             store(storage, keys_of(prompt, 1), 24 * MiB)
