@@ -1,0 +1,259 @@
+"""``lmcache-tiers replay`` runs: simulations and plots, in-process and server replays,
+and how a replay ends when its server dies or it is signalled.  What it refuses is in
+test_replay_cli.py (a file of its own: each half is a test worker's share)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from replay_helpers import BLOCK_BYTES, small_trace, start_block_server
+from thirdparty import launch_cli, run_cli
+from tiers_e2e import ServerProcess
+
+from lmcache_tiers.client import Client
+
+
+def test_simulation_tables_name_every_policy_and_the_time(tmp_path: Path) -> None:
+    result = run_cli(["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate", "--capacity", "8,32"])
+    assert result.returncode == 0, result.stderr
+    for text in ("exact LRU", "ARC", "S3FIFO", "PREFIX_LFU", "Belady", "infinite", "seconds per run"):
+        assert text in result.stdout
+
+
+def test_oracles_and_the_retimed_model_are_reported(tmp_path: Path) -> None:
+    trace = str(small_trace(tmp_path / "t.jsonl"))
+    args = ["replay", trace, "--simulate", "--capacity", "8,16", "--foresight", "0,all", "--retime", "1"]
+    result = run_cli([*args, "--json"])
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["analysis"]["retimed"]["seed"] == 1
+    assert document["analysis"]["oracles"] == ["rate oracle", "next use <= 0", "next use"]
+    for point in document["points"]:
+        runs = {run["policy"]: run for run in point["runs"]}
+        assert runs["next use <= 0"]["hit_blocks"] == runs["exact LRU"]["hit_blocks"]
+        assert runs["next use"]["hit_blocks"] <= runs["Belady"]["hit_blocks"]
+        assert 0.0 < point["online_bound_hit_rate"] < 1.0
+    shown = run_cli(args)
+    assert shown.returncode == 0, shown.stderr
+    assert "re-timed" in shown.stdout and "bound on any online policy" in shown.stdout
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("SKIP: matplotlib is not installed (extra lmcache-tiers[plot])")
+        pytest.skip("matplotlib is not installed (extra lmcache-tiers[plot])")
+    png = tmp_path / "curve.png"
+    trace = str(small_trace(tmp_path / "t.jsonl"))
+    result = run_cli(["replay", trace, "--simulate", "--capacity", "4,8,16", "--plot", str(png), "--json"])
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["plot"] == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = tmp_path / "curve.SVG"  # the format follows the extension, whatever its case
+    result = run_cli(["replay", trace, "--simulate", "--capacity", "4,8", "--plot", str(svg)])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.rstrip().endswith(f"plot written to {svg}")
+    assert b"<svg" in svg.read_bytes()[:400]
+
+
+def test_in_process_replay_reports_json(tmp_path: Path) -> None:
+    trace = str(small_trace(tmp_path / "t.jsonl"))
+    args = ["replay", trace, "--in-process", "--l1-blocks", "20", "--block-bytes", str(BLOCK_BYTES), "--json"]
+    result = run_cli(args)
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["mode"] == "in-process" and document["requests"] == 60
+    assert document["corrupt_blocks"] == 0 and document["failed_requests"] == 0
+    assert document["hit_blocks"] == document["l1_hit_blocks"] > 0
+    assert document["bytes"]["l1_retrieved"] == document["hit_blocks"] * BLOCK_BYTES
+
+
+def test_several_client_processes_share_the_requests(tmp_path: Path) -> None:
+    server = start_block_server(tmp_path / "server", 500)
+    try:
+        trace = str(small_trace(tmp_path / "t.jsonl", requests=80))
+        args = [
+            "replay",
+            trace,
+            "--url",
+            server.url,
+            "--clients",
+            "3",
+            "--block-bytes",
+            str(BLOCK_BYTES),
+            "--json",
+        ]
+        result = run_cli(args)
+        assert result.returncode == 0, result.stderr
+        document = json.loads(result.stdout)
+        assert document["clients"] == 3 and document["requests"] == 80
+        assert document["corrupt_blocks"] == document["failed_requests"] == 0
+        # every block seen before is still in an L1 this large, whichever client stored it
+        assert document["hit_blocks"] == document["l1_hit_blocks"]
+        assert document["stored_blocks"] + document["hit_blocks"] <= document["blocks"]
+    finally:
+        assert server.stop() == 0, server.output()
+
+
+def test_a_server_that_dies_mid_replay_ends_it_in_one_line(tmp_path: Path) -> None:
+    """Without a server, every request left would wait out its --timeout."""
+    server = start_block_server(tmp_path / "server", 500)
+    trace = str(small_trace(tmp_path / "t.jsonl", requests=2000))  # 10 s of arrivals
+    args = [
+        "replay",
+        trace,
+        "--url",
+        server.url,
+        "--block-bytes",
+        str(BLOCK_BYTES),
+        "--timeout",
+        "2",
+        "--time-scale",  # paced: the default sends the whole trace as fast as it can
+        "1",
+        "--json",
+    ]
+    replay = launch_cli(args)
+    try:
+        _wait_until_replaying(server, stores=10)
+        assert replay.poll() is None, "the replay ended before the server was killed"
+        server.stop(signal.SIGKILL)
+        out, err = replay.communicate(timeout=120)
+    finally:
+        replay.kill()
+        server.stop(signal.SIGKILL)
+    assert replay.returncode == 1, err
+    assert out == ""
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"error: replay through {server.url} failed: the server stopped answering: "), err
+    assert "3 requests in a row got no reply" in line
+
+
+def test_l2_stores_still_in_flight_at_the_end_are_counted(tmp_path: Path) -> None:
+    # The store controller writes to L2 after the STORE is acknowledged; a report taken
+    # the moment the last request is answered left the last batches out.
+    server = start_block_server(
+        tmp_path / "server", 500, adapters=[{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.05}]
+    )
+    try:
+        trace = str(small_trace(tmp_path / "t.jsonl", requests=60))
+        result = run_cli(["replay", trace, "--url", server.url, "--block-bytes", str(BLOCK_BYTES), "--json"])
+        assert result.returncode == 0, result.stderr
+        document = json.loads(result.stdout)
+        assert document["stored_blocks"] > 0 and document["server_failures"] == {}
+        assert document["bytes"]["l2_stored"] == document["stored_blocks"] * BLOCK_BYTES
+    finally:
+        assert server.stop() == 0, server.output()
+
+
+def _wait_until_replaying(server: ServerProcess, stores: int) -> None:
+    """Until the server has taken ``stores`` stores: the replay is under way (a fixed sleep
+    says nothing of it on a loaded machine, and idles on a fast one)."""
+    deadline = time.monotonic() + 60
+    with Client(server.url, timeout=30) as probe:
+        while probe.status()["server"]["stores"] < stores:
+            assert time.monotonic() < deadline, "the replay stored nothing"
+            time.sleep(0.05)
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _command_line(process: psutil.Process) -> str:
+    """The process's command line, or "" for one that has already ended: a short-lived
+    child of the replay can be a zombie by the time it is asked."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.NoSuchProcess:  # ZombieProcess is one
+        return ""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_client_processes_end_with_the_replay_that_started_them(tmp_path: Path, sig: int) -> None:
+    """A replay stopped by a signal to it alone (a supervisor, ``timeout``, ``kill``) ends
+    at once and takes its client processes with it; they once replayed on to the end of
+    their share (orphans, for SIGTERM) while it waited for them (10 s each, for SIGINT)."""
+    server = start_block_server(tmp_path / "server", 500)
+    trace = str(small_trace(tmp_path / "t.jsonl", requests=4000))  # 20 s of arrivals
+    args = ["replay", trace, "--url", server.url, "--block-bytes", str(BLOCK_BYTES)]
+    replay = launch_cli([*args, "--clients", "2", "--time-scale", "1", "--json"])
+    workers: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(workers) < 2:
+            assert time.monotonic() < deadline and replay.poll() is None, "no client processes"
+            children = psutil.Process(replay.pid).children()
+            workers = [child for child in children if "spawn_main" in _command_line(child)]
+            time.sleep(0.1)
+        _wait_until_replaying(server, stores=10)
+        signalled = time.monotonic()
+        replay.send_signal(sig)
+        while any(_running(worker) for worker in [psutil.Process(replay.pid), *workers]):
+            assert time.monotonic() - signalled < 5.0, "the replay or its client processes went on"
+            time.sleep(0.1)
+        assert replay.wait() == (128 + signal.SIGTERM if sig == signal.SIGTERM else 130)
+    finally:
+        replay.kill()
+        for worker in workers:
+            if _running(worker):
+                worker.kill()
+        server.stop(signal.SIGKILL)
+
+
+def test_an_in_process_replay_stopped_by_sigterm_removes_its_l1_segment(tmp_path: Path) -> None:
+    """SIGTERM (a supervisor, ``timeout``) ended the process at once, leaving the L1 arena
+    in /dev/shm (one named in --config is never reaped, and refuses the next start)."""
+    trace = str(small_trace(tmp_path / "t.jsonl", requests=4000))  # 20 s of arrivals
+    name = f"replay_sigterm_{tmp_path.name[-12:]}"
+    config = tmp_path / "tiers.toml"
+    config.write_text(f'l1_shm_name = "{name}"\n')
+    segment = Path("/dev/shm") / name
+    args = ["replay", trace, "--in-process", "--l1-blocks", "50", "--block-bytes", str(BLOCK_BYTES)]
+    replay = launch_cli([*args, "--config", str(config), "--time-scale", "1", "--json"])
+    try:
+        deadline = time.monotonic() + 30
+        while not segment.exists():
+            assert time.monotonic() < deadline and replay.poll() is None, replay.communicate()
+            time.sleep(0.05)
+        time.sleep(1.0)  # replaying by now
+        replay.send_signal(signal.SIGTERM)
+        out, err = replay.communicate(timeout=30)
+        assert replay.returncode == 128 + signal.SIGTERM, err
+        assert "Traceback" not in err and out == ""
+        assert not segment.exists(), "the L1 segment outlived the replay"
+    finally:
+        replay.kill()
+        segment.unlink(missing_ok=True)
+
+
+def test_a_trace_without_blocks_reports_no_miss_ratio_it_never_measured(tmp_path: Path) -> None:
+    # Its hit rate was 0 and its miss ratio 1.0: a cache that missed everything, for a
+    # trace that asked for nothing.
+    trace = tmp_path / "empty.jsonl"
+    line = {"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}
+    trace.write_text(json.dumps(line) + "\n")
+    result = run_cli(["replay", str(trace), "--simulate", "--json"])
+    assert result.returncode == 0, result.stderr
+    runs = [run for point in json.loads(result.stdout)["points"] for run in point["runs"]]
+    assert runs
+    assert {(run["hit_rate"], run["miss_ratio"]) for run in runs} == {(0.0, 0.0)}
+    table = run_cli(["replay", str(trace), "--simulate", "--policy", "LRU"])
+    assert table.returncode == 0, table.stderr
+    assert "1.0000" not in table.stdout and "n/a" in table.stdout, table.stdout
+
+
+@pytest.mark.parametrize(("fraction", "expected"), [(0.5, 50), (0.99, 99), (1.0, 100), (0.07, 7), (0.0, 1)])
+def test_latency_percentiles_are_nearest_rank(fraction: float, expected: int) -> None:
+    # int(q * n) as the index made p99 of 100 samples their maximum.
+    from lmcache_tiers.replay.run import percentile
+
+    assert percentile([float(value) for value in range(100, 0, -1)], fraction) == expected
