@@ -231,10 +231,15 @@ class PermissionsDenied(RuntimeError):
 _PROBE_NAME_TRIES = 1 << 16
 
 
+def primary_names(client: RedisCluster) -> set[str]:
+    """The names (host:port) of the primaries in the client's slot map (no I/O)."""
+    return {node.name for node in client.get_primaries()}
+
+
 def cluster_probe_names(client: RedisCluster, base: str) -> dict[str, str]:
     """A name under ``base`` per primary (by node name) whose slot that primary serves,
     as the client's slot map has it."""
-    primaries = {node.name for node in client.get_primaries()}
+    primaries = primary_names(client)
     names: dict[str, str] = {}
     for number in range(_PROBE_NAME_TRIES):
         if len(names) == len(primaries):
@@ -593,7 +598,7 @@ class RedisBackend:
                 allowed = set() if denied else primaries
             else:
                 denied, unchecked, allowed = self._cluster_permission_refusals(client, pausing)
-                primaries = {node.name for node in client.get_primaries()}
+                primaries = primary_names(client)
             self._checked_nodes |= allowed
             self._permissions_owed = not primaries <= self._checked_nodes
             return denied, unchecked, check
@@ -642,7 +647,7 @@ class RedisBackend:
         (hung, or left out for its pause) still denies -- a check that did not reach it
         says nothing of its ACL.  A node no longer a primary is sent nothing, and
         forgotten (call with ``_permission_lock`` held)."""
-        primaries = {node.name for node in client.get_primaries()}
+        primaries = primary_names(client)
         for node in [node for node in self._denying_nodes if node in allowed or node not in primaries]:
             del self._denying_nodes[node]
         return [refusal for refusals in self._denying_nodes.values() for refusal in refusals]
@@ -688,7 +693,7 @@ class RedisBackend:
         client = self._client
         if not isinstance(client, RedisCluster):
             return False
-        primaries = {node.name for node in client.get_primaries()}
+        primaries = primary_names(client)
         new = primaries - self._checked_nodes
         if not new:
             return False
