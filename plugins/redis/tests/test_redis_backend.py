@@ -33,7 +33,7 @@ from lmcache_plugin_redis.backend import (
 )
 from lmcache_plugin_redis.testing import RedisClusterNodes, RedisServer, missing_reason
 
-from lmcache_tiers.config import decode_adapter
+from lmcache_tiers.config import L2EvictionConfig, decode_adapter
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
@@ -43,6 +43,7 @@ from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.registry import Kind
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys, pattern
+from lmcache_tiers.testing.l2_restarts import _eviction_controller
 
 WAIT_S = 30.0  # guards against hangs only
 
@@ -1350,6 +1351,27 @@ def test_records_of_another_serde_chain_are_listed_counted_and_evictable(
     assert adapter.delete(keys) == [True] * 3
     assert [raw.exists(namer.name_of(key)) for key in keys] == [0, 0, 0]
     assert adapter.used_bytes() == 0
+
+
+def test_records_of_another_serde_chain_over_the_capacity_are_evicted(
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # 16 records of the old chain, 200 KiB each, under a 1 MiB cap: an LRU eviction
+    # controller deletes them until the usage is below its watermark.
+    raw = redis.Redis.from_url(redis_server.url)
+    namer = backend_of(open_adapter(url=redis_server.url, key_prefix=prefix))
+    keys = make_keys(16)
+    payload = pattern(1, 200 << 10)
+    for key in keys:
+        header = encode_header(key, payload, serde=("zstd",))
+        raw.hset(namer.name_of(key), mapping={"h": header, "p": payload})
+    adapter = open_adapter(url=redis_server.url, key_prefix=prefix, max_capacity_gb=1 / 1024)
+    wait_for(lambda: not adapter.stats()["scan_running"], "the start-up scan")
+    assert adapter.usage() > 3.0, adapter.stats()
+    controller = _eviction_controller(adapter, L2EvictionConfig(trigger_watermark=0.8, eviction_ratio=0.5))
+    controller.step(set())  # type: ignore[attr-defined]
+    assert adapter.usage() < 0.8
+    assert sum(raw.exists(namer.name_of(key)) for key in keys) * (200 << 10) == adapter.used_bytes()
 
 
 def test_a_delete_leaves_a_record_of_a_newer_format_and_removes_the_others(
