@@ -1346,6 +1346,7 @@ def test_records_of_another_serde_chain_are_listed_counted_and_evictable(
     assert adapter.used_bytes() == sum(sizes), "the old chain's records are not counted"
     assert client_of(adapter).lookup_and_lock(keys).found == [False] * 3, "another chain's record is a miss"
     assert [raw.exists(namer.name_of(key)) for key in keys] == [1, 1, 1], "and it is kept"
+    assert adapter.used_bytes() == sum(sizes), "a kept miss is not absent: its bytes stay counted"
     assert adapter.stats()["serde_chain_mismatch"] >= 3
     # The eviction's delete removes them.
     assert adapter.delete(keys) == [True] * 3
