@@ -181,6 +181,9 @@ def _dynamic_reasons(trees: dict[str, ast.Module]) -> dict[tuple[str, str], set[
         (f"{controllers}/prefetch.py", "reason"): _constant_args(
             trees, [f"{controllers}/prefetch.py"], "_abandon", 1
         ),
+        ("core/src/lmcache_tiers/storage.py", "reason"): _constant_args(
+            trees, ["core/src/lmcache_tiers/storage.py"], "_refuse_before_evicting", 0
+        ),
         (f"{controllers}/prefetch_results.py", "reason"): _constant_args(
             trees, [f"{controllers}/prefetch_results.py"], "_count", 0
         ),
@@ -209,6 +212,7 @@ FORWARDING_FUNCTIONS = {
     ("core/src/lmcache_tiers/frontend.py", "failure"),
     ("core/src/lmcache_tiers/server/app.py", "_count_failure"),
     ("core/src/lmcache_tiers/server/app.py", "storage_status"),
+    ("core/src/lmcache_tiers/storage.py", "_refuse_before_evicting"),
     ("core/src/lmcache_tiers/storage_status.py", "failure_counts"),
     ("plugins/lmcache-mp/src/lmcache_plugin_lmcache_mp/loop.py", "_unanswered"),
 }
