@@ -81,3 +81,39 @@ def test_a_handler_taking_its_arguments_packed_is_told_too() -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert stopped.value.code == 128 + signal.SIGTERM
+
+
+def test_a_plugins_own_sys_exit_next_to_its_callers_frame_is_still_its_failure() -> None:
+    """A plugin's hook that keeps its caller's frame (to name who registers) and exits with
+    a small status looks, by its locals, like a handler called with a signal's number and
+    the frame it interrupted: it is still the plugin's own failure, not a stop."""
+    exiting = types.ModuleType("exiting")
+
+    @hookimpl
+    def tiers_register_serdes(registry: Any) -> None:
+        caller = sys._getframe(1)  # noqa: F841 (held as a plugin that names its caller would)
+        status = 2
+        sys.exit(status)
+
+    exiting.tiers_register_serdes = tiers_register_serdes  # type: ignore[attr-defined]
+    plugin_set = discover({"exiting": exiting, "demo": make_module()})
+    statuses = {p.name: p.status for p in plugin_set.plugins}
+    assert statuses["exiting"] == "error: SystemExit: 2"
+    assert statuses["demo"] == "ok"
+
+
+def test_a_handler_that_ignores_further_signals_before_raising_is_told_too() -> None:
+    """The replay's handler (``signals_unwind``) ignores SIGTERM and SIGINT before it
+    raises: no longer installed when its SystemExit is looked at, it is a stop all the same."""
+
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            discover({"signalled": signalled_while_registering(), "demo": make_module()})
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped.value.code == 128 + signal.SIGTERM

@@ -10,6 +10,7 @@ never stops the others.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -17,7 +18,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import FrameType, ModuleType
+from types import CodeType, ModuleType
 from typing import Any, cast
 
 import pluggy
@@ -111,56 +112,60 @@ def _entry_point_infos() -> list[tuple[Any, PluginInfo]]:
     return found
 
 
-def _the_plugins_own(exc: BaseException) -> bool:
+def _the_plugins_own(exc: BaseException, stop_handlers: frozenset[CodeType]) -> bool:
     """Whether ``exc`` raised by a plugin's import or hook is the plugin's failure rather
     than one to go on up: anything but a KeyboardInterrupt where a Ctrl-C could raise it
-    (the main thread), or what a stop signal's handler raised where it landed.  A
-    ``sys.exit()``, a GeneratorExit or a BaseException of the plugin's own must not end the
-    command and with it the listing of every other plugin."""
+    (the main thread), or what a stop signal's handler raised where it landed
+    (``stop_handlers``: see :func:`_signal_handler_codes`).  A ``sys.exit()``, a
+    GeneratorExit or a BaseException of the plugin's own must not end the command and
+    with it the listing of every other plugin."""
     if isinstance(exc, Exception):
         return True
-    if _raised_by_a_signal_handler(exc):
+    if _raised_by_a_signal_handler(exc, stop_handlers | _signal_handler_codes()):
         return False
     return not isinstance(exc, KeyboardInterrupt) or raised_by_a_plugin(exc)
 
 
-def _raised_by_a_signal_handler(exc: BaseException) -> bool:
+def _raised_by_a_signal_handler(exc: BaseException, handlers: frozenset[CodeType]) -> bool:
     """Whether ``exc`` was raised by a signal handler that ran inside the plugin's code: a
     stop signal handled by raising (SIGTERM's SystemExit under a replay, the server's
     start-up interrupted) that landed during discovery.  Taken for the plugin's failure,
-    the plugin would be listed as broken and the stop lost.  Told by the handler's frame
-    in the traceback: Python calls a handler with the signal's number and the frame it
-    interrupted, the very frame the handler's own returns to."""
+    the plugin would be listed as broken and the stop lost.  Told exactly, by a frame in
+    the traceback running the code of a handler installed (``handlers``): never by what
+    a frame holds, which a plugin's own ``sys.exit()`` beside its caller's frame and a
+    small status would pass for a handler's arguments."""
     if threading.current_thread() is not threading.main_thread():
         return False  # handlers run on the main thread only
     traceback = exc.__traceback__
     while traceback is not None:
-        if _is_a_signal_handler_frame(traceback.tb_frame):
+        if traceback.tb_frame.f_code in handlers:
             return True
         traceback = traceback.tb_next
     return False
 
 
-def _is_a_signal_handler_frame(frame: FrameType) -> bool:
-    interrupted = frame.f_back
-    if interrupted is None:
-        return False
-    arguments = _arguments_of(frame)
-    return any(value is interrupted for value in arguments) and any(
-        type(value) is int and value in _SIGNAL_NUMBERS for value in arguments
-    )
+def _signal_handler_codes() -> frozenset[CodeType]:
+    """The code of every signal handler written in Python installed now.  Taken before a
+    plugin's code runs as well as after it raised: a handler may put another in its place
+    before it raises (``signals_unwind``'s ignores the next signals)."""
+    codes = set()
+    for number in signal.Signals:
+        code = _code_of(signal.getsignal(number))
+        if code is not None:
+            codes.add(code)
+    return frozenset(codes)
 
 
-def _arguments_of(frame: FrameType) -> list[object]:
-    """The frame's locals, with those of a tuple among them: a handler written
-    ``lambda *_: sys.exit(...)`` holds the signal's number and frame in one."""
-    values: list[object] = []
-    for value in frame.f_locals.values():
-        values.extend(value if type(value) is tuple else (value,))
-    return values
-
-
-_SIGNAL_NUMBERS = frozenset(int(number) for number in signal.Signals)
+def _code_of(handler: object) -> CodeType | None:
+    """The code a handler runs: a function's, a bound method's, a partial's function's or a
+    callable object's ``__call__``; None for SIG_DFL, SIG_IGN or one set from C."""
+    while isinstance(handler, functools.partial):
+        handler = handler.func
+    function = getattr(handler, "__func__", handler)
+    code = getattr(function, "__code__", None)
+    if code is None and callable(handler):
+        code = getattr(type(handler).__call__, "__code__", None)  # a callable object
+    return code if isinstance(code, CodeType) else None
 
 
 def _load_modules(infos: dict[str, PluginInfo]) -> dict[str, ModuleType]:
@@ -178,6 +183,7 @@ def _load_modules(infos: dict[str, PluginInfo]) -> dict[str, ModuleType]:
     # an ``Exception`` through the callback but re-raises ``AssertionError`` (and cannot
     # catch ``SystemExit``), which would otherwise abort the loading of every plugin.
     modules: dict[str, ModuleType] = {}
+    stop_handlers = _signal_handler_codes()
     for name, info in infos.items():
         if info.disabled:
             continue
@@ -189,7 +195,7 @@ def _load_modules(infos: dict[str, PluginInfo]) -> dict[str, ModuleType]:
                 on_load_failure_callback=on_failure,
             )
         except BaseException as exc:  # no Exception: stevedore reports those itself
-            if not _the_plugins_own(exc):
+            if not _the_plugins_own(exc, stop_handlers):
                 raise
             info.error = f"{type(exc).__name__}: {exc}"
             log.debug("plugin %s failed to load: %s", name, exc)
@@ -265,6 +271,7 @@ def _run_registration(manager: pluggy.PluginManager, registry: ComponentRegistry
     # Components are owned by distribution, and one distribution may name several entry
     # points: only what this entry point added is undone or listed as its own.
     before = {id(c) for c in registry.components()}
+    stop_handlers = _signal_handler_codes()
     try:
         for hook_name, kind in REGISTRATION_HOOKS.items():
             # The implementations pluggy found, which may be named otherwise (specname=...);
@@ -279,7 +286,7 @@ def _run_registration(manager: pluggy.PluginManager, registry: ComponentRegistry
                 _refuse_returned_components(hook_name, returned)
     # A plugin bug must not take the others down, nor a sys.exit() in it the whole process.
     except BaseException as exc:
-        if not _the_plugins_own(exc):
+        if not _the_plugins_own(exc, stop_handlers):
             raise
         registry.remove_plugin(info.distribution, keep=before)
         info.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, PluginError) else str(exc)
@@ -346,6 +353,7 @@ def call_each(
     say).  A failure goes to ``on_error(plugin_name, exception)``, a ``sys.exit()`` as a
     PluginError saying so; ``before_each(plugin_name)`` runs before each call
     (to note what a failing one must undo)."""
+    stop_handlers = _signal_handler_codes()
     for impl in reversed(hook.get_hookimpls()):
         try:
             if before_each is not None:
@@ -356,7 +364,7 @@ def call_each(
         except Exception as exc:
             on_error(impl.plugin_name, exc)
         except BaseException as exc:  # as in registration: a plugin's sys.exit() is its failure
-            if not _the_plugins_own(exc):
+            if not _the_plugins_own(exc, stop_handlers):
                 raise
             failure = PluginError(f"{type(exc).__name__}: {exc}")
             failure.__cause__ = exc  # its traceback: where in the plugin it exited
