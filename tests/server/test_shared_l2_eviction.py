@@ -12,6 +12,7 @@ import importlib.util
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import pytest
 from tiers_e2e import ServerProcess, digest, make_keys, make_payloads, start_server
 
 from lmcache_tiers.client import Client
+from lmcache_tiers.testing.ports import free_ports
 
 CHUNK = 256 << 10
 BATCH = 4
@@ -90,11 +92,14 @@ def shared_store(store_service: tuple[str, SharedStore]) -> SharedStore:
 class Node:
     """One server of the pair, with what this test needs to ask it."""
 
-    def __init__(self, log_dir: Path, store: SharedStore, l1_size_gb: float) -> None:
+    def __init__(self, log_dir: Path, store: SharedStore, l1_size_gb: float, ports: list[int]) -> None:
+        """Start the server on ``ports`` (its RPC and metrics ports): the pair's four are
+        picked together, so two servers starting at once cannot be given one port twice."""
         self.log_dir, (self.adapter, self.env), self.l1_size_gb = log_dir, store, l1_size_gb
-        self.server: ServerProcess = self._start("")
+        rpc_port, metrics_port = ports
+        self.server: ServerProcess = self._start("", port=rpc_port, metrics_port=metrics_port)
 
-    def _start(self, suffix: str) -> ServerProcess:
+    def _start(self, suffix: str, **ports: int) -> ServerProcess:
         config = {
             **self.adapter,
             "max_capacity_gb": CAPACITY / (1 << 30),
@@ -109,6 +114,7 @@ class Node:
             adapters=[config],
             env=self.env,
             l1_size_gb=self.l1_size_gb,
+            **ports,
         )
 
     def start_again(self) -> None:
@@ -190,12 +196,28 @@ def _settled(client: Client) -> int:
 
 @pytest.fixture
 def pair(tmp_path: Path, shared_store: SharedStore) -> Iterator[tuple[Node, Node]]:
-    with ExitStack() as stack:
-        small = Node(tmp_path / "small-l1", shared_store, 0.0625)
-        stack.callback(small.stop)
-        large = Node(tmp_path / "large-l1", shared_store, 0.25)
-        stack.callback(large.stop)
+    """Two servers of different L1 sizes on the shared store.  They start and stop at the
+    same time: each start or stop waits on its own process, and one after the other the
+    pair's set-up and teardown took twice as long for nothing the tests check."""
+    ports = free_ports(4)
+    l1_sizes = {"small-l1": 0.0625, "large-l1": 0.25}
+    with ThreadPoolExecutor(len(l1_sizes)) as pool, ExitStack() as stack:
+        starts = [
+            pool.submit(Node, tmp_path / name, shared_store, l1_size_gb, ports[2 * index : 2 * index + 2])
+            for index, (name, l1_size_gb) in enumerate(l1_sizes.items())
+        ]
+        stack.callback(_stop_all, pool, starts)  # also the one that started if the other failed
+        small, large = (start.result() for start in starts)
         yield small, large
+
+
+def _stop_all(pool: ThreadPoolExecutor, starts: list[Future[Node]]) -> None:
+    """Stop every node that started, at the same time; a node that did not stop cleanly
+    fails the test once all were stopped."""
+    started = [start.result() for start in starts if start.exception() is None]
+    stops = [pool.submit(node.stop) for node in started]
+    for stop in stops:
+        stop.result()
 
 
 def test_both_evict_and_never_hand_out_wrong_bytes(pair: tuple[Node, Node]) -> None:
