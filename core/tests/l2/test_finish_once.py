@@ -9,6 +9,7 @@ import concurrent.futures
 import logging
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -165,8 +166,7 @@ def test_a_blocking_call_cancelled_by_close_finishes_its_op_once(adapters: list[
     outcome: list[Any] = []
     caller = threading.Thread(target=lambda: outcome.append(runner.call_now(op)))
     caller.start()
-    while not state.pins.deleting():  # the delete awaits the backend, its key claimed
-        threading.Event().wait(0.01)
+    wait_until(state.pins.deleting, "the delete to await the backend, its key claimed")
     state.closing.set()
     runner.stop(0.0)
     caller.join(10.0)
@@ -426,3 +426,71 @@ def test_a_call_whose_finish_raises_as_its_loop_ends_answers_the_others(
     assert not caller.is_alive(), "the caller still waits for a loop that ended"
     assert answers == ["a bug in an op's finish"]
     assert task_after in state.board.pop(L2Op.LOAD), "the task after it was failed, not left waiting"
+
+
+class EndingItsLoopWhileOpening:
+    """A coroutine backend whose open leaves a callback on its loop that raises SystemExit
+    (a client library's callback calling ``sys.exit``): the loop's thread ends with the
+    open pending."""
+
+    async def open(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_soon(sys.exit, "a client library's callback")
+        await loop.create_future()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_open_whose_loop_ended_under_it_is_a_failed_open(adapters: list[BackendAdapter]) -> None:
+    """The loop's thread ends while the backend opens: the open is answered as failed,
+    never "still opening" for as long as the adapter runs (its start-up scan, waiting for
+    the open, would never end)."""
+    adapter = open_dict(AsyncDictBackend)
+    adapters.append(adapter)
+    runner = LoopRunner(adapter.state, EndingItsLoopWhileOpening(), lambda *_: None, 1)
+    runner.open(0.0)  # gives up waiting at once: the loop's end answers it later
+    runner._thread.join(10.0)
+    assert not runner._thread.is_alive()
+    assert runner.opened(1.0) is False
+
+
+class EndingItsLoopClosable(EndingItsLoop):
+    """``EndingItsLoop`` with a close that notes it ran (flushing, removing its files)."""
+
+    def __init__(self) -> None:
+        self.closed = threading.Event()
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_close_while_the_ended_loop_answers_its_calls_still_closes_the_backend(
+    adapters: list[BackendAdapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The adapter closes while the thread of a loop that ended is still answering the
+    calls left on it (the loop closed, the thread alive): the backend's close runs all
+    the same, and no RuntimeError about a closed loop takes its place."""
+    adapter, _client, keys = stored_adapter(adapters)
+    state = adapter.state
+    answering, answer = threading.Event(), threading.Event()
+    finish = DeleteOp.finish
+
+    def slow_hand_back(op: DeleteOp, result: Any, *, call_returned: bool = True) -> Any:
+        if not call_returned:  # the loop's end handing back what the task held
+            answering.set()
+            answer.wait(10.0)
+        return finish(op, result, call_returned=call_returned)
+
+    monkeypatch.setattr(DeleteOp, "finish", slow_hand_back)
+    backend = EndingItsLoopClosable()
+    runner = idle_runner(adapter, [], backend)
+    runner._thread.start()
+    runner.run(state.board.new_task(L2Op.LOAD, 1), DeleteOp(state, keys))
+    assert answering.wait(10.0), "the loop ended and answers the task left on it"
+    try:
+        # A short deadline: the close then waits for the loop's thread, held here, until it.
+        assert runner.close_backend(time.monotonic() + 0.5) is True
+    finally:
+        answer.set()
+        runner._thread.join(10.0)
+    assert backend.closed.is_set()

@@ -615,6 +615,7 @@ class LoopRunner(Runner):
                 pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
                 loop.close()
                 left = list(self._futures.items())
+            self._fail_unfinished_open()
             self._drop_left(left)
             self._end_pending_tasks(pending)
 
@@ -643,6 +644,18 @@ class LoopRunner(Runner):
     def _forget(self, future: concurrent.futures.Future[Any]) -> None:
         with self._lock:
             self._futures.pop(future, None)
+
+    def _fail_unfinished_open(self) -> None:
+        """Fail the backend's open the loop ended with (its thread ended by an exception):
+        left pending, ``opened`` would answer "still opening" for as long as the adapter
+        runs, and its start-up scan, waiting for the open, would never end."""
+        opened = self._opened
+        if opened is None or opened.done():
+            return
+        try:
+            opened.set_exception(_LoopEnded(f"{self.state.name}: the event loop ended as the backend opened"))
+        except concurrent.futures.InvalidStateError:
+            pass  # set meanwhile: answered all the same
 
     def _drop_left(self, left: list[tuple[concurrent.futures.Future[Any], _Scheduled]]) -> None:
         """Fail the calls the loop was closed with, neither cancelled nor finished (its
@@ -993,8 +1006,8 @@ class LoopRunner(Runner):
                     await outcome
 
         try:
-            if self._thread.is_alive():
-                future = asyncio.run_coroutine_threadsafe(close(), self._loop)
+            future = self._on_the_running_loop(close())
+            if future is not None:
                 waited = max(0.1, deadline - time.monotonic())
                 # Told by the future's state, not by result(waited) raising TimeoutError:
                 # a close that returned with a TimeoutError of its own failed, not hung.
@@ -1013,10 +1026,23 @@ class LoopRunner(Runner):
                 self._closed.set()
         return returned
 
+    def _on_the_running_loop(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T] | None:
+        """``coroutine`` scheduled on the loop, or None (closed, never awaited) when the loop
+        does not run: its thread never started, ended, or is ending after the loop ended
+        by an exception -- alive, answering the calls left on a loop already closed, which
+        would refuse the coroutine with RuntimeError."""
+        with self._lock:
+            if self._thread.is_alive() and not self._loop_ended:
+                return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        coroutine.close()
+        return None
+
     def _end_loop(self, deadline: float) -> None:
         """Stop the loop and wait for its thread until ``deadline`` (then left running)."""
+        with self._lock:
+            if self._thread.is_alive() and not self._loop_ended:
+                self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(max(0.1, deadline - time.monotonic()))
         elif not self._loop.is_closed():
             self._loop.close()
