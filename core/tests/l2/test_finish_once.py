@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import logging
 import sys
 import threading
@@ -494,3 +495,45 @@ def test_a_close_while_the_ended_loop_answers_its_calls_still_closes_the_backend
         answer.set()
         runner._thread.join(10.0)
     assert backend.closed.is_set()
+
+
+class LeavingTasksThatExitOnClose:
+    """A coroutine backend that starts two tasks of its own, each exiting (SystemExit) as
+    its coroutine is closed, then ends its loop as ``EndingItsLoop`` does."""
+
+    def __init__(self) -> None:
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def delete_many(self, keys: Any) -> Any:
+        loop = asyncio.get_running_loop()
+
+        async def exiting_on_close() -> None:
+            try:
+                await loop.create_future()
+            finally:
+                sys.exit("a client library's task exiting as it is closed")
+
+        self.tasks = [loop.create_task(exiting_on_close()) for _ in range(2)]
+        loop.call_soon(sys.exit, "a client library's callback")
+        await loop.create_future()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_backends_task_exiting_as_it_is_closed_does_not_leave_the_others_open(
+    adapters: list[BackendAdapter], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The loop's end closes every task left on it: one of the backend's whose cleanup
+    raises SystemExit is logged, and the tasks after it are closed all the same, named in
+    the one WARNING (never left to the garbage collector, each an asyncio ERROR)."""
+    adapter, _client, keys = stored_adapter(adapters)
+    state = adapter.state
+    backend = LeavingTasksThatExitOnClose()
+    runner = idle_runner(adapter, [], backend)
+    runner._thread.start()
+    runner.run(state.board.new_task(L2Op.LOAD, 1), DeleteOp(state, keys))
+    runner._thread.join(10.0)
+    assert not runner._thread.is_alive()
+    assert len(backend.tasks) == 2
+    states = [inspect.getcoroutinestate(task.get_coro()) for task in backend.tasks]
+    assert states == [inspect.CORO_CLOSED] * 2
+    assert "tasks still pending as the event loop ended were closed" in caplog.text

@@ -704,7 +704,9 @@ class LoopRunner(Runner):
             coroutine = task.get_coro()
             try:
                 coroutine.close()
-            except Exception:  # a coroutine whose cleanup raises: the others still end
+            except BaseException:
+                # A coroutine whose cleanup raises, a SystemExit too (the backend's own, on
+                # this thread that is never the main one): logged, and the others still end.
                 log.exception("%s: closing a task left with the event loop raised", self.state.name)
             # asyncio's own flag for "do not report me as a leak": this one was ended above.
             task._log_destroy_pending = False  # type: ignore[attr-defined]
