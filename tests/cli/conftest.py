@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -15,3 +16,11 @@ def taken_port() -> Iterator[int]:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         yield int(holder.getsockname()[1])
+
+
+@pytest.fixture
+def a_file(tmp_path: Path) -> Path:
+    """A regular file where a directory, a device or a socket is expected."""
+    path = tmp_path / "regular-file"
+    path.write_bytes(b"not a directory")
+    return path
