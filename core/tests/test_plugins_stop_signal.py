@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -71,16 +71,22 @@ def test_a_plugins_own_sys_exit_is_still_its_failure() -> None:
     assert statuses["exiting"] == "error: SystemExit: no GPU here"
 
 
-def test_a_handler_taking_its_arguments_packed_is_told_too() -> None:
-    """A handler written ``lambda *_: sys.exit(...)`` (its arguments in one tuple) is a
-    stop signal's handler as much as one naming them."""
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+def exit_status_of_discovery_under(handler: Callable[[int, Any], None]) -> object:
+    """The status of the SystemExit that a SIGTERM landing in a plugin's registration ends
+    discovery with, ``handler`` handling SIGTERM meanwhile."""
+    previous = signal.signal(signal.SIGTERM, handler)
     try:
         with pytest.raises(SystemExit) as stopped:
             discover({"signalled": signalled_while_registering(), "demo": make_module()})
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert stopped.value.code == 128 + signal.SIGTERM
+    return stopped.value.code
+
+
+def test_a_handler_taking_its_arguments_packed_is_told_too() -> None:
+    """A handler written ``lambda *_: sys.exit(...)`` (its arguments in one tuple) is a
+    stop signal's handler as much as one naming them."""
+    assert exit_status_of_discovery_under(lambda *_: sys.exit(128 + signal.SIGTERM)) == 128 + signal.SIGTERM
 
 
 def test_a_plugins_own_sys_exit_next_to_its_callers_frame_is_still_its_failure() -> None:
@@ -110,10 +116,4 @@ def test_a_handler_that_ignores_further_signals_before_raising_is_told_too() -> 
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise SystemExit(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        with pytest.raises(SystemExit) as stopped:
-            discover({"signalled": signalled_while_registering(), "demo": make_module()})
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    assert stopped.value.code == 128 + signal.SIGTERM
+    assert exit_status_of_discovery_under(stop) == 128 + signal.SIGTERM
