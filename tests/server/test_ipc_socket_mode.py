@@ -273,7 +273,7 @@ def _finishes(work: Callable[[], object], listener: socket.socket) -> object:
         with contextlib.suppress(BlockingIOError):
             while True:
                 listener.accept()[0].close()
-        thread.join()
+        thread.join(30)  # the failure below is raised whether or not that let it end
         raise AssertionError("the probe of a live socket with a full backlog blocked")
     return outcome[0]
 

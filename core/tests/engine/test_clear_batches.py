@@ -13,6 +13,7 @@ from engine_support import GatedStorePolicy, keys_of, mock, store
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1.removal import CLEAR_BATCH, Removal
 from lmcache_tiers.storage import StorageManager
+from lmcache_tiers.testing.threads import joined
 
 SIZE = 4096
 OBJECTS = 2 * CLEAR_BATCH + 1  # three batches
@@ -30,9 +31,9 @@ class ServedBetweenBatches:
         clear_batch = Removal._clear_batch
 
         def watched_batch(removal: Removal, *args: Any) -> int:
-            other = threading.Thread(target=self._store_and_look_up)
+            other = threading.Thread(target=self._store_and_look_up, daemon=True)
             other.start()
-            other.join()
+            joined(other, "a store and lookup between the clear's batches")
             return clear_batch(removal, *args)
 
         monkeypatch.setattr(Removal, "_clear_batch", watched_batch)

@@ -13,6 +13,7 @@ from engine_support import GatedConfig, GatedStorePolicy, gated_backend, keys_of
 from lmcache_tiers.config import AdapterSpec
 from lmcache_tiers.controllers import base
 from lmcache_tiers.storage import StorageManager
+from lmcache_tiers.testing.threads import joined
 
 SIZE = 64 << 10
 
@@ -122,7 +123,7 @@ def test_a_store_abandoned_at_shutdown_after_a_forced_clear_took_its_object_is_c
     storage, stalled, _ = forced_clear_during_a_stalled_store(engine)
     opener = opened_once_counted(stalled.store_gate, storage, "l2_store_abandoned")
     storage.close(drain_timeout_s=0.05)
-    opener.join()
+    joined(opener, "the store gate's opener")
     failures = storage.failures()
     # Counted once, by the store given up on: the clear counted nothing.
     assert failures.get("l2_store_abandoned") == 1
@@ -283,7 +284,7 @@ def test_a_forced_clear_object_of_a_running_store_counts_when_the_close_leaves_t
     opener = opened_once_counted(stalled.store_gate, storage, "l2_store_abandoned")
     with caplog.at_level(logging.WARNING):
         storage.close(drain_timeout_s=0.0)
-    opener.join()
+    joined(opener, "the store gate's opener")
     assert storage.store._thread.is_alive(), "left behind in its step"
     failures = storage.failures()
     assert failures.get("l2_store_abandoned") == 2, "b, still in L1, and a, taken by the clear"

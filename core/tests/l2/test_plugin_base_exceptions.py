@@ -23,6 +23,7 @@ from lmcache_tiers.l2.context import AdapterContext
 from lmcache_tiers.l2.state import AdapterState
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys
+from lmcache_tiers.testing.threads import joined
 
 SIZE = 100
 
@@ -316,9 +317,9 @@ def test_a_base_exception_from_an_immediate_lookup_off_the_main_thread_is_a_coun
         except BaseException as exc:
             answers.append(exc)
 
-    asker = threading.Thread(target=ask)
+    asker = threading.Thread(target=ask, daemon=True)
     asker.start()
-    asker.join()
+    joined(asker, "the request thread's lookup_and_lock_now")
     assert answers == [None]
     assert adapter.stats()["backend_errors"] == 1
     assert adapter.pinned_keys() == {}

@@ -22,6 +22,7 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Arena
 from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.testing.server import until_reachable
+from lmcache_tiers.testing.threads import joined
 from lmcache_tiers.tmpfs import is_tmpfs
 from lmcache_tiers.wire import protocol as p
 from lmcache_tiers.wire.shm import (
@@ -305,9 +306,9 @@ def test_offsets_of_a_restarted_server_never_go_to_the_old_mapping_when_another_
                 client._call = real_call  # type: ignore[method-assign]
                 until_reachable(client)
                 reply = real_call(request, *args, **kwargs)
-                other = threading.Thread(target=client._follow_server)
+                other = threading.Thread(target=client._follow_server, daemon=True)
                 other.start()
-                other.join()
+                joined(other, "the client following the restarted server")
                 return reply
             return real_call(request, *args, **kwargs)
 

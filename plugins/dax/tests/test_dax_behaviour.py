@@ -12,6 +12,7 @@ from slot_helpers import ZlibSerde, as_newer_format, lru_controller
 
 from lmcache_tiers.l2.adapter import BackendCloseFailed
 from lmcache_tiers.testing.l2 import make_keys, pattern
+from lmcache_tiers.testing.threads import joined, wait_until
 
 
 def data_for(count: int, seed: int = 0) -> list[bytes]:
@@ -417,12 +418,11 @@ def test_a_write_replaced_while_close_drains_is_uncommitted_before_the_unmapping
         (key,) = make_keys(1)
         assert store(adapter, [key], [b"old" * 100]) == [True]
         with backend._in_flight.use():  # a store still running
-            closer = threading.Thread(target=adapter.close)
+            closer = threading.Thread(target=adapter.close, daemon=True)
             closer.start()
-            while not backend._in_flight._closed:
-                threading.Event().wait(0.001)
+            wait_until(lambda: backend._in_flight._closed, "the close to stop new calls", interval=0.001)
             assert backend.table.delete([key]) == [True]  # as its replace would unpublish it
-        closer.join()
+        joined(closer, "the close after the running store ended")
         reopened = open_dax(cfg)
         try:
             assert client(reopened).lookup_and_lock([key]).found == [False], (
@@ -477,12 +477,11 @@ def test_a_write_unpublished_while_a_close_gives_up_draining_does_not_come_back(
         kept, deleted = make_keys(2)
         assert store(adapter, [kept, deleted], [b"kept" * 100, b"old" * 100]) == [True, True]
         with backend._in_flight.use():  # a copy that does not finish
-            closer = threading.Thread(target=adapter.close)
+            closer = threading.Thread(target=adapter.close, daemon=True)
             closer.start()
-            while not backend._in_flight._closed:
-                threading.Event().wait(0.001)
+            wait_until(lambda: backend._in_flight._closed, "the close to stop new calls", interval=0.001)
             assert backend.table.delete([deleted]) == [True]  # a delete still running
-            closer.join()  # close gave up waiting for the copy
+            joined(closer, "the close giving up on a copy that does not finish")
         for region in backend.regions:
             region.close()  # what the process's exit does to the mapping left in place
         reopened = open_dax(cfg)

@@ -42,7 +42,9 @@ def test_without_the_lookup_wait_clients_poll(make_mp_server: Any) -> None:
     with MPClient(mp_address(server)) as client:
         client.register(REG)
         answers = [client.lookup(Key(tokens_of(2), "r"))]
+        deadline = time.monotonic() + 30
         while answers[-1] is None:
+            assert time.monotonic() < deadline, f"the lookup's prefetch never finished: {len(answers)} polls"
             answers.append(client.call("query_prefetch_status", "r"))
         assert answers[-1] == 0
         assert client.call("wait_prefetch_status", "r", 1.0) == 0  # delivered already

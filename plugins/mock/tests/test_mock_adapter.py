@@ -29,6 +29,7 @@ from lmcache_tiers.testing.l2 import (
     make_keys,
     pattern,
 )
+from lmcache_tiers.testing.threads import joined
 
 
 class TestMockAdapter(L2AdapterSuite):
@@ -256,11 +257,11 @@ def test_concurrent_stores_of_the_same_keys_keep_the_pool_exact() -> None:
             assert backend.put_many(keys, payloads) == [True] * 4
 
     try:
-        threads = [threading.Thread(target=store_repeatedly) for _ in range(3)]
+        threads = [threading.Thread(target=store_repeatedly, daemon=True) for _ in range(3)]
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join()
+            joined(thread, "concurrent put_many of the same keys")
         assert stored_bytes(backend) == sum(p.nbytes for p in payloads)
         extents = sum(pool_of(adapter).allocator.extent_size(p.nbytes) for p in payloads)
         assert pool_of(adapter).allocator.allocated_bytes == extents

@@ -22,6 +22,7 @@ from lmcache_tiers.l2 import BackendAdapter, L2Adapter
 from lmcache_tiers.l2.record import encode_header
 from lmcache_tiers.testing.l2 import make_keys, pattern
 from lmcache_tiers.testing.seaweedfs import SeaweedS3, free_port
+from lmcache_tiers.testing.threads import DEADLINE_S, joined
 
 SIZE = 32 << 10
 
@@ -499,14 +500,16 @@ def test_the_start_up_probe_runs_on_a_thread_named_for_the_adapter() -> None:
         before = set(threading.enumerate())
         answers: list[bool] = []
         checking = threading.Thread(
-            target=lambda: answers.append(check_bucket(config, "0:s3")), name="test-check"
+            target=lambda: answers.append(check_bucket(config, "0:s3")), name="test-check", daemon=True
         )
         checking.start()
         names: set[str] = set()
+        deadline = time.monotonic() + DEADLINE_S  # the check's own 1 s read timeout ends it well before
         while checking.is_alive():
+            assert time.monotonic() < deadline, "the bucket check of a silent store never ended"
             names.update(thread.name for thread in threading.enumerate() if thread not in before)
             time.sleep(0.01)
-        checking.join()
+        joined(checking, "the bucket check of a silent store")
     assert answers == [False], "the silent store answered"
     probes = sorted(name for name in names if "probe" in name)
     assert probes and all(name.startswith("l2-0:s3-probe") for name in probes), probes
