@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -66,3 +67,14 @@ def start_block_server(log_dir: Path, blocks: int, **config: Any) -> ServerProce
         **config,
     }
     return start_server(log_dir, metrics=False, **settings)
+
+
+def output_of_killed(replay: subprocess.Popen[str]) -> str:
+    """Kill a replay that never got where a test waited for it; what it printed, for the
+    failure.  Its client processes may outlive it holding its pipes: then no output, rather
+    than a read that waits for them."""
+    replay.kill()
+    try:
+        return str(replay.communicate(timeout=10))
+    except subprocess.TimeoutExpired:
+        return "(no output: the replay's client processes still hold its pipes)"

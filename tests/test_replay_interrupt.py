@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from replay_helpers import BLOCK_BYTES, small_trace, start_block_server
+from replay_helpers import BLOCK_BYTES, output_of_killed, small_trace, start_block_server
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import ObjectKey
@@ -147,7 +147,10 @@ def test_a_server_replay_stopped_by_sigterm_gives_its_read_locks_back(tmp_path: 
         try:
             deadline = time.monotonic() + 60
             while len(list(held.iterdir())) < clients:
-                assert time.monotonic() < deadline and replay.poll() is None, replay.communicate()
+                assert replay.poll() is None, replay.communicate()
+                assert time.monotonic() < deadline, (
+                    f"the clients never all held their keys: {output_of_killed(replay)}"
+                )
                 time.sleep(0.05)
             with Client(server.url, timeout=10.0) as probe:
                 assert probe.status()["server"]["locked_keys"] > 0  # what the replay must give back

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from replay_helpers import BLOCK_BYTES, small_trace, start_block_server
+from replay_helpers import BLOCK_BYTES, output_of_killed, small_trace, start_block_server
 from thirdparty import launch_cli, run_cli
 from tiers_e2e import ServerProcess
 
@@ -222,7 +222,10 @@ def test_an_in_process_replay_stopped_by_sigterm_removes_its_l1_segment(tmp_path
     try:
         deadline = time.monotonic() + 30
         while not segment.exists():
-            assert time.monotonic() < deadline and replay.poll() is None, replay.communicate()
+            assert replay.poll() is None, replay.communicate()
+            assert time.monotonic() < deadline, (
+                f"the replay never made its L1 segment: {output_of_killed(replay)}"
+            )
             time.sleep(0.05)
         time.sleep(1.0)  # replaying by now
         replay.send_signal(signal.SIGTERM)
