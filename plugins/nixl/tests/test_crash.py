@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,8 @@ from lmcache_tiers.plugin import is_temp_name
 from lmcache_tiers.testing.l2 import make_keys
 
 WRITER = Path(__file__).with_name("crash_writer.py")
+# Generous: how long the writer may take to report its objects, or to begin a batch.
+WRITER_DEADLINE_S = 120.0
 
 
 def temp_files(root: str) -> list[str]:
@@ -36,6 +40,12 @@ def test_sigkill_during_store_storm_then_restart(direct_io: bool) -> None:
                 "PYTHONPATH": os.pathsep.join([str(WRITER.parent), os.environ.get("PYTHONPATH", "")]),
             },
         )
+        # A writer that stops reporting would leave the readline below blocked for good:
+        # killed then, its pipe ends and the test fails saying so.
+        stalled = threading.Event()
+        watchdog = threading.Timer(WRITER_DEADLINE_S, lambda: (stalled.set(), writer.kill()))
+        watchdog.daemon = True
+        watchdog.start()
         try:
             assert writer.stdout is not None
             # Let it publish a few hundred objects, then kill it while a batch is being
@@ -44,13 +54,20 @@ def test_sigkill_during_store_storm_then_restart(direct_io: bool) -> None:
             stored = 0
             while stored < 320:
                 line = writer.stdout.readline()
+                assert not stalled.is_set(), (
+                    f"writer reported {stored} of 320 objects in {WRITER_DEADLINE_S:g} s"
+                )
                 assert line, f"writer exited early with code {writer.wait()}"
                 stored = int(line)
+            watchdog.cancel()
             shard = os.path.join(root, "00", "00")
+            deadline = time.monotonic() + WRITER_DEADLINE_S
+            # A busy poll: a temporary file lives only while its batch is being written.
             while writer.poll() is None and not any(is_temp_name(name) for name in os.listdir(shard)):
-                pass
+                assert time.monotonic() < deadline, f"no temporary file showed up in {shard}"
             writer.send_signal(signal.SIGKILL)
         finally:
+            watchdog.cancel()
             writer.kill()
             writer.wait()
         assert writer.returncode == -signal.SIGKILL

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from functools import cache
 from pathlib import Path
@@ -78,6 +79,10 @@ def acknowledged_live(deleted: int, stored: int) -> range:
     return range(min(first, stored), stored)
 
 
+# Generous: how long a writer may take to report the objects run_and_kill waits for.
+REPORTS_DEADLINE_S = 120.0
+
+
 def run_and_kill(writer: Path, path: str, at_least: int, extra_delay_s: float) -> tuple[int, int]:
     """Run ``writer PATH``, SIGKILL it once it stored ``at_least`` objects (plus a delay,
     to land inside a later batch); (deleted below, stored below) as last reported."""
@@ -97,17 +102,28 @@ def run_and_kill(writer: Path, path: str, at_least: int, extra_delay_s: float) -
         what, count = line.split()
         reported[what] = int(count)
 
+    # A writer that stops reporting would leave the readline below blocked for good: killed
+    # then, its pipe ends and the test fails saying so.
+    stalled = threading.Event()
+    watchdog = threading.Timer(REPORTS_DEADLINE_S, lambda: (stalled.set(), process.kill()))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         assert process.stdout is not None
         while reported["stored"] < at_least:
             line = process.stdout.readline()
+            assert not stalled.is_set(), (
+                f"writer stored {reported['stored']} of {at_least} in {REPORTS_DEADLINE_S:g} s"
+            )
             assert line, f"writer exited early with code {process.wait()}"
             take(line)
+        watchdog.cancel()
         time.sleep(extra_delay_s)
         process.send_signal(signal.SIGKILL)
         for line in process.stdout:  # what it printed before dying had returned
             take(line)
     finally:
+        watchdog.cancel()
         process.kill()
         process.wait()
     assert process.returncode == -signal.SIGKILL
