@@ -133,7 +133,9 @@ def _raised_by_a_signal_handler(exc: BaseException, handlers: frozenset[CodeType
     the plugin would be listed as broken and the stop lost.  Told exactly, by a frame in
     the traceback running the code of a handler installed (``handlers``): never by what
     a frame holds, which a plugin's own ``sys.exit()`` beside its caller's frame and a
-    small status would pass for a handler's arguments."""
+    small status would pass for a handler's arguments.  A handler with no code of its
+    own (``functools.partial(sys.exit, 143)``) leaves no frame to tell it by: its exit is
+    taken for the plugin's failure."""
     if threading.current_thread() is not threading.main_thread():
         return False  # handlers run on the main thread only
     traceback = exc.__traceback__
