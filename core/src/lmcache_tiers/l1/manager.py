@@ -492,8 +492,9 @@ class L1Manager:
         """Free bytes plus what evicting every unlocked object would free: the most any
         reservation can get, whatever the eviction policy picks."""
         with self.lock:
-            locked = self._table.locked_bytes(self._allocator.size_at)
-            return self._allocator.capacity - locked - self._leases.quarantined_bytes
+            # Running totals (``l1/table.py``): every write that finds L1 full asks this.
+            unevictable = self._table.unevictable_bytes + self._leases.quarantined_bytes
+            return self._allocator.capacity - unevictable
 
     def unevictable_extents(self) -> int:
         """How many extents no eviction frees (locked objects', those held for loads,

@@ -53,6 +53,9 @@ class L1Object:
     #: NVMe L1: write-back errors of the file counted when its bytes were written; an error
     #: counted since may have taken them (``l1/access.py``)
     written_in: int = field(default=0, repr=False)
+    #: aligned bytes of its extent (the allocator's length at ``offset``), kept here so that
+    #: the running total of locked extents (``l1/table.py``) costs an add per lock change
+    extent_bytes: int = field(default=0, repr=False)
 
     @property
     def locked(self) -> bool:

@@ -107,12 +107,14 @@ class ReadLocks:
         objects, locked = table.objects, table.locked
         hits: dict[ObjectKey, L1Object] = {}
         deadline = read_lock_deadline(time.monotonic(), self.lock_ttl_s)
+        locked_bytes = 0
         for key in keys:
             obj = objects.get(key)
             if obj is None or obj.state is not _READY or key in hits:
                 continue
             if not obj.read_locks:
                 locked[key] = obj
+                locked_bytes += obj.extent_bytes
                 obj.read_locks = count
                 obj.lock_deadline = deadline
             elif obj.lock_deadline == deadline and obj.lock_groups is None:
@@ -120,6 +122,7 @@ class ReadLocks:
             else:
                 add_read_locks(obj, count, deadline)
             hits[key] = obj
+        table.locked_extent_bytes += locked_bytes
         return hits
 
     def lock_prefix(
@@ -147,10 +150,12 @@ class ReadLocks:
                     return prefix
             locked = table.locked
             deadline = read_lock_deadline(time.monotonic(), self.lock_ttl_s)
+            locked_bytes = 0
             for obj in unique:
                 # A READY object is in ``locked`` exactly when it has read locks.
                 if not obj.read_locks:
                     locked[obj.key] = obj
+                    locked_bytes += obj.extent_bytes
                     obj.read_locks = count
                     obj.lock_deadline = deadline
                 elif obj.lock_deadline == deadline and obj.lock_groups is None:
@@ -159,6 +164,7 @@ class ReadLocks:
                     obj.read_locks += count
                 else:
                     add_read_locks(obj, count, deadline)
+            table.locked_extent_bytes += locked_bytes
             table.listeners.notify("read", read)
             return prefix
 
@@ -200,6 +206,7 @@ class ReadLocks:
             table = self._table
             objects, locked = table.objects, table.locked
             freed: list[L1Object] = []
+            unlocked_bytes = 0
             leases = self._leases
             last = self._last_hit
             if last is not None and last[0] == table.ready_version and last[1] == keys:
@@ -242,8 +249,10 @@ class ReadLocks:
                     obj.read_locks = obj.storing
                     if not obj.storing:  # unlocked now
                         del locked[obj.key]
+                        unlocked_bytes += obj.extent_bytes
                         if obj.temporary:
                             freed.append(obj)
+            table.locked_extent_bytes -= unlocked_bytes
             table.free(freed)
 
     def lock_for_store(self, keys: Sequence[ObjectKey]) -> dict[ObjectKey, L1Object]:
@@ -261,6 +270,7 @@ class ReadLocks:
                 # it (readers' locks are ``read_locks - storing``).
                 if not obj.read_locks:
                     locked[key] = obj
+                    table.locked_extent_bytes += obj.extent_bytes
                 obj.read_locks += 1
                 obj.storing += 1
                 hits[key] = obj
@@ -284,6 +294,7 @@ class ReadLocks:
                     elif obj.read_locks:
                         obj.read_locks = 0
                         del locked[obj.key]
+                        table.locked_extent_bytes -= obj.extent_bytes
                         if obj.temporary:
                             freed.append(obj)
                     continue

@@ -188,6 +188,7 @@ class Removal:
                 if obj.read_locks:
                     continue
                 del table.locked[key]
+                table.locked_extent_bytes -= obj.extent_bytes
                 if obj.temporary:
                     freed.append(obj)
             if expired_writes or expired_reads:

@@ -6,6 +6,13 @@ finds its prefix with one probe per key and no state test), ``locked`` the ones 
 write lock or read locks, and ``temporary`` the keys freed after their last read, so TTL
 reaping and stats cost O(locked) rather than O(objects).
 
+``locked_extent_bytes`` is the running total of the extents of ``locked``'s objects: whoever
+adds an object to ``locked`` or takes one out adds or subtracts its ``extent_bytes``
+(reads.py and writes.py inline, in their loops; the rest here).  With the extents held for
+loads (``_held``, kept here too) it is what no eviction frees, asked by every write that
+finds L1 full: a walk of the locked objects under the L1 lock cost O(locked) per such write
+(tens of milliseconds with 10k read locks), the total costs an add per lock change.
+
 An object leaves by being detached from the table and having its extent released: back
 to the allocator through the leases (which may quarantine it, or pin it for an L2 store
 still reading it, see ``l1/leases.py``), or held while a prefetch's load may still be
@@ -19,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Literal
 
 from lmcache_tiers.burst import PolicyFailureLog
@@ -83,6 +89,8 @@ class ObjectTable:
         self.objects: dict[ObjectKey, L1Object] = {}
         self.ready: dict[ObjectKey, L1Object] = {}  # READY objects of ``objects``
         self.locked: dict[ObjectKey, L1Object] = {}
+        #: the sum of ``extent_bytes`` over ``locked`` (see the module docstring)
+        self.locked_extent_bytes = 0
         self.temporary: set[ObjectKey] = set()
         #: bumped whenever ``ready`` changes, so a caller can tell that a probe it made
         #: of READY objects would find the same objects again
@@ -95,6 +103,7 @@ class ObjectTable:
         # Extents an L2 store still reads are pinned by the leases instead, which also
         # credit the releases of the object's readers to them.
         self._held: set[L1Object] = set()
+        self._held_extent_bytes = 0
 
     def check_open(self) -> None:
         if self.closed:
@@ -110,6 +119,7 @@ class ObjectTable:
         """Add new, write-locked objects (by key), all ``temporary`` or none."""
         self.objects.update(objs)
         self.locked.update(objs)
+        self.locked_extent_bytes += sum(obj.extent_bytes for obj in objs.values())
         if temporary:
             self.temporary.update(objs)
 
@@ -127,7 +137,9 @@ class ObjectTable:
         del self.objects[obj.key]
         if self.ready.pop(obj.key, None) is not None:
             self.ready_version += 1
-        self.locked.pop(obj.key, None)
+        unlocked = self.locked.pop(obj.key, None)
+        if unlocked is not None:
+            self.locked_extent_bytes -= unlocked.extent_bytes
         self.temporary.discard(obj.key)
 
     def release_extents(self, objs: list[L1Object], taken_by: TakenBy = "forced") -> None:
@@ -140,7 +152,10 @@ class ObjectTable:
         # object's bytes.  abort_load frees it.
         free = [obj for obj in objs if not obj.loading]
         if len(free) < len(objs):
-            self._held.update(obj for obj in objs if obj.loading)
+            for obj in objs:
+                if obj.loading and obj not in self._held:
+                    self._held.add(obj)
+                    self._held_extent_bytes += obj.extent_bytes
         if free:
             self._leases.release_extents(free, time.monotonic(), taken_by)
 
@@ -150,6 +165,7 @@ class ObjectTable:
         if obj not in self._held:
             return False
         self._held.discard(obj)
+        self._held_extent_bytes -= obj.extent_bytes
         return True
 
     def free(self, objs: list[L1Object], taken_by: TakenBy = "forced") -> None:
@@ -159,15 +175,15 @@ class ObjectTable:
         self.release_extents(objs, taken_by)
         self.listeners.notify("deleted", [obj.key for obj in objs])
 
-    def locked_bytes(self, extent_size_at: Callable[[int], int]) -> int:
+    @property
+    def unevictable_bytes(self) -> int:
         """Bytes that no eviction can free: extents of locked objects, and those held for
-        loads whose reservation left L1 (allocated, but in no object to evict)."""
-        locked = sum(extent_size_at(obj.offset) for obj in self.locked.values())
-        return locked + sum(extent_size_at(obj.offset) for obj in self._held)
+        loads whose reservation left L1 (allocated, but in no object to evict).  O(1)."""
+        return self.locked_extent_bytes + self._held_extent_bytes
 
     def unevictable(self) -> list[L1Object]:
         """The objects whose extents no eviction frees: locked ones, and those held for
-        loads whose reservation left L1 (``locked_bytes`` is their size)."""
+        loads whose reservation left L1 (``unevictable_bytes`` is their size)."""
         return [*self.locked.values(), *self._held]
 
     def unevictable_count(self) -> int:
@@ -192,5 +208,6 @@ class ObjectTable:
         self.ready.clear()
         self.ready_version += 1
         self.locked.clear()
+        self.locked_extent_bytes = 0
         self.temporary.clear()
         self.listeners.clear()

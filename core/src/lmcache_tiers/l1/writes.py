@@ -150,17 +150,23 @@ class WriteReservations:
                 table.free(loads)  # their extents are held until the prefetch lets go
                 self._skipped.loads_given_way(len(loads))
             deadline = time.monotonic() + self.write_ttl_s
-            if wanted_layouts:
-                layout_of = wanted_layouts.get
-                reserved = {
-                    key: L1Object(key, offset, size, temporary, _WRITING, 0, deadline, layout_of(key, ""))
-                    for (key, size), offset in zip(wanted.items(), offsets, strict=True)
-                }
-            else:  # no layout given (the usual case): no look-up per object
-                reserved = {
-                    key: L1Object(key, offset, size, temporary, _WRITING, 0, deadline)
-                    for key, size, offset in zip(wanted, wanted.values(), offsets, strict=True)
-                }
+            # A batch holds a few distinct sizes (a request's chunks share one): each rounded once.
+            extent_of = {size: allocator.extent_size(size) for size in set(wanted.values())}
+            layout_of = wanted_layouts.get
+            reserved = {
+                key: L1Object(
+                    key,
+                    offset,
+                    size,
+                    temporary,
+                    _WRITING,
+                    0,
+                    deadline,
+                    layout_of(key, "") if wanted_layouts else "",
+                    extent_bytes=extent_of[size],
+                )
+                for (key, size), offset in zip(wanted.items(), offsets, strict=True)
+            }
             table.insert_many(reserved, temporary)
             return reserved
 
@@ -184,7 +190,9 @@ class WriteReservations:
         The caller holds the lock."""
         done: list[bool] = []
         made: list[L1Object] = []
-        locked = self._table.locked
+        table = self._table
+        locked = table.locked
+        unlocked_bytes = 0
         # On the grid, as every read lock's; only read-locked objects take it.
         deadline = read_lock_deadline(time.monotonic(), self.lock_ttl_s) if read_count else 0.0
         for obj in objs:
@@ -198,10 +206,12 @@ class WriteReservations:
                 obj.lock_deadline = deadline
             else:
                 del locked[obj.key]
+                unlocked_bytes += obj.extent_bytes
             made.append(obj)
             done.append(True)
-        self._table.index_ready(made)
-        self._table.listeners.notify("written", [obj.key for obj in made])
+        table.locked_extent_bytes -= unlocked_bytes
+        table.index_ready(made)
+        table.listeners.notify("written", [obj.key for obj in made])
         return done
 
     def finish_reserved(self, reserved: Mapping[ObjectKey, L1Object]) -> list[L1Object]:
