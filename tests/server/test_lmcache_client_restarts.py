@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ from lmcache_tiers.testing.ports import free_ports
 MODEL = "ref-model"
 TOKENS = [3] + [11] * 520  # two full chunks of 256, and some
 LAYOUT = {"layers": 2, "slots": 256, "hidden": 64, "dtype": "bfloat16"}
+# Generous: the answer to a command, the first one after importing torch and LMCache included.
+CALL_DEADLINE_S = 120.0
 
 
 class RefClient:
@@ -44,6 +47,13 @@ class RefClient:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
         self.proc.stdin.flush()
+        # One answer line per command, so nothing is left buffered past it: the pipe being
+        # readable means the answer (or the end) is there, and a client that hangs is killed
+        # rather than read from until pytest's timeout.
+        answered, _, _ = select.select([self.proc.stdout], [], [], CALL_DEADLINE_S)
+        if not answered:
+            self.proc.kill()
+            raise AssertionError(f"the LMCache client did not answer {op} within {CALL_DEADLINE_S:g} s")
         line = self.proc.stdout.readline()
         assert line, f"the LMCache client exited ({self.proc.poll()})"
         answer: dict[str, Any] = json.loads(line)
