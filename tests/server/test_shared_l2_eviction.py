@@ -97,9 +97,10 @@ class Node:
         picked together, so two servers starting at once cannot be given one port twice."""
         self.log_dir, (self.adapter, self.env), self.l1_size_gb = log_dir, store, l1_size_gb
         rpc_port, metrics_port = ports
-        self.server: ServerProcess = self._start("", port=rpc_port, metrics_port=metrics_port)
+        self.server: ServerProcess = self._start("", {"port": rpc_port, "metrics_port": metrics_port})
 
-    def _start(self, suffix: str, **ports: int) -> ServerProcess:
+    def _start(self, suffix: str, ports: dict[str, Any] | None = None) -> ServerProcess:
+        """Start a server on ``ports``, or on ports of its own when none are given."""
         config = {
             **self.adapter,
             "max_capacity_gb": CAPACITY / (1 << 30),
@@ -114,7 +115,7 @@ class Node:
             adapters=[config],
             env=self.env,
             l1_size_gb=self.l1_size_gb,
-            **ports,
+            **(ports or {}),
         )
 
     def start_again(self) -> None:
