@@ -70,8 +70,8 @@ class LeaseStats(NamedTuple):
     quarantined_extents: int
     quarantined_bytes: int
     lapsed_objects: int  # objects whose read locks expired; their extent is held if they leave
-    quarantined_forced: int  # extents of read-locked objects deleted by force
-    quarantined_dropped: int  # extents of read-locked objects dropped for an NVMe L1 disk error
+    quarantined_forced: int  # extents of read-locked (or being stored) objects deleted by force
+    quarantined_dropped: int  # extents of such objects dropped for an NVMe L1 disk error
     quarantined_expired: int  # extents of expired locks (reads or unfinished writes)
     reclaimed_released: int  # quarantined extents freed once their holders released them
     reclaimed_lease_end: int  # quarantined extents freed at the end of their lease
@@ -105,7 +105,7 @@ class ExtentLeases:
         """Objects that left L1: free their extents, or quarantine those someone may still
         be reading (read-locked ones, which ``taken_by`` took away; lapsed ones)."""
         free: list[int] = []
-        taken = 0
+        taken = pinned = 0
         for obj in objs:
             lapsed_until = self._lapsed.pop(obj.offset, 0.0) if self._lapsed else 0.0
             # A store's locks are not a reader's: they go by identity (``store_done``).
@@ -124,14 +124,24 @@ class ExtentLeases:
                 self._counts["expired"] += 1
             elif obj.storing:
                 self._hold(obj, 0, now)  # pinned only: goes back when its store reports
+                pinned += 1
             else:
                 free.append(obj.offset)
-        self._counts[taken_by] += taken
+        # Held back for an L2 store is held back all the same: its return is counted as
+        # reclaimed, so its hold is counted here, or the two would never balance.
+        self._counts[taken_by] += taken + pinned
         if taken and taken_by == "forced":
             logger.warning(
                 "%d read-locked L1 objects deleted by force; their extents are held until their "
                 "readers release them (at most until their lock TTL ends)",
                 taken,
+            )
+        if pinned:
+            logger.info(
+                "%d L1 objects an L2 store is reading were taken out of L1 (%s); their extents "
+                "are held until that store reports",
+                pinned,
+                taken_by,
             )
         self._give_back(free)
 
