@@ -343,7 +343,8 @@ class TiersCollector(Collector):
             (
                 "l2_store_skipped_gone",
                 store.get("skipped_gone", 0),
-                "Committed keys not stored in L2 because they left L1 first (the cause is under failures)",
+                "Committed keys not stored in an adapter because they left L1 first, once per adapter "
+                "meant for (the cause is under failures unless another adapter had stored the key)",
             ),
         ):
             yield from TiersCollector._single(name, value, doc)
