@@ -2123,19 +2123,36 @@ def test_a_cluster_primary_that_does_not_answer_its_check_is_not_asked_by_every_
     assert not backend._permissions_owed
 
 
-def _replica_of(primary: RedisServer, directory: Path) -> RedisServer:
-    """A new cluster node on loopback replicating ``primary``, its copy in sync."""
+def _replica_of(cluster: RedisClusterNodes, primary: RedisServer, directory: Path) -> RedisServer:
+    """A new cluster node on loopback replicating ``primary``, its copy in sync, met by
+    every node of ``cluster`` directly: a promotion it announces then reaches them all at
+    once (learning of it by gossip takes seconds)."""
     # Redis 7 waits repl-diskless-sync-delay (5 s) for more replicas before a full sync.
     primary.cli("CONFIG", "SET", "repl-diskless-sync-delay", "0")
     replica = RedisServer(directory, cluster=True).start()
-    replica.cli("CLUSTER", "MEET", "127.0.0.1", str(primary.port))
-    primary_id = primary.cli("CLUSTER", "MYID").stdout.strip()
-    wait_for(lambda: primary_id in replica.cli("CLUSTER", "NODES").stdout, "the replica to learn its primary")
-    replica.cli("CLUSTER", "REPLICATE", primary_id)
+    for node in cluster.nodes:
+        replica.cli("CLUSTER", "MEET", "127.0.0.1", str(node.port))
+    ids = [node.cli("CLUSTER", "MYID").stdout.strip() for node in cluster.nodes]
+
+    def knows_everyone() -> bool:
+        # Every node met, each with its slots: a takeover claims the slots the replica
+        # knows its primary serves (none, before that news reached it).
+        lines = replica.cli("CLUSTER", "NODES").stdout.splitlines()
+        known = [line for line in lines if line.split()[0] in ids and " connected" in line]
+        return len(known) == len(ids) and all(len(line.split()) > 8 for line in known)
+
+    wait_for(knows_everyone, "the replica to know every node and its slots")
+    replica.cli("CLUSTER", "REPLICATE", ids[cluster.nodes.index(primary)])
     wait_for(
         lambda: "master_link_status:up" in replica.cli("INFO", "replication").stdout, "the replica in sync"
     )
     return replica
+
+
+def _serves_slots(node: RedisServer) -> bool:
+    """Whether ``node`` is a cluster primary serving slots, as it sees itself."""
+    (own,) = [line for line in node.cli("CLUSTER", "NODES").stdout.splitlines() if "myself" in line]
+    return "myself,master" in own and len(own.split()) > 8  # the fields after the 8th: its slots
 
 
 def test_a_replica_promoted_after_every_primary_was_checked_is_checked(
@@ -2147,7 +2164,7 @@ def test_a_replica_promoted_after_every_primary_was_checked_is_checked(
     # Every primary allowed the user at open; a replica whose ACL denies HSET (each node
     # keeps its own) is promoted later.  Its permissions are checked once the client's
     # slot map names it: the denial is counted, not left to fail its stores one by one.
-    replica = _replica_of(own_cluster.nodes[0], tmp_path / "replica")
+    replica = _replica_of(own_cluster, own_cluster.nodes[0], tmp_path / "replica")
     try:
         user = f"limited-{uuid.uuid4().hex[:8]}"
         for node in own_cluster.nodes:
@@ -2164,7 +2181,7 @@ def test_a_replica_promoted_after_every_primary_was_checked_is_checked(
         # TAKEOVER: promoted at once, without waiting for every primary to learn of the
         # replica by gossip and vote (seconds here).
         replica.cli("CLUSTER", "FAILOVER", "TAKEOVER")
-        wait_for(lambda: "role:master" in replica.cli("INFO", "replication").stdout, "the promotion")
+        wait_for(lambda: _serves_slots(replica), "the promotion")
         keys = make_keys(16)
 
         def denial_counted() -> bool:
