@@ -576,6 +576,10 @@ class LoopRunner(Runner):
         self._opened: concurrent.futures.Future[None] | None = None
         #: every scheduled call not yet done, with its coroutine (and task id, for ``run``)
         self._futures: dict[concurrent.futures.Future[Any], _Scheduled] = {}
+        #: every batch of an async listing asked of the loop and not yet read: failed by
+        #: the loop's end as the calls are, never waited for by ``stop`` (a listing is
+        #: its reader's to end: the start-up scan stops it between batches)
+        self._listing_batches: dict[concurrent.futures.Future[Any], _Scheduled] = {}
         self._lock = threading.Lock()
         self._stopping = False  # set by ``stop`` with the list of futures it cancels
         self._loop_ended = False  # set once the loop is closed: nothing is scheduled on it
@@ -614,7 +618,7 @@ class LoopRunner(Runner):
                 self._loop_ended = True
                 pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
                 loop.close()
-                left = list(self._futures.items())
+                left = list(self._futures.items()) + list(self._listing_batches.items())
             self._fail_unfinished_open()
             self._drop_left(left)
             self._end_pending_tasks(pending)
@@ -644,6 +648,29 @@ class LoopRunner(Runner):
     def _forget(self, future: concurrent.futures.Future[Any]) -> None:
         with self._lock:
             self._futures.pop(future, None)
+
+    def _schedule_listing_batch(self, batch: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """A listing's next batch scheduled on the loop and registered in one step, as
+        :meth:`_schedule` does with calls: a loop that ends (or has ended) fails it with
+        ``_LoopEnded`` at once, where a future nobody registered would never be set and
+        its reader would wait out the stall limit, the loop's end counted as a stall."""
+        scheduled = _Scheduled(batch, None)
+        with self._lock:
+            ended = self._loop_ended
+            if ended:
+                future: concurrent.futures.Future[T] = concurrent.futures.Future()
+            else:
+                future = asyncio.run_coroutine_threadsafe(batch, self._loop)
+                self._listing_batches[future] = scheduled
+        if ended:
+            self._drop_left([(future, scheduled)])
+        else:
+            future.add_done_callback(self._forget_listing_batch)
+        return future
+
+    def _forget_listing_batch(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._listing_batches.pop(future, None)
 
     def _fail_unfinished_open(self) -> None:
         """Fail the backend's open the loop ended with (its thread ended by an exception):
@@ -965,8 +992,9 @@ class LoopRunner(Runner):
         """The listing's next batch, waited for while its entries keep coming: once none
         came for ``listing_stall_timeout_s`` the wait is cancelled (the caller's
         ``finally`` then closes the listing), counted and logged, and the listing fails:
-        its reader treats it as any failed listing."""
-        future = asyncio.run_coroutine_threadsafe(batch, self._loop)
+        its reader treats it as any failed listing.  One whose loop ended (or had ended)
+        fails at once, counted and logged as such (:meth:`_listing_lost_its_loop`)."""
+        future = self._schedule_listing_batch(batch)
 
         def batch_within(timeout: float) -> tuple[list[Entry], bool] | None:
             done, _ = concurrent.futures.wait([future], timeout)
@@ -977,6 +1005,19 @@ class LoopRunner(Runner):
         except TimeoutError:
             future.cancel()
             raise
+        except _LoopEnded:
+            self._listing_lost_its_loop()
+            raise
+
+    def _listing_lost_its_loop(self) -> None:
+        """Count (``listings_failed_loop_ended``) and log an async listing failed because
+        the event loop it reads on ended: its reader fails it as any failed listing."""
+        self.state.count("listings_failed_loop_ended")
+        self.state.burst.warn(
+            "listings_failed_loop_ended",
+            "%s: a key listing failed: the adapter's event loop it reads on has ended",
+            self.state.name,
+        )
 
     # -- closing --------------------------------------------------------------------------------
 
