@@ -605,7 +605,9 @@ class LoopRunner(Runner):
             loop.run_until_complete(loop.shutdown_default_executor())
         except BaseException as exc:
             # A SystemExit raised by a callback of the backend's on the loop (asyncio lets
-            # it through): the loop's thread ends with calls pending, failed below.
+            # it through): the loop's thread ends with calls pending, failed below.  Counted:
+            # every later operation of the adapter fails, and /metrics must say why.
+            self.state.count("loop_ended_by_exception")
             log.error(
                 "%s: the event loop ended by %s: %s; its pending calls fail",
                 self.state.name,
@@ -727,6 +729,9 @@ class LoopRunner(Runner):
         names them all instead."""
         if not pending:
             return
+        # Counted: the backend's own tasks among them (a connection's reader, a flush)
+        # ended unfinished, which only this line and the count tell.
+        self.state.count("tasks_closed_with_loop", len(pending))
         for task in pending:
             coroutine = task.get_coro()
             try:

@@ -1,0 +1,89 @@
+"""An adapter's event loop that ends by an exception (a callback of the backend's raising
+SystemExit on it) is counted on /metrics with the tasks closed with it; one stopped by
+close is not."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import sys
+from typing import Any
+
+import pytest
+from l2_backends import WAIT_BOUND_S, AsyncDictBackend, keys_of, open_dict
+
+from lmcache_tiers.l2 import BackendAdapter
+from lmcache_tiers.l2.interface import L2Op
+from lmcache_tiers.l2.ops import DeleteOp
+from lmcache_tiers.l2.runners import LoopRunner
+
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+
+
+def end_the_loop() -> None:
+    """Schedule a SystemExit on the running loop (a client library's callback calling
+    ``sys.exit``): asyncio lets it through, and the loop's thread ends."""
+    asyncio.get_running_loop().call_soon(sys.exit, "a client library's callback")
+
+
+class DeleteThatEndsItsLoop:
+    """A coroutine backend whose delete ends its loop with the delete pending."""
+
+    async def delete_many(self, keys: Any) -> Any:
+        end_the_loop()
+        await asyncio.get_running_loop().create_future()
+
+
+class LeavingTasksThenEndingItsLoop:
+    """A coroutine backend whose delete starts two tasks of its own, then ends its loop:
+    three tasks are pending as it ends (the delete's and the backend's two)."""
+
+    async def delete_many(self, keys: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        self.tasks = [loop.create_task(asyncio.sleep(3600)) for _ in range(2)]
+        end_the_loop()
+        await loop.create_future()
+
+
+def running_loop_runner(adapters: list[BackendAdapter], backend: object) -> tuple[BackendAdapter, LoopRunner]:
+    """A loop runner over ``backend`` sharing a dict adapter's state, its loop running and
+    its open done."""
+    adapter = open_dict(AsyncDictBackend)
+    adapters.append(adapter)
+    runner = LoopRunner(adapter.state, backend, lambda *_: None, 1)
+    opened: concurrent.futures.Future[None] = concurrent.futures.Future()
+    opened.set_result(None)
+    runner._opened = opened
+    runner._thread.start()
+    return adapter, runner
+
+
+def test_a_loop_ended_by_an_exception_is_counted_with_its_tasks(
+    adapters: list[BackendAdapter], caplog: pytest.LogCaptureFixture
+) -> None:
+    adapter, runner = running_loop_runner(adapters, DeleteThatEndsItsLoop())
+    runner.run(adapter.state.board.new_task(L2Op.LOAD, 1), DeleteOp(adapter.state, keys_of("k", 1)))
+    runner._thread.join(WAIT_BOUND_S)
+    assert not runner._thread.is_alive()
+    stats = adapter.stats()
+    assert stats["loop_ended_by_exception"] == 1
+    assert stats["tasks_closed_with_loop"] == 1, "the delete's task"
+    assert any("event loop ended by SystemExit" in r.getMessage() for r in caplog.records)
+
+
+def test_the_backend_tasks_closed_with_an_ended_loop_are_counted(adapters: list[BackendAdapter]) -> None:
+    adapter, runner = running_loop_runner(adapters, LeavingTasksThenEndingItsLoop())
+    runner.run(adapter.state.board.new_task(L2Op.LOAD, 1), DeleteOp(adapter.state, keys_of("k", 1)))
+    runner._thread.join(WAIT_BOUND_S)
+    assert not runner._thread.is_alive()
+    stats = adapter.stats()
+    assert stats["loop_ended_by_exception"] == 1
+    assert stats["tasks_closed_with_loop"] == 3, "the delete's task and the backend's two"
+
+
+def test_a_loop_stopped_by_close_is_not_counted_as_ended(adapters: list[BackendAdapter]) -> None:
+    adapter = open_dict(AsyncDictBackend)
+    adapter.close()
+    stats = adapter.stats()
+    assert stats.get("loop_ended_by_exception", 0) == 0
+    assert stats.get("tasks_closed_with_loop", 0) == 0
