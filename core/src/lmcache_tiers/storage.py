@@ -22,7 +22,7 @@ from lmcache_tiers.config import ServerConfig
 from lmcache_tiers.controllers import aligned_total
 from lmcache_tiers.errors import L1OutOfMemoryError, TiersError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l1 import L1Loan, L1Object
+from lmcache_tiers.l1 import L1Loan, L1Object, ObjectState
 from lmcache_tiers.layout import check_layout
 from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.registry import ComponentRegistry
@@ -213,12 +213,15 @@ class StorageManager:
         return [key for key, obj in reserved.items() if get(key) is obj]
 
     def _new_sizes(self, keys: Sequence[ObjectKey], sizes: Sequence[int]) -> dict[ObjectKey, int]:
-        """The sizes of the keys a write reserves: those not in L1 yet, a key repeated in
-        the batch once, at its first size."""
+        """The sizes of the keys a write reserves, a key repeated in the batch once, at its
+        first size: those not in L1 yet, and those a prefetch is loading from L2 -- the
+        write takes them over in extents of its own, the load's staying held until the
+        prefetch lets go (``l1/writes.py``)."""
         new_sizes: dict[ObjectKey, int] = {}
-        for key, size in zip(keys, sizes, strict=True):
-            if key not in new_sizes and not self.l1.contains(key):
-                new_sizes[key] = size
+        with self.l1.lock:  # one hold for the batch, not one per key
+            for key, size in zip(keys, sizes, strict=True):
+                if key not in new_sizes and _reserved_anew(self.l1.get(key)):
+                    new_sizes[key] = size
         return new_sizes
 
     def _refuse_if_it_cannot_fit(self, new_sizes: dict[ObjectKey, int]) -> int:
@@ -407,6 +410,12 @@ class StorageManager:
         # close already, and must not replace it (nor the exit status it carries).
         with contextlib.suppress(StorageCloseFailed):
             self.close()
+
+
+def _reserved_anew(present: L1Object | None) -> bool:
+    """Whether a write of a key whose L1 object is ``present`` reserves an extent for it:
+    none there, or a load's reservation it takes over (as ``L1Manager.reserve_write``)."""
+    return present is None or (present.state is ObjectState.WRITING and present.loading)
 
 
 def _objects_no_spans_hold(extents: list[int], spans: list[int]) -> tuple[int, int, int] | None:

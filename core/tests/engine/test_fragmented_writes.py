@@ -139,3 +139,23 @@ def test_writes_refused_before_evicting_log_one_line_per_burst(engine, caplog) -
     refusals = [record for record in caplog.records if "refused without evicting" in record.getMessage()]
     assert len(refusals) == 1, [record.getMessage() for record in refusals]
     storage.release(barriers)
+
+
+def test_a_write_over_keys_being_loaded_that_cannot_fit_is_refused_before_evicting(engine) -> None:
+    # A client's write takes over the keys a prefetch is loading from L2 in extents of its
+    # own: the load's extent stays allocated (held) until the prefetch lets go.  Those keys
+    # are in L1 already, but the write needs their room all the same: 40 MiB, where
+    # evicting the 20 unlocked objects could free 24.  Counted as present, they made the
+    # write look empty: it evicted every unlocked object, then was refused anyway.
+    storage = engine([], eviction_trigger_watermark=1.0)  # 60 of 64 MiB: no background eviction
+    resident = keys_of(1, 20)
+    assert len(store(storage, resident, MiB)) == 20
+    loading = keys_of(2, 1)
+    loads = storage.l1.reserve_load(loading, [40 * MiB], temporary=False)
+    with pytest.raises(L1OutOfMemoryError, match="needs 41943040 bytes of L1, but at most 25165824"):
+        store(storage, loading, 40 * MiB)
+    assert storage.status()["eviction"]["l1"]["evicted_keys"] == 0
+    assert storage.failures()["l1_write_cannot_fit"] == 1
+    assert all(storage.l1.contains(key) for key in resident)
+    storage.l1.abort_load(loads.values())
+    assert store(storage, loading, 40 * MiB) == loading  # fits once the load let go
