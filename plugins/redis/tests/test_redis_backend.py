@@ -1375,6 +1375,63 @@ def test_records_of_another_serde_chain_over_the_capacity_are_evicted(
     assert sum(raw.exists(namer.name_of(key)) for key in keys) * (200 << 10) == adapter.used_bytes()
 
 
+def _nodes_of(request: pytest.FixtureRequest, mode: str) -> list[RedisServer]:
+    """The servers of ``shared_store``'s store: each keeps its own ACL."""
+    if mode == "standalone":
+        return [request.getfixturevalue("redis_server")]
+    return list(request.getfixturevalue("redis_cluster").nodes)
+
+
+@pytest.mark.parametrize("mode", ["standalone", "cluster"])
+def test_a_user_denied_hstrlen_opens_and_leaves_other_chain_records_unlisted_counted(
+    request: pytest.FixtureRequest,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+    mode: str,
+) -> None:
+    # An ACL granting the adapter's commands one by one, from before HSTRLEN was used:
+    # the adapter still opens (sizing another chain's records is no reason to refuse a
+    # running deployment); those records are left out of the listing as before, counted,
+    # and one warning names the grant.
+    where, raw = shared_store(request, mode)
+    user = f"no-hstrlen-{uuid.uuid4().hex[:8]}"
+    # every command the adapter needed before HSTRLEN, and the permission check's transaction
+    granted = ["+ping", "+hset", "+hget", "+hmget", "+scan", "+evalsha", "+eval", "+unlink"]
+    granted += ["+multi", "+discard"]
+    client_side = (
+        ["+cluster|slots", "+cluster|shards", "+cluster|nodes", "+command"] if mode == "cluster" else []
+    )
+    nodes = _nodes_of(request, mode)
+    for node in nodes:
+        node.cli(
+            "ACL", "SETUSER", user, "reset", "on", ">pw", f"~{glob_escape(prefix)}*", *granted, *client_side
+        )
+    try:
+        namer = backend_of(open_adapter(**where, key_prefix=prefix))
+        keys = make_keys(3)
+        for index, key in enumerate(keys):
+            payload = pattern(index, 4096)
+            header = encode_header(key, payload, serde=("zstd",))
+            raw.hset(namer.name_of(key), mapping={"h": header, "p": payload})
+        with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+            adapter = open_adapter(
+                **where, key_prefix=prefix, username=user, password="pw", max_capacity_gb=1.0
+            )
+            assert adapter.used_bytes() == 0, "unsized records are left out of the usage"
+        assert adapter.stats()["listing_foreign_unsized"] == 3
+        assert adapter.stats().get("listing_reply_errors", 0) == 0, "a denied HSTRLEN is no reply error"
+        warnings = [r.getMessage() for r in caplog.records if "HSTRLEN" in r.getMessage()]
+        assert len(warnings) == 1 and "+hstrlen" in warnings[0], warnings
+        assert [raw.exists(namer.name_of(key)) for key in keys] == [1, 1, 1], "they are kept"
+        mine = make_keys(2, start=10)
+        data = store(adapter, mine)
+        assert load(adapter, mine, [4096, 4096]) == ([True, True], data), "the adapter works without HSTRLEN"
+    finally:
+        for node in nodes:
+            node.cli("ACL", "DELUSER", user)
+
+
 def test_a_delete_leaves_a_record_of_a_newer_format_and_removes_the_others(
     redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:

@@ -156,7 +156,6 @@ def permission_refusals(client: Redis, name: str) -> tuple[list[str], list[str]]
         ("HSET", name, HEADER, b"", PAYLOAD, b""),
         ("HGET", name, HEADER),
         ("HMGET", name, HEADER, PAYLOAD),
-        ("HSTRLEN", name, PAYLOAD),
         ("SCAN", 0, "MATCH", glob_escape(name), "COUNT", 1),
         ("EVALSHA", _REMOVE_IF_UNCHANGED_SHA, 1, name, b""),
         ("EVAL", _REMOVE_IF_UNCHANGED, 1, name, b""),
@@ -571,7 +570,7 @@ class RedisBackend:
     def _denial(self, denied: list[str]) -> str:
         return (
             f"{self.context.name}: the Redis user may not run what the adapter needs "
-            f"({'; '.join(denied)}): grant it HSET, HGET, HMGET, HSTRLEN, SCAN, EVALSHA, EVAL "
+            f"({'; '.join(denied)}): grant it HSET, HGET, HMGET, SCAN, EVALSHA, EVAL "
             f"and UNLINK on keys {self.prefix!r}*"
         )
 
@@ -1117,6 +1116,7 @@ class RedisBackend:
         pattern = glob_escape(self.prefix) + "*"
         batch: list[tuple[ObjectKey, bytes]] = []
         foreign = 0
+        unsized: list[ObjectKey] = []
         for raw in self.client.scan_iter(match=pattern, count=1000):
             name = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
             key = name_to_key(name[len(self.prefix) :]) if name.startswith(self.prefix) else None
@@ -1126,9 +1126,10 @@ class RedisBackend:
                 continue
             batch.append((key, raw))
             if len(batch) >= KEYS_PER_TRIP:
-                yield from self._sizes(batch)
+                yield from self._sizes(batch, unsized)
                 batch = []
-        yield from self._sizes(batch)
+        yield from self._sizes(batch, unsized)
+        self._warn_unsized(unsized)
         if foreign:
             log.warning(
                 "%s: %d keys under %r are not object names of this cache; ignored",
@@ -1139,7 +1140,23 @@ class RedisBackend:
 
     # -- records --------------------------------------------------------------------------------
 
-    def _sizes(self, batch: list[tuple[ObjectKey, bytes]]) -> Iterator[tuple[ObjectKey, ObjectSize | int]]:
+    def _warn_unsized(self, unsized: list[ObjectKey]) -> None:
+        """One warning for a listing's records of another serde chain that HSTRLEN, denied
+        by the store's ACL, could not size: optional, as a user granted the commands one
+        by one before it was used may lack it -- they are left out of the usage instead."""
+        if unsized:
+            log.warning(
+                "%s: %d records of another serde chain under %r are not counted in the usage "
+                "and no eviction deletes them: the Redis user may not run HSTRLEN (grant it "
+                "+hstrlen to size them)",
+                self.context.name,
+                len(unsized),
+                self.prefix,
+            )
+
+    def _sizes(
+        self, batch: list[tuple[ObjectKey, bytes]], unsized: list[ObjectKey]
+    ) -> Iterator[tuple[ObjectKey, ObjectSize | int]]:
         pipe = self._pipeline()
         for _, raw in batch:
             pipe.hget(raw, HEADER)
@@ -1150,20 +1167,26 @@ class RedisBackend:
                 other_chain.append((key, raw))
             elif isinstance(header, RecordHeader):
                 yield key, ObjectSize(header.payload_len, header.l1_size)
-        yield from self._payload_sizes(other_chain)
+        yield from self._payload_sizes(other_chain, unsized)
 
-    def _payload_sizes(self, batch: list[tuple[ObjectKey, bytes]]) -> Iterator[tuple[ObjectKey, int]]:
+    def _payload_sizes(
+        self, batch: list[tuple[ObjectKey, bytes]], unsized: list[ObjectKey]
+    ) -> Iterator[tuple[ObjectKey, int]]:
         """Records of another serde chain (kept misses) listed by their payload's length:
         they hold memory in the store, so they count against ``max_capacity_gb`` and an
         eviction may delete them, as other adapters list them.  Their header is not
-        this chain's to read the sizes from; one gone since it was read is not listed."""
+        this chain's to read the sizes from; one gone since it was read is not listed, nor
+        one HSTRLEN is denied for (``unsized``, counted ``listing_foreign_unsized``)."""
         if not batch:
             return
         pipe = self._pipeline()
         for _, raw in batch:
             pipe.hstrlen(raw, PAYLOAD)
         for (key, _), reply in zip(batch, self._execute(pipe), strict=True):
-            if per_object_error(reply):  # WRONGTYPE: replaced since by something else
+            if isinstance(reply, NoPermissionError):
+                self.context.count("listing_foreign_unsized")
+                unsized.append(key)
+            elif per_object_error(reply):  # WRONGTYPE: replaced since by something else
                 self._reply_error("listing", key, reply)
             elif reply:
                 yield key, int(reply)
