@@ -17,12 +17,18 @@ from test_lmcache_reference import REF_ENV, REF_VENV, reference_installed  # noq
 from tiers_e2e import HERE, ServerProcess, fetch, start_server
 
 from lmcache_tiers.testing.ports import free_ports
+from lmcache_tiers.testing.threads import wait_until
 
 MODEL = "ref-model"
 TOKENS = [3] + [11] * 520  # two full chunks of 256, and some
 LAYOUT = {"layers": 2, "slots": 256, "hidden": 64, "dtype": "bfloat16"}
 # Generous: the answer to a command, the first one after importing torch and LMCache included.
 CALL_DEADLINE_S = 120.0
+# How long a request the server refuses (and so leaves unanswered) is waited for, rather than
+# the driver's 3 s.  The wait cannot fail a correct server, whatever the load: no answer is
+# what is expected, and the refusals are then counted, however late.  It bounds only how late
+# a wrong answer may come and still be seen: the server answers in milliseconds.
+REFUSED_WAIT_S = 1.0
 
 
 class RefClient:
@@ -104,6 +110,14 @@ def serve(tmp_path: Path, name: str, **options: Any) -> ServerProcess:
     return start_server(tmp_path / name, l1_size_gb=0.25, frontends=[{"type": "lmcache_mp"}], **options)
 
 
+def mp_failures(server: ServerProcess) -> dict[str, int]:
+    """The LMCache frontend's failure counters, by reason, from the server's /status."""
+    status = json.loads(fetch(f"{server.http_url}/status")[2])
+    mp = next(entry for entry in status["frontends"] if entry["type"] == "lmcache_mp")
+    failures: dict[str, int] = mp["failures"]
+    return failures
+
+
 def request(name: str, **fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "world_size": 1, "tokens": TOKENS, "end": 512, "request": name, **fields}
 
@@ -127,9 +141,15 @@ def test_a_restarted_server_never_honours_the_old_segment(
         # operator removes it (the client still maps the old file, which stays its own).
         Path("/dev/shm", options["l1_shm_name"]).unlink(missing_ok=True)
         server = serve(tmp_path, "second", **options)
-        # The old registration: the new server does not know the instance.
-        assert client.call("retrieve", instance=1, **request("r1")) == {"digests": None}
-        assert "error" in client.call("store", instance=1, seed=9, **request("r2"))
+        # The old registration: the new server does not know the instance, and refuses its
+        # prepare_retrieve, commit_retrieve and prepare_store by leaving them unanswered.
+        old = {"instance": 1, "timeout_s": REFUSED_WAIT_S}
+        assert client.call("retrieve", **old, **request("r1")) == {"digests": None}
+        assert "error" in client.call("store", **old, seed=9, **request("r2"))
+        wait_until(
+            lambda: mp_failures(server).get("mp_unregistered_instance") == 3,
+            "the three requests of the old registration counted as refused",
+        )
         # Registered again: a fresh mapping of the new segment, and the old chunks are gone.
         client.call("register", instance=1, model=MODEL, world_size=1, **LAYOUT)
         assert client.call("retrieve", instance=1, **request("r1")) == {"digests": None}
@@ -241,9 +261,8 @@ def test_a_store_into_l1_full_of_read_locked_chunks_is_refused_and_counted(
         assert client.call("lookup", **held, readers=1)["hits"] == 6  # read-locks all six
         answer = client.call("store", instance=3, seed=8, **refused)
         assert answer == {"slots": 0, "committed": False, "digests": {}}, answer
-        status = json.loads(fetch(f"{server.http_url}/status")[2])
-        mp = next(entry for entry in status["frontends"] if entry["type"] == "lmcache_mp")
-        assert mp["failures"].get("mp_store_refused_l1_full", 0) >= 1, mp["failures"]
+        failures = mp_failures(server)
+        assert failures.get("mp_store_refused_l1_full", 0) >= 1, failures
         assert client.call("lookup", **refused, readers=1)["hits"] == 0
         got = client.call("retrieve", instance=3, **held)["digests"]
         assert got == [stored["digests"][str(i)] for i in range(6)]
