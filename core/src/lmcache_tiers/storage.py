@@ -97,7 +97,7 @@ class StorageManager:
             new_sizes = self._new_sizes(keys, sizes)
             room = self._refuse_if_it_cannot_fit(new_sizes)
             self._refuse_if_no_span_fits(new_sizes, room, no_room)
-            reserved = self._evict_until_reserved(keys, sizes, layouts, room)
+            reserved = self._evict_until_reserved(keys, sizes, layouts, new_sizes, room)
         if self.l1_eviction.above_watermark():
             self.l1_eviction.wake()
         # The client copies into the reservation until it commits: write-back waits.
@@ -132,18 +132,26 @@ class StorageManager:
         )
 
     def _evict_until_reserved(
-        self, keys: Sequence[ObjectKey], sizes: Sequence[int], layouts: Sequence[str] | None, room: int
+        self,
+        keys: Sequence[ObjectKey],
+        sizes: Sequence[int],
+        layouts: Sequence[str] | None,
+        new_sizes: dict[ObjectKey, int],
+        room: int,
     ) -> dict[ObjectKey, L1Object]:
         """Evict for a write L1 had no room for, then reserve it.
 
-        Evicting the write's size frees that many bytes, but maybe in pieces none of which
-        holds one of its objects (fragmentation): eviction goes on, the write's size at a
-        time in the policy's order, until the write fits or a round frees nothing.  Or
+        The write's size is that of the objects it reserves (``new_sizes``): a batch whose
+        keys are mostly in L1 already needs the room of its new ones only, and evicting
+        the whole batch's size would throw out that much of L1 for nothing.  Evicting it
+        frees that many bytes, but maybe in pieces none of which holds one of its objects
+        (fragmentation): eviction goes on, the write's size at a time in the policy's
+        order, until the write fits or a round frees nothing.  Or
         until the rounds have freed the ``room`` evicting every unlocked object gave when
         the write began: other writers took the room freed since (between a round and the
         reservation), and evicting on would only go on as long as they write.
         """
-        need = aligned_total(sizes, self.config.l1_align_bytes)
+        need = aligned_total(new_sizes.values(), self.config.l1_align_bytes)
         evicted = 0
         while True:
             freed = self.l1_eviction.evict_now(need)

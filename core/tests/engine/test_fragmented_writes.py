@@ -159,3 +159,15 @@ def test_a_write_over_keys_being_loaded_that_cannot_fit_is_refused_before_evicti
     assert all(storage.l1.contains(key) for key in resident)
     storage.l1.abort_load(loads.values())
     assert store(storage, loading, 40 * MiB) == loading  # fits once the load let go
+
+
+def test_a_write_of_keys_mostly_present_evicts_the_room_of_its_new_ones(engine) -> None:
+    # A batch whose first 20 keys are in L1 already (a prompt whose prefix was stored,
+    # the most recently used of it) reserves only its 2 new ones: 2 MiB where 1 is free.
+    # Evicting the whole batch's size threw 22 objects out of L1 for the room of 2.
+    storage = engine([], eviction_trigger_watermark=1.0)  # 63 of 64 MiB: no background eviction
+    resident = keys_of(1, 63)
+    assert len(store(storage, resident, MiB)) == 63
+    batch = resident[:20] + keys_of(2, 2)
+    assert store(storage, batch, MiB) == batch[-2:]
+    assert storage.status()["eviction"]["l1"]["evicted_keys"] <= 2
