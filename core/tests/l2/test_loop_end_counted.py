@@ -87,3 +87,36 @@ def test_a_loop_stopped_by_close_is_not_counted_as_ended(adapters: list[BackendA
     stats = adapter.stats()
     assert stats.get("loop_ended_by_exception", 0) == 0
     assert stats.get("tasks_closed_with_loop", 0) == 0
+
+
+class OpenThatEndsItsLoop:
+    """A coroutine backend whose open ends its loop with the open pending."""
+
+    async def open(self) -> None:
+        end_the_loop()
+        await asyncio.get_running_loop().create_future()
+
+
+def test_an_open_whose_loop_ends_before_open_returns_is_a_failed_open(
+    adapters: list[BackendAdapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop may end before the thread that scheduled the open has kept the open's
+    future: the open is failed all the same, never "still opening" for as long as the
+    adapter runs (its start-up scan, waiting for the open, would never end).  The
+    scheduling thread is held here until the loop's thread has ended, which the
+    scheduler may do on its own whenever the loop's thread runs first."""
+    adapter = open_dict(AsyncDictBackend)
+    adapters.append(adapter)
+    runner = LoopRunner(adapter.state, OpenThatEndsItsLoop(), lambda *_: None, 1)
+    schedule = asyncio.run_coroutine_threadsafe
+
+    def schedule_then_let_the_loop_end(coroutine: Any, loop: asyncio.AbstractEventLoop) -> Any:
+        future = schedule(coroutine, loop)
+        runner._thread.join(WAIT_BOUND_S)
+        return future
+
+    monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", schedule_then_let_the_loop_end)
+    runner.open(0.0)
+    monkeypatch.undo()
+    assert not runner._thread.is_alive()
+    assert runner.opened(1.0) is False

@@ -768,6 +768,13 @@ class LoopRunner(Runner):
     def open(self, timeout: float) -> None:
         self._thread.start()
         self._opened = asyncio.run_coroutine_threadsafe(self._open(), self._loop)
+        with self._lock:
+            ended_already = self._loop_ended
+        if ended_already:
+            # The loop ended before the open's future was kept above: its end found none
+            # to fail, and ``opened`` would answer "still opening" for good.  Failed here;
+            # otherwise the loop's end, coming later, sees the future and fails it.
+            self._fail_unfinished_open()
         if not self._open_over(timeout):
             log.warning("%s: the backend is still opening after %.0f s", self.state.name, timeout)
             return
