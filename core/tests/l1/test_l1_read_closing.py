@@ -54,3 +54,19 @@ def test_a_read_whose_l1_closes_before_its_copy_is_a_counted_miss(
         l1.read_object(obj, memoryview(bytearray(ALIGN)))
     assert l1.failures().get("l1_read_closed") == 1
     assert "closed" in caplog.text
+
+
+def test_a_read_loan_whose_l1_closes_before_its_view_is_taken_is_a_counted_miss(
+    l1: L1Manager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An L2 store borrows the object's bytes (a view of the arena, a copy of the NVMe
+    # file's) after the same check: the arena released by a close in between answered
+    # its ValueError rather than a miss.
+    reserved = l1.reserve_write([key(1)], [ALIGN])
+    l1.write_object(reserved[key(1)], memoryview(bytes(range(256)) * (ALIGN // 256)))
+    assert l1.finish_write([key(1)]) == [True]
+    (obj,) = l1.reserve_store([key(1)]).values()
+    closing_after_the_check(l1, monkeypatch)
+    with pytest.raises(KeyError):
+        l1.lend(obj)
+    assert l1.failures().get("l1_read_closed") == 1

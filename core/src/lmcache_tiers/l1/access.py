@@ -127,10 +127,13 @@ class ObjectBytes:
                 # its extent is held for the holder, its bytes are still the object's.
                 self._table.check_present(obj)
         if self._arena is not None:
-            extent = self._arena.buffer[obj.offset : obj.offset + obj.size]
             if fill:
-                return L1Loan(extent, staged=False)
-            return L1Loan(extent.toreadonly(), staged=False, verify=lambda: self._check_kept(obj))
+                return L1Loan(self._arena.buffer[obj.offset : obj.offset + obj.size], staged=False)
+            return L1Loan(
+                self._arena_extent(self._arena, obj).toreadonly(),
+                staged=False,
+                verify=lambda: self._check_kept(obj),
+            )
         staged = aligned_buffer(obj.size)  # page-aligned: O_DIRECT moves it without a bounce
         if fill:
             return L1Loan(staged, staged=True, commit=lambda: self.write_object(obj, staged))
@@ -138,6 +141,16 @@ class ObjectBytes:
         self._check_kept(obj)
         self._check_written_back(obj)
         return L1Loan(staged, staged=True)
+
+    def _arena_extent(self, arena: L1Arena, obj: L1Object) -> memoryview:
+        """A view of ``obj``'s extent in the arena, for a reader whose presence check passed.
+        Taken without the L1 lock: a close landing after the check released the arena, and
+        the reader gets a counted miss (as from ``_copy_out``), not the released view's error."""
+        try:
+            return arena.buffer[obj.offset : obj.offset + obj.size]
+        except ValueError:
+            self._miss_if_closed(obj)
+            raise
 
     def _copy_out(self, obj: L1Object, out: memoryview) -> None:
         """Copy ``obj``'s bytes into ``out``.  The NVMe file answering an error (EIO from a
@@ -153,23 +166,23 @@ class ObjectBytes:
         except (RuntimeError, ValueError):
             # The copy runs without the L1 lock: a close landing after the presence check
             # released the backing under it (a released arena view, a closed file).  A
-            # miss, as the check itself would have answered a moment later.
-            if not self._closed_after_check():
-                raise
-            raise KeyError(f"{obj.key}: L1 closed while it was being read") from None
+            # miss: the object is gone with L1.
+            self._miss_if_closed(obj)
+            raise
 
-    def _closed_after_check(self) -> bool:
-        """Whether L1 is closed: if so the read that failed is counted and logged."""
+    def _miss_if_closed(self, obj: L1Object) -> None:
+        """Raise KeyError (a miss) if L1 is closed, counting and logging the read of
+        ``obj`` that failed for it; else return, for the caller to raise its error."""
         with self._lock:
             if not self._table.closed:
-                return False
+                return
             self._closed_reads += 1
         self._closed_read_log.warn(
             "closed",
             "L1 closed while an object was being read out of it (the server stopping); the "
             "read is answered as a miss (failure reason l1_read_closed)",
         )
-        return True
+        raise KeyError(f"{obj.key}: L1 closed while it was being read") from None
 
     def _drop_unreadable(self, obj: L1Object, exc: OSError) -> None:
         with self._lock:
