@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import sys
 import threading
 import uuid
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from lmcache_tiers.config import L2AdapterConfig
 from lmcache_tiers.controllers.l2_eviction import L2EvictionController
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, BackendContext, ObjectSize, create_adapter
 from lmcache_tiers.l2.record import RecordError, decode_record, verify_payload
+from lmcache_tiers.l2.runners import LoopRunner
 from lmcache_tiers.serde import Serde, SerdeContext
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
+
+# the tests' bounded poll, re-exported: one for core's tests and the plugins'
+from lmcache_tiers.testing.threads import DEADLINE_S
+from lmcache_tiers.testing.threads import wait_until as wait_until
+
+T = TypeVar("T")
 
 
 class DictConfig(L2AdapterConfig):
@@ -204,17 +213,48 @@ def namespace_holding(keys: Sequence[ObjectKey], size: int) -> str:
 
 
 #: how long a test waits for what must happen; never a measure of speed
-WAIT_BOUND_S = 30.0
+WAIT_BOUND_S = DEADLINE_S
 
 
-def wait_until(condition: Callable[[], object], what: str) -> None:
-    """Wait (up to WAIT_BOUND_S) for ``condition`` to hold; AssertionError naming ``what``."""
-    pause = threading.Event()
-    for _ in range(int(WAIT_BOUND_S / 0.01)):
-        if condition():
-            return
-        pause.wait(0.01)
-    raise AssertionError(f"{what} never happened")
+def off_the_main_thread(call: Callable[[], T]) -> T:
+    """``call`` on a thread of its own (as the server's start-up scan and the eviction
+    policy's seeding read a listing), waited for up to WAIT_BOUND_S; what it raised -- a
+    BaseException too, which must not end the test run -- is raised here."""
+    outcome: list[tuple[T | None, BaseException | None]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((call(), None))
+        except BaseException as exc:
+            outcome.append((None, exc))
+
+    caller = threading.Thread(target=run, daemon=True)
+    caller.start()
+    caller.join(WAIT_BOUND_S)
+    assert outcome, "the call never returned"
+    result, failure = outcome[0]
+    if failure is not None:
+        raise failure
+    return result  # type: ignore[return-value]
+
+
+def end_the_loop() -> None:
+    """Schedule a SystemExit on the running loop (a client library's callback calling
+    ``sys.exit``): asyncio lets it through, and the loop's thread ends."""
+    asyncio.get_running_loop().call_soon(sys.exit, "a client library's callback")
+
+
+def running_loop_runner(adapters: list[BackendAdapter], backend: object) -> tuple[BackendAdapter, LoopRunner]:
+    """A loop runner over ``backend`` sharing a dict adapter's state (appended to
+    ``adapters``, closed by their fixture), its loop running and its open done."""
+    adapter = open_dict(AsyncDictBackend)
+    adapters.append(adapter)
+    runner = LoopRunner(adapter.state, backend, lambda *_: None, 1)
+    opened: concurrent.futures.Future[None] = concurrent.futures.Future()
+    opened.set_result(None)
+    runner._opened = opened
+    runner._thread.start()
+    return adapter, runner
 
 
 class Fifo:

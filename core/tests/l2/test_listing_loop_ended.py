@@ -5,27 +5,18 @@ reason -- not after the stall limit, counted as a stall that never was."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import sys
-import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 import pytest
-from l2_backends import WAIT_BOUND_S, AsyncDictBackend, keys_of, open_dict
+from l2_backends import WAIT_BOUND_S, end_the_loop, keys_of, off_the_main_thread, running_loop_runner
 
 from lmcache_tiers.l2 import BackendAdapter
-from lmcache_tiers.l2.runners import LoopRunner, Runner
+from lmcache_tiers.l2.runners import Runner
 
 T = TypeVar("T")
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-
-
-def end_the_loop() -> None:
-    """Schedule a SystemExit on the running loop (a client library's callback calling
-    ``sys.exit``): asyncio lets it through, and the loop's thread ends."""
-    asyncio.get_running_loop().call_soon(sys.exit, "a client library's callback")
 
 
 class ListingThatEndsItsLoop:
@@ -37,40 +28,6 @@ class ListingThatEndsItsLoop:
         end_the_loop()
         await asyncio.get_running_loop().create_future()
         yield keys_of("listed", 2)[1], 100  # never reached
-
-
-def running_loop_runner(adapters: list[BackendAdapter], backend: object) -> tuple[BackendAdapter, LoopRunner]:
-    """A loop runner over ``backend`` sharing a dict adapter's state, its loop running and
-    its open done."""
-    adapter = open_dict(AsyncDictBackend)
-    adapters.append(adapter)
-    runner = LoopRunner(adapter.state, backend, lambda *_: None, 1)
-    opened: concurrent.futures.Future[None] = concurrent.futures.Future()
-    opened.set_result(None)
-    runner._opened = opened
-    runner._thread.start()
-    return adapter, runner
-
-
-def off_the_main_thread(call: Callable[[], T]) -> T:
-    """``call`` on a thread of its own (as the start-up scan reads a listing), waited for
-    up to WAIT_BOUND_S; what it raised is raised here."""
-    outcome: list[tuple[T | None, BaseException | None]] = []
-
-    def run() -> None:
-        try:
-            outcome.append((call(), None))
-        except BaseException as exc:
-            outcome.append((None, exc))
-
-    reader = threading.Thread(target=run, daemon=True)
-    reader.start()
-    reader.join(WAIT_BOUND_S)
-    assert outcome, "the listing's reader still waits"
-    result, failure = outcome[0]
-    if failure is not None:
-        raise failure
-    return result  # type: ignore[return-value]
 
 
 def test_an_async_listing_whose_loop_ends_fails_at_once_counted_as_such(

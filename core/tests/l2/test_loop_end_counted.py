@@ -5,12 +5,10 @@ close is not."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import sys
 from typing import Any
 
 import pytest
-from l2_backends import WAIT_BOUND_S, AsyncDictBackend, keys_of, open_dict
+from l2_backends import WAIT_BOUND_S, AsyncDictBackend, end_the_loop, keys_of, open_dict, running_loop_runner
 
 from lmcache_tiers.l2 import BackendAdapter
 from lmcache_tiers.l2.interface import L2Op
@@ -18,12 +16,6 @@ from lmcache_tiers.l2.ops import DeleteOp
 from lmcache_tiers.l2.runners import LoopRunner
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-
-
-def end_the_loop() -> None:
-    """Schedule a SystemExit on the running loop (a client library's callback calling
-    ``sys.exit``): asyncio lets it through, and the loop's thread ends."""
-    asyncio.get_running_loop().call_soon(sys.exit, "a client library's callback")
 
 
 class DeleteThatEndsItsLoop:
@@ -43,19 +35,6 @@ class LeavingTasksThenEndingItsLoop:
         self.tasks = [loop.create_task(asyncio.sleep(3600)) for _ in range(2)]
         end_the_loop()
         await loop.create_future()
-
-
-def running_loop_runner(adapters: list[BackendAdapter], backend: object) -> tuple[BackendAdapter, LoopRunner]:
-    """A loop runner over ``backend`` sharing a dict adapter's state, its loop running and
-    its open done."""
-    adapter = open_dict(AsyncDictBackend)
-    adapters.append(adapter)
-    runner = LoopRunner(adapter.state, backend, lambda *_: None, 1)
-    opened: concurrent.futures.Future[None] = concurrent.futures.Future()
-    opened.set_result(None)
-    runner._opened = opened
-    runner._thread.start()
-    return adapter, runner
 
 
 def test_a_loop_ended_by_an_exception_is_counted_with_its_tasks(

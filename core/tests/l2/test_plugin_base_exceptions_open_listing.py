@@ -5,7 +5,7 @@ counted failure, never the end of the adapter's event loop, of its scan or of th
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TypeVar
 
 import pytest
@@ -15,6 +15,7 @@ from l2_backends import (
     DictBackend,
     keys_of,
     namespace_holding,
+    off_the_main_thread,
     open_dict,
     store_blank,
     wait_until,
@@ -41,28 +42,6 @@ class FailingOpen(AsyncDictBackend):
 
     async def open(self) -> None:
         raise FailingOpen.error
-
-
-def off_the_main_thread(call: Callable[[], T]) -> T:
-    """``call`` run on a thread of its own (as the server's start-up and the eviction
-    policy's seeding run), so that a BaseException escaping to the caller is raised here
-    rather than ending the test run."""
-    outcome: list[tuple[T | None, BaseException | None]] = []
-
-    def run() -> None:
-        try:
-            outcome.append((call(), None))
-        except BaseException as exc:
-            outcome.append((None, exc))
-
-    runner = threading.Thread(target=run, daemon=True)
-    runner.start()
-    runner.join(WAIT_BOUND_S)
-    assert outcome, "the call never returned"
-    result, failure = outcome[0]
-    if failure is not None:
-        raise failure
-    return result  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize("error", ERRORS, ids=lambda error: type(error).__name__)
