@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import itertools
 import logging
@@ -626,53 +627,55 @@ class LoopRunner(Runner):
             self._end_pending_tasks(pending)
 
     def _schedule(self, coroutine: Any, task_id: int | None = None) -> concurrent.futures.Future[Any]:
-        # Scheduled and registered in one step under the lock: a task that starts on the
-        # loop before its future is registered would escape ``stop``'s cancelling, and its
-        # caller would wait for a loop that close gave up on.  One scheduled once ``stop``
-        # took its list is cancelled at once, as ``stop`` would have.  One scheduled once
-        # the loop ended is dropped at once: a closed loop refuses it.
-        scheduled = _Scheduled(coroutine, task_id)
-        with self._lock:
-            if self._loop_ended:
-                future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            else:
-                future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-                self._futures[future] = scheduled
-            ended, stopping = self._loop_ended, self._stopping
-        if ended:
-            self._drop_left([(future, scheduled)])
-            return future
-        future.add_done_callback(self._forget)
-        if stopping:
+        # One scheduled once ``stop`` took its list is cancelled at once, as ``stop`` would
+        # have: registered first, else a task that starts on the loop before its future is
+        # registered would escape ``stop``'s cancelling, and its caller would wait for a
+        # loop that close gave up on.
+        future, ended, stopping = self._scheduled_in(self._futures, coroutine, task_id)
+        if not ended and stopping:
             future.cancel()
         return future
 
-    def _forget(self, future: concurrent.futures.Future[Any]) -> None:
-        with self._lock:
-            self._futures.pop(future, None)
-
     def _schedule_listing_batch(self, batch: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """A listing's next batch scheduled on the loop and registered in one step, as
-        :meth:`_schedule` does with calls: a loop that ends (or has ended) fails it with
-        ``_LoopEnded`` at once, where a future nobody registered would never be set and
-        its reader would wait out the stall limit, the loop's end counted as a stall."""
-        scheduled = _Scheduled(batch, None)
+        """A listing's next batch scheduled on the loop and registered, as :meth:`_schedule`
+        does with calls: a loop that ends (or has ended) fails it with ``_LoopEnded`` at
+        once, where a future nobody registered would never be set and its reader would
+        wait out the stall limit, the loop's end counted as a stall.  Never cancelled by
+        ``stop``: a listing is its reader's to end."""
+        future, _ended, _stopping = self._scheduled_in(self._listing_batches, batch)
+        return future
+
+    def _scheduled_in(
+        self,
+        registry: dict[concurrent.futures.Future[Any], _Scheduled],
+        coroutine: Coroutine[Any, Any, T],
+        task_id: int | None = None,
+    ) -> tuple[concurrent.futures.Future[T], bool, bool]:
+        """``coroutine`` scheduled on the loop and registered in ``registry`` in one step
+        under the lock (the loop's end fails what is registered there), forgotten once
+        done; with whether the loop had ended -- the coroutine then dropped, its future
+        failed at once, as a closed loop refuses it -- and whether ``stop`` had begun."""
+        scheduled = _Scheduled(coroutine, task_id)
         with self._lock:
-            ended = self._loop_ended
-            if ended:
+            if self._loop_ended:
                 future: concurrent.futures.Future[T] = concurrent.futures.Future()
             else:
-                future = asyncio.run_coroutine_threadsafe(batch, self._loop)
-                self._listing_batches[future] = scheduled
+                future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+                registry[future] = scheduled
+            ended, stopping = self._loop_ended, self._stopping
         if ended:
             self._drop_left([(future, scheduled)])
         else:
-            future.add_done_callback(self._forget_listing_batch)
-        return future
+            future.add_done_callback(functools.partial(self._forget, registry))
+        return future, ended, stopping
 
-    def _forget_listing_batch(self, future: concurrent.futures.Future[Any]) -> None:
+    def _forget(
+        self,
+        registry: dict[concurrent.futures.Future[Any], _Scheduled],
+        future: concurrent.futures.Future[Any],
+    ) -> None:
         with self._lock:
-            self._listing_batches.pop(future, None)
+            registry.pop(future, None)
 
     def _fail_unfinished_open(self) -> None:
         """Fail the backend's open the loop ended with (its thread ended by an exception):
