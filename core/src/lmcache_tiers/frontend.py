@@ -65,6 +65,11 @@ class FrontendStats:
     stores: int = 0  # requests that stored at least one chunk
     store_chunks: int = 0
     store_bytes: int = 0
+    # keys STORE requests named but did not newly store, by reason: skipped (L1 has the
+    # key or a writer is filling it, named twice, aborted by the client) or refused (the
+    # request was refused, or the client's reservation was gone at its commit)
+    store_keys_skipped: Counter[str] = field(default_factory=Counter)
+    store_keys_refused: Counter[str] = field(default_factory=Counter)
     retrieves: int = 0
     retrieve_chunks: int = 0
     retrieve_bytes: int = 0
@@ -88,6 +93,8 @@ class FrontendStats:
             "stores": self.stores,
             "store_chunks": self.store_chunks,
             "store_bytes": self.store_bytes,
+            "store_keys_skipped": dict(self.store_keys_skipped),
+            "store_keys_refused": dict(self.store_keys_refused),
             "retrieves": self.retrieves,
             "retrieve_chunks": self.retrieve_chunks,
             "retrieve_bytes": self.retrieve_bytes,

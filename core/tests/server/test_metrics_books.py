@@ -55,12 +55,15 @@ def value(found: Samples, name: str, **labels: str) -> float:
     return found.get((PREFIX + name, tuple(sorted(labels.items()))), 0.0)
 
 
-def failures(found: Samples) -> dict[str, float]:
+def families(found: Samples, family: str) -> dict[str, float]:
+    """A counter family's samples by their ``reason`` label."""
     return {
-        dict(labels)["reason"]: count
-        for (name, labels), count in found.items()
-        if name == PREFIX + "failures_total"
+        dict(labels)["reason"]: count for (name, labels), count in found.items() if name == PREFIX + family
     }
+
+
+def failures(found: Samples) -> dict[str, float]:
+    return families(found, "failures_total")
 
 
 @dataclass
@@ -71,6 +74,8 @@ class Tally:
     stored_for_l2: int = 0  # of them, not kept out of L2 (``l1_only``)
     storing_requests: int = 0  # STOREs that stored at least one key
     refused_requests: Counter[str] = field(default_factory=Counter)  # error code -> requests
+    store_keys_sent: int = 0  # keys the STOREs named (reserved, or sent inline)
+    refused_store_keys: Counter[str] = field(default_factory=Counter)  # error code -> keys
     cleared: int = 0  # objects the CLEAR replies said they deleted
     forced_clears: int = 0
     evicted: int = 0  # objects the EVICT replies said they deleted
@@ -101,10 +106,12 @@ def store(client: Client, rng: random.Random, tally: Tally) -> None:
     over = rng.random() < 0.08
     l1_only = rng.random() < 0.15
     sizes = [OVER_SIZE if over and i == 0 else rng.choice(SIZES) for i in range(len(keys))]
+    tally.store_keys_sent += len(keys)
     try:
         stored = client.store(keys, [payload(rng, size) for size in sizes], l1_only=l1_only)
     except ServerError as refused:
         tally.refused_requests[refused.code.name.lower()] += 1
+        tally.refused_store_keys[refused.code.name.lower()] += len(keys)
     else:
         tally.stored += stored
         tally.stored_for_l2 += 0 if l1_only else stored
@@ -134,6 +141,7 @@ def walk_away(endpoint: str, rng: random.Random, tally: Tally) -> None:
     each object's expiry is its own."""
     window = tally.walked_away * 3
     tally.walked_away += 1
+    fresh: list[ObjectKey] = []
     client = Client(endpoint)
     tally.requests["Hello"] += 1
     try:
@@ -146,10 +154,13 @@ def walk_away(endpoint: str, rng: random.Random, tally: Tally) -> None:
             tally.abandoned_locks += hits
         else:
             fresh = [ObjectKey("books", 0, b"abandoned%d" % tally.walked_away)]
+            tally.store_keys_sent += len(fresh)
             reply = client._call(p.StoreReserve(0, "", fresh, [SIZES[0]], [""]), p.StoreReserveReply)
             tally.abandoned_reservations += sum(slot.offset != p.NO_SLOT for slot in reply.slots)
     except ServerError as refused:
         tally.refused_requests[refused.code.name.lower()] += 1
+        if fresh:
+            tally.refused_store_keys[refused.code.name.lower()] += len(fresh)
     finally:
         client.close()
 
@@ -207,7 +218,9 @@ def idle(server: TiersServer, within_s: float = 20.0) -> Samples:
 _IN_FLIGHT = ("l2_prefetches", "l2_stores", "client_prefetches", "client_stores", "pool_requests")
 
 
-def books_server(make_server: Factory, tmp_path: Path, prefetch_policy: str) -> TiersServer:
+def books_server(
+    make_server: Factory, tmp_path: Path, prefetch_policy: str, *, inline: bool = False
+) -> TiersServer:
     faulty_fs = {
         "type": "fault_inject",
         "seed": 7,
@@ -223,6 +236,8 @@ def books_server(make_server: Factory, tmp_path: Path, prefetch_policy: str) -> 
         l1_write_ttl_s=0.3,
         l2_prefetch_policy=prefetch_policy,
         metrics_port=free_port(),
+        # inline: clients send bytes with STORE_INLINE (reservations are then refused)
+        no_shm=inline,
     )
     reap_often(server)
     return server
@@ -237,10 +252,14 @@ def reap_often(server: TiersServer) -> None:
     sweeper.wake()
 
 
-@pytest.mark.parametrize("prefetch_policy", ["default", "retain"])
+@pytest.mark.parametrize(
+    ("prefetch_policy", "data_plane"), [("default", "shm"), ("retain", "shm"), ("default", "inline")]
+)
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
-def test_the_books_balance(make_server: Factory, tmp_path: Path, seed: int, prefetch_policy: str) -> None:
-    server = books_server(make_server, tmp_path, prefetch_policy)
+def test_the_books_balance(
+    make_server: Factory, tmp_path: Path, seed: int, prefetch_policy: str, data_plane: str
+) -> None:
+    server = books_server(make_server, tmp_path, prefetch_policy, inline=data_plane == "inline")
     # odd seeds clear by force too, even ones leave locked objects to their readers
     tally = drive(server, seed, force_clears=seed % 2 == 1)
     found = idle(server)
@@ -259,6 +278,19 @@ def test_the_books_balance(make_server: Factory, tmp_path: Path, seed: int, pref
     # Every refused request is counted under its reason by the front end.
     for reason, requests in tally.refused_requests.items():
         assert failed.get(reason, 0) == requests, (reason, failed)
+
+    # Every key a STORE named is accounted for: newly stored, skipped (L1 had it, or a
+    # writer was filling it), or refused -- the request, or its commit -- or reserved by a
+    # client that walked away (reaped at the write TTL, among ``l1_lock_expired``).
+    skipped = families(found, "store_keys_skipped_total")
+    refused = families(found, "store_keys_refused_total")
+    assert tally.store_keys_sent == (
+        tally.stored + sum(skipped.values()) + sum(refused.values()) + tally.abandoned_reservations
+    ), (tally.store_keys_sent, tally.stored, skipped, refused, tally.abandoned_reservations)
+    for reason, keys in tally.refused_store_keys.items():
+        assert refused.get(reason, 0) == keys, (reason, refused)
+    # one client stores at a time, and the walk-aways reserve keys of their own
+    assert skipped.get("being_written", 0) == 0, skipped
 
     # L1 refused each of them under its own reason too: no room to be made, or none made.
     assert failed.get("out_of_memory", 0) == failed.get("l1_write_oom", 0) + failed.get(

@@ -217,6 +217,17 @@ class L1Manager:
         with self.lock:
             return key in self._table.objects
 
+    def count_being_written(self, keys: Iterable[ObjectKey]) -> int:
+        """How many of ``keys`` are WRITING (a writer holds their reservation): what a
+        front end tells apart from keys already stored when it counts a store's skips."""
+        with self.lock:
+            objects = self._table.objects
+            return sum(
+                1
+                for key in keys
+                if (obj := objects.get(key)) is not None and obj.state is ObjectState.WRITING
+            )
+
     def prefix_hits(self, keys: Sequence[ObjectKey]) -> int:
         """Number of leading keys that are READY."""
         return self._reads.prefix_hits(keys)

@@ -30,6 +30,13 @@ UNEXPORTED_STAT = "metrics_stat_not_a_number"
 
 log = logging.getLogger(__name__)
 
+#: why a key a STORE named was skipped: L1 has it, another writer is filling it, the
+#: request named it before, or the client aborted its reservation
+STORE_SKIP_REASONS = ("present", "being_written", "repeated", "aborted")
+#: why a key a STORE named was refused: ``reservation_lost`` (committed after its
+#: reservation expired), else the error code of the refused request, e.g. ``out_of_memory``
+STORE_REFUSAL_REASONS = ("reservation_lost", "out_of_memory")
+
 #: most ``adapter_stat`` series of a plugin's stats one adapter exports: the status the
 #: scrape reads carries no more (storage_status.py chooses them, the same ones from one read
 #: to the next), besides the core's own stats of the adapter, a bounded set.
@@ -141,6 +148,7 @@ class TiersCollector(Collector):
 
         yield from self._single("stores", stats.stores, "STORE requests that stored at least one chunk")
         yield from self._single("store_chunks", stats.store_chunks, "Chunks stored by clients")
+        yield from self._store_key_outcomes(stats)
         yield from self._single("retrieves", stats.retrieves, "RETRIEVE requests")
         yield from self._single("retrieve_chunks", stats.retrieve_chunks, "Chunks handed to clients")
         moved = _counter("bytes", "Payload bytes moved between clients and L1", ["direction"])
@@ -275,6 +283,21 @@ class TiersCollector(Collector):
             backend_stat,
             left_out,
         )
+
+    def _store_key_outcomes(self, stats: FrontendStats) -> Iterator[Any]:
+        """Keys STORE requests named that were not newly stored, by reason: with
+        ``store_chunks_total`` they add up to every key clients sent to be stored.  The
+        usual reasons are exported at 0 from the start, so a rate over them never begins
+        at a gap."""
+        for outcome, usual, doc in (
+            ("skipped", STORE_SKIP_REASONS, "Keys stores named that L1 did not need, by reason"),
+            ("refused", STORE_REFUSAL_REASONS, "Keys stores named that were refused, not stored, by reason"),
+        ):
+            family = _counter(f"store_keys_{outcome}", doc, ["reason"])
+            counts = dict.fromkeys(usual, 0) | dict(getattr(stats, f"store_keys_{outcome}"))
+            for reason, count in sorted(counts.items()):
+                family.add_metric([reason], count)
+            yield family
 
     def _backend_stats(self, adapter: str, stats: Any) -> dict[str, float] | None:
         """The numeric stats of an adapter's ``stats()`` answer.  One that is no mapping (an

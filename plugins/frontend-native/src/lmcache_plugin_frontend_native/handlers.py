@@ -16,7 +16,8 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -406,6 +407,7 @@ class Handlers:
             # Every key reserved, so none named twice: one slot per key in order, without
             # the per-key bookkeeping below (a store of many small chunks pays it per key).
             return p.StoreReserveReply(req.req_id, slots=self._slots_of([reserved[key] for key in keys])), ()
+        self._count_skips(self._skips(keys, reserved))
         generations = dict(zip(reserved, self.storage.l1.generations(list(reserved.values())), strict=True))
         slots: list[p.Slot] = []
         handed_out: set[ObjectKey] = set()
@@ -417,6 +419,23 @@ class Handlers:
                 handed_out.add(key)
                 slots.append(p.Slot(obj.offset, obj.size, generations[key]))
         return p.StoreReserveReply(req.req_id, slots=slots), ()
+
+    def _skips(self, keys: Sequence[ObjectKey], reserved: Mapping[ObjectKey, Any]) -> Counter[str]:
+        """Why the keys of a store that L1 did not reserve were skipped.  Only asked when
+        some were (a store that reserved every key skipped none), so its per-key work is
+        the skipped keys'; callable from a pool thread (it counts nothing itself)."""
+        named = set(keys)
+        unreserved = named.difference(reserved)
+        being_written = self.storage.l1.count_being_written(unreserved)
+        return Counter(
+            repeated=len(keys) - len(named),
+            being_written=being_written,
+            present=len(unreserved) - being_written,
+        )
+
+    def _count_skips(self, skips: Counter[str]) -> None:
+        # ``update`` adds; zero counts keep every usual reason's series present
+        self.stats.store_keys_skipped.update(skips)
 
     def _slots_of(self, objects: list[Any]) -> list[p.Slot]:
         """The slot of each reserved L1 object, in order."""
@@ -452,6 +471,9 @@ class Handlers:
             self.stats.stores += 1
             self.stats.store_chunks += len(stored)
             self.stats.store_bytes += stored_bytes
+        if len(stored) < len(req.keys):
+            # the client's reservation is gone (reaped at the write TTL), or never was
+            self.stats.store_keys_refused["reservation_lost"] += len(req.keys) - len(stored)
         return p.StoreReply(req.req_id, done=done), ()
 
     def _take_writes(
@@ -468,6 +490,7 @@ class Handlers:
         mine, flags = self._take_writes(identity, req.keys)
         if mine:
             self.storage.abort_reserved(mine)
+            self.stats.store_keys_skipped["aborted"] += len(mine)
         return p.StoreReply(req.req_id, done=flags), ()
 
     def store_inline(self, req: p.StoreInline, identity: bytes, frames: Frames) -> Deferred:
@@ -484,6 +507,7 @@ class Handlers:
 
         def work() -> Callable[[], Response]:
             reserved = storage.reserve_write(keys, [view.nbytes for view in views], layouts)
+            skips = self._skips(keys, reserved) if len(reserved) < len(keys) else Counter()
             copy_in = self._copier_in()
             fresh: dict[ObjectKey, int] = {}  # key -> bytes written
             try:
@@ -507,6 +531,11 @@ class Handlers:
                     self.stats.stores += 1
                     self.stats.store_chunks += len(stored)
                     self.stats.store_bytes += sum(fresh[key] for key in stored)
+                if skips:
+                    self._count_skips(skips)
+                if len(stored) < len(fresh):
+                    # reaped at the write TTL while the bytes were being copied in
+                    self.stats.store_keys_refused["reservation_lost"] += len(fresh) - len(stored)
                 done = []
                 for key in keys:  # a key repeated in the batch was stored once, at its first position
                     done.append(key in stored)

@@ -152,8 +152,12 @@ class RpcServer:
             req_id, code = p.diagnose_undecodable(header)
             self._fail(identity, req_id, code, f"cannot decode request: {str(exc)[:200]}")
             return
+        # the keys a refusal of this request leaves unstored (counted per key as well)
+        store_keys = _store_keys(request)
         if self._token is not None and not hmac.compare_digest(request.token.encode(), self._token):
-            self._fail(identity, request.req_id, p.ErrorCode.UNAUTHORIZED, "missing or wrong auth token")
+            self._fail(
+                identity, request.req_id, p.ErrorCode.UNAUTHORIZED, "missing or wrong auth token", store_keys
+            )
             return
         if too_large:
             self._fail(
@@ -162,25 +166,28 @@ class RpcServer:
                 p.ErrorCode.TOO_LARGE,
                 f"request with {total} payload bytes is over the limit "
                 f"({self.max_request_bytes} bytes, {self.max_frames} frames)",
+                store_keys,
             )
             return
         if self.draining:
-            self._fail(identity, request.req_id, p.ErrorCode.SHUTTING_DOWN, "server is shutting down")
+            self._fail(
+                identity, request.req_id, p.ErrorCode.SHUTTING_DOWN, "server is shutting down", store_keys
+            )
             return
         self.stats.requests[type(request).__name__] += 1
         try:
             result = self.handlers.dispatch(request, identity, frames)
         except Exception as exc:
-            self._fail_with(identity, request.req_id, exc)
+            self._fail_with(identity, request.req_id, exc, store_keys)
             return
         if isinstance(result, Deferred):
-            self._submit(identity, request.req_id, result)
+            self._submit(identity, request.req_id, result, store_keys)
         else:
             self._send(identity, *result)
 
     # -- pool hand-off ---------------------------------------------------------------------
 
-    def _submit(self, identity: bytes, req_id: int, deferred: Deferred) -> None:
+    def _submit(self, identity: bytes, req_id: int, deferred: Deferred, store_keys: int) -> None:
         def done(finish: Callable[[], Response] | None, error: BaseException | None) -> None:
             if deferred.cleanup is not None:
                 deferred.cleanup()
@@ -193,20 +200,26 @@ class RpcServer:
                     self._send(identity, reply, payloads)
                     return
             assert error is not None
-            self._fail_with(identity, req_id, error)
+            self._fail_with(identity, req_id, error, store_keys)
 
         self.router.submit(deferred.work, done)
 
     # -- replying --------------------------------------------------------------------------
 
-    def _fail_with(self, identity: bytes, req_id: int, exc: BaseException) -> None:
+    def _fail_with(self, identity: bytes, req_id: int, exc: BaseException, store_keys: int = 0) -> None:
         code, message = error_for(exc)
         if code is p.ErrorCode.INTERNAL:
             logger.error("request %d from %s failed", req_id, identity.hex(), exc_info=exc)
-        self._fail(identity, req_id, code, message)
+        self._fail(identity, req_id, code, message, store_keys)
 
-    def _fail(self, identity: bytes, req_id: int, code: p.ErrorCode, message: str) -> None:
+    def _fail(
+        self, identity: bytes, req_id: int, code: p.ErrorCode, message: str, store_keys: int = 0
+    ) -> None:
+        """Refuse a request: counted by its code, and ``store_keys`` (the keys a refused
+        STORE named, none stored) by the same code among the refused store keys."""
         self.stats.failure(code.name.lower())
+        if store_keys:
+            self.stats.store_keys_refused[code.name.lower()] += store_keys
         if code is p.ErrorCode.INTERNAL:  # logged with its traceback where it was raised
             logger.debug("error reply to %s (request %d): %s %s", identity.hex(), req_id, code.name, message)
         else:
@@ -229,3 +242,11 @@ class RpcServer:
             header = p.encoder.encode(p.ErrorReply(reply.req_id, p.ErrorCode.INTERNAL.value, message))
             payloads = ()
         self.router.send([identity, header, *payloads])
+
+
+def _store_keys(request: p._Request) -> int:
+    """How many keys a request names to be stored: those of a STORE_RESERVE or STORE_INLINE
+    (a commit or abort names keys already counted by their reservation)."""
+    if isinstance(request, (p.StoreReserve, p.StoreInline)):
+        return len(request.keys)
+    return 0
