@@ -837,3 +837,21 @@ def test_concurrent_writers_and_readers_keep_accounting_exact(l1: L1Manager) -> 
     assert stats.objects == len(objects)
     assert stats.used_bytes == sum(-(-max(obj.size, 1) // ALIGN) * ALIGN for obj in objects)
     assert l1.clear() == len(objects) and l1.used_bytes == 0
+
+
+def test_count_being_written_counts_the_reserved_keys_only(l1: L1Manager) -> None:
+    """What a front end tells 'a writer is filling it' from 'stored' by: WRITING objects,
+    a client's reservation or a prefetch's load, among the keys asked about; READY ones and
+    keys L1 does not hold are not being written."""
+    write(l1, [1, 2])
+    writes = l1.reserve_write(keys(3, 4), [ALIGN, ALIGN])
+    loads = l1.reserve_load(keys(5), [ALIGN], temporary=False)
+
+    assert l1.count_being_written(set(keys(1, 2, 3, 4, 5, 6))) == 3
+    assert l1.count_being_written(set(keys(1, 6))) == 0
+    assert l1.count_being_written(set(keys(4))) == 1
+    assert l1.count_being_written(set()) == 0
+
+    l1.abort_write(list(writes))
+    l1.abort_load(loads.values())
+    assert l1.count_being_written(set(keys(1, 2, 3, 4, 5, 6))) == 0
