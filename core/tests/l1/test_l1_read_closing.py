@@ -29,6 +29,13 @@ def l1(request: pytest.FixtureRequest) -> Iterator[L1Manager]:
     manager.close()
 
 
+def stored(l1: L1Manager, stored_key: ObjectKey) -> None:
+    """Write one READY object of ``ALIGN`` bytes under ``stored_key``."""
+    reserved = l1.reserve_write([stored_key], [ALIGN])
+    l1.write_object(reserved[stored_key], memoryview(bytes(range(256)) * (ALIGN // 256)))
+    assert l1.finish_write([stored_key]) == [True]
+
+
 def closing_after_the_check(l1: L1Manager, monkeypatch: pytest.MonkeyPatch) -> None:
     """Close L1 right after a read's presence check passed (a stop landing between the
     check and the copy, which runs without the L1 lock)."""
@@ -45,9 +52,7 @@ def closing_after_the_check(l1: L1Manager, monkeypatch: pytest.MonkeyPatch) -> N
 def test_a_read_whose_l1_closes_before_its_copy_is_a_counted_miss(
     l1: L1Manager, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    reserved = l1.reserve_write([key(1)], [ALIGN])
-    l1.write_object(reserved[key(1)], memoryview(bytes(range(256)) * (ALIGN // 256)))
-    assert l1.finish_write([key(1)]) == [True]
+    stored(l1, key(1))
     (obj,) = l1.reserve_read([key(1)]).values()
     closing_after_the_check(l1, monkeypatch)
     with caplog.at_level(logging.WARNING), pytest.raises(KeyError):
@@ -62,9 +67,7 @@ def test_a_read_loan_whose_l1_closes_before_its_view_is_taken_is_a_counted_miss(
     # An L2 store borrows the object's bytes (a view of the arena, a copy of the NVMe
     # file's) after the same check: the arena released by a close in between answered
     # its ValueError rather than a miss.
-    reserved = l1.reserve_write([key(1)], [ALIGN])
-    l1.write_object(reserved[key(1)], memoryview(bytes(range(256)) * (ALIGN // 256)))
-    assert l1.finish_write([key(1)]) == [True]
+    stored(l1, key(1))
     (obj,) = l1.reserve_store([key(1)]).values()
     closing_after_the_check(l1, monkeypatch)
     with pytest.raises(KeyError):
