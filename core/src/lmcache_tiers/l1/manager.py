@@ -223,7 +223,9 @@ class L1Manager:
         front end tells apart from keys already stored when it counts a store's skips."""
         with self.lock:
             table = self._table
-            if len(table.objects) == len(table.ready):  # no writer holds a reservation
+            if len(table.objects) == len(table.ready) or keys <= table.ready.keys():
+                # No writer holds a reservation, or none of these keys' (a store of keys L1
+                # has, the usual skip): a membership walk in C that builds no set.
                 return 0
             # The WRITING objects are those not READY: two set intersections, run in C
             # over the smaller side, not a Python loop per key -- a store of many chunks
