@@ -467,14 +467,20 @@ class Handlers:
         else:
             done = [flag and key in stored for key, flag in zip(req.keys, flags, strict=True)]
             stored_bytes = sum(mine[key].size for key in stored)
+            self._count_lost_reservations(req.keys, len(stored))
         if stored:
             self.stats.stores += 1
             self.stats.store_chunks += len(stored)
             self.stats.store_bytes += stored_bytes
-        if len(stored) < len(req.keys):
-            # the client's reservation is gone (reaped at the write TTL), or never was
-            self.stats.store_keys_refused["reservation_lost"] += len(req.keys) - len(stored)
         return p.StoreReply(req.req_id, done=done), ()
+
+    def _count_lost_reservations(self, committed: Sequence[ObjectKey], stored: int) -> None:
+        """Count the keys of a commit that were not stored: the client's reservation is
+        gone (reaped at the write TTL), or never was.  Each key once: a key the commit
+        names twice is one key of its STORE_RESERVE, stored or lost at its first position."""
+        lost = len(set(committed)) - stored
+        if lost:
+            self.stats.store_keys_refused["reservation_lost"] += lost
 
     def _take_writes(
         self, identity: bytes, keys: Sequence[ObjectKey]
