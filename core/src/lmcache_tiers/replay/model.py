@@ -115,25 +115,33 @@ class L1Model(CacheModel):
     def reserve(self, keys: Sequence[Key], *, locked: Iterable[Key] = ()) -> list[Key] | None:
         """The keys of ``keys`` not present, reserved all or nothing; None if refused.
 
-        ``StorageManager.reserve_write``: on a miss of room, evict as many blocks as
-        ``keys`` names, then retry once.
+        ``StorageManager.reserve_write``: on a miss of room, evict as many blocks as the
+        write reserves (its keys not present), round after round -- a round may evict keys
+        of the write itself, which it then reserves anew -- until it fits, a round evicts
+        nothing, or the rounds have evicted the room there was when it began.
         """
         present = self.present
         wanted = [key for key in keys if key not in present]
         if len(wanted) <= self.free:
             return wanted
         locked = list(locked)
-        if len(wanted) > self.capacity - len({key for key in locked if key in present}):
+        room = self.capacity - len({key for key in locked if key in present})
+        if len(wanted) > room:
             # Even evicting every unlocked block would not make room: refused before
             # anything is evicted, as reserve_write does.
             self.refused_stores += 1
             return None
-        self.evict(len(keys), locked)
-        wanted = [key for key in keys if key not in present]
-        if len(wanted) > self.free:
-            self.refused_stores += 1
-            return None
-        return wanted
+        need = len(wanted)
+        evicted = 0
+        while True:
+            freed = len(self.evict(need, locked))
+            evicted += freed
+            wanted = [key for key in keys if key not in present]
+            if len(wanted) <= self.free:
+                return wanted
+            if freed <= 0 or evicted >= room:
+                self.refused_stores += 1
+                return None
 
     def store(self, keys: Sequence[Key]) -> list[Key]:
         """STORE ``keys``: the newly present ones, in prefix order (empty if refused)."""
