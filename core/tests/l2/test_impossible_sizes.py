@@ -31,8 +31,8 @@ class ListingAbsurdSizes(DictBackend):
 
 @pytest.mark.parametrize(
     ("listed_size", "capacity"),
-    [(HUGE, 100_000), (HUGE, None), (100_001, 100_000), (ObjectSize(HUGE, SIZE), None)],
-    ids=["past-capacity", "past-any-bound", "just-past-capacity", "object-size"],
+    [(HUGE, 100_000), (HUGE, None), (ObjectSize(HUGE, SIZE), None)],
+    ids=["past-capacity", "past-any-bound", "object-size"],
 )
 def test_the_scan_refuses_a_listed_size_no_object_can_have(
     adapters: list[L2Adapter],
@@ -52,6 +52,27 @@ def test_the_scan_refuses_a_listed_size_no_object_can_have(
     assert stats["scan_invalid_entries"] == 1
     assert any("impossible size" in r.getMessage() for r in caplog.records)
     store_blank(adapter, keys_of("after", 1), SIZE)  # admitted: the usage is what is stored
+
+
+def test_the_scan_accounts_a_listed_object_larger_than_the_capacity(
+    adapters: list[L2Adapter], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A size past the capacity but not past any object's: an earlier run with a larger
+    capacity stored it.  It is on the backend, so it counts in the usage, is announced
+    to the eviction policy and is counted; stores are refused until it is evicted."""
+    ListingAbsurdSizes.listed_size = 100_001
+    namespace = namespace_holding(keys_of("listed", 2), SIZE)
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l2"):
+        adapter = open_dict(ListingAbsurdSizes, capacity=100_000, namespace=namespace)
+        adapters.append(adapter)
+        wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")
+    assert adapter.used_bytes() == 2 * SIZE + 100_001
+    stats = adapter.stats()
+    assert stats["scan_keys"] == 3
+    assert stats["scan_objects_past_capacity"] == 1
+    assert stats.get("scan_invalid_entries", 0) == 0
+    assert adapter.state.accounting.get(ObjectKey("absurd", 0, b"\0" * 8)) == ObjectSize(100_001, 100_001)
+    assert any("larger than the capacity" in r.getMessage() for r in caplog.records)
 
 
 class AnsweringAbsurdSizes(DictBackend):

@@ -1426,3 +1426,37 @@ def test_a_symlink_to_a_shard_shaped_directory_is_refused(tmp_path: Path) -> Non
         with pytest.raises(FieldError, match=r"named like a shard directory \(ab/cd\)") as caught:
             build()
         assert caught.value.field == field
+
+
+def test_a_record_larger_than_a_lowered_capacity_is_accounted_and_evictable(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    arena = Arena()
+    keys = make_keys(3)
+    sizes = [4 * SIZE, SIZE, SIZE]
+    adapter = open_fs(fs_config(str(tmp_path)), arena.view)
+    try:
+        assert store(adapter, arena, keys, [pattern(i, size) for i, size in enumerate(sizes)]) == [True] * 3
+    finally:
+        adapter.close()
+    capacity = 2 * SIZE  # lowered below the first record's size
+    config = fs_config(
+        str(tmp_path), max_capacity_gb=capacity / (1 << 30), eviction={"eviction_policy": "LRU"}
+    )
+    with caplog.at_level(logging.WARNING):
+        adapter = open_fs(config, arena.view)
+    try:
+        assert adapter.used_bytes() == payload_bytes_on_disk(str(tmp_path)) == sum(sizes)
+        assert adapter.stats()["scan_objects_past_capacity"] == 1
+        assert any("larger than the capacity" in r.getMessage() for r in caplog.records)
+        assert adapter.usage() > 1.0
+        assert load(adapter, arena, keys[:1], [4 * SIZE]) == ([True], [pattern(0, 4 * SIZE)])
+        controller = _eviction_controller(adapter, watermark=0.75, ratio=0.5)
+        for _attempt in range(3):
+            if adapter.used_bytes() <= capacity:
+                break
+            controller.evict(adapter.used_bytes() - capacity)  # type: ignore[attr-defined]
+        assert f"{keys[0].file_stem()}.bin" not in record_files(str(tmp_path))
+        assert adapter.used_bytes() == payload_bytes_on_disk(str(tmp_path)) <= capacity
+    finally:
+        adapter.close()

@@ -50,6 +50,7 @@ class KeyScan:
         self.bytes = 0
         self.invalid = 0  # entries ignored: not (key, size) pairs, or of impossible sizes
         self.impossible = 0  # of which listed with a size no object can have
+        self.past_capacity = 0  # accounted objects larger than the whole capacity
         self.errors = 0
         self.relisted = 0  # listings begun again (``_relist``)
         self.running = False
@@ -145,11 +146,24 @@ class KeyScan:
         self._batches = self.runner.listing(BATCH_ENTRIES)
 
     def _possible(self, sizes: list[tuple[ObjectKey, ObjectSize]]) -> list[tuple[ObjectKey, ObjectSize]]:
-        """``sizes`` without the entries no object of the backend can have (larger than its
-        whole capacity): ignored as invalid entries, never accounted."""
-        limit = self.capacity()
-        possible = [(key, size) for key, size in sizes if not impossible_size(size, limit)]
+        """``sizes`` without the entries no object can have (past ``MAX_OBJECT_BYTES``):
+        ignored as invalid entries, never accounted.
+
+        An object larger than the backend's whole capacity is kept: an earlier run with a
+        larger ``max_capacity_gb`` (or a server sharing the store) may have written it,
+        and it is on the backend all the same.  Left out, its bytes would fill the store
+        uncounted and no eviction would ever hear of it; accounted, the usage says what
+        is stored (stores are refused until eviction made room) and the eviction policy
+        is told of it like any key.  It is not deleted here: the store may be another
+        server's too, and removing what cannot be told from a valid object is eviction's
+        call, made and counted there.  Counted as ``scan_objects_past_capacity``."""
+        possible = [(key, size) for key, size in sizes if not impossible_size(size, None)]
         self.impossible += len(sizes) - len(possible)
+        limit = self.capacity()
+        past_capacity = sum(1 for _key, size in possible if impossible_size(size, limit))
+        if past_capacity:
+            self.past_capacity += past_capacity
+            self.state.count("scan_objects_past_capacity", past_capacity)
         return possible
 
     def _stop_listing(self) -> None:
@@ -193,10 +207,19 @@ class KeyScan:
             self.state.count("scan_invalid_entries", self.invalid)
             log.warning(
                 "%s: %d listed entries were not (key, size) pairs or had an impossible size (%d: "
-                "past the backend's capacity or any object's); ignored",
+                "past any object's); ignored",
                 self.state.name,
                 self.invalid,
                 self.impossible,
+            )
+        if self.past_capacity:
+            log.warning(
+                "%s: %d stored objects are larger than the capacity of %d bytes (stored by a run "
+                "with a larger max_capacity_gb?); accounted and left to eviction (counted as "
+                "scan_objects_past_capacity)",
+                self.state.name,
+                self.past_capacity,
+                _capacity_bytes(self.capacity()),
             )
         elapsed = time.monotonic() - self._started
         if problem is None:
@@ -229,3 +252,8 @@ class KeyScan:
             "scan_bytes": self.bytes,
             "scan_errors": self.errors,
         }
+
+
+def _capacity_bytes(limit: Capacity | None) -> int:
+    """The byte capacity a log line names (0: none)."""
+    return limit.bytes if limit is not None and limit.bytes is not None else 0
