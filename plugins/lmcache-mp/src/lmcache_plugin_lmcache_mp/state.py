@@ -241,7 +241,7 @@ class PendingTransfers:
     def __init__(self) -> None:
         self._pending: dict[_Ident, deque[Transfer]] = {}
         #: expired transfers a pop found (and dropped) before a sweep did: the sweep counts them
-        self._expired_since_sweep = 0
+        self._expired_since_sweep: list[Transfer] = []
 
     def add(self, instance_id: int, keys: list[ObjectKey], transfer: Transfer) -> None:
         ident = (instance_id, transfer.peer, transfer.request_id, tuple(keys))
@@ -261,7 +261,7 @@ class PendingTransfers:
             if transfer.deadline > now:
                 found = transfer
             else:
-                self._expired_since_sweep += 1
+                self._expired_since_sweep.append(transfer)
         if queue is not None and not queue:
             del self._pending[ident]
         return found
@@ -293,14 +293,14 @@ class PendingTransfers:
                 del self._pending[ident]
         return due
 
-    def expire(self, now: float) -> int:
-        """Forget transfers past their deadline (L1 reaped them); returns how many, with
-        those a pop dropped since the last call (else a commit that came just after the
-        deadline, before the sweep, would hide its transfer's expiry from the counters)."""
-        expired, self._expired_since_sweep = self._expired_since_sweep, 0
+    def expire(self, now: float) -> list[Transfer]:
+        """Forget transfers past their deadline (L1 reaped them); returns them, with those
+        a pop dropped since the last call (else a commit that came just after the deadline,
+        before the sweep, would hide its transfer's expiry from the counters)."""
+        expired, self._expired_since_sweep = self._expired_since_sweep, []
         for ident, queue in list(self._pending.items()):
             live = deque(t for t in queue if t.deadline > now)
-            expired += len(queue) - len(live)
+            expired.extend(t for t in queue if t.deadline <= now)
             if live:
                 self._pending[ident] = live
             else:

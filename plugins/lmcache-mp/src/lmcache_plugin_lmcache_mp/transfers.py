@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused, Shared
@@ -101,6 +101,7 @@ class Transfers:
         if self.shared.shm is None:
             return PrepareStoreReply(context={})  # pickled: the chunks come with commit_store
         if not self._maps_segment(instance, peer, "store"):
+            self._refuse_keys("mp_transfer_unregistered_connection", len(keys))
             return PrepareStoreReply(context=_ALL_PRESENT)  # no slots: the client skips its copy
         repeated = self.writes.pop(instance_id, key.request_id, keys, time.monotonic(), peer)
         if repeated is not None:
@@ -110,6 +111,7 @@ class Transfers:
             # stay write-locked for the write TTL.  Another request's reservation is never
             # touched: its client may be copying into it right now.
             self.storage.abort_reserved(repeated.reserved)
+            self._skip_keys("repeated", len(repeated.reserved))
         size = instance.object_bytes
         try:
             # Before L1 reserves: this deadline must not outlast L1's own (taken inside),
@@ -119,9 +121,10 @@ class Transfers:
                 keys, [size] * len(keys), [instance.layout_text] * len(keys)
             )
         except L1OutOfMemoryError as exc:
-            self._refuse_l1_full(exc)
+            self._refuse_l1_full(exc, len(keys))
             # No slots, as from LMCache's server: the client skips its gather and commit.
             return PrepareStoreReply(context=_ALL_PRESENT)
+        self._count_skips(self._skips(keys, reserved))
         if not reserved:
             # Every chunk is stored or being stored (by another request): nothing to do.
             return PrepareStoreReply(context=_ALL_PRESENT)
@@ -193,8 +196,10 @@ class Transfers:
             # it is known to be alive.  On the pool, later, the write TTL may have passed
             # and the key be another writer's, freed under its copy.
             self.storage.abort_reserved(pending.reserved)
+            self._skip_keys("repeated", len(pending.reserved))  # named again by this commit
         if self.shared.pickle is None:
             self.shared.stats.failure("mp_pickle_refused")
+            self._refuse_keys("mp_pickle_refused", len(keys))
             self._pickle_refusals.event(
                 1, 'pickled chunks refused: this front end takes them only with "allow_pickle": true'
             )
@@ -214,17 +219,19 @@ class Transfers:
 
                 def rejected() -> Any:
                     self.shared.stats.failure("mp_pickle_rejected")
+                    self._refuse_keys("mp_pickle_rejected", len(keys))
                     self._pickle_rejections.event(1, f"pickled stores rejected: {message}")
                     return False
 
                 return rejected
             try:
                 fresh = storage.reserve_write(keys, [size] * len(keys), [layout] * len(keys))
+                skips = self._skips(keys, fresh)  # here: it asks L1, which the loop must not wait for
             except L1OutOfMemoryError as exc:
                 reason = exc
 
                 def refused() -> Any:
-                    self._refuse_l1_full(reason)
+                    self._refuse_l1_full(reason, len(keys))
                     return False
 
                 return refused
@@ -249,6 +256,7 @@ class Transfers:
                 done = [True] * len(committed) + [False] * (len(fresh) - len(committed))
 
             def finish() -> Any:
+                self._count_skips(skips)
                 stored = sum(done)
                 self._count_store(stored, stored * size)
                 self._count_lost(len(done) - stored)  # as the shared-memory commit counts them
@@ -285,14 +293,41 @@ class Transfers:
             )
         return False
 
-    def _refuse_l1_full(self, exc: L1OutOfMemoryError) -> None:
+    def _refuse_l1_full(self, exc: L1OutOfMemoryError, keys: int) -> None:
         self.shared.stats.failure("mp_store_refused_l1_full")
+        self._refuse_keys("mp_store_refused_l1_full", keys)
         self._refusals.event(1, f"stores refused: L1 cannot make room ({exc})")
+
+    def _skips(self, keys: list[ObjectKey], reserved: Mapping[ObjectKey, Any]) -> dict[str, int]:
+        """Why the keys of a store that L1 did not reserve were skipped: L1 has them, or
+        another writer holds their reservation (they become readable when it commits).
+        Asks L1 only when some were skipped; callable from a pool thread."""
+        unreserved = set(keys).difference(reserved)
+        if not unreserved:
+            return {}
+        being_written = self.storage.l1.count_being_written(unreserved)
+        return {"present": len(unreserved) - being_written, "being_written": being_written}
+
+    def _count_skips(self, skips: Mapping[str, int]) -> None:
+        for reason, count in skips.items():
+            self._skip_keys(reason, count)
+
+    def _skip_keys(self, reason: str, count: int) -> None:
+        """Keys a store named that L1 did not need, per key (``store_keys_skipped``)."""
+        if count:
+            self.shared.stats.store_keys_skipped[reason] += count
+
+    def _refuse_keys(self, reason: str, count: int) -> None:
+        """Keys a store named that were not stored, per key (``store_keys_refused``); the
+        request's refusal itself is counted once in the failures, and logged, by the caller."""
+        if count:
+            self.shared.stats.store_keys_refused[reason] += count
 
     def _count_lost(self, lost: int) -> None:
         """Reserved chunks L1 no longer held at commit (reaped past the write TTL)."""
         if lost:
             self.shared.stats.failure("mp_commit_lost", lost)
+            self._refuse_keys("reservation_lost", lost)
             self._lost_commits.event(lost, "committed chunks were lost: L1 reaped their reservations first")
 
     def _count_store(self, chunks: int, nbytes: int) -> None:
@@ -405,19 +440,25 @@ class Transfers:
         or out of its read-locked ones, and freed, those extents could change hands under
         its copy.  Its transfers go at their deadlines, counted as expired."""
         return self._give_back(
-            self.writes.pop_instance(instance_id, peer), self.reads.pop_instance(instance_id, peer)
+            self.writes.pop_instance(instance_id, peer),
+            self.reads.pop_instance(instance_id, peer),
+            "unregistered",
         )
 
-    def _give_back(self, writes: list[Transfer], reads: list[Transfer]) -> tuple[int, int]:
+    def _give_back(self, writes: list[Transfer], reads: list[Transfer], why: str) -> tuple[int, int]:
+        """Abort ``writes`` and release ``reads``; the keys of the reservations aborted are
+        counted as refused for ``why`` (they were never committed, so never stored)."""
         # Expired ones are L1's already (it reaped them), maybe someone else's by now;
         # they were never committed, so they count as the sweep would have counted them.
         now = time.monotonic()
-        held = len(writes) + len(reads)
+        expired_writes = [t for t in writes if t.deadline <= now]
+        expired_reads = [t for t in reads if t.deadline <= now]
         writes = [t for t in writes if t.deadline > now]
         reads = [t for t in reads if t.deadline > now]
-        self._count_expired(held - len(writes) - len(reads))
+        self._count_expired(expired_writes, len(expired_reads))
         for transfer in writes:
             self.storage.abort_reserved(transfer.reserved)
+            self._refuse_keys(why, len(transfer.reserved))
         for transfer in reads:
             self.storage.release(transfer.keys, not_before=transfer.not_before)
         return sum(len(t.keys) for t in reads), sum(len(t.keys) for t in writes)
@@ -431,9 +472,13 @@ class Transfers:
         due = self.reads.take_due(now, margin)
         for transfer in due:
             self.storage.release(transfer.keys, not_before=transfer.not_before)
-        self._count_expired(self.writes.expire(now) + self.reads.expire(now) + len(due))
+        self._count_expired(self.writes.expire(now), len(self.reads.expire(now)) + len(due))
 
-    def _count_expired(self, expired: int) -> None:
+    def _count_expired(self, reservations: list[Transfer], reads: int) -> None:
+        """Transfers never committed within the L1 TTLs: each counted once, and the keys
+        of the reservations among them as refused (never stored)."""
+        self._refuse_keys("reservation_expired", sum(len(t.reserved) for t in reservations))
+        expired = len(reservations) + reads
         if expired:
             self.shared.stats.failure("mp_transfer_expired", expired)
             self._expiries.event(
@@ -442,4 +487,4 @@ class Transfers:
             )
 
     def release_everything(self) -> tuple[int, int]:
-        return self._give_back(self.writes.pop_all(), self.reads.pop_all())
+        return self._give_back(self.writes.pop_all(), self.reads.pop_all(), "shutting_down")
