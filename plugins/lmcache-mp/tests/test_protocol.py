@@ -251,6 +251,19 @@ def test_refusals_get_no_reply_and_are_counted(client: MPClient, mp_server: Tier
     assert failures["mp_bad_request"] == 4
 
 
+def test_a_request_not_served_is_logged_with_its_request_id(
+    client: MPClient, mp_server: TiersServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """LMCache-driven ``store`` carries a key: the operator tracing a request by its id in
+    the logs finds its refusal too."""
+    key = Key(tokens_of(8), "driven-store-7", worker_id=0)
+    with caplog.at_level(logging.WARNING):
+        assert client.unanswered("store", key.encode(), REG.instance_id, [[1]], b"stub_ipc_handle")
+    assert mp_stats(mp_server).failures["mp_not_served"] == 1
+    refusals = [r.getMessage() for r in caplog.records if "mp_not_served" in r.getMessage()]
+    assert len(refusals) == 1 and "request_id driven-store-7" in refusals[0], refusals
+
+
 def test_a_store_l1_cannot_hold_gets_no_slots(make_mp_server: Any) -> None:
     server = make_mp_server(l1_size_gb=0.0007)  # room for five chunks
     with MPClient(mp_address(server)) as client:

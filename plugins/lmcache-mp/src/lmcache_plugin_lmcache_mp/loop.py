@@ -155,7 +155,8 @@ class MPServer:
         if name not in self.handlers.table:
             if name in NOT_SERVED:
                 self.stats.requests[name] += 1
-                self._unanswered(name, peek_uid(uid), "", "mp_not_served", NOT_SERVED[name])
+                request_id = _request_id(name, arg_frames)
+                self._unanswered(name, peek_uid(uid), request_id, "mp_not_served", NOT_SERVED[name])
             else:  # one label for all: a client must not grow /metrics with made-up names
                 self.stats.requests["unknown"] += 1
                 message = "not an operation of LMCache's protocol"
@@ -163,7 +164,10 @@ class MPServer:
             return
         self.stats.requests[name] += 1
         if self.router.draining:
-            self._unanswered(name, peek_uid(uid), "", "mp_shutting_down", "the server is shutting down")
+            request_id = _request_id(name, arg_frames)
+            self._unanswered(
+                name, peek_uid(uid), request_id, "mp_shutting_down", "the server is shutting down"
+            )
             return
         try:
             args = decode_arguments(name, arg_frames)
@@ -232,7 +236,8 @@ class MPServer:
 
 
 def _request_id(name: str, arg_frames: list[bytes]) -> str:
-    """The request id of a request, for log lines (best effort: the frames may be junk)."""
+    """The request id of a request, for log lines (best effort: the frames may be junk, or
+    the first one no key at all, e.g. a ping's instance id: then there is none)."""
     if not arg_frames or len(arg_frames[0]) > MAX_ARGUMENT_BYTES:
         return ""  # such a key is not decoded, not even for a log line
     try:
