@@ -1460,3 +1460,77 @@ def test_a_record_larger_than_a_lowered_capacity_is_accounted_and_evictable(
         assert adapter.used_bytes() == payload_bytes_on_disk(str(tmp_path)) <= capacity
     finally:
         adapter.close()
+
+
+@pytest.mark.parametrize("url", [False, True])
+@pytest.mark.parametrize("now", [None, "staging2"])
+def test_temp_files_left_in_a_temp_dir_no_longer_configured_are_swept(
+    tmp_path: Path, url: bool, now: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    import fsspec
+
+    root = f"memory://old-temp-{uuid.uuid4().hex}" if url else str(tmp_path)
+    files = fsspec.filesystem("memory") if url else fsspec.filesystem("file")
+    open_fs(fs_config(root, relative_tmp_dir="staging")).close()
+    files.makedirs(f"{root}/elsewhere", exist_ok=True)
+    # A run killed mid-store left a temporary file there; the user's own file is not ours.
+    files.pipe_file(f"{root}/staging/.tmp-1-1.part", b"half")
+    files.pipe_file(f"{root}/staging/notes.txt", b"mine")
+    # Never configured as a temporary directory: nothing says its files are ours.
+    files.pipe_file(f"{root}/elsewhere/.tmp-1-2.part", b"not ours")
+    with caplog.at_level(logging.INFO):
+        adapter = open_fs(fs_config(root, relative_tmp_dir=now))
+    try:
+        assert adapter.stats()["orphan_temp_files_removed"] == 1
+        assert not files.exists(f"{root}/staging/.tmp-1-1.part")
+        assert files.exists(f"{root}/staging/notes.txt")
+        assert files.exists(f"{root}/elsewhere/.tmp-1-2.part")
+        assert any("an earlier temporary directory" in r.getMessage() for r in caplog.records)
+    finally:
+        adapter.close()
+    files.pipe_file(f"{root}/staging/.tmp-1-3.part", b"after the sweep")
+    adapter = open_fs(fs_config(root, relative_tmp_dir=now))
+    try:  # swept once: the old directory is forgotten, and nothing of it is touched again
+        assert adapter.stats().get("orphan_temp_files_removed", 0) == 0
+        assert files.exists(f"{root}/staging/.tmp-1-3.part")
+    finally:
+        adapter.close()
+        if url:
+            files.rm(root, recursive=True)
+
+
+def test_an_old_temp_dir_another_store_now_holds_is_left_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    open_fs(fs_config(str(tmp_path), relative_tmp_dir="staging")).close()
+    nested = open_fs(fs_config(str(tmp_path / "staging")))  # another store's root now
+    try:
+        (tmp_path / "staging" / ".tmp-1-1.part").write_bytes(b"its write in flight")
+        with caplog.at_level(logging.WARNING):
+            adapter = open_fs(fs_config(str(tmp_path)))
+        try:
+            assert adapter.stats()["old_temp_dirs_skipped"] == 1
+            assert adapter.stats().get("orphan_temp_files_removed", 0) == 0
+            assert (tmp_path / "staging" / ".tmp-1-1.part").exists()
+            assert any("in use" in r.getMessage() for r in caplog.records)
+        finally:
+            adapter.close()
+    finally:
+        nested.close()
+
+
+def test_an_unreadable_record_of_temp_dirs_removes_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "staging").mkdir()
+    (tmp_path / "staging" / ".tmp-1-1.part").write_bytes(b"half")
+    (tmp_path / ".lmcache-tiers-temp-dirs").write_text("staging\n../outside\n")
+    with caplog.at_level(logging.WARNING):
+        adapter = open_fs(fs_config(str(tmp_path)))
+    try:
+        assert adapter.stats()["temp_dir_record_unreadable"] == 1
+        assert (tmp_path / "staging" / ".tmp-1-1.part").exists()
+        assert (tmp_path / ".lmcache-tiers-temp-dirs").read_text() == "staging\n../outside\n"
+        assert any("cannot read" in r.getMessage() for r in caplog.records)
+    finally:
+        adapter.close()

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from lmcache_plugin_fs import FsConfig
 from lmcache_plugin_fs.local_io import LocalRecords
 from lmcache_plugin_fs.remote import RemoteRecords, shown
+from lmcache_plugin_fs.temp_dirs import TempDirRecord
 from lmcache_tiers.plugin import (
     BackendContext,
     ConfigError,
@@ -133,6 +134,9 @@ class FsBackend:
             raise
         failures = WriteFailures(context.name, layout.root, context.count)
         self._tree = files
+        self._temp_dirs = TempDirRecord(
+            _local_filesystem(), layout.root, config.relative_tmp_dir, context, local=True
+        )
         self._records = LocalRecords(
             files,
             context,
@@ -160,10 +164,13 @@ class FsBackend:
             self._lock.release()
             raise
         self._records = self._tree = records
+        self._temp_dirs = TempDirRecord(fs, layout.root, config.relative_tmp_dir, context, local=False)
 
     def _start_up(self) -> None:
-        """Remove what a killed run left half-written; drop old records if asked to."""
+        """Remove what a killed run left half-written (in the temporary directories used
+        before too); drop old records if asked to."""
         self._tree.remove_temp_files()
+        self._temp_dirs.sweep_and_record()
         if not self.config.recover_on_start:
             dropped = self._tree.remove_all_records()
             self.context.count("records_dropped_at_start", dropped)
@@ -212,6 +219,14 @@ class FsBackend:
     def _release(self) -> None:
         self._records.close()
         self._lock.release()
+
+
+def _local_filesystem() -> object:
+    """fsspec's filesystem of local paths: the record of temporary directories is read and
+    written through it, the same calls for a local root as for a remote one."""
+    import fsspec
+
+    return fsspec.filesystem("file")
 
 
 def _direct_io(config: FsConfig, directory: str, name: str) -> bool:
