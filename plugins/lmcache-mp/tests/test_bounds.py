@@ -88,14 +88,15 @@ def test_requests_forgotten_beyond_max_requests_are_counted_and_logged(
     assert any("mp_request_dropped" in record.getMessage() for record in caplog.records)
 
 
-def test_unregisters_of_unknown_instances_log_in_bursts(
-    client: MPClient, caplog: pytest.LogCaptureFixture
+def test_unregisters_of_unknown_instances_log_in_bursts_and_are_counted(
+    client: MPClient, mp_server: TiersServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING):
         for instance_id in range(50):
             assert client.call("unregister_kv_cache_engine_driven_context", instance_id) is None
     lines = [record for record in caplog.records if "not registered" in record.getMessage()]
     assert len(lines) == 1
+    assert mp_failures(mp_server)["mp_unregister_unknown"] == 50
 
 
 def _transfer(deadline: float) -> Transfer:

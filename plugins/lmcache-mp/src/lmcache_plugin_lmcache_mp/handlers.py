@@ -87,7 +87,7 @@ class Handlers:
         self.lookups = Lookups(shared)
         self.transfers = Transfers(shared, self.lookups)
         # Instance ids are the clients' choice: lines about them are burst-limited.
-        self._unknown_unregisters = BurstLog(logger)
+        self._unknown_unregisters = BurstLog(logger, "mp_unregister_unknown")
         self._reaped = BurstLog(logger, "mp_instance_reaped")
         self._stale_unregisters = BurstLog(logger, "mp_stale_unregister")
         self._reregistration_asks = BurstLog(logger, "mp_ping_asks_reregistration")
@@ -274,8 +274,14 @@ class Handlers:
         the transfers of that connection: see ``Transfers.drop_instance``)."""
         instance = self.shared.instances.pop(instance_id, None)
         if instance is None:
+            # Answered void, as by LMCache's server, but counted: a client unregistering
+            # what this server never registered (or reaped) was likely served by another
+            # server process, or lost its registration without noticing.
+            self.shared.stats.failure("mp_unregister_unknown")
             self._unknown_unregisters.warn(
-                "unregister", "unregister of instance %d, which is not registered", instance_id
+                "unregister",
+                "unregister of instance %d, which is not registered (counted as mp_unregister_unknown)",
+                instance_id,
             )
             return
         locks, reservations = self.transfers.drop_instance(instance_id, peer)
