@@ -378,10 +378,13 @@ class StorageManager:
     # -- operations ----------------------------------------------------------------------
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until committed writes are stored in L2 and evictions have caught up.
+        """Wait until committed writes are stored in L2, evictions have caught up and
+        prefetches have ended -- the lookups and loads of those given up at their result
+        deadline included, since a load still fills (and holds) its L1 reservations until
+        its adapter reports.
 
-        Returns False if ``timeout`` passed first.  For tests, benchmarks and shutdown
-        scripts; serving never needs it.
+        Returns False if ``timeout`` passed first (an adapter hung in a call, say).  For
+        tests, benchmarks and shutdown scripts; serving never needs it.
         """
         return self._parts.wait_idle(timeout)
 

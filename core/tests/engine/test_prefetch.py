@@ -32,16 +32,11 @@ def assert_no_locks(storage) -> None:
 
 
 def wait_given_up_loads_settled(storage) -> None:
-    """Until a given-up load that reported at last has given back its L1 objects and pins.
-
-    ``flush`` cannot wait for it: a request given up leaves no work the prefetch
-    controller counts as outstanding, so its load is reaped whenever the controller gets
-    to it (later than ``flush`` returns on a loaded machine).
-    """
-    deadline = time.monotonic() + 10
-    while storage.l1.stats().write_locked or any(each.pinned_keys() for each in storage.adapters):
-        assert time.monotonic() < deadline, "the given-up load's objects and pins were never released"
-        time.sleep(0.01)
+    """Until a given-up load that reported at last has given back its L1 objects and pins:
+    ``flush`` waits for the tasks of given-up requests too."""
+    assert storage.flush(10)
+    assert storage.l1.stats().write_locked == 0, "the given-up load's objects were never released"
+    assert not any(each.pinned_keys() for each in storage.adapters), "its pins were never dropped"
 
 
 def read_back(storage, keys, hits: int) -> None:

@@ -142,6 +142,11 @@ class TaskTracker(Generic[OwnerT, ResultT]):
     def owners(self) -> list[OwnerT]:
         return list(self._owners.values())
 
+    def orphaned(self) -> int:
+        """Tasks whose owner gave up, not reported yet: they still hold what they took
+        (L2 pins, the L1 extents a load fills).  One C call: any thread may ask."""
+        return len(self._orphans)
+
     def orphan(self, index: int, task_id: int, settle: OrphanSettler[OwnerT, ResultT]) -> OwnerT | None:
         """Detach a running task from its owner (returned, None if not tracked):
         ``settle(slot, owner, result)`` runs instead when the adapter reports it."""

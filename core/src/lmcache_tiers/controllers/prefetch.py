@@ -204,7 +204,10 @@ class PrefetchController(ControllerThread):
         return self._handles.in_flight()
 
     def busy(self) -> bool:
-        return self._handles.busy()
+        # A request given up (at its result deadline) leaves its lookups and loads running
+        # until their adapters report: the L2 pins they took and the L1 extents a load fills
+        # are held until then, so ``flush`` is not idle yet.
+        return self._handles.busy() or bool(self._lookups.orphaned() or self._loads.orphaned())
 
     # -- the thread --------------------------------------------------------------------
 
