@@ -443,11 +443,18 @@ def test_a_store_whose_later_trip_fails_reports_and_accounts_what_its_earlier_on
     own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
     # The store drops the connection on the second trip (its object is over the query
-    # buffer limit): the first trip's object is stored, and must be reported and
-    # accounted as stored -- else it sits in the store, counted against no capacity.
+    # buffer limit, which this user may not read, so the adapter sends it): the first
+    # trip's object is stored, and must be reported and accounted as stored -- else it
+    # sits in the store, counted against no capacity.
     own_server.cli("CONFIG", "SET", "client-query-buffer-limit", "1mb")
+    own_server.cli("ACL", "SETUSER", "noconfig", "reset", "on", ">noconfig-pw", "~*", "+@all", "-config")
     adapter = open_adapter(
-        url=own_server.url, key_prefix=prefix, pipeline_max_bytes=1 << 20, max_capacity_gb=1.0
+        url=own_server.url,
+        key_prefix=prefix,
+        pipeline_max_bytes=1 << 20,
+        max_capacity_gb=1.0,
+        username="noconfig",
+        password="noconfig-pw",
     )
     keys = make_keys(2)
     sizes = [4096, 2 << 20]
@@ -514,6 +521,78 @@ def test_a_cluster_node_that_refuses_config_get_counts_at_the_default_bulk_limit
         stored_over_the_limit(adapter, raw, caplog)
     finally:
         raised.cli("CONFIG", "SET", "proto-max-bulk-len", "512mb")
+
+
+@pytest.mark.parametrize("mode", ["standalone", "cluster"])
+def test_a_bulk_limit_lowered_after_open_refuses_the_object_over_it_alone(
+    request: pytest.FixtureRequest,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+    mode: str,
+) -> None:
+    # The limit read at open was 512 MiB; an operator lowers it on the running store (a
+    # failover to a primary configured lower looks the same).  The connection the store
+    # closes on the object over it makes the adapter read the limit again: that object
+    # is refused alone, the rest of its batch stored, no call failed.
+    where, raw = shared_store(request, mode)
+    adapter = open_adapter(**where, key_prefix=prefix, max_capacity_gb=1.0)
+    servers = [request.getfixturevalue("redis_server")] if mode == "standalone" else []
+    servers = servers or list(request.getfixturevalue("redis_cluster").nodes)
+    for server in servers:
+        server.cli("CONFIG", "SET", "proto-max-bulk-len", "1mb")
+    try:
+        stored_over_the_limit(adapter, raw, caplog)
+    finally:
+        for server in servers:
+            server.cli("CONFIG", "SET", "proto-max-bulk-len", "512mb")
+
+
+def test_the_circuit_probe_reads_the_stores_limits_again(
+    own_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The store a probe reaches may be another (a failover) or restarted with other
+    # limits: the probe reads them, so the first batch after it sends nothing over them
+    # (the store answers no "Protocol error" as it drops the connection).
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
+    own_server.cli("CONFIG", "SET", "proto-max-bulk-len", "1mb")
+    backend_of(adapter).ping()
+    raw = redis.Redis.from_url(own_server.url)
+
+    def error_replies() -> int:
+        return int(raw.info("stats")["total_error_replies"])
+
+    before = error_replies()
+    stored_over_the_limit(adapter, raw, caplog)
+    assert error_replies() == before, "an object over the limit was sent"
+
+
+def test_an_object_over_the_query_buffer_limit_is_refused_alone(
+    own_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Redis reads a long argument into the query buffer whole and closes the connection
+    # when it outgrows client-query-buffer-limit (1 MiB here): an object of 1 MiB is
+    # under proto-max-bulk-len, yet sent it would fail its whole batch.
+    own_server.cli("CONFIG", "SET", "client-query-buffer-limit", "1mb")
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
+    keys = make_keys(3)
+    sizes = [4096, 1 << 20, (1 << 20) - 4096]
+    buffers = [memoryview(bytearray(pattern(index, size))) for index, size in enumerate(sizes)]
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+        assert client_of(adapter).store(keys, buffers) == [True, False, True]
+    backend = backend_of(adapter)
+    raw = redis.Redis.from_url(own_server.url)
+    assert [raw.exists(backend.name_of(key)) for key in keys] == [1, 0, 1]
+    stats = adapter.stats()
+    assert stats["store_refused_over_bulk_limit"] == 1, stats
+    assert stats.get("backend_errors", 0) == 0, "the store failed as a whole"
+    assert any("client-query-buffer-limit" in r.getMessage() for r in caplog.records), "not logged"
 
 
 def stored_over_the_limit(adapter: BackendAdapter, raw: Any, caplog: pytest.LogCaptureFixture) -> None:

@@ -195,18 +195,36 @@ def _unanswered_check(exc: Exception) -> str:
 
 #: Redis's default ``proto-max-bulk-len``: the limit assumed where CONFIG GET is refused
 DEFAULT_BULK_LIMIT = 512 << 20
+#: Redis's default ``client-query-buffer-limit``: assumed where CONFIG GET is refused
+DEFAULT_QUERY_BUFFER_LIMIT = 1 << 30
+#: what Redis holds in a client's query buffer besides a long argument: the CRLF after
+#: it (an argument of 32 KiB or more is read into the buffer alone, and a buffer over
+#: ``client-query-buffer-limit`` makes Redis close the connection)
+QUERY_BUFFER_FRAMING = 2
 
 
-def bulk_limit_of(client: Redis) -> int | None:
-    """The store's ``proto-max-bulk-len`` (the longest string a command may send: a
-    longer one makes it close the connection); None where CONFIG GET is refused (an
-    ACL, a renamed or disabled command).  Raises when the store does not answer."""
+def config_limit_of(client: Redis, parameter: str) -> int | None:
+    """The store's value of the numeric ``parameter``; None where CONFIG GET is refused
+    (an ACL, a renamed or disabled command).  Raises when the store does not answer."""
     try:
-        reply = client.config_get("proto-max-bulk-len")
+        reply = client.config_get(parameter)
     except ResponseError:  # NoPermissionError too
         return None
     values = [value for value in reply.values() if value is not None]
     return int(values[0]) if values else None
+
+
+def bulk_limit_of(client: Redis) -> int | None:
+    """The store's ``proto-max-bulk-len`` (the longest string a command may send: a
+    longer one makes it close the connection); None where CONFIG GET is refused."""
+    return config_limit_of(client, "proto-max-bulk-len")
+
+
+def query_buffer_limit_of(client: Redis) -> int | None:
+    """The store's ``client-query-buffer-limit`` (the most a client's query buffer may
+    hold: a longer argument makes it close the connection); None where CONFIG GET is
+    refused."""
+    return config_limit_of(client, "client-query-buffer-limit")
 
 
 #: seconds between two permission checks calls make of primaries not checked yet: one that
@@ -248,6 +266,20 @@ def cluster_probe_names(client: RedisCluster, base: str) -> dict[str, str]:
     return names
 
 
+def _dropped_connection(reply: Any) -> bool:
+    """Whether a reply is what a value over the store's limits gets: the connection
+    closed, or the error Redis answers just before closing it ("Protocol error: invalid
+    bulk length", which redis-py's cluster pipeline hands over as that command's reply)."""
+    if isinstance(reply, RedisConnectionError):
+        return True
+    return isinstance(reply, ResponseError) and str(reply).startswith("Protocol error")
+
+
+def _lowest(limits: list[int | None], default: int) -> int:
+    """The lowest of the limits read, ``default`` standing for any not read."""
+    return min((default if limit is None else limit for limit in limits), default=default)
+
+
 def glob_escape(text: str) -> str:
     """``text`` as a literal in a SCAN MATCH pattern."""
     return "".join("\\" + char if char in "*?[]\\" else char for char in text)
@@ -275,6 +307,19 @@ def _pools_of(client: Redis | RedisCluster) -> list[Any]:
     return [
         node.redis_connection.connection_pool for node in nodes.values() if node.redis_connection is not None
     ]
+
+
+class _LimitsLowered:
+    """A store trip's connection was dropped and the store's limits, read again, are
+    lower: the objects from ``unsent`` on are sent again, trips numbered from
+    ``first_trip``; ``failure``: the first failed node's error in the trips before."""
+
+    __slots__ = ("failure", "first_trip", "unsent")
+
+    def __init__(self, unsent: Sequence[int], first_trip: int, failure: Exception | None) -> None:
+        self.unsent = unsent
+        self.first_trip = first_trip
+        self.failure = failure
 
 
 class RedisBackend:
@@ -326,9 +371,11 @@ class RedisBackend:
         #: cluster primaries whose last verdict denied, with their refusals; guarded by
         #: ``_permission_lock``
         self._denying_nodes: dict[str, list[str]] = {}
-        #: the longest payload a store may send (``_read_bulk_limit``; the lowest of a
-        #: cluster's primaries), and whether it was read (else Redis's default is assumed)
+        #: the store's ``proto-max-bulk-len`` and ``client-query-buffer-limit``
+        #: (``_read_bulk_limit``; the lowest of a cluster's primaries), and whether they
+        #: were read (else Redis's defaults are assumed)
         self._bulk_limit = DEFAULT_BULK_LIMIT
+        self._query_buffer_limit = DEFAULT_QUERY_BUFFER_LIMIT
         self._bulk_limit_read = False
         if not config.cluster_mode:
             self._connect()
@@ -392,19 +439,24 @@ class RedisBackend:
         try:
             return self._execute(pipe, per_key=True)
         except (RedisError, RedisClusterException) as exc:  # the latter: no cluster node answered
-            if number == 0:
-                raise
-            refused = refuses_everything(exc)
-            self.context.count(f"{what}_refused_by_server" if refused else f"{what}_request_failures", left)
-            self.context.warn(
-                f"trip:{what}",
-                "%s of %d keys %s (the batch's earlier ones were done): %s",
-                what,
-                left,
-                "refused by the store" if refused else "failed",
-                exc,
-            )
-            return exc
+            return self._trip_failed(exc, number, what, left)
+
+    def _trip_failed(self, exc: Exception, number: int, what: str, left: int) -> Exception:
+        """``exc`` raised when trip ``number`` is the batch's first (the call fails
+        whole), else counted, logged and returned (see ``_trip``)."""
+        if number == 0:
+            raise exc
+        refused = refuses_everything(exc)
+        self.context.count(f"{what}_refused_by_server" if refused else f"{what}_request_failures", left)
+        self.context.warn(
+            f"trip:{what}",
+            "%s of %d keys %s (the batch's earlier ones were done): %s",
+            what,
+            left,
+            "refused by the store" if refused else "failed",
+            exc,
+        )
+        return exc
 
     @staticmethod
     def _partly_done(what: str, done: list[bool], failure: Exception | None) -> list[bool]:
@@ -500,11 +552,14 @@ class RedisBackend:
             )
         log.info("%s: connected to %s, objects named %r + key", self.context.name, self.target, self.prefix)
 
-    def _read_bulk_limit(self) -> None:
-        """Read the store's ``proto-max-bulk-len`` (every primary's in a cluster, the
-        lowest kept): a store over it is refused before it is sent (``_within_bulk_limit``).
-        A store that does not answer is asked again by the next probe; one that refuses
-        CONFIG GET is assumed to keep Redis's default."""
+    def _read_bulk_limit(self) -> bool:
+        """Read the store's ``proto-max-bulk-len`` and ``client-query-buffer-limit``
+        (every primary's in a cluster, the lowest of each kept): a store over either is
+        refused before it is sent (``_within_bulk_limit``).  Read at open, by every probe
+        that reaches the store, and after a store's connection failed the way a value
+        over a lowered limit fails it; answers whether either limit is lower than
+        before.  A store that does not answer keeps the limits last read; one that
+        refuses CONFIG GET is assumed to keep Redis's defaults (an INFO line, once)."""
         client = self.client
         nodes = (
             [client]
@@ -512,22 +567,33 @@ class RedisBackend:
             else [client.get_redis_connection(n) for n in client.get_primaries()]
         )
         try:
-            limits = [bulk_limit_of(node) for node in nodes]
+            bulk = [bulk_limit_of(node) for node in nodes]
+            query = [query_buffer_limit_of(node) for node in nodes]
         except (RedisError, RedisClusterException) as exc:
-            log.debug("%s: proto-max-bulk-len not read yet (%s)", self.context.name, exc)
-            return
-        if None in limits:
+            log.debug("%s: the store's limits not read (%s)", self.context.name, exc)
+            return False
+        if (None in bulk or None in query) and not self._bulk_limit_read:
             log.info(
-                "%s: CONFIG GET proto-max-bulk-len is refused: stores over Redis's default "
-                "%d bytes are refused",
+                "%s: CONFIG GET of proto-max-bulk-len or client-query-buffer-limit is refused: "
+                "Redis's defaults (%d and %d bytes) are assumed where it is",
                 self.context.name,
                 DEFAULT_BULK_LIMIT,
+                DEFAULT_QUERY_BUFFER_LIMIT,
             )
         # A node refusing CONFIG GET is taken at the default, not left out of the minimum.
-        self._bulk_limit = min(
-            (DEFAULT_BULK_LIMIT if limit is None else limit for limit in limits), default=DEFAULT_BULK_LIMIT
-        )
+        before = (self._bulk_limit, self._query_buffer_limit)
+        self._bulk_limit = _lowest(bulk, DEFAULT_BULK_LIMIT)
+        self._query_buffer_limit = _lowest(query, DEFAULT_QUERY_BUFFER_LIMIT)
         self._bulk_limit_read = True
+        lowered = self._bulk_limit < before[0] or self._query_buffer_limit < before[1]
+        if lowered:
+            log.info(
+                "%s: the store's limits are now proto-max-bulk-len %d, client-query-buffer-limit %d",
+                self.context.name,
+                self._bulk_limit,
+                self._query_buffer_limit,
+            )
+        return lowered
 
     def _warn_of_ignored_nodes(self) -> None:
         """Several ``startup_nodes`` without ``cluster_mode``: only the first is used, and
@@ -767,8 +833,9 @@ class RedisBackend:
             client.ping(target_nodes=RedisCluster.PRIMARIES)
         else:
             client.ping()
-        if not self._bulk_limit_read:  # it did not answer at open
-            self._read_bulk_limit()
+        # Read at each probe: the store answering again may be another (a failover), or
+        # restarted with other limits.
+        self._read_bulk_limit()
         # Primaries answering for the first time since start-up (or promoted since) are
         # checked now: the circuit must not close on a node whose ACL denies the
         # adapter's commands.
@@ -803,20 +870,51 @@ class RedisBackend:
     def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
         self._refuse_calls_while_denied()
         stored = [False] * len(keys)
+        outcome = self._store_trips(keys, payloads, range(len(keys)), stored, 0, may_reread=True)
+        if isinstance(outcome, _LimitsLowered):
+            # Sent again from the trip the store dropped: HSET of the same bytes again is
+            # harmless, and the objects over the new limits are refused this time.
+            earlier = outcome.failure
+            outcome = self._store_trips(
+                keys, payloads, outcome.unsent, stored, outcome.first_trip, may_reread=False
+            )
+            assert not isinstance(outcome, _LimitsLowered)
+            outcome = earlier or outcome
+        return self._partly_done("store", stored, outcome)
+
+    def _store_trips(
+        self,
+        keys: Sequence[ObjectKey],
+        payloads: Sequence[memoryview],
+        indices: Sequence[int],
+        stored: list[bool],
+        first_trip: int,
+        *,
+        may_reread: bool,
+    ) -> Exception | _LimitsLowered | None:
+        """Store the objects at ``indices`` (marked in ``stored``) trip by trip, numbered
+        from ``first_trip``: the first failed node's or trip's error, or -- when a trip's
+        connection was dropped and the store's limits read again are lower
+        (``may_reread``) -- the indices left to send again, nothing of that trip counted."""
         failure: Exception | None = None
-        sendable = self._within_bulk_limit(keys, payloads)
+        sendable = self._within_bulk_limit(keys, payloads, indices)
         sizes = [payloads[index].nbytes for index in sendable]
-        for number, trip in enumerate(trips(sizes, self.config.pipeline_max_bytes)):
+        for number, trip in enumerate(trips(sizes, self.config.pipeline_max_bytes), first_trip):
             pipe = self._pipeline()
-            indices = [sendable[position] for position in trip]
-            for index in indices:
+            batch = [sendable[position] for position in trip]
+            for index in batch:
                 header = self.context.record_header(keys[index], payloads[index])
                 pipe.hset(self.name_of(keys[index]), mapping={HEADER: header, PAYLOAD: payloads[index]})
-            replies = self._trip(pipe, number, "store", len(sendable) - trip.start)
+            try:
+                replies: list[Any] | Exception = self._execute(pipe, per_key=True)
+            except (RedisError, RedisClusterException) as exc:
+                replies = exc
+            if may_reread and self._dropped_for_lowered_limits(replies):
+                return _LimitsLowered(sendable[trip.start :], number, failure)
             if isinstance(replies, Exception):
-                failure = replies
+                failure = self._trip_failed(replies, number, "store", len(sendable) - trip.start)
                 break
-            for index, reply in zip(indices, replies, strict=True):
+            for index, reply in zip(batch, replies, strict=True):
                 if per_object_error(reply):
                     self._reply_error("store", keys[index], reply)
                 elif isinstance(reply, Exception):  # a failed node, or another client error
@@ -824,27 +922,43 @@ class RedisBackend:
                     failure = failure or reply
                 else:
                     stored[index] = True
-        return self._partly_done("store", stored, failure)
+        return failure
 
-    def _within_bulk_limit(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> Sequence[int]:
-        """The indices of the payloads the store takes; each longer than its
-        ``proto-max-bulk-len`` is refused here, counted and logged -- sent, it would make
-        the store close the connection, failing the whole batch."""
-        limit = self._bulk_limit
-        if all(payload.nbytes <= limit for payload in payloads):
-            return range(len(payloads))
+    def _dropped_for_lowered_limits(self, replies: list[Any] | Exception) -> bool:
+        """Whether a store trip (or a cluster node of it) lost its connection -- what a
+        value over a limit lowered since it was read does -- and the limits read again
+        are lower: a ``CONFIG SET`` since, or a failover to a store configured lower."""
+        answers = replies if isinstance(replies, list) else [replies]
+        return any(_dropped_connection(answer) for answer in answers) and self._read_bulk_limit()
+
+    def _value_limit(self) -> int:
+        """The longest payload the store takes in one command."""
+        return min(self._bulk_limit, self._query_buffer_limit - QUERY_BUFFER_FRAMING)
+
+    def _within_bulk_limit(
+        self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview], indices: Sequence[int]
+    ) -> Sequence[int]:
+        """Those of ``indices`` whose payloads the store takes; each longer than its
+        ``proto-max-bulk-len``, or than its ``client-query-buffer-limit`` holds, is
+        refused here, counted and logged -- sent, it would make the store close the
+        connection, failing the whole batch."""
+        limit = self._value_limit()
+        if all(payloads[index].nbytes <= limit for index in indices):
+            return indices
         sendable = []
-        for index, payload in enumerate(payloads):
-            if payload.nbytes <= limit:
+        for index in indices:
+            if payloads[index].nbytes <= limit:
                 sendable.append(index)
                 continue
             self.context.count("store_refused_over_bulk_limit")
             self.context.warn(
                 "bulk_limit",
-                "%s not stored: %d bytes, over the store's proto-max-bulk-len of %d bytes",
+                "%s not stored: %d bytes, over what the store takes in one command "
+                "(proto-max-bulk-len %d, client-query-buffer-limit %d bytes)",
                 keys[index].file_stem(),
-                payload.nbytes,
-                limit,
+                payloads[index].nbytes,
+                self._bulk_limit,
+                self._query_buffer_limit,
             )
         return sendable
 
