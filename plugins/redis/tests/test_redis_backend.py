@@ -2213,6 +2213,48 @@ def test_a_denial_found_before_a_fresher_allowing_check_is_not_recorded_after_it
     assert adapter.stats()["permission_verdicts_stale"] == 1, adapter.stats()
 
 
+def test_a_lookup_does_not_wait_for_a_permission_check_another_is_making(
+    own_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The check the store owes (it hung at open) is made by the circuit's probe and, once
+    # a second (0 here), by a call.  While one check waits on a store slow to answer it,
+    # a lookup that claims the next must not queue behind it for the check's timeout: it
+    # goes on with the verdict it has (none found yet), counted.
+    monkeypatch.setattr(backend_module, "OWED_CHECK_INTERVAL_S", 0.0)
+    own_server.pause()
+    try:
+        adapter = open_adapter(**quick_failing(own_server, prefix, 100))
+    finally:
+        own_server.resume()
+    backend = backend_of(adapter)
+    real_refusals = backend_module.permission_refusals
+    checking, answer = threading.Event(), threading.Event()
+
+    def slow_refusals(client: redis.Redis, name: str) -> Any:
+        checking.set()
+        answer.wait(WAIT_S)  # the store slow to answer this check
+        return real_refusals(client, name)
+
+    monkeypatch.setattr(backend_module, "permission_refusals", slow_refusals)
+    probe = threading.Thread(target=backend.ping)
+    probe.start()
+    looked_up = threading.Event()
+    try:
+        assert checking.wait(WAIT_S), "the probe did not check the store it owes a check"
+        keys = make_keys(2)
+        lookup = threading.Thread(target=lambda: looked_up.set() if backend.contains_many(keys) else None)
+        lookup.start()
+        assert looked_up.wait(WAIT_S), "the lookup waited for the probe's permission check"
+    finally:
+        answer.set()
+        probe.join(WAIT_S)
+    assert adapter.stats().get("permission_checks_skipped_busy", 0) >= 1, adapter.stats()
+    assert not backend._permissions_owed, "the probe's check gave its verdict"
+
+
 def test_a_cluster_primary_that_does_not_answer_its_check_is_not_asked_by_every_call(
     own_cluster: RedisClusterNodes,
     prefix: str,

@@ -349,6 +349,7 @@ class RedisBackend:
         self._foreign_by_delete: set[ObjectKey] = set()
         # The permission check of start-up reaches only the nodes that answer then; the
         # others are checked when they first answer (``_check_owed_permissions``).
+        #: held by a check across its I/O; calls never wait for it (``_check_owed_permissions``)
         self._permission_lock = threading.Lock()
         #: held only to claim the next owed check and to change the verdict, never across I/O
         self._verdict_lock = threading.Lock()
@@ -618,7 +619,8 @@ class RedisBackend:
         as it queues them, and runs none -- on a name under the prefix never written.
         A cluster is checked on every primary: each node keeps its own ACL, and each
         serves its share of the keys."""
-        denied, unchecked, _ = self._unchecked_permission_refusals(client)
+        with self._permission_lock:
+            denied, unchecked, _ = self._unchecked_permission_refusals_locked(client)
         # A replica, a loading or full store refuses writes for everybody; it heals (the
         # circuit sees its refusals), so it is no reason not to start.
         self._warn_unchecked(unchecked)
@@ -641,6 +643,21 @@ class RedisBackend:
         )
 
     def _unchecked_permission_refusals(
+        self, client: Redis | RedisCluster, *, pausing: bool = False, waiting: bool = True
+    ) -> tuple[list[str], list[str], int] | None:
+        """``_unchecked_permission_refusals_locked`` under ``_permission_lock``, held
+        across the check's I/O (two checks' verdicts on the same nodes must not
+        interleave).  Start-up and the circuit's probe wait for a check running; a call
+        (not ``waiting``) does not -- it may wait out a node's timeout -- and None
+        answers it then."""
+        if not self._permission_lock.acquire(blocking=waiting):
+            return None
+        try:
+            return self._unchecked_permission_refusals_locked(client, pausing=pausing)
+        finally:
+            self._permission_lock.release()
+
+    def _unchecked_permission_refusals_locked(
         self, client: Redis | RedisCluster, *, pausing: bool = False
     ) -> tuple[list[str], list[str], int]:
         """``permission_refusals`` of the store, or of each cluster primary not checked
@@ -648,25 +665,24 @@ class RedisBackend:
         verdict, and no denial, is remembered as checked, and ``_permissions_owed`` says
         whether any is left.  A single store that does not answer raises.  ``pausing``:
         leave out the primaries that did not answer their last check, until their pause
-        ends (``_node_check_paused``)."""
-        with self._permission_lock:
-            self._checks_made += 1
-            check = self._checks_made
-            if isinstance(client, Redis):
-                primaries = {self.target}
-                try:
-                    denied, unchecked = permission_refusals(client, self.prefix + PERMISSION_PROBE)
-                except ResponseError:  # it answered, refusing the check itself: asking again gets the same
-                    self._checked_nodes |= primaries
-                    self._permissions_owed = False
-                    raise
-                allowed = set() if denied else primaries
-            else:
-                denied, unchecked, allowed = self._cluster_permission_refusals(client, pausing)
-                primaries = primary_names(client)
-            self._checked_nodes |= allowed
-            self._permissions_owed = not primaries <= self._checked_nodes
-            return denied, unchecked, check
+        ends (``_node_check_paused``).  Call with ``_permission_lock`` held."""
+        self._checks_made += 1
+        check = self._checks_made
+        if isinstance(client, Redis):
+            primaries = {self.target}
+            try:
+                denied, unchecked = permission_refusals(client, self.prefix + PERMISSION_PROBE)
+            except ResponseError:  # it answered, refusing the check itself: asking again gets the same
+                self._checked_nodes |= primaries
+                self._permissions_owed = False
+                raise
+            allowed = set() if denied else primaries
+        else:
+            denied, unchecked, allowed = self._cluster_permission_refusals(client, pausing)
+            primaries = primary_names(client)
+        self._checked_nodes |= allowed
+        self._permissions_owed = not primaries <= self._checked_nodes
+        return denied, unchecked, check
 
     def _cluster_permission_refusals(
         self, client: RedisCluster, pausing: bool = False
@@ -746,7 +762,7 @@ class RedisBackend:
         if not self._permissions_owed and not self._new_primary_found():
             return
         if self._owed_check_claimed():
-            self._check_owed_permissions(pausing=True)
+            self._check_owed_permissions(pausing=True, waiting=False)
         if self._denied is not None:
             self.context.count("calls_refused_for_permissions")
             raise PermissionsDenied(self._denied)
@@ -780,12 +796,20 @@ class RedisBackend:
             self._next_owed_check = now + OWED_CHECK_INTERVAL_S
             return True
 
-    def _check_owed_permissions(self, *, pausing: bool = False) -> None:
+    def _check_owed_permissions(self, *, pausing: bool = False, waiting: bool = True) -> None:
         """Check the primaries that gave no verdict yet (``pausing``: see
         ``_unchecked_permission_refusals``); a denial refuses every call until a check
-        (the circuit's probe) finds the node allowed."""
+        (the circuit's probe) finds the node allowed.  Not ``waiting`` (a call's check):
+        while another check runs -- it may wait out a node's timeout -- none is made, and
+        the call goes on with the verdict it has (counted ``permission_checks_skipped_busy``):
+        the running check's verdict is the one this check would give."""
         try:
-            denied, unchecked, check = self._unchecked_permission_refusals(self.client, pausing=pausing)
+            verdict = self._unchecked_permission_refusals(self.client, pausing=pausing, waiting=waiting)
+            if verdict is None:
+                self.context.count("permission_checks_skipped_busy")
+                log.debug("%s: a permission check is running: this call goes on", self.context.name)
+                return
+            denied, unchecked, check = verdict
         except ResponseError as exc:  # it answered, refusing the check itself: not asked again
             self._warn_unchecked([f"{self.target}: {_unanswered_check(exc)}"])
             return
