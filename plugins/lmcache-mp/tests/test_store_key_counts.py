@@ -8,9 +8,11 @@ refused, whatever happened to the requests that named them.
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any
 
+import pytest
 from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, tokens_of
 
 from lmcache_tiers.server.app import TiersServer
@@ -190,3 +192,45 @@ def test_pickled_stores_count_each_key(make_mp_server: Any) -> None:
         assert stats.store_keys_refused["mp_store_refused_l1_full"] == 4
         assert stats.store_keys_refused["mp_pickle_rejected"] == 4
         assert balance(server) == 16
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_keys_of_random_stores_balance(make_mp_server: Any, seed: int) -> None:
+    """Prepares (some repeated, some by a connection that did not register), commits in
+    time, late or never, unregisters, and a full L1 in any order; after the stop, every
+    key named is stored, skipped or refused exactly once."""
+    rng = random.Random(seed)
+    server = make_mp_server(l1_size_gb=0.0012, l1_write_ttl_s=0.4)  # room for about nine chunks
+    named = 0
+    with MPClient(mp_address(server)) as client, MPClient(mp_address(server)) as stranger:
+        shm = client.register(REG)["shm_name"]
+        for _ in range(60):
+            chunks = rng.randint(1, 4)
+            key = Key(tokens_of(rng.randint(0, 12), chunks * 256), rng.choice("abc"), worker_id=0)
+            action = rng.random()
+            if action < 0.45:
+                named += chunks
+                client.store(key, REG.instance_id, chunk_payloads(0, chunks, CHUNK), shm)
+            elif action < 0.7:
+                named += chunks
+                client.call("prepare_store", key.encode(), REG.instance_id)  # committed later, or never
+            elif action < 0.8:
+                client.call("commit_store", key.encode(), REG.instance_id, b"")
+            elif action < 0.87:
+                named += chunks
+                stranger.call("prepare_store", key.encode(), REG.instance_id)
+            elif action < 0.93:
+                client.call("unregister_kv_cache_engine_driven_context", REG.instance_id)
+                client.register(REG)
+            else:
+                time.sleep(0.5)  # past the write TTL: reservations expire
+        server.request_stop()
+        frontend = server.frontends[0]
+        assert frontend.join(30)
+    stats = frontend.stats()
+    assert named == balance(server), (
+        named,
+        stats.store_chunks,
+        stats.store_keys_skipped,
+        stats.store_keys_refused,
+    )
