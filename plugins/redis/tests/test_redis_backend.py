@@ -754,43 +754,38 @@ def script_calls(servers: list[RedisServer]) -> tuple[int, int]:
 
 @pytest.mark.parametrize("mode", ["standalone", "cluster"])
 def test_deletes_call_the_removal_script_by_digest_and_resend_it_to_a_store_that_lost_it(
-    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter], mode: str
+    request: pytest.FixtureRequest, prefix: str, open_adapter: Callable[..., BackendAdapter], mode: str
 ) -> None:
     # The script body is sent once per node, not once per deleted key; a store that
     # lost its scripts (restarted, SCRIPT FLUSH) answers NOSCRIPT and is sent it whole.
-    if missing_reason():
-        pytest.skip(missing_reason())
+    # The shared servers: their scripts are flushed and their command counts reset below,
+    # after which this test alone sends them commands.
+    where, _ = shared_store(request, mode)
     if mode == "cluster":
-        cluster = RedisClusterNodes(tmp_path / "cluster").start()
-        servers, where = cluster.nodes, {"startup_nodes": cluster.startup_nodes, "cluster_mode": True}
+        servers = list(request.getfixturevalue("redis_cluster").nodes)
     else:
-        servers = [RedisServer(tmp_path / "redis").start()]
-        where = {"url": servers[0].url}
-    try:
-        adapter = open_adapter(**where, key_prefix=prefix, max_capacity_gb=1.0)
-        backend = backend_of(adapter)
-        keys = make_keys(4)
-        store(adapter, keys, size=16)
-        for server in servers:
-            server.cli("SCRIPT", "FLUSH")
-            server.cli("CONFIG", "RESETSTAT")
-        client = backend.client
+        servers = [request.getfixturevalue("redis_server")]
+    adapter = open_adapter(**where, key_prefix=prefix, max_capacity_gb=1.0)
+    backend = backend_of(adapter)
+    keys = make_keys(4)
+    store(adapter, keys, size=16)
+    for server in servers:
+        server.cli("SCRIPT", "FLUSH")
+        server.cli("CONFIG", "RESETSTAT")
+    client = backend.client
 
-        def node_of(key: ObjectKey) -> str:
-            if isinstance(client, redis.RedisCluster):
-                return str(client.get_node_from_key(backend.name_of(key)).name)
-            return "the store"
+    def node_of(key: ObjectKey) -> str:
+        if isinstance(client, redis.RedisCluster):
+            return str(client.get_node_from_key(backend.name_of(key)).name)
+        return "the store"
 
-        # the second delete's keys on a node the first delete left without the script
-        first_nodes = {node_of(key) for key in keys[:2]}
-        answered_noscript = 2 + sum(node_of(key) not in first_nodes for key in keys[2:])
-        assert adapter.delete(keys[:2]) == [True, True], "removed after NOSCRIPT"
-        assert adapter.delete(keys[2:]) == [True, True]
-        assert script_calls(servers) == (4, answered_noscript), "the body sent only where the store lacked it"
-        assert adapter.used_bytes() == 0
-    finally:
-        for server in servers:
-            server.stop()
+    # the second delete's keys on a node the first delete left without the script
+    first_nodes = {node_of(key) for key in keys[:2]}
+    answered_noscript = 2 + sum(node_of(key) not in first_nodes for key in keys[2:])
+    assert adapter.delete(keys[:2]) == [True, True], "removed after NOSCRIPT"
+    assert adapter.delete(keys[2:]) == [True, True]
+    assert script_calls(servers) == (4, answered_noscript), "the body sent only where the store lacked it"
+    assert adapter.used_bytes() == 0
 
 
 def test_a_delete_the_store_refuses_is_counted_and_logged(
@@ -1161,18 +1156,15 @@ def test_an_adapter_opened_while_the_store_is_down_heals_when_it_starts(
 
 
 def test_a_cluster_url_with_credentials_reaches_every_node(
-    tmp_path: Path,
+    redis_cluster: RedisClusterNodes,
     prefix: str,
     open_adapter: Callable[..., BackendAdapter],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    if missing_reason():
-        pytest.skip(missing_reason())
     password = "cluster-" + SECRET
-    cluster = RedisClusterNodes(tmp_path / "cluster", password=password).start()
-    try:
+    with cluster_password(redis_cluster, password):
         caplog.set_level(logging.DEBUG)
-        node = cluster.nodes[0]
+        node = redis_cluster.nodes[0]
         adapter = open_adapter(
             url=f"redis://:{password}@{node.address}/0", cluster_mode=True, key_prefix=prefix
         )
@@ -1182,8 +1174,22 @@ def test_a_cluster_url_with_credentials_reaches_every_node(
         assert load(adapter, keys, found.sizes) == ([True] * 6, data)
         adapter.unlock(keys)
         assert password not in caplog.text
+
+
+@contextlib.contextmanager
+def cluster_password(cluster: RedisClusterNodes, password: str) -> Iterator[None]:
+    """Every node of the shared ``cluster`` asks new connections for ``password`` (its
+    default user's, as ``--requirepass`` sets it), and asks none again afterwards."""
+    for node in cluster.nodes:
+        node.cli("CONFIG", "SET", "requirepass", password)
+    try:
+        for node in cluster.nodes:  # none answers a connection without it
+            assert "NOAUTH" in node.cli("PING", check=False).stdout
+        yield
     finally:
-        cluster.stop()
+        for node in cluster.nodes:
+            with redis.Redis(host="127.0.0.1", port=node.port, password=password) as raw:
+                raw.config_set("requirepass", "")
 
 
 SECRET = "s3cr3t-" + uuid.uuid4().hex[:8]
