@@ -249,3 +249,20 @@ def test_argument_frames_beyond_the_bound_are_refused_but_chunks(
     # commit_store's chunks are bounded by max_message_mb only (refused here: no allow_pickle)
     assert client.call("commit_store", small.encode(), REG.instance_id, bytes(100 << 10)) is False
     assert mp_failures(mp_server)["mp_pickle_refused"] == 1
+
+
+def test_an_expired_reservation_a_late_commit_found_is_counted_at_the_stop() -> None:
+    """A commit just past the write TTL drops its expired reservation for the next sweep
+    to count; a stop before that sweep must count it (and its keys) all the same."""
+    transfers = _transfers()
+    key = msgspec.msgpack.decode(
+        msgspec.msgpack.encode(Key(tokens_of(2, 512), "r", worker_id=0).encode()), type=CacheKey
+    )
+    _, keys = transfers._resolve(key, REG.instance_id)
+    expired = Transfer(keys, time.monotonic() - 1, "r", reserved=dict.fromkeys(keys, object()))
+    transfers.writes.add(REG.instance_id, keys, expired)
+    assert transfers.commit_store(key, REG.instance_id, b"") is False  # too late
+    assert transfers.release_everything() == (0, 0)
+    stats = transfers.shared.stats
+    assert stats.failures["mp_transfer_expired"] == 1
+    assert stats.store_keys_refused == {"reservation_expired": 2}
