@@ -345,22 +345,40 @@ def _possible_size(
     state: AdapterState, key: ObjectKey, size: ObjectSize, limit: Callable[[], Capacity | None]
 ) -> bool:
     """False (counted as ``lookup_size_impossible``, logged: a miss, the accounting left as
-    it was) for a reported size no object of the backend can have -- past its whole
-    capacity or any object's.  A bad answer, not the object: accounted, the usage would
-    become absurd and every store be refused for capacity."""
-    if not impossible_size(size, limit()):
-        return True
-    state.count("lookup_size_impossible")
-    state.burst.warn(
-        "lookup_size_impossible",
-        "%s: %s found with an impossible size of %d bytes stored, %d in L1 (past the "
-        "backend's capacity or any object's); treated as a miss, not accounted",
-        state.name,
-        key.file_stem(),
-        size.stored,
-        size.l1,
-    )
-    return False
+    it was) for a reported size no object can have -- past ``MAX_OBJECT_BYTES``.  A bad
+    answer, not the object: accounted, the usage would become absurd and every store be
+    refused for capacity.
+
+    A size past the backend's whole capacity is possible: a run with a larger capacity, or
+    a server sharing the store, wrote it, and it is in the store all the same.  It is
+    accounted as the start-up scan accounts one (counted as ``lookup_objects_past_capacity``,
+    logged), so the usage says what is stored and eviction hears of it; refused, its bytes
+    would stay in the store uncounted whenever the scan could not list it."""
+    if impossible_size(size, None):
+        state.count("lookup_size_impossible")
+        state.burst.warn(
+            "lookup_size_impossible",
+            "%s: %s found with an impossible size of %d bytes stored, %d in L1 (past any "
+            "object's); treated as a miss, not accounted",
+            state.name,
+            key.file_stem(),
+            size.stored,
+            size.l1,
+        )
+        return False
+    capacity = limit()
+    if impossible_size(size, capacity):
+        state.count("lookup_objects_past_capacity")
+        state.burst.warn(
+            "lookup_objects_past_capacity",
+            "%s: %s found with %d bytes stored, larger than the capacity of %d bytes (stored "
+            "by a run with a larger max_capacity_gb?); accounted and left to eviction",
+            state.name,
+            key.file_stem(),
+            size.stored,
+            capacity.bytes if capacity is not None and capacity.bytes is not None else 0,
+        )
+    return True
 
 
 def _possible_l1_size(state: AdapterState, key: ObjectKey, reported: ObjectSize) -> bool:

@@ -38,11 +38,13 @@ MAX_OBJECT_BYTES = 1 << 48
 
 
 def impossible_size(size: ObjectSize, limit: Capacity | None) -> bool:
-    """Whether no object of a backend with capacity ``limit`` can have ``size``: stored
-    bytes past its whole byte capacity, or past :data:`MAX_OBJECT_BYTES`.  Accounted, such
-    a size would make the usage absurd: every store refused for capacity, and eviction
-    deleting valid objects for room that can never be made.  (An L1 size past L1 is
-    another matter, refused when it would be reserved: ops._possible_l1_size.)"""
+    """Whether ``size`` has stored bytes past ``limit``'s whole byte capacity, or past
+    :data:`MAX_OBJECT_BYTES`.  Past the latter (``limit`` None) no object can have it:
+    accounted, such a size would make the usage absurd -- every store refused for
+    capacity, and eviction deleting valid objects for room that can never be made.  Past
+    the capacity only, it is an object an earlier run with a larger capacity stored: the
+    scan and lookups account it (and count it).  (An L1 size past L1 is another matter,
+    refused when it would be reserved: ops._possible_l1_size.)"""
     bound = MAX_OBJECT_BYTES
     if limit is not None and limit.bytes is not None:
         bound = min(bound, limit.bytes)
