@@ -41,6 +41,7 @@ from lmcache_tiers.activity import DATA_PLANE
 from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.frontend import FrontendStats
 from lmcache_tiers.server.priority import share_priority, thread_ids, threads_named
+from lmcache_tiers.sweep_cadence import sweep_interval
 
 __all__ = ["RouterLoop"]
 
@@ -89,10 +90,14 @@ class RouterLoop:
         max_frame_bytes: int,
         sweep_interval_s: float,
         drain_timeout_s: float,
+        sweep_ttls: Sequence[float] = (),
     ) -> None:
+        """``sweep_interval_s`` is the sweep's period, shortened to a quarter of the
+        shortest of ``sweep_ttls`` (the TTLs the front end's sweep enforces) when that is
+        shorter (at least ``SWEEP_FLOOR_S``, ``sweep_cadence.py``)."""
         self.name = name
         self.stats = stats
-        self.sweep_interval_s = sweep_interval_s
+        self.sweep_interval_s = sweep_interval(sweep_ttls, ceiling=sweep_interval_s)
         self._open_files_log = BurstLog(logger, "open_files_exhausted")
         self.drain_timeout_s = drain_timeout_s
         before = thread_ids()
@@ -109,7 +114,7 @@ class RouterLoop:
         self.socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         self.socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
         self.socket.setsockopt(zmq.LINGER, 500)
-        self.socket.setsockopt(zmq.RCVTIMEO, int(sweep_interval_s * 1000))
+        self.socket.setsockopt(zmq.RCVTIMEO, int(self.sweep_interval_s * 1000))
         if "[" in endpoint:
             self.socket.setsockopt(zmq.IPV6, 1)
         # The wake-up socket connects before the public endpoint exists, so the first

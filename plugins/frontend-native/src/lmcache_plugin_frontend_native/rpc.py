@@ -28,7 +28,9 @@ _raw_recv = zmq.backend.Socket.recv
 class RpcServer:
     """Serves :class:`Handlers` on a ROUTER socket until :meth:`request_stop`."""
 
-    #: housekeeping period, and the longest a stop request waits to be noticed
+    #: housekeeping period, and the longest a stop request waits to be noticed; shorter
+    #: under short TTLs (a quarter of the shortest the sweep enforces, at least 0.05 s), so
+    #: that a prefetch result is given back before L1 reaps its locks
     SWEEP_INTERVAL_S = 0.2
 
     def __init__(
@@ -50,6 +52,8 @@ class RpcServer:
         self.max_frames = handlers.max_keys  # a STORE_INLINE carries a frame per key
         self._keys = KeyCache()  # the loop thread's: every request is decoded there
         self._refusals = BurstLog(logger)
+        self._expired_reservations = BurstLog(logger, "store_reservation_expired")
+        sessions = handlers.sessions
         self.router = RouterLoop(
             endpoint,
             name=name,
@@ -57,6 +61,7 @@ class RpcServer:
             pool_workers=pool_workers,
             max_frame_bytes=max_frame_bytes,
             sweep_interval_s=self.SWEEP_INTERVAL_S,
+            sweep_ttls=(sessions.result_ttl_s, sessions.lock_ttl_s, sessions.write_ttl_s),
             drain_timeout_s=drain_timeout_s,
         )
         self.socket = self.router.socket
@@ -95,7 +100,21 @@ class RpcServer:
 
     def _sweep(self, now: float) -> None:
         self.handlers.collect_prefetches(now)
-        self.handlers.sessions.sweep(now)
+        self._count_expired_reservations(self.handlers.sessions.sweep(now))
+
+    def _count_expired_reservations(self, keys: int) -> None:
+        """Reservations a client neither committed nor aborted within the write TTL (it went
+        away, or is too slow), forgotten by the sweep: counted per key, one line per sweep
+        at most (per burst).  L1 frees them at its own deadline (``l1_lock_expired``)."""
+        if not keys:
+            return
+        self.stats.failure("store_reservation_expired", keys)
+        self._expired_reservations.event(
+            keys,
+            f"store reservations left uncommitted past the write TTL "
+            f"({self.handlers.sessions.write_ttl_s:g}s) were forgotten; a later commit of them "
+            "stores nothing",
+        )
 
     # -- receiving -------------------------------------------------------------------------
 

@@ -376,13 +376,14 @@ class Session:
     def empty(self) -> bool:
         return not (self._records or self._locks or self.writes or self.prefetches)
 
-    def expire(self, now: float) -> None:
+    def expire(self, now: float) -> int:
         """Forget the locks and reservations expired at ``now``, looking at those only
         (the keys filed under the lock deadlines that passed, the reservations at the front
-        of ``writes``), never at every lock and reservation still live."""
+        of ``writes``), never at every lock and reservation still live; returns how many
+        reservations (keys) were forgotten, never committed nor aborted."""
         if self._next_lock_expiry <= now:
             self._expire_locks(now)
-        self._expire_writes(now)
+        return self._expire_writes(now)
 
     def _expire_locks(self, now: float) -> None:
         """Forget the locks of the keys filed under the deadlines that passed."""
@@ -403,7 +404,7 @@ class Session:
         self._next_lock_expiry = heap[0] if heap else math.inf
         self._count_locked_keys()
 
-    def _expire_writes(self, now: float) -> None:
+    def _expire_writes(self, now: float) -> int:
         writes = self.writes
         if self._writes_unordered:
             self.writes = writes = dict(sorted(writes.items(), key=lambda item: item[1][0]))
@@ -415,6 +416,7 @@ class Session:
             expired.append(key)
         for key in expired:
             del writes[key]
+        return len(expired)
 
 
 def _deadlines(held: _Held) -> Collection[float]:
@@ -459,7 +461,7 @@ MAX_EMPTY_SESSIONS = 1024
 class Gauges(NamedTuple):
     """What the clients hold, for ``/metrics`` and ``/status``: as the loop thread last
     left it, so a lock or reservation that expired counts until the next sweep (every
-    0.2 s) forgets it."""
+    0.2 s, or a quarter of the result TTL when shorter: ``RpcServer``) forgets it."""
 
     clients: int  # sessions: clients holding something or seen recently
     locked_keys: int
@@ -534,12 +536,14 @@ class SessionTable:
     def write_deadline(self, now: float) -> float:
         return now + self.write_ttl_s
 
-    def sweep(self, now: float) -> None:
+    def sweep(self, now: float) -> int:
         """Forget expired records, idle sessions holding nothing, and the least recently
-        seen of those holding nothing beyond :data:`MAX_EMPTY_SESSIONS`."""
+        seen of those holding nothing beyond :data:`MAX_EMPTY_SESSIONS`; returns how many
+        reservations (keys) expired uncommitted were forgotten, for the caller to count."""
         empty: list[Session] = []
+        expired_writes = 0
         for identity, session in list(self._sessions.items()):
-            session.expire(now)
+            expired_writes += session.expire(now)
             if not session.empty:
                 continue
             if now - session.last_seen > self.idle_s:
@@ -547,6 +551,7 @@ class SessionTable:
             else:
                 empty.append(session)
         self._forget_beyond(empty, MAX_EMPTY_SESSIONS)
+        return expired_writes
 
     def _forget_beyond(self, empty: list[Session], keep: int) -> None:
         # A peer picks its identity (one per connection): without a bound, one that keeps
