@@ -239,17 +239,7 @@ def books_server(
         # inline: clients send bytes with STORE_INLINE (reservations are then refused)
         no_shm=inline,
     )
-    reap_often(server)
     return server
-
-
-def reap_often(server: TiersServer) -> None:
-    """L1 reaps expired locks (and ends quarantined extents' leases) every 5 s, made for
-    TTLs of minutes; these tests' locks live 0.3 s, so it reaps as often as it ticks."""
-    sweeper = server.storage.l1_eviction
-    sweeper.reap_interval_s = 0.0
-    sweeper._next_reap = 0.0
-    sweeper.wake()
 
 
 @pytest.mark.parametrize(
@@ -441,7 +431,6 @@ def test_an_adapters_usage_is_what_its_listing_finds_after_a_restart(tmp_path: P
     first = ServerHarness()
     try:
         server = first.make(**settings, metrics_port=free_port())
-        reap_often(server)
         drive(server, seed)
         before = adapter_books(idle(server), name)
     finally:
