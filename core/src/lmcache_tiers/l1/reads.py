@@ -117,8 +117,11 @@ class ReadLocks:
                 locked_bytes += obj.extent_bytes
                 obj.read_locks = count
                 obj.lock_deadline = deadline
-            elif obj.lock_deadline == deadline and obj.lock_groups is None:
-                obj.read_locks += count  # its one deadline, this grid step's: the usual case
+            elif obj.lock_deadline == deadline:
+                # Its latest deadline is this grid step's: the locks join its last group.
+                obj.read_locks += count
+                if obj.lock_groups is not None:
+                    obj.lock_groups[-1] += count
             else:
                 add_read_locks(obj, count, deadline)
             hits[key] = obj
@@ -158,10 +161,14 @@ class ReadLocks:
                     locked_bytes += obj.extent_bytes
                     obj.read_locks = count
                     obj.lock_deadline = deadline
-                elif obj.lock_deadline == deadline and obj.lock_groups is None:
-                    # Its locks' one deadline is this grid step's (a hot prefix locked by
-                    # several readers within a step): a count, without a call per object.
+                elif obj.lock_deadline == deadline:
+                    # Its latest deadline is this grid step's (a hot prefix locked by
+                    # several readers within a step, maybe also holding locks of earlier
+                    # steps): the locks join its last group, without a call per object.
                     obj.read_locks += count
+                    groups = obj.lock_groups
+                    if groups is not None:
+                        groups[-1] += count
                 else:
                     add_read_locks(obj, count, deadline)
             table.locked_extent_bytes += locked_bytes
@@ -325,7 +332,9 @@ def add_read_locks(obj: L1Object, count: int, deadline: float) -> None:
     Every read-lock deadline is ``read_lock_deadline`` of the monotonic clock, read under
     the L1 lock, so ``deadline`` is never earlier than the object's others: it joins the
     last group (equal deadlines are one group: the grid keeps them few) or starts a new one
-    at the end (an earlier one is still put in its place).
+    at the end (an earlier one is still put in its place).  ``lock_deadline`` is always the
+    last group's deadline, so the lock paths join that group inline when ``deadline`` is
+    it, and call this only for another one.
     """
     readers = obj.read_locks - obj.storing
     obj.read_locks += count
