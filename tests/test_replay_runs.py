@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 from replay_helpers import BLOCK_BYTES, output_of_killed, small_trace, start_block_server
-from thirdparty import launch_cli, run_cli
+from thirdparty import launch_cli, run_cli, run_cli_in_process
 from tiers_e2e import ServerProcess
 
 from lmcache_tiers.client import Client
@@ -101,8 +101,45 @@ def test_several_client_processes_share_the_requests(tmp_path: Path) -> None:
         assert server.stop() == 0, server.output()
 
 
+def test_a_server_gone_after_the_last_request_still_gets_its_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replay's own figures were measured; only the server's closing STATUS is lost.
+    The report once went with it: one error line, nothing on stdout."""
+    from lmcache_tiers.replay import server as server_replay
+
+    server = start_block_server(tmp_path / "server", 500)
+    replay_share = server_replay.replay_share
+
+    def share_then_kill_the_server(*args, **kwargs):  # type: ignore[no-untyped-def]
+        totals = replay_share(*args, **kwargs)
+        server.stop(signal.SIGKILL)  # after its last reply, before the closing STATUS
+        return totals
+
+    monkeypatch.setattr(server_replay, "replay_share", share_then_kill_the_server)
+    trace = str(small_trace(tmp_path / "t.jsonl", requests=60))
+    args = ["replay", trace, "--url", server.url, "--block-bytes", str(BLOCK_BYTES), "--timeout", "2"]
+    try:
+        result = run_cli_in_process([*args, "--json"])
+    finally:
+        server.stop(signal.SIGKILL)
+    assert result.returncode == 1, result.stderr
+    document = json.loads(result.stdout)
+    assert document["requests"] == 60 and document["failed_requests"] == 0
+    assert document["hit_blocks"] > 0 and document["stored_blocks"] > 0
+    # what only the server counts is unknown, not zero
+    assert document["l1_hit_blocks"] is None and document["server_failures"] is None
+    assert document["hit_rate"]["l1_blocks"] is None and document["evicted_blocks"]["l1"] is None
+    assert "counters could not be read" in document["stopped"]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(
+        "error: the replay ran its 60 requests but the server's counters could not be read"
+    )
+
+
 def test_a_server_that_dies_mid_replay_ends_it_in_one_line(tmp_path: Path) -> None:
-    """Without a server, every request left would wait out its --timeout."""
+    """Without a server, every request left would wait out its --timeout.  What was
+    measured until then is reported."""
     server = start_block_server(tmp_path / "server", 500)
     trace = str(small_trace(tmp_path / "t.jsonl", requests=2000))  # 10 s of arrivals
     args = [
@@ -128,7 +165,9 @@ def test_a_server_that_dies_mid_replay_ends_it_in_one_line(tmp_path: Path) -> No
         replay.kill()
         server.stop(signal.SIGKILL)
     assert replay.returncode == 1, err
-    assert out == ""
+    document = json.loads(out)
+    assert 10 <= document["requests"] < 2000 and document["failed_requests"] >= 3
+    assert document["l1_hit_blocks"] is None and "stopped answering" in document["stopped"]
     line = err.strip().splitlines()[-1]
     assert line.startswith(f"error: replay through {server.url} failed: the server stopped answering: "), err
     assert "3 requests in a row got no reply" in line
@@ -209,6 +248,38 @@ def test_client_processes_end_with_the_replay_that_started_them(tmp_path: Path, 
         server.stop(signal.SIGKILL)
 
 
+@pytest.mark.parametrize(
+    ("clients", "sig"),
+    [(1, signal.SIGINT), (2, signal.SIGTERM)],
+    ids=["1-client-SIGINT", "2-clients-SIGTERM"],
+)
+def test_a_replay_stopped_by_a_signal_reports_what_it_measured(
+    tmp_path: Path, clients: int, sig: int
+) -> None:
+    """Ctrl-C on a long replay threw away everything measured: exit 130, no output."""
+    server = start_block_server(tmp_path / "server", 500)
+    trace = str(small_trace(tmp_path / "t.jsonl", requests=4000))  # 20 s of arrivals
+    args = ["replay", trace, "--url", server.url, "--block-bytes", str(BLOCK_BYTES), "--time-scale", "1"]
+    replay = launch_cli([*args, "--clients", str(clients), "--json"])
+    try:
+        _wait_until_replaying(server, stores=10)
+        replay.send_signal(sig)
+        out, err = replay.communicate(timeout=60)
+    finally:
+        replay.kill()
+        server.stop(signal.SIGKILL)
+    assert replay.returncode == 128 + sig, err
+    assert "Traceback" not in err
+    document = json.loads(out)
+    assert 10 <= document["requests"] < 4000 and document["corrupt_blocks"] == 0, err
+    assert document["clients"] == clients and document["stored_blocks"] > 0
+    name = signal.Signals(sig).name
+    assert document["stopped"].startswith(f"interrupted ({name}) after {document['requests']:,} of 4,000")
+    # the server still answered: its counters are there
+    assert document["l1_hit_blocks"] is not None and document["server_failures"] is not None
+    assert err.strip().splitlines()[-1].startswith(f"error: the replay was interrupted ({name}) after"), err
+
+
 def test_an_in_process_replay_stopped_by_sigterm_removes_its_l1_segment(tmp_path: Path) -> None:
     """SIGTERM (a supervisor, ``timeout``) ended the process at once, leaving the L1 arena
     in /dev/shm (one named in --config is never reaped, and refuses the next start)."""
@@ -231,8 +302,15 @@ def test_an_in_process_replay_stopped_by_sigterm_removes_its_l1_segment(tmp_path
         replay.send_signal(signal.SIGTERM)
         out, err = replay.communicate(timeout=30)
         assert replay.returncode == 128 + signal.SIGTERM, err
-        assert "Traceback" not in err and out == ""
+        assert "Traceback" not in err
         assert not segment.exists(), "the L1 segment outlived the replay"
+        # what was measured until the signal is reported, said to be partial
+        document = json.loads(out)
+        assert 0 < document["requests"] < 4000 and document["l1_hit_blocks"] is not None
+        assert (
+            document["stopped"] == f"interrupted (SIGTERM) after {document['requests']:,} of 4,000 requests"
+        )
+        assert err.strip().splitlines()[-1] == f"error: the replay was {document['stopped']}", err
     finally:
         replay.kill()
         segment.unlink(missing_ok=True)

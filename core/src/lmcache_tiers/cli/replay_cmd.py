@@ -459,6 +459,7 @@ def _in_process(
     from lmcache_tiers.plugins import load_registry
     from lmcache_tiers.replay.capacity import l1_size_for_blocks
     from lmcache_tiers.replay.inprocess import ReplayCloseFailed, replay_in_process
+    from lmcache_tiers.replay.run import ReplayStopped
     from lmcache_tiers.replay.server import signals_unwind
     from lmcache_tiers.server.app import check_l1_geometry
 
@@ -505,12 +506,17 @@ def _in_process(
         # failure at the end -- not the usage error every other TiersError here is).
         _show(failed.report.to_dict(), as_json, also_failed=str(failed))
         return
+    except ReplayStopped as stopped:
+        # Ctrl-C or SIGTERM: what was measured until then, then why it is partial.
+        _show(stopped.report.to_dict(), as_json, also_failed=str(stopped), code=stopped.exit_code)
+        return
     _show(report.to_dict(), as_json)
 
 
 def _server(trace: Any, options: Any, url: str, clients: int, auth_token: str | None, as_json: bool) -> None:
     from lmcache_tiers.cli.connect import wait_for_server
     from lmcache_tiers.client import ClientError
+    from lmcache_tiers.replay.run import ReplayStopped
     from lmcache_tiers.replay.server import replay_server
 
     progress = _progress(not as_json)
@@ -527,6 +533,11 @@ def _server(trace: Any, options: Any, url: str, clients: int, auth_token: str | 
                 auth_token=auth_token,
                 progress=lambda n: progress.update(task, advance=n),
             )
+    except ReplayStopped as stopped:
+        # What was measured before the end came is worth showing: the report, then why it
+        # is partial, with the exit code of its cause.
+        _show(stopped.report.to_dict(), as_json, also_failed=str(stopped), code=stopped.exit_code)
+        return
     except ClientError as exc:
         fail(f"replay through {url} failed: {exc}", 1)
     _show(report.to_dict(), as_json)
@@ -551,9 +562,10 @@ def _print_table(table: Any) -> None:
     stdout.print(table, width=None if stdout.is_terminal else 200)
 
 
-def _show(document: dict[str, Any], as_json: bool, also_failed: str | None = None) -> None:
-    """Print the report; then one error line and exit 1 when a retrieved block was corrupt
-    or ``also_failed`` names what failed after the replay (both, when both happened)."""
+def _show(document: dict[str, Any], as_json: bool, also_failed: str | None = None, code: int = 1) -> None:
+    """Print the report; then one error line and exit ``code`` (1 unless a signal's) when a
+    retrieved block was corrupt or ``also_failed`` names what ended the replay or failed
+    after it (both, when both happened)."""
     from lmcache_tiers.replay.report import replay_table
 
     if as_json:
@@ -564,4 +576,4 @@ def _show(document: dict[str, Any], as_json: bool, also_failed: str | None = Non
     if document["corrupt_blocks"]:
         failures.insert(0, f"{document['corrupt_blocks']} retrieved blocks did not hold their own bytes")
     if failures:
-        fail("; ".join(failures), 1)
+        fail("; ".join(failures), code)

@@ -28,8 +28,10 @@ from lmcache_tiers.replay.run import (
     ProgressHook,
     ReplayOptions,
     ReplayReport,
+    ReplayStopped,
     check_pacing,
     paced,
+    signal_of,
     status_delta,
 )
 from lmcache_tiers.replay.trace import Trace, TraceRequest
@@ -182,19 +184,49 @@ def replay_in_process(
             "give smaller blocks"
         ) from None
     finished = False
+    interrupted: KeyboardInterrupt | SystemExit | None = None
     signals = _SignalsAfterClose()
     try:
         with signals, StorageManager(config, registry) as storage:
             before = storage.status()
-            _replay_all(storage, trace, options, state, scratch, progress)
+            try:
+                _replay_all(storage, trace, options, state, scratch, progress)
+            except (KeyboardInterrupt, SystemExit) as exc:
+                # Ctrl-C or SIGTERM (``signals_unwind``): what was measured is reported once
+                # the storage has closed (a second signal meanwhile is ignored).
+                interrupted = exc
             after = storage.status()
-            finished = True
-            signals.hold()  # from here on the close runs to its end, whatever signal comes
+            finished = interrupted is None
+            if finished:
+                signals.hold()  # from here on the close runs to its end, whatever signal comes
     except StorageCloseFailed as failed:
+        if interrupted is not None:
+            raise _stopped(config, options, state, trace, before, after, interrupted, failed) from failed
         if not finished:
             raise
         raise ReplayCloseFailed(_report(config, options, state, before, after), failed) from failed
+    if interrupted is not None:
+        raise _stopped(config, options, state, trace, before, after, interrupted) from interrupted
     return _report(config, options, state, before, after)
+
+
+def _stopped(
+    config: ServerConfig,
+    options: ReplayOptions,
+    state: ClientState,
+    trace: Trace,
+    before: dict[str, Any],
+    after: dict[str, Any],
+    interrupted: KeyboardInterrupt | SystemExit,
+    close_failed: StorageCloseFailed | None = None,
+) -> ReplayStopped:
+    """The partial report of a replay a signal stopped, as the error that carries it."""
+    name, code = signal_of(interrupted)
+    stopped = f"interrupted ({name}) after {state.totals.requests:,} of {len(trace.requests):,} requests"
+    message = f"the replay was {stopped}"
+    if close_failed is not None:
+        message += f"; closing its storage failed: {close_failed}"
+    return ReplayStopped(message, _report(config, options, state, before, after, stopped), code)
 
 
 class _SignalsAfterClose:
@@ -263,11 +295,13 @@ def _replay_all(
     began = time.perf_counter()
     origin = trace.requests[0].timestamp_ms
     requests = list(enumerate(trace.requests))
-    for _, request in paced(requests, options.time_scale, origin_ms=origin, start=time.monotonic()):
-        _replay_one(storage, request, state, scratch, options.timeout_s)
-        if progress is not None:
-            progress(1)
-    state.totals.seconds = time.perf_counter() - began
+    try:
+        for _, request in paced(requests, options.time_scale, origin_ms=origin, start=time.monotonic()):
+            _replay_one(storage, request, state, scratch, options.timeout_s)
+            if progress is not None:
+                progress(1)
+    finally:
+        state.totals.seconds = time.perf_counter() - began  # also of a replay cut short
     storage.flush(timeout=options.timeout_s)  # count the L2 stores still in flight
 
 
@@ -277,6 +311,7 @@ def _report(
     state: ClientState,
     before: dict[str, Any],
     after: dict[str, Any],
+    stopped: str | None = None,
 ) -> ReplayReport:
     where = f"L1 {config.l1_size_bytes} bytes, {len(config.l2_adapters)} L2 adapter(s)"
-    return ReplayReport("in-process", where, options, 1, state.totals, status_delta(before, after))
+    return ReplayReport("in-process", where, options, 1, state.totals, status_delta(before, after), stopped)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 from lmcache_tiers.replay.simulate import BELADY, EXACT_LRU, INFINITE, CapacityPoint, TierSettings
@@ -184,8 +185,25 @@ def _bytes(value: float) -> str:
     return f"{value:.0f} B"
 
 
+#: what the table shows for a figure only the server counts when its counters are unknown
+UNKNOWN = "unknown"
+
+
+def _pct_or_unknown(value: float | None) -> str:
+    return UNKNOWN if value is None else _pct(value)
+
+
+def _bytes_or_unknown(value: float | None) -> str:
+    return UNKNOWN if value is None else _bytes(value)
+
+
+def _count_or_unknown(value: int | None) -> str:
+    return UNKNOWN if value is None else f"{value:,}"
+
+
 def replay_table(document: dict[str, Any]) -> Table:
-    """A replay report document (``ReplayReport.to_dict``) as a table."""
+    """A replay report document (``ReplayReport.to_dict``) as a table.  A figure of the
+    server's counters that could not be read shows as "unknown", never as 0."""
     table = Table(
         title=f"replay ({document['mode']}: {document['target']}, {document['clients']} client(s))",
         title_justify="left",
@@ -195,24 +213,32 @@ def replay_table(document: dict[str, Any]) -> Table:
     table.add_column()
     rates, moved = document["hit_rate"], document["bytes"]
     latency = document["lookup_latency_ms"]
+    if document.get("stopped"):
+        table.add_row("partial", f"[yellow]{escape(document['stopped'])}[/]")
     table.add_row(
         "requests",
         f"{document['requests']:,} in {document['seconds']:.1f} s ({document['requests_per_s']:,.0f}/s)",
     )
     table.add_row(
         "prefix hit rate (blocks)",
-        f"{_pct(rates['blocks'])} total, {_pct(rates['l1_blocks'])} L1, {_pct(rates['l2_blocks'])} L2",
+        f"{_pct(rates['blocks'])} total, {_pct_or_unknown(rates['l1_blocks'])} L1, "
+        f"{_pct_or_unknown(rates['l2_blocks'])} L2",
     )
     table.add_row(
         "prefix hit rate (tokens)",
-        f"{_pct(rates['tokens'])} total, {_pct(rates['l1_tokens'])} L1, {_pct(rates['l2_tokens'])} L2",
+        f"{_pct(rates['tokens'])} total, {_pct_or_unknown(rates['l1_tokens'])} L1, "
+        f"{_pct_or_unknown(rates['l2_tokens'])} L2",
     )
     table.add_row(
         "L1 bytes", f"{_bytes(moved['l1_stored'])} stored, {_bytes(moved['l1_retrieved'])} retrieved"
     )
-    table.add_row("L2 bytes", f"{_bytes(moved['l2_stored'])} stored, {_bytes(moved['l2_loaded'])} loaded")
     table.add_row(
-        "evicted blocks", f"L1 {document['evicted_blocks']['l1']:,}, L2 {document['evicted_blocks']['l2']:,}"
+        "L2 bytes",
+        f"{_bytes_or_unknown(moved['l2_stored'])} stored, {_bytes_or_unknown(moved['l2_loaded'])} loaded",
+    )
+    evicted = document["evicted_blocks"]
+    table.add_row(
+        "evicted blocks", f"L1 {_count_or_unknown(evicted['l1'])}, L2 {_count_or_unknown(evicted['l2'])}"
     )
     if latency["p50"] is not None:
         table.add_row("lookup latency", f"p50 {latency['p50']:.3f} ms, p99 {latency['p99']:.3f} ms")
@@ -225,6 +251,9 @@ def replay_table(document: dict[str, Any]) -> Table:
     for label, count in problems.items():
         if count:
             table.add_row(label, f"[red]{count:,}[/]")
-    for reason, count in sorted(document["server_failures"].items()):
-        table.add_row(f"server: {reason}", f"[red]{count:,}[/]")
+    if document["server_failures"] is None:
+        table.add_row("server failures", UNKNOWN)
+    else:
+        for reason, count in sorted(document["server_failures"].items()):
+            table.add_row(f"server: {reason}", f"[red]{count:,}[/]")
     return table

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.errors import ConfigError, TiersError
 from lmcache_tiers.replay.trace import REPLAY_MODEL, REPLAY_SALT, KeySpace, Trace, TraceRequest
 
 logger = logging.getLogger(__name__)
@@ -218,20 +219,26 @@ def status_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
 
 @dataclass
 class ReplayReport:
-    """The outcome of a replay with real bytes, as shown and as ``--json``."""
+    """The outcome of a replay with real bytes, as shown and as ``--json``.
+
+    ``server`` is the ``status_delta`` of the storage's own counters, None when they could
+    not be read (the server stopped answering): the figures only the server counts -- the
+    L1/L2 split, L2 traffic, evictions, its failure counters -- are then unknown (None),
+    never zero.  ``stopped`` says why a replay ended before its last request or without
+    those counters (None: it ran to its end and has them all)."""
 
     mode: str  # "server" or "in-process"
     target: str
     options: ReplayOptions
     clients: int
     totals: ReplayTotals
-    server: dict[str, Any]
+    server: dict[str, Any] | None
+    stopped: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        totals, server, block = self.totals, self.server, self.options.block_bytes
+        totals, block = self.totals, self.options.block_bytes
         latencies = totals.lookup_latencies_s
         seconds = totals.seconds
-        l1_hits, l2_hits = server.get("l1_hit_blocks", 0), server.get("l2_hit_blocks", 0)
 
         def rate(part: int, whole: int) -> float:
             return part / whole if whole else 0.0
@@ -250,25 +257,21 @@ class ReplayReport:
             "hit_rate": {
                 "blocks": rate(totals.hit_blocks, totals.blocks),
                 "tokens": rate(totals.hit_tokens, totals.tokens),
-                "l1_blocks": rate(l1_hits, totals.blocks),
-                "l2_blocks": rate(l2_hits, totals.blocks),
-                # tokens split in the blocks' proportion: the server counts chunks per tier
-                "l1_tokens": rate(totals.hit_tokens, totals.tokens) * rate(l1_hits, l1_hits + l2_hits),
-                "l2_tokens": rate(totals.hit_tokens, totals.tokens) * rate(l2_hits, l1_hits + l2_hits),
+                **self._tier_rates(),
             },
             "hit_blocks": totals.hit_blocks,
             "hit_tokens": totals.hit_tokens,
-            "l1_hit_blocks": l1_hits,
-            "l2_hit_blocks": l2_hits,
+            "l1_hit_blocks": self._counted("l1_hit_blocks"),
+            "l2_hit_blocks": self._counted("l2_hit_blocks"),
             "bytes": {
                 "l1_stored": totals.stored_blocks * block,
                 "l1_retrieved": totals.retrieved_bytes,
-                "l2_stored": server.get("l2_stored_blocks", 0) * block,
-                "l2_loaded": server.get("l2_loaded_blocks", 0) * block,
+                "l2_stored": self._counted("l2_stored_blocks", block),
+                "l2_loaded": self._counted("l2_loaded_blocks", block),
             },
             "evicted_blocks": {
-                "l1": server.get("l1_evicted_blocks", 0),
-                "l2": server.get("l2_evicted_blocks", 0),
+                "l1": self._counted("l1_evicted_blocks"),
+                "l2": self._counted("l2_evicted_blocks"),
             },
             "lookup_latency_ms": {
                 "p50": _ms(percentile(latencies, 0.50)),
@@ -279,8 +282,56 @@ class ReplayReport:
             "short_retrieves": totals.short_retrieves,
             "corrupt_blocks": totals.corrupt_blocks,
             "failed_requests": totals.failed_requests,
-            "server_failures": server.get("failures", {}),
+            "server_failures": None if self.server is None else self.server.get("failures", {}),
+            "stopped": self.stopped,
         }
+
+    def _counted(self, name: str, unit: int = 1) -> int | None:
+        """A figure of the server's counters (times ``unit``); None when they are unknown."""
+        return None if self.server is None else int(self.server.get(name, 0)) * unit
+
+    def _tier_rates(self) -> dict[str, float | None]:
+        """The hit rates per tier, from the server's chunk counters (None when unknown)."""
+        totals, server = self.totals, self.server
+        if server is None:
+            return dict.fromkeys(("l1_blocks", "l2_blocks", "l1_tokens", "l2_tokens"))
+        l1_hits, l2_hits = server.get("l1_hit_blocks", 0), server.get("l2_hit_blocks", 0)
+
+        def rate(part: int, whole: int) -> float:
+            return part / whole if whole else 0.0
+
+        token_rate = rate(totals.hit_tokens, totals.tokens)
+        return {
+            "l1_blocks": rate(l1_hits, totals.blocks),
+            "l2_blocks": rate(l2_hits, totals.blocks),
+            # tokens split in the blocks' proportion: the server counts chunks per tier
+            "l1_tokens": token_rate * rate(l1_hits, l1_hits + l2_hits),
+            "l2_tokens": token_rate * rate(l2_hits, l1_hits + l2_hits),
+        }
+
+
+class ReplayStopped(TiersError):
+    """A replay with real bytes that ended before its last request (the server stopped answering,
+    Ctrl-C, SIGTERM) or, through a server, whose server's closing counters could not be read.  ``report`` is
+    what was measured until then, ``report.stopped`` saying why it is partial;
+    ``exit_code`` is the one the cause asks for (1 for a failure, 128 + the signal's number
+    for a signal)."""
+
+    def __init__(self, message: str, report: ReplayReport, exit_code: int) -> None:
+        super().__init__(message)
+        self.report = report
+        self.exit_code = exit_code
+
+
+def signal_of(exc: KeyboardInterrupt | SystemExit) -> tuple[str, int]:
+    """The signal a replay was stopped by (``signals_unwind`` raises these) and its exit code."""
+    if isinstance(exc, KeyboardInterrupt):
+        return signal.SIGINT.name, 128 + signal.SIGINT
+    code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+    try:
+        return signal.Signals(code - 128).name, code
+    except ValueError:
+        return f"exit {code}", code
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import threading
 import time
@@ -27,9 +28,11 @@ from lmcache_tiers.replay.run import (
     ProgressHook,
     ReplayOptions,
     ReplayReport,
+    ReplayStopped,
     ReplayTotals,
     check_pacing,
     paced,
+    signal_of,
     status_delta,
 )
 from lmcache_tiers.replay.trace import Trace, TraceRequest
@@ -163,9 +166,33 @@ def replay_share(
     start: float,
     auth_token: str | None = None,
     progress: ProgressHook | None = None,
+    totals: ReplayTotals | None = None,
 ) -> ReplayTotals:
-    """One client's share of the trace; ``progress(n)`` after every n requests."""
+    """One client's share of the trace; ``progress(n)`` after every n requests.  Counted
+    into ``totals`` when given, which then hold what was measured also when the share
+    ends early (an exception: the server stopped answering, Ctrl-C, SIGTERM)."""
     state = ClientState.for_options(options)
+    if totals is not None:
+        state.totals = totals
+    try:
+        _replay_requests(url, requests, options, state, origin_ms, start, auth_token, progress)
+    finally:
+        # From the start all clients share (the first request is due then), so that the
+        # slowest client's figure, which the merge keeps, is the replay's wall time.
+        state.totals.seconds = max(0.0, time.monotonic() - start)
+    return state.totals
+
+
+def _replay_requests(
+    url: str,
+    requests: Sequence[tuple[int, TraceRequest]],
+    options: ReplayOptions,
+    state: ClientState,
+    origin_ms: float,
+    start: float,
+    auth_token: str | None,
+    progress: ProgressHook | None,
+) -> None:
     totals = state.totals
     unanswered = 0
     with Client(url, timeout=options.timeout_s, auth_token=auth_token, name="replay") as client:
@@ -184,10 +211,6 @@ def replay_share(
                     ) from None
             if progress is not None:
                 progress(1)
-    # From the start all clients share (the first request is due then), so that the
-    # slowest client's figure, which the merge keeps, is the replay's wall time.
-    totals.seconds = max(0.0, time.monotonic() - start)
-    return totals
 
 
 def _worker(
@@ -209,15 +232,24 @@ def _worker(
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(target=_end_with, args=(parent,), name="replay-parent", daemon=True).start()
+    totals = ReplayTotals()
     try:
         # The parent stops a client with SIGTERM: it unwinds, giving back what it holds.
         with signals_unwind():
-            totals = replay_share(
-                url, requests, options, origin_ms=origin_ms, start=start, auth_token=auth_token, progress=bump
+            replay_share(
+                url,
+                requests,
+                options,
+                origin_ms=origin_ms,
+                start=start,
+                auth_token=auth_token,
+                progress=bump,
+                totals=totals,
             )
         results.put(("ok", totals))
     except BaseException as exc:  # the parent reports it; a worker must always answer
-        results.put(("error", f"{type(exc).__name__}: {exc}"))
+        # with what it measured until then, which the parent's partial report adds up
+        results.put(("error", (f"{type(exc).__name__}: {exc}", totals)))
 
 
 def _end_with(parent: Any) -> None:
@@ -238,7 +270,11 @@ def replay_server(
     auth_token: str | None = None,
     progress: ProgressHook | None = None,
 ) -> ReplayReport:
-    """Replay ``trace`` against the server at ``url``; ClientError if it cannot be reached."""
+    """Replay ``trace`` against the server at ``url``; ClientError if it cannot be reached.
+
+    A replay that starts and then ends early -- the server stops answering, Ctrl-C,
+    SIGTERM -- or whose server does not give its counters after the last request raises
+    :class:`ReplayStopped`, which carries the report of what was measured."""
     if clients < 1:
         raise ValueError("clients must be at least 1")
     check_pacing(trace, options.time_scale)
@@ -256,10 +292,60 @@ def _replay_server(
 ) -> ReplayReport:
     with Client(url, timeout=options.timeout_s, auth_token=auth_token, name="replay-status") as probe:
         before = probe.status()
+    totals = ReplayTotals()
+
+    def report(after: dict[str, Any] | None, stopped: str | None = None) -> ReplayReport:
+        server = None if after is None else status_delta(before, after)
+        return ReplayReport("server", url, options, clients, totals, server, stopped)
+
+    def measured() -> str:
+        return f"after {totals.requests:,} of {len(trace.requests):,} requests"
+
+    try:
+        _replay_all(url, trace, options, clients, auth_token, progress, totals)
+    except ClientError as exc:
+        # The server stopped answering (or a client process failed): a last STATUS may
+        # still come from a server that answers again, within the clean-up bound.
+        after, _ = _closing_status(url, auth_token, min(options.timeout_s, CLEANUP_TIMEOUT_S))
+        logger.warning("replay: ended early %s: %s", measured(), exc)
+        raise ReplayStopped(
+            f"replay through {url} failed: {exc}", report(after, f"{exc} ({measured()})"), 1
+        ) from exc
+    except (KeyboardInterrupt, SystemExit) as exc:
+        name, code = signal_of(exc)
+        # A short wait only: the user asked to stop (a second signal is ignored meanwhile).
+        after, unread = _closing_status(url, auth_token, min(options.timeout_s, CLEANUP_TIMEOUT_S))
+        stopped = f"interrupted ({name}) {measured()}"
+        if unread is not None:
+            stopped += f"; the server's counters could not be read: {unread}"
+        raise ReplayStopped(f"the replay was {stopped}", report(after, stopped), code) from exc
+    after, unread = _closing_status(url, auth_token, options.timeout_s)
+    if unread is not None:
+        stopped = f"the server's counters could not be read after the last request: {unread}"
+        logger.warning("replay: %s", stopped)
+        raise ReplayStopped(
+            f"the replay ran its {totals.requests:,} requests but the server's counters could not be "
+            f"read: {unread}",
+            report(None, stopped),
+            1,
+        )
+    return report(after)
+
+
+def _replay_all(
+    url: str,
+    trace: Trace,
+    options: ReplayOptions,
+    clients: int,
+    auth_token: str | None,
+    progress: ProgressHook | None,
+    totals: ReplayTotals,
+) -> None:
+    """Every request of ``trace``, by ``clients`` clients, counted into ``totals``."""
     indexed = list(enumerate(trace.requests))
     origin = trace.requests[0].timestamp_ms
     if clients == 1:
-        totals = replay_share(
+        replay_share(
             url,
             indexed,
             options,
@@ -267,12 +353,21 @@ def _replay_server(
             start=time.monotonic(),
             auth_token=auth_token,
             progress=progress,
+            totals=totals,
         )
     else:
-        totals = _replay_in_processes(url, indexed, options, clients, origin, auth_token, progress)
-    with Client(url, timeout=options.timeout_s, auth_token=auth_token, name="replay-status") as probe:
-        after = _settled_status(probe, options.timeout_s)
-    return ReplayReport("server", url, options, clients, totals, status_delta(before, after))
+        _replay_in_processes(url, indexed, options, clients, origin, auth_token, progress, totals)
+
+
+def _closing_status(
+    url: str, auth_token: str | None, timeout_s: float
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The server's STATUS once its L2 stores settled, or None and why it could not be read."""
+    try:
+        with Client(url, timeout=timeout_s, auth_token=auth_token, shm=False, name="replay-status") as probe:
+            return _settled_status(probe, timeout_s), None
+    except ClientError as exc:
+        return None, str(exc)
 
 
 def _settled_status(probe: Client, timeout_s: float) -> dict[str, Any]:
@@ -304,7 +399,10 @@ def _replay_in_processes(
     origin: float,
     auth_token: str | None,
     progress: ProgressHook | None,
-) -> ReplayTotals:
+    totals: ReplayTotals,
+) -> None:
+    """The requests shared by ``clients`` processes; what each measured is merged into
+    ``totals``, also that of a client stopped early."""
     context = multiprocessing.get_context("spawn")  # no inherited sockets or locks
     counter = context.Value("q", 0)
     results = context.Queue()
@@ -321,22 +419,28 @@ def _replay_in_processes(
     ]
     for worker in workers:
         worker.start()
-    totals = ReplayTotals()
     errors: list[str] = []
     reported = 0
     answers = 0
+
+    def take(status: str, payload: Any) -> None:
+        nonlocal answers
+        if status == "ok":
+            totals.merge(payload)
+        else:
+            message, partial = payload
+            errors.append(message)
+            totals.merge(partial)
+        answers += 1
+
     try:
         while answers < clients:
             try:
                 status, payload = results.get(timeout=0.2)
-            except Exception:  # queue.Empty: keep the progress moving
+            except queue.Empty:  # keep the progress moving
                 status = None
-            if status == "ok":
-                totals.merge(payload)
-                answers += 1
-            elif status == "error":
-                errors.append(payload)
-                answers += 1
+            if status is not None:
+                take(status, payload)
             elif not any(worker.is_alive() for worker in workers) and results.empty():
                 errors.append("a replay client process died without a result")
                 break
@@ -354,14 +458,28 @@ def _replay_in_processes(
                 if worker.is_alive():
                     worker.terminate()
             grace = time.monotonic() + WORKER_GRACE_S
+            # Their answers, read as they come (a client's exit waits for its answer to be
+            # read off the pipe), add what each measured to the partial report.
+            while answers < clients and time.monotonic() < grace:
+                try:
+                    take(*results.get(timeout=0.1))
+                except queue.Empty:
+                    if not any(worker.is_alive() for worker in workers):
+                        break
             for worker in workers:
                 worker.join(timeout=max(0.0, grace - time.monotonic()))
                 if worker.is_alive():
                     worker.kill()
+            if answers < clients:
+                logger.warning(
+                    "replay: %d of %d client processes ended without their figures: their requests "
+                    "are not in the report",
+                    clients - answers,
+                    clients,
+                )
         for worker in workers:
             worker.join(timeout=10)
             if worker.is_alive():
                 worker.kill()
     if errors:
         raise ClientError(f"{len(errors)} of {clients} replay clients failed: {errors[0]}")
-    return totals
