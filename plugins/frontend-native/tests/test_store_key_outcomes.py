@@ -5,6 +5,10 @@ refused, under the reason it was -- what ``store_keys_skipped_total`` and
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+
+import pytest
+import zmq
 
 from lmcache_tiers.client import Client, ServerError
 from lmcache_tiers.keys import ObjectKey
@@ -55,3 +59,30 @@ def test_each_key_a_store_names_is_counted_once_under_its_outcome(server: TiersS
     assert refused == {"invalid_argument": 2}
     # 1 + 3 + 2 keys reserved, 2 refused: every one counted once
     assert stats.store_chunks + sum(skipped.values()) + sum(refused.values()) == 8
+
+
+def test_a_refused_store_counts_its_keys_whichever_step_refused_it(
+    make_server: Callable[..., TiersServer],
+) -> None:
+    # The keys a refusal leaves unstored are worked out only when a request is refused:
+    # before dispatch (the token), in dispatch, and in the pool (a STORE_INLINE L1 has no
+    # room for); requests that store nothing are refused without counting any.
+    server = make_server(server_options={"auth_token": "secret"})
+    k = keys_of(3)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    try:
+        for request in (p.StoreReserve(0, "wrong", k[:2], [4096] * 2), p.Lookup(0, "wrong", k)):
+            sock.send(p.encode(request))
+            assert sock.poll(10_000), "no reply"
+            reply = p.reply_decoder.decode(sock.recv())
+            assert isinstance(reply, p.ErrorReply) and reply.code == p.ErrorCode.UNAUTHORIZED.value
+    finally:
+        sock.close(0)
+    with Client(server.endpoint, auth_token="secret", shm=False) as writer:
+        with pytest.raises(ServerError) as refused:  # more than all of L1, refused in the pool
+            writer.store(k, [bytes(40 << 20)] * 3, l1_only=True)
+        assert refused.value.code is p.ErrorCode.OUT_OF_MEMORY
+    refused_keys = {reason: count for reason, count in stats_of(server).store_keys_refused.items() if count}
+    assert refused_keys == {"unauthorized": 2, "out_of_memory": 3}

@@ -171,11 +171,15 @@ class RpcServer:
             req_id, code = p.diagnose_undecodable(header)
             self._fail(identity, req_id, code, f"cannot decode request: {str(exc)[:200]}")
             return
-        # the keys a refusal of this request leaves unstored (counted per key as well)
-        store_keys = _store_keys(request)
+        # A refusal also counts the keys it leaves unstored (``_store_keys``), worked out
+        # there: most requests are served, and name none.
         if self._token is not None and not hmac.compare_digest(request.token.encode(), self._token):
             self._fail(
-                identity, request.req_id, p.ErrorCode.UNAUTHORIZED, "missing or wrong auth token", store_keys
+                identity,
+                request.req_id,
+                p.ErrorCode.UNAUTHORIZED,
+                "missing or wrong auth token",
+                _store_keys(request),
             )
             return
         if too_large:
@@ -185,28 +189,32 @@ class RpcServer:
                 p.ErrorCode.TOO_LARGE,
                 f"request with {total} payload bytes is over the limit "
                 f"({self.max_request_bytes} bytes, {self.max_frames} frames)",
-                store_keys,
+                _store_keys(request),
             )
             return
         if self.draining:
             self._fail(
-                identity, request.req_id, p.ErrorCode.SHUTTING_DOWN, "server is shutting down", store_keys
+                identity,
+                request.req_id,
+                p.ErrorCode.SHUTTING_DOWN,
+                "server is shutting down",
+                _store_keys(request),
             )
             return
         self.stats.requests[type(request).__name__] += 1
         try:
             result = self.handlers.dispatch(request, identity, frames)
         except Exception as exc:
-            self._fail_with(identity, request.req_id, exc, store_keys)
+            self._fail_with(identity, request.req_id, exc, _store_keys(request))
             return
         if isinstance(result, Deferred):
-            self._submit(identity, request.req_id, result, store_keys)
+            self._submit(identity, request, result)
         else:
             self._send(identity, *result)
 
     # -- pool hand-off ---------------------------------------------------------------------
 
-    def _submit(self, identity: bytes, req_id: int, deferred: Deferred, store_keys: int) -> None:
+    def _submit(self, identity: bytes, request: p._Request, deferred: Deferred) -> None:
         def done(finish: Callable[[], Response] | None, error: BaseException | None) -> None:
             if deferred.cleanup is not None:
                 deferred.cleanup()
@@ -219,7 +227,7 @@ class RpcServer:
                     self._send(identity, reply, payloads)
                     return
             assert error is not None
-            self._fail_with(identity, req_id, error, store_keys)
+            self._fail_with(identity, request.req_id, error, _store_keys(request))
 
         self.router.submit(deferred.work, done)
 
