@@ -25,6 +25,18 @@ def test_simulation_tables_name_every_policy_and_the_time(tmp_path: Path) -> Non
         assert text in result.stdout
 
 
+def test_tables_written_to_a_file_or_pipe_are_whole(tmp_path: Path) -> None:
+    """Written to a pipe, the tables were cut to 80 columns: "0.97…" in place of a miss
+    ratio, policy names cut short, in the very report saved for later."""
+    trace = str(small_trace(tmp_path / "t.jsonl"))
+    args = ["replay", trace, "--simulate", "--capacity", "8,16,32", "--foresight", "0,10,all"]
+    result = run_cli(args, COLUMNS="80")
+    assert result.returncode == 0, result.stderr
+    assert "…" not in result.stdout, result.stdout
+    for name in ("PREFIX_LFU", "next use <= 10", "capacity (blocks)"):
+        assert name in result.stdout, result.stdout
+
+
 def test_oracles_and_the_retimed_model_are_reported(tmp_path: Path) -> None:
     trace = str(small_trace(tmp_path / "t.jsonl"))
     args = ["replay", trace, "--simulate", "--capacity", "8,16", "--foresight", "0,all", "--retime", "1"]
