@@ -568,9 +568,10 @@ def _print_table(table: Any) -> None:
     from rich.console import Console
     from rich.measure import Measurement
 
-    natural = Measurement.get(stdout, stdout.options.update(width=1 << 16), table).maximum
-    wide = Console(file=stdout.file, highlight=False, soft_wrap=True, width=max(stdout.width, natural))
-    wide.print(table)
+    needs = Measurement.get(stdout, stdout.options.update(width=1 << 16), table)
+    # Up to 200 columns as the table likes, wider only where less would cut a word.
+    width = max(stdout.width, min(needs.maximum, 200), needs.minimum)
+    Console(file=stdout.file, highlight=False, soft_wrap=True, width=width).print(table)
 
 
 def _show(document: dict[str, Any], as_json: bool, also_failed: str | None = None, code: int = 1) -> None:
