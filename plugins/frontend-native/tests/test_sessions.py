@@ -227,6 +227,29 @@ def test_a_key_holding_one_lock_keeps_no_dict_of_its_own() -> None:
     assert sum(isinstance(held, dict) for held in session._locks.values()) == 1
 
 
+def test_records_of_one_deadline_add_to_whatever_each_key_holds() -> None:
+    # Indexing records that all lock at one deadline (the usual case) takes a shorter path
+    # per key: a key holding nothing, one lock at that deadline or another, or counts
+    # already, and named once, several times by one record, or by several records.
+    session = SessionTable(lock_ttl_s=10, write_ttl_s=20).get(b"client", now=0.0)
+    a, b, c, d, e = (ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(5))
+    session.add_read_locks([a], 20.0)
+    session.add_read_locks([b], 10.0)
+    session.add_read_locks([c, c], 20.0)
+    session.lock_deadlines  # noqa: B018 -- a: 20.0 alone, b: 10.0 alone, c: {20.0: 2}
+    session.add_read_locks([a, b, c, d], 20.0)
+    session.add_read_locks([a, d, e, e], 20.0)
+    session.add_read_locks([a, d, e, e], 20.0)  # the same keys again: one record, two locks
+    assert session.lock_deadlines == {
+        a: {20.0: 4},
+        b: {10.0: 1, 20.0: 1},
+        c: {20.0: 3},
+        d: {20.0: 3},
+        e: {20.0: 4},
+    }
+    assert session.take_read_locks([b], now=5.0) == {(2, 10.0): [b]}
+
+
 def test_a_lock_filed_under_an_earlier_deadline_lives_to_its_own() -> None:
     # A lock forgotten as expired by a RELEASE of one lock leaves its key filed under the
     # old deadline; a lock the key took since must outlive that deadline's sweep.

@@ -194,11 +194,12 @@ class Session:
             shared: Iterable[_Held] = repeat(one_lock) if one_lock is not None else map(dict, repeat(items))
             locks.update(zip(times, shared, strict=False))
             return
+        if len(items) == 1:
+            # One deadline (the usual case): a key's locks become a count more there.
+            _add_at_one_deadline(locks, times, *items[0])
+            return
         for key, named in times.items():
             held = locks.get(key)
-            if held is None and named == 1 and one_lock is not None:
-                locks[key] = one_lock
-                continue
             if held is None:
                 held = locks[key] = {}
             elif not isinstance(held, dict):
@@ -417,6 +418,23 @@ class Session:
         for key in expired:
             del writes[key]
         return len(expired)
+
+
+def _add_at_one_deadline(
+    locks: dict[ObjectKey, _Held], times: Mapping[ObjectKey, int], deadline: float, count: int
+) -> None:
+    """``count`` more locks at ``deadline`` per time each key of ``times`` is named."""
+    for key, named in times.items():
+        held = locks.get(key)
+        added = count * named
+        if held is None:
+            locks[key] = deadline if added == 1 else {deadline: added}
+        elif type(held) is dict:
+            held[deadline] = held.get(deadline, 0) + added
+        elif held == deadline:
+            locks[key] = {deadline: 1 + added}
+        else:
+            locks[key] = {held: 1, deadline: added}
 
 
 def _deadlines(held: _Held) -> Collection[float]:
