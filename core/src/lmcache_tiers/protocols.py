@@ -261,7 +261,17 @@ class PrefetchPolicy(Protocol):
 
 @runtime_checkable
 class EvictionPolicy(Protocol):
-    """Orders keys for eviction; used for L1 and for each L2 adapter alike."""
+    """Orders keys for eviction; used for L1 and for each L2 adapter alike.
+
+    Optional, both or neither: ``set_aside(keys)`` and ``put_back(keys)``.  L1 eviction
+    calls ``set_aside`` once a walk is over with the keys it passed over because their
+    objects were read-locked (in walk order), and ``put_back`` before a later walk with
+    those of them whose locks ended or that left L1 (in any order).  Between the two the
+    policy leaves them out of its walks; put back, it offers them where its order puts
+    them.  Reads, writes and removals of keys set aside are reported as usual; ``put_back``
+    ignores keys it does not hold aside.  Without the pair, a policy that puts locked
+    objects first is walked past every one of them on every write that evicts.
+    """
 
     def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
         """Keys became present; later keys of a batch must be evicted first."""

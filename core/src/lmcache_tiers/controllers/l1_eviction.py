@@ -120,6 +120,11 @@ class L1EvictionController(ControllerThread):
         # Keys whose removal the policy failed to take (under the L1 lock): it may still
         # offer them, and a walk's bound must leave room to get past them all.
         self.removals_unreported = 0
+        # A policy with both optional hooks leaves the locked keys a walk passed over out of
+        # its walks until their locks end (``EvictionPolicy``): a full L1 whose policy puts
+        # locked objects first then walks past each once, not on every write.
+        set_aside, put_back = getattr(policy, "set_aside", None), getattr(policy, "put_back", None)
+        self._sets_aside = callable(set_aside) and callable(put_back)
         l1.add_listener(self._feed)
 
     def evict_now(self, bytes_to_free: int, *, spare_unstored: bool = False) -> int:
@@ -131,8 +136,10 @@ class L1EvictionController(ControllerThread):
         if bytes_to_free <= 0:
             return 0
         with self.l1.lock:
+            self._put_back_unlocked()
             before, objects = self.l1.used_bytes, len(self.l1)
             walk: Iterator[ObjectKey] | None = None
+            passed_locked: list[ObjectKey] | None = [] if self._sets_aside else None
             try:
                 # victims() is created inside the L1 lock: no listener can touch the
                 # policy while its iterator is alive.
@@ -143,7 +150,9 @@ class L1EvictionController(ControllerThread):
                 with plugin_code():
                     walk = self.policy.victims()
                 victims = bounded_walk(plugin_walk(walk), limit, self._walk_overran)
-                eviction = self.l1.make_room(bytes_to_free, victims, spare_unstored=spare_unstored)
+                eviction = self.l1.make_room(
+                    bytes_to_free, victims, spare_unstored=spare_unstored, passed_locked=passed_locked
+                )
             except Exception:
                 # A broken policy must not fail the write or prefetch that needed room.  The
                 # victims it offered before failing are evicted all the same: count them.
@@ -159,6 +168,8 @@ class L1EvictionController(ControllerThread):
             self._close_walk(walk)
             if not eviction.keys:
                 end_fruitless_walk(self.policy, self._policy_failed)
+            if passed_locked:
+                self._set_aside(passed_locked)
             freed = before - self.l1.used_bytes
         self._count_evicted(len(eviction.keys), freed)
         if eviction.unstored:
@@ -169,6 +180,31 @@ class L1EvictionController(ControllerThread):
                 "small to make room for a write (L2 stores are slower than the writes)",
             )
         return freed
+
+    def _set_aside(self, keys: list[ObjectKey]) -> None:
+        """Ask the policy, its walk over, to leave out of its walks the locked ``keys`` the
+        walk passed over.  L1 remembers them whether or not the policy raises: a policy
+        that still offers them is only walked past them again, and each is put back (a
+        key it does not hold aside is ignored) once its lock ends."""
+        try:
+            with plugin_code():
+                self.policy.set_aside(keys)  # type: ignore[attr-defined]
+        except Exception:
+            self._policy_failed()
+
+    def _put_back_unlocked(self) -> None:
+        """Give the policy back the keys set aside whose locks have ended, before it walks:
+        they are evictable again, in its order.  The caller holds the L1 lock."""
+        if not self._sets_aside:
+            return
+        keys = self.l1.take_unlocked_set_aside()
+        if not keys:
+            return
+        try:
+            with plugin_code():
+                self.policy.put_back(keys)  # type: ignore[attr-defined]
+        except Exception:
+            self._policy_failed()
 
     def _close_walk(self, walk: Iterator[ObjectKey] | None) -> None:
         """Close the policy's walk under the L1 lock, as plugin code (``close_walk``); a

@@ -89,8 +89,13 @@ class ObjectTable:
         self.objects: dict[ObjectKey, L1Object] = {}
         self.ready: dict[ObjectKey, L1Object] = {}  # READY objects of ``objects``
         self.locked: dict[ObjectKey, L1Object] = {}
-        #: the sum of ``extent_bytes`` over ``locked`` (see the module docstring)
-        self.locked_extent_bytes = 0
+        # the sum of ``extent_bytes`` over ``locked`` (see the module docstring)
+        self._locked_extent_bytes = 0
+        #: how many times that total dropped through ``locked_extent_bytes``: read locks
+        #: released or reaped (reads.py, removal.py).  Eviction puts back the locked keys its
+        #: walks set aside only once this moved; commits and detaches, which end no read lock
+        #: (a detached object's key is reported removed), go round it.
+        self.read_unlocks = 0
         self.temporary: set[ObjectKey] = set()
         #: bumped whenever ``ready`` changes, so a caller can tell that a probe it made
         #: of READY objects would find the same objects again
@@ -104,6 +109,21 @@ class ObjectTable:
         # credit the releases of the object's readers to them.
         self._held: set[L1Object] = set()
         self._held_extent_bytes = 0
+
+    @property
+    def locked_extent_bytes(self) -> int:
+        return self._locked_extent_bytes
+
+    @locked_extent_bytes.setter
+    def locked_extent_bytes(self, total: int) -> None:
+        if total < self._locked_extent_bytes:
+            self.read_unlocks += 1
+        self._locked_extent_bytes = total
+
+    def writes_ended(self, unlocked_bytes: int) -> None:
+        """Write reservations made READY without read locks left ``locked``: no read lock
+        ended (see ``read_unlocks``)."""
+        self._locked_extent_bytes -= unlocked_bytes
 
     def check_open(self) -> None:
         if self.closed:
@@ -119,7 +139,7 @@ class ObjectTable:
         """Add new, write-locked objects (by key), all ``temporary`` or none."""
         self.objects.update(objs)
         self.locked.update(objs)
-        self.locked_extent_bytes += sum(obj.extent_bytes for obj in objs.values())
+        self._locked_extent_bytes += sum(obj.extent_bytes for obj in objs.values())
         if temporary:
             self.temporary.update(objs)
 
@@ -139,7 +159,7 @@ class ObjectTable:
             self.ready_version += 1
         unlocked = self.locked.pop(obj.key, None)
         if unlocked is not None:
-            self.locked_extent_bytes -= unlocked.extent_bytes
+            self._locked_extent_bytes -= unlocked.extent_bytes
         self.temporary.discard(obj.key)
 
     def release_extents(self, objs: list[L1Object], taken_by: TakenBy = "forced") -> None:
@@ -208,6 +228,6 @@ class ObjectTable:
         self.ready.clear()
         self.ready_version += 1
         self.locked.clear()
-        self.locked_extent_bytes = 0
+        self._locked_extent_bytes = 0
         self.temporary.clear()
         self.listeners.clear()

@@ -209,7 +209,7 @@ class WriteReservations:
                 unlocked_bytes += obj.extent_bytes
             made.append(obj)
             done.append(True)
-        table.locked_extent_bytes -= unlocked_bytes
+        table.writes_ended(unlocked_bytes)
         table.index_ready(made)
         table.listeners.notify("written", [obj.key for obj in made])
         return done

@@ -4,13 +4,27 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
+from itertools import chain
+from operator import itemgetter
 
 from lmcache_plugin_eviction_lru import LRUConfig
 from lmcache_tiers.plugin import ObjectKey
 
+_STAMP = itemgetter(1)
+
 
 class LRUEvictionPolicy:
-    """Least recently used first; the oldest key sits at the front of the order."""
+    """Least recently used first; the oldest key sits at the front of the order.
+
+    Keys L1 found locked when a walk reached them are set aside (``set_aside``) until their
+    locks end (``put_back``): a full L1 whose oldest objects are read-locked would
+    otherwise be walked past every one of them on every write that evicts.  A key set
+    aside was at the front when the walk passed it, so it is older than every key left in
+    the order and every key touched since (those go to the back): put back, it goes
+    before them all, among the keys put back in the order they were set aside in (each
+    keeps the stamp it was first set aside with).  A read or write of a key set aside
+    makes it the most recent, as for any key.
+    """
 
     def __init__(self, config: LRUConfig | None = None) -> None:
         self.config = config or LRUConfig()
@@ -18,6 +32,11 @@ class LRUEvictionPolicy:
         # The keys of the last read, when every one was moved and nothing changed the
         # order since: reading them again would move them to where they already are.
         self._last_read: list[ObjectKey] | None = None
+        # Keys out of ``_order``, each with its stamp (ascending = oldest first): locked
+        # ones left out of walks, and those put back, offered before ``_order``.
+        self._aside: dict[ObjectKey, int] = {}
+        self._returned: dict[ObjectKey, int] = {}  # ascending stamps
+        self._next_stamp = 0
 
     # A batch is a prefix (chunk 0 first).  Touching it back to front leaves the tail
     # older than the head, so eviction trims a prefix from its end and the chunks that
@@ -26,6 +45,8 @@ class LRUEvictionPolicy:
     def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
         self._last_read = None
         order = self._order
+        if self._aside or self._returned:
+            self._forget_out_of_order(keys)
         for key in reversed(keys):
             order[key] = None
             order.move_to_end(key)
@@ -39,26 +60,65 @@ class LRUEvictionPolicy:
         # leave the order as the first one did (a list comparison, by identity first).
         if self._last_read is not None and keys == self._last_read:
             return
-        move_to_end = self._order.move_to_end
+        order = self._order
+        move_to_end = order.move_to_end
         try:
             deque(map(move_to_end, reversed(keys)), 0)
             self._last_read = list(keys)
             return
         except KeyError:
             self._last_read = None
+        aside, returned = self._aside, self._returned
         for key in reversed(keys):
             try:
                 move_to_end(key)
             except KeyError:
-                pass
+                # A key out of the order (set aside or put back) read: the most recent now.
+                if aside.pop(key, None) is not None or returned.pop(key, None) is not None:
+                    order[key] = None
 
     def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
         self._last_read = None
         for key in keys:
             self._order.pop(key, None)
+        if self._aside or self._returned:
+            self._forget_out_of_order(keys)
+
+    def _forget_out_of_order(self, keys: Sequence[ObjectKey]) -> None:
+        aside, returned = self._aside, self._returned
+        for key in keys:
+            aside.pop(key, None)
+            returned.pop(key, None)
+
+    def set_aside(self, keys: Sequence[ObjectKey]) -> None:
+        """Leave ``keys`` (locked: L1 passed them over, in walk order) out of walks until
+        ``put_back``; keys not offered by walks are ignored."""
+        self._last_read = None
+        order, aside, returned = self._order, self._aside, self._returned
+        for key in keys:
+            stamp = returned.pop(key, None)
+            if stamp is None:
+                if key not in order:  # removed, or set aside already
+                    continue
+                del order[key]
+                stamp = self._next_stamp
+                self._next_stamp += 1
+            aside[key] = stamp
+
+    def put_back(self, keys: Sequence[ObjectKey]) -> None:
+        """Offer ``keys`` (no longer locked) again, ahead of the order (see the class
+        docstring); keys not set aside are ignored."""
+        self._last_read = None
+        aside = self._aside
+        back = [(key, aside.pop(key)) for key in keys if key in aside]
+        if not back:
+            return
+        self._returned = dict(sorted([*self._returned.items(), *back], key=_STAMP))
 
     def victims(self) -> Iterator[ObjectKey]:
+        if self._returned:
+            return chain(self._returned, self._order)
         return iter(self._order)
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._order) + len(self._aside) + len(self._returned)
