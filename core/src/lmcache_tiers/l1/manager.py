@@ -44,7 +44,11 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from itertools import chain
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from lmcache_tiers.errors import ConfigError, TiersError
 from lmcache_tiers.keys import ObjectKey
@@ -65,6 +69,10 @@ from lmcache_tiers.tmpfs import SHM_DIR
 
 if TYPE_CHECKING:
     from typing import Self  # annotations only: Python 3.10 has no typing.Self
+
+_OFFSET = attrgetter("offset")
+_EXTENT_BYTES = attrgetter("extent_bytes")
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 __all__ = ["Eviction", "L1Listener", "L1Loan", "L1Manager", "L1Object", "L1Stats", "ObjectState"]
 
@@ -541,12 +549,22 @@ class L1Manager:
         """The lengths of the free extents that evicting every unlocked object would leave:
         the gaps between the extents no eviction frees (locked objects', those held for
         loads, quarantined ones).  It sorts those extents: asked only when a write found
-        no room and :meth:`unevictable_extents` does not tell that it fits."""
+        no room and :meth:`unevictable_extents` does not tell that it fits.
+
+        Only their offsets and lengths are read under the lock, into arrays, by C-level
+        maps; the sort and the gaps run in numpy after it is let go (sorting tuples made by
+        a Python call per extent held the lock ~15 ms with 10k locked objects, ~240 ms with
+        100k)."""
         with self.lock:
-            size_at = self._allocator.size_at
-            pinned = [(obj.offset, size_at(obj.offset)) for obj in self._table.unevictable()]
-            pinned += self._leases.held_extents()
-            return _gaps(sorted(pinned), self._allocator.capacity)
+            objs = self._table.unevictable()
+            held = self._leases.held_extents()
+            count = len(objs) + len(held)
+            offsets = np.fromiter(chain(map(_OFFSET, objs), map(_FIRST, held)), dtype=np.int64, count=count)
+            lengths = np.fromiter(
+                chain(map(_EXTENT_BYTES, objs), map(_SECOND, held)), dtype=np.int64, count=count
+            )
+            capacity = self._allocator.capacity
+        return _gaps(offsets, lengths, capacity)
 
     @property
     def closed(self) -> bool:
@@ -574,15 +592,17 @@ class L1Manager:
         self.close()
 
 
-def _gaps(extents: list[tuple[int, int]], capacity: int) -> list[int]:
-    """The lengths of the stretches of ``[0, capacity)`` that none of ``extents``
-    (``(offset, length)``, by offset) covers."""
-    gaps: list[int] = []
-    start = 0
-    for offset, length in extents:
-        if offset > start:
-            gaps.append(offset - start)
-        start = max(start, offset + length)
-    if capacity > start:
-        gaps.append(capacity - start)
-    return gaps
+def _gaps(offsets: np.ndarray, lengths: np.ndarray, capacity: int) -> list[int]:
+    """The lengths of the stretches of ``[0, capacity)`` that none of the extents
+    ``(offsets[i], lengths[i])`` (in any order, overlaps allowed) covers, by address."""
+    if not len(offsets):
+        return [capacity] if capacity > 0 else []
+    order = np.argsort(offsets, kind="stable")
+    starts = offsets[order]
+    # How far the extents up to each one cover: a gap opens before an extent that starts
+    # past every earlier extent's end.
+    covered = np.maximum.accumulate(starts + lengths[order])
+    before = starts - np.concatenate(([0], covered[:-1]))
+    gaps = before[before > 0].tolist()
+    tail = capacity - int(covered[-1])
+    return [*gaps, tail] if tail > 0 else gaps
