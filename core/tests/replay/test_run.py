@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -351,3 +352,20 @@ def test_an_in_process_store_that_lost_its_reservation_leaves_the_next_writers_a
         assert storage.l1.get(key) is theirs[key], "the next writer's reservation was taken"
         assert storage.read([key]) == [], "the next writer's reservation is readable before its bytes"
         storage.abort_reserved(theirs)
+
+
+def test_signals_after_the_first_are_ignored_by_a_python_handler() -> None:
+    """Ctrl-C on ``replay --clients N`` printed "OSError: Signal 15 ignored due to race
+    condition" tracebacks: a client's SIGTERM from the replay, arriving just as the first
+    signal's handler switched both to SIG_IGN, found no Python handler when Python ran it.
+    A Python handler that ignores them leaves no such race."""
+    seen: dict[int, Any] = {}
+    with pytest.raises(KeyboardInterrupt), server_replay.signals_unwind():
+        try:
+            signal.raise_signal(signal.SIGINT)
+        finally:
+            seen = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+            signal.raise_signal(signal.SIGTERM)  # ignored: the unwinding goes on
+            signal.raise_signal(signal.SIGINT)
+    for sig, handler in seen.items():
+        assert callable(handler), f"{signal.Signals(sig).name} is left to {handler!r}, not a Python handler"

@@ -127,6 +127,13 @@ def _give_back_lookup_locks(client: Client, keys: Sequence[ObjectKey]) -> None:
         logger.warning("replay: could not release %d looked-up blocks: %s", len(keys), exc)
 
 
+def _ignore_signal(signum: int, frame: Any) -> None:
+    """A signal after the first is ignored by a handler of Python's, not by SIG_IGN: one
+    that arrived just before the switch (Ctrl-C reaches a client process as the replay
+    stops it with SIGTERM) still runs a Python handler, where under SIG_IGN Python printed
+    "OSError: Signal 15 ignored due to race condition" with a traceback."""
+
+
 @contextlib.contextmanager
 def signals_unwind() -> Iterator[None]:
     """SIGTERM raises SystemExit(128 + 15) and SIGINT KeyboardInterrupt where the replay is,
@@ -143,8 +150,8 @@ def signals_unwind() -> Iterator[None]:
         return
 
     def stop(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, _ignore_signal)
+        signal.signal(signal.SIGINT, _ignore_signal)
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         raise SystemExit(128 + signum)
