@@ -161,6 +161,11 @@ def test_a_signal_while_the_storage_closes_lets_the_close_finish_then_exits_143(
     assert replay.returncode == 128 + signal.SIGTERM, replay.stderr
     assert marker.read_text() == "closed", replay.stderr
     assert "Traceback" not in replay.stderr, replay.stderr
+    # The replay had measured every request: the report once went with the signal.
+    document = json.loads(replay.stdout)
+    assert document["requests"] == 20 and document["l1_hit_blocks"] is not None
+    assert document["stopped"] == "interrupted (SIGTERM) while its storage closed, after all 20 requests"
+    assert replay.stderr.strip().splitlines()[-1] == f"error: the replay was {document['stopped']}"
 
 
 # A second signal (Ctrl-C) comes while the close the first one waits for has not returned
@@ -190,3 +195,4 @@ def test_a_second_signal_while_the_storage_closes_forces_the_exit_at_once(tmp_pa
     assert replay.returncode == 128 + signal.SIGTERM, replay.stderr
     assert marker.read_text() == "SystemExit", replay.stderr
     assert "SIGINT came again while the replay's storage closes" in replay.stderr, replay.stderr
+    assert json.loads(replay.stdout)["requests"] == 20, replay.stdout  # still reported

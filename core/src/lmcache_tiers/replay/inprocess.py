@@ -205,6 +205,17 @@ def replay_in_process(
         if not finished:
             raise
         raise ReplayCloseFailed(_report(config, options, state, before, after), failed) from failed
+    except (KeyboardInterrupt, SystemExit) as exc:
+        if not finished:
+            raise
+        # A signal held while the storage of a finished replay closed, handed on once the
+        # close ended (or cut short by a second one): every request was measured.
+        name, code = signal_of(exc)
+        stopped = (
+            f"interrupted ({name}) while its storage closed, after all {state.totals.requests:,} requests"
+        )
+        report = _report(config, options, state, before, after, stopped)
+        raise ReplayStopped(f"the replay was {stopped}", report, code) from exc
     if interrupted is not None:
         raise _stopped(config, options, state, trace, before, after, interrupted) from interrupted
     return _report(config, options, state, before, after)
