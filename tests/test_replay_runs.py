@@ -281,7 +281,7 @@ def test_a_replay_stopped_by_a_signal_reports_what_it_measured(
         replay.kill()
         server.stop(signal.SIGKILL)
     assert replay.returncode == 128 + sig, err
-    assert "Traceback" not in err
+    assert "Traceback" not in err, err
     document = json.loads(out)
     assert 10 <= document["requests"] < 4000 and document["corrupt_blocks"] == 0, err
     assert document["clients"] == clients and document["stored_blocks"] > 0
