@@ -67,6 +67,7 @@ class _LineBudget:
 class MPServer:
     """LMCache's protocol on one ROUTER socket (core's RouterLoop), until :meth:`request_stop`."""
 
+    #: the sweep's period, shorter under short L1 TTLs (see ``sweep_ttls`` below)
     SWEEP_INTERVAL_S = 0.5
 
     def __init__(
@@ -80,7 +81,8 @@ class MPServer:
         drain_timeout_s: float,
     ) -> None:
         self.handlers = handlers
-        self.stats: FrontendStats = handlers.shared.stats
+        shared = handlers.shared
+        self.stats: FrontendStats = shared.stats
         self.name = name
         self.router = RouterLoop(
             endpoint,
@@ -89,6 +91,10 @@ class MPServer:
             pool_workers=workers,
             max_frame_bytes=max_frame_bytes,
             sweep_interval_s=self.SWEEP_INTERVAL_S,
+            # What the sweep enforces: lookup locks held for half the lock TTL, a retrieve's
+            # given back at most half of it before its deadline, reservations at the write
+            # TTL.  A short TTL shortens the period, or L1 would reap them first.
+            sweep_ttls=(shared.lock_ttl_s / 2, shared.write_ttl_s),
             drain_timeout_s=drain_timeout_s,
         )
         self.socket = self.router.socket
