@@ -28,6 +28,11 @@ logger = logging.getLogger(__name__)
 
 #: how long one blocking wait in the pool lasts before it re-checks for shutdown
 WAIT_SLICE_S = 0.2
+#: read locks a lookup takes per key at most.  ``num_kv_readers`` is the client's choice
+#: (LMCache's takes the world size's readers, under 256); billions of locks per key would
+#: make L1's read-lock counts meaningless.  Fewer locks than readers is safe: each
+#: retrieve read-locks its chunks itself, the lookup's locks only keep them until then.
+MAX_KV_READERS = 1024
 
 
 class Lookups:
@@ -37,6 +42,7 @@ class Lookups:
         self._expired = BurstLog(logger, "mp_lookup_locks_expired")
         self._dropped = BurstLog(logger, "mp_request_dropped")
         self._abandoned = BurstLog(logger, "mp_lookups_abandoned")
+        self._capped = BurstLog(logger, "mp_kv_readers_capped")
 
     # -- handlers ------------------------------------------------------------------------
 
@@ -64,6 +70,7 @@ class Lookups:
         if not keys:
             state.job = _settled_empty(key.world_size, readers, now)
             return None
+        readers = self._capped_readers(readers)
         handle, locked = self.storage.start_prefetch(keys, readers=readers)
         job = state.job = LookupJob(handle, keys, key.world_size, readers, now)
         if locked is not None:
@@ -73,6 +80,18 @@ class Lookups:
         if wait_s <= 0:
             return None
         return self._wait(job, now + wait_s, lambda: None)
+
+    def _capped_readers(self, readers: int) -> int:
+        """``readers``, at most :data:`MAX_KV_READERS` (counted and logged when capped)."""
+        if readers <= MAX_KV_READERS:
+            return readers
+        self._count(
+            self._capped,
+            1,
+            f"lookups asked for more than {MAX_KV_READERS} readers (num_kv_readers) and took "
+            f"{MAX_KV_READERS} read locks per chunk",
+        )
+        return MAX_KV_READERS
 
     def query_prefetch_status(self, request_id: str) -> Any:
         job = self._job(request_id)
