@@ -269,7 +269,8 @@ class EvictionPolicy(Protocol):
     those of them whose locks ended or that left L1 (in any order).  Between the two the
     policy leaves them out of its walks; put back, it offers them where its order puts
     them.  Reads, writes and removals of keys set aside are reported as usual; ``put_back``
-    ignores keys it does not hold aside.  Without the pair, a policy that puts locked
+    ignores keys it does not hold aside (the keys of a ``put_back`` that raised are given
+    again before every walk until one returns).  Without the pair, a policy that puts locked
     objects first is walked past every one of them on every write that evicts.
     """
 

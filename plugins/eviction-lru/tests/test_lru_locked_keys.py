@@ -221,3 +221,35 @@ def test_a_key_set_aside_and_deleted_by_force_is_not_offered_again(full: FullL1)
     assert evicted == [full.locked[1]]
     assert offered == 1
     assert len(full.policy) == len(full.l1)
+
+
+class FlakyPutBack(CountingLRU):
+    """LRU whose ``put_back`` raises the first time, before taking any key back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.put_back_failures = 0
+
+    def put_back(self, keys: Sequence[ObjectKey]) -> None:
+        if not self.put_back_failures:
+            self.put_back_failures += 1
+            raise RuntimeError("put_back failed")
+        super().put_back(keys)
+
+
+def test_keys_a_failed_put_back_did_not_take_are_given_back_again(full: FullL1) -> None:
+    # A policy whose put_back raised still holds the keys aside: were they forgotten, their
+    # objects would never be offered again, and L1 would fill with objects nothing evicts.
+    full.controller.finish()
+    full.policy = FlakyPutBack()
+    for key in full.keys:  # oldest first, as L1 wrote them
+        full.policy.on_keys_written([key])
+    full.controller = L1EvictionController(
+        full.l1, full.policy, trigger_watermark=0.99, eviction_ratio=0.1, stats=full.stats
+    )
+    assert full.write_one()[0] == [full.unlocked[0]]  # sets the locked keys aside
+    full.l1.finish_read([full.locked[3]])
+    assert full.write_one()[0] == [full.unlocked[1]], "its put_back failed: the next victim"
+    assert full.stats.failures() == {"l1_eviction_policy_error": 1}
+    assert full.write_one()[0] == [full.locked[3]], "given back again, it goes first"
+    assert full.stats.failures() == {"l1_eviction_policy_error": 1}

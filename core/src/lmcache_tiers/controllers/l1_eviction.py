@@ -125,6 +125,11 @@ class L1EvictionController(ControllerThread):
         # locked objects first then walks past each once, not on every write.
         set_aside, put_back = getattr(policy, "set_aside", None), getattr(policy, "put_back", None)
         self._sets_aside = callable(set_aside) and callable(put_back)
+        # Keys whose locks ended but whose ``put_back`` raised: the policy may still hold
+        # them aside, and L1 has forgotten them.  Given back again before every walk until
+        # a put_back takes them (or they leave L1), else their objects would never be
+        # offered again and L1 would fill with objects nothing evicts.
+        self._put_back_failed: list[ObjectKey] = []
         l1.add_listener(self._feed)
 
     def evict_now(self, bytes_to_free: int, *, spare_unstored: bool = False) -> int:
@@ -194,16 +199,23 @@ class L1EvictionController(ControllerThread):
 
     def _put_back_unlocked(self) -> None:
         """Give the policy back the keys set aside whose locks have ended, before it walks:
-        they are evictable again, in its order.  The caller holds the L1 lock."""
+        they are evictable again, in its order.  Those of a put_back that raised are given
+        again each time until one takes them (``put_back`` ignores keys it does not hold
+        aside).  The caller holds the L1 lock."""
         if not self._sets_aside:
             return
         keys = self.l1.take_unlocked_set_aside()
+        if self._put_back_failed:
+            keys = list(dict.fromkeys([*self._put_back_failed, *keys]))
+            self._put_back_failed = []
         if not keys:
             return
         try:
             with plugin_code():
                 self.policy.put_back(keys)  # type: ignore[attr-defined]
         except Exception:
+            # Keys that left L1 were reported removed: the policy holds them no more.
+            self._put_back_failed = [key for key in keys if self.l1.contains(key)]
             self._policy_failed()
 
     def _close_walk(self, walk: Iterator[ObjectKey] | None) -> None:
