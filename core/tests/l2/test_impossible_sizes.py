@@ -1,18 +1,27 @@
-"""A size no object of this store can have -- larger than the backend's whole capacity, or
-past any sane bound when it has none -- listed by ``list_keys`` or answered by
-``contains_many``: refused as a bad answer (counted, logged), never accounted.  Accounted,
-it would make the usage absurd, every store would be refused for capacity and eviction
-would delete valid objects to make room that can never be made."""
+"""A size no object can have -- past ``MAX_OBJECT_BYTES`` -- listed by ``list_keys`` or
+answered by ``contains_many``: refused as a bad answer (counted, logged), never accounted.
+Accounted, it would make the usage absurd, every store would be refused for capacity and
+eviction would delete valid objects to make room that can never be made.  A size past the
+backend's capacity only is an object a run with a larger capacity stored: accounted and
+counted (``scan_objects_past_capacity``, ``lookup_objects_past_capacity``)."""
 
 from __future__ import annotations
 
 import logging
 
 import pytest
-from l2_backends import DictBackend, keys_of, namespace_holding, open_dict, store_blank, wait_until
+from l2_backends import (
+    DictBackend,
+    DictConfig,
+    keys_of,
+    namespace_holding,
+    open_dict,
+    store_blank,
+    wait_until,
+)
 
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2 import BackendAdapter, L2Adapter, ObjectSize
+from lmcache_tiers.l2 import AdapterContext, BackendAdapter, L2Adapter, ObjectSize, create_adapter
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 
 HUGE = 2**70
@@ -153,3 +162,32 @@ def test_a_lookup_accounts_an_object_larger_than_the_capacity(
     assert stats["lookup_objects_past_capacity"] == 1
     assert stats.get("lookup_size_impossible", 0) == 0
     assert any("larger than the capacity" in r.getMessage() for r in caplog.records)
+
+
+def test_an_object_past_the_capacity_and_l1_is_not_counted_as_accounted(
+    adapters: list[L2Adapter], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past the capacity and past L1 too: a miss that leaves the accounting as it was
+    (``record_l1_size_past_capacity``).  ``lookup_objects_past_capacity`` counts objects
+    accounted, so it is not counted -- on no lookup of it -- and no line says it was."""
+    keys = keys_of("k", 1)
+    config = DictConfig(capacity=100_000, namespace=namespace_holding([], SIZE))
+    context = AdapterContext(index=0, name="0:t", config=config, l1_capacity=100_000)
+    adapter = create_adapter(AnsweringAbsurdSizes, config, context)
+    assert isinstance(adapter, BackendAdapter)
+    adapters.append(adapter)
+    wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")
+    store_blank(adapter, keys, SIZE)
+    adapter.state.accounting.forget(keys[0])  # as if stored after the scan read the store
+    AnsweringAbsurdSizes.answered = 100_001
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l2"):
+            for _lookup in range(2):
+                assert BlockingAdapterClient(adapter).lookup_and_lock(keys).found == [False]
+    finally:
+        AnsweringAbsurdSizes.answered = None
+    assert adapter.used_bytes() == 0
+    stats = adapter.stats()
+    assert stats["record_l1_size_past_capacity"] == 2
+    assert stats.get("lookup_objects_past_capacity", 0) == 0
+    assert not any("accounted and left to eviction" in r.getMessage() for r in caplog.records)

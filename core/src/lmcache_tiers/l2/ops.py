@@ -276,7 +276,7 @@ def resolve_size(
 ) -> tuple[ObjectSize | None, bool]:
     """Both sizes of a key the backend reported found (None = miss), and whether this call
     accounted it (adopted it: not accounted before).  ``limit``: the backend's capacity,
-    asked only for a size to be accounted (:func:`_possible_size`).
+    asked only for a size accounted (:func:`_note_past_capacity`).
 
     Whichever way the size is learnt -- an ``ObjectSize`` the backend reports, a plain
     stored size matching the known entry or taken as the L1 size under a chain that
@@ -285,15 +285,19 @@ def resolve_size(
     size = _size_from_report(state, key, reported, known)
     if size is None:
         return None, False
-    if known != size and not _possible_size(state, key, size, limit):
+    if known != size and not _possible_size(state, key, size):
         return None, False
     if known is None:
-        return _adopted_size(state, key, size)
+        answer, adopted = _adopted_size(state, key, size)
+        if adopted:
+            _note_past_capacity(state, key, size, limit)
+        return answer, adopted
     if known != size:
         # Accounted already (and known to the eviction policy): the usage follows the
         # object now in the store even when it is too large to load here, or the
         # adapter would overrun its capacity by the difference.
         state.accounting.record(key, size)
+        _note_past_capacity(state, key, size, limit)
     return (size if _possible_l1_size(state, key, size) else None), False
 
 
@@ -341,9 +345,7 @@ def _adopted_size(state: AdapterState, key: ObjectKey, size: ObjectSize) -> tupl
     return (current if _possible_l1_size(state, key, current) else None), False
 
 
-def _possible_size(
-    state: AdapterState, key: ObjectKey, size: ObjectSize, limit: Callable[[], Capacity | None]
-) -> bool:
+def _possible_size(state: AdapterState, key: ObjectKey, size: ObjectSize) -> bool:
     """False (counted as ``lookup_size_impossible``, logged: a miss, the accounting left as
     it was) for a reported size no object can have -- past ``MAX_OBJECT_BYTES``.  A bad
     answer, not the object: accounted, the usage would become absurd and every store be
@@ -351,34 +353,44 @@ def _possible_size(
 
     A size past the backend's whole capacity is possible: a run with a larger capacity, or
     a server sharing the store, wrote it, and it is in the store all the same.  It is
-    accounted as the start-up scan accounts one (counted as ``lookup_objects_past_capacity``,
-    logged), so the usage says what is stored and eviction hears of it; refused, its bytes
-    would stay in the store uncounted whenever the scan could not list it."""
-    if impossible_size(size, None):
-        state.count("lookup_size_impossible")
-        state.burst.warn(
-            "lookup_size_impossible",
-            "%s: %s found with an impossible size of %d bytes stored, %d in L1 (past any "
-            "object's); treated as a miss, not accounted",
-            state.name,
-            key.file_stem(),
-            size.stored,
-            size.l1,
-        )
-        return False
+    accounted as the start-up scan accounts one (:func:`_note_past_capacity`), so the usage
+    says what is stored and eviction hears of it; refused, its bytes would stay in the
+    store uncounted whenever the scan could not list it."""
+    if not impossible_size(size, None):
+        return True
+    state.count("lookup_size_impossible")
+    state.burst.warn(
+        "lookup_size_impossible",
+        "%s: %s found with an impossible size of %d bytes stored, %d in L1 (past any "
+        "object's); treated as a miss, not accounted",
+        state.name,
+        key.file_stem(),
+        size.stored,
+        size.l1,
+    )
+    return False
+
+
+def _note_past_capacity(
+    state: AdapterState, key: ObjectKey, size: ObjectSize, limit: Callable[[], Capacity | None]
+) -> None:
+    """Count (``lookup_objects_past_capacity``) and log an object a lookup has just
+    accounted at ``size`` when that is larger than the backend's whole capacity.  Only
+    once accounted: one refused after all (larger than L1 too) is no such object, and
+    would be counted again by every lookup of it."""
     capacity = limit()
-    if impossible_size(size, capacity):
-        state.count("lookup_objects_past_capacity")
-        state.burst.warn(
-            "lookup_objects_past_capacity",
-            "%s: %s found with %d bytes stored, larger than the capacity of %d bytes (stored "
-            "by a run with a larger max_capacity_gb?); accounted and left to eviction",
-            state.name,
-            key.file_stem(),
-            size.stored,
-            capacity.bytes if capacity is not None and capacity.bytes is not None else 0,
-        )
-    return True
+    if not impossible_size(size, capacity):
+        return
+    state.count("lookup_objects_past_capacity")
+    state.burst.warn(
+        "lookup_objects_past_capacity",
+        "%s: %s found with %d bytes stored, larger than the capacity of %d bytes (stored "
+        "by a run with a larger max_capacity_gb?); accounted and left to eviction",
+        state.name,
+        key.file_stem(),
+        size.stored,
+        capacity.bytes if capacity is not None and capacity.bytes is not None else 0,
+    )
 
 
 def _possible_l1_size(state: AdapterState, key: ObjectKey, reported: ObjectSize) -> bool:
