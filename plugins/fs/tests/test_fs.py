@@ -1534,3 +1534,51 @@ def test_an_unreadable_record_of_temp_dirs_removes_nothing(
         assert any("cannot read" in r.getMessage() for r in caplog.records)
     finally:
         adapter.close()
+
+
+def test_an_old_temp_dir_inside_a_directory_another_store_holds_is_left_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The old directory is not another store's root, but it lies under one: its
+    temporary files are that store's writes in flight (its own ``relative_tmp_dir``)."""
+    open_fs(fs_config(str(tmp_path), relative_tmp_dir="outer/staging")).close()
+    nested = open_fs(fs_config(str(tmp_path / "outer"), relative_tmp_dir="staging"))
+    try:
+        (tmp_path / "outer" / "staging" / ".tmp-1-1.part").write_bytes(b"its write in flight")
+        with caplog.at_level(logging.WARNING):
+            adapter = open_fs(fs_config(str(tmp_path)))
+        try:
+            assert adapter.stats()["old_temp_dirs_skipped"] == 1
+            assert adapter.stats().get("orphan_temp_files_removed", 0) == 0
+            assert (tmp_path / "outer" / "staging" / ".tmp-1-1.part").exists()
+        finally:
+            adapter.close()
+    finally:
+        nested.close()
+
+
+@pytest.mark.parametrize("url", [False, True])
+def test_an_old_temp_dir_that_is_a_store_root_now_is_left_alone(url: bool, tmp_path: Path) -> None:
+    """A store rooted in the old directory since -- a remote one no lock tells of, or a
+    local one not running now -- holds records there: its temporary files are its own."""
+    import fsspec
+
+    root = f"memory://old-temp-store-{uuid.uuid4().hex}" if url else str(tmp_path)
+    files = fsspec.filesystem("memory") if url else fsspec.filesystem("file")
+    open_fs(fs_config(root, relative_tmp_dir="staging")).close()
+    arena = Arena()
+    nested = open_fs(fs_config(f"{root}/staging"), arena.view)
+    try:
+        assert store(nested, arena, make_keys(1), [pattern(0, SIZE)]) == [True]
+    finally:
+        nested.close()
+    files.pipe_file(f"{root}/staging/.tmp-1-1.part", b"its write in flight")
+    adapter = open_fs(fs_config(root))
+    try:
+        assert adapter.stats()["old_temp_dirs_skipped"] == 1
+        assert adapter.stats().get("orphan_temp_files_removed", 0) == 0
+        assert files.exists(f"{root}/staging/.tmp-1-1.part")
+    finally:
+        adapter.close()
+        if url:
+            files.rm(root, recursive=True)

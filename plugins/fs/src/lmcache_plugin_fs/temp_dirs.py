@@ -9,9 +9,11 @@ be another store's write in flight (a store nested under this root).  So the roo
 small record, ``.lmcache-tiers-temp-dirs``, of every temporary directory configured on it
 (written before the first store); at start-up each recorded directory other than the
 current one has the temporary files directly in it removed -- nothing else: not its other
-files, not its sub-directories -- and is then forgotten.  A local directory that another
-server or adapter holds now (its root, nested under this one) is left alone and kept in the
-record (``old_temp_dirs_skipped``), as is one that cannot be swept
+files, not its sub-directories -- and is then forgotten.  A directory that is (or lies
+under) a store's root now is left alone and kept in the record (``old_temp_dirs_skipped``):
+a local one another server or adapter holds, or one holding a store's files (records,
+shard directories, a record of temporary directories) -- the only sign of a remote store,
+which no lock tells of.  So is one that cannot be swept
 (``temp_files_not_removed``, ``directories_not_listed``); each is logged.  A record that
 cannot be read is left as it is and counted (``temp_dir_record_unreadable``): nothing is
 removed on its word.
@@ -25,6 +27,7 @@ from typing import Any
 
 from lmcache_plugin_fs.remote import shown
 from lmcache_tiers.plugin import (
+    RECORD_SUFFIX,
     BackendContext,
     FieldError,
     check_directory_free,
@@ -38,6 +41,8 @@ log = logging.getLogger(__name__)
 #: every listing and sweep leaves it alone
 RECORD_NAME = ".lmcache-tiers-temp-dirs"
 _NEW_SUFFIX = ".new"
+#: the characters of a shard directory's name (two of them: ``ab``)
+_SHARD_CHARACTERS = frozenset("0123456789abcdef")
 
 
 class TempDirRecord:
@@ -140,7 +145,7 @@ class TempDirRecord:
         """Remove the temporary files directly in the old directory ``relative``; how many,
         or None when it must stay recorded (held by another store, or not swept whole)."""
         directory = posixpath.join(self.root, relative)
-        if self.local and not self._free(directory):
+        if self.local and not self._free(relative):
             return None
         try:
             entries = self.fs.ls(directory, detail=True)
@@ -148,6 +153,10 @@ class TempDirRecord:
             return 0  # removed since: nothing left to sweep
         except Exception as exc:
             self._failed("directories_not_listed", "list", directory, exc)
+            return None
+        store_file = _store_file(entries)
+        if store_file is not None:
+            self._skipped(directory, f"it holds {store_file}")
             return None
         removed = 0
         for entry in entries:
@@ -178,22 +187,30 @@ class TempDirRecord:
         )
         return removed
 
-    def _free(self, directory: str) -> bool:
-        """Whether no other server or adapter holds ``directory`` as its root now; one that
-        does is counted and logged, and its files (its writes in flight) are left alone."""
-        try:
-            check_directory_free(directory, "relative_tmp_dir", what=f"the directory {directory}")
-        except FieldError as exc:  # the lock's refusal, worded as the pre-flight words it
-            self.context.count("old_temp_dirs_skipped")
-            log.warning(
-                "%s: %s, an earlier temporary directory, is in use as another store's (%s); its "
-                "temporary files are left alone and it is swept at a later start",
-                self.context.name,
-                shown(directory),
-                shown(str(exc)),
-            )
-            return False
+    def _free(self, relative: str) -> bool:
+        """Whether no other server or adapter holds as its root the old directory
+        ``relative`` or a directory between it and the root (whose own temporary directory
+        it may be); one that does is counted and logged, and the files (its writes in
+        flight) are left alone."""
+        parts = relative.split("/")
+        for depth in range(1, len(parts) + 1):
+            directory = posixpath.join(self.root, *parts[:depth])
+            try:
+                check_directory_free(directory, "relative_tmp_dir", what=f"the directory {directory}")
+            except FieldError as exc:  # the lock's refusal, worded as the pre-flight words it
+                self._skipped(posixpath.join(self.root, relative), f"in use: {exc}")
+                return False
         return True
+
+    def _skipped(self, directory: str, why: str) -> None:
+        self.context.count("old_temp_dirs_skipped")
+        log.warning(
+            "%s: %s, an earlier temporary directory, is another store's now (%s); its "
+            "temporary files are left alone and it is swept at a later start",
+            self.context.name,
+            shown(directory),
+            shown(why),
+        )
 
     def _failed(self, counter: str, what: str, path: str, exc: Exception) -> None:
         self.context.count(counter)
@@ -204,3 +221,18 @@ class TempDirRecord:
             shown(path),
             shown(str(exc)),
         )
+
+
+def _store_file(entries: list[dict[str, Any]]) -> str | None:
+    """The path of the first entry that marks a listing as a store's root -- a record, a
+    shard directory, a record of temporary directories -- or None.  A temporary directory
+    holds none of them: they mean a store has been rooted there since."""
+    for entry in entries:
+        path = str(entry["name"])
+        name = posixpath.basename(path.rstrip("/"))
+        if entry.get("type") == "directory":
+            if len(name) == 2 and set(name) <= _SHARD_CHARACTERS:
+                return path
+        elif name.endswith(RECORD_SUFFIX) or name == RECORD_NAME:
+            return path
+    return None
