@@ -595,6 +595,85 @@ def test_an_object_over_the_query_buffer_limit_is_refused_alone(
     assert any("client-query-buffer-limit" in r.getMessage() for r in caplog.records), "not logged"
 
 
+def test_a_store_dropped_after_the_probe_read_the_lowered_limit_refuses_the_object_over_it_alone(
+    own_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Calls and the circuit's probe run side by side: the limits a dropped store trip
+    # reads again may already have been read lower by the probe (or another call) since
+    # the trip was sent.  The trip held an object over them all the same: it is sent
+    # again without that object, not failed whole.
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
+    backend = backend_of(adapter)
+    own_server.cli("CONFIG", "SET", "proto-max-bulk-len", "1mb")
+    execute = backend._execute
+
+    def probe_meanwhile(pipe: Any, **options: Any) -> list[Any]:
+        try:
+            return execute(pipe, **options)
+        finally:
+            backend.ping()  # the probe ran while the trip was on its way
+
+    backend._execute = probe_meanwhile  # type: ignore[method-assign]
+    raw = redis.Redis.from_url(own_server.url)
+    stored_over_the_limit(adapter, raw, caplog)
+
+
+def test_a_cluster_store_resent_after_one_node_lowered_its_limit_keeps_what_the_others_stored(
+    redis_cluster: RedisClusterNodes,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+) -> None:
+    # One primary lowers its limit after open: its connection drops on the object over
+    # it, while the other primaries store theirs -- an object over the new lowest limit
+    # too.  The batch is sent again, the objects over the limit refused: one the other
+    # node stored already is reported stored (it is in the store, and must be accounted).
+    adapter = open_adapter(
+        startup_nodes=redis_cluster.startup_nodes, cluster_mode=True, key_prefix=prefix, max_capacity_gb=1.0
+    )
+    backend = backend_of(adapter)
+    lowered = redis_cluster.nodes[0]
+    client = backend.client
+    assert isinstance(client, redis.RedisCluster)
+
+    def on_lowered(key: ObjectKey) -> bool:
+        return bool(client.get_node_from_key(backend.name_of(key)).port == lowered.port)
+
+    candidates = make_keys(64)
+    keys = [
+        next(key for key in candidates if on_lowered(key)),
+        next(key for key in candidates if not on_lowered(key)),
+    ]
+    sizes = [(1 << 20) + 1, (1 << 20) + 1]
+    buffers = [memoryview(bytearray(pattern(index, size))) for index, size in enumerate(sizes)]
+    lowered.cli("CONFIG", "SET", "proto-max-bulk-len", "1mb")
+    try:
+        answer = client_of(adapter).store(keys, buffers)
+    finally:
+        lowered.cli("CONFIG", "SET", "proto-max-bulk-len", "512mb")
+    raw = redis.RedisCluster(host="127.0.0.1", port=lowered.port)
+    present = [bool(raw.exists(backend.name_of(key))) for key in keys]
+    assert present == [False, True], present
+    assert answer == present, "an object in the store is reported not stored"
+    assert adapter.used_bytes() == sizes[1], "the stored object is not accounted"
+    assert adapter.stats()["store_refused_over_bulk_limit"] == 1, adapter.stats()
+
+
+def test_only_the_protocol_error_of_a_bulk_over_the_limit_counts_as_one() -> None:
+    # Redis and Valkey answer "Protocol error: invalid bulk length" to a string over
+    # proto-max-bulk-len just before they close the connection; their other protocol
+    # errors answer requests this adapter never sends, which a smaller batch would not cure.
+    assert backend_module._dropped_connection(redis.ResponseError("Protocol error: invalid bulk length"))
+    assert not backend_module._dropped_connection(
+        redis.ResponseError("Protocol error: invalid multibulk length")
+    )
+    assert not backend_module._dropped_connection(
+        redis.ResponseError("Protocol error: expected '$', got 'x'")
+    )
+
+
 def stored_over_the_limit(adapter: BackendAdapter, raw: Any, caplog: pytest.LogCaptureFixture) -> None:
     """A batch of a small object, one of 1 MiB + 1 byte and one of 1 MiB stored into a
     store whose proto-max-bulk-len is 1 MiB: the one over it is refused alone."""

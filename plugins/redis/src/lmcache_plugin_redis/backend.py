@@ -45,7 +45,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, Literal
 
 from redis import Redis, RedisCluster
@@ -266,13 +266,19 @@ def cluster_probe_names(client: RedisCluster, base: str) -> dict[str, str]:
     return names
 
 
+#: the error Redis and Valkey answer a string over ``proto-max-bulk-len`` with, just
+#: before they close the connection (their other protocol errors answer requests the
+#: adapter never sends)
+BULK_OVER_LIMIT_ERROR = "Protocol error: invalid bulk length"
+
+
 def _dropped_connection(reply: Any) -> bool:
     """Whether a reply is what a value over the store's limits gets: the connection
-    closed, or the error Redis answers just before closing it ("Protocol error: invalid
-    bulk length", which redis-py's cluster pipeline hands over as that command's reply)."""
+    closed, or the error Redis answers just before closing it (which redis-py's cluster
+    pipeline hands over as that command's reply)."""
     if isinstance(reply, RedisConnectionError):
         return True
-    return isinstance(reply, ResponseError) and str(reply).startswith("Protocol error")
+    return isinstance(reply, ResponseError) and str(reply).startswith(BULK_OVER_LIMIT_ERROR)
 
 
 def _lowest(limits: list[int | None], default: int) -> int:
@@ -310,8 +316,8 @@ def _pools_of(client: Redis | RedisCluster) -> list[Any]:
 
 
 class _LimitsLowered:
-    """A store trip's connection was dropped and the store's limits, read again, are
-    lower: the objects from ``unsent`` on are sent again, trips numbered from
+    """A store trip's connection was dropped on an object over the store's limits as
+    read again: the objects ``unsent`` are sent again, trips numbered from
     ``first_trip``; ``failure``: the first failed node's error in the trips before."""
 
     __slots__ = ("failure", "first_trip", "unsent")
@@ -553,14 +559,14 @@ class RedisBackend:
             )
         log.info("%s: connected to %s, objects named %r + key", self.context.name, self.target, self.prefix)
 
-    def _read_bulk_limit(self) -> bool:
+    def _read_bulk_limit(self) -> None:
         """Read the store's ``proto-max-bulk-len`` and ``client-query-buffer-limit``
         (every primary's in a cluster, the lowest of each kept): a store over either is
         refused before it is sent (``_within_bulk_limit``).  Read at open, by every probe
         that reaches the store, and after a store's connection failed the way a value
-        over a lowered limit fails it; answers whether either limit is lower than
-        before.  A store that does not answer keeps the limits last read; one that
-        refuses CONFIG GET is assumed to keep Redis's defaults (an INFO line, once)."""
+        over a lowered limit fails it.  A store that does not answer keeps the limits
+        last read; one that refuses CONFIG GET is assumed to keep Redis's defaults (an
+        INFO line, once)."""
         client = self.client
         nodes = (
             [client]
@@ -572,7 +578,7 @@ class RedisBackend:
             query = [query_buffer_limit_of(node) for node in nodes]
         except (RedisError, RedisClusterException) as exc:
             log.debug("%s: the store's limits not read (%s)", self.context.name, exc)
-            return False
+            return
         if (None in bulk or None in query) and not self._bulk_limit_read:
             log.info(
                 "%s: CONFIG GET of proto-max-bulk-len or client-query-buffer-limit is refused: "
@@ -586,15 +592,13 @@ class RedisBackend:
         self._bulk_limit = _lowest(bulk, DEFAULT_BULK_LIMIT)
         self._query_buffer_limit = _lowest(query, DEFAULT_QUERY_BUFFER_LIMIT)
         self._bulk_limit_read = True
-        lowered = self._bulk_limit < before[0] or self._query_buffer_limit < before[1]
-        if lowered:
+        if (self._bulk_limit, self._query_buffer_limit) != before:
             log.info(
                 "%s: the store's limits are now proto-max-bulk-len %d, client-query-buffer-limit %d",
                 self.context.name,
                 self._bulk_limit,
                 self._query_buffer_limit,
             )
-        return lowered
 
     def _warn_of_ignored_nodes(self) -> None:
         """Several ``startup_nodes`` without ``cluster_mode``: only the first is used, and
@@ -896,8 +900,8 @@ class RedisBackend:
         stored = [False] * len(keys)
         outcome = self._store_trips(keys, payloads, range(len(keys)), stored, 0, may_reread=True)
         if isinstance(outcome, _LimitsLowered):
-            # Sent again from the trip the store dropped: HSET of the same bytes again is
-            # harmless, and the objects over the new limits are refused this time.
+            # The dropped objects and the rest sent again: HSET of the same bytes again is
+            # harmless, and the objects over the limits now read are refused this time.
             earlier = outcome.failure
             outcome = self._store_trips(
                 keys, payloads, outcome.unsent, stored, outcome.first_trip, may_reread=False
@@ -918,8 +922,10 @@ class RedisBackend:
     ) -> Exception | _LimitsLowered | None:
         """Store the objects at ``indices`` (marked in ``stored``) trip by trip, numbered
         from ``first_trip``: the first failed node's or trip's error, or -- when a trip's
-        connection was dropped and the store's limits read again are lower
-        (``may_reread``) -- the indices left to send again, nothing of that trip counted."""
+        connection was dropped on an object over the store's limits read again
+        (``may_reread``; ``_dropped_over_limits``) -- the indices left to send again: the
+        dropped ones and those of the later trips (what other cluster nodes answered in
+        that trip is counted)."""
         failure: Exception | None = None
         sendable = self._within_bulk_limit(keys, payloads, indices)
         sizes = [payloads[index].nbytes for index in sendable]
@@ -933,27 +939,63 @@ class RedisBackend:
                 replies: list[Any] | Exception = self._execute(pipe, per_key=True)
             except (RedisError, RedisClusterException) as exc:
                 replies = exc
-            if may_reread and self._dropped_for_lowered_limits(replies):
-                return _LimitsLowered(sendable[trip.start :], number, failure)
+            resend = self._dropped_over_limits(batch, payloads, replies) if may_reread else []
+            if resend:
+                # The commands other cluster nodes answered were done: those count now.
+                answered = [] if isinstance(replies, Exception) else list(zip(batch, replies, strict=True))
+                failure = failure or self._record_stored(keys, answered, stored, set(resend))
+                # Trip 0 failing fails the whole call: right only while nothing is stored.
+                first = number if number > 0 or not any(stored) else 1
+                return _LimitsLowered([*resend, *sendable[trip.stop :]], first, failure)
             if isinstance(replies, Exception):
                 failure = self._trip_failed(replies, number, "store", len(sendable) - trip.start)
                 break
-            for index, reply in zip(batch, replies, strict=True):
-                if per_object_error(reply):
-                    self._reply_error("store", keys[index], reply)
-                elif isinstance(reply, Exception):  # a failed node, or another client error
-                    self._request_failed("store", keys[index], reply)
-                    failure = failure or reply
-                else:
-                    stored[index] = True
+            failure = failure or self._record_stored(keys, list(zip(batch, replies, strict=True)), stored)
         return failure
 
-    def _dropped_for_lowered_limits(self, replies: list[Any] | Exception) -> bool:
-        """Whether a store trip (or a cluster node of it) lost its connection -- what a
-        value over a limit lowered since it was read does -- and the limits read again
-        are lower: a ``CONFIG SET`` since, or a failover to a store configured lower."""
-        answers = replies if isinstance(replies, list) else [replies]
-        return any(_dropped_connection(answer) for answer in answers) and self._read_bulk_limit()
+    def _record_stored(
+        self,
+        keys: Sequence[ObjectKey],
+        answered: list[tuple[int, Any]],
+        stored: list[bool],
+        unanswered: Collection[int] = (),
+    ) -> Exception | None:
+        """Mark in ``stored`` the objects the store's replies ``answered`` (index, reply)
+        say stored, leaving out the ``unanswered`` ones; count and log the others, and
+        answer the first failed node's error."""
+        failure: Exception | None = None
+        for index, reply in answered:
+            if index in unanswered:
+                continue
+            if per_object_error(reply):
+                self._reply_error("store", keys[index], reply)
+            elif isinstance(reply, Exception):  # a failed node, or another client error
+                self._request_failed("store", keys[index], reply)
+                failure = failure or reply
+            else:
+                stored[index] = True
+        return failure
+
+    def _dropped_over_limits(
+        self, batch: list[int], payloads: Sequence[memoryview], replies: list[Any] | Exception
+    ) -> list[int]:
+        """The objects of a store trip to send again: those whose connection (the
+        trip's, or a cluster node's) was dropped, when one of them is over the store's
+        limits read again -- what an object over a limit lowered since it was last read
+        gets (a ``CONFIG SET`` since, a failover to a store configured lower); none
+        otherwise.  The limits may have been read lower meanwhile (by the probe, or
+        another call), so the objects are held against them, not the limits before."""
+        if isinstance(replies, Exception):
+            dropped = batch if _dropped_connection(replies) else []
+        else:
+            dropped = [
+                index for index, reply in zip(batch, replies, strict=True) if _dropped_connection(reply)
+            ]
+        if not dropped:
+            return []
+        self._read_bulk_limit()
+        limit = self._value_limit()
+        return dropped if any(payloads[index].nbytes > limit for index in dropped) else []
 
     def _value_limit(self) -> int:
         """The longest payload the store takes in one command."""
