@@ -482,13 +482,8 @@ def test_an_object_over_the_stores_bulk_limit_is_refused_alone_and_the_rest_of_i
     where, raw = shared_store(request, mode)
     servers = [request.getfixturevalue("redis_server")] if mode == "standalone" else []
     servers = servers or request.getfixturevalue("redis_cluster").nodes[:1]
-    for server in servers:
-        server.cli("CONFIG", "SET", "proto-max-bulk-len", "1mb")
-    try:
+    with bulk_limit(servers, "1mb"):
         stored_over_the_limit(open_adapter(**where, key_prefix=prefix, max_capacity_gb=1.0), raw, caplog)
-    finally:
-        for server in servers:
-            server.cli("CONFIG", "SET", "proto-max-bulk-len", "512mb")
 
 
 def test_a_cluster_node_that_refuses_config_get_counts_at_the_default_bulk_limit(
@@ -507,8 +502,7 @@ def test_a_cluster_node_that_refuses_config_get_counts_at_the_default_bulk_limit
         rules = ["~*", "+@all", "-config"] if node is redis_cluster.nodes[1] else ["~*", "+@all"]
         node.cli("ACL", "SETUSER", user, "reset", "on", ">noconfig-pw", *rules)
     raised = redis_cluster.nodes[0]
-    raised.cli("CONFIG", "SET", "proto-max-bulk-len", "2mb")
-    try:
+    with bulk_limit([raised], "2mb"):
         adapter = open_adapter(
             startup_nodes=redis_cluster.startup_nodes,
             cluster_mode=True,
@@ -519,8 +513,6 @@ def test_a_cluster_node_that_refuses_config_get_counts_at_the_default_bulk_limit
         )
         raw = redis.RedisCluster(host="127.0.0.1", port=raised.port)
         stored_over_the_limit(adapter, raw, caplog)
-    finally:
-        raised.cli("CONFIG", "SET", "proto-max-bulk-len", "512mb")
 
 
 @pytest.mark.parametrize("mode", ["standalone", "cluster"])
@@ -539,13 +531,8 @@ def test_a_bulk_limit_lowered_after_open_refuses_the_object_over_it_alone(
     adapter = open_adapter(**where, key_prefix=prefix, max_capacity_gb=1.0)
     servers = [request.getfixturevalue("redis_server")] if mode == "standalone" else []
     servers = servers or list(request.getfixturevalue("redis_cluster").nodes)
-    for server in servers:
-        server.cli("CONFIG", "SET", "proto-max-bulk-len", "1mb")
-    try:
+    with bulk_limit(servers, "1mb"):
         stored_over_the_limit(adapter, raw, caplog)
-    finally:
-        for server in servers:
-            server.cli("CONFIG", "SET", "proto-max-bulk-len", "512mb")
 
 
 def test_the_circuit_probe_reads_the_stores_limits_again(
@@ -648,11 +635,8 @@ def test_a_cluster_store_resent_after_one_node_lowered_its_limit_keeps_what_the_
     ]
     sizes = [(1 << 20) + 1, (1 << 20) + 1]
     buffers = [memoryview(bytearray(pattern(index, size))) for index, size in enumerate(sizes)]
-    lowered.cli("CONFIG", "SET", "proto-max-bulk-len", "1mb")
-    try:
+    with bulk_limit([lowered], "1mb"):
         answer = client_of(adapter).store(keys, buffers)
-    finally:
-        lowered.cli("CONFIG", "SET", "proto-max-bulk-len", "512mb")
     raw = redis.RedisCluster(host="127.0.0.1", port=lowered.port)
     present = [bool(raw.exists(backend.name_of(key))) for key in keys]
     assert present == [False, True], present
@@ -672,6 +656,21 @@ def test_only_the_protocol_error_of_a_bulk_over_the_limit_counts_as_one() -> Non
     assert not backend_module._dropped_connection(
         redis.ResponseError("Protocol error: expected '$', got 'x'")
     )
+
+
+@contextlib.contextmanager
+def bulk_limit(servers: list[RedisServer], limit: str) -> Iterator[None]:
+    """``proto-max-bulk-len`` set to ``limit`` on the shared ``servers``, and Redis's
+    default (512 MiB) again on each afterwards, whatever failed: a lower limit left on one
+    would refuse the larger objects of every later test there."""
+    try:
+        for server in servers:
+            server.cli("CONFIG", "SET", "proto-max-bulk-len", limit)
+        yield
+    finally:
+        with contextlib.ExitStack() as restoring:  # each server's runs, errors raised after
+            for server in servers:
+                restoring.callback(server.cli, "CONFIG", "SET", "proto-max-bulk-len", "512mb")
 
 
 def stored_over_the_limit(adapter: BackendAdapter, raw: Any, caplog: pytest.LogCaptureFixture) -> None:
@@ -1258,17 +1257,26 @@ def test_a_cluster_url_with_credentials_reaches_every_node(
 @contextlib.contextmanager
 def cluster_password(cluster: RedisClusterNodes, password: str) -> Iterator[None]:
     """Every node of the shared ``cluster`` asks new connections for ``password`` (its
-    default user's, as ``--requirepass`` sets it), and asks none again afterwards."""
-    for node in cluster.nodes:
-        node.cli("CONFIG", "SET", "requirepass", password)
+    default user's, as ``--requirepass`` sets it), and asks none again afterwards -- each
+    node cleared whatever failed, a set half done or another node's clearing: a password
+    left on one would fail every later test on the shared cluster."""
     try:
+        for node in cluster.nodes:
+            node.cli("CONFIG", "SET", "requirepass", password)
         for node in cluster.nodes:  # none answers a connection without it
             assert "NOAUTH" in node.cli("PING", check=False).stdout
         yield
     finally:
-        for node in cluster.nodes:
-            with redis.Redis(host="127.0.0.1", port=node.port, password=password) as raw:
-                raw.config_set("requirepass", "")
+        with contextlib.ExitStack() as clearing:  # each node's clearing runs, errors raised after
+            for node in cluster.nodes:
+                clearing.callback(clear_password, node, password)
+
+
+def clear_password(node: RedisServer, password: str) -> None:
+    """``node`` asks new connections for no password (a node whose password was not
+    set takes the AUTH all the same: its default user has none)."""
+    with redis.Redis(host="127.0.0.1", port=node.port, password=password) as raw:
+        raw.config_set("requirepass", "")
 
 
 SECRET = "s3cr3t-" + uuid.uuid4().hex[:8]
