@@ -253,3 +253,16 @@ def test_keys_a_failed_put_back_did_not_take_are_given_back_again(full: FullL1) 
     assert full.stats.failures() == {"l1_eviction_policy_error": 1}
     assert full.write_one()[0] == [full.locked[3]], "given back again, it goes first"
     assert full.stats.failures() == {"l1_eviction_policy_error": 1}
+
+
+def test_locked_keys_deleted_by_force_leave_the_set_aside_record(full: FullL1) -> None:
+    # The objects left L1 with their locks, and their readers' releases go to their
+    # quarantined extents: no live lock ends.  L1's record of the keys set aside must still
+    # forget them at the next walk, or a server whose clients clear locked objects by
+    # force would grow it with every key a walk ever passed over.
+    full.write_one()
+    assert full.l1.delete(full.locked, force=True) == [True] * LOCKED
+    full.l1.finish_read(full.locked)
+    full.write_one()
+    assert full.l1.take_unlocked_set_aside() == []
+    assert not full.l1._removal._set_aside, "keys no longer in L1 are still recorded"

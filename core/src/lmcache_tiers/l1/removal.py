@@ -181,9 +181,9 @@ class Removal:
         back into its policy's walks before the next one.  Every write that evicts asks it:
         nothing to do unless a read lock ended since it last looked (``read_unlocks``), and
         then a set difference in C over the keys set aside (a set's stored hashes probing
-        the locked index: ~50 ns a key at 100k), not a Python loop.  Keys that
-        left L1 with their locks are reported removed to the policy already: they wait for
-        the next read lock to end."""
+        the locked index: ~50 ns a key at 100k), not a Python loop.  A read-locked object
+        leaving L1 (deleted by force) counts as a lock ended: its key, reported removed to
+        the policy already, leaves the record at the next look."""
         with self._lock:
             set_aside, table = self._set_aside, self._table
             if not set_aside or table.read_unlocks == self._unlocks_checked:

@@ -91,10 +91,12 @@ class ObjectTable:
         self.locked: dict[ObjectKey, L1Object] = {}
         # the sum of ``extent_bytes`` over ``locked`` (see the module docstring)
         self._locked_extent_bytes = 0
-        #: how many times that total dropped through ``locked_extent_bytes``: read locks
-        #: released or reaped (reads.py, removal.py).  Eviction puts back the locked keys its
-        #: walks set aside only once this moved; commits and detaches, which end no read lock
-        #: (a detached object's key is reported removed), go round it.
+        #: how many times that total dropped through ``locked_extent_bytes`` -- read locks
+        #: released or reaped (reads.py, removal.py) -- or a read-locked object was detached
+        #: (deleted by force, lost to a disk error).  Eviction checks the locked keys its
+        #: walks set aside only once this moved: those of detached objects must leave its
+        #: record too, as no live lock may end for a long while.  Commits, which end no read
+        #: lock, go round it.
         self.read_unlocks = 0
         self.temporary: set[ObjectKey] = set()
         #: bumped whenever ``ready`` changes, so a caller can tell that a probe it made
@@ -160,6 +162,8 @@ class ObjectTable:
         unlocked = self.locked.pop(obj.key, None)
         if unlocked is not None:
             self._locked_extent_bytes -= unlocked.extent_bytes
+            if unlocked.read_locks:
+                self.read_unlocks += 1
         self.temporary.discard(obj.key)
 
     def release_extents(self, objs: list[L1Object], taken_by: TakenBy = "forced") -> None:
