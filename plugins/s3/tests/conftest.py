@@ -1,4 +1,5 @@
-"""The S3 server every test of this plugin talks to: SeaweedFS on loopback, one per session."""
+"""The S3 server every test of this plugin talks to: SeaweedFS on loopback, one per session;
+an L1 to store from and load into, and the adapters a test opened, closed at its end."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from lmcache_tiers.l2 import L2Adapter
 from lmcache_tiers.testing.seaweedfs import SeaweedS3, serving
 
 # Helper modules of these tests (imported by name under pytest's importlib mode).
@@ -20,3 +22,17 @@ from s3_helpers import BUCKET
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
     with serving(tmp_path_factory.mktemp("seaweedfs"), buckets=[BUCKET]) as server:
         yield server
+
+
+@pytest.fixture
+def l1() -> memoryview:
+    return memoryview(bytearray(16 << 20))
+
+
+@pytest.fixture
+def opened() -> Iterator[list[L2Adapter]]:
+    """The adapters a test opened, closed once it ends (however it ends)."""
+    adapters: list[L2Adapter] = []
+    yield adapters
+    for adapter in adapters:
+        adapter.close()

@@ -27,19 +27,6 @@ from lmcache_tiers.testing.threads import DEADLINE_S, joined
 SIZE = 32 << 10
 
 
-@pytest.fixture
-def l1() -> memoryview:
-    return memoryview(bytearray(16 << 20))
-
-
-@pytest.fixture
-def opened() -> Iterator[list[L2Adapter]]:
-    adapters: list[L2Adapter] = []
-    yield adapters
-    for adapter in adapters:
-        adapter.close()
-
-
 def store(adapter: L2Adapter, l1: memoryview, keys: list[ObjectKey], seed: int = 0) -> list[bytes]:
     data = [pattern(seed * 1000 + index, SIZE) for index in range(len(keys))]
     buffers = [l1[index * SIZE : (index + 1) * SIZE] for index in range(len(keys))]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +26,6 @@ from lmcache_tiers.testing.seaweedfs import SeaweedS3
 
 SIZE = 32 << 10
 GIB = 1 << 30
-
-
-@pytest.fixture
-def l1() -> memoryview:
-    return memoryview(bytearray(16 << 20))
-
-
-@pytest.fixture
-def opened() -> Iterator[list[L2Adapter]]:
-    adapters: list[L2Adapter] = []
-    yield adapters
-    for adapter in adapters:
-        adapter.close()
 
 
 def zstd() -> tuple[Serde, ...]:
