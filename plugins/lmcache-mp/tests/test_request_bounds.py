@@ -6,11 +6,12 @@ counted and logged, and answered where LMCache's server answers (a miss, no slot
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import pytest
 from lmcache_plugin_lmcache_mp.lookups import MAX_KV_READERS
-from mpclient import Key, MPClient, Registration, chunk_payloads, tokens_of
+from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, tokens_of
 
 from lmcache_tiers.server.app import TiersServer
 
@@ -40,3 +41,96 @@ def test_a_lookup_takes_at_most_max_kv_readers_locks_per_key(
     # freeing gives them all back
     client.call("free_lookup_locks", Key(tokens, "many", num_kv_readers=2**63 - 1).encode(), 1)
     assert l1_read_locks(mp_server) == 0
+
+
+def test_a_request_naming_more_than_max_request_keys_is_refused_where_lmcache_answers(
+    make_mp_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = make_mp_server(max_request_keys=3)
+    with MPClient(mp_address(server)) as client, caplog.at_level(logging.WARNING):
+        client.register(REG)
+        key = Key(tokens_of(4), "big", worker_id=0)  # four chunks: four keys
+        # a lookup is answered, with 0 hits, as a miss
+        assert client.lookup(Key(tokens_of(4), "big")) == 0
+        # a store gets no slots, so the client skips its copy and commit
+        reply = client.call("prepare_store", key.encode(), REG.instance_id)
+        assert reply == {"context": {"slots": [], "chunk_indices": []}}
+        assert client.call("commit_store", key.encode(), REG.instance_id, b"") is False
+        # a retrieve misses
+        assert client.call("prepare_retrieve", key.encode(), REG.instance_id)["success"] is False
+        assert client.call("commit_retrieve", key.encode(), REG.instance_id) is True
+        # a range within the bound is served
+        small = Key(tokens_of(4), "small", start=256, end=1024, worker_id=0)
+        assert client.call("prepare_store", small.encode(), REG.instance_id)["context"]["chunk_indices"] == [
+            0,
+            1,
+            2,
+        ]
+    stats = mp_stats(server)
+    assert stats.failures["mp_request_too_large"] == 3  # lookup, prepare_store, prepare_retrieve
+    assert stats.store_keys_refused["mp_request_too_large"] == 4  # the store's keys, once
+    assert "max_request_keys (3)" in caplog.text
+    assert server.frontends[0].shared.requests.peek("big") is not None  # its earlier state is kept
+    assert server.frontends[0].shared.requests.peek("big").hashes.hashes == []  # nothing hashed
+
+
+def test_a_lookup_counts_every_rank_against_max_request_keys(make_mp_server: Any) -> None:
+    server = make_mp_server(max_request_keys=7)
+    with MPClient(mp_address(server)) as client:
+        client.register(Registration(world_size=2))
+        assert client.lookup(Key(tokens_of(4), "r", world_size=2)) == 0  # 4 chunks x 2 ranks
+    assert mp_stats(server).failures["mp_request_too_large"] == 1
+
+
+def test_the_default_bounds_serve_a_128k_token_prompt_at_world_size_8(
+    client: MPClient, mp_server: TiersServer
+) -> None:
+    client.register(Registration(world_size=8))
+    tokens = tokens_of(5, 128 * 1024)
+    assert client.lookup(Key(tokens, "long", world_size=8)) == 0  # nothing stored: a plain miss
+    key = Key(tokens, "long", world_size=8, worker_id=3)
+    reply = client.call("prepare_store", key.encode(), Registration().instance_id)
+    assert len(reply["context"]["chunk_indices"]) == 512
+    stats = mp_stats(mp_server)
+    assert "mp_request_too_large" not in stats.failures
+    assert "mp_request_dropped_memory" not in stats.failures
+
+
+def remembered(server: TiersServer) -> int:
+    return int(server.frontends[0].shared.requests.remembered_bytes)
+
+
+def test_requests_beyond_max_remembered_tokens_mb_are_forgotten_least_recent_first(
+    make_mp_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = make_mp_server(max_remembered_tokens_mb=1)  # about 950 chunks of tokens
+    requests = server.frontends[0].shared.requests
+    with MPClient(mp_address(server)) as client, caplog.at_level(logging.WARNING):
+        client.register(REG)
+        for index in range(4):  # 300 chunks each, about 320 KiB
+            assert client.lookup(Key(tokens_of(index, 300 * 256), f"r{index}")) == 0
+        deadline = time.monotonic() + 20
+        while "mp_request_dropped_memory" not in mp_stats(server).failures:
+            assert time.monotonic() < deadline, "no request was forgotten"
+            time.sleep(0.05)
+        assert remembered(server) <= 1 << 20
+        assert requests.peek("r0") is None and requests.peek("r3") is not None
+    assert mp_stats(server).failures["mp_request_dropped_memory"] == 1
+    assert "max_remembered_tokens_mb (1)" in caplog.text
+
+
+def test_a_request_whose_tokens_alone_exceed_the_bound_is_refused(make_mp_server: Any) -> None:
+    server = make_mp_server(max_remembered_tokens_mb=1)
+    with MPClient(mp_address(server)) as client:
+        client.register(REG)
+        assert client.lookup(Key(tokens_of(1, 1024 * 256), "huge")) == 0
+    assert mp_stats(server).failures["mp_request_too_large"] == 1
+    assert remembered(server) == 0
+
+
+def test_forgotten_and_ended_requests_give_their_bytes_back(client: MPClient, mp_server: TiersServer) -> None:
+    client.register(REG)
+    assert client.lookup(Key(tokens_of(1), "a")) == 0
+    assert remembered(mp_server) == 4 * (256 * 4 + 73)
+    client.call("end_session", "a")
+    assert remembered(mp_server) == 0

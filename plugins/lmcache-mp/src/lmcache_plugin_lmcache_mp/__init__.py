@@ -66,6 +66,26 @@ class LMCacheMPConfig(FrontendConfig, kw_only=True, frozen=True, forbid_unknown_
     max_requests: Annotated[int, _doc("Requests remembered at once; the least recent go first.", ge=1)] = (
         65536
     )
+    max_request_keys: Annotated[
+        int,
+        _doc(
+            "Most L1 objects one request may name: a lookup's chunks times the world size, a "
+            "store's or retrieve's chunks. Beyond it the request is refused (a lookup is 0 hits, "
+            "a store gets no slots, a retrieve misses), counted as mp_request_too_large. A "
+            "128k-token prompt in chunks of 256 at world size 8 names 4096.",
+            ge=1,
+        ),
+    ] = 1 << 20
+    max_remembered_tokens_mb: Annotated[
+        int,
+        _doc(
+            "MiB the remembered requests' tokens and chunk hashes may take together (4 bytes a "
+            "token): beyond it the least recently seen requests are forgotten "
+            "(mp_request_dropped_memory), and a request needing more by itself is refused "
+            "(mp_request_too_large).",
+            ge=1,
+        ),
+    ] = 1024
     worker_reap_timeout_s: Annotated[
         float, _doc("Seconds a worker that pinged may stay silent before it is unregistered.", gt=0.0)
     ] = 120.0

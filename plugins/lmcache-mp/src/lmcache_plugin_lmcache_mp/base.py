@@ -9,21 +9,32 @@ request ids and counts it; the client waits for its own timeout.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lmcache_plugin_lmcache_mp.chunks import (
+    ChunkRange,
+    chunk_range,
+    first_chunk,
+    full_chunks,
+    remembered_bytes,
+)
 from lmcache_plugin_lmcache_mp.state import Instance, RequestTable
-from lmcache_tiers.plugin import FrontendStats
+from lmcache_plugin_lmcache_mp.wire import CacheKey
+from lmcache_tiers.plugin import BurstLog, FrontendStats, printable
 
 if TYPE_CHECKING:
     from lmcache_plugin_lmcache_mp import LMCacheMPConfig
     from lmcache_plugin_lmcache_mp.pickled import PickleCodec
     from lmcache_tiers.plugin import StorageManager
 
-__all__ = ["Deferred", "RequestRefused", "Shared"]
+__all__ = ["Deferred", "RequestRefused", "RequestTooLarge", "Shared"]
+
+logger = logging.getLogger(__name__)
 
 
 class RequestRefused(Exception):
@@ -32,6 +43,15 @@ class RequestRefused(Exception):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class RequestTooLarge(RequestRefused):
+    """A request naming more keys than ``max_request_keys``, or whose tokens would take
+    more than ``max_remembered_tokens_mb`` by themselves; ``keys`` is how many it named."""
+
+    def __init__(self, message: str, keys: int) -> None:
+        super().__init__("mp_request_too_large", message)
+        self.keys = keys
 
 
 @dataclass
@@ -57,6 +77,47 @@ class Shared:
     instances: dict[int, Instance] = field(default_factory=dict)
     requests: RequestTable = field(default_factory=lambda: RequestTable(65536))
     stopping: threading.Event = field(default_factory=threading.Event)
+    too_large_log: BurstLog = field(default_factory=lambda: BurstLog(logger, "mp_request_too_large"))
+
+    def chunks_of(self, key: CacheKey, *, ranks: int, from_zero: bool = False) -> ChunkRange:
+        """The chunks of ``key``'s range, hashed with its request's remembered hashes.
+
+        Checked first, before anything is hashed or remembered: the keys the range names
+        (``ranks`` objects a chunk) within ``max_request_keys``, and the tokens and hashes
+        the request would keep within ``max_remembered_tokens_mb``.  Otherwise raises
+        :class:`RequestTooLarge`."""
+        hashed = full_chunks(key, self.chunk_size)
+        first = 0 if from_zero else min(hashed, first_chunk(key, self.chunk_size))
+        keys = (hashed - first) * ranks
+        if keys > self.config.max_request_keys:
+            raise RequestTooLarge(
+                f"it names {keys} keys ({hashed - first} chunks x {ranks} ranks), more than "
+                f"max_request_keys ({self.config.max_request_keys})",
+                keys,
+            )
+        needed = remembered_bytes(hashed, self.chunk_size)
+        if needed > self.requests.max_bytes:
+            raise RequestTooLarge(
+                f"its {hashed} chunks of tokens would take {needed >> 20} MiB to remember, more "
+                f"than max_remembered_tokens_mb ({self.requests.max_bytes >> 20})",
+                keys,
+            )
+        state = self.requests.get(key.request_id, time.monotonic())
+        chunks = chunk_range(key, self.chunk_size, state.hashes, from_zero=from_zero)
+        self.requests.account(state)
+        return chunks
+
+    def refuse_too_large(self, operation: str, key: CacheKey, exc: RequestTooLarge) -> None:
+        """Count and log a request refused by :meth:`chunks_of` (its caller answers it)."""
+        self.stats.failure(exc.reason)
+        self.too_large_log.warn(
+            operation,
+            "%s of request %s refused: %s (failure reason %s)",
+            operation,
+            printable(key.request_id),
+            exc,
+            exc.reason,
+        )
 
     def instance(self, instance_id: int) -> Instance:
         """The registered instance a transfer is for.  The transfer refreshes its liveness,

@@ -21,7 +21,27 @@ from dataclasses import dataclass, field
 from lmcache_plugin_lmcache_mp.wire import CacheKey
 from lmcache_tiers.plugin import KeyValidationError, ObjectKey, chunk_hashes, kv_rank_of
 
-__all__ = ["ChunkRange", "HashCache", "chunk_range", "keys_for_all_ranks", "keys_for_rank"]
+__all__ = [
+    "HASH_BYTES",
+    "ChunkRange",
+    "HashCache",
+    "chunk_range",
+    "first_chunk",
+    "full_chunks",
+    "keys_for_all_ranks",
+    "keys_for_rank",
+    "remembered_bytes",
+]
+
+#: what remembering one chunk hash costs: a 32-byte bytes object and its list slot
+HASH_BYTES = 73
+#: what remembering one token costs (packed as uint32)
+TOKEN_BYTES = 4
+
+
+def remembered_bytes(chunks: int, chunk_size: int) -> int:
+    """What a request's :class:`HashCache` takes once it covers ``chunks`` full chunks."""
+    return chunks * (chunk_size * TOKEN_BYTES + HASH_BYTES)
 
 
 @dataclass
@@ -52,6 +72,10 @@ class HashCache:
             self.tokens.extend(tokens[covered:end])
         return self.hashes[:full_chunks]
 
+    def nbytes(self) -> int:
+        """The memory the tokens and hashes take (see :func:`remembered_bytes`)."""
+        return len(self.tokens) * TOKEN_BYTES + len(self.hashes) * HASH_BYTES
+
 
 @dataclass(frozen=True)
 class ChunkRange:
@@ -68,11 +92,20 @@ class ChunkRange:
 def chunk_range(key: CacheKey, chunk_size: int, cache: HashCache, *, from_zero: bool = False) -> ChunkRange:
     """The full chunks of ``key.token_ids[:end]`` at or after ``start`` (from chunk 0 with
     ``from_zero``, as a lookup counts); start and end are token indices, as in LMCache."""
-    end = min(key.end, len(key.token_ids))
-    last = end // chunk_size
-    first = 0 if from_zero else min(last, -(-key.start // chunk_size))
+    last = full_chunks(key, chunk_size)
+    first = 0 if from_zero else min(last, first_chunk(key, chunk_size))
     hashes = cache.hashes_of(key.token_ids, last, chunk_size)
     return ChunkRange(first, last, hashes[first:last])
+
+
+def full_chunks(key: CacheKey, chunk_size: int) -> int:
+    """The full chunks of ``key.token_ids[:end]``: those a request's hashes cover."""
+    return min(key.end, len(key.token_ids)) // chunk_size
+
+
+def first_chunk(key: CacheKey, chunk_size: int) -> int:
+    """The first full chunk at or after ``key.start``."""
+    return -(-key.start // chunk_size)
 
 
 def _check_world(key: CacheKey) -> None:

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused, Shared
-from lmcache_plugin_lmcache_mp.chunks import chunk_range, keys_for_all_ranks
+from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused, RequestTooLarge, Shared
+from lmcache_plugin_lmcache_mp.chunks import first_chunk, full_chunks, keys_for_all_ranks
 from lmcache_plugin_lmcache_mp.state import LookupJob
 from lmcache_plugin_lmcache_mp.wire import CacheKey
 from lmcache_tiers.plugin import BurstLog, printable
@@ -41,6 +41,7 @@ class Lookups:
         self.storage = shared.storage
         self._expired = BurstLog(logger, "mp_lookup_locks_expired")
         self._dropped = BurstLog(logger, "mp_request_dropped")
+        self._dropped_for_memory = BurstLog(logger, "mp_request_dropped_memory")
         self._abandoned = BurstLog(logger, "mp_lookups_abandoned")
         self._capped = BurstLog(logger, "mp_kv_readers_capped")
 
@@ -66,7 +67,15 @@ class Lookups:
             )
             state.job = _settled_empty(key.world_size, readers, now)
             return None
-        keys = keys_for_all_ranks(key, chunk_range(key, shared.chunk_size, state.hashes, from_zero=True))
+        try:
+            chunks = shared.chunks_of(key, ranks=key.world_size, from_zero=True)
+        except RequestTooLarge as exc:
+            # Answered as a lookup of nothing, as a miss is: LMCache's client asks for the
+            # result and gets 0 hits, rather than waiting out its timeout.
+            shared.refuse_too_large("lookup", key, exc)
+            state.job = _settled_empty(key.world_size, readers, now)
+            return None
+        keys = keys_for_all_ranks(key, chunks)
         if not keys:
             state.job = _settled_empty(key.world_size, readers, now)
             return None
@@ -127,8 +136,8 @@ class Lookups:
         # As in LMCache, num_kv_readers is checked only when there is something to free:
         # an empty range, a request without a lookup or a range past its hits is void.
         chunk_size = self.shared.chunk_size
-        first = -(-key.start // chunk_size)
-        last = min(key.end, len(key.token_ids)) // chunk_size
+        first = first_chunk(key, chunk_size)
+        last = full_chunks(key, chunk_size)
         if first >= last:
             return None
         job = self._job(key.request_id)
@@ -288,7 +297,8 @@ class Lookups:
                 state.job = None
         idle = shared.requests.idle(now - shared.config.session_ttl_s)
         overflow = shared.requests.overflow()  # after the idle ones: only live requests count
-        for state in idle + overflow:
+        over_memory = shared.requests.over_memory()
+        for state in idle + overflow + over_memory:
             if state.job is not None:
                 expired += self.give_back(state.job)
         # Forgotten while maybe still in use (request ids are the clients' choice, the
@@ -297,6 +307,12 @@ class Lookups:
             self._dropped,
             len(overflow),
             f"requests forgotten beyond max_requests ({shared.requests.max_requests})",
+        )
+        self._count(
+            self._dropped_for_memory,
+            len(over_memory),
+            f"requests forgotten, the least recently seen, to keep their tokens and hashes within "
+            f"max_remembered_tokens_mb ({shared.requests.max_bytes >> 20})",
         )
         self._count(
             self._abandoned,

@@ -160,13 +160,19 @@ class RequestState:
     last_seen: float
     hashes: HashCache = field(default_factory=HashCache)
     job: LookupJob | None = None
+    #: the size of ``hashes`` in the table's total (``RequestTable.remembered_bytes``)
+    counted_bytes: int = 0
 
 
 class RequestTable:
-    """Requests by id, least recently seen first; bounded."""
+    """Requests by id, least recently seen first; bounded in number, and in the memory
+    their tokens and hashes take (``max_bytes``)."""
 
-    def __init__(self, max_requests: int) -> None:
+    def __init__(self, max_requests: int, max_bytes: int = 1 << 30) -> None:
         self.max_requests = max_requests
+        self.max_bytes = max_bytes
+        #: what the requests' tokens and hashes take, as of their last :meth:`account`
+        self.remembered_bytes = 0
         self._requests: OrderedDict[str, RequestState] = OrderedDict()
 
     def get(self, request_id: str, now: float) -> RequestState:
@@ -182,13 +188,38 @@ class RequestTable:
         return self._requests.get(request_id)
 
     def pop(self, request_id: str) -> RequestState | None:
-        return self._requests.pop(request_id, None)
+        return self._forget(self._requests.pop(request_id, None))
+
+    def account(self, state: RequestState) -> None:
+        """Take the current size of ``state``'s hashes into the total (after hashing)."""
+        size = state.hashes.nbytes()
+        self.remembered_bytes += size - state.counted_bytes
+        state.counted_bytes = size
+
+    def _forget(self, state: RequestState | None) -> RequestState | None:
+        if state is not None:
+            self.remembered_bytes -= state.counted_bytes
+            state.counted_bytes = 0
+        return state
+
+    def _pop_oldest(self) -> RequestState:
+        state = self._requests.popitem(last=False)[1]
+        self._forget(state)
+        return state
 
     def overflow(self) -> list[RequestState]:
         """The least recently seen requests beyond the bound, removed."""
         dropped = []
         while len(self._requests) > self.max_requests:
-            dropped.append(self._requests.popitem(last=False)[1])
+            dropped.append(self._pop_oldest())
+        return dropped
+
+    def over_memory(self) -> list[RequestState]:
+        """The least recently seen requests whose tokens and hashes take the total past
+        ``max_bytes``, removed."""
+        dropped = []
+        while self.remembered_bytes > self.max_bytes and self._requests:
+            dropped.append(self._pop_oldest())
         return dropped
 
     def idle(self, since: float) -> list[RequestState]:
@@ -198,6 +229,7 @@ class RequestTable:
             if state.last_seen >= since:
                 break  # ordered by last_seen
             dropped.append(self._requests.pop(request_id))
+            self._forget(dropped[-1])
         return dropped
 
     def __iter__(self) -> Iterator[RequestState]:

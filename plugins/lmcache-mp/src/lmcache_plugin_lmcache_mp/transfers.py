@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused, Shared
-from lmcache_plugin_lmcache_mp.chunks import chunk_range, keys_for_rank
+from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused, RequestTooLarge, Shared
+from lmcache_plugin_lmcache_mp.chunks import keys_for_rank
 from lmcache_plugin_lmcache_mp.lookups import Lookups
 from lmcache_plugin_lmcache_mp.state import (
     MAX_MAPPING_CONNECTIONS,
@@ -89,13 +89,21 @@ class Transfers:
                 f"a transfer's end ({key.end}) must be a multiple of the chunk size ({chunk_size}) "
                 f"within its {len(key.token_ids)} tokens; LMCache's server refuses it too",
             )
-        hashes = self.shared.requests.get(key.request_id, time.monotonic()).hashes
-        return instance, keys_for_rank(key, chunk_range(key, chunk_size, hashes))
+        return instance, keys_for_rank(key, self.shared.chunks_of(key, ranks=1))
 
     # -- store ---------------------------------------------------------------------------
 
     def prepare_store(self, key: CacheKey, instance_id: int, *, peer: bytes = b"") -> Any:
-        instance, keys = self._resolve(key, instance_id)
+        try:
+            instance, keys = self._resolve(key, instance_id)
+        except RequestTooLarge as exc:
+            self.shared.refuse_too_large("prepare_store", key, exc)
+            if self.shared.shm is None:
+                # Pickled: the keys are named by the commit_store, which is refused and
+                # counts them; answered as any pickled prepare, as LMCache's server does.
+                return PrepareStoreReply(context={})
+            self._refuse_keys(exc.reason, exc.keys)
+            return PrepareStoreReply(context=_ALL_PRESENT)  # no slots: the client skips its copy
         if not keys:
             return PrepareStoreReply(context=_ALL_PRESENT)  # no full chunk: nothing to store
         if self.shared.shm is None:
@@ -189,7 +197,12 @@ class Transfers:
 
     def _commit_pickled(self, key: CacheKey, instance_id: int, data: bytes, peer: bytes) -> Any:
         # LMCache's server reads the range of pickled chunks: a key it cannot read is refused
-        instance, keys = self._resolve(key, instance_id)
+        try:
+            instance, keys = self._resolve(key, instance_id)
+        except RequestTooLarge as exc:
+            self.shared.refuse_too_large("commit_store", key, exc)
+            self._refuse_keys(exc.reason, exc.keys)
+            return False
         pending = self.writes.pop(instance_id, key.request_id, keys, time.monotonic(), peer)
         if pending is not None:
             # A client that fell back from shared memory: its reservation goes now, while
@@ -340,7 +353,11 @@ class Transfers:
     # -- retrieve ------------------------------------------------------------------------
 
     def prepare_retrieve(self, key: CacheKey, instance_id: int, *, peer: bytes = b"") -> Any:
-        instance, keys = self._resolve(key, instance_id)
+        try:
+            instance, keys = self._resolve(key, instance_id)
+        except RequestTooLarge as exc:
+            self.shared.refuse_too_large("prepare_retrieve", key, exc)
+            return _MISS  # the engine recomputes
         if not keys:
             return _MISS
         if self.shared.shm is not None and not self._maps_segment(instance, peer, "retrieve"):
