@@ -1582,3 +1582,36 @@ def test_an_old_temp_dir_that_is_a_store_root_now_is_left_alone(url: bool, tmp_p
         adapter.close()
         if url:
             files.rm(root, recursive=True)
+
+
+def test_a_store_in_the_temp_dir_of_a_running_one_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A root that is a running store's ``relative_tmp_dir`` -- or a ``relative_tmp_dir``
+    that is a running store's root -- is refused: either start-up sweep would remove the
+    other store's writes in flight (its ``.tmp-*.part`` files there)."""
+    monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path / "locks"))
+    root = tmp_path / "cache"
+    outer = open_fs(fs_config(str(root), relative_tmp_dir="staging"))
+    try:
+        in_flight = root / "staging" / f".tmp-{os.getpid()}-1.part"
+        in_flight.write_bytes(b"a write in flight")
+        with pytest.raises(FieldError, match="already used by another adapter"):
+            FsBackend.preflight(fs_config(str(root / "staging")))
+        with pytest.raises(ConfigError, match="already used by another adapter"):
+            open_fs(fs_config(str(root / "staging")))
+        assert in_flight.exists()
+    finally:
+        outer.close()
+    inner = open_fs(fs_config(str(root / "staging")))
+    try:
+        in_flight = root / "staging" / f".tmp-{os.getpid()}-2.part"
+        in_flight.write_bytes(b"a write in flight")
+        with pytest.raises(FieldError, match="already used by another adapter"):
+            FsBackend.preflight(fs_config(str(root), relative_tmp_dir="staging"))
+        with pytest.raises(ConfigError, match="already used by another adapter"):
+            open_fs(fs_config(str(root), relative_tmp_dir="staging"))
+        assert in_flight.exists()
+    finally:
+        inner.close()
+    open_fs(fs_config(str(root), relative_tmp_dir="staging")).close()  # both let go

@@ -12,6 +12,7 @@ checked by core; eviction (``eviction``) is core's L2 eviction controller deleti
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Sequence
 
 from lmcache_plugin_fs import FsConfig
@@ -31,6 +32,7 @@ from lmcache_tiers.plugin import (
     check_directory,
     check_directory_free,
     check_process_claim_free,
+    check_relative_dir,
     direct_io_refusal,
     redact_url_secrets,
 )
@@ -41,6 +43,18 @@ log = logging.getLogger(__name__)
 def _lock_what(root: str) -> str:
     """How the directory lock and its pre-flight probe name a local root."""
     return f"the fs directory {root}"
+
+
+def _temp_what(directory: str) -> str:
+    """How the lock of a local ``relative_tmp_dir`` and its pre-flight probe name it."""
+    return f"the temporary directory {directory} of an fs store"
+
+
+def _local_temp_dir(config: FsConfig) -> str | None:
+    """The local ``relative_tmp_dir`` of ``config`` as a path, or None."""
+    if not config.is_local or config.relative_tmp_dir is None:
+        return None
+    return os.path.join(config.local_root, check_relative_dir(config.relative_tmp_dir))
 
 
 def _store_what(root: str) -> str:
@@ -84,6 +98,9 @@ class FsBackend:
         if config.is_local:
             check_directory(config.local_root, field)
             check_directory_free(config.local_root, field, what=_lock_what(config.local_root))
+            temp_dir = _local_temp_dir(config)
+            if temp_dir is not None:
+                check_directory_free(temp_dir, "relative_tmp_dir", what=_temp_what(temp_dir))
             return
         identity = _remote_identity(config.root)
         if identity is not None:
@@ -94,6 +111,9 @@ class FsBackend:
         self.context = context
         self._capacity = config.capacity_bytes
         self._records: LocalRecords | RemoteRecords
+        #: the lock of a local ``relative_tmp_dir``: a store rooted there would sweep this
+        #: one's writes in flight, and this one a store's rooted there
+        self._temp_lock: DirectoryLock | None = None
         #: what holds the tree: the local directory, or the fsspec records themselves
         self._tree: LocalFiles | RemoteRecords
         if config.is_local:
@@ -119,6 +139,11 @@ class FsBackend:
         except OSError as exc:
             raise ConfigError(f"fs: cannot use {root}: {exc.strerror or exc}") from exc
         self._lock: DirectoryLock | ProcessClaim = lock
+        try:
+            self._temp_lock = _lock_temp_dir(config)
+        except BaseException:
+            lock.release()
+            raise
         layout = FileLayout(lock.root, shard_dirs=config.shard_dirs, temp_dir=config.relative_tmp_dir)
         try:
             files = LocalFiles(
@@ -130,7 +155,7 @@ class FsBackend:
             )
             direct = _direct_io(config, layout.root, context.name)
         except BaseException:
-            lock.release()
+            self._release_locks()
             raise
         failures = WriteFailures(context.name, layout.root, context.count)
         self._tree = files
@@ -218,7 +243,23 @@ class FsBackend:
 
     def _release(self) -> None:
         self._records.close()
+        self._release_locks()
+
+    def _release_locks(self) -> None:
+        if self._temp_lock is not None:
+            self._temp_lock.release()
         self._lock.release()
+
+
+def _lock_temp_dir(config: FsConfig) -> DirectoryLock | None:
+    """Lock a local ``relative_tmp_dir`` as a root is locked (created if missing)."""
+    temp_dir = _local_temp_dir(config)
+    if temp_dir is None:
+        return None
+    try:
+        return DirectoryLock(temp_dir, what=_temp_what(temp_dir), durable=config.fsync)
+    except OSError as exc:
+        raise ConfigError(f"fs: cannot use {temp_dir}: {exc.strerror or exc}") from exc
 
 
 def _local_filesystem() -> object:
