@@ -191,3 +191,25 @@ def test_an_object_past_the_capacity_and_l1_is_not_counted_as_accounted(
     assert stats["record_l1_size_past_capacity"] == 2
     assert stats.get("lookup_objects_past_capacity", 0) == 0
     assert not any("accounted and left to eviction" in r.getMessage() for r in caplog.records)
+
+
+class ListingAnObjectTwice(DictBackend):
+    """Lists what it holds, plus one object past the capacity twice (as a listing that
+    meets one key under two names does)."""
+
+    def list_keys(self) -> list[tuple[ObjectKey, object]]:  # type: ignore[override]
+        large = (ObjectKey("large", 0, b"\0" * 8), 100_001)
+        return [*DictBackend.list_keys(self), large, large]
+
+
+def test_the_scan_counts_an_object_past_the_capacity_once_it_is_accounted(
+    adapters: list[L2Adapter],
+) -> None:
+    """``scan_objects_past_capacity`` counts objects accounted: an entry the scan leaves
+    out (a key accounted already) is not one more."""
+    namespace = namespace_holding(keys_of("listed", 1), SIZE)
+    adapter = open_dict(ListingAnObjectTwice, capacity=100_000, namespace=namespace)
+    adapters.append(adapter)
+    wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")
+    assert adapter.used_bytes() == SIZE + 100_001
+    assert adapter.stats()["scan_objects_past_capacity"] == 1

@@ -119,6 +119,7 @@ class KeyScan:
                 if scanned is None:
                     self._relist()
                     continue
+                self._note_past_capacity(added, sizes)
                 # Outside the lock (a listener takes its own): every key accounted is
                 # announced, so an eviction policy can evict what counts in the usage.
                 self.state.notify("on_l2_keys_scanned", added)
@@ -156,15 +157,28 @@ class KeyScan:
         is stored (stores are refused until eviction made room) and the eviction policy
         is told of it like any key.  It is not deleted here: the store may be another
         server's too, and removing what cannot be told from a valid object is eviction's
-        call, made and counted there.  Counted as ``scan_objects_past_capacity``."""
+        call, made and counted there (:meth:`_note_past_capacity`)."""
         possible = [(key, size) for key, size in sizes if not impossible_size(size, None)]
         self.impossible += len(sizes) - len(possible)
+        return possible
+
+    def _note_past_capacity(self, added: list[ObjectKey], sizes: list[tuple[ObjectKey, ObjectSize]]) -> None:
+        """Count (``scan_objects_past_capacity``) the objects of ``added`` -- accounted from
+        this batch of ``sizes`` -- larger than the whole capacity.  Only those accounted:
+        an entry the accounting left out (a key it knew, listed twice, or listed again by
+        a listing begun anew) is no other object."""
+        if not added:
+            return
         limit = self.capacity()
-        past_capacity = sum(1 for _key, size in possible if impossible_size(size, limit))
+        if limit is None or limit.bytes is None:
+            return
+        listed: dict[ObjectKey, ObjectSize] = {}
+        for key, size in sizes:
+            listed.setdefault(key, size)  # the first entry of a key is the one accounted
+        past_capacity = sum(1 for key in added if impossible_size(listed[key], limit))
         if past_capacity:
             self.past_capacity += past_capacity
             self.state.count("scan_objects_past_capacity", past_capacity)
-        return possible
 
     def _stop_listing(self) -> None:
         """Close a listing the scan stopped before its end, on the thread that iterates it:
