@@ -1,6 +1,8 @@
 """``lmcache-tiers replay``: what it refuses, in one line with exit code 2 (or 1 for a
 server it cannot reach).  Its runs -- simulations, plots, replays and their ends -- are in
-test_replay_runs.py."""
+test_replay_runs.py.  These check exit codes and output only, so the command runs in this
+process (a fraction of a second instead of a Python start and the plugin imports), except
+where the test needs an interpreter of its own."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from replay_helpers import small_trace, start_block_server
-from thirdparty import run_cli
+from thirdparty import run_cli, run_cli_in_process
 
 
 def _error_line(result) -> str:  # type: ignore[no-untyped-def]
@@ -20,7 +22,7 @@ def _error_line(result) -> str:  # type: ignore[no-untyped-def]
 
 
 def test_a_missing_trace_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    result = run_cli(["replay", str(tmp_path / "nope.jsonl"), "--simulate"])
+    result = run_cli_in_process(["replay", str(tmp_path / "nope.jsonl"), "--simulate"])
     assert result.returncode == 2
     assert "does not exist" in _error_line(result)
 
@@ -29,13 +31,13 @@ def test_a_malformed_line_is_named(tmp_path: Path) -> None:
     trace = small_trace(tmp_path / "t.jsonl", requests=4)
     with trace.open("a") as handle:
         handle.write('{"timestamp": 9, "input_length": 10}\n')
-    result = run_cli(["replay", str(trace), "--simulate"])
+    result = run_cli_in_process(["replay", str(trace), "--simulate"])
     assert result.returncode == 2
     assert "line 5" in _error_line(result)
 
 
 def test_a_file_without_line_ends_is_one_line_and_exit_2() -> None:
-    result = run_cli(["replay", "/dev/zero", "--simulate"])
+    result = run_cli_in_process(["replay", "/dev/zero", "--simulate"])
     assert result.returncode == 2
     assert _error_line(result) == "error: /dev/zero line 1: longer than 16 MiB; not a request trace"
 
@@ -54,7 +56,7 @@ def test_times_no_clock_can_wait_for_are_one_line_and_exit_2(tmp_path: Path) -> 
             ([str(trace), "--url", server.url, "--time-scale", "1e300"], "a paced replay must fit"),
             ([str(trace), "--in-process", "--l1-blocks", "20", "--time-scale", "1e300"], "must fit"),
         ]:
-            result = run_cli(["replay", *args])
+            result = run_cli_in_process(["replay", *args])
             assert result.returncode == 2, result.stderr
             assert message in _error_line(result)
     finally:
@@ -63,7 +65,9 @@ def test_times_no_clock_can_wait_for_are_one_line_and_exit_2(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("capacity", ["-3", "zero", "12 parsecs", "0", "1.5", "1.2345k"])
 def test_a_bad_capacity_is_one_line_and_exit_2(tmp_path: Path, capacity: str) -> None:
-    result = run_cli(["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate", "--capacity", capacity])
+    result = run_cli_in_process(
+        ["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate", "--capacity", capacity]
+    )
     assert result.returncode == 2
     assert "capacity" in _error_line(result)
 
@@ -90,17 +94,19 @@ def test_a_bad_capacity_is_one_line_and_exit_2(tmp_path: Path, capacity: str) ->
     ],
 )
 def test_bad_combinations_are_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
-    result = run_cli(["replay", str(small_trace(tmp_path / "t.jsonl")), *args])
+    result = run_cli_in_process(["replay", str(small_trace(tmp_path / "t.jsonl")), *args])
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in _error_line(result)
 
 
 def test_a_fractional_block_count_is_refused_and_a_whole_one_is_not(tmp_path: Path) -> None:
     trace = str(small_trace(tmp_path / "t.jsonl"))
-    result = run_cli(["replay", trace, "--simulate", "--capacity", "1.5"])
+    result = run_cli_in_process(["replay", trace, "--simulate", "--capacity", "1.5"])
     assert result.returncode == 2
     assert "1.5 blocks is not a whole number of blocks" in _error_line(result)
-    result = run_cli(["replay", trace, "--simulate", "--capacity", "0.02k", "--policy", "LRU", "--json"])
+    result = run_cli_in_process(
+        ["replay", trace, "--simulate", "--capacity", "0.02k", "--policy", "LRU", "--json"]
+    )
     assert result.returncode == 0, result.stderr
     assert [point["capacity_blocks"] for point in json.loads(result.stdout)["points"]] == [20]
 
@@ -144,32 +150,35 @@ SERVER = "a replay through a server (--url)"
 def test_an_option_of_another_mode_is_refused_naming_where_it_applies(
     tmp_path: Path, args: list[str], message: str
 ) -> None:
-    result = run_cli(["replay", str(small_trace(tmp_path / "t.jsonl")), *args])
+    result = run_cli_in_process(["replay", str(small_trace(tmp_path / "t.jsonl")), *args])
     assert result.returncode == 2, result.stdout + result.stderr
     assert _error_line(result) == f"error: {message}"
 
 
-def test_an_auth_token_from_the_environment_is_no_option_given(tmp_path: Path) -> None:
+def test_an_auth_token_from_the_environment_is_no_option_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     trace = str(small_trace(tmp_path / "t.jsonl"))
-    result = run_cli(["replay", trace, "--simulate", "--capacity", "8"], LMCACHE_TIERS_AUTH_TOKEN="t")
+    monkeypatch.setenv("LMCACHE_TIERS_AUTH_TOKEN", "t")
+    result = run_cli_in_process(["replay", trace, "--simulate", "--capacity", "8"])
     assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize("url", ["garbage", "tcp://127.0.0.1:99999", "tcp://::1:5555", "http://h:1"])
 def test_a_url_no_client_can_connect_to_is_a_usage_error(tmp_path: Path, url: str) -> None:
-    result = run_cli(["replay", str(small_trace(tmp_path / "t.jsonl")), "--url", url])
+    result = run_cli_in_process(["replay", str(small_trace(tmp_path / "t.jsonl")), "--url", url])
     assert result.returncode == 2
     assert _error_line(result).startswith("error: Invalid value for '--url': ")
 
 
 def test_in_process_config_file_that_is_a_directory_is_one_line(tmp_path: Path) -> None:
     trace = str(small_trace(tmp_path / "t.jsonl"))
-    result = run_cli(["replay", trace, "--in-process", "--config", str(tmp_path)])
+    result = run_cli_in_process(["replay", trace, "--in-process", "--config", str(tmp_path)])
     assert result.returncode == 2
     assert (
         _error_line(result) == f"error: config file '{tmp_path}' is a directory; give the path of a TOML file"
     )
-    result = run_cli(["replay", trace, "--in-process", "--l1-size-gb", "inf"])
+    result = run_cli_in_process(["replay", trace, "--in-process", "--l1-size-gb", "inf"])
     assert result.returncode == 2
     assert _error_line(result) == "error: --l1-size-gb: Expected a finite number, got inf - at `$.l1_size_gb`"
 
@@ -190,7 +199,7 @@ def test_a_plot_file_that_cannot_be_written_is_refused_before_the_simulation(
     plot = tmp_path / name
     # --policy LRUU would fail the simulation: the plot is refused before it starts
     args = ["--simulate", "--capacity", "8", "--policy", "LRUU", "--plot", str(plot)]
-    result = run_cli(["replay", str(small_trace(tmp_path / "t.jsonl")), *args])
+    result = run_cli_in_process(["replay", str(small_trace(tmp_path / "t.jsonl")), *args])
     assert result.returncode == 2
     line = _error_line(result)
     assert line.startswith(f"error: --plot {plot}: ") and words in line, line
@@ -199,7 +208,7 @@ def test_a_plot_file_that_cannot_be_written_is_refused_before_the_simulation(
 
 
 def test_an_unreachable_server_is_exit_1(tmp_path: Path) -> None:
-    result = run_cli(
+    result = run_cli_in_process(
         ["replay", str(small_trace(tmp_path / "t.jsonl")), "--url", "tcp://127.0.0.1:9", "--timeout", "0.3"]
     )
     assert result.returncode == 1
@@ -230,7 +239,7 @@ def test_plot_without_matplotlib_is_one_line_and_exit_2(tmp_path: Path) -> None:
 
 def test_an_empty_in_process_config_path_is_refused_not_ignored(tmp_path: Path) -> None:
     trace = small_trace(tmp_path / "t.jsonl", requests=4)
-    result = run_cli(["replay", str(trace), "--in-process", "--l1-blocks", "20", "--config", ""])
+    result = run_cli_in_process(["replay", str(trace), "--in-process", "--l1-blocks", "20", "--config", ""])
     assert result.returncode == 2, result.stdout + result.stderr
     assert _error_line(result) == "error: config file '' does not exist"
 
@@ -239,7 +248,7 @@ def test_in_process_blocks_larger_than_l1_are_one_line_and_exit_2(tmp_path: Path
     # A block no L1 could hold: once a traceback from allocating its scratch buffer.
     trace = small_trace(tmp_path / "t.jsonl", requests=4)
     args = ["replay", str(trace), "--in-process", "--l1-size-gb", "0.0625", "--block-bytes", str(1 << 40)]
-    result = run_cli(args)
+    result = run_cli_in_process(args)
     assert result.returncode == 2, result.stdout + result.stderr
     assert _error_line(result) == (
         f"error: --block-bytes {1 << 40}: larger than the L1 (--l1-size-gb 0.0625), "
@@ -251,7 +260,9 @@ def test_blocks_larger_than_the_servers_l1_are_one_line_and_exit_2(tmp_path: Pat
     trace = small_trace(tmp_path / "t.jsonl", requests=4)
     server = start_block_server(tmp_path / "server", 20)
     try:
-        result = run_cli(["replay", str(trace), "--url", server.url, "--block-bytes", str(1 << 40)])
+        result = run_cli_in_process(
+            ["replay", str(trace), "--url", server.url, "--block-bytes", str(1 << 40)]
+        )
         assert result.returncode == 2, result.stdout + result.stderr
         line = _error_line(result)
         assert line.startswith(f"error: --block-bytes {1 << 40}: larger than the L1 of {server.url} ("), line
@@ -261,7 +272,7 @@ def test_blocks_larger_than_the_servers_l1_are_one_line_and_exit_2(tmp_path: Pat
 
 def test_an_in_process_l1_too_small_for_one_extent_names_the_flag(tmp_path: Path) -> None:
     trace = small_trace(tmp_path / "t.jsonl", requests=4)
-    result = run_cli(["replay", str(trace), "--in-process", "--l1-size-gb", "1e-12"])
+    result = run_cli_in_process(["replay", str(trace), "--in-process", "--l1-size-gb", "1e-12"])
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.startswith("error: "), result.stderr  # before any progress bar
     assert _error_line(result).startswith("error: --l1-size-gb 1e-12: smaller than one L1 extent")
