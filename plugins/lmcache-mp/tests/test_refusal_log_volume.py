@@ -13,7 +13,7 @@ import msgspec
 import pytest
 from lmcache_plugin_lmcache_mp.loop import LOG_LINES_PER_SECOND
 from lmcache_plugin_lmcache_mp.wire import MAX_ARGUMENT_BYTES, OPERATION_IDS
-from mpclient import MPClient, mp_address
+from mpclient import Key, MPClient, mp_address, tokens_of
 
 from lmcache_tiers.server.app import TiersServer
 
@@ -62,3 +62,30 @@ def test_hammered_refusals_are_logged_at_a_bounded_rate_and_all_counted(
 
 def front_end_lines(records: list[Any]) -> list[logging.LogRecord]:
     return [record for record in records if record.name.startswith("lmcache_plugin_lmcache_mp")]
+
+
+def test_refused_requests_are_decoded_for_their_request_id_only_when_logged(
+    mp_server: TiersServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key can be 64 MiB: decoding it for the request id of a line the budget holds back
+    would cost the loop thread the decode of every refused request, logged or not."""
+    from lmcache_plugin_lmcache_mp import loop
+
+    decoded: list[str] = []
+    real = loop._request_id
+
+    def counting(name: str, arg_frames: list[bytes]) -> str:
+        decoded.append(name)
+        return real(name, arg_frames)
+
+    monkeypatch.setattr(loop, "_request_id", counting)
+    key = ENCODE(Key(tokens_of(1, 512), "driven", worker_id=0).encode())
+    caplog.set_level(logging.WARNING)
+    with MPClient(mp_address(mp_server)) as client:
+        for uid in range(ROUNDS):  # LMCache-driven stores, which this front end does not serve
+            client.socket.send_multipart([ENCODE(uid), ENCODE("store"), key, ENCODE(1), ENCODE([[1]]), b""])
+        assert client.call("noop") == "OK"
+    assert mp_server.frontends[0].stats().failures["mp_not_served"] == ROUNDS
+    lines = [r for r in front_end_lines(caplog.records) if "mp_not_served" in r.getMessage()]
+    assert lines and all("request_id driven" in r.getMessage() for r in lines)
+    assert len(decoded) == len(lines) < ROUNDS

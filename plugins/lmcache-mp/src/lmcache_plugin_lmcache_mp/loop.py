@@ -138,13 +138,12 @@ class MPServer:
             self._unanswered(
                 "?",
                 peek_uid(frames[1]) if len(frames) > 1 else "?",
-                "",
                 "mp_bad_request",
                 f"{len(frames)} frames: no uid or no op frame",
             )
             return
         if len(frames) > MAX_FRAMES:
-            self._unanswered("?", peek_uid(frames[1]), "", "mp_bad_request", f"more than {MAX_FRAMES} frames")
+            self._unanswered("?", peek_uid(frames[1]), "mp_bad_request", f"more than {MAX_FRAMES} frames")
             return
         try:
             self._handle(frames[0], frames[1], frames[2], frames[3:])
@@ -156,23 +155,21 @@ class MPServer:
             name = operation_name(op)
         except ValueError as exc:
             self.stats.requests["unknown"] += 1
-            self._unanswered("?", peek_uid(uid), "", "mp_unknown_op", str(exc))
+            self._unanswered("?", peek_uid(uid), "mp_unknown_op", str(exc))
             return
         if name not in self.handlers.table:
             if name in NOT_SERVED:
                 self.stats.requests[name] += 1
-                request_id = _request_id(name, arg_frames)
-                self._unanswered(name, peek_uid(uid), request_id, "mp_not_served", NOT_SERVED[name])
+                self._unanswered(name, peek_uid(uid), "mp_not_served", NOT_SERVED[name], arg_frames)
             else:  # one label for all: a client must not grow /metrics with made-up names
                 self.stats.requests["unknown"] += 1
                 message = "not an operation of LMCache's protocol"
-                self._unanswered(name[:64], peek_uid(uid), "", "mp_unknown_op", message)
+                self._unanswered(name[:64], peek_uid(uid), "mp_unknown_op", message)
             return
         self.stats.requests[name] += 1
         if self.router.draining:
-            request_id = _request_id(name, arg_frames)
             self._unanswered(
-                name, peek_uid(uid), request_id, "mp_shutting_down", "the server is shutting down"
+                name, peek_uid(uid), "mp_shutting_down", "the server is shutting down", arg_frames
             )
             return
         try:
@@ -213,15 +210,19 @@ class MPServer:
         else:
             reason = "mp_handler_error"
             logger.error("%s: %s (uid %s) raised", self.name, name, peek_uid(uid), exc_info=exc)
-        self._unanswered(
-            name, peek_uid(uid), _request_id(name, arg_frames), reason, str(exc) or type(exc).__name__
-        )
+        self._unanswered(name, peek_uid(uid), reason, str(exc) or type(exc).__name__, arg_frames)
 
-    def _unanswered(self, name: str, uid: str, request_id: str, reason: str, message: str) -> None:
+    def _unanswered(
+        self, name: str, uid: str, reason: str, message: str, arg_frames: list[bytes] | None = None
+    ) -> None:
+        """Count a request not answered; log it, with the request id its ``arg_frames``
+        carry, within the line budget."""
         self.stats.failure(reason)
         log, held = self._budget.take()
         if not log:
             return
+        # Only for a line that is logged: a key may be 64 MiB to decode.
+        request_id = _request_id(name, arg_frames) if arg_frames else ""
         earlier = f" ({held} more not logged)" if held else ""
         # Names and ids come from clients: escaped, so they cannot forge log lines.
         ids = f"uid {printable(uid)}" + (f", request_id {printable(request_id)}" if request_id else "")
