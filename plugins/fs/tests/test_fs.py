@@ -1615,3 +1615,17 @@ def test_a_store_in_the_temp_dir_of_a_running_one_is_refused(
     finally:
         inner.close()
     open_fs(fs_config(str(root), relative_tmp_dir="staging")).close()  # both let go
+
+
+def test_an_old_temp_dir_under_the_current_one_is_swept(tmp_path: Path) -> None:
+    """The current temporary directory is locked by this very adapter: the old one under
+    it is not another store's."""
+    open_fs(fs_config(str(tmp_path), relative_tmp_dir="staging/old")).close()
+    (tmp_path / "staging" / "old" / ".tmp-1-1.part").write_bytes(b"half")
+    adapter = open_fs(fs_config(str(tmp_path), relative_tmp_dir="staging"))
+    try:
+        assert adapter.stats().get("old_temp_dirs_skipped", 0) == 0
+        assert adapter.stats()["orphan_temp_files_removed"] == 1
+        assert not (tmp_path / "staging" / "old" / ".tmp-1-1.part").exists()
+    finally:
+        adapter.close()

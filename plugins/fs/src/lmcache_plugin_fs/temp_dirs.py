@@ -194,6 +194,8 @@ class TempDirRecord:
         flight) are left alone."""
         parts = relative.split("/")
         for depth in range(1, len(parts) + 1):
+            if "/".join(parts[:depth]) == self.current:
+                continue  # this adapter's own temporary directory, which it holds
             directory = posixpath.join(self.root, *parts[:depth])
             try:
                 check_directory_free(directory, "relative_tmp_dir", what=f"the directory {directory}")
