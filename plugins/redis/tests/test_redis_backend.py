@@ -1023,6 +1023,36 @@ def _on_node(
         raw.close()
 
 
+def test_a_cluster_store_whose_trip_lost_a_hung_nodes_keys_reports_its_later_trips_stored(
+    own_cluster: RedisClusterNodes, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # The first trip's key on the hung node fails alone; the later trips, on the nodes
+    # that answer, are stored and must be reported so (else they sit in the store
+    # counted against no capacity).
+    hung = own_cluster.nodes[1]
+    adapter = _open_on_cluster(
+        open_adapter,
+        own_cluster,
+        prefix,
+        request_timeout=0.3,
+        connection_timeout=0.3,
+        pipeline_max_bytes=1 << 16,
+    )
+    candidates = make_keys(64)
+    on_hung = _on_node(adapter, own_cluster, hung, candidates)
+    elsewhere = [key for key, on in zip(candidates, on_hung, strict=True) if not on]
+    keys = [candidates[on_hung.index(True)], *elsewhere[:3]]  # trips of two 32 KiB objects
+    buffers = [memoryview(bytearray(pattern(index, 1 << 15))) for index in range(len(keys))]
+    hung.pause()
+    try:
+        stored = BlockingAdapterClient(adapter, timeout=120).store(keys, buffers)
+    finally:
+        hung.resume()
+    assert stored == [False, True, True, True]
+    assert adapter.used_bytes() == 3 << 15
+    assert adapter.stats()["store_request_failures"] == 1, adapter.stats()
+
+
 def test_a_cluster_batch_with_one_node_hung_reports_and_accounts_what_the_others_did(
     own_cluster: RedisClusterNodes, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:

@@ -943,14 +943,16 @@ class RedisBackend:
             if resend:
                 # The commands other cluster nodes answered were done: those count now.
                 answered = [] if isinstance(replies, Exception) else list(zip(batch, replies, strict=True))
-                failure = failure or self._record_stored(keys, answered, stored, set(resend))
+                answered_failure = self._record_stored(keys, answered, stored, set(resend))
+                failure = failure or answered_failure
                 # Trip 0 failing fails the whole call: right only while nothing is stored.
                 first = number if number > 0 or not any(stored) else 1
                 return _LimitsLowered([*resend, *sendable[trip.stop :]], first, failure)
             if isinstance(replies, Exception):
                 failure = self._trip_failed(replies, number, "store", len(sendable) - trip.start)
                 break
-            failure = failure or self._record_stored(keys, list(zip(batch, replies, strict=True)), stored)
+            trip_failure = self._record_stored(keys, list(zip(batch, replies, strict=True)), stored)
+            failure = failure or trip_failure
         return failure
 
     def _record_stored(
