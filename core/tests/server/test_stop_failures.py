@@ -24,6 +24,18 @@ from lmcache_tiers.storage import StorageManager
 from lmcache_tiers.testing.ports import free_port
 
 
+@contextlib.contextmanager
+def _ctrl_c_raises() -> Iterator[None]:
+    """Ctrl-C handled as Python's default for the block: a suite started in the background
+    (a non-interactive shell's ``cmd &``) inherits SIGINT ignored, which ``run_server`` then
+    keeps ignored by design -- and a test sending itself SIGINT would wait for ever."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _join_is_broken() -> bool:
     raise RuntimeError("join is broken")
 
@@ -180,7 +192,7 @@ def test_a_first_signal_does_not_cut_short_the_clean_up_of_a_failed_start(
 
     monkeypatch.setattr(app, "create_frontend", broken_frontend)
     monkeypatch.setattr(StorageManager, "close", close_after_a_ctrl_c)
-    with _segment(name) as segment:
+    with _segment(name) as segment, _ctrl_c_raises():
         code = run_server(config, banner=False)
         monkeypatch.undo()
         assert not os.path.exists(segment), "the L1 segment outlived the failed start-up's clean-up"
@@ -227,7 +239,7 @@ def test_a_signal_waiting_for_a_start_up_handling_an_error_is_logged_when_it_com
     monkeypatch.setattr(app, "create_frontend", frontend_built_after_a_retry)
     logging.getLogger().addHandler(notices)
     try:
-        with _segment(name) as segment:
+        with _segment(name) as segment, _ctrl_c_raises():
             code = run_server(config, banner=False)
             monkeypatch.undo()
             assert not os.path.exists(segment)
