@@ -96,6 +96,43 @@ class AnsweringAbsurdSizes(DictBackend):
         return [None if size is None else AnsweringAbsurdSizes.answered for size in found]
 
 
+def open_answering(
+    adapters: list[L2Adapter],
+    key: ObjectKey,
+    capacity: int | None,
+    *,
+    accounted: bool,
+    l1_capacity: int | None = None,
+) -> BackendAdapter:
+    """An ``AnsweringAbsurdSizes`` adapter whose store holds ``key`` (``SIZE`` bytes):
+    accounted (stored through it), or not (stored by another server after its scan read
+    the store: it learns of it by a lookup)."""
+    config = DictConfig(capacity=capacity, namespace=namespace_holding([] if accounted else [key], SIZE))
+    context = AdapterContext(index=0, name="0:t", config=config, l1_capacity=l1_capacity)
+    adapter = create_adapter(AnsweringAbsurdSizes, config, context)
+    assert isinstance(adapter, BackendAdapter)
+    adapters.append(adapter)
+    wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")
+    if accounted:
+        store_blank(adapter, [key], SIZE)
+    else:
+        adapter.state.accounting.forget(key)
+    return adapter
+
+
+def found_when_answered(
+    adapter: BackendAdapter, key: ObjectKey, answered: object, caplog: pytest.LogCaptureFixture
+) -> bool:
+    """Whether a lookup of ``key`` finds it while the backend answers ``answered``."""
+    AnsweringAbsurdSizes.answered = answered
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l2"):
+            (found,) = BlockingAdapterClient(adapter).lookup_and_lock([key]).found
+    finally:
+        AnsweringAbsurdSizes.answered = None
+    return found
+
+
 @pytest.mark.parametrize(
     ("answered", "capacity"),
     [(HUGE, 100_000), (HUGE, None), (ObjectSize(2**63, SIZE), None)],
@@ -109,23 +146,10 @@ def test_a_lookup_refuses_a_size_no_object_can_have(
     accounted: bool,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    keys = keys_of("k", 1)
-    # Not accounted: stored by another server, this adapter learns of it by a lookup.
-    namespace = namespace_holding([] if accounted else keys, SIZE)
-    adapter: BackendAdapter = open_dict(AnsweringAbsurdSizes, capacity=capacity, namespace=namespace)
-    adapters.append(adapter)
-    wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")
-    if accounted:
-        store_blank(adapter, keys, SIZE)
-    else:
-        adapter.state.accounting.forget(keys[0])  # as if stored after the scan read the store
+    key = keys_of("k", 1)[0]
+    adapter = open_answering(adapters, key, capacity, accounted=accounted)
     used = adapter.used_bytes()
-    AnsweringAbsurdSizes.answered = answered
-    try:
-        with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l2"):
-            assert BlockingAdapterClient(adapter).lookup_and_lock(keys).found == [False]
-    finally:
-        AnsweringAbsurdSizes.answered = None
+    assert not found_when_answered(adapter, key, answered, caplog)
     assert adapter.used_bytes() == used
     assert adapter.stats()["lookup_size_impossible"] == 1
     assert any("impossible size" in r.getMessage() for r in caplog.records)
@@ -141,22 +165,10 @@ def test_a_lookup_accounts_an_object_larger_than_the_capacity(
     earlier run whose listing this one could not read, or a server sharing the store).
     It is in the store, so it is a hit the usage follows -- as the start-up scan
     accounts one -- counted, and announced so that eviction can remove it."""
-    keys = keys_of("k", 1)
-    namespace = namespace_holding([] if accounted else keys, SIZE)
-    adapter: BackendAdapter = open_dict(AnsweringAbsurdSizes, capacity=100_000, namespace=namespace)
-    adapters.append(adapter)
-    wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")
-    if accounted:
-        store_blank(adapter, keys, SIZE)
-    else:
-        adapter.state.accounting.forget(keys[0])  # as if stored after the scan read the store
-    AnsweringAbsurdSizes.answered = 100_001
-    try:
-        with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l2"):
-            assert BlockingAdapterClient(adapter).lookup_and_lock(keys).found == [True]
-    finally:
-        AnsweringAbsurdSizes.answered = None
-    adapter.unlock(keys)
+    key = keys_of("k", 1)[0]
+    adapter = open_answering(adapters, key, 100_000, accounted=accounted)
+    assert found_when_answered(adapter, key, 100_001, caplog)
+    adapter.unlock([key])
     assert adapter.used_bytes() == 100_001
     stats = adapter.stats()
     assert stats["lookup_objects_past_capacity"] == 1
@@ -170,22 +182,10 @@ def test_an_object_past_the_capacity_and_l1_is_not_counted_as_accounted(
     """Past the capacity and past L1 too: a miss that leaves the accounting as it was
     (``record_l1_size_past_capacity``).  ``lookup_objects_past_capacity`` counts objects
     accounted, so it is not counted -- on no lookup of it -- and no line says it was."""
-    keys = keys_of("k", 1)
-    config = DictConfig(capacity=100_000, namespace=namespace_holding([], SIZE))
-    context = AdapterContext(index=0, name="0:t", config=config, l1_capacity=100_000)
-    adapter = create_adapter(AnsweringAbsurdSizes, config, context)
-    assert isinstance(adapter, BackendAdapter)
-    adapters.append(adapter)
-    wait_until(lambda: not adapter.stats()["scan_running"], "the end of the start-up scan")
-    store_blank(adapter, keys, SIZE)
-    adapter.state.accounting.forget(keys[0])  # as if stored after the scan read the store
-    AnsweringAbsurdSizes.answered = 100_001
-    try:
-        with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l2"):
-            for _lookup in range(2):
-                assert BlockingAdapterClient(adapter).lookup_and_lock(keys).found == [False]
-    finally:
-        AnsweringAbsurdSizes.answered = None
+    key = keys_of("k", 1)[0]
+    adapter = open_answering(adapters, key, 100_000, accounted=False, l1_capacity=100_000)
+    for _lookup in range(2):
+        assert not found_when_answered(adapter, key, 100_001, caplog)
     assert adapter.used_bytes() == 0
     stats = adapter.stats()
     assert stats["record_l1_size_past_capacity"] == 2
