@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from thirdparty import run_cli
+from thirdparty import run_cli, run_cli_in_process
 
 from lmcache_tiers.cli import plugins_cmd
 from lmcache_tiers.cli.main import build_app, command_tree, main
@@ -237,8 +237,8 @@ def test_usage_errors_are_one_line_with_exit_code_2() -> None:
         ("plugins", "show", "nope"): "error: no plugin or component named 'nope'",
         ("status", "--max-workers", "2"): "error: No such option: --max-workers",
     }
-    for args, message in cases.items():
-        result = run_cli(list(args))
+    for args, message in cases.items():  # all refused before a server starts: in this process
+        result = run_cli_in_process(list(args))
         assert result.returncode == 2, (args, result.stderr)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], (args, result.stderr)
