@@ -188,6 +188,18 @@ class MPClient:
         return chunks
 
 
+def pickled_chunks(payloads: list[bytes], registration: Registration | None = None) -> bytes:
+    """Chunks as LMCache's client pickles them: a list of tensors of the registered layout
+    (bfloat16; torch is imported here, only by the tests of the pickle path)."""
+    import pickle
+
+    import torch
+
+    reg = registration or Registration()
+    shape = (2, reg.num_layers, reg.num_physical_slots or CHUNK_TOKENS, reg.hidden_dim_size)
+    return pickle.dumps([torch.frombuffer(bytearray(p), dtype=torch.bfloat16).view(shape) for p in payloads])
+
+
 def chunk_payloads(sequence: int, count: int, size: int) -> list[bytes]:
     """Deterministic, distinct bytes for chunk ``i`` of request ``sequence``."""
     return [

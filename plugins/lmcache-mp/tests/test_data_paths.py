@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, tokens_of
+from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, pickled_chunks, tokens_of
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import prefix_keys
@@ -94,11 +94,6 @@ def test_a_chunk_stored_through_the_native_client_hits_through_lmcache(make_mp_s
         assert client.retrieve(Key(tokens, "r", worker_id=0), REG.instance_id, shm) == payloads
 
 
-def _pickled(payloads: list[bytes]) -> bytes:
-    shape = (2, REG.num_layers, 256, REG.hidden_dim_size)
-    return pickle.dumps([torch.frombuffer(bytearray(p), dtype=torch.bfloat16).view(shape) for p in payloads])
-
-
 def test_the_pickle_data_path(make_mp_server: Any) -> None:
     server = make_mp_server(shm=False, allow_pickle=True)
     with MPClient(mp_address(server)) as client:
@@ -106,7 +101,7 @@ def test_the_pickle_data_path(make_mp_server: Any) -> None:
         key = Key(tokens_of(6), "s", worker_id=0)
         assert client.call("prepare_store", key.encode(), REG.instance_id) == {"context": {}}
         payloads = chunk_payloads(6, 4, CHUNK)
-        assert client.call("commit_store", key.encode(), REG.instance_id, _pickled(payloads)) is True
+        assert client.call("commit_store", key.encode(), REG.instance_id, pickled_chunks(payloads)) is True
         assert client.lookup(Key(tokens_of(6), "r")) == 4
         reply = client.call("prepare_retrieve", Key(tokens_of(6), "r", worker_id=0).encode(), REG.instance_id)
         assert reply["success"] is True and reply["context"] == {}
@@ -128,7 +123,9 @@ def test_a_pickled_connection_that_did_not_register_is_served_and_pinged_true(ma
         assert reconnected.call("ping", REG.instance_id) is True
         key = Key(tokens_of(5), "s", worker_id=0)
         payloads = chunk_payloads(5, 4, CHUNK)
-        assert reconnected.call("commit_store", key.encode(), REG.instance_id, _pickled(payloads)) is True
+        assert (
+            reconnected.call("commit_store", key.encode(), REG.instance_id, pickled_chunks(payloads)) is True
+        )
         assert reconnected.call("ping", 4242) is False  # an id this server does not know
     failures = server.frontends[0].stats().failures
     assert failures["mp_ping_asks_reregistration"] == 1
@@ -151,7 +148,7 @@ def test_a_pickled_retrieve_whose_copy_l1_cannot_vouch_for_is_a_miss(
         key = Key(tokens_of(7), "s", worker_id=0)
         client.call("prepare_store", key.encode(), REG.instance_id)
         assert client.call(
-            "commit_store", key.encode(), REG.instance_id, _pickled(chunk_payloads(7, 4, CHUNK))
+            "commit_store", key.encode(), REG.instance_id, pickled_chunks(chunk_payloads(7, 4, CHUNK))
         )
         assert client.lookup(Key(tokens_of(7), "r")) == 4
         monkeypatch.setattr(
@@ -171,12 +168,12 @@ def test_a_pickled_store_l1_cannot_hold_answers_false(make_mp_server: Any) -> No
         client.register(REG)
         held = Key(tokens_of(9), "s", worker_id=0)
         assert client.call(
-            "commit_store", held.encode(), REG.instance_id, _pickled(chunk_payloads(9, 4, CHUNK))
+            "commit_store", held.encode(), REG.instance_id, pickled_chunks(chunk_payloads(9, 4, CHUNK))
         )
         assert client.lookup(Key(tokens_of(9), "holding")) == 4  # locked: eviction cannot take them
         key = Key(tokens_of(90), "r", worker_id=0)
         assert client.call("prepare_store", key.encode(), REG.instance_id) == {"context": {}}
-        refused = _pickled(chunk_payloads(90, 4, CHUNK))
+        refused = pickled_chunks(chunk_payloads(90, 4, CHUNK))
         assert client.call("commit_store", key.encode(), REG.instance_id, refused) is False
         stats = server.frontends[0].stats()
         assert stats.failures["mp_store_refused_l1_full"] == 1
@@ -199,7 +196,7 @@ def test_pickled_chunks_are_refused_unless_allowed_and_never_run_code(make_mp_se
         client.register(REG)
         key = Key(tokens_of(7), "s", worker_id=0)
         payloads = chunk_payloads(7, 4, CHUNK)
-        assert client.call("commit_store", key.encode(), REG.instance_id, _pickled(payloads)) is False
+        assert client.call("commit_store", key.encode(), REG.instance_id, pickled_chunks(payloads)) is False
         assert refusing.frontends[0].stats().failures["mp_pickle_refused"] == 1
     allowing = make_mp_server(allow_pickle=True)
     with MPClient(mp_address(allowing)) as client:
@@ -294,7 +291,7 @@ def test_a_pickled_store_never_commits_or_aborts_a_reservation_it_lost(
     monkeypatch.setattr(storage, "lend", stalled)
     with MPClient(mp_address(server)) as client:
         client.register(REG)
-        pickled = _pickled(chunk_payloads(11, 4, CHUNK))
+        pickled = pickled_chunks(chunk_payloads(11, 4, CHUNK))
         assert (
             client.call("commit_store", Key(tokens, "s", worker_id=0).encode(), REG.instance_id, pickled)
             is False

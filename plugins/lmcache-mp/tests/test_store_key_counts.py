@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import pytest
-from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, tokens_of
+from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, pickled_chunks, tokens_of
 
 from lmcache_tiers.server.app import TiersServer
 
@@ -156,32 +156,23 @@ def test_refused_pickled_chunks_count_each_key(client: MPClient, mp_server: Tier
     assert (stats.failures["mp_pickle_refused"], stats.store_keys_refused["mp_pickle_refused"]) == (1, 4)
 
 
-def _pickled(payloads: list[bytes]) -> bytes:
-    import pickle
-
-    import torch
-
-    shape = (2, REG.num_layers, 256, REG.hidden_dim_size)
-    return pickle.dumps([torch.frombuffer(bytearray(p), dtype=torch.bfloat16).view(shape) for p in payloads])
-
-
 def test_pickled_stores_count_each_key(make_mp_server: Any) -> None:
     server = make_mp_server(shm=False, allow_pickle=True, l1_size_gb=0.0007)  # room for five chunks
     with MPClient(mp_address(server)) as client:
         client.register(REG)
         held = Key(tokens_of(9), "s", worker_id=0)
         assert client.call(
-            "commit_store", held.encode(), REG.instance_id, _pickled(chunk_payloads(9, 4, CHUNK))
+            "commit_store", held.encode(), REG.instance_id, pickled_chunks(chunk_payloads(9, 4, CHUNK))
         )
         again = Key(tokens_of(9), "again", worker_id=0)
         assert client.call(
-            "commit_store", again.encode(), REG.instance_id, _pickled(chunk_payloads(9, 4, CHUNK))
+            "commit_store", again.encode(), REG.instance_id, pickled_chunks(chunk_payloads(9, 4, CHUNK))
         )
         assert client.lookup(Key(tokens_of(9), "holding")) == 4  # locked: eviction cannot take them
         full = Key(tokens_of(90), "r", worker_id=0)
         assert (
             client.call(
-                "commit_store", full.encode(), REG.instance_id, _pickled(chunk_payloads(90, 4, CHUNK))
+                "commit_store", full.encode(), REG.instance_id, pickled_chunks(chunk_payloads(90, 4, CHUNK))
             )
             is False
         )
