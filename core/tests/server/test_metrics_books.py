@@ -271,7 +271,8 @@ def test_the_books_balance(
 
     # Every key a STORE named is accounted for: newly stored, skipped (L1 had it, or a
     # writer was filling it), or refused -- the request, or its commit -- or reserved by a
-    # client that walked away (reaped at the write TTL, among ``l1_lock_expired``).
+    # client that walked away (forgotten by the front end's sweep at the write TTL, each
+    # key counted as ``store_reservation_expired``; L1 reaps it, among ``l1_lock_expired``).
     skipped = families(found, "store_keys_skipped_total")
     refused = families(found, "store_keys_refused_total")
     assert tally.store_keys_sent == (
@@ -279,6 +280,16 @@ def test_the_books_balance(
     ), (tally.store_keys_sent, tally.stored, skipped, refused, tally.abandoned_reservations)
     for reason, keys in tally.refused_store_keys.items():
         assert refused.get(reason, 0) == keys, (reason, refused)
+    # ``store_reservation_expired`` counts those walked-away keys, and also the keys of a
+    # commit that came after the sweep forgot its reservation (a slow client, on a loaded
+    # machine, under these 0.3 s TTLs): those are counted twice, refused too, as
+    # ``reservation_lost``.  So the books balance from /metrics alone only up to those.
+    expired_reservations = failed.get("store_reservation_expired", 0)
+    assert (
+        tally.abandoned_reservations
+        <= expired_reservations
+        <= tally.abandoned_reservations + refused.get("reservation_lost", 0)
+    ), (expired_reservations, tally.abandoned_reservations, refused)
     # one client stores at a time, and the walk-aways reserve keys of their own
     assert skipped.get("being_written", 0) == 0, skipped
 
