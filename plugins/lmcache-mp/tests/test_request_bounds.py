@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import pytest
+from lmcache_plugin_lmcache_mp.chunks import HASH_BYTES, LOOKUP_KEY_BYTES
 from lmcache_plugin_lmcache_mp.lookups import MAX_KV_READERS
 from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, tokens_of
 
@@ -100,27 +101,27 @@ def remembered(server: TiersServer) -> int:
     return int(server.frontends[0].shared.requests.remembered_bytes)
 
 
-def test_requests_beyond_max_remembered_tokens_mb_are_forgotten_least_recent_first(
+def test_requests_beyond_max_remembered_mb_are_forgotten_least_recent_first(
     make_mp_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    server = make_mp_server(max_remembered_tokens_mb=1)  # about 950 chunks of tokens
+    server = make_mp_server(max_remembered_mb=1)  # about 850 chunks of tokens and keys
     requests = server.frontends[0].shared.requests
     with MPClient(mp_address(server)) as client, caplog.at_level(logging.WARNING):
         client.register(REG)
-        for index in range(4):  # 300 chunks each, about 320 KiB
+        for index in range(3):  # 300 chunks each, about 360 KiB with their lookup keys
             assert client.lookup(Key(tokens_of(index, 300 * 256), f"r{index}")) == 0
         deadline = time.monotonic() + 20
         while "mp_request_dropped_memory" not in mp_stats(server).failures:
             assert time.monotonic() < deadline, "no request was forgotten"
             time.sleep(0.05)
         assert remembered(server) <= 1 << 20
-        assert requests.peek("r0") is None and requests.peek("r3") is not None
+        assert requests.peek("r0") is None and requests.peek("r2") is not None
     assert mp_stats(server).failures["mp_request_dropped_memory"] == 1
-    assert "max_remembered_tokens_mb (1)" in caplog.text
+    assert "max_remembered_mb (1)" in caplog.text
 
 
 def test_a_request_whose_tokens_alone_exceed_the_bound_is_refused(make_mp_server: Any) -> None:
-    server = make_mp_server(max_remembered_tokens_mb=1)
+    server = make_mp_server(max_remembered_mb=1)
     with MPClient(mp_address(server)) as client:
         client.register(REG)
         assert client.lookup(Key(tokens_of(1, 1024 * 256), "huge")) == 0
@@ -128,9 +129,26 @@ def test_a_request_whose_tokens_alone_exceed_the_bound_is_refused(make_mp_server
     assert remembered(server) == 0
 
 
-def test_forgotten_and_ended_requests_give_their_bytes_back(client: MPClient, mp_server: TiersServer) -> None:
-    client.register(REG)
-    assert client.lookup(Key(tokens_of(1), "a")) == 0
-    assert remembered(mp_server) == 4 * (256 * 4 + 73)
+def test_a_request_remembers_its_tokens_hashes_and_lookup_keys_until_it_ends(
+    client: MPClient, mp_server: TiersServer
+) -> None:
+    client.register(Registration(world_size=8))
+    assert client.lookup(Key(tokens_of(1), "a", world_size=8)) == 0  # 4 chunks x 8 ranks
+    assert remembered(mp_server) == 4 * (256 * 4 + HASH_BYTES) + 4 * 8 * LOOKUP_KEY_BYTES
     client.call("end_session", "a")
     assert remembered(mp_server) == 0
+
+
+def test_lookup_keys_count_against_max_remembered_mb(make_mp_server: Any) -> None:
+    # 8 requests of 20 chunks at world size 64: 170 KiB of tokens and hashes, but 1.4 MiB
+    # of lookup keys, over the bound
+    server = make_mp_server(max_remembered_mb=1)
+    with MPClient(mp_address(server)) as client:
+        client.register(Registration(world_size=64))
+        for index in range(8):
+            assert client.lookup(Key(tokens_of(index, 20 * 256), f"r{index}", world_size=64)) == 0
+        deadline = time.monotonic() + 20
+        while remembered(server) > 1 << 20:
+            assert time.monotonic() < deadline, "the lookup keys were not counted"
+            time.sleep(0.05)
+    assert mp_stats(server).failures["mp_request_dropped_memory"] >= 1

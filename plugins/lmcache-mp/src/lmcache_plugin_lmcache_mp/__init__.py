@@ -76,13 +76,13 @@ class LMCacheMPConfig(FrontendConfig, kw_only=True, frozen=True, forbid_unknown_
             ge=1,
         ),
     ] = 1 << 20
-    max_remembered_tokens_mb: Annotated[
+    max_remembered_mb: Annotated[
         int,
         _doc(
-            "MiB the remembered requests' tokens and chunk hashes may take together (4 bytes a "
-            "token): beyond it the least recently seen requests are forgotten "
-            "(mp_request_dropped_memory), and a request needing more by itself is refused "
-            "(mp_request_too_large).",
+            "MiB the remembered requests may take together: their tokens (4 bytes each), chunk "
+            "hashes and their lookups' keys (about 140 bytes each). Beyond it the least "
+            "recently seen requests are forgotten (mp_request_dropped_memory); a request "
+            "needing more by itself is refused (mp_request_too_large).",
             ge=1,
         ),
     ] = 1024

@@ -47,7 +47,7 @@ class RequestRefused(Exception):
 
 class RequestTooLarge(RequestRefused):
     """A request naming more keys than ``max_request_keys``, or whose tokens would take
-    more than ``max_remembered_tokens_mb`` by themselves; ``keys`` is how many it named."""
+    more than ``max_remembered_mb`` by themselves; ``keys`` is how many it named."""
 
     def __init__(self, message: str, keys: int) -> None:
         super().__init__("mp_request_too_large", message)
@@ -79,12 +79,15 @@ class Shared:
     stopping: threading.Event = field(default_factory=threading.Event)
     too_large_log: BurstLog = field(default_factory=lambda: BurstLog(logger, "mp_request_too_large"))
 
-    def chunks_of(self, key: CacheKey, *, ranks: int, from_zero: bool = False) -> ChunkRange:
+    def chunks_of(
+        self, key: CacheKey, *, ranks: int, from_zero: bool = False, kept: bool = False
+    ) -> ChunkRange:
         """The chunks of ``key``'s range, hashed with its request's remembered hashes.
 
         Checked first, before anything is hashed or remembered: the keys the range names
-        (``ranks`` objects a chunk) within ``max_request_keys``, and the tokens and hashes
-        the request would keep within ``max_remembered_tokens_mb``.  Otherwise raises
+        (``ranks`` objects a chunk) within ``max_request_keys``, and what the request would
+        keep (its tokens and hashes; the keys too when ``kept``, a lookup's) within
+        ``max_remembered_mb``.  Otherwise raises
         :class:`RequestTooLarge`."""
         hashed = full_chunks(key, self.chunk_size)
         first = 0 if from_zero else min(hashed, first_chunk(key, self.chunk_size))
@@ -95,11 +98,12 @@ class Shared:
                 f"max_request_keys ({self.config.max_request_keys})",
                 keys,
             )
-        needed = remembered_bytes(hashed, self.chunk_size)
+        needed = remembered_bytes(hashed, self.chunk_size, keys if kept else 0)
         if needed > self.requests.max_bytes:
             raise RequestTooLarge(
-                f"its {hashed} chunks of tokens would take {needed >> 20} MiB to remember, more "
-                f"than max_remembered_tokens_mb ({self.requests.max_bytes >> 20})",
+                f"its {hashed} chunks of tokens and {keys if kept else 0} lookup keys would take "
+                f"{needed >> 20} MiB to remember, more "
+                f"than max_remembered_mb ({self.requests.max_bytes >> 20})",
                 keys,
             )
         state = self.requests.get(key.request_id, time.monotonic())

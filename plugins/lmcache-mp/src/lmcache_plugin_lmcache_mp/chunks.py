@@ -23,6 +23,7 @@ from lmcache_tiers.plugin import KeyValidationError, ObjectKey, chunk_hashes, kv
 
 __all__ = [
     "HASH_BYTES",
+    "LOOKUP_KEY_BYTES",
     "ChunkRange",
     "HashCache",
     "chunk_range",
@@ -37,11 +38,15 @@ __all__ = [
 HASH_BYTES = 73
 #: what remembering one token costs (packed as uint32)
 TOKEN_BYTES = 4
+#: what remembering one key of a lookup costs: an ObjectKey (its digest shared by the
+#: chunk's ranks, counted here too, to err on the side of more) and its list slot
+LOOKUP_KEY_BYTES = 140
 
 
-def remembered_bytes(chunks: int, chunk_size: int) -> int:
-    """What a request's :class:`HashCache` takes once it covers ``chunks`` full chunks."""
-    return chunks * (chunk_size * TOKEN_BYTES + HASH_BYTES)
+def remembered_bytes(chunks: int, chunk_size: int, lookup_keys: int = 0) -> int:
+    """What a request takes once its :class:`HashCache` covers ``chunks`` full chunks and
+    its lookup holds ``lookup_keys`` keys."""
+    return chunks * (chunk_size * TOKEN_BYTES + HASH_BYTES) + lookup_keys * LOOKUP_KEY_BYTES
 
 
 @dataclass

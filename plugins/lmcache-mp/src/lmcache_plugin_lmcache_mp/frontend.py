@@ -53,7 +53,7 @@ class LMCacheMPFrontend:
             pickle=codec,
             lock_ttl_s=float(l1.lock_ttl_s),
             write_ttl_s=float(l1.write_ttl_s),
-            requests=RequestTable(config.max_requests, config.max_remembered_tokens_mb << 20),
+            requests=RequestTable(config.max_requests, config.max_remembered_mb << 20),
         )
         self.handlers = Handlers(self.shared)
         self.loop = MPServer(

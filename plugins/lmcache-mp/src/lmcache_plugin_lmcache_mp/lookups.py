@@ -58,6 +58,7 @@ class Lookups:
         if state.job is not None:
             self.give_back(state.job)  # a newer lookup replaces it, as in LMCache
             state.job = None
+            shared.requests.account(state)
         if not registered:
             logger.debug(
                 "lookup of request %s: no instance registered for model %s, world size %d: 0 hits",
@@ -68,7 +69,7 @@ class Lookups:
             state.job = _settled_empty(key.world_size, readers, now)
             return None
         try:
-            chunks = shared.chunks_of(key, ranks=key.world_size, from_zero=True)
+            chunks = shared.chunks_of(key, ranks=key.world_size, from_zero=True, kept=True)
         except RequestTooLarge as exc:
             # Answered as a lookup of nothing, as a miss is: LMCache's client asks for the
             # result and gets 0 hits, rather than waiting out its timeout.
@@ -82,6 +83,7 @@ class Lookups:
         readers = self._capped_readers(readers)
         handle, locked = self.storage.start_prefetch(keys, readers=readers)
         job = state.job = LookupJob(handle, keys, key.world_size, readers, now)
+        shared.requests.account(state)  # its keys are kept with the request
         if locked is not None:
             self._settle(job, len(locked))
             return None
@@ -295,6 +297,7 @@ class Lookups:
                 abandoned += job.hits is None and not job.delivered
                 expired += self.give_back(job)
                 state.job = None
+                shared.requests.account(state)
         idle = shared.requests.idle(now - shared.config.session_ttl_s)
         overflow = shared.requests.overflow()  # after the idle ones: only live requests count
         over_memory = shared.requests.over_memory()
@@ -311,8 +314,8 @@ class Lookups:
         self._count(
             self._dropped_for_memory,
             len(over_memory),
-            f"requests forgotten, the least recently seen, to keep their tokens and hashes within "
-            f"max_remembered_tokens_mb ({shared.requests.max_bytes >> 20})",
+            "requests forgotten, the least recently seen, to keep their tokens, hashes and lookup "
+            f"keys within max_remembered_mb ({shared.requests.max_bytes >> 20})",
         )
         self._count(
             self._abandoned,

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmcache_plugin_lmcache_mp.chunks import HashCache
+from lmcache_plugin_lmcache_mp.chunks import LOOKUP_KEY_BYTES, HashCache
 from lmcache_tiers.plugin import ObjectKey, TensorLayout
 
 __all__ = ["Instance", "LookupJob", "PendingTransfers", "RequestTable", "Transfer"]
@@ -160,13 +160,18 @@ class RequestState:
     last_seen: float
     hashes: HashCache = field(default_factory=HashCache)
     job: LookupJob | None = None
-    #: the size of ``hashes`` in the table's total (``RequestTable.remembered_bytes``)
+    #: its size in the table's total (``RequestTable.remembered_bytes``)
     counted_bytes: int = 0
+
+    def nbytes(self) -> int:
+        """The memory its tokens, hashes and lookup keys take (estimated)."""
+        keys = 0 if self.job is None else len(self.job.keys)
+        return self.hashes.nbytes() + keys * LOOKUP_KEY_BYTES
 
 
 class RequestTable:
     """Requests by id, least recently seen first; bounded in number, and in the memory
-    their tokens and hashes take (``max_bytes``)."""
+    their tokens, hashes and lookup keys take (``max_bytes``)."""
 
     def __init__(self, max_requests: int, max_bytes: int = 1 << 30) -> None:
         self.max_requests = max_requests
@@ -191,8 +196,9 @@ class RequestTable:
         return self._forget(self._requests.pop(request_id, None))
 
     def account(self, state: RequestState) -> None:
-        """Take the current size of ``state``'s hashes into the total (after hashing)."""
-        size = state.hashes.nbytes()
+        """Take the current size of ``state`` into the total (after hashing, and after
+        its lookup changed)."""
+        size = state.nbytes()
         self.remembered_bytes += size - state.counted_bytes
         state.counted_bytes = size
 
