@@ -37,6 +37,27 @@ def test_tables_written_to_a_file_or_pipe_are_whole(tmp_path: Path) -> None:
         assert name in result.stdout, result.stdout
 
 
+@pytest.mark.parametrize("word", ["reason", "x" * 300], ids=["words", "one-long-word"])
+def test_a_report_off_a_terminal_is_at_most_200_columns_and_cuts_no_word(
+    capsys: pytest.CaptureFixture[str], word: str
+) -> None:
+    """A long 'partial' reason made the whole table as wide as that one line; a word too
+    long for 200 columns lost its end to an ellipsis."""
+    from lmcache_tiers.cli.replay_cmd import _print_table
+    from lmcache_tiers.replay.report import replay_table
+    from lmcache_tiers.replay.run import ReplayOptions, ReplayReport, ReplayTotals
+
+    stopped = " ".join([word] * 120)
+    totals = ReplayTotals(requests=3, blocks=6, seconds=1.0)
+    report = ReplayReport("server", "tcp://127.0.0.1:5555", ReplayOptions(), 1, totals, None, stopped)
+    _print_table(replay_table(report.to_dict()))
+    lines = capsys.readouterr().out.splitlines()
+    # every character of the reason is there, none cut off for an ellipsis
+    shown = "".join(line.replace("│", "").replace(" ", "") for line in lines)
+    assert "…" not in shown and stopped.replace(" ", "") in shown, lines
+    assert max(len(line) for line in lines) <= max(200, len(word) + 40), lines
+
+
 def test_oracles_and_the_retimed_model_are_reported(tmp_path: Path) -> None:
     trace = str(small_trace(tmp_path / "t.jsonl"))
     args = ["replay", trace, "--simulate", "--capacity", "8,16", "--foresight", "0,all", "--retime", "1"]

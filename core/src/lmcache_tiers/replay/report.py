@@ -210,7 +210,9 @@ def replay_table(document: dict[str, Any]) -> Table:
         show_header=False,
     )
     table.add_column(style="bold cyan", no_wrap=True)
-    table.add_column()
+    # folded, never cut: a word longer than the column (a URL, a path in a 'partial'
+    # reason) lost its end to an ellipsis, even in a table off a terminal made wide for it
+    table.add_column(overflow="fold")
     rates, moved = document["hit_rate"], document["bytes"]
     latency = document["lookup_latency_ms"]
     if document.get("stopped"):
