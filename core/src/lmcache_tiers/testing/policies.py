@@ -324,3 +324,118 @@ class EvictionPolicySuite(_PolicySuite):
         policy.on_keys_read(old)
         offered = list(policy.victims())
         assert max(offered.index(k) for k in new) < min(offered.index(k) for k in old)
+
+    # -- the optional set_aside/put_back hooks (``EvictionPolicy``) ------------------------
+    # L1 eviction calls ``set_aside`` once a walk is over (its removal report made) with the
+    # read-locked keys the walk passed over, and ``put_back`` before a later walk with those
+    # whose locks ended or that left L1, possibly again after a put_back that raised.
+
+    def hooked_policy(self) -> Any:
+        """The policy, or a skip when it has neither hook; one hook alone is a failure
+        (L1 eviction would ignore it)."""
+        policy = self.make_policy()
+        set_aside, put_back = getattr(policy, "set_aside", None), getattr(policy, "put_back", None)
+        assert callable(set_aside) == callable(put_back), "set_aside and put_back go together"
+        if not callable(set_aside):
+            pytest.skip(f"{self.component_name} does not implement set_aside/put_back")
+        return policy
+
+    def walk_passing_over(self, policy: Any, count: int) -> list[ObjectKey]:
+        """A full walk as L1 makes it when its first ``count`` victims are locked and no
+        other is evicted; returns the keys it set aside."""
+        walk = list(policy.victims())
+        policy.on_keys_removed([])  # the report that ends a walk that removed nothing
+        passed = walk[:count]
+        policy.set_aside(passed)
+        return passed
+
+    def test_keys_set_aside_are_not_offered_until_put_back(self) -> None:
+        policy = self.hooked_policy()
+        keys = make_keys(8)
+        policy.on_keys_written(keys)
+        passed = self.walk_passing_over(policy, 3)
+        for _ in range(2):  # set aside, the next walks leave them out
+            offered = list(policy.victims())
+            policy.on_keys_removed([])
+            assert not set(offered) & set(passed), "a key set aside is offered"
+            if self.evicts():
+                assert_offered_once(offered, set(keys) - set(passed), "keys not set aside")
+        policy.put_back(passed[1:2])
+        offered = list(policy.victims())
+        policy.on_keys_removed([])
+        assert passed[1] in offered, "a key put back is not offered"
+        assert not {passed[0], passed[2]} & set(offered), "a key still set aside is offered"
+        policy.put_back(passed)
+        if self.evicts():
+            assert_offered_once(list(policy.victims()), keys, "every key put back")
+
+    def test_put_back_ignores_keys_it_does_not_hold_aside(self) -> None:
+        policy = self.hooked_policy()
+        keys = make_keys(6)
+        policy.on_keys_written(keys)
+        before = list(policy.victims())
+        policy.on_keys_removed([])
+        # keys never written, and live keys that were never set aside
+        policy.put_back([*make_keys(2, start=100), keys[0], keys[3]])
+        assert list(policy.victims()) == before, "put_back of keys not set aside changed the walk"
+
+    def test_the_same_keys_put_back_twice_are_offered_once(self) -> None:
+        policy = self.hooked_policy()
+        keys = make_keys(6)
+        policy.on_keys_written(keys)
+        passed = self.walk_passing_over(policy, 2)
+        policy.put_back(passed)
+        once = list(policy.victims())
+        policy.on_keys_removed([])
+        policy.put_back(list(reversed(passed)))  # given again, as after a put_back that raised
+        assert list(policy.victims()) == once, "a repeated put_back changed the walk"
+        if self.evicts():
+            assert_offered_once(once, keys, "keys put back twice")
+
+    def test_setting_aside_a_key_twice_or_a_removed_key_is_harmless(self) -> None:
+        policy = self.hooked_policy()
+        keys = make_keys(6)
+        policy.on_keys_written(keys)
+        passed = self.walk_passing_over(policy, 2)
+        policy.set_aside(passed)  # L1 may pass over a key it already set aside
+        policy.on_keys_removed(passed[:1])
+        policy.set_aside(passed[:1])  # removed meanwhile: nothing to set aside
+        policy.put_back(passed)
+        offered = list(policy.victims())
+        assert passed[0] not in offered, "a removed key came back with put_back"
+        if self.evicts():
+            assert_offered_once(offered, set(keys) - {passed[0]}, "after repeated set_aside")
+
+    def test_a_key_read_or_rewritten_while_set_aside_is_offered_once(self) -> None:
+        # A read or write may bring a key set aside back into the order (the docs): a
+        # put_back that follows must not make it a second entry, nor lose it.
+        for event in ("on_keys_read", "on_keys_written"):
+            policy = self.hooked_policy()
+            keys = make_keys(6)
+            policy.on_keys_written(keys)
+            passed = self.walk_passing_over(policy, 2)
+            getattr(policy, event)(passed[:1])
+            offered = list(policy.victims())
+            policy.on_keys_removed([])
+            assert passed[1] not in offered, f"{event} of another key brought a key set aside back"
+            policy.put_back(passed)
+            offered = list(policy.victims())
+            policy.on_keys_removed([])
+            if self.evicts():
+                assert_offered_once(offered, keys, f"{event} while set aside, then put back")
+
+    def test_a_key_removed_while_set_aside_is_forgotten(self) -> None:
+        policy = self.hooked_policy()
+        keys = make_keys(6)
+        policy.on_keys_written(keys)
+        passed = self.walk_passing_over(policy, 2)
+        policy.on_keys_removed(passed[:1])  # deleted by force, or lost to a disk error
+        policy.put_back(passed)  # L1 gives back the keys that left it too
+        offered = list(policy.victims())
+        policy.on_keys_removed([])
+        assert passed[0] not in offered, "a key removed while set aside is offered"
+        if self.evicts():
+            assert_offered_once(offered, set(keys) - {passed[0]}, "after a removal while set aside")
+        policy.on_keys_written(passed[:1])  # written again: a live key like any other
+        if self.evicts():
+            assert_offered_once(list(policy.victims()), keys, "a key rewritten after its removal")
