@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from thirdparty import free_port, run_cli
+from thirdparty import free_port, run_cli, run_cli_in_process
 
 from lmcache_tiers.config import ServerConfig, build_config
 from lmcache_tiers.errors import ConfigError
@@ -125,14 +125,16 @@ def test_a_clash_is_one_line_exit_2_and_no_l1_segment() -> None:
     ],
 )
 def test_bad_frontend_json_is_one_line_exit_2(flag: str, message: str) -> None:
-    result = run_cli(["serve", "--print-config", "--frontend", flag])
+    result = run_cli_in_process(["serve", "--print-config", "--frontend", flag])
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
 
 
 def test_print_config_shows_the_front_ends() -> None:
-    result = run_cli(["serve", "--print-config", "--no-default-l2", "--frontend", '{"type": "lmcache_mp"}'])
+    result = run_cli_in_process(
+        ["serve", "--print-config", "--no-default-l2", "--frontend", '{"type": "lmcache_mp"}']
+    )
     assert result.returncode == 0, result.stderr
     shown = json.loads(result.stdout)["frontends"]
     assert shown[0]["type"] == "lmcache_mp" and shown[0]["allow_pickle"] is False

@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from thirdparty import run_cli
+from thirdparty import run_cli, run_cli_in_process
 
 from lmcache_tiers.cli import lmcache_flags
 from lmcache_tiers.cli.main import build_app, command_tree, main
@@ -27,7 +27,7 @@ REFERENCE_LMCACHE = Path(os.environ.get("LMCACHE_REFERENCE_BIN", _REF_VENV / "bi
 
 
 def print_config(*flags: str) -> dict[str, object]:
-    result = run_cli(["serve", "--print-config", "--no-default-l2", *flags])
+    result = run_cli_in_process(["serve", "--print-config", "--no-default-l2", *flags])
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)  # type: ignore[no-any-return]
 
@@ -180,7 +180,7 @@ def test_values_lmcache_tiers_cannot_honour_are_refused(
     ],
 )
 def test_contradicting_flags_are_one_line_errors(args: tuple[str, ...], message: str) -> None:
-    result = run_cli(["serve", "--print-config", *args])
+    result = run_cli_in_process(["serve", "--print-config", *args])
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines

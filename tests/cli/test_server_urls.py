@@ -8,7 +8,7 @@ import socket
 from collections.abc import Iterator
 
 import pytest
-from thirdparty import run_cli
+from thirdparty import run_cli, run_cli_in_process
 
 from lmcache_tiers.client import Client, ClientError
 from lmcache_tiers.server.app import TiersServer
@@ -30,7 +30,7 @@ from lmcache_tiers.testing.server import ServerHarness
 )
 @pytest.mark.parametrize("command", ["status", "bench"])
 def test_a_url_no_client_can_connect_to_is_a_usage_error(command: str, url: str, words: str) -> None:
-    result = run_cli([command, "--url", url])
+    result = run_cli_in_process([command, "--url", url])
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: Invalid value for '--url': "), lines
@@ -52,7 +52,7 @@ def test_the_client_refuses_such_a_url_at_once() -> None:
     ],
 )
 def test_waits_and_sizes_beyond_what_the_client_can_use_are_usage_errors(args: list[str], words: str) -> None:
-    result = run_cli(args)
+    result = run_cli_in_process(args)
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0] and "Traceback" not in result.stderr, lines
