@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,6 +187,14 @@ class MPClient:
             ]
         assert self.call("commit_retrieve", key.encode(), instance_id) is True
         return chunks
+
+
+def wait_for(condition: Any, what: str, timeout_s: float = 20.0) -> None:
+    """Poll ``condition`` until it holds; fail with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
 
 
 def pickled_chunks(payloads: list[bytes], registration: Registration | None = None) -> bytes:

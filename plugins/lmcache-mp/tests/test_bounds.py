@@ -15,7 +15,7 @@ from lmcache_plugin_lmcache_mp.lookups import Lookups
 from lmcache_plugin_lmcache_mp.state import Instance, PendingTransfers, Transfer
 from lmcache_plugin_lmcache_mp.transfers import Transfers
 from lmcache_plugin_lmcache_mp.wire import CacheKey, decode_arguments, operation_name, peek_uid
-from mpclient import Key, MPClient, Registration, mp_address, tokens_of
+from mpclient import Key, MPClient, Registration, mp_address, tokens_of, wait_for
 
 from lmcache_tiers.plugin import FrontendStats, ObjectKey, TensorLayout
 from lmcache_tiers.server.app import TiersServer
@@ -25,13 +25,6 @@ REG = Registration()
 
 def mp_failures(server: TiersServer) -> Any:
     return server.frontends[0].stats().failures
-
-
-def wait_for(condition: Any, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def test_status_lists_instances_while_the_loop_registers_more(

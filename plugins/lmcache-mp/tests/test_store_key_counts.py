@@ -13,7 +13,16 @@ import time
 from typing import Any
 
 import pytest
-from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, pickled_chunks, tokens_of
+from mpclient import (
+    Key,
+    MPClient,
+    Registration,
+    chunk_payloads,
+    mp_address,
+    pickled_chunks,
+    tokens_of,
+    wait_for,
+)
 
 from lmcache_tiers.server.app import TiersServer
 
@@ -31,13 +40,6 @@ def balance(server: TiersServer) -> int:
     return (
         stats.store_chunks + sum(stats.store_keys_skipped.values()) + sum(stats.store_keys_refused.values())
     )
-
-
-def wait_for(condition: Any, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def test_keys_l1_had_or_another_writer_holds_are_skipped_per_key(
