@@ -14,7 +14,8 @@ a non-default configuration.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import random
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from typing import Any, ClassVar
 
@@ -49,6 +50,106 @@ def assert_offered_once(offered: Sequence[ObjectKey], expected: Iterable[ObjectK
     wanted = set(expected)
     assert len(offered) == len(set(offered)), f"{what}: a key is offered twice"
     assert set(offered) == wanted, f"{what}: offered {len(offered)} keys, expected {len(wanted)}"
+
+
+def check_set_aside_against_reference(
+    make_policy: Callable[[], Any], seed: int, *, steps: int = 2000, inspect: bool = False
+) -> None:
+    """Drive a policy with the ``set_aside``/``put_back`` hooks and a reference built the
+    same way, never given them, with the same random writes, reads, removals, locks and
+    eviction walks; every walk of the policy must be the reference's walk with the keys set
+    aside left out.
+
+    Walks are made as L1 makes them: the keys whose locks ended (or that left L1) put back
+    first, in any order and some twice; victims taken until ``wanted`` unlocked ones are
+    evicted (the walk stopped right after the last, as L1 stops); the locked ones passed
+    over set aside after the removal report.  Both walks advance in step, so a policy whose
+    walks change its state is compared too.  ``inspect``: also compare full walks after
+    every step (each ended by an empty removal report), for policies whose walks do not
+    change what they will offer.
+    """
+    rng = random.Random(seed)
+    policy, reference = make_policy(), make_policy()
+    keys = make_keys(24)
+    locked: set[ObjectKey] = set()
+    aside: set[ObjectKey] = set()  # held aside by the policy
+    due_back: set[ObjectKey] = set()  # L1's record: given back once unlocked
+
+    def both(event: str, batch: Sequence[ObjectKey]) -> None:
+        getattr(policy, event)(batch)
+        getattr(reference, event)(batch)
+
+    def compare_full_walks() -> None:
+        expected = [key for key in reference.victims() if key not in aside]
+        assert list(policy.victims()) == expected, (
+            "the walk is not the reference's without the keys set aside"
+        )
+        both("on_keys_removed", [])
+
+    for _ in range(steps):
+        action = rng.random()
+        if action < 0.25:
+            batch = rng.sample(keys, rng.randint(1, 4))
+            both("on_keys_written", batch)
+            aside -= set(batch)  # a rewrite takes a key set aside back into the order
+        elif action < 0.45:
+            batch = rng.sample(keys, rng.randint(1, 4))
+            both("on_keys_read", batch)
+            aside -= set(batch)
+        elif action < 0.55:
+            batch = rng.sample(keys, rng.randint(1, 2))
+            both("on_keys_removed", batch)
+            aside -= set(batch)
+        elif action < 0.7:
+            locked ^= set(rng.sample(keys, rng.randint(1, 3)))  # some locked, some released
+        else:
+            released = [key for key in due_back if key not in locked]
+            released += rng.sample(released, len(released) // 3)  # given twice
+            rng.shuffle(released)
+            policy.put_back(released)
+            due_back -= set(released)
+            aside -= set(released)
+            _walk_in_step(policy, reference, aside, locked, due_back, rng.randint(1, 3))
+        if inspect:
+            compare_full_walks()
+    if inspect:
+        compare_full_walks()
+    if hasattr(policy, "__len__"):
+        assert len(policy) == len(reference), "keys set aside are not counted as held"
+
+
+def _walk_in_step(
+    policy: Any,
+    reference: Any,
+    aside: set[ObjectKey],
+    locked: set[ObjectKey],
+    due_back: set[ObjectKey],
+    wanted: int,
+) -> None:
+    """One eviction walk of ``policy`` next to the reference's without ``aside`` (see
+    ``check_set_aside_against_reference``); sets aside the locked keys it passed over."""
+    walk = policy.victims()
+    expected = (key for key in reference.victims() if key not in aside)
+    passed: list[ObjectKey] = []
+    evicted: list[ObjectKey] = []
+    for key in walk:
+        assert key == next(expected, None), "the walk is not the reference's without the keys set aside"
+        if key in locked:
+            passed.append(key)
+            continue
+        evicted.append(key)
+        if len(evicted) == wanted:
+            break
+    else:
+        assert next(expected, None) is None, "the walk ended before the reference's"
+    close = getattr(walk, "close", None)
+    if close is not None:
+        close()  # as L1 closes a walk it stopped
+    policy.on_keys_removed(evicted)
+    reference.on_keys_removed(evicted)
+    policy.set_aside(passed)
+    aside |= set(passed)
+    due_back |= set(passed)
 
 
 def make_adapters(count: int) -> list[AdapterInfo]:
@@ -439,3 +540,8 @@ class EvictionPolicySuite(_PolicySuite):
         policy.on_keys_written(passed[:1])  # written again: a live key like any other
         if self.evicts():
             assert_offered_once(list(policy.victims()), keys, "a key rewritten after its removal")
+
+    @pytest.mark.parametrize("seed", range(4))
+    def test_walks_are_the_policys_own_without_the_keys_set_aside(self, seed: int) -> None:
+        self.hooked_policy()
+        check_set_aside_against_reference(self.make_policy, seed)

@@ -26,18 +26,36 @@ shared Mooncake trace the miss ratio moved by under 0.01 (docs/replay.md).
 looking for room; a victim it yields leaves the queues for ``_offered`` until it is
 removed.  A victim the caller skipped (a locked object) stays there and is offered first
 next time; a read takes it back to ``main``.
+
+Locked victims L1 passed over are set aside (``set_aside``) until their locks end
+(``put_back``), so a full L1 whose first victims are read-locked is not walked past them on
+every write that evicts.  A key set aside was one of ``_offered``, where the algorithm
+has already judged it (a victim, from ``small`` or ``main``); it keeps that judgement and
+its place among the victims: put back, it returns to ``_offered`` where its offer put it
+(each offer takes a stamp, and ``_offered`` stays in stamp order), not to a queue, which
+would give it another pass it never earned.  Meanwhile it is what a skipped victim is: a
+read or rewrite takes it to ``main``, and a removal makes it a ghost when it was a victim
+of ``small``.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from heapq import merge
 from typing import Literal
 
 from lmcache_plugin_eviction_s3fifo import S3FIFOConfig
 from lmcache_tiers.plugin import ObjectKey
 
 _Queue = Literal["small", "main"]
+#: a victim's queue and the stamp of its offer (ascending = offered earlier)
+_Offer = tuple[_Queue, int]
+
+
+def _offer_stamp(item: tuple[ObjectKey, _Offer]) -> int:
+    return item[1][1]
+
 
 #: keys of ``main`` one walk of ``victims()`` may put back for their reads.  Unbounded, a
 #: ``main`` whose keys all have reads left is walked until every count is spent (up to
@@ -62,7 +80,9 @@ class S3FIFOEvictionPolicy:
         self._main: OrderedDict[ObjectKey, None] = OrderedDict()
         self._ghosts: OrderedDict[ObjectKey, None] = OrderedDict()
         self._frequency: dict[ObjectKey, int] = {}  # every live key
-        self._offered: OrderedDict[ObjectKey, _Queue] = OrderedDict()  # yielded, still live
+        self._offered: OrderedDict[ObjectKey, _Offer] = OrderedDict()  # yielded, still live
+        self._aside: dict[ObjectKey, _Offer] = {}  # offered, locked: out of walks
+        self._next_stamp = 0
 
     def __len__(self) -> int:
         return len(self._frequency)
@@ -111,6 +131,9 @@ class S3FIFOEvictionPolicy:
             # Chosen as a victim but not evicted (it was locked), and now in use again.
             del self._offered[key]
             self._main[key] = None
+        elif key in self._aside:
+            del self._aside[key]  # the same, for a victim set aside while locked
+            self._main[key] = None
         elif key in self._due:
             # Past small's share already: eviction would promote it on reaching it.
             del self._due[key]
@@ -128,12 +151,42 @@ class S3FIFOEvictionPolicy:
                 del self._main[key]
             elif key in self._due:
                 del self._due[key]
-            elif self._offered.pop(key) == "small":
+            elif (self._offered.pop(key, None) or self._aside.pop(key))[0] == "small":
                 ghosts[key] = None  # evicted from `small`: remember it came by once
         limit = max(1, len(frequency))
         while len(ghosts) > limit:
             ghosts.popitem(last=False)
         self._keep_small_at_its_share()
+
+    def _offer(self, key: ObjectKey, queue: _Queue) -> None:
+        self._offered[key] = (queue, self._next_stamp)
+        self._next_stamp += 1
+
+    def set_aside(self, keys: Sequence[ObjectKey]) -> None:
+        """Leave ``keys`` (victims L1 found locked) out of walks until ``put_back``; keys
+        not among the victims offered (removed, read since, set aside already) are
+        ignored."""
+        offered, aside = self._offered, self._aside
+        for key in keys:
+            offer = offered.pop(key, None)
+            if offer is not None:
+                aside[key] = offer
+
+    def put_back(self, keys: Sequence[ObjectKey]) -> None:
+        """Offer ``keys`` (no longer locked) again, among the victims in the order they
+        were first offered (see the module docstring); keys not set aside are ignored.
+        Merging costs the victims waiting, which the next walk yields first anyway."""
+        aside = self._aside
+        back = sorted(((key, aside.pop(key)) for key in keys if key in aside), key=_offer_stamp)
+        if not back:
+            return
+        offered = self._offered
+        if offered and next(reversed(offered.values()))[1] > back[0][1][1]:
+            merged = list(merge(offered.items(), back, key=_offer_stamp))
+            offered.clear()
+            offered.update(merged)
+        else:  # all offered before them: they go last, as they were offered last
+            offered.update(back)
 
     def victims(self) -> Iterator[ObjectKey]:
         offered = self._offered
@@ -149,7 +202,7 @@ class S3FIFOEvictionPolicy:
             if in_small and (not main or in_small >= self._small_fraction * live):
                 if due:
                     key, _ = due.popitem(last=False)  # unread: reads promote waiting keys
-                    offered[key] = "small"
+                    self._offer(key, "small")
                     yield key
                     continue
                 key, _ = small.popitem(last=False)
@@ -157,7 +210,7 @@ class S3FIFOEvictionPolicy:
                     frequency[key] = 0  # promoted: its reads bought the move
                     main[key] = None
                     continue
-                offered[key] = "small"
+                self._offer(key, "small")
             else:
                 key, _ = main.popitem(last=False)
                 if frequency[key] > 0 and passes_left > 0:
@@ -165,5 +218,5 @@ class S3FIFOEvictionPolicy:
                     frequency[key] -= 1
                     main[key] = None
                     continue
-                offered[key] = "main"
+                self._offer(key, "main")
             yield key
