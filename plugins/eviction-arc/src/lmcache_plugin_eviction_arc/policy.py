@@ -19,10 +19,24 @@ Departures forced by the policy interface:
   ``victims()`` causes come in the first removal report after it, so that report ends
   the walk: a key the walk passed over (locked, or not yet stored in L2) and removed
   later was not evicted.  A walk that evicts nothing is ended by an empty report.
+
+Locked keys L1 passed over are set aside (``set_aside``) until their locks end
+(``put_back``), so a full L1 whose first victims are read-locked is not walked past them on
+every write that evicts.  A key set aside stays a live key of its list, T1 (``recent``) or
+T2 (``frequent``): it counts in the list sizes that set the cache size, the ghost bounds
+and the split of a walk, only no walk offers it.  A walk passed over it at the front of
+its list (everything before it was evicted or set aside too), so put back it returns to
+the front of the same list, among the keys put back in the order they were set aside
+(each keeps the stamp it was first set aside with): where ARC's own order still has it.
+Returning to T1 rather than T2 matters: being locked is not a second use.  A read or
+rewrite meanwhile is one, and moves it to T2's most recent end as for any live key; a
+removal forgets it without a ghost (no walk evicted it).
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
@@ -42,21 +56,39 @@ class ARCEvictionPolicy:
         self._frequent_ghosts: OrderedDict[ObjectKey, None] = OrderedDict()
         self._target = 0.0  # ARC's p: how many live keys ``recent`` should hold
         self._offered: set[ObjectKey] = set()
+        # Keys set aside, by list, each with its stamp (ascending = set aside earlier), and
+        # T2's stamps sorted: a walk counts the keys set aside before each key put back.
+        self._aside_recent: dict[ObjectKey, int] = {}
+        self._aside_frequent: dict[ObjectKey, int] = {}
+        self._aside_frequent_stamps: list[int] = []
+        # The keys put back and not touched since, at the front of their list.
+        self._stamps: dict[ObjectKey, int] = {}
+        self._next_stamp = 0
+
+    def _recent_size(self) -> int:
+        return len(self._recent) + len(self._aside_recent)
+
+    def _frequent_size(self) -> int:
+        return len(self._frequent) + len(self._aside_frequent)
 
     def _capacity(self) -> int:
-        return max(1, len(self._recent) + len(self._frequent))
+        return max(1, self._recent_size() + self._frequent_size())
 
     # A batch is a prefix (chunk 0 first); handling it back to front leaves the tail older
     # than the head in whichever list it lands, so eviction trims prefixes from their end.
 
     def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
         recent, frequent = self._recent, self._frequent
+        if self._stamps:
+            self._forget_stamps(keys)
         for key in reversed(keys):
             if key in recent:
                 del recent[key]
                 frequent[key] = None
             elif key in frequent:
                 frequent.move_to_end(key)
+            elif self._take_out_of_aside(key):
+                frequent[key] = None  # a second use, as for any live key
             elif key in self._recent_ghosts:
                 # Evicted from `recent` too early: give `recent` more room.
                 ratio = len(self._frequent_ghosts) / len(self._recent_ghosts)
@@ -77,6 +109,8 @@ class ARCEvictionPolicy:
         # already in `frequent`); a read of an unknown key must not revive it.
         recent, frequent = self._recent, self._frequent
         move_to_end = frequent.move_to_end
+        if self._stamps:
+            self._forget_stamps(keys)
         for key in reversed(keys):
             try:
                 move_to_end(key)
@@ -84,9 +118,13 @@ class ARCEvictionPolicy:
                 if key in recent:
                     del recent[key]
                     frequent[key] = None
+                elif (self._aside_recent or self._aside_frequent) and self._take_out_of_aside(key):
+                    frequent[key] = None
 
     def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
         offered = self._offered
+        if self._stamps:
+            self._forget_stamps(keys)
         for key in keys:
             evicted = key in offered
             if key in self._recent:
@@ -97,6 +135,8 @@ class ARCEvictionPolicy:
                 del self._frequent[key]
                 if evicted:
                     self._frequent_ghosts[key] = None
+            elif self._aside_recent or self._aside_frequent:
+                self._take_out_of_aside(key)  # no walk offered it: no ghost
         offered.clear()  # the walk's evictions are reported: the keys left were passed over
         self._trim_ghosts()
 
@@ -105,38 +145,140 @@ class ARCEvictionPolicy:
         capacity = self._capacity()
         self._target = min(self._target, float(capacity))
         recent_ghosts, frequent_ghosts = self._recent_ghosts, self._frequent_ghosts
-        while recent_ghosts and len(self._recent) + len(recent_ghosts) > capacity:
+        recent_size = self._recent_size()
+        while recent_ghosts and recent_size + len(recent_ghosts) > capacity:
             recent_ghosts.popitem(last=False)
-        total = len(self._recent) + len(self._frequent) + len(recent_ghosts)
+        total = recent_size + self._frequent_size() + len(recent_ghosts)
         while frequent_ghosts and total + len(frequent_ghosts) > 2 * capacity:
             frequent_ghosts.popitem(last=False)
         while recent_ghosts and total + len(frequent_ghosts) > 2 * capacity:
             recent_ghosts.popitem(last=False)
             total -= 1
 
+    # -- keys set aside while locked (see the module docstring) ------------------------------
+
+    def set_aside(self, keys: Sequence[ObjectKey]) -> None:
+        """Leave ``keys`` (locked: L1 passed them over, in walk order) out of walks until
+        ``put_back``; keys not in T1 or T2 (removed, set aside already) are ignored."""
+        for key in keys:
+            if key in self._recent:
+                del self._recent[key]
+                self._aside_recent[key] = self._stamp(key)
+            elif key in self._frequent:
+                del self._frequent[key]
+                stamp = self._aside_frequent[key] = self._stamp(key)
+                bisect.insort(self._aside_frequent_stamps, stamp)
+
+    def _stamp(self, key: ObjectKey) -> int:
+        """The stamp of a key being set aside: the one it was put back with, else a new
+        one (later than every stamp given, as the walk passed it after them all)."""
+        stamp = self._stamps.pop(key, None)
+        if stamp is None:
+            stamp = self._next_stamp
+            self._next_stamp += 1
+        return stamp
+
+    def put_back(self, keys: Sequence[ObjectKey]) -> None:
+        """Offer ``keys`` (no longer locked) again, at the front of their list in the order
+        they were set aside; keys not set aside are ignored."""
+        to_recent: list[tuple[int, ObjectKey]] = []
+        to_frequent: list[tuple[int, ObjectKey]] = []
+        aside_recent, aside_frequent = self._aside_recent, self._aside_frequent
+        for key in keys:
+            stamp = aside_recent.pop(key, None)
+            if stamp is not None:
+                to_recent.append((stamp, key))
+                continue
+            stamp = aside_frequent.pop(key, None)
+            if stamp is not None:
+                to_frequent.append((stamp, key))
+        if to_frequent:
+            self._drop_frequent_stamps([stamp for stamp, _ in to_frequent])
+        self._to_front(self._recent, to_recent)
+        self._to_front(self._frequent, to_frequent)
+
+    def _to_front(self, keys: OrderedDict[ObjectKey, None], back: list[tuple[int, ObjectKey]]) -> None:
+        """Put ``back`` (stamp, key) at the front of ``keys``, merged by stamp with the keys
+        put back before and still there (costs those, and a sort of ``back``)."""
+        if not back:
+            return
+        stamps = self._stamps
+        front: list[tuple[int, ObjectKey]] = []
+        for key in keys:
+            stamp = stamps.get(key)
+            if stamp is None:
+                break
+            front.append((stamp, key))
+        for stamp, key in back:
+            stamps[key] = stamp
+            keys[key] = None
+        move_to_end = keys.move_to_end
+        for _, key in sorted(front + back, reverse=True):  # no two keys share a stamp
+            move_to_end(key, last=False)
+
+    def _take_out_of_aside(self, key: ObjectKey) -> bool:
+        """Forget ``key`` as set aside (read, rewritten or removed); whether it was."""
+        if self._aside_recent.pop(key, None) is not None:
+            return True
+        stamp = self._aside_frequent.pop(key, None)
+        if stamp is None:
+            return False
+        self._drop_frequent_stamps([stamp])
+        return True
+
+    def _drop_frequent_stamps(self, gone: list[int]) -> None:
+        stamps = self._aside_frequent_stamps
+        if 8 * len(gone) > len(stamps):
+            stamps[:] = sorted(self._aside_frequent.values())  # many at once: rebuilt
+            return
+        for stamp in gone:
+            del stamps[bisect.bisect_left(stamps, stamp)]
+
+    def _forget_stamps(self, keys: Sequence[ObjectKey]) -> None:
+        """Keys touched or removed leave the front of their list (or the policy)."""
+        stamps = self._stamps
+        for key in keys:
+            stamps.pop(key, None)
+
+    # -- the walk ----------------------------------------------------------------------------
+
     def victims(self) -> Iterator[ObjectKey]:
+        # Each victim makes room for one key that will enter `recent`: victims come from
+        # `frequent` while `recent` plus them is within the target, then all of `recent`,
+        # then the rest of `frequent`.  Keys set aside count in the sizes and positions.
         offered = self._offered
         offered.clear()
-        recent_size = len(self._recent)
-        frequent_size = len(self._frequent)
-        from_recent = iter(self._recent)
+        recent_size = self._recent_size()
+        if recent_size:
+            frequent_first = max(0, math.floor(self._target - recent_size) + 1)
+        else:
+            frequent_first = self._frequent_size()
         from_frequent = iter(self._frequent)
-        taken_recent = taken_frequent = 0
-        target = self._target
-        while True:
-            # Each victim makes room for one key that will enter `recent`.
-            recent_left = taken_recent < recent_size
-            frequent_left = taken_frequent < frequent_size
-            if recent_left and (recent_size + taken_frequent > target or not frequent_left):
-                key = next(from_recent)
-                taken_recent += 1
-            elif frequent_left:
-                key = next(from_frequent)
-                taken_frequent += 1
-            else:
-                return
+        held_back = None
+        for taken, key in enumerate(from_frequent):
+            if taken + self._aside_before(key) >= frequent_first:
+                held_back = key
+                break
+            offered.add(key)
+            yield key
+        for key in self._recent:
+            offered.add(key)
+            yield key
+        if held_back is not None:
+            offered.add(held_back)
+            yield held_back
+        for key in from_frequent:
             offered.add(key)
             yield key
 
+    def _aside_before(self, key: ObjectKey) -> int:
+        """How many keys set aside precede ``key`` in T2 as ARC orders it: those set aside
+        before it was (it was put back), else all of them."""
+        stamps = self._aside_frequent_stamps
+        if not stamps:
+            return 0
+        stamp = self._stamps.get(key)
+        return len(stamps) if stamp is None else bisect.bisect_left(stamps, stamp)
+
     def __len__(self) -> int:
-        return len(self._recent) + len(self._frequent)
+        return self._recent_size() + self._frequent_size()
