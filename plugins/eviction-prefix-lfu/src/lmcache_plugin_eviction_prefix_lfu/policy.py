@@ -34,6 +34,16 @@ the sorted list of bucket priorities makes ``victims()`` a plain walk.  A touch 
 dict operations, and a bisect when it opens a new bucket.  Dropping the lowest bucket (what
 eviction does) retires its slot at the list's front rather than shifting the list, so
 evicting from a million single-chunk levels stays O(1) a key.
+
+Locked keys L1 passed over are set aside (``set_aside``) until their locks end
+(``put_back``), so a full L1 whose lowest-priority chunks are read-locked is not walked
+past them on every write that evicts.  A chunk set aside leaves its bucket but keeps its
+priority and use count: being locked is not a use, so put back it returns to the bucket of
+the priority it had, at the front (a walk passed over it there: every chunk before it was
+evicted or set aside too), among the chunks put back in the order they were set aside
+(each keeps the stamp it was first set aside with) -- where the priority order still has
+it.  A read or write meanwhile is a use like any other and re-ranks it; a removal
+remembers its use count in the history as for any chunk.
 """
 
 from __future__ import annotations
@@ -74,6 +84,11 @@ class PrefixLFUEvictionPolicy:
         self._levels: list[int] = []
         self._levels_start = 0
         self._last_read: _Signature | None = None
+        # Chunks set aside, each with its stamp (ascending = set aside earlier), and those
+        # put back and not touched since, at the front of their bucket.
+        self._aside: dict[ObjectKey, int] = {}
+        self._stamps: dict[ObjectKey, int] = {}
+        self._next_stamp = 0
 
     def __len__(self) -> int:
         return len(self._state)
@@ -196,6 +211,7 @@ class PrefixLFUEvictionPolicy:
         # Right after a read, a write extends the prefix just read: all of it is tail.
         extends_read = self._last_read is not None
         self._last_read = None
+        self._unstamp(keys)
         self._touch(keys, 0 if extends_read else len(keys) - 1)
 
     def on_keys_read(self, keys: Sequence[ObjectKey]) -> None:
@@ -205,16 +221,100 @@ class PrefixLFUEvictionPolicy:
         if signature == self._last_read:
             return  # the RETRIEVE of the prefix a LOOKUP just read
         self._last_read = signature
+        self._unstamp(keys)
         self._touch(keys, len(keys), known_only=True)
 
     def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
-        history, state = self._history, self._state
+        history, state, aside = self._history, self._state, self._aside
+        if self._stamps:
+            self._forget_stamps(keys)
         for key in keys:
-            if key in state:
+            if aside and aside.pop(key, None) is not None:
+                history[hash(key)] = state.pop(key)[1]  # in no bucket while set aside
+            elif key in state:
                 history[hash(key)] = self._unplace(key)
         limit = max(self._history_min, self._history_factor * len(state))
         while len(history) > limit:
             history.popitem(last=False)
+
+    # -- chunks set aside while locked (see the module docstring) -----------------------------
+
+    def set_aside(self, keys: Sequence[ObjectKey]) -> None:
+        """Leave ``keys`` (locked: L1 passed them over, in walk order) out of walks until
+        ``put_back``; keys not held, or set aside already, are ignored."""
+        state, aside, stamps, buckets = self._state, self._aside, self._stamps, self._buckets
+        for key in keys:
+            entry = state.get(key)
+            if entry is None or key in aside:
+                continue
+            priority = entry[0]
+            bucket = buckets[priority]
+            del bucket[key]
+            if not bucket:
+                del buckets[priority]
+                self._drop_level(priority)
+            stamp = stamps.pop(key, None)
+            if stamp is None:  # the walk passed it after every chunk stamped before
+                stamp = self._next_stamp
+                self._next_stamp += 1
+            aside[key] = stamp
+
+    def put_back(self, keys: Sequence[ObjectKey]) -> None:
+        """Offer ``keys`` (no longer locked) again, at the front of the bucket of their
+        priority in the order they were set aside; keys not set aside are ignored.  Costs
+        the buckets they return to."""
+        aside, state = self._aside, self._state
+        by_priority: dict[int, list[tuple[int, ObjectKey]]] = {}
+        for key in keys:
+            stamp = aside.pop(key, None)
+            if stamp is not None:
+                by_priority.setdefault(state[key][0], []).append((stamp, key))
+        for priority, back in by_priority.items():
+            self._to_front(priority, back)
+
+    def _to_front(self, priority: int, back: list[tuple[int, ObjectKey]]) -> None:
+        """Put ``back`` (stamp, key) at the front of the bucket of ``priority``, merged by
+        stamp with the chunks put back before and still there."""
+        stamps = self._stamps
+        bucket = self._buckets.get(priority)
+        if bucket is None:
+            bucket = {}
+            self._add_level(priority)
+        front: list[tuple[int, ObjectKey]] = []
+        for key in bucket:
+            stamp = stamps.get(key)
+            if stamp is None:
+                break
+            front.append((stamp, key))
+        for stamp, key in back:
+            stamps[key] = stamp
+        rebuilt = dict.fromkeys(key for _, key in sorted(front + back))  # stamps are unique
+        rebuilt.update(bucket)  # the rest, in their order (the front is there already)
+        self._buckets[priority] = rebuilt
+
+    def _unstamp(self, keys: Sequence[ObjectKey]) -> None:
+        """Before a touch: chunks set aside return to their bucket (the touch moves them
+        on as any chunk), and touched chunks leave the front of their bucket."""
+        if self._stamps:
+            self._forget_stamps(keys)
+        aside = self._aside
+        if not aside:
+            return
+        state, buckets = self._state, self._buckets
+        for key in keys:
+            if aside.pop(key, None) is None:
+                continue
+            priority = state[key][0]
+            bucket = buckets.get(priority)
+            if bucket is None:
+                bucket = buckets[priority] = {}
+                self._add_level(priority)
+            bucket[key] = None
+
+    def _forget_stamps(self, keys: Sequence[ObjectKey]) -> None:
+        stamps = self._stamps
+        for key in keys:
+            stamps.pop(key, None)
 
     def victims(self) -> Iterator[ObjectKey]:
         buckets = self._buckets
