@@ -13,10 +13,12 @@ them (O(locked) still, at about 50 ns a key).  Without set-aside keys every writ
 past every locked key (about 0.5 us each, under the L1 lock).
 
 ``--old-tree DIR`` also runs the same measurement on another checkout (a worktree of an
-older commit: its ``core/src`` and ``plugins/eviction-lru/src`` first on the path), in
+older commit: its ``core/src`` and its eviction plugins' ``src`` first on the path), in
 alternation with this one, ``--repeat`` times each, and prints both side by side.
+``--policy`` names the eviction policy L1 uses (``LRU`` by default; ``ARC``, ``S3FIFO``,
+``PREFIX_LFU``), built from the installed registry with its config's defaults.
 
-    python bench/bench_l1_locked_walk.py [--locked 10000,100000] [--old-tree /tmp/wt-old]
+    python bench/bench_l1_locked_walk.py [--locked 10000,100000] [--policy ARC] [--old-tree /tmp/wt-old]
 """
 
 from __future__ import annotations
@@ -28,19 +30,30 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from bench_args import BenchParser, at_least_one
 
 ALIGN = 512
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
+#: the eviction policy measured (``--policy``)
+POLICY = "LRU"
+
+
+def make_policy(name: str) -> Any:
+    """The eviction policy ``name`` as a server builds it: from the installed registry, with
+    its config's defaults."""
+    from lmcache_tiers.plugins import load_registry
+    from lmcache_tiers.registry import Kind
+
+    component = load_registry().get(Kind.EVICTION_POLICY, name)
+    return component.create(component.config())
 
 
 def measure(locked: int, unlocked: int, writes: int, batch: int, churn: bool) -> float:
     """Median thread CPU seconds per write after the first (see the module docstring);
     with ``churn``, a lookup's read lock is taken and released between writes (untimed)."""
-    from lmcache_plugin_eviction_lru.policy import LRUEvictionPolicy
-
     from lmcache_tiers.controllers.l1_eviction import L1EvictionController
     from lmcache_tiers.controllers.stats import EngineStats
     from lmcache_tiers.keys import ObjectKey
@@ -52,7 +65,7 @@ def measure(locked: int, unlocked: int, writes: int, batch: int, churn: bool) ->
     total = locked + unlocked
     l1 = L1Manager(total * ALIGN, align=ALIGN, prefault=False)
     controller = L1EvictionController(
-        l1, LRUEvictionPolicy(), trigger_watermark=0.99, eviction_ratio=0.1, stats=EngineStats(0)
+        l1, make_policy(POLICY), trigger_watermark=0.99, eviction_ratio=0.1, stats=EngineStats(0)
     )
     try:
         front, rest = keys(0, locked), keys(locked, unlocked)
@@ -82,7 +95,8 @@ def measure(locked: int, unlocked: int, writes: int, batch: int, churn: bool) ->
 
 def run_tree(tree: Path, args: list[str]) -> dict[str, float]:
     """This script's measurements with ``tree``'s sources first on the path."""
-    path = [str(tree / "core" / "src"), str(tree / "plugins" / "eviction-lru" / "src"), str(HERE.parent)]
+    plugins = [str(src) for src in sorted(tree.glob("plugins/eviction-*/src"))]
+    path = [str(tree / "core" / "src"), *plugins, str(HERE.parent)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     out = subprocess.run(
         [sys.executable, str(HERE), "--json", *args], env=env, check=True, capture_output=True, text=True
@@ -96,13 +110,16 @@ def main() -> None:
     parser.add_argument("--unlocked", type=at_least_one, default=4000, help="unlocked objects behind them")
     parser.add_argument("--writes", type=at_least_one, default=200, help="writes measured per count")
     parser.add_argument("--batch", type=at_least_one, default=1, help="new objects per write")
+    parser.add_argument("--policy", default="LRU", help="the eviction policy L1 uses")
     parser.add_argument("--old-tree", help="another checkout to measure in alternation with this one")
     parser.add_argument("--repeat", type=at_least_one, default=3, help="alternating runs per tree")
     parser.add_argument("--json", action="store_true", help="print this tree's figures as JSON")
     options = parser.parse_args()
+    global POLICY
+    POLICY = options.policy
     counts = [0, *(int(count) for count in options.locked.split(","))]
     common = [f"--locked={options.locked}", f"--unlocked={options.unlocked}"]
-    common += [f"--writes={options.writes}", f"--batch={options.batch}"]
+    common += [f"--writes={options.writes}", f"--batch={options.batch}", f"--policy={options.policy}"]
     if options.json:
         figures = {
             f"{count}{'/churn' if churn else ''}": measure(
@@ -118,7 +135,8 @@ def main() -> None:
     for _ in range(options.repeat):
         for name, tree in trees.items():  # alternating, so a noisy moment hits both
             runs[name].append(run_tree(tree, common))
-    print(f"thread CPU per write of {options.batch} object(s), median of {options.writes} writes")
+    heading = f"thread CPU per write of {options.batch} object(s), median of {options.writes} writes"
+    print(f"{options.policy}: {heading}")
     print(f"{'locked':>14} " + " ".join(f"{name + ' ms':>10}" for name in trees) + f" {'limit ms':>10}")
     for churn in ("", "/churn"):
         baseline = statistics.median(run[f"0{churn}"] for run in runs["this"])
