@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -62,3 +63,20 @@ def test_locks_expired_under_a_short_ttl_are_reaped_about_at_their_ttl(engine) -
     assert (stats.read_locks, stats.write_locked) == (0, 0), "expired locks still held past TTL + cadence"
     assert storage.status()["failures"]["l1_lock_expired"] == 3
     assert all(storage.l1.contains(key) for key in ready), "a reaped read lock leaves its object"
+
+
+def test_reaps_finding_expired_locks_one_after_another_log_one_line_per_burst(engine, caplog) -> None:
+    # Reaps now come every quarter of the shortest TTL (20 a second at the floor): a line
+    # for each that finds something would flood the log while clients keep leaving
+    # locks; the counter has every one.
+    storage = engine()
+    keys = keys_of(3, 3)
+    store(storage, keys, SIZE)
+    later = time.monotonic() + 10 * storage.l1.lock_ttl_s  # past every lock's TTL
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l1"):
+        for step, key in enumerate(keys, start=1):
+            assert [obj.key for obj in storage.read([key])] == [key]  # never released
+            assert storage.l1.expire_locks(later + step) == 1
+    lines = [record for record in caplog.records if "L1 lock TTL expired" in record.getMessage()]
+    assert len(lines) == 1, [record.getMessage() for record in lines]
+    assert storage.l1.stats().read_locks == 0

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 
+from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1.allocator import ExtentAllocator
 from lmcache_tiers.l1.leases import ExtentLeases
@@ -51,6 +52,7 @@ class Removal:
         self._allocator = allocator
         self._leases = leases
         self._skipped = skipped
+        self._expired_log = BurstLog(logger)
         # Read-locked objects that eviction walks passed over and whose keys the caller's
         # policy was asked to leave out of its walks until their locks end (``make_room``).
         self._set_aside: set[ObjectKey] = set()
@@ -224,7 +226,10 @@ class Removal:
                 if obj.temporary:
                     freed.append(obj)
             if expired_writes or expired_reads:
-                logger.warning(
+                # Reaps come as often as every 0.05 s under short TTLs: one line per burst
+                # (``l1_lock_expired`` counts every object).
+                self._expired_log.warn(
+                    "l1_lock_expired",
                     "L1 lock TTL expired: %d write reservations freed, %d objects' expired read locks "
                     "dropped; their extents are not reused for another %gs",
                     len(expired_writes),
