@@ -28,6 +28,8 @@ and the split of a walk, only no walk offers it.  A walk passed over it at the f
 its list (everything before it was evicted or set aside too), so put back it returns to
 the front of the same list, among the keys put back in the order they were set aside
 (each keeps the stamp it was first set aside with): where ARC's own order still has it.
+The keys put back wait in a run sorted by stamp ahead of their list (``_PutBack``), so a
+put_back costs a binary search per key, not a pass over the thousands that may wait.
 Returning to T1 rather than T2 matters: being locked is not a second use.  A read or
 rewrite meanwhile is one, and moves it to T2's most recent end as for any live key; a
 removal forgets it without a ghost (no walk evicted it).
@@ -39,9 +41,73 @@ import bisect
 import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from itertools import chain, islice
+from operator import itemgetter
 
 from lmcache_plugin_eviction_arc import ARCConfig
 from lmcache_tiers.plugin import ObjectKey
+
+_Entry = tuple[int, ObjectKey]  # (stamp, key) of a key put back
+_STAMP = itemgetter(0)
+
+#: dead entries a run of keys put back may hold beyond as many as its live ones before it
+#: is rebuilt (each entry is dropped once, so that costs O(1) a key)
+_DEAD_SLACK = 64
+
+
+class _PutBack:
+    """The keys put back ahead of one list, in stamp order.
+
+    A key that leaves (evicted, touched, set aside again) leaves its entry behind, dead: a
+    key is live while ``live`` maps it to that very entry.  Walks skip dead entries, the
+    front ones are dropped before each walk, and the run is rebuilt once the dead outnumber
+    the live.  Adding costs a binary search and a C memmove, whatever waits.
+    """
+
+    def __init__(self) -> None:
+        self.live: dict[ObjectKey, _Entry] = {}
+        self._entries: list[_Entry] = []
+        self._start = 0  # entries before it are dropped
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.live
+
+    def add(self, stamp: int, key: ObjectKey) -> None:
+        entry = self.live[key] = (stamp, key)
+        entries = self._entries
+        if len(entries) == self._start or entries[-1][0] < stamp:
+            entries.append(entry)
+        else:
+            bisect.insort(entries, entry, lo=self._start, key=_STAMP)
+
+    def pop(self, key: ObjectKey) -> int | None:
+        """Forget ``key``; its stamp, or None if it was not here."""
+        entry = self.live.pop(key, None)
+        return None if entry is None else entry[0]
+
+    def tidy(self) -> None:
+        """Drop the dead entries at the front, or all of them once they are too many."""
+        entries, live, start = self._entries, self.live, self._start
+        if len(entries) - start > 2 * len(live) + _DEAD_SLACK:
+            self._entries = sorted(live.values(), key=_STAMP)
+            self._start = 0
+            return
+        while start < len(entries) and live.get(entries[start][1]) is not entries[start]:
+            start += 1
+        if start and 2 * start >= len(entries):
+            del entries[:start]
+            start = 0
+        self._start = start
+
+    def entries(self) -> Iterator[_Entry]:
+        """The live entries, by stamp."""
+        live = self.live
+        for entry in islice(self._entries, self._start, None):
+            if live.get(entry[1]) is entry:
+                yield entry
 
 
 class ARCEvictionPolicy:
@@ -61,33 +127,37 @@ class ARCEvictionPolicy:
         self._aside_recent: dict[ObjectKey, int] = {}
         self._aside_frequent: dict[ObjectKey, int] = {}
         self._aside_frequent_stamps: list[int] = []
-        # The keys put back and not touched since, at the front of their list.
-        self._stamps: dict[ObjectKey, int] = {}
+        # The keys put back and not touched since, ahead of their list.
+        self._back_recent = _PutBack()
+        self._back_frequent = _PutBack()
         self._next_stamp = 0
 
     def _recent_size(self) -> int:
-        return len(self._recent) + len(self._aside_recent)
+        return len(self._recent) + len(self._back_recent) + len(self._aside_recent)
 
     def _frequent_size(self) -> int:
-        return len(self._frequent) + len(self._aside_frequent)
+        return len(self._frequent) + len(self._back_frequent) + len(self._aside_frequent)
 
     def _capacity(self) -> int:
         return max(1, self._recent_size() + self._frequent_size())
+
+    def _out_of_lists(self) -> bool:
+        """Whether any key is set aside or put back (out of ``_recent``/``_frequent``)."""
+        return bool(self._aside_recent or self._aside_frequent or self._back_recent or self._back_frequent)
 
     # A batch is a prefix (chunk 0 first); handling it back to front leaves the tail older
     # than the head in whichever list it lands, so eviction trims prefixes from their end.
 
     def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
         recent, frequent = self._recent, self._frequent
-        if self._stamps:
-            self._forget_stamps(keys)
+        out_of_lists = self._out_of_lists()
         for key in reversed(keys):
             if key in recent:
                 del recent[key]
                 frequent[key] = None
             elif key in frequent:
                 frequent.move_to_end(key)
-            elif self._take_out_of_aside(key):
+            elif out_of_lists and self._take_out(key) is not None:
                 frequent[key] = None  # a second use, as for any live key
             elif key in self._recent_ghosts:
                 # Evicted from `recent` too early: give `recent` more room.
@@ -109,8 +179,6 @@ class ARCEvictionPolicy:
         # already in `frequent`); a read of an unknown key must not revive it.
         recent, frequent = self._recent, self._frequent
         move_to_end = frequent.move_to_end
-        if self._stamps:
-            self._forget_stamps(keys)
         for key in reversed(keys):
             try:
                 move_to_end(key)
@@ -118,13 +186,12 @@ class ARCEvictionPolicy:
                 if key in recent:
                     del recent[key]
                     frequent[key] = None
-                elif (self._aside_recent or self._aside_frequent) and self._take_out_of_aside(key):
+                elif self._out_of_lists() and self._take_out(key) is not None:
                     frequent[key] = None
 
     def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
         offered = self._offered
-        if self._stamps:
-            self._forget_stamps(keys)
+        out_of_lists = self._out_of_lists()
         for key in keys:
             evicted = key in offered
             if key in self._recent:
@@ -135,8 +202,12 @@ class ARCEvictionPolicy:
                 del self._frequent[key]
                 if evicted:
                     self._frequent_ghosts[key] = None
-            elif self._aside_recent or self._aside_frequent:
-                self._take_out_of_aside(key)  # no walk offered it: no ghost
+            elif out_of_lists:
+                was = self._take_out(key)  # set aside (no walk offered it: no ghost) or put back
+                if evicted and was == "recent":
+                    self._recent_ghosts[key] = None
+                elif evicted and was == "frequent":
+                    self._frequent_ghosts[key] = None
         offered.clear()  # the walk's evictions are reported: the keys left were passed over
         self._trim_ghosts()
 
@@ -161,70 +232,51 @@ class ARCEvictionPolicy:
         """Leave ``keys`` (locked: L1 passed them over, in walk order) out of walks until
         ``put_back``; keys not in T1 or T2 (removed, set aside already) are ignored."""
         for key in keys:
-            if key in self._recent:
-                del self._recent[key]
-                self._aside_recent[key] = self._stamp(key)
-            elif key in self._frequent:
-                del self._frequent[key]
-                stamp = self._aside_frequent[key] = self._stamp(key)
+            if key in self._recent or key in self._back_recent:
+                self._aside_recent[key] = self._stamp(key, self._recent, self._back_recent)
+            elif key in self._frequent or key in self._back_frequent:
+                stamp = self._aside_frequent[key] = self._stamp(key, self._frequent, self._back_frequent)
                 bisect.insort(self._aside_frequent_stamps, stamp)
 
-    def _stamp(self, key: ObjectKey) -> int:
-        """The stamp of a key being set aside: the one it was put back with, else a new
-        one (later than every stamp given, as the walk passed it after them all)."""
-        stamp = self._stamps.pop(key, None)
+    def _stamp(self, key: ObjectKey, keys: OrderedDict[ObjectKey, None], back: _PutBack) -> int:
+        """Take ``key`` out of its list: the stamp it was put back with, else a new one
+        (later than every stamp given, as the walk passed it after them all)."""
+        stamp = back.pop(key)
         if stamp is None:
+            del keys[key]
             stamp = self._next_stamp
             self._next_stamp += 1
         return stamp
 
     def put_back(self, keys: Sequence[ObjectKey]) -> None:
-        """Offer ``keys`` (no longer locked) again, at the front of their list in the order
-        they were set aside; keys not set aside are ignored."""
-        to_recent: list[tuple[int, ObjectKey]] = []
-        to_frequent: list[tuple[int, ObjectKey]] = []
+        """Offer ``keys`` (no longer locked) again, ahead of their list in the order they
+        were set aside; keys not set aside are ignored."""
         aside_recent, aside_frequent = self._aside_recent, self._aside_frequent
+        gone: list[int] = []
         for key in keys:
             stamp = aside_recent.pop(key, None)
             if stamp is not None:
-                to_recent.append((stamp, key))
+                self._back_recent.add(stamp, key)
                 continue
             stamp = aside_frequent.pop(key, None)
             if stamp is not None:
-                to_frequent.append((stamp, key))
-        if to_frequent:
-            self._drop_frequent_stamps([stamp for stamp, _ in to_frequent])
-        self._to_front(self._recent, to_recent)
-        self._to_front(self._frequent, to_frequent)
+                self._back_frequent.add(stamp, key)
+                gone.append(stamp)
+        if gone:
+            self._drop_frequent_stamps(gone)
 
-    def _to_front(self, keys: OrderedDict[ObjectKey, None], back: list[tuple[int, ObjectKey]]) -> None:
-        """Put ``back`` (stamp, key) at the front of ``keys``, merged by stamp with the keys
-        put back before and still there (costs those, and a sort of ``back``)."""
-        if not back:
-            return
-        stamps = self._stamps
-        front: list[tuple[int, ObjectKey]] = []
-        for key in keys:
-            stamp = stamps.get(key)
-            if stamp is None:
-                break
-            front.append((stamp, key))
-        for stamp, key in back:
-            stamps[key] = stamp
-            keys[key] = None
-        move_to_end = keys.move_to_end
-        for _, key in sorted(front + back, reverse=True):  # no two keys share a stamp
-            move_to_end(key, last=False)
-
-    def _take_out_of_aside(self, key: ObjectKey) -> bool:
-        """Forget ``key`` as set aside (read, rewritten or removed); whether it was."""
-        if self._aside_recent.pop(key, None) is not None:
-            return True
+    def _take_out(self, key: ObjectKey) -> str | None:
+        """Forget ``key`` as set aside or put back (read, rewritten or removed): the list
+        it was in (``recent``, ``frequent``), or None."""
+        if self._aside_recent.pop(key, None) is not None or self._back_recent.pop(key) is not None:
+            return "recent"
+        if self._back_frequent.pop(key) is not None:
+            return "frequent"
         stamp = self._aside_frequent.pop(key, None)
         if stamp is None:
-            return False
+            return None
         self._drop_frequent_stamps([stamp])
-        return True
+        return "frequent"
 
     def _drop_frequent_stamps(self, gone: list[int]) -> None:
         stamps = self._aside_frequent_stamps
@@ -234,12 +286,6 @@ class ARCEvictionPolicy:
         for stamp in gone:
             del stamps[bisect.bisect_left(stamps, stamp)]
 
-    def _forget_stamps(self, keys: Sequence[ObjectKey]) -> None:
-        """Keys touched or removed leave the front of their list (or the policy)."""
-        stamps = self._stamps
-        for key in keys:
-            stamps.pop(key, None)
-
     # -- the walk ----------------------------------------------------------------------------
 
     def victims(self) -> Iterator[ObjectKey]:
@@ -248,37 +294,39 @@ class ARCEvictionPolicy:
         # then the rest of `frequent`.  Keys set aside count in the sizes and positions.
         offered = self._offered
         offered.clear()
+        self._back_recent.tidy()
+        self._back_frequent.tidy()
         recent_size = self._recent_size()
         if recent_size:
             frequent_first = max(0, math.floor(self._target - recent_size) + 1)
         else:
             frequent_first = self._frequent_size()
-        from_frequent = iter(self._frequent)
+        from_frequent = self._frequent_in_order()
         held_back = None
-        for taken, key in enumerate(from_frequent):
-            if taken + self._aside_before(key) >= frequent_first:
+        for taken, (key, aside_before) in enumerate(from_frequent):
+            if taken + aside_before >= frequent_first:
                 held_back = key
                 break
             offered.add(key)
             yield key
-        for key in self._recent:
+        for key in chain((entry[1] for entry in self._back_recent.entries()), self._recent):
             offered.add(key)
             yield key
         if held_back is not None:
             offered.add(held_back)
             yield held_back
-        for key in from_frequent:
+        for key, _ in from_frequent:
             offered.add(key)
             yield key
 
-    def _aside_before(self, key: ObjectKey) -> int:
-        """How many keys set aside precede ``key`` in T2 as ARC orders it: those set aside
-        before it was (it was put back), else all of them."""
+    def _frequent_in_order(self) -> Iterator[tuple[ObjectKey, int]]:
+        """T2's keys in ARC's order, each with how many keys set aside precede it there:
+        those set aside before a key put back was, and all of them before the others."""
         stamps = self._aside_frequent_stamps
-        if not stamps:
-            return 0
-        stamp = self._stamps.get(key)
-        return len(stamps) if stamp is None else bisect.bisect_left(stamps, stamp)
+        for stamp, key in self._back_frequent.entries():
+            yield key, bisect.bisect_left(stamps, stamp)
+        for key in self._frequent:
+            yield key, len(stamps)
 
     def __len__(self) -> int:
         return self._recent_size() + self._frequent_size()
