@@ -32,6 +32,9 @@ SIZE = 64 << 10
 #: generous bound on a call against a dead master with a 1 s timeout: a guard against
 #: hangs, not a performance expectation
 HANG_GUARD_S = 20.0
+#: Mooncake's master RPC timeout where a test needs a probe given up after
+#: operation_timeout_s (0.5 s) still inside Mooncake: several seconds longer
+FROZEN_PROBE_RPC_TIMEOUT_MS = 4000
 
 
 def _round_trip(client: BlockingAdapterClient, start: int) -> bool:
@@ -501,10 +504,17 @@ def test_concurrent_calls_to_a_silent_master_leave_one_probe_inside_mooncake(
         assert backend.calls.busy <= 1, backend.calls.busy
 
 
-def test_calls_made_as_a_frozen_master_resumes_are_served_not_refused(own_cluster: LocalCluster) -> None:
+def test_calls_made_as_a_frozen_master_resumes_are_served_not_refused(
+    own_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A probe given up while the master was frozen is still inside Mooncake when the
     # master resumes; the calls made then wait for it (and probe again) instead of being
     # refused because an earlier probe had not come back: hits resume with the master.
+    # Mooncake's RPC timeout set by the operator, longer than operation_timeout_s: with
+    # the two equal (the adapter's own setting) Mooncake ended the frozen probe as the
+    # adapter gave it up, and on a loaded machine none was left inside to resume with.
+    monkeypatch.setattr(client_module, "_OPERATOR_SET", frozenset({"MC_RPC_TIMEOUT_MS"}))
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", str(FROZEN_PROBE_RPC_TIMEOUT_MS))
     own_cluster.add_segment_host("64MB")
     adapter = open_adapter(config_for(own_cluster, operation_timeout_s=0.5))
     client = BlockingAdapterClient(adapter, timeout=60)
@@ -517,7 +527,9 @@ def test_calls_made_as_a_frozen_master_resumes_are_served_not_refused(own_cluste
         master.send_signal(signal.SIGSTOP)
         wait_stopped(master.pid, HANG_GUARD_S)
         try:
-            for _ in range(2):  # the first fails unanswered, the second's probe is given up
+            # The first fails unanswered (after Mooncake's RPC timeout), the second's probe
+            # is given up after operation_timeout_s and stays inside Mooncake.
+            for _ in range(2):
                 with contextlib.suppress(Exception):
                     backend.contains_many(stored)
             assert backend.calls.busy >= 1, "no given-up call left inside Mooncake"
