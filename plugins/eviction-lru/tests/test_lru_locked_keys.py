@@ -265,4 +265,5 @@ def test_locked_keys_deleted_by_force_leave_the_set_aside_record(full: FullL1) -
     full.l1.finish_read(full.locked)
     full.write_one()
     assert full.l1.take_unlocked_set_aside() == []
-    assert not full.l1._removal._set_aside, "keys no longer in L1 are still recorded"
+    assert not full.l1._table.set_aside, "objects no longer in L1 are still recorded"
+    assert not full.l1._table.set_aside_ended

@@ -214,6 +214,7 @@ class ReadLocks:
             objects, locked = table.objects, table.locked
             freed: list[L1Object] = []
             unlocked_bytes = 0
+            set_aside = table.set_aside
             leases = self._leases
             last = self._last_hit
             if last is not None and last[0] == table.ready_version and last[1] == keys:
@@ -257,6 +258,8 @@ class ReadLocks:
                     if not obj.storing:  # unlocked now
                         del locked[obj.key]
                         unlocked_bytes += obj.extent_bytes
+                        if obj in set_aside:  # its key is due back in eviction walks
+                            table.end_set_aside(obj)
                         if obj.temporary:
                             freed.append(obj)
             table.locked_extent_bytes -= unlocked_bytes
@@ -302,6 +305,8 @@ class ReadLocks:
                         obj.read_locks = 0
                         del locked[obj.key]
                         table.locked_extent_bytes -= obj.extent_bytes
+                        if obj in table.set_aside:  # its key is due back in eviction walks
+                            table.end_set_aside(obj)
                         if obj.temporary:
                             freed.append(obj)
                     continue

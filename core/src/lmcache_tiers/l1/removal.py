@@ -53,10 +53,6 @@ class Removal:
         self._leases = leases
         self._skipped = skipped
         self._expired_log = BurstLog(logger)
-        # Read-locked objects that eviction walks passed over and whose keys the caller's
-        # policy was asked to leave out of its walks until their locks end (``make_room``).
-        self._set_aside: set[ObjectKey] = set()
-        self._unlocks_checked = 0  # the table's ``read_unlocks`` when they were last checked
 
     def delete(self, keys: Sequence[ObjectKey], *, force: bool) -> list[bool]:
         with self._lock:
@@ -143,7 +139,7 @@ class Removal:
                         continue
                     if obj.read_locks:
                         if passed_locked is not None:
-                            self._set_aside.add(key)
+                            table.set_aside.add(obj)
                             passed_locked.append(key)
                         continue
                     if obj.unstored:
@@ -179,21 +175,27 @@ class Removal:
 
     def take_unlocked_set_aside(self) -> list[ObjectKey]:
         """The keys set aside (``make_room``'s ``passed_locked``) whose objects are no longer
-        locked -- their locks ended, or they left L1 -- forgotten here: the caller puts them
-        back into its policy's walks before the next one.  Every write that evicts asks it:
-        nothing to do unless a read lock ended since it last looked (``read_unlocks``), and
-        then a set difference in C over the keys set aside (a set's stored hashes probing
-        the locked index: ~50 ns a key at 100k), not a Python loop.  A read-locked object
-        leaving L1 (deleted by force) counts as a lock ended: its key, reported removed to
-        the policy already, leaves the record at the next look."""
+        locked -- their locks ended, or they left L1 -- each once: the caller puts them back
+        into its policy's walks before the next one.  Every write that evicts asks it, so it
+        costs the objects whose locks ended since the last call, not the keys set aside:
+        each unlock moved its object to the table's ``set_aside_ended`` (``end_set_aside``).
+        An object locked again since stays set aside, to come back when that lock ends.  A
+        key that left L1 was reported removed to the policy already (``put_back`` ignores
+        it)."""
         with self._lock:
-            set_aside, table = self._set_aside, self._table
-            if not set_aside or table.read_unlocks == self._unlocks_checked:
+            table = self._table
+            ended = table.set_aside_ended
+            if not ended:
                 return []
-            self._unlocks_checked = table.read_unlocks
-            unlocked = set_aside.difference(table.locked)
-            set_aside -= unlocked
-            return list(unlocked)
+            table.set_aside_ended = []
+            objects, set_aside = table.objects, table.set_aside
+            keys: list[ObjectKey] = []
+            for obj in ended:
+                if obj.read_locks and objects.get(obj.key) is obj:
+                    set_aside.add(obj)
+                else:
+                    keys.append(obj.key)
+            return keys
 
     def expire_locks(self, now: float) -> int:
         with self._lock:
@@ -223,6 +225,8 @@ class Removal:
                     continue
                 del table.locked[key]
                 table.locked_extent_bytes -= obj.extent_bytes
+                if obj in table.set_aside:  # its key is due back in eviction walks
+                    table.end_set_aside(obj)
                 if obj.temporary:
                     freed.append(obj)
             if expired_writes or expired_reads:

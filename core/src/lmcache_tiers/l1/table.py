@@ -89,15 +89,19 @@ class ObjectTable:
         self.objects: dict[ObjectKey, L1Object] = {}
         self.ready: dict[ObjectKey, L1Object] = {}  # READY objects of ``objects``
         self.locked: dict[ObjectKey, L1Object] = {}
-        # the sum of ``extent_bytes`` over ``locked`` (see the module docstring)
-        self._locked_extent_bytes = 0
-        #: how many times that total dropped through ``locked_extent_bytes`` -- read locks
-        #: released or reaped (reads.py, removal.py) -- or a read-locked object was detached
-        #: (deleted by force, lost to a disk error).  Eviction checks the locked keys its
-        #: walks set aside only once this moved: those of detached objects must leave its
-        #: record too, as no live lock may end for a long while.  Commits, which end no read
-        #: lock, go round it.
-        self.read_unlocks = 0
+        #: the sum of ``extent_bytes`` over ``locked`` (see the module docstring)
+        self.locked_extent_bytes = 0
+        #: read-locked objects whose keys eviction set aside (``make_room``'s
+        #: ``passed_locked``): whoever takes one out of ``locked`` -- its last lock released
+        #: (reads.py) or reaped (removal.py), or the object detached with its locks (a
+        #: forced delete, a disk error) -- moves it to ``set_aside_ended`` (``end_set_aside``),
+        #: a set probe per unlock, so the look before each eviction walk costs the keys
+        #: whose locks ended, not every key set aside.  Identity-hashed: a later object of
+        #: the same key is not in it.
+        self.set_aside: set[L1Object] = set()
+        #: objects of ``set_aside`` whose locks ended since the last eviction walk, or that
+        #: left L1, in that order: their keys are to go back into the policy's walks
+        self.set_aside_ended: list[L1Object] = []
         self.temporary: set[ObjectKey] = set()
         #: bumped whenever ``ready`` changes, so a caller can tell that a probe it made
         #: of READY objects would find the same objects again
@@ -112,20 +116,17 @@ class ObjectTable:
         self._held: set[L1Object] = set()
         self._held_extent_bytes = 0
 
-    @property
-    def locked_extent_bytes(self) -> int:
-        return self._locked_extent_bytes
-
-    @locked_extent_bytes.setter
-    def locked_extent_bytes(self, total: int) -> None:
-        if total < self._locked_extent_bytes:
-            self.read_unlocks += 1
-        self._locked_extent_bytes = total
-
     def writes_ended(self, unlocked_bytes: int) -> None:
-        """Write reservations made READY without read locks left ``locked``: no read lock
-        ended (see ``read_unlocks``)."""
-        self._locked_extent_bytes -= unlocked_bytes
+        """Write reservations made READY without read locks left ``locked``: none of them
+        was set aside (only READY objects are), so only the total moves."""
+        self.locked_extent_bytes -= unlocked_bytes
+
+    def end_set_aside(self, obj: L1Object) -> None:
+        """``obj``, one of ``set_aside``, is unlocked or left L1: its key is due back in the
+        eviction policy's walks (``Removal.take_unlocked_set_aside``).  Callers test
+        membership first, inline, as they do on every unlock."""
+        self.set_aside.discard(obj)
+        self.set_aside_ended.append(obj)
 
     def check_open(self) -> None:
         if self.closed:
@@ -141,7 +142,7 @@ class ObjectTable:
         """Add new, write-locked objects (by key), all ``temporary`` or none."""
         self.objects.update(objs)
         self.locked.update(objs)
-        self._locked_extent_bytes += sum(obj.extent_bytes for obj in objs.values())
+        self.locked_extent_bytes += sum(obj.extent_bytes for obj in objs.values())
         if temporary:
             self.temporary.update(objs)
 
@@ -161,9 +162,11 @@ class ObjectTable:
             self.ready_version += 1
         unlocked = self.locked.pop(obj.key, None)
         if unlocked is not None:
-            self._locked_extent_bytes -= unlocked.extent_bytes
-            if unlocked.read_locks:
-                self.read_unlocks += 1
+            self.locked_extent_bytes -= unlocked.extent_bytes
+            # Leaving with its locks (forced delete, disk error): its readers' releases go
+            # to its quarantined extent, so no unlock of it would ever end its set-aside.
+            if unlocked in self.set_aside:
+                self.end_set_aside(unlocked)
         self.temporary.discard(obj.key)
 
     def release_extents(self, objs: list[L1Object], taken_by: TakenBy = "forced") -> None:
@@ -232,6 +235,8 @@ class ObjectTable:
         self.ready.clear()
         self.ready_version += 1
         self.locked.clear()
-        self._locked_extent_bytes = 0
+        self.locked_extent_bytes = 0
+        self.set_aside.clear()
+        self.set_aside_ended.clear()
         self.temporary.clear()
         self.listeners.clear()
