@@ -3,6 +3,7 @@ end, keeping their priority and use count."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from itertools import islice
 
 import pytest
@@ -85,3 +86,22 @@ def test_a_chunk_removed_while_set_aside_keeps_its_use_count_in_the_history() ->
     policy.on_keys_removed(locked)
     policy.on_keys_written(locked)
     assert policy.uses(locked[0]) == 3
+
+
+class LevelsChecked(PrefixLFUEvictionPolicy):
+    """Checks, at each walk, that a level is listed once while its bucket or its run of
+    chunks put back holds a chunk, and only then."""
+
+    def victims(self) -> Iterator[ObjectKey]:
+        levels = list(islice(self._levels, self._levels_start, None))
+        assert levels == sorted(set(self._buckets) | set(self._back)), "levels out of step"
+        assert all(self._buckets.values()) and all(self._back.values()), "an empty bucket or run is kept"
+        return super().victims()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_levels_stay_those_of_the_buckets_and_runs_put_back(seed: int) -> None:
+    config = PrefixLFUConfig(history_min=8)
+    check_set_aside_against_reference(
+        lambda: LevelsChecked(config), seed, inspect=True, held_aside=held_aside
+    )

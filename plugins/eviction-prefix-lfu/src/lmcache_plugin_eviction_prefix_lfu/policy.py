@@ -38,12 +38,15 @@ evicting from a million single-chunk levels stays O(1) a key.
 Locked keys L1 passed over are set aside (``set_aside``) until their locks end
 (``put_back``), so a full L1 whose lowest-priority chunks are read-locked is not walked
 past them on every write that evicts.  A chunk set aside leaves its bucket but keeps its
-priority and use count: being locked is not a use, so put back it returns to the bucket of
-the priority it had, at the front (a walk passed over it there: every chunk before it was
-evicted or set aside too), among the chunks put back in the order they were set aside
-(each keeps the stamp it was first set aside with) -- where the priority order still has
-it.  A read or write meanwhile is a use like any other and re-ranks it; a removal
-remembers its use count in the history as for any chunk.
+priority and use count: being locked is not a use, so put back it returns to the level of
+the priority it had, ahead of its bucket (a walk passed over it there: every chunk before
+it was evicted or set aside too), among the chunks put back in the order they were set
+aside (each keeps the stamp it was first set aside with) -- where the priority order
+still has it.  The chunks put back wait in a run per level sorted by stamp (``_PutBack``),
+so a put_back costs a binary search per chunk, not a pass over the bucket; a level is
+listed while its bucket or its run holds a chunk.  A read or write meanwhile is a use
+like any other and re-ranks it; a removal remembers its use count in the history as for
+any chunk.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from itertools import islice
+from operator import itemgetter
 
 from lmcache_plugin_eviction_prefix_lfu import PrefixLFUConfig
 from lmcache_tiers.plugin import ObjectKey
@@ -61,6 +65,60 @@ _Signature = tuple[int, ObjectKey, ObjectKey]
 #: log2 of small use counts, looked up instead of computed on every touch
 _LOG2_SIZE = 1024
 _LOG2 = [0.0] + [math.log2(count) for count in range(1, _LOG2_SIZE)]
+
+_Entry = tuple[int, ObjectKey]  # (stamp, key) of a chunk put back
+_STAMP = itemgetter(0)
+
+#: dead entries a run of chunks put back may hold beyond as many as its live ones before it
+#: is rebuilt (each entry is dropped once, so that costs O(1) a chunk)
+_DEAD_SLACK = 64
+
+
+class _PutBack:
+    """The chunks put back ahead of one bucket, in stamp order.
+
+    A chunk that leaves (evicted, touched, set aside again) leaves its entry behind, dead:
+    a chunk is live while ``live`` maps it to that very entry.  Walks skip dead entries,
+    the front ones are dropped when a walk reaches the run, and the run is rebuilt once the
+    dead outnumber the live.  Adding costs a binary search and a C memmove.
+    """
+
+    def __init__(self) -> None:
+        self.live: dict[ObjectKey, _Entry] = {}
+        self._entries: list[_Entry] = []
+        self._start = 0  # entries before it are dropped
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    def add(self, stamp: int, key: ObjectKey) -> None:
+        entry = self.live[key] = (stamp, key)
+        entries = self._entries
+        if len(entries) == self._start or entries[-1][0] < stamp:
+            entries.append(entry)
+        else:
+            bisect.insort(entries, entry, lo=self._start, key=_STAMP)
+
+    def pop(self, key: ObjectKey) -> int | None:
+        """Forget ``key``; its stamp, or None if it was not here."""
+        entry = self.live.pop(key, None)
+        return None if entry is None else entry[0]
+
+    def keys(self) -> Iterator[ObjectKey]:
+        """The live chunks by stamp, the dead entries at the front dropped first."""
+        entries, live, start = self._entries, self.live, self._start
+        if len(entries) - start > 2 * len(live) + _DEAD_SLACK:
+            entries = self._entries = sorted(live.values(), key=_STAMP)
+            start = 0
+        while start < len(entries) and live.get(entries[start][1]) is not entries[start]:
+            start += 1
+        if start and 2 * start >= len(entries):
+            del entries[:start]
+            start = 0
+        self._start = start
+        for entry in islice(entries, start, None):
+            if live.get(entry[1]) is entry:
+                yield entry[1]
 
 
 class PrefixLFUEvictionPolicy:
@@ -87,7 +145,7 @@ class PrefixLFUEvictionPolicy:
         # Chunks set aside, each with its stamp (ascending = set aside earlier), and those
         # put back and not touched since, at the front of their bucket.
         self._aside: dict[ObjectKey, int] = {}
-        self._stamps: dict[ObjectKey, int] = {}
+        self._back: dict[int, _PutBack] = {}  # by priority, only while non-empty
         self._next_stamp = 0
 
     def __len__(self) -> int:
@@ -107,7 +165,8 @@ class PrefixLFUEvictionPolicy:
         del bucket[key]
         if not bucket:
             del self._buckets[priority]
-            self._drop_level(priority)
+            if priority not in self._back:
+                self._drop_level(priority)
         return uses
 
     def _add_level(self, priority: int) -> None:
@@ -145,7 +204,7 @@ class PrefixLFUEvictionPolicy:
         now = self._tick
         credit = self._credit * live
         penalty = int(self._penalty * live)
-        history, buckets = self._history, self._buckets
+        history, buckets, back = self._history, self._buckets, self._back
         state_get, log2 = state.get, _LOG2
         floor = -(1 << 62)
         # Neighbouring keys of a prefix usually share their use count, their old bucket
@@ -187,7 +246,8 @@ class PrefixLFUEvictionPolicy:
                     continue
                 if not bucket:
                     del buckets[old]
-                    self._drop_level(old)
+                    if old not in back:  # else its run keeps the level
+                        self._drop_level(old)
                     last_old, last_old_bucket = floor, None
                 entry[0] = priority
             else:
@@ -198,7 +258,8 @@ class PrefixLFUEvictionPolicy:
                 target = buckets.get(priority)
                 if target is None:
                     target = buckets[priority] = {}
-                    self._add_level(priority)
+                    if priority not in back:
+                        self._add_level(priority)
                 last_priority, last_bucket = priority, target
             target[key] = None
         self._tick = now + touched
@@ -225,12 +286,12 @@ class PrefixLFUEvictionPolicy:
         self._touch(keys, len(keys), known_only=True)
 
     def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
-        history, state, aside = self._history, self._state, self._aside
-        if self._stamps:
-            self._forget_stamps(keys)
+        history, state, aside, back = self._history, self._state, self._aside, self._back
         for key in keys:
             if aside and aside.pop(key, None) is not None:
                 history[hash(key)] = state.pop(key)[1]  # in no bucket while set aside
+            elif back and self._leave_run(key) is not None:
+                history[hash(key)] = state.pop(key)[1]
             elif key in state:
                 history[hash(key)] = self._unplace(key)
         limit = max(self._history_min, self._history_factor * len(state))
@@ -242,81 +303,90 @@ class PrefixLFUEvictionPolicy:
     def set_aside(self, keys: Sequence[ObjectKey]) -> None:
         """Leave ``keys`` (locked: L1 passed them over, in walk order) out of walks until
         ``put_back``; keys not held, or set aside already, are ignored."""
-        state, aside, stamps, buckets = self._state, self._aside, self._stamps, self._buckets
+        state, aside, buckets = self._state, self._aside, self._buckets
         for key in keys:
             entry = state.get(key)
             if entry is None or key in aside:
                 continue
-            priority = entry[0]
-            bucket = buckets[priority]
-            del bucket[key]
-            if not bucket:
-                del buckets[priority]
-                self._drop_level(priority)
-            stamp = stamps.pop(key, None)
-            if stamp is None:  # the walk passed it after every chunk stamped before
+            stamp = self._leave_run(key) if self._back else None
+            if stamp is None:  # in its bucket: the walk passed it after every chunk stamped
+                priority = entry[0]
+                bucket = buckets[priority]
+                del bucket[key]
+                if not bucket:
+                    del buckets[priority]
+                    if priority not in self._back:
+                        self._drop_level(priority)
                 stamp = self._next_stamp
                 self._next_stamp += 1
             aside[key] = stamp
 
     def put_back(self, keys: Sequence[ObjectKey]) -> None:
-        """Offer ``keys`` (no longer locked) again, at the front of the bucket of their
-        priority in the order they were set aside; keys not set aside are ignored.  Costs
-        the buckets they return to."""
-        aside, state = self._aside, self._state
-        by_priority: dict[int, list[tuple[int, ObjectKey]]] = {}
+        """Offer ``keys`` (no longer locked) again, ahead of the bucket of their priority in
+        the order they were set aside; keys not set aside are ignored."""
+        aside, state, back = self._aside, self._state, self._back
         for key in keys:
             stamp = aside.pop(key, None)
-            if stamp is not None:
-                by_priority.setdefault(state[key][0], []).append((stamp, key))
-        for priority, back in by_priority.items():
-            self._to_front(priority, back)
-
-    def _to_front(self, priority: int, back: list[tuple[int, ObjectKey]]) -> None:
-        """Put ``back`` (stamp, key) at the front of the bucket of ``priority``, merged by
-        stamp with the chunks put back before and still there."""
-        stamps = self._stamps
-        bucket = self._buckets.get(priority)
-        if bucket is None:
-            bucket = {}
-            self._add_level(priority)
-        front: list[tuple[int, ObjectKey]] = []
-        for key in bucket:
-            stamp = stamps.get(key)
             if stamp is None:
-                break
-            front.append((stamp, key))
-        for stamp, key in back:
-            stamps[key] = stamp
-        rebuilt = dict.fromkeys(key for _, key in sorted(front + back))  # stamps are unique
-        rebuilt.update(bucket)  # the rest, in their order (the front is there already)
-        self._buckets[priority] = rebuilt
+                continue
+            priority = state[key][0]
+            run = back.get(priority)
+            if run is None:
+                run = back[priority] = _PutBack()
+                if priority not in self._buckets:
+                    self._add_level(priority)
+            run.add(stamp, key)
+
+    def _leave_run(self, key: ObjectKey) -> int | None:
+        """Take ``key`` out of the run of chunks put back at its priority: its stamp, or
+        None if it is not there.  A level left with no chunk is dropped."""
+        entry = self._state.get(key)
+        if entry is None:
+            return None
+        priority = entry[0]
+        run = self._back.get(priority)
+        stamp = None if run is None else run.pop(key)
+        if stamp is not None and not run:
+            del self._back[priority]
+            if priority not in self._buckets:
+                self._drop_level(priority)
+        return stamp
 
     def _unstamp(self, keys: Sequence[ObjectKey]) -> None:
-        """Before a touch: chunks set aside return to their bucket (the touch moves them
-        on as any chunk), and touched chunks leave the front of their bucket."""
-        if self._stamps:
-            self._forget_stamps(keys)
-        aside = self._aside
-        if not aside:
+        """Before a touch: chunks set aside or put back return to their bucket (the touch
+        moves them on as any chunk)."""
+        aside, back = self._aside, self._back
+        if not aside and not back:
             return
         state, buckets = self._state, self._buckets
         for key in keys:
-            if aside.pop(key, None) is None:
+            entry = state.get(key)
+            if entry is None:
                 continue
-            priority = state[key][0]
+            priority = entry[0]
+            run = None
+            if aside.pop(key, None) is None:
+                run = back.get(priority)
+                if run is None or run.pop(key) is None:
+                    continue  # in its bucket already
             bucket = buckets.get(priority)
             if bucket is None:
                 bucket = buckets[priority] = {}
-                self._add_level(priority)
+                if priority not in back:
+                    self._add_level(priority)
             bucket[key] = None
-
-    def _forget_stamps(self, keys: Sequence[ObjectKey]) -> None:
-        stamps = self._stamps
-        for key in keys:
-            stamps.pop(key, None)
+            if run is not None and not run:
+                del back[priority]  # its bucket keeps the level
 
     def victims(self) -> Iterator[ObjectKey]:
-        buckets = self._buckets
+        buckets, back = self._buckets, self._back
         for priority in islice(self._levels, self._levels_start, None):
-            yield from buckets[priority]
+            if back:
+                run = back.get(priority)
+                if run is not None:
+                    yield from run.keys()
+                bucket = buckets.get(priority)
+                if bucket is not None:
+                    yield from bucket
+            else:
+                yield from buckets[priority]
