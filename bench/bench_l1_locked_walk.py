@@ -6,11 +6,15 @@ eviction controller, as a store that found L1 full does (``evict_now``), and res
 commits ``--batch`` new objects.  The figure is the median thread CPU (``time.thread_time``)
 per write over ``--writes`` writes after the first (the first walks past every locked key
 in any case), next to the same write with nothing locked in the same run; the limit is
-twice that figure.  Each count runs twice: with no read lock ending between writes, and
-with a lookup's lock taken and released before each (``/churn``, a busy server): then the
-keys set aside are checked for ended locks before each write, a set difference in C over
-them (O(locked) still, at about 50 ns a key).  Without set-aside keys every write walked
-past every locked key (about 0.5 us each, under the L1 lock).
+twice that figure.  Each count runs three times: with no read lock ending between
+writes; with a lookup's lock taken and released before each (``/churn``, a busy server);
+and with half the locked objects released at once after the first write, then one more
+before each write (``/release``: each write puts one key back into the policy's walks
+while thousands put back wait to be evicted, and evicts the oldest of them).  Without
+set-aside keys every write walked past every locked key (about 0.5 us each, under the L1
+lock); with them, a check of every key set aside whenever any lock had ended (``/churn``)
+and a rebuild of LRU's keys put back on every put_back (``/release``) still cost
+O(locked) per write.
 
 ``--old-tree DIR`` also runs the same measurement on another checkout (a worktree of an
 older commit: its ``core/src`` and its eviction plugins' ``src`` first on the path), in
@@ -51,9 +55,15 @@ def make_policy(name: str) -> Any:
     return component.create(component.config())
 
 
-def measure(locked: int, unlocked: int, writes: int, batch: int, churn: bool) -> float:
+#: the ways read locks end between writes (see the module docstring)
+MODES = ("", "/churn", "/release")
+
+
+def measure(locked: int, unlocked: int, writes: int, batch: int, mode: str) -> float:
     """Median thread CPU seconds per write after the first (see the module docstring);
-    with ``churn``, a lookup's read lock is taken and released between writes (untimed)."""
+    whatever ``mode`` does between writes is untimed."""
+    import random
+
     from lmcache_tiers.controllers.l1_eviction import L1EvictionController
     from lmcache_tiers.controllers.stats import EngineStats
     from lmcache_tiers.keys import ObjectKey
@@ -75,12 +85,26 @@ def measure(locked: int, unlocked: int, writes: int, batch: int, churn: bool) ->
         l1.finish_write(rest)
         samples: list[float] = []
         next_key = total
+        releasing: list[ObjectKey] = []
+        if mode == "/release" and front:
+            # A first write sets the locked front aside; then half of it is released, in
+            # no order, and comes back into the walks at the next write (untimed: sample 0).
+            controller.evict_now(batch * ALIGN)
+            l1.reserve_write(keys(next_key, batch), [ALIGN] * batch)
+            l1.finish_write(keys(next_key, batch))
+            next_key += batch
+            releasing = list(front)
+            random.Random(len(front)).shuffle(releasing)
+            half, releasing = releasing[: len(front) // 2], releasing[len(front) // 2 :]
+            l1.finish_read(half)
         for _ in range(writes + 1):
             new = keys(next_key, batch)
-            if churn:  # the newest object, locked and released as by a lookup
+            if mode == "/churn":  # the newest object, locked and released as by a lookup
                 newest = keys(next_key - 1, 1)
                 l1.reserve_read(newest)
                 l1.finish_read(newest)
+            elif releasing:
+                l1.finish_read([releasing.pop()])
             next_key += batch
             started = time.thread_time()
             controller.evict_now(batch * ALIGN)
@@ -122,10 +146,8 @@ def main() -> None:
     common += [f"--writes={options.writes}", f"--batch={options.batch}", f"--policy={options.policy}"]
     if options.json:
         figures = {
-            f"{count}{'/churn' if churn else ''}": measure(
-                count, options.unlocked, options.writes, options.batch, churn
-            )
-            for churn in (False, True)
+            f"{count}{mode}": measure(count, options.unlocked, options.writes, options.batch, mode)
+            for mode in MODES
             for count in counts
         }
         print(json.dumps(figures))
@@ -138,10 +160,10 @@ def main() -> None:
     heading = f"thread CPU per write of {options.batch} object(s), median of {options.writes} writes"
     print(f"{options.policy}: {heading}")
     print(f"{'locked':>14} " + " ".join(f"{name + ' ms':>10}" for name in trees) + f" {'limit ms':>10}")
-    for churn in ("", "/churn"):
-        baseline = statistics.median(run[f"0{churn}"] for run in runs["this"])
+    for mode in MODES:
+        baseline = statistics.median(run[f"0{mode}"] for run in runs["this"])
         for count in counts:
-            label = f"{count}{churn}"
+            label = f"{count}{mode}"
             medians = {name: statistics.median(run[label] for run in runs[name]) for name in trees}
             row = " ".join(f"{medians[name] * 1e3:10.3f}" for name in trees)
             verdict = "" if count == 0 else ("  ok" if medians["this"] <= 2 * baseline else "  OVER")
