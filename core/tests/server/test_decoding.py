@@ -397,3 +397,171 @@ def test_remembered_origins_are_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch
         kept = {id(seen): seen for seen, _ in cache._origins.values()}
         assert sum(len(seen.elements) + 8 * len(seen.keys) for seen in kept.values()) <= 64 << 10
     assert decoded_keys(cache, base[50:150]) == base[50:150]
+
+
+# -- long headers: the key list located and cut without msgspec walking it ---------------------
+
+#: enough keys for a header over decoding._CUT_MIN_BYTES
+LONG = SAME_SIZE[:120]
+
+
+class RecordingDecoder:
+    """Stands in for decoding._fast_decoder: decodes with it and notes each header's length."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.lengths: list[int] = []
+
+    def decode(self, data: bytes) -> Any:
+        self.lengths.append(len(data))
+        return self.inner.decode(data)
+
+
+def keyed_requests(keys: list[ObjectKey]) -> list[p._Request]:
+    count = len(keys)
+    return [
+        p.Lookup(1, "tok", keys, 2.5),
+        p.StoreReserve(2 << 40, "", keys, [4096] * count, ["uint8[4096]"] * count),
+        p.StoreCommit(3, "t" * 40, keys, True),
+        p.StoreAbort(4, "", keys),
+        p.StoreInline(5, "", keys, [], True),
+        p.Retrieve(6, "", keys, True, ["uint8[4096]"] * count),
+        p.Release(7, "", keys, True),
+        p.Evict(8, "", keys),
+    ]
+
+
+def test_a_long_list_of_known_keys_is_not_walked_by_msgspec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kind of request naming keys, its key list of known keys: msgspec decodes the
+    header with the list left out (a few bytes in its place), and the request is the full
+    decoder's, with the remembered key objects."""
+    from lmcache_tiers.wire import decoding
+
+    cache = KeyCache()
+    remembered = decoded_keys(cache, LONG)
+    recording = RecordingDecoder(decoding._fast_decoder)
+    monkeypatch.setattr(decoding, "_fast_decoder", recording)
+    for request in keyed_requests(LONG):
+        header = p.encode(request)
+        assert len(header) >= 3000  # over decoding._CUT_MIN_BYTES
+        recording.lengths.clear()
+        decoded = decode_request(header, cache)
+        assert decoded == p.request_decoder.decode(header) == request
+        assert all(a is b for a, b in zip(decoded.keys, remembered, strict=True))  # type: ignore[attr-defined]
+        keys_bytes = len(p.encode(LONG))
+        assert recording.lengths and max(recording.lengths) <= len(header) - keys_bytes + 1, type(request)
+
+
+def test_a_long_list_cut_anew_each_time_and_in_runs() -> None:
+    """Known keys in an order no list had (cut into pieces), windows of a remembered list
+    (runs), a list seen twice (remembered whole), a known first key followed by new keys
+    of its size (decoded from the pieces): the full decoder's request every time."""
+    cache = KeyCache()
+    decoded_keys(cache, SAME_SIZE[:200])
+    fresh = [ObjectKey("model", 0, index.to_bytes(2, "big") * 8, 0, "tlas") for index in range(100)]
+    for keys in (
+        list(reversed(SAME_SIZE[:150])),
+        SAME_SIZE[30:130],
+        SAME_SIZE[30:130],
+        SAME_SIZE[30:130],
+        [SAME_SIZE[5], *fresh],
+        [*SAME_SIZE[:60], *fresh[:60]],
+    ):
+        header = p.encode(p.Lookup(9, "", keys))
+        decoded = decode_request(header, cache)
+        assert decoded == p.request_decoder.decode(header)
+        assert isinstance(decoded, p.Lookup) and decoded.keys == keys
+    assert cache._keys[fresh[0].to_bytes()] == fresh[0]
+
+
+def test_long_lists_of_keys_of_other_sizes_after_a_known_first_key() -> None:
+    """A known first key whose size does not fit the rest: pieces of its size straddle the
+    others, the span read is not the list, and the header is decoded the usual way."""
+    cache = KeyCache()
+    decoded_keys(cache, LONG)
+    other = [ObjectKey("another-model", 0, bytes([index]) * 20) for index in range(100)]
+    shorter = [ObjectKey("m", 0, bytes([index]) * 4) for index in range(200)]
+    for keys in (
+        [LONG[0], *other],
+        [LONG[0], *shorter],
+        [*LONG[:50], *other[:50]],
+        [LONG[0], *shorter[:50], *LONG],
+    ):
+        for request in keyed_requests(keys):
+            header = p.encode(request)
+            assert outcome(lambda data: decode_request(data, cache), header) == outcome(
+                p.request_decoder.decode, header
+            )
+
+
+def test_long_headers_encoded_another_way_decode_as_with_the_full_decoder() -> None:
+    """Request ids and tokens in every width msgpack has for them (and some a writer could
+    use but this reader does not locate the list after), arrays of 16-bit length, a field
+    this version does not know: the full decoder's request or error every time."""
+    cache = KeyCache()
+    decoded_keys(cache, LONG)
+    keys = b"".join([b"\xdc", len(LONG).to_bytes(2, "big"), *(key.to_bytes() for key in LONG)])
+    ids = [b"\x07", b"\xcc\x07", b"\xcd\x00\x07", b"\xce\x00\x00\x00\x07", b"\xcf" + (7).to_bytes(8, "big")]
+    ids += [b"\xd0\x07", b"\xd3" + (7).to_bytes(8, "big"), b"\xcf" + (1 << 63).to_bytes(8, "big"), b"\xff"]
+    tokens = [
+        b"\xa3tok",
+        b"\xd9\x03tok",
+        b"\xda\x00\x03tok",
+        b"\xdb\x00\x00\x00\x03tok",
+        b"\xc4\x03tok",
+        b"\xc0",
+    ]
+    tags = [b"\x03", b"\xcc\x03", b"\x0b", b"\x0c", b"\x02"]
+    for lead in (b"\x94", b"\x95", b"\xdc\x00\x04", b"\xdc\x00\x05", b"\x96"):
+        for tag in tags:
+            for req_id in ids:
+                for token in tokens:
+                    header = lead + tag + req_id + token + keys + b"\xc2" + b"\x01"
+                    expected = outcome(p.request_decoder.decode, header)
+                    assert outcome(lambda data: decode_request(data, cache), header) == expected
+
+
+def test_truncated_and_extended_long_headers_get_the_full_decoders_verdict() -> None:
+    cache = KeyCache()
+    decoded_keys(cache, LONG)
+    for request in keyed_requests(LONG):
+        header = p.encode(request)
+        cuts = [*range(0, 12), *range(len(header) - 40, len(header) + 1)]
+        cuts += [len(header) // 2, len(header) - len(LONG[0].to_bytes())]
+        for data in [header[:cut] for cut in cuts] + [header + b"\x00", header + header[-5:]]:
+            expected = outcome(p.request_decoder.decode, data)
+            assert outcome(lambda raw: decode_request(raw, cache), data) == expected
+
+
+def test_long_headers_with_fields_out_of_range_are_refused_with_the_full_decoders_error() -> None:
+    cache = KeyCache()
+    decoded_keys(cache, LONG)
+    count = len(LONG)
+    for request in (
+        p.Lookup(1, "", LONG, p.MAX_WAIT_S * 2),
+        p.StoreReserve(1, "", LONG, [0] * count),
+        p.StoreReserve(1, "", LONG, [1] * count, ["x" * 300] * count),
+        p.Retrieve(1, "t" * 300, LONG, True),
+    ):
+        header = p.encode(request)
+        expected = outcome(p.request_decoder.decode, header)
+        assert expected[0] == "ValidationError"
+        assert outcome(lambda data: decode_request(data, cache), header) == expected
+
+
+def test_mutated_long_headers_of_known_keys_get_the_full_decoders_verdict() -> None:
+    """Byte flips anywhere, and in the fields around the key list in particular."""
+    cache = KeyCache()
+    decoded_keys(cache, SAME_SIZE[:200])
+    seeds = [p.encode(request) for request in keyed_requests(SAME_SIZE[40:160])]
+    seeds += [p.encode(p.Lookup(1, "", list(reversed(SAME_SIZE[:120]))))]
+    check_mutations(random.Random(19), cache, seeds)
+    rng = random.Random(20)
+    for _ in range(3000):
+        header = bytearray(rng.choice(seeds))
+        position = rng.choice([rng.randrange(12), len(header) - 1 - rng.randrange(16)])
+        header[position] = rng.randrange(256)
+        data = bytes(header)
+        assert outcome(lambda raw: decode_request(raw, cache), data) == outcome(
+            p.request_decoder.decode, data
+        )
