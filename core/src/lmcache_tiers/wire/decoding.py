@@ -338,6 +338,8 @@ class KeyCache:
             # One memcmp, in place: equal bytes, cut at equal boundaries, are the same keys.
             if not data.startswith(seen.view[position * size : (position + run) * size], at):
                 return None
+            if run == count:  # one run, the usual case: one copy of the keys
+                return seen.keys[position : position + run]
             keys += seen.keys[position : position + run]
             done += run
             if done == count:
