@@ -15,7 +15,7 @@ a non-default configuration.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Any, ClassVar
 
@@ -166,6 +166,22 @@ def _walk_in_step(
     policy.set_aside(passed)
     aside |= set(passed)
     due_back |= set(passed)
+
+
+class _CountingWalks:
+    """An eviction policy, its hooks and all, counting the keys its walks offer."""
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+        self.offered = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.policy, name)
+
+    def victims(self) -> Iterator[ObjectKey]:
+        for key in self.policy.victims():
+            self.offered += 1
+            yield key
 
 
 def make_adapters(count: int) -> list[AdapterInfo]:
@@ -561,6 +577,41 @@ class EvictionPolicySuite(_PolicySuite):
     def test_walks_are_the_policys_own_without_the_keys_set_aside(self, seed: int) -> None:
         self.hooked_policy()
         check_set_aside_against_reference(self.make_policy, seed, held_aside=self.held_aside())
+
+    def test_l1_walks_past_each_locked_object_once(self) -> None:
+        # A real L1 and its eviction controller, driven by hand: most objects read-locked,
+        # wherever the policy puts them.  Each write evicts one unlocked object; the walks
+        # pass each locked one once in all (then it is set aside), not on every write.
+        self.hooked_policy()
+        from lmcache_tiers.controllers.l1_eviction import L1EvictionController
+        from lmcache_tiers.controllers.stats import EngineStats
+        from lmcache_tiers.l1 import L1Manager
+
+        align, blocks, locked_count, writes = 4096, 64, 40, 16
+        policy = _CountingWalks(self.make_policy())
+        l1 = L1Manager(blocks * align, align=align, prefault=False)
+        stats = EngineStats(0)
+        controller = L1EvictionController(l1, policy, trigger_watermark=0.99, eviction_ratio=0.1, stats=stats)
+        try:
+            keys = make_keys(blocks)
+            locked = set(keys[::2][: locked_count // 2] + keys[1::2][: locked_count // 2])
+            l1.reserve_write(keys, [align] * blocks)
+            for key in keys:  # one by one, locked ones among the others
+                finish = l1.finish_write_and_reserve_read if key in locked else l1.finish_write
+                assert finish([key]) == [True]
+            for index in range(writes):
+                assert controller.evict_now(align) == align
+                new = make_keys(1, start=blocks + index)
+                l1.reserve_write(new, [align])
+                assert l1.finish_write(new) == [True]
+            assert all(l1.contains(key) for key in locked), "a locked object was evicted"
+            assert policy.offered <= locked_count + writes, (
+                f"{policy.offered} keys offered for {writes} writes past {locked_count} locked objects"
+            )
+            assert stats.failures() == {}
+        finally:
+            controller.finish()
+            l1.close()
 
     def held_aside(self) -> Callable[[Any], Iterable[ObjectKey]] | None:
         """For a policy that ignores some reads or writes (so a key set aside they name may
