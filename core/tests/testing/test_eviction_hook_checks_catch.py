@@ -158,10 +158,11 @@ HOOK_CHECKS: dict[str, tuple[Any, ...]] = {
 
 
 def test_every_hook_check_of_the_suite_is_listed() -> None:
+    def calls_hooked_policy(name: str) -> bool:
+        return "hooked_policy" in getattr(EvictionPolicySuite, name).__code__.co_names
+
     suite_checks = {
-        name
-        for name in dir(EvictionPolicySuite)
-        if name.startswith("test_") and "hooked_policy" in getattr(EvictionPolicySuite, name).__code__.co_names
+        name for name in dir(EvictionPolicySuite) if name.startswith("test_") and calls_hooked_policy(name)
     }
     assert suite_checks == set(HOOK_CHECKS)
 
