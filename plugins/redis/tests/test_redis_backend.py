@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import threading
@@ -147,21 +148,19 @@ def _drop_the_payload(raw: redis.Redis, name: str, payload: bytes) -> None:
     raw.hdel(name, "p")  # one HSET writes both fields: a header alone is damage
 
 
-@pytest.mark.parametrize("damage", [_flip_a_payload_byte, _drop_the_payload])
 def test_a_damaged_payload_is_a_miss_and_is_removed(
-    redis_server: RedisServer,
-    prefix: str,
-    open_adapter: Callable[..., BackendAdapter],
-    damage: Callable[[redis.Redis, str, bytes], None],
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
+    # (A payload of another length than its header's, or none, is found by the lookup:
+    # see the test after the next.)
     adapter = open_adapter(url=redis_server.url, key_prefix=prefix)
     keys = make_keys(2)
     data = store(adapter, keys)
     raw = redis.Redis.from_url(redis_server.url)
     name = backend_of(adapter).name_of(keys[0])
-    damage(raw, name, data[0])
+    _flip_a_payload_byte(raw, name, data[0])
     found = client_of(adapter).lookup_and_lock(keys)
-    assert found.found == [True, True], "the header is intact: the lookup cannot tell"
+    assert found.found == [True, True], "header and length are intact: the lookup cannot tell"
     loaded, contents = load(adapter, keys, found.sizes)
     # A damaged payload is received into its buffer and fails its checksum there: the
     # buffer holds bytes nobody may read, and the load says so.
@@ -186,6 +185,74 @@ def test_a_damaged_header_is_a_lookup_miss_and_is_removed(
     assert client_of(adapter).lookup_and_lock(keys).found == [False]
     assert raw.exists(name) == 0
     assert adapter.stats()["corrupt_records_removed"] == 1
+
+
+#: what a forged header claims its payload is: past any capacity, yet an object's size
+#: (under MAX_OBJECT_BYTES), so core would account it were the header believed
+FORGED_PAYLOAD_LEN = 1 << 40
+
+
+def _forged_header(header: bytes, payload_len: int) -> bytes:
+    """``header`` claiming a payload of ``payload_len`` bytes, its crc made valid again:
+    what a buggy writer, or damage its crc cannot see, leaves."""
+    fixed = bytearray(header[:-4])
+    struct.pack_into("<QQ", fixed, 12, payload_len, payload_len)  # payload_len, l1_size
+    return bytes(fixed) + struct.pack("<I", zlib.crc32(fixed))
+
+
+def _forge_the_length(raw: Any, name: str, payload: bytes) -> None:
+    raw.hset(name, "h", _forged_header(raw.hget(name, "h"), FORGED_PAYLOAD_LEN))
+
+
+@pytest.mark.parametrize("damage", [_forge_the_length, _drop_the_payload])
+@pytest.mark.parametrize("mode", ["direct", "pipelined", "cluster"])
+def test_a_header_describing_a_payload_the_record_lacks_is_a_lookup_miss_never_accounted(
+    request: pytest.FixtureRequest,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    mode: str,
+    damage: Callable[[Any, str, bytes], None],
+) -> None:
+    # A header whose crc holds, claiming 1 TiB for a 4 KiB payload (or a payload that is
+    # gone): believed, the lookup would account 1 TiB against a 1 GiB capacity and the
+    # eviction would clear the cache for it.  The lookup compares the header with the
+    # stored payload's length: the record is damage -- a miss, counted, removed.
+    where, raw = shared_store(request, "cluster" if mode == "cluster" else "standalone")
+    adapter = open_adapter(**where, key_prefix=prefix, max_capacity_gb=1.0)
+    backend = backend_of(adapter)
+    if mode == "pipelined":  # the replies redis-py parses, as in cluster mode
+        backend._direct = None
+    keys = make_keys(2)
+    data = store(adapter, keys)
+    name = backend.name_of(keys[0])
+    damage(raw, name, data[0])
+    found = client_of(adapter).lookup_and_lock(keys)
+    adapter.unlock([key for key, hit in zip(keys, found.found, strict=True) if hit])
+    assert found.found == [False, True]
+    assert adapter.used_bytes() == 4096, "only the intact object is accounted"
+    assert adapter.stats()["corrupt_records_removed"] == 1
+    assert adapter.stats().get("lookup_objects_past_capacity", 0) == 0
+    assert raw.exists(name) == 0, "damage is removed"
+
+
+@pytest.mark.parametrize("mode", ["standalone", "cluster"])
+def test_a_listing_leaves_out_and_removes_a_record_whose_header_its_payload_belies(
+    request: pytest.FixtureRequest, prefix: str, open_adapter: Callable[..., BackendAdapter], mode: str
+) -> None:
+    where, raw = shared_store(request, mode)
+    namer = backend_of(open_adapter(**where, key_prefix=prefix))
+    keys = make_keys(2)
+    names = [namer.name_of(key) for key in keys]
+    for key, name in zip(keys, names, strict=True):
+        payload = pattern(7, 4096)
+        raw.hset(name, mapping={"h": encode_header(key, payload), "p": payload})
+    _forge_the_length(raw, names[0], b"")
+    adapter = open_adapter(**where, key_prefix=prefix, max_capacity_gb=1.0)
+    wait_for(lambda: not adapter.stats()["scan_running"], "the start-up scan")
+    assert adapter.used_bytes() == 4096, "the forged size is not accounted"
+    assert adapter.stats()["corrupt_records_removed"] == 1
+    assert adapter.stats().get("scan_objects_past_capacity", 0) == 0
+    assert [raw.exists(name) for name in names] == [0, 1]
 
 
 def shared_store(request: pytest.FixtureRequest, mode: str) -> tuple[dict[str, Any], Any]:
@@ -1628,7 +1695,12 @@ def test_a_user_denied_hstrlen_opens_and_leaves_other_chain_records_unlisted_cou
         assert [raw.exists(namer.name_of(key)) for key in keys] == [1, 1, 1], "they are kept"
         mine = make_keys(2, start=10)
         data = store(adapter, mine)
-        assert load(adapter, mine, [4096, 4096]) == ([True, True], data), "the adapter works without HSTRLEN"
+        # Lookups believe the header where its payload's length cannot be read: counted.
+        found = client_of(adapter).lookup_and_lock(mine)
+        assert found.found == [True, True], "lookups work without HSTRLEN"
+        assert adapter.stats()["payload_length_unchecked"] == 2
+        assert load(adapter, mine, found.sizes) == ([True, True], data), "the adapter works without HSTRLEN"
+        adapter.unlock(mine)
     finally:
         for node in nodes:
             node.cli("ACL", "DELUSER", user)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import xxhash
+from lmcache_plugin_redis.backend import lookup_commands
 from lmcache_plugin_redis.direct import pack_command
 from lmcache_plugin_redis.replies import MAX_LINE, SCRATCH_SIZE, ReplyReader
 from redis.exceptions import BusyLoadingError, InvalidResponse, ResponseError
@@ -139,6 +140,29 @@ def test_a_lookup_reply_of_another_type_is_a_protocol_error(
         reader.bulk_reply()
 
 
+def test_a_lookups_payload_lengths_are_read_as_integers(peer: tuple[ReplyReader, socket.socket]) -> None:
+    reader, theirs = peer
+    feed(theirs, b":1048576\r\n:0\r\n-NOPERM User may not run hstrlen\r\n" + bulk(b"next"), piece=3)
+    assert reader.integer_reply() == 1 << 20
+    assert reader.integer_reply() == 0
+    error = reader.integer_reply()
+    assert isinstance(error, ResponseError) and str(error).startswith("NOPERM")
+    assert reader.bulk_reply() == b"next"
+
+
+@pytest.mark.parametrize(
+    ("stream", "message"),
+    [(b"$1\r\nx\r\n", "expected an integer reply"), (b":12a\r\n", "bad integer")],
+)
+def test_a_length_reply_that_is_no_integer_is_a_protocol_error(
+    peer: tuple[ReplyReader, socket.socket], stream: bytes, message: str
+) -> None:
+    reader, theirs = peer
+    theirs.sendall(stream)
+    with pytest.raises(InvalidResponse, match=message):
+        reader.integer_reply()
+
+
 def test_a_peer_hanging_up_inside_a_reply_is_a_connection_error(
     peer: tuple[ReplyReader, socket.socket],
 ) -> None:
@@ -172,6 +196,11 @@ def test_a_detached_reader_fails_as_a_closed_connection() -> None:
 def test_commands_are_packed_as_arrays_of_bulk_strings() -> None:
     assert pack_command(b"HGET", b"name", b"h") == b"*3\r\n$4\r\nHGET\r\n$4\r\nname\r\n$1\r\nh\r\n"
     assert pack_command(b"X", b"") == b"*2\r\n$1\r\nX\r\n$0\r\n\r\n"
+
+
+@pytest.mark.parametrize("name", [b"", b"p:k", b"\xff" * 300])
+def test_a_lookups_commands_are_packed_as_pack_command_packs_them(name: bytes) -> None:
+    assert lookup_commands(name) == pack_command(b"HGET", name, b"h") + pack_command(b"HSTRLEN", name, b"p")
 
 
 def test_a_store_still_loading_its_data_fails_the_call_not_one_object(

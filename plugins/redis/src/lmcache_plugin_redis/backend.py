@@ -3,7 +3,9 @@
 Why a hash: one ``HSET key h <header> p <payload>`` writes header and payload as two
 separate buffers in one atomic command -- nothing is concatenated in memory, and a reader
 (another server too) sees the old object or the new one, never half of either.  ``HGET h``
-answers a lookup from the header alone (sizes, key, serde chain, all verified by its crc);
+answers a lookup from the header (sizes, key, serde chain, all verified by its crc), and
+``HSTRLEN p`` in the same trip says the payload is as long as the header says: a crc-valid
+header describing another payload (a buggy writer's) is damage, never a size to account;
 ``HMGET h p`` loads: the header is checked, and the payload's length against the header
 and the caller's buffer, before the payload is read; the object is reported loaded only once every byte
 matched the header's checksum.  On a standalone store lookups and loads read their replies
@@ -136,6 +138,14 @@ def refuses_everything(reply: Any) -> bool:
     if isinstance(reply, _STORE_REFUSALS):
         return True
     return isinstance(reply, ResponseError) and str(reply).startswith(_STORE_REFUSAL_CODES)
+
+
+def _denied(reply: Any) -> bool:
+    """Whether a reply is the ACL's refusal (NOPERM): parsed by redis-py, or read by the
+    direct reader (which leaves the code in the text)."""
+    if isinstance(reply, NoPermissionError):
+        return True
+    return isinstance(reply, ResponseError) and str(reply).startswith("NOPERM")
 
 
 def per_object_error(reply: Any) -> bool:
@@ -289,6 +299,18 @@ def _lowest(limits: list[int | None], default: int) -> int:
 def glob_escape(text: str) -> str:
     """``text`` as a literal in a SCAN MATCH pattern."""
     return "".join("\\" + char if char in "*?[]\\" else char for char in text)
+
+
+#: ``pack_command(b"HGET", name, HEADER) + pack_command(b"HSTRLEN", name, PAYLOAD)`` as
+#: one format: a lookup packs two commands per key, and the format costs a third of that
+_LOOKUP_COMMANDS = (
+    b"*3\r\n$4\r\nHGET\r\n$%d\r\n%s\r\n$1\r\nh\r\n*3\r\n$7\r\nHSTRLEN\r\n$%d\r\n%s\r\n$1\r\np\r\n"
+)
+
+
+def lookup_commands(name: bytes) -> bytes:
+    """A lookup's commands for ``name``, packed: its header, its payload's length."""
+    return _LOOKUP_COMMANDS % (len(name), name, len(name), name)
 
 
 def trips(sizes: Sequence[int], max_bytes: int) -> Iterator[range]:
@@ -1041,17 +1063,22 @@ class RedisBackend:
                 pipe = self._pipeline()
                 for name in names:
                     pipe.hget(name, HEADER)
+                    pipe.hstrlen(name, PAYLOAD)
                 replies = self._execute(pipe)
-            for index, reply in zip(trip, replies, strict=True):
-                header = self._header(keys[index], reply, "lookup")
-                if header is not None:
-                    found[index] = ObjectSize(header.payload_len, header.l1_size)
+            for position, index in enumerate(trip):
+                header_reply, length_reply = replies[2 * position], replies[2 * position + 1]
+                found[index] = self._checked_size(keys[index], header_reply, length_reply, "lookup")
         return found
 
     @staticmethod
     def _read_headers(send: Send, reader: ReplyReader, names: list[str]) -> list[Any]:
-        send(b"".join(pack_command(b"HGET", name.encode(), HEADER) for name in names))
-        return [reader.bulk_reply() for _ in names]
+        """Each name's header and its payload's length, one after the other."""
+        send(b"".join(lookup_commands(name.encode()) for name in names))
+        replies: list[Any] = []
+        for _ in names:
+            replies.append(reader.bulk_reply())
+            replies.append(reader.integer_reply())
+        return replies
 
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         self._refuse_calls_while_denied()
@@ -1339,39 +1366,89 @@ class RedisBackend:
     def _sizes(
         self, batch: list[tuple[ObjectKey, bytes]], unsized: list[ObjectKey]
     ) -> Iterator[tuple[ObjectKey, ObjectSize | int]]:
+        """Each listed record's sizes: its header's, checked against its payload's length
+        (``_payload_agrees``), or -- a record of another serde chain -- that length alone."""
         pipe = self._pipeline()
         for _, raw in batch:
             pipe.hget(raw, HEADER)
-        other_chain: list[tuple[ObjectKey, bytes]] = []
-        for (key, raw), reply in zip(batch, self._execute(pipe), strict=True):
-            header = self._judged_header(key, reply, "listing")
-            if header == OTHER_CHAIN:
-                other_chain.append((key, raw))
-            elif isinstance(header, RecordHeader):
-                yield key, ObjectSize(header.payload_len, header.l1_size)
-        yield from self._payload_sizes(other_chain, unsized)
-
-    def _payload_sizes(
-        self, batch: list[tuple[ObjectKey, bytes]], unsized: list[ObjectKey]
-    ) -> Iterator[tuple[ObjectKey, int]]:
-        """Records of another serde chain (kept misses) listed by their payload's length:
-        they hold memory in the store, so they count against ``max_capacity_gb`` and an
-        eviction may delete them, as other adapters list them.  Their header is not
-        this chain's to read the sizes from; one gone since it was read is not listed, nor
-        one HSTRLEN is denied for (``unsized``, counted ``listing_foreign_unsized``)."""
-        if not batch:
-            return
-        pipe = self._pipeline()
-        for _, raw in batch:
             pipe.hstrlen(raw, PAYLOAD)
-        for (key, _), reply in zip(batch, self._execute(pipe), strict=True):
-            if isinstance(reply, NoPermissionError):
-                self.context.count("listing_foreign_unsized")
-                unsized.append(key)
-            elif per_object_error(reply):  # WRONGTYPE: replaced since by something else
-                self._reply_error("listing", key, reply)
-            elif reply:
-                yield key, int(reply)
+        replies = self._execute(pipe)
+        for position, (key, _) in enumerate(batch):
+            header_reply, length_reply = replies[2 * position], replies[2 * position + 1]
+            header = self._judged_header(key, header_reply, "listing")
+            if header == OTHER_CHAIN:
+                length = self._other_chain_size(key, length_reply, unsized)
+                if length:
+                    yield key, length
+            elif isinstance(header, RecordHeader) and self._payload_agrees(
+                key, header, header_reply, length_reply, "listing"
+            ):
+                yield key, ObjectSize(header.payload_len, header.l1_size)
+
+    def _other_chain_size(self, key: ObjectKey, reply: Any, unsized: list[ObjectKey]) -> int:
+        """A record of another serde chain (a kept miss) is listed by its payload's length:
+        it holds memory in the store, so it counts against ``max_capacity_gb`` and an
+        eviction may delete it, as other adapters list them.  Its header is not this
+        chain's to read the sizes from.  0 (not listed) for one whose payload is gone, or
+        that HSTRLEN is denied for (``unsized``, counted ``listing_foreign_unsized``)."""
+        if _denied(reply):
+            self.context.count("listing_foreign_unsized")
+            unsized.append(key)
+            return 0
+        if isinstance(reply, ResponseError):
+            self._reply_error("listing", key, reply)
+            return 0
+        return int(reply)
+
+    def _checked_size(
+        self, key: ObjectKey, header_reply: Any, length_reply: Any, what: str
+    ) -> ObjectSize | None:
+        """The sizes of a record whose verified header (``header_reply``) describes the
+        payload HSTRLEN measured (``length_reply``, from the same trip); None for a miss."""
+        header = self._header(key, header_reply, what)
+        if header is None or not self._payload_agrees(key, header, header_reply, length_reply, what):
+            return None
+        return ObjectSize(header.payload_len, header.l1_size)
+
+    def _payload_agrees(
+        self, key: ObjectKey, header: RecordHeader, header_bytes: bytes, length_reply: Any, what: str
+    ) -> bool:
+        """Whether the stored payload is as long as its header says.  The crc proves the
+        header intact, not that it describes the payload beside it (a buggy writer, or a
+        hand edit, may pair them wrongly): believed, a size past the capacity would be
+        accounted and the eviction would clear the cache for it.  A record that differs is
+        damage -- a miss, counted and removed (unless replaced meanwhile), as a load finds
+        it.  Where the ACL denies HSTRLEN the header is believed (counted, logged): loads
+        still check the payload's length before a byte of it is used.  The two replies
+        come from one trip, not one atomic read: a record another writer replaced between
+        them by one of another length reads as damage -- a miss, counted, yet kept, as the
+        removal is conditional on the header read."""
+        if length_reply == header.payload_len:
+            return True
+        if _denied(length_reply):
+            self.context.count("payload_length_unchecked")
+            self.context.warn(
+                "hstrlen_denied",
+                "%s: its payload length is not checked against its header's %d bytes: the Redis "
+                "user may not run HSTRLEN (grant it +hstrlen)",
+                key.file_stem(),
+                header.payload_len,
+            )
+            return True
+        if isinstance(length_reply, ResponseError):
+            if refuses_everything(length_reply):
+                raise length_reply
+            self._reply_error(what, key, length_reply)
+            if not str(length_reply).startswith("WRONGTYPE"):
+                raise length_reply  # the object may well be there: "absent" would be wrong
+            return False  # replaced by something else since its header was read
+        reason = (
+            "the record has a header but no payload"
+            if length_reply == 0
+            else f"the payload is {length_reply} bytes, its header says {header.payload_len}"
+        )
+        self._discard(key, header_bytes, RecordError(reason))
+        return False
 
     def _header(self, key: ObjectKey, reply: Any, what: str) -> RecordHeader | None:
         """The verified header in a reply; None (a miss) for anything else, except an

@@ -11,12 +11,13 @@ cache.  The header is decoded and checked first, so a payload of the wrong lengt
 never written into a buffer (it is read past), and the caller's ``True`` still comes only
 after every payload byte matched the header's checksum.
 
-Only what a lookup's ``HGET`` and a load's ``HMGET`` can answer is understood: a bulk
-string, an array of bulk strings (or nils), or an error reply (RESP2, which the
-connections speak).  Anything else is a protocol error, and every socket failure or
-timeout raises redis-py's own ``ConnectionError`` / ``TimeoutError``, so the connection is
-dropped, retried and counted exactly as for redis-py's commands (so is a ``LOADING`` error:
-a server still loading its data set fails the call, not one object).
+Only what a lookup's ``HGET`` and ``HSTRLEN`` and a load's ``HMGET`` can answer is
+understood: a bulk string, an integer, an array of bulk strings (or nils), or an error
+reply (RESP2, which the connections speak).  Anything else is a protocol error, and
+every socket failure or timeout raises redis-py's own ``ConnectionError`` /
+``TimeoutError``, so the connection is dropped, retried and counted exactly as for
+redis-py's commands (so is a ``LOADING`` error: a server still loading its data set fails
+the call, not one object).
 """
 
 from __future__ import annotations
@@ -149,6 +150,18 @@ class ReplyReader:
             raise InvalidResponse(f"expected a bulk string reply, got {line[:32]!r}")
         length = _number(line)
         return None if length < 0 else self.bulk(length)
+
+    def integer_reply(self) -> int | ResponseError:
+        """The next reply, an integer, or its error."""
+        line = self._line()
+        if line[:1] == b"-":
+            return _error(line)
+        if line[:1] != b":":
+            raise InvalidResponse(f"expected an integer reply, got {line[:32]!r}")
+        try:
+            return int(line[1:])
+        except ValueError:
+            raise InvalidResponse(f"bad integer in reply line {line[:32]!r}") from None
 
     def bulk_length(self) -> int:
         """The length of the next bulk string in an array (-1 for nil)."""
