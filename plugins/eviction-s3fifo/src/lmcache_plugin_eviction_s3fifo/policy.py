@@ -192,15 +192,16 @@ class S3FIFOEvictionPolicy:
             # Chosen as a victim but not evicted (it was locked), and now in use again.
             del self._offered[key]
             self._main[key] = None
-        elif key in self._aside or key in self._returned.live:
-            # The same, for a victim set aside while locked, or put back since.
-            if self._aside.pop(key, None) is None:
-                self._returned.pop(key)
-            self._main[key] = None
         elif key in self._due:
             # Past small's share already: eviction would promote it on reaching it.
             del self._due[key]
             self._frequency[key] = 0
+            self._main[key] = None
+        elif (self._aside or self._returned) and (
+            self._aside.pop(key, None) is not None or self._returned.pop(key) is not None
+        ):
+            # As a victim skipped: one set aside while locked, or put back since.  Checked
+            # last, and only while there are any: a LOOKUP costs one probe per key.
             self._main[key] = None
 
     def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
