@@ -255,6 +255,61 @@ def test_a_listing_leaves_out_and_removes_a_record_whose_header_its_payload_beli
     assert [raw.exists(name) for name in names] == [0, 1]
 
 
+def _rewritten_between_the_lookups_two_commands(
+    backend: RedisBackend, raw: Any, name: str, other: tuple[bytes, bytes], own: tuple[bytes, bytes]
+) -> None:
+    """Make the next lookup read as if, between its ``HGET h`` and its ``HSTRLEN p``,
+    another writer stored ``other`` (header, payload) under ``name`` -- the length is
+    read of that one -- and then ``own`` again (the object the header was read of)."""
+
+    done: list[bool] = []
+
+    def interleave(replies: list[Any]) -> list[Any]:
+        if done:  # the lookup's own trip only
+            return replies
+        done.append(True)
+        raw.hset(name, mapping={"h": other[0], "p": other[1]})
+        replies[1] = raw.hstrlen(name, "p")
+        raw.hset(name, mapping={"h": own[0], "p": own[1]})
+        return replies
+
+    if backend._direct is not None:
+        read_headers = backend._read_headers
+        backend._read_headers = lambda *args, **kwargs: interleave(read_headers(*args, **kwargs))  # type: ignore[method-assign]
+    else:
+        execute = backend._execute
+        backend._execute = lambda *args, **kwargs: interleave(execute(*args, **kwargs))  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("mode", ["direct", "pipelined", "cluster"])
+def test_a_record_rewritten_while_its_length_is_read_is_never_removed(
+    request: pytest.FixtureRequest, prefix: str, open_adapter: Callable[..., BackendAdapter], mode: str
+) -> None:
+    # A lookup's HGET and HSTRLEN are one trip, not one atomic read: another writer may
+    # store an object of another length between them (the lookup sees a header that
+    # disagrees with the length), and the first object again before the lookup acts on
+    # it.  The record is then intact, its header the one read: removing it would lose an
+    # acknowledged write.  A miss is safe; the removal must see the record as it is now.
+    where, raw = shared_store(request, "cluster" if mode == "cluster" else "standalone")
+    adapter = open_adapter(**where, key_prefix=prefix)
+    backend = backend_of(adapter)
+    if mode == "pipelined":
+        backend._direct = None
+    keys = make_keys(1)
+    (data,) = store(adapter, keys)
+    name = backend.name_of(keys[0])
+    own = (raw.hget(name, "h"), data)
+    shorter = pattern(5, 1000)
+    _rewritten_between_the_lookups_two_commands(
+        backend, raw, name, (encode_header(keys[0], shorter), shorter), own
+    )
+    found = client_of(adapter).lookup_and_lock(keys)
+    adapter.unlock([key for key, hit in zip(keys, found.found, strict=True) if hit])
+    assert raw.exists(name) == 1, "an intact record, stored after the lookup read its header, is kept"
+    assert raw.hget(name, "h") == own[0]
+    assert found.found == [False], "header and length disagreed: a miss"
+
+
 def shared_store(request: pytest.FixtureRequest, mode: str) -> tuple[dict[str, Any], Any]:
     """The adapter settings of a standalone store or a cluster, and a plain client on it
     (another party writing into the store)."""

@@ -96,10 +96,14 @@ NAME_LIMIT = 1 << 14
 #: keys asked about per pipelined round trip in lookups, deletes and listings
 KEYS_PER_TRIP = 512
 #: removes a record only if its header is still the one read ("" for none): a record
-#: another writer stored there since is not the one judged, and is kept
+#: another writer stored there since is not the one judged, and is kept.  Given a length
+#: (ARGV[2]: a lookup judged the record by its header and HSTRLEN, two reads another
+#: writer may come between), only while the payload is still not that long: the same
+#: object stored again since has the header read, and is intact
 _REMOVE_IF_UNCHANGED = """
-if (redis.call('HGET', KEYS[1], 'h') or '') == ARGV[1] then return redis.call('UNLINK', KEYS[1]) end
-return 0
+if (redis.call('HGET', KEYS[1], 'h') or '') ~= ARGV[1] then return 0 end
+if ARGV[2] and redis.call('HSTRLEN', KEYS[1], 'p') == tonumber(ARGV[2]) then return 0 end
+return redis.call('UNLINK', KEYS[1])
 """
 #: the digest EVALSHA calls it by (a store that lacks it answers NOSCRIPT, and is sent it)
 _REMOVE_IF_UNCHANGED_SHA = hashlib.sha1(_REMOVE_IF_UNCHANGED.encode()).hexdigest()
@@ -1281,11 +1285,13 @@ class RedisBackend:
         keys: Sequence[ObjectKey],
         removable: dict[int, bytes],
         send: Callable[[Any], list[Any] | Exception],
+        unless_length: tuple[int, ...] = (),
     ) -> dict[int, Any] | Exception:
         """Per index, the reply of its remove-if-unchanged script called by its digest
         through ``send`` -- the keys a node answered NOSCRIPT for sent the body once more,
-        to that node alone; the error ``send`` returned when the whole pipeline failed."""
-        sent = send(self._removal_pipeline(keys, removable, by_sha=True))
+        to that node alone; the error ``send`` returned when the whole pipeline failed.
+        ``unless_length``: (a payload length) keep a record whose payload is that long."""
+        sent = send(self._removal_pipeline(keys, removable, unless_length, by_sha=True))
         if isinstance(sent, Exception):
             return sent
         replies = dict(zip(removable, sent, strict=True))
@@ -1293,23 +1299,29 @@ class RedisBackend:
             index: removable[index] for index, reply in replies.items() if isinstance(reply, NoScriptError)
         }
         if unknown:
-            replies.update(self._remove_sending_the_script(keys, unknown))
+            replies.update(self._remove_sending_the_script(keys, unknown, unless_length))
         return replies
 
     def _remove_sending_the_script(
-        self, keys: Sequence[ObjectKey], unknown: dict[int, bytes]
+        self, keys: Sequence[ObjectKey], unknown: dict[int, bytes], unless_length: tuple[int, ...]
     ) -> dict[int, Any]:
         """Replies of the removals a node answered NOSCRIPT to (restarted, flushed, new),
         the script sent whole (which caches it there for later deletes); a pipeline that
         failed whole fails these keys alone -- the rest of the trip's removals were done."""
         try:
-            sent = self._execute(self._removal_pipeline(keys, unknown, by_sha=False), per_key=True)
+            pipe = self._removal_pipeline(keys, unknown, unless_length, by_sha=False)
+            sent = self._execute(pipe, per_key=True)
         except (RedisError, RedisClusterException) as exc:
             return dict.fromkeys(unknown, exc)
         return dict(zip(unknown, sent, strict=True))
 
     def _removal_pipeline(
-        self, keys: Sequence[ObjectKey], removable: dict[int, bytes], *, by_sha: bool
+        self,
+        keys: Sequence[ObjectKey],
+        removable: dict[int, bytes],
+        unless_length: tuple[int, ...],
+        *,
+        by_sha: bool,
     ) -> Any:
         """The remove-if-unchanged script for each key, called by its digest (EVALSHA:
         no script body per key) or sent whole (EVAL)."""
@@ -1317,7 +1329,7 @@ class RedisBackend:
         command, script = ("EVALSHA", _REMOVE_IF_UNCHANGED_SHA) if by_sha else ("EVAL", _REMOVE_IF_UNCHANGED)
         for index, header in removable.items():
             # (execute_command: a cluster pipeline refuses eval(), yet routes EVAL by its key)
-            pipe.execute_command(command, script, 1, self.name_of(keys[index]), header)
+            pipe.execute_command(command, script, 1, self.name_of(keys[index]), header, *unless_length)
         return pipe
 
     def list_keys(self) -> Iterator[tuple[ObjectKey, ObjectSize | int]]:
@@ -1422,7 +1434,8 @@ class RedisBackend:
         still check the payload's length before a byte of it is used.  The two replies
         come from one trip, not one atomic read: a record another writer replaced between
         them by one of another length reads as damage -- a miss, counted, yet kept, as the
-        removal is conditional on the header read."""
+        removal is conditional on the header read and, should the object read have been
+        stored again since, on the payload's length (one script, atomic)."""
         if length_reply == header.payload_len:
             return True
         if _denied(length_reply):
@@ -1447,7 +1460,9 @@ class RedisBackend:
             if length_reply == 0
             else f"the payload is {length_reply} bytes, its header says {header.payload_len}"
         )
-        self._discard(key, header_bytes, RecordError(reason))
+        # Header and length were read by two commands: the removal keeps the record if the
+        # object the header describes was stored again since (the header read, intact).
+        self._discard(key, header_bytes, RecordError(reason), unless_length=header.payload_len)
         return False
 
     def _header(self, key: ObjectKey, reply: Any, what: str) -> RecordHeader | None:
@@ -1523,14 +1538,18 @@ class RedisBackend:
         copy_into(buffer, payload)
         return True
 
-    def _discard(self, key: ObjectKey, header_bytes: bytes, error: Exception) -> None:
+    def _discard(
+        self, key: ObjectKey, header_bytes: bytes, error: Exception, *, unless_length: int | None = None
+    ) -> None:
         """Remove a record that failed verification, unless it was replaced meanwhile --
         as deletes remove, so a node that lost the script is sent it alone (a Script
-        object would load it onto every primary, and fail while any is down)."""
+        object would load it onto every primary, and fail while any is down).
+        ``unless_length``: keep it too if its payload is (again) that long."""
         self.context.count("corrupt_records_removed")
         self.context.warn("corrupt", "removing %s: %s", key.file_stem(), error)
         try:
-            replies = self._removal_replies([key], {0: header_bytes}, self._execute)
+            extra = () if unless_length is None else (unless_length,)
+            replies = self._removal_replies([key], {0: header_bytes}, self._execute, extra)
             reply = replies if isinstance(replies, Exception) else replies[0]
             if isinstance(reply, Exception):  # a refusal (NOPERM ...), or the node failed
                 raise reply
