@@ -327,12 +327,47 @@ def test_runs_of_a_stored_list_decode_from_it_in_one_comparison(monkeypatch: pyt
         return keys
 
     monkeypatch.setattr(KeyCache, "_runs_of_seen_lists", recorded)
-    cases = ((0, 200), (0, 16), (37, 150), (150, 120), (190, 8), (0, 300))
+    cases = ((0, 200), (0, 40), (37, 150), (150, 120), (160, 40), (163, 37), (0, 300))
     for first, count in cases:
         keys = decoded_keys(cache, SAME_SIZE[first : first + count], first * 1000 + count)
         assert keys == SAME_SIZE[first : first + count]
         assert all(a is b for a, b in zip(keys, known[first : first + count], strict=True))
     assert found == [True] * len(cases)
+
+
+def test_every_eighth_new_key_is_remembered_where_it_came_and_runs_are_found_by_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Remembering where each new key came was most of the cost of decoding a list of new
+    keys: every eighth is, and a run is found by the first of its first eight keys that is.
+    A run that would start before the list found, and a list too short to look for runs in,
+    are cut into pieces instead."""
+    from lmcache_tiers.wire import decoding
+
+    cache = KeyCache()
+    decoded_keys(cache, SAME_SIZE[:200])
+    decoded_keys(cache, SAME_SIZE[200:300])
+    assert len(cache._origins) == 200 // 8 + 100 // 8 + 1
+    assert sorted(position for _, position in cache._origins.values()) == sorted(
+        [*range(0, 200, 8), *range(0, 100, 8)]
+    )
+    found: list[bool] = []
+    runs = KeyCache._runs_of_seen_lists
+
+    def recorded(self: KeyCache, *args: Any) -> list[ObjectKey] | None:
+        keys = runs(self, *args)
+        found.append(keys is not None)
+        return keys
+
+    monkeypatch.setattr(KeyCache, "_runs_of_seen_lists", recorded)
+    for first, count, expected in (
+        (1, 100, [True]),
+        (195, 40, [False]),
+        (7, decoding._RUN_LOOKUP_MIN_KEYS - 1, []),
+    ):
+        found.clear()
+        assert decoded_keys(cache, SAME_SIZE[first : first + count]) == SAME_SIZE[first : first + count]
+        assert found == expected, (first, count)
 
 
 def test_lists_that_are_not_runs_decode_as_before() -> None:

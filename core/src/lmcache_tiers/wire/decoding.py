@@ -28,14 +28,16 @@ whole list down the per-element path (one ``msgspec.Raw`` per key, split by msgs
 itself).
 
 Keys also remember where they were first seen: the key list they were decoded from (when
-its keys all encode to one length), with their position in it.  An engine looks up again
-the prompts it stored, and a prompt's chunks are stored in order, so a new key list is
-most often a run of a list seen before -- the keys a STORE named, from some position on.
-Its first key names that list and position; one comparison of the bytes that follow with
-the remembered list's (a ``memcmp``) then gives the whole run, sliced from that list's
-keys, with no piece, hash or probe per key.  Equal bytes at equal piece boundaries are
-equal keys, for the reason above; a list that is not such a run (or a few such runs) is
-cut into pieces as before.  The lists kept for this hold at most
+its keys all encode to one length), with their position in it -- every eighth new key of
+a list (:data:`_ORIGIN_STRIDE`; remembering each was most of the cost of decoding a list
+of new keys).  An engine looks up again the prompts it stored, and a prompt's chunks are
+stored in order, so a new key list of :data:`_RUN_LOOKUP_MIN_KEYS` or more is most often
+a run of a list seen before -- the keys a STORE named, from some position on.  The first
+of its first eight keys that is remembered names that list and the run's position; one
+comparison of the run's bytes with the remembered list's (a ``memcmp``, in place) then
+gives the whole run, sliced from that list's keys, with no piece, hash or probe per key.
+Equal bytes at equal piece boundaries are equal keys, for the reason above; a list that is
+not such a run (or a few such runs) is cut into pieces as before.  The lists kept for this hold at most
 :data:`_ORIGIN_BYTES_MAX` bytes in all; past that they are forgotten, and the keys first
 seen in them are cut into pieces from then on.
 
@@ -104,6 +106,13 @@ _RUN_MIN_KEYS = 8
 _ORIGIN_BYTES_MAX = 16 << 20
 #: a key list is taken as runs of remembered lists in at most this many pieces, or not at all
 _RUNS_MAX = 4
+#: every this-many-th new key of a list is remembered as found there (each costs an entry in
+#: a dict of up to some 250,000, most of the cost of decoding a list of new keys when every
+#: one was); a run is found by the first of its first keys so remembered
+_ORIGIN_STRIDE = 8
+#: lists shorter than this are cut into pieces without looking for runs: as cheap for them
+#: as the probes finding a run's remembered key (measured with 16 keys)
+_RUN_LOOKUP_MIN_KEYS = 32
 
 _BYTE = struct.Struct(">B")
 _U16 = struct.Struct(">H")
@@ -299,7 +308,7 @@ class KeyCache:
     ) -> list[ObjectKey] | None:
         """The ``count`` keys of ``size`` bytes each from ``start`` in ``data``, when every
         such piece is a whole key: one known, or one that decodes with nothing left over."""
-        if self._origins and count >= _RUN_MIN_KEYS:
+        if self._origins and count >= _RUN_LOOKUP_MIN_KEYS:
             runs = self._runs_of_seen_lists(bytes(data), start, size, count)
             if runs is not None:
                 return runs
@@ -329,11 +338,18 @@ class KeyCache:
         done = 0
         for _ in range(_RUNS_MAX):
             at = start + done * size
-            origin = origins.get(data[at : at + size])
-            if origin is None:
+            for skipped in range(min(_ORIGIN_STRIDE, count - done)):
+                found = at + skipped * size
+                origin = origins.get(data[found : found + size])
+                if origin is not None:
+                    break
+            else:
                 return None
-            # The key found encodes to exactly these ``size`` bytes, so its list's keys do too.
-            seen, position = origin
+            # The key found encodes to exactly these ``size`` bytes, so its list's keys do
+            # too; the run starts where that list has the keys ``skipped`` before it, if it does.
+            seen, position = origin[0], origin[1] - skipped
+            if position < 0:
+                return None
             run = min(count - done, len(seen.keys) - position)
             # One memcmp, in place: equal bytes, cut at equal boundaries, are the same keys.
             if not data.startswith(seen.view[position * size : (position + run) * size], at):
@@ -393,7 +409,7 @@ class KeyCache:
             self._origin_bytes = 0
         self._origin_bytes += held
         origins = self._origins
-        for position in new:
+        for position in new[::_ORIGIN_STRIDE]:
             origins[encoded[position]] = (seen, position)
 
 
