@@ -6,17 +6,22 @@ counted and logged, and answered where LMCache's server answers (a miss, no slot
 from __future__ import annotations
 
 import logging
+import os
+import tracemalloc
 from typing import Any
 
 import pytest
-from lmcache_plugin_lmcache_mp.chunks import HASH_BYTES, LOOKUP_KEY_BYTES
+from lmcache_plugin_lmcache_mp.chunks import HASH_BYTES, LOOKUP_KEY_BYTES, ChunkRange, keys_for_all_ranks
 from lmcache_plugin_lmcache_mp.lookups import MAX_KV_READERS
+from lmcache_plugin_lmcache_mp.state import LookupJob
+from lmcache_plugin_lmcache_mp.wire import CacheKey
 from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, tokens_of, wait_for
 
 from lmcache_tiers.server.app import TiersServer
 
 REG = Registration()
 CHUNK = REG.object_bytes
+MODEL_NAME = REG.model_name
 
 
 def mp_stats(server: TiersServer) -> Any:
@@ -103,11 +108,11 @@ def remembered(server: TiersServer) -> int:
 def test_requests_beyond_max_remembered_mb_are_forgotten_least_recent_first(
     make_mp_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    server = make_mp_server(max_remembered_mb=1)  # about 850 chunks of tokens and keys
+    server = make_mp_server(max_remembered_mb=1)  # about 820 chunks of tokens and keys
     requests = server.frontends[0].shared.requests
     with MPClient(mp_address(server)) as client, caplog.at_level(logging.WARNING):
         client.register(REG)
-        for index in range(3):  # 300 chunks each, about 360 KiB with their lookup keys
+        for index in range(3):  # 300 chunks each, about 370 KiB with their lookup keys
             assert client.lookup(Key(tokens_of(index, 300 * 256), f"r{index}")) == 0
         wait_for(lambda: "mp_request_dropped_memory" in mp_stats(server).failures, "no request was forgotten")
         assert remembered(server) <= 1 << 20
@@ -136,7 +141,7 @@ def test_a_request_remembers_its_tokens_hashes_and_lookup_keys_until_it_ends(
 
 
 def test_lookup_keys_count_against_max_remembered_mb(make_mp_server: Any) -> None:
-    # 8 requests of 20 chunks at world size 64: 170 KiB of tokens and hashes, but 1.4 MiB
+    # 8 requests of 20 chunks at world size 64: 170 KiB of tokens and hashes, but 1.7 MiB
     # of lookup keys, over the bound
     server = make_mp_server(max_remembered_mb=1)
     with MPClient(mp_address(server)) as client:
@@ -145,3 +150,27 @@ def test_lookup_keys_count_against_max_remembered_mb(make_mp_server: Any) -> Non
             assert client.lookup(Key(tokens_of(index, 20 * 256), f"r{index}", world_size=64)) == 0
         wait_for(lambda: remembered(server) <= 1 << 20, "the lookup keys were not counted")
     assert mp_stats(server).failures["mp_request_dropped_memory"] >= 1
+
+
+@pytest.mark.parametrize(("world_size", "chunks"), [(1, 44_000), (8, 5_500), (255, 300)])
+def test_a_lookup_key_with_its_read_lock_takes_no_more_than_its_estimate(
+    world_size: int, chunks: int
+) -> None:
+    """max_remembered_mb counts LOOKUP_KEY_BYTES for each key a lookup keeps: the key, its
+    slot in the lookup's list and, once the lookup hit it, its entry among the read locks
+    the lookup holds.  An estimate below that lets the remembered requests take more than
+    the bound says.  (Counts large enough that a lookup's fixed overhead does not matter.)"""
+    key = CacheKey(MODEL_NAME, world_size, None, [], 0, 0, "r")
+    hashes = [os.urandom(32) for _ in range(chunks)]  # the request's hashes: HASH_BYTES each
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        keys = keys_for_all_ranks(key, ChunkRange(0, chunks, hashes))
+        job = LookupJob(0, keys, world_size, 1, 0.0)
+        job.settle(len(keys))  # every key hit: the lookup holds a read lock on each
+        taken = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    count = len(keys)
+    assert len(job.held) == count == chunks * world_size
+    assert taken <= count * LOOKUP_KEY_BYTES, f"{taken / count:.0f} bytes a key"

@@ -38,9 +38,11 @@ __all__ = [
 HASH_BYTES = 73
 #: what remembering one token costs (packed as uint32)
 TOKEN_BYTES = 4
-#: what remembering one key of a lookup costs: an ObjectKey (its digest shared by the
-#: chunk's ranks, counted here too, to err on the side of more) and its list slot
-LOOKUP_KEY_BYTES = 140
+#: what remembering one key of a lookup costs: an ObjectKey and its list slot (72 bytes;
+#: its digest is the request's chunk hash, counted as HASH_BYTES) and, once the lookup hit
+#: it, its entry among the read locks the lookup holds (up to 96 bytes, with the dict's
+#: spare room); rounded up
+LOOKUP_KEY_BYTES = 176
 
 
 def remembered_bytes(chunks: int, chunk_size: int, lookup_keys: int = 0) -> int:
