@@ -22,6 +22,10 @@ MODEL = "test-model"
 HELLO_TOKEN = 9906
 CHUNK_TOKENS = 256  # the server's chunk size in these tests
 _NO_REPLY = object()
+#: how often LMCache's client polls query_prefetch_status for a lookup's result
+PREFETCH_POLL_S = 0.05
+#: how long a lookup's prefetch may take before a test fails (L2 loads on a busy machine)
+LOOKUP_TIMEOUT_S = 30.0
 
 
 def mp_address(server: Any) -> str:
@@ -148,10 +152,20 @@ class MPClient:
         reply: dict[str, Any] = self.call("register_kv_cache_engine_driven_context", registration.encode())
         return reply
 
-    def lookup(self, key: Key) -> int | None:
+    def lookup(self, key: Key, timeout_s: float = LOOKUP_TIMEOUT_S) -> int | None:
+        """lookup, then query_prefetch_status every 50 ms until it answers, as LMCache's
+        client polls.  The lookup's own wait (lookup_wait_ms) usually settles it, but a
+        prefetch from L2 on a busy machine may outlast it; the first query then answers
+        None (still running), which is not the hit count."""
         self.call("lookup", key.encode(), 1)
-        hits: int | None = self.call("query_prefetch_status", key.request_id)
-        return hits
+        deadline = time.monotonic() + timeout_s
+        while True:
+            hits: int | None = self.call("query_prefetch_status", key.request_id)
+            if hits is not None:
+                return hits
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the lookup of {key.request_id} had no result after {timeout_s}s")
+            time.sleep(PREFETCH_POLL_S)
 
     def segment(self, name: str) -> mmap.mmap:
         if self._segment is None:

@@ -21,7 +21,9 @@ MOCK_L2 = [json.dumps({"type": "mock", "max_size_gb": 0.1})]
 
 
 def test_warm_lookup_from_l2_answers_on_the_first_query(make_mp_server: Any) -> None:
-    server = make_mp_server(adapters=MOCK_L2)
+    # A wait far longer than the load: the lookup answers when its prefetch ends, however
+    # busy the machine (the default 20 ms is shorter than a load may take there).
+    server = make_mp_server(adapters=MOCK_L2, lookup_wait_ms=10_000)
     with MPClient(mp_address(server)) as client:
         shm = client.register(REG)["shm_name"]
         payloads = chunk_payloads(1, 4, CHUNK)
@@ -30,7 +32,8 @@ def test_warm_lookup_from_l2_answers_on_the_first_query(make_mp_server: Any) -> 
         assert client.call("clear", True) is None
         assert server.storage.status()["l1"]["objects"] == 0
         # lookup waits (lookup_wait_ms) for the prefetch, so one query has the hits
-        assert client.lookup(Key(tokens_of(1), "w")) == 4
+        assert client.call("lookup", Key(tokens_of(1), "w").encode(), 1) is None
+        assert client.call("query_prefetch_status", "w") == 4
         assert server.storage.status()["requests"]["l2_hit_chunks"] == 4
         assert client.retrieve(Key(tokens_of(1), "w", worker_id=0), REG.instance_id, shm) == payloads
         client.call("end_session", "w")
@@ -41,7 +44,8 @@ def test_without_the_lookup_wait_clients_poll(make_mp_server: Any) -> None:
     server = make_mp_server(adapters=MOCK_L2, lookup_wait_ms=0)
     with MPClient(mp_address(server)) as client:
         client.register(REG)
-        answers = [client.lookup(Key(tokens_of(2), "r"))]
+        client.call("lookup", Key(tokens_of(2), "r").encode(), 1)
+        answers = [client.call("query_prefetch_status", "r")]
         deadline = time.monotonic() + 30
         while answers[-1] is None:
             assert time.monotonic() < deadline, f"the lookup's prefetch never finished: {len(answers)} polls"
