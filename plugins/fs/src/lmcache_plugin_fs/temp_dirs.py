@@ -21,6 +21,7 @@ removed on its word.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import posixpath
 from typing import Any
@@ -120,16 +121,21 @@ class TempDirRecord:
         new name and moved over the record, so a crash leaves the old record or the new one.
         A failure is counted and logged: the start goes on (no stored byte depends on it),
         and a later change of ``relative_tmp_dir`` may strand files again."""
+        staged = self.path + _NEW_SUFFIX
         try:
             if not directories:
                 self.fs.rm_file(self.path)
                 return
-            staged = self.path + _NEW_SUFFIX
             self.fs.pipe_file(staged, "".join(f"{d}\n" for d in directories).encode("utf-8"))
             self.fs.mv(staged, self.path)
         except FileNotFoundError:
             return  # nothing to remove
         except Exception as exc:  # what the filesystem raises is its own
+            # A write that failed part-way (a full root) leaves the staged name, which no
+            # sweep removes (it is no temporary name): removed here, or overwritten by
+            # the next start's write.
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(staged)
             self.context.count("temp_dir_record_failures")
             log.warning(
                 "%s: cannot write %s: %s (once relative_tmp_dir changes, what a crash left in "
