@@ -174,3 +174,25 @@ def test_a_lookup_key_with_its_read_lock_takes_no_more_than_its_estimate(
     count = len(keys)
     assert len(job.held) == count == chunks * world_size
     assert taken <= count * LOOKUP_KEY_BYTES, f"{taken / count:.0f} bytes a key"
+
+
+def test_a_request_forgotten_for_memory_gives_back_its_lookup_locks_and_says_why(
+    make_mp_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = make_mp_server(max_remembered_mb=1)
+    with MPClient(mp_address(server)) as client, caplog.at_level(logging.WARNING):
+        shm = client.register(REG)["shm_name"]
+        tokens = tokens_of(9)
+        assert client.store(Key(tokens, "s", worker_id=0), REG.instance_id, chunk_payloads(9, 4, CHUNK), shm)
+        assert client.lookup(Key(tokens, "held")) == 4
+        assert l1_read_locks(server) == 4
+        for index in range(3):  # about 370 KiB each: the oldest requests go, "held" first
+            assert client.lookup(Key(tokens_of(index, 300 * 256), f"r{index}")) == 0
+        wait_for(lambda: l1_read_locks(server) == 0, "the forgotten lookup kept its read locks")
+        assert server.frontends[0].shared.requests.peek("held") is None
+        # its client's next status query is a miss, as for any forgotten request
+        assert client.call("query_prefetch_status", "held") == 0
+    stats = mp_stats(server)
+    assert stats.failures["mp_request_dropped_memory"] >= 2
+    released = [r.getMessage() for r in caplog.records if "mp_lookup_locks_expired" in r.getMessage()]
+    assert released and all("forgotten" in line for line in released)

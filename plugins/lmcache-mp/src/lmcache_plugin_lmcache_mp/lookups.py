@@ -326,8 +326,8 @@ class Lookups:
         self._count(
             self._expired,
             expired,
-            f"read locks of lookups not retrieved or freed within {limit:g}s (or of requests "
-            "idle too long) were released",
+            f"read locks of lookups not retrieved or freed within {limit:g}s, or of requests "
+            "forgotten (idle, beyond max_requests or max_remembered_mb), were released",
         )
 
     def _count(self, log: BurstLog, count: int, what: str) -> None:
