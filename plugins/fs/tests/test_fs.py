@@ -1629,3 +1629,32 @@ def test_an_old_temp_dir_under_the_current_one_is_swept(tmp_path: Path) -> None:
         assert not (tmp_path / "staging" / "old" / ".tmp-1-1.part").exists()
     finally:
         adapter.close()
+
+
+
+def test_a_temp_dir_that_is_the_root_itself_is_not_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``relative_tmp_dir`` that leads back to the root (a symbolic link to it) is the
+    root, which the adapter holds already: not another adapter's directory to refuse."""
+    monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path / "locks"))
+    root = tmp_path / "cache"
+    root.mkdir()
+    (root / "tmp").symlink_to(".")
+    config = fs_config(str(root), relative_tmp_dir="tmp")
+    registry = load_registry()
+    spec = {"type": "fs", "path": str(root), "relative_tmp_dir": "tmp"}
+    preflight_adapters(registry, build_config(registry, {"l2_adapters": [spec]}))
+    arena = Arena()
+    adapter = open_fs(config, arena.view)
+    try:
+        assert store(adapter, arena, make_keys(1), [pattern(0, SIZE)]) == [True]
+        assert load(adapter, arena, make_keys(1), [SIZE]) == ([True], [pattern(0, SIZE)])
+    finally:
+        adapter.close()
+    adapter = open_fs(fs_config(str(root)))  # unset: the earlier one is the root, swept with it
+    try:
+        assert adapter.stats().get("old_temp_dirs_skipped", 0) == 0
+        assert not (root / ".lmcache-tiers-temp-dirs").exists()
+    finally:
+        adapter.close()

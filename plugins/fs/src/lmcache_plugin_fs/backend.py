@@ -51,10 +51,15 @@ def _temp_what(directory: str) -> str:
 
 
 def _local_temp_dir(config: FsConfig) -> str | None:
-    """The local ``relative_tmp_dir`` of ``config`` as a path, or None."""
+    """The local ``relative_tmp_dir`` of ``config`` as a path to lock, or None: none is
+    set, or it leads back to the root (a symbolic link), which the root's lock holds --
+    locked again, the adapter would refuse itself as another adapter."""
     if not config.is_local or config.relative_tmp_dir is None:
         return None
-    return os.path.join(config.local_root, check_relative_dir(config.relative_tmp_dir))
+    temp_dir = os.path.join(config.local_root, check_relative_dir(config.relative_tmp_dir))
+    if os.path.realpath(temp_dir) == os.path.realpath(config.local_root):
+        return None
+    return temp_dir
 
 
 def _store_what(root: str) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import posixpath
 from typing import Any
 
@@ -151,6 +152,8 @@ class TempDirRecord:
         """Remove the temporary files directly in the old directory ``relative``; how many,
         or None when it must stay recorded (held by another store, or not swept whole)."""
         directory = posixpath.join(self.root, relative)
+        if self.local and os.path.realpath(directory) == os.path.realpath(self.root):
+            return 0  # a link back to the root: swept with it, by the start-up sweep
         if self.local and not self._free(relative):
             return None
         try:
