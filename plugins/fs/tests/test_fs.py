@@ -1631,6 +1631,65 @@ def test_an_old_temp_dir_under_the_current_one_is_swept(tmp_path: Path) -> None:
         adapter.close()
 
 
+_SERVER_IN_FLIGHT = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from fs_helpers import fs_config, open_fs
+root = sys.argv[2]
+adapter = open_fs(fs_config(root, relative_tmp_dir="t"))
+# Its writes in flight: a temporary file next to its records and one in its temp directory.
+for directory in (root, os.path.join(root, "t")):
+    with open(os.path.join(directory, f".tmp-{os.getpid()}-1.part"), "wb") as handle:
+        handle.write(b"half written")
+print("serving", flush=True)
+sys.stdin.read()
+adapter.close()
+"""
+
+
+@pytest.mark.parametrize("earlier", ["old", "old/t", "link", "link/t"])
+def test_an_old_temp_dir_that_a_running_server_writes_in_is_left_alone(
+    earlier: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another server -- another process, found only by its lock files and directory
+    locks -- runs rooted in ``old``, and writes in it and in its own temporary directory
+    ``old/t``; this root recorded one of them as an earlier temporary directory, or
+    reached through a symbolic link: none of its files in flight is removed."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path / "locks"))
+    root = tmp_path / "cache"
+    open_fs(fs_config(str(root), relative_tmp_dir=earlier)).close()
+    (root / "old").mkdir(exist_ok=True)
+    if earlier.startswith("link"):
+        shutil.rmtree(root / "link")
+        (root / "link").symlink_to(root / "old")
+    helpers = os.path.dirname(os.path.abspath(__file__))
+    server = subprocess.Popen(
+        [sys.executable, "-c", _SERVER_IN_FLIGHT, helpers, str(root / "old")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        assert server.stdout.readline().strip() == "serving"
+        in_flight = [
+            root / "old" / f".tmp-{server.pid}-1.part",
+            root / "old" / "t" / f".tmp-{server.pid}-1.part",
+        ]
+        adapter = open_fs(fs_config(str(root)))
+        try:
+            assert adapter.stats()["old_temp_dirs_skipped"] == 1
+            assert adapter.stats().get("orphan_temp_files_removed", 0) == 0
+            assert all(path.exists() for path in in_flight)
+        finally:
+            adapter.close()
+    finally:
+        server.communicate(timeout=60)
+    assert server.returncode == 0
+
 
 def test_a_temp_dir_that_is_the_root_itself_is_not_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
