@@ -8,6 +8,7 @@ import os
 import shutil
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -1462,6 +1463,16 @@ def test_a_record_larger_than_a_lowered_capacity_is_accounted_and_evictable(
         adapter.close()
 
 
+def assert_old_temp_dir_left_alone(
+    adapter: Any, in_flight: list[Any], exists: Callable[[Any], bool] = os.path.exists
+) -> None:
+    """One earlier temporary directory was skipped as another store's: nothing removed,
+    each file of ``in_flight`` still there."""
+    assert adapter.stats()["old_temp_dirs_skipped"] == 1
+    assert adapter.stats().get("orphan_temp_files_removed", 0) == 0
+    assert all(exists(path) for path in in_flight)
+
+
 @pytest.mark.parametrize("url", [False, True])
 @pytest.mark.parametrize("now", [None, "staging2"])
 def test_temp_files_left_in_a_temp_dir_no_longer_configured_are_swept(
@@ -1509,9 +1520,7 @@ def test_an_old_temp_dir_another_store_now_holds_is_left_alone(
         with caplog.at_level(logging.WARNING):
             adapter = open_fs(fs_config(str(tmp_path)))
         try:
-            assert adapter.stats()["old_temp_dirs_skipped"] == 1
-            assert adapter.stats().get("orphan_temp_files_removed", 0) == 0
-            assert (tmp_path / "staging" / ".tmp-1-1.part").exists()
+            assert_old_temp_dir_left_alone(adapter, [tmp_path / "staging" / ".tmp-1-1.part"])
             assert any("in use" in r.getMessage() for r in caplog.records)
         finally:
             adapter.close()
@@ -1548,9 +1557,7 @@ def test_an_old_temp_dir_inside_a_directory_another_store_holds_is_left_alone(
         with caplog.at_level(logging.WARNING):
             adapter = open_fs(fs_config(str(tmp_path)))
         try:
-            assert adapter.stats()["old_temp_dirs_skipped"] == 1
-            assert adapter.stats().get("orphan_temp_files_removed", 0) == 0
-            assert (tmp_path / "outer" / "staging" / ".tmp-1-1.part").exists()
+            assert_old_temp_dir_left_alone(adapter, [tmp_path / "outer" / "staging" / ".tmp-1-1.part"])
         finally:
             adapter.close()
     finally:
@@ -1575,9 +1582,7 @@ def test_an_old_temp_dir_that_is_a_store_root_now_is_left_alone(url: bool, tmp_p
     files.pipe_file(f"{root}/staging/.tmp-1-1.part", b"its write in flight")
     adapter = open_fs(fs_config(root))
     try:
-        assert adapter.stats()["old_temp_dirs_skipped"] == 1
-        assert adapter.stats().get("orphan_temp_files_removed", 0) == 0
-        assert files.exists(f"{root}/staging/.tmp-1-1.part")
+        assert_old_temp_dir_left_alone(adapter, [f"{root}/staging/.tmp-1-1.part"], files.exists)
     finally:
         adapter.close()
         if url:
@@ -1681,9 +1686,7 @@ def test_an_old_temp_dir_that_a_running_server_writes_in_is_left_alone(
         ]
         adapter = open_fs(fs_config(str(root)))
         try:
-            assert adapter.stats()["old_temp_dirs_skipped"] == 1
-            assert adapter.stats().get("orphan_temp_files_removed", 0) == 0
-            assert all(path.exists() for path in in_flight)
+            assert_old_temp_dir_left_alone(adapter, in_flight)
         finally:
             adapter.close()
     finally:
