@@ -15,7 +15,16 @@ from lmcache_plugin_lmcache_mp.chunks import HASH_BYTES, LOOKUP_KEY_BYTES, Chunk
 from lmcache_plugin_lmcache_mp.lookups import MAX_KV_READERS
 from lmcache_plugin_lmcache_mp.state import LookupJob
 from lmcache_plugin_lmcache_mp.wire import CacheKey
-from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, tokens_of, wait_for
+from mpclient import (
+    Key,
+    MPClient,
+    Registration,
+    chunk_payloads,
+    mp_address,
+    pickled_chunks,
+    tokens_of,
+    wait_for,
+)
 
 from lmcache_tiers.server.app import TiersServer
 
@@ -196,3 +205,20 @@ def test_a_request_forgotten_for_memory_gives_back_its_lookup_locks_and_says_why
     assert stats.failures["mp_request_dropped_memory"] >= 2
     released = [r.getMessage() for r in caplog.records if "mp_lookup_locks_expired" in r.getMessage()]
     assert released and all("forgotten" in line for line in released)
+
+
+def test_a_pickled_store_over_max_request_keys_is_counted_once(make_mp_server: Any) -> None:
+    """With pickled chunks the prepare names no slots whatever the key (as in LMCache) and
+    the commit that brings the chunks is refused: one store, one refusal, its keys once."""
+    server = make_mp_server(shm=False, allow_pickle=True, max_request_keys=3)
+    with MPClient(mp_address(server)) as client:
+        client.register(REG)
+        key = Key(tokens_of(4), "big", worker_id=0)  # four chunks: four keys
+        assert client.call("prepare_store", key.encode(), REG.instance_id) == {"context": {}}
+        chunks = pickled_chunks(chunk_payloads(4, 4, CHUNK))
+        assert client.call("commit_store", key.encode(), REG.instance_id, chunks) is False
+    stats = mp_stats(server)
+    assert (stats.failures["mp_request_too_large"], stats.store_keys_refused["mp_request_too_large"]) == (
+        1,
+        4,
+    )

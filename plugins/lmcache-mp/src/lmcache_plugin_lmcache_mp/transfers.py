@@ -97,11 +97,12 @@ class Transfers:
         try:
             instance, keys = self._resolve(key, instance_id)
         except RequestTooLarge as exc:
-            self.shared.refuse_too_large("prepare_store", key, exc)
             if self.shared.shm is None:
-                # Pickled: the keys are named by the commit_store, which is refused and
-                # counts them; answered as any pickled prepare, as LMCache's server does.
+                # Pickled: answered as any pickled prepare, as LMCache's server does, which
+                # reserves nothing; the commit_store bringing the chunks is refused, counted
+                # and logged with its keys (counted here too, one store would count twice).
                 return PrepareStoreReply(context={})
+            self.shared.refuse_too_large("prepare_store", key, exc)
             self._refuse_keys(exc.reason, exc.keys)
             return PrepareStoreReply(context=_ALL_PRESENT)  # no slots: the client skips its copy
         if not keys:
