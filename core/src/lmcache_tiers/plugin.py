@@ -30,7 +30,8 @@ What each kind of plugin needs:
   ``ExtentAllocator``, and reader counts per slot ``SlotReaders``; a warning logged once
   per burst ``BurstLog``;
 * policies: ``StorePolicy``, ``PrefetchPolicy``, ``EvictionPolicy``, ``AdapterInfo``,
-  ``LowestIndexPrefetchPolicy``, ``plan_from_lowest_index``;
+  ``LowestIndexPrefetchPolicy``, ``plan_from_lowest_index``; eviction policies with
+  ``set_aside``/``put_back``: ``StampedKeys`` (keys put back, waiting in stamp order);
 * a serde: ``Serde``, ``SerdeContext``, ``TensorLayout`` (and ``MAX_LAYOUT_LEN``, the longest
   layout a record states);
 * a front end: ``Frontend``, ``FrontendConfig``, ``FrontendContext``, ``FrontendStats``,
@@ -109,6 +110,7 @@ from lmcache_tiers.protocols import (
     StorePolicy,
 )
 from lmcache_tiers.registry import EmptyConfig, Kind, KindRegistry
+from lmcache_tiers.stamped_keys import StampedKeys
 
 if TYPE_CHECKING:
     from lmcache_tiers.burst import BurstLog
@@ -422,6 +424,7 @@ __all__ = [
     "ServerConfig",
     "SizeGiB",
     "SlotReaders",
+    "StampedKeys",
     "StorageManager",
     "StorePolicy",
     "StorePolicySuite",

@@ -28,8 +28,8 @@ and the split of a walk, only no walk offers it.  A walk passed over it at the f
 its list (everything before it was evicted or set aside too), so put back it returns to
 the front of the same list, among the keys put back in the order they were set aside
 (each keeps the stamp it was first set aside with): where ARC's own order still has it.
-The keys put back wait in a run sorted by stamp ahead of their list (``_PutBack``), so a
-put_back costs a binary search per key, not a pass over the thousands that may wait.
+The keys put back wait in a run sorted by stamp ahead of their list (``StampedKeys``), so
+a put_back costs a binary search per key, not a pass over the thousands that may wait.
 Returning to T1 rather than T2 matters: being locked is not a second use.  A read or
 rewrite meanwhile is one, and moves it to T2's most recent end as for any live key; a
 removal forgets it without a ghost (no walk evicted it).
@@ -41,73 +41,10 @@ import bisect
 import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from itertools import chain, islice
-from operator import itemgetter
+from itertools import chain
 
 from lmcache_plugin_eviction_arc import ARCConfig
-from lmcache_tiers.plugin import ObjectKey
-
-_Entry = tuple[int, ObjectKey]  # (stamp, key) of a key put back
-_STAMP = itemgetter(0)
-
-#: dead entries a run of keys put back may hold beyond as many as its live ones before it
-#: is rebuilt (each entry is dropped once, so that costs O(1) a key)
-_DEAD_SLACK = 64
-
-
-class _PutBack:
-    """The keys put back ahead of one list, in stamp order.
-
-    A key that leaves (evicted, touched, set aside again) leaves its entry behind, dead: a
-    key is live while ``live`` maps it to that very entry.  Walks skip dead entries, the
-    front ones are dropped before each walk, and the run is rebuilt once the dead outnumber
-    the live.  Adding costs a binary search and a C memmove, whatever waits.
-    """
-
-    def __init__(self) -> None:
-        self.live: dict[ObjectKey, _Entry] = {}
-        self._entries: list[_Entry] = []
-        self._start = 0  # entries before it are dropped
-
-    def __len__(self) -> int:
-        return len(self.live)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.live
-
-    def add(self, stamp: int, key: ObjectKey) -> None:
-        entry = self.live[key] = (stamp, key)
-        entries = self._entries
-        if len(entries) == self._start or entries[-1][0] < stamp:
-            entries.append(entry)
-        else:
-            bisect.insort(entries, entry, lo=self._start, key=_STAMP)
-
-    def pop(self, key: ObjectKey) -> int | None:
-        """Forget ``key``; its stamp, or None if it was not here."""
-        entry = self.live.pop(key, None)
-        return None if entry is None else entry[0]
-
-    def tidy(self) -> None:
-        """Drop the dead entries at the front, or all of them once they are too many."""
-        entries, live, start = self._entries, self.live, self._start
-        if len(entries) - start > 2 * len(live) + _DEAD_SLACK:
-            self._entries = sorted(live.values(), key=_STAMP)
-            self._start = 0
-            return
-        while start < len(entries) and live.get(entries[start][1]) is not entries[start]:
-            start += 1
-        if start and 2 * start >= len(entries):
-            del entries[:start]
-            start = 0
-        self._start = start
-
-    def entries(self) -> Iterator[_Entry]:
-        """The live entries, by stamp."""
-        live = self.live
-        for entry in islice(self._entries, self._start, None):
-            if live.get(entry[1]) is entry:
-                yield entry
+from lmcache_tiers.plugin import ObjectKey, StampedKeys
 
 
 class ARCEvictionPolicy:
@@ -128,8 +65,8 @@ class ARCEvictionPolicy:
         self._aside_frequent: dict[ObjectKey, int] = {}
         self._aside_frequent_stamps: list[int] = []
         # The keys put back and not touched since, ahead of their list.
-        self._back_recent = _PutBack()
-        self._back_frequent = _PutBack()
+        self._back_recent = StampedKeys()
+        self._back_frequent = StampedKeys()
         self._next_stamp = 0
 
     def _recent_size(self) -> int:
@@ -238,7 +175,7 @@ class ARCEvictionPolicy:
                 stamp = self._aside_frequent[key] = self._stamp(key, self._frequent, self._back_frequent)
                 bisect.insort(self._aside_frequent_stamps, stamp)
 
-    def _stamp(self, key: ObjectKey, keys: OrderedDict[ObjectKey, None], back: _PutBack) -> int:
+    def _stamp(self, key: ObjectKey, keys: OrderedDict[ObjectKey, None], back: StampedKeys) -> int:
         """Take ``key`` out of its list: the stamp it was put back with, else a new one
         (later than every stamp given, as the walk passed it after them all)."""
         stamp = back.pop(key)
@@ -252,18 +189,20 @@ class ARCEvictionPolicy:
         """Offer ``keys`` (no longer locked) again, ahead of their list in the order they
         were set aside; keys not set aside are ignored."""
         aside_recent, aside_frequent = self._aside_recent, self._aside_frequent
-        gone: list[int] = []
+        to_recent: list[tuple[ObjectKey, int]] = []
+        to_frequent: list[tuple[ObjectKey, int]] = []
         for key in keys:
             stamp = aside_recent.pop(key, None)
             if stamp is not None:
-                self._back_recent.add(stamp, key)
+                to_recent.append((key, stamp))
                 continue
             stamp = aside_frequent.pop(key, None)
             if stamp is not None:
-                self._back_frequent.add(stamp, key)
-                gone.append(stamp)
-        if gone:
-            self._drop_frequent_stamps(gone)
+                to_frequent.append((key, stamp))
+        self._back_recent.add_many(to_recent)
+        if to_frequent:
+            self._back_frequent.add_many(to_frequent)
+            self._drop_frequent_stamps([stamp for _, stamp in to_frequent])
 
     def _take_out(self, key: ObjectKey) -> str | None:
         """Forget ``key`` as set aside or put back (read, rewritten or removed): the list
@@ -309,7 +248,7 @@ class ARCEvictionPolicy:
                 break
             offered.add(key)
             yield key
-        for key in chain((entry[1] for entry in self._back_recent.entries()), self._recent):
+        for key in chain(self._back_recent.keys(), self._recent):
             offered.add(key)
             yield key
         if held_back is not None:

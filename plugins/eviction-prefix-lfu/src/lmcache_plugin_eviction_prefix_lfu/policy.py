@@ -42,11 +42,11 @@ priority and use count: being locked is not a use, so put back it returns to the
 the priority it had, ahead of its bucket (a walk passed over it there: every chunk before
 it was evicted or set aside too), among the chunks put back in the order they were set
 aside (each keeps the stamp it was first set aside with) -- where the priority order
-still has it.  The chunks put back wait in a run per level sorted by stamp (``_PutBack``),
-so a put_back costs a binary search per chunk, not a pass over the bucket; a level is
-listed while its bucket or its run holds a chunk.  A read or write meanwhile is a use
-like any other and re-ranks it; a removal remembers its use count in the history as for
-any chunk.
+still has it.  The chunks put back wait in a run per level sorted by stamp
+(``StampedKeys``), so a put_back costs a binary search per chunk, not a pass over the
+bucket; a level is listed while its bucket or its run holds a chunk.  A read or write
+meanwhile is a use like any other and re-ranks it; a removal remembers its use count in
+the history as for any chunk.
 """
 
 from __future__ import annotations
@@ -56,69 +56,14 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from itertools import islice
-from operator import itemgetter
 
 from lmcache_plugin_eviction_prefix_lfu import PrefixLFUConfig
-from lmcache_tiers.plugin import ObjectKey
+from lmcache_tiers.plugin import ObjectKey, StampedKeys
 
 _Signature = tuple[int, ObjectKey, ObjectKey]
 #: log2 of small use counts, looked up instead of computed on every touch
 _LOG2_SIZE = 1024
 _LOG2 = [0.0] + [math.log2(count) for count in range(1, _LOG2_SIZE)]
-
-_Entry = tuple[int, ObjectKey]  # (stamp, key) of a chunk put back
-_STAMP = itemgetter(0)
-
-#: dead entries a run of chunks put back may hold beyond as many as its live ones before it
-#: is rebuilt (each entry is dropped once, so that costs O(1) a chunk)
-_DEAD_SLACK = 64
-
-
-class _PutBack:
-    """The chunks put back ahead of one bucket, in stamp order.
-
-    A chunk that leaves (evicted, touched, set aside again) leaves its entry behind, dead:
-    a chunk is live while ``live`` maps it to that very entry.  Walks skip dead entries,
-    the front ones are dropped when a walk reaches the run, and the run is rebuilt once the
-    dead outnumber the live.  Adding costs a binary search and a C memmove.
-    """
-
-    def __init__(self) -> None:
-        self.live: dict[ObjectKey, _Entry] = {}
-        self._entries: list[_Entry] = []
-        self._start = 0  # entries before it are dropped
-
-    def __len__(self) -> int:
-        return len(self.live)
-
-    def add(self, stamp: int, key: ObjectKey) -> None:
-        entry = self.live[key] = (stamp, key)
-        entries = self._entries
-        if len(entries) == self._start or entries[-1][0] < stamp:
-            entries.append(entry)
-        else:
-            bisect.insort(entries, entry, lo=self._start, key=_STAMP)
-
-    def pop(self, key: ObjectKey) -> int | None:
-        """Forget ``key``; its stamp, or None if it was not here."""
-        entry = self.live.pop(key, None)
-        return None if entry is None else entry[0]
-
-    def keys(self) -> Iterator[ObjectKey]:
-        """The live chunks by stamp, the dead entries at the front dropped first."""
-        entries, live, start = self._entries, self.live, self._start
-        if len(entries) - start > 2 * len(live) + _DEAD_SLACK:
-            entries = self._entries = sorted(live.values(), key=_STAMP)
-            start = 0
-        while start < len(entries) and live.get(entries[start][1]) is not entries[start]:
-            start += 1
-        if start and 2 * start >= len(entries):
-            del entries[:start]
-            start = 0
-        self._start = start
-        for entry in islice(entries, start, None):
-            if live.get(entry[1]) is entry:
-                yield entry[1]
 
 
 class PrefixLFUEvictionPolicy:
@@ -145,7 +90,7 @@ class PrefixLFUEvictionPolicy:
         # Chunks set aside, each with its stamp (ascending = set aside earlier), and those
         # put back and not touched since, at the front of their bucket.
         self._aside: dict[ObjectKey, int] = {}
-        self._back: dict[int, _PutBack] = {}  # by priority, only while non-empty
+        self._back: dict[int, StampedKeys] = {}  # by priority, only while non-empty
         self._next_stamp = 0
 
     def __len__(self) -> int:
@@ -325,17 +270,18 @@ class PrefixLFUEvictionPolicy:
         """Offer ``keys`` (no longer locked) again, ahead of the bucket of their priority in
         the order they were set aside; keys not set aside are ignored."""
         aside, state, back = self._aside, self._state, self._back
+        by_level: dict[int, list[tuple[ObjectKey, int]]] = {}
         for key in keys:
             stamp = aside.pop(key, None)
-            if stamp is None:
-                continue
-            priority = state[key][0]
+            if stamp is not None:
+                by_level.setdefault(state[key][0], []).append((key, stamp))
+        for priority, chunks in by_level.items():
             run = back.get(priority)
             if run is None:
-                run = back[priority] = _PutBack()
+                run = back[priority] = StampedKeys()
                 if priority not in self._buckets:
                     self._add_level(priority)
-            run.add(stamp, key)
+            run.add_many(chunks)
 
     def _leave_run(self, key: ObjectKey) -> int | None:
         """Take ``key`` out of the run of chunks put back at its priority: its stamp, or
@@ -384,6 +330,7 @@ class PrefixLFUEvictionPolicy:
             if back:
                 run = back.get(priority)
                 if run is not None:
+                    run.tidy()  # the dead front dropped, so that the walk starts at a live chunk
                     yield from run.keys()
                 bucket = buckets.get(priority)
                 if bucket is not None:

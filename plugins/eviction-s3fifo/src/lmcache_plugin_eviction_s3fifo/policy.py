@@ -34,87 +34,27 @@ has already judged it (a victim, from ``small`` or ``main``); it keeps that judg
 its place among the victims: put back, it returns among them where its offer put it (each
 offer takes a stamp; walks yield the victims offered and those put back merged by stamp),
 not to a queue, which would give it another pass it never earned.  The keys put back wait
-in a run sorted by stamp (``_PutBack``), so a put_back costs a binary search per key, not
-a pass over the thousands that may wait.  Meanwhile it is what a skipped victim is: a
-read or rewrite takes it to ``main``, and a removal makes it a ghost when it was a victim
-of ``small``.
+in a run per queue sorted by stamp (``StampedKeys``), so a put_back costs a binary search
+per key, not a pass over the thousands that may wait.  Meanwhile it is what a skipped
+victim is: a read or rewrite takes it to ``main``, and a removal makes it a ghost when it
+was a victim of ``small``.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from heapq import merge
-from itertools import islice
 from operator import itemgetter
 from typing import Literal
 
 from lmcache_plugin_eviction_s3fifo import S3FIFOConfig
-from lmcache_tiers.plugin import ObjectKey
+from lmcache_tiers.plugin import ObjectKey, StampedKeys
 
 _Queue = Literal["small", "main"]
 #: a victim's queue and the stamp of its offer (ascending = offered earlier)
 _Offer = tuple[_Queue, int]
-#: a victim put back: the stamp of its offer, the key, its queue
-_Entry = tuple[int, ObjectKey, _Queue]
 _STAMP = itemgetter(0)
-
-#: dead entries the run of victims put back may hold beyond as many as its live ones before
-#: it is rebuilt (each entry is dropped once, so that costs O(1) a key)
-_DEAD_SLACK = 64
-
-
-class _PutBack:
-    """The victims put back, in stamp order.
-
-    A key that leaves (evicted, read, set aside again) leaves its entry behind, dead: a key
-    is live while ``live`` maps it to that very entry.  Walks skip dead entries, the front
-    ones are dropped before each walk, and the run is rebuilt once the dead outnumber the
-    live.  Adding costs a binary search and a C memmove, whatever waits.
-    """
-
-    def __init__(self) -> None:
-        self.live: dict[ObjectKey, _Entry] = {}
-        self._entries: list[_Entry] = []
-        self._start = 0  # entries before it are dropped
-
-    def __len__(self) -> int:
-        return len(self.live)
-
-    def add(self, key: ObjectKey, offer: _Offer) -> None:
-        entry = self.live[key] = (offer[1], key, offer[0])
-        entries = self._entries
-        if len(entries) == self._start or entries[-1][0] < entry[0]:
-            entries.append(entry)
-        else:
-            bisect.insort(entries, entry, lo=self._start, key=_STAMP)
-
-    def pop(self, key: ObjectKey) -> _Offer | None:
-        """Forget ``key``; its offer, or None if it was not here."""
-        entry = self.live.pop(key, None)
-        return None if entry is None else (entry[2], entry[0])
-
-    def tidy(self) -> None:
-        """Drop the dead entries at the front, or all of them once they are too many."""
-        entries, live, start = self._entries, self.live, self._start
-        if len(entries) - start > 2 * len(live) + _DEAD_SLACK:
-            self._entries = sorted(live.values(), key=_STAMP)
-            self._start = 0
-            return
-        while start < len(entries) and live.get(entries[start][1]) is not entries[start]:
-            start += 1
-        if start and 2 * start >= len(entries):
-            del entries[:start]
-            start = 0
-        self._start = start
-
-    def entries(self) -> Iterator[_Entry]:
-        """The live entries, by stamp."""
-        live = self.live
-        for entry in islice(self._entries, self._start, None):
-            if live.get(entry[1]) is entry:
-                yield entry
 
 
 #: keys of ``main`` one walk of ``victims()`` may put back for their reads.  Unbounded, a
@@ -142,7 +82,13 @@ class S3FIFOEvictionPolicy:
         self._frequency: dict[ObjectKey, int] = {}  # every live key
         self._offered: OrderedDict[ObjectKey, _Offer] = OrderedDict()  # yielded, still live
         self._aside: dict[ObjectKey, _Offer] = {}  # offered, locked: out of walks
-        self._returned = _PutBack()  # offered, set aside, put back
+        # offered, set aside, put back: a run by the queue they were victims of
+        self._returned_small = StampedKeys()
+        self._returned_main = StampedKeys()
+        self._returned: dict[_Queue, StampedKeys] = {
+            "small": self._returned_small,
+            "main": self._returned_main,
+        }
         self._next_stamp = 0
 
     def __len__(self) -> int:
@@ -197,8 +143,8 @@ class S3FIFOEvictionPolicy:
             del self._due[key]
             self._frequency[key] = 0
             self._main[key] = None
-        elif (self._aside or self._returned) and (
-            self._aside.pop(key, None) is not None or self._returned.pop(key) is not None
+        elif (self._aside or self._returned_small or self._returned_main) and (
+            self._aside.pop(key, None) is not None or self._take_returned(key) is not None
         ):
             # As a victim skipped: one set aside while locked, or put back since.  Checked
             # last, and only while there are any: a LOOKUP costs one probe per key.
@@ -224,9 +170,17 @@ class S3FIFOEvictionPolicy:
 
     def _victims_offer(self, key: ObjectKey) -> _Offer:
         """Forget ``key``, a victim offered (waiting, set aside or put back): its offer."""
-        offer = self._offered.pop(key, None) or self._aside.pop(key, None) or self._returned.pop(key)
+        offer = self._offered.pop(key, None) or self._aside.pop(key, None) or self._take_returned(key)
         assert offer is not None, "a live key in no queue"
         return offer
+
+    def _take_returned(self, key: ObjectKey) -> _Offer | None:
+        """Forget ``key`` as a victim put back: its offer, or None if it was not one."""
+        for queue, run in self._returned.items():
+            stamp = run.pop(key)
+            if stamp is not None:
+                return queue, stamp
+        return None
 
     def _offer(self, key: ObjectKey, queue: _Queue) -> None:
         self._offered[key] = (queue, self._next_stamp)
@@ -236,34 +190,39 @@ class S3FIFOEvictionPolicy:
         """Leave ``keys`` (victims L1 found locked) out of walks until ``put_back``; keys
         not among the victims offered (removed, read since, set aside already) are
         ignored."""
-        offered, aside, returned = self._offered, self._aside, self._returned
+        offered, aside = self._offered, self._aside
         for key in keys:
-            offer = offered.pop(key, None) or returned.pop(key)
+            offer = offered.pop(key, None) or self._take_returned(key)
             if offer is not None:
                 aside[key] = offer
 
     def put_back(self, keys: Sequence[ObjectKey]) -> None:
         """Offer ``keys`` (no longer locked) again, among the victims in the order they
         were first offered (see the module docstring); keys not set aside are ignored."""
-        aside, returned = self._aside, self._returned
+        aside = self._aside
+        back: dict[_Queue, list[tuple[ObjectKey, int]]] = {"small": [], "main": []}
         for key in keys:
             offer = aside.pop(key, None)
             if offer is not None:
-                returned.add(key, offer)
+                back[offer[0]].append((key, offer[1]))
+        for queue, run in self._returned.items():
+            run.add_many(back[queue])
 
     def _victims_waiting(self) -> Iterator[ObjectKey]:
         """The victims offered before and not evicted, put back ones among them, in the
         order they were first offered."""
         offered = self._offered
-        returned = self._returned
-        returned.tidy()
+        returned = [run for run in self._returned.values() if run]
         if not returned:
             for key in list(offered):
                 if key in offered:
                     yield key
             return
-        waiting = [(offer[1], key, offer[0]) for key, offer in offered.items()]
-        for entry in merge(waiting, returned.entries(), key=_STAMP):  # lazily: a walk stops early
+        for run in returned:
+            run.tidy()
+        waiting = [(offer[1], key) for key, offer in offered.items()]
+        runs = (run.entries() for run in returned)
+        for entry in merge(waiting, *runs, key=_STAMP):  # lazily: a walk stops early
             yield entry[1]
 
     def victims(self) -> Iterator[ObjectKey]:
