@@ -222,3 +222,19 @@ def test_a_pickled_store_over_max_request_keys_is_counted_once(make_mp_server: A
         1,
         4,
     )
+
+
+def test_the_stop_leaves_the_remembered_total_that_of_the_requests_kept(make_mp_server: Any) -> None:
+    """The stop gives back every lookup's locks and forgets the lookups: their keys leave
+    the total as on every other path, so the total stays the sum of what is kept."""
+    server = make_mp_server()
+    requests = server.frontends[0].shared.requests
+    with MPClient(mp_address(server)) as client:
+        shm = client.register(REG)["shm_name"]
+        tokens = tokens_of(9)
+        assert client.store(Key(tokens, "s", worker_id=0), REG.instance_id, chunk_payloads(9, 4, CHUNK), shm)
+        assert client.lookup(Key(tokens, "held")) == 4
+        server.request_stop()
+        assert server.frontends[0].join(30)
+    assert all(state.job is None for state in requests)
+    assert remembered(server) == sum(state.nbytes() for state in requests) > 0

@@ -344,6 +344,7 @@ class Lookups:
                     state.job.waited = False  # its waiter will not finish: settle here
                 released += self.give_back(state.job)
                 state.job = None
+                self.shared.requests.account(state)  # its keys are no longer kept
         return released
 
     def gauges(self) -> tuple[int, int]:
