@@ -310,6 +310,44 @@ def test_a_record_rewritten_while_its_length_is_read_is_never_removed(
     assert found.found == [False], "header and length disagreed: a miss"
 
 
+def _move_slot(nodes: list[RedisServer], slot: int, source: RedisServer, target: RedisServer) -> None:
+    """Move ``slot`` and its keys from ``source`` to ``target``, as a resharding does."""
+    target_id, source_id = (node.cli("CLUSTER", "MYID").stdout.strip() for node in (target, source))
+    target.cli("CLUSTER", "SETSLOT", str(slot), "IMPORTING", source_id)
+    source.cli("CLUSTER", "SETSLOT", str(slot), "MIGRATING", target_id)
+    names = source.cli("CLUSTER", "GETKEYSINSLOT", str(slot), "1000").stdout.split()
+    if names:
+        source.cli("MIGRATE", "127.0.0.1", str(target.port), "", "0", "5000", "KEYS", *names)
+    for node in (target, source, *[n for n in nodes if n not in (target, source)]):
+        node.cli("CLUSTER", "SETSLOT", str(slot), "NODE", target_id)
+
+
+def test_a_cluster_lookup_and_listing_follow_a_slot_moved_since_the_slot_map_was_read(
+    redis_cluster: RedisClusterNodes, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # A lookup's and a listing's commands go to the node the adapter's slot map names:
+    # after a resharding that node answers MOVED, and the commands must reach the new one.
+    where = {"startup_nodes": redis_cluster.startup_nodes, "cluster_mode": True}
+    adapter = open_adapter(**where, key_prefix=prefix, max_capacity_gb=1.0)
+    keys = make_keys(1)
+    store(adapter, keys)
+    name = backend_of(adapter).name_of(keys[0])
+    raw = redis.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+    slot = raw.keyslot(name)
+    source = next(n for n in redis_cluster.nodes if n.port == raw.get_node_from_key(name).port)
+    target = next(n for n in redis_cluster.nodes if n is not source)
+    _move_slot(redis_cluster.nodes, slot, source, target)
+    try:
+        stale = backend_of(adapter).client.get_node_from_key(name)  # type: ignore[union-attr]
+        assert stale.port == source.port, "the adapter's slot map predates the move"
+        found = client_of(adapter).lookup_and_lock(keys)
+        adapter.unlock([key for key, hit in zip(keys, found.found, strict=True) if hit])
+        assert (found.found, found.sizes) == ([True], [4096])
+        assert dict(backend_of(adapter).list_keys()) == {keys[0]: (4096, 4096)}
+    finally:
+        _move_slot(redis_cluster.nodes, slot, target, source)
+
+
 def shared_store(request: pytest.FixtureRequest, mode: str) -> tuple[dict[str, Any], Any]:
     """The adapter settings of a standalone store or a cluster, and a plain client on it
     (another party writing into the store)."""
