@@ -16,6 +16,7 @@ from thirdparty import launch_cli, run_cli, run_cli_in_process
 from tiers_e2e import ServerProcess
 
 from lmcache_tiers.client import Client
+from lmcache_tiers.client.connection import CLEANUP_TIMEOUT_S
 
 
 def test_simulation_tables_name_every_policy_and_the_time(tmp_path: Path) -> None:
@@ -170,6 +171,41 @@ def test_a_server_gone_after_the_last_request_still_gets_its_report(
     )
 
 
+def test_a_signal_while_the_servers_counters_settle_keeps_the_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every request was measured; the replay waited (up to --timeout) for the server's L2
+    stores to settle before its closing STATUS.  SIGTERM or Ctrl-C then threw the whole
+    report away: exit 143, nothing on stdout."""
+    from lmcache_tiers.replay import server as server_replay
+
+    server = start_block_server(tmp_path / "server", 500)
+    settled = server_replay._settled_status
+    waits: list[float] = []
+
+    def signalled_while_settling(probe: Client, timeout_s: float) -> dict[str, object]:
+        waits.append(timeout_s)
+        if len(waits) == 1:
+            signal.raise_signal(signal.SIGTERM)  # a supervisor stops the replay as it waits
+        return settled(probe, timeout_s)
+
+    monkeypatch.setattr(server_replay, "_settled_status", signalled_while_settling)
+    trace = str(small_trace(tmp_path / "t.jsonl", requests=60))
+    args = ["replay", trace, "--url", server.url, "--block-bytes", str(BLOCK_BYTES), "--json"]
+    try:
+        result = run_cli_in_process(args)
+    finally:
+        assert server.stop() == 0, server.output()
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    document = json.loads(result.stdout)
+    assert document["requests"] == 60 and document["failed_requests"] == 0
+    # read again at once, within the clean-up bound: the server still answers
+    assert len(waits) == 2 and waits[1] <= CLEANUP_TIMEOUT_S, waits
+    assert document["l1_hit_blocks"] is not None and document["server_failures"] == {}
+    assert document["stopped"].startswith("interrupted (SIGTERM) after 60 of 60 requests")
+    assert result.stderr.strip().splitlines()[-1].startswith("error: the replay was interrupted (SIGTERM)")
+
+
 def test_a_server_that_dies_mid_replay_ends_it_in_one_line(tmp_path: Path) -> None:
     """Without a server, every request left would wait out its --timeout.  What was
     measured until then is reported."""
@@ -311,6 +347,38 @@ def test_a_replay_stopped_by_a_signal_reports_what_it_measured(
     # the server still answered: its counters are there
     assert document["l1_hit_blocks"] is not None and document["server_failures"] is not None
     assert err.strip().splitlines()[-1].startswith(f"error: the replay was interrupted ({name}) after"), err
+
+
+def test_a_replay_stopped_while_it_starts_its_client_processes_ends_cleanly(tmp_path: Path) -> None:
+    """A signal while the replay still handed a client process its share (spawning is slow
+    on a loaded machine: the first client may be replaying already) cut that hand-over
+    short: the half-fed client printed a traceback after the replay's error line, and the
+    clients already started were never stopped nor asked for their figures (a report of 0
+    requests whatever they had replayed)."""
+    server = start_block_server(tmp_path / "server", 500)
+    trace = str(small_trace(tmp_path / "t.jsonl", requests=4000))  # 20 s of arrivals
+    args = ["replay", trace, "--url", server.url, "--block-bytes", str(BLOCK_BYTES), "--time-scale", "1"]
+    replay = launch_cli([*args, "--clients", "2", "--json"])
+    workers: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not workers:  # the first client process exists: its share is being handed over
+            assert time.monotonic() < deadline and replay.poll() is None, output_of_killed(replay)
+            children = psutil.Process(replay.pid).children()
+            workers = [child for child in children if "spawn_main" in _command_line(child)]
+            time.sleep(0.005)
+        replay.send_signal(signal.SIGTERM)
+        out, err = replay.communicate(timeout=60)
+    finally:
+        replay.kill()
+        server.stop(signal.SIGKILL)
+    assert replay.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err, err
+    assert not any(_running(worker) for worker in workers), "a client process outlived the replay"
+    document = json.loads(out)
+    assert document["clients"] == 2 and document["corrupt_blocks"] == 0
+    assert document["stopped"].startswith(f"interrupted (SIGTERM) after {document['requests']:,} of 4,000")
+    assert err.strip().splitlines()[-1].startswith("error: the replay was interrupted (SIGTERM) after"), err
 
 
 def test_an_in_process_replay_stopped_by_sigterm_removes_its_l1_segment(tmp_path: Path) -> None:

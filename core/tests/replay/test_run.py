@@ -369,3 +369,44 @@ def test_signals_after_the_first_are_ignored_by_a_python_handler() -> None:
             signal.raise_signal(signal.SIGINT)
     for sig, handler in seen.items():
         assert callable(handler), f"{signal.Signals(sig).name} is left to {handler!r}, not a Python handler"
+
+
+def test_a_signal_during_a_deferred_step_is_raised_once_the_step_is_whole() -> None:
+    steps: list[str] = []
+    with pytest.raises(SystemExit) as stopped, server_replay.signals_unwind():
+        with server_replay.signals_deferred():
+            signal.raise_signal(signal.SIGTERM)
+            steps.append("the step ended")
+        steps.append("the replay went on")
+    assert steps == ["the step ended"] and stopped.value.code == 128 + signal.SIGTERM
+
+
+def test_a_client_process_sends_its_answer_whatever_signal_follows_its_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C reaches the client processes, then the replay stops them with SIGTERM: one
+    that had unwound already was back at the default action, which ended it as its answer
+    was written -- its figures lost, half a message left for the replay to read."""
+    monkeypatch.setattr(server_replay, "replay_share", lambda *args, **kwargs: None)  # share done
+    acted_on: list[int] = []
+
+    class Results:
+        answers: list[Any] = []
+
+        def put(self, answer: Any) -> None:
+            signal.raise_signal(signal.SIGTERM)  # the replay stops its clients just now
+            self.answers.append(answer)
+
+    results = Results()
+    # stands in for the default action, which would end this process
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: acted_on.append(signum))
+        for sig in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        server_replay._worker("tcp://127.0.0.1:1", [], ReplayOptions(), 0.0, 0.0, None, None, results)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert acted_on == [], "a signal after the share was acted on before the answer was sent"
+    assert [status for status, _ in results.answers] == ["ok"]

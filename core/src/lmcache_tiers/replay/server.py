@@ -134,15 +134,37 @@ def _ignore_signal(signum: int, frame: Any) -> None:
     "OSError: Signal 15 ignored due to race condition" with a traceback."""
 
 
+class _SignalDeferral:
+    """A signal ``signals_unwind`` caught during a step that must not be cut short (see
+    ``signals_deferred``), raised once that step is whole."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.pending: int | None = None
+
+
+_deferral = _SignalDeferral()
+
+
+def _unwinding(signum: int) -> BaseException:
+    """What a signal raises where the replay is: KeyboardInterrupt for SIGINT,
+    SystemExit(128 + signum) otherwise (read back by ``signal_of``)."""
+    if signum == signal.SIGINT:
+        return KeyboardInterrupt()
+    return SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
-def signals_unwind() -> Iterator[None]:
+def signals_unwind(*, then_ignore: bool = False) -> Iterator[None]:
     """SIGTERM raises SystemExit(128 + 15) and SIGINT KeyboardInterrupt where the replay is,
     so that it unwinds, a server replay or an in-process one alike.  Through a server, a
     request stopped after its LOOKUP gives back the read locks it holds, one stopped inside
     a STORE aborts its reservation; in process, the StorageManager closes and removes its
     L1 arena from /dev/shm.  Under Python's default action SIGTERM ended the process at
     once, and those stayed behind.  After the first signal both are ignored, so that no
-    second one cuts the clean-up short.  In the main thread only (the only one signals
+    second one cuts the clean-up short; with ``then_ignore`` they stay ignored on the way
+    out (a client process, whose answer must reach the parent whole), otherwise the
+    handlers from before are put back.  In the main thread only (the only one signals
     reach).
     """
     if threading.current_thread() is not threading.main_thread():
@@ -152,16 +174,37 @@ def signals_unwind() -> Iterator[None]:
     def stop(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, _ignore_signal)
         signal.signal(signal.SIGINT, _ignore_signal)
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(128 + signum)
+        if _deferral.depth:
+            _deferral.pending = signum  # raised by signals_deferred once its step is whole
+            return
+        raise _unwinding(signum)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
+        _deferral.pending = None
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, _ignore_signal if then_ignore else handler)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Inside ``signals_unwind``: a signal during this step is raised when it ends, not in
+    its middle.  For steps that a cut leaves broken: a client process handed half its share
+    (it printed a traceback, and no one stopped it), an answer read half off the clients'
+    queue (their figures lost).  Only for steps that end on their own, and soon."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _deferral.depth += 1
+    try:
+        yield
+    finally:
+        _deferral.depth -= 1
+        if not _deferral.depth and _deferral.pending is not None:
+            signum, _deferral.pending = _deferral.pending, None
+            raise _unwinding(signum)
 
 
 def replay_share(
@@ -242,7 +285,9 @@ def _worker(
     totals = ReplayTotals()
     try:
         # The parent stops a client with SIGTERM: it unwinds, giving back what it holds.
-        with signals_unwind():
+        # Signals stay ignored after the share: one killing the process while its answer
+        # is written would lose its figures and leave the parent half a message to read.
+        with signals_unwind(then_ignore=True):
             replay_share(
                 url,
                 requests,
@@ -308,25 +353,33 @@ def _replay_server(
     def measured() -> str:
         return f"after {totals.requests:,} of {len(trace.requests):,} requests"
 
+    failure: ClientError | None = None
+    interrupted: KeyboardInterrupt | SystemExit | None = None
     try:
         _replay_all(url, trace, options, clients, auth_token, progress, totals)
     except ClientError as exc:
-        # The server stopped answering (or a client process failed): a last STATUS may
-        # still come from a server that answers again, within the clean-up bound.
-        after, _ = _closing_status(url, auth_token, min(options.timeout_s, CLEANUP_TIMEOUT_S))
-        logger.warning("replay: ended early %s: %s", measured(), exc)
-        raise ReplayStopped(
-            f"replay through {url} failed: {exc}", report(after, f"{exc} ({measured()})"), 1
-        ) from exc
+        failure = exc  # the server stopped answering, or a client process failed
     except (KeyboardInterrupt, SystemExit) as exc:
-        name, code = signal_of(exc)
-        # A short wait only: the user asked to stop (a second signal is ignored meanwhile).
-        after, unread = _closing_status(url, auth_token, min(options.timeout_s, CLEANUP_TIMEOUT_S))
+        interrupted = exc
+    # Cut short, the last STATUS gets the clean-up bound only: the user asked to stop (a
+    # second signal is ignored meanwhile), or the server may be gone (it may answer again).
+    ran_to_end = failure is None and interrupted is None
+    wait_s = options.timeout_s if ran_to_end else min(options.timeout_s, CLEANUP_TIMEOUT_S)
+    after, unread, late_signal = _counters_after(url, auth_token, wait_s)
+    if failure is not None:
+        logger.warning("replay: ended early %s: %s", measured(), failure)
+        raise ReplayStopped(
+            f"replay through {url} failed: {failure}", report(after, f"{failure} ({measured()})"), 1
+        ) from failure
+    signalled = interrupted if interrupted is not None else late_signal
+    if signalled is not None:
+        name, code = signal_of(signalled)
         stopped = f"interrupted ({name}) {measured()}"
+        if interrupted is None:
+            stopped += ", as the server's L2 stores settled: its L2 counts may be short"
         if unread is not None:
             stopped += f"; the server's counters could not be read: {unread}"
-        raise ReplayStopped(f"the replay was {stopped}", report(after, stopped), code) from exc
-    after, unread = _closing_status(url, auth_token, options.timeout_s)
+        raise ReplayStopped(f"the replay was {stopped}", report(after, stopped), code) from signalled
     if unread is not None:
         stopped = f"the server's counters could not be read after the last request: {unread}"
         logger.warning("replay: %s", stopped)
@@ -337,6 +390,19 @@ def _replay_server(
             1,
         )
     return report(after)
+
+
+def _counters_after(
+    url: str, auth_token: str | None, timeout_s: float
+) -> tuple[dict[str, Any] | None, str | None, KeyboardInterrupt | SystemExit | None]:
+    """The closing STATUS (``_closing_status``), and the signal that cut its wait short, if
+    one did: SIGTERM or Ctrl-C while the server's L2 stores settle (up to --timeout) lost
+    the report of a replay that had measured every request.  The counters are then read
+    again at once, within the clean-up bound (a second signal is ignored by then)."""
+    try:
+        return (*_closing_status(url, auth_token, timeout_s), None)
+    except (KeyboardInterrupt, SystemExit) as exc:
+        return (*_closing_status(url, auth_token, min(timeout_s, CLEANUP_TIMEOUT_S)), exc)
 
 
 def _replay_all(
@@ -424,8 +490,7 @@ def _replay_in_processes(
         )
         for share in range(clients)
     ]
-    for worker in workers:
-        worker.start()
+    started: list[multiprocessing.context.SpawnProcess] = []
     errors: list[str] = []
     reported = 0
     answers = 0
@@ -441,14 +506,21 @@ def _replay_in_processes(
         answers += 1
 
     try:
+        # A signal while a client process is handed its share waits until they all have
+        # theirs; then they are stopped like any other.
+        with signals_deferred():
+            for worker in workers:
+                worker.start()
+                started.append(worker)
         while answers < clients:
-            try:
-                status, payload = results.get(timeout=0.2)
-            except queue.Empty:  # keep the progress moving
-                status = None
-            if status is not None:
-                take(status, payload)
-            elif not any(worker.is_alive() for worker in workers) and results.empty():
+            with signals_deferred():  # an answer is read whole and counted, or not at all
+                try:
+                    status, payload = results.get(timeout=0.2)
+                except queue.Empty:  # keep the progress moving
+                    status = None
+                if status is not None:
+                    take(status, payload)
+            if status is None and not any(worker.is_alive() for worker in workers) and results.empty():
                 errors.append("a replay client process died without a result")
                 break
             done = counter.value
@@ -473,7 +545,7 @@ def _replay_in_processes(
                 except queue.Empty:
                     if not any(worker.is_alive() for worker in workers):
                         break
-            for worker in workers:
+            for worker in started:
                 worker.join(timeout=max(0.0, grace - time.monotonic()))
                 if worker.is_alive():
                     worker.kill()
@@ -484,7 +556,7 @@ def _replay_in_processes(
                     clients - answers,
                     clients,
                 )
-        for worker in workers:
+        for worker in started:
             worker.join(timeout=10)
             if worker.is_alive():
                 worker.kill()
