@@ -689,9 +689,7 @@ def test_a_bulk_limit_lowered_after_open_refuses_the_object_over_it_alone(
     # is refused alone, the rest of its batch stored, no call failed.
     where, raw = shared_store(request, mode)
     adapter = open_adapter(**where, key_prefix=prefix, max_capacity_gb=1.0)
-    servers = [request.getfixturevalue("redis_server")] if mode == "standalone" else []
-    servers = servers or list(request.getfixturevalue("redis_cluster").nodes)
-    with bulk_limit(servers, "1mb"):
+    with bulk_limit(_nodes_of(request, mode), "1mb"):
         stored_over_the_limit(adapter, raw, caplog)
 
 
