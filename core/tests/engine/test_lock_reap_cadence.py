@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Iterator
 
 import pytest
 from engine_support import keys_of, store
+from l2_backends import Fifo
 
-from lmcache_tiers.sweep_cadence import SWEEP_COST_FACTOR, SWEEP_FLOOR_S, next_sweep_at, sweep_interval
+from lmcache_tiers.controllers import l1_eviction
+from lmcache_tiers.controllers.l1_eviction import L1EvictionController
+from lmcache_tiers.controllers.stats import EngineStats
+from lmcache_tiers.l1 import L1Manager
+from lmcache_tiers.sweep_cadence import (
+    SWEEP_COST_FACTOR,
+    SWEEP_FLOOR_S,
+    SWEEP_TTL_FRACTION,
+    next_sweep_at,
+    sweep_interval,
+)
 
 SIZE = 4096
+BLOCKS = 16
 TTL_S = 1.0
-#: how long past the TTL the test waits for the reaping: the cadence (a quarter of the
-#: TTL) plus room for a loaded machine, yet well short of the 5 s sweep it replaces
-SLACK_S = 2.5
 
 
 def test_the_cadence_is_a_fraction_of_the_shortest_ttl_within_bounds() -> None:
@@ -44,25 +55,94 @@ def test_the_reap_interval_follows_the_l1_ttls(engine) -> None:
     assert default.l1_eviction.reap_interval_s == 5.0, "the default TTLs: every 5 s, as before"
 
 
-def test_locks_expired_under_a_short_ttl_are_reaped_about_at_their_ttl(engine) -> None:
-    storage = engine(l1_lock_ttl_s=TTL_S, l1_write_ttl_s=TTL_S)
-    ready = keys_of(1, 2)
-    store(storage, ready, SIZE)
-    taken = time.monotonic()
-    assert [obj.key for obj in storage.read(ready)] == ready  # read locks never released
-    assert len(storage.reserve_write(keys_of(2, 1), [SIZE])) == 1  # never committed
-    assert (storage.l1.stats().read_locks, storage.l1.stats().write_locked) == (2, 1)
+class SteppedClock:
+    """The eviction controller's monotonic clock, moved by the test alone: when a reap runs
+    is then decided by the controller's schedule, never by how busy the machine is."""
 
-    deadline = taken + TTL_S + SLACK_S
-    while time.monotonic() < deadline:
-        stats = storage.l1.stats()
-        if (stats.read_locks, stats.write_locked) == (0, 0):
-            break
-        time.sleep(0.02)
-    stats = storage.l1.stats()
-    assert (stats.read_locks, stats.write_locked) == (0, 0), "expired locks still held past TTL + cadence"
-    assert storage.status()["failures"]["l1_lock_expired"] == 3
-    assert all(storage.l1.contains(key) for key in ready), "a reaped read lock leaves its object"
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def stepped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[L1Manager, L1EvictionController, SteppedClock]]:
+    """An L1 with lock and write TTLs of ``TTL_S`` and its eviction controller, driven by
+    hand (no thread) on a stepped clock.  The clock starts on a whole second, so that the
+    reaps, a quarter second apart, fall exactly on its steps."""
+    l1 = L1Manager(BLOCKS * SIZE, align=SIZE, prefault=False, lock_ttl_s=TTL_S, write_ttl_s=TTL_S)
+    clock = SteppedClock(float(math.ceil(time.monotonic())))
+    monkeypatch.setattr(l1_eviction, "time", clock)
+    controller = L1EvictionController(
+        l1, Fifo(), trigger_watermark=0.99, eviction_ratio=0.1, stats=EngineStats(0)
+    )
+    yield l1, controller, clock
+    controller.finish()
+    l1.close()
+
+
+def next_wake_up(controller: L1EvictionController, clock: SteppedClock) -> float:
+    """When the controller's thread steps next: after its regular interval, or sooner when
+    ``next_step_in`` asks (as ``ControllerThread`` waits)."""
+    again = controller.next_step_in()
+    return clock.now + (controller.interval_s if again is None else min(controller.interval_s, again))
+
+
+def step_as_the_thread_does(controller: L1EvictionController, clock: SteppedClock) -> None:
+    """Move the clock to the controller's next wake-up and step it."""
+    clock.now = next_wake_up(controller, clock)
+    controller.step(set())
+
+
+def test_locks_expired_under_a_short_ttl_are_reaped_within_a_quarter_of_their_ttl(stepped) -> None:
+    l1, controller, clock = stepped
+    ready = keys_of(1, 2)
+    locked = l1.reserve_write(ready, [SIZE] * len(ready))
+    assert l1.finish_write_and_reserve_read(ready) == [True] * len(ready)  # never released
+    locked |= l1.reserve_write(keys_of(2, 1), [SIZE])  # never committed
+    assert (l1.stats().read_locks, l1.stats().write_locked) == (2, 1)
+    expiry = max(obj.lock_deadline for obj in locked.values())
+
+    reaped_at = None
+    while reaped_at is None and clock.now < expiry + TTL_S:  # well past the cadence asked for
+        step_as_the_thread_does(controller, clock)
+        if (l1.stats().read_locks, l1.stats().write_locked) == (0, 0):
+            reaped_at = clock.now
+    assert reaped_at is not None, "expired locks still held a TTL past their expiry"
+    assert expiry <= reaped_at <= expiry + TTL_S * SWEEP_TTL_FRACTION, "reaped later than the cadence"
+    assert controller.stats.failures()["l1_lock_expired"] == 3
+    assert all(l1.contains(key) for key in ready), "a reaped read lock leaves its object"
+
+
+def test_a_slow_reap_puts_the_next_off_by_its_own_cost(stepped, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A reap of ~100,000 read locks takes 0.2-0.8 s under the L1 lock: at the quarter-second
+    # cadence of a 1 s TTL the next would be due at once.  The L1's own reap runs; the
+    # stepped clock moves on by the time such a reap takes.
+    l1, controller, clock = stepped
+    duration = 0.5
+    reaps: list[float] = []
+    reap = l1.expire_locks
+
+    def slow_reap(now: float | None = None) -> int:
+        reaps.append(clock.now)
+        try:
+            return reap(now)
+        finally:
+            clock.now += duration
+
+    monkeypatch.setattr(l1, "expire_locks", slow_reap)
+    step_as_the_thread_does(controller, clock)
+    assert len(reaps) == 1, "the first reap, due a quarter TTL after the start"
+    due = reaps[0] + duration * (1 + SWEEP_COST_FACTOR)
+    while next_wake_up(controller, clock) < due:
+        step_as_the_thread_does(controller, clock)
+    assert len(reaps) == 1, "a reap came sooner than 19 times the last one's duration after it"
+    assert next_wake_up(controller, clock) == due, "the thread is not woken when the next reap is due"
+    step_as_the_thread_does(controller, clock)
+    assert reaps == [reaps[0], due], "the reap due did not run"
 
 
 def test_reaps_finding_expired_locks_one_after_another_log_one_line_per_burst(engine, caplog) -> None:
