@@ -192,6 +192,8 @@ def _dynamic_reasons(trees: dict[str, ast.Module]) -> dict[tuple[str, str], set[
         # a refusal's own reason, or the two the loop gives exceptions that are not one
         (f"{mp}/loop.py", "reason"): _constant_args(trees, mp_files, "RequestRefused", 0)
         | {"mp_bad_request", "mp_handler_error"},
+        # refuse_too_large counts a RequestTooLarge, whose reason is fixed
+        (f"{mp}/base.py", "exc.reason"): {"mp_request_too_large"},
         # the reason of the BurstLog that logs it
         (f"{mp}/lookups.py", "log.reason or 'unspecified'"): _constant_args(
             trees, [f"{mp}/lookups.py"], "BurstLog", 1
