@@ -442,7 +442,7 @@ class RedisBackend:
         """Queue ``HGET name h`` and ``HSTRLEN name p`` (a lookup's or a listing's pair).
         In a cluster both go to the node the slot map names for ``name``, found once:
         redis-py's pipeline would otherwise route each command by its key again (its
-        policy resolved, its key hashed) -- half the CPU of a lookup of small replies.
+        policy resolved, its key hashed) -- a third of the CPU of a lookup.
         A node that no longer serves the slot answers MOVED, and redis-py sends that
         command again routed by its key (a single named node is not kept for the retry);
         a slot the map does not cover is left to redis-py's own routing, which heals it."""
