@@ -600,3 +600,17 @@ def test_mutated_long_headers_of_known_keys_get_the_full_decoders_verdict() -> N
         assert outcome(lambda raw: decode_request(raw, cache), data) == outcome(
             p.request_decoder.decode, data
         )
+
+
+def test_the_key_list_of_a_short_or_cut_header_is_not_located() -> None:
+    """Any prefix of a header (each cut short in one of its first fields) gives no offset,
+    or one inside it, and never reads past its end."""
+    from lmcache_tiers.wire import decoding
+
+    for header in (
+        p.encode(p.Lookup(1 << 40, "t" * 40, LONG[:1])),
+        b"\xdc\x00\x04\x03\xcf" + bytes(8) + b"\xda",
+    ):
+        for cut in range(len(header) + 1):
+            at = decoding._key_list_offset(header[:cut], decoding._KEYS_FOURTH)
+            assert at is None or at < cut

@@ -148,7 +148,7 @@ def _key_list_offset(header: bytes, keyed_tags: frozenset[int]) -> int | None:
     reads them.  None when one of them is encoded otherwise (msgspec decodes the header
     then): only the formats whose length the first byte and its length field give."""
     size = len(header)
-    if size < 4:
+    if size < 8:  # room for the array, tag and id heads read before any length check
         return None
     lead = header[0]
     if 0x90 <= lead <= 0x9F:  # fixarray
