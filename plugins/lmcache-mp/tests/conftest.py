@@ -26,7 +26,7 @@ def make_mp_server(make_server: Callable[..., TiersServer]) -> Callable[..., Tie
         config = {
             key: options.pop(key)
             for key in list(options)
-            if key in ("l1_size_gb", "chunk_size", "l1_lock_ttl_s", "l1_write_ttl_s")
+            if key in ("l1_size_gb", "chunk_size", "l1_lock_ttl_s", "l1_write_ttl_s", "shutdown_timeout_s")
         }
         frontends = [{"type": "lmcache_mp", **options}, {"type": "native"}]
         return make_server(adapters=adapters, frontends=frontends, **config)

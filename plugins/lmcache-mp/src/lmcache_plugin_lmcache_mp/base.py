@@ -25,14 +25,14 @@ from lmcache_plugin_lmcache_mp.chunks import (
 )
 from lmcache_plugin_lmcache_mp.state import Instance, RequestTable
 from lmcache_plugin_lmcache_mp.wire import CacheKey
-from lmcache_tiers.plugin import BurstLog, FrontendStats, printable
+from lmcache_tiers.plugin import BurstLog, FrontendStats, KeyValidationError, printable
 
 if TYPE_CHECKING:
     from lmcache_plugin_lmcache_mp import LMCacheMPConfig
     from lmcache_plugin_lmcache_mp.pickled import PickleCodec
     from lmcache_tiers.plugin import StorageManager
 
-__all__ = ["Deferred", "RequestRefused", "RequestTooLarge", "Shared"]
+__all__ = ["Deferred", "RequestRefused", "RequestTooLarge", "Shared", "failure_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,15 @@ class RequestTooLarge(RequestRefused):
     def __init__(self, message: str, keys: int) -> None:
         super().__init__("mp_request_too_large", message)
         self.keys = keys
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The failure counter of a request whose handler raised ``exc``."""
+    if isinstance(exc, RequestRefused):
+        return exc.reason
+    if isinstance(exc, KeyValidationError | ValueError):
+        return "mp_bad_request"
+    return "mp_handler_error"
 
 
 @dataclass

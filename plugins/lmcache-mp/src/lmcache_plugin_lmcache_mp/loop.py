@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused
+from lmcache_plugin_lmcache_mp.base import Deferred, failure_reason
 from lmcache_plugin_lmcache_mp.handlers import NOT_SERVED, Handlers
 from lmcache_plugin_lmcache_mp.wire import (
     MAX_ARGUMENT_BYTES,
@@ -31,7 +31,7 @@ from lmcache_plugin_lmcache_mp.wire import (
     operation_name,
     peek_uid,
 )
-from lmcache_tiers.plugin import FrontendStats, KeyValidationError, RouterLoop, printable
+from lmcache_tiers.plugin import FrontendStats, RouterLoop, printable
 
 logger = logging.getLogger(__name__)
 
@@ -203,12 +203,8 @@ class MPServer:
     # -- replying --------------------------------------------------------------------------
 
     def _failed(self, name: str, uid: bytes, arg_frames: list[bytes], exc: BaseException) -> None:
-        if isinstance(exc, RequestRefused):
-            reason = exc.reason
-        elif isinstance(exc, KeyValidationError | ValueError):
-            reason = "mp_bad_request"
-        else:
-            reason = "mp_handler_error"
+        reason = failure_reason(exc)
+        if reason == "mp_handler_error":
             logger.error("%s: %s (uid %s) raised", self.name, name, peek_uid(uid), exc_info=exc)
         self._unanswered(name, peek_uid(uid), reason, str(exc) or type(exc).__name__, arg_frames)
 

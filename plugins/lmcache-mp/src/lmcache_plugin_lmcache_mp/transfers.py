@@ -25,11 +25,12 @@ commit, and a pickled ``commit_store`` answers false; the client never waits for
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused, RequestTooLarge, Shared
+from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused, RequestTooLarge, Shared, failure_reason
 from lmcache_plugin_lmcache_mp.chunks import keys_for_rank
 from lmcache_plugin_lmcache_mp.lookups import Lookups
 from lmcache_plugin_lmcache_mp.state import (
@@ -68,6 +69,9 @@ class Transfers:
         self._unmapped = BurstLog(logger, "mp_transfer_unregistered_connection")
         # its own window: a line of one cause must not hide the other's
         self._forgotten = BurstLog(logger, "mp_transfer_unregistered_connection")
+        self._abandoned_stores = BurstLog(logger, "mp_shutting_down")
+        #: pickled stores handed to the pool whose keys are not counted yet (loop thread only)
+        self._pickled_stores: set[_PickledStore] = set()
 
     def _resolve(self, key: CacheKey, instance_id: int) -> tuple[Instance, list[ObjectKey]]:
         instance = self.shared.instance(instance_id)
@@ -204,7 +208,18 @@ class Transfers:
             self.shared.refuse_too_large("commit_store", key, exc)
             self._refuse_keys(exc.reason, exc.keys)
             return False
-        pending = self.writes.pop(instance_id, key.request_id, keys, time.monotonic(), peer)
+        try:
+            return self._start_pickled(key, instance, keys, data, peer)
+        except Exception as exc:
+            # Not answered (the loop counts the request and logs it); its keys are known
+            # by now and were not stored, so they count under the same reason.
+            self._refuse_keys(failure_reason(exc), len(keys))
+            raise
+
+    def _start_pickled(
+        self, key: CacheKey, instance: Instance, keys: list[ObjectKey], data: bytes, peer: bytes
+    ) -> Any:
+        pending = self.writes.pop(instance.instance_id, key.request_id, keys, time.monotonic(), peer)
         if pending is not None:
             # A client that fell back from shared memory: its reservation goes now, while
             # it is known to be alive.  On the pool, later, the write TTL may have passed
@@ -221,64 +236,91 @@ class Transfers:
         return self._store_pickled(instance, keys, data)
 
     def _store_pickled(self, instance: Instance, keys: list[ObjectKey], data: bytes) -> Deferred:
-        codec, storage = self.shared.pickle, self.storage
-        assert codec is not None
-        size, layout = instance.object_bytes, instance.layout_text
+        store = _PickledStore(len(keys))
+        self._pickled_stores.add(store)
 
         def work() -> Callable[[], Any]:
             try:
-                chunks = codec.load(data, len(keys), instance.layout)
-            except ValueError as exc:
-                message = str(exc)
+                if not store.given_up:  # else the stop counted it: nothing to copy
+                    self._write_pickled(store, instance, keys, data)
+            except Exception as exc:
+                error, reason = exc, failure_reason(exc)
+                store.settle(lambda: lambda: self._refuse_keys(reason, len(keys)))
 
-                def rejected() -> Any:
-                    self.shared.stats.failure("mp_pickle_rejected")
-                    self._refuse_keys("mp_pickle_rejected", len(keys))
-                    self._pickle_rejections.event(1, f"pickled stores rejected: {message}")
-                    return False
+                def failed() -> Any:
+                    self._answer_pickled(store)
+                    raise error  # the loop counts the request and logs it
 
-                return rejected
-            try:
-                fresh = storage.reserve_write(keys, [size] * len(keys), [layout] * len(keys))
-                skips = self._skips(keys, fresh)  # here: it asks L1, which the loop must not wait for
-            except L1OutOfMemoryError as exc:
-                reason = exc
+                return failed
+            return lambda: self._answer_pickled(store)
 
-                def refused() -> Any:
-                    self._refuse_l1_full(reason, len(keys))
-                    return False
+        return Deferred(work)
 
-                return refused
-            try:
-                for object_key, chunk in zip(keys, chunks, strict=True):
-                    obj = fresh.get(object_key)
-                    if obj is not None:
-                        loan = storage.lend(obj, fill=True)
-                        loan.buffer[:] = chunk
-                        loan.commit()
-            except (KeyError, ValueError):
+    def _answer_pickled(self, store: _PickledStore) -> Any:
+        """Loop thread: count how a pickled store ended (unless the stop has) and answer it."""
+        self._pickled_stores.discard(store)
+        return store.count()
+
+    def _write_pickled(
+        self, store: _PickledStore, instance: Instance, keys: list[ObjectKey], data: bytes
+    ) -> None:
+        """On the pool: unpickle, reserve, copy and commit ``data``, settling ``store``
+        with how it ended (unless the stop gave up on it first: then nothing is committed)."""
+        codec, storage = self.shared.pickle, self.storage
+        assert codec is not None
+        size, layout = instance.object_bytes, instance.layout_text
+        try:
+            chunks = codec.load(data, len(keys), instance.layout)
+        except ValueError as exc:
+            message = str(exc)
+            store.settle(lambda: lambda: self._reject_pickled(message, len(keys)))
+            return
+        try:
+            fresh = storage.reserve_write(keys, [size] * len(keys), [layout] * len(keys))
+        except L1OutOfMemoryError as exc:
+            reason = exc
+            store.settle(lambda: lambda: self._refuse_pickled_l1_full(reason, len(keys)))
+            return
+        try:
+            skips = self._skips(keys, fresh)  # here: it asks L1, which the loop must not wait for
+            copied = _copy_chunks(storage, keys, chunks, fresh)
+        except BaseException:
+            storage.abort_reserved(fresh)
+            raise
+
+        def commit() -> Callable[[], Any]:
+            if not copied:
                 # An object left L1, or is no longer being written: its reservation was
                 # reaped during the copy.  Nothing of this store is made visible (only its
                 # own reservations are acted on: ``abort_reserved``, ``commit_reserved``).
                 storage.abort_reserved(fresh)
-                done = [False] * len(fresh)
+                return lambda: self._count_pickled(skips, 0, len(fresh), size)
+            try:
+                committed = storage.commit_reserved(fresh)
             except BaseException:
                 storage.abort_reserved(fresh)
                 raise
-            else:
-                committed = storage.commit_reserved(fresh)
-                done = [True] * len(committed) + [False] * (len(fresh) - len(committed))
+            return lambda: self._count_pickled(skips, len(committed), len(fresh), size)
 
-            def finish() -> Any:
-                self._count_skips(skips)
-                stored = sum(done)
-                self._count_store(stored, stored * size)
-                self._count_lost(len(done) - stored)  # as the shared-memory commit counts them
-                return stored == len(done)
+        if not store.settle(commit):
+            # Given up at the stop, its keys counted as refused: never made visible now.
+            storage.abort_reserved(fresh)
 
-            return finish
+    def _refuse_pickled_l1_full(self, exc: L1OutOfMemoryError, keys: int) -> bool:
+        self._refuse_l1_full(exc, keys)
+        return False
 
-        return Deferred(work)
+    def _reject_pickled(self, message: str, keys: int) -> bool:
+        self.shared.stats.failure("mp_pickle_rejected")
+        self._refuse_keys("mp_pickle_rejected", keys)
+        self._pickle_rejections.event(1, f"pickled stores rejected: {message}")
+        return False
+
+    def _count_pickled(self, skips: Mapping[str, int], stored: int, reserved: int, size: int) -> bool:
+        self._count_skips(skips)
+        self._count_store(stored, stored * size)
+        self._count_lost(reserved - stored)  # as the shared-memory commit counts them
+        return stored == reserved
 
     def _maps_segment(self, instance: Instance, peer: bytes, what: str) -> bool:
         """Whether the connection registered the instance with this server, and so maps
@@ -509,4 +551,86 @@ class Transfers:
         # next sweep, which does not come after a stop: counted here.
         now = time.monotonic()
         self._count_expired(self.writes.expire(now), len(self.reads.expire(now)))
+        self._give_up_pickled_stores()
         return self._give_back(self.writes.pop_all(), self.reads.pop_all(), "shutting_down")
+
+    def _give_up_pickled_stores(self) -> None:
+        """At the stop: pickled stores still copying when the drain ended, or dropped from
+        the pool's queue before they ran, are never answered nor committed; their keys are
+        counted as refused here (and not again if a copy finishes later).  Those that ended
+        but were not answered yet are counted as they ended."""
+        stores, self._pickled_stores = self._pickled_stores, set()
+        given_up = [store for store in stores if store.give_up()]
+        if given_up:
+            self.shared.stats.failure("mp_shutting_down", len(given_up))
+            self._refuse_keys("shutting_down", sum(store.keys for store in given_up))
+            self._abandoned_stores.event(
+                len(given_up),
+                "pickled commit_store calls given up at the stop (still copying at the drain "
+                "deadline, or not started): not answered, nothing of them stored",
+            )
+
+
+def _copy_chunks(
+    storage: Any, keys: list[ObjectKey], chunks: list[memoryview], fresh: Mapping[ObjectKey, Any]
+) -> bool:
+    """Copy each chunk into the object reserved for its key, if any; False when L1 no
+    longer vouches for one (the object left L1, or is no longer being written: its
+    reservation was reaped during the copy)."""
+    try:
+        for object_key, chunk in zip(keys, chunks, strict=True):
+            obj = fresh.get(object_key)
+            if obj is not None:
+                loan = storage.lend(obj, fill=True)
+                loan.buffer[:] = chunk
+                loan.commit()
+    except (KeyError, ValueError):
+        return False
+    return True
+
+
+class _PickledStore:
+    """A pickled ``commit_store`` handed to the pool, until its keys are counted -- exactly
+    once: by its answer on the loop thread, or at the stop when that never comes (the
+    drain gave up on it, or the pool's queue dropped it before it ran).
+
+    The pool thread settles it (commits, or not, and records how it ended) under the lock
+    the stop takes to give up on it, so exactly one of the two happens: a store given up on
+    is never committed, and one that ended is counted as it ended, by whichever of its
+    answer and the stop comes first."""
+
+    def __init__(self, keys: int) -> None:
+        self.keys = keys
+        self._lock = threading.Lock()
+        self.given_up = False
+        #: how it ended: counts its keys and returns its reply (run once, on the loop thread)
+        self._ending: Callable[[], Any] | None = None
+        self._counted = False
+        self._reply: Any = False
+
+    def settle(self, end: Callable[[], Callable[[], Any]]) -> bool:
+        """Pool thread: run ``end`` (the commit, if any) and keep the ending it returns --
+        unless the stop gave up on the store first: then False, and ``end`` is not run."""
+        with self._lock:
+            if self.given_up:
+                return False
+            self._ending = end()
+            return True
+
+    def give_up(self) -> bool:
+        """Loop thread, at the stop: True if the store had not ended (now it never does:
+        its keys are the caller's to count); otherwise its ending is counted."""
+        with self._lock:
+            if self._ending is None:
+                self.given_up = self._counted = True
+                return True
+        self.count()
+        return False
+
+    def count(self) -> Any:
+        """Loop thread: count how the store ended, once; its reply (false if given up)."""
+        if not self._counted:
+            self._counted = True
+            assert self._ending is not None, "answered before it settled"
+            self._reply = self._ending()
+        return self._reply

@@ -1,0 +1,105 @@
+"""A pickled ``commit_store`` runs on the pool: its keys are counted once however it ends --
+finished, raising, still copying when the stop's drain gives up on it, or never started
+(cancelled from the pool's queue) -- and never again if it finishes after the stop."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from mpclient import (
+    Key,
+    MPClient,
+    Registration,
+    chunk_payloads,
+    mp_address,
+    pickled_chunks,
+    tokens_of,
+    wait_for,
+)
+
+from lmcache_tiers.server.app import TiersServer
+
+REG = Registration()
+CHUNK = REG.object_bytes
+#: how long a stalled copy waits for the test at most (the test never relies on it)
+STALL_LIMIT_S = 60.0
+
+
+def _accounted(server: TiersServer) -> int:
+    """The keys the front end accounts for: stored, skipped and refused."""
+    stats = server.frontends[0].stats()
+    return (
+        stats.store_chunks + sum(stats.store_keys_skipped.values()) + sum(stats.store_keys_refused.values())
+    )
+
+
+def _send_pickled_store(client: MPClient, request: int) -> None:
+    """A pickled commit_store of four chunks, not waiting for its reply."""
+    key = Key(tokens_of(request), f"store-{request}", worker_id=0)
+    client.send(
+        "commit_store", key.encode(), REG.instance_id, pickled_chunks(chunk_payloads(request, 4, CHUNK))
+    )
+
+
+def test_pickled_stores_the_drain_gives_up_on_count_their_keys_once(
+    make_mp_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One pool thread: the first store stalls in its copy, the second waits in the queue.
+    server = make_mp_server(shm=False, allow_pickle=True, workers=1, shutdown_timeout_s=0.2)
+    storage, frontend = server.storage, server.frontends[0]
+    lend = storage.lend
+    go_on = threading.Event()
+
+    def stalled(obj: Any, *, fill: bool = False) -> Any:
+        if fill:
+            go_on.wait(STALL_LIMIT_S)  # a copy slower than the drain
+        return lend(obj, fill=fill)
+
+    monkeypatch.setattr(storage, "lend", stalled)
+    with MPClient(mp_address(server)) as client:
+        client.register(REG)
+        _send_pickled_store(client, 20)
+        _send_pickled_store(client, 21)
+        wait_for(
+            lambda: frontend.loop.router.in_pool == 2 and storage.status()["l1"]["write_locked"] == 4,
+            "the first store copying, the second queued",
+        )
+        frontend.stop()
+        assert frontend.join(30)
+    stats = frontend.stats()
+    assert stats.store_keys_refused["shutting_down"] == 8
+    assert _accounted(server) == 8
+    # The copy the drain gave up on finishes now: its reservations are given back, not
+    # made visible (its keys were counted as refused), and nothing is counted again.
+    go_on.set()
+    wait_for(
+        lambda: storage.status()["l1"]["write_locked"] == 0, "the late copy never gave its reservations back"
+    )
+    assert storage.status()["l1"]["objects"] == 0
+    assert stats.store_chunks == 0
+    assert _accounted(server) == 8
+
+
+def test_a_pickled_store_whose_handler_raises_counts_its_keys(
+    make_mp_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the native front end counts a refused STORE's keys under its error code."""
+    server = make_mp_server(shm=False, allow_pickle=True)
+    storage = server.storage
+
+    def broken(obj: Any, *, fill: bool = False) -> Any:
+        raise RuntimeError("a bug in the copy")
+
+    monkeypatch.setattr(storage, "lend", broken)
+    with MPClient(mp_address(server)) as client:
+        client.register(REG)
+        key = Key(tokens_of(22), "s", worker_id=0)
+        pickled = pickled_chunks(chunk_payloads(22, 4, CHUNK))
+        assert client.unanswered("commit_store", key.encode(), REG.instance_id, pickled, wait_ms=5_000)
+        stats = server.frontends[0].stats()
+        assert stats.failures["mp_handler_error"] == 1
+        assert stats.store_keys_refused["mp_handler_error"] == 4
+        assert _accounted(server) == 4
+        assert storage.status()["l1"]["write_locked"] == 0
