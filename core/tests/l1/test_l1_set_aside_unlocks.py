@@ -9,15 +9,18 @@ The L1 manager is the real one; ``make_room`` is called as L1 eviction calls it.
 from __future__ import annotations
 
 import os
+import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from lmcache_tiers.errors import L1OutOfMemoryError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager
 from lmcache_tiers.l1.nvme import DIRECT_IO_ALIGN
+from lmcache_tiers.l1.objects import L1Object
 
 ALIGN = 4096
 BLOCKS = 16
@@ -195,3 +198,83 @@ def test_the_look_before_a_walk_scans_nothing_still_set_aside() -> None:
         assert _CountingIndex.iterated == 0, "the look scanned the locked index"
     finally:
         l1.close()
+
+
+class _RandomLockLife:
+    """Random reads, releases, L2 stores, forced and plain deletes, temporary frees, lock
+    reaps, clears and rewrites of a few keys, with eviction walks as L1 eviction makes them
+    (it takes the keys whose locks ended, then walks and sets aside what it passed over)."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.keys = _keys(24, start=1000)
+        self.l1 = L1Manager(2 * len(self.keys) * ALIGN, align=ALIGN, prefault=False, lock_ttl_s=60.0)
+        self.stores: list[list[L1Object]] = []
+        self.now = time.monotonic()
+        #: the objects walks passed over whose keys have not come back yet, by key
+        self.waiting: dict[ObjectKey, L1Object] = {}
+
+    def some_keys(self) -> list[ObjectKey]:
+        return self.rng.sample(self.keys, self.rng.randint(1, 4))
+
+    def act(self) -> None:
+        rng, l1, keys = self.rng, self.l1, self.some_keys()
+        choice = rng.random()
+        if choice < 0.15:
+            try:
+                written = list(l1.reserve_write(keys, [ALIGN] * len(keys)))
+            except L1OutOfMemoryError:
+                return
+            (l1.finish_write if rng.random() < 0.5 else l1.finish_write_and_reserve_read)(written)
+        elif choice < 0.3:
+            l1.reserve_read(keys)
+        elif choice < 0.45:
+            l1.finish_read(keys)
+        elif choice < 0.5:
+            self.stores.append(list(l1.reserve_store(keys).values()))
+        elif choice < 0.55 and self.stores:
+            l1.finish_store(self.stores.pop(rng.randrange(len(self.stores))))
+        elif choice < 0.6:
+            l1.delete(keys, force=rng.random() < 0.5)
+        elif choice < 0.63:
+            l1.set_temporary(keys, True)
+        elif choice < 0.65:
+            self.now += rng.choice([1.0, 100.0])  # some locks' TTLs end, or all
+            l1.expire_locks(self.now)
+        elif choice < 0.66:
+            l1.clear(force=rng.random() < 0.5)
+        else:
+            self.walk()
+
+    def walk(self) -> None:
+        back = self.l1.take_unlocked_set_aside()
+        assert len(set(back)) == len(back), "a key came back twice at once"
+        objects = self.l1._table.objects
+        for key in back:
+            obj = self.waiting.pop(key, None)
+            assert obj is not None, "a key came back that was not set aside"
+            assert not (obj.read_locks and objects.get(key) is obj), "a key came back still locked"
+        for key, obj in self.waiting.items():
+            assert obj.read_locks and objects.get(key) is obj, "unlocked or gone, yet still set aside"
+        passed: list[ObjectKey] = []
+        order = list(self.keys)
+        self.rng.shuffle(order)
+        self.l1.make_room(self.rng.randint(1, 2) * ALIGN, order, spare_unstored=True, passed_locked=passed)
+        self.waiting.update((key, objects[key]) for key in passed)
+
+    def check_record(self) -> None:
+        table = self.l1._table
+        for obj in table.set_aside:
+            assert obj.read_locks and table.locked.get(obj.key) is obj, "the record holds an unlocked object"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_lock_lives_bring_each_key_set_aside_back_once_when_its_lock_ends(seed: int) -> None:
+    life = _RandomLockLife(seed)
+    try:
+        for _ in range(3000):
+            life.act()
+            life.check_record()
+        life.walk()
+    finally:
+        life.l1.close()
