@@ -1,8 +1,9 @@
 """StampedKeys: the keys eviction policies put back, waiting in stamp order.
 
 Checked against a plain dict sorted on every look (the reference): the order of keys
-added one at a time and in batches long enough to be merged, the skipping of keys that
-left (or moved to another stamp), and the bound on the entries it keeps."""
+added one at a time and in batches (each a run, the runs merged as they grow), the
+skipping of keys that left (or moved to another stamp), and the bound on the entries it
+keeps."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.plugin import StampedKeys
-from lmcache_tiers.stamped_keys import DEAD_SLACK, MERGE_BATCH
+from lmcache_tiers.stamped_keys import DEAD_SLACK
 
 
 def key(index: int) -> ObjectKey:
@@ -33,11 +34,12 @@ def test_keys_come_out_by_stamp_whatever_order_they_were_added_in() -> None:
     assert len(run) == 50 and key(3) in run and key(99) not in run
 
 
-@pytest.mark.parametrize("batch", [3, MERGE_BATCH, 3 * MERGE_BATCH])
+@pytest.mark.parametrize("batch", [1, 3, 256, 1000])
 def test_a_batch_is_merged_among_the_keys_waiting(batch: int) -> None:
     run = StampedKeys()
     for stamp in range(0, 4 * batch, 2):  # even stamps wait one by one
         run.add(key(stamp), stamp)
+    assert run.stored() == 2 * batch, "a merge neither loses nor repeats an entry"
     odd = [(key(stamp), stamp) for stamp in range(1, 4 * batch, 2)]
     random.Random(batch).shuffle(odd)
     run.add_many(odd)  # odd stamps fall between them, in no order

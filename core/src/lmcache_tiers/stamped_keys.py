@@ -1,25 +1,27 @@
 """Keys waiting in the order of their stamps, for eviction policies' ``put_back``.
 
 A policy that sets locked keys aside (``EvictionPolicy.set_aside``) gives each a stamp
-(ascending = set aside earlier) and, once put back, offers them in stamp order while
-thousands may wait and one more comes back each write.  ``StampedKeys`` holds them in one
-list sorted by stamp: adding a key costs a binary search and a C memmove, a batch larger
-than ``MERGE_BATCH`` is sorted and merged with the run in one C sort instead (a thousand
-keys released at once would otherwise cost a memmove of the whole run each).
+(ascending = set aside earlier) and, once put back, offers them in stamp order while tens
+of thousands may wait and one more comes back each write (under the L1 lock).
+``StampedKeys`` sorts only the keys of each batch added into a run, and merges the runs
+like a binary counter: a run merges with the one before it once that is at most twice as
+long, so there are at most log2 of them and each key is merged that many times, by C
+sorts of two sorted runs.  Iteration merges the runs lazily (a walk stops early).  One
+list kept sorted would cost a memmove of half of it per key added (10-20 us at 50,000
+waiting), and a batch added key by key that much per key.
 
 A key that leaves (evicted, touched, set aside again) leaves its entry behind, dead: a key
 is live while ``live`` maps it to that very entry.  Iteration skips dead entries;
-``tidy`` drops the dead ones at the front (those of the keys the last walk evicted, each
-dropped once), and the run is rebuilt from the live entries once the dead outnumber the
-live by ``DEAD_SLACK``, so it never holds more than ``2 * len(self) + DEAD_SLACK``
-entries after an add.
+``tidy`` drops the dead ones at each run's old end (those of the keys the last walk
+evicted, each dropped once), and the runs are rebuilt from the live entries once the dead
+outnumber the live by more than ``DEAD_SLACK``, so they never hold more than
+``2 * len(self) + DEAD_SLACK`` entries after an add.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterable, Iterator
-from itertools import islice
+from heapq import merge
 from operator import itemgetter
 
 from lmcache_tiers.keys import ObjectKey
@@ -28,25 +30,22 @@ from lmcache_tiers.keys import ObjectKey
 StampedKey = tuple[int, ObjectKey]
 _STAMP = itemgetter(0)
 
-#: dead entries the run may hold beyond as many as its live ones before it is rebuilt
-#: (each entry is dropped once, so that costs O(1) a key)
+#: dead entries the runs may hold beyond as many as the live ones before they are rebuilt
+#: (a sort of the live ones, paid for by the dead ones' keys)
 DEAD_SLACK = 64
-
-#: a batch at least this long is merged with one sort rather than inserted key by key: a
-#: sort costs about 50 ns an entry waiting, a binary-search insert a memmove of half the
-#: run (about 0.2 ns an entry), so the sort is cheaper from a few hundred keys on
-MERGE_BATCH = 256
 
 
 class StampedKeys:
     """Keys in ascending stamp order; adding, removing and membership by key are cheap."""
 
-    __slots__ = ("_entries", "_start", "live")
+    __slots__ = ("_runs", "_stored", "live")
 
     def __init__(self) -> None:
         self.live: dict[ObjectKey, StampedKey] = {}
-        self._entries: list[StampedKey] = []
-        self._start = 0  # entries before it are dropped
+        # Each run sorted newest first, so that the oldest, which walks take, leave it
+        # from its end; the longest run first.  ``_stored`` counts their entries.
+        self._runs: list[list[StampedKey]] = []
+        self._stored = 0
 
     def __len__(self) -> int:
         return len(self.live)
@@ -56,33 +55,28 @@ class StampedKeys:
 
     def stored(self) -> int:
         """Entries held, dead ones included (what the memory bound is about)."""
-        return len(self._entries) - self._start
+        return self._stored
 
     def add(self, key: ObjectKey, stamp: int) -> None:
         """Hold ``key`` with ``stamp`` (a key held already moves to that stamp)."""
-        entry = self.live[key] = (stamp, key)
-        entries = self._entries
-        if len(entries) == self._start or entries[-1][0] < stamp:
-            entries.append(entry)  # later than every stamp held: the common case
-        else:
-            bisect.insort(entries, entry, lo=self._start, key=_STAMP)
-        self._bound()
+        self.add_many(((key, stamp),))
 
     def add_many(self, pairs: Iterable[tuple[ObjectKey, int]]) -> None:
-        """Hold each ``(key, stamp)`` of ``pairs``; a long batch is merged in one sort."""
-        batch = [(stamp, key) for key, stamp in pairs]
-        if len(batch) < MERGE_BATCH:
-            for stamp, key in batch:
-                self.add(key, stamp)
+        """Hold each ``(key, stamp)`` of ``pairs``: a sort of them, and a few merges."""
+        run = [(stamp, key) for key, stamp in pairs]
+        if not run:
             return
         live = self.live
-        for entry in batch:
+        for entry in run:
             live[entry[1]] = entry
-        # Both runs sorted: Python's sort merges them in linear time.
-        merged = self._entries[self._start :]
-        merged += batch
-        merged.sort(key=_STAMP)
-        self._entries, self._start = merged, 0
+        run.sort(key=_STAMP, reverse=True)
+        runs = self._runs
+        runs.append(run)
+        self._stored += len(run)
+        while len(runs) > 1 and len(runs[-2]) <= 2 * len(runs[-1]):
+            last = runs.pop()
+            runs[-1] += last
+            runs[-1].sort(key=_STAMP, reverse=True)  # two sorted runs: one linear merge in C
         self._bound()
 
     def pop(self, key: ObjectKey) -> int | None:
@@ -91,31 +85,33 @@ class StampedKeys:
         return None if entry is None else entry[0]
 
     def tidy(self) -> None:
-        """Drop the dead entries at the front (before a walk, so that it starts at a live
-        one), or rebuild the run once the dead are too many."""
+        """Drop the dead entries at each run's old end (before a walk, so that it starts at
+        live ones), or rebuild the runs once the dead are too many."""
         if self._bound():
             return
-        entries, live, start = self._entries, self.live, self._start
-        while start < len(entries) and live.get(entries[start][1]) is not entries[start]:
-            start += 1
-        if start and 2 * start >= len(entries):
-            del entries[:start]  # the dropped slots are half the list: reclaim them
-            start = 0
-        self._start = start
+        live, runs = self.live, self._runs
+        for run in runs:
+            while run and live.get(run[-1][1]) is not run[-1]:
+                run.pop()
+                self._stored -= 1
+        if not all(runs):
+            runs[:] = [run for run in runs if run]
 
     def _bound(self) -> bool:
-        """Rebuild the run from the live entries if the dead outnumber them by more than
+        """Rebuild the runs from the live entries if the dead outnumber them by more than
         ``DEAD_SLACK``; whether it did."""
-        if self.stored() <= 2 * len(self.live) + DEAD_SLACK:
+        if self._stored <= 2 * len(self.live) + DEAD_SLACK:
             return False
-        self._entries = sorted(self.live.values(), key=_STAMP)
-        self._start = 0
+        run = sorted(self.live.values(), key=_STAMP, reverse=True)
+        self._runs = [run] if run else []
+        self._stored = len(run)
         return True
 
     def entries(self) -> Iterator[StampedKey]:
         """The live ``(stamp, key)`` entries, by stamp."""
-        live = self.live
-        for entry in islice(self._entries, self._start, None):
+        live, runs = self.live, self._runs
+        merged = reversed(runs[0]) if len(runs) == 1 else merge(*map(reversed, runs), key=_STAMP)
+        for entry in merged:
             if live.get(entry[1]) is entry:
                 yield entry
 

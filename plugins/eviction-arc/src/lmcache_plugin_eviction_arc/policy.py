@@ -28,8 +28,9 @@ and the split of a walk, only no walk offers it.  A walk passed over it at the f
 its list (everything before it was evicted or set aside too), so put back it returns to
 the front of the same list, among the keys put back in the order they were set aside
 (each keeps the stamp it was first set aside with): where ARC's own order still has it.
-The keys put back wait in a run sorted by stamp ahead of their list (``StampedKeys``), so
-a put_back costs a binary search per key, not a pass over the thousands that may wait.
+The keys put back wait sorted by stamp ahead of their list (``StampedKeys``), so a
+put_back costs a sort of its own keys and a few merges, not a pass over the thousands that
+may wait.
 Returning to T1 rather than T2 matters: being locked is not a second use.  A read or
 rewrite meanwhile is one, and moves it to T2's most recent end as for any live key; a
 removal forgets it without a ghost (no walk evicted it).

@@ -4,19 +4,10 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
-from heapq import merge
 from itertools import chain
 
 from lmcache_plugin_eviction_lru import LRUConfig
-from lmcache_tiers.plugin import ObjectKey
-
-#: a key put back, with the stamp it was set aside with; the very tuple the key maps to in
-#: ``_returned`` while it waits there (a key put back twice has two, one of them dead)
-_Entry = tuple[int, ObjectKey]
-
-#: dead entries the runs of keys put back may hold beyond as many as the live ones before
-#: they are all dropped at once (a sort of the live ones, paid for by the dead ones' keys)
-_DEAD_SLACK = 64
+from lmcache_tiers.plugin import ObjectKey, StampedKeys
 
 
 class LRUEvictionPolicy:
@@ -32,13 +23,11 @@ class LRUEvictionPolicy:
     makes it the most recent, as for any key.
 
     Keys come back a few at a time, in any order, while tens of thousands may wait to be
-    evicted (under the L1 lock): each ``put_back`` sorts only its own keys into a run, and
-    the runs are merged like a binary counter (a run merges with the one before it once
-    that is at most twice as long, so there are at most log2 of them and each key is
-    merged that many times, by C sorts of two sorted runs); a walk merges the runs lazily.
-    Keys leaving the runs (evicted, read, written, set aside again) leave dead entries
-    behind, skipped by walks: those at a run's old end (the keys walks evicted) are dropped
-    before the next walk, and all of them once they outnumber the live ones.
+    evicted (under the L1 lock): they wait sorted by stamp (``StampedKeys``), so a
+    ``put_back`` costs a sort of its own keys and a few merges, not a pass over the keys
+    waiting.  Keys leaving them (evicted, read, written, set aside again) leave dead
+    entries behind, skipped by walks: those of the keys walks evicted are dropped before
+    the next walk, and all of them once they outnumber the live ones.
     """
 
     def __init__(self, config: LRUConfig | None = None) -> None:
@@ -50,13 +39,8 @@ class LRUEvictionPolicy:
         # Keys out of ``_order``, each with its stamp (ascending = oldest first): locked
         # ones left out of walks, and those put back, offered before ``_order``.
         self._aside: dict[ObjectKey, int] = {}
+        self._returned = StampedKeys()
         self._next_stamp = 0
-        # The keys put back, each with its live entry, and the entries in runs, each
-        # sorted newest first, the longest run first (see the class docstring);
-        # ``_entries`` counts the runs'.
-        self._returned: dict[ObjectKey, _Entry] = {}
-        self._runs: list[list[_Entry]] = []
-        self._entries = 0
 
     # A batch is a prefix (chunk 0 first).  Touching it back to front leaves the tail
     # older than the head, so eviction trims a prefix from its end and the chunks that
@@ -94,7 +78,7 @@ class LRUEvictionPolicy:
                 move_to_end(key)
             except KeyError:
                 # A key out of the order (set aside or put back) read: the most recent now.
-                if aside.pop(key, None) is not None or returned.pop(key, None) is not None:
+                if aside.pop(key, None) is not None or returned.pop(key) is not None:
                     order[key] = None
 
     def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
@@ -108,7 +92,7 @@ class LRUEvictionPolicy:
         aside, returned = self._aside, self._returned
         for key in keys:
             aside.pop(key, None)
-            returned.pop(key, None)
+            returned.pop(key)
 
     def set_aside(self, keys: Sequence[ObjectKey]) -> None:
         """Leave ``keys`` (locked: L1 passed them over, in walk order) out of walks until
@@ -116,67 +100,28 @@ class LRUEvictionPolicy:
         self._last_read = None
         order, aside, returned = self._order, self._aside, self._returned
         for key in keys:
-            entry = returned.pop(key, None)
-            if entry is not None:
-                stamp = entry[0]
-            elif key in order:
+            stamp = returned.pop(key)  # put back and passed over again: it keeps its stamp
+            if stamp is None:
+                if key not in order:
+                    continue  # removed, or set aside already
                 del order[key]
                 stamp = self._next_stamp
                 self._next_stamp += 1
-            else:  # removed, or set aside already
-                continue
             aside[key] = stamp
 
     def put_back(self, keys: Sequence[ObjectKey]) -> None:
         """Offer ``keys`` (no longer locked) again, ahead of the order (see the class
-        docstring); keys not set aside are ignored.  Costs its own keys (a sort of them)
-        and, amortized, a few merges of each."""
+        docstring); keys not set aside are ignored."""
         self._last_read = None
-        aside, returned = self._aside, self._returned
-        run = [(aside.pop(key), key) for key in keys if key in aside]
-        if not run:
-            return
-        # Newest first, so that the oldest, which walks take, leave a run from its end.
-        run.sort(reverse=True)  # by stamp: no two keys share one, so keys are never compared
-        for entry in run:
-            returned[entry[1]] = entry
-        runs = self._runs
-        runs.append(run)
-        self._entries += len(run)
-        while len(runs) > 1 and len(runs[-2]) <= 2 * len(runs[-1]):
-            last = runs.pop()
-            runs[-1] += last
-            runs[-1].sort(reverse=True)  # two sorted runs: one linear merge in C
-
-    def _returned_in_order(self) -> Iterator[ObjectKey]:
-        """The keys put back, by stamp (their live entries, the runs merged)."""
-        returned, runs = self._returned, self._runs
-        for entry in reversed(runs[0]) if len(runs) == 1 else merge(*map(reversed, runs)):
-            if returned.get(entry[1]) is entry:
-                yield entry[1]
-
-    def _drop_dead_entries(self) -> None:
-        """Before a walk: drop the dead entries at the old end of each run (those of the
-        keys the last walks evicted, each dropped once), so that a walk starts at a live
-        one; and all of them once they outnumber the live ones (plus a slack)."""
-        returned, runs = self._returned, self._runs
-        if self._entries > 2 * len(returned) + _DEAD_SLACK:
-            live = sorted(returned.values(), reverse=True)
-            self._runs = [live] if live else []
-            self._entries = len(live)
-            return
-        for run in runs:
-            while run and returned.get(run[-1][1]) is not run[-1]:
-                run.pop()
-                self._entries -= 1
-        if not all(runs):
-            runs[:] = [run for run in runs if run]
+        aside = self._aside
+        self._returned.add_many([(key, aside.pop(key)) for key in keys if key in aside])
 
     def victims(self) -> Iterator[ObjectKey]:
-        if self._runs:
-            self._drop_dead_entries()
-        if self._returned:
-            return chain(self._returned_in_order(), self._order)
+        returned = self._returned
+        if returned.stored():
+            returned.tidy()
+        if returned:
+            return chain(returned.keys(), self._order)
         return iter(self._order)
 
     def __len__(self) -> int:

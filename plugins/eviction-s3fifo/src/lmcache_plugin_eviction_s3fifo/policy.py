@@ -34,10 +34,10 @@ has already judged it (a victim, from ``small`` or ``main``); it keeps that judg
 its place among the victims: put back, it returns among them where its offer put it (each
 offer takes a stamp; walks yield the victims offered and those put back merged by stamp),
 not to a queue, which would give it another pass it never earned.  The keys put back wait
-in a run per queue sorted by stamp (``StampedKeys``), so a put_back costs a binary search
-per key, not a pass over the thousands that may wait.  Meanwhile it is what a skipped
-victim is: a read or rewrite takes it to ``main``, and a removal makes it a ghost when it
-was a victim of ``small``.
+in a run per queue sorted by stamp (``StampedKeys``), so a put_back costs a sort of its
+own keys and a few merges, not a pass over the thousands that may wait.  Meanwhile it is
+what a skipped victim is: a read or rewrite takes it to ``main``, and a removal makes it
+a ghost when it was a victim of ``small``.
 """
 
 from __future__ import annotations
