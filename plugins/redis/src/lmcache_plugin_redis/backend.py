@@ -98,13 +98,22 @@ NAME_LIMIT = 1 << 14
 #: keys asked about per pipelined round trip in lookups, deletes and listings
 KEYS_PER_TRIP = 512
 #: removes a record only if its header is still the one read ("" for none): a record
-#: another writer stored there since is not the one judged, and is kept.  Given a length
-#: (ARGV[2]: a lookup judged the record by its header and HSTRLEN, two reads another
-#: writer may come between), only while the payload is still not that long: the same
-#: object stored again since has the header read, and is intact
+#: another writer stored there since is not the one judged, and is kept.  A record judged
+#: by its payload too (ARGV[2], ARGV[3]: a ``PayloadGuard``) is removed only while its
+#: payload is still the one judged bad -- the same object stored again since has the very
+#: header bytes read, and is intact: "length" and the length read (-1: no payload field),
+#: "sha1" and the digest of the bytes read.  Replies 1 when it removed the record.
 _REMOVE_IF_UNCHANGED = """
 if (redis.call('HGET', KEYS[1], 'h') or '') ~= ARGV[1] then return 0 end
-if ARGV[2] and redis.call('HSTRLEN', KEYS[1], 'p') == tonumber(ARGV[2]) then return 0 end
+if ARGV[2] == 'length' then
+  local judged = tonumber(ARGV[3])
+  if judged < 0 then
+    if redis.call('HEXISTS', KEYS[1], 'p') == 1 then return 0 end
+  elseif redis.call('HSTRLEN', KEYS[1], 'p') ~= judged then return 0 end
+elseif ARGV[2] == 'sha1' then
+  local payload = redis.call('HGET', KEYS[1], 'p')
+  if not payload or redis.sha1hex(payload) ~= ARGV[3] then return 0 end
+end
 return redis.call('UNLINK', KEYS[1])
 """
 #: the digest EVALSHA calls it by (a store that lacks it answers NOSCRIPT, and is sent it)
@@ -131,9 +140,24 @@ _STORE_REFUSAL_CODES = (
     "NOREPLICAS ",
     "MISCONF ",
 )
-#: what is wrong with one loaded object: its error reply, its header and why it is damaged,
-#: or (a miss that is kept) how to count and log it
-Problem = ResponseError | tuple[bytes, RecordError] | Callable[[], None]
+#: what the removal script compares the stored payload with besides the header (see
+#: ``_REMOVE_IF_UNCHANGED``); () for a record judged by its header alone
+PayloadGuard = tuple[()] | tuple[bytes, int | str]
+#: what is wrong with one loaded object: its error reply, its header, why it is damaged and
+#: the payload judged (to remove only that), or (a miss that is kept) how to count and log it
+Problem = ResponseError | tuple[bytes, RecordError, PayloadGuard] | Callable[[], None]
+#: the guard of a record read with a header and no payload field
+NO_PAYLOAD: PayloadGuard = (b"length", -1)
+
+
+def _digest_guard(payload: bytes | memoryview) -> PayloadGuard:
+    """The guard of a payload that failed its checksum: the digest of the bytes read.
+    Its length cannot tell it from the object stored again (the header's length either
+    way), and Lua has no crc32; ``redis.sha1hex`` is built into Redis and Valkey scripts.
+    Hashed on this failure path only, never on a load that verifies."""
+    return (b"sha1", hashlib.sha1(payload).hexdigest())
+
+
 #: what ``_judged_header`` answers for an intact record of another serde chain
 OTHER_CHAIN = "another serde chain"
 
@@ -1199,19 +1223,23 @@ class RedisBackend:
             reader.skip_bulk(payload_len)
             if record_verdict(exc).kept:  # counted and logged once every reply was read
                 return functools.partial(self._deletes.kept_record, key, exc)
-            return header_bytes, exc
+            return header_bytes, exc, ()
         if header is None:
             reader.skip_bulk(payload_len)
             return None
         if payload_len < 0:
             # One HSET writes both fields: a header alone was left by something else,
             # and would answer lookups as a hit that no load can serve.
-            return header_bytes, RecordError("the record has a header but no payload")
+            return header_bytes, RecordError("the record has a header but no payload"), NO_PAYLOAD
         # Checked against the header before a byte reaches the caller's buffer: a payload
         # of the buffer's size that its header does not describe is damage, not a load.
         if payload_len != header.payload_len:
             reader.skip_bulk(payload_len)
-            return header_bytes, RecordError("payload length differs from its header")
+            return (
+                header_bytes,
+                RecordError("payload length differs from its header"),
+                (b"length", payload_len),
+            )
         if payload_len != buffer.nbytes:
             reader.skip_bulk(payload_len)
             return functools.partial(self._size_changed, key, payload_len, buffer.nbytes)
@@ -1220,7 +1248,7 @@ class RedisBackend:
         try:
             verifier.verify()
         except RecordError as exc:
-            return header_bytes, exc
+            return header_bytes, exc, _digest_guard(buffer)
         return True
 
     def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
@@ -1302,13 +1330,13 @@ class RedisBackend:
         keys: Sequence[ObjectKey],
         removable: dict[int, bytes],
         send: Callable[[Any], list[Any] | Exception],
-        unless_length: tuple[int, ...] = (),
+        guard: PayloadGuard = (),
     ) -> dict[int, Any] | Exception:
         """Per index, the reply of its remove-if-unchanged script called by its digest
         through ``send`` -- the keys a node answered NOSCRIPT for sent the body once more,
         to that node alone; the error ``send`` returned when the whole pipeline failed.
-        ``unless_length``: (a payload length) keep a record whose payload is that long."""
-        sent = send(self._removal_pipeline(keys, removable, unless_length, by_sha=True))
+        ``guard``: remove only a record whose payload is still the one judged."""
+        sent = send(self._removal_pipeline(keys, removable, guard, by_sha=True))
         if isinstance(sent, Exception):
             return sent
         replies = dict(zip(removable, sent, strict=True))
@@ -1316,17 +1344,17 @@ class RedisBackend:
             index: removable[index] for index, reply in replies.items() if isinstance(reply, NoScriptError)
         }
         if unknown:
-            replies.update(self._remove_sending_the_script(keys, unknown, unless_length))
+            replies.update(self._remove_sending_the_script(keys, unknown, guard))
         return replies
 
     def _remove_sending_the_script(
-        self, keys: Sequence[ObjectKey], unknown: dict[int, bytes], unless_length: tuple[int, ...]
+        self, keys: Sequence[ObjectKey], unknown: dict[int, bytes], guard: PayloadGuard
     ) -> dict[int, Any]:
         """Replies of the removals a node answered NOSCRIPT to (restarted, flushed, new),
         the script sent whole (which caches it there for later deletes); a pipeline that
         failed whole fails these keys alone -- the rest of the trip's removals were done."""
         try:
-            pipe = self._removal_pipeline(keys, unknown, unless_length, by_sha=False)
+            pipe = self._removal_pipeline(keys, unknown, guard, by_sha=False)
             sent = self._execute(pipe, per_key=True)
         except (RedisError, RedisClusterException) as exc:
             return dict.fromkeys(unknown, exc)
@@ -1336,7 +1364,7 @@ class RedisBackend:
         self,
         keys: Sequence[ObjectKey],
         removable: dict[int, bytes],
-        unless_length: tuple[int, ...],
+        guard: PayloadGuard,
         *,
         by_sha: bool,
     ) -> Any:
@@ -1346,7 +1374,7 @@ class RedisBackend:
         command, script = ("EVALSHA", _REMOVE_IF_UNCHANGED_SHA) if by_sha else ("EVAL", _REMOVE_IF_UNCHANGED)
         for index, header in removable.items():
             # (execute_command: a cluster pipeline refuses eval(), yet routes EVAL by its key)
-            pipe.execute_command(command, script, 1, self.name_of(keys[index]), header, *unless_length)
+            pipe.execute_command(command, script, 1, self.name_of(keys[index]), header, *guard)
         return pipe
 
     def list_keys(self) -> Iterator[tuple[ObjectKey, ObjectSize | int]]:
@@ -1450,8 +1478,8 @@ class RedisBackend:
         still check the payload's length before a byte of it is used.  The two replies
         come from one trip, not one atomic read: a record another writer replaced between
         them by one of another length reads as damage -- a miss, counted, yet kept, as the
-        removal is conditional on the header read and, should the object read have been
-        stored again since, on the payload's length (one script, atomic)."""
+        removal is conditional on the header read and on the payload still being the
+        length read (one script, atomic): the object read, stored again since, is kept."""
         if length_reply == header.payload_len:
             return True
         if _denied(length_reply):
@@ -1476,9 +1504,10 @@ class RedisBackend:
             if length_reply == 0
             else f"the payload is {length_reply} bytes, its header says {header.payload_len}"
         )
-        # Header and length were read by two commands: the removal keeps the record if the
-        # object the header describes was stored again since (the header read, intact).
-        self._discard(key, header_bytes, RecordError(reason), unless_length=header.payload_len)
+        # Header and length were read by two commands: the removal keeps the record unless
+        # its payload is still the length read (the object the header describes, stored
+        # again since, has the header read and is intact).
+        self._discard(key, header_bytes, RecordError(reason), (b"length", int(length_reply)))
         return False
 
     def _header(self, key: ObjectKey, reply: Any, what: str) -> RecordHeader | None:
@@ -1538,37 +1567,52 @@ class RedisBackend:
         if header is None:
             return False
         if payload is None:
-            self._discard(key, header_bytes, RecordError("the record has a header but no payload"))
+            self._discard(
+                key, header_bytes, RecordError("the record has a header but no payload"), NO_PAYLOAD
+            )
             return False
         if len(payload) != buffer.nbytes:
             if len(payload) != header.payload_len:
-                self._discard(key, header_bytes, RecordError("payload length differs from its header"))
+                reason = RecordError("payload length differs from its header")
+                self._discard(key, header_bytes, reason, (b"length", len(payload)))
             else:
                 self._size_changed(key, len(payload), buffer.nbytes)
             return False
         try:
             verify_payload(header, payload)
         except RecordError as exc:
-            self._discard(key, header_bytes, exc)
+            self._discard(key, header_bytes, exc, _digest_guard(payload))
             return False
         copy_into(buffer, payload)
         return True
 
     def _discard(
-        self, key: ObjectKey, header_bytes: bytes, error: Exception, *, unless_length: int | None = None
+        self, key: ObjectKey, header_bytes: bytes, error: Exception, guard: PayloadGuard = ()
     ) -> None:
         """Remove a record that failed verification, unless it was replaced meanwhile --
         as deletes remove, so a node that lost the script is sent it alone (a Script
-        object would load it onto every primary, and fail while any is down).
-        ``unless_length``: keep it too if its payload is (again) that long."""
-        self.context.count("corrupt_records_removed")
-        self.context.warn("corrupt", "removing %s: %s", key.file_stem(), error)
+        object would load it onto every primary, and fail while any is down).  ``guard``:
+        the payload judged (its length, or the digest of its bytes), so that the same
+        object stored again since -- the header bytes read, an intact payload -- is kept.
+        Counted by what the script did: removed, kept (replaced since), or failed."""
         try:
-            extra = () if unless_length is None else (unless_length,)
-            replies = self._removal_replies([key], {0: header_bytes}, self._execute, extra)
+            replies = self._removal_replies([key], {0: header_bytes}, self._execute, guard)
             reply = replies if isinstance(replies, Exception) else replies[0]
             if isinstance(reply, Exception):  # a refusal (NOPERM ...), or the node failed
                 raise reply
         except (RedisError, RedisClusterException) as exc:
             self.context.count("corrupt_remove_failures")
-            self.context.warn("corrupt_remove", "could not remove %s: %s", key.file_stem(), exc)
+            self.context.warn("corrupt_remove", "could not remove %s (%s): %s", key.file_stem(), error, exc)
+            return
+        if reply == 1:
+            self.context.count("corrupt_records_removed")
+            self.context.warn("corrupt", "removed %s: %s", key.file_stem(), error)
+            return
+        self.context.count("corrupt_records_replaced")
+        self.context.warn(
+            "corrupt_replaced",
+            "%s read damaged (%s), yet kept: another writer stored it again or replaced it "
+            "before the removal; a miss",
+            key.file_stem(),
+            error,
+        )
