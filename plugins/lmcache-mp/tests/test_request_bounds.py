@@ -121,8 +121,8 @@ def test_requests_beyond_max_remembered_mb_are_forgotten_least_recent_first(
     requests = server.frontends[0].shared.requests
     with MPClient(mp_address(server)) as client, caplog.at_level(logging.WARNING):
         client.register(REG)
-        for index in range(3):  # 300 chunks each, about 370 KiB with their lookup keys
-            assert client.lookup(Key(tokens_of(index, 300 * 256), f"r{index}")) == 0
+        for index in range(3):  # 350 chunks each, about 375 KiB of tokens and hashes
+            assert client.lookup(Key(tokens_of(index, 350 * 256), f"r{index}")) == 0
         wait_for(lambda: "mp_request_dropped_memory" in mp_stats(server).failures, "no request was forgotten")
         assert remembered(server) <= 1 << 20
         assert requests.peek("r0") is None and requests.peek("r2") is not None
@@ -142,21 +142,36 @@ def test_a_request_whose_tokens_alone_exceed_the_bound_is_refused(make_mp_server
 def test_a_request_remembers_its_tokens_hashes_and_lookup_keys_until_it_ends(
     client: MPClient, mp_server: TiersServer
 ) -> None:
-    client.register(Registration(world_size=8))
-    assert client.lookup(Key(tokens_of(1), "a", world_size=8)) == 0  # 4 chunks x 8 ranks
+    wide = Registration(world_size=8, num_layers=1, hidden_dim_size=8)
+    shm = client.register(wide)["shm_name"]
+    _store_every_rank(client, shm, wide, tokens_of(1))  # the lookup holds locks: it keeps its keys
+    assert client.lookup(Key(tokens_of(1), "a", world_size=8)) == 4  # 4 chunks x 8 ranks
     assert remembered(mp_server) == 4 * (256 * 4 + HASH_BYTES) + 4 * 8 * LOOKUP_KEY_BYTES
     client.call("end_session", "a")
     assert remembered(mp_server) == 0
 
 
+def _store_every_rank(client: MPClient, shm: str, registration: Registration, tokens: list[int]) -> None:
+    """Store ``tokens`` for every rank; the storing requests end (they keep nothing)."""
+    chunks = len(tokens) // 256
+    for rank in range(registration.world_size):
+        key = Key(tokens, f"store-{rank}", worker_id=rank, world_size=registration.world_size)
+        payloads = chunk_payloads(rank, chunks, registration.object_bytes)
+        assert client.store(key, registration.instance_id, payloads, shm)
+        client.call("end_session", key.request_id)
+
+
 def test_lookup_keys_count_against_max_remembered_mb(make_mp_server: Any) -> None:
-    # 8 requests of 20 chunks at world size 64: 170 KiB of tokens and hashes, but 1.7 MiB
-    # of lookup keys, over the bound
+    # 8 requests of 20 chunks at world size 64, each holding read locks on its hits: 170
+    # KiB of tokens and hashes, but 1.7 MiB of lookup keys, over the bound
     server = make_mp_server(max_remembered_mb=1)
+    wide = Registration(world_size=64, num_layers=1, hidden_dim_size=8)
+    tokens = tokens_of(0, 20 * 256)
     with MPClient(mp_address(server)) as client:
-        client.register(Registration(world_size=64))
+        shm = client.register(wide)["shm_name"]
+        _store_every_rank(client, shm, wide, tokens)
         for index in range(8):
-            assert client.lookup(Key(tokens_of(index, 20 * 256), f"r{index}", world_size=64)) == 0
+            assert client.lookup(Key(tokens, f"r{index}", world_size=64)) == 20
         wait_for(lambda: remembered(server) <= 1 << 20, "the lookup keys were not counted")
     assert mp_stats(server).failures["mp_request_dropped_memory"] >= 1
 
@@ -195,8 +210,8 @@ def test_a_request_forgotten_for_memory_gives_back_its_lookup_locks_and_says_why
         assert client.store(Key(tokens, "s", worker_id=0), REG.instance_id, chunk_payloads(9, 4, CHUNK), shm)
         assert client.lookup(Key(tokens, "held")) == 4
         assert l1_read_locks(server) == 4
-        for index in range(3):  # about 370 KiB each: the oldest requests go, "held" first
-            assert client.lookup(Key(tokens_of(index, 300 * 256), f"r{index}")) == 0
+        for index in range(3):  # about 375 KiB each: the oldest requests go, "held" first
+            assert client.lookup(Key(tokens_of(index, 350 * 256), f"r{index}")) == 0
         wait_for(lambda: l1_read_locks(server) == 0, "the forgotten lookup kept its read locks")
         assert server.frontends[0].shared.requests.peek("held") is None
         # its client's next status query is a miss, as for any forgotten request

@@ -82,7 +82,7 @@ class Lookups:
             return None
         readers = self._capped_readers(readers)
         handle, locked = self.storage.start_prefetch(keys, readers=readers)
-        job = state.job = LookupJob(handle, keys, key.world_size, readers, now)
+        job = state.job = LookupJob(handle, keys, key.world_size, readers, now, request_id=key.request_id)
         shared.requests.account(state)  # its keys are kept with the request
         if locked is not None:
             self._settle(job, len(locked))
@@ -237,6 +237,7 @@ class Lookups:
         for first, last in job.early_frees:
             self._release(job, job.take(job.keys_of_chunks(first, min(last, job.hits or 0))))
         job.early_frees.clear()
+        self.forget_keys_if_unlocked(job)  # a lookup that hit nothing holds none
 
     def give_back(self, job: LookupJob) -> int:
         """Release whatever ``job`` holds or will hold; returns the locks released now."""
@@ -277,7 +278,20 @@ class Lookups:
             for count, keys in groups.items():
                 self.storage.release(keys, count, not_before=not_before)
                 released += count * len(keys)
+            self.forget_keys_if_unlocked(job)
         return released
+
+    def forget_keys_if_unlocked(self, job: LookupJob) -> None:
+        """Free the keys of a settled lookup that holds no read lock any more (it hit
+        nothing, or its retrieves and frees took every lock): they only name the locks to
+        give back, and at a large world size they are most of what a request keeps.
+        Until then they count against max_remembered_mb; from now on they do not."""
+        if job.hits is None or job.held or not job.keys:
+            return
+        job.keys = []
+        state = self.shared.requests.peek(job.request_id)
+        if state is not None and state.job is job:
+            self.shared.requests.account(state)
 
     def sweep(self, now: float) -> None:
         """Settle finished prefetches, give back locks held for half the lock TTL, forget

@@ -106,7 +106,8 @@ class LookupJob:
 
     ``hits`` (chunks) is None while the prefetch runs.  Once known, ``held`` counts the
     lookup's read locks still held per key: ``readers`` per key of the hit prefix, less one
-    for each retrieve that consumed it.
+    for each retrieve that consumed it.  ``keys`` only name those locks: once none is held
+    they are emptied (``Lookups.forget_keys_if_unlocked``).
     """
 
     handle: int
@@ -123,6 +124,8 @@ class LookupJob:
     arrived_hits: int | None = None
     #: chunk ranges freed (free_lookup_locks) before the hit count was known
     early_frees: list[tuple[int, int]] = field(default_factory=list)
+    #: the request it is the lookup of (whose remembered size counts its keys)
+    request_id: str = ""
 
     def settle(self, locked_keys: int) -> list[ObjectKey]:
         """Record the prefetch's result (the count of leading keys it read-locked); returns
