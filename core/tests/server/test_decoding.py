@@ -309,15 +309,8 @@ def decoded_keys(cache: KeyCache, keys: list[ObjectKey], req_id: int = 1) -> lis
     return decoded.keys
 
 
-def test_runs_of_a_stored_list_decode_from_it_in_one_comparison(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keys first decoded in one list (a STORE of a prompt): later lists that are runs of it
-    -- its prefixes, windows, a run across two such lists -- are its keys, the very objects,
-    taken by the run path without cutting the list into pieces."""
-    cache = KeyCache()
-    stored = decode_request(p.encode(p.StoreReserve(1, "", SAME_SIZE[:200], [4096] * 200)), cache)
-    more = decode_request(p.encode(p.StoreReserve(2, "", SAME_SIZE[200:], [4096] * 100)), cache)
-    assert isinstance(stored, p.StoreReserve) and isinstance(more, p.StoreReserve)
-    known = stored.keys + more.keys
+def record_runs_found(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each look for runs of remembered lists found the keys, in order."""
     found: list[bool] = []
     runs = KeyCache._runs_of_seen_lists
 
@@ -327,6 +320,19 @@ def test_runs_of_a_stored_list_decode_from_it_in_one_comparison(monkeypatch: pyt
         return keys
 
     monkeypatch.setattr(KeyCache, "_runs_of_seen_lists", recorded)
+    return found
+
+
+def test_runs_of_a_stored_list_decode_from_it_in_one_comparison(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys first decoded in one list (a STORE of a prompt): later lists that are runs of it
+    -- its prefixes, windows, a run across two such lists -- are its keys, the very objects,
+    taken by the run path without cutting the list into pieces."""
+    cache = KeyCache()
+    stored = decode_request(p.encode(p.StoreReserve(1, "", SAME_SIZE[:200], [4096] * 200)), cache)
+    more = decode_request(p.encode(p.StoreReserve(2, "", SAME_SIZE[200:], [4096] * 100)), cache)
+    assert isinstance(stored, p.StoreReserve) and isinstance(more, p.StoreReserve)
+    known = stored.keys + more.keys
+    found = record_runs_found(monkeypatch)
     cases = ((0, 200), (0, 40), (37, 150), (150, 120), (160, 40), (163, 37), (0, 300))
     for first, count in cases:
         keys = decoded_keys(cache, SAME_SIZE[first : first + count], first * 1000 + count)
@@ -351,15 +357,7 @@ def test_every_eighth_new_key_is_remembered_where_it_came_and_runs_are_found_by_
     assert sorted(position for _, position in cache._origins.values()) == sorted(
         [*range(0, 200, 8), *range(0, 100, 8)]
     )
-    found: list[bool] = []
-    runs = KeyCache._runs_of_seen_lists
-
-    def recorded(self: KeyCache, *args: Any) -> list[ObjectKey] | None:
-        keys = runs(self, *args)
-        found.append(keys is not None)
-        return keys
-
-    monkeypatch.setattr(KeyCache, "_runs_of_seen_lists", recorded)
+    found = record_runs_found(monkeypatch)
     for first, count, expected in (
         (1, 100, [True]),
         (195, 40, [False]),
