@@ -97,9 +97,9 @@ def test_a_pickled_store_whose_handler_raises_counts_its_keys(
         client.register(REG)
         key = Key(tokens_of(22), "s", worker_id=0)
         pickled = pickled_chunks(chunk_payloads(22, 4, CHUNK))
-        assert client.unanswered("commit_store", key.encode(), REG.instance_id, pickled, wait_ms=5_000)
+        client.send("commit_store", key.encode(), REG.instance_id, pickled)  # not answered
         stats = server.frontends[0].stats()
-        assert stats.failures["mp_handler_error"] == 1
+        wait_for(lambda: stats.failures["mp_handler_error"] == 1, "the failed store was not counted")
         assert stats.store_keys_refused["mp_handler_error"] == 4
         assert _accounted(server) == 4
         assert storage.status()["l1"]["write_locked"] == 0
