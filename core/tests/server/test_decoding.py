@@ -612,3 +612,15 @@ def test_the_key_list_of_a_short_or_cut_header_is_not_located() -> None:
         for cut in range(len(header) + 1):
             at = decoding._key_list_offset(header[:cut], decoding._KEYS_FOURTH)
             assert at is None or at < cut
+
+
+def test_compiled_piece_layouts_are_bounded_by_their_pieces() -> None:
+    """A layout compiled to cut a list costs some 32 bytes a piece: lists of 8192 keys in
+    many lengths would have kept 256 of them (64 MiB).  They stay within some 2 MiB, and
+    lists still decode right once layouts were forgotten."""
+    cache = KeyCache()
+    keys = [ObjectKey("m", 0, index.to_bytes(4, "big")) for index in range(4500)]
+    for count in range(4000, 4000 + 40):
+        assert decoded_keys(cache, keys[:count], count) == keys[:count]
+        assert sum(layout.__sizeof__() for layout in cache._splitters.values()) <= 3 << 20
+    assert decoded_keys(cache, keys[5:4400]) == keys[5:4400]

@@ -77,13 +77,17 @@ from lmcache_tiers.wire import protocol as p
 __all__ = ["KEY_CACHE_ENTRIES", "KeyCache", "decode_request"]
 
 #: ~460 bytes each (the key object, its bytes, the dict entry; bench/bench_memory.py):
-#: ~30 MiB when full, besides the whole lists and their origins (at most 24 MiB more).
+#: ~30 MiB when full, besides the whole lists and their origins (at most 24 MiB more) and
+#: the layouts lists are cut with (2 MiB).
 KEY_CACHE_ENTRIES = 1 << 16
 
 _RawKeys = Annotated[list[msgspec.Raw], msgspec.Meta(max_length=p.MAX_KEYS_PER_REQUEST)]
 _raw_keys_decoder: msgspec.msgpack.Decoder[list[msgspec.Raw]] = msgspec.msgpack.Decoder(_RawKeys)
 #: compiled equal-piece layouts by (piece length, pieces); a few per client in practice
 _SPLITTERS_MAX = 256
+#: pieces those layouts may cut in all: each costs a ``struct`` code of some 32 bytes, and
+#: 256 layouts of 8192 pieces would hold 64 MiB (this holds 2 MiB)
+_SPLITTER_PIECES_MAX = 1 << 16
 
 
 #: whole key lists remembered (a lookup of a waiting prompt repeats every scheduler step),
@@ -198,6 +202,7 @@ class KeyCache:
         self._keys: dict[bytes, ObjectKey] = {}
         self._decode = msgspec.msgpack.Decoder(ObjectKey).decode
         self._splitters: dict[tuple[int, int], struct.Struct] = {}
+        self._splitter_pieces = 0
         # whole key lists seen before, by (length, last bytes): (their msgpack, keys)
         self._lists: dict[tuple[int, bytes], tuple[msgspec.Raw, list[ObjectKey]]] = {}
         self._list_bytes = 0
@@ -312,12 +317,7 @@ class KeyCache:
             runs = self._runs_of_seen_lists(bytes(data), start, size, count)
             if runs is not None:
                 return runs
-        splitter = self._splitters.get((size, count))
-        if splitter is None:
-            if len(self._splitters) >= _SPLITTERS_MAX:
-                self._splitters.clear()
-            splitter = self._splitters[(size, count)] = struct.Struct(f"{size}s" * count)
-        pieces = splitter.unpack_from(data, start)
+        pieces = self._splitter(size, count).unpack_from(data, start)
         keys: list[Any] = list(map(self._keys.get, pieces))
         if not all(keys):  # keys are never false, None is
             # New keys: decoded from the pieces already cut, unless one is not a whole key
@@ -329,6 +329,19 @@ class KeyCache:
             except Exception:
                 return None
         return keys
+
+    def _splitter(self, size: int, count: int) -> struct.Struct:
+        """The compiled layout of ``count`` pieces of ``size`` bytes; the layouts kept are
+        forgotten when one more would pass their count or their budget of pieces."""
+        splitters = self._splitters
+        splitter = splitters.get((size, count))
+        if splitter is None:
+            if len(splitters) >= _SPLITTERS_MAX or self._splitter_pieces + count > _SPLITTER_PIECES_MAX:
+                splitters.clear()
+                self._splitter_pieces = 0
+            splitter = splitters[(size, count)] = struct.Struct(f"{size}s" * count)
+            self._splitter_pieces += count
+        return splitter
 
     def _runs_of_seen_lists(self, data: bytes, start: int, size: int, count: int) -> list[ObjectKey] | None:
         """The ``count`` keys of ``size`` bytes each from ``start`` in ``data``, when they
