@@ -10,6 +10,7 @@ from lmcache_plugin_eviction_s3fifo import S3FIFOConfig
 from lmcache_plugin_eviction_s3fifo.policy import S3FIFOEvictionPolicy
 
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.plugin import StampedKeys
 from lmcache_tiers.testing.policies import check_set_aside_against_reference, make_keys
 
 
@@ -65,3 +66,24 @@ def test_a_victim_read_while_set_aside_goes_to_main() -> None:
     walk = list(policy.victims())
     assert walk[:2] == passed[1:]
     assert walk.count(passed[0]) == 1
+
+
+def test_a_read_asks_whether_victims_wait_once_per_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every LOOKUP counts its keys here, under the L1 lock: whether any victim is set aside
+    # or put back is asked once per batch, not once per key (each ask of a run's size is
+    # a Python call, which doubled the cost of a read of keys in the queues).
+    policy = S3FIFOEvictionPolicy()
+    keys = make_keys(200)
+    policy.on_keys_written(keys)
+    asks = 0
+    sized = StampedKeys.__len__
+
+    def counted(run: StampedKeys) -> int:
+        nonlocal asks
+        asks += 1
+        return sized(run)
+
+    monkeypatch.setattr(StampedKeys, "__len__", counted)
+    policy.on_keys_read(keys)
+    policy.on_keys_written(keys)
+    assert asks <= 2 * 2, f"{asks} asks of the runs' sizes for two batches of {len(keys)} keys"

@@ -99,9 +99,10 @@ class S3FIFOEvictionPolicy:
 
     def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
         frequency = self._frequency
+        skipped = self._victims_skipped()
         for key in reversed(keys):
             if key in frequency:
-                self._count_read(key)  # a rewrite of a live key is another use of it
+                self._count_read(key, skipped)  # a rewrite of a live key is another use of it
             elif key in self._ghosts:
                 del self._ghosts[key]
                 frequency[key] = 0
@@ -126,11 +127,19 @@ class S3FIFOEvictionPolicy:
 
     def on_keys_read(self, keys: Sequence[ObjectKey]) -> None:
         frequency = self._frequency
+        skipped = self._victims_skipped()
         for key in keys:
             if key in frequency:
-                self._count_read(key)
+                self._count_read(key, skipped)
 
-    def _count_read(self, key: ObjectKey) -> None:
+    def _victims_skipped(self) -> bool:
+        """Whether any victim is set aside or put back: asked once per batch, as each ask
+        of a run's size is a Python call, which per key doubled the cost of a LOOKUP."""
+        return bool(self._aside or self._returned_small or self._returned_main)
+
+    def _count_read(self, key: ObjectKey, skipped: bool) -> None:
+        """Count a use of live ``key``; ``skipped``: whether victims set aside or put back
+        may be among the keys (``_victims_skipped`` at the start of the batch)."""
         count = self._frequency[key]
         if count < self._max_frequency:
             self._frequency[key] = count + 1
@@ -143,9 +152,7 @@ class S3FIFOEvictionPolicy:
             del self._due[key]
             self._frequency[key] = 0
             self._main[key] = None
-        elif (self._aside or self._returned_small or self._returned_main) and (
-            self._aside.pop(key, None) is not None or self._take_returned(key) is not None
-        ):
+        elif skipped and (self._aside.pop(key, None) is not None or self._take_returned(key) is not None):
             # As a victim skipped: one set aside while locked, or put back since.  Checked
             # last, and only while there are any: a LOOKUP costs one probe per key.
             self._main[key] = None
