@@ -17,6 +17,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -316,13 +317,19 @@ def _stored_again_after_the_loads_read(
     """Make the next load read the record as it is, and then -- before it acts on what
     it read -- another writer store ``own`` (header, payload) under ``name`` again: the
     same object, so the same header bytes as the damaged record the load read."""
+    _after_the_loads_read(backend, lambda: raw.hset(name, mapping={"h": own[0], "p": own[1]}))
+
+
+def _after_the_loads_read(backend: RedisBackend, meanwhile: Callable[[], Any]) -> None:
+    """Make the next load read the records as they are, and ``meanwhile`` run before it
+    acts on what it read (removes what it judged damaged)."""
 
     done: list[bool] = []
 
     def rewrite(result: Any) -> Any:
         if not done:  # the load's own read only, not the removal after it
             done.append(True)
-            raw.hset(name, mapping={"h": own[0], "p": own[1]})
+            meanwhile()
         return result
 
     if backend._direct is not None:
@@ -335,6 +342,43 @@ def _stored_again_after_the_loads_read(
 
 def _shorten_the_payload(raw: Any, name: str, payload: bytes) -> None:
     raw.hset(name, "p", payload[:1000])  # its header, intact, says 4096 bytes
+
+
+@dataclass
+class DamagedRecord:
+    """One stored object damaged after a lookup found it (locked, of ``sizes``)."""
+
+    adapter: BackendAdapter
+    backend: RedisBackend
+    raw: Any
+    keys: list[ObjectKey]
+    data: bytes
+    name: str
+    header: bytes
+    sizes: Any
+
+
+def _damaged_after_its_lookup(
+    request: pytest.FixtureRequest,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    mode: str,
+    damage: Callable[[Any, str, bytes], None],
+) -> DamagedRecord:
+    """Store one object on a ``mode`` adapter ("direct", "pipelined" or "cluster"), look
+    it up (locking it), then ``damage`` it: the load that follows reads the damage."""
+    where, raw = shared_store(request, "cluster" if mode == "cluster" else "standalone")
+    adapter = open_adapter(**where, key_prefix=prefix)
+    backend = backend_of(adapter)
+    if mode == "pipelined":
+        backend._direct = None
+    keys = make_keys(1)
+    (data,) = store(adapter, keys)
+    name = backend.name_of(keys[0])
+    header = raw.hget(name, "h")
+    found = client_of(adapter).lookup_and_lock(keys)
+    damage(raw, name, data)
+    return DamagedRecord(adapter, backend, raw, keys, data, name, header, found.sizes)
 
 
 @pytest.mark.parametrize("damage", [_flip_a_payload_byte, _drop_the_payload, _shorten_the_payload])
@@ -352,27 +396,19 @@ def test_a_record_stored_again_while_a_load_judges_it_damaged_is_never_removed(
     # same header bytes as the damaged one, yet is intact: removing it would lose an
     # acknowledged write.  Only the bytes judged bad may be removed, and what is kept is
     # not counted as removed.
-    where, raw = shared_store(request, "cluster" if mode == "cluster" else "standalone")
-    adapter = open_adapter(**where, key_prefix=prefix)
-    backend = backend_of(adapter)
-    if mode == "pipelined":
-        backend._direct = None
-    keys = make_keys(1)
-    (data,) = store(adapter, keys)
-    name = backend.name_of(keys[0])
-    own = (raw.hget(name, "h"), data)
-    found = client_of(adapter).lookup_and_lock(keys)
-    damage(raw, name, data)
-    _stored_again_after_the_loads_read(backend, raw, name, own)
-    assert load(adapter, keys, found.sizes)[0] == [False], "the record read was damaged: a miss"
-    adapter.unlock(keys)
+    record = _damaged_after_its_lookup(request, prefix, open_adapter, mode, damage)
+    adapter, raw, name, data = record.adapter, record.raw, record.name, record.data
+    own = (record.header, data)
+    _stored_again_after_the_loads_read(record.backend, raw, name, own)
+    assert load(adapter, record.keys, record.sizes)[0] == [False], "the record read was damaged: a miss"
+    adapter.unlock(record.keys)
     assert (raw.hget(name, "h"), raw.hget(name, "p")) == own, "the object stored again is kept"
     stats = adapter.stats()
     assert stats.get("corrupt_records_removed", 0) == 0, "nothing was removed"
     assert stats["corrupt_records_replaced"] == 1
-    found = client_of(adapter).lookup_and_lock(keys)
-    assert load(adapter, keys, found.sizes) == ([True], [data])
-    adapter.unlock(keys)
+    found = client_of(adapter).lookup_and_lock(record.keys)
+    assert load(adapter, record.keys, found.sizes) == ([True], [data])
+    adapter.unlock(record.keys)
 
 
 @pytest.mark.parametrize("damage", [_flip_a_payload_byte, _drop_the_payload, _shorten_the_payload])
@@ -386,21 +422,35 @@ def test_a_record_a_load_judges_damaged_is_removed_while_it_is_the_record_read(
 ) -> None:
     # The other side of the guard above: the damaged bytes themselves, untouched since the
     # load read them (its length, its digest), are removed and counted removed.
-    where, raw = shared_store(request, "cluster" if mode == "cluster" else "standalone")
-    adapter = open_adapter(**where, key_prefix=prefix)
-    backend = backend_of(adapter)
-    if mode == "pipelined":
-        backend._direct = None
-    keys = make_keys(1)
-    (data,) = store(adapter, keys)
-    name = backend.name_of(keys[0])
-    found = client_of(adapter).lookup_and_lock(keys)
-    damage(raw, name, data)
-    assert load(adapter, keys, found.sizes)[0] == [False]
-    adapter.unlock(keys)
-    assert raw.exists(name) == 0
-    stats = adapter.stats()
+    record = _damaged_after_its_lookup(request, prefix, open_adapter, mode, damage)
+    assert load(record.adapter, record.keys, record.sizes)[0] == [False]
+    record.adapter.unlock(record.keys)
+    assert record.raw.exists(record.name) == 0
+    stats = record.adapter.stats()
     assert stats["corrupt_records_removed"] == 1 and stats.get("corrupt_records_replaced", 0) == 0
+
+
+@pytest.mark.parametrize("damage", [_flip_a_payload_byte, _drop_the_payload, _shorten_the_payload])
+def test_a_damaged_record_removed_by_another_writer_meanwhile_is_logged_as_gone(
+    request: pytest.FixtureRequest,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    damage: Callable[[Any, str, bytes], None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A record deleted (or evicted) between the load's read and its removal: the script
+    # finds no header and removes nothing.  Not counted removed -- this server removed
+    # nothing -- and the log line must not claim the object was stored again.
+    record = _damaged_after_its_lookup(request, prefix, open_adapter, "direct", damage)
+    _after_the_loads_read(record.backend, lambda: record.raw.delete(record.name))
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l2.redis"):
+        assert load(record.adapter, record.keys, record.sizes)[0] == [False]
+    record.adapter.unlock(record.keys)
+    assert record.raw.exists(record.name) == 0
+    stats = record.adapter.stats()
+    assert stats.get("corrupt_records_removed", 0) == 0 and stats["corrupt_records_replaced"] == 1
+    (line,) = [r.getMessage() for r in caplog.records if "read damaged" in r.getMessage()]
+    assert "removed since" in line, line
 
 
 def _move_slot(nodes: list[RedisServer], slot: int, source: RedisServer, target: RedisServer) -> None:

@@ -1594,7 +1594,8 @@ class RedisBackend:
         object would load it onto every primary, and fail while any is down).  ``guard``:
         the payload judged (its length, or the digest of its bytes), so that the same
         object stored again since -- the header bytes read, an intact payload -- is kept.
-        Counted by what the script did: removed, kept (replaced since), or failed."""
+        Counted by what the script did: removed, not (stored again, replaced or removed
+        since: no longer the record read), or failed."""
         try:
             replies = self._removal_replies([key], {0: header_bytes}, self._execute, guard)
             reply = replies if isinstance(replies, Exception) else replies[0]
@@ -1611,8 +1612,8 @@ class RedisBackend:
         self.context.count("corrupt_records_replaced")
         self.context.warn(
             "corrupt_replaced",
-            "%s read damaged (%s), yet kept: another writer stored it again or replaced it "
-            "before the removal; a miss",
+            "%s read damaged (%s), not removed: no longer the record read -- stored again, "
+            "replaced or removed since the read; a miss",
             key.file_stem(),
             error,
         )
