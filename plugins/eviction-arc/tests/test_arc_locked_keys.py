@@ -9,7 +9,11 @@ import pytest
 from lmcache_plugin_eviction_arc.policy import ARCEvictionPolicy
 
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.testing.policies import check_set_aside_against_reference, make_keys
+from lmcache_tiers.testing.policies import (
+    check_set_aside_against_reference,
+    make_keys,
+    put_back_past_an_unstored_key,
+)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -64,3 +68,11 @@ def test_a_key_read_while_set_aside_goes_to_t2_and_removed_leaves_no_ghost() -> 
     policy.put_back(walk[:2])
     offered = list(policy.victims())
     assert offered.count(walk[0]) == 1 and walk[1] not in offered
+
+
+def test_a_key_put_back_goes_ahead_of_one_passed_over_unstored() -> None:
+    # L1 passes over a victim not yet stored in L2 without setting it aside: it stays in
+    # its list, and the key put back goes ahead of it though it was behind (the departure the
+    # module docstring names).
+    unstored, put_back, walk = put_back_past_an_unstored_key(ARCEvictionPolicy())
+    assert walk.index(put_back) < walk.index(unstored)

@@ -19,7 +19,7 @@ from lmcache_tiers.controllers.l1_eviction import L1EvictionController
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager
-from lmcache_tiers.testing.policies import make_keys
+from lmcache_tiers.testing.policies import make_keys, put_back_past_an_unstored_key
 
 ALIGN = 4096
 BLOCKS = 64
@@ -302,3 +302,11 @@ def test_locked_keys_deleted_by_force_leave_the_set_aside_record(full: FullL1) -
     assert full.l1.take_unlocked_set_aside() == []
     assert not full.l1._table.set_aside, "objects no longer in L1 are still recorded"
     assert not full.l1._table.set_aside_ended
+
+
+def test_a_key_put_back_goes_ahead_of_one_passed_over_unstored() -> None:
+    # L1 passes over a victim not yet stored in L2 without setting it aside: it stays in
+    # the order, and the key put back goes ahead of it though it was behind (the departure the
+    # module docstring names).
+    unstored, put_back, walk = put_back_past_an_unstored_key(LRUEvictionPolicy())
+    assert walk.index(put_back) < walk.index(unstored)

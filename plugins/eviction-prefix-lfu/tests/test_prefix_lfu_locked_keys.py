@@ -11,7 +11,11 @@ from lmcache_plugin_eviction_prefix_lfu import PrefixLFUConfig
 from lmcache_plugin_eviction_prefix_lfu.policy import PrefixLFUEvictionPolicy
 
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.testing.policies import check_set_aside_against_reference, make_keys
+from lmcache_tiers.testing.policies import (
+    check_set_aside_against_reference,
+    make_keys,
+    put_back_past_an_unstored_key,
+)
 
 
 @pytest.mark.parametrize("credit_and_penalty", [(0.0, 0.0), (2.0, 1.0), (8.0, 4.0)])
@@ -105,3 +109,11 @@ def test_levels_stay_those_of_the_buckets_and_runs_put_back(seed: int) -> None:
     check_set_aside_against_reference(
         lambda: LevelsChecked(config), seed, inspect=True, held_aside=held_aside
     )
+
+
+def test_a_key_put_back_goes_ahead_of_one_passed_over_unstored() -> None:
+    # L1 passes over a victim not yet stored in L2 without setting it aside: it stays in
+    # its bucket, and the key put back goes ahead of it though it was behind (the departure the
+    # module docstring names).
+    unstored, put_back, walk = put_back_past_an_unstored_key(PrefixLFUEvictionPolicy())
+    assert walk.index(put_back) < walk.index(unstored)

@@ -11,7 +11,11 @@ from lmcache_plugin_eviction_s3fifo.policy import S3FIFOEvictionPolicy
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.plugin import StampedKeys
-from lmcache_tiers.testing.policies import check_set_aside_against_reference, make_keys
+from lmcache_tiers.testing.policies import (
+    check_set_aside_against_reference,
+    make_keys,
+    put_back_past_an_unstored_key,
+)
 
 
 @pytest.mark.parametrize("fraction", [0.1, 0.5, 0.9])
@@ -87,3 +91,10 @@ def test_a_read_asks_whether_victims_wait_once_per_batch(monkeypatch: pytest.Mon
     policy.on_keys_read(keys)
     policy.on_keys_written(keys)
     assert asks <= 2 * 2, f"{asks} asks of the runs' sizes for two batches of {len(keys)} keys"
+
+
+def test_a_key_put_back_stays_behind_one_passed_over_unstored() -> None:
+    # L1 passes over a victim not yet stored in L2 without setting it aside: it waits
+    # among the victims with the stamp of its offer, so the key put back stays behind it.
+    unstored, put_back, walk = put_back_past_an_unstored_key(S3FIFOEvictionPolicy())
+    assert walk.index(unstored) < walk.index(put_back)

@@ -52,6 +52,22 @@ def assert_offered_once(offered: Sequence[ObjectKey], expected: Iterable[ObjectK
     assert set(offered) == wanted, f"{what}: offered {len(offered)} keys, expected {len(wanted)}"
 
 
+def put_back_past_an_unstored_key(policy: Any) -> tuple[ObjectKey, ObjectKey, list[ObjectKey]]:
+    """A walk as L1 makes it over six keys written in one batch: the 1st victim evicted,
+    the 2nd passed over without being set aside (not yet stored in L2), the 3rd locked and
+    set aside, the 4th evicted; then the 3rd put back.  Returns the 2nd, the 3rd and the
+    next full walk (ended by an empty removal report), for a policy's tests to say which
+    of the two it offers first."""
+    policy.on_keys_written(make_keys(6))
+    walk = list(islice(policy.victims(), 4))
+    policy.on_keys_removed([walk[0], walk[3]])
+    policy.set_aside(walk[2:3])
+    policy.put_back(walk[2:3])
+    after = list(policy.victims())
+    policy.on_keys_removed([])
+    return walk[1], walk[2], after
+
+
 def check_set_aside_against_reference(
     make_policy: Callable[[], Any],
     seed: int,
@@ -68,13 +84,15 @@ def check_set_aside_against_reference(
     Walks are made as L1 makes them: the keys whose locks ended (or that left L1) put back
     first, in any order and some twice; victims taken until ``wanted`` unlocked ones are
     evicted (the walk stopped right after the last, as L1 stops); the locked ones passed
-    over set aside after the removal report.  Both walks advance in step, so a policy whose
-    walks change its state is compared too.  ``inspect``: also compare full walks after
-    every step (each ended by an empty removal report), for policies whose walks do not
-    change what they will offer.  A read or write is taken to bring the keys set aside it
-    names back into the order; ``held_aside``, given the policy, names the keys it still
-    holds aside instead, for a policy that ignores some reads (prefix-LFU ignores a read
-    repeating the last): those left aside must be among the keys held aside before.
+    over set aside after the removal report (no victim is passed over as not yet stored
+    in L2, which L1 leaves in the policy's order: see ``put_back_past_an_unstored_key``).
+    Both walks advance in step, so a policy whose walks change its state is compared too.
+    ``inspect``: also compare full walks after every step (each ended by an empty removal
+    report), for policies whose walks do not change what they will offer.  A read or write
+    is taken to bring the keys set aside it names back into the order; ``held_aside``,
+    given the policy, names the keys it still holds aside instead, for a policy that
+    ignores some reads (prefix-LFU ignores a read repeating the last): those left aside
+    must be among the keys held aside before.
     """
     rng = random.Random(seed)
     policy, reference = make_policy(), make_policy()

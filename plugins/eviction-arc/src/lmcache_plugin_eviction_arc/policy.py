@@ -28,6 +28,8 @@ and the split of a walk, only no walk offers it.  A walk passed over it at the f
 its list (everything before it was evicted or set aside too), so put back it returns to
 the front of the same list, among the keys put back in the order they were set aside
 (each keeps the stamp it was first set aside with): where ARC's own order still has it.
+One departure: a key L1 passed over without setting it aside (not yet stored in L2, or
+not ready) stays in its list, and a key put back goes ahead of it though it was behind.
 The keys put back wait sorted by stamp ahead of their list (``StampedKeys``), so a
 put_back costs a sort of its own keys and a few merges, not a pass over the thousands that
 may wait.

@@ -19,8 +19,10 @@ class LRUEvictionPolicy:
     aside was at the front when the walk passed it, so it is older than every key left in
     the order and every key touched since (those go to the back): put back, it goes
     before them all, among the keys put back in the order they were set aside in (each
-    keeps the stamp it was first set aside with).  A read or write of a key set aside
-    makes it the most recent, as for any key.
+    keeps the stamp it was first set aside with).  One departure: a key L1 passed over
+    without setting it aside (not yet stored in L2, or not ready) stays at the front of
+    the order, and a key put back goes ahead of it though it is younger.  A read or write
+    of a key set aside makes it the most recent, as for any key.
 
     Keys come back a few at a time, in any order, while tens of thousands may wait to be
     evicted (under the L1 lock): they wait sorted by stamp (``StampedKeys``), so a

@@ -42,11 +42,12 @@ priority and use count: being locked is not a use, so put back it returns to the
 the priority it had, ahead of its bucket (a walk passed over it there: every chunk before
 it was evicted or set aside too), among the chunks put back in the order they were set
 aside (each keeps the stamp it was first set aside with) -- where the priority order
-still has it.  The chunks put back wait in a run per level sorted by stamp
-(``StampedKeys``), so a put_back costs a sort of its own chunks and a few merges, not a
-pass over the bucket; a level is listed while its bucket or its run holds a chunk.  A
-read or write meanwhile is a use like any other and re-ranks it; a removal remembers its
-use count in the history as for any chunk.
+still has it, but ahead of a chunk of its bucket L1 passed over without setting it aside
+(not yet stored in L2, or not ready), which was before it.  The chunks put back wait in
+a run per level sorted by stamp (``StampedKeys``), so a put_back costs a sort of its own
+chunks and a few merges, not a pass over the bucket; a level is listed while its bucket
+or its run holds a chunk.  A read or write meanwhile is a use like any other and re-ranks
+it; a removal remembers its use count in the history as for any chunk.
 """
 
 from __future__ import annotations
