@@ -166,6 +166,8 @@ class Handlers:
         self._handle_base = secrets.randbits(_HANDLE_BASE_BITS)
         self._expired_results = BurstLog(logger, "prefetch_result_expired")
         self._layout_mismatches = BurstLog(logger, "retrieve_layout_mismatch")
+        #: STORE_INLINEs handed to the pool whose keys are not counted yet (loop thread only)
+        self._inline_stores: set[_InlineStore] = set()
         self._table: dict[type[p._Request], Callable[[Any, bytes, Frames], Response | Deferred]] = {
             p.Hello: self.hello,
             p.Ping: self.ping,
@@ -509,48 +511,109 @@ class Handlers:
         if any(view.nbytes == 0 for view in views):
             raise HandlerError(p.ErrorCode.INVALID_ARGUMENT, "empty payload frame")
         layouts = _layouts(req.layouts, len(keys))
-        storage = self.storage
+        store = _InlineStore(len(keys))
+        self._inline_stores.add(store)
 
         def work() -> Callable[[], Response]:
-            reserved = storage.reserve_write(keys, [view.nbytes for view in views], layouts)
-            skips = self._skips(keys, reserved) if len(reserved) < len(keys) else Counter()
-            copy_in = self._copier_in()
-            fresh: dict[ObjectKey, int] = {}  # key -> bytes written
+            if store.given_up:  # dropped by the stop before it ran: its keys are counted
+                return self._given_up_reply(req.req_id)
             try:
-                for key, view in zip(keys, views, strict=True):
-                    obj = reserved.get(key)
-                    if obj is None or key in fresh:
-                        continue  # already stored, or a repeat of a key in this batch
-                    copy_in(obj, view)
-                    fresh[key] = obj.size
+                written = self._write_inline(store, req, views, layouts)
             except BaseException:
-                storage.abort_reserved(reserved)
+                if not store.settle(lambda: None):
+                    return self._given_up_reply(req.req_id)
+                raise  # the loop refuses it, counting its keys under the error's code
+            return store.answer if written else self._given_up_reply(req.req_id)
+
+        def forget() -> None:
+            self._inline_stores.discard(store)
+
+        return Deferred(work, "store_inline", cleanup=forget)
+
+    def _write_inline(
+        self, store: _InlineStore, req: p.StoreInline, views: list[memoryview], layouts: list[str] | None
+    ) -> bool:
+        """On the pool: reserve, copy and commit a STORE_INLINE's payloads, settling
+        ``store`` with how it ended; False (nothing committed, its reservations given
+        back) when the stop gave up on it first."""
+        keys, storage = req.keys, self.storage
+        reserved = storage.reserve_write(keys, [view.nbytes for view in views], layouts)
+        skips = self._skips(keys, reserved) if len(reserved) < len(keys) else Counter()
+        copy_in = self._copier_in()
+        fresh: dict[ObjectKey, int] = {}  # key -> bytes written
+        try:
+            for key, view in zip(keys, views, strict=True):
+                obj = reserved.get(key)
+                if obj is None or key in fresh:
+                    continue  # already stored, or a repeat of a key in this batch
+                copy_in(obj, view)
+                fresh[key] = obj.size
+        except BaseException:
+            storage.abort_reserved(reserved)
+            raise
+        # Only the objects reserved here are committed: a reservation that expired
+        # during the copy may be another writer's by now (``commit_reserved``).
+        mine = {key: reserved[key] for key in fresh}
+
+        def commit() -> Callable[[], Response]:
+            try:
+                stored = set(storage.commit_reserved(mine, to_l2=not req.l1_only))
+            except BaseException:
+                storage.abort_reserved(reserved)  # not left write-locked until the write TTL
                 raise
-            # Only the objects reserved here are committed: a reservation that expired
-            # during the copy may be another writer's by now (``commit_reserved``).
-            mine = {key: reserved[key] for key in fresh}
-            stored = set(storage.commit_reserved(mine, to_l2=not req.l1_only))
+            return lambda: self._count_inline(req, fresh, stored, skips)
 
-            def finish() -> Response:
-                # Counted as a shared-memory STORE_COMMIT counts: what was stored, if anything.
-                if stored:
-                    self.stats.stores += 1
-                    self.stats.store_chunks += len(stored)
-                    self.stats.store_bytes += sum(fresh[key] for key in stored)
-                if skips:
-                    self._count_skips(skips)
-                if len(stored) < len(fresh):
-                    # reaped at the write TTL while the bytes were being copied in
-                    self.stats.store_keys_refused["reservation_lost"] += len(fresh) - len(stored)
-                done = []
-                for key in keys:  # a key repeated in the batch was stored once, at its first position
-                    done.append(key in stored)
-                    stored.discard(key)
-                return p.StoreReply(req.req_id, done=done), ()
+        if store.settle(commit):
+            return True
+        # Given up at the stop, its keys counted as refused: never made visible now.
+        storage.abort_reserved(reserved)
+        return False
 
-            return finish
+    def _count_inline(
+        self, req: p.StoreInline, fresh: dict[ObjectKey, int], stored: set[ObjectKey], skips: Counter[str]
+    ) -> Response:
+        """Loop thread: count a STORE_INLINE that ran, as a shared-memory STORE_COMMIT
+        counts (what was stored, if anything), and build its reply."""
+        if stored:
+            self.stats.stores += 1
+            self.stats.store_chunks += len(stored)
+            self.stats.store_bytes += sum(fresh[key] for key in stored)
+        if skips:
+            self._count_skips(skips)
+        if len(stored) < len(fresh):
+            # reaped at the write TTL while the bytes were being copied in
+            self.stats.store_keys_refused["reservation_lost"] += len(fresh) - len(stored)
+        done = []
+        for key in req.keys:  # a key repeated in the batch was stored once, at its first position
+            done.append(key in stored)
+            stored.discard(key)
+        return p.StoreReply(req.req_id, done=done), ()
 
-        return Deferred(work, "store_inline")
+    @staticmethod
+    def _given_up_reply(req_id: int) -> Callable[[], Response]:
+        """The reply of a STORE_INLINE the stop gave up on, finishing late: its keys and
+        the refusal were counted (and logged) at the stop, so nothing is counted here."""
+        message = "server is shutting down: the store was given up at the drain deadline"
+        return lambda: (p.ErrorReply(req_id, p.ErrorCode.SHUTTING_DOWN.value, message), ())
+
+    def _give_up_inline_stores(self) -> None:
+        """At the stop: STORE_INLINEs still copying when the drain ended, or dropped from
+        the pool's queue before they ran, are never answered nor committed; their keys
+        are counted as refused here (and not again if a copy finishes later).  Those that
+        ended but were not answered yet are counted as they ended."""
+        stores, self._inline_stores = self._inline_stores, set()
+        given_up = [store for store in stores if store.give_up()]
+        if not given_up:
+            return
+        keys = sum(store.keys for store in given_up)
+        self.stats.failure("shutting_down", len(given_up))
+        self.stats.store_keys_refused["shutting_down"] += keys
+        logger.warning(
+            "%d STORE_INLINE requests given up at the stop (still copying at the drain deadline, "
+            "or not started): not answered, none of their %d keys stored",
+            len(given_up),
+            keys,
+        )
 
     # -- retrieve and release ---------------------------------------------------------------
 
@@ -732,6 +795,7 @@ class Handlers:
 
     def release_everything(self) -> None:
         """Shutdown: give back every lock and reservation any client still holds."""
+        self._give_up_inline_stores()
         now = time.monotonic()
         self.collect_prefetches(now)
         locks = writes = 0
@@ -748,6 +812,56 @@ class Handlers:
             session.prefetches.clear()
         self.stats.released_at_stop_locks = locks
         self.stats.released_at_stop_reservations = writes
+
+
+class _InlineStore:
+    """A STORE_INLINE handed to the pool, until its keys are counted -- exactly once: by
+    its reply on the loop thread, or at the stop when that never comes (the drain gave up
+    on it, or the pool's queue dropped it before it ran).
+
+    The pool thread settles it (commits, or not, and keeps how it ended) under the lock
+    the stop takes to give up on it, so exactly one of the two happens: a store given up
+    on is never committed, and one that ended is counted as it ended, by whichever of its
+    reply and the stop comes first."""
+
+    def __init__(self, keys: int) -> None:
+        self.keys = keys
+        self._lock = threading.Lock()
+        self.given_up = False
+        self._ended = False
+        #: how it ended: counts it and builds its reply (run once, on the loop thread);
+        #: None for a store that raised (the loop counts those as it refuses them)
+        self._ending: Callable[[], Response] | None = None
+        self._reply: Response | None = None
+
+    def settle(self, end: Callable[[], Callable[[], Response] | None]) -> bool:
+        """Pool thread: run ``end`` (the commit, if any) and keep the ending it returns --
+        unless the stop gave up on the store first: then False, and ``end`` is not run."""
+        with self._lock:
+            if self.given_up:
+                return False
+            self._ended = True
+            self._ending = end()
+            return True
+
+    def give_up(self) -> bool:
+        """Loop thread, at the stop: True if the store had not ended (now it never does:
+        its keys are the caller's to count); otherwise its ending is counted now, since
+        its reply may never be finished."""
+        with self._lock:
+            if not self._ended:
+                self.given_up = True
+                return True
+        if self._ending is not None:
+            self.answer()
+        return False
+
+    def answer(self) -> Response:
+        """Loop thread: count how the store ended, once; its reply."""
+        if self._reply is None:
+            assert self._ending is not None, "answered before it settled"
+            self._reply = self._ending()
+        return self._reply
 
 
 def _reader_layouts(req: p.Retrieve) -> list[str] | None:

@@ -1,0 +1,121 @@
+"""A STORE_INLINE runs on the pool: its keys are counted once however it ends -- finished,
+refused, still copying when the stop's drain gives up on it, or never started (cancelled
+from the pool's queue) -- and never again if it finishes after the stop."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import zmq
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.wire import protocol as p
+
+CHUNK = 4096
+#: how long a stalled copy waits for the test at most (the test never relies on it)
+STALL_LIMIT_S = 60.0
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting: {what}")
+        time.sleep(0.01)
+
+
+def _accounted(server: TiersServer) -> int:
+    """The keys the front end accounts for: stored, skipped and refused."""
+    stats = server.frontends[0].stats()
+    return (
+        stats.store_chunks + sum(stats.store_keys_skipped.values()) + sum(stats.store_keys_refused.values())
+    )
+
+
+def _send_inline_store(sock: zmq.Socket[bytes], request: int) -> None:
+    """A STORE_INLINE of four chunks, not waiting for its reply."""
+    prefix = os.urandom(8)
+    keys = [ObjectKey("unit", 0, prefix + index.to_bytes(2, "big")) for index in range(4)]
+    header = p.encoder.encode(p.StoreInline(request, "", keys))
+    sock.send_multipart([header, *(bytes([request]) * CHUNK for _ in keys)])
+
+
+def test_inline_stores_the_drain_gives_up_on_count_their_keys_once(
+    make_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One pool thread: the first store stalls in its copy, the second waits in the queue.
+    server = make_server(frontends=[{"type": "native", "pool_workers": 1}], shutdown_timeout_s=0.2)
+    storage, frontend = server.storage, server.frontends[0]
+    lend = storage.lend
+    go_on = threading.Event()
+
+    def stalled(obj: Any, *, fill: bool = False) -> Any:
+        if fill:
+            go_on.wait(STALL_LIMIT_S)  # a copy slower than the drain
+        return lend(obj, fill=fill)
+
+    monkeypatch.setattr(storage, "lend", stalled)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(server.endpoint)
+        _send_inline_store(sock, 20)
+        _send_inline_store(sock, 21)
+        wait_for(
+            lambda: frontend.rpc.router.in_pool == 2 and storage.status()["l1"]["write_locked"] == 4,
+            "the first store copying, the second queued",
+        )
+        frontend.stop()
+        assert frontend.join(30)
+    finally:
+        sock.close()
+        context.term()
+    stats = frontend.stats()
+    assert stats.store_keys_refused["shutting_down"] == 8
+    assert stats.failures["shutting_down"] == 2
+    assert _accounted(server) == 8
+    # The copy the drain gave up on finishes now: its reservations are given back, not
+    # made visible (its keys were counted as refused), and nothing is counted again.
+    go_on.set()
+    wait_for(
+        lambda: storage.status()["l1"]["write_locked"] == 0, "the late copy never gave its reservations back"
+    )
+    assert storage.status()["l1"]["objects"] == 0
+    assert _accounted(server) == 8
+
+
+def test_an_inline_store_whose_commit_raises_gives_its_reservations_back(
+    make_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = make_server(frontends=[{"type": "native"}])
+    storage = server.storage
+
+    def broken(reserved: Any, *, to_l2: bool = True) -> list[ObjectKey]:
+        raise RuntimeError("the commit broke")
+
+    monkeypatch.setattr(storage, "commit_reserved", broken)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 20_000)
+    try:
+        sock.connect(server.endpoint)
+        _send_inline_store(sock, 30)
+        (header,) = sock.recv_multipart()
+    finally:
+        sock.close()
+        context.term()
+    reply = p.reply_decoder.decode(header)
+    assert isinstance(reply, p.ErrorReply) and reply.code == p.ErrorCode.INTERNAL.value
+    # Refused whole, its keys counted under the error's code, and not left write-locked
+    # until the write TTL.
+    assert server.frontends[0].stats().store_keys_refused["internal"] == 4
+    assert storage.status()["l1"]["write_locked"] == 0
+    assert _accounted(server) == 4
