@@ -381,6 +381,25 @@ def test_a_signal_during_a_deferred_step_is_raised_once_the_step_is_whole() -> N
     assert steps == ["the step ended"] and stopped.value.code == 128 + signal.SIGTERM
 
 
+def test_a_second_signal_during_a_deferred_step_stops_it_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A deferred step that never ends (a client process that hangs as it is started)
+    ignored every signal after the first: neither Ctrl-C nor SIGTERM stopped the replay."""
+    steps: list[str] = []
+    stopped: BaseException | None = None
+    try:
+        with server_replay.signals_unwind(), server_replay.signals_deferred():
+            signal.raise_signal(signal.SIGTERM)  # deferred: the step goes on
+            steps.append("the step went on")
+            signal.raise_signal(signal.SIGINT)  # the user gives up waiting for it
+            steps.append("the step went on after the second signal")
+    except BaseException as exc:  # SystemExit too: which one came is the point
+        stopped = exc
+    assert steps == ["the step went on"], "the second signal did not stop the step"
+    # as the first signal asked: exit 143, not Ctrl-C's 130
+    assert isinstance(stopped, SystemExit) and stopped.code == 128 + signal.SIGTERM, repr(stopped)
+    assert "SIGINT came again" in caplog.text, caplog.text
+
+
 def test_a_client_process_sends_its_answer_whatever_signal_follows_its_share(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -162,7 +162,8 @@ def signals_unwind(*, then_ignore: bool = False) -> Iterator[None]:
     a STORE aborts its reservation; in process, the StorageManager closes and removes its
     L1 arena from /dev/shm.  Under Python's default action SIGTERM ended the process at
     once, and those stayed behind.  After the first signal both are ignored, so that no
-    second one cuts the clean-up short; with ``then_ignore`` they stay ignored on the way
+    second one cuts the clean-up short (one deferred by ``signals_deferred`` is the first
+    only once it is raised); with ``then_ignore`` they stay ignored on the way
     out (a client process, whose answer must reach the parent whole), otherwise the
     handlers from before are put back.  In the main thread only (the only one signals
     reach).
@@ -172,11 +173,22 @@ def signals_unwind(*, then_ignore: bool = False) -> Iterator[None]:
         return
 
     def stop(signum: int, frame: Any) -> None:
+        if _deferral.depth and _deferral.pending is None:
+            # Raised by signals_deferred once its step is whole.  This handler stays: a
+            # step that never ends (a client process that hangs as it starts) must still
+            # give way to a second signal, or nothing but SIGKILL would stop the replay.
+            _deferral.pending = signum
+            return
         signal.signal(signal.SIGTERM, _ignore_signal)
         signal.signal(signal.SIGINT, _ignore_signal)
-        if _deferral.depth:
-            _deferral.pending = signum  # raised by signals_deferred once its step is whole
-            return
+        held, _deferral.pending = _deferral.pending, None
+        if held is not None:
+            logger.warning(
+                "replay: %s came again while a step that must not be cut waited to end: it is "
+                "cut short (a client process may be left half started, or an answer half read)",
+                signal.Signals(signum).name,
+            )
+            signum = held  # the replay stops as the first signal asked (its exit code)
         raise _unwinding(signum)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -193,7 +205,8 @@ def signals_deferred() -> Iterator[None]:
     """Inside ``signals_unwind``: a signal during this step is raised when it ends, not in
     its middle.  For steps that a cut leaves broken: a client process handed half its share
     (it printed a traceback, and no one stopped it), an answer read half off the clients'
-    queue (their figures lost).  Only for steps that end on their own, and soon."""
+    queue (their figures lost).  Only for steps that end on their own, and soon; a second
+    signal during the step is raised at once, in case it does not end."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -203,6 +216,8 @@ def signals_deferred() -> Iterator[None]:
     finally:
         _deferral.depth -= 1
         if not _deferral.depth and _deferral.pending is not None:
+            signal.signal(signal.SIGTERM, _ignore_signal)  # no second one cuts the clean-up
+            signal.signal(signal.SIGINT, _ignore_signal)
             signum, _deferral.pending = _deferral.pending, None
             raise _unwinding(signum)
 
