@@ -103,3 +103,42 @@ def test_a_pickled_store_whose_handler_raises_counts_its_keys(
         assert stats.store_keys_refused["mp_handler_error"] == 4
         assert _accounted(server) == 4
         assert storage.status()["l1"]["write_locked"] == 0
+
+
+def test_a_copy_raising_after_the_stop_gave_up_on_it_is_counted_once(
+    make_mp_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stop counted it (mp_shutting_down): its late failure, answered while the last
+    replies go out, is not counted (nor logged) again as mp_handler_error."""
+    server = make_mp_server(shm=False, allow_pickle=True, workers=1, shutdown_timeout_s=0.2)
+    storage, frontend = server.storage, server.frontends[0]
+    router, transfers = frontend.loop.router, frontend.handlers.transfers
+    go_on = threading.Event()
+
+    def stalled_then_broken(obj: Any, *, fill: bool = False) -> Any:
+        go_on.wait(STALL_LIMIT_S)  # still copying at the drain deadline
+        raise RuntimeError("the copy broke after the stop")
+
+    give_up = transfers._give_up_pickled_stores
+
+    def give_up_then_let_the_copy_fail() -> None:
+        give_up()
+        go_on.set()
+        # Its completion is then handled while the last replies land, before the close.
+        wait_for(lambda: len(router._completions) == 1, "the late copy never ended")
+
+    monkeypatch.setattr(storage, "lend", stalled_then_broken)
+    monkeypatch.setattr(transfers, "_give_up_pickled_stores", give_up_then_let_the_copy_fail)
+    with MPClient(mp_address(server)) as client:
+        client.register(REG)
+        _send_pickled_store(client, 23)
+        wait_for(lambda: storage.status()["l1"]["write_locked"] == 4, "the store copying")
+        frontend.stop()
+        assert frontend.join(30)
+    stats = frontend.stats()
+    assert router.in_pool == 0  # the late failure was handled
+    assert stats.failures["mp_shutting_down"] == 1
+    assert stats.failures["mp_handler_error"] == 0
+    assert stats.store_keys_refused["shutting_down"] == 4
+    assert _accounted(server) == 4
+    assert storage.status()["l1"]["write_locked"] == 0

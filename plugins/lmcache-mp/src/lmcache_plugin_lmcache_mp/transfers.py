@@ -245,7 +245,10 @@ class Transfers:
                     self._write_pickled(store, instance, keys, data)
             except Exception as exc:
                 error, reason = exc, failure_reason(exc)
-                store.settle(lambda: lambda: self._refuse_keys(reason, len(keys)))
+                if not store.settle(lambda: lambda: self._refuse_keys(reason, len(keys))):
+                    # The stop gave up on it first and counted it (mp_shutting_down): its
+                    # failure is not counted, nor logged, a second time.
+                    return lambda: self._answer_pickled(store)
 
                 def failed() -> Any:
                     self._answer_pickled(store)
