@@ -134,6 +134,11 @@ def _ignore_signal(signum: int, frame: Any) -> None:
     "OSError: Signal 15 ignored due to race condition" with a traceback."""
 
 
+def _ignore_signals() -> None:
+    signal.signal(signal.SIGTERM, _ignore_signal)
+    signal.signal(signal.SIGINT, _ignore_signal)
+
+
 class _SignalDeferral:
     """A signal ``signals_unwind`` caught during a step that must not be cut short (see
     ``signals_deferred``), raised once that step is whole."""
@@ -141,6 +146,7 @@ class _SignalDeferral:
     def __init__(self) -> None:
         self.depth = 0
         self.pending: int | None = None
+        self.second_cuts = False  # whether a second signal cuts the step short
 
 
 _deferral = _SignalDeferral()
@@ -162,10 +168,10 @@ def signals_unwind(*, then_ignore: bool = False) -> Iterator[None]:
     a STORE aborts its reservation; in process, the StorageManager closes and removes its
     L1 arena from /dev/shm.  Under Python's default action SIGTERM ended the process at
     once, and those stayed behind.  After the first signal both are ignored, so that no
-    second one cuts the clean-up short (one deferred by ``signals_deferred`` is the first
-    only once it is raised); with ``then_ignore`` they stay ignored on the way
-    out (a client process, whose answer must reach the parent whole), otherwise the
-    handlers from before are put back.  In the main thread only (the only one signals
+    second one cuts the clean-up short (except one that cuts short a step
+    ``signals_deferred(second_cuts=True)`` held the first for); with ``then_ignore`` they
+    stay ignored on the way out (a client process, whose answer must reach the parent
+    whole), otherwise the handlers from before are put back.  In the main thread only (the only one signals
     reach).
     """
     if threading.current_thread() is not threading.main_thread():
@@ -173,22 +179,20 @@ def signals_unwind(*, then_ignore: bool = False) -> Iterator[None]:
         return
 
     def stop(signum: int, frame: Any) -> None:
-        if _deferral.depth and _deferral.pending is None:
-            # Raised by signals_deferred once its step is whole.  This handler stays: a
-            # step that never ends (a client process that hangs as it starts) must still
-            # give way to a second signal, or nothing but SIGKILL would stop the replay.
-            _deferral.pending = signum
-            return
-        signal.signal(signal.SIGTERM, _ignore_signal)
-        signal.signal(signal.SIGINT, _ignore_signal)
-        held, _deferral.pending = _deferral.pending, None
-        if held is not None:
+        if _deferral.depth:
+            if _deferral.pending is None:
+                _deferral.pending = signum  # raised by signals_deferred once its step is whole
+                if not _deferral.second_cuts:
+                    _ignore_signals()
+                return  # else this handler stays, for a second signal to cut the step short
             logger.warning(
-                "replay: %s came again while a step that must not be cut waited to end: it is "
-                "cut short (a client process may be left half started, or an answer half read)",
+                "replay: %s came again while a step that waits on another process had not "
+                "ended: it is cut short (a client process may be left half started)",
                 signal.Signals(signum).name,
             )
-            signum = held  # the replay stops as the first signal asked (its exit code)
+            signum = _deferral.pending  # the replay stops as the first signal asked (its exit code)
+        _ignore_signals()
+        _deferral.pending = None
         raise _unwinding(signum)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -201,23 +205,25 @@ def signals_unwind(*, then_ignore: bool = False) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
+def signals_deferred(*, second_cuts: bool = False) -> Iterator[None]:
     """Inside ``signals_unwind``: a signal during this step is raised when it ends, not in
     its middle.  For steps that a cut leaves broken: a client process handed half its share
     (it printed a traceback, and no one stopped it), an answer read half off the clients'
-    queue (their figures lost).  Only for steps that end on their own, and soon; a second
-    signal during the step is raised at once, in case it does not end."""
+    queue (their figures lost).  Only for steps that end on their own, and soon.  With
+    ``second_cuts``, for a step that may not end (it waits on another process), a second
+    signal cuts it short at once; otherwise later signals are ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    if not _deferral.depth:
+        _deferral.second_cuts = second_cuts
     _deferral.depth += 1
     try:
         yield
     finally:
         _deferral.depth -= 1
         if not _deferral.depth and _deferral.pending is not None:
-            signal.signal(signal.SIGTERM, _ignore_signal)  # no second one cuts the clean-up
-            signal.signal(signal.SIGINT, _ignore_signal)
+            _ignore_signals()  # no second one cuts the clean-up short
             signum, _deferral.pending = _deferral.pending, None
             raise _unwinding(signum)
 
@@ -522,8 +528,10 @@ def _replay_in_processes(
 
     try:
         # A signal while a client process is handed its share waits until they all have
-        # theirs; then they are stopped like any other.
-        with signals_deferred():
+        # theirs; then they are stopped like any other.  A second one does not wait: a
+        # client that never reads its share (hung as it starts) would block the hand-over
+        # for ever.
+        with signals_deferred(second_cuts=True):
             for worker in workers:
                 worker.start()
                 started.append(worker)
