@@ -80,7 +80,7 @@ class LMCacheMPConfig(FrontendConfig, kw_only=True, frozen=True, forbid_unknown_
         int,
         _doc(
             "MiB the remembered requests may take together: their tokens (4 bytes each), chunk "
-            "hashes and their lookups' keys (about 170 bytes each). Beyond it the least "
+            "hashes and their lookups' keys (about 180 bytes each). Beyond it the least "
             "recently seen requests are forgotten (mp_request_dropped_memory); a request "
             "needing more by itself is refused (mp_request_too_large).",
             ge=1,
