@@ -88,7 +88,11 @@ def test_l2_eviction_skips_pinned_keys(engine) -> None:
     assert storage.l2_evictions[0].wait_idle(10)
     remaining = set(storage.adapters[0].iter_keys())
     assert set(pinned) <= remaining, "a pinned key was evicted"
-    assert not set(others) & remaining
+    # The pinned keys are the policy's oldest: eviction had to pass them to remove others.
+    # Which others go depends on when it ran: under load it can run while the last stores
+    # are still in flight, and a key being stored is skipped (never deleted under its store),
+    # so only "some of them, never a pinned one" holds on every schedule.
+    assert set(others) - remaining, "eviction removed none of the unpinned keys"
     adapter.gate.set()
     assert storage.wait_prefetch(handle, 10) == 2
     for obj in storage.read(pinned):
