@@ -1720,3 +1720,33 @@ def test_a_temp_dir_that_is_the_root_itself_is_not_refused(
         assert not (root / ".lmcache-tiers-temp-dirs").exists()
     finally:
         adapter.close()
+
+
+def test_the_record_of_temp_dirs_and_the_sweep_it_drives_are_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ``fsync`` too: the record must survive a power loss before a store writes
+    in the directory it names, and an old directory's removals before the record forgets
+    it -- else a power loss strands temporary files in a directory nothing sweeps."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    record = str(tmp_path / ".lmcache-tiers-temp-dirs")
+    open_fs(fs_config(str(tmp_path), relative_tmp_dir="staging")).close()
+    # the staged copy's bytes, then the rename that made it the record
+    assert synced == [record + ".new", str(tmp_path)]
+    (tmp_path / "staging" / ".tmp-1-1.part").write_bytes(b"half")
+    synced.clear()
+    adapter = open_fs(fs_config(str(tmp_path)))
+    try:
+        assert adapter.stats()["orphan_temp_files_removed"] == 1
+        # the removal in the old directory, then the record's removal that forgets it
+        assert synced == [str(tmp_path / "staging"), str(tmp_path)]
+        assert not os.path.exists(record)
+    finally:
+        adapter.close()

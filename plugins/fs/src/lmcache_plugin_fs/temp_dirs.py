@@ -121,13 +121,22 @@ class TempDirRecord:
         """Replace the record (or remove it when nothing is left to record).  Written to a
         new name and moved over the record, so a crash leaves the old record or the new one.
         A failure is counted and logged: the start goes on (no stored byte depends on it),
-        and a later change of ``relative_tmp_dir`` may strand files again."""
+        and a later change of ``relative_tmp_dir`` may strand files again.
+
+        A local record is made durable before the first store writes in the directory it
+        names (:func:`_replace_durably`): the kernel may write a temporary file's blocks
+        back before it writes the record's, and after a power loss the record would not
+        name the directory that file is in -- stranded once ``relative_tmp_dir`` changes."""
         staged = self.path + _NEW_SUFFIX
+        text = "".join(f"{d}\n" for d in directories).encode("utf-8")
         try:
+            if self.local:
+                _replace_durably(self.path, staged, text if directories else None)
+                return
             if not directories:
                 self.fs.rm_file(self.path)
                 return
-            self.fs.pipe_file(staged, "".join(f"{d}\n" for d in directories).encode("utf-8"))
+            self.fs.pipe_file(staged, text)
             self.fs.mv(staged, self.path)
         except FileNotFoundError:
             return  # nothing to remove
@@ -186,6 +195,14 @@ class TempDirRecord:
                 self._failed("temp_files_not_removed", "remove", path, exc)
                 return None
         self.context.count("orphan_temp_files_removed", removed)
+        if removed and self.local:
+            # The removals must be durable before the record forgets the directory: after
+            # a power loss the files would be back in a directory nothing sweeps any more.
+            try:
+                _fsync_directory(directory)
+            except OSError as exc:
+                self._failed("temp_files_not_removed", "make durable the removals", directory, exc)
+                return None
         log.info(
             "%s: removed %d temporary files left by an interrupted run in %s, an earlier temporary "
             "directory (relative_tmp_dir is now %s)",
@@ -247,3 +264,34 @@ def _store_file(entries: list[dict[str, Any]]) -> str | None:
         elif name.endswith(RECORD_SUFFIX) or name == RECORD_NAME:
             return path
     return None
+
+
+def _fsync_directory(directory: str) -> None:
+    """fsync a local directory: the entries added to it or removed from it are durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_durably(path: str, staged: str, text: bytes | None) -> None:
+    """Put ``text`` at the local ``path`` through ``staged`` (None: remove ``path``),
+    durably: the staged file is fsynced before it is renamed over ``path`` -- else a power
+    loss may leave the new name on an empty or partly written file -- and the directory
+    after, so the rename (or the removal) itself survives one."""
+    directory = posixpath.dirname(path)
+    if text is None:
+        os.unlink(path)
+        _fsync_directory(directory)
+        return
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(text)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(staged, path)
+    _fsync_directory(directory)
