@@ -947,6 +947,54 @@ def test_a_cluster_store_resent_after_one_node_lowered_its_limit_keeps_what_the_
     assert adapter.stats()["store_refused_over_bulk_limit"] == 1, adapter.stats()
 
 
+def test_limits_config_get_cannot_read_are_assumed_said_once_counted_and_an_object_over_them_fails_alone(
+    own_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A managed Redis, or a user without +config: the limits cannot be read, and Redis's
+    # defaults are assumed.  Whenever that starts (here: the ACL changed under a running
+    # adapter, as a failover to such a store does), one line says so and it is counted --
+    # the probes that find it still so say nothing more.  This store's real
+    # proto-max-bulk-len is 1 MiB: an object over it fails alone (counted), nothing of it
+    # is left in the store, and a lookup of it is a miss; the rest of the batch is stored.
+    own_server.cli("CONFIG", "SET", "proto-max-bulk-len", "1mb")
+    own_server.cli("ACL", "SETUSER", "limits", "reset", "on", ">limits-pw", "~*", "+@all")
+    adapter = open_adapter(
+        url=own_server.url,
+        key_prefix=prefix,
+        username="limits",
+        password="limits-pw",
+        pipeline_max_bytes=1 << 20,
+        max_capacity_gb=1.0,
+    )
+    backend = backend_of(adapter)
+    own_server.cli("ACL", "SETUSER", "limits", "-config")
+    with caplog.at_level(logging.INFO, logger="lmcache_tiers.l2.redis"):
+        backend.ping()
+        backend.ping()
+    said = [r.getMessage() for r in caplog.records if "CONFIG GET" in r.getMessage()]
+    assert len(said) == 1, said
+    assert f"{512 << 20}" in said[0] and f"{1 << 30}" in said[0], said[0]
+    assert adapter.stats()["store_limits_assumed"] == 1
+    keys = make_keys(2)
+    sizes = [4096, 2 << 20]
+    buffers = [memoryview(bytearray(pattern(index, size))) for index, size in enumerate(sizes)]
+    assert client_of(adapter).store(keys, buffers) == [True, False]
+    raw = redis.Redis.from_url(own_server.url)
+    assert [raw.exists(backend.name_of(key)) for key in keys] == [1, 0], "no part of it is left"
+    stats = adapter.stats()
+    failed = stats.get("store_request_failures", 0) + stats.get("store_reply_errors", 0)
+    assert failed == 1, stats
+    assert adapter.used_bytes() == 4096
+    found = client_of(adapter).lookup_and_lock(keys)
+    assert found.found == [True, False]
+    assert load(adapter, keys[:1], found.sizes[:1]) == ([True], [bytes(buffers[0])])
+    adapter.unlock(keys[:1])
+    assert adapter.stats()["store_limits_assumed"] == 1, "the reads after the drop found nothing new"
+
+
 def test_only_the_protocol_error_of_a_bulk_over_the_limit_counts_as_one() -> None:
     # Redis and Valkey answer "Protocol error: invalid bulk length" to a string over
     # proto-max-bulk-len just before they close the connection; their other protocol

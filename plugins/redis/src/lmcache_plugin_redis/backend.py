@@ -431,11 +431,14 @@ class RedisBackend:
         #: ``_permission_lock``
         self._denying_nodes: dict[str, list[str]] = {}
         #: the store's ``proto-max-bulk-len`` and ``client-query-buffer-limit``
-        #: (``_read_bulk_limit``; the lowest of a cluster's primaries), and whether they
-        #: were read (else Redis's defaults are assumed)
+        #: (``_read_bulk_limit``; the lowest of a cluster's primaries), Redis's defaults
+        #: until read
         self._bulk_limit = DEFAULT_BULK_LIMIT
         self._query_buffer_limit = DEFAULT_QUERY_BUFFER_LIMIT
-        self._bulk_limit_read = False
+        #: whether the last read of the limits found a node refusing CONFIG GET (its
+        #: limits taken at Redis's defaults): said and counted when that starts
+        self._limits_assumed = False
+        self._limits_lock = threading.Lock()
         if not config.cluster_mode:
             self._connect()
 
@@ -633,8 +636,8 @@ class RedisBackend:
         refused before it is sent (``_within_bulk_limit``).  Read at open, by every probe
         that reaches the store, and after a store's connection failed the way a value
         over a lowered limit fails it.  A store that does not answer keeps the limits
-        last read; one that refuses CONFIG GET is assumed to keep Redis's defaults (an
-        INFO line, once)."""
+        last read; one that refuses CONFIG GET is assumed to keep Redis's defaults
+        (``_say_limits_assumed``)."""
         client = self.client
         nodes = (
             [client]
@@ -647,19 +650,11 @@ class RedisBackend:
         except (RedisError, RedisClusterException) as exc:
             log.debug("%s: the store's limits not read (%s)", self.context.name, exc)
             return
-        if (None in bulk or None in query) and not self._bulk_limit_read:
-            log.info(
-                "%s: CONFIG GET of proto-max-bulk-len or client-query-buffer-limit is refused: "
-                "Redis's defaults (%d and %d bytes) are assumed where it is",
-                self.context.name,
-                DEFAULT_BULK_LIMIT,
-                DEFAULT_QUERY_BUFFER_LIMIT,
-            )
+        self._say_limits_assumed(None in bulk or None in query)
         # A node refusing CONFIG GET is taken at the default, not left out of the minimum.
         before = (self._bulk_limit, self._query_buffer_limit)
         self._bulk_limit = _lowest(bulk, DEFAULT_BULK_LIMIT)
         self._query_buffer_limit = _lowest(query, DEFAULT_QUERY_BUFFER_LIMIT)
-        self._bulk_limit_read = True
         if (self._bulk_limit, self._query_buffer_limit) != before:
             log.info(
                 "%s: the store's limits are now proto-max-bulk-len %d, client-query-buffer-limit %d",
@@ -667,6 +662,27 @@ class RedisBackend:
                 self._bulk_limit,
                 self._query_buffer_limit,
             )
+
+    def _say_limits_assumed(self, assumed: bool) -> None:
+        """Count (``store_limits_assumed``) and say in one warning that the limits are now
+        partly Redis's defaults, not the store's -- at open, or when a store that answered
+        CONFIG GET stops (a failover to a managed store, an ACL changed): a limit set lower
+        there is not seen, and an object over it fails its batch.  The reads while it
+        lasts (every probe, every dropped store) say nothing more."""
+        with self._limits_lock:
+            started = assumed and not self._limits_assumed
+            self._limits_assumed = assumed
+        if not started:
+            return
+        self.context.count("store_limits_assumed")
+        log.warning(
+            "%s: CONFIG GET of proto-max-bulk-len or client-query-buffer-limit is refused: "
+            "Redis's defaults (%d and %d bytes) are assumed where it is, and an object over a "
+            "lower limit set there fails its batch (grant the user +config|get to read them)",
+            self.context.name,
+            DEFAULT_BULK_LIMIT,
+            DEFAULT_QUERY_BUFFER_LIMIT,
+        )
 
     def _warn_of_ignored_nodes(self) -> None:
         """Several ``startup_nodes`` without ``cluster_mode``: only the first is used, and
