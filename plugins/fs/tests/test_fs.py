@@ -1750,3 +1750,43 @@ def test_the_record_of_temp_dirs_and_the_sweep_it_drives_are_durable(
         assert not os.path.exists(record)
     finally:
         adapter.close()
+
+
+def test_temp_dirs_no_record_names_are_counted_reported_and_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ``relative_tmp_dir`` of a release before the record of temporary directories is
+    named nowhere: its leftovers are counted and named in one line, and kept -- a server of
+    such a release does not lock its temporary directory, so nothing proves they are no
+    write in flight.  What is a store's (a nested root, a live one's, shard directories),
+    a link, and the current temporary directory are not reported."""
+    root = tmp_path / "cache"
+    leftovers = [root / "old" / ".tmp-1-1.part", root / "old" / "deeper" / ".tmp-1-2.part"]
+    theirs = [
+        root / "stopped" / ".tmp-1-3.part",  # a stopped nested store: it has a record
+        root / "live" / ".tmp-1-4.part",  # a live nested store's write in flight
+        root / "ab" / "cd" / ".tmp-1-5.part",  # a shard directory: the root's own sweep's
+    ]
+    for path in leftovers + theirs:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"half")
+    (root / "stopped" / "x.bin").write_bytes(b"a record")
+    (root / "link").symlink_to(root / "old")
+    (root / "staging").mkdir()
+    (root / "staging" / ".tmp-1-6.part").write_bytes(b"half")
+    live = open_fs(fs_config(str(root / "live")))
+    try:
+        theirs[1].write_bytes(b"its write in flight")  # after its own start-up sweep
+        with caplog.at_level(logging.WARNING):
+            adapter = open_fs(fs_config(str(root), relative_tmp_dir="staging", shard_dirs=True))
+        try:
+            assert adapter.stats()["unrecorded_temp_dirs"] == 2
+            lines = [r.getMessage() for r in caplog.records if "no temporary directory" in r.getMessage()]
+            assert len(lines) == 1
+            assert "2 directories" in lines[0] and "2 temporary files" in lines[0]
+            assert "old, old/deeper;" in lines[0]
+            assert all(path.exists() for path in leftovers + theirs[:2])
+        finally:
+            adapter.close()
+    finally:
+        live.close()

@@ -19,6 +19,7 @@ from lmcache_plugin_fs import FsConfig
 from lmcache_plugin_fs.local_io import LocalRecords
 from lmcache_plugin_fs.remote import RemoteRecords, shown
 from lmcache_plugin_fs.temp_dirs import TempDirRecord
+from lmcache_plugin_fs.unrecorded_temp_dirs import report_unrecorded_temp_dirs
 from lmcache_tiers.plugin import (
     BackendContext,
     ConfigError,
@@ -198,9 +199,14 @@ class FsBackend:
 
     def _start_up(self) -> None:
         """Remove what a killed run left half-written (in the temporary directories used
-        before too); drop old records if asked to."""
+        before too), report what it may have left where nothing says it is this root's;
+        drop old records if asked to."""
         self._tree.remove_temp_files()
         self._temp_dirs.sweep_and_record()
+        if self.config.is_local:
+            report_unrecorded_temp_dirs(
+                self._temp_dirs.root, self._temp_dirs.current, self._temp_dirs.recorded, self.context
+            )
         if not self.config.recover_on_start:
             dropped = self._tree.remove_all_records()
             self.context.count("records_dropped_at_start", dropped)

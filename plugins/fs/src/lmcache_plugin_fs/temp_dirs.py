@@ -62,6 +62,9 @@ class TempDirRecord:
         self.context = context
         self.local = local
         self.path = posixpath.join(self.root, RECORD_NAME)
+        #: the directories the record named at start-up (empty until it is read, or when
+        #: it cannot be)
+        self.recorded: list[str] = []
 
     def sweep_and_record(self) -> int:
         """Sweep every recorded temporary directory but the current one, then record what
@@ -69,6 +72,7 @@ class TempDirRecord:
         recorded = self._read()
         if recorded is None:
             return 0
+        self.recorded = recorded
         removed, kept = 0, []
         for directory in recorded:
             if directory == self.current:
