@@ -168,6 +168,8 @@ class MPServer:
             return
         self.stats.requests[name] += 1
         if self.router.draining:
+            if name == "commit_store":
+                self._refuse_store_at_stop(identity, arg_frames)
             self._unanswered(
                 name, peek_uid(uid), "mp_shutting_down", "the server is shutting down", arg_frames
             )
@@ -182,6 +184,14 @@ class MPServer:
             self._submit(identity, uid, op, name, arg_frames, result)
         else:
             self._send(identity, uid, op, result)
+
+    def _refuse_store_at_stop(self, identity: bytes, arg_frames: list[bytes]) -> None:
+        """Count the keys of a store refused because the server stops (none are stored)."""
+        try:
+            key, instance_id, data = decode_arguments("commit_store", arg_frames)
+        except ValueError:
+            return  # not a store at all: the request alone is counted
+        self.handlers.transfers.refuse_commit_at_stop(key, instance_id, data, peer=identity)
 
     # -- pool hand-off ---------------------------------------------------------------------
 

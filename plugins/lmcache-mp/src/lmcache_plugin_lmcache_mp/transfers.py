@@ -200,6 +200,30 @@ class Transfers:
         self._count_lost(len(pending.reserved) - stored)
         return stored == len(pending.reserved)
 
+    def refuse_commit_at_stop(
+        self, key: CacheKey, instance_id: int, data: bytes, *, peer: bytes = b""
+    ) -> None:
+        """A ``commit_store`` that came during the drain, refused (the loop counts the request
+        and logs it): the keys of its pickled chunks are counted as refused, since nothing
+        of them is stored.  A shared-memory commit's keys are those of its reservation,
+        which the stop gives back and counts (``release_everything``)."""
+        if not data:
+            return
+        try:
+            _, keys = self._resolve(key, instance_id)
+        except RequestTooLarge as exc:
+            self._refuse_keys("shutting_down", exc.keys)
+            return
+        except (RequestRefused, KeyValidationError):
+            return  # a store no server would take: it names no keys
+        # A client that fell back from shared memory: its reservation goes now, as the
+        # pickled store would have replaced it (see _start_pickled), not counted again at the stop.
+        pending = self.writes.pop(instance_id, key.request_id, keys, time.monotonic(), peer)
+        if pending is not None:
+            self.storage.abort_reserved(pending.reserved)
+            self._skip_keys("repeated", len(pending.reserved))
+        self._refuse_keys("shutting_down", len(keys))
+
     def _commit_pickled(self, key: CacheKey, instance_id: int, data: bytes, peer: bytes) -> Any:
         # LMCache's server reads the range of pickled chunks: a key it cannot read is refused
         try:
