@@ -4,7 +4,10 @@ loans (``l1/loan.py``).
 The checks run under the L1 lock; the copies do not.  The caller holds a lock on the
 object (a read lock, or the write lock it is filling under), so its extent cannot change
 hands during the copy -- a forced delete meanwhile quarantines the extent -- and a slow
-NVMe transfer never stalls other callers.
+NVMe transfer never stalls other callers.  A close (the server stopping) landing between
+the check and the copy releases the backing, which then refuses the copy: the read is a
+miss (``l1_read_closed``), the write a failed store (``l1_write_closed``), each a KeyError
+as for an object that left L1, counted and logged once a minute.
 
 Bytes copied out of the NVMe file are checked against its write-back errors
 (``NvmeL1File.writeback_errors``): an error the kernel reports after an object's bytes
@@ -63,8 +66,10 @@ class ObjectBytes:
         self._read_errors_lost_before_l2 = 0
         self._write_errors = 0  # copies into the NVMe file that failed (EIO, ENOSPC)
         self._closed_reads = 0  # copies out that found L1 closed after their presence check
+        self._closed_writes = 0  # copies in that found L1 closed after their reservation check
         self._read_error_log = BurstLog(logger, "l1_nvme_read_error")
         self._closed_read_log = BurstLog(logger, "l1_read_closed")
+        self._closed_write_log = BurstLog(logger, "l1_write_closed")
         self._write_error_log = BurstLog(logger, "l1_nvme_write_error")
 
     def view(self, obj: L1Object) -> memoryview:
@@ -103,6 +108,11 @@ class ObjectBytes:
             if self._nvme is not None:
                 self._count_write_error(obj, exc)
             raise
+        except (RuntimeError, ValueError):
+            # As for a copy out (``_copy_out``): a close landing after the check released
+            # the backing (a released arena view, a closed file), which refuses the copy.
+            self._fail_if_closed(obj)
+            raise
 
     def _count_write_error(self, obj: L1Object, exc: OSError) -> None:
         """A copy into the NVMe file failed.  The OSError goes on to the writer, whose store
@@ -128,28 +138,41 @@ class ObjectBytes:
                 self._table.check_present(obj)
         if self._arena is not None:
             if fill:
-                return L1Loan(self._arena.buffer[obj.offset : obj.offset + obj.size], staged=False)
+                return L1Loan(self._arena_extent(self._arena, obj, fill=True), staged=False)
             return L1Loan(
-                self._arena_extent(self._arena, obj).toreadonly(),
+                self._arena_extent(self._arena, obj, fill=False).toreadonly(),
                 staged=False,
                 verify=lambda: self._check_kept(obj),
             )
         staged = aligned_buffer(obj.size)  # page-aligned: O_DIRECT moves it without a bounce
         if fill:
-            return L1Loan(staged, staged=True, commit=lambda: self.write_object(obj, staged))
+            return L1Loan(staged, staged=True, commit=lambda: self._commit_staged(obj, staged))
         self._copy_out(obj, staged)
         self._check_kept(obj)
         self._check_written_back(obj)
         return L1Loan(staged, staged=True)
 
-    def _arena_extent(self, arena: L1Arena, obj: L1Object) -> memoryview:
-        """A view of ``obj``'s extent in the arena, for a reader whose presence check passed.
-        Taken without the L1 lock: a close landing after the check released the arena, and
-        the reader gets a counted miss (as from ``_copy_out``), not the released view's error."""
+    def _commit_staged(self, obj: L1Object, staged: memoryview) -> None:
+        """Write a staged fill into the NVMe file.  The close may land during the fill,
+        before this check: that fill failed like one the close caught mid-copy."""
+        try:
+            self.write_object(obj, staged)
+        except RuntimeError:
+            self._fail_if_closed(obj)
+            raise
+
+    def _arena_extent(self, arena: L1Arena, obj: L1Object, *, fill: bool) -> memoryview:
+        """A view of ``obj``'s extent in the arena, for a reader whose presence check passed
+        or a writer (``fill``) whose reservation check did.  Taken without the L1 lock: a
+        close landing after the check released the arena, and the caller gets a counted
+        KeyError (a miss, a failed store), not the released view's error."""
         try:
             return arena.buffer[obj.offset : obj.offset + obj.size]
         except ValueError:
-            self._miss_if_closed(obj)
+            if fill:
+                self._fail_if_closed(obj)
+            else:
+                self._miss_if_closed(obj)
             raise
 
     def _copy_out(self, obj: L1Object, out: memoryview) -> None:
@@ -183,6 +206,23 @@ class ObjectBytes:
             "read is answered as a miss (failure reason l1_read_closed)",
         )
         raise KeyError(f"{obj.key}: L1 closed while it was being read") from None
+
+    def _fail_if_closed(self, obj: L1Object) -> None:
+        """Raise KeyError (the object left L1: its store fails, as when its reservation was
+        reaped) if L1 is closed, counting and logging the write of ``obj`` that failed for
+        it; else return, for the caller to raise its error.  Nothing was written: the
+        released backing refused the copy, so no byte lands in a mapping or file that may
+        be another's by now."""
+        with self._lock:
+            if not self._table.closed:
+                return
+            self._closed_writes += 1
+        self._closed_write_log.warn(
+            "closed",
+            "L1 closed while an object was being written into it (the server stopping); the "
+            "write fails and is not stored (failure reason l1_write_closed)",
+        )
+        raise KeyError(f"{obj.key}: L1 closed while it was being written") from None
 
     def _drop_unreadable(self, obj: L1Object, exc: OSError) -> None:
         with self._lock:
@@ -264,11 +304,13 @@ class ObjectBytes:
         (and, of those, the ones not stored in L2 yet: acknowledged writes lost), and the
         leftover block files start-up removed or kept, and the transfers still running
         when close stopped waiting for them; for either backing, the reads answered a miss
-        because L1 closed during their copy (``l1_read_closed``)."""
+        because L1 closed during their copy (``l1_read_closed``), and the writes failed
+        for it (``l1_write_closed``)."""
         with self._lock:
-            closed_reads = {"l1_read_closed": self._closed_reads} if self._closed_reads else {}
+            closed = {"l1_read_closed": self._closed_reads, "l1_write_closed": self._closed_writes}
+            closed_copies = {reason: count for reason, count in closed.items() if count}
         if self._nvme is None:
-            return closed_reads
+            return closed_copies
         with self._lock:
             counts = {
                 "l1_nvme_writeback_error": self._nvme.writeback_errors_seen,
@@ -286,7 +328,7 @@ class ObjectBytes:
                 # at close: transfers stuck past the wait, the file left open for them
                 "l1_nvme_close_transfers_left": self._nvme.transfers_left_at_close,
             }
-        return {reason: count for reason, count in counts.items() if count} | closed_reads
+        return {reason: count for reason, count in counts.items() if count} | closed_copies
 
     def _check_writing(self, obj: L1Object) -> None:
         self._table.check_present(obj)

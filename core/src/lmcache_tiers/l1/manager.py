@@ -510,7 +510,8 @@ class L1Manager:
         another writer's reservation of their key that then ended uncommitted
         (``l1_skipped_writes_lost``: acknowledged writes in no tier),
         and loads that gave way to a writer of their key (``l1_load_taken_over_by_write``);
-        reads answered a miss because L1 closed during their copy (``l1_read_closed``);
+        reads answered a miss because L1 closed during their copy (``l1_read_closed``), and
+        writes failed for it (``l1_write_closed``: the store is not committed);
         notifications a listener raised on, the first logged with its traceback, later
         ones once per burst (``l1_listener_error``: the listener may have missed those changes);
         fixed at start-up, the leftover block files of other servers in an NVMe L1's
