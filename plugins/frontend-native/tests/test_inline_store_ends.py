@@ -119,3 +119,78 @@ def test_an_inline_store_whose_commit_raises_gives_its_reservations_back(
     assert server.frontends[0].stats().store_keys_refused["internal"] == 4
     assert storage.status()["l1"]["write_locked"] == 0
     assert _accounted(server) == 4
+
+
+def _replies_to(frontend: Any, monkeypatch: pytest.MonkeyPatch, request: int) -> list[p.Reply]:
+    """The replies the front end sends to ``request`` (filled in as they are sent)."""
+    sent: list[p.Reply] = []
+    send = frontend.rpc.router.send
+
+    def recording(frames: list[Any]) -> bool:
+        reply = p.reply_decoder.decode(bytes(frames[1]))
+        if reply.req_id == request:
+            sent.append(reply)
+        return bool(send(frames))
+
+    monkeypatch.setattr(frontend.rpc.router, "send", recording)
+    return sent
+
+
+def _copy_fails_as_the_stop_gives_up(server: TiersServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inline copies stall until the stop, then fail after the loop's last turn: the failed
+    store's completion is queued, never handled by the loop, when the stop looks at it."""
+    storage, frontend = server.storage, server.frontends[0]
+    handlers, router = frontend.handlers, frontend.rpc.router
+    go_on = threading.Event()
+
+    def stalled_then_broken(obj: Any, *, fill: bool = False) -> Any:
+        go_on.wait(STALL_LIMIT_S)  # still copying when the stop comes
+        raise RuntimeError("the copy broke")
+
+    give_up = handlers._give_up_inline_stores
+
+    def fail_the_copy_then_give_up() -> Any:
+        go_on.set()
+        wait_for(lambda: len(router._completions) == 1, "the copy never failed")
+        return give_up()
+
+    monkeypatch.setattr(storage, "lend", stalled_then_broken)
+    monkeypatch.setattr(handlers, "_give_up_inline_stores", fail_the_copy_then_give_up)
+
+
+@pytest.mark.parametrize("force", [True, False], ids=["forced", "drain_deadline"])
+def test_an_inline_store_failing_as_the_stop_comes_is_counted_logged_and_answered_once(
+    make_server: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, force: bool
+) -> None:
+    """A forced stop never handles the failed store's completion: the stop counts its
+    error (and its keys under the error's code), logs it with the request and answers the
+    client.  At a drain deadline the completion is handled after that: nothing twice."""
+    server = make_server(frontends=[{"type": "native", "pool_workers": 1}], shutdown_timeout_s=0.2)
+    storage, frontend = server.storage, server.frontends[0]
+    _copy_fails_as_the_stop_gives_up(server, monkeypatch)
+    sent = _replies_to(frontend, monkeypatch, 40)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 20_000)
+    try:
+        sock.connect(server.endpoint)
+        _send_inline_store(sock, 40)
+        wait_for(lambda: storage.status()["l1"]["write_locked"] == 4, "the store copying")
+        frontend.stop(force=force)
+        assert frontend.join(30)
+        stats = frontend.stats()
+        assert stats.failures["internal"] == 1
+        assert stats.store_keys_refused["internal"] == 4
+        assert _accounted(server) == 4
+        assert any("request 40 " in record.getMessage() for record in caplog.records)
+        assert [(type(reply), getattr(reply, "code", None)) for reply in sent] == [
+            (p.ErrorReply, p.ErrorCode.INTERNAL.value)
+        ]
+        (header,) = sock.recv_multipart()
+    finally:
+        sock.close()
+        context.term()
+    reply = p.reply_decoder.decode(header)
+    assert isinstance(reply, p.ErrorReply) and reply.req_id == 40
+    assert storage.status()["l1"]["write_locked"] == 0

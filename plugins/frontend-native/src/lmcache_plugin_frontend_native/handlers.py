@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 #: payload frames as they come off the socket (zmq.Frame) or go onto it (bytes-likes)
 Frames = Sequence[Any]
 Response = tuple[p._Reply, Frames]
+#: run on the loop thread once a Deferred's work is over: its reply, or None when there is
+#: nothing left to send (the stop answered the request already)
+Finish = Callable[[], Response | None]
 
 #: the random base of the prefetch handles clients are told is below 2**62: a handle
 #: stays within the protocol's 63 bits for 2**62 prefetches
@@ -60,7 +63,7 @@ class HandlerError(Exception):
 class Deferred:
     """Work for the pool; ``work()`` returns the loop-thread finisher producing the reply."""
 
-    work: Callable[[], Callable[[], Response]]
+    work: Callable[[], Finish]
     kind: str
     #: runs on the loop thread once the work is over, whether it succeeded or raised
     cleanup: Callable[[], None] | None = None
@@ -167,7 +170,7 @@ class Handlers:
         self._expired_results = BurstLog(logger, "prefetch_result_expired")
         self._layout_mismatches = BurstLog(logger, "retrieve_layout_mismatch")
         #: STORE_INLINEs handed to the pool whose keys are not counted yet (loop thread only)
-        self._inline_stores: set[_InlineStore] = set()
+        self._inline_stores: set[InlineStore] = set()
         self._table: dict[type[p._Request], Callable[[Any, bytes, Frames], Response | Deferred]] = {
             p.Hello: self.hello,
             p.Ping: self.ping,
@@ -511,18 +514,22 @@ class Handlers:
         if any(view.nbytes == 0 for view in views):
             raise HandlerError(p.ErrorCode.INVALID_ARGUMENT, "empty payload frame")
         layouts = _layouts(req.layouts, len(keys))
-        store = _InlineStore(len(keys))
+        store = InlineStore(identity, req.req_id, len(keys))
         self._inline_stores.add(store)
 
-        def work() -> Callable[[], Response]:
+        def work() -> Finish:
             if store.given_up:  # dropped by the stop before it ran: its keys are counted
                 return self._given_up_reply(req.req_id)
             try:
                 written = self._write_inline(store, req, views, layouts)
-            except BaseException:
-                if not store.settle(lambda: None):
+            except BaseException as exc:
+                # Its ending raises the error, on the loop thread, where it is refused (and
+                # its keys counted under the error's code): at its completion, or at the
+                # stop when that completion is never handled.
+                failed = functools.partial(_raise, exc)
+                if not store.settle(lambda: failed):
                     return self._given_up_reply(req.req_id)
-                raise  # the loop refuses it, counting its keys under the error's code
+                written = True
             return store.answer if written else self._given_up_reply(req.req_id)
 
         def forget() -> None:
@@ -531,7 +538,7 @@ class Handlers:
         return Deferred(work, "store_inline", cleanup=forget)
 
     def _write_inline(
-        self, store: _InlineStore, req: p.StoreInline, views: list[memoryview], layouts: list[str] | None
+        self, store: InlineStore, req: p.StoreInline, views: list[memoryview], layouts: list[str] | None
     ) -> bool:
         """On the pool: reserve, copy and commit a STORE_INLINE's payloads, settling
         ``store`` with how it ended; False (nothing committed, its reservations given
@@ -596,15 +603,17 @@ class Handlers:
         message = "server is shutting down: the store was given up at the drain deadline"
         return lambda: (p.ErrorReply(req_id, p.ErrorCode.SHUTTING_DOWN.value, message), ())
 
-    def _give_up_inline_stores(self) -> None:
+    def _give_up_inline_stores(self) -> list[InlineStore]:
         """At the stop: STORE_INLINEs still copying when the drain ended, or dropped from
         the pool's queue before they ran, are never answered nor committed; their keys
         are counted as refused here (and not again if a copy finishes later).  Those that
-        ended but were not answered yet are counted as they ended."""
+        ended but were not answered yet are returned, to be answered (and counted as they
+        ended) by the stop: a forced stop never handles their completions."""
         stores, self._inline_stores = self._inline_stores, set()
-        given_up = [store for store in stores if store.give_up()]
+        ended = [store for store in stores if not store.give_up()]
+        given_up = [store for store in stores if store.given_up]
         if not given_up:
-            return
+            return ended
         keys = sum(store.keys for store in given_up)
         self.stats.failure("shutting_down", len(given_up))
         self.stats.store_keys_refused["shutting_down"] += keys
@@ -614,6 +623,7 @@ class Handlers:
             len(given_up),
             keys,
         )
+        return ended
 
     # -- retrieve and release ---------------------------------------------------------------
 
@@ -793,9 +803,10 @@ class Handlers:
     def evict(self, req: p.Evict, identity: bytes, frames: Frames) -> Response:
         return p.EvictReply(req.req_id, evicted=self.storage.evict(req.keys)), ()
 
-    def release_everything(self) -> None:
-        """Shutdown: give back every lock and reservation any client still holds."""
-        self._give_up_inline_stores()
+    def release_everything(self) -> list[InlineStore]:
+        """Shutdown: give back every lock and reservation any client still holds.  The
+        STORE_INLINEs that ended but were not answered are returned, for the stop to answer."""
+        unanswered = self._give_up_inline_stores()
         now = time.monotonic()
         self.collect_prefetches(now)
         locks = writes = 0
@@ -812,29 +823,32 @@ class Handlers:
             session.prefetches.clear()
         self.stats.released_at_stop_locks = locks
         self.stats.released_at_stop_reservations = writes
+        return unanswered
 
 
-class _InlineStore:
+class InlineStore:
     """A STORE_INLINE handed to the pool, until its keys are counted -- exactly once: by
     its reply on the loop thread, or at the stop when that never comes (the drain gave up
     on it, or the pool's queue dropped it before it ran).
 
     The pool thread settles it (commits, or not, and keeps how it ended) under the lock
     the stop takes to give up on it, so exactly one of the two happens: a store given up
-    on is never committed, and one that ended is counted as it ended, by whichever of its
-    reply and the stop comes first."""
+    on is never committed, and one that ended is counted and answered as it ended, by
+    whichever of its completion and the stop comes first."""
 
-    def __init__(self, keys: int) -> None:
+    def __init__(self, identity: bytes, req_id: int, keys: int) -> None:
+        self.identity = identity
+        self.req_id = req_id
         self.keys = keys
         self._lock = threading.Lock()
         self.given_up = False
         self._ended = False
-        #: how it ended: counts it and builds its reply (run once, on the loop thread);
-        #: None for a store that raised (the loop counts those as it refuses them)
+        #: how it ended: counts it and builds its reply, or raises the error it failed
+        #: with (the loop refuses it); run once, on the loop thread
         self._ending: Callable[[], Response] | None = None
-        self._reply: Response | None = None
+        self._answered = False
 
-    def settle(self, end: Callable[[], Callable[[], Response] | None]) -> bool:
+    def settle(self, end: Callable[[], Callable[[], Response]]) -> bool:
         """Pool thread: run ``end`` (the commit, if any) and keep the ending it returns --
         unless the stop gave up on the store first: then False, and ``end`` is not run."""
         with self._lock:
@@ -846,22 +860,26 @@ class _InlineStore:
 
     def give_up(self) -> bool:
         """Loop thread, at the stop: True if the store had not ended (now it never does:
-        its keys are the caller's to count); otherwise its ending is counted now, since
-        its reply may never be finished."""
+        its keys are the caller's to count); False if it had (it is the stop's to answer,
+        since its completion may never be handled)."""
         with self._lock:
             if not self._ended:
                 self.given_up = True
                 return True
-        if self._ending is not None:
-            self.answer()
         return False
 
-    def answer(self) -> Response:
-        """Loop thread: count how the store ended, once; its reply."""
-        if self._reply is None:
-            assert self._ending is not None, "answered before it settled"
-            self._reply = self._ending()
-        return self._reply
+    def answer(self) -> Response | None:
+        """Loop thread: count how the store ended and build its reply (or raise its error),
+        once; None to whichever of its completion and the stop asks second."""
+        if self._answered:
+            return None
+        self._answered = True
+        assert self._ending is not None, "answered before it settled"
+        return self._ending()
+
+
+def _raise(error: BaseException) -> Response:
+    raise error
 
 
 def _reader_layouts(req: p.Retrieve) -> list[str] | None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from lmcache_plugin_frontend_native.handlers import Deferred, Frames, Handlers, Response, error_for
+from lmcache_plugin_frontend_native.handlers import Deferred, Finish, Frames, Handlers, error_for
 from lmcache_tiers.plugin import BurstLog, KeyCache, RouterLoop, decode_request
 from lmcache_tiers.plugin import wire_protocol as p
 
@@ -94,9 +94,16 @@ class RpcServer:
             self._receive_one,
             sweep=self._sweep,
             on_drain=self.handlers.stopping.set,  # cancels prefetch waits in the pool
-            on_shutdown=self.handlers.release_everything,
+            on_shutdown=self._shut_down,
             on_failure=on_failure,
         )
+
+    def _shut_down(self) -> None:
+        """Give back what clients hold; answer the inline stores that ended unanswered (a
+        forced stop never handles their completions): each is counted as it ended, its
+        client told while the socket is still open."""
+        for store in self.handlers.release_everything():
+            self._finish(store.identity, store.req_id, store.answer, store.keys)
 
     def _sweep(self, now: float) -> None:
         self.handlers.collect_prefetches(now)
@@ -215,21 +222,27 @@ class RpcServer:
     # -- pool hand-off ---------------------------------------------------------------------
 
     def _submit(self, identity: bytes, request: p._Request, deferred: Deferred) -> None:
-        def done(finish: Callable[[], Response] | None, error: BaseException | None) -> None:
+        def done(finish: Finish | None, error: BaseException | None) -> None:
             if deferred.cleanup is not None:
                 deferred.cleanup()
             if finish is not None:
-                try:
-                    reply, payloads = finish()
-                except Exception as exc:
-                    error = exc
-                else:
-                    self._send(identity, reply, payloads)
-                    return
+                self._finish(identity, request.req_id, finish, _store_keys(request))
+                return
             assert error is not None
             self._fail_with(identity, request.req_id, error, _store_keys(request))
 
         self.router.submit(deferred.work, done)
+
+    def _finish(self, identity: bytes, req_id: int, finish: Finish, store_keys: int) -> None:
+        """Send what ``finish`` builds (nothing for None: answered already), or refuse the
+        request with the error it raises -- an error the pool's work met, for a store."""
+        try:
+            result = finish()
+        except BaseException as exc:
+            self._fail_with(identity, req_id, exc, store_keys)
+            return
+        if result is not None:
+            self._send(identity, *result)
 
     # -- replying --------------------------------------------------------------------------
 
