@@ -158,6 +158,21 @@ def _digest_guard(payload: bytes | memoryview) -> PayloadGuard:
     return (b"sha1", hashlib.sha1(payload).hexdigest())
 
 
+#: why a payload without its header is damage: one HSET writes both fields, so a payload
+#: alone was left by something else (an earlier layout, a hand edit, a partial writer) --
+#: never listed, it would hold store memory no capacity counts and no eviction frees
+HEADERLESS = "the record has a payload but no header"
+
+
+def _headerless_guard(length: Any) -> PayloadGuard:
+    """The removal guard of a name whose header is absent and whose payload is ``length``
+    bytes (HSTRLEN's answer, or a load's; -1 or an error reply: none): () where there is
+    nothing to remove -- no payload, or an empty one HSTRLEN cannot tell from none."""
+    if isinstance(length, int) and length > 0:
+        return (b"length", length)
+    return ()
+
+
 #: what ``_judged_header`` answers for an intact record of another serde chain
 OTHER_CHAIN = "another serde chain"
 
@@ -1232,7 +1247,8 @@ class RedisBackend:
         payload_len = reader.bulk_length()
         if header_bytes is None:
             reader.skip_bulk(payload_len)
-            return None
+            guard = _headerless_guard(payload_len)
+            return (b"", RecordError(HEADERLESS), guard) if guard else None
         try:
             header = self.context.read_record_header(header_bytes, key)
         except RecordError as exc:
@@ -1447,6 +1463,9 @@ class RedisBackend:
         replies = self._execute(pipe)
         for position, (key, _) in enumerate(batch):
             header_reply, length_reply = replies[2 * position], replies[2 * position + 1]
+            if header_reply is None:
+                self._discard_headerless(key, length_reply)
+                continue
             header = self._judged_header(key, header_reply, "listing")
             if header == OTHER_CHAIN:
                 length = self._other_chain_size(key, length_reply, unsized)
@@ -1477,6 +1496,9 @@ class RedisBackend:
     ) -> ObjectSize | None:
         """The sizes of a record whose verified header (``header_reply``) describes the
         payload HSTRLEN measured (``length_reply``, from the same trip); None for a miss."""
+        if header_reply is None:
+            self._discard_headerless(key, length_reply)
+            return None
         header = self._header(key, header_reply, what)
         if header is None or not self._payload_agrees(key, header, header_reply, length_reply, what):
             return None
@@ -1525,6 +1547,13 @@ class RedisBackend:
         # again since, has the header read and is intact).
         self._discard(key, header_bytes, RecordError(reason), (b"length", int(length_reply)))
         return False
+
+    def _discard_headerless(self, key: ObjectKey, length_reply: Any) -> None:
+        """A name with no header: absent, or -- a payload of ``length_reply`` bytes there --
+        a stray payload, removed as damage (``_headerless_guard``)."""
+        guard = _headerless_guard(length_reply)
+        if guard:
+            self._discard(key, b"", RecordError(HEADERLESS), guard)
 
     def _header(self, key: ObjectKey, reply: Any, what: str) -> RecordHeader | None:
         """The verified header in a reply; None (a miss) for anything else, except an
@@ -1579,6 +1608,9 @@ class RedisBackend:
             self._reply_error("load", key, reply)
             return False
         header_bytes, payload = reply
+        if header_bytes is None:
+            self._discard_headerless(key, -1 if payload is None else len(payload))
+            return False
         header = self._header(key, header_bytes, "load")
         if header is None:
             return False
