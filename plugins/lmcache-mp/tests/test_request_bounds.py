@@ -253,3 +253,26 @@ def test_the_stop_leaves_the_remembered_total_that_of_the_requests_kept(make_mp_
         assert server.frontends[0].join(30)
     assert all(state.job is None for state in requests)
     assert remembered(server) == sum(state.nbytes() for state in requests) > 0
+
+
+def test_max_remembered_mb_holds_between_sweeps(make_mp_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bound holds as each request is remembered, not only at the next sweep: between
+    two sweeps, requests each within the bound would otherwise add up to any multiple of it
+    (here the sweep never runs, so only the bound's own enforcement keeps the total)."""
+    server = make_mp_server(max_remembered_mb=1)
+    frontend = server.frontends[0]
+    requests = frontend.shared.requests
+    monkeypatch.setattr(frontend.handlers.lookups, "sweep", lambda now: None)
+    with MPClient(mp_address(server)) as client:
+        shm = client.register(REG)["shm_name"]
+        tokens = tokens_of(9)
+        assert client.store(Key(tokens, "s", worker_id=0), REG.instance_id, chunk_payloads(9, 4, CHUNK), shm)
+        assert client.lookup(Key(tokens, "held")) == 4
+        assert l1_read_locks(server) == 4
+        for index in range(5):  # about 375 KiB each: five of them are 1.8 MiB
+            assert client.lookup(Key(tokens_of(index, 350 * 256), f"r{index}")) == 0
+            assert remembered(server) <= 1 << 20
+            assert remembered(server) == sum(state.nbytes() for state in requests)
+        assert requests.peek("held") is None and requests.peek("r4") is not None
+        assert l1_read_locks(server) == 0  # the forgotten lookup gave its locks back
+    assert mp_stats(server).failures["mp_request_dropped_memory"] >= 3

@@ -23,7 +23,7 @@ from lmcache_plugin_lmcache_mp.chunks import (
     full_chunks,
     remembered_bytes,
 )
-from lmcache_plugin_lmcache_mp.state import Instance, RequestTable
+from lmcache_plugin_lmcache_mp.state import Instance, RequestState, RequestTable
 from lmcache_plugin_lmcache_mp.wire import CacheKey
 from lmcache_tiers.plugin import BurstLog, FrontendStats, KeyValidationError, printable
 
@@ -87,6 +87,8 @@ class Shared:
     requests: RequestTable = field(default_factory=lambda: RequestTable(65536))
     stopping: threading.Event = field(default_factory=threading.Event)
     too_large_log: BurstLog = field(default_factory=lambda: BurstLog(logger, "mp_request_too_large"))
+    #: gives back what requests forgotten by :meth:`remember` held, and counts them (the lookups')
+    forget_for_memory: Callable[[list[RequestState]], None] = field(default=lambda states: None)
 
     def chunks_of(
         self, key: CacheKey, *, ranks: int, from_zero: bool = False, kept: bool = False
@@ -117,8 +119,18 @@ class Shared:
             )
         state = self.requests.get(key.request_id, time.monotonic())
         chunks = chunk_range(key, self.chunk_size, state.hashes, from_zero=from_zero)
-        self.requests.account(state)
+        self.remember(state)
         return chunks
+
+    def remember(self, state: RequestState) -> None:
+        """Take the grown size of ``state`` into the requests' total, and forget the least
+        recently seen other requests while the total is over ``max_remembered_mb``.  Here,
+        not at the next sweep: requests arriving between two sweeps, each within the bound,
+        would otherwise add up to any multiple of it."""
+        self.requests.account(state)
+        dropped = self.requests.over_memory(keep=state)
+        if dropped:
+            self.forget_for_memory(dropped)
 
     def refuse_too_large(self, operation: str, key: CacheKey, exc: RequestTooLarge) -> None:
         """Count and log a request refused by :meth:`chunks_of` (its caller answers it)."""

@@ -20,7 +20,7 @@ from typing import Any
 
 from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused, RequestTooLarge, Shared
 from lmcache_plugin_lmcache_mp.chunks import first_chunk, full_chunks, keys_for_all_ranks
-from lmcache_plugin_lmcache_mp.state import LookupJob
+from lmcache_plugin_lmcache_mp.state import LookupJob, RequestState
 from lmcache_plugin_lmcache_mp.wire import CacheKey
 from lmcache_tiers.plugin import BurstLog, printable
 
@@ -44,6 +44,7 @@ class Lookups:
         self._dropped_for_memory = BurstLog(logger, "mp_request_dropped_memory")
         self._abandoned = BurstLog(logger, "mp_lookups_abandoned")
         self._capped = BurstLog(logger, "mp_kv_readers_capped")
+        shared.forget_for_memory = self._forgotten_for_memory
 
     # -- handlers ------------------------------------------------------------------------
 
@@ -83,7 +84,7 @@ class Lookups:
         readers = self._capped_readers(readers)
         handle, locked = self.storage.start_prefetch(keys, readers=readers)
         job = state.job = LookupJob(handle, keys, key.world_size, readers, now, request_id=key.request_id)
-        shared.requests.account(state)  # its keys are kept with the request
+        shared.remember(state)  # its keys are kept with the request
         if locked is not None:
             self._settle(job, len(locked))
             return None
@@ -314,8 +315,7 @@ class Lookups:
                 shared.requests.account(state)
         idle = shared.requests.idle(now - shared.config.session_ttl_s)
         overflow = shared.requests.overflow()  # after the idle ones: only live requests count
-        over_memory = shared.requests.over_memory()
-        for state in idle + overflow + over_memory:
+        for state in idle + overflow:
             if state.job is not None:
                 expired += self.give_back(state.job)
         # Forgotten while maybe still in use (request ids are the clients' choice, the
@@ -326,22 +326,31 @@ class Lookups:
             f"requests forgotten beyond max_requests ({shared.requests.max_requests})",
         )
         self._count(
-            self._dropped_for_memory,
-            len(over_memory),
-            "requests forgotten, the least recently seen, to keep their tokens, hashes and lookup "
-            f"keys within max_remembered_mb ({shared.requests.max_bytes >> 20})",
-        )
-        self._count(
             self._abandoned,
             abandoned,
             f"lookups whose prefetch ran past {limit:g}s (half the read-lock TTL) were given up: "
             "their requests are answered 0 hits",
         )
+        self._count_released(expired)
+
+    def _forgotten_for_memory(self, states: list[RequestState]) -> None:
+        """Requests forgotten to keep the total within max_remembered_mb (``Shared.remember``):
+        their lookups' locks go back, and both are counted."""
+        released = sum(self.give_back(state.job) for state in states if state.job is not None)
+        self._count(
+            self._dropped_for_memory,
+            len(states),
+            "requests forgotten, the least recently seen, to keep their tokens, hashes and lookup "
+            f"keys within max_remembered_mb ({self.shared.requests.max_bytes >> 20})",
+        )
+        self._count_released(released)
+
+    def _count_released(self, locks: int) -> None:
         self._count(
             self._expired,
-            expired,
-            f"read locks of lookups not retrieved or freed within {limit:g}s, or of requests "
-            "forgotten (idle, beyond max_requests or max_remembered_mb), were released",
+            locks,
+            f"read locks of lookups not retrieved or freed within {self.shared.lock_ttl_s / 2:g}s, "
+            "or of requests forgotten (idle, beyond max_requests or max_remembered_mb), were released",
         )
 
     def _count(self, log: BurstLog, count: int, what: str) -> None:

@@ -223,11 +223,14 @@ class RequestTable:
             dropped.append(self._pop_oldest())
         return dropped
 
-    def over_memory(self) -> list[RequestState]:
-        """The least recently seen requests whose tokens and hashes take the total past
-        ``max_bytes``, removed."""
+    def over_memory(self, keep: RequestState) -> list[RequestState]:
+        """The least recently seen requests whose tokens, hashes and lookup keys take the
+        total past ``max_bytes``, removed; never ``keep``, the request being served (the
+        most recently seen), whose own size its caller checked."""
         dropped = []
         while self.remembered_bytes > self.max_bytes and self._requests:
+            if next(iter(self._requests.values())) is keep:
+                break
             dropped.append(self._pop_oldest())
         return dropped
 
