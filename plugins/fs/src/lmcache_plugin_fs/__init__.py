@@ -89,7 +89,8 @@ class FsConfig(L2AdapterConfig):
         bool,
         msgspec.Meta(
             description="fsync each record before publishing it (and its directory after), so a store "
-            "survives a power loss; off, a torn record after a crash fails its checksum and is a miss."
+            "survives a power loss; off, a torn record after a crash fails its checksum and is a miss. "
+            "Local directories only: fsspec has no fsync, an fsspec store's durability is its own."
         ),
     ] = False
     storage_options: Annotated[
@@ -120,6 +121,17 @@ class FsConfig(L2AdapterConfig):
         if self.use_odirect is True and not self.is_local:
             raise FieldError(
                 "use_odirect", f"use_odirect applies to local directories only, not {self.root!r}"
+            )
+        if self.fsync and not self.is_local:
+            from lmcache_tiers.plugin import redact_url_secrets
+
+            # fsspec has no fsync: taken, the store would be acknowledged as durable
+            # (the field's promise) on whatever the filesystem's close and move give
+            # (an sftp or smb server's page cache), and lost to its power loss.
+            raise FieldError(
+                "fsync",
+                f"fsync applies to local directories only, not {redact_url_secrets(self.root)!r}: "
+                "an fsspec store's durability is its own; leave fsync unset",
             )
         if self.eviction is not None and not self.max_capacity_gb > 0:
             raise FieldError(
