@@ -6,8 +6,11 @@ A plain function with typer-annotated parameters; heavy imports happen inside it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import signal
+from collections.abc import Iterator
 from typing import Annotated, Any, Optional
 
 import typer
@@ -93,6 +96,39 @@ def _finite(value: float | None) -> float | None:
     if value is not None and not math.isfinite(value):
         raise typer.BadParameter(f"{value} is not a finite number")
     return value
+
+
+class _Step:
+    """What the command is doing, for the line a signal that ends it prints: outside the
+    replay proper (which reports what it measured) Ctrl-C printed an empty line and SIGTERM
+    nothing at all, and the operator could not tell what was cut short."""
+
+    def __init__(self) -> None:
+        self.now = "starting"
+        self.left = "nothing was replayed"
+
+    def __call__(self, now: str, left: str | None = None) -> None:
+        self.now = now
+        if left is not None:
+            self.left = left
+
+
+@contextlib.contextmanager
+def _ended_by_signal(step: _Step) -> Iterator[None]:
+    """SIGTERM and Ctrl-C unwind the command wherever they come (the replay proper puts its
+    own handlers in place while it runs, and reports what it measured); where that prints
+    nothing, one line names the signal and ``step``, and the exit code is 128 + the signal.
+    Later signals are ignored while it unwinds, which takes no time outside the replay."""
+    from lmcache_tiers.replay.server import signalled, signals_unwind
+
+    try:
+        with signals_unwind():
+            yield
+    except (KeyboardInterrupt, SystemExit) as exc:
+        signum = signalled(exc)
+        if signum is None:
+            raise  # an error whose line is printed already
+        fail(f"interrupted ({signal.Signals(signum).name}) while {step.now}; {step.left}", 128 + signum)
 
 
 def _split(values: list[str] | None, flag: str | None = None) -> list[str]:
@@ -245,51 +281,56 @@ def replay(
     from lmcache_tiers.replay.run import check_pacing
     from lmcache_tiers.replay.trace import read_trace
 
-    modes = [
-        name
-        for name, chosen in (("--simulate", simulate), ("--in-process", in_process), ("--url", url))
-        if chosen
-    ]
-    if len(modes) > 1:
-        fail(f"choose one of --simulate, --in-process and --url, not {' and '.join(modes)}")
-    _refuse_other_modes(ctx, SIMULATE if simulate else IN_PROCESS if in_process else SERVER)
-    try:
-        trace = read_trace(trace_file, limit)
-        if simulate:
-            _simulate(
-                trace,
-                capacity,
-                l2_capacity,
-                policy,
-                l2_policy,
-                reads_per_hit,
-                block_bytes,
-                eviction_trigger_watermark,
-                eviction_ratio,
-                plot,
-                as_json,
-                _analysis_options(foresight, retime, retime_bandwidth),
-            )
-            return
-        options = _options(block_bytes, time_scale, timeout, model, salt)
-        # Here, not only in the replay: the server replay runs outside this try.
-        check_pacing(trace, options.time_scale)
-        if in_process:
-            overrides = {
-                "l1_size_gb": l1_size_gb,
-                "eviction_policy": eviction_policy,
-                "eviction_trigger_watermark": eviction_trigger_watermark,
-                "eviction_ratio": eviction_ratio,
-                "l2_store_policy": l2_store_policy,
-                "l2_prefetch_policy": l2_prefetch_policy,
-                "l2_prefetch_max_in_flight": l2_prefetch_max_in_flight,
-                "gds_l1_path": gds_l1_path,
-            }
-            _in_process(trace, options, config, overrides, l2_adapter, l1_blocks, as_json)
-            return
-    except TiersError as exc:
-        fail(str(exc))
-    _server(trace, options, url or DEFAULT_URL, clients, auth_token, as_json)
+    step = _Step()
+    with _ended_by_signal(step):
+        modes = [
+            name
+            for name, chosen in (("--simulate", simulate), ("--in-process", in_process), ("--url", url))
+            if chosen
+        ]
+        if len(modes) > 1:
+            fail(f"choose one of --simulate, --in-process and --url, not {' and '.join(modes)}")
+        _refuse_other_modes(ctx, SIMULATE if simulate else IN_PROCESS if in_process else SERVER)
+        try:
+            step(f"reading the trace {trace_file}")
+            trace = read_trace(trace_file, limit)
+            step("checking the options")
+            if simulate:
+                _simulate(
+                    step,
+                    trace,
+                    capacity,
+                    l2_capacity,
+                    policy,
+                    l2_policy,
+                    reads_per_hit,
+                    block_bytes,
+                    eviction_trigger_watermark,
+                    eviction_ratio,
+                    plot,
+                    as_json,
+                    _analysis_options(foresight, retime, retime_bandwidth),
+                )
+                return
+            options = _options(block_bytes, time_scale, timeout, model, salt)
+            # Here, not only in the replay: the server replay runs outside this try.
+            check_pacing(trace, options.time_scale)
+            if in_process:
+                overrides = {
+                    "l1_size_gb": l1_size_gb,
+                    "eviction_policy": eviction_policy,
+                    "eviction_trigger_watermark": eviction_trigger_watermark,
+                    "eviction_ratio": eviction_ratio,
+                    "l2_store_policy": l2_store_policy,
+                    "l2_prefetch_policy": l2_prefetch_policy,
+                    "l2_prefetch_max_in_flight": l2_prefetch_max_in_flight,
+                    "gds_l1_path": gds_l1_path,
+                }
+                _in_process(step, trace, options, config, overrides, l2_adapter, l1_blocks, as_json)
+                return
+        except TiersError as exc:
+            fail(str(exc))
+        _server(step, trace, options, url or DEFAULT_URL, clients, auth_token, as_json)
 
 
 def _analysis_options(foresight: list[str] | None, seed: int | None, bandwidth: int | None) -> Any:
@@ -333,6 +374,7 @@ def _progress(show: bool) -> Any:
 
 
 def _simulate(
+    step: _Step,
     trace: Any,
     capacity: list[str] | None,
     l2_capacity: list[str] | None,
@@ -398,11 +440,12 @@ def _simulate(
         eviction_ratio=ratio,
         l2_policy=l2_component.name,
     )
+    step("simulating", "no report: the simulation was cut short")
     progress = _progress(not as_json)
     with progress:
         task = progress.add_task("simulating", total=len(capacities) * (len(factories) + 1))
 
-        def step(label: str) -> None:
+        def advance(label: str) -> None:
             progress.update(task, advance=1, description=label)
 
         points = simulate_curve(
@@ -412,7 +455,7 @@ def _simulate(
             l2_capacities=l2_capacities,
             settings=settings,
             l2_factory=l2_factory,
-            progress=step,
+            progress=advance,
         )
         bounds = analysis.online_bound(
             [point.capacity_blocks + (point.l2_capacity_blocks or 0) for point in points]
@@ -421,7 +464,9 @@ def _simulate(
     if plot:
         from lmcache_tiers.replay.plot import plot_curve
 
+        step(f"writing the plot {plot}", "no report, and no plot written")
         plot_curve(points, plot, title=f"miss ratio: {trace.path.rsplit('/', 1)[-1]}")
+    step("printing the report", "the report above is cut short")
     if as_json:
         document = simulation_document(trace, points, settings, analysis=analysis.describe(), bounds=bounds)
         if plot:
@@ -446,6 +491,7 @@ def _simulate(
 
 
 def _in_process(
+    step: _Step,
     trace: Any,
     options: Any,
     config_file: str | None,
@@ -492,6 +538,9 @@ def _in_process(
             f"--block-bytes {options.block_bytes}: larger than the L1 (--l1-size-gb "
             f"{config.l1_size_gb:g}), which could hold no block; give smaller blocks or a larger L1"
         )
+    # A signal before the replay's first request (here, as the L1 arena is pre-faulted) has
+    # no report to print: the storage built so far is closed, its arena removed.
+    step("building the in-process storage (pre-faulting its L1)")
     progress = _progress(not as_json)
     # SIGTERM exits through the StorageManager's close as Ctrl-C does: under Python's default
     # action it ended the process at once, leaving the L1 arena in /dev/shm.
@@ -504,16 +553,18 @@ def _in_process(
     except ReplayCloseFailed as failed:
         # The replay ran to its end: its report first, then the close's failure (exit 1, a
         # failure at the end -- not the usage error every other TiersError here is).
-        _show(failed.report.to_dict(), as_json, also_failed=str(failed))
+        _show(step, failed.report.to_dict(), as_json, also_failed=str(failed))
         return
     except ReplayStopped as stopped:
         # Ctrl-C or SIGTERM: what was measured until then, then why it is partial.
-        _show(stopped.report.to_dict(), as_json, also_failed=str(stopped), code=stopped.exit_code)
+        _show(step, stopped.report.to_dict(), as_json, also_failed=str(stopped), code=stopped.exit_code)
         return
-    _show(report.to_dict(), as_json)
+    _show(step, report.to_dict(), as_json)
 
 
-def _server(trace: Any, options: Any, url: str, clients: int, auth_token: str | None, as_json: bool) -> None:
+def _server(
+    step: _Step, trace: Any, options: Any, url: str, clients: int, auth_token: str | None, as_json: bool
+) -> None:
     from lmcache_tiers.cli.connect import wait_for_server
     from lmcache_tiers.client import ClientError
     from lmcache_tiers.replay.run import ReplayStopped
@@ -521,8 +572,10 @@ def _server(trace: Any, options: Any, url: str, clients: int, auth_token: str | 
 
     progress = _progress(not as_json)
     try:
+        step(f"waiting for the server at {url}")
         wait_for_server(url, timeout=options.timeout_s, auth_token=auth_token)
         _check_block_fits(url, options, auth_token)
+        step(f"starting the replay through {url}")
         with progress:
             task = progress.add_task(f"replaying via {url}", total=len(trace.requests))
             report = replay_server(
@@ -536,11 +589,11 @@ def _server(trace: Any, options: Any, url: str, clients: int, auth_token: str | 
     except ReplayStopped as stopped:
         # What was measured before the end came is worth showing: the report, then why it
         # is partial, with the exit code of its cause.
-        _show(stopped.report.to_dict(), as_json, also_failed=str(stopped), code=stopped.exit_code)
+        _show(step, stopped.report.to_dict(), as_json, also_failed=str(stopped), code=stopped.exit_code)
         return
     except ClientError as exc:
         fail(f"replay through {url} failed: {exc}", 1)
-    _show(report.to_dict(), as_json)
+    _show(step, report.to_dict(), as_json)
 
 
 def _check_block_fits(url: str, options: Any, auth_token: str | None) -> None:
@@ -574,12 +627,15 @@ def _print_table(table: Any) -> None:
     Console(file=stdout.file, highlight=False, soft_wrap=True, width=width).print(table)
 
 
-def _show(document: dict[str, Any], as_json: bool, also_failed: str | None = None, code: int = 1) -> None:
+def _show(
+    step: _Step, document: dict[str, Any], as_json: bool, also_failed: str | None = None, code: int = 1
+) -> None:
     """Print the report; then one error line and exit ``code`` (1 unless a signal's) when a
     retrieved block was corrupt or ``also_failed`` names what ended the replay or failed
     after it (both, when both happened)."""
     from lmcache_tiers.replay.report import replay_table
 
+    step("printing the report", "the report above is cut short")
     if as_json:
         typer.echo(json.dumps(document, indent=2))
     else:

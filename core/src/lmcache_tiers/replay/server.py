@@ -152,12 +152,26 @@ class _SignalDeferral:
 _deferral = _SignalDeferral()
 
 
+#: the attribute that marks an exception a signal raised (``signalled``)
+_SIGNAL_MARK = "replay_signal"
+
+
 def _unwinding(signum: int) -> BaseException:
     """What a signal raises where the replay is: KeyboardInterrupt for SIGINT,
-    SystemExit(128 + signum) otherwise (read back by ``signal_of``)."""
-    if signum == signal.SIGINT:
-        return KeyboardInterrupt()
-    return SystemExit(128 + signum)
+    SystemExit(128 + signum) otherwise (read back by ``signal_of``), marked as a signal's
+    so that it is told apart from the SystemExit of an error already reported."""
+    exc: BaseException = KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
+    setattr(exc, _SIGNAL_MARK, signum)
+    return exc
+
+
+def signalled(exc: BaseException) -> int | None:
+    """The signal that raised ``exc`` (SIGINT for any KeyboardInterrupt, which only Ctrl-C
+    raises), or None: a SystemExit of ``sys.exit``, whose error line is printed already."""
+    if isinstance(exc, KeyboardInterrupt):
+        return int(getattr(exc, _SIGNAL_MARK, signal.SIGINT))
+    mark = getattr(exc, _SIGNAL_MARK, None)
+    return mark if isinstance(mark, int) else None
 
 
 @contextlib.contextmanager
