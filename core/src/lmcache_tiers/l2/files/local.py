@@ -312,15 +312,22 @@ class LocalFiles:
             return
         try:
             left = identity_of(os.lstat(path)) == published
-        except OSError:
+        except FileNotFoundError:
             return
+        except OSError as exc:
+            # Not "gone": a disk whose directory fsync just failed (EIO) may fail this too,
+            # and the record it cannot tell about may well still be there.
+            left, why = True, f" (cannot tell: {exc.strerror or exc})"
+        else:
+            why = ""
         if left:
             self._count("failed_store_records_left", 1)
             log.warning(
-                "%s: %s stays on disk although its store failed: it is accounted once a lookup "
+                "%s: %s stays on disk although its store failed%s: it is accounted once a lookup "
                 "or the next start-up finds it",
                 self.name,
                 printable(path, 300),
+                why,
             )
 
     def _fsync_directory(self, directory: str) -> None:
