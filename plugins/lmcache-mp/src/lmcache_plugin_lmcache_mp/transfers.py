@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused, RequestTooLarge, Shared, failure_reason
@@ -269,17 +270,17 @@ class Transfers:
                     self._write_pickled(store, instance, keys, data)
             except Exception as exc:
                 error, reason = exc, failure_reason(exc)
-                if not store.settle(lambda: lambda: self._refuse_keys(reason, len(keys))):
+                if not store.end_without_commit(partial(self._refuse_keys, reason, len(keys))):
                     # The stop gave up on it first and counted it (mp_shutting_down): its
                     # failure is not counted, nor logged, a second time.
-                    return lambda: self._answer_pickled(store)
+                    return partial(self._answer_pickled, store)
 
                 def failed() -> Any:
                     self._answer_pickled(store)
                     raise error  # the loop counts the request and logs it
 
                 return failed
-            return lambda: self._answer_pickled(store)
+            return partial(self._answer_pickled, store)
 
         return Deferred(work)
 
@@ -300,13 +301,12 @@ class Transfers:
             chunks = codec.load(data, len(keys), instance.layout)
         except ValueError as exc:
             message = str(exc)
-            store.settle(lambda: lambda: self._reject_pickled(message, len(keys)))
+            store.end_without_commit(partial(self._reject_pickled, message, len(keys)))
             return
         try:
             fresh = storage.reserve_write(keys, [size] * len(keys), [layout] * len(keys))
         except L1OutOfMemoryError as exc:
-            reason = exc
-            store.settle(lambda: lambda: self._refuse_pickled_l1_full(reason, len(keys)))
+            store.end_without_commit(partial(self._refuse_pickled_l1_full, exc, len(keys)))
             return
         try:
             skips = self._skips(keys, fresh)  # here: it asks L1, which the loop must not wait for
@@ -321,15 +321,15 @@ class Transfers:
                 # reaped during the copy.  Nothing of this store is made visible (only its
                 # own reservations are acted on: ``abort_reserved``, ``commit_reserved``).
                 storage.abort_reserved(fresh)
-                return lambda: self._count_pickled(skips, 0, len(fresh), size)
+                return partial(self._count_pickled, skips, 0, len(fresh), size)
             try:
                 committed = storage.commit_reserved(fresh)
             except BaseException:
                 storage.abort_reserved(fresh)
                 raise
-            return lambda: self._count_pickled(skips, len(committed), len(fresh), size)
+            return partial(self._count_pickled, skips, len(committed), len(fresh), size)
 
-        if not store.settle(commit):
+        if not store.commit_and_end(commit):
             # Given up at the stop, its keys counted as refused: never made visible now.
             storage.abort_reserved(fresh)
 
@@ -621,10 +621,11 @@ class _PickledStore:
     once: by its answer on the loop thread, or at the stop when that never comes (the
     drain gave up on it, or the pool's queue dropped it before it ran).
 
-    The pool thread settles it (commits, or not, and records how it ended) under the lock
-    the stop takes to give up on it, so exactly one of the two happens: a store given up on
-    is never committed, and one that ended is counted as it ended, by whichever of its
-    answer and the stop comes first."""
+    The pool thread ends it (commits, or not, and records how it ended: its *ending*, which
+    counts its keys and returns its reply) under the lock the stop takes to give up on it,
+    so exactly one of the two happens: a store given up on is never committed, and one
+    that ended is counted as it ended, by whichever of its answer and the stop comes
+    first."""
 
     def __init__(self, keys: int) -> None:
         self.keys = keys
@@ -635,13 +636,24 @@ class _PickledStore:
         self._counted = False
         self._reply: Any = False
 
-    def settle(self, end: Callable[[], Callable[[], Any]]) -> bool:
-        """Pool thread: run ``end`` (the commit, if any) and keep the ending it returns --
-        unless the stop gave up on the store first: then False, and ``end`` is not run."""
+    def commit_and_end(self, commit: Callable[[], Callable[[], Any]]) -> bool:
+        """Pool thread: run ``commit`` (which makes the copied chunks visible, or gives their
+        reservations back) and keep the ending it returns -- unless the stop gave up on the
+        store first: then False, and ``commit`` is not run."""
         with self._lock:
             if self.given_up:
                 return False
-            self._ending = end()
+            self._ending = commit()
+            return True
+
+    def end_without_commit(self, ending: Callable[[], Any]) -> bool:
+        """Pool thread: keep ``ending`` for a store that stored nothing (its chunks were
+        rejected or refused, or its copy raised) -- unless the stop gave up on it first:
+        then False."""
+        with self._lock:
+            if self.given_up:
+                return False
+            self._ending = ending
             return True
 
     def give_up(self) -> bool:
@@ -658,6 +670,6 @@ class _PickledStore:
         """Loop thread: count how the store ended, once; its reply (false if given up)."""
         if not self._counted:
             self._counted = True
-            assert self._ending is not None, "answered before it settled"
+            assert self._ending is not None, "answered before it ended"
             self._reply = self._ending()
         return self._reply
