@@ -190,6 +190,8 @@ def test_in_process_config_file_that_is_a_directory_is_one_line(tmp_path: Path) 
         ("curve", "give a file name ending in .png, .svg or .pdf"),
         ("missing/curve.png", "does not exist"),
         ("a-directory.png", "is a directory; give a file name"),
+        # refused at the end, after the simulation, when the plot could not be created there
+        ("/proc/curve.png", "cannot create a file in /proc: "),
     ],
 )
 def test_a_plot_file_that_cannot_be_written_is_refused_before_the_simulation(

@@ -146,3 +146,27 @@ def test_a_signal_as_an_in_process_l1_is_pre_faulted_is_one_line_and_leaves_no_s
         f"error: interrupted ({signal.Signals(sig).name}) while building the in-process storage "
         "(pre-faulting its L1); nothing was replayed"
     )
+
+
+def test_a_signal_as_the_plot_is_written_leaves_no_half_written_file(tmp_path: Path) -> None:
+    """The plot was drawn straight into the --plot file: a signal mid-write left a truncated
+    image there, which a later look at the directory takes for the curve."""
+    marker = tmp_path / "drawn"
+    plots = tmp_path / "plots"
+    plots.mkdir()
+    plot = plots / "curve.png"
+    trace = str(small_trace(tmp_path / "t.jsonl"))
+    args = ["replay", trace, "--simulate", "--capacity", "8", "--plot", str(plot)]
+    replay = _launch_held("matplotlib.figure", "Figure.savefig", marker, args)
+    try:
+        _wait_for(marker, replay)  # the image is written, the command not done with it
+        replay.send_signal(signal.SIGTERM)
+        out, err = replay.communicate(timeout=60)
+    finally:
+        replay.kill()
+    assert replay.returncode == 128 + signal.SIGTERM, err
+    assert out == ""
+    assert _one_error_line(err) == (
+        f"error: interrupted (SIGTERM) while writing the plot {plot}; no report, and no plot written"
+    )
+    assert list(plots.iterdir()) == []

@@ -3,7 +3,9 @@ or PDF by the file's extension."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,10 +18,27 @@ PLOT_FORMATS = ("png", "svg", "pdf")
 _NO_MATPLOTLIB = "--plot needs matplotlib, which is not installed: pip install 'lmcache-tiers[plot]'"
 
 
+def _new_file_beside(path: str | Path) -> str:
+    """A new, empty file in the directory of ``path``, with the mode a plain ``open`` would
+    give it (the umask's): the plot is drawn there and then renamed over ``path``, so that a
+    signal or a full disk mid-write leaves no half-written image behind."""
+    directory, name = os.path.split(os.path.abspath(path))
+    extension = os.path.splitext(name)[1]
+    fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=f".partial{extension}", dir=directory)
+    try:
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+    finally:
+        os.close(fd)
+    return temporary
+
+
 def check_plot_path(path: str) -> None:
     """Refuse, before any simulation runs, a ``--plot`` file that cannot be written: one
     without a supported extension (nothing is appended to a name), a directory, one in a
-    directory that does not exist; and matplotlib not installed."""
+    directory that does not exist or where no file can be created (read-only, /proc); and
+    matplotlib not installed."""
     extension = os.path.splitext(path)[1].lower().lstrip(".")
     if extension not in PLOT_FORMATS:
         *others, last = (f".{name}" for name in PLOT_FORMATS)
@@ -31,6 +50,11 @@ def check_plot_path(path: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise ConfigError(f"--plot {path}: directory {parent} does not exist")
+    try:
+        # as the plot is written at the end, where a refusal would throw the simulation away
+        os.unlink(_new_file_beside(path))
+    except OSError as exc:
+        raise ConfigError(f"--plot {path}: cannot create a file in {parent}: {exc.strerror or exc}") from None
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -68,9 +92,17 @@ def plot_curve(points: Sequence[CapacityPoint], path: str | Path, *, title: str)
     axes.set_title(title)
     axes.legend(fontsize="small")
     figure.tight_layout()
+    temporary: str | None = None
     try:
-        figure.savefig(path, dpi=120)
-    except OSError as exc:
-        raise ConfigError(f"cannot write the plot to {path}: {exc.strerror or exc}") from None
+        temporary = _new_file_beside(path)
+        figure.savefig(temporary, dpi=120, format=os.path.splitext(path)[1].lower().lstrip("."))
+        os.replace(temporary, path)
+    except BaseException as exc:
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+        if isinstance(exc, OSError):
+            raise ConfigError(f"cannot write the plot to {path}: {exc.strerror or exc}") from None
+        raise
     finally:
         plt.close(figure)
