@@ -1802,3 +1802,46 @@ def test_temp_dirs_no_record_names_are_counted_reported_and_kept(
             adapter.close()
     finally:
         live.close()
+
+
+@pytest.mark.parametrize("url", [False, True])
+def test_a_damaged_record_that_cannot_be_removed_is_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The damage is a miss and its removal fails (a read-only or failing disk): counted,
+    and the line says why it was judged bad -- no removal counter tells of it."""
+    import fsspec
+
+    root = f"memory://unremovable-{uuid.uuid4().hex}" if url else str(tmp_path)
+    files = fsspec.filesystem("memory") if url else fsspec.filesystem("file")
+    arena = Arena()
+    keys = make_keys(1)
+    adapter = open_fs(fs_config(root), arena.view)
+    try:
+        assert store(adapter, arena, keys, [pattern(3, SIZE)]) == [True]
+        path = f"{root}/{keys[0].file_stem()}.bin"
+        data = bytearray(files.cat_file(path))
+        data[HEADER + 10] ^= 0xFF
+        files.pipe_file(path, bytes(data))
+        if url:
+            real_rm = type(files).rm_file
+
+            def refusing(self: Any, target: str, *args: Any, **kwargs: Any) -> Any:
+                if str(target).endswith(os.path.basename(path)):
+                    raise PermissionError(13, "injected: permission denied", target)
+                return real_rm(self, target, *args, **kwargs)
+
+            monkeypatch.setattr(type(files), "rm_file", refusing)
+        else:
+            _refuse(monkeypatch, "unlink", path)
+        with caplog.at_level(logging.WARNING):
+            assert load(adapter, arena, keys, [SIZE])[0] == [False]
+        monkeypatch.undo()
+        assert files.exists(path)
+        assert adapter.stats()["corrupt_remove_failures"] == 1
+        assert adapter.stats().get("corrupt_records_removed", 0) == 0
+        assert any("checksum" in r.getMessage() and "stays a miss" in r.getMessage() for r in caplog.records)
+    finally:
+        adapter.close()
+        if url:
+            files.rm(root, recursive=True)

@@ -329,7 +329,15 @@ class RemoteRecords:
             except FileNotFoundError:
                 return False
             except (OSError, ValueError) as exc:
-                log.warning("%s: cannot remove %s: %s", self.context.name, shown(path), shown(str(exc)))
+                # the damage stays, a miss at every lookup: counted, as its removal would be
+                self.context.count("corrupt_remove_failures")
+                log.warning(
+                    "%s: cannot remove %s (%s): %s; it stays a miss",
+                    self.context.name,
+                    shown(path),
+                    printable(reason, 300),
+                    shown(str(exc)),
+                )
                 return False
         self.context.count(counter)
         log.warning("%s: removed %s: %s", self.context.name, shown(path), printable(reason, 300))

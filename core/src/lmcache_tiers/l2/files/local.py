@@ -348,17 +348,26 @@ class LocalFiles:
         counter: str,
         reason: str,
     ) -> bool:
-        if not self._remove_judged(path, identity, lock):
+        if not self._remove_judged(path, identity, lock, unremovable=reason):
             return False
         self._count(counter, 1)
         log.warning("%s: removed %s: %s", self.name, printable(path, 300), printable(reason, 300))
         return True
 
     def _remove_judged(
-        self, path: str, identity: FileIdentity | None, lock: AbstractContextManager[Any]
+        self,
+        path: str,
+        identity: FileIdentity | None,
+        lock: AbstractContextManager[Any],
+        *,
+        unremovable: str | None = None,
     ) -> bool:
         """Unlink ``path`` if it is still the file that was judged; whether it was removed.
-        ``lock`` keeps stores of its key from publishing between the check and the unlink."""
+        ``lock`` keeps stores of its key from publishing between the check and the unlink.
+
+        With ``unremovable`` (why the file was judged bad), a file that cannot be removed
+        is counted (``corrupt_remove_failures``): the damage stays on disk, a miss at
+        every lookup, and the removal's counter never tells of it."""
         with lock:
             try:
                 if identity is not None and identity_of(os.lstat(path)) != identity:
@@ -367,7 +376,17 @@ class LocalFiles:
             except FileNotFoundError:
                 return False
             except OSError as exc:
-                log.warning("%s: cannot remove %s: %s", self.name, printable(path, 300), exc)
+                if unremovable is None:
+                    log.warning("%s: cannot remove %s: %s", self.name, printable(path, 300), exc)
+                else:
+                    self._count("corrupt_remove_failures", 1)
+                    log.warning(
+                        "%s: cannot remove %s (%s): %s; it stays a miss",
+                        self.name,
+                        printable(path, 300),
+                        printable(unremovable, 300),
+                        exc,
+                    )
                 return False
         return True
 
