@@ -91,6 +91,8 @@ def test_a_bad_capacity_is_one_line_and_exit_2(tmp_path: Path, capacity: str) ->
         (["--simulate", "--retime", "0", "--retime-bandwidth", "1" + "0" * 400], "--retime-bandwidth"),
         (["--in-process", "--l1-blocks", "1" + "0" * 400], "no machine holds"),
         (["--in-process", "--l1-blocks", "2", "--block-bytes", "1" + "0" * 400], "no machine holds"),
+        # a process each: refused before the server is asked, not once a million are spawned
+        (["--url", "tcp://127.0.0.1:9", "--timeout", "0.3", "--clients", "1000000"], "'--clients'"),
     ],
 )
 def test_bad_combinations_are_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:

@@ -35,6 +35,9 @@ REPLAY_HELP = (
 DEFAULT_URL = "tcp://127.0.0.1:5555"
 #: the most reads of a hit prefix per request a simulation takes (an engine takes two or three)
 MAX_READS_PER_HIT = 64
+#: the most --clients: each is a Python process of its own (some 50 MB before its buffers),
+#: and a mistyped count (a million) would otherwise fork until the machine ran out of memory
+MAX_CLIENTS = 256
 #: the widest --retime-bandwidth, in requests: far wider than any trace, and still a float
 MAX_RETIME_BANDWIDTH = 1 << 53
 
@@ -220,7 +223,12 @@ def replay(
         ),
     ] = 0.0,
     clients: Annotated[
-        int, typer.Option(min=1, help="Client processes sharing the requests (server mode).")
+        int,
+        typer.Option(
+            min=1,
+            max=MAX_CLIENTS,
+            help="Client processes sharing the requests (server mode), each a Python process of its own.",
+        ),
     ] = 1,
     timeout: Annotated[float, typer.Option(min=0.01, max=MAX_TIMEOUT_S, help=WAIT_TIMEOUT_HELP)] = 60.0,
     auth_token: Annotated[
