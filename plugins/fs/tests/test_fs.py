@@ -506,11 +506,13 @@ def test_bad_configs_are_refused_with_one_line(raw: dict[str, object], message: 
     assert "\n" not in str(info.value)
 
 
-def test_fsync_on_an_fsspec_url_is_refused() -> None:
+@pytest.mark.parametrize("field", ["fsync", "use_odirect"])
+def test_a_local_only_field_on_an_fsspec_url_is_refused(field: str) -> None:
     """fsspec has no fsync: a store acknowledged as durable on an sftp server would be in its
-    page cache, lost to its power loss.  The refusal names the URL without its password."""
-    with pytest.raises(ConfigError, match="fsync applies to local directories only") as info:
-        _decode({"path": "sftp://user:secret@host/kv", "fsync": True})
+    page cache, lost to its power loss; nor O_DIRECT.  The refusal names the URL without
+    its password."""
+    with pytest.raises(ConfigError, match=f"{field} applies to local directories only") as info:
+        _decode({"path": "sftp://user:secret@host/kv", field: True})
     assert "secret" not in str(info.value) and "\n" not in str(info.value)
     assert _decode({"path": "file:///data/kv", "fsync": True}).fsync  # type: ignore[attr-defined]
 

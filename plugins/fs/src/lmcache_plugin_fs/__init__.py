@@ -119,8 +119,11 @@ class FsConfig(L2AdapterConfig):
             except ValueError as exc:
                 raise FieldError("relative_tmp_dir", f"relative_tmp_dir {exc}") from None
         if self.use_odirect is True and not self.is_local:
+            from lmcache_tiers.plugin import redact_url_secrets
+
             raise FieldError(
-                "use_odirect", f"use_odirect applies to local directories only, not {self.root!r}"
+                "use_odirect",
+                f"use_odirect applies to local directories only, not {redact_url_secrets(self.root)!r}",
             )
         if self.fsync and not self.is_local:
             from lmcache_tiers.plugin import redact_url_secrets
