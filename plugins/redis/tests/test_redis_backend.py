@@ -26,6 +26,7 @@ import pytest
 import redis
 from lmcache_plugin_redis import RedisConfig
 from lmcache_plugin_redis import backend as backend_module
+from lmcache_plugin_redis import limits as limits_module
 from lmcache_plugin_redis.backend import (
     _REMOVE_IF_UNCHANGED,
     KEYS_PER_TRIP,
@@ -863,7 +864,7 @@ def test_a_cluster_node_that_refuses_config_get_counts_at_the_default_bulk_limit
     # One primary raised its limit, another denies this user CONFIG: that one is taken at
     # Redis's default (1 MiB here), not left out of the minimum -- the raised limit would
     # let through objects the other drops the connection for.
-    monkeypatch.setattr(backend_module, "DEFAULT_BULK_LIMIT", 1 << 20)
+    monkeypatch.setattr(limits_module, "DEFAULT_BULK_LIMIT", 1 << 20)
     user = f"noconfig-{uuid.uuid4().hex[:8]}"
     for node in redis_cluster.nodes:
         rules = ["~*", "+@all", "-config"] if node is redis_cluster.nodes[1] else ["~*", "+@all"]

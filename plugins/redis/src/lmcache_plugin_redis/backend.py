@@ -70,6 +70,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from lmcache_plugin_redis.client import build_client, describe, ignored_nodes
 from lmcache_plugin_redis.config import RedisConfig
 from lmcache_plugin_redis.direct import DirectConnections, Send, pack_command
+from lmcache_plugin_redis.limits import default_limits, read_limits
 from lmcache_plugin_redis.replies import ReplyReader
 from lmcache_tiers.plugin import (
     BackendContext,
@@ -248,40 +249,6 @@ def _unanswered_check(exc: Exception) -> str:
     return f"{cause} ({type(exc).__name__}: {exc})"
 
 
-#: Redis's default ``proto-max-bulk-len``: the limit assumed where CONFIG GET is refused
-DEFAULT_BULK_LIMIT = 512 << 20
-#: Redis's default ``client-query-buffer-limit``: assumed where CONFIG GET is refused
-DEFAULT_QUERY_BUFFER_LIMIT = 1 << 30
-#: what Redis holds in a client's query buffer besides a long argument: the CRLF after
-#: it (an argument of 32 KiB or more is read into the buffer alone, and a buffer over
-#: ``client-query-buffer-limit`` makes Redis close the connection)
-QUERY_BUFFER_FRAMING = 2
-
-
-def config_limit_of(client: Redis, parameter: str) -> int | None:
-    """The store's value of the numeric ``parameter``; None where CONFIG GET is refused
-    (an ACL, a renamed or disabled command).  Raises when the store does not answer."""
-    try:
-        reply = client.config_get(parameter)
-    except ResponseError:  # NoPermissionError too
-        return None
-    values = [value for value in reply.values() if value is not None]
-    return int(values[0]) if values else None
-
-
-def bulk_limit_of(client: Redis) -> int | None:
-    """The store's ``proto-max-bulk-len`` (the longest string a command may send: a
-    longer one makes it close the connection); None where CONFIG GET is refused."""
-    return config_limit_of(client, "proto-max-bulk-len")
-
-
-def query_buffer_limit_of(client: Redis) -> int | None:
-    """The store's ``client-query-buffer-limit`` (the most a client's query buffer may
-    hold: a longer argument makes it close the connection); None where CONFIG GET is
-    refused."""
-    return config_limit_of(client, "client-query-buffer-limit")
-
-
 #: seconds between two permission checks calls make of primaries not checked yet: one that
 #: does not answer costs the call the check's timeout (the circuit's probe checks each time)
 OWED_CHECK_INTERVAL_S = 1.0
@@ -334,11 +301,6 @@ def _dropped_connection(reply: Any) -> bool:
     if isinstance(reply, RedisConnectionError):
         return True
     return isinstance(reply, ResponseError) and str(reply).startswith(BULK_OVER_LIMIT_ERROR)
-
-
-def _lowest(limits: list[int | None], default: int) -> int:
-    """The lowest of the limits read, ``default`` standing for any not read."""
-    return min((default if limit is None else limit for limit in limits), default=default)
 
 
 def glob_escape(text: str) -> str:
@@ -448,8 +410,7 @@ class RedisBackend:
         #: the store's ``proto-max-bulk-len`` and ``client-query-buffer-limit``
         #: (``_read_bulk_limit``; the lowest of a cluster's primaries), Redis's defaults
         #: until read
-        self._bulk_limit = DEFAULT_BULK_LIMIT
-        self._query_buffer_limit = DEFAULT_QUERY_BUFFER_LIMIT
+        self._limits = default_limits()
         #: whether the last read of the limits found a node refusing CONFIG GET (its
         #: limits taken at Redis's defaults): said and counted when that starts
         self._limits_assumed = False
@@ -660,22 +621,18 @@ class RedisBackend:
             else [client.get_redis_connection(n) for n in client.get_primaries()]
         )
         try:
-            bulk = [bulk_limit_of(node) for node in nodes]
-            query = [query_buffer_limit_of(node) for node in nodes]
+            limits, assumed = read_limits(nodes)
         except (RedisError, RedisClusterException) as exc:
             log.debug("%s: the store's limits not read (%s)", self.context.name, exc)
             return
-        self._say_limits_assumed(None in bulk or None in query)
-        # A node refusing CONFIG GET is taken at the default, not left out of the minimum.
-        before = (self._bulk_limit, self._query_buffer_limit)
-        self._bulk_limit = _lowest(bulk, DEFAULT_BULK_LIMIT)
-        self._query_buffer_limit = _lowest(query, DEFAULT_QUERY_BUFFER_LIMIT)
-        if (self._bulk_limit, self._query_buffer_limit) != before:
+        self._say_limits_assumed(assumed)
+        before, self._limits = self._limits, limits
+        if limits != before:
             log.info(
                 "%s: the store's limits are now proto-max-bulk-len %d, client-query-buffer-limit %d",
                 self.context.name,
-                self._bulk_limit,
-                self._query_buffer_limit,
+                limits.bulk,
+                limits.query_buffer,
             )
 
     def _say_limits_assumed(self, assumed: bool) -> None:
@@ -690,13 +647,14 @@ class RedisBackend:
         if not started:
             return
         self.context.count("store_limits_assumed")
+        defaults = default_limits()
         log.warning(
             "%s: CONFIG GET of proto-max-bulk-len or client-query-buffer-limit is refused: "
             "Redis's defaults (%d and %d bytes) are assumed where it is, and an object over a "
             "lower limit set there fails its batch (grant the user +config|get to read them)",
             self.context.name,
-            DEFAULT_BULK_LIMIT,
-            DEFAULT_QUERY_BUFFER_LIMIT,
+            defaults.bulk,
+            defaults.query_buffer,
         )
 
     def _warn_of_ignored_nodes(self) -> None:
@@ -1095,12 +1053,8 @@ class RedisBackend:
         if not dropped:
             return []
         self._read_bulk_limit()
-        limit = self._value_limit()
+        limit = self._limits.longest_value
         return dropped if any(payloads[index].nbytes > limit for index in dropped) else []
-
-    def _value_limit(self) -> int:
-        """The longest payload the store takes in one command."""
-        return min(self._bulk_limit, self._query_buffer_limit - QUERY_BUFFER_FRAMING)
 
     def _within_bulk_limit(
         self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview], indices: Sequence[int]
@@ -1109,7 +1063,8 @@ class RedisBackend:
         ``proto-max-bulk-len``, or than its ``client-query-buffer-limit`` holds, is
         refused here, counted and logged -- sent, it would make the store close the
         connection, failing the whole batch."""
-        limit = self._value_limit()
+        limits = self._limits
+        limit = limits.longest_value
         if all(payloads[index].nbytes <= limit for index in indices):
             return indices
         sendable = []
@@ -1124,8 +1079,8 @@ class RedisBackend:
                 "(proto-max-bulk-len %d, client-query-buffer-limit %d bytes)",
                 keys[index].file_stem(),
                 payloads[index].nbytes,
-                self._bulk_limit,
-                self._query_buffer_limit,
+                limits.bulk,
+                limits.query_buffer,
             )
         return sendable
 
