@@ -73,6 +73,9 @@ class Transfers:
         self._abandoned_stores = BurstLog(logger, "mp_shutting_down")
         #: pickled stores handed to the pool whose keys are not counted yet (loop thread only)
         self._pickled_stores: set[_PickledStore] = set()
+        #: pickled retrieves handed to the pool and not answered yet (loop thread only)
+        self._pickled_retrieves: set[_PickledRetrieve] = set()
+        self._abandoned_retrieves = BurstLog(logger, "mp_shutting_down")
 
     def _resolve(self, key: CacheKey, instance_id: int) -> tuple[Instance, list[ObjectKey]]:
         instance = self.shared.instance(instance_id)
@@ -474,27 +477,48 @@ class Transfers:
     ) -> Deferred:
         codec, storage = self.shared.pickle, self.storage
         assert codec is not None
+        retrieve = _PickledRetrieve(keys, not_before)
+        self._pickled_retrieves.add(retrieve)
 
         def work() -> Callable[[], Any]:
+            if not retrieve.start():  # the stop gave up on it and gave its locks back
+                return partial(self._end_pickled_retrieve, retrieve, self._lost_retrieve)
             try:
-                chunks = [storage.lend(obj).detach() for obj in objects]
-            except KeyError as exc:
-                # L1 could not vouch for a copy (the object left L1 and its extent may
-                # have changed hands meanwhile): a miss, never another chunk's bytes.
-                logger.warning("pickled retrieve of request %s answered a miss: %s", key.request_id, exc)
-                return self._lost_retrieve
-            finally:
-                storage.release(keys, not_before=not_before)
-            data = codec.dump(chunks, instance.layout)
+                try:
+                    chunks = [storage.lend(obj).detach() for obj in objects]
+                except KeyError as exc:
+                    # L1 could not vouch for a copy (the object left L1 and its extent may
+                    # have changed hands meanwhile): a miss, never another chunk's bytes.
+                    logger.warning("pickled retrieve of request %s answered a miss: %s", key.request_id, exc)
+                    return partial(self._end_pickled_retrieve, retrieve, self._lost_retrieve)
+                finally:
+                    storage.release(keys, not_before=not_before)
+                data = codec.dump(chunks, instance.layout)
+            except Exception as exc:
+                error = exc
 
-            def finish() -> Any:
+                def failed() -> Any:
+                    self._pickled_retrieves.discard(retrieve)
+                    if retrieve.given_up:
+                        return _MISS  # counted at the stop, not a second time
+                    raise error  # the loop counts the request and logs it
+
+                return failed
+
+            def answer() -> Any:
                 self.lookups.consume(lookup, keys)
                 self._count_retrieve(len(keys), instance.object_bytes * len(keys))
                 return PrepareRetrieveReply(success=True, data=data, context={})
 
-            return finish
+            return partial(self._end_pickled_retrieve, retrieve, answer)
 
         return Deferred(work)
+
+    def _end_pickled_retrieve(self, retrieve: _PickledRetrieve, answer: Callable[[], Any]) -> Any:
+        """Loop thread: answer a pickled retrieve; a miss if the stop gave up on it (and
+        counted it) meanwhile."""
+        self._pickled_retrieves.discard(retrieve)
+        return _MISS if retrieve.given_up else answer()
 
     def _lost_retrieve(self) -> Any:
         self.shared.stats.failure("mp_retrieve_object_lost")
@@ -579,6 +603,7 @@ class Transfers:
         now = time.monotonic()
         self._count_expired(self.writes.expire(now), len(self.reads.expire(now)))
         self._give_up_pickled_stores()
+        self._give_up_pickled_retrieves()
         return self._give_back(self.writes.pop_all(), self.reads.pop_all(), "shutting_down")
 
     def _give_up_pickled_stores(self) -> None:
@@ -595,6 +620,23 @@ class Transfers:
                 len(given_up),
                 "pickled commit_store calls given up at the stop (still copying at the drain "
                 "deadline, or not started): not answered, nothing of them stored",
+            )
+
+    def _give_up_pickled_retrieves(self) -> None:
+        """At the stop: pickled retrieves not answered yet are given up, counted once.  The
+        read locks of those that never started (dropped from the pool's queue, or not
+        reached by the drain) are given back here; one still copying gives back its own,
+        and is answered a miss if it ends while the last replies go out."""
+        retrieves, self._pickled_retrieves = self._pickled_retrieves, set()
+        for retrieve in retrieves:
+            if retrieve.give_up():
+                self.storage.release(retrieve.keys, not_before=retrieve.not_before)
+        if retrieves:
+            self.shared.stats.failure("mp_shutting_down", len(retrieves))
+            self._abandoned_retrieves.event(
+                len(retrieves),
+                "pickled prepare_retrieve calls given up at the stop (queued, or still copying at "
+                "the drain deadline): not answered, or answered a miss; their read locks given back",
             )
 
 
@@ -614,6 +656,35 @@ def _copy_chunks(
     except (KeyError, ValueError):
         return False
     return True
+
+
+class _PickledRetrieve:
+    """A pickled ``prepare_retrieve`` handed to the pool with its chunks read-locked: the
+    pool thread copies them out and releases the locks, unless the stop gave up on it
+    before it started -- then the stop releases them (exactly one of the two, under the
+    lock both take)."""
+
+    def __init__(self, keys: list[ObjectKey], not_before: float) -> None:
+        self.keys = keys
+        self.not_before = not_before
+        self._lock = threading.Lock()
+        self._started = False
+        self.given_up = False
+
+    def start(self) -> bool:
+        """Pool thread: False if the stop gave up on it first (its locks are gone)."""
+        with self._lock:
+            if self.given_up:
+                return False
+            self._started = True
+            return True
+
+    def give_up(self) -> bool:
+        """Loop thread, at the stop: True if it never started (its locks are the caller's
+        to release); a started one releases its own."""
+        with self._lock:
+            self.given_up = True
+            return not self._started
 
 
 class _PickledStore:
