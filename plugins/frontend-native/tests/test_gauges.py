@@ -3,24 +3,18 @@ them: current at once, and read without touching what the loop thread changes.""
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator
 
 import pytest
 from lmcache_plugin_frontend_native.rpc import RpcServer
 from lmcache_plugin_frontend_native.sessions import Session
+from native_keys import keys_of
 
 from lmcache_tiers.client import Client
-from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.server.app import TiersServer
 
 Factory = Callable[..., TiersServer]
-
-
-def keys_of(count: int) -> list[ObjectKey]:
-    prefix = os.urandom(8)
-    return [ObjectKey("unit", 0, prefix + index.to_bytes(2, "big")) for index in range(count)]
 
 
 @pytest.fixture

@@ -4,14 +4,15 @@ from the pool's queue) -- and never again if it finishes after the stop."""
 
 from __future__ import annotations
 
-import os
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import zmq
+from native_keys import keys_of
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.server.app import TiersServer
@@ -38,10 +39,24 @@ def _accounted(server: TiersServer) -> int:
     )
 
 
+@contextlib.contextmanager
+def _dealer(endpoint: str) -> Iterator[zmq.Socket[bytes]]:
+    """A raw socket to the server: it sends requests without waiting for their replies."""
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 20_000)
+    try:
+        sock.connect(endpoint)
+        yield sock
+    finally:
+        sock.close()
+        context.term()
+
+
 def _send_inline_store(sock: zmq.Socket[bytes], request: int) -> None:
     """A STORE_INLINE of four chunks, not waiting for its reply."""
-    prefix = os.urandom(8)
-    keys = [ObjectKey("unit", 0, prefix + index.to_bytes(2, "big")) for index in range(4)]
+    keys = keys_of(4)
     header = p.encoder.encode(p.StoreInline(request, "", keys))
     sock.send_multipart([header, *(bytes([request]) * CHUNK for _ in keys)])
 
@@ -61,11 +76,7 @@ def test_inline_stores_the_drain_gives_up_on_count_their_keys_once(
         return lend(obj, fill=fill)
 
     monkeypatch.setattr(storage, "lend", stalled)
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(server.endpoint)
+    with _dealer(server.endpoint) as sock:
         _send_inline_store(sock, 20)
         _send_inline_store(sock, 21)
         wait_for(
@@ -74,9 +85,6 @@ def test_inline_stores_the_drain_gives_up_on_count_their_keys_once(
         )
         frontend.stop()
         assert frontend.join(30)
-    finally:
-        sock.close()
-        context.term()
     stats = frontend.stats()
     assert stats.store_keys_refused["shutting_down"] == 8
     assert stats.failures["shutting_down"] == 2
@@ -101,17 +109,9 @@ def test_an_inline_store_whose_commit_raises_gives_its_reservations_back(
         raise RuntimeError("the commit broke")
 
     monkeypatch.setattr(storage, "commit_reserved", broken)
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 20_000)
-    try:
-        sock.connect(server.endpoint)
+    with _dealer(server.endpoint) as sock:
         _send_inline_store(sock, 30)
         (header,) = sock.recv_multipart()
-    finally:
-        sock.close()
-        context.term()
     reply = p.reply_decoder.decode(header)
     assert isinstance(reply, p.ErrorReply) and reply.code == p.ErrorCode.INTERNAL.value
     # Refused whole, its keys counted under the error's code, and not left write-locked
@@ -169,12 +169,7 @@ def test_an_inline_store_failing_as_the_stop_comes_is_counted_logged_and_answere
     storage, frontend = server.storage, server.frontends[0]
     _copy_fails_as_the_stop_gives_up(server, monkeypatch)
     sent = _replies_to(frontend, monkeypatch, 40)
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 20_000)
-    try:
-        sock.connect(server.endpoint)
+    with _dealer(server.endpoint) as sock:
         _send_inline_store(sock, 40)
         wait_for(lambda: storage.status()["l1"]["write_locked"] == 4, "the store copying")
         frontend.stop(force=force)
@@ -188,9 +183,6 @@ def test_an_inline_store_failing_as_the_stop_comes_is_counted_logged_and_answere
             (p.ErrorReply, p.ErrorCode.INTERNAL.value)
         ]
         (header,) = sock.recv_multipart()
-    finally:
-        sock.close()
-        context.term()
     reply = p.reply_decoder.decode(header)
     assert isinstance(reply, p.ErrorReply) and reply.req_id == 40
     assert storage.status()["l1"]["write_locked"] == 0

@@ -8,18 +8,14 @@ from collections.abc import Callable
 
 import pytest
 import zmq
+from native_keys import keys_of
 
 from lmcache_tiers.client import Client
-from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.wire import protocol as p
 
 Factory = Callable[..., TiersServer]
 LIMIT = 16
-
-
-def keys_of(count: int) -> list[ObjectKey]:
-    return [ObjectKey("limit", 0, index.to_bytes(16, "big")) for index in range(count)]
 
 
 def exchange(endpoint: str, request: p._Request) -> p.Reply:

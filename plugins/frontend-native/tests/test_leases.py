@@ -8,13 +8,13 @@ while the reader may still read them, and when a reader outlasts even that, leav
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import pytest
+from native_keys import keys_of
 
 from lmcache_tiers.client import Client, StaleReadError
 from lmcache_tiers.keys import ObjectKey
@@ -23,11 +23,6 @@ from lmcache_tiers.server.metrics import build_registry, render
 from lmcache_tiers.wire import protocol as p
 
 CHUNK = 256 << 10
-
-
-def keys_of(count: int) -> list[ObjectKey]:
-    prefix = os.urandom(8)
-    return [ObjectKey("lease", 0, prefix + index.to_bytes(2, "big")) for index in range(count)]
 
 
 def blobs(count: int, fill: int) -> list[bytes]:

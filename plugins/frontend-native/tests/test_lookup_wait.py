@@ -11,6 +11,7 @@ from typing import NamedTuple
 import msgspec
 import pytest
 import zmq
+from native_keys import keys_of
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import ObjectKey
@@ -19,11 +20,6 @@ from lmcache_tiers.wire import protocol as p
 
 Factory = Callable[..., TiersServer]
 SLOW_MOCK = '{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.3}'
-
-
-def keys_of(count: int) -> list[ObjectKey]:
-    prefix = os.urandom(8)
-    return [ObjectKey("unit", 0, prefix + index.to_bytes(2, "big")) for index in range(count)]
 
 
 def requests_of(server: TiersServer) -> Counter[str]:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from native_keys import keys_of
 
 from lmcache_tiers.client import Client, ClientError, ProtocolError, RequestTimeoutError, ServerError
 from lmcache_tiers.keys import ObjectKey
@@ -24,11 +25,6 @@ from lmcache_tiers.testing.server import ServerHarness, until_reachable
 from lmcache_tiers.wire import protocol as p
 
 Factory = Callable[..., TiersServer]
-
-
-def keys_of(count: int, tag: str = "") -> list[ObjectKey]:
-    prefix = os.urandom(8) + tag.encode()
-    return [ObjectKey("unit", 0, prefix + index.to_bytes(2, "big")) for index in range(count)]
 
 
 def blobs(count: int, size: int = 10_000) -> list[bytes]:

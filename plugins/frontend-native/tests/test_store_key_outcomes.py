@@ -4,27 +4,16 @@ refused, under the reason it was -- what ``store_keys_skipped_total`` and
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import pytest
 import zmq
+from native_keys import keys_of, stats_of
 
 from lmcache_tiers.client import Client, ServerError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.plugin import FrontendStats
 from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.wire import protocol as p
-
-
-def keys_of(count: int) -> list[ObjectKey]:
-    prefix = os.urandom(8)
-    return [ObjectKey("unit", 0, prefix + index.to_bytes(2, "big")) for index in range(count)]
-
-
-def stats_of(server: TiersServer) -> FrontendStats:
-    ((_, stats),) = server.frontend_stats()
-    return stats
 
 
 def reserve(client: Client, keys: list[ObjectKey]) -> list[bool]:

@@ -4,29 +4,17 @@ reservations it forgets uncommitted are counted per key and logged."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 
 import pytest
+from native_keys import keys_of, stats_of
 
 from lmcache_tiers.client import Client
-from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.plugin import FrontendStats
 from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.wire import protocol as p
 
 Factory = Callable[..., TiersServer]
-
-
-def keys_of(count: int) -> list[ObjectKey]:
-    prefix = os.urandom(8)
-    return [ObjectKey("unit", 0, prefix + index.to_bytes(2, "big")) for index in range(count)]
-
-
-def stats_of(server: TiersServer) -> FrontendStats:
-    ((_, stats),) = server.frontend_stats()
-    return stats
 
 
 def sweep_interval_of(server: TiersServer) -> float:

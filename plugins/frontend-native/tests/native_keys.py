@@ -1,0 +1,22 @@
+"""Keys and counters the native front end's tests share."""
+
+from __future__ import annotations
+
+import os
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.plugin import FrontendStats
+from lmcache_tiers.server.app import TiersServer
+
+
+def keys_of(count: int) -> list[ObjectKey]:
+    """``count`` keys of one request, in order, that no other call returns (a random
+    prefix): a test's keys are never another test's, on a server they share."""
+    prefix = os.urandom(8)
+    return [ObjectKey("unit", 0, prefix + index.to_bytes(2, "big")) for index in range(count)]
+
+
+def stats_of(server: TiersServer) -> FrontendStats:
+    """The counters of the server's only front end."""
+    ((_, stats),) = server.frontend_stats()
+    return stats
