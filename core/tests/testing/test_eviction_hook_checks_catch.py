@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.registry import ComponentRegistry, EmptyConfig, Kind
-from lmcache_tiers.testing.policies import EVICTS, EvictionPolicySuite
+from lmcache_tiers.testing.policies import EVICTS, EvictionPolicySuite, probe_suite
 
 
 class HookedLRU:
@@ -131,19 +130,6 @@ class OnlySetsAside(HookedLRU):
     put_back = None  # type: ignore[assignment]
 
 
-def _suite_on(policy: type[Any]) -> EvictionPolicySuite:
-    class Probe(EvictionPolicySuite):
-        component_name = "probe"
-        capabilities = frozenset({EVICTS})
-
-        def registry(self) -> ComponentRegistry:
-            built = ComponentRegistry()
-            built.for_plugin(Kind.EVICTION_POLICY, "probe").add("probe", policy, EmptyConfig)
-            return built
-
-    return Probe()
-
-
 #: the suite's checks of the hooks, each called with these arguments
 HOOK_CHECKS: dict[str, tuple[Any, ...]] = {
     "test_keys_set_aside_are_not_offered_until_put_back": (),
@@ -168,7 +154,7 @@ def test_every_hook_check_of_the_suite_is_listed() -> None:
 
 
 def _failures(policy: type[Any]) -> list[str]:
-    suite = _suite_on(policy)
+    suite = probe_suite(EvictionPolicySuite, policy, frozenset({EVICTS}))
     failed = []
     for name, arguments in HOOK_CHECKS.items():
         try:

@@ -9,8 +9,7 @@ from typing import Any
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.policies import AdapterInfo, LowestIndexPrefetchPolicy
-from lmcache_tiers.registry import ComponentRegistry, EmptyConfig, Kind
-from lmcache_tiers.testing.policies import LOADS_EVERY_HIT, PrefetchPolicySuite
+from lmcache_tiers.testing.policies import LOADS_EVERY_HIT, PrefetchPolicySuite, probe_suite
 
 
 class PlansByPosition:
@@ -40,19 +39,6 @@ class SoundPolicy(LowestIndexPrefetchPolicy):
         del config
 
 
-def _prefetch_suite_on(policy: type[Any]) -> PrefetchPolicySuite:
-    class Probe(PrefetchPolicySuite):
-        component_name = "probe"
-        capabilities = frozenset({LOADS_EVERY_HIT})
-
-        def registry(self) -> ComponentRegistry:
-            built = ComponentRegistry()
-            built.for_plugin(Kind.PREFETCH_POLICY, "probe").add("probe", policy, EmptyConfig)
-            return built
-
-    return Probe()
-
-
 #: the suite's tests of the policy itself (the others check the registration)
 PREFETCH_TESTS = sorted(
     name
@@ -63,7 +49,7 @@ PREFETCH_TESTS = sorted(
 
 
 def _failures(policy: type[Any]) -> list[str]:
-    suite = _prefetch_suite_on(policy)
+    suite = probe_suite(PrefetchPolicySuite, policy, frozenset({LOADS_EVERY_HIT}))
     failed = []
     for name in PREFETCH_TESTS:
         try:

@@ -17,14 +17,14 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar, cast
 
 import msgspec
 import pytest
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.policies import AdapterInfo, EvictionPolicy, PrefetchPolicy, StorePolicy
-from lmcache_tiers.registry import Kind
+from lmcache_tiers.registry import ComponentRegistry, EmptyConfig, Kind
 from lmcache_tiers.testing.base import ComponentSuite, capability, requires
 
 #: eviction: ``victims()`` offers every live key (a policy that never evicts lacks it)
@@ -636,3 +636,23 @@ class EvictionPolicySuite(_PolicySuite):
         stay aside): a function naming the keys a policy holds aside.  None: every read
         and write is a use (``check_set_aside_against_reference``)."""
         return None
+
+
+Suite = TypeVar("Suite", bound=_PolicySuite)
+
+#: the name a policy under a test of a suite itself is registered by
+PROBE = "probe"
+
+
+def probe_suite(suite: type[Suite], policy: type[Any], capabilities: frozenset[str] = frozenset()) -> Suite:
+    """``suite`` on ``policy`` (registered alone as "probe", with no config), declaring
+    ``capabilities``: for the tests of a suite itself, which must fail a policy broken the
+    way it checks and pass a sound one."""
+
+    def registry(self: object) -> ComponentRegistry:
+        built = ComponentRegistry()
+        built.for_plugin(suite.kind, PROBE).add(PROBE, policy, EmptyConfig)
+        return built
+
+    members = {"component_name": PROBE, "capabilities": capabilities, "registry": registry}
+    return cast(Suite, type(f"Probe{suite.__name__}", (suite,), members)())
