@@ -136,16 +136,22 @@ def _replies_to(frontend: Any, monkeypatch: pytest.MonkeyPatch, request: int) ->
     return sent
 
 
-def _copy_fails_as_the_stop_gives_up(server: TiersServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inline copies stall until the stop, then fail after the loop's last turn: the failed
-    store's completion is queued, never handled by the loop, when the stop looks at it."""
+def _copy_ends_as_the_stop_gives_up(
+    server: TiersServer, monkeypatch: pytest.MonkeyPatch, *, fails: bool = True
+) -> None:
+    """Inline copies stall until the stop, then fail (or finish) after the loop's last
+    turn: the store's completion is queued, never handled by the loop, when the stop
+    looks at it."""
     storage, frontend = server.storage, server.frontends[0]
     handlers, router = frontend.handlers, frontend.rpc.router
+    lend = storage.lend
     go_on = threading.Event()
 
     def stalled_then_broken(obj: Any, *, fill: bool = False) -> Any:
         go_on.wait(STALL_LIMIT_S)  # still copying when the stop comes
-        raise RuntimeError("the copy broke")
+        if fails:
+            raise RuntimeError("the copy broke")
+        return lend(obj, fill=fill)
 
     give_up = handlers._give_up_inline_stores
 
@@ -167,7 +173,7 @@ def test_an_inline_store_failing_as_the_stop_comes_is_counted_logged_and_answere
     client.  At a drain deadline the completion is handled after that: nothing twice."""
     server = make_server(frontends=[{"type": "native", "pool_workers": 1}], shutdown_timeout_s=0.2)
     storage, frontend = server.storage, server.frontends[0]
-    _copy_fails_as_the_stop_gives_up(server, monkeypatch)
+    _copy_ends_as_the_stop_gives_up(server, monkeypatch)
     sent = _replies_to(frontend, monkeypatch, 40)
     with _dealer(server.endpoint) as sock:
         _send_inline_store(sock, 40)
@@ -186,3 +192,25 @@ def test_an_inline_store_failing_as_the_stop_comes_is_counted_logged_and_answere
     reply = p.reply_decoder.decode(header)
     assert isinstance(reply, p.ErrorReply) and reply.req_id == 40
     assert storage.status()["l1"]["write_locked"] == 0
+
+
+def test_an_inline_store_stored_as_a_forced_stop_comes_is_answered_once(
+    make_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = make_server(frontends=[{"type": "native", "pool_workers": 1}])
+    storage, frontend = server.storage, server.frontends[0]
+    _copy_ends_as_the_stop_gives_up(server, monkeypatch, fails=False)
+    sent = _replies_to(frontend, monkeypatch, 50)
+    with _dealer(server.endpoint) as sock:
+        _send_inline_store(sock, 50)
+        wait_for(lambda: storage.status()["l1"]["write_locked"] == 4, "the store copying")
+        frontend.stop(force=True)
+        assert frontend.join(30)
+        assert len(sent) == 1
+        (header,) = sock.recv_multipart()
+    reply = p.reply_decoder.decode(header)
+    assert isinstance(reply, p.StoreReply) and reply.done == [True] * 4
+    stats = frontend.stats()
+    assert (stats.stores, stats.store_chunks) == (1, 4)
+    assert _accounted(server) == 4
+    assert storage.status()["l1"]["objects"] == 4
