@@ -1847,3 +1847,37 @@ def test_a_damaged_record_that_cannot_be_removed_is_counted(
         adapter.close()
         if url:
             files.rm(root, recursive=True)
+
+
+def test_temp_dirs_no_record_names_on_an_fsspec_store_are_reported_from_the_sweeps_listing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """On an fsspec store no lock tells of a store nested there: one is known by its
+    files (a record, shard directories), and what lies in or under it is not reported."""
+    import fsspec
+
+    files = fsspec.filesystem("memory")
+    root = f"memory://unrecorded-{uuid.uuid4().hex}"
+    leftovers = [f"{root}/old/.tmp-1-1.part", f"{root}/old/deeper/.tmp-1-2.part"]
+    theirs = [
+        f"{root}/stopped/.tmp-1-3.part",  # next to a nested store's record
+        f"{root}/sharded/t/.tmp-1-4.part",  # in a nested sharded store's temporary directory
+    ]
+    for path in leftovers + theirs:
+        files.pipe_file(path, b"half")
+    files.pipe_file(f"{root}/stopped/x.bin", b"a record")
+    files.pipe_file(f"{root}/sharded/ab/cd/y.bin", b"a record")
+    files.pipe_file(f"{root}/staging/.tmp-1-5.part", b"half")  # the current one: swept
+    try:
+        with caplog.at_level(logging.WARNING):
+            adapter = open_fs(fs_config(root, relative_tmp_dir="staging"))
+        try:
+            assert adapter.stats()["unrecorded_temp_dirs"] == 2
+            assert adapter.stats()["orphan_temp_files_removed"] == 1
+            lines = [r.getMessage() for r in caplog.records if "no temporary directory" in r.getMessage()]
+            assert len(lines) == 1 and "old, old/deeper;" in lines[0]
+            assert all(files.exists(path) for path in leftovers + theirs)
+        finally:
+            adapter.close()
+    finally:
+        files.rm(root, recursive=True)

@@ -19,7 +19,7 @@ from lmcache_plugin_fs import FsConfig
 from lmcache_plugin_fs.local_io import LocalRecords
 from lmcache_plugin_fs.remote import RemoteRecords, shown
 from lmcache_plugin_fs.temp_dirs import TempDirRecord
-from lmcache_plugin_fs.unrecorded_temp_dirs import report_unrecorded_temp_dirs
+from lmcache_plugin_fs.unrecorded_temp_dirs import report_unrecorded_in_listing, report_unrecorded_temp_dirs
 from lmcache_tiers.plugin import (
     BackendContext,
     ConfigError,
@@ -203,10 +203,12 @@ class FsBackend:
         drop old records if asked to."""
         self._tree.remove_temp_files()
         self._temp_dirs.sweep_and_record()
-        if self.config.is_local:
-            report_unrecorded_temp_dirs(
-                self._temp_dirs.root, self._temp_dirs.current, self._temp_dirs.recorded, self.context
-            )
+        record = self._temp_dirs
+        if isinstance(self._tree, RemoteRecords):
+            listed = self._tree.take_files_elsewhere()
+            report_unrecorded_in_listing(record.root, listed, record.current, record.recorded, self.context)
+        else:
+            report_unrecorded_temp_dirs(record.root, record.current, record.recorded, self.context)
         if not self.config.recover_on_start:
             dropped = self._tree.remove_all_records()
             self.context.count("records_dropped_at_start", dropped)

@@ -91,6 +91,8 @@ class RemoteRecords:
         self._deletes = KeptByDelete(context)
         self._delete_failures = DeleteFailures(context.name, context.count)
         self._temps_left = BurstLog(log)
+        #: see :meth:`remove_temp_files`
+        self.files_elsewhere: list[str] = []
         fs.makedirs(layout.root, exist_ok=True)
 
     def close(self) -> None:
@@ -376,13 +378,16 @@ class RemoteRecords:
     # -- the tree -------------------------------------------------------------------------------
 
     def _entries(
-        self, on_unlisted: Callable[[str, Exception], None] | None = None
+        self,
+        on_unlisted: Callable[[str, Exception], None] | None = None,
+        elsewhere: list[str] | None = None,
     ) -> Iterator[tuple[str, str, int]]:
         """(directory, name, size) of every file in the directories of this store (the
         root, shard directories, the temporary directory): ``find`` lists the whole tree,
         and what lies deeper belongs to another store (one nested under this root), whose
         records and in-flight temporary files the sweeps must not remove.  A tree that
-        cannot be listed raises, or is told to ``on_unlisted`` (a sweep) and yields nothing."""
+        cannot be listed raises, or is told to ``on_unlisted`` (a sweep) and yields nothing.
+        The paths of the other files are appended to ``elsewhere`` when given."""
         try:
             found = self.fs.find(self.layout.root, detail=True, withdirs=False)
         except FileNotFoundError:
@@ -399,6 +404,8 @@ class RemoteRecords:
             directory, name = posixpath.split(path)
             if self.layout.is_store_directory(directory):
                 yield directory, name, int(info.get("size") or 0)
+            elif elsewhere is not None:
+                elsewhere.append(path)
 
     def iter_records(self, header_length: Callable[[ObjectKey], int]) -> Iterator[tuple[ObjectKey, int]]:
         """``(key, payload bytes)`` of every record in this layout (see the local
@@ -448,19 +455,30 @@ class RemoteRecords:
     def remove_temp_files(self) -> int:
         """Delete temporary files a killed writer left behind; returns how many.  One that
         cannot be removed, or a tree that cannot be listed, fails the start as on a local
-        directory (``LocalFiles.remove_temp_files``): counted, one line naming it."""
+        directory (``LocalFiles.remove_temp_files``): counted, one line naming it.
+
+        The paths of the files outside this store's directories are kept in
+        :attr:`files_elsewhere` until :meth:`take_files_elsewhere` (the search for
+        temporary directories no record names reads them instead of listing again)."""
+        self.files_elsewhere = []
         removed = 0
         unlisted = partial(self._sweep_failed, "directories_not_listed", "list")
         not_removed = partial(
             self._sweep_failed, "temp_files_not_removed", "remove the leftover temporary file"
         )
-        for directory, name, _size in self._entries(on_unlisted=unlisted):
+        for directory, name, _size in self._entries(on_unlisted=unlisted, elsewhere=self.files_elsewhere):
             if is_temp_name(name):
                 removed += self._remove(posixpath.join(directory, name), not_removed)
         if removed:
             log.info("%s: removed %d temporary files left by an interrupted run", self.context.name, removed)
         self.context.count("orphan_temp_files_removed", removed)
         return removed
+
+    def take_files_elsewhere(self) -> list[str]:
+        """The paths :meth:`remove_temp_files` found outside this store's directories,
+        handed over once (a tree of another store nested here may be large)."""
+        files, self.files_elsewhere = self.files_elsewhere, []
+        return files
 
     def _sweep_failed(self, counter: str, what: str, path: str, exc: Exception) -> NoReturn:
         self.context.count(counter)

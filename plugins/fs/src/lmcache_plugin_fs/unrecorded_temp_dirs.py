@@ -1,4 +1,4 @@
-"""Temporary directories a local root's record does not name: reported, never swept.
+"""Temporary directories a root's record does not name: reported, never swept.
 
 A ``relative_tmp_dir`` configured before ``.lmcache-tiers-temp-dirs`` existed (an earlier
 release), then changed, is named nowhere, and what a killed run left in it stays.  Such a
@@ -14,7 +14,9 @@ The search stays off what is not this root's: first-level shard directories, sym
 links, directories another live server or adapter holds, and directories holding a store's
 files (records, shard directories, a record of temporary directories) -- a store nested
 here -- are neither reported nor entered.  The root itself and the current temporary
-directory are swept at every start and are not reported either.
+directory are swept at every start and are not reported either.  On an fsspec root the
+search reads the listing the start-up sweep made of the whole tree
+(:func:`report_unrecorded_in_listing`).
 """
 
 from __future__ import annotations
@@ -96,6 +98,44 @@ def report_unrecorded_temp_dirs(
     if found:
         _report(root, found, context)
     return found
+
+
+def report_unrecorded_in_listing(
+    root: str, paths: Collection[str], current: str | None, recorded: Collection[str], context: BackendContext
+) -> dict[str, int]:
+    """:func:`report_unrecorded_temp_dirs` of an fsspec root, from the paths of the files
+    its start-up sweep listed outside the store's own directories (no second listing).  No
+    lock tells of a store there: one is known by its files alone, and what lies in or
+    under a directory holding one (or shard directories) is left out."""
+    base = root.rstrip("/") + "/"
+    temp_files: dict[str, int] = {}
+    stores: set[str] = set()
+    for path in paths:
+        if not path.startswith(base):
+            continue
+        directory, name = posixpath.split(path[len(base) :])
+        parts = directory.split("/")
+        if not directory or _is_shard_name(parts[0]):
+            continue  # the root's, or under a first-level shard directory
+        if is_temp_name(name):
+            temp_files[directory] = temp_files.get(directory, 0) + 1
+        elif name.endswith(RECORD_SUFFIX) or name == RECORD_NAME:
+            stores.add(directory)
+        if len(parts) > 2 and _is_shard_name(parts[-1]) and _is_shard_name(parts[-2]):
+            stores.add("/".join(parts[:-2]))  # a shard directory's: a store's root above it
+    found = {
+        directory: count
+        for directory, count in temp_files.items()
+        if directory != current and directory not in recorded and not _under_a_store(directory, stores)
+    }
+    if found:
+        _report(root, found, context)
+    return found
+
+
+def _under_a_store(directory: str, stores: set[str]) -> bool:
+    parts = directory.split("/")
+    return any("/".join(parts[:depth]) in stores for depth in range(1, len(parts) + 1))
 
 
 def _free(directory: str) -> bool:
