@@ -14,7 +14,9 @@ counted, and -- like LMCache's server -- not answered.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +42,9 @@ logger = logging.getLogger(__name__)
 MAX_FRAMES = 16
 #: unanswered requests logged per second; the rest are counted, then summed up in one line
 LOG_LINES_PER_SECOND = 20
+#: operations whose work on the pool (pickled chunks) the stop gives up on, and counts,
+#: itself: it holds reservations or read locks to give back (Transfers.release_everything)
+_GIVEN_UP_BY_TRANSFERS = frozenset({"commit_store", "prepare_retrieve"})
 
 
 class _LineBudget:
@@ -99,6 +104,8 @@ class MPServer:
         )
         self.socket = self.router.socket
         self._budget = _LineBudget(LOG_LINES_PER_SECOND)
+        #: requests handed to the pool and not answered yet (loop thread only)
+        self._in_pool: set[_PoolRequest] = set()
 
     def request_stop(self, *, force: bool = False) -> None:
         """Begin a stop; safe from a signal handler (a flag, and a non-blocking wake-up)."""
@@ -110,9 +117,31 @@ class MPServer:
             self._receive_one,
             sweep=self.handlers.sweep,
             on_drain=self.handlers.shared.stopping.set,  # waits in the pool end early
-            on_shutdown=self.handlers.release_everything,
+            on_shutdown=self._shut_down,
             on_failure=on_failure,
         )
+
+    def _shut_down(self) -> None:
+        """The pool's queue is cancelled: give up what waited in it, then give back what
+        clients hold."""
+        self._give_up_queued()
+        self.handlers.release_everything()
+
+    def _give_up_queued(self) -> None:
+        """Requests still queued for a pool thread never run now, nor are answered: counted
+        (``mp_shutting_down``) and logged by operation."""
+        waiting, self._in_pool = self._in_pool, set()
+        given_up = Counter(request.name for request in waiting if request.give_up())
+        if given_up:
+            total = sum(given_up.values())
+            self.stats.failure("mp_shutting_down", total)
+            logger.warning(
+                "%s: %d requests waiting for a pool thread were given up at the stop, never "
+                "answered (%s) [mp_shutting_down]",
+                self.name,
+                total,
+                ", ".join(f"{name} x{count}" for name, count in sorted(given_up.items())),
+            )
 
     def _receive_one(self) -> None:
         sock = self.socket
@@ -198,7 +227,19 @@ class MPServer:
     def _submit(
         self, identity: bytes, uid: bytes, op: bytes, name: str, arg_frames: list[bytes], deferred: Deferred
     ) -> None:
+        request = _PoolRequest(name)
+        if name not in _GIVEN_UP_BY_TRANSFERS:
+            self._in_pool.add(request)
+
+        def work() -> Callable[[], Any]:
+            if not request.start():
+                return _never_answered  # given up at the stop, and counted then
+            return deferred.work()
+
         def done(finish: Callable[[], Any] | None, error: BaseException | None) -> None:
+            self._in_pool.discard(request)
+            if request.given_up:
+                return
             if finish is not None:
                 try:
                     self._send(identity, uid, op, finish())
@@ -208,7 +249,7 @@ class MPServer:
             assert error is not None
             self._failed(name, uid, arg_frames, error)
 
-        self.router.submit(deferred.work, done)
+        self.router.submit(work, done)
 
     # -- replying --------------------------------------------------------------------------
 
@@ -246,6 +287,37 @@ class MPServer:
         # None (LMCache's "void") goes as no payload frame
         frames = [identity, uid, op] if result is None else [identity, uid, op, encode_reply(result)]
         self.router.send(frames)
+
+
+class _PoolRequest:
+    """A request handed to the pool, until a pool thread starts it or the stop gives it up:
+    one of the two, under its lock, so one given up never runs and is never answered."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._started = False
+        self.given_up = False
+
+    def start(self) -> bool:
+        """Pool thread: False if the stop gave it up first."""
+        with self._lock:
+            if self.given_up:
+                return False
+            self._started = True
+            return True
+
+    def give_up(self) -> bool:
+        """Loop thread, at the stop: True if it had not started (now it never does)."""
+        with self._lock:
+            if self._started:
+                return False
+            self.given_up = True
+            return True
+
+
+def _never_answered() -> None:
+    return None
 
 
 def _request_id(name: str, arg_frames: list[bytes]) -> str:
