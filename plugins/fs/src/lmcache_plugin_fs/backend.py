@@ -226,7 +226,7 @@ class FsBackend:
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | ObjectSize | None]:
         return [self._records.stored_size(key) for key in keys]
 
-    def contains_many_now(self, keys: Sequence[ObjectKey]) -> list[int | ObjectSize | None] | None:
+    def contains_many_now(self, keys: Sequence[ObjectKey]) -> Sequence[int | ObjectSize | None] | None:
         """Misses told from memory: the local directory is this process's alone (its
         ``DirectoryLock``), so once core's start-up scan listed it, a key core does not
         account is not on disk.  A batch with any accounted key -- or a remote root,

@@ -112,7 +112,7 @@ class NixlDynamicBackend:
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[int | ObjectSize | None]:
         return [self._stored_size(key) for key in keys]
 
-    def contains_many_now(self, keys: Sequence[ObjectKey]) -> list[int | ObjectSize | None] | None:
+    def contains_many_now(self, keys: Sequence[ObjectKey]) -> Sequence[int | ObjectSize | None] | None:
         """Misses told from memory: the directory is this process's alone (its
         ``DirectoryLock``), so once core's start-up scan listed it, a key core does not
         account has no record file.  A batch with any accounted key goes to
