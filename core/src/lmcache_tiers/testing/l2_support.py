@@ -39,7 +39,7 @@ Reopen = Callable[[L2Adapter], L2Adapter]
 
 
 def make_keys(count: int, *, start: int = 0, salt: str = "", model: str = "suite-model") -> list[ObjectKey]:
-    """Distinct keys of one prompt in prefix order."""
+    """Distinct keys of one prompt in prefix order; the policy suites use these too."""
     return [ObjectKey(model, 0, index.to_bytes(8, "big"), 0, salt) for index in range(start, start + count)]
 
 

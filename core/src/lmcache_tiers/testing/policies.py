@@ -26,6 +26,7 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.policies import AdapterInfo, EvictionPolicy, PrefetchPolicy, StorePolicy
 from lmcache_tiers.registry import ComponentRegistry, EmptyConfig, Kind
 from lmcache_tiers.testing.base import ComponentSuite, capability, requires
+from lmcache_tiers.testing.l2_support import make_keys as make_keys
 
 #: eviction: ``victims()`` offers every live key (a policy that never evicts lacks it)
 EVICTS = capability("evicts")
@@ -35,14 +36,6 @@ RECENCY = capability("recency")
 LOADS_EVERY_HIT = capability("loads_every_hit")
 #: store: every key goes to every adapter
 STORES_EVERYWHERE = capability("stores_everywhere")
-
-
-def make_keys(count: int, *, start: int = 0, salt: str = "") -> list[ObjectKey]:
-    """Distinct keys of one prompt in prefix order."""
-    return [
-        ObjectKey("suite-model", 0, index.to_bytes(8, "big"), 0, salt)
-        for index in range(start, start + count)
-    ]
 
 
 def assert_offered_once(offered: Sequence[ObjectKey], expected: Iterable[ObjectKey], what: str) -> None:
