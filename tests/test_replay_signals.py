@@ -8,6 +8,7 @@ creating a file) that the step has begun and then waits there."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,9 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
-from replay_helpers import output_of_killed, small_trace
+from replay_helpers import BLOCK_BYTES, output_of_killed, small_trace, start_block_server
 from thirdparty import launch_cli
 from tiers_e2e import stop_signals_at_default
+
+from lmcache_tiers.client import Client
 
 SIGNALS = pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 
@@ -170,3 +173,46 @@ def test_a_signal_as_the_plot_is_written_leaves_no_half_written_file(tmp_path: P
         f"error: interrupted (SIGTERM) while writing the plot {plot}; no report, and no plot written"
     )
     assert list(plots.iterdir()) == []
+
+
+def test_a_second_signal_stops_waiting_for_client_processes_and_the_server(tmp_path: Path) -> None:
+    """With a server that no longer answers, the client processes of a replay stopped by
+    Ctrl-C each waited out their give-back (seconds) and the replay then waited for the
+    server's counters; a second signal was ignored, however often the operator sent it.
+    Now it kills the client processes still unwinding and skips the counters."""
+    server = start_block_server(tmp_path / "server", 500)
+    trace = str(small_trace(tmp_path / "t.jsonl", requests=4000))  # 20 s of arrivals
+    args = ["replay", trace, "--url", server.url, "--block-bytes", str(BLOCK_BYTES), "--time-scale", "1"]
+    replay = launch_cli([*args, "--clients", "2", "--json"])
+    frozen = False
+    try:
+        deadline = time.monotonic() + 60
+        with Client(server.url, name="watch", shm=False) as watch:
+            while True:  # both client processes connected, requests under way
+                status = watch.status()
+                if status["frontends"][0]["clients"] >= 2 and status["requests"]["lookups"] > 0:
+                    break
+                assert replay.poll() is None and time.monotonic() < deadline, output_of_killed(replay)
+                time.sleep(0.05)
+        os.kill(server.proc.pid, signal.SIGSTOP)  # answers nothing from here on
+        frozen = True
+        replay.send_signal(signal.SIGINT)
+        # The second: SIGINT is handled first even when both are pending (lower number).
+        replay.send_signal(signal.SIGTERM)
+        out, err = replay.communicate(timeout=120)
+    finally:
+        replay.kill()
+        if frozen:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        server.stop(signal.SIGKILL)
+    assert replay.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert "SIGTERM came again: the clean-up is cut short" in err, err
+    # killed while they waited on the server, instead of waited for
+    assert "2 of 2 client processes ended without their figures" in err, err
+    document = json.loads(out)
+    assert document["stopped"] == (
+        f"interrupted (SIGINT) after {document['requests']:,} of 4,000 requests; "
+        "the server's counters could not be read: a second signal asked not to wait for them"
+    )
+    assert document["l1_hit_blocks"] is None

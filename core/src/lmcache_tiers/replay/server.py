@@ -127,11 +127,36 @@ def _give_back_lookup_locks(client: Client, keys: Sequence[ObjectKey]) -> None:
         logger.warning("replay: could not release %d looked-up blocks: %s", len(keys), exc)
 
 
+class _CutShort:
+    """Set by a signal after the first: the replay's clean-up is not waited for any longer
+    where leaving it costs only what a killed replay leaves (locks and reservations to the
+    server's TTLs).  Its waits on other processes -- client processes giving back what they
+    hold, up to WORKER_GRACE_S, and the server's closing counters -- end at once."""
+
+    def __init__(self) -> None:
+        self.armed = False  # in a replay through a server, in its own process (not a client's)
+        self.asked = False
+
+
+_cut_short = _CutShort()
+
+
 def _ignore_signal(signum: int, frame: Any) -> None:
     """A signal after the first is ignored by a handler of Python's, not by SIG_IGN: one
     that arrived just before the switch (Ctrl-C reaches a client process as the replay
     stops it with SIGTERM) still runs a Python handler, where under SIG_IGN Python printed
-    "OSError: Signal 15 ignored due to race condition" with a traceback."""
+    "OSError: Signal 15 ignored due to race condition" with a traceback.  It does not
+    raise (an exception there would skip the clean-up that ends client processes), but
+    asks the waits that follow not to wait (``_cut_short``): a user who signals again
+    does not want to wait seconds more for a server that does not answer."""
+    if _cut_short.armed and not _cut_short.asked:
+        _cut_short.asked = True
+        logger.warning(
+            "replay: %s came again: the clean-up is cut short (client processes still giving back "
+            "what they hold are killed, the server's counters are not read; what they hold "
+            "expires with the server's TTLs)",
+            signal.Signals(signum).name,
+        )
 
 
 def _ignore_signals() -> None:
@@ -365,8 +390,12 @@ def replay_server(
     if clients < 1:
         raise ValueError("clients must be at least 1")
     check_pacing(trace, options.time_scale)
-    with signals_unwind():
-        return _replay_server(url, trace, options, clients, auth_token, progress)
+    _cut_short.armed, _cut_short.asked = True, False
+    try:
+        with signals_unwind():
+            return _replay_server(url, trace, options, clients, auth_token, progress)
+    finally:
+        _cut_short.armed = False
 
 
 def _replay_server(
@@ -400,7 +429,11 @@ def _replay_server(
     # second signal is ignored meanwhile), or the server may be gone (it may answer again).
     ran_to_end = failure is None and interrupted is None
     wait_s = options.timeout_s if ran_to_end else min(options.timeout_s, CLEANUP_TIMEOUT_S)
-    after, unread, late_signal = _counters_after(url, auth_token, wait_s)
+    after: dict[str, Any] | None = None
+    unread: str | None = "a second signal asked not to wait for them"
+    late_signal: KeyboardInterrupt | SystemExit | None = None
+    if not _cut_short.asked:
+        after, unread, late_signal = _counters_after(url, auth_token, wait_s)
     if failure is not None:
         logger.warning("replay: ended early %s: %s", measured(), failure)
         raise ReplayStopped(
@@ -576,14 +609,15 @@ def _replay_in_processes(
             grace = time.monotonic() + WORKER_GRACE_S
             # Their answers, read as they come (a client's exit waits for its answer to be
             # read off the pipe), add what each measured to the partial report.
-            while answers < clients and time.monotonic() < grace:
+            while answers < clients and time.monotonic() < grace and not _cut_short.asked:
                 try:
                     take(*results.get(timeout=0.1))
                 except queue.Empty:
                     if not any(worker.is_alive() for worker in workers):
                         break
             for worker in started:
-                worker.join(timeout=max(0.0, grace - time.monotonic()))
+                if not _cut_short.asked:
+                    worker.join(timeout=max(0.0, grace - time.monotonic()))
                 if worker.is_alive():
                     worker.kill()
             if answers < clients:
