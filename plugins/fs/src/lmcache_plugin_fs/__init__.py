@@ -3,6 +3,7 @@ filesystem.  This manifest stays light: the implementation is imported when conf
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -12,6 +13,9 @@ from lmcache_tiers.plugin import FieldError, KindRegistry, L2AdapterConfig, Size
 _GIB = 1 << 30
 #: URL prefixes served by plain ``os`` calls rather than fsspec's file objects
 _LOCAL_PREFIXES = ("file://", "local://")
+#: a root that starts like a URL but lacks the ``//`` (``file:/x``, ``s3:bucket``): taken as a
+#: local path it would be a relative directory named ``file:`` in the working directory
+_SCHEME_WITHOUT_SLASHES = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(?!//)")
 
 
 class FsConfig(L2AdapterConfig):
@@ -110,6 +114,7 @@ class FsConfig(L2AdapterConfig):
             raise FieldError(
                 "path" if self.path is not None else "base_path", "the directory must not be empty"
             )
+        self._refuse_url_without_slashes()
         self._refuse_shard_shaped_root()
         if self.relative_tmp_dir is not None:
             from lmcache_tiers.plugin import check_relative_dir
@@ -145,6 +150,29 @@ class FsConfig(L2AdapterConfig):
             raise FieldError(
                 "storage_options", "storage_options apply to fsspec URLs, not to local directories"
             )
+
+    def _refuse_url_without_slashes(self) -> None:
+        """``file:/x`` has no ``://``, so it would be a local path: the cache would go to a
+        directory ``file:`` under whatever the working directory is, a restart from
+        elsewhere would not find it, and ``/x`` would stay empty.  Refused, with the URL
+        that was probably meant; ``./`` in front names such a directory on purpose."""
+        root = self.root
+        scheme = _SCHEME_WITHOUT_SLASHES.match(root)
+        if "://" in root or scheme is None:
+            return
+        from lmcache_tiers.plugin import redact_url_secrets
+
+        name = scheme.group(1)
+        rest = root[scheme.end() :]
+        # file:/x is /x (file:///x); other schemes take a bucket or host after the //
+        meant = f"{name}://{rest if f'{name}://' in _LOCAL_PREFIXES else rest.lstrip('/')}"
+        field = "path" if self.path is not None else "base_path"
+        raise FieldError(
+            field,
+            f"{field} starts with '{name}:' but not '{name}://', so it would be a local path "
+            f"relative to the working directory; did you mean {redact_url_secrets(meant)!r}? "
+            "(for a directory of that name, write ./ before it)",
+        )
 
     def _refuse_shard_shaped_root(self) -> None:
         """A root ``<outer>/ab/cd`` (two shard names) cannot be told from a shard directory
