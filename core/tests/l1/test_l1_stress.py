@@ -335,9 +335,30 @@ def check_table(l1: L1Manager) -> None:
     assert stats.read_locks >= 0 and stats.used_bytes == l1.used_bytes
 
 
+def check_deadlines(l1: L1Manager) -> None:
+    """The reap's index finds every lock it must reap: each reservation in ``writing``, in
+    deadline order, and each reader lock's object under its deadline's cell (or stalled
+    behind an L2 store, if that cell ended)."""
+    table, deadlines = l1._table, l1._table.deadlines
+    writing = [obj for obj in table.objects.values() if obj.state is ObjectState.WRITING]
+    assert set(deadlines.writing) == set(writing)
+    ends = [obj.lock_deadline for obj in deadlines.writing]
+    assert ends == sorted(ends), "reservations out of deadline order"
+    for obj in table.locked.values():
+        if obj.state is ObjectState.WRITING or obj.read_locks == obj.storing:
+            continue
+        groups = obj.lock_groups or [obj.lock_deadline, obj.read_locks - obj.storing]
+        for deadline in groups[::2]:
+            assert obj in deadlines._cells.get(deadline, ()) or obj in deadlines._stalled, (
+                "a reader's lock the reap would never find"
+            )
+    assert sorted(deadlines._ends) == sorted(deadlines._cells)
+
+
 def check_everything(harness: Harness) -> None:
     check_allocator(harness.l1)
     check_table(harness.l1)
+    check_deadlines(harness.l1)
     check_owners(harness.l1, harness.holders)
     check_holders(harness)
 

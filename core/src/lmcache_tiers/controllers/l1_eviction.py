@@ -285,8 +285,8 @@ class L1EvictionController(ControllerThread):
             try:
                 expired = self.l1.expire_locks(now)
             finally:
-                # The reap walks every locked object under the L1 lock: with very many locks
-                # it is spaced out by its own cost, never run back to back (``next_sweep_at``).
+                # Spaced out by its own cost, never run back to back (``next_sweep_at``): a
+                # reap costs what expired, which a crashed client's many locks make a lot.
                 self._next_reap = next_sweep_at(now, time.monotonic(), self.reap_interval_s)
             if expired:
                 self.stats.fail("l1_lock_expired", expired)

@@ -126,6 +126,8 @@ class ReadLocks:
                 add_read_locks(obj, count, deadline)
             hits[key] = obj
         table.locked_extent_bytes += locked_bytes
+        if hits:
+            table.deadlines.reading(deadline).update(hits.values())
         return hits
 
     def lock_prefix(
@@ -172,6 +174,8 @@ class ReadLocks:
                 else:
                     add_read_locks(obj, count, deadline)
             table.locked_extent_bytes += locked_bytes
+            # Each took locks expiring at ``deadline``: one C-level pass files them there.
+            table.deadlines.reading(deadline).update(unique)
             table.listeners.notify("read", read)
             return prefix
 

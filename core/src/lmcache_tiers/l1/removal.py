@@ -198,32 +198,35 @@ class Removal:
             return keys
 
     def expire_locks(self, now: float) -> int:
+        """Reap the locks past their deadline, looking only at the objects filed under the
+        deadlines that passed (``l1/deadlines.py``), not at every locked object."""
         with self._lock:
             table = self._table
             leases = self._leases
-            expired_writes: list[L1Object] = []
+            deadlines = table.deadlines
+            expired_writes = deadlines.writes_due(now)
+            for obj in expired_writes:
+                leases.lapse(obj, now)
             freed: list[L1Object] = []
             expired_reads = 0
-            for key, obj in list(table.locked.items()):
+            locked = table.locked
+            for obj in deadlines.reads_due(now):
+                if not obj.read_locks or locked.get(obj.key) is not obj:
+                    continue  # unlocked since it was filed, or gone from L1
                 if obj.storing:
                     # An L2 store reading the extent is not a client that may have died:
                     # its locks go when it reports (``finish_store``); the others' then.
-                    continue
-                if obj.state is _WRITING:
-                    if obj.lock_deadline > now:
-                        continue
-                    leases.lapse(obj, now)
-                    expired_writes.append(obj)
+                    deadlines.stall(obj)
                     continue
                 # Each reader's lock goes at its own deadline, however many were taken
                 # since: the others' holders keep the object locked.
                 if not reap_read_locks(obj, now):
-                    continue
+                    continue  # filed under a deadline it no longer has locks at
                 leases.lapse(obj, now)
                 expired_reads += 1
                 if obj.read_locks:
                     continue
-                del table.locked[key]
+                del locked[obj.key]
                 table.locked_extent_bytes -= obj.extent_bytes
                 if obj in table.set_aside:  # its key is due back in eviction walks
                     table.end_set_aside(obj)

@@ -3,8 +3,9 @@ one way objects leave.
 
 ``objects`` holds every object in any state.  ``ready`` holds the READY ones (a lookup
 finds its prefix with one probe per key and no state test), ``locked`` the ones under a
-write lock or read locks, and ``temporary`` the keys freed after their last read, so TTL
-reaping and stats cost O(locked) rather than O(objects).
+write lock or read locks, and ``temporary`` the keys freed after their last read, so stats
+cost O(locked) rather than O(objects); ``deadlines`` files the locked objects by when their
+locks expire, so TTL reaping costs what expired (``l1/deadlines.py``).
 
 ``locked_extent_bytes`` is the running total of the extents of ``locked``'s objects: whoever
 adds an object to ``locked`` or takes one out adds or subtracts its ``extent_bytes``
@@ -30,6 +31,7 @@ from typing import Literal
 
 from lmcache_tiers.burst import PolicyFailureLog
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1.deadlines import LockDeadlines
 from lmcache_tiers.l1.leases import ExtentLeases, TakenBy
 from lmcache_tiers.l1.objects import L1Listener, L1Object, L1Stats, ObjectState
 
@@ -103,6 +105,9 @@ class ObjectTable:
         #: left L1, in that order: their keys are to go back into the policy's walks
         self.set_aside_ended: list[L1Object] = []
         self.temporary: set[ObjectKey] = set()
+        #: locked objects by when their locks expire: whoever gives an object a read-lock
+        #: deadline files it under it (reads.py, writes.py); reservations come and go here
+        self.deadlines = LockDeadlines()
         #: bumped whenever ``ready`` changes, so a caller can tell that a probe it made
         #: of READY objects would find the same objects again
         self.ready_version = 0
@@ -142,6 +147,7 @@ class ObjectTable:
         """Add new, write-locked objects (by key), all ``temporary`` or none."""
         self.objects.update(objs)
         self.locked.update(objs)
+        self.deadlines.writing.update(dict.fromkeys(objs.values()))
         self.locked_extent_bytes += sum(obj.extent_bytes for obj in objs.values())
         if temporary:
             self.temporary.update(objs)
@@ -160,6 +166,8 @@ class ObjectTable:
         del self.objects[obj.key]
         if self.ready.pop(obj.key, None) is not None:
             self.ready_version += 1
+        elif obj.state is ObjectState.WRITING:
+            del self.deadlines.writing[obj]
         unlocked = self.locked.pop(obj.key, None)
         if unlocked is not None:
             self.locked_extent_bytes -= unlocked.extent_bytes
@@ -239,4 +247,5 @@ class ObjectTable:
         self.set_aside.clear()
         self.set_aside_ended.clear()
         self.temporary.clear()
+        self.deadlines.clear()
         self.listeners.clear()

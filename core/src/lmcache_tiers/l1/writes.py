@@ -192,6 +192,7 @@ class WriteReservations:
         made: list[L1Object] = []
         table = self._table
         locked = table.locked
+        writing = table.deadlines.writing
         unlocked_bytes = 0
         # On the grid, as every read lock's; only read-locked objects take it.
         deadline = read_lock_deadline(time.monotonic(), self.lock_ttl_s) if read_count else 0.0
@@ -201,6 +202,7 @@ class WriteReservations:
                 continue
             obj.loading = False
             obj.state = _READY  # in the loop: a key repeated in ``objs`` is refused the second time
+            del writing[obj]
             obj.read_locks = read_count
             if read_count:
                 obj.lock_deadline = deadline
@@ -210,6 +212,8 @@ class WriteReservations:
             made.append(obj)
             done.append(True)
         table.writes_ended(unlocked_bytes)
+        if read_count and made:
+            table.deadlines.reading(deadline).update(made)
         table.index_ready(made)
         table.listeners.notify("written", [obj.key for obj in made])
         return done

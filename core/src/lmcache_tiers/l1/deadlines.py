@@ -1,0 +1,85 @@
+"""Locked objects by when their locks expire, so that a TTL reap costs what expired.
+
+The reap (``l1/removal.py``) runs under the L1 lock every fraction of a second.  Walking
+every locked object to find the few past their deadline held every store and lookup up for
+~70-120 ms with 100k read-locked objects; with this index a pass visits only:
+
+* the **read cells** that ended: every read-lock deadline is on the lock grid
+  (``l1/reads.py``), so an object is filed under each deadline it takes locks at, one set
+  per grid cell (a few dozen live cells), the cells' ends in a heap.  Nothing is taken out
+  on a release, which stays a plain count on the lookup path: a cell's set may hold
+  objects unlocked since, or locked again at a later deadline, and the reap skips those
+  (each costs one look, paid for by the lock that filed it);
+* the **write reservations** past their deadline, from the front of ``writing``: all of
+  them share one TTL, so the order they were reserved in is the order they expire in.
+  Unlike the read cells, it is kept exact (a commit or a departure takes its object out):
+  it would otherwise keep every object written in the last write TTL alive;
+* the objects of ended cells whose locks an L2 store was still reading (``stalled``):
+  those locks go when the store reports, so they are looked at again each pass until then
+  (as many as stores in flight).
+
+Not thread-safe: every caller holds the L1 manager's lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from lmcache_tiers.l1.objects import L1Object
+
+
+class LockDeadlines:
+    """Where the reap looks: read cells by deadline, write reservations in deadline order."""
+
+    def __init__(self) -> None:
+        self._cells: dict[float, set[L1Object]] = {}
+        self._ends: list[float] = []  # heap of ``_cells``' keys
+        #: WRITING objects, in the order they were reserved (= the order they expire in)
+        self.writing: dict[L1Object, None] = {}
+        self._stalled: set[L1Object] = set()
+
+    def reading(self, deadline: float) -> set[L1Object]:
+        """The set to add the objects that just took read locks expiring at ``deadline``."""
+        cell = self._cells.get(deadline)
+        if cell is None:
+            cell = self._cells[deadline] = set()
+            heapq.heappush(self._ends, deadline)
+        return cell
+
+    def stall(self, obj: L1Object) -> None:
+        """``obj`` has readers' locks past their deadline that wait for its L2 store to report."""
+        self._stalled.add(obj)
+
+    def reads_due(self, now: float) -> list[L1Object]:
+        """The objects filed under read cells that ended by ``now`` (taken out of them), and
+        those stalled so far: some of their locks may be due.  Each is looked at once more
+        only if it is stalled again."""
+        due: list[L1Object] = []
+        ends, cells = self._ends, self._cells
+        while ends and ends[0] <= now:
+            due.extend(cells.pop(heapq.heappop(ends)))
+        if self._stalled:
+            due.extend(self._stalled)
+            self._stalled = set()
+        return due
+
+    def writes_due(self, now: float) -> list[L1Object]:
+        """The write reservations whose deadline is ``now`` or earlier (left in ``writing``:
+        freeing them takes them out)."""
+        if not self.writing:
+            # A dict keeps the slots of the entries taken out (until it grows again) and
+            # walks past them: a fresh one, once every reservation is over, walks none.
+            self.writing = {}
+            return []
+        due: list[L1Object] = []
+        for obj in self.writing:
+            if obj.lock_deadline > now:
+                break
+            due.append(obj)
+        return due
+
+    def clear(self) -> None:
+        self._cells.clear()
+        self._ends.clear()
+        self.writing.clear()
+        self._stalled.clear()

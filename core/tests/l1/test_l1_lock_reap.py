@@ -1,0 +1,147 @@
+"""The TTL reap looks at what expired, not at every locked object (``l1/deadlines.py``).
+
+It runs under the L1 lock every fraction of a second: a walk of every locked object held
+every store and lookup up for ~70 ms per pass with 100k read-locked objects.  Here many
+locks are live and a few expired: the reap must reap exactly those, iterate nothing out
+of the locked index, and look at no read-locked object filed under a later deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1 import L1Manager, L1Object
+from lmcache_tiers.l1 import reads as reads_module
+from lmcache_tiers.l1 import removal as removal_module
+from lmcache_tiers.l1 import table as table_module
+from lmcache_tiers.l1 import writes as writes_module
+
+ALIGN = 512
+TTL = 64.0
+LIVE = 400
+EXPIRED = 3
+
+
+def keys(start: int, count: int) -> list[ObjectKey]:
+    return [ObjectKey("reap", 0, index.to_bytes(8, "big")) for index in range(start, start + count)]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class CountingIndex(dict[ObjectKey, L1Object]):
+    """The locked index, counting the entries anything iterates out of it."""
+
+    iterated = 0
+
+    def __iter__(self) -> Iterator[ObjectKey]:
+        for key in super().__iter__():
+            CountingIndex.iterated += 1
+            yield key
+
+    def items(self) -> Any:
+        CountingIndex.iterated += len(self)
+        return super().items()
+
+    def values(self) -> Any:
+        CountingIndex.iterated += len(self)
+        return super().values()
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    for module in (reads_module, removal_module, table_module, writes_module):
+        monkeypatch.setattr(module, "time", fake)
+    return fake
+
+
+@pytest.fixture
+def looked_at(monkeypatch: pytest.MonkeyPatch) -> list[L1Object]:
+    """The read-locked objects whose locks the reap looked at."""
+    seen: list[L1Object] = []
+    reap = removal_module.reap_read_locks
+
+    def counted(obj: L1Object, now: float) -> int:
+        seen.append(obj)
+        return reap(obj, now)
+
+    monkeypatch.setattr(removal_module, "reap_read_locks", counted)
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["read", "write"])
+def test_a_reap_looks_only_at_the_locks_that_expired(
+    clock: FakeClock, looked_at: list[L1Object], kind: str
+) -> None:
+    old, new = keys(0, EXPIRED), keys(EXPIRED, LIVE)
+    with L1Manager(
+        2 * (LIVE + EXPIRED) * ALIGN, align=ALIGN, lock_ttl_s=TTL, write_ttl_s=TTL, prefault=False
+    ) as l1:
+        l1.reserve_write(old, [ALIGN] * EXPIRED)
+        if kind == "read":
+            l1.finish_write_and_reserve_read(old)
+        clock.now += TTL / 2  # the later locks expire half a TTL after the first ones
+        l1.reserve_write(new, [ALIGN] * LIVE)
+        if kind == "read":
+            l1.finish_write_and_reserve_read(new)
+        first = l1.get(old[0])
+        assert first is not None
+        table = l1._table
+        table.locked = CountingIndex(table.locked)  # type: ignore[assignment]
+        CountingIndex.iterated = 0
+
+        assert l1.expire_locks(first.lock_deadline) == EXPIRED
+
+        assert CountingIndex.iterated == 0, "the reap walked the locked index"
+        assert len(looked_at) == (EXPIRED if kind == "read" else 0), "the reap looked at live locks"
+        if kind == "read":
+            assert all(l1.get(each).read_locks == 0 for each in old)  # type: ignore[union-attr]
+        else:
+            assert not any(l1.contains(each) for each in old)
+        assert all(l1.get(each).locked for each in new)  # type: ignore[union-attr]
+        assert l1.expire_locks(first.lock_deadline + TTL) == LIVE
+        assert not table.locked
+
+
+def test_locks_released_since_they_were_filed_are_passed_over(clock: FakeClock) -> None:
+    # A release leaves its object filed under the deadline (the lookup path stays a count):
+    # when that cell ends, the object unlocked, or locked again later, loses nothing.
+    with L1Manager(16 * ALIGN, align=ALIGN, lock_ttl_s=TTL, write_ttl_s=TTL, prefault=False) as l1:
+        both = keys(0, 2)
+        l1.reserve_write(both, [ALIGN] * 2)
+        l1.finish_write_and_reserve_read(both)
+        deadline = l1.get(both[0]).lock_deadline  # type: ignore[union-attr]
+        l1.finish_read(both)
+        clock.now += TTL / 2
+        l1.reserve_read(both[1:])  # locked again, at a later deadline
+        assert l1.expire_locks(deadline) == 0
+        assert l1.get(both[1]).read_locks == 1  # type: ignore[union-attr]
+        assert l1.expire_locks(deadline + TTL) == 1
+        assert not l1._table.locked
+
+
+def test_reader_locks_behind_an_l2_store_are_reaped_once_it_reports(clock: FakeClock) -> None:
+    # A store's lock is never reaped, and the readers' locks of its object wait for it: a
+    # cell that ended meanwhile must not forget them.
+    with L1Manager(16 * ALIGN, align=ALIGN, lock_ttl_s=TTL, write_ttl_s=TTL, prefault=False) as l1:
+        (one,) = keys(0, 1)
+        l1.reserve_write([one], [ALIGN])
+        l1.finish_write_and_reserve_read([one])
+        deadline = l1.get(one).lock_deadline  # type: ignore[union-attr]
+        stored = list(l1.reserve_store([one]).values())
+        assert l1.expire_locks(deadline) == 0
+        assert l1.get(one).read_locks == 2  # type: ignore[union-attr]
+        l1.finish_store(stored)
+        assert l1.get(one).read_locks == 1  # type: ignore[union-attr]
+        assert l1.expire_locks(deadline) == 1
+        assert not l1._table.locked
