@@ -26,6 +26,16 @@ def test_simulation_tables_name_every_policy_and_the_time(tmp_path: Path) -> Non
         assert text in result.stdout
 
 
+def test_a_run_off_a_terminal_writes_nothing_on_stderr(tmp_path: Path) -> None:
+    """Each progress bar, drawn nowhere off a terminal, still wrote an empty line to stderr:
+    a log of runs gathered blank lines, and a script could not tell a clean run by it."""
+    result = run_cli_in_process(
+        ["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate", "--capacity", "8"]
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+
+
 def test_tables_written_to_a_file_or_pipe_are_whole(tmp_path: Path) -> None:
     """Written to a pipe, the tables were cut to 80 columns: "0.97…" in place of a miss
     ratio, policy names cut short, in the very report saved for later."""

@@ -167,3 +167,15 @@ def test_a_limit_does_not_read_past_the_head(tmp_path: Path) -> None:
     assert len(read_trace(path, limit=4).requests) == 4
     with pytest.raises(TraceError, match="line 5"):
         read_trace(path, limit=5)
+
+
+def test_reading_tells_a_progress_hook_every_byte(tmp_path: Path) -> None:
+    """A trace of gigabytes took minutes to read with nothing on the screen."""
+    from lmcache_tiers.replay.trace import PROGRESS_LINES
+
+    path = write_trace(tmp_path / "t.jsonl", synthetic_lines(1, requests=2 * PROGRESS_LINES + 5))
+    told: list[int] = []
+    trace = read_trace(path, progress=told.append)
+    assert len(trace.requests) == 2 * PROGRESS_LINES + 5
+    assert sum(told) == path.stat().st_size
+    assert len(told) == 3  # every PROGRESS_LINES lines, then the rest

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import signal
 from collections.abc import Iterator
 from typing import Annotated, Any, Optional
@@ -287,7 +288,6 @@ def replay(
 ) -> None:
     from lmcache_tiers.errors import TiersError
     from lmcache_tiers.replay.run import check_pacing
-    from lmcache_tiers.replay.trace import read_trace
 
     step = _Step()
     with _ended_by_signal(step):
@@ -301,7 +301,7 @@ def replay(
         _refuse_other_modes(ctx, SIMULATE if simulate else IN_PROCESS if in_process else SERVER)
         try:
             step(f"reading the trace {trace_file}")
-            trace = read_trace(trace_file, limit)
+            trace = _read_trace(trace_file, limit, show=not as_json)
             step("checking the options")
             if simulate:
                 _simulate(
@@ -365,20 +365,42 @@ def _options(block_bytes: int, time_scale: float, timeout: float, model: str, sa
     return options
 
 
-def _progress(show: bool) -> Any:
-    """A transient progress bar on stderr, so ``--json`` output stays clean."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _progress(show: bool, in_bytes: bool = False) -> Any:
+    """A transient progress bar on stderr, so ``--json`` output stays clean; none when
+    stderr is no terminal (a log file got an empty line from each bar)."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     return Progress(
         TextColumn("{task.description:<24}"),
         BarColumn(),
-        MofNCompleteColumn(),
+        DownloadColumn() if in_bytes else MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=stderr,
         transient=True,
-        disable=not show,
+        disable=not show or not stderr.is_terminal,
         refresh_per_second=4,
     )
+
+
+def _read_trace(path: str, limit: int | None, show: bool) -> Any:
+    """The trace, with a progress bar in bytes: a trace of gigabytes takes minutes to read."""
+    from lmcache_tiers.replay.trace import read_trace
+
+    try:
+        size = os.stat(path).st_size if os.path.isfile(path) else None
+    except OSError:
+        size = None  # read_trace names what is wrong with the file
+    progress = _progress(show, in_bytes=True)
+    with progress:
+        task = progress.add_task("reading the trace", total=size or None)
+        return read_trace(path, limit, progress=lambda n: progress.update(task, advance=n))
 
 
 def _simulate(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -27,6 +27,8 @@ MAX_LENGTH = 2**53
 #: the longest trace line read (a request of a million tokens is some 20 KB): a file with no
 #: line ends, such as /dev/zero, must end in an error, not in reading for ever
 MAX_LINE_BYTES = 16 << 20
+#: lines read between two calls of a progress hook: one a line would cost more than the parsing
+PROGRESS_LINES = 4096
 
 
 class TraceError(TiersError):
@@ -144,8 +146,10 @@ def _read_line(handle: BinaryIO, name: str, number: int) -> bytes:
         raise TraceError(f"{name} line {number}: cannot read: {exc.strerror or exc}") from None
 
 
-def iter_trace(path: str | Path) -> Iterator[TraceRequest]:
-    """Requests of a trace file, one per non-empty line; TraceError names the bad line."""
+def iter_trace(path: str | Path, progress: Callable[[int], None] | None = None) -> Iterator[TraceRequest]:
+    """Requests of a trace file, one per non-empty line; TraceError names the bad line.
+    ``progress(n)`` is told of the bytes read, every PROGRESS_LINES lines and at the end: a
+    trace of gigabytes takes minutes to read."""
     name = str(path)
     try:
         handle = open(path, "rb")  # noqa: SIM115 -- closed by the with below; open errors differ
@@ -156,23 +160,32 @@ def iter_trace(path: str | Path) -> Iterator[TraceRequest]:
     except OSError as exc:
         raise TraceError(f"cannot read trace file {name}: {exc.strerror or exc}") from None
     with handle:
-        number = 0
+        number = unreported = 0
         # One byte past the limit and its line end: a line of exactly the limit is read whole.
         while raw := _read_line(handle, name, number + 1):
             number += 1
+            unreported += len(raw)
+            if progress is not None and number % PROGRESS_LINES == 0:
+                progress(unreported)
+                unreported = 0
             if len(raw.rstrip(b"\r\n")) > MAX_LINE_BYTES:
                 raise TraceError(
                     f"{name} line {number}: longer than {MAX_LINE_BYTES >> 20} MiB; not a request trace"
                 )
             if raw.strip():
                 yield _parse_line(raw, f"{name} line {number}")
+        if progress is not None and unreported:
+            progress(unreported)
 
 
-def read_trace(path: str | Path, limit: int | None = None) -> Trace:
-    """The whole trace (or its first ``limit`` requests); an empty trace is an error."""
+def read_trace(
+    path: str | Path, limit: int | None = None, progress: Callable[[int], None] | None = None
+) -> Trace:
+    """The whole trace (or its first ``limit`` requests); an empty trace is an error.
+    ``progress`` is told of the bytes read (see ``iter_trace``)."""
     requests: list[TraceRequest] = []
     if limit is None or limit > 0:
-        for request in iter_trace(path):
+        for request in iter_trace(path, progress):
             requests.append(request)
             if limit is not None and len(requests) >= limit:
                 break  # before the next line is read: what follows the head is not parsed
