@@ -36,10 +36,11 @@ class TemplateBackend:
             found = [self.objects.get(key) for key in keys]
         loaded = []
         for data, buffer in zip(found, buffers, strict=True):
-            fits = data is not None and len(data) == buffer.nbytes
-            if fits:
-                copy_into(buffer, data)  # copies large objects without holding the GIL
-            loaded.append(fits)
+            if data is None or len(data) != buffer.nbytes:
+                loaded.append(False)
+                continue
+            copy_into(buffer, data)  # copies large objects without holding the GIL
+            loaded.append(True)
         return loaded
 
     def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
