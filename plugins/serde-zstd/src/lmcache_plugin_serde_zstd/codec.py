@@ -108,6 +108,7 @@ class ZstdSerde:
             shuffle_into(view, memoryview(planes), element_size)
             source = memoryview(planes)
         compressed = self._compressor().compress(source)
+        payload: bytes | memoryview  # the compressed bytes, or the input as it came
         if len(compressed) < view.nbytes:
             method, payload = METHOD_ZSTD, compressed
         else:
