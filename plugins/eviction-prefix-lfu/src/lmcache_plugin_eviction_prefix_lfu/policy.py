@@ -159,6 +159,7 @@ class PrefixLFUEvictionPolicy:
         last_old, last_old_bucket = floor, None
         last_count, last_bonus = 0, 0
         touched = 0
+        target: dict[ObjectKey, None] | None  # None only between buckets.get and making the bucket
         for position in range(len(keys) - 1, -1, -1):
             key = keys[position]
             entry = state_get(key)
