@@ -413,6 +413,7 @@ class MooncakeStoreBackend:
         if stuck >= _PROBES_MAX:
             self._probe_refused_stuck(stuck)
         given_up = False
+        code: int  # _exist's, which the pass through _leased hides from the checker
         try:
             (code,) = self.calls.run(
                 "probe", self.timeout, self._leased, _exist, [PROBE_NAME], on_late=self._probe_ended
