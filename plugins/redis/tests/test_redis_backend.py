@@ -810,30 +810,30 @@ def test_a_load_from_a_hung_store_fails_in_time_and_the_next_one_after_it_answer
 def test_a_store_whose_later_trip_fails_reports_and_accounts_what_its_earlier_ones_stored(
     own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
-    # The store drops the connection on the second trip (its object is over the query
-    # buffer limit, which this user may not read, so the adapter sends it): the first
-    # trip's object is stored, and must be reported and accounted as stored -- else it
-    # sits in the store, counted against no capacity.
-    own_server.cli("CONFIG", "SET", "client-query-buffer-limit", "1mb")
-    own_server.cli("ACL", "SETUSER", "noconfig", "reset", "on", ">noconfig-pw", "~*", "+@all", "-config")
+    # The store goes down between the two trips: the first trip's object is stored, and
+    # must be reported and accounted as stored -- else it sits in the store, counted
+    # against no capacity.
     adapter = open_adapter(
-        url=own_server.url,
-        key_prefix=prefix,
-        pipeline_max_bytes=1 << 20,
-        max_capacity_gb=1.0,
-        username="noconfig",
-        password="noconfig-pw",
+        url=own_server.url, key_prefix=prefix, pipeline_max_bytes=1 << 16, max_capacity_gb=1.0
     )
+    backend = backend_of(adapter)
+    execute, sent = backend._execute, []
+
+    def down_before_the_second_trip(pipe: Any, **options: Any) -> list[Any]:
+        sent.append(pipe)
+        if len(sent) == 2:
+            own_server.stop()
+        return execute(pipe, **options)
+
+    backend._execute = down_before_the_second_trip  # type: ignore[method-assign]
     keys = make_keys(2)
-    sizes = [4096, 2 << 20]
+    sizes = [48 << 10, 48 << 10]
     buffers = [memoryview(bytearray(pattern(index, size))) for index, size in enumerate(sizes)]
     assert client_of(adapter).store(keys, buffers) == [True, False]
-    raw = redis.Redis.from_url(own_server.url)
-    backend = backend_of(adapter)
-    assert [raw.exists(backend.name_of(key)) for key in keys] == [1, 0]
-    assert adapter.used_bytes() == 4096
+    assert adapter.used_bytes() == sizes[0]
     stats = adapter.stats()
     assert stats["store_request_failures"] == 1, "the key the failed trip held is counted"
+    assert stats.get("store_refused_dropped_alone", 0) == 0, stats
 
 
 @pytest.mark.parametrize("mode", ["standalone", "cluster"])
@@ -1049,14 +1049,140 @@ def test_limits_config_get_cannot_read_are_assumed_said_once_counted_and_an_obje
     raw = redis.Redis.from_url(own_server.url)
     assert [raw.exists(backend.name_of(key)) for key in keys] == [1, 0], "no part of it is left"
     stats = adapter.stats()
-    failed = stats.get("store_request_failures", 0) + stats.get("store_reply_errors", 0)
-    assert failed == 1, stats
+    assert stats["store_refused_dropped_alone"] == 1, stats
+    assert stats.get("backend_errors", 0) == 0, "a refused object failed the call"
     assert adapter.used_bytes() == 4096
     found = client_of(adapter).lookup_and_lock(keys)
     assert found.found == [True, False]
     assert load(adapter, keys[:1], found.sizes[:1]) == ([True], [bytes(buffers[0])])
     adapter.unlock(keys[:1])
     assert adapter.stats()["store_limits_assumed"] == 1, "the reads after the drop found nothing new"
+
+
+def open_without_config(
+    server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> BackendAdapter:
+    """An adapter on ``server`` as a user denied CONFIG (the limits are assumed at Redis's
+    defaults) whose real ``client-query-buffer-limit`` is 1 MiB; the circuit opens on two
+    failures, so a call counted as one is seen."""
+    server.cli("CONFIG", "SET", "client-query-buffer-limit", "1mb")
+    server.cli("ACL", "SETUSER", "noconfig", "reset", "on", ">noconfig-pw", "~*", "+@all", "-config")
+    return open_adapter(
+        url=server.url,
+        key_prefix=prefix,
+        max_capacity_gb=1.0,
+        username="noconfig",
+        password="noconfig-pw",
+        circuit={"failure_threshold": 2, "probe_interval_s": 60.0},
+    )
+
+
+def test_a_trip_dropped_on_an_object_over_unread_limits_stores_the_rest_and_refuses_it_alone(
+    own_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The store closes the connection on the 2 MiB object (over its 1 MiB query buffer
+    # limit, which this user may not read), after storing the object before it in the
+    # trip.  The objects are sent again one per trip: the small ones are stored and
+    # accounted, the big one alone fails -- refused, not a failure of the store: twice
+    # in a row it must not open the circuit.
+    adapter = open_without_config(own_server, prefix, open_adapter)
+    backend = backend_of(adapter)
+    raw = redis.Redis.from_url(own_server.url)
+    for seed in (0, 1):
+        keys = make_keys(3, start=3 * seed)
+        sizes = [4096, 2 << 20, 4096]
+        buffers = [memoryview(bytearray(pattern(index, size))) for index, size in enumerate(sizes)]
+        with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+            assert client_of(adapter).store(keys, buffers) == [True, False, True]
+        assert [raw.exists(backend.name_of(key)) for key in keys] == [1, 0, 1]
+        found = client_of(adapter).lookup_and_lock(keys)
+        assert found.found == [True, False, True]
+        assert load(adapter, [keys[0]], [4096]) == ([True], [bytes(buffers[0])])
+        adapter.unlock([keys[0], keys[2]])
+    assert adapter.used_bytes() == 4 * 4096, "what the dropped trips stored is not accounted"
+    stats = adapter.stats()
+    assert stats["store_refused_dropped_alone"] == 2, stats
+    assert stats.get("backend_errors", 0) == 0, stats
+    assert stats.get("circuit_failures", 0) == 0, stats
+    assert stats.get("store_request_failures", 0) == 0, stats
+    assert any("closed the connection" in r.getMessage() for r in caplog.records), "not logged"
+
+
+def test_a_trip_dropped_by_a_store_that_went_down_fails_the_call_and_refuses_nothing(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # A dropped trip is taken for an object too large only while the store answers right
+    # after: one that went down fails the call, counted by core, as before.
+    adapter = open_without_config(own_server, prefix, open_adapter)
+    client_of(adapter).store(make_keys(1, start=100), [memoryview(bytearray(16))])  # connected
+    own_server.stop()
+    keys = make_keys(2)
+    assert client_of(adapter).store(keys, [memoryview(bytearray(4096)) for _ in keys]) == [False, False]
+    stats = adapter.stats()
+    assert stats.get("store_refused_dropped_alone", 0) == 0, stats
+    assert stats["backend_errors"] == 1, stats
+
+
+def test_a_store_that_stops_answering_while_a_dropped_trip_is_sent_again_reports_what_it_stored(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # The dropped trip's objects are sent again one by one; the store goes down after the
+    # first: that one is reported stored (it is there, and must be accounted), the call
+    # fails for the rest, and nothing is taken for an object too large.
+    adapter = open_without_config(own_server, prefix, open_adapter)
+    backend = backend_of(adapter)
+    execute, sent = backend._execute, []
+
+    def down_after_the_first_sent_again(pipe: Any, **options: Any) -> list[Any]:
+        sent.append(pipe)
+        if len(sent) == 3:  # the trip, the first object alone: the second finds it down
+            own_server.stop()
+        return execute(pipe, **options)
+
+    backend._execute = down_after_the_first_sent_again  # type: ignore[method-assign]
+    keys = make_keys(3)
+    sizes = [4096, 4096, 2 << 20]
+    buffers = [memoryview(bytearray(pattern(index, size))) for index, size in enumerate(sizes)]
+    assert client_of(adapter).store(keys, buffers) == [True, False, False]
+    assert adapter.used_bytes() == 4096
+    stats = adapter.stats()
+    assert stats.get("store_refused_dropped_alone", 0) == 0, stats
+    assert stats["backend_errors"] == 1, stats
+
+
+def test_a_cluster_trip_dropped_by_one_node_on_an_object_over_unread_limits_refuses_it_alone(
+    own_cluster: RedisClusterNodes, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # One node closes the connection on the 2 MiB object (over its 1 MiB query buffer
+    # limit, which this user may not read on any node): the small object that node was
+    # sent before it, and the other node's, are stored and accounted; the big one alone
+    # is refused, and the call does not fail.
+    for node in own_cluster.nodes:
+        node.cli("CONFIG", "SET", "client-query-buffer-limit", "1mb")
+        node.cli("ACL", "SETUSER", "noconfig", "reset", "on", ">noconfig-pw", "~*", "+@all", "-config")
+    adapter = _open_on_cluster(open_adapter, own_cluster, prefix, username="noconfig", password="noconfig-pw")
+    dropping = own_cluster.nodes[0]
+    candidates = make_keys(64)
+    on_dropping = _on_node(adapter, own_cluster, dropping, candidates)
+    here = [key for key, on in zip(candidates, on_dropping, strict=True) if on]
+    elsewhere = next(key for key, on in zip(candidates, on_dropping, strict=True) if not on)
+    keys = [here[0], here[1], elsewhere]
+    sizes = [4096, 2 << 20, 4096]
+    buffers = [memoryview(bytearray(pattern(index, size))) for index, size in enumerate(sizes)]
+    assert client_of(adapter).store(keys, buffers) == [True, False, True]
+    backend = backend_of(adapter)
+    raw = redis.RedisCluster(host="127.0.0.1", port=dropping.port)
+    try:
+        assert [bool(raw.exists(backend.name_of(key))) for key in keys] == [True, False, True]
+    finally:
+        raw.close()
+    assert adapter.used_bytes() == 2 * 4096
+    stats = adapter.stats()
+    assert stats["store_refused_dropped_alone"] == 1, stats
+    assert stats.get("backend_errors", 0) == 0, stats
 
 
 def test_only_the_protocol_error_of_a_bulk_over_the_limit_counts_as_one() -> None:

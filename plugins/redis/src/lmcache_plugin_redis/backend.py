@@ -303,6 +303,20 @@ def _dropped_connection(reply: Any) -> bool:
     return isinstance(reply, ResponseError) and str(reply).startswith(BULK_OVER_LIMIT_ERROR)
 
 
+def _dropped_indices(batch: list[int], replies: list[Any] | Exception) -> list[int]:
+    """The objects of a store trip whose connection (the trip's, or a cluster node's)
+    was dropped."""
+    if isinstance(replies, Exception):
+        return batch if _dropped_connection(replies) else []
+    return [index for index, reply in zip(batch, replies, strict=True) if _dropped_connection(reply)]
+
+
+def _first_failing_trip(number: int, stored: list[bool]) -> int:
+    """The trip number a failure is reported as: trip 0 failing fails the whole call,
+    right only while nothing of the batch is stored (see ``_trip_failed``)."""
+    return number if number > 0 or not any(stored) else 1
+
+
 def glob_escape(text: str) -> str:
     """``text`` as a literal in a SCAN MATCH pattern."""
     return "".join("\\" + char if char in "*?[]\\" else char for char in text)
@@ -980,9 +994,11 @@ class RedisBackend:
         """Store the objects at ``indices`` (marked in ``stored``) trip by trip, numbered
         from ``first_trip``: the first failed node's or trip's error, or -- when a trip's
         connection was dropped on an object over the store's limits read again
-        (``may_reread``; ``_dropped_over_limits``) -- the indices left to send again: the
+        (``may_reread``; ``_over_limits_read_again``) -- the indices left to send again: the
         dropped ones and those of the later trips (what other cluster nodes answered in
-        that trip is counted)."""
+        that trip is counted).  A trip dropped with no object over the limits read, by a
+        store that answers right after, is sent again one object per trip
+        (``_store_each_alone``); one that does not answer fails the trip, as before."""
         failure: Exception | None = None
         sendable = self._within_bulk_limit(keys, payloads, indices)
         sizes = [payloads[index].nbytes for index in sendable]
@@ -996,15 +1012,25 @@ class RedisBackend:
                 replies: list[Any] | Exception = self._execute(pipe, per_key=True)
             except (RedisError, RedisClusterException) as exc:
                 replies = exc
-            resend = self._dropped_over_limits(batch, payloads, replies) if may_reread else []
+            dropped = _dropped_indices(batch, replies) if may_reread else []
+            resend = self._over_limits_read_again(dropped, payloads)
             if resend:
-                # The commands other cluster nodes answered were done: those count now.
-                answered = [] if isinstance(replies, Exception) else list(zip(batch, replies, strict=True))
-                answered_failure = self._record_stored(keys, answered, stored, set(resend))
-                failure = failure or answered_failure
-                # Trip 0 failing fails the whole call: right only while nothing is stored.
-                first = number if number > 0 or not any(stored) else 1
+                failure = failure or self._record_answered(keys, batch, replies, stored, resend)
+                first = _first_failing_trip(number, stored)
                 return _LimitsLowered([*resend, *sendable[trip.stop :]], first, failure)
+            if dropped and self._store_answers(keys[dropped[0]]):
+                # Dropped on something it was sent, not gone down: an object over a limit
+                # the store would not let CONFIG GET read (or a proxy's) -- told apart by
+                # sending each alone.
+                failure = failure or self._record_answered(keys, batch, replies, stored, dropped)
+                lost = self._store_each_alone(keys, payloads, dropped, stored)
+                if lost is not None:
+                    error, unsent = lost
+                    left = unsent + len(sendable) - trip.stop
+                    error = self._trip_failed(error, _first_failing_trip(number, stored), "store", left)
+                    failure = failure or error
+                    break
+                continue
             if isinstance(replies, Exception):
                 failure = self._trip_failed(replies, number, "store", len(sendable) - trip.start)
                 break
@@ -1035,21 +1061,95 @@ class RedisBackend:
                 stored[index] = True
         return failure
 
-    def _dropped_over_limits(
-        self, batch: list[int], payloads: Sequence[memoryview], replies: list[Any] | Exception
-    ) -> list[int]:
+    def _record_answered(
+        self,
+        keys: Sequence[ObjectKey],
+        batch: list[int],
+        replies: list[Any] | Exception,
+        stored: list[bool],
+        dropped: Collection[int],
+    ) -> Exception | None:
+        """Mark stored what a dropped trip's other cluster nodes answered stored (their
+        commands were done, and count now), leaving out the ``dropped`` objects; the
+        first failed node's error."""
+        answered = [] if isinstance(replies, Exception) else list(zip(batch, replies, strict=True))
+        return self._record_stored(keys, answered, stored, set(dropped))
+
+    def _store_answers(self, key: ObjectKey) -> bool:
+        """Whether the store (the cluster node of ``key``) answers a PING on a connection
+        of its own, right after it dropped a trip: if not, it went down, and the drop is
+        a failure of the store, not the doing of an object it was sent."""
+        client = self.client
+        try:
+            if isinstance(client, RedisCluster):
+                client.get_redis_connection(client.get_node_from_key(self.name_of(key))).ping()
+            else:
+                client.ping()
+        except (RedisError, RedisClusterException) as exc:
+            log.debug("%s: no answer after a dropped store trip (%s)", self.context.name, exc)
+            return False
+        return True
+
+    def _store_each_alone(
+        self,
+        keys: Sequence[ObjectKey],
+        payloads: Sequence[memoryview],
+        dropped: list[int],
+        stored: list[bool],
+    ) -> tuple[Exception, int] | None:
+        """Store the objects of a trip the store dropped, and answers since, one per trip
+        in order: one dropped again while the store still answers is refused alone
+        (``_refuse_dropped_alone``), the others are stored and accounted -- those the trip
+        wrote before its drop too (HSET of the same bytes again).  One dropped alone
+        already is refused without being sent again.  Each is sent once more (redis-py
+        resends a dropped pipeline once): bounded by the trip.  The error, and how many
+        objects it leaves unsent, when the store fails meanwhile."""
+        if len(dropped) == 1:
+            self._refuse_dropped_alone(keys[dropped[0]], payloads[dropped[0]].nbytes)
+            return None
+        for position, index in enumerate(dropped):
+            pipe = self._pipeline()
+            header = self.context.record_header(keys[index], payloads[index])
+            pipe.hset(self.name_of(keys[index]), mapping={HEADER: header, PAYLOAD: payloads[index]})
+            try:
+                reply: Any = self._execute(pipe, per_key=True)[0]
+            except (RedisError, RedisClusterException) as exc:
+                reply = exc
+            if _dropped_connection(reply) and self._store_answers(keys[index]):
+                self._refuse_dropped_alone(keys[index], payloads[index].nbytes)
+            elif per_object_error(reply):
+                self._reply_error("store", keys[index], reply)
+            elif isinstance(reply, Exception):
+                return reply, len(dropped) - position
+            else:
+                stored[index] = True
+        return None
+
+    def _refuse_dropped_alone(self, key: ObjectKey, size: int) -> None:
+        """An object the store closed the connection on, sent alone, while it answers:
+        over a limit the adapter could not read -- refused, counted, logged; not a
+        failure of the store (which would feed the circuit breaker)."""
+        self.context.count("store_refused_dropped_alone")
+        limits = self._limits
+        self.context.warn(
+            "dropped_alone",
+            "%s not stored: the store closed the connection on its %d bytes sent alone, and "
+            "answers: taken for an object over a limit not read (proto-max-bulk-len %d, "
+            "client-query-buffer-limit %d bytes %s)",
+            key.file_stem(),
+            size,
+            limits.bulk,
+            limits.query_buffer,
+            "assumed: CONFIG GET is refused" if self._limits_assumed else "as read; a proxy's?",
+        )
+
+    def _over_limits_read_again(self, dropped: list[int], payloads: Sequence[memoryview]) -> list[int]:
         """The objects of a store trip to send again: those whose connection (the
         trip's, or a cluster node's) was dropped, when one of them is over the store's
         limits read again -- what an object over a limit lowered since it was last read
         gets (a ``CONFIG SET`` since, a failover to a store configured lower); none
         otherwise.  The limits may have been read lower meanwhile (by the probe, or
         another call), so the objects are held against them, not the limits before."""
-        if isinstance(replies, Exception):
-            dropped = batch if _dropped_connection(replies) else []
-        else:
-            dropped = [
-                index for index, reply in zip(batch, replies, strict=True) if _dropped_connection(reply)
-            ]
         if not dropped:
             return []
         self._read_bulk_limit()
