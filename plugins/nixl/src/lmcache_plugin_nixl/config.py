@@ -13,7 +13,7 @@ This module is imported whenever plugins are listed, so it must not import NIXL.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, cast
 
 import msgspec
 
@@ -163,13 +163,18 @@ class _NixlBase(L2AdapterConfig):
             )
 
     @property
+    def string_params(self) -> dict[str, str]:
+        """``backend_params`` as ``__post_init__`` left it: every value a string."""
+        return cast("dict[str, str]", self.backend_params)
+
+    @property
     def is_file_backend(self) -> bool:
         return self.backend in FILE_BACKENDS
 
     @property
     def file_path(self) -> str:
         """Directory of the cache files (file backends only)."""
-        return self.backend_params.get("file_path", "").strip()
+        return self.string_params.get("file_path", "").strip()
 
     def preflight(self) -> None:
         """Before L1 exists: a file backend's directory must be one this user can use."""
@@ -180,12 +185,12 @@ class _NixlBase(L2AdapterConfig):
 
     @property
     def use_direct_io(self) -> bool:
-        return self.is_file_backend and _parse_bool(self.backend_params, "use_direct_io", default=_FALSE)
+        return self.is_file_backend and _parse_bool(self.string_params, "use_direct_io", default=_FALSE)
 
     def nixl_init_params(self) -> dict[str, str]:
         """``backend_params`` minus the adapter's own keys: what NIXL's plugin receives."""
         own = set(_FILE_KEYS) | set(_DYNAMIC_KEYS)
-        return {k: v for k, v in self.backend_params.items() if k not in own}
+        return {k: v for k, v in self.string_params.items() if k not in own}
 
 
 class NixlStoreConfig(_NixlBase):
@@ -212,7 +217,7 @@ class NixlStoreConfig(_NixlBase):
     def __post_init__(self) -> None:
         self._params_as_strings()
         _check_backend_name(self.backend)
-        params = self.backend_params
+        params = self.string_params
         if self.backend in FILE_BACKENDS:
             _check_file_backend(params, self.backend)
         else:
@@ -252,7 +257,7 @@ class NixlStoreDynamicConfig(_NixlBase):
                 "stores one file per object; use a file backend (POSIX, GDS, GDS_MT, HF3FS) "
                 f"or the nixl_store type for {self.backend}",
             )
-        params = self.backend_params
+        params = self.string_params
         _check_file_backend(params, self.backend)
         self.max_capacity_bytes  # noqa: B018 - parses and validates max_capacity_gb
         _parse_bool(params, "shard_dirs", default=_FALSE)
@@ -260,7 +265,7 @@ class NixlStoreDynamicConfig(_NixlBase):
 
     @property
     def max_capacity_bytes(self) -> int:
-        raw = self.backend_params.get("max_capacity_gb")
+        raw = self.string_params.get("max_capacity_gb")
         if raw is None:
             raise FieldError(
                 "backend_params.max_capacity_gb",
@@ -285,4 +290,4 @@ class NixlStoreDynamicConfig(_NixlBase):
 
     @property
     def shard_dirs(self) -> bool:
-        return _parse_bool(self.backend_params, "shard_dirs", default=_FALSE)
+        return _parse_bool(self.string_params, "shard_dirs", default=_FALSE)
